@@ -1,0 +1,75 @@
+"""Engine configuration (one flat dataclass, in the shape of vLLM's EngineArgs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Everything the engine needs to start.
+
+    Attributes:
+        model: path of a Hugging Face model directory, or ``None`` for the built-in
+            ``tiny-random`` preset (dummy weights, byte tokenizer; runs anywhere).
+        load_format: ``"auto"`` reads safetensors; ``"dummy"`` fills the config with seeded
+            random weights (benchmarks at realistic sizes without a checkpoint).
+        dtype: ``"auto"`` (the checkpoint's ``torch_dtype``), ``"float32"``, ``"bfloat16"``
+            or ``"float16"``.
+        device: ``"cpu"``, ``"cuda"`` or ``"auto"`` (cuda when available).
+        seed: seed for dummy weights and for requests that give no seed.
+        block_size: tokens per KV block (default 16, as vLLM).
+        num_kv_blocks: number of KV blocks; when ``None`` derived from ``kv_cache_memory``.
+        kv_cache_memory: KV cache byte budget (K and V, all layers); default 256 MiB on CPU.
+        max_model_len: longest prompt + output in tokens; default the model's
+            ``max_position_embeddings``.
+        max_num_seqs: most requests running at once (decode batch size bound).
+        max_num_batched_tokens: token budget per step (prefill chunks + decodes).
+        scheduling: ``"continuous"`` (continuous batching) or ``"static"`` (a new batch is
+            admitted only when the running batch has drained; the benchmark baseline).
+        enable_prefix_caching: reuse KV blocks of identical hash-chained prefixes.
+        max_pinned_fraction: cap on the share of KV blocks that prefix pins may hold.
+        attention_backend: ``"torch"`` or ``"triton"``; ``None`` picks triton on CUDA, torch
+            elsewhere.
+        hf_overrides: config.json keys to override (e.g. ``{"num_hidden_layers": 2}``).
+    """
+
+    model: str | None = None
+    load_format: Literal["auto", "dummy"] = "auto"
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    scheduling: Literal["continuous", "static"] = "continuous"
+    enable_prefix_caching: bool = True
+    max_pinned_fraction: float = 0.5
+    attention_backend: str | None = None
+    hf_overrides: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
+            raise ValueError(f"kv_cache_memory must be a positive byte count, got {self.kv_cache_memory}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.scheduling not in ("continuous", "static"):
+            raise ValueError(f"scheduling must be 'continuous' or 'static', got {self.scheduling!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if not 0.0 <= self.max_pinned_fraction <= 1.0:
+            raise ValueError(f"max_pinned_fraction must be in [0, 1], got {self.max_pinned_fraction}")
+        if self.attention_backend not in (None, "torch", "triton"):
+            raise ValueError(
+                f"attention_backend must be 'torch', 'triton' or None, got {self.attention_backend!r}"
+            )

@@ -1,0 +1,62 @@
+"""Shared fixtures: paths to ../shared test data (skipped when absent) and the block-pool check."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED = Path(os.environ.get("PREFIXGATE_SHARED", REPO.parent / "shared"))
+AIDREAMS = SHARED / "models" / "aidreams-260k"
+SMOLLM2_SHAPE = SHARED / "models" / "smollm2-135m-shape"
+WORKLOADS = SHARED / "workloads"
+
+
+def _require(path: Path) -> Path:
+    if not path.exists():
+        pytest.skip(f"test data {path} is absent (it lives in ../shared beside the checkout)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def aidreams_path() -> str:
+    """The real trained tiny Llama; skips when ../shared is absent."""
+    return str(_require(AIDREAMS / "model.safetensors").parent)
+
+
+@pytest.fixture(scope="session")
+def smollm2_shape_path() -> str:
+    """Config + tokenizer of the 135 M SmolLM2 shape (no weights: load_format='dummy')."""
+    return str(_require(SMOLLM2_SHAPE / "config.json").parent)
+
+
+@pytest.fixture(scope="session")
+def workloads_path() -> Path:
+    """Real system prompts (CSV) and user tasks (JSONL)."""
+    return _require(WORKLOADS / "system_prompts.csv").parent
+
+
+def assert_pool_whole(obj, pinned_ok: bool = False) -> None:
+    """Assert the KV block pool is whole: no request left, every block in exactly one state.
+
+    ``obj`` is an ``LLM``, ``LLMEngine`` or ``AsyncEngine``. Each must offer ``stats()`` and
+    ``check_invariants()`` (which raises AssertionError on a block in two states or none).
+    With ``pinned_ok`` blocks held by prefix pins may stay used.
+    """
+    obj.check_invariants()
+    s = obj.stats()
+    assert s["num_running"] == 0 and s["num_waiting"] == 0, s
+    assert s["kv_blocks_used"] + s["kv_blocks_free"] == s["kv_blocks_total"], s
+    if not pinned_ok:
+        assert s["kv_blocks_used"] == 0, s
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PREFIXGATE_SLOW") == "1":
+        return
+    skip = pytest.mark.skip(reason="slow test: set PREFIXGATE_SLOW=1 to run")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
