@@ -60,3 +60,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def pool_whole():
+    """The block-pool check as a fixture: ``pool_whole(llm)`` (see ``assert_pool_whole``)."""
+    return assert_pool_whole
