@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The main job in one command, on a fresh machine: install, start `prefixgate serve` on the
+# built-in tiny-random model (dummy weights: its text is gibberish by design), make a client
+# call with the SDK, stop the server. Binds to 127.0.0.1 only. PORT=8000 by default.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m pip install -q torch==2.13.0              # the CPU wheel; a bare `torch` pulls CUDA
+python3 -m pip install -q -e '.[engine]'
+PORT="${PORT:-8000}"
+prefixgate serve --host 127.0.0.1 --port "$PORT" &
+SERVER=$!
+trap 'kill "$SERVER" 2>/dev/null || true; wait "$SERVER" 2>/dev/null || true' EXIT
+python3 - "$PORT" <<'PY'
+import sys, time, urllib.request
+url = f"http://127.0.0.1:{sys.argv[1]}/ready"
+for _ in range(240):
+    try:
+        urllib.request.urlopen(url, timeout=1)
+        break
+    except Exception:
+        time.sleep(0.5)
+else:
+    sys.exit(f"server did not become ready at {url}")
+PY
+PREFIXGATE_BASE_URL="http://127.0.0.1:$PORT/v1" python3 examples/quickstart.py
