@@ -1,0 +1,207 @@
+"""The block pool: every KV block, its reference count, the prefix-cache index and the LRU.
+
+Each block is in exactly one state (ARCHITECTURE.md invariant):
+
+- used: ``ref_cnt > 0`` (held by requests and/or prefix pins);
+- free-cached: ``ref_cnt == 0``, in the LRU free list, its ``content`` (hash) kept so a later
+  request can hit it;
+- free-empty: ``ref_cnt == 0``, no content, in the empty free list.
+
+New blocks come from the empty list first; only when it is empty is the least recently freed
+cached block evicted (its hash dropped). Callers free a request's blocks tail first, so a
+sequence's tail is evicted before its head (vLLM v1 ``block_pool.py`` /
+``FreeKVCacheBlockQueue`` has the same policy with a single queue).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Iterable
+
+from prefixgate.engine.block_hash import BlockContent, BlockKey
+
+
+class Block:
+    """One KV block of ``block_size`` token slots (metadata only; the tensors live in the runner).
+
+    Attributes:
+        block_id: index into the per-layer KV tensors ``[num_blocks, block_size, ...]``.
+        ref_cnt: requests and pins holding the block.
+        content: prefix-cache identity when the block is full and cached, else ``None``.
+        pin_cnt: prefix pins holding the block (each also counts in ``ref_cnt``).
+    """
+
+    __slots__ = ("block_id", "ref_cnt", "content", "pin_cnt")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.content: BlockContent | None = None
+        self.pin_cnt = 0
+
+    def __repr__(self) -> str:
+        cached = "" if self.content is None else f", uid={self.content.uid}"
+        return f"Block({self.block_id}, ref={self.ref_cnt}{cached})"
+
+
+class BlockPool:
+    """Owns all ``num_blocks`` blocks, the free lists and the prefix-cache index.
+
+    Args:
+        num_blocks: total KV blocks (never changes).
+
+    Attributes:
+        num_evictions: cached blocks whose hash was dropped to reuse them.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free_empty: deque[int] = deque(range(num_blocks))
+        self._free_cached: OrderedDict[int, None] = OrderedDict()  # LRU order: oldest first
+        self._index: dict[BlockKey, dict[int, Block]] = {}  # key -> cached blocks with that key
+        self._next_uid = 0
+        self.num_evictions = 0
+
+    # ---- counts -------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        """Blocks with ``ref_cnt == 0`` (free-empty + free-cached)."""
+        return len(self._free_empty) + len(self._free_cached)
+
+    @property
+    def num_free_cached(self) -> int:
+        return len(self._free_cached)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
+
+    # ---- allocation ---------------------------------------------------------------------
+    def allocate(self, n: int) -> list[Block]:
+        """Take ``n`` fresh blocks (ref 1, no content): empty ones first, then evict LRU cached.
+
+        Raises:
+            ValueError: fewer than ``n`` free blocks (callers check ``num_free`` first).
+        """
+        if n > self.num_free:
+            raise ValueError(f"cannot allocate {n} blocks: only {self.num_free} free")
+        out: list[Block] = []
+        for _ in range(n):
+            if self._free_empty:
+                block = self.blocks[self._free_empty.popleft()]
+            else:
+                block_id, _ = self._free_cached.popitem(last=False)
+                block = self.blocks[block_id]
+                self._uncache(block)
+                self.num_evictions += 1
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: Iterable[Block]) -> None:
+        """Take one more reference on each (cached) block; a ref-0 block leaves the LRU."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free_cached[block.block_id]
+            block.ref_cnt += 1
+
+    def free(self, blocks: Iterable[Block]) -> None:
+        """Drop one reference on each block, in the given order (pass tail first).
+
+        A block reaching ref 0 joins the LRU end if cached (evicted after everything freed
+        before it), else the empty list.
+        """
+        for block in blocks:
+            if block.ref_cnt <= 0:
+                raise AssertionError(f"double free of {block}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if block.content is not None:
+                    self._free_cached[block.block_id] = None
+                else:
+                    self._free_empty.append(block.block_id)
+
+    # ---- prefix-cache index -------------------------------------------------------------
+    def cache(
+        self,
+        block: Block,
+        key: BlockKey,
+        token_ids: tuple[int, ...],
+        cache_salt: str | None,
+        parent_uid: int | None,
+    ) -> BlockContent:
+        """Register a full, computed, held block under ``key``; returns its new content."""
+        assert block.content is None and block.ref_cnt > 0, block
+        content = BlockContent(key, token_ids, cache_salt, parent_uid, self._next_uid)
+        self._next_uid += 1
+        block.content = content
+        self._index.setdefault(key, {})[block.block_id] = block
+        return content
+
+    def lookup(
+        self,
+        key: BlockKey,
+        token_ids: tuple[int, ...],
+        cache_salt: str | None,
+        parent_uid: int | None,
+    ) -> Block | None:
+        """The cached block whose content matches exactly, or ``None``.
+
+        Candidates come from ``key``; each is checked on token ids, salt and parent uid, so
+        a key collision is never served.
+        """
+        candidates = self._index.get(key)
+        if not candidates:
+            return None
+        for block in candidates.values():
+            c = block.content
+            assert c is not None
+            if c.parent_uid == parent_uid and c.token_ids == token_ids and c.cache_salt == cache_salt:
+                return block
+        return None
+
+    def reset_prefix_cache(self) -> int:
+        """Drop the hash of every free-cached block (they become free-empty); returns how many."""
+        n = len(self._free_cached)
+        for block_id in list(self._free_cached):
+            self._uncache(self.blocks[block_id])
+            self._free_empty.append(block_id)
+        self._free_cached.clear()
+        return n
+
+    def _uncache(self, block: Block) -> None:
+        c = block.content
+        assert c is not None
+        bucket = self._index[c.key]
+        del bucket[block.block_id]
+        if not bucket:
+            del self._index[c.key]
+        block.content = None
+
+    # ---- checks -------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless every block is in exactly one state and counts add up."""
+        empty = set(self._free_empty)
+        cached = set(self._free_cached)
+        assert len(empty) == len(self._free_empty), "block twice in the empty list"
+        assert not (empty & cached), f"blocks both empty and cached-free: {empty & cached}"
+        indexed = {b.block_id for bucket in self._index.values() for b in bucket.values()}
+        used = 0
+        for block in self.blocks:
+            assert block.pin_cnt >= 0 and block.pin_cnt <= block.ref_cnt, block
+            if block.ref_cnt > 0:
+                used += 1
+                assert block.block_id not in empty and block.block_id not in cached, block
+            elif block.content is not None:
+                assert block.block_id in cached and block.block_id not in empty, block
+            else:
+                assert block.block_id in empty and block.block_id not in cached, block
+            if block.content is not None:
+                assert block.block_id in indexed, f"{block} cached but not indexed"
+                assert self._index[block.content.key][block.block_id] is block
+            else:
+                assert block.block_id not in indexed, f"{block} indexed without content"
+        assert used + len(empty) + len(cached) == self.num_blocks, (used, len(empty), len(cached))

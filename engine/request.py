@@ -1,0 +1,148 @@
+"""Per-request state shared by the scheduler, the KV cache manager and the model runner.
+
+Vocabulary and life cycle follow vLLM v1 (``vllm/v1/request.py``): a request is WAITING until
+the scheduler admits it, RUNNING while it holds KV blocks and gets prefill chunks or decode
+steps, PREEMPTED when its blocks were taken back (it waits again and is recomputed), and ends in
+one of the FINISHED_* states.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from prefixgate.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Where a request is in its life cycle. Every state after PREEMPTED is a finished state."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    def is_finished(self) -> bool:
+        """True for FINISHED_*; call as ``status.is_finished()`` or ``RequestStatus.is_finished(s)``."""
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI finish reason: ``"stop"``, ``"length"``, ``"abort"``, or ``None`` if not finished."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """One generation request: its token ids, progress and KV bookkeeping.
+
+    Args:
+        request_id: caller-chosen unique id.
+        prompt_token_ids: the tokenized prompt (at least one token).
+        sampling_params: the request's ``SamplingParams`` (only ``ignore_eos`` and
+            ``stop_token_ids`` are read here; the sampler reads the rest).
+        eos_token_ids: end-of-sequence token ids of the model (ignored with ``ignore_eos``).
+        max_tokens: most tokens to generate, already resolved to an int >= 1.
+        cache_salt: tenant key; requests with different salts never share KV blocks.
+        arrival_time: ``time.monotonic()`` seconds when the request arrived.
+
+    Attributes:
+        output_token_ids: generated tokens so far.
+        num_computed_tokens: tokens whose KV is in the cache (prefix-cache hits included).
+        num_cached_tokens: prompt tokens served from the prefix cache at first admission
+            (-1 until first admitted).
+        status, stop_reason, finish_reason: see ``RequestStatus``; ``stop_reason`` is the stop
+            token id or stop string that ended the request, ``None`` for EOS / length / abort.
+        generator: per-request ``torch.Generator`` (the model runner fills it for seeded sampling).
+        block_hashes: prefix-cache keys of the request's full blocks (filled by the KV cache
+            manager, ``block_hashes[i]`` covers tokens ``[i*block_size, (i+1)*block_size)``).
+        num_preemptions: times this request was preempted.
+        metrics: ``time.monotonic()`` timestamps (``arrival``, ``first_scheduled``, ...).
+
+    Raises:
+        ValueError: empty prompt, max_tokens < 1, or a non-int token id.
+        TypeError: prompt_token_ids not a sequence of ints.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams | None,
+        eos_token_ids: Iterable[int] = (),
+        max_tokens: int = 16,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        if isinstance(prompt_token_ids, str | bytes) or not isinstance(prompt_token_ids, Sequence):
+            raise TypeError("prompt_token_ids must be a list of ints")
+        prompt = list(prompt_token_ids)
+        if not prompt:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+            raise TypeError(f"request {request_id!r}: prompt token ids must be ints >= 0")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"request {request_id!r}: max_tokens must be an int >= 1, got {max_tokens!r}")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise TypeError("cache_salt must be a string or None")
+        self.request_id = request_id
+        self.prompt_token_ids = prompt
+        self.sampling_params = sampling_params
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_tokens = max_tokens
+        self.cache_salt = cache_salt
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.generator: torch.Generator | None = None
+        self.block_hashes: list[Any] = []
+        self.num_preemptions = 0
+        self.metrics: dict[str, float] = {"arrival": self.arrival_time}
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + output tokens."""
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def finish_reason(self) -> str | None:
+        """``"stop"``, ``"length"``, ``"abort"`` or ``None`` while not finished."""
+        return self.status.finish_reason
+
+    def is_finished(self) -> bool:
+        return self.status.is_finished()
+
+    def append_output_token(self, token_id: int) -> None:
+        """Append one sampled token (its KV is computed next step, as a decode)."""
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )

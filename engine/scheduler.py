@@ -1,0 +1,360 @@
+"""The scheduler: which requests run each step and with how many tokens (continuous batching).
+
+Each ``schedule()`` call (one engine step):
+
+1. running requests first: decodes (1 token each), then their next prefill chunks, within the
+   token budget ``max_num_batched_tokens``. When the KV cache has no block for one of them, the
+   most recently admitted running request is preempted (blocks freed, status PREEMPTED, put at
+   the front of the waiting queue, recomputed later from token 0 with its outputs kept). The
+   oldest running request is never preempted for a newer one, so it always progresses: no endless
+   preempt/resume cycle.
+2. then, if nothing was preempted this step, waiting requests are admitted first come first
+   served while the budget, ``max_num_seqs`` and free blocks allow; each reuses its longest
+   cached prefix and prefills the rest in chunks (chunked prefill). A waiting request whose next
+   prompt block is being computed by a running request (in-flight dedup) is skipped this step and
+   hits that block once it is cached; requests behind it may go.
+   With ``scheduling="static"`` new requests are admitted only when the running batch is empty.
+
+The flow and vocabulary follow vLLM v1 (``vllm/v1/core/sched/scheduler.py``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from prefixgate.engine.config import EngineConfig
+from prefixgate.engine.errors import CacheCapacityError
+from prefixgate.engine.kv_cache_manager import KVCacheManager
+from prefixgate.engine.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a step.
+
+    Attributes:
+        request: the request (its ``num_computed_tokens`` is unchanged until
+            ``update_from_output``).
+        num_new_tokens: query tokens this step: ``all_token_ids[c : c + num_new_tokens]`` at
+            positions ``c ..`` where ``c = num_computed_tokens``.
+        block_ids: the request's whole block table after allocation (covers ``c + n`` tokens).
+        num_computed_tokens: ``c``, the context already in the KV cache before this step.
+    """
+
+    request: Request
+    num_new_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int = 0
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the request's last token: the runner samples it."""
+        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        """One query token (decode, or a one-token prefill tail treated the same way)."""
+        return self.num_new_tokens == 1
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What one step runs.
+
+    Attributes:
+        scheduled: decodes first, then prefill chunks.
+        num_scheduled_tokens: total query tokens (<= ``max_num_batched_tokens``).
+        preempted: ids of requests preempted this step (the runner may drop their state).
+        finished_ids: ids of requests that finished since the previous ``schedule()``
+            (aborted, stopped by ``finish_requests`` or by ``update_from_output``).
+    """
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_scheduled_tokens: int = 0
+    preempted: list[str] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Continuous (or static) batching over a ``KVCacheManager``.
+
+    Args:
+        config: ``max_num_seqs``, ``max_num_batched_tokens``, ``scheduling`` are read.
+        kv_cache_manager: the block manager.
+        max_model_len: longest prompt + output (tokens).
+    """
+
+    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager, max_model_len: int) -> None:
+        if max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+        self.config = config
+        self.kv = kv_cache_manager
+        self.max_model_len = max_model_len
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.static = config.scheduling == "static"
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: the last is preempted first
+        self._finished_ids: list[str] = []
+        self.num_preemptions = 0
+        self.prompt_tokens_prefilled = 0
+        self.tokens_decoded = 0
+
+    # ---- queue state --------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    # ---- requests in and out ------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a request (WAITING).
+
+        Raises:
+            ValueError: duplicate request id, or the prompt is longer than ``max_model_len``.
+            CacheCapacityError (ValueError): prompt + max_tokens can never fit in the KV cache,
+                even with every block free.
+        """
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        if request.num_prompt_tokens > self.max_model_len:
+            raise ValueError(
+                f"request {rid!r}: prompt of {request.num_prompt_tokens} tokens is longer than "
+                f"max_model_len={self.max_model_len}"
+            )
+        final_len = min(request.num_prompt_tokens + request.max_tokens, max(self.max_model_len, request.num_prompt_tokens + 1))
+        # the last sampled token is never fed back, so the KV holds final_len - 1 tokens
+        need = self.kv.blocks_needed(max(final_len - 1, request.num_prompt_tokens))
+        if need > self.kv.num_blocks:
+            raise CacheCapacityError(
+                f"request {rid!r}: {request.num_prompt_tokens} prompt tokens + max_tokens="
+                f"{request.max_tokens} need {need} KV blocks of {self.kv.block_size} tokens, but the "
+                f"cache has {self.kv.num_blocks}"
+            )
+        request.status = RequestStatus.WAITING
+        self.requests[rid] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids: str | Iterable[str]) -> list[Request]:
+        """Abort requests now: blocks freed, status FINISHED_ABORTED.
+
+        Raises:
+            ValueError: an id is unknown or already finished (then nothing is aborted).
+        """
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        unknown = [i for i in ids if i not in self.requests]
+        if unknown:
+            raise ValueError(f"unknown request id(s): {unknown}")
+        return self._finish([self.requests[i] for i in dict.fromkeys(ids)], RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests(
+        self,
+        request_ids: str | Iterable[str],
+        status: RequestStatus,
+        stop_reason: int | str | None = None,
+    ) -> list[Request]:
+        """Finish requests from outside (e.g. the detokenizer matched a stop string).
+
+        Ids that are unknown or already finished are ignored (a request may have ended in
+        ``update_from_output`` the same step). Returns the requests finished now.
+
+        Raises:
+            ValueError: ``status`` is not a finished status.
+        """
+        if not RequestStatus(status).is_finished():
+            raise ValueError(f"finish_requests needs a FINISHED_* status, got {status!r}")
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        reqs = [self.requests[i] for i in dict.fromkeys(ids) if i in self.requests]
+        if stop_reason is not None:
+            for r in reqs:
+                r.stop_reason = stop_reason
+        return self._finish(reqs, RequestStatus(status))
+
+    def _finish(self, reqs: list[Request], status: RequestStatus) -> list[Request]:
+        if not reqs:
+            return []
+        gone = {r.request_id for r in reqs}
+        self.running = [r for r in self.running if r.request_id not in gone]
+        if any(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for r in reqs):
+            self.waiting = deque(r for r in self.waiting if r.request_id not in gone)
+        now = time.monotonic()
+        for r in reqs:
+            self.kv.free(r)
+            r.status = status
+            r.metrics["finished"] = now
+            del self.requests[r.request_id]
+            self._finished_ids.append(r.request_id)
+        return reqs
+
+    # ---- one step -----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's requests and token counts; allocate their KV slots."""
+        self.kv.expire_pins()
+        budget = self.max_num_batched_tokens
+        scheduled: dict[str, ScheduledRequest] = {}
+        preempted: list[str] = []
+
+        # 1. running requests: decodes before prefill chunks, each in admission order
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        chunks = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for req in decodes + chunks:
+            if budget <= 0:
+                break
+            if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, num_new):
+                victim = self.running[-1]
+                budget += self._preempt(victim, scheduled)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            else:
+                scheduled[req.request_id] = self._schedule(req, num_new)
+                budget -= num_new
+
+        # 2. waiting requests, FCFS
+        if not preempted and (not self.static or not self.running):
+            budget = self._admit(budget, scheduled)
+
+        out = list(scheduled.values())
+        out.sort(key=lambda s: not s.is_decode)  # stable: decodes first
+        self.prompt_tokens_prefilled += sum(s.num_new_tokens for s in out if not s.is_decode)
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(out, sum(s.num_new_tokens for s in out), preempted, finished)
+
+    def _schedule(self, req: Request, num_new: int) -> ScheduledRequest:
+        return ScheduledRequest(req, num_new, self.kv.get_block_ids(req.request_id), req.num_computed_tokens)
+
+    def _admit(self, budget: int, scheduled: dict[str, ScheduledRequest]) -> int:
+        skipped: list[Request] = []
+        now = time.monotonic()
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            hits, num_hit = self.kv.get_computed_blocks(req)
+            if self.kv.pending_owner(req, len(hits)) is not None and len(hits) < (req.num_tokens - 1) // self.kv.block_size:
+                skipped.append(self.waiting.popleft())  # in-flight dedup: wait for the owner
+                continue
+            num_new = min(req.num_tokens - num_hit, budget)
+            if not self.kv.allocate_slots(req, num_new, num_hit, hits):
+                break  # FCFS: nothing overtakes a request that does not fit
+            self.waiting.popleft()
+            req.num_computed_tokens = num_hit
+            if req.num_cached_tokens < 0:  # first admission
+                req.num_cached_tokens = num_hit
+                req.metrics.setdefault("first_scheduled", now)
+                self.kv.record_query(req.num_prompt_tokens, num_hit)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self.kv.mark_pending(req)
+            scheduled[req.request_id] = self._schedule(req, num_new)
+            budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
+        return budget
+
+    def _preempt(self, req: Request, scheduled: dict[str, ScheduledRequest]) -> int:
+        """Preempt ``req`` (recompute later); returns the budget its schedule gave back."""
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        s = scheduled.pop(req.request_id, None)
+        return s.num_new_tokens if s is not None else 0
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, int]
+    ) -> list[Request]:
+        """Advance the step's requests, append sampled tokens, and finish the done ones.
+
+        Args:
+            scheduler_output: what ``schedule()`` returned for this step.
+            sampled_token_ids: request id → sampled token, for each scheduled request that
+                samples (``ScheduledRequest.samples``); tokens for others are ignored.
+
+        Returns:
+            Requests finished this step (EOS unless ``ignore_eos``, a stop token id,
+            ``max_tokens`` or ``max_model_len``); their blocks are freed already.
+
+        Raises:
+            ValueError: a sampling request has no token in ``sampled_token_ids``.
+        """
+        finished: list[Request] = []
+        for s in scheduler_output.scheduled:
+            req = s.request
+            if req.status != RequestStatus.RUNNING or self.requests.get(req.request_id) is not req:
+                continue  # aborted / finished / preempted since schedule()
+            req.num_computed_tokens = s.num_computed_tokens + s.num_new_tokens
+            if req.num_computed_tokens == req.num_tokens:
+                token = sampled_token_ids.get(req.request_id)
+                if token is None:
+                    raise ValueError(f"no sampled token for request {req.request_id!r}")
+                req.append_output_token(token)
+                self.tokens_decoded += 1
+                if "first_token" not in req.metrics:
+                    req.metrics["first_token"] = time.monotonic()
+                status = self._check_stop(req, token)
+                if status is not None:
+                    self.kv.cache_blocks(req, req.num_computed_tokens)
+                    finished.extend(self._finish([req], status))
+                    continue
+            self.kv.cache_blocks(req, req.num_computed_tokens)
+        return finished
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        params = req.sampling_params
+        ignore_eos = bool(params is not None and params.ignore_eos)
+        if token in req.eos_token_ids and not ignore_eos:
+            return RequestStatus.FINISHED_STOPPED
+        if params is not None and token in params.stop_token_ids:
+            req.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # ---- stats and checks ---------------------------------------------------------------
+    def stats(self) -> dict[str, float | int]:
+        """Queue, token and KV counters (keys as DEVELOPERS.md ``stats()``)."""
+        return {
+            "num_running": self.num_running,
+            "num_waiting": self.num_waiting,
+            "num_preemptions": self.num_preemptions,
+            "prompt_tokens_prefilled": self.prompt_tokens_prefilled,
+            "tokens_decoded": self.tokens_decoded,
+            **self.kv.stats(),
+        }
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError on inconsistent queues or a block in two states or none."""
+        self.kv.check_invariants()
+        ids = [r.request_id for r in self.running] + [r.request_id for r in self.waiting]
+        assert len(ids) == len(set(ids)), "request both running and waiting"
+        assert set(ids) == set(self.requests), "request table and queues disagree"
+        for r in self.running:
+            assert r.status == RequestStatus.RUNNING, r
+            need = self.kv.blocks_needed(r.num_computed_tokens)
+            assert self.kv.num_request_blocks(r.request_id) >= need, r
+        for r in self.waiting:
+            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), r
+            assert self.kv.num_request_blocks(r.request_id) == 0, r
