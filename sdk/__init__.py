@@ -1,1 +1,64 @@
-"""prefixgate subpackage."""
+"""prefixgate.sdk: an OpenAI-shaped client with bounded concurrency, retries, streaming,
+batches and prefix reuse. Depends only on httpx, anyio, tenacity and tqdm (never torch).
+
+    from prefixgate.sdk import AsyncClient
+
+    async with AsyncClient("http://127.0.0.1:8000/v1", max_concurrency=32) as client:
+        r = await client.chat.completions.create(model="m", messages=[...])
+        print(r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens)
+"""
+
+from ._client import DEFAULT_BASE_URL, DEFAULT_TIMEOUT, AsyncClient, RequestOptions
+from ._sync import Client, SyncStream
+from .errors import (
+    APIConnectionError,
+    APIError,
+    APIResponseValidationError,
+    APIStatusError,
+    APITimeoutError,
+    AuthenticationError,
+    BadRequestError,
+    ConflictError,
+    InternalServerError,
+    NotFoundError,
+    PermissionDeniedError,
+    PrefixgateError,
+    RateLimitError,
+    UnprocessableEntityError,
+)
+from .limits import ConcurrencyLimiter, RateLimit, RateLimiter
+from .resources import PrefixSession
+from .retry import RetryPolicy, parse_retry_after
+from .streaming import AsyncStream, ServerSentEvent, SSEDecoder
+
+__all__ = [
+    "AsyncClient",
+    "Client",
+    "RequestOptions",
+    "DEFAULT_BASE_URL",
+    "DEFAULT_TIMEOUT",
+    "AsyncStream",
+    "SyncStream",
+    "ServerSentEvent",
+    "SSEDecoder",
+    "PrefixSession",
+    "RetryPolicy",
+    "parse_retry_after",
+    "RateLimit",
+    "RateLimiter",
+    "ConcurrencyLimiter",
+    "PrefixgateError",
+    "APIError",
+    "APIConnectionError",
+    "APITimeoutError",
+    "APIResponseValidationError",
+    "APIStatusError",
+    "BadRequestError",
+    "AuthenticationError",
+    "PermissionDeniedError",
+    "NotFoundError",
+    "ConflictError",
+    "UnprocessableEntityError",
+    "RateLimitError",
+    "InternalServerError",
+]

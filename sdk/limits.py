@@ -1,0 +1,247 @@
+"""Client-side flow control: a concurrency limiter (optionally AIMD-adaptive) and a rate limiter.
+
+``ConcurrencyLimiter`` wraps ``anyio.CapacityLimiter``: every HTTP attempt of a client holds one
+slot from sending the request until its response is read or its stream closed, so the server
+never sees more than ``max_concurrency`` requests of this client at once. A slot is released in
+a ``finally`` (also on cancellation), so a cancelled call never leaks one.
+
+Adaptive mode applies AIMD (additive increase, multiplicative decrease; Jacobson, "Congestion
+Avoidance and Control", SIGCOMM 1988): a 429 multiplies the limit by ``decrease_factor`` (once
+per "window": only a request admitted after the previous decrease can shrink it again, so one
+burst of 429s counts once), and every ``limit`` successes add one slot, up to
+``max_concurrency``. Lowering the limit never interrupts requests in flight; it only delays new
+ones.
+
+``RateLimiter`` paces requests/min and tokens/min with debt-based token buckets: a caller takes
+its cost at once (the level may go negative) and sleeps until the level would have been >= 0,
+so callers are served first come, first served without holding a lock while they sleep.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+
+__all__ = ["ConcurrencyLimiter", "RateLimit", "RateLimiter", "Slot"]
+
+
+@dataclass(slots=True)
+class Slot:
+    """One held concurrency slot; ``epoch`` is the limiter's decrease count at admission."""
+
+    epoch: int
+    released: bool = False
+
+
+class ConcurrencyLimiter:
+    """At most ``limit`` slots held at once (see the module docstring).
+
+    Args:
+        max_concurrency: the ceiling (and starting limit), >= 1.
+        adaptive: enable AIMD on 429s.
+        min_concurrency: floor of the adaptive limit, >= 1.
+        decrease_factor: multiplicative decrease on a 429, in (0, 1).
+
+    Raises:
+        ValueError: bad bounds.
+    """
+
+    def __init__(
+        self,
+        max_concurrency: int,
+        *,
+        adaptive: bool = False,
+        min_concurrency: int = 1,
+        decrease_factor: float = 0.5,
+    ) -> None:
+        if not isinstance(max_concurrency, int) or max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be an int >= 1, got {max_concurrency!r}")
+        if not 1 <= min_concurrency <= max_concurrency:
+            raise ValueError("min_concurrency must be in [1, max_concurrency]")
+        if not 0.0 < decrease_factor < 1.0:
+            raise ValueError("decrease_factor must be in (0, 1)")
+        self.max_concurrency = max_concurrency
+        self.min_concurrency = min_concurrency
+        self.adaptive = adaptive
+        self.decrease_factor = decrease_factor
+        self._limiter: anyio.CapacityLimiter | None = None
+        self._limit = max_concurrency
+        self._epoch = 0
+        self._successes = 0
+
+    @property
+    def limit(self) -> int:
+        """The current in-flight limit (== ``max_concurrency`` unless adaptive)."""
+        return self._limit
+
+    @property
+    def in_flight(self) -> int:
+        """Slots held now."""
+        return 0 if self._limiter is None else int(self._limiter.borrowed_tokens)
+
+    def _get(self) -> anyio.CapacityLimiter:
+        # Created lazily: anyio primitives bind to the event loop of their first use.
+        if self._limiter is None:
+            self._limiter = anyio.CapacityLimiter(self._limit)
+        return self._limiter
+
+    async def acquire(self) -> Slot:
+        """Wait for a free slot and take it."""
+        slot = Slot(self._epoch)
+        await self._get().acquire_on_behalf_of(slot)
+        return slot
+
+    def release(self, slot: Slot) -> None:
+        """Give ``slot`` back (idempotent)."""
+        if not slot.released:
+            slot.released = True
+            self._get().release_on_behalf_of(slot)
+
+    def on_overload(self, slot: Slot) -> None:
+        """A request admitted as ``slot`` got a 429: shrink the limit (adaptive mode)."""
+        if not self.adaptive or slot.epoch != self._epoch:
+            return
+        self._epoch += 1
+        self._successes = 0
+        self._set(max(self.min_concurrency, math.floor(self._limit * self.decrease_factor)))
+
+    def on_success(self) -> None:
+        """A request succeeded: grow the limit by one every ``limit`` successes (adaptive)."""
+        if not self.adaptive or self._limit >= self.max_concurrency:
+            return
+        self._successes += 1
+        if self._successes >= self._limit:
+            self._successes = 0
+            self._set(self._limit + 1)
+
+    def _set(self, limit: int) -> None:
+        self._limit = limit
+        if self._limiter is not None:
+            self._limiter.total_tokens = limit
+
+
+@dataclass(slots=True)
+class RateLimit:
+    """A client-side rate limit.
+
+    Args:
+        requests_per_minute: attempts started per minute (None: unlimited).
+        tokens_per_minute: prompt + completion tokens per minute (None: unlimited). A request
+            is charged an estimate up front (prompt characters / 4 + ``max_tokens``, default
+            256 completion tokens) and corrected by its reported ``usage.total_tokens``.
+        burst_seconds: bucket depth in seconds of rate (at least one request): the most that may
+            go at once after idling.
+
+    Raises:
+        ValueError: a non-positive rate or burst.
+    """
+
+    requests_per_minute: float | None = None
+    tokens_per_minute: float | None = None
+    burst_seconds: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("requests_per_minute", "tokens_per_minute"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise ValueError(f"{name} must be > 0 or None, got {v!r}")
+        if not self.burst_seconds > 0:
+            raise ValueError(f"burst_seconds must be > 0, got {self.burst_seconds!r}")
+
+
+class _Bucket:
+    """Debt-based token bucket: ``rate`` units/s, depth ``capacity`` units."""
+
+    __slots__ = ("rate", "capacity", "level", "stamp")
+
+    def __init__(self, rate: float, capacity: float, now: float) -> None:
+        self.rate = rate
+        self.capacity = capacity
+        self.level = capacity
+        self.stamp = now
+
+    def take(self, cost: float, now: float) -> float:
+        """Charge ``cost`` units; return the seconds the caller must wait first."""
+        self.level = min(self.capacity, self.level + (now - self.stamp) * self.rate)
+        self.stamp = now
+        self.level -= cost
+        return 0.0 if self.level >= 0 else -self.level / self.rate
+
+    def adjust(self, delta: float) -> None:
+        """Charge ``delta`` more units (negative: refund) without waiting."""
+        self.level = min(self.capacity, self.level - delta)
+
+
+class RateLimiter:
+    """Paces attempts to a ``RateLimit`` (see the module docstring).
+
+    Args:
+        limit: the rates.
+        clock: monotonic seconds (injectable for tests).
+        sleep: ``async (seconds) -> None`` (injectable for tests).
+    """
+
+    def __init__(
+        self,
+        limit: RateLimit,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[Any]] = anyio.sleep,
+    ) -> None:
+        self.limit = limit
+        self._clock = clock
+        self._sleep = sleep
+        now = clock()
+        self._requests = self._tokens = None
+        if limit.requests_per_minute is not None:
+            rate = limit.requests_per_minute / 60.0
+            self._requests = _Bucket(rate, max(1.0, rate * limit.burst_seconds), now)
+        if limit.tokens_per_minute is not None:
+            rate = limit.tokens_per_minute / 60.0
+            self._tokens = _Bucket(rate, max(1.0, rate * limit.burst_seconds), now)
+
+    async def acquire(self, tokens: int = 0) -> None:
+        """Wait until one more request costing ``tokens`` (estimated tokens) may start."""
+        now = self._clock()
+        wait = 0.0
+        if self._requests is not None:
+            wait = self._requests.take(1.0, now)
+        if self._tokens is not None and tokens > 0:
+            wait = max(wait, self._tokens.take(float(tokens), now))
+        if wait > 0:
+            await self._sleep(wait)
+
+    def correct(self, estimated: int, actual: int) -> None:
+        """Replace a request's estimated token charge by its ``actual`` usage."""
+        if self._tokens is not None:
+            self._tokens.adjust(actual - estimated)
+
+
+def estimate_tokens(body: dict[str, Any]) -> int:
+    """Rough token cost of a request body: prompt characters / 4 + max output tokens.
+
+    Four characters per token is the usual English rule of thumb for BPE tokenizers
+    (OpenAI, "What are tokens and how to count them").
+    """
+    chars = 0
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        chars += len(prompt)
+    elif isinstance(prompt, list):
+        chars += sum(len(p) if isinstance(p, str) else 4 for p in prompt)
+    for m in body.get("messages") or ():
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            chars += len(content)
+        elif isinstance(content, list):
+            chars += sum(
+                len(str(part.get("text", ""))) for part in content if isinstance(part, dict)
+            )
+    out = body.get("max_completion_tokens") or body.get("max_tokens") or 256
+    n = body.get("n") or 1
+    return int(chars / 4) + int(out) * int(n)

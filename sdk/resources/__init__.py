@@ -1,0 +1,16 @@
+"""API resources of ``AsyncClient``: ``chat.completions``, ``completions``, ``models``,
+``prefixes``."""
+
+from .chat import AsyncChat, AsyncChatCompletions
+from .completions import AsyncCompletions
+from .models import AsyncModels
+from .prefixes import AsyncPrefixes, PrefixSession
+
+__all__ = [
+    "AsyncChat",
+    "AsyncChatCompletions",
+    "AsyncCompletions",
+    "AsyncModels",
+    "AsyncPrefixes",
+    "PrefixSession",
+]

@@ -1,0 +1,213 @@
+"""Server-sent events: the line parser and the typed chunk stream of ``stream=True`` calls.
+
+Parsing follows the WHATWG HTML "Server-sent events" event-stream grammar: lines end in CRLF,
+LF or CR; ``:`` starts a comment (ignored, servers send them as keep-alives); ``field: value``
+(one optional space after the colon); several ``data`` lines join with ``\\n``; a blank line
+dispatches the event; an event without any ``data`` line is dropped. Lines are split on bytes
+(not with ``str.splitlines``, which would also break a JSON payload at a raw U+2028 or form
+feed), then decoded as UTF-8. The OpenAI API ends a stream with ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Generic, Self, TypeVar
+
+import anyio
+import httpx
+
+from .errors import APIConnectionError, APIError, APITimeoutError
+
+__all__ = ["ServerSentEvent", "SSEDecoder", "AsyncStream"]
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class ServerSentEvent:
+    """One dispatched event: ``event`` name (None: the default "message"), joined ``data``."""
+
+    data: str
+    event: str | None = None
+    id: str | None = None
+    retry: int | None = None
+
+    def json(self) -> Any:
+        """``data`` decoded as JSON (raises ``json.JSONDecodeError``)."""
+        return json.loads(self.data)
+
+
+class SSEDecoder:
+    """Incremental event-stream parser: ``feed(bytes)`` returns the events completed so far."""
+
+    def __init__(self) -> None:
+        self._buf = b""
+        self._skip_lf = False
+        self._data: list[str] = []
+        self._event: str | None = None
+        self._id: str | None = None
+        self._retry: int | None = None
+
+    def feed(self, chunk: bytes) -> list[ServerSentEvent]:
+        """Parse ``chunk`` (any split of the byte stream); return the dispatched events."""
+        out: list[ServerSentEvent] = []
+        for line in self._lines(chunk):
+            event = self.feed_line(line)
+            if event is not None:
+                out.append(event)
+        return out
+
+    def flush(self) -> list[ServerSentEvent]:
+        """End of stream: an unterminated last line is processed, an incomplete event dropped
+        (the spec discards an event not followed by a blank line)."""
+        if self._buf:
+            self.feed_line(self._buf.decode("utf-8", errors="replace"))
+            self._buf = b""
+        return []
+
+    def _lines(self, chunk: bytes) -> Iterable[str]:
+        buf = self._buf + chunk
+        start = 0
+        i = 0
+        n = len(buf)
+        if self._skip_lf and n and buf[0] == 0x0A:  # the LF of a CRLF split across chunks
+            start = i = 1
+        self._skip_lf = False
+        while i < n:
+            c = buf[i]
+            if c == 0x0A or c == 0x0D:
+                yield buf[start:i].decode("utf-8", errors="replace")
+                if c == 0x0D:
+                    if i + 1 < n:
+                        if buf[i + 1] == 0x0A:
+                            i += 1
+                    else:
+                        self._skip_lf = True
+                start = i + 1
+            i += 1
+        self._buf = buf[start:]
+
+    def feed_line(self, line: str) -> ServerSentEvent | None:
+        """Process one line (without its terminator); return an event on a blank line."""
+        if not line:
+            if not self._data:
+                self._event = None  # an event with no data is not dispatched
+                return None
+            event = ServerSentEvent("\n".join(self._data), self._event, self._id, self._retry)
+            self._data = []
+            self._event = None
+            return event
+        if line.startswith(":"):
+            return None
+        name, sep, value = line.partition(":")
+        if sep and value.startswith(" "):
+            value = value[1:]
+        if name == "data":
+            self._data.append(value)
+        elif name == "event":
+            self._event = value
+        elif name == "id":
+            if "\0" not in value:
+                self._id = value
+        elif name == "retry":
+            if value.isdigit():
+                self._retry = int(value)
+        return None
+
+
+class AsyncStream(Generic[T]):
+    """Async iterator (and async context manager) of typed chunks from an SSE response.
+
+    Leaving the ``async with`` block, breaking out of ``async for`` or calling ``close()``
+    closes the HTTP response (the connection is not reused mid-body) and frees the client's
+    concurrency slot. A stream is never retried once created: a failure mid-stream raises
+    ``APIConnectionError`` (``APITimeoutError`` when no chunk arrives within
+    ``idle_timeout`` seconds); an ``{"error": ...}`` event raises ``APIError``.
+    """
+
+    def __init__(
+        self,
+        response: httpx.Response,
+        cast: Callable[[Any], T],
+        *,
+        idle_timeout: float | None = None,
+        on_close: Callable[[], None] | None = None,
+    ) -> None:
+        self.response = response
+        self._cast = cast
+        self._idle_timeout = idle_timeout
+        self._on_close = on_close
+        self._closed = False
+        self._iterator: AsyncIterator[T] | None = None
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    def __aiter__(self) -> AsyncIterator[T]:
+        if self._iterator is None:
+            self._iterator = self._iterate()
+        return self._iterator
+
+    async def __anext__(self) -> T:
+        return await self.__aiter__().__anext__()
+
+    async def close(self) -> None:
+        """Close the response and free the slot (idempotent, safe under cancellation)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            with anyio.CancelScope(shield=True):
+                await self.response.aclose()
+        finally:
+            if self._on_close is not None:
+                self._on_close()
+
+    async def _events(self) -> AsyncIterator[ServerSentEvent]:
+        decoder = SSEDecoder()
+        async for chunk in self.response.aiter_bytes():
+            for event in decoder.feed(chunk):
+                yield event
+        decoder.flush()
+
+    async def _iterate(self) -> AsyncIterator[T]:
+        events = self._events()
+        try:
+            while True:
+                try:
+                    with anyio.fail_after(self._idle_timeout):
+                        sse = await events.__anext__()
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    raise APITimeoutError(
+                        f"No stream chunk within {self._idle_timeout} s.", self.response.request
+                    ) from None
+                except httpx.TimeoutException as exc:
+                    raise APITimeoutError(request=self.response.request) from exc
+                except httpx.TransportError as exc:
+                    raise APIConnectionError(
+                        f"Stream broken: {exc!r}", self.response.request
+                    ) from exc
+                if sse.data.startswith("[DONE]"):
+                    return
+                try:
+                    data = sse.json()
+                except json.JSONDecodeError as exc:
+                    raise APIError(
+                        f"Stream event is not JSON: {sse.data[:200]!r}", self.response.request
+                    ) from exc
+                if sse.event == "error" or (isinstance(data, dict) and "error" in data):
+                    err = data.get("error") if isinstance(data, dict) else None
+                    msg = err.get("message") if isinstance(err, dict) else str(err or data)
+                    raise APIError(f"Stream error: {msg}", self.response.request, body=data)
+                yield self._cast(data)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await events.aclose()
+                await self.close()

@@ -1,0 +1,83 @@
+"""SDK test helpers: asyncio backend for anyio tests, a fake sleep, a loopback aiohttp server."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import anyio
+import pytest
+from aiohttp import web
+
+from prefixgate.sdk import AsyncClient, RetryPolicy
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+class FakeSleep:
+    """Records requested waits (seconds) instead of sleeping; yields to the loop once."""
+
+    def __init__(self) -> None:
+        self.waits: list[float] = []
+
+    async def __call__(self, seconds: float) -> None:
+        self.waits.append(seconds)
+        await anyio.sleep(0)
+
+
+@pytest.fixture
+def fake_sleep() -> FakeSleep:
+    return FakeSleep()
+
+
+BASE = "http://test.local/v1"
+
+
+@pytest.fixture
+def make_client(fake_sleep: FakeSleep) -> Callable[..., AsyncClient]:
+    """Client factory on ``BASE`` with the fake sleep, a fixed clock and a seeded jitter."""
+
+    def make(**kwargs) -> AsyncClient:
+        policy = kwargs.pop(
+            "retry_policy",
+            RetryPolicy(
+                max_retries=kwargs.pop("max_retries", 2),
+                sleep=fake_sleep,
+                clock=lambda: 1_000_000.0,
+                rng=random.Random(0),
+            ),
+        )
+        return AsyncClient(kwargs.pop("base_url", BASE), retry_policy=policy, **kwargs)
+
+    return make
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@pytest.fixture
+async def serve() -> AsyncIterator[Callable[..., Awaitable[str]]]:
+    """``await serve(routes)`` starts an aiohttp app on 127.0.0.1:<free port>; returns base_url.
+
+    ``routes`` maps ``(method, path)`` to a handler. Runners are cleaned up at teardown.
+    """
+    runners: list[web.AppRunner] = []
+
+    async def start(routes: dict[tuple[str, str], Handler]) -> str:
+        app = web.Application()
+        for (method, path), handler in routes.items():
+            app.router.add_route(method, path, handler)
+        runner = web.AppRunner(app, handle_signals=False, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        runners.append(runner)
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return f"http://127.0.0.1:{port}/v1"
+
+    yield start
+    for runner in runners:
+        await runner.cleanup()
