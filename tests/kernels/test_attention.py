@@ -1,0 +1,137 @@
+"""Triton paged attention vs the torch reference and a naive dense SDPA (interpreter on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from prefixgate.kernels import torch_ref, triton_attention, triton_ops
+
+DTYPES = [
+    pytest.param(torch.float32, id="fp32"),
+    pytest.param(torch.float16, id="fp16"),
+    pytest.param(torch.bfloat16, id="bf16", marks=pytest.mark.gpu),
+]
+# (block_size, head_dim, GQA ratio): every block size x head_dim pair, every ratio twice.
+SHAPES = [
+    pytest.param(16, 64, 1, id="bs16-d64-g1"),
+    pytest.param(16, 128, 4, id="bs16-d128-g4"),
+    pytest.param(32, 64, 8, id="bs32-d64-g8"),
+    pytest.param(32, 128, 1, id="bs32-d128-g1"),
+    pytest.param(16, 64, 8, id="bs16-d64-g8"),
+    pytest.param(32, 128, 4, id="bs32-d128-g4"),
+]
+NUM_KV_HEADS = 2
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
+    assert out.shape == ref.shape
+    assert torch.isfinite(out).all()
+    err = (out.float() - ref.float()).abs().max().item()
+    assert err <= tol, f"max abs error {err:.3g} > {tol:.1g}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size,head_dim,groups", SHAPES)
+def test_decode_matches_reference_and_dense(paged_batch, dense, atol, block_size, head_dim, groups, dtype):
+    # lengths: the first token only, exactly one block, and two non-multiples of the block size
+    lens = [1, block_size, 37, 2 * block_size + 5]
+    pb = paged_batch(lens, [1] * len(lens), block_size, NUM_KV_HEADS, groups, head_dim, dtype)
+    args = (pb.q, pb.k_cache, pb.v_cache, pb.block_tables, pb.context_lens, pb.scale)
+    out = triton_ops.paged_attention_decode(*args)
+    assert out.dtype == dtype
+    _close(out, torch_ref.paged_attention_decode(*args), atol[dtype])
+    _close(out, dense(pb), atol[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_splits,tile_n", [(2, 16), (5, 32), (16, 16)])
+def test_decode_split_k(paged_batch, dense, atol, num_splits, tile_n, dtype):
+    """Flash-decoding: splits (some empty for short sequences) merged by the reduce kernel."""
+    lens = [3, 70, 129, 200]
+    pb = paged_batch(lens, [1] * len(lens), 16, NUM_KV_HEADS, 4, 64, dtype)
+    cfg = triton_attention.DecodeConfig(tile_n=tile_n, num_splits=num_splits)
+    out = triton_attention.decode(pb.q, pb.k_cache, pb.v_cache, pb.block_tables, pb.context_lens, pb.scale, cfg)
+    ref = torch_ref.paged_attention_decode(pb.q, pb.k_cache, pb.v_cache, pb.block_tables, pb.context_lens, pb.scale)
+    _close(out, ref, atol[dtype])
+    _close(out, dense(pb), atol[dtype])
+
+
+def _prefill_case(block_size: int) -> tuple[list[int], list[int]]:
+    """A mixed batch: empty prefix, prefix of whole blocks, prefix not a block multiple,
+    a one-token chunk after a long prefix."""
+    prefixes = [0, 2 * block_size, 21, 50]
+    q_lens = [37, 13, 19, 1]
+    return [p + n for p, n in zip(prefixes, q_lens, strict=True)], q_lens
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size,head_dim,groups", SHAPES)
+def test_prefill_matches_reference_and_dense(paged_batch, dense, atol, block_size, head_dim, groups, dtype):
+    ctx, q_lens = _prefill_case(block_size)
+    pb = paged_batch(ctx, q_lens, block_size, NUM_KV_HEADS, groups, head_dim, dtype, seed=1)
+    args = (pb.q, pb.k_cache, pb.v_cache, pb.block_tables, pb.query_start_loc, pb.context_lens, pb.scale)
+    out = triton_ops.paged_attention_prefill(*args)
+    assert out.dtype == dtype
+    _close(out, torch_ref.paged_attention_prefill(*args), atol[dtype])
+    _close(out, dense(pb), atol[dtype])
+
+
+@pytest.mark.parametrize(
+    "block_m,block_n", [(16, 16), (16, 64), (64, 16)], ids=["m16n16", "m16n64", "m64n16"]
+)
+def test_prefill_tilings(paged_batch, dense, atol, block_m, block_n):
+    """Tiles smaller and larger than the chunks and blocks; a zero-length chunk in the middle."""
+    ctx, q_lens = [40, 9, 70, 33], [40, 0, 35, 17]
+    pb = paged_batch(ctx, q_lens, 16, NUM_KV_HEADS, 4, 64, torch.float32, seed=2)
+    cfg = triton_attention.PrefillConfig(block_m=block_m, block_n=block_n)
+    out = triton_attention.prefill(
+        pb.q, pb.k_cache, pb.v_cache, pb.block_tables, pb.query_start_loc, pb.context_lens, pb.scale, cfg
+    )
+    _close(out, dense(pb), atol[torch.float32])
+
+
+def test_prefill_of_one_token_equals_decode(paged_batch, atol):
+    lens = [5, 33, 64]
+    pb = paged_batch(lens, [1, 1, 1], 16, NUM_KV_HEADS, 4, 64, torch.float32, seed=3)
+    dec = triton_ops.paged_attention_decode(pb.q, pb.k_cache, pb.v_cache, pb.block_tables, pb.context_lens, pb.scale)
+    pre = triton_ops.paged_attention_prefill(
+        pb.q, pb.k_cache, pb.v_cache, pb.block_tables, pb.query_start_loc, pb.context_lens, pb.scale
+    )
+    _close(pre, dec, atol[torch.float32])
+
+
+def test_empty_batches(paged_batch):
+    pb = paged_batch([5], [1], 16, NUM_KV_HEADS, 1, 64)
+    q0 = pb.q[:0]
+    out = triton_ops.paged_attention_decode(
+        q0, pb.k_cache, pb.v_cache, pb.block_tables[:0], pb.context_lens[:0], pb.scale
+    )
+    assert out.shape == (0, NUM_KV_HEADS, 64)
+    qsl = torch.zeros(1, dtype=torch.int32, device=q0.device)
+    out = triton_ops.paged_attention_prefill(
+        q0, pb.k_cache, pb.v_cache, pb.block_tables[:0], qsl, pb.context_lens[:0], pb.scale
+    )
+    assert out.shape == (0, NUM_KV_HEADS, 64)
+
+
+def test_bad_arguments_raise_clear_errors(paged_batch):
+    pb = paged_batch([5, 9], [1, 1], 16, NUM_KV_HEADS, 2, 64)
+    args = [pb.q, pb.k_cache, pb.v_cache, pb.block_tables, pb.context_lens, pb.scale]
+    with pytest.raises(TypeError, match="dtype"):
+        triton_ops.paged_attention_decode(pb.q.half(), *args[1:])
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        triton_ops.paged_attention_decode(pb.q[:, :3], *args[1:])
+    with pytest.raises(ValueError, match="sequences"):
+        triton_ops.paged_attention_decode(pb.q, pb.k_cache, pb.v_cache, pb.block_tables[:1], pb.context_lens, pb.scale)
+    with pytest.raises(TypeError, match="block_tables"):
+        triton_ops.paged_attention_decode(pb.q, pb.k_cache, pb.v_cache, pb.block_tables.float(), pb.context_lens, pb.scale)
+    with pytest.raises(ValueError, match="head_dim"):
+        triton_ops.paged_attention_prefill(
+            pb.q[..., :32], pb.k_cache, pb.v_cache, pb.block_tables, pb.query_start_loc, pb.context_lens, pb.scale
+        )
+
+
+def test_split_heuristic_bounds():
+    cpu = torch.device("cpu")
+    assert triton_attention.choose_num_splits(4, 2, 128, cpu, 64) == 1
+    assert triton_attention.choose_num_splits(1, 1, 16384, cpu, 64) >= 2
