@@ -1,0 +1,312 @@
+"""Tokenizer on the Hugging Face ``tokenizers`` library, with jinja2 chat templates.
+
+Reads the same files as transformers' fast tokenizers (``tokenizer.json`` and
+``tokenizer_config.json``, optionally ``chat_template.jinja`` and ``generation_config.json``) and
+gives the same ids; chat templates render in a sandboxed jinja2 environment configured like
+transformers' (``trim_blocks``, ``lstrip_blocks``, loop controls, ``raise_exception``,
+``tojson``, ``strftime_now``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from prefixgate.engine.models.errors import ModelFileNotFoundError
+from prefixgate.engine.models.presets import TINY_CHAT_TEMPLATE, build_tiny_tokenizer
+from tokenizers import Tokenizer as HFTokenizer
+
+Message = dict[str, Any]
+
+
+class Tokenizer:
+    """Text ↔ token ids, special tokens and the chat template of one model.
+
+    Build with :meth:`from_pretrained` (a model directory) or :meth:`builtin` (the
+    ``tiny-random`` preset's tokenizer, no files). Thread-safe for encode/decode.
+
+    Attributes:
+        bos_token / eos_token / unk_token / pad_token: special token strings or ``None``.
+        bos_token_id: id of ``bos_token`` or ``None``.
+        eos_token_ids: ids that end generation (``eos_token`` plus generation_config.json's).
+        vocab_size: number of ids, added tokens included.
+        chat_template: the default template source, or ``None``.
+    """
+
+    def __init__(
+        self,
+        tokenizer: HFTokenizer,
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        unk_token: str | None = None,
+        pad_token: str | None = None,
+        chat_templates: dict[str, str] | None = None,
+        add_bos_token: bool | None = None,
+        add_eos_token: bool | None = None,
+        extra_eos_token_ids: Sequence[int] = (),
+    ) -> None:
+        self._tok = tokenizer
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.unk_token = unk_token
+        self.pad_token = pad_token
+        self.chat_templates = dict(chat_templates or {})
+        self.bos_token_id = self._id(bos_token)
+        self.eos_token_id = self._id(eos_token)
+        self.eos_token_ids: set[int] = set(extra_eos_token_ids)
+        if self.eos_token_id is not None:
+            self.eos_token_ids.add(self.eos_token_id)
+        self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.all_special_ids: set[int] = {
+            i for tok in tokenizer.get_added_tokens_decoder().values()
+            if tok.special and (i := self._id(tok.content)) is not None
+        }
+        # tokenizer.json's post-processor decides what add_special_tokens adds (as in
+        # transformers' fast tokenizers); add_bos_token/add_eos_token only fill in what it lacks.
+        probe = tokenizer.encode("", add_special_tokens=True).ids
+        self._prepend_bos = bool(add_bos_token) and self.bos_token_id is not None and (
+            not probe or probe[0] != self.bos_token_id
+        )
+        self._append_eos = bool(add_eos_token) and self.eos_token_id is not None and (
+            not probe or probe[-1] != self.eos_token_id
+        )
+
+    # -- construction --------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> Tokenizer:
+        """Load ``tokenizer.json`` + ``tokenizer_config.json`` from a model directory.
+
+        The chat template comes from ``tokenizer_config.json`` (a string, or a list of
+        ``{"name", "template"}``) or from ``chat_template.jinja``. EOS ids of
+        ``generation_config.json`` are added to ``eos_token_ids``.
+
+        Raises:
+            ModelFileNotFoundError: the directory or ``tokenizer.json`` is missing.
+            ValueError: a config file is not valid JSON.
+        """
+        root = Path(path)
+        tok_file = root / "tokenizer.json"
+        if not root.is_dir():
+            raise ModelFileNotFoundError(f"model directory {str(root)!r} does not exist")
+        if not tok_file.is_file():
+            raise ModelFileNotFoundError(f"missing {tok_file} (only fast tokenizers are supported)")
+        config = _read_json(root / "tokenizer_config.json")
+        templates = _templates(config.get("chat_template"))
+        jinja_file = root / "chat_template.jinja"
+        if "default" not in templates and jinja_file.is_file():
+            templates["default"] = jinja_file.read_text()
+        generation = _read_json(root / "generation_config.json")
+        eos = generation.get("eos_token_id")
+        extra_eos = [eos] if isinstance(eos, int) else list(eos or [])
+        return cls(
+            HFTokenizer.from_file(str(tok_file)),
+            bos_token=_token(config.get("bos_token")),
+            eos_token=_token(config.get("eos_token")),
+            unk_token=_token(config.get("unk_token")),
+            pad_token=_token(config.get("pad_token")),
+            chat_templates=templates,
+            add_bos_token=config.get("add_bos_token"),
+            add_eos_token=config.get("add_eos_token"),
+            extra_eos_token_ids=extra_eos,
+        )
+
+    @classmethod
+    def builtin(cls) -> Tokenizer:
+        """The ``tiny-random`` preset's character-level tokenizer (no files; see presets)."""
+        return cls(
+            build_tiny_tokenizer(),
+            bos_token="<s>",
+            eos_token="</s>",
+            unk_token="<unk>",
+            chat_templates={"default": TINY_CHAT_TEMPLATE},
+        )
+
+    # -- text <-> ids --------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; with ``add_special_tokens`` the BOS (etc.) the tokenizer adds.
+
+        Special tokens written in ``text`` (e.g. ``"<s>"``) map to their ids.
+
+        Raises:
+            TypeError: ``text`` is not a string.
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a string, got {type(text).__name__}")
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens:
+            if self._prepend_bos:
+                ids.insert(0, self.bos_token_id)
+            if self._append_eos:
+                ids.append(self.eos_token_id)
+        return ids
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """:meth:`encode` for several texts (parallel inside ``tokenizers``)."""
+        if self._prepend_bos or self._append_eos:
+            return [self.encode(t, add_special_tokens) for t in texts]
+        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; incomplete UTF-8 byte sequences decode to U+FFFD."""
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary string of ``token_id`` (e.g. ``"▁the"``, ``"<0x0A>"``), or ``None``."""
+        return self._tok.id_to_token(token_id)
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    # -- chat ----------------------------------------------------------------------------
+
+    @property
+    def chat_template(self) -> str | None:
+        """The default chat template source, or ``None`` when the tokenizer has none."""
+        return self.chat_templates.get("default")
+
+    def apply_chat_template(
+        self,
+        messages: list[Message],
+        add_generation_prompt: bool = True,
+        *,
+        tokenize: bool = False,
+        chat_template: str | None = None,
+        **kwargs: Any,
+    ) -> str | list[int]:
+        """Render a conversation with the chat template (transformers' semantics).
+
+        Args:
+            messages: ``[{"role": str, "content": str | list of {"type": "text", "text": str}
+                | None, ...}]``; text parts are joined into one string.
+            add_generation_prompt: end with the assistant turn's opening.
+            tokenize: return token ids instead of text. The rendered text already holds the
+                template's special tokens, so it is encoded with ``add_special_tokens=False``
+                (as transformers does); callers encoding the text themselves must do the same.
+            chat_template: a named template (e.g. ``"tool_use"``) or a template source;
+                default the tokenizer's ``"default"`` template.
+            **kwargs: extra template variables (e.g. ``tools``, ``documents``).
+
+        Raises:
+            ValueError: no chat template, malformed messages, or the template raised.
+            TypeError: ``messages`` is not a list of dicts.
+        """
+        source = self.chat_templates.get(chat_template or "default", chat_template)
+        if not source:
+            raise ValueError("this tokenizer has no chat template; pass a prompt instead")
+        variables = {
+            "bos_token": self.bos_token or "",
+            "eos_token": self.eos_token or "",
+            "unk_token": self.unk_token or "",
+            "pad_token": self.pad_token or "",
+            **kwargs,
+            "messages": normalize_messages(messages),
+            "add_generation_prompt": add_generation_prompt,
+        }
+        try:
+            text = _compile(source).render(**variables)
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"chat template failed: {exc}") from exc
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def _id(self, token: str | None) -> int | None:
+        return None if token is None else self._tok.token_to_id(token)
+
+
+def normalize_messages(messages: Any) -> list[Message]:
+    """Check the shape of chat messages and flatten text-part lists into strings.
+
+    Raises:
+        TypeError: ``messages`` is not a list, or an item is not a dict.
+        ValueError: an empty list, a message without a string ``role``, or content that is not
+            a string, ``None`` or a list of text parts.
+    """
+    if not isinstance(messages, list | tuple):
+        raise TypeError(f"messages must be a list of dicts, got {type(messages).__name__}")
+    if not messages:
+        raise ValueError("messages must not be empty")
+    out: list[Message] = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise TypeError(f"messages[{i}] must be a dict, got {type(msg).__name__}")
+        role = msg.get("role")
+        if not isinstance(role, str) or not role:
+            raise ValueError(f"messages[{i}] needs a non-empty string 'role'")
+        content = msg.get("content")
+        if isinstance(content, list):
+            content = "".join(_text_part(part, i) for part in content)
+        elif content is not None and not isinstance(content, str):
+            raise ValueError(
+                f"messages[{i}].content must be a string or a list of text parts, "
+                f"got {type(content).__name__}"
+            )
+        out.append({**msg, "content": content})
+    return out
+
+
+def _text_part(part: Any, i: int) -> str:
+    if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+        return part["text"]
+    raise ValueError(f"messages[{i}].content: only text parts are supported, got {part!r}")
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(value: Any, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@lru_cache(maxsize=32)
+def _compile(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateError as exc:
+        raise ValueError(f"invalid chat template: {exc}") from exc
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+
+
+def _token(value: Any) -> str | None:
+    """A special token from tokenizer_config.json: a string or ``{"content": ...}``."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _templates(value: Any) -> dict[str, str]:
+    if isinstance(value, str):
+        return {"default": value}
+    if isinstance(value, list):
+        return {
+            t["name"]: t["template"] for t in value
+            if isinstance(t, dict) and "name" in t and "template" in t
+        }
+    return {}
