@@ -182,7 +182,7 @@ def make_client(cfg: LoadConfig, max_concurrency: int) -> Any:
     from prefixgate.sdk import AsyncClient
 
     return AsyncClient(
-        root_url(cfg.base_url),
+        root_url(cfg.base_url) + "/v1",
         api_key=cfg.api_key,
         max_concurrency=max_concurrency,
         max_retries=0,
@@ -235,11 +235,7 @@ async def run_load(
                 bar.close()
         duration = time.perf_counter() - t0
     finally:
-        close = getattr(client, "aclose", None) or getattr(client, "close", None)
-        if close is not None:
-            maybe = close()
-            if inspect.isawaitable(maybe):
-                await maybe
+        await client.close()
     return LoadResult(list(results), duration, model)
 
 

@@ -1,0 +1,126 @@
+"""A stub OpenAI-compatible streaming server on loopback, run in a thread with its own loop.
+
+It streams ``max_tokens`` content chunks ``token_delay_s`` apart after ``ttft_s``, ends with a
+usage chunk when ``stream_options.include_usage`` is set (``cached_tokens`` = half the prompt
+tokens from the second request on), and answers 429 to every ``fail_every``-th request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+
+@dataclass
+class StubServer:
+    ttft_s: float = 0.02
+    token_delay_s: float = 0.002
+    fail_every: int = 0
+    seen: list[dict] = field(default_factory=list)
+    max_in_flight: int = 0
+    port: int = 0
+    _in_flight: int = 0
+    _loop: asyncio.AbstractEventLoop | None = None
+    _runner: web.AppRunner | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.seen.append(body)
+        n = len(self.seen)
+        if self.fail_every and n % self.fail_every == 0:
+            return web.json_response(
+                {
+                    "error": {
+                        "message": "overloaded",
+                        "type": "rate_limit_error",
+                        "param": None,
+                        "code": None,
+                    }
+                },
+                status=429,
+                headers={"Retry-After": "1"},
+            )
+        self._in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self._in_flight)
+        try:
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            base = {
+                "id": f"c{n}",
+                "object": "chat.completion.chunk",
+                "created": 0,
+                "model": body["model"],
+            }
+            await resp.write(
+                f"data: {json.dumps({**base, 'choices': [{'index': 0, 'delta': {'role': 'assistant'}, 'finish_reason': None}]})}\n\n".encode()
+            )
+            await asyncio.sleep(self.ttft_s)
+            k = int(body.get("max_tokens", 4))
+            for i in range(k):
+                if i:
+                    await asyncio.sleep(self.token_delay_s)
+                fin = "length" if i == k - 1 else None
+                chunk = {
+                    **base,
+                    "choices": [{"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": fin}],
+                }
+                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            if (body.get("stream_options") or {}).get("include_usage"):
+                prompt = sum(len(m["content"]) for m in body["messages"])
+                cached = prompt // 2 if n > 1 else 0
+                usage = {
+                    "prompt_tokens": prompt,
+                    "completion_tokens": k,
+                    "total_tokens": prompt + k,
+                    "prompt_tokens_details": {"cached_tokens": cached},
+                }
+                await resp.write(
+                    f"data: {json.dumps({**base, 'choices': [], 'usage': usage})}\n\n".encode()
+                )
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+        finally:
+            self._in_flight -= 1
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {"object": "list", "data": [{"id": "stub-model", "object": "model"}]}
+        )
+
+    def start(self) -> StubServer:
+        ready = threading.Event()
+
+        def run() -> None:
+            self._loop = asyncio.new_event_loop()
+            app = web.Application()
+            app.router.add_post("/v1/chat/completions", self._chat)
+            app.router.add_get("/v1/models", self._models)
+            app.router.add_get("/health", lambda r: web.json_response({"ok": True}))
+            self._runner = web.AppRunner(app)
+            self._loop.run_until_complete(self._runner.setup())
+            site = web.TCPSite(self._runner, "127.0.0.1", 0)
+            self._loop.run_until_complete(site.start())
+            self.port = site._server.sockets[0].getsockname()[1]
+            ready.set()
+            self._loop.run_forever()
+            self._loop.run_until_complete(self._runner.cleanup())
+            self._loop.close()
+
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+        assert ready.wait(10), "stub server did not start"
+        return self
+
+    def stop(self) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
