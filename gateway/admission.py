@@ -1,0 +1,134 @@
+"""Admission control: a bounded queue in front of the engine, answered with 429 beyond it.
+
+A request is *queued* from the moment it is admitted until its first token (or its end):
+that is the time it waits for a prefill slot. Two bounds hold the queue (vLLM and TGI call
+this backpressure): the number of queued requests and the sum of their prompt tokens.
+Beyond either, the request is refused at once with 429 and a ``Retry-After`` derived from
+the current drain rate (requests leaving the queue per second, an exponentially weighted
+moving average), instead of letting latency grow without bound.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from prefixgate.gateway.errors import too_many
+
+
+@dataclass(slots=True)
+class AdmissionConfig:
+    """Bounds of the admission queue.
+
+    Attributes:
+        max_queued_requests: most requests waiting for their first token.
+        max_queued_tokens: most prompt tokens (sum) waiting for prefill.
+        max_running: most requests admitted at once, queued or generating (0 = unbounded).
+    """
+
+    max_queued_requests: int = 256
+    max_queued_tokens: int = 262_144
+    max_running: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
+        if self.max_queued_tokens < 1:
+            raise ValueError(f"max_queued_tokens must be >= 1, got {self.max_queued_tokens}")
+        if self.max_running < 0:
+            raise ValueError(f"max_running must be >= 0, got {self.max_running}")
+
+
+class Ticket:
+    """One admitted request's place in the queue; ``started()`` then ``done()`` (idempotent)."""
+
+    __slots__ = ("_ctl", "tokens", "_queued", "_done")
+
+    def __init__(self, ctl: AdmissionController, tokens: int) -> None:
+        self._ctl = ctl
+        self.tokens = tokens
+        self._queued = True
+        self._done = False
+
+    def started(self) -> None:
+        """The request left the queue (its first token came out)."""
+        if self._queued:
+            self._queued = False
+            self._ctl._leave_queue(self.tokens)
+
+    def done(self) -> None:
+        """The request finished, failed or was aborted: release its place."""
+        if self._done:
+            return
+        self.started()
+        self._done = True
+        self._ctl.in_flight -= 1
+
+
+class AdmissionController:
+    """Counts queued requests and tokens; ``admit`` refuses with 429 over the bounds.
+
+    Drain rate: EWMA (time constant ``tau_s`` seconds) of queue departures per second.
+    ``Retry-After`` = queued requests / drain rate, in [1, 60] seconds (1 s when no rate is
+    known yet).
+    """
+
+    def __init__(self, config: AdmissionConfig | None = None, tau_s: float = 5.0) -> None:
+        self.config = config or AdmissionConfig()
+        self.queued_requests = 0
+        self.queued_tokens = 0
+        self.in_flight = 0
+        self._tau = tau_s
+        self._rate = 0.0  # departures per second (EWMA)
+        self._last = time.monotonic()
+
+    def admit(self, prompt_tokens: int) -> Ticket:
+        """Take a place in the queue for a request of ``prompt_tokens`` prompt tokens.
+
+        Raises:
+            APIError: 429 ``server_overloaded`` with ``Retry-After`` when the queue is full.
+        """
+        cfg = self.config
+        if self.queued_requests >= cfg.max_queued_requests:
+            self._refuse(f"{self.queued_requests} requests already waiting")
+        # A single prompt larger than the token bound still passes when the queue is empty.
+        if self.queued_requests and self.queued_tokens + prompt_tokens > cfg.max_queued_tokens:
+            self._refuse(f"{self.queued_tokens} prompt tokens already waiting")
+        if cfg.max_running and self.in_flight >= cfg.max_running:
+            self._refuse(f"{self.in_flight} requests in flight")
+        self.queued_requests += 1
+        self.queued_tokens += prompt_tokens
+        self.in_flight += 1
+        return Ticket(self, prompt_tokens)
+
+    def retry_after(self) -> float:
+        """Seconds until the current queue has drained at the current drain rate."""
+        self._decay(time.monotonic())
+        if self._rate <= 0.0:
+            return 1.0
+        return min(60.0, max(1.0, self.queued_requests / self._rate))
+
+    @property
+    def drain_rate(self) -> float:
+        """Queue departures per second (EWMA)."""
+        self._decay(time.monotonic())
+        return self._rate
+
+    def _refuse(self, why: str) -> None:
+        raise too_many(
+            f"server overloaded: {why}; retry later", self.retry_after(), code="server_overloaded"
+        )
+
+    def _leave_queue(self, tokens: int) -> None:
+        self.queued_requests -= 1
+        self.queued_tokens -= tokens
+        now = time.monotonic()
+        self._decay(now)
+        self._rate += 1.0 / self._tau  # one event's impulse on the EWMA of a rate
+
+    def _decay(self, now: float) -> None:
+        dt = now - self._last
+        if dt > 0:
+            self._rate *= math.exp(-dt / self._tau)
+            self._last = now

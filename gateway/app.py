@@ -1,0 +1,166 @@
+"""The aiohttp application: ``create_app(engine_or_upstreams, settings)``.
+
+Two modes:
+
+* **local** — ``create_app(engine)`` serves an ``AsyncEngine`` (or ``create_app(None)`` and
+  ``attach_engine(app, engine)`` once it has loaded; until then every model route answers
+  503 and ``/ready`` is 503 while ``/health`` is 200).
+* **upstream** — ``create_app(["http://host:port", ...])`` is a reverse proxy to other
+  OpenAI-compatible servers with prefix-affinity routing (see ``upstream``).
+
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{model}],
+POST /v1/prefixes, GET|DELETE /v1/prefixes/{id} (local mode), GET /health, GET /ready,
+GET /metrics. Run the app with ``handler_cancellation=True`` (``server.start_server`` does)
+so a client that disconnects cancels its handler at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from aiohttp import web
+from prefixgate.gateway import routes_openai, routes_prefixes, routes_upstream
+from prefixgate.gateway.admission import AdmissionController
+from prefixgate.gateway.auth import KeyRing
+from prefixgate.gateway.errors import APIError, error_middleware
+from prefixgate.gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from prefixgate.gateway.prefixes import PrefixRegistry
+from prefixgate.gateway.state import STATE, GatewaySettings, GatewayState
+from prefixgate.gateway.upstream import UpstreamRouter
+
+logger = logging.getLogger("prefixgate.gateway")
+
+
+def create_app(engine_or_upstreams: Any = None, settings: GatewaySettings | None = None
+               ) -> web.Application:
+    """Build the gateway application.
+
+    Args:
+        engine_or_upstreams: an ``AsyncEngine`` (local mode), ``None`` (local mode, engine
+            attached later with ``attach_engine``), or a sequence of upstream base URLs.
+        settings: serving options (defaults: ``GatewaySettings()``).
+
+    Raises:
+        ValueError: bad settings, keys file or upstream URL.
+    """
+    settings = settings or GatewaySettings()
+    upstream = isinstance(engine_or_upstreams, Sequence) and not isinstance(engine_or_upstreams,
+                                                                             str | bytes)
+    admission = AdmissionController(settings.admission_config())
+    metrics = GatewayMetrics()
+    metrics.bind_admission(admission)
+    st = GatewayState(
+        settings=settings,
+        keys=KeyRing.from_options(settings.api_keys, settings.keys_file),
+        admission=admission,
+        metrics=metrics,
+        model_name=settings.model_name or "",
+    )
+    app = web.Application(client_max_size=settings.max_body_bytes,
+                          middlewares=[error_middleware])
+    app[STATE] = st
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics_route)
+    if upstream:
+        _add_upstream_routes(app, st, list(engine_or_upstreams))
+    else:
+        _add_local_routes(app)
+        if engine_or_upstreams is not None:
+            attach_engine(app, engine_or_upstreams)
+    return app
+
+
+def attach_engine(app: web.Application, engine: Any) -> None:
+    """Serve ``engine`` from now on (local mode); the app becomes ready."""
+    st = app[STATE]
+    st.engine = engine
+    st.prefixes = PrefixRegistry(engine, st.settings.max_prefix_ttl_s, st.settings.max_prefixes)
+    st.metrics.add_engine(engine.stats)
+    if not st.model_name:
+        st.model_name = default_model_name(engine)
+    st.ready = True
+
+
+def default_model_name(engine: Any) -> str:
+    """The served model id: the model folder's name, or ``"tiny-random"`` for the preset."""
+    config = getattr(engine, "config", None)
+    path = getattr(config, "model", None)
+    if path:
+        return os.path.basename(os.path.normpath(str(path)))
+    return "tiny-random"
+
+
+def _add_local_routes(app: web.Application) -> None:
+    r = app.router
+    r.add_post("/v1/chat/completions", routes_openai.chat_completions)
+    r.add_post("/v1/completions", routes_openai.completions)
+    r.add_get("/v1/models", routes_openai.list_models)
+    r.add_get("/v1/models/{model}", routes_openai.get_model)
+    r.add_post("/v1/prefixes", routes_prefixes.create_prefix)
+    r.add_get("/v1/prefixes/{prefix_id}", routes_prefixes.get_prefix)
+    r.add_delete("/v1/prefixes/{prefix_id}", routes_prefixes.delete_prefix)
+
+    async def release_prefixes(app: web.Application) -> None:
+        st = app[STATE]
+        if st.prefixes is not None:
+            st.prefixes.clear()
+
+    app.on_cleanup.append(release_prefixes)
+
+
+def _add_upstream_routes(app: web.Application, st: GatewayState, urls: list[str]) -> None:
+    s = st.settings
+    st.router = UpstreamRouter(urls, s.balance_abs_threshold, s.balance_rel_threshold,
+                               s.health_interval_s, s.upstream_connect_timeout_s,
+                               s.upstream_timeout_s)
+    st.model_name = st.model_name or "upstream"
+    st.ready = True
+    r = app.router
+    r.add_post("/v1/chat/completions", routes_upstream.proxy_generate)
+    r.add_post("/v1/completions", routes_upstream.proxy_generate)
+    r.add_get("/v1/models", routes_upstream.proxy_get)
+    r.add_get("/v1/models/{model}", routes_upstream.proxy_get)
+    r.add_route("*", "/v1/prefixes", _no_prefixes)
+    r.add_route("*", "/v1/prefixes/{prefix_id}", _no_prefixes)
+
+    async def start(app: web.Application) -> None:
+        await st.router.start()
+
+    async def stop(app: web.Application) -> None:
+        await st.router.close()
+
+    app.on_startup.append(start)
+    app.on_cleanup.append(stop)
+
+
+async def _no_prefixes(request: web.Request) -> web.Response:
+    raise APIError(400, "the prefix API is not available in upstream mode; send the full "
+                   "messages (prefix affinity keeps a system prompt on one upstream)",
+                   code="unsupported_in_upstream_mode")
+
+
+async def health(request: web.Request) -> web.Response:
+    """GET /health: 200 while the process serves HTTP (liveness)."""
+    return web.json_response({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    """GET /ready: 200 once the model is loaded (or an upstream is healthy), else 503."""
+    st = request.app[STATE]
+    if st.router is not None:
+        pool = st.router.describe()
+        if not any(u["healthy"] for u in pool):
+            raise APIError(503, "no healthy upstream", code="upstream_unavailable", retry_after=2.0)
+        return web.json_response({"status": "ready", "mode": "upstream", "upstreams": pool})
+    st.require_engine()
+    return web.json_response({"status": "ready", "mode": "local", "model": st.model_name})
+
+
+async def metrics_route(request: web.Request) -> web.Response:
+    """GET /metrics: Prometheus text exposition."""
+    st = request.app[STATE]
+    return web.Response(body=st.metrics.render(), headers={"Content-Type": CONTENT_TYPE})

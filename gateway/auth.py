@@ -1,0 +1,232 @@
+"""API keys, per-key rate limits (token buckets) and per-key cache salts.
+
+Keys come from ``--api-key`` (repeatable, no limits) and/or a keys file (JSON, or TOML when
+the name ends in ``.toml``)::
+
+    {"keys": [
+      {"key": "sk-team-a", "name": "team-a", "requests_per_minute": 600,
+       "tokens_per_minute": 200000, "max_concurrent": 16, "salt": "tenant-a"},
+      {"key": "sk-team-a-ci", "salt": "tenant-a"}
+    ]}
+
+Every limit is optional (absent or 0 = unlimited). ``salt`` names the prefix-cache partition:
+keys with the same salt share cached KV blocks; a key without one gets its own partition
+(salt derived from a SHA-256 of the key, so the key itself never reaches the engine). With no
+key configured at all the gateway is open and every request shares one partition (salt None).
+
+Rate limits are token buckets (capacity = the per-minute limit, refilled continuously at
+limit/60 per second). Requests/min is charged one per request at admission; tokens/min is
+charged the prompt tokens at admission and the completion tokens when the request ends (so a
+long answer delays the key's next requests rather than being cut).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiohttp import web
+from prefixgate.gateway.errors import APIError, too_many
+
+
+@dataclass(slots=True)
+class KeySpec:
+    """One API key and its limits (0 = unlimited)."""
+
+    key: str
+    name: str = ""
+    requests_per_minute: int = 0
+    tokens_per_minute: int = 0
+    max_concurrent: int = 0
+    salt: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.key, str) or not self.key:
+            raise ValueError("every API key must be a non-empty string")
+        for field in ("requests_per_minute", "tokens_per_minute", "max_concurrent"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{field} of key {self.name or '?'} must be an integer >= 0")
+        if not self.name:
+            self.name = "key-" + _digest(self.key)[:8]
+        if self.salt is None:
+            self.salt = "key:" + _digest(self.key)[:32]
+
+
+def _digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+class TokenBucket:
+    """A token bucket: ``capacity`` tokens, refilled at ``rate`` tokens per second.
+
+    ``take(n)`` returns 0.0 and takes ``n`` when available, else the seconds until they are
+    (nothing taken). A cost above the capacity passes when the bucket is full (and empties it)
+    so an oversized request is slowed, never refused forever. ``charge(n)`` takes ``n``
+    unconditionally (the level may go negative: a debt repaid by refill).
+    """
+
+    __slots__ = ("capacity", "rate", "level", "_last")
+
+    def __init__(self, capacity: float, rate: float) -> None:
+        self.capacity = capacity
+        self.rate = rate
+        self.level = capacity
+        self._last = time.monotonic()
+
+    def _refill(self) -> None:
+        now = time.monotonic()
+        self.level = min(self.capacity, self.level + (now - self._last) * self.rate)
+        self._last = now
+
+    def take(self, n: float) -> float:
+        """Take ``n`` tokens, or return the wait in seconds until possible."""
+        self._refill()
+        need = min(n, self.capacity)
+        if self.level >= need:
+            self.level -= n
+            return 0.0
+        return (need - self.level) / self.rate
+
+    def charge(self, n: float) -> None:
+        """Take ``n`` tokens even if that leaves a debt."""
+        self._refill()
+        self.level -= n
+
+
+class Principal:
+    """An authenticated caller: its key's limits and live counters."""
+
+    __slots__ = ("spec", "salt", "concurrent", "_rpm", "_tpm")
+
+    def __init__(self, spec: KeySpec | None) -> None:
+        self.spec = spec
+        self.salt = spec.salt if spec else None
+        self.concurrent = 0
+        self._rpm = (
+            TokenBucket(spec.requests_per_minute, spec.requests_per_minute / 60.0)
+            if spec and spec.requests_per_minute else None
+        )
+        self._tpm = (
+            TokenBucket(spec.tokens_per_minute, spec.tokens_per_minute / 60.0)
+            if spec and spec.tokens_per_minute else None
+        )
+
+    @property
+    def name(self) -> str:
+        return self.spec.name if self.spec else "anonymous"
+
+    def acquire(self, prompt_tokens: int) -> None:
+        """Count one request of ``prompt_tokens`` against the key's limits.
+
+        Raises:
+            APIError: 429 ``rate_limit_exceeded`` with ``Retry-After`` when over a limit.
+        """
+        spec = self.spec
+        if spec is None:
+            return
+        if spec.max_concurrent and self.concurrent >= spec.max_concurrent:
+            raise too_many(
+                f"key {spec.name} already has {self.concurrent} requests in flight "
+                f"(max_concurrent={spec.max_concurrent})", 1.0,
+            )
+        if self._rpm is not None:
+            wait = self._rpm.take(1)
+            if wait:
+                raise too_many(
+                    f"key {spec.name} is over {spec.requests_per_minute} requests per minute", wait
+                )
+        if self._tpm is not None:
+            wait = self._tpm.take(prompt_tokens)
+            if wait:
+                if self._rpm is not None:
+                    self._rpm.charge(-1)  # give the request back
+                raise too_many(
+                    f"key {spec.name} is over {spec.tokens_per_minute} tokens per minute", wait
+                )
+        self.concurrent += 1
+
+    def release(self, completion_tokens: int = 0) -> None:
+        """The request ended: free its concurrency slot and charge its completion tokens."""
+        if self.spec is None:
+            return
+        self.concurrent -= 1
+        if self._tpm is not None and completion_tokens:
+            self._tpm.charge(completion_tokens)
+
+
+class KeyRing:
+    """The configured keys; ``authenticate(request)`` returns the caller's Principal."""
+
+    def __init__(self, specs: list[KeySpec] | None = None) -> None:
+        self._by_digest: dict[str, Principal] = {}
+        for spec in specs or []:
+            self._by_digest[_digest(spec.key)] = Principal(spec)
+        self._anonymous = Principal(None)
+
+    @classmethod
+    def from_options(cls, api_keys: list[str] | None = None, keys_file: str | None = None) -> KeyRing:
+        """Keys from ``--api-key`` values and a keys file.
+
+        Raises:
+            ValueError: on an unreadable or malformed keys file (naming the file).
+        """
+        specs = [KeySpec(key=k) for k in api_keys or []]
+        if keys_file:
+            specs.extend(load_keys_file(keys_file))
+        return cls(specs)
+
+    @property
+    def open(self) -> bool:
+        """True when no key is configured (no authentication)."""
+        return not self._by_digest
+
+    def authenticate(self, request: web.Request) -> Principal:
+        """The Principal for the request's ``Authorization: Bearer <key>`` header.
+
+        Raises:
+            APIError: 401 ``invalid_api_key`` when the key is missing or unknown.
+        """
+        if not self._by_digest:
+            return self._anonymous
+        header = request.headers.get("Authorization", "")
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+        principal = self._by_digest.get(_digest(key.strip()))
+        if principal is None:
+            raise APIError(401, "incorrect API key provided", code="invalid_api_key")
+        return principal
+
+
+def load_keys_file(path: str) -> list[KeySpec]:
+    """Read a keys file (format in the module docstring).
+
+    Raises:
+        ValueError: unreadable file, bad syntax, or an entry with unknown or invalid fields.
+    """
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+        data = tomllib.loads(raw.decode()) if p.suffix == ".toml" else json.loads(raw)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read keys file {path}: {exc}") from None
+    entries = data.get("keys") if isinstance(data, dict) else None
+    if not isinstance(entries, list):
+        raise ValueError(f"keys file {path} must hold {{\"keys\": [...]}}")
+    specs = []
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            raise ValueError(f"keys file {path}: entry {i} is not an object")
+        try:
+            specs.append(KeySpec(**entry))
+        except TypeError as exc:
+            raise ValueError(f"keys file {path}: entry {i}: {exc}") from None
+        except ValueError as exc:
+            raise ValueError(f"keys file {path}: entry {i}: {exc}") from None
+    return specs

@@ -1,0 +1,130 @@
+"""Prometheus metrics of the gateway (``GET /metrics``), via prometheus-client.
+
+Latencies are measured at the gateway, in seconds, from the moment the request was admitted:
+TTFT (time to first token), TPOT (time per output token after the first, per choice:
+``(t_last - t_first) / (tokens - 1)``) and E2E latency. Engine state (running and waiting
+requests, KV blocks, prefix-cache hit rate) is read from ``engine.stats()`` at scrape time.
+Names follow vLLM's ``vllm:`` metrics where one exists, under a ``prefixgate_`` prefix.
+Each app gets its own ``CollectorRegistry``, so several gateways can live in one process.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                    10.0, 30.0, 60.0, 120.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
+                 0.75, 1.0, 2.5)
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class _EngineStats(Collector):
+    """Gauges read from ``engine.stats()`` on every scrape."""
+
+    _GAUGES = {
+        "num_running": ("prefixgate_engine_running_requests", "requests running in the engine"),
+        "num_waiting": ("prefixgate_engine_waiting_requests", "requests waiting in the engine"),
+        "kv_blocks_used": ("prefixgate_kv_blocks_used", "KV blocks in use (ref count > 0)"),
+        "kv_blocks_total": ("prefixgate_kv_blocks_total", "KV blocks in the pool"),
+        "kv_blocks_free": ("prefixgate_kv_blocks_free", "KV blocks free (cached or empty)"),
+        "kv_blocks_cached_free": ("prefixgate_kv_blocks_cached_free",
+                                  "free KV blocks still holding a cached prefix"),
+        "pinned_blocks": ("prefixgate_kv_blocks_pinned", "KV blocks held by prefix pins"),
+        "prefix_cache_hit_rate": ("prefixgate_prefix_cache_hit_rate",
+                                  "prefix-cache hits / queries, in tokens"),
+        "prefix_cache_queries": ("prefixgate_prefix_cache_queries_tokens",
+                                 "prompt tokens looked up in the prefix cache"),
+        "prefix_cache_hits": ("prefixgate_prefix_cache_hits_tokens",
+                              "prompt tokens served from the prefix cache"),
+        "num_preemptions": ("prefixgate_engine_preemptions", "requests preempted so far"),
+    }
+
+    def __init__(self, stats: Callable[[], dict[str, Any] | None]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        try:
+            stats = self._stats()
+        except Exception:  # noqa: BLE001 - a scrape never fails because of the engine
+            stats = None
+        if not stats:
+            return
+        for key, (name, doc) in self._GAUGES.items():
+            value = stats.get(key)
+            if isinstance(value, int | float):
+                yield GaugeMetricFamily(name, doc, value=float(value))
+
+
+class GatewayMetrics:
+    """The gateway's metrics on a private registry; ``render()`` gives the exposition text."""
+
+    def __init__(self, window_s: float = 10.0) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("prefixgate_time_to_first_token_seconds", "TTFT at the gateway",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("prefixgate_time_per_output_token_seconds",
+                              "TPOT per choice (after the first token)",
+                              buckets=_TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("prefixgate_e2e_request_latency_seconds",
+                             "end-to-end request latency at the gateway",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.requests = Counter("prefixgate_requests", "finished requests by route and status",
+                                ["route", "status"], registry=r)
+        self.prompt_tokens = Counter("prefixgate_prompt_tokens", "prompt tokens admitted",
+                                     registry=r)
+        self.generation_tokens = Counter("prefixgate_generation_tokens", "tokens generated",
+                                         registry=r)
+        self.cached_tokens = Counter("prefixgate_cached_prompt_tokens",
+                                     "prompt tokens served from the prefix cache", registry=r)
+        self.queue_depth = Gauge("prefixgate_queue_depth",
+                                 "requests admitted and waiting for their first token", registry=r)
+        self.queued_tokens = Gauge("prefixgate_queue_prompt_tokens",
+                                   "prompt tokens of the queued requests", registry=r)
+        self.running = Gauge("prefixgate_running_requests",
+                             "requests admitted and generating", registry=r)
+        self.tokens_per_s = Gauge("prefixgate_generation_tokens_per_second",
+                                  f"tokens generated per second over the last {window_s:g} s",
+                                  registry=r)
+        self.upstream_requests = Counter("prefixgate_upstream_requests",
+                                         "requests forwarded per upstream and status",
+                                         ["upstream", "status"], registry=r)
+        self.upstream_healthy = Gauge("prefixgate_upstream_healthy", "1 when the upstream is healthy",
+                                      ["upstream"], registry=r)
+        self._window = window_s
+        self._marks: list[tuple[float, float]] = []  # (time, cumulative generated tokens)
+        self._generated = 0.0
+
+    def add_engine(self, stats: Callable[[], dict[str, Any] | None]) -> None:
+        """Expose ``stats()`` of the engine (read at scrape time)."""
+        self.registry.register(_EngineStats(stats))
+
+    def add_generated(self, n: int) -> None:
+        """Count ``n`` generated tokens (feeds the counter and the tokens/s gauge)."""
+        if n:
+            self.generation_tokens.inc(n)
+            self._generated += n
+
+    def bind_admission(self, admission: Any) -> None:
+        """Read queue depth, queued tokens and running requests from the admission controller."""
+        self.queue_depth.set_function(lambda: admission.queued_requests)
+        self.queued_tokens.set_function(lambda: admission.queued_tokens)
+        self.running.set_function(lambda: admission.in_flight - admission.queued_requests)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        now = time.monotonic()
+        self._marks.append((now, self._generated))
+        while len(self._marks) > 2 and now - self._marks[1][0] >= self._window:
+            self._marks.pop(0)
+        t0, g0 = self._marks[0]
+        self.tokens_per_s.set((self._generated - g0) / (now - t0) if now > t0 else 0.0)
+        return generate_latest(self.registry)

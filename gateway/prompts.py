@@ -1,0 +1,126 @@
+"""Prompts to token ids: chat rendering, completion prompts, length checks, sampling params.
+
+Chat messages are rendered with the model's chat template
+(``engine.tokenizer.apply_chat_template``) and encoded *without* adding special tokens, as
+transformers' ``apply_chat_template(tokenize=True)`` and vLLM's chat endpoint do: the template
+writes the BOS token itself. Completion prompts given as text are encoded with special tokens
+(BOS added), as vLLM's completions endpoint does; token-id prompts are passed as they are.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from prefixgate.engine.sampling_params import SamplingParams
+from prefixgate.gateway.errors import APIError, bad_request
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True
+                ) -> list[int]:
+    """Token ids of ``messages`` rendered with the chat template.
+
+    Raises:
+        APIError: 400 when the template refuses the conversation (e.g. roles out of order).
+    """
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    except Exception as exc:  # noqa: BLE001 - jinja raises its own types for template errors
+        raise bad_request(f"the chat template cannot render these messages: {exc}",
+                          param="messages") from None
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def completion_prompts(tokenizer: Any, prompt: str | list) -> list[list[int]]:
+    """Token ids of each prompt of a completions request (one, or a batch).
+
+    Raises:
+        APIError: 400 on an empty prompt or a token id outside the vocabulary.
+    """
+    if isinstance(prompt, str):
+        batch: list = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        batch = [prompt]
+    else:
+        batch = list(prompt)
+    if not batch:
+        raise bad_request("prompt must not be empty", param="prompt")
+    vocab = getattr(tokenizer, "vocab_size", None)
+    out = []
+    for item in batch:
+        if isinstance(item, str):
+            ids = tokenizer.encode(item, add_special_tokens=True)
+        else:
+            ids = list(item)
+            if vocab is not None and any(t < 0 or t >= vocab for t in ids):
+                raise bad_request(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        if not ids:
+            raise bad_request("prompt must not be empty", param="prompt")
+        out.append(ids)
+    return out
+
+
+def check_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
+                 param: str) -> int:
+    """The output limit in tokens, checked against the context length (vLLM's rule).
+
+    Returns ``max_tokens``, or what is left of ``max_model_len`` when ``None``.
+
+    Raises:
+        APIError: 400 ``context_length_exceeded`` when the prompt alone fills the context,
+            or when prompt + ``max_tokens`` exceeds it (``param`` names the field).
+    """
+    if num_prompt_tokens >= max_model_len:
+        raise APIError(
+            400,
+            f"this model's maximum context length is {max_model_len} tokens; the prompt has "
+            f"{num_prompt_tokens} tokens, leaving no room to generate",
+            param=param, code="context_length_exceeded",
+        )
+    room = max_model_len - num_prompt_tokens
+    if max_tokens is None:
+        return room
+    if max_tokens > room:
+        raise APIError(
+            400,
+            f"this model's maximum context length is {max_model_len} tokens: the prompt "
+            f"({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceeds it; "
+            f"ask for at most {room} tokens",
+            param="max_tokens", code="context_length_exceeded",
+        )
+    return max_tokens
+
+
+def choice_seeds(seed: int | None, n: int) -> list[int | None]:
+    """Seeds of the ``n`` choices: ``seed + i``; a random base when ``n > 1`` and no seed is
+    given (so sampled choices differ); ``[seed]`` when ``n == 1``."""
+    if n == 1:
+        return [seed]
+    base = seed if seed is not None else random.getrandbits(31)
+    return [base + i for i in range(n)]
+
+
+def sampling_params(req: Any, max_tokens: int, seed: int | None) -> SamplingParams:
+    """Engine SamplingParams of one choice of a chat or completions request.
+
+    Raises:
+        APIError: 400 when the engine's SamplingParams refuses a value.
+    """
+    try:
+        return SamplingParams(
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k,
+            min_p=req.min_p,
+            seed=seed,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+            max_tokens=max_tokens,
+            stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+            stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=req.ignore_eos,
+            logprobs=req.num_logprobs,
+        )
+    except (ValueError, TypeError) as exc:
+        raise bad_request(str(exc)) from None

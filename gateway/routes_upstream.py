@@ -1,0 +1,138 @@
+"""Routes of upstream mode: the OpenAI API forwarded to the upstream pool.
+
+The body is forwarded as received (bytes), answers come back as they are: a JSON body in one
+piece, an SSE stream chunk by chunk as the upstream writes it (no re-framing, no buffering).
+A request whose upstream fails before answering (connection refused or reset, timeout,
+502/503/504) is retried once on each other healthy upstream; once a stream has started it
+cannot be, and is cut. A client that disconnects closes the upstream connection (the
+upstream then aborts its request).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prefixgate.gateway.errors import APIError, bad_request
+from prefixgate.gateway.state import STATE, GatewayState
+from prefixgate.gateway.upstream import Upstream, affinity_key
+
+logger = logging.getLogger("prefixgate.gateway")
+
+_RETRYABLE = frozenset((502, 503, 504))
+_HOP_HEADERS = {"Content-Type": "application/json"}
+_STREAM_HEADERS = ("Content-Type", "Cache-Control")
+
+
+async def proxy_generate(request: web.Request) -> web.StreamResponse:
+    """POST /v1/chat/completions and /v1/completions in upstream mode."""
+    st = request.app[STATE]
+    principal = st.keys.authenticate(request)
+    body = await request.read()
+    try:
+        parsed = json.loads(body)
+    except ValueError as exc:
+        raise bad_request(f"malformed JSON body: {exc}", code="invalid_json") from None
+    if not isinstance(parsed, dict):
+        raise bad_request("the body must be a JSON object", code="invalid_json")
+    if parsed.get("prefix_id") is not None:
+        raise bad_request("prefix_id is not available in upstream mode", param="prefix_id",
+                          code="unsupported_in_upstream_mode")
+    s = st.settings
+    key = affinity_key(parsed, s.affinity_block_chars, s.affinity_max_chars)
+    est_tokens = len(body) // 4 + 1  # no tokenizer here: ~4 bytes per token for limits
+    principal.acquire(est_tokens)
+    try:
+        ticket = st.admission.admit(est_tokens)
+    except APIError:
+        principal.release(0)
+        raise
+    try:
+        return await _forward(request, st, body, key, ticket, principal)
+    finally:
+        ticket.done()
+        principal.release(0)
+
+
+async def proxy_get(request: web.Request) -> web.StreamResponse:
+    """GET /v1/models (and /v1/models/{id}) from the least loaded healthy upstream."""
+    st = request.app[STATE]
+    st.keys.authenticate(request)
+    return await _forward(request, st, None, None, None, None)
+
+
+async def _forward(request: web.Request, st: GatewayState, body: bytes | None,
+                   key: bytes | None, ticket: Any, principal: Any) -> web.StreamResponse:
+    router = st.router
+    session = router.session
+    headers = _headers(request, st)
+    tried: list[Upstream] = []
+    while True:
+        up = router.pick(key, tried)
+        if up is None:
+            if tried:
+                raise APIError(502, f"every upstream failed: {tried[-1].last_error}",
+                               code="upstream_unavailable")
+            raise APIError(503, "no healthy upstream", code="upstream_unavailable",
+                           retry_after=router.health_interval_s)
+        tried.append(up)
+        up.in_flight += 1
+        status = "error"
+        try:
+            if body is None:
+                ctx = session.get(up.url + request.path_qs, headers=headers)
+            else:
+                ctx = session.post(up.url + request.path, data=body, headers=headers)
+            async with ctx as resp:
+                status = str(resp.status)
+                if resp.status in _RETRYABLE:
+                    router.mark_failed(up, f"HTTP {resp.status}")
+                    continue
+                if ticket is not None:
+                    ticket.started()
+                up.served += 1
+                ctype = resp.headers.get("Content-Type", "application/json")
+                if ctype.startswith("text/event-stream"):
+                    return await _pipe(request, resp)
+                data = await resp.read()
+                return web.Response(body=data, status=resp.status,
+                                    headers={"Content-Type": ctype})
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
+            if request.transport is None or request.transport.is_closing():
+                return web.Response(status=499)  # client gone; nothing to answer
+            router.mark_failed(up, type(exc).__name__ + (f": {exc}" if str(exc) else ""))
+            status = "failed"
+        finally:
+            up.in_flight -= 1
+            st.metrics.upstream_requests.labels(up.url, status).inc()
+
+
+async def _pipe(request: web.Request, resp: aiohttp.ClientResponse) -> web.StreamResponse:
+    """Pass an SSE stream through chunk by chunk."""
+    out = web.StreamResponse(status=resp.status, headers={
+        "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
+        "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    await out.prepare(request)
+    try:
+        async for chunk in resp.content.iter_any():
+            await out.write(chunk)
+        await out.write_eof()
+    except ConnectionResetError:
+        pass  # client gone: leaving closes the upstream connection
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        # The upstream broke mid-stream: a started stream cannot move; cut it.
+        logger.warning("upstream stream cut: %r", exc)
+        request.transport and request.transport.close()
+    return out
+
+
+def _headers(request: web.Request, st: GatewayState) -> dict[str, str]:
+    if st.settings.upstream_api_key:
+        return {**_HOP_HEADERS, "Authorization": "Bearer " + st.settings.upstream_api_key}
+    auth = request.headers.get("Authorization")
+    if auth and st.keys.open:
+        return {**_HOP_HEADERS, "Authorization": auth}
+    return _HOP_HEADERS

@@ -1,0 +1,178 @@
+"""Request bodies of the OpenAI API (chat, completions) and of the prefix API, validated.
+
+Validation is pydantic v2 in strict mode straight from the JSON bytes: a wrong type is an
+error (``"5"`` is not an int), never silently coerced. ``parse(model, body)`` turns any
+failure (malformed JSON, wrong type, missing field, out of range) into a 400 OpenAI error
+naming the field in ``param``. Unknown fields are ignored, as OpenAI-compatible servers do.
+Ranges follow the OpenAI API reference (https://platform.openai.com/docs/api-reference/chat).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, TypeVar
+
+from prefixgate.gateway.errors import bad_request
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+_CONFIG = ConfigDict(strict=True, extra="ignore")
+
+MAX_N = 16  # choices per request (each is one engine request)
+
+
+class TextPart(BaseModel):
+    """One ``{"type": "text", "text": ...}`` part of a message's content."""
+
+    model_config = _CONFIG
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """A chat message. Content is a string or a list of text parts (images are refused)."""
+
+    model_config = _CONFIG
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """The content as one string (text parts joined)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+    def as_dict(self) -> dict[str, str]:
+        """``{"role", "content"}`` for the chat template."""
+        return {"role": self.role, "content": self.text()}
+
+
+class StreamOptions(BaseModel):
+    """``stream_options``: ``include_usage`` adds a final usage chunk."""
+
+    model_config = _CONFIG
+    include_usage: bool = False
+
+
+Stop = str | Annotated[list[str], Field(max_length=4)] | None
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by chat and completions (OpenAI names plus vLLM's extras)."""
+
+    model_config = _CONFIG
+    model: str
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: Stop = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: int | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM-style extras (not in OpenAI's API, accepted by OpenAI clients via extra_body).
+    top_k: int = Field(-1, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, value: Stop) -> Stop:
+        if value == "" or (isinstance(value, list) and any(s == "" for s in value)):
+            raise ValueError("stop strings must not be empty")
+        return value
+
+    @property
+    def include_usage(self) -> bool:
+        """True when a streamed response must end with a usage chunk."""
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions. ``prefix_id`` (ours) prepends a pinned prefix's messages."""
+
+    messages: list[ChatMessage] = Field(default_factory=list)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    prefix_id: str | None = None
+
+    @property
+    def output_limit(self) -> int | None:
+        """``max_completion_tokens`` (current name) or ``max_tokens`` (deprecated name)."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top alternatives per token for the engine (None = no logprobs)."""
+        if not self.logprobs:
+            return None
+        return self.top_logprobs or 0
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions: a prompt string, token ids, or a batch of either."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+
+    @property
+    def output_limit(self) -> int | None:
+        """``max_tokens``; OpenAI's default for completions is 16 tokens."""
+        return self.max_tokens if self.max_tokens is not None else 16
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top alternatives per token for the engine (None = no logprobs)."""
+        return self.logprobs
+
+
+class PrefixCreateRequest(BaseModel):
+    """POST /v1/prefixes: the leading messages to render and pin for ``ttl_seconds``."""
+
+    model_config = _CONFIG
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    ttl_seconds: float = Field(300.0, gt=0.0)
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse(model: type[M], body: bytes) -> M:
+    """Validate a JSON body into ``model``.
+
+    Raises:
+        APIError: 400 with ``param`` naming the first field at fault (``code``
+            ``"invalid_json"`` for malformed JSON).
+    """
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        err = exc.errors(include_url=False)[0]
+        if err["type"] == "json_invalid":
+            raise bad_request(f"malformed JSON body: {err['msg']}", code="invalid_json") from None
+        if err["type"] == "model_type" and not err["loc"]:
+            raise bad_request("the body must be a JSON object", code="invalid_json") from None
+        # Union members add their type name to the location ('stop', 'str'): keep field names.
+        loc = [str(p) for p in err["loc"] if not _is_type_tag(p)]
+        param = ".".join(loc) or None
+        msg = err["msg"]
+        if err["type"] == "missing":
+            msg = "field required"
+        raise bad_request(f"{param}: {msg}" if param else msg, param=param) from None
+
+
+def _is_type_tag(part: object) -> bool:
+    return isinstance(part, str) and (
+        part in {"str", "int", "float", "bool", "none"} or part.startswith(("list[", "function-"))
+        or part in {"TextPart"}
+    )

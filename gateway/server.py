@@ -1,0 +1,110 @@
+"""Running the app: ``start_server`` in the current loop, ``BackgroundServer`` in a thread.
+
+Both bind to the given host (127.0.0.1 by default) and port (0 = a free port chosen by the
+OS) and run with ``handler_cancellation=True``, so a client that disconnects cancels its
+request handler (and with it the engine request or the upstream call).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+
+@dataclass(slots=True)
+class RunningServer:
+    """A started server: its runner and its base URL (``http://host:port``)."""
+
+    runner: web.AppRunner
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def stop(self) -> None:
+        """Stop accepting, finish or cancel handlers, run the app's cleanup."""
+        await self.runner.cleanup()
+
+
+async def start_server(app: web.Application, host: str = "127.0.0.1", port: int = 0,
+                       shutdown_timeout_s: float = 5.0) -> RunningServer:
+    """Start serving ``app`` on ``host:port`` in the running loop.
+
+    Raises:
+        OSError: when the address cannot be bound.
+    """
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=shutdown_timeout_s)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, backlog=1024, reuse_address=True)
+    try:
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    bound = runner.addresses[0][1] if runner.addresses else port
+    return RunningServer(runner, host, bound)
+
+
+class BackgroundServer:
+    """Serves an app from a daemon thread with its own event loop (tests, benchmarks).
+
+    ``make_app`` runs inside that loop (so engines and sessions bind to it). Use as a context
+    manager; ``url`` is the base URL; ``call(coro_fn)`` runs a coroutine function in the
+    server's loop and returns its result.
+    """
+
+    def __init__(self, make_app: Callable[[], web.Application | Awaitable[web.Application]],
+                 host: str = "127.0.0.1", port: int = 0) -> None:
+        self._make_app = make_app
+        self._host = host
+        self._port = port
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True,
+                                        name="prefixgate-server")
+        self.server: RunningServer | None = None
+        self.app: web.Application | None = None
+
+    def __enter__(self) -> BackgroundServer:
+        self._thread.start()
+        self.call(self._start, timeout=120)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def _start(self) -> None:
+        app = self._make_app()
+        if asyncio.iscoroutine(app):
+            app = await app
+        self.app = app
+        self.server = await start_server(app, self._host, self._port)
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return self.server.url
+
+    def call(self, fn: Callable[[], Awaitable[Any]], timeout: float = 60) -> Any:
+        """Run ``fn()`` (a coroutine function) in the server's loop; return its result."""
+        fut: Future = asyncio.run_coroutine_threadsafe(fn(), self.loop)
+        return fut.result(timeout)
+
+    def close(self) -> None:
+        """Stop the server and the thread (idempotent)."""
+        if not self._thread.is_alive():
+            return
+        if self.server is not None:
+            self.call(self.server.stop, timeout=30)
+            self.server = None
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()

@@ -1,0 +1,110 @@
+"""Gateway settings and the per-app state the routes share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+from prefixgate.gateway.admission import AdmissionConfig, AdmissionController
+from prefixgate.gateway.auth import KeyRing
+from prefixgate.gateway.errors import APIError
+from prefixgate.gateway.metrics import GatewayMetrics
+
+
+@dataclass(slots=True)
+class GatewaySettings:
+    """Options of the gateway (the serving ones; engine options live in EngineConfig).
+
+    Attributes:
+        model_name: the id served in ``/v1/models`` and accepted in ``model`` (default: the
+            model folder's name, or ``"tiny-random"``).
+        api_keys: keys accepted without limits (``--api-key``).
+        keys_file: keys file with per-key limits and salts (see ``auth``).
+        max_body_bytes: largest request body (bytes); larger → 413.
+        max_queued_requests, max_queued_tokens, max_running: admission bounds (see
+            ``admission.AdmissionConfig``).
+        keepalive_s: seconds between SSE keep-alive comments while no token comes.
+        poll_s: seconds between client-disconnect checks while waiting (non-streaming).
+        max_prefix_ttl_s: longest ``ttl_seconds`` of a prefix; max_prefixes: most live ones.
+        upstream_timeout_s: total timeout of one upstream request (seconds, 0 = none).
+        upstream_connect_timeout_s: connect timeout to an upstream (seconds).
+        upstream_api_key: bearer key sent to the upstreams (None: the client's header is
+            passed through when the gateway has no keys of its own).
+        health_interval_s: seconds between probes of unhealthy upstreams.
+        affinity_block_chars: characters per "block" of the prompt for prefix affinity.
+        affinity_max_chars: at most this many leading characters are hashed.
+        balance_abs_threshold, balance_rel_threshold: SGLang router's load-imbalance rule:
+            route to the least loaded upstream when ``max - min > abs`` and
+            ``max > rel * min`` (in-flight requests).
+    """
+
+    model_name: str | None = None
+    api_keys: list[str] = field(default_factory=list)
+    keys_file: str | None = None
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_queued_requests: int = 256
+    max_queued_tokens: int = 262_144
+    max_running: int = 0
+    keepalive_s: float = 5.0
+    poll_s: float = 0.25
+    max_prefix_ttl_s: float = 86_400.0
+    max_prefixes: int = 1024
+    upstream_timeout_s: float = 600.0
+    upstream_connect_timeout_s: float = 5.0
+    upstream_api_key: str | None = None
+    health_interval_s: float = 5.0
+    affinity_block_chars: int = 64
+    affinity_max_chars: int = 4096
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        for name in ("keepalive_s", "poll_s", "health_interval_s", "max_prefix_ttl_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.affinity_block_chars < 1 or self.affinity_max_chars < 1:
+            raise ValueError("affinity_block_chars and affinity_max_chars must be >= 1")
+        if self.balance_rel_threshold < 1.0 or self.balance_abs_threshold < 0:
+            raise ValueError("balance_rel_threshold must be >= 1 and balance_abs_threshold >= 0")
+
+    def admission_config(self) -> AdmissionConfig:
+        """The admission bounds as an AdmissionConfig."""
+        return AdmissionConfig(self.max_queued_requests, self.max_queued_tokens, self.max_running)
+
+
+@dataclass(slots=True)
+class GatewayState:
+    """What the routes share: settings, engine (local mode) or router (upstream mode)."""
+
+    settings: GatewaySettings
+    keys: KeyRing
+    admission: AdmissionController
+    metrics: GatewayMetrics
+    model_name: str
+    engine: Any = None
+    prefixes: Any = None  # PrefixRegistry once the engine is attached
+    router: Any = None  # UpstreamRouter in upstream mode
+    ready: bool = False
+
+    def require_engine(self) -> Any:
+        """The engine, or 503 while it loads.
+
+        Raises:
+            APIError: 503 ``model_not_ready``.
+        """
+        if not self.ready or self.engine is None:
+            raise APIError(503, "the model is still loading; retry shortly", code="model_not_ready",
+                           retry_after=2.0)
+        return self.engine
+
+    def check_model(self, model: str) -> None:
+        """Raises APIError 404 ``model_not_found`` unless ``model`` is the served model."""
+        if model != self.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves "
+                           f"{self.model_name!r}", param="model", code="model_not_found")
+
+
+STATE: web.AppKey[GatewayState] = web.AppKey("prefixgate_state", GatewayState)

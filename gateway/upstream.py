@@ -1,0 +1,203 @@
+"""Upstream mode: a pool of OpenAI-compatible servers and prefix-affinity routing among them.
+
+Routing of one request (after SGLang's cache-aware router, adapted to rendezvous hashing):
+
+1. Only healthy upstreams are candidates. An upstream becomes unhealthy after a connection
+   failure, a timeout, or a 502/503/504 answer; a background task probes unhealthy ones
+   (``GET /health``) every ``health_interval_s`` and puts them back on a 200.
+2. If the load is imbalanced — ``max - min > balance_abs_threshold`` and
+   ``max > balance_rel_threshold * min``, over in-flight requests (SGLang's defaults 64 and
+   1.5) — the least loaded upstream is chosen.
+3. Otherwise rendezvous (highest-random-weight) hashing of the prompt's affinity key picks the
+   upstream (Thaler & Ravishankar 1998): score = xxh3_64(key, seed=upstream's seed), highest
+   wins. The same system prompt goes to the same upstream, where its KV blocks are cached, and
+   removing one upstream moves only the keys it owned.
+
+The affinity key is the prompt's leading text in whole "blocks" of ``affinity_block_chars``
+characters, at most ``affinity_max_chars``: the leading system/developer messages of a chat
+(else its first message), or a completion's prompt. A key shorter than one block is used
+whole. A request without one goes to the least loaded upstream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import aiohttp
+import xxhash
+
+logger = logging.getLogger("prefixgate.gateway")
+
+
+def normalize_url(url: str) -> str:
+    """``http://host:port`` from ``http://host:port/``, ``.../v1`` or ``.../v1/``.
+
+    Raises:
+        ValueError: when the URL is not http(s)://host[:port][/v1].
+    """
+    u = url.strip().rstrip("/")
+    if u.endswith("/v1"):
+        u = u[:-3]
+    if not u.startswith(("http://", "https://")) or "/" in u.split("://", 1)[1]:
+        raise ValueError(f"upstream URL must look like http://host:port[/v1], got {url!r}")
+    return u
+
+
+class Upstream:
+    """One upstream server: its base URL, health and in-flight request count."""
+
+    __slots__ = ("url", "seed", "healthy", "in_flight", "failures", "served", "last_error")
+
+    def __init__(self, url: str) -> None:
+        self.url = normalize_url(url)
+        self.seed = zlib.crc32(self.url.encode())
+        self.healthy = True
+        self.in_flight = 0
+        self.failures = 0
+        self.served = 0
+        self.last_error = ""
+
+    def __repr__(self) -> str:
+        state = "healthy" if self.healthy else "unhealthy"
+        return f"Upstream({self.url}, {state}, in_flight={self.in_flight})"
+
+
+def affinity_key(body: Any, block_chars: int = 64, max_chars: int = 4096) -> bytes | None:
+    """The prompt's leading blocks of text (UTF-8 bytes) of a chat or completions body."""
+    if not isinstance(body, dict):
+        return None
+    text = ""
+    messages = body.get("messages")
+    if isinstance(messages, list) and messages:
+        lead = []
+        for m in messages:
+            if isinstance(m, dict) and m.get("role") in ("system", "developer"):
+                lead.append(_content(m.get("content")))
+            else:
+                break
+        text = "\n".join(lead) if lead else (
+            _content(messages[0].get("content")) if isinstance(messages[0], dict) else "")
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt:
+            prompt = prompt[0] if not isinstance(prompt[0], int) else prompt
+        if isinstance(prompt, str):
+            text = prompt
+        elif isinstance(prompt, list):
+            text = ",".join(map(str, prompt[: max_chars // 4]))
+    if not text:
+        return None
+    n = min(len(text), max_chars)
+    if n >= block_chars:
+        n -= n % block_chars
+    return text[:n].encode()
+
+
+def _content(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return ""
+
+
+class UpstreamRouter:
+    """Picks an upstream per request and keeps the pool's health (see the module docstring).
+
+    Args:
+        urls: base URLs of the upstreams.
+        balance_abs_threshold, balance_rel_threshold: the imbalance rule (in-flight requests).
+        health_interval_s: seconds between probes of unhealthy upstreams.
+        connect_timeout_s, timeout_s: of each upstream request (0 = no total timeout).
+    """
+
+    def __init__(self, urls: Sequence[str], balance_abs_threshold: int = 64,
+                 balance_rel_threshold: float = 1.5, health_interval_s: float = 5.0,
+                 connect_timeout_s: float = 5.0, timeout_s: float = 600.0) -> None:
+        if not urls:
+            raise ValueError("upstream mode needs at least one upstream URL")
+        self.upstreams = [Upstream(u) for u in urls]
+        if len({u.url for u in self.upstreams}) != len(self.upstreams):
+            raise ValueError("upstream URLs must be distinct")
+        self.abs_threshold = balance_abs_threshold
+        self.rel_threshold = balance_rel_threshold
+        self.health_interval_s = health_interval_s
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s or None, connect=connect_timeout_s)
+        self.session: aiohttp.ClientSession | None = None
+        self._probe_task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        """Open the shared ClientSession and start the health prober (in the server's loop)."""
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=30)
+        self.session = aiohttp.ClientSession(connector=connector, timeout=self.timeout,
+                                             auto_decompress=False, skip_auto_headers=("User-Agent",))
+        self._probe_task = asyncio.create_task(self._probe_loop())
+
+    async def close(self) -> None:
+        """Stop probing and close the session."""
+        if self._probe_task is not None:
+            self._probe_task.cancel()
+            await asyncio.gather(self._probe_task, return_exceptions=True)
+            self._probe_task = None
+        if self.session is not None:
+            await self.session.close()
+            self.session = None
+
+    def pick(self, key: bytes | None, exclude: Sequence[Upstream] = ()) -> Upstream | None:
+        """The upstream for a request with affinity ``key`` (None when none is healthy)."""
+        cands = [u for u in self.upstreams if u.healthy and u not in exclude]
+        if not cands:
+            return None
+        if len(cands) == 1:
+            return cands[0]
+        least = min(cands, key=_load)
+        if key is None:
+            return least
+        lo = least.in_flight
+        hi = max(u.in_flight for u in cands)
+        if hi - lo > self.abs_threshold and hi > self.rel_threshold * lo:
+            return least
+        return max(cands, key=lambda u: xxhash.xxh3_64_intdigest(key, seed=u.seed))
+
+    def mark_failed(self, up: Upstream, why: str) -> None:
+        """Take ``up`` out of rotation until a probe succeeds."""
+        up.failures += 1
+        up.last_error = why
+        if up.healthy:
+            logger.warning("upstream %s unhealthy: %s", up.url, why)
+        up.healthy = False
+
+    async def probe(self, up: Upstream) -> bool:
+        """``GET /health`` on ``up`` (2 s timeout); marks it healthy on a 200."""
+        assert self.session is not None
+        try:
+            async with self.session.get(up.url + "/health",
+                                        timeout=aiohttp.ClientTimeout(total=2.0)) as resp:
+                ok = resp.status == 200
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            ok = False
+        if ok and not up.healthy:
+            logger.info("upstream %s healthy again", up.url)
+            up.healthy = True
+        return ok
+
+    async def _probe_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            sick = [u for u in self.upstreams if not u.healthy]
+            if sick:
+                await asyncio.gather(*(self.probe(u) for u in sick), return_exceptions=True)
+
+    def describe(self) -> list[dict[str, Any]]:
+        """Per-upstream state for ``/ready`` and logs."""
+        return [{"url": u.url, "healthy": u.healthy, "in_flight": u.in_flight,
+                 "served": u.served, "failures": u.failures, "last_error": u.last_error}
+                for u in self.upstreams]
+
+
+def _load(u: Upstream) -> int:
+    return u.in_flight

@@ -1,0 +1,203 @@
+"""A fake AsyncEngine with the contract of DEVELOPERS.md (gateway <-> engine), for fast tests.
+
+Byte-level tokenizer (id = byte + 3; 1 = <s>, 2 = </s>), deterministic "generation" (letters
+derived from the prompt), a per-token delay, ``max_num_seqs`` running at a time (the rest
+wait), a block-aligned prefix cache per salt (for ``num_cached_tokens``), pins with a cap,
+and block accounting so tests can check that aborted requests free their blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from prefixgate.engine.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
+from prefixgate.engine.sampling_params import SamplingParams
+
+
+class PinLimitError(ValueError):
+    """Same name as the engine's error (the gateway also matches by name)."""
+
+
+class FakeTokenizer:
+    bos_token_id = 1
+    eos_token_ids = {2}
+    vocab_size = 259
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids: list[int] = []
+        if text.startswith("<s>"):
+            ids.append(1)
+            text = text[3:]
+        elif add_special_tokens:
+            ids.append(1)
+        ids.extend(b + 3 for b in text.encode())
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        data = bytes(i - 3 for i in ids if i >= 3)
+        return data.decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if any(m["role"] == "tool" for m in messages):
+            raise ValueError("this template has no tool role")
+        return "<s>" + "\n\n".join(m["content"] for m in messages)
+
+
+@dataclass
+class _Pin:
+    id: str
+    num_tokens: int
+    expires_at: float
+    blocks: int
+
+
+class FakeEngine:
+    """Implements generate/abort/pin_prefix/unpin_prefix/stats/tokenizer/max_model_len."""
+
+    def __init__(self, max_model_len: int = 128, token_delay_s: float = 0.002,
+                 max_num_seqs: int = 8, num_blocks: int = 64, block_size: int = 16,
+                 max_pinned_fraction: float = 0.5) -> None:
+        self.tokenizer = FakeTokenizer()
+        self.max_model_len = max_model_len
+        self.token_delay_s = token_delay_s
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.max_pinned_fraction = max_pinned_fraction
+        self._slots = asyncio.Semaphore(max_num_seqs) if max_num_seqs else None
+        self._max_num_seqs = max_num_seqs
+        self._running: dict[str, int] = {}  # request id -> blocks held
+        self._waiting: set[str] = set()
+        self._aborted: set[str] = set()
+        self._cache: dict[str | None, list[list[int]]] = {}
+        self._pins: dict[str, _Pin] = {}
+        self.generated = 0
+        self.requests_seen: list[tuple[str, list[int], SamplingParams, str | None]] = []
+        self.shutdown_called = False
+
+    # --- the contract -----------------------------------------------------------------
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("empty prompt")
+        if len(ids) >= self.max_model_len:
+            raise ValueError("prompt longer than max_model_len")
+        if request_id in self._running or request_id in self._waiting:
+            raise ValueError(f"duplicate request id {request_id}")
+        self.requests_seen.append((request_id, ids, params, cache_salt))
+        max_tokens = min(params.max_tokens or 10**9, self.max_model_len - len(ids))
+        cached = self._lookup(ids, cache_salt)
+        self._waiting.add(request_id)
+        out = CompletionOutput(index=0, logprobs=[] if params.logprobs is not None else None)
+        res = RequestOutput(request_id, prompt if isinstance(prompt, str) else None, ids, [out],
+                            num_cached_tokens=cached, metrics={"arrival": time.monotonic()})
+        acquired = False
+        try:
+            if self._slots is not None:
+                await self._slots.acquire()
+                acquired = True
+            self._waiting.discard(request_id)
+            self._running[request_id] = math.ceil(len(ids) / self.block_size)
+            seed = params.seed or 0
+            base = sum(ids) + seed * 7
+            for i in range(max_tokens):
+                await asyncio.sleep(self.token_delay_s)
+                if request_id in self._aborted:
+                    out.finish_reason = "abort"
+                    out.delta_text, out.delta_token_ids = "", []
+                    res.finished = True
+                    yield res
+                    return
+                tok = 3 + ord("a") + (base + i) % 26
+                self.generated += 1
+                out.token_ids.append(tok)
+                self._running[request_id] = math.ceil((len(ids) + i + 1) / self.block_size)
+                piece = self.tokenizer.decode([tok])
+                out.delta_token_ids = [tok]
+                out.delta_text = piece
+                out.text += piece
+                if out.logprobs is not None:
+                    alts = [Logprob(tok + k, -0.1 * (k + 1), chr(tok + k - 3))
+                            for k in range(params.logprobs or 0)]
+                    out.logprobs.append(TokenLogprobs(Logprob(tok, -0.1, piece), alts))
+                stop = next((s for s in params.stop if out.text.endswith(s)), None)
+                if stop is not None:
+                    out.text = out.text[: -len(stop)]
+                    out.delta_text = ""
+                    out.finish_reason, out.stop_reason = "stop", stop
+                elif i + 1 == max_tokens:
+                    out.finish_reason = "length"
+                res.finished = out.finish_reason is not None
+                yield res
+                if res.finished:
+                    self._store(ids, cache_salt)
+                    return
+        finally:
+            self._waiting.discard(request_id)
+            self._running.pop(request_id, None)
+            self._aborted.discard(request_id)
+            if acquired:
+                self._slots.release()
+
+    async def abort(self, request_id: str) -> None:
+        if request_id not in self._running and request_id not in self._waiting:
+            raise ValueError(f"unknown request id {request_id}")
+        self._aborted.add(request_id)
+
+    async def pin_prefix(self, token_ids: list[int], ttl_s: float,
+                         cache_salt: str | None = None) -> _Pin:
+        blocks = len(token_ids) // self.block_size
+        if self.pinned_blocks + blocks > self.max_pinned_fraction * self.num_blocks:
+            raise PinLimitError(f"pinning {blocks} blocks would exceed the pinned cap")
+        self._store(token_ids, cache_salt)
+        pin = _Pin(f"pin-{len(self._pins)}-{time.monotonic_ns()}", len(token_ids),
+                   time.monotonic() + ttl_s, blocks)
+        self._pins[pin.id] = pin
+        return pin
+
+    def unpin_prefix(self, pin_id: str) -> None:
+        if pin_id not in self._pins:
+            raise KeyError(pin_id)
+        del self._pins[pin_id]
+
+    @property
+    def pinned_blocks(self) -> int:
+        return sum(p.blocks for p in self._pins.values())
+
+    def stats(self) -> dict:
+        used = sum(self._running.values()) + self.pinned_blocks
+        return {
+            "num_running": len(self._running), "num_waiting": len(self._waiting),
+            "kv_blocks_total": self.num_blocks, "kv_blocks_used": used,
+            "kv_blocks_free": self.num_blocks - used, "kv_blocks_cached_free": 0,
+            "prompt_tokens_prefilled": 0, "tokens_decoded": self.generated,
+            "prefix_cache_queries": 0, "prefix_cache_hits": 0, "prefix_cache_hit_rate": 0.0,
+            "prefix_cache_evictions": 0, "pinned_blocks": self.pinned_blocks,
+            "num_preemptions": 0,
+        }
+
+    def check_invariants(self) -> None:
+        s = self.stats()
+        assert s["kv_blocks_used"] + s["kv_blocks_free"] == s["kv_blocks_total"]
+
+    async def shutdown(self) -> None:
+        self.shutdown_called = True
+
+    # --- helpers ------------------------------------------------------------------------
+    def _lookup(self, ids: list[int], salt: str | None) -> int:
+        best = 0
+        for seen in self._cache.get(salt, []):
+            n = 0
+            for a, b in zip(seen, ids[:-1], strict=False):
+                if a != b:
+                    break
+                n += 1
+            best = max(best, n // self.block_size * self.block_size)
+        return best
+
+    def _store(self, ids: list[int], salt: str | None) -> None:
+        self._cache.setdefault(salt, []).append(list(ids))
