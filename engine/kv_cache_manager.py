@@ -19,6 +19,7 @@ With ``enable_prefix_caching=False`` nothing is hashed, looked up, cached or pin
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -36,6 +37,8 @@ from prefixgate.engine.request import Request
 
 if TYPE_CHECKING:
     from prefixgate.engine.config import EngineConfig
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -99,6 +102,7 @@ class KVCacheManager:
         self._pin_blocks: dict[str, list[Block]] = {}
         self._pin_ids = itertools.count()
         self.num_pinned_blocks = 0
+        self.num_pins_revoked = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -381,6 +385,16 @@ class KVCacheManager:
             if b.pin_cnt == 0:
                 self.num_pinned_blocks -= 1
         self.pool.free(reversed(blocks))
+
+    def revoke_oldest_pin(self) -> bool:
+        """Release the oldest pin (a lone request needs its blocks); False if there is none."""
+        if not self._pins:
+            return False
+        pin_id = next(iter(self._pins))
+        logger.warning("prefix pin %s revoked: a request needs its KV blocks to make progress", pin_id)
+        self.unpin(pin_id)
+        self.num_pins_revoked += 1
+        return True
 
     def expire_pins(self, now: float | None = None) -> list[str]:
         """Release every pin whose ``expires_at <= now``; returns their ids."""

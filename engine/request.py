@@ -62,7 +62,7 @@ class Request:
         output_token_ids: generated tokens so far.
         num_computed_tokens: tokens whose KV is in the cache (prefix-cache hits included).
         num_cached_tokens: prompt tokens served from the prefix cache at first admission
-            (-1 until first admitted).
+            (0 until then; a resumed preempted request keeps its first value).
         status, stop_reason, finish_reason: see ``RequestStatus``; ``stop_reason`` is the stop
             token id or stop string that ended the request, ``None`` for EOS / length / abort.
         generator: per-request ``torch.Generator`` (the model runner fills it for seeded sampling).
@@ -107,7 +107,7 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt)
         self.num_computed_tokens = 0
-        self.num_cached_tokens = -1
+        self.num_cached_tokens = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.generator: torch.Generator | None = None

@@ -221,7 +221,7 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(req, num_new):
+            while not self._allocate(req, num_new):
                 victim = self.running[-1]
                 budget += self._preempt(victim, scheduled)
                 preempted.append(victim.request_id)
@@ -245,30 +245,47 @@ class Scheduler:
         return ScheduledRequest(req, num_new, self.kv.get_block_ids(req.request_id), req.num_computed_tokens)
 
     def _admit(self, budget: int, scheduled: dict[str, ScheduledRequest]) -> int:
+        """Admit waiting requests FCFS into ``scheduled``; returns the budget left."""
         skipped: list[Request] = []
         now = time.monotonic()
+        bs = self.kv.block_size
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             hits, num_hit = self.kv.get_computed_blocks(req)
-            if self.kv.pending_owner(req, len(hits)) is not None and len(hits) < (req.num_tokens - 1) // self.kv.block_size:
+            if len(hits) < (req.num_tokens - 1) // bs and self.kv.pending_owner(req, len(hits)):
                 skipped.append(self.waiting.popleft())  # in-flight dedup: wait for the owner
                 continue
             num_new = min(req.num_tokens - num_hit, budget)
-            if not self.kv.allocate_slots(req, num_new, num_hit, hits):
+            if not self._allocate(req, num_new, num_hit, hits):
                 break  # FCFS: nothing overtakes a request that does not fit
-            self.waiting.popleft()
-            req.num_computed_tokens = num_hit
-            if req.num_cached_tokens < 0:  # first admission
-                req.num_cached_tokens = num_hit
-                req.metrics.setdefault("first_scheduled", now)
-                self.kv.record_query(req.num_prompt_tokens, num_hit)
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            self.kv.mark_pending(req)
+            self._start(req, num_hit, now)
             scheduled[req.request_id] = self._schedule(req, num_new)
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
         return budget
+
+    def _allocate(self, req: Request, num_new: int, num_hit: int = 0, hits: list | None = None) -> bool:
+        """``allocate_slots``; when ``req`` would run alone, prefix pins yield (oldest first).
+
+        add_request guarantees a lone request fits the whole cache; pins may not keep it out
+        forever (that would be an endless preempt/resume cycle), so they are revoked.
+        """
+        while not self.kv.allocate_slots(req, num_new, num_hit, hits or ()):
+            if any(r is not req for r in self.running) or not self.kv.revoke_oldest_pin():
+                return False
+        return True
+
+    def _start(self, req: Request, num_hit: int, now: float) -> None:
+        """Move the head of the waiting queue to running with ``num_hit`` cached tokens."""
+        self.waiting.popleft()
+        req.num_computed_tokens = num_hit
+        if "first_scheduled" not in req.metrics:  # first admission
+            req.num_cached_tokens = num_hit
+            req.metrics["first_scheduled"] = now
+            self.kv.record_query(req.num_prompt_tokens, num_hit)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        self.kv.mark_pending(req)
 
     def _preempt(self, req: Request, scheduled: dict[str, ScheduledRequest]) -> int:
         """Preempt ``req`` (recompute later); returns the budget its schedule gave back."""

@@ -434,3 +434,17 @@ def test_pins_expire_in_schedule_and_survive_pressure(monkeypatch: pytest.Monkey
     sched.schedule()  # expire_pins runs every step
     assert sched.stats()["pinned_blocks"] == 0
     assert_whole(sched)
+
+
+def test_pins_yield_to_a_lone_request() -> None:
+    sched = make(num_blocks=8, max_num_batched_tokens=64)
+    sp = list(range(700, 764))  # 4 blocks = max_pinned_fraction 0.5 of 8
+    drive(sched, [request("warm", sp + [1], max_tokens=1)])
+    pin = sched.kv.pin(sp)
+    assert pin.num_tokens == 64 and pin.expires_at is None
+    big = request("big", list(range(800, 900)), max_tokens=20)  # 119 KV tokens: all 8 blocks
+    run = drive(sched, [big])
+    assert run.outputs["big"] == reference(list(range(800, 900)), 20)
+    assert sched.kv.num_pins_revoked == 1 and sched.stats()["pinned_blocks"] == 0
+    with pytest.raises(KeyError):
+        sched.kv.unpin(pin.id)
