@@ -1,0 +1,235 @@
+"""Next-token sampling for a batch: penalties, greedy / random choice, logprobs.
+
+Order per request (as vLLM and Hugging Face apply them): repetition penalty (prompt + output
+tokens, CTRL / HF formula) → frequency and presence penalties (output tokens, OpenAI formula)
+→ greedy argmax, or temperature → top-k → top-p → min-p → one draw. Logprobs are the
+``log_softmax`` of the raw model logits (before penalties and temperature).
+
+Random draws use inverse-CDF sampling with exactly one uniform number per request per step,
+taken from the request's own ``torch.Generator`` (or, for requests without a seed, from the
+sampler's engine-level generator), so a seeded request samples the same tokens whatever else
+shares its batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from prefixgate.engine.outputs import Logprob, TokenLogprobs
+from prefixgate.engine.sampling_params import SamplingParams
+
+GREEDY_EPS = 1e-5  # temperatures below this are greedy (dividing by them overflows fp32)
+
+
+@dataclass(slots=True)
+class SamplingState:
+    """What the sampler needs about one request for this step.
+
+    Attributes:
+        params: the request's sampling parameters.
+        prompt_token_ids: prompt ids (repetition penalty).
+        output_token_ids: ids generated so far (penalties).
+        generator: the request's own generator (seeded requests); ``None`` uses the
+            sampler's shared generator.
+    """
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    generator: torch.Generator | None = None
+
+
+@dataclass(slots=True)
+class SampleResult:
+    """The chosen token and, when asked for, its logprob plus the top-n alternatives."""
+
+    token_id: int
+    logprobs: TokenLogprobs | None = None
+
+
+class Sampler:
+    """Samples one token per row of a logits batch.
+
+    Args:
+        seed: seed of the shared generator used by requests without their own seed.
+    """
+
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+
+    def sample(self, logits: torch.Tensor, batch: Sequence[SamplingState]) -> list[SampleResult]:
+        """Pick the next token of every request.
+
+        Args:
+            logits: ``[B, V]`` float32 raw model logits, row i for ``batch[i]``; not modified.
+            batch: B sampling states.
+
+        Returns:
+            B results in batch order.
+
+        Raises:
+            ValueError: ``logits`` is not 2-D or its row count differs from ``len(batch)``.
+        """
+        if logits.dim() != 2 or logits.shape[0] != len(batch):
+            raise ValueError(
+                f"logits must be [B, V] with B == len(batch) == {len(batch)}, "
+                f"got {tuple(logits.shape)}"
+            )
+        if not batch:
+            return []
+        params = [s.params for s in batch]
+        penalized = [i for i, p in enumerate(params) if _has_penalty(p)]
+        random_rows = [i for i, p in enumerate(params) if p.temperature >= GREEDY_EPS]
+        wants_logprobs = any(p.logprobs is not None for p in params)
+        if not penalized and not random_rows and not wants_logprobs:
+            return [SampleResult(t) for t in logits.argmax(dim=-1).tolist()]  # all-greedy batch
+
+        scores = logits.float()
+        if penalized:
+            scores = scores.clone()
+            for i in penalized:
+                apply_penalties(scores[i], batch[i])
+        if len(random_rows) == len(batch):
+            tokens = torch.empty(len(batch), dtype=torch.int64, device=logits.device)
+        else:
+            tokens = scores.argmax(dim=-1)
+        if random_rows:
+            rows = torch.tensor(random_rows, device=logits.device)
+            picked = self._sample_random(scores[rows], [batch[i] for i in random_rows])
+            tokens[rows] = picked
+        token_list = tokens.tolist()
+        lps = _logprobs(logits, params, token_list) if wants_logprobs else [None] * len(batch)
+        return [SampleResult(t, lp) for t, lp in zip(token_list, lps, strict=True)]
+
+    def _sample_random(self, scores: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+        """``scores [R, V]`` (penalized logits) → ``[R]`` int64 sampled ids."""
+        params = [s.params for s in states]
+        device = scores.device
+        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+        scores = scores / temps.unsqueeze(1)
+        scores = apply_top_k(scores, [p.top_k for p in params])
+        scores = apply_top_p(scores, [p.top_p for p in params])
+        probs = torch.softmax(scores, dim=-1)
+        probs = apply_min_p(probs, [p.min_p for p in params])
+        uniforms = torch.cat([self._uniform(s.generator) for s in states]).to(device)
+        return inverse_cdf(probs, uniforms)
+
+    def _uniform(self, generator: torch.Generator | None) -> torch.Tensor:
+        gen = generator if generator is not None else self.generator
+        return torch.rand(1, generator=gen, device=gen.device)
+
+
+def _has_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def apply_penalties(row: torch.Tensor, state: SamplingState) -> None:
+    """Penalize one ``[V]`` float32 logits row in place.
+
+    Repetition (Keskar et al. 2019, as HF's ``RepetitionPenaltyLogitsProcessor``): for every
+    token seen in prompt or output, ``l / r`` when ``l > 0`` else ``l * r``. Then OpenAI's
+    ``l[j] -= c[j] * frequency_penalty + (c[j] > 0) * presence_penalty`` with ``c[j]`` the count
+    of j among output tokens.
+    """
+    p = state.params
+    vocab = row.shape[0]
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor([*state.prompt_token_ids, *state.output_token_ids], dtype=torch.int64)
+        seen = seen[(seen >= 0) & (seen < vocab)].unique().to(row.device)
+        if seen.numel():
+            vals = row[seen]
+            rp = p.repetition_penalty
+            row[seen] = torch.where(vals > 0, vals / rp, vals * rp)
+    if (p.frequency_penalty or p.presence_penalty) and len(state.output_token_ids):
+        out = torch.tensor(list(state.output_token_ids), dtype=torch.int64)
+        out = out[(out >= 0) & (out < vocab)]
+        counts = torch.bincount(out, minlength=vocab).to(device=row.device, dtype=row.dtype)
+        row -= counts * p.frequency_penalty + (counts > 0).to(row.dtype) * p.presence_penalty
+
+
+def apply_top_k(scores: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
+    """Keep each row's ``k`` highest scores (ties at the k-th value kept); ``k <= 0`` or
+    ``k >= V`` keeps all. ``scores [R, V]`` → ``[R, V]`` with the rest at ``-inf``."""
+    vocab = scores.shape[1]
+    ks = [k if 0 < k < vocab else vocab for k in top_ks]
+    if all(k == vocab for k in ks):
+        return scores
+    top = scores.topk(max(k for k in ks if k < vocab), dim=-1).values
+    k_idx = torch.tensor([min(k, top.shape[1]) - 1 for k in ks], device=scores.device)
+    threshold = top.gather(1, k_idx.unsqueeze(1))
+    active = torch.tensor([k < vocab for k in ks], device=scores.device).unsqueeze(1)
+    return scores.masked_fill(active & (scores < threshold), float("-inf"))
+
+
+def apply_top_p(scores: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
+    """Nucleus filter (Holtzman et al. 2019): keep the smallest set of most likely tokens
+    whose probability mass reaches ``top_p`` (the most likely token always kept).
+    Rows with ``top_p == 1`` are untouched. ``scores [R, V]`` → ``[R, V]``."""
+    rows = [i for i, p in enumerate(top_ps) if p < 1.0]
+    if not rows:
+        return scores
+    idx = torch.tensor(rows, device=scores.device)
+    sub = scores[idx]
+    sorted_scores, order = sub.sort(dim=-1, descending=True)
+    sorted_probs = torch.softmax(sorted_scores, dim=-1)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    ps = torch.tensor([top_ps[i] for i in rows], device=scores.device).unsqueeze(1)
+    drop_sorted = mass_before >= ps
+    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+    scores = scores.clone()
+    scores[idx] = sub.masked_fill(drop, float("-inf"))
+    return scores
+
+
+def apply_min_p(probs: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
+    """Drop tokens whose probability is below ``min_p`` times the row's top probability
+    (Nguyen et al. 2024, "min-p sampling"). ``probs [R, V]`` → renormalized ``[R, V]``."""
+    if not any(m > 0 for m in min_ps):
+        return probs
+    mins = torch.tensor(min_ps, dtype=probs.dtype, device=probs.device).unsqueeze(1)
+    keep = probs >= mins * probs.max(dim=-1, keepdim=True).values
+    probs = probs * keep
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Sample one id per row: the first index whose cumulative probability exceeds ``u``
+    times the row total. Zero-probability tokens are never chosen.
+
+    Args:
+        probs: ``[R, V]`` non-negative (need not sum exactly to 1).
+        uniforms: ``[R]`` in [0, 1).
+
+    Returns:
+        ``[R]`` int64 ids.
+    """
+    cdf = probs.cumsum(dim=-1)
+    target = (uniforms.to(cdf.dtype) * cdf[:, -1]).unsqueeze(1)
+    picked = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    # Rounding can put the target at the total: fall back to the last token with mass.
+    vocab = probs.shape[1]
+    last_nonzero = vocab - 1 - (probs > 0).flip(-1).int().argmax(dim=-1)
+    return torch.minimum(picked, last_nonzero)
+
+
+def _logprobs(
+    logits: torch.Tensor, params: list[SamplingParams], tokens: list[int]
+) -> list[TokenLogprobs | None]:
+    """Per row: the sampled token's logprob and the top-n, from the raw logits."""
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    idx = torch.tensor(rows, device=logits.device)
+    lp = torch.log_softmax(logits[idx].float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor([tokens[i] for i in rows], device=lp.device).unsqueeze(1))
+    n_max = max(params[i].logprobs for i in rows)
+    top_vals, top_ids = lp.topk(n_max, dim=-1) if n_max else (lp[:, :0], lp[:, :0].long())
+    chosen_l, top_v, top_i = chosen.squeeze(1).tolist(), top_vals.tolist(), top_ids.tolist()
+    out: list[TokenLogprobs | None] = [None] * len(params)
+    for j, i in enumerate(rows):
+        n = params[i].logprobs
+        out[i] = TokenLogprobs(
+            sampled=Logprob(tokens[i], chosen_l[j]),
+            top=[Logprob(t, v) for t, v in zip(top_i[j][:n], top_v[j][:n], strict=True)],
+        )
+    return out
