@@ -30,9 +30,10 @@ import anyio
 __all__ = ["ConcurrencyLimiter", "RateLimit", "RateLimiter", "Slot"]
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Slot:
-    """One held concurrency slot; ``epoch`` is the limiter's decrease count at admission."""
+    """One held concurrency slot (hashed by identity); ``epoch``: the limiter's decrease count
+    at admission."""
 
     epoch: int
     released: bool = False

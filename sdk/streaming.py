@@ -149,12 +149,33 @@ class AsyncStream(Generic[T]):
         await self.close()
 
     def __aiter__(self) -> AsyncIterator[T]:
+        # A fresh generator per loop: when an ``async for`` exits early the loop drops it, the
+        # event loop's async-generator finalizer runs its ``finally`` and the stream closes,
+        # even while the caller still holds this object.
+        return self._loop()
+
+    async def __anext__(self) -> T:
+        """The next chunk (``StopAsyncIteration`` at the end); for manual iteration."""
+        return await self._source().__anext__()
+
+    def _source(self) -> AsyncIterator[T]:
         if self._iterator is None:
             self._iterator = self._iterate()
         return self._iterator
 
-    async def __anext__(self) -> T:
-        return await self.__aiter__().__anext__()
+    async def _loop(self) -> AsyncIterator[T]:
+        source = self._source()
+        try:
+            while True:
+                try:
+                    item = await source.__anext__()
+                except StopAsyncIteration:
+                    return
+                yield item
+        finally:
+            with anyio.CancelScope(shield=True):
+                await source.aclose()  # type: ignore[attr-defined]
+                await self.close()
 
     async def close(self) -> None:
         """Close the response and free the slot (idempotent, safe under cancellation)."""

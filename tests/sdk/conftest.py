@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import anyio
 import pytest
 from aiohttp import web
-
 from prefixgate.sdk import AsyncClient, RetryPolicy
 
 
@@ -70,7 +69,9 @@ async def serve() -> AsyncIterator[Callable[..., Awaitable[str]]]:
         app = web.Application()
         for (method, path), handler in routes.items():
             app.router.add_route(method, path, handler)
-        runner = web.AppRunner(app, handle_signals=False, access_log=None)
+        runner = web.AppRunner(
+            app, access_log=None, handler_cancellation=True, shutdown_timeout=0.5
+        )
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()

@@ -17,8 +17,6 @@ def test_sdk_imports_without_torch() -> None:
         "c = AsyncClient('http://127.0.0.1:9/v1')\n"
         "print(sorted(m for m, v in sys.modules.items() if v is not None and m.startswith('prefixgate')))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
-    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "prefixgate.engine'" not in out.stdout and "prefixgate.gateway'" not in out.stdout

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from prefixgate.sdk.types import ChatCompletion, ChatCompletionChunk, Completion, ModelList
 
 

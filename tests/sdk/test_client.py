@@ -1,0 +1,107 @@
+"""Client surface: env configuration, headers, models, input validation, the sync Client."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import respx
+from prefixgate.sdk import AsyncClient, Client, SyncStream
+from prefixgate.sdk.types import ChatCompletionChunk
+
+from .conftest import BASE
+
+OK = {"id": "c1", "choices": [{"index": 0, "message": {"role": "assistant", "content": "yo"}}]}
+MSG = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.anyio
+@respx.mock
+async def test_env_base_url_and_api_key(monkeypatch) -> None:
+    monkeypatch.setenv("PREFIXGATE_BASE_URL", "http://env.local/v1/")
+    monkeypatch.setenv("PREFIXGATE_API_KEY", "sk-env")
+    route = respx.get("http://env.local/v1/models").mock(
+        return_value=httpx.Response(200, json={"object": "list", "data": [{"id": "aidreams"}]})
+    )
+    async with AsyncClient() as client:
+        models = await client.models.list(extra_headers={"x-test": "1"})
+    assert [m.id for m in models] == ["aidreams"]
+    req = route.calls[0].request
+    assert req.headers["authorization"] == "Bearer sk-env" and req.headers["x-test"] == "1"
+
+
+@pytest.mark.anyio
+@respx.mock
+async def test_extra_body_and_passthrough_fields(make_client) -> None:
+    route = respx.post(f"{BASE}/chat/completions").mock(return_value=httpx.Response(200, json=OK))
+    async with make_client() as client:
+        await client.chat.completions.create(
+            model="m",
+            messages=MSG,
+            max_tokens=5,
+            temperature=0.0,
+            logit_bias={"1": 2},
+            extra_body={"cache_salt": "s"},
+            extra_query={"q": "1"},
+        )
+    body = json.loads(route.calls[0].request.content)
+    assert body == {
+        "model": "m",
+        "messages": MSG,
+        "max_tokens": 5,
+        "temperature": 0.0,
+        "logit_bias": {"1": 2},
+        "cache_salt": "s",
+    }
+    assert route.calls[0].request.url.params["q"] == "1"
+
+
+@pytest.mark.anyio
+async def test_bad_input_raises_before_sending(make_client) -> None:
+    async with make_client() as client:
+        with pytest.raises(TypeError):
+            await client.chat.completions.create(model=3, messages=MSG)  # type: ignore[arg-type]
+        with pytest.raises(ValueError):
+            await client.chat.completions.create(model="m", messages=[])
+        with pytest.raises(TypeError):
+            await client.chat.completions.create(model="m", messages=[{"content": "no role"}])
+        with pytest.raises(TypeError):
+            await client.completions.create(model="m", prompt=5)  # type: ignore[arg-type]
+        with pytest.raises(TypeError):
+            await client.models.list(bogus=1)
+        with pytest.raises(TypeError):
+            await client.chat.completions.create(model="m", messages=MSG, timeout="soon")
+    with pytest.raises(ValueError):
+        AsyncClient(BASE, max_concurrency=0)
+
+
+@respx.mock
+def test_sync_client_same_surface() -> None:
+    respx.post(f"{BASE}/chat/completions").mock(
+        side_effect=lambda req: (
+            httpx.Response(200, json=OK)
+            if not json.loads(req.content).get("stream")
+            else httpx.Response(
+                200,
+                content=b'data: {"choices": [{"delta": {"content": "a"}}]}\n\n'
+                b'data: {"choices": [{"delta": {"content": "b"}}]}\n\ndata: [DONE]\n\n',
+            )
+        )
+    )
+    respx.get(f"{BASE}/models").mock(return_value=httpx.Response(200, json={"data": [{"id": "x"}]}))
+    with Client(BASE, max_concurrency=2) as client:
+        assert (
+            client.chat.completions.create(model="m", messages=MSG).choices[0].message.content
+            == "yo"
+        )
+        stream = client.chat.completions.create(model="m", messages=MSG, stream=True)
+        assert isinstance(stream, SyncStream)
+        with stream:
+            chunks = list(stream)
+        assert all(isinstance(c, ChatCompletionChunk) for c in chunks)
+        assert "".join(c.choices[0].delta.content for c in chunks) == "ab"
+        out = client.chat.completions.batch([{"model": "m", "messages": MSG}] * 5)
+        assert len(out) == 5 and all(r.id == "c1" for r in out)
+        assert [m.id for m in client.models.list()] == ["x"]
+        assert client.async_client.limiter.in_flight == 0
