@@ -416,6 +416,13 @@ class KVCacheManager:
     def pins(self) -> list[PrefixPin]:
         return list(self._pins.values())
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every free cached block (cold-cache benchmarks); returns how many.
+
+        Blocks held by requests or pins keep their hashes.
+        """
+        return self.pool.reset_prefix_cache()
+
     # ---- stats and checks ---------------------------------------------------------------
     def stats(self) -> dict[str, float | int]:
         """KV and prefix-cache counters (keys as DEVELOPERS.md; queries/hits in tokens)."""

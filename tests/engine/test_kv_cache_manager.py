@@ -213,3 +213,12 @@ def test_invariants_catch_ref_drift() -> None:
     kv.pool.blocks[kv.get_block_ids("a")[0]].ref_cnt += 1
     with pytest.raises(AssertionError):
         kv.check_invariants()
+
+
+def test_reset_prefix_cache() -> None:
+    kv = KVCacheManager(8, BS)
+    a = req("a", list(range(9)))
+    compute(kv, a)
+    kv.free(a)
+    assert kv.reset_prefix_cache() == 2
+    assert compute(kv, req("b", list(range(9)))) == 0
