@@ -18,12 +18,11 @@ With ``enable_prefix_caching=False`` nothing is hashed, looked up, cached or pin
 
 from __future__ import annotations
 
-import itertools
-import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+__all__ = ["KVCacheManager", "PrefixPin"]
 
 from prefixgate.engine.block_hash import (
     BlockKey,
@@ -32,32 +31,12 @@ from prefixgate.engine.block_hash import (
     hash_request_blocks,
 )
 from prefixgate.engine.block_pool import Block, BlockPool
-from prefixgate.engine.errors import PinLimitError, PrefixCachingDisabledError
+from prefixgate.engine.errors import PrefixCachingDisabledError
+from prefixgate.engine.prefix_pins import PinTable, PrefixPin
 from prefixgate.engine.request import Request
 
 if TYPE_CHECKING:
     from prefixgate.engine.config import EngineConfig
-
-logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class PrefixPin:
-    """A handle keeping a cached prefix out of eviction.
-
-    Attributes:
-        id: pin id (``"pin-<n>"``).
-        num_tokens: tokens covered (whole blocks: the longest cached full-block run).
-        expires_at: ``time.monotonic()`` seconds when the pin lapses, ``None`` = never.
-        block_ids: the pinned blocks, in prefix order.
-        cache_salt: the salt the prefix was pinned under.
-    """
-
-    id: str
-    num_tokens: int
-    expires_at: float | None
-    block_ids: list[int] = field(default_factory=list)
-    cache_salt: str | None = None
 
 
 @dataclass(slots=True)
@@ -98,11 +77,7 @@ class KVCacheManager:
         self.hash_fn: HashFn = hash_fn or default_hash_fn
         self._reqs: dict[str, _ReqKV] = {}
         self._pending: dict[BlockKey, list[Request]] = {}
-        self._pins: dict[str, PrefixPin] = {}
-        self._pin_blocks: dict[str, list[Block]] = {}
-        self._pin_ids = itertools.count()
-        self.num_pinned_blocks = 0
-        self.num_pins_revoked = 0
+        self._pins = PinTable(self.pool, self.max_pinned_blocks)
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -348,73 +323,35 @@ class KVCacheManager:
         tokens = list(token_ids)
         keys = hash_request_blocks(tokens, self.block_size, cache_salt, [], self.hash_fn)
         blocks = self._match(tokens, keys, cache_salt, len(keys))
-        new = sum(1 for b in blocks if b.pin_cnt == 0)
-        if self.num_pinned_blocks + new > self.max_pinned_blocks:
-            raise PinLimitError(
-                f"pinning {new} more blocks would hold {self.num_pinned_blocks + new} pinned blocks, "
-                f"over the cap of {self.max_pinned_blocks} (max_pinned_fraction of {self.num_blocks})"
-            )
-        self.pool.touch(blocks)
-        for b in blocks:
-            b.pin_cnt += 1
-        self.num_pinned_blocks += new
-        now = time.monotonic() if now is None else now
-        pin = PrefixPin(
-            id=f"pin-{next(self._pin_ids)}",
-            num_tokens=len(blocks) * self.block_size,
-            expires_at=None if ttl_s is None else now + ttl_s,
-            block_ids=[b.block_id for b in blocks],
-            cache_salt=cache_salt,
-        )
-        self._pins[pin.id] = pin
-        self._pin_blocks[pin.id] = blocks
-        return pin
+        return self._pins.add(blocks, self.block_size, ttl_s, cache_salt, now)
 
     def unpin(self, pin_id: str) -> None:
-        """Release a pin; its blocks return to the LRU when no request holds them.
-
-        Raises:
-            KeyError: unknown (or already released / expired) pin id.
-        """
-        if pin_id not in self._pins:
-            raise KeyError(f"unknown prefix pin {pin_id!r}")
-        del self._pins[pin_id]
-        blocks = self._pin_blocks.pop(pin_id)
-        for b in blocks:
-            b.pin_cnt -= 1
-            if b.pin_cnt == 0:
-                self.num_pinned_blocks -= 1
-        self.pool.free(reversed(blocks))
-
-    def revoke_oldest_pin(self) -> bool:
-        """Release the oldest pin (a lone request needs its blocks); False if there is none."""
-        if not self._pins:
-            return False
-        pin_id = next(iter(self._pins))
-        logger.warning("prefix pin %s revoked: a request needs its KV blocks to make progress", pin_id)
-        self.unpin(pin_id)
-        self.num_pins_revoked += 1
-        return True
-
-    def expire_pins(self, now: float | None = None) -> list[str]:
-        """Release every pin whose ``expires_at <= now``; returns their ids."""
-        if not self._pins:
-            return []
-        now = time.monotonic() if now is None else now
-        expired = [p.id for p in self._pins.values() if p.expires_at is not None and p.expires_at <= now]
-        for pin_id in expired:
-            self.unpin(pin_id)
-        return expired
+        """Release a pin (KeyError when unknown or already released / expired)."""
+        self._pins.remove(pin_id)
 
     def get_pin(self, pin_id: str) -> PrefixPin:
         """The live pin ``pin_id``. Raises KeyError when unknown or released."""
-        if pin_id not in self._pins:
-            raise KeyError(f"unknown prefix pin {pin_id!r}")
-        return self._pins[pin_id]
+        return self._pins.get(pin_id)
+
+    def expire_pins(self, now: float | None = None) -> list[str]:
+        """Release every pin whose ``expires_at <= now`` (monotonic seconds); returns their ids."""
+        return self._pins.expire(now)
+
+    def revoke_oldest_pin(self) -> bool:
+        """Release the oldest pin so a lone request can progress; False if there is none."""
+        return self._pins.revoke_oldest()
 
     @property
     def pins(self) -> list[PrefixPin]:
-        return list(self._pins.values())
+        return self._pins.values()
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return self._pins.num_pinned_blocks
+
+    @property
+    def num_pins_revoked(self) -> int:
+        return self._pins.num_revoked
 
     def reset_prefix_cache(self) -> int:
         """Forget every free cached block (cold-cache benchmarks); returns how many.
@@ -451,7 +388,7 @@ class KVCacheManager:
             for b in state.blocks:
                 refs[b.block_id] += 1
         pins = [0] * self.pool.num_blocks
-        for blocks in self._pin_blocks.values():
+        for blocks in self._pins.held_blocks():
             for b in blocks:
                 refs[b.block_id] += 1
                 pins[b.block_id] += 1

@@ -14,7 +14,7 @@ from array import array
 from dataclasses import dataclass, field
 
 import pytest
-from prefixgate.engine import kv_cache_manager as kv_module
+from prefixgate.engine import prefix_pins as pins_module
 from prefixgate.engine.config import EngineConfig
 from prefixgate.engine.errors import CacheCapacityError
 from prefixgate.engine.kv_cache_manager import KVCacheManager
@@ -430,7 +430,7 @@ def test_pins_expire_in_schedule_and_survive_pressure(monkeypatch: pytest.Monkey
     drive(sched, [r], pinned_ok=True)
     assert r.num_cached_tokens == 32
     later = time.monotonic() + 61.0
-    monkeypatch.setattr(kv_module.time, "monotonic", lambda: later)
+    monkeypatch.setattr(pins_module.time, "monotonic", lambda: later)
     sched.schedule()  # expire_pins runs every step
     assert sched.stats()["pinned_blocks"] == 0
     assert_whole(sched)
