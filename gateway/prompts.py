@@ -49,6 +49,8 @@ def completion_prompts(tokenizer: Any, prompt: str | list) -> list[list[int]]:
     out = []
     for item in batch:
         if isinstance(item, str):
+            if not item:
+                raise bad_request("prompt must not be empty", param="prompt")
             ids = tokenizer.encode(item, add_special_tokens=True)
         else:
             ids = list(item)

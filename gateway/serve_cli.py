@@ -1,0 +1,239 @@
+"""``prefixgate serve``: the gateway on a local engine, or a proxy to upstream servers.
+
+    prefixgate serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--api-key KEY ...]
+                     [--keys-file FILE] [--upstream URL ...] [engine options]
+
+Every ``EngineConfig`` field is a flag (``--block-size``, ``--num-kv-blocks``,
+``--kv-cache-memory`` (bytes, or ``512MiB`` / ``2GiB``), ``--max-model-len``,
+``--max-num-seqs``, ``--max-num-batched-tokens``, ``--scheduling``, ``--no-prefix-caching``,
+``--attention-backend``, ``--dtype``, ``--load-format``, ``--device``, ...). Without
+``--model`` the engine's built-in ``tiny-random`` preset is served (dummy random weights: its
+text is gibberish by design). The HTTP server starts first (``/health`` 200, ``/ready`` 503)
+and the model loads in a worker thread; SIGINT/SIGTERM stop it gracefully (requests in flight
+get ``shutdown_timeout`` seconds, pins are released, the engine shut down).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import re
+import signal
+import types
+import typing
+from typing import Any
+
+from prefixgate.gateway.state import GatewaySettings
+
+logger = logging.getLogger("prefixgate.gateway")
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "ki": 2**10, "m": 10**6,
+          "mb": 10**6, "mib": 2**20, "mi": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30,
+          "gi": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40, "ti": 2**40}
+
+# Flags whose generic name would be awkward; value: (flag, argparse kwargs).
+_SPECIAL = {"model", "enable_prefix_caching", "hf_overrides", "kv_cache_memory"}
+
+
+def parse_bytes(text: str) -> int:
+    """``"268435456"``, ``"256MiB"``, ``"1.5GB"`` → bytes (int).
+
+    Raises:
+        argparse.ArgumentTypeError: on anything else.
+    """
+    m = _SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 268435456, 256MiB)")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+def _engine_flags(group: argparse._ArgumentGroup) -> None:
+    """One flag per EngineConfig field, typed from its annotation."""
+    from prefixgate.engine.config import EngineConfig
+
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in _SPECIAL:
+            continue
+        hint = hints[f.name]
+        base = hint
+        if typing.get_origin(hint) in (typing.Union, types.UnionType):  # X | None → X
+            base = next(a for a in typing.get_args(hint) if a is not type(None))
+        kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS}
+        if typing.get_origin(base) is typing.Literal:
+            kwargs["choices"] = list(typing.get_args(base))
+        elif base is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif base in (int, float):
+            kwargs["type"] = base
+        else:
+            kwargs["type"] = str
+        default = f.default if f.default is not dataclasses.MISSING else None
+        kwargs["help"] = f"EngineConfig.{f.name} (default: {default})"
+        group.add_argument("--" + f.name.replace("_", "-"), **kwargs)
+    group.add_argument("--kv-cache-memory", dest="kv_cache_memory", type=parse_bytes,
+                       default=argparse.SUPPRESS,
+                       help="KV cache byte budget, e.g. 268435456 or 256MiB")
+    group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                       default=argparse.SUPPRESS, help="turn the prefix cache off")
+    group.add_argument("--hf-overrides", dest="hf_overrides", type=_json_object,
+                       default=argparse.SUPPRESS,
+                       help='config.json overrides as JSON, e.g. \'{"num_hidden_layers": 2}\'')
+
+
+def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``serve`` command to ``subparsers``; its ``func`` returns the exit code."""
+    p = subparsers.add_parser("serve", help="serve the OpenAI API (local engine or upstreams)",
+                              description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None,
+                   help="Hugging Face model directory (default: built-in tiny-random preset)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (0 = any free port)")
+    p.add_argument("--served-model-name", default=None,
+                   help="model id clients use (default: the model folder's name)")
+    p.add_argument("--api-key", action="append", default=[], dest="api_keys",
+                   help="accepted API key (repeatable); none and no keys file = open")
+    p.add_argument("--keys-file", default=None,
+                   help="JSON/TOML keys file with per-key limits and cache salts")
+    p.add_argument("--upstream", action="append", default=[], dest="upstreams",
+                   help="proxy to this OpenAI-compatible server instead of a local engine "
+                        "(repeatable: prefix-affinity routing)")
+    p.add_argument("--upstream-api-key", default=None, help="bearer key sent to the upstreams")
+    g = p.add_argument_group("gateway limits")
+    defaults = GatewaySettings()
+    for name, kind in (("max_body_bytes", parse_bytes), ("max_queued_requests", int),
+                       ("max_queued_tokens", int), ("max_running", int),
+                       ("keepalive_s", float), ("max_prefix_ttl_s", float),
+                       ("upstream_timeout_s", float), ("health_interval_s", float)):
+        g.add_argument("--" + name.replace("_", "-"), type=kind, default=getattr(defaults, name),
+                       help=f"GatewaySettings.{name} (default: {getattr(defaults, name)})")
+    p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    _engine_flags(p.add_argument_group("engine options (EngineConfig)"))
+    p.set_defaults(func=run)
+    return p
+
+
+def engine_config(args: argparse.Namespace) -> Any:
+    """The EngineConfig from the parsed flags (fields not given keep their defaults).
+
+    Raises:
+        ValueError: on a value EngineConfig refuses.
+    """
+    from prefixgate.engine.config import EngineConfig
+
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    values = {k: v for k, v in vars(args).items() if k in names}
+    values["model"] = args.model
+    return EngineConfig(**values)
+
+
+def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
+    """GatewaySettings from the parsed flags."""
+    name = args.served_model_name
+    if name is None and not args.upstreams:
+        name = os.path.basename(os.path.normpath(args.model)) if args.model else "tiny-random"
+    return GatewaySettings(
+        model_name=name, api_keys=list(args.api_keys), keys_file=args.keys_file,
+        upstream_api_key=args.upstream_api_key, max_body_bytes=args.max_body_bytes,
+        max_queued_requests=args.max_queued_requests, max_queued_tokens=args.max_queued_tokens,
+        max_running=args.max_running, keepalive_s=args.keepalive_s,
+        max_prefix_ttl_s=args.max_prefix_ttl_s, upstream_timeout_s=args.upstream_timeout_s,
+        health_interval_s=args.health_interval_s,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """``prefixgate serve``: returns 0 after a graceful stop, 1 when the model fails to load,
+    2 on bad options."""
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings = settings_from_args(args)
+        config = None if args.upstreams else engine_config(args)
+    except (ValueError, TypeError) as exc:
+        logger.error("bad option: %s", exc)
+        return 2
+    try:
+        return asyncio.run(serve(settings, config, args.upstreams, args.host, args.port))
+    except KeyboardInterrupt:
+        return 0
+
+
+async def serve(settings: GatewaySettings, config: Any, upstreams: list[str], host: str,
+                port: int) -> int:
+    """Serve until SIGINT/SIGTERM. ``config`` is an EngineConfig (local) or None (upstreams)."""
+    from prefixgate.gateway.app import attach_engine, create_app
+    from prefixgate.gateway.server import start_server
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass  # not the main thread / not supported: Ctrl-C raises KeyboardInterrupt
+    try:
+        app = create_app(upstreams if upstreams else None, settings)
+    except ValueError as exc:
+        logger.error("bad option: %s", exc)
+        return 2
+    server = await start_server(app, host, port)
+    logger.info("prefixgate listening on %s (OpenAI API at %s/v1)", server.url, server.url)
+    engine = None
+    code = 0
+    try:
+        if upstreams:
+            logger.info("upstream mode: %s", ", ".join(upstreams))
+        else:
+            engine, code = await _load_engine(config, stop)
+            if engine is not None:
+                attach_engine(app, engine)
+                logger.info("model %r ready (max_model_len %d)", settings.model_name,
+                            engine.max_model_len)
+        if code == 0:
+            await stop.wait()
+            logger.info("shutting down")
+    finally:
+        await server.stop()
+        if engine is not None:
+            await engine.shutdown()
+    return code
+
+
+async def _load_engine(config: Any, stop: asyncio.Event) -> tuple[Any, int]:
+    from prefixgate.engine import AsyncEngine
+
+    if config.model is None:
+        logger.info("no --model given: serving the built-in 'tiny-random' preset "
+                    "(dummy random weights, byte tokenizer; its text is gibberish by design)")
+    else:
+        logger.info("loading %s (load_format=%s)", config.model, config.load_format)
+    load = asyncio.ensure_future(asyncio.to_thread(AsyncEngine, config))
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({load, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    stopper.cancel()
+    if not load.done():
+        logger.info("stopped while loading the model")
+        load.add_done_callback(lambda f: f.cancelled() or f.exception())
+        return None, 0
+    try:
+        return load.result(), 0
+    except Exception as exc:  # noqa: BLE001 - reported plainly, exit code 1
+        logger.error("cannot load the model: %s: %s", type(exc).__name__, exc)
+        return None, 1

@@ -1,0 +1,78 @@
+"""Gateway test helpers: the fake engine, a gateway served from a background thread."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import types
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from prefixgate.gateway.app import create_app
+from prefixgate.gateway.server import BackgroundServer
+from prefixgate.gateway.state import GatewaySettings
+
+_spec = importlib.util.spec_from_file_location(
+    "prefixgate_tests_fake_engine", Path(__file__).with_name("fake_engine.py"))
+fake_engine = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = fake_engine
+_spec.loader.exec_module(fake_engine)
+FakeEngine = fake_engine.FakeEngine
+
+
+@pytest.fixture
+def serve_fake() -> Iterator[Callable[..., tuple[BackgroundServer, object]]]:
+    """``serve_fake(settings=None, **engine_kw) -> (server, engine)``; stopped after the test."""
+    started: list[BackgroundServer] = []
+
+    def start(settings: GatewaySettings | None = None, **engine_kw: object):
+        holder: dict = {}
+
+        def make():
+            holder["engine"] = FakeEngine(**engine_kw)
+            return create_app(holder["engine"], settings or GatewaySettings(model_name="fake"))
+
+        srv = BackgroundServer(make).__enter__()
+        started.append(srv)
+        return srv, holder["engine"]
+
+    yield start
+    for srv in started:
+        srv.close()
+
+
+def wait_idle(srv: BackgroundServer, engine, timeout: float = 5.0) -> dict:
+    """Poll until the engine has nothing running or waiting; returns its stats."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = srv.call(_stats(engine))
+        if (stats["num_running"] == 0 and stats["num_waiting"] == 0) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.02)
+
+
+def _stats(engine):
+    async def get():
+        return engine.stats()
+
+    return get
+
+
+def chat_body(content: str = "hello", **kw: object) -> dict:
+    """A minimal chat request body for the fake model."""
+    return {"model": "fake", "messages": [{"role": "user", "content": content}], **kw}
+
+
+def client(srv: BackgroundServer, **kw: object) -> httpx.Client:
+    return httpx.Client(base_url=srv.url, timeout=30, **kw)
+
+
+@pytest.fixture
+def gw() -> types.SimpleNamespace:
+    """Helpers: FakeEngine, wait_idle, chat_body, client."""
+    return types.SimpleNamespace(FakeEngine=FakeEngine, wait_idle=wait_idle, chat_body=chat_body,
+                                 client=client, PinLimitError=fake_engine.PinLimitError)
