@@ -1,0 +1,42 @@
+"""The GPU check script's dry run (tiny sizes, interpreter on CPU) writes its JSON report."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "benchmarks" / "gpu_check.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_dry_run_writes_every_kernel_section(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    rc = _load().main(["--dry-run", "--skip-engine", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert rc == 0, report["errors"]
+    for key in ("env", "correctness", "copy", "decode", "decode_smollm2_heads", "prefill",
+                "prefill_with_prefix", "summary"):
+        assert key in report, key
+    assert all(row["max_abs_err"] < 1e-4 for row in report["correctness"])
+    assert report["decode"]["max_abs_err_vs_torch_ref"] < 1e-4
+    assert report["prefill"]["sdpa"]["tflops"] > 0
+
+
+@pytest.mark.slow
+def test_dry_run_with_engine(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    rc = _load().main(["--dry-run", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert rc == 0, report["errors"]
+    assert report["engine"]["triton"]["output_tokens"] > 0
