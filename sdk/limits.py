@@ -135,24 +135,26 @@ class RateLimit:
         tokens_per_minute: prompt + completion tokens per minute (None: unlimited). A request
             is charged an estimate up front (prompt characters / 4 + ``max_tokens``, default
             256 completion tokens) and corrected by its reported ``usage.total_tokens``.
-        burst_seconds: bucket depth in seconds of rate (at least one request): the most that may
-            go at once after idling.
+        burst_seconds: bucket depth in seconds of rate (at least one request / one token): how
+            much may go at once after idling. The default 0 paces evenly (one request per
+            ``60 / requests_per_minute`` s): it leaves the server's own burst allowance free to
+            absorb network jitter, where a client burst would spend it and meet 429s.
 
     Raises:
-        ValueError: a non-positive rate or burst.
+        ValueError: a non-positive rate or a negative burst.
     """
 
     requests_per_minute: float | None = None
     tokens_per_minute: float | None = None
-    burst_seconds: float = 1.0
+    burst_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("requests_per_minute", "tokens_per_minute"):
             v = getattr(self, name)
             if v is not None and not v > 0:
                 raise ValueError(f"{name} must be > 0 or None, got {v!r}")
-        if not self.burst_seconds > 0:
-            raise ValueError(f"burst_seconds must be > 0, got {self.burst_seconds!r}")
+        if not self.burst_seconds >= 0:
+            raise ValueError(f"burst_seconds must be >= 0, got {self.burst_seconds!r}")
 
 
 class _Bucket:

@@ -157,22 +157,26 @@ class FakeClock:
 async def test_rate_limiter_paces_requests_per_minute() -> None:
     clock = FakeClock()
     rl = RateLimiter(RateLimit(requests_per_minute=600), clock=clock, sleep=clock.sleep)  # 10/s
-    for _ in range(4):
+    for _ in range(4):  # default: no burst, even pacing 0.1 s apart (queued callers wait longer)
         await rl.acquire()
-    # burst of 1 s = 10 requests: no waits yet
-    assert clock.waits == []
-    for _ in range(7):
-        await rl.acquire()
-    assert clock.waits == pytest.approx([0.1])  # the 11th waits 0.1 s
-    clock.t = 5.0  # refilled to the burst depth
+    assert clock.waits == pytest.approx([0.1, 0.2, 0.3])
+    clock.t = 5.0  # idle long enough: the next goes at once
     clock.waits.clear()
     await rl.acquire()
     assert clock.waits == []
+    burst = RateLimiter(
+        RateLimit(requests_per_minute=600, burst_seconds=1.0), clock=clock, sleep=clock.sleep
+    )
+    for _ in range(11):  # depth 1 s = 10 requests, then pacing
+        await burst.acquire()
+    assert clock.waits == pytest.approx([0.1])
 
 
 async def test_rate_limiter_tokens_per_minute_with_correction() -> None:
     clock = FakeClock()
-    rl = RateLimiter(RateLimit(tokens_per_minute=6000), clock=clock, sleep=clock.sleep)  # 100/s
+    rl = RateLimiter(
+        RateLimit(tokens_per_minute=6000, burst_seconds=1.0), clock=clock, sleep=clock.sleep
+    )  # 100 tokens/s, depth 100
     await rl.acquire(100)  # bucket depth 100: fits
     await rl.acquire(50)  # 50 in debt: waits 0.5 s
     assert clock.waits == pytest.approx([0.5])
