@@ -558,6 +558,16 @@ def _print_compare(doc: dict, summaries: dict[str, dict]) -> None:
             q = rat.get(n, {}).get(label)
             row.append(v if n == names[0] or q is None else f"{v} ({q:.2f}x)")
         rows.append(row)
+    if any(summaries[n].get("errors") for n in names):
+        rows.append(
+            [
+                "errors",
+                *(
+                    ", ".join(f"{k}: {v}" for k, v in summaries[n]["errors"].items()) or "-"
+                    for n in names
+                ),
+            ]
+        )
     print_table(_title(doc) + " — ratio vs the first in ()", ["metric", *names], rows)
     for c in doc["checks"]:
         v = "-" if c["value"] is None else f"{c['value']:.3f}"
