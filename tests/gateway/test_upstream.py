@@ -1,0 +1,194 @@
+"""Upstream mode against stub OpenAI servers on loopback: affinity, fallback, health, streams."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+
+import httpx
+import pytest
+from aiohttp import web
+from prefixgate.gateway.app import create_app
+from prefixgate.gateway.server import BackgroundServer
+from prefixgate.gateway.state import STATE, GatewaySettings
+from prefixgate.gateway.upstream import UpstreamRouter, affinity_key, normalize_url
+
+SEEN = web.AppKey("seen", list)
+
+
+def stub_app(name: str, chunk_delay_s: float = 0.0, status: int = 200) -> web.Application:
+    """An OpenAI-ish upstream that says who it is; streams 5 chunks when asked."""
+    seen: list[dict] = []
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        seen.append({"body": body, "auth": request.headers.get("Authorization")})
+        if status != 200:
+            return web.json_response({"error": {"message": "nope", "type": "x", "param": None,
+                                                "code": None}}, status=status)
+        if body.get("stream"):
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for i in range(5):
+                await resp.write(f"data: {json.dumps({'upstream': name, 'i': i})}\n\n".encode())
+                await asyncio.sleep(chunk_delay_s)
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+        return web.json_response({"upstream": name, "object": "chat.completion"})
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": name, "object": "model"}]})
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    app = web.Application()
+    app[SEEN] = seen
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/completions", chat)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    return app
+
+
+@pytest.fixture
+def servers():
+    started: list[BackgroundServer] = []
+
+    def start(make, port: int = 0) -> BackgroundServer:
+        srv = BackgroundServer(make, port=port).__enter__()
+        started.append(srv)
+        return srv
+
+    yield start
+    for srv in reversed(started):
+        srv.close()
+
+
+def _chat(system: str, user: str, **kw) -> dict:
+    return {"model": "m", "messages": [{"role": "system", "content": system},
+                                       {"role": "user", "content": user}], **kw}
+
+
+def test_prefix_affinity_same_system_prompt_same_upstream(servers):
+    ups = [servers(lambda n=n: stub_app(f"u{n}")) for n in range(3)]
+    gw = servers(lambda: create_app([u.url for u in ups], GatewaySettings()))
+    owner: dict[int, set[str]] = {}
+    with httpx.Client(base_url=gw.url) as http:
+        for s in range(24):
+            system = f"You are assistant number {s}. " * 4
+            for u in range(3):
+                r = http.post("/v1/chat/completions", json=_chat(system, f"question {u}"))
+                assert r.status_code == 200
+                owner.setdefault(s, set()).add(r.json()["upstream"])
+    assert all(len(v) == 1 for v in owner.values()), owner
+    assert len({next(iter(v)) for v in owner.values()}) == 3  # keys spread over the pool
+
+
+def test_affinity_key_leading_blocks():
+    body = _chat("S" * 200, "hello")
+    assert affinity_key(body, 64, 4096) == b"S" * 192  # whole 64-char blocks
+    assert affinity_key(body, 64, 128) == b"S" * 128
+    assert affinity_key(_chat("short", "x"), 64, 4096) == b"short"
+    assert affinity_key({"messages": [{"role": "user", "content": "U" * 70}]}, 64, 4096) == b"U" * 64
+    assert affinity_key({"prompt": "P" * 10}) == b"P" * 10
+    assert affinity_key({"prompt": [1, 2, 3]}) == b"1,2,3"
+    assert affinity_key({"model": "m"}) is None
+    assert normalize_url("http://h:1/v1/") == "http://h:1"
+    with pytest.raises(ValueError):
+        normalize_url("h:1")
+
+
+def test_imbalance_falls_back_to_least_loaded():
+    router = UpstreamRouter(["http://a:1", "http://b:1"])  # SGLang's 64 / 1.5
+    key = b"system prompt"
+    target = router.pick(key)
+    other = next(u for u in router.upstreams if u is not target)
+    target.in_flight = 60
+    assert router.pick(key) is target  # 60 - 0 <= 64: keep affinity
+    target.in_flight, other.in_flight = 100, 30
+    assert router.pick(key) is other  # 70 > 64 and 100 > 1.5 * 30
+    target.in_flight, other.in_flight = 100, 70
+    assert router.pick(key) is target  # 100 <= 1.5 * 70
+    assert router.pick(None) is other  # no key: least loaded
+    target.healthy = False
+    other.in_flight = 0
+    assert router.pick(key) is other
+    other.healthy = False
+    assert router.pick(key) is None
+    with pytest.raises(ValueError):
+        UpstreamRouter([])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_unhealthy_upstream_skipped_then_probed_back(servers):
+    live = servers(lambda: stub_app("live"))
+    dead_port = _free_port()
+    dead_url = f"http://127.0.0.1:{dead_port}"
+    settings = GatewaySettings(health_interval_s=0.1)
+    gw = servers(lambda: create_app([live.url, dead_url], settings))
+    router = gw.app[STATE].router
+    with httpx.Client(base_url=gw.url) as http:
+        for s in range(12):  # some keys hash to the dead one: retried on the live one
+            r = http.post("/v1/chat/completions", json=_chat(f"sys {s} " * 20, "q"))
+            assert r.status_code == 200 and r.json()["upstream"] == "live"
+        dead = next(u for u in router.upstreams if u.url == dead_url)
+        assert not dead.healthy and dead.failures == 1  # skipped after the first failure
+        assert http.get("/ready").status_code == 200
+        servers(lambda: stub_app("back"), port=dead_port)
+        deadline = time.monotonic() + 5
+        while not dead.healthy and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert dead.healthy
+        names = {http.post("/v1/chat/completions", json=_chat(f"sys {s} " * 20, "q")).json()["upstream"]
+                 for s in range(12)}
+        assert names == {"live", "back"}
+
+
+def test_all_upstreams_down_and_errors_passed_through(servers):
+    gw = servers(lambda: create_app([f"http://127.0.0.1:{_free_port()}"], GatewaySettings()))
+    with httpx.Client(base_url=gw.url) as http:
+        r = http.post("/v1/chat/completions", json=_chat("s", "q"))
+        assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_unavailable"
+        r = http.post("/v1/chat/completions", json=_chat("s", "q"))
+        assert r.status_code == 503 and "Retry-After" in r.headers
+        assert http.get("/ready").status_code == 503
+    bad = servers(lambda: stub_app("bad", status=400))
+    gw2 = servers(lambda: create_app([bad.url], GatewaySettings()))
+    with httpx.Client(base_url=gw2.url) as http:
+        r = http.post("/v1/chat/completions", json=_chat("s", "q"))
+        assert r.status_code == 400 and r.json()["error"]["message"] == "nope"  # not retried
+        assert http.post("/v1/chat/completions", content=b"{x").status_code == 400
+        r = http.post("/v1/chat/completions", json={**_chat("s", "q"), "prefix_id": "p"})
+        assert r.json()["error"]["code"] == "unsupported_in_upstream_mode"
+        assert http.post("/v1/prefixes", json={}).status_code == 400
+
+
+def test_streams_pass_through_chunk_by_chunk(servers):
+    up = servers(lambda: stub_app("s", chunk_delay_s=0.15))
+    gw = servers(lambda: create_app([up.url], GatewaySettings(api_keys=["gk"],
+                                                              upstream_api_key="uk")))
+    t0 = time.monotonic()
+    arrivals = []
+    data = b""
+    with httpx.Client(base_url=gw.url, headers={"Authorization": "Bearer gk"}) as http, \
+            http.stream("POST", "/v1/chat/completions", json=_chat("s", "q", stream=True)) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for chunk in r.iter_raw():
+            arrivals.append(time.monotonic() - t0)
+            data += chunk
+    events = [e for e in data.decode().split("\n\n") if e]
+    assert events[-1] == "data: [DONE]" and len(events) == 6
+    assert arrivals[0] < 0.5 and arrivals[-1] > 0.6  # the first chunk long before the end
+    assert up.app[SEEN][-1]["auth"] == "Bearer uk"  # the upstream key, not the client's
+    with httpx.Client(base_url=gw.url) as http:
+        assert http.post("/v1/chat/completions", json=_chat("s", "q")).status_code == 401
+        models = http.get("/v1/models", headers={"Authorization": "Bearer gk"}).json()
+        assert models["data"][0]["id"] == "s"

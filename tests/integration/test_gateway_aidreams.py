@@ -1,0 +1,203 @@
+"""The real gateway on loopback serving the real aidreams-260k model, driven by `openai`.
+
+aidreams has a 128-token context: prompts are kept short (a real system prompt from
+workloads/system_prompts.csv truncated at a word boundary) so prompt + max_tokens < 128.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import time
+
+import aiohttp
+import httpx
+import openai
+import pytest
+
+pytest.importorskip("prefixgate.engine.async_engine")
+
+from prefixgate.engine import LLM, AsyncEngine, EngineConfig, SamplingParams  # noqa: E402
+from prefixgate.gateway.app import create_app  # noqa: E402
+from prefixgate.gateway.server import BackgroundServer  # noqa: E402
+from prefixgate.gateway.state import STATE, GatewaySettings  # noqa: E402
+
+MODEL = "aidreams-260k"
+
+
+def _serve(path: str, **engine_kw) -> BackgroundServer:
+    def make():
+        engine = AsyncEngine(EngineConfig(model=path, num_kv_blocks=256, **engine_kw))
+        return create_app(engine, GatewaySettings(model_name=MODEL, poll_s=0.02))
+
+    return BackgroundServer(make).__enter__()
+
+
+@pytest.fixture(scope="module")
+def server(aidreams_path):
+    srv = _serve(aidreams_path)
+    yield srv
+    srv.call(srv.app[STATE].engine.shutdown)
+    srv.close()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def system_prompt(workloads_path, aidreams_path) -> str:
+    """A real system prompt, cut at a word boundary to at most 60 tokens."""
+    from prefixgate.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_pretrained(aidreams_path)
+    with open(workloads_path / "system_prompts.csv", newline="") as f:
+        row = next(r for r in csv.DictReader(f) if r["act"] == "Linux Terminal")
+    words = row["prompt"].split()
+    while len(tok.encode(" ".join(words))) > 60:
+        words.pop()
+    return " ".join(words)
+
+
+def _engine(server):
+    return server.app[STATE].engine
+
+
+def _idle(server, pool_whole, timeout: float = 10.0) -> dict:
+    engine = _engine(server)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = engine.stats()
+        if s["num_running"] == 0 and s["num_waiting"] == 0:
+            break
+        time.sleep(0.02)
+    pool_whole(engine, pinned_ok=True)
+    return engine.stats()
+
+
+def test_chat_completion_streaming_usage(client, server, pool_whole):
+    msgs = [{"role": "system", "content": "You dream."},
+            {"role": "user", "content": "I sense the nodes"}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0)
+    text = r.choices[0].message.content
+    assert text and r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.completion_tokens <= 16 and r.usage.prompt_tokens > 5
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=16, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    assert sum(1 for c in chunks if c.usage is not None) == 1
+    comp = client.completions.create(model=MODEL, prompt="I sense the nodes", max_tokens=12,
+                                     temperature=0)
+    assert comp.choices[0].text
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    _idle(server, pool_whole)
+
+
+def test_http_greedy_equals_llm_generate(client, server, aidreams_path, pool_whole):
+    llm = LLM(aidreams_path, num_kv_blocks=64)
+    prompts = ["I sense the nodes", "The dream unfolds", "Quiet circuits hum"]
+    params = SamplingParams(temperature=0, max_tokens=24)
+    expected = [o.outputs[0].text for o in llm.generate(prompts, params)]
+    got = [client.completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=0)
+           .choices[0].text for p in prompts]
+    assert got == expected
+    msgs = [{"role": "system", "content": "You dream."}, {"role": "user", "content": prompts[0]}]
+    ids = llm.engine.tokenizer.encode(llm.engine.tokenizer.apply_chat_template(msgs),
+                                      add_special_tokens=False)
+    chat = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24,
+                                          temperature=0)
+    assert chat.choices[0].message.content == llm.generate([ids], params)[0].outputs[0].text
+    _idle(server, pool_whole)
+
+
+def test_system_prompt_twice_hits_cache(client, server, system_prompt, pool_whole):
+    msgs = [{"role": "system", "content": system_prompt},
+            {"role": "user", "content": "my first command is pwd"}]
+    first = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16,
+                                           temperature=0)
+    assert first.usage.prompt_tokens + 16 < 128
+    second = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16,
+                                            temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
+    assert second.choices[0].message.content == first.choices[0].message.content
+    _idle(server, pool_whole)
+
+
+def test_prefix_api_equals_full_messages(client, server, system_prompt, pool_whole):
+    http = httpx.Client(base_url=server.url)
+    pfx = http.post("/v1/prefixes", json={"model": MODEL, "ttl_seconds": 30, "messages": [
+        {"role": "system", "content": system_prompt}]}).json()
+    assert pfx["object"] == "prefix" and pfx["prompt_tokens"] > 16
+    user = [{"role": "user", "content": "ls -la"}]
+    via = client.chat.completions.create(model=MODEL, messages=user, max_tokens=16,
+                                         temperature=0, extra_body={"prefix_id": pfx["id"]})
+    assert via.usage.prompt_tokens_details.cached_tokens >= 16  # the pinned blocks
+    full = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "system", "content": system_prompt}, *user],
+        max_tokens=16, temperature=0)
+    assert via.choices[0].message.content == full.choices[0].message.content
+    assert via.usage.prompt_tokens == full.usage.prompt_tokens
+    assert _engine(server).stats()["pinned_blocks"] > 0
+    assert http.delete(f"/v1/prefixes/{pfx['id']}").status_code == 200
+    assert http.get(f"/v1/prefixes/{pfx['id']}").status_code == 404
+    stats = _idle(server, pool_whole)
+    assert stats["pinned_blocks"] == 0 and stats["kv_blocks_used"] == 0
+
+
+def test_bad_input_on_real_model(server, pool_whole):
+    with httpx.Client(base_url=server.url) as http:
+        long = {"model": MODEL, "messages": [{"role": "user", "content": "dream " * 200}]}
+        r = http.post("/v1/chat/completions", json=long)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        r = http.post("/v1/chat/completions", json={
+            "model": MODEL, "max_tokens": 500, "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+        r = http.post("/v1/completions", json={"model": "gpt-4", "prompt": "x"})
+        assert r.status_code == 404
+        assert http.post("/v1/completions", json={"model": MODEL, "prompt": "x",
+                                                  "max_tokens": 2}).status_code == 200
+    _idle(server, pool_whole)
+
+
+def test_disconnects_free_blocks(aidreams_path, pool_whole):
+    """Mid-stream and while waiting (max_num_seqs=1): both engine requests aborted."""
+    srv = _serve(aidreams_path, max_num_seqs=1)
+    engine = _engine(srv)
+    try:
+        async def go(stream: bool, started: asyncio.Event | None = None):
+            body = {"model": MODEL, "prompt": "I sense the nodes", "max_tokens": 100,
+                    "temperature": 0, "ignore_eos": True, "stream": stream}
+            async with aiohttp.ClientSession() as s, \
+                    s.post(srv.url + "/v1/completions", json=body) as r:
+                if stream:
+                    await r.content.readline()
+                    started.set()
+                await asyncio.sleep(30)
+
+        async def scenario():
+            started = asyncio.Event()
+            streaming = asyncio.create_task(go(True, started))
+            await started.wait()
+            waiting = asyncio.create_task(go(False))
+            await asyncio.sleep(0.2)
+            mid = engine.stats()
+            streaming.cancel()
+            waiting.cancel()
+            await asyncio.gather(streaming, waiting, return_exceptions=True)
+            return mid
+
+        mid = asyncio.run(scenario())
+        assert mid["num_running"] == 1 and mid["num_waiting"] == 1, mid
+        deadline = time.monotonic() + 10
+        while engine.stats()["num_running"] + engine.stats()["num_waiting"] and \
+                time.monotonic() < deadline:
+            time.sleep(0.02)
+        stats = engine.stats()
+        assert stats["tokens_decoded"] < 200, stats  # neither ran to max_tokens
+        pool_whole(engine)
+    finally:
+        srv.call(engine.shutdown)
+        srv.close()
