@@ -1,0 +1,347 @@
+"""AsyncEngine: the engine behind an asyncio API, stepping in a background thread.
+
+One dedicated thread owns the ``LLMEngine``: it drains a queue of commands (add, abort, pin)
+sent from event loops, runs ``engine.step()`` while there is work, and hands each output to the
+request's ``asyncio.Queue`` with ``loop.call_soon_threadsafe`` (one call per step and loop). The
+event loop never waits on a step, except ``unpin_prefix`` / ``check_invariants``, which take the
+engine lock for at most one step.
+
+An engine error fails the requests in flight (blocks freed; each iterator raises the error) and
+the loop keeps serving new requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from prefixgate.engine.config import EngineConfig
+from prefixgate.engine.llm_engine import LLMEngine, PinJob, PreparedRequest
+from prefixgate.engine.outputs import RequestOutput
+from prefixgate.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine was shut down while the request was in flight."""
+
+
+@dataclass(slots=True, eq=False)
+class _Stream:
+    """One request's delivery channel: outputs (or an exception) for its iterator."""
+
+    request_id: str
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    closed: bool = False
+
+
+class AsyncEngine:
+    """Asynchronous engine in vLLM's ``AsyncLLM`` shape.
+
+    Args:
+        config: the ``EngineConfig`` (``None``: defaults, i.e. the built-in preset);
+            keyword arguments build one when ``config`` is not given.
+
+    Usage::
+
+        engine = AsyncEngine(EngineConfig(model=path))
+        async for out in engine.generate("Hello", SamplingParams(max_tokens=8), "req-1"):
+            print(out.outputs[0].delta_text, end="")
+        await engine.shutdown()
+    """
+
+    def __init__(self, config: EngineConfig | None = None, **engine_args: Any) -> None:
+        if config is None:
+            config = EngineConfig(**engine_args)
+        elif engine_args:
+            raise TypeError("pass either an EngineConfig or keyword arguments, not both")
+        self.engine = LLMEngine(config)
+        self._lock = threading.Lock()
+        self._commands: deque[tuple[Any, ...]] = deque()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}  # event-loop side: ids with a live iterator
+        self._active: dict[str, _Stream] = {}  # engine-thread side: ids queued in the engine
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+        self._snapshot: dict[str, Any] = self.engine.stats()
+
+    # -- properties ----------------------------------------------------------------------
+
+    @property
+    def config(self) -> EngineConfig:
+        """The engine configuration."""
+        return self.engine.config
+
+    @property
+    def tokenizer(self) -> Any:
+        """The engine's tokenizer (thread-safe for encode/decode/apply_chat_template)."""
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest prompt + output in tokens."""
+        return self.engine.max_model_len
+
+    # -- requests ------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Submit a request and iterate over its outputs as tokens are produced.
+
+        Each ``RequestOutput`` carries cumulative ``text`` / ``token_ids`` and the new part in
+        ``delta_text`` / ``delta_token_ids``; the last has ``finished=True``. Leaving the loop
+        early (break, ``aclose``, task cancellation, client disconnect) aborts the request and
+        frees its KV blocks.
+
+        Raises (from the first iteration):
+            ValueError / TypeError: bad prompt or params, duplicate ``request_id``.
+            EngineDeadError: the engine shut down; any engine error of a step that ran it.
+        """
+        if self._stopped:
+            raise EngineDeadError("the engine is shut down")
+        if request_id is None:
+            request_id = uuid.uuid4().hex
+        if not isinstance(request_id, str) or not request_id:
+            raise TypeError("request_id must be a non-empty string")
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        prep = self.engine.prepare_request(prompt, params, cache_salt)
+        stream = _Stream(request_id, asyncio.get_running_loop())
+        self._streams[request_id] = stream
+        self._submit("add", stream, prep, time.monotonic())
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            stream.closed = True
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
+            if not finished:
+                self._submit("abort", stream, None)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request in flight: its blocks are freed and its iterator ends with a
+        ``finish_reason="abort"`` output.
+
+        Raises:
+            ValueError: unknown (or already finished) request id.
+        """
+        stream = self._streams.get(request_id)
+        if stream is None:
+            raise ValueError(f"unknown request id {request_id!r} (not in flight)")
+        fut = asyncio.get_running_loop().create_future()
+        self._submit("abort", stream, fut)
+        await fut
+
+    # -- prefix pins ---------------------------------------------------------------------
+
+    async def pin_prefix(
+        self, token_ids: Sequence[int], ttl_s: float, cache_salt: str | None = None
+    ) -> Any:
+        """Compute (if not cached) and pin a prefix's full blocks for ``ttl_s`` seconds.
+
+        Returns:
+            ``PrefixPin(id, num_tokens, expires_at, ...)``.
+
+        Raises:
+            PinLimitError: over ``max_pinned_fraction``; ValueError / TypeError: bad input.
+        """
+        if self._stopped:
+            raise EngineDeadError("the engine is shut down")
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+        self._submit("pin", list(token_ids), ttl_s, cache_salt, loop, fut)
+        return await fut
+
+    def unpin_prefix(self, pin_id: str) -> None:
+        """Release a pin (waits for at most the step in progress).
+
+        Raises:
+            ValueError / KeyError: unknown pin id.
+        """
+        with self._lock:
+            self.engine.unpin_prefix(pin_id)
+
+    # -- introspection -------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Engine counters (``LLMEngine.stats``): fresh when no step is running, else the
+        snapshot taken after the last step (never blocks the event loop)."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self._snapshot = self.engine.stats()
+            finally:
+                self._lock.release()
+        return dict(self._snapshot)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError on broken KV block bookkeeping (waits for the step in progress)."""
+        with self._lock:
+            self.engine.check_invariants()
+
+    async def shutdown(self) -> None:
+        """Stop the step loop; requests still in flight fail with ``EngineDeadError``."""
+        self._stopped = True
+        self._wake.set()
+        thread = self._thread
+        if thread is not None:
+            await asyncio.to_thread(thread.join)
+        with self._lock:
+            self._fail_all(EngineDeadError("the engine shut down"))
+            self._drain_commands()
+
+    # -- engine thread -------------------------------------------------------------------
+
+    def _submit(self, *command: Any) -> None:
+        self._commands.append(command)
+        if self._thread is None and not self._stopped:
+            self._thread = threading.Thread(
+                target=self._run, name="prefixgate-engine", daemon=True
+            )
+            self._thread.start()
+        self._wake.set()
+
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stopped:
+            with self._lock:
+                self._drain_commands()
+                busy = engine.has_unfinished_requests()
+                if busy:
+                    try:
+                        outputs = engine.step()
+                    except Exception as exc:  # noqa: BLE001 - delivered to the requests
+                        logger.exception("engine step failed; failing the requests in flight")
+                        self._fail_all(exc)
+                        outputs = []
+                    self._deliver_outputs(outputs)
+                self._snapshot = engine.stats()
+            if not busy:
+                self._wake.wait()
+                self._wake.clear()
+
+    def _drain_commands(self) -> None:
+        while self._commands:
+            kind, *args = self._commands.popleft()
+            try:
+                getattr(self, f"_cmd_{kind}")(*args)
+            except Exception:  # noqa: BLE001 - a command must never kill the loop
+                logger.exception("engine command %s failed", kind)
+
+    def _cmd_add(self, stream: _Stream, prep: PreparedRequest, arrival: float) -> None:
+        if stream.closed:
+            return
+        if self._stopped:
+            self._deliver([(stream, EngineDeadError("the engine shut down"))])
+            return
+        try:
+            self.engine.add_request(stream.request_id, prep, arrival_time=arrival)
+        except Exception as exc:  # noqa: BLE001 - delivered to the request's iterator
+            self._deliver([(stream, exc)])
+            return
+        self._active[stream.request_id] = stream
+
+    def _cmd_abort(self, stream: _Stream, fut: asyncio.Future | None) -> None:
+        rid = stream.request_id
+        if self._active.get(rid) is not stream:
+            if fut is not None:
+                _resolve(stream.loop, fut, None, ValueError(f"request {rid!r} already finished"))
+            return
+        del self._active[rid]
+        out = self.engine.abort_request(rid)
+        self._deliver([(stream, out)])
+        if fut is not None:
+            _resolve(stream.loop, fut, None, None)
+
+    def _cmd_pin(
+        self,
+        token_ids: list[int],
+        ttl_s: float,
+        cache_salt: str | None,
+        loop: asyncio.AbstractEventLoop,
+        fut: asyncio.Future,
+    ) -> None:
+        def done(job: PinJob) -> None:
+            _resolve(loop, fut, job.result, job.error)
+
+        try:
+            self.engine.start_pin(token_ids, ttl_s, cache_salt, callback=done)
+        except Exception as exc:  # noqa: BLE001 - delivered to the caller
+            _resolve(loop, fut, None, exc)
+
+    def _deliver_outputs(self, outputs: list[RequestOutput]) -> None:
+        items: list[tuple[_Stream, Any]] = []
+        for out in outputs:
+            stream = self._active.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._active[out.request_id]
+            items.append((stream, out))
+        self._deliver(items)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        failed = self.engine.fail_all(exc)
+        items = [(self._active.pop(rid), exc) for rid, _ in failed if rid in self._active]
+        self._deliver(items)
+
+    @staticmethod
+    def _deliver(items: list[tuple[_Stream, Any]]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, Any]]] = {}
+        for stream, item in items:
+            if not stream.closed:
+                by_loop.setdefault(stream.loop, []).append((stream, item))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # the loop is closed: nobody is listening
+                pass
+
+
+def _put_all(batch: list[tuple[_Stream, Any]]) -> None:
+    for stream, item in batch:
+        if not stream.closed:
+            stream.queue.put_nowait(item)
+
+
+def _resolve(
+    loop: asyncio.AbstractEventLoop,
+    fut: asyncio.Future,
+    result: Any,
+    error: BaseException | None,
+) -> None:
+    def set_it() -> None:
+        if fut.done():
+            return
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+
+    try:
+        loop.call_soon_threadsafe(set_it)
+    except RuntimeError:
+        pass
+

@@ -1,0 +1,105 @@
+"""Paged KV cache storage: how many blocks fit, and the per-layer K/V tensors.
+
+Layout (DEVELOPERS.md, kernels contract): per layer two tensors
+``[num_blocks, block_size, num_kv_heads, head_dim]``, one for K and one for V, in the model's
+dtype. A token's cache slot is ``block_id * block_size + offset``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_BYTES = 256 * 1024 * 1024
+"""Default KV byte budget on CPU (``EngineConfig.kv_cache_memory`` unset): 256 MiB."""
+
+DEFAULT_CUDA_KV_FRACTION = 0.5
+"""Default share of the free device memory (after the model is loaded) given to the KV cache."""
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(slots=True)
+class KVCacheSpec:
+    """Shape of the paged cache of one model.
+
+    Attributes:
+        num_layers: decoder layers (one K and one V tensor each).
+        num_kv_heads: key/value heads (GQA).
+        head_dim: per-head size.
+        block_size: tokens per block.
+        dtype: element type of K and V.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block takes across all layers, K and V:
+        ``2 * layers * block_size * kv_heads * head_dim * itemsize``."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+
+
+def resolve_num_blocks(
+    spec: KVCacheSpec,
+    num_kv_blocks: int | None,
+    kv_cache_memory: int | None,
+    device: torch.device | str,
+) -> int:
+    """Number of KV blocks to allocate.
+
+    ``num_kv_blocks`` wins when given; else ``kv_cache_memory`` bytes // bytes per block; else
+    256 MiB on CPU, or half the free device memory on CUDA.
+
+    Raises:
+        ValueError: the budget does not hold a single block.
+    """
+    if num_kv_blocks is not None:
+        return int(num_kv_blocks)
+    budget = kv_cache_memory
+    if budget is None:
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(dev)
+            budget = int(free * DEFAULT_CUDA_KV_FRACTION)
+        else:
+            budget = DEFAULT_CPU_KV_BYTES
+    num = budget // spec.bytes_per_block
+    if num < 1:
+        raise ValueError(
+            f"kv_cache_memory={budget} bytes holds no KV block "
+            f"(one block needs {spec.bytes_per_block} bytes)"
+        )
+    return int(num)
+
+
+def allocate_kv_caches(
+    spec: KVCacheSpec, num_blocks: int, device: torch.device | str
+) -> KVCaches:
+    """Allocate zeroed K and V tensors ``[num_blocks, block_size, num_kv_heads, head_dim]`` per
+    layer on ``device``; returns ``[(k, v)] * num_layers`` (distinct tensors)."""
+    shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    caches = [
+        (
+            torch.zeros(shape, dtype=spec.dtype, device=device),
+            torch.zeros(shape, dtype=spec.dtype, device=device),
+        )
+        for _ in range(spec.num_layers)
+    ]
+    logger.info(
+        "KV cache: %d blocks x %d tokens, %.1f MiB (%s)",
+        num_blocks,
+        spec.block_size,
+        num_blocks * spec.bytes_per_block / 2**20,
+        spec.dtype,
+    )
+    return caches

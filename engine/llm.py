@@ -1,0 +1,162 @@
+"""LLM: offline batched generation in vLLM's shape (``LLM(model).generate(prompts, params)``)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from prefixgate.engine.config import EngineConfig
+from prefixgate.engine.llm_engine import LLMEngine
+from prefixgate.engine.outputs import RequestOutput
+from prefixgate.engine.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+Message = dict[str, Any]
+
+
+class LLM:
+    """Offline engine: give it prompts, get finished ``RequestOutput`` objects back.
+
+    Args:
+        model: Hugging Face model directory, or ``None`` for the built-in ``tiny-random`` preset.
+        **engine_args: any other ``EngineConfig`` field (``block_size``, ``num_kv_blocks``,
+            ``enable_prefix_caching``, ``load_format``, ...).
+
+    Raises:
+        TypeError: an unknown engine argument. ValueError / FileNotFoundError: bad config.
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self.config = EngineConfig(model=model, **engine_args)
+        self.engine = LLMEngine(self.config)
+        self._counter = itertools.count()
+
+    @property
+    def tokenizer(self) -> Any:
+        """The engine's tokenizer (``encode`` / ``decode`` / ``apply_chat_template``)."""
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest prompt + output in tokens."""
+        return self.engine.max_model_len
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (continuous batching), outputs in input order.
+
+        Args:
+            prompts: one string, a list of strings, one list of token ids, or a list of them.
+            sampling_params: one ``SamplingParams`` for all, or one per prompt; ``None`` = defaults.
+            cache_salt: prefix-cache partition for all these requests.
+
+        Raises:
+            TypeError / ValueError: bad prompt or params; nothing is queued then (all prompts are
+                validated before the first is added).
+        """
+        plist = _normalize_prompts(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(plist)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(plist):
+                raise ValueError(
+                    f"got {len(params_list)} sampling params for {len(plist)} prompts"
+                )
+        prepared = [
+            self.engine.prepare_request(p, sp, cache_salt)
+            for p, sp in zip(plist, params_list, strict=True)
+        ]
+        ids = [f"llm-{next(self._counter)}" for _ in prepared]
+        added: list[str] = []
+        try:
+            for rid, prep in zip(ids, prepared, strict=True):
+                self.engine.add_request(rid, prep)
+                added.append(rid)
+            return self._run(ids)
+        except BaseException:
+            for rid in added:
+                try:
+                    self.engine.abort_request(rid)
+                except ValueError:
+                    pass  # already finished
+            raise
+
+    def chat(
+        self,
+        messages: list[Message] | Sequence[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation (a list of
+        ``{"role", "content"}`` dicts) or a list of conversations, then ``generate``.
+
+        The rendered template carries its own special tokens (e.g. ``{{ bos_token }}``), so it is
+        tokenized without adding more (as ``transformers``' ``apply_chat_template`` does).
+
+        Raises:
+            ValueError: malformed messages (from the template); see ``generate``.
+        """
+        if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
+            raise ValueError("messages must be a non-empty list of messages or of conversations")
+        convs = [messages] if isinstance(messages[0], dict) else list(messages)
+        prompts: list[list[int]] = []
+        for conv in convs:
+            text = self.tokenizer.apply_chat_template(
+                list(conv), add_generation_prompt=add_generation_prompt
+            )
+            prompts.append(list(self.tokenizer.encode(text, add_special_tokens=False)))
+        return self.generate(prompts, sampling_params, cache_salt=cache_salt)
+
+    def pin_prefix(self, token_ids: Sequence[int] | str, ttl_s: float, cache_salt: str | None = None) -> Any:
+        """Compute and pin a prefix (token ids, or text tokenized with special tokens) for
+        ``ttl_s`` seconds; returns a ``PrefixPin``. See ``LLMEngine.pin_prefix``."""
+        if isinstance(token_ids, str):
+            token_ids = self.tokenizer.encode(token_ids)
+        return self.engine.pin_prefix(token_ids, ttl_s, cache_salt)
+
+    def unpin_prefix(self, pin_id: str) -> None:
+        """Release a pin."""
+        self.engine.unpin_prefix(pin_id)
+
+    def stats(self) -> dict[str, Any]:
+        """Engine counters (see ``LLMEngine.stats``)."""
+        return self.engine.stats()
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError on broken KV block bookkeeping."""
+        self.engine.check_invariants()
+
+    def _run(self, ids: list[str]) -> list[RequestOutput]:
+        wanted = set(ids)
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            if not self.engine.has_unfinished_requests():
+                missing = [rid for rid in ids if rid not in final]
+                raise RuntimeError(f"engine went idle with requests unfinished: {missing}")
+            for out in self.engine.step():
+                if out.finished and out.request_id in wanted:
+                    final[out.request_id] = out
+        return [final[rid] for rid in ids]
+
+
+def _normalize_prompts(prompts: Any) -> list[Prompt]:
+    """One prompt or a list of prompts → list of prompts (str or list[int])."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if not isinstance(prompts, Sequence) or isinstance(prompts, bytes | bytearray):
+        raise TypeError(
+            f"prompts must be a string, a list of strings or token-id lists, got {type(prompts).__name__}"
+        )
+    if not prompts:
+        return []
+    first = prompts[0]
+    if isinstance(first, int) and not isinstance(first, bool):
+        return [list(prompts)]
+    return list(prompts)

@@ -1,0 +1,450 @@
+"""LLMEngine: the synchronous engine loop (vLLM v1's ``LLMEngine`` / ``EngineCore`` in one).
+
+``add_request`` validates and queues; each ``step()`` schedules (continuous batching, chunked
+prefill, preemption), runs the model runner once, updates the scheduler with the sampled tokens,
+detokenizes and returns the ``RequestOutput`` of every request that produced a token (or
+finished) in that step. Nothing here is thread-safe: ``AsyncEngine`` drives it from one thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from prefixgate.engine.config import EngineConfig
+from prefixgate.engine.kv_cache import KVCacheSpec, allocate_kv_caches, resolve_num_blocks
+from prefixgate.engine.model_runner import ModelRunner
+from prefixgate.engine.output_processor import OutputProcessor
+from prefixgate.engine.outputs import RequestOutput
+from prefixgate.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PIN_REQUEST_PREFIX = "__pin-"
+"""Request ids of the internal prefill requests that compute a prefix before it is pinned."""
+
+
+@dataclass(slots=True)
+class PreparedRequest:
+    """A validated, tokenized request, not yet queued (built without touching engine state).
+
+    Attributes:
+        prompt: the prompt text, when given as text.
+        prompt_token_ids: prompt token ids (non-empty, < max_model_len tokens).
+        params: a private, re-validated copy of the caller's ``SamplingParams``.
+        max_tokens: output tokens allowed: ``min(params.max_tokens, max_model_len - prompt)``.
+        cache_salt: prefix-cache partition key, or ``None``.
+    """
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    cache_salt: str | None
+
+
+@dataclass(slots=True)
+class PinJob:
+    """A prefix pin in progress: an internal prefill request, then ``kv_cache_manager.pin``.
+
+    ``callback(job)`` runs (on the engine's thread) once ``done``; then ``result`` holds the
+    ``PrefixPin`` or ``error`` the exception.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    ttl_s: float
+    cache_salt: str | None
+    callback: Callable[[PinJob], None] | None = None
+    result: Any = None
+    error: BaseException | None = None
+    done: bool = False
+
+
+class LLMEngine:
+    """The engine: tokenizer, scheduler + KV cache manager, model runner, output processor.
+
+    Args:
+        config: the ``EngineConfig``.
+
+    Raises:
+        ValueError / FileNotFoundError: bad config or model files (from the model loader).
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        from prefixgate.engine.detokenizer import IncrementalDetokenizer
+        from prefixgate.engine.kv_cache_manager import KVCacheManager
+        from prefixgate.engine.models.config import ModelConfig
+        from prefixgate.engine.models.loader import load_model
+        from prefixgate.engine.sampler import Sampler, SamplingState
+        from prefixgate.engine.scheduler import Scheduler
+
+        self.config = config
+        self.model_config = mc = ModelConfig.from_engine_config(config)
+        self.tokenizer = _load_tokenizer(mc)
+        self.max_model_len: int = mc.max_model_len
+        self.device = torch.device(mc.device)
+        model = load_model(mc, config)
+        spec = KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size, mc.dtype)
+        num_blocks = resolve_num_blocks(spec, config.num_kv_blocks, config.kv_cache_memory, self.device)
+        self.num_kv_blocks = num_blocks
+        kv_caches = allocate_kv_caches(spec, num_blocks, self.device)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            max_pinned_blocks=int(num_blocks * config.max_pinned_fraction),
+        )
+        self.scheduler = Scheduler(config, self.kv_cache_manager, self.max_model_len)
+        self.runner = ModelRunner(
+            model, kv_caches, Sampler(config.seed), SamplingState, config.block_size, self.device
+        )
+        self.output_processor = OutputProcessor(self.tokenizer, IncrementalDetokenizer)
+        self.eos_token_ids: set[int] = set(mc.eos_token_ids) | set(
+            getattr(self.tokenizer, "eos_token_ids", set()) or set()
+        )
+        self._requests: dict[str, Any] = {}
+        self._pin_jobs: dict[str, PinJob] = {}
+        self._pin_counter = itertools.count()
+        self._stashed: list[RequestOutput] = []
+        self._prompt_tokens_prefilled = 0
+        self._tokens_decoded = 0
+        self.timing = {"steps": 0, "step_s": 0.0, "forward_s": 0.0}
+
+    # -- requests ------------------------------------------------------------------------
+
+    def prepare_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+    ) -> PreparedRequest:
+        """Validate and tokenize a request without queuing it (safe from any thread).
+
+        Raises:
+            TypeError: prompt not a str or a sequence of ints; params not SamplingParams;
+                cache_salt not a str.
+            ValueError: empty prompt, token id outside the vocabulary, prompt of
+                ``max_model_len`` tokens or more, or invalid sampling parameters.
+        """
+        if params is None:
+            params = SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        params = dataclasses.replace(params)  # private copy, re-validated by __post_init__
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise TypeError(f"cache_salt must be a string or None, got {type(cache_salt).__name__}")
+        text: str | None = None
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            text = prompt
+            ids = list(self.tokenizer.encode(prompt))
+        elif isinstance(prompt, Sequence) and not isinstance(prompt, bytes | bytearray):
+            ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            for t in ids:
+                if isinstance(t, bool) or not isinstance(t, int):
+                    raise TypeError(f"prompt token ids must be ints, got {type(t).__name__}")
+                if not 0 <= t < vocab:
+                    raise ValueError(f"prompt token id {t} is outside the vocabulary [0, {vocab})")
+        else:
+            raise TypeError(
+                f"prompt must be a string or a list of token ids, got {type(prompt).__name__}"
+            )
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}, which "
+                "leaves no room to generate (prompt must be shorter than max_model_len)"
+            )
+        room = self.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        return PreparedRequest(text, ids, params, max_tokens, cache_salt)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int] | PreparedRequest,
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validate and queue a request.
+
+        ``prompt + max_tokens`` beyond ``max_model_len`` caps generation at ``max_model_len``
+        (vLLM's behaviour); a prompt of ``max_model_len`` tokens or more is an error.
+
+        Raises:
+            TypeError / ValueError: bad request id, prompt or params (see ``prepare_request``);
+                duplicate request id; a request that can never fit in the KV cache.
+        """
+        if not isinstance(request_id, str) or not request_id:
+            raise TypeError("request_id must be a non-empty string")
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        if request_id.startswith(PIN_REQUEST_PREFIX):
+            raise ValueError(f"request ids starting with {PIN_REQUEST_PREFIX!r} are reserved")
+        prep = (
+            prompt
+            if isinstance(prompt, PreparedRequest)
+            else self.prepare_request(prompt, params, cache_salt)
+        )
+        self._enqueue(request_id, prep, arrival_time or time.monotonic())
+
+    def _enqueue(self, request_id: str, prep: PreparedRequest, arrival: float) -> None:
+        from prefixgate.engine.request import Request
+
+        req = Request(
+            request_id,
+            prep.prompt_token_ids,
+            prep.params,
+            eos_token_ids=self.eos_token_ids,
+            max_tokens=prep.max_tokens,
+            cache_salt=prep.cache_salt,
+            arrival_time=arrival,
+        )
+        if prep.params.seed is not None:
+            gen = torch.Generator(device="cpu")  # the sampler draws on the generator's device
+            gen.manual_seed(prep.params.seed)
+            req.generator = gen
+        self.scheduler.add_request(req)  # may raise (never fits): nothing else was touched
+        self._requests[request_id] = req
+        if not request_id.startswith(PIN_REQUEST_PREFIX):
+            self.output_processor.add(
+                request_id, prep.prompt, prep.prompt_token_ids, prep.params, arrival
+            )
+
+    def abort_request(self, request_id: str) -> RequestOutput:
+        """Abort a request in flight and free its KV blocks at once.
+
+        Returns:
+            its final output (``finish_reason="abort"``).
+
+        Raises:
+            ValueError: unknown (or already finished) request id.
+        """
+        req = self._requests.get(request_id)
+        if req is None or request_id.startswith(PIN_REQUEST_PREFIX):
+            raise ValueError(f"unknown request id {request_id!r} (not in flight)")
+        self.scheduler.abort_requests([request_id])
+        return self._finish_output(req, "abort", None, time.monotonic())
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request (or pin job) is queued or running."""
+        return bool(self._requests) or bool(self._stashed)
+
+    @property
+    def num_requests(self) -> int:
+        """Requests in flight (waiting or running), internal pin requests included."""
+        return len(self._requests)
+
+    # -- the step ------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step.
+
+        Returns:
+            one ``RequestOutput`` per caller request that got a new token or finished this step
+            (cumulative text / token ids + deltas).
+        """
+        t0 = time.perf_counter()
+        outputs, self._stashed = self._stashed, []
+        sched_out = self.scheduler.schedule()
+        if not sched_out.scheduled:
+            return outputs
+        now = time.monotonic()
+        op = self.output_processor
+        for s in sched_out.scheduled:
+            r = s.request
+            op.mark_scheduled(r.request_id, now)
+            c, n, p = r.num_computed_tokens, s.num_new_tokens, r.num_prompt_tokens
+            if c < p:
+                self._prompt_tokens_prefilled += min(c + n, p) - c
+        run = self.runner.execute(sched_out)
+        self.scheduler.update_from_output(sched_out, run.sampled)
+        self._tokens_decoded += len(run.sampled)
+        now = time.monotonic()
+        for s in sched_out.scheduled:
+            r = s.request
+            rid = r.request_id
+            token = run.sampled.get(rid)
+            if token is None:
+                continue
+            if rid in self._pin_jobs:
+                self._on_pin_request(r)
+                continue
+            finished = r.is_finished()
+            skip_text = finished and r.finish_reason == "stop"  # EOS / stop token id
+            stop = op.on_token(rid, token, run.logprobs.get(rid), skip_text, now)
+            if stop is not None and not finished:
+                self._finish_stopped(r, stop)
+                finished = True
+            if finished:
+                outputs.append(self._finish_output(r, r.finish_reason, r.stop_reason, now))
+            else:
+                outputs.append(
+                    op.make_output(rid, r.output_token_ids, max(r.num_cached_tokens, 0), None, None, now)
+                )
+        t = self.timing
+        t["steps"] += 1
+        t["forward_s"] += run.forward_s
+        t["step_s"] += time.perf_counter() - t0
+        return outputs
+
+    def _finish_stopped(self, req: Any, stop: str) -> None:
+        from prefixgate.engine.request import RequestStatus
+
+        self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED, stop)
+
+    def _finish_output(
+        self, req: Any, reason: str | None, stop_reason: Any, now: float
+    ) -> RequestOutput:
+        self._requests.pop(req.request_id, None)
+        return self.output_processor.make_output(
+            req.request_id,
+            req.output_token_ids,
+            max(req.num_cached_tokens, 0),
+            reason or "stop",
+            stop_reason,
+            now,
+        )
+
+    def fail_all(self, exc: BaseException) -> list[tuple[str, BaseException]]:
+        """Abort every request in flight after an engine error (blocks freed).
+
+        Returns:
+            ``(request_id, exc)`` for each caller request, so the caller can deliver the error.
+        """
+        failed: list[tuple[str, BaseException]] = []
+        ids = list(self._requests)
+        for rid in ids:
+            try:
+                self.scheduler.abort_requests([rid])
+            except ValueError:
+                pass
+            self._requests.pop(rid, None)
+            job = self._pin_jobs.pop(rid, None)
+            if job is not None:
+                self._resolve_pin(job, None, exc)
+            else:
+                self.output_processor.drop(rid)
+                failed.append((rid, exc))
+        self._stashed = []
+        return failed
+
+    # -- prefix pins ---------------------------------------------------------------------
+
+    def start_pin(
+        self,
+        token_ids: Sequence[int],
+        ttl_s: float,
+        cache_salt: str | None = None,
+        callback: Callable[[PinJob], None] | None = None,
+    ) -> PinJob:
+        """Start pinning a prefix: queue an internal prefill of ``token_ids`` (one greedy
+        token); when it finishes, its full blocks (now in the prefix cache) are pinned for
+        ``ttl_s`` seconds and ``callback(job)`` runs.
+
+        Raises:
+            ValueError: prefix caching disabled, ttl_s <= 0, or a bad prefix (see
+                ``prepare_request``); TypeError: wrong types.
+        """
+        if not self.config.enable_prefix_caching:
+            raise ValueError("prefix pins need enable_prefix_caching=True")
+        if isinstance(ttl_s, bool) or not isinstance(ttl_s, int | float) or ttl_s <= 0:
+            raise ValueError(f"ttl_s must be a positive number of seconds, got {ttl_s!r}")
+        if isinstance(token_ids, str):
+            raise TypeError("pin_prefix takes token ids; tokenize the text first")
+        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        prep = self.prepare_request(list(token_ids), params, cache_salt)
+        if len(prep.prompt_token_ids) < self.config.block_size:
+            raise ValueError(
+                f"a pinned prefix needs at least one full block ({self.config.block_size} tokens)"
+            )
+        rid = f"{PIN_REQUEST_PREFIX}{next(self._pin_counter)}"
+        job = PinJob(rid, prep.prompt_token_ids, float(ttl_s), cache_salt, callback)
+        self._enqueue(rid, prep, time.monotonic())
+        self._pin_jobs[rid] = job
+        return job
+
+    def _on_pin_request(self, req: Any) -> None:
+        job = self._pin_jobs.pop(req.request_id)
+        if not req.is_finished():  # cannot happen with max_tokens=1; be safe
+            self.scheduler.abort_requests([req.request_id])
+        self._requests.pop(req.request_id, None)
+        try:
+            pin = self.kv_cache_manager.pin(job.token_ids, job.cache_salt, job.ttl_s)
+        except Exception as exc:  # noqa: BLE001 - delivered to the caller
+            self._resolve_pin(job, None, exc)
+        else:
+            self._resolve_pin(job, pin, None)
+
+    @staticmethod
+    def _resolve_pin(job: PinJob, result: Any, error: BaseException | None) -> None:
+        job.result, job.error, job.done = result, error, True
+        if job.callback is not None:
+            job.callback(job)
+
+    def pin_prefix(self, token_ids: Sequence[int], ttl_s: float, cache_salt: str | None = None) -> Any:
+        """Compute ``token_ids`` (if not cached) and pin its full blocks for ``ttl_s`` seconds.
+
+        Steps the engine until done; outputs of other requests produced meanwhile are returned
+        by the next ``step()``.
+
+        Returns:
+            ``PrefixPin(id, num_tokens, expires_at, ...)``.
+
+        Raises:
+            PinLimitError: pins would exceed ``max_pinned_fraction`` of the cache.
+            ValueError / TypeError: see ``start_pin``.
+        """
+        job = self.start_pin(token_ids, ttl_s, cache_salt)
+        pending: list[RequestOutput] = []
+        while not job.done:
+            pending.extend(self.step())
+        self._stashed = pending + self._stashed
+        if job.error is not None:
+            raise job.error
+        return job.result
+
+    def unpin_prefix(self, pin_id: str) -> None:
+        """Release a pin (its blocks become evictable once no request uses them).
+
+        Raises:
+            ValueError / KeyError: unknown pin id.
+        """
+        self.kv_cache_manager.unpin(pin_id)
+
+    # -- introspection -------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Engine counters (DEVELOPERS.md ``stats()`` keys) — requests, KV blocks, prefix cache."""
+        s: dict[str, Any] = dict(self.scheduler.stats())
+        # prompt tokens actually computed (a recompute after preemption counts its prompt part
+        # again; prefix-cache hits do not count), and output tokens sampled
+        s["prompt_tokens_prefilled"] = self._prompt_tokens_prefilled
+        s["tokens_decoded"] = self._tokens_decoded
+        return s
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError when a KV block is in two states or none, or the engine's
+        bookkeeping disagrees with the scheduler's."""
+        self.scheduler.check_invariants()
+        for rid in self.output_processor.states:
+            assert rid in self._requests, f"output state for {rid!r} without a request"
+
+
+def _load_tokenizer(mc: Any) -> Any:
+    from prefixgate.engine.tokenizer import Tokenizer
+
+    if mc.model_path is None:
+        return Tokenizer.builtin()
+    return Tokenizer.from_pretrained(mc.model_path)

@@ -1,0 +1,228 @@
+"""Model runner: flat batch in, one sampled token per finishing sequence out.
+
+Each step the scheduler hands over the scheduled requests (decodes first, then prefill chunks)
+with their block tables. The runner flattens them into one batch (vLLM v1's layout: all query
+tokens of all sequences back to back), builds ``AttentionMetadata``, runs the model once under
+``torch.inference_mode``, computes logits only for the rows that sample (the last query token of
+each request whose prompt or recompute is complete) and samples them.
+
+Host-side batch building is vectorized with numpy; per-request Python work is a handful of list
+operations, so host overhead stays small next to the forward pass.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from prefixgate.engine.attention_metadata import AttentionMetadata
+from prefixgate.engine.kv_cache import KVCaches
+from prefixgate.engine.outputs import TokenLogprobs
+
+
+@dataclass(slots=True)
+class ModelInput:
+    """The flat batch of one step.
+
+    Attributes:
+        input_ids: ``[T]`` int64 query token ids, sequence after sequence.
+        positions: ``[T]`` int64 absolute positions of those tokens.
+        meta: paged-attention metadata (slot mapping, block tables, ...).
+        logits_indices: ``[N]`` int64 rows of the hidden states whose logits are sampled.
+        sample_order: indices into the scheduled list of the N requests that sample, in row order.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+    sample_order: list[int]
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    """What one ``execute`` produced.
+
+    Attributes:
+        sampled: request id → sampled token id (requests that sampled this step only).
+        logprobs: request id → ``TokenLogprobs`` (requests that asked for logprobs only).
+        forward_s: seconds spent in the model forward + logits (host wall clock).
+    """
+
+    sampled: dict[str, int]
+    logprobs: dict[str, TokenLogprobs]
+    forward_s: float
+
+
+class ModelRunner:
+    """Owns the model, its paged KV caches and the sampler.
+
+    Args:
+        model: ``CausalLM`` following the DEVELOPERS.md model contract.
+        kv_caches: one ``(k, v)`` pair per layer, ``[num_blocks, block_size, kv_heads, head_dim]``.
+        sampler: ``Sampler`` with ``sample(logits [B, V] fp32, states) -> list[SampleResult]``.
+        sampling_state_cls: the sampler module's ``SamplingState`` dataclass.
+        block_size: tokens per KV block.
+        device: where the model and caches live.
+        sync_timing: synchronize CUDA around the forward so ``forward_s`` is exact (benchmarks).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: KVCaches,
+        sampler: Any,
+        sampling_state_cls: Any,
+        block_size: int,
+        device: torch.device,
+        sync_timing: bool = False,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.sampler = sampler
+        self.sampling_state_cls = sampling_state_cls
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.sync_timing = sync_timing and self.device.type == "cuda"
+        self._pin = self.device.type == "cuda"
+
+    # -- batch building ------------------------------------------------------------------
+
+    def prepare(self, scheduled: list[Any]) -> ModelInput:
+        """Flatten scheduled requests (``ScheduledRequest(request, num_new_tokens, block_ids)``,
+        single-token queries first) into a ``ModelInput``.
+
+        Query tokens of request r are ``r.all_token_ids[c : c + n]`` with ``c =
+        r.num_computed_tokens`` and ``n = num_new_tokens``; their positions are ``c .. c+n-1``
+        and their slots ``block_ids[p // S] * S + p % S``.
+        """
+        bs = self.block_size
+        num_seqs = len(scheduled)
+        q_lens = np.empty(num_seqs, dtype=np.int64)
+        starts = np.empty(num_seqs, dtype=np.int64)
+        token_ids: list[int] = []
+        max_blocks = 1
+        sample_order: list[int] = []
+        for i, s in enumerate(scheduled):
+            r = s.request
+            n = s.num_new_tokens
+            c = r.num_computed_tokens
+            q_lens[i] = n
+            starts[i] = c
+            all_ids = r.all_token_ids
+            if n == 1:
+                token_ids.append(all_ids[c])
+            else:
+                token_ids.extend(all_ids[c : c + n])
+            if c + n == len(all_ids):
+                sample_order.append(i)
+            nb = len(s.block_ids)
+            if nb > max_blocks:
+                max_blocks = nb
+        num_decodes = 0
+        while num_decodes < num_seqs and q_lens[num_decodes] == 1:
+            num_decodes += 1
+
+        qsl = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=qsl[1:])
+        ctx = starts + q_lens
+        total = int(qsl[-1])
+        seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
+        positions = np.arange(total, dtype=np.int64) - np.repeat(qsl[:-1] - starts, q_lens)
+
+        tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
+        for i, s in enumerate(scheduled):
+            ids = s.block_ids
+            tables[i, : len(ids)] = ids
+        slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        logits_idx = qsl[1:][sample_order] - 1
+
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=self._to(slots, dev),
+            query_start_loc=self._to(qsl.astype(np.int32), dev),
+            context_lens=self._to(ctx.astype(np.int32), dev),
+            block_tables=self._to(tables, dev),
+            num_decode_seqs=num_decodes,
+            max_query_len=int(q_lens.max()) if num_seqs else 0,
+            max_context_len=int(ctx.max()) if num_seqs else 0,
+        )
+        return ModelInput(
+            input_ids=self._to(np.asarray(token_ids, dtype=np.int64), dev),
+            positions=self._to(positions, dev),
+            meta=meta,
+            logits_indices=self._to(np.asarray(logits_idx, dtype=np.int64), dev),
+            sample_order=sample_order,
+        )
+
+    def _to(self, arr: np.ndarray, dev: torch.device) -> torch.Tensor:
+        t = torch.from_numpy(arr)
+        if dev.type == "cpu":
+            return t
+        if self._pin:
+            t = t.pin_memory()
+        return t.to(dev, non_blocking=True)
+
+    # -- step ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: Any) -> RunnerOutput:
+        """Run one step for ``scheduler_output.scheduled`` and sample.
+
+        Returns:
+            ``RunnerOutput`` with the sampled token per request that completed its prompt (or
+            recompute) this step, and logprobs where asked.
+        """
+        scheduled = _decodes_first(scheduler_output.scheduled)
+        if not scheduled:
+            return RunnerOutput({}, {}, 0.0)
+        inp = self.prepare(scheduled)
+        if self.sync_timing:
+            torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+        if not inp.sample_order:
+            if self.sync_timing:
+                torch.cuda.synchronize(self.device)
+            return RunnerOutput({}, {}, time.perf_counter() - t0)
+        logits = self.model.compute_logits(hidden[inp.logits_indices])
+        if self.sync_timing:
+            torch.cuda.synchronize(self.device)
+        forward_s = time.perf_counter() - t0
+
+        requests = [scheduled[i].request for i in inp.sample_order]
+        states = [
+            self.sampling_state_cls(
+                params=r.sampling_params,
+                prompt_token_ids=r.prompt_token_ids,
+                output_token_ids=r.output_token_ids,
+                generator=r.generator,
+            )
+            for r in requests
+        ]
+        results = self.sampler.sample(logits, states)
+        sampled: dict[str, int] = {}
+        logprobs: dict[str, TokenLogprobs] = {}
+        for r, res in zip(requests, results, strict=True):
+            sampled[r.request_id] = int(res.token_id)
+            if res.logprobs is not None:
+                logprobs[r.request_id] = res.logprobs
+        return RunnerOutput(sampled, logprobs, forward_s)
+
+
+def _decodes_first(scheduled: list[Any]) -> list[Any]:
+    """Stable partition: single-token queries (decodes) before multi-token prefill chunks, as
+    ``AttentionMetadata`` requires. The scheduler already orders them; this keeps the runner
+    correct if a one-token prefill chunk comes after a longer one."""
+    seen_prefill = False
+    for s in scheduled:
+        if s.num_new_tokens != 1:
+            seen_prefill = True
+        elif seen_prefill:
+            return [s for s in scheduled if s.num_new_tokens == 1] + [
+                s for s in scheduled if s.num_new_tokens != 1
+            ]
+    return scheduled
