@@ -72,8 +72,8 @@ class Request:
         metrics: ``time.monotonic()`` timestamps (``arrival``, ``first_scheduled``, ...).
 
     Raises:
-        ValueError: empty prompt, max_tokens < 1, or a non-int token id.
-        TypeError: prompt_token_ids not a sequence of ints.
+        ValueError: empty prompt, a negative token id, or max_tokens < 1.
+        TypeError: prompt_token_ids not a sequence of ints, or cache_salt not a string.
     """
 
     def __init__(
@@ -91,8 +91,10 @@ class Request:
         prompt = list(prompt_token_ids)
         if not prompt:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
-            raise TypeError(f"request {request_id!r}: prompt token ids must be ints >= 0")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise TypeError(f"request {request_id!r}: prompt token ids must be ints")
+        if min(prompt) < 0:
+            raise ValueError(f"request {request_id!r}: prompt token ids must be >= 0")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"request {request_id!r}: max_tokens must be an int >= 1, got {max_tokens!r}")
         if cache_salt is not None and not isinstance(cache_salt, str):

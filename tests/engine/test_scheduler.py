@@ -448,3 +448,23 @@ def test_pins_yield_to_a_lone_request() -> None:
     assert sched.kv.num_pins_revoked == 1 and sched.stats()["pinned_blocks"] == 0
     with pytest.raises(KeyError):
         sched.kv.unpin(pin.id)
+
+
+def test_request_validation() -> None:
+    with pytest.raises(TypeError):
+        Request("a", "hello", None)
+    with pytest.raises(TypeError):
+        Request("a", [1, 2.0], None)
+    with pytest.raises(ValueError):
+        Request("a", [1, -2], None)
+    with pytest.raises(ValueError):
+        Request("a", [1], None, max_tokens=0)
+    with pytest.raises(TypeError):
+        Request("a", [1], None, cache_salt=5)
+    r = Request("a", (5, 6), None, eos_token_ids={2}, max_tokens=3)
+    assert (r.num_tokens, r.num_prompt_tokens, r.num_cached_tokens, r.finish_reason) == (2, 2, 0, None)
+    r.append_output_token(9)
+    assert r.all_token_ids == [5, 6, 9] and r.output_token_ids == [9] and r.num_tokens == 3
+    assert not r.is_finished() and RequestStatus.FINISHED_ABORTED.is_finished()
+    assert RequestStatus.is_finished(RequestStatus.FINISHED_LENGTH)
+    assert RequestStatus.FINISHED_LENGTH.finish_reason == "length"
