@@ -78,6 +78,7 @@ class KVCacheManager:
         self._reqs: dict[str, _ReqKV] = {}
         self._pending: dict[BlockKey, list[Request]] = {}
         self._pins = PinTable(self.pool, self.max_pinned_blocks)
+        self.peak_used_blocks = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -191,6 +192,7 @@ class KVCacheManager:
             fresh = self.pool.allocate(num_new)
             state.blocks.extend(fresh)
             state.block_ids.extend(b.block_id for b in fresh)
+        self.peak_used_blocks = max(self.peak_used_blocks, self.pool.num_used)
         return True
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
@@ -369,6 +371,7 @@ class KVCacheManager:
             "kv_blocks_used": self.pool.num_used,
             "kv_blocks_free": self.pool.num_free,
             "kv_blocks_cached_free": self.pool.num_free_cached,
+            "kv_blocks_used_peak": self.peak_used_blocks,
             "prefix_cache_queries": q,
             "prefix_cache_hits": self.prefix_cache_hits,
             "prefix_cache_hit_rate": self.prefix_cache_hits / q if q else 0.0,

@@ -326,6 +326,8 @@ def test_in_flight_dedup_16_requests_share_prefix_once() -> None:
     for i, s in enumerate(suffixes):
         assert run.outputs[f"r{i}"] == reference(prefix + s, 4)
     st = sched.stats()
+    # the shared prefix is stored once: 4 prefix blocks + 1 block per request (suffix + output)
+    assert st["kv_blocks_used_peak"] <= 4 + 16 * 1
     assert st["prefix_cache_hits"] == 15 * 64
     assert st["prefix_cache_queries"] == sum(r.num_prompt_tokens for r in reqs)
 
