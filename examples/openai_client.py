@@ -18,11 +18,7 @@ BASE_URL = os.environ.get("PREFIXGATE_BASE_URL", "http://127.0.0.1:8000/v1")
 # A gateway started without --api-key accepts any key; the client insists on having one.
 API_KEY = os.environ.get("PREFIXGATE_API_KEY", "unused")
 
-SYSTEM = (
-    "I want you to act as a storyteller. You will come up with entertaining stories that are "
-    "engaging, imaginative and captivating for the audience. It can be fairy tales, educational "
-    "stories or any other type of stories which has the potential to capture people's attention."
-)
+SYSTEM = "You are a storyteller: answer with a short, vivid, dreamlike story."
 
 
 def main() -> None:

@@ -17,11 +17,7 @@ import os
 from prefixgate.sdk import AsyncClient
 
 BASE_URL = os.environ.get("PREFIXGATE_BASE_URL", "http://127.0.0.1:8000/v1")
-SYSTEM = (
-    "I want you to act as a linux terminal. I will type commands and you will reply with what the "
-    "terminal should show. I want you to only reply with the terminal output inside one unique "
-    "code block, and nothing else. Do not write explanations."
-)
+SYSTEM = "You are a linux terminal. Reply only with the terminal output, nothing else."
 
 
 async def main() -> None:

@@ -1,0 +1,77 @@
+"""Each script in examples/ runs as written against a real gateway on loopback.
+
+The gateway serves ../shared/models/aidreams-260k (a real trained tiny Llama) from a thread on a
+free port; every example runs as a subprocess with ``PREFIXGATE_BASE_URL`` pointing at it.
+``proxy.py`` starts its own gateway in upstream mode in front of that one.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+@pytest.fixture(scope="module")
+def gateway_url(aidreams_path):
+    from prefixgate.engine import AsyncEngine, EngineConfig
+    from prefixgate.gateway.app import create_app
+    from prefixgate.gateway.server import BackgroundServer
+
+    engines = []
+
+    def make_app():
+        engine = AsyncEngine(EngineConfig(model=aidreams_path, num_kv_blocks=256))
+        engines.append(engine)
+        return create_app(engine)
+
+    with BackgroundServer(make_app) as server:
+        yield server.url + "/v1"
+        if engines:
+            server.call(engines[0].shutdown)
+
+
+def run_example(name: str, base_url: str, **env: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / name)],
+        env={**os.environ, "PREFIXGATE_BASE_URL": base_url, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def test_quickstart(gateway_url):
+    out = run_example("quickstart.py", gateway_url)
+    assert "model: aidreams-260k" in out and "reply:" in out and "stream:" in out
+    cached = [line for line in out.splitlines() if line.startswith("second call:")]
+    assert cached and not cached[0].startswith("second call: 0 ")
+    assert out.count("batch ") == 4
+
+
+def test_openai_client(gateway_url):
+    out = run_example("openai_client.py", gateway_url)
+    assert "chat:" in out and "completion:" in out and "stream usage:" in out
+    assert "same greedy text: True" in out
+    again = next(line for line in out.splitlines() if line.startswith("again:"))
+    assert not again.startswith("again: 0 ")
+
+
+def test_prefix_api(gateway_url):
+    out = run_example("prefix_api.py", gateway_url)
+    assert "same text as sending the full messages: True" in out
+    assert "deleted" in out and out.count("session ") == 2
+    cached = next(line for line in out.splitlines() if "prompt tokens cached" in line)
+    assert not cached.strip().startswith("0 ")
+
+
+def test_proxy(gateway_url):
+    out = run_example("proxy.py", gateway_url, PREFIXGATE_UPSTREAM_URL=gateway_url)
+    assert "identical: True" in out
