@@ -22,8 +22,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-__all__ = ["KVCacheManager", "PrefixPin"]
-
 from prefixgate.engine.block_hash import (
     BlockKey,
     HashFn,
@@ -37,6 +35,8 @@ from prefixgate.engine.request import Request
 
 if TYPE_CHECKING:
     from prefixgate.engine.config import EngineConfig
+
+__all__ = ["KVCacheManager", "PrefixPin"]
 
 
 @dataclass(slots=True)
