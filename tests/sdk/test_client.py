@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import anyio
 import httpx
 import pytest
 import respx
@@ -105,3 +106,38 @@ def test_sync_client_same_surface() -> None:
         assert len(out) == 5 and all(r.id == "c1" for r in out)
         assert [m.id for m in client.models.list()] == ["x"]
         assert client.async_client.limiter.in_flight == 0
+
+
+class Endless(httpx.AsyncByteStream):
+    """An SSE body that never ends; records whether it was closed."""
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    async def __aiter__(self):
+        while True:
+            yield b'data: {"choices": [{"delta": {"content": "x"}}]}\n\n'
+            await anyio.sleep(0.001)
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+@respx.mock
+def test_sync_stream_break_closes_and_sync_prefix_session(monkeypatch) -> None:
+    monkeypatch.delenv("PREFIXGATE_API_KEY", raising=False)
+    body = Endless()
+    chat = respx.post(f"{BASE}/chat/completions").mock(
+        side_effect=[httpx.Response(200, stream=body), httpx.Response(200, json=OK)]
+    )
+    respx.post(f"{BASE}/prefixes").mock(return_value=httpx.Response(404))
+    with Client(BASE, max_concurrency=1) as client:
+        for _chunk in client.chat.completions.create(model="m", messages=MSG, stream=True):
+            break
+        assert body.closed and client.async_client.limiter.in_flight == 0
+        with client.prefixes.session("sys", model="m") as s:
+            r = s.create("hello")
+        assert r.id == "c1" and s.session.supported is False
+    sent = json.loads(chat.calls[1].request.content)["messages"]
+    assert sent == [{"role": "system", "content": "sys"}, {"role": "user", "content": "hello"}]
+    assert "authorization" not in chat.calls[0].request.headers
