@@ -21,6 +21,7 @@ real time.
 from __future__ import annotations
 
 import email.utils
+import logging
 import random
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -34,6 +35,8 @@ from tenacity.wait import wait_base
 from .errors import APIConnectionError, APIStatusError
 
 __all__ = ["RetryPolicy", "parse_retry_after", "should_retry", "RETRY_STATUSES"]
+
+logger = logging.getLogger("prefixgate.sdk")
 
 RETRY_STATUSES = frozenset({408, 409, 429})
 # 429s that retrying within seconds cannot clear: prefixgate's pinned-prefix space is full until
@@ -145,7 +148,21 @@ class RetryPolicy:
             retry=tenacity.retry_if_exception(should_retry),
             sleep=self.sleep,
             reraise=True,
+            before_sleep=_log_retry,
         )
+
+
+def _log_retry(retry_state: tenacity.RetryCallState) -> None:
+    """Log each retry at INFO: the failure and the wait chosen."""
+    outcome = retry_state.outcome
+    exc = outcome.exception() if outcome is not None else None
+    wait = retry_state.next_action.sleep if retry_state.next_action is not None else 0.0
+    logger.info(
+        "retrying in %.3f s (attempt %d failed: %s)",
+        wait,
+        retry_state.attempt_number,
+        f"{type(exc).__name__}: {exc}" if exc is not None else "?",
+    )
 
 
 class _Wait(wait_base):
