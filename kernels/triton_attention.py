@@ -27,7 +27,7 @@ import torch
 from prefixgate.kernels.triton_env import interpreting, next_pow2, tl, triton
 
 LOG2E = 1.4426950408889634
-NEG_BIG = -1.0e30  # running-max start: finite, so fully masked rows give p = 0, not NaN
+NEG_BIG = tl.constexpr(-1.0e30)  # running-max start: finite, so fully masked rows give p = 0, not NaN
 
 
 @dataclass(slots=True)
