@@ -266,7 +266,12 @@ class AsyncClient:
                 usage = data.get("usage")
                 if isinstance(usage, dict) and isinstance(usage.get("total_tokens"), int):
                     self.rate_limiter.correct(tokens, usage["total_tokens"])
-            return cast(data)
+            try:
+                return cast(data)
+            except (TypeError, ValueError) as exc:
+                raise APIResponseValidationError(
+                    f"Unexpected response shape: {exc}", response, body=data
+                ) from exc
         finally:
             if not handed_off:
                 if response is not None:

@@ -247,4 +247,7 @@ def estimate_tokens(body: dict[str, Any]) -> int:
             )
     out = body.get("max_completion_tokens") or body.get("max_tokens") or 256
     n = body.get("n") or 1
-    return int(chars / 4) + int(out) * int(n)
+    try:
+        return int(chars / 4) + max(0, int(out)) * max(1, int(n))
+    except (TypeError, ValueError):  # malformed counts: the server will say so
+        return int(chars / 4) + 256

@@ -141,3 +141,21 @@ def test_sync_stream_break_closes_and_sync_prefix_session(monkeypatch) -> None:
     sent = json.loads(chat.calls[1].request.content)["messages"]
     assert sent == [{"role": "system", "content": "sys"}, {"role": "user", "content": "hello"}]
     assert "authorization" not in chat.calls[0].request.headers
+
+
+@pytest.mark.anyio
+@respx.mock
+async def test_unexpected_2xx_bodies_are_validation_errors(make_client) -> None:
+    from prefixgate.sdk import APIResponseValidationError
+
+    respx.post(f"{BASE}/chat/completions").mock(
+        side_effect=[
+            httpx.Response(200, text="<html>proxy page</html>"),
+            httpx.Response(200, json=[1]),
+        ]
+    )
+    async with make_client() as client:
+        for _ in range(2):
+            with pytest.raises(APIResponseValidationError):
+                await client.chat.completions.create(model="m", messages=MSG)
+        assert client.limiter.in_flight == 0
