@@ -24,7 +24,6 @@ logger = logging.getLogger("prefixgate.gateway")
 
 _RETRYABLE = frozenset((502, 503, 504))
 _HOP_HEADERS = {"Content-Type": "application/json"}
-_STREAM_HEADERS = ("Content-Type", "Cache-Control")
 
 
 async def proxy_generate(request: web.Request) -> web.StreamResponse:
@@ -98,8 +97,11 @@ async def _forward(request: web.Request, st: GatewayState, body: bytes | None,
                 if ctype.startswith("text/event-stream"):
                     return await _pipe(request, resp)
                 data = await resp.read()
-                return web.Response(body=data, status=resp.status,
-                                    headers={"Content-Type": ctype})
+                out_headers = {"Content-Type": ctype}
+                retry_after = resp.headers.get("Retry-After")
+                if retry_after is not None:  # an upstream's 429 keeps its advice
+                    out_headers["Retry-After"] = retry_after
+                return web.Response(body=data, status=resp.status, headers=out_headers)
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
             if request.transport is None or request.transport.is_closing():
                 return web.Response(status=499)  # client gone; nothing to answer
@@ -125,7 +127,8 @@ async def _pipe(request: web.Request, resp: aiohttp.ClientResponse) -> web.Strea
     except (aiohttp.ClientError, TimeoutError) as exc:
         # The upstream broke mid-stream: a started stream cannot move; cut it.
         logger.warning("upstream stream cut: %r", exc)
-        request.transport and request.transport.close()
+        if request.transport is not None:
+            request.transport.close()
     return out
 
 

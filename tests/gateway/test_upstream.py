@@ -31,10 +31,12 @@ def stub_app(name: str, chunk_delay_s: float = 0.0, status: int = 200) -> web.Ap
         if body.get("stream"):
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
+            seen[-1]["outcome"] = "cut"
             for i in range(5):
                 await resp.write(f"data: {json.dumps({'upstream': name, 'i': i})}\n\n".encode())
                 await asyncio.sleep(chunk_delay_s)
             await resp.write(b"data: [DONE]\n\n")
+            seen[-1]["outcome"] = "complete"
             return resp
         return web.json_response({"upstream": name, "object": "chat.completion"})
 
@@ -192,3 +194,18 @@ def test_streams_pass_through_chunk_by_chunk(servers):
         assert http.post("/v1/chat/completions", json=_chat("s", "q")).status_code == 401
         models = http.get("/v1/models", headers={"Authorization": "Bearer gk"}).json()
         assert models["data"][0]["id"] == "s"
+
+
+def test_client_disconnect_closes_upstream_stream(servers):
+    up = servers(lambda: stub_app("s", chunk_delay_s=0.2))
+    gw = servers(lambda: create_app([up.url], GatewaySettings()))
+    with httpx.Client(base_url=gw.url) as http, \
+            http.stream("POST", "/v1/chat/completions", json=_chat("s", "q", stream=True)) as r:
+        next(r.iter_raw())  # first chunk, then leave
+    deadline = time.monotonic() + 3
+    while up.app[SEEN][-1].get("outcome") != "cut" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.2)  # longer than the rest of the stream would take
+    assert up.app[SEEN][-1]["outcome"] == "cut"
+    assert gw.app[STATE].router.upstreams[0].in_flight == 0
+    assert gw.app[STATE].router.upstreams[0].healthy  # a client leaving is not an upstream fault
