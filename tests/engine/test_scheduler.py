@@ -470,3 +470,62 @@ def test_request_validation() -> None:
     assert not r.is_finished() and RequestStatus.FINISHED_ABORTED.is_finished()
     assert RequestStatus.is_finished(RequestStatus.FINISHED_LENGTH)
     assert RequestStatus.FINISHED_LENGTH.finish_reason == "length"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_randomized_stress_keeps_invariants(seed: int) -> None:
+    """Random arrivals, aborts, stop-string finishes, pins and a tight cache: invariants after
+    every step, every request accounted for, outputs of the rest equal the reference."""
+    rng = random.Random(seed)
+    sched = make(num_blocks=rng.choice([10, 16, 40]), max_num_batched_tokens=rng.choice([8, 32, 128]),
+                 max_num_seqs=rng.choice([2, 6, 32]), max_model_len=160,
+                 enable_prefix_caching=rng.random() < 0.8, scheduling=rng.choice(["continuous", "static"]))
+    shared = [[rng.randrange(3, VOCAB) for _ in range(rng.choice([16, 24, 40]))] for _ in range(3)]
+    run = Run(sched)
+    live: dict[str, Request] = {}
+    ended: dict[str, Request] = {}
+    pins: list[str] = []
+    for n in range(5000):
+        if n < 300 and rng.random() < 0.4:
+            p = rng.choice(shared) + [rng.randrange(3, VOCAB) for _ in range(rng.randrange(1, 20))]
+            r = request(f"r{n}", p, max_tokens=rng.randrange(1, 24), salt=rng.choice([None, None, "t"]))
+            try:
+                sched.add_request(r)
+                live[r.request_id] = r
+            except CacheCapacityError:
+                pass
+        if live and rng.random() < 0.05:
+            rid = rng.choice(sorted(live))
+            sched.abort_requests([rid])
+            ended[rid] = live.pop(rid)
+        if live and rng.random() < 0.05:
+            rid = rng.choice(sorted(live))
+            if live[rid].output_token_ids:
+                sched.finish_requests([rid], RequestStatus.FINISHED_STOPPED, stop_reason="stop")
+                ended[rid] = live.pop(rid)
+        if sched.kv.enable_prefix_caching and rng.random() < 0.05:
+            try:
+                pins.append(sched.kv.pin(rng.choice(shared), ttl_s=rng.choice([None, 1e-3, 60.0])).id)
+            except ValueError:
+                pass
+        if pins and rng.random() < 0.05:
+            try:
+                sched.kv.unpin(pins.pop(rng.randrange(len(pins))))
+            except KeyError:
+                pass  # expired or revoked already
+        for r in step(run):
+            ended[r.request_id] = live.pop(r.request_id)
+        if n >= 300 and not sched.has_unfinished_requests():
+            break
+    assert not sched.has_unfinished_requests() and not live, (n, sched.stats(), sched.running, list(sched.waiting), sched.kv.pins)
+    for p in pins:
+        try:
+            sched.kv.unpin(p)
+        except KeyError:
+            pass
+    assert_whole(sched)
+    for r in ended.values():
+        assert r.is_finished()
+        assert r.output_token_ids == reference(r.prompt_token_ids, len(r.output_token_ids))
+        if r.finish_reason == "length":
+            assert r.num_output_tokens == r.max_tokens or r.num_tokens >= 160
