@@ -11,6 +11,7 @@ close their response shielded from the cancellation and release their slot in ``
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable, Mapping
@@ -84,7 +85,8 @@ class AsyncClient:
             header, for a local gateway without keys).
         max_concurrency: most requests of this client in flight at once (all calls share it);
             also the size of the HTTP connection pool.
-        max_retries: retries after the first attempt (see ``RetryPolicy``).
+        max_retries: retries after the first attempt (None: the policy's, default 2; see
+            ``RetryPolicy``).
         timeout: seconds or ``httpx.Timeout`` per attempt (default 600 s, 5 s to connect).
         rate_limit: optional client-side ``RateLimit`` (requests/min, tokens/min).
         adaptive_concurrency: shrink the in-flight limit on 429 and grow it back (AIMD).
@@ -122,15 +124,7 @@ class AsyncClient:
         self.timeout = timeout if isinstance(timeout, httpx.Timeout) else httpx.Timeout(timeout)
         policy = retry_policy or RetryPolicy()
         if max_retries is not None:
-            policy = RetryPolicy(
-                max_retries=max_retries,
-                initial_delay=policy.initial_delay,
-                max_delay=policy.max_delay,
-                max_retry_after=policy.max_retry_after,
-                sleep=policy.sleep,
-                clock=policy.clock,
-                rng=policy.rng,
-            )
+            policy = dataclasses.replace(policy, max_retries=max_retries)
         self.retry_policy = policy
         self.limiter = ConcurrencyLimiter(max_concurrency, adaptive=adaptive_concurrency)
         self.rate_limiter = (

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from ..batch import run_batch
 from ..streaming import AsyncStream
@@ -40,6 +40,26 @@ class AsyncChatCompletions:
 
     def __init__(self, client: AsyncClient) -> None:
         self._client = client
+
+    @overload
+    async def create(
+        self,
+        *,
+        model: str,
+        messages: Sequence[Mapping[str, Any]],
+        stream: Literal[False] = False,
+        **params: Any,
+    ) -> ChatCompletion: ...
+
+    @overload
+    async def create(
+        self,
+        *,
+        model: str,
+        messages: Sequence[Mapping[str, Any]],
+        stream: Literal[True],
+        **params: Any,
+    ) -> AsyncStream[ChatCompletionChunk]: ...
 
     async def create(
         self,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from ..batch import run_batch
 from ..streaming import AsyncStream
@@ -19,6 +19,26 @@ class AsyncCompletions:
 
     def __init__(self, client: AsyncClient) -> None:
         self._client = client
+
+    @overload
+    async def create(
+        self,
+        *,
+        model: str,
+        prompt: str | list[str] | list[int],
+        stream: Literal[False] = False,
+        **params: Any,
+    ) -> Completion: ...
+
+    @overload
+    async def create(
+        self,
+        *,
+        model: str,
+        prompt: str | list[str] | list[int],
+        stream: Literal[True],
+        **params: Any,
+    ) -> AsyncStream[Completion]: ...
 
     async def create(
         self,
