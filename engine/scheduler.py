@@ -13,7 +13,8 @@ Each ``schedule()`` call (one engine step):
    cached prefix and prefills the rest in chunks (chunked prefill). A waiting request whose next
    prompt block is being computed by a running request (in-flight dedup) is skipped this step and
    hits that block once it is cached; requests behind it may go.
-   With ``scheduling="static"`` new requests are admitted only when the running batch is empty.
+   With ``scheduling="static"`` new requests are admitted only when the running batch is empty
+   (and without in-flight dedup: waiting for an owner would mean waiting for the whole batch).
 
 The flow and vocabulary follow vLLM v1 (``vllm/v1/core/sched/scheduler.py``).
 """
@@ -252,7 +253,11 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             hits, num_hit = self.kv.get_computed_blocks(req)
-            if len(hits) < (req.num_tokens - 1) // bs and self.kv.pending_owner(req, len(hits)):
+            if (
+                not self.static  # static: waiting for the owner would mean waiting for the drain
+                and len(hits) < (req.num_tokens - 1) // bs
+                and self.kv.pending_owner(req, len(hits))
+            ):
                 skipped.append(self.waiting.popleft())  # in-flight dedup: wait for the owner
                 continue
             num_new = min(req.num_tokens - num_hit, budget)

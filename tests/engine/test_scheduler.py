@@ -529,3 +529,11 @@ def test_randomized_stress_keeps_invariants(seed: int) -> None:
         assert r.output_token_ids == reference(r.prompt_token_ids, len(r.output_token_ids))
         if r.finish_reason == "length":
             assert r.num_output_tokens == r.max_tokens or r.num_tokens >= 160
+
+
+def test_static_mode_admits_shared_prefix_batch_together() -> None:
+    prefix = list(range(100, 164))
+    reqs = [request(f"r{i}", prefix + [i + 3], max_tokens=3) for i in range(4)]
+    run = drive(make(scheduling="static", max_num_batched_tokens=512), reqs)
+    assert len(run.steps[0].scheduled) == 4  # one static batch, no waiting for the owner
+    assert run.outputs == {f"r{i}": reference(prefix + [i + 3], 3) for i in range(4)}
