@@ -9,6 +9,7 @@ write while streaming), so their KV blocks are freed at once.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import Any
@@ -27,6 +28,8 @@ from prefixgate.gateway.prompts import (
 from prefixgate.gateway.schemas import ChatCompletionRequest, CompletionRequest, parse
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.streaming import SSEWriter, client_gone
+
+logger = logging.getLogger("prefixgate.gateway")
 
 CLIENT_GONE = 499  # nginx's "client closed request": never seen by the client, only in logs
 
@@ -96,6 +99,20 @@ def _model_card(st: GatewayState) -> dict[str, Any]:
     if st.engine is not None:
         card["max_model_len"] = st.engine.max_model_len
     return card
+
+
+def engine_error(exc: Exception) -> APIError:
+    """An engine failure before any output, as an OpenAI error: bad input (ValueError,
+    TypeError) → 400; the engine shut down (EngineDeadError) → 503; anything else → 500."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ValueError | TypeError):
+        return bad_request(str(exc))
+    if type(exc).__name__ == "EngineDeadError":
+        return APIError(503, "the engine is shutting down", code="engine_unavailable",
+                        retry_after=5.0)
+    logger.error("engine failed a request: %r", exc)
+    return APIError(500, f"generation failed: {type(exc).__name__}", code="engine_error")
 
 
 class _Exchange:
@@ -192,8 +209,8 @@ class _Exchange:
             while run.pending:
                 try:
                     ev = await run.next(poll)
-                except (ValueError, TypeError) as exc:
-                    raise bad_request(str(exc)) from None
+                except Exception as exc:  # noqa: BLE001 - mapped to an OpenAI error
+                    raise engine_error(exc) from None
                 if ev is None:
                     if client_gone(self.request):
                         return web.Response(status=CLIENT_GONE)
@@ -225,8 +242,8 @@ class _Exchange:
                 while run.pending and first is None:
                     try:
                         first = await run.next(poll)
-                    except (ValueError, TypeError) as exc:
-                        raise bad_request(str(exc)) from None
+                    except Exception as exc:  # noqa: BLE001 - mapped to an OpenAI error
+                        raise engine_error(exc) from None
                     if first is None:
                         if client_gone(self.request):
                             return web.Response(status=CLIENT_GONE)
