@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +73,9 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopped = False
         self._snapshot: dict[str, Any] = self.engine.stats()
+        # event-loop callbacks produced under the lock, posted after the stats snapshot is
+        # fresh (so a caller woken by them sees stats that include what woke it)
+        self._outbox: list[tuple[asyncio.AbstractEventLoop, Callable[[], None]]] = []
 
     # -- properties ----------------------------------------------------------------------
 
@@ -211,6 +214,8 @@ class AsyncEngine:
         with self._lock:
             self._fail_all(EngineDeadError("the engine shut down"))
             self._drain_commands()
+            self._snapshot = self.engine.stats()
+        self._flush_outbox()
 
     # -- engine thread -------------------------------------------------------------------
 
@@ -238,9 +243,20 @@ class AsyncEngine:
                         outputs = []
                     self._deliver_outputs(outputs)
                 self._snapshot = engine.stats()
+            self._flush_outbox()
             if not busy:
-                self._wake.wait()
-                self._wake.clear()
+                self._idle_wait()
+
+    def _idle_wait(self) -> None:
+        """Sleep until a command arrives, or until the next prefix pin expires (then release
+        it, so pins lapse at their TTL even when no request is running)."""
+        expiry = self.engine.next_pin_expiry()
+        timeout = None if expiry is None else max(0.0, expiry - time.monotonic()) + 1e-3
+        if not self._wake.wait(timeout):
+            with self._lock:
+                self.engine.expire_pins()
+                self._snapshot = self.engine.stats()
+        self._wake.clear()
 
     def _drain_commands(self) -> None:
         while self._commands:
@@ -267,13 +283,13 @@ class AsyncEngine:
         rid = stream.request_id
         if self._active.get(rid) is not stream:
             if fut is not None:
-                _resolve(stream.loop, fut, None, ValueError(f"request {rid!r} already finished"))
+                self._resolve(stream.loop, fut, None, ValueError(f"request {rid!r} already finished"))
             return
         del self._active[rid]
         out = self.engine.abort_request(rid)
         self._deliver([(stream, out)])
         if fut is not None:
-            _resolve(stream.loop, fut, None, None)
+            self._resolve(stream.loop, fut, None, None)
 
     def _cmd_pin(
         self,
@@ -284,12 +300,12 @@ class AsyncEngine:
         fut: asyncio.Future,
     ) -> None:
         def done(job: PinJob) -> None:
-            _resolve(loop, fut, job.result, job.error)
+            self._resolve(loop, fut, job.result, job.error)
 
         try:
             self.engine.start_pin(token_ids, ttl_s, cache_salt, callback=done)
         except Exception as exc:  # noqa: BLE001 - delivered to the caller
-            _resolve(loop, fut, None, exc)
+            self._resolve(loop, fut, None, exc)
 
     def _deliver_outputs(self, outputs: list[RequestOutput]) -> None:
         items: list[tuple[_Stream, Any]] = []
@@ -307,41 +323,64 @@ class AsyncEngine:
         items = [(self._active.pop(rid), exc) for rid, _ in failed if rid in self._active]
         self._deliver(items)
 
-    @staticmethod
-    def _deliver(items: list[tuple[_Stream, Any]]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, Any]]] = {}
+    def _deliver(self, items: list[tuple[_Stream, Any]]) -> None:
         for stream, item in items:
             if not stream.closed:
-                by_loop.setdefault(stream.loop, []).append((stream, item))
-        for loop, batch in by_loop.items():
+                self._outbox.append((stream.loop, _Put(stream, item)))
+
+    def _resolve(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        fut: asyncio.Future,
+        result: Any,
+        error: BaseException | None,
+    ) -> None:
+        self._outbox.append((loop, _SetFuture(fut, result, error)))
+
+    def _flush_outbox(self) -> None:
+        """Post queued callbacks: one ``call_soon_threadsafe`` per event loop, in order."""
+        if not self._outbox:
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list[Callable[[], None]]] = {}
+        for loop, fn in self._outbox:
+            by_loop.setdefault(loop, []).append(fn)
+        self._outbox = []
+        for loop, fns in by_loop.items():
             try:
-                loop.call_soon_threadsafe(_put_all, batch)
+                loop.call_soon_threadsafe(_run_all, fns)
             except RuntimeError:  # the loop is closed: nobody is listening
                 pass
 
 
-def _put_all(batch: list[tuple[_Stream, Any]]) -> None:
-    for stream, item in batch:
-        if not stream.closed:
-            stream.queue.put_nowait(item)
+@dataclass(slots=True)
+class _Put:
+    """Hand one output (or exception) to a stream's queue, unless its consumer left."""
+
+    stream: _Stream
+    item: Any
+
+    def __call__(self) -> None:
+        if not self.stream.closed:
+            self.stream.queue.put_nowait(self.item)
 
 
-def _resolve(
-    loop: asyncio.AbstractEventLoop,
-    fut: asyncio.Future,
-    result: Any,
-    error: BaseException | None,
-) -> None:
-    def set_it() -> None:
-        if fut.done():
+@dataclass(slots=True)
+class _SetFuture:
+    """Complete a caller's future with a result or an exception (once)."""
+
+    fut: asyncio.Future
+    result: Any
+    error: BaseException | None
+
+    def __call__(self) -> None:
+        if self.fut.done():
             return
-        if error is not None:
-            fut.set_exception(error)
+        if self.error is not None:
+            self.fut.set_exception(self.error)
         else:
-            fut.set_result(result)
+            self.fut.set_result(self.result)
 
-    try:
-        loop.call_soon_threadsafe(set_it)
-    except RuntimeError:
-        pass
 
+def _run_all(fns: list[Callable[[], None]]) -> None:
+    for fn in fns:
+        fn()

@@ -415,6 +415,16 @@ class LLMEngine:
             raise job.error
         return job.result
 
+    def expire_pins(self, now: float | None = None) -> list[str]:
+        """Release pins whose TTL has passed (``schedule()`` does this every step; call it when
+        idle). Returns the released pin ids."""
+        return self.kv_cache_manager.expire_pins(now)
+
+    def next_pin_expiry(self) -> float | None:
+        """Earliest ``expires_at`` (``time.monotonic()`` seconds) of the live pins, or None."""
+        times = [p.expires_at for p in self.kv_cache_manager.pins if p.expires_at is not None]
+        return min(times) if times else None
+
     def unpin_prefix(self, pin_id: str) -> None:
         """Release a pin (its blocks become evictable once no request uses them).
 
