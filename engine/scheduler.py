@@ -321,16 +321,20 @@ class Scheduler:
         Raises:
             ValueError: a sampling request has no token in ``sampled_token_ids``.
         """
+        live = [
+            s
+            for s in scheduler_output.scheduled
+            if s.request.status == RequestStatus.RUNNING and self.requests.get(s.request.request_id) is s.request
+        ]  # skips requests aborted / finished since schedule()
+        missing = [s.request.request_id for s in live if s.samples and s.request.request_id not in sampled_token_ids]
+        if missing:  # checked before anything changes
+            raise ValueError(f"no sampled token for request(s) {missing}")
         finished: list[Request] = []
-        for s in scheduler_output.scheduled:
+        for s in live:
             req = s.request
-            if req.status != RequestStatus.RUNNING or self.requests.get(req.request_id) is not req:
-                continue  # aborted / finished / preempted since schedule()
             req.num_computed_tokens = s.num_computed_tokens + s.num_new_tokens
-            if req.num_computed_tokens == req.num_tokens:
-                token = sampled_token_ids.get(req.request_id)
-                if token is None:
-                    raise ValueError(f"no sampled token for request {req.request_id!r}")
+            if s.samples:
+                token = sampled_token_ids[req.request_id]
                 req.append_output_token(token)
                 self.tokens_decoded += 1
                 if "first_token" not in req.metrics:

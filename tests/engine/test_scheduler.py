@@ -537,3 +537,20 @@ def test_static_mode_admits_shared_prefix_batch_together() -> None:
     run = drive(make(scheduling="static", max_num_batched_tokens=512), reqs)
     assert len(run.steps[0].scheduled) == 4  # one static batch, no waiting for the owner
     assert run.outputs == {f"r{i}": reference(prefix + [i + 3], 3) for i in range(4)}
+
+
+def test_missing_sampled_token_changes_nothing() -> None:
+    sched = make()
+    run = Run(sched)
+    a, b = request("a", [5, 6, 7]), request("b", [8, 9])
+    sched.add_request(a)
+    sched.add_request(b)
+    out = sched.schedule()
+    with pytest.raises(ValueError, match="no sampled token"):
+        sched.update_from_output(out, {"a": 11})
+    assert (a.num_computed_tokens, b.num_computed_tokens, a.output_token_ids) == (0, 0, [])
+    sched.update_from_output(out, {"a": 11, "b": 12})
+    assert (a.output_token_ids, b.output_token_ids) == ([11], [12])
+    sched.abort_requests(["a", "b"])
+    assert_whole(sched)
+    assert run.outputs == {}
