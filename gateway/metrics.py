@@ -100,7 +100,8 @@ class GatewayMetrics:
         self.upstream_healthy = Gauge("prefixgate_upstream_healthy", "1 when the upstream is healthy",
                                       ["upstream"], registry=r)
         self._window = window_s
-        self._marks: list[tuple[float, float]] = []  # (time, cumulative generated tokens)
+        # (monotonic time, cumulative generated tokens) at each scrape, over the window
+        self._marks: list[tuple[float, float]] = [(time.monotonic(), 0.0)]
         self._generated = 0.0
 
     def add_engine(self, stats: Callable[[], dict[str, Any] | None]) -> None:

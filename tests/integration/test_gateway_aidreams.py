@@ -28,7 +28,8 @@ MODEL = "aidreams-260k"
 def _serve(path: str, **engine_kw) -> BackgroundServer:
     def make():
         engine = AsyncEngine(EngineConfig(model=path, num_kv_blocks=256, **engine_kw))
-        return create_app(engine, GatewaySettings(model_name=MODEL, poll_s=0.02))
+        return create_app(engine, GatewaySettings(model_name=MODEL, poll_s=0.02,
+                                                  max_queued_requests=32))
 
     return BackgroundServer(make).__enter__()
 
@@ -160,6 +161,32 @@ def test_bad_input_on_real_model(server, pool_whole):
         assert http.post("/v1/completions", json={"model": MODEL, "prompt": "x",
                                                   "max_tokens": 2}).status_code == 200
     _idle(server, pool_whole)
+
+
+def test_500_concurrent_over_capacity(server, pool_whole):
+    """500 connections at once, queue bound 32: 200s and 429s (server_overloaded, Retry-After)
+    only, then the server still serves and the KV pool is whole."""
+    async def run():
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+            async def one(i):
+                body = {"model": MODEL, "prompt": f"Dream {i}", "max_tokens": 4, "temperature": 0}
+                async with s.post(server.url + "/v1/completions", json=body) as r:
+                    return r.status, await r.json(), r.headers.get("Retry-After")
+            return await asyncio.gather(*(one(i) for i in range(500)))
+
+    results = asyncio.run(run())
+    statuses = [r[0] for r in results]
+    assert set(statuses) <= {200, 429} and statuses.count(200) >= 32, set(statuses)
+    for status, body, retry in results:
+        if status == 429:
+            assert body["error"]["code"] == "server_overloaded" and int(retry) >= 1
+        else:
+            assert body["usage"]["completion_tokens"] == 4
+    stats = _idle(server, pool_whole)
+    assert stats["kv_blocks_used"] == 0
+    with httpx.Client(base_url=server.url) as http:
+        assert http.post("/v1/completions", json={"model": MODEL, "prompt": "x",
+                                                  "max_tokens": 2}).status_code == 200
 
 
 def test_disconnects_free_blocks(aidreams_path, pool_whole):
