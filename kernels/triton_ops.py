@@ -200,8 +200,8 @@ def rms_norm(
     """Fused residual add + RMSNorm (Zhang & Sennrich 2019) in fp32, cast as HF's LlamaRMSNorm.
 
     Args:
-        x: ``[T, H]``; weight: ``[H]``; eps: added to the mean square;
-        residual: ``[T, H]`` or None (then ``x + residual`` is normalized and returned too).
+        x: ``[T, H]`` (any leading dims); weight: ``[H]``; eps: added to the mean square;
+        residual: like x, or None (then ``x + residual`` is normalized and returned too).
 
     Returns:
         ``out [T, H]`` or ``(out, new_residual)``; inputs are not modified.
@@ -211,15 +211,28 @@ def rms_norm(
     """
     tensors = [x, weight] + ([residual] if residual is not None else [])
     _check_device(*tensors)
-    _check_float("x", x, 2)
+    if x.dtype not in _FLOATS or x.dim() < 1:
+        raise TypeError(f"x must be a float32/float16/bfloat16 tensor [..., H], got {x.dtype} {tuple(x.shape)}")
     _check_float("weight", weight, 1)
-    if weight.shape[0] != x.shape[1]:
+    if weight.shape[0] != x.shape[-1]:
         raise ValueError(f"weight {tuple(weight.shape)} does not match x {tuple(x.shape)}")
-    if residual is not None:
-        _check_float("residual", residual, 2)
-        if residual.shape != x.shape or residual.dtype != x.dtype:
-            raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} != x {tuple(x.shape)} {x.dtype}")
-    return triton_layers.rms_norm(x, weight.contiguous(), eps, residual)
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(
+            f"residual {tuple(residual.shape)} {residual.dtype} != x {tuple(x.shape)} {x.dtype}"
+        )
+    hidden = x.shape[-1]
+    x2 = _rows(x, hidden)
+    res2 = _rows(residual, hidden) if residual is not None else None
+    result = triton_layers.rms_norm(x2, weight.contiguous(), eps, res2)
+    if res2 is None:
+        return result.view(x.shape)
+    return result[0].view(x.shape), result[1].view(x.shape)
+
+
+def _rows(t: torch.Tensor, hidden: int) -> torch.Tensor:
+    """``t [..., H]`` as ``[rows, H]`` with a contiguous last dim (a view when possible)."""
+    t2 = t.reshape(-1, hidden)
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
 def rotary_embedding(

@@ -132,3 +132,16 @@ def test_layer_errors():
         triton_ops.reshape_and_cache(_rand(2, 1, 64), _rand(2, 1, 64), kc, kc.clone(), torch.zeros(3, dtype=torch.long, device=DEVICE))
     with pytest.raises(TypeError, match="slot_mapping"):
         triton_ops.reshape_and_cache(_rand(2, 1, 64), _rand(2, 1, 64), kc, kc.clone(), torch.zeros(2, device=DEVICE))
+
+
+def test_rms_norm_any_leading_dims_and_strided_rows():
+    x = _rand(2, 3, 64)
+    w = _rand(64, seed=1)
+    torch.testing.assert_close(triton_ops.rms_norm(x, w, 1e-5), torch_ref.rms_norm(x, w, 1e-5), atol=1e-5, rtol=0)
+    wide = _rand(4, 3 * 64, seed=3)
+    view = wide[:, 64:128]  # a column slice: rows strided
+    res = _rand(4, 64, seed=4)
+    ours = triton_ops.rms_norm(view, w, 1e-5, residual=res)
+    ref = torch_ref.rms_norm(view, w, 1e-5, residual=res)
+    torch.testing.assert_close(ours[0], ref[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(ours[1], ref[1], atol=1e-5, rtol=0)
