@@ -138,9 +138,10 @@ def _add_upstream_routes(app: web.Application, st: GatewayState, urls: list[str]
 
 
 async def _no_prefixes(request: web.Request) -> web.Response:
-    raise APIError(400, "the prefix API is not available in upstream mode; send the full "
+    # 501: clients (the SDK's PrefixSession) then fall back to sending the full messages.
+    raise APIError(501, "the prefix API is not available in upstream mode; send the full "
                    "messages (prefix affinity keeps a system prompt on one upstream)",
-                   code="unsupported_in_upstream_mode")
+                   code="unsupported_in_upstream_mode", type="invalid_request_error")
 
 
 async def health(request: web.Request) -> web.Response:

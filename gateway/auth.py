@@ -13,6 +13,7 @@ Every limit is optional (absent or 0 = unlimited). ``salt`` names the prefix-cac
 keys with the same salt share cached KV blocks; a key without one gets its own partition
 (salt derived from a SHA-256 of the key, so the key itself never reaches the engine). With no
 key configured at all the gateway is open and every request shares one partition (salt None).
+A request's own ``cache_salt`` field splits its key's partition further (``effective_salt``).
 
 Rate limits are token buckets (capacity = the per-minute limit, refilled continuously at
 limit/60 per second). Requests/min is charged one per request at admission; tokens/min is
@@ -157,6 +158,15 @@ class Principal:
         self.concurrent -= 1
         if self._tpm is not None and completion_tokens:
             self._tpm.charge(completion_tokens)
+
+
+def effective_salt(key_salt: str | None, request_salt: str | None) -> str | None:
+    """The engine's cache salt: the key's partition, sub-partitioned by a request's
+    ``cache_salt`` (vLLM's field) when given, so a client can split but never leave its
+    key's partition."""
+    if request_salt is None:
+        return key_salt
+    return f"{key_salt or ''}/{request_salt}"
 
 
 class KeyRing:

@@ -6,7 +6,7 @@ Every non-2xx answer of the gateway has the body of the OpenAI API
     {"error": {"message": str, "type": str, "param": str | None, "code": str | None}}
 
 Status codes: 400 bad input, 401 missing or wrong key, 404 unknown model, route or prefix,
-405 wrong method, 413 body too large, 429 overloaded or over a rate limit (with ``Retry-After``
+405 wrong method, 413 body too large, 501 not available (prefix API in upstream mode), 429 overloaded or over a rate limit (with ``Retry-After``
 in whole seconds), 500 internal, 502 upstream failure, 503 not ready. A stack trace never
 reaches the wire: unexpected exceptions are logged and answered with a generic 500.
 """
@@ -32,6 +32,7 @@ _TYPES = {
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_server_error",
+    501: "invalid_request_error",
     502: "upstream_error",
     503: "service_unavailable",
 }

@@ -36,7 +36,7 @@ class PrefixEntry:
         prompt_tokens: tokens of the rendered prefix.
         pinned_tokens: tokens handed to ``engine.pin_prefix``.
         created_at, expires_at: Unix seconds.
-        salt: the cache salt of the creating key.
+        salt: the salt of the creating key (its owner).
         pin: the engine's pin handle (has ``.id``).
     """
 
@@ -86,9 +86,14 @@ class PrefixRegistry:
         return len(self._entries)
 
     async def create(
-        self, messages: list[dict[str, str]], token_ids: list[int], ttl_s: float, salt: str | None
+        self, messages: list[dict[str, str]], token_ids: list[int], ttl_s: float,
+        salt: str | None, cache_salt: str | None = None,
     ) -> PrefixEntry:
         """Pin ``token_ids`` (the rendered ``messages``) for ``ttl_s`` seconds.
+
+        ``salt`` is the owner's (the key's) salt, checked by ``get``/``delete``;
+        ``cache_salt`` the engine cache salt of the pin (default: ``salt``). Chat requests
+        hit the pinned blocks when they use the same cache salt.
 
         Raises:
             APIError: 400 on a ttl over ``max_ttl_s`` or an empty prefix; 429
@@ -105,7 +110,8 @@ class PrefixRegistry:
                            code="prefix_limit_exceeded", retry_after=ttl_s)
         pinned = token_ids[:-1]
         try:
-            pin = await self._engine.pin_prefix(pinned, ttl_s, cache_salt=salt)
+            pin = await self._engine.pin_prefix(
+                pinned, ttl_s, cache_salt=salt if cache_salt is None else cache_salt)
         except ValueError as exc:
             if _is_pin_limit(exc):
                 raise APIError(

@@ -16,6 +16,7 @@ from typing import Any
 
 from aiohttp import web
 from prefixgate.gateway import responses as R
+from prefixgate.gateway.auth import effective_salt
 from prefixgate.gateway.errors import APIError, bad_request
 from prefixgate.gateway.generation import Choice, ChoiceRun, Delta
 from prefixgate.gateway.prompts import (
@@ -127,6 +128,7 @@ class _Exchange:
         self.rid = rid
         self.choices = choices
         self.chat = chat
+        self.salt = effective_salt(principal.salt, req.cache_salt)
         self.created = int(time.time())
         self.model = st.model_name
         self.tokenizer = st.engine.tokenizer
@@ -205,7 +207,7 @@ class _Exchange:
     # --- non-streaming --------------------------------------------------------------------
     async def _collect(self) -> web.StreamResponse:
         poll = self.st.settings.poll_s
-        async with ChoiceRun(self.st.engine, self.choices, self.principal.salt) as run:
+        async with ChoiceRun(self.st.engine, self.choices, self.salt) as run:
             while run.pending:
                 try:
                     ev = await run.next(poll)
@@ -236,7 +238,7 @@ class _Exchange:
         keepalive = self.st.settings.keepalive_s
         with_usage = self.req.include_usage
         try:
-            async with ChoiceRun(self.st.engine, self.choices, self.principal.salt) as run:
+            async with ChoiceRun(self.st.engine, self.choices, self.salt) as run:
                 # Errors before the first output (bad input the engine refused) stay HTTP errors.
                 first = None
                 while run.pending and first is None:

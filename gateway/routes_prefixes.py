@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from aiohttp import web
+from prefixgate.gateway.auth import effective_salt
 from prefixgate.gateway.prompts import check_length, render_chat
 from prefixgate.gateway.schemas import PrefixCreateRequest, parse
 from prefixgate.gateway.state import STATE
@@ -22,7 +23,8 @@ async def create_prefix(request: web.Request) -> web.Response:
     messages = [m.as_dict() for m in req.messages]
     ids = render_chat(engine.tokenizer, messages, add_generation_prompt=False)
     check_length(len(ids), None, engine.max_model_len, "messages")
-    entry = await st.prefixes.create(messages, ids, req.ttl_seconds, principal.salt)
+    entry = await st.prefixes.create(messages, ids, req.ttl_seconds, principal.salt,
+                                     effective_salt(principal.salt, req.cache_salt))
     return web.json_response(entry.public(st.model_name))
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from typing import Any
 
 import aiohttp
@@ -49,11 +50,13 @@ async def proxy_generate(request: web.Request) -> web.StreamResponse:
     except APIError:
         principal.release(0)
         raise
+    t0 = time.monotonic()
     try:
         return await _forward(request, st, body, key, ticket, principal)
     finally:
         ticket.done()
         principal.release(0)
+        st.metrics.e2e.observe(time.monotonic() - t0)
 
 
 async def proxy_get(request: web.Request) -> web.StreamResponse:

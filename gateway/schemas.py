@@ -80,6 +80,8 @@ class _SamplingFields(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    # vLLM's per-request cache salt; the gateway nests it inside the key's own partition.
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
     @field_validator("stop")
     @classmethod
@@ -142,6 +144,7 @@ class PrefixCreateRequest(BaseModel):
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
     ttl_seconds: float = Field(300.0, gt=0.0)
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
 
 M = TypeVar("M", bound=BaseModel)

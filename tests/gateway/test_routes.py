@@ -162,3 +162,7 @@ def test_cache_salt_from_key_and_shared_salt(serve_fake, gw, tmp_path, stream):
         salts.append(engine.requests_seen[-1][3])
     assert salts[0] == salts[1] == "tenant-a"
     assert salts[2] not in (None, "tenant-a") and "kb" not in salts[2]
+    c = openai.OpenAI(base_url=srv.url + "/v1", api_key="ka")
+    c.chat.completions.create(model="fake", messages=[{"role": "user", "content": "x"}],
+                              max_tokens=1, extra_body={"cache_salt": "team-x"})
+    assert engine.requests_seen[-1][3] == "tenant-a/team-x"  # nested inside the key's salt
