@@ -196,11 +196,12 @@ def test_bad_input_and_duplicate_ids_disturb_nothing(make_engine, pool_whole):
 def test_engine_error_reaches_the_requests_in_flight(make_engine, pool_whole):
     engine = make_engine()
     real = engine.engine.runner.execute
-    calls = {"n": 0}
+    failed = []
 
     def flaky(sched_out):
-        calls["n"] += 1
-        if calls["n"] == 3:
+        ids = {s.request.request_id for s in sched_out.scheduled}
+        if not failed and {"e1", "e2"} <= ids:  # fail the first step that runs both
+            failed.append(ids)
             raise RuntimeError("injected model failure")
         return real(sched_out)
 
@@ -208,8 +209,8 @@ def test_engine_error_reaches_the_requests_in_flight(make_engine, pool_whole):
 
     async def main():
         results = await asyncio.gather(
-            collect(engine, PROMPTS[0], greedy(20), "e1"),
-            collect(engine, PROMPTS[1], greedy(20), "e2"),
+            collect(engine, PROMPTS[0], greedy(100), "e1"),
+            collect(engine, PROMPTS[1], greedy(100), "e2"),
             return_exceptions=True,
         )
         assert all(isinstance(r, RuntimeError) and "injected" in str(r) for r in results), results
