@@ -1,0 +1,128 @@
+"""Prefix caching through the public APIs (LLM, AsyncEngine) on aidreams-260k.
+
+Complements tests/engine/test_prefix_caching.py (on/off equality for each reuse shape): here
+the warm outputs are checked against transformers itself, the uncached part of a warm prompt is
+split by chunked prefill, pinned prefixes survive eviction pressure and lapse at their TTL, and
+16 concurrent AsyncEngine requests prefill a shared uncached prefix once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+import torch
+from prefixgate.engine import LLM, AsyncEngine, EngineConfig, SamplingParams
+
+BOS = 1
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny model on a loaded 2-core machine: one intra-op thread is much faster."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def rand_ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, 512) for _ in range(n)]
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def test_warm_outputs_equal_transformers_with_chunked_uncached_part(aidreams_path, pool_whole):
+    """A 48-token cached prefix, then 60 uncached tokens prefilled in 16-token chunks."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.LlamaForCausalLM.from_pretrained(aidreams_path, torch_dtype=torch.float32).eval()
+    rng = random.Random(11)
+    prefix = [BOS] + rand_ids(rng, 47)  # 3 blocks of 16
+    prompts = [prefix + rand_ids(rng, 60), prefix + rand_ids(rng, 37), prefix + rand_ids(rng, 5)]
+    llm = LLM(aidreams_path, block_size=16, max_num_batched_tokens=16, num_kv_blocks=64)
+    llm.generate([prefix + [7]], greedy(1))  # warm the cache with the prefix
+    steps_before = llm.engine.timing["steps"]
+    outs = llm.generate(prompts, greedy(8))
+    assert [o.num_cached_tokens for o in outs] == [48, 48, 48]
+    # 60 + 37 + 5 uncached tokens at <= 16 per step: at least 7 prefill steps
+    assert llm.engine.timing["steps"] - steps_before >= 7 + 7
+    for p, o in zip(prompts, outs, strict=True):
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, 8)
+    pool_whole(llm)
+
+
+def test_pinned_prefix_survives_eviction_and_lapses_at_ttl(aidreams_path, pool_whole):
+    rng = random.Random(12)
+    prefix = [BOS] + rand_ids(rng, 31)  # 4 blocks of 8
+    llm = LLM(aidreams_path, block_size=8, num_kv_blocks=24, max_pinned_fraction=0.5)
+    cold = llm.generate([prefix + [9, 10]], greedy(4))[0]
+    pin = llm.pin_prefix(prefix, ttl_s=1.0)
+    assert pin.num_tokens == 32 and llm.stats()["pinned_blocks"] == 4
+    # eviction pressure: many distinct prompts cycle through the 20 unpinned blocks
+    for _ in range(6):
+        llm.generate([[BOS] + rand_ids(rng, 60)], greedy(4))
+    assert llm.stats()["prefix_cache_evictions"] > 0
+    warm = llm.generate([prefix + [9, 10]], greedy(4))[0]
+    assert warm.num_cached_tokens == 32
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    pool_whole(llm, pinned_ok=True)
+    time.sleep(max(0.0, pin.expires_at - time.monotonic()) + 0.05)
+    assert llm.engine.expire_pins() == [pin.id]
+    assert llm.stats()["pinned_blocks"] == 0
+    pool_whole(llm)
+
+
+def test_pin_prefix_text_and_errors(aidreams_path, pool_whole):
+    llm = LLM(aidreams_path, block_size=8, num_kv_blocks=32)
+    pin = llm.pin_prefix("You dream.\n\nI sense the nodes of a gentle machine", ttl_s=30)
+    assert pin.num_tokens > 0
+    llm.unpin_prefix(pin.id)
+    with pytest.raises((KeyError, ValueError)):
+        llm.unpin_prefix(pin.id)
+    with pytest.raises(ValueError):
+        llm.pin_prefix([BOS, 5, 6], ttl_s=30)  # shorter than one block
+    off = LLM(aidreams_path, block_size=8, num_kv_blocks=32, enable_prefix_caching=False)
+    with pytest.raises(ValueError):
+        off.pin_prefix([BOS] + [5] * 20, ttl_s=30)
+    pool_whole(llm)
+    pool_whole(off)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_16_concurrent_async_requests_prefill_shared_prefix_once(aidreams_path, caching, pool_whole):
+    rng = random.Random(13)
+    prefix = [BOS] + rand_ids(rng, 63)  # 64 tokens, 4 blocks of 16, not cached yet
+    suffixes = [rand_ids(rng, rng.randrange(2, 12)) for _ in range(16)]
+    engine = AsyncEngine(EngineConfig(model=aidreams_path, num_kv_blocks=128, enable_prefix_caching=caching))
+
+    async def main():
+        async def one(i):
+            return [o async for o in engine.generate(prefix + suffixes[i], greedy(6), f"q{i}")][-1]
+
+        outs = await asyncio.gather(*(one(i) for i in range(16)))
+        await engine.shutdown()
+        return outs
+
+    outs = asyncio.run(main())
+    s = engine.stats()
+    if caching:
+        assert s["prompt_tokens_prefilled"] == 64 + sum(map(len, suffixes))
+        assert sorted(o.num_cached_tokens for o in outs) == [0] + [64] * 15
+    else:
+        assert s["prompt_tokens_prefilled"] == 16 * 64 + sum(map(len, suffixes))
+    ref = LLM(aidreams_path, num_kv_blocks=128, enable_prefix_caching=False)
+    expected = ref.generate([prefix + x for x in suffixes], greedy(6))
+    assert [o.outputs[0].token_ids for o in outs] == [e.outputs[0].token_ids for e in expected]
+    pool_whole(engine)
