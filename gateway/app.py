@@ -28,6 +28,7 @@ from prefixgate.gateway.auth import KeyRing
 from prefixgate.gateway.errors import APIError, error_middleware
 from prefixgate.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from prefixgate.gateway.prefixes import PrefixRegistry
+from prefixgate.gateway.responses import TokenTexts
 from prefixgate.gateway.state import STATE, GatewaySettings, GatewayState
 from prefixgate.gateway.upstream import UpstreamRouter
 
@@ -79,6 +80,7 @@ def attach_engine(app: web.Application, engine: Any) -> None:
     st = app[STATE]
     st.engine = engine
     st.prefixes = PrefixRegistry(engine, st.settings.max_prefix_ttl_s, st.settings.max_prefixes)
+    st.token_texts = TokenTexts(engine.tokenizer)
     st.metrics.add_engine(engine.stats)
     if not st.model_name:
         st.model_name = default_model_name(engine)

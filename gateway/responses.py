@@ -7,6 +7,7 @@ text_completion). Finish reasons map one to one (``"stop"``, ``"length"``); an e
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from prefixgate.engine.outputs import TokenLogprobs
@@ -22,18 +23,43 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
     }
 
 
-def _token_text(tokenizer: Any, lp: Any) -> str:
-    return lp.decoded or tokenizer.decode([lp.token_id], skip_special_tokens=False)
+class TokenTexts:
+    """Token id → the text the token adds inside a sequence (a leading space kept).
+
+    Decoding a token alone loses its leading space with sentencepiece-style tokenizers
+    ("▁a" → "a"); decoded after a fixed anchor token it keeps it: text = decode([anchor, id])
+    minus decode([anchor]). Results are cached (token ids are few).
+    """
+
+    def __init__(self, tokenizer: Any, max_cache: int = 1 << 16) -> None:
+        self._tok = tokenizer
+        self._anchor = list(tokenizer.encode("a", add_special_tokens=False)[-1:])
+        self._anchor_text = tokenizer.decode(self._anchor, skip_special_tokens=False)
+        self._cache: dict[int, str] = {}
+        self._max = max_cache
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            full = self._tok.decode(self._anchor + [token_id], skip_special_tokens=False)
+            if self._anchor and full.startswith(self._anchor_text):
+                text = full[len(self._anchor_text):]
+            else:
+                text = self._tok.decode([token_id], skip_special_tokens=False)
+            if len(self._cache) < self._max:
+                self._cache[token_id] = text
+        return text
 
 
-def chat_logprobs(tokenizer: Any, entries: list[TokenLogprobs]) -> dict[str, Any]:
+def chat_logprobs(token_text: Callable[[int], str], entries: list[TokenLogprobs]
+                  ) -> dict[str, Any]:
     """Chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
     content = []
     for entry in entries:
-        text = _token_text(tokenizer, entry.sampled)
+        text = token_text(entry.sampled.token_id)
         tops = []
         for alt in entry.top:
-            alt_text = _token_text(tokenizer, alt)
+            alt_text = token_text(alt.token_id)
             tops.append({"token": alt_text, "logprob": alt.logprob,
                          "bytes": list(alt_text.encode())})
         content.append({"token": text, "logprob": entry.sampled.logprob,
@@ -41,15 +67,15 @@ def chat_logprobs(tokenizer: Any, entries: list[TokenLogprobs]) -> dict[str, Any
     return {"content": content}
 
 
-def completion_logprobs(tokenizer: Any, entries: list[TokenLogprobs], offset: int = 0
-                        ) -> dict[str, Any]:
+def completion_logprobs(token_text: Callable[[int], str], entries: list[TokenLogprobs],
+                        offset: int = 0) -> dict[str, Any]:
     """Legacy completions ``logprobs``: tokens, token_logprobs, top_logprobs, text_offset."""
     tokens, token_logprobs, tops, offsets = [], [], [], []
     for entry in entries:
-        text = _token_text(tokenizer, entry.sampled)
+        text = token_text(entry.sampled.token_id)
         tokens.append(text)
         token_logprobs.append(entry.sampled.logprob)
-        tops.append({_token_text(tokenizer, alt): alt.logprob for alt in entry.top})
+        tops.append({token_text(alt.token_id): alt.logprob for alt in entry.top})
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,

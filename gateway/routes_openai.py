@@ -131,7 +131,7 @@ class _Exchange:
         self.salt = effective_salt(principal.salt, req.cache_salt)
         self.created = int(time.time())
         self.model = st.model_name
-        self.tokenizer = st.engine.tokenizer
+        self.token_text = st.token_texts
         n = len(choices)
         self.text = [""] * n
         self.finish: list[str | None] = [None] * n
@@ -201,8 +201,8 @@ class _Exchange:
         if entries is None or self.req.num_logprobs is None:
             return None
         if self.chat:
-            return R.chat_logprobs(self.tokenizer, entries)
-        return R.completion_logprobs(self.tokenizer, entries, offset)
+            return R.chat_logprobs(self.token_text, entries)
+        return R.completion_logprobs(self.token_text, entries, offset)
 
     # --- non-streaming --------------------------------------------------------------------
     async def _collect(self) -> web.StreamResponse:

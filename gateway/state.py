@@ -86,6 +86,7 @@ class GatewayState:
     model_name: str
     engine: Any = None
     prefixes: Any = None  # PrefixRegistry once the engine is attached
+    token_texts: Any = None  # responses.TokenTexts of the engine's tokenizer
     router: Any = None  # UpstreamRouter in upstream mode
     ready: bool = False
 

@@ -94,6 +94,12 @@ def test_chat_completion_streaming_usage(client, server, pool_whole):
                                      temperature=0)
     assert comp.choices[0].text
     assert [m.id for m in client.models.list().data] == [MODEL]
+    lp = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0,
+                                        logprobs=True, top_logprobs=2)
+    content = lp.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == text  # token texts keep their leading spaces
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+    assert content[0].top_logprobs[0].token == content[0].token  # greedy: the top one
     _idle(server, pool_whole)
 
 
