@@ -119,6 +119,7 @@ def _add_upstream_routes(app: web.Application, st: GatewayState, urls: list[str]
     st.router = UpstreamRouter(urls, s.balance_abs_threshold, s.balance_rel_threshold,
                                s.health_interval_s, s.upstream_connect_timeout_s,
                                s.upstream_timeout_s)
+    st.metrics.bind_upstreams(st.router.upstreams)
     st.model_name = st.model_name or "upstream"
     st.ready = True
     r = app.router

@@ -99,6 +99,8 @@ class GatewayMetrics:
                                          ["upstream", "status"], registry=r)
         self.upstream_healthy = Gauge("prefixgate_upstream_healthy", "1 when the upstream is healthy",
                                       ["upstream"], registry=r)
+        self.upstream_in_flight = Gauge("prefixgate_upstream_in_flight",
+                                        "requests in flight per upstream", ["upstream"], registry=r)
         self._window = window_s
         # (monotonic time, cumulative generated tokens) at each scrape, over the window
         self._marks: list[tuple[float, float]] = [(time.monotonic(), 0.0)]
@@ -119,6 +121,12 @@ class GatewayMetrics:
         self.queue_depth.set_function(lambda: admission.queued_requests)
         self.queued_tokens.set_function(lambda: admission.queued_tokens)
         self.running.set_function(lambda: admission.in_flight - admission.queued_requests)
+
+    def bind_upstreams(self, upstreams: Any) -> None:
+        """Read each upstream's health and in-flight count at scrape time."""
+        for up in upstreams:
+            self.upstream_healthy.labels(up.url).set_function(lambda up=up: float(up.healthy))
+            self.upstream_in_flight.labels(up.url).set_function(lambda up=up: up.in_flight)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -149,6 +149,9 @@ def test_unhealthy_upstream_skipped_then_probed_back(servers):
         while not dead.healthy and time.monotonic() < deadline:
             time.sleep(0.05)
         assert dead.healthy
+        metrics = http.get("/metrics").text
+        assert f'prefixgate_upstream_healthy{{upstream="{dead_url}"}} 1.0' in metrics
+        assert f'prefixgate_upstream_requests_total{{status="failed",upstream="{dead_url}"}} 1.0' in metrics
         names = {http.post("/v1/chat/completions", json=_chat(f"sys {s} " * 20, "q")).json()["upstream"]
                  for s in range(12)}
         assert names == {"live", "back"}
