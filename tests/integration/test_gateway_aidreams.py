@@ -234,3 +234,22 @@ def test_disconnects_free_blocks(aidreams_path, pool_whole):
     finally:
         srv.call(engine.shutdown)
         srv.close()
+
+
+def test_pin_cap_gives_429(aidreams_path, system_prompt, pool_whole):
+    """The engine's PinLimitError (pins over max_pinned_fraction) → 429 prefix_limit_exceeded."""
+    srv = _serve(aidreams_path, max_pinned_fraction=0.01)  # 2 of 256 blocks
+    engine = _engine(srv)
+    try:
+        with httpx.Client(base_url=srv.url) as http:
+            r = http.post("/v1/prefixes", json={"model": MODEL, "messages": [
+                {"role": "system", "content": system_prompt}]})
+            assert r.status_code == 429, r.text
+            err = r.json()["error"]
+            assert err["code"] == "prefix_limit_exceeded" and "full" in err["message"]
+            ok = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+            assert ok.status_code == 200
+        pool_whole(engine)
+    finally:
+        srv.call(engine.shutdown)
+        srv.close()
