@@ -115,7 +115,7 @@ def tiny_hf_model(kind: str, out_dir: Path, seed: int = 0, **overrides: Any):
     """Build a small random transformers model of ``kind`` and ``save_pretrained`` it.
 
     Kinds: ``llama`` (GQA, untied), ``llama_tied``, ``llama_bias``, ``llama3_rope``,
-    ``mistral``, ``qwen2`` (q/k/v bias), ``qwen3`` (q/k norm, head_dim != hidden/heads).
+    ``llama_linear_rope``, ``mistral``, ``qwen2`` (q/k/v bias), ``qwen3`` (q/k norm, head_dim != hidden/heads).
     Returns the transformers model in eval mode (fp32).
     """
     import transformers as tf
@@ -134,6 +134,7 @@ def tiny_hf_model(kind: str, out_dir: Path, seed: int = 0, **overrides: Any):
             "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                              "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
         }),
+        "llama_linear_rope": (tf.LlamaConfig, {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
         "mistral": (tf.MistralConfig, {"sliding_window": None, "head_dim": 16}),
         "qwen2": (tf.Qwen2Config, {}),
         "qwen3": (tf.Qwen3Config, {"head_dim": 32}),

@@ -151,3 +151,19 @@ def test_preset_by_name_and_default():
     assert cfg.preset == "tiny-random" and cfg.model_path is None
     model = load_model(cfg, EngineConfig(device="cpu"))
     assert not model.training and all(not p.requires_grad for p in model.parameters())
+
+
+def test_mistral_sliding_window_caps_max_model_len(tmp_path):
+    tiny_hf_model("mistral", tmp_path, sliding_window=64)
+    assert model_config(tmp_path).max_model_len == 64  # no sliding-window attention: stay exact
+    with pytest.raises(ValueError, match="exceeds"):
+        model_config(tmp_path, max_model_len=65)
+
+
+def test_unsupported_rope_type(tmp_path, llama_dir):
+    path = copy(llama_dir, tmp_path / "m")
+    raw = json.loads((path / "config.json").read_text())
+    raw["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    (path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="yarn"):
+        model_config(path)

@@ -12,7 +12,8 @@ sys.path.insert(0, str(Path(__file__).parent))  # importlib mode: make model_hel
 from model_helpers import PagedRunner, load, tiny_hf_model  # noqa: E402
 
 TOL = 1e-4  # fp32 max abs logit difference vs transformers (eager attention)
-KINDS = ["llama", "llama_tied", "llama_bias", "llama3_rope", "mistral", "qwen2", "qwen3"]
+KINDS = ["llama", "llama_tied", "llama_bias", "llama3_rope", "llama_linear_rope", "mistral", "qwen2",
+         "qwen3"]
 
 
 def _hf_logits(hf_model, ids: list[int]) -> torch.Tensor:
