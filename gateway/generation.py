@@ -145,16 +145,17 @@ class ChoiceRun:
         return None
 
     async def abort(self) -> None:
-        """Abort every unfinished engine request and stop the pumps (idempotent)."""
-        for i, task in enumerate(self._tasks):
-            if i in self._finished or task.done():
-                continue
-            try:
-                await self._engine.abort(self.choices[i].request_id)
-            except (ValueError, KeyError):
-                pass  # finished meanwhile, or not yet known to the engine
-            except Exception:  # noqa: BLE001
-                logger.exception("abort of %s failed", self.choices[i].request_id)
+        """Abort every unfinished engine request (concurrently) and stop the pumps
+        (idempotent). Unknown ids (finished meanwhile, or never started) are ignored."""
+        live = [i for i, task in enumerate(self._tasks)
+                if i not in self._finished and not task.done()]
+        if live:
+            results = await asyncio.gather(
+                *(self._engine.abort(self.choices[i].request_id) for i in live),
+                return_exceptions=True)
+            for i, res in zip(live, results, strict=True):
+                if isinstance(res, Exception) and not isinstance(res, ValueError | KeyError):
+                    logger.error("abort of %s failed: %r", self.choices[i].request_id, res)
         for task in self._tasks:
             if not task.done():
                 task.cancel()
