@@ -75,7 +75,11 @@ class BackgroundServer:
 
     def __enter__(self) -> BackgroundServer:
         self._thread.start()
-        self.call(self._start, timeout=120)
+        try:
+            self.call(self._start, timeout=120)
+        except BaseException:
+            self.close()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
