@@ -113,7 +113,8 @@ class Sampler:
         scores = apply_top_p(scores, [p.top_p for p in params])
         probs = torch.softmax(scores, dim=-1)
         probs = apply_min_p(probs, [p.min_p for p in params])
-        uniforms = torch.cat([self._uniform(s.generator) for s in states]).to(device)
+        # Generators may live on different devices (per-request CUDA ones, the shared CPU one).
+        uniforms = torch.cat([self._uniform(s.generator).cpu() for s in states]).to(device)
         return inverse_cdf(probs, uniforms)
 
     def _uniform(self, generator: torch.Generator | None) -> torch.Tensor:
