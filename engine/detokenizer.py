@@ -46,7 +46,7 @@ class IncrementalDetokenizer:
         self.text = ""
         self.stop_string: str | None = None
         self.finished = False
-        context = list(prompt_token_ids[-(PROMPT_CONTEXT_TOKENS + 1):])
+        context = list(prompt_token_ids[max(0, len(prompt_token_ids) - PROMPT_CONTEXT_TOKENS):])
         self._ids: list[int] = context
         self._prefix_offset = 0  # window start in _ids
         self._read_offset = len(context)  # tokens up to here have been turned into text
