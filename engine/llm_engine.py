@@ -115,7 +115,10 @@ class LLMEngine:
         self._stashed: list[RequestOutput] = []
         self._prompt_tokens_prefilled = 0
         self._tokens_decoded = 0
-        self.timing = {"steps": 0, "step_s": 0.0, "forward_s": 0.0}
+        # cumulative host wall-clock seconds per phase of step() (benchmarks read it)
+        self.timing: dict[str, float] = dict.fromkeys(
+            ("steps", "step_s", "schedule_s", "prepare_s", "forward_s", "sample_s", "output_s"), 0
+        )
 
     # -- requests ------------------------------------------------------------------------
 
@@ -268,7 +271,9 @@ class LLMEngine:
             c, n, p = r.num_computed_tokens, s.num_new_tokens, r.num_prompt_tokens
             if c < p:
                 self._prompt_tokens_prefilled += min(c + n, p) - c
+        t_run = time.perf_counter()
         run = self.runner.execute(sched_out)
+        t_out = time.perf_counter()
         self.scheduler.update_from_output(sched_out, run.sampled)
         self._tokens_decoded += len(run.sampled)
         now = time.monotonic()
@@ -293,10 +298,15 @@ class LLMEngine:
                 outputs.append(
                     op.make_output(rid, r.output_token_ids, max(r.num_cached_tokens, 0), None, None, now)
                 )
+        t_end = time.perf_counter()
         t = self.timing
         t["steps"] += 1
+        t["step_s"] += t_end - t0
+        t["schedule_s"] += t_run - t0  # schedule() + per-request bookkeeping
+        t["prepare_s"] += run.prepare_s
         t["forward_s"] += run.forward_s
-        t["step_s"] += time.perf_counter() - t0
+        t["sample_s"] += run.sample_s
+        t["output_s"] += t_end - t_out  # scheduler update, detokenize, RequestOutputs
         return outputs
 
     def _finish_stopped(self, req: Any, stop: str) -> None:

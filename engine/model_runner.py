@@ -50,11 +50,15 @@ class RunnerOutput:
         sampled: request id → sampled token id (requests that sampled this step only).
         logprobs: request id → ``TokenLogprobs`` (requests that asked for logprobs only).
         forward_s: seconds spent in the model forward + logits (host wall clock).
+        prepare_s: seconds spent building the flat batch and its metadata.
+        sample_s: seconds spent sampling (and reading the tokens back).
     """
 
     sampled: dict[str, int]
     logprobs: dict[str, TokenLogprobs]
     forward_s: float
+    prepare_s: float = 0.0
+    sample_s: float = 0.0
 
 
 class ModelRunner:
@@ -176,6 +180,7 @@ class ModelRunner:
             ``RunnerOutput`` with the sampled token per request that completed its prompt (or
             recompute) this step, and logprobs where asked.
         """
+        t_start = time.perf_counter()
         scheduled = _decodes_first(scheduler_output.scheduled)
         if not scheduled:
             return RunnerOutput({}, {}, 0.0)
@@ -183,15 +188,17 @@ class ModelRunner:
         if self.sync_timing:
             torch.cuda.synchronize(self.device)
         t0 = time.perf_counter()
+        prepare_s = t0 - t_start
         hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
         if not inp.sample_order:
             if self.sync_timing:
                 torch.cuda.synchronize(self.device)
-            return RunnerOutput({}, {}, time.perf_counter() - t0)
+            return RunnerOutput({}, {}, time.perf_counter() - t0, prepare_s)
         logits = self.model.compute_logits(hidden[inp.logits_indices])
         if self.sync_timing:
             torch.cuda.synchronize(self.device)
-        forward_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        forward_s = t1 - t0
 
         requests = [scheduled[i].request for i in inp.sample_order]
         states = [
@@ -210,7 +217,7 @@ class ModelRunner:
             sampled[r.request_id] = int(res.token_id)
             if res.logprobs is not None:
                 logprobs[r.request_id] = res.logprobs
-        return RunnerOutput(sampled, logprobs, forward_s)
+        return RunnerOutput(sampled, logprobs, forward_s, prepare_s, time.perf_counter() - t1)
 
 
 def _decodes_first(scheduled: list[Any]) -> list[Any]:
