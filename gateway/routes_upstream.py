@@ -25,6 +25,7 @@ logger = logging.getLogger("prefixgate.gateway")
 
 _RETRYABLE = frozenset((502, 503, 504))
 _HOP_HEADERS = {"Content-Type": "application/json"}
+_PASSED_HEADERS = ("Retry-After", "Content-Encoding")
 
 
 async def proxy_generate(request: web.Request) -> web.StreamResponse:
@@ -101,9 +102,10 @@ async def _forward(request: web.Request, st: GatewayState, body: bytes | None,
                     return await _pipe(request, resp)
                 data = await resp.read()
                 out_headers = {"Content-Type": ctype}
-                retry_after = resp.headers.get("Retry-After")
-                if retry_after is not None:  # an upstream's 429 keeps its advice
-                    out_headers["Retry-After"] = retry_after
+                for name in _PASSED_HEADERS:  # a 429's advice; an encoding we did not undo
+                    value = resp.headers.get(name)
+                    if value is not None:
+                        out_headers[name] = value
                 return web.Response(body=data, status=resp.status, headers=out_headers)
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
             if request.transport is None or request.transport.is_closing():
@@ -117,9 +119,11 @@ async def _forward(request: web.Request, st: GatewayState, body: bytes | None,
 
 async def _pipe(request: web.Request, resp: aiohttp.ClientResponse) -> web.StreamResponse:
     """Pass an SSE stream through chunk by chunk."""
-    out = web.StreamResponse(status=resp.status, headers={
-        "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
-        "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    headers = {"Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
+               "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    if "Content-Encoding" in resp.headers:
+        headers["Content-Encoding"] = resp.headers["Content-Encoding"]
+    out = web.StreamResponse(status=resp.status, headers=headers)
     await out.prepare(request)
     try:
         async for chunk in resp.content.iter_any():

@@ -134,7 +134,8 @@ class UpstreamRouter:
         """Open the shared ClientSession and start the health prober (in the server's loop)."""
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=30)
         self.session = aiohttp.ClientSession(connector=connector, timeout=self.timeout,
-                                             auto_decompress=False, skip_auto_headers=("User-Agent",))
+                                             auto_decompress=False,
+                                             skip_auto_headers=("User-Agent", "Accept-Encoding"))
         self._probe_task = asyncio.create_task(self._probe_loop())
 
     async def close(self) -> None:

@@ -38,7 +38,9 @@ def stub_app(name: str, chunk_delay_s: float = 0.0, status: int = 200) -> web.Ap
             await resp.write(b"data: [DONE]\n\n")
             seen[-1]["outcome"] = "complete"
             return resp
-        return web.json_response({"upstream": name, "object": "chat.completion"})
+        resp = web.json_response({"upstream": name, "object": "chat.completion"})
+        resp.enable_compression()  # gzip when asked: the proxy must not garble it
+        return resp
 
     async def models(request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": name, "object": "model"}]})
