@@ -107,3 +107,10 @@ def test_cost_per_step_does_not_grow_with_output_length():
         detok.step([t])
     assert time.perf_counter() - start < 2.0
     assert detok.text + detok.finish() == "lorem ipsum dolor sit amet " * 80
+
+
+def test_empty_and_short_prompts():
+    tok = Tokenizer.builtin()
+    for prompt in ([], [1], [1, 40, 41, 42, 43, 44, 45, 46]):
+        detok, deltas = stream(tok, prompt, tok.encode("ok 🤖", add_special_tokens=False))
+        assert "".join(deltas) == "ok 🤖"
