@@ -52,6 +52,12 @@ def add_workload_args(p: argparse.ArgumentParser, *, num_requests: int, output_l
         help="draw only system prompts at least this long",
     )
     g.add_argument(
+        "--system-prompt-max-chars",
+        type=int,
+        default=None,
+        help="draw only system prompts at most this long",
+    )
+    g.add_argument(
         "--user-task-max-chars",
         type=int,
         default=None,
@@ -95,6 +101,7 @@ def workload_from_args(args: argparse.Namespace) -> WorkloadConfig:
         num_requests=args.num_requests,
         num_system_prompts=args.num_system_prompts,
         system_prompt_min_chars=args.system_prompt_min_chars,
+        system_prompt_max_chars=args.system_prompt_max_chars,
         user_task_max_chars=args.user_task_max_chars,
         output_len=dist,
         seed=args.seed,
@@ -204,6 +211,7 @@ def _workload_doc(wl: WorkloadConfig, args: argparse.Namespace) -> dict:
         "num_requests": wl.num_requests,
         "num_system_prompts": wl.num_system_prompts,
         "system_prompt_min_chars": wl.system_prompt_min_chars,
+        "system_prompt_max_chars": wl.system_prompt_max_chars,
         "user_task_max_chars": wl.user_task_max_chars,
         "output_len": {"kind": wl.output_len.kind, "values": list(wl.output_len.values)},
         "seed": wl.seed,

@@ -443,8 +443,8 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-cache-memory",
         type=int,
-        default=2 * 1024**3,
-        help="KV cache bytes of each prefixgate target (default 2 GiB)",
+        default=1536 * 1024**2,
+        help="KV cache bytes of each prefixgate target (default 1.5 GiB)",
     )
     p.add_argument(
         "--max-num-seqs", type=int, default=64, help="prefixgate's running-batch bound (default 64)"

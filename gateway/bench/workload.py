@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
+
+logger = logging.getLogger("prefixgate.bench")
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 SAMPLE_SYSTEM_PROMPTS = DATA_DIR / "system_prompts.csv"
@@ -100,6 +103,7 @@ class WorkloadConfig:
             so each is shared by about ``num_requests / S`` users. 0 sends no system prompt.
         system_prompt_min_chars: only system prompts at least this long (characters) are
             drawn; longer prompts raise the share of prompt tokens that are shared.
+        system_prompt_max_chars: only system prompts at most this long; ``None``: no bound.
         user_task_max_chars: only user tasks at most this long (characters); ``None``: all.
         output_len: requested output lengths (``max_tokens``).
         seed: seed of every random choice (prompts, tasks, output lengths, arrivals).
@@ -108,6 +112,7 @@ class WorkloadConfig:
     num_requests: int = 64
     num_system_prompts: int = 1
     system_prompt_min_chars: int = 0
+    system_prompt_max_chars: int | None = None
     user_task_max_chars: int | None = None
     output_len: OutputLenDist = field(default_factory=lambda: OutputLenDist("fixed", (64,)))
     seed: int = 0
@@ -204,11 +209,14 @@ def build_requests(
     s = config.num_system_prompts
     chosen: list[SystemPrompt] = []
     if s:
-        eligible = [p for p in system_prompts if len(p.text) >= config.system_prompt_min_chars]
+        lo, hi = config.system_prompt_min_chars, config.system_prompt_max_chars
+        eligible = [
+            p for p in system_prompts if lo <= len(p.text) and (hi is None or len(p.text) <= hi)
+        ]
         if len(eligible) < s:
+            bound = f"between {lo} and {hi}" if hi is not None else f">= {lo}"
             raise ValueError(
-                f"{s} system prompts requested but only {len(eligible)} have >= "
-                f"{config.system_prompt_min_chars} characters"
+                f"{s} system prompts requested but only {len(eligible)} have {bound} characters"
             )
         chosen = rng.sample(eligible, s)
     limit = config.user_task_max_chars
@@ -216,6 +224,13 @@ def build_requests(
     if not tasks:
         raise ValueError(f"no user task has <= {limit} characters")
     rng.shuffle(tasks)
+    if len(tasks) < config.num_requests:
+        # Repeated user turns make whole prompts identical (fully cacheable): say so.
+        logger.warning(
+            "%d requests but only %d distinct user tasks: some prompts repeat whole",
+            config.num_requests,
+            len(tasks),
+        )
     lengths = config.output_len.sample(rng, config.num_requests)
     requests = []
     for i in range(config.num_requests):
