@@ -33,7 +33,7 @@ import platform
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +74,12 @@ class Sizes:
 
 FULL = Sizes(torch.bfloat16, 64, 4096, 4, 2048, 3072, (32, 8, 128), 16, 64, 128, True)
 DRY = Sizes(torch.float32, 2, 80, 2, 48, 32, (4, 2, 64), 16, 2, 4, False)
+DEADLINE = [float("inf")]  # perf_counter() after which sweeps stop (set from --budget-s)
+
+
+def over_budget() -> bool:
+    """True once the run's time budget is spent: the remaining sweep configs are skipped."""
+    return time.perf_counter() > DEADLINE[0]
 
 
 def bench_ms(fn, device: torch.device, rep_ms: int = 200) -> float:
@@ -165,10 +171,13 @@ def decode_bench(s: Sizes, hq: int, hkv: int, d: int, copy_gbps: float, device: 
     err = (triton_ops.paged_attention_decode(*sub).float() - torch_ref.paged_attention_decode(*sub).float()).abs().max().item()
     sweep = []
     if s.sweep:
-        for tile_n in (32, 64, 128):
+        for tile_n in (64, 128):
             for splits in (1, 2, 4):
                 for warps in (4, 8):
                     cfg = triton_attention.DecodeConfig(tile_n=tile_n, num_splits=splits, num_warps=warps)
+                    if over_budget():
+                        sweep.append({"config": asdict(cfg), "error": "skipped: time budget spent"})
+                        continue
                     try:
                         sweep.append(measure(cfg))
                     except Exception as exc:  # e.g. out of shared memory for one config
@@ -201,6 +210,9 @@ def prefill_bench(s: Sizes, prefix: int, device: torch.device) -> dict[str, Any]
         for bm, bn, warps, stages in ((64, 64, 4, 2), (128, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3),
                                       (64, 32, 4, 3), (128, 128, 8, 2)):
             cfg = triton_attention.PrefillConfig(bm, bn, warps, stages)
+            if over_budget():
+                sweep.append({"config": asdict(cfg), "error": "skipped: time budget spent"})
+                continue
             try:
                 sweep.append(measure(cfg))
             except Exception as exc:
@@ -278,13 +290,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="gpu_check.json", help="JSON results file")
     ap.add_argument("--dry-run", action="store_true", help="tiny sizes; runs on CPU in the interpreter")
     ap.add_argument("--skip-engine", action="store_true", help="kernels only")
+    ap.add_argument("--sweep", action="store_true", help="run the launch-config sweeps in a dry run too")
+    ap.add_argument("--budget-s", type=float, default=180.0,
+                    help="seconds after which launch-config sweeps are skipped (the engine still runs)")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not args.dry_run:
         print("no CUDA device: use --dry-run to check the script on CPU", file=sys.stderr)
         return 2
     s = DRY if args.dry_run else FULL
+    if args.sweep:
+        s = replace(s, sweep=True)
     t0 = time.perf_counter()
+    DEADLINE[0] = t0 + args.budget_s
     results: dict[str, Any] = {"dry_run": args.dry_run, "target_fraction_of_copy": TARGET_FRACTION, "errors": {}}
 
     def section(name: str, fn) -> Any:

@@ -34,9 +34,12 @@ def test_dry_run_writes_every_kernel_section(tmp_path):
 
 
 @pytest.mark.slow
-def test_dry_run_with_engine(tmp_path):
+def test_dry_run_with_sweeps_and_engine(tmp_path):
     out = tmp_path / "gpu_check.json"
-    rc = _load().main(["--dry-run", "--out", str(out)])
+    rc = _load().main(["--dry-run", "--sweep", "--out", str(out)])
     report = json.loads(out.read_text())
     assert rc == 0, report["errors"]
+    for section in ("decode", "prefill"):
+        sweep = report[section]["sweep"]
+        assert sweep and all("error" not in row for row in sweep), sweep
     assert report["engine"]["triton"]["output_tokens"] > 0
