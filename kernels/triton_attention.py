@@ -8,7 +8,7 @@ block size works and a tile may span several blocks. Softmax is online (Milakov 
 ``log2(e)``.
 
 Decode is split-K over the context (flash-decoding, Dao et al. 2023): program
-``(b, kv_head, split)`` handles the GQA group of query heads of one KV head (padded to 16 rows
+``(kv_head, b, split)`` handles the GQA group of query heads of one KV head (padded to 16 rows
 for ``tl.dot``) over one slice of the context and writes an unnormalized partial output with
 its running max and sum; a second kernel merges the splits. With one split the first kernel
 writes the output directly.
@@ -77,10 +77,10 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    kvh = tl.program_id(0)  # fastest-varying: neighbouring programs read the same token rows
+    b = tl.program_id(1)
     split = tl.program_id(2)
-    num_kv_heads = tl.num_programs(1)
+    num_kv_heads = tl.num_programs(0)
 
     ctx = tl.load(context_lens_ptr + b)
     start = split * tokens_per_split
@@ -229,7 +229,7 @@ def decode(
         part_ml = torch.empty((batch, num_heads, splits, 2), dtype=torch.float32, device=q.device)
     else:
         part_acc = part_ml = out  # unused
-    _decode_kernel[(batch, num_kv_heads, splits)](
+    _decode_kernel[(num_kv_heads, batch, splits)](
         q, k_cache, v_cache, block_tables, context_lens,
         out, part_acc, part_ml,
         scale * LOG2E,
