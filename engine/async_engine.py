@@ -236,13 +236,14 @@ class AsyncEngine:
                 busy = engine.has_unfinished_requests()
                 if busy:
                     try:
-                        outputs = engine.step()
+                        self._deliver_outputs(engine.step())
                     except Exception as exc:  # noqa: BLE001 - delivered to the requests
                         logger.exception("engine step failed; failing the requests in flight")
                         self._fail_all(exc)
-                        outputs = []
-                    self._deliver_outputs(outputs)
-                self._snapshot = engine.stats()
+                try:
+                    self._snapshot = engine.stats()
+                except Exception:  # noqa: BLE001 - keep serving; stats() will show the error
+                    logger.exception("engine stats failed")
             self._flush_outbox()
             if not busy:
                 self._idle_wait()
