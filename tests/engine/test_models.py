@@ -59,14 +59,15 @@ def test_mixed_batch_decodes_and_prefills(kind, tmp_path):
     assert (out[0] - refs["c"][30]).abs().max().item() < TOL
 
 
-def test_bfloat16_close_to_fp32(tmp_path):
-    """bf16 weights and activations: logits within a loose bound of the fp32 run."""
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_close_to_fp32(tmp_path, dtype):
+    """bf16 / fp16 weights, activations and KV cache: logits within a loose bound of fp32."""
     tiny_hf_model("llama", tmp_path)
     ids = list(range(3, 30))
     f32 = PagedRunner(load(tmp_path)).step([("a", ids)])
-    bf16 = PagedRunner(load(tmp_path, dtype="bfloat16")).step([("a", ids)])
-    assert bf16.dtype == torch.float32
-    assert (bf16 - f32).abs().max().item() < 0.1
+    half = PagedRunner(load(tmp_path, dtype=dtype)).step([("a", ids)])
+    assert half.dtype == torch.float32
+    assert (half - f32).abs().max().item() < 0.1
 
 
 def test_tiny_random_preset_runs():
