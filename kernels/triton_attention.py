@@ -62,6 +62,47 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 @triton.jit
+def _online_softmax_step(
+    q, m_i, l_i, acc, q_pos, tok0, kv_end,
+    bt_row, k_cache_ptr, v_cache_ptr, kvh,
+    stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
+    scale_log2, d, d_mask,
+    TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Fold KV tile ``[tok0, tok0 + TILE_N)`` (keys < ``kv_end``) into the running softmax.
+
+    ``q [M, D_PAD]``; ``m_i, l_i [M]`` fp32 running max (log2 units) and sum; ``acc [M, D_PAD]``
+    fp32 unnormalized output. With ``CAUSAL`` row i only sees keys <= ``q_pos[i]``.
+    Returns the updated ``(m_i, l_i, acc)``.
+    """
+    toks = tok0 + tl.arange(0, TILE_N)
+    t_mask = toks < kv_end
+    blk = tl.load(bt_row + toks // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+    off = toks % BLOCK_SIZE
+    kv_mask = t_mask[:, None] & d_mask[None, :]
+    k = tl.load(
+        k_cache_ptr + blk[:, None] * stride_kn + off[:, None] * stride_ks + kvh * stride_kh + d[None, :],
+        mask=kv_mask, other=0.0,
+    )
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    if CAUSAL:
+        s = tl.where((toks[None, :] <= q_pos[:, None]) & t_mask[None, :], s, float("-inf"))
+    else:
+        s = tl.where(t_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(
+        v_cache_ptr + blk[:, None] * stride_vn + off[:, None] * stride_vs + kvh * stride_vh + d[None, :],
+        mask=kv_mask, other=0.0,
+    )
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, part_acc_ptr, part_ml_ptr,
@@ -101,29 +142,11 @@ def _decode_kernel(
     acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
     for tok0 in range(start, end, TILE_N):
-        toks = tok0 + tl.arange(0, TILE_N)
-        t_mask = toks < end
-        blk = tl.load(bt_row + toks // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
-        off = toks % BLOCK_SIZE
-        kv_mask = t_mask[:, None] & d_mask[None, :]
-        k = tl.load(
-            k_cache_ptr + blk[:, None] * stride_kn + off[:, None] * stride_ks
-            + kvh * stride_kh + d[None, :],
-            mask=kv_mask, other=0.0,
+        m_i, l_i, acc = _online_softmax_step(
+            q, m_i, l_i, acc, g, tok0, end, bt_row, k_cache_ptr, v_cache_ptr, kvh,
+            stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
+            scale_log2, d, d_mask, TILE_N, BLOCK_SIZE, False, DOT_PRECISION,
         )
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        s = tl.where(t_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_cache_ptr + blk[:, None] * stride_vn + off[:, None] * stride_vs
-            + kvh * stride_vh + d[None, :],
-            mask=kv_mask, other=0.0,
-        )
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -308,31 +331,20 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     kv_end = tl.minimum(ctx, first_pos + (local + 1) * BLOCK_M)  # past the tile's last query
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
-    for n0 in range(0, kv_end, BLOCK_N):
-        toks = n0 + tl.arange(0, BLOCK_N)
-        t_mask = toks < kv_end
-        blk = tl.load(bt_row + toks // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
-        off = toks % BLOCK_SIZE
-        kv_mask = t_mask[:, None] & d_mask[None, :]
-        k = tl.load(
-            k_cache_ptr + blk[:, None] * stride_kn + off[:, None] * stride_ks
-            + kvh * stride_kh + d[None, :],
-            mask=kv_mask, other=0.0,
+    # Keys below the tile's first query position are visible to every row: no causal mask.
+    full_end = tl.minimum((first_pos + local * BLOCK_M + 1) // BLOCK_N * BLOCK_N, kv_end)
+    for n0 in range(0, full_end, BLOCK_N):
+        m_i, l_i, acc = _online_softmax_step(
+            q, m_i, l_i, acc, q_pos, n0, full_end, bt_row, k_cache_ptr, v_cache_ptr, kvh,
+            stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
+            scale_log2, d, d_mask, BLOCK_N, BLOCK_SIZE, False, DOT_PRECISION,
         )
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        visible = (toks[None, :] <= q_pos[:, None]) & t_mask[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_cache_ptr + blk[:, None] * stride_vn + off[:, None] * stride_vs
-            + kvh * stride_vh + d[None, :],
-            mask=kv_mask, other=0.0,
+    for n0 in range(full_end, kv_end, BLOCK_N):  # the diagonal band
+        m_i, l_i, acc = _online_softmax_step(
+            q, m_i, l_i, acc, q_pos, n0, kv_end, bt_row, k_cache_ptr, v_cache_ptr, kvh,
+            stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
+            scale_log2, d, d_mask, BLOCK_N, BLOCK_SIZE, True, DOT_PRECISION,
         )
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(
