@@ -8,16 +8,16 @@ finished) in that step. Nothing here is thread-safe: ``AsyncEngine`` drives it f
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from prefixgate.engine.config import EngineConfig
+from prefixgate.engine.engine_pins import PIN_REQUEST_PREFIX, PinJob, PrefixPinsMixin
+from prefixgate.engine.input_processor import InputProcessor, PreparedRequest
 from prefixgate.engine.kv_cache import KVCacheSpec, allocate_kv_caches, resolve_num_blocks
 from prefixgate.engine.model_runner import ModelRunner
 from prefixgate.engine.output_processor import OutputProcessor
@@ -26,48 +26,9 @@ from prefixgate.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-PIN_REQUEST_PREFIX = "__pin-"
-"""Request ids of the internal prefill requests that compute a prefix before it is pinned."""
 
 
-@dataclass(slots=True)
-class PreparedRequest:
-    """A validated, tokenized request, not yet queued (built without touching engine state).
-
-    Attributes:
-        prompt: the prompt text, when given as text.
-        prompt_token_ids: prompt token ids (non-empty, < max_model_len tokens).
-        params: a private, re-validated copy of the caller's ``SamplingParams``.
-        max_tokens: output tokens allowed: ``min(params.max_tokens, max_model_len - prompt)``.
-        cache_salt: prefix-cache partition key, or ``None``.
-    """
-
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    max_tokens: int
-    cache_salt: str | None
-
-
-@dataclass(slots=True)
-class PinJob:
-    """A prefix pin in progress: an internal prefill request, then ``kv_cache_manager.pin``.
-
-    ``callback(job)`` runs (on the engine's thread) once ``done``; then ``result`` holds the
-    ``PrefixPin`` or ``error`` the exception.
-    """
-
-    request_id: str
-    token_ids: list[int]
-    ttl_s: float
-    cache_salt: str | None
-    callback: Callable[[PinJob], None] | None = None
-    result: Any = None
-    error: BaseException | None = None
-    done: bool = False
-
-
-class LLMEngine:
+class LLMEngine(PrefixPinsMixin):
     """The engine: tokenizer, scheduler + KV cache manager, model runner, output processor.
 
     Args:
@@ -106,6 +67,7 @@ class LLMEngine:
             model, kv_caches, Sampler(config.seed), SamplingState, config.block_size, self.device
         )
         self.output_processor = OutputProcessor(self.tokenizer, IncrementalDetokenizer)
+        self.input_processor = InputProcessor(self.tokenizer, mc.vocab_size, self.max_model_len)
         self.eos_token_ids: set[int] = set(mc.eos_token_ids) | set(
             getattr(self.tokenizer, "eos_token_ids", set()) or set()
         )
@@ -128,49 +90,9 @@ class LLMEngine:
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
     ) -> PreparedRequest:
-        """Validate and tokenize a request without queuing it (safe from any thread).
-
-        Raises:
-            TypeError: prompt not a str or a sequence of ints; params not SamplingParams;
-                cache_salt not a str.
-            ValueError: empty prompt, token id outside the vocabulary, prompt of
-                ``max_model_len`` tokens or more, or invalid sampling parameters.
-        """
-        if params is None:
-            params = SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        params = dataclasses.replace(params)  # private copy, re-validated by __post_init__
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise TypeError(f"cache_salt must be a string or None, got {type(cache_salt).__name__}")
-        text: str | None = None
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            text = prompt
-            ids = list(self.tokenizer.encode(prompt))
-        elif isinstance(prompt, Sequence) and not isinstance(prompt, bytes | bytearray):
-            ids = list(prompt)
-            vocab = self.model_config.vocab_size
-            for t in ids:
-                if isinstance(t, bool) or not isinstance(t, int):
-                    raise TypeError(f"prompt token ids must be ints, got {type(t).__name__}")
-                if not 0 <= t < vocab:
-                    raise ValueError(f"prompt token id {t} is outside the vocabulary [0, {vocab})")
-        else:
-            raise TypeError(
-                f"prompt must be a string or a list of token ids, got {type(prompt).__name__}"
-            )
-        if not ids:
-            raise ValueError("prompt must not be empty")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}, which "
-                "leaves no room to generate (prompt must be shorter than max_model_len)"
-            )
-        room = self.max_model_len - len(ids)
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        return PreparedRequest(text, ids, params, max_tokens, cache_salt)
+        """Validate and tokenize a request without queuing it (safe from any thread); see
+        ``InputProcessor.prepare``."""
+        return self.input_processor.prepare(prompt, params, cache_salt)
 
     def add_request(
         self,
@@ -349,99 +271,6 @@ class LLMEngine:
                 failed.append((rid, exc))
         self._stashed = []
         return failed
-
-    # -- prefix pins ---------------------------------------------------------------------
-
-    def start_pin(
-        self,
-        token_ids: Sequence[int],
-        ttl_s: float,
-        cache_salt: str | None = None,
-        callback: Callable[[PinJob], None] | None = None,
-    ) -> PinJob:
-        """Start pinning a prefix: queue an internal prefill of ``token_ids`` (one greedy
-        token); when it finishes, its full blocks (now in the prefix cache) are pinned for
-        ``ttl_s`` seconds and ``callback(job)`` runs.
-
-        Raises:
-            ValueError: prefix caching disabled, ttl_s <= 0, or a bad prefix (see
-                ``prepare_request``); TypeError: wrong types.
-        """
-        if not self.config.enable_prefix_caching:
-            raise ValueError("prefix pins need enable_prefix_caching=True")
-        if isinstance(ttl_s, bool) or not isinstance(ttl_s, int | float) or ttl_s <= 0:
-            raise ValueError(f"ttl_s must be a positive number of seconds, got {ttl_s!r}")
-        if isinstance(token_ids, str):
-            raise TypeError("pin_prefix takes token ids; tokenize the text first")
-        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-        prep = self.prepare_request(list(token_ids), params, cache_salt)
-        if len(prep.prompt_token_ids) < self.config.block_size:
-            raise ValueError(
-                f"a pinned prefix needs at least one full block ({self.config.block_size} tokens)"
-            )
-        rid = f"{PIN_REQUEST_PREFIX}{next(self._pin_counter)}"
-        job = PinJob(rid, prep.prompt_token_ids, float(ttl_s), cache_salt, callback)
-        self._enqueue(rid, prep, time.monotonic())
-        self._pin_jobs[rid] = job
-        return job
-
-    def _on_pin_request(self, req: Any) -> None:
-        job = self._pin_jobs.pop(req.request_id)
-        if not req.is_finished():  # cannot happen with max_tokens=1; be safe
-            self.scheduler.abort_requests([req.request_id])
-        self._requests.pop(req.request_id, None)
-        try:
-            pin = self.kv_cache_manager.pin(job.token_ids, job.cache_salt, job.ttl_s)
-        except Exception as exc:  # noqa: BLE001 - delivered to the caller
-            self._resolve_pin(job, None, exc)
-        else:
-            self._resolve_pin(job, pin, None)
-
-    @staticmethod
-    def _resolve_pin(job: PinJob, result: Any, error: BaseException | None) -> None:
-        job.result, job.error, job.done = result, error, True
-        if job.callback is not None:
-            job.callback(job)
-
-    def pin_prefix(self, token_ids: Sequence[int], ttl_s: float, cache_salt: str | None = None) -> Any:
-        """Compute ``token_ids`` (if not cached) and pin its full blocks for ``ttl_s`` seconds.
-
-        Steps the engine until done; outputs of other requests produced meanwhile are returned
-        by the next ``step()``.
-
-        Returns:
-            ``PrefixPin(id, num_tokens, expires_at, ...)``.
-
-        Raises:
-            PinLimitError: pins would exceed ``max_pinned_fraction`` of the cache.
-            ValueError / TypeError: see ``start_pin``.
-        """
-        job = self.start_pin(token_ids, ttl_s, cache_salt)
-        pending: list[RequestOutput] = []
-        while not job.done:
-            pending.extend(self.step())
-        self._stashed = pending + self._stashed
-        if job.error is not None:
-            raise job.error
-        return job.result
-
-    def expire_pins(self, now: float | None = None) -> list[str]:
-        """Release pins whose TTL has passed (``schedule()`` does this every step; call it when
-        idle). Returns the released pin ids."""
-        return self.kv_cache_manager.expire_pins(now)
-
-    def next_pin_expiry(self) -> float | None:
-        """Earliest ``expires_at`` (``time.monotonic()`` seconds) of the live pins, or None."""
-        times = [p.expires_at for p in self.kv_cache_manager.pins if p.expires_at is not None]
-        return min(times) if times else None
-
-    def unpin_prefix(self, pin_id: str) -> None:
-        """Release a pin (its blocks become evictable once no request uses them).
-
-        Raises:
-            ValueError / KeyError: unknown pin id.
-        """
-        self.kv_cache_manager.unpin(pin_id)
 
     # -- introspection -------------------------------------------------------------------
 

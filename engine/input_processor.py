@@ -1,0 +1,98 @@
+"""Input processing: validate and tokenize a request before anything is queued.
+
+Pure with respect to engine state (reads only the tokenizer and limits), so the event loop can
+reject bad input at once while the engine thread steps (vLLM's input processor).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from prefixgate.engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class PreparedRequest:
+    """A validated, tokenized request, not yet queued (built without touching engine state).
+
+    Attributes:
+        prompt: the prompt text, when given as text.
+        prompt_token_ids: prompt token ids (non-empty, < max_model_len tokens).
+        params: a private, re-validated copy of the caller's ``SamplingParams``.
+        max_tokens: output tokens allowed: ``min(params.max_tokens, max_model_len - prompt)``.
+        cache_salt: prefix-cache partition key, or ``None``.
+    """
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    cache_salt: str | None
+
+
+class InputProcessor:
+    """Validates prompts and sampling parameters against the model's limits.
+
+    Args:
+        tokenizer: the engine's tokenizer (``encode``).
+        vocab_size: token ids must lie in ``[0, vocab_size)``.
+        max_model_len: longest prompt + output in tokens.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+
+    def prepare(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+    ) -> PreparedRequest:
+        """Validate and tokenize a request without queuing it (safe from any thread).
+
+        Raises:
+            TypeError: prompt not a str or a sequence of ints; params not SamplingParams;
+                cache_salt not a str.
+            ValueError: empty prompt, token id outside the vocabulary, prompt of
+                ``max_model_len`` tokens or more, or invalid sampling parameters.
+        """
+        if params is None:
+            params = SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        params = dataclasses.replace(params)  # private copy, re-validated by __post_init__
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise TypeError(f"cache_salt must be a string or None, got {type(cache_salt).__name__}")
+        text: str | None = None
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            text = prompt
+            ids = list(self.tokenizer.encode(prompt))
+        elif isinstance(prompt, Sequence) and not isinstance(prompt, bytes | bytearray):
+            ids = list(prompt)
+            vocab = self.vocab_size
+            for t in ids:
+                if isinstance(t, bool) or not isinstance(t, int):
+                    raise TypeError(f"prompt token ids must be ints, got {type(t).__name__}")
+                if not 0 <= t < vocab:
+                    raise ValueError(f"prompt token id {t} is outside the vocabulary [0, {vocab})")
+        else:
+            raise TypeError(
+                f"prompt must be a string or a list of token ids, got {type(prompt).__name__}"
+            )
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}, which "
+                "leaves no room to generate (prompt must be shorter than max_model_len)"
+            )
+        room = self.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        return PreparedRequest(text, ids, params, max_tokens, cache_salt)
