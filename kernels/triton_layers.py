@@ -35,7 +35,13 @@ def _reshape_and_cache_kernel(
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     """Scatter ``key``/``value [T, Hkv, D]`` into ``k_cache``/``v_cache [N, S, Hkv, D]`` at
     ``slot_mapping [T]`` (int64, -1 skips). Caches must be contiguous. In place."""
     num_tokens, num_heads, head_dim = key.shape
@@ -72,7 +78,9 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * stride_o + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x, weight, eps, residual=None):
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Fused (residual add +) RMSNorm over ``x [T, H]``; see ``torch_ref.rms_norm``.
 
     Returns ``out [T, H]`` (dtype promoted from weight and x, as torch does), or
@@ -126,7 +134,9 @@ def _rotary_kernel(
     tl.store(k1_ptr + HALF, (k2 * cos[None, :] + k1 * sin[None, :]).to(k_ptr.dtype.element_ty), mask=k_mask)
 
 
-def rotary_embedding(positions, q, k, cos_sin_cache):
+def rotary_embedding(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Half-split rotary on ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` in place (both returned);
     ``cos_sin_cache [max_pos, D]`` holds cos | sin. See ``torch_ref.rotary_embedding``."""
     num_tokens, num_q_heads, head_dim = q.shape
@@ -158,7 +168,7 @@ def _silu_and_mul_kernel(
     tl.store(out_ptr + row * stride_o + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x):
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU: ``silu(x[..., :I]) * x[..., I:]`` for ``x [..., 2I]`` → ``[..., I]``."""
     inter = x.shape[-1] // 2
     lead = x.shape[:-1]

@@ -140,3 +140,14 @@ def test_split_heuristic_bounds():
     cpu = torch.device("cpu")
     assert triton_attention.choose_num_splits(4, 2, 128, cpu, 64) == 1
     assert triton_attention.choose_num_splits(1, 1, 16384, cpu, 64) >= 2
+
+
+def test_int64_metadata(paged_batch, dense, atol):
+    """Block tables, context lengths and query offsets may be int64 as well as int32."""
+    pb = paged_batch([30, 7], [12, 7], 16, NUM_KV_HEADS, 2, 64, torch.float32, seed=4)
+    tables, lens, qsl = pb.block_tables.long(), pb.context_lens.long(), pb.query_start_loc.long()
+    out = triton_ops.paged_attention_prefill(pb.q, pb.k_cache, pb.v_cache, tables, qsl, lens, pb.scale)
+    _close(out, dense(pb), atol[torch.float32])
+    last = qsl[1:] - 1
+    dec = triton_ops.paged_attention_decode(pb.q[last], pb.k_cache, pb.v_cache, tables, lens, pb.scale)
+    _close(dec, out[last], atol[torch.float32])
