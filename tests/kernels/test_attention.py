@@ -136,10 +136,18 @@ def test_bad_arguments_raise_clear_errors(paged_batch):
         )
 
 
-def test_split_heuristic_bounds():
+def test_split_heuristic_bounds(monkeypatch):
     cpu = torch.device("cpu")
     assert triton_attention.choose_num_splits(4, 2, 128, cpu, 64) == 1
     assert triton_attention.choose_num_splits(1, 1, 16384, cpu, 64) >= 2
+    # the GPU branch, as on a 132-SM H100/H200
+    monkeypatch.setattr(triton_attention, "interpreting", lambda: False)
+    monkeypatch.setattr(triton_attention, "_num_sms", lambda device: 132)
+    gpu = torch.device("cuda")
+    assert triton_attention.choose_num_splits(64, 8, 4096, gpu, 64) == 1  # 512 programs fill it
+    assert triton_attention.choose_num_splits(4, 3, 4096, gpu, 64) == 16  # >= 256 tokens a split
+    assert triton_attention.choose_num_splits(8, 3, 8192, gpu, 64) == 11
+    assert triton_attention.choose_num_splits(1, 1, 100, gpu, 64) == 1
 
 
 def test_int64_metadata(paged_batch, dense, atol):
