@@ -47,6 +47,7 @@ from prefixgate.kernels import torch_ref, triton_attention, triton_ops  # noqa: 
 REPO = Path(__file__).resolve().parents[2]
 SHARED = Path(os.environ.get("PREFIXGATE_SHARED", REPO.parent / "shared"))
 TARGET_FRACTION = 0.70
+DecodeDefaults = triton_attention.DecodeConfig()
 # SmolLM2-135M's shape (../shared/models/smollm2-135m-shape/config.json), for the preset fallback.
 SMOLLM2_OVERRIDES = {
     "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
@@ -110,7 +111,8 @@ def copy_bandwidth(nbytes: int, device: torch.device) -> dict[str, Any]:
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
     dst = torch.empty_like(src)
     ms = bench_ms(lambda: dst.copy_(src), device)
-    return {"bytes": nbytes, "ms": ms, "gbps": 2 * nbytes / (ms * 1e-3) / 1e9}
+    return {"bytes": nbytes, "ms": ms, "gbps": 2 * nbytes / (ms * 1e-3) / 1e9,
+            "method": "dst.copy_(src); gbps = (bytes read + bytes written) / time"}
 
 
 def make_paged(batch: int, ctx: int, q_len: int, hq: int, hkv: int, d: int, block_size: int,
@@ -187,6 +189,9 @@ def decode_bench(s: Sizes, hq: int, hkv: int, d: int, copy_gbps: float, device: 
     return {"shape": {"batch": s.decode_batch, "context": s.decode_ctx, "hq": hq, "hkv": hkv, "head_dim": d,
                       "block_size": s.block_size, "dtype": str(s.dtype)},
             "kv_bytes": kv_bytes, "max_abs_err_vs_torch_ref": err,
+            "method": "gbps = K + V cache bytes of all contexts read / time (q, out, tables ignored)",
+            "default_num_splits": triton_attention.choose_num_splits(
+                s.decode_batch, hkv, p["block_tables"].shape[1] * s.block_size, device, DecodeDefaults.tile_n),
             "default": default, "best": best, "sweep": sweep}
 
 
