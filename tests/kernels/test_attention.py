@@ -159,3 +159,18 @@ def test_int64_metadata(paged_batch, dense, atol):
     last = qsl[1:] - 1
     dec = triton_ops.paged_attention_decode(pb.q[last], pb.k_cache, pb.v_cache, tables, lens, pb.scale)
     _close(dec, out[last], atol[torch.float32])
+
+
+@pytest.mark.parametrize("head_dim", [16, 80])
+def test_other_head_dims(paged_batch, dense, atol, head_dim):
+    """head_dim 16 (aidreams-260k) and 80 (padded to a 128-wide tile, masked)."""
+    pb = paged_batch([21, 40], [21, 9], 16, NUM_KV_HEADS, 2, head_dim, torch.float32, seed=5)
+    out = triton_ops.paged_attention_prefill(
+        pb.q, pb.k_cache, pb.v_cache, pb.block_tables, pb.query_start_loc, pb.context_lens, pb.scale
+    )
+    _close(out, dense(pb), atol[torch.float32])
+    last = pb.query_start_loc[1:].long() - 1
+    dec = triton_ops.paged_attention_decode(
+        pb.q[last], pb.k_cache, pb.v_cache, pb.block_tables, pb.context_lens, pb.scale
+    )
+    _close(dec, out[last], atol[torch.float32])
