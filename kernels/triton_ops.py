@@ -13,7 +13,7 @@ input dtype before the P·V dot, as in FlashAttention).
 from __future__ import annotations
 
 import torch
-from prefixgate.kernels import triton_attention, triton_layers
+from prefixgate.kernels import triton_decode, triton_layers, triton_prefill
 from prefixgate.kernels.triton_env import interpreting
 
 __all__ = [
@@ -147,7 +147,7 @@ def paged_attention_decode(
     _check_float("q", q, 3)
     _check_cache(k_cache, v_cache)
     _check_attention(q, k_cache, block_tables, context_lens, q.shape[0])
-    return triton_attention.decode(q, k_cache, v_cache, block_tables, context_lens, float(scale))
+    return triton_decode.decode(q, k_cache, v_cache, block_tables, context_lens, float(scale))
 
 
 def paged_attention_prefill(
@@ -186,7 +186,7 @@ def paged_attention_prefill(
     if num_seqs < 0:
         raise ValueError("query_start_loc must hold B + 1 >= 1 offsets")
     _check_attention(q, k_cache, block_tables, context_lens, num_seqs)
-    return triton_attention.prefill(
+    return triton_prefill.prefill(
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens, float(scale)
     )
 

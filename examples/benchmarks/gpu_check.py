@@ -42,12 +42,12 @@ import torch
 if not torch.cuda.is_available():  # before triton is imported: run the kernels interpreted
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from prefixgate.kernels import torch_ref, triton_attention, triton_ops  # noqa: E402
+from prefixgate.kernels import torch_ref, triton_decode, triton_ops, triton_prefill  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 SHARED = Path(os.environ.get("PREFIXGATE_SHARED", REPO.parent / "shared"))
 TARGET_FRACTION = 0.70
-DecodeDefaults = triton_attention.DecodeConfig()
+DecodeDefaults = triton_decode.DecodeConfig()
 # SmolLM2-135M's shape (../shared/models/smollm2-135m-shape/config.json), for the preset fallback.
 SMOLLM2_OVERRIDES = {
     "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
@@ -161,8 +161,8 @@ def decode_bench(s: Sizes, hq: int, hkv: int, d: int, copy_gbps: float, device: 
     args = (p["q"], p["k_cache"], p["v_cache"], p["block_tables"], p["context_lens"], d**-0.5)
     kv_bytes = 2 * s.decode_batch * s.decode_ctx * hkv * d * p["k_cache"].element_size()
 
-    def measure(cfg: triton_attention.DecodeConfig | None) -> dict[str, Any]:
-        ms = bench_ms(lambda: triton_attention.decode(*args, config=cfg), device)
+    def measure(cfg: triton_decode.DecodeConfig | None) -> dict[str, Any]:
+        ms = bench_ms(lambda: triton_decode.decode(*args, config=cfg), device)
         gbps = kv_bytes / (ms * 1e-3) / 1e9
         return {"config": asdict(cfg) if cfg else "default", "ms": ms, "gbps": gbps,
                 "fraction_of_copy": gbps / copy_gbps}
@@ -176,7 +176,7 @@ def decode_bench(s: Sizes, hq: int, hkv: int, d: int, copy_gbps: float, device: 
         for tile_n in (64, 128):
             for splits in (1, 2, 4):
                 for warps in (4, 8):
-                    cfg = triton_attention.DecodeConfig(tile_n=tile_n, num_splits=splits, num_warps=warps)
+                    cfg = triton_decode.DecodeConfig(tile_n=tile_n, num_splits=splits, num_warps=warps)
                     if over_budget():
                         sweep.append({"config": asdict(cfg), "error": "skipped: time budget spent"})
                         continue
@@ -190,7 +190,7 @@ def decode_bench(s: Sizes, hq: int, hkv: int, d: int, copy_gbps: float, device: 
                       "block_size": s.block_size, "dtype": str(s.dtype)},
             "kv_bytes": kv_bytes, "max_abs_err_vs_torch_ref": err,
             "method": "gbps = K + V cache bytes of all contexts read / time (q, out, tables ignored)",
-            "default_num_splits": triton_attention.choose_num_splits(
+            "default_num_splits": triton_decode.choose_num_splits(
                 s.decode_batch, hkv, p["block_tables"].shape[1] * s.block_size, device, DecodeDefaults.tile_n),
             "default": default, "best": best, "sweep": sweep}
 
@@ -203,8 +203,8 @@ def prefill_bench(s: Sizes, prefix: int, device: torch.device) -> dict[str, Any]
     args = (p["q"], p["k_cache"], p["v_cache"], p["block_tables"], p["query_start_loc"], p["context_lens"], d**-0.5)
     flops = 4 * s.prefill_batch * hq * d * (q_len * prefix + q_len * q_len / 2)
 
-    def measure(cfg: triton_attention.PrefillConfig | None) -> dict[str, Any]:
-        ms = bench_ms(lambda: triton_attention.prefill(*args, config=cfg), device)
+    def measure(cfg: triton_prefill.PrefillConfig | None) -> dict[str, Any]:
+        ms = bench_ms(lambda: triton_prefill.prefill(*args, config=cfg), device)
         return {"config": asdict(cfg) if cfg else "default", "ms": ms, "tflops": flops / (ms * 1e-3) / 1e12}
 
     out: dict[str, Any] = {"shape": {"batch": s.prefill_batch, "q_len": q_len, "prefix": prefix, "hq": hq,
@@ -214,7 +214,7 @@ def prefill_bench(s: Sizes, prefix: int, device: torch.device) -> dict[str, Any]
     if s.sweep:
         for bm, bn, warps, stages in ((64, 64, 4, 2), (128, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3),
                                       (64, 32, 4, 3), (128, 128, 8, 2)):
-            cfg = triton_attention.PrefillConfig(bm, bn, warps, stages)
+            cfg = triton_prefill.PrefillConfig(bm, bn, warps, stages)
             if over_budget():
                 sweep.append({"config": asdict(cfg), "error": "skipped: time budget spent"})
                 continue

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from prefixgate.kernels import torch_ref, triton_attention, triton_ops
+from prefixgate.kernels import torch_ref, triton_decode, triton_ops, triton_prefill
 
 DTYPES = [
     pytest.param(torch.float32, id="fp32"),
@@ -54,8 +54,8 @@ def test_decode_split_k(paged_batch, dense, atol, num_splits, tile_n, dtype):
     """Flash-decoding: splits (some empty for short sequences) merged by the reduce kernel."""
     lens = [3, 70, 129, 200]
     pb = paged_batch(lens, [1] * len(lens), 16, NUM_KV_HEADS, 4, 64, dtype)
-    cfg = triton_attention.DecodeConfig(tile_n=tile_n, num_splits=num_splits)
-    out = triton_attention.decode(pb.q, pb.k_cache, pb.v_cache, pb.block_tables, pb.context_lens, pb.scale, cfg)
+    cfg = triton_decode.DecodeConfig(tile_n=tile_n, num_splits=num_splits)
+    out = triton_decode.decode(pb.q, pb.k_cache, pb.v_cache, pb.block_tables, pb.context_lens, pb.scale, cfg)
     ref = torch_ref.paged_attention_decode(pb.q, pb.k_cache, pb.v_cache, pb.block_tables, pb.context_lens, pb.scale)
     _close(out, ref, atol[dtype])
     _close(out, dense(pb), atol[dtype])
@@ -88,8 +88,8 @@ def test_prefill_tilings(paged_batch, dense, atol, block_m, block_n):
     """Tiles smaller and larger than the chunks and blocks; a zero-length chunk in the middle."""
     ctx, q_lens = [40, 9, 70, 33], [40, 0, 35, 17]
     pb = paged_batch(ctx, q_lens, 16, NUM_KV_HEADS, 4, 64, torch.float32, seed=2)
-    cfg = triton_attention.PrefillConfig(block_m=block_m, block_n=block_n)
-    out = triton_attention.prefill(
+    cfg = triton_prefill.PrefillConfig(block_m=block_m, block_n=block_n)
+    out = triton_prefill.prefill(
         pb.q, pb.k_cache, pb.v_cache, pb.block_tables, pb.query_start_loc, pb.context_lens, pb.scale, cfg
     )
     _close(out, dense(pb), atol[torch.float32])
@@ -138,16 +138,16 @@ def test_bad_arguments_raise_clear_errors(paged_batch):
 
 def test_split_heuristic_bounds(monkeypatch):
     cpu = torch.device("cpu")
-    assert triton_attention.choose_num_splits(4, 2, 128, cpu, 64) == 1
-    assert triton_attention.choose_num_splits(1, 1, 16384, cpu, 64) >= 2
+    assert triton_decode.choose_num_splits(4, 2, 128, cpu, 64) == 1
+    assert triton_decode.choose_num_splits(1, 1, 16384, cpu, 64) >= 2
     # the GPU branch, as on a 132-SM H100/H200
-    monkeypatch.setattr(triton_attention, "interpreting", lambda: False)
-    monkeypatch.setattr(triton_attention, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(triton_decode, "interpreting", lambda: False)
+    monkeypatch.setattr(triton_decode, "_num_sms", lambda device: 132)
     gpu = torch.device("cuda")
-    assert triton_attention.choose_num_splits(64, 8, 4096, gpu, 64) == 1  # 512 programs fill it
-    assert triton_attention.choose_num_splits(4, 3, 4096, gpu, 64) == 16  # >= 256 tokens a split
-    assert triton_attention.choose_num_splits(8, 3, 8192, gpu, 64) == 11
-    assert triton_attention.choose_num_splits(1, 1, 100, gpu, 64) == 1
+    assert triton_decode.choose_num_splits(64, 8, 4096, gpu, 64) == 1  # 512 programs fill it
+    assert triton_decode.choose_num_splits(4, 3, 4096, gpu, 64) == 16  # >= 256 tokens a split
+    assert triton_decode.choose_num_splits(8, 3, 8192, gpu, 64) == 11
+    assert triton_decode.choose_num_splits(1, 1, 100, gpu, 64) == 1
 
 
 def test_int64_metadata(paged_batch, dense, atol):

@@ -24,18 +24,18 @@ FLOAT_ARGS = {"scale_log2", "eps"}
 
 # (module, kernel, data dtype, constexprs, num_warps, num_stages): the launches the wrappers make.
 CASES = {
-    "decode-splits-bf16-d128-g4": ("triton_attention", "_decode_kernel", "bf16", dict(
+    "decode-splits-bf16-d128-g4": ("triton_decode", "_decode_kernel", "bf16", dict(
         GROUPS=4, G_PAD=16, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, TILE_N=64, NUM_SPLITS=4,
         DOT_PRECISION="tf32"), 4, 2),
-    "decode-1split-fp32-d64-g3": ("triton_attention", "_decode_kernel", "fp32", dict(
+    "decode-1split-fp32-d64-g3": ("triton_decode", "_decode_kernel", "fp32", dict(
         GROUPS=3, G_PAD=16, HEAD_DIM=64, D_PAD=64, BLOCK_SIZE=32, TILE_N=64, NUM_SPLITS=1,
         DOT_PRECISION="ieee"), 4, 2),
-    "decode-reduce": ("triton_attention", "_decode_reduce_kernel", "bf16", dict(
+    "decode-reduce": ("triton_decode", "_decode_reduce_kernel", "bf16", dict(
         HEAD_DIM=128, D_PAD=128, NUM_SPLITS=4, SPLITS_PAD=4), 2, 1),
-    "prefill-bf16-d128-g4": ("triton_attention", "_prefill_kernel", "bf16", dict(
+    "prefill-bf16-d128-g4": ("triton_prefill", "_prefill_kernel", "bf16", dict(
         GROUPS=4, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=64,
         DOT_PRECISION="tf32"), 8, 2),
-    "prefill-fp16-d16-g1": ("triton_attention", "_prefill_kernel", "fp16", dict(
+    "prefill-fp16-d16-g1": ("triton_prefill", "_prefill_kernel", "fp16", dict(
         GROUPS=1, HEAD_DIM=16, D_PAD=16, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=64,
         DOT_PRECISION="tf32"), 4, 2),
     "reshape-and-cache": ("triton_layers", "_reshape_and_cache_kernel", "bf16", dict(
