@@ -6,8 +6,8 @@ request's ``asyncio.Queue`` with ``loop.call_soon_threadsafe`` (one call per ste
 event loop never waits on a step, except ``unpin_prefix`` / ``check_invariants``, which take the
 engine lock for at most one step.
 
-An engine error fails the requests in flight (blocks freed; each iterator raises the error) and
-the loop keeps serving new requests.
+An engine error fails the requests of the step that raised it (blocks freed; each of their
+iterators raises the error); the other requests and new ones keep being served.
 """
 
 from __future__ import annotations
@@ -238,8 +238,10 @@ class AsyncEngine:
                     try:
                         self._deliver_outputs(engine.step())
                     except Exception as exc:  # noqa: BLE001 - delivered to the requests
-                        logger.exception("engine step failed; failing the requests in flight")
-                        self._fail_all(exc)
+                        ids = engine.current_step_ids or None  # None: all (error outside a batch)
+                        logger.exception("engine step failed; failing %s",
+                                         f"{len(ids)} request(s) of the step" if ids else "all requests")
+                        self._fail(exc, ids)
                 try:
                     self._snapshot = engine.stats()
                 except Exception:  # noqa: BLE001 - keep serving; stats() will show the error
@@ -320,7 +322,10 @@ class AsyncEngine:
         self._deliver(items)
 
     def _fail_all(self, exc: BaseException) -> None:
-        failed = self.engine.fail_all(exc)
+        self._fail(exc, None)
+
+    def _fail(self, exc: BaseException, request_ids: list[str] | None) -> None:
+        failed = self.engine.fail_requests(exc, request_ids)
         items = [(self._active.pop(rid), exc) for rid, _ in failed if rid in self._active]
         self._deliver(items)
 

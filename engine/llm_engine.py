@@ -75,6 +75,7 @@ class LLMEngine(PrefixPinsMixin):
         self._pin_jobs: dict[str, PinJob] = {}
         self._pin_counter = itertools.count()
         self._stashed: list[RequestOutput] = []
+        self.current_step_ids: list[str] = []
         self._prompt_tokens_prefilled = 0
         self._tokens_decoded = 0
         # cumulative host wall-clock seconds per phase of step() (benchmarks read it)
@@ -181,10 +182,13 @@ class LLMEngine(PrefixPinsMixin):
             (cumulative text / token ids + deltas).
         """
         t0 = time.perf_counter()
-        outputs, self._stashed = self._stashed, []
         sched_out = self.scheduler.schedule()
         if not sched_out.scheduled:
+            outputs, self._stashed = self._stashed, []
             return outputs
+        # if anything below raises, these are the requests the error concerns (fail_requests)
+        self.current_step_ids = [s.request.request_id for s in sched_out.scheduled]
+        outputs: list[RequestOutput] = []
         now = time.monotonic()
         op = self.output_processor
         for s in sched_out.scheduled:
@@ -220,6 +224,8 @@ class LLMEngine(PrefixPinsMixin):
                 outputs.append(
                     op.make_output(rid, r.output_token_ids, max(r.num_cached_tokens, 0), None, None, now)
                 )
+        self.current_step_ids = []
+        outputs, self._stashed = self._stashed + outputs, []
         t_end = time.perf_counter()
         t = self.timing
         t["steps"] += 1
@@ -249,19 +255,26 @@ class LLMEngine(PrefixPinsMixin):
             now,
         )
 
-    def fail_all(self, exc: BaseException) -> list[tuple[str, BaseException]]:
-        """Abort every request in flight after an engine error (blocks freed).
+    def fail_requests(
+        self, exc: BaseException, request_ids: list[str] | None = None
+    ) -> list[tuple[str, BaseException]]:
+        """Abort requests after an engine error (blocks freed): ``request_ids``, or every
+        request in flight when ``None``. Pin jobs among them fail with ``exc``.
+
+        After ``step()`` raised, ``current_step_ids`` names the requests of that step.
 
         Returns:
             ``(request_id, exc)`` for each caller request, so the caller can deliver the error.
         """
+        ids = list(self._requests) if request_ids is None else list(request_ids)
         failed: list[tuple[str, BaseException]] = []
-        ids = list(self._requests)
         for rid in ids:
+            if rid not in self._requests:
+                continue
             try:
                 self.scheduler.abort_requests([rid])
             except ValueError:
-                pass
+                pass  # the scheduler finished it already
             self._requests.pop(rid, None)
             job = self._pin_jobs.pop(rid, None)
             if job is not None:
@@ -269,8 +282,14 @@ class LLMEngine(PrefixPinsMixin):
             else:
                 self.output_processor.drop(rid)
                 failed.append((rid, exc))
-        self._stashed = []
+        gone = set(ids)
+        self._stashed = [o for o in self._stashed if o.request_id not in gone]
+        self.current_step_ids = []
         return failed
+
+    def fail_all(self, exc: BaseException) -> list[tuple[str, BaseException]]:
+        """``fail_requests(exc)`` for every request in flight."""
+        return self.fail_requests(exc, None)
 
     # -- introspection -------------------------------------------------------------------
 

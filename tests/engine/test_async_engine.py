@@ -193,8 +193,8 @@ def test_bad_input_and_duplicate_ids_disturb_nothing(make_engine, pool_whole):
     pool_whole(engine)
 
 
-def test_engine_error_reaches_the_requests_in_flight(make_engine, pool_whole):
-    engine = make_engine()
+def test_engine_error_reaches_the_requests_of_the_failing_step(make_engine, pool_whole):
+    engine = make_engine(max_num_seqs=2)  # a third request waits, outside the failing step
     real = engine.engine.runner.execute
     failed = []
 
@@ -211,11 +211,15 @@ def test_engine_error_reaches_the_requests_in_flight(make_engine, pool_whole):
         results = await asyncio.gather(
             collect(engine, PROMPTS[0], greedy(100), "e1"),
             collect(engine, PROMPTS[1], greedy(100), "e2"),
+            collect(engine, PROMPTS[2], greedy(5), "e3", delay=0.001),
             return_exceptions=True,
         )
-        assert all(isinstance(r, RuntimeError) and "injected" in str(r) for r in results), results
-        outs = await collect(engine, PROMPTS[2], greedy(5), "after")  # the engine still serves
-        assert len(outs[-1].outputs[0].token_ids) == 5
+        assert failed and "e3" not in failed[0]
+        for r in results[:2]:
+            assert isinstance(r, RuntimeError) and "injected" in str(r), results
+        assert len(results[2][-1].outputs[0].token_ids) == 5  # the waiting request is served
+        outs = await collect(engine, PROMPTS[2], greedy(5), "after")  # and so are new ones
+        assert outs[-1].outputs[0].token_ids == results[2][-1].outputs[0].token_ids
 
     asyncio.run(main())
     pool_whole(engine)
