@@ -16,16 +16,23 @@ from typing import Any
 
 import torch
 from prefixgate.engine.config import EngineConfig
+from prefixgate.engine.detokenizer import IncrementalDetokenizer
 from prefixgate.engine.engine_pins import PIN_REQUEST_PREFIX, PinJob, PrefixPinsMixin
 from prefixgate.engine.input_processor import InputProcessor, PreparedRequest
 from prefixgate.engine.kv_cache import KVCacheSpec, allocate_kv_caches, resolve_num_blocks
+from prefixgate.engine.kv_cache_manager import KVCacheManager
 from prefixgate.engine.model_runner import ModelRunner
+from prefixgate.engine.models.config import ModelConfig
+from prefixgate.engine.models.loader import load_model
 from prefixgate.engine.output_processor import OutputProcessor
 from prefixgate.engine.outputs import RequestOutput
+from prefixgate.engine.request import Request, RequestStatus
+from prefixgate.engine.sampler import Sampler, SamplingState
 from prefixgate.engine.sampling_params import SamplingParams
+from prefixgate.engine.scheduler import Scheduler
+from prefixgate.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
 
 
 class LLMEngine(PrefixPinsMixin):
@@ -39,13 +46,6 @@ class LLMEngine(PrefixPinsMixin):
     """
 
     def __init__(self, config: EngineConfig) -> None:
-        from prefixgate.engine.detokenizer import IncrementalDetokenizer
-        from prefixgate.engine.kv_cache_manager import KVCacheManager
-        from prefixgate.engine.models.config import ModelConfig
-        from prefixgate.engine.models.loader import load_model
-        from prefixgate.engine.sampler import Sampler, SamplingState
-        from prefixgate.engine.scheduler import Scheduler
-
         self.config = config
         self.model_config = mc = ModelConfig.from_engine_config(config)
         self.tokenizer = _load_tokenizer(mc)
@@ -71,7 +71,7 @@ class LLMEngine(PrefixPinsMixin):
         self.eos_token_ids: set[int] = set(mc.eos_token_ids) | set(
             getattr(self.tokenizer, "eos_token_ids", set()) or set()
         )
-        self._requests: dict[str, Any] = {}
+        self._requests: dict[str, Request] = {}
         self._pin_jobs: dict[str, PinJob] = {}
         self._pin_counter = itertools.count()
         self._stashed: list[RequestOutput] = []
@@ -126,8 +126,6 @@ class LLMEngine(PrefixPinsMixin):
         self._enqueue(request_id, prep, arrival_time or time.monotonic())
 
     def _enqueue(self, request_id: str, prep: PreparedRequest, arrival: float) -> None:
-        from prefixgate.engine.request import Request
-
         req = Request(
             request_id,
             prep.prompt_token_ids,
@@ -237,13 +235,11 @@ class LLMEngine(PrefixPinsMixin):
         t["output_s"] += t_end - t_out  # scheduler update, detokenize, RequestOutputs
         return outputs
 
-    def _finish_stopped(self, req: Any, stop: str) -> None:
-        from prefixgate.engine.request import RequestStatus
-
+    def _finish_stopped(self, req: Request, stop: str) -> None:
         self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED, stop)
 
     def _finish_output(
-        self, req: Any, reason: str | None, stop_reason: Any, now: float
+        self, req: Request, reason: str | None, stop_reason: str | int | None, now: float
     ) -> RequestOutput:
         self._requests.pop(req.request_id, None)
         return self.output_processor.make_output(
@@ -311,8 +307,6 @@ class LLMEngine(PrefixPinsMixin):
 
 
 def _load_tokenizer(mc: Any) -> Any:
-    from prefixgate.engine.tokenizer import Tokenizer
-
     if mc.model_path is None:
         return Tokenizer.builtin()
     return Tokenizer.from_pretrained(mc.model_path)
