@@ -26,12 +26,12 @@ def add_workload_args(p: argparse.ArgumentParser, *, num_requests: int, output_l
     g.add_argument(
         "--system-prompts",
         metavar="CSV",
-        help="system prompts CSV (act,prompt); default: the shipped sample",
+        help="system prompts CSV (act,prompt); default: the shipped sample (compare: ../shared/workloads when present)",
     )
     g.add_argument(
         "--user-tasks",
         metavar="JSONL",
-        help="user tasks JSONL (instruction, instances); default: the shipped sample",
+        help="user tasks JSONL (instruction, instances); default: the shipped sample (compare: ../shared/workloads when present)",
     )
     g.add_argument(
         "--num-requests",
@@ -136,7 +136,12 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     add_workload_args(serve, num_requests=64, output_len="64")
     serve.set_defaults(func=run_serve)
 
-    from prefixgate.gateway.bench.compare import add_compare_args, run_compare
+    from prefixgate.gateway.bench.compare import (
+        COMPARE_DEFAULTS,
+        COMPARE_OUTPUT_LEN,
+        add_compare_args,
+        run_compare,
+    )
 
     compare = sub.add_parser(
         "compare",
@@ -147,8 +152,10 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "against (a).",
     )
     add_compare_args(compare)
-    add_workload_args(compare, num_requests=64, output_len="uniform:16:64")
-    compare.set_defaults(func=run_compare)
+    add_workload_args(
+        compare, num_requests=COMPARE_DEFAULTS["num_requests"], output_len=COMPARE_OUTPUT_LEN
+    )
+    compare.set_defaults(func=run_compare, **COMPARE_DEFAULTS)
     return bench
 
 

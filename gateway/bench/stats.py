@@ -219,7 +219,10 @@ def print_table(title: str, columns: list[str], rows: list[list[str]]) -> None:
         table.add_column(c, justify="left" if i == 0 else "right")
     for r in rows:
         table.add_row(*r)
-    Console().print(table)
+    console = Console()
+    if not console.is_terminal:  # piped output: do not squeeze the table into 80 columns
+        console = Console(width=200)
+    console.print(table)
 
 
 def summary_rows(summary: dict) -> list[list[str]]:

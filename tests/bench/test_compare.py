@@ -163,3 +163,16 @@ def test_a_server_that_fails_is_reported(tmp_path):
     info = asyncio.run(bench_target(target, [], args, tmp_path))
     assert "exited with 3" in info["error"] and "boom" in info["error"]
     assert "summary" not in info and Path(info["log"]).exists()
+
+
+def test_compare_defaults_are_the_issue7_demo(workloads_path):
+    from prefixgate.gateway.bench.cli import workload_from_args
+    from prefixgate.gateway.bench.workload import load_workload
+
+    args = _parse(["bench", "compare"])
+    wl = workload_from_args(args)
+    assert (wl.num_requests, wl.output_len.kind, wl.output_len.values) == (40, "uniform", (4, 24))
+    reqs = load_workload(wl, workloads_path / "system_prompts.csv", workloads_path / "user_tasks.jsonl")
+    assert len({r.messages[0]["content"] for r in reqs}) == 1  # one shared system prompt
+    assert len({r.messages[1]["content"] for r in reqs}) == 40  # distinct user turns
+    assert 540 <= len(reqs[0].messages[0]["content"]) <= 760
