@@ -22,21 +22,21 @@ import asyncio
 import json
 import os
 import shlex
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 from prefixgate.gateway.bench.loadgen import LoadConfig, run_load
-from prefixgate.gateway.bench.stats import HEADLINE, fmt, lookup, print_table
+from prefixgate.gateway.bench.report import checks, machine, print_compare, ratios, title
+from prefixgate.gateway.bench.targets import (
+    ServerProcess,
+    Target,
+    build_targets,
+    default_model,
+    find_shared,
+)
 from prefixgate.gateway.bench.workload import BenchRequest, load_workload
-
-TARGET_KEYS = ("a", "b", "c", "d", "e")
-SMOLLM2_SHAPE = Path("models") / "smollm2-135m-shape"
 
 # The issue-7 demonstration on a 2-core CPU with the SmolLM2-135M-shaped dummy model, sized so
 # one run of the four targets takes minutes: 40 requests from 32 concurrent users (a second
@@ -52,229 +52,6 @@ COMPARE_DEFAULTS = {
     "seed": 1,
 }
 COMPARE_OUTPUT_LEN = "uniform:4:24"
-
-
-@dataclass(slots=True)
-class Target:
-    """One server to benchmark.
-
-    Attributes:
-        key: ``"a"`` .. ``"e"``.
-        label: short name for tables and plots.
-        description: what it is, one line.
-        command: argv that serves on the port substituted for ``{port}``; ``None`` for an
-            external server (``base_url`` then names it).
-        base_url: set once the server runs (or given for an external one).
-        model: model name to request (``None``: the server's first listed model).
-    """
-
-    key: str
-    label: str
-    description: str
-    command: list[str] | None = None
-    base_url: str | None = None
-    model: str | None = None
-    env: dict[str, str] = field(default_factory=dict)
-    note: str | None = None
-
-
-def find_shared(rel: str | Path) -> Path | None:
-    """``rel`` under the shared test-data folder, if present.
-
-    Looked up under ``$PREFIXGATE_SHARED``, ``./shared``, ``../shared`` and the ``shared``
-    folder beside the checkout this file lives in; ``None`` when absent.
-    """
-    roots = [os.environ.get("PREFIXGATE_SHARED")] if os.environ.get("PREFIXGATE_SHARED") else []
-    roots += [
-        Path.cwd() / "shared",
-        Path.cwd().parent / "shared",
-        Path(__file__).resolve().parents[3] / "shared",
-    ]
-    for root in roots:
-        cand = Path(root) / rel
-        if cand.exists():
-            return cand
-    return None
-
-
-def default_model() -> str | None:
-    """The SmolLM2-135M-shaped config (no weights: served with dummy weights), if present."""
-    found = find_shared(SMOLLM2_SHAPE / "config.json")
-    return str(found.parent) if found else None
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (bound then released: the server binds it right after)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _has_weights(model: str) -> bool:
-    path = Path(model)
-    return any(path.glob("*.safetensors")) or any(path.glob("pytorch_model*.bin"))
-
-
-def build_targets(args: argparse.Namespace) -> list[Target]:
-    """The targets ``args.targets`` names, with their server commands."""
-    py = sys.executable
-    model = args.model
-    load_format = args.load_format or ("auto" if model and _has_weights(model) else "dummy")
-    engine = [
-        "--kv-cache-memory",
-        str(args.kv_cache_memory),
-        "--max-num-seqs",
-        str(args.max_num_seqs),
-    ]
-    if model:
-        engine = ["--model", model, "--load-format", load_format, *engine]
-    engine += shlex.split(args.serve_args or "")
-    serve = [
-        py,
-        "-m",
-        "prefixgate.gateway.cli",
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "{port}",
-        *engine,
-    ]
-    all_targets = {
-        "a": Target("a", "prefixgate", "continuous batching + prefix caching", serve),
-        "b": Target(
-            "b",
-            "no-prefix-cache",
-            "continuous batching, prefix caching off",
-            [*serve, "--no-prefix-caching"],
-        ),
-        "c": Target(
-            "c",
-            "static-batching",
-            "static batching (+ prefix caching)",
-            [*serve, "--scheduling", "static"],
-        ),
-        "d": Target(
-            "d",
-            "hf-transformers",
-            "transformers generate, static batches",
-            [
-                py,
-                "-m",
-                "prefixgate.gateway.bench.hf_server",
-                "--model",
-                model or "",
-                "--load-format",
-                load_format,
-                "--port",
-                "{port}",
-                "--max-batch-size",
-                str(args.hf_batch_size or args.concurrency or 32),
-            ],
-            note="streams all of a request's tokens when its batch ends: TTFT is honest, its TPOT and ITL are ~0 by construction",
-        ),
-    }
-    keys = [k.strip() for k in args.targets.split(",") if k.strip()]
-    bad = [k for k in keys if k not in TARGET_KEYS]
-    if bad:
-        raise ValueError(f"unknown target(s) {bad}: choose among {','.join(TARGET_KEYS)}")
-    targets = []
-    for k in keys:
-        if k == "e":
-            if args.upstream:
-                targets.append(
-                    Target(
-                        "e",
-                        "upstream",
-                        f"external server {args.upstream}",
-                        None,
-                        args.upstream,
-                        args.upstream_model,
-                    )
-                )
-            continue
-        if k == "d" and not model:
-            print(
-                "bench compare: skipping (d): the transformers baseline needs --model DIR",
-                file=sys.stderr,
-            )
-            continue
-        targets.append(all_targets[k])
-    if args.upstream and "e" not in keys:
-        targets.append(
-            Target(
-                "e",
-                "upstream",
-                f"external server {args.upstream}",
-                None,
-                args.upstream,
-                args.upstream_model,
-            )
-        )
-    return targets
-
-
-class ServerProcess:
-    """A server subprocess on a free loopback port, its output in ``log_path``.
-
-    Raises (from :meth:`start`):
-        RuntimeError: the process exited, or was not ready within ``startup_timeout_s``.
-    """
-
-    def __init__(
-        self, command: list[str], log_path: Path, env: dict[str, str] | None = None
-    ) -> None:
-        self.port = free_port()
-        self.command = [c.replace("{port}", str(self.port)) for c in command]
-        self.log_path = log_path
-        self.env = {**os.environ, **(env or {})}
-        self.proc: subprocess.Popen | None = None
-        self.base_url = f"http://127.0.0.1:{self.port}"
-
-    async def start(self, startup_timeout_s: float) -> None:
-        """Start the process and wait until ``GET /ready`` (or ``/health``) answers 200."""
-        log = open(self.log_path, "wb")  # noqa: SIM115 - closed with the process
-        self.proc = subprocess.Popen(
-            self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env
-        )
-        log.close()
-        deadline = time.monotonic() + startup_timeout_s
-        async with httpx.AsyncClient(timeout=2.0) as http:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(
-                        f"server exited with {self.proc.returncode}: {self.log_tail()}"
-                    )
-                for route in ("/ready", "/health"):
-                    try:
-                        r = await http.get(self.base_url + route)
-                    except httpx.HTTPError:
-                        break
-                    if r.status_code == 200:
-                        return
-                    if r.status_code != 404:
-                        break
-                await asyncio.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"server not ready within {startup_timeout_s:.0f} s: {self.log_tail()}")
-
-    def stop(self) -> None:
-        """SIGTERM, then SIGKILL after 15 s."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
-
-    def log_tail(self, n: int = 1500) -> str:
-        """The last ``n`` characters of the server's output."""
-        try:
-            return self.log_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return "(no log)"
 
 
 WARMUP = [
@@ -337,59 +114,6 @@ async def bench_target(
         if server is not None:
             server.stop()
     return info
-
-
-def ratios(summaries: dict[str, dict]) -> dict[str, dict[str, float | None]]:
-    """For each target: each headline figure divided by the first target's (a)."""
-    keys = list(summaries)
-    ref = summaries[keys[0]]
-    out = {}
-    for k in keys:
-        row = {}
-        for label, path, _, _ in HEADLINE:
-            v, r = lookup(summaries[k], path), lookup(ref, path)
-            row[label] = v / r if v is not None and r else None
-        out[k] = row
-    return out
-
-
-def checks(summaries: dict[str, dict]) -> list[dict]:
-    """The issue-7 claims, evaluated on this run where the targets exist.
-
-    (a) vs (d): >= 3x output tokens/s and <= 1/5 of p99 TTFT; (a) vs (b): mean TTFT >= 80 %
-    lower; (a) vs (c): higher output tokens/s and lower p99 TTFT.
-    """
-
-    def get(k: str, *path: str) -> float | None:
-        return lookup(summaries[k], path) if k in summaries else None
-
-    out = []
-
-    def add(name: str, value: float | None, target: str, ok: bool | None) -> None:
-        out.append({"check": name, "value": value, "target": target, "pass": ok})
-
-    a_tp, a_p99, a_mean = (
-        get("a", "output_throughput"),
-        get("a", "ttft_ms", "p99"),
-        get("a", "ttft_ms", "mean"),
-    )
-    if "d" in summaries and a_tp and a_p99:
-        d_tp, d_p99 = get("d", "output_throughput"), get("d", "ttft_ms", "p99")
-        tp = a_tp / d_tp if d_tp else None
-        tt = a_p99 / d_p99 if d_p99 else None
-        add("(a)/(d) output tokens/s", tp, ">= 3", tp is not None and tp >= 3)
-        add("(a)/(d) p99 TTFT", tt, "<= 0.2", tt is not None and tt <= 0.2)
-    if "b" in summaries and a_mean is not None:
-        b_mean = get("b", "ttft_ms", "mean")
-        red = 1 - a_mean / b_mean if b_mean else None
-        add("(a) vs (b) mean TTFT reduction", red, ">= 0.8", red is not None and red >= 0.8)
-    if "c" in summaries and a_tp and a_p99:
-        c_tp, c_p99 = get("c", "output_throughput"), get("c", "ttft_ms", "p99")
-        tp = a_tp / c_tp if c_tp else None
-        tt = a_p99 / c_p99 if c_p99 else None
-        add("(a)/(c) output tokens/s", tp, "> 1", tp is not None and tp > 1)
-        add("(a)/(c) p99 TTFT", tt, "< 1", tt is not None and tt < 1)
-    return out
 
 
 def shared_prefix_share(model: str | None, requests: list[BenchRequest]) -> dict | None:
@@ -541,69 +265,11 @@ def run_compare(args: argparse.Namespace) -> int:
         "ratios_vs_a": ratios(ok) if ok else {},
         "checks": checks(by_key),
     }
-    _print_compare(doc, ok)
+    print_compare(doc, ok)
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=2))
     if args.plot and ok:
         from prefixgate.gateway.bench.plot import plot_compare
 
-        plot_compare(ok, args.plot, title=_title(doc))
+        plot_compare(ok, args.plot, title=title(doc))
     return 0 if ok else 1
-
-
-def machine() -> dict:
-    """The machine, in a few words (CPU count, model name, torch threads)."""
-    info: dict = {"cpus": os.cpu_count(), "platform": sys.platform}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return info
-
-
-def _title(doc: dict) -> str:
-    load = doc["load"]
-    shape = (
-        f"concurrency {load['concurrency']}" if load["concurrency"] else f"rate {load['rate']}/s"
-    )
-    share = doc.get("shared_prefix") or {}
-    s = f", {share['share'] * 100:.0f} % shared prefix" if share.get("share") else ""
-    return f"{Path(str(doc['model'])).name}: {load['num_requests']} requests, {shape}{s}"
-
-
-def _print_compare(doc: dict, summaries: dict[str, dict]) -> None:
-    for r in doc["targets"]:
-        if "error" in r:
-            print(f"({r['target']}) {r['label']} failed: {r['error'][:300]}", file=sys.stderr)
-    if not summaries:
-        return
-    names = list(summaries)
-    rat = doc["ratios_vs_a"]
-    rows = []
-    for label, path, unit, _ in HEADLINE:
-        row = [f"{label} ({unit})" if unit else label]
-        for n in names:
-            v = fmt(lookup(summaries[n], path), unit)
-            q = rat.get(n, {}).get(label)
-            row.append(v if n == names[0] or q is None else f"{v} ({q:.2f}x)")
-        rows.append(row)
-    if any(summaries[n].get("errors") for n in names):
-        rows.append(
-            [
-                "errors",
-                *(
-                    ", ".join(f"{k}: {v}" for k, v in summaries[n]["errors"].items()) or "-"
-                    for n in names
-                ),
-            ]
-        )
-    print_table(_title(doc) + " — ratio vs the first in ()", ["metric", *names], rows)
-    for r in doc["targets"]:
-        if r.get("note"):
-            print(f"  note ({r['target']}) {r['label']}: {r['note']}")
-    for c in doc["checks"]:
-        v = "-" if c["value"] is None else f"{c['value']:.3f}"
-        print(f"  {'PASS' if c['pass'] else 'FAIL'}  {c['check']}: {v} (target {c['target']})")

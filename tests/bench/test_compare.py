@@ -12,14 +12,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from prefixgate.gateway.bench.cli import add_bench_parser  # noqa: E402
-from prefixgate.gateway.bench.compare import (  # noqa: E402
-    Target,
-    bench_target,
-    build_targets,
-    checks,
-    ratios,
-    shared_prefix_share,
-)
+from prefixgate.gateway.bench.compare import bench_target, shared_prefix_share  # noqa: E402
+from prefixgate.gateway.bench.report import checks, ratios  # noqa: E402
+from prefixgate.gateway.bench.targets import Target, build_targets  # noqa: E402
 from prefixgate.gateway.bench.workload import BenchRequest  # noqa: E402
 from stub_server import StubServer  # noqa: E402
 
@@ -172,7 +167,9 @@ def test_compare_defaults_are_the_issue7_demo(workloads_path):
     args = _parse(["bench", "compare"])
     wl = workload_from_args(args)
     assert (wl.num_requests, wl.output_len.kind, wl.output_len.values) == (40, "uniform", (4, 24))
-    reqs = load_workload(wl, workloads_path / "system_prompts.csv", workloads_path / "user_tasks.jsonl")
+    reqs = load_workload(
+        wl, workloads_path / "system_prompts.csv", workloads_path / "user_tasks.jsonl"
+    )
     assert len({r.messages[0]["content"] for r in reqs}) == 1  # one shared system prompt
     assert len({r.messages[1]["content"] for r in reqs}) == 40  # distinct user turns
     assert 540 <= len(reqs[0].messages[0]["content"]) <= 760
