@@ -4,8 +4,9 @@ Requests are a 1,024-token system prompt (real system prompts from the workload 
 cut to exactly 1,024 tokens = 64 blocks of 16) followed by a 64-token user turn (real user tasks).
 On the SmolLM2-135M-shaped config with dummy weights it measures:
 
-- TTFT cold (empty prefix cache) vs warm (system prompt cached by an earlier request with another
-  user turn) vs a cold request of the 64-token user turn alone; median of ``--trials``;
+- TTFT cold (nothing cached: a fresh cache salt per request) vs warm (system prompt cached by an
+  earlier request with another user turn) vs a cold request of the 64-token user turn alone;
+  medians (``--cold-trials``, ``--trials``);
 - KV blocks held at peak by 32 concurrent such requests with prefix caching on (shared) and off.
   Block counts do not depend on model depth, so this part runs the same config cut to one layer
   (``hf_overrides={"num_hidden_layers": 1}``) to keep the no-sharing run (32 x 1,088 prompt
@@ -16,7 +17,7 @@ prefix stored once.
 
 Usage::
 
-    python examples/benchmarks/bench_prefix_cache.py [--model DIR] [--trials 3] [--threads N]
+    python examples/benchmarks/bench_prefix_cache.py [--model DIR] [--trials 7] [--threads N]
         [--json OUT]
 """
 
@@ -61,33 +62,36 @@ def user_turns(tokenizer, jsonl_path: Path, n: int, n_tokens: int) -> list[list[
     raise ValueError(f"not enough user tasks of >= {n_tokens} tokens in {jsonl_path}")
 
 
-def ttft(llm, prompt: list[int], rid: str) -> tuple[float, int]:
+def ttft(llm, prompt: list[int], rid: str, cache_salt: str | None = None) -> tuple[float, int]:
     """Seconds from add_request to the first output token; also the cached prompt tokens."""
     from prefixgate.engine import SamplingParams
 
     eng = llm.engine
     t0 = time.perf_counter()
-    eng.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    eng.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+                    cache_salt=cache_salt)
     while True:
         for out in eng.step():
             if out.request_id == rid and out.outputs[0].token_ids:
                 return time.perf_counter() - t0, out.num_cached_tokens
 
 
-def measure_ttft(llm, sys_ids: list[int], turns: list[list[int]], trials: int) -> dict:
-    kv = llm.engine.kv_cache_manager
+def measure_ttft(llm, sys_ids: list[int], turns: list[list[int]], cold_trials: int, trials: int) -> dict:
+    """Cold requests get a fresh cache salt each (nothing can hit); warm requests share the
+    system prompt cached by a first request; suffix-only requests (BOS + 63 user tokens) get a
+    fresh salt each. Warm and suffix-only trials alternate so both see the same machine load."""
     bos = sys_ids[:1]
     cold, warm, suffix = [], [], []
-    for t in range(trials):
-        kv.reset_prefix_cache()
-        s, cached = ttft(llm, sys_ids + turns[2 * t], f"cold-{t}")
+    for t in range(cold_trials):
+        s, cached = ttft(llm, sys_ids + turns[t], f"cold-{t}", cache_salt=f"cold-{t}")
         assert cached == 0
         cold.append(s)
-        s, cached = ttft(llm, sys_ids + turns[2 * t + 1], f"warm-{t}")  # another user turn
+    ttft(llm, sys_ids + turns[0], "prime")  # caches the system prompt (unsalted)
+    for t in range(trials):
+        s, cached = ttft(llm, sys_ids + turns[1 + t], f"warm-{t}")  # another user turn
         assert cached == len(sys_ids), cached
         warm.append(s)
-        kv.reset_prefix_cache()
-        s, cached = ttft(llm, bos + turns[2 * t + 1][1:], f"suffix-{t}")  # 64 tokens alone
+        s, cached = ttft(llm, bos + turns[1 + t][1:], f"suffix-{t}", cache_salt=f"suffix-{t}")
         assert cached == 0
         suffix.append(s)
     c, w, x = (statistics.median(v) for v in (cold, warm, suffix))
@@ -134,7 +138,8 @@ def main() -> int:
     ap.add_argument("--user-tokens", type=int, default=64)
     ap.add_argument("--concurrent", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=8, help="output tokens in the KV-block run")
-    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--cold-trials", type=int, default=3, help="cold TTFT samples (median)")
+    ap.add_argument("--trials", type=int, default=7, help="warm and suffix-only samples (median)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--json", dest="json_out", default=None)
     args = ap.parse_args()
@@ -148,10 +153,10 @@ def main() -> int:
     llm = LLM(args.model, load_format=args.load_format, block_size=BLOCK,
               kv_cache_memory=512 << 20, max_num_batched_tokens=4096)
     sys_ids = system_prompt_ids(llm.tokenizer, wl / "system_prompts.csv", args.system_tokens)
-    turns = user_turns(llm.tokenizer, wl / "user_tasks.jsonl", max(2 * args.trials, args.concurrent),
-                       args.user_tokens)
-    ttft(llm, sys_ids[:64], "warm-up")
-    t = measure_ttft(llm, sys_ids, turns, args.trials)
+    turns = user_turns(llm.tokenizer, wl / "user_tasks.jsonl",
+                       max(args.cold_trials, args.trials + 1, args.concurrent), args.user_tokens)
+    ttft(llm, sys_ids[:64], "warm-up", cache_salt="warm-up")
+    t = measure_ttft(llm, sys_ids, turns, args.cold_trials, args.trials)
     llm.check_invariants()
 
     prompts = [sys_ids + turns[i] for i in range(args.concurrent)]
@@ -166,11 +171,11 @@ def main() -> int:
     print(f"\nbench_prefix_cache: {Path(args.model).name} (load_format={args.load_format}), "
           f"{torch.get_num_threads()} threads; system {args.system_tokens} + user {args.user_tokens} tokens, "
           f"block {BLOCK}")
-    print(f"{'TTFT (median of ' + str(args.trials) + ')':<32} {'seconds':>9}")
+    print(f"{'TTFT (median; cold ' + str(args.cold_trials) + ', others ' + str(args.trials) + ')':<32} {'seconds':>9}")
     print("-" * 42)
     print(f"{'cold (system + user)':<32} {t['cold_ttft_s']:>9.3f}")
     print(f"{'warm (system cached)':<32} {t['warm_ttft_s']:>9.3f}")
-    print(f"{'cold, 64-token user turn alone':<32} {t['suffix_only_ttft_s']:>9.3f}")
+    print(f"{f'cold, {args.user_tokens}-token user turn alone':<32} {t['suffix_only_ttft_s']:>9.3f}")
     print(f"warm vs cold: {100 * t['warm_reduction']:.1f}% lower (target >= 90%: "
           f"{'met' if t['warm_reduction'] >= 0.9 else 'NOT met'})")
     print(f"warm vs suffix-only: {t['warm_over_suffix_only']:.2f}x (target <= 1.5x: "
