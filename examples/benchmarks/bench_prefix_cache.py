@@ -49,13 +49,17 @@ def system_prompt_ids(tokenizer, csv_path: Path, n_tokens: int) -> list[int]:
 
 
 def user_turns(tokenizer, jsonl_path: Path, n: int, n_tokens: int) -> list[list[int]]:
-    """``n`` user turns of exactly ``n_tokens`` tokens (no BOS), from real user tasks."""
+    """``n`` user turns of exactly ``n_tokens`` tokens (no BOS), from real user tasks, with
+    pairwise different first blocks."""
     turns = []
+    first_blocks: set[tuple[int, ...]] = set()
     for line in jsonl_path.read_text().splitlines():
         task = json.loads(line)
         text = task["instruction"] + " " + " ".join(i.get("input", "") for i in task.get("instances", []))
         ids = tokenizer.encode("\nUser: " + text, add_special_tokens=False)
-        if len(ids) >= n_tokens:
+        head = tuple(ids[:BLOCK])  # distinct first blocks: a warm turn never hits another turn
+        if len(ids) >= n_tokens and head not in first_blocks:
+            first_blocks.add(head)
             turns.append(ids[:n_tokens])
         if len(turns) == n:
             return turns
