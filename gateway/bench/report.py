@@ -76,12 +76,17 @@ def machine() -> dict:
 
 
 def title(doc: dict) -> str:
+    """One line naming the model, the load and the workload's shared share."""
     load = doc["load"]
     shape = (
         f"concurrency {load['concurrency']}" if load["concurrency"] else f"rate {load['rate']}/s"
     )
     share = doc.get("shared_prefix") or {}
-    s = f", {share['share'] * 100:.0f} % shared prefix" if share.get("share") else ""
+    s = ""
+    if share.get("system_prompt_share"):
+        s += f", system prompt {share['system_prompt_share'] * 100:.1f} % of prompt tokens"
+    if share.get("share"):
+        s += f" ({share['share'] * 100:.1f} % shared prefix)"
     return f"{Path(str(doc['model'])).name}: {load['num_requests']} requests, {shape}{s}"
 
 
@@ -101,6 +106,12 @@ def print_compare(doc: dict, summaries: dict[str, dict]) -> None:
             q = rat.get(n, {}).get(label)
             row.append(v if n == names[0] or q is None else f"{v} ({q:.2f}x)")
         rows.append(row)
+    metrics = {
+        f"({r['target']}) {r['label']}": r.get("server_metrics") or {} for r in doc["targets"]
+    }
+    if any("prefixgate_engine_preemptions" in metrics.get(n, {}) for n in names):
+        pre = [metrics.get(n, {}).get("prefixgate_engine_preemptions") for n in names]
+        rows.append(["engine preemptions", *(fmt(int(v)) if v is not None else "-" for v in pre)])
     if any(summaries[n].get("errors") for n in names):
         rows.append(
             [
