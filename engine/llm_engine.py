@@ -55,6 +55,7 @@ class LLMEngine(PrefixPinsMixin):
         spec = KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size, mc.dtype)
         num_blocks = resolve_num_blocks(spec, config.num_kv_blocks, config.kv_cache_memory, self.device)
         self.num_kv_blocks = num_blocks
+        self._fit_max_model_len(num_blocks * config.block_size)
         kv_caches = allocate_kv_caches(spec, num_blocks, self.device)
         self.kv_cache_manager = KVCacheManager(
             num_blocks,
@@ -82,6 +83,23 @@ class LLMEngine(PrefixPinsMixin):
         self.timing: dict[str, float] = dict.fromkeys(
             ("steps", "step_s", "schedule_s", "prepare_s", "forward_s", "sample_s", "output_s"), 0
         )
+
+    def _fit_max_model_len(self, capacity: int) -> None:
+        """Keep ``max_model_len`` within the KV cache (``capacity`` tokens), so that every
+        admitted request can finish: a default (the model's context) is lowered with a warning;
+        an explicit ``EngineConfig.max_model_len`` over capacity is an error (as in vLLM)."""
+        if capacity >= self.max_model_len:
+            return
+        if self.config.max_model_len is not None:
+            raise ValueError(
+                f"max_model_len={self.config.max_model_len} tokens does not fit the KV cache "
+                f"({capacity} tokens); raise kv_cache_memory / num_kv_blocks or lower max_model_len"
+            )
+        logger.warning(
+            "the KV cache holds %d tokens, less than the model's context of %d: "
+            "max_model_len lowered to %d", capacity, self.max_model_len, capacity,
+        )
+        self.max_model_len = capacity
 
     # -- requests ------------------------------------------------------------------------
 

@@ -190,3 +190,15 @@ def test_default_preset_runs_without_files(pool_whole):
     out = llm.generate("hello", SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 4
     pool_whole(llm)
+
+
+def test_max_model_len_fits_the_kv_cache(aidreams_path, pool_whole):
+    """A KV cache smaller than the model's context lowers max_model_len (warning), so a request
+    without max_tokens still finishes; an explicit max_model_len over capacity is an error."""
+    small = LLM(aidreams_path, num_kv_blocks=4, block_size=16)  # 64 tokens < context 128
+    assert small.max_model_len == 64
+    out = small.generate("I sense the nodes", SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True))[0]
+    assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 64
+    pool_whole(small)
+    with pytest.raises(ValueError, match="does not fit the KV cache"):
+        LLM(aidreams_path, num_kv_blocks=4, block_size=16, max_model_len=100)
