@@ -254,6 +254,12 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
         help="extra options for every `prefixgate serve`, one shell-quoted string",
     )
     p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads of every server started (OMP_NUM_THREADS; default: torch's)",
+    )
+    p.add_argument(
         "--startup-timeout",
         type=float,
         default=300.0,
@@ -301,6 +307,7 @@ def run_compare(args: argparse.Namespace) -> int:
     doc = {
         "model": args.model or "built-in preset",
         "load": {"rate": args.rate, "concurrency": args.concurrency, "num_requests": len(requests)},
+        "threads": args.threads,
         "workload": _workload_doc(wl, args),
         "shared_prefix": share,
         "machine": machine(),

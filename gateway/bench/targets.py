@@ -139,6 +139,10 @@ def build_targets(args: argparse.Namespace) -> list[Target]:
             note="streams all of a request's tokens when its batch ends: TTFT is honest, its TPOT and ITL are ~0 by construction",
         ),
     }
+    threads = getattr(args, "threads", None)
+    if threads:  # the same intra-op thread count for every server we start
+        for t in all_targets.values():
+            t.env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     keys = [k.strip() for k in args.targets.split(",") if k.strip()]
     bad = [k for k in keys if k not in TARGET_KEYS]
     if bad:

@@ -84,6 +84,8 @@ def test_build_targets_commands():
         and d.command[d.command.index("--max-batch-size") + 1] == "8"
     )
     assert e.command is None and e.base_url == "http://127.0.0.1:9/v1"
+    threaded = build_targets(_parse(["bench", "compare", "--model", "/m", "--threads", "1"]))
+    assert all(t.env["OMP_NUM_THREADS"] == "1" for t in threaded)
     with pytest.raises(ValueError, match="unknown target"):
         build_targets(_parse(["bench", "compare", "--targets", "a,z"]))
 
@@ -133,6 +135,8 @@ def test_compare_runs_hf_baseline_and_upstream(aidreams_path, tmp_path, capsys):
                 str(tmp_path / "logs"),
                 "--startup-timeout",
                 "120",
+                "--threads",
+                "1",
             ]
         )
         assert args.func(args) == 0

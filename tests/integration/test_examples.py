@@ -19,10 +19,13 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 @pytest.fixture(scope="module")
 def gateway_url(aidreams_path):
+    import torch
     from prefixgate.engine import AsyncEngine, EngineConfig
     from prefixgate.gateway.app import create_app
     from prefixgate.gateway.server import BackgroundServer
 
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny model on a shared 2-core machine (see DEVELOPERS.md)
     engines = []
 
     def make_app():
@@ -34,6 +37,7 @@ def gateway_url(aidreams_path):
         yield server.url + "/v1"
         if engines:
             server.call(engines[0].shutdown)
+    torch.set_num_threads(threads)
 
 
 def run_example(name: str, base_url: str, **env: str) -> str:
