@@ -164,7 +164,10 @@ class HFBatchServer:
             messages = body["messages"]
             if not isinstance(messages, list) or not messages:
                 raise ValueError("'messages' must be a non-empty list")
-            max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
+            mt = body.get("max_completion_tokens", body.get("max_tokens"))
+            if mt is not None and (isinstance(mt, bool) or not isinstance(mt, int)):
+                raise TypeError("'max_tokens' must be an integer")
+            max_tokens = 16 if mt is None else mt
             if max_tokens < 1:
                 raise ValueError("'max_tokens' must be >= 1")
             ids = self.prompt_ids(messages)
