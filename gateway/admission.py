@@ -5,7 +5,10 @@ that is the time it waits for a prefill slot. Two bounds hold the queue (vLLM an
 this backpressure): the number of queued requests and the sum of their prompt tokens.
 Beyond either, the request is refused at once with 429 and a ``Retry-After`` derived from
 the current drain rate (requests leaving the queue per second, an exponentially weighted
-moving average), instead of letting latency grow without bound.
+moving average), instead of letting latency grow without bound. Requests are counted as
+engine requests: an HTTP request of ``n`` choices over ``p`` prompts takes ``n * p`` places
+(one body must not slip thousands of engine requests past the bound); one that could never
+fit the bounds at all is bad input (400), not an overload to retry.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import math
 import time
 from dataclasses import dataclass
 
-from prefixgate.gateway.errors import too_many
+from prefixgate.gateway.errors import bad_request, too_many
 
 
 @dataclass(slots=True)
@@ -43,11 +46,12 @@ class AdmissionConfig:
 class Ticket:
     """One admitted request's place in the queue; ``started()`` then ``done()`` (idempotent)."""
 
-    __slots__ = ("_ctl", "tokens", "_queued", "_done")
+    __slots__ = ("_ctl", "tokens", "requests", "_queued", "_done")
 
-    def __init__(self, ctl: AdmissionController, tokens: int) -> None:
+    def __init__(self, ctl: AdmissionController, tokens: int, requests: int = 1) -> None:
         self._ctl = ctl
         self.tokens = tokens
+        self.requests = requests
         self._queued = True
         self._done = False
 
@@ -55,7 +59,7 @@ class Ticket:
         """The request left the queue (its first token came out)."""
         if self._queued:
             self._queued = False
-            self._ctl._leave_queue(self.tokens)
+            self._ctl._leave_queue(self.tokens, self.requests)
 
     def done(self) -> None:
         """The request finished, failed or was aborted: release its place."""
@@ -63,7 +67,7 @@ class Ticket:
             return
         self.started()
         self._done = True
-        self._ctl.in_flight -= 1
+        self._ctl.in_flight -= self.requests
 
 
 class AdmissionController:
@@ -83,24 +87,33 @@ class AdmissionController:
         self._rate = 0.0  # departures per second (EWMA)
         self._last = time.monotonic()
 
-    def admit(self, prompt_tokens: int) -> Ticket:
-        """Take a place in the queue for a request of ``prompt_tokens`` prompt tokens.
+    def admit(self, prompt_tokens: int, requests: int = 1, param: str | None = None) -> Ticket:
+        """Take ``requests`` places in the queue (the engine requests of one HTTP request:
+        its choices) for ``prompt_tokens`` prompt tokens in all; ``param`` names the field
+        that asked for them (in the 400).
 
         Raises:
-            APIError: 429 ``server_overloaded`` with ``Retry-After`` when the queue is full.
+            APIError: 429 ``server_overloaded`` with ``Retry-After`` when the queue is full;
+                400 ``too_many_requests_in_body`` when ``requests`` alone exceeds a bound.
         """
         cfg = self.config
-        if self.queued_requests >= cfg.max_queued_requests:
+        limit = min(cfg.max_queued_requests, cfg.max_running or cfg.max_queued_requests)
+        if requests > limit:
+            raise bad_request(
+                f"this request asks for {requests} completions (prompts x n); the server "
+                f"admits at most {limit} at once: send fewer prompts or a smaller n",
+                param=param, code="too_many_requests_in_body")
+        if self.queued_requests + requests > cfg.max_queued_requests:
             self._refuse(f"{self.queued_requests} requests already waiting")
         # A single prompt larger than the token bound still passes when the queue is empty.
         if self.queued_requests and self.queued_tokens + prompt_tokens > cfg.max_queued_tokens:
             self._refuse(f"{self.queued_tokens} prompt tokens already waiting")
-        if cfg.max_running and self.in_flight >= cfg.max_running:
+        if cfg.max_running and self.in_flight + requests > cfg.max_running:
             self._refuse(f"{self.in_flight} requests in flight")
-        self.queued_requests += 1
+        self.queued_requests += requests
         self.queued_tokens += prompt_tokens
-        self.in_flight += 1
-        return Ticket(self, prompt_tokens)
+        self.in_flight += requests
+        return Ticket(self, prompt_tokens, requests)
 
     def retry_after(self) -> float:
         """Seconds until the current queue has drained at the current drain rate."""
@@ -120,12 +133,12 @@ class AdmissionController:
             f"server overloaded: {why}; retry later", self.retry_after(), code="server_overloaded"
         )
 
-    def _leave_queue(self, tokens: int) -> None:
-        self.queued_requests -= 1
+    def _leave_queue(self, tokens: int, requests: int = 1) -> None:
+        self.queued_requests -= requests
         self.queued_tokens -= tokens
         now = time.monotonic()
         self._decay(now)
-        self._rate += 1.0 / self._tau  # one event's impulse on the EWMA of a rate
+        self._rate += requests / self._tau  # each departure's impulse on the EWMA of a rate
 
     def _decay(self, now: float) -> None:
         dt = now - self._last

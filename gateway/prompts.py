@@ -94,12 +94,13 @@ def check_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: 
 
 
 def choice_seeds(seed: int | None, n: int) -> list[int | None]:
-    """Seeds of the ``n`` choices: ``seed + i``; a random base when ``n > 1`` and no seed is
-    given (so sampled choices differ); ``[seed]`` when ``n == 1``."""
+    """Seeds of the ``n`` choices: ``seed + i``, wrapped into int64 (the schema's range, so
+    ``2**63 - 1`` plus ``i`` is still a valid seed); a random base when ``n > 1`` and no seed
+    is given (so sampled choices differ); ``[seed]`` when ``n == 1``."""
     if n == 1:
         return [seed]
     base = seed if seed is not None else random.getrandbits(31)
-    return [base + i for i in range(n)]
+    return [(base + i + 2**63) % 2**64 - 2**63 for i in range(n)]
 
 
 def sampling_params(req: Any, max_tokens: int, seed: int | None) -> SamplingParams:

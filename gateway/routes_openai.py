@@ -140,6 +140,7 @@ class _Exchange:
         self.cached = {}  # prompt index -> cached tokens (from its first choice)
         prompts = {c.prompt_index: len(c.prompt_token_ids) for c in choices}
         self.prompt_tokens = sum(prompts.values())
+        self.num_prompts = len(prompts)
         self.t0 = time.monotonic()
         self.t_first: float | None = None
         self.t_first_choice = [0.0] * n
@@ -149,7 +150,8 @@ class _Exchange:
         st = self.st
         self.principal.acquire(self.prompt_tokens)
         try:
-            self.ticket = st.admission.admit(self.prompt_tokens)
+            self.ticket = st.admission.admit(self.prompt_tokens, len(self.choices),
+                                             param="n" if self.num_prompts == 1 else "prompt")
         except APIError:
             self.principal.release(0)
             raise

@@ -14,9 +14,11 @@ from typing import Annotated, Literal, TypeVar
 from prefixgate.gateway.errors import bad_request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-_CONFIG = ConfigDict(strict=True, extra="ignore")
+# NaN / Infinity (which JSON parsers accept as literals) are never valid values.
+_CONFIG = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 MAX_N = 16  # choices per request (each is one engine request)
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as vLLM and torch generators take
 
 
 class TextPart(BaseModel):
@@ -68,7 +70,7 @@ class _SamplingFields(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     stream: bool = False
@@ -160,7 +162,7 @@ def parse(model: type[M], body: bytes) -> M:
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:
-        err = exc.errors(include_url=False)[0]
+        err = _relevant_error(exc.errors(include_url=False))
         if err["type"] == "json_invalid":
             raise bad_request(f"malformed JSON body: {err['msg']}", code="invalid_json") from None
         if err["type"] == "model_type" and not err["loc"]:
@@ -172,6 +174,23 @@ def parse(model: type[M], body: bytes) -> M:
         if err["type"] == "missing":
             msg = "field required"
         raise bad_request(f"{param}: {msg}" if param else msg, param=param) from None
+
+
+def _relevant_error(errors: list[dict]) -> dict:
+    """The error to report: the first field's, and for a union field (``stop``, ``prompt``,
+    ``content``) the error of the member that accepts the kind of value sent (a list of 100
+    stop strings is "too long", not "not a string"), the deepest one, else the first."""
+    first = errors[0]
+    loc = first["loc"]
+    cut = next((i for i, p in enumerate(loc) if _is_type_tag(p)), len(loc))
+    field = loc[:cut]
+    same = [e for e in errors if e["loc"][:cut] == field]
+    # "<member>: Input should be a valid <type>": that member does not take this value at all.
+    fitting = [e for e in same
+               if not (e["type"].endswith("_type") and e["loc"] and _is_type_tag(e["loc"][-1]))]
+    if not fitting or cut == len(loc):
+        return first
+    return max(fitting, key=lambda e: len(e["loc"]))  # max keeps the first of equal depth
 
 
 def _is_type_tag(part: object) -> bool:

@@ -18,7 +18,7 @@ from typing import Any, Generic, Self, TypeVar
 import anyio
 import httpx
 
-from .errors import APIConnectionError, APIError, APITimeoutError
+from .errors import APIConnectionError, APIError, APIResponseValidationError, APITimeoutError
 
 __all__ = ["ServerSentEvent", "SSEDecoder", "AsyncStream"]
 
@@ -124,7 +124,8 @@ class AsyncStream(Generic[T]):
     closes the HTTP response (the connection is not reused mid-body) and frees the client's
     concurrency slot. A stream is never retried once created: a failure mid-stream raises
     ``APIConnectionError`` (``APITimeoutError`` when no chunk arrives within
-    ``idle_timeout`` seconds); an ``{"error": ...}`` event raises ``APIError``.
+    ``idle_timeout`` seconds); an ``{"error": ...}`` event raises ``APIError``; a chunk that
+    is JSON but not an object of the chunk's shape raises ``APIResponseValidationError``.
     """
 
     def __init__(
@@ -227,7 +228,13 @@ class AsyncStream(Generic[T]):
                     err = data.get("error") if isinstance(data, dict) else None
                     msg = err.get("message") if isinstance(err, dict) else str(err or data)
                     raise APIError(f"Stream error: {msg}", self.response.request, body=data)
-                yield self._cast(data)
+                try:
+                    item = self._cast(data)
+                except (TypeError, ValueError) as exc:  # a chunk that is not the promised shape
+                    raise APIResponseValidationError(
+                        f"Unexpected stream chunk shape: {exc}", self.response, body=data
+                    ) from exc
+                yield item
         finally:
             with anyio.CancelScope(shield=True):
                 await events.aclose()

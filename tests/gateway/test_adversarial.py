@@ -1,0 +1,137 @@
+"""Adversarial input found by QA: each case gets the documented OpenAI error (or is served),
+the server keeps serving, and nothing leaks (fake engine, fast)."""
+
+from __future__ import annotations
+
+from prefixgate.gateway.admission import AdmissionConfig, AdmissionController
+from prefixgate.gateway.errors import APIError
+from prefixgate.gateway.prompts import choice_seeds
+from prefixgate.gateway.state import GatewaySettings
+
+
+def _error(r, status: int, code: str | None = None, param: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert "Traceback" not in err["message"]
+    if code is not None:
+        assert err["code"] == code, err
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+def _raw(body: str) -> dict:
+    """Send JSON text as is (NaN / Infinity literals that json.dumps would also write)."""
+    return {"content": body.encode(), "headers": {"content-type": "application/json"}}
+
+
+def test_non_finite_numbers_are_refused(serve_fake, gw):
+    # Infinity passed `repetition_penalty > 0` and reached the sampler; NaN / Infinity are
+    # never valid sampling values (nor a prefix TTL).
+    srv, engine = serve_fake()
+    base = '{"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2'
+    with gw.client(srv) as http:
+        for field in ("repetition_penalty", "temperature", "top_p", "min_p",
+                      "presence_penalty", "frequency_penalty"):
+            for literal in ("Infinity", "-Infinity", "NaN"):
+                r = http.post("/v1/chat/completions", **_raw(f'{base}, "{field}": {literal}}}'))
+                _error(r, 400, param=field)
+        r = http.post("/v1/prefixes", **_raw(
+            '{"model": "fake", "messages": [{"role": "system", "content": "x"}], '
+            '"ttl_seconds": Infinity}'))
+        _error(r, 400, param="ttl_seconds")
+        assert http.post("/v1/chat/completions", json=gw.chat_body(max_tokens=2)).status_code == 200
+    assert engine.requests_seen and len(engine.requests_seen) == 1
+    assert gw.wait_idle(srv, engine)["kv_blocks_used"] == 0
+
+
+def test_seed_out_of_range_names_the_field(serve_fake, gw):
+    # 2**64 reached torch's Generator.manual_seed: "Overflow when unpacking long long", param null.
+    srv, engine = serve_fake()
+    with gw.client(srv) as http:
+        for seed in (2**64, 10**30, -(2**63) - 1):
+            err = _error(http.post("/v1/chat/completions", json=gw.chat_body(seed=seed)), 400,
+                         param="seed")
+            assert "long long" not in err["message"]
+            _error(http.post("/v1/completions", json={"model": "fake", "prompt": "hi",
+                                                      "seed": seed}), 400, param="seed")
+        # the int64 edges are served, also with n > 1 (seed + i must stay a valid seed)
+        for seed in (2**63 - 1, -(2**63)):
+            r = http.post("/v1/chat/completions", json=gw.chat_body(seed=seed, n=3, max_tokens=2))
+            assert r.status_code == 200, r.text
+    assert gw.wait_idle(srv, engine)["kv_blocks_used"] == 0
+
+
+def test_choice_seeds_stay_int64():
+    lo, hi = -(2**63), 2**63 - 1
+    for seed in (hi, hi - 1, lo, 0, 7):
+        seeds = choice_seeds(seed, 16)
+        assert all(lo <= s <= hi for s in seeds), seeds
+        assert len(set(seeds)) == 16 and seeds[0] == seed
+    assert choice_seeds(5, 3) == [5, 6, 7]  # ordinary seeds unchanged
+
+
+def test_union_errors_name_the_real_fault(serve_fake, gw):
+    # `stop` with 100 strings said "Input should be a valid string"; an image part said the
+    # content "should be a valid string": the message must describe the branch that was sent.
+    srv, engine = serve_fake()
+    with gw.client(srv) as http:
+        err = _error(http.post("/v1/chat/completions",
+                               json=gw.chat_body(stop=[f"s{i}" for i in range(100)])), 400,
+                     param="stop")
+        assert "at most 4" in err["message"], err
+        body = {"model": "fake", "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}
+        err = _error(http.post("/v1/chat/completions", json=body), 400)
+        assert err["param"] == "messages.0.content.0.type", err
+        assert "valid string" not in err["message"], err
+        assert http.post("/v1/chat/completions", json=gw.chat_body(max_tokens=2)).status_code == 200
+    assert gw.wait_idle(srv, engine)["kv_blocks_used"] == 0
+
+
+def test_batch_cannot_bypass_the_admission_queue(serve_fake, gw):
+    # One completions request with 3000 prompts x n=16 became 48,000 engine requests past a
+    # queue bounded at 256 requests (a normal request then waited 53 s behind it).
+    settings = GatewaySettings(model_name="fake", max_queued_requests=8)
+    srv, engine = serve_fake(settings)
+    with gw.client(srv) as http:
+        body = {"model": "fake", "prompt": ["hi"] * 3, "n": 3, "max_tokens": 2}  # 9 > 8
+        err = _error(http.post("/v1/completions", json=body), 400)
+        assert "8" in err["message"], err
+        _error(http.post("/v1/chat/completions", json=gw.chat_body(n=9)), 400, param="n")
+        assert not engine.requests_seen
+        r = http.post("/v1/completions", json=dict(body, prompt=["hi"] * 2, n=4))  # 8 fits
+        assert r.status_code == 200 and len(r.json()["choices"]) == 8, r.text
+    assert gw.wait_idle(srv, engine)["kv_blocks_used"] == 0
+    assert len(engine.requests_seen) == 8
+
+
+def test_admission_counts_engine_requests():
+    ctl = AdmissionController(AdmissionConfig(max_queued_requests=10, max_running=12))
+    a = ctl.admit(5, requests=6)
+    assert (ctl.queued_requests, ctl.in_flight) == (6, 6)
+    try:
+        ctl.admit(5, requests=5)  # 6 + 5 > 10 queued
+        raise AssertionError("admitted over the queue bound")
+    except APIError as exc:
+        assert exc.status == 429 and exc.code == "server_overloaded"
+    a.started()
+    b = ctl.admit(5, requests=5)
+    assert (ctl.queued_requests, ctl.in_flight) == (5, 11)
+    try:
+        ctl.admit(1, requests=2)  # 11 + 2 > 12 running
+        raise AssertionError("admitted over max_running")
+    except APIError as exc:
+        assert exc.status == 429
+    for t in (a, b):
+        t.done()
+        t.done()
+    assert (ctl.queued_requests, ctl.queued_tokens, ctl.in_flight) == (0, 0, 0)
+    try:
+        ctl.admit(1, requests=11)  # more than the queue can ever hold: not a 429 to retry
+        raise AssertionError("admitted a request larger than the queue")
+    except APIError as exc:
+        assert exc.status == 400
+    assert (ctl.queued_requests, ctl.in_flight) == (0, 0)
