@@ -73,7 +73,9 @@ class Ticket:
 class AdmissionController:
     """Counts queued requests and tokens; ``admit`` refuses with 429 over the bounds.
 
-    Drain rate: EWMA (time constant ``tau_s`` seconds) of queue departures per second.
+    Drain rate: EWMA (time constant ``tau_s`` seconds) of queue departures per second while
+    the queue holds requests (an empty queue has nothing to drain: idle time does not count
+    as slow draining, or the first burst after a quiet minute would be told to wait 60 s).
     ``Retry-After`` = queued requests / drain rate, in [1, 60] seconds (1 s when no rate is
     known yet).
     """
@@ -110,6 +112,8 @@ class AdmissionController:
             self._refuse(f"{self.queued_tokens} prompt tokens already waiting")
         if cfg.max_running and self.in_flight + requests > cfg.max_running:
             self._refuse(f"{self.in_flight} requests in flight")
+        if not self.queued_requests:
+            self._last = time.monotonic()  # a busy period starts: the idle time is skipped
         self.queued_requests += requests
         self.queued_tokens += prompt_tokens
         self.in_flight += requests
@@ -134,14 +138,14 @@ class AdmissionController:
         )
 
     def _leave_queue(self, tokens: int, requests: int = 1) -> None:
+        self._decay(time.monotonic())  # over the busy interval that ends here
         self.queued_requests -= requests
         self.queued_tokens -= tokens
-        now = time.monotonic()
-        self._decay(now)
         self._rate += requests / self._tau  # each departure's impulse on the EWMA of a rate
 
     def _decay(self, now: float) -> None:
         dt = now - self._last
         if dt > 0:
-            self._rate *= math.exp(-dt / self._tau)
+            if self.queued_requests:  # the queue is unchanged since ``_last``
+                self._rate *= math.exp(-dt / self._tau)
             self._last = now

@@ -139,6 +139,12 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         if exc.status < 400:
             raise
         return from_http_exception(exc).response()
+    except web.RequestPayloadError as exc:
+        # The body itself is unreadable (bad Content-Encoding data, broken chunked framing).
+        resp = APIError(400, f"the request body cannot be read: {_payload_reason(exc)}",
+                        code="invalid_body").response()
+        resp.force_close()  # the connection's framing is lost: tell the client not to reuse it
+        return resp
     except ConnectionResetError as exc:
         # The client went away: nothing can be sent anymore.
         logger.debug("client connection ended on %s: %r", request.path, exc)
@@ -146,3 +152,10 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except Exception:  # noqa: BLE001 - logged in full, answered without details
         logger.exception("internal error on %s %s", request.method, request.path)
         return APIError(500, "internal server error", code="internal_error").response()
+
+
+def _payload_reason(exc: Exception) -> str:
+    """aiohttp's payload error text without its "400, message:" prefix, on one line."""
+    cause = exc.__cause__ if isinstance(exc.__cause__, Exception) else exc
+    text = " ".join(str(getattr(cause, "message", None) or cause).split())
+    return text.removeprefix("400, message: ") or "malformed body"

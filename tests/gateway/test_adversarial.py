@@ -135,3 +135,46 @@ def test_admission_counts_engine_requests():
     except APIError as exc:
         assert exc.status == 400
     assert (ctl.queued_requests, ctl.in_flight) == (0, 0)
+
+
+def test_undecodable_body_is_400_not_500(serve_fake, gw):
+    # `Content-Encoding: gzip` over bytes that are not gzip: aiohttp's RequestPayloadError
+    # reached the catch-all and was answered 500 "internal server error" (traceback logged).
+    srv, engine = serve_fake()
+    with gw.client(srv) as http:
+        for encoding in ("gzip", "deflate"):
+            r = http.post("/v1/chat/completions", content=b"0123456789",
+                          headers={"content-type": "application/json",
+                                   "content-encoding": encoding})
+            err = _error(r, 400, code="invalid_body")
+            assert encoding in err["message"], err
+        r = http.post("/v1/prefixes", content=b"not gzip at all",
+                      headers={"content-encoding": "gzip"})
+        _error(r, 400, code="invalid_body")
+        assert http.post("/v1/chat/completions", json=gw.chat_body(max_tokens=2)).status_code == 200
+    assert len(engine.requests_seen) == 1
+    assert gw.wait_idle(srv, engine)["kv_blocks_used"] == 0
+
+
+def test_retry_after_not_inflated_by_idle_time(monkeypatch):
+    # The drain-rate EWMA decayed through idle periods (no queue, so no departures): after a
+    # minute idle, the first overload told every client to wait 60 s although the queue then
+    # drained in ~3 s (500 concurrent requests on aidreams-260k).
+    now = [1000.0]
+    monkeypatch.setattr("prefixgate.gateway.admission.time.monotonic", lambda: now[0])
+    ctl = AdmissionController(AdmissionConfig(max_queued_requests=10))
+    for _ in range(10):  # a busy second: 10 requests leave the queue
+        ctl.admit(1).done()
+        now[0] += 0.1
+    busy = ctl.retry_after()
+    now[0] += 120.0  # idle for two minutes
+    tickets = [ctl.admit(1) for _ in range(10)]
+    try:
+        ctl.admit(1)
+        raise AssertionError("admitted over the queue bound")
+    except APIError as exc:
+        assert exc.status == 429
+        assert exc.retry_after <= 10.0, exc.retry_after  # ~10 queued at ~2/s, not 60
+    assert busy >= 1.0
+    for t in tickets:
+        t.done()
