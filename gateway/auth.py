@@ -48,6 +48,13 @@ class KeySpec:
     def __post_init__(self) -> None:
         if not isinstance(self.key, str) or not self.key:
             raise ValueError("every API key must be a non-empty string")
+        if self.key != self.key.strip():
+            raise ValueError("an API key must not start or end with whitespace (clients' "
+                             "keys are read stripped, so it could never match)")
+        if not isinstance(self.name, str):
+            raise ValueError(f"name of a key must be a string, got {type(self.name).__name__}")
+        if self.salt is not None and (not isinstance(self.salt, str) or not self.salt):
+            raise ValueError(f"salt of key {self.name or '?'} must be a non-empty string")
         for field in ("requests_per_minute", "tokens_per_minute", "max_concurrent"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -175,7 +182,12 @@ class KeyRing:
     def __init__(self, specs: list[KeySpec] | None = None) -> None:
         self._by_digest: dict[str, Principal] = {}
         for spec in specs or []:
-            self._by_digest[_digest(spec.key)] = Principal(spec)
+            digest = _digest(spec.key)
+            seen = self._by_digest.get(digest)
+            if seen is not None and seen.spec != spec:
+                raise ValueError(f"duplicate API key in the configured keys ({seen.spec.name!r} "
+                                 f"and {spec.name!r}) with different limits or salt")
+            self._by_digest[digest] = Principal(spec)
         self._anonymous = Principal(None)
 
     @classmethod
@@ -183,7 +195,8 @@ class KeyRing:
         """Keys from ``--api-key`` values and a keys file.
 
         Raises:
-            ValueError: on an unreadable or malformed keys file (naming the file).
+            ValueError: on an unreadable or malformed keys file (naming the file), or a
+                key configured twice with different settings.
         """
         specs = [KeySpec(key=k) for k in api_keys or []]
         if keys_file:
