@@ -4,7 +4,8 @@ The body is forwarded as received (bytes), answers come back as they are: a JSON
 piece, an SSE stream chunk by chunk as the upstream writes it (no re-framing, no buffering).
 A request whose upstream fails before answering (connection refused or reset, timeout,
 502/503/504) is retried once on each other healthy upstream; once a stream has started it
-cannot be, and is cut. A client that disconnects closes the upstream connection (the
+cannot be, and is cut. An upstream error whose body is not an OpenAI error object (an HTML
+page, a traceback, nothing) is answered with the same status and a generic OpenAI error. A client that disconnects closes the upstream connection (the
 upstream then aborts its request).
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import zlib
 from typing import Any
 
 import aiohttp
@@ -101,6 +103,8 @@ async def _forward(request: web.Request, st: GatewayState, body: bytes | None,
                 if ctype.startswith("text/event-stream"):
                     return await _pipe(request, resp)
                 data = await resp.read()
+                if resp.status >= 400 and not _is_openai_error(data, resp.headers):
+                    raise _wrapped_error(resp)
                 out_headers = {"Content-Type": ctype}
                 for name in _PASSED_HEADERS:  # a 429's advice; an encoding we did not undo
                     value = resp.headers.get(name)
@@ -115,6 +119,30 @@ async def _forward(request: web.Request, st: GatewayState, body: bytes | None,
         finally:
             up.in_flight -= 1
             st.metrics.upstream_requests.labels(up.url, status).inc()
+
+
+def _is_openai_error(data: bytes, headers: Any) -> bool:
+    """True when an upstream's error body is an OpenAI error object (gzip/deflate undone to
+    look, the bytes themselves passed on as they came)."""
+    if headers.get("Content-Encoding", "identity").lower() in ("gzip", "deflate"):
+        try:
+            data = zlib.decompress(data, wbits=47)  # 32 + 15: gzip or zlib header
+        except zlib.error:
+            return False
+    try:
+        parsed = json.loads(data)
+    except ValueError:
+        return False
+    return isinstance(parsed, dict) and isinstance(parsed.get("error"), dict)
+
+
+def _wrapped_error(resp: aiohttp.ClientResponse) -> APIError:
+    """An upstream error whose body is not an OpenAI error object (an HTML page, a traceback,
+    nothing): the same status, a generic OpenAI error, the upstream's body never shown."""
+    retry = resp.headers.get("Retry-After", "")
+    return APIError(resp.status, f"the upstream answered HTTP {resp.status} without an "
+                    "OpenAI error object", code="upstream_error",
+                    retry_after=float(retry) if retry.isdigit() else None)
 
 
 async def _pipe(request: web.Request, resp: aiohttp.ClientResponse) -> web.StreamResponse:
