@@ -69,6 +69,10 @@ def _map_httpx_errors(request: httpx.Request | None):
     """Translate httpx transport failures into the SDK's connection/timeout errors."""
     try:
         yield
+    except (httpx.UnsupportedProtocol, httpx.LocalProtocolError) as exc:
+        # Our own request cannot be sent (a header value with CR/LF, a bad URL): a caller's
+        # mistake that no retry fixes, not a connection failure.
+        raise ValueError(f"invalid request: {exc}") from exc
     except httpx.TimeoutException as exc:
         raise APITimeoutError(f"Request timed out: {exc!r}", request) from exc
     except httpx.TransportError as exc:
@@ -98,7 +102,9 @@ class AsyncClient:
         http_client: your own ``httpx.AsyncClient`` (then you size its pool).
 
     Raises:
-        ValueError: bad limits.
+        ValueError: bad limits, a ``base_url`` that is not an http(s) URL, an ``api_key`` with
+            control characters, a negative timeout.
+        TypeError: an option of the wrong type.
     """
 
     def __init__(
@@ -119,8 +125,11 @@ class AsyncClient:
         from .resources import AsyncChat, AsyncCompletions, AsyncModels, AsyncPrefixes
 
         base_url = base_url or os.environ.get("PREFIXGATE_BASE_URL") or DEFAULT_BASE_URL
-        self.base_url = httpx.URL(base_url.rstrip("/") + "/")
+        self.base_url = _checked_base_url(base_url)
         self.api_key = api_key if api_key is not None else os.environ.get("PREFIXGATE_API_KEY")
+        _check_header_value("api_key", self.api_key)
+        _check_seconds("timeout", timeout, httpx.Timeout)
+        _check_seconds("stream_idle_timeout", stream_idle_timeout)
         self.timeout = timeout if isinstance(timeout, httpx.Timeout) else httpx.Timeout(timeout)
         policy = retry_policy or RetryPolicy()
         if max_retries is not None:
@@ -280,6 +289,41 @@ class AsyncClient:
             return self.stream_idle_timeout
         timeout = opts.timeout if opts.timeout is not None else self.timeout
         return timeout.read if isinstance(timeout, httpx.Timeout) else timeout
+
+
+def _checked_base_url(base_url: str) -> httpx.URL:
+    """``base_url`` with one trailing slash; ValueError unless an http(s) URL with a host."""
+    if not isinstance(base_url, str):
+        raise TypeError(f"base_url must be a str, got {type(base_url).__name__}")
+    try:
+        url = httpx.URL(base_url.rstrip("/") + "/")
+    except httpx.InvalidURL as exc:
+        raise ValueError(f"base_url {base_url!r} is not a URL: {exc}") from None
+    if url.scheme not in ("http", "https") or not url.host:
+        raise ValueError(f"base_url must be an http:// or https:// URL with a host, got "
+                         f"{base_url!r}")
+    return url
+
+
+def _check_header_value(name: str, value: Any) -> None:
+    """TypeError unless ``value`` is None or a str; ValueError on control characters (a CR/LF
+    would end the header: httpx refuses it at send time, after the call has started)."""
+    if value is None:
+        return
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, got {type(value).__name__}")
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+        raise ValueError(f"{name} must not hold control characters (CR, LF, NUL, ...)")
+
+
+def _check_seconds(name: str, value: Any, *also: type) -> None:
+    """A duration option: None, or a number >= 0 (or an instance of ``also``)."""
+    if value is None or (also and isinstance(value, also)):
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be seconds (a number), got {value!r}")
+    if not value >= 0:  # also NaN
+        raise ValueError(f"{name} must be >= 0 seconds, got {value!r}")
 
 
 def _decode(response: httpx.Response) -> Any:

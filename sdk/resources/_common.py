@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 
 from .._client import RequestOptions
 
-__all__ = ["split_options", "only_options", "clean_body", "require_str"]
+__all__ = ["split_options", "only_options", "clean_body", "require_str", "path_part"]
 
 _OPTION_NAMES = frozenset(RequestOptions.__slots__)
 
@@ -32,6 +33,14 @@ def require_str(name: str, value: Any) -> None:
     """Raise ``TypeError`` unless ``value`` is a non-empty str."""
     if not isinstance(value, str) or not value:
         raise TypeError(f"{name} must be a non-empty str, got {value!r}")
+
+
+def path_part(value: str, keep_slashes: bool = False) -> str:
+    """``value`` as URL path text that cannot leave its place: percent-encoded (``?``, ``#``,
+    ``%`` and, unless ``keep_slashes``, ``/``), "." and ".." segments encoded so the URL
+    join cannot climb out of the resource (``prefixes/../models``)."""
+    parts = quote(value, safe="/" if keep_slashes else "").split("/")
+    return "/".join(p.replace(".", "%2E") if p in (".", "..") else p for p in parts)
 
 
 def only_options(options: Mapping[str, Any]) -> RequestOptions:

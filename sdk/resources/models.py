@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..types import ModelInfo, ModelList
-from ._common import only_options, require_str
+from ._common import only_options, path_part, require_str
 
 if TYPE_CHECKING:
     from .._client import AsyncClient
@@ -31,5 +31,5 @@ class AsyncModels:
         require_str("model", model)
         opts = only_options(options)
         return await self._client.request(
-            "GET", f"models/{model}", cast=ModelInfo.from_dict, options=opts
+            "GET", f"models/{path_part(model, keep_slashes=True)}", cast=ModelInfo.from_dict, options=opts
         )

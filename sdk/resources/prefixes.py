@@ -21,7 +21,7 @@ from ..batch import run_batch
 from ..errors import APIStatusError, NotFoundError, RateLimitError
 from ..streaming import AsyncStream
 from ..types import ChatCompletion, ChatCompletionChunk, Prefix, PrefixDeleted
-from ._common import clean_body, only_options, require_str, split_options
+from ._common import clean_body, only_options, path_part, require_str, split_options
 from .chat import validate_messages
 
 if TYPE_CHECKING:
@@ -71,7 +71,7 @@ class AsyncPrefixes:
         """The live prefix ``prefix_id``. Raises ``NotFoundError`` when unknown or expired."""
         require_str("prefix_id", prefix_id)
         return await self._client.request(
-            "GET", f"prefixes/{prefix_id}", cast=Prefix.from_dict, options=only_options(options)
+            "GET", f"prefixes/{path_part(prefix_id)}", cast=Prefix.from_dict, options=only_options(options)
         )
 
     async def delete(self, prefix_id: str, **options: Any) -> PrefixDeleted:
@@ -79,7 +79,7 @@ class AsyncPrefixes:
         require_str("prefix_id", prefix_id)
         return await self._client.request(
             "DELETE",
-            f"prefixes/{prefix_id}",
+            f"prefixes/{path_part(prefix_id)}",
             cast=PrefixDeleted.from_dict,
             options=only_options(options),
         )

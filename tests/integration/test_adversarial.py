@@ -203,3 +203,69 @@ def test_sdk_dead_port_is_a_connection_error():
                                                 messages=[{"role": "user", "content": "x"}])
 
     asyncio.run(main())
+
+
+def test_sdk_ids_cannot_leave_their_path():
+    # prefixes.get("../models") sent GET /v1/models (and parsed the model list as a Prefix);
+    # "a?x=1" became a query string. Ids are one percent-encoded path segment.
+    seen: list[bytes] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.url.raw_path)
+        return httpx.Response(404, json={"error": {"message": "no", "type": "not_found_error",
+                                                   "param": None, "code": "prefix_not_found"}})
+
+    async def main():
+        http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        async with AsyncClient("http://gw/v1", max_retries=0, http_client=http) as client:
+            for pid in ("../models", "..", ".", "a/b", "a?x=1", "a#b", "ok-1"):
+                for call in (client.prefixes.get, client.prefixes.delete):
+                    with pytest.raises(Exception, match="404"):
+                        await call(pid)
+            for model in ("../prefixes/x", "org/name"):
+                with pytest.raises(Exception, match="404"):
+                    await client.models.retrieve(model)
+        await http.aclose()
+
+    asyncio.run(main())
+    prefix_paths = seen[:14]
+    assert all(p.startswith(b"/v1/prefixes/") and p.count(b"/") == 3 for p in prefix_paths), seen
+    assert b"/v1/prefixes/ok-1" in seen and b"/v1/prefixes/a%3Fx%3D1" in seen
+    assert seen[14].startswith(b"/v1/models/") and b"/../" not in seen[14], seen
+    assert seen[15] == b"/v1/models/org/name"  # model ids keep their slashes (org/name)
+
+
+def test_sdk_bad_client_options_fail_at_construction():
+    # A base_url without http(s), a key with CR/LF (header injection) or a negative timeout
+    # were accepted; each call then failed as a *connection* error and was retried.
+    for kw, exc in [({"base_url": "ftp://x/v1"}, ValueError),
+                    ({"base_url": "not a url"}, ValueError),
+                    ({"api_key": "sk\r\nX-Evil: 1"}, ValueError),
+                    ({"api_key": 5}, TypeError),
+                    ({"timeout": -1}, ValueError),
+                    ({"timeout": "x"}, TypeError),
+                    ({"stream_idle_timeout": -1}, ValueError)]:
+        with pytest.raises(exc):
+            AsyncClient(**kw)
+
+
+def test_sdk_bad_header_is_not_retried_as_a_connection_error():
+    sleeps: list[float] = []
+
+    async def no_sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+
+    from prefixgate.sdk.retry import RetryPolicy
+
+    with BackgroundServer(_garbage_app) as srv:
+        async def main():
+            async with AsyncClient(f"{srv.url}/x/v1", max_retries=3,
+                                   retry_policy=RetryPolicy(sleep=no_sleep)) as client:
+                with pytest.raises(ValueError):
+                    await client.chat.completions.create(
+                        model="m", messages=[{"role": "user", "content": "hi"}],
+                        extra_headers={"X-Bad": "a\r\nb"})
+                assert client.limiter.in_flight == 0
+
+        asyncio.run(main())
+    assert sleeps == []  # a local mistake is final
