@@ -10,7 +10,13 @@ def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with one sub-parser per command."""
     parser = argparse.ArgumentParser(prog="prefixgate", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    from prefixgate.gateway.serve_cli import add_serve_parser
+    try:
+        from prefixgate.gateway.serve_cli import add_serve_parser
+    except ImportError as exc:  # the SDK-only install: `pip install prefixgate`
+        raise SystemExit(
+            f"prefixgate: the server and benchmarks need the engine extra ({exc.name} is missing):"
+            " pip install 'prefixgate[engine]'"
+        ) from None
 
     add_serve_parser(sub)
     from prefixgate.gateway.bench.cli import add_bench_parser

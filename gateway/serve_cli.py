@@ -104,7 +104,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--model", default=None,
                    help="Hugging Face model directory (default: built-in tiny-random preset)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (0 = any free port)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
     p.add_argument("--served-model-name", default=None,
                    help="model id clients use (default: the model folder's name)")
     p.add_argument("--api-key", action="append", default=[], dest="api_keys",
@@ -193,7 +193,12 @@ async def serve(settings: GatewaySettings, config: Any, upstreams: list[str], ho
     except ValueError as exc:
         logger.error("bad option: %s", exc)
         return 2
-    server = await start_server(app, host, port)
+    try:
+        server = await start_server(app, host, port)
+    except OSError as exc:  # port in use, address not available, no permission
+        logger.error("cannot listen on %s:%d: %s (choose another --port)", host, port,
+                     exc.strerror or exc)
+        return 1
     logger.info("prefixgate listening on %s (OpenAI API at %s/v1)", server.url, server.url)
     engine = None
     code = 0
