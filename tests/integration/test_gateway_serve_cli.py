@@ -56,3 +56,20 @@ def test_serve_bad_option_exit_2(caplog):
     assert main(["serve", "--block-size", "3"]) == 2
     assert "block_size" in caplog.text
     assert main(["serve", "--upstream", "not-a-url"]) == 2
+
+
+def test_serve_port_in_use_is_a_clear_error():
+    """A taken port ends the process with exit 1 and a one-line reason, not a traceback."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "prefixgate.gateway.cli", "serve", "--port", str(port),
+             "--upstream", "http://127.0.0.1:9"],
+            capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    assert "cannot listen on" in proc.stderr and "choose another --port" in proc.stderr
+    assert "Traceback" not in proc.stderr
