@@ -254,6 +254,14 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
         help="extra options for every `prefixgate serve`, one shell-quoted string",
     )
     p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=512,
+        help="token budget per engine step of every prefixgate target (default 512, the "
+        "latency-oriented chunked-prefill budget vLLM V0 used for online serving; the engine's "
+        "own default is 2048)",
+    )
+    p.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -308,6 +316,7 @@ def run_compare(args: argparse.Namespace) -> int:
         "model": args.model or "built-in preset",
         "load": {"rate": args.rate, "concurrency": args.concurrency, "num_requests": len(requests)},
         "threads": args.threads,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
         "workload": _workload_doc(wl, args),
         "shared_prefix": share,
         "machine": machine(),

@@ -86,6 +86,8 @@ def build_targets(args: argparse.Namespace) -> list[Target]:
     model = args.model
     load_format = args.load_format or ("auto" if model and _has_weights(model) else "dummy")
     engine = [
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
         "--kv-cache-memory",
         str(args.kv_cache_memory),
         "--max-num-seqs",
