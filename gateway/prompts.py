@@ -5,10 +5,16 @@ Chat messages are rendered with the model's chat template
 transformers' ``apply_chat_template(tokenize=True)`` and vLLM's chat endpoint do: the template
 writes the BOS token itself. Completion prompts given as text are encoded with special tokens
 (BOS added), as vLLM's completions endpoint does; token-id prompts are passed as they are.
+
+Rendering and tokenizing run in a worker thread (``render_chat`` and ``completion_prompts``
+are coroutines), through ``encode_batch`` where the tokenizer has it (Hugging Face
+``tokenizers`` releases the GIL there, not in ``encode``): a multi-megabyte prompt takes
+seconds to tokenize, and the event loop must keep serving every other client meanwhile.
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
 from typing import Any
 
@@ -16,27 +22,45 @@ from prefixgate.engine.sampling_params import SamplingParams
 from prefixgate.gateway.errors import APIError, bad_request
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True
-                ) -> list[int]:
-    """Token ids of ``messages`` rendered with the chat template.
+async def render_chat(tokenizer: Any, messages: list[dict[str, str]],
+                      add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of ``messages`` rendered with the chat template (in a worker thread).
 
     Raises:
         APIError: 400 when the template refuses the conversation (e.g. roles out of order).
     """
+    return await asyncio.to_thread(_render_chat, tokenizer, messages, add_generation_prompt)
+
+
+def _render_chat(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool
+                 ) -> list[int]:
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
     except Exception as exc:  # noqa: BLE001 - jinja raises its own types for template errors
         raise bad_request(f"the chat template cannot render these messages: {exc}",
                           param="messages") from None
-    return tokenizer.encode(text, add_special_tokens=False)
+    return _encode(tokenizer, [text], add_special_tokens=False)[0]
 
 
-def completion_prompts(tokenizer: Any, prompt: str | list) -> list[list[int]]:
-    """Token ids of each prompt of a completions request (one, or a batch).
+def _encode(tokenizer: Any, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+    """``encode`` of each text; ``encode_batch`` when the tokenizer has one (GIL released)."""
+    batch = getattr(tokenizer, "encode_batch", None)
+    if batch is not None:
+        return [list(ids) for ids in batch(texts, add_special_tokens=add_special_tokens)]
+    return [tokenizer.encode(t, add_special_tokens=add_special_tokens) for t in texts]
+
+
+async def completion_prompts(tokenizer: Any, prompt: str | list) -> list[list[int]]:
+    """Token ids of each prompt of a completions request (one, or a batch; in a worker
+    thread).
 
     Raises:
         APIError: 400 on an empty prompt or a token id outside the vocabulary.
     """
+    return await asyncio.to_thread(_completion_prompts, tokenizer, prompt)
+
+
+def _completion_prompts(tokenizer: Any, prompt: str | list) -> list[list[int]]:
     if isinstance(prompt, str):
         batch: list = [prompt]
     elif prompt and all(isinstance(p, int) for p in prompt):
@@ -46,12 +70,14 @@ def completion_prompts(tokenizer: Any, prompt: str | list) -> list[list[int]]:
     if not batch:
         raise bad_request("prompt must not be empty", param="prompt")
     vocab = getattr(tokenizer, "vocab_size", None)
+    if any(item == "" for item in batch):
+        raise bad_request("prompt must not be empty", param="prompt")
+    texts = [item for item in batch if isinstance(item, str)]
+    encoded = iter(_encode(tokenizer, texts, add_special_tokens=True) if texts else [])
     out = []
     for item in batch:
         if isinstance(item, str):
-            if not item:
-                raise bad_request("prompt must not be empty", param="prompt")
-            ids = tokenizer.encode(item, add_special_tokens=True)
+            ids = next(encoded)
         else:
             ids = list(item)
             if vocab is not None and any(t < 0 or t >= vocab for t in ids):

@@ -21,7 +21,7 @@ async def create_prefix(request: web.Request) -> web.Response:
     req = parse(PrefixCreateRequest, await request.read())
     st.check_model(req.model)
     messages = [m.as_dict() for m in req.messages]
-    ids = render_chat(engine.tokenizer, messages, add_generation_prompt=False)
+    ids = await render_chat(engine.tokenizer, messages, add_generation_prompt=False)
     check_length(len(ids), None, engine.max_model_len, "messages")
     entry = await st.prefixes.create(messages, ids, req.ttl_seconds, principal.salt,
                                      effective_salt(principal.salt, req.cache_salt))

@@ -264,3 +264,45 @@ def test_upstream_errors_without_an_openai_body_are_wrapped():
                 assert err["message"] == "nope"
             else:
                 assert err["code"] == "upstream_error", err
+
+
+def test_tokenizing_a_huge_prompt_does_not_stall_other_clients(serve_fake, gw):
+    # Tokenization ran on the event loop: one 3.6 MB prompt (2.4 M tokens, refused anyway as
+    # over the context) froze every client, /health included, for ~3 s.
+    import threading
+    import time
+
+    srv, engine = serve_fake()
+    tok = engine.tokenizer
+    plain = tok.encode
+
+    def slow_encode(text, add_special_tokens=True):
+        if len(text) > 1000:
+            time.sleep(1.5)  # a long encode (the real tokenizer releases the GIL)
+        return plain(text, add_special_tokens)
+
+    tok.encode = slow_encode
+    results = {}
+
+    def big(path, body):
+        with gw.client(srv) as http:
+            results[path] = http.post(path, json=body).status_code
+
+    threads = [threading.Thread(target=big, args=("/v1/chat/completions",
+                                                  gw.chat_body("x" * 5000))),
+               threading.Thread(target=big, args=("/v1/completions",
+                                                  {"model": "fake", "prompt": "x" * 5000}))]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    with gw.client(srv) as http:
+        t0 = time.monotonic()
+        assert http.get("/health").status_code == 200
+        stalled = time.monotonic() - t0
+        r = http.post("/v1/chat/completions", json=gw.chat_body(max_tokens=2))
+        assert r.status_code == 200
+    for t in threads:
+        t.join()
+    assert stalled < 0.5, f"/health waited {stalled:.2f} s behind a tokenization"
+    assert results == {"/v1/chat/completions": 400, "/v1/completions": 400}
+    assert gw.wait_idle(srv, engine)["kv_blocks_used"] == 0
