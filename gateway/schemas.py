@@ -12,7 +12,14 @@ from __future__ import annotations
 from typing import Annotated, Literal, TypeVar
 
 from prefixgate.gateway.errors import bad_request
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 # NaN / Infinity (which JSON parsers accept as literals) are never valid values.
 _CONFIG = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
@@ -92,6 +99,14 @@ class _SamplingFields(BaseModel):
             raise ValueError("stop strings must not be empty")
         return value
 
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, value: StreamOptions | None, info: ValidationInfo
+                                    ) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed with stream=true")
+        return value
+
     @property
     def include_usage(self) -> bool:
         """True when a streamed response must end with a usage chunk."""
@@ -106,6 +121,13 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     prefix_id: str | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs requires logprobs=true")
+        return value
 
     @property
     def output_limit(self) -> int | None:

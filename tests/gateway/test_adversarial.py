@@ -306,3 +306,27 @@ def test_tokenizing_a_huge_prompt_does_not_stall_other_clients(serve_fake, gw):
     assert stalled < 0.5, f"/health waited {stalled:.2f} s behind a tokenization"
     assert results == {"/v1/chat/completions": 400, "/v1/completions": 400}
     assert gw.wait_idle(srv, engine)["kv_blocks_used"] == 0
+
+
+def test_options_without_their_switch_are_refused(serve_fake, gw):
+    # top_logprobs without logprobs=true, and stream_options without stream=true, were
+    # silently ignored (OpenAI and vLLM answer 400: the client expects logprobs / a usage chunk).
+    srv, engine = serve_fake()
+    with gw.client(srv) as http:
+        _error(http.post("/v1/chat/completions", json=gw.chat_body(top_logprobs=3)), 400,
+               param="top_logprobs")
+        _error(http.post("/v1/chat/completions",
+                         json=gw.chat_body(logprobs=False, top_logprobs=3)), 400,
+               param="top_logprobs")
+        _error(http.post("/v1/chat/completions",
+                         json=gw.chat_body(stream_options={"include_usage": True})), 400,
+               param="stream_options")
+        _error(http.post("/v1/completions", json={"model": "fake", "prompt": "x",
+                                                  "stream_options": {"include_usage": True}}),
+               400, param="stream_options")
+        for body in (gw.chat_body(logprobs=True, top_logprobs=2, max_tokens=2),
+                     gw.chat_body(stream=True, stream_options={"include_usage": True},
+                                  max_tokens=2),
+                     gw.chat_body(stream=False, stream_options=None, max_tokens=2)):
+            assert http.post("/v1/chat/completions", json=body).status_code == 200
+    assert len(engine.requests_seen) == 3
