@@ -180,7 +180,13 @@ def run_serve(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"prefixgate bench serve: {exc}", file=sys.stderr)
         return 2
-    result = asyncio.run(run_load(requests, cfg))
+    from prefixgate.sdk import APIError
+
+    try:
+        result = asyncio.run(run_load(requests, cfg))
+    except (APIError, ValueError) as exc:  # e.g. the server is down while listing its models
+        print(f"prefixgate bench serve: {args.base_url}: {exc}", file=sys.stderr)
+        return 1
     summary = result.summary()
     load = f"rate {args.rate} req/s" if args.rate else "all at once"
     if args.concurrency:

@@ -114,3 +114,19 @@ def test_bench_serve_cli_bad_input(capsys):
     assert "lo <= hi" in capsys.readouterr().err
     args = _parse(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--concurrency", "0"])
     assert args.func(args) == 2
+
+
+def test_bench_serve_cli_server_down(capsys):
+    args = _parse(
+        [
+            "bench",
+            "serve",
+            "--base-url",
+            "http://127.0.0.1:9",
+            "--num-requests",
+            "2",
+            "--no-progress",
+        ]
+    )
+    assert args.func(args) == 1
+    assert "Connection error" in capsys.readouterr().err
