@@ -60,7 +60,9 @@ def plot_compare(
     fig, axes = plt.subplots(1, len(COMPARE_PANELS), figsize=(4.2 * len(COMPARE_PANELS), 4.2))
     colors = ["#2a7ab0", "#8fb8d8", "#f0a04b", "#c44e52", "#6b6b6b"]
     for ax, (name, key, unit, scale, higher) in zip(axes, COMPARE_PANELS, strict=True):
-        values = [v * scale if (v := lookup(summaries[t], key)) is not None else None for t in labels]
+        values = [
+            v * scale if (v := lookup(summaries[t], key)) is not None else None for t in labels
+        ]
         ref = values[0]
         heights = [v or 0.0 for v in values]
         bars = ax.bar(
