@@ -13,11 +13,15 @@ boundary are sure to reappear at the head of every conversation built on the pre
 
 A prefix belongs to the cache salt of the key that created it: other tenants get 404 for it
 (as for an unknown or expired id). Expiry is kept by the gateway (wall clock, ``expires_at``
-in Unix seconds); expired entries are dropped lazily and their pins released.
+in Unix seconds); expired entries are dropped lazily and their pins released. A create whose
+caller goes away while the engine pins (client disconnect) releases the pin when it lands:
+nobody could ever learn its id. Creates in progress count against ``max_prefixes``; a 429's
+``Retry-After`` is the time until the next live prefix expires.
 """
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from dataclasses import dataclass
@@ -80,6 +84,7 @@ class PrefixRegistry:
         self.max_ttl_s = max_ttl_s
         self.max_prefixes = max_prefixes
         self._entries: dict[str, PrefixEntry] = {}
+        self._pending = 0  # creates awaiting their pin
 
     def __len__(self) -> int:
         self._expire()
@@ -105,21 +110,28 @@ class PrefixRegistry:
             raise APIError(400, f"ttl_seconds must be <= {self.max_ttl_s:g}", param="ttl_seconds")
         if len(token_ids) < 2:
             raise APIError(400, "the prefix renders to fewer than 2 tokens", param="messages")
-        if len(self._entries) >= self.max_prefixes:
+        if len(self._entries) + self._pending >= self.max_prefixes:
             raise APIError(429, f"too many live prefixes (max {self.max_prefixes}); delete some",
-                           code="prefix_limit_exceeded", retry_after=ttl_s)
+                           code="prefix_limit_exceeded", retry_after=self._next_expiry())
         pinned = token_ids[:-1]
+        job = asyncio.ensure_future(self._engine.pin_prefix(
+            pinned, ttl_s, cache_salt=salt if cache_salt is None else cache_salt))
+        self._pending += 1
         try:
-            pin = await self._engine.pin_prefix(
-                pinned, ttl_s, cache_salt=salt if cache_salt is None else cache_salt)
+            pin = await asyncio.shield(job)
+        except asyncio.CancelledError:
+            job.add_done_callback(self._release_orphan)  # the caller is gone: unpin on landing
+            raise
         except ValueError as exc:
             if _is_pin_limit(exc):
                 raise APIError(
                     429,
                     f"pinned prefix space is full: {exc}. Delete a prefix or wait for one to expire",
-                    code="prefix_limit_exceeded", retry_after=60.0,
+                    code="prefix_limit_exceeded", retry_after=self._next_expiry(),
                 ) from None
             raise APIError(400, str(exc), param="messages") from None
+        finally:
+            self._pending -= 1
         now = time.time()
         entry = PrefixEntry(
             id="pfx-" + secrets.token_hex(12),
@@ -157,6 +169,22 @@ class PrefixRegistry:
         """Unpin every prefix (shutdown)."""
         for entry in list(self._entries.values()):
             self._drop(entry)
+
+    def _next_expiry(self) -> float:
+        """Seconds until the next live prefix expires (60 when none is live here: the pinned
+        space is then held by pins this registry does not know, e.g. the engine's own)."""
+        if not self._entries:
+            return 60.0
+        return max(1.0, min(e.expires_at for e in self._entries.values()) - time.time())
+
+    def _release_orphan(self, job: asyncio.Future) -> None:
+        """Unpin a pin whose creator went away before it landed."""
+        if job.cancelled() or job.exception() is not None:
+            return
+        try:
+            self._engine.unpin_prefix(job.result().id)
+        except (KeyError, ValueError):
+            pass  # already released by the engine
 
     def _drop(self, entry: PrefixEntry) -> None:
         self._entries.pop(entry.id, None)
