@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# torch.Generator.manual_seed takes any int in [-2**63, 2**64) (negative ones wrap).
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 @dataclass(slots=True)
@@ -14,7 +18,8 @@ class SamplingParams:
         top_p: nucleus mass in (0, 1].
         top_k: keep the k most likely tokens; -1 (or 0) keeps all.
         min_p: drop tokens whose probability is below ``min_p`` times the top one, in [0, 1].
-        seed: per-request seed; the same seed gives the same output whatever else is batched.
+        seed: per-request seed in [-2**63, 2**64); the same seed gives the same output
+            whatever else is batched.
         presence_penalty, frequency_penalty: OpenAI's additive penalties over output tokens, in
             [-2, 2] (https://platform.openai.com/docs/advanced-usage, "frequency and presence
             penalties").
@@ -30,7 +35,8 @@ class SamplingParams:
         skip_special_tokens: leave special tokens out of the text.
 
     Raises:
-        ValueError / TypeError: on any out-of-range value or wrong type, naming the field.
+        ValueError / TypeError: on any out-of-range or non-finite (NaN, inf) value or wrong
+            type (bool fields included), naming the field.
     """
 
     temperature: float = 1.0
@@ -52,6 +58,12 @@ class SamplingParams:
         def num(name: str, value: object, kinds: tuple[type, ...] = (int, float)) -> None:
             if isinstance(value, bool) or not isinstance(value, kinds):
                 raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value}")
+
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
 
         num("temperature", self.temperature)
         if self.temperature < 0:
@@ -67,6 +79,8 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None:
             num("seed", self.seed, (int,))
+            if not SEED_MIN <= self.seed <= SEED_MAX:
+                raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             num(name, value)

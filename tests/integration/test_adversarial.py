@@ -1,6 +1,6 @@
 """Adversarial input found by QA against the real stack: the engine's Python API with bad
-sampling parameters (engine defects are strict xfails until engine/ is fixed), the real
-gateway on loopback serving aidreams-260k, and the SDK against a server answering garbage."""
+sampling parameters, the real gateway on loopback serving aidreams-260k, and the SDK against
+a server answering garbage."""
 
 from __future__ import annotations
 
@@ -27,37 +27,33 @@ NAN, INF = float("nan"), float("inf")
 
 # --- engine: SamplingParams ------------------------------------------------------------------
 
-@pytest.mark.xfail(reason="engine defect: SamplingParams does not type-check its bool fields; "
-                   "skip_special_tokens=None reaches tokenizers.decode inside the engine step",
-                   strict=True)
 @pytest.mark.parametrize("kw", [{"skip_special_tokens": None}, {"skip_special_tokens": "no"},
                                 {"ignore_eos": "yes"}])
 def test_sampling_params_bool_fields_type_checked(kw):
+    # skip_special_tokens=None passed and reached tokenizers.decode inside the engine step,
+    # failing every request of that step (see test_bad_params_do_not_fail_bystanders).
     with pytest.raises(TypeError, match=next(iter(kw))):
         SamplingParams(**kw)
 
 
-@pytest.mark.xfail(reason="engine defect: NaN / inf pass the range checks of SamplingParams "
-                   "(NaN < 0 is False)", strict=True)
 @pytest.mark.parametrize("kw", [{"temperature": NAN}, {"temperature": INF},
                                 {"repetition_penalty": NAN}, {"repetition_penalty": INF}])
 def test_sampling_params_refuse_non_finite(kw):
+    # NaN passed every range check (NaN < 0 is False) and inf had no upper bound.
     with pytest.raises(ValueError, match=next(iter(kw))):
         SamplingParams(**kw)
 
 
-@pytest.mark.xfail(reason="engine defect: a seed outside torch's [-2**63, 2**64) passes "
-                   "SamplingParams and fails later in add_request with torch's 'Overflow when "
-                   "unpacking long long'", strict=True)
 @pytest.mark.parametrize("seed", [2**64, -(2**63) - 1])
 def test_sampling_params_seed_range(seed):
+    # Out of torch's range, the seed failed late in add_request ("Overflow when unpacking
+    # long long"); the edges of the range are valid seeds.
     with pytest.raises(ValueError, match="seed"):
         SamplingParams(seed=seed)
+    assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1
+    assert SamplingParams(seed=-(2**63)).seed == -(2**63)
 
 
-@pytest.mark.xfail(reason="engine defect: a request with skip_special_tokens=None fails the "
-                   "whole engine step, so the well-formed requests batched with it fail too",
-                   strict=True)
 def test_bad_params_do_not_fail_bystanders(pool_whole):
     async def main():
         engine = AsyncEngine(EngineConfig(num_kv_blocks=64))
@@ -69,7 +65,8 @@ def test_bad_params_do_not_fail_bystanders(pool_whole):
 
         try:
             ref = await run("ref", good)
-            bad = SamplingParams(max_tokens=6, skip_special_tokens=None)
+            bad = SamplingParams(max_tokens=6)
+            bad.skip_special_tokens = None  # broken after construction: re-validated on submit
             res = await asyncio.gather(run("a", good), run("bad", bad), run("b", good),
                                        return_exceptions=True)
             assert isinstance(res[1], TypeError)
