@@ -178,6 +178,7 @@ def apply_top_p(scores: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     ps = torch.tensor([top_ps[i] for i in rows], device=scores.device).unsqueeze(1)
     drop_sorted = mass_before >= ps
+    drop_sorted[:, 0] = False  # the most likely token always stays (a tiny top_p may be 0.0 here)
     drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
     scores = scores.clone()
     scores[idx] = sub.masked_fill(drop, float("-inf"))

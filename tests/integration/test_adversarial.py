@@ -266,3 +266,21 @@ def test_sdk_bad_header_is_not_retried_as_a_connection_error():
 
         asyncio.run(main())
     assert sleeps == []  # a local mistake is final
+
+
+def test_tiny_top_p_keeps_the_most_likely_token():
+    # top_p=1e-50 (valid: > 0) became 0.0 in a float32 tensor, so "mass before >= top_p" was
+    # true for every token, the most likely one included: every logit -inf, garbage text
+    # ('μμμμ' on aidreams where greedy says 'pes of vectors').
+    import torch
+    from prefixgate.engine.sampler import apply_top_p
+
+    scores = torch.tensor([[1.0, 3.0, 2.0, -1.0], [0.5, 0.1, 0.2, 0.3]])
+    for p in (1e-50, 1e-300, 5e-324, 1e-9):
+        out = apply_top_p(scores, [p, 1.0])
+        assert torch.isfinite(out[0]).tolist() == [False, True, False, False], (p, out)
+        assert torch.equal(out[1], scores[1])
+    llm = LLM(num_kv_blocks=64)
+    greedy = llm.generate(["hello"], SamplingParams(max_tokens=8, temperature=0))
+    tiny = llm.generate(["hello"], SamplingParams(max_tokens=8, top_p=1e-50, seed=3))
+    assert tiny[0].outputs[0].token_ids == greedy[0].outputs[0].token_ids
