@@ -303,7 +303,7 @@ class AsyncEngine:
         fut: asyncio.Future,
     ) -> None:
         def done(job: PinJob) -> None:
-            self._resolve(loop, fut, job.result, job.error)
+            self._resolve(loop, fut, job.result, job.error, orphan=self._release_orphan_pin)
 
         try:
             self.engine.start_pin(token_ids, ttl_s, cache_salt, callback=done)
@@ -340,8 +340,17 @@ class AsyncEngine:
         fut: asyncio.Future,
         result: Any,
         error: BaseException | None,
+        orphan: Callable[[Any], None] | None = None,
     ) -> None:
-        self._outbox.append((loop, _SetFuture(fut, result, error)))
+        self._outbox.append((loop, _SetFuture(fut, result, error, orphan)))
+
+    def _release_orphan_pin(self, pin: Any) -> None:
+        """A pin whose caller was cancelled before it landed: nobody can learn its id, so it
+        is released now rather than held for its whole TTL (runs on the caller's loop)."""
+        try:
+            self.unpin_prefix(pin.id)
+        except (KeyError, ValueError):
+            pass  # already released
 
     def _flush_outbox(self) -> None:
         """Post queued callbacks: one ``call_soon_threadsafe`` per event loop, in order."""
@@ -372,14 +381,18 @@ class _Put:
 
 @dataclass(slots=True)
 class _SetFuture:
-    """Complete a caller's future with a result or an exception (once)."""
+    """Complete a caller's future with a result or an exception (once); a result nobody
+    awaits any more (the caller was cancelled) goes to ``orphan`` when given."""
 
     fut: asyncio.Future
     result: Any
     error: BaseException | None
+    orphan: Callable[[Any], None] | None = None
 
     def __call__(self) -> None:
         if self.fut.done():
+            if self.orphan is not None and self.error is None and self.result is not None:
+                self.orphan(self.result)
             return
         if self.error is not None:
             self.fut.set_exception(self.error)

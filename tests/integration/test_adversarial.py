@@ -284,3 +284,30 @@ def test_tiny_top_p_keeps_the_most_likely_token():
     greedy = llm.generate(["hello"], SamplingParams(max_tokens=8, temperature=0))
     tiny = llm.generate(["hello"], SamplingParams(max_tokens=8, top_p=1e-50, seed=3))
     assert tiny[0].outputs[0].token_ids == greedy[0].outputs[0].token_ids
+
+
+def test_cancelled_pin_prefix_leaks_no_pin(pool_whole):
+    # A caller cancelled while AsyncEngine.pin_prefix prefilled its prefix (a client gone,
+    # a timeout) left the pin in place for the whole TTL, its id known to no one.
+    async def main():
+        engine = AsyncEngine(EngineConfig(num_kv_blocks=64))
+        try:
+            for i in range(3):
+                task = asyncio.create_task(engine.pin_prefix(list(range(3 + i, 40 + i)), 3600.0))
+                await asyncio.sleep(0)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            for _ in range(100):
+                await asyncio.sleep(0.02)
+                if engine.stats()["pinned_blocks"] == 0 and engine.stats()["num_running"] == 0:
+                    break
+            assert engine.stats()["pinned_blocks"] == 0, engine.stats()
+            pool_whole(engine)
+            pin = await engine.pin_prefix(list(range(3, 40)), 60.0)  # still pins
+            assert pin.num_tokens == 32 and engine.stats()["pinned_blocks"] == 2
+            engine.unpin_prefix(pin.id)
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
