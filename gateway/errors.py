@@ -97,6 +97,13 @@ def retry_after_seconds(seconds: float) -> int:
     return max(1, math.ceil(seconds))
 
 
+def shown(value: object, limit: int = 80) -> str:
+    """``repr(value)`` for an error message, cut to ``limit`` characters (a client's input is
+    echoed so it can see what was refused, never megabytes of it)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     """A 400 ``invalid_request_error``."""
     return APIError(400, message, param=param, code=code)

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from prefixgate.gateway.errors import APIError, not_found
+from prefixgate.gateway.errors import APIError, not_found, shown
 
 
 @dataclass(slots=True)
@@ -155,7 +155,7 @@ class PrefixRegistry:
         self._expire()
         entry = self._entries.get(prefix_id)
         if entry is None or entry.salt != salt:
-            raise not_found(f"prefix {prefix_id!r} not found (unknown or expired)",
+            raise not_found(f"prefix {shown(prefix_id)} not found (unknown or expired)",
                             param="prefix_id", code="prefix_not_found")
         return entry
 

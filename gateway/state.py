@@ -8,7 +8,7 @@ from typing import Any
 from aiohttp import web
 from prefixgate.gateway.admission import AdmissionConfig, AdmissionController
 from prefixgate.gateway.auth import KeyRing
-from prefixgate.gateway.errors import APIError
+from prefixgate.gateway.errors import APIError, shown
 from prefixgate.gateway.metrics import GatewayMetrics
 
 
@@ -104,7 +104,7 @@ class GatewayState:
     def check_model(self, model: str) -> None:
         """Raises APIError 404 ``model_not_found`` unless ``model`` is the served model."""
         if model != self.model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves "
+            raise APIError(404, f"the model {shown(model)} does not exist; this server serves "
                            f"{self.model_name!r}", param="model", code="model_not_found")
 
 

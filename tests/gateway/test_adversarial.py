@@ -426,3 +426,17 @@ def test_prefix_limits_hold_under_concurrency_and_retry_after_is_the_next_expiry
                                                 messages=[{"role": "system", "content": "z" * 90}]))
         _error(r, 429, code="prefix_limit_exceeded")
         assert 1 <= int(r.headers["Retry-After"]) <= 4, r.headers
+
+
+def test_errors_do_not_echo_megabytes_of_input(serve_fake, gw):
+    # A 1 MB model name came back whole inside the 404 message.
+    srv, engine = serve_fake()
+    with gw.client(srv) as http:
+        name = "m" * 1_000_000
+        err = _error(http.post("/v1/chat/completions", json=gw.chat_body(model=name)), 404,
+                     code="model_not_found")
+        assert len(err["message"]) < 400 and "fake" in err["message"], len(err["message"])
+        err = _error(http.post("/v1/chat/completions", json=gw.chat_body(prefix_id="p" * 100_000)),
+                     404, code="prefix_not_found")
+        assert len(err["message"]) < 400
+        assert http.post("/v1/chat/completions", json=gw.chat_body(max_tokens=2)).status_code == 200
