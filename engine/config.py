@@ -53,6 +53,22 @@ class EngineConfig:
     hf_overrides: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for name, optional in (("seed", False), ("block_size", False), ("num_kv_blocks", True),
+                               ("kv_cache_memory", True), ("max_model_len", True),
+                               ("max_num_seqs", False), ("max_num_batched_tokens", False)):
+            value = getattr(self, name)
+            if (value is not None or not optional) and (
+                    isinstance(value, bool) or not isinstance(value, int)):
+                raise TypeError(f"{name} must be an int, got {value!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise TypeError(f"enable_prefix_caching must be a bool, got "
+                            f"{self.enable_prefix_caching!r}")
+        if isinstance(self.max_pinned_fraction, bool) or not isinstance(
+                self.max_pinned_fraction, int | float):
+            raise TypeError(f"max_pinned_fraction must be a number, got "
+                            f"{self.max_pinned_fraction!r}")
+        if not -(2**63) <= self.seed < 2**64:  # torch.Generator.manual_seed's range
+            raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

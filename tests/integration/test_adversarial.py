@@ -311,3 +311,22 @@ def test_cancelled_pin_prefix_leaks_no_pin(pool_whole):
             await engine.shutdown()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("kw", [{"num_kv_blocks": "8"}, {"kv_cache_memory": "lots"},
+                                {"block_size": 16.0}, {"max_num_seqs": True},
+                                {"max_model_len": "128"}, {"seed": "0"},
+                                {"enable_prefix_caching": "no"}, {"max_pinned_fraction": "0.5"}])
+def test_engine_config_types_named(kw):
+    # num_kv_blocks="8" gave "'<' not supported between instances of 'str' and 'int'".
+    from prefixgate.engine import EngineConfig
+
+    with pytest.raises(TypeError, match=next(iter(kw))):
+        EngineConfig(**kw)
+
+
+def test_engine_config_seed_range():
+    from prefixgate.engine import EngineConfig
+
+    with pytest.raises(ValueError, match="seed"):
+        EngineConfig(seed=2**70)  # was torch's "Overflow when unpacking long long"
