@@ -29,8 +29,8 @@ from .errors import (
     RateLimitError,
     status_error,
 )
-from .limits import ConcurrencyLimiter, RateLimit, RateLimiter, estimate_tokens
-from .retry import RetryPolicy
+from .limits import ConcurrencyLimiter, RateLimit, RateLimiter, Slot, estimate_tokens
+from .retry import RetryPolicy, parse_retry_after
 from .streaming import AsyncStream
 
 __all__ = ["AsyncClient", "RequestOptions", "DEFAULT_TIMEOUT", "DEFAULT_BASE_URL"]
@@ -203,9 +203,16 @@ class AsyncClient:
             payload.update(opts.extra_body or {})
         tokens = estimate_tokens(payload) if payload is not None and self.rate_limiter else 0
         retrying = self.retry_policy.retrying(opts.max_retries)
-        async for attempt in retrying:
-            with attempt:
-                return await self._attempt(method, path, payload, cast, stream, opts, tokens)
+        held: list[Slot] = []  # adaptive mode: the slot a 429'd call keeps for its retry
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    return await self._attempt(
+                        method, path, payload, cast, stream, opts, tokens, held
+                    )
+        finally:
+            for slot in held:
+                self.limiter.release(slot)
         raise AssertionError("unreachable: tenacity re-raises the last error")  # pragma: no cover
 
     def _build(
@@ -233,10 +240,12 @@ class AsyncClient:
         stream: bool,
         opts: RequestOptions,
         tokens: int,
+        held: list[Slot],
     ) -> Any:
         if self.rate_limiter is not None:
             await self.rate_limiter.acquire(tokens)
-        slot = await self.limiter.acquire()
+        slot = held.pop() if held else await self.limiter.acquire()
+        keep_slot = False
         handed_off = False
         response: httpx.Response | None = None
         try:
@@ -247,7 +256,11 @@ class AsyncClient:
                     await response.aread()
                     err = status_error(response, _decode(response))
                     if isinstance(err, RateLimitError):
-                        self.limiter.on_overload(slot)
+                        err.retry_after = parse_retry_after(response.headers, self.retry_policy.clock())
+                        self.limiter.on_overload(slot, err.retry_after)
+                        # Adaptive mode: the call keeps its place for the retry, so the calls
+                        # queued behind the limiter cannot starve it of its retries.
+                        keep_slot = self.limiter.adaptive
                     raise err
                 if stream:
                     self.limiter.on_success()
@@ -280,7 +293,10 @@ class AsyncClient:
                 if response is not None:
                     with anyio.CancelScope(shield=True):
                         await response.aclose()
-                self.limiter.release(slot)
+                if keep_slot:
+                    held.append(slot)
+                else:
+                    self.limiter.release(slot)
 
     def _idle_timeout(self, opts: RequestOptions) -> float | None:
         if opts.idle_timeout is not None:

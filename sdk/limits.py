@@ -47,6 +47,13 @@ class ConcurrencyLimiter:
         adaptive: enable AIMD on 429s.
         min_concurrency: floor of the adaptive limit, >= 1.
         decrease_factor: multiplicative decrease on a 429, in (0, 1).
+        clock: monotonic seconds (injectable for tests).
+        sleep: ``async (seconds)`` (injectable for tests).
+
+    In adaptive mode a 429 that carries a wait hint (``Retry-After`` / ``retry-after-ms``) also
+    sets a shared cool-down: no new attempt of this client starts before it ends, so the
+    requests queued behind the limiter do not spend their retries hammering a server that
+    already said when to come back.
 
     Raises:
         ValueError: bad bounds.
@@ -59,6 +66,8 @@ class ConcurrencyLimiter:
         adaptive: bool = False,
         min_concurrency: int = 1,
         decrease_factor: float = 0.5,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[Any]] = anyio.sleep,
     ) -> None:
         if not isinstance(max_concurrency, int) or max_concurrency < 1:
             raise ValueError(f"max_concurrency must be an int >= 1, got {max_concurrency!r}")
@@ -74,6 +83,9 @@ class ConcurrencyLimiter:
         self._limit = max_concurrency
         self._epoch = 0
         self._successes = 0
+        self._clock = clock
+        self._sleep = sleep
+        self._resume_at = 0.0
 
     @property
     def limit(self) -> int:
@@ -92,7 +104,9 @@ class ConcurrencyLimiter:
         return self._limiter
 
     async def acquire(self) -> Slot:
-        """Wait for a free slot and take it."""
+        """Wait for the end of any cool-down, then for a free slot, and take it."""
+        while (delay := self._resume_at - self._clock()) > 0:
+            await self._sleep(delay)
         slot = Slot(self._epoch)
         await self._get().acquire_on_behalf_of(slot)
         return slot
@@ -103,9 +117,14 @@ class ConcurrencyLimiter:
             slot.released = True
             self._get().release_on_behalf_of(slot)
 
-    def on_overload(self, slot: Slot) -> None:
-        """A request admitted as ``slot`` got a 429: shrink the limit (adaptive mode)."""
-        if not self.adaptive or slot.epoch != self._epoch:
+    def on_overload(self, slot: Slot, retry_after: float | None = None) -> None:
+        """A request admitted as ``slot`` got a 429: shrink the limit (adaptive mode) and, when
+        the server said how long to wait (``retry_after`` seconds), hold new attempts that long."""
+        if not self.adaptive:
+            return
+        if retry_after is not None and retry_after > 0:
+            self._resume_at = max(self._resume_at, self._clock() + retry_after)
+        if slot.epoch != self._epoch:
             return
         self._epoch += 1
         self._successes = 0

@@ -191,3 +191,51 @@ def test_rate_limit_validation_and_estimate() -> None:
     body = {"messages": [{"role": "user", "content": "x" * 40}], "max_tokens": 10, "n": 2}
     assert estimate_tokens(body) == 10 + 20
     assert estimate_tokens({"prompt": "abcd"}) == 1 + 256
+
+
+async def test_adaptive_cooldown_holds_new_attempts_until_retry_after() -> None:
+    """A 429 with a wait hint holds every new attempt of the client until it has passed."""
+    clock = FakeClock()
+
+    async def sleep(seconds: float) -> None:
+        clock.waits.append(seconds)
+        clock.t += seconds
+
+    limiter = ConcurrencyLimiter(4, adaptive=True, clock=clock, sleep=sleep)
+    slot = await limiter.acquire()
+    assert clock.waits == []
+    limiter.on_overload(slot, retry_after=2.5)
+    limiter.release(slot)
+    await limiter.acquire()
+    assert clock.waits == [2.5]  # waited out the cool-down, once
+    await limiter.acquire()
+    assert clock.waits == [2.5]  # over: no further wait
+    plain = ConcurrencyLimiter(4, clock=clock, sleep=sleep)  # not adaptive: no cool-down
+    plain.on_overload(await plain.acquire(), retry_after=9.0)
+    await plain.acquire()
+    assert clock.waits == [2.5]
+
+
+async def test_adaptive_429_keeps_its_slot_for_the_retry(serve) -> None:
+    """In adaptive mode a rejected call retries in the slot it holds (no newcomer takes it)."""
+    seen_in_flight: list[int] = []
+    calls = {"n": 0}
+
+    async def handler(request: web.Request) -> web.Response:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            return web.json_response({"error": {"message": "slow down"}}, status=429,
+                                     headers={"retry-after-ms": "10"})
+        return web.json_response(OK)
+
+    base = await serve({("POST", "/v1/chat/completions"): handler})
+    async with AsyncClient(base, max_concurrency=2, adaptive_concurrency=True) as client:
+        policy = client.retry_policy
+
+        async def recording_sleep(seconds: float) -> None:
+            seen_in_flight.append(client.limiter.in_flight)
+
+        policy.sleep = recording_sleep
+        await client.chat.completions.create(model="m", messages=MSG)
+        assert seen_in_flight == [1]  # the slot was held through the retry wait
+        assert client.limiter.in_flight == 0  # and released at the end
