@@ -77,7 +77,10 @@ class AdmissionController:
     the queue holds requests (an empty queue has nothing to drain: idle time does not count
     as slow draining, or the first burst after a quiet minute would be told to wait 60 s).
     ``Retry-After`` = queued requests / drain rate, in [1, 60] seconds (1 s when no rate is
-    known yet).
+    known yet). An EWMA that starts from 0 underestimates a steady rate r as
+    ``r * (1 - exp(-t / tau))`` after t busy seconds, so the estimate is divided by that factor
+    (the bias correction of Adam, Kingma & Ba 2015, in continuous time; t counted from at least
+    1 s) — otherwise the first overload after start-up would be told to wait 60 s.
     """
 
     def __init__(self, config: AdmissionConfig | None = None, tau_s: float = 5.0) -> None:
@@ -86,7 +89,8 @@ class AdmissionController:
         self.queued_tokens = 0
         self.in_flight = 0
         self._tau = tau_s
-        self._rate = 0.0  # departures per second (EWMA)
+        self._rate = 0.0  # departures per second (EWMA, biased towards 0 while warming up)
+        self._busy = 0.0  # seconds the queue has held requests (the EWMA's age)
         self._last = time.monotonic()
 
     def admit(self, prompt_tokens: int, requests: int = 1, param: str | None = None) -> Ticket:
@@ -121,16 +125,17 @@ class AdmissionController:
 
     def retry_after(self) -> float:
         """Seconds until the current queue has drained at the current drain rate."""
-        self._decay(time.monotonic())
-        if self._rate <= 0.0:
+        rate = self.drain_rate
+        if rate <= 0.0:
             return 1.0
-        return min(60.0, max(1.0, self.queued_requests / self._rate))
+        return min(60.0, max(1.0, self.queued_requests / rate))
 
     @property
     def drain_rate(self) -> float:
-        """Queue departures per second (EWMA)."""
+        """Queue departures per second (EWMA, bias-corrected for its age)."""
         self._decay(time.monotonic())
-        return self._rate
+        warm = 1.0 - math.exp(-max(self._busy, 1.0) / self._tau)
+        return self._rate / warm
 
     def _refuse(self, why: str) -> None:
         raise too_many(
@@ -148,4 +153,5 @@ class AdmissionController:
         if dt > 0:
             if self.queued_requests:  # the queue is unchanged since ``_last``
                 self._rate *= math.exp(-dt / self._tau)
+                self._busy += dt
             self._last = now

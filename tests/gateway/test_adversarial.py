@@ -440,3 +440,25 @@ def test_errors_do_not_echo_megabytes_of_input(serve_fake, gw):
                      404, code="prefix_not_found")
         assert len(err["message"]) < 400
         assert http.post("/v1/chat/completions", json=gw.chat_body(max_tokens=2)).status_code == 200
+
+
+def test_retry_after_right_on_the_first_burst_after_start(monkeypatch):
+    # The drain-rate EWMA starts at 0: two busy seconds after start-up at a steady 10
+    # departures/s it read ~3.3/s, so 60 queued requests were told to wait 18 s (and a shorter
+    # history hit the 60 s cap). Bias-corrected, the wait is the ~6 s the queue needs.
+    now = [1000.0]
+    monkeypatch.setattr("prefixgate.gateway.admission.time.monotonic", lambda: now[0])
+    ctl = AdmissionController(AdmissionConfig(max_queued_requests=60))
+    tickets = [ctl.admit(1) for _ in range(60)]
+    for t in tickets[:20]:  # 20 leave over 2 s, 20 new ones arrive: the queue stays full
+        now[0] += 0.1
+        t.done()
+        tickets.append(ctl.admit(1))
+    try:
+        ctl.admit(1)
+        raise AssertionError("admitted over the queue bound")
+    except APIError as exc:
+        assert exc.status == 429
+        assert 4.0 <= exc.retry_after <= 8.0, exc.retry_after  # 60 queued at 10/s
+    for t in tickets:
+        t.done()
