@@ -15,8 +15,28 @@ def req(rid: str, tokens: list[int], salt: str | None = None) -> Request:
     return Request(rid, tokens, None, max_tokens=4, cache_salt=salt)
 
 
+ADMITTED: list[tuple[KVCacheManager, Request]] = []
+
+
+@pytest.fixture(autouse=True)
+def pool_whole_after_each_test():
+    """Every scenario ends with the pool whole: once the requests a test admitted are freed,
+    no block is used except those its pins hold, and every block is in exactly one state."""
+    ADMITTED.clear()
+    yield
+    managers = {id(kv): kv for kv, _ in ADMITTED}
+    for kv, r in ADMITTED:
+        kv.free(r)  # idempotent: a request the test freed already is skipped
+    for kv in managers.values():
+        kv.check_invariants()
+        s = kv.stats()
+        assert s["kv_blocks_used"] == s["pinned_blocks"], s
+        assert s["kv_blocks_used"] + s["kv_blocks_free"] == s["kv_blocks_total"], s
+
+
 def compute(kv: KVCacheManager, r: Request) -> int:
     """Admit ``r`` like the scheduler: reuse hits, allocate, 'compute' the prompt, cache blocks."""
+    ADMITTED.append((kv, r))
     hits, n = kv.get_computed_blocks(r)
     assert kv.allocate_slots(r, r.num_tokens - n, n, hits)
     r.num_computed_tokens = r.num_tokens

@@ -35,12 +35,24 @@ def serve_fake() -> Iterator[Callable[..., tuple[BackgroundServer, object]]]:
             return create_app(holder["engine"], settings or GatewaySettings(model_name="fake"))
 
         srv = BackgroundServer(make).__enter__()
-        started.append(srv)
+        started.append((srv, holder["engine"]))
         return srv, holder["engine"]
 
     yield start
-    for srv in started:
-        srv.close()
+    try:
+        # Every scenario ends with the engine idle and its pool whole: no request left running
+        # or waiting (a disconnect or error the gateway failed to abort would stay), no block
+        # used but those the test's live prefix pins hold.
+        for srv, engine in started:
+            if getattr(engine, "failed_to_start", False):
+                continue
+            stats = wait_idle(srv, engine)
+            srv.call(_check(engine))
+            assert stats["num_running"] == 0 and stats["num_waiting"] == 0, stats
+            assert stats["kv_blocks_used"] == stats["pinned_blocks"], stats
+    finally:
+        for srv, _ in started:
+            srv.close()
 
 
 def wait_idle(srv: BackgroundServer, engine, timeout: float = 5.0) -> dict:
@@ -53,6 +65,13 @@ def wait_idle(srv: BackgroundServer, engine, timeout: float = 5.0) -> dict:
         if (stats["num_running"] == 0 and stats["num_waiting"] == 0) or time.monotonic() > deadline:
             return stats
         time.sleep(0.02)
+
+
+def _check(engine):
+    async def check():
+        engine.check_invariants()
+
+    return check
 
 
 def _stats(engine):

@@ -268,7 +268,7 @@ def test_sdk_bad_header_is_not_retried_as_a_connection_error():
     assert sleeps == []  # a local mistake is final
 
 
-def test_tiny_top_p_keeps_the_most_likely_token():
+def test_tiny_top_p_keeps_the_most_likely_token(pool_whole):
     # top_p=1e-50 (valid: > 0) became 0.0 in a float32 tensor, so "mass before >= top_p" was
     # true for every token, the most likely one included: every logit -inf, garbage text
     # ('μμμμ' on aidreams where greedy says 'pes of vectors').
@@ -284,6 +284,7 @@ def test_tiny_top_p_keeps_the_most_likely_token():
     greedy = llm.generate(["hello"], SamplingParams(max_tokens=8, temperature=0))
     tiny = llm.generate(["hello"], SamplingParams(max_tokens=8, top_p=1e-50, seed=3))
     assert tiny[0].outputs[0].token_ids == greedy[0].outputs[0].token_ids
+    pool_whole(llm)
 
 
 def test_cancelled_pin_prefix_leaks_no_pin(pool_whole):

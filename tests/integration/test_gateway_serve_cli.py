@@ -42,6 +42,13 @@ def test_serve_tiny_random_then_sigterm():
         r = client.chat.completions.create(model="tiny-random", max_tokens=4,
                                            messages=[{"role": "user", "content": "hi"}])
         assert r.usage.completion_tokens >= 1
+        # The pool is whole once the request is done: no block used, none running or waiting.
+        metrics = httpx.get(url + "/metrics", headers={"Authorization": "Bearer sk-t"}).text
+        values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+                  if line.startswith("prefixgate_") and " " in line}
+        assert values["prefixgate_kv_blocks_used"] == 0, values
+        assert values["prefixgate_running_requests"] == 0, values
+        assert values["prefixgate_kv_blocks_free"] == values["prefixgate_kv_blocks_total"], values
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
     finally:
