@@ -222,9 +222,7 @@ class AsyncEngine:
     def _submit(self, *command: Any) -> None:
         self._commands.append(command)
         if self._thread is None and not self._stopped:
-            self._thread = threading.Thread(
-                target=self._run, name="prefixgate-engine", daemon=True
-            )
+            self._thread = threading.Thread(target=self._run, name="prefixgate-engine", daemon=True)
             self._thread.start()
         self._wake.set()
 
@@ -239,8 +237,10 @@ class AsyncEngine:
                         self._deliver_outputs(engine.step())
                     except Exception as exc:  # noqa: BLE001 - delivered to the requests
                         ids = engine.current_step_ids or None  # None: all (error outside a batch)
-                        logger.exception("engine step failed; failing %s",
-                                         f"{len(ids)} request(s) of the step" if ids else "all requests")
+                        logger.exception(
+                            "engine step failed; failing %s",
+                            f"{len(ids)} request(s) of the step" if ids else "all requests",
+                        )
                         self._fail(exc, ids)
                 try:
                     self._snapshot = engine.stats()
@@ -286,7 +286,9 @@ class AsyncEngine:
         rid = stream.request_id
         if self._active.get(rid) is not stream:
             if fut is not None:
-                self._resolve(stream.loop, fut, None, ValueError(f"request {rid!r} already finished"))
+                self._resolve(
+                    stream.loop, fut, None, ValueError(f"request {rid!r} already finished")
+                )
             return
         del self._active[rid]
         out = self.engine.abort_request(rid)

@@ -159,7 +159,11 @@ class BlockPool:
         for block in candidates.values():
             c = block.content
             assert c is not None
-            if c.parent_uid == parent_uid and c.token_ids == token_ids and c.cache_salt == cache_salt:
+            if (
+                c.parent_uid == parent_uid
+                and c.token_ids == token_ids
+                and c.cache_salt == cache_salt
+            ):
                 return block
         return None
 

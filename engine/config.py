@@ -53,20 +53,30 @@ class EngineConfig:
     hf_overrides: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name, optional in (("seed", False), ("block_size", False), ("num_kv_blocks", True),
-                               ("kv_cache_memory", True), ("max_model_len", True),
-                               ("max_num_seqs", False), ("max_num_batched_tokens", False)):
+        for name, optional in (
+            ("seed", False),
+            ("block_size", False),
+            ("num_kv_blocks", True),
+            ("kv_cache_memory", True),
+            ("max_model_len", True),
+            ("max_num_seqs", False),
+            ("max_num_batched_tokens", False),
+        ):
             value = getattr(self, name)
             if (value is not None or not optional) and (
-                    isinstance(value, bool) or not isinstance(value, int)):
+                isinstance(value, bool) or not isinstance(value, int)
+            ):
                 raise TypeError(f"{name} must be an int, got {value!r}")
         if not isinstance(self.enable_prefix_caching, bool):
-            raise TypeError(f"enable_prefix_caching must be a bool, got "
-                            f"{self.enable_prefix_caching!r}")
+            raise TypeError(
+                f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}"
+            )
         if isinstance(self.max_pinned_fraction, bool) or not isinstance(
-                self.max_pinned_fraction, int | float):
-            raise TypeError(f"max_pinned_fraction must be a number, got "
-                            f"{self.max_pinned_fraction!r}")
+            self.max_pinned_fraction, int | float
+        ):
+            raise TypeError(
+                f"max_pinned_fraction must be a number, got {self.max_pinned_fraction!r}"
+            )
         if not -(2**63) <= self.seed < 2**64:  # torch.Generator.manual_seed's range
             raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -74,17 +84,25 @@ class EngineConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
-            raise ValueError(f"kv_cache_memory must be a positive byte count, got {self.kv_cache_memory}")
+            raise ValueError(
+                f"kv_cache_memory must be a positive byte count, got {self.kv_cache_memory}"
+            )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
         if self.scheduling not in ("continuous", "static"):
-            raise ValueError(f"scheduling must be 'continuous' or 'static', got {self.scheduling!r}")
+            raise ValueError(
+                f"scheduling must be 'continuous' or 'static', got {self.scheduling!r}"
+            )
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if not 0.0 <= self.max_pinned_fraction <= 1.0:
-            raise ValueError(f"max_pinned_fraction must be in [0, 1], got {self.max_pinned_fraction}")
+            raise ValueError(
+                f"max_pinned_fraction must be in [0, 1], got {self.max_pinned_fraction}"
+            )
         if self.attention_backend not in (None, "torch", "triton"):
             raise ValueError(
                 f"attention_backend must be 'torch', 'triton' or None, got {self.attention_backend!r}"

@@ -46,7 +46,7 @@ class IncrementalDetokenizer:
         self.text = ""
         self.stop_string: str | None = None
         self.finished = False
-        context = list(prompt_token_ids[max(0, len(prompt_token_ids) - PROMPT_CONTEXT_TOKENS):])
+        context = list(prompt_token_ids[max(0, len(prompt_token_ids) - PROMPT_CONTEXT_TOKENS) :])
         self._ids: list[int] = context
         self._prefix_offset = 0  # window start in _ids
         self._read_offset = len(context)  # tokens up to here have been turned into text
@@ -80,7 +80,7 @@ class IncrementalDetokenizer:
         sequence (unless ``final``)."""
         if self._read_offset >= len(self._ids):
             return ""
-        window = self._ids[self._prefix_offset:]
+        window = self._ids[self._prefix_offset :]
         prefix = self.tokenizer.decode(
             window[: self._read_offset - self._prefix_offset],
             skip_special_tokens=self.skip_special_tokens,
@@ -90,7 +90,7 @@ class IncrementalDetokenizer:
             return ""  # nothing visible yet, or a character still incomplete: wait
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
-        return full[len(prefix):]
+        return full[len(prefix) :]
 
     def _emit(self, new_text: str, final: bool) -> str:
         buf = self._held + new_text
@@ -103,7 +103,7 @@ class IncrementalDetokenizer:
             delta = buf[:cut]
         else:
             keep = 0 if final else self._stop_prefix_len(buf)
-            delta, self._held = buf[: len(buf) - keep], buf[len(buf) - keep:]
+            delta, self._held = buf[: len(buf) - keep], buf[len(buf) - keep :]
         self.text += delta
         return delta
 

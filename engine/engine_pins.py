@@ -38,8 +38,6 @@ class PinJob:
     done: bool = False
 
 
-
-
 class PrefixPinsMixin:
     """Pin API of ``LLMEngine`` (uses its ``config``, ``scheduler``, ``kv_cache_manager``,
     ``prepare_request``, ``_enqueue``, ``_requests``, ``_stashed`` and ``step``)."""
@@ -100,7 +98,9 @@ class PrefixPinsMixin:
         if job.callback is not None:
             job.callback(job)
 
-    def pin_prefix(self, token_ids: Sequence[int], ttl_s: float, cache_salt: str | None = None) -> Any:
+    def pin_prefix(
+        self, token_ids: Sequence[int], ttl_s: float, cache_salt: str | None = None
+    ) -> Any:
         """Compute ``token_ids`` (if not cached) and pin its full blocks for ``ttl_s`` seconds.
 
         Steps the engine until done; outputs of other requests produced meanwhile are returned
@@ -139,4 +139,3 @@ class PrefixPinsMixin:
             ValueError / KeyError: unknown pin id.
         """
         self.kv_cache_manager.unpin(pin_id)
-

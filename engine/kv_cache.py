@@ -82,9 +82,7 @@ def resolve_num_blocks(
     return int(num)
 
 
-def allocate_kv_caches(
-    spec: KVCacheSpec, num_blocks: int, device: torch.device | str
-) -> KVCaches:
+def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, device: torch.device | str) -> KVCaches:
     """Allocate zeroed K and V tensors ``[num_blocks, block_size, num_kv_heads, head_dim]`` per
     layer on ``device``; returns ``[(k, v)] * num_layers`` (distinct tensors)."""
     shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)

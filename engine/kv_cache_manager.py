@@ -110,7 +110,11 @@ class KVCacheManager:
     # ---- prefix lookup ------------------------------------------------------------------
     def _hashes(self, request: Request) -> list[BlockKey]:
         return hash_request_blocks(
-            request.all_token_ids, self.block_size, request.cache_salt, request.block_hashes, self.hash_fn
+            request.all_token_ids,
+            self.block_size,
+            request.cache_salt,
+            request.block_hashes,
+            self.hash_fn,
         )
 
     def _match(
@@ -125,7 +129,9 @@ class KVCacheManager:
         hits: list[Block] = []
         parent_uid: int | None = None
         for i in range(min(max_blocks, len(keys))):
-            block = self.pool.lookup(keys[i], tuple(token_ids[i * bs : (i + 1) * bs]), cache_salt, parent_uid)
+            block = self.pool.lookup(
+                keys[i], tuple(token_ids[i * bs : (i + 1) * bs]), cache_salt, parent_uid
+            )
             if block is None:
                 break
             hits.append(block)
@@ -145,7 +151,12 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return [], 0
         keys = self._hashes(request)
-        hits = self._match(request.all_token_ids, keys, request.cache_salt, (request.num_tokens - 1) // self.block_size)
+        hits = self._match(
+            request.all_token_ids,
+            keys,
+            request.cache_salt,
+            (request.num_tokens - 1) // self.block_size,
+        )
         return hits, len(hits) * self.block_size
 
     def record_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:

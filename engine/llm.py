@@ -65,9 +65,7 @@ class LLM:
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(plist):
-                raise ValueError(
-                    f"got {len(params_list)} sampling params for {len(plist)} prompts"
-                )
+                raise ValueError(f"got {len(params_list)} sampling params for {len(plist)} prompts")
         prepared = [
             self.engine.prepare_request(p, sp, cache_salt)
             for p, sp in zip(plist, params_list, strict=True)
@@ -114,7 +112,9 @@ class LLM:
             prompts.append(list(self.tokenizer.encode(text, add_special_tokens=False)))
         return self.generate(prompts, sampling_params, cache_salt=cache_salt)
 
-    def pin_prefix(self, token_ids: Sequence[int] | str, ttl_s: float, cache_salt: str | None = None) -> Any:
+    def pin_prefix(
+        self, token_ids: Sequence[int] | str, ttl_s: float, cache_salt: str | None = None
+    ) -> Any:
         """Compute and pin a prefix (token ids, or text tokenized with special tokens) for
         ``ttl_s`` seconds; returns a ``PrefixPin``. See ``LLMEngine.pin_prefix``."""
         if isinstance(token_ids, str):

@@ -53,7 +53,9 @@ class LLMEngine(PrefixPinsMixin):
         self.device = torch.device(mc.device)
         model = load_model(mc, config)
         spec = KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size, mc.dtype)
-        num_blocks = resolve_num_blocks(spec, config.num_kv_blocks, config.kv_cache_memory, self.device)
+        num_blocks = resolve_num_blocks(
+            spec, config.num_kv_blocks, config.kv_cache_memory, self.device
+        )
         self.num_kv_blocks = num_blocks
         self._fit_max_model_len(num_blocks * config.block_size)
         kv_caches = allocate_kv_caches(spec, num_blocks, self.device)
@@ -97,7 +99,10 @@ class LLMEngine(PrefixPinsMixin):
             )
         logger.warning(
             "the KV cache holds %d tokens, less than the model's context of %d: "
-            "max_model_len lowered to %d", capacity, self.max_model_len, capacity,
+            "max_model_len lowered to %d",
+            capacity,
+            self.max_model_len,
+            capacity,
         )
         self.max_model_len = capacity
 
@@ -238,7 +243,9 @@ class LLMEngine(PrefixPinsMixin):
                 outputs.append(self._finish_output(r, r.finish_reason, r.stop_reason, now))
             else:
                 outputs.append(
-                    op.make_output(rid, r.output_token_ids, max(r.num_cached_tokens, 0), None, None, now)
+                    op.make_output(
+                        rid, r.output_token_ids, max(r.num_cached_tokens, 0), None, None, now
+                    )
                 )
         self.current_step_ids = []
         outputs, self._stashed = self._stashed + outputs, []

@@ -121,7 +121,9 @@ class PinTable:
         if not self._pins:
             return []
         now = time.monotonic() if now is None else now
-        expired = [p.id for p in self._pins.values() if p.expires_at is not None and p.expires_at <= now]
+        expired = [
+            p.id for p in self._pins.values() if p.expires_at is not None and p.expires_at <= now
+        ]
         for pin_id in expired:
             self.remove(pin_id)
         return expired
@@ -131,7 +133,9 @@ class PinTable:
         if not self._pins:
             return False
         pin_id = next(iter(self._pins))
-        logger.warning("prefix pin %s revoked: a request needs its KV blocks to make progress", pin_id)
+        logger.warning(
+            "prefix pin %s revoked: a request needs its KV blocks to make progress", pin_id
+        )
         self.remove(pin_id)
         self.num_revoked += 1
         return True

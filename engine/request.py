@@ -96,7 +96,9 @@ class Request:
         if min(prompt) < 0:
             raise ValueError(f"request {request_id!r}: prompt token ids must be >= 0")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValueError(f"request {request_id!r}: max_tokens must be an int >= 1, got {max_tokens!r}")
+            raise ValueError(
+                f"request {request_id!r}: max_tokens must be an int >= 1, got {max_tokens!r}"
+            )
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError("cache_salt must be a string or None")
         self.request_id = request_id

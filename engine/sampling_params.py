@@ -97,7 +97,9 @@ class SamplingParams:
             self.stop = []
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
-        if not isinstance(self.stop, list | tuple) or not all(isinstance(s, str) for s in self.stop):
+        if not isinstance(self.stop, list | tuple) or not all(
+            isinstance(s, str) for s in self.stop
+        ):
             raise TypeError("stop must be a string or a list of strings")
         self.stop = list(self.stop)
         if any(s == "" for s in self.stop):

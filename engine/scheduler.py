@@ -92,7 +92,9 @@ class Scheduler:
         max_model_len: longest prompt + output (tokens).
     """
 
-    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager, max_model_len: int) -> None:
+    def __init__(
+        self, config: EngineConfig, kv_cache_manager: KVCacheManager, max_model_len: int
+    ) -> None:
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
         self.config = config
@@ -141,7 +143,10 @@ class Scheduler:
                 f"request {rid!r}: prompt of {request.num_prompt_tokens} tokens is longer than "
                 f"max_model_len={self.max_model_len}"
             )
-        final_len = min(request.num_prompt_tokens + request.max_tokens, max(self.max_model_len, request.num_prompt_tokens + 1))
+        final_len = min(
+            request.num_prompt_tokens + request.max_tokens,
+            max(self.max_model_len, request.num_prompt_tokens + 1),
+        )
         # the last sampled token is never fed back, so the KV holds final_len - 1 tokens
         need = self.kv.blocks_needed(max(final_len - 1, request.num_prompt_tokens))
         if need > self.kv.num_blocks:
@@ -164,7 +169,9 @@ class Scheduler:
         unknown = [i for i in ids if i not in self.requests]
         if unknown:
             raise ValueError(f"unknown request id(s): {unknown}")
-        return self._finish([self.requests[i] for i in dict.fromkeys(ids)], RequestStatus.FINISHED_ABORTED)
+        return self._finish(
+            [self.requests[i] for i in dict.fromkeys(ids)], RequestStatus.FINISHED_ABORTED
+        )
 
     def finish_requests(
         self,
@@ -243,7 +250,9 @@ class Scheduler:
         return SchedulerOutput(out, sum(s.num_new_tokens for s in out), preempted, finished)
 
     def _schedule(self, req: Request, num_new: int) -> ScheduledRequest:
-        return ScheduledRequest(req, num_new, self.kv.get_block_ids(req.request_id), req.num_computed_tokens)
+        return ScheduledRequest(
+            req, num_new, self.kv.get_block_ids(req.request_id), req.num_computed_tokens
+        )
 
     def _admit(self, budget: int, scheduled: dict[str, ScheduledRequest]) -> int:
         """Admit waiting requests FCFS into ``scheduled``; returns the budget left."""
@@ -269,7 +278,9 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
         return budget
 
-    def _allocate(self, req: Request, num_new: int, num_hit: int = 0, hits: list | None = None) -> bool:
+    def _allocate(
+        self, req: Request, num_new: int, num_hit: int = 0, hits: list | None = None
+    ) -> bool:
         """``allocate_slots``; when ``req`` would run alone, prefix pins yield (oldest first).
 
         add_request guarantees a lone request fits the whole cache; pins may not keep it out
@@ -324,9 +335,14 @@ class Scheduler:
         live = [
             s
             for s in scheduler_output.scheduled
-            if s.request.status == RequestStatus.RUNNING and self.requests.get(s.request.request_id) is s.request
+            if s.request.status == RequestStatus.RUNNING
+            and self.requests.get(s.request.request_id) is s.request
         ]  # skips requests aborted / finished since schedule()
-        missing = [s.request.request_id for s in live if s.samples and s.request.request_id not in sampled_token_ids]
+        missing = [
+            s.request.request_id
+            for s in live
+            if s.samples and s.request.request_id not in sampled_token_ids
+        ]
         if missing:  # checked before anything changes
             raise ValueError(f"no sampled token for request(s) {missing}")
         finished: list[Request] = []

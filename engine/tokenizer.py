@@ -65,17 +65,22 @@ class Tokenizer:
             self.eos_token_ids.add(self.eos_token_id)
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
         self.all_special_ids: set[int] = {
-            i for tok in tokenizer.get_added_tokens_decoder().values()
+            i
+            for tok in tokenizer.get_added_tokens_decoder().values()
             if tok.special and (i := self._id(tok.content)) is not None
         }
         # tokenizer.json's post-processor decides what add_special_tokens adds (as in
         # transformers' fast tokenizers); add_bos_token/add_eos_token only fill in what it lacks.
         probe = tokenizer.encode("", add_special_tokens=True).ids
-        self._prepend_bos = bool(add_bos_token) and self.bos_token_id is not None and (
-            not probe or probe[0] != self.bos_token_id
+        self._prepend_bos = (
+            bool(add_bos_token)
+            and self.bos_token_id is not None
+            and (not probe or probe[0] != self.bos_token_id)
         )
-        self._append_eos = bool(add_eos_token) and self.eos_token_id is not None and (
-            not probe or probe[-1] != self.eos_token_id
+        self._append_eos = (
+            bool(add_eos_token)
+            and self.eos_token_id is not None
+            and (not probe or probe[-1] != self.eos_token_id)
         )
 
     # -- construction --------------------------------------------------------------------
@@ -153,7 +158,10 @@ class Tokenizer:
         """:meth:`encode` for several texts (parallel inside ``tokenizers``)."""
         if self._prepend_bos or self._append_eos:
             return [self.encode(t, add_special_tokens) for t in texts]
-        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+        return [
+            e.ids
+            for e in self._tok.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+        ]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; incomplete UTF-8 byte sequences decode to U+FFFD."""
@@ -263,8 +271,9 @@ def _raise_exception(message: str) -> None:
 
 
 def _tojson(value: Any, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
-    return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+    return json.dumps(
+        value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(fmt: str) -> str:
@@ -306,7 +315,8 @@ def _templates(value: Any) -> dict[str, str]:
         return {"default": value}
     if isinstance(value, list):
         return {
-            t["name"]: t["template"] for t in value
+            t["name"]: t["template"]
+            for t in value
             if isinstance(t, dict) and "name" in t and "template" in t
         }
     return {}

@@ -108,7 +108,9 @@ class AdmissionController:
             raise bad_request(
                 f"this request asks for {requests} completions (prompts x n); the server "
                 f"admits at most {limit} at once: send fewer prompts or a smaller n",
-                param=param, code="too_many_requests_in_body")
+                param=param,
+                code="too_many_requests_in_body",
+            )
         if self.queued_requests + requests > cfg.max_queued_requests:
             self._refuse(f"{self.queued_requests} requests already waiting")
         # A single prompt larger than the token bound still passes when the queue is empty.

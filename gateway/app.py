@@ -35,8 +35,9 @@ from prefixgate.gateway.upstream import UpstreamRouter
 logger = logging.getLogger("prefixgate.gateway")
 
 
-def create_app(engine_or_upstreams: Any = None, settings: GatewaySettings | None = None
-               ) -> web.Application:
+def create_app(
+    engine_or_upstreams: Any = None, settings: GatewaySettings | None = None
+) -> web.Application:
     """Build the gateway application.
 
     Args:
@@ -48,8 +49,9 @@ def create_app(engine_or_upstreams: Any = None, settings: GatewaySettings | None
         ValueError: bad settings, keys file or upstream URL.
     """
     settings = settings or GatewaySettings()
-    upstream = isinstance(engine_or_upstreams, Sequence) and not isinstance(engine_or_upstreams,
-                                                                             str | bytes)
+    upstream = isinstance(engine_or_upstreams, Sequence) and not isinstance(
+        engine_or_upstreams, str | bytes
+    )
     admission = AdmissionController(settings.admission_config())
     metrics = GatewayMetrics()
     metrics.bind_admission(admission)
@@ -60,8 +62,7 @@ def create_app(engine_or_upstreams: Any = None, settings: GatewaySettings | None
         metrics=metrics,
         model_name=settings.model_name or "",
     )
-    app = web.Application(client_max_size=settings.max_body_bytes,
-                          middlewares=[error_middleware])
+    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[error_middleware])
     app[STATE] = st
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
@@ -116,9 +117,14 @@ def _add_local_routes(app: web.Application) -> None:
 
 def _add_upstream_routes(app: web.Application, st: GatewayState, urls: list[str]) -> None:
     s = st.settings
-    st.router = UpstreamRouter(urls, s.balance_abs_threshold, s.balance_rel_threshold,
-                               s.health_interval_s, s.upstream_connect_timeout_s,
-                               s.upstream_timeout_s)
+    st.router = UpstreamRouter(
+        urls,
+        s.balance_abs_threshold,
+        s.balance_rel_threshold,
+        s.health_interval_s,
+        s.upstream_connect_timeout_s,
+        s.upstream_timeout_s,
+    )
     st.metrics.bind_upstreams(st.router.upstreams)
     st.model_name = st.model_name or "upstream"
     st.ready = True
@@ -142,9 +148,13 @@ def _add_upstream_routes(app: web.Application, st: GatewayState, urls: list[str]
 
 async def _no_prefixes(request: web.Request) -> web.Response:
     # 501: clients (the SDK's PrefixSession) then fall back to sending the full messages.
-    raise APIError(501, "the prefix API is not available in upstream mode; send the full "
-                   "messages (prefix affinity keeps a system prompt on one upstream)",
-                   code="unsupported_in_upstream_mode", type="invalid_request_error")
+    raise APIError(
+        501,
+        "the prefix API is not available in upstream mode; send the full "
+        "messages (prefix affinity keeps a system prompt on one upstream)",
+        code="unsupported_in_upstream_mode",
+        type="invalid_request_error",
+    )
 
 
 async def health(request: web.Request) -> web.Response:

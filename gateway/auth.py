@@ -49,8 +49,10 @@ class KeySpec:
         if not isinstance(self.key, str) or not self.key:
             raise ValueError("every API key must be a non-empty string")
         if self.key != self.key.strip():
-            raise ValueError("an API key must not start or end with whitespace (clients' "
-                             "keys are read stripped, so it could never match)")
+            raise ValueError(
+                "an API key must not start or end with whitespace (clients' "
+                "keys are read stripped, so it could never match)"
+            )
         if not isinstance(self.name, str):
             raise ValueError(f"name of a key must be a string, got {type(self.name).__name__}")
         if self.salt is not None and (not isinstance(self.salt, str) or not self.salt):
@@ -117,11 +119,13 @@ class Principal:
         self.concurrent = 0
         self._rpm = (
             TokenBucket(spec.requests_per_minute, spec.requests_per_minute / 60.0)
-            if spec and spec.requests_per_minute else None
+            if spec and spec.requests_per_minute
+            else None
         )
         self._tpm = (
             TokenBucket(spec.tokens_per_minute, spec.tokens_per_minute / 60.0)
-            if spec and spec.tokens_per_minute else None
+            if spec and spec.tokens_per_minute
+            else None
         )
 
     @property
@@ -140,7 +144,8 @@ class Principal:
         if spec.max_concurrent and self.concurrent >= spec.max_concurrent:
             raise too_many(
                 f"key {spec.name} already has {self.concurrent} requests in flight "
-                f"(max_concurrent={spec.max_concurrent})", 1.0,
+                f"(max_concurrent={spec.max_concurrent})",
+                1.0,
             )
         if self._rpm is not None:
             wait = self._rpm.take(1)
@@ -185,13 +190,17 @@ class KeyRing:
             digest = _digest(spec.key)
             seen = self._by_digest.get(digest)
             if seen is not None and seen.spec != spec:
-                raise ValueError(f"duplicate API key in the configured keys ({seen.spec.name!r} "
-                                 f"and {spec.name!r}) with different limits or salt")
+                raise ValueError(
+                    f"duplicate API key in the configured keys ({seen.spec.name!r} "
+                    f"and {spec.name!r}) with different limits or salt"
+                )
             self._by_digest[digest] = Principal(spec)
         self._anonymous = Principal(None)
 
     @classmethod
-    def from_options(cls, api_keys: list[str] | None = None, keys_file: str | None = None) -> KeyRing:
+    def from_options(
+        cls, api_keys: list[str] | None = None, keys_file: str | None = None
+    ) -> KeyRing:
         """Keys from ``--api-key`` values and a keys file.
 
         Raises:
@@ -219,8 +228,9 @@ class KeyRing:
         header = request.headers.get("Authorization", "")
         scheme, _, key = header.partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
-            raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
+            raise APIError(
+                401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
+            )
         principal = self._by_digest.get(_digest(key.strip()))
         if principal is None:
             raise APIError(401, "incorrect API key provided", code="invalid_api_key")
@@ -241,7 +251,7 @@ def load_keys_file(path: str) -> list[KeySpec]:
         raise ValueError(f"cannot read keys file {path}: {exc}") from None
     entries = data.get("keys") if isinstance(data, dict) else None
     if not isinstance(entries, list):
-        raise ValueError(f"keys file {path} must hold {{\"keys\": [...]}}")
+        raise ValueError(f'keys file {path} must hold {{"keys": [...]}}')
     specs = []
     for i, entry in enumerate(entries):
         if not isinstance(entry, dict):

@@ -123,8 +123,9 @@ def from_http_exception(exc: web.HTTPException) -> APIError:
     """Map aiohttp's own HTTP errors (404 route, 405 method, 413 body) to OpenAI errors."""
     status = exc.status
     if status == 413:
-        return APIError(413, f"request body too large: {exc.text or exc.reason}",
-                        code="request_too_large")
+        return APIError(
+            413, f"request body too large: {exc.text or exc.reason}", code="request_too_large"
+        )
     if status == 404:
         return APIError(404, "unknown route", code="not_found")
     if status == 405:
@@ -148,8 +149,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return from_http_exception(exc).response()
     except web.RequestPayloadError as exc:
         # The body itself is unreadable (bad Content-Encoding data, broken chunked framing).
-        resp = APIError(400, f"the request body cannot be read: {_payload_reason(exc)}",
-                        code="invalid_body").response()
+        resp = APIError(
+            400, f"the request body cannot be read: {_payload_reason(exc)}", code="invalid_body"
+        ).response()
         resp.force_close()  # the connection's framing is lost: tell the client not to reuse it
         return resp
     except ConnectionResetError as exc:

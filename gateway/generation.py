@@ -74,9 +74,7 @@ class ChoiceRun:
         self._engine = engine
         self.choices = choices
         self._salt = cache_salt
-        self._queue: asyncio.Queue[tuple[int, Delta | BaseException | None]] = (
-            asyncio.Queue()
-        )
+        self._queue: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
         self._finished: set[int] = set()
         self.pending = len(choices)
@@ -106,8 +104,20 @@ class ChoiceRun:
                 finish = comp.finish_reason if out.finished or comp.finish_reason else None
                 if out.finished and finish is None:
                     finish = "stop"
-                put((i, Delta(comp.text, comp.delta_text, n, n - seen_tokens, lps, finish,
-                              out.num_cached_tokens)))
+                put(
+                    (
+                        i,
+                        Delta(
+                            comp.text,
+                            comp.delta_text,
+                            n,
+                            n - seen_tokens,
+                            lps,
+                            finish,
+                            out.num_cached_tokens,
+                        ),
+                    )
+                )
                 seen_tokens = n
                 if finish is not None:
                     self._finished.add(i)
@@ -147,12 +157,14 @@ class ChoiceRun:
     async def abort(self) -> None:
         """Abort every unfinished engine request (concurrently) and stop the pumps
         (idempotent). Unknown ids (finished meanwhile, or never started) are ignored."""
-        live = [i for i, task in enumerate(self._tasks)
-                if i not in self._finished and not task.done()]
+        live = [
+            i for i, task in enumerate(self._tasks) if i not in self._finished and not task.done()
+        ]
         if live:
             results = await asyncio.gather(
                 *(self._engine.abort(self.choices[i].request_id) for i in live),
-                return_exceptions=True)
+                return_exceptions=True,
+            )
             for i, res in zip(live, results, strict=True):
                 if isinstance(res, Exception) and not isinstance(res, ValueError | KeyError):
                     logger.error("abort of %s failed: %r", self.choices[i].request_id, res)

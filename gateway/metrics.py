@@ -18,10 +18,41 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-                    10.0, 30.0, 60.0, 120.0)
-_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
-                 0.75, 1.0, 2.5)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+)
+_TPOT_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -35,15 +66,23 @@ class _EngineStats(Collector):
         "kv_blocks_used": ("prefixgate_kv_blocks_used", "KV blocks in use (ref count > 0)"),
         "kv_blocks_total": ("prefixgate_kv_blocks_total", "KV blocks in the pool"),
         "kv_blocks_free": ("prefixgate_kv_blocks_free", "KV blocks free (cached or empty)"),
-        "kv_blocks_cached_free": ("prefixgate_kv_blocks_cached_free",
-                                  "free KV blocks still holding a cached prefix"),
+        "kv_blocks_cached_free": (
+            "prefixgate_kv_blocks_cached_free",
+            "free KV blocks still holding a cached prefix",
+        ),
         "pinned_blocks": ("prefixgate_kv_blocks_pinned", "KV blocks held by prefix pins"),
-        "prefix_cache_hit_rate": ("prefixgate_prefix_cache_hit_rate",
-                                  "prefix-cache hits / queries, in tokens"),
-        "prefix_cache_queries": ("prefixgate_prefix_cache_queries_tokens",
-                                 "prompt tokens looked up in the prefix cache"),
-        "prefix_cache_hits": ("prefixgate_prefix_cache_hits_tokens",
-                              "prompt tokens served from the prefix cache"),
+        "prefix_cache_hit_rate": (
+            "prefixgate_prefix_cache_hit_rate",
+            "prefix-cache hits / queries, in tokens",
+        ),
+        "prefix_cache_queries": (
+            "prefixgate_prefix_cache_queries_tokens",
+            "prompt tokens looked up in the prefix cache",
+        ),
+        "prefix_cache_hits": (
+            "prefixgate_prefix_cache_hits_tokens",
+            "prompt tokens served from the prefix cache",
+        ),
         "num_preemptions": ("prefixgate_engine_preemptions", "requests preempted so far"),
     }
 
@@ -69,38 +108,75 @@ class GatewayMetrics:
     def __init__(self, window_s: float = 10.0) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.ttft = Histogram("prefixgate_time_to_first_token_seconds", "TTFT at the gateway",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("prefixgate_time_per_output_token_seconds",
-                              "TPOT per choice (after the first token)",
-                              buckets=_TPOT_BUCKETS, registry=r)
-        self.e2e = Histogram("prefixgate_e2e_request_latency_seconds",
-                             "end-to-end request latency at the gateway",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.requests = Counter("prefixgate_requests", "finished requests by route and status",
-                                ["route", "status"], registry=r)
-        self.prompt_tokens = Counter("prefixgate_prompt_tokens", "prompt tokens admitted",
-                                     registry=r)
-        self.generation_tokens = Counter("prefixgate_generation_tokens", "tokens generated",
-                                         registry=r)
-        self.cached_tokens = Counter("prefixgate_cached_prompt_tokens",
-                                     "prompt tokens served from the prefix cache", registry=r)
-        self.queue_depth = Gauge("prefixgate_queue_depth",
-                                 "requests admitted and waiting for their first token", registry=r)
-        self.queued_tokens = Gauge("prefixgate_queue_prompt_tokens",
-                                   "prompt tokens of the queued requests", registry=r)
-        self.running = Gauge("prefixgate_running_requests",
-                             "requests admitted and generating", registry=r)
-        self.tokens_per_s = Gauge("prefixgate_generation_tokens_per_second",
-                                  f"tokens generated per second over the last {window_s:g} s",
-                                  registry=r)
-        self.upstream_requests = Counter("prefixgate_upstream_requests",
-                                         "requests forwarded per upstream and status",
-                                         ["upstream", "status"], registry=r)
-        self.upstream_healthy = Gauge("prefixgate_upstream_healthy", "1 when the upstream is healthy",
-                                      ["upstream"], registry=r)
-        self.upstream_in_flight = Gauge("prefixgate_upstream_in_flight",
-                                        "requests in flight per upstream", ["upstream"], registry=r)
+        self.ttft = Histogram(
+            "prefixgate_time_to_first_token_seconds",
+            "TTFT at the gateway",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "prefixgate_time_per_output_token_seconds",
+            "TPOT per choice (after the first token)",
+            buckets=_TPOT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "prefixgate_e2e_request_latency_seconds",
+            "end-to-end request latency at the gateway",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.requests = Counter(
+            "prefixgate_requests",
+            "finished requests by route and status",
+            ["route", "status"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "prefixgate_prompt_tokens", "prompt tokens admitted", registry=r
+        )
+        self.generation_tokens = Counter(
+            "prefixgate_generation_tokens", "tokens generated", registry=r
+        )
+        self.cached_tokens = Counter(
+            "prefixgate_cached_prompt_tokens",
+            "prompt tokens served from the prefix cache",
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "prefixgate_queue_depth",
+            "requests admitted and waiting for their first token",
+            registry=r,
+        )
+        self.queued_tokens = Gauge(
+            "prefixgate_queue_prompt_tokens", "prompt tokens of the queued requests", registry=r
+        )
+        self.running = Gauge(
+            "prefixgate_running_requests", "requests admitted and generating", registry=r
+        )
+        self.tokens_per_s = Gauge(
+            "prefixgate_generation_tokens_per_second",
+            f"tokens generated per second over the last {window_s:g} s",
+            registry=r,
+        )
+        self.upstream_requests = Counter(
+            "prefixgate_upstream_requests",
+            "requests forwarded per upstream and status",
+            ["upstream", "status"],
+            registry=r,
+        )
+        self.upstream_healthy = Gauge(
+            "prefixgate_upstream_healthy",
+            "1 when the upstream is healthy",
+            ["upstream"],
+            registry=r,
+        )
+        self.upstream_in_flight = Gauge(
+            "prefixgate_upstream_in_flight",
+            "requests in flight per upstream",
+            ["upstream"],
+            registry=r,
+        )
         self._window = window_s
         # (monotonic time, cumulative generated tokens) at each scrape, over the window
         self._marks: list[tuple[float, float]] = [(time.monotonic(), 0.0)]

@@ -91,8 +91,12 @@ class PrefixRegistry:
         return len(self._entries)
 
     async def create(
-        self, messages: list[dict[str, str]], token_ids: list[int], ttl_s: float,
-        salt: str | None, cache_salt: str | None = None,
+        self,
+        messages: list[dict[str, str]],
+        token_ids: list[int],
+        ttl_s: float,
+        salt: str | None,
+        cache_salt: str | None = None,
     ) -> PrefixEntry:
         """Pin ``token_ids`` (the rendered ``messages``) for ``ttl_s`` seconds.
 
@@ -111,11 +115,18 @@ class PrefixRegistry:
         if len(token_ids) < 2:
             raise APIError(400, "the prefix renders to fewer than 2 tokens", param="messages")
         if len(self._entries) + self._pending >= self.max_prefixes:
-            raise APIError(429, f"too many live prefixes (max {self.max_prefixes}); delete some",
-                           code="prefix_limit_exceeded", retry_after=self._next_expiry())
+            raise APIError(
+                429,
+                f"too many live prefixes (max {self.max_prefixes}); delete some",
+                code="prefix_limit_exceeded",
+                retry_after=self._next_expiry(),
+            )
         pinned = token_ids[:-1]
-        job = asyncio.ensure_future(self._engine.pin_prefix(
-            pinned, ttl_s, cache_salt=salt if cache_salt is None else cache_salt))
+        job = asyncio.ensure_future(
+            self._engine.pin_prefix(
+                pinned, ttl_s, cache_salt=salt if cache_salt is None else cache_salt
+            )
+        )
         self._pending += 1
         try:
             pin = await asyncio.shield(job)
@@ -127,7 +138,8 @@ class PrefixRegistry:
                 raise APIError(
                     429,
                     f"pinned prefix space is full: {exc}. Delete a prefix or wait for one to expire",
-                    code="prefix_limit_exceeded", retry_after=self._next_expiry(),
+                    code="prefix_limit_exceeded",
+                    retry_after=self._next_expiry(),
                 ) from None
             raise APIError(400, str(exc), param="messages") from None
         finally:
@@ -155,8 +167,11 @@ class PrefixRegistry:
         self._expire()
         entry = self._entries.get(prefix_id)
         if entry is None or entry.salt != salt:
-            raise not_found(f"prefix {shown(prefix_id)} not found (unknown or expired)",
-                            param="prefix_id", code="prefix_not_found")
+            raise not_found(
+                f"prefix {shown(prefix_id)} not found (unknown or expired)",
+                param="prefix_id",
+                code="prefix_not_found",
+            )
         return entry
 
     def delete(self, prefix_id: str, salt: str | None) -> PrefixEntry:

@@ -22,8 +22,9 @@ from prefixgate.engine.sampling_params import SamplingParams
 from prefixgate.gateway.errors import APIError, bad_request
 
 
-async def render_chat(tokenizer: Any, messages: list[dict[str, str]],
-                      add_generation_prompt: bool = True) -> list[int]:
+async def render_chat(
+    tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True
+) -> list[int]:
     """Token ids of ``messages`` rendered with the chat template (in a worker thread).
 
     Raises:
@@ -32,13 +33,15 @@ async def render_chat(tokenizer: Any, messages: list[dict[str, str]],
     return await asyncio.to_thread(_render_chat, tokenizer, messages, add_generation_prompt)
 
 
-def _render_chat(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool
-                 ) -> list[int]:
+def _render_chat(
+    tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool
+) -> list[int]:
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
     except Exception as exc:  # noqa: BLE001 - jinja raises its own types for template errors
-        raise bad_request(f"the chat template cannot render these messages: {exc}",
-                          param="messages") from None
+        raise bad_request(
+            f"the chat template cannot render these messages: {exc}", param="messages"
+        ) from None
     return _encode(tokenizer, [text], add_special_tokens=False)[0]
 
 
@@ -88,8 +91,9 @@ def _completion_prompts(tokenizer: Any, prompt: str | list) -> list[list[int]]:
     return out
 
 
-def check_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
-                 param: str) -> int:
+def check_length(
+    num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, param: str
+) -> int:
     """The output limit in tokens, checked against the context length (vLLM's rule).
 
     Returns ``max_tokens``, or what is left of ``max_model_len`` when ``None``.
@@ -103,7 +107,8 @@ def check_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: 
             400,
             f"this model's maximum context length is {max_model_len} tokens; the prompt has "
             f"{num_prompt_tokens} tokens, leaving no room to generate",
-            param=param, code="context_length_exceeded",
+            param=param,
+            code="context_length_exceeded",
         )
     room = max_model_len - num_prompt_tokens
     if max_tokens is None:
@@ -114,7 +119,8 @@ def check_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: 
             f"this model's maximum context length is {max_model_len} tokens: the prompt "
             f"({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceeds it; "
             f"ask for at most {room} tokens",
-            param="max_tokens", code="context_length_exceeded",
+            param="max_tokens",
+            code="context_length_exceeded",
         )
     return max_tokens
 

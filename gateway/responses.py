@@ -43,7 +43,7 @@ class TokenTexts:
         if text is None:
             full = self._tok.decode(self._anchor + [token_id], skip_special_tokens=False)
             if self._anchor and full.startswith(self._anchor_text):
-                text = full[len(self._anchor_text):]
+                text = full[len(self._anchor_text) :]
             else:
                 text = self._tok.decode([token_id], skip_special_tokens=False)
             if len(self._cache) < self._max:
@@ -51,8 +51,7 @@ class TokenTexts:
         return text
 
 
-def chat_logprobs(token_text: Callable[[int], str], entries: list[TokenLogprobs]
-                  ) -> dict[str, Any]:
+def chat_logprobs(token_text: Callable[[int], str], entries: list[TokenLogprobs]) -> dict[str, Any]:
     """Chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
     content = []
     for entry in entries:
@@ -60,15 +59,23 @@ def chat_logprobs(token_text: Callable[[int], str], entries: list[TokenLogprobs]
         tops = []
         for alt in entry.top:
             alt_text = token_text(alt.token_id)
-            tops.append({"token": alt_text, "logprob": alt.logprob,
-                         "bytes": list(alt_text.encode())})
-        content.append({"token": text, "logprob": entry.sampled.logprob,
-                        "bytes": list(text.encode()), "top_logprobs": tops})
+            tops.append(
+                {"token": alt_text, "logprob": alt.logprob, "bytes": list(alt_text.encode())}
+            )
+        content.append(
+            {
+                "token": text,
+                "logprob": entry.sampled.logprob,
+                "bytes": list(text.encode()),
+                "top_logprobs": tops,
+            }
+        )
     return {"content": content}
 
 
-def completion_logprobs(token_text: Callable[[int], str], entries: list[TokenLogprobs],
-                        offset: int = 0) -> dict[str, Any]:
+def completion_logprobs(
+    token_text: Callable[[int], str], entries: list[TokenLogprobs], offset: int = 0
+) -> dict[str, Any]:
     """Legacy completions ``logprobs``: tokens, token_logprobs, top_logprobs, text_offset."""
     tokens, token_logprobs, tops, offsets = [], [], [], []
     for entry in entries:
@@ -78,31 +85,61 @@ def completion_logprobs(token_text: Callable[[int], str], entries: list[TokenLog
         tops.append({token_text(alt.token_id): alt.logprob for alt in entry.top})
         offsets.append(offset)
         offset += len(text)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
-            "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
 
 
-def chat_completion(rid: str, created: int, model: str, choices: list[dict], use: dict
-                    ) -> dict[str, Any]:
+def chat_completion(
+    rid: str, created: int, model: str, choices: list[dict], use: dict
+) -> dict[str, Any]:
     """A ``chat.completion`` object."""
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": use, "system_fingerprint": None}
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": use,
+        "system_fingerprint": None,
+    }
 
 
-def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None
-                ) -> dict[str, Any]:
+def chat_choice(
+    index: int, text: str, finish_reason: str | None, logprobs: dict | None
+) -> dict[str, Any]:
     """One choice of a chat completion."""
-    return {"index": index, "message": {"role": "assistant", "content": text},
-            "logprobs": logprobs, "finish_reason": finish_reason}
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": text},
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+    }
 
 
-def chat_chunk(rid: str, created: int, model: str, index: int, delta: dict,
-               finish_reason: str | None = None, logprobs: dict | None = None,
-               with_usage: bool = False) -> dict[str, Any]:
+def chat_chunk(
+    rid: str,
+    created: int,
+    model: str,
+    index: int,
+    delta: dict,
+    finish_reason: str | None = None,
+    logprobs: dict | None = None,
+    with_usage: bool = False,
+) -> dict[str, Any]:
     """A ``chat.completion.chunk`` with one choice (``usage: null`` when usage will follow)."""
-    chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-             "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                          "finish_reason": finish_reason}]}
+    chunk = {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [
+            {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        ],
+    }
     if with_usage:
         chunk["usage"] = None
     return chunk
@@ -110,28 +147,49 @@ def chat_chunk(rid: str, created: int, model: str, index: int, delta: dict,
 
 def usage_chunk(rid: str, created: int, model: str, obj: str, use: dict) -> dict[str, Any]:
     """The final chunk of a stream with ``include_usage``: no choices, the usage."""
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
-            "usage": use}
+    return {
+        "id": rid,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": use,
+    }
 
 
-def completion(rid: str, created: int, model: str, choices: list[dict], use: dict
-               ) -> dict[str, Any]:
+def completion(
+    rid: str, created: int, model: str, choices: list[dict], use: dict
+) -> dict[str, Any]:
     """A ``text_completion`` object."""
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": choices, "usage": use, "system_fingerprint": None}
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": use,
+        "system_fingerprint": None,
+    }
 
 
-def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None
-                      ) -> dict[str, Any]:
+def completion_choice(
+    index: int, text: str, finish_reason: str | None, logprobs: dict | None
+) -> dict[str, Any]:
     """One choice of a text completion (also the shape of a streamed completion chunk)."""
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def completion_chunk(rid: str, created: int, model: str, choice: dict, with_usage: bool = False
-                     ) -> dict[str, Any]:
+def completion_chunk(
+    rid: str, created: int, model: str, choice: dict, with_usage: bool = False
+) -> dict[str, Any]:
     """A streamed ``text_completion`` chunk with one choice."""
-    chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
-             "choices": [choice]}
+    chunk = {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+    }
     if with_usage:
         chunk["usage"] = None
     return chunk

@@ -51,8 +51,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     max_tokens = check_length(len(ids), req.output_limit, engine.max_model_len, "messages")
     rid = "chatcmpl-" + uuid.uuid4().hex
     seeds = choice_seeds(req.seed, req.n)
-    choices = [Choice(i, f"{rid}-{i}", ids, sampling_params(req, max_tokens, seeds[i]))
-               for i in range(req.n)]
+    choices = [
+        Choice(i, f"{rid}-{i}", ids, sampling_params(req, max_tokens, seeds[i]))
+        for i in range(req.n)
+    ]
     return await _Exchange(request, st, principal, req, rid, choices, chat=True).run()
 
 
@@ -75,8 +77,15 @@ async def completions(request: web.Request) -> web.StreamResponse:
         max_tokens = check_length(len(ids), req.output_limit, engine.max_model_len, "prompt")
         for j in range(req.n):
             index = p * req.n + j
-            choices.append(Choice(index, f"{rid}-{index}", ids,
-                                  sampling_params(req, max_tokens, seeds[j]), prompt_index=p))
+            choices.append(
+                Choice(
+                    index,
+                    f"{rid}-{index}",
+                    ids,
+                    sampling_params(req, max_tokens, seeds[j]),
+                    prompt_index=p,
+                )
+            )
     return await _Exchange(request, st, principal, req, rid, choices, chat=False).run()
 
 
@@ -110,8 +119,9 @@ def engine_error(exc: Exception) -> APIError:
     if isinstance(exc, ValueError | TypeError):
         return bad_request(str(exc))
     if type(exc).__name__ == "EngineDeadError":
-        return APIError(503, "the engine is shutting down", code="engine_unavailable",
-                        retry_after=5.0)
+        return APIError(
+            503, "the engine is shutting down", code="engine_unavailable", retry_after=5.0
+        )
     logger.error("engine failed a request: %r", exc)
     return APIError(500, f"generation failed: {type(exc).__name__}", code="engine_error")
 
@@ -119,8 +129,16 @@ def engine_error(exc: Exception) -> APIError:
 class _Exchange:
     """One admitted request: runs its choices and writes the JSON body or the SSE stream."""
 
-    def __init__(self, request: web.Request, st: GatewayState, principal: Any, req: Any,
-                 rid: str, choices: list[Choice], chat: bool) -> None:
+    def __init__(
+        self,
+        request: web.Request,
+        st: GatewayState,
+        principal: Any,
+        req: Any,
+        rid: str,
+        choices: list[Choice],
+        chat: bool,
+    ) -> None:
         self.request = request
         self.st = st
         self.principal = principal
@@ -150,8 +168,11 @@ class _Exchange:
         st = self.st
         self.principal.acquire(self.prompt_tokens)
         try:
-            self.ticket = st.admission.admit(self.prompt_tokens, len(self.choices),
-                                             param="n" if self.num_prompts == 1 else "prompt")
+            self.ticket = st.admission.admit(
+                self.prompt_tokens,
+                len(self.choices),
+                param="n" if self.num_prompts == 1 else "prompt",
+            )
         except APIError:
             self.principal.release(0)
             raise
@@ -222,14 +243,18 @@ class _Exchange:
                 self._record(*ev)
         self.st.metrics.cached_tokens.inc(sum(self.cached.values()))
         if self.chat:
-            choices = [R.chat_choice(i, self.text[i], self.finish[i],
-                                     self._logprobs(self.logprobs[i]))
-                       for i in range(len(self.choices))]
+            choices = [
+                R.chat_choice(i, self.text[i], self.finish[i], self._logprobs(self.logprobs[i]))
+                for i in range(len(self.choices))
+            ]
             body = R.chat_completion(self.rid, self.created, self.model, choices, self._usage())
         else:
-            choices = [R.completion_choice(i, self.text[i], self.finish[i],
-                                           self._logprobs(self.logprobs[i]))
-                       for i in range(len(self.choices))]
+            choices = [
+                R.completion_choice(
+                    i, self.text[i], self.finish[i], self._logprobs(self.logprobs[i])
+                )
+                for i in range(len(self.choices))
+            ]
             body = R.completion(self.rid, self.created, self.model, choices, self._usage())
         return web.json_response(body)
 
@@ -253,7 +278,9 @@ class _Exchange:
                             return web.Response(status=CLIENT_GONE)
                         if not sse.response.prepared and time.monotonic() - self.t0 >= keepalive:
                             await self._open(sse, with_usage)
-                        elif sse.response.prepared and time.monotonic() - sse.last_write >= keepalive:
+                        elif (
+                            sse.response.prepared and time.monotonic() - sse.last_write >= keepalive
+                        ):
                             await sse.keepalive()
                 if not sse.response.prepared:
                     await self._open(sse, with_usage)
@@ -268,13 +295,16 @@ class _Exchange:
                     try:
                         ev = await run.next(poll)
                     except Exception as exc:  # noqa: BLE001 - reported in-band, then [DONE]
-                        await sse.send(APIError(500, f"generation failed: {type(exc).__name__}")
-                                       .body())
+                        await sse.send(
+                            APIError(500, f"generation failed: {type(exc).__name__}").body()
+                        )
                         break
             self.st.metrics.cached_tokens.inc(sum(self.cached.values()))
             if with_usage:
                 obj = "chat.completion.chunk" if self.chat else "text_completion"
-                await sse.send(R.usage_chunk(self.rid, self.created, self.model, obj, self._usage()))
+                await sse.send(
+                    R.usage_chunk(self.rid, self.created, self.model, obj, self._usage())
+                )
             await sse.done()
         except ConnectionResetError:
             pass  # client gone mid-stream: ChoiceRun aborted the engine requests on exit
@@ -285,9 +315,16 @@ class _Exchange:
         await sse.open()
         if self.chat:
             for i in range(len(self.choices)):
-                await sse.send(R.chat_chunk(self.rid, self.created, self.model, i,
-                                            {"role": "assistant", "content": ""},
-                                            with_usage=with_usage))
+                await sse.send(
+                    R.chat_chunk(
+                        self.rid,
+                        self.created,
+                        self.model,
+                        i,
+                        {"role": "assistant", "content": ""},
+                        with_usage=with_usage,
+                    )
+                )
 
     async def _send_delta(self, sse: SSEWriter, i: int, d: Delta, with_usage: bool) -> None:
         offset = len(self.text[i])
@@ -298,10 +335,22 @@ class _Exchange:
             return  # nothing visible yet (a held-back stop-string prefix or partial UTF-8)
         if self.chat:
             delta = {"content": d.delta_text} if d.delta_text or finish is None else {}
-            chunk = R.chat_chunk(self.rid, self.created, self.model, i, delta, finish, logprobs,
-                                 with_usage=with_usage)
+            chunk = R.chat_chunk(
+                self.rid,
+                self.created,
+                self.model,
+                i,
+                delta,
+                finish,
+                logprobs,
+                with_usage=with_usage,
+            )
         else:
             chunk = R.completion_chunk(
-                self.rid, self.created, self.model,
-                R.completion_choice(i, d.delta_text, finish, logprobs), with_usage=with_usage)
+                self.rid,
+                self.created,
+                self.model,
+                R.completion_choice(i, d.delta_text, finish, logprobs),
+                with_usage=with_usage,
+            )
         await sse.send(chunk)

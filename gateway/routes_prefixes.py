@@ -23,8 +23,13 @@ async def create_prefix(request: web.Request) -> web.Response:
     messages = [m.as_dict() for m in req.messages]
     ids = await render_chat(engine.tokenizer, messages, add_generation_prompt=False)
     check_length(len(ids), None, engine.max_model_len, "messages")
-    entry = await st.prefixes.create(messages, ids, req.ttl_seconds, principal.salt,
-                                     effective_salt(principal.salt, req.cache_salt))
+    entry = await st.prefixes.create(
+        messages,
+        ids,
+        req.ttl_seconds,
+        principal.salt,
+        effective_salt(principal.salt, req.cache_salt),
+    )
     return web.json_response(entry.public(st.model_name))
 
 

@@ -42,8 +42,11 @@ async def proxy_generate(request: web.Request) -> web.StreamResponse:
     if not isinstance(parsed, dict):
         raise bad_request("the body must be a JSON object", code="invalid_json")
     if parsed.get("prefix_id") is not None:
-        raise bad_request("prefix_id is not available in upstream mode", param="prefix_id",
-                          code="unsupported_in_upstream_mode")
+        raise bad_request(
+            "prefix_id is not available in upstream mode",
+            param="prefix_id",
+            code="unsupported_in_upstream_mode",
+        )
     s = st.settings
     key = affinity_key(parsed, s.affinity_block_chars, s.affinity_max_chars)
     est_tokens = len(body) // 4 + 1  # no tokenizer here: ~4 bytes per token for limits
@@ -69,8 +72,14 @@ async def proxy_get(request: web.Request) -> web.StreamResponse:
     return await _forward(request, st, None, None, None, None)
 
 
-async def _forward(request: web.Request, st: GatewayState, body: bytes | None,
-                   key: bytes | None, ticket: Any, principal: Any) -> web.StreamResponse:
+async def _forward(
+    request: web.Request,
+    st: GatewayState,
+    body: bytes | None,
+    key: bytes | None,
+    ticket: Any,
+    principal: Any,
+) -> web.StreamResponse:
     router = st.router
     session = router.session
     headers = _headers(request, st)
@@ -79,10 +88,17 @@ async def _forward(request: web.Request, st: GatewayState, body: bytes | None,
         up = router.pick(key, tried)
         if up is None:
             if tried:
-                raise APIError(502, f"every upstream failed: {tried[-1].last_error}",
-                               code="upstream_unavailable")
-            raise APIError(503, "no healthy upstream", code="upstream_unavailable",
-                           retry_after=router.health_interval_s)
+                raise APIError(
+                    502,
+                    f"every upstream failed: {tried[-1].last_error}",
+                    code="upstream_unavailable",
+                )
+            raise APIError(
+                503,
+                "no healthy upstream",
+                code="upstream_unavailable",
+                retry_after=router.health_interval_s,
+            )
         tried.append(up)
         up.in_flight += 1
         status = "error"
@@ -140,15 +156,21 @@ def _wrapped_error(resp: aiohttp.ClientResponse) -> APIError:
     """An upstream error whose body is not an OpenAI error object (an HTML page, a traceback,
     nothing): the same status, a generic OpenAI error, the upstream's body never shown."""
     retry = resp.headers.get("Retry-After", "")
-    return APIError(resp.status, f"the upstream answered HTTP {resp.status} without an "
-                    "OpenAI error object", code="upstream_error",
-                    retry_after=float(retry) if retry.isdigit() else None)
+    return APIError(
+        resp.status,
+        f"the upstream answered HTTP {resp.status} without an OpenAI error object",
+        code="upstream_error",
+        retry_after=float(retry) if retry.isdigit() else None,
+    )
 
 
 async def _pipe(request: web.Request, resp: aiohttp.ClientResponse) -> web.StreamResponse:
     """Pass an SSE stream through chunk by chunk."""
-    headers = {"Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
-               "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    headers = {
+        "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
+        "Cache-Control": "no-cache",
+        "X-Accel-Buffering": "no",
+    }
     if "Content-Encoding" in resp.headers:
         headers["Content-Encoding"] = resp.headers["Content-Encoding"]
     out = web.StreamResponse(status=resp.status, headers=headers)

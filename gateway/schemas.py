@@ -101,8 +101,9 @@ class _SamplingFields(BaseModel):
 
     @field_validator("stream_options")
     @classmethod
-    def _stream_options_need_stream(cls, value: StreamOptions | None, info: ValidationInfo
-                                    ) -> StreamOptions | None:
+    def _stream_options_need_stream(
+        cls, value: StreamOptions | None, info: ValidationInfo
+    ) -> StreamOptions | None:
         if value is not None and not info.data.get("stream"):
             raise ValueError("stream_options is only allowed with stream=true")
         return value
@@ -132,7 +133,11 @@ class ChatCompletionRequest(_SamplingFields):
     @property
     def output_limit(self) -> int | None:
         """``max_completion_tokens`` (current name) or ``max_tokens`` (deprecated name)."""
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
 
     @property
     def num_logprobs(self) -> int | None:
@@ -208,8 +213,11 @@ def _relevant_error(errors: list[dict]) -> dict:
     field = loc[:cut]
     same = [e for e in errors if e["loc"][:cut] == field]
     # "<member>: Input should be a valid <type>": that member does not take this value at all.
-    fitting = [e for e in same
-               if not (e["type"].endswith("_type") and e["loc"] and _is_type_tag(e["loc"][-1]))]
+    fitting = [
+        e
+        for e in same
+        if not (e["type"].endswith("_type") and e["loc"] and _is_type_tag(e["loc"][-1]))
+    ]
     if not fitting or cut == len(loc):
         return first
     return max(fitting, key=lambda e: len(e["loc"]))  # max keeps the first of equal depth
@@ -217,6 +225,7 @@ def _relevant_error(errors: list[dict]) -> dict:
 
 def _is_type_tag(part: object) -> bool:
     return isinstance(part, str) and (
-        part in {"str", "int", "float", "bool", "none"} or part.startswith(("list[", "function-"))
+        part in {"str", "int", "float", "bool", "none"}
+        or part.startswith(("list[", "function-"))
         or part in {"TextPart"}
     )

@@ -32,9 +32,26 @@ from prefixgate.gateway.state import GatewaySettings
 logger = logging.getLogger("prefixgate.gateway")
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "ki": 2**10, "m": 10**6,
-          "mb": 10**6, "mib": 2**20, "mi": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30,
-          "gi": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40, "ti": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "kib": 2**10,
+    "ki": 2**10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 2**20,
+    "mi": 2**20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 2**30,
+    "gi": 2**30,
+    "t": 10**12,
+    "tb": 10**12,
+    "tib": 2**40,
+    "ti": 2**40,
+}
 
 # Flags whose generic name would be awkward; value: (flag, argparse kwargs).
 _SPECIAL = {"model", "enable_prefix_caching", "hf_overrides", "kv_cache_memory"}
@@ -86,43 +103,86 @@ def _engine_flags(group: argparse._ArgumentGroup) -> None:
         default = f.default if f.default is not dataclasses.MISSING else None
         kwargs["help"] = f"EngineConfig.{f.name} (default: {default})"
         group.add_argument("--" + f.name.replace("_", "-"), **kwargs)
-    group.add_argument("--kv-cache-memory", dest="kv_cache_memory", type=parse_bytes,
-                       default=argparse.SUPPRESS,
-                       help="KV cache byte budget, e.g. 268435456 or 256MiB")
-    group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                       default=argparse.SUPPRESS, help="turn the prefix cache off")
-    group.add_argument("--hf-overrides", dest="hf_overrides", type=_json_object,
-                       default=argparse.SUPPRESS,
-                       help='config.json overrides as JSON, e.g. \'{"num_hidden_layers": 2}\'')
+    group.add_argument(
+        "--kv-cache-memory",
+        dest="kv_cache_memory",
+        type=parse_bytes,
+        default=argparse.SUPPRESS,
+        help="KV cache byte budget, e.g. 268435456 or 256MiB",
+    )
+    group.add_argument(
+        "--no-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        default=argparse.SUPPRESS,
+        help="turn the prefix cache off",
+    )
+    group.add_argument(
+        "--hf-overrides",
+        dest="hf_overrides",
+        type=_json_object,
+        default=argparse.SUPPRESS,
+        help="config.json overrides as JSON, e.g. '{\"num_hidden_layers\": 2}'",
+    )
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``serve`` command to ``subparsers``; its ``func`` returns the exit code."""
-    p = subparsers.add_parser("serve", help="serve the OpenAI API (local engine or upstreams)",
-                              description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None,
-                   help="Hugging Face model directory (default: built-in tiny-random preset)")
+    p = subparsers.add_parser(
+        "serve",
+        help="serve the OpenAI API (local engine or upstreams)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="Hugging Face model directory (default: built-in tiny-random preset)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
-    p.add_argument("--served-model-name", default=None,
-                   help="model id clients use (default: the model folder's name)")
-    p.add_argument("--api-key", action="append", default=[], dest="api_keys",
-                   help="accepted API key (repeatable); none and no keys file = open")
-    p.add_argument("--keys-file", default=None,
-                   help="JSON/TOML keys file with per-key limits and cache salts")
-    p.add_argument("--upstream", action="append", default=[], dest="upstreams",
-                   help="proxy to this OpenAI-compatible server instead of a local engine "
-                        "(repeatable: prefix-affinity routing)")
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model id clients use (default: the model folder's name)",
+    )
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        dest="api_keys",
+        help="accepted API key (repeatable); none and no keys file = open",
+    )
+    p.add_argument(
+        "--keys-file", default=None, help="JSON/TOML keys file with per-key limits and cache salts"
+    )
+    p.add_argument(
+        "--upstream",
+        action="append",
+        default=[],
+        dest="upstreams",
+        help="proxy to this OpenAI-compatible server instead of a local engine "
+        "(repeatable: prefix-affinity routing)",
+    )
     p.add_argument("--upstream-api-key", default=None, help="bearer key sent to the upstreams")
     g = p.add_argument_group("gateway limits")
     defaults = GatewaySettings()
-    for name, kind in (("max_body_bytes", parse_bytes), ("max_queued_requests", int),
-                       ("max_queued_tokens", int), ("max_running", int),
-                       ("keepalive_s", float), ("max_prefix_ttl_s", float),
-                       ("upstream_timeout_s", float), ("health_interval_s", float)):
-        g.add_argument("--" + name.replace("_", "-"), type=kind, default=getattr(defaults, name),
-                       help=f"GatewaySettings.{name} (default: {getattr(defaults, name)})")
+    for name, kind in (
+        ("max_body_bytes", parse_bytes),
+        ("max_queued_requests", int),
+        ("max_queued_tokens", int),
+        ("max_running", int),
+        ("keepalive_s", float),
+        ("max_prefix_ttl_s", float),
+        ("upstream_timeout_s", float),
+        ("health_interval_s", float),
+    ):
+        g.add_argument(
+            "--" + name.replace("_", "-"),
+            type=kind,
+            default=getattr(defaults, name),
+            help=f"GatewaySettings.{name} (default: {getattr(defaults, name)})",
+        )
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     _engine_flags(p.add_argument_group("engine options (EngineConfig)"))
     p.set_defaults(func=run)
@@ -149,11 +209,17 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
     if name is None and not args.upstreams:
         name = os.path.basename(os.path.normpath(args.model)) if args.model else "tiny-random"
     return GatewaySettings(
-        model_name=name, api_keys=list(args.api_keys), keys_file=args.keys_file,
-        upstream_api_key=args.upstream_api_key, max_body_bytes=args.max_body_bytes,
-        max_queued_requests=args.max_queued_requests, max_queued_tokens=args.max_queued_tokens,
-        max_running=args.max_running, keepalive_s=args.keepalive_s,
-        max_prefix_ttl_s=args.max_prefix_ttl_s, upstream_timeout_s=args.upstream_timeout_s,
+        model_name=name,
+        api_keys=list(args.api_keys),
+        keys_file=args.keys_file,
+        upstream_api_key=args.upstream_api_key,
+        max_body_bytes=args.max_body_bytes,
+        max_queued_requests=args.max_queued_requests,
+        max_queued_tokens=args.max_queued_tokens,
+        max_running=args.max_running,
+        keepalive_s=args.keepalive_s,
+        max_prefix_ttl_s=args.max_prefix_ttl_s,
+        upstream_timeout_s=args.upstream_timeout_s,
         health_interval_s=args.health_interval_s,
     )
 
@@ -161,8 +227,9 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
 def run(args: argparse.Namespace) -> int:
     """``prefixgate serve``: returns 0 after a graceful stop, 1 when the model fails to load,
     2 on bad options."""
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         settings = settings_from_args(args)
         config = None if args.upstreams else engine_config(args)
@@ -175,8 +242,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
 
-async def serve(settings: GatewaySettings, config: Any, upstreams: list[str], host: str,
-                port: int) -> int:
+async def serve(
+    settings: GatewaySettings, config: Any, upstreams: list[str], host: str, port: int
+) -> int:
     """Serve until SIGINT/SIGTERM. ``config`` is an EngineConfig (local) or None (upstreams)."""
     from prefixgate.gateway.app import attach_engine, create_app
     from prefixgate.gateway.server import start_server
@@ -196,8 +264,9 @@ async def serve(settings: GatewaySettings, config: Any, upstreams: list[str], ho
     try:
         server = await start_server(app, host, port)
     except OSError as exc:  # port in use, address not available, no permission
-        logger.error("cannot listen on %s:%d: %s (choose another --port)", host, port,
-                     exc.strerror or exc)
+        logger.error(
+            "cannot listen on %s:%d: %s (choose another --port)", host, port, exc.strerror or exc
+        )
         return 1
     logger.info("prefixgate listening on %s (OpenAI API at %s/v1)", server.url, server.url)
     engine = None
@@ -209,8 +278,9 @@ async def serve(settings: GatewaySettings, config: Any, upstreams: list[str], ho
             engine, code = await _load_engine(config, stop)
             if engine is not None:
                 attach_engine(app, engine)
-                logger.info("model %r ready (max_model_len %d)", settings.model_name,
-                            engine.max_model_len)
+                logger.info(
+                    "model %r ready (max_model_len %d)", settings.model_name, engine.max_model_len
+                )
         if code == 0:
             await stop.wait()
             logger.info("shutting down")
@@ -225,8 +295,10 @@ async def _load_engine(config: Any, stop: asyncio.Event) -> tuple[Any, int]:
     from prefixgate.engine import AsyncEngine
 
     if config.model is None:
-        logger.info("no --model given: serving the built-in 'tiny-random' preset "
-                    "(dummy random weights, byte tokenizer; its text is gibberish by design)")
+        logger.info(
+            "no --model given: serving the built-in 'tiny-random' preset "
+            "(dummy random weights, byte tokenizer; its text is gibberish by design)"
+        )
     else:
         logger.info("loading %s (load_format=%s)", config.model, config.load_format)
     load = asyncio.ensure_future(asyncio.to_thread(AsyncEngine, config))

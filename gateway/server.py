@@ -34,15 +34,17 @@ class RunningServer:
         await self.runner.cleanup()
 
 
-async def start_server(app: web.Application, host: str = "127.0.0.1", port: int = 0,
-                       shutdown_timeout_s: float = 5.0) -> RunningServer:
+async def start_server(
+    app: web.Application, host: str = "127.0.0.1", port: int = 0, shutdown_timeout_s: float = 5.0
+) -> RunningServer:
     """Start serving ``app`` on ``host:port`` in the running loop.
 
     Raises:
         OSError: when the address cannot be bound.
     """
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           shutdown_timeout=shutdown_timeout_s)
+    runner = web.AppRunner(
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout_s
+    )
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=1024, reuse_address=True)
     try:
@@ -62,14 +64,19 @@ class BackgroundServer:
     server's loop and returns its result.
     """
 
-    def __init__(self, make_app: Callable[[], web.Application | Awaitable[web.Application]],
-                 host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self,
+        make_app: Callable[[], web.Application | Awaitable[web.Application]],
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ) -> None:
         self._make_app = make_app
         self._host = host
         self._port = port
         self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True,
-                                        name="prefixgate-server")
+        self._thread = threading.Thread(
+            target=self.loop.run_forever, daemon=True, name="prefixgate-server"
+        )
         self.server: RunningServer | None = None
         self.app: web.Application | None = None
 

@@ -97,15 +97,23 @@ class GatewayState:
             APIError: 503 ``model_not_ready``.
         """
         if not self.ready or self.engine is None:
-            raise APIError(503, "the model is still loading; retry shortly", code="model_not_ready",
-                           retry_after=2.0)
+            raise APIError(
+                503,
+                "the model is still loading; retry shortly",
+                code="model_not_ready",
+                retry_after=2.0,
+            )
         return self.engine
 
     def check_model(self, model: str) -> None:
         """Raises APIError 404 ``model_not_found`` unless ``model`` is the served model."""
         if model != self.model_name:
-            raise APIError(404, f"the model {shown(model)} does not exist; this server serves "
-                           f"{self.model_name!r}", param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"the model {shown(model)} does not exist; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
 
 
 STATE: web.AppKey[GatewayState] = web.AppKey("prefixgate_state", GatewayState)

@@ -79,8 +79,11 @@ def affinity_key(body: Any, block_chars: int = 64, max_chars: int = 4096) -> byt
                 lead.append(_content(m.get("content")))
             else:
                 break
-        text = "\n".join(lead) if lead else (
-            _content(messages[0].get("content")) if isinstance(messages[0], dict) else "")
+        text = (
+            "\n".join(lead)
+            if lead
+            else (_content(messages[0].get("content")) if isinstance(messages[0], dict) else "")
+        )
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt:
@@ -115,9 +118,15 @@ class UpstreamRouter:
         connect_timeout_s, timeout_s: of each upstream request (0 = no total timeout).
     """
 
-    def __init__(self, urls: Sequence[str], balance_abs_threshold: int = 64,
-                 balance_rel_threshold: float = 1.5, health_interval_s: float = 5.0,
-                 connect_timeout_s: float = 5.0, timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        urls: Sequence[str],
+        balance_abs_threshold: int = 64,
+        balance_rel_threshold: float = 1.5,
+        health_interval_s: float = 5.0,
+        connect_timeout_s: float = 5.0,
+        timeout_s: float = 600.0,
+    ) -> None:
         if not urls:
             raise ValueError("upstream mode needs at least one upstream URL")
         self.upstreams = [Upstream(u) for u in urls]
@@ -133,9 +142,12 @@ class UpstreamRouter:
     async def start(self) -> None:
         """Open the shared ClientSession and start the health prober (in the server's loop)."""
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=30)
-        self.session = aiohttp.ClientSession(connector=connector, timeout=self.timeout,
-                                             auto_decompress=False,
-                                             skip_auto_headers=("User-Agent", "Accept-Encoding"))
+        self.session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=self.timeout,
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),
+        )
         self._probe_task = asyncio.create_task(self._probe_loop())
 
     async def close(self) -> None:
@@ -176,8 +188,9 @@ class UpstreamRouter:
         """``GET /health`` on ``up`` (2 s timeout); marks it healthy on a 200."""
         assert self.session is not None
         try:
-            async with self.session.get(up.url + "/health",
-                                        timeout=aiohttp.ClientTimeout(total=2.0)) as resp:
+            async with self.session.get(
+                up.url + "/health", timeout=aiohttp.ClientTimeout(total=2.0)
+            ) as resp:
                 ok = resp.status == 200
         except (aiohttp.ClientError, TimeoutError, OSError):
             ok = False
@@ -195,9 +208,17 @@ class UpstreamRouter:
 
     def describe(self) -> list[dict[str, Any]]:
         """Per-upstream state for ``/ready`` and logs."""
-        return [{"url": u.url, "healthy": u.healthy, "in_flight": u.in_flight,
-                 "served": u.served, "failures": u.failures, "last_error": u.last_error}
-                for u in self.upstreams]
+        return [
+            {
+                "url": u.url,
+                "healthy": u.healthy,
+                "in_flight": u.in_flight,
+                "served": u.served,
+                "failures": u.failures,
+                "last_error": u.last_error,
+            }
+            for u in self.upstreams
+        ]
 
 
 def _load(u: Upstream) -> int:

@@ -35,9 +35,7 @@ def reshape_and_cache(
     v_flat[slots] = value[valid].to(v_cache.dtype)
 
 
-def _gather_kv(
-    cache: torch.Tensor, block_table: torch.Tensor, length: int
-) -> torch.Tensor:
+def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """K or V of one sequence from the paged cache: ``[length, Hkv, D]``."""
     block_size = cache.shape[1]
     num_blocks = (length + block_size - 1) // block_size
@@ -45,7 +43,9 @@ def _gather_kv(
     return blocks.reshape(-1, *cache.shape[2:])[:length]
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int) -> torch.Tensor:
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int
+) -> torch.Tensor:
     """Attention of ``q [Lq, Hq, D]`` over ``k, v [Lk, Hkv, D]`` in fp32.
 
     Query i sits at absolute position ``causal_offset + i`` and sees keys ``0..causal_offset+i``.

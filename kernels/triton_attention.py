@@ -14,7 +14,9 @@ import torch
 from prefixgate.kernels.triton_env import tl, triton
 
 LOG2E = 1.4426950408889634
-NEG_BIG = tl.constexpr(-1.0e30)  # running-max start: finite, so fully masked rows give p = 0, not NaN
+NEG_BIG = tl.constexpr(
+    -1.0e30
+)  # running-max start: finite, so fully masked rows give p = 0, not NaN
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -24,12 +26,30 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 @triton.jit
 def _online_softmax_step(
-    q, m_i, l_i, acc, q_pos, tok0, kv_end,
-    bt_row, k_cache_ptr, v_cache_ptr, kvh,
-    stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
-    scale_log2, d, d_mask,
-    TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    q,
+    m_i,
+    l_i,
+    acc,
+    q_pos,
+    tok0,
+    kv_end,
+    bt_row,
+    k_cache_ptr,
+    v_cache_ptr,
+    kvh,
+    stride_kn,
+    stride_ks,
+    stride_kh,
+    stride_vn,
+    stride_vs,
+    stride_vh,
+    scale_log2,
+    d,
+    d_mask,
+    TILE_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Fold KV tile ``[tok0, tok0 + TILE_N)`` (keys < ``kv_end``) into the running softmax.
 
@@ -43,8 +63,13 @@ def _online_softmax_step(
     off = toks % BLOCK_SIZE
     kv_mask = t_mask[:, None] & d_mask[None, :]
     k = tl.load(
-        k_cache_ptr + blk[:, None] * stride_kn + off[:, None] * stride_ks + kvh * stride_kh + d[None, :],
-        mask=kv_mask, other=0.0,
+        k_cache_ptr
+        + blk[:, None] * stride_kn
+        + off[:, None] * stride_ks
+        + kvh * stride_kh
+        + d[None, :],
+        mask=kv_mask,
+        other=0.0,
     )
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
     if CAUSAL:
@@ -56,8 +81,13 @@ def _online_softmax_step(
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(
-        v_cache_ptr + blk[:, None] * stride_vn + off[:, None] * stride_vs + kvh * stride_vh + d[None, :],
-        mask=kv_mask, other=0.0,
+        v_cache_ptr
+        + blk[:, None] * stride_vn
+        + off[:, None] * stride_vs
+        + kvh * stride_vh
+        + d[None, :],
+        mask=kv_mask,
+        other=0.0,
     )
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc

@@ -34,19 +34,35 @@ class DecodeConfig:
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    out_ptr, part_acc_ptr, part_ml_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    out_ptr,
+    part_acc_ptr,
+    part_ml_ptr,
     scale_log2,
-    stride_qb, stride_qh,
-    stride_kn, stride_ks, stride_kh,
-    stride_vn, stride_vs, stride_vh,
+    stride_qb,
+    stride_qh,
+    stride_kn,
+    stride_ks,
+    stride_kh,
+    stride_vn,
+    stride_vs,
+    stride_vh,
     stride_bt,
-    stride_ob, stride_oh,
+    stride_ob,
+    stride_oh,
     tokens_per_split,
-    GROUPS: tl.constexpr, G_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GROUPS: tl.constexpr,
+    G_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     kvh = tl.program_id(0)  # fastest-varying: neighbouring programs read the same token rows
     b = tl.program_id(1)
@@ -64,7 +80,8 @@ def _decode_kernel(
     heads = kvh * GROUPS + g
     q = tl.load(
         q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
-        mask=g_mask[:, None] & d_mask[None, :], other=0.0,
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
     )
 
     m_i = tl.full([G_PAD], NEG_BIG, dtype=tl.float32)
@@ -73,16 +90,38 @@ def _decode_kernel(
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
     for tok0 in range(start, end, TILE_N):
         m_i, l_i, acc = _online_softmax_step(
-            q, m_i, l_i, acc, g, tok0, end, bt_row, k_cache_ptr, v_cache_ptr, kvh,
-            stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
-            scale_log2, d, d_mask, TILE_N, BLOCK_SIZE, False, DOT_PRECISION,
+            q,
+            m_i,
+            l_i,
+            acc,
+            g,
+            tok0,
+            end,
+            bt_row,
+            k_cache_ptr,
+            v_cache_ptr,
+            kvh,
+            stride_kn,
+            stride_ks,
+            stride_kh,
+            stride_vn,
+            stride_vs,
+            stride_vh,
+            scale_log2,
+            d,
+            d_mask,
+            TILE_N,
+            BLOCK_SIZE,
+            False,
+            DOT_PRECISION,
         )
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(
             out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :],
-            out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=g_mask[:, None] & d_mask[None, :],
         )
     else:
         # partials: acc [B, Hq, NUM_SPLITS, D_PAD], ml [B, Hq, NUM_SPLITS, 2] (max, sum), fp32
@@ -94,10 +133,15 @@ def _decode_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    part_acc_ptr, part_ml_ptr, out_ptr,
-    stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    part_acc_ptr,
+    part_ml_ptr,
+    out_ptr,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -108,7 +152,9 @@ def _decode_reduce_kernel(
     row = (b.to(tl.int64) * num_heads + h) * NUM_SPLITS + sp
     m = tl.load(part_ml_ptr + row * 2, mask=sp_mask, other=NEG_BIG)
     l_s = tl.load(part_ml_ptr + row * 2 + 1, mask=sp_mask, other=0.0)
-    acc = tl.load(part_acc_ptr + row[:, None] * D_PAD + d[None, :], mask=sp_mask[:, None], other=0.0)
+    acc = tl.load(
+        part_acc_ptr + row[:, None] * D_PAD + d[None, :], mask=sp_mask[:, None], other=0.0
+    )
     m_max = tl.max(m, 0)
     w = tl.exp2(m - m_max)  # split s's weight relative to the global max
     den = tl.sum(l_s * w, 0)
@@ -116,7 +162,8 @@ def _decode_reduce_kernel(
     out = num / tl.where(den > 0.0, den, 1.0)
     tl.store(
         out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + d,
-        out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d < HEAD_DIM,
     )
 
 
@@ -126,8 +173,9 @@ def _num_sms(device: torch.device) -> int:
     return 1
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device,
-                      tile_n: int) -> int:
+def choose_num_splits(
+    batch: int, num_kv_heads: int, max_context: int, device: torch.device, tile_n: int
+) -> int:
     """Context slices so that ``batch * num_kv_heads * splits`` fills the GPU about twice over.
 
     ``max_context`` (tokens) is an upper bound read from the block table's width, so no host
@@ -178,32 +226,56 @@ def decode(
     tokens_per_split = math.ceil(math.ceil(max_context / splits) / tile_n) * tile_n
     d_pad = next_pow2(head_dim, 16)
     if splits > 1:
-        part_acc = torch.empty((batch, num_heads, splits, d_pad), dtype=torch.float32, device=q.device)
+        part_acc = torch.empty(
+            (batch, num_heads, splits, d_pad), dtype=torch.float32, device=q.device
+        )
         part_ml = torch.empty((batch, num_heads, splits, 2), dtype=torch.float32, device=q.device)
     else:
         part_acc = part_ml = out  # unused
     _decode_kernel[(num_kv_heads, batch, splits)](
-        q, k_cache, v_cache, block_tables, context_lens,
-        out, part_acc, part_ml,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        out,
+        part_acc,
+        part_ml,
         scale * LOG2E,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
         block_tables.stride(0),
-        out.stride(0), out.stride(1),
+        out.stride(0),
+        out.stride(1),
         tokens_per_split,
-        GROUPS=groups, G_PAD=next_pow2(groups, 16),
-        HEAD_DIM=head_dim, D_PAD=d_pad,
-        BLOCK_SIZE=block_size, TILE_N=tile_n,
-        NUM_SPLITS=splits, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        GROUPS=groups,
+        G_PAD=next_pow2(groups, 16),
+        HEAD_DIM=head_dim,
+        D_PAD=d_pad,
+        BLOCK_SIZE=block_size,
+        TILE_N=tile_n,
+        NUM_SPLITS=splits,
+        DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     if splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](
-            part_acc, part_ml, out,
-            out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, D_PAD=d_pad,
-            NUM_SPLITS=splits, SPLITS_PAD=next_pow2(splits),
+            part_acc,
+            part_ml,
+            out,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            D_PAD=d_pad,
+            NUM_SPLITS=splits,
+            SPLITS_PAD=next_pow2(splits),
             num_warps=1 if d_pad <= 64 else 2,
         )
     return out

@@ -14,11 +14,21 @@ from prefixgate.kernels.triton_env import next_pow2, tl, triton
 
 @triton.jit
 def _reshape_and_cache_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_cslot, stride_ch,  # cache: flat slot stride and head stride (both caches alike)
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    H_PAD: tl.constexpr, D_PAD: tl.constexpr,
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cslot,
+    stride_ch,  # cache: flat slot stride and head stride (both caches alike)
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    H_PAD: tl.constexpr,
+    D_PAD: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
@@ -48,20 +58,39 @@ def reshape_and_cache(
     if num_tokens == 0:
         return
     _reshape_and_cache_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        k_cache.stride(1), k_cache.stride(2),
-        NUM_HEADS=num_heads, HEAD_DIM=head_dim,
-        H_PAD=next_pow2(num_heads), D_PAD=next_pow2(head_dim),
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        NUM_HEADS=num_heads,
+        HEAD_DIM=head_dim,
+        H_PAD=next_pow2(num_heads),
+        D_PAD=next_pow2(head_dim),
     )
 
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
-    stride_x, stride_r, stride_o, stride_ro,
-    hidden, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    residual_out_ptr,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_ro,
+    hidden,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -87,17 +116,30 @@ def rms_norm(
     ``(out, x + residual)`` when ``residual [T, H]`` is given. Inputs are not modified.
     """
     rows, hidden = x.shape
-    out = torch.empty((rows, hidden), dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
-    res_out = torch.empty((rows, hidden), dtype=x.dtype, device=x.device) if residual is not None else None
+    out = torch.empty(
+        (rows, hidden), dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device
+    )
+    res_out = (
+        torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
+        if residual is not None
+        else None
+    )
     if rows > 0:
         block = next_pow2(hidden)
         _rms_norm_kernel[(rows,)](
-            x, residual if residual is not None else x, weight, out,
+            x,
+            residual if residual is not None else x,
+            weight,
+            out,
             res_out if res_out is not None else out,
-            x.stride(0), residual.stride(0) if residual is not None else 0,
-            out.stride(0), res_out.stride(0) if res_out is not None else 0,
-            hidden, float(eps),
-            HAS_RESIDUAL=residual is not None, BLOCK=block,
+            x.stride(0),
+            residual.stride(0) if residual is not None else 0,
+            out.stride(0),
+            res_out.stride(0) if res_out is not None else 0,
+            hidden,
+            float(eps),
+            HAS_RESIDUAL=residual is not None,
+            BLOCK=block,
             num_warps=min(16, max(1, block // 256)),
         )
     return out if res_out is None else (out, res_out)
@@ -105,10 +147,21 @@ def rms_norm(
 
 @triton.jit
 def _rotary_kernel(
-    positions_ptr, q_ptr, k_ptr, cos_sin_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
-    NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr,
-    HALF: tl.constexpr, HALF_PAD: tl.constexpr, HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr,
+    positions_ptr,
+    q_ptr,
+    k_ptr,
+    cos_sin_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_cs,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_K_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    HQ_PAD: tl.constexpr,
+    HK_PAD: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + t).to(tl.int64)
@@ -122,16 +175,28 @@ def _rotary_kernel(
     q1_ptr = q_ptr + t * stride_qt + hq[:, None] * stride_qh + c[None, :]
     q1 = tl.load(q1_ptr, mask=q_mask, other=0.0).to(tl.float32)
     q2 = tl.load(q1_ptr + HALF, mask=q_mask, other=0.0).to(tl.float32)
-    tl.store(q1_ptr, (q1 * cos[None, :] - q2 * sin[None, :]).to(q_ptr.dtype.element_ty), mask=q_mask)
-    tl.store(q1_ptr + HALF, (q2 * cos[None, :] + q1 * sin[None, :]).to(q_ptr.dtype.element_ty), mask=q_mask)
+    tl.store(
+        q1_ptr, (q1 * cos[None, :] - q2 * sin[None, :]).to(q_ptr.dtype.element_ty), mask=q_mask
+    )
+    tl.store(
+        q1_ptr + HALF,
+        (q2 * cos[None, :] + q1 * sin[None, :]).to(q_ptr.dtype.element_ty),
+        mask=q_mask,
+    )
 
     hk = tl.arange(0, HK_PAD)
     k_mask = (hk[:, None] < NUM_K_HEADS) & c_mask[None, :]
     k1_ptr = k_ptr + t * stride_kt + hk[:, None] * stride_kh + c[None, :]
     k1 = tl.load(k1_ptr, mask=k_mask, other=0.0).to(tl.float32)
     k2 = tl.load(k1_ptr + HALF, mask=k_mask, other=0.0).to(tl.float32)
-    tl.store(k1_ptr, (k1 * cos[None, :] - k2 * sin[None, :]).to(k_ptr.dtype.element_ty), mask=k_mask)
-    tl.store(k1_ptr + HALF, (k2 * cos[None, :] + k1 * sin[None, :]).to(k_ptr.dtype.element_ty), mask=k_mask)
+    tl.store(
+        k1_ptr, (k1 * cos[None, :] - k2 * sin[None, :]).to(k_ptr.dtype.element_ty), mask=k_mask
+    )
+    tl.store(
+        k1_ptr + HALF,
+        (k2 * cos[None, :] + k1 * sin[None, :]).to(k_ptr.dtype.element_ty),
+        mask=k_mask,
+    )
 
 
 def rotary_embedding(
@@ -145,18 +210,32 @@ def rotary_embedding(
         return q, k
     half = cos_sin_cache.shape[-1] // 2
     _rotary_kernel[(num_tokens,)](
-        positions, q, k, cos_sin_cache,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
-        NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads,
-        HALF=half, HALF_PAD=next_pow2(half),
-        HQ_PAD=next_pow2(num_q_heads), HK_PAD=next_pow2(num_k_heads),
+        positions,
+        q,
+        k,
+        cos_sin_cache,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        cos_sin_cache.stride(0),
+        NUM_Q_HEADS=num_q_heads,
+        NUM_K_HEADS=num_k_heads,
+        HALF=half,
+        HALF_PAD=next_pow2(half),
+        HQ_PAD=next_pow2(num_q_heads),
+        HK_PAD=next_pow2(num_k_heads),
     )
     return q, k
 
 
 @triton.jit
 def _silu_and_mul_kernel(
-    x_ptr, out_ptr, stride_x, stride_o, inter,
+    x_ptr,
+    out_ptr,
+    stride_x,
+    stride_o,
+    inter,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -177,7 +256,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x2.shape[0] > 0 and inter > 0:
         block = min(1024, next_pow2(inter))
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
-            x2, out, x2.stride(0), out.stride(0), inter, BLOCK=block,
+            x2,
+            out,
+            x2.stride(0),
+            out.stride(0),
+            inter,
+            BLOCK=block,
             num_warps=min(8, max(1, block // 128)),
         )
     return out.reshape(*lead, inter)

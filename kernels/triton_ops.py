@@ -69,8 +69,13 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         )
 
 
-def _check_attention(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, num_seqs: int) -> None:
+def _check_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    num_seqs: int,
+) -> None:
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     if k_cache.shape[3] != head_dim:
@@ -114,7 +119,9 @@ def reshape_and_cache(
             f"{tuple(k_cache.shape)}"
         )
     if slot_mapping.shape[0] != key.shape[0]:
-        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} slots for {key.shape[0]} tokens")
+        raise ValueError(
+            f"slot_mapping has {slot_mapping.shape[0]} slots for {key.shape[0]} tokens"
+        )
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
     triton_layers.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
@@ -212,7 +219,9 @@ def rms_norm(
     tensors = [x, weight] + ([residual] if residual is not None else [])
     _check_device(*tensors)
     if x.dtype not in _FLOATS or x.dim() < 1:
-        raise TypeError(f"x must be a float32/float16/bfloat16 tensor [..., H], got {x.dtype} {tuple(x.shape)}")
+        raise TypeError(
+            f"x must be a float32/float16/bfloat16 tensor [..., H], got {x.dtype} {tuple(x.shape)}"
+        )
     _check_float("weight", weight, 1)
     if weight.shape[0] != x.shape[-1]:
         raise ValueError(f"weight {tuple(weight.shape)} does not match x {tuple(x.shape)}")
@@ -257,7 +266,9 @@ def rotary_embedding(
     _check_float("k", k, 3)
     _check_float("cos_sin_cache", cos_sin_cache, 2)
     if q.shape[0] != positions.shape[0] or k.shape[0] != positions.shape[0]:
-        raise ValueError(f"q {tuple(q.shape)} / k {tuple(k.shape)} / positions {tuple(positions.shape)} disagree on T")
+        raise ValueError(
+            f"q {tuple(q.shape)} / k {tuple(k.shape)} / positions {tuple(positions.shape)} disagree on T"
+        )
     if cos_sin_cache.shape[1] != q.shape[2] or k.shape[2] != q.shape[2] or q.shape[2] % 2:
         raise ValueError(
             f"cos_sin_cache width {cos_sin_cache.shape[1]} must equal the (even) head_dim "

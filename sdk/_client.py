@@ -256,7 +256,9 @@ class AsyncClient:
                     await response.aread()
                     err = status_error(response, _decode(response))
                     if isinstance(err, RateLimitError):
-                        err.retry_after = parse_retry_after(response.headers, self.retry_policy.clock())
+                        err.retry_after = parse_retry_after(
+                            response.headers, self.retry_policy.clock()
+                        )
                         self.limiter.on_overload(slot, err.retry_after)
                         # Adaptive mode: the call keeps its place for the retry, so the calls
                         # queued behind the limiter cannot starve it of its retries.
@@ -316,8 +318,9 @@ def _checked_base_url(base_url: str) -> httpx.URL:
     except httpx.InvalidURL as exc:
         raise ValueError(f"base_url {base_url!r} is not a URL: {exc}") from None
     if url.scheme not in ("http", "https") or not url.host:
-        raise ValueError(f"base_url must be an http:// or https:// URL with a host, got "
-                         f"{base_url!r}")
+        raise ValueError(
+            f"base_url must be an http:// or https:// URL with a host, got {base_url!r}"
+        )
     return url
 
 

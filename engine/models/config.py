@@ -163,7 +163,9 @@ class ModelConfig:
         arch = _architecture(raw)
         act = raw.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
-            raise ValueError(f"unsupported hidden_act {act!r} (only SwiGLU with silu is implemented)")
+            raise ValueError(
+                f"unsupported hidden_act {act!r} (only SwiGLU with silu is implemented)"
+            )
         hidden = int(raw["hidden_size"])
         heads = int(raw["num_attention_heads"])
         kv_heads = int(raw.get("num_key_value_heads") or heads)
@@ -290,7 +292,9 @@ def _max_model_len(raw: dict[str, Any], arch: str, max_pos: int, requested: int 
         # No sliding-window attention here: stay within the window so results stay exact.
         logger.warning(
             "sliding_window %d < max_position_embeddings %d: capping max_model_len at %d",
-            window, max_pos, window,
+            window,
+            max_pos,
+            window,
         )
         limit = int(window)
     if requested is None:

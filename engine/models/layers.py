@@ -83,7 +83,9 @@ class Attention(nn.Module):
         self.kv_size = cfg.kv_size
         self.scale = cfg.head_dim**-0.5
         self.kernels = kernels
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.qkv_proj = nn.Linear(
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias
+        )
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels) if cfg.qk_norm else None
@@ -117,20 +119,40 @@ class Attention(nn.Module):
         nd = views.num_decodes
         if nd and not views.has_prefill:
             return self.kernels.paged_attention_decode(
-                q, k_cache, v_cache, views.decode_block_tables, views.decode_context_lens, self.scale
+                q,
+                k_cache,
+                v_cache,
+                views.decode_block_tables,
+                views.decode_context_lens,
+                self.scale,
             )
         if not nd:
             return self.kernels.paged_attention_prefill(
-                q, k_cache, v_cache, views.prefill_block_tables,
-                views.prefill_query_start_loc, views.prefill_context_lens, self.scale,
+                q,
+                k_cache,
+                v_cache,
+                views.prefill_block_tables,
+                views.prefill_query_start_loc,
+                views.prefill_context_lens,
+                self.scale,
             )
         out = torch.empty_like(q)
         out[:nd] = self.kernels.paged_attention_decode(
-            q[:nd], k_cache, v_cache, views.decode_block_tables, views.decode_context_lens, self.scale
+            q[:nd],
+            k_cache,
+            v_cache,
+            views.decode_block_tables,
+            views.decode_context_lens,
+            self.scale,
         )
         out[nd:] = self.kernels.paged_attention_prefill(
-            q[nd:], k_cache, v_cache, views.prefill_block_tables,
-            views.prefill_query_start_loc, views.prefill_context_lens, self.scale,
+            q[nd:],
+            k_cache,
+            v_cache,
+            views.prefill_block_tables,
+            views.prefill_query_start_loc,
+            views.prefill_context_lens,
+            self.scale,
         )
         return out
 

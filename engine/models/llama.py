@@ -88,7 +88,9 @@ class CausalLM(nn.Module):
         hidden = self.model.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, views, self.cos_sin_cache)
+            hidden, residual = layer(
+                positions, hidden, residual, kv_cache, views, self.cos_sin_cache
+            )
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
 

@@ -51,7 +51,9 @@ def load_model(model_config: ModelConfig, engine_config: EngineConfig) -> Causal
         what = model_config.preset or model_config.model_path
         logger.warning(
             "using dummy random weights (seed %d) for %s %s: its outputs are meaningless",
-            engine_config.seed, model_config.architecture, what,
+            engine_config.seed,
+            model_config.architecture,
+            what,
         )
     else:
         load_weights(model, model_config.model_path)

@@ -66,7 +66,9 @@ def build_tiny_tokenizer() -> HFTokenizer:
     tok = HFTokenizer(
         models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True, fuse_unk=True)
     )
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in TINY_SPECIAL_TOKENS])
+    tok.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in TINY_SPECIAL_TOKENS]
+    )
     tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", vocab["<s>"])]

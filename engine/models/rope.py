@@ -8,7 +8,9 @@ from typing import Any
 import torch
 
 
-def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+def inverse_frequencies(
+    head_dim: int, theta: float, scaling: dict[str, Any] | None
+) -> torch.Tensor:
     """``[D/2]`` fp32 inverse frequencies ``theta ** (-2i / D)``, rescaled per ``scaling``.
 
     ``scaling["rope_type"] == "llama3"`` applies Meta's Llama 3.1 rule (keys ``factor``,

@@ -87,7 +87,9 @@ def run_once(llm, prompts: list[list[int]], output_len: int) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default=str(SHARED / "models" / "smollm2-135m-shape"))
     ap.add_argument("--load-format", default="dummy")
     ap.add_argument("--workload", default=str(SHARED / "workloads" / "user_tasks.jsonl"))
@@ -118,31 +120,48 @@ def main() -> int:
         results.append(run_once(llm, prompts, args.output_len))
         llm.check_invariants()
 
-    print(f"\nbench_engine: {Path(args.model).name} (load_format={args.load_format}), "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"prompt <= {args.prompt_len} tok, output {args.output_len} tok")
-    header = (f"{'requests':>8} {'out tok/s':>10} {'wall s':>8} {'steps':>6} "
-              f"{'decode ms':>10} {'outside fwd (all)':>18} {'outside fwd (decode)':>21}")
+    print(
+        f"\nbench_engine: {Path(args.model).name} (load_format={args.load_format}), "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"prompt <= {args.prompt_len} tok, output {args.output_len} tok"
+    )
+    header = (
+        f"{'requests':>8} {'out tok/s':>10} {'wall s':>8} {'steps':>6} "
+        f"{'decode ms':>10} {'outside fwd (all)':>18} {'outside fwd (decode)':>21}"
+    )
     print(header)
     print("-" * len(header))
     for r in results:
-        print(f"{r['num_requests']:>8} {r['output_tokens_per_s']:>10.1f} {r['wall_s']:>8.1f} "
-              f"{r['steps']:>6} {r['decode_step_ms']:>10.1f} "
-              f"{100 * r['overhead_share_all_steps']:>17.2f}% "
-              f"{100 * r['overhead_share_decode_steps']:>20.2f}%")
-    print("\nper-phase seconds over decode-only steps (schedule / prepare / forward / sample / output):")
+        print(
+            f"{r['num_requests']:>8} {r['output_tokens_per_s']:>10.1f} {r['wall_s']:>8.1f} "
+            f"{r['steps']:>6} {r['decode_step_ms']:>10.1f} "
+            f"{100 * r['overhead_share_all_steps']:>17.2f}% "
+            f"{100 * r['overhead_share_decode_steps']:>20.2f}%"
+        )
+    print(
+        "\nper-phase seconds over decode-only steps (schedule / prepare / forward / sample / output):"
+    )
     for r in results:
         d = r["phase_s_decode_steps"]
-        print(f"  {r['num_requests']:>4} requests: {d['schedule_s']:.3f} / {d['prepare_s']:.3f} / "
-              f"{d['forward_s']:.3f} / {d['sample_s']:.3f} / {d['output_s']:.3f}")
+        print(
+            f"  {r['num_requests']:>4} requests: {d['schedule_s']:.3f} / {d['prepare_s']:.3f} / "
+            f"{d['forward_s']:.3f} / {d['sample_s']:.3f} / {d['output_s']:.3f}"
+        )
     target = next((r for r in results if r["num_requests"] == 32), None)
     if target is not None:
         ok = target["overhead_share_all_steps"] < 0.10
-        print(f"\ntarget: share outside the forward < 10 % at 32 requests -> "
-              f"{100 * target['overhead_share_all_steps']:.2f}% ({'met' if ok else 'NOT met'})")
+        print(
+            f"\ntarget: share outside the forward < 10 % at 32 requests -> "
+            f"{100 * target['overhead_share_all_steps']:.2f}% ({'met' if ok else 'NOT met'})"
+        )
     if args.json_out:
-        meta = {"model": args.model, "threads": torch.get_num_threads(), "prompt_len": args.prompt_len,
-                "output_len": args.output_len, "torch": torch.__version__}
+        meta = {
+            "model": args.model,
+            "threads": torch.get_num_threads(),
+            "prompt_len": args.prompt_len,
+            "output_len": args.output_len,
+            "torch": torch.__version__,
+        }
         Path(args.json_out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     return 0
 

@@ -27,20 +27,41 @@ import socket
 import statistics
 import time
 
-STUB_BODY = json.dumps({
-    "id": "chatcmpl-stub", "object": "chat.completion", "created": 0, "model": "stub",
-    "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
-                 "logprobs": None, "finish_reason": "stop"}],
-    "usage": {"prompt_tokens": 20, "completion_tokens": 1, "total_tokens": 21},
-}).encode()
-STUB_RESPONSE = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
-                 + str(len(STUB_BODY)).encode() + b"\r\nConnection: keep-alive\r\n\r\n" + STUB_BODY)
+STUB_BODY = json.dumps(
+    {
+        "id": "chatcmpl-stub",
+        "object": "chat.completion",
+        "created": 0,
+        "model": "stub",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "ok"},
+                "logprobs": None,
+                "finish_reason": "stop",
+            }
+        ],
+        "usage": {"prompt_tokens": 20, "completion_tokens": 1, "total_tokens": 21},
+    }
+).encode()
+STUB_RESPONSE = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+    + str(len(STUB_BODY)).encode()
+    + b"\r\nConnection: keep-alive\r\n\r\n"
+    + STUB_BODY
+)
 
-REQUEST_BODY = json.dumps({
-    "model": "stub", "max_tokens": 1, "temperature": 0,
-    "messages": [{"role": "system", "content": "You are a helpful assistant. " * 8},
-                 {"role": "user", "content": "Say ok."}],
-}).encode()
+REQUEST_BODY = json.dumps(
+    {
+        "model": "stub",
+        "max_tokens": 1,
+        "temperature": 0,
+        "messages": [
+            {"role": "system", "content": "You are a helpful assistant. " * 8},
+            {"role": "user", "content": "Say ok."},
+        ],
+    }
+).encode()
 
 
 def _free_port() -> int:
@@ -55,7 +76,7 @@ def _content_length(head: bytes) -> int:
     i = lower.find(b"content-length:")
     if i < 0:
         return 0
-    return int(lower[i + 15:lower.find(b"\r\n", i)])
+    return int(lower[i + 15 : lower.find(b"\r\n", i)])
 
 
 # --- stub upstream: a minimal HTTP/1.1 keep-alive server -----------------------------------
@@ -70,10 +91,10 @@ class _StubProtocol(asyncio.Protocol):
             end = self.buf.find(b"\r\n\r\n")
             if end < 0:
                 return
-            length = _content_length(self.buf[:end + 2])
+            length = _content_length(self.buf[: end + 2])
             if len(self.buf) < end + 4 + length:
                 return
-            self.buf = self.buf[end + 4 + length:]
+            self.buf = self.buf[end + 4 + length :]
             self.transport.write(STUB_RESPONSE)
 
 
@@ -110,9 +131,13 @@ def _run_gateway(port: int, upstream: str, ready: mp.Event) -> None:
 class _Conn:
     def __init__(self, port: int, path: bytes) -> None:
         self.port = port
-        self.request = (b"POST " + path + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                        b"Content-Type: application/json\r\nContent-Length: "
-                        + str(len(REQUEST_BODY)).encode() + b"\r\n\r\n" + REQUEST_BODY)
+        self.request = (
+            b"POST " + path + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\nContent-Length: "
+            + str(len(REQUEST_BODY)).encode()
+            + b"\r\n\r\n"
+            + REQUEST_BODY
+        )
 
     async def open(self) -> None:
         self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
@@ -189,8 +214,9 @@ def main() -> None:
     stub = ctx.Process(target=_run_stub, args=(stub_port, stub_ready), daemon=True)
     stub.start()
     stub_ready.wait(30)
-    gateway = ctx.Process(target=_run_gateway,
-                          args=(gw_port, f"http://127.0.0.1:{stub_port}", gw_ready), daemon=True)
+    gateway = ctx.Process(
+        target=_run_gateway, args=(gw_port, f"http://127.0.0.1:{stub_port}", gw_ready), daemon=True
+    )
     gateway.start()
     if not gw_ready.wait(60):
         raise SystemExit("gateway did not start")
@@ -203,20 +229,33 @@ def main() -> None:
         stub.terminate()
     ms = 1000.0
     res = {
-        "direct_p50_ms": _pct(direct, 50) * ms, "direct_p99_ms": _pct(direct, 99) * ms,
-        "gateway_p50_ms": _pct(via, 50) * ms, "gateway_p99_ms": _pct(via, 99) * ms,
+        "direct_p50_ms": _pct(direct, 50) * ms,
+        "direct_p99_ms": _pct(direct, 99) * ms,
+        "gateway_p50_ms": _pct(via, 50) * ms,
+        "gateway_p99_ms": _pct(via, 99) * ms,
         "added_p50_ms": (_pct(via, 50) - _pct(direct, 50)) * ms,
         "added_p99_ms": (_pct(via, 99) - _pct(direct, 99)) * ms,
-        "requests_per_s": rps, "requests": done, "errors": errors,
-        "concurrency": args.concurrency, "duration_s": args.duration,
+        "requests_per_s": rps,
+        "requests": done,
+        "errors": errors,
+        "concurrency": args.concurrency,
+        "duration_s": args.duration,
         "latency_requests": args.latency_requests,
     }
-    print(f"direct to stub      p50 {res['direct_p50_ms']:.3f} ms  p99 {res['direct_p99_ms']:.3f} ms")
-    print(f"through gateway     p50 {res['gateway_p50_ms']:.3f} ms  p99 {res['gateway_p99_ms']:.3f} ms")
-    print(f"added by gateway    p50 {res['added_p50_ms']:.3f} ms  p99 {res['added_p99_ms']:.3f} ms"
-          f"   (target p50 <= 2 ms)")
-    print(f"throughput          {rps:.0f} requests/s at concurrency {args.concurrency}"
-          f" ({done} ok, {errors} errors)   (target >= 1000)")
+    print(
+        f"direct to stub      p50 {res['direct_p50_ms']:.3f} ms  p99 {res['direct_p99_ms']:.3f} ms"
+    )
+    print(
+        f"through gateway     p50 {res['gateway_p50_ms']:.3f} ms  p99 {res['gateway_p99_ms']:.3f} ms"
+    )
+    print(
+        f"added by gateway    p50 {res['added_p50_ms']:.3f} ms  p99 {res['added_p99_ms']:.3f} ms"
+        f"   (target p50 <= 2 ms)"
+    )
+    print(
+        f"throughput          {rps:.0f} requests/s at concurrency {args.concurrency}"
+        f" ({done} ok, {errors} errors)   (target >= 1000)"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)

@@ -55,7 +55,11 @@ def user_turns(tokenizer, jsonl_path: Path, n: int, n_tokens: int) -> list[list[
     first_blocks: set[tuple[int, ...]] = set()
     for line in jsonl_path.read_text().splitlines():
         task = json.loads(line)
-        text = task["instruction"] + " " + " ".join(i.get("input", "") for i in task.get("instances", []))
+        text = (
+            task["instruction"]
+            + " "
+            + " ".join(i.get("input", "") for i in task.get("instances", []))
+        )
         ids = tokenizer.encode("\nUser: " + text, add_special_tokens=False)
         head = tuple(ids[:BLOCK])  # distinct first blocks: a warm turn never hits another turn
         if len(ids) >= n_tokens and head not in first_blocks:
@@ -72,15 +76,21 @@ def ttft(llm, prompt: list[int], rid: str, cache_salt: str | None = None) -> tup
 
     eng = llm.engine
     t0 = time.perf_counter()
-    eng.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
-                    cache_salt=cache_salt)
+    eng.add_request(
+        rid,
+        prompt,
+        SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+        cache_salt=cache_salt,
+    )
     while True:
         for out in eng.step():
             if out.request_id == rid and out.outputs[0].token_ids:
                 return time.perf_counter() - t0, out.num_cached_tokens
 
 
-def measure_ttft(llm, sys_ids: list[int], turns: list[list[int]], cold_trials: int, trials: int) -> dict:
+def measure_ttft(
+    llm, sys_ids: list[int], turns: list[list[int]], cold_trials: int, trials: int
+) -> dict:
     """Cold requests get a fresh cache salt each (nothing can hit); warm requests share the
     system prompt cached by a first request; suffix-only requests (BOS + 63 user tokens) get a
     fresh salt each. Warm and suffix-only trials alternate so both see the same machine load."""
@@ -109,13 +119,22 @@ def measure_ttft(llm, sys_ids: list[int], turns: list[list[int]], cold_trials: i
     }
 
 
-def peak_blocks(model: str, load_format: str, caching: bool, prompts: list[list[int]], out_len: int) -> dict:
+def peak_blocks(
+    model: str, load_format: str, caching: bool, prompts: list[list[int]], out_len: int
+) -> dict:
     """Peak ``kv_blocks_used`` while the prompts run concurrently (one-layer config)."""
     from prefixgate.engine import LLM, SamplingParams
 
-    llm = LLM(model, load_format=load_format, hf_overrides={"num_hidden_layers": 1},
-              block_size=BLOCK, num_kv_blocks=4096, max_num_seqs=len(prompts),
-              max_num_batched_tokens=65536, enable_prefix_caching=caching)
+    llm = LLM(
+        model,
+        load_format=load_format,
+        hf_overrides={"num_hidden_layers": 1},
+        block_size=BLOCK,
+        num_kv_blocks=4096,
+        max_num_seqs=len(prompts),
+        max_num_batched_tokens=65536,
+        enable_prefix_caching=caching,
+    )
     eng = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
     for i, p in enumerate(prompts):
@@ -128,13 +147,18 @@ def peak_blocks(model: str, load_format: str, caching: bool, prompts: list[list[
         peak_running = max(peak_running, s["num_running"])
     llm.check_invariants()
     s = eng.stats()
-    return {"peak_blocks_used": peak, "peak_running": peak_running,
-            "prompt_tokens_prefilled": s["prompt_tokens_prefilled"],
-            "prefix_cache_hit_rate": s["prefix_cache_hit_rate"]}
+    return {
+        "peak_blocks_used": peak,
+        "peak_running": peak_running,
+        "prompt_tokens_prefilled": s["prompt_tokens_prefilled"],
+        "prefix_cache_hit_rate": s["prefix_cache_hit_rate"],
+    }
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default=str(SHARED / "models" / "smollm2-135m-shape"))
     ap.add_argument("--load-format", default="dummy")
     ap.add_argument("--workloads", default=str(SHARED / "workloads"))
@@ -154,11 +178,20 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     wl = Path(args.workloads)
-    llm = LLM(args.model, load_format=args.load_format, block_size=BLOCK,
-              kv_cache_memory=512 << 20, max_num_batched_tokens=4096)
+    llm = LLM(
+        args.model,
+        load_format=args.load_format,
+        block_size=BLOCK,
+        kv_cache_memory=512 << 20,
+        max_num_batched_tokens=4096,
+    )
     sys_ids = system_prompt_ids(llm.tokenizer, wl / "system_prompts.csv", args.system_tokens)
-    turns = user_turns(llm.tokenizer, wl / "user_tasks.jsonl",
-                       max(args.cold_trials, args.trials + 1, args.concurrent), args.user_tokens)
+    turns = user_turns(
+        llm.tokenizer,
+        wl / "user_tasks.jsonl",
+        max(args.cold_trials, args.trials + 1, args.concurrent),
+        args.user_tokens,
+    )
     ttft(llm, sys_ids[:64], "warm-up", cache_salt="warm-up")
     t = measure_ttft(llm, sys_ids, turns, args.cold_trials, args.trials)
     llm.check_invariants()
@@ -166,40 +199,72 @@ def main() -> int:
     prompts = [sys_ids + turns[i] for i in range(args.concurrent)]
     shared = peak_blocks(args.model, args.load_format, True, prompts, args.output_len)
     unshared = peak_blocks(args.model, args.load_format, False, prompts, args.output_len)
-    kv_tokens = args.system_tokens + args.user_tokens + args.output_len - 1  # last token not fed back
+    kv_tokens = (
+        args.system_tokens + args.user_tokens + args.output_len - 1
+    )  # last token not fed back
     sys_blocks = args.system_tokens // BLOCK
     own_blocks = -(-kv_tokens // BLOCK) - sys_blocks
     expected_once = sys_blocks + args.concurrent * own_blocks
     expected_each = args.concurrent * -(-kv_tokens // BLOCK)
 
-    print(f"\nbench_prefix_cache: {Path(args.model).name} (load_format={args.load_format}), "
-          f"{torch.get_num_threads()} threads; system {args.system_tokens} + user {args.user_tokens} tokens, "
-          f"block {BLOCK}")
-    print(f"{'TTFT (median; cold ' + str(args.cold_trials) + ', others ' + str(args.trials) + ')':<32} {'seconds':>9}")
+    print(
+        f"\nbench_prefix_cache: {Path(args.model).name} (load_format={args.load_format}), "
+        f"{torch.get_num_threads()} threads; system {args.system_tokens} + user {args.user_tokens} tokens, "
+        f"block {BLOCK}"
+    )
+    print(
+        f"{'TTFT (median; cold ' + str(args.cold_trials) + ', others ' + str(args.trials) + ')':<32} {'seconds':>9}"
+    )
     print("-" * 42)
     print(f"{'cold (system + user)':<32} {t['cold_ttft_s']:>9.3f}")
     print(f"{'warm (system cached)':<32} {t['warm_ttft_s']:>9.3f}")
-    print(f"{f'cold, {args.user_tokens}-token user turn alone':<32} {t['suffix_only_ttft_s']:>9.3f}")
-    print(f"warm vs cold: {100 * t['warm_reduction']:.1f}% lower (target >= 90%: "
-          f"{'met' if t['warm_reduction'] >= 0.9 else 'NOT met'})")
-    print(f"warm vs suffix-only: {t['warm_over_suffix_only']:.2f}x (target <= 1.5x: "
-          f"{'met' if t['warm_over_suffix_only'] <= 1.5 else 'NOT met'})")
-    print(f"\nKV blocks held by {args.concurrent} concurrent requests (peak, output {args.output_len} tokens):")
-    print(f"  shared prefix : {shared['peak_blocks_used']:>5}  (prefix once would be {expected_once}; "
-          f"prompt tokens prefilled {shared['prompt_tokens_prefilled']})")
-    print(f"  no sharing    : {unshared['peak_blocks_used']:>5}  (prefix per request would be {expected_each}; "
-          f"prompt tokens prefilled {unshared['prompt_tokens_prefilled']})")
+    print(
+        f"{f'cold, {args.user_tokens}-token user turn alone':<32} {t['suffix_only_ttft_s']:>9.3f}"
+    )
+    print(
+        f"warm vs cold: {100 * t['warm_reduction']:.1f}% lower (target >= 90%: "
+        f"{'met' if t['warm_reduction'] >= 0.9 else 'NOT met'})"
+    )
+    print(
+        f"warm vs suffix-only: {t['warm_over_suffix_only']:.2f}x (target <= 1.5x: "
+        f"{'met' if t['warm_over_suffix_only'] <= 1.5 else 'NOT met'})"
+    )
+    print(
+        f"\nKV blocks held by {args.concurrent} concurrent requests (peak, output {args.output_len} tokens):"
+    )
+    print(
+        f"  shared prefix : {shared['peak_blocks_used']:>5}  (prefix once would be {expected_once}; "
+        f"prompt tokens prefilled {shared['prompt_tokens_prefilled']})"
+    )
+    print(
+        f"  no sharing    : {unshared['peak_blocks_used']:>5}  (prefix per request would be {expected_each}; "
+        f"prompt tokens prefilled {unshared['prompt_tokens_prefilled']})"
+    )
     stored_once = shared["peak_blocks_used"] <= expected_once
-    print(f"  ratio {unshared['peak_blocks_used'] / max(1, shared['peak_blocks_used']):.1f}x; prefix stored once: "
-          f"{'yes' if stored_once else 'NO'}")
+    print(
+        f"  ratio {unshared['peak_blocks_used'] / max(1, shared['peak_blocks_used']):.1f}x; prefix stored once: "
+        f"{'yes' if stored_once else 'NO'}"
+    )
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({
-            "meta": {"model": args.model, "threads": torch.get_num_threads(),
-                     "system_tokens": args.system_tokens, "user_tokens": args.user_tokens},
-            "ttft": t, "blocks_shared": shared, "blocks_unshared": unshared,
-            "expected_blocks_prefix_once": expected_once, "expected_blocks_prefix_each": expected_each,
-            "prefix_stored_once": stored_once,
-        }, indent=2))
+        Path(args.json_out).write_text(
+            json.dumps(
+                {
+                    "meta": {
+                        "model": args.model,
+                        "threads": torch.get_num_threads(),
+                        "system_tokens": args.system_tokens,
+                        "user_tokens": args.user_tokens,
+                    },
+                    "ttft": t,
+                    "blocks_shared": shared,
+                    "blocks_unshared": unshared,
+                    "expected_blocks_prefix_once": expected_once,
+                    "expected_blocks_prefix_each": expected_each,
+                    "prefix_stored_once": stored_once,
+                },
+                indent=2,
+            )
+        )
     return 0
 
 

@@ -50,9 +50,14 @@ TARGET_FRACTION = 0.70
 DecodeDefaults = triton_decode.DecodeConfig()
 # SmolLM2-135M's shape (../shared/models/smollm2-135m-shape/config.json), for the preset fallback.
 SMOLLM2_OVERRIDES = {
-    "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
-    "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
-    "rope_theta": 100000.0, "max_position_embeddings": 8192,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "rope_theta": 100000.0,
+    "max_position_embeddings": 8192,
 }
 
 
@@ -98,11 +103,20 @@ def bench_ms(fn, device: torch.device, rep_ms: int = 200) -> float:
 def env_info(device: torch.device) -> dict[str, Any]:
     import triton
 
-    info = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
-            "device": str(device), "interpreter": os.environ.get("TRITON_INTERPRET") == "1"}
+    info = {
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "device": str(device),
+        "interpreter": os.environ.get("TRITON_INTERPRET") == "1",
+    }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        info.update(name=props.name, sms=props.multi_processor_count, memory_gib=round(props.total_memory / 2**30, 1))
+        info.update(
+            name=props.name,
+            sms=props.multi_processor_count,
+            memory_gib=round(props.total_memory / 2**30, 1),
+        )
     return info
 
 
@@ -111,12 +125,26 @@ def copy_bandwidth(nbytes: int, device: torch.device) -> dict[str, Any]:
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
     dst = torch.empty_like(src)
     ms = bench_ms(lambda: dst.copy_(src), device)
-    return {"bytes": nbytes, "ms": ms, "gbps": 2 * nbytes / (ms * 1e-3) / 1e9,
-            "method": "dst.copy_(src); gbps = (bytes read + bytes written) / time"}
+    return {
+        "bytes": nbytes,
+        "ms": ms,
+        "gbps": 2 * nbytes / (ms * 1e-3) / 1e9,
+        "method": "dst.copy_(src); gbps = (bytes read + bytes written) / time",
+    }
 
 
-def make_paged(batch: int, ctx: int, q_len: int, hq: int, hkv: int, d: int, block_size: int,
-               dtype: torch.dtype, device: torch.device, seed: int = 0) -> dict[str, Any]:
+def make_paged(
+    batch: int,
+    ctx: int,
+    q_len: int,
+    hq: int,
+    hkv: int,
+    d: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = 0,
+) -> dict[str, Any]:
     """Random paged K/V (blocks shuffled, as after real allocation) and ``q [batch * q_len, Hq, D]``."""
     gen = torch.Generator(device=device).manual_seed(seed)
     blocks_per_seq = math.ceil(ctx / block_size)
@@ -127,10 +155,13 @@ def make_paged(batch: int, ctx: int, q_len: int, hq: int, hkv: int, d: int, bloc
     perm = torch.randperm(num_blocks, generator=gen, device=device).to(torch.int32)
     return {
         "q": torch.randn(batch * q_len, hq, d, generator=gen, device=device, dtype=dtype),
-        "k_cache": k_cache, "v_cache": v_cache,
+        "k_cache": k_cache,
+        "v_cache": v_cache,
         "block_tables": perm.view(batch, blocks_per_seq).contiguous(),
         "context_lens": torch.full((batch,), ctx, dtype=torch.int32, device=device),
-        "query_start_loc": torch.arange(0, batch * q_len + 1, q_len, dtype=torch.int32, device=device),
+        "query_start_loc": torch.arange(
+            0, batch * q_len + 1, q_len, dtype=torch.int32, device=device
+        ),
     }
 
 
@@ -143,19 +174,45 @@ def check_correctness(device: torch.device, dry: bool) -> list[dict[str, Any]]:
             lens, q_len = ([60, 31, 25], 20) if dry else ([300, 131, 117], 100)
             p = make_paged(3, lens[0], q_len, hq, hkv, d, 16, dtype, device, seed=1)
             p["context_lens"] = torch.tensor(lens, dtype=torch.int32, device=device)
-            pre_args = (p["q"], p["k_cache"], p["v_cache"], p["block_tables"], p["query_start_loc"],
-                        p["context_lens"], d**-0.5)
-            dec_args = (p["q"][:3], p["k_cache"], p["v_cache"], p["block_tables"], p["context_lens"], d**-0.5)
+            pre_args = (
+                p["q"],
+                p["k_cache"],
+                p["v_cache"],
+                p["block_tables"],
+                p["query_start_loc"],
+                p["context_lens"],
+                d**-0.5,
+            )
+            dec_args = (
+                p["q"][:3],
+                p["k_cache"],
+                p["v_cache"],
+                p["block_tables"],
+                p["context_lens"],
+                d**-0.5,
+            )
             for kind, ours, ref in (
-                ("prefill", triton_ops.paged_attention_prefill(*pre_args), torch_ref.paged_attention_prefill(*pre_args)),
-                ("decode", triton_ops.paged_attention_decode(*dec_args), torch_ref.paged_attention_decode(*dec_args)),
+                (
+                    "prefill",
+                    triton_ops.paged_attention_prefill(*pre_args),
+                    torch_ref.paged_attention_prefill(*pre_args),
+                ),
+                (
+                    "decode",
+                    triton_ops.paged_attention_decode(*dec_args),
+                    torch_ref.paged_attention_decode(*dec_args),
+                ),
             ):
                 err = (ours.float() - ref.float()).abs().max().item()
-                rows.append({"kernel": kind, "dtype": str(dtype), "heads": [hq, hkv, d], "max_abs_err": err})
+                rows.append(
+                    {"kernel": kind, "dtype": str(dtype), "heads": [hq, hkv, d], "max_abs_err": err}
+                )
     return rows
 
 
-def decode_bench(s: Sizes, hq: int, hkv: int, d: int, copy_gbps: float, device: torch.device) -> dict[str, Any]:
+def decode_bench(
+    s: Sizes, hq: int, hkv: int, d: int, copy_gbps: float, device: torch.device
+) -> dict[str, Any]:
     """Decode attention bandwidth (K + V bytes read / time) at ``s.decode_batch x s.decode_ctx``."""
     p = make_paged(s.decode_batch, s.decode_ctx, 1, hq, hkv, d, s.block_size, s.dtype, device)
     args = (p["q"], p["k_cache"], p["v_cache"], p["block_tables"], p["context_lens"], d**-0.5)
@@ -164,19 +221,40 @@ def decode_bench(s: Sizes, hq: int, hkv: int, d: int, copy_gbps: float, device: 
     def measure(cfg: triton_decode.DecodeConfig | None) -> dict[str, Any]:
         ms = bench_ms(lambda: triton_decode.decode(*args, config=cfg), device)
         gbps = kv_bytes / (ms * 1e-3) / 1e9
-        return {"config": asdict(cfg) if cfg else "default", "ms": ms, "gbps": gbps,
-                "fraction_of_copy": gbps / copy_gbps}
+        return {
+            "config": asdict(cfg) if cfg else "default",
+            "ms": ms,
+            "gbps": gbps,
+            "fraction_of_copy": gbps / copy_gbps,
+        }
 
     default = measure(None)
     n = min(4, s.decode_batch)  # correctness at this shape on a few sequences
-    sub = (p["q"][:n], p["k_cache"], p["v_cache"], p["block_tables"][:n], p["context_lens"][:n], d**-0.5)
-    err = (triton_ops.paged_attention_decode(*sub).float() - torch_ref.paged_attention_decode(*sub).float()).abs().max().item()
+    sub = (
+        p["q"][:n],
+        p["k_cache"],
+        p["v_cache"],
+        p["block_tables"][:n],
+        p["context_lens"][:n],
+        d**-0.5,
+    )
+    err = (
+        (
+            triton_ops.paged_attention_decode(*sub).float()
+            - torch_ref.paged_attention_decode(*sub).float()
+        )
+        .abs()
+        .max()
+        .item()
+    )
     sweep = []
     if s.sweep:
         for tile_n in (64, 128):
             for splits in (1, 2, 4):
                 for warps in (4, 8):
-                    cfg = triton_decode.DecodeConfig(tile_n=tile_n, num_splits=splits, num_warps=warps)
+                    cfg = triton_decode.DecodeConfig(
+                        tile_n=tile_n, num_splits=splits, num_warps=warps
+                    )
                     if over_budget():
                         sweep.append({"config": asdict(cfg), "error": "skipped: time budget spent"})
                         continue
@@ -186,13 +264,30 @@ def decode_bench(s: Sizes, hq: int, hkv: int, d: int, copy_gbps: float, device: 
                         sweep.append({"config": asdict(cfg), "error": repr(exc)[:300]})
     ok = [r for r in sweep if "gbps" in r]
     best = max(ok + [default], key=lambda r: r["gbps"])
-    return {"shape": {"batch": s.decode_batch, "context": s.decode_ctx, "hq": hq, "hkv": hkv, "head_dim": d,
-                      "block_size": s.block_size, "dtype": str(s.dtype)},
-            "kv_bytes": kv_bytes, "max_abs_err_vs_torch_ref": err,
-            "method": "gbps = K + V cache bytes of all contexts read / time (q, out, tables ignored)",
-            "default_num_splits": triton_decode.choose_num_splits(
-                s.decode_batch, hkv, p["block_tables"].shape[1] * s.block_size, device, DecodeDefaults.tile_n),
-            "default": default, "best": best, "sweep": sweep}
+    return {
+        "shape": {
+            "batch": s.decode_batch,
+            "context": s.decode_ctx,
+            "hq": hq,
+            "hkv": hkv,
+            "head_dim": d,
+            "block_size": s.block_size,
+            "dtype": str(s.dtype),
+        },
+        "kv_bytes": kv_bytes,
+        "max_abs_err_vs_torch_ref": err,
+        "method": "gbps = K + V cache bytes of all contexts read / time (q, out, tables ignored)",
+        "default_num_splits": triton_decode.choose_num_splits(
+            s.decode_batch,
+            hkv,
+            p["block_tables"].shape[1] * s.block_size,
+            device,
+            DecodeDefaults.tile_n,
+        ),
+        "default": default,
+        "best": best,
+        "sweep": sweep,
+    }
 
 
 def prefill_bench(s: Sizes, prefix: int, device: torch.device) -> dict[str, Any]:
@@ -200,20 +295,48 @@ def prefill_bench(s: Sizes, prefix: int, device: torch.device) -> dict[str, Any]
     hq, hkv, d = s.heads
     q_len, ctx = s.prefill_len, prefix + s.prefill_len
     p = make_paged(s.prefill_batch, ctx, q_len, hq, hkv, d, s.block_size, s.dtype, device)
-    args = (p["q"], p["k_cache"], p["v_cache"], p["block_tables"], p["query_start_loc"], p["context_lens"], d**-0.5)
+    args = (
+        p["q"],
+        p["k_cache"],
+        p["v_cache"],
+        p["block_tables"],
+        p["query_start_loc"],
+        p["context_lens"],
+        d**-0.5,
+    )
     flops = 4 * s.prefill_batch * hq * d * (q_len * prefix + q_len * q_len / 2)
 
     def measure(cfg: triton_prefill.PrefillConfig | None) -> dict[str, Any]:
         ms = bench_ms(lambda: triton_prefill.prefill(*args, config=cfg), device)
-        return {"config": asdict(cfg) if cfg else "default", "ms": ms, "tflops": flops / (ms * 1e-3) / 1e12}
+        return {
+            "config": asdict(cfg) if cfg else "default",
+            "ms": ms,
+            "tflops": flops / (ms * 1e-3) / 1e12,
+        }
 
-    out: dict[str, Any] = {"shape": {"batch": s.prefill_batch, "q_len": q_len, "prefix": prefix, "hq": hq,
-                                     "hkv": hkv, "head_dim": d, "dtype": str(s.dtype)}, "flops": flops,
-                           "default": measure(None)}
+    out: dict[str, Any] = {
+        "shape": {
+            "batch": s.prefill_batch,
+            "q_len": q_len,
+            "prefix": prefix,
+            "hq": hq,
+            "hkv": hkv,
+            "head_dim": d,
+            "dtype": str(s.dtype),
+        },
+        "flops": flops,
+        "default": measure(None),
+    }
     sweep = []
     if s.sweep:
-        for bm, bn, warps, stages in ((64, 64, 4, 2), (128, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3),
-                                      (64, 32, 4, 3), (128, 128, 8, 2)):
+        for bm, bn, warps, stages in (
+            (64, 64, 4, 2),
+            (128, 64, 4, 2),
+            (128, 64, 8, 2),
+            (128, 64, 8, 3),
+            (64, 32, 4, 3),
+            (128, 128, 8, 2),
+        ):
             cfg = triton_prefill.PrefillConfig(bm, bn, warps, stages)
             if over_budget():
                 sweep.append({"config": asdict(cfg), "error": "skipped: time budget spent"})
@@ -223,7 +346,9 @@ def prefill_bench(s: Sizes, prefix: int, device: torch.device) -> dict[str, Any]
             except Exception as exc:
                 sweep.append({"config": asdict(cfg), "error": repr(exc)[:300]})
     out["sweep"] = sweep
-    out["best"] = max([r for r in sweep if "tflops" in r] + [out["default"]], key=lambda r: r["tflops"])
+    out["best"] = max(
+        [r for r in sweep if "tflops" in r] + [out["default"]], key=lambda r: r["tflops"]
+    )
     if prefix == 0:
         b = s.prefill_batch
         q = p["q"].view(b, q_len, hq, d).transpose(1, 2)
@@ -245,7 +370,10 @@ def _prompts(n: int) -> list[str]:
             if line.strip():
                 texts.append(json.loads(line)["instruction"])
     if not texts:
-        texts = [f"Task {i}: " + "describe the trade-offs of paged attention in detail. " * 5 for i in range(n)]
+        texts = [
+            f"Task {i}: " + "describe the trade-offs of paged attention in detail. " * 5
+            for i in range(n)
+        ]
     return [texts[i % len(texts)] for i in range(n)]
 
 
@@ -265,12 +393,24 @@ def engine_bench(s: Sizes, device: torch.device, dry: bool) -> dict[str, Any]:
         kwargs["kv_cache_memory"] = 4 << 30  # room for every request: no preemption in the timing
     prompts = _prompts(s.engine_prompts)
     params = SamplingParams(max_tokens=s.engine_max_tokens, temperature=0.0, ignore_eos=True)
-    result: dict[str, Any] = {"model": kwargs.get("model") or "tiny-random" + ("+smollm2-shape" if "hf_overrides" in kwargs else ""),
-                              "dtype": kwargs["dtype"], "prompts": len(prompts), "max_tokens": s.engine_max_tokens}
+    result: dict[str, Any] = {
+        "model": kwargs.get("model")
+        or "tiny-random" + ("+smollm2-shape" if "hf_overrides" in kwargs else ""),
+        "dtype": kwargs["dtype"],
+        "prompts": len(prompts),
+        "max_tokens": s.engine_max_tokens,
+    }
     tokens: dict[str, list[list[int]]] = {}
     for backend in ("triton", "torch"):
-        llm = LLM(device=device.type, attention_backend=backend, max_num_seqs=max(64, len(prompts)), **kwargs)
-        llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up / JIT
+        llm = LLM(
+            device=device.type,
+            attention_backend=backend,
+            max_num_seqs=max(64, len(prompts)),
+            **kwargs,
+        )
+        llm.generate(
+            prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        )  # warm-up / JIT
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -280,24 +420,38 @@ def engine_bench(s: Sizes, device: torch.device, dry: bool) -> dict[str, Any]:
         wall = time.perf_counter() - start
         n_out = sum(len(o.outputs[0].token_ids) for o in outs)
         tokens[backend] = [list(o.outputs[0].token_ids) for o in outs]
-        result[backend] = {"wall_s": wall, "output_tokens": n_out, "output_tokens_per_s": n_out / wall,
-                           "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs)}
+        result[backend] = {
+            "wall_s": wall,
+            "output_tokens": n_out,
+            "output_tokens_per_s": n_out / wall,
+            "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs),
+        }
         del llm
         if device.type == "cuda":
             torch.cuda.empty_cache()
     same = sum(a == b for a, b in zip(tokens["triton"], tokens["torch"], strict=True))
-    result["greedy_equal_sequences"] = f"{same}/{len(prompts)} (bf16 with random weights may diverge on near-ties)"
+    result["greedy_equal_sequences"] = (
+        f"{same}/{len(prompts)} (bf16 with random weights may diverge on near-ties)"
+    )
     return result
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="gpu_check.json", help="JSON results file")
-    ap.add_argument("--dry-run", action="store_true", help="tiny sizes; runs on CPU in the interpreter")
+    ap.add_argument(
+        "--dry-run", action="store_true", help="tiny sizes; runs on CPU in the interpreter"
+    )
     ap.add_argument("--skip-engine", action="store_true", help="kernels only")
-    ap.add_argument("--sweep", action="store_true", help="run the launch-config sweeps in a dry run too")
-    ap.add_argument("--budget-s", type=float, default=180.0,
-                    help="seconds after which launch-config sweeps are skipped (the engine still runs)")
+    ap.add_argument(
+        "--sweep", action="store_true", help="run the launch-config sweeps in a dry run too"
+    )
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=180.0,
+        help="seconds after which launch-config sweeps are skipped (the engine still runs)",
+    )
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not args.dry_run:
@@ -308,7 +462,11 @@ def main(argv: list[str] | None = None) -> int:
         s = replace(s, sweep=True)
     t0 = time.perf_counter()
     DEADLINE[0] = t0 + args.budget_s
-    results: dict[str, Any] = {"dry_run": args.dry_run, "target_fraction_of_copy": TARGET_FRACTION, "errors": {}}
+    results: dict[str, Any] = {
+        "dry_run": args.dry_run,
+        "target_fraction_of_copy": TARGET_FRACTION,
+        "errors": {},
+    }
 
     def section(name: str, fn) -> Any:
         start = time.perf_counter()
@@ -318,11 +476,15 @@ def main(argv: list[str] | None = None) -> int:
             results["errors"][name] = traceback.format_exc()[-2000:]
             print(f"[{name}] FAILED:\n{results['errors'][name]}", file=sys.stderr)
         print(f"[{name}] {time.perf_counter() - start:.1f} s", file=sys.stderr)
-        Path(args.out).write_text(json.dumps(results, indent=2, default=str))  # keep partial results
+        Path(args.out).write_text(
+            json.dumps(results, indent=2, default=str)
+        )  # keep partial results
         return results.get(name)
 
     hq, hkv, d = s.heads
-    kv_bytes = 2 * s.decode_batch * s.decode_ctx * hkv * d * torch.tensor([], dtype=s.dtype).element_size()
+    kv_bytes = (
+        2 * s.decode_batch * s.decode_ctx * hkv * d * torch.tensor([], dtype=s.dtype).element_size()
+    )
     section("env", lambda: env_info(device))
     section("correctness", lambda: check_correctness(device, args.dry_run))
     copy = section("copy", lambda: copy_bandwidth(kv_bytes, device))

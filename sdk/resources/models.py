@@ -31,5 +31,8 @@ class AsyncModels:
         require_str("model", model)
         opts = only_options(options)
         return await self._client.request(
-            "GET", f"models/{path_part(model, keep_slashes=True)}", cast=ModelInfo.from_dict, options=opts
+            "GET",
+            f"models/{path_part(model, keep_slashes=True)}",
+            cast=ModelInfo.from_dict,
+            options=opts,
         )

@@ -71,7 +71,10 @@ class AsyncPrefixes:
         """The live prefix ``prefix_id``. Raises ``NotFoundError`` when unknown or expired."""
         require_str("prefix_id", prefix_id)
         return await self._client.request(
-            "GET", f"prefixes/{path_part(prefix_id)}", cast=Prefix.from_dict, options=only_options(options)
+            "GET",
+            f"prefixes/{path_part(prefix_id)}",
+            cast=Prefix.from_dict,
+            options=only_options(options),
         )
 
     async def delete(self, prefix_id: str, **options: Any) -> PrefixDeleted:

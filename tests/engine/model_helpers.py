@@ -37,8 +37,10 @@ class PagedRunner:
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         device = model.model.embed_tokens.weight.device
         self.kv_caches = [
-            (torch.zeros(shape, dtype=cfg.dtype, device=device),
-             torch.zeros(shape, dtype=cfg.dtype, device=device))
+            (
+                torch.zeros(shape, dtype=cfg.dtype, device=device),
+                torch.zeros(shape, dtype=cfg.dtype, device=device),
+            )
             for _ in range(cfg.num_layers)
         ]
         self.free = list(range(num_blocks))
@@ -68,14 +70,18 @@ class PagedRunner:
             while len(table) * self.block_size < end:
                 table.append(self.free.pop())
             for pos in range(start, end):
-                slots.append(table[pos // self.block_size] * self.block_size + pos % self.block_size)
+                slots.append(
+                    table[pos // self.block_size] * self.block_size + pos % self.block_size
+                )
             ids += tokens
             positions += range(start, end)
             starts.append(starts[-1] + len(tokens))
             ctx.append(end)
             self.lens[seq] = end
         width = max(len(self.tables[batch[i][0]]) for i in order)
-        tables = [self.tables[batch[i][0]] + [0] * (width - len(self.tables[batch[i][0]])) for i in order]
+        tables = [
+            self.tables[batch[i][0]] + [0] * (width - len(self.tables[batch[i][0]])) for i in order
+        ]
         device = self.kv_caches[0][0].device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
@@ -121,20 +127,40 @@ def tiny_hf_model(kind: str, out_dir: Path, seed: int = 0, **overrides: Any):
     import transformers as tf
 
     common: dict[str, Any] = dict(
-        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=320, max_position_embeddings=256,
-        tie_word_embeddings=False, rms_norm_eps=1e-6, initializer_range=0.08, bos_token_id=1, eos_token_id=2,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=320,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        initializer_range=0.08,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     builders = {
         "llama": (tf.LlamaConfig, {}),
         "llama_tied": (tf.LlamaConfig, {"tie_word_embeddings": True}),
         "llama_bias": (tf.LlamaConfig, {"attention_bias": True, "mlp_bias": True}),
-        "llama3_rope": (tf.LlamaConfig, {
-            "rope_theta": 500000.0,
-            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                             "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
-        }),
-        "llama_linear_rope": (tf.LlamaConfig, {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+        "llama3_rope": (
+            tf.LlamaConfig,
+            {
+                "rope_theta": 500000.0,
+                "rope_scaling": {
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 32,
+                },
+            },
+        ),
+        "llama_linear_rope": (
+            tf.LlamaConfig,
+            {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+        ),
         "mistral": (tf.MistralConfig, {"sliding_window": None, "head_dim": 16}),
         "qwen2": (tf.Qwen2Config, {}),
         "qwen3": (tf.Qwen3Config, {"head_dim": 32}),

@@ -18,12 +18,27 @@ from prefixgate.engine import (
 )
 
 PROMPTS = [
-    "I sense the nodes", "You dream.\n\nI sense the nodes", "A gentle hum", "Contrast edges sharpen",
-    "In the silence between two signals", "I dream of", "Slow knowledge", "Memory", "I am",
-    "The probability of morning unfolds like", "Every circuit holds a small", "Waves of data",
-    "Under the lattice of stars, the", "The dreamer wakes inside the code and", "Soft patterns of",
-    "Night", "A thousand whispers weave", "Between the layers of thought", "The garden of numbers",
-    "Light falls on the quiet", "Echoes",
+    "I sense the nodes",
+    "You dream.\n\nI sense the nodes",
+    "A gentle hum",
+    "Contrast edges sharpen",
+    "In the silence between two signals",
+    "I dream of",
+    "Slow knowledge",
+    "Memory",
+    "I am",
+    "The probability of morning unfolds like",
+    "Every circuit holds a small",
+    "Waves of data",
+    "Under the lattice of stars, the",
+    "The dreamer wakes inside the code and",
+    "Soft patterns of",
+    "Night",
+    "A thousand whispers weave",
+    "Between the layers of thought",
+    "The garden of numbers",
+    "Light falls on the quiet",
+    "Echoes",
 ]
 
 
@@ -74,7 +89,9 @@ async def settle(engine: AsyncEngine, timeout: float = 5.0) -> None:
 
 def test_staggered_arrivals_match_transformers(make_engine, aidreams_path, pool_whole):
     transformers = pytest.importorskip("transformers")
-    hf = transformers.LlamaForCausalLM.from_pretrained(aidreams_path, torch_dtype=torch.float32).eval()
+    hf = transformers.LlamaForCausalLM.from_pretrained(
+        aidreams_path, torch_dtype=torch.float32
+    ).eval()
     engine = make_engine()
     lens = [4 + (i * 7) % 17 for i in range(len(PROMPTS))]
 
@@ -93,13 +110,15 @@ def test_staggered_arrivals_match_transformers(make_engine, aidreams_path, pool_
         with torch.no_grad():
             for _ in range(n):
                 ref.append(int(hf(torch.tensor([ref])).logits[0, -1].argmax()))
-        assert outs[-1].outputs[0].token_ids == ref[len(ids):], p
+        assert outs[-1].outputs[0].token_ids == ref[len(ids) :], p
     pool_whole(engine)
 
 
 def test_streaming_deltas_and_metrics(make_engine, pool_whole):
     engine = make_engine()
-    outs = asyncio.run(collect(engine, PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=20), "s"))
+    outs = asyncio.run(
+        collect(engine, PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=20), "s")
+    )
     assert outs[-1].finished and not any(o.finished for o in outs[:-1])
     assert "".join(o.outputs[0].delta_text for o in outs) == outs[-1].outputs[0].text
     ids = [t for o in outs for t in o.outputs[0].delta_token_ids]
@@ -241,7 +260,9 @@ def test_event_loop_not_blocked(make_engine, pool_whole):
 
         stop = asyncio.Event()
         tick = asyncio.create_task(ticker(stop))
-        await asyncio.gather(*(collect(engine, p, greedy(30), f"t{i}") for i, p in enumerate(PROMPTS[:8])))
+        await asyncio.gather(
+            *(collect(engine, p, greedy(30), f"t{i}") for i, p in enumerate(PROMPTS[:8]))
+        )
         stop.set()
         await tick
         return gaps

@@ -18,12 +18,16 @@ TEXTS = [
 
 @pytest.fixture(scope="module", params=["builtin", "aidreams"])
 def tok(request, aidreams_path):
-    return Tokenizer.builtin() if request.param == "builtin" else Tokenizer.from_pretrained(aidreams_path)
+    return (
+        Tokenizer.builtin()
+        if request.param == "builtin"
+        else Tokenizer.from_pretrained(aidreams_path)
+    )
 
 
 def stream(tok, prompt_ids, out_ids, chunk=1, **params):
     detok = IncrementalDetokenizer(tok, prompt_ids, SamplingParams(**params))
-    deltas = [detok.step(out_ids[i:i + chunk]) for i in range(0, len(out_ids), chunk)]
+    deltas = [detok.step(out_ids[i : i + chunk]) for i in range(0, len(out_ids), chunk)]
     deltas.append(detok.finish())
     return detok, deltas
 
@@ -34,7 +38,7 @@ def test_deltas_concatenate_to_the_full_decode(tok, chunk):
     for text in TEXTS:
         out = tok.encode(text, add_special_tokens=False)
         detok, deltas = stream(tok, prompt, out, chunk)
-        expected = tok.decode(prompt + out)[len(tok.decode(prompt)):]
+        expected = tok.decode(prompt + out)[len(tok.decode(prompt)) :]
         assert "".join(deltas) == detok.text == expected
         assert not any("\ufffd" in d for d in deltas)  # never a broken UTF-8 character
 
@@ -50,14 +54,14 @@ def test_byte_fallback_held_until_complete():
 def test_first_token_keeps_its_leading_space(aidreams_path):
     tok = Tokenizer.from_pretrained(aidreams_path)
     prompt = tok.encode("I sense the nodes")
-    out = tok.encode("I sense the nodes, a gentle hum", add_special_tokens=False)[len(prompt) - 1:]
+    out = tok.encode("I sense the nodes, a gentle hum", add_special_tokens=False)[len(prompt) - 1 :]
     detok, deltas = stream(tok, prompt, out)
     assert detok.text == ", a gentle hum"
 
 
 def test_stop_string_across_token_boundaries_is_cut_and_never_emitted(tok):
     prompt, out = tok.encode("x"), tok.encode("the dream ENDS here", add_special_tokens=False)
-    full = tok.decode(prompt + out)[len(tok.decode(prompt)):]
+    full = tok.decode(prompt + out)[len(tok.decode(prompt)) :]
     detok, deltas = stream(tok, prompt, out, stop=["END"])
     assert detok.stop_string == "END" and detok.text == full[: full.index("END")]
     assert "".join(deltas) == detok.text and detok.text.endswith("dream ")

@@ -257,7 +257,9 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def test_real_model_on_off_equal_under_preemption_eviction_chunking(aidreams_path, pool_whole, one_thread) -> None:
+def test_real_model_on_off_equal_under_preemption_eviction_chunking(
+    aidreams_path, pool_whole, one_thread
+) -> None:
     import random
 
     from prefixgate.engine import LLM, SamplingParams
@@ -265,20 +267,33 @@ def test_real_model_on_off_equal_under_preemption_eviction_chunking(aidreams_pat
     greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     rng = random.Random(1)
     prefixes = [[1] + [rng.randrange(3, 512) for _ in range(23)] for _ in range(3)]  # 3 blocks
-    prompts = [p + [rng.randrange(3, 512) for _ in range(rng.randrange(1, 20))] for p in prefixes for _ in range(4)]
+    prompts = [
+        p + [rng.randrange(3, 512) for _ in range(rng.randrange(1, 20))]
+        for p in prefixes
+        for _ in range(4)
+    ]
     rng.shuffle(prompts)
     results, stats = {}, {}
     for caching in (False, True):
         # 16 blocks of 8 tokens: 8 concurrent requests of up to 53 tokens cannot all fit
-        llm = LLM(aidreams_path, block_size=8, num_kv_blocks=16, max_num_batched_tokens=24,
-                  enable_prefix_caching=caching)
-        results[caching] = [[o.outputs[0].token_ids for o in llm.generate(batch, greedy)]
-                            for batch in (prompts[:8], prompts[8:], prompts[:3])]
+        llm = LLM(
+            aidreams_path,
+            block_size=8,
+            num_kv_blocks=16,
+            max_num_batched_tokens=24,
+            enable_prefix_caching=caching,
+        )
+        results[caching] = [
+            [o.outputs[0].token_ids for o in llm.generate(batch, greedy)]
+            for batch in (prompts[:8], prompts[8:], prompts[:3])
+        ]
         stats[caching] = llm.stats()
         pool_whole(llm)
     assert results[True] == results[False]
     s = stats[True]
-    assert s["num_preemptions"] > 0 and s["prefix_cache_evictions"] > 0 and s["prefix_cache_hits"] > 0
+    assert (
+        s["num_preemptions"] > 0 and s["prefix_cache_evictions"] > 0 and s["prefix_cache_hits"] > 0
+    )
 
 
 def test_real_model_forced_collision_not_served(aidreams_path, pool_whole, one_thread) -> None:

@@ -33,11 +33,17 @@ def _bad_inputs(llm: LLM):
         ("empty text prompt", lambda: eng.add_request("bad-1", "", GREEDY)),
         ("empty id prompt", lambda: eng.add_request("bad-2", [], GREEDY)),
         ("prompt > max_model_len", lambda: eng.add_request("bad-3", long_prompt, GREEDY)),
-        ("prompt == max_model_len", lambda: eng.add_request("bad-3b", long_prompt[: llm.max_model_len], GREEDY)),
+        (
+            "prompt == max_model_len",
+            lambda: eng.add_request("bad-3b", long_prompt[: llm.max_model_len], GREEDY),
+        ),
         ("token id outside vocab", lambda: eng.add_request("bad-4", [1, 99999], GREEDY)),
         ("prompt of wrong type", lambda: eng.add_request("bad-5", 42, GREEDY)),
         ("max_tokens < 1", lambda: eng.add_request("bad-6", "hi", SamplingParams(max_tokens=0))),
-        ("temperature < 0", lambda: eng.add_request("bad-7", "hi", SamplingParams(temperature=-1.0))),
+        (
+            "temperature < 0",
+            lambda: eng.add_request("bad-7", "hi", SamplingParams(temperature=-1.0)),
+        ),
         ("top_p = 0", lambda: eng.add_request("bad-8", "hi", SamplingParams(top_p=0.0))),
         ("top_p > 1", lambda: eng.add_request("bad-9", "hi", SamplingParams(top_p=1.5))),
         ("stop of wrong type", lambda: eng.add_request("bad-10", "hi", SamplingParams(stop=[3]))),
@@ -88,7 +94,11 @@ def test_prompt_forms_and_order(llm, pool_whole):
     assert [o.prompt for o in by_text] == PROMPTS
     assert [o.prompt_token_ids for o in by_text] == ids
     assert [o.outputs[0].token_ids for o in by_text] == [o.outputs[0].token_ids for o in by_ids]
-    assert one_text[0].outputs[0].token_ids == one_ids[0].outputs[0].token_ids == by_text[1].outputs[0].token_ids
+    assert (
+        one_text[0].outputs[0].token_ids
+        == one_ids[0].outputs[0].token_ids
+        == by_text[1].outputs[0].token_ids
+    )
     assert by_ids[0].prompt is None
     pool_whole(llm)
 
@@ -98,7 +108,9 @@ def test_generation_capped_at_max_model_len(llm, pool_whole):
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 5
     assert out.outputs[0].finish_reason == "length"
-    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True))[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True))[
+        0
+    ]
     assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == llm.max_model_len
     pool_whole(llm)
 
@@ -111,7 +123,9 @@ def test_stop_string_and_stop_token(llm, pool_whole):
     assert c.text == free.text[: free.text.index(stop)]
     assert c.finish_reason == "stop" and c.stop_reason == stop
     stop_id = free.token_ids[3]
-    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_id]))[0]
+    out = llm.generate(
+        PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_id])
+    )[0]
     c = out.outputs[0]
     assert c.token_ids == free.token_ids[: free.token_ids.index(stop_id) + 1]
     assert c.finish_reason == "stop" and c.stop_reason == stop_id
@@ -119,7 +133,10 @@ def test_stop_string_and_stop_token(llm, pool_whole):
 
 
 def test_chat_applies_template(llm, pool_whole):
-    messages = [{"role": "system", "content": "You dream."}, {"role": "user", "content": "I sense the nodes"}]
+    messages = [
+        {"role": "system", "content": "You dream."},
+        {"role": "user", "content": "I sense the nodes"},
+    ]
     chat = llm.chat(messages, GREEDY)[0]
     plain = llm.generate("You dream.\n\nI sense the nodes", GREEDY)[0]
     assert chat.prompt_token_ids == plain.prompt_token_ids
@@ -155,7 +172,9 @@ def test_seeded_sampling_is_batch_independent(llm, pool_whole):
 
 def test_abort_frees_blocks_and_reports(llm, pool_whole):
     eng = llm.engine
-    eng.add_request("ab-1", PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    eng.add_request(
+        "ab-1", PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    )
     eng.add_request("ab-2", PROMPTS[0], GREEDY)
     eng.step()
     eng.step()
@@ -181,7 +200,9 @@ def test_streamed_deltas_add_up(llm, pool_whole):
             last = out
     assert last is not None and last.finished
     m = last.metrics
-    assert m["arrival"] <= m["first_scheduled"] <= m["first_token"] <= m["last_token"] <= m["finished"]
+    assert (
+        m["arrival"] <= m["first_scheduled"] <= m["first_token"] <= m["last_token"] <= m["finished"]
+    )
     pool_whole(llm)
 
 
@@ -197,7 +218,9 @@ def test_max_model_len_fits_the_kv_cache(aidreams_path, pool_whole):
     without max_tokens still finishes; an explicit max_model_len over capacity is an error."""
     small = LLM(aidreams_path, num_kv_blocks=4, block_size=16)  # 64 tokens < context 128
     assert small.max_model_len == 64
-    out = small.generate("I sense the nodes", SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True))[0]
+    out = small.generate(
+        "I sense the nodes", SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+    )[0]
     assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 64
     pool_whole(small)
     with pytest.raises(ValueError, match="does not fit the KV cache"):

@@ -110,7 +110,9 @@ def test_greedy_matches_transformers_staggered(llm, hf, pool_whole):
                 if pending:
                     i, p = pending.pop(0)
                     engine.add_request(
-                        f"s{i}", p, SamplingParams(temperature=0.0, max_tokens=lens[i], ignore_eos=True)
+                        f"s{i}",
+                        p,
+                        SamplingParams(temperature=0.0, max_tokens=lens[i], ignore_eos=True),
                     )
         for out in engine.step():
             if out.finished:
@@ -182,8 +184,13 @@ def test_batch_invariance_under_preemption(aidreams_path, invariance, prefix_cac
     """So few KV blocks (16 x 16 tokens for 64 requests) that running requests must be
     preempted and recomputed; tokens still equal the ample-cache run."""
     _, prompts, params, together = invariance
-    small = LLM(aidreams_path, block_size=16, num_kv_blocks=16, max_num_seqs=64,
-                enable_prefix_caching=prefix_caching)
+    small = LLM(
+        aidreams_path,
+        block_size=16,
+        num_kv_blocks=16,
+        max_num_seqs=64,
+        enable_prefix_caching=prefix_caching,
+    )
     got = [o.outputs[0].token_ids for o in small.generate(prompts, params)]
     assert small.stats()["num_preemptions"] > 0
     assert got == together

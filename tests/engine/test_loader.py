@@ -36,9 +36,16 @@ def copy(src: Path, dst: Path) -> Path:
 
 def test_config_fields(llama_dir):
     cfg = model_config(llama_dir)
-    assert (cfg.architecture, cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
-            cfg.head_dim, cfg.intermediate_size, cfg.vocab_size) == (
-        "LlamaForCausalLM", 64, 2, 4, 2, 16, 96, 320)
+    assert (
+        cfg.architecture,
+        cfg.hidden_size,
+        cfg.num_layers,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.intermediate_size,
+        cfg.vocab_size,
+    ) == ("LlamaForCausalLM", 64, 2, 4, 2, 16, 96, 320)
     assert cfg.max_model_len == 256 and cfg.eos_token_ids == {2} and cfg.bos_token_id == 1
     assert cfg.dtype == torch.float32 and cfg.device == "cpu" and not cfg.tie_word_embeddings
     assert model_config(llama_dir, max_model_len=100).max_model_len == 100
@@ -55,9 +62,16 @@ def test_aidreams_config(aidreams_path):
 
 def test_smollm2_shape_dummy_config(smollm2_shape_path):
     cfg = model_config(smollm2_shape_path, load_format="dummy")
-    assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-            cfg.intermediate_size, cfg.vocab_size, cfg.rope_theta) == (
-        576, 30, 9, 3, 64, 1536, 49152, 100000.0)
+    assert (
+        cfg.hidden_size,
+        cfg.num_layers,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.intermediate_size,
+        cfg.vocab_size,
+        cfg.rope_theta,
+    ) == (576, 30, 9, 3, 64, 1536, 49152, 100000.0)
 
 
 def test_max_model_len_above_the_model_limit(llama_dir):
@@ -70,8 +84,13 @@ def test_legacy_rope_keys_and_generation_eos(tmp_path, llama_dir):
     raw = json.loads((path / "config.json").read_text())
     raw.pop("rope_parameters", None)
     raw["rope_theta"] = 5e5
-    raw["rope_scaling"] = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    raw["rope_scaling"] = {
+        "type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
     raw["torch_dtype"] = "bfloat16"
     (path / "config.json").write_text(json.dumps(raw))
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
@@ -108,7 +127,9 @@ def test_missing_tensor_is_named(tmp_path, llama_dir):
     tensors = load_file(path / "model.safetensors")
     del tensors["model.layers.1.self_attn.k_proj.weight"]
     save_file(tensors, path / "model.safetensors")
-    with pytest.raises(ValueError, match=r"missing tensor model\.layers\.1\.self_attn\.k_proj\.weight"):
+    with pytest.raises(
+        ValueError, match=r"missing tensor model\.layers\.1\.self_attn\.k_proj\.weight"
+    ):
         load(path)
 
 
@@ -117,7 +138,10 @@ def test_unexpected_shape_names_tensor_and_file(tmp_path, llama_dir):
     tensors = load_file(path / "model.safetensors")
     tensors["model.layers.0.mlp.up_proj.weight"] = torch.zeros(95, 64)
     save_file(tensors, path / "model.safetensors")
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.up_proj\.weight in .*model\.safetensors has shape \(95, 64\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"model\.layers\.0\.mlp\.up_proj\.weight in .*model\.safetensors has shape \(95, 64\)",
+    ):
         load(path)
 
 

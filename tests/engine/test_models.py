@@ -12,8 +12,16 @@ sys.path.insert(0, str(Path(__file__).parent))  # importlib mode: make model_hel
 from model_helpers import PagedRunner, load, tiny_hf_model  # noqa: E402
 
 TOL = 1e-4  # fp32 max abs logit difference vs transformers (eager attention)
-KINDS = ["llama", "llama_tied", "llama_bias", "llama3_rope", "llama_linear_rope", "mistral", "qwen2",
-         "qwen3"]
+KINDS = [
+    "llama",
+    "llama_tied",
+    "llama_bias",
+    "llama3_rope",
+    "llama_linear_rope",
+    "mistral",
+    "qwen2",
+    "qwen3",
+]
 
 
 def _hf_logits(hf_model, ids: list[int]) -> torch.Tensor:
@@ -45,14 +53,17 @@ def test_mixed_batch_decodes_and_prefills(kind, tmp_path):
     hf = tiny_hf_model(kind, tmp_path)
     model = load(tmp_path)
     gen = torch.Generator().manual_seed(2)
-    seqs = {s: torch.randint(3, 320, (n,), generator=gen).tolist() for s, n in
-            [("a", 20), ("b", 9), ("c", 31), ("d", 5)]}
+    seqs = {
+        s: torch.randint(3, 320, (n,), generator=gen).tolist()
+        for s, n in [("a", 20), ("b", 9), ("c", 31), ("d", 5)]
+    }
     refs = {s: _hf_logits(hf, ids) for s, ids in seqs.items()}
     runner = PagedRunner(model, block_size=8, num_blocks=32)
     runner.step([("a", seqs["a"][:19]), ("b", seqs["b"][:8])])
     # a, b decode; c prefills its first chunk; d its whole prompt.
-    out = runner.step([("c", seqs["c"][:17]), ("a", seqs["a"][19:]), ("d", seqs["d"]),
-                       ("b", seqs["b"][8:])])
+    out = runner.step(
+        [("c", seqs["c"][:17]), ("a", seqs["a"][19:]), ("d", seqs["d"]), ("b", seqs["b"][8:])]
+    )
     expect = torch.stack([refs["c"][16], refs["a"][19], refs["d"][4], refs["b"][8]])
     assert (out - expect).abs().max().item() < TOL
     out = runner.step([("c", seqs["c"][17:])])
@@ -89,8 +100,13 @@ def test_aidreams_greedy_equals_transformers_generate(aidreams_path):
 
     hf_tok = AutoTokenizer.from_pretrained(aidreams_path)
     hf = AutoModelForCausalLM.from_pretrained(aidreams_path, dtype=torch.float32).eval()
-    prompts = ["I sense the nodes", "Once upon a time", "The light", "You dream.\n\nI am",
-               "Silent circuits hum and"]
+    prompts = [
+        "I sense the nodes",
+        "Once upon a time",
+        "The light",
+        "You dream.\n\nI am",
+        "Silent circuits hum and",
+    ]
     new = 40
     model = load(aidreams_path)
     runner = PagedRunner(model, block_size=16, num_blocks=64)
@@ -104,6 +120,11 @@ def test_aidreams_greedy_equals_transformers_generate(aidreams_path):
         logits = runner.step([(i, [t]) for i, t in enumerate(nxt)])  # 5 decodes
     for i, ids in enumerate(prompt_ids):
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+            ref = hf.generate(
+                torch.tensor([ids]),
+                max_new_tokens=new,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(ids) :].tolist()
         assert outs[i] == ref, (prompts[i], hf_tok.decode(outs[i]), hf_tok.decode(ref))

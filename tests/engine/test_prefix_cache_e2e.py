@@ -43,7 +43,7 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     with torch.no_grad():
         for _ in range(n):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def run_rounds(path: str, rounds: list[list[list[int]]], caching: bool, **cfg) -> tuple[list, LLM]:
@@ -132,14 +132,21 @@ def test_cache_salt_partitions_the_cache(aidreams_path, pool_whole):
     a2 = llm.generate([prompt], greedy(6), cache_salt="tenant-a")[0]
     assert (a.num_cached_tokens, b.num_cached_tokens, none.num_cached_tokens) == (0, 0, 0)
     assert a2.num_cached_tokens == 40
-    assert a.outputs[0].token_ids == b.outputs[0].token_ids == none.outputs[0].token_ids == a2.outputs[0].token_ids
+    assert (
+        a.outputs[0].token_ids
+        == b.outputs[0].token_ids
+        == none.outputs[0].token_ids
+        == a2.outputs[0].token_ids
+    )
     pool_whole(llm)
 
 
 def test_warm_outputs_equal_transformers_with_chunked_uncached_part(aidreams_path, pool_whole):
     """A 48-token cached prefix, then 60 uncached tokens prefilled in 16-token chunks."""
     transformers = pytest.importorskip("transformers")
-    hf = transformers.LlamaForCausalLM.from_pretrained(aidreams_path, torch_dtype=torch.float32).eval()
+    hf = transformers.LlamaForCausalLM.from_pretrained(
+        aidreams_path, torch_dtype=torch.float32
+    ).eval()
     rng = random.Random(11)
     prefix = [BOS] + rand_ids(rng, 47)  # 3 blocks of 16
     prompts = [prefix + rand_ids(rng, 60), prefix + rand_ids(rng, 37), prefix + rand_ids(rng, 5)]
@@ -193,11 +200,15 @@ def test_pin_prefix_text_and_errors(aidreams_path, pool_whole):
 
 
 @pytest.mark.parametrize("caching", [True, False])
-def test_16_concurrent_async_requests_prefill_shared_prefix_once(aidreams_path, caching, pool_whole):
+def test_16_concurrent_async_requests_prefill_shared_prefix_once(
+    aidreams_path, caching, pool_whole
+):
     rng = random.Random(13)
     prefix = [BOS] + rand_ids(rng, 63)  # 64 tokens, 4 blocks of 16, not cached yet
     suffixes = [rand_ids(rng, rng.randrange(2, 12)) for _ in range(16)]
-    engine = AsyncEngine(EngineConfig(model=aidreams_path, num_kv_blocks=128, enable_prefix_caching=caching))
+    engine = AsyncEngine(
+        EngineConfig(model=aidreams_path, num_kv_blocks=128, enable_prefix_caching=caching)
+    )
 
     async def main():
         async def one(i):

@@ -49,21 +49,36 @@ def test_same_seed_same_tokens_whatever_the_batch():
         sampler, batch = Sampler(seed=123), batch_of()
         return [sampler.sample(logits[: len(batch)], batch)[row].token_id for logits in steps]
 
-    alone = [Sampler().sample(s[3:4], [b])[0].token_id
-             for b in [seeded(42, **kw)] for s in steps]
+    alone = [Sampler().sample(s[3:4], [b])[0].token_id for b in [seeded(42, **kw)] for s in steps]
     # the same request (seed 42) at row 3, next to other seeded and unseeded requests; the
     # logits of its row are the same as alone (row 3 of each step)
-    crowd = run(lambda: [seeded(1), state(temperature=1.0), state(temperature=0.0),
-                         seeded(42, **kw), state(temperature=0.5), seeded(9)], 3)
+    crowd = run(
+        lambda: [
+            seeded(1),
+            state(temperature=1.0),
+            state(temperature=0.0),
+            seeded(42, **kw),
+            state(temperature=0.5),
+            seeded(9),
+        ],
+        3,
+    )
     assert crowd == alone
-    other_seed = [Sampler().sample(s[3:4], [b])[0].token_id for b in [seeded(43, **kw)] for s in steps]
+    other_seed = [
+        Sampler().sample(s[3:4], [b])[0].token_id for b in [seeded(43, **kw)] for s in steps
+    ]
     assert other_seed != alone
 
 
 def test_penalties_hand_computed():
     row = torch.tensor([2.0, -1.0, 0.5, 3.0, -0.5])
-    st = state(prompt=[0, 0], output=[1, 3, 3], repetition_penalty=2.0,
-               frequency_penalty=0.5, presence_penalty=0.25)
+    st = state(
+        prompt=[0, 0],
+        output=[1, 3, 3],
+        repetition_penalty=2.0,
+        frequency_penalty=0.5,
+        presence_penalty=0.25,
+    )
     apply_penalties(row, st)
     # repetition over prompt+output {0, 1, 3}: 2→1, -1→-2, 3→1.5; then OpenAI over output:
     # token 1 (count 1): -2 - 0.5 - 0.25; token 3 (count 2): 1.5 - 1.0 - 0.25.
@@ -125,8 +140,10 @@ def test_top_k_and_temperature_restrict_choices():
 
 def test_logprobs_are_raw_log_softmax():
     logits = torch.tensor([[1.0, 2.0, 3.0, 0.0], [0.0, 0.0, 0.0, 5.0]])
-    batch = [state(temperature=0.0, logprobs=2, output=[2], presence_penalty=2.0),
-             state(temperature=0.0, logprobs=0)]
+    batch = [
+        state(temperature=0.0, logprobs=2, output=[2], presence_penalty=2.0),
+        state(temperature=0.0, logprobs=0),
+    ]
     out = Sampler().sample(logits, batch)
     ref = torch.log_softmax(logits, -1)
     assert out[0].token_id == 1  # the penalty moved the choice off token 2 ...
@@ -135,7 +152,9 @@ def test_logprobs_are_raw_log_softmax():
     assert [x.token_id for x in lp.top] == [2, 1]  # ... but logprobs are of the raw logits
     assert [x.logprob for x in lp.top] == pytest.approx(ref[0, [2, 1]].tolist())
     assert out[1].logprobs.top == [] and out[1].logprobs.sampled.token_id == 3
-    assert math.exp(out[1].logprobs.sampled.logprob) == pytest.approx(torch.softmax(logits[1], -1)[3].item())
+    assert math.exp(out[1].logprobs.sampled.logprob) == pytest.approx(
+        torch.softmax(logits[1], -1)[3].item()
+    )
 
 
 def test_bad_shapes_raise():

@@ -47,7 +47,9 @@ def make(num_blocks: int = 256, max_model_len: int = 4096, hash_fn=None, **cfg) 
     return Scheduler(config, kv, max_model_len)
 
 
-def request(rid: str, prompt: list[int], max_tokens: int = 8, salt: str | None = None, **params) -> Request:
+def request(
+    rid: str, prompt: list[int], max_tokens: int = 8, salt: str | None = None, **params
+) -> Request:
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, **params)
     return Request(rid, prompt, sp, eos_token_ids=[EOS], max_tokens=max_tokens, cache_salt=salt)
 
@@ -79,7 +81,11 @@ def step(run: Run, sampler=fake_token) -> list[Request]:
 
 
 def drive(
-    sched: Scheduler, reqs: list[Request] = (), max_steps: int = 10_000, arrivals=None, pinned_ok: bool = False
+    sched: Scheduler,
+    reqs: list[Request] = (),
+    max_steps: int = 10_000,
+    arrivals=None,
+    pinned_ok: bool = False,
 ) -> Run:
     """Add ``reqs`` (or per-step ``arrivals[step] -> list``) and step until all finish."""
     run = Run(sched)
@@ -130,7 +136,10 @@ def test_continuous_batching_matches_reference() -> None:
         assert run.outputs[f"r{i}"] == reference(p, 1 + i % 7)
         assert run.finish[f"r{i}"] == "length"
     # prefill and decode shared steps; max_num_seqs bounded the batch
-    assert any(any(x.is_decode for x in o.scheduled) and any(not x.is_decode for x in o.scheduled) for o in run.steps)
+    assert any(
+        any(x.is_decode for x in o.scheduled) and any(not x.is_decode for x in o.scheduled)
+        for o in run.steps
+    )
     assert max(len(o.scheduled) for o in run.steps) == 8
 
 
@@ -139,7 +148,12 @@ def test_chunked_prefill_respects_budget() -> None:
     long = request("long", list(range(3, 103)), max_tokens=3)
     short = request("short", [5, 6, 7], max_tokens=4)
     run = drive(sched, [long, short])
-    chunks = [x.num_new_tokens for o in run.steps for x in o.scheduled if x.request is long and not x.is_decode]
+    chunks = [
+        x.num_new_tokens
+        for o in run.steps
+        for x in o.scheduled
+        if x.request is long and not x.is_decode
+    ]
     assert chunks[:3] == [32, 32, 32] and sum(chunks) == 100
     assert all(o.num_scheduled_tokens <= 32 for o in run.steps)
     assert run.outputs["long"] == reference(list(range(3, 103)), 3)
@@ -178,11 +192,18 @@ def test_stop_conditions() -> None:
     while sched.has_unfinished_requests():
         step(run, sampler)
     assert run.finish == {
-        "eos": "stop", "ignore": "length", "stoptok": "stop", "len": "length", "mml": "length"
+        "eos": "stop",
+        "ignore": "length",
+        "stoptok": "stop",
+        "len": "length",
+        "mml": "length",
     }
     assert reqs["eos"].output_token_ids == [EOS] and reqs["eos"].stop_reason is None
     assert reqs["ignore"].output_token_ids == [EOS, 40, 41]
-    assert reqs["stoptok"].stop_reason == 40 and reqs["stoptok"].status == RequestStatus.FINISHED_STOPPED
+    assert (
+        reqs["stoptok"].stop_reason == 40
+        and reqs["stoptok"].status == RequestStatus.FINISHED_STOPPED
+    )
     assert reqs["mml"].num_tokens == 9  # capped by max_model_len
     assert_whole(sched)
 
@@ -293,8 +314,10 @@ def test_no_endless_preemption_under_heavy_pressure() -> None:
 def test_static_admits_only_when_drained() -> None:
     def admissions(mode: str) -> list[tuple[int, int]]:
         sched = make(max_num_seqs=4, scheduling=mode)
-        arrivals = {0: [request(f"a{i}", [5, 6, 7 + i], max_tokens=3 + 4 * i) for i in range(4)],
-                    2: [request(f"b{i}", [8, 9, 10 + i], max_tokens=3) for i in range(4)]}
+        arrivals = {
+            0: [request(f"a{i}", [5, 6, 7 + i], max_tokens=3 + 4 * i) for i in range(4)],
+            2: [request(f"b{i}", [8, 9, 10 + i], max_tokens=3) for i in range(4)],
+        }
         run = drive(sched, arrivals=arrivals)
         # (step, running count before admission) for each first schedule of a b-request
         firsts = {}
@@ -335,8 +358,11 @@ def test_in_flight_dedup_16_requests_share_prefix_once() -> None:
 def test_in_flight_dedup_with_chunked_owner_and_others_behind() -> None:
     prefix = list(range(100, 164))
     sched = make(max_num_batched_tokens=24, max_num_seqs=32)
-    reqs = [request("o", prefix + [1, 2], max_tokens=3), request("w", prefix + [4, 5], max_tokens=3),
-            request("x", list(range(500, 520)), max_tokens=3)]
+    reqs = [
+        request("o", prefix + [1, 2], max_tokens=3),
+        request("w", prefix + [4, 5], max_tokens=3),
+        request("x", list(range(500, 520)), max_tokens=3),
+    ]
     run = drive(sched, reqs)
     assert reqs[1].num_cached_tokens == 64
     assert run.prefill_tokens == 66 + 2 + 20
@@ -351,7 +377,10 @@ def test_preempted_owner_releases_pending_marks() -> None:
     prefix = list(range(100, 164))
     sched = make(max_num_batched_tokens=16, max_num_seqs=8)
     run = Run(sched)
-    owner, waiter = request("o", prefix + [1], max_tokens=2), request("w", prefix + [2], max_tokens=2)
+    owner, waiter = (
+        request("o", prefix + [1], max_tokens=2),
+        request("w", prefix + [2], max_tokens=2),
+    )
     sched.add_request(owner)
     sched.add_request(waiter)
     step(run)
@@ -365,7 +394,9 @@ def test_preempted_owner_releases_pending_marks() -> None:
     assert_whole(sched)
 
 
-@pytest.mark.parametrize("scenario", ["k_blocks", "k_plus_partial", "repeat", "eviction", "chunked"])
+@pytest.mark.parametrize(
+    "scenario", ["k_blocks", "k_plus_partial", "repeat", "eviction", "chunked"]
+)
 def test_prefix_cache_on_off_identical(scenario: str) -> None:
     prefix = list(range(200, 264))
     rng = random.Random(4)
@@ -377,7 +408,11 @@ def test_prefix_cache_on_off_identical(scenario: str) -> None:
         ps = [prompts(1, seed=5)[0]] * 6
     else:
         ps = [prefix + p for p in prompts(8, seed=6, lo=1, hi=40)]
-    kw = dict(num_blocks=14, max_num_batched_tokens=24) if scenario in ("eviction", "chunked") else {}
+    kw = (
+        dict(num_blocks=14, max_num_batched_tokens=24)
+        if scenario in ("eviction", "chunked")
+        else {}
+    )
     outs = []
     for caching in (True, False):
         sched = make(enable_prefix_caching=caching, **kw)
@@ -425,7 +460,9 @@ def test_pins_expire_in_schedule_and_survive_pressure(monkeypatch: pytest.Monkey
         step(run)
     pin = sched.kv.pin(sp, ttl_s=60.0)
     assert pin.num_tokens == 32
-    fillers = [request(f"f{i}", list(range(600 + 40 * i, 640 + 40 * i)), max_tokens=10) for i in range(4)]
+    fillers = [
+        request(f"f{i}", list(range(600 + 40 * i, 640 + 40 * i)), max_tokens=10) for i in range(4)
+    ]
     drive(sched, fillers, pinned_ok=True)  # 8 free blocks, fillers need 4 each: evictions
     assert sched.stats()["prefix_cache_evictions"] > 0
     r = request("hit", sp + [9])
@@ -464,7 +501,12 @@ def test_request_validation() -> None:
     with pytest.raises(TypeError):
         Request("a", [1], None, cache_salt=5)
     r = Request("a", (5, 6), None, eos_token_ids={2}, max_tokens=3)
-    assert (r.num_tokens, r.num_prompt_tokens, r.num_cached_tokens, r.finish_reason) == (2, 2, 0, None)
+    assert (r.num_tokens, r.num_prompt_tokens, r.num_cached_tokens, r.finish_reason) == (
+        2,
+        2,
+        0,
+        None,
+    )
     r.append_output_token(9)
     assert r.all_token_ids == [5, 6, 9] and r.output_token_ids == [9] and r.num_tokens == 3
     assert not r.is_finished() and RequestStatus.FINISHED_ABORTED.is_finished()
@@ -477,9 +519,14 @@ def test_randomized_stress_keeps_invariants(seed: int) -> None:
     """Random arrivals, aborts, stop-string finishes, pins and a tight cache: invariants after
     every step, every request accounted for, outputs of the rest equal the reference."""
     rng = random.Random(seed)
-    sched = make(num_blocks=rng.choice([10, 16, 40]), max_num_batched_tokens=rng.choice([8, 32, 128]),
-                 max_num_seqs=rng.choice([2, 6, 32]), max_model_len=160,
-                 enable_prefix_caching=rng.random() < 0.8, scheduling=rng.choice(["continuous", "static"]))
+    sched = make(
+        num_blocks=rng.choice([10, 16, 40]),
+        max_num_batched_tokens=rng.choice([8, 32, 128]),
+        max_num_seqs=rng.choice([2, 6, 32]),
+        max_model_len=160,
+        enable_prefix_caching=rng.random() < 0.8,
+        scheduling=rng.choice(["continuous", "static"]),
+    )
     shared = [[rng.randrange(3, VOCAB) for _ in range(rng.choice([16, 24, 40]))] for _ in range(3)]
     run = Run(sched)
     live: dict[str, Request] = {}
@@ -488,7 +535,9 @@ def test_randomized_stress_keeps_invariants(seed: int) -> None:
     for n in range(5000):
         if n < 300 and rng.random() < 0.4:
             p = rng.choice(shared) + [rng.randrange(3, VOCAB) for _ in range(rng.randrange(1, 20))]
-            r = request(f"r{n}", p, max_tokens=rng.randrange(1, 24), salt=rng.choice([None, None, "t"]))
+            r = request(
+                f"r{n}", p, max_tokens=rng.randrange(1, 24), salt=rng.choice([None, None, "t"])
+            )
             try:
                 sched.add_request(r)
                 live[r.request_id] = r
@@ -505,7 +554,9 @@ def test_randomized_stress_keeps_invariants(seed: int) -> None:
                 ended[rid] = live.pop(rid)
         if sched.kv.enable_prefix_caching and rng.random() < 0.05:
             try:
-                pins.append(sched.kv.pin(rng.choice(shared), ttl_s=rng.choice([None, 1e-3, 60.0])).id)
+                pins.append(
+                    sched.kv.pin(rng.choice(shared), ttl_s=rng.choice([None, 1e-3, 60.0])).id
+                )
             except ValueError:
                 pass
         if pins and rng.random() < 0.05:
@@ -517,7 +568,13 @@ def test_randomized_stress_keeps_invariants(seed: int) -> None:
             ended[r.request_id] = live.pop(r.request_id)
         if n >= 300 and not sched.has_unfinished_requests():
             break
-    assert not sched.has_unfinished_requests() and not live, (n, sched.stats(), sched.running, list(sched.waiting), sched.kv.pins)
+    assert not sched.has_unfinished_requests() and not live, (
+        n,
+        sched.stats(),
+        sched.running,
+        list(sched.waiting),
+        sched.kv.pins,
+    )
     for p in pins:
         try:
             sched.kv.unpin(p)

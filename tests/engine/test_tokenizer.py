@@ -61,7 +61,9 @@ def test_chat_template_matches_transformers(pair, gen_prompt):
     ours, hf = pair
     for conv in CONVERSATIONS:
         text = ours.apply_chat_template(conv, add_generation_prompt=gen_prompt)
-        assert text == hf.apply_chat_template(conv, tokenize=False, add_generation_prompt=gen_prompt)
+        assert text == hf.apply_chat_template(
+            conv, tokenize=False, add_generation_prompt=gen_prompt
+        )
         ids = ours.apply_chat_template(conv, add_generation_prompt=gen_prompt, tokenize=True)
         ref = hf.apply_chat_template(conv, tokenize=True, add_generation_prompt=gen_prompt)
         ref = ref["input_ids"] if isinstance(ref, dict) or hasattr(ref, "keys") else ref
@@ -70,7 +72,9 @@ def test_chat_template_matches_transformers(pair, gen_prompt):
 
 def test_text_parts_are_joined(aidreams_path):
     tok = Tokenizer.from_pretrained(aidreams_path)
-    parts = [{"role": "user", "content": [{"type": "text", "text": "a "}, {"type": "text", "text": "b"}]}]
+    parts = [
+        {"role": "user", "content": [{"type": "text", "text": "a "}, {"type": "text", "text": "b"}]}
+    ]
     assert tok.apply_chat_template(parts) == "<s>a b"
 
 
@@ -114,13 +118,23 @@ def test_template_list_and_add_bos_without_post_processor(tmp_path):
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import models
 
-    hf = HFTokenizer(models.WordLevel({"<s>": 0, "</s>": 1, "hi": 2, "<unk>": 3}, unk_token="<unk>"))
+    hf = HFTokenizer(
+        models.WordLevel({"<s>": 0, "</s>": 1, "hi": 2, "<unk>": 3}, unk_token="<unk>")
+    )
     hf.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<s>", "eos_token": {"content": "</s>"}, "add_bos_token": True,
-        "chat_template": [{"name": "default", "template": "{{ messages[0]['content'] }}"},
-                          {"name": "tool_use", "template": "T{{ messages[0]['content'] }}"}],
-    }))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<s>",
+                "eos_token": {"content": "</s>"},
+                "add_bos_token": True,
+                "chat_template": [
+                    {"name": "default", "template": "{{ messages[0]['content'] }}"},
+                    {"name": "tool_use", "template": "T{{ messages[0]['content'] }}"},
+                ],
+            }
+        )
+    )
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 3]}))
     tok = Tokenizer.from_pretrained(tmp_path)
     assert tok.encode("hi") == [0, 2] and tok.encode("hi", add_special_tokens=False) == [2]

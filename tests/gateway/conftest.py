@@ -15,7 +15,8 @@ from prefixgate.gateway.server import BackgroundServer
 from prefixgate.gateway.state import GatewaySettings
 
 _spec = importlib.util.spec_from_file_location(
-    "prefixgate_tests_fake_engine", Path(__file__).with_name("fake_engine.py"))
+    "prefixgate_tests_fake_engine", Path(__file__).with_name("fake_engine.py")
+)
 fake_engine = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = fake_engine
 _spec.loader.exec_module(fake_engine)
@@ -93,5 +94,10 @@ def client(srv: BackgroundServer, **kw: object) -> httpx.Client:
 @pytest.fixture
 def gw() -> types.SimpleNamespace:
     """Helpers: FakeEngine, wait_idle, chat_body, client."""
-    return types.SimpleNamespace(FakeEngine=FakeEngine, wait_idle=wait_idle, chat_body=chat_body,
-                                 client=client, PinLimitError=fake_engine.PinLimitError)
+    return types.SimpleNamespace(
+        FakeEngine=FakeEngine,
+        wait_idle=wait_idle,
+        chat_body=chat_body,
+        client=client,
+        PinLimitError=fake_engine.PinLimitError,
+    )

@@ -58,9 +58,15 @@ class _Pin:
 class FakeEngine:
     """Implements generate/abort/pin_prefix/unpin_prefix/stats/tokenizer/max_model_len."""
 
-    def __init__(self, max_model_len: int = 128, token_delay_s: float = 0.002,
-                 max_num_seqs: int = 8, num_blocks: int = 64, block_size: int = 16,
-                 max_pinned_fraction: float = 0.5) -> None:
+    def __init__(
+        self,
+        max_model_len: int = 128,
+        token_delay_s: float = 0.002,
+        max_num_seqs: int = 8,
+        num_blocks: int = 64,
+        block_size: int = 16,
+        max_pinned_fraction: float = 0.5,
+    ) -> None:
         self.tokenizer = FakeTokenizer()
         self.max_model_len = max_model_len
         self.token_delay_s = token_delay_s
@@ -79,8 +85,13 @@ class FakeEngine:
         self.shutdown_called = False
 
     # --- the contract -----------------------------------------------------------------
-    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("empty prompt")
@@ -93,8 +104,14 @@ class FakeEngine:
         cached = self._lookup(ids, cache_salt)
         self._waiting.add(request_id)
         out = CompletionOutput(index=0, logprobs=[] if params.logprobs is not None else None)
-        res = RequestOutput(request_id, prompt if isinstance(prompt, str) else None, ids, [out],
-                            num_cached_tokens=cached, metrics={"arrival": time.monotonic()})
+        res = RequestOutput(
+            request_id,
+            prompt if isinstance(prompt, str) else None,
+            ids,
+            [out],
+            num_cached_tokens=cached,
+            metrics={"arrival": time.monotonic()},
+        )
         acquired = False
         try:
             if self._slots is not None:
@@ -121,8 +138,10 @@ class FakeEngine:
                 out.delta_text = piece
                 out.text += piece
                 if out.logprobs is not None:
-                    alts = [Logprob(tok + k, -0.1 * (k + 1), chr(tok + k - 3))
-                            for k in range(params.logprobs or 0)]
+                    alts = [
+                        Logprob(tok + k, -0.1 * (k + 1), chr(tok + k - 3))
+                        for k in range(params.logprobs or 0)
+                    ]
                     out.logprobs.append(TokenLogprobs(Logprob(tok, -0.1, piece), alts))
                 stop = next((s for s in params.stop if out.text.endswith(s)), None)
                 if stop is not None:
@@ -148,14 +167,19 @@ class FakeEngine:
             raise ValueError(f"unknown request id {request_id}")
         self._aborted.add(request_id)
 
-    async def pin_prefix(self, token_ids: list[int], ttl_s: float,
-                         cache_salt: str | None = None) -> _Pin:
+    async def pin_prefix(
+        self, token_ids: list[int], ttl_s: float, cache_salt: str | None = None
+    ) -> _Pin:
         blocks = len(token_ids) // self.block_size
         if self.pinned_blocks + blocks > self.max_pinned_fraction * self.num_blocks:
             raise PinLimitError(f"pinning {blocks} blocks would exceed the pinned cap")
         self._store(token_ids, cache_salt)
-        pin = _Pin(f"pin-{len(self._pins)}-{time.monotonic_ns()}", len(token_ids),
-                   time.monotonic() + ttl_s, blocks)
+        pin = _Pin(
+            f"pin-{len(self._pins)}-{time.monotonic_ns()}",
+            len(token_ids),
+            time.monotonic() + ttl_s,
+            blocks,
+        )
         self._pins[pin.id] = pin
         return pin
 
@@ -171,12 +195,19 @@ class FakeEngine:
     def stats(self) -> dict:
         used = sum(self._running.values()) + self.pinned_blocks
         return {
-            "num_running": len(self._running), "num_waiting": len(self._waiting),
-            "kv_blocks_total": self.num_blocks, "kv_blocks_used": used,
-            "kv_blocks_free": self.num_blocks - used, "kv_blocks_cached_free": 0,
-            "prompt_tokens_prefilled": 0, "tokens_decoded": self.generated,
-            "prefix_cache_queries": 0, "prefix_cache_hits": 0, "prefix_cache_hit_rate": 0.0,
-            "prefix_cache_evictions": 0, "pinned_blocks": self.pinned_blocks,
+            "num_running": len(self._running),
+            "num_waiting": len(self._waiting),
+            "kv_blocks_total": self.num_blocks,
+            "kv_blocks_used": used,
+            "kv_blocks_free": self.num_blocks - used,
+            "kv_blocks_cached_free": 0,
+            "prompt_tokens_prefilled": 0,
+            "tokens_decoded": self.generated,
+            "prefix_cache_queries": 0,
+            "prefix_cache_hits": 0,
+            "prefix_cache_hit_rate": 0.0,
+            "prefix_cache_evictions": 0,
+            "pinned_blocks": self.pinned_blocks,
             "num_preemptions": 0,
         }
 

@@ -33,14 +33,24 @@ def test_non_finite_numbers_are_refused(serve_fake, gw):
     srv, engine = serve_fake()
     base = '{"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2'
     with gw.client(srv) as http:
-        for field in ("repetition_penalty", "temperature", "top_p", "min_p",
-                      "presence_penalty", "frequency_penalty"):
+        for field in (
+            "repetition_penalty",
+            "temperature",
+            "top_p",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+        ):
             for literal in ("Infinity", "-Infinity", "NaN"):
                 r = http.post("/v1/chat/completions", **_raw(f'{base}, "{field}": {literal}}}'))
                 _error(r, 400, param=field)
-        r = http.post("/v1/prefixes", **_raw(
-            '{"model": "fake", "messages": [{"role": "system", "content": "x"}], '
-            '"ttl_seconds": Infinity}'))
+        r = http.post(
+            "/v1/prefixes",
+            **_raw(
+                '{"model": "fake", "messages": [{"role": "system", "content": "x"}], '
+                '"ttl_seconds": Infinity}'
+            ),
+        )
         _error(r, 400, param="ttl_seconds")
         assert http.post("/v1/chat/completions", json=gw.chat_body(max_tokens=2)).status_code == 200
     assert engine.requests_seen and len(engine.requests_seen) == 1
@@ -52,11 +62,15 @@ def test_seed_out_of_range_names_the_field(serve_fake, gw):
     srv, engine = serve_fake()
     with gw.client(srv) as http:
         for seed in (2**64, 10**30, -(2**63) - 1):
-            err = _error(http.post("/v1/chat/completions", json=gw.chat_body(seed=seed)), 400,
-                         param="seed")
+            err = _error(
+                http.post("/v1/chat/completions", json=gw.chat_body(seed=seed)), 400, param="seed"
+            )
             assert "long long" not in err["message"]
-            _error(http.post("/v1/completions", json={"model": "fake", "prompt": "hi",
-                                                      "seed": seed}), 400, param="seed")
+            _error(
+                http.post("/v1/completions", json={"model": "fake", "prompt": "hi", "seed": seed}),
+                400,
+                param="seed",
+            )
         # the int64 edges are served, also with n > 1 (seed + i must stay a valid seed)
         for seed in (2**63 - 1, -(2**63)):
             r = http.post("/v1/chat/completions", json=gw.chat_body(seed=seed, n=3, max_tokens=2))
@@ -78,12 +92,20 @@ def test_union_errors_name_the_real_fault(serve_fake, gw):
     # content "should be a valid string": the message must describe the branch that was sent.
     srv, engine = serve_fake()
     with gw.client(srv) as http:
-        err = _error(http.post("/v1/chat/completions",
-                               json=gw.chat_body(stop=[f"s{i}" for i in range(100)])), 400,
-                     param="stop")
+        err = _error(
+            http.post(
+                "/v1/chat/completions", json=gw.chat_body(stop=[f"s{i}" for i in range(100)])
+            ),
+            400,
+            param="stop",
+        )
         assert "at most 4" in err["message"], err
-        body = {"model": "fake", "messages": [
-            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}
+        body = {
+            "model": "fake",
+            "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+            ],
+        }
         err = _error(http.post("/v1/chat/completions", json=body), 400)
         assert err["param"] == "messages.0.content.0.type", err
         assert "valid string" not in err["message"], err
@@ -143,13 +165,16 @@ def test_undecodable_body_is_400_not_500(serve_fake, gw):
     srv, engine = serve_fake()
     with gw.client(srv) as http:
         for encoding in ("gzip", "deflate"):
-            r = http.post("/v1/chat/completions", content=b"0123456789",
-                          headers={"content-type": "application/json",
-                                   "content-encoding": encoding})
+            r = http.post(
+                "/v1/chat/completions",
+                content=b"0123456789",
+                headers={"content-type": "application/json", "content-encoding": encoding},
+            )
             err = _error(r, 400, code="invalid_body")
             assert encoding in err["message"], err
-        r = http.post("/v1/prefixes", content=b"not gzip at all",
-                      headers={"content-encoding": "gzip"})
+        r = http.post(
+            "/v1/prefixes", content=b"not gzip at all", headers={"content-encoding": "gzip"}
+        )
         _error(r, 400, code="invalid_body")
         assert http.post("/v1/chat/completions", json=gw.chat_body(max_tokens=2)).status_code == 200
     assert len(engine.requests_seen) == 1
@@ -221,19 +246,53 @@ def test_upstream_errors_without_an_openai_body_are_wrapped():
     from prefixgate.gateway.server import BackgroundServer
 
     answers = {
-        "traceback": (500, b"Traceback (most recent call last):\n  File \"x\"\nKeyError: 'k'",
-                      "text/plain", None),
+        "traceback": (
+            500,
+            b"Traceback (most recent call last):\n  File \"x\"\nKeyError: 'k'",
+            "text/plain",
+            None,
+        ),
         "html": (404, b"<h1>Not Found</h1>", "text/html", None),
         "empty": (500, b"", "application/json", None),
         "list": (400, b"[1, 2]", "application/json", None),
-        "gzip-garbage": (500, gzip.compress(b"Traceback (most recent call last):"),
-                         "text/plain", "gzip"),
-        "openai": (429, json.dumps({"error": {"message": "slow down", "type": "rate_limit_error",
-                                              "param": None, "code": "x"}}).encode(),
-                   "application/json", None),
-        "openai-gzip": (400, gzip.compress(json.dumps({"error": {
-            "message": "nope", "type": "invalid_request_error", "param": None,
-            "code": None}}).encode()), "application/json", "gzip"),
+        "gzip-garbage": (
+            500,
+            gzip.compress(b"Traceback (most recent call last):"),
+            "text/plain",
+            "gzip",
+        ),
+        "openai": (
+            429,
+            json.dumps(
+                {
+                    "error": {
+                        "message": "slow down",
+                        "type": "rate_limit_error",
+                        "param": None,
+                        "code": "x",
+                    }
+                }
+            ).encode(),
+            "application/json",
+            None,
+        ),
+        "openai-gzip": (
+            400,
+            gzip.compress(
+                json.dumps(
+                    {
+                        "error": {
+                            "message": "nope",
+                            "type": "invalid_request_error",
+                            "param": None,
+                            "code": None,
+                        }
+                    }
+                ).encode()
+            ),
+            "application/json",
+            "gzip",
+        ),
     }
 
     def upstream() -> web.Application:
@@ -248,12 +307,16 @@ def test_upstream_errors_without_an_openai_body_are_wrapped():
         app.router.add_post("/v1/chat/completions", chat)
         return app
 
-    with BackgroundServer(upstream) as up, \
-            BackgroundServer(lambda: create_app([up.url], GatewaySettings())) as gw, \
-            httpx.Client(base_url=gw.url, timeout=10) as http:
+    with (
+        BackgroundServer(upstream) as up,
+        BackgroundServer(lambda: create_app([up.url], GatewaySettings())) as gw,
+        httpx.Client(base_url=gw.url, timeout=10) as http,
+    ):
         for model, (status, _, _, _) in answers.items():
-            r = http.post("/v1/chat/completions",
-                          json={"model": model, "messages": [{"role": "user", "content": "x"}]})
+            r = http.post(
+                "/v1/chat/completions",
+                json={"model": model, "messages": [{"role": "user", "content": "x"}]},
+            )
             assert r.status_code == status, (model, r.text)
             err = _error(r, status)
             assert "Traceback" not in r.text and "<h1>" not in r.text
@@ -288,10 +351,12 @@ def test_tokenizing_a_huge_prompt_does_not_stall_other_clients(serve_fake, gw):
         with gw.client(srv) as http:
             results[path] = http.post(path, json=body).status_code
 
-    threads = [threading.Thread(target=big, args=("/v1/chat/completions",
-                                                  gw.chat_body("x" * 5000))),
-               threading.Thread(target=big, args=("/v1/completions",
-                                                  {"model": "fake", "prompt": "x" * 5000}))]
+    threads = [
+        threading.Thread(target=big, args=("/v1/chat/completions", gw.chat_body("x" * 5000))),
+        threading.Thread(
+            target=big, args=("/v1/completions", {"model": "fake", "prompt": "x" * 5000})
+        ),
+    ]
     for t in threads:
         t.start()
     time.sleep(0.3)
@@ -313,21 +378,36 @@ def test_options_without_their_switch_are_refused(serve_fake, gw):
     # silently ignored (OpenAI and vLLM answer 400: the client expects logprobs / a usage chunk).
     srv, engine = serve_fake()
     with gw.client(srv) as http:
-        _error(http.post("/v1/chat/completions", json=gw.chat_body(top_logprobs=3)), 400,
-               param="top_logprobs")
-        _error(http.post("/v1/chat/completions",
-                         json=gw.chat_body(logprobs=False, top_logprobs=3)), 400,
-               param="top_logprobs")
-        _error(http.post("/v1/chat/completions",
-                         json=gw.chat_body(stream_options={"include_usage": True})), 400,
-               param="stream_options")
-        _error(http.post("/v1/completions", json={"model": "fake", "prompt": "x",
-                                                  "stream_options": {"include_usage": True}}),
-               400, param="stream_options")
-        for body in (gw.chat_body(logprobs=True, top_logprobs=2, max_tokens=2),
-                     gw.chat_body(stream=True, stream_options={"include_usage": True},
-                                  max_tokens=2),
-                     gw.chat_body(stream=False, stream_options=None, max_tokens=2)):
+        _error(
+            http.post("/v1/chat/completions", json=gw.chat_body(top_logprobs=3)),
+            400,
+            param="top_logprobs",
+        )
+        _error(
+            http.post("/v1/chat/completions", json=gw.chat_body(logprobs=False, top_logprobs=3)),
+            400,
+            param="top_logprobs",
+        )
+        _error(
+            http.post(
+                "/v1/chat/completions", json=gw.chat_body(stream_options={"include_usage": True})
+            ),
+            400,
+            param="stream_options",
+        )
+        _error(
+            http.post(
+                "/v1/completions",
+                json={"model": "fake", "prompt": "x", "stream_options": {"include_usage": True}},
+            ),
+            400,
+            param="stream_options",
+        )
+        for body in (
+            gw.chat_body(logprobs=True, top_logprobs=2, max_tokens=2),
+            gw.chat_body(stream=True, stream_options={"include_usage": True}, max_tokens=2),
+            gw.chat_body(stream=False, stream_options=None, max_tokens=2),
+        ):
             assert http.post("/v1/chat/completions", json=body).status_code == 200
     assert len(engine.requests_seen) == 3
 
@@ -365,8 +445,11 @@ def _slow_pins(engine, delay_s: float = 0.3) -> None:
 
 
 def _prefix_body(i: int = 0, ttl: float = 600) -> dict:
-    return {"model": "fake", "ttl_seconds": ttl,
-            "messages": [{"role": "system", "content": f"system prompt number {i} " * 4}]}
+    return {
+        "model": "fake",
+        "ttl_seconds": ttl,
+        "messages": [{"role": "system", "content": f"system prompt number {i} " * 4}],
+    }
 
 
 def test_client_gone_while_pinning_leaks_no_pin(serve_fake, gw):
@@ -392,8 +475,7 @@ def test_client_gone_while_pinning_leaks_no_pin(serve_fake, gw):
     assert engine.pinned_blocks == 0
 
 
-def test_prefix_limits_hold_under_concurrency_and_retry_after_is_the_next_expiry(serve_fake,
-                                                                                  gw):
+def test_prefix_limits_hold_under_concurrency_and_retry_after_is_the_next_expiry(serve_fake, gw):
     # max_prefixes was checked before the pin was awaited: 6 concurrent creates all passed a
     # bound of 2. Retry-After was a fixed 60 s (pinned space full) or the *new* prefix's TTL
     # (too many prefixes), not the time until a live prefix expires.
@@ -419,11 +501,16 @@ def test_prefix_limits_hold_under_concurrency_and_retry_after_is_the_next_expiry
         assert 1 <= int(r.headers["Retry-After"]) <= 5, r.headers
     srv2, engine2 = serve_fake(num_blocks=16, max_pinned_fraction=0.5)  # 8 pinnable blocks
     with gw.client(srv2) as http:
-        body = {"model": "fake", "ttl_seconds": 4,
-                "messages": [{"role": "system", "content": "y" * 90}]}  # 5 full blocks
+        body = {
+            "model": "fake",
+            "ttl_seconds": 4,
+            "messages": [{"role": "system", "content": "y" * 90}],
+        }  # 5 full blocks
         assert http.post("/v1/prefixes", json=body).status_code == 200
-        r = http.post("/v1/prefixes", json=dict(body, ttl_seconds=600,
-                                                messages=[{"role": "system", "content": "z" * 90}]))
+        r = http.post(
+            "/v1/prefixes",
+            json=dict(body, ttl_seconds=600, messages=[{"role": "system", "content": "z" * 90}]),
+        )
         _error(r, 429, code="prefix_limit_exceeded")
         assert 1 <= int(r.headers["Retry-After"]) <= 4, r.headers
 
@@ -433,11 +520,17 @@ def test_errors_do_not_echo_megabytes_of_input(serve_fake, gw):
     srv, engine = serve_fake()
     with gw.client(srv) as http:
         name = "m" * 1_000_000
-        err = _error(http.post("/v1/chat/completions", json=gw.chat_body(model=name)), 404,
-                     code="model_not_found")
+        err = _error(
+            http.post("/v1/chat/completions", json=gw.chat_body(model=name)),
+            404,
+            code="model_not_found",
+        )
         assert len(err["message"]) < 400 and "fake" in err["message"], len(err["message"])
-        err = _error(http.post("/v1/chat/completions", json=gw.chat_body(prefix_id="p" * 100_000)),
-                     404, code="prefix_not_found")
+        err = _error(
+            http.post("/v1/chat/completions", json=gw.chat_body(prefix_id="p" * 100_000)),
+            404,
+            code="prefix_not_found",
+        )
         assert len(err["message"]) < 400
         assert http.post("/v1/chat/completions", json=gw.chat_body(max_tokens=2)).status_code == 200
 

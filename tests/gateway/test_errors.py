@@ -28,26 +28,38 @@ def _error(r, status: int, code: str | None = None, param: str | None = None) ->
 def test_bad_input_gives_400_404_413(serve_fake, gw):
     srv, engine = serve_fake(GatewaySettings(model_name="fake", max_body_bytes=4096))
     with gw.client(srv) as http:
-        post = lambda body, **kw: http.post("/v1/chat/completions", **kw, **(  # noqa: E731
-            {"content": body} if isinstance(body, bytes) else {"json": body}))
+        post = lambda body, **kw: http.post(
+            "/v1/chat/completions",
+            **kw,
+            **(  # noqa: E731
+                {"content": body} if isinstance(body, bytes) else {"json": body}
+            ),
+        )
         _error(post(b"{not json"), 400, "invalid_json")
         _error(post(b"[1, 2]"), 400, "invalid_json")
         _error(post(gw.chat_body(max_tokens="5")), 400, param="max_tokens")
         _error(post(gw.chat_body(temperature=True)), 400, param="temperature")
         _error(post(gw.chat_body(n=0)), 400, param="n")
         _error(post({"model": "fake"}), 400, param="messages")
-        _error(post({"model": "fake", "messages": [{"role": "user"}], "stop": 3}), 400,
-               param="stop")
+        _error(
+            post({"model": "fake", "messages": [{"role": "user"}], "stop": 3}), 400, param="stop"
+        )
         _error(post({"messages": [{"role": "user", "content": "x"}]}), 400, param="model")
         _error(post(gw.chat_body(model="gpt-4")), 404, "model_not_found", "model")
         _error(post(gw.chat_body("x" * 200)), 400, "context_length_exceeded", "messages")
         _error(post(gw.chat_body(max_tokens=500)), 400, "context_length_exceeded", "max_tokens")
         _error(post(gw.chat_body("x" * 5000)), 413, "request_too_large")
         _error(post(gw.chat_body(prefix_id="pfx-nope")), 404, "prefix_not_found", "prefix_id")
-        _error(post({"model": "fake", "messages": [{"role": "tool", "content": "x"}]}), 400,
-               param="messages")  # the chat template refuses it
-        _error(http.post("/v1/completions", json={"model": "fake", "prompt": [999]}), 400,
-               param="prompt")
+        _error(
+            post({"model": "fake", "messages": [{"role": "tool", "content": "x"}]}),
+            400,
+            param="messages",
+        )  # the chat template refuses it
+        _error(
+            http.post("/v1/completions", json={"model": "fake", "prompt": [999]}),
+            400,
+            param="prompt",
+        )
         _error(http.post("/v1/completions", json={"model": "fake", "prompt": ""}), 400)
         _error(http.get("/v1/nothing"), 404)
         _error(http.get("/v1/chat/completions"), 405)
@@ -61,29 +73,54 @@ def test_api_keys_401(serve_fake, gw):
     srv, _ = serve_fake(GatewaySettings(model_name="fake", api_keys=["sk-good"]))
     with gw.client(srv) as http:
         _error(http.post("/v1/chat/completions", json=gw.chat_body()), 401, "invalid_api_key")
-        _error(http.post("/v1/chat/completions", json=gw.chat_body(),
-                         headers={"Authorization": "Bearer sk-bad"}), 401, "invalid_api_key")
+        _error(
+            http.post(
+                "/v1/chat/completions",
+                json=gw.chat_body(),
+                headers={"Authorization": "Bearer sk-bad"},
+            ),
+            401,
+            "invalid_api_key",
+        )
         _error(http.get("/v1/models", headers={"Authorization": "Basic x"}), 401)
-        ok = http.post("/v1/chat/completions", json=gw.chat_body(max_tokens=2),
-                       headers={"Authorization": "Bearer sk-good"})
+        ok = http.post(
+            "/v1/chat/completions",
+            json=gw.chat_body(max_tokens=2),
+            headers={"Authorization": "Bearer sk-good"},
+        )
         assert ok.status_code == 200
         assert http.get("/health").status_code == 200  # health needs no key
 
 
 def test_rate_limits_429_with_retry_after(serve_fake, gw, tmp_path):
     keys = tmp_path / "keys.json"
-    keys.write_text(json.dumps({"keys": [{"key": "k", "requests_per_minute": 2},
-                                         {"key": "t", "tokens_per_minute": 60}]}))
+    keys.write_text(
+        json.dumps(
+            {
+                "keys": [
+                    {"key": "k", "requests_per_minute": 2},
+                    {"key": "t", "tokens_per_minute": 60},
+                ]
+            }
+        )
+    )
     srv, _ = serve_fake(GatewaySettings(model_name="fake", keys_file=str(keys)))
     with gw.client(srv, headers={"Authorization": "Bearer k"}) as http:
         for _ in range(2):
-            assert http.post("/v1/chat/completions", json=gw.chat_body(max_tokens=1)).status_code == 200
+            assert (
+                http.post("/v1/chat/completions", json=gw.chat_body(max_tokens=1)).status_code
+                == 200
+            )
         r = http.post("/v1/chat/completions", json=gw.chat_body(max_tokens=1))
         _error(r, 429, "rate_limit_exceeded")
         assert int(r.headers["Retry-After"]) >= 1
     with gw.client(srv, headers={"Authorization": "Bearer t"}) as http:
-        assert http.post("/v1/chat/completions",
-                         json=gw.chat_body("y" * 50, max_tokens=30)).status_code == 200
+        assert (
+            http.post(
+                "/v1/chat/completions", json=gw.chat_body("y" * 50, max_tokens=30)
+            ).status_code
+            == 200
+        )
         r = http.post("/v1/chat/completions", json=gw.chat_body("y" * 50, max_tokens=1))
         _error(r, 429, "rate_limit_exceeded")
 
@@ -91,16 +128,20 @@ def test_rate_limits_429_with_retry_after(serve_fake, gw, tmp_path):
 def test_max_concurrent_per_key(serve_fake, gw, tmp_path):
     keys = tmp_path / "keys.toml"
     keys.write_text('[[keys]]\nkey = "c"\nmax_concurrent = 1\n')
-    srv, engine = serve_fake(GatewaySettings(model_name="fake", keys_file=str(keys)),
-                             token_delay_s=0.05)
+    srv, engine = serve_fake(
+        GatewaySettings(model_name="fake", keys_file=str(keys)), token_delay_s=0.05
+    )
 
     async def run():
         hdr = {"Authorization": "Bearer c"}
         async with aiohttp.ClientSession(headers=hdr) as s:
+
             async def one():
-                async with s.post(srv.url + "/v1/chat/completions",
-                                  json=gw.chat_body(max_tokens=5)) as r:
+                async with s.post(
+                    srv.url + "/v1/chat/completions", json=gw.chat_body(max_tokens=5)
+                ) as r:
                     return r.status
+
             return await asyncio.gather(*(one() for _ in range(3)))
 
     statuses = asyncio.run(run())
@@ -139,11 +180,14 @@ def test_500_concurrent_over_capacity(serve_fake, gw):
     async def run():
         conn = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=conn) as s:
+
             async def one(i):
-                async with s.post(srv.url + "/v1/chat/completions",
-                                  json=gw.chat_body(f"q{i}", max_tokens=4)) as r:
+                async with s.post(
+                    srv.url + "/v1/chat/completions", json=gw.chat_body(f"q{i}", max_tokens=4)
+                ) as r:
                     body = await r.json()
                     return r.status, body, r.headers.get("Retry-After")
+
             return await asyncio.gather(*(one(i) for i in range(500)))
 
     results = asyncio.run(run())
@@ -164,17 +208,20 @@ def test_500_concurrent_over_capacity(serve_fake, gw):
 def test_disconnect_aborts_and_frees_blocks(serve_fake, gw, stream):
     """A client that goes away mid-generation (streaming or not) and one that goes away while
     still waiting in the queue: their engine requests are aborted, blocks freed."""
-    srv, engine = serve_fake(GatewaySettings(model_name="fake", poll_s=0.02),
-                             max_num_seqs=1, token_delay_s=0.05)
+    srv, engine = serve_fake(
+        GatewaySettings(model_name="fake", poll_s=0.02), max_num_seqs=1, token_delay_s=0.05
+    )
 
     async def run():
         async with aiohttp.ClientSession() as s:
+
             async def go(content):
                 body = gw.chat_body(content, max_tokens=100, stream=stream)
                 async with s.post(srv.url + "/v1/chat/completions", json=body) as r:
                     if stream:
                         await r.content.readline()
                     await asyncio.sleep(10)
+
             running = asyncio.create_task(go("first"))
             await asyncio.sleep(0.3)
             waiting = asyncio.create_task(go("second"))  # queued behind max_num_seqs=1
@@ -195,4 +242,5 @@ def test_disconnect_aborts_and_frees_blocks(serve_fake, gw, stream):
 def _stats(engine):
     async def get():
         return engine.stats()
+
     return get

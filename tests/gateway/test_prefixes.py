@@ -12,8 +12,14 @@ SYSTEM = "You are a terse assistant who answers in one word. " * 2  # 104 chars
 def test_prefix_lifecycle_and_prefix_id_equals_full_messages(serve_fake, gw):
     srv, engine = serve_fake()
     with gw.client(srv) as http:
-        r = http.post("/v1/prefixes", json={"model": "fake", "ttl_seconds": 60,
-                                            "messages": [{"role": "system", "content": SYSTEM}]})
+        r = http.post(
+            "/v1/prefixes",
+            json={
+                "model": "fake",
+                "ttl_seconds": 60,
+                "messages": [{"role": "system", "content": SYSTEM}],
+            },
+        )
         assert r.status_code == 200, r.text
         pfx = r.json()
         assert pfx["object"] == "prefix" and pfx["id"].startswith("pfx-")
@@ -23,13 +29,26 @@ def test_prefix_lifecycle_and_prefix_id_equals_full_messages(serve_fake, gw):
         assert http.get(f"/v1/prefixes/{pfx['id']}").json() == pfx
 
         user = [{"role": "user", "content": "hello"}]
-        full = http.post("/v1/chat/completions", json={
-            "model": "fake", "max_tokens": 4, "temperature": 0,
-            "messages": [{"role": "system", "content": SYSTEM}, *user]}).json()
+        full = http.post(
+            "/v1/chat/completions",
+            json={
+                "model": "fake",
+                "max_tokens": 4,
+                "temperature": 0,
+                "messages": [{"role": "system", "content": SYSTEM}, *user],
+            },
+        ).json()
         ids_full = engine.requests_seen[-1][1]
-        via = http.post("/v1/chat/completions", json={
-            "model": "fake", "max_tokens": 4, "temperature": 0, "prefix_id": pfx["id"],
-            "messages": user}).json()
+        via = http.post(
+            "/v1/chat/completions",
+            json={
+                "model": "fake",
+                "max_tokens": 4,
+                "temperature": 0,
+                "prefix_id": pfx["id"],
+                "messages": user,
+            },
+        ).json()
         assert engine.requests_seen[-1][1] == ids_full
         assert via["choices"][0]["message"] == full["choices"][0]["message"]
         assert via["usage"]["prompt_tokens_details"]["cached_tokens"] >= 96
@@ -39,8 +58,9 @@ def test_prefix_lifecycle_and_prefix_id_equals_full_messages(serve_fake, gw):
         assert engine.pinned_blocks == 0
         assert http.get(f"/v1/prefixes/{pfx['id']}").status_code == 404
         assert http.delete(f"/v1/prefixes/{pfx['id']}").status_code == 404
-        r = http.post("/v1/chat/completions", json={"model": "fake", "prefix_id": pfx["id"],
-                                                    "messages": user})
+        r = http.post(
+            "/v1/chat/completions", json={"model": "fake", "prefix_id": pfx["id"], "messages": user}
+        )
         assert r.status_code == 404 and r.json()["error"]["code"] == "prefix_not_found"
 
 
@@ -56,21 +76,31 @@ def test_prefix_expiry_and_pin_cap(serve_fake, gw):
         r = http.post("/v1/prefixes", json=body)
         assert r.status_code == 429
         err = r.json()["error"]
-        assert err["code"] == "prefix_limit_exceeded" and "pinned prefix space is full" in err["message"]
+        assert (
+            err["code"] == "prefix_limit_exceeded"
+            and "pinned prefix space is full" in err["message"]
+        )
         assert "Retry-After" in r.headers
         # bad bodies
         assert http.post("/v1/prefixes", json={"model": "fake", "messages": []}).status_code == 400
         assert http.post("/v1/prefixes", json={**body, "ttl_seconds": -1}).status_code == 400
         assert http.post("/v1/prefixes", json={**body, "model": "x"}).status_code == 404
-        assert http.post("/v1/prefixes", json={"model": "fake", "messages": [
-            {"role": "system", "content": "q" * 300}]}).status_code == 400  # over max_model_len
+        assert (
+            http.post(
+                "/v1/prefixes",
+                json={"model": "fake", "messages": [{"role": "system", "content": "q" * 300}]},
+            ).status_code
+            == 400
+        )  # over max_model_len
 
 
 def test_prefix_belongs_to_its_salt(serve_fake, gw):
     srv, _ = serve_fake(GatewaySettings(model_name="fake", api_keys=["a", "b"]))
     body = {"model": "fake", "messages": [{"role": "system", "content": SYSTEM}]}
-    with gw.client(srv, headers={"Authorization": "Bearer a"}) as a, \
-            gw.client(srv, headers={"Authorization": "Bearer b"}) as b:
+    with (
+        gw.client(srv, headers={"Authorization": "Bearer a"}) as a,
+        gw.client(srv, headers={"Authorization": "Bearer b"}) as b,
+    ):
         pfx = a.post("/v1/prefixes", json=body).json()
         assert a.get(f"/v1/prefixes/{pfx['id']}").status_code == 200
         assert b.get(f"/v1/prefixes/{pfx['id']}").status_code == 404

@@ -63,8 +63,17 @@ def test_token_bucket():
 
 def test_keys_file_and_salts(tmp_path):
     f = tmp_path / "k.json"
-    f.write_text(json.dumps({"keys": [{"key": "a", "salt": "s1", "requests_per_minute": 1},
-                                      {"key": "b", "salt": "s1"}, {"key": "c"}]}))
+    f.write_text(
+        json.dumps(
+            {
+                "keys": [
+                    {"key": "a", "salt": "s1", "requests_per_minute": 1},
+                    {"key": "b", "salt": "s1"},
+                    {"key": "c"},
+                ]
+            }
+        )
+    )
     specs = load_keys_file(str(f))
     assert [s.salt for s in specs][:2] == ["s1", "s1"] and specs[2].salt.startswith("key:")
     assert specs[2].salt == "key:" + hashlib.sha256(b"c").hexdigest()[:32]  # never the key
@@ -83,19 +92,31 @@ def test_keys_file_and_salts(tmp_path):
 
 
 def test_schema_strictness():
-    body = {"model": "m", "messages": [{"role": "user", "content": [
-        {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
-        "max_completion_tokens": 7, "logprobs": True, "stream": True,
-        "stream_options": {"include_usage": True}, "unknown_field": 1}
+    body = {
+        "model": "m",
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            }
+        ],
+        "max_completion_tokens": 7,
+        "logprobs": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "unknown_field": 1,
+    }
     req = parse(ChatCompletionRequest, json.dumps(body).encode())
     assert req.messages[0].text() == "ab" and req.output_limit == 7
     assert req.num_logprobs == 0 and req.include_usage
     assert parse(CompletionRequest, b'{"model": "m", "prompt": "x"}').output_limit == 16
-    for bad, param in ((b'{"model": "m", "prompt": "x", "top_p": 0}', "top_p"),
-                       (b'{"model": "m", "prompt": "x", "temperature": 3}', "temperature"),
-                       (b'{"model": "m", "prompt": "x", "stop": ["a","b","c","d","e"]}', "stop"),
-                       (b'{"model": "m", "prompt": 5}', "prompt"),
-                       (b'{"model": "m", "prompt": "x", "seed": "1"}', "seed")):
+    for bad, param in (
+        (b'{"model": "m", "prompt": "x", "top_p": 0}', "top_p"),
+        (b'{"model": "m", "prompt": "x", "temperature": 3}', "temperature"),
+        (b'{"model": "m", "prompt": "x", "stop": ["a","b","c","d","e"]}', "stop"),
+        (b'{"model": "m", "prompt": 5}', "prompt"),
+        (b'{"model": "m", "prompt": "x", "seed": "1"}', "seed"),
+    ):
         with pytest.raises(APIError) as e:
             parse(CompletionRequest, bad)
         assert e.value.status == 400 and e.value.param == param, (bad, e.value.param)
@@ -108,15 +129,46 @@ def _parse(*argv: str) -> argparse.Namespace:
 
 
 def test_serve_cli_flags_build_engine_config():
-    args = _parse("--model", "/m/aidreams-260k/", "--block-size", "32", "--num-kv-blocks", "100",
-                  "--kv-cache-memory", "64MiB", "--max-model-len", "128", "--max-num-seqs", "4",
-                  "--max-num-batched-tokens", "512", "--scheduling", "static",
-                  "--no-prefix-caching", "--attention-backend", "torch", "--dtype", "float32",
-                  "--load-format", "dummy", "--device", "cpu", "--hf-overrides",
-                  '{"num_hidden_layers": 2}', "--api-key", "k1", "--api-key", "k2")
+    args = _parse(
+        "--model",
+        "/m/aidreams-260k/",
+        "--block-size",
+        "32",
+        "--num-kv-blocks",
+        "100",
+        "--kv-cache-memory",
+        "64MiB",
+        "--max-model-len",
+        "128",
+        "--max-num-seqs",
+        "4",
+        "--max-num-batched-tokens",
+        "512",
+        "--scheduling",
+        "static",
+        "--no-prefix-caching",
+        "--attention-backend",
+        "torch",
+        "--dtype",
+        "float32",
+        "--load-format",
+        "dummy",
+        "--device",
+        "cpu",
+        "--hf-overrides",
+        '{"num_hidden_layers": 2}',
+        "--api-key",
+        "k1",
+        "--api-key",
+        "k2",
+    )
     cfg = engine_config(args)
     assert (cfg.model, cfg.block_size, cfg.num_kv_blocks, cfg.kv_cache_memory) == (
-        "/m/aidreams-260k/", 32, 100, 64 * 2**20)
+        "/m/aidreams-260k/",
+        32,
+        100,
+        64 * 2**20,
+    )
     assert (cfg.max_model_len, cfg.max_num_seqs, cfg.max_num_batched_tokens) == (128, 4, 512)
     assert cfg.scheduling == "static" and cfg.enable_prefix_caching is False
     assert cfg.attention_backend == "torch" and cfg.load_format == "dummy"

@@ -26,8 +26,10 @@ def stub_app(name: str, chunk_delay_s: float = 0.0, status: int = 200) -> web.Ap
         body = await request.json()
         seen.append({"body": body, "auth": request.headers.get("Authorization")})
         if status != 200:
-            return web.json_response({"error": {"message": "nope", "type": "x", "param": None,
-                                                "code": None}}, status=status)
+            return web.json_response(
+                {"error": {"message": "nope", "type": "x", "param": None, "code": None}},
+                status=status,
+            )
         if body.get("stream"):
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
@@ -72,8 +74,11 @@ def servers():
 
 
 def _chat(system: str, user: str, **kw) -> dict:
-    return {"model": "m", "messages": [{"role": "system", "content": system},
-                                       {"role": "user", "content": user}], **kw}
+    return {
+        "model": "m",
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+        **kw,
+    }
 
 
 def test_prefix_affinity_same_system_prompt_same_upstream(servers):
@@ -96,7 +101,9 @@ def test_affinity_key_leading_blocks():
     assert affinity_key(body, 64, 4096) == b"S" * 192  # whole 64-char blocks
     assert affinity_key(body, 64, 128) == b"S" * 128
     assert affinity_key(_chat("short", "x"), 64, 4096) == b"short"
-    assert affinity_key({"messages": [{"role": "user", "content": "U" * 70}]}, 64, 4096) == b"U" * 64
+    assert (
+        affinity_key({"messages": [{"role": "user", "content": "U" * 70}]}, 64, 4096) == b"U" * 64
+    )
     assert affinity_key({"prompt": "P" * 10}) == b"P" * 10
     assert affinity_key({"prompt": [1, 2, 3]}) == b"1,2,3"
     assert affinity_key({"model": "m"}) is None
@@ -153,9 +160,14 @@ def test_unhealthy_upstream_skipped_then_probed_back(servers):
         assert dead.healthy
         metrics = http.get("/metrics").text
         assert f'prefixgate_upstream_healthy{{upstream="{dead_url}"}} 1.0' in metrics
-        assert f'prefixgate_upstream_requests_total{{status="failed",upstream="{dead_url}"}} 1.0' in metrics
-        names = {http.post("/v1/chat/completions", json=_chat(f"sys {s} " * 20, "q")).json()["upstream"]
-                 for s in range(12)}
+        assert (
+            f'prefixgate_upstream_requests_total{{status="failed",upstream="{dead_url}"}} 1.0'
+            in metrics
+        )
+        names = {
+            http.post("/v1/chat/completions", json=_chat(f"sys {s} " * 20, "q")).json()["upstream"]
+            for s in range(12)
+        }
         assert names == {"live", "back"}
 
 
@@ -180,13 +192,16 @@ def test_all_upstreams_down_and_errors_passed_through(servers):
 
 def test_streams_pass_through_chunk_by_chunk(servers):
     up = servers(lambda: stub_app("s", chunk_delay_s=0.15))
-    gw = servers(lambda: create_app([up.url], GatewaySettings(api_keys=["gk"],
-                                                              upstream_api_key="uk")))
+    gw = servers(
+        lambda: create_app([up.url], GatewaySettings(api_keys=["gk"], upstream_api_key="uk"))
+    )
     t0 = time.monotonic()
     arrivals = []
     data = b""
-    with httpx.Client(base_url=gw.url, headers={"Authorization": "Bearer gk"}) as http, \
-            http.stream("POST", "/v1/chat/completions", json=_chat("s", "q", stream=True)) as r:
+    with (
+        httpx.Client(base_url=gw.url, headers={"Authorization": "Bearer gk"}) as http,
+        http.stream("POST", "/v1/chat/completions", json=_chat("s", "q", stream=True)) as r,
+    ):
         assert r.headers["content-type"].startswith("text/event-stream")
         for chunk in r.iter_raw():
             arrivals.append(time.monotonic() - t0)
@@ -204,8 +219,10 @@ def test_streams_pass_through_chunk_by_chunk(servers):
 def test_client_disconnect_closes_upstream_stream(servers):
     up = servers(lambda: stub_app("s", chunk_delay_s=0.2))
     gw = servers(lambda: create_app([up.url], GatewaySettings()))
-    with httpx.Client(base_url=gw.url) as http, \
-            http.stream("POST", "/v1/chat/completions", json=_chat("s", "q", stream=True)) as r:
+    with (
+        httpx.Client(base_url=gw.url) as http,
+        http.stream("POST", "/v1/chat/completions", json=_chat("s", "q", stream=True)) as r,
+    ):
         next(r.iter_raw())  # first chunk, then leave
     deadline = time.monotonic() + 3
     while up.app[SEEN][-1].get("outcome") != "cut" and time.monotonic() < deadline:

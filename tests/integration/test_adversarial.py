@@ -27,8 +27,10 @@ NAN, INF = float("nan"), float("inf")
 
 # --- engine: SamplingParams ------------------------------------------------------------------
 
-@pytest.mark.parametrize("kw", [{"skip_special_tokens": None}, {"skip_special_tokens": "no"},
-                                {"ignore_eos": "yes"}])
+
+@pytest.mark.parametrize(
+    "kw", [{"skip_special_tokens": None}, {"skip_special_tokens": "no"}, {"ignore_eos": "yes"}]
+)
 def test_sampling_params_bool_fields_type_checked(kw):
     # skip_special_tokens=None passed and reached tokenizers.decode inside the engine step,
     # failing every request of that step (see test_bad_params_do_not_fail_bystanders).
@@ -36,8 +38,15 @@ def test_sampling_params_bool_fields_type_checked(kw):
         SamplingParams(**kw)
 
 
-@pytest.mark.parametrize("kw", [{"temperature": NAN}, {"temperature": INF},
-                                {"repetition_penalty": NAN}, {"repetition_penalty": INF}])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"temperature": NAN},
+        {"temperature": INF},
+        {"repetition_penalty": NAN},
+        {"repetition_penalty": INF},
+    ],
+)
 def test_sampling_params_refuse_non_finite(kw):
     # NaN passed every range check (NaN < 0 is False) and inf had no upper bound.
     with pytest.raises(ValueError, match=next(iter(kw))):
@@ -67,8 +76,9 @@ def test_bad_params_do_not_fail_bystanders(pool_whole):
             ref = await run("ref", good)
             bad = SamplingParams(max_tokens=6)
             bad.skip_special_tokens = None  # broken after construction: re-validated on submit
-            res = await asyncio.gather(run("a", good), run("bad", bad), run("b", good),
-                                       return_exceptions=True)
+            res = await asyncio.gather(
+                run("a", good), run("bad", bad), run("b", good), return_exceptions=True
+            )
             assert isinstance(res[1], TypeError)
             assert res[0] == ref and res[2] == ref, res  # bystanders undisturbed
             pool_whole(engine)
@@ -82,10 +92,18 @@ def test_llm_bad_prompts_leave_the_pool_whole(pool_whole):
     llm = LLM(num_kv_blocks=64)
     sp = SamplingParams(max_tokens=3, temperature=0)
     ref = llm.generate(["hello"], sp)[0].outputs[0].text
-    for prompts, exc in [("", ValueError), ([[]], ValueError), ([[1, -1]], ValueError),
-                         ([[1, 10**9]], ValueError), ([[1, 2.0]], TypeError),
-                         ([[[1, 2]]], TypeError), (None, TypeError), (5, TypeError),
-                         (["hello", ""], ValueError), (["hello", [1, 10**6]], ValueError)]:
+    for prompts, exc in [
+        ("", ValueError),
+        ([[]], ValueError),
+        ([[1, -1]], ValueError),
+        ([[1, 10**9]], ValueError),
+        ([[1, 2.0]], TypeError),
+        ([[[1, 2]]], TypeError),
+        (None, TypeError),
+        (5, TypeError),
+        (["hello", ""], ValueError),
+        (["hello", [1, 10**6]], ValueError),
+    ]:
         with pytest.raises(exc):
             llm.generate(prompts, sp)
         pool_whole(llm)
@@ -97,12 +115,14 @@ def test_llm_bad_prompts_leave_the_pool_whole(pool_whole):
 
 # --- the real gateway ------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def server(aidreams_path):
     def make():
         engine = AsyncEngine(EngineConfig(model=aidreams_path, num_kv_blocks=256))
-        return create_app(engine, GatewaySettings(model_name=MODEL, poll_s=0.02,
-                                                  max_queued_requests=32))
+        return create_app(
+            engine, GatewaySettings(model_name=MODEL, poll_s=0.02, max_queued_requests=32)
+        )
 
     srv = BackgroundServer(make).__enter__()
     yield srv
@@ -124,24 +144,40 @@ def _raw(body: str) -> dict:
 
 
 def test_gateway_refuses_what_the_engine_would_mishandle(server, pool_whole):
-    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
-            "temperature": 0}
-    base = '{"model": "' + MODEL + '", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4'
+    chat = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+        "temperature": 0,
+    }
+    base = (
+        '{"model": "'
+        + MODEL
+        + '", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4'
+    )
     with httpx.Client(base_url=server.url, timeout=60) as http:
         ref = http.post("/v1/chat/completions", json=chat).json()["choices"][0]["message"]
         for field in ("repetition_penalty", "temperature"):
             for literal in ("Infinity", "NaN"):
-                _error(http.post("/v1/chat/completions",
-                                 **_raw(f'{base}, "{field}": {literal}}}')), 400, field)
+                _error(
+                    http.post("/v1/chat/completions", **_raw(f'{base}, "{field}": {literal}}}')),
+                    400,
+                    field,
+                )
         for seed in (2**64, -(2**63) - 1):
-            err = _error(http.post("/v1/chat/completions", json=dict(chat, seed=seed)), 400,
-                         "seed")
+            err = _error(http.post("/v1/chat/completions", json=dict(chat, seed=seed)), 400, "seed")
             assert "long long" not in err["message"]
         r = http.post("/v1/chat/completions", json=dict(chat, seed=2**63 - 1, n=2))
         assert r.status_code == 200, r.text
         # a batch of 3 prompts x n=16 is 48 engine requests > the queue's 32
-        _error(http.post("/v1/completions", json={"model": MODEL, "prompt": ["a"] * 3, "n": 16,
-                                                  "max_tokens": 2}), 400, "prompt")
+        _error(
+            http.post(
+                "/v1/completions",
+                json={"model": MODEL, "prompt": ["a"] * 3, "n": 16, "max_tokens": 2},
+            ),
+            400,
+            "prompt",
+        )
         assert http.post("/v1/chat/completions", json=chat).json()["choices"][0]["message"] == ref
     engine = server.app[STATE].engine
     for _ in range(200):
@@ -153,6 +189,7 @@ def test_gateway_refuses_what_the_engine_would_mishandle(server, pool_whole):
 
 
 # --- the SDK against garbage -----------------------------------------------------------------
+
 
 def _garbage_app() -> web.Application:
     async def stream(request: web.Request) -> web.StreamResponse:
@@ -171,12 +208,15 @@ def test_sdk_stream_of_non_object_chunks_is_a_validation_error():
     # `data: [1, 2]` raised a bare TypeError out of the SDK's stream (a non-stream body of the
     # same shape gives APIResponseValidationError).
     with BackgroundServer(_garbage_app) as srv:
+
         async def main():
             for payload in ("[1,2]", "5", "null", '"text"'):
-                async with AsyncClient(f"{srv.url}/{payload}/v1", max_retries=0,
-                                       timeout=5) as client:
+                async with AsyncClient(
+                    f"{srv.url}/{payload}/v1", max_retries=0, timeout=5
+                ) as client:
                     stream = await client.chat.completions.create(
-                        model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
+                        model="m", messages=[{"role": "user", "content": "hi"}], stream=True
+                    )
                     with pytest.raises(APIResponseValidationError):
                         async for _ in stream:
                             pass
@@ -193,11 +233,13 @@ def test_sdk_dead_port_is_a_connection_error():
     async def main():
         async with AsyncClient(f"http://127.0.0.1:{port}/v1", max_retries=1, timeout=2) as c:
             with pytest.raises(APIConnectionError):
-                await c.chat.completions.create(model="m",
-                                                messages=[{"role": "user", "content": "x"}])
+                await c.chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": "x"}]
+                )
             with pytest.raises(APIConnectionError):
-                await c.chat.completions.create(model="m", stream=True,
-                                                messages=[{"role": "user", "content": "x"}])
+                await c.chat.completions.create(
+                    model="m", stream=True, messages=[{"role": "user", "content": "x"}]
+                )
 
     asyncio.run(main())
 
@@ -209,8 +251,17 @@ def test_sdk_ids_cannot_leave_their_path():
 
     def handler(request: httpx.Request) -> httpx.Response:
         seen.append(request.url.raw_path)
-        return httpx.Response(404, json={"error": {"message": "no", "type": "not_found_error",
-                                                   "param": None, "code": "prefix_not_found"}})
+        return httpx.Response(
+            404,
+            json={
+                "error": {
+                    "message": "no",
+                    "type": "not_found_error",
+                    "param": None,
+                    "code": "prefix_not_found",
+                }
+            },
+        )
 
     async def main():
         http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
@@ -235,13 +286,15 @@ def test_sdk_ids_cannot_leave_their_path():
 def test_sdk_bad_client_options_fail_at_construction():
     # A base_url without http(s), a key with CR/LF (header injection) or a negative timeout
     # were accepted; each call then failed as a *connection* error and was retried.
-    for kw, exc in [({"base_url": "ftp://x/v1"}, ValueError),
-                    ({"base_url": "not a url"}, ValueError),
-                    ({"api_key": "sk\r\nX-Evil: 1"}, ValueError),
-                    ({"api_key": 5}, TypeError),
-                    ({"timeout": -1}, ValueError),
-                    ({"timeout": "x"}, TypeError),
-                    ({"stream_idle_timeout": -1}, ValueError)]:
+    for kw, exc in [
+        ({"base_url": "ftp://x/v1"}, ValueError),
+        ({"base_url": "not a url"}, ValueError),
+        ({"api_key": "sk\r\nX-Evil: 1"}, ValueError),
+        ({"api_key": 5}, TypeError),
+        ({"timeout": -1}, ValueError),
+        ({"timeout": "x"}, TypeError),
+        ({"stream_idle_timeout": -1}, ValueError),
+    ]:
         with pytest.raises(exc):
             AsyncClient(**kw)
 
@@ -255,13 +308,17 @@ def test_sdk_bad_header_is_not_retried_as_a_connection_error():
     from prefixgate.sdk.retry import RetryPolicy
 
     with BackgroundServer(_garbage_app) as srv:
+
         async def main():
-            async with AsyncClient(f"{srv.url}/x/v1", max_retries=3,
-                                   retry_policy=RetryPolicy(sleep=no_sleep)) as client:
+            async with AsyncClient(
+                f"{srv.url}/x/v1", max_retries=3, retry_policy=RetryPolicy(sleep=no_sleep)
+            ) as client:
                 with pytest.raises(ValueError):
                     await client.chat.completions.create(
-                        model="m", messages=[{"role": "user", "content": "hi"}],
-                        extra_headers={"X-Bad": "a\r\nb"})
+                        model="m",
+                        messages=[{"role": "user", "content": "hi"}],
+                        extra_headers={"X-Bad": "a\r\nb"},
+                    )
                 assert client.limiter.in_flight == 0
 
         asyncio.run(main())
@@ -314,10 +371,19 @@ def test_cancelled_pin_prefix_leaks_no_pin(pool_whole):
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("kw", [{"num_kv_blocks": "8"}, {"kv_cache_memory": "lots"},
-                                {"block_size": 16.0}, {"max_num_seqs": True},
-                                {"max_model_len": "128"}, {"seed": "0"},
-                                {"enable_prefix_caching": "no"}, {"max_pinned_fraction": "0.5"}])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"num_kv_blocks": "8"},
+        {"kv_cache_memory": "lots"},
+        {"block_size": 16.0},
+        {"max_num_seqs": True},
+        {"max_model_len": "128"},
+        {"seed": "0"},
+        {"enable_prefix_caching": "no"},
+        {"max_pinned_fraction": "0.5"},
+    ],
+)
 def test_engine_config_types_named(kw):
     # num_kv_blocks="8" gave "'<' not supported between instances of 'str' and 'int'".
     from prefixgate.engine import EngineConfig

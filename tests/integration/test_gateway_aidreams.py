@@ -28,8 +28,9 @@ MODEL = "aidreams-260k"
 def _serve(path: str, **engine_kw) -> BackgroundServer:
     def make():
         engine = AsyncEngine(EngineConfig(model=path, num_kv_blocks=256, **engine_kw))
-        return create_app(engine, GatewaySettings(model_name=MODEL, poll_s=0.02,
-                                                  max_queued_requests=32))
+        return create_app(
+            engine, GatewaySettings(model_name=MODEL, poll_s=0.02, max_queued_requests=32)
+        )
 
     return BackgroundServer(make).__enter__()
 
@@ -78,24 +79,35 @@ def _idle(server, pool_whole, timeout: float = 10.0) -> dict:
 
 
 def test_chat_completion_streaming_usage(client, server, pool_whole):
-    msgs = [{"role": "system", "content": "You dream."},
-            {"role": "user", "content": "I sense the nodes"}]
+    msgs = [
+        {"role": "system", "content": "You dream."},
+        {"role": "user", "content": "I sense the nodes"},
+    ]
     r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0)
     text = r.choices[0].message.content
     assert text and r.choices[0].finish_reason in ("stop", "length")
     assert r.usage.completion_tokens <= 16 and r.usage.prompt_tokens > 5
-    chunks = list(client.chat.completions.create(
-        model=MODEL, messages=msgs, max_tokens=16, temperature=0, stream=True,
-        stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=msgs,
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
     assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
     assert sum(1 for c in chunks if c.usage is not None) == 1
-    comp = client.completions.create(model=MODEL, prompt="I sense the nodes", max_tokens=12,
-                                     temperature=0)
+    comp = client.completions.create(
+        model=MODEL, prompt="I sense the nodes", max_tokens=12, temperature=0
+    )
     assert comp.choices[0].text
     assert [m.id for m in client.models.list().data] == [MODEL]
-    lp = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0,
-                                        logprobs=True, top_logprobs=2)
+    lp = client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=16, temperature=0, logprobs=True, top_logprobs=2
+    )
     content = lp.choices[0].logprobs.content
     assert "".join(t.token for t in content) == text  # token texts keep their leading spaces
     assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
@@ -108,26 +120,32 @@ def test_http_greedy_equals_llm_generate(client, server, aidreams_path, pool_who
     prompts = ["I sense the nodes", "The dream unfolds", "Quiet circuits hum"]
     params = SamplingParams(temperature=0, max_tokens=24)
     expected = [o.outputs[0].text for o in llm.generate(prompts, params)]
-    got = [client.completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=0)
-           .choices[0].text for p in prompts]
+    got = [
+        client.completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=0)
+        .choices[0]
+        .text
+        for p in prompts
+    ]
     assert got == expected
     msgs = [{"role": "system", "content": "You dream."}, {"role": "user", "content": prompts[0]}]
-    ids = llm.engine.tokenizer.encode(llm.engine.tokenizer.apply_chat_template(msgs),
-                                      add_special_tokens=False)
-    chat = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24,
-                                          temperature=0)
+    ids = llm.engine.tokenizer.encode(
+        llm.engine.tokenizer.apply_chat_template(msgs), add_special_tokens=False
+    )
+    chat = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24, temperature=0)
     assert chat.choices[0].message.content == llm.generate([ids], params)[0].outputs[0].text
     _idle(server, pool_whole)
 
 
 def test_system_prompt_twice_hits_cache(client, server, system_prompt, pool_whole):
-    msgs = [{"role": "system", "content": system_prompt},
-            {"role": "user", "content": "my first command is pwd"}]
-    first = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16,
-                                           temperature=0)
+    msgs = [
+        {"role": "system", "content": system_prompt},
+        {"role": "user", "content": "my first command is pwd"},
+    ]
+    first = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0)
     assert first.usage.prompt_tokens + 16 < 128
-    second = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16,
-                                            temperature=0)
+    second = client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=16, temperature=0
+    )
     assert second.usage.prompt_tokens_details.cached_tokens > 0
     assert second.choices[0].message.content == first.choices[0].message.content
     _idle(server, pool_whole)
@@ -135,16 +153,30 @@ def test_system_prompt_twice_hits_cache(client, server, system_prompt, pool_whol
 
 def test_prefix_api_equals_full_messages(client, server, system_prompt, pool_whole):
     http = httpx.Client(base_url=server.url)
-    pfx = http.post("/v1/prefixes", json={"model": MODEL, "ttl_seconds": 30, "messages": [
-        {"role": "system", "content": system_prompt}]}).json()
+    pfx = http.post(
+        "/v1/prefixes",
+        json={
+            "model": MODEL,
+            "ttl_seconds": 30,
+            "messages": [{"role": "system", "content": system_prompt}],
+        },
+    ).json()
     assert pfx["object"] == "prefix" and pfx["prompt_tokens"] > 16
     user = [{"role": "user", "content": "ls -la"}]
-    via = client.chat.completions.create(model=MODEL, messages=user, max_tokens=16,
-                                         temperature=0, extra_body={"prefix_id": pfx["id"]})
+    via = client.chat.completions.create(
+        model=MODEL,
+        messages=user,
+        max_tokens=16,
+        temperature=0,
+        extra_body={"prefix_id": pfx["id"]},
+    )
     assert via.usage.prompt_tokens_details.cached_tokens >= 16  # the pinned blocks
     full = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "system", "content": system_prompt}, *user],
-        max_tokens=16, temperature=0)
+        model=MODEL,
+        messages=[{"role": "system", "content": system_prompt}, *user],
+        max_tokens=16,
+        temperature=0,
+    )
     assert via.choices[0].message.content == full.choices[0].message.content
     assert via.usage.prompt_tokens == full.usage.prompt_tokens
     assert _engine(server).stats()["pinned_blocks"] > 0
@@ -159,25 +191,38 @@ def test_bad_input_on_real_model(server, pool_whole):
         long = {"model": MODEL, "messages": [{"role": "user", "content": "dream " * 200}]}
         r = http.post("/v1/chat/completions", json=long)
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-        r = http.post("/v1/chat/completions", json={
-            "model": MODEL, "max_tokens": 500, "messages": [{"role": "user", "content": "hi"}]})
+        r = http.post(
+            "/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "max_tokens": 500,
+                "messages": [{"role": "user", "content": "hi"}],
+            },
+        )
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
         r = http.post("/v1/completions", json={"model": "gpt-4", "prompt": "x"})
         assert r.status_code == 404
-        assert http.post("/v1/completions", json={"model": MODEL, "prompt": "x",
-                                                  "max_tokens": 2}).status_code == 200
+        assert (
+            http.post(
+                "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}
+            ).status_code
+            == 200
+        )
     _idle(server, pool_whole)
 
 
 def test_500_concurrent_over_capacity(server, pool_whole):
     """500 connections at once, queue bound 32: 200s and 429s (server_overloaded, Retry-After)
     only, then the server still serves and the KV pool is whole."""
+
     async def run():
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+
             async def one(i):
                 body = {"model": MODEL, "prompt": f"Dream {i}", "max_tokens": 4, "temperature": 0}
                 async with s.post(server.url + "/v1/completions", json=body) as r:
                     return r.status, await r.json(), r.headers.get("Retry-After")
+
             return await asyncio.gather(*(one(i) for i in range(500)))
 
     results = asyncio.run(run())
@@ -191,8 +236,12 @@ def test_500_concurrent_over_capacity(server, pool_whole):
     stats = _idle(server, pool_whole)
     assert stats["kv_blocks_used"] == 0
     with httpx.Client(base_url=server.url) as http:
-        assert http.post("/v1/completions", json={"model": MODEL, "prompt": "x",
-                                                  "max_tokens": 2}).status_code == 200
+        assert (
+            http.post(
+                "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}
+            ).status_code
+            == 200
+        )
 
 
 def test_disconnects_free_blocks(aidreams_path, pool_whole):
@@ -200,11 +249,20 @@ def test_disconnects_free_blocks(aidreams_path, pool_whole):
     srv = _serve(aidreams_path, max_num_seqs=1)
     engine = _engine(srv)
     try:
+
         async def go(stream: bool, started: asyncio.Event | None = None):
-            body = {"model": MODEL, "prompt": "I sense the nodes", "max_tokens": 100,
-                    "temperature": 0, "ignore_eos": True, "stream": stream}
-            async with aiohttp.ClientSession() as s, \
-                    s.post(srv.url + "/v1/completions", json=body) as r:
+            body = {
+                "model": MODEL,
+                "prompt": "I sense the nodes",
+                "max_tokens": 100,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": stream,
+            }
+            async with (
+                aiohttp.ClientSession() as s,
+                s.post(srv.url + "/v1/completions", json=body) as r,
+            ):
                 if stream:
                     await r.content.readline()
                     started.set()
@@ -225,8 +283,10 @@ def test_disconnects_free_blocks(aidreams_path, pool_whole):
         mid = asyncio.run(scenario())
         assert mid["num_running"] == 1 and mid["num_waiting"] == 1, mid
         deadline = time.monotonic() + 10
-        while engine.stats()["num_running"] + engine.stats()["num_waiting"] and \
-                time.monotonic() < deadline:
+        while (
+            engine.stats()["num_running"] + engine.stats()["num_waiting"]
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.02)
         stats = engine.stats()
         assert stats["tokens_decoded"] < 200, stats  # neither ran to max_tokens
@@ -242,8 +302,10 @@ def test_pin_cap_gives_429(aidreams_path, system_prompt, pool_whole):
     engine = _engine(srv)
     try:
         with httpx.Client(base_url=srv.url) as http:
-            r = http.post("/v1/prefixes", json={"model": MODEL, "messages": [
-                {"role": "system", "content": system_prompt}]})
+            r = http.post(
+                "/v1/prefixes",
+                json={"model": MODEL, "messages": [{"role": "system", "content": system_prompt}]},
+            )
             assert r.status_code == 429, r.text
             err = r.json()["error"]
             assert err["code"] == "prefix_limit_exceeded" and "full" in err["message"]

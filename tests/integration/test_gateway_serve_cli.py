@@ -17,9 +17,24 @@ pytest.importorskip("prefixgate.engine.async_engine")
 
 def test_serve_tiny_random_then_sigterm():
     proc = subprocess.Popen(
-        [sys.executable, "-m", "prefixgate.gateway.cli", "serve", "--port", "0",
-         "--max-model-len", "64", "--num-kv-blocks", "64", "--api-key", "sk-t"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "prefixgate.gateway.cli",
+            "serve",
+            "--port",
+            "0",
+            "--max-model-len",
+            "64",
+            "--num-kv-blocks",
+            "64",
+            "--api-key",
+            "sk-t",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         log = []
         url = None
@@ -39,13 +54,17 @@ def test_serve_tiny_random_then_sigterm():
         assert any("tiny-random" in line and "dummy" in line for line in log), "".join(log)
         assert httpx.get(url + "/ready").status_code == 200
         client = openai.OpenAI(base_url=url + "/v1", api_key="sk-t", max_retries=0)
-        r = client.chat.completions.create(model="tiny-random", max_tokens=4,
-                                           messages=[{"role": "user", "content": "hi"}])
+        r = client.chat.completions.create(
+            model="tiny-random", max_tokens=4, messages=[{"role": "user", "content": "hi"}]
+        )
         assert r.usage.completion_tokens >= 1
         # The pool is whole once the request is done: no block used, none running or waiting.
         metrics = httpx.get(url + "/metrics", headers={"Authorization": "Bearer sk-t"}).text
-        values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
-                  if line.startswith("prefixgate_") and " " in line}
+        values = {
+            line.split()[0]: float(line.split()[1])
+            for line in metrics.splitlines()
+            if line.startswith("prefixgate_") and " " in line
+        }
         assert values["prefixgate_kv_blocks_used"] == 0, values
         assert values["prefixgate_running_requests"] == 0, values
         assert values["prefixgate_kv_blocks_free"] == values["prefixgate_kv_blocks_total"], values
@@ -74,9 +93,20 @@ def test_serve_port_in_use_is_a_clear_error():
         taken.listen()
         port = taken.getsockname()[1]
         proc = subprocess.run(
-            [sys.executable, "-m", "prefixgate.gateway.cli", "serve", "--port", str(port),
-             "--upstream", "http://127.0.0.1:9"],
-            capture_output=True, text=True, timeout=60)
+            [
+                sys.executable,
+                "-m",
+                "prefixgate.gateway.cli",
+                "serve",
+                "--port",
+                str(port),
+                "--upstream",
+                "http://127.0.0.1:9",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     assert proc.returncode == 1, proc.stderr
     assert "cannot listen on" in proc.stderr and "choose another --port" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -28,7 +28,9 @@ def pytest_collection_modifyitems(config, items):
     bf16 ``tl.dot`` (triton issue #11584)."""
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU: the Triton interpreter mis-computes bf16 (tl.dot, triton#11584; casts round differently)")
+    skip = pytest.mark.skip(
+        reason="needs a CUDA GPU: the Triton interpreter mis-computes bf16 (tl.dot, triton#11584; casts round differently)"
+    )
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
@@ -121,7 +123,7 @@ def dense_attention(batch: PagedBatch) -> torch.Tensor:
     for b, q_len in enumerate(batch.q_lens):
         if q_len == 0:
             continue
-        q = batch.q[starts[b]:starts[b] + q_len].float().transpose(0, 1)  # [Hq, Lq, D]
+        q = batch.q[starts[b] : starts[b] + q_len].float().transpose(0, 1)  # [Hq, Lq, D]
         k = batch.keys[b].float().transpose(0, 1)
         v = batch.values[b].float().transpose(0, 1)
         groups = q.shape[0] // k.shape[0]
@@ -129,7 +131,9 @@ def dense_attention(batch: PagedBatch) -> torch.Tensor:
         n = k.shape[1]
         q_pos = torch.arange(n - q_len, n, device=q.device)[:, None]
         mask = torch.arange(n, device=q.device)[None, :] <= q_pos
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=batch.scale)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=batch.scale
+        )
         outs.append(out.transpose(0, 1))
     return torch.cat(outs) if outs else batch.q.float()[:0]
 

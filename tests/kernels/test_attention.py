@@ -37,7 +37,9 @@ def _close(out: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size,head_dim,groups", SHAPES)
-def test_decode_matches_reference_and_dense(paged_batch, dense, atol, block_size, head_dim, groups, dtype):
+def test_decode_matches_reference_and_dense(
+    paged_batch, dense, atol, block_size, head_dim, groups, dtype
+):
     # lengths: the first token only, exactly one block, and two non-multiples of the block size
     lens = [1, block_size, 37, 2 * block_size + 5]
     pb = paged_batch(lens, [1] * len(lens), block_size, _kv_heads(groups), groups, head_dim, dtype)
@@ -55,8 +57,12 @@ def test_decode_split_k(paged_batch, dense, atol, num_splits, tile_n, dtype):
     lens = [3, 70, 129, 200]
     pb = paged_batch(lens, [1] * len(lens), 16, NUM_KV_HEADS, 4, 64, dtype)
     cfg = triton_decode.DecodeConfig(tile_n=tile_n, num_splits=num_splits)
-    out = triton_decode.decode(pb.q, pb.k_cache, pb.v_cache, pb.block_tables, pb.context_lens, pb.scale, cfg)
-    ref = torch_ref.paged_attention_decode(pb.q, pb.k_cache, pb.v_cache, pb.block_tables, pb.context_lens, pb.scale)
+    out = triton_decode.decode(
+        pb.q, pb.k_cache, pb.v_cache, pb.block_tables, pb.context_lens, pb.scale, cfg
+    )
+    ref = torch_ref.paged_attention_decode(
+        pb.q, pb.k_cache, pb.v_cache, pb.block_tables, pb.context_lens, pb.scale
+    )
     _close(out, ref, atol[dtype])
     _close(out, dense(pb), atol[dtype])
 
@@ -71,10 +77,20 @@ def _prefill_case(block_size: int) -> tuple[list[int], list[int]]:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size,head_dim,groups", SHAPES)
-def test_prefill_matches_reference_and_dense(paged_batch, dense, atol, block_size, head_dim, groups, dtype):
+def test_prefill_matches_reference_and_dense(
+    paged_batch, dense, atol, block_size, head_dim, groups, dtype
+):
     ctx, q_lens = _prefill_case(block_size)
     pb = paged_batch(ctx, q_lens, block_size, _kv_heads(groups), groups, head_dim, dtype, seed=1)
-    args = (pb.q, pb.k_cache, pb.v_cache, pb.block_tables, pb.query_start_loc, pb.context_lens, pb.scale)
+    args = (
+        pb.q,
+        pb.k_cache,
+        pb.v_cache,
+        pb.block_tables,
+        pb.query_start_loc,
+        pb.context_lens,
+        pb.scale,
+    )
     out = triton_ops.paged_attention_prefill(*args)
     assert out.dtype == dtype
     _close(out, torch_ref.paged_attention_prefill(*args), atol[dtype])
@@ -90,7 +106,14 @@ def test_prefill_tilings(paged_batch, dense, atol, block_m, block_n):
     pb = paged_batch(ctx, q_lens, 16, NUM_KV_HEADS, 4, 64, torch.float32, seed=2)
     cfg = triton_prefill.PrefillConfig(block_m=block_m, block_n=block_n)
     out = triton_prefill.prefill(
-        pb.q, pb.k_cache, pb.v_cache, pb.block_tables, pb.query_start_loc, pb.context_lens, pb.scale, cfg
+        pb.q,
+        pb.k_cache,
+        pb.v_cache,
+        pb.block_tables,
+        pb.query_start_loc,
+        pb.context_lens,
+        pb.scale,
+        cfg,
     )
     _close(out, dense(pb), atol[torch.float32])
 
@@ -98,7 +121,9 @@ def test_prefill_tilings(paged_batch, dense, atol, block_m, block_n):
 def test_prefill_of_one_token_equals_decode(paged_batch, atol):
     lens = [5, 33, 64]
     pb = paged_batch(lens, [1, 1, 1], 16, NUM_KV_HEADS, 4, 64, torch.float32, seed=3)
-    dec = triton_ops.paged_attention_decode(pb.q, pb.k_cache, pb.v_cache, pb.block_tables, pb.context_lens, pb.scale)
+    dec = triton_ops.paged_attention_decode(
+        pb.q, pb.k_cache, pb.v_cache, pb.block_tables, pb.context_lens, pb.scale
+    )
     pre = triton_ops.paged_attention_prefill(
         pb.q, pb.k_cache, pb.v_cache, pb.block_tables, pb.query_start_loc, pb.context_lens, pb.scale
     )
@@ -127,12 +152,22 @@ def test_bad_arguments_raise_clear_errors(paged_batch):
     with pytest.raises(ValueError, match="multiple of KV heads"):
         triton_ops.paged_attention_decode(pb.q[:, :3], *args[1:])
     with pytest.raises(ValueError, match="sequences"):
-        triton_ops.paged_attention_decode(pb.q, pb.k_cache, pb.v_cache, pb.block_tables[:1], pb.context_lens, pb.scale)
+        triton_ops.paged_attention_decode(
+            pb.q, pb.k_cache, pb.v_cache, pb.block_tables[:1], pb.context_lens, pb.scale
+        )
     with pytest.raises(TypeError, match="block_tables"):
-        triton_ops.paged_attention_decode(pb.q, pb.k_cache, pb.v_cache, pb.block_tables.float(), pb.context_lens, pb.scale)
+        triton_ops.paged_attention_decode(
+            pb.q, pb.k_cache, pb.v_cache, pb.block_tables.float(), pb.context_lens, pb.scale
+        )
     with pytest.raises(ValueError, match="head_dim"):
         triton_ops.paged_attention_prefill(
-            pb.q[..., :32], pb.k_cache, pb.v_cache, pb.block_tables, pb.query_start_loc, pb.context_lens, pb.scale
+            pb.q[..., :32],
+            pb.k_cache,
+            pb.v_cache,
+            pb.block_tables,
+            pb.query_start_loc,
+            pb.context_lens,
+            pb.scale,
         )
 
 
@@ -154,10 +189,14 @@ def test_int64_metadata(paged_batch, dense, atol):
     """Block tables, context lengths and query offsets may be int64 as well as int32."""
     pb = paged_batch([30, 7], [12, 7], 16, NUM_KV_HEADS, 2, 64, torch.float32, seed=4)
     tables, lens, qsl = pb.block_tables.long(), pb.context_lens.long(), pb.query_start_loc.long()
-    out = triton_ops.paged_attention_prefill(pb.q, pb.k_cache, pb.v_cache, tables, qsl, lens, pb.scale)
+    out = triton_ops.paged_attention_prefill(
+        pb.q, pb.k_cache, pb.v_cache, tables, qsl, lens, pb.scale
+    )
     _close(out, dense(pb), atol[torch.float32])
     last = qsl[1:] - 1
-    dec = triton_ops.paged_attention_decode(pb.q[last], pb.k_cache, pb.v_cache, tables, lens, pb.scale)
+    dec = triton_ops.paged_attention_decode(
+        pb.q[last], pb.k_cache, pb.v_cache, tables, lens, pb.scale
+    )
     _close(dec, out[last], atol[torch.float32])
 
 

@@ -16,34 +16,117 @@ import textwrap
 import pytest
 
 PTR_TYPES = {  # pointer args whose element type does not follow the data dtype
-    "block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
-    "slot_mapping_ptr": "*i64", "positions_ptr": "*i64", "cos_sin_ptr": "*fp32",
-    "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32",
+    "block_tables_ptr": "*i32",
+    "context_lens_ptr": "*i32",
+    "query_start_loc_ptr": "*i32",
+    "slot_mapping_ptr": "*i64",
+    "positions_ptr": "*i64",
+    "cos_sin_ptr": "*fp32",
+    "part_acc_ptr": "*fp32",
+    "part_ml_ptr": "*fp32",
 }
 FLOAT_ARGS = {"scale_log2", "eps"}
 
 # (module, kernel, data dtype, constexprs, num_warps, num_stages): the launches the wrappers make.
 CASES = {
-    "decode-splits-bf16-d128-g4": ("triton_decode", "_decode_kernel", "bf16", dict(
-        GROUPS=4, G_PAD=16, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, TILE_N=64, NUM_SPLITS=4,
-        DOT_PRECISION="tf32"), 4, 2),
-    "decode-1split-fp32-d64-g3": ("triton_decode", "_decode_kernel", "fp32", dict(
-        GROUPS=3, G_PAD=16, HEAD_DIM=64, D_PAD=64, BLOCK_SIZE=32, TILE_N=64, NUM_SPLITS=1,
-        DOT_PRECISION="ieee"), 4, 2),
-    "decode-reduce": ("triton_decode", "_decode_reduce_kernel", "bf16", dict(
-        HEAD_DIM=128, D_PAD=128, NUM_SPLITS=4, SPLITS_PAD=4), 2, 1),
-    "prefill-bf16-d128-g4": ("triton_prefill", "_prefill_kernel", "bf16", dict(
-        GROUPS=4, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=64,
-        DOT_PRECISION="tf32"), 8, 2),
-    "prefill-fp16-d16-g1": ("triton_prefill", "_prefill_kernel", "fp16", dict(
-        GROUPS=1, HEAD_DIM=16, D_PAD=16, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=64,
-        DOT_PRECISION="tf32"), 4, 2),
-    "reshape-and-cache": ("triton_layers", "_reshape_and_cache_kernel", "bf16", dict(
-        NUM_HEADS=3, HEAD_DIM=64, H_PAD=4, D_PAD=64), 4, 1),
-    "rms-norm-residual": ("triton_layers", "_rms_norm_kernel", "bf16", dict(
-        HAS_RESIDUAL=True, BLOCK=1024), 4, 1),
-    "rotary": ("triton_layers", "_rotary_kernel", "bf16", dict(
-        NUM_Q_HEADS=9, NUM_K_HEADS=3, HALF=32, HALF_PAD=32, HQ_PAD=16, HK_PAD=4), 4, 1),
+    "decode-splits-bf16-d128-g4": (
+        "triton_decode",
+        "_decode_kernel",
+        "bf16",
+        dict(
+            GROUPS=4,
+            G_PAD=16,
+            HEAD_DIM=128,
+            D_PAD=128,
+            BLOCK_SIZE=16,
+            TILE_N=64,
+            NUM_SPLITS=4,
+            DOT_PRECISION="tf32",
+        ),
+        4,
+        2,
+    ),
+    "decode-1split-fp32-d64-g3": (
+        "triton_decode",
+        "_decode_kernel",
+        "fp32",
+        dict(
+            GROUPS=3,
+            G_PAD=16,
+            HEAD_DIM=64,
+            D_PAD=64,
+            BLOCK_SIZE=32,
+            TILE_N=64,
+            NUM_SPLITS=1,
+            DOT_PRECISION="ieee",
+        ),
+        4,
+        2,
+    ),
+    "decode-reduce": (
+        "triton_decode",
+        "_decode_reduce_kernel",
+        "bf16",
+        dict(HEAD_DIM=128, D_PAD=128, NUM_SPLITS=4, SPLITS_PAD=4),
+        2,
+        1,
+    ),
+    "prefill-bf16-d128-g4": (
+        "triton_prefill",
+        "_prefill_kernel",
+        "bf16",
+        dict(
+            GROUPS=4,
+            HEAD_DIM=128,
+            D_PAD=128,
+            BLOCK_SIZE=16,
+            BLOCK_M=64,
+            BLOCK_N=64,
+            DOT_PRECISION="tf32",
+        ),
+        8,
+        2,
+    ),
+    "prefill-fp16-d16-g1": (
+        "triton_prefill",
+        "_prefill_kernel",
+        "fp16",
+        dict(
+            GROUPS=1,
+            HEAD_DIM=16,
+            D_PAD=16,
+            BLOCK_SIZE=16,
+            BLOCK_M=64,
+            BLOCK_N=64,
+            DOT_PRECISION="tf32",
+        ),
+        4,
+        2,
+    ),
+    "reshape-and-cache": (
+        "triton_layers",
+        "_reshape_and_cache_kernel",
+        "bf16",
+        dict(NUM_HEADS=3, HEAD_DIM=64, H_PAD=4, D_PAD=64),
+        4,
+        1,
+    ),
+    "rms-norm-residual": (
+        "triton_layers",
+        "_rms_norm_kernel",
+        "bf16",
+        dict(HAS_RESIDUAL=True, BLOCK=1024),
+        4,
+        1,
+    ),
+    "rotary": (
+        "triton_layers",
+        "_rotary_kernel",
+        "bf16",
+        dict(NUM_Q_HEADS=9, NUM_K_HEADS=3, HALF=32, HALF_PAD=32, HQ_PAD=16, HK_PAD=4),
+        4,
+        1,
+    ),
     "silu-and-mul": ("triton_layers", "_silu_and_mul_kernel", "bf16", dict(BLOCK=1024), 8, 1),
 }
 SLOW = {"prefill-fp16-d16-g1", "decode-1split-fp32-d64-g3"}  # PREFIXGATE_SLOW=1
@@ -90,12 +173,27 @@ def _compile(cases: list[str]) -> dict[str, dict]:
     specs = []
     for case in cases:
         module, kernel, dtype, constexprs, warps, stages = CASES[case]
-        specs.append(dict(case=case, module=module, kernel=kernel, dtype=dtype, constexprs=constexprs,
-                          ptr_types=PTR_TYPES, floats=sorted(FLOAT_ARGS), num_warps=warps,
-                          num_stages=stages))
+        specs.append(
+            dict(
+                case=case,
+                module=module,
+                kernel=kernel,
+                dtype=dtype,
+                constexprs=constexprs,
+                ptr_types=PTR_TYPES,
+                floats=sorted(FLOAT_ARGS),
+                num_warps=warps,
+                num_stages=stages,
+            )
+        )
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(specs)], capture_output=True,
-                          text=True, timeout=280, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, json.dumps(specs)],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -15,14 +15,22 @@ FOLLOW_UP = SHARED_PREFIX + " and"  # served after the first batch: hits the pre
 
 def _run(path: str, backend: str) -> tuple[list[list[int]], list[int], int, LLM]:
     llm = LLM(
-        path, attention_backend=backend, device="cpu", block_size=16,
+        path,
+        attention_backend=backend,
+        device="cpu",
+        block_size=16,
         max_num_batched_tokens=16,  # chunked prefill; decodes share steps with prefill chunks
         num_kv_blocks=64,
     )
     params = SamplingParams(max_tokens=4, temperature=0.0)
     first = llm.generate(PROMPTS, params)
     second = llm.generate([FOLLOW_UP], params)[0]
-    return [o.outputs[0].token_ids for o in first], second.outputs[0].token_ids, second.num_cached_tokens, llm
+    return (
+        [o.outputs[0].token_ids for o in first],
+        second.outputs[0].token_ids,
+        second.num_cached_tokens,
+        llm,
+    )
 
 
 @pytest.mark.timeout(600)

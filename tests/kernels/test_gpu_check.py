@@ -25,8 +25,16 @@ def test_dry_run_writes_every_kernel_section(tmp_path):
     rc = _load().main(["--dry-run", "--skip-engine", "--out", str(out)])
     report = json.loads(out.read_text())
     assert rc == 0, report["errors"]
-    for key in ("env", "correctness", "copy", "decode", "decode_smollm2_heads", "prefill",
-                "prefill_with_prefix", "summary"):
+    for key in (
+        "env",
+        "correctness",
+        "copy",
+        "decode",
+        "decode_smollm2_heads",
+        "prefill",
+        "prefill_with_prefix",
+        "summary",
+    ):
         assert key in report, key
     assert all(row["max_abs_err"] < 1e-4 for row in report["correctness"])
     assert report["decode"]["max_abs_err_vs_torch_ref"] < 1e-4

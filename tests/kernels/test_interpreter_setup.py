@@ -32,6 +32,8 @@ _SCRIPT = textwrap.dedent("""
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
 def test_triton_backend_works_on_cpu_after_triton_was_imported():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=240, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=240, env=env
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().endswith("ok")

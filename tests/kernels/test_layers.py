@@ -37,10 +37,17 @@ def test_reshape_and_cache(dtype, block_size, head_dim):
     # key/value as strided views of a fused qkv projection; -1 slots are skipped
     num_kv_heads, tokens = 2, 6
     qkv = _rand(tokens, 3 * num_kv_heads * head_dim, dtype=dtype)
-    key = qkv[:, num_kv_heads * head_dim: 2 * num_kv_heads * head_dim].view(tokens, num_kv_heads, head_dim)
-    value = qkv[:, 2 * num_kv_heads * head_dim:].view(tokens, num_kv_heads, head_dim)
-    slots = torch.tensor([0, -1, block_size - 1, block_size + 3, -1, 4 * block_size - 1], device=DEVICE)
-    caches = [torch.full((4, block_size, num_kv_heads, head_dim), 7.0, dtype=dtype, device=DEVICE) for _ in range(4)]
+    key = qkv[:, num_kv_heads * head_dim : 2 * num_kv_heads * head_dim].view(
+        tokens, num_kv_heads, head_dim
+    )
+    value = qkv[:, 2 * num_kv_heads * head_dim :].view(tokens, num_kv_heads, head_dim)
+    slots = torch.tensor(
+        [0, -1, block_size - 1, block_size + 3, -1, 4 * block_size - 1], device=DEVICE
+    )
+    caches = [
+        torch.full((4, block_size, num_kv_heads, head_dim), 7.0, dtype=dtype, device=DEVICE)
+        for _ in range(4)
+    ]
     triton_ops.reshape_and_cache(key, value, caches[0], caches[1], slots)
     torch_ref.reshape_and_cache(key, value, caches[2], caches[3], slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
@@ -50,7 +57,9 @@ def test_reshape_and_cache_casts_to_cache_dtype():
     key, value = _rand(3, 2, 64), _rand(3, 2, 64, seed=1)
     k_cache = torch.zeros(2, 16, 2, 64, dtype=torch.float16, device=DEVICE)
     v_cache = torch.zeros_like(k_cache)
-    triton_ops.reshape_and_cache(key, value, k_cache, v_cache, torch.tensor([1, 17, 5], device=DEVICE))
+    triton_ops.reshape_and_cache(
+        key, value, k_cache, v_cache, torch.tensor([1, 17, 5], device=DEVICE)
+    )
     assert torch.equal(k_cache.view(32, 2, 64)[[1, 17, 5]], key.half())
     assert torch.equal(v_cache.view(32, 2, 64)[[1, 17, 5]], value.half())
 
@@ -100,7 +109,9 @@ def test_rotary_in_place_on_strided_views(dtype, head_dim, groups):
     cache = _cos_sin_cache(128, head_dim)
 
     def split(t):
-        return t[:, : hq * head_dim].view(tokens, hq, head_dim), t[:, hq * head_dim:(hq + hkv) * head_dim].view(tokens, hkv, head_dim)
+        return t[:, : hq * head_dim].view(tokens, hq, head_dim), t[
+            :, hq * head_dim : (hq + hkv) * head_dim
+        ].view(tokens, hkv, head_dim)
 
     q, k = split(qkv)
     rq, rk = triton_ops.rotary_embedding(positions, q, k, cache)
@@ -126,18 +137,33 @@ def test_layer_errors():
     with pytest.raises(ValueError, match="even"):
         triton_ops.silu_and_mul(_rand(2, 7))
     with pytest.raises(ValueError, match="cos_sin_cache"):
-        triton_ops.rotary_embedding(torch.zeros(2, dtype=torch.long, device=DEVICE), _rand(2, 1, 64), _rand(2, 1, 64), _cos_sin_cache(8, 32))
+        triton_ops.rotary_embedding(
+            torch.zeros(2, dtype=torch.long, device=DEVICE),
+            _rand(2, 1, 64),
+            _rand(2, 1, 64),
+            _cos_sin_cache(8, 32),
+        )
     kc = torch.zeros(2, 16, 1, 64, device=DEVICE)
     with pytest.raises(ValueError, match="slot_mapping"):
-        triton_ops.reshape_and_cache(_rand(2, 1, 64), _rand(2, 1, 64), kc, kc.clone(), torch.zeros(3, dtype=torch.long, device=DEVICE))
+        triton_ops.reshape_and_cache(
+            _rand(2, 1, 64),
+            _rand(2, 1, 64),
+            kc,
+            kc.clone(),
+            torch.zeros(3, dtype=torch.long, device=DEVICE),
+        )
     with pytest.raises(TypeError, match="slot_mapping"):
-        triton_ops.reshape_and_cache(_rand(2, 1, 64), _rand(2, 1, 64), kc, kc.clone(), torch.zeros(2, device=DEVICE))
+        triton_ops.reshape_and_cache(
+            _rand(2, 1, 64), _rand(2, 1, 64), kc, kc.clone(), torch.zeros(2, device=DEVICE)
+        )
 
 
 def test_rms_norm_any_leading_dims_and_strided_rows():
     x = _rand(2, 3, 64)
     w = _rand(64, seed=1)
-    torch.testing.assert_close(triton_ops.rms_norm(x, w, 1e-5), torch_ref.rms_norm(x, w, 1e-5), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        triton_ops.rms_norm(x, w, 1e-5), torch_ref.rms_norm(x, w, 1e-5), atol=1e-5, rtol=0
+    )
     wide = _rand(4, 3 * 64, seed=3)
     view = wide[:, 64:128]  # a column slice: rows strided
     res = _rand(4, 64, seed=4)

@@ -224,8 +224,9 @@ async def test_adaptive_429_keeps_its_slot_for_the_retry(serve) -> None:
     async def handler(request: web.Request) -> web.Response:
         calls["n"] += 1
         if calls["n"] == 1:
-            return web.json_response({"error": {"message": "slow down"}}, status=429,
-                                     headers={"retry-after-ms": "10"})
+            return web.json_response(
+                {"error": {"message": "slow down"}}, status=429, headers={"retry-after-ms": "10"}
+            )
         return web.json_response(OK)
 
     base = await serve({("POST", "/v1/chat/completions"): handler})
