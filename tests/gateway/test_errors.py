@@ -28,13 +28,11 @@ def _error(r, status: int, code: str | None = None, param: str | None = None) ->
 def test_bad_input_gives_400_404_413(serve_fake, gw):
     srv, engine = serve_fake(GatewaySettings(model_name="fake", max_body_bytes=4096))
     with gw.client(srv) as http:
-        post = lambda body, **kw: http.post(
-            "/v1/chat/completions",
-            **kw,
-            **(  # noqa: E731
-                {"content": body} if isinstance(body, bytes) else {"json": body}
-            ),
-        )
+
+        def post(body, **kw):
+            data = {"content": body} if isinstance(body, bytes) else {"json": body}
+            return http.post("/v1/chat/completions", **kw, **data)
+
         _error(post(b"{not json"), 400, "invalid_json")
         _error(post(b"[1, 2]"), 400, "invalid_json")
         _error(post(gw.chat_body(max_tokens="5")), 400, param="max_tokens")
