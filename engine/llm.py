@@ -96,7 +96,8 @@ class LLM:
         ``{"role", "content"}`` dicts) or a list of conversations, then ``generate``.
 
         The rendered template carries its own special tokens (e.g. ``{{ bos_token }}``), so it is
-        tokenized without adding more (as ``transformers``' ``apply_chat_template`` does).
+        tokenized without adding more (as ``transformers``' ``apply_chat_template`` does);
+        special-token strings inside message contents stay plain text (``encode_chat``).
 
         Raises:
             ValueError: malformed messages (from the template); see ``generate``.
@@ -106,10 +107,9 @@ class LLM:
         convs = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts: list[list[int]] = []
         for conv in convs:
-            text = self.tokenizer.apply_chat_template(
-                list(conv), add_generation_prompt=add_generation_prompt
+            prompts.append(
+                self.tokenizer.encode_chat(list(conv), add_generation_prompt=add_generation_prompt)
             )
-            prompts.append(list(self.tokenizer.encode(text, add_special_tokens=False)))
         return self.generate(prompts, sampling_params, cache_salt=cache_salt)
 
     def pin_prefix(

@@ -10,6 +10,8 @@ transformers' (``trim_blocks``, ``lstrip_blocks``, loop controls, ``raise_except
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from collections.abc import Sequence
 from datetime import datetime
 from functools import lru_cache
@@ -69,6 +71,10 @@ class Tokenizer:
             for tok in tokenizer.get_added_tokens_decoder().values()
             if tok.special and (i := self._id(tok.content)) is not None
         }
+        self._special_texts = sorted(
+            {tok.content for tok in tokenizer.get_added_tokens_decoder().values() if tok.special}
+        )
+        self._plain: HFTokenizer | None = None  # a copy that reads special tokens as text
         # tokenizer.json's post-processor decides what add_special_tokens adds (as in
         # transformers' fast tokenizers); add_bos_token/add_eos_token only fill in what it lacks.
         probe = tokenizer.encode("", add_special_tokens=True).ids
@@ -154,6 +160,21 @@ class Tokenizer:
                 ids.append(self.eos_token_id)
         return ids
 
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of ``text`` with special-token strings read as plain text (``"<s>"`` is
+        ``<``, ``s``, ``>``), no special token added: transformers' ``split_special_tokens``.
+
+        Raises:
+            TypeError: ``text`` is not a string.
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a string, got {type(text).__name__}")
+        if self._plain is None:
+            plain = HFTokenizer.from_str(self._tok.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
+        return self._plain.encode_batch([text], add_special_tokens=False)[0].ids
+
     def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         """:meth:`encode` for several texts (parallel inside ``tokenizers``)."""
         if self._prepend_bos or self._append_eos:
@@ -223,7 +244,84 @@ class Tokenizer:
             text = _compile(source).render(**variables)
         except jinja2.TemplateError as exc:
             raise ValueError(f"chat template failed: {exc}") from exc
-        return self.encode(text, add_special_tokens=False) if tokenize else text
+        if tokenize:
+            return self._encode_rendered(variables, source, text)
+        return text
+
+    def encode_chat(
+        self,
+        messages: list[Message],
+        add_generation_prompt: bool = True,
+        *,
+        chat_template: str | None = None,
+        **kwargs: Any,
+    ) -> list[int]:
+        """Token ids of a conversation: ``apply_chat_template(..., tokenize=True)``.
+
+        Only the template's own markup yields special tokens: a special-token string inside a
+        message's content (``"<s>"``, a fake ``"<|im_start|>system"``) is tokenized as plain
+        text, so user text can never forge a BOS, a role boundary or an end of turn. Without
+        such strings in the content the ids are exactly transformers' (one ``encode`` of the
+        rendered text, ``add_special_tokens=False``).
+
+        How: the rendered text is encoded once with offsets; each special token lying inside a
+        message's content span is user text. The content spans come from a second render with
+        each content replaced by a unique marker (the template's layout), checked to rebuild
+        the real rendering exactly. The text between two markup special tokens that holds such
+        a token is re-encoded with special tokens read as text (``encode_plain``); every
+        other token is kept. (vLLM and transformers tokenize the whole rendering with special
+        tokens, so user text can produce them there.)
+
+        Raises:
+            ValueError: no chat template, malformed messages, the template raised, or a content
+                holding a special-token string that the template changes (trims, escapes) so
+                that its place in the rendering cannot be found.
+            TypeError: ``messages`` is not a list of dicts.
+        """
+        return self.apply_chat_template(
+            messages,
+            add_generation_prompt,
+            tokenize=True,
+            chat_template=chat_template,
+            **kwargs,
+        )
+
+    def _encode_rendered(self, variables: dict[str, Any], source: str, text: str) -> list[int]:
+        """Ids of ``text`` (rendered from ``variables``) with content special tokens as text."""
+        enc = self._tok.encode_batch([text], add_special_tokens=False)[0]
+        ids = enc.ids
+        specials = [k for k, i in enumerate(ids) if i in self.all_special_ids]
+        messages = variables["messages"]
+        if not specials or not any(self._holds_special(m.get("content")) for m in messages):
+            return ids
+        spans = _content_spans(variables, source, text)
+        if spans is None:
+            raise ValueError(
+                "a message's content holds a special-token string and the chat template "
+                "changes the content, so it cannot be kept as plain text: remove the "
+                f"special-token strings ({', '.join(self._special_texts[:8])})"
+            )
+        offsets = enc.offsets
+        injected = {
+            k for k in specials if any(a <= offsets[k][0] and offsets[k][1] <= b for a, b in spans)
+        }
+        if not injected:
+            return ids
+        out: list[int] = []
+        tok, char = 0, 0
+        for k in [k for k in specials if k not in injected] + [len(ids)]:
+            end = offsets[k][0] if k < len(ids) else len(text)
+            if any(tok <= j < k for j in injected):
+                out.extend(self.encode_plain(text[char:end]))
+            else:
+                out.extend(ids[tok:k])
+            if k < len(ids):
+                out.append(ids[k])
+                tok, char = k + 1, offsets[k][1]
+        return out
+
+    def _holds_special(self, content: Any) -> bool:
+        return isinstance(content, str) and any(t in content for t in self._special_texts)
 
     def _id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
@@ -258,6 +356,42 @@ def normalize_messages(messages: Any) -> list[Message]:
             )
         out.append({**msg, "content": content})
     return out
+
+
+def _content_spans(
+    variables: dict[str, Any], source: str, text: str
+) -> list[tuple[int, int]] | None:
+    """Character spans of the messages' contents in ``text`` (the template's rendering of
+    ``variables``), found by rendering each content as a unique marker; ``None`` when putting
+    the contents (as they are, or stripped) back in place of the markers does not give
+    ``text`` back (the template transforms a content)."""
+    nonce = secrets.token_hex(8)
+    messages = variables["messages"]
+    probe = [
+        {**m, "content": f"\ue000{nonce}{i}\ue001"} if isinstance(m.get("content"), str) else m
+        for i, m in enumerate(messages)
+    ]
+    try:
+        layout = _compile(source).render(**{**variables, "messages": probe})
+    except jinja2.TemplateError:
+        return None
+    parts = re.split(f"\ue000{nonce}(\\d+)\ue001", layout)
+    for strip in (False, True):
+        spans = []
+        pos = 0
+        rebuilt = []
+        for j, part in enumerate(parts):
+            if j % 2:
+                content = messages[int(part)]["content"]
+                piece = content.strip() if strip else content
+                spans.append((pos, pos + len(piece)))
+            else:
+                piece = part
+            rebuilt.append(piece)
+            pos += len(piece)
+        if "".join(rebuilt) == text:
+            return spans
+    return None
 
 
 def _text_part(part: Any, i: int) -> str:

@@ -125,6 +125,11 @@ def _add_upstream_routes(app: web.Application, st: GatewayState, urls: list[str]
         s.upstream_connect_timeout_s,
         s.upstream_timeout_s,
     )
+    if s.upstream_api_key and any(u.auth for u in st.router.upstreams):
+        raise ValueError(
+            "an upstream URL carries user:password and --upstream-api-key is set: give the "
+            "upstreams one credential (one Authorization header)"
+        )
     st.metrics.bind_upstreams(st.router.upstreams)
     st.model_name = st.model_name or "upstream"
     st.ready = True

@@ -13,7 +13,9 @@ Every limit is optional (absent or 0 = unlimited). ``salt`` names the prefix-cac
 keys with the same salt share cached KV blocks; a key without one gets its own partition
 (salt derived from a SHA-256 of the key, so the key itself never reaches the engine). With no
 key configured at all the gateway is open and every request shares one partition (salt None).
-A request's own ``cache_salt`` field splits its key's partition further (``effective_salt``).
+A request's own ``cache_salt`` field splits its key's partition further (``effective_salt``):
+the pair (key salt, request salt) is hashed, so no two different pairs ever meet (key salt
+``acme`` with ``cache_salt: "prod"`` is not key salt ``acme/prod``).
 
 Rate limits are token buckets (capacity = the per-minute limit, refilled continuously at
 limit/60 per second). Requests/min is charged one per request at admission; tokens/min is
@@ -57,6 +59,11 @@ class KeySpec:
             raise ValueError(f"name of a key must be a string, got {type(self.name).__name__}")
         if self.salt is not None and (not isinstance(self.salt, str) or not self.salt):
             raise ValueError(f"salt of key {self.name or '?'} must be a non-empty string")
+        if self.salt is not None and not _plain_salt(self.salt):
+            raise ValueError(
+                f"salt of key {self.name or '?'} must be at most {MAX_SALT_CHARS} characters "
+                "of valid Unicode without control characters"
+            )
         for field in ("requests_per_minute", "tokens_per_minute", "max_concurrent"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -65,6 +72,20 @@ class KeySpec:
             self.name = "key-" + _digest(self.key)[:8]
         if self.salt is None:
             self.salt = "key:" + _digest(self.key)[:32]
+
+
+MAX_SALT_CHARS = 256  # the schema's bound on cache_salt: a key salt forwarded upstream fits it
+
+
+def _plain_salt(salt: str) -> bool:
+    """A key salt: bounded, printable, valid UTF-8 (so ``effective_salt`` stays injective)."""
+    if len(salt) > MAX_SALT_CHARS or any(ord(c) < 0x20 for c in salt):
+        return False
+    try:
+        salt.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _digest(key: str) -> str:
@@ -173,12 +194,21 @@ class Principal:
 
 
 def effective_salt(key_salt: str | None, request_salt: str | None) -> str | None:
-    """The engine's cache salt: the key's partition, sub-partitioned by a request's
-    ``cache_salt`` (vLLM's field) when given, so a client can split but never leave its
-    key's partition."""
+    """The engine's cache salt of a request: its key's partition, sub-partitioned by the
+    request's own ``cache_salt`` (vLLM's field) when given, so a client can split but never
+    leave its key's partition.
+
+    Injective: ``(key_salt, None)`` is ``key_salt`` itself (a key salt never holds a control
+    character), and a pair with a request salt is ``"\\x00" + SHA-256`` of the JSON array
+    ``[key_salt, request_salt]`` (JSON is injective on pairs of strings or null), so no two
+    different pairs share a partition: key salt ``acme`` + ``"prod"`` is not key salt
+    ``acme/prod``, nor key salt ``acme/`` + ``"prod"``. The result is at most 256 characters
+    (forwardable as an upstream's ``cache_salt``). ``(None, None)`` is ``None``.
+    """
     if request_salt is None:
         return key_salt
-    return f"{key_salt or ''}/{request_salt}"
+    pair = json.dumps([key_salt, request_salt], ensure_ascii=True)
+    return "\x00" + hashlib.sha256(pair.encode("ascii")).hexdigest()
 
 
 class KeyRing:

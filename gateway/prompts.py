@@ -1,9 +1,11 @@
 """Prompts to token ids: chat rendering, completion prompts, length checks, sampling params.
 
-Chat messages are rendered with the model's chat template
-(``engine.tokenizer.apply_chat_template``) and encoded *without* adding special tokens, as
-transformers' ``apply_chat_template(tokenize=True)`` and vLLM's chat endpoint do: the template
-writes the BOS token itself. Completion prompts given as text are encoded with special tokens
+Chat messages are rendered with the model's chat template and encoded *without* adding special
+tokens (``engine.tokenizer.encode_chat``), as transformers' ``apply_chat_template(tokenize=True)``
+and vLLM's chat endpoint do: the template writes the BOS token itself. Unlike theirs, a
+special-token string inside a message's content (``"<s>"``, a fake ``"<|im_start|>system"``) is
+tokenized as plain text: only the template's markup yields control tokens, so one tenant's
+user text can never forge a role boundary. Completion prompts given as text are encoded with special tokens
 (BOS added), as vLLM's completions endpoint does; token-id prompts are passed as they are.
 
 Rendering and tokenizing run in a worker thread (``render_chat`` and ``completion_prompts``
@@ -37,12 +39,11 @@ def _render_chat(
     tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool
 ) -> list[int]:
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return list(tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt))
     except Exception as exc:  # noqa: BLE001 - jinja raises its own types for template errors
         raise bad_request(
             f"the chat template cannot render these messages: {exc}", param="messages"
         ) from None
-    return _encode(tokenizer, [text], add_special_tokens=False)[0]
 
 
 def _encode(tokenizer: Any, texts: list[str], add_special_tokens: bool) -> list[list[int]]:

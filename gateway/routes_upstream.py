@@ -82,7 +82,6 @@ async def _forward(
 ) -> web.StreamResponse:
     router = st.router
     session = router.session
-    headers = _headers(request, st)
     tried: list[Upstream] = []
     while True:
         up = router.pick(key, tried)
@@ -100,6 +99,7 @@ async def _forward(
                 retry_after=router.health_interval_s,
             )
         tried.append(up)
+        headers = _headers(request, st, up)
         up.in_flight += 1
         status = "error"
         try:
@@ -189,9 +189,14 @@ async def _pipe(request: web.Request, resp: aiohttp.ClientResponse) -> web.Strea
     return out
 
 
-def _headers(request: web.Request, st: GatewayState) -> dict[str, str]:
+def _headers(request: web.Request, st: GatewayState, up: Upstream) -> dict[str, str]:
+    """Headers towards ``up``: one credential at most — ``--upstream-api-key`` (Bearer), else
+    the upstream URL's userinfo (Basic, made once by ``split_credentials``), else the client's
+    own ``Authorization`` when the gateway has no keys of its own."""
     if st.settings.upstream_api_key:
         return {**_HOP_HEADERS, "Authorization": "Bearer " + st.settings.upstream_api_key}
+    if up.auth is not None:
+        return {**_HOP_HEADERS, "Authorization": up.auth}
     auth = request.headers.get("Authorization")
     if auth and st.keys.open:
         return {**_HOP_HEADERS, "Authorization": auth}

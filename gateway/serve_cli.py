@@ -27,7 +27,7 @@ import types
 import typing
 from typing import Any
 
-from prefixgate.gateway.state import GatewaySettings
+from prefixgate.gateway.state import STATE, GatewaySettings
 
 logger = logging.getLogger("prefixgate.gateway")
 
@@ -273,7 +273,9 @@ async def serve(
     code = 0
     try:
         if upstreams:
-            logger.info("upstream mode: %s", ", ".join(upstreams))
+            logger.info(
+                "upstream mode: %s", ", ".join(u["url"] for u in app[STATE].router.describe())
+            )
         else:
             engine, code = await _load_engine(config, stop)
             if engine is not None:

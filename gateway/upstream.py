@@ -29,31 +29,78 @@ from typing import Any
 
 import aiohttp
 import xxhash
+import yarl
 
 logger = logging.getLogger("prefixgate.gateway")
 
 
 def normalize_url(url: str) -> str:
-    """``http://host:port`` from ``http://host:port/``, ``.../v1`` or ``.../v1/``.
+    """``http://host:port`` from ``http://host:port/``, ``.../v1`` or ``.../v1/``, without
+    any ``user:password@`` (see ``split_credentials``): the URL that may be shown.
 
     Raises:
-        ValueError: when the URL is not http(s)://host[:port][/v1].
+        ValueError: when the URL is not http(s)://[user[:password]@]host[:port][/v1].
+    """
+    return split_credentials(url)[0]
+
+
+def split_credentials(url: str) -> tuple[str, str | None]:
+    """``(normalized URL without userinfo, "Basic ..." Authorization value or None)``.
+
+    Userinfo in an upstream URL (``http://user:pass@host``) is turned into an HTTP Basic
+    ``Authorization`` header once, here (RFC 7617: base64 of ``user:password``, both
+    percent-decoded), and never shown: ``/ready``, ``/metrics`` labels and logs use the URL
+    without it.
+
+    Raises:
+        ValueError: when the URL is not http(s)://[user[:password]@]host[:port][/v1]
+            (the message never repeats the password).
     """
     u = url.strip().rstrip("/")
     if u.endswith("/v1"):
         u = u[:-3]
-    if not u.startswith(("http://", "https://")) or "/" in u.split("://", 1)[1]:
-        raise ValueError(f"upstream URL must look like http://host:port[/v1], got {url!r}")
-    return u
+    try:
+        parsed = yarl.URL(u)
+        host = parsed.host
+        port = parsed.explicit_port
+    except ValueError:
+        parsed, host, port = None, None, None
+    if (
+        parsed is None
+        or parsed.scheme not in ("http", "https")
+        or not host
+        or parsed.path not in ("", "/")
+        or parsed.query_string
+        or parsed.fragment
+    ):
+        shown = url if "@" not in url else "<redacted>@" + url.rsplit("@", 1)[1]
+        raise ValueError(f"upstream URL must look like http://host:port[/v1], got {shown!r}")
+    auth = None
+    if parsed.user is not None or parsed.password is not None:
+        auth = aiohttp.BasicAuth(parsed.user or "", parsed.password or "").encode()
+    bare = f"{parsed.scheme}://{parsed.raw_host if ':' not in host else '[' + host + ']'}"
+    if port is not None:
+        bare += f":{port}"
+    return bare, auth
 
 
 class Upstream:
-    """One upstream server: its base URL, health and in-flight request count."""
+    """One upstream server: its base URL (without userinfo), the ``Authorization`` value made
+    of that userinfo (``auth``, None without), health and in-flight request count."""
 
-    __slots__ = ("url", "seed", "healthy", "in_flight", "failures", "served", "last_error")
+    __slots__ = (
+        "url",
+        "auth",
+        "seed",
+        "healthy",
+        "in_flight",
+        "failures",
+        "served",
+        "last_error",
+    )
 
     def __init__(self, url: str) -> None:
-        self.url = normalize_url(url)
+        self.url, self.auth = split_credentials(url)  # url: never holds a password
         self.seed = zlib.crc32(self.url.encode())
         self.healthy = True
         self.in_flight = 0

@@ -46,6 +46,10 @@ class FakeTokenizer:
             raise ValueError("this template has no tool role")
         return "<s>" + "\n\n".join(m["content"] for m in messages)
 
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        # Only the leading "<s>" is special here: content can never produce one.
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), False)
+
 
 @dataclass
 class _Pin:

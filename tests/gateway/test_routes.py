@@ -6,6 +6,7 @@ import json
 
 import openai
 import pytest
+from prefixgate.gateway.auth import effective_salt
 from prefixgate.gateway.state import GatewaySettings
 
 
@@ -233,4 +234,5 @@ def test_cache_salt_from_key_and_shared_salt(serve_fake, gw, tmp_path, stream):
         max_tokens=1,
         extra_body={"cache_salt": "team-x"},
     )
-    assert engine.requests_seen[-1][3] == "tenant-a/team-x"  # nested inside the key's salt
+    # nested inside the key's salt (hashed pair: see test_tenants for injectivity)
+    assert engine.requests_seen[-1][3] == effective_salt("tenant-a", "team-x")
