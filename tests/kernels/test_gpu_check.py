@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "benchmarks" / "gpu_check.py"
-
 
 def _load():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("prefixgate.sdk.bench.gpu_check")
 
 
 def test_dry_run_writes_every_kernel_section(tmp_path):

@@ -7,7 +7,7 @@ import random
 import statistics
 
 import pytest
-from prefixgate.gateway.bench.workload import (
+from prefixgate.sdk.bench.workload import (
     SAMPLE_SYSTEM_PROMPTS,
     SAMPLE_USER_TASKS,
     SystemPrompt,

@@ -6,7 +6,7 @@ import os
 import sys
 from pathlib import Path
 
-from prefixgate.gateway.bench.stats import HEADLINE, fmt, lookup, print_table
+from prefixgate.sdk.bench.stats import HEADLINE, fmt, lookup, print_table
 
 
 def ratios(summaries: dict[str, dict]) -> dict[str, dict[str, float | None]]:

@@ -8,7 +8,7 @@ Targets, each started as a real server on a free loopback port and benchmarked o
 * (c) ``static-batching``: the same with ``scheduling="static"`` (a new batch only when the
   running one has drained);
 * (d) ``hf-transformers``: transformers ``generate`` in static batches behind a minimal
-  OpenAI-compatible server (:mod:`prefixgate.gateway.bench.hf_server`);
+  OpenAI-compatible server (:mod:`prefixgate.sdk.bench.hf_server`);
 * (e) ``upstream``: an already running server given by ``--upstream URL`` (optional).
 
 Each target gets the same warm-up (two short requests that share no block with the workload)
@@ -28,16 +28,17 @@ import time
 from pathlib import Path
 
 import httpx
-from prefixgate.gateway.bench.loadgen import LoadConfig, run_load
-from prefixgate.gateway.bench.report import checks, machine, print_compare, ratios, title
-from prefixgate.gateway.bench.targets import (
+from prefixgate.sdk.bench.args import workload_doc, workload_from_args
+from prefixgate.sdk.bench.loadgen import LoadConfig, run_load
+from prefixgate.sdk.bench.report import checks, machine, print_compare, ratios, title
+from prefixgate.sdk.bench.targets import (
     ServerProcess,
     Target,
     build_targets,
     default_model,
     find_shared,
 )
-from prefixgate.gateway.bench.workload import BenchRequest, load_workload
+from prefixgate.sdk.bench.workload import BenchRequest, load_workload
 
 # The issue-7 demonstration on a 2-core CPU with the SmolLM2-135M-shaped dummy model, sized so
 # one run of the four targets takes minutes: 40 requests from 32 concurrent users (a second
@@ -281,8 +282,6 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
 
 def run_compare(args: argparse.Namespace) -> int:
     """``bench compare``: run every target in turn; print, write JSON and plot; exit 0 unless all failed."""
-    from prefixgate.gateway.bench.cli import _workload_doc, workload_from_args
-
     if args.concurrency is None and args.rate is None:
         args.concurrency = args.concurrency_default
     if args.model is None:
@@ -317,7 +316,7 @@ def run_compare(args: argparse.Namespace) -> int:
         "load": {"rate": args.rate, "concurrency": args.concurrency, "num_requests": len(requests)},
         "threads": args.threads,
         "max_num_batched_tokens": args.max_num_batched_tokens,
-        "workload": _workload_doc(wl, args),
+        "workload": workload_doc(wl, args),
         "shared_prefix": share,
         "machine": machine(),
         "wall_s": wall,
@@ -329,7 +328,7 @@ def run_compare(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=2))
     if args.plot and ok:
-        from prefixgate.gateway.bench.plot import plot_compare
+        from prefixgate.sdk.bench.plot import plot_compare
 
         plot_compare(ok, args.plot, title=title(doc))
     return 0 if ok else 1

@@ -5,15 +5,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from prefixgate.gateway.bench.cli import add_bench_parser  # noqa: E402
-from prefixgate.gateway.bench.loadgen import LoadConfig, root_url, run_load  # noqa: E402
-from prefixgate.gateway.bench.workload import WorkloadConfig, load_workload, parse_output_len_dist  # noqa: E402
+from prefixgate.sdk.bench.cli import add_bench_parser  # noqa: E402
+from prefixgate.sdk.bench.loadgen import LoadConfig, root_url, run_load  # noqa: E402
+from prefixgate.sdk.bench.workload import WorkloadConfig, load_workload, parse_output_len_dist  # noqa: E402
 from stub_server import StubServer  # noqa: E402
 
 
@@ -130,3 +132,52 @@ def test_bench_serve_cli_server_down(capsys):
     )
     assert args.func(args) == 1
     assert "Connection error" in capsys.readouterr().err
+
+
+_BLOCKER = """
+import importlib.abc
+import sys
+
+BLOCKED = ("torch", "transformers", "aiohttp", "prefixgate.gateway", "prefixgate.engine")
+
+
+class _Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if any(name == b or name.startswith(b + ".") for b in BLOCKED):
+            raise ImportError(f"{name} is blocked in this test", name=name)
+        return None
+
+
+sys.meta_path.insert(0, _Block())
+"""
+
+
+def _prefixgate_command() -> list[str]:
+    """The installed ``prefixgate`` script next to this Python, else the same entry via ``-m``."""
+    script = Path(sys.executable).parent / "prefixgate"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "prefixgate.sdk.cli"]
+
+
+def test_bench_serve_runs_without_torch_or_the_gateway(stub, tmp_path):
+    """``prefixgate bench serve`` with torch, transformers, aiohttp and the gateway unimportable."""
+    (tmp_path / "sitecustomize.py").write_text(_BLOCKER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    probe = subprocess.run(
+        [sys.executable, "-c", "import torch"], env=env, capture_output=True, text=True
+    )
+    assert probe.returncode != 0 and "blocked in this test" in probe.stderr
+    out = tmp_path / "r.json"
+    argv = ["bench", "serve", "--base-url", stub.base_url, "--num-requests", "4"]
+    argv += ["--output-len", "3", "--no-progress", "--json", str(out)]
+    proc = subprocess.run(
+        _prefixgate_command() + argv, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "TTFT p99" in proc.stdout
+    assert json.loads(out.read_text())["summary"]["completed"] == 4
+    # `serve` in the same environment says in one line what is missing, no traceback
+    proc = subprocess.run(
+        _prefixgate_command() + ["serve"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode != 0 and "engine extra" in proc.stderr
+    assert "Traceback" not in proc.stderr

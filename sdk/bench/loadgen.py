@@ -2,7 +2,7 @@
 
 Each request is a streaming chat completion (``stream=True``, ``stream_options.include_usage``,
 ``temperature=0``); the generator timestamps every chunk to measure TTFT, ITL, TPOT and E2E
-(definitions in :mod:`prefixgate.gateway.bench.stats`). Arrivals are a Poisson process at
+(definitions in :mod:`prefixgate.sdk.bench.stats`). Arrivals are a Poisson process at
 ``rate`` requests/s, or as fast as ``concurrency`` allows (closed loop: a user sends the next
 request when the previous one ends), or both (Poisson, at most ``concurrency`` in flight, as
 vLLM's ``--max-concurrency``). The SDK client runs with ``max_retries=0`` so every failure is
@@ -18,8 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from prefixgate.gateway.bench.stats import RequestResult, summarize
-from prefixgate.gateway.bench.workload import BenchRequest, poisson_arrivals
+from prefixgate.sdk.bench.stats import RequestResult, summarize
+from prefixgate.sdk.bench.workload import BenchRequest, poisson_arrivals
 
 
 @dataclass(slots=True)
@@ -66,7 +66,7 @@ class LoadResult:
     model: str
 
     def summary(self) -> dict:
-        """See :func:`prefixgate.gateway.bench.stats.summarize`."""
+        """See :func:`prefixgate.sdk.bench.stats.summarize`."""
         return summarize(self.results, self.duration_s)
 
 

@@ -17,7 +17,7 @@ prefix stored once.
 
 Usage::
 
-    python examples/benchmarks/bench_prefix_cache.py [--model DIR] [--trials 7] [--threads N]
+    python -m prefixgate.sdk.bench.prefix_cache [--model DIR] [--trials 7] [--threads N]
         [--json OUT]
 """
 

@@ -11,7 +11,7 @@ length (``ignore_eos``), and reports:
 
 Usage::
 
-    python examples/benchmarks/bench_engine.py [--model DIR] [--num-requests 32 128]
+    python -m prefixgate.sdk.bench.engine_throughput [--model DIR] [--num-requests 32 128]
         [--prompt-len 64] [--output-len 32] [--threads N] [--json OUT]
 """
 

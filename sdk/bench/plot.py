@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prefixgate.gateway.bench.stats import RequestResult, lookup
+from prefixgate.sdk.bench.stats import RequestResult, lookup
 
 # Panels of a comparison: (title, path in a summary, unit, scale, higher is better). TPOT is
 # left to the table: the transformers baseline emits its tokens at once, so its TPOT is ~0.

@@ -6,7 +6,7 @@ import random
 
 import numpy as np
 import pytest
-from prefixgate.gateway.bench.stats import (
+from prefixgate.sdk.bench.stats import (
     RequestResult,
     distribution,
     fmt,

@@ -128,7 +128,7 @@ def build_targets(args: argparse.Namespace) -> list[Target]:
             [
                 py,
                 "-m",
-                "prefixgate.gateway.bench.hf_server",
+                "prefixgate.sdk.bench.hf_server",
                 "--model",
                 model or "",
                 "--load-format",

@@ -17,8 +17,8 @@ Modes (the client settings compared):
 
 Usage::
 
-    python examples/benchmarks/bench_sdk.py --n 500 --rate 50     # ~10 s per mode
-    python examples/benchmarks/bench_sdk.py --mode rate_limit --json
+    python -m prefixgate.sdk.bench.sdk_rate_limit --n 500 --rate 50     # ~10 s per mode
+    python -m prefixgate.sdk.bench.sdk_rate_limit --mode rate_limit --json
 """
 
 from __future__ import annotations
@@ -149,7 +149,8 @@ def main() -> None:
     proc = subprocess.Popen(
         [
             sys.executable,
-            __file__,
+            "-m",
+            "prefixgate.sdk.bench.sdk_rate_limit",
             "--serve",
             "--rate",
             str(args.rate),

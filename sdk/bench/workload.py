@@ -8,7 +8,7 @@ long instruction with every request). Inputs:
 * a user-tasks JSONL, one object a line with ``instruction`` and optional
   ``instances[0].input``, as self-instruct's ``seed_tasks.jsonl``.
 
-A small sample of both ships in ``prefixgate/gateway/bench/data`` (see its README for the
+A small sample of both ships in ``prefixgate/sdk/bench/data`` (see its README for the
 sources and licences); ``../shared/workloads`` holds the full files.
 """
 

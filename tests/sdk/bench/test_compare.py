@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from prefixgate.gateway.bench.cli import add_bench_parser  # noqa: E402
-from prefixgate.gateway.bench.compare import bench_target, shared_prefix_share  # noqa: E402
-from prefixgate.gateway.bench.report import checks, ratios  # noqa: E402
-from prefixgate.gateway.bench.targets import Target, build_targets  # noqa: E402
-from prefixgate.gateway.bench.workload import BenchRequest  # noqa: E402
+from prefixgate.sdk.bench.cli import add_bench_parser  # noqa: E402
+from prefixgate.sdk.bench.compare import bench_target, shared_prefix_share  # noqa: E402
+from prefixgate.sdk.bench.report import checks, ratios  # noqa: E402
+from prefixgate.sdk.bench.targets import Target, build_targets  # noqa: E402
+from prefixgate.sdk.bench.workload import BenchRequest  # noqa: E402
 from stub_server import StubServer  # noqa: E402
 
 
@@ -80,7 +80,7 @@ def test_build_targets_commands():
     assert "serve" in a.command and "--model" in a.command and "{port}" in a.command
     assert set(b.command) - set(a.command) and set(c.command) - set(a.command)
     assert (
-        "prefixgate.gateway.bench.hf_server" in d.command
+        "prefixgate.sdk.bench.hf_server" in d.command
         and d.command[d.command.index("--max-batch-size") + 1] == "8"
     )
     assert e.command is None and e.base_url == "http://127.0.0.1:9/v1"
@@ -165,8 +165,8 @@ def test_a_server_that_fails_is_reported(tmp_path):
 
 
 def test_compare_defaults_are_the_issue7_demo(workloads_path):
-    from prefixgate.gateway.bench.cli import workload_from_args
-    from prefixgate.gateway.bench.workload import load_workload
+    from prefixgate.sdk.bench.cli import workload_from_args
+    from prefixgate.sdk.bench.workload import load_workload
 
     args = _parse(["bench", "compare"])
     wl = workload_from_args(args)
