@@ -235,6 +235,7 @@ class AsyncEngine:
                 if busy:
                     try:
                         self._deliver_outputs(engine.step())
+                        self._deliver_failed(engine.pop_failed())
                     except Exception as exc:  # noqa: BLE001 - delivered to the requests
                         ids = engine.current_step_ids or None  # None: all (error outside a batch)
                         logger.exception(
@@ -322,6 +323,11 @@ class AsyncEngine:
                 del self._active[out.request_id]
             items.append((stream, out))
         self._deliver(items)
+
+    def _deliver_failed(self, failed: list[tuple[str, BaseException]]) -> None:
+        """Requests the engine failed outside a step's batch (e.g. a grammar that did not
+        compile): their iterators raise the error."""
+        self._deliver([(self._active.pop(rid), exc) for rid, exc in failed if rid in self._active])
 
     def _fail_all(self, exc: BaseException) -> None:
         self._fail(exc, None)

@@ -42,10 +42,17 @@ class InputProcessor:
         max_model_len: longest prompt + output in tokens.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        max_model_len: int,
+        structured_output: Any | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.structured_output = structured_output  # StructuredOutputManager (validate)
 
     def prepare(
         self,
@@ -59,13 +66,16 @@ class InputProcessor:
             TypeError: prompt not a str or a sequence of ints; params not SamplingParams;
                 cache_salt not a str.
             ValueError: empty prompt, token id outside the vocabulary, prompt of
-                ``max_model_len`` tokens or more, or invalid sampling parameters.
+                ``max_model_len`` tokens or more, or invalid sampling parameters (a
+                ``stop_token_ids`` / ``logit_bias`` id outside the vocabulary, a
+                ``structured_outputs`` constraint that does not compile).
         """
         if params is None:
             params = SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         params = dataclasses.replace(params)  # private copy, re-validated by __post_init__
+        self._check_params(params)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"cache_salt must be a string or None, got {type(cache_salt).__name__}")
         text: str | None = None
@@ -96,3 +106,20 @@ class InputProcessor:
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         return PreparedRequest(text, ids, params, max_tokens, cache_salt)
+
+    def _check_params(self, params: SamplingParams) -> None:
+        """Vocabulary-dependent checks of ``params`` (field named in the message)."""
+        vocab = self.vocab_size
+        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids: {bad[:5]} outside the vocabulary [0, {vocab})")
+        if params.logit_bias:
+            bad = [t for t in params.logit_bias if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(
+                    f"logit_bias: token ids {bad[:5]} outside the vocabulary [0, {vocab})"
+                )
+        if params.structured_outputs is not None:
+            if self.structured_output is None:
+                raise ValueError("structured_outputs is not supported by this engine")
+            self.structured_output.validate(params.structured_outputs)

@@ -143,6 +143,9 @@ class LLM:
             for out in self.engine.step():
                 if out.finished and out.request_id in wanted:
                     final[out.request_id] = out
+            failed = [(rid, exc) for rid, exc in self.engine.pop_failed() if rid in wanted]
+            if failed:
+                raise failed[0][1]  # the caller's other requests are aborted by generate()
         return [final[rid] for rid in ids]
 
 

@@ -8,6 +8,7 @@ finished) in that step. Nothing here is thread-safe: ``AsyncEngine`` drives it f
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import logging
 import time
@@ -30,6 +31,7 @@ from prefixgate.engine.request import Request, RequestStatus
 from prefixgate.engine.sampler import Sampler, SamplingState
 from prefixgate.engine.sampling_params import SamplingParams
 from prefixgate.engine.scheduler import Scheduler
+from prefixgate.engine.structured_output import StructuredOutputManager
 from prefixgate.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -66,14 +68,28 @@ class LLMEngine(PrefixPinsMixin):
             max_pinned_blocks=int(num_blocks * config.max_pinned_fraction),
         )
         self.scheduler = Scheduler(config, self.kv_cache_manager, self.max_model_len)
-        self.runner = ModelRunner(
-            model, kv_caches, Sampler(config.seed), SamplingState, config.block_size, self.device
-        )
-        self.output_processor = OutputProcessor(self.tokenizer, IncrementalDetokenizer)
-        self.input_processor = InputProcessor(self.tokenizer, mc.vocab_size, self.max_model_len)
         self.eos_token_ids: set[int] = set(mc.eos_token_ids) | set(
             getattr(self.tokenizer, "eos_token_ids", set()) or set()
         )
+        self.structured_output = StructuredOutputManager(
+            self.tokenizer, mc.vocab_size, sorted(self.eos_token_ids)
+        )
+        self.runner = ModelRunner(
+            model,
+            kv_caches,
+            Sampler(config.seed),
+            SamplingState,
+            config.block_size,
+            self.device,
+            structured_output=self.structured_output,
+        )
+        self.output_processor = OutputProcessor(self.tokenizer, IncrementalDetokenizer)
+        self.input_processor = InputProcessor(
+            self.tokenizer, mc.vocab_size, self.max_model_len, self.structured_output
+        )
+        # (request id, error) of requests failed outside a step's batch (a grammar that did
+        # not compile, a sampled token the grammar rejected); AsyncEngine delivers them
+        self.failed: list[tuple[str, BaseException]] = []
         self._requests: dict[str, Request] = {}
         self._pin_jobs: dict[str, PinJob] = {}
         self._pin_counter = itertools.count()
@@ -162,6 +178,8 @@ class LLMEngine(PrefixPinsMixin):
             gen = torch.Generator(device="cpu")  # the sampler draws on the generator's device
             gen.manual_seed(prep.params.seed)
             req.generator = gen
+        if prep.params.structured_outputs is not None:  # compiles off the step loop
+            req.structured_output = self.structured_output.request(prep.params.structured_outputs)
         self.scheduler.add_request(req)  # may raise (never fits): nothing else was touched
         self._requests[request_id] = req
         if not request_id.startswith(PIN_REQUEST_PREFIX):
@@ -203,8 +221,10 @@ class LLMEngine(PrefixPinsMixin):
             (cumulative text / token ids + deltas).
         """
         t0 = time.perf_counter()
+        self._fail_grammar_errors()
         sched_out = self.scheduler.schedule()
         if not sched_out.scheduled:
+            self._wait_for_grammars()
             outputs, self._stashed = self._stashed, []
             return outputs
         # if anything below raises, these are the requests the error concerns (fail_requests)
@@ -233,6 +253,10 @@ class LLMEngine(PrefixPinsMixin):
             if rid in self._pin_jobs:
                 self._on_pin_request(r)
                 continue
+            if r.structured_output is not None and not r.is_finished():
+                self._check_grammar(r)
+                if rid not in self._requests:  # failed: delivered through pop_failed()
+                    continue
             finished = r.is_finished()
             skip_text = finished and r.finish_reason == "stop"  # EOS / stop token id
             stop = op.on_token(rid, token, run.logprobs.get(rid), skip_text, now)
@@ -259,6 +283,54 @@ class LLMEngine(PrefixPinsMixin):
         t["sample_s"] += run.sample_s
         t["output_s"] += t_end - t_out  # scheduler update, detokenize, RequestOutputs
         return outputs
+
+    # -- structured output -----------------------------------------------------------------
+
+    def _check_grammar(self, req: Request) -> None:
+        """After a sampled token: a grammar that reached its end finishes the request with
+        "stop" (also with ``ignore_eos``); a token the grammar rejected fails it."""
+        so = req.structured_output
+        if so.terminated:
+            self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+        elif so.rejected is not None:
+            err = RuntimeError(
+                f"request {req.request_id!r}: token {so.rejected} was sampled outside its "
+                "structured_outputs grammar (no allowed token left)"
+            )
+            self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ABORTED)
+            self._fail_later(req, err)
+
+    def _fail_grammar_errors(self) -> None:
+        """Fail waiting requests whose grammar did not compile (blocks: none held yet)."""
+        for req in list(self.scheduler.waiting):
+            so = req.structured_output
+            if so is not None and so.matcher is None and so.error is not None:
+                err = ValueError(f"structured_outputs: {so.error}")
+                self.scheduler.abort_requests([req.request_id])
+                self._fail_later(req, err)
+
+    def _fail_later(self, req: Request, exc: BaseException) -> None:
+        rid = req.request_id
+        self._requests.pop(rid, None)
+        self.output_processor.drop(rid)
+        self.failed.append((rid, exc))
+
+    def _wait_for_grammars(self) -> None:
+        """Nothing ran: sleep until a compiling grammar is ready (at most 5 ms) rather than
+        spin the step loop."""
+        pending = [
+            r.structured_output.future
+            for r in self.scheduler.waiting
+            if r.structured_output is not None and not r.structured_output.future.done()
+        ]
+        if pending:
+            concurrent.futures.wait(pending, timeout=0.005, return_when="FIRST_COMPLETED")
+
+    def pop_failed(self) -> list[tuple[str, BaseException]]:
+        """``(request_id, error)`` of requests failed outside a step batch since the last call
+        (their blocks are freed; no output was or will be made for them)."""
+        failed, self.failed = self.failed, []
+        return failed
 
     def _finish_stopped(self, req: Request, stop: str) -> None:
         self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED, stop)

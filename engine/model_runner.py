@@ -72,6 +72,7 @@ class ModelRunner:
         block_size: tokens per KV block.
         device: where the model and caches live.
         sync_timing: synchronize CUDA around the forward so ``forward_s`` is exact (benchmarks).
+        structured_output: the ``StructuredOutputManager`` (token bitmasks of constrained rows).
     """
 
     def __init__(
@@ -83,8 +84,10 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         sync_timing: bool = False,
+        structured_output: Any | None = None,
     ) -> None:
         self.model = model
+        self.structured_output = structured_output
         self.kv_caches = kv_caches
         self.sampler = sampler
         self.sampling_state_cls = sampling_state_cls
@@ -207,14 +210,22 @@ class ModelRunner:
                 prompt_token_ids=r.prompt_token_ids,
                 output_token_ids=r.output_token_ids,
                 generator=r.generator,
+                eos_token_ids=r.eos_token_ids,
             )
             for r in requests
         ]
+        grammar_of = [getattr(r, "structured_output", None) for r in requests]
+        constrained = [i for i, g in enumerate(grammar_of) if g is not None]
+        if constrained:  # structured output: mask what each grammar forbids, in its row only
+            grammars = [grammar_of[i] for i in constrained]
+            self.structured_output.apply_bitmask(logits, constrained, grammars)
         results = self.sampler.sample(logits, states)
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprobs] = {}
-        for r, res in zip(requests, results, strict=True):
+        for r, res, g in zip(requests, results, grammar_of, strict=True):
             sampled[r.request_id] = int(res.token_id)
+            if g is not None:
+                g.accept(int(res.token_id))
             if res.logprobs is not None:
                 logprobs[r.request_id] = res.logprobs
         return RunnerOutput(sampled, logprobs, forward_s, prepare_s, time.perf_counter() - t1)

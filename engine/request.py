@@ -66,6 +66,8 @@ class Request:
         status, stop_reason, finish_reason: see ``RequestStatus``; ``stop_reason`` is the stop
             token id or stop string that ended the request, ``None`` for EOS / length / abort.
         generator: per-request ``torch.Generator`` (the model runner fills it for seeded sampling).
+        structured_output: the request's grammar state (``StructuredOutputRequest``: compiled
+            grammar future + matcher) when its params constrain the output, else ``None``.
         block_hashes: prefix-cache keys of the request's full blocks (filled by the KV cache
             manager, ``block_hashes[i]`` covers tokens ``[i*block_size, (i+1)*block_size)``).
         num_preemptions: times this request was preempted.
@@ -115,6 +117,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.generator: torch.Generator | None = None
+        self.structured_output: Any | None = None
         self.block_hashes: list[Any] = []
         self.num_preemptions = 0
         self.metrics: dict[str, float] = {"arrival": self.arrival_time}
@@ -144,6 +147,13 @@ class Request:
         """Append one sampled token (its KV is computed next step, as a decode)."""
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    @property
+    def waits_for_grammar(self) -> bool:
+        """True while the request's grammar is still compiling: the scheduler skips it (vLLM's
+        WAITING_FOR_FSM) without holding back the requests behind it."""
+        so = self.structured_output
+        return so is not None and not so.ready
 
     def __repr__(self) -> str:
         return (

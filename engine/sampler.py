@@ -1,6 +1,7 @@
 """Next-token sampling for a batch: penalties, greedy / random choice, logprobs.
 
-Order per request (as vLLM and Hugging Face apply them): repetition penalty (prompt + output
+Order per request (as vLLM and Hugging Face apply them): ``min_tokens`` (EOS and stop token ids
+masked until reached) → ``logit_bias`` (added) → repetition penalty (prompt + output
 tokens, CTRL / HF formula) → frequency and presence penalties (output tokens, OpenAI formula)
 → greedy argmax, or temperature → top-k → top-p → min-p → one draw. Logprobs are the
 ``log_softmax`` of the raw model logits (before penalties and temperature).
@@ -33,12 +34,14 @@ class SamplingState:
         output_token_ids: ids generated so far (penalties).
         generator: the request's own generator (seeded requests); ``None`` uses the
             sampler's shared generator.
+        eos_token_ids: the model's EOS ids (masked, with stop token ids, until ``min_tokens``).
     """
 
     params: SamplingParams
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     generator: torch.Generator | None = None
+    eos_token_ids: frozenset[int] | set[int] = frozenset()
 
 
 @dataclass(slots=True)
@@ -80,7 +83,7 @@ class Sampler:
         if not batch:
             return []
         params = [s.params for s in batch]
-        penalized = [i for i, p in enumerate(params) if _has_penalty(p)]
+        penalized = [i for i, s in enumerate(batch) if _has_penalty(s)]
         random_rows = [i for i, p in enumerate(params) if p.temperature >= GREEDY_EPS]
         wants_logprobs = any(p.logprobs is not None for p in params)
         if not penalized and not random_rows and not wants_logprobs:
@@ -122,20 +125,38 @@ class Sampler:
         return torch.rand(1, generator=gen, device=gen.device)
 
 
-def _has_penalty(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+def _has_penalty(s: SamplingState) -> bool:
+    """True when the row's logits are processed before the choice (penalties, bias, min_tokens)."""
+    p = s.params
+    return (
+        p.repetition_penalty != 1.0
+        or p.presence_penalty != 0.0
+        or p.frequency_penalty != 0.0
+        or bool(p.logit_bias)
+        or len(s.output_token_ids) < p.min_tokens
+    )
 
 
 def apply_penalties(row: torch.Tensor, state: SamplingState) -> None:
-    """Penalize one ``[V]`` float32 logits row in place.
+    """Process one ``[V]`` float32 logits row in place.
 
-    Repetition (Keskar et al. 2019, as HF's ``RepetitionPenaltyLogitsProcessor``): for every
+    ``min_tokens``: EOS and stop token ids get ``-inf`` while fewer tokens were generated.
+    ``logit_bias``: each listed id's bias is added. Repetition (Keskar et al. 2019, as HF's ``RepetitionPenaltyLogitsProcessor``): for every
     token seen in prompt or output, ``l / r`` when ``l > 0`` else ``l * r``. Then OpenAI's
     ``l[j] -= c[j] * frequency_penalty + (c[j] > 0) * presence_penalty`` with ``c[j]`` the count
     of j among output tokens.
     """
     p = state.params
     vocab = row.shape[0]
+    if len(state.output_token_ids) < p.min_tokens:  # vLLM's MinTokensLogitsProcessor
+        ends = [t for t in (*state.eos_token_ids, *p.stop_token_ids) if 0 <= t < vocab]
+        if ends:
+            row[torch.tensor(ends, device=row.device)] = float("-inf")
+    if p.logit_bias:  # OpenAI's logit_bias: added to the logit before sampling
+        ids = torch.tensor(list(p.logit_bias), dtype=torch.int64, device=row.device)
+        keep = ids < vocab
+        vals = torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=row.device)
+        row.index_add_(0, ids[keep], vals[keep])
     if p.repetition_penalty != 1.0:
         seen = torch.tensor([*state.prompt_token_ids, *state.output_token_ids], dtype=torch.int64)
         seen = seen[(seen >= 0) & (seen < vocab)].unique().to(row.device)

@@ -2,11 +2,89 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 # torch.Generator.manual_seed takes any int in [-2**63, 2**64) (negative ones wrap).
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+
+
+LOGIT_BIAS_MIN, LOGIT_BIAS_MAX = -100.0, 100.0  # OpenAI's range for logit_bias values
+
+_STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """A constraint on the generated text (vLLM's ``StructuredOutputsParams``): exactly one of
+
+    Attributes:
+        json: a JSON schema (dict, or its JSON text); the output is JSON valid against it.
+        json_object: ``True``: the output is any JSON object (OpenAI's ``json_object`` mode).
+        regex: the output matches this regular expression (whole text).
+        choice: the output is exactly one of these strings.
+        grammar: the output follows this EBNF grammar (GBNF / xgrammar syntax, root rule
+            ``root``).
+
+    Compiled by xgrammar (``prefixgate.engine.structured_output``); the engine masks every
+    token the constraint forbids, and a request whose constraint is complete ends with
+    finish reason ``"stop"``.
+
+    Raises:
+        ValueError / TypeError: none or more than one constraint given, or a wrong type (the
+            message names the field). Whether a schema / regex / grammar compiles is checked
+            when the request is prepared (``LLMEngine.prepare_request``).
+    """
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs needs exactly one of json, json_object, regex, choice, "
+                f"grammar; got {given or 'none'}"
+            )
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    parsed = json.loads(self.json)
+                except ValueError as exc:
+                    raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+                self.json = parsed
+            if not isinstance(self.json, dict) and not isinstance(self.json, bool):
+                raise TypeError("structured_outputs.json must be a JSON schema (an object)")
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise TypeError("structured_outputs.json_object must be a bool")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise TypeError(f"structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None:
+            if (
+                not isinstance(self.choice, list | tuple)
+                or not self.choice
+                or not all(isinstance(c, str) and c for c in self.choice)
+            ):
+                raise TypeError("structured_outputs.choice must be a non-empty list of strings")
+            self.choice = list(self.choice)
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: ``"json"``, ``"json_object"``, ``"regex"``, ``"choice"``
+        or ``"grammar"``."""
+        return next(k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> str:
+        """A canonical string of the constraint (the compiled-grammar cache key)."""
+        value = getattr(self, self.kind)
+        return self.kind + ":" + json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
 @dataclass(slots=True)
@@ -33,6 +111,12 @@ class SamplingParams:
         logprobs: return the sampled token's logprob and this many top alternatives
             (``None`` = no logprobs, 0 = sampled token only, at most 20).
         skip_special_tokens: leave special tokens out of the text.
+        min_tokens: generate at least this many tokens before EOS or a stop token id may be
+            sampled (they are masked until then; stop strings still apply, as in vLLM).
+        logit_bias: token id -> bias in [-100, 100] added to that token's logit before sampling
+            (OpenAI's ``logit_bias``; ids checked against the vocabulary when the request is
+            prepared).
+        structured_outputs: constrain the output (``StructuredOutputsParams``), or ``None``.
 
     Raises:
         ValueError / TypeError: on any out-of-range or non-finite (NaN, inf) value or wrong
@@ -53,6 +137,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         def num(name: str, value: object, kinds: tuple[type, ...] = (int, float)) -> None:
@@ -115,8 +202,51 @@ class SamplingParams:
             num("logprobs", self.logprobs, (int,))
             if not 0 <= self.logprobs <= 20:
                 raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        num("min_tokens", self.min_tokens, (int,))
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            )
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids}")
+        if self.logit_bias is not None:
+            self.logit_bias = _check_logit_bias(self.logit_bias)
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            if isinstance(so, dict):
+                self.structured_outputs = StructuredOutputsParams(**so)
+            else:
+                raise TypeError(
+                    "structured_outputs must be StructuredOutputsParams or a dict, got "
+                    f"{type(so).__name__}"
+                )
 
     @property
     def greedy(self) -> bool:
         """True when the next token is the argmax (temperature 0)."""
         return self.temperature == 0.0
+
+
+def _check_logit_bias(bias: object) -> dict[int, float]:
+    """``{token id: bias}`` with int ids (JSON's string keys accepted) and finite biases in
+    [-100, 100]; raises ValueError / TypeError naming ``logit_bias``."""
+    if not isinstance(bias, dict):
+        raise TypeError(f"logit_bias must be a dict of token id -> bias, got {type(bias).__name__}")
+    out: dict[int, float] = {}
+    for k, v in bias.items():
+        if isinstance(k, bool):
+            raise TypeError(f"logit_bias keys must be token ids, got {k!r}")
+        try:
+            tid = int(k)
+        except (TypeError, ValueError):
+            raise TypeError(f"logit_bias keys must be token ids, got {str(k)[:80]!r}") from None
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+            raise TypeError(f"logit_bias[{tid}] must be a finite number, got {str(v)[:80]!r}")
+        if not LOGIT_BIAS_MIN <= v <= LOGIT_BIAS_MAX:
+            raise ValueError(f"logit_bias[{tid}] must be in [-100, 100], got {v}")
+        if tid < 0:
+            raise ValueError(f"logit_bias key {tid} is not a token id (must be >= 0)")
+        out[tid] = float(v)
+    return out

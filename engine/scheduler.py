@@ -12,7 +12,8 @@ Each ``schedule()`` call (one engine step):
    served while the budget, ``max_num_seqs`` and free blocks allow; each reuses its longest
    cached prefix and prefills the rest in chunks (chunked prefill). A waiting request whose next
    prompt block is being computed by a running request (in-flight dedup) is skipped this step and
-   hits that block once it is cached; requests behind it may go.
+   hits that block once it is cached; requests behind it may go. A request whose grammar is
+   still compiling (structured output) is skipped the same way.
    With ``scheduling="static"`` new requests are admitted only when the running batch is empty
    (and without in-flight dedup: waiting for an owner would mean waiting for the whole batch).
 
@@ -261,6 +262,9 @@ class Scheduler:
         bs = self.kv.block_size
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if req.waits_for_grammar:  # structured output: its grammar is still compiling
+                skipped.append(self.waiting.popleft())
+                continue
             hits, num_hit = self.kv.get_computed_blocks(req)
             if (
                 not self.static  # static: waiting for the owner would mean waiting for the drain

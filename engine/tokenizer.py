@@ -192,6 +192,40 @@ class Tokenizer:
         """The vocabulary string of ``token_id`` (e.g. ``"▁the"``, ``"<0x0A>"``), or ``None``."""
         return self._tok.id_to_token(token_id)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes ``token_id`` adds to the text, its leading space included: a byte-fallback
+        token ``<0xC3>`` is ``b"\\xc3"`` (not U+FFFD), a byte-level BPE token (GPT-2, Qwen)
+        maps back through GPT-2's byte-to-unicode table, a sentencepiece ``▁`` is a space.
+        Special tokens give their text. Unknown ids give ``b""``.
+        """
+        token = self._tok.id_to_token(token_id)
+        if token is None:
+            return b""
+        if token_id in self.all_special_ids:
+            return token.encode()
+        kinds = self._decoder_kinds
+        if "ByteFallback" in kinds and len(token) == 6 and token.startswith("<0x"):
+            try:
+                return bytes([int(token[3:5], 16)])
+            except ValueError:
+                pass
+        if "ByteLevel" in kinds:
+            table = _unicode_to_bytes()
+            if all(ch in table for ch in token):
+                return bytes(table[ch] for ch in token)
+        if "Metaspace" in kinds or "Replace" in kinds:
+            token = token.replace("\u2581", " ")
+        return token.encode()
+
+    @property
+    def _decoder_kinds(self) -> set[str]:
+        kinds = getattr(self, "_kinds", None)
+        if kinds is None:
+            decoder = json.loads(self._tok.to_str()).get("decoder") or {}
+            kinds = {d.get("type") for d in [decoder, *decoder.get("decoders", [])]}
+            self._kinds = kinds
+        return kinds
+
     def __len__(self) -> int:
         return self.vocab_size
 
@@ -325,6 +359,20 @@ class Tokenizer:
 
     def _id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
+
+
+@lru_cache(maxsize=1)
+def _unicode_to_bytes() -> dict[str, int]:
+    """Inverse of GPT-2's ``bytes_to_unicode`` (the byte-level BPE alphabet; Radford et al.
+    2019, ``encoder.py``): printable bytes map to themselves, the rest to U+0100 onwards."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table = {chr(b): b for b in keep}
+    extra = 0
+    for b in range(256):
+        if b not in keep:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
 
 
 def normalize_messages(messages: Any) -> list[Message]:

@@ -24,49 +24,78 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 
 
 class TokenTexts:
-    """Token id → the text the token adds inside a sequence (a leading space kept).
+    """Token id → the text the token adds inside a sequence (a leading space kept) and its
+    bytes.
 
     Decoding a token alone loses its leading space with sentencepiece-style tokenizers
     ("▁a" → "a"); decoded after a fixed anchor token it keeps it: text = decode([anchor, id])
-    minus decode([anchor]). Results are cached (token ids are few).
+    minus decode([anchor]). A token that is not whole UTF-8 on its own (a byte-fallback
+    ``<0xC3>``, part of a byte-level character) keeps its own bytes (``[195]``) and is named
+    ``"bytes:\\xc3"`` (OpenAI's form) rather than U+FFFD, so distinct tokens never share a
+    text. Results are cached (token ids are few).
     """
 
     def __init__(self, tokenizer: Any, max_cache: int = 1 << 16) -> None:
         self._tok = tokenizer
         self._anchor = list(tokenizer.encode("a", add_special_tokens=False)[-1:])
         self._anchor_text = tokenizer.decode(self._anchor, skip_special_tokens=False)
-        self._cache: dict[int, str] = {}
+        self._cache: dict[int, tuple[str, list[int]]] = {}
         self._max = max_cache
+        self._token_bytes = getattr(tokenizer, "token_bytes", None)
 
     def __call__(self, token_id: int) -> str:
-        text = self._cache.get(token_id)
-        if text is None:
-            full = self._tok.decode(self._anchor + [token_id], skip_special_tokens=False)
-            if self._anchor and full.startswith(self._anchor_text):
-                text = full[len(self._anchor_text) :]
-            else:
-                text = self._tok.decode([token_id], skip_special_tokens=False)
-            if len(self._cache) < self._max:
-                self._cache[token_id] = text
-        return text
+        return self.info(token_id)[0]
+
+    def bytes_of(self, token_id: int) -> list[int]:
+        """The token's UTF-8 bytes (its raw bytes for a partial character)."""
+        return self.info(token_id)[1]
+
+    def info(self, token_id: int) -> tuple[str, list[int]]:
+        """``(text, bytes)`` of one token."""
+        hit = self._cache.get(token_id)
+        if hit is not None:
+            return hit
+        full = self._tok.decode(self._anchor + [token_id], skip_special_tokens=False)
+        if self._anchor and full.startswith(self._anchor_text):
+            text = full[len(self._anchor_text) :]
+        else:
+            text = self._tok.decode([token_id], skip_special_tokens=False)
+        raw = self._token_bytes(token_id) if self._token_bytes is not None else text.encode()
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError:
+            text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        else:
+            if "\ufffd" in text:  # the decoder lost bytes: the token's own are the truth
+                text = raw.decode("utf-8")
+        hit = (text, list(raw) if self._token_bytes is not None else list(text.encode()))
+        if len(self._cache) < self._max:
+            self._cache[token_id] = hit
+        return hit
+
+
+def _info(token_text: Callable[[int], str], token_id: int) -> tuple[str, list[int]]:
+    info = getattr(token_text, "info", None)
+    if info is not None:
+        return info(token_id)
+    text = token_text(token_id)
+    return text, list(text.encode())
 
 
 def chat_logprobs(token_text: Callable[[int], str], entries: list[TokenLogprobs]) -> dict[str, Any]:
     """Chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
     content = []
     for entry in entries:
-        text = token_text(entry.sampled.token_id)
+        text, raw = _info(token_text, entry.sampled.token_id)
         tops = []
         for alt in entry.top:
-            alt_text = token_text(alt.token_id)
-            tops.append(
-                {"token": alt_text, "logprob": alt.logprob, "bytes": list(alt_text.encode())}
-            )
+            alt_text, alt_raw = _info(token_text, alt.token_id)
+            tops.append({"token": alt_text, "logprob": alt.logprob, "bytes": alt_raw})
         content.append(
             {
                 "token": text,
                 "logprob": entry.sampled.logprob,
-                "bytes": list(text.encode()),
+                "bytes": raw,
                 "top_logprobs": tops,
             }
         )
@@ -82,7 +111,13 @@ def completion_logprobs(
         text = token_text(entry.sampled.token_id)
         tokens.append(text)
         token_logprobs.append(entry.sampled.logprob)
-        tops.append({token_text(alt.token_id): alt.logprob for alt in entry.top})
+        top: dict[str, float] = {}
+        for alt in entry.top:
+            key = token_text(alt.token_id)
+            if key in top:  # two tokens with one text: never merged (vLLM's id form)
+                key = f"token_id:{alt.token_id}"
+            top[key] = alt.logprob
+        tops.append(top)
         offsets.append(offset)
         offset += len(text)
     return {

@@ -1,0 +1,337 @@
+"""Constrained decoding with xgrammar (the default structured-output backend of vLLM and SGLang).
+
+Pieces, as in vLLM v1 (``vllm/v1/structured_output``):
+
+- ``grammar_of(spec)``: ``StructuredOutputsParams`` → ``xgrammar.Grammar`` (the cheap
+  conversion; it raises ``ValueError`` naming the field on an invalid or unsupported schema,
+  regex or grammar, so bad input is refused before the request is queued).
+- ``StructuredOutputManager``: one per engine; owns the ``TokenizerInfo`` (built from the HF
+  ``tokenizers`` vocabulary, byte-fallback and byte-level BPE alike, sized to the model's logits),
+  a ``GrammarCompiler`` and a thread pool. Each distinct spec is compiled once (an LRU cache of
+  futures, cachetools) off the step loop: a request whose grammar is still compiling waits and
+  the scheduler skips it without stalling the others.
+- ``StructuredOutputRequest``: lives on the ``Request`` (``request.structured_output``); holds
+  the ``GrammarMatcher``, which advances with every sampled token. The request keeps its output
+  tokens across preemption, so the matcher (kept on the request) stays in step with them.
+
+The model runner asks each constrained row of a batch for its token bitmask and applies it to
+that row only (``apply_bitmask``); unconstrained rows are untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import cachetools
+import torch
+import xgrammar as xgr
+from prefixgate.engine.sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+# JSON is generated without free whitespace (compact ", " / ": " separators): a model that
+# never saw JSON would otherwise spend its tokens on spaces and newlines (vLLM's
+# ``disable_any_whitespace``).
+_JSON_OPTIONS: dict[str, Any] = {"any_whitespace": False, "strict_mode": True}
+
+
+def grammar_of(spec: StructuredOutputsParams) -> xgr.Grammar:
+    """Convert a constraint to an ``xgrammar.Grammar`` (no tokenizer needed).
+
+    Raises:
+        ValueError: an invalid JSON schema, a schema feature xgrammar does not support, an
+            invalid regex or EBNF grammar; the message starts with the field
+            (``structured_outputs.json`` ...).
+    """
+    kind = spec.kind
+    try:
+        if kind == "json":
+            schema = spec.json
+            if isinstance(schema, dict):
+                _check_schema(schema)
+            return xgr.Grammar.from_json_schema(
+                schema if isinstance(schema, dict) else {}, **_JSON_OPTIONS
+            )
+        if kind == "json_object":
+            return xgr.Grammar.from_json_schema({"type": "object"}, **_JSON_OPTIONS)
+        if kind == "regex":
+            return xgr.Grammar.from_regex(spec.regex)
+        if kind == "choice":
+            return xgr.Grammar.from_ebnf(
+                "root ::= " + " | ".join(_ebnf_string(c) for c in spec.choice)
+            )
+        return xgr.Grammar.from_ebnf(spec.grammar)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"structured_outputs.{kind}: {msg[:300]}") from None
+
+
+def _check_schema(schema: dict[str, Any]) -> None:
+    """Validate a JSON schema against its metaschema (jsonschema), so a malformed schema is a
+    clear error rather than a grammar that allows something else."""
+    import jsonschema  # noqa: PLC0415 - only needed for JSON schemas
+
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    try:
+        cls.check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        path = "/".join(str(p) for p in exc.path)
+        where = f" at {path}" if path else ""
+        raise ValueError(f"invalid JSON schema{where}: {exc.message[:200]}") from None
+    found = unsupported_schema_feature(schema)
+    if found is not None:
+        raise ValueError(f"unsupported JSON schema feature {found}")
+
+
+# JSON-schema keywords xgrammar 0.2 does not enforce (it would accept output that violates
+# them): refused by name rather than silently ignored (vLLM refuses the same kind).
+UNSUPPORTED_SCHEMA_KEYWORDS = frozenset(
+    {
+        "not",
+        "if",
+        "then",
+        "else",
+        "dependentSchemas",
+        "dependentRequired",
+        "dependencies",
+        "uniqueItems",
+        "contains",
+        "minContains",
+        "maxContains",
+        "patternProperties",
+        "propertyNames",
+        "unevaluatedProperties",
+        "unevaluatedItems",
+    }
+)
+
+
+def unsupported_schema_feature(schema: Any, path: str = "#") -> str | None:
+    """The first keyword of ``schema`` (walked through its subschemas) that the grammar would
+    not enforce, as ``"<path>: <keyword>"``, or ``None``. ``allOf`` is enforced only with one
+    member."""
+    if not isinstance(schema, dict):
+        return None
+    for key in schema:
+        if key in UNSUPPORTED_SCHEMA_KEYWORDS:
+            return f"{path}: {key}"
+    all_of = schema.get("allOf")
+    if isinstance(all_of, list) and len(all_of) > 1:
+        return f"{path}: allOf with more than one schema"
+    subs: list[tuple[str, Any]] = []
+    for key in ("properties", "$defs", "definitions"):
+        value = schema.get(key)
+        if isinstance(value, dict):
+            subs += [(f"{path}/{key}/{name}", sub) for name, sub in value.items()]
+    for key in ("items", "additionalProperties", "additionalItems"):
+        if isinstance(schema.get(key), dict):
+            subs.append((f"{path}/{key}", schema[key]))
+    for key in ("prefixItems", "anyOf", "oneOf", "allOf", "items"):
+        value = schema.get(key)
+        if isinstance(value, list):
+            subs += [(f"{path}/{key}/{i}", sub) for i, sub in enumerate(value)]
+    for sub_path, sub in subs:
+        found = unsupported_schema_feature(sub, sub_path)
+        if found is not None:
+            return found
+    return None
+
+
+def _ebnf_string(text: str) -> str:
+    """An EBNF string literal matching ``text`` exactly."""
+    out = ['"']
+    for ch in text:
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif ch == "\n":
+            out.append("\\n")
+        elif ch == "\r":
+            out.append("\\r")
+        elif ch == "\t":
+            out.append("\\t")
+        elif ord(ch) < 0x20:
+            out.append(f"\\x{ord(ch):02x}")
+        else:
+            out.append(ch)
+    out.append('"')
+    return "".join(out)
+
+
+def tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> xgr.TokenizerInfo:
+    """xgrammar's view of a ``prefixgate.engine.tokenizer.Tokenizer`` (HF ``tokenizers``).
+
+    Args:
+        tokenizer: the engine tokenizer (its ``_tok`` is a ``tokenizers.Tokenizer``).
+        vocab_size: the model's logits width (may exceed the tokenizer's vocabulary when the
+            embedding is padded; the extra ids are never allowed).
+        stop_token_ids: the ids that end generation (EOS); the grammar allows them only where
+            the constrained text is complete.
+
+    The vocabulary type (byte fallback ``<0x..>`` as Llama 2, or byte-level BPE as GPT-2 /
+    Qwen / SmolLM2) and ``add_prefix_space`` come from the ``tokenizer.json`` metadata, checked
+    against the vocabulary itself, as ``xgrammar.TokenizerInfo.from_huggingface`` does.
+    """
+    hf = tokenizer._tok
+    vocab = hf.get_vocab(with_added_tokens=True)
+    size = max(vocab_size, max(vocab.values()) + 1)
+    encoded: list[str] = [""] * size
+    for token, idx in vocab.items():
+        encoded[idx] = token
+    metadata = xgr.TokenizerInfo._detect_metadata_from_hf(hf.to_str())
+    from_vocab = xgr.TokenizerInfo._detect_vocab_type_from_vocab(vocab)
+    if from_vocab is not None and from_vocab != metadata["vocab_type"]:
+        metadata["vocab_type"] = from_vocab
+    return xgr.TokenizerInfo(
+        encoded[:vocab_size] if vocab_size < size else encoded,
+        vocab_type=metadata["vocab_type"],
+        vocab_size=vocab_size,
+        stop_token_ids=sorted(stop_token_ids) or None,
+        add_prefix_space=metadata["add_prefix_space"],
+    )
+
+
+class StructuredOutputRequest:
+    """A request's grammar: the compiled grammar (a future) and its matcher.
+
+    Attributes:
+        spec: the request's constraint.
+        future: resolves to the ``xgrammar.CompiledGrammar``.
+        matcher: the ``GrammarMatcher`` once the grammar is ready (``None`` before).
+        rejected: a sampled token the grammar did not accept (the request must fail).
+    """
+
+    __slots__ = ("spec", "future", "matcher", "rejected", "_stop_ids")
+
+    def __init__(
+        self, spec: StructuredOutputsParams, future: Future, stop_token_ids: list[int]
+    ) -> None:
+        self.spec = spec
+        self.future = future
+        self.matcher: xgr.GrammarMatcher | None = None
+        self.rejected: int | None = None
+        self._stop_ids = stop_token_ids
+
+    @property
+    def ready(self) -> bool:
+        """True once the grammar compiled (creates the matcher); False while compiling or
+        after a failed compilation (see ``error``)."""
+        if self.matcher is not None:
+            return True
+        if not self.future.done() or self.future.exception() is not None:
+            return False
+        self.matcher = xgr.GrammarMatcher(
+            self.future.result(), override_stop_tokens=self._stop_ids or None
+        )
+        return True
+
+    @property
+    def error(self) -> BaseException | None:
+        """The compilation error, if compiling failed."""
+        if self.future.done():
+            return self.future.exception()
+        return None
+
+    @property
+    def terminated(self) -> bool:
+        """True when the matcher accepted a stop token (the constrained text is complete)."""
+        return self.matcher is not None and self.matcher.is_terminated()
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into ``bitmask[row]`` (``[B, ceil(V/32)]`` int32)."""
+        assert self.matcher is not None, "grammar not compiled yet"
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token_id: int) -> None:
+        """Advance the matcher by one sampled token (records a rejected one)."""
+        if self.matcher is None or self.matcher.is_terminated():
+            return
+        if not self.matcher.accept_token(token_id):
+            self.rejected = token_id
+
+
+class StructuredOutputManager:
+    """Compiles constraints for one engine: once per distinct spec, off the step loop.
+
+    Args:
+        tokenizer: the engine tokenizer.
+        vocab_size: the model's logits width.
+        stop_token_ids: the model's EOS ids.
+        cache_size: compiled grammars kept (LRU).
+        max_workers: compiler threads.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: list[int],
+        cache_size: int = 256,
+        max_workers: int = 2,
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.stop_token_ids = sorted(stop_token_ids)
+        self._tokenizer = tokenizer
+        self._compiler: xgr.GrammarCompiler | None = None
+        self._init_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._cache: cachetools.LRUCache[str, Future] = cachetools.LRUCache(cache_size)
+        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="prefixgate-grammar")
+        self.num_compiled = 0  # compilations started (cache misses)
+
+    def _get_compiler(self) -> xgr.GrammarCompiler:
+        with self._init_lock:
+            if self._compiler is None:
+                info = tokenizer_info(self._tokenizer, self.vocab_size, self.stop_token_ids)
+                # the compiler's own cache is off: ours (keyed by spec) is the one that counts
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            return self._compiler
+
+    def validate(self, spec: StructuredOutputsParams) -> None:
+        """Raise ``ValueError`` naming the field when ``spec`` cannot compile (cheap: a spec
+        already in the cache was valid)."""
+        with self._lock:
+            if spec.key() in self._cache:
+                return
+        grammar_of(spec)
+
+    def request(self, spec: StructuredOutputsParams) -> StructuredOutputRequest:
+        """The grammar state for a new request; starts the compilation unless it is cached."""
+        key = spec.key()
+        with self._lock:
+            fut = self._cache.get(key)
+            if fut is None or (fut.done() and fut.exception() is not None):
+                fut = self._pool.submit(self._compile, spec)
+                self._cache[key] = fut
+                self.num_compiled += 1
+        return StructuredOutputRequest(spec, fut, self.stop_token_ids)
+
+    def _compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        return self._get_compiler().compile_grammar(grammar_of(spec))
+
+    def apply_bitmask(
+        self, logits: torch.Tensor, rows: list[int], grammars: list[StructuredOutputRequest]
+    ) -> None:
+        """Mask, in place, every token the grammar forbids in ``logits[rows[i]]``.
+
+        Args:
+            logits: ``[B, V]`` float32 logits of the batch.
+            rows: indices of the constrained rows.
+            grammars: their grammar states (ready), same order.
+        """
+        if not rows:
+            return
+        width = logits.shape[1]
+        bitmask = xgr.allocate_token_bitmask(len(rows), width)
+        for i, g in enumerate(grammars):
+            g.fill_bitmask(bitmask, i)
+        sub = logits[rows] if len(rows) != logits.shape[0] else logits
+        xgr.apply_token_bitmask_inplace(sub, bitmask.to(logits.device), vocab_size=width)
+        if sub is not logits:
+            logits[rows] = sub
+
+    def shutdown(self) -> None:
+        """Stop the compiler threads (pending compilations are cancelled)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
