@@ -101,7 +101,11 @@ def test_choice_and_regex(llm, pool_whole):
 def test_grammar_ebnf_and_ignore_eos_still_stops(llm, pool_whole):
     grammar = 'root ::= "(" digit ("," digit){0,3} ")"\ndigit ::= [0-9]'
     params = SamplingParams(
-        temperature=1.0, seed=3, max_tokens=60, ignore_eos=True, structured_outputs=SO(grammar=grammar)
+        temperature=1.0,
+        seed=3,
+        max_tokens=60,
+        ignore_eos=True,
+        structured_outputs=SO(grammar=grammar),
     )
     out = llm.generate(["Count"], params)[0].outputs[0]
     assert out.finish_reason == "stop", out
@@ -143,9 +147,10 @@ def test_grammar_survives_preemption(aidreams_path, prefix_caching, pool_whole):
     """So few KV blocks that requests are preempted and recomputed: the constrained (seeded)
     outputs equal those of an ample cache and still validate."""
     prompts = ["Tell me a story about the sea"] * 12
-    params = _sampled(SO(json=SCHEMA), 8) + [
-        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    ] * 4
+    params = (
+        _sampled(SO(json=SCHEMA), 8)
+        + [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)] * 4
+    )
     ample = LLM(aidreams_path, block_size=16, num_kv_blocks=256, max_num_seqs=16)
     want = [o.outputs[0] for o in ample.generate(prompts, params)]
     small = LLM(
