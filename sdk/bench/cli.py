@@ -20,7 +20,16 @@ from prefixgate.sdk.bench.compare import (
     add_compare_args,
     run_compare,
 )
-from prefixgate.sdk.bench.workload import load_workload
+from prefixgate.sdk.bench.fit import FitResult, WorkloadDoesNotFitError, fit_to_context
+from prefixgate.sdk.bench.loadgen import (
+    LoadConfig,
+    LoadResult,
+    make_client,
+    resolve_model,
+    root_url,
+    run_load,
+)
+from prefixgate.sdk.bench.workload import BenchRequest, load_workload
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -48,6 +57,14 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         default=os.environ.get("PREFIXGATE_API_KEY"),
         help="bearer key (default $PREFIXGATE_API_KEY)",
     )
+    serve.add_argument(
+        "--no-fit",
+        action="store_true",
+        help="send the workload as it is; by default requests are fitted to the model's context "
+        "(max_model_len of GET /v1/models, prompt tokens from POST /tokenize): a prompt that "
+        "fills it is dropped, a max_tokens that overruns it is lowered, and the run is refused "
+        "in one line when no prompt fits",
+    )
     add_workload_args(serve, num_requests=64, output_len="64")
     serve.set_defaults(func=run_serve)
 
@@ -69,7 +86,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 def run_serve(args: argparse.Namespace) -> int:
     """``bench serve``: run the load, print the table, write JSON/plot; exit 0 unless all failed."""
-    from prefixgate.sdk.bench.loadgen import LoadConfig, run_load
+    from prefixgate.sdk.bench.loadgen import LoadConfig
     from prefixgate.sdk.bench.stats import print_table, summary_rows
 
     try:
@@ -91,10 +108,14 @@ def run_serve(args: argparse.Namespace) -> int:
     from prefixgate.sdk import APIError
 
     try:
-        result = asyncio.run(run_load(requests, cfg))
+        fit, result = asyncio.run(_fit_and_run(requests, cfg, fit=not args.no_fit))
+    except WorkloadDoesNotFitError as exc:
+        print(f"prefixgate bench serve: {exc}", file=sys.stderr)
+        return 2
     except (APIError, ValueError) as exc:  # e.g. the server is down while listing its models
         print(f"prefixgate bench serve: {args.base_url}: {exc}", file=sys.stderr)
         return 1
+    requests = fit.requests
     summary = result.summary()
     load = f"rate {args.rate} req/s" if args.rate else "all at once"
     if args.concurrency:
@@ -114,6 +135,12 @@ def run_serve(args: argparse.Namespace) -> int:
                 "num_requests": len(requests),
             },
             "workload": workload_doc(wl, args),
+            "fit": {
+                "context": fit.context,
+                "dropped": fit.dropped,
+                "shortened": fit.shortened,
+                "note": fit.note,
+            },
             "summary": summary,
             "requests": [r.to_dict() for r in result.results],
         }
@@ -123,3 +150,29 @@ def run_serve(args: argparse.Namespace) -> int:
 
         plot_run(result.results, args.plot, title=f"bench serve: {args.base_url}")
     return 0 if summary["completed"] else 1
+
+
+async def _fit_and_run(
+    requests: list[BenchRequest], cfg: LoadConfig, *, fit: bool
+) -> tuple[FitResult, LoadResult]:
+    """Resolve the model, fit ``requests`` to its context (unless ``fit`` is False), send them.
+
+    Raises:
+        WorkloadDoesNotFitError: no prompt fits (nothing was sent).
+        prefixgate.sdk.APIError, ValueError: as :func:`run_load`.
+    """
+    client = make_client(cfg, max_concurrency=1)
+    try:
+        cfg.model = await resolve_model(client, cfg.model)
+    finally:
+        await client.close()
+    if fit:
+        fitted = await fit_to_context(
+            requests, root_url(cfg.base_url), cfg.model, cfg.api_key, min(cfg.timeout_s, 60.0)
+        )
+    else:
+        fitted = FitResult(list(requests), note=None)
+    line = fitted.describe()
+    if line:
+        print(f"prefixgate bench serve: {line}", file=sys.stderr)
+    return fitted, await run_load(fitted.requests, cfg)

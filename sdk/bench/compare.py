@@ -40,7 +40,7 @@ from prefixgate.sdk.bench.targets import (
 )
 from prefixgate.sdk.bench.workload import BenchRequest, load_workload
 
-# The issue-7 demonstration on a 2-core CPU with the SmolLM2-135M-shaped dummy model, sized so
+# The compare demonstration on a 2-core CPU with the SmolLM2-135M-shaped dummy model, sized so
 # one run of the four targets takes minutes: 40 requests from 32 concurrent users (a second
 # wave of 8 arrives as the first finish: what continuous batching is for), one system prompt
 # of 710-760 characters (716-720 in the full CSV) with user tasks of at most 65 characters (43

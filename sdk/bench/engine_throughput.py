@@ -1,4 +1,4 @@
-"""Engine throughput and host overhead (issue 2's benchmark).
+"""Engine throughput and host overhead.
 
 Runs N requests (default 32 and 128) through ``LLM`` on the SmolLM2-135M-shaped config with
 dummy weights, real user tasks as prompts (cut to ``--prompt-len`` tokens) and a fixed output

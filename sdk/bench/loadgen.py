@@ -77,12 +77,15 @@ def root_url(base_url: str) -> str:
 
 
 def error_kind(exc: BaseException) -> str:
-    """A short kind for the error table: the class name, with the HTTP status when known."""
+    """A short kind for the error table: the class name with the HTTP status and the OpenAI
+    error ``code`` when known, e.g. ``"BadRequestError(400, context_length_exceeded)"``."""
     status = getattr(exc, "status_code", None)
     if status is None:
         status = getattr(getattr(exc, "response", None), "status_code", None)
+    code = getattr(exc, "code", None)
+    detail = ", ".join(str(x) for x in (status, code) if x is not None)
     name = type(exc).__name__
-    return f"{name}({status})" if status is not None else name
+    return f"{name}({detail})" if detail else name
 
 
 def _usage_fields(usage: Any) -> tuple[int | None, int | None, int | None]:

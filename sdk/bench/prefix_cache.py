@@ -1,4 +1,4 @@
-"""Prefix caching: TTFT and KV blocks with a shared system prompt (issue 3's benchmark).
+"""Prefix caching: TTFT and KV blocks with a shared system prompt.
 
 Requests are a 1,024-token system prompt (real system prompts from the workload CSV, joined and
 cut to exactly 1,024 tokens = 64 blocks of 16) followed by a 64-token user turn (real user tasks).

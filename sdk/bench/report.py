@@ -1,4 +1,4 @@
-"""Results of ``bench compare``: ratios against (a), the issue-7 checks, the printed table."""
+"""Results of ``bench compare``: ratios against (a), the compare targets' checks, the printed table."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def ratios(summaries: dict[str, dict]) -> dict[str, dict[str, float | None]]:
 
 
 def checks(summaries: dict[str, dict]) -> list[dict]:
-    """The issue-7 claims, evaluated on this run where the targets exist.
+    """The compare targets (the claims this benchmark exists to check), evaluated on this run where the targets exist.
 
     (a) vs (d): >= 3x output tokens/s and <= 1/5 of p99 TTFT; (a) vs (b): mean TTFT >= 80 %
     lower; (a) vs (c): higher output tokens/s and lower p99 TTFT.

@@ -114,7 +114,8 @@ def summarize(results: list[RequestResult], duration_s: float) -> dict:
         ``request_throughput`` (completed requests/s), ``output_throughput`` (output tokens/s
         of completed requests), ``total_output_tokens``, ``total_prompt_tokens``,
         ``total_cached_tokens``, ``cached_token_share`` (``None`` without usage) and
-        ``errors`` (kind → count).
+        ``errors`` (kind → count) and ``error_messages`` (kind → the first such error's
+        message: the reason, e.g. the context length it exceeded).
     """
     done = [r for r in results if r.ok]
     failed = [r for r in results if not r.ok]
@@ -138,7 +139,16 @@ def summarize(results: list[RequestResult], duration_s: float) -> dict:
         "total_cached_tokens": cached,
         "cached_token_share": cached / prompt_tokens if prompt_tokens else None,
         "errors": dict(Counter(r.error or "unknown" for r in failed)),
+        "error_messages": first_messages(failed),
     }
+
+
+def first_messages(failed: list[RequestResult]) -> dict[str, str]:
+    """Error kind → the message of its first failed request (``""`` when it had none)."""
+    out: dict[str, str] = {}
+    for r in failed:
+        out.setdefault(r.error or "unknown", r.error_message or "")
+    return out
 
 
 # The figures a table or a comparison shows: (label, path in the summary, unit, higher_is_better).
@@ -232,4 +242,12 @@ def summary_rows(summary: dict) -> list[list[str]]:
         rows.append([f"{label} ({unit})" if unit else label, fmt(lookup(summary, path), unit)])
     if summary.get("errors"):
         rows.append(["errors", ", ".join(f"{k}: {v}" for k, v in summary["errors"].items())])
+        for kind, message in (summary.get("error_messages") or {}).items():
+            if message:
+                rows.append([f"  {kind}", _clip(message, 160)])
     return rows
+
+
+def _clip(text: str, n: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= n else text[: n - 1] + "…"

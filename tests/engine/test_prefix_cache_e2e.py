@@ -1,4 +1,4 @@
-"""Prefix caching through the public APIs (LLM, AsyncEngine) on aidreams-260k (issue 3).
+"""Prefix caching through the public APIs (LLM, AsyncEngine) on aidreams-260k.
 
 Greedy tokens with ``enable_prefix_caching`` on equal those with it off for every shape of
 reuse (a prefix of exactly k blocks, k blocks + a partial block, the whole prompt repeated, a

@@ -3,6 +3,8 @@
 It streams ``max_tokens`` content chunks ``token_delay_s`` apart after ``ttft_s``, ends with a
 usage chunk when ``stream_options.include_usage`` is set (``cached_tokens`` = half the prompt
 tokens from the second request on), and answers 429 to every ``fail_every``-th request.
+A prompt's tokens are its messages' characters. With ``max_model_len`` set, the model card
+says it and ``POST /tokenize`` counts prompts (``tokenize=False``: no such route).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ class StubServer:
     ttft_s: float = 0.02
     token_delay_s: float = 0.002
     fail_every: int = 0
+    max_model_len: int | None = None
+    tokenize: bool = True
     seen: list[dict] = field(default_factory=list)
     max_in_flight: int = 0
     port: int = 0
@@ -92,9 +96,17 @@ class StubServer:
             self._in_flight -= 1
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response(
-            {"object": "list", "data": [{"id": "stub-model", "object": "model"}]}
-        )
+        card: dict = {"id": "stub-model", "object": "model"}
+        if self.max_model_len is not None:
+            card["max_model_len"] = self.max_model_len
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        if not self.tokenize:
+            raise web.HTTPNotFound()
+        body = await request.json()
+        count = sum(len(m["content"]) for m in body["messages"])
+        return web.json_response({"count": count, "max_model_len": self.max_model_len})
 
     def start(self) -> StubServer:
         ready = threading.Event()
@@ -104,6 +116,7 @@ class StubServer:
             app = web.Application()
             app.router.add_post("/v1/chat/completions", self._chat)
             app.router.add_get("/v1/models", self._models)
+            app.router.add_post("/tokenize", self._tokenize)
             app.router.add_get("/health", lambda r: web.json_response({"ok": True}))
             self._runner = web.AppRunner(app)
             self._loop.run_until_complete(self._runner.setup())

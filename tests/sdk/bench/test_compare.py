@@ -1,4 +1,4 @@
-"""``bench compare``: ratios, the issue-7 checks, target commands, and a real run of (d) + (e)."""
+"""``bench compare``: ratios, the compare targets' checks, target commands, and a real run of (d) + (e)."""
 
 from __future__ import annotations
 
@@ -164,7 +164,7 @@ def test_a_server_that_fails_is_reported(tmp_path):
     assert "summary" not in info and Path(info["log"]).exists()
 
 
-def test_compare_defaults_are_the_issue7_demo(workloads_path):
+def test_compare_defaults_are_the_cpu_demo(workloads_path):
     from prefixgate.sdk.bench.cli import workload_from_args
     from prefixgate.sdk.bench.workload import load_workload
 
