@@ -1,16 +1,31 @@
 """prefixgate.engine: paged-KV LLM engine with prefix caching (offline ``LLM``, ``AsyncEngine``).
 
 Never imported by ``prefixgate.sdk`` (the SDK installs without torch).
+
+The package is lazy (PEP 562 module ``__getattr__``, as vLLM's ``vllm/__init__.py``): importing
+``prefixgate.engine`` or its torch-free modules (``sampling_params``, ``outputs``, ``errors``,
+``config``, ``protocol``) loads no torch, so the gateway in proxy mode runs without it. A name
+below is imported on first use (``from prefixgate.engine import AsyncEngine`` loads torch then).
 """
 
-from prefixgate.engine.async_engine import AsyncEngine, EngineDeadError
-from prefixgate.engine.config import EngineConfig
-from prefixgate.engine.errors import PinLimitError
-from prefixgate.engine.kv_cache_manager import PrefixPin
-from prefixgate.engine.llm import LLM
-from prefixgate.engine.llm_engine import LLMEngine
-from prefixgate.engine.outputs import CompletionOutput, RequestOutput
-from prefixgate.engine.sampling_params import SamplingParams
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Public name -> the module that defines it.
+_LAZY = {
+    "LLM": "prefixgate.engine.llm",
+    "AsyncEngine": "prefixgate.engine.async_engine",
+    "CompletionOutput": "prefixgate.engine.outputs",
+    "EngineConfig": "prefixgate.engine.config",
+    "EngineDeadError": "prefixgate.engine.errors",
+    "LLMEngine": "prefixgate.engine.llm_engine",
+    "PinLimitError": "prefixgate.engine.errors",
+    "PrefixPin": "prefixgate.engine.kv_cache_manager",
+    "RequestOutput": "prefixgate.engine.outputs",
+    "SamplingParams": "prefixgate.engine.sampling_params",
+}
 
 __all__ = [
     "LLM",
@@ -24,3 +39,26 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
 ]
+
+if TYPE_CHECKING:
+    from prefixgate.engine.async_engine import AsyncEngine
+    from prefixgate.engine.config import EngineConfig
+    from prefixgate.engine.errors import EngineDeadError, PinLimitError
+    from prefixgate.engine.kv_cache_manager import PrefixPin
+    from prefixgate.engine.llm import LLM
+    from prefixgate.engine.llm_engine import LLMEngine
+    from prefixgate.engine.outputs import CompletionOutput, RequestOutput
+    from prefixgate.engine.sampling_params import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

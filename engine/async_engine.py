@@ -23,15 +23,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefixgate.engine.config import EngineConfig
+from prefixgate.engine.errors import EngineDeadError
 from prefixgate.engine.llm_engine import LLMEngine, PinJob, PreparedRequest
 from prefixgate.engine.outputs import RequestOutput
 from prefixgate.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine was shut down while the request was in flight."""
 
 
 @dataclass(slots=True, eq=False)

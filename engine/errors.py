@@ -18,3 +18,8 @@ class CacheCapacityError(ValueError):
 
 class PrefixCachingDisabledError(ValueError):
     """A prefix-cache operation (e.g. ``pin``) was asked of an engine with prefix caching off."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine was shut down (or its step loop died) while the request was in flight, or a
+    call came after ``shutdown()``."""

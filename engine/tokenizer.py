@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -235,6 +235,28 @@ class Tokenizer:
     def chat_template(self) -> str | None:
         """The default chat template source, or ``None`` when the tokenizer has none."""
         return self.chat_templates.get("default")
+
+    @overload
+    def apply_chat_template(
+        self,
+        messages: list[Message],
+        add_generation_prompt: bool = True,
+        *,
+        tokenize: Literal[False] = False,
+        chat_template: str | None = None,
+        **kwargs: Any,
+    ) -> str: ...
+
+    @overload
+    def apply_chat_template(
+        self,
+        messages: list[Message],
+        add_generation_prompt: bool = True,
+        *,
+        tokenize: Literal[True],
+        chat_template: str | None = None,
+        **kwargs: Any,
+    ) -> list[int]: ...
 
     def apply_chat_template(
         self,

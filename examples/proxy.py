@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 
-from prefixgate.gateway.app import create_app
+from prefixgate.gateway.app import create_proxy_app
 from prefixgate.gateway.server import start_server
 from prefixgate.sdk import AsyncClient
 
@@ -46,7 +46,7 @@ async def ask(base_url: str) -> tuple[str, str]:
 
 
 async def main() -> None:
-    proxy = await start_server(create_app([UPSTREAM]), host="127.0.0.1", port=0)
+    proxy = await start_server(create_proxy_app([UPSTREAM]), host="127.0.0.1", port=0)
     try:
         print(f"proxy {proxy.url} -> upstream {UPSTREAM}")
         direct = await ask(UPSTREAM)

@@ -221,7 +221,7 @@ class KeyRing:
             seen = self._by_digest.get(digest)
             if seen is not None and seen.spec != spec:
                 raise ValueError(
-                    f"duplicate API key in the configured keys ({seen.spec.name!r} "
+                    f"duplicate API key in the configured keys ({spec_name(seen.spec)!r} "
                     f"and {spec.name!r}) with different limits or salt"
                 )
             self._by_digest[digest] = Principal(spec)
@@ -293,3 +293,8 @@ def load_keys_file(path: str) -> list[KeySpec]:
         except ValueError as exc:
             raise ValueError(f"keys file {path}: entry {i}: {exc}") from None
     return specs
+
+
+def spec_name(spec: KeySpec | None) -> str:
+    """The key's display name (``""`` for the anonymous caller of an open gateway)."""
+    return spec.name if spec is not None else ""

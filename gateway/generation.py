@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Any
 
+from prefixgate.engine.outputs import TokenLogprobs
+from prefixgate.engine.protocol import EngineClient
 from prefixgate.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("prefixgate.gateway")
@@ -34,7 +35,7 @@ class Delta:
     delta_text: str
     num_tokens: int
     new_tokens: int
-    logprobs: list | None
+    logprobs: list[TokenLogprobs] | None
     finish_reason: str | None
     num_cached_tokens: int
 
@@ -70,7 +71,7 @@ class ChoiceRun:
     is re-raised from ``next``.
     """
 
-    def __init__(self, engine: Any, choices: list[Choice], cache_salt: str | None) -> None:
+    def __init__(self, engine: EngineClient, choices: list[Choice], cache_salt: str | None) -> None:
         self._engine = engine
         self.choices = choices
         self._salt = cache_salt

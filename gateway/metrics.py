@@ -201,8 +201,8 @@ class GatewayMetrics:
     def bind_upstreams(self, upstreams: Any) -> None:
         """Read each upstream's health and in-flight count at scrape time."""
         for up in upstreams:
-            self.upstream_healthy.labels(up.url).set_function(lambda up=up: float(up.healthy))
-            self.upstream_in_flight.labels(up.url).set_function(lambda up=up: up.in_flight)
+            self.upstream_healthy.labels(up.url).set_function(_reader(up, "healthy"))
+            self.upstream_in_flight.labels(up.url).set_function(_reader(up, "in_flight"))
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
@@ -213,3 +213,8 @@ class GatewayMetrics:
         t0, g0 = self._marks[0]
         self.tokens_per_s.set((self._generated - g0) / (now - t0) if now > t0 else 0.0)
         return generate_latest(self.registry)
+
+
+def _reader(obj: object, attr: str) -> Callable[[], float]:
+    """A gauge's function: ``obj.attr`` as a float, read at scrape time."""
+    return lambda: float(getattr(obj, attr))

@@ -27,6 +27,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from prefixgate.engine.errors import PinLimitError
+from prefixgate.engine.protocol import EngineClient, PinHandle
 from prefixgate.gateway.errors import APIError, not_found, shown
 
 
@@ -51,7 +53,7 @@ class PrefixEntry:
     created_at: int
     expires_at: float
     salt: str | None
-    pin: Any
+    pin: PinHandle
 
     def public(self, model: str) -> dict[str, Any]:
         """The prefix object returned by the API."""
@@ -65,21 +67,18 @@ class PrefixEntry:
         }
 
 
-def _is_pin_limit(exc: BaseException) -> bool:
-    """True for the engine's ``PinLimitError`` (matched by name too, for stand-in engines)."""
-    return any(cls.__name__ == "PinLimitError" for cls in type(exc).__mro__)
-
-
 class PrefixRegistry:
     """Prefixes by id over ``engine.pin_prefix`` / ``engine.unpin_prefix``.
 
     Args:
-        engine: the AsyncEngine (or anything with its pin API).
+        engine: the engine (its ``pin_prefix`` / ``unpin_prefix``).
         max_ttl_s: longest ``ttl_seconds`` accepted (seconds).
         max_prefixes: most live prefixes (over it: 429).
     """
 
-    def __init__(self, engine: Any, max_ttl_s: float = 86_400.0, max_prefixes: int = 1024) -> None:
+    def __init__(
+        self, engine: EngineClient, max_ttl_s: float = 86_400.0, max_prefixes: int = 1024
+    ) -> None:
         self._engine = engine
         self.max_ttl_s = max_ttl_s
         self.max_prefixes = max_prefixes
@@ -134,7 +133,7 @@ class PrefixRegistry:
             job.add_done_callback(self._release_orphan)  # the caller is gone: unpin on landing
             raise
         except ValueError as exc:
-            if _is_pin_limit(exc):
+            if isinstance(exc, PinLimitError):
                 raise APIError(
                     429,
                     f"pinned prefix space is full: {exc}. Delete a prefix or wait for one to expire",

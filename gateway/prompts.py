@@ -20,12 +20,13 @@ import asyncio
 import random
 from typing import Any
 
+from prefixgate.engine.protocol import TokenizerLike
 from prefixgate.engine.sampling_params import SamplingParams
 from prefixgate.gateway.errors import APIError, bad_request
 
 
 async def render_chat(
-    tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    tokenizer: TokenizerLike, messages: list[dict[str, str]], add_generation_prompt: bool = True
 ) -> list[int]:
     """Token ids of ``messages`` rendered with the chat template (in a worker thread).
 
@@ -36,7 +37,7 @@ async def render_chat(
 
 
 def _render_chat(
-    tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool
+    tokenizer: TokenizerLike, messages: list[dict[str, str]], add_generation_prompt: bool
 ) -> list[int]:
     try:
         return list(tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt))
@@ -46,15 +47,14 @@ def _render_chat(
         ) from None
 
 
-def _encode(tokenizer: Any, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
-    """``encode`` of each text; ``encode_batch`` when the tokenizer has one (GIL released)."""
-    batch = getattr(tokenizer, "encode_batch", None)
-    if batch is not None:
-        return [list(ids) for ids in batch(texts, add_special_tokens=add_special_tokens)]
-    return [tokenizer.encode(t, add_special_tokens=add_special_tokens) for t in texts]
+def _encode(
+    tokenizer: TokenizerLike, texts: list[str], add_special_tokens: bool
+) -> list[list[int]]:
+    """``encode_batch`` of the texts (Hugging Face ``tokenizers`` releases the GIL there)."""
+    return [list(ids) for ids in tokenizer.encode_batch(texts, add_special_tokens)]
 
 
-async def completion_prompts(tokenizer: Any, prompt: str | list) -> list[list[int]]:
+async def completion_prompts(tokenizer: TokenizerLike, prompt: str | list) -> list[list[int]]:
     """Token ids of each prompt of a completions request (one, or a batch; in a worker
     thread).
 
@@ -64,7 +64,7 @@ async def completion_prompts(tokenizer: Any, prompt: str | list) -> list[list[in
     return await asyncio.to_thread(_completion_prompts, tokenizer, prompt)
 
 
-def _completion_prompts(tokenizer: Any, prompt: str | list) -> list[list[int]]:
+def _completion_prompts(tokenizer: TokenizerLike, prompt: str | list) -> list[list[int]]:
     if isinstance(prompt, str):
         batch: list = [prompt]
     elif prompt and all(isinstance(p, int) for p in prompt):
@@ -73,7 +73,7 @@ def _completion_prompts(tokenizer: Any, prompt: str | list) -> list[list[int]]:
         batch = list(prompt)
     if not batch:
         raise bad_request("prompt must not be empty", param="prompt")
-    vocab = getattr(tokenizer, "vocab_size", None)
+    vocab = tokenizer.vocab_size
     if any(item == "" for item in batch):
         raise bad_request("prompt must not be empty", param="prompt")
     texts = [item for item in batch if isinstance(item, str)]
@@ -84,7 +84,7 @@ def _completion_prompts(tokenizer: Any, prompt: str | list) -> list[list[int]]:
             ids = next(encoded)
         else:
             ids = list(item)
-            if vocab is not None and any(t < 0 or t >= vocab for t in ids):
+            if any(t < 0 or t >= vocab for t in ids):
                 raise bad_request(f"prompt token ids must be in [0, {vocab})", param="prompt")
         if not ids:
             raise bad_request("prompt must not be empty", param="prompt")

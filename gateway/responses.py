@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from prefixgate.engine.outputs import TokenLogprobs
+from prefixgate.engine.protocol import TokenizerLike
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
@@ -35,7 +36,7 @@ class TokenTexts:
     text. Results are cached (token ids are few).
     """
 
-    def __init__(self, tokenizer: Any, max_cache: int = 1 << 16) -> None:
+    def __init__(self, tokenizer: TokenizerLike, max_cache: int = 1 << 16) -> None:
         self._tok = tokenizer
         self._anchor = list(tokenizer.encode("a", add_special_tokens=False)[-1:])
         self._anchor_text = tokenizer.decode(self._anchor, skip_special_tokens=False)

@@ -15,7 +15,9 @@ import uuid
 from typing import Any
 
 from aiohttp import web
+from prefixgate.engine.errors import EngineDeadError
 from prefixgate.gateway import responses as R
+from prefixgate.gateway.admission import Ticket
 from prefixgate.gateway.auth import effective_salt
 from prefixgate.gateway.errors import APIError, bad_request
 from prefixgate.gateway.generation import Choice, ChoiceRun, Delta
@@ -44,7 +46,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     st.check_model(req.model)
     messages = [m.as_dict() for m in req.messages]
     if req.prefix_id is not None:
-        messages = st.prefixes.get(req.prefix_id, principal.salt).messages + messages
+        messages = st.require_prefixes().get(req.prefix_id, principal.salt).messages + messages
     if not messages:
         raise bad_request("messages must hold at least one message", param="messages")
     ids = await render_chat(engine.tokenizer, messages)
@@ -118,7 +120,7 @@ def engine_error(exc: Exception) -> APIError:
         return exc
     if isinstance(exc, ValueError | TypeError):
         return bad_request(str(exc))
-    if type(exc).__name__ == "EngineDeadError":
+    if isinstance(exc, EngineDeadError):
         return APIError(
             503, "the engine is shutting down", code="engine_unavailable", retry_after=5.0
         )
@@ -149,26 +151,28 @@ class _Exchange:
         self.salt = effective_salt(principal.salt, req.cache_salt)
         self.created = int(time.time())
         self.model = st.model_name
+        self.engine = st.require_engine()
+        assert st.token_texts is not None  # set with the engine
         self.token_text = st.token_texts
         n = len(choices)
         self.text = [""] * n
         self.finish: list[str | None] = [None] * n
         self.num_tokens = [0] * n
         self.logprobs: list[list] = [[] for _ in range(n)]
-        self.cached = {}  # prompt index -> cached tokens (from its first choice)
+        self.cached: dict[int, int] = {}  # prompt index -> cached tokens (its first choice's)
         prompts = {c.prompt_index: len(c.prompt_token_ids) for c in choices}
         self.prompt_tokens = sum(prompts.values())
         self.num_prompts = len(prompts)
         self.t0 = time.monotonic()
         self.t_first: float | None = None
         self.t_first_choice = [0.0] * n
-        self.ticket = None
+        self.ticket: Ticket | None = None
 
     async def run(self) -> web.StreamResponse:
         st = self.st
         self.principal.acquire(self.prompt_tokens)
         try:
-            self.ticket = st.admission.admit(
+            ticket = self.ticket = st.admission.admit(
                 self.prompt_tokens,
                 len(self.choices),
                 param="n" if self.num_prompts == 1 else "prompt",
@@ -187,7 +191,7 @@ class _Exchange:
             status = str(resp.status)
             return resp
         finally:
-            self.ticket.done()
+            ticket.done()
             completion = sum(self.num_tokens)
             self.principal.release(completion)
             st.metrics.requests.labels(route, status).inc()
@@ -200,7 +204,8 @@ class _Exchange:
         now = time.monotonic()
         if self.t_first is None and d.new_tokens:
             self.t_first = now
-            self.ticket.started()
+            if self.ticket is not None:
+                self.ticket.started()
             self.st.metrics.ttft.observe(now - self.t0)
         if d.new_tokens and self.num_tokens[i] == 0:
             self.t_first_choice[i] = now
@@ -230,7 +235,7 @@ class _Exchange:
     # --- non-streaming --------------------------------------------------------------------
     async def _collect(self) -> web.StreamResponse:
         poll = self.st.settings.poll_s
-        async with ChoiceRun(self.st.engine, self.choices, self.salt) as run:
+        async with ChoiceRun(self.engine, self.choices, self.salt) as run:
             while run.pending:
                 try:
                     ev = await run.next(poll)
@@ -265,7 +270,7 @@ class _Exchange:
         keepalive = self.st.settings.keepalive_s
         with_usage = self.req.include_usage
         try:
-            async with ChoiceRun(self.st.engine, self.choices, self.salt) as run:
+            async with ChoiceRun(self.engine, self.choices, self.salt) as run:
                 # Errors before the first output (bad input the engine refused) stay HTTP errors.
                 first = None
                 while run.pending and first is None:

@@ -23,7 +23,7 @@ async def create_prefix(request: web.Request) -> web.Response:
     messages = [m.as_dict() for m in req.messages]
     ids = await render_chat(engine.tokenizer, messages, add_generation_prompt=False)
     check_length(len(ids), None, engine.max_model_len, "messages")
-    entry = await st.prefixes.create(
+    entry = await st.require_prefixes().create(
         messages,
         ids,
         req.ttl_seconds,
@@ -36,16 +36,16 @@ async def create_prefix(request: web.Request) -> web.Response:
 async def get_prefix(request: web.Request) -> web.Response:
     """GET /v1/prefixes/{id} → the prefix object; 404 when unknown or expired."""
     st = request.app[STATE]
-    st.require_engine()
+    prefixes = st.require_prefixes()
     principal = st.keys.authenticate(request)
-    entry = st.prefixes.get(request.match_info["prefix_id"], principal.salt)
+    entry = prefixes.get(request.match_info["prefix_id"], principal.salt)
     return web.json_response(entry.public(st.model_name))
 
 
 async def delete_prefix(request: web.Request) -> web.Response:
     """DELETE /v1/prefixes/{id} → ``{id, object: "prefix.deleted", deleted: true}``; 404 as GET."""
     st = request.app[STATE]
-    st.require_engine()
+    prefixes = st.require_prefixes()
     principal = st.keys.authenticate(request)
-    entry = st.prefixes.delete(request.match_info["prefix_id"], principal.salt)
+    entry = prefixes.delete(request.match_info["prefix_id"], principal.salt)
     return web.json_response({"id": entry.id, "object": "prefix.deleted", "deleted": True})

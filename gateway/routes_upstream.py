@@ -81,7 +81,9 @@ async def _forward(
     principal: Any,
 ) -> web.StreamResponse:
     router = st.router
+    assert router is not None  # upstream mode (create_proxy_app) sets it
     session = router.session
+    assert session is not None  # opened on the app's startup
     tried: list[Upstream] = []
     while True:
         up = router.pick(key, tried)

@@ -20,6 +20,7 @@ from pydantic import (
     ValidationInfo,
     field_validator,
 )
+from pydantic_core import ErrorDetails
 
 # NaN / Infinity (which JSON parsers accept as literals) are never valid values.
 _CONFIG = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
@@ -203,7 +204,7 @@ def parse(model: type[M], body: bytes) -> M:
         raise bad_request(f"{param}: {msg}" if param else msg, param=param) from None
 
 
-def _relevant_error(errors: list[dict]) -> dict:
+def _relevant_error(errors: list[ErrorDetails]) -> ErrorDetails:
     """The error to report: the first field's, and for a union field (``stop``, ``prompt``,
     ``content``) the error of the member that accepts the kind of value sent (a list of 100
     stop strings is "too long", not "not a string"), the deepest one, else the first."""

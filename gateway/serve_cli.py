@@ -246,7 +246,7 @@ async def serve(
     settings: GatewaySettings, config: Any, upstreams: list[str], host: str, port: int
 ) -> int:
     """Serve until SIGINT/SIGTERM. ``config`` is an EngineConfig (local) or None (upstreams)."""
-    from prefixgate.gateway.app import attach_engine, create_app
+    from prefixgate.gateway.app import attach_engine, create_app, create_proxy_app
     from prefixgate.gateway.server import start_server
 
     stop = asyncio.Event()
@@ -257,7 +257,7 @@ async def serve(
         except (NotImplementedError, RuntimeError):
             pass  # not the main thread / not supported: Ctrl-C raises KeyboardInterrupt
     try:
-        app = create_app(upstreams if upstreams else None, settings)
+        app = create_proxy_app(upstreams, settings) if upstreams else create_app(None, settings)
     except ValueError as exc:
         logger.error("bad option: %s", exc)
         return 2
@@ -273,9 +273,9 @@ async def serve(
     code = 0
     try:
         if upstreams:
-            logger.info(
-                "upstream mode: %s", ", ".join(u["url"] for u in app[STATE].router.describe())
-            )
+            router = app[STATE].router
+            assert router is not None  # create_proxy_app sets it
+            logger.info("upstream mode: %s", ", ".join(u["url"] for u in router.describe()))
         else:
             engine, code = await _load_engine(config, stop)
             if engine is not None:

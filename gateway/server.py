@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -93,9 +93,8 @@ class BackgroundServer:
         self.close()
 
     async def _start(self) -> None:
-        app = self._make_app()
-        if asyncio.iscoroutine(app):
-            app = await app
+        made = self._make_app()
+        app = made if isinstance(made, web.Application) else await made
         self.app = app
         self.server = await start_server(app, self._host, self._port)
 
@@ -104,7 +103,7 @@ class BackgroundServer:
         assert self.server is not None
         return self.server.url
 
-    def call(self, fn: Callable[[], Awaitable[Any]], timeout: float = 60) -> Any:
+    def call(self, fn: Callable[[], Coroutine[Any, Any, Any]], timeout: float = 60) -> Any:
         """Run ``fn()`` (a coroutine function) in the server's loop; return its result."""
         fut: Future = asyncio.run_coroutine_threadsafe(fn(), self.loop)
         return fut.result(timeout)

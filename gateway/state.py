@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from aiohttp import web
+from prefixgate.engine.protocol import EngineClient
 from prefixgate.gateway.admission import AdmissionConfig, AdmissionController
 from prefixgate.gateway.auth import KeyRing
 from prefixgate.gateway.errors import APIError, shown
 from prefixgate.gateway.metrics import GatewayMetrics
+
+if TYPE_CHECKING:
+    from prefixgate.gateway.prefixes import PrefixRegistry
+    from prefixgate.gateway.responses import TokenTexts
+    from prefixgate.gateway.upstream import UpstreamRouter
 
 
 @dataclass(slots=True)
@@ -84,13 +90,13 @@ class GatewayState:
     admission: AdmissionController
     metrics: GatewayMetrics
     model_name: str
-    engine: Any = None
-    prefixes: Any = None  # PrefixRegistry once the engine is attached
-    token_texts: Any = None  # responses.TokenTexts of the engine's tokenizer
-    router: Any = None  # UpstreamRouter in upstream mode
+    engine: EngineClient | None = None  # local mode, once attached
+    prefixes: PrefixRegistry | None = None  # local mode, once the engine is attached
+    token_texts: TokenTexts | None = None  # local mode: token id -> text, for logprobs
+    router: UpstreamRouter | None = None  # upstream mode
     ready: bool = False
 
-    def require_engine(self) -> Any:
+    def require_engine(self) -> EngineClient:
         """The engine, or 503 while it loads.
 
         Raises:
@@ -104,6 +110,16 @@ class GatewayState:
                 retry_after=2.0,
             )
         return self.engine
+
+    def require_prefixes(self) -> PrefixRegistry:
+        """The prefix registry of the attached engine, or 503 while it loads.
+
+        Raises:
+            APIError: 503 ``model_not_ready``.
+        """
+        self.require_engine()
+        assert self.prefixes is not None  # set with the engine (app.attach_engine)
+        return self.prefixes
 
     def check_model(self, model: str) -> None:
         """Raises APIError 404 ``model_not_found`` unless ``model`` is the served model."""

@@ -11,7 +11,7 @@ feed), then decoded as UTF-8. The OpenAI API ends a stream with ``data: [DONE]``
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Generic, Self, TypeVar
 
@@ -190,7 +190,7 @@ class AsyncStream(Generic[T]):
             if self._on_close is not None:
                 self._on_close()
 
-    async def _events(self) -> AsyncIterator[ServerSentEvent]:
+    async def _events(self) -> AsyncGenerator[ServerSentEvent, None]:
         decoder = SSEDecoder()
         async for chunk in self.response.aiter_bytes():
             for event in decoder.feed(chunk):

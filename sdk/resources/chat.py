@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 from ..batch import run_batch
@@ -125,6 +125,7 @@ class AsyncChatCompletions:
                 **params,
             )
         )
+        cast: Callable[[Mapping[str, Any]], ChatCompletion | ChatCompletionChunk]
         if stream:
             body["stream"] = True
             cast = ChatCompletionChunk.from_dict
@@ -160,7 +161,7 @@ class AsyncChatCompletions:
     async def _non_stream_create(self, **request: Any) -> ChatCompletion:
         if request.get("stream"):
             raise ValueError("batch() requests cannot stream: drop stream=True")
-        return await self.create(**request)  # type: ignore[return-value]
+        return await self.create(**request)
 
 
 class AsyncChat:

@@ -114,4 +114,4 @@ class AsyncCompletions:
     async def _non_stream_create(self, **request: Any) -> Completion:
         if request.get("stream"):
             raise ValueError("batch() requests cannot stream: drop stream=True")
-        return await self.create(**request)  # type: ignore[return-value]
+        return await self.create(**request)

@@ -12,8 +12,8 @@ messages, which that server's own prefix cache (if any) may still serve.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Self
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Self, cast
 
 import anyio
 
@@ -191,8 +191,9 @@ class PrefixSession:
         **params: Any,
     ) -> list[ChatCompletion | Exception]:
         """``create(user, **params)`` for each user turn, in input order, errors per item."""
+        create = cast(Callable[..., Awaitable[ChatCompletion]], self.create)  # as chat.batch
         return await run_batch(
-            self.create,
+            create,
             [dict(user=u, **params) for u in users],
             workers=self._client.max_concurrency,
             progress=progress,
@@ -218,9 +219,13 @@ class PrefixSession:
         exp = prefix.expires_at
         return exp is None or self._clock() < exp - self.refresh_margin_s
 
+    def _full_messages_now(self) -> bool:
+        """True while full messages must be sent (no prefix API, or a backoff after 429)."""
+        return self.supported is False or self._clock() < self._full_until
+
     async def _ensure(self) -> Prefix | None:
         """The live prefix, registering it if needed; None: send full messages."""
-        if self.supported is False or self._clock() < self._full_until:
+        if self._full_messages_now():
             return None
         if self._fresh(self.prefix):
             return self.prefix
@@ -229,7 +234,7 @@ class PrefixSession:
         async with self._lock:
             if self._fresh(self.prefix):
                 return self.prefix
-            if self.supported is False or self._clock() < self._full_until:
+            if self._full_messages_now():  # another task may have learned it meanwhile
                 return None
             try:
                 self.prefix = await self._client.prefixes.create(

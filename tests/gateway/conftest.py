@@ -2,25 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import types
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import httpx
 import pytest
+from prefixgate.engine.errors import PinLimitError
 from prefixgate.gateway.app import create_app
 from prefixgate.gateway.server import BackgroundServer
 from prefixgate.gateway.state import GatewaySettings
-
-_spec = importlib.util.spec_from_file_location(
-    "prefixgate_tests_fake_engine", Path(__file__).with_name("fake_engine.py")
-)
-fake_engine = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = fake_engine
-_spec.loader.exec_module(fake_engine)
-FakeEngine = fake_engine.FakeEngine
+from support.fake_engine import FakeEngine
 
 
 @pytest.fixture
@@ -99,5 +90,5 @@ def gw() -> types.SimpleNamespace:
         wait_idle=wait_idle,
         chat_body=chat_body,
         client=client,
-        PinLimitError=fake_engine.PinLimitError,
+        PinLimitError=PinLimitError,
     )

@@ -242,7 +242,7 @@ def test_upstream_errors_without_an_openai_body_are_wrapped():
 
     import httpx
     from aiohttp import web
-    from prefixgate.gateway.app import create_app
+    from prefixgate.gateway.app import create_proxy_app
     from prefixgate.gateway.server import BackgroundServer
 
     answers = {
@@ -309,7 +309,7 @@ def test_upstream_errors_without_an_openai_body_are_wrapped():
 
     with (
         BackgroundServer(upstream) as up,
-        BackgroundServer(lambda: create_app([up.url], GatewaySettings())) as gw,
+        BackgroundServer(lambda: create_proxy_app([up.url], GatewaySettings())) as gw,
         httpx.Client(base_url=gw.url, timeout=10) as http,
     ):
         for model, (status, _, _, _) in answers.items():

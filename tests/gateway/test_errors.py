@@ -242,3 +242,19 @@ def _stats(engine):
         return engine.stats()
 
     return get
+
+
+def test_engine_shut_down_gives_503(serve_fake, gw):
+    """The fake engine raises the engine's own ``EngineDeadError`` once shut down; the gateway
+    knows it by its class (not its name): 503 ``engine_unavailable``, streaming or not."""
+    srv, engine = serve_fake()
+
+    async def stop():
+        await engine.shutdown()
+
+    srv.call(stop)
+    with gw.client(srv) as http:
+        for stream in (False, True):
+            r = http.post("/v1/chat/completions", json=gw.chat_body(max_tokens=2, stream=stream))
+            _error(r, 503, "engine_unavailable")
+            assert "Retry-After" in r.headers

@@ -13,7 +13,7 @@ import logging
 import httpx
 import pytest
 from aiohttp import web
-from prefixgate.gateway.app import create_app
+from prefixgate.gateway.app import create_proxy_app
 from prefixgate.gateway.auth import KeySpec, effective_salt
 from prefixgate.gateway.server import BackgroundServer
 from prefixgate.gateway.state import STATE, GatewaySettings
@@ -122,7 +122,7 @@ def test_upstream_userinfo_redacted_and_sent_once(tmp_path, caplog, client_auth)
     try:
         with (
             caplog.at_level(logging.INFO, logger="prefixgate"),
-            BackgroundServer(lambda: create_app([url, dead], GatewaySettings())) as proxy,
+            BackgroundServer(lambda: create_proxy_app([url, dead], GatewaySettings())) as proxy,
             httpx.Client(base_url=proxy.url, timeout=30) as c,
         ):
             headers = {"Authorization": client_auth} if client_auth else {}
@@ -143,4 +143,4 @@ def test_upstream_userinfo_redacted_and_sent_once(tmp_path, caplog, client_auth)
 
 def test_upstream_userinfo_and_api_key_conflict():
     with pytest.raises(ValueError, match="one credential"):
-        create_app(["http://u:p@127.0.0.1:1"], GatewaySettings(upstream_api_key="k"))
+        create_proxy_app(["http://u:p@127.0.0.1:1"], GatewaySettings(upstream_api_key="k"))

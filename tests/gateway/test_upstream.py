@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 
 import httpx
 import pytest
 from aiohttp import web
-from prefixgate.gateway.app import create_app
+from prefixgate.gateway.app import create_proxy_app
 from prefixgate.gateway.server import BackgroundServer
 from prefixgate.gateway.state import STATE, GatewaySettings
 from prefixgate.gateway.upstream import UpstreamRouter, affinity_key, normalize_url
+from support.net import free_port
 
 SEEN = web.AppKey("seen", list)
 
@@ -83,7 +83,7 @@ def _chat(system: str, user: str, **kw) -> dict:
 
 def test_prefix_affinity_same_system_prompt_same_upstream(servers):
     ups = [servers(lambda n=n: stub_app(f"u{n}")) for n in range(3)]
-    gw = servers(lambda: create_app([u.url for u in ups], GatewaySettings()))
+    gw = servers(lambda: create_proxy_app([u.url for u in ups], GatewaySettings()))
     owner: dict[int, set[str]] = {}
     with httpx.Client(base_url=gw.url) as http:
         for s in range(24):
@@ -133,18 +133,12 @@ def test_imbalance_falls_back_to_least_loaded():
         UpstreamRouter([])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_unhealthy_upstream_skipped_then_probed_back(servers):
     live = servers(lambda: stub_app("live"))
-    dead_port = _free_port()
+    dead_port = free_port()
     dead_url = f"http://127.0.0.1:{dead_port}"
     settings = GatewaySettings(health_interval_s=0.1)
-    gw = servers(lambda: create_app([live.url, dead_url], settings))
+    gw = servers(lambda: create_proxy_app([live.url, dead_url], settings))
     router = gw.app[STATE].router
     with httpx.Client(base_url=gw.url) as http:
         for s in range(12):  # some keys hash to the dead one: retried on the live one
@@ -172,7 +166,7 @@ def test_unhealthy_upstream_skipped_then_probed_back(servers):
 
 
 def test_all_upstreams_down_and_errors_passed_through(servers):
-    gw = servers(lambda: create_app([f"http://127.0.0.1:{_free_port()}"], GatewaySettings()))
+    gw = servers(lambda: create_proxy_app([f"http://127.0.0.1:{free_port()}"], GatewaySettings()))
     with httpx.Client(base_url=gw.url) as http:
         r = http.post("/v1/chat/completions", json=_chat("s", "q"))
         assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_unavailable"
@@ -180,7 +174,7 @@ def test_all_upstreams_down_and_errors_passed_through(servers):
         assert r.status_code == 503 and "Retry-After" in r.headers
         assert http.get("/ready").status_code == 503
     bad = servers(lambda: stub_app("bad", status=400))
-    gw2 = servers(lambda: create_app([bad.url], GatewaySettings()))
+    gw2 = servers(lambda: create_proxy_app([bad.url], GatewaySettings()))
     with httpx.Client(base_url=gw2.url) as http:
         r = http.post("/v1/chat/completions", json=_chat("s", "q"))
         assert r.status_code == 400 and r.json()["error"]["message"] == "nope"  # not retried
@@ -193,7 +187,7 @@ def test_all_upstreams_down_and_errors_passed_through(servers):
 def test_streams_pass_through_chunk_by_chunk(servers):
     up = servers(lambda: stub_app("s", chunk_delay_s=0.15))
     gw = servers(
-        lambda: create_app([up.url], GatewaySettings(api_keys=["gk"], upstream_api_key="uk"))
+        lambda: create_proxy_app([up.url], GatewaySettings(api_keys=["gk"], upstream_api_key="uk"))
     )
     t0 = time.monotonic()
     arrivals = []
@@ -218,7 +212,7 @@ def test_streams_pass_through_chunk_by_chunk(servers):
 
 def test_client_disconnect_closes_upstream_stream(servers):
     up = servers(lambda: stub_app("s", chunk_delay_s=0.2))
-    gw = servers(lambda: create_app([up.url], GatewaySettings()))
+    gw = servers(lambda: create_proxy_app([up.url], GatewaySettings()))
     with (
         httpx.Client(base_url=gw.url) as http,
         http.stream("POST", "/v1/chat/completions", json=_chat("s", "q", stream=True)) as r,

@@ -11,12 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
 from prefixgate.sdk.bench.cli import add_bench_parser  # noqa: E402
 from prefixgate.sdk.bench.loadgen import LoadConfig, root_url, run_load  # noqa: E402
 from prefixgate.sdk.bench.workload import WorkloadConfig, load_workload, parse_output_len_dist  # noqa: E402
-from stub_server import StubServer  # noqa: E402
+from support.stub_upstream import StubServer  # noqa: E402
 
 
 @pytest.fixture

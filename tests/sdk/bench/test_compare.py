@@ -9,14 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
 from prefixgate.sdk.bench.cli import add_bench_parser  # noqa: E402
 from prefixgate.sdk.bench.compare import bench_target, shared_prefix_share  # noqa: E402
 from prefixgate.sdk.bench.report import checks, ratios  # noqa: E402
 from prefixgate.sdk.bench.targets import Target, build_targets  # noqa: E402
 from prefixgate.sdk.bench.workload import BenchRequest  # noqa: E402
-from stub_server import StubServer  # noqa: E402
+from support.stub_upstream import StubServer  # noqa: E402
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:

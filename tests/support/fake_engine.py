@@ -11,15 +11,15 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
+from prefixgate.engine.config import EngineConfig
+from prefixgate.engine.errors import EngineDeadError, PinLimitError
 from prefixgate.engine.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
 from prefixgate.engine.sampling_params import SamplingParams
 
-
-class PinLimitError(ValueError):
-    """Same name as the engine's error (the gateway also matches by name)."""
+__all__ = ["EngineDeadError", "FakeEngine", "FakeTokenizer", "PinLimitError"]
 
 
 class FakeTokenizer:
@@ -37,7 +37,10 @@ class FakeTokenizer:
         ids.extend(b + 3 for b in text.encode())
         return ids
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        return [self.encode(t, add_special_tokens) for t in texts]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         data = bytes(i - 3 for i in ids if i >= 3)
         return data.decode("utf-8", errors="replace")
 
@@ -60,7 +63,8 @@ class _Pin:
 
 
 class FakeEngine:
-    """Implements generate/abort/pin_prefix/unpin_prefix/stats/tokenizer/max_model_len."""
+    """Implements ``EngineClient`` (``prefixgate.engine.protocol``), raising the engine's own
+    error classes (``PinLimitError``, ``EngineDeadError`` after ``shutdown``)."""
 
     def __init__(
         self,
@@ -72,6 +76,7 @@ class FakeEngine:
         max_pinned_fraction: float = 0.5,
     ) -> None:
         self.tokenizer = FakeTokenizer()
+        self.config = EngineConfig(model=None)
         self.max_model_len = max_model_len
         self.token_delay_s = token_delay_s
         self.block_size = block_size
@@ -96,6 +101,8 @@ class FakeEngine:
         request_id: str,
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        if self.shutdown_called:
+            raise EngineDeadError("the engine is shut down")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("empty prompt")
@@ -163,7 +170,7 @@ class FakeEngine:
             self._waiting.discard(request_id)
             self._running.pop(request_id, None)
             self._aborted.discard(request_id)
-            if acquired:
+            if acquired and self._slots is not None:
                 self._slots.release()
 
     async def abort(self, request_id: str) -> None:
@@ -174,6 +181,8 @@ class FakeEngine:
     async def pin_prefix(
         self, token_ids: list[int], ttl_s: float, cache_salt: str | None = None
     ) -> _Pin:
+        if self.shutdown_called:
+            raise EngineDeadError("the engine is shut down")
         blocks = len(token_ids) // self.block_size
         if self.pinned_blocks + blocks > self.max_pinned_fraction * self.num_blocks:
             raise PinLimitError(f"pinning {blocks} blocks would exceed the pinned cap")

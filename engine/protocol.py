@@ -1,0 +1,142 @@
+"""The seam between the gateway and an engine: ``EngineClient`` (vLLM's ``EngineClient``).
+
+Everything the gateway calls on an engine is declared here, and nothing else: ``AsyncEngine``
+implements it in-process, the fake engine of the gateway tests implements it too (checked by
+mypy in ``tests/gateway/test_engine_client.py`` and by ``isinstance`` at run time). This
+module imports no torch (only the engine's torch-free types), so the gateway imports it in
+proxy mode as well.
+
+Contract details (errors, ordering, what a cancelled call leaves behind) are in DEVELOPERS.md,
+"gateway ↔ engine".
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from prefixgate.engine.config import EngineConfig
+from prefixgate.engine.outputs import RequestOutput
+from prefixgate.engine.sampling_params import SamplingParams
+
+
+@runtime_checkable
+class TokenizerLike(Protocol):
+    """What the gateway asks of an engine's tokenizer (``engine.tokenizer.Tokenizer``).
+
+    All methods must be safe to call from a worker thread while the engine runs.
+    """
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids (added tokens included); ids are in ``[0, vocab_size)``."""
+        ...
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text`` (with the BOS the tokenizer adds when ``add_special_tokens``)."""
+        ...
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """``encode`` of each text (Hugging Face ``tokenizers`` releases the GIL here)."""
+        ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids`` (incomplete UTF-8 decodes to U+FFFD)."""
+        ...
+
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Token ids of the conversation rendered with the chat template (the template's BOS
+        included; special-token strings inside message content tokenized as plain text).
+
+        Raises:
+            ValueError: the template refuses the conversation.
+        """
+        ...
+
+
+@runtime_checkable
+class PinHandle(Protocol):
+    """A pinned prefix as the engine returns it from ``pin_prefix``."""
+
+    @property
+    def id(self) -> str:
+        """The pin id, for ``unpin_prefix``."""
+        ...
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens covered by the pin (whole KV blocks)."""
+        ...
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """An engine as the gateway uses it: generation, abort, prefix pins, stats, shutdown."""
+
+    @property
+    def config(self) -> EngineConfig:
+        """The engine's configuration (``config.model`` names the served model folder)."""
+        ...
+
+    @property
+    def tokenizer(self) -> TokenizerLike:
+        """The model's tokenizer (the gateway renders and tokenizes prompts itself)."""
+        ...
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest prompt + output in tokens."""
+        ...
+
+    def generate(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        request_id: str,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request as tokens come (the last has ``finished=True``); leaving
+        the iteration early aborts the request.
+
+        Raises (from the first iteration):
+            ValueError / TypeError: bad prompt or params, duplicate in-flight ``request_id``.
+            EngineDeadError: the engine is shut down (or shut down while the request ran).
+        """
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request in flight (its iterator ends with ``finish_reason="abort"``).
+
+        Raises:
+            ValueError: ``request_id`` is not in flight.
+        """
+        ...
+
+    async def pin_prefix(
+        self, token_ids: list[int], ttl_s: float, cache_salt: str | None = None
+    ) -> PinHandle:
+        """Prefill (if not cached) and pin the full KV blocks of ``token_ids`` for ``ttl_s`` s.
+
+        Raises:
+            PinLimitError: the pins would exceed the engine's pinned share of the cache.
+            ValueError / TypeError: bad input. EngineDeadError: the engine is shut down.
+        """
+        ...
+
+    def unpin_prefix(self, pin_id: str) -> None:
+        """Release a pin.
+
+        Raises:
+            KeyError / ValueError: unknown (or already released) pin id.
+        """
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """Engine counters (keys in DEVELOPERS.md, ``stats()`` keys); never blocks."""
+        ...
+
+    async def shutdown(self) -> None:
+        """Stop the engine; requests in flight fail with ``EngineDeadError``."""
+        ...
