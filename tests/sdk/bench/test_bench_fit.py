@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import sys
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
 from prefixgate.sdk.bench.fit import WorkloadDoesNotFitError, fit_to_context  # noqa: E402
 from prefixgate.sdk.bench.workload import BenchRequest  # noqa: E402
 from prefixgate.sdk.cli import main  # noqa: E402
-from stub_server import StubServer  # noqa: E402
+from support.stub_upstream import StubServer  # noqa: E402
 
 
 @pytest.fixture
