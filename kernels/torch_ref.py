@@ -35,33 +35,24 @@ def reshape_and_cache(
     v_flat[slots] = value[valid].to(v_cache.dtype)
 
 
-def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """K or V of one sequence from the paged cache: ``[length, Hkv, D]``."""
+def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
+    """K or V of B sequences from the paged cache, heads first for SDPA.
+
+    Args:
+        cache: ``[N, S, Hkv, D]``.
+        block_tables: ``[B, max_blocks]`` block ids.
+        length: keys to return per sequence (the longest context); rows past a sequence's own
+            context are whatever its padding blocks hold and must be masked by the caller.
+
+    Returns:
+        ``[B, Hkv, length, D]`` (a gathered copy; the last dim contiguous).
+    """
     block_size = cache.shape[1]
     num_blocks = (length + block_size - 1) // block_size
-    blocks = cache[block_table[:num_blocks].long()]  # [nb, S, Hkv, D]
-    return blocks.reshape(-1, *cache.shape[2:])[:length]
-
-
-def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int
-) -> torch.Tensor:
-    """Attention of ``q [Lq, Hq, D]`` over ``k, v [Lk, Hkv, D]`` in fp32.
-
-    Query i sits at absolute position ``causal_offset + i`` and sees keys ``0..causal_offset+i``.
-    """
-    hq, hkv = q.shape[1], k.shape[1]
-    groups = hq // hkv
-    qf = q.float().transpose(0, 1)  # [Hq, Lq, D]
-    kf = k.float().transpose(0, 1).repeat_interleave(groups, dim=0)  # [Hq, Lk, D]
-    vf = v.float().transpose(0, 1).repeat_interleave(groups, dim=0)
-    scores = torch.matmul(qf, kf.transpose(1, 2)) * scale  # [Hq, Lq, Lk]
-    lq, lk = q.shape[0], k.shape[0]
-    q_pos = torch.arange(lq, device=q.device).unsqueeze(1) + causal_offset
-    k_pos = torch.arange(lk, device=q.device).unsqueeze(0)
-    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.matmul(probs, vf).transpose(0, 1).to(q.dtype)  # [Lq, Hq, D]
+    blocks = cache[block_tables[:, :num_blocks].long()]  # [B, nb, S, Hkv, D]
+    batch = blocks.shape[0]
+    flat = blocks.view(batch, num_blocks * block_size, *cache.shape[2:])
+    return flat[:, :length].transpose(1, 2)
 
 
 def paged_attention_decode(
@@ -74,6 +65,11 @@ def paged_attention_decode(
 ) -> torch.Tensor:
     """One query token per sequence attending over its whole paged context.
 
+    All sequences at once: K/V are gathered through the block tables into ``[B, Hkv, L, D]``
+    (L = longest context) and handed to ``torch.nn.functional.scaled_dot_product_attention``
+    with a key-padding mask. The G = Hq / Hkv query heads sharing a KV head ride in SDPA's
+    query-length dimension, so GQA needs no K/V repeat.
+
     Args:
         q: ``[B, Hq, D]``; Hq a multiple of Hkv (GQA).
         k_cache, v_cache: ``[N, S, Hkv, D]``; the new token's K/V already written.
@@ -82,27 +78,23 @@ def paged_attention_decode(
         scale: softmax scale, usually ``head_dim ** -0.5``.
 
     Returns:
-        ``[B, Hq, D]`` in q's dtype (accumulated in fp32).
+        ``[B, Hq, D]`` in q's dtype (SDPA accumulates in fp32 for half types).
     """
-    batch = q.shape[0]
+    batch, hq, d = q.shape
     if batch == 0:
         return torch.empty_like(q)
+    hkv = k_cache.shape[2]
     lens = context_lens.long()
     max_len = int(lens.max())
-    block_size = k_cache.shape[1]
-    max_blocks = (max_len + block_size - 1) // block_size
-    table = block_tables[:, :max_blocks].long()
-    hkv, d = k_cache.shape[2], k_cache.shape[3]
-    k = k_cache[table].reshape(batch, max_blocks * block_size, hkv, d)[:, :max_len]
-    v = v_cache[table].reshape(batch, max_blocks * block_size, hkv, d)[:, :max_len]
-    groups = q.shape[1] // hkv
-    qf = q.float().view(batch, hkv, groups, d)
-    scores = torch.einsum("bhgd,blhd->bhgl", qf, k.float()) * scale
-    mask = torch.arange(max_len, device=q.device).unsqueeze(0) >= lens.unsqueeze(1)  # [B, L]
-    scores = scores.masked_fill(mask[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bhgl,blhd->bhgd", probs, v.float())
-    return out.reshape(batch, q.shape[1], d).to(q.dtype)
+    k = _gather_kv(k_cache, block_tables, max_len)
+    v = _gather_kv(v_cache, block_tables, max_len)
+    qg = q.reshape(batch, hkv, hq // hkv, d)  # [B, Hkv, G, D]: the group as query rows
+    mask = None
+    if bool((lens != max_len).any()):
+        keys = torch.arange(max_len, device=q.device)
+        mask = (keys.unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]  # [B, 1, 1, L]
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+    return out.reshape(batch, hq, d)
 
 
 def paged_attention_prefill(
@@ -120,6 +112,12 @@ def paged_attention_prefill(
     last ``q_len`` tokens, so the first query sits at position ``context_lens[b] - q_len``
     (tokens before it are a cached prefix or earlier chunks, already in the cache).
 
+    One ``scaled_dot_product_attention`` call for the whole batch: queries padded to
+    ``[B, Hq, max_q, D]``, K/V gathered through the block tables to ``[B, Hkv, max_ctx, D]``
+    (``enable_gqa``). When every chunk starts at position 0 with the same length the causal
+    mask is SDPA's own ``is_causal`` (no mask tensor, upper blocks skipped); otherwise a
+    boolean mask lets query i of sequence b see keys ``0 .. context_lens[b] - q_len + i``.
+
     Args:
         q: ``[T, Hq, D]``.
         k_cache, v_cache: ``[N, S, Hkv, D]``; this chunk's K/V already written.
@@ -131,17 +129,39 @@ def paged_attention_prefill(
     Returns:
         ``[T, Hq, D]`` in q's dtype.
     """
-    out = torch.empty_like(q)
-    starts = query_start_loc.tolist()
-    lens = context_lens.tolist()
-    for b in range(len(lens)):
-        s, e = starts[b], starts[b + 1]
-        if e == s:
-            continue
-        k = _gather_kv(k_cache, block_tables[b], lens[b])
-        v = _gather_kv(v_cache, block_tables[b], lens[b])
-        out[s:e] = _attend(q[s:e], k, v, scale, lens[b] - (e - s))
-    return out
+    batch = context_lens.shape[0]
+    total, hq, d = q.shape
+    if batch == 0 or total == 0:
+        return torch.empty_like(q)
+    dev = q.device
+    qsl = query_start_loc.long()
+    q_lens = qsl[1:] - qsl[:-1]
+    ctx = context_lens.long()
+    max_q = int(q_lens.max())
+    max_ctx = int(ctx.max())
+    k = _gather_kv(k_cache, block_tables, max_ctx)
+    v = _gather_kv(v_cache, block_tables, max_ctx)
+    if bool(((q_lens == max_q) & (ctx == max_q)).all()):
+        # Whole prompts of one length (no cached prefix): plain causal, no padding.
+        qb = q.reshape(batch, max_q, hq, d).transpose(1, 2)
+        out = F.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        return out.transpose(1, 2).reshape(total, hq, d)
+    rows = torch.arange(max_q, device=dev)
+    valid = rows.unsqueeze(0) < q_lens.unsqueeze(1)  # [B, max_q]
+    # Padding rows repeat the chunk's last query so no row is fully masked (no NaN).
+    row = torch.minimum(rows.unsqueeze(0), (q_lens - 1).clamp(min=0).unsqueeze(1))
+    token = qsl[:-1].unsqueeze(1) + row  # [B, max_q] flat token index
+    qb = q[token.clamp(max=total - 1)].transpose(1, 2)  # [B, Hq, max_q, D]
+    pos = (ctx - q_lens).unsqueeze(1) + row  # absolute position of each query row
+    keys = torch.arange(max_ctx, device=dev)
+    mask = keys.view(1, 1, -1) <= pos.unsqueeze(2)  # [B, max_q, max_ctx]
+    out = F.scaled_dot_product_attention(
+        qb, k, v, attn_mask=mask.unsqueeze(1), scale=scale, enable_gqa=True
+    )
+    out = out.transpose(1, 2)  # [B, max_q, Hq, D]
+    result = torch.empty_like(q)
+    result[token[valid]] = out[valid]
+    return result
 
 
 def rms_norm(
