@@ -33,6 +33,10 @@ class EngineConfig:
         attention_backend: ``"torch"`` or ``"triton"``; ``None`` picks triton on CUDA, torch
             elsewhere.
         hf_overrides: config.json keys to override (e.g. ``{"num_hidden_layers": 2}``).
+        quantization: ``None`` (weights in ``dtype``) or ``"int8"``: int8 weights with one
+            scale per output channel for every linear layer (CPU: dtype float32 only, torch's
+            dynamic int8 linear; CUDA: a Triton weight-only GEMM). Unsupported combinations
+            raise ValueError at start-up.
     """
 
     model: str | None = None
@@ -51,6 +55,7 @@ class EngineConfig:
     max_pinned_fraction: float = 0.5
     attention_backend: str | None = None
     hf_overrides: dict = field(default_factory=dict)
+    quantization: Literal["int8"] | None = None
 
     def __post_init__(self) -> None:
         for name, optional in (
@@ -103,6 +108,8 @@ class EngineConfig:
             raise ValueError(
                 f"max_pinned_fraction must be in [0, 1], got {self.max_pinned_fraction}"
             )
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"quantization must be 'int8' or None, got {self.quantization!r}")
         if self.attention_backend not in (None, "torch", "triton"):
             raise ValueError(
                 f"attention_backend must be 'torch', 'triton' or None, got {self.attention_backend!r}"

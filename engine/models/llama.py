@@ -41,7 +41,7 @@ class CausalLM(nn.Module):
 
     def tie_weights(self) -> None:
         """Share the embedding matrix with the LM head when the config ties them."""
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def init_rope(self) -> None:

@@ -10,6 +10,7 @@ import torch
 from prefixgate.engine.config import EngineConfig
 from prefixgate.engine.models.config import ModelConfig
 from prefixgate.engine.models.llama import CausalLM
+from prefixgate.engine.models.quantization import check_quantization, quantize_model
 from prefixgate.engine.models.weights import iter_tensors, weight_files
 from prefixgate.kernels import default_backend, get_backend
 
@@ -37,9 +38,11 @@ def load_model(model_config: ModelConfig, engine_config: EngineConfig) -> Causal
 
     Raises:
         ModelFileNotFoundError: missing weights file or shard.
-        ValueError: a tensor with an unexpected shape, or an expected tensor missing (the
+        ValueError: an unsupported quantization / device / dtype combination (before any
+            weight is read), a tensor with an unexpected shape, or an expected tensor missing (the
             message names the tensor and the file).
     """
+    check_quantization(engine_config.quantization, model_config.device, model_config.dtype)
     device = torch.device(model_config.device)
     kernels = get_backend(engine_config.attention_backend or default_backend(model_config.device))
     with torch.device("meta"):
@@ -57,6 +60,9 @@ def load_model(model_config: ModelConfig, engine_config: EngineConfig) -> Causal
         )
     else:
         load_weights(model, model_config.model_path)
+    if engine_config.quantization is not None:
+        quantize_model(model, engine_config.quantization)
+        logger.info("quantized every linear layer to %s", engine_config.quantization)
     model.init_rope()
     return model.eval().requires_grad_(False)
 

@@ -24,6 +24,8 @@ PTR_TYPES = {  # pointer args whose element type does not follow the data dtype
     "cos_sin_ptr": "*fp32",
     "part_acc_ptr": "*fp32",
     "part_ml_ptr": "*fp32",
+    "qweight_ptr": "*i8",
+    "wscale_ptr": "*fp32",
 }
 FLOAT_ARGS = {"scale_log2", "eps"}
 
@@ -128,8 +130,36 @@ CASES = {
         1,
     ),
     "silu-and-mul": ("triton_layers", "_silu_and_mul_kernel", "bf16", dict(BLOCK=1024), 8, 1),
+    "int8-linear-bf16-decode": (
+        "triton_int8",
+        "_int8_linear_kernel",
+        "bf16",
+        dict(HAS_BIAS=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, DOT_PRECISION="ieee"),
+        4,
+        3,
+    ),
+    "int8-linear-fp16-bias-prefill": (
+        "triton_int8",
+        "_int8_linear_kernel",
+        "fp16",
+        dict(HAS_BIAS=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, DOT_PRECISION="ieee"),
+        4,
+        3,
+    ),
+    "int8-linear-fp32-tf32": (
+        "triton_int8",
+        "_int8_linear_kernel",
+        "fp32",
+        dict(HAS_BIAS=False, BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, DOT_PRECISION="tf32"),
+        4,
+        3,
+    ),
 }
-SLOW = {"prefill-fp16-d16-g1", "decode-1split-fp32-d64-g3"}  # PREFIXGATE_SLOW=1
+SLOW = {
+    "prefill-fp16-d16-g1",
+    "decode-1split-fp32-d64-g3",
+    "int8-linear-fp32-tf32",
+}  # PREFIXGATE_SLOW=1
 
 _SCRIPT = textwrap.dedent("""
     import json, os, sys, warnings
