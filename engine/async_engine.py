@@ -175,6 +175,17 @@ class AsyncEngine:
         self._submit("pin", list(token_ids), ttl_s, cache_salt, loop, fut)
         return await fut
 
+    def get_pin(self, pin_id: str) -> Any:
+        """The live ``PrefixPin`` ``pin_id`` (never blocks: one dict read).
+
+        The engine owns a pin's TTL; callers (the gateway's prefix registry) ask here whether
+        a pin is still held instead of keeping their own clock.
+
+        Raises:
+            KeyError: unknown, released, revoked, or past its ``expires_at``.
+        """
+        return self.engine.get_pin(pin_id)
+
     def unpin_prefix(self, pin_id: str) -> None:
         """Release a pin (waits for at most the step in progress).
 

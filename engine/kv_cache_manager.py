@@ -11,13 +11,19 @@ The scheduler talks to this class only (vLLM v1 ``kv_cache_manager.py`` shape):
 - in-flight dedup: ``mark_pending`` / ``pending_owner`` record which running request is about to
   compute which full prompt blocks, so a waiting request with the same prefix waits for them
   instead of computing them again;
-- prefix pins: ``pin`` / ``unpin`` / ``expire_pins`` keep cached blocks out of eviction.
+- prefix pins: ``pin`` / ``unpin`` / ``expire_pins``. A pin is one more reference on each
+  block of a cached prefix, held by the manager itself (SGLang's radix cache ``lock_ref``: a
+  referenced node is never evicted), with its TTL: the one clock of a pin's life. Pinned
+  blocks count as used and never enter the LRU; ``Block.pin_cnt`` counts the pins on a block.
 
 With ``enable_prefix_caching=False`` nothing is hashed, looked up, cached or pinned.
 """
 
 from __future__ import annotations
 
+import itertools
+import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -29,14 +35,40 @@ from prefixgate.engine.block_hash import (
     hash_request_blocks,
 )
 from prefixgate.engine.block_pool import Block, BlockPool
-from prefixgate.engine.errors import PrefixCachingDisabledError
-from prefixgate.engine.prefix_pins import PinTable, PrefixPin
+from prefixgate.engine.errors import PinLimitError, PrefixCachingDisabledError
 from prefixgate.engine.request import Request
 
 if TYPE_CHECKING:
     from prefixgate.engine.config import EngineConfig
 
 __all__ = ["KVCacheManager", "PrefixPin"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class PrefixPin:
+    """A reference on a cached prefix's blocks that keeps them out of eviction.
+
+    Attributes:
+        id: pin id (``"pin-<n>"``).
+        num_tokens: tokens covered (whole blocks: the longest cached full-block run).
+        expires_at: ``time.monotonic()`` seconds when the pin lapses, ``None`` = never. The
+            manager owns this clock: callers (the gateway's prefix registry) ask ``get_pin``
+            whether a pin is live rather than keeping a second one.
+        block_ids: the pinned blocks, in prefix order.
+        cache_salt: the salt the prefix was pinned under.
+    """
+
+    id: str
+    num_tokens: int
+    expires_at: float | None
+    block_ids: list[int] = field(default_factory=list)
+    cache_salt: str | None = None
+
+    def is_live(self, now: float) -> bool:
+        """False once ``expires_at`` has passed (``now``: ``time.monotonic()`` seconds)."""
+        return self.expires_at is None or now < self.expires_at
 
 
 @dataclass(slots=True)
@@ -77,7 +109,10 @@ class KVCacheManager:
         self.hash_fn: HashFn = hash_fn or default_hash_fn
         self._reqs: dict[str, _ReqKV] = {}
         self._pending: dict[BlockKey, list[Request]] = {}
-        self._pins = PinTable(self.pool, self.max_pinned_blocks)
+        self._pins: dict[str, tuple[PrefixPin, list[Block]]] = {}  # insertion order = age
+        self._pin_ids = itertools.count()
+        self.num_pinned_blocks = 0
+        self.num_pins_revoked = 0
         self.peak_used_blocks = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -325,7 +360,7 @@ class KVCacheManager:
             now: ``time.monotonic()`` override (tests).
 
         Raises:
-            PinLimitError: the pinned blocks would exceed ``max_pinned_blocks``.
+            PinLimitError: the distinct pinned blocks would exceed ``max_pinned_blocks``.
             PrefixCachingDisabledError: prefix caching is off.
             ValueError: ``ttl_s`` <= 0.
         """
@@ -336,35 +371,87 @@ class KVCacheManager:
         tokens = list(token_ids)
         keys = hash_request_blocks(tokens, self.block_size, cache_salt, [], self.hash_fn)
         blocks = self._match(tokens, keys, cache_salt, len(keys))
-        return self._pins.add(blocks, self.block_size, ttl_s, cache_salt, now)
+        new = sum(1 for b in blocks if b.pin_cnt == 0)
+        if self.num_pinned_blocks + new > self.max_pinned_blocks:
+            raise PinLimitError(
+                f"pinning {new} more KV blocks would hold {self.num_pinned_blocks + new} pinned "
+                f"blocks, over the cap of {self.max_pinned_blocks} (max_pinned_fraction of "
+                f"{self.pool.num_blocks} blocks)"
+            )
+        self.pool.touch(blocks)
+        for b in blocks:
+            b.pin_cnt += 1
+        self.num_pinned_blocks += new
+        now = time.monotonic() if now is None else now
+        pin = PrefixPin(
+            id=f"pin-{next(self._pin_ids)}",
+            num_tokens=len(blocks) * self.block_size,
+            expires_at=None if ttl_s is None else now + ttl_s,
+            block_ids=[b.block_id for b in blocks],
+            cache_salt=cache_salt,
+        )
+        self._pins[pin.id] = (pin, blocks)
+        return pin
 
     def unpin(self, pin_id: str) -> None:
-        """Release a pin (KeyError when unknown or already released / expired)."""
-        self._pins.remove(pin_id)
+        """Drop the pin's references; its blocks go to the LRU (tail first) when nothing else
+        holds them.
 
-    def get_pin(self, pin_id: str) -> PrefixPin:
-        """The live pin ``pin_id``. Raises KeyError when unknown or released."""
-        return self._pins.get(pin_id)
+        Raises:
+            KeyError: unknown (or already released / expired / revoked) pin id.
+        """
+        if pin_id not in self._pins:
+            raise KeyError(f"unknown prefix pin {pin_id!r}")
+        _, blocks = self._pins.pop(pin_id)
+        for b in blocks:
+            b.pin_cnt -= 1
+            if b.pin_cnt == 0:
+                self.num_pinned_blocks -= 1
+        self.pool.free(reversed(blocks))
+
+    def get_pin(self, pin_id: str, now: float | None = None) -> PrefixPin:
+        """The live pin ``pin_id``.
+
+        Raises:
+            KeyError: unknown, released, revoked, or past its ``expires_at`` (even before
+                ``expire_pins`` has swept it).
+        """
+        entry = self._pins.get(pin_id)
+        if entry is None or not entry[0].is_live(time.monotonic() if now is None else now):
+            raise KeyError(f"unknown prefix pin {pin_id!r}")
+        return entry[0]
 
     def expire_pins(self, now: float | None = None) -> list[str]:
         """Release every pin whose ``expires_at <= now`` (monotonic seconds); returns their ids."""
-        return self._pins.expire(now)
+        if not self._pins:
+            return []
+        now = time.monotonic() if now is None else now
+        expired = [pin_id for pin_id, (pin, _) in self._pins.items() if not pin.is_live(now)]
+        for pin_id in expired:
+            self.unpin(pin_id)
+        return expired
+
+    def next_pin_expiry(self) -> float | None:
+        """Earliest ``expires_at`` (``time.monotonic()`` seconds) of the live pins, or None."""
+        times = [p.expires_at for p, _ in self._pins.values() if p.expires_at is not None]
+        return min(times) if times else None
 
     def revoke_oldest_pin(self) -> bool:
         """Release the oldest pin so a lone request can progress; False if there is none."""
-        return self._pins.revoke_oldest()
+        if not self._pins:
+            return False
+        pin_id = next(iter(self._pins))
+        logger.warning(
+            "prefix pin %s revoked: a request needs its KV blocks to make progress", pin_id
+        )
+        self.unpin(pin_id)
+        self.num_pins_revoked += 1
+        return True
 
     @property
     def pins(self) -> list[PrefixPin]:
-        return self._pins.values()
-
-    @property
-    def num_pinned_blocks(self) -> int:
-        return self._pins.num_pinned_blocks
-
-    @property
-    def num_pins_revoked(self) -> int:
-        return self._pins.num_revoked
+        """The pins held, oldest first."""
+        return [pin for pin, _ in self._pins.values()]
 
     def reset_prefix_cache(self) -> int:
         """Forget every free cached block (cold-cache benchmarks); returns how many.
@@ -402,7 +489,7 @@ class KVCacheManager:
             for b in state.blocks:
                 refs[b.block_id] += 1
         pins = [0] * self.pool.num_blocks
-        for blocks in self._pins.held_blocks():
+        for _, blocks in self._pins.values():
             for b in blocks:
                 refs[b.block_id] += 1
                 pins[b.block_id] += 1

@@ -1,9 +1,16 @@
 """LLMEngine: the synchronous engine loop (vLLM v1's ``LLMEngine`` / ``EngineCore`` in one).
 
 ``add_request`` validates and queues; each ``step()`` schedules (continuous batching, chunked
-prefill, preemption), runs the model runner once, updates the scheduler with the sampled tokens,
-detokenizes and returns the ``RequestOutput`` of every request that produced a token (or
-finished) in that step. Nothing here is thread-safe: ``AsyncEngine`` drives it from one thread.
+prefill, preemption), runs the model runner once, updates the scheduler with the sampled tokens
+(``Scheduler.update_from_output``: the request appends its token and ``Request.check_stop``
+decides, detokenizing, whether it ended) and returns the ``RequestOutput`` of every request that
+produced a token (or finished) in that step. The ``Request`` object holds all of a request's
+state; the scheduler's table of requests is the only one. Nothing here is thread-safe:
+``AsyncEngine`` drives it from one thread.
+
+Prefix pins: a pin job queues an internal request (``max_tokens=1``, greedy) for the prefix;
+when it finishes, the prefix's full blocks are in the prefix cache and ``KVCacheManager.pin``
+holds them (reference + 1) until unpinned or expired (the manager owns the TTL).
 """
 
 from __future__ import annotations
@@ -12,16 +19,16 @@ import concurrent.futures
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from prefixgate.engine.config import EngineConfig
 from prefixgate.engine.detokenizer import IncrementalDetokenizer
-from prefixgate.engine.engine_pins import PIN_REQUEST_PREFIX, PinJob, PrefixPinsMixin
 from prefixgate.engine.input_processor import InputProcessor, PreparedRequest
 from prefixgate.engine.kv_cache import KVCacheSpec, allocate_kv_caches, resolve_num_blocks
-from prefixgate.engine.kv_cache_manager import KVCacheManager
+from prefixgate.engine.kv_cache_manager import KVCacheManager, PrefixPin
 from prefixgate.engine.model_runner import ModelRunner
 from prefixgate.engine.models.config import ModelConfig
 from prefixgate.engine.models.loader import load_model
@@ -37,7 +44,37 @@ from prefixgate.engine.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 
-class LLMEngine(PrefixPinsMixin):
+PIN_REQUEST_PREFIX = "__pin-"
+"""Request ids of the internal prefill requests that compute a prefix before it is pinned."""
+
+
+@dataclass(slots=True)
+class PinJob:
+    """A prefix pin in progress: an internal prefill request, then ``kv_cache_manager.pin``.
+
+    ``callback(job)`` runs (on the engine's thread) once ``done``; then ``result`` holds the
+    ``PrefixPin`` or ``error`` the exception.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    ttl_s: float
+    cache_salt: str | None
+    callback: Callable[[PinJob], None] | None = None
+    result: Any = None
+    error: BaseException | None = None
+    done: bool = False
+
+    def resolve(self, result: Any, error: BaseException | None) -> None:
+        """Complete the job (once) and run its callback."""
+        if self.done:
+            return
+        self.result, self.error, self.done = result, error, True
+        if self.callback is not None:
+            self.callback(self)
+
+
+class LLMEngine:
     """The engine: tokenizer, scheduler + KV cache manager, model runner, output processor.
 
     Args:
@@ -61,12 +98,7 @@ class LLMEngine(PrefixPinsMixin):
         self.num_kv_blocks = num_blocks
         self._fit_max_model_len(num_blocks * config.block_size)
         kv_caches = allocate_kv_caches(spec, num_blocks, self.device)
-        self.kv_cache_manager = KVCacheManager(
-            num_blocks,
-            config.block_size,
-            enable_prefix_caching=config.enable_prefix_caching,
-            max_pinned_blocks=int(num_blocks * config.max_pinned_fraction),
-        )
+        self.kv_cache_manager = KVCacheManager.from_config(config, num_blocks)
         self.scheduler = Scheduler(config, self.kv_cache_manager, self.max_model_len)
         self.eos_token_ids: set[int] = set(mc.eos_token_ids) | set(
             getattr(self.tokenizer, "eos_token_ids", set()) or set()
@@ -90,13 +122,9 @@ class LLMEngine(PrefixPinsMixin):
         # (request id, error) of requests failed outside a step's batch (a grammar that did
         # not compile, a sampled token the grammar rejected); AsyncEngine delivers them
         self.failed: list[tuple[str, BaseException]] = []
-        self._requests: dict[str, Request] = {}
-        self._pin_jobs: dict[str, PinJob] = {}
         self._pin_counter = itertools.count()
         self._stashed: list[RequestOutput] = []
-        self.current_step_ids: list[str] = []
-        self._prompt_tokens_prefilled = 0
-        self._tokens_decoded = 0
+        self._step_requests: list[Request] = []  # the step in progress (for fail_requests)
         # cumulative host wall-clock seconds per phase of step() (benchmarks read it)
         self.timing: dict[str, float] = dict.fromkeys(
             ("steps", "step_s", "schedule_s", "prepare_s", "forward_s", "sample_s", "output_s"), 0
@@ -153,7 +181,7 @@ class LLMEngine(PrefixPinsMixin):
         """
         if not isinstance(request_id, str) or not request_id:
             raise TypeError("request_id must be a non-empty string")
-        if request_id in self._requests:
+        if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
         if request_id.startswith(PIN_REQUEST_PREFIX):
             raise ValueError(f"request ids starting with {PIN_REQUEST_PREFIX!r} are reserved")
@@ -164,7 +192,9 @@ class LLMEngine(PrefixPinsMixin):
         )
         self._enqueue(request_id, prep, arrival_time or time.monotonic())
 
-    def _enqueue(self, request_id: str, prep: PreparedRequest, arrival: float) -> None:
+    def _enqueue(
+        self, request_id: str, prep: PreparedRequest, arrival: float, pin_job: PinJob | None = None
+    ) -> Request:
         req = Request(
             request_id,
             prep.prompt_token_ids,
@@ -180,12 +210,11 @@ class LLMEngine(PrefixPinsMixin):
             req.generator = gen
         if prep.params.structured_outputs is not None:  # compiles off the step loop
             req.structured_output = self.structured_output.request(prep.params.structured_outputs)
+        if pin_job is None:
+            self.output_processor.attach(req, prep.prompt)
+        req.pin_job = pin_job
         self.scheduler.add_request(req)  # may raise (never fits): nothing else was touched
-        self._requests[request_id] = req
-        if not request_id.startswith(PIN_REQUEST_PREFIX):
-            self.output_processor.add(
-                request_id, prep.prompt, prep.prompt_token_ids, prep.params, arrival
-            )
+        return req
 
     def abort_request(self, request_id: str) -> RequestOutput:
         """Abort a request in flight and free its KV blocks at once.
@@ -196,20 +225,25 @@ class LLMEngine(PrefixPinsMixin):
         Raises:
             ValueError: unknown (or already finished) request id.
         """
-        req = self._requests.get(request_id)
-        if req is None or request_id.startswith(PIN_REQUEST_PREFIX):
+        req = self.scheduler.requests.get(request_id)
+        if req is None or req.pin_job is not None:
             raise ValueError(f"unknown request id {request_id!r} (not in flight)")
         self.scheduler.abort_requests([request_id])
-        return self._finish_output(req, "abort", None, time.monotonic())
+        return self.output_processor.make_output(req)
 
     def has_unfinished_requests(self) -> bool:
         """True while any request (or pin job) is queued or running."""
-        return bool(self._requests) or bool(self._stashed)
+        return self.scheduler.has_unfinished_requests() or bool(self._stashed)
 
     @property
     def num_requests(self) -> int:
         """Requests in flight (waiting or running), internal pin requests included."""
-        return len(self._requests)
+        return len(self.scheduler.requests)
+
+    @property
+    def current_step_ids(self) -> list[str]:
+        """Ids of the requests of the step in progress (after ``step()`` raised: of that step)."""
+        return [r.request_id for r in self._step_requests]
 
     # -- the step ------------------------------------------------------------------------
 
@@ -228,56 +262,34 @@ class LLMEngine(PrefixPinsMixin):
             outputs, self._stashed = self._stashed, []
             return outputs
         # if anything below raises, these are the requests the error concerns (fail_requests)
-        self.current_step_ids = [s.request.request_id for s in sched_out.scheduled]
-        outputs: list[RequestOutput] = []
-        now = time.monotonic()
-        op = self.output_processor
-        for s in sched_out.scheduled:
-            r = s.request
-            op.mark_scheduled(r.request_id, now)
-            c, n, p = r.num_computed_tokens, s.num_new_tokens, r.num_prompt_tokens
-            if c < p:
-                self._prompt_tokens_prefilled += min(c + n, p) - c
+        self._step_requests = [s.request for s in sched_out.scheduled]
         t_run = time.perf_counter()
         run = self.runner.execute(sched_out)
         t_out = time.perf_counter()
         self.scheduler.update_from_output(sched_out, run.sampled)
-        self._tokens_decoded += len(run.sampled)
-        now = time.monotonic()
+        outputs: list[RequestOutput] = []
+        op = self.output_processor
         for s in sched_out.scheduled:
             r = s.request
-            rid = r.request_id
-            token = run.sampled.get(rid)
-            if token is None:
+            if r.request_id not in run.sampled:
                 continue
-            if rid in self._pin_jobs:
+            if r.pin_job is not None:
                 self._on_pin_request(r)
                 continue
-            if r.structured_output is not None and not r.is_finished():
-                self._check_grammar(r)
-                if rid not in self._requests:  # failed: delivered through pop_failed()
-                    continue
-            finished = r.is_finished()
-            skip_text = finished and r.finish_reason == "stop"  # EOS / stop token id
-            stop = op.on_token(rid, token, run.logprobs.get(rid), skip_text, now)
-            if stop is not None and not finished:
-                self._finish_stopped(r, stop)
-                finished = True
-            if finished:
-                outputs.append(self._finish_output(r, r.finish_reason, r.stop_reason, now))
-            else:
-                outputs.append(
-                    op.make_output(
-                        rid, r.output_token_ids, max(r.num_cached_tokens, 0), None, None, now
-                    )
-                )
-        self.current_step_ids = []
+            if r.error is not None:  # its grammar rejected the token: delivered by pop_failed()
+                self.failed.append((r.request_id, r.error))
+                continue
+            if r.status == RequestStatus.FINISHED_ABORTED:
+                continue  # aborted since schedule(): its output was made then
+            op.add_logprobs(r, run.logprobs.get(r.request_id))
+            outputs.append(op.make_output(r))
+        self._step_requests = []
         outputs, self._stashed = self._stashed + outputs, []
         t_end = time.perf_counter()
         t = self.timing
         t["steps"] += 1
         t["step_s"] += t_end - t0
-        t["schedule_s"] += t_run - t0  # schedule() + per-request bookkeeping
+        t["schedule_s"] += t_run - t0
         t["prepare_s"] += run.prepare_s
         t["forward_s"] += run.forward_s
         t["sample_s"] += run.sample_s
@@ -286,34 +298,13 @@ class LLMEngine(PrefixPinsMixin):
 
     # -- structured output -----------------------------------------------------------------
 
-    def _check_grammar(self, req: Request) -> None:
-        """After a sampled token: a grammar that reached its end finishes the request with
-        "stop" (also with ``ignore_eos``); a token the grammar rejected fails it."""
-        so = req.structured_output
-        if so.terminated:
-            self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
-        elif so.rejected is not None:
-            err = RuntimeError(
-                f"request {req.request_id!r}: token {so.rejected} was sampled outside its "
-                "structured_outputs grammar (no allowed token left)"
-            )
-            self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ABORTED)
-            self._fail_later(req, err)
-
     def _fail_grammar_errors(self) -> None:
         """Fail waiting requests whose grammar did not compile (blocks: none held yet)."""
         for req in list(self.scheduler.waiting):
             so = req.structured_output
             if so is not None and so.matcher is None and so.error is not None:
-                err = ValueError(f"structured_outputs: {so.error}")
                 self.scheduler.abort_requests([req.request_id])
-                self._fail_later(req, err)
-
-    def _fail_later(self, req: Request, exc: BaseException) -> None:
-        rid = req.request_id
-        self._requests.pop(rid, None)
-        self.output_processor.drop(rid)
-        self.failed.append((rid, exc))
+                self.failed.append((req.request_id, ValueError(f"structured_outputs: {so.error}")))
 
     def _wait_for_grammars(self) -> None:
         """Nothing ran: sleep until a compiling grammar is ready (at most 5 ms) rather than
@@ -332,75 +323,145 @@ class LLMEngine(PrefixPinsMixin):
         failed, self.failed = self.failed, []
         return failed
 
-    def _finish_stopped(self, req: Request, stop: str) -> None:
-        self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED, stop)
-
-    def _finish_output(
-        self, req: Request, reason: str | None, stop_reason: str | int | None, now: float
-    ) -> RequestOutput:
-        self._requests.pop(req.request_id, None)
-        return self.output_processor.make_output(
-            req.request_id,
-            req.output_token_ids,
-            max(req.num_cached_tokens, 0),
-            reason or "stop",
-            stop_reason,
-            now,
-        )
-
     def fail_requests(
         self, exc: BaseException, request_ids: list[str] | None = None
     ) -> list[tuple[str, BaseException]]:
         """Abort requests after an engine error (blocks freed): ``request_ids``, or every
         request in flight when ``None``. Pin jobs among them fail with ``exc``.
 
-        After ``step()`` raised, ``current_step_ids`` names the requests of that step.
+        After ``step()`` raised, ``current_step_ids`` names the requests of that step (a
+        request that step finished is reported failed too: its output was never returned).
 
         Returns:
             ``(request_id, exc)`` for each caller request, so the caller can deliver the error.
         """
-        ids = list(self._requests) if request_ids is None else list(request_ids)
+        known = {r.request_id: r for r in self._step_requests}
+        known.update(self.scheduler.requests)
+        ids = list(known) if request_ids is None else list(dict.fromkeys(request_ids))
         failed: list[tuple[str, BaseException]] = []
         for rid in ids:
-            if rid not in self._requests:
+            req = known.get(rid)
+            if req is None:
                 continue
-            try:
+            if not req.is_finished():
                 self.scheduler.abort_requests([rid])
-            except ValueError:
-                pass  # the scheduler finished it already
-            self._requests.pop(rid, None)
-            job = self._pin_jobs.pop(rid, None)
-            if job is not None:
-                self._resolve_pin(job, None, exc)
+            if req.pin_job is not None:
+                req.pin_job.resolve(None, exc)
             else:
-                self.output_processor.drop(rid)
                 failed.append((rid, exc))
         gone = set(ids)
         self._stashed = [o for o in self._stashed if o.request_id not in gone]
-        self.current_step_ids = []
+        self._step_requests = []
         return failed
 
     def fail_all(self, exc: BaseException) -> list[tuple[str, BaseException]]:
         """``fail_requests(exc)`` for every request in flight."""
         return self.fail_requests(exc, None)
 
+    # -- prefix pins ---------------------------------------------------------------------
+
+    def start_pin(
+        self,
+        token_ids: Sequence[int],
+        ttl_s: float,
+        cache_salt: str | None = None,
+        callback: Callable[[PinJob], None] | None = None,
+    ) -> PinJob:
+        """Start pinning a prefix: queue an internal prefill of ``token_ids`` (one greedy
+        token); when it finishes, its full blocks (now in the prefix cache) are pinned for
+        ``ttl_s`` seconds and ``callback(job)`` runs.
+
+        Raises:
+            ValueError: prefix caching disabled, ttl_s <= 0, or a bad prefix (see
+                ``prepare_request``); TypeError: wrong types.
+        """
+        if not self.config.enable_prefix_caching:
+            raise ValueError("prefix pins need enable_prefix_caching=True")
+        if isinstance(ttl_s, bool) or not isinstance(ttl_s, int | float) or ttl_s <= 0:
+            raise ValueError(f"ttl_s must be a positive number of seconds, got {ttl_s!r}")
+        if isinstance(token_ids, str):
+            raise TypeError("pin_prefix takes token ids; tokenize the text first")
+        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        prep = self.prepare_request(list(token_ids), params, cache_salt)
+        if len(prep.prompt_token_ids) < self.config.block_size:
+            raise ValueError(
+                f"a pinned prefix needs at least one full block ({self.config.block_size} tokens)"
+            )
+        rid = f"{PIN_REQUEST_PREFIX}{next(self._pin_counter)}"
+        job = PinJob(rid, prep.prompt_token_ids, float(ttl_s), cache_salt, callback)
+        self._enqueue(rid, prep, time.monotonic(), pin_job=job)
+        return job
+
+    def _on_pin_request(self, req: Request) -> None:
+        job = req.pin_job
+        if not req.is_finished():  # cannot happen with max_tokens=1; be safe
+            self.scheduler.abort_requests([req.request_id])
+        try:
+            pin = self.kv_cache_manager.pin(job.token_ids, job.cache_salt, job.ttl_s)
+        except Exception as exc:  # noqa: BLE001 - delivered to the caller
+            job.resolve(None, exc)
+        else:
+            job.resolve(pin, None)
+
+    def pin_prefix(
+        self, token_ids: Sequence[int], ttl_s: float, cache_salt: str | None = None
+    ) -> PrefixPin:
+        """Compute ``token_ids`` (if not cached) and pin its full blocks for ``ttl_s`` seconds.
+
+        Steps the engine until done; outputs of other requests produced meanwhile are returned
+        by the next ``step()``.
+
+        Returns:
+            ``PrefixPin(id, num_tokens, expires_at, ...)``.
+
+        Raises:
+            PinLimitError: pins would exceed ``max_pinned_fraction`` of the cache.
+            ValueError / TypeError: see ``start_pin``.
+        """
+        job = self.start_pin(token_ids, ttl_s, cache_salt)
+        pending: list[RequestOutput] = []
+        while not job.done:
+            pending.extend(self.step())
+        self._stashed = pending + self._stashed
+        if job.error is not None:
+            raise job.error
+        return job.result
+
+    def get_pin(self, pin_id: str) -> PrefixPin:
+        """The live pin ``pin_id`` (KeyError once released, revoked or past its TTL)."""
+        return self.kv_cache_manager.get_pin(pin_id)
+
+    def expire_pins(self, now: float | None = None) -> list[str]:
+        """Release pins whose TTL has passed (``schedule()`` does this every step; call it when
+        idle). Returns the released pin ids."""
+        return self.kv_cache_manager.expire_pins(now)
+
+    def next_pin_expiry(self) -> float | None:
+        """Earliest ``expires_at`` (``time.monotonic()`` seconds) of the live pins, or None."""
+        return self.kv_cache_manager.next_pin_expiry()
+
+    def unpin_prefix(self, pin_id: str) -> None:
+        """Release a pin (its blocks become evictable once no request uses them).
+
+        Raises:
+            KeyError: unknown pin id.
+        """
+        self.kv_cache_manager.unpin(pin_id)
+
     # -- introspection -------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        """Engine counters (DEVELOPERS.md ``stats()`` keys) — requests, KV blocks, prefix cache."""
-        s: dict[str, Any] = dict(self.scheduler.stats())
-        # prompt tokens actually computed (a recompute after preemption counts its prompt part
-        # again; prefix-cache hits do not count), and output tokens sampled
-        s["prompt_tokens_prefilled"] = self._prompt_tokens_prefilled
-        s["tokens_decoded"] = self._tokens_decoded
-        return s
+        """Engine counters (DEVELOPERS.md ``stats()`` keys) — requests, KV blocks, prefix cache.
+
+        ``prompt_tokens_prefilled``: prompt tokens actually computed (a recompute after
+        preemption counts its prompt part again; prefix-cache hits do not count);
+        ``tokens_decoded``: output tokens sampled. Both are the scheduler's counters."""
+        return dict(self.scheduler.stats())
 
     def check_invariants(self) -> None:
-        """Raise AssertionError when a KV block is in two states or none, or the engine's
-        bookkeeping disagrees with the scheduler's."""
+        """Raise AssertionError when a KV block is in two states or none, or the queues and
+        the request table disagree."""
         self.scheduler.check_invariants()
-        for rid in self.output_processor.states:
-            assert rid in self._requests, f"output state for {rid!r} without a request"
 
 
 def _load_tokenizer(mc: Any) -> Any:

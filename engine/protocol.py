@@ -70,6 +70,12 @@ class PinHandle(Protocol):
         """Tokens covered by the pin (whole KV blocks)."""
         ...
 
+    @property
+    def expires_at(self) -> float | None:
+        """When the pin lapses, ``time.monotonic()`` seconds (``None``: never). The engine
+        owns this clock; the gateway reads it and keeps none of its own."""
+        ...
+
 
 @runtime_checkable
 class EngineClient(Protocol):
@@ -122,6 +128,14 @@ class EngineClient(Protocol):
         Raises:
             PinLimitError: the pins would exceed the engine's pinned share of the cache.
             ValueError / TypeError: bad input. EngineDeadError: the engine is shut down.
+        """
+        ...
+
+    def get_pin(self, pin_id: str) -> PinHandle:
+        """The pin ``pin_id`` while the engine still holds it (never blocks).
+
+        Raises:
+            KeyError: unknown, released, revoked, or past its ``expires_at``.
         """
         ...
 

@@ -71,7 +71,18 @@ class Request:
         block_hashes: prefix-cache keys of the request's full blocks (filled by the KV cache
             manager, ``block_hashes[i]`` covers tokens ``[i*block_size, (i+1)*block_size)``).
         num_preemptions: times this request was preempted.
-        metrics: ``time.monotonic()`` timestamps (``arrival``, ``first_scheduled``, ...).
+        arrival_time, first_scheduled_time, first_token_time, last_token_time, finished_time:
+            ``time.monotonic()`` seconds (``None`` until it happens); ``metrics`` is them as a
+            dict, the one copy ``RequestOutput.metrics`` reports.
+        detokenizer: the ``IncrementalDetokenizer`` of a caller request (``None`` for internal
+            requests and bare scheduler tests): ``check_stop`` feeds it each token and ends the
+            request on a stop string.
+        text: the text produced so far (stop strings excluded); ``logprobs``: one
+            ``TokenLogprobs`` per output token when requested, else ``None``;
+            ``num_sent_tokens`` / ``num_sent_chars``: what earlier outputs already reported.
+        prompt: the prompt text when the caller gave text, else ``None``.
+        pin_job: the pin in progress when this is the internal prefill of a prefix pin.
+        error: why the request failed (a sampled token its grammar rejected), else ``None``.
 
     Raises:
         ValueError: empty prompt, a negative token id, or max_tokens < 1.
@@ -120,7 +131,18 @@ class Request:
         self.structured_output: Any | None = None
         self.block_hashes: list[Any] = []
         self.num_preemptions = 0
-        self.metrics: dict[str, float] = {"arrival": self.arrival_time}
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.finished_time: float | None = None
+        self.prompt: str | None = None
+        self.detokenizer: Any = None
+        self.text = ""
+        self.logprobs: list[Any] | None = None
+        self.num_sent_tokens = 0
+        self.num_sent_chars = 0
+        self.pin_job: Any = None
+        self.error: BaseException | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -143,10 +165,63 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished()
 
-    def append_output_token(self, token_id: int) -> None:
+    @property
+    def metrics(self) -> dict[str, float]:
+        """The timestamps that happened, by name (``arrival``, ``first_scheduled``,
+        ``first_token``, ``last_token``, ``finished``), ``time.monotonic()`` seconds."""
+        times = {
+            "arrival": self.arrival_time,
+            "first_scheduled": self.first_scheduled_time,
+            "first_token": self.first_token_time,
+            "last_token": self.last_token_time,
+            "finished": self.finished_time,
+        }
+        return {k: v for k, v in times.items() if v is not None}
+
+    def append_output_token(self, token_id: int, now: float | None = None) -> None:
         """Append one sampled token (its KV is computed next step, as a decode)."""
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        now = time.monotonic() if now is None else now
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.last_token_time = now
+
+    def check_stop(self, max_model_len: int) -> RequestStatus | None:
+        """Decide whether the last appended token ends the request: the one place that does.
+
+        In order: EOS (unless ``ignore_eos``) or a stop token id (``stop_reason`` = the id;
+        neither adds text); unless the length is reached, a structured-output grammar that
+        ended (stop, no text) or rejected the token (aborted, ``error`` set: the request
+        fails); then the token's text goes to the detokenizer and a stop string in it ends the
+        request (``stop_reason`` = the string); else ``max_tokens`` or ``max_model_len``
+        reached (length). Returns the finished status, or ``None``.
+        """
+        token = self.output_token_ids[-1]
+        params = self.sampling_params
+        if token in self.eos_token_ids and not (params is not None and params.ignore_eos):
+            return RequestStatus.FINISHED_STOPPED
+        if params is not None and token in params.stop_token_ids:
+            self.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        length = self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len
+        so = self.structured_output
+        if so is not None and not length:
+            if so.terminated:  # the grammar is complete (also with ignore_eos)
+                return RequestStatus.FINISHED_STOPPED
+            if so.rejected is not None:
+                self.error = RuntimeError(
+                    f"request {self.request_id!r}: token {so.rejected} was sampled outside its "
+                    "structured_outputs grammar (no allowed token left)"
+                )
+                return RequestStatus.FINISHED_ABORTED
+        detok = self.detokenizer
+        if detok is not None:
+            self.text += detok.step([token])
+            if detok.stop_string is not None:
+                self.stop_reason = detok.stop_string
+                return RequestStatus.FINISHED_STOPPED
+        return RequestStatus.FINISHED_LENGTH if length else None
 
     @property
     def waits_for_grammar(self) -> bool:

@@ -208,7 +208,7 @@ class Scheduler:
         for r in reqs:
             self.kv.free(r)
             r.status = status
-            r.metrics["finished"] = now
+            r.finished_time = now
             del self.requests[r.request_id]
             self._finished_ids.append(r.request_id)
         return reqs
@@ -246,7 +246,6 @@ class Scheduler:
 
         out = list(scheduled.values())
         out.sort(key=lambda s: not s.is_decode)  # stable: decodes first
-        self.prompt_tokens_prefilled += sum(s.num_new_tokens for s in out if not s.is_decode)
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(out, sum(s.num_new_tokens for s in out), preempted, finished)
 
@@ -299,9 +298,9 @@ class Scheduler:
         """Move the head of the waiting queue to running with ``num_hit`` cached tokens."""
         self.waiting.popleft()
         req.num_computed_tokens = num_hit
-        if "first_scheduled" not in req.metrics:  # first admission
+        if req.first_scheduled_time is None:  # first admission
             req.num_cached_tokens = num_hit
-            req.metrics["first_scheduled"] = now
+            req.first_scheduled_time = now
             self.kv.record_query(req.num_prompt_tokens, num_hit)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
@@ -330,8 +329,9 @@ class Scheduler:
                 samples (``ScheduledRequest.samples``); tokens for others are ignored.
 
         Returns:
-            Requests finished this step (EOS unless ``ignore_eos``, a stop token id,
-            ``max_tokens`` or ``max_model_len``); their blocks are freed already.
+            Requests finished this step, as ``Request.check_stop`` decided (EOS unless
+            ``ignore_eos``, a stop token id, a stop string, ``max_tokens`` or
+            ``max_model_len``); their blocks are freed already.
 
         Raises:
             ValueError: a sampling request has no token in ``sampled_token_ids``.
@@ -350,34 +350,21 @@ class Scheduler:
         if missing:  # checked before anything changes
             raise ValueError(f"no sampled token for request(s) {missing}")
         finished: list[Request] = []
+        now = time.monotonic()
         for s in live:
             req = s.request
-            req.num_computed_tokens = s.num_computed_tokens + s.num_new_tokens
-            if s.samples:
-                token = sampled_token_ids[req.request_id]
-                req.append_output_token(token)
+            c, samples = s.num_computed_tokens, s.samples  # (samples reads num_tokens)
+            if c < req.num_prompt_tokens:  # prompt tokens computed (a recompute counts again)
+                self.prompt_tokens_prefilled += min(c + s.num_new_tokens, req.num_prompt_tokens) - c
+            req.num_computed_tokens = c + s.num_new_tokens
+            if samples:
+                req.append_output_token(sampled_token_ids[req.request_id], now)
                 self.tokens_decoded += 1
-                if "first_token" not in req.metrics:
-                    req.metrics["first_token"] = time.monotonic()
-                status = self._check_stop(req, token)
-                if status is not None:
-                    self.kv.cache_blocks(req, req.num_computed_tokens)
-                    finished.extend(self._finish([req], status))
-                    continue
             self.kv.cache_blocks(req, req.num_computed_tokens)
+            status = req.check_stop(self.max_model_len) if samples else None
+            if status is not None:
+                finished.extend(self._finish([req], status))
         return finished
-
-    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
-        params = req.sampling_params
-        ignore_eos = bool(params is not None and params.ignore_eos)
-        if token in req.eos_token_ids and not ignore_eos:
-            return RequestStatus.FINISHED_STOPPED
-        if params is not None and token in params.stop_token_ids:
-            req.stop_reason = token
-            return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     # ---- stats and checks ---------------------------------------------------------------
     def stats(self) -> dict[str, float | int]:

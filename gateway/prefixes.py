@@ -12,16 +12,17 @@ prefix's last characters with the text that follows, so only the tokens before t
 boundary are sure to reappear at the head of every conversation built on the prefix.
 
 A prefix belongs to the cache salt of the key that created it: other tenants get 404 for it
-(as for an unknown or expired id). Expiry is kept by the gateway (wall clock, ``expires_at``
-in Unix seconds); expired entries are dropped lazily and their pins released. A create whose
-caller goes away while the engine pins (client disconnect) releases the pin when it lands:
-nobody could ever learn its id. Creates in progress count against ``max_prefixes``; a 429's
-``Retry-After`` is the time until the next live prefix expires.
+(as for an unknown or expired id). The engine owns the pin and its TTL (one clock,
+``time.monotonic()``): the registry asks ``engine.get_pin`` whether an entry's pin is still
+held and forgets the entry once it is not (expired, or revoked for a request that needed the
+blocks); ``expires_at`` in the API is that same expiry shown in Unix seconds. A create whose
+caller goes away while the engine pins (client disconnect) is the engine's to release
+(``AsyncEngine.pin_prefix`` unpins a pin nobody awaits any more). Creates in progress count
+against ``max_prefixes``; a 429's ``Retry-After`` is the time until the next live prefix expires.
 """
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 import time
 from dataclasses import dataclass
@@ -41,9 +42,10 @@ class PrefixEntry:
         messages: the leading messages as ``{"role", "content"}`` dicts.
         prompt_tokens: tokens of the rendered prefix.
         pinned_tokens: tokens handed to ``engine.pin_prefix``.
-        created_at, expires_at: Unix seconds.
+        created_at: Unix seconds.
         salt: the salt of the creating key (its owner).
-        pin: the engine's pin handle (has ``.id``).
+        pin: the engine's ``PrefixPin`` (``.id``, ``.expires_at`` in ``time.monotonic()``
+            seconds: the one clock of the prefix's life).
     """
 
     id: str
@@ -51,9 +53,18 @@ class PrefixEntry:
     prompt_tokens: int
     pinned_tokens: int
     created_at: int
-    expires_at: float
     salt: str | None
     pin: PinHandle
+
+    @property
+    def expires_at(self) -> float:
+        """The engine pin's expiry in Unix seconds (for the API; ``inf`` for no expiry)."""
+        return time.time() + self.seconds_left()
+
+    def seconds_left(self) -> float:
+        """Seconds until the engine's pin lapses (``inf`` when it never does)."""
+        at = self.pin.expires_at
+        return float("inf") if at is None else at - time.monotonic()
 
     def public(self, model: str) -> dict[str, Any]:
         """The prefix object returned by the API."""
@@ -121,17 +132,11 @@ class PrefixRegistry:
                 retry_after=self._next_expiry(),
             )
         pinned = token_ids[:-1]
-        job = asyncio.ensure_future(
-            self._engine.pin_prefix(
-                pinned, ttl_s, cache_salt=salt if cache_salt is None else cache_salt
-            )
-        )
         self._pending += 1
         try:
-            pin = await asyncio.shield(job)
-        except asyncio.CancelledError:
-            job.add_done_callback(self._release_orphan)  # the caller is gone: unpin on landing
-            raise
+            pin = await self._engine.pin_prefix(
+                pinned, ttl_s, cache_salt=salt if cache_salt is None else cache_salt
+            )
         except ValueError as exc:
             if isinstance(exc, PinLimitError):
                 raise APIError(
@@ -143,14 +148,12 @@ class PrefixRegistry:
             raise APIError(400, str(exc), param="messages") from None
         finally:
             self._pending -= 1
-        now = time.time()
         entry = PrefixEntry(
             id="pfx-" + secrets.token_hex(12),
             messages=messages,
             prompt_tokens=len(token_ids),
             pinned_tokens=len(pinned),
-            created_at=int(now),
-            expires_at=now + ttl_s,
+            created_at=int(time.time()),
             salt=salt,
             pin=pin,
         )
@@ -189,25 +192,20 @@ class PrefixRegistry:
         space is then held by pins this registry does not know, e.g. the engine's own)."""
         if not self._entries:
             return 60.0
-        return max(1.0, min(e.expires_at for e in self._entries.values()) - time.time())
-
-    def _release_orphan(self, job: asyncio.Future) -> None:
-        """Unpin a pin whose creator went away before it landed."""
-        if job.cancelled() or job.exception() is not None:
-            return
-        try:
-            self._engine.unpin_prefix(job.result().id)
-        except (KeyError, ValueError):
-            pass  # already released by the engine
+        soonest = min(e.seconds_left() for e in self._entries.values())
+        return 60.0 if soonest == float("inf") else max(1.0, soonest)
 
     def _drop(self, entry: PrefixEntry) -> None:
         self._entries.pop(entry.id, None)
         try:
             self._engine.unpin_prefix(entry.pin.id)
         except (KeyError, ValueError):
-            pass  # already released by the engine (its own TTL)
+            pass  # already released by the engine (its TTL)
 
     def _expire(self) -> None:
-        now = time.time()
-        for entry in [e for e in self._entries.values() if e.expires_at <= now]:
-            self._drop(entry)
+        """Forget the entries whose pin the engine no longer holds (its TTL, or revoked)."""
+        for entry in list(self._entries.values()):
+            try:
+                self._engine.get_pin(entry.pin.id)
+            except KeyError:
+                del self._entries[entry.id]

@@ -14,7 +14,7 @@ from array import array
 from dataclasses import dataclass, field
 
 import pytest
-from prefixgate.engine import prefix_pins as pins_module
+from prefixgate.engine import kv_cache_manager as pins_module
 from prefixgate.engine.config import EngineConfig
 from prefixgate.engine.errors import CacheCapacityError
 from prefixgate.engine.kv_cache_manager import KVCacheManager

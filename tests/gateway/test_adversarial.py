@@ -435,6 +435,8 @@ def _slow_pins(engine, delay_s: float = 0.3) -> None:
                 return
             if not fut.done():
                 fut.set_result(pin)
+            else:  # the caller was cancelled: released on landing, as AsyncEngine.pin_prefix does
+                engine.unpin_prefix(pin.id)
 
         task = loop.create_task(job())
         jobs.add(task)

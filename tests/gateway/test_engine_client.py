@@ -14,7 +14,7 @@ from support.fake_engine import FakeEngine
 
 if TYPE_CHECKING:
     from prefixgate.engine.async_engine import AsyncEngine
-    from prefixgate.engine.prefix_pins import PrefixPin
+    from prefixgate.engine.kv_cache_manager import PrefixPin
     from prefixgate.engine.tokenizer import Tokenizer
 
 

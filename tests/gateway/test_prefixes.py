@@ -105,3 +105,17 @@ def test_prefix_belongs_to_its_salt(serve_fake, gw):
         assert a.get(f"/v1/prefixes/{pfx['id']}").status_code == 200
         assert b.get(f"/v1/prefixes/{pfx['id']}").status_code == 404
         assert b.delete(f"/v1/prefixes/{pfx['id']}").status_code == 404
+
+
+def test_prefix_lives_as_long_as_its_engine_pin(serve_fake, gw):
+    # The engine owns a pin's TTL: the registry keeps no clock of its own and forgets a prefix
+    # as soon as the engine no longer holds its pin (expired, or revoked for a request).
+    srv, engine = serve_fake()
+    body = {"model": "fake", "ttl_seconds": 60, "messages": [{"role": "system", "content": SYSTEM}]}
+    with gw.client(srv) as http:
+        pfx = http.post("/v1/prefixes", json=body).json()
+        (pin_id,) = list(engine._pins)
+        assert abs(pfx["expires_at"] - (time.time() + 60)) <= 2
+        engine.unpin_prefix(pin_id)  # the engine let go of it (as a revoke does)
+        assert http.get(f"/v1/prefixes/{pfx['id']}").status_code == 404
+        assert engine.pinned_blocks == 0

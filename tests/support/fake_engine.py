@@ -184,6 +184,7 @@ class FakeEngine:
         if self.shutdown_called:
             raise EngineDeadError("the engine is shut down")
         blocks = len(token_ids) // self.block_size
+        self._expire_pins()
         if self.pinned_blocks + blocks > self.max_pinned_fraction * self.num_blocks:
             raise PinLimitError(f"pinning {blocks} blocks would exceed the pinned cap")
         self._store(token_ids, cache_salt)
@@ -196,13 +197,24 @@ class FakeEngine:
         self._pins[pin.id] = pin
         return pin
 
+    def get_pin(self, pin_id: str) -> _Pin:
+        """The live pin (KeyError once released or past its TTL: the engine owns the TTL)."""
+        self._expire_pins()
+        return self._pins[pin_id]
+
     def unpin_prefix(self, pin_id: str) -> None:
         if pin_id not in self._pins:
             raise KeyError(pin_id)
         del self._pins[pin_id]
 
+    def _expire_pins(self) -> None:
+        now = time.monotonic()
+        for pin_id in [p.id for p in self._pins.values() if p.expires_at <= now]:
+            del self._pins[pin_id]
+
     @property
     def pinned_blocks(self) -> int:
+        self._expire_pins()
         return sum(p.blocks for p in self._pins.values())
 
     def stats(self) -> dict:
