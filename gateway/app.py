@@ -26,7 +26,7 @@ from prefixgate.gateway.auth import KeyRing
 from prefixgate.gateway.errors import APIError, error_middleware
 from prefixgate.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from prefixgate.gateway.prefixes import PrefixRegistry
-from prefixgate.gateway.responses import TokenTexts
+from prefixgate.gateway.renderers import TokenTexts
 from prefixgate.gateway.state import STATE, GatewaySettings, GatewayState
 from prefixgate.gateway.upstream import UpstreamRouter
 

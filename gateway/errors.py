@@ -17,8 +17,10 @@ import json
 import logging
 import math
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
+from prefixgate.gateway.responses import ErrorObject, ErrorResponse
 
 logger = logging.getLogger("prefixgate.gateway")
 
@@ -68,16 +70,10 @@ class APIError(Exception):
         self.retry_after = retry_after
         self.type = type or _TYPES.get(status, "api_error")
 
-    def body(self) -> dict:
-        """The OpenAI error object as a dict."""
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
+    def body(self) -> dict[str, Any]:
+        """The OpenAI error object as a dict (``responses.ErrorResponse``)."""
+        error = ErrorObject(message=self.message, type=self.type, param=self.param, code=self.code)
+        return ErrorResponse(error=error).model_dump()
 
     def response(self) -> web.Response:
         """The error as an aiohttp JSON response (with ``Retry-After`` when set)."""

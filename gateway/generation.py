@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prefixgate.engine.outputs import TokenLogprobs
 from prefixgate.engine.protocol import EngineClient
@@ -42,6 +42,34 @@ class Delta:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class ChoiceOutput:
+    """What one choice has produced so far (``add`` each of its Deltas).
+
+    Attributes:
+        text: the text so far; finish_reason: None while running.
+        num_tokens: tokens generated; logprobs: TokenLogprobs of each (when asked for).
+        t_first_token: monotonic seconds of its first token (0.0 before).
+    """
+
+    text: str = ""
+    finish_reason: str | None = None
+    num_tokens: int = 0
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    t_first_token: float = 0.0
+
+    def add(self, d: Delta, now: float) -> None:
+        """Take in one output of this choice, seen at ``now`` (monotonic seconds)."""
+        if d.new_tokens and self.num_tokens == 0:
+            self.t_first_token = now
+        self.num_tokens = d.num_tokens
+        if d.logprobs is not None:
+            self.logprobs.extend(d.logprobs)
+        self.text = d.text
+        if d.finished:
+            self.finish_reason = d.finish_reason
 
 
 @dataclass(slots=True)

@@ -2,9 +2,10 @@
 
 The walk of one request: authenticate → parse and validate the body → render and tokenize
 the prompt → check lengths → per-key rate limits → admission queue → one engine request per
-choice (``n``) → a JSON body, or SSE chunks as tokens come. The engine requests are aborted
-when the client disconnects (checked every ``poll_s`` while waiting, and on every failed
-write while streaming), so their KV blocks are freed at once.
+choice (``n``) → a JSON body, or SSE chunks as tokens come (``Exchange``, with the route's
+renderer: ``renderers.ChatRenderer`` or ``CompletionRenderer``). The engine requests are
+aborted when the client disconnects (checked every ``poll_s`` while waiting, and on every
+failed write while streaming), so their KV blocks are freed at once.
 """
 
 from __future__ import annotations
@@ -12,15 +13,12 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import Any
 
 from aiohttp import web
 from prefixgate.engine.errors import EngineDeadError
-from prefixgate.gateway import responses as R
-from prefixgate.gateway.admission import Ticket
-from prefixgate.gateway.auth import effective_salt
+from prefixgate.gateway.auth import Principal, effective_salt
 from prefixgate.gateway.errors import APIError, bad_request
-from prefixgate.gateway.generation import Choice, ChoiceRun, Delta
+from prefixgate.gateway.generation import Choice, ChoiceOutput, ChoiceRun, Delta
 from prefixgate.gateway.prompts import (
     check_length,
     choice_seeds,
@@ -28,6 +26,8 @@ from prefixgate.gateway.prompts import (
     render_chat,
     sampling_params,
 )
+from prefixgate.gateway.renderers import ChatRenderer, CompletionRenderer
+from prefixgate.gateway.responses import ModelCard, ModelList, Usage, dump
 from prefixgate.gateway.schemas import ChatCompletionRequest, CompletionRequest, parse
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.streaming import SSEWriter, client_gone
@@ -57,7 +57,16 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         Choice(i, f"{rid}-{i}", ids, sampling_params(req, max_tokens, seeds[i]))
         for i in range(req.n)
     ]
-    return await _Exchange(request, st, principal, req, rid, choices, chat=True).run()
+    renderer = ChatRenderer(
+        rid,
+        int(time.time()),
+        st.model_name,
+        st.require_token_texts(),
+        req.num_logprobs,
+        req.include_usage,
+    )
+    salt = effective_salt(principal.salt, req.cache_salt)
+    return await Exchange(request, st, principal, choices, renderer, salt, req.stream).run()
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -88,14 +97,23 @@ async def completions(request: web.Request) -> web.StreamResponse:
                     prompt_index=p,
                 )
             )
-    return await _Exchange(request, st, principal, req, rid, choices, chat=False).run()
+    renderer = CompletionRenderer(
+        rid,
+        int(time.time()),
+        st.model_name,
+        st.require_token_texts(),
+        req.num_logprobs,
+        req.include_usage,
+    )
+    salt = effective_salt(principal.salt, req.cache_salt)
+    return await Exchange(request, st, principal, choices, renderer, salt, req.stream).run()
 
 
 async def list_models(request: web.Request) -> web.Response:
     """GET /v1/models: the one served model."""
     st = request.app[STATE]
     st.keys.authenticate(request)
-    return web.json_response({"object": "list", "data": [_model_card(st)]})
+    return _json(dump(ModelList(data=[_model_card(st)])))
 
 
 async def get_model(request: web.Request) -> web.Response:
@@ -103,14 +121,16 @@ async def get_model(request: web.Request) -> web.Response:
     st = request.app[STATE]
     st.keys.authenticate(request)
     st.check_model(request.match_info["model"])
-    return web.json_response(_model_card(st))
+    return _json(dump(_model_card(st)))
 
 
-def _model_card(st: GatewayState) -> dict[str, Any]:
-    card = {"id": st.model_name, "object": "model", "created": 0, "owned_by": "prefixgate"}
-    if st.engine is not None:
-        card["max_model_len"] = st.engine.max_model_len
-    return card
+def _model_card(st: GatewayState) -> ModelCard:
+    length = st.engine.max_model_len if st.engine is not None else None
+    return ModelCard(id=st.model_name, max_model_len=length)
+
+
+def _json(body: bytes, status: int = 200) -> web.Response:
+    return web.Response(body=body, status=status, content_type="application/json")
 
 
 def engine_error(exc: Exception) -> APIError:
@@ -128,51 +148,47 @@ def engine_error(exc: Exception) -> APIError:
     return APIError(500, f"generation failed: {type(exc).__name__}", code="engine_error")
 
 
-class _Exchange:
-    """One admitted request: runs its choices and writes the JSON body or the SSE stream."""
+class Exchange:
+    """One admitted HTTP request: runs its choices on the engine and writes the JSON body or
+    the SSE stream through its route's renderer.
+
+    Args:
+        request: the HTTP request; st: the gateway state; principal: the caller.
+        choices: the engine requests (one per choice; per prompt for batched completions).
+        renderer: ``ChatRenderer`` or ``CompletionRenderer``.
+        salt: the engine cache salt; stream: answer with SSE.
+    """
 
     def __init__(
         self,
         request: web.Request,
         st: GatewayState,
-        principal: Any,
-        req: Any,
-        rid: str,
+        principal: Principal,
         choices: list[Choice],
-        chat: bool,
+        renderer: ChatRenderer | CompletionRenderer,
+        salt: str | None,
+        stream: bool,
     ) -> None:
         self.request = request
         self.st = st
         self.principal = principal
-        self.req = req
-        self.rid = rid
         self.choices = choices
-        self.chat = chat
-        self.salt = effective_salt(principal.salt, req.cache_salt)
-        self.created = int(time.time())
-        self.model = st.model_name
-        self.engine = st.require_engine()
-        assert st.token_texts is not None  # set with the engine
-        self.token_text = st.token_texts
-        n = len(choices)
-        self.text = [""] * n
-        self.finish: list[str | None] = [None] * n
-        self.num_tokens = [0] * n
-        self.logprobs: list[list] = [[] for _ in range(n)]
+        self.renderer = renderer
+        self.salt = salt
+        self.stream = stream
+        self.outputs = [ChoiceOutput() for _ in choices]
         self.cached: dict[int, int] = {}  # prompt index -> cached tokens (its first choice's)
         prompts = {c.prompt_index: len(c.prompt_token_ids) for c in choices}
         self.prompt_tokens = sum(prompts.values())
         self.num_prompts = len(prompts)
         self.t0 = time.monotonic()
         self.t_first: float | None = None
-        self.t_first_choice = [0.0] * n
-        self.ticket: Ticket | None = None
 
     async def run(self) -> web.StreamResponse:
         st = self.st
         self.principal.acquire(self.prompt_tokens)
         try:
-            ticket = self.ticket = st.admission.admit(
+            self.ticket = st.admission.admit(
                 self.prompt_tokens,
                 len(self.choices),
                 param="n" if self.num_prompts == 1 else "prompt",
@@ -181,61 +197,41 @@ class _Exchange:
             self.principal.release(0)
             raise
         st.metrics.prompt_tokens.inc(self.prompt_tokens)
-        route = "chat" if self.chat else "completions"
         status = "error"
         try:
-            if self.req.stream:
-                resp = await self._stream()
-            else:
-                resp = await self._collect()
+            resp = await (self._stream() if self.stream else self._collect())
             status = str(resp.status)
             return resp
         finally:
-            ticket.done()
-            completion = sum(self.num_tokens)
-            self.principal.release(completion)
-            st.metrics.requests.labels(route, status).inc()
+            self.ticket.done()
+            self.principal.release(sum(o.num_tokens for o in self.outputs))
+            st.metrics.requests.labels(self.renderer.route, status).inc()
             if status == "200":
                 st.metrics.e2e.observe(time.monotonic() - self.t0)
 
-    # --- bookkeeping ----------------------------------------------------------------------
     def _record(self, i: int, d: Delta) -> None:
-        """Note one output of choice ``i``."""
+        """Note one output of choice ``i`` (and the request's metrics)."""
         now = time.monotonic()
+        metrics = self.st.metrics
         if self.t_first is None and d.new_tokens:
             self.t_first = now
-            if self.ticket is not None:
-                self.ticket.started()
-            self.st.metrics.ttft.observe(now - self.t0)
-        if d.new_tokens and self.num_tokens[i] == 0:
-            self.t_first_choice[i] = now
-        self.num_tokens[i] = d.num_tokens
-        self.st.metrics.add_generated(d.new_tokens)
-        if d.logprobs is not None:
-            self.logprobs[i].extend(d.logprobs)
-        p = self.choices[i].prompt_index
-        if p not in self.cached:
-            self.cached[p] = d.num_cached_tokens
-        self.text[i] = d.text
-        if d.finished:
-            self.finish[i] = d.finish_reason
-            if d.num_tokens > 1:
-                self.st.metrics.tpot.observe((now - self.t_first_choice[i]) / (d.num_tokens - 1))
+            self.ticket.started()
+            metrics.ttft.observe(now - self.t0)
+        out = self.outputs[i]
+        out.add(d, now)
+        metrics.add_generated(d.new_tokens)
+        self.cached.setdefault(self.choices[i].prompt_index, d.num_cached_tokens)
+        if d.finished and d.num_tokens > 1:
+            metrics.tpot.observe((now - out.t_first_token) / (d.num_tokens - 1))
 
-    def _usage(self) -> dict[str, Any]:
-        return R.usage(self.prompt_tokens, sum(self.num_tokens), sum(self.cached.values()))
-
-    def _logprobs(self, entries: list | None, offset: int = 0) -> dict | None:
-        if entries is None or self.req.num_logprobs is None:
-            return None
-        if self.chat:
-            return R.chat_logprobs(self.token_text, entries)
-        return R.completion_logprobs(self.token_text, entries, offset)
+    def _usage(self) -> Usage:
+        completion = sum(o.num_tokens for o in self.outputs)
+        return Usage.of(self.prompt_tokens, completion, sum(self.cached.values()))
 
     # --- non-streaming --------------------------------------------------------------------
     async def _collect(self) -> web.StreamResponse:
         poll = self.st.settings.poll_s
-        async with ChoiceRun(self.engine, self.choices, self.salt) as run:
+        async with ChoiceRun(self.st.require_engine(), self.choices, self.salt) as run:
             while run.pending:
                 try:
                     ev = await run.next(poll)
@@ -247,30 +243,15 @@ class _Exchange:
                     continue
                 self._record(*ev)
         self.st.metrics.cached_tokens.inc(sum(self.cached.values()))
-        if self.chat:
-            choices = [
-                R.chat_choice(i, self.text[i], self.finish[i], self._logprobs(self.logprobs[i]))
-                for i in range(len(self.choices))
-            ]
-            body = R.chat_completion(self.rid, self.created, self.model, choices, self._usage())
-        else:
-            choices = [
-                R.completion_choice(
-                    i, self.text[i], self.finish[i], self._logprobs(self.logprobs[i])
-                )
-                for i in range(len(self.choices))
-            ]
-            body = R.completion(self.rid, self.created, self.model, choices, self._usage())
-        return web.json_response(body)
+        return _json(dump(self.renderer.body(self.outputs, self._usage())))
 
     # --- streaming ------------------------------------------------------------------------
     async def _stream(self) -> web.StreamResponse:
         sse = SSEWriter(self.request)
         poll = min(self.st.settings.poll_s, self.st.settings.keepalive_s)
         keepalive = self.st.settings.keepalive_s
-        with_usage = self.req.include_usage
         try:
-            async with ChoiceRun(self.engine, self.choices, self.salt) as run:
+            async with ChoiceRun(self.st.require_engine(), self.choices, self.salt) as run:
                 # Errors before the first output (bad input the engine refused) stay HTTP errors.
                 first = None
                 while run.pending and first is None:
@@ -282,17 +263,17 @@ class _Exchange:
                         if client_gone(self.request):
                             return web.Response(status=CLIENT_GONE)
                         if not sse.response.prepared and time.monotonic() - self.t0 >= keepalive:
-                            await self._open(sse, with_usage)
+                            await self._open(sse)
                         elif (
                             sse.response.prepared and time.monotonic() - sse.last_write >= keepalive
                         ):
                             await sse.keepalive()
                 if not sse.response.prepared:
-                    await self._open(sse, with_usage)
+                    await self._open(sse)
                 ev = first
                 while True:
                     if ev is not None:
-                        await self._send_delta(sse, *ev, with_usage)
+                        await self._send(sse, *ev)
                     elif time.monotonic() - sse.last_write >= keepalive:
                         await sse.keepalive()
                     if not run.pending:
@@ -305,57 +286,22 @@ class _Exchange:
                         )
                         break
             self.st.metrics.cached_tokens.inc(sum(self.cached.values()))
-            if with_usage:
-                obj = "chat.completion.chunk" if self.chat else "text_completion"
-                await sse.send(
-                    R.usage_chunk(self.rid, self.created, self.model, obj, self._usage())
-                )
+            if self.renderer.include_usage:
+                await sse.write(self.renderer.usage_event(self._usage()))
             await sse.done()
         except ConnectionResetError:
             pass  # client gone mid-stream: ChoiceRun aborted the engine requests on exit
         return sse.response
 
-    async def _open(self, sse: SSEWriter, with_usage: bool) -> None:
-        """Send the headers and, for chat, each choice's role chunk."""
+    async def _open(self, sse: SSEWriter) -> None:
+        """Send the headers and the renderer's opening chunks (chat: each choice's role)."""
         await sse.open()
-        if self.chat:
-            for i in range(len(self.choices)):
-                await sse.send(
-                    R.chat_chunk(
-                        self.rid,
-                        self.created,
-                        self.model,
-                        i,
-                        {"role": "assistant", "content": ""},
-                        with_usage=with_usage,
-                    )
-                )
+        for chunk in self.renderer.opening(len(self.choices)):
+            await sse.write(self.renderer.event(chunk))
 
-    async def _send_delta(self, sse: SSEWriter, i: int, d: Delta, with_usage: bool) -> None:
-        offset = len(self.text[i])
+    async def _send(self, sse: SSEWriter, i: int, d: Delta) -> None:
+        offset = len(self.outputs[i].text)
         self._record(i, d)
-        logprobs = self._logprobs(d.logprobs, offset) if d.logprobs else None
-        finish = d.finish_reason
-        if not d.delta_text and logprobs is None and finish is None:
-            return  # nothing visible yet (a held-back stop-string prefix or partial UTF-8)
-        if self.chat:
-            delta = {"content": d.delta_text} if d.delta_text or finish is None else {}
-            chunk = R.chat_chunk(
-                self.rid,
-                self.created,
-                self.model,
-                i,
-                delta,
-                finish,
-                logprobs,
-                with_usage=with_usage,
-            )
-        else:
-            chunk = R.completion_chunk(
-                self.rid,
-                self.created,
-                self.model,
-                R.completion_choice(i, d.delta_text, finish, logprobs),
-                with_usage=with_usage,
-            )
-        await sse.send(chunk)
+        chunk = self.renderer.chunk(i, d, offset)
+        if chunk is not None:
+            await sse.write(self.renderer.event(chunk))

@@ -47,15 +47,28 @@ class ChatMessage(BaseModel):
 
     def text(self) -> str:
         """The content as one string (text parts joined)."""
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+        return content_text(self.content)
 
     def as_dict(self) -> dict[str, str]:
         """``{"role", "content"}`` for the chat template."""
         return {"role": self.role, "content": self.text()}
+
+
+def content_text(content: object) -> str:
+    """A chat message's content as one string, the gateway's one flattening: a string as it
+    is, text parts (``TextPart`` or ``{"type": "text", "text": ...}`` dicts) joined, anything
+    else (``None``, other parts) ``""``."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        return ""
+    texts = []
+    for part in content:
+        if isinstance(part, TextPart):
+            texts.append(part.text)
+        elif isinstance(part, dict) and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+    return "".join(texts)
 
 
 class StreamOptions(BaseModel):

@@ -14,7 +14,7 @@ from prefixgate.gateway.metrics import GatewayMetrics
 
 if TYPE_CHECKING:
     from prefixgate.gateway.prefixes import PrefixRegistry
-    from prefixgate.gateway.responses import TokenTexts
+    from prefixgate.gateway.renderers import TokenTexts
     from prefixgate.gateway.upstream import UpstreamRouter
 
 
@@ -110,6 +110,13 @@ class GatewayState:
                 retry_after=2.0,
             )
         return self.engine
+
+    def require_token_texts(self) -> TokenTexts:
+        """Token id → text of the attached engine's tokenizer (logprobs), or 503 while it
+        loads."""
+        self.require_engine()
+        assert self.token_texts is not None  # set with the engine (app.attach_engine)
+        return self.token_texts
 
     def require_prefixes(self) -> PrefixRegistry:
         """The prefix registry of the attached engine, or 503 while it loads.

@@ -28,7 +28,12 @@ KEEPALIVE = b": keep-alive\n\n"
 
 def encode_event(obj: dict[str, Any]) -> bytes:
     """One SSE ``data:`` event holding ``obj`` as compact JSON (bytes, UTF-8)."""
-    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+    return encode_data(json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode())
+
+
+def encode_data(payload: bytes) -> bytes:
+    """One SSE ``data:`` event of an already serialized (single-line JSON) ``payload``."""
+    return b"data: " + payload + b"\n\n"
 
 
 class SSEWriter:

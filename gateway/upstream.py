@@ -30,6 +30,7 @@ from typing import Any
 import aiohttp
 import xxhash
 import yarl
+from prefixgate.gateway.schemas import content_text
 
 logger = logging.getLogger("prefixgate.gateway")
 
@@ -123,13 +124,13 @@ def affinity_key(body: Any, block_chars: int = 64, max_chars: int = 4096) -> byt
         lead = []
         for m in messages:
             if isinstance(m, dict) and m.get("role") in ("system", "developer"):
-                lead.append(_content(m.get("content")))
+                lead.append(content_text(m.get("content")))
             else:
                 break
         text = (
             "\n".join(lead)
             if lead
-            else (_content(messages[0].get("content")) if isinstance(messages[0], dict) else "")
+            else (content_text(messages[0].get("content")) if isinstance(messages[0], dict) else "")
         )
     else:
         prompt = body.get("prompt")
@@ -145,14 +146,6 @@ def affinity_key(body: Any, block_chars: int = 64, max_chars: int = 4096) -> byt
     if n >= block_chars:
         n -= n % block_chars
     return text[:n].encode()
-
-
-def _content(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return ""
 
 
 class UpstreamRouter:

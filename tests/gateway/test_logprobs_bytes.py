@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from prefixgate.engine.outputs import Logprob, TokenLogprobs
 from prefixgate.engine.tokenizer import Tokenizer
-from prefixgate.gateway import responses as R
+from prefixgate.gateway import renderers as R
 
 
 def test_token_bytes_byte_fallback_and_metaspace(aidreams_path):
@@ -25,11 +25,11 @@ def test_chat_and_completion_logprobs_keep_byte_tokens_apart(aidreams_path):
     entries = [
         TokenLogprobs(Logprob(c3, -0.1), [Logprob(c3, -0.1), Logprob(a9, -2.0), Logprob(a, -3.0)])
     ]
-    chat = R.chat_logprobs(texts, entries)["content"][0]
+    chat = R.chat_logprobs(texts, entries).model_dump()["content"][0]
     assert chat["bytes"] == [0xC3] and chat["token"] == "bytes:\\xc3"
     assert [t["bytes"] for t in chat["top_logprobs"]] == [[0xC3], [0xA9], list(b" a")]
     assert "\ufffd" not in str(chat)
-    comp = R.completion_logprobs(texts, entries)
+    comp = R.completion_logprobs(texts, entries).model_dump()
     assert len(comp["top_logprobs"][0]) == 3  # three distinct tokens, three keys
     assert comp["tokens"] == ["bytes:\\xc3"]
 
@@ -37,5 +37,5 @@ def test_chat_and_completion_logprobs_keep_byte_tokens_apart(aidreams_path):
 def test_top_logprobs_same_text_distinct_ids_not_merged():
     texts = lambda i: "x"  # noqa: E731 - two ids that render the same
     entries = [TokenLogprobs(Logprob(1, -0.5), [Logprob(1, -0.5), Logprob(2, -1.0)])]
-    top = R.completion_logprobs(texts, entries)["top_logprobs"][0]
+    top = R.completion_logprobs(texts, entries).model_dump()["top_logprobs"][0]
     assert top == {"x": -0.5, "token_id:2": -1.0}

@@ -44,6 +44,9 @@ class FakeTokenizer:
         data = bytes(i - 3 for i in ids if i >= 3)
         return data.decode("utf-8", errors="replace")
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.decode([token_id]).encode()  # the token's text as UTF-8 (U+FFFD kept)
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if any(m["role"] == "tool" for m in messages):
             raise ValueError("this template has no tool role")

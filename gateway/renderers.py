@@ -1,0 +1,306 @@
+"""Engine outputs to OpenAI bodies: one renderer for chat completions, one for completions.
+
+The exchange (``routes_openai.Exchange``) runs the engine requests of an HTTP request and keeps
+what each choice has produced (``generation.ChoiceOutput``); a renderer turns that into the
+route's wire shapes (``responses``): the whole body at the end, or a stream's chunks as
+outputs come. Both renderers have the same methods (``opening``, ``chunk``, ``usage_chunk``,
+``body``, ``event``), so the exchange never asks which route it serves.
+
+Logprobs are natural logs of the raw model distribution; a token's text is what it adds
+inside the sequence (``TokenTexts``). Finish reasons pass through (``"stop"``, ``"length"``,
+and ``"abort"`` as vLLM reports it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+from prefixgate.engine.outputs import TokenLogprobs
+from prefixgate.engine.protocol import TokenizerLike
+from prefixgate.gateway.generation import ChoiceOutput, Delta
+from prefixgate.gateway.responses import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatLogprobs,
+    ChoiceDelta,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+    dump,
+)
+from prefixgate.gateway.streaming import encode_data
+
+
+class TokenTexts:
+    """Token id → the text the token adds inside a sequence (a leading space kept) and its
+    bytes.
+
+    Decoding a token alone loses its leading space with sentencepiece-style tokenizers
+    ("▁a" → "a"); decoded after a fixed anchor token it keeps it: text = decode([anchor, id])
+    minus decode([anchor]). A token that is not whole UTF-8 on its own (a byte-fallback
+    ``<0xC3>``, part of a byte-level character) keeps its own bytes (``[195]``) and is named
+    ``"bytes:\\xc3"`` (OpenAI's form) rather than U+FFFD, so distinct tokens never share a
+    text. Results are cached (token ids are few).
+    """
+
+    def __init__(self, tokenizer: TokenizerLike, max_cache: int = 1 << 16) -> None:
+        self._tok = tokenizer
+        self._anchor = list(tokenizer.encode("a", add_special_tokens=False)[-1:])
+        self._anchor_text = tokenizer.decode(self._anchor, skip_special_tokens=False)
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+        self._max = max_cache
+
+    def __call__(self, token_id: int) -> str:
+        return self.info(token_id)[0]
+
+    def bytes_of(self, token_id: int) -> list[int]:
+        """The token's UTF-8 bytes (its raw bytes for a partial character)."""
+        return self.info(token_id)[1]
+
+    def info(self, token_id: int) -> tuple[str, list[int]]:
+        """``(text, bytes)`` of one token."""
+        hit = self._cache.get(token_id)
+        if hit is not None:
+            return hit
+        full = self._tok.decode(self._anchor + [token_id], skip_special_tokens=False)
+        if self._anchor and full.startswith(self._anchor_text):
+            text = full[len(self._anchor_text) :]
+        else:
+            text = self._tok.decode([token_id], skip_special_tokens=False)
+        raw = self._tok.token_bytes(token_id)
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError:
+            text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        else:
+            if "\ufffd" in text:  # the decoder lost bytes: the token's own are the truth
+                text = raw.decode("utf-8")
+        hit = (text, list(raw))
+        if len(self._cache) < self._max:
+            self._cache[token_id] = hit
+        return hit
+
+
+def _info(token_text: Callable[[int], str], token_id: int) -> tuple[str, list[int]]:
+    """``(text, bytes)`` of a token: ``TokenTexts.info``, or any token → text function's text
+    and its UTF-8 bytes."""
+    if isinstance(token_text, TokenTexts):
+        return token_text.info(token_id)
+    text = token_text(token_id)
+    return text, list(text.encode())
+
+
+def chat_logprobs(token_text: Callable[[int], str], entries: list[TokenLogprobs]) -> ChatLogprobs:
+    """Chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+    content = []
+    for entry in entries:
+        token, raw = _info(token_text, entry.sampled.token_id)
+        tops = []
+        for alt in entry.top:
+            alt_text, alt_raw = _info(token_text, alt.token_id)
+            tops.append(TopLogprob(token=alt_text, logprob=alt.logprob, bytes=alt_raw))
+        content.append(
+            TokenLogprob(token=token, logprob=entry.sampled.logprob, bytes=raw, top_logprobs=tops)
+        )
+    return ChatLogprobs(content=content)
+
+
+def completion_logprobs(
+    token_text: Callable[[int], str], entries: list[TokenLogprobs], offset: int = 0
+) -> CompletionLogprobs:
+    """Legacy completions ``logprobs``: tokens, token_logprobs, top_logprobs, text_offset
+    (``offset``: characters of the choice's text before these tokens). Two alternatives with
+    one text are never merged: the second is keyed ``"token_id:<id>"`` (vLLM's id form)."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    for entry in entries:
+        text = token_text(entry.sampled.token_id)
+        tokens.append(text)
+        token_logprobs.append(entry.sampled.logprob)
+        top: dict[str, float] = {}
+        for alt in entry.top:
+            key = token_text(alt.token_id)
+            if key in top:
+                key = f"token_id:{alt.token_id}"
+            top[key] = alt.logprob
+        tops.append(top)
+        offsets.append(offset)
+        offset += len(text)
+    return CompletionLogprobs(
+        tokens=tokens, token_logprobs=token_logprobs, top_logprobs=tops, text_offset=offsets
+    )
+
+
+class _Renderer:
+    """What both renderers share: the response's identity and the stream's options.
+
+    Args:
+        rid: the response id; created: Unix seconds; model: the served model id.
+        token_text: token id → text (``TokenTexts``).
+        num_logprobs: alternatives per token, None when logprobs were not asked for.
+        include_usage: the stream ends with a usage chunk (and other chunks carry
+            ``usage: null``).
+    """
+
+    route: Literal["chat", "completions"]
+    __slots__ = (
+        "rid",
+        "created",
+        "model",
+        "token_text",
+        "num_logprobs",
+        "include_usage",
+        "_chunk_exclude",
+    )
+    _never_on_chunks: frozenset[str] = frozenset()
+
+    def __init__(
+        self,
+        rid: str,
+        created: int,
+        model: str,
+        token_text: Callable[[int], str],
+        num_logprobs: int | None,
+        include_usage: bool,
+    ) -> None:
+        self.rid = rid
+        self.created = created
+        self.model = model
+        self.token_text = token_text
+        self.num_logprobs = num_logprobs
+        self.include_usage = include_usage
+        self._chunk_exclude = set(self._never_on_chunks)
+        if not include_usage:
+            self._chunk_exclude.add("usage")
+
+    def event(self, chunk: ChatCompletionChunk | Completion) -> bytes:
+        """One SSE ``data:`` event of ``chunk``."""
+        return encode_data(dump(chunk, self._chunk_exclude))
+
+    def usage_event(self, usage: Usage) -> bytes:
+        """The last event of a stream with ``include_usage``: no choices, the usage."""
+        return encode_data(dump(self.usage_chunk(usage), set(self._never_on_chunks)))
+
+    def usage_chunk(self, usage: Usage) -> ChatCompletionChunk | Completion:
+        raise NotImplementedError
+
+
+class ChatRenderer(_Renderer):
+    """``chat.completion`` bodies and ``chat.completion.chunk`` streams."""
+
+    route = "chat"
+    __slots__ = ()
+
+    def opening(self, n: int) -> list[ChatCompletionChunk]:
+        """The chunks opening a stream: each choice's role."""
+        return [
+            self._chunk(ChatChunkChoice(index=i, delta=ChoiceDelta(role="assistant", content="")))
+            for i in range(n)
+        ]
+
+    def chunk(self, i: int, d: Delta, offset: int) -> ChatCompletionChunk | None:
+        """The chunk of choice ``i``'s new output (None when nothing visible is new: a
+        held-back stop-string prefix or partial UTF-8). ``offset``: unused for chat."""
+        logprobs = self._logprobs(d.logprobs) if d.logprobs else None
+        finish = d.finish_reason
+        if not d.delta_text and logprobs is None and finish is None:
+            return None
+        delta = (
+            ChoiceDelta(content=d.delta_text) if d.delta_text or finish is None else ChoiceDelta()
+        )
+        return self._chunk(
+            ChatChunkChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=finish)
+        )
+
+    def usage_chunk(self, usage: Usage) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=self.rid, created=self.created, model=self.model, choices=[], usage=usage
+        )
+
+    def body(self, outputs: list[ChoiceOutput], usage: Usage) -> ChatCompletion:
+        """The whole ``chat.completion`` of finished choices."""
+        return ChatCompletion(
+            id=self.rid,
+            created=self.created,
+            model=self.model,
+            choices=[
+                ChatChoice(
+                    index=i,
+                    message=AssistantMessage(content=o.text),
+                    logprobs=self._logprobs(o.logprobs),
+                    finish_reason=o.finish_reason,
+                )
+                for i, o in enumerate(outputs)
+            ],
+            usage=usage,
+        )
+
+    def _chunk(self, choice: ChatChunkChoice) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=self.rid, created=self.created, model=self.model, choices=[choice]
+        )
+
+    def _logprobs(self, entries: list[TokenLogprobs]) -> ChatLogprobs | None:
+        if self.num_logprobs is None:
+            return None
+        return chat_logprobs(self.token_text, entries)
+
+
+class CompletionRenderer(_Renderer):
+    """``text_completion`` bodies and streams (chunks have no ``system_fingerprint``)."""
+
+    route = "completions"
+    __slots__ = ()
+    _never_on_chunks = frozenset({"system_fingerprint"})
+
+    def opening(self, n: int) -> list[Completion]:
+        """Nothing opens a completions stream."""
+        return []
+
+    def chunk(self, i: int, d: Delta, offset: int) -> Completion | None:
+        """The chunk of choice ``i``'s new output (None when nothing visible is new);
+        ``offset``: characters of the choice's text before it (for ``text_offset``)."""
+        logprobs = self._logprobs(d.logprobs, offset) if d.logprobs else None
+        if not d.delta_text and logprobs is None and d.finish_reason is None:
+            return None
+        choice = CompletionChoice(
+            index=i, text=d.delta_text, logprobs=logprobs, finish_reason=d.finish_reason
+        )
+        return Completion(id=self.rid, created=self.created, model=self.model, choices=[choice])
+
+    def usage_chunk(self, usage: Usage) -> Completion:
+        return Completion(
+            id=self.rid, created=self.created, model=self.model, choices=[], usage=usage
+        )
+
+    def body(self, outputs: list[ChoiceOutput], usage: Usage) -> Completion:
+        """The whole ``text_completion`` of finished choices."""
+        return Completion(
+            id=self.rid,
+            created=self.created,
+            model=self.model,
+            choices=[
+                CompletionChoice(
+                    index=i,
+                    text=o.text,
+                    logprobs=self._logprobs(o.logprobs),
+                    finish_reason=o.finish_reason,
+                )
+                for i, o in enumerate(outputs)
+            ],
+            usage=usage,
+        )
+
+    def _logprobs(self, entries: list[TokenLogprobs], offset: int = 0) -> CompletionLogprobs | None:
+        if self.num_logprobs is None:
+            return None
+        return completion_logprobs(self.token_text, entries, offset)
