@@ -60,6 +60,11 @@ class TokenizerLike(Protocol):
         """
         ...
 
+    def min_num_tokens(self, text: str) -> int:
+        """A lower bound on ``len(encode(text))`` computed without tokenizing (0 when none is
+        safe): lets the gateway refuse an over-context prompt before tokenizing it."""
+        ...
+
 
 @runtime_checkable
 class PinHandle(Protocol):

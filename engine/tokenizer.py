@@ -188,6 +188,36 @@ class Tokenizer:
         """Text of ``ids``; incomplete UTF-8 byte sequences decode to U+FFFD."""
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def min_num_tokens(self, text: str) -> int:
+        """A lower bound on ``len(self.encode(text))``, in O(len(text)) without tokenizing
+        (0 when this tokenizer admits no safe bound).
+
+        A token never covers more than ``max_token_bytes`` bytes of the normalized text,
+        so ``encode`` emits at least ``ceil(utf8_bytes / (max_token_bytes * shrink))``
+        tokens, where ``shrink`` bounds how much the normalizer can shorten the text (1 for
+        the ``Prepend``/space-``Replace`` of SentencePiece-style tokenizers, 3 for Unicode
+        normalization forms). Lets a server refuse a prompt that cannot fit the context before
+        spending seconds and gigabytes tokenizing it.
+        """
+        per_token = self.max_token_bytes
+        if not per_token:
+            return 0
+        return -(-len(text.encode("utf-8", "surrogatepass")) // per_token)
+
+    @property
+    def max_token_bytes(self) -> int:
+        """Most UTF-8 bytes of input text one token can stand for, times the normalizer's
+        worst shrink factor; 0 when no bound is safe (a normalizer or pre-tokenizer that can
+        drop text, a model that fuses unknown text into one token). Computed once from the
+        vocabulary (added tokens included): a vocabulary string's UTF-8 length is at least
+        the bytes it covers (a byte-level symbol is 1-2 UTF-8 bytes for one byte, ``▁`` 3
+        bytes for one space, ``<0x0A>`` 6 characters for one byte)."""
+        value = getattr(self, "_max_token_bytes", None)
+        if value is None:
+            value = _max_token_bytes(self._tok)
+            self._max_token_bytes = value
+        return value
+
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary string of ``token_id`` (e.g. ``"▁the"``, ``"<0x0A>"``), or ``None``."""
         return self._tok.id_to_token(token_id)
@@ -496,6 +526,75 @@ def _compile(source: str) -> jinja2.Template:
         return env.from_string(source)
     except jinja2.TemplateError as exc:
         raise ValueError(f"invalid chat template: {exc}") from exc
+
+
+# Worst-case shrink of the input's UTF-8 length per normalizer (the composed forms can merge
+# a base letter and combining marks, 3 bytes into 1-2; lowercasing shortens a few letters).
+_NORMALIZER_SHRINK = {
+    "Prepend": 1,
+    "NFC": 3,
+    "NFKC": 3,
+    "NFD": 3,
+    "NFKD": 3,
+    "Lowercase": 2,
+    "StripAccents": 3,
+}
+# Pre-tokenizers that split without dropping any text.
+_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Punctuation", "UnicodeScripts"}
+
+
+def _max_token_bytes(tok: HFTokenizer) -> int:
+    """See ``Tokenizer.max_token_bytes``."""
+    try:
+        spec = json.loads(tok.to_str())
+    except Exception:  # noqa: BLE001 - an unreadable spec: no bound
+        return 0
+    shrink = _shrink(spec.get("normalizer"))
+    pre = spec.get("pre_tokenizer")
+    model = spec.get("model") or {}
+    if not shrink or not _keeps_text(pre) or model.get("type") != "BPE":
+        return 0
+    byte_level = "ByteLevel" in json.dumps(pre)
+    if model.get("unk_token") and model.get("fuse_unk") and not model.get("byte_fallback"):
+        if not byte_level:
+            return 0  # a run of unknown characters of any length becomes one <unk>
+    vocab = tok.get_vocab(with_added_tokens=True)
+    longest = max((len(t.encode("utf-8", "surrogatepass")) for t in vocab), default=0)
+    return longest * shrink
+
+
+def _shrink(spec: Any) -> int:
+    """The normalizer's worst shrink factor (product over a Sequence); 0 = unknown."""
+    if spec is None:
+        return 1
+    kind = spec.get("type")
+    if kind == "Sequence":
+        factor = 1
+        for part in spec.get("normalizers", []):
+            f = _shrink(part)
+            if not f:
+                return 0
+            factor *= f
+        return factor
+    if kind == "Replace":
+        pattern = (spec.get("pattern") or {}).get("String")
+        content = spec.get("content", "")
+        if pattern is None or len(content.encode()) < len(pattern.encode()):
+            return 0  # a regex, or a replacement that shortens: no safe bound
+        return 1
+    return _NORMALIZER_SHRINK.get(kind, 0)
+
+
+def _keeps_text(spec: Any) -> bool:
+    """True when the pre-tokenizer never drops input text."""
+    if spec is None:
+        return True
+    kind = spec.get("type")
+    if kind == "Sequence":
+        return all(_keeps_text(p) for p in spec.get("pretokenizers", []))
+    if kind == "Split":
+        return spec.get("behavior") != "Removed"
+    return kind in _KEEPING_PRE_TOKENIZERS
 
 
 def _read_json(path: Path) -> dict[str, Any]:

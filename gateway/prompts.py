@@ -12,6 +12,10 @@ Rendering and tokenizing run in a worker thread (``render_chat`` and ``completio
 are coroutines), through ``encode_batch`` where the tokenizer has it (Hugging Face
 ``tokenizers`` releases the GIL there, not in ``encode``): a multi-megabyte prompt takes
 seconds to tokenize, and the event loop must keep serving every other client meanwhile.
+Given ``max_model_len``, a text whose token count's lower bound
+(``Tokenizer.min_num_tokens``, from its UTF-8 length) already fills the context is refused
+before it is tokenized (400 ``context_length_exceeded``): a 4 MB over-context prompt costs
+microseconds, not seconds and gigabytes.
 """
 
 from __future__ import annotations
@@ -26,25 +30,82 @@ from prefixgate.gateway.errors import APIError, bad_request
 
 
 async def render_chat(
-    tokenizer: TokenizerLike, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    tokenizer: TokenizerLike,
+    messages: list[dict[str, str]],
+    add_generation_prompt: bool = True,
+    max_model_len: int | None = None,
 ) -> list[int]:
     """Token ids of ``messages`` rendered with the chat template (in a worker thread).
 
     Raises:
-        APIError: 400 when the template refuses the conversation (e.g. roles out of order).
+        APIError: 400 when the template refuses the conversation (e.g. roles out of order);
+            400 ``context_length_exceeded`` when the rendered text cannot fit
+            ``max_model_len`` tokens (checked before tokenizing).
     """
-    return await asyncio.to_thread(_render_chat, tokenizer, messages, add_generation_prompt)
+    return await asyncio.to_thread(
+        _render_chat, tokenizer, messages, add_generation_prompt, max_model_len
+    )
+
+
+def refuse_oversized(tokenizer: Any, text: str, max_model_len: int | None, param: str) -> None:
+    """400 ``context_length_exceeded`` when ``text`` has at least ``max_model_len`` tokens
+    by ``tokenizer.min_num_tokens`` (no tokenization; a tokenizer without the bound passes).
+
+    Raises:
+        APIError: 400 ``context_length_exceeded``.
+    """
+    bound = getattr(tokenizer, "min_num_tokens", None)
+    if max_model_len is None or bound is None:
+        return
+    at_least = bound(text)
+    if at_least >= max_model_len:
+        raise APIError(
+            400,
+            f"this model's maximum context length is {max_model_len} tokens; the prompt has "
+            f"at least {at_least} tokens ({len(text)} characters), leaving no room to generate",
+            param=param,
+            code="context_length_exceeded",
+        )
 
 
 def _render_chat(
-    tokenizer: TokenizerLike, messages: list[dict[str, str]], add_generation_prompt: bool
+    tokenizer: TokenizerLike,
+    messages: list[dict[str, str]],
+    add_generation_prompt: bool,
+    max_model_len: int | None = None,
 ) -> list[int]:
     try:
+        if max_model_len is not None and _contents_may_overflow(tokenizer, messages, max_model_len):
+            # Only for a huge conversation: render it (cheap) and bound the rendering.
+            render = getattr(tokenizer, "apply_chat_template", None)
+            if render is not None:
+                text = render(messages, add_generation_prompt=add_generation_prompt)
+                refuse_oversized(tokenizer, text, max_model_len, "messages")
         return list(tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt))
+    except APIError:
+        raise
     except Exception as exc:  # noqa: BLE001 - jinja raises its own types for template errors
         raise bad_request(
             f"the chat template cannot render these messages: {exc}", param="messages"
         ) from None
+
+
+def _contents_may_overflow(tokenizer: Any, messages: list[dict], max_model_len: int) -> bool:
+    """True when the messages' text alone bounds at ``max_model_len`` tokens or more (the
+    rendering, which holds it, is then bounded too)."""
+    bound = getattr(tokenizer, "min_num_tokens", None)
+    if bound is None:
+        return False
+    total = 0
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            total += bound(content)
+        elif isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    total += bound(part["text"])
+    return total >= max_model_len
 
 
 def _encode(
@@ -54,17 +115,23 @@ def _encode(
     return [list(ids) for ids in tokenizer.encode_batch(texts, add_special_tokens)]
 
 
-async def completion_prompts(tokenizer: TokenizerLike, prompt: str | list) -> list[list[int]]:
+async def completion_prompts(
+    tokenizer: TokenizerLike, prompt: str | list, max_model_len: int | None = None
+) -> list[list[int]]:
     """Token ids of each prompt of a completions request (one, or a batch; in a worker
     thread).
 
     Raises:
-        APIError: 400 on an empty prompt or a token id outside the vocabulary.
+        APIError: 400 on an empty prompt or a token id outside the vocabulary; 400
+            ``context_length_exceeded`` when a text prompt cannot fit ``max_model_len``
+            tokens (checked before tokenizing).
     """
-    return await asyncio.to_thread(_completion_prompts, tokenizer, prompt)
+    return await asyncio.to_thread(_completion_prompts, tokenizer, prompt, max_model_len)
 
 
-def _completion_prompts(tokenizer: TokenizerLike, prompt: str | list) -> list[list[int]]:
+def _completion_prompts(
+    tokenizer: TokenizerLike, prompt: str | list, max_model_len: int | None = None
+) -> list[list[int]]:
     if isinstance(prompt, str):
         batch: list = [prompt]
     elif prompt and all(isinstance(p, int) for p in prompt):
@@ -77,6 +144,8 @@ def _completion_prompts(tokenizer: TokenizerLike, prompt: str | list) -> list[li
     if any(item == "" for item in batch):
         raise bad_request("prompt must not be empty", param="prompt")
     texts = [item for item in batch if isinstance(item, str)]
+    for text in texts:
+        refuse_oversized(tokenizer, text, max_model_len, "prompt")
     encoded = iter(_encode(tokenizer, texts, add_special_tokens=True) if texts else [])
     out = []
     for item in batch:

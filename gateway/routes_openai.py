@@ -49,7 +49,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         messages = st.require_prefixes().get(req.prefix_id, principal.salt).messages + messages
     if not messages:
         raise bad_request("messages must hold at least one message", param="messages")
-    ids = await render_chat(engine.tokenizer, messages)
+    ids = await render_chat(engine.tokenizer, messages, max_model_len=engine.max_model_len)
     max_tokens = check_length(len(ids), req.output_limit, engine.max_model_len, "messages")
     rid = "chatcmpl-" + uuid.uuid4().hex
     seeds = choice_seeds(req.seed, req.n)
@@ -80,7 +80,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         raise bad_request("echo is not supported", param="echo")
     if req.suffix:
         raise bad_request("suffix is not supported", param="suffix")
-    prompts = await completion_prompts(engine.tokenizer, req.prompt)
+    prompts = await completion_prompts(engine.tokenizer, req.prompt, engine.max_model_len)
     rid = "cmpl-" + uuid.uuid4().hex
     seeds = choice_seeds(req.seed, req.n)
     choices = []

@@ -26,8 +26,13 @@ class FakeTokenizer:
     bos_token_id = 1
     eos_token_ids = {2}
     vocab_size = 259
+    encoded_bytes = 0  # bytes of text tokenized so far (tests of refusing before working)
+
+    def min_num_tokens(self, text: str) -> int:
+        return len(text.encode())  # one token per byte
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        FakeTokenizer.encoded_bytes += len(text.encode())
         ids: list[int] = []
         if text.startswith("<s>"):
             ids.append(1)
