@@ -46,7 +46,7 @@ class AdmissionConfig:
 class Ticket:
     """One admitted request's place in the queue; ``started()`` then ``done()`` (idempotent)."""
 
-    __slots__ = ("_ctl", "tokens", "requests", "_queued", "_done")
+    __slots__ = ("_ctl", "tokens", "requests", "_queued", "_done", "_t_start")
 
     def __init__(self, ctl: AdmissionController, tokens: int, requests: int = 1) -> None:
         self._ctl = ctl
@@ -54,20 +54,25 @@ class Ticket:
         self.requests = requests
         self._queued = True
         self._done = False
+        self._t_start: float | None = None
 
     def started(self) -> None:
         """The request left the queue (its first token came out)."""
         if self._queued:
             self._queued = False
+            self._t_start = time.monotonic()
             self._ctl._leave_queue(self.tokens, self.requests)
 
     def done(self) -> None:
         """The request finished, failed or was aborted: release its place."""
         if self._done:
             return
+        ran = self._t_start is not None
         self.started()
         self._done = True
         self._ctl.in_flight -= self.requests
+        if ran:
+            self._ctl._note_service(time.monotonic() - self._t_start)
 
 
 class AdmissionController:
@@ -81,17 +86,36 @@ class AdmissionController:
     ``r * (1 - exp(-t / tau))`` after t busy seconds, so the estimate is divided by that factor
     (the bias correction of Adam, Kingma & Ba 2015, in continuous time; t counted from at least
     1 s) — otherwise the first overload after start-up would be told to wait 60 s.
+
+    A rate measured from a handful of departures is no estimate at all: after a quiet period
+    of three sequential requests the EWMA held ~3 departures and a burst of 800 was told
+    ``Retry-After: 60`` while the admitted work drained in 5-7 s. Until the EWMA holds
+    ``min_departures`` (10) departures, the wait is estimated from the service instead
+    (Little's law): queued requests x the recent per-request service time (first token to
+    end, EWMA) / the concurrency the server runs them at (``concurrency``: the engine's
+    ``max_num_seqs`` in local mode; else the most requests seen running at once), in
+    [1, 60] s.
     """
 
-    def __init__(self, config: AdmissionConfig | None = None, tau_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        config: AdmissionConfig | None = None,
+        tau_s: float = 5.0,
+        concurrency: int = 0,
+        min_departures: float = 10.0,
+    ) -> None:
         self.config = config or AdmissionConfig()
         self.queued_requests = 0
         self.queued_tokens = 0
         self.in_flight = 0
+        self.concurrency = concurrency
         self._tau = tau_s
+        self._min_departures = min_departures
         self._rate = 0.0  # departures per second (EWMA, biased towards 0 while warming up)
         self._busy = 0.0  # seconds the queue has held requests (the EWMA's age)
         self._last = time.monotonic()
+        self._service = 0.0  # seconds from first token to end (EWMA over requests)
+        self._peak_running = 0
 
     def admit(self, prompt_tokens: int, requests: int = 1, param: str | None = None) -> Ticket:
         """Take ``requests`` places in the queue (the engine requests of one HTTP request:
@@ -126,11 +150,18 @@ class AdmissionController:
         return Ticket(self, prompt_tokens, requests)
 
     def retry_after(self) -> float:
-        """Seconds until the current queue has drained at the current drain rate."""
+        """Seconds until the current queue has drained: at the measured drain rate once it
+        holds ``min_departures`` departures, else by the service-time estimate (see class)."""
         rate = self.drain_rate
-        if rate <= 0.0:
-            return 1.0
-        return min(60.0, max(1.0, self.queued_requests / rate))
+        if self._rate * self._tau >= self._min_departures:
+            wait = self.queued_requests / rate
+        else:
+            running = max(1, self.concurrency or self._peak_running)
+            wait = self.queued_requests * self._service / running
+        return min(60.0, max(1.0, wait))
+
+    def _note_service(self, seconds: float) -> None:
+        self._service = seconds if self._service == 0.0 else 0.7 * self._service + 0.3 * seconds
 
     @property
     def drain_rate(self) -> float:
@@ -149,6 +180,7 @@ class AdmissionController:
         self.queued_requests -= requests
         self.queued_tokens -= tokens
         self._rate += requests / self._tau  # each departure's impulse on the EWMA of a rate
+        self._peak_running = max(self._peak_running, self.in_flight - self.queued_requests)
 
     def _decay(self, now: float) -> None:
         dt = now - self._last

@@ -186,3 +186,39 @@ def test_serve_cli_flags_build_engine_config():
         _parse("--scheduling", "fifo")
     with pytest.raises(ValueError):
         GatewaySettings(keepalive_s=0)
+
+
+def test_retry_after_after_a_quiet_period_uses_the_service_time(monkeypatch):
+    # Three sequential requests (0.5 s of generation each), then a burst: the drain-rate EWMA
+    # held ~3 departures and said Retry-After: 60 while the queue drained in 5-7 s. With the
+    # service-time estimate: 64 queued x 0.5 s / 8 running at once = 4 s.
+    now = [1000.0]
+    monkeypatch.setattr("prefixgate.gateway.admission.time.monotonic", lambda: now[0])
+    ctl = AdmissionController(AdmissionConfig(max_queued_requests=64), concurrency=8)
+    for _ in range(3):
+        t = ctl.admit(10)
+        now[0] += 0.05
+        t.started()
+        now[0] += 0.5
+        t.done()
+        now[0] += 2.0
+    now[0] += 60.0
+    tickets = [ctl.admit(10) for _ in range(64)]
+    with pytest.raises(APIError) as e:
+        ctl.admit(10)
+    assert e.value.status == 429
+    assert 3.0 <= e.value.retry_after <= 6.0, e.value.retry_after
+    for t in tickets:
+        t.done()
+    # without a concurrency hint: the most requests seen running at once (1 here) -> capped
+    ctl2 = AdmissionController(AdmissionConfig(max_queued_requests=300))
+    t = ctl2.admit(1)
+    t.started()
+    now[0] += 0.5
+    t.done()
+    tickets = [ctl2.admit(1) for _ in range(300)]
+    with pytest.raises(APIError) as e:
+        ctl2.admit(1)
+    assert e.value.retry_after == 60.0
+    for t in tickets:
+        t.done()
