@@ -20,10 +20,11 @@ from collections.abc import Sequence
 
 from aiohttp import web
 from prefixgate.engine.protocol import EngineClient
-from prefixgate.gateway import routes_openai, routes_prefixes, routes_upstream
+from prefixgate.gateway import lifecycle, routes_openai, routes_prefixes, routes_upstream
 from prefixgate.gateway.admission import AdmissionController
 from prefixgate.gateway.auth import KeyRing
 from prefixgate.gateway.errors import APIError, error_middleware
+from prefixgate.gateway.limits import body_limits_middleware
 from prefixgate.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from prefixgate.gateway.prefixes import PrefixRegistry
 from prefixgate.gateway.renderers import TokenTexts
@@ -130,7 +131,11 @@ def _base_app(settings: GatewaySettings | None) -> tuple[web.Application, Gatewa
         metrics=metrics,
         model_name=settings.model_name or "",
     )
-    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[error_middleware])
+    app = web.Application(
+        client_max_size=settings.max_body_bytes,
+        middlewares=[lifecycle.drain_middleware, error_middleware, body_limits_middleware],
+    )
+    lifecycle.install(app)
     app[STATE] = st
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics_route)
@@ -144,6 +149,8 @@ def attach_engine(app: web.Application, engine: EngineClient) -> None:
     st.prefixes = PrefixRegistry(engine, st.settings.max_prefix_ttl_s, st.settings.max_prefixes)
     st.token_texts = TokenTexts(engine.tokenizer)
     st.metrics.add_engine(engine.stats)
+    # Retry-After's service-time estimate: requests run this many at once (decode batch).
+    st.admission.concurrency = int(getattr(getattr(engine, "config", None), "max_num_seqs", 0) or 0)
     if not st.model_name:
         st.model_name = default_model_name(engine)
     st.ready = True

@@ -10,7 +10,9 @@ Every ``EngineConfig`` field is a flag (``--block-size``, ``--num-kv-blocks``,
 ``--model`` the engine's built-in ``tiny-random`` preset is served (dummy random weights: its
 text is gibberish by design). The HTTP server starts first (``/health`` 200, ``/ready`` 503)
 and the model loads in a worker thread; SIGINT/SIGTERM stop it gracefully (requests in flight
-get ``shutdown_timeout`` seconds, pins are released, the engine shut down).
+get ``--shutdown-grace-s`` seconds, then every stream still running ends with an error
+event and every other request with a 503 error object; pins are released, the engine shut
+down). The soft open-file limit is raised to the hard limit at start.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import logging
 import os
 import re
 import signal
+import threading
 import types
 import typing
 from typing import Any
@@ -176,6 +179,10 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         ("max_prefix_ttl_s", float),
         ("upstream_timeout_s", float),
         ("health_interval_s", float),
+        ("header_timeout_s", float),
+        ("body_timeout_s", float),
+        ("max_connections", int),
+        ("shutdown_grace_s", float),
     ):
         g.add_argument(
             "--" + name.replace("_", "-"),
@@ -221,6 +228,10 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         max_prefix_ttl_s=args.max_prefix_ttl_s,
         upstream_timeout_s=args.upstream_timeout_s,
         health_interval_s=args.health_interval_s,
+        header_timeout_s=args.header_timeout_s,
+        body_timeout_s=args.body_timeout_s,
+        max_connections=args.max_connections,
+        shutdown_grace_s=args.shutdown_grace_s,
     )
 
 
@@ -247,7 +258,10 @@ async def serve(
 ) -> int:
     """Serve until SIGINT/SIGTERM. ``config`` is an EngineConfig (local) or None (upstreams)."""
     from prefixgate.gateway.app import attach_engine, create_app, create_proxy_app
+    from prefixgate.gateway.protocol import raise_nofile_limit
     from prefixgate.gateway.server import start_server
+
+    raise_nofile_limit()  # before any socket: a connection flood must not starve model loading
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -287,7 +301,13 @@ async def serve(
             await stop.wait()
             logger.info("shutting down")
     finally:
-        await server.stop()
+        summary = await server.drain(settings.shutdown_grace_s)
+        logger.info(
+            "stopped: %d request(s) finished in the grace period, %d ended with an error (%.2f s)",
+            summary["finished"],
+            summary["ended"],
+            summary["seconds"],
+        )
         if engine is not None:
             await engine.shutdown()
     return code
@@ -303,7 +323,7 @@ async def _load_engine(config: Any, stop: asyncio.Event) -> tuple[Any, int]:
         )
     else:
         logger.info("loading %s (load_format=%s)", config.model, config.load_format)
-    load = asyncio.ensure_future(asyncio.to_thread(AsyncEngine, config))
+    load = _in_daemon_thread(AsyncEngine, config)
     stopper = asyncio.ensure_future(stop.wait())
     await asyncio.wait({load, stopper}, return_when=asyncio.FIRST_COMPLETED)
     stopper.cancel()
@@ -316,3 +336,32 @@ async def _load_engine(config: Any, stop: asyncio.Event) -> tuple[Any, int]:
     except Exception as exc:  # noqa: BLE001 - reported plainly, exit code 1
         logger.error("cannot load the model: %s: %s", type(exc).__name__, exc)
         return None, 1
+
+
+def _in_daemon_thread(fn: Any, *args: Any) -> asyncio.Future:
+    """``fn(*args)`` in a daemon thread, as a future of the running loop. Unlike
+    ``asyncio.to_thread``, a stop during a long model load does not wait for the load to end
+    (``asyncio.run`` joins its executor's threads), so SIGTERM exits on time."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def settle(result: Any, exc: BaseException | None) -> None:
+        if fut.done():
+            return
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+
+    def work() -> None:
+        try:
+            result, exc = fn(*args), None
+        except BaseException as e:  # noqa: BLE001 - handed to the loop
+            result, exc = None, e
+        try:
+            loop.call_soon_threadsafe(settle, result, exc)
+        except RuntimeError:
+            pass  # the loop has closed: nobody waits any more
+
+    threading.Thread(target=work, name="prefixgate-load", daemon=True).start()
+    return fut

@@ -2,7 +2,10 @@
 
 Both bind to the given host (127.0.0.1 by default) and port (0 = a free port chosen by the
 OS) and run with ``handler_cancellation=True``, so a client that disconnects cancels its
-request handler (and with it the engine request or the upstream call).
+request handler (and with it the engine request or the upstream call). Connections are
+bounded and timed as ``protocol`` describes (header timeout, header sizes, open connections
+under the open-file limit, protocol errors as OpenAI error objects), from the app's
+``GatewaySettings``.
 """
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+from prefixgate.gateway import lifecycle
+from prefixgate.gateway.protocol import GatewayRunner, fd_budget
+from prefixgate.gateway.state import STATE
 
 
 @dataclass(slots=True)
@@ -33,6 +39,14 @@ class RunningServer:
         """Stop accepting, finish or cancel handlers, run the app's cleanup."""
         await self.runner.cleanup()
 
+    async def drain(self, grace_s: float) -> dict[str, Any]:
+        """Graceful shutdown (``lifecycle.drain``): stop accepting, give in-flight requests
+        ``grace_s`` seconds, end the rest explicitly, then ``stop()``. Returns ``drain``'s
+        summary."""
+        summary = await lifecycle.drain(self.runner.app, self.runner, grace_s)
+        await self.stop()
+        return summary
+
 
 async def start_server(
     app: web.Application, host: str = "127.0.0.1", port: int = 0, shutdown_timeout_s: float = 5.0
@@ -42,8 +56,12 @@ async def start_server(
     Raises:
         OSError: when the address cannot be bound.
     """
-    runner = web.AppRunner(
-        app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout_s
+    runner = GatewayRunner(
+        app,
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=shutdown_timeout_s,
+        **connection_options(app),
     )
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=1024, reuse_address=True)
@@ -54,6 +72,22 @@ async def start_server(
         raise
     bound = runner.addresses[0][1] if runner.addresses else port
     return RunningServer(runner, host, bound)
+
+
+def connection_options(app: web.Application) -> dict[str, Any]:
+    """aiohttp server options from the app's settings: header timeout (``keepalive_timeout``),
+    lingering after an unread body, the connection bound (at most what the open-file limit
+    allows: two descriptors per connection in upstream mode)."""
+    st = app.get(STATE)
+    if st is None:
+        return {"max_connections": fd_budget()}
+    s = st.settings
+    per_connection = 2 if st.router is not None else 1
+    return {
+        "keepalive_timeout": s.header_timeout_s,
+        "lingering_time": 2.0,
+        "max_connections": min(s.max_connections, fd_budget(per_connection)),
+    }
 
 
 class BackgroundServer:

@@ -33,7 +33,9 @@ class GatewaySettings:
         keepalive_s: seconds between SSE keep-alive comments while no token comes.
         poll_s: seconds between client-disconnect checks while waiting (non-streaming).
         max_prefix_ttl_s: longest ``ttl_seconds`` of a prefix; max_prefixes: most live ones.
-        upstream_timeout_s: total timeout of one upstream request (seconds, 0 = none).
+        upstream_timeout_s: idle timeout of one upstream request: longest wait for the
+            answer's first byte and between two reads of it (seconds, 0 = none); a stream
+            that stalls this long ends with an error event.
         upstream_connect_timeout_s: connect timeout to an upstream (seconds).
         upstream_api_key: bearer key sent to the upstreams (None: the client's header is
             passed through when the gateway has no keys of its own).
@@ -43,6 +45,14 @@ class GatewaySettings:
         balance_abs_threshold, balance_rel_threshold: SGLang router's load-imbalance rule:
             route to the least loaded upstream when ``max - min > abs`` and
             ``max > rel * min`` (in-flight requests).
+        header_timeout_s: seconds a connection may take to send a request's headers, counted
+            from the connection's start or the end of its previous response (aiohttp's
+            ``keepalive_timeout``: idle keep-alive connections close after it too).
+        body_timeout_s: seconds a request may take to send its whole body (408 beyond).
+        max_connections: most open client connections; beyond, a connection is answered
+            503 ``too_many_connections`` and closed (also bounded by the open-file limit).
+        shutdown_grace_s: on SIGTERM, seconds in-flight requests get to finish before
+            streams are ended with an error event and other requests with a 503.
     """
 
     model_name: str | None = None
@@ -64,13 +74,28 @@ class GatewaySettings:
     affinity_max_chars: int = 4096
     balance_abs_threshold: int = 64
     balance_rel_threshold: float = 1.5
+    header_timeout_s: float = 15.0
+    body_timeout_s: float = 30.0
+    max_connections: int = 4096
+    shutdown_grace_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
-        for name in ("keepalive_s", "poll_s", "health_interval_s", "max_prefix_ttl_s"):
+        for name in (
+            "keepalive_s",
+            "poll_s",
+            "health_interval_s",
+            "max_prefix_ttl_s",
+            "header_timeout_s",
+            "body_timeout_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+        if self.shutdown_grace_s < 0 or self.upstream_timeout_s < 0:
+            raise ValueError("shutdown_grace_s and upstream_timeout_s must be >= 0")
         if self.affinity_block_chars < 1 or self.affinity_max_chars < 1:
             raise ValueError("affinity_block_chars and affinity_max_chars must be >= 1")
         if self.balance_rel_threshold < 1.0 or self.balance_abs_threshold < 0:
