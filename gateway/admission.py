@@ -67,12 +67,12 @@ class Ticket:
         """The request finished, failed or was aborted: release its place."""
         if self._done:
             return
-        ran = self._t_start is not None
+        t_start = self._t_start
         self.started()
         self._done = True
         self._ctl.in_flight -= self.requests
-        if ran:
-            self._ctl._note_service(time.monotonic() - self._t_start)
+        if t_start is not None:
+            self._ctl._note_service(time.monotonic() - t_start)
 
 
 class AdmissionController:

@@ -104,7 +104,7 @@ class GatewayRequestHandler(RequestHandler):
     def connection_made(self, transport: Any) -> None:  # noqa: D401 - aiohttp's hook
         server = self._manager
         limit = getattr(server, "max_connections", 0)
-        if limit and len(server.connections) >= limit:
+        if isinstance(server, GatewayServer) and limit and len(server.connections) >= limit:
             self.refused = True
             server.refused += 1
             # Answer, half-close, and drop what the client sends meanwhile; closing at once
