@@ -1,5 +1,6 @@
 """prefixgate.sdk: an OpenAI-shaped client with bounded concurrency, retries, streaming,
-batches and prefix reuse. Depends only on httpx, anyio, tenacity and tqdm (never torch).
+batches and prefix reuse. Depends only on httpx, anyio, tenacity, pydantic and tqdm (never
+torch).
 
     from prefixgate.sdk import AsyncClient
 
@@ -8,8 +9,10 @@ batches and prefix reuse. Depends only on httpx, anyio, tenacity and tqdm (never
         print(r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens)
 """
 
-from ._client import DEFAULT_BASE_URL, DEFAULT_TIMEOUT, AsyncClient, RequestOptions
-from ._sync import Client, SyncStream
+from ._client import DEFAULT_BASE_URL, DEFAULT_TIMEOUT, AsyncClient
+from ._options import RequestOptions
+from ._response import APIResponse, AsyncAPIResponse
+from ._sync import Client, SyncAPIResponse, SyncStream
 from .errors import (
     APIConnectionError,
     APIError,
@@ -19,7 +22,9 @@ from .errors import (
     AuthenticationError,
     BadRequestError,
     ConflictError,
+    ContentFilterFinishReasonError,
     InternalServerError,
+    LengthFinishReasonError,
     NotFoundError,
     PermissionDeniedError,
     PrefixgateError,
@@ -35,6 +40,9 @@ __all__ = [
     "AsyncClient",
     "Client",
     "RequestOptions",
+    "APIResponse",
+    "AsyncAPIResponse",
+    "SyncAPIResponse",
     "DEFAULT_BASE_URL",
     "DEFAULT_TIMEOUT",
     "AsyncStream",
@@ -61,4 +69,6 @@ __all__ = [
     "UnprocessableEntityError",
     "RateLimitError",
     "InternalServerError",
+    "LengthFinishReasonError",
+    "ContentFilterFinishReasonError",
 ]

@@ -3,7 +3,9 @@
 Each call runs tenacity's retry loop (``RetryPolicy``); each attempt waits for the rate limiter
 (if any), takes a concurrency slot, sends the request and holds the slot until the response is
 read (or, streaming, until the stream closes). The slot is not held while a retry waits, so
-backing-off requests do not block fresh ones. The httpx pool has exactly ``max_concurrency``
+backing-off requests do not block fresh ones; a retry is queued ahead of first attempts, so
+they cannot starve it either. An attempt that never reached the server (cancelled or failed
+while it waited in a limiter, or before sending) gives its rate-limit charge back. The httpx pool has exactly ``max_concurrency``
 connections: the limiter admits no more requests than connections, so an attempt never queues
 for a connection (no httpx#1171-style ``PoolTimeout`` after cancellations: cancelled attempts
 close their response shielded from the cancellation and release their slot in ``finally``).
@@ -11,17 +13,19 @@ close their response shielded from the cancellation and release their slot in ``
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, Self, TypeVar
 
 import anyio
 import httpx
 
+from ._options import RequestOptions, Timeout, check_seconds
+from ._response import APIResponse, AsyncAPIResponse, response_mode
 from .errors import (
     APIConnectionError,
     APIResponseValidationError,
@@ -29,7 +33,8 @@ from .errors import (
     RateLimitError,
     status_error,
 )
-from .limits import ConcurrencyLimiter, RateLimit, RateLimiter, Slot, estimate_tokens
+from .limits import Charge, ConcurrencyLimiter, RateLimit, RateLimiter, estimate_tokens
+from .resources import AsyncChat, AsyncCompletions, AsyncModels, AsyncPrefixes
 from .retry import RetryPolicy, parse_retry_after
 from .streaming import AsyncStream
 
@@ -43,29 +48,8 @@ DEFAULT_TIMEOUT = httpx.Timeout(600.0, connect=5.0)
 _VERSION = "0.1.0"
 
 
-@dataclass(slots=True)
-class RequestOptions:
-    """Per-call overrides (the ``extra_*`` keywords of every resource method).
-
-    Args:
-        extra_headers: headers added to (or overriding) the client's.
-        extra_query: query parameters.
-        extra_body: fields merged into the JSON body (e.g. ``prefix_id``, ``cache_salt``).
-        timeout: seconds or ``httpx.Timeout`` for this call.
-        max_retries: retries for this call.
-        idle_timeout: stream only: seconds allowed between two chunks.
-    """
-
-    extra_headers: Mapping[str, str] | None = None
-    extra_query: Mapping[str, Any] | None = None
-    extra_body: Mapping[str, Any] | None = None
-    timeout: float | httpx.Timeout | None = None
-    max_retries: int | None = None
-    idle_timeout: float | None = None
-
-
 @contextmanager
-def _map_httpx_errors(request: httpx.Request | None):
+def _map_httpx_errors(request: httpx.Request | None) -> Iterator[None]:
     """Translate httpx transport failures into the SDK's connection/timeout errors."""
     try:
         yield
@@ -83,10 +67,10 @@ class AsyncClient:
     """Async client of an OpenAI-compatible server (the prefixgate gateway or any other).
 
     Args:
-        base_url: API root including ``/v1``; default ``$PREFIXGATE_BASE_URL`` or
-            ``http://127.0.0.1:8000/v1``.
-        api_key: sent as ``Authorization: Bearer``; default ``$PREFIXGATE_API_KEY`` (none: no
-            header, for a local gateway without keys).
+        base_url: API root including ``/v1``; default ``$PREFIXGATE_BASE_URL``, else
+            ``$OPENAI_BASE_URL`` (openai-python's variable), else ``http://127.0.0.1:8000/v1``.
+        api_key: sent as ``Authorization: Bearer``; default ``$PREFIXGATE_API_KEY``, else
+            ``$OPENAI_API_KEY`` (none: no header, for a local gateway without keys).
         max_concurrency: most requests of this client in flight at once (all calls share it);
             also the size of the HTTP connection pool.
         max_retries: retries after the first attempt (None: the policy's, default 2; see
@@ -114,7 +98,7 @@ class AsyncClient:
         *,
         max_concurrency: int = 64,
         max_retries: int | None = None,
-        timeout: float | httpx.Timeout = DEFAULT_TIMEOUT,
+        timeout: Timeout = DEFAULT_TIMEOUT,
         rate_limit: RateLimit | None = None,
         adaptive_concurrency: bool = False,
         retry_policy: RetryPolicy | None = None,
@@ -122,15 +106,19 @@ class AsyncClient:
         default_headers: Mapping[str, str] | None = None,
         http_client: httpx.AsyncClient | None = None,
     ) -> None:
-        from .resources import AsyncChat, AsyncCompletions, AsyncModels, AsyncPrefixes
-
-        base_url = base_url or os.environ.get("PREFIXGATE_BASE_URL") or DEFAULT_BASE_URL
+        base_url = (
+            base_url
+            or os.environ.get("PREFIXGATE_BASE_URL")
+            or os.environ.get("OPENAI_BASE_URL")
+            or DEFAULT_BASE_URL
+        )
         self.base_url = _checked_base_url(base_url)
-        self.api_key = api_key if api_key is not None else os.environ.get("PREFIXGATE_API_KEY")
+        if api_key is None:
+            api_key = os.environ.get("PREFIXGATE_API_KEY") or os.environ.get("OPENAI_API_KEY")
+        self.api_key = api_key
         _check_header_value("api_key", self.api_key)
-        _check_seconds("timeout", timeout, httpx.Timeout)
-        _check_seconds("stream_idle_timeout", stream_idle_timeout)
-        self.timeout = timeout if isinstance(timeout, httpx.Timeout) else httpx.Timeout(timeout)
+        self.timeout = _checked_timeout(timeout)
+        check_seconds("stream_idle_timeout", stream_idle_timeout)
         policy = retry_policy or RetryPolicy()
         if max_retries is not None:
             policy = dataclasses.replace(policy, max_retries=max_retries)
@@ -140,10 +128,8 @@ class AsyncClient:
             RateLimiter(rate_limit, sleep=policy.sleep) if rate_limit is not None else None
         )
         self.stream_idle_timeout = stream_idle_timeout
-        self._headers = {"User-Agent": f"prefixgate-sdk/{_VERSION}", "Accept": "application/json"}
-        if self.api_key:
-            self._headers["Authorization"] = f"Bearer {self.api_key}"
-        self._headers.update(default_headers or {})
+        self._default_headers = dict(default_headers or {})
+        self._headers = self._make_headers()
         self._owns_http = http_client is None
         self._http = http_client or httpx.AsyncClient(
             timeout=self.timeout,
@@ -151,10 +137,62 @@ class AsyncClient:
                 max_connections=max_concurrency, max_keepalive_connections=max_concurrency
             ),
         )
+        self._bind_resources()
+
+    def _bind_resources(self) -> None:
         self.chat = AsyncChat(self)
         self.completions = AsyncCompletions(self)
         self.models = AsyncModels(self)
         self.prefixes = AsyncPrefixes(self)
+
+    def _make_headers(self) -> dict[str, str]:
+        headers = {"User-Agent": f"prefixgate-sdk/{_VERSION}", "Accept": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        headers.update(self._default_headers)
+        return headers
+
+    def with_options(
+        self,
+        *,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        timeout: Timeout | None = None,
+        max_retries: int | None = None,
+        stream_idle_timeout: float | None = None,
+        default_headers: Mapping[str, str] | None = None,
+    ) -> AsyncClient:
+        """A copy of this client with some options changed (openai-python's ``with_options``).
+
+        The copy shares the connection pool, the concurrency limiter and the rate limiter (one
+        budget for both), so ``client.with_options(timeout=5).chat.completions.create(...)``
+        is cheap; closing the copy leaves the pool open. ``default_headers`` are merged into
+        this client's.
+
+        Raises:
+            ValueError / TypeError: as the constructor.
+        """
+        new = copy.copy(self)
+        new._owns_http = False
+        if base_url is not None:
+            new.base_url = _checked_base_url(base_url)
+        if api_key is not None:
+            _check_header_value("api_key", api_key)
+            new.api_key = api_key
+        if timeout is not None:
+            new.timeout = _checked_timeout(timeout)
+        if max_retries is not None:
+            new.retry_policy = dataclasses.replace(self.retry_policy, max_retries=max_retries)
+        if stream_idle_timeout is not None:
+            check_seconds("stream_idle_timeout", stream_idle_timeout)
+            new.stream_idle_timeout = stream_idle_timeout
+        if default_headers is not None:
+            new._default_headers = {**self._default_headers, **default_headers}
+        new._headers = new._make_headers()
+        new._bind_resources()
+        return new
+
+    copy = with_options
 
     @property
     def max_concurrency(self) -> int:
@@ -197,22 +235,19 @@ class AsyncClient:
             APIResponseValidationError: a 2xx answer that is not JSON.
         """
         opts = options or RequestOptions()
+        mode = response_mode.get()
         payload: dict[str, Any] | None = None
         if body is not None or opts.extra_body:
             payload = dict(body or {})
             payload.update(opts.extra_body or {})
         tokens = estimate_tokens(payload) if payload is not None and self.rate_limiter else 0
         retrying = self.retry_policy.retrying(opts.max_retries)
-        held: list[Slot] = []  # adaptive mode: the slot a 429'd call keeps for its retry
-        try:
-            async for attempt in retrying:
-                with attempt:
-                    return await self._attempt(
-                        method, path, payload, cast, stream, opts, tokens, held
-                    )
-        finally:
-            for slot in held:
-                self.limiter.release(slot)
+        async for attempt in retrying:
+            with attempt:
+                retry = attempt.retry_state.attempt_number > 1
+                return await self._attempt(
+                    method, path, payload, cast, stream, opts, tokens, retry, mode
+                )
         raise AssertionError("unreachable: tenacity re-raises the last error")  # pragma: no cover
 
     def _build(
@@ -240,16 +275,24 @@ class AsyncClient:
         stream: bool,
         opts: RequestOptions,
         tokens: int,
-        held: list[Slot],
+        retry: bool,
+        mode: str,
     ) -> Any:
+        charge: Charge | None = None
         if self.rate_limiter is not None:
-            await self.rate_limiter.acquire(tokens)
-        slot = held.pop() if held else await self.limiter.acquire()
-        keep_slot = False
+            charge = await self.rate_limiter.acquire(tokens)
+        try:
+            slot = await self.limiter.acquire(retry=retry)
+            request = self._build(method, path, payload, opts)
+        except BaseException:
+            # Never reached the server (cancelled or failed while waiting, or an unsendable
+            # request): it costs no rate budget.
+            if charge is not None:
+                self.rate_limiter.refund(charge)  # type: ignore[union-attr]
+            raise
         handed_off = False
         response: httpx.Response | None = None
         try:
-            request = self._build(method, path, payload, opts)
             with _map_httpx_errors(request):
                 response = await self._http.send(request, stream=True)
                 if not response.is_success:
@@ -260,19 +303,23 @@ class AsyncClient:
                             response.headers, self.retry_policy.clock()
                         )
                         self.limiter.on_overload(slot, err.retry_after)
-                        # Adaptive mode: the call keeps its place for the retry, so the calls
-                        # queued behind the limiter cannot starve it of its retries.
-                        keep_slot = self.limiter.adaptive
                     raise err
-                if stream:
+                if stream or mode == "streaming":
                     self.limiter.on_success()
                     handed_off = True
-                    return AsyncStream(
-                        response,
-                        cast,
-                        idle_timeout=self._idle_timeout(opts),
-                        on_close=lambda: self.limiter.release(slot),
+                    release = _releaser(self.limiter, slot)
+                    if mode == "streaming":
+                        return AsyncAPIResponse(
+                            response,
+                            cast,
+                            stream=stream,
+                            idle_timeout=self._idle_timeout(opts),
+                            on_close=release,
+                        )
+                    chunks = AsyncStream(
+                        response, cast, idle_timeout=self._idle_timeout(opts), on_close=release
                     )
+                    return APIResponse(response, chunks) if mode == "raw" else chunks
                 await response.aread()
             data = _decode(response)
             if not isinstance(data, (dict, list)):
@@ -285,20 +332,18 @@ class AsyncClient:
                 if isinstance(usage, dict) and isinstance(usage.get("total_tokens"), int):
                     self.rate_limiter.correct(tokens, usage["total_tokens"])
             try:
-                return cast(data)
+                result = cast(data)
             except (TypeError, ValueError) as exc:
                 raise APIResponseValidationError(
                     f"Unexpected response shape: {exc}", response, body=data
                 ) from exc
+            return APIResponse(response, result) if mode == "raw" else result
         finally:
             if not handed_off:
                 if response is not None:
                     with anyio.CancelScope(shield=True):
                         await response.aclose()
-                if keep_slot:
-                    held.append(slot)
-                else:
-                    self.limiter.release(slot)
+                self.limiter.release(slot)
 
     def _idle_timeout(self, opts: RequestOptions) -> float | None:
         if opts.idle_timeout is not None:
@@ -335,14 +380,17 @@ def _check_header_value(name: str, value: Any) -> None:
         raise ValueError(f"{name} must not hold control characters (CR, LF, NUL, ...)")
 
 
-def _check_seconds(name: str, value: Any, *also: type) -> None:
-    """A duration option: None, or a number >= 0 (or an instance of ``also``)."""
-    if value is None or (also and isinstance(value, also)):
-        return
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"{name} must be seconds (a number), got {value!r}")
-    if not value >= 0:  # also NaN
-        raise ValueError(f"{name} must be >= 0 seconds, got {value!r}")
+def _checked_timeout(timeout: Any) -> httpx.Timeout:
+    """``timeout`` (seconds or ``httpx.Timeout``) as an ``httpx.Timeout``."""
+    if isinstance(timeout, httpx.Timeout):
+        return timeout
+    check_seconds("timeout", timeout)
+    return httpx.Timeout(timeout)
+
+
+def _releaser(limiter: ConcurrencyLimiter, slot: Any) -> Callable[[], None]:
+    """A callback that gives ``slot`` back to ``limiter`` (for a stream's close)."""
+    return lambda: limiter.release(slot)
 
 
 def _decode(response: httpx.Response) -> Any:

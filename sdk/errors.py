@@ -3,6 +3,8 @@
 ::
 
     PrefixgateError
+    ├── LengthFinishReasonError       parse(): the answer was cut at max_tokens, cannot parse
+    ├── ContentFilterFinishReasonError  parse(): the answer was withheld by a content filter
     ├── APIError                      anything the API call produced
     │   ├── APIConnectionError        no usable response (refused, reset, dropped mid-body)
     │   │   └── APITimeoutError       connect/read/pool timeout, or stream idle timeout
@@ -20,9 +22,12 @@ Error bodies are OpenAI error objects ``{"error": {message, type, param, code}}`
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
+
+if TYPE_CHECKING:
+    from .types import ChatCompletion
 
 __all__ = [
     "PrefixgateError",
@@ -39,12 +44,45 @@ __all__ = [
     "UnprocessableEntityError",
     "RateLimitError",
     "InternalServerError",
+    "LengthFinishReasonError",
+    "ContentFilterFinishReasonError",
     "status_error",
 ]
 
 
 class PrefixgateError(Exception):
     """Base class of every error the SDK raises on purpose."""
+
+
+class LengthFinishReasonError(PrefixgateError):
+    """``chat.completions.parse``: a choice ended with ``finish_reason == "length"`` (cut at
+    ``max_tokens`` / the context), so its JSON is incomplete and cannot be parsed (as
+    openai-python). Raise ``max_tokens`` or shorten the prompt.
+
+    Attributes:
+        completion: the ``ChatCompletion`` as received.
+    """
+
+    def __init__(self, *, completion: ChatCompletion) -> None:
+        msg = "Could not parse response content as the length limit was reached"
+        if completion.usage is not None:
+            msg += f" - {completion.usage!r}"
+        super().__init__(msg)
+        self.completion = completion
+
+
+class ContentFilterFinishReasonError(PrefixgateError):
+    """``chat.completions.parse``: a choice ended with ``finish_reason == "content_filter"``.
+
+    Attributes:
+        completion: the ``ChatCompletion`` as received.
+    """
+
+    def __init__(self, *, completion: ChatCompletion) -> None:
+        super().__init__(
+            "Could not parse response content as the request was rejected by the content filter"
+        )
+        self.completion = completion
 
 
 class APIError(PrefixgateError):

@@ -1,9 +1,10 @@
 """Client-side flow control: a concurrency limiter (optionally AIMD-adaptive) and a rate limiter.
 
-``ConcurrencyLimiter`` wraps ``anyio.CapacityLimiter``: every HTTP attempt of a client holds one
-slot from sending the request until its response is read or its stream closed, so the server
-never sees more than ``max_concurrency`` requests of this client at once. A slot is released in
-a ``finally`` (also on cancellation), so a cancelled call never leaks one.
+``ConcurrencyLimiter``: every HTTP attempt of a client holds one slot from sending the request
+until its response is read or its stream closed, so the server never sees more than the limit
+of requests of this client at once. A slot is released in a ``finally`` (also on
+cancellation), so a cancelled call never leaks one. (anyio's ``CapacityLimiter`` has one FIFO
+queue; this one serves retries first, see the class.)
 
 Adaptive mode applies AIMD (additive increase, multiplicative decrease; Jacobson, "Congestion
 Avoidance and Control", SIGCOMM 1988): a 429 multiplies the limit by ``decrease_factor`` (once
@@ -14,20 +15,23 @@ ones.
 
 ``RateLimiter`` paces requests/min and tokens/min with debt-based token buckets: a caller takes
 its cost at once (the level may go negative) and sleeps until the level would have been >= 0,
-so callers are served first come, first served without holding a lock while they sleep.
+so callers are served first come, first served without holding a lock while they sleep. A
+call that never reached the server (cancelled while it waited, or failed before sending) gets
+its charge back: waiting in a client-side limiter costs nothing.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
 
-__all__ = ["ConcurrencyLimiter", "RateLimit", "RateLimiter", "Slot"]
+__all__ = ["ConcurrencyLimiter", "RateLimit", "RateLimiter", "Slot", "Charge"]
 
 
 @dataclass(slots=True, eq=False)
@@ -39,8 +43,26 @@ class Slot:
     released: bool = False
 
 
+class _Waiter:
+    """A call queued for a slot; ``granted`` once the slot is its own."""
+
+    __slots__ = ("slot", "event", "granted")
+
+    def __init__(self, slot: Slot) -> None:
+        self.slot = slot
+        self.event = anyio.Event()
+        self.granted = False
+
+
 class ConcurrencyLimiter:
     """At most ``limit`` slots held at once (see the module docstring).
+
+    Waiting calls are served first come, first served, except that a retry (``acquire(retry=
+    True)``: an attempt after a failed one) goes before every first attempt: a rejected call
+    waits for a slot like everyone else, but calls queued behind it cannot starve it of its
+    retries. So the attempts in flight never exceed the current limit, retries included: after
+    a decrease, a crowd of rejected calls does not come back at once to meet 429s again (each
+    of which would spend one of their retries).
 
     Args:
         max_concurrency: the ceiling (and starting limit), >= 1.
@@ -51,9 +73,9 @@ class ConcurrencyLimiter:
         sleep: ``async (seconds)`` (injectable for tests).
 
     In adaptive mode a 429 that carries a wait hint (``Retry-After`` / ``retry-after-ms``) also
-    sets a shared cool-down: no new attempt of this client starts before it ends, so the
-    requests queued behind the limiter do not spend their retries hammering a server that
-    already said when to come back.
+    sets a shared cool-down: no attempt of this client starts before it ends, so the requests
+    queued behind the limiter do not spend their retries hammering a server that already said
+    when to come back.
 
     Raises:
         ValueError: bad bounds.
@@ -79,8 +101,10 @@ class ConcurrencyLimiter:
         self.min_concurrency = min_concurrency
         self.adaptive = adaptive
         self.decrease_factor = decrease_factor
-        self._limiter: anyio.CapacityLimiter | None = None
         self._limit = max_concurrency
+        self._in_flight = 0
+        self._retries: deque[_Waiter] = deque()
+        self._firsts: deque[_Waiter] = deque()
         self._epoch = 0
         self._successes = 0
         self._clock = clock
@@ -95,27 +119,51 @@ class ConcurrencyLimiter:
     @property
     def in_flight(self) -> int:
         """Slots held now."""
-        return 0 if self._limiter is None else int(self._limiter.borrowed_tokens)
+        return self._in_flight
 
-    def _get(self) -> anyio.CapacityLimiter:
-        # Created lazily: anyio primitives bind to the event loop of their first use.
-        if self._limiter is None:
-            self._limiter = anyio.CapacityLimiter(self._limit)
-        return self._limiter
+    @property
+    def waiting(self) -> int:
+        """Calls queued for a slot now."""
+        return len(self._retries) + len(self._firsts)
 
-    async def acquire(self) -> Slot:
-        """Wait for the end of any cool-down, then for a free slot, and take it."""
+    async def acquire(self, *, retry: bool = False) -> Slot:
+        """Wait for the end of any cool-down, then for a free slot, and take it.
+
+        ``retry``: this is a retry of a call (served before first attempts). Cancelled while
+        waiting, the call leaves the queue and holds nothing.
+        """
         while (delay := self._resume_at - self._clock()) > 0:
             await self._sleep(delay)
-        slot = Slot(self._epoch)
-        await self._get().acquire_on_behalf_of(slot)
-        return slot
+        if self._in_flight < self._limit and not self._retries and not self._firsts:
+            self._in_flight += 1
+            return Slot(self._epoch)
+        waiter = _Waiter(Slot(self._epoch))
+        queue = self._retries if retry else self._firsts
+        queue.append(waiter)
+        try:
+            await waiter.event.wait()
+        except BaseException:
+            if waiter.granted:
+                self.release(waiter.slot)  # granted as it was cancelled: pass it on
+            else:
+                queue.remove(waiter)
+            raise
+        return waiter.slot
 
     def release(self, slot: Slot) -> None:
-        """Give ``slot`` back (idempotent)."""
+        """Give ``slot`` back (idempotent) and admit the next waiting call, if any."""
         if not slot.released:
             slot.released = True
-            self._get().release_on_behalf_of(slot)
+            self._in_flight -= 1
+            self._admit()
+
+    def _admit(self) -> None:
+        while self._in_flight < self._limit and (self._retries or self._firsts):
+            waiter = (self._retries or self._firsts).popleft()
+            waiter.granted = True
+            waiter.slot.epoch = self._epoch
+            self._in_flight += 1
+            waiter.event.set()
 
     def on_overload(self, slot: Slot, retry_after: float | None = None) -> None:
         """A request admitted as ``slot`` got a 429: shrink the limit (adaptive mode) and, when
@@ -141,8 +189,7 @@ class ConcurrencyLimiter:
 
     def _set(self, limit: int) -> None:
         self._limit = limit
-        if self._limiter is not None:
-            self._limiter.total_tokens = limit
+        self._admit()
 
 
 @dataclass(slots=True)
@@ -174,6 +221,15 @@ class RateLimit:
                 raise ValueError(f"{name} must be > 0 or None, got {v!r}")
         if not self.burst_seconds >= 0:
             raise ValueError(f"burst_seconds must be >= 0, got {self.burst_seconds!r}")
+
+
+@dataclass(slots=True, eq=False)
+class Charge:
+    """What one ``RateLimiter.acquire`` took: requests and estimated tokens."""
+
+    requests: float = 0.0
+    tokens: float = 0.0
+    refunded: bool = False
 
 
 class _Bucket:
@@ -227,16 +283,38 @@ class RateLimiter:
             rate = limit.tokens_per_minute / 60.0
             self._tokens = _Bucket(rate, max(1.0, rate * limit.burst_seconds), now)
 
-    async def acquire(self, tokens: int = 0) -> None:
-        """Wait until one more request costing ``tokens`` (estimated tokens) may start."""
+    async def acquire(self, tokens: int = 0) -> Charge:
+        """Wait until one more request costing ``tokens`` (estimated tokens) may start.
+
+        Returns the ``Charge`` taken (hand it to ``refund`` if the request is then not sent).
+        Cancelled while it waits, the call is refunded before the cancellation propagates.
+        """
         now = self._clock()
         wait = 0.0
+        charge = Charge()
         if self._requests is not None:
             wait = self._requests.take(1.0, now)
+            charge.requests = 1.0
         if self._tokens is not None and tokens > 0:
             wait = max(wait, self._tokens.take(float(tokens), now))
+            charge.tokens = float(tokens)
         if wait > 0:
-            await self._sleep(wait)
+            try:
+                await self._sleep(wait)
+            except BaseException:
+                self.refund(charge)
+                raise
+        return charge
+
+    def refund(self, charge: Charge) -> None:
+        """Give back a charge whose request never reached the server (idempotent)."""
+        if charge.refunded:
+            return
+        charge.refunded = True
+        if self._requests is not None and charge.requests:
+            self._requests.adjust(-charge.requests)
+        if self._tokens is not None and charge.tokens:
+            self._tokens.adjust(-charge.tokens)
 
     def correct(self, estimated: int, actual: int) -> None:
         """Replace a request's estimated token charge by its ``actual`` usage."""

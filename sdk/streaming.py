@@ -1,17 +1,16 @@
 """Server-sent events: the line parser and the typed chunk stream of ``stream=True`` calls.
 
-Parsing follows the WHATWG HTML "Server-sent events" event-stream grammar: lines end in CRLF,
-LF or CR; ``:`` starts a comment (ignored, servers send them as keep-alives); ``field: value``
-(one optional space after the colon); several ``data`` lines join with ``\\n``; a blank line
-dispatches the event; an event without any ``data`` line is dropped. Lines are split on bytes
-(not with ``str.splitlines``, which would also break a JSON payload at a raw U+2028 or form
-feed), then decoded as UTF-8. The OpenAI API ends a stream with ``data: [DONE]``.
+Parsing follows the WHATWG HTML "Server-sent events" event-stream grammar (see ``SSEDecoder``).
+Lines are split on bytes (not with ``str.splitlines``, which would also break a JSON payload
+at a raw U+2028 or form feed), then decoded as UTF-8. The OpenAI API ends a stream with
+``data: [DONE]``; a stream that ends without it was cut short and raises.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
+import re
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, Self, TypeVar
 
@@ -33,61 +32,80 @@ class ServerSentEvent:
     event: str | None = None
     id: str | None = None
     retry: int | None = None
+    """The last ``retry`` announced (milliseconds); recorded only, this client never
+    reconnects."""
 
     def json(self) -> Any:
         """``data`` decoded as JSON (raises ``json.JSONDecodeError``)."""
         return json.loads(self.data)
 
 
+_BOM = b"\xef\xbb\xbf"  # UTF-8 byte-order mark, dropped at the start of a stream
+_LINE_END = re.compile(rb"\r\n|\r|\n")
+
+
 class SSEDecoder:
-    """Incremental event-stream parser: ``feed(bytes)`` returns the events completed so far."""
+    """Incremental event-stream parser: ``feed(bytes)`` returns the events completed so far.
+
+    The WHATWG HTML standard, section 9.2.6 "Interpreting an event stream", step by step: one
+    leading UTF-8 byte-order mark is dropped (even when split across reads); lines end in
+    CRLF, LF or CR (a CRLF split across two reads is one line end); a line starting with
+    ``:`` is a comment; ``name:value`` with one optional space after the colon, a line with
+    no colon is a field with an empty value; ``data`` lines append to the data buffer (joined
+    with LF); ``event`` sets the type (empty: the default ``"message"``, reported as None);
+    ``id`` sets the last event id (kept across events, ignored when it holds NUL); ``retry``
+    with only ASCII digits is recorded (this client never reconnects, so it has no effect);
+    other fields are ignored; a blank line dispatches the event unless its data buffer is
+    empty (an event with no ``data`` line is dropped, a ``data:`` with an empty value is an
+    event with empty data); at the end of the stream an unfinished event is discarded.
+    """
 
     def __init__(self) -> None:
         self._buf = b""
-        self._skip_lf = False
+        self._at_start = True
+        self._pending_cr = False
         self._data: list[str] = []
         self._event: str | None = None
         self._id: str | None = None
         self._retry: int | None = None
 
+    @property
+    def mid_event(self) -> bool:
+        """True when bytes of an event not yet dispatched were received (a truncated end)."""
+        return bool(self._buf or self._data or self._event)
+
     def feed(self, chunk: bytes) -> list[ServerSentEvent]:
         """Parse ``chunk`` (any split of the byte stream); return the dispatched events."""
+        data = self._buf + chunk
+        if self._at_start:
+            if len(data) < len(_BOM) and _BOM.startswith(data):
+                self._buf = data  # maybe the start of a BOM: wait for more bytes
+                return []
+            if data.startswith(_BOM):
+                data = data[len(_BOM) :]
+            self._at_start = False
+        if self._pending_cr and data:
+            self._pending_cr = False
+            if data[0] == 0x0A:  # the LF of a CRLF split across two reads
+                data = data[1:]
         out: list[ServerSentEvent] = []
-        for line in self._lines(chunk):
-            event = self.feed_line(line)
+        start = 0
+        for match in _LINE_END.finditer(data):
+            event = self.feed_line(data[start : match.start()].decode("utf-8", errors="replace"))
             if event is not None:
                 out.append(event)
+            start = match.end()
+            if match.group() == b"\r" and start == len(data):
+                self._pending_cr = True
+        self._buf = data[start:]
         return out
 
     def flush(self) -> list[ServerSentEvent]:
-        """End of stream: an unterminated last line is processed, an incomplete event dropped
-        (the spec discards an event not followed by a blank line)."""
-        if self._buf:
-            self.feed_line(self._buf.decode("utf-8", errors="replace"))
-            self._buf = b""
+        """End of stream: an unfinished event is discarded (the standard's rule); returns []."""
+        self._buf = b""
+        self._data = []
+        self._event = None
         return []
-
-    def _lines(self, chunk: bytes) -> Iterable[str]:
-        buf = self._buf + chunk
-        start = 0
-        i = 0
-        n = len(buf)
-        if self._skip_lf and n and buf[0] == 0x0A:  # the LF of a CRLF split across chunks
-            start = i = 1
-        self._skip_lf = False
-        while i < n:
-            c = buf[i]
-            if c == 0x0A or c == 0x0D:
-                yield buf[start:i].decode("utf-8", errors="replace")
-                if c == 0x0D:
-                    if i + 1 < n:
-                        if buf[i + 1] == 0x0A:
-                            i += 1
-                    else:
-                        self._skip_lf = True
-                start = i + 1
-            i += 1
-        self._buf = buf[start:]
 
     def feed_line(self, line: str) -> ServerSentEvent | None:
         """Process one line (without its terminator); return an event on a blank line."""
@@ -107,12 +125,12 @@ class SSEDecoder:
         if name == "data":
             self._data.append(value)
         elif name == "event":
-            self._event = value
+            self._event = value or None
         elif name == "id":
             if "\0" not in value:
                 self._id = value
         elif name == "retry":
-            if value.isdigit():
+            if value.isascii() and value.isdigit():
                 self._retry = int(value)
         return None
 
@@ -124,7 +142,7 @@ class AsyncStream(Generic[T]):
     closes the HTTP response (the connection is not reused mid-body) and frees the client's
     concurrency slot. A stream is never retried once created: a failure mid-stream raises
     ``APIConnectionError`` (``APITimeoutError`` when no chunk arrives within
-    ``idle_timeout`` seconds); an ``{"error": ...}`` event raises ``APIError``; a chunk that
+    ``idle_timeout`` seconds), and so does a body that ends before ``data: [DONE]``; an ``{"error": ...}`` event raises ``APIError``; a chunk that
     is JSON but not an object of the chunk's shape raises ``APIResponseValidationError``.
     """
 
@@ -205,7 +223,13 @@ class AsyncStream(Generic[T]):
                     with anyio.fail_after(self._idle_timeout):
                         sse = await events.__anext__()
                 except StopAsyncIteration:
-                    return
+                    # Every OpenAI-compatible stream ends with ``data: [DONE]``: a body that
+                    # closes before it was cut short (a proxy, a crash, a drop), never a success.
+                    raise APIConnectionError(
+                        "Stream ended before its final `data: [DONE]` event: the answer is "
+                        "truncated.",
+                        self.response.request,
+                    ) from None
                 except TimeoutError:
                     raise APITimeoutError(
                         f"No stream chunk within {self._idle_timeout} s.", self.response.request

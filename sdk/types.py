@@ -11,8 +11,9 @@ in tokens, ``created`` / ``expires_at`` in Unix seconds.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
+
+from pydantic import Field
 
 from ._model import Model
 
@@ -24,9 +25,13 @@ __all__ = [
     "TopLogprob",
     "TokenLogprob",
     "ChoiceLogprobs",
+    "Function",
+    "ChatCompletionMessageToolCall",
     "ChatCompletionMessage",
     "Choice",
     "ChatCompletion",
+    "ChoiceDeltaToolCallFunction",
+    "ChoiceDeltaToolCall",
     "ChoiceDelta",
     "ChunkChoice",
     "ChatCompletionChunk",
@@ -37,26 +42,26 @@ __all__ = [
     "ModelList",
     "Prefix",
     "PrefixDeleted",
+    "ParsedFunction",
+    "ParsedFunctionToolCall",
+    "ParsedChatCompletionMessage",
+    "ParsedChoice",
+    "ParsedChatCompletion",
 ]
 
-_dc = dataclass(slots=True, kw_only=True)
 
-
-@_dc
 class PromptTokensDetails(Model):
     """Breakdown of prompt tokens: ``cached_tokens`` were served from the prefix cache."""
 
     cached_tokens: int | None = None
 
 
-@_dc
 class CompletionTokensDetails(Model):
     """Breakdown of completion tokens (``reasoning_tokens`` where a server reports them)."""
 
     reasoning_tokens: int | None = None
 
 
-@_dc
 class CompletionUsage(Model):
     """Token counts of one request (tokens)."""
 
@@ -73,7 +78,6 @@ class CompletionUsage(Model):
         return (d.cached_tokens or 0) if d is not None else 0
 
 
-@_dc
 class TopLogprob(Model):
     """One alternative token and its log-probability (natural log)."""
 
@@ -82,44 +86,56 @@ class TopLogprob(Model):
     bytes: list[int] | None = None
 
 
-@_dc
 class TokenLogprob(Model):
     """The sampled token, its log-probability and the ``top_logprobs`` alternatives."""
 
     token: str = ""
     logprob: float = 0.0
     bytes: list[int] | None = None
-    top_logprobs: list[TopLogprob] = field(default_factory=list)
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
 
 
-@_dc
 class ChoiceLogprobs(Model):
     """Chat logprobs: one entry per generated token."""
 
     content: list[TokenLogprob] | None = None
 
 
-@_dc
+class Function(Model):
+    """The function a tool call invokes: ``arguments`` is a JSON text (as the model wrote it:
+    parse it with ``json.loads`` and validate it before use)."""
+
+    name: str = ""
+    arguments: str = ""
+
+
+class ChatCompletionMessageToolCall(Model):
+    """One tool call of an assistant message (``type == "function"``)."""
+
+    id: str = ""
+    type: str = "function"
+    function: Function = Field(default_factory=Function)
+
+
 class ChatCompletionMessage(Model):
-    """The assistant's message."""
+    """The assistant's message: ``content``, or ``tool_calls`` (``finish_reason ==
+    "tool_calls"``), or a ``refusal``."""
 
     role: str = "assistant"
     content: str | None = None
     refusal: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ChatCompletionMessageToolCall] | None = None
 
 
-@_dc
 class Choice(Model):
     """One of the ``n`` answers; ``finish_reason`` is ``"stop"``, ``"length"``, ..."""
 
     index: int = 0
-    message: ChatCompletionMessage = field(default_factory=ChatCompletionMessage)
+    message: ChatCompletionMessage = Field(default_factory=ChatCompletionMessage)
     finish_reason: str | None = None
     logprobs: ChoiceLogprobs | None = None
 
 
-@_dc
 class ChatCompletion(Model):
     """Result of ``chat.completions.create`` (``object == "chat.completion"``)."""
 
@@ -127,32 +143,47 @@ class ChatCompletion(Model):
     object: str = "chat.completion"
     created: int = 0
     model: str = ""
-    choices: list[Choice] = field(default_factory=list)
+    choices: list[Choice] = Field(default_factory=list)
     usage: CompletionUsage | None = None
     system_fingerprint: str | None = None
 
 
-@_dc
+class ChoiceDeltaToolCallFunction(Model):
+    """A fragment of a streamed tool call's function: ``name`` on its first fragment, then
+    pieces of the ``arguments`` JSON text to concatenate."""
+
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ChoiceDeltaToolCall(Model):
+    """A fragment of the tool call number ``index`` (``id`` and ``type`` on its first one)."""
+
+    index: int = 0
+    id: str | None = None
+    type: str | None = None
+    function: ChoiceDeltaToolCallFunction | None = None
+
+
 class ChoiceDelta(Model):
-    """The text (and role, on the first chunk) added by one stream chunk."""
+    """What one stream chunk adds: text (and the role, on the first chunk) or tool-call
+    fragments."""
 
     role: str | None = None
     content: str | None = None
     refusal: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ChoiceDeltaToolCall] | None = None
 
 
-@_dc
 class ChunkChoice(Model):
     """One choice's delta in a stream chunk; ``finish_reason`` set on its last chunk."""
 
     index: int = 0
-    delta: ChoiceDelta = field(default_factory=ChoiceDelta)
+    delta: ChoiceDelta = Field(default_factory=ChoiceDelta)
     finish_reason: str | None = None
     logprobs: ChoiceLogprobs | None = None
 
 
-@_dc
 class ChatCompletionChunk(Model):
     """One SSE chunk of a streamed chat completion (``object == "chat.completion.chunk"``).
 
@@ -164,12 +195,11 @@ class ChatCompletionChunk(Model):
     object: str = "chat.completion.chunk"
     created: int = 0
     model: str = ""
-    choices: list[ChunkChoice] = field(default_factory=list)
+    choices: list[ChunkChoice] = Field(default_factory=list)
     usage: CompletionUsage | None = None
     system_fingerprint: str | None = None
 
 
-@_dc
 class CompletionLogprobs(Model):
     """Legacy completions logprobs (parallel lists, one entry per token)."""
 
@@ -179,7 +209,6 @@ class CompletionLogprobs(Model):
     text_offset: list[int] | None = None
 
 
-@_dc
 class CompletionChoice(Model):
     """One answer of ``completions.create``."""
 
@@ -189,7 +218,6 @@ class CompletionChoice(Model):
     logprobs: CompletionLogprobs | None = None
 
 
-@_dc
 class Completion(Model):
     """Result (or, streamed, one chunk) of ``completions.create`` (``"text_completion"``)."""
 
@@ -197,12 +225,11 @@ class Completion(Model):
     object: str = "text_completion"
     created: int = 0
     model: str = ""
-    choices: list[CompletionChoice] = field(default_factory=list)
+    choices: list[CompletionChoice] = Field(default_factory=list)
     usage: CompletionUsage | None = None
     system_fingerprint: str | None = None
 
 
-@_dc
 class ModelInfo(Model):
     """One served model (``object == "model"``); ``id`` is the name to pass as ``model``."""
 
@@ -212,21 +239,19 @@ class ModelInfo(Model):
     owned_by: str = ""
 
 
-@_dc
 class ModelList(Model):
     """Result of ``models.list``; iterable over its ``data``."""
 
     object: str = "list"
-    data: list[ModelInfo] = field(default_factory=list)
+    data: list[ModelInfo] = Field(default_factory=list)
 
-    def __iter__(self) -> Iterator[ModelInfo]:
+    def __iter__(self) -> Iterator[ModelInfo]:  # type: ignore[override]
         return iter(self.data)
 
     def __len__(self) -> int:
         return len(self.data)
 
 
-@_dc
 class Prefix(Model):
     """A registered, pinned prompt prefix (prefixgate's ``POST /v1/prefixes``).
 
@@ -241,10 +266,47 @@ class Prefix(Model):
     expires_at: float | None = None
 
 
-@_dc
 class PrefixDeleted(Model):
     """Result of ``prefixes.delete``."""
 
     id: str = ""
     object: str = "prefix.deleted"
     deleted: bool = True
+
+
+ResponseFormatT = TypeVar("ResponseFormatT")
+
+
+class ParsedFunction(Function):
+    """A tool call's function with ``parsed_arguments``: the arguments decoded, for a tool
+    declared ``strict`` (else None)."""
+
+    parsed_arguments: Any = None
+
+
+class ParsedFunctionToolCall(ChatCompletionMessageToolCall):
+    """A tool call of ``chat.completions.parse``."""
+
+    function: ParsedFunction = Field(default_factory=ParsedFunction)
+
+
+class ParsedChatCompletionMessage(ChatCompletionMessage, Generic[ResponseFormatT]):
+    """The message of ``chat.completions.parse``: ``parsed`` is the content validated by the
+    ``response_format`` model (None on a refusal or a tool call)."""
+
+    parsed: ResponseFormatT | None = None
+    tool_calls: list[ParsedFunctionToolCall] | None = None  # type: ignore[assignment]
+
+
+class ParsedChoice(Choice, Generic[ResponseFormatT]):
+    """A choice of ``chat.completions.parse``."""
+
+    message: ParsedChatCompletionMessage[ResponseFormatT] = Field(
+        default_factory=ParsedChatCompletionMessage
+    )
+
+
+class ParsedChatCompletion(ChatCompletion, Generic[ResponseFormatT]):
+    """Result of ``chat.completions.parse``: ``choices[i].message.parsed``."""
+
+    choices: list[ParsedChoice[ResponseFormatT]] = Field(default_factory=list)  # type: ignore[assignment]

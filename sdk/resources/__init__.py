@@ -1,5 +1,6 @@
 """API resources of ``AsyncClient``: ``chat.completions``, ``completions``, ``models``,
-``prefixes``."""
+``prefixes``. They depend on ``_options`` (never on the client module): the client imports
+them, not the other way round."""
 
 from .chat import AsyncChat, AsyncChatCompletions
 from .completions import AsyncCompletions

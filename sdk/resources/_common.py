@@ -1,4 +1,4 @@
-"""Helpers shared by the resources: request options and body assembly."""
+"""Helpers shared by the resources: body assembly and argument checks."""
 
 from __future__ import annotations
 
@@ -6,22 +6,16 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import quote
 
-import httpx
+from .._options import Requester
 
-from .._client import RequestOptions
-
-__all__ = ["split_options", "only_options", "clean_body", "require_str", "path_part"]
-
-_OPTION_NAMES = frozenset(RequestOptions.__slots__)
+__all__ = ["APIResource", "clean_body", "require_str", "path_part"]
 
 
-def split_options(params: dict[str, Any]) -> tuple[dict[str, Any], RequestOptions]:
-    """Pop the ``RequestOptions`` keywords (``extra_headers``, ``timeout``, ...) from ``params``."""
-    opts = {k: params.pop(k) for k in list(params) if k in _OPTION_NAMES}
-    timeout = opts.get("timeout")
-    if timeout is not None and not isinstance(timeout, (int, float, httpx.Timeout)):
-        raise TypeError(f"timeout must be seconds or httpx.Timeout, got {timeout!r}")
-    return params, RequestOptions(**opts)
+class APIResource:
+    """A resource of a client (``client.models``, ...): sends its calls through ``Requester``."""
+
+    def __init__(self, client: Requester) -> None:
+        self._client = client
 
 
 def clean_body(params: Mapping[str, Any]) -> dict[str, Any]:
@@ -41,15 +35,3 @@ def path_part(value: str, keep_slashes: bool = False) -> str:
     join cannot climb out of the resource (``prefixes/../models``)."""
     parts = quote(value, safe="/" if keep_slashes else "").split("/")
     return "/".join(p.replace(".", "%2E") if p in (".", "..") else p for p in parts)
-
-
-def only_options(options: Mapping[str, Any]) -> RequestOptions:
-    """``RequestOptions`` from keywords that must all be option names.
-
-    Raises:
-        TypeError: another keyword.
-    """
-    rest, opts = split_options(dict(options))
-    if rest:
-        raise TypeError(f"unexpected keyword arguments: {sorted(rest)}")
-    return opts

@@ -1,19 +1,32 @@
-"""``client.chat.completions``: ``POST /v1/chat/completions`` (create, stream, batch)."""
+"""``client.chat.completions``: ``POST /v1/chat/completions`` (create, parse, stream, batch)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, overload
+from collections.abc import Mapping, Sequence
+from functools import cached_property
+from typing import Any, Literal, TypeVar, overload
 
+from .._options import Requester, Timeout, make_options
+from .._parsing import parse_chat_completion, response_format_param
+from .._response import (
+    APIResponse,
+    to_raw_response_wrapper,
+    to_streamed_response_wrapper,
+)
 from ..batch import run_batch
 from ..streaming import AsyncStream
-from ..types import ChatCompletion, ChatCompletionChunk
-from ._common import clean_body, require_str, split_options
+from ..types import ChatCompletion, ChatCompletionChunk, ParsedChatCompletion
+from ._common import APIResource, clean_body, require_str
 
-if TYPE_CHECKING:
-    from .._client import AsyncClient
+__all__ = [
+    "AsyncChat",
+    "AsyncChatCompletions",
+    "AsyncChatCompletionsWithRawResponse",
+    "AsyncChatCompletionsWithStreamingResponse",
+    "validate_messages",
+]
 
-__all__ = ["AsyncChat", "AsyncChatCompletions", "validate_messages"]
+ResponseFormatT = TypeVar("ResponseFormatT")
 
 
 def validate_messages(messages: Any, *, allow_empty: bool = False) -> list[dict[str, Any]]:
@@ -35,11 +48,8 @@ def validate_messages(messages: Any, *, allow_empty: bool = False) -> list[dict[
     return out
 
 
-class AsyncChatCompletions:
+class AsyncChatCompletions(APIResource):
     """``client.chat.completions``."""
-
-    def __init__(self, client: AsyncClient) -> None:
-        self._client = client
 
     @overload
     async def create(
@@ -48,7 +58,38 @@ class AsyncChatCompletions:
         model: str,
         messages: Sequence[Mapping[str, Any]],
         stream: Literal[False] = False,
-        **params: Any,
+        frequency_penalty: float | None = None,
+        logit_bias: Mapping[str, float] | Mapping[int, float] | None = None,
+        logprobs: bool | None = None,
+        max_completion_tokens: int | None = None,
+        max_tokens: int | None = None,
+        n: int | None = None,
+        parallel_tool_calls: bool | None = None,
+        presence_penalty: float | None = None,
+        response_format: Mapping[str, Any] | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        stream_options: Mapping[str, Any] | None = None,
+        temperature: float | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        top_logprobs: int | None = None,
+        top_p: float | None = None,
+        user: str | None = None,
+        top_k: int | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
+        min_tokens: int | None = None,
+        ignore_eos: bool | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        cache_salt: str | None = None,
+        prefix_id: str | None = None,
+        extra_headers: Mapping[str, str] | None = None,
+        extra_query: Mapping[str, Any] | None = None,
+        extra_body: Mapping[str, Any] | None = None,
+        timeout: Timeout | None = None,
+        max_retries: int | None = None,
+        idle_timeout: float | None = None,
     ) -> ChatCompletion: ...
 
     @overload
@@ -58,8 +99,80 @@ class AsyncChatCompletions:
         model: str,
         messages: Sequence[Mapping[str, Any]],
         stream: Literal[True],
-        **params: Any,
+        frequency_penalty: float | None = None,
+        logit_bias: Mapping[str, float] | Mapping[int, float] | None = None,
+        logprobs: bool | None = None,
+        max_completion_tokens: int | None = None,
+        max_tokens: int | None = None,
+        n: int | None = None,
+        parallel_tool_calls: bool | None = None,
+        presence_penalty: float | None = None,
+        response_format: Mapping[str, Any] | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        stream_options: Mapping[str, Any] | None = None,
+        temperature: float | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        top_logprobs: int | None = None,
+        top_p: float | None = None,
+        user: str | None = None,
+        top_k: int | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
+        min_tokens: int | None = None,
+        ignore_eos: bool | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        cache_salt: str | None = None,
+        prefix_id: str | None = None,
+        extra_headers: Mapping[str, str] | None = None,
+        extra_query: Mapping[str, Any] | None = None,
+        extra_body: Mapping[str, Any] | None = None,
+        timeout: Timeout | None = None,
+        max_retries: int | None = None,
+        idle_timeout: float | None = None,
     ) -> AsyncStream[ChatCompletionChunk]: ...
+
+    @overload
+    async def create(
+        self,
+        *,
+        model: str,
+        messages: Sequence[Mapping[str, Any]],
+        stream: bool = False,
+        frequency_penalty: float | None = None,
+        logit_bias: Mapping[str, float] | Mapping[int, float] | None = None,
+        logprobs: bool | None = None,
+        max_completion_tokens: int | None = None,
+        max_tokens: int | None = None,
+        n: int | None = None,
+        parallel_tool_calls: bool | None = None,
+        presence_penalty: float | None = None,
+        response_format: Mapping[str, Any] | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        stream_options: Mapping[str, Any] | None = None,
+        temperature: float | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        top_logprobs: int | None = None,
+        top_p: float | None = None,
+        user: str | None = None,
+        top_k: int | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
+        min_tokens: int | None = None,
+        ignore_eos: bool | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        cache_salt: str | None = None,
+        prefix_id: str | None = None,
+        extra_headers: Mapping[str, str] | None = None,
+        extra_query: Mapping[str, Any] | None = None,
+        extra_body: Mapping[str, Any] | None = None,
+        timeout: Timeout | None = None,
+        max_retries: int | None = None,
+        idle_timeout: float | None = None,
+    ) -> ChatCompletion | AsyncStream[ChatCompletionChunk]: ...
 
     async def create(
         self,
@@ -67,73 +180,226 @@ class AsyncChatCompletions:
         model: str,
         messages: Sequence[Mapping[str, Any]],
         stream: bool = False,
-        max_tokens: int | None = None,
-        max_completion_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        n: int | None = None,
-        stop: str | list[str] | None = None,
-        seed: int | None = None,
-        presence_penalty: float | None = None,
         frequency_penalty: float | None = None,
+        logit_bias: Mapping[str, float] | Mapping[int, float] | None = None,
         logprobs: bool | None = None,
-        top_logprobs: int | None = None,
+        max_completion_tokens: int | None = None,
+        max_tokens: int | None = None,
+        n: int | None = None,
+        parallel_tool_calls: bool | None = None,
+        presence_penalty: float | None = None,
+        response_format: Mapping[str, Any] | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
         stream_options: Mapping[str, Any] | None = None,
-        prefix_id: str | None = None,
+        temperature: float | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        top_logprobs: int | None = None,
+        top_p: float | None = None,
         user: str | None = None,
-        **params: Any,
+        top_k: int | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
+        min_tokens: int | None = None,
+        ignore_eos: bool | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        cache_salt: str | None = None,
+        prefix_id: str | None = None,
+        extra_headers: Mapping[str, str] | None = None,
+        extra_query: Mapping[str, Any] | None = None,
+        extra_body: Mapping[str, Any] | None = None,
+        timeout: Timeout | None = None,
+        max_retries: int | None = None,
+        idle_timeout: float | None = None,
     ) -> ChatCompletion | AsyncStream[ChatCompletionChunk]:
-        """Create a chat completion (OpenAI API parameters; None = server default).
+        """Create a chat completion (OpenAI API parameters; None: the server's default).
+
+        Every keyword is named: an unknown one is a ``TypeError`` (nothing is sent). Send a
+        field this method does not name with ``extra_body`` (openai-python's convention).
 
         Args:
             model: served model name.
-            messages: ``[{"role": ..., "content": ...}, ...]``; with ``prefix_id`` only the
-                turns after the registered prefix.
+            messages: ``[{"role": ..., "content": ...}, ...]`` (assistant messages may carry
+                ``tool_calls``, tool results are ``{"role": "tool", "tool_call_id", ...}``);
+                with ``prefix_id`` only the turns after the registered prefix.
             stream: return an ``AsyncStream[ChatCompletionChunk]`` (``async for`` / ``async
                 with``) instead of a ``ChatCompletion``.
+            response_format: ``{"type": "text" | "json_object" | "json_schema", ...}``; for a
+                pydantic model use ``parse``.
+            tools, tool_choice, parallel_tool_calls: function calling as in the OpenAI API;
+                the answer's ``message.tool_calls`` (stream: ``delta.tool_calls``) are typed.
+            logit_bias: token id -> bias in [-100, 100].
+            top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids: vLLM's
+                sampling extensions (prefixgate implements them).
+            cache_salt: prefixgate/vLLM extension: requests share cached prefix blocks only
+                with requests of the same salt.
             prefix_id: prefixgate extension: id of a prefix registered with
                 ``client.prefixes.create`` that the server prepends to ``messages``.
-            params: further body fields (passed through), or the ``RequestOptions`` keywords
-                ``extra_headers``, ``extra_query``, ``extra_body``, ``timeout``,
-                ``max_retries``, ``idle_timeout``.
+            extra_headers, extra_query, extra_body: added to the HTTP request.
+            timeout: seconds or ``httpx.Timeout`` for this call; ``max_retries``: retries for
+                this call; ``idle_timeout``: stream only, seconds allowed between two chunks.
 
         Raises:
-            TypeError / ValueError: malformed ``model`` or ``messages`` (nothing is sent).
+            TypeError / ValueError: malformed arguments (nothing is sent).
             APIStatusError, APIConnectionError, APITimeoutError: see ``AsyncClient.request``.
         """
         require_str("model", model)
         msgs = validate_messages(messages, allow_empty=prefix_id is not None)
-        params, options = split_options(params)
+        options = make_options(
+            extra_headers=extra_headers,
+            extra_query=extra_query,
+            extra_body=extra_body,
+            timeout=timeout,
+            max_retries=max_retries,
+            idle_timeout=idle_timeout,
+        )
         body = clean_body(
             dict(
                 model=model,
                 messages=msgs,
-                max_tokens=max_tokens,
-                max_completion_tokens=max_completion_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                n=n,
-                stop=stop,
-                seed=seed,
-                presence_penalty=presence_penalty,
                 frequency_penalty=frequency_penalty,
+                logit_bias=logit_bias,
                 logprobs=logprobs,
-                top_logprobs=top_logprobs,
+                max_completion_tokens=max_completion_tokens,
+                max_tokens=max_tokens,
+                n=n,
+                parallel_tool_calls=parallel_tool_calls,
+                presence_penalty=presence_penalty,
+                response_format=response_format,
+                seed=seed,
+                stop=stop,
                 stream_options=stream_options,
-                prefix_id=prefix_id,
+                temperature=temperature,
+                tool_choice=tool_choice,
+                tools=tools,
+                top_logprobs=top_logprobs,
+                top_p=top_p,
                 user=user,
-                **params,
+                top_k=top_k,
+                min_p=min_p,
+                repetition_penalty=repetition_penalty,
+                min_tokens=min_tokens,
+                ignore_eos=ignore_eos,
+                stop_token_ids=stop_token_ids,
+                cache_salt=cache_salt,
+                prefix_id=prefix_id,
             )
         )
-        cast: Callable[[Mapping[str, Any]], ChatCompletion | ChatCompletionChunk]
         if stream:
             body["stream"] = True
-            cast = ChatCompletionChunk.from_dict
-        else:
-            cast = ChatCompletion.from_dict
+            return await self._client.request(
+                "POST",
+                "chat/completions",
+                body=body,
+                cast=ChatCompletionChunk.model_validate,
+                stream=True,
+                options=options,
+            )
         return await self._client.request(
-            "POST", "chat/completions", body=body, cast=cast, stream=stream, options=options
+            "POST",
+            "chat/completions",
+            body=body,
+            cast=ChatCompletion.model_validate,
+            options=options,
         )
+
+    async def parse(
+        self,
+        *,
+        model: str,
+        messages: Sequence[Mapping[str, Any]],
+        frequency_penalty: float | None = None,
+        logit_bias: Mapping[str, float] | Mapping[int, float] | None = None,
+        logprobs: bool | None = None,
+        max_completion_tokens: int | None = None,
+        max_tokens: int | None = None,
+        n: int | None = None,
+        parallel_tool_calls: bool | None = None,
+        presence_penalty: float | None = None,
+        response_format: type[ResponseFormatT] | Mapping[str, Any] | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        stream_options: Mapping[str, Any] | None = None,
+        temperature: float | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        top_logprobs: int | None = None,
+        top_p: float | None = None,
+        user: str | None = None,
+        top_k: int | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
+        min_tokens: int | None = None,
+        ignore_eos: bool | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        cache_salt: str | None = None,
+        prefix_id: str | None = None,
+        extra_headers: Mapping[str, str] | None = None,
+        extra_query: Mapping[str, Any] | None = None,
+        extra_body: Mapping[str, Any] | None = None,
+        timeout: Timeout | None = None,
+        max_retries: int | None = None,
+        idle_timeout: float | None = None,
+    ) -> ParsedChatCompletion[ResponseFormatT]:
+        """``create`` whose answer is parsed: ``choices[i].message.parsed`` (openai-python's).
+
+        ``response_format`` may be a pydantic model class (or any type pydantic validates: a
+        dataclass, a TypedDict): it is sent as a strict ``json_schema`` and each choice's
+        content is validated into ``message.parsed`` (None on a refusal). Tool calls of tools
+        declared ``"strict": true`` get ``function.parsed_arguments``. Other arguments: as
+        ``create`` (never streams).
+
+        Raises:
+            LengthFinishReasonError: a choice was cut at the length limit (its JSON is
+                incomplete: raise ``max_tokens``).
+            ContentFilterFinishReasonError: a choice was withheld by a content filter.
+            pydantic.ValidationError: content that does not validate against the type.
+            TypeError: a ``response_format`` that is neither a type nor a mapping.
+            APIStatusError, APIConnectionError, APITimeoutError: see ``create``.
+        """
+        wire_format = None if response_format is None else response_format_param(response_format)
+        completion = await self.create(
+            model=model,
+            messages=messages,
+            stream=False,
+            frequency_penalty=frequency_penalty,
+            logit_bias=logit_bias,
+            logprobs=logprobs,
+            max_completion_tokens=max_completion_tokens,
+            max_tokens=max_tokens,
+            n=n,
+            parallel_tool_calls=parallel_tool_calls,
+            presence_penalty=presence_penalty,
+            seed=seed,
+            stop=stop,
+            stream_options=stream_options,
+            temperature=temperature,
+            tool_choice=tool_choice,
+            tools=tools,
+            top_logprobs=top_logprobs,
+            top_p=top_p,
+            user=user,
+            top_k=top_k,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+            min_tokens=min_tokens,
+            ignore_eos=ignore_eos,
+            stop_token_ids=stop_token_ids,
+            cache_salt=cache_salt,
+            prefix_id=prefix_id,
+            extra_headers=extra_headers,
+            extra_query=extra_query,
+            extra_body=extra_body,
+            timeout=timeout,
+            max_retries=max_retries,
+            idle_timeout=idle_timeout,
+            response_format=wire_format,
+        )
+        if isinstance(completion, APIResponse):  # with_raw_response: parse what it holds
+            completion._parsed = parse_chat_completion(completion.parse(), response_format, tools)
+            return completion  # type: ignore[return-value]
+        return parse_chat_completion(completion, response_format, tools)
 
     async def batch(
         self,
@@ -161,11 +427,37 @@ class AsyncChatCompletions:
     async def _non_stream_create(self, **request: Any) -> ChatCompletion:
         if request.get("stream"):
             raise ValueError("batch() requests cannot stream: drop stream=True")
-        return await self.create(**request)
+        return await self.create(**request)  # type: ignore[no-any-return]
+
+    @cached_property
+    def with_raw_response(self) -> AsyncChatCompletionsWithRawResponse:
+        """The same methods, returning an ``APIResponse`` (headers, status, ``parse()``)."""
+        return AsyncChatCompletionsWithRawResponse(self)
+
+    @cached_property
+    def with_streaming_response(self) -> AsyncChatCompletionsWithStreamingResponse:
+        """The same methods as ``async with`` blocks yielding an ``AsyncAPIResponse`` whose
+        body is read on demand."""
+        return AsyncChatCompletionsWithStreamingResponse(self)
+
+
+class AsyncChatCompletionsWithRawResponse:
+    """``client.chat.completions.with_raw_response``."""
+
+    def __init__(self, completions: AsyncChatCompletions) -> None:
+        self.create = to_raw_response_wrapper(completions.create)
+        self.parse = to_raw_response_wrapper(completions.parse)
+
+
+class AsyncChatCompletionsWithStreamingResponse:
+    """``client.chat.completions.with_streaming_response``."""
+
+    def __init__(self, completions: AsyncChatCompletions) -> None:
+        self.create = to_streamed_response_wrapper(completions.create)
 
 
 class AsyncChat:
     """``client.chat`` (holds ``completions``)."""
 
-    def __init__(self, client: AsyncClient) -> None:
+    def __init__(self, client: Requester) -> None:
         self.completions = AsyncChatCompletions(client)

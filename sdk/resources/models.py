@@ -2,37 +2,95 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from functools import cached_property
+from typing import Any
 
+from .._options import Timeout, make_options
+from .._response import to_raw_response_wrapper, to_streamed_response_wrapper
 from ..types import ModelInfo, ModelList
-from ._common import only_options, path_part, require_str
+from ._common import APIResource, path_part, require_str
 
-if TYPE_CHECKING:
-    from .._client import AsyncClient
+__all__ = ["AsyncModels", "AsyncModelsWithRawResponse", "AsyncModelsWithStreamingResponse"]
 
 
-class AsyncModels:
+class AsyncModels(APIResource):
     """``client.models``."""
 
-    def __init__(self, client: AsyncClient) -> None:
-        self._client = client
+    async def list(
+        self,
+        *,
+        extra_headers: Mapping[str, str] | None = None,
+        extra_query: Mapping[str, Any] | None = None,
+        timeout: Timeout | None = None,
+        max_retries: int | None = None,
+    ) -> ModelList:
+        """The models the server serves (``GET /v1/models``).
 
-    async def list(self, **options: Any) -> ModelList:
-        """The models the server serves (``GET /v1/models``); ``options``: ``RequestOptions``."""
-        opts = only_options(options)
-        return await self._client.request("GET", "models", cast=ModelList.from_dict, options=opts)
+        Raises:
+            APIStatusError, APIConnectionError, APITimeoutError: see ``AsyncClient.request``.
+        """
+        opts = make_options(
+            extra_headers=extra_headers,
+            extra_query=extra_query,
+            timeout=timeout,
+            max_retries=max_retries,
+        )
+        return await self._client.request(
+            "GET", "models", cast=ModelList.model_validate, options=opts
+        )
 
-    async def retrieve(self, model: str, **options: Any) -> ModelInfo:
+    async def retrieve(
+        self,
+        model: str,
+        *,
+        extra_headers: Mapping[str, str] | None = None,
+        extra_query: Mapping[str, Any] | None = None,
+        timeout: Timeout | None = None,
+        max_retries: int | None = None,
+    ) -> ModelInfo:
         """One model (``GET /v1/models/{model}``).
 
         Raises:
+            TypeError: ``model`` is not a non-empty str.
             NotFoundError: unknown model.
         """
         require_str("model", model)
-        opts = only_options(options)
+        opts = make_options(
+            extra_headers=extra_headers,
+            extra_query=extra_query,
+            timeout=timeout,
+            max_retries=max_retries,
+        )
         return await self._client.request(
             "GET",
             f"models/{path_part(model, keep_slashes=True)}",
-            cast=ModelInfo.from_dict,
+            cast=ModelInfo.model_validate,
             options=opts,
         )
+
+    @cached_property
+    def with_raw_response(self) -> AsyncModelsWithRawResponse:
+        """The same methods, returning an ``APIResponse`` (headers, status, ``parse()``)."""
+        return AsyncModelsWithRawResponse(self)
+
+    @cached_property
+    def with_streaming_response(self) -> AsyncModelsWithStreamingResponse:
+        """The same methods as ``async with`` blocks yielding an ``AsyncAPIResponse``."""
+        return AsyncModelsWithStreamingResponse(self)
+
+
+class AsyncModelsWithRawResponse:
+    """``client.models.with_raw_response``."""
+
+    def __init__(self, models: AsyncModels) -> None:
+        self.list = to_raw_response_wrapper(models.list)
+        self.retrieve = to_raw_response_wrapper(models.retrieve)
+
+
+class AsyncModelsWithStreamingResponse:
+    """``client.models.with_streaming_response``."""
+
+    def __init__(self, models: AsyncModels) -> None:
+        self.list = to_streamed_response_wrapper(models.list)
+        self.retrieve = to_streamed_response_wrapper(models.retrieve)

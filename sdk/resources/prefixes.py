@@ -12,31 +12,33 @@ messages, which that server's own prefix cache (if any) may still serve.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Self, cast
+from collections.abc import Callable, Mapping, Sequence
+from functools import cached_property
+from typing import Any, Self
 
 import anyio
 
+from .._options import Timeout, make_options
+from .._response import to_raw_response_wrapper, to_streamed_response_wrapper
 from ..batch import run_batch
 from ..errors import APIStatusError, NotFoundError, RateLimitError
 from ..streaming import AsyncStream
 from ..types import ChatCompletion, ChatCompletionChunk, Prefix, PrefixDeleted
-from ._common import clean_body, only_options, path_part, require_str, split_options
-from .chat import validate_messages
+from ._common import APIResource, clean_body, path_part, require_str
+from .chat import AsyncChatCompletions, validate_messages
 
-if TYPE_CHECKING:
-    from .._client import AsyncClient
-
-__all__ = ["AsyncPrefixes", "PrefixSession"]
+__all__ = [
+    "AsyncPrefixes",
+    "AsyncPrefixesWithRawResponse",
+    "AsyncPrefixesWithStreamingResponse",
+    "PrefixSession",
+]
 
 _UNSUPPORTED_STATUSES = frozenset({404, 405, 501})
 
 
-class AsyncPrefixes:
+class AsyncPrefixes(APIResource):
     """``client.prefixes``."""
-
-    def __init__(self, client: AsyncClient) -> None:
-        self._client = client
 
     async def create(
         self,
@@ -44,7 +46,12 @@ class AsyncPrefixes:
         model: str,
         messages: Sequence[Mapping[str, Any]],
         ttl_seconds: float | None = None,
-        **params: Any,
+        cache_salt: str | None = None,
+        extra_headers: Mapping[str, str] | None = None,
+        extra_query: Mapping[str, Any] | None = None,
+        extra_body: Mapping[str, Any] | None = None,
+        timeout: Timeout | None = None,
+        max_retries: int | None = None,
     ) -> Prefix:
         """Register and pin ``messages`` as a prefix for ``ttl_seconds`` (server default if None).
 
@@ -57,34 +64,68 @@ class AsyncPrefixes:
         require_str("model", model)
         if ttl_seconds is not None and not ttl_seconds > 0:
             raise ValueError(f"ttl_seconds must be > 0, got {ttl_seconds!r}")
-        params, options = split_options(params)
+        options = make_options(
+            extra_headers=extra_headers,
+            extra_query=extra_query,
+            extra_body=extra_body,
+            timeout=timeout,
+            max_retries=max_retries,
+        )
         body = clean_body(
             dict(
-                model=model, messages=validate_messages(messages), ttl_seconds=ttl_seconds, **params
+                model=model,
+                messages=validate_messages(messages),
+                ttl_seconds=ttl_seconds,
+                cache_salt=cache_salt,
             )
         )
         return await self._client.request(
-            "POST", "prefixes", body=body, cast=Prefix.from_dict, options=options
+            "POST", "prefixes", body=body, cast=Prefix.model_validate, options=options
         )
 
-    async def get(self, prefix_id: str, **options: Any) -> Prefix:
+    async def get(
+        self,
+        prefix_id: str,
+        *,
+        extra_headers: Mapping[str, str] | None = None,
+        extra_query: Mapping[str, Any] | None = None,
+        timeout: Timeout | None = None,
+        max_retries: int | None = None,
+    ) -> Prefix:
         """The live prefix ``prefix_id``. Raises ``NotFoundError`` when unknown or expired."""
         require_str("prefix_id", prefix_id)
+        options = make_options(
+            extra_headers=extra_headers,
+            extra_query=extra_query,
+            timeout=timeout,
+            max_retries=max_retries,
+        )
         return await self._client.request(
-            "GET",
-            f"prefixes/{path_part(prefix_id)}",
-            cast=Prefix.from_dict,
-            options=only_options(options),
+            "GET", f"prefixes/{path_part(prefix_id)}", cast=Prefix.model_validate, options=options
         )
 
-    async def delete(self, prefix_id: str, **options: Any) -> PrefixDeleted:
+    async def delete(
+        self,
+        prefix_id: str,
+        *,
+        extra_headers: Mapping[str, str] | None = None,
+        extra_query: Mapping[str, Any] | None = None,
+        timeout: Timeout | None = None,
+        max_retries: int | None = None,
+    ) -> PrefixDeleted:
         """Unpin and forget ``prefix_id``. Raises ``NotFoundError`` when unknown or expired."""
         require_str("prefix_id", prefix_id)
+        options = make_options(
+            extra_headers=extra_headers,
+            extra_query=extra_query,
+            timeout=timeout,
+            max_retries=max_retries,
+        )
         return await self._client.request(
             "DELETE",
             f"prefixes/{path_part(prefix_id)}",
-            cast=PrefixDeleted.from_dict,
-            options=only_options(options),
+            cast=PrefixDeleted.model_validate,
+            options=options,
         )
 
     def session(
@@ -95,7 +136,41 @@ class AsyncPrefixes:
         ttl_seconds: float = 600.0,
     ) -> PrefixSession:
         """A ``PrefixSession`` for ``system_prompt`` (a str, or the leading messages)."""
-        return PrefixSession(self._client, system_prompt, model=model, ttl_seconds=ttl_seconds)
+        return PrefixSession(
+            AsyncChatCompletions(self._client),
+            self,
+            system_prompt,
+            model=model,
+            ttl_seconds=ttl_seconds,
+        )
+
+    @cached_property
+    def with_raw_response(self) -> AsyncPrefixesWithRawResponse:
+        """The same methods, returning an ``APIResponse`` (headers, status, ``parse()``)."""
+        return AsyncPrefixesWithRawResponse(self)
+
+    @cached_property
+    def with_streaming_response(self) -> AsyncPrefixesWithStreamingResponse:
+        """The same methods as ``async with`` blocks yielding an ``AsyncAPIResponse``."""
+        return AsyncPrefixesWithStreamingResponse(self)
+
+
+class AsyncPrefixesWithRawResponse:
+    """``client.prefixes.with_raw_response``."""
+
+    def __init__(self, prefixes: AsyncPrefixes) -> None:
+        self.create = to_raw_response_wrapper(prefixes.create)
+        self.get = to_raw_response_wrapper(prefixes.get)
+        self.delete = to_raw_response_wrapper(prefixes.delete)
+
+
+class AsyncPrefixesWithStreamingResponse:
+    """``client.prefixes.with_streaming_response``."""
+
+    def __init__(self, prefixes: AsyncPrefixes) -> None:
+        self.create = to_streamed_response_wrapper(prefixes.create)
+        self.get = to_streamed_response_wrapper(prefixes.get)
+        self.delete = to_streamed_response_wrapper(prefixes.delete)
 
 
 class PrefixSession:
@@ -107,7 +182,8 @@ class PrefixSession:
     (None until known; False: the server lacks the prefix API, full messages are sent).
 
     Args:
-        client: the ``AsyncClient``.
+        completions: the client's ``chat.completions`` (what sends the turns).
+        prefixes: the client's ``prefixes`` (what registers and deletes the prefix).
         system_prompt: the shared leading text (sent as one system message) or messages.
         model: served model name.
         ttl_seconds: lifetime asked for the prefix (seconds); it is re-registered when its
@@ -122,7 +198,8 @@ class PrefixSession:
 
     def __init__(
         self,
-        client: AsyncClient,
+        completions: AsyncChatCompletions,
+        prefixes: AsyncPrefixes,
         system_prompt: str | Sequence[Mapping[str, Any]],
         *,
         model: str,
@@ -136,7 +213,8 @@ class PrefixSession:
             self.prefix_messages = [{"role": "system", "content": system_prompt}]
         else:
             self.prefix_messages = validate_messages(system_prompt)
-        self._client = client
+        self._completions = completions
+        self._prefixes = prefixes
         self.model = model
         self.ttl_seconds = ttl_seconds
         self.refresh_margin_s = min(30.0, ttl_seconds / 10)
@@ -167,7 +245,7 @@ class PrefixSession:
         for key in ("model", "messages", "prefix_id"):
             if key in params:
                 raise TypeError(f"PrefixSession.create() sets {key!r} itself")
-        create = self._client.chat.completions.create
+        create = self._completions.create
         prefix = await self._ensure()
         if prefix is None:
             return await create(model=self.model, messages=self.prefix_messages + turn, **params)
@@ -191,21 +269,27 @@ class PrefixSession:
         **params: Any,
     ) -> list[ChatCompletion | Exception]:
         """``create(user, **params)`` for each user turn, in input order, errors per item."""
-        create = cast(Callable[..., Awaitable[ChatCompletion]], self.create)  # as chat.batch
+        if params.get("stream"):
+            raise ValueError("batch() requests cannot stream: drop stream=True")
         return await run_batch(
-            create,
+            self._non_stream_create,
             [dict(user=u, **params) for u in users],
-            workers=self._client.max_concurrency,
+            workers=self._prefixes._client.max_concurrency,
             progress=progress,
             desc="prefix session",
         )
+
+    async def _non_stream_create(
+        self, user: str | Sequence[Mapping[str, Any]], **params: Any
+    ) -> ChatCompletion:
+        return await self.create(user, **params)  # type: ignore[return-value]
 
     async def close(self) -> None:
         """Delete the registered prefix (a prefix already gone is fine)."""
         prefix, self.prefix = self.prefix, None
         if prefix is not None:
             try:
-                await self._client.prefixes.delete(prefix.id)
+                await self._prefixes.delete(prefix.id)
             except NotFoundError:
                 pass
 
@@ -219,13 +303,9 @@ class PrefixSession:
         exp = prefix.expires_at
         return exp is None or self._clock() < exp - self.refresh_margin_s
 
-    def _full_messages_now(self) -> bool:
-        """True while full messages must be sent (no prefix API, or a backoff after 429)."""
-        return self.supported is False or self._clock() < self._full_until
-
     async def _ensure(self) -> Prefix | None:
         """The live prefix, registering it if needed; None: send full messages."""
-        if self._full_messages_now():
+        if self.supported is False or self._clock() < self._full_until:
             return None
         if self._fresh(self.prefix):
             return self.prefix
@@ -234,10 +314,10 @@ class PrefixSession:
         async with self._lock:
             if self._fresh(self.prefix):
                 return self.prefix
-            if self._full_messages_now():  # another task may have learned it meanwhile
+            if self.supported is False or self._clock() < self._full_until:
                 return None
             try:
-                self.prefix = await self._client.prefixes.create(
+                self.prefix = await self._prefixes.create(
                     model=self.model, messages=self.prefix_messages, ttl_seconds=self.ttl_seconds
                 )
             except RateLimitError as exc:

@@ -216,27 +216,104 @@ async def test_adaptive_cooldown_holds_new_attempts_until_retry_after() -> None:
     assert clock.waits == [2.5]
 
 
-async def test_adaptive_429_keeps_its_slot_for_the_retry(serve) -> None:
-    """In adaptive mode a rejected call retries in the slot it holds (no newcomer takes it)."""
-    seen_in_flight: list[int] = []
-    calls = {"n": 0}
+async def test_retries_queue_ahead_of_first_attempts_within_the_limit() -> None:
+    """A retry waits for a slot like every attempt (in flight never exceeds the limit, even
+    right after a decrease) but is served before calls making their first attempt."""
+    lim = ConcurrencyLimiter(4, adaptive=True)
+    held = [await lim.acquire() for _ in range(4)]
+    lim.on_overload(held[0])  # limit 4 -> 2 while 4 are in flight
+    assert lim.limit == 2
+    order: list[str] = []
 
-    async def handler(request: web.Request) -> web.Response:
-        calls["n"] += 1
-        if calls["n"] == 1:
-            return web.json_response(
-                {"error": {"message": "slow down"}}, status=429, headers={"retry-after-ms": "10"}
-            )
+    async def take(name: str, retry: bool) -> None:
+        slot = await lim.acquire(retry=retry)
+        order.append(name)
+        assert lim.in_flight <= lim.limit
+        lim.release(slot)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(take, "first-a", False)
+        tg.start_soon(take, "first-b", False)
+        await anyio.sleep(0.01)
+        tg.start_soon(take, "retry", True)
+        await anyio.sleep(0.01)
+        assert order == [] and lim.waiting == 3
+        lim.release(held.pop())
+        lim.release(held.pop())  # 2 in flight: still at the limit, nobody admitted
+        await anyio.sleep(0.01)
+        assert order == []
+        lim.release(held.pop())  # a slot under the limit: the retry goes first
+        await anyio.sleep(0.01)
+        assert order[0] == "retry"
+        lim.release(held.pop())
+    assert order == ["retry", "first-a", "first-b"]
+    assert lim.in_flight == 0 and lim.waiting == 0
+
+
+async def test_cancelled_waiter_holds_nothing() -> None:
+    lim = ConcurrencyLimiter(1)
+    slot = await lim.acquire()
+    with anyio.move_on_after(0.05):
+        await lim.acquire()
+    assert lim.waiting == 0 and lim.in_flight == 1
+    lim.release(slot)
+    lim.release(slot)  # idempotent
+    assert lim.in_flight == 0
+    assert (await lim.acquire()) is not None and lim.in_flight == 1
+
+
+async def test_rate_charge_refunded_when_cancelled_while_pacing() -> None:
+    """A call cancelled while the rate limiter makes it wait never reached the server: it
+    costs nothing, and the next caller waits as if it had never come."""
+    clock = FakeClock()
+    waiting = anyio.Event()
+
+    async def sleep(seconds: float) -> None:
+        clock.waits.append(seconds)
+        waiting.set()
+        await anyio.sleep_forever()
+
+    rl = RateLimiter(RateLimit(requests_per_minute=60), clock=clock, sleep=sleep)  # 1/s
+    await rl.acquire()  # the bucket's one request: no wait
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(rl.acquire)  # must wait 1 s
+        await waiting.wait()
+        tg.cancel_scope.cancel()
+    assert clock.waits == [pytest.approx(1.0)]
+    paced = RateLimiter(RateLimit(requests_per_minute=60), clock=clock, sleep=clock.sleep)
+    await paced.acquire()
+    clock.waits.clear()
+    await paced.acquire()
+    reference = clock.waits[-1]
+    clock.waits.clear()
+    rl._sleep = clock.sleep  # type: ignore[method-assign]
+    await rl.acquire()  # the cancelled call's charge was refunded: same wait as one-behind
+    assert clock.waits == [pytest.approx(reference)]
+
+
+async def test_call_cancelled_in_the_concurrency_queue_costs_no_rate_budget(serve) -> None:
+    """Cancelled while waiting for a concurrency slot (after the rate limiter let it through),
+    a call gives its request and token charge back and holds no slot."""
+    release = anyio.Event()
+
+    async def slow(request: web.Request) -> web.Response:
+        await release.wait()
         return web.json_response(OK)
 
-    base = await serve({("POST", "/v1/chat/completions"): handler})
-    async with AsyncClient(base, max_concurrency=2, adaptive_concurrency=True) as client:
-        policy = client.retry_policy
-
-        async def recording_sleep(seconds: float) -> None:
-            seen_in_flight.append(client.limiter.in_flight)
-
-        policy.sleep = recording_sleep
-        await client.chat.completions.create(model="m", messages=MSG)
-        assert seen_in_flight == [1]  # the slot was held through the retry wait
-        assert client.limiter.in_flight == 0  # and released at the end
+    base = await serve({("POST", "/v1/chat/completions"): slow})
+    limit = RateLimit(requests_per_minute=60, tokens_per_minute=60_000, burst_seconds=60)
+    async with AsyncClient(base, max_concurrency=1, rate_limit=limit) as client:
+        rl = client.rate_limiter
+        assert rl is not None
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: client.chat.completions.create(model="m", messages=MSG))
+            await anyio.sleep(0.2)  # the first call holds the only slot
+            levels = (rl._requests.level, rl._tokens.level)  # type: ignore[union-attr]
+            with anyio.move_on_after(0.2):
+                await client.chat.completions.create(model="m", messages=MSG, max_tokens=999)
+            assert client.limiter.in_flight == 1 and client.limiter.waiting == 0
+            after = (rl._requests.level, rl._tokens.level)  # type: ignore[union-attr]
+            # refunded: only the refill of the 0.2 s that passed separates the levels
+            assert after[0] >= levels[0] and after[1] >= levels[1]
+            release.set()
+        assert client.limiter.in_flight == 0
