@@ -84,6 +84,71 @@ def test_decoder_incomplete_event_at_end_is_dropped() -> None:
     assert d.feed(b"data: partial") == [] and d.flush() == []
 
 
+def test_decoder_drops_a_leading_byte_order_mark_however_split() -> None:
+    """HTML standard: one UTF-8 BOM at the start of the stream is skipped (it used to turn the
+    first field name into "\ufeffdata" and lose the first event)."""
+    raw = b"\xef\xbb\xbfdata: first\n\ndata: second\n\n"
+    for split in (None, 1, 2, 4):
+        assert [e.data for e in decode_all(raw, split)] == ["first", "second"], split
+    # only at the start: a later BOM is content, and a second leading one is not skipped
+    assert [e.data for e in decode_all(b"data: a\xef\xbb\xbfb\n\n")] == ["a\ufeffb"]
+    assert decode_all(b"\xef\xbb\xbf\xef\xbb\xbfdata: x\n\n") == []
+    # bytes that merely start like a BOM are not eaten
+    assert [e.data for e in decode_all(b"\xefdata: y\n\ndata: z\n\n", 1)] == ["z"]
+
+
+def test_decoder_field_rules_of_the_standard() -> None:
+    raw = (
+        b"data:no space\n\n"  # no space after the colon
+        b"data:  two spaces\n\n"  # only one space is removed
+        b"data:\n\n"  # a data line with an empty value: an event with empty data
+        b"event:\ndata: default type\n\n"  # empty event type: the default
+        b"id: 1\ndata: a\n\n"
+        b"data: b\n\n"  # the last event id carries over
+        b"id: bad\x00id\ndata: c\n\n"  # an id with NUL is ignored
+        b"retry: soon\nretry: 20\nfoo: bar\ndata: d\n\n"  # non-digit retry, unknown field
+    )
+    for split in (None, 1, 3):
+        events = decode_all(raw, split)
+        assert [e.data for e in events] == [
+            "no space",
+            " two spaces",
+            "",
+            "default type",
+            "a",
+            "b",
+            "c",
+            "d",
+        ]
+        assert events[3].event is None
+        assert [e.id for e in events[4:]] == ["1", "1", "1", "1"]
+        assert events[-1].retry == 20
+
+
+@respx.mock
+async def test_stream_with_a_byte_order_mark_keeps_its_first_chunk(make_client) -> None:
+    body = b"\xef\xbb\xbf" + sse(chunk("first"), chunk("second")) + b"data: [DONE]\n\n"
+    respx.post(URL).mock(return_value=httpx.Response(200, content=body))
+    async with make_client() as client:
+        stream = await client.chat.completions.create(model="m", messages=MSG, stream=True)
+        assert [c.choices[0].delta.content async for c in stream] == ["first", "second"]
+
+
+@respx.mock
+async def test_stream_ending_before_done_raises(make_client) -> None:
+    """A body that closes before ``data: [DONE]`` was cut short: an error, never a success."""
+    respx.post(URL).mock(
+        return_value=httpx.Response(200, content=sse(chunk("partial"), chunk(" answ")))
+    )
+    async with make_client() as client:
+        stream = await client.chat.completions.create(model="m", messages=MSG, stream=True)
+        got = []
+        with pytest.raises(APIConnectionError, match="DONE"):
+            async for c in stream:
+                got.append(c.choices[0].delta.content)
+        assert got == ["partial", " answ"] and client.limiter.in_flight == 0
+
+
 @respx.mock
 async def test_stream_yields_typed_chunks_until_done(make_client) -> None:
     body = (
