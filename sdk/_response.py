@@ -78,7 +78,8 @@ class _ResponseInfo:
     @property
     def request_id(self) -> str | None:
         """The server's ``x-request-id`` header, if any."""
-        return self.http_response.headers.get("x-request-id")
+        request_id: str | None = self.http_response.headers.get("x-request-id")
+        return request_id
 
     @property
     def elapsed(self) -> datetime.timedelta:

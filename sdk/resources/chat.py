@@ -288,7 +288,7 @@ class AsyncChatCompletions(APIResource):
         )
         if stream:
             body["stream"] = True
-            return await self._client.request(
+            chunks: AsyncStream[ChatCompletionChunk] = await self._client.request(
                 "POST",
                 "chat/completions",
                 body=body,
@@ -296,13 +296,15 @@ class AsyncChatCompletions(APIResource):
                 stream=True,
                 options=options,
             )
-        return await self._client.request(
+            return chunks
+        completion: ChatCompletion = await self._client.request(
             "POST",
             "chat/completions",
             body=body,
             cast=ChatCompletion.model_validate,
             options=options,
         )
+        return completion
 
     async def parse(
         self,

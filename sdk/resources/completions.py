@@ -220,7 +220,7 @@ class AsyncCompletions(APIResource):
         )
         if stream:
             body["stream"] = True
-        return await self._client.request(
+        result: Completion | AsyncStream[Completion] = await self._client.request(
             "POST",
             "completions",
             body=body,
@@ -228,6 +228,7 @@ class AsyncCompletions(APIResource):
             stream=stream,
             options=options,
         )
+        return result
 
     async def batch(
         self, requests: Sequence[Mapping[str, Any]], *, progress: bool = False

@@ -36,9 +36,10 @@ class AsyncModels(APIResource):
             timeout=timeout,
             max_retries=max_retries,
         )
-        return await self._client.request(
+        result: ModelList = await self._client.request(
             "GET", "models", cast=ModelList.model_validate, options=opts
         )
+        return result
 
     async def retrieve(
         self,
@@ -62,12 +63,13 @@ class AsyncModels(APIResource):
             timeout=timeout,
             max_retries=max_retries,
         )
-        return await self._client.request(
+        result: ModelInfo = await self._client.request(
             "GET",
             f"models/{path_part(model, keep_slashes=True)}",
             cast=ModelInfo.model_validate,
             options=opts,
         )
+        return result
 
     @cached_property
     def with_raw_response(self) -> AsyncModelsWithRawResponse:

@@ -79,9 +79,10 @@ class AsyncPrefixes(APIResource):
                 cache_salt=cache_salt,
             )
         )
-        return await self._client.request(
+        result: Prefix = await self._client.request(
             "POST", "prefixes", body=body, cast=Prefix.model_validate, options=options
         )
+        return result
 
     async def get(
         self,
@@ -100,9 +101,10 @@ class AsyncPrefixes(APIResource):
             timeout=timeout,
             max_retries=max_retries,
         )
-        return await self._client.request(
+        result: Prefix = await self._client.request(
             "GET", f"prefixes/{path_part(prefix_id)}", cast=Prefix.model_validate, options=options
         )
+        return result
 
     async def delete(
         self,
@@ -121,12 +123,13 @@ class AsyncPrefixes(APIResource):
             timeout=timeout,
             max_retries=max_retries,
         )
-        return await self._client.request(
+        result: PrefixDeleted = await self._client.request(
             "DELETE",
             f"prefixes/{path_part(prefix_id)}",
             cast=PrefixDeleted.model_validate,
             options=options,
         )
+        return result
 
     def session(
         self,
@@ -240,17 +243,17 @@ class PrefixSession:
             params: any other ``chat.completions.create`` keyword (``stream``, ``max_tokens``,
                 ``extra_body``, ...), except ``model`` / ``messages`` / ``prefix_id``.
         """
-        turn = [{"role": "user", "content": user}] if isinstance(user, str) else list(user)
-        validate_messages(turn)
+        turn = validate_messages(
+            [{"role": "user", "content": user}] if isinstance(user, str) else user
+        )
         for key in ("model", "messages", "prefix_id"):
             if key in params:
                 raise TypeError(f"PrefixSession.create() sets {key!r} itself")
-        create = self._completions.create
         prefix = await self._ensure()
         if prefix is None:
-            return await create(model=self.model, messages=self.prefix_messages + turn, **params)
+            return await self._send(self.prefix_messages + turn, None, params)
         try:
-            return await create(model=self.model, messages=turn, prefix_id=prefix.id, **params)
+            return await self._send(turn, prefix.id, params)
         except NotFoundError as exc:
             if exc.param != "prefix_id" and exc.code != "prefix_not_found":
                 raise
@@ -258,8 +261,16 @@ class PrefixSession:
         self._invalidate(prefix)
         prefix = await self._ensure()
         if prefix is None:
-            return await create(model=self.model, messages=self.prefix_messages + turn, **params)
-        return await create(model=self.model, messages=turn, prefix_id=prefix.id, **params)
+            return await self._send(self.prefix_messages + turn, None, params)
+        return await self._send(turn, prefix.id, params)
+
+    async def _send(
+        self, messages: Sequence[Mapping[str, Any]], prefix_id: str | None, params: dict[str, Any]
+    ) -> ChatCompletion | AsyncStream[ChatCompletionChunk]:
+        result: ChatCompletion | AsyncStream[ChatCompletionChunk] = await self._completions.create(
+            model=self.model, messages=messages, prefix_id=prefix_id, **params
+        )
+        return result
 
     async def batch(
         self,
@@ -303,9 +314,13 @@ class PrefixSession:
         exp = prefix.expires_at
         return exp is None or self._clock() < exp - self.refresh_margin_s
 
+    def _send_full(self) -> bool:
+        """True while full messages are sent: no prefix API, or its space was full."""
+        return self.supported is False or self._clock() < self._full_until
+
     async def _ensure(self) -> Prefix | None:
         """The live prefix, registering it if needed; None: send full messages."""
-        if self.supported is False or self._clock() < self._full_until:
+        if self._send_full():
             return None
         if self._fresh(self.prefix):
             return self.prefix
@@ -314,7 +329,7 @@ class PrefixSession:
         async with self._lock:
             if self._fresh(self.prefix):
                 return self.prefix
-            if self.supported is False or self._clock() < self._full_until:
+            if self._send_full():  # decided by a caller that held the lock before
                 return None
             try:
                 self.prefix = await self._prefixes.create(
