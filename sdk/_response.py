@@ -159,7 +159,8 @@ class AsyncAPIResponse(_ResponseInfo, Generic[R]):
         await self.read()
         try:
             data = json.loads(self.http_response.content)
-            return self._cast(data)  # type: ignore[no-any-return]
+            result: R = self._cast(data)
+            return result
         except (TypeError, ValueError) as exc:
             raise APIResponseValidationError(
                 f"Unexpected response shape: {exc}", self.http_response
@@ -235,7 +236,8 @@ def to_raw_response_wrapper(
     """``fn`` (a resource method) returning an ``APIResponse`` around its result."""
 
     async def wrapped(*args: P.args, **kwargs: P.kwargs) -> APIResponse[R]:
-        return await call_in_mode("raw", fn, *args, **kwargs)  # type: ignore[no-any-return]
+        response: APIResponse[R] = await call_in_mode("raw", fn, *args, **kwargs)
+        return response
 
     wrapped.__doc__ = fn.__doc__
     return wrapped

@@ -368,7 +368,7 @@ class SyncChatCompletions:
         idle_timeout: float | None = None,
     ) -> ChatCompletion | SyncStream[ChatCompletionChunk]:
         """Blocking ``AsyncChatCompletions.create``."""
-        return self._bridge.run(  # type: ignore[no-any-return]
+        result: ChatCompletion | SyncStream[ChatCompletionChunk] = self._bridge.run(
             self._async.create,
             model=model,
             messages=messages,
@@ -406,6 +406,7 @@ class SyncChatCompletions:
             max_retries=max_retries,
             idle_timeout=idle_timeout,
         )
+        return result
 
     def parse(
         self,
@@ -446,7 +447,7 @@ class SyncChatCompletions:
         idle_timeout: float | None = None,
     ) -> ParsedChatCompletion[ResponseFormatT]:
         """Blocking ``AsyncChatCompletions.parse``."""
-        return self._bridge.run(  # type: ignore[no-any-return]
+        result: ParsedChatCompletion[ResponseFormatT] = self._bridge.run(
             self._async.parse,
             model=model,
             messages=messages,
@@ -483,12 +484,16 @@ class SyncChatCompletions:
             max_retries=max_retries,
             idle_timeout=idle_timeout,
         )
+        return result
 
     def batch(
         self, requests: Sequence[Mapping[str, Any]], *, progress: bool = False
     ) -> list[ChatCompletion | Exception]:
         """Blocking ``AsyncChatCompletions.batch`` (runs concurrently under the limit)."""
-        return self._bridge.run(self._async.batch, requests, progress=progress)  # type: ignore[no-any-return]
+        result: list[ChatCompletion | Exception] = self._bridge.run(
+            self._async.batch, requests, progress=progress
+        )
+        return result
 
 
 class SyncChat:
@@ -654,7 +659,7 @@ class SyncCompletions:
         idle_timeout: float | None = None,
     ) -> Completion | SyncStream[Completion]:
         """Blocking ``AsyncCompletions.create``."""
-        return self._bridge.run(  # type: ignore[no-any-return]
+        result: Completion | SyncStream[Completion] = self._bridge.run(
             self._async.create,
             model=model,
             prompt=prompt,
@@ -688,12 +693,16 @@ class SyncCompletions:
             max_retries=max_retries,
             idle_timeout=idle_timeout,
         )
+        return result
 
     def batch(
         self, requests: Sequence[Mapping[str, Any]], *, progress: bool = False
     ) -> list[Completion | Exception]:
         """Blocking ``AsyncCompletions.batch``."""
-        return self._bridge.run(self._async.batch, requests, progress=progress)  # type: ignore[no-any-return]
+        result: list[Completion | Exception] = self._bridge.run(
+            self._async.batch, requests, progress=progress
+        )
+        return result
 
 
 class SyncModels:
@@ -714,13 +723,14 @@ class SyncModels:
         max_retries: int | None = None,
     ) -> ModelList:
         """Blocking ``AsyncModels.list``."""
-        return self._bridge.run(  # type: ignore[no-any-return]
+        result: ModelList = self._bridge.run(
             self._async.list,
             extra_headers=extra_headers,
             extra_query=extra_query,
             timeout=timeout,
             max_retries=max_retries,
         )
+        return result
 
     def retrieve(
         self,
@@ -732,7 +742,7 @@ class SyncModels:
         max_retries: int | None = None,
     ) -> ModelInfo:
         """Blocking ``AsyncModels.retrieve``."""
-        return self._bridge.run(  # type: ignore[no-any-return]
+        result: ModelInfo = self._bridge.run(
             self._async.retrieve,
             model,
             extra_headers=extra_headers,
@@ -740,6 +750,7 @@ class SyncModels:
             timeout=timeout,
             max_retries=max_retries,
         )
+        return result
 
 
 class SyncPrefixSession:
@@ -760,7 +771,10 @@ class SyncPrefixSession:
     ) -> ChatCompletion | SyncStream[ChatCompletionChunk]:
         """Blocking ``PrefixSession.create`` (``params``: ``chat.completions.create``'s
         keywords, checked there)."""
-        return self._bridge.run(self.session.create, user, **params)  # type: ignore[no-any-return]
+        result: ChatCompletion | SyncStream[ChatCompletionChunk] = self._bridge.run(
+            self.session.create, user, **params
+        )
+        return result
 
     def batch(
         self,
@@ -770,7 +784,10 @@ class SyncPrefixSession:
         **params: Any,
     ) -> list[ChatCompletion | Exception]:
         """Blocking ``PrefixSession.batch``."""
-        return self._bridge.run(self.session.batch, users, progress=progress, **params)  # type: ignore[no-any-return]
+        result: list[ChatCompletion | Exception] = self._bridge.run(
+            self.session.batch, users, progress=progress, **params
+        )
+        return result
 
     def close(self) -> None:
         """Delete the prefix."""
@@ -801,7 +818,7 @@ class SyncPrefixes:
         max_retries: int | None = None,
     ) -> Prefix:
         """Blocking ``AsyncPrefixes.create``."""
-        return self._bridge.run(  # type: ignore[no-any-return]
+        result: Prefix = self._bridge.run(
             self._async.create,
             model=model,
             messages=messages,
@@ -813,6 +830,7 @@ class SyncPrefixes:
             timeout=timeout,
             max_retries=max_retries,
         )
+        return result
 
     def get(
         self,
@@ -824,7 +842,7 @@ class SyncPrefixes:
         max_retries: int | None = None,
     ) -> Prefix:
         """Blocking ``AsyncPrefixes.get``."""
-        return self._bridge.run(  # type: ignore[no-any-return]
+        result: Prefix = self._bridge.run(
             self._async.get,
             prefix_id,
             extra_headers=extra_headers,
@@ -832,6 +850,7 @@ class SyncPrefixes:
             timeout=timeout,
             max_retries=max_retries,
         )
+        return result
 
     def delete(
         self,
@@ -843,7 +862,7 @@ class SyncPrefixes:
         max_retries: int | None = None,
     ) -> PrefixDeleted:
         """Blocking ``AsyncPrefixes.delete``."""
-        return self._bridge.run(  # type: ignore[no-any-return]
+        result: PrefixDeleted = self._bridge.run(
             self._async.delete,
             prefix_id,
             extra_headers=extra_headers,
@@ -851,6 +870,7 @@ class SyncPrefixes:
             timeout=timeout,
             max_retries=max_retries,
         )
+        return result
 
     def session(
         self,

@@ -429,7 +429,8 @@ class AsyncChatCompletions(APIResource):
     async def _non_stream_create(self, **request: Any) -> ChatCompletion:
         if request.get("stream"):
             raise ValueError("batch() requests cannot stream: drop stream=True")
-        return await self.create(**request)  # type: ignore[no-any-return]
+        result: ChatCompletion = await self.create(**request)
+        return result
 
     @cached_property
     def with_raw_response(self) -> AsyncChatCompletionsWithRawResponse:

@@ -245,7 +245,8 @@ class AsyncCompletions(APIResource):
     async def _non_stream_create(self, **request: Any) -> Completion:
         if request.get("stream"):
             raise ValueError("batch() requests cannot stream: drop stream=True")
-        return await self.create(**request)  # type: ignore[no-any-return]
+        result: Completion = await self.create(**request)
+        return result
 
     @cached_property
     def with_raw_response(self) -> AsyncCompletionsWithRawResponse:
