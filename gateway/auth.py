@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
 from aiohttp import web
 from prefixgate.gateway.errors import APIError, too_many
+from prefixgate.sdk.limits import TokenBucket
 
 
 @dataclass(slots=True)
@@ -90,43 +90,6 @@ def _plain_salt(salt: str) -> bool:
 
 def _digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
-
-
-class TokenBucket:
-    """A token bucket: ``capacity`` tokens, refilled at ``rate`` tokens per second.
-
-    ``take(n)`` returns 0.0 and takes ``n`` when available, else the seconds until they are
-    (nothing taken). A cost above the capacity passes when the bucket is full (and empties it)
-    so an oversized request is slowed, never refused forever. ``charge(n)`` takes ``n``
-    unconditionally (the level may go negative: a debt repaid by refill).
-    """
-
-    __slots__ = ("capacity", "rate", "level", "_last")
-
-    def __init__(self, capacity: float, rate: float) -> None:
-        self.capacity = capacity
-        self.rate = rate
-        self.level = capacity
-        self._last = time.monotonic()
-
-    def _refill(self) -> None:
-        now = time.monotonic()
-        self.level = min(self.capacity, self.level + (now - self._last) * self.rate)
-        self._last = now
-
-    def take(self, n: float) -> float:
-        """Take ``n`` tokens, or return the wait in seconds until possible."""
-        self._refill()
-        need = min(n, self.capacity)
-        if self.level >= need:
-            self.level -= n
-            return 0.0
-        return (need - self.level) / self.rate
-
-    def charge(self, n: float) -> None:
-        """Take ``n`` tokens even if that leaves a debt."""
-        self._refill()
-        self.level -= n
 
 
 class Principal:

@@ -57,16 +57,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         Choice(i, f"{rid}-{i}", ids, sampling_params(req, max_tokens, seeds[i]))
         for i in range(req.n)
     ]
-    renderer = ChatRenderer(
-        rid,
-        int(time.time()),
-        st.model_name,
-        st.require_token_texts(),
-        req.num_logprobs,
-        req.include_usage,
-    )
-    salt = effective_salt(principal.salt, req.cache_salt)
-    return await Exchange(request, st, principal, choices, renderer, salt, req.stream).run()
+    return await _run(request, st, principal, req, ChatRenderer, rid, choices)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -97,7 +88,20 @@ async def completions(request: web.Request) -> web.StreamResponse:
                     prompt_index=p,
                 )
             )
-    renderer = CompletionRenderer(
+    return await _run(request, st, principal, req, CompletionRenderer, rid, choices)
+
+
+async def _run(
+    request: web.Request,
+    st: GatewayState,
+    principal: Principal,
+    req: ChatCompletionRequest | CompletionRequest,
+    renderer_type: type[ChatRenderer | CompletionRenderer],
+    rid: str,
+    choices: list[Choice],
+) -> web.StreamResponse:
+    """Run the request's choices through an Exchange with the route's renderer."""
+    renderer = renderer_type(
         rid,
         int(time.time()),
         st.model_name,

@@ -232,26 +232,49 @@ class Charge:
     refunded: bool = False
 
 
-class _Bucket:
-    """Debt-based token bucket: ``rate`` units/s, depth ``capacity`` units."""
+class TokenBucket:
+    """A token bucket: ``capacity`` tokens, refilled at ``rate`` tokens per second; the level
+    may go negative (a debt repaid by refill). The project's one bucket: the SDK's
+    ``RateLimiter`` paces with ``charge`` (take now, wait out the debt), the gateway's per-key
+    limits admit or refuse with ``take``.
 
-    __slots__ = ("rate", "capacity", "level", "stamp")
+    Times are monotonic seconds; ``now`` defaults to ``time.monotonic()`` (pass the caller's
+    clock to keep one time base).
+    """
 
-    def __init__(self, rate: float, capacity: float, now: float) -> None:
-        self.rate = rate
+    __slots__ = ("capacity", "rate", "level", "stamp")
+
+    def __init__(self, capacity: float, rate: float, now: float | None = None) -> None:
         self.capacity = capacity
+        self.rate = rate
         self.level = capacity
-        self.stamp = now
+        self.stamp = time.monotonic() if now is None else now
 
-    def take(self, cost: float, now: float) -> float:
-        """Charge ``cost`` units; return the seconds the caller must wait first."""
+    def _refill(self, now: float | None) -> None:
+        now = time.monotonic() if now is None else now
         self.level = min(self.capacity, self.level + (now - self.stamp) * self.rate)
         self.stamp = now
-        self.level -= cost
+
+    def take(self, n: float, now: float | None = None) -> float:
+        """Take ``n`` tokens and return 0.0 when available, else return the seconds until they
+        are (nothing taken). A cost above the capacity passes when the bucket is full (and
+        empties it), so an oversized request is slowed, never refused forever."""
+        self._refill(now)
+        need = min(n, self.capacity)
+        if self.level >= need:
+            self.level -= n
+            return 0.0
+        return (need - self.level) / self.rate
+
+    def charge(self, n: float, now: float | None = None) -> float:
+        """Take ``n`` tokens even if that leaves a debt (negative ``n`` gives tokens back);
+        return the seconds until the debt is repaid (0.0 without one)."""
+        self._refill(now)
+        self.level -= n
         return 0.0 if self.level >= 0 else -self.level / self.rate
 
     def adjust(self, delta: float) -> None:
-        """Charge ``delta`` more units (negative: refund) without waiting."""
+        """Charge ``delta`` more tokens (negative: refund, capped at the capacity) now."""
         self.level = min(self.capacity, self.level - delta)
 
 
@@ -278,10 +301,10 @@ class RateLimiter:
         self._requests = self._tokens = None
         if limit.requests_per_minute is not None:
             rate = limit.requests_per_minute / 60.0
-            self._requests = _Bucket(rate, max(1.0, rate * limit.burst_seconds), now)
+            self._requests = TokenBucket(max(1.0, rate * limit.burst_seconds), rate, now)
         if limit.tokens_per_minute is not None:
             rate = limit.tokens_per_minute / 60.0
-            self._tokens = _Bucket(rate, max(1.0, rate * limit.burst_seconds), now)
+            self._tokens = TokenBucket(max(1.0, rate * limit.burst_seconds), rate, now)
 
     async def acquire(self, tokens: int = 0) -> Charge:
         """Wait until one more request costing ``tokens`` (estimated tokens) may start.
@@ -293,10 +316,10 @@ class RateLimiter:
         wait = 0.0
         charge = Charge()
         if self._requests is not None:
-            wait = self._requests.take(1.0, now)
+            wait = self._requests.charge(1.0, now)
             charge.requests = 1.0
         if self._tokens is not None and tokens > 0:
-            wait = max(wait, self._tokens.take(float(tokens), now))
+            wait = max(wait, self._tokens.charge(float(tokens), now))
             charge.tokens = float(tokens)
         if wait > 0:
             try:

@@ -6,9 +6,9 @@ import os
 from pathlib import Path
 
 import pytest
+from prefixgate.sdk.bench.shared import shared_dir
 
-REPO = Path(__file__).resolve().parent.parent
-SHARED = Path(os.environ.get("PREFIXGATE_SHARED", REPO.parent / "shared"))
+SHARED = shared_dir()  # $PREFIXGATE_SHARED, else ./shared, ../shared, beside the checkout
 AIDREAMS = SHARED / "models" / "aidreams-260k"
 SMOLLM2_SHAPE = SHARED / "models" / "smollm2-135m-shape"
 WORKLOADS = SHARED / "workloads"

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-SHARED = Path(os.environ.get("PREFIXGATE_SHARED", REPO.parent / "shared"))
+from prefixgate.sdk.bench.shared import shared_dir
+
+SHARED = shared_dir()
 
 
 def load_prompts(tokenizer, path: Path, n: int, prompt_len: int) -> list[list[int]]:

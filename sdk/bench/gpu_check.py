@@ -43,9 +43,9 @@ if not torch.cuda.is_available():  # before triton is imported: run the kernels 
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from prefixgate.kernels import torch_ref, triton_decode, triton_ops, triton_prefill  # noqa: E402
+from prefixgate.sdk.bench.shared import shared_dir  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
-SHARED = Path(os.environ.get("PREFIXGATE_SHARED", REPO.parent / "shared"))
+SHARED = shared_dir()
 TARGET_FRACTION = 0.70
 DecodeDefaults = triton_decode.DecodeConfig()
 # SmolLM2-135M's shape (../shared/models/smollm2-135m-shape/config.json), for the preset fallback.

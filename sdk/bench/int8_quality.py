@@ -19,11 +19,11 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import os
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-SHARED = Path(os.environ.get("PREFIXGATE_SHARED", REPO.parent / "shared"))
+from prefixgate.sdk.bench.shared import shared_dir
+
+SHARED = shared_dir()
 
 
 def workload_texts(workloads: Path) -> list[str]:

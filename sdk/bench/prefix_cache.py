@@ -26,13 +26,13 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import os
 import statistics
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-SHARED = Path(os.environ.get("PREFIXGATE_SHARED", REPO.parent / "shared"))
+from prefixgate.sdk.bench.shared import shared_dir
+
+SHARED = shared_dir()
 BLOCK = 16
 
 

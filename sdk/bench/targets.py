@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from prefixgate.sdk.bench.shared import find_shared
 
 TARGET_KEYS = ("a", "b", "c", "d", "e")
 SMOLLM2_SHAPE = Path("models") / "smollm2-135m-shape"
@@ -41,25 +42,6 @@ class Target:
     model: str | None = None
     env: dict[str, str] = field(default_factory=dict)
     note: str | None = None
-
-
-def find_shared(rel: str | Path) -> Path | None:
-    """``rel`` under the shared test-data folder, if present.
-
-    Looked up under ``$PREFIXGATE_SHARED``, ``./shared``, ``../shared`` and the ``shared``
-    folder beside the checkout this file lives in; ``None`` when absent.
-    """
-    roots = [os.environ.get("PREFIXGATE_SHARED")] if os.environ.get("PREFIXGATE_SHARED") else []
-    roots += [
-        Path.cwd() / "shared",
-        Path.cwd().parent / "shared",
-        Path(__file__).resolve().parents[3] / "shared",
-    ]
-    for root in roots:
-        cand = Path(root) / rel
-        if cand.exists():
-            return cand
-    return None
 
 
 def default_model() -> str | None:

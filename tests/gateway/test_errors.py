@@ -10,19 +10,7 @@ import pytest
 from prefixgate.gateway.app import attach_engine, create_app
 from prefixgate.gateway.server import BackgroundServer
 from prefixgate.gateway.state import GatewaySettings
-
-
-def _error(r, status: int, code: str | None = None, param: str | None = None) -> dict:
-    assert r.status_code == status, r.text
-    assert r.headers["content-type"].startswith("application/json")
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    assert "Traceback" not in err["message"]
-    if code is not None:
-        assert err["code"] == code, err
-    if param is not None:
-        assert err["param"] == param, err
-    return err
+from support.http import assert_openai_error as _error
 
 
 def test_bad_input_gives_400_404_413(serve_fake, gw):

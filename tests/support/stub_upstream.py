@@ -1,4 +1,4 @@
-"""A stub OpenAI-compatible streaming server on loopback, run in a thread with its own loop.
+"""A stub OpenAI-compatible streaming upstream on loopback (``gateway.server.BackgroundServer``).
 
 It streams ``max_tokens`` content chunks ``token_delay_s`` apart after ``ttft_s``, ends with a
 usage chunk when ``stream_options.include_usage`` is set (``cached_tokens`` = half the prompt
@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 from dataclasses import dataclass, field
 
 from aiohttp import web
+from prefixgate.gateway.server import BackgroundServer
 
 
 @dataclass
@@ -28,8 +28,7 @@ class StubServer:
     max_in_flight: int = 0
     port: int = 0
     _in_flight: int = 0
-    _loop: asyncio.AbstractEventLoop | None = None
-    _runner: web.AppRunner | None = None
+    _server: BackgroundServer | None = None
 
     @property
     def base_url(self) -> str:
@@ -108,32 +107,22 @@ class StubServer:
         count = sum(len(m["content"]) for m in body["messages"])
         return web.json_response({"count": count, "max_model_len": self.max_model_len})
 
+    def app(self) -> web.Application:
+        """The stub's aiohttp application."""
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_get("/health", lambda r: web.json_response({"ok": True}))
+        return app
+
     def start(self) -> StubServer:
-        ready = threading.Event()
-
-        def run() -> None:
-            self._loop = asyncio.new_event_loop()
-            app = web.Application()
-            app.router.add_post("/v1/chat/completions", self._chat)
-            app.router.add_get("/v1/models", self._models)
-            app.router.add_post("/tokenize", self._tokenize)
-            app.router.add_get("/health", lambda r: web.json_response({"ok": True}))
-            self._runner = web.AppRunner(app)
-            self._loop.run_until_complete(self._runner.setup())
-            site = web.TCPSite(self._runner, "127.0.0.1", 0)
-            self._loop.run_until_complete(site.start())
-            self.port = site._server.sockets[0].getsockname()[1]
-            ready.set()
-            self._loop.run_forever()
-            self._loop.run_until_complete(self._runner.cleanup())
-            self._loop.close()
-
-        self._thread = threading.Thread(target=run, daemon=True)
-        self._thread.start()
-        assert ready.wait(10), "stub server did not start"
+        """Serve on a free loopback port from a background thread (``gateway.server``)."""
+        self._server = BackgroundServer(self.app).__enter__()
+        self.port = int(self._server.url.rsplit(":", 1)[1])
         return self
 
     def stop(self) -> None:
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(10)
+        if self._server is not None:
+            self._server.close()
+            self._server = None

@@ -1,0 +1,102 @@
+"""Admission control: engine requests counted per choice and prompt (one body cannot bypass
+the queue), Retry-After from the drain rate (not inflated by idle time, right on the first
+burst)."""
+
+from __future__ import annotations
+
+from prefixgate.gateway.admission import AdmissionConfig, AdmissionController
+from prefixgate.gateway.errors import APIError
+from prefixgate.gateway.state import GatewaySettings
+from support.http import assert_openai_error as _error
+
+
+def test_batch_cannot_bypass_the_admission_queue(serve_fake, gw):
+    # One completions request with 3000 prompts x n=16 became 48,000 engine requests past a
+    # queue bounded at 256 requests (a normal request then waited 53 s behind it).
+    settings = GatewaySettings(model_name="fake", max_queued_requests=8)
+    srv, engine = serve_fake(settings)
+    with gw.client(srv) as http:
+        body = {"model": "fake", "prompt": ["hi"] * 3, "n": 3, "max_tokens": 2}  # 9 > 8
+        err = _error(http.post("/v1/completions", json=body), 400)
+        assert "8" in err["message"], err
+        _error(http.post("/v1/chat/completions", json=gw.chat_body(n=9)), 400, param="n")
+        assert not engine.requests_seen
+        r = http.post("/v1/completions", json=dict(body, prompt=["hi"] * 2, n=4))  # 8 fits
+        assert r.status_code == 200 and len(r.json()["choices"]) == 8, r.text
+    assert gw.wait_idle(srv, engine)["kv_blocks_used"] == 0
+    assert len(engine.requests_seen) == 8
+
+
+def test_admission_counts_engine_requests():
+    ctl = AdmissionController(AdmissionConfig(max_queued_requests=10, max_running=12))
+    a = ctl.admit(5, requests=6)
+    assert (ctl.queued_requests, ctl.in_flight) == (6, 6)
+    try:
+        ctl.admit(5, requests=5)  # 6 + 5 > 10 queued
+        raise AssertionError("admitted over the queue bound")
+    except APIError as exc:
+        assert exc.status == 429 and exc.code == "server_overloaded"
+    a.started()
+    b = ctl.admit(5, requests=5)
+    assert (ctl.queued_requests, ctl.in_flight) == (5, 11)
+    try:
+        ctl.admit(1, requests=2)  # 11 + 2 > 12 running
+        raise AssertionError("admitted over max_running")
+    except APIError as exc:
+        assert exc.status == 429
+    for t in (a, b):
+        t.done()
+        t.done()
+    assert (ctl.queued_requests, ctl.queued_tokens, ctl.in_flight) == (0, 0, 0)
+    try:
+        ctl.admit(1, requests=11)  # more than the queue can ever hold: not a 429 to retry
+        raise AssertionError("admitted a request larger than the queue")
+    except APIError as exc:
+        assert exc.status == 400
+    assert (ctl.queued_requests, ctl.in_flight) == (0, 0)
+
+
+def test_retry_after_not_inflated_by_idle_time(monkeypatch):
+    # The drain-rate EWMA decayed through idle periods (no queue, so no departures): after a
+    # minute idle, the first overload told every client to wait 60 s although the queue then
+    # drained in ~3 s (500 concurrent requests on aidreams-260k).
+    now = [1000.0]
+    monkeypatch.setattr("prefixgate.gateway.admission.time.monotonic", lambda: now[0])
+    ctl = AdmissionController(AdmissionConfig(max_queued_requests=10))
+    for _ in range(10):  # a busy second: 10 requests leave the queue
+        ctl.admit(1).done()
+        now[0] += 0.1
+    busy = ctl.retry_after()
+    now[0] += 120.0  # idle for two minutes
+    tickets = [ctl.admit(1) for _ in range(10)]
+    try:
+        ctl.admit(1)
+        raise AssertionError("admitted over the queue bound")
+    except APIError as exc:
+        assert exc.status == 429
+        assert exc.retry_after <= 10.0, exc.retry_after  # ~10 queued at ~2/s, not 60
+    assert busy >= 1.0
+    for t in tickets:
+        t.done()
+
+
+def test_retry_after_right_on_the_first_burst_after_start(monkeypatch):
+    # The drain-rate EWMA starts at 0: two busy seconds after start-up at a steady 10
+    # departures/s it read ~3.3/s, so 60 queued requests were told to wait 18 s (and a shorter
+    # history hit the 60 s cap). Bias-corrected, the wait is the ~6 s the queue needs.
+    now = [1000.0]
+    monkeypatch.setattr("prefixgate.gateway.admission.time.monotonic", lambda: now[0])
+    ctl = AdmissionController(AdmissionConfig(max_queued_requests=60))
+    tickets = [ctl.admit(1) for _ in range(60)]
+    for t in tickets[:20]:  # 20 leave over 2 s, 20 new ones arrive: the queue stays full
+        now[0] += 0.1
+        t.done()
+        tickets.append(ctl.admit(1))
+    try:
+        ctl.admit(1)
+        raise AssertionError("admitted over the queue bound")
+    except APIError as exc:
+        assert exc.status == 429
+        assert 4.0 <= exc.retry_after <= 8.0, exc.retry_after  # 60 queued at 10/s
+    for t in tickets:
+        t.done()

@@ -1,0 +1,224 @@
+"""Bad request bodies get the documented OpenAI error naming the field (or are served), the
+server keeps serving and nothing leaks; a huge prompt's tokenization stalls no other client
+(fake engine, fast)."""
+
+from __future__ import annotations
+
+from prefixgate.gateway.prompts import choice_seeds
+from support.http import assert_openai_error as _error
+
+
+def _raw(body: str) -> dict:
+    """Send JSON text as is (NaN / Infinity literals that json.dumps would also write)."""
+    return {"content": body.encode(), "headers": {"content-type": "application/json"}}
+
+
+def test_non_finite_numbers_are_refused(serve_fake, gw):
+    # Infinity passed `repetition_penalty > 0` and reached the sampler; NaN / Infinity are
+    # never valid sampling values (nor a prefix TTL).
+    srv, engine = serve_fake()
+    base = '{"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2'
+    with gw.client(srv) as http:
+        for field in (
+            "repetition_penalty",
+            "temperature",
+            "top_p",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+        ):
+            for literal in ("Infinity", "-Infinity", "NaN"):
+                r = http.post("/v1/chat/completions", **_raw(f'{base}, "{field}": {literal}}}'))
+                _error(r, 400, param=field)
+        r = http.post(
+            "/v1/prefixes",
+            **_raw(
+                '{"model": "fake", "messages": [{"role": "system", "content": "x"}], '
+                '"ttl_seconds": Infinity}'
+            ),
+        )
+        _error(r, 400, param="ttl_seconds")
+        assert http.post("/v1/chat/completions", json=gw.chat_body(max_tokens=2)).status_code == 200
+    assert engine.requests_seen and len(engine.requests_seen) == 1
+    assert gw.wait_idle(srv, engine)["kv_blocks_used"] == 0
+
+
+def test_seed_out_of_range_names_the_field(serve_fake, gw):
+    # 2**64 reached torch's Generator.manual_seed: "Overflow when unpacking long long", param null.
+    srv, engine = serve_fake()
+    with gw.client(srv) as http:
+        for seed in (2**64, 10**30, -(2**63) - 1):
+            err = _error(
+                http.post("/v1/chat/completions", json=gw.chat_body(seed=seed)), 400, param="seed"
+            )
+            assert "long long" not in err["message"]
+            _error(
+                http.post("/v1/completions", json={"model": "fake", "prompt": "hi", "seed": seed}),
+                400,
+                param="seed",
+            )
+        # the int64 edges are served, also with n > 1 (seed + i must stay a valid seed)
+        for seed in (2**63 - 1, -(2**63)):
+            r = http.post("/v1/chat/completions", json=gw.chat_body(seed=seed, n=3, max_tokens=2))
+            assert r.status_code == 200, r.text
+    assert gw.wait_idle(srv, engine)["kv_blocks_used"] == 0
+
+
+def test_choice_seeds_stay_int64():
+    lo, hi = -(2**63), 2**63 - 1
+    for seed in (hi, hi - 1, lo, 0, 7):
+        seeds = choice_seeds(seed, 16)
+        assert all(lo <= s <= hi for s in seeds), seeds
+        assert len(set(seeds)) == 16 and seeds[0] == seed
+    assert choice_seeds(5, 3) == [5, 6, 7]  # ordinary seeds unchanged
+
+
+def test_union_errors_name_the_real_fault(serve_fake, gw):
+    # `stop` with 100 strings said "Input should be a valid string"; an image part said the
+    # content "should be a valid string": the message must describe the branch that was sent.
+    srv, engine = serve_fake()
+    with gw.client(srv) as http:
+        err = _error(
+            http.post(
+                "/v1/chat/completions", json=gw.chat_body(stop=[f"s{i}" for i in range(100)])
+            ),
+            400,
+            param="stop",
+        )
+        assert "at most 4" in err["message"], err
+        body = {
+            "model": "fake",
+            "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+            ],
+        }
+        err = _error(http.post("/v1/chat/completions", json=body), 400)
+        assert err["param"] == "messages.0.content.0.type", err
+        assert "valid string" not in err["message"], err
+        assert http.post("/v1/chat/completions", json=gw.chat_body(max_tokens=2)).status_code == 200
+    assert gw.wait_idle(srv, engine)["kv_blocks_used"] == 0
+
+
+def test_undecodable_body_is_400_not_500(serve_fake, gw):
+    # `Content-Encoding: gzip` over bytes that are not gzip: aiohttp's RequestPayloadError
+    # reached the catch-all and was answered 500 "internal server error" (traceback logged).
+    srv, engine = serve_fake()
+    with gw.client(srv) as http:
+        for encoding in ("gzip", "deflate"):
+            r = http.post(
+                "/v1/chat/completions",
+                content=b"0123456789",
+                headers={"content-type": "application/json", "content-encoding": encoding},
+            )
+            err = _error(r, 400, code="invalid_body")
+            assert encoding in err["message"], err
+        r = http.post(
+            "/v1/prefixes", content=b"not gzip at all", headers={"content-encoding": "gzip"}
+        )
+        _error(r, 400, code="invalid_body")
+        assert http.post("/v1/chat/completions", json=gw.chat_body(max_tokens=2)).status_code == 200
+    assert len(engine.requests_seen) == 1
+    assert gw.wait_idle(srv, engine)["kv_blocks_used"] == 0
+
+
+def test_options_without_their_switch_are_refused(serve_fake, gw):
+    # top_logprobs without logprobs=true, and stream_options without stream=true, were
+    # silently ignored (OpenAI and vLLM answer 400: the client expects logprobs / a usage chunk).
+    srv, engine = serve_fake()
+    with gw.client(srv) as http:
+        _error(
+            http.post("/v1/chat/completions", json=gw.chat_body(top_logprobs=3)),
+            400,
+            param="top_logprobs",
+        )
+        _error(
+            http.post("/v1/chat/completions", json=gw.chat_body(logprobs=False, top_logprobs=3)),
+            400,
+            param="top_logprobs",
+        )
+        _error(
+            http.post(
+                "/v1/chat/completions", json=gw.chat_body(stream_options={"include_usage": True})
+            ),
+            400,
+            param="stream_options",
+        )
+        _error(
+            http.post(
+                "/v1/completions",
+                json={"model": "fake", "prompt": "x", "stream_options": {"include_usage": True}},
+            ),
+            400,
+            param="stream_options",
+        )
+        for body in (
+            gw.chat_body(logprobs=True, top_logprobs=2, max_tokens=2),
+            gw.chat_body(stream=True, stream_options={"include_usage": True}, max_tokens=2),
+            gw.chat_body(stream=False, stream_options=None, max_tokens=2),
+        ):
+            assert http.post("/v1/chat/completions", json=body).status_code == 200
+    assert len(engine.requests_seen) == 3
+
+
+def test_errors_do_not_echo_megabytes_of_input(serve_fake, gw):
+    # A 1 MB model name came back whole inside the 404 message.
+    srv, engine = serve_fake()
+    with gw.client(srv) as http:
+        name = "m" * 1_000_000
+        err = _error(
+            http.post("/v1/chat/completions", json=gw.chat_body(model=name)),
+            404,
+            code="model_not_found",
+        )
+        assert len(err["message"]) < 400 and "fake" in err["message"], len(err["message"])
+        err = _error(
+            http.post("/v1/chat/completions", json=gw.chat_body(prefix_id="p" * 100_000)),
+            404,
+            code="prefix_not_found",
+        )
+        assert len(err["message"]) < 400
+        assert http.post("/v1/chat/completions", json=gw.chat_body(max_tokens=2)).status_code == 200
+
+
+def test_tokenizing_a_huge_prompt_does_not_stall_other_clients(serve_fake, gw):
+    # Tokenization ran on the event loop: one 3.6 MB prompt (2.4 M tokens, refused anyway as
+    # over the context) froze every client, /health included, for ~3 s.
+    import threading
+    import time
+
+    srv, engine = serve_fake()
+    tok = engine.tokenizer
+    plain = tok.encode
+
+    def slow_encode(text, add_special_tokens=True):
+        if len(text) > 1000:
+            time.sleep(1.5)  # a long encode (the real tokenizer releases the GIL)
+        return plain(text, add_special_tokens)
+
+    tok.encode = slow_encode
+    results = {}
+
+    def big(path, body):
+        with gw.client(srv) as http:
+            results[path] = http.post(path, json=body).status_code
+
+    threads = [
+        threading.Thread(target=big, args=("/v1/chat/completions", gw.chat_body("x" * 5000))),
+        threading.Thread(
+            target=big, args=("/v1/completions", {"model": "fake", "prompt": "x" * 5000})
+        ),
+    ]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    with gw.client(srv) as http:
+        t0 = time.monotonic()
+        assert http.get("/health").status_code == 200
+        stalled = time.monotonic() - t0
+        r = http.post("/v1/chat/completions", json=gw.chat_body(max_tokens=2))
+        assert r.status_code == 200
+    for t in threads:
+        t.join()
+    assert stalled < 0.5, f"/health waited {stalled:.2f} s behind a tokenization"
+    assert results == {"/v1/chat/completions": 400, "/v1/completions": 400}
+    assert gw.wait_idle(srv, engine)["kv_blocks_used"] == 0
