@@ -1,18 +1,15 @@
-"""``prefixgate serve``: the gateway on a local engine, or a proxy to upstream servers.
+"""prefixgate serve: the gateway on a local engine, or a proxy to upstream servers.
 
-    prefixgate serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--api-key KEY ...]
-                     [--keys-file FILE] [--upstream URL ...] [engine options]
+    prefixgate serve [--model PATH | org/name] [--host 127.0.0.1] [--port 8000]
+                     [--api-key KEY ...] [--keys-file FILE] [--upstream URL ...] [engine options]
 
-Every ``EngineConfig`` field is a flag (``--block-size``, ``--num-kv-blocks``,
-``--kv-cache-memory`` (bytes, or ``512MiB`` / ``2GiB``), ``--max-model-len``,
-``--max-num-seqs``, ``--max-num-batched-tokens``, ``--scheduling``, ``--no-prefix-caching``,
-``--attention-backend``, ``--dtype``, ``--load-format``, ``--device``, ...). Without
-``--model`` the engine's built-in ``tiny-random`` preset is served (dummy random weights: its
-text is gibberish by design). The HTTP server starts first (``/health`` 200, ``/ready`` 503)
-and the model loads in a worker thread; SIGINT/SIGTERM stop it gracefully (requests in flight
-get ``--shutdown-grace-s`` seconds, then every stream still running ends with an error
-event and every other request with a 503 error object; pins are released, the engine shut
-down). The soft open-file limit is raised to the hard limit at start.
+Without --model the engine's built-in tiny-random preset is served (dummy random weights: its
+text is gibberish by design). The HTTP server starts first (/health answers 200, /ready 503)
+and the model loads in a worker thread (/ready then answers 200); SIGINT/SIGTERM stop it
+gracefully: requests in flight get --shutdown-grace-s seconds, then every stream still running
+ends with an error event and every other request with a 503 error object; registered prefixes
+are released, the engine is shut down. The soft open-file limit is raised to the hard limit at
+start. Sizes in bytes accept 268435456, 256MiB or 1.5GB.
 """
 
 from __future__ import annotations
@@ -30,10 +27,12 @@ import types
 import typing
 from typing import Any
 
+from prefixgate.gateway.serve_help import ENGINE_HELP, GATEWAY_HELP
 from prefixgate.gateway.state import STATE, GatewaySettings
 
 logger = logging.getLogger("prefixgate.gateway")
 
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")  # org/name
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {
     "": 1,
@@ -72,6 +71,48 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
 
 
+def _shown(value: Any) -> str:
+    """A default as the help shows it: sizes in MiB, ``None`` as "unset"."""
+    if value is None:
+        return "unset"
+    if (
+        isinstance(value, int)
+        and not isinstance(value, bool)
+        and value >= 2**20
+        and value % 2**20 == 0
+    ):
+        return f"{value // 2**20}MiB"
+    return str(value)
+
+
+def _with_default(text: str, default: Any) -> str:
+    return text if "(default:" in text else f"{text} (default: {_shown(default)})"
+
+
+def load_chat_template(value: str) -> str:
+    """The template source of ``--chat-template``: a file's text when ``value`` names a file,
+    else ``value`` itself when it holds Jinja markup.
+
+    Raises:
+        ValueError: neither a file nor a template (e.g. a mistyped path), or bad Jinja syntax.
+    """
+    path = os.path.expanduser(value)
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+    elif "{{" in value or "{%" in value:
+        source = value
+    else:
+        raise ValueError(f"--chat-template: no such file {value!r}, and not a Jinja template")
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"--chat-template: bad Jinja syntax: {exc}") from None
+    return source
+
+
 def _json_object(text: str) -> dict:
     try:
         value = json.loads(text)
@@ -104,28 +145,31 @@ def _engine_flags(group: argparse._ArgumentGroup) -> None:
         else:
             kwargs["type"] = str
         default = f.default if f.default is not dataclasses.MISSING else None
-        kwargs["help"] = f"EngineConfig.{f.name} (default: {default})"
+        kwargs["help"] = _with_default(ENGINE_HELP[f.name], default)
         group.add_argument("--" + f.name.replace("_", "-"), **kwargs)
     group.add_argument(
         "--kv-cache-memory",
         dest="kv_cache_memory",
         type=parse_bytes,
         default=argparse.SUPPRESS,
-        help="KV cache byte budget, e.g. 268435456 or 256MiB",
+        help="KV cache size in bytes, K and V of all layers (268435456, 256MiB, 2GiB; >= 1) "
+        "(default: 256MiB on CPU; what --num-kv-blocks needs when that is given)",
     )
     group.add_argument(
         "--no-prefix-caching",
         dest="enable_prefix_caching",
         action="store_false",
         default=argparse.SUPPRESS,
-        help="turn the prefix cache off",
+        help="turn the prefix cache off (default: on: requests sharing a prompt prefix reuse "
+        "its KV blocks)",
     )
     group.add_argument(
         "--hf-overrides",
         dest="hf_overrides",
         type=_json_object,
         default=argparse.SUPPRESS,
-        help="config.json overrides as JSON, e.g. '{\"num_hidden_layers\": 2}'",
+        help="keys of the model's config.json to override, as a JSON object, e.g. "
+        "'{\"num_hidden_layers\": 2}' (default: none)",
     )
 
 
@@ -140,34 +184,61 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         default=None,
-        help="Hugging Face model directory (default: built-in tiny-random preset)",
+        help="the model: a Hugging Face model folder, or a hub id org/name fetched with "
+        "huggingface_hub into its cache (HF_HOME / HF_HUB_CACHE; HF_HUB_OFFLINE=1: the cache "
+        "only; HF_TOKEN for gated models) (default: the built-in tiny-random preset)",
     )
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on; 0.0.0.0 for every interface (default: 127.0.0.1)",
+    )
+    p.add_argument(
+        "--port",
+        type=int,
+        default=8000,
+        help="TCP port, 0 to 65535; 0 = any free port, logged at start (default: 8000)",
+    )
     p.add_argument(
         "--served-model-name",
         default=None,
-        help="model id clients use (default: the model folder's name)",
+        help="the model id the API serves and requests must name; any other gets 404 "
+        "model_not_found (default: the hub id, or the model folder's name)",
+    )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="Jinja chat template for chat requests, as a file path or the template itself "
+        "(default: the model's own, from tokenizer_config.json or chat_template.jinja)",
     )
     p.add_argument(
         "--api-key",
         action="append",
         default=[],
         dest="api_keys",
-        help="accepted API key (repeatable); none and no keys file = open",
+        help="an API key clients must send as a Bearer token, without limits (repeatable) "
+        "(default: none; with no --keys-file either, the server is open)",
     )
     p.add_argument(
-        "--keys-file", default=None, help="JSON/TOML keys file with per-key limits and cache salts"
+        "--keys-file",
+        default=None,
+        help="JSON or TOML file of API keys with per-key names, limits and cache salts "
+        "(default: none)",
     )
     p.add_argument(
         "--upstream",
         action="append",
         default=[],
         dest="upstreams",
-        help="proxy to this OpenAI-compatible server instead of a local engine "
-        "(repeatable: prefix-affinity routing)",
+        help="base URL of an OpenAI-compatible server to proxy to instead of a local engine "
+        "(repeatable: requests are routed by prompt-prefix affinity) (default: none)",
     )
-    p.add_argument("--upstream-api-key", default=None, help="bearer key sent to the upstreams")
+    p.add_argument(
+        "--upstream-api-key",
+        default=None,
+        help="Bearer key sent to the upstreams (default: none; without keys of its own the "
+        "gateway passes the client's key through)",
+    )
     g = p.add_argument_group("gateway limits")
     defaults = GatewaySettings()
     for name, kind in (
@@ -188,10 +259,16 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
             "--" + name.replace("_", "-"),
             type=kind,
             default=getattr(defaults, name),
-            help=f"GatewaySettings.{name} (default: {getattr(defaults, name)})",
+            help=_with_default(GATEWAY_HELP.get(name, name), getattr(defaults, name)),
         )
-    p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
-    _engine_flags(p.add_argument_group("engine options (EngineConfig)"))
+    p.add_argument(
+        "--log-level",
+        default="INFO",
+        type=str.upper,
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="least severe log level printed (default: INFO)",
+    )
+    _engine_flags(p.add_argument_group("engine options"))
     p.set_defaults(func=run)
     return p
 
@@ -210,11 +287,21 @@ def engine_config(args: argparse.Namespace) -> Any:
     return EngineConfig(**values)
 
 
+def default_model_name(model: str | None) -> str:
+    """The served id of ``--model``: a hub id as given (``org/name``, as vLLM), a folder's
+    name, or ``"tiny-random"``."""
+    if not model:
+        return "tiny-random"
+    if not os.path.exists(os.path.expanduser(model)) and _HUB_ID.match(model):
+        return model
+    return os.path.basename(os.path.normpath(model))
+
+
 def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
     """GatewaySettings from the parsed flags."""
     name = args.served_model_name
     if name is None and not args.upstreams:
-        name = os.path.basename(os.path.normpath(args.model)) if args.model else "tiny-random"
+        name = default_model_name(args.model)
     return GatewaySettings(
         model_name=name,
         api_keys=list(args.api_keys),
@@ -244,19 +331,30 @@ def run(args: argparse.Namespace) -> int:
     try:
         settings = settings_from_args(args)
         config = None if args.upstreams else engine_config(args)
+        chat_template = load_chat_template(args.chat_template) if args.chat_template else None
+        if chat_template and args.upstreams:
+            raise ValueError("--chat-template applies to a local model, not to --upstream")
     except (ValueError, TypeError) as exc:
         logger.error("bad option: %s", exc)
         return 2
     try:
-        return asyncio.run(serve(settings, config, args.upstreams, args.host, args.port))
+        return asyncio.run(
+            serve(settings, config, args.upstreams, args.host, args.port, chat_template)
+        )
     except KeyboardInterrupt:
         return 0
 
 
 async def serve(
-    settings: GatewaySettings, config: Any, upstreams: list[str], host: str, port: int
+    settings: GatewaySettings,
+    config: Any,
+    upstreams: list[str],
+    host: str,
+    port: int,
+    chat_template: str | None = None,
 ) -> int:
-    """Serve until SIGINT/SIGTERM. ``config`` is an EngineConfig (local) or None (upstreams)."""
+    """Serve until SIGINT/SIGTERM. ``config`` is an EngineConfig (local) or None (upstreams);
+    ``chat_template`` (Jinja source) replaces the model's default chat template."""
     from prefixgate.gateway.app import attach_engine, create_app, create_proxy_app
     from prefixgate.gateway.protocol import raise_nofile_limit
     from prefixgate.gateway.server import start_server
@@ -293,6 +391,8 @@ async def serve(
         else:
             engine, code = await _load_engine(config, stop)
             if engine is not None:
+                if chat_template:
+                    engine.tokenizer.chat_templates["default"] = chat_template
                 attach_engine(app, engine)
                 logger.info(
                     "model %r ready (max_model_len %d)", settings.model_name, engine.max_model_len

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from prefixgate.engine.config import EngineConfig
 from prefixgate.engine.models.errors import ModelFileNotFoundError
+from prefixgate.engine.models.hub import resolve_model
 from prefixgate.engine.models.presets import PRESETS
 
 logger = logging.getLogger(__name__)
@@ -120,7 +121,9 @@ class ModelConfig:
     def from_engine_config(cls, cfg: EngineConfig) -> ModelConfig:
         """Build the model config for ``cfg``.
 
-        Reads ``<cfg.model>/config.json`` (and ``generation_config.json`` for extra EOS ids),
+        ``cfg.model`` is a folder or a Hugging Face hub id ``org/name`` (fetched into the hub
+        cache: :func:`prefixgate.engine.models.hub.resolve_model`). Reads
+        ``<folder>/config.json`` (and ``generation_config.json`` for extra EOS ids),
         applies ``cfg.hf_overrides``; with ``cfg.model is None`` (or a preset name such as
         ``"tiny-random"`` that is not a directory) uses the built-in preset.
 
@@ -137,7 +140,7 @@ class ModelConfig:
             preset = cfg.model or "tiny-random"
             raw = dict(PRESETS[preset])
         else:
-            path = Path(cfg.model)
+            path = Path(resolve_model(cfg.model, weights=cfg.load_format != "dummy"))
             if not path.is_dir():
                 raise ModelFileNotFoundError(f"model directory {str(path)!r} does not exist")
             config_file = path / "config.json"

@@ -1,0 +1,53 @@
+"""Help text of every ``prefixgate serve`` flag: meaning, unit and range.
+
+The parser appends the field's default unless the text already says it ("(default: ...").
+
+One entry per ``GatewaySettings`` / ``EngineConfig`` field that is a flag; a test checks that
+every flag of ``prefixgate serve --help`` has one.
+"""
+
+from __future__ import annotations
+
+GATEWAY_HELP = {
+    "max_body_bytes": "largest request body accepted, bytes (or 4MiB, 1GB ...; >= 1024); "
+    "larger bodies get 413",
+    "max_queued_requests": "most requests waiting for their first token (>= 1); beyond it "
+    "new requests get 429 with Retry-After",
+    "max_queued_tokens": "most prompt tokens, summed, waiting for prefill (>= 1); beyond it "
+    "new requests get 429 with Retry-After",
+    "max_running": "most requests admitted at once, queued or generating (>= 0; 0 = no bound)",
+    "keepalive_s": "seconds between SSE keep-alive comments while a stream waits for a token (> 0)",
+    "max_prefix_ttl_s": "longest ttl_seconds a registered prefix (POST /v1/prefixes) may ask "
+    "for, seconds (> 0)",
+    "upstream_timeout_s": "total timeout of one upstream request in proxy mode, seconds (0 = none)",
+    "health_interval_s": "seconds between health probes of an unhealthy upstream in proxy "
+    "mode (> 0)",
+    "header_timeout_s": "seconds a connection may take to send a request's headers, from its "
+    "start or the end of its previous response; idle keep-alive connections close after it "
+    "too (> 0)",
+    "body_timeout_s": "seconds a request may take to send its whole body; beyond it 408 (> 0)",
+    "max_connections": "most open client connections (>= 1); beyond it a connection gets 503 "
+    "too_many_connections and is closed",
+    "shutdown_grace_s": "on SIGTERM or SIGINT, seconds requests in flight get to finish before "
+    "streams end with an error event and other requests get 503 (>= 0)",
+}
+
+ENGINE_HELP = {
+    "load_format": "how weights are loaded: auto reads the safetensors files; dummy fills "
+    "the model's config with seeded random weights (benchmarks without a checkpoint)",
+    "dtype": "weights and activations dtype: auto (the checkpoint's torch_dtype), float32, "
+    "bfloat16 or float16",
+    "device": "cpu, cuda, or auto (cuda when available)",
+    "seed": "seed of dummy weights and of requests that give no seed (integer in [-2**63, 2**64))",
+    "block_size": "tokens per KV-cache block (a power of two >= 1)",
+    "num_kv_blocks": "KV-cache blocks (>= 1) (default: as many as --kv-cache-memory holds)",
+    "max_model_len": "longest prompt + output, tokens (>= 1; at most the model's "
+    "max_position_embeddings and the KV cache's tokens) (default: the model's own limit)",
+    "max_num_seqs": "most requests running at once, the decode batch bound (>= 1)",
+    "max_num_batched_tokens": "token budget of one engine step, prefill chunks plus decodes (>= 1)",
+    "scheduling": "continuous (continuous batching) or static (a new batch only when the "
+    "running one has drained; a benchmark baseline)",
+    "max_pinned_fraction": "largest share of KV blocks that registered prefixes may pin (0 to 1)",
+    "attention_backend": "attention kernels: torch or triton (default: triton on CUDA, torch "
+    "elsewhere)",
+}

@@ -1,0 +1,35 @@
+"""``prefixgate serve --help`` and ``prefixgate --version``: every flag says its meaning and default."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from prefixgate.sdk.cli import build_parser, main, version
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    parser = build_parser("serve")
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["serve"]
+
+
+def test_every_serve_flag_has_a_meaning_and_a_default():
+    serve = _serve_parser()
+    for action in serve._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        flag = action.option_strings[0]
+        assert action.help and len(action.help) > 20, flag
+        assert "(default:" in action.help, f"{flag}: {action.help}"
+    text = serve.format_help()
+    for raw in ("``", "GatewaySettings.", "EngineConfig."):
+        assert raw not in text, raw
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"prefixgate {version()}"
+    assert version()[0].isdigit()

@@ -1,0 +1,141 @@
+"""``prefixgate serve`` model options as a real process: a hub id resolved offline from a
+pre-filled cache, ``--served-model-name``, ``--chat-template`` (inline or a file)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+pytest.importorskip("prefixgate.engine.async_engine")
+pytest.importorskip("huggingface_hub")
+
+
+def start_serve(
+    argv: list[str], env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen, str, list[str]]:
+    """Start ``prefixgate serve --port 0 ...``; return (process, base URL, log lines so far)
+    once the model is ready, or fail with the log."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prefixgate.gateway.cli", "serve", "--port", "0", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
+    log: list[str] = []
+    url = None
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        log.append(line)
+        m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
+        url = url or (m.group(1) if m else None)
+        if "ready (max_model_len" in line:
+            return proc, url, log
+    proc.kill()
+    proc.wait()
+    raise AssertionError("serve did not become ready:\n" + "".join(log))
+
+
+def stop(proc: subprocess.Popen) -> str:
+    """SIGTERM, wait, return the rest of the log."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        rest = proc.communicate(timeout=60)[0]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        rest = proc.communicate()[0]
+    assert proc.returncode == 0, rest
+    return rest
+
+
+def fake_hub_cache(root: Path, repo_id: str, model_dir: Path) -> Path:
+    """A Hugging Face hub cache holding ``repo_id`` at one revision (the layout
+    huggingface_hub writes: models--org--name/snapshots/<commit>/..., refs/main)."""
+    repo = root / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    for f in model_dir.iterdir():
+        if f.is_file():
+            shutil.copy(f, snapshot / f.name)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    return root
+
+
+def test_model_by_hub_id_from_an_offline_cache(tmp_path, aidreams_path):
+    cache = fake_hub_cache(tmp_path / "hub", "testorg/aidreams", Path(aidreams_path))
+    env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    proc, url, _ = start_serve(["--model", "testorg/aidreams", "--num-kv-blocks", "64"], env)
+    try:
+        card = httpx.get(url + "/v1/models").json()["data"][0]
+        assert card["id"] == "testorg/aidreams" and card["max_model_len"] == 128
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        r = client.chat.completions.create(
+            model="testorg/aidreams", max_tokens=4, messages=[{"role": "user", "content": "hi"}]
+        )
+        assert r.usage.completion_tokens >= 1
+    finally:
+        stop(proc)
+    # a name the cache does not hold: one line, exit 1, no traceback
+    out = subprocess.run(
+        [sys.executable, "-m", "prefixgate.gateway.cli", "serve", "--port", "0"]
+        + ["--model", "testorg/absent"],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 1, out.stderr
+    assert "cannot get 'testorg/absent' from the Hugging Face hub" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_served_model_name_and_chat_template(tmp_path, aidreams_path):
+    from prefixgate.engine.tokenizer import Tokenizer
+
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    argv = ["--model", aidreams_path, "--num-kv-blocks", "64", "--served-model-name", "tiny-llama"]
+    proc, url, _ = start_serve([*argv, "--chat-template", template])
+    try:
+        assert httpx.get(url + "/v1/models").json()["data"][0]["id"] == "tiny-llama"
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        messages = [{"role": "user", "content": "hello there"}]
+        with pytest.raises(openai.NotFoundError) as err:  # the folder's name is not served
+            client.chat.completions.create(model="aidreams-260k", max_tokens=2, messages=messages)
+        assert err.value.code == "model_not_found"
+        r = client.chat.completions.create(model="tiny-llama", max_tokens=2, messages=messages)
+        tok = Tokenizer.from_pretrained(aidreams_path)
+        assert r.usage.prompt_tokens == len(tok.encode("hello there", add_special_tokens=False))
+    finally:
+        stop(proc)
+    # the same template from a file; a missing file is a one-line error before anything starts
+    path = tmp_path / "t.jinja"
+    path.write_text(template)
+    proc, url, _ = start_serve([*argv, "--chat-template", str(path)])
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        r = client.chat.completions.create(model="tiny-llama", max_tokens=2, messages=messages)
+        assert r.usage.prompt_tokens == len(tok.encode("hello there", add_special_tokens=False))
+    finally:
+        stop(proc)
+    out = subprocess.run(
+        [sys.executable, "-m", "prefixgate.gateway.cli", "serve", "--port", "0"]
+        + ["--chat-template", str(tmp_path / "absent.jinja")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and "absent.jinja" in out.stderr and "Traceback" not in out.stderr
