@@ -11,8 +11,9 @@ and the prefix cache at work: the same system prompt sent twice gives
 from __future__ import annotations
 
 import os
+import sys
 
-from openai import OpenAI
+from openai import APIConnectionError, OpenAI
 
 BASE_URL = os.environ.get("PREFIXGATE_BASE_URL", "http://127.0.0.1:8000/v1")
 # A gateway started without --api-key accepts any key; the client insists on having one.
@@ -77,4 +78,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except APIConnectionError as exc:  # no server answers: one line, exit 1
+        sys.exit(
+            f"cannot reach a server at {BASE_URL} ({exc}); start one with "
+            "`prefixgate serve` or point PREFIXGATE_BASE_URL at one"
+        )

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 
 from prefixgate.gateway.app import create_proxy_app
 from prefixgate.gateway.server import start_server
-from prefixgate.sdk import AsyncClient
+from prefixgate.sdk import APIConnectionError, AsyncClient
 
 UPSTREAM = os.environ.get("PREFIXGATE_UPSTREAM_URL") or os.environ.get(
     "PREFIXGATE_BASE_URL", "http://127.0.0.1:8000/v1"
@@ -59,4 +60,10 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except APIConnectionError as exc:  # no server answers: one line, exit 1
+        sys.exit(
+            f"cannot reach a server at {UPSTREAM} ({exc}); start one with "
+            "`prefixgate serve` or point PREFIXGATE_UPSTREAM_URL at one"
+        )

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 
-from prefixgate.sdk import AsyncClient
+from prefixgate.sdk import APIConnectionError, AsyncClient
 
 BASE_URL = os.environ.get("PREFIXGATE_BASE_URL", "http://127.0.0.1:8000/v1")
 SYSTEM = "You are a concise assistant. Answer in one sentence."
@@ -85,4 +86,10 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except APIConnectionError as exc:  # no server answers: one line, exit 1
+        sys.exit(
+            f"cannot reach a server at {BASE_URL} ({exc}); start one with "
+            "`prefixgate serve` or point PREFIXGATE_BASE_URL at one"
+        )

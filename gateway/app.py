@@ -20,7 +20,13 @@ from collections.abc import Sequence
 
 from aiohttp import web
 from prefixgate.engine.protocol import EngineClient
-from prefixgate.gateway import lifecycle, routes_openai, routes_prefixes, routes_upstream
+from prefixgate.gateway import (
+    lifecycle,
+    routes_openai,
+    routes_prefixes,
+    routes_tokenize,
+    routes_upstream,
+)
 from prefixgate.gateway.admission import AdmissionController
 from prefixgate.gateway.auth import KeyRing
 from prefixgate.gateway.errors import APIError, error_middleware
@@ -53,6 +59,7 @@ def create_app(
     r = app.router
     r.add_post("/v1/chat/completions", routes_openai.chat_completions)
     r.add_post("/v1/completions", routes_openai.completions)
+    r.add_post("/tokenize", routes_tokenize.tokenize)
     r.add_get("/v1/models", routes_openai.list_models)
     r.add_get("/v1/models/{model}", routes_openai.get_model)
     r.add_post("/v1/prefixes", routes_prefixes.create_prefix)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aiohttp import web
+from prefixgate.gateway.access_log import record
 from prefixgate.gateway.errors import APIError, too_many
 from prefixgate.sdk.limits import TokenBucket
 
@@ -217,6 +218,7 @@ class KeyRing:
             APIError: 401 ``invalid_api_key`` when the key is missing or unknown.
         """
         if not self._by_digest:
+            record(request).key_name = "-"
             return self._anonymous
         header = request.headers.get("Authorization", "")
         scheme, _, key = header.partition(" ")
@@ -227,6 +229,7 @@ class KeyRing:
         principal = self._by_digest.get(_digest(key.strip()))
         if principal is None:
             raise APIError(401, "incorrect API key provided", code="invalid_api_key")
+        record(request).key_name = (principal.spec.name if principal.spec else "") or "unnamed"
         return principal
 
 

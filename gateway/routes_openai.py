@@ -16,6 +16,7 @@ import uuid
 
 from aiohttp import web
 from prefixgate.engine.errors import EngineDeadError
+from prefixgate.gateway.access_log import record
 from prefixgate.gateway.auth import Principal, effective_salt
 from prefixgate.gateway.errors import APIError, bad_request
 from prefixgate.gateway.generation import Choice, ChoiceOutput, ChoiceRun, Delta
@@ -208,7 +209,11 @@ class Exchange:
             return resp
         finally:
             self.ticket.done()
-            self.principal.release(sum(o.num_tokens for o in self.outputs))
+            completion = sum(o.num_tokens for o in self.outputs)
+            self.principal.release(completion)
+            rec = record(self.request)
+            rec.prompt_tokens, rec.completion_tokens = self.prompt_tokens, completion
+            rec.cached_tokens = sum(self.cached.values())
             st.metrics.requests.labels(self.renderer.route, status).inc()
             if status == "200":
                 st.metrics.e2e.observe(time.monotonic() - self.t0)

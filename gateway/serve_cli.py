@@ -262,6 +262,20 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
             help=_with_default(GATEWAY_HELP.get(name, name), getattr(defaults, name)),
         )
     p.add_argument(
+        "--no-access-log",
+        dest="access_log",
+        action="store_false",
+        help="no per-request log line (default: one INFO line per request: client, route, "
+        "status, key name, prompt/completion/cached tokens, seconds)",
+    )
+    p.add_argument(
+        "--stats-interval-s",
+        type=float,
+        default=10.0,
+        help="seconds between engine lines (prompt and generation tokens/s, running, waiting, "
+        "KV cache use, prefix hit rate), printed only after activity; 0 = never (default: 10.0)",
+    )
+    p.add_argument(
         "--log-level",
         default="INFO",
         type=str.upper,
@@ -334,12 +348,23 @@ def run(args: argparse.Namespace) -> int:
         chat_template = load_chat_template(args.chat_template) if args.chat_template else None
         if chat_template and args.upstreams:
             raise ValueError("--chat-template applies to a local model, not to --upstream")
+        if args.stats_interval_s < 0:
+            raise ValueError(f"--stats-interval-s must be >= 0, got {args.stats_interval_s}")
     except (ValueError, TypeError) as exc:
         logger.error("bad option: %s", exc)
         return 2
     try:
         return asyncio.run(
-            serve(settings, config, args.upstreams, args.host, args.port, chat_template)
+            serve(
+                settings,
+                config,
+                args.upstreams,
+                args.host,
+                args.port,
+                chat_template,
+                access_log=args.access_log,
+                stats_interval_s=args.stats_interval_s,
+            )
         )
     except KeyboardInterrupt:
         return 0
@@ -352,10 +377,15 @@ async def serve(
     host: str,
     port: int,
     chat_template: str | None = None,
+    *,
+    access_log: bool = False,
+    stats_interval_s: float = 0.0,
 ) -> int:
     """Serve until SIGINT/SIGTERM. ``config`` is an EngineConfig (local) or None (upstreams);
-    ``chat_template`` (Jinja source) replaces the model's default chat template."""
+    ``chat_template`` (Jinja source) replaces the model's default chat template; ``access_log``
+    logs a line per request; ``stats_interval_s`` > 0 logs the engine line that often."""
     from prefixgate.gateway.app import attach_engine, create_app, create_proxy_app
+    from prefixgate.gateway.engine_log import log_engine_stats
     from prefixgate.gateway.protocol import raise_nofile_limit
     from prefixgate.gateway.server import start_server
 
@@ -374,7 +404,7 @@ async def serve(
         logger.error("bad option: %s", exc)
         return 2
     try:
-        server = await start_server(app, host, port)
+        server = await start_server(app, host, port, access_log=access_log)
     except OSError as exc:  # port in use, address not available, no permission
         logger.error(
             "cannot listen on %s:%d: %s (choose another --port)", host, port, exc.strerror or exc
@@ -382,6 +412,7 @@ async def serve(
         return 1
     logger.info("prefixgate listening on %s (OpenAI API at %s/v1)", server.url, server.url)
     engine = None
+    stats_task: asyncio.Task | None = None
     code = 0
     try:
         if upstreams:
@@ -394,6 +425,10 @@ async def serve(
                 if chat_template:
                     engine.tokenizer.chat_templates["default"] = chat_template
                 attach_engine(app, engine)
+                if stats_interval_s > 0:
+                    stats_task = asyncio.create_task(
+                        log_engine_stats(engine.stats, stats_interval_s)
+                    )
                 logger.info(
                     "model %r ready (max_model_len %d)", settings.model_name, engine.max_model_len
                 )
@@ -401,6 +436,8 @@ async def serve(
             await stop.wait()
             logger.info("shutting down")
     finally:
+        if stats_task is not None:
+            stats_task.cancel()
         summary = await server.drain(settings.shutdown_grace_s)
         logger.info(
             "stopped: %d request(s) finished in the grace period, %d ended with an error (%.2f s)",

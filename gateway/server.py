@@ -11,6 +11,7 @@ under the open-file limit, protocol errors as OpenAI error objects), from the ap
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import Future
@@ -19,6 +20,7 @@ from typing import Any
 
 from aiohttp import web
 from prefixgate.gateway import lifecycle
+from prefixgate.gateway.access_log import AccessLogger
 from prefixgate.gateway.protocol import GatewayRunner, fd_budget
 from prefixgate.gateway.state import STATE
 
@@ -49,9 +51,14 @@ class RunningServer:
 
 
 async def start_server(
-    app: web.Application, host: str = "127.0.0.1", port: int = 0, shutdown_timeout_s: float = 5.0
+    app: web.Application,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    shutdown_timeout_s: float = 5.0,
+    access_log: bool = False,
 ) -> RunningServer:
-    """Start serving ``app`` on ``host:port`` in the running loop.
+    """Start serving ``app`` on ``host:port`` in the running loop; ``access_log`` writes one
+    line per request to the ``prefixgate.access`` logger (:mod:`prefixgate.gateway.access_log`).
 
     Raises:
         OSError: when the address cannot be bound.
@@ -59,7 +66,8 @@ async def start_server(
     runner = GatewayRunner(
         app,
         handler_cancellation=True,
-        access_log=None,
+        access_log=logging.getLogger("prefixgate.access") if access_log else None,
+        access_log_class=AccessLogger,
         shutdown_timeout=shutdown_timeout_s,
         **connection_options(app),
     )

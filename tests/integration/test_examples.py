@@ -79,3 +79,18 @@ def test_prefix_api(gateway_url):
 def test_proxy(gateway_url):
     out = run_example("proxy.py", gateway_url, PREFIXGATE_UPSTREAM_URL=gateway_url)
     assert "identical: True" in out
+
+
+@pytest.mark.parametrize("name", ["quickstart.py", "openai_client.py", "prefix_api.py", "proxy.py"])
+def test_example_without_a_server_says_so_in_one_line(name):
+    url = "http://127.0.0.1:9/v1"  # nothing listens on the discard port
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / name)],
+        env={**os.environ, "PREFIXGATE_BASE_URL": url, "PREFIXGATE_UPSTREAM_URL": url},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot reach a server at" in lines[0], proc.stderr

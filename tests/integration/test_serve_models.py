@@ -139,3 +139,63 @@ def test_served_model_name_and_chat_template(tmp_path, aidreams_path):
         timeout=60,
     )
     assert out.returncode == 2 and "absent.jinja" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_access_log_and_engine_line(tmp_path):
+    """One access line per request naming the key's name (never the key); the engine line
+    after activity; neither line with --no-access-log / --stats-interval-s 0."""
+    keys = tmp_path / "keys.json"
+    keys.write_text('{"keys": [{"key": "sk-secret-1", "name": "team-a"}]}')
+    argv = ["--max-model-len", "64", "--num-kv-blocks", "64", "--keys-file", str(keys)]
+    proc, url, _ = start_serve([*argv, "--stats-interval-s", "0.5"])
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="sk-secret-1", max_retries=0)
+        r = client.chat.completions.create(
+            model="tiny-random", max_tokens=3, messages=[{"role": "user", "content": "hi"}]
+        )
+        httpx.get(url + "/health")
+        time.sleep(1.5)  # at least one stats interval after the request
+    finally:
+        log = stop(proc)
+    access = [line for line in log.splitlines() if "prefixgate.access" in line]
+    assert len(access) == 1, log  # the /health probe is logged at DEBUG only
+    assert '"POST /v1/chat/completions" 200 key=team-a' in access[0]
+    assert f"prompt={r.usage.prompt_tokens} completion={r.usage.completion_tokens}" in access[0]
+    assert "sk-secret-1" not in log
+    engine_lines = [line for line in log.splitlines() if "engine: prompt" in line]
+    assert engine_lines and "generation" in engine_lines[0] and "prefix hit rate" in engine_lines[0]
+
+    quiet = ["--no-access-log", "--stats-interval-s", "0"]
+    proc, url, _ = start_serve([*argv, *quiet])
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="sk-secret-1", max_retries=0)
+        client.chat.completions.create(
+            model="tiny-random", max_tokens=3, messages=[{"role": "user", "content": "hi"}]
+        )
+    finally:
+        log = stop(proc)
+    assert "prefixgate.access" not in log and "engine: prompt" not in log
+
+
+def test_bench_serve_against_aidreams_fits_or_refuses_in_one_line(aidreams_path):
+    """``prefixgate bench serve`` with its defaults against the 128-token aidreams model."""
+    proc, url, _ = start_serve(["--model", aidreams_path, "--num-kv-blocks", "64"])
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "prefixgate.sdk.cli", "bench", "serve", "--base-url", url]
+            + ["--no-progress"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        stop(proc)
+    if out.returncode == 0:  # fitted: the table shows no context-length failure
+        assert "context_length_exceeded" not in out.stdout, out.stdout
+        assert "TTFT p99" in out.stdout
+    else:
+        assert out.returncode == 2, out.stderr
+        err = [x for x in out.stderr.splitlines() if x.startswith("prefixgate bench serve:")]
+        assert len(err) == 1 and "context of 128 tokens" in err[0], out.stderr
+        assert re.search(r"the shortest prompt of this workload has \d+ tokens", err[0])
+        assert "Traceback" not in out.stderr

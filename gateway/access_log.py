@@ -1,0 +1,69 @@
+"""One log line per request, as vLLM's server prints (logger ``prefixgate.access``, level INFO).
+
+    127.0.0.1 "POST /v1/chat/completions" 200 key=team-a prompt=31 completion=16 cached=16 0.412s
+
+The key is shown by its *name* from the keys file (``-`` on an open server, ``unnamed`` for a
+key without one), never the key itself. Token counts are those of the request's usage (``-``
+for requests that never reached the engine, and in proxy mode). Probes (``/health``,
+``/ready``, ``/metrics``) are logged at DEBUG only, so a load balancer's checks do not flood
+the log. ``prefixgate serve --no-access-log`` turns the lines off.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from aiohttp import web
+from aiohttp.abc import AbstractAccessLogger
+
+PROBES = frozenset({"/health", "/ready", "/metrics"})
+
+
+@dataclass(slots=True)
+class AccessRecord:
+    """What the handler tells the access log about a request (``None``: not known)."""
+
+    key_name: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+
+
+ACCESS = web.RequestKey("prefixgate_access", AccessRecord)
+
+
+def record(request: web.Request) -> AccessRecord:
+    """The request's :class:`AccessRecord`, created on first use."""
+    rec = request.get(ACCESS)
+    if rec is None:
+        rec = request[ACCESS] = AccessRecord()
+    return rec
+
+
+def _shown(value: object) -> str:
+    return "-" if value is None else str(value)
+
+
+def access_line(request: web.BaseRequest, status: int, seconds: float) -> str:
+    """The line for one finished request (see the module docstring)."""
+    rec = request.get(ACCESS) or AccessRecord()
+    return (
+        f'{request.remote or "-"} "{request.method} {request.path}" {status} '
+        f"key={_shown(rec.key_name)} prompt={_shown(rec.prompt_tokens)} "
+        f"completion={_shown(rec.completion_tokens)} cached={_shown(rec.cached_tokens)} "
+        f"{seconds:.3f}s"
+    )
+
+
+class AccessLogger(AbstractAccessLogger):
+    """aiohttp's access-log hook (``AppRunner(access_log_class=AccessLogger)``)."""
+
+    def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
+        level = logging.DEBUG if request.path in PROBES else logging.INFO
+        if self.logger.isEnabledFor(level):
+            self.logger.log(level, access_line(request, response.status, time))
+
+    @property
+    def enabled(self) -> bool:
+        return self.logger.isEnabledFor(logging.INFO) or self.logger.isEnabledFor(logging.DEBUG)

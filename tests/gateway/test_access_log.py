@@ -1,0 +1,64 @@
+"""The per-request access line and the periodic engine line (``prefixgate serve`` logs)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+from prefixgate.gateway.engine_log import log_engine_stats, stats_line
+
+IDLE = {
+    "prompt_tokens_prefilled": 100,
+    "tokens_decoded": 50,
+    "num_running": 0,
+    "num_waiting": 0,
+    "prefix_cache_queries": 200,
+    "prefix_cache_hits": 100,
+    "prefix_cache_hit_rate": 0.5,
+    "kv_blocks_total": 64,
+    "kv_blocks_used": 0,
+}
+
+
+def test_stats_line_rates_over_the_interval():
+    cur = dict(IDLE, prompt_tokens_prefilled=300, tokens_decoded=90, num_running=2)
+    cur.update(num_waiting=1, prefix_cache_queries=400, prefix_cache_hits=280, kv_blocks_used=16)
+    line = stats_line(IDLE, cur, 2.0)
+    assert line == (
+        "engine: prompt 100.0 tokens/s, generation 20.0 tokens/s, running 2, waiting 1, "
+        "KV cache 25.0 % used, prefix hit rate 90.0 %"
+    )
+
+
+def test_stats_line_is_silent_when_idle():
+    assert stats_line(IDLE, dict(IDLE), 10.0) is None
+    # a request waiting with nothing computed is activity (e.g. the cache is full)
+    assert stats_line(IDLE, dict(IDLE, num_waiting=1), 10.0) is not None
+
+
+def test_log_engine_stats_logs_only_active_intervals(caplog):
+    snapshots = [IDLE, dict(IDLE), dict(IDLE, tokens_decoded=60)]  # then idle at 60 for good
+    calls = []
+
+    def stats() -> dict:
+        calls.append(1)
+        return snapshots[min(len(calls), len(snapshots)) - 1]
+
+    ticks = iter(range(10_000))
+
+    async def run() -> None:
+        task = asyncio.create_task(log_engine_stats(stats, 0.001, lambda: next(ticks)))
+        while len(calls) < 6:
+            await asyncio.sleep(0.001)
+        task.cancel()
+
+    with caplog.at_level(logging.INFO, logger="prefixgate.engine.stats"):
+        asyncio.run(run())
+    lines = [r.getMessage() for r in caplog.records if r.name == "prefixgate.engine.stats"]
+    assert lines == [
+        "engine: prompt 0.0 tokens/s, generation 10.0 tokens/s, running 0, waiting 0, "
+        "KV cache 0.0 % used, prefix hit rate 50.0 %"
+    ]
+    with pytest.raises(ValueError):
+        asyncio.run(log_engine_stats(lambda: IDLE, 0))
