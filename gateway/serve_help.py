@@ -48,6 +48,9 @@ ENGINE_HELP = {
     "scheduling": "continuous (continuous batching) or static (a new batch only when the "
     "running one has drained; a benchmark baseline)",
     "max_pinned_fraction": "largest share of KV blocks that registered prefixes may pin (0 to 1)",
+    "quantization": "int8: every linear layer's weights in int8 with one scale per output "
+    "channel (CPU: --dtype float32 only; CUDA: a Triton weight-only GEMM) (default: none, "
+    "weights in --dtype)",
     "attention_backend": "attention kernels: torch or triton (default: triton on CUDA, torch "
     "elsewhere)",
 }
