@@ -37,6 +37,8 @@ class EngineConfig:
             scale per output channel for every linear layer (CPU: dtype float32 only, torch's
             dynamic int8 linear; CUDA: a Triton weight-only GEMM). Unsupported combinations
             raise ValueError at start-up.
+        cuda_graphs: replay CUDA graphs of decode-only steps (captured per padded batch size;
+            CUDA with the Triton attention backend only, else ValueError at start-up).
     """
 
     model: str | None = None
@@ -56,6 +58,7 @@ class EngineConfig:
     attention_backend: str | None = None
     hf_overrides: dict = field(default_factory=dict)
     quantization: Literal["int8"] | None = None
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         for name, optional in (
@@ -72,6 +75,8 @@ class EngineConfig:
                 isinstance(value, bool) or not isinstance(value, int)
             ):
                 raise TypeError(f"{name} must be an int, got {value!r}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise TypeError(f"cuda_graphs must be a bool, got {self.cuda_graphs!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise TypeError(
                 f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}"

@@ -114,6 +114,7 @@ class LLMEngine:
             config.block_size,
             self.device,
             structured_output=self.structured_output,
+            cuda_graphs=_decode_graphs(config, model, kv_caches, self.max_model_len, self.device),
         )
         self.output_processor = OutputProcessor(self.tokenizer, IncrementalDetokenizer)
         self.input_processor = InputProcessor(
@@ -468,3 +469,15 @@ def _load_tokenizer(mc: Any) -> Any:
     if mc.model_path is None:
         return Tokenizer.builtin()
     return Tokenizer.from_pretrained(mc.model_path)
+
+
+def _decode_graphs(config: EngineConfig, model, kv_caches, max_model_len: int, device):
+    """``DecodeCudaGraphs`` when ``config.cuda_graphs`` (checked at model load), else None."""
+    if not config.cuda_graphs:
+        return None
+    from prefixgate.engine.cuda_graphs import DecodeCudaGraphs
+
+    width = -(-max_model_len // config.block_size)
+    return DecodeCudaGraphs(
+        model, kv_caches, config.max_num_seqs, width, config.block_size, torch.device(device)
+    )

@@ -73,6 +73,7 @@ class ModelRunner:
         device: where the model and caches live.
         sync_timing: synchronize CUDA around the forward so ``forward_s`` is exact (benchmarks).
         structured_output: the ``StructuredOutputManager`` (token bitmasks of constrained rows).
+        cuda_graphs: ``DecodeCudaGraphs`` replaying decode-only forwards, or None (eager).
     """
 
     def __init__(
@@ -85,8 +86,10 @@ class ModelRunner:
         device: torch.device,
         sync_timing: bool = False,
         structured_output: Any | None = None,
+        cuda_graphs: Any | None = None,
     ) -> None:
         self.model = model
+        self.cuda_graphs = cuda_graphs
         self.structured_output = structured_output
         self.kv_caches = kv_caches
         self.sampler = sampler
@@ -192,7 +195,10 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         t0 = time.perf_counter()
         prepare_s = t0 - t_start
-        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(inp.meta):
+            hidden = self.cuda_graphs.run(inp.input_ids, inp.positions, inp.meta)
+        else:
+            hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
         if not inp.sample_order:
             if self.sync_timing:
                 torch.cuda.synchronize(self.device)

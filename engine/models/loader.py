@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 from prefixgate.engine.config import EngineConfig
+from prefixgate.engine.cuda_graphs import check_cuda_graphs
 from prefixgate.engine.models.config import ModelConfig
 from prefixgate.engine.models.llama import CausalLM
 from prefixgate.engine.models.quantization import check_quantization, quantize_model
@@ -38,11 +39,15 @@ def load_model(model_config: ModelConfig, engine_config: EngineConfig) -> Causal
 
     Raises:
         ModelFileNotFoundError: missing weights file or shard.
-        ValueError: an unsupported quantization / device / dtype combination (before any
+        ValueError: an unsupported quantization / cuda_graphs / device / dtype combination
+            (before any
             weight is read), a tensor with an unexpected shape, or an expected tensor missing (the
             message names the tensor and the file).
     """
     check_quantization(engine_config.quantization, model_config.device, model_config.dtype)
+    check_cuda_graphs(
+        engine_config.cuda_graphs, model_config.device, engine_config.attention_backend
+    )
     device = torch.device(model_config.device)
     kernels = get_backend(engine_config.attention_backend or default_backend(model_config.device))
     with torch.device("meta"):

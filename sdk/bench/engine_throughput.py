@@ -1,24 +1,37 @@
-"""Engine throughput and host overhead.
+"""Engine throughput, prefill time, decode speed and host overhead, side by side with
+Hugging Face transformers (``generate``) and with ``quantization="int8"``, in one run.
 
-Runs N requests (default 32 and 128) through ``LLM`` on the SmolLM2-135M-shaped config with
-dummy weights, real user tasks as prompts (cut to ``--prompt-len`` tokens) and a fixed output
-length (``ignore_eos``), and reports:
+On the SmolLM2-135M-shaped config with dummy weights, prompts from real user tasks (joined and
+cut to exactly ``--prompt-len`` tokens: equal lengths) and a fixed output length
+(``ignore_eos`` / ``min_new_tokens``), the same torch thread count for everyone:
 
-- output tokens/s over the whole run (wall clock, prefill included);
-- the share of engine step time spent outside the model forward (scheduling, block
-  management, batch building, sampling, detokenizing), over all steps and over decode-only
-  steps, with the per-phase split.
+- throughput: ``--num-requests`` x (prompt, output) all at once: output tokens/s over the whole
+  run (wall clock, prefill included) for transformers ``generate`` (one static batch, fp32),
+  the engine fp32 and the engine int8; ratios against transformers;
+- prefill: one ``--prefill-len``-token prompt, time to its first token (engine with a cold
+  cache; transformers ``generate(max_new_tokens=1)``); median of ``--trials``;
+- decode: tokens/s of decode-only engine steps at batch ``--decode-batches`` (fp32 and int8);
+- host overhead: the share of engine step time outside the model forward (scheduling, block
+  management, batch building, sampling, detokenizing) at ``--num-requests`` requests.
+
+Targets (issue 14): engine fp32 >= 1.3x transformers tok/s; prefill <= 1.0x transformers' time;
+int8 decode >= 1.8x fp32 at batch 1 and 8; int8 throughput >= 2x transformers fp32; outside
+the forward < 10 %.
 
 Usage::
 
-    python -m prefixgate.sdk.bench.engine_throughput [--model DIR] [--num-requests 32 128]
-        [--prompt-len 64] [--output-len 32] [--threads N] [--json OUT]
+    python -m prefixgate.sdk.bench.engine_throughput [--model DIR] [--num-requests 32]
+        [--prompt-len 128] [--output-len 64] [--prefill-len 1088] [--decode-batches 1 8]
+        [--no-transformers] [--no-int8] [--threads N] [--json OUT]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
+import statistics
 import time
 from pathlib import Path
 
@@ -28,14 +41,23 @@ SHARED = shared_dir()
 
 
 def load_prompts(tokenizer, path: Path, n: int, prompt_len: int) -> list[list[int]]:
-    """``n`` prompts of at most ``prompt_len`` tokens from the user-task JSONL (cycled)."""
+    """``n`` prompts of exactly ``prompt_len`` tokens: user tasks (instruction + inputs) from
+    the JSONL, prompt i starting at task i and joining the following tasks until long enough."""
     texts = []
     for line in path.read_text().splitlines():
         if line.strip():
             task = json.loads(line)
             inputs = " ".join(i.get("input", "") for i in task.get("instances", []))
             texts.append((task["instruction"] + "\n" + inputs).strip())
-    return [tokenizer.encode(texts[i % len(texts)])[:prompt_len] for i in range(n)]
+    prompts = []
+    for i in range(n):
+        ids = tokenizer.encode(texts[i % len(texts)])
+        j = i + 1
+        while len(ids) < prompt_len:
+            ids += tokenizer.encode("\n" + texts[j % len(texts)], add_special_tokens=False)
+            j += 1
+        prompts.append(ids[:prompt_len])
+    return prompts
 
 
 def run_once(llm, prompts: list[list[int]], output_len: int) -> dict:
@@ -86,6 +108,106 @@ def run_once(llm, prompts: list[list[int]], output_len: int) -> dict:
     }
 
 
+def engine_prefill_s(llm, prompt: list[int]) -> float:
+    """Seconds from add_request to the first output token of one prompt (prefix caching is
+    off in these engines, so every trial is a cold prefill)."""
+    from prefixgate.engine import SamplingParams
+
+    eng = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    t0 = time.perf_counter()
+    eng.add_request(f"prefill-{time.monotonic_ns()}", prompt, params)
+    while eng.has_unfinished_requests():
+        eng.step()
+    return time.perf_counter() - t0
+
+
+def engine_suite(args, quantization: str | None, prompts, prefill_prompt, decode_prompts) -> dict:
+    """Every engine measurement for one quantization setting (the LLM freed afterwards)."""
+    from prefixgate.engine import LLM, SamplingParams
+
+    llm = LLM(
+        args.model,
+        load_format=args.load_format,
+        dtype="float32",
+        device="cpu",
+        quantization=quantization,
+        kv_cache_memory=args.kv_cache_memory,
+        max_num_seqs=max([len(prompts), *args.decode_batches]),
+        enable_prefix_caching=False,  # distinct prompts; measure the plain engine
+    )
+    llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
+    out = {"throughput": run_once(llm, prompts, args.output_len)}
+    llm.check_invariants()
+    out["prefill_s"] = statistics.median(
+        engine_prefill_s(llm, prefill_prompt) for _ in range(args.trials)
+    )
+    out["decode"] = {}
+    for b in args.decode_batches:
+        r = run_once(llm, decode_prompts[:b], args.decode_len)
+        out["decode"][b] = 1000.0 * b / r["decode_step_ms"] if r["decode_step_ms"] else 0.0
+    llm.check_invariants()
+    del llm
+    gc.collect()
+    return out
+
+
+def hf_suite(args, prompts, prefill_prompt) -> dict:
+    """transformers ``generate`` (greedy, fp32, SDPA attention, its own KV cache) on the same
+    config and prompts: one static batch of all prompts, then the single-prompt prefill."""
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(args.model)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, torch_dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
+    if args.load_format != "dummy":
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            args.model, torch_dtype=torch.float32, attn_implementation="sdpa"
+        ).eval()
+    pad = config.eos_token_id if isinstance(config.eos_token_id, int) else 0
+
+    def generate(batch: list[list[int]], n: int) -> int:
+        ids = torch.tensor(batch)
+        with torch.inference_mode():
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=pad,
+            )
+        return (out.shape[1] - ids.shape[1]) * out.shape[0]
+
+    generate([[1, 2, 3, 4]], 2)  # warm-up
+    t0 = time.perf_counter()
+    tokens = generate(prompts, args.output_len)
+    wall = time.perf_counter() - t0
+    prefill = []
+    for _ in range(args.trials):
+        t0 = time.perf_counter()
+        generate([prefill_prompt], 1)
+        prefill.append(time.perf_counter() - t0)
+    return {
+        "throughput": {
+            "output_tokens": tokens,
+            "wall_s": wall,
+            "output_tokens_per_s": tokens / wall,
+        },
+        "prefill_s": statistics.median(prefill),
+    }
+
+
+def _load_average() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -93,77 +215,124 @@ def main() -> int:
     ap.add_argument("--model", default=str(SHARED / "models" / "smollm2-135m-shape"))
     ap.add_argument("--load-format", default="dummy")
     ap.add_argument("--workload", default=str(SHARED / "workloads" / "user_tasks.jsonl"))
-    ap.add_argument("--num-requests", type=int, nargs="+", default=[32, 128])
-    ap.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (cut)")
-    ap.add_argument("--output-len", type=int, default=32, help="output tokens per request")
+    ap.add_argument("--num-requests", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (exact)")
+    ap.add_argument("--output-len", type=int, default=64, help="output tokens per request")
+    ap.add_argument("--prefill-len", type=int, default=1088, help="single-prompt prefill tokens")
+    ap.add_argument("--decode-batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--decode-len", type=int, default=32, help="output tokens in decode runs")
+    ap.add_argument("--trials", type=int, default=3, help="prefill trials (median)")
+    ap.add_argument("--no-transformers", action="store_true", help="skip the HF baseline")
+    ap.add_argument("--no-int8", action="store_true", help="skip quantization='int8'")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    ap.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="bytes")
+    ap.add_argument("--kv-cache-memory", type=int, default=1 << 29, help="bytes")
     ap.add_argument("--json", dest="json_out", default=None, help="write results here")
     args = ap.parse_args()
 
     import torch
-    from prefixgate.engine import LLM, SamplingParams
+    from prefixgate.engine.tokenizer import Tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    llm = LLM(
-        args.model,
-        load_format=args.load_format,
-        kv_cache_memory=args.kv_cache_memory,
-        max_num_seqs=max(args.num_requests),
-        enable_prefix_caching=False,  # distinct prompts; measure the plain engine
-    )
-    llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
-    results = []
-    for n in args.num_requests:
-        prompts = load_prompts(llm.tokenizer, Path(args.workload), n, args.prompt_len)
-        results.append(run_once(llm, prompts, args.output_len))
-        llm.check_invariants()
+    load_before = _load_average()
+    tok = Tokenizer.from_pretrained(args.model)
+    workload = Path(args.workload)
+    prompts = load_prompts(tok, workload, args.num_requests, args.prompt_len)
+    prefill_prompt = load_prompts(tok, workload, 1, args.prefill_len)[0]
+    decode_prompts = load_prompts(tok, workload, max(args.decode_batches), args.prompt_len)
 
-    print(
-        f"\nbench_engine: {Path(args.model).name} (load_format={args.load_format}), "
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-        f"prompt <= {args.prompt_len} tok, output {args.output_len} tok"
-    )
-    header = (
-        f"{'requests':>8} {'out tok/s':>10} {'wall s':>8} {'steps':>6} "
-        f"{'decode ms':>10} {'outside fwd (all)':>18} {'outside fwd (decode)':>21}"
-    )
-    print(header)
-    print("-" * len(header))
-    for r in results:
-        print(
-            f"{r['num_requests']:>8} {r['output_tokens_per_s']:>10.1f} {r['wall_s']:>8.1f} "
-            f"{r['steps']:>6} {r['decode_step_ms']:>10.1f} "
-            f"{100 * r['overhead_share_all_steps']:>17.2f}% "
-            f"{100 * r['overhead_share_decode_steps']:>20.2f}%"
-        )
-    print(
-        "\nper-phase seconds over decode-only steps (schedule / prepare / forward / sample / output):"
-    )
-    for r in results:
-        d = r["phase_s_decode_steps"]
-        print(
-            f"  {r['num_requests']:>4} requests: {d['schedule_s']:.3f} / {d['prepare_s']:.3f} / "
-            f"{d['forward_s']:.3f} / {d['sample_s']:.3f} / {d['output_s']:.3f}"
-        )
-    target = next((r for r in results if r["num_requests"] == 32), None)
-    if target is not None:
-        ok = target["overhead_share_all_steps"] < 0.10
-        print(
-            f"\ntarget: share outside the forward < 10 % at 32 requests -> "
-            f"{100 * target['overhead_share_all_steps']:.2f}% ({'met' if ok else 'NOT met'})"
-        )
+    results: dict[str, dict] = {}
+    if not args.no_transformers:
+        results["transformers"] = hf_suite(args, prompts, prefill_prompt)
+    results["engine"] = engine_suite(args, None, prompts, prefill_prompt, decode_prompts)
+    if not args.no_int8:
+        results["engine_int8"] = engine_suite(args, "int8", prompts, prefill_prompt, decode_prompts)
+    load_after = _load_average()
+    report(args, results, torch, load_before, load_after)
     if args.json_out:
         meta = {
             "model": args.model,
             "threads": torch.get_num_threads(),
+            "num_requests": args.num_requests,
             "prompt_len": args.prompt_len,
             "output_len": args.output_len,
+            "prefill_len": args.prefill_len,
             "torch": torch.__version__,
+            "load_average_before": load_before,
+            "load_average_after": load_after,
         }
-        Path(args.json_out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+        Path(args.json_out).write_text(
+            json.dumps({"meta": meta, "results": results}, indent=2, default=str)
+        )
     return 0
+
+
+def report(args, results: dict, torch, load_before: str, load_after: str) -> None:
+    """Print the side-by-side tables, ratios and targets."""
+    hf = results.get("transformers")
+    print(
+        f"\nengine_throughput: {Path(args.model).name} (load_format={args.load_format}), "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32 activations; "
+        f"load average {load_before} (before) / {load_after} (after)"
+    )
+    n, p, o = args.num_requests, args.prompt_len, args.output_len
+    print(
+        f"\n{n} x ({p} prompt, {o} output) tokens, all at once; one {args.prefill_len}-token prefill"
+    )
+    header = f"{'':<22} {'out tok/s':>10} {'vs HF':>7} {'wall s':>8} {'prefill s':>10} {'vs HF':>7}"
+    print(header)
+    print("-" * len(header))
+    for name, label in (
+        ("transformers", "transformers generate"),
+        ("engine", "engine fp32"),
+        ("engine_int8", "engine int8"),
+    ):
+        r = results.get(name)
+        if r is None:
+            continue
+        tp = r["throughput"]
+        ratio = tp["output_tokens_per_s"] / hf["throughput"]["output_tokens_per_s"] if hf else 0
+        pre = r["prefill_s"] / hf["prefill_s"] if hf else 0
+        print(
+            f"{label:<22} {tp['output_tokens_per_s']:>10.1f} {ratio:>6.2f}x {tp['wall_s']:>8.1f} "
+            f"{r['prefill_s']:>10.2f} {pre:>6.2f}x"
+        )
+    eng, q = results["engine"], results.get("engine_int8")
+    print("\ndecode-only steps, tokens/s")
+    for b in args.decode_batches:
+        line = f"  batch {b:>3}: fp32 {eng['decode'][b]:8.1f}"
+        if q:
+            line += f"   int8 {q['decode'][b]:8.1f}   int8/fp32 {q['decode'][b] / eng['decode'][b]:.2f}x"
+        print(line)
+    t = eng["throughput"]
+    d = t["phase_s_decode_steps"]
+    print(
+        f"\nengine fp32 at {n} requests: {t['steps']} steps, decode step {t['decode_step_ms']:.1f} ms, "
+        f"outside the forward {100 * t['overhead_share_all_steps']:.2f} % (all steps), "
+        f"{100 * t['overhead_share_decode_steps']:.2f} % (decode steps); decode-step seconds "
+        f"schedule / prepare / forward / sample / output: {d['schedule_s']:.3f} / "
+        f"{d['prepare_s']:.3f} / {d['forward_s']:.3f} / {d['sample_s']:.3f} / {d['output_s']:.3f}"
+    )
+    checks = [("outside the forward < 10 %", t["overhead_share_all_steps"] < 0.10)]
+    if hf:
+        hf_tps = hf["throughput"]["output_tokens_per_s"]
+        checks.append(
+            ("engine fp32 >= 1.3x transformers", t["output_tokens_per_s"] >= 1.3 * hf_tps)
+        )
+        checks.append(("prefill <= 1.0x transformers", eng["prefill_s"] <= hf["prefill_s"]))
+        if q:
+            checks.append(
+                (
+                    "int8 >= 2x transformers fp32",
+                    q["throughput"]["output_tokens_per_s"] >= 2 * hf_tps,
+                )
+            )
+    if q:
+        for b in args.decode_batches:
+            checks.append(
+                (f"int8 decode >= 1.8x fp32 at batch {b}", q["decode"][b] >= 1.8 * eng["decode"][b])
+            )
+    print("\ntargets: " + "; ".join(f"{name}: {'met' if ok else 'NOT met'}" for name, ok in checks))
 
 
 if __name__ == "__main__":

@@ -436,6 +436,66 @@ def engine_bench(s: Sizes, device: torch.device, dry: bool) -> dict[str, Any]:
     return result
 
 
+def engine_variants_bench(s: Sizes, device: torch.device, dry: bool) -> dict[str, Any]:
+    """Decode-path options side by side on the Triton backend: eager, ``cuda_graphs=True``,
+    ``quantization="int8"`` and both; output tokens/s and greedy agreement with eager.
+
+    CUDA graphs need a GPU: in a dry run (CPU) only eager and int8 run."""
+    from prefixgate.engine.llm import LLM
+    from prefixgate.engine.sampling_params import SamplingParams
+
+    model_dir = SHARED / "models" / "smollm2-135m-shape"
+    if dry:
+        kwargs: dict[str, Any] = {"model": None, "dtype": "float32", "attention_backend": "torch"}
+    elif (model_dir / "config.json").exists():
+        kwargs = {"model": str(model_dir), "load_format": "dummy", "dtype": "bfloat16"}
+    else:
+        kwargs = {"model": None, "dtype": "bfloat16", "hf_overrides": SMOLLM2_OVERRIDES}
+    if not dry:
+        kwargs["kv_cache_memory"] = 4 << 30
+        kwargs["attention_backend"] = "triton"
+    variants = {"eager": {}, "int8": {"quantization": "int8"}}
+    if device.type == "cuda":
+        variants["cuda_graphs"] = {"cuda_graphs": True}
+        variants["int8_cuda_graphs"] = {"quantization": "int8", "cuda_graphs": True}
+    result: dict[str, Any] = {"dtype": kwargs["dtype"]}
+    tokens: dict[str, list[list[int]]] = {}
+    for batch in (1, 8, 32) if not dry else (1, 3):
+        prompts = _prompts(batch)
+        params = SamplingParams(max_tokens=s.engine_max_tokens, temperature=0.0, ignore_eos=True)
+        for name, extra in variants.items():
+            llm = LLM(device=device.type, max_num_seqs=64, **kwargs, **extra)
+            llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - start
+            toks = [list(o.outputs[0].token_ids) for o in outs]
+            tokens[name] = toks
+            n_out = sum(map(len, toks))
+            row = {"output_tokens_per_s": n_out / wall, "wall_s": wall}
+            if name != "eager":
+                base = tokens["int8"] if name == "int8_cuda_graphs" else tokens["eager"]
+                same = sum(a == b for a, b in zip(toks, base, strict=True))
+                row["greedy_equal_sequences"] = f"{same}/{len(toks)}"
+                row["first_token_equal"] = sum(
+                    a[:1] == b[:1] for a, b in zip(toks, base, strict=True)
+                )
+            result[f"batch{batch}_{name}"] = row
+            del llm
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    result["note"] = (
+        "cuda_graphs compares with eager, int8_cuda_graphs with int8: a replay pads the batch "
+        "to a captured size, so GEMMs may pick other algorithms (bf16 near-ties may diverge); "
+        "int8 compares with bf16 eager"
+    )
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="gpu_check.json", help="JSON results file")
@@ -495,6 +555,7 @@ def main(argv: list[str] | None = None) -> int:
     section("prefill_with_prefix", lambda: prefill_bench(s, s.prefix_len, device))
     if not args.skip_engine:
         section("engine", lambda: engine_bench(s, device, args.dry_run))
+        section("engine_variants", lambda: engine_variants_bench(s, device, args.dry_run))
     dec = results.get("decode")
     if dec:
         frac = dec["best"]["fraction_of_copy"]
