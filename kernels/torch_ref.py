@@ -27,12 +27,14 @@ def reshape_and_cache(
         slot_mapping: ``[T]`` int64, slot = block_id * S + offset; -1 skips the token.
     """
     num_blocks, block_size = k_cache.shape[:2]
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid].long()
     k_flat = k_cache.view(num_blocks * block_size, *k_cache.shape[2:])
     v_flat = v_cache.view(num_blocks * block_size, *v_cache.shape[2:])
-    k_flat[slots] = key[valid].to(k_cache.dtype)
-    v_flat[slots] = value[valid].to(v_cache.dtype)
+    slots = slot_mapping.long()
+    valid = slots >= 0
+    if not bool(valid.all()):
+        slots, key, value = slots[valid], key[valid], value[valid]
+    k_flat.index_copy_(0, slots, key.to(k_cache.dtype))
+    v_flat.index_copy_(0, slots, value.to(v_cache.dtype))
 
 
 def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
@@ -49,8 +51,11 @@ def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> 
     """
     block_size = cache.shape[1]
     num_blocks = (length + block_size - 1) // block_size
-    blocks = cache[block_tables[:, :num_blocks].long()]  # [B, nb, S, Hkv, D]
-    batch = blocks.shape[0]
+    batch = block_tables.shape[0]
+    ids = block_tables[:, :num_blocks].reshape(-1)
+    # index_select copies whole blocks (rows of S * Hkv * D values): several times faster on
+    # CPU than advanced indexing ``cache[table]``, and it takes int32 ids as they are.
+    blocks = cache.index_select(0, ids)  # [B * nb, S, Hkv, D]
     flat = blocks.view(batch, num_blocks * block_size, *cache.shape[2:])
     return flat[:, :length].transpose(1, 2)
 
@@ -151,7 +156,8 @@ def paged_attention_prefill(
     # Padding rows repeat the chunk's last query so no row is fully masked (no NaN).
     row = torch.minimum(rows.unsqueeze(0), (q_lens - 1).clamp(min=0).unsqueeze(1))
     token = qsl[:-1].unsqueeze(1) + row  # [B, max_q] flat token index
-    qb = q[token.clamp(max=total - 1)].transpose(1, 2)  # [B, Hq, max_q, D]
+    flat_token = token.clamp(max=total - 1).reshape(-1)
+    qb = q.index_select(0, flat_token).view(batch, max_q, hq, d).transpose(1, 2)
     pos = (ctx - q_lens).unsqueeze(1) + row  # absolute position of each query row
     keys = torch.arange(max_ctx, device=dev)
     mask = keys.view(1, 1, -1) <= pos.unsqueeze(2)  # [B, max_q, max_ctx]
@@ -206,17 +212,17 @@ def rotary_embedding(
         q: ``[T, Hq, D]``, k: ``[T, Hkv, D]``; rotated in place and returned.
         cos_sin_cache: ``[max_pos, D]`` fp32, ``cos`` in the first D/2 columns, ``sin`` in the last.
     """
-    cos_sin = cos_sin_cache[positions.long()]
+    cos_sin = cos_sin_cache.index_select(0, positions)
     half = cos_sin.shape[-1] // 2
-    cos = cos_sin[:, :half].unsqueeze(1)
-    sin = cos_sin[:, half:].unsqueeze(1)
+    cos, sin = cos_sin[:, :half], cos_sin[:, half:]
+    # out = t * [cos, cos] + [x2, x1] * [-sin, sin]: elementwise the same products and sums as
+    # HF's ``q * cos + rotate_half(q) * sin`` (negation is exact), in half the ops.
+    cos2 = torch.cat([cos, cos], dim=-1).unsqueeze(1)  # [T, 1, D]
+    sin2 = torch.cat([-sin, sin], dim=-1).unsqueeze(1)
     for t in (q, k):
-        x1 = t[..., :half].float()
-        x2 = t[..., half:].float()
-        o1 = x1 * cos - x2 * sin
-        o2 = x2 * cos + x1 * sin
-        t[..., :half] = o1.to(t.dtype)
-        t[..., half:] = o2.to(t.dtype)
+        tf = t.float()
+        rot = torch.cat([tf[..., half:], tf[..., :half]], dim=-1)
+        t.copy_(tf * cos2 + rot * sin2)
     return q, k
 
 

@@ -126,8 +126,8 @@ class Int8Linear(nn.Module):
                 warnings.simplefilter("ignore", UserWarning)
                 wq = torch._make_per_channel_quantized_tensor(qweight, scale.double(), zero, 0)
             self._packed = torch.ops.quantized.linear_prepack(wq, None)
-            anchor = torch.zeros(1, self.in_features)
-            anchor[0, 0], anchor[0, -1] = 1.0, -1.0
+            anchor = torch.zeros(self.in_features)
+            anchor[0], anchor[-1] = 1.0, -1.0
             self._anchor = anchor
 
     @classmethod
@@ -158,12 +158,16 @@ class Int8Linear(nn.Module):
         """
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        amax = x2.abs().amax(dim=1, keepdim=True).clamp_min(1e-30)
-        rows = torch.cat([x2 / amax, self._anchor])
-        y = torch.ops.quantized.linear_dynamic(rows, self._packed, False)[:-1]
-        y = y * amax
+        n = x2.shape[0]
+        amax = torch.linalg.vector_norm(x2, ord=float("inf"), dim=1, keepdim=True)
+        amax = amax.clamp_min_(1e-30)
+        rows = torch.empty((n + 1, self.in_features), dtype=x2.dtype)
+        torch.div(x2, amax, out=rows[:n])
+        rows[n] = self._anchor
+        y = torch.ops.quantized.linear_dynamic(rows, self._packed, False)[:n]
+        y.mul_(amax)
         if self.bias is not None:
-            y = y + self.bias
+            y.add_(self.bias)
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:

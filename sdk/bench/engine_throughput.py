@@ -161,11 +161,11 @@ def hf_suite(args, prompts, prefill_prompt) -> dict:
     config = transformers.AutoConfig.from_pretrained(args.model)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(
-        config, torch_dtype=torch.float32, attn_implementation="sdpa"
+        config, dtype=torch.float32, attn_implementation="sdpa"
     ).eval()
     if args.load_format != "dummy":
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            args.model, torch_dtype=torch.float32, attn_implementation="sdpa"
+            args.model, dtype=torch.float32, attn_implementation="sdpa"
         ).eval()
     pad = config.eos_token_id if isinstance(config.eos_token_id, int) else 0
 

@@ -12,7 +12,7 @@ On the SmolLM2-135M-shaped config with dummy weights it measures:
   (``hf_overrides={"num_hidden_layers": 1}``) to keep the no-sharing run (32 x 1,088 prompt
   tokens) short.
 
-Targets: warm TTFT >= 90 % lower than cold and within 1.5x of the suffix-only TTFT; the shared
+Targets: warm TTFT >= 90 % lower than cold and within 1.25x of the suffix-only TTFT; the shared
 prefix stored once.
 
 Usage::
@@ -226,8 +226,8 @@ def main() -> int:
         f"{'met' if t['warm_reduction'] >= 0.9 else 'NOT met'})"
     )
     print(
-        f"warm vs suffix-only: {t['warm_over_suffix_only']:.2f}x (target <= 1.5x: "
-        f"{'met' if t['warm_over_suffix_only'] <= 1.5 else 'NOT met'})"
+        f"warm vs suffix-only: {t['warm_over_suffix_only']:.2f}x (target <= 1.25x: "
+        f"{'met' if t['warm_over_suffix_only'] <= 1.25 else 'NOT met'})"
     )
     print(
         f"\nKV blocks held by {args.concurrent} concurrent requests (peak, output {args.output_len} tokens):"
