@@ -20,6 +20,7 @@ The matmul runs on:
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -70,6 +71,19 @@ def cpu_quantized_engine() -> str | None:
         if name in engines:
             return name
     return None
+
+
+@functools.cache
+def cpu_has_vnni() -> bool:
+    """True when the CPU has AVX-512 VNNI or AVX-VNNI (``/proc/cpuinfo`` flags; False where
+    that file is absent): FBGEMM's int8 GEMM then cannot saturate, so activations may use the
+    full 8 bits (``reduce_range=False``)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_vnni" in flags or "avx_vnni" in flags
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,6 +143,7 @@ class Int8Linear(nn.Module):
             anchor = torch.zeros(self.in_features)
             anchor[0], anchor[-1] = 1.0, -1.0
             self._anchor = anchor
+        self._reduce_range = not cpu_has_vnni()
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int8Linear:
@@ -152,9 +167,9 @@ class Int8Linear(nn.Module):
         scaled to absmax 1 first and an anchor row ``[1, 0, .., 0, -1]`` is appended, so the
         tensor's range is always exactly [-1, 1]: every row is quantized with the same fixed
         grid (per-token quantization in effect), the int32 GEMM is exact, and the row's scale
-        is multiplied back afterwards. reduce_range=False (full 8-bit activations): exact on
-        VNNI / AVX-512 CPUs; FBGEMM's AVX2 path may saturate int16 pair sums (torch.ao's
-        reduce_range notes).
+        is multiplied back afterwards. Activations use the full 8 bits on VNNI CPUs and 7 bits
+        (``reduce_range``) elsewhere, where FBGEMM's ``vpmaddubsw`` path may saturate int16
+        pair sums (torch.ao's reduce_range notes).
         """
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
@@ -164,7 +179,7 @@ class Int8Linear(nn.Module):
         rows = torch.empty((n + 1, self.in_features), dtype=x2.dtype)
         torch.div(x2, amax, out=rows[:n])
         rows[n] = self._anchor
-        y = torch.ops.quantized.linear_dynamic(rows, self._packed, False)[:n]
+        y = torch.ops.quantized.linear_dynamic(rows, self._packed, self._reduce_range)[:n]
         y.mul_(amax)
         if self.bias is not None:
             y.add_(self.bias)

@@ -14,6 +14,9 @@ cut to exactly ``--prompt-len`` tokens: equal lengths) and a fixed output length
 - host overhead: the share of engine step time outside the model forward (scheduling, block
   management, batch building, sampling, detokenizing) at ``--num-requests`` requests.
 
+All three systems are loaded at once; the prefill trials and decode runs alternate between
+them, so a change of machine load during the run (shared machines) hits all of them alike.
+
 Targets (issue 14): engine fp32 >= 1.3x transformers tok/s; prefill <= 1.0x transformers' time;
 int8 decode >= 1.8x fp32 at batch 1 and 8; int8 throughput >= 2x transformers fp32; outside
 the forward < 10 %.
@@ -28,7 +31,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
@@ -122,8 +124,8 @@ def engine_prefill_s(llm, prompt: list[int]) -> float:
     return time.perf_counter() - t0
 
 
-def engine_suite(args, quantization: str | None, prompts, prefill_prompt, decode_prompts) -> dict:
-    """Every engine measurement for one quantization setting (the LLM freed afterwards)."""
+def make_engine(args, quantization: str | None, max_num_seqs: int):
+    """An fp32 CPU ``LLM`` on the benchmark model, prefix caching off, warmed up."""
     from prefixgate.engine import LLM, SamplingParams
 
     llm = LLM(
@@ -133,72 +135,108 @@ def engine_suite(args, quantization: str | None, prompts, prefill_prompt, decode
         device="cpu",
         quantization=quantization,
         kv_cache_memory=args.kv_cache_memory,
-        max_num_seqs=max([len(prompts), *args.decode_batches]),
-        enable_prefix_caching=False,  # distinct prompts; measure the plain engine
+        max_num_seqs=max_num_seqs,
+        enable_prefix_caching=False,  # distinct prompts, cold prefills: the plain engine
     )
     llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
-    out = {"throughput": run_once(llm, prompts, args.output_len)}
-    llm.check_invariants()
-    out["prefill_s"] = statistics.median(
-        engine_prefill_s(llm, prefill_prompt) for _ in range(args.trials)
-    )
-    out["decode"] = {}
-    for b in args.decode_batches:
-        r = run_once(llm, decode_prompts[:b], args.decode_len)
-        out["decode"][b] = 1000.0 * b / r["decode_step_ms"] if r["decode_step_ms"] else 0.0
-    llm.check_invariants()
-    del llm
-    gc.collect()
-    return out
+    return llm
 
 
-def hf_suite(args, prompts, prefill_prompt) -> dict:
+class HFBaseline:
     """transformers ``generate`` (greedy, fp32, SDPA attention, its own KV cache) on the same
-    config and prompts: one static batch of all prompts, then the single-prompt prefill."""
-    import torch
-    import transformers
+    config: static batches, no continuous batching, no paging."""
 
-    config = transformers.AutoConfig.from_pretrained(args.model)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(
-        config, dtype=torch.float32, attn_implementation="sdpa"
-    ).eval()
-    if args.load_format != "dummy":
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            args.model, dtype=torch.float32, attn_implementation="sdpa"
-        ).eval()
-    pad = config.eos_token_id if isinstance(config.eos_token_id, int) else 0
+    def __init__(self, args) -> None:
+        import torch
+        import transformers
 
-    def generate(batch: list[list[int]], n: int) -> int:
+        config = transformers.AutoConfig.from_pretrained(args.model)
+        torch.manual_seed(0)
+        if args.load_format == "dummy":
+            model = transformers.AutoModelForCausalLM.from_config(
+                config, dtype=torch.float32, attn_implementation="sdpa"
+            )
+        else:
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                args.model, dtype=torch.float32, attn_implementation="sdpa"
+            )
+        self.model = model.eval()
+        self.pad = config.eos_token_id if isinstance(config.eos_token_id, int) else 0
+        self.generate([[1, 2, 3, 4]], 2)  # warm-up
+
+    def generate(self, batch: list[list[int]], n: int) -> int:
+        """Greedy-generate exactly ``n`` tokens for each prompt (equal lengths, no padding);
+        returns the number of output tokens."""
+        import torch
+
         ids = torch.tensor(batch)
         with torch.inference_mode():
-            out = model.generate(
+            out = self.model.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),
                 max_new_tokens=n,
                 min_new_tokens=n,
                 do_sample=False,
-                pad_token_id=pad,
+                pad_token_id=self.pad,
             )
         return (out.shape[1] - ids.shape[1]) * out.shape[0]
 
-    generate([[1, 2, 3, 4]], 2)  # warm-up
+
+def hf_throughput(hf: HFBaseline, prompts: list[list[int]], output_len: int) -> dict:
+    """All prompts as one static batch."""
     t0 = time.perf_counter()
-    tokens = generate(prompts, args.output_len)
+    tokens = hf.generate(prompts, output_len)
     wall = time.perf_counter() - t0
-    prefill = []
+    return {"output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall}
+
+
+def hf_prefill_s(hf: HFBaseline, prompt: list[int]) -> float:
+    """``generate(max_new_tokens=1)`` of one prompt: its prefill and first token."""
+    t0 = time.perf_counter()
+    hf.generate([prompt], 1)
+    return time.perf_counter() - t0
+
+
+def measure(args, prompts, prefill_prompt, decode_prompts) -> dict[str, dict]:
+    """Every measurement, interleaved across the systems so that a change of machine load
+    during the run hits all of them alike: all systems are loaded first; throughput runs one
+    after the other; prefill trials and decode runs alternate between systems."""
+    systems: dict[str, object] = {}
+    if not args.no_transformers:
+        systems["transformers"] = HFBaseline(args)
+    max_seqs = max([len(prompts), *args.decode_batches])
+    systems["engine"] = make_engine(args, None, max_seqs)
+    if not args.no_int8:
+        systems["engine_int8"] = make_engine(args, "int8", max_seqs)
+    results: dict[str, dict] = {name: {} for name in systems}
+    for name, sys_ in systems.items():
+        if name == "transformers":
+            results[name]["throughput"] = hf_throughput(sys_, prompts, args.output_len)
+        else:
+            results[name]["throughput"] = run_once(sys_, prompts, args.output_len)
+            sys_.check_invariants()
+    prefill: dict[str, list[float]] = {name: [] for name in systems}
     for _ in range(args.trials):
-        t0 = time.perf_counter()
-        generate([prefill_prompt], 1)
-        prefill.append(time.perf_counter() - t0)
-    return {
-        "throughput": {
-            "output_tokens": tokens,
-            "wall_s": wall,
-            "output_tokens_per_s": tokens / wall,
-        },
-        "prefill_s": statistics.median(prefill),
-    }
+        for name, sys_ in systems.items():
+            fn = hf_prefill_s if name == "transformers" else engine_prefill_s
+            prefill[name].append(fn(sys_, prefill_prompt))
+    for name in systems:
+        results[name]["prefill_s"] = statistics.median(prefill[name])
+    engines = [n for n in systems if n != "transformers"]
+    for name in engines:
+        results[name]["decode"] = {}
+    for b in args.decode_batches:
+        rates: dict[str, list[float]] = {name: [] for name in engines}
+        for _ in range(args.decode_repeats):
+            for name in engines:
+                r = run_once(systems[name], decode_prompts[:b], args.decode_len)
+                ms = r["decode_step_ms"]
+                rates[name].append(1000.0 * b / ms if ms else 0.0)
+        for name in engines:
+            results[name]["decode"][b] = statistics.median(rates[name])
+    for name in engines:
+        systems[name].check_invariants()
+    return results
 
 
 def _load_average() -> str:
@@ -222,6 +260,7 @@ def main() -> int:
     ap.add_argument("--decode-batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--decode-len", type=int, default=32, help="output tokens in decode runs")
     ap.add_argument("--trials", type=int, default=3, help="prefill trials (median)")
+    ap.add_argument("--decode-repeats", type=int, default=2, help="decode runs (median)")
     ap.add_argument("--no-transformers", action="store_true", help="skip the HF baseline")
     ap.add_argument("--no-int8", action="store_true", help="skip quantization='int8'")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
@@ -241,12 +280,7 @@ def main() -> int:
     prefill_prompt = load_prompts(tok, workload, 1, args.prefill_len)[0]
     decode_prompts = load_prompts(tok, workload, max(args.decode_batches), args.prompt_len)
 
-    results: dict[str, dict] = {}
-    if not args.no_transformers:
-        results["transformers"] = hf_suite(args, prompts, prefill_prompt)
-    results["engine"] = engine_suite(args, None, prompts, prefill_prompt, decode_prompts)
-    if not args.no_int8:
-        results["engine_int8"] = engine_suite(args, "int8", prompts, prefill_prompt, decode_prompts)
+    results = measure(args, prompts, prefill_prompt, decode_prompts)
     load_after = _load_average()
     report(args, results, torch, load_before, load_after)
     if args.json_out:

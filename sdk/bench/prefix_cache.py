@@ -210,7 +210,7 @@ def main() -> int:
     print(
         f"\nbench_prefix_cache: {Path(args.model).name} (load_format={args.load_format}), "
         f"{torch.get_num_threads()} threads; system {args.system_tokens} + user {args.user_tokens} tokens, "
-        f"block {BLOCK}"
+        f"block {BLOCK}; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
     )
     print(
         f"{'TTFT (median; cold ' + str(args.cold_trials) + ', others ' + str(args.trials) + ')':<32} {'seconds':>9}"
