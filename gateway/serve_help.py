@@ -51,6 +51,8 @@ ENGINE_HELP = {
     "quantization": "int8: every linear layer's weights in int8 with one scale per output "
     "channel (CPU: --dtype float32 only; CUDA: a Triton weight-only GEMM) (default: none, "
     "weights in --dtype)",
+    "cuda_graphs": "replay CUDA graphs of decode-only steps, captured per padded batch size "
+    "(CUDA with the triton attention backend only) (default: off)",
     "attention_backend": "attention kernels: torch or triton (default: triton on CUDA, torch "
     "elsewhere)",
 }
