@@ -6,7 +6,7 @@ import anyio
 import httpx
 import pytest
 from aiohttp import web
-from prefixgate.sdk import AsyncClient, ConcurrencyLimiter, RateLimit, RateLimiter
+from prefixgate.sdk import AsyncClient, ConcurrencyLimiter, RateLimit, RateLimiter, RetryPolicy
 from prefixgate.sdk.limits import estimate_tokens
 
 pytestmark = pytest.mark.anyio
@@ -317,3 +317,39 @@ async def test_call_cancelled_in_the_concurrency_queue_costs_no_rate_budget(serv
             assert after[0] >= levels[0] and after[1] >= levels[1]
             release.set()
         assert client.limiter.in_flight == 0
+
+
+async def test_adaptive_crowd_of_rejected_calls_does_not_exhaust_retries(serve) -> None:
+    """A server that serves one request at a time and answers every other one 429 with
+    ``retry-after-ms``: 200 calls of an adaptive client with only 6 retries each all succeed.
+
+    The kind of fault (a run of the SDK benchmark lost 1 request of 500): when rejected calls
+    kept their slots through the retry wait, the attempts in flight stayed above the shrunken
+    limit and the crowd came back together after the same server hint, one won and every other
+    spent a retry, until some ran out (7 failures of 200 here with that design, every run).
+    Retries now wait for a slot under the limit, ahead of first attempts."""
+    state = {"now": 0, "rejected": 0}
+
+    async def one_at_a_time(request: web.Request) -> web.Response:
+        await request.read()
+        if state["now"] >= 1:
+            state["rejected"] += 1
+            return web.json_response(
+                {"error": {"message": "busy"}}, status=429, headers={"retry-after-ms": "4"}
+            )
+        state["now"] += 1
+        try:
+            await anyio.sleep(0.004)
+        finally:
+            state["now"] -= 1
+        return web.json_response(OK)
+
+    base = await serve({("POST", "/v1/chat/completions"): one_at_a_time})
+    policy = RetryPolicy(max_retries=6, initial_delay=0.01, max_delay=0.1)
+    async with AsyncClient(
+        base, max_concurrency=32, adaptive_concurrency=True, retry_policy=policy
+    ) as client:
+        results = await client.chat.completions.batch([{"model": "m", "messages": MSG}] * 200)
+        assert [r for r in results if isinstance(r, Exception)] == []
+        assert state["rejected"] > 0  # the server did push back
+        assert client.limiter.in_flight == 0 and client.limiter.waiting == 0
