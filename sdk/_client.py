@@ -77,7 +77,9 @@ class AsyncClient:
             ``RetryPolicy``).
         timeout: seconds or ``httpx.Timeout`` per attempt (default 600 s, 5 s to connect).
         rate_limit: optional client-side ``RateLimit`` (requests/min, tokens/min).
-        adaptive_concurrency: shrink the in-flight limit on 429 and grow it back (AIMD).
+        adaptive_concurrency: shrink the in-flight limit on 429 and grow it back (AIMD); a
+            429 is then flow control, retried without spending ``max_retries`` while the call
+            is younger than ``RetryPolicy.max_retry_after`` seconds.
         retry_policy: backoff parameters and the injectable sleep/clock/rng; ``max_retries``
             overrides its count when given.
         stream_idle_timeout: default seconds allowed between two stream chunks (None: the
@@ -303,6 +305,7 @@ class AsyncClient:
                             response.headers, self.retry_policy.clock()
                         )
                         self.limiter.on_overload(slot, err.retry_after)
+                        err.flow_control = self.limiter.adaptive
                     raise err
                 if stream or mode == "streaming":
                     self.limiter.on_success()

@@ -141,6 +141,9 @@ class APIStatusError(APIError):
         request_id: the ``x-request-id`` header, if any.
         retry_after: seconds the server asked to wait (``retry-after-ms`` / ``Retry-After``),
             or None; parsed by the retry policy.
+        flow_control: a 429 met by a client with ``adaptive_concurrency``: a signal its AIMD
+            limit answers, retried without spending ``max_retries`` while the call is younger
+            than ``RetryPolicy.max_retry_after`` seconds.
     """
 
     def __init__(self, message: str, *, response: httpx.Response, body: Any = None) -> None:
@@ -149,6 +152,7 @@ class APIStatusError(APIError):
         self.status_code = response.status_code
         self.request_id = response.headers.get("x-request-id")
         self.retry_after: float | None = None
+        self.flow_control = False
 
 
 class BadRequestError(APIStatusError):

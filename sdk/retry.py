@@ -5,6 +5,12 @@ statuses 408, 409, 429 and >= 500. Every other 4xx is final, and so is a 429 who
 is in ``FINAL_CODES`` (a quota that no short wait clears). A server may override with the
 ``x-should-retry: true|false`` header (the convention of OpenAI's API and SDKs).
 
+With ``adaptive_concurrency`` a 429 is flow control, not a fault: the client's AIMD limit
+answers it, and it is retried without spending ``max_retries`` while the call is younger than
+``max_retry_after`` seconds (so a crowd of calls finding the server's capacity never exhausts
+its retries; past that age 429s count again, so a server that never recovers still ends the
+call).
+
 Wait before retry ``k`` (k = 1, 2, ...):
 
 * the server's hint when it sent one: ``retry-after-ms`` (milliseconds), else ``Retry-After``
@@ -143,7 +149,7 @@ class RetryPolicy:
         """A fresh tenacity ``AsyncRetrying`` for one call (``max_retries`` overrides)."""
         retries = self.max_retries if max_retries is None else max_retries
         return tenacity.AsyncRetrying(
-            stop=tenacity.stop_after_attempt(retries + 1),
+            stop=_Stop(retries, self.max_retry_after),
             wait=_Wait(self),
             retry=tenacity.retry_if_exception(should_retry),
             sleep=self.sleep,
@@ -163,6 +169,26 @@ def _log_retry(retry_state: tenacity.RetryCallState) -> None:
         retry_state.attempt_number,
         f"{type(exc).__name__}: {exc}" if exc is not None else "?",
     )
+
+
+class _Stop:
+    """tenacity stop strategy: stop once ``max_retries`` retries were spent. A flow-control
+    429 (``APIStatusError.flow_control``: an adaptive client's) spends none while the call is
+    younger than ``flow_control_s`` seconds."""
+
+    def __init__(self, max_retries: int, flow_control_s: float) -> None:
+        self.max_retries = max_retries
+        self.flow_control_s = flow_control_s
+        self.free = 0
+
+    def __call__(self, retry_state: tenacity.RetryCallState) -> bool:
+        outcome = retry_state.outcome
+        exc = outcome.exception() if outcome is not None and outcome.failed else None
+        if getattr(exc, "flow_control", False):
+            elapsed = retry_state.seconds_since_start or 0.0
+            if elapsed < self.flow_control_s:
+                self.free += 1
+        return retry_state.attempt_number - self.free > self.max_retries
 
 
 class _Wait(wait_base):

@@ -6,7 +6,14 @@ import anyio
 import httpx
 import pytest
 from aiohttp import web
-from prefixgate.sdk import AsyncClient, ConcurrencyLimiter, RateLimit, RateLimiter, RetryPolicy
+from prefixgate.sdk import (
+    AsyncClient,
+    ConcurrencyLimiter,
+    RateLimit,
+    RateLimiter,
+    RateLimitError,
+    RetryPolicy,
+)
 from prefixgate.sdk.limits import estimate_tokens
 
 pytestmark = pytest.mark.anyio
@@ -323,11 +330,15 @@ async def test_adaptive_crowd_of_rejected_calls_does_not_exhaust_retries(serve) 
     """A server that serves one request at a time and answers every other one 429 with
     ``retry-after-ms``: 200 calls of an adaptive client with only 6 retries each all succeed.
 
-    The kind of fault (a run of the SDK benchmark lost 1 request of 500): when rejected calls
-    kept their slots through the retry wait, the attempts in flight stayed above the shrunken
-    limit and the crowd came back together after the same server hint, one won and every other
-    spent a retry, until some ran out (7 failures of 200 here with that design, every run).
-    Retries now wait for a slot under the limit, ahead of first attempts."""
+    The kind of fault (a run of the SDK benchmark lost 1 request of 500): 429s that an
+    adaptive client causes itself spent the calls' retries. (1) Rejected calls kept their slots
+    through the retry wait, so the attempts in flight stayed above the shrunken limit and the
+    crowd came back together after the same server hint: one won, every other spent a retry
+    (7 failures of 200 here, every run). Retries now wait for a slot under the limit, ahead of
+    first attempts. (2) Even so, each additive increase probes with one attempt too many and
+    the loser, first in the retry queue, is likely in the next probe too (1 failure in about 6
+    runs). A 429 is now flow control for an adaptive client: retried without spending
+    retries while the call is younger than ``max_retry_after``."""
     state = {"now": 0, "rejected": 0}
 
     async def one_at_a_time(request: web.Request) -> web.Response:
@@ -353,3 +364,30 @@ async def test_adaptive_crowd_of_rejected_calls_does_not_exhaust_retries(serve) 
         assert [r for r in results if isinstance(r, Exception)] == []
         assert state["rejected"] > 0  # the server did push back
         assert client.limiter.in_flight == 0 and client.limiter.waiting == 0
+
+
+async def test_adaptive_429s_spend_no_retries_until_the_call_is_old(serve) -> None:
+    """With adaptive concurrency a 429 is flow control: retried without spending
+    ``max_retries`` while the call is younger than ``max_retry_after``; after that they count,
+    so a server that never recovers still ends the call. Without it every 429 counts."""
+    calls = {"n": 0}
+
+    async def always_busy(request: web.Request) -> web.Response:
+        calls["n"] += 1
+        return web.json_response(
+            {"error": {"message": "busy"}}, status=429, headers={"retry-after-ms": "5"}
+        )
+
+    base = await serve({("POST", "/v1/chat/completions"): always_busy})
+    policy = RetryPolicy(max_retries=2, max_retry_after=0.3)
+    async with AsyncClient(base, adaptive_concurrency=True, retry_policy=policy) as client:
+        started = anyio.current_time()
+        with pytest.raises(RateLimitError):
+            await client.chat.completions.create(model="m", messages=MSG)
+        assert anyio.current_time() - started >= 0.3  # absorbed for max_retry_after seconds
+        assert calls["n"] > 3  # more attempts than 1 + max_retries
+    calls["n"] = 0
+    async with AsyncClient(base, retry_policy=policy) as plain:
+        with pytest.raises(RateLimitError):
+            await plain.chat.completions.create(model="m", messages=MSG)
+    assert calls["n"] == 3  # 1 + max_retries: every 429 counted
