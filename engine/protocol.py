@@ -50,10 +50,11 @@ class TokenizerLike(Protocol):
         ...
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
     ) -> list[int]:
         """Token ids of the conversation rendered with the chat template (the template's BOS
         included; special-token strings inside message content tokenized as plain text).
+        ``kwargs`` are template variables (``tools``: OpenAI's function tools).
 
         Raises:
             ValueError: the template refuses the conversation.

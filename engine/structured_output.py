@@ -51,7 +51,7 @@ def grammar_of(spec: StructuredOutputsParams) -> xgr.Grammar:
         if kind == "json":
             schema = spec.json
             if isinstance(schema, dict):
-                _check_schema(schema)
+                check_schema(schema)
             return xgr.Grammar.from_json_schema(
                 schema if isinstance(schema, dict) else {}, **_JSON_OPTIONS
             )
@@ -69,9 +69,14 @@ def grammar_of(spec: StructuredOutputsParams) -> xgr.Grammar:
         raise ValueError(f"structured_outputs.{kind}: {msg[:300]}") from None
 
 
-def _check_schema(schema: dict[str, Any]) -> None:
+def check_schema(schema: dict[str, Any]) -> None:
     """Validate a JSON schema against its metaschema (jsonschema), so a malformed schema is a
-    clear error rather than a grammar that allows something else."""
+    clear error rather than a grammar that allows something else, and refuse keywords the
+    grammar would not enforce (``UNSUPPORTED_SCHEMA_KEYWORDS``).
+
+    Raises:
+        ValueError: the schema is invalid or uses an unsupported feature (path named).
+    """
     import jsonschema  # noqa: PLC0415 - only needed for JSON schemas
 
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
@@ -280,6 +285,7 @@ class StructuredOutputManager:
         self._cache: cachetools.LRUCache[str, Future] = cachetools.LRUCache(cache_size)
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="prefixgate-grammar")
         self.num_compiled = 0  # compilations started (cache misses)
+        self._bitmask_buf: torch.Tensor | None = None
 
     def _get_compiler(self) -> xgr.GrammarCompiler:
         with self._init_lock:
@@ -324,13 +330,21 @@ class StructuredOutputManager:
         if not rows:
             return
         width = logits.shape[1]
-        bitmask = xgr.allocate_token_bitmask(len(rows), width)
-        for i, g in enumerate(grammars):
-            g.fill_bitmask(bitmask, i)
-        sub = logits[rows] if len(rows) != logits.shape[0] else logits
-        xgr.apply_token_bitmask_inplace(sub, bitmask.to(logits.device), vocab_size=width)
-        if sub is not logits:
-            logits[rows] = sub
+        bitmask = self._bitmask(logits.shape[0], width)
+        for row, g in zip(rows, grammars, strict=True):
+            g.fill_bitmask(bitmask, row)
+        if logits.device != bitmask.device:
+            bitmask = bitmask.to(logits.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=width, indices=rows)
+
+    def _bitmask(self, batch: int, width: int) -> torch.Tensor:
+        """A reused ``[batch, ceil(width / 32)]`` int32 host bitmask (rows that are not
+        constrained are never read: ``indices`` names the constrained ones)."""
+        shape = xgr.get_bitmask_shape(batch, width)
+        buf = self._bitmask_buf
+        if buf is None or buf.shape[0] < shape[0] or buf.shape[1] != shape[1]:
+            buf = self._bitmask_buf = xgr.allocate_token_bitmask(max(batch, 64), width)
+        return buf[:batch]
 
     def shutdown(self) -> None:
         """Stop the compiler threads (pending compilations are cancelled)."""

@@ -314,6 +314,8 @@ class Tokenizer:
             ValueError: no chat template, malformed messages, or the template raised.
             TypeError: ``messages`` is not a list of dicts.
         """
+        if chat_template is None and kwargs.get("tools") and "tool_use" in self.chat_templates:
+            chat_template = "tool_use"  # transformers picks the tool template the same way
         source = self.chat_templates.get(chat_template or "default", chat_template)
         if not source:
             raise ValueError("this tokenizer has no chat template; pass a prompt instead")

@@ -22,20 +22,23 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 from typing import Any
 
 from prefixgate.engine.protocol import TokenizerLike
-from prefixgate.engine.sampling_params import SamplingParams
+from prefixgate.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from prefixgate.gateway.errors import APIError, bad_request
 
 
 async def render_chat(
     tokenizer: TokenizerLike,
-    messages: list[dict[str, str]],
+    messages: list[dict[str, Any]],
     add_generation_prompt: bool = True,
     max_model_len: int | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """Token ids of ``messages`` rendered with the chat template (in a worker thread).
+    """Token ids of ``messages`` rendered with the chat template (in a worker thread);
+    ``tools`` (OpenAI's function tools) are passed to the template as ``tools``.
 
     Raises:
         APIError: 400 when the template refuses the conversation (e.g. roles out of order);
@@ -43,7 +46,7 @@ async def render_chat(
             ``max_model_len`` tokens (checked before tokenizing).
     """
     return await asyncio.to_thread(
-        _render_chat, tokenizer, messages, add_generation_prompt, max_model_len
+        _render_chat, tokenizer, messages, add_generation_prompt, max_model_len, tools
     )
 
 
@@ -70,18 +73,22 @@ def refuse_oversized(tokenizer: Any, text: str, max_model_len: int | None, param
 
 def _render_chat(
     tokenizer: TokenizerLike,
-    messages: list[dict[str, str]],
+    messages: list[dict[str, Any]],
     add_generation_prompt: bool,
     max_model_len: int | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
+    kwargs: dict[str, Any] = {"tools": tools} if tools else {}
     try:
         if max_model_len is not None and _contents_may_overflow(tokenizer, messages, max_model_len):
             # Only for a huge conversation: render it (cheap) and bound the rendering.
             render = getattr(tokenizer, "apply_chat_template", None)
             if render is not None:
-                text = render(messages, add_generation_prompt=add_generation_prompt)
+                text = render(messages, add_generation_prompt=add_generation_prompt, **kwargs)
                 refuse_oversized(tokenizer, text, max_model_len, "messages")
-        return list(tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt))
+        return list(
+            tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        )
     except APIError:
         raise
     except Exception as exc:  # noqa: BLE001 - jinja raises its own types for template errors
@@ -205,11 +212,18 @@ def choice_seeds(seed: int | None, n: int) -> list[int | None]:
     return [(base + i + 2**63) % 2**64 - 2**63 for i in range(n)]
 
 
-def sampling_params(req: Any, max_tokens: int, seed: int | None) -> SamplingParams:
+def sampling_params(
+    req: Any,
+    max_tokens: int,
+    seed: int | None,
+    structured: StructuredOutputsParams | None = None,
+    skip_special_tokens: bool = True,
+) -> SamplingParams:
     """Engine SamplingParams of one choice of a chat or completions request.
 
     Raises:
-        APIError: 400 when the engine's SamplingParams refuses a value.
+        APIError: 400 when the engine's SamplingParams refuses a value (``param`` names the
+            field when the message starts with it).
     """
     try:
         return SamplingParams(
@@ -226,6 +240,37 @@ def sampling_params(req: Any, max_tokens: int, seed: int | None) -> SamplingPara
             stop_token_ids=list(req.stop_token_ids or []),
             ignore_eos=req.ignore_eos,
             logprobs=req.num_logprobs,
+            min_tokens=req.min_tokens,
+            logit_bias=req.logit_bias,
+            structured_outputs=structured,
+            skip_special_tokens=skip_special_tokens,
         )
     except (ValueError, TypeError) as exc:
-        raise bad_request(str(exc)) from None
+        msg = str(exc)
+        field = re.match(r"[a-z_]+", msg)
+        param = field.group(0) if field and hasattr(req, field.group(0)) else None
+        raise bad_request(msg, param=param) from None
+
+
+def check_vocab(req: Any, vocab_size: int) -> None:
+    """``logit_bias`` and ``stop_token_ids`` ids must be token ids of the model.
+
+    Raises:
+        APIError: 400 naming the field.
+    """
+    for name, ids in (
+        ("logit_bias", list(req.logit_bias or {})),
+        ("stop_token_ids", list(req.stop_token_ids or [])),
+    ):
+        for t in ids:
+            try:
+                tid = int(t)
+            except ValueError:
+                raise bad_request(
+                    f"{name}: {str(t)[:20]!r} is not a token id", param=name
+                ) from None
+            if not 0 <= tid < vocab_size:
+                raise bad_request(
+                    f"{name}: token id {tid} is outside the vocabulary [0, {vocab_size})",
+                    param=name,
+                )

@@ -14,7 +14,7 @@ and ``"abort"`` as vLLM reports it).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 from prefixgate.engine.outputs import TokenLogprobs
 from prefixgate.engine.protocol import TokenizerLike
@@ -31,11 +31,13 @@ from prefixgate.gateway.responses import (
     CompletionChoice,
     CompletionLogprobs,
     TokenLogprob,
+    ToolCall,
     TopLogprob,
     Usage,
     dump,
 )
 from prefixgate.gateway.streaming import encode_data
+from prefixgate.gateway.tools import ToolDeltas, ToolPlan, parse_output
 
 
 class TokenTexts:
@@ -193,12 +195,55 @@ class _Renderer:
     def usage_chunk(self, usage: Usage) -> ChatCompletionChunk | Completion:
         raise NotImplementedError
 
+    def chunk(self, i: int, d: Delta, offset: int) -> ChatCompletionChunk | Completion | None:
+        raise NotImplementedError
+
+    def chunks(self, i: int, d: Delta, offset: int) -> list[ChatCompletionChunk | Completion]:
+        """The chunks of choice ``i``'s new output (none, one, or several: a chat answer with
+        tools may add content and tool-call fragments at once)."""
+        c = self.chunk(i, d, offset)
+        return [] if c is None else [c]
+
 
 class ChatRenderer(_Renderer):
-    """``chat.completion`` bodies and ``chat.completion.chunk`` streams."""
+    """``chat.completion`` bodies and ``chat.completion.chunk`` streams.
+
+    With a ``tools`` plan (``tools.ToolPlan``, not ``"none"``) each choice's answer is split
+    into content and ``tool_calls`` (finish reason ``"tool_calls"`` when it ended with calls).
+    """
 
     route = "chat"
-    __slots__ = ()
+    __slots__ = ("tools", "_tool_deltas")
+
+    def __init__(self, *args: Any, tools: ToolPlan | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tools = tools if tools is not None and tools.active else None
+        self._tool_deltas: dict[int, ToolDeltas] = {}
+
+    def chunks(self, i: int, d: Delta, offset: int) -> list[ChatCompletionChunk | Completion]:
+        if self.tools is None:
+            return super().chunks(i, d, offset)
+        td = self._tool_deltas.setdefault(i, ToolDeltas(self.tools))
+        deltas = td.feed(d.delta_text) if d.delta_text else []
+        finish = d.finish_reason
+        if finish is not None:
+            deltas += td.finish()
+            if td.called and finish == "stop":
+                finish = "tool_calls"
+        logprobs = self._logprobs(d.logprobs) if d.logprobs else None
+        if not deltas and (logprobs is not None or finish is not None):
+            deltas = [{}]
+        out: list[ChatCompletionChunk | Completion] = []
+        for k, delta in enumerate(deltas):
+            last = k == len(deltas) - 1
+            choice = ChatChunkChoice(
+                index=i,
+                delta=ChoiceDelta.model_validate(delta),
+                logprobs=logprobs if k == 0 else None,
+                finish_reason=finish if last else None,
+            )
+            out.append(self._chunk(choice))
+        return out
 
     def opening(self, n: int) -> list[ChatCompletionChunk]:
         """The chunks opening a stream: each choice's role."""
@@ -232,17 +277,26 @@ class ChatRenderer(_Renderer):
             id=self.rid,
             created=self.created,
             model=self.model,
-            choices=[
-                ChatChoice(
-                    index=i,
-                    message=AssistantMessage(content=o.text),
-                    logprobs=self._logprobs(o.logprobs),
-                    finish_reason=o.finish_reason,
-                )
-                for i, o in enumerate(outputs)
-            ],
+            choices=[self._choice(i, o) for i, o in enumerate(outputs)],
             usage=usage,
         )
+
+    def _choice(self, i: int, o: ChoiceOutput) -> ChatChoice:
+        logprobs = self._logprobs(o.logprobs)
+        if self.tools is None:
+            message = AssistantMessage(content=o.text)
+            return ChatChoice(
+                index=i, message=message, logprobs=logprobs, finish_reason=o.finish_reason
+            )
+        content, calls = parse_output(self.tools, o.text)
+        finish = o.finish_reason
+        if calls and finish == "stop":
+            finish = "tool_calls"
+        message = AssistantMessage(
+            content=content,
+            tool_calls=[ToolCall.model_validate(c.as_openai()) for c in calls] or None,
+        )
+        return ChatChoice(index=i, message=message, logprobs=logprobs, finish_reason=finish)
 
     def _chunk(self, choice: ChatChunkChoice) -> ChatCompletionChunk:
         return ChatCompletionChunk(

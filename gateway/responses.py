@@ -6,8 +6,7 @@ API reference (https://platform.openai.com/docs/api-reference/chat/object). The 
 OpenAI bodies in ``tests/fixtures/openai_wire`` validate against these models and every key
 the gateway sends appears in them (``tests/gateway/test_wire_shapes.py``); the SDK's
 ``types`` parse the same files. Fields OpenAI sends and the gateway never does
-(``service_tier``, ``refusal``, ``tool_calls``, ...) are accepted as extras when validating,
-never produced. Request bodies are in ``schemas``.
+(``service_tier``, ``refusal``, ...) are accepted as extras when validating, never produced. Request bodies are in ``schemas``.
 
 ``dump(model)`` serializes one to compact JSON bytes (UTF-8, ``None`` kept as ``null``).
 """
@@ -72,12 +71,37 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None
 
 
+class FunctionCall(BaseModel):
+    """``function`` of a tool call: its name and its arguments as a JSON string."""
+
+    model_config = _OUT
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """One tool call of an assistant message."""
+
+    model_config = _OUT
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
-    """The generated message of a chat choice."""
+    """The generated message of a chat choice (``tool_calls`` only sent when there are)."""
 
     model_config = _OUT
     role: Literal["assistant"] = "assistant"
     content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_no_tool_calls(self, handler: Any) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)
+        return out
 
 
 class ChatChoice(BaseModel):
@@ -101,6 +125,33 @@ class ChatCompletion(BaseModel):
     system_fingerprint: str | None = None
 
 
+class FunctionDelta(BaseModel):
+    """A piece of a streamed tool call's ``function`` (unset fields are not sent)."""
+
+    model_config = _OUT
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_nones(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ToolCallDelta(BaseModel):
+    """A fragment of a streamed tool call: ``index`` always; ``id``, ``type`` and the
+    function's ``name`` in its first fragment; ``arguments`` in pieces (OpenAI's streaming)."""
+
+    model_config = _OUT
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_nones(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
 class ChoiceDelta(BaseModel):
     """What a chunk adds to a chat choice; fields left ``None`` are not sent (``{}`` on the
     finishing chunk, ``{"role": "assistant", "content": ""}`` opening a choice)."""
@@ -108,6 +159,7 @@ class ChoiceDelta(BaseModel):
     model_config = _OUT
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def _without_nones(self, handler: Any) -> dict[str, Any]:

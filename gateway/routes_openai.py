@@ -10,28 +10,39 @@ failed write while streaming), so their KV blocks are freed at once.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
 
+import cachetools
 from aiohttp import web
 from prefixgate.engine.errors import EngineDeadError
+from prefixgate.engine.sampling_params import StructuredOutputsParams
 from prefixgate.gateway.access_log import record
 from prefixgate.gateway.auth import Principal, effective_salt
 from prefixgate.gateway.errors import APIError, bad_request
 from prefixgate.gateway.generation import Choice, ChoiceOutput, ChoiceRun, Delta
 from prefixgate.gateway.prompts import (
     check_length,
+    check_vocab,
     choice_seeds,
     completion_prompts,
     render_chat,
     sampling_params,
 )
 from prefixgate.gateway.renderers import ChatRenderer, CompletionRenderer
+from prefixgate.gateway.request_fields import (
+    REFUSED,
+    check_constraint,
+    check_refused,
+    structured_from,
+)
 from prefixgate.gateway.responses import ModelCard, ModelList, Usage, dump
 from prefixgate.gateway.schemas import ChatCompletionRequest, CompletionRequest, parse
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.streaming import SSEWriter, client_gone
+from prefixgate.gateway.tools import ToolPlan, plan_tools, template_messages
 
 logger = logging.getLogger("prefixgate.gateway")
 
@@ -45,20 +56,41 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     principal = st.keys.authenticate(request)
     req = parse(ChatCompletionRequest, await request.read())
     st.check_model(req.model)
-    messages = [m.as_dict() for m in req.messages]
+    check_refused({name: getattr(req, name, None) for name in REFUSED}, req.n)
+    check_refused({k: getattr(req, k) for k in ("store", "service_tier", "modalities")}, req.n)
+    plan = plan_tools(
+        req.tools, req.tool_choice, req.parallel_tool_calls, st.settings.tool_call_parser
+    )
+    spec, field = structured_from(req)
+    if spec is not None and plan.structured is not None:
+        raise bad_request(
+            f"{field}: cannot be combined with tool_choice {req.tool_choice!r} (it constrains "
+            "the output to a tool call)",
+            param=field,
+        )
+    if plan.structured is not None:
+        spec, field = plan.structured, "tools"
+    if spec is not None:
+        await _check_constraint(spec, field or "structured_outputs")
+    check_vocab(req, engine.tokenizer.vocab_size)
+    messages = template_messages(req.messages)
     if req.prefix_id is not None:
         messages = st.require_prefixes().get(req.prefix_id, principal.salt).messages + messages
     if not messages:
         raise bad_request("messages must hold at least one message", param="messages")
-    ids = await render_chat(engine.tokenizer, messages, max_model_len=engine.max_model_len)
+    ids = await render_chat(
+        engine.tokenizer, messages, max_model_len=engine.max_model_len, tools=plan.tools or None
+    )
     max_tokens = check_length(len(ids), req.output_limit, engine.max_model_len, "messages")
     rid = "chatcmpl-" + uuid.uuid4().hex
     seeds = choice_seeds(req.seed, req.n)
+    # tool-call markers of some formats are special tokens: keep them in the text to parse
+    skip_special = plan.mode != "auto"
     choices = [
-        Choice(i, f"{rid}-{i}", ids, sampling_params(req, max_tokens, seeds[i]))
+        Choice(i, f"{rid}-{i}", ids, sampling_params(req, max_tokens, seeds[i], spec, skip_special))
         for i in range(req.n)
     ]
-    return await _run(request, st, principal, req, ChatRenderer, rid, choices)
+    return await _run(request, st, principal, req, ChatRenderer, rid, choices, tools=plan)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -72,6 +104,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
         raise bad_request("echo is not supported", param="echo")
     if req.suffix:
         raise bad_request("suffix is not supported", param="suffix")
+    check_refused({k: getattr(req, k) for k in ("store", "service_tier", "best_of")}, req.n)
+    check_refused({"metadata": req.metadata}, req.n)
+    spec, field = structured_from(req)
+    if spec is not None:
+        await _check_constraint(spec, field or "structured_outputs")
+    check_vocab(req, engine.tokenizer.vocab_size)
     prompts = await completion_prompts(engine.tokenizer, req.prompt, engine.max_model_len)
     rid = "cmpl-" + uuid.uuid4().hex
     seeds = choice_seeds(req.seed, req.n)
@@ -85,7 +123,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
                     index,
                     f"{rid}-{index}",
                     ids,
-                    sampling_params(req, max_tokens, seeds[j]),
+                    sampling_params(req, max_tokens, seeds[j], spec),
                     prompt_index=p,
                 )
             )
@@ -100,9 +138,11 @@ async def _run(
     renderer_type: type[ChatRenderer | CompletionRenderer],
     rid: str,
     choices: list[Choice],
+    tools: ToolPlan | None = None,
 ) -> web.StreamResponse:
-    """Run the request's choices through an Exchange with the route's renderer."""
-    renderer = renderer_type(
+    """Run the request's choices through an Exchange with the route's renderer (chat: with
+    the request's tool plan)."""
+    args = (
         rid,
         int(time.time()),
         st.model_name,
@@ -110,8 +150,24 @@ async def _run(
         req.num_logprobs,
         req.include_usage,
     )
+    renderer = (
+        ChatRenderer(*args, tools=tools) if renderer_type is ChatRenderer else renderer_type(*args)
+    )
     salt = effective_salt(principal.salt, req.cache_salt)
     return await Exchange(request, st, principal, choices, renderer, salt, req.stream).run()
+
+
+_VALID_CONSTRAINTS: cachetools.LRUCache[str, bool] = cachetools.LRUCache(1024)
+
+
+async def _check_constraint(spec: StructuredOutputsParams, field: str) -> None:
+    """400 naming ``field`` when the constraint does not compile (grammar conversion in a
+    worker thread; valid specs are remembered)."""
+    key = spec.key()
+    if key in _VALID_CONSTRAINTS:
+        return
+    await asyncio.to_thread(check_constraint, spec, field)
+    _VALID_CONSTRAINTS[key] = True
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -311,6 +367,5 @@ class Exchange:
     async def _send(self, sse: SSEWriter, i: int, d: Delta) -> None:
         offset = len(self.outputs[i].text)
         self._record(i, d)
-        chunk = self.renderer.chunk(i, d, offset)
-        if chunk is not None:
+        for chunk in self.renderer.chunks(i, d, offset):
             await sse.write(self.renderer.event(chunk))

@@ -3,13 +3,15 @@
 Validation is pydantic v2 in strict mode straight from the JSON bytes: a wrong type is an
 error (``"5"`` is not an int), never silently coerced. ``parse(model, body)`` turns any
 failure (malformed JSON, wrong type, missing field, out of range) into a 400 OpenAI error
-naming the field in ``param``. Unknown fields are ignored, as OpenAI-compatible servers do.
+naming the field in ``param``. An unknown top-level field is a 400 "Unrecognized request
+argument supplied: NAME" (OpenAI's answer); OpenAI fields the gateway does not implement are
+refused by name (``request_fields.py``).
 Ranges follow the OpenAI API reference (https://platform.openai.com/docs/api-reference/chat).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from prefixgate.gateway.errors import bad_request
 from pydantic import (
@@ -24,6 +26,8 @@ from pydantic_core import ErrorDetails
 
 # NaN / Infinity (which JSON parsers accept as literals) are never valid values.
 _CONFIG = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+# Request bodies: unknown top-level fields are refused (OpenAI: "Unrecognized request argument").
+_REQUEST_CONFIG = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 MAX_N = 16  # choices per request (each is one engine request)
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as vLLM and torch generators take
@@ -37,21 +41,49 @@ class TextPart(BaseModel):
     text: str
 
 
+class ToolCallFunction(BaseModel):
+    """``function`` of an assistant message's tool call."""
+
+    model_config = _CONFIG
+    name: str
+    arguments: str
+
+
+class MessageToolCall(BaseModel):
+    """One tool call of an assistant message (as the API returned it)."""
+
+    model_config = _CONFIG
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
-    """A chat message. Content is a string or a list of text parts (images are refused)."""
+    """A chat message. Content is a string or a list of text parts (images are refused).
+    Assistant messages may carry ``tool_calls``; ``tool`` messages their ``tool_call_id``."""
 
     model_config = _CONFIG
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         """The content as one string (text parts joined)."""
         return content_text(self.content)
 
-    def as_dict(self) -> dict[str, str]:
-        """``{"role", "content"}`` for the chat template."""
-        return {"role": self.role, "content": self.text()}
+    def as_dict(self) -> dict[str, Any]:
+        """``{"role", "content"}`` for the chat template, plus ``tool_calls`` /
+        ``tool_call_id`` / ``name`` when the message has them."""
+        d: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            d["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            d["name"] = self.name
+        return d
 
 
 def content_text(content: object) -> str:
@@ -84,7 +116,7 @@ Stop = str | Annotated[list[str], Field(max_length=4)] | None
 class _SamplingFields(BaseModel):
     """Fields shared by chat and completions (OpenAI names plus vLLM's extras)."""
 
-    model_config = _CONFIG
+    model_config = _REQUEST_CONFIG
     model: str
     n: int = Field(1, ge=1, le=MAX_N)
     stop: Stop = None
@@ -103,6 +135,21 @@ class _SamplingFields(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    min_tokens: int = Field(0, ge=0)
+    logit_bias: dict[str, float] | None = None
+    # structured outputs: vLLM's object and its older guided_* fields (request_fields.py)
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # OpenAI fields accepted with no effect on generation, or only with their no-op value,
+    # or refused with a non-null value (request_fields.REFUSED): checked after parsing.
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    metadata: Any = None
     # vLLM's per-request cache salt; the gateway nests it inside the key's own partition.
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
@@ -136,6 +183,21 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     prefix_id: str | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    modalities: list[str] | None = None
+    audio: Any = None
+    function_call: Any = None
+    functions: Any = None
+    moderation: Any = None
+    prediction: Any = None
+    prompt_cache_options: Any = None
+    prompt_cache_retention: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -168,6 +230,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
 
     @property
     def output_limit(self) -> int | None:
@@ -203,7 +266,14 @@ def parse(model: type[M], body: bytes) -> M:
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:
-        err = _relevant_error(exc.errors(include_url=False))
+        errors = exc.errors(include_url=False)
+        extra = [e for e in errors if e["type"] == "extra_forbidden" and len(e["loc"]) == 1]
+        if extra:  # OpenAI's answer to an unknown field
+            name = str(extra[0]["loc"][0])[:80]
+            raise bad_request(
+                f"Unrecognized request argument supplied: {name}", param=name
+            ) from None
+        err = _relevant_error(errors)
         if err["type"] == "json_invalid":
             raise bad_request(f"malformed JSON body: {err['msg']}", code="invalid_json") from None
         if err["type"] == "model_type" and not err["loc"]:

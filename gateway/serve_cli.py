@@ -240,6 +240,13 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="Bearer key sent to the upstreams (default: none; without keys of its own the "
         "gateway passes the client's key through)",
     )
+    p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=["hermes", "llama3_json", "mistral"],
+        help="parse tool calls of tool_choice='auto' answers in this format (default: none, "
+        "'auto' is refused; 'required' and named functions always work)",
+    )
     g = p.add_argument_group("gateway limits")
     defaults = GatewaySettings()
     for name, kind in (
@@ -334,6 +341,7 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         body_timeout_s=args.body_timeout_s,
         max_connections=args.max_connections,
         shutdown_grace_s=args.shutdown_grace_s,
+        tool_call_parser=args.tool_call_parser,
     )
 
 

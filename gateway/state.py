@@ -53,6 +53,8 @@ class GatewaySettings:
             503 ``too_many_connections`` and closed (also bounded by the open-file limit).
         shutdown_grace_s: on SIGTERM, seconds in-flight requests get to finish before
             streams are ended with an error event and other requests with a 503.
+        tool_call_parser: how ``tool_choice="auto"`` answers are parsed (``hermes``,
+            ``llama3_json``, ``mistral``; ``None``: "auto" is refused with a 400).
     """
 
     model_name: str | None = None
@@ -78,6 +80,7 @@ class GatewaySettings:
     body_timeout_s: float = 30.0
     max_connections: int = 4096
     shutdown_grace_s: float = 5.0
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:
@@ -96,6 +99,10 @@ class GatewaySettings:
             raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
         if self.shutdown_grace_s < 0 or self.upstream_timeout_s < 0:
             raise ValueError("shutdown_grace_s and upstream_timeout_s must be >= 0")
+        if self.tool_call_parser is not None:
+            from prefixgate.gateway.tool_parsers import get_parser  # noqa: PLC0415
+
+            get_parser(self.tool_call_parser)  # ValueError on an unknown name
         if self.affinity_block_chars < 1 or self.affinity_max_chars < 1:
             raise ValueError("affinity_block_chars and affinity_max_chars must be >= 1")
         if self.balance_rel_threshold < 1.0 or self.balance_abs_threshold < 0:

@@ -104,8 +104,11 @@ def test_schema_strictness():
         "logprobs": True,
         "stream": True,
         "stream_options": {"include_usage": True},
-        "unknown_field": 1,
     }
+    with pytest.raises(APIError) as e:  # OpenAI's answer to an unknown field
+        parse(ChatCompletionRequest, json.dumps({**body, "unknown_field": 1}).encode())
+    assert e.value.param == "unknown_field"
+    assert str(e.value) == "Unrecognized request argument supplied: unknown_field"
     req = parse(ChatCompletionRequest, json.dumps(body).encode())
     assert req.messages[0].text() == "ab" and req.output_limit == 7
     assert req.num_logprobs == 0 and req.include_usage

@@ -13,6 +13,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from prefixgate.engine.config import EngineConfig
 from prefixgate.engine.errors import EngineDeadError, PinLimitError
@@ -57,7 +58,9 @@ class FakeTokenizer:
             raise ValueError("this template has no tool role")
         return "<s>" + "\n\n".join(m["content"] for m in messages)
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> list[int]:
         # Only the leading "<s>" is special here: content can never produce one.
         return self.encode(self.apply_chat_template(messages, add_generation_prompt), False)
 

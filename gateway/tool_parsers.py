@@ -1,0 +1,234 @@
+"""Tool-call parsers for ``tool_choice="auto"``: find the calls a model wrote in its text.
+
+Chosen with ``prefixgate serve --tool-call-parser NAME`` (vLLM's names):
+
+- ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (Hermes 2 Pro,
+  Qwen2.5 / Qwen3 chat templates);
+- ``llama3_json``: the whole answer is ``{"name": ..., "parameters": {...}}`` objects separated
+  by ``;``, optionally after ``<|python_tag|>`` (Llama 3.1 / 3.2 JSON tool calling);
+- ``mistral``: ``[TOOL_CALLS]`` then a JSON array of ``{"name", "arguments"}`` objects.
+
+Each parser has ``split(text, final) -> (content, calls)``: ``content`` is the text that is
+not a tool call; ``calls`` the complete ``ToolCall`` objects found. With ``final=False`` (the
+text so far of a stream) content that may still become part of a call (an unclosed block, a
+suffix that could open one) is held back; later calls never change what was already
+returned, so a stream (``ToolStream``) sends exactly the final result whatever the fragments.
+A block that does not parse as a call (malformed JSON, no name) stays content, as in vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class ToolCall:
+    """One function call: its name and its arguments as a JSON string (OpenAI's shape)."""
+
+    name: str
+    arguments: str
+    id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
+
+    def as_openai(self) -> dict:
+        """``{"id", "type": "function", "function": {"name", "arguments"}}``."""
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+def _call_from(obj: object, args_key: str) -> ToolCall | None:
+    """``{"name": str, args_key: object}`` → ToolCall (arguments re-serialized), else None."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
+    if isinstance(args, str):  # some models write the arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def _held_suffix(text: str, marker: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class HermesParser:
+    """``<tool_call>{json}</tool_call>`` blocks anywhere in the text."""
+
+    name = "hermes"
+    start, end = "<tool_call>", "</tool_call>"
+
+    def split(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
+        content: list[str] = []
+        calls: list[ToolCall] = []
+        pos = 0
+        while True:
+            i = text.find(self.start, pos)
+            if i < 0:
+                rest = text[pos:]
+                if not final:
+                    rest = rest[: len(rest) - _held_suffix(rest, self.start)]
+                content.append(rest)
+                break
+            content.append(text[pos:i])
+            j = text.find(self.end, i + len(self.start))
+            if j < 0:  # unclosed block: a call still being written (or, at the end, text)
+                if final:
+                    call = self._parse(text[i + len(self.start) :])
+                    if call is not None:
+                        calls.append(call)
+                    else:
+                        content.append(text[i:])
+                break
+            call = self._parse(text[i + len(self.start) : j])
+            if call is not None:
+                calls.append(call)
+            else:
+                content.append(text[i : j + len(self.end)])
+            pos = j + len(self.end)
+        return "".join(content), calls
+
+    @staticmethod
+    def _parse(body: str) -> ToolCall | None:
+        try:
+            return _call_from(json.loads(body.strip()), "arguments")
+        except ValueError:
+            return None
+
+
+class Llama3JsonParser:
+    """The answer is ``{"name", "parameters"}`` objects separated by ``;`` (after an optional
+    ``<|python_tag|>``); anything else is plain content. Calls are known at the end only (a
+    JSON-looking answer may still turn out to be text)."""
+
+    name = "llama3_json"
+    tag = "<|python_tag|>"
+
+    def split(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
+        body = text.lstrip()
+        if body.startswith(self.tag):
+            body = body[len(self.tag) :].lstrip()
+        maybe_call = body.startswith("{") or (body and self.tag.startswith(body)) or not body
+        if not maybe_call:
+            return text, []
+        if not final:
+            return "", []
+        calls = self._parse(body)
+        return ("", calls) if calls else (text, [])
+
+    @staticmethod
+    def _parse(body: str) -> list[ToolCall]:
+        dec = json.JSONDecoder()
+        calls: list[ToolCall] = []
+        pos = 0
+        while pos < len(body):
+            try:
+                obj, pos = dec.raw_decode(body, pos)
+            except ValueError:
+                return []
+            call = _call_from(obj, "parameters")
+            if call is None:
+                return []
+            calls.append(call)
+            while pos < len(body) and body[pos] in " \t\r\n;":
+                pos += 1
+        return calls
+
+
+class MistralParser:
+    """Content, then ``[TOOL_CALLS]`` and a JSON array of ``{"name", "arguments"}``."""
+
+    name = "mistral"
+    marker = "[TOOL_CALLS]"
+
+    def split(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
+        i = text.find(self.marker)
+        if i < 0:
+            if final:
+                return text, []
+            return text[: len(text) - _held_suffix(text, self.marker)], []
+        if not final:
+            return text[:i], []
+        calls = self._parse(text[i + len(self.marker) :])
+        return (text[:i], calls) if calls else (text, [])
+
+    @staticmethod
+    def _parse(body: str) -> list[ToolCall]:
+        dec = json.JSONDecoder()
+        body = body.strip()
+        try:
+            obj, end = dec.raw_decode(body)
+        except ValueError:
+            return []
+        items = obj if isinstance(obj, list) else [obj]
+        calls = [_call_from(item, "arguments") for item in items]
+        if not calls or any(c is None for c in calls) or body[end:].strip():
+            return []
+        return calls  # type: ignore[return-value]
+
+
+PARSERS: dict[str, Callable[[], object]] = {
+    "hermes": HermesParser,
+    "llama3_json": Llama3JsonParser,
+    "mistral": MistralParser,
+}
+
+
+def get_parser(name: str):  # noqa: ANN201 - one of the parser classes above
+    """A parser by its ``--tool-call-parser`` name.
+
+    Raises:
+        ValueError: unknown name (the message lists the known ones).
+    """
+    try:
+        return PARSERS[name]()
+    except KeyError:
+        raise ValueError(
+            f"unknown tool call parser {name!r}; choose one of {sorted(PARSERS)}"
+        ) from None
+
+
+class ToolStream:
+    """Incremental parsing of one streamed answer: ``feed(delta_text)`` returns the new
+    content text and the newly complete calls; ``finish()`` the rest at the end.
+
+    The content sent is always a prefix of the final content and the calls a prefix of the
+    final calls, wherever the fragments split the text.
+    """
+
+    def __init__(self, parser: object) -> None:
+        self.parser = parser
+        self.text = ""
+        self.sent_chars = 0
+        self.sent_calls = 0
+        self.calls: list[ToolCall] = []
+
+    def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
+        """Add streamed text; returns ``(new content, new complete calls)``."""
+        self.text += delta
+        return self._advance(final=False)
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """End of the answer: everything not sent yet."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> tuple[str, list[ToolCall]]:
+        content, calls = self.parser.split(self.text, final)
+        new_content = content[self.sent_chars :] if len(content) > self.sent_chars else ""
+        self.sent_chars = max(self.sent_chars, len(content))
+        new_calls = calls[self.sent_calls :]
+        self.sent_calls = max(self.sent_calls, len(calls))
+        self.calls.extend(new_calls)
+        return new_content, new_calls

@@ -1,0 +1,390 @@
+"""Structured outputs and tool calling through the real gateway on aidreams-260k (a model that
+never saw JSON), driven by the official ``openai`` client: every answer that finishes with
+"stop" validates; tool calls match their function's parameters; bad input is a 400 naming the
+field and disturbs nothing in flight; the block pool ends whole."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+import typing
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+pytest.importorskip("prefixgate.engine.async_engine")
+
+from prefixgate.engine import AsyncEngine, EngineConfig  # noqa: E402
+from prefixgate.gateway.app import create_app  # noqa: E402
+from prefixgate.gateway.request_fields import (  # noqa: E402
+    CHAT_EXTRAS,
+    CHAT_SUPPORTED,
+    COMPLETIONS_SUPPORTED,
+    EXTRAS,
+    REFUSED,
+)
+from prefixgate.gateway.server import BackgroundServer  # noqa: E402
+from prefixgate.gateway.state import STATE, GatewaySettings  # noqa: E402
+
+MODEL = "aidreams-260k"
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "c": {"enum": ["red", "green", "blue"]},
+        "n": {"type": "integer", "minimum": -3, "maximum": 42},
+        "ok": {"type": "boolean"},
+        "in": {
+            "type": "object",
+            "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}},
+            "required": ["x"],
+            "additionalProperties": False,
+        },
+        "t": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+    },
+    "required": ["c", "n", "ok", "in", "t"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 10},
+                "unit": {"enum": ["c", "f"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"tz": {"enum": ["UTC", "CET"]}},
+            "required": ["tz"],
+            "additionalProperties": False,
+        },
+    },
+}
+PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+MSGS = [{"role": "user", "content": "Tell me"}]
+
+
+@pytest.fixture(scope="module")
+def server(aidreams_path):
+    def make():
+        engine = AsyncEngine(EngineConfig(model=aidreams_path, num_kv_blocks=256))
+        settings = GatewaySettings(
+            model_name=MODEL, poll_s=0.02, max_queued_requests=64, tool_call_parser="hermes"
+        )
+        return create_app(engine, settings)
+
+    srv = BackgroundServer(make).__enter__()
+    yield srv
+    srv.call(srv.app[STATE].engine.shutdown)
+    srv.close()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+
+def _idle(server, pool_whole, timeout: float = 20.0) -> None:
+    engine = server.app[STATE].engine
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = engine.stats()
+        if s["num_running"] == 0 and s["num_waiting"] == 0:
+            break
+        time.sleep(0.02)
+    pool_whole(engine)
+
+
+def _rf(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "out", "schema": schema, "strict": True}}
+
+
+def test_json_schema_response_format_validates(client, server, pool_whole):
+    stopped = 0
+    for seed in range(5):
+        r = client.chat.completions.create(
+            model=MODEL, messages=MSGS, temperature=1.0, seed=seed, n=8, max_tokens=90,
+            response_format=_rf(SCHEMA),
+        )  # fmt: skip
+        for c in r.choices:
+            if c.finish_reason == "stop":
+                stopped += 1
+                jsonschema.validate(json.loads(c.message.content), SCHEMA)
+    assert stopped >= 36  # of 40
+    for seed in range(4):  # streamed
+        chunks = client.chat.completions.create(
+            model=MODEL, messages=MSGS, temperature=1.0, seed=seed, max_tokens=90, stream=True,
+            response_format=_rf(SCHEMA),
+        )  # fmt: skip
+        parts, finish = [], None
+        for ch in chunks:
+            if ch.choices:
+                parts.append(ch.choices[0].delta.content or "")
+                finish = ch.choices[0].finish_reason or finish
+        if finish == "stop":
+            jsonschema.validate(json.loads("".join(parts)), SCHEMA)
+    _idle(server, pool_whole)
+
+
+@pytest.mark.parametrize(
+    ("extra", "check"),
+    [
+        ({"guided_choice": ["yes", "no"]}, lambda t: t in ("yes", "no")),
+        ({"guided_regex": r"[a-z]{3}-\d{2}"}, lambda t: re.fullmatch(r"[a-z]{3}-\d{2}", t)),
+        ({"structured_outputs": {"choice": ["up", "down"]}}, lambda t: t in ("up", "down")),
+        ({"guided_json": {"type": "object", "properties": {"a": {"type": "boolean"}},
+                          "required": ["a"], "additionalProperties": False}},
+         lambda t: isinstance(json.loads(t)["a"], bool)),
+        ({"guided_grammar": 'root ::= "x" [0-9]'}, lambda t: re.fullmatch(r"x[0-9]", t)),
+    ],
+)  # fmt: skip
+def test_vllm_extras_map_to_the_same_constraint(client, server, extra, check, pool_whole):
+    r = client.chat.completions.create(
+        model=MODEL, messages=MSGS, temperature=1.0, n=4, max_tokens=40, extra_body=extra
+    )
+    for c in r.choices:
+        assert c.finish_reason == "stop" and check(c.message.content), c.message.content
+    comp = client.completions.create(
+        model=MODEL, prompt="Once", temperature=1.0, max_tokens=40, extra_body=extra
+    )
+    assert comp.choices[0].finish_reason == "stop" and check(comp.choices[0].text)
+    _idle(server, pool_whole)
+
+
+def test_json_object_mode(client, server, pool_whole):
+    r = client.chat.completions.create(
+        model=MODEL, messages=MSGS, temperature=1.0, n=4, max_tokens=100,
+        response_format={"type": "json_object"},
+    )  # fmt: skip
+    for c in r.choices:
+        if c.finish_reason == "stop":
+            assert isinstance(json.loads(c.message.content), dict)
+    _idle(server, pool_whole)
+
+
+def test_named_and_required_tool_choice(client, server, pool_whole):
+    named = client.chat.completions.create(
+        model=MODEL, messages=MSGS, temperature=1.0, n=4, max_tokens=60, tools=[WEATHER, TIME],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )  # fmt: skip
+    for c in named.choices:
+        assert c.finish_reason == "tool_calls" and c.message.content is None
+        (call,) = c.message.tool_calls
+        assert call.type == "function" and call.function.name == "get_weather"
+        assert call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), PARAMS["get_weather"])
+    required = client.chat.completions.create(
+        model=MODEL, messages=MSGS, temperature=1.0, n=4, max_tokens=90, tools=[WEATHER, TIME],
+        tool_choice="required", parallel_tool_calls=False,
+    )  # fmt: skip
+    for c in required.choices:
+        if c.finish_reason == "length":
+            continue
+        assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1
+        call = c.message.tool_calls[0]
+        jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
+    _idle(server, pool_whole)
+
+
+def test_tool_calls_streamed_with_index(client, server, pool_whole):
+    for choice in ({"type": "function", "function": {"name": "get_time"}}, "required"):
+        complete = 0
+        for seed in range(6):
+            chunks = list(
+                client.chat.completions.create(
+                    model=MODEL, messages=MSGS, temperature=1.0, seed=seed, max_tokens=110,
+                    tools=[WEATHER, TIME], tool_choice=choice, stream=True,
+                    parallel_tool_calls=False,  # one call fits aidreams' 128-token context
+                )
+            )  # fmt: skip
+            calls: dict[int, dict] = {}
+            finish = None
+            for ch in chunks:
+                d = ch.choices[0].delta
+                finish = ch.choices[0].finish_reason or finish
+                for tc in d.tool_calls or []:
+                    slot = calls.setdefault(tc.index, {"name": "", "arguments": "", "id": None})
+                    slot["id"] = slot["id"] or tc.id
+                    if tc.function and tc.function.name:
+                        slot["name"] = tc.function.name
+                    if tc.function and tc.function.arguments:
+                        slot["arguments"] += tc.function.arguments
+            assert sorted(calls) == list(range(len(calls)))  # indexes 0, 1, ... in order
+            if finish == "length":
+                continue
+            complete += 1
+            assert finish == "tool_calls" and calls
+            for slot in calls.values():
+                assert slot["id"].startswith("call_")
+                jsonschema.validate(json.loads(slot["arguments"]), PARAMS[slot["name"]])
+        assert complete >= 3, choice
+    _idle(server, pool_whole)
+
+
+def test_auto_without_a_call_is_plain_content(client, server, pool_whole):
+    r = client.chat.completions.create(
+        model=MODEL, messages=MSGS, temperature=0, max_tokens=10, tools=[WEATHER]
+    )
+    c = r.choices[0]
+    assert c.message.content and not c.message.tool_calls and c.finish_reason in ("stop", "length")
+    _idle(server, pool_whole)
+
+
+BAD = [
+    ({"response_format": _rf({"type": "foo"})}, "response_format"),
+    ({"response_format": _rf({"type": "array", "uniqueItems": True})}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": 5}}]},
+     "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f",
+                                                 "parameters": {"type": "bogus"}}}]},
+     "tools[0].function.parameters"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"logit_bias": {"5": 200}}, "logit_bias"),
+    ({"logit_bias": {"99999": 1}}, "logit_bias"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"guided_regex": "[a-"}, "guided_regex"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+    ({"response_format": _rf(SCHEMA), "tools": [WEATHER], "tool_choice": "required"},
+     "response_format"),
+    ({"audio": {"voice": "alloy", "format": "mp3"}}, "audio"),
+    ({"store": True}, "store"),
+    ({"frobnicate": 1}, "frobnicate"),
+]  # fmt: skip
+
+
+def test_bad_input_is_400_naming_the_field_and_disturbs_nothing(server, pool_whole):
+    """A long streamed request runs while every bad request is refused; it completes."""
+    result: dict = {}
+
+    def long_stream() -> None:
+        c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        text = ""
+        for ch in c.chat.completions.create(
+            model=MODEL, messages=MSGS, temperature=0, max_tokens=80, stream=True,
+            extra_body={"ignore_eos": True},
+        ):  # fmt: skip
+            text += ch.choices[0].delta.content or ""
+            result["finish"] = ch.choices[0].finish_reason or result.get("finish")
+        result["text"] = text
+
+    t = threading.Thread(target=long_stream)
+    t.start()
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        for extra, param in BAD:
+            body = {"model": MODEL, "messages": MSGS, "max_tokens": 5, **extra}
+            r = http.post("/v1/chat/completions", json=body)
+            assert r.status_code == 400, (extra, r.text)
+            err = r.json()["error"]
+            assert err["param"] == param, (extra, err)
+            assert param.split("[")[0].split(".")[0] in err["message"], err
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "frobnicate": 1})
+        assert r.status_code == 400
+        assert r.json()["error"]["message"] == "Unrecognized request argument supplied: frobnicate"
+    t.join(60)
+    assert result["finish"] == "length" and len(result["text"]) > 20
+    _idle(server, pool_whole)
+
+
+def test_every_openai_field_is_handled_or_refused(server, pool_whole):
+    """openai-python's own field lists: each is implemented (documented in request_fields)
+    or, with a non-default value, answered 400 naming it."""
+    from openai.types import completion_create_params as comp
+    from openai.types.chat import completion_create_params as chat
+
+    chat_fields = set(typing.get_type_hints(chat.CompletionCreateParamsBase)) | {"stream"}
+    comp_fields = set(typing.get_type_hints(comp.CompletionCreateParamsBase)) | {"stream"}
+    for name in chat_fields:
+        assert name in CHAT_SUPPORTED or name in REFUSED, f"chat field {name} unclassified"
+    for name in comp_fields:
+        assert name in COMPLETIONS_SUPPORTED or name in REFUSED, f"completions field {name}"
+    assert not set(CHAT_SUPPORTED) & set(REFUSED)
+    values = {
+        "audio": {"voice": "alloy", "format": "mp3"}, "function_call": "auto",
+        "functions": [{"name": "f"}], "metadata": {"a": "b"}, "moderation": {"x": 1},
+        "prediction": {"type": "content", "content": "x"}, "prompt_cache_options": {"a": 1},
+        "prompt_cache_retention": "24h", "reasoning_effort": "high", "verbosity": "low",
+        "web_search_options": {}, "echo": True, "suffix": "end",
+    }  # fmt: skip
+    assert set(values) == set(REFUSED)
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        for name, value in values.items():
+            if name in chat_fields:
+                body = {"model": MODEL, "messages": MSGS, "max_tokens": 2, name: value}
+                r = http.post("/v1/chat/completions", json=body)
+                assert r.status_code == 400 and r.json()["error"]["param"] == name, (name, r.text)
+            if name in comp_fields:
+                body = {"model": MODEL, "prompt": "x", "max_tokens": 2, name: value}
+                r = http.post("/v1/completions", json=body)
+                assert r.status_code == 400 and r.json()["error"]["param"] == name, (name, r.text)
+        # the no-op values and the accepted identifiers pass
+        ok = {
+            "user": "u1", "safety_identifier": "s1", "prompt_cache_key": "k", "store": False,
+            "service_tier": "auto", "modalities": ["text"], "logit_bias": {"5": -1},
+            "parallel_tool_calls": True, "min_tokens": 1, "top_k": 5,
+        }  # fmt: skip
+        r = http.post(
+            "/v1/chat/completions", json={"model": MODEL, "messages": MSGS, "max_tokens": 2, **ok}
+        )
+        assert r.status_code == 200, r.text
+        r = http.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": "x", "max_tokens": 2, "best_of": 1, "echo": False},
+        )
+        assert r.status_code == 200, r.text
+    for name in EXTRAS | CHAT_EXTRAS:
+        assert name not in chat_fields  # extras are ours, sent via extra_body
+    _idle(server, pool_whole)
+
+
+def test_tool_messages_render_through_the_template():
+    """Assistant tool_calls (arguments as objects) and tool results reach the template."""
+    from prefixgate.engine.tokenizer import Tokenizer
+    from prefixgate.gateway.prompts import _render_chat
+    from prefixgate.gateway.schemas import ChatCompletionRequest
+    from prefixgate.gateway.tools import template_messages
+
+    base = Tokenizer.builtin()
+    template = (
+        "{% for t in tools or [] %}[T:{{ t.function.name }}]{% endfor %}"
+        "{% for m in messages %}<{{ m.role }}>"
+        "{% for c in m.tool_calls or [] %}{{ c.function.name }}({{ c.function.arguments.city }})"
+        "{% endfor %}{% if m.tool_call_id %}#{{ m.tool_call_id }}:{% endif %}{{ m.content }}"
+        "{% endfor %}"
+    )
+    tok = Tokenizer(
+        base._tok, bos_token="<s>", eos_token="</s>", chat_templates={"default": template}
+    )
+    req = ChatCompletionRequest.model_validate(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "user", "content": "w?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "cold"},
+            ],
+        }
+    )  # fmt: skip
+    ids = _render_chat(tok, template_messages(req.messages), True, [WEATHER])
+    text = tok.decode(ids, skip_special_tokens=False)
+    assert text == "[T:get_weather]<user>w?<assistant>get_weather(Oslo)<tool>#call_1:cold"
