@@ -22,6 +22,7 @@ import json
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 
 @dataclass(slots=True)
@@ -39,6 +40,14 @@ class ToolCall:
             "type": "function",
             "function": {"name": self.name, "arguments": self.arguments},
         }
+
+
+class ToolParser(Protocol):
+    """A tool-call format: ``split(text, final) -> (content, calls)`` (module docstring)."""
+
+    name: str
+
+    def split(self, text: str, final: bool) -> tuple[str, list[ToolCall]]: ...
 
 
 def _call_from(obj: object, args_key: str) -> ToolCall | None:
@@ -179,14 +188,14 @@ class MistralParser:
         return calls  # type: ignore[return-value]
 
 
-PARSERS: dict[str, Callable[[], object]] = {
+PARSERS: dict[str, Callable[[], ToolParser]] = {
     "hermes": HermesParser,
     "llama3_json": Llama3JsonParser,
     "mistral": MistralParser,
 }
 
 
-def get_parser(name: str):  # noqa: ANN201 - one of the parser classes above
+def get_parser(name: str) -> ToolParser:
     """A parser by its ``--tool-call-parser`` name.
 
     Raises:
@@ -208,7 +217,7 @@ class ToolStream:
     final calls, wherever the fragments split the text.
     """
 
-    def __init__(self, parser: object) -> None:
+    def __init__(self, parser: ToolParser) -> None:
         self.parser = parser
         self.text = ""
         self.sent_chars = 0
