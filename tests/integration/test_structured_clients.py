@@ -1,0 +1,145 @@
+"""Real clients against ``prefixgate serve`` (a process) on aidreams-260k: openai-python's
+``chat.completions.parse`` with a pydantic model, and LangChain's ``ChatOpenAI``
+(``with_structured_output`` in both methods, ``bind_tools``) end to end."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import time
+from typing import Literal
+
+import httpx
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+pytest.importorskip("prefixgate.engine.async_engine")
+
+MODEL = "aidreams-260k"
+
+
+class Pet(BaseModel):
+    name: str = Field(max_length=8)
+    kind: Literal["cat", "dog", "owl"]
+    age: int = Field(ge=0, le=30)
+
+
+@pytest.fixture(scope="module")
+def serve_url(aidreams_path):
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "prefixgate.gateway.cli", "serve", "--model", aidreams_path,
+            "--served-model-name", MODEL, "--port", "0", "--num-kv-blocks", "128",
+            "--tool-call-parser", "hermes",
+        ],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    log: list[str] = []
+    url = None
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            log.append(line)
+            m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
+            url = url or (m.group(1) if m else None)
+            if url and "ready" in line:
+                break
+        assert url, "".join(log)
+        while httpx.get(url + "/ready").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _pool_whole(url: str) -> None:
+    """The server's engine ends idle, every KV block free (read from /metrics)."""
+    deadline = time.monotonic() + 20
+    values: dict[str, float] = {}
+    while time.monotonic() < deadline:
+        values = {
+            line.split()[0]: float(line.split()[1])
+            for line in httpx.get(url + "/metrics").text.splitlines()
+            if line.startswith("prefixgate_") and " " in line
+        }
+        if (
+            values["prefixgate_kv_blocks_used"] == 0
+            and values["prefixgate_engine_running_requests"] == 0
+            and values["prefixgate_engine_waiting_requests"] == 0
+            and values["prefixgate_kv_blocks_free"] == values["prefixgate_kv_blocks_total"]
+        ):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the pool is not whole after the requests ended: {values}")
+
+
+def test_openai_parse_with_pydantic_model(serve_url):
+    client = openai.OpenAI(base_url=serve_url + "/v1", api_key="none", max_retries=0)
+    for seed in range(3):
+        r = client.chat.completions.parse(
+            model=MODEL,
+            messages=[{"role": "user", "content": "A pet"}],
+            response_format=Pet,
+            temperature=1.0,
+            seed=seed,
+            max_tokens=100,
+        )
+        pet = r.choices[0].message.parsed
+        assert isinstance(pet, Pet), r
+        assert pet.kind in ("cat", "dog", "owl") and 0 <= pet.age <= 30
+    _pool_whole(serve_url)
+
+
+def test_langchain_structured_output_and_tools(serve_url):
+    pytest.importorskip("langchain_openai")
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(
+        model=MODEL, base_url=serve_url + "/v1", api_key="none", temperature=0, max_tokens=100,
+        max_retries=0,
+    )  # fmt: skip
+    for method in ("json_schema", "function_calling"):
+        pet = llm.with_structured_output(Pet, method=method).invoke("A pet")
+        assert isinstance(pet, Pet), (method, pet)
+
+    class WeatherArgs(BaseModel):
+        city: str = Field(max_length=8)  # bounded: a tiny model may never close a string
+        unit: Literal["c", "f"]
+
+    @tool(args_schema=WeatherArgs)
+    def get_weather(city: str, unit: Literal["c", "f"]) -> str:
+        """Weather of a city."""
+        return "cold"
+
+    @tool
+    def get_time(tz: Literal["UTC", "CET"]) -> str:
+        """Time in a zone."""
+        return "noon"
+
+    for choice in ("get_weather", "any"):
+        msg = llm.bind_tools(
+            [get_weather, get_time], tool_choice=choice, parallel_tool_calls=False
+        ).invoke("Weather?")
+        assert msg.tool_calls, msg
+        call = msg.tool_calls[0]
+        assert call["name"] in ("get_weather", "get_time") and call["id"].startswith("call_")
+        if choice == "get_weather":
+            assert call["name"] == "get_weather"
+            assert set(call["args"]) == {"city", "unit"} and call["args"]["unit"] in ("c", "f")
+        # the tool result goes back through the chat template as a tool message
+        result = (get_weather if call["name"] == "get_weather" else get_time).invoke(call)
+        follow = llm.invoke(["Weather?", msg, result])
+        assert isinstance(follow.content, str)
+    _pool_whole(serve_url)
