@@ -385,6 +385,6 @@ def test_tool_messages_render_through_the_template():
             ],
         }
     )  # fmt: skip
-    ids = _render_chat(tok, template_messages(req.messages), True, [WEATHER])
+    ids = _render_chat(tok, template_messages(req.messages), True, tools=[WEATHER])
     text = tok.decode(ids, skip_special_tokens=False)
     assert text == "[T:get_weather]<user>w?<assistant>get_weather(Oslo)<tool>#call_1:cold"
