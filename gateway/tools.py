@@ -38,6 +38,8 @@ class ToolPlan:
         named: the forced function's name (mode ``"named"``).
         structured: the constraint for ``"required"`` / ``"named"``.
         parser: the ``--tool-call-parser`` instance for ``"auto"``.
+        parallel: ``parallel_tool_calls`` (False: at most one call is returned in "auto"
+            mode; "required" is constrained to one).
     """
 
     mode: str = "none"
@@ -45,6 +47,7 @@ class ToolPlan:
     named: str | None = None
     structured: StructuredOutputsParams | None = None
     parser: Any = None
+    parallel: bool = True
 
     @property
     def active(self) -> bool:
@@ -174,7 +177,8 @@ def plan_tools(
         )
     from prefixgate.gateway.tool_parsers import get_parser  # noqa: PLC0415
 
-    return ToolPlan("auto", checked, None, None, get_parser(parser_name))
+    parser = get_parser(parser_name)
+    return ToolPlan("auto", checked, None, None, parser, parallel_tool_calls is not False)
 
 
 def template_messages(messages: list[Any]) -> list[dict[str, Any]]:
@@ -213,6 +217,8 @@ def parse_output(plan: ToolPlan, text: str) -> tuple[str | None, list[ToolCall]]
         return (None, calls) if calls else (text, [])
     if plan.mode == "auto":
         content, calls = plan.parser.split(text, True)
+        if not plan.parallel:
+            calls = calls[:1]
         return (content if content or not calls else None), calls
     return text, []
 
@@ -309,6 +315,8 @@ class ToolDeltas:
         return []
 
     def _auto_deltas(self, content: str, calls: list[ToolCall]) -> list[dict[str, Any]]:
+        if not self.plan.parallel:
+            calls = calls[: max(0, 1 - self.num_calls)]
         out: list[dict[str, Any]] = [{"content": content}] if content else []
         out += [self._call_delta(c) for c in calls]
         return out

@@ -8,7 +8,7 @@ import random
 
 import pytest
 from prefixgate.gateway.tool_parsers import ToolStream, get_parser
-from prefixgate.gateway.tools import RequiredStream, ToolDeltas, ToolPlan
+from prefixgate.gateway.tools import RequiredStream, ToolDeltas, ToolPlan, parse_output
 
 # (parser, recorded output, expected content, expected [(name, arguments dict)])
 RECORDED = [
@@ -143,3 +143,15 @@ def test_tool_deltas_auto_indexes_calls_in_order():
     calls = [d["tool_calls"][0] for d in out if "tool_calls" in d]
     assert [c["index"] for c in calls] == [0, 1]
     assert "".join(d.get("content", "") for d in out) == RECORDED[0][2]
+
+
+def test_auto_without_parallel_tool_calls_keeps_the_first_call():
+    plan = ToolPlan("auto", [], None, None, get_parser("hermes"), parallel=False)
+    text = RECORDED[0][1]
+    content, calls = parse_output(plan, text)
+    assert [c.name for c in calls] == ["get_weather"] and json.loads(calls[0].arguments)[
+        "city"
+    ] == "Paris"
+    td = ToolDeltas(plan)
+    out = td.feed(text) + td.finish()
+    assert len([d for d in out if "tool_calls" in d]) == 1
