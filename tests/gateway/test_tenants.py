@@ -12,12 +12,12 @@ import logging
 
 import httpx
 import pytest
-from aiohttp import web
 from prefixgate.gateway.app import create_proxy_app
 from prefixgate.gateway.auth import KeySpec, effective_salt
 from prefixgate.gateway.server import BackgroundServer
 from prefixgate.gateway.state import STATE, GatewaySettings
 from prefixgate.gateway.upstream import split_credentials
+from support.stub_upstream import STUB, StubServer
 
 
 def _keys(tmp_path, entries: list[dict]) -> str:
@@ -78,30 +78,6 @@ def test_key_salt_plus_request_salt_never_meets_another_key(serve_fake, gw, tmp_
 
 # --- 6. upstream credentials ------------------------------------------------------------------
 
-SEEN_AUTH = web.AppKey("seen_auth", list)
-
-
-def _auth_echo_app() -> web.Application:
-    """An upstream that records the Authorization header it got and answers 200."""
-    seen: list = []
-
-    async def chat(request: web.Request) -> web.Response:
-        seen.append(request.headers.get("Authorization"))
-        return web.json_response({"object": "chat.completion", "choices": [], "usage": None})
-
-    async def health(request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
-
-    async def models(request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "m", "owned_by": "x"}]})
-
-    app = web.Application()
-    app[SEEN_AUTH] = seen
-    app.router.add_post("/v1/chat/completions", chat)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/health", health)
-    return app
-
 
 def test_split_credentials():
     assert split_credentials("http://h:1/v1/") == ("http://h:1", None)
@@ -115,7 +91,7 @@ def test_split_credentials():
 
 @pytest.mark.parametrize("client_auth", [None, "Bearer client-key"])
 def test_upstream_userinfo_redacted_and_sent_once(tmp_path, caplog, client_auth):
-    up = BackgroundServer(_auth_echo_app).__enter__()
+    up = BackgroundServer(StubServer(name="m").app).__enter__()
     port = up.url.rsplit(":", 1)[1]
     url = f"http://alice:hunter2@127.0.0.1:{port}"
     dead = "http://bob:s3cret@127.0.0.1:1"  # refused: logged as unhealthy
@@ -136,7 +112,8 @@ def test_upstream_userinfo_redacted_and_sent_once(tmp_path, caplog, client_auth)
         for secret in ("hunter2", "s3cret", "alice", "bob"):
             assert secret not in shown
         basic = split_credentials(url)[1]
-        assert up.app[SEEN_AUTH] and set(up.app[SEEN_AUTH]) == {basic}
+        auths = [r["auth"] for r in up.app[STUB].records]
+        assert auths and set(auths) == {basic}
     finally:
         up.close()
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import json
 import time
 
 import httpx
@@ -14,49 +12,17 @@ from prefixgate.gateway.server import BackgroundServer
 from prefixgate.gateway.state import STATE, GatewaySettings
 from prefixgate.gateway.upstream import UpstreamRouter, affinity_key, normalize_url
 from support.net import free_port
-
-SEEN = web.AppKey("seen", list)
+from support.stub_upstream import STUB, StubServer
 
 
 def stub_app(name: str, chunk_delay_s: float = 0.0, status: int = 200) -> web.Application:
-    """An OpenAI-ish upstream that says who it is; streams 5 chunks when asked."""
-    seen: list[dict] = []
-
-    async def chat(request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        seen.append({"body": body, "auth": request.headers.get("Authorization")})
-        if status != 200:
-            return web.json_response(
-                {"error": {"message": "nope", "type": "x", "param": None, "code": None}},
-                status=status,
-            )
-        if body.get("stream"):
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await resp.prepare(request)
-            seen[-1]["outcome"] = "cut"
-            for i in range(5):
-                await resp.write(f"data: {json.dumps({'upstream': name, 'i': i})}\n\n".encode())
-                await asyncio.sleep(chunk_delay_s)
-            await resp.write(b"data: [DONE]\n\n")
-            seen[-1]["outcome"] = "complete"
-            return resp
-        resp = web.json_response({"upstream": name, "object": "chat.completion"})
-        resp.enable_compression()  # gzip when asked: the proxy must not garble it
-        return resp
-
-    async def models(request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": name, "object": "model"}]})
-
-    async def health(request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
-
-    app = web.Application()
-    app[SEEN] = seen
-    app.router.add_post("/v1/chat/completions", chat)
-    app.router.add_post("/v1/completions", chat)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/health", health)
-    return app
+    """The stub upstream (``support.stub_upstream``) named ``name``; a stream of it sends its
+    role chunk at once, then 4 content chunks, the first ``2 * chunk_delay_s`` later and each
+    next one ``chunk_delay_s`` apart, and ``[DONE]``."""
+    stub = StubServer(
+        name=name, status=status, ttft_s=2 * chunk_delay_s, token_delay_s=chunk_delay_s
+    )
+    return stub.app()
 
 
 @pytest.fixture
@@ -203,7 +169,7 @@ def test_streams_pass_through_chunk_by_chunk(servers):
     events = [e for e in data.decode().split("\n\n") if e]
     assert events[-1] == "data: [DONE]" and len(events) == 6
     assert arrivals[0] < 0.5 and arrivals[-1] > 0.6  # the first chunk long before the end
-    assert up.app[SEEN][-1]["auth"] == "Bearer uk"  # the upstream key, not the client's
+    assert up.app[STUB].records[-1]["auth"] == "Bearer uk"  # the upstream key, not the client's
     with httpx.Client(base_url=gw.url) as http:
         assert http.post("/v1/chat/completions", json=_chat("s", "q")).status_code == 401
         models = http.get("/v1/models", headers={"Authorization": "Bearer gk"}).json()
@@ -219,9 +185,9 @@ def test_client_disconnect_closes_upstream_stream(servers):
     ):
         next(r.iter_raw())  # first chunk, then leave
     deadline = time.monotonic() + 3
-    while up.app[SEEN][-1].get("outcome") != "cut" and time.monotonic() < deadline:
+    while up.app[STUB].records[-1].get("outcome") != "cut" and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(1.2)  # longer than the rest of the stream would take
-    assert up.app[SEEN][-1]["outcome"] == "cut"
+    assert up.app[STUB].records[-1]["outcome"] == "cut"
     assert gw.app[STATE].router.upstreams[0].in_flight == 0
     assert gw.app[STATE].router.upstreams[0].healthy  # a client leaving is not an upstream fault

@@ -1,6 +1,12 @@
-"""A stub OpenAI-compatible streaming upstream on loopback (``gateway.server.BackgroundServer``).
+"""The tests' one stub OpenAI-compatible upstream, on loopback (``gateway.server.BackgroundServer``).
 
-It streams ``max_tokens`` content chunks ``token_delay_s`` apart after ``ttft_s``, ends with a
+``start()`` serves it from a background thread; ``app`` alone is the factory for a caller's own
+``BackgroundServer`` (``server.app[STUB]`` is then the stub). Each chat (or completions) request
+is recorded: its body in ``seen``, and ``{"body", "auth", "outcome"}`` in ``records``
+(``outcome``: ``"complete"``, or ``"cut"`` while a stream is unfinished or after its client
+left). With ``status`` other than 200 every answer is that status with an OpenAI error body. A
+request without ``stream`` gets a ``chat.completion`` naming the stub (``"upstream": name``,
+gzip when asked). A streamed one ``max_tokens`` content chunks ``token_delay_s`` apart after ``ttft_s``, ends with a
 usage chunk when ``stream_options.include_usage`` is set (``cached_tokens`` = half the prompt
 tokens from the second request on), and answers 429 to every ``fail_every``-th request.
 A prompt's tokens are its messages' characters. With ``max_model_len`` set, the model card
@@ -16,15 +22,20 @@ from dataclasses import dataclass, field
 from aiohttp import web
 from prefixgate.gateway.server import BackgroundServer
 
+STUB: web.AppKey[StubServer] = web.AppKey("stub_upstream")
+
 
 @dataclass
 class StubServer:
+    name: str = "stub-model"
+    status: int = 200
     ttft_s: float = 0.02
     token_delay_s: float = 0.002
     fail_every: int = 0
     max_model_len: int | None = None
     tokenize: bool = True
     seen: list[dict] = field(default_factory=list)
+    records: list[dict] = field(default_factory=list)
     max_in_flight: int = 0
     port: int = 0
     _in_flight: int = 0
@@ -37,7 +48,12 @@ class StubServer:
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.seen.append(body)
+        record = {"body": body, "auth": request.headers.get("Authorization")}
+        self.records.append(record)
         n = len(self.seen)
+        if self.status != 200:
+            error = {"message": "nope", "type": "x", "param": None, "code": None}
+            return web.json_response({"error": error}, status=self.status)
         if self.fail_every and n % self.fail_every == 0:
             return web.json_response(
                 {
@@ -51,9 +67,32 @@ class StubServer:
                 status=429,
                 headers={"Retry-After": "1"},
             )
+        if not body.get("stream"):
+            record["outcome"] = "complete"
+            resp = web.json_response(
+                {
+                    "id": f"c{n}",
+                    "object": "chat.completion",
+                    "created": 0,
+                    "model": body.get("model", self.name),
+                    "upstream": self.name,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "message": {"role": "assistant", "content": "ok"},
+                            "logprobs": None,
+                            "finish_reason": "stop",
+                        }
+                    ],
+                    "usage": None,
+                }
+            )
+            resp.enable_compression()  # gzip when asked: a proxy must not garble it
+            return resp
         self._in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self._in_flight)
         try:
+            record["outcome"] = "cut"
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
             base = {
@@ -90,12 +129,13 @@ class StubServer:
                 )
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
+            record["outcome"] = "complete"
             return resp
         finally:
             self._in_flight -= 1
 
     async def _models(self, request: web.Request) -> web.Response:
-        card: dict = {"id": "stub-model", "object": "model"}
+        card: dict = {"id": self.name, "object": "model"}
         if self.max_model_len is not None:
             card["max_model_len"] = self.max_model_len
         return web.json_response({"object": "list", "data": [card]})
@@ -110,7 +150,9 @@ class StubServer:
     def app(self) -> web.Application:
         """The stub's aiohttp application."""
         app = web.Application()
+        app[STUB] = self
         app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/tokenize", self._tokenize)
         app.router.add_get("/health", lambda r: web.json_response({"ok": True}))
