@@ -38,14 +38,32 @@ logger = logging.getLogger(__name__)
 _JSON_OPTIONS: dict[str, Any] = {"any_whitespace": False, "strict_mode": True}
 
 
+_GRAMMARS: cachetools.LRUCache[str, xgr.Grammar] = cachetools.LRUCache(512)
+_GRAMMARS_LOCK = threading.Lock()
+
+
 def grammar_of(spec: StructuredOutputsParams) -> xgr.Grammar:
-    """Convert a constraint to an ``xgrammar.Grammar`` (no tokenizer needed).
+    """Convert a constraint to an ``xgrammar.Grammar`` (no tokenizer needed). Conversions
+    are cached by ``spec.key()`` (LRU): the gateway converts in a worker thread first, so the
+    engine's check on the event loop is a cache hit.
 
     Raises:
         ValueError: an invalid JSON schema, a schema feature xgrammar does not support, an
             invalid regex or EBNF grammar; the message starts with the field
             (``structured_outputs.json`` ...).
     """
+    key = spec.key()
+    with _GRAMMARS_LOCK:
+        hit = _GRAMMARS.get(key)
+    if hit is not None:
+        return hit
+    grammar = _convert(spec)
+    with _GRAMMARS_LOCK:
+        _GRAMMARS[key] = grammar
+    return grammar
+
+
+def _convert(spec: StructuredOutputsParams) -> xgr.Grammar:
     kind = spec.kind
     try:
         if kind == "json":
