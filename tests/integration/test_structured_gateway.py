@@ -164,6 +164,16 @@ def test_vllm_extras_map_to_the_same_constraint(client, server, extra, check, po
         model=MODEL, prompt="Once", temperature=1.0, max_tokens=40, extra_body=extra
     )
     assert comp.choices[0].finish_reason == "stop" and check(comp.choices[0].text)
+    for seed in range(2):  # the same with stream: true
+        parts, finish = [], None
+        for ch in client.chat.completions.create(
+            model=MODEL, messages=MSGS, temperature=1.0, seed=seed, max_tokens=40, stream=True,
+            extra_body=extra,
+        ):  # fmt: skip
+            if ch.choices:
+                parts.append(ch.choices[0].delta.content or "")
+                finish = ch.choices[0].finish_reason or finish
+        assert finish == "stop" and check("".join(parts)), parts
     _idle(server, pool_whole)
 
 
