@@ -37,10 +37,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     if command == "serve":
         try:
             from prefixgate.gateway.serve_cli import add_serve_parser
-        except ImportError as exc:  # the SDK-only install: `pip install prefixgate`
+        except ImportError as exc:  # the SDK-only install: `pip install -e .`
             raise SystemExit(
                 f"prefixgate serve: the server needs the engine extra ({exc.name} is missing):"
-                " pip install -e '.[engine]'"
+                " pip install -e '.[engine]' (or '.[proxy]' for --upstream only)"
             ) from None
         add_serve_parser(sub)
     else:
