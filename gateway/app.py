@@ -8,8 +8,9 @@
   torch: ``pip install 'prefixgate[proxy]'`` is enough to run it.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{model}],
-POST /v1/prefixes, GET|DELETE /v1/prefixes/{id} (local mode), GET /health, GET /ready,
-GET /metrics. Run the app with ``handler_cancellation=True`` (``server.start_server`` does)
+POST /v1/responses, POST /v1/prefixes, GET|DELETE /v1/prefixes/{id}, POST /tokenize,
+POST /detokenize (local mode), GET /health, GET /ready, GET /metrics. Every answer carries
+``x-request-id`` (``request_id``). Run the app with ``handler_cancellation=True`` (``server.start_server`` does)
 so a client that disconnects cancels its handler at once.
 """
 
@@ -22,6 +23,8 @@ from aiohttp import web
 from prefixgate.engine.protocol import EngineClient
 from prefixgate.gateway import (
     lifecycle,
+    request_id,
+    responses_api,
     routes_openai,
     routes_prefixes,
     routes_tokenize,
@@ -59,7 +62,9 @@ def create_app(
     r = app.router
     r.add_post("/v1/chat/completions", routes_openai.chat_completions)
     r.add_post("/v1/completions", routes_openai.completions)
+    r.add_post("/v1/responses", responses_api.create_response)
     r.add_post("/tokenize", routes_tokenize.tokenize)
+    r.add_post("/detokenize", routes_tokenize.detokenize)
     r.add_get("/v1/models", routes_openai.list_models)
     r.add_get("/v1/models/{model}", routes_openai.get_model)
     r.add_post("/v1/prefixes", routes_prefixes.create_prefix)
@@ -109,6 +114,7 @@ def create_proxy_app(
     r.add_get("/ready", ready_proxy)
     r.add_post("/v1/chat/completions", routes_upstream.proxy_generate)
     r.add_post("/v1/completions", routes_upstream.proxy_generate)
+    r.add_post("/v1/responses", responses_api.responses_unsupported)
     r.add_get("/v1/models", routes_upstream.proxy_get)
     r.add_get("/v1/models/{model}", routes_upstream.proxy_get)
     r.add_route("*", "/v1/prefixes", _no_prefixes)
@@ -143,6 +149,7 @@ def _base_app(settings: GatewaySettings | None) -> tuple[web.Application, Gatewa
         middlewares=[lifecycle.drain_middleware, error_middleware, body_limits_middleware],
     )
     lifecycle.install(app)
+    app.on_response_prepare.append(request_id.stamp)
     app[STATE] = st
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics_route)

@@ -13,11 +13,12 @@ and ``"abort"`` as vLLM reports it).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Literal
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, Protocol
 
 from prefixgate.engine.outputs import TokenLogprobs
 from prefixgate.engine.protocol import TokenizerLike
+from prefixgate.gateway.errors import APIError
 from prefixgate.gateway.generation import ChoiceOutput, Delta
 from prefixgate.gateway.responses import (
     AssistantMessage,
@@ -36,7 +37,7 @@ from prefixgate.gateway.responses import (
     Usage,
     dump,
 )
-from prefixgate.gateway.streaming import encode_data
+from prefixgate.gateway.streaming import DONE, encode_data, encode_event
 from prefixgate.gateway.tools import ToolDeltas, ToolPlan, parse_output
 
 
@@ -204,6 +205,22 @@ class _Renderer:
         c = self.chunk(i, d, offset)
         return [] if c is None else [c]
 
+    def body(self, outputs: list[ChoiceOutput], usage: Usage) -> ChatCompletion | Completion:
+        raise NotImplementedError
+
+    def json(self, outputs: list[ChoiceOutput], usage: Usage) -> bytes:
+        """The whole non-streaming body as JSON bytes."""
+        return dump(self.body(outputs, usage))
+
+    def closing(self, outputs: list[ChoiceOutput], usage: Usage) -> list[bytes]:
+        """The events that end a stream: the usage chunk (with ``include_usage``), ``[DONE]``."""
+        events = [self.usage_event(usage)] if self.include_usage else []
+        return [*events, DONE]
+
+    def error_event(self, err: APIError) -> bytes:
+        """The in-band error event of a stream cut short (``data: {"error": {...}}``)."""
+        return encode_event(err.body())
+
 
 class ChatRenderer(_Renderer):
     """``chat.completion`` bodies and ``chat.completion.chunk`` streams.
@@ -358,3 +375,22 @@ class CompletionRenderer(_Renderer):
         if self.num_logprobs is None:
             return None
         return completion_logprobs(self.token_text, entries, offset)
+
+
+class Renderer(Protocol):
+    """What ``Exchange`` asks of a route's renderer (chat, completions, responses)."""
+
+    route: str
+    include_usage: bool
+
+    def opening(self, n: int) -> Sequence[Any]: ...
+
+    def chunks(self, i: int, d: Delta, offset: int) -> Sequence[Any]: ...
+
+    def event(self, chunk: Any) -> bytes: ...
+
+    def json(self, outputs: list[ChoiceOutput], usage: Usage) -> bytes: ...
+
+    def closing(self, outputs: list[ChoiceOutput], usage: Usage) -> list[bytes]: ...
+
+    def error_event(self, err: APIError) -> bytes: ...

@@ -31,7 +31,7 @@ from prefixgate.gateway.prompts import (
     render_chat,
     sampling_params,
 )
-from prefixgate.gateway.renderers import ChatRenderer, CompletionRenderer
+from prefixgate.gateway.renderers import ChatRenderer, CompletionRenderer, Renderer
 from prefixgate.gateway.request_fields import (
     REFUSED,
     check_constraint,
@@ -216,7 +216,7 @@ class Exchange:
     Args:
         request: the HTTP request; st: the gateway state; principal: the caller.
         choices: the engine requests (one per choice; per prompt for batched completions).
-        renderer: ``ChatRenderer`` or ``CompletionRenderer``.
+        renderer: the route's ``Renderer`` (chat, completions, responses).
         salt: the engine cache salt; stream: answer with SSE.
     """
 
@@ -226,7 +226,7 @@ class Exchange:
         st: GatewayState,
         principal: Principal,
         choices: list[Choice],
-        renderer: ChatRenderer | CompletionRenderer,
+        renderer: Renderer,
         salt: str | None,
         stream: bool,
     ) -> None:
@@ -308,7 +308,7 @@ class Exchange:
                     continue
                 self._record(*ev)
         self.st.metrics.cached_tokens.inc(sum(self.cached.values()))
-        return _json(dump(self.renderer.body(self.outputs, self._usage())))
+        return _json(self.renderer.json(self.outputs, self._usage()))
 
     # --- streaming ------------------------------------------------------------------------
     async def _stream(self) -> web.StreamResponse:
@@ -345,15 +345,14 @@ class Exchange:
                         break
                     try:
                         ev = await run.next(poll)
-                    except Exception as exc:  # noqa: BLE001 - reported in-band, then [DONE]
-                        await sse.send(
-                            APIError(500, f"generation failed: {type(exc).__name__}").body()
-                        )
+                    except Exception as exc:  # noqa: BLE001 - reported in-band, then closed
+                        err = APIError(500, f"generation failed: {type(exc).__name__}")
+                        await sse.write(self.renderer.error_event(err))
                         break
             self.st.metrics.cached_tokens.inc(sum(self.cached.values()))
-            if self.renderer.include_usage:
-                await sse.write(self.renderer.usage_event(self._usage()))
-            await sse.done()
+            for event in self.renderer.closing(self.outputs, self._usage()):
+                await sse.write(event)
+            await sse.response.write_eof()
         except ConnectionResetError:
             pass  # client gone mid-stream: ChoiceRun aborted the engine requests on exit
         return sse.response
