@@ -380,8 +380,11 @@ class CompletionRenderer(_Renderer):
 class Renderer(Protocol):
     """What ``Exchange`` asks of a route's renderer (chat, completions, responses)."""
 
-    route: str
-    include_usage: bool
+    @property
+    def route(self) -> str: ...
+
+    @property
+    def include_usage(self) -> bool: ...
 
     def opening(self, n: int) -> Sequence[Any]: ...
 
