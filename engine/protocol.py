@@ -44,6 +44,12 @@ class TokenizerLike(Protocol):
         """Text of ``ids`` (incomplete UTF-8 decodes to U+FFFD)."""
         ...
 
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        """The conversation rendered with the chat template, as text."""
+        ...
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes ``token_id`` adds to the text (a byte-fallback token's own byte, not
         U+FFFD); for logprobs' ``bytes``."""

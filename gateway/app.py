@@ -164,7 +164,7 @@ def attach_engine(app: web.Application, engine: EngineClient) -> None:
     st.token_texts = TokenTexts(engine.tokenizer)
     st.metrics.add_engine(engine.stats)
     # Retry-After's service-time estimate: requests run this many at once (decode batch).
-    st.admission.concurrency = int(getattr(getattr(engine, "config", None), "max_num_seqs", 0) or 0)
+    st.admission.concurrency = engine.config.max_num_seqs
     if not st.model_name:
         st.model_name = default_model_name(engine)
     st.ready = True

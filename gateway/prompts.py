@@ -50,17 +50,18 @@ async def render_chat(
     )
 
 
-def refuse_oversized(tokenizer: Any, text: str, max_model_len: int | None, param: str) -> None:
+def refuse_oversized(
+    tokenizer: TokenizerLike, text: str, max_model_len: int | None, param: str
+) -> None:
     """400 ``context_length_exceeded`` when ``text`` has at least ``max_model_len`` tokens
-    by ``tokenizer.min_num_tokens`` (no tokenization; a tokenizer without the bound passes).
+    by ``tokenizer.min_num_tokens`` (no tokenization; a bound of 0 passes).
 
     Raises:
         APIError: 400 ``context_length_exceeded``.
     """
-    bound = getattr(tokenizer, "min_num_tokens", None)
-    if max_model_len is None or bound is None:
+    if max_model_len is None:
         return
-    at_least = bound(text)
+    at_least = tokenizer.min_num_tokens(text)
     if at_least >= max_model_len:
         raise APIError(
             400,
@@ -82,10 +83,10 @@ def _render_chat(
     try:
         if max_model_len is not None and _contents_may_overflow(tokenizer, messages, max_model_len):
             # Only for a huge conversation: render it (cheap) and bound the rendering.
-            render = getattr(tokenizer, "apply_chat_template", None)
-            if render is not None:
-                text = render(messages, add_generation_prompt=add_generation_prompt, **kwargs)
-                refuse_oversized(tokenizer, text, max_model_len, "messages")
+            text = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, **kwargs
+            )
+            refuse_oversized(tokenizer, text, max_model_len, "messages")
         return list(
             tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt, **kwargs)
         )
@@ -97,12 +98,12 @@ def _render_chat(
         ) from None
 
 
-def _contents_may_overflow(tokenizer: Any, messages: list[dict], max_model_len: int) -> bool:
+def _contents_may_overflow(
+    tokenizer: TokenizerLike, messages: list[dict], max_model_len: int
+) -> bool:
     """True when the messages' text alone bounds at ``max_model_len`` tokens or more (the
     rendering, which holds it, is then bounded too)."""
-    bound = getattr(tokenizer, "min_num_tokens", None)
-    if bound is None:
-        return False
+    bound = tokenizer.min_num_tokens
     total = 0
     for m in messages:
         content = m.get("content") if isinstance(m, dict) else None
