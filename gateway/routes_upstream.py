@@ -1,11 +1,17 @@
 """Routes of upstream mode: the OpenAI API forwarded to the upstream pool.
 
-The body is forwarded as received (bytes), answers come back as they are: a JSON body in one
-piece, an SSE stream chunk by chunk as the upstream writes it (no re-framing, no buffering).
-A request whose upstream fails before answering (connection refused or reset, timeout,
-502/503/504) is retried once on each other healthy upstream; once a stream has started it
-cannot be, and is cut. An upstream error whose body is not an OpenAI error object (an HTML
-page, a traceback, nothing) is answered with the same status and a generic OpenAI error. A client that disconnects closes the upstream connection (the
+The body is forwarded as received (bytes); answers are verified before they are relayed:
+a 200 JSON answer must be a JSON object (an HTML page or garbage with status 200 is a
+failed upstream: retried elsewhere, else 502 ``upstream_error``), an SSE stream is relayed
+event by event, each checked, and must end with ``[DONE]`` — a stream that ends early,
+breaks, stalls past the idle timeout or turns to garbage ends with an in-band error event
+(``relay``). A request whose upstream fails before answering (connection refused or reset,
+connect timeout, 502/503/504, an invalid 200 body) is retried once on each other healthy
+upstream; an idle timeout before the answer (nothing for ``upstream_timeout_s``) is 504
+``upstream_timeout`` and not retried (the request may still be running there); once a
+stream has started it cannot move. An upstream error whose body is not an OpenAI error
+object (an HTML page, a traceback, nothing) is answered with the same status and a generic
+OpenAI error. A client that disconnects closes the upstream connection (the
 upstream then aborts its request).
 """
 
@@ -20,6 +26,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from prefixgate.gateway.errors import APIError, bad_request
+from prefixgate.gateway.relay import json_body_problem, relay_sse
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.upstream import Upstream, affinity_key
 
@@ -119,10 +126,17 @@ async def _forward(
                 up.served += 1
                 ctype = resp.headers.get("Content-Type", "application/json")
                 if ctype.startswith("text/event-stream"):
-                    return await _pipe(request, resp)
+                    s = st.settings
+                    return await relay_sse(request, resp, s.keepalive_s, s.upstream_timeout_s)
                 data = await resp.read()
                 if resp.status >= 400 and not _is_openai_error(data, resp.headers):
                     raise _wrapped_error(resp)
+                problem = json_body_problem(data, resp.headers) if resp.status < 300 else None
+                if problem is not None:
+                    up.served -= 1
+                    router.mark_failed(up, f"HTTP {resp.status} with {problem}")
+                    status = "invalid"
+                    continue
                 out_headers = {"Content-Type": ctype}
                 for name in _PASSED_HEADERS:  # a 429's advice; an encoding we did not undo
                     value = resp.headers.get(name)
@@ -132,7 +146,20 @@ async def _forward(
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
             if request.transport is None or request.transport.is_closing():
                 return web.Response(status=499)  # client gone; nothing to answer
-            router.mark_failed(up, type(exc).__name__ + (f": {exc}" if str(exc) else ""))
+            why = type(exc).__name__ + (f": {exc}" if str(exc) else "")
+            if isinstance(exc, TimeoutError) and not isinstance(
+                exc, aiohttp.ConnectionTimeoutError
+            ):
+                # An idle timeout: one slow request, not a dead server (a probe decides).
+                router.suspect(up, why)
+                status = "timeout"
+                raise APIError(
+                    504,
+                    f"the upstream sent nothing for {router.timeout_s:g} s",
+                    code="upstream_timeout",
+                    type="timeout_error",
+                ) from None
+            router.mark_failed(up, why)
             status = "failed"
         finally:
             up.in_flight -= 1
@@ -164,31 +191,6 @@ def _wrapped_error(resp: aiohttp.ClientResponse) -> APIError:
         code="upstream_error",
         retry_after=float(retry) if retry.isdigit() else None,
     )
-
-
-async def _pipe(request: web.Request, resp: aiohttp.ClientResponse) -> web.StreamResponse:
-    """Pass an SSE stream through chunk by chunk."""
-    headers = {
-        "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
-        "Cache-Control": "no-cache",
-        "X-Accel-Buffering": "no",
-    }
-    if "Content-Encoding" in resp.headers:
-        headers["Content-Encoding"] = resp.headers["Content-Encoding"]
-    out = web.StreamResponse(status=resp.status, headers=headers)
-    await out.prepare(request)
-    try:
-        async for chunk in resp.content.iter_any():
-            await out.write(chunk)
-        await out.write_eof()
-    except ConnectionResetError:
-        pass  # client gone: leaving closes the upstream connection
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        # The upstream broke mid-stream: a started stream cannot move; cut it.
-        logger.warning("upstream stream cut: %r", exc)
-        if request.transport is not None:
-            request.transport.close()
-    return out
 
 
 def _headers(request: web.Request, st: GatewayState, up: Upstream) -> dict[str, str]:

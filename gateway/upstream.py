@@ -3,8 +3,10 @@
 Routing of one request (after SGLang's cache-aware router, adapted to rendezvous hashing):
 
 1. Only healthy upstreams are candidates. An upstream becomes unhealthy after a connection
-   failure, a timeout, or a 502/503/504 answer; a background task probes unhealthy ones
-   (``GET /health``) every ``health_interval_s`` and puts them back on a 200.
+   failure, a connect timeout, a 502/503/504 answer or a 200 whose body is not the JSON it
+   must be, or a failed probe (every upstream is probed at start, and after an idle
+   timeout of one of its requests); a background task probes unhealthy ones
+   (``GET /health``) every ``health_interval_s`` and puts them back on any answer below 500.
 2. If the load is imbalanced — ``max - min > balance_abs_threshold`` and
    ``max > balance_rel_threshold * min``, over in-flight requests (SGLang's defaults 64 and
    1.5) — the least loaded upstream is chosen.
@@ -155,7 +157,16 @@ class UpstreamRouter:
         urls: base URLs of the upstreams.
         balance_abs_threshold, balance_rel_threshold: the imbalance rule (in-flight requests).
         health_interval_s: seconds between probes of unhealthy upstreams.
-        connect_timeout_s, timeout_s: of each upstream request (0 = no total timeout).
+        connect_timeout_s: connect timeout of each upstream request.
+        timeout_s: idle timeout of each upstream request — the longest wait for the answer's
+            first byte and between two reads of it (aiohttp's ``sock_read``), never a total:
+            a healthy long stream is never cut (0 = none).
+
+    Health: a refused or reset connection, a connect timeout or a 502/503/504 takes an
+    upstream out of rotation (``mark_failed``); an idle timeout does not — one slow request
+    says nothing of the server — it only asks for a probe (``suspect``), which decides.
+    ``start`` probes every upstream before the first request, so ``/ready`` is true from
+    the start (a dead upstream is out of rotation until a probe succeeds).
     """
 
     def __init__(
@@ -175,9 +186,13 @@ class UpstreamRouter:
         self.abs_threshold = balance_abs_threshold
         self.rel_threshold = balance_rel_threshold
         self.health_interval_s = health_interval_s
-        self.timeout = aiohttp.ClientTimeout(total=timeout_s or None, connect=connect_timeout_s)
+        self.timeout = aiohttp.ClientTimeout(
+            total=None, connect=connect_timeout_s, sock_read=timeout_s or None
+        )
+        self.timeout_s = timeout_s
         self.session: aiohttp.ClientSession | None = None
         self._probe_task: asyncio.Task | None = None
+        self._suspects: set[asyncio.Task] = set()
 
     async def start(self) -> None:
         """Open the shared ClientSession and start the health prober (in the server's loop)."""
@@ -188,10 +203,16 @@ class UpstreamRouter:
             auto_decompress=False,
             skip_auto_headers=("User-Agent", "Accept-Encoding"),
         )
+        await asyncio.gather(*(self.probe(u, mark_down=True) for u in self.upstreams))
+        down = [u.url for u in self.upstreams if not u.healthy]
+        if down:
+            logger.warning("upstream(s) not answering /health at start: %s", ", ".join(down))
         self._probe_task = asyncio.create_task(self._probe_loop())
 
     async def close(self) -> None:
         """Stop probing and close the session."""
+        for task in list(self._suspects):
+            task.cancel()
         if self._probe_task is not None:
             self._probe_task.cancel()
             await asyncio.gather(self._probe_task, return_exceptions=True)
@@ -224,19 +245,33 @@ class UpstreamRouter:
             logger.warning("upstream %s unhealthy: %s", up.url, why)
         up.healthy = False
 
-    async def probe(self, up: Upstream) -> bool:
-        """``GET /health`` on ``up`` (2 s timeout); marks it healthy on a 200."""
+    def suspect(self, up: Upstream, why: str) -> None:
+        """One request to ``up`` timed out: probe it now; only a failed probe takes it out
+        of rotation (one slow request must not empty the pool)."""
+        up.last_error = why
+        if self.session is None or not up.healthy:
+            return
+        task = asyncio.ensure_future(self.probe(up, mark_down=True, why=why))
+        self._suspects.add(task)
+        task.add_done_callback(self._suspects.discard)
+
+    async def probe(self, up: Upstream, mark_down: bool = False, why: str = "") -> bool:
+        """``GET /health`` on ``up`` (2 s timeout); marks it healthy on an answer below 500
+        (an OpenAI-compatible server without ``/health`` answers 404: alive), and unhealthy
+        on anything else when ``mark_down``."""
         assert self.session is not None
         try:
             async with self.session.get(
                 up.url + "/health", timeout=aiohttp.ClientTimeout(total=2.0)
             ) as resp:
-                ok = resp.status == 200
+                ok = resp.status < 500  # alive (a server without /health answers 404)
         except (aiohttp.ClientError, TimeoutError, OSError):
             ok = False
         if ok and not up.healthy:
             logger.info("upstream %s healthy again", up.url)
             up.healthy = True
+        elif not ok and mark_down:
+            self.mark_failed(up, (why + "; " if why else "") + "GET /health failed")
         return ok
 
     async def _probe_loop(self) -> None:
