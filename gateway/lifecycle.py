@@ -105,8 +105,9 @@ async def drain_middleware(request: web.Request, handler: Handler) -> web.Stream
         raise
     if task.done():
         return task.result()
+    # The ending goes out first; the cancelled handler (aborting its engine requests, closing
+    # its upstream connection) finishes in the background and ``drain`` waits for it.
     task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
     return await _end(request)
 
 
@@ -149,6 +150,6 @@ async def drain(app: web.Application, runner: web.BaseRunner, grace_s: float) ->
     if left:
         logger.warning("grace period over: ending %d request(s) with an error", left)
     d.end_all()
-    if d.active:
-        await asyncio.wait(set(d.active), timeout=0.5)
+    if d.active:  # handlers cleaning up after their ending was sent
+        await asyncio.wait(set(d.active), timeout=0.9)
     return {"finished": in_flight - left, "ended": left, "seconds": time.monotonic() - t0}

@@ -10,9 +10,9 @@ proxy fault matrix of ``faults`` and the gateway's tests.
 * ``html200`` — status 200 with an HTML page;
 * ``garbage`` — status 200 with bytes that are neither JSON nor server-sent events;
 * ``eof`` — two content chunks, then a clean end of the response: no finish_reason, no
-  ``[DONE]``;
+  ``[DONE]`` (non-stream: half of the declared JSON body, then the connection closes);
 * ``stall`` — two content chunks, then nothing (the connection stays open);
-* ``kill`` — two content chunks, then the connection is reset mid-response.
+* ``kill`` — two content chunks (non-stream: half the body), then the connection is reset.
 """
 
 from __future__ import annotations
@@ -147,6 +147,16 @@ class FaultUpstream:
         if not stream:
             if mode == "stall":
                 await asyncio.sleep(3600)
+            if mode in ("eof", "kill"):  # half of the declared body, then an end or a reset
+                body = _completion("ok " * self.chunks)
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\n\r\n%s" % (len(body), body[: len(body) // 2])
+                )
+                await writer.drain()
+                if mode == "kill":
+                    writer.transport.abort()
+                return False
             await asyncio.sleep(self.chunks * self.delay_s)
             await self._send(writer, 200, "application/json", _completion("ok " * self.chunks))
             return True

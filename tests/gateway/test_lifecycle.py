@@ -31,6 +31,13 @@ def _stream_events(url: str, body: dict, out: dict, key: str) -> None:
     out[key] = events
 
 
+def _stats(engine):
+    async def get():
+        return engine.stats()
+
+    return get
+
+
 def _post(url: str, body: dict, out: dict, key: str) -> None:
     r = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
     out[key] = (r.status_code, r.json())
@@ -65,7 +72,12 @@ def test_drain_lets_short_requests_finish_and_ends_the_rest_explicitly(serve_fak
     threads.append(threading.Thread(target=openai_stream))
     for t in threads:
         t.start()
-    time.sleep(0.6)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:  # the three long requests generating (a loaded machine)
+        stats = srv.call(_stats(engine))
+        if stats["num_running"] >= 3 and "short" in out:
+            break
+        time.sleep(0.05)
     t0 = time.monotonic()
     summary = srv.call(lambda: srv.server.drain(1.0), timeout=10)
     took = time.monotonic() - t0
