@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing as mp
 import os
 import resource
 import signal
@@ -108,56 +109,68 @@ def _pct(xs: list[float], p: float) -> float:
 # --- 1. slow headers ----------------------------------------------------------------------
 
 
-async def _slow_client(port: int, stop_at: float, closed: list[float], t0: float) -> None:
-    try:
-        reader, writer = await asyncio.open_connection(HOST, port)
-    except OSError:
-        closed.append(-1.0)  # refused
-        return
-    try:
-        writer.write(b"GET /health HTTP/1.1\r\n")
-        while time.monotonic() < stop_at:
-            try:
-                data = await asyncio.wait_for(reader.read(1024), 1.0)
-                if not data:
-                    break
-            except TimeoutError:
-                writer.write(b"X")  # one more header byte, never the end of the headers
-                await writer.drain()
-        else:
-            closed.append(float("inf"))  # still open at the end
-            return
-        closed.append(time.monotonic() - t0)
-    except OSError:
-        closed.append(time.monotonic() - t0)
-    finally:
-        writer.close()
+async def _slow_client(port: int, stop_at: float, lifetimes: list[float]) -> None:
+    """One attacker slot until ``stop_at``: a connection that sends one header byte a second
+    and never ends its headers; when the server closes it, the next one opens. Appends each
+    connection's lifetime (-age: still open at the end, -1: refused)."""
+    while time.monotonic() < stop_at:
+        t0 = time.monotonic()
+        try:
+            reader, writer = await asyncio.open_connection(HOST, port)
+        except OSError:
+            lifetimes.append(-1.0)
+            await asyncio.sleep(0.1)
+            continue
+        try:
+            writer.write(b"GET /health HTTP/1.1\r\n")
+            while time.monotonic() < stop_at:
+                try:
+                    if not await asyncio.wait_for(reader.read(1024), 1.0):
+                        break  # closed by the server
+                except TimeoutError:
+                    writer.write(b"X")  # one more header byte, never the end of the headers
+                    await writer.drain()
+            else:
+                lifetimes.append(-max(time.monotonic() - t0, 1.01))  # still open: -age
+                return
+            lifetimes.append(time.monotonic() - t0)
+        except OSError:
+            lifetimes.append(time.monotonic() - t0)
+        finally:
+            writer.close()
+
+
+def _attack(port: int, n: int, window_s: float, results: Any) -> None:
+    """The slow-header clients, in their own process (their 1,000 wake-ups a second must not
+    slow the /health prober's own process)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    closed: list[float] = []
+
+    async def attack() -> None:
+        stop_at = time.monotonic() + window_s
+        tasks = []
+        for _ in range(n):
+            tasks.append(asyncio.create_task(_slow_client(port, stop_at, closed)))
+            await asyncio.sleep(0)
+        await asyncio.gather(*tasks)
+
+    asyncio.run(attack())
+    results.put(closed)
 
 
 def slow_headers(n: int, header_timeout_s: float) -> dict[str, Any]:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     srv = Server("--header-timeout-s", str(header_timeout_s))
     try:
         srv.wait("/health")
         health: list[float] = []
+        when: list[float] = []
         failures = 0
-        closed: list[float] = []
-        window = header_timeout_s + 10.0
-
-        async def attack() -> None:
-            stop_at = time.monotonic() + window
-            tasks = []
-            for _ in range(n):
-                tasks.append(
-                    asyncio.create_task(_slow_client(srv.port, stop_at, closed, time.monotonic()))
-                )
-                await asyncio.sleep(0)
-            await asyncio.gather(*tasks)
+        window = max(20.0, 3 * header_timeout_s)  # the attack outlasts the model load
 
         def probe() -> None:
             nonlocal failures
-            end = time.monotonic() + header_timeout_s + 2
+            end = time.monotonic() + window - 1.0
             with httpx.Client(timeout=5.0) as c:
                 while time.monotonic() < end:
                     t = time.monotonic()
@@ -167,37 +180,49 @@ def slow_headers(n: int, header_timeout_s: float) -> dict[str, Any]:
                         ok = False
                     if ok:
                         health.append(time.monotonic() - t)
+                        when.append(t)
                     else:
                         failures += 1
                     time.sleep(0.05)
 
         prober = threading.Thread(target=probe)
         prober.start()
-        attacker = threading.Thread(target=lambda: asyncio.run(attack()))
+        ctx = mp.get_context("spawn")
+        queue = ctx.Queue()
+        attacker = ctx.Process(target=_attack, args=(srv.port, n, window, queue))
         attacker.start()
+        t_attack = time.monotonic()
         ready_s = srv.wait("/ready")
+        t_ready = t_attack + ready_s
         prober.join()
-        attacker.join()
-        open_at_end = sum(1 for c in closed if c == float("inf"))
-        refused = sum(1 for c in closed if c < 0)
-        times = [c for c in closed if 0 <= c < float("inf")]
+        closed: list[float] = queue.get(timeout=window + 60)
+        attacker.join(30)
+        after = [h for h, t in zip(health, when, strict=True) if t > t_ready]
+        during = [h for h, t in zip(health, when, strict=True) if t <= t_ready]
+        still_open = [-c for c in closed if c < -1.0]  # ages of those open when it ended
+        open_at_end = sum(1 for c in still_open if c > header_timeout_s + 1.0)
+        refused = sum(1 for c in closed if c == -1.0)
+        times = [c for c in closed if c >= 0]
         return {
             "connections": n,
             "header_timeout_s": header_timeout_s,
             "closed_by_server": len(times),
             "refused": refused,
-            "still_open": open_at_end,
+            "open_past_timeout_at_end": open_at_end,
+            "open_at_end": len(still_open),
             "close_s_max": max(times) if times else None,
             "close_s_p50": _pct(times, 50),
             "ready_after_start_s": ready_s,
+            "attack_s": window,
             "health_p50_ms": _pct(health, 50) * 1000,
             "health_p99_ms": _pct(health, 99) * 1000,
+            "health_p99_ms_loaded": _pct(after, 99) * 1000,
+            "health_p99_ms_loading": _pct(during, 99) * 1000,
             "health_failures": failures,
             "health_probes": len(health) + failures,
         }
     finally:
         srv.stop()
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 # --- 2. over-context bodies ---------------------------------------------------------------
@@ -213,35 +238,34 @@ def over_context(n: int = 12, size: int = 3_900_000) -> dict[str, Any]:
         ).encode()
         small = {"model": "tiny-random", "messages": [{"role": "user", "content": "hi"}]}
         small["max_tokens"] = 8
-        results: list[tuple[int, str, float]] = []
-        small_s: list[float] = []
 
-        def one_big() -> None:
-            t = time.monotonic()
-            r = httpx.post(
-                srv.url + "/v1/chat/completions",
-                content=big,
-                headers={"Content-Type": "application/json"},
-                timeout=120,
-            )
-            code = r.json().get("error", {}).get("code", "") if r.status_code != 200 else ""
-            results.append((r.status_code, code, time.monotonic() - t))
+        async def run() -> tuple[list[tuple[int, str, float]], float, float]:
+            limits = httpx.Limits(max_connections=n + 2)
+            async with httpx.AsyncClient(timeout=120, limits=limits) as c:
 
-        def one_small() -> None:
-            time.sleep(0.05)
-            t = time.monotonic()
-            r = httpx.post(srv.url + "/v1/chat/completions", json=small, timeout=120)
-            small_s.append(time.monotonic() - t if r.status_code == 200 else float("nan"))
+                async def one_big() -> tuple[int, str, float]:
+                    t = time.monotonic()
+                    r = await c.post(
+                        srv.url + "/v1/chat/completions",
+                        content=big,
+                        headers={"Content-Type": "application/json"},
+                    )
+                    code = r.json().get("error", {}).get("code", "") if r.status_code != 200 else ""
+                    return r.status_code, code, time.monotonic() - t
 
-        # the small request alone first (its baseline), then beside the 12 big ones
-        one_small()
-        baseline = small_s.pop()
-        threads = [threading.Thread(target=one_big) for _ in range(n)]
-        threads.append(threading.Thread(target=one_small))
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+                async def one_small(delay: float = 0.0) -> float:
+                    await asyncio.sleep(delay)
+                    t = time.monotonic()
+                    r = await c.post(srv.url + "/v1/chat/completions", json=small)
+                    return time.monotonic() - t if r.status_code == 200 else float("nan")
+
+                alone = await one_small()  # its baseline, then beside the big ones
+                *bigs, beside = await asyncio.gather(
+                    *(one_big() for _ in range(n)), one_small(0.05)
+                )
+                return bigs, alone, beside
+
+        results, baseline, beside = asyncio.run(run())
         time.sleep(0.5)
         rss1, peak = srv.rss_mb()
         lat = [r[2] for r in results]
@@ -255,7 +279,7 @@ def over_context(n: int = 12, size: int = 3_900_000) -> dict[str, Any]:
             "rss_after_mb": rss1,
             "rss_peak_growth_mb": peak - rss0,
             "small_request_alone_s": baseline,
-            "small_request_beside_s": small_s[0] if small_s else None,
+            "small_request_beside_s": beside,
         }
     finally:
         srv.stop()
@@ -417,16 +441,20 @@ def main(argv: list[str] | None = None) -> int:
     if "slow" in parts:
         s = out["slow_headers"] = slow_headers(args.slow, args.header_timeout_s)
         print(
-            f"\n1. {s['connections']} slow-header connections, header timeout {s['header_timeout_s']:g} s"
+            f"\n1. {s['connections']} slow-header connections held for {s['attack_s']:g} s "
+            f"(each reopened when closed), header timeout {s['header_timeout_s']:g} s"
         )
         print(
-            f"   closed by the server: {s['closed_by_server']} (max {s['close_s_max']:.1f} s, "
-            f"p50 {s['close_s_p50']:.1f} s), refused {s['refused']}, still open {s['still_open']}"
+            f"   closed by the server: {s['closed_by_server']} (lifetime max "
+            f"{s['close_s_max']:.1f} s, p50 {s['close_s_p50']:.1f} s), refused {s['refused']}, "
+            f"open past the timeout at the end {s['open_past_timeout_at_end']} "
+            f"(of {s['open_at_end']} open)"
         )
         print(
             f"   /ready {s['ready_after_start_s']:.1f} s after the attack began; /health "
-            f"p50 {s['health_p50_ms']:.1f} ms, p99 {s['health_p99_ms']:.1f} ms, "
-            f"{s['health_failures']} failed of {s['health_probes']}"
+            f"p50 {s['health_p50_ms']:.1f} ms, p99 {s['health_p99_ms']:.1f} ms (p99 while the "
+            f"model loads {s['health_p99_ms_loading']:.1f} ms, after {s['health_p99_ms_loaded']:.1f}"
+            f" ms), {s['health_failures']} failed of {s['health_probes']}"
         )
     if "big" in parts:
         b = out["over_context"] = over_context()
