@@ -378,8 +378,9 @@ def run(args: argparse.Namespace) -> int:
         )
     except KeyboardInterrupt:
         code = 0
-    _exit_now(code)
-    return code  # not reached
+    if code == 0:  # a normal stop (SIGINT/SIGTERM): everything it owned is closed
+        _exit_now(code)
+    return code
 
 
 def _exit_now(code: int) -> None:

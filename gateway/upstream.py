@@ -203,10 +203,9 @@ class UpstreamRouter:
             auto_decompress=False,
             skip_auto_headers=("User-Agent", "Accept-Encoding"),
         )
-        await asyncio.gather(*(self.probe(u, mark_down=True) for u in self.upstreams))
-        down = [u.url for u in self.upstreams if not u.healthy]
-        if down:
-            logger.warning("upstream(s) not answering /health at start: %s", ", ".join(down))
+        await asyncio.gather(
+            *(self.probe(u, mark_down=True, why="at start") for u in self.upstreams)
+        )
         self._probe_task = asyncio.create_task(self._probe_loop())
 
     async def close(self) -> None:
@@ -242,7 +241,9 @@ class UpstreamRouter:
         up.failures += 1
         up.last_error = why
         if up.healthy:
-            logger.warning("upstream %s unhealthy: %s", up.url, why)
+            # (info at start: a proxy started before its upstreams is common; /ready says it)
+            log = logger.info if why.startswith("at start") else logger.warning
+            log("upstream %s unhealthy: %s", up.url, why)
         up.healthy = False
 
     def suspect(self, up: Upstream, why: str) -> None:
