@@ -99,6 +99,8 @@ class AsyncEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        tenant: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Submit a request and iterate over its outputs as tokens are produced.
 
@@ -119,7 +121,7 @@ class AsyncEngine:
             raise TypeError("request_id must be a non-empty string")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        prep = self.engine.prepare_request(prompt, params, cache_salt)
+        prep = self.engine.prepare_request(prompt, params, cache_salt, tenant, priority)
         stream = _Stream(request_id, asyncio.get_running_loop())
         self._streams[request_id] = stream
         self._submit("add", stream, prep, time.monotonic())

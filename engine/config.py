@@ -28,6 +28,13 @@ class EngineConfig:
         max_num_batched_tokens: token budget per step (prefill chunks + decodes).
         scheduling: ``"continuous"`` (continuous batching) or ``"static"`` (a new batch is
             admitted only when the running batch has drained; the benchmark baseline).
+        scheduling_policy: which waiting request goes next and which running one is
+            preempted: ``"fcfs"``, ``"priority"`` (per-request ``priority``, lower first, as
+            vLLM) or ``"fair"`` (per-tenant Virtual Token Counter, Sheng et al. OSDI 2024);
+            see ``engine/scheduling_policy.py``.
+        fair_input_weight, fair_output_weight: VTC's cost of one input / output token
+            (default 1 and 2, the paper's).
+        tenant_weights: tenant → share weight under ``"fair"`` (default 1.0 each).
         enable_prefix_caching: reuse KV blocks of identical hash-chained prefixes.
         max_pinned_fraction: cap on the share of KV blocks that prefix pins may hold.
         attention_backend: ``"torch"`` or ``"triton"``; ``None`` picks triton on CUDA, torch
@@ -53,6 +60,10 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     scheduling: Literal["continuous", "static"] = "continuous"
+    scheduling_policy: Literal["fcfs", "priority", "fair"] = "fcfs"
+    fair_input_weight: float = 1.0
+    fair_output_weight: float = 2.0
+    tenant_weights: dict = field(default_factory=dict)
     enable_prefix_caching: bool = True
     max_pinned_fraction: float = 0.5
     attention_backend: str | None = None
@@ -107,6 +118,22 @@ class EngineConfig:
             raise ValueError(
                 f"scheduling must be 'continuous' or 'static', got {self.scheduling!r}"
             )
+        if self.scheduling_policy not in ("fcfs", "priority", "fair"):
+            raise ValueError(
+                "scheduling_policy must be 'fcfs', 'priority' or 'fair', "
+                f"got {self.scheduling_policy!r}"
+            )
+        for name in ("fair_input_weight", "fair_output_weight"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise TypeError(f"{name} must be a number, got {value!r}")
+            if not 0 <= value < float("inf"):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+        if not isinstance(self.tenant_weights, dict):
+            raise TypeError(f"tenant_weights must be a dict, got {self.tenant_weights!r}")
+        for tenant, w in self.tenant_weights.items():
+            if isinstance(w, bool) or not isinstance(w, int | float) or not 0 < w < float("inf"):
+                raise ValueError(f"tenant_weights[{tenant!r}] must be a number > 0, got {w!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if not 0.0 <= self.max_pinned_fraction <= 1.0:

@@ -24,6 +24,8 @@ class PreparedRequest:
         params: a private, re-validated copy of the caller's ``SamplingParams``.
         max_tokens: output tokens allowed: ``min(params.max_tokens, max_model_len - prompt)``.
         cache_salt: prefix-cache partition key, or ``None``.
+        tenant: who the ``fair`` scheduling policy charges (``None``: ``"default"``).
+        priority: the ``priority`` policy's rank (lower first).
     """
 
     prompt: str | None
@@ -31,6 +33,8 @@ class PreparedRequest:
     params: SamplingParams
     max_tokens: int
     cache_salt: str | None
+    tenant: str | None = None
+    priority: int = 0
 
 
 class InputProcessor:
@@ -59,6 +63,8 @@ class InputProcessor:
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
+        tenant: str | None = None,
+        priority: int = 0,
     ) -> PreparedRequest:
         """Validate and tokenize a request without queuing it (safe from any thread).
 
@@ -78,6 +84,10 @@ class InputProcessor:
         self._check_params(params)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"cache_salt must be a string or None, got {type(cache_salt).__name__}")
+        if tenant is not None and not isinstance(tenant, str):
+            raise TypeError(f"tenant must be a string or None, got {type(tenant).__name__}")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"priority must be an int, got {type(priority).__name__}")
         text: str | None = None
         if isinstance(prompt, str):
             if not prompt:
@@ -105,7 +115,7 @@ class InputProcessor:
             )
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        return PreparedRequest(text, ids, params, max_tokens, cache_salt)
+        return PreparedRequest(text, ids, params, max_tokens, cache_salt, tenant, priority)
 
     def _check_params(self, params: SamplingParams) -> None:
         """Vocabulary-dependent checks of ``params`` (field named in the message)."""

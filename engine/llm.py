@@ -47,6 +47,8 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         cache_salt: str | None = None,
+        tenant: str | Sequence[str | None] | None = None,
+        priority: int | Sequence[int] = 0,
     ) -> list[RequestOutput]:
         """Generate for every prompt (continuous batching), outputs in input order.
 
@@ -54,6 +56,9 @@ class LLM:
             prompts: one string, a list of strings, one list of token ids, or a list of them.
             sampling_params: one ``SamplingParams`` for all, or one per prompt; ``None`` = defaults.
             cache_salt: prefix-cache partition for all these requests.
+            tenant: who the ``fair`` scheduling policy charges: one for all, or one per prompt.
+            priority: one ``priority`` for all, or one per prompt (vLLM's ``priority``: lower
+                first, read by the ``priority`` scheduling policy).
 
         Raises:
             TypeError / ValueError: bad prompt or params; nothing is queued then (all prompts are
@@ -66,9 +71,17 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(plist):
                 raise ValueError(f"got {len(params_list)} sampling params for {len(plist)} prompts")
+        prios = [priority] * len(plist) if isinstance(priority, int) else list(priority)
+        tenants = (
+            [tenant] * len(plist) if tenant is None or isinstance(tenant, str) else list(tenant)
+        )
+        if len(prios) != len(plist) or len(tenants) != len(plist):
+            raise ValueError(
+                f"got {len(prios)} priorities and {len(tenants)} tenants for {len(plist)} prompts"
+            )
         prepared = [
-            self.engine.prepare_request(p, sp, cache_salt)
-            for p, sp in zip(plist, params_list, strict=True)
+            self.engine.prepare_request(p, sp, cache_salt, t, pr)
+            for p, sp, t, pr in zip(plist, params_list, tenants, prios, strict=True)
         ]
         ids = [f"llm-{next(self._counter)}" for _ in prepared]
         added: list[str] = []

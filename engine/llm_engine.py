@@ -158,10 +158,12 @@ class LLMEngine:
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
+        tenant: str | None = None,
+        priority: int = 0,
     ) -> PreparedRequest:
         """Validate and tokenize a request without queuing it (safe from any thread); see
         ``InputProcessor.prepare``."""
-        return self.input_processor.prepare(prompt, params, cache_salt)
+        return self.input_processor.prepare(prompt, params, cache_salt, tenant, priority)
 
     def add_request(
         self,
@@ -170,8 +172,13 @@ class LLMEngine:
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        tenant: str | None = None,
+        priority: int = 0,
     ) -> None:
         """Validate and queue a request.
+
+        ``tenant`` / ``priority`` are read by the ``fair`` / ``priority`` scheduling policies
+        (vLLM's ``priority``: lower first); a ``PreparedRequest`` carries its own.
 
         ``prompt + max_tokens`` beyond ``max_model_len`` caps generation at ``max_model_len``
         (vLLM's behaviour); a prompt of ``max_model_len`` tokens or more is an error.
@@ -189,7 +196,7 @@ class LLMEngine:
         prep = (
             prompt
             if isinstance(prompt, PreparedRequest)
-            else self.prepare_request(prompt, params, cache_salt)
+            else self.prepare_request(prompt, params, cache_salt, tenant, priority)
         )
         self._enqueue(request_id, prep, arrival_time or time.monotonic())
 
@@ -204,6 +211,8 @@ class LLMEngine:
             max_tokens=prep.max_tokens,
             cache_salt=prep.cache_salt,
             arrival_time=arrival,
+            tenant=prep.tenant,
+            priority=prep.priority,
         )
         if prep.params.seed is not None:
             gen = torch.Generator(device="cpu")  # the sampler draws on the generator's device

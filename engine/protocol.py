@@ -119,6 +119,8 @@ class EngineClient(Protocol):
         params: SamplingParams,
         request_id: str,
         cache_salt: str | None = None,
+        tenant: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as tokens come (the last has ``finished=True``); leaving
         the iteration early aborts the request.

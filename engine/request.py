@@ -57,6 +57,9 @@ class Request:
         max_tokens: most tokens to generate, already resolved to an int >= 1.
         cache_salt: tenant key; requests with different salts never share KV blocks.
         arrival_time: ``time.monotonic()`` seconds when the request arrived.
+        tenant: who the request is charged to by the ``fair`` scheduling policy (``None``:
+            tenant ``"default"``).
+        priority: the ``priority`` policy's rank: lower runs first (vLLM's convention).
 
     Attributes:
         output_token_ids: generated tokens so far.
@@ -86,7 +89,8 @@ class Request:
 
     Raises:
         ValueError: empty prompt, a negative token id, or max_tokens < 1.
-        TypeError: prompt_token_ids not a sequence of ints, or cache_salt not a string.
+        TypeError: prompt_token_ids not a sequence of ints, cache_salt or tenant not a
+            string, priority not an int.
     """
 
     def __init__(
@@ -98,6 +102,8 @@ class Request:
         max_tokens: int = 16,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        tenant: str | None = None,
+        priority: int = 0,
     ) -> None:
         if isinstance(prompt_token_ids, str | bytes) or not isinstance(prompt_token_ids, Sequence):
             raise TypeError("prompt_token_ids must be a list of ints")
@@ -114,6 +120,12 @@ class Request:
             )
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError("cache_salt must be a string or None")
+        if tenant is not None and not isinstance(tenant, str):
+            raise TypeError("tenant must be a string or None")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"priority must be an int, got {priority!r}")
+        self.tenant = tenant
+        self.priority = priority
         self.request_id = request_id
         self.prompt_token_ids = prompt
         self.sampling_params = sampling_params

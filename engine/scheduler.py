@@ -26,11 +26,13 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from prefixgate.engine.config import EngineConfig
 from prefixgate.engine.errors import CacheCapacityError
 from prefixgate.engine.kv_cache_manager import KVCacheManager
 from prefixgate.engine.request import Request, RequestStatus
+from prefixgate.engine.scheduling_policy import SchedulingPolicy, make_policy
 
 
 @dataclass(slots=True)
@@ -104,6 +106,12 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.static = config.scheduling == "static"
+        self.policy: SchedulingPolicy = make_policy(
+            config.scheduling_policy,
+            config.fair_input_weight,
+            config.fair_output_weight,
+            config.tenant_weights,
+        )
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last is preempted first
@@ -157,6 +165,7 @@ class Scheduler:
                 f"cache has {self.kv.num_blocks}"
             )
         request.status = RequestStatus.WAITING
+        self.policy.on_arrival(request, self.waiting)
         self.requests[rid] = request
         self.waiting.append(request)
 
@@ -231,7 +240,7 @@ class Scheduler:
                 continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self._allocate(req, num_new):
-                victim = self.running[-1]
+                victim = self.policy.victim(self.running)
                 budget += self._preempt(victim, scheduled)
                 preempted.append(victim.request_id)
                 if victim is req:
@@ -240,7 +249,7 @@ class Scheduler:
                 scheduled[req.request_id] = self._schedule(req, num_new)
                 budget -= num_new
 
-        # 2. waiting requests, FCFS
+        # 2. waiting requests, in the scheduling policy's order
         if not preempted and (not self.static or not self.running):
             budget = self._admit(budget, scheduled)
 
@@ -255,14 +264,17 @@ class Scheduler:
         )
 
     def _admit(self, budget: int, scheduled: dict[str, ScheduledRequest]) -> int:
-        """Admit waiting requests FCFS into ``scheduled``; returns the budget left."""
-        skipped: list[Request] = []
+        """Admit waiting requests into ``scheduled`` in the policy's order (``pick``); returns
+        the budget left."""
+        skipped: set[str] = set()
         now = time.monotonic()
         bs = self.kv.block_size
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
+        while budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.policy.pick(self.waiting, skipped)
+            if req is None:
+                break
             if req.waits_for_grammar:  # structured output: its grammar is still compiling
-                skipped.append(self.waiting.popleft())
+                skipped.add(req.request_id)
                 continue
             hits, num_hit = self.kv.get_computed_blocks(req)
             if (
@@ -270,15 +282,14 @@ class Scheduler:
                 and len(hits) < (req.num_tokens - 1) // bs
                 and self.kv.pending_owner(req, len(hits))
             ):
-                skipped.append(self.waiting.popleft())  # in-flight dedup: wait for the owner
+                skipped.add(req.request_id)  # in-flight dedup: wait for the owner
                 continue
             num_new = min(req.num_tokens - num_hit, budget)
             if not self._allocate(req, num_new, num_hit, hits):
-                break  # FCFS: nothing overtakes a request that does not fit
+                break  # nothing overtakes (in policy order) a request that does not fit
             self._start(req, num_hit, now)
             scheduled[req.request_id] = self._schedule(req, num_new)
             budget -= num_new
-        self.waiting.extendleft(reversed(skipped))
         return budget
 
     def _allocate(
@@ -295,12 +306,16 @@ class Scheduler:
         return True
 
     def _start(self, req: Request, num_hit: int, now: float) -> None:
-        """Move the head of the waiting queue to running with ``num_hit`` cached tokens."""
-        self.waiting.popleft()
+        """Move ``req`` from the waiting queue to running with ``num_hit`` cached tokens."""
+        if self.waiting[0] is req:
+            self.waiting.popleft()
+        else:
+            self.waiting.remove(req)
         req.num_computed_tokens = num_hit
         if req.first_scheduled_time is None:  # first admission
             req.num_cached_tokens = num_hit
             req.first_scheduled_time = now
+            self.policy.on_first_admission(req, self.waiting)
             self.kv.record_query(req.num_prompt_tokens, num_hit)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
@@ -360,6 +375,7 @@ class Scheduler:
             if samples:
                 req.append_output_token(sampled_token_ids[req.request_id], now)
                 self.tokens_decoded += 1
+                self.policy.on_output_token(req)
             self.kv.cache_blocks(req, req.num_computed_tokens)
             status = req.check_stop(self.max_model_len) if samples else None
             if status is not None:
@@ -367,14 +383,17 @@ class Scheduler:
         return finished
 
     # ---- stats and checks ---------------------------------------------------------------
-    def stats(self) -> dict[str, float | int]:
-        """Queue, token and KV counters (keys as DEVELOPERS.md ``stats()``)."""
+    def stats(self) -> dict[str, Any]:
+        """Queue, token and KV counters (keys as DEVELOPERS.md ``stats()``), the policy's name
+        and per-tenant service (``tenants``)."""
         return {
             "num_running": self.num_running,
             "num_waiting": self.num_waiting,
             "num_preemptions": self.num_preemptions,
             "prompt_tokens_prefilled": self.prompt_tokens_prefilled,
             "tokens_decoded": self.tokens_decoded,
+            "scheduling_policy": self.policy.name,
+            "tenants": self.policy.tenant_stats(self.waiting, self.running),
             **self.kv.stats(),
         }
 

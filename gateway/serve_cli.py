@@ -57,7 +57,7 @@ _UNITS = {
 }
 
 # Flags whose generic name would be awkward; value: (flag, argparse kwargs).
-_SPECIAL = {"model", "enable_prefix_caching", "hf_overrides", "kv_cache_memory"}
+_SPECIAL = {"model", "enable_prefix_caching", "hf_overrides", "kv_cache_memory", "tenant_weights"}
 
 
 def parse_bytes(text: str) -> int:
@@ -172,6 +172,14 @@ def _engine_flags(group: argparse._ArgumentGroup) -> None:
         default=argparse.SUPPRESS,
         help="keys of the model's config.json to override, as a JSON object, e.g. "
         "'{\"num_hidden_layers\": 2}' (default: none)",
+    )
+    group.add_argument(
+        "--tenant-weights",
+        dest="tenant_weights",
+        type=_json_object,
+        default=argparse.SUPPRESS,
+        help="fair-share weight per tenant as JSON (scheduling policy 'fair'), e.g. "
+        "'{\"team-a\": 2}'; keys-file 'weight' fields add to it",
     )
 
 

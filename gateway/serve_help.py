@@ -47,6 +47,14 @@ ENGINE_HELP = {
     "max_num_batched_tokens": "token budget of one engine step, prefill chunks plus decodes (>= 1)",
     "scheduling": "continuous (continuous batching) or static (a new batch only when the "
     "running one has drained; a benchmark baseline)",
+    "scheduling_policy": "which waiting request runs next and which running one is "
+    "preempted: fcfs (arrival order), priority (per-request priority, lower first, ties by "
+    "arrival; vLLM's) or fair (per-tenant Virtual Token Counter: the least-served tenant's "
+    "request first; tenant = API key name)",
+    "fair_input_weight": "cost of one prompt token in the fair policy's per-tenant counters "
+    "(>= 0)",
+    "fair_output_weight": "cost of one generated token in the fair policy's per-tenant "
+    "counters (>= 0)",
     "max_pinned_fraction": "largest share of KV blocks that registered prefixes may pin (0 to 1)",
     "quantization": "int8: every linear layer's weights in int8 with one scale per output "
     "channel (CPU: --dtype float32 only; CUDA: a Triton weight-only GEMM) (default: none, "

@@ -70,9 +70,21 @@ def hf(aidreams_path):
     return model.eval(), tok
 
 
-@pytest.fixture(scope="module")
-def llm(aidreams_path):
-    return LLM(aidreams_path, block_size=16)
+POLICIES = ["fcfs", "priority", "fair"]
+
+
+def _tenants(n: int) -> list[str]:
+    """Three tenants and mixed priorities, so each scheduling policy orders the work its way."""
+    return [f"tenant-{i % 3}" for i in range(n)]
+
+
+def _priorities(n: int) -> list[int]:
+    return [(i * 5) % 4 for i in range(n)]
+
+
+@pytest.fixture(scope="module", params=POLICIES)
+def llm(aidreams_path, request):
+    return LLM(aidreams_path, block_size=16, scheduling_policy=request.param)
 
 
 def _lengths(n: int, seed: int = 0) -> list[int]:
@@ -84,7 +96,8 @@ def test_greedy_matches_transformers_all_at_once(llm, hf, pool_whole):
     model, tok = hf
     lens = _lengths(len(PROMPTS))
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lens]
-    outs = llm.generate(PROMPTS, params)
+    n = len(PROMPTS)
+    outs = llm.generate(PROMPTS, params, tenant=_tenants(n), priority=_priorities(n))
     for prompt, n, out in zip(PROMPTS, lens, outs, strict=True):
         ids = tok(prompt).input_ids
         assert out.prompt_token_ids == ids
@@ -113,6 +126,8 @@ def test_greedy_matches_transformers_staggered(llm, hf, pool_whole):
                         f"s{i}",
                         p,
                         SamplingParams(temperature=0.0, max_tokens=lens[i], ignore_eos=True),
+                        tenant=f"tenant-{i % 3}",
+                        priority=(i * 5) % 4,
                     )
         for out in engine.step():
             if out.finished:
@@ -167,9 +182,21 @@ def invariance(aidreams_path, hf):
     return llm, prompts, params, together
 
 
-def test_batch_invariance_64_requests(invariance, pool_whole):
+@pytest.mark.parametrize("policy", POLICIES)
+def test_batch_invariance_64_requests(aidreams_path, invariance, policy, pool_whole):
     llm, prompts, params, together = invariance
     pool_whole(llm)
+    if policy != "fcfs":  # the same 64 requests, ordered by another policy: same tokens
+        llm = LLM(
+            aidreams_path,
+            block_size=16,
+            max_num_seqs=64,
+            num_kv_blocks=512,
+            scheduling_policy=policy,
+        )
+        got = llm.generate(prompts, params, tenant=_tenants(64), priority=_priorities(64))
+        assert [o.outputs[0].token_ids for o in got] == together
+        pool_whole(llm)
     alone = [
         llm.generate([p], [sp])[0].outputs[0].token_ids
         for p, sp in zip(prompts, params, strict=True)
@@ -179,8 +206,11 @@ def test_batch_invariance_64_requests(invariance, pool_whole):
     pool_whole(llm)
 
 
+@pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("prefix_caching", [False, True])
-def test_batch_invariance_under_preemption(aidreams_path, invariance, prefix_caching, pool_whole):
+def test_batch_invariance_under_preemption(
+    aidreams_path, invariance, prefix_caching, policy, pool_whole
+):
     """So few KV blocks (16 x 16 tokens for 64 requests) that running requests must be
     preempted and recomputed; tokens still equal the ample-cache run."""
     _, prompts, params, together = invariance
@@ -190,8 +220,10 @@ def test_batch_invariance_under_preemption(aidreams_path, invariance, prefix_cac
         num_kv_blocks=16,
         max_num_seqs=64,
         enable_prefix_caching=prefix_caching,
+        scheduling_policy=policy,
     )
-    got = [o.outputs[0].token_ids for o in small.generate(prompts, params)]
+    outs = small.generate(prompts, params, tenant=_tenants(64), priority=_priorities(64))
+    got = [o.outputs[0].token_ids for o in outs]
     assert small.stats()["num_preemptions"] > 0
     assert got == together
     pool_whole(small)

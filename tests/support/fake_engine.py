@@ -100,6 +100,7 @@ class FakeEngine:
         self._aborted: set[str] = set()
         self._cache: dict[str | None, list[list[int]]] = {}
         self._pins: dict[str, _Pin] = {}
+        self.tenants_seen: list[tuple[str | None, int]] = []  # (tenant, priority) per generate
         self.generated = 0
         self.requests_seen: list[tuple[str, list[int], SamplingParams, str | None]] = []
         self.shutdown_called = False
@@ -111,7 +112,10 @@ class FakeEngine:
         params: SamplingParams,
         request_id: str,
         cache_salt: str | None = None,
+        tenant: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
+        self.tenants_seen.append((tenant, priority))
         if self.shutdown_called:
             raise EngineDeadError("the engine is shut down")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
