@@ -9,6 +9,12 @@ moving average), instead of letting latency grow without bound. Requests are cou
 engine requests: an HTTP request of ``n`` choices over ``p`` prompts takes ``n * p`` places
 (one body must not slip thousands of engine requests past the bound); one that could never
 fit the bounds at all is bad input (400), not an overload to retry.
+
+The queue bound is shared per tenant (the API key's name): a tenant's share of
+``max_queued_requests`` is its weight over the weights of the tenants with requests queued
+(itself included). When the queue is full, a tenant over its share gets the 429; a tenant
+still within its share is admitted all the same, so one tenant's flood earns that tenant the
+429s, not the others (the total may then pass the bound by at most the newcomers' shares).
 """
 
 from __future__ import annotations
@@ -46,12 +52,15 @@ class AdmissionConfig:
 class Ticket:
     """One admitted request's place in the queue; ``started()`` then ``done()`` (idempotent)."""
 
-    __slots__ = ("_ctl", "tokens", "requests", "_queued", "_done", "_t_start")
+    __slots__ = ("_ctl", "tokens", "requests", "tenant", "_queued", "_done", "_t_start")
 
-    def __init__(self, ctl: AdmissionController, tokens: int, requests: int = 1) -> None:
+    def __init__(
+        self, ctl: AdmissionController, tokens: int, requests: int = 1, tenant: str | None = None
+    ) -> None:
         self._ctl = ctl
         self.tokens = tokens
         self.requests = requests
+        self.tenant = tenant
         self._queued = True
         self._done = False
         self._t_start: float | None = None
@@ -61,7 +70,7 @@ class Ticket:
         if self._queued:
             self._queued = False
             self._t_start = time.monotonic()
-            self._ctl._leave_queue(self.tokens, self.requests)
+            self._ctl._leave_queue(self.tokens, self.requests, self.tenant)
 
     def done(self) -> None:
         """The request finished, failed or was aborted: release its place."""
@@ -116,11 +125,21 @@ class AdmissionController:
         self._last = time.monotonic()
         self._service = 0.0  # seconds from first token to end (EWMA over requests)
         self._peak_running = 0
+        self.queued_by_tenant: dict[str | None, int] = {}  # tenants with requests queued
+        self._weights: dict[str | None, float] = {}
 
-    def admit(self, prompt_tokens: int, requests: int = 1, param: str | None = None) -> Ticket:
+    def admit(
+        self,
+        prompt_tokens: int,
+        requests: int = 1,
+        param: str | None = None,
+        tenant: str | None = None,
+        weight: float = 1.0,
+    ) -> Ticket:
         """Take ``requests`` places in the queue (the engine requests of one HTTP request:
         its choices) for ``prompt_tokens`` prompt tokens in all; ``param`` names the field
-        that asked for them (in the 400).
+        that asked for them (in the 400); ``tenant`` / ``weight``: whose places (see the
+        module docstring: a tenant within its share passes a full queue).
 
         Raises:
             APIError: 429 ``server_overloaded`` with ``Retry-After`` when the queue is full;
@@ -135,10 +154,16 @@ class AdmissionController:
                 param=param,
                 code="too_many_requests_in_body",
             )
-        if self.queued_requests + requests > cfg.max_queued_requests:
+        self._weights[tenant] = weight
+        within_share = self._within_share(tenant, requests)
+        if self.queued_requests + requests > cfg.max_queued_requests and not within_share:
             self._refuse(f"{self.queued_requests} requests already waiting")
         # A single prompt larger than the token bound still passes when the queue is empty.
-        if self.queued_requests and self.queued_tokens + prompt_tokens > cfg.max_queued_tokens:
+        if (
+            self.queued_requests
+            and self.queued_tokens + prompt_tokens > cfg.max_queued_tokens
+            and not within_share
+        ):
             self._refuse(f"{self.queued_tokens} prompt tokens already waiting")
         if cfg.max_running and self.in_flight + requests > cfg.max_running:
             self._refuse(f"{self.in_flight} requests in flight")
@@ -147,7 +172,20 @@ class AdmissionController:
         self.queued_requests += requests
         self.queued_tokens += prompt_tokens
         self.in_flight += requests
-        return Ticket(self, prompt_tokens, requests)
+        self.queued_by_tenant[tenant] = self.queued_by_tenant.get(tenant, 0) + requests
+        return Ticket(self, prompt_tokens, requests, tenant)
+
+    def _within_share(self, tenant: str | None, requests: int) -> bool:
+        """True when ``tenant`` holding ``requests`` more places stays within its weighted
+        share of ``max_queued_requests`` among the tenants with requests queued (itself
+        included). With a single tenant there is nobody to be fair to: False."""
+        present = {t for t, n in self.queued_by_tenant.items() if n > 0}
+        if not present - {tenant}:
+            return False
+        present.add(tenant)
+        total = sum(self._weights.get(t, 1.0) for t in present)
+        share = self.config.max_queued_requests * self._weights.get(tenant, 1.0) / total
+        return self.queued_by_tenant.get(tenant, 0) + requests <= share
 
     def retry_after(self) -> float:
         """Seconds until the current queue has drained: at the measured drain rate once it
@@ -175,10 +213,15 @@ class AdmissionController:
             f"server overloaded: {why}; retry later", self.retry_after(), code="server_overloaded"
         )
 
-    def _leave_queue(self, tokens: int, requests: int = 1) -> None:
+    def _leave_queue(self, tokens: int, requests: int = 1, tenant: str | None = None) -> None:
         self._decay(time.monotonic())  # over the busy interval that ends here
         self.queued_requests -= requests
         self.queued_tokens -= tokens
+        left = self.queued_by_tenant.get(tenant, 0) - requests
+        if left > 0:
+            self.queued_by_tenant[tenant] = left
+        else:
+            self.queued_by_tenant.pop(tenant, None)
         self._rate += requests / self._tau  # each departure's impulse on the EWMA of a rate
         self._peak_running = max(self._peak_running, self.in_flight - self.queued_requests)
 

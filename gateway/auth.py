@@ -6,8 +6,16 @@ the name ends in ``.toml``)::
     {"keys": [
       {"key": "sk-team-a", "name": "team-a", "requests_per_minute": 600,
        "tokens_per_minute": 200000, "max_concurrent": 16, "salt": "tenant-a"},
-      {"key": "sk-team-a-ci", "salt": "tenant-a"}
+      {"key": "sk-team-a-ci", "salt": "tenant-a"},
+      {"key": "sk-batch", "name": "batch", "weight": 0.5, "priority": 10,
+       "allow_priority": true}
     ]}
+
+The key's ``name`` is its tenant: the engine's ``fair`` scheduling policy shares the
+engine between tenants by ``weight`` (default 1), and the admission queue's bound is shared by
+tenants in the same proportion. ``priority`` is the key's default request priority (the
+engine's ``priority`` policy: lower first); a request may set its own ``priority`` only when
+its key has ``allow_priority`` (else 400 naming the field).
 
 Every limit is optional (absent or 0 = unlimited). ``salt`` names the prefix-cache partition:
 keys with the same salt share cached KV blocks; a key without one gets its own partition
@@ -47,6 +55,9 @@ class KeySpec:
     tokens_per_minute: int = 0
     max_concurrent: int = 0
     salt: str | None = None
+    weight: float = 1.0
+    priority: int = 0
+    allow_priority: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.key, str) or not self.key:
@@ -69,6 +80,16 @@ class KeySpec:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{field} of key {self.name or '?'} must be an integer >= 0")
+        if (
+            isinstance(self.weight, bool)
+            or not isinstance(self.weight, int | float)
+            or not 0 < self.weight < float("inf")
+        ):
+            raise ValueError(f"weight of key {self.name or '?'} must be a number > 0")
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise ValueError(f"priority of key {self.name or '?'} must be an integer")
+        if not isinstance(self.allow_priority, bool):
+            raise ValueError(f"allow_priority of key {self.name or '?'} must be true or false")
         if not self.name:
             self.name = "key-" + _digest(self.key)[:8]
         if self.salt is None:
@@ -116,6 +137,33 @@ class Principal:
     @property
     def name(self) -> str:
         return self.spec.name if self.spec else "anonymous"
+
+    @property
+    def tenant(self) -> str | None:
+        """The tenant the engine charges (the key's name; ``None`` on an open gateway)."""
+        return self.spec.name if self.spec else None
+
+    @property
+    def weight(self) -> float:
+        return self.spec.weight if self.spec else 1.0
+
+    def request_priority(self, requested: int | None) -> int:
+        """The engine priority of a request: its own ``priority`` when the key allows it,
+        else the key's.
+
+        Raises:
+            APIError: 400 naming ``priority`` when the request sets it and the key may not.
+        """
+        if requested is None:
+            return self.spec.priority if self.spec else 0
+        if self.spec is not None and not self.spec.allow_priority:
+            raise APIError(
+                400,
+                f"key {self.spec.name} may not set a request priority (allow_priority is off)",
+                param="priority",
+                code="priority_not_allowed",
+            )
+        return requested
 
     def acquire(self, prompt_tokens: int) -> None:
         """Count one request of ``prompt_tokens`` against the key's limits.

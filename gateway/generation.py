@@ -99,10 +99,19 @@ class ChoiceRun:
     is re-raised from ``next``.
     """
 
-    def __init__(self, engine: EngineClient, choices: list[Choice], cache_salt: str | None) -> None:
+    def __init__(
+        self,
+        engine: EngineClient,
+        choices: list[Choice],
+        cache_salt: str | None,
+        tenant: str | None = None,
+        priority: int = 0,
+    ) -> None:
         self._engine = engine
         self.choices = choices
         self._salt = cache_salt
+        self._tenant = tenant
+        self._priority = priority
         self._queue: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
         self._finished: set[int] = set()
@@ -121,7 +130,12 @@ class ChoiceRun:
         seen_tokens = seen_logprobs = 0
         try:
             async for out in self._engine.generate(
-                choice.prompt_token_ids, choice.params, choice.request_id, cache_salt=self._salt
+                choice.prompt_token_ids,
+                choice.params,
+                choice.request_id,
+                cache_salt=self._salt,
+                tenant=self._tenant,
+                priority=self._priority,
             ):
                 # Copy now: an engine may reuse its output objects for the next step.
                 comp = out.outputs[0]

@@ -100,6 +100,60 @@ class _EngineStats(Collector):
             value = stats.get(key)
             if isinstance(value, int | float):
                 yield GaugeMetricFamily(name, doc, value=float(value))
+        tenants = stats.get("tenants")
+        if isinstance(tenants, dict) and tenants:
+            yield from self._tenant_families(tenants)
+
+    _TENANT_GAUGES = {
+        "served_input_tokens": (
+            "prefixgate_tenant_served_input_tokens",
+            "prompt tokens the engine admitted per tenant (API key name)",
+        ),
+        "served_output_tokens": (
+            "prefixgate_tenant_served_output_tokens",
+            "output tokens the engine generated per tenant",
+        ),
+        "num_waiting": (
+            "prefixgate_tenant_engine_waiting_requests",
+            "requests waiting in the engine per tenant",
+        ),
+        "num_running": (
+            "prefixgate_tenant_engine_running_requests",
+            "requests running in the engine per tenant",
+        ),
+        "virtual_counter": (
+            "prefixgate_tenant_virtual_counter",
+            "fair-share (VTC) counter per tenant: weighted tokens served / tenant weight",
+        ),
+    }
+
+    def _tenant_families(self, tenants: dict[str, Any]) -> Iterator[GaugeMetricFamily]:
+        for key, (name, doc) in self._TENANT_GAUGES.items():
+            fam = GaugeMetricFamily(name, doc, labels=["tenant"])
+            for tenant, row in sorted(tenants.items()):
+                value = row.get(key) if isinstance(row, dict) else None
+                if isinstance(value, int | float):
+                    fam.add_metric([str(tenant)], float(value))
+            yield fam
+
+
+class _TenantQueue(Collector):
+    """Requests each tenant has in the gateway's admission queue (read on every scrape)."""
+
+    def __init__(self, admission: Any) -> None:
+        self._admission = admission
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        fam = GaugeMetricFamily(
+            "prefixgate_tenant_queue_requests",
+            "requests per tenant (API key name) in the admission queue",
+            labels=["tenant"],
+        )
+        for tenant, n in sorted(
+            self._admission.queued_by_tenant.items(), key=lambda kv: str(kv[0])
+        ):
+            fam.add_metric(["" if tenant is None else tenant], float(n))
+        yield fam
 
 
 class GatewayMetrics:
@@ -195,6 +249,7 @@ class GatewayMetrics:
     def bind_admission(self, admission: Any) -> None:
         """Read queue depth, queued tokens and running requests from the admission controller."""
         self.queue_depth.set_function(lambda: admission.queued_requests)
+        self.registry.register(_TenantQueue(admission))
         self.queued_tokens.set_function(lambda: admission.queued_tokens)
         self.running.set_function(lambda: admission.in_flight - admission.queued_requests)
 

@@ -154,7 +154,10 @@ async def _run(
         ChatRenderer(*args, tools=tools) if renderer_type is ChatRenderer else renderer_type(*args)
     )
     salt = effective_salt(principal.salt, req.cache_salt)
-    return await Exchange(request, st, principal, choices, renderer, salt, req.stream).run()
+    priority = principal.request_priority(req.priority)
+    return await Exchange(
+        request, st, principal, choices, renderer, salt, req.stream, priority
+    ).run()
 
 
 _VALID_CONSTRAINTS: cachetools.LRUCache[str, bool] = cachetools.LRUCache(1024)
@@ -229,8 +232,10 @@ class Exchange:
         renderer: Renderer,
         salt: str | None,
         stream: bool,
+        priority: int = 0,
     ) -> None:
         self.request = request
+        self.priority = priority
         self.st = st
         self.principal = principal
         self.choices = choices
@@ -253,6 +258,8 @@ class Exchange:
                 self.prompt_tokens,
                 len(self.choices),
                 param="n" if self.num_prompts == 1 else "prompt",
+                tenant=self.principal.tenant,
+                weight=self.principal.weight,
             )
         except APIError:
             self.principal.release(0)
@@ -296,7 +303,13 @@ class Exchange:
     # --- non-streaming --------------------------------------------------------------------
     async def _collect(self) -> web.StreamResponse:
         poll = self.st.settings.poll_s
-        async with ChoiceRun(self.st.require_engine(), self.choices, self.salt) as run:
+        async with ChoiceRun(
+            self.st.require_engine(),
+            self.choices,
+            self.salt,
+            tenant=self.principal.tenant,
+            priority=self.priority,
+        ) as run:
             while run.pending:
                 try:
                     ev = await run.next(poll)
@@ -316,7 +329,13 @@ class Exchange:
         poll = min(self.st.settings.poll_s, self.st.settings.keepalive_s)
         keepalive = self.st.settings.keepalive_s
         try:
-            async with ChoiceRun(self.st.require_engine(), self.choices, self.salt) as run:
+            async with ChoiceRun(
+                self.st.require_engine(),
+                self.choices,
+                self.salt,
+                tenant=self.principal.tenant,
+                priority=self.priority,
+            ) as run:
                 # Errors before the first output (bad input the engine refused) stay HTTP errors.
                 first = None
                 while run.pending and first is None:

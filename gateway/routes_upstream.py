@@ -54,12 +54,16 @@ async def proxy_generate(request: web.Request) -> web.StreamResponse:
             param="prefix_id",
             code="unsupported_in_upstream_mode",
         )
+    if parsed.get("priority") is not None:  # forwarded as is, if the key may set it
+        if isinstance(parsed["priority"], bool) or not isinstance(parsed["priority"], int):
+            raise bad_request("priority: must be an integer", param="priority")
+        principal.request_priority(parsed["priority"])
     s = st.settings
     key = affinity_key(parsed, s.affinity_block_chars, s.affinity_max_chars)
     est_tokens = len(body) // 4 + 1  # no tokenizer here: ~4 bytes per token for limits
     principal.acquire(est_tokens)
     try:
-        ticket = st.admission.admit(est_tokens)
+        ticket = st.admission.admit(est_tokens, tenant=principal.tenant, weight=principal.weight)
     except APIError:
         principal.release(0)
         raise

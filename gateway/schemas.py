@@ -152,6 +152,8 @@ class _SamplingFields(BaseModel):
     metadata: Any = None
     # vLLM's per-request cache salt; the gateway nests it inside the key's own partition.
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
+    # vLLM's request priority (lower first; the engine's "priority" policy); keys decide.
+    priority: int | None = Field(None, ge=-(2**31), le=2**31 - 1)
 
     @field_validator("stop")
     @classmethod

@@ -354,6 +354,22 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
     )
 
 
+def key_weights(keys_file: str) -> dict[str, float]:
+    """Tenant weights of the keys file (key name → ``weight``) for the fair scheduler; keys of
+    one name must agree on their weight.
+
+    Raises:
+        ValueError: an unreadable keys file, or one name with two weights.
+    """
+    from prefixgate.gateway.auth import load_keys_file
+
+    weights: dict[str, float] = {}
+    for spec in load_keys_file(keys_file):
+        if weights.setdefault(spec.name, spec.weight) != spec.weight:
+            raise ValueError(f"keys file {keys_file}: key name {spec.name} has two weights")
+    return weights
+
+
 def run(args: argparse.Namespace) -> int:
     """``prefixgate serve``: returns 0 after a graceful stop, 1 when the model fails to load,
     2 on bad options."""
@@ -368,6 +384,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--chat-template applies to a local model, not to --upstream")
         if args.stats_interval_s < 0:
             raise ValueError(f"--stats-interval-s must be >= 0, got {args.stats_interval_s}")
+        if config is not None and args.keys_file:
+            config.tenant_weights = {**key_weights(args.keys_file), **config.tenant_weights}
     except (ValueError, TypeError) as exc:
         logger.error("bad option: %s", exc)
         return 2

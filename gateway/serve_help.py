@@ -51,8 +51,7 @@ ENGINE_HELP = {
     "preempted: fcfs (arrival order), priority (per-request priority, lower first, ties by "
     "arrival; vLLM's) or fair (per-tenant Virtual Token Counter: the least-served tenant's "
     "request first; tenant = API key name)",
-    "fair_input_weight": "cost of one prompt token in the fair policy's per-tenant counters "
-    "(>= 0)",
+    "fair_input_weight": "cost of one prompt token in the fair policy's per-tenant counters (>= 0)",
     "fair_output_weight": "cost of one generated token in the fair policy's per-tenant "
     "counters (>= 0)",
     "max_pinned_fraction": "largest share of KV blocks that registered prefixes may pin (0 to 1)",

@@ -101,6 +101,7 @@ class FakeEngine:
         self._cache: dict[str | None, list[list[int]]] = {}
         self._pins: dict[str, _Pin] = {}
         self.tenants_seen: list[tuple[str | None, int]] = []  # (tenant, priority) per generate
+        self.tenant_rows: dict[str, dict] = {}  # stats()["tenants"], set by tests
         self.generated = 0
         self.requests_seen: list[tuple[str, list[int], SamplingParams, str | None]] = []
         self.shutdown_called = False
@@ -249,6 +250,7 @@ class FakeEngine:
             "prefix_cache_evictions": 0,
             "pinned_blocks": self.pinned_blocks,
             "num_preemptions": 0,
+            "tenants": dict(self.tenant_rows),
         }
 
     def check_invariants(self) -> None:

@@ -9,7 +9,7 @@ import prefixgate.sdk.bench as bench
 
 BENCH_DIR = Path(bench.__file__).parent
 # Modules run with `python -m` that measure an in-process part; they import it when run.
-MEASURE_IN_PROCESS = {"engine_throughput", "prefix_cache", "gpu_check", "hf_server"}
+MEASURE_IN_PROCESS = {"engine_throughput", "prefix_cache", "gpu_check", "hf_server", "fairness"}
 
 
 def _imports(path: Path, *, top_level_only: bool = False) -> set[str]:

@@ -1,0 +1,125 @@
+"""Fair share in the gateway: the key's name is the tenant the engine's fair scheduler charges,
+keys-file ``weight`` / ``priority`` / ``allow_priority``, the request field ``priority``,
+the admission queue bound shared per tenant, and per-tenant stats in /metrics."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from prefixgate.gateway.admission import AdmissionConfig, AdmissionController
+from prefixgate.gateway.auth import KeySpec
+from prefixgate.gateway.errors import APIError
+from prefixgate.gateway.serve_cli import key_weights
+from prefixgate.gateway.state import GatewaySettings
+
+
+def _keys_file(tmp_path, keys: list[dict]) -> str:
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"keys": keys}))
+    return str(path)
+
+
+def test_key_name_is_the_tenant_and_priority_is_the_keys_to_allow(serve_fake, gw, tmp_path):
+    keys = _keys_file(
+        tmp_path,
+        [
+            {"key": "sk-a", "name": "team-a", "priority": 3},
+            {"key": "sk-b", "name": "team-b", "allow_priority": True, "weight": 2},
+        ],
+    )
+    srv, engine = serve_fake(GatewaySettings(model_name="fake", keys_file=keys))
+    body = gw.chat_body(max_tokens=2)
+    with gw.client(srv, headers={"Authorization": "Bearer sk-a"}) as a:
+        assert a.post("/v1/chat/completions", json=body).status_code == 200
+        r = a.post("/v1/chat/completions", json={**body, "priority": 0})
+        assert r.status_code == 400
+        err = r.json()["error"]
+        assert err["param"] == "priority" and err["code"] == "priority_not_allowed"
+        r = a.post("/v1/completions", json={"model": "fake", "prompt": "hi", "priority": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
+    with gw.client(srv, headers={"Authorization": "Bearer sk-b"}) as b:
+        assert b.post("/v1/chat/completions", json={**body, "priority": -5}).status_code == 200
+        assert b.post("/v1/chat/completions", json=body).status_code == 200
+        bad = b.post("/v1/chat/completions", json={**body, "priority": "high"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "priority"
+    # the refused requests never reached the engine
+    assert engine.tenants_seen == [("team-a", 3), ("team-b", -5), ("team-b", 0)]
+    gw.wait_idle(srv, engine)
+
+
+def test_open_gateway_has_no_tenant_and_refuses_no_priority(serve_fake, gw):
+    srv, engine = serve_fake()
+    with gw.client(srv) as http:
+        r = http.post("/v1/chat/completions", json={**gw.chat_body(max_tokens=2), "priority": 2})
+        assert r.status_code == 200
+    assert engine.tenants_seen == [(None, 2)]
+
+
+def test_keys_file_weight_priority_fields_are_checked(tmp_path):
+    assert KeySpec(key="k", weight=0.5, priority=-1, allow_priority=True).weight == 0.5
+    for bad in ({"weight": 0}, {"weight": "2"}, {"priority": 1.5}, {"allow_priority": "yes"}):
+        with pytest.raises(ValueError):
+            KeySpec(key="k", **bad)
+    path = _keys_file(
+        tmp_path,
+        [
+            {"key": "a", "name": "x", "weight": 3},
+            {"key": "b", "name": "x", "weight": 3},
+            {"key": "c"},
+        ],
+    )
+    weights = key_weights(path)
+    assert weights["x"] == 3 and len(weights) == 2
+    clash = _keys_file(
+        tmp_path, [{"key": "a", "name": "x", "weight": 3}, {"key": "b", "name": "x"}]
+    )
+    with pytest.raises(ValueError, match="two weights"):
+        key_weights(clash)
+
+
+def test_admission_bound_is_shared_per_tenant():
+    ctl = AdmissionController(AdmissionConfig(max_queued_requests=4))
+    flood = [ctl.admit(10, tenant="a") for _ in range(4)]  # alone, a may fill the queue
+    with pytest.raises(APIError) as exc:
+        ctl.admit(10, tenant="a")
+    assert exc.value.status == 429
+    # b is within its share (half of 4, equal weights): admitted though the queue is full
+    b1 = ctl.admit(10, tenant="b")
+    b2 = ctl.admit(10, tenant="b")
+    with pytest.raises(APIError):
+        ctl.admit(10, tenant="b")  # b over its share of 2 now
+    assert ctl.queued_by_tenant == {"a": 4, "b": 2}
+    for t in flood[:3]:
+        t.started()
+    assert ctl.queued_by_tenant == {"a": 1, "b": 2}
+    b3 = ctl.admit(10, tenant="b")  # the queue has room again: anyone may enter
+    a2 = ctl.admit(10, tenant="a")  # full again, but a (1 queued) is within its share of 2
+    # weights: c (weight 3) gets 3/4 of the queue next to a (1) and b (1): share 4*3/5
+    c = [ctl.admit(10, tenant="c", weight=3.0) for _ in range(2)]
+    with pytest.raises(APIError):
+        ctl.admit(10, tenant="c", weight=3.0)
+    for t in [*flood, b1, b2, b3, a2, *c]:
+        t.done()
+    assert ctl.queued_by_tenant == {} and ctl.queued_requests == 0 and ctl.in_flight == 0
+
+
+def test_metrics_show_per_tenant_service_and_queue(serve_fake, gw, tmp_path):
+    keys = _keys_file(tmp_path, [{"key": "sk-a", "name": "team-a"}])
+    srv, engine = serve_fake(GatewaySettings(model_name="fake", keys_file=keys))
+    engine.tenant_rows = {
+        "team-a": {
+            "served_input_tokens": 12,
+            "served_output_tokens": 4,
+            "virtual_counter": 20.0,
+            "num_waiting": 0,
+            "num_running": 0,
+        }
+    }
+    with gw.client(srv, headers={"Authorization": "Bearer sk-a"}) as http:
+        assert http.post("/v1/chat/completions", json=gw.chat_body(max_tokens=2)).status_code == 200
+        text = http.get("/metrics").text
+    assert 'prefixgate_tenant_served_input_tokens{tenant="team-a"} 12.0' in text
+    assert 'prefixgate_tenant_served_output_tokens{tenant="team-a"} 4.0' in text
+    assert 'prefixgate_tenant_virtual_counter{tenant="team-a"} 20.0' in text
+    assert "prefixgate_tenant_queue_requests" in text
