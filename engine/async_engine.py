@@ -104,7 +104,9 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Submit a request and iterate over its outputs as tokens are produced.
 
-        Each ``RequestOutput`` carries cumulative ``text`` / ``token_ids`` and the new part in
+        ``tenant`` (who the ``fair`` scheduling policy charges; ``None``: ``"default"``) and
+        ``priority`` (the ``priority`` policy's rank, lower first, as vLLM's) only order the
+        work. Each ``RequestOutput`` carries cumulative ``text`` / ``token_ids`` and the new part in
         ``delta_text`` / ``delta_token_ids``; the last has ``finished=True``. Leaving the loop
         early (break, ``aclose``, task cancellation, client disconnect) aborts the request and
         frees its KV blocks.

@@ -8,7 +8,10 @@ Two tenants on the SmolLM2-135M-shaped config with dummy weights, driven in-proc
 - tenant B sends one short request per ``--b-interval`` second(s) (``--b-prompt`` tokens,
   ``--b-output`` tokens).
 
-The same arrival script runs under ``fcfs`` and ``fair``. After ``--duration`` seconds no new
+The same arrival script runs under ``fcfs`` and ``fair`` side by side: one process, the two
+engines stepping in turn on one clock, so the host's load (shared, varying) weighs on both
+alike; each engine gets about half the CPU, so absolute times are about twice a lone
+engine's. After ``--duration`` seconds no new
 request arrives and the engine runs until every B request has its first token (so FCFS TTFTs
 are measured, not censored). Reported per policy: B's TTFT p50 / p99, A's and the total
 throughput (prompt + output tokens computed per second within the timed window), and the
@@ -78,108 +81,129 @@ def _percentile_ok(x: float | None) -> float:
     return float("nan") if x is None else x
 
 
-def run_policy(args: argparse.Namespace, policy: str) -> PolicyRun:
-    """Run the two-tenant script under ``policy``; returns its measurements."""
+class _Side:
+    """One policy's engine and bookkeeping in the side-by-side run."""
+
+    def __init__(self, args: argparse.Namespace, policy: str) -> None:
+        from prefixgate.engine.config import EngineConfig
+        from prefixgate.engine.llm_engine import LLMEngine
+
+        cfg = EngineConfig(
+            model=str(args.model),
+            load_format="dummy",
+            dtype="float32",
+            device="cpu",
+            hf_overrides={"num_hidden_layers": args.layers} if args.layers else {},
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            # room for every outstanding request at once: the contention measured is the
+            # step's token budget (prefill), not KV blocks
+            num_kv_blocks=(args.a_backlog + 16) * (-(-(args.a_prompt + args.a_output) // 16)),
+            scheduling_policy=policy,
+            fair_input_weight=args.w_in,
+            fair_output_weight=args.w_out,
+        )
+        self.engine = LLMEngine(cfg)
+        self.run = PolicyRun(policy)
+        self.a_live: set[str] = set()
+        self.b_waiting: set[str] = set()  # B requests without a first token yet
+        self.n_a = 0
+        self.tokens = 0
+        self.interval_start: tuple[float, float] | None = None
+
+
+def run_side_by_side(args: argparse.Namespace) -> list[PolicyRun]:
+    """Run the two-tenant script under every policy of ``args.policies`` in one process, the
+    engines stepping in turn on one clock and one arrival script (so the machine's load, which
+    varies on a shared host, weighs on every policy alike)."""
     import torch
-    from prefixgate.engine.config import EngineConfig
-    from prefixgate.engine.llm_engine import LLMEngine
     from prefixgate.engine.sampling_params import SamplingParams
 
     torch.set_num_threads(args.threads)
-    cfg = EngineConfig(
-        model=str(args.model),
-        load_format="dummy",
-        dtype="float32",
-        device="cpu",
-        hf_overrides={"num_hidden_layers": args.layers} if args.layers else {},
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        # room for every outstanding request at once: the contention measured is the step's
-        # token budget (prefill), not KV blocks or seats
-        num_kv_blocks=(args.a_backlog + 16) * (-(-(args.a_prompt + args.a_output) // 16)),
-        scheduling_policy=policy,
-        fair_input_weight=args.w_in,
-        fair_output_weight=args.w_out,
-    )
-    engine = LLMEngine(cfg)
-    vocab = engine.model_config.vocab_size
+    sides = [_Side(args, policy) for policy in args.policies]
+    vocab = sides[0].engine.model_config.vocab_size
     rng = random.Random(args.seed)
 
     def prompt(n: int) -> list[int]:  # distinct random ids: no prefix-cache hits
         return [rng.randrange(3, vocab) for _ in range(n)]
 
-    # warm-up (first forward passes allocate; not timed)
-    engine.add_request("warm", prompt(args.a_prompt), SamplingParams(max_tokens=2))
-    while engine.has_unfinished_requests():
-        engine.step()
+    for side in sides:  # warm-up (first forward passes allocate; not timed)
+        side.engine.add_request("warm", prompt(args.a_prompt), SamplingParams(max_tokens=2))
+        while side.engine.has_unfinished_requests():
+            side.engine.step()
 
     pa = SamplingParams(temperature=0.0, max_tokens=args.a_output, ignore_eos=True)
     pb = SamplingParams(temperature=0.0, max_tokens=args.b_output, ignore_eos=True)
-    run = PolicyRun(policy)
+    a_prompts = [prompt(args.a_prompt) for _ in range(args.a_backlog * 2)]  # reused in turn
     arrivals: dict[str, float] = {}
-    a_live: set[str] = set()
-    b_waiting: set[str] = set()  # B requests without a first token yet
-    n_a = n_b = 0
-    base = engine.stats()["tenants"]
-    start_a = _served(base.get("A"), args)
-    start_b = _served(base.get("B"), args)
-    tok0 = _tokens(engine)
+    n_b = 0
+    base = {id(s): s.engine.stats()["tenants"] for s in sides}
+    tok0 = {id(s): _tokens(s.engine) for s in sides}
     t0 = time.monotonic()
     next_b = t0
     window_end = t0 + args.duration
-    interval_start: tuple[float, float] | None = None  # W_A, W_B when both became backlogged
     while True:
         now = time.monotonic()
-        step_start = now
         open_ = now < window_end
-        if open_:
-            while len(a_live) < args.a_backlog:
-                rid = f"A{n_a}"
-                n_a += 1
-                engine.add_request(rid, prompt(args.a_prompt), pa, arrival_time=now, tenant="A")
-                a_live.add(rid)
-            while next_b <= now:
-                rid = f"B{n_b}"
-                n_b += 1
-                engine.add_request(rid, prompt(args.b_prompt), pb, arrival_time=next_b, tenant="B")
-                arrivals[rid] = next_b
-                b_waiting.add(rid)
-                next_b += args.b_interval
-        elif not b_waiting:
+        new_b: list[tuple[str, list[int], float]] = []
+        while open_ and next_b <= now:
+            rid = f"B{n_b}"
+            n_b += 1
+            new_b.append((rid, prompt(args.b_prompt), next_b))
+            arrivals[rid] = next_b
+            next_b += args.b_interval
+        if not open_ and not any(s.b_waiting for s in sides):
             break
-        outs = engine.step()
-        now = time.monotonic()
-        for out in outs:
-            rid = out.request_id
-            if rid in b_waiting and out.outputs[0].token_ids:
-                b_waiting.discard(rid)
-                run.b_ttft_s.append(now - arrivals[rid])
-            if out.finished:
-                a_live.discard(rid)
-        stats = engine.stats()
-        tenants = stats["tenants"]
-        w_a = _served(tenants.get("A"), args) - start_a
-        w_b = _served(tenants.get("B"), args) - start_b
-        run.trace.append((now - t0, w_a, w_b))
-        if step_start < window_end:  # steps begun in the window count (throughput)
-            run.window_s = now - t0
-            run.tokens_total = _tokens(engine) - tok0
-            run.tokens_a = _raw(tenants.get("A")) - _raw(base.get("A"))
-        both = all(tenants.get(t, {}).get("num_waiting", 0) > 0 for t in ("A", "B"))
-        if both:
-            if interval_start is None:
-                interval_start = (w_a, w_b)
-            gap = abs((w_a - interval_start[0]) - (w_b - interval_start[1]))
-            run.max_service_gap = max(run.max_service_gap, gap)
-        else:
-            interval_start = None
-    # drain what is left (A's backlog) so the pool ends whole; not timed
-    for rid in list(engine.scheduler.requests):
-        engine.abort_request(rid)
-    engine.step()
-    engine.check_invariants()
-    assert engine.stats()["kv_blocks_used"] == 0
-    return run
+        for side in sides:
+            eng, run = side.engine, side.run
+            for rid, ids, at in new_b:
+                eng.add_request(rid, ids, pb, arrival_time=at, tenant="B")
+                side.b_waiting.add(rid)
+            while open_ and len(side.a_live) < args.a_backlog:
+                rid = f"A{side.n_a}"
+                ids = a_prompts[side.n_a % len(a_prompts)]
+                ids = [side.n_a % 1000 + 3, *ids[1:]]  # first token differs: no cache hit
+                side.n_a += 1
+                eng.add_request(rid, ids, pa, arrival_time=time.monotonic(), tenant="A")
+                side.a_live.add(rid)
+            if not eng.has_unfinished_requests():
+                continue
+            step_start = time.monotonic()
+            outs = eng.step()
+            done = time.monotonic()
+            for out in outs:
+                rid = out.request_id
+                if rid in side.b_waiting and out.outputs[0].token_ids:
+                    side.b_waiting.discard(rid)
+                    run.b_ttft_s.append(done - arrivals[rid])
+                if out.finished:
+                    side.a_live.discard(rid)
+            tenants = eng.stats()["tenants"]
+            b0 = base[id(side)]
+            w_a = _served(tenants.get("A"), args) - _served(b0.get("A"), args)
+            w_b = _served(tenants.get("B"), args) - _served(b0.get("B"), args)
+            run.trace.append((done - t0, w_a, w_b))
+            if step_start < window_end:  # steps begun in the window count (throughput)
+                run.window_s = done - t0
+                run.tokens_total = _tokens(eng) - tok0[id(side)]
+                run.tokens_a = _raw(tenants.get("A")) - _raw(b0.get("A"))
+            both = all(tenants.get(t, {}).get("num_waiting", 0) > 0 for t in ("A", "B"))
+            if both:
+                if side.interval_start is None:
+                    side.interval_start = (w_a, w_b)
+                start_a, start_b = side.interval_start
+                gap = abs((w_a - start_a) - (w_b - start_b))
+                run.max_service_gap = max(run.max_service_gap, gap)
+            else:
+                side.interval_start = None
+    for side in sides:  # A's backlog is left: abort it, the pool must end whole
+        eng = side.engine
+        for rid in list(eng.scheduler.requests):
+            eng.abort_request(rid)
+        eng.step()
+        eng.check_invariants()
+        assert eng.stats()["kv_blocks_used"] == 0
+    return [side.run for side in sides]
 
 
 def _served(row: dict | None, args: argparse.Namespace) -> float:
@@ -247,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.model / "config.json").exists():
         print(f"model config not found: {args.model} (set PREFIXGATE_SHARED or --model)")
         return 2
-    runs = [run_policy(args, policy) for policy in args.policies]
+    runs = run_side_by_side(args)
     rows = [r.summary() for r in runs]
     bound = 2 * max(
         args.w_in * args.a_prompt + args.w_out * args.a_output,
