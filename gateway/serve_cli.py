@@ -179,7 +179,7 @@ def _engine_flags(group: argparse._ArgumentGroup) -> None:
         type=_json_object,
         default=argparse.SUPPRESS,
         help="fair-share weight per tenant as JSON (scheduling policy 'fair'), e.g. "
-        "'{\"team-a\": 2}'; keys-file 'weight' fields add to it",
+        "'{\"team-a\": 2}'; keys-file 'weight' fields add to it (default: every tenant 1)",
     )
 
 
