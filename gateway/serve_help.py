@@ -19,7 +19,9 @@ GATEWAY_HELP = {
     "keepalive_s": "seconds between SSE keep-alive comments while a stream waits for a token (> 0)",
     "max_prefix_ttl_s": "longest ttl_seconds a registered prefix (POST /v1/prefixes) may ask "
     "for, seconds (> 0)",
-    "upstream_timeout_s": "total timeout of one upstream request in proxy mode, seconds (0 = none)",
+    "upstream_timeout_s": "idle timeout of one upstream request in proxy mode: longest wait "
+    "for the answer's first byte and between two reads, never a total; a stream silent this "
+    "long ends with an error event, a request 504, seconds (0 = none)",
     "health_interval_s": "seconds between health probes of an unhealthy upstream in proxy "
     "mode (> 0)",
     "header_timeout_s": "seconds a connection may take to send a request's headers, from its "
