@@ -26,13 +26,14 @@ The engine has seats (``--max-num-seqs`` 128) and KV blocks for every outstandin
 what the tenants compete for is each step's token budget (``--max-num-batched-tokens`` 2,048,
 i.e. about two 1,024-token prefills a step), which is where FCFS makes B wait behind A's queue.
 
-By default the model keeps SmolLM2-135M's width but only ``--layers`` (4) of its 30 layers, so
-that the 64 x 1,024-token backlog turns over in minutes on a 2-core CPU (the scheduling
-decisions only depend on token counts, not on depth).
+By default the model keeps SmolLM2-135M's width (hidden 576, 9 heads, 3 KV heads, vocabulary
+49,152) but only ``--layers`` (1) of its 30 layers, so that the 64 x 1,024-token backlog turns
+over in minutes on a shared 2-core CPU (the scheduling decisions only depend on token counts,
+not on depth).
 
 Usage::
 
-    python -m prefixgate.sdk.bench.fairness [--model DIR] [--duration 60] [--layers 4]
+    python -m prefixgate.sdk.bench.fairness [--model DIR] [--duration 60] [--layers 1]
         [--threads N] [--json OUT] [--plot OUT.png]
 """
 
@@ -59,6 +60,7 @@ class PolicyRun:
     policy: str
     b_ttft_s: list[float] = field(default_factory=list)
     tokens_a: int = 0  # A's prompt tokens admitted + output tokens sampled within the window
+    # (throughput: tokens of the rounds begun within the window, over that common time)
     tokens_total: int = 0
     window_s: float = 0.0
     max_service_gap: float = 0.0
@@ -168,7 +170,6 @@ def run_side_by_side(args: argparse.Namespace) -> list[PolicyRun]:
                 side.a_live.add(rid)
             if not eng.has_unfinished_requests():
                 continue
-            step_start = time.monotonic()
             outs = eng.step()
             done = time.monotonic()
             for out in outs:
@@ -183,8 +184,7 @@ def run_side_by_side(args: argparse.Namespace) -> list[PolicyRun]:
             w_a = _served(tenants.get("A"), args) - _served(b0.get("A"), args)
             w_b = _served(tenants.get("B"), args) - _served(b0.get("B"), args)
             run.trace.append((done - t0, w_a, w_b))
-            if step_start < window_end:  # steps begun in the window count (throughput)
-                run.window_s = done - t0
+            if open_:  # rounds begun in the window count (throughput): as many for each
                 run.tokens_total = _tokens(eng) - tok0[id(side)]
                 run.tokens_a = _raw(tenants.get("A")) - _raw(b0.get("A"))
             both = all(tenants.get(t, {}).get("num_waiting", 0) > 0 for t in ("A", "B"))
@@ -196,6 +196,9 @@ def run_side_by_side(args: argparse.Namespace) -> list[PolicyRun]:
                 run.max_service_gap = max(run.max_service_gap, gap)
             else:
                 side.interval_start = None
+        if open_:  # one window for all: the end of the last round begun in it
+            for side in sides:
+                side.run.window_s = time.monotonic() - t0
     for side in sides:  # A's backlog is left: abort it, the pool must end whole
         eng = side.engine
         for rid in list(eng.scheduler.requests):
@@ -250,7 +253,7 @@ def plot(runs: list[PolicyRun], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, default=SHARED / "models" / "smollm2-135m-shape")
-    p.add_argument("--layers", type=int, default=4, help="layers kept (0 = all 30)")
+    p.add_argument("--layers", type=int, default=1, help="layers kept (0 = all 30)")
     p.add_argument("--duration", type=float, default=60.0, help="arrival window, seconds")
     p.add_argument("--a-backlog", type=int, default=64)
     p.add_argument("--a-prompt", type=int, default=1024)
