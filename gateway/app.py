@@ -32,7 +32,13 @@ from prefixgate.gateway import (
 )
 from prefixgate.gateway.admission import AdmissionController
 from prefixgate.gateway.auth import KeyRing
-from prefixgate.gateway.errors import APIError, error_middleware
+from prefixgate.gateway.errors import (
+    ERROR_CODE,
+    APIError,
+    Handler,
+    error_middleware,
+    expect_continue,
+)
 from prefixgate.gateway.limits import body_limits_middleware
 from prefixgate.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from prefixgate.gateway.prefixes import PrefixRegistry
@@ -58,24 +64,31 @@ def create_app(
     if isinstance(engine, Sequence):
         raise TypeError("create_app serves a local engine; upstream mode is create_proxy_app(urls)")
     app, st = _base_app(settings)
-    app.router.add_get("/ready", ready_local)
+    app.router.add_get("/ready", ready_local, expect_handler=expect_continue)
     r = app.router
-    r.add_post("/v1/chat/completions", routes_openai.chat_completions)
-    r.add_post("/v1/completions", routes_openai.completions)
-    r.add_post("/v1/responses", responses_api.create_response)
-    r.add_post("/tokenize", routes_tokenize.tokenize)
-    r.add_post("/detokenize", routes_tokenize.detokenize)
-    r.add_get("/v1/models", routes_openai.list_models)
-    r.add_get("/v1/models/{model}", routes_openai.get_model)
-    r.add_post("/v1/prefixes", routes_prefixes.create_prefix)
-    r.add_get("/v1/prefixes/{prefix_id}", routes_prefixes.get_prefix)
-    r.add_delete("/v1/prefixes/{prefix_id}", routes_prefixes.delete_prefix)
+    r.add_post(
+        "/v1/chat/completions", routes_openai.chat_completions, expect_handler=expect_continue
+    )
+    r.add_post("/v1/completions", routes_openai.completions, expect_handler=expect_continue)
+    r.add_post("/v1/responses", responses_api.create_response, expect_handler=expect_continue)
+    r.add_post("/tokenize", routes_tokenize.tokenize, expect_handler=expect_continue)
+    r.add_post("/detokenize", routes_tokenize.detokenize, expect_handler=expect_continue)
+    r.add_get("/v1/models", routes_openai.list_models, expect_handler=expect_continue)
+    r.add_get("/v1/models/{model}", routes_openai.get_model, expect_handler=expect_continue)
+    r.add_post("/v1/prefixes", routes_prefixes.create_prefix, expect_handler=expect_continue)
+    r.add_get(
+        "/v1/prefixes/{prefix_id}", routes_prefixes.get_prefix, expect_handler=expect_continue
+    )
+    r.add_delete(
+        "/v1/prefixes/{prefix_id}", routes_prefixes.delete_prefix, expect_handler=expect_continue
+    )
 
     async def release_prefixes(app: web.Application) -> None:
         if st.prefixes is not None:
             st.prefixes.clear()
 
     app.on_cleanup.append(release_prefixes)
+    _add_fallback_route(app)
     if engine is not None:
         attach_engine(app, engine)
     return app
@@ -100,6 +113,8 @@ def create_proxy_app(
         s.health_interval_s,
         s.upstream_connect_timeout_s,
         s.upstream_timeout_s,
+        cache_salt=s.upstream_cache_salt,
+        auth="Bearer " + s.upstream_api_key if s.upstream_api_key else None,
     )
     if s.upstream_api_key and any(u.auth for u in router.upstreams):
         raise ValueError(
@@ -111,14 +126,16 @@ def create_proxy_app(
     st.model_name = st.model_name or "upstream"
     st.ready = True
     r = app.router
-    r.add_get("/ready", ready_proxy)
-    r.add_post("/v1/chat/completions", routes_upstream.proxy_generate)
-    r.add_post("/v1/completions", routes_upstream.proxy_generate)
-    r.add_post("/v1/responses", responses_api.responses_unsupported)
-    r.add_get("/v1/models", routes_upstream.proxy_get)
-    r.add_get("/v1/models/{model}", routes_upstream.proxy_get)
-    r.add_route("*", "/v1/prefixes", _no_prefixes)
-    r.add_route("*", "/v1/prefixes/{prefix_id}", _no_prefixes)
+    r.add_get("/ready", ready_proxy, expect_handler=expect_continue)
+    r.add_post(
+        "/v1/chat/completions", routes_upstream.proxy_generate, expect_handler=expect_continue
+    )
+    r.add_post("/v1/completions", routes_upstream.proxy_generate, expect_handler=expect_continue)
+    r.add_post("/v1/responses", responses_api.responses_unsupported, expect_handler=expect_continue)
+    r.add_get("/v1/models", routes_upstream.proxy_get, expect_handler=expect_continue)
+    r.add_get("/v1/models/{model}", routes_upstream.proxy_get, expect_handler=expect_continue)
+    r.add_route("*", "/v1/prefixes", _no_prefixes, expect_handler=expect_continue)
+    r.add_route("*", "/v1/prefixes/{prefix_id}", _no_prefixes, expect_handler=expect_continue)
 
     async def start(app: web.Application) -> None:
         await router.start()
@@ -128,6 +145,7 @@ def create_proxy_app(
 
     app.on_startup.append(start)
     app.on_cleanup.append(stop)
+    _add_fallback_route(app)
     return app
 
 
@@ -146,14 +164,77 @@ def _base_app(settings: GatewaySettings | None) -> tuple[web.Application, Gatewa
     )
     app = web.Application(
         client_max_size=settings.max_body_bytes,
-        middlewares=[lifecycle.drain_middleware, error_middleware, body_limits_middleware],
+        middlewares=[
+            lifecycle.drain_middleware,
+            count_requests,
+            error_middleware,
+            body_limits_middleware,
+        ],
     )
     lifecycle.install(app)
     app.on_response_prepare.append(request_id.stamp)
     app[STATE] = st
-    app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics_route)
+    app.router.add_get("/health", health, expect_handler=expect_continue)
+    app.router.add_get("/metrics", metrics_route, expect_handler=expect_continue)
     return app, st
+
+
+def _add_fallback_route(app: web.Application) -> None:
+    """Register last: every other method and path lands here, so unknown routes (404) and
+    methods (405) are answered by our handler and ``Expect`` handler, never aiohttp's
+    (plain text, and a 500 for a header that is not UTF-8)."""
+    app.router.add_route("*", "/{tail:.*}", _no_route, expect_handler=expect_continue)
+
+
+async def _no_route(request: web.Request) -> web.Response:
+    """404 ``not_found`` for an unknown path, 405 ``method_not_allowed`` for a known path
+    asked with another method (with ``Allow``)."""
+    allowed: set[str] = set()
+    for resource in request.app.router.resources():
+        if resource.canonical == "/{tail}":
+            continue
+        match, methods = await resource.resolve(request)
+        allowed |= methods
+    if allowed:
+        exc = APIError(405, "method not allowed on this route", code="method_not_allowed")
+        resp = exc.response()
+        resp.headers["Allow"] = ",".join(sorted(allowed))
+        return resp
+    raise APIError(404, "unknown route", code="not_found")
+
+
+_ROUTE_LABELS = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/tokenize": "tokenize",
+}
+_PROBES = frozenset(("/health", "/ready", "/metrics"))
+CLIENT_GONE = 499  # nginx's "client closed request"
+
+
+@web.middleware
+async def count_requests(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Count every API request in ``prefixgate_requests_total{route, status, code}`` — the
+    refusals too (401, 400, 404, 413, 429, ...: ``code`` is the OpenAI error code, ``""`` on
+    success); a client gone before its answer counts as 499. Probes are not counted."""
+    path = request.path
+    if path in _PROBES:
+        return await handler(request)
+    if path in _ROUTE_LABELS:
+        route = _ROUTE_LABELS[path]
+    elif path.startswith(("/v1/models", "/v1/prefixes")):
+        route = path.split("/")[2]
+    else:
+        route = "other"
+    counter = request.app[STATE].metrics.requests
+    try:
+        resp = await handler(request)
+    except BaseException:
+        counter.labels(route, str(CLIENT_GONE), "client_gone").inc()
+        raise
+    code = resp.get(ERROR_CODE) or ("" if resp.status < 400 else "client_gone")
+    counter.labels(route, str(resp.status), code).inc()
+    return resp
 
 
 def attach_engine(app: web.Application, engine: EngineClient) -> None:
@@ -179,9 +260,10 @@ def default_model_name(engine: EngineClient) -> str:
 
 
 async def _no_prefixes(request: web.Request) -> web.Response:
-    # 501: clients (the SDK's PrefixSession) then fall back to sending the full messages.
+    # 404 (a 4xx: the client's request, not a server fault): clients (the SDK's PrefixSession)
+    # then fall back to sending the full messages, as they do on 405/501.
     raise APIError(
-        501,
+        404,
         "the prefix API is not available in upstream mode; send the full "
         "messages (prefix affinity keeps a system prompt on one upstream)",
         code="unsupported_in_upstream_mode",
@@ -208,7 +290,15 @@ async def ready_proxy(request: web.Request) -> web.Response:
     pool = st.router.describe()
     if not any(u["healthy"] for u in pool):
         raise APIError(503, "no healthy upstream", code="upstream_unavailable", retry_after=2.0)
-    return web.json_response({"status": "ready", "mode": "upstream", "upstreams": pool})
+    return web.json_response(
+        {
+            "status": "ready",
+            "mode": "upstream",
+            # False: some upstream ignores cache_salt, so tenants may share its cache there
+            "tenant_isolation": all(u["cache_salt"] is not False for u in pool),
+            "upstreams": pool,
+        }
+    )
 
 
 async def metrics_route(request: web.Request) -> web.Response:

@@ -17,7 +17,10 @@ tenants in the same proportion. ``priority`` is the key's default request priori
 engine's ``priority`` policy: lower first); a request may set its own ``priority`` only when
 its key has ``allow_priority`` (else 400 naming the field).
 
-Every limit is optional (absent or 0 = unlimited). ``salt`` names the prefix-cache partition:
+Every limit is optional (absent or 0 = unlimited), but for the key's share of the prefix API,
+``max_prefixes`` and ``max_pinned_blocks``: absent = the gateway's defaults
+(``GatewaySettings.key_max_prefixes`` / ``key_max_pinned_fraction``), 0 = unlimited. ``salt``
+names the prefix-cache partition:
 keys with the same salt share cached KV blocks; a key without one gets its own partition
 (salt derived from a SHA-256 of the key, so the key itself never reaches the engine). With no
 key configured at all the gateway is open and every request shares one partition (salt None).
@@ -27,8 +30,10 @@ the pair (key salt, request salt) is hashed, so no two different pairs ever meet
 
 Rate limits are token buckets (capacity = the per-minute limit, refilled continuously at
 limit/60 per second). Requests/min is charged one per request at admission; tokens/min is
-charged the prompt tokens at admission and the completion tokens when the request ends (so a
-long answer delays the key's next requests rather than being cut).
+charged the prompt tokens at admission (an estimate in proxy mode) and settled to exactly
+prompt + completion tokens when the request ends (so a long answer delays the key's next
+requests rather than being cut). A request refused or failed before its first token is
+refunded: it spends nothing (``Charge``).
 """
 
 from __future__ import annotations
@@ -47,7 +52,8 @@ from prefixgate.sdk.limits import TokenBucket
 
 @dataclass(slots=True)
 class KeySpec:
-    """One API key and its limits (0 = unlimited)."""
+    """One API key and its limits (0 = unlimited; ``max_prefixes`` / ``max_pinned_blocks``
+    None = the gateway's default share, ``key_max_prefixes`` / ``key_max_pinned_fraction``)."""
 
     key: str
     name: str = ""
@@ -58,6 +64,8 @@ class KeySpec:
     weight: float = 1.0
     priority: int = 0
     allow_priority: bool = False
+    max_prefixes: int | None = None
+    max_pinned_blocks: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.key, str) or not self.key:
@@ -90,6 +98,12 @@ class KeySpec:
             raise ValueError(f"priority of key {self.name or '?'} must be an integer")
         if not isinstance(self.allow_priority, bool):
             raise ValueError(f"allow_priority of key {self.name or '?'} must be true or false")
+        for field in ("max_prefixes", "max_pinned_blocks"):
+            value = getattr(self, field)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 0
+            ):
+                raise ValueError(f"{field} of key {self.name or '?'} must be an integer >= 0")
         if not self.name:
             self.name = "key-" + _digest(self.key)[:8]
         if self.salt is None:
@@ -117,10 +131,11 @@ def _digest(key: str) -> str:
 class Principal:
     """An authenticated caller: its key's limits and live counters."""
 
-    __slots__ = ("spec", "salt", "concurrent", "_rpm", "_tpm")
+    __slots__ = ("spec", "id", "salt", "concurrent", "_rpm", "_tpm")
 
     def __init__(self, spec: KeySpec | None) -> None:
         self.spec = spec
+        self.id = "key:" + _digest(spec.key)[:32] if spec else None  # never the key itself
         self.salt = spec.salt if spec else None
         self.concurrent = 0
         self._rpm = (
@@ -165,15 +180,21 @@ class Principal:
             )
         return requested
 
-    def acquire(self, prompt_tokens: int) -> None:
-        """Count one request of ``prompt_tokens`` against the key's limits.
+    def acquire(self, prompt_tokens: int) -> Charge:
+        """Count one request of ``prompt_tokens`` against the key's limits (the prompt an
+        estimate when the gateway cannot tokenize it: ``Charge.settle`` makes it exact).
+
+        Returns:
+            The request's ``Charge``: ``settle(prompt, completion)`` when it ends with tokens
+            served, ``refund()`` when it was refused or failed before any (it spends nothing).
 
         Raises:
-            APIError: 429 ``rate_limit_exceeded`` with ``Retry-After`` when over a limit.
+            APIError: 429 ``rate_limit_exceeded`` with ``Retry-After`` when over a limit
+                (nothing taken).
         """
         spec = self.spec
         if spec is None:
-            return
+            return Charge(self, 0)
         if spec.max_concurrent and self.concurrent >= spec.max_concurrent:
             raise too_many(
                 f"key {spec.name} already has {self.concurrent} requests in flight "
@@ -190,19 +211,60 @@ class Principal:
             wait = self._tpm.take(prompt_tokens)
             if wait:
                 if self._rpm is not None:
-                    self._rpm.charge(-1)  # give the request back
+                    self._rpm.adjust(-1)  # give the request back
                 raise too_many(
                     f"key {spec.name} is over {spec.tokens_per_minute} tokens per minute", wait
                 )
         self.concurrent += 1
+        return Charge(self, prompt_tokens)
 
-    def release(self, completion_tokens: int = 0) -> None:
-        """The request ended: free its concurrency slot and charge its completion tokens."""
-        if self.spec is None:
+
+class Charge:
+    """What one admitted request took from its key: a request, a concurrency slot and its
+    (estimated) prompt tokens. Ends once, by ``settle`` or ``refund`` (later calls no-ops).
+
+    Accounting rule: a request answered with tokens costs one request and exactly its prompt
+    + completion tokens (the usage it reports); a request refused or failed before its
+    first token (400, 413, 429 of admission, an engine or upstream failure) costs nothing.
+    """
+
+    __slots__ = ("_principal", "_taken", "_open")
+
+    def __init__(self, principal: Principal, taken_tokens: int) -> None:
+        self._principal = principal
+        self._taken = taken_tokens
+        self._open = True
+
+    def settle(self, prompt_tokens: int, completion_tokens: int) -> None:
+        """The request was served: charge ``prompt_tokens + completion_tokens`` in all (the
+        difference to what admission took; the level may go into debt) and free the slot."""
+        if not self._end():
             return
-        self.concurrent -= 1
-        if self._tpm is not None and completion_tokens:
-            self._tpm.charge(completion_tokens)
+        tpm = self._principal._tpm
+        if tpm is not None:
+            delta = prompt_tokens + completion_tokens - self._taken
+            if delta >= 0:
+                tpm.charge(delta)  # may leave a debt, repaid by refill
+            else:
+                tpm.adjust(delta)  # the estimate was high: the rest back, capped
+
+    def refund(self) -> None:
+        """Refused or failed before any token: give back the request and its tokens."""
+        if not self._end():
+            return
+        p = self._principal
+        if p._rpm is not None:
+            p._rpm.adjust(-1)
+        if p._tpm is not None:
+            p._tpm.adjust(-self._taken)
+
+    def _end(self) -> bool:
+        if not self._open:
+            return False
+        self._open = False
+        if self._principal.spec is not None:
+            self._principal.concurrent -= 1
+        return True
 
 
 def effective_salt(key_salt: str | None, request_salt: str | None) -> str | None:

@@ -6,7 +6,7 @@ Every non-2xx answer of the gateway has the body of the OpenAI API
     {"error": {"message": str, "type": str, "param": str | None, "code": str | None}}
 
 Status codes: 400 bad input, 401 missing or wrong key, 404 unknown model, route or prefix,
-405 wrong method, 413 body too large, 501 not available (prefix API in upstream mode), 429 overloaded or over a rate limit (with ``Retry-After``
+404 also for the prefix API in upstream mode, 405 wrong method, 413 body too large, 417 an ``Expect`` other than 100-continue, 429 overloaded or over a rate limit (with ``Retry-After``
 in whole seconds), 500 internal, 502 upstream failure, 503 not ready. A stack trace never
 reaches the wire: unexpected exceptions are logged and answered with a generic 500.
 """
@@ -36,11 +36,15 @@ _TYPES = {
     431: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_server_error",
+    417: "invalid_request_error",
     501: "invalid_request_error",
     502: "upstream_error",
     503: "service_unavailable",
     504: "timeout_error",
 }
+
+
+ERROR_CODE: web.ResponseKey[str] = web.ResponseKey("prefixgate_error_code", str)
 
 
 class APIError(Exception):
@@ -83,12 +87,14 @@ class APIError(Exception):
         headers = {}
         if self.retry_after is not None:
             headers["Retry-After"] = str(retry_after_seconds(self.retry_after))
-        return web.Response(
+        resp = web.Response(
             status=self.status,
             body=json.dumps(self.body()).encode(),
             content_type="application/json",
             headers=headers,
         )
+        resp[ERROR_CODE] = self.code or self.type  # for the request counter (metrics)
+        return resp
 
 
 def retry_after_seconds(seconds: float) -> int:
@@ -135,17 +141,41 @@ def from_http_exception(exc: web.HTTPException) -> APIError:
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+async def expect_continue(request: web.Request) -> web.StreamResponse | None:
+    """The routes' ``Expect`` handler: ``100-continue`` as aiohttp does it, anything else an
+    OpenAI error 417 (aiohttp's own answers it before any middleware, as plain text, and
+    fails with a 500 when the header is not UTF-8)."""
+    expect = request.headers.get("Expect", "")
+    if expect.lower() == "100-continue":
+        if request.version == (1, 1):
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        return None
+    resp = APIError(
+        417,
+        f"unsupported Expect header {shown(expect)}: only 100-continue is",
+        code="expectation_failed",
+        type="invalid_request_error",
+    ).response()
+    resp.force_close()  # the body is never read
+    return resp
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Answer every failure of ``handler`` with an OpenAI error object (no tracebacks)."""
+    """Answer every failure of ``handler`` with an OpenAI error object (no tracebacks).
+
+    An answer given without reading the request's body closes the connection after it
+    (``Connection: close``): aiohttp would drain that body to reuse the connection, and a body
+    it cannot decode (bad gzip) then resets the connection under the client's next request.
+    """
     try:
-        return await handler(request)
+        return _closing_if_unread(request, await handler(request))
     except APIError as exc:
-        return exc.response()
+        return _closing_if_unread(request, exc.response())
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return from_http_exception(exc).response()
+        return _closing_if_unread(request, from_http_exception(exc).response())
     except web.RequestPayloadError as exc:
         # The body itself is unreadable (bad Content-Encoding data, broken chunked framing).
         resp = APIError(
@@ -160,6 +190,12 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except Exception:  # noqa: BLE001 - logged in full, answered without details
         logger.exception("internal error on %s %s", request.method, request.path)
         return APIError(500, "internal server error", code="internal_error").response()
+
+
+def _closing_if_unread(request: web.Request, resp: web.StreamResponse) -> web.StreamResponse:
+    if not resp.prepared and request.body_exists and not request.content.is_eof():
+        resp.force_close()
+    return resp
 
 
 def _payload_reason(exc: Exception) -> str:

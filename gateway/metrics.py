@@ -182,8 +182,8 @@ class GatewayMetrics:
         )
         self.requests = Counter(
             "prefixgate_requests",
-            "finished requests by route and status",
-            ["route", "status"],
+            "answered requests by route, HTTP status and OpenAI error code ('' on success)",
+            ["route", "status", "code"],
             registry=r,
         )
         self.prompt_tokens = Counter(

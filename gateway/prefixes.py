@@ -19,6 +19,11 @@ blocks); ``expires_at`` in the API is that same expiry shown in Unix seconds. A 
 caller goes away while the engine pins (client disconnect) is the engine's to release
 (``AsyncEngine.pin_prefix`` unpins a pin nobody awaits any more). Creates in progress count
 against ``max_prefixes``; a 429's ``Retry-After`` is the time until the next live prefix expires.
+
+Each key has its own share (``PrefixQuota``: most live prefixes, most pinned KV blocks, from
+the keys file or the gateway's defaults), so one tenant can never take the whole pinned space
+and lock the others out; over its share a key gets 429 ``prefix_limit_exceeded`` with the
+time until its own next prefix expires, and a prefix larger than the whole share is a 400.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ class PrefixEntry:
         pinned_tokens: tokens handed to ``engine.pin_prefix``.
         created_at: Unix seconds.
         salt: the salt of the creating key (its owner).
+        owner: the creating key's id (its quota), None for an open gateway.
+        pinned_blocks: KV blocks of the pin, as counted against the owner's quota.
         pin: the engine's ``PrefixPin`` (``.id``, ``.expires_at`` in ``time.monotonic()``
             seconds: the one clock of the prefix's life).
     """
@@ -55,6 +62,8 @@ class PrefixEntry:
     created_at: int
     salt: str | None
     pin: PinHandle
+    owner: str | None = None
+    pinned_blocks: int = 0
 
     @property
     def expires_at(self) -> float:
@@ -78,6 +87,26 @@ class PrefixEntry:
         }
 
 
+def _pin_blocks(pin: Any, blocks: int, block_size: int) -> int:
+    """Full KV blocks a pin holds: from its ``num_tokens`` when it has one, else ``blocks``."""
+    num = getattr(pin, "num_tokens", None)
+    return num // block_size if isinstance(num, int) else blocks
+
+
+@dataclass(slots=True)
+class PrefixQuota:
+    """One key's share of the prefix API (0 = unlimited).
+
+    Attributes:
+        max_prefixes: most live prefixes of the key.
+        max_pinned_blocks: most KV blocks its live prefixes pin (each prefix counted with
+            its full blocks, ``pinned tokens // block_size``; shared blocks counted each time).
+    """
+
+    max_prefixes: int = 0
+    max_pinned_blocks: int = 0
+
+
 class PrefixRegistry:
     """Prefixes by id over ``engine.pin_prefix`` / ``engine.unpin_prefix``.
 
@@ -95,6 +124,11 @@ class PrefixRegistry:
         self.max_prefixes = max_prefixes
         self._entries: dict[str, PrefixEntry] = {}
         self._pending = 0  # creates awaiting their pin
+        self._pending_by_owner: dict[str, tuple[int, int]] = {}  # owner -> (creates, blocks)
+        config = getattr(engine, "config", None)
+        self.block_size: int = getattr(config, "block_size", None) or getattr(
+            engine, "block_size", 16
+        )
 
     def __len__(self) -> int:
         self._expire()
@@ -107,17 +141,21 @@ class PrefixRegistry:
         ttl_s: float,
         salt: str | None,
         cache_salt: str | None = None,
+        owner: str | None = None,
+        quota: PrefixQuota | None = None,
     ) -> PrefixEntry:
         """Pin ``token_ids`` (the rendered ``messages``) for ``ttl_s`` seconds.
 
         ``salt`` is the owner's (the key's) salt, checked by ``get``/``delete``;
         ``cache_salt`` the engine cache salt of the pin (default: ``salt``). Chat requests
-        hit the pinned blocks when they use the same cache salt.
+        hit the pinned blocks when they use the same cache salt. ``owner`` (a key id) is
+        held to ``quota`` when both are given.
 
         Raises:
             APIError: 400 on a ttl over ``max_ttl_s`` or an empty prefix; 429
                 ``prefix_limit_exceeded`` when the pinned space (engine's
-                ``max_pinned_fraction``) or the prefix count is exhausted.
+                ``max_pinned_fraction``), the prefix count, or the owner's quota is
+                exhausted; 400 ``prefix_too_large`` when the prefix alone exceeds the quota.
         """
         self._expire()
         if ttl_s > self.max_ttl_s:
@@ -132,7 +170,13 @@ class PrefixRegistry:
                 retry_after=self._next_expiry(),
             )
         pinned = token_ids[:-1]
+        blocks = len(pinned) // self.block_size
+        if owner is not None and quota is not None:
+            self._check_quota(owner, quota, blocks)
         self._pending += 1
+        if owner is not None:
+            n, b = self._pending_by_owner.get(owner, (0, 0))
+            self._pending_by_owner[owner] = (n + 1, b + blocks)
         try:
             pin = await self._engine.pin_prefix(
                 pinned, ttl_s, cache_salt=salt if cache_salt is None else cache_salt
@@ -148,6 +192,10 @@ class PrefixRegistry:
             raise APIError(400, str(exc), param="messages") from None
         finally:
             self._pending -= 1
+            if owner is not None:
+                n, b = self._pending_by_owner.pop(owner)
+                if n > 1:
+                    self._pending_by_owner[owner] = (n - 1, b - blocks)
         entry = PrefixEntry(
             id="pfx-" + secrets.token_hex(12),
             messages=messages,
@@ -156,9 +204,43 @@ class PrefixRegistry:
             created_at=int(time.time()),
             salt=salt,
             pin=pin,
+            owner=owner,
+            pinned_blocks=_pin_blocks(pin, blocks, self.block_size),
         )
         self._entries[entry.id] = entry
         return entry
+
+    def _check_quota(self, owner: str, quota: PrefixQuota, blocks: int) -> None:
+        """Raise 429 (or 400 for a prefix over the whole share) when ``owner`` would exceed
+        its quota with one more prefix of ``blocks`` KV blocks."""
+        mine = [e for e in self._entries.values() if e.owner == owner]
+        n, b = self._pending_by_owner.get(owner, (0, 0))
+        if quota.max_prefixes and len(mine) + n >= quota.max_prefixes:
+            raise APIError(
+                429,
+                f"this key has {len(mine) + n} live prefixes, its limit "
+                f"(max_prefixes={quota.max_prefixes}); delete one or wait for one to expire",
+                code="prefix_limit_exceeded",
+                retry_after=self._next_expiry(mine),
+            )
+        if quota.max_pinned_blocks and blocks > quota.max_pinned_blocks:
+            raise APIError(
+                400,
+                f"this prefix pins {blocks} KV blocks, more than this key may pin in all "
+                f"(max_pinned_blocks={quota.max_pinned_blocks}); send a shorter prefix",
+                param="messages",
+                code="prefix_too_large",
+            )
+        held = sum(e.pinned_blocks for e in mine) + b
+        if quota.max_pinned_blocks and held + blocks > quota.max_pinned_blocks:
+            raise APIError(
+                429,
+                f"this key's live prefixes pin {held} KV blocks; {blocks} more would exceed "
+                f"its limit (max_pinned_blocks={quota.max_pinned_blocks}); delete a prefix "
+                "or wait for one to expire",
+                code="prefix_limit_exceeded",
+                retry_after=self._next_expiry(mine),
+            )
 
     def get(self, prefix_id: str, salt: str | None) -> PrefixEntry:
         """The live prefix ``prefix_id`` of this salt.
@@ -187,12 +269,14 @@ class PrefixRegistry:
         for entry in list(self._entries.values()):
             self._drop(entry)
 
-    def _next_expiry(self) -> float:
-        """Seconds until the next live prefix expires (60 when none is live here: the pinned
-        space is then held by pins this registry does not know, e.g. the engine's own)."""
-        if not self._entries:
+    def _next_expiry(self, entries: list[PrefixEntry] | None = None) -> float:
+        """Seconds until the next of ``entries`` (default: every live prefix) expires (60
+        when there is none: the pinned space is then held by pins this registry does not
+        know, e.g. the engine's own, or by creates in progress)."""
+        live = list(self._entries.values()) if entries is None else entries
+        if not live:
             return 60.0
-        soonest = min(e.seconds_left() for e in self._entries.values())
+        soonest = min(e.seconds_left() for e in live)
         return 60.0 if soonest == float("inf") else max(1.0, soonest)
 
     def _drop(self, entry: PrefixEntry) -> None:

@@ -30,6 +30,7 @@ import aiohttp
 from aiohttp import web
 from prefixgate.gateway.errors import APIError
 from prefixgate.gateway.streaming import KEEPALIVE, SSE_HEADERS, encode_event
+from prefixgate.gateway.usage import UsageTap
 
 logger = logging.getLogger("prefixgate.gateway")
 
@@ -116,13 +117,19 @@ def stream_error(message: str, code: str = "upstream_error") -> bytes:
     return encode_event(APIError(502, message, code=code, type="upstream_error").body())
 
 
+def _tapped(tap: UsageTap | None, events: bytes) -> bytes:
+    return events if tap is None or not events else tap.feed(events)
+
+
 async def relay_sse(
     request: web.Request,
     resp: aiohttp.ClientResponse,
     keepalive_s: float,
     idle_timeout_s: float,
+    tap: UsageTap | None = None,
 ) -> web.StreamResponse:
-    """Relay ``resp``'s SSE stream to the client, checked (see the module docstring).
+    """Relay ``resp``'s SSE stream to the client, checked (see the module docstring); whole
+    events pass through ``tap`` when given (it reads their usage, see ``usage``).
 
     A gzip/deflate-encoded stream is decoded (so it can be checked) and sent as identity.
     Returns the (ended) client response; leaves when the client goes away.
@@ -155,7 +162,7 @@ async def relay_sse(
                 continue
             if not chunk:  # the upstream ended its response
                 if inflate is not None:
-                    await out.write(checker.feed(inflate.flush()))
+                    await out.write(_tapped(tap, checker.feed(inflate.flush())))
                 if not checker.done:
                     raise StreamBroken("the upstream's stream ended before its last event ([DONE])")
                 break
@@ -165,7 +172,7 @@ async def relay_sse(
                     chunk = inflate.decompress(chunk)
                 except zlib.error:
                     raise StreamBroken("the upstream's compressed stream is corrupt") from None
-            passed = checker.feed(chunk)
+            passed = _tapped(tap, checker.feed(chunk))
             if passed:
                 await out.write(passed)
     except StreamBroken as exc:

@@ -252,7 +252,7 @@ class Exchange:
 
     async def run(self) -> web.StreamResponse:
         st = self.st
-        self.principal.acquire(self.prompt_tokens)
+        charge = self.principal.acquire(self.prompt_tokens)
         try:
             self.ticket = st.admission.admit(
                 self.prompt_tokens,
@@ -262,7 +262,7 @@ class Exchange:
                 weight=self.principal.weight,
             )
         except APIError:
-            self.principal.release(0)
+            charge.refund()
             raise
         st.metrics.prompt_tokens.inc(self.prompt_tokens)
         status = "error"
@@ -273,11 +273,13 @@ class Exchange:
         finally:
             self.ticket.done()
             completion = sum(o.num_tokens for o in self.outputs)
-            self.principal.release(completion)
+            if completion:  # served: exactly prompt + completion tokens
+                charge.settle(self.prompt_tokens, completion)
+            else:  # refused or failed before its first token: spends nothing
+                charge.refund()
             rec = record(self.request)
             rec.prompt_tokens, rec.completion_tokens = self.prompt_tokens, completion
             rec.cached_tokens = sum(self.cached.values())
-            st.metrics.requests.labels(self.renderer.route, status).inc()
             if status == "200":
                 st.metrics.e2e.observe(time.monotonic() - self.t0)
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from aiohttp import web
-from prefixgate.gateway.auth import effective_salt
+from prefixgate.gateway.auth import KeySpec, effective_salt
+from prefixgate.gateway.prefixes import PrefixQuota
 from prefixgate.gateway.prompts import check_length, render_chat
 from prefixgate.gateway.schemas import PrefixCreateRequest, parse
-from prefixgate.gateway.state import STATE
+from prefixgate.gateway.state import STATE, GatewaySettings
 
 
 async def create_prefix(request: web.Request) -> web.Response:
@@ -29,8 +30,29 @@ async def create_prefix(request: web.Request) -> web.Response:
         req.ttl_seconds,
         principal.salt,
         effective_salt(principal.salt, req.cache_salt),
+        owner=principal.id,
+        quota=prefix_quota(principal.spec, st.settings, engine.stats().get("kv_blocks_total", 0)),
     )
     return web.json_response(entry.public(st.model_name))
+
+
+def prefix_quota(
+    spec: KeySpec | None, settings: GatewaySettings, total_blocks: int
+) -> PrefixQuota | None:
+    """A key's share of the prefix API: its keys-file fields, else the gateway's defaults
+    (``key_max_prefixes``; ``key_max_pinned_fraction`` of the engine's ``total_blocks``, at
+    least 1 block). None for the open gateway's anonymous caller (one tenant: the global
+    bounds apply)."""
+    if spec is None:
+        return None
+    n = settings.key_max_prefixes if spec.max_prefixes is None else spec.max_prefixes
+    if spec.max_pinned_blocks is not None:
+        blocks = spec.max_pinned_blocks
+    elif settings.key_max_pinned_fraction >= 1.0:
+        blocks = 0
+    else:
+        blocks = max(1, int(settings.key_max_pinned_fraction * total_blocks))
+    return PrefixQuota(n, blocks)
 
 
 async def get_prefix(request: web.Request) -> web.Response:

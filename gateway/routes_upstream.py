@@ -25,10 +25,12 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from prefixgate.gateway.auth import MAX_SALT_CHARS, effective_salt
 from prefixgate.gateway.errors import APIError, bad_request
 from prefixgate.gateway.relay import json_body_problem, relay_sse
 from prefixgate.gateway.state import STATE, GatewayState
-from prefixgate.gateway.upstream import Upstream, affinity_key
+from prefixgate.gateway.upstream import Upstream, affinity_key, salted_affinity_key
+from prefixgate.gateway.usage import Usage, UsageTap, ask_usage, body_usage
 
 logger = logging.getLogger("prefixgate.gateway")
 
@@ -38,13 +40,21 @@ _PASSED_HEADERS = ("Retry-After", "Content-Encoding")
 
 
 async def proxy_generate(request: web.Request) -> web.StreamResponse:
-    """POST /v1/chat/completions and /v1/completions in upstream mode."""
+    """POST /v1/chat/completions and /v1/completions in upstream mode.
+
+    Tenancy: the key's cache salt, combined with the request's own ``cache_salt``
+    (``auth.effective_salt``), is sent as ``cache_salt`` to upstreams that take it (so keys
+    with different salts never share an upstream's cached blocks) and is part of the affinity
+    key. Accounting: the key is charged the usage the upstream reports (prompt + completion
+    tokens; streams are asked for it, see ``usage``), nothing when the request is refused or
+    fails before its first token.
+    """
     st = request.app[STATE]
     principal = st.keys.authenticate(request)
     body = await request.read()
     try:
         parsed = json.loads(body)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise bad_request(f"malformed JSON body: {exc}", code="invalid_json") from None
     if not isinstance(parsed, dict):
         raise bad_request("the body must be a JSON object", code="invalid_json")
@@ -58,22 +68,83 @@ async def proxy_generate(request: web.Request) -> web.StreamResponse:
         if isinstance(parsed["priority"], bool) or not isinstance(parsed["priority"], int):
             raise bad_request("priority: must be an integer", param="priority")
         principal.request_priority(parsed["priority"])
+    request_salt = parsed.get("cache_salt")
+    if request_salt is not None and (
+        not isinstance(request_salt, str) or not 1 <= len(request_salt) <= MAX_SALT_CHARS
+    ):
+        raise bad_request(
+            f"cache_salt must be a string of 1 to {MAX_SALT_CHARS} characters", param="cache_salt"
+        )
+    salt = effective_salt(principal.salt, request_salt)
+    keep_usage = ask_usage(parsed)
+    bodies = _Bodies(parsed, salt)
     s = st.settings
-    key = affinity_key(parsed, s.affinity_block_chars, s.affinity_max_chars)
-    est_tokens = len(body) // 4 + 1  # no tokenizer here: ~4 bytes per token for limits
-    principal.acquire(est_tokens)
+    key = salted_affinity_key(
+        affinity_key(parsed, s.affinity_block_chars, s.affinity_max_chars), salt
+    )
+    est_tokens = len(body) // 4 + 1  # no tokenizer here: ~4 bytes per token until the usage
+    charge = principal.acquire(est_tokens)
     try:
         ticket = st.admission.admit(est_tokens, tenant=principal.tenant, weight=principal.weight)
     except APIError:
-        principal.release(0)
+        charge.refund()
         raise
+    outcome = _Outcome(keep_usage)
     t0 = time.monotonic()
     try:
-        return await _forward(request, st, body, key, ticket, principal)
+        return await _forward(request, st, bodies, key, ticket, outcome)
     finally:
         ticket.done()
-        principal.release(0)
+        if outcome.served:
+            prompt = outcome.prompt_tokens()
+            charge.settle(est_tokens if prompt is None else prompt, outcome.completion_tokens())
+        else:
+            charge.refund()
         st.metrics.e2e.observe(time.monotonic() - t0)
+
+
+class _Bodies:
+    """The forwarded body per upstream: with the effective ``cache_salt`` for upstreams that
+    take it; as the client sent it (plus the usage request) for those that do not."""
+
+    __slots__ = ("_parsed", "_salt", "_salted", "_plain")
+
+    def __init__(self, parsed: dict[str, Any], salt: str | None) -> None:
+        self._parsed = parsed
+        self._salt = salt
+        self._salted: bytes | None = None
+        self._plain: bytes | None = None
+
+    def for_upstream(self, up: Upstream) -> bytes:
+        if up.cache_salt is False or self._salt is None:
+            if self._plain is None:
+                self._plain = json.dumps(self._parsed).encode()  # \ud800 stays an escape
+            return self._plain
+        if self._salted is None:
+            self._salted = json.dumps({**self._parsed, "cache_salt": self._salt}).encode()
+        return self._salted
+
+
+class _Outcome:
+    """What the upstream served: whether tokens came (``served``) and their usage."""
+
+    __slots__ = ("served", "usage", "tap", "keep_usage")
+
+    def __init__(self, keep_usage: bool) -> None:
+        self.served = False
+        self.usage = Usage()
+        self.tap: UsageTap | None = None
+        self.keep_usage = keep_usage
+
+    def prompt_tokens(self) -> int | None:
+        """The reported prompt tokens, None when the upstream reported no usage."""
+        usage = self.tap.usage if self.tap is not None else self.usage
+        return usage.prompt_tokens
+
+    def completion_tokens(self) -> int:
+        if self.tap is not None:
+            return self.tap.completion_tokens()
+        return self.usage.completion_tokens
 
 
 async def proxy_get(request: web.Request) -> web.StreamResponse:
@@ -86,10 +157,10 @@ async def proxy_get(request: web.Request) -> web.StreamResponse:
 async def _forward(
     request: web.Request,
     st: GatewayState,
-    body: bytes | None,
+    bodies: _Bodies | None,
     key: bytes | None,
     ticket: Any,
-    principal: Any,
+    outcome: _Outcome | None,
 ) -> web.StreamResponse:
     router = st.router
     assert router is not None  # upstream mode (create_proxy_app) sets it
@@ -116,9 +187,10 @@ async def _forward(
         up.in_flight += 1
         status = "error"
         try:
-            if body is None:
+            if bodies is None:
                 ctx = session.get(up.url + request.path_qs, headers=headers)
             else:
+                body = bodies.for_upstream(up)
                 ctx = session.post(up.url + request.path, data=body, headers=headers)
             async with ctx as resp:
                 status = str(resp.status)
@@ -131,8 +203,18 @@ async def _forward(
                 ctype = resp.headers.get("Content-Type", "application/json")
                 if ctype.startswith("text/event-stream"):
                     s = st.settings
-                    return await relay_sse(request, resp, s.keepalive_s, s.upstream_timeout_s)
+                    tap = None
+                    if outcome is not None and resp.status == 200:
+                        outcome.served = True
+                        outcome.tap = tap = UsageTap(outcome.keep_usage)
+                    return await relay_sse(
+                        request, resp, s.keepalive_s, s.upstream_timeout_s, tap=tap
+                    )
                 data = await resp.read()
+                if outcome is not None and resp.status == 200:
+                    outcome.served = True
+                    if "Content-Encoding" not in resp.headers:
+                        outcome.usage = body_usage(data)
                 if resp.status >= 400 and not _is_openai_error(data, resp.headers):
                     raise _wrapped_error(resp)
                 problem = json_body_problem(data, resp.headers) if resp.status < 300 else None

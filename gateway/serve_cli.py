@@ -256,6 +256,14 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="parse tool calls of tool_choice='auto' answers in this format (default: none, "
         "'auto' is refused; 'required' and named functions always work)",
     )
+    p.add_argument(
+        "--upstream-cache-salt",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="whether the upstreams take cache_salt, which keeps tenants' prefix caches apart "
+        "(auto: asked from GET /v1/models, prefixgate and vLLM do; an upstream without it is "
+        "named in the log and /ready) (default: auto)",
+    )
     g = p.add_argument_group("gateway limits")
     defaults = GatewaySettings()
     for name, kind in (
@@ -265,6 +273,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         ("max_running", int),
         ("keepalive_s", float),
         ("max_prefix_ttl_s", float),
+        ("key_max_prefixes", int),
+        ("key_max_pinned_fraction", float),
         ("upstream_timeout_s", float),
         ("health_interval_s", float),
         ("header_timeout_s", float),
@@ -338,12 +348,15 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         api_keys=list(args.api_keys),
         keys_file=args.keys_file,
         upstream_api_key=args.upstream_api_key,
+        upstream_cache_salt=args.upstream_cache_salt,
         max_body_bytes=args.max_body_bytes,
         max_queued_requests=args.max_queued_requests,
         max_queued_tokens=args.max_queued_tokens,
         max_running=args.max_running,
         keepalive_s=args.keepalive_s,
         max_prefix_ttl_s=args.max_prefix_ttl_s,
+        key_max_prefixes=args.key_max_prefixes,
+        key_max_pinned_fraction=args.key_max_pinned_fraction,
         upstream_timeout_s=args.upstream_timeout_s,
         health_interval_s=args.health_interval_s,
         header_timeout_s=args.header_timeout_s,

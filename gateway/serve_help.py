@@ -19,6 +19,11 @@ GATEWAY_HELP = {
     "keepalive_s": "seconds between SSE keep-alive comments while a stream waits for a token (> 0)",
     "max_prefix_ttl_s": "longest ttl_seconds a registered prefix (POST /v1/prefixes) may ask "
     "for, seconds (> 0)",
+    "key_max_prefixes": "each API key's default limit on its live prefixes (>= 0; 0 = none; "
+    "a key's max_prefixes in the keys file overrides it)",
+    "key_max_pinned_fraction": "each API key's default share of the KV blocks its prefixes may "
+    "pin, a fraction of all blocks in [0, 1] (1 = no per-key bound; a key's max_pinned_blocks "
+    "in the keys file overrides it)",
     "upstream_timeout_s": "idle timeout of one upstream request in proxy mode: longest wait "
     "for the answer's first byte and between two reads, never a total; a stream silent this "
     "long ends with an error event, a request 504, seconds (0 = none)",

@@ -33,12 +33,17 @@ class GatewaySettings:
         keepalive_s: seconds between SSE keep-alive comments while no token comes.
         poll_s: seconds between client-disconnect checks while waiting (non-streaming).
         max_prefix_ttl_s: longest ``ttl_seconds`` of a prefix; max_prefixes: most live ones.
+        key_max_prefixes, key_max_pinned_fraction: each key's default share of the prefix
+            API — live prefixes, and KV blocks pinned as a fraction of all KV blocks (a key's
+            ``max_prefixes`` / ``max_pinned_blocks`` in the keys file override them).
         upstream_timeout_s: idle timeout of one upstream request: longest wait for the
             answer's first byte and between two reads of it (seconds, 0 = none); a stream
             that stalls this long ends with an error event.
         upstream_connect_timeout_s: connect timeout to an upstream (seconds).
         upstream_api_key: bearer key sent to the upstreams (None: the client's header is
             passed through when the gateway has no keys of its own).
+        upstream_cache_salt: whether the upstreams take ``cache_salt`` (tenant isolation):
+            ``"auto"`` (detected: prefixgate and vLLM do), ``"on"``, ``"off"``.
         health_interval_s: seconds between probes of unhealthy upstreams.
         affinity_block_chars: characters per "block" of the prompt for prefix affinity.
         affinity_max_chars: at most this many leading characters are hashed.
@@ -68,9 +73,12 @@ class GatewaySettings:
     poll_s: float = 0.25
     max_prefix_ttl_s: float = 86_400.0
     max_prefixes: int = 1024
+    key_max_prefixes: int = 64
+    key_max_pinned_fraction: float = 0.125
     upstream_timeout_s: float = 600.0
     upstream_connect_timeout_s: float = 5.0
     upstream_api_key: str | None = None
+    upstream_cache_salt: str = "auto"
     health_interval_s: float = 5.0
     affinity_block_chars: int = 64
     affinity_max_chars: int = 4096
@@ -103,6 +111,12 @@ class GatewaySettings:
             from prefixgate.gateway.tool_parsers import get_parser  # noqa: PLC0415
 
             get_parser(self.tool_call_parser)  # ValueError on an unknown name
+        if self.key_max_prefixes < 0:
+            raise ValueError(f"key_max_prefixes must be >= 0, got {self.key_max_prefixes}")
+        if not 0.0 <= self.key_max_pinned_fraction <= 1.0:
+            raise ValueError(
+                f"key_max_pinned_fraction must be in [0, 1], got {self.key_max_pinned_fraction}"
+            )
         if self.affinity_block_chars < 1 or self.affinity_max_chars < 1:
             raise ValueError("affinity_block_chars and affinity_max_chars must be >= 1")
         if self.balance_rel_threshold < 1.0 or self.balance_abs_threshold < 0:

@@ -100,6 +100,7 @@ class Upstream:
         "failures",
         "served",
         "last_error",
+        "cache_salt",
     )
 
     def __init__(self, url: str) -> None:
@@ -110,10 +111,21 @@ class Upstream:
         self.failures = 0
         self.served = 0
         self.last_error = ""
+        # Takes vLLM's ``cache_salt`` (isolates tenants' prefix caches): True / False, or None
+        # while unknown (then it is sent: an upstream that refuses it fails loudly).
+        self.cache_salt: bool | None = None
 
     def __repr__(self) -> str:
         state = "healthy" if self.healthy else "unhealthy"
         return f"Upstream({self.url}, {state}, in_flight={self.in_flight})"
+
+
+def salted_affinity_key(key: bytes | None, salt: str | None) -> bytes | None:
+    """The affinity key of a request in cache partition ``salt``: tenants that can never
+    share cached blocks need not meet on one upstream (``None`` salt: the key unchanged)."""
+    if key is None or salt is None:
+        return key
+    return salt.encode("utf-8", "surrogatepass") + b"\x00" + key
 
 
 def affinity_key(body: Any, block_chars: int = 64, max_chars: int = 4096) -> bytes | None:
@@ -147,7 +159,7 @@ def affinity_key(body: Any, block_chars: int = 64, max_chars: int = 4096) -> byt
     n = min(len(text), max_chars)
     if n >= block_chars:
         n -= n % block_chars
-    return text[:n].encode()
+    return text[:n].encode("utf-8", "surrogatepass")  # a lone surrogate is client text too
 
 
 class UpstreamRouter:
@@ -161,6 +173,11 @@ class UpstreamRouter:
         timeout_s: idle timeout of each upstream request — the longest wait for the answer's
             first byte and between two reads of it (aiohttp's ``sock_read``), never a total:
             a healthy long stream is never cut (0 = none).
+        cache_salt: whether the upstreams take ``cache_salt``: ``"auto"`` (detected from
+            ``GET /v1/models``: ``owned_by`` ``"prefixgate"`` or ``"vllm"``, the servers known
+            to isolate by it), ``"on"`` or ``"off"`` (all of them).
+        auth: ``Authorization`` value for the detection request (``--upstream-api-key``);
+            an upstream's own userinfo is used when it has one.
 
     Health: a refused or reset connection, a connect timeout or a 502/503/504 takes an
     upstream out of rotation (``mark_failed``); an idle timeout does not — one slow request
@@ -177,12 +194,21 @@ class UpstreamRouter:
         health_interval_s: float = 5.0,
         connect_timeout_s: float = 5.0,
         timeout_s: float = 600.0,
+        cache_salt: str = "auto",
+        auth: str | None = None,
     ) -> None:
         if not urls:
             raise ValueError("upstream mode needs at least one upstream URL")
         self.upstreams = [Upstream(u) for u in urls]
         if len({u.url for u in self.upstreams}) != len(self.upstreams):
             raise ValueError("upstream URLs must be distinct")
+        if cache_salt not in ("auto", "on", "off"):
+            raise ValueError(f"upstream cache_salt must be auto, on or off, got {cache_salt!r}")
+        self.cache_salt_mode = cache_salt
+        if cache_salt != "auto":
+            for u in self.upstreams:
+                u.cache_salt = cache_salt == "on"
+        self._auth = auth
         self.abs_threshold = balance_abs_threshold
         self.rel_threshold = balance_rel_threshold
         self.health_interval_s = health_interval_s
@@ -206,7 +232,44 @@ class UpstreamRouter:
         await asyncio.gather(
             *(self.probe(u, mark_down=True, why="at start") for u in self.upstreams)
         )
+        if self.cache_salt_mode == "auto":
+            await asyncio.gather(*(self.detect_cache_salt(u) for u in self.upstreams))
+        for u in self.upstreams:
+            if u.cache_salt is False:
+                logger.warning(
+                    "upstream %s does not take cache_salt: tenants (keys with different "
+                    "salts) share its prefix cache there — no isolation, and the prefix-cache "
+                    "timing side channel between them stays open",
+                    u.url,
+                )
+            elif u.cache_salt is None:
+                logger.info(
+                    "upstream %s: cannot tell whether it takes cache_salt (no answer from "
+                    "GET /v1/models); sending it, detecting again when it is healthy",
+                    u.url,
+                )
         self._probe_task = asyncio.create_task(self._probe_loop())
+
+    async def detect_cache_salt(self, up: Upstream) -> bool | None:
+        """Ask ``up`` what it is (``GET /v1/models``, 2 s): prefixgate and vLLM take
+        ``cache_salt``; another server that answers does not; no answer leaves it unknown."""
+        assert self.session is not None
+        auth = up.auth or self._auth
+        try:
+            async with self.session.get(
+                up.url + "/v1/models",
+                headers={"Authorization": auth} if auth else None,
+                timeout=aiohttp.ClientTimeout(total=2.0),
+            ) as resp:
+                if resp.status != 200:
+                    return up.cache_salt
+                data = await resp.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
+            return up.cache_salt
+        cards = data.get("data") if isinstance(data, dict) else None
+        owners = {c.get("owned_by") for c in cards or [] if isinstance(c, dict)}
+        up.cache_salt = bool(owners) and owners <= _SALTED_SERVERS
+        return up.cache_salt
 
     async def close(self) -> None:
         """Stop probing and close the session."""
@@ -271,6 +334,8 @@ class UpstreamRouter:
         if ok and not up.healthy:
             logger.info("upstream %s healthy again", up.url)
             up.healthy = True
+            if up.cache_salt is None and self.cache_salt_mode == "auto":
+                await self.detect_cache_salt(up)
         elif not ok and mark_down:
             self.mark_failed(up, (why + "; " if why else "") + "GET /health failed")
         return ok
@@ -292,9 +357,13 @@ class UpstreamRouter:
                 "served": u.served,
                 "failures": u.failures,
                 "last_error": u.last_error,
+                "cache_salt": u.cache_salt,
             }
             for u in self.upstreams
         ]
+
+
+_SALTED_SERVERS = frozenset(("prefixgate", "vllm"))  # ``owned_by`` of servers taking cache_salt
 
 
 def _load(u: Upstream) -> int:

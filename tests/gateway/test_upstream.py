@@ -145,7 +145,7 @@ def test_all_upstreams_down_and_errors_passed_through(servers):
         assert http.post("/v1/chat/completions", content=b"{x").status_code == 400
         r = http.post("/v1/chat/completions", json={**_chat("s", "q"), "prefix_id": "p"})
         assert r.json()["error"]["code"] == "unsupported_in_upstream_mode"
-        assert http.post("/v1/prefixes", json={}).status_code == 501  # SDK falls back
+        assert http.post("/v1/prefixes", json={}).status_code == 404  # SDK falls back
 
 
 def test_streams_pass_through_chunk_by_chunk(servers):

@@ -1,0 +1,101 @@
+"""Per-key accounting units: Charge (settle / refund) and the proxy's SSE usage tap."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from prefixgate.gateway.auth import KeySpec, Principal
+from prefixgate.gateway.errors import APIError
+from prefixgate.gateway.usage import UsageTap, ask_usage, body_usage
+
+
+def _principal(**limits) -> Principal:
+    return Principal(KeySpec(key="k", **limits))
+
+
+def test_refund_gives_back_everything():
+    p = _principal(requests_per_minute=2, tokens_per_minute=600, max_concurrent=1)
+    for _ in range(5):  # refused / failed before any token: never counts
+        c = p.acquire(500)
+        assert p.concurrent == 1
+        c.refund()
+        c.refund()  # idempotent
+        assert p.concurrent == 0
+    assert p._rpm.level == pytest.approx(2, abs=0.01)
+    assert p._tpm.level == pytest.approx(600, abs=1)
+    p.acquire(1).settle(1, 0)
+    p.acquire(1).settle(1, 0)
+    with pytest.raises(APIError) as info:
+        p.acquire(1)
+    assert info.value.status == 429 and info.value.code == "rate_limit_exceeded"
+
+
+def test_settle_charges_prompt_plus_completion_exactly():
+    p = _principal(tokens_per_minute=6000)  # refills 100/s: tolerance for the test's time
+    c = p.acquire(40)  # an estimate
+    c.settle(25, 300)  # the usage: 325 in all
+    assert p._tpm.level == pytest.approx(6000 - 325, abs=20)
+    c.settle(1000, 1000)  # once only
+    assert p._tpm.level == pytest.approx(6000 - 325, abs=20)
+    c = p.acquire(10)
+    c.settle(10, 9000)  # a long answer: a debt repaid by refill, not a cut
+    assert p._tpm.level < 0
+    with pytest.raises(APIError):
+        p.acquire(1)
+
+
+def test_refused_by_tokens_gives_the_request_back():
+    p = _principal(requests_per_minute=1, tokens_per_minute=60)
+    with pytest.raises(APIError):
+        p.acquire(60).settle(60, 60)  # fine, then over
+        p.acquire(1)
+    p2 = _principal(requests_per_minute=1, tokens_per_minute=60)
+    p2._tpm.level = 0
+    with pytest.raises(APIError):
+        p2.acquire(10)
+    assert p2._rpm.level == pytest.approx(1, abs=0.01) and p2.concurrent == 0
+
+
+def _sse(*objs) -> bytes:
+    return (
+        b"".join(b"data: " + json.dumps(o).encode() + b"\n\n" for o in objs) + b"data: [DONE]\n\n"
+    )
+
+
+CHUNKS = [
+    {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+    {"choices": [{"index": 0, "delta": {"content": "a"}}]},
+    {"choices": [{"index": 0, "delta": {"content": "b"}, "finish_reason": "length"}]},
+]
+USAGE = {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}}
+
+
+@pytest.mark.parametrize("split", [1, 3, 7, 1000])
+@pytest.mark.parametrize("keep", [False, True])
+def test_tap_reads_usage_and_drops_the_injected_chunk(split, keep):
+    stream = _sse(*CHUNKS, USAGE)
+    tap = UsageTap(keep_usage_chunk=keep)
+    out = b"".join(tap.feed(stream[i : i + split]) for i in range(0, len(stream), split))
+    out += tap.flush()
+    assert tap.usage.exact and tap.usage.prompt_tokens == 7 and tap.completion_tokens() == 2
+    expected = stream if keep else _sse(*CHUNKS)
+    assert out == expected
+
+
+def test_tap_without_usage_counts_content_chunks():
+    tap = UsageTap(keep_usage_chunk=False)
+    stream = _sse(*CHUNKS) + b'data: {"cut'
+    assert tap.feed(stream) + tap.flush() == stream
+    assert not tap.usage.exact and tap.completion_tokens() == 2
+
+
+def test_ask_usage_and_body_usage():
+    body = {"stream": True}
+    assert ask_usage(body) is False and body["stream_options"] == {"include_usage": True}
+    body = {"stream": True, "stream_options": {"include_usage": True}}
+    assert ask_usage(body) is True
+    body = {"stream": False}
+    assert ask_usage(body) is False and "stream_options" not in body
+    assert body_usage(json.dumps(USAGE).encode()).completion_tokens == 2
+    assert not body_usage(b"{").exact and not body_usage(b'{"usage": {"prompt_tokens": -1}}').exact
