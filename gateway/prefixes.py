@@ -125,10 +125,7 @@ class PrefixRegistry:
         self._entries: dict[str, PrefixEntry] = {}
         self._pending = 0  # creates awaiting their pin
         self._pending_by_owner: dict[str, tuple[int, int]] = {}  # owner -> (creates, blocks)
-        config = getattr(engine, "config", None)
-        self.block_size: int = getattr(config, "block_size", None) or getattr(
-            engine, "block_size", 16
-        )
+        self.block_size: int = engine.config.block_size
 
     def __len__(self) -> int:
         self._expire()

@@ -29,7 +29,7 @@ class Usage:
         if not isinstance(usage, dict):
             return False
         p, c = usage.get("prompt_tokens"), usage.get("completion_tokens")
-        if not _count(p) or not _count(c):
+        if not isinstance(p, int) or not isinstance(c, int) or not (_count(p) and _count(c)):
             return False
         self.prompt_tokens, self.completion_tokens, self.exact = p, c, True
         return True

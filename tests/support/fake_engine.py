@@ -87,7 +87,7 @@ class FakeEngine:
         max_pinned_fraction: float = 0.5,
     ) -> None:
         self.tokenizer = FakeTokenizer()
-        self.config = EngineConfig(model=None)
+        self.config = EngineConfig(model=None, block_size=block_size)
         self.max_model_len = max_model_len
         self.token_delay_s = token_delay_s
         self.block_size = block_size
