@@ -4,7 +4,8 @@
 
 The key is shown by its *name* from the keys file (``-`` on an open server, ``unnamed`` for a
 key without one), never the key itself. Token counts are those of the request's usage (``-``
-for requests that never reached the engine, and in proxy mode). Probes (``/health``,
+for requests that never reached the engine; in proxy mode the upstream's reported usage,
+``cached`` unknown). Probes (``/health``,
 ``/ready``, ``/metrics``) are logged at DEBUG only, so a load balancer's checks do not flood
 the log. ``prefixgate serve --no-access-log`` turns the lines off.
 """

@@ -25,6 +25,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from prefixgate.gateway.access_log import record
 from prefixgate.gateway.auth import MAX_SALT_CHARS, effective_salt
 from prefixgate.gateway.errors import APIError, bad_request
 from prefixgate.gateway.relay import json_body_problem, relay_sse
@@ -98,6 +99,9 @@ async def proxy_generate(request: web.Request) -> web.StreamResponse:
         if outcome.served:
             prompt = outcome.prompt_tokens()
             charge.settle(est_tokens if prompt is None else prompt, outcome.completion_tokens())
+            if prompt is not None:  # the upstream's usage, for the access line
+                rec = record(request)
+                rec.prompt_tokens, rec.completion_tokens = prompt, outcome.completion_tokens()
         else:
             charge.refund()
         st.metrics.e2e.observe(time.monotonic() - t0)
