@@ -46,6 +46,11 @@ class EngineConfig:
             raise ValueError at start-up.
         cuda_graphs: replay CUDA graphs of decode-only steps (captured per padded batch size;
             CUDA with the Triton attention backend only, else ValueError at start-up).
+        runner: ``"generate"`` (text generation) or ``"pooling"`` (an embedding model:
+            ``engine.pooling.PoolingEngine``, served on ``/v1/embeddings``), as vLLM's
+            ``--runner``.
+        pooling_type: how the pooling runner turns a sequence's final hidden states into one
+            vector: ``"last"`` (last token) or ``"mean"``; the vector is L2-normalized.
     """
 
     model: str | None = None
@@ -70,6 +75,8 @@ class EngineConfig:
     hf_overrides: dict = field(default_factory=dict)
     quantization: Literal["int8"] | None = None
     cuda_graphs: bool = False
+    runner: Literal["generate", "pooling"] = "generate"
+    pooling_type: Literal["last", "mean"] = "last"
 
     def __post_init__(self) -> None:
         for name, optional in (
@@ -140,6 +147,10 @@ class EngineConfig:
             raise ValueError(
                 f"max_pinned_fraction must be in [0, 1], got {self.max_pinned_fraction}"
             )
+        if self.runner not in ("generate", "pooling"):
+            raise ValueError(f"runner must be 'generate' or 'pooling', got {self.runner!r}")
+        if self.pooling_type not in ("last", "mean"):
+            raise ValueError(f"pooling_type must be 'last' or 'mean', got {self.pooling_type!r}")
         if self.quantization not in (None, "int8"):
             raise ValueError(f"quantization must be 'int8' or None, got {self.quantization!r}")
         if self.attention_backend not in (None, "torch", "triton"):

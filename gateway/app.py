@@ -8,7 +8,7 @@
   torch: ``pip install 'prefixgate[proxy]'`` is enough to run it.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{model}],
-POST /v1/responses, POST /v1/prefixes, GET|DELETE /v1/prefixes/{id}, POST /tokenize,
+POST /v1/responses, POST /v1/embeddings (``--runner pooling``), POST /v1/prefixes, GET|DELETE /v1/prefixes/{id}, POST /tokenize,
 POST /detokenize (local mode), GET /health, GET /ready, GET /metrics. Every answer carries
 ``x-request-id`` (``request_id``). Run the app with ``handler_cancellation=True`` (``server.start_server`` does)
 so a client that disconnects cancels its handler at once.
@@ -25,6 +25,7 @@ from prefixgate.gateway import (
     lifecycle,
     request_id,
     responses_api,
+    routes_embeddings,
     routes_openai,
     routes_prefixes,
     routes_tokenize,
@@ -71,6 +72,9 @@ def create_app(
     )
     r.add_post("/v1/completions", routes_openai.completions, expect_handler=expect_continue)
     r.add_post("/v1/responses", responses_api.create_response, expect_handler=expect_continue)
+    r.add_post(
+        "/v1/embeddings", routes_embeddings.create_embeddings, expect_handler=expect_continue
+    )
     r.add_post("/tokenize", routes_tokenize.tokenize, expect_handler=expect_continue)
     r.add_post("/detokenize", routes_tokenize.detokenize, expect_handler=expect_continue)
     r.add_get("/v1/models", routes_openai.list_models, expect_handler=expect_continue)

@@ -523,7 +523,12 @@ async def _load_engine(config: Any, stop: asyncio.Event) -> tuple[Any, int]:
         )
     else:
         logger.info("loading %s (load_format=%s)", config.model, config.load_format)
-    load = _in_daemon_thread(AsyncEngine, config)
+    if config.runner == "pooling":
+        from prefixgate.engine.pooling import PoolingEngine
+
+        load = _in_daemon_thread(PoolingEngine, config)
+    else:
+        load = _in_daemon_thread(AsyncEngine, config)
     stopper = asyncio.ensure_future(stop.wait())
     await asyncio.wait({load, stopper}, return_when=asyncio.FIRST_COMPLETED)
     stopper.cancel()

@@ -67,6 +67,10 @@ ENGINE_HELP = {
     "weights in --dtype)",
     "cuda_graphs": "replay CUDA graphs of decode-only steps, captured per padded batch size "
     "(CUDA with the triton attention backend only) (default: off)",
+    "runner": "generate (text generation) or pooling (an embedding model served on "
+    "/v1/embeddings; chat and completions then answer 400)",
+    "pooling_type": "pooling runner: last (the last token's hidden state) or mean (mean over "
+    "the tokens), L2-normalized",
     "attention_backend": "attention kernels: torch or triton (default: triton on CUDA, torch "
     "elsewhere)",
 }

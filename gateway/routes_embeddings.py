@@ -1,0 +1,101 @@
+"""POST /v1/embeddings (local mode, a model served with ``--runner pooling``).
+
+Body as OpenAI's (https://platform.openai.com/docs/api-reference/embeddings): ``input`` is a
+string, a list of strings, a list of token ids or a list of token-id lists; ``encoding_format``
+``"float"`` (lists of floats) or ``"base64"`` (little-endian float32 bytes, base64 — what
+openai-python asks for by default and decodes). Strings are tokenized as the model's tokenizer
+does with its special tokens (BOS/EOS as its post-processor adds them). ``dimensions`` (a
+truncated embedding) is refused by name: the model's hidden size is the only size served.
+A server running a generation model answers 400, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import struct
+from typing import Literal
+
+from aiohttp import web
+from prefixgate.engine.protocol import TokenizerLike
+from prefixgate.gateway.errors import APIError, bad_request
+from prefixgate.gateway.state import STATE
+from pydantic import BaseModel, ConfigDict
+
+MAX_INPUTS = 2048  # OpenAI's bound on inputs per request
+
+
+class EmbeddingRequest(BaseModel):
+    """POST /v1/embeddings body."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+    model: str
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: None = None
+    user: str | None = None
+
+
+async def create_embeddings(request: web.Request) -> web.Response:
+    """POST /v1/embeddings."""
+    from prefixgate.gateway.schemas import parse
+
+    st = request.app[STATE]
+    engine = st.require_engine()
+    principal = st.keys.authenticate(request)
+    req = parse(EmbeddingRequest, await request.read())
+    st.check_model(req.model)
+    embed = getattr(engine, "embed_async", None)
+    if embed is None:
+        raise bad_request(
+            "this model is served for generation: start the server with --runner pooling "
+            "to serve embeddings",
+            code="model_not_embedding",
+        )
+    inputs = await _token_inputs(engine.tokenizer, req.input)
+    tokens = sum(len(x) for x in inputs)
+    principal.acquire(tokens)
+    try:
+        ticket = st.admission.admit(tokens, len(inputs), param="input")
+    except APIError:
+        principal.release(0)
+        raise
+    try:
+        vectors = await embed(inputs)
+    except (ValueError, TypeError) as exc:
+        raise bad_request(str(exc), param="input") from None
+    finally:
+        ticket.done()
+        principal.release(0)
+    data = []
+    for i, vec in enumerate(vectors):
+        emb: list[float] | str = vec
+        if req.encoding_format == "base64":
+            emb = base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode()
+        data.append({"object": "embedding", "index": i, "embedding": emb})
+    usage = {"prompt_tokens": tokens, "total_tokens": tokens}
+    return web.json_response(
+        {"object": "list", "data": data, "model": st.model_name, "usage": usage}
+    )
+
+
+async def _token_inputs(tokenizer: TokenizerLike, raw: object) -> list[list[int]]:
+    """``input`` as token-id lists (strings tokenized in a worker thread).
+
+    Raises:
+        APIError: 400 on an empty input or string, or over ``MAX_INPUTS`` inputs.
+    """
+    if isinstance(raw, str):
+        raw = [raw]
+    if not isinstance(raw, list) or not raw:
+        raise bad_request("input must not be empty", param="input")
+    if len(raw) > MAX_INPUTS:
+        raise bad_request(f"at most {MAX_INPUTS} inputs per request", param="input")
+    if all(isinstance(x, int) for x in raw):
+        return [[int(x) for x in raw]]
+    if all(isinstance(x, str) for x in raw):
+        texts = [str(x) for x in raw]
+        if not all(texts):
+            raise bad_request("input strings must not be empty", param="input")
+        return list(await asyncio.to_thread(tokenizer.encode_batch, texts, True))
+    return [[int(t) for t in x] for x in raw if isinstance(x, list)]

@@ -1,0 +1,114 @@
+"""POST /v1/embeddings with the official openai client against a gateway serving a pooling
+runner (a tiny random Llama with aidreams-260k's tokenizer), and the refusals around it."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+pytest.importorskip("prefixgate.engine.pooling")
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))
+from model_helpers import tiny_hf_model  # noqa: E402
+from prefixgate.engine import AsyncEngine, EngineConfig  # noqa: E402
+from prefixgate.engine.pooling import PoolingEngine  # noqa: E402
+from prefixgate.gateway.app import create_app  # noqa: E402
+from prefixgate.gateway.server import BackgroundServer  # noqa: E402
+from prefixgate.gateway.state import STATE, GatewaySettings  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, aidreams_path):
+    out = tmp_path_factory.mktemp("embedder")
+    hf = tiny_hf_model("llama", out, vocab_size=512)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(aidreams_path) / name, out / name)
+    return out, hf
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    path, _ = checkpoint
+
+    def make():
+        cfg = EngineConfig(model=str(path), dtype="float32", device="cpu", runner="pooling")
+        return create_app(PoolingEngine(cfg), GatewaySettings(model_name="embedder"))
+
+    srv = BackgroundServer(make).__enter__()
+    yield srv
+    srv.close()
+
+
+def _reference(hf, tokenizer, texts: list[str]) -> torch.Tensor:
+    rows = []
+    with torch.no_grad():
+        for t in texts:
+            ids = tokenizer.encode(t, add_special_tokens=True)
+            rows.append(hf.model(torch.tensor([ids])).last_hidden_state[0, -1].float())
+    return torch.nn.functional.normalize(torch.stack(rows), dim=-1)
+
+
+def test_openai_client_embeddings(server, checkpoint):
+    _, hf = checkpoint
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    texts = ["The fox and the bird", "an old oak tree", "x"]
+    floats = client.embeddings.create(model="embedder", input=texts, encoding_format="float")
+    b64 = client.embeddings.create(model="embedder", input=texts)  # the client asks base64
+    tok = server.app[STATE].engine.tokenizer
+    want = _reference(hf, tok, texts)
+    for res in (floats, b64):
+        got = torch.tensor([d.embedding for d in res.data])
+        assert [d.index for d in res.data] == [0, 1, 2]
+        assert (got - want).abs().max().item() < 1e-4
+    n = sum(len(tok.encode(t)) for t in texts)
+    assert floats.usage.prompt_tokens == floats.usage.total_tokens == n
+    ids = client.embeddings.create(model="embedder", input=[[5, 6, 7]], encoding_format="float")
+    assert len(ids.data[0].embedding) == hf.config.hidden_size
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"input": ""}, "input"),
+        ({"input": []}, "input"),
+        ({"input": "x", "dimensions": 8}, "dimensions"),
+        ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
+        ({"input": [[1, 10**6]]}, "input"),
+        ({"input": "x", "extra": 1}, "extra"),
+    ],
+)
+def test_bad_embedding_requests(server, body, param):
+    r = httpx.post(server.url + "/v1/embeddings", json={"model": "embedder", **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_chat_on_a_pooling_runner_is_400(server):
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={"model": "embedder", "messages": [{"role": "user", "content": "hi"}]},
+    )
+    assert r.status_code == 400 and "embedding model" in r.json()["error"]["message"]
+    metrics = httpx.get(server.url + "/metrics")
+    assert metrics.status_code == 200
+    assert httpx.get(server.url + "/ready").status_code == 200
+
+
+def test_embeddings_on_a_generation_runner_is_400(aidreams_path, pool_whole):
+    def make():
+        return create_app(AsyncEngine(EngineConfig(model=aidreams_path, num_kv_blocks=64)))
+
+    srv = BackgroundServer(make).__enter__()
+    try:
+        r = httpx.post(srv.url + "/v1/embeddings", json={"model": "aidreams-260k", "input": "x"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_embedding"
+        pool_whole(srv.app[STATE].engine)
+    finally:
+        srv.call(srv.app[STATE].engine.shutdown)
+        srv.close()
