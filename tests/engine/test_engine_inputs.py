@@ -50,11 +50,18 @@ def test_cancelled_pin_prefix_leaks_no_pin(pool_whole):
                 with pytest.raises(asyncio.CancelledError):
                     await task
             # Wait until the cancelled pins have landed and been released: until then their
-            # prefill (an internal request) holds blocks while pinned_blocks is still 0.
-            for _ in range(500):
+            # prefill (an internal request) holds blocks while pinned_blocks is still 0. Their
+            # commands may still sit in the engine thread's queue (counted nowhere in stats),
+            # so wait for all three prefills (3 x 37 prompt tokens) to have run first.
+            for _ in range(1000):
                 await asyncio.sleep(0.02)
                 s = engine.stats()
-                if s["pinned_blocks"] == 0 and s["num_running"] == 0 and s["kv_blocks_used"] == 0:
+                if (
+                    s["prompt_tokens_prefilled"] >= 3 * 37
+                    and s["pinned_blocks"] == 0
+                    and s["num_running"] == 0
+                    and s["kv_blocks_used"] == 0
+                ):
                     break
             assert engine.stats()["pinned_blocks"] == 0, engine.stats()
             pool_whole(engine)

@@ -273,8 +273,13 @@ def test_disconnects_free_blocks(aidreams_path, pool_whole):
             streaming = asyncio.create_task(go(True, started))
             await started.wait()
             waiting = asyncio.create_task(go(False))
-            await asyncio.sleep(0.2)
-            mid = engine.stats()
+            # wait (not a fixed sleep: a loaded machine is slow) until the second request
+            # has reached the engine and waits behind the streaming one
+            for _ in range(500):
+                await asyncio.sleep(0.02)
+                mid = engine.stats()
+                if mid["num_waiting"] == 1:
+                    break
             streaming.cancel()
             waiting.cancel()
             await asyncio.gather(streaming, waiting, return_exceptions=True)
