@@ -6,7 +6,7 @@ The key is shown by its *name* from the keys file (``-`` on an open server, ``un
 key without one), never the key itself. Token counts are those of the request's usage (``-``
 for requests that never reached the engine; in proxy mode the upstream's reported usage,
 ``cached`` unknown). Probes (``/health``,
-``/ready``, ``/metrics``) are logged at DEBUG only, so a load balancer's checks do not flood
+``/ready``, ``/metrics``, the ``/dashboard`` page and its polls) are logged at DEBUG only, so a load balancer's checks do not flood
 the log. ``prefixgate serve --no-access-log`` turns the lines off.
 """
 
@@ -18,7 +18,10 @@ from dataclasses import dataclass
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 
-PROBES = frozenset({"/health", "/ready", "/metrics"})
+# The dashboard polls /dashboard/data every few seconds: logged as probes too.
+PROBES = frozenset(
+    {"/health", "/ready", "/metrics", "/dashboard", "/dashboard/data", "/dashboard/dashboard.js"}
+)
 
 
 @dataclass(slots=True)

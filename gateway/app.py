@@ -9,7 +9,8 @@
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{model}],
 POST /v1/responses, POST /v1/embeddings (``--runner pooling``), POST /v1/prefixes, GET|DELETE /v1/prefixes/{id}, POST /tokenize,
-POST /detokenize (local mode), GET /health, GET /ready, GET /metrics. Every answer carries
+POST /detokenize (local mode), GET /health, GET /ready, GET /metrics, GET /dashboard (a live
+page of the metrics, see ``dashboard``) and GET /dashboard/data. Every answer carries
 ``x-request-id`` (``request_id``). Run the app with ``handler_cancellation=True`` (``server.start_server`` does)
 so a client that disconnects cancels its handler at once.
 """
@@ -22,6 +23,7 @@ from collections.abc import Sequence
 from aiohttp import web
 from prefixgate.engine.protocol import EngineClient
 from prefixgate.gateway import (
+    dashboard,
     lifecycle,
     request_id,
     responses_api,
@@ -154,7 +156,7 @@ def create_proxy_app(
 
 
 def _base_app(settings: GatewaySettings | None) -> tuple[web.Application, GatewayState]:
-    """What both modes share: state, error middleware, /health and /metrics."""
+    """What both modes share: state, error middleware, /health, /metrics and /dashboard."""
     settings = settings or GatewaySettings()
     admission = AdmissionController(settings.admission_config())
     metrics = GatewayMetrics()
@@ -172,6 +174,7 @@ def _base_app(settings: GatewaySettings | None) -> tuple[web.Application, Gatewa
             lifecycle.drain_middleware,
             count_requests,
             error_middleware,
+            dashboard.usage_middleware,
             body_limits_middleware,
         ],
     )
@@ -180,6 +183,7 @@ def _base_app(settings: GatewaySettings | None) -> tuple[web.Application, Gatewa
     app[STATE] = st
     app.router.add_get("/health", health, expect_handler=expect_continue)
     app.router.add_get("/metrics", metrics_route, expect_handler=expect_continue)
+    dashboard.install(app)
     return app, st
 
 
@@ -222,7 +226,7 @@ async def count_requests(request: web.Request, handler: Handler) -> web.StreamRe
     refusals too (401, 400, 404, 413, 429, ...: ``code`` is the OpenAI error code, ``""`` on
     success); a client gone before its answer counts as 499. Probes are not counted."""
     path = request.path
-    if path in _PROBES:
+    if path in _PROBES or path.startswith("/dashboard"):
         return await handler(request)
     if path in _ROUTE_LABELS:
         route = _ROUTE_LABELS[path]

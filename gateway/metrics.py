@@ -231,6 +231,18 @@ class GatewayMetrics:
             ["upstream"],
             registry=r,
         )
+        self.key_requests = Counter(
+            "prefixgate_key_requests",
+            "API requests (POST /v1/...) finished per API key name (never the key)",
+            ["key"],
+            registry=r,
+        )
+        self.key_tokens = Counter(
+            "prefixgate_key_tokens",
+            "prompt and completion tokens per API key name (local mode)",
+            ["key", "kind"],
+            registry=r,
+        )
         self._window = window_s
         # (monotonic time, cumulative generated tokens) at each scrape, over the window
         self._marks: list[tuple[float, float]] = [(time.monotonic(), 0.0)]
@@ -245,6 +257,16 @@ class GatewayMetrics:
         if n:
             self.generation_tokens.inc(n)
             self._generated += n
+
+    def count_key_request(
+        self, key_name: str, prompt_tokens: int | None, completion_tokens: int | None
+    ) -> None:
+        """Count one finished API request of the key named ``key_name`` and its tokens."""
+        self.key_requests.labels(key_name).inc()
+        if prompt_tokens:
+            self.key_tokens.labels(key_name, "prompt").inc(prompt_tokens)
+        if completion_tokens:
+            self.key_tokens.labels(key_name, "completion").inc(completion_tokens)
 
     def bind_admission(self, admission: Any) -> None:
         """Read queue depth, queued tokens and running requests from the admission controller."""

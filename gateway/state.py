@@ -60,6 +60,8 @@ class GatewaySettings:
             streams are ended with an error event and other requests with a 503.
         tool_call_parser: how ``tool_choice="auto"`` answers are parsed (``hermes``,
             ``llama3_json``, ``mistral``; ``None``: "auto" is refused with a 400).
+        dashboard_sample_s: seconds between two samples of ``/dashboard``'s charts.
+        dashboard_window_s: seconds of samples ``/dashboard`` keeps (a ring buffer).
     """
 
     model_name: str | None = None
@@ -89,6 +91,8 @@ class GatewaySettings:
     max_connections: int = 4096
     shutdown_grace_s: float = 5.0
     tool_call_parser: str | None = None
+    dashboard_sample_s: float = 2.0
+    dashboard_window_s: float = 300.0
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:
@@ -100,9 +104,12 @@ class GatewaySettings:
             "max_prefix_ttl_s",
             "header_timeout_s",
             "body_timeout_s",
+            "dashboard_sample_s",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.dashboard_window_s < self.dashboard_sample_s:
+            raise ValueError("dashboard_window_s must be >= dashboard_sample_s")
         if self.max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
         if self.shutdown_grace_s < 0 or self.upstream_timeout_s < 0:

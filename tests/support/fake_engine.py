@@ -103,6 +103,8 @@ class FakeEngine:
         self.tenants_seen: list[tuple[str | None, int]] = []  # (tenant, priority) per generate
         self.tenant_rows: dict[str, dict] = {}  # stats()["tenants"], set by tests
         self.generated = 0
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache / found there
+        self.prefix_hits = 0
         self.requests_seen: list[tuple[str, list[int], SamplingParams, str | None]] = []
         self.shutdown_called = False
 
@@ -129,6 +131,8 @@ class FakeEngine:
         self.requests_seen.append((request_id, ids, params, cache_salt))
         max_tokens = min(params.max_tokens or 10**9, self.max_model_len - len(ids))
         cached = self._lookup(ids, cache_salt)
+        self.prefix_queries += len(ids)
+        self.prefix_hits += cached
         self._waiting.add(request_id)
         out = CompletionOutput(index=0, logprobs=[] if params.logprobs is not None else None)
         res = RequestOutput(
@@ -244,9 +248,11 @@ class FakeEngine:
             "kv_blocks_cached_free": 0,
             "prompt_tokens_prefilled": 0,
             "tokens_decoded": self.generated,
-            "prefix_cache_queries": 0,
-            "prefix_cache_hits": 0,
-            "prefix_cache_hit_rate": 0.0,
+            "prefix_cache_queries": self.prefix_queries,
+            "prefix_cache_hits": self.prefix_hits,
+            "prefix_cache_hit_rate": self.prefix_hits / self.prefix_queries
+            if self.prefix_queries
+            else 0.0,
             "prefix_cache_evictions": 0,
             "pinned_blocks": self.pinned_blocks,
             "num_preemptions": 0,
