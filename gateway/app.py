@@ -47,6 +47,7 @@ from prefixgate.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from prefixgate.gateway.prefixes import PrefixRegistry
 from prefixgate.gateway.renderers import TokenTexts
 from prefixgate.gateway.state import STATE, GatewaySettings, GatewayState
+from prefixgate.gateway.state_backend import make_backend
 from prefixgate.gateway.upstream import UpstreamRouter
 
 
@@ -121,6 +122,7 @@ def create_proxy_app(
         s.upstream_timeout_s,
         cache_salt=s.upstream_cache_salt,
         auth="Bearer " + s.upstream_api_key if s.upstream_api_key else None,
+        policy=s.routing,
     )
     if s.upstream_api_key and any(u.auth for u in router.upstreams):
         raise ValueError(
@@ -167,7 +169,9 @@ def _base_app(settings: GatewaySettings | None) -> tuple[web.Application, Gatewa
         admission=admission,
         metrics=metrics,
         model_name=settings.model_name or "",
+        shared=make_backend(settings.redis_url, settings.redis_lease_ttl_s),
     )
+    metrics.bind_state(st.shared)
     app = web.Application(
         client_max_size=settings.max_body_bytes,
         middlewares=[
@@ -184,6 +188,15 @@ def _base_app(settings: GatewaySettings | None) -> tuple[web.Application, Gatewa
     app.router.add_get("/health", health, expect_handler=expect_continue)
     app.router.add_get("/metrics", metrics_route, expect_handler=expect_continue)
     dashboard.install(app)
+
+    async def start_shared(app: web.Application) -> None:
+        await st.shared.start()
+
+    async def close_shared(app: web.Application) -> None:
+        await st.shared.close()
+
+    app.on_startup.append(start_shared)
+    app.on_cleanup.append(close_shared)
     return app, st
 
 
@@ -249,7 +262,9 @@ def attach_engine(app: web.Application, engine: EngineClient) -> None:
     """Serve ``engine`` from now on (local mode); the app becomes ready."""
     st = app[STATE]
     st.engine = engine
-    st.prefixes = PrefixRegistry(engine, st.settings.max_prefix_ttl_s, st.settings.max_prefixes)
+    st.prefixes = PrefixRegistry(
+        engine, st.settings.max_prefix_ttl_s, st.settings.max_prefixes, st.shared
+    )
     st.token_texts = TokenTexts(engine.tokenizer)
     st.metrics.add_engine(engine.stats)
     # Retry-After's service-time estimate: requests run this many at once (decode batch).
@@ -288,7 +303,14 @@ async def ready_local(request: web.Request) -> web.Response:
     """GET /ready (local mode): 200 once the model is loaded, else 503."""
     st = request.app[STATE]
     st.require_engine()
-    return web.json_response({"status": "ready", "mode": "local", "model": st.model_name})
+    return web.json_response(
+        {
+            "status": "ready",
+            "mode": "local",
+            "model": st.model_name,
+            "state": st.shared.describe(),
+        }
+    )
 
 
 async def ready_proxy(request: web.Request) -> web.Response:
@@ -305,6 +327,7 @@ async def ready_proxy(request: web.Request) -> web.Response:
             # False: some upstream ignores cache_salt, so tenants may share its cache there
             "tenant_isolation": all(u["cache_salt"] is not False for u in pool),
             "upstreams": pool,
+            "state": st.shared.describe(),
         }
     )
 

@@ -131,12 +131,14 @@ def _digest(key: str) -> str:
 class Principal:
     """An authenticated caller: its key's limits and live counters."""
 
-    __slots__ = ("spec", "id", "salt", "concurrent", "_rpm", "_tpm")
+    __slots__ = ("spec", "id", "salt", "key_id", "concurrent", "_rpm", "_tpm")
 
     def __init__(self, spec: KeySpec | None) -> None:
         self.spec = spec
         self.id = "key:" + _digest(spec.key)[:32] if spec else None  # never the key itself
         self.salt = spec.salt if spec else None
+        # The key's name in shared state (Redis): a digest, never the key itself.
+        self.key_id = _digest(spec.key)[:32] if spec else ""
         self.concurrent = 0
         self._rpm = (
             TokenBucket(spec.requests_per_minute, spec.requests_per_minute / 60.0)

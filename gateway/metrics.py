@@ -243,6 +243,17 @@ class GatewayMetrics:
             ["key", "kind"],
             registry=r,
         )
+        self.state_backend_up = Gauge(
+            "prefixgate_state_backend_up",
+            "1 while the shared state (Redis with --redis-url; always 1 in-process) is "
+            "reachable; 0 while limits fall back to this replica's own",
+            registry=r,
+        )
+        self.state_fallbacks = Gauge(
+            "prefixgate_state_fallback_requests",
+            "requests admitted on this replica's local limits because Redis was unreachable",
+            registry=r,
+        )
         self._window = window_s
         # (monotonic time, cumulative generated tokens) at each scrape, over the window
         self._marks: list[tuple[float, float]] = [(time.monotonic(), 0.0)]
@@ -280,6 +291,11 @@ class GatewayMetrics:
         for up in upstreams:
             self.upstream_healthy.labels(up.url).set_function(_reader(up, "healthy"))
             self.upstream_in_flight.labels(up.url).set_function(_reader(up, "in_flight"))
+
+    def bind_state(self, backend: Any) -> None:
+        """Read the shared-state backend's reachability and fallback count at scrape time."""
+        self.state_backend_up.set_function(lambda: 1.0 if backend.up else 0.0)
+        self.state_fallbacks.set_function(lambda: float(getattr(backend, "fallbacks", 0)))
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

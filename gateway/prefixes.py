@@ -36,6 +36,7 @@ from typing import Any
 from prefixgate.engine.errors import PinLimitError
 from prefixgate.engine.protocol import EngineClient, PinHandle
 from prefixgate.gateway.errors import APIError, not_found, shown
+from prefixgate.gateway.state_backend import LocalState, StateBackend
 
 
 @dataclass(slots=True)
@@ -64,6 +65,7 @@ class PrefixEntry:
     pin: PinHandle
     owner: str | None = None
     pinned_blocks: int = 0
+    published: bool = False  # written to the shared state (Redis) for the other replicas
 
     @property
     def expires_at(self) -> float:
@@ -107,19 +109,65 @@ class PrefixQuota:
     max_pinned_blocks: int = 0
 
 
+@dataclass(slots=True)
+class SharedPrefix:
+    """A prefix registered on another gateway replica, read from the shared state (Redis).
+
+    It carries the messages (a chat on it is rendered as the whole conversation, as on the
+    creating replica) but no pin on this replica's engine: its blocks are cached here by the
+    first request that uses it.
+    """
+
+    id: str
+    messages: list[dict[str, str]]
+    prompt_tokens: int
+    created_at: int
+    salt: str | None
+    expires_at: float  # Unix seconds
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> SharedPrefix:
+        return cls(
+            id=record["id"],
+            messages=record["messages"],
+            prompt_tokens=int(record["prompt_tokens"]),
+            created_at=int(record["created"]),
+            salt=record["salt"],
+            expires_at=float(record["expires_at"]),
+        )
+
+    def public(self, model: str) -> dict[str, Any]:
+        """The prefix object returned by the API."""
+        return {
+            "id": self.id,
+            "object": "prefix",
+            "model": model,
+            "created": self.created_at,
+            "prompt_tokens": self.prompt_tokens,
+            "expires_at": int(self.expires_at),
+        }
+
+
 class PrefixRegistry:
-    """Prefixes by id over ``engine.pin_prefix`` / ``engine.unpin_prefix``.
+    """Prefixes by id over ``engine.pin_prefix`` / ``engine.unpin_prefix``, published to the
+    other gateway replicas through ``shared`` (``--redis-url``).
 
     Args:
         engine: the engine (its ``pin_prefix`` / ``unpin_prefix``).
         max_ttl_s: longest ``ttl_seconds`` accepted (seconds).
-        max_prefixes: most live prefixes (over it: 429).
+        max_prefixes: most live prefixes on this replica (over it: 429).
+        shared: the state backend (``LocalState``: this replica only).
     """
 
     def __init__(
-        self, engine: EngineClient, max_ttl_s: float = 86_400.0, max_prefixes: int = 1024
+        self,
+        engine: EngineClient,
+        max_ttl_s: float = 86_400.0,
+        max_prefixes: int = 1024,
+        shared: StateBackend | None = None,
     ) -> None:
         self._engine = engine
+        self._shared: StateBackend = shared if shared is not None else LocalState()
         self.max_ttl_s = max_ttl_s
         self.max_prefixes = max_prefixes
         self._entries: dict[str, PrefixEntry] = {}
@@ -205,6 +253,52 @@ class PrefixRegistry:
             pinned_blocks=_pin_blocks(pin, blocks, self.block_size),
         )
         self._entries[entry.id] = entry
+        if self._shared.shares_prefixes:
+            record = {
+                "id": entry.id,
+                "messages": messages,
+                "prompt_tokens": entry.prompt_tokens,
+                "created": entry.created_at,
+                "salt": salt,
+                "expires_at": entry.expires_at,
+            }
+            await self._shared.put_prefix(entry.id, record, entry.seconds_left())
+            entry.published = self._shared.shares_prefixes  # False: Redis failed meanwhile
+        return entry
+
+    async def lookup(self, prefix_id: str, salt: str | None) -> PrefixEntry | SharedPrefix:
+        """The live prefix ``prefix_id`` of this salt, registered on this replica or (with
+        shared state) on any other. A published prefix the shared state no longer holds was
+        deleted on another replica: its pin here is released.
+
+        Raises:
+            APIError: 404 ``prefix_not_found`` when unknown, expired or another tenant's.
+        """
+        self._expire()
+        entry = self._entries.get(prefix_id)
+        if self._shared.shares_prefixes:
+            record = await self._shared.get_prefix(prefix_id)
+            if record is None and self._shared.shares_prefixes:  # Redis answered: none
+                if entry is not None and entry.published:
+                    self._drop(entry)
+                    entry = None
+            elif record is not None and entry is None:
+                if record.get("salt") == salt:
+                    return SharedPrefix.from_record(record)
+        if entry is None:
+            raise _not_found(prefix_id)
+        return self.get(prefix_id, salt)
+
+    async def remove(self, prefix_id: str, salt: str | None) -> PrefixEntry | SharedPrefix:
+        """Delete ``prefix_id`` on every replica (unpinned here when registered here).
+
+        Raises:
+            APIError: 404 as ``lookup``.
+        """
+        entry = await self.lookup(prefix_id, salt)
+        if isinstance(entry, PrefixEntry):
+            self._drop(entry)
+        await self._shared.delete_prefix(prefix_id)
         return entry
 
     def _check_quota(self, owner: str, quota: PrefixQuota, blocks: int) -> None:
@@ -248,11 +342,7 @@ class PrefixRegistry:
         self._expire()
         entry = self._entries.get(prefix_id)
         if entry is None or entry.salt != salt:
-            raise not_found(
-                f"prefix {shown(prefix_id)} not found (unknown or expired)",
-                param="prefix_id",
-                code="prefix_not_found",
-            )
+            raise _not_found(prefix_id)
         return entry
 
     def delete(self, prefix_id: str, salt: str | None) -> PrefixEntry:
@@ -290,3 +380,11 @@ class PrefixRegistry:
                 self._engine.get_pin(entry.pin.id)
             except KeyError:
                 del self._entries[entry.id]
+
+
+def _not_found(prefix_id: str) -> APIError:
+    return not_found(
+        f"prefix {shown(prefix_id)} not found (unknown or expired)",
+        param="prefix_id",
+        code="prefix_not_found",
+    )

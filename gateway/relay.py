@@ -127,9 +127,13 @@ async def relay_sse(
     keepalive_s: float,
     idle_timeout_s: float,
     tap: UsageTap | None = None,
+    tail: bytearray | None = None,
 ) -> web.StreamResponse:
     """Relay ``resp``'s SSE stream to the client, checked (see the module docstring); whole
     events pass through ``tap`` when given (it reads their usage, see ``usage``).
+
+    ``tail``, when given, is left holding the stream's last 4 KiB as relayed (where its
+    usage chunk is, for cache-aware routing).
 
     A gzip/deflate-encoded stream is decoded (so it can be checked) and sent as identity.
     Returns the (ended) client response; leaves when the client goes away.
@@ -175,6 +179,9 @@ async def relay_sse(
             passed = _tapped(tap, checker.feed(chunk))
             if passed:
                 await out.write(passed)
+                if tail is not None:
+                    tail += passed
+                    del tail[:-4096]
     except StreamBroken as exc:
         error = stream_error(str(exc), exc.code)
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:

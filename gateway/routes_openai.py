@@ -75,7 +75,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     check_vocab(req, engine.tokenizer.vocab_size)
     messages = template_messages(req.messages)
     if req.prefix_id is not None:
-        messages = st.require_prefixes().get(req.prefix_id, principal.salt).messages + messages
+        prefix = await st.require_prefixes().lookup(req.prefix_id, principal.salt)
+        messages = prefix.messages + messages
     if not messages:
         raise bad_request("messages must hold at least one message", param="messages")
     ids = await render_chat(
@@ -252,7 +253,7 @@ class Exchange:
 
     async def run(self) -> web.StreamResponse:
         st = self.st
-        charge = self.principal.acquire(self.prompt_tokens)
+        lease = await st.shared.acquire(self.principal, self.prompt_tokens)
         try:
             self.ticket = st.admission.admit(
                 self.prompt_tokens,
@@ -262,7 +263,7 @@ class Exchange:
                 weight=self.principal.weight,
             )
         except APIError:
-            charge.refund()
+            st.shared.refund(self.principal, lease)
             raise
         st.metrics.prompt_tokens.inc(self.prompt_tokens)
         status = "error"
@@ -274,9 +275,9 @@ class Exchange:
             self.ticket.done()
             completion = sum(o.num_tokens for o in self.outputs)
             if completion:  # served: exactly prompt + completion tokens
-                charge.settle(self.prompt_tokens, completion)
+                st.shared.settle(self.principal, lease, self.prompt_tokens, completion)
             else:  # refused or failed before its first token: spends nothing
-                charge.refund()
+                st.shared.refund(self.principal, lease)
             rec = record(self.request)
             rec.prompt_tokens, rec.completion_tokens = self.prompt_tokens, completion
             rec.cached_tokens = sum(self.cached.values())

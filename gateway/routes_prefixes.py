@@ -60,7 +60,7 @@ async def get_prefix(request: web.Request) -> web.Response:
     st = request.app[STATE]
     prefixes = st.require_prefixes()
     principal = st.keys.authenticate(request)
-    entry = prefixes.get(request.match_info["prefix_id"], principal.salt)
+    entry = await prefixes.lookup(request.match_info["prefix_id"], principal.salt)
     return web.json_response(entry.public(st.model_name))
 
 
@@ -69,5 +69,5 @@ async def delete_prefix(request: web.Request) -> web.Response:
     st = request.app[STATE]
     prefixes = st.require_prefixes()
     principal = st.keys.authenticate(request)
-    entry = prefixes.delete(request.match_info["prefix_id"], principal.salt)
+    entry = await prefixes.remove(request.match_info["prefix_id"], principal.salt)
     return web.json_response({"id": entry.id, "object": "prefix.deleted", "deleted": True})

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 import zlib
 from typing import Any
@@ -29,8 +30,15 @@ from prefixgate.gateway.access_log import record
 from prefixgate.gateway.auth import MAX_SALT_CHARS, effective_salt
 from prefixgate.gateway.errors import APIError, bad_request
 from prefixgate.gateway.relay import json_body_problem, relay_sse
+from prefixgate.gateway.routing import prompt_blocks
 from prefixgate.gateway.state import STATE, GatewayState
-from prefixgate.gateway.upstream import Upstream, affinity_key, salted_affinity_key
+from prefixgate.gateway.upstream import (
+    Route,
+    Upstream,
+    affinity_key,
+    prompt_text,
+    salted_affinity_key,
+)
 from prefixgate.gateway.usage import Usage, UsageTap, ask_usage, body_usage
 
 logger = logging.getLogger("prefixgate.gateway")
@@ -79,32 +87,50 @@ async def proxy_generate(request: web.Request) -> web.StreamResponse:
     salt = effective_salt(principal.salt, request_salt)
     keep_usage = ask_usage(parsed)
     bodies = _Bodies(parsed, salt)
-    s = st.settings
-    key = salted_affinity_key(
-        affinity_key(parsed, s.affinity_block_chars, s.affinity_max_chars), salt
-    )
+    route = _route(st, parsed, salt)
     est_tokens = len(body) // 4 + 1  # no tokenizer here: ~4 bytes per token until the usage
-    charge = principal.acquire(est_tokens)
+    lease = await st.shared.acquire(principal, est_tokens)
     try:
         ticket = st.admission.admit(est_tokens, tenant=principal.tenant, weight=principal.weight)
     except APIError:
-        charge.refund()
+        st.shared.refund(principal, lease)
         raise
     outcome = _Outcome(keep_usage)
     t0 = time.monotonic()
     try:
-        return await _forward(request, st, bodies, key, ticket, outcome)
+        return await _forward(request, st, bodies, route, ticket, outcome)
     finally:
         ticket.done()
         if outcome.served:
             prompt = outcome.prompt_tokens()
-            charge.settle(est_tokens if prompt is None else prompt, outcome.completion_tokens())
+            st.shared.settle(
+                principal,
+                lease,
+                est_tokens if prompt is None else prompt,
+                outcome.completion_tokens(),
+            )
             if prompt is not None:  # the upstream's usage, for the access line
                 rec = record(request)
                 rec.prompt_tokens, rec.completion_tokens = prompt, outcome.completion_tokens()
         else:
-            charge.refund()
+            st.shared.refund(principal, lease)
         st.metrics.e2e.observe(time.monotonic() - t0)
+
+
+def _route(st: GatewayState, parsed: dict[str, Any], salt: str | None) -> Route:
+    """What the router needs of a request: its rendezvous key (salted) and, for
+    ``cache_aware``, its prompt's blocks under its effective cache salt."""
+    s = st.settings
+    key = salted_affinity_key(
+        affinity_key(parsed, s.affinity_block_chars, s.affinity_max_chars), salt
+    )
+    blocks: list[int] = []
+    assert st.router is not None
+    if st.router.policy == "cache_aware":
+        blocks = prompt_blocks(
+            prompt_text(parsed), salt, s.affinity_block_chars, s.affinity_max_chars
+        )
+    return Route(key, blocks)
 
 
 class _Bodies:
@@ -162,7 +188,7 @@ async def _forward(
     request: web.Request,
     st: GatewayState,
     bodies: _Bodies | None,
-    key: bytes | None,
+    route: Route | None,
     ticket: Any,
     outcome: _Outcome | None,
 ) -> web.StreamResponse:
@@ -172,7 +198,7 @@ async def _forward(
     assert session is not None  # opened on the app's startup
     tried: list[Upstream] = []
     while True:
-        up = router.pick(key, tried)
+        up = router.pick(route, tried)
         if up is None:
             if tried:
                 raise APIError(
@@ -211,14 +237,18 @@ async def _forward(
                     if outcome is not None and resp.status == 200:
                         outcome.served = True
                         outcome.tap = tap = UsageTap(outcome.keep_usage)
-                    return await relay_sse(
-                        request, resp, s.keepalive_s, s.upstream_timeout_s, tap=tap
+                    tail = bytearray()
+                    out = await relay_sse(
+                        request, resp, s.keepalive_s, s.upstream_timeout_s, tap=tap, tail=tail
                     )
+                    _learn(router, up, route, bytes(tail))
+                    return out
                 data = await resp.read()
                 if outcome is not None and resp.status == 200:
                     outcome.served = True
                     if "Content-Encoding" not in resp.headers:
                         outcome.usage = body_usage(data)
+                    _learn(router, up, route, data[-4096:])
                 if resp.status >= 400 and not _is_openai_error(data, resp.headers):
                     raise _wrapped_error(resp)
                 problem = json_body_problem(data, resp.headers) if resp.status < 300 else None
@@ -281,6 +311,21 @@ def _wrapped_error(resp: aiohttp.ClientResponse) -> APIError:
         code="upstream_error",
         retry_after=float(retry) if retry.isdigit() else None,
     )
+
+
+_PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+_CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+
+
+def _learn(router: Any, up: Upstream, route: Route | None, tail: bytes) -> None:
+    """Feed the answer's usage (its last ``prompt_tokens`` / ``cached_tokens``) to the
+    router's prefix tree (``UpstreamRouter.learn``); nothing when the answer has none."""
+    if route is None or not route.blocks:
+        return
+    prompt = _PROMPT_TOKENS.findall(tail)
+    cached = _CACHED_TOKENS.findall(tail)
+    if prompt and cached:
+        router.learn(up, route, int(cached[-1]), int(prompt[-1]))
 
 
 def _headers(request: web.Request, st: GatewayState, up: Upstream) -> dict[str, str]:

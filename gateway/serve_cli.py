@@ -264,6 +264,22 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "(auto: asked from GET /v1/models, prefixgate and vLLM do; an upstream without it is "
         "named in the log and /ready) (default: auto)",
     )
+    p.add_argument(
+        "--routing",
+        default="cache_aware",
+        choices=["cache_aware", "rendezvous", "round_robin", "least_loaded"],
+        help="how --upstream requests pick an upstream: cache_aware (the longest prompt-prefix "
+        "match of what each upstream was sent, unless it has more than "
+        "--balance-abs-threshold requests in flight beyond the least loaded), rendezvous "
+        "(hash of the system prompt), round_robin, least_loaded (default: cache_aware)",
+    )
+    p.add_argument(
+        "--redis-url",
+        default=None,
+        help="redis://host:port/db shared by gateway replicas: per-key limits, concurrency "
+        "slots (leases), registered prefixes and usage counters are kept there; when it is "
+        "unreachable each replica serves on its own limits (default: none, in-process state)",
+    )
     g = p.add_argument_group("gateway limits")
     defaults = GatewaySettings()
     for name, kind in (
@@ -281,6 +297,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         ("body_timeout_s", float),
         ("max_connections", int),
         ("shutdown_grace_s", float),
+        ("redis_lease_ttl_s", float),
+        ("balance_abs_threshold", int),
+        ("balance_rel_threshold", float),
     ):
         g.add_argument(
             "--" + name.replace("_", "-"),
@@ -364,6 +383,11 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         max_connections=args.max_connections,
         shutdown_grace_s=args.shutdown_grace_s,
         tool_call_parser=args.tool_call_parser,
+        routing=args.routing,
+        balance_abs_threshold=args.balance_abs_threshold,
+        balance_rel_threshold=args.balance_rel_threshold,
+        redis_url=args.redis_url,
+        redis_lease_ttl_s=args.redis_lease_ttl_s,
     )
 
 

@@ -35,6 +35,12 @@ GATEWAY_HELP = {
     "body_timeout_s": "seconds a request may take to send its whole body; beyond it 408 (> 0)",
     "max_connections": "most open client connections (>= 1); beyond it a connection gets 503 "
     "too_many_connections and is closed",
+    "balance_abs_threshold": "upstream mode: requests in flight (>= 0) an upstream may have "
+    "beyond the least loaded one before routing sends a request to the least loaded instead",
+    "balance_rel_threshold": "upstream mode, rendezvous routing: the least loaded upstream is "
+    "chosen only when the most loaded has more than this many times its requests (>= 1)",
+    "redis_lease_ttl_s": "seconds (> 0) a concurrency slot held in Redis outlives a gateway "
+    "replica that died holding it (renewed every third of it while the request runs)",
     "shutdown_grace_s": "on SIGTERM or SIGINT, seconds requests in flight get to finish before "
     "streams end with an error event and other requests get 503 (>= 0)",
 }

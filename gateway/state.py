@@ -11,6 +11,7 @@ from prefixgate.gateway.admission import AdmissionConfig, AdmissionController
 from prefixgate.gateway.auth import KeyRing
 from prefixgate.gateway.errors import APIError, shown
 from prefixgate.gateway.metrics import GatewayMetrics
+from prefixgate.gateway.state_backend import LocalState, StateBackend
 
 if TYPE_CHECKING:
     from prefixgate.gateway.prefixes import PrefixRegistry
@@ -62,6 +63,13 @@ class GatewaySettings:
             ``llama3_json``, ``mistral``; ``None``: "auto" is refused with a 400).
         dashboard_sample_s: seconds between two samples of ``/dashboard``'s charts.
         dashboard_window_s: seconds of samples ``/dashboard`` keeps (a ring buffer).
+        routing: upstream mode's routing policy: ``cache_aware`` (default), ``rendezvous``,
+            ``round_robin`` or ``least_loaded`` (see ``routing``).
+        redis_url: share per-key limits, concurrency slots, prefixes and usage counters
+            with every gateway replica on this Redis (None: in-process state; see
+            ``redis_state``).
+        redis_lease_ttl_s: seconds a concurrency slot outlives a replica that died holding
+            it (leases are renewed every third of it while their request runs).
     """
 
     model_name: str | None = None
@@ -93,6 +101,9 @@ class GatewaySettings:
     tool_call_parser: str | None = None
     dashboard_sample_s: float = 2.0
     dashboard_window_s: float = 300.0
+    routing: str = "cache_aware"
+    redis_url: str | None = None
+    redis_lease_ttl_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:
@@ -105,11 +116,16 @@ class GatewaySettings:
             "header_timeout_s",
             "body_timeout_s",
             "dashboard_sample_s",
+            "redis_lease_ttl_s",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.dashboard_window_s < self.dashboard_sample_s:
             raise ValueError("dashboard_window_s must be >= dashboard_sample_s")
+        from prefixgate.gateway.routing import POLICIES
+
+        if self.routing not in POLICIES:
+            raise ValueError(f"routing must be one of {', '.join(POLICIES)}, got {self.routing!r}")
         if self.max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
         if self.shutdown_grace_s < 0 or self.upstream_timeout_s < 0:
@@ -147,6 +163,7 @@ class GatewayState:
     prefixes: PrefixRegistry | None = None  # local mode, once the engine is attached
     token_texts: TokenTexts | None = None  # local mode: token id -> text, for logprobs
     router: UpstreamRouter | None = None  # upstream mode
+    shared: StateBackend = field(default_factory=LocalState)  # limits, leases, prefixes
     ready: bool = False
 
     def require_engine(self) -> EngineClient:

@@ -32,6 +32,7 @@ from typing import Any
 import aiohttp
 import xxhash
 import yarl
+from prefixgate.gateway.routing import POLICIES, PrefixTree, RoundRobin
 from prefixgate.gateway.schemas import content_text
 
 logger = logging.getLogger("prefixgate.gateway")
@@ -101,6 +102,7 @@ class Upstream:
         "served",
         "last_error",
         "cache_salt",
+        "cache_misses",
     )
 
     def __init__(self, url: str) -> None:
@@ -114,6 +116,7 @@ class Upstream:
         # Takes vLLM's ``cache_salt`` (isolates tenants' prefix caches): True / False, or None
         # while unknown (then it is sent: an upstream that refuses it fails loudly).
         self.cache_salt: bool | None = None
+        self.cache_misses = 0  # answers that cached less than cache_aware routing predicted
 
     def __repr__(self) -> str:
         state = "healthy" if self.healthy else "unhealthy"
@@ -126,6 +129,43 @@ def salted_affinity_key(key: bytes | None, salt: str | None) -> bytes | None:
     if key is None or salt is None:
         return key
     return salt.encode("utf-8", "surrogatepass") + b"\x00" + key
+
+
+CACHE_THRESHOLD = 0.5  # SGLang router's cache_threshold: the least match worth following
+
+
+class Route:
+    """What routing knows of one request: the rendezvous ``key`` (leading blocks of its
+    system prompt) and the whole prompt's ``blocks`` (``routing.prompt_blocks``, salted)."""
+
+    __slots__ = ("key", "blocks", "predicted")
+
+    def __init__(self, key: bytes | None, blocks: list[int]) -> None:
+        self.key = key
+        self.blocks = blocks
+        self.predicted = 0  # blocks the chosen upstream held by the tree (cache_aware)
+
+
+def prompt_text(body: Any) -> str:
+    """The whole prompt of a chat or completions body as text (messages as ``role: content``
+    lines; a token-id prompt as its comma-joined ids)."""
+    if not isinstance(body, dict):
+        return ""
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        return "".join(
+            f"{m.get('role')}: {content_text(m.get('content'))}\n"
+            for m in messages
+            if isinstance(m, dict)
+        )
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list):
+        return ",".join(map(str, prompt))
+    return ""
 
 
 def affinity_key(body: Any, block_chars: int = 64, max_chars: int = 4096) -> bytes | None:
@@ -178,12 +218,17 @@ class UpstreamRouter:
             to isolate by it), ``"on"`` or ``"off"`` (all of them).
         auth: ``Authorization`` value for the detection request (``--upstream-api-key``);
             an upstream's own userinfo is used when it has one.
+        policy: ``cache_aware``, ``rendezvous``, ``round_robin`` or ``least_loaded``
+            (``routing``).
 
     Health: a refused or reset connection, a connect timeout or a 502/503/504 takes an
     upstream out of rotation (``mark_failed``); an idle timeout does not — one slow request
     says nothing of the server — it only asks for a probe (``suspect``), which decides.
     ``start`` probes every upstream before the first request, so ``/ready`` is true from
     the start (a dead upstream is out of rotation until a probe succeeds).
+
+    Raises:
+        ValueError: no URL, repeated URLs, or an unknown policy.
     """
 
     def __init__(
@@ -196,9 +241,15 @@ class UpstreamRouter:
         timeout_s: float = 600.0,
         cache_salt: str = "auto",
         auth: str | None = None,
+        policy: str = "cache_aware",
     ) -> None:
         if not urls:
             raise ValueError("upstream mode needs at least one upstream URL")
+        if policy not in POLICIES:
+            raise ValueError(f"routing must be one of {', '.join(POLICIES)}, got {policy!r}")
+        self.policy = policy
+        self.tree = PrefixTree()
+        self._turn = RoundRobin()
         self.upstreams = [Upstream(u) for u in urls]
         if len({u.url for u in self.upstreams}) != len(self.upstreams):
             raise ValueError("upstream URLs must be distinct")
@@ -283,21 +334,65 @@ class UpstreamRouter:
             await self.session.close()
             self.session = None
 
-    def pick(self, key: bytes | None, exclude: Sequence[Upstream] = ()) -> Upstream | None:
-        """The upstream for a request with affinity ``key`` (None when none is healthy)."""
+    def pick(
+        self, route: Route | bytes | None, exclude: Sequence[Upstream] = ()
+    ) -> Upstream | None:
+        """The upstream for a request (None when none is healthy), by ``policy``."""
+        if isinstance(route, bytes):
+            route = Route(route, [])
         cands = [u for u in self.upstreams if u.healthy and u not in exclude]
         if not cands:
             return None
         if len(cands) == 1:
-            return cands[0]
-        least = min(cands, key=_load)
-        if key is None:
-            return least
-        lo = least.in_flight
-        hi = max(u.in_flight for u in cands)
-        if hi - lo > self.abs_threshold and hi > self.rel_threshold * lo:
-            return least
-        return max(cands, key=lambda u: xxhash.xxh3_64_intdigest(key, seed=u.seed))
+            choice = cands[0]
+        elif self.policy == "round_robin":
+            choice = cands[self._turn.next() % len(cands)]
+        else:
+            start = self._turn.next() % len(cands)  # ties rotate
+            least = min(cands[start:] + cands[:start], key=_load)
+            if route is None or self.policy == "least_loaded":
+                choice = least
+            elif self.policy == "cache_aware" and route.blocks:
+                choice = self._cache_aware(route, cands, least)
+            elif route.key is None:
+                choice = least
+            else:
+                lo = least.in_flight
+                hi = max(u.in_flight for u in cands)
+                if hi - lo > self.abs_threshold and hi > self.rel_threshold * lo:
+                    choice = least
+                else:
+                    key = route.key
+                    choice = max(cands, key=lambda u: xxhash.xxh3_64_intdigest(key, seed=u.seed))
+        if self.policy == "cache_aware" and route is not None and route.blocks:
+            self.tree.insert(route.blocks, choice.url)
+        return choice
+
+    def _cache_aware(self, route: Route, cands: list[Upstream], least: Upstream) -> Upstream:
+        depth = self.tree.match(route.blocks)
+        best = max(depth.get(u.url, 0) for u in cands)
+        if best < CACHE_THRESHOLD * len(route.blocks):
+            # Nobody holds most of it (a shared opening is no reason to pile up): the least
+            # loaded, then the emptiest.
+            return min(cands, key=lambda u: (u.in_flight, self.tree.size.get(u.url, 0)))
+        choice = min((u for u in cands if depth.get(u.url, 0) == best), key=_load)
+        if choice.in_flight - least.in_flight > self.abs_threshold:
+            choice = least
+        route.predicted = depth.get(choice.url, 0)
+        return choice
+
+    def learn(self, up: Upstream, route: Route | None, cached: int, prompt_tokens: int) -> None:
+        """An answer from ``up`` said ``cached`` of its ``prompt_tokens`` were cached: the
+        tree learns that ``up`` holds that share of the prompt's blocks (a retry's upstream,
+        or blocks the tree had evicted), and counts a miss on ``up`` when it cached less than
+        the tree predicted (it evicted them; the prompt is cached there again now)."""
+        if route is None or not route.blocks or prompt_tokens <= 0:
+            return
+        held = int(len(route.blocks) * min(1.0, cached / prompt_tokens))
+        if held:
+            self.tree.insert(route.blocks[:held], up.url)
+        if held < route.predicted:
+            up.cache_misses += 1
 
     def mark_failed(self, up: Upstream, why: str) -> None:
         """Take ``up`` out of rotation until a probe succeeds."""
@@ -358,6 +453,7 @@ class UpstreamRouter:
                 "failures": u.failures,
                 "last_error": u.last_error,
                 "cache_salt": u.cache_salt,
+                "cache_misses": u.cache_misses,
             }
             for u in self.upstreams
         ]

@@ -92,3 +92,15 @@ def gw() -> types.SimpleNamespace:
         client=client,
         PinLimitError=PinLimitError,
     )
+
+
+@pytest.fixture
+def redis_server():
+    """A real ``redis-server`` on a free loopback port (``support.redis_server``), stopped after."""
+    from support.redis_server import start_redis
+
+    server = start_redis()
+    try:
+        yield server
+    finally:
+        server.stop()

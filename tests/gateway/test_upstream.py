@@ -103,7 +103,9 @@ def test_unhealthy_upstream_skipped_then_probed_back(servers):
     live = servers(lambda: stub_app("live"))
     dead_port = free_port()
     dead_url = f"http://127.0.0.1:{dead_port}"
-    settings = GatewaySettings(health_interval_s=0.1)
+    # rendezvous: keys hash back onto the returned upstream (cache_aware keeps them where
+    # their prompts are cached)
+    settings = GatewaySettings(health_interval_s=0.1, routing="rendezvous")
     gw = servers(lambda: create_proxy_app([live.url, dead_url], settings))
     router = gw.app[STATE].router
     dead = next(u for u in router.upstreams if u.url == dead_url)

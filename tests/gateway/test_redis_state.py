@@ -1,0 +1,260 @@
+"""Gateway replicas sharing state in a real Redis (``--redis-url``, ``gateway.redis_state``):
+one per-key limit across replicas, concurrency leases freed after a replica's ``kill -9``,
+prefixes created on one replica used on another, and serving on local limits while Redis
+is down. Each test starts its own ``redis-server`` (``redis_server`` fixture).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+from prefixgate.gateway.state import GatewaySettings
+from support.net import free_port
+from support.stub_upstream import StubServer
+
+
+def _keys(tmp_path, **limits: int) -> str:
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"keys": [{"key": "k1", "name": "team", **limits}]}))
+    return str(path)
+
+
+AUTH = {"Authorization": "Bearer k1"}
+
+
+async def _burst(urls: list[str], n: int, body: dict) -> list[httpx.Response]:
+    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=400)) as c:
+        return await asyncio.gather(
+            *(
+                c.post(urls[i % len(urls)] + "/v1/chat/completions", json=body, headers=AUTH)
+                for i in range(n)
+            )
+        )
+
+
+def test_two_replicas_share_one_requests_per_minute_limit(serve_fake, gw, redis_server, tmp_path):
+    settings = GatewaySettings(
+        model_name="fake",
+        keys_file=_keys(tmp_path, requests_per_minute=60),
+        redis_url=redis_server.url,
+        max_queued_requests=512,
+    )
+    a, _ = serve_fake(settings)
+    b, _ = serve_fake(settings)
+    t0 = time.monotonic()
+    responses = asyncio.run(_burst([a.url, b.url], 200, gw.chat_body("hi", max_tokens=1)))
+    elapsed = time.monotonic() - t0
+    ok = [r for r in responses if r.status_code == 200]
+    refused = [r for r in responses if r.status_code == 429]
+    assert len(ok) + len(refused) == 200, sorted({r.status_code for r in responses})
+    # The shared bucket holds 60 and refills 1 per second while the burst runs.
+    assert 60 <= len(ok) <= 60 + int(elapsed), (len(ok), elapsed)
+    for r in refused:
+        assert float(r.headers["Retry-After"]) >= 1
+        assert r.json()["error"]["code"] == "rate_limit_exceeded"
+    # Both replicas served some (the limit is shared, not split).
+    usage = redis_server.client().hgetall(_usage_key("k1"))
+    assert int(usage["requests"]) == len(ok)
+
+
+def _usage_key(key: str) -> str:
+    import hashlib
+
+    return "pg:usage:" + hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+def _conc_key(key: str) -> str:
+    return "pg:conc:" + _usage_key(key).removeprefix("pg:usage:")
+
+
+def test_killed_replica_frees_its_concurrency_slots_within_the_lease_ttl(
+    serve_fake, gw, redis_server, tmp_path
+):
+    """Replica 1 (a ``prefixgate serve`` process) holds both slots of a key with
+    ``max_concurrent=2`` on a slow upstream and is killed with SIGKILL: replica 2 refuses the
+    key until the leases expire, then serves it again within the TTL."""
+    ttl = 2.0
+    keys = _keys(tmp_path, max_concurrent=2)
+    slow = StubServer(ttft_s=60).start()
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "prefixgate.sdk.cli",
+            "serve",
+            "--upstream",
+            slow.base_url,
+            "--keys-file",
+            keys,
+            "--redis-url",
+            redis_server.url,
+            "--redis-lease-ttl-s",
+            str(ttl),
+            "--port",
+            str(port),
+            "--no-access-log",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "replica1.log", "wb"),  # noqa: SIM115
+    )
+    try:
+        replica1 = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(replica1 + "/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, "replica 1 did not start"
+            time.sleep(0.1)
+
+        def hold() -> None:
+            try:
+                httpx.post(
+                    replica1 + "/v1/chat/completions",
+                    json=gw.chat_body("hold", max_tokens=1, stream=True),  # held for ttft_s
+                    headers=AUTH,
+                    timeout=90,
+                )
+            except httpx.TransportError:
+                pass  # replica 1 killed under it
+
+        holders = [threading.Thread(target=hold, daemon=True) for _ in range(2)]
+        for t in holders:
+            t.start()
+        r = redis_server.client()
+        deadline = time.monotonic() + 30
+        while r.zcard(_conc_key("k1")) < 2:
+            assert time.monotonic() < deadline, (
+                "replica 1 never took the two slots: "
+                + (tmp_path / "replica1.log").read_text()[-3000:]
+            )
+            time.sleep(0.05)
+
+        b, _ = serve_fake(
+            GatewaySettings(
+                model_name="fake", keys_file=keys, redis_url=redis_server.url, redis_lease_ttl_s=ttl
+            )
+        )
+        with gw.client(b) as c:
+            refused = c.post("/v1/chat/completions", json=gw.chat_body("x"), headers=AUTH)
+            assert refused.status_code == 429, refused.text
+            assert "max_concurrent=2" in refused.json()["error"]["message"]
+            # Past one renewal (ttl / 3): the live replica keeps its leases.
+            time.sleep(ttl * 0.7)
+            assert (
+                c.post("/v1/chat/completions", json=gw.chat_body("x"), headers=AUTH).status_code
+                == 429
+            )
+
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+            killed_at = time.monotonic()
+            while True:
+                resp = c.post(
+                    "/v1/chat/completions", json=gw.chat_body("x", max_tokens=1), headers=AUTH
+                )
+                if resp.status_code == 200:
+                    break
+                assert resp.status_code == 429, resp.text
+                assert time.monotonic() - killed_at < ttl + 1.0, "slots not freed within the TTL"
+                time.sleep(0.1)
+        freed_after = time.monotonic() - killed_at
+        assert freed_after <= ttl + 1.0, freed_after
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        slow.stop()
+
+
+def test_redis_stopped_mid_run_no_5xx_limits_fall_back_to_local(
+    serve_fake, gw, redis_server, tmp_path, caplog
+):
+    settings = GatewaySettings(
+        model_name="fake",
+        keys_file=_keys(tmp_path, requests_per_minute=10),
+        redis_url=redis_server.url,
+    )
+    a, _ = serve_fake(settings)
+    b, _ = serve_fake(settings)
+    body = gw.chat_body("hi", max_tokens=1)
+    with gw.client(a) as ca, gw.client(b) as cb:
+        assert ca.get("/ready").json()["state"] == {
+            "backend": "redis",
+            "shared": True,
+            "fallbacks": 0,
+        }
+        # Shared: 6 on A and 6 on B take the one bucket of 10.
+        codes = [
+            c.post("/v1/chat/completions", json=body, headers=AUTH).status_code
+            for c in (ca, cb)
+            for _ in range(6)
+        ]
+        assert codes.count(200) == 10 and codes.count(429) == 2, codes
+
+        redis_server.stop()
+        # Redis gone: each replica admits on its own full bucket of 10, no 5xx.
+        for c in (ca, cb):
+            codes = [
+                c.post("/v1/chat/completions", json=body, headers=AUTH).status_code
+                for _ in range(12)
+            ]
+            assert codes.count(200) == 10 and codes.count(429) == 2, codes
+            ready = c.get("/ready")
+            assert ready.status_code == 200
+            assert ready.json()["state"]["shared"] is False
+            metrics = c.get("/metrics").text
+            assert "prefixgate_state_backend_up 0.0" in metrics
+            assert "prefixgate_state_fallback_requests 12.0" in metrics
+    warnings = [r for r in caplog.records if "redis unreachable" in r.getMessage()]
+    assert len(warnings) == 2  # once per replica
+
+
+def test_prefix_created_on_replica_1_serves_a_chat_on_replica_2(
+    serve_fake, gw, redis_server, tmp_path
+):
+    settings = GatewaySettings(
+        model_name="fake", keys_file=_keys(tmp_path), redis_url=redis_server.url
+    )
+    a, engine_a = serve_fake(settings)
+    b, engine_b = serve_fake(settings)
+    system = [{"role": "system", "content": "You are a careful assistant. " * 3}]
+    with gw.client(a, headers=AUTH) as ca, gw.client(b, headers=AUTH) as cb:
+        created = ca.post(
+            "/v1/prefixes", json={"model": "fake", "messages": system, "ttl_seconds": 60}
+        )
+        assert created.status_code == 200, created.text
+        pid = created.json()["id"]
+        assert (
+            cb.get(f"/v1/prefixes/{pid}").json()["prompt_tokens"] == created.json()["prompt_tokens"]
+        )
+        chat = {
+            "model": "fake",
+            "prefix_id": pid,
+            "max_tokens": 2,
+            "messages": [{"role": "user", "content": "hi"}],
+        }
+        r = cb.post("/v1/chat/completions", json=chat)
+        assert r.status_code == 200, r.text
+        # Replica 2's engine saw the whole conversation: prefix messages + the new one.
+        whole = engine_b.tokenizer.encode_chat(system + chat["messages"])
+        assert engine_b.requests_seen[-1][1] == whole
+        # A deletion on replica 2 holds on replica 1 too.
+        assert cb.delete(f"/v1/prefixes/{pid}").status_code == 200
+        for c in (ca, cb):
+            gone = c.post("/v1/chat/completions", json=chat)
+            assert gone.status_code == 404 and gone.json()["error"]["code"] == "prefix_not_found"
+    assert engine_a.pinned_blocks == 0  # replica 1 released its pin

@@ -1,0 +1,97 @@
+"""Upstream routing policies (``--routing``) and cache_aware's prefix tree (``gateway.routing``)."""
+
+from __future__ import annotations
+
+import pytest
+from prefixgate.gateway.routing import PrefixTree, prompt_blocks
+from prefixgate.gateway.state import GatewaySettings
+from prefixgate.gateway.upstream import Route, UpstreamRouter
+
+URLS = ["http://127.0.0.1:1", "http://127.0.0.1:2", "http://127.0.0.1:3"]
+
+
+def _route(text: str, salt: str | None = None) -> Route:
+    return Route(text[:64].encode(), prompt_blocks(text, salt, 16, 4096))
+
+
+def test_prompt_blocks_whole_blocks_and_salt():
+    assert len(prompt_blocks("a" * 40, None, 16, 4096)) == 2  # the partial block is dropped
+    assert len(prompt_blocks("short", None, 16, 4096)) == 1
+    assert prompt_blocks("x" * 32, "t1", 16, 4096) != prompt_blocks("x" * 32, "t2", 16, 4096)
+    assert prompt_blocks("", None, 16, 4096) == []
+
+
+def test_tree_longest_match_and_eviction():
+    tree = PrefixTree(max_nodes=10)
+    a = prompt_blocks("A" * 64 + "1" * 32, None, 16, 4096)
+    b = prompt_blocks("A" * 64 + "2" * 32, None, 16, 4096)
+    tree.insert(a, "u1")
+    tree.insert(b, "u2")
+    assert tree.match(a) == {"u1": 6, "u2": 4}
+    assert tree.size == {"u1": 6, "u2": 6}
+    tree.insert(prompt_blocks("Z" * 160, None, 16, 4096), "u3")  # 10 more blocks: evicts
+    assert tree.nodes <= 10
+    assert sum(tree.size.values()) >= tree.nodes
+
+
+def test_cache_aware_keeps_a_prompt_on_its_upstream_and_spreads_new_ones():
+    r = UpstreamRouter(URLS, balance_abs_threshold=2)
+    prompts = [f"system prompt number {i} " * 8 for i in range(6)]
+    first = {p: r.pick(_route(p)) for p in prompts}
+    assert len({u.url for u in first.values()}) == 3  # new prompts go to the emptiest
+    for p in prompts:
+        for _ in range(3):
+            assert r.pick(_route(p + "user question")) is first[p]
+
+
+def test_cache_aware_leaves_a_hot_prompt_s_upstream_when_it_is_overloaded():
+    r = UpstreamRouter(URLS, balance_abs_threshold=2)
+    hot = _route("the hot system prompt " * 8)
+    home = r.pick(hot)
+    home.in_flight = 3
+    other = r.pick(_route("the hot system prompt " * 8))
+    assert other is not home and other.in_flight == 0
+    # Now both hold it: the less loaded of the two takes the next one.
+    other.in_flight = 1
+    assert r.pick(_route("the hot system prompt " * 8)) is other
+
+
+def test_cache_aware_salts_never_match_across_tenants():
+    r = UpstreamRouter(URLS)
+    text = "shared system prompt text " * 8
+    u1 = r.pick(_route(text, "tenant-1"))
+    assert r.tree.match(prompt_blocks(text, "tenant-2", 16, 4096)) == {}
+    assert r.pick(_route(text, "tenant-1")) is u1
+
+
+def test_cache_aware_learns_from_cached_tokens():
+    r = UpstreamRouter(URLS)
+    route = _route("learned prompt " * 8)
+    up = r.upstreams[2]
+    r.learn(up, route, cached=100, prompt_tokens=100)  # e.g. a retry's upstream
+    assert r.tree.match(route.blocks)[up.url] == len(route.blocks)
+    route.predicted = len(route.blocks)
+    r.learn(up, route, cached=0, prompt_tokens=100)
+    assert up.cache_misses == 1
+
+
+def test_round_robin_and_least_loaded():
+    r = UpstreamRouter(URLS, policy="round_robin")
+    assert [r.pick(_route("same")).url for _ in range(6)] == URLS * 2
+    r = UpstreamRouter(URLS, policy="least_loaded")
+    r.upstreams[0].in_flight = 2
+    r.upstreams[2].in_flight = 1
+    assert r.pick(_route("x")) is r.upstreams[1]
+
+
+def test_rendezvous_is_stable():
+    r = UpstreamRouter(URLS, policy="rendezvous")
+    picks = {r.pick(_route("a system prompt " * 8)).url for _ in range(5)}
+    assert len(picks) == 1
+
+
+def test_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="routing must be one of"):
+        UpstreamRouter(URLS, policy="random")
+    with pytest.raises(ValueError, match="routing must be one of"):
+        GatewaySettings(routing="random")
