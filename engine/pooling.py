@@ -116,8 +116,10 @@ class PoolingEngine:
         params: SamplingParams,
         request_id: str,
         cache_salt: str | None = None,
+        tenant: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
-        """Not available on a pooling runner.
+        """Not available on a pooling runner (``EngineClient.generate``'s signature).
 
         Raises:
             ValueError: always (the gateway answers 400).

@@ -18,6 +18,7 @@ from typing import Literal
 
 from aiohttp import web
 from prefixgate.engine.protocol import TokenizerLike
+from prefixgate.gateway.access_log import record
 from prefixgate.gateway.errors import APIError, bad_request
 from prefixgate.gateway.state import STATE
 from pydantic import BaseModel, ConfigDict
@@ -54,19 +55,28 @@ async def create_embeddings(request: web.Request) -> web.Response:
         )
     inputs = await _token_inputs(engine.tokenizer, req.input)
     tokens = sum(len(x) for x in inputs)
-    principal.acquire(tokens)
+    lease = await st.shared.acquire(principal, tokens)
     try:
-        ticket = st.admission.admit(tokens, len(inputs), param="input")
+        ticket = st.admission.admit(
+            tokens, len(inputs), param="input", tenant=principal.tenant, weight=principal.weight
+        )
     except APIError:
-        principal.release(0)
+        st.shared.refund(principal, lease)
         raise
+    served = False
     try:
         vectors = await embed(inputs)
+        served = True
     except (ValueError, TypeError) as exc:
         raise bad_request(str(exc), param="input") from None
     finally:
         ticket.done()
-        principal.release(0)
+        if served:  # charged exactly its input tokens, as a chat is its prompt + completion
+            st.shared.settle(principal, lease, tokens, 0)
+        else:
+            st.shared.refund(principal, lease)
+    rec = record(request)
+    rec.prompt_tokens, rec.completion_tokens = tokens, 0
     data = []
     for i, vec in enumerate(vectors):
         emb: list[float] | str = vec

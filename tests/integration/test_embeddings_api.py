@@ -112,3 +112,30 @@ def test_embeddings_on_a_generation_runner_is_400(aidreams_path, pool_whole):
     finally:
         srv.call(srv.app[STATE].engine.shutdown)
         srv.close()
+
+
+def test_embeddings_are_charged_to_the_key(checkpoint, tmp_path):
+    """A served embeddings request spends its input tokens from the key's tokens_per_minute
+    (as a chat spends prompt + completion); once spent, the key gets 429 with Retry-After."""
+    import json
+
+    path, _ = checkpoint
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"keys": [{"key": "sk-e", "name": "e", "tokens_per_minute": 60}]}))
+
+    def make():
+        cfg = EngineConfig(model=str(path), dtype="float32", device="cpu", runner="pooling")
+        settings = GatewaySettings(model_name="embedder", keys_file=str(keys))
+        return create_app(PoolingEngine(cfg), settings)
+
+    with BackgroundServer(make) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="sk-e", max_retries=0)
+        first = client.embeddings.create(model="embedder", input="one two three four five six")
+        assert first.usage.prompt_tokens > 0
+        with pytest.raises(openai.RateLimitError) as err:
+            for _ in range(60):  # 60 tokens a minute: spent within a few requests
+                client.embeddings.create(model="embedder", input="one two three four five six")
+        assert err.value.response.headers.get("retry-after")
+        open_client = openai.OpenAI(base_url=srv.url + "/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            open_client.embeddings.create(model="embedder", input="x")
