@@ -137,12 +137,17 @@ def test_consumer_break_and_cancel_abort_the_request(make_engine, pool_whole):
             break
         await agen.aclose()
 
+        started = asyncio.Event()
+
         async def consume():
             async for _ in engine.generate(PROMPTS[2], greedy(60), "cnl"):
+                started.set()
                 await asyncio.sleep(0)
 
         task = asyncio.create_task(consume())
-        await asyncio.sleep(0.05)
+        # cancel right after the first token (a fixed sleep let the 60 tokens all arrive first
+        # on a fast machine: the task then ended on its own and was never cancelled)
+        await started.wait()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
