@@ -43,3 +43,16 @@ def test_dry_run_with_sweeps_and_engine(tmp_path):
         sweep = report[section]["sweep"]
         assert sweep and all("error" not in row for row in sweep), sweep
     assert report["engine"]["triton"]["output_tokens"] > 0
+
+
+def test_examples_launcher_runs_the_same_script(tmp_path):
+    """``python examples/benchmarks/gpu_check.py`` is the package's script (arguments passed on)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    launcher = Path(__file__).parents[2] / "examples" / "benchmarks" / "gpu_check.py"
+    out = tmp_path / "gpu.json"
+    cmd = [sys.executable, str(launcher), "--dry-run", "--skip-engine", "--out", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=600)
+    assert "decode" in out.read_text()
