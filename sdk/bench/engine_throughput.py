@@ -17,7 +17,7 @@ cut to exactly ``--prompt-len`` tokens: equal lengths) and a fixed output length
 All three systems are loaded at once; the prefill trials and decode runs alternate between
 them, so a change of machine load during the run (shared machines) hits all of them alike.
 
-Targets (issue 14): engine fp32 >= 1.3x transformers tok/s; prefill <= 1.0x transformers' time;
+Targets: engine fp32 >= 1.3x transformers tok/s; prefill <= 1.0x transformers' time;
 int8 decode >= 1.8x fp32 at batch 1 and 8; int8 throughput >= 2x transformers fp32; outside
 the forward < 10 %.
 

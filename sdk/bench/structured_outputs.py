@@ -1,4 +1,4 @@
-"""Structured-output overhead (issue 11's benchmark): decode tokens/s of N constrained requests
+"""Structured-output overhead benchmark: decode tokens/s of N constrained requests
 against N unconstrained ones, in the same process, on the same engine, alternating rounds.
 
 Model: the SmolLM2-135M-shaped config with dummy weights (``load_format="dummy"``). Constrained

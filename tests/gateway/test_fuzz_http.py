@@ -1,4 +1,4 @@
-"""Fuzz of the HTTP API (issue 12, item 7): whatever a client sends — body, headers, query, in
+"""Fuzz of the HTTP API: whatever a client sends — body, headers, query, in
 local and proxy mode — is answered with a 4xx OpenAI error at worst, never a 5xx; afterwards
 the server is healthy and the KV pool whole.
 

@@ -1,4 +1,4 @@
-"""Tenant isolation and accounting (issue 12), local and proxy mode, on the fake engine.
+"""Tenant isolation and accounting, local and proxy mode, on the fake engine.
 
 Proxy mode runs a gateway with ``--upstream`` in front of a real prefixgate gateway (the fake
 engine behind it) on loopback; the real-model versions are in

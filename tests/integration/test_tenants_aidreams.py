@@ -1,4 +1,4 @@
-"""Tenant isolation on the real aidreams-260k model, in both modes (issue 12).
+"""Tenant isolation on the real aidreams-260k model, in both modes.
 
 Local mode: the gateway on an in-process AsyncEngine. Proxy mode: a gateway with
 ``--upstream`` in front of a real ``prefixgate serve`` process on loopback. Keys A and B have
