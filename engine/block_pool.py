@@ -55,8 +55,6 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free_empty: deque[int] = deque(range(num_blocks))

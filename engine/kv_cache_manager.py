@@ -100,8 +100,6 @@ class KVCacheManager:
         max_pinned_blocks: int | None = None,
         hash_fn: HashFn | None = None,
     ) -> None:
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)

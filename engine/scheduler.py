@@ -98,8 +98,6 @@ class Scheduler:
     def __init__(
         self, config: EngineConfig, kv_cache_manager: KVCacheManager, max_model_len: int
     ) -> None:
-        if max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
         self.config = config
         self.kv = kv_cache_manager
         self.max_model_len = max_model_len

@@ -47,6 +47,7 @@ from pathlib import Path
 from aiohttp import web
 from prefixgate.gateway.access_log import record
 from prefixgate.gateway.errors import APIError, too_many
+from prefixgate.gateway.schemas import MAX_SALT_CHARS
 from prefixgate.sdk.limits import TokenBucket
 
 
@@ -108,9 +109,6 @@ class KeySpec:
             self.name = "key-" + _digest(self.key)[:8]
         if self.salt is None:
             self.salt = "key:" + _digest(self.key)[:32]
-
-
-MAX_SALT_CHARS = 256  # the schema's bound on cache_salt: a key salt forwarded upstream fits it
 
 
 def _plain_salt(salt: str) -> bool:

@@ -138,7 +138,7 @@ class RedisState:
         max_connections: connections to Redis at most (commands beyond wait for one).
 
     Raises:
-        ValueError: a malformed URL or a non-positive ``lease_ttl_s``.
+        ValueError: a malformed URL (``lease_ttl_s > 0`` is ``GatewaySettings``'s check).
     """
 
     kind = "redis"
@@ -151,8 +151,6 @@ class RedisState:
         retry_s: float = 2.0,
         max_connections: int = 32,
     ) -> None:
-        if lease_ttl_s <= 0:
-            raise ValueError(f"redis lease TTL must be > 0, got {lease_ttl_s}")
         self.url = url
         self.lease_ttl_s = lease_ttl_s
         self.timeout_s = timeout_s

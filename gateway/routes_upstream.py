@@ -27,10 +27,11 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from prefixgate.gateway.access_log import record
-from prefixgate.gateway.auth import MAX_SALT_CHARS, effective_salt
+from prefixgate.gateway.auth import effective_salt
 from prefixgate.gateway.errors import APIError, bad_request
 from prefixgate.gateway.relay import json_body_problem, relay_sse
 from prefixgate.gateway.routing import prompt_blocks
+from prefixgate.gateway.schemas import MAX_SALT_CHARS
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.upstream import (
     Route,

@@ -32,6 +32,17 @@ import xxhash
 POLICIES = ("cache_aware", "rendezvous", "round_robin", "least_loaded")
 
 
+def check_policy(name: str) -> str:
+    """``name`` if it is one of :data:`POLICIES` (``--routing``).
+
+    Raises:
+        ValueError: any other name (the message lists the policies).
+    """
+    if name not in POLICIES:
+        raise ValueError(f"routing must be one of {', '.join(POLICIES)}, got {name!r}")
+    return name
+
+
 @dataclass(slots=True, eq=False)
 class _Node:
     parent: _Node | None

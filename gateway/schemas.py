@@ -30,6 +30,7 @@ _CONFIG = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 _REQUEST_CONFIG = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 MAX_N = 16  # choices per request (each is one engine request)
+MAX_SALT_CHARS = 256  # cache_salt's bound; a key salt forwarded upstream fits it too
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as vLLM and torch generators take
 
 
@@ -151,7 +152,7 @@ class _SamplingFields(BaseModel):
     service_tier: str | None = None
     metadata: Any = None
     # vLLM's per-request cache salt; the gateway nests it inside the key's own partition.
-    cache_salt: str | None = Field(None, min_length=1, max_length=256)
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_SALT_CHARS)
     # vLLM's request priority (lower first; the engine's "priority" policy); keys decide.
     priority: int | None = Field(None, ge=-(2**31), le=2**31 - 1)
 
@@ -252,7 +253,7 @@ class PrefixCreateRequest(BaseModel):
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
     ttl_seconds: float = Field(300.0, gt=0.0)
-    cache_salt: str | None = Field(None, min_length=1, max_length=256)
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_SALT_CHARS)
 
 
 M = TypeVar("M", bound=BaseModel)

@@ -28,8 +28,11 @@ import types
 import typing
 from typing import Any
 
+from prefixgate.gateway.routing import POLICIES
 from prefixgate.gateway.serve_help import ENGINE_HELP, GATEWAY_HELP
 from prefixgate.gateway.state import STATE, GatewaySettings
+from prefixgate.gateway.tool_parsers import PARSERS
+from prefixgate.gateway.upstream import CACHE_SALT_MODES
 
 logger = logging.getLogger("prefixgate.gateway")
 
@@ -252,13 +255,13 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--tool-call-parser",
         default=None,
-        choices=["hermes", "llama3_json", "mistral"],
+        choices=list(PARSERS),
         help="parse tool calls of tool_choice='auto' answers in this format (default: none, "
         "'auto' is refused; 'required' and named functions always work)",
     )
     p.add_argument(
         "--upstream-cache-salt",
-        choices=("auto", "on", "off"),
+        choices=CACHE_SALT_MODES,
         default="auto",
         help="whether the upstreams take cache_salt, which keeps tenants' prefix caches apart "
         "(auto: asked from GET /v1/models, prefixgate and vLLM do; an upstream without it is "
@@ -267,7 +270,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--routing",
         default="cache_aware",
-        choices=["cache_aware", "rendezvous", "round_robin", "least_loaded"],
+        choices=POLICIES,
         help="how --upstream requests pick an upstream: cache_aware (the longest prompt-prefix "
         "match of what each upstream was sent, unless it has more than "
         "--balance-abs-threshold requests in flight beyond the least loaded), rendezvous "

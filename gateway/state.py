@@ -122,10 +122,14 @@ class GatewaySettings:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.dashboard_window_s < self.dashboard_sample_s:
             raise ValueError("dashboard_window_s must be >= dashboard_sample_s")
-        from prefixgate.gateway.routing import POLICIES
+        from prefixgate.gateway.routing import check_policy
+        from prefixgate.gateway.upstream import CACHE_SALT_MODES
 
-        if self.routing not in POLICIES:
-            raise ValueError(f"routing must be one of {', '.join(POLICIES)}, got {self.routing!r}")
+        check_policy(self.routing)
+        if self.upstream_cache_salt not in CACHE_SALT_MODES:
+            raise ValueError(
+                f"upstream_cache_salt must be auto, on or off, got {self.upstream_cache_salt!r}"
+            )
         if self.max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
         if self.shutdown_grace_s < 0 or self.upstream_timeout_s < 0:

@@ -32,7 +32,7 @@ from typing import Any
 import aiohttp
 import xxhash
 import yarl
-from prefixgate.gateway.routing import POLICIES, PrefixTree, RoundRobin
+from prefixgate.gateway.routing import PrefixTree, RoundRobin, check_policy
 from prefixgate.gateway.schemas import content_text
 
 logger = logging.getLogger("prefixgate.gateway")
@@ -131,6 +131,7 @@ def salted_affinity_key(key: bytes | None, salt: str | None) -> bytes | None:
     return salt.encode("utf-8", "surrogatepass") + b"\x00" + key
 
 
+CACHE_SALT_MODES = ("auto", "on", "off")  # --upstream-cache-salt
 CACHE_THRESHOLD = 0.5  # SGLang router's cache_threshold: the least match worth following
 
 
@@ -213,7 +214,8 @@ class UpstreamRouter:
         timeout_s: idle timeout of each upstream request — the longest wait for the answer's
             first byte and between two reads of it (aiohttp's ``sock_read``), never a total:
             a healthy long stream is never cut (0 = none).
-        cache_salt: whether the upstreams take ``cache_salt``: ``"auto"`` (detected from
+        cache_salt: whether the upstreams take ``cache_salt`` (one of
+            :data:`CACHE_SALT_MODES`, checked by ``GatewaySettings``): ``"auto"`` (detected from
             ``GET /v1/models``: ``owned_by`` ``"prefixgate"`` or ``"vllm"``, the servers known
             to isolate by it), ``"on"`` or ``"off"`` (all of them).
         auth: ``Authorization`` value for the detection request (``--upstream-api-key``);
@@ -245,16 +247,12 @@ class UpstreamRouter:
     ) -> None:
         if not urls:
             raise ValueError("upstream mode needs at least one upstream URL")
-        if policy not in POLICIES:
-            raise ValueError(f"routing must be one of {', '.join(POLICIES)}, got {policy!r}")
-        self.policy = policy
+        self.policy = check_policy(policy)
         self.tree = PrefixTree()
         self._turn = RoundRobin()
         self.upstreams = [Upstream(u) for u in urls]
         if len({u.url for u in self.upstreams}) != len(self.upstreams):
             raise ValueError("upstream URLs must be distinct")
-        if cache_salt not in ("auto", "on", "off"):
-            raise ValueError(f"upstream cache_salt must be auto, on or off, got {cache_salt!r}")
         self.cache_salt_mode = cache_salt
         if cache_salt != "auto":
             for u in self.upstreams:

@@ -302,8 +302,6 @@ def _max_model_len(raw: dict[str, Any], arch: str, max_pos: int, requested: int 
         limit = int(window)
     if requested is None:
         return limit
-    if requested < 1:
-        raise ValueError(f"max_model_len must be >= 1, got {requested}")
     if requested > limit:
         raise ValueError(
             f"max_model_len {requested} exceeds the model's limit of {limit} tokens "
