@@ -1,4 +1,5 @@
-"""Shared pieces of the Triton paged attention kernels (:mod:`.triton_decode`, :mod:`.triton_prefill`).
+"""Shared pieces of Triton paged attention (:mod:`.triton_decode`, :mod:`.triton_prefill`):
+the online-softmax step both kernels run and the argument checks both entry points share.
 
 Both kernels read K/V through block tables from caches laid out
 ``[num_blocks, block_size, num_kv_heads, head_dim]`` (see :mod:`prefixgate.kernels.torch_ref`).
@@ -11,6 +12,7 @@ block size works and a tile may span several blocks. Softmax is online (Milakov 
 from __future__ import annotations
 
 import torch
+from prefixgate.kernels.triton_checks import check_int
 from prefixgate.kernels.triton_env import tl, triton
 
 LOG2E = 1.4426950408889634
@@ -91,3 +93,30 @@ def _online_softmax_step(
     )
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
+
+
+def check_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    num_seqs: int,
+) -> None:
+    """``q [T, Hq, D]`` against the cache, block tables and lengths of ``num_seqs`` sequences."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"q head_dim {head_dim} != cache head_dim {k_cache.shape[3]}")
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise ValueError(f"query heads {num_heads} not a multiple of KV heads {num_kv_heads}")
+    if q.dtype != k_cache.dtype:
+        raise TypeError(f"q dtype {q.dtype} != cache dtype {k_cache.dtype}")
+    check_int("block_tables", block_tables, 2)
+    check_int("context_lens", context_lens, 1)
+    if block_tables.shape[0] != num_seqs or context_lens.shape[0] != num_seqs:
+        raise ValueError(
+            f"block_tables {tuple(block_tables.shape)} / context_lens {tuple(context_lens.shape)} "
+            f"do not match {num_seqs} sequences"
+        )
+    if block_tables.numel() and block_tables.stride(-1) != 1:
+        raise ValueError("block_tables must be contiguous in its last dim")

@@ -12,7 +12,14 @@ import math
 from dataclasses import dataclass
 
 import torch
-from prefixgate.kernels.triton_attention import LOG2E, NEG_BIG, _dot_precision, _online_softmax_step
+from prefixgate.kernels.triton_attention import (
+    LOG2E,
+    NEG_BIG,
+    _dot_precision,
+    _online_softmax_step,
+    check_attention,
+)
+from prefixgate.kernels.triton_checks import check_cache, check_device, check_float
 from prefixgate.kernels.triton_env import interpreting, next_pow2, tl, triton
 
 
@@ -279,3 +286,33 @@ def decode(
             num_warps=1 if d_pad <= 64 else 2,
         )
     return out
+
+
+def paged_attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence over its paged context (flash-decoding split-K).
+
+    Args:
+        q: ``[B, Hq, D]``; Hq a multiple of Hkv (GQA).
+        k_cache, v_cache: ``[N, S, Hkv, D]`` in q's dtype; the new token's K/V already written.
+        block_tables: ``[B, max_blocks]`` int32 block ids.
+        context_lens: ``[B]`` int32 tokens including the new one (>= 1).
+        scale: softmax scale, usually ``head_dim ** -0.5``.
+
+    Returns:
+        ``[B, Hq, D]`` in q's dtype (softmax and accumulation in fp32).
+
+    Raises:
+        TypeError / ValueError: wrong dtypes, shapes or devices.
+    """
+    check_device(q, k_cache, v_cache, block_tables, context_lens)
+    check_float("q", q, 3)
+    check_cache(k_cache, v_cache)
+    check_attention(q, k_cache, block_tables, context_lens, q.shape[0])
+    return decode(q, k_cache, v_cache, block_tables, context_lens, float(scale))

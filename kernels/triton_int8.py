@@ -11,9 +11,8 @@ tile at the end (it factors out of the K sum). Runs in Triton's interpreter on C
 from __future__ import annotations
 
 import torch
+from prefixgate.kernels.triton_checks import FLOATS
 from prefixgate.kernels.triton_env import interpreting, next_pow2, tl, triton
-
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
@@ -83,7 +82,7 @@ def int8_linear(
     Raises:
         TypeError: wrong dtypes. ValueError: shape mismatch or tensors on different devices.
     """
-    if x.dtype not in _FLOATS:
+    if x.dtype not in FLOATS:
         raise TypeError(f"x must be float32/float16/bfloat16, got {x.dtype}")
     if qweight.dtype != torch.int8 or qweight.dim() != 2:
         raise TypeError(f"qweight must be a 2-D int8 tensor, got {qweight.dtype} {qweight.dim()}-D")

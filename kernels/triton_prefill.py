@@ -11,7 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from prefixgate.kernels.triton_attention import LOG2E, NEG_BIG, _dot_precision, _online_softmax_step
+from prefixgate.kernels.triton_attention import (
+    LOG2E,
+    NEG_BIG,
+    _dot_precision,
+    _online_softmax_step,
+    check_attention,
+)
+from prefixgate.kernels.triton_checks import check_cache, check_device, check_float, check_int
 from prefixgate.kernels.triton_env import interpreting, next_pow2, tl, triton
 
 
@@ -231,3 +238,42 @@ def prefill(
         num_stages=cfg.num_stages,
     )
     return out
+
+
+def paged_attention_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention for a varlen batch of query chunks over paged K/V.
+
+    Sequence b's queries ``q[query_start_loc[b]:query_start_loc[b+1]]`` are its last tokens;
+    the first sits at position ``context_lens[b] - q_len`` (earlier tokens already cached).
+
+    Args:
+        q: ``[T, Hq, D]``.
+        k_cache, v_cache: ``[N, S, Hkv, D]``; this chunk's K/V already written.
+        block_tables: ``[B, max_blocks]`` int32.
+        query_start_loc: ``[B + 1]`` int32 cumulative query lengths from 0.
+        context_lens: ``[B]`` int32 tokens per sequence including this chunk.
+        scale: softmax scale.
+
+    Returns:
+        ``[T, Hq, D]`` in q's dtype.
+
+    Raises:
+        TypeError / ValueError: wrong dtypes, shapes or devices.
+    """
+    check_device(q, k_cache, v_cache, block_tables, query_start_loc, context_lens)
+    check_float("q", q, 3)
+    check_cache(k_cache, v_cache)
+    check_int("query_start_loc", query_start_loc, 1)
+    num_seqs = query_start_loc.shape[0] - 1
+    if num_seqs < 0:
+        raise ValueError("query_start_loc must hold B + 1 >= 1 offsets")
+    check_attention(q, k_cache, block_tables, context_lens, num_seqs)
+    return prefill(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, float(scale))

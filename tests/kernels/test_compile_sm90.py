@@ -106,7 +106,7 @@ CASES = {
         2,
     ),
     "reshape-and-cache": (
-        "triton_layers",
+        "triton_kv_cache",
         "_reshape_and_cache_kernel",
         "bf16",
         dict(NUM_HEADS=3, HEAD_DIM=64, H_PAD=4, D_PAD=64),
@@ -114,7 +114,7 @@ CASES = {
         1,
     ),
     "rms-norm-residual": (
-        "triton_layers",
+        "triton_norm",
         "_rms_norm_kernel",
         "bf16",
         dict(HAS_RESIDUAL=True, BLOCK=1024),
@@ -122,14 +122,14 @@ CASES = {
         1,
     ),
     "rotary": (
-        "triton_layers",
+        "triton_rotary",
         "_rotary_kernel",
         "bf16",
         dict(NUM_Q_HEADS=9, NUM_K_HEADS=3, HALF=32, HALF_PAD=32, HQ_PAD=16, HK_PAD=4),
         4,
         1,
     ),
-    "silu-and-mul": ("triton_layers", "_silu_and_mul_kernel", "bf16", dict(BLOCK=1024), 8, 1),
+    "silu-and-mul": ("triton_activation", "_silu_and_mul_kernel", "bf16", dict(BLOCK=1024), 8, 1),
     "int8-linear-bf16-decode": (
         "triton_int8",
         "_int8_linear_kernel",
