@@ -79,14 +79,20 @@ class PrefixEntry:
 
     def public(self, model: str) -> dict[str, Any]:
         """The prefix object returned by the API."""
-        return {
-            "id": self.id,
-            "object": "prefix",
-            "model": model,
-            "created": self.created_at,
-            "prompt_tokens": self.prompt_tokens,
-            "expires_at": int(self.expires_at),
-        }
+        return prefix_object(self, model)
+
+
+def prefix_object(entry: PrefixEntry | SharedPrefix, model: str) -> dict[str, Any]:
+    """The API's prefix object (``POST``/``GET /v1/prefixes``) of a local or shared prefix;
+    ``created`` and ``expires_at`` in Unix seconds."""
+    return {
+        "id": entry.id,
+        "object": "prefix",
+        "model": model,
+        "created": entry.created_at,
+        "prompt_tokens": entry.prompt_tokens,
+        "expires_at": int(entry.expires_at),
+    }
 
 
 def _pin_blocks(pin: Any, blocks: int, block_size: int) -> int:
@@ -138,14 +144,7 @@ class SharedPrefix:
 
     def public(self, model: str) -> dict[str, Any]:
         """The prefix object returned by the API."""
-        return {
-            "id": self.id,
-            "object": "prefix",
-            "model": model,
-            "created": self.created_at,
-            "prompt_tokens": self.prompt_tokens,
-            "expires_at": int(self.expires_at),
-        }
+        return prefix_object(self, model)
 
 
 class PrefixRegistry:

@@ -165,6 +165,34 @@ def make_paged(
     }
 
 
+def prefill_args(p: dict[str, Any], d: int) -> tuple[Any, ...]:
+    """``paged_attention_prefill``'s arguments from :func:`make_paged`'s tensors (scale
+    ``d ** -0.5``)."""
+    return (
+        p["q"],
+        p["k_cache"],
+        p["v_cache"],
+        p["block_tables"],
+        p["query_start_loc"],
+        p["context_lens"],
+        d**-0.5,
+    )
+
+
+def timed_generate(
+    llm: Any, prompts: list[Any], params: Any, device: torch.device
+) -> tuple[list[Any], float]:
+    """``llm.generate(prompts, params)`` and its wall time in seconds (CUDA synchronized on
+    both sides, so queued kernels count)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return outs, time.perf_counter() - start
+
+
 def check_correctness(device: torch.device, dry: bool) -> list[dict[str, Any]]:
     """Max abs error of the Triton attention vs the torch reference at mixed lengths, per dtype."""
     dtypes = [torch.float32] if dry else [torch.float16, torch.bfloat16, torch.float32]
@@ -174,15 +202,7 @@ def check_correctness(device: torch.device, dry: bool) -> list[dict[str, Any]]:
             lens, q_len = ([60, 31, 25], 20) if dry else ([300, 131, 117], 100)
             p = make_paged(3, lens[0], q_len, hq, hkv, d, 16, dtype, device, seed=1)
             p["context_lens"] = torch.tensor(lens, dtype=torch.int32, device=device)
-            pre_args = (
-                p["q"],
-                p["k_cache"],
-                p["v_cache"],
-                p["block_tables"],
-                p["query_start_loc"],
-                p["context_lens"],
-                d**-0.5,
-            )
+            pre_args = prefill_args(p, d)
             dec_args = (
                 p["q"][:3],
                 p["k_cache"],
@@ -295,15 +315,7 @@ def prefill_bench(s: Sizes, prefix: int, device: torch.device) -> dict[str, Any]
     hq, hkv, d = s.heads
     q_len, ctx = s.prefill_len, prefix + s.prefill_len
     p = make_paged(s.prefill_batch, ctx, q_len, hq, hkv, d, s.block_size, s.dtype, device)
-    args = (
-        p["q"],
-        p["k_cache"],
-        p["v_cache"],
-        p["block_tables"],
-        p["query_start_loc"],
-        p["context_lens"],
-        d**-0.5,
-    )
+    args = prefill_args(p, d)
     flops = 4 * s.prefill_batch * hq * d * (q_len * prefix + q_len * q_len / 2)
 
     def measure(cfg: triton_prefill.PrefillConfig | None) -> dict[str, Any]:
@@ -411,13 +423,7 @@ def engine_bench(s: Sizes, device: torch.device, dry: bool) -> dict[str, Any]:
         llm.generate(
             prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         )  # warm-up / JIT
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        wall = time.perf_counter() - start
+        outs, wall = timed_generate(llm, prompts, params, device)
         n_out = sum(len(o.outputs[0].token_ids) for o in outs)
         tokens[backend] = [list(o.outputs[0].token_ids) for o in outs]
         result[backend] = {
@@ -466,13 +472,7 @@ def engine_variants_bench(s: Sizes, device: torch.device, dry: bool) -> dict[str
         for name, extra in variants.items():
             llm = LLM(device=device.type, max_num_seqs=64, **kwargs, **extra)
             llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            outs = llm.generate(prompts, params)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            wall = time.perf_counter() - start
+            outs, wall = timed_generate(llm, prompts, params, device)
             toks = [list(o.outputs[0].token_ids) for o in outs]
             tokens[name] = toks
             n_out = sum(map(len, toks))

@@ -131,20 +131,23 @@ def build_targets(args: argparse.Namespace) -> list[Target]:
     bad = [k for k in keys if k not in TARGET_KEYS]
     if bad:
         raise ValueError(f"unknown target(s) {bad}: choose among {','.join(TARGET_KEYS)}")
+    external = (
+        Target(
+            "e",
+            "upstream",
+            f"external server {args.upstream}",
+            None,
+            args.upstream,
+            args.upstream_model,
+        )
+        if args.upstream
+        else None
+    )
     targets = []
     for k in keys:
         if k == "e":
-            if args.upstream:
-                targets.append(
-                    Target(
-                        "e",
-                        "upstream",
-                        f"external server {args.upstream}",
-                        None,
-                        args.upstream,
-                        args.upstream_model,
-                    )
-                )
+            if external is not None:
+                targets.append(external)
             continue
         if k == "d" and not model:
             print(
@@ -153,17 +156,8 @@ def build_targets(args: argparse.Namespace) -> list[Target]:
             )
             continue
         targets.append(all_targets[k])
-    if args.upstream and "e" not in keys:
-        targets.append(
-            Target(
-                "e",
-                "upstream",
-                f"external server {args.upstream}",
-                None,
-                args.upstream,
-                args.upstream_model,
-            )
-        )
+    if external is not None and "e" not in keys:
+        targets.append(external)
     return targets
 
 
