@@ -31,7 +31,7 @@ def _tracked_text_files() -> list[Path]:
 def test_no_work_item_numbers_in_the_tree():
     hits = []
     for path in _tracked_text_files():
-        if not path.is_file():
+        if not path.is_file() or path == Path(__file__).resolve():  # its own examples
             continue
         for n, line in enumerate(
             path.read_text(encoding="utf-8", errors="replace").splitlines(), 1
