@@ -30,6 +30,7 @@ from prefixgate.gateway import (
     routes_embeddings,
     routes_openai,
     routes_prefixes,
+    routes_proxy_prefixes,
     routes_tokenize,
     routes_upstream,
 )
@@ -45,6 +46,7 @@ from prefixgate.gateway.errors import (
 from prefixgate.gateway.limits import body_limits_middleware
 from prefixgate.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from prefixgate.gateway.prefixes import PrefixRegistry
+from prefixgate.gateway.proxy_prefixes import ProxyPrefixRegistry
 from prefixgate.gateway.renderers import TokenTexts
 from prefixgate.gateway.state import STATE, GatewaySettings, GatewayState
 from prefixgate.gateway.state_backend import make_backend
@@ -142,13 +144,32 @@ def create_proxy_app(
     r.add_post("/v1/responses", responses_api.responses_unsupported, expect_handler=expect_continue)
     r.add_get("/v1/models", routes_upstream.proxy_get, expect_handler=expect_continue)
     r.add_get("/v1/models/{model}", routes_upstream.proxy_get, expect_handler=expect_continue)
-    r.add_route("*", "/v1/prefixes", _no_prefixes, expect_handler=expect_continue)
-    r.add_route("*", "/v1/prefixes/{prefix_id}", _no_prefixes, expect_handler=expect_continue)
+    st.proxy_prefixes = ProxyPrefixRegistry(
+        router,
+        st.shared,
+        s.max_prefix_ttl_s,
+        s.max_prefixes,
+        s.affinity_block_chars,
+        s.affinity_max_chars,
+    )
+    r.add_post("/v1/prefixes", routes_proxy_prefixes.create_prefix, expect_handler=expect_continue)
+    r.add_get(
+        "/v1/prefixes/{prefix_id}",
+        routes_proxy_prefixes.get_prefix,
+        expect_handler=expect_continue,
+    )
+    r.add_delete(
+        "/v1/prefixes/{prefix_id}",
+        routes_proxy_prefixes.delete_prefix,
+        expect_handler=expect_continue,
+    )
 
     async def start(app: web.Application) -> None:
         await router.start()
 
     async def stop(app: web.Application) -> None:
+        assert st.proxy_prefixes is not None
+        await st.proxy_prefixes.close()  # releases upstream pins while the session is open
         await router.close()
 
     app.on_startup.append(start)
@@ -280,18 +301,6 @@ def default_model_name(engine: EngineClient) -> str:
     if path:
         return os.path.basename(os.path.normpath(str(path)))
     return "tiny-random"
-
-
-async def _no_prefixes(request: web.Request) -> web.Response:
-    # 404 (a 4xx: the client's request, not a server fault): clients (the SDK's PrefixSession)
-    # then fall back to sending the full messages, as they do on 405/501.
-    raise APIError(
-        404,
-        "the prefix API is not available in upstream mode; send the full "
-        "messages (prefix affinity keeps a system prompt on one upstream)",
-        code="unsupported_in_upstream_mode",
-        type="invalid_request_error",
-    )
 
 
 async def health(request: web.Request) -> web.Response:

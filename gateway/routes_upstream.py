@@ -29,6 +29,7 @@ from aiohttp import web
 from prefixgate.gateway.access_log import record
 from prefixgate.gateway.auth import effective_salt
 from prefixgate.gateway.errors import APIError, bad_request
+from prefixgate.gateway.proxy_prefixes import ProxyPrefix
 from prefixgate.gateway.relay import json_body_problem, relay_sse
 from prefixgate.gateway.routing import prompt_blocks
 from prefixgate.gateway.schemas import MAX_SALT_CHARS
@@ -68,12 +69,9 @@ async def proxy_generate(request: web.Request) -> web.StreamResponse:
         raise bad_request(f"malformed JSON body: {exc}", code="invalid_json") from None
     if not isinstance(parsed, dict):
         raise bad_request("the body must be a JSON object", code="invalid_json")
+    prefix = None
     if parsed.get("prefix_id") is not None:
-        raise bad_request(
-            "prefix_id is not available in upstream mode",
-            param="prefix_id",
-            code="unsupported_in_upstream_mode",
-        )
+        prefix, parsed = await _with_prefix(request, st, parsed, principal.salt)
     if parsed.get("priority") is not None:  # forwarded as is, if the key may set it
         if isinstance(parsed["priority"], bool) or not isinstance(parsed["priority"], int):
             raise bad_request("priority: must be an integer", param="priority")
@@ -88,7 +86,7 @@ async def proxy_generate(request: web.Request) -> web.StreamResponse:
     salt = effective_salt(principal.salt, request_salt)
     keep_usage = ask_usage(parsed)
     bodies = _Bodies(parsed, salt)
-    route = _route(st, parsed, salt)
+    route = _route(st, parsed, salt)  # with a prefix: its messages + the request's
     est_tokens = len(body) // 4 + 1  # no tokenizer here: ~4 bytes per token until the usage
     lease = await st.shared.acquire(principal, est_tokens)
     try:
@@ -99,6 +97,8 @@ async def proxy_generate(request: web.Request) -> web.StreamResponse:
     outcome = _Outcome(keep_usage)
     t0 = time.monotonic()
     try:
+        if prefix is not None:
+            return await _forward_prefix(request, st, prefix, parsed, salt, route, ticket, outcome)
         return await _forward(request, st, bodies, route, ticket, outcome)
     finally:
         ticket.done()
@@ -116,6 +116,73 @@ async def proxy_generate(request: web.Request) -> web.StreamResponse:
         else:
             st.shared.refund(principal, lease)
         st.metrics.e2e.observe(time.monotonic() - t0)
+
+
+async def _with_prefix(
+    request: web.Request, st: GatewayState, parsed: dict[str, Any], owner_salt: str | None
+) -> tuple[ProxyPrefix, dict[str, Any]]:
+    """The request's prefix (404 unless it is the key's and live) and the request as if sent
+    in full: the prefix's messages, then its own (``prefix_id`` dropped)."""
+    prefix_id = parsed["prefix_id"]
+    if request.path != "/v1/chat/completions":
+        raise bad_request("prefix_id is a chat completions field", param="prefix_id")
+    if not isinstance(prefix_id, str):
+        raise bad_request("prefix_id must be a string", param="prefix_id")
+    messages = parsed.get("messages")
+    if not isinstance(messages, list):
+        raise bad_request("messages must be a list of messages", param="messages")
+    assert st.proxy_prefixes is not None  # create_proxy_app sets it
+    prefix = await st.proxy_prefixes.lookup(prefix_id, owner_salt)
+    full = {k: v for k, v in parsed.items() if k != "prefix_id"}
+    full["messages"] = [*prefix.messages, *messages]
+    return prefix, full
+
+
+async def _forward_prefix(
+    request: web.Request,
+    st: GatewayState,
+    prefix: ProxyPrefix,
+    full: dict[str, Any],
+    salt: str | None,
+    route: Route,
+    ticket: Any,
+    outcome: _Outcome,
+) -> web.StreamResponse:
+    """A chat on ``prefix``: to the upstream holding its pin with the upstream's prefix id and
+    the request's own messages; registered again first when that upstream is down or lost
+    the pin (``_PinnedLost``); sent in full, routed by its text, when no upstream holds it."""
+    registry = st.proxy_prefixes
+    assert registry is not None
+    lost: str | None = None
+    for _ in range(3):
+        up = registry.holder(prefix)
+        if up is None or lost is not None:
+            if prefix.upstream is not None or lost is not None:
+                await registry.replace(prefix, lost or prefix.upstream_id, _for(request, st))
+            up = registry.holder(prefix)
+        if up is None:
+            return await _forward(request, st, _Bodies(full, salt), route, ticket, outcome)
+        own = full["messages"][len(prefix.messages) :]
+        body = {**full, "messages": own, "prefix_id": prefix.upstream_id}
+        try:
+            return await _forward(
+                request, st, _Bodies(body, salt), route, ticket, outcome, pinned=up
+            )
+        except _PinnedLost:
+            lost = prefix.upstream_id
+    raise APIError(
+        502,
+        f"prefix {prefix.id}: its upstream lost it again after registering it anew",
+        code="upstream_error",
+    )
+
+
+def _for(request: web.Request, st: GatewayState) -> Any:
+    return lambda up: upstream_headers(request, st, up)
+
+
+class _PinnedLost(Exception):
+    """The upstream holding a prefix's pin failed before answering, or no longer has it."""
 
 
 def _route(st: GatewayState, parsed: dict[str, Any], salt: str | None) -> Route:
@@ -192,14 +259,23 @@ async def _forward(
     route: Route | None,
     ticket: Any,
     outcome: _Outcome | None,
+    pinned: Upstream | None = None,
 ) -> web.StreamResponse:
+    """Forward to the upstream routing picks (the next one on a failure before the answer),
+    or only to ``pinned`` (a prefix's upstream: ``_PinnedLost`` when it fails before the
+    answer or answers 404 ``prefix_not_found``)."""
     router = st.router
     assert router is not None  # upstream mode (create_proxy_app) sets it
     session = router.session
     assert session is not None  # opened on the app's startup
     tried: list[Upstream] = []
     while True:
-        up = router.pick(route, tried)
+        if pinned is not None:
+            if tried:
+                raise _PinnedLost(tried[-1].last_error)
+            up: Upstream | None = pinned
+        else:
+            up = router.pick(route, tried)
         if up is None:
             if tried:
                 raise APIError(
@@ -214,7 +290,7 @@ async def _forward(
                 retry_after=router.health_interval_s,
             )
         tried.append(up)
-        headers = _headers(request, st, up)
+        headers = upstream_headers(request, st, up)
         up.in_flight += 1
         status = "error"
         try:
@@ -245,6 +321,10 @@ async def _forward(
                     _learn(router, up, route, bytes(tail))
                     return out
                 data = await resp.read()
+                if pinned is not None and resp.status == 404 and _lost_prefix(data, resp.headers):
+                    up.served -= 1
+                    status = "prefix_lost"
+                    raise _PinnedLost("prefix_not_found")
                 if outcome is not None and resp.status == 200:
                     outcome.served = True
                     if "Content-Encoding" not in resp.headers:
@@ -302,6 +382,17 @@ def _is_openai_error(data: bytes, headers: Any) -> bool:
     return isinstance(parsed, dict) and isinstance(parsed.get("error"), dict)
 
 
+def _lost_prefix(data: bytes, headers: Any) -> bool:
+    """True when an upstream's 404 body is the error ``prefix_not_found``."""
+    if "Content-Encoding" in headers:
+        return False
+    try:
+        err = json.loads(data).get("error")
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(err, dict) and err.get("code") == "prefix_not_found"
+
+
 def _wrapped_error(resp: aiohttp.ClientResponse) -> APIError:
     """An upstream error whose body is not an OpenAI error object (an HTML page, a traceback,
     nothing): the same status, a generic OpenAI error, the upstream's body never shown."""
@@ -329,7 +420,7 @@ def _learn(router: Any, up: Upstream, route: Route | None, tail: bytes) -> None:
         router.learn(up, route, int(cached[-1]), int(prompt[-1]))
 
 
-def _headers(request: web.Request, st: GatewayState, up: Upstream) -> dict[str, str]:
+def upstream_headers(request: web.Request, st: GatewayState, up: Upstream) -> dict[str, str]:
     """Headers towards ``up``: one credential at most — ``--upstream-api-key`` (Bearer), else
     the upstream URL's userinfo (Basic, made once by ``split_credentials``), else the client's
     own ``Authorization`` when the gateway has no keys of its own."""

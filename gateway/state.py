@@ -15,6 +15,7 @@ from prefixgate.gateway.state_backend import LocalState, StateBackend
 
 if TYPE_CHECKING:
     from prefixgate.gateway.prefixes import PrefixRegistry
+    from prefixgate.gateway.proxy_prefixes import ProxyPrefixRegistry
     from prefixgate.gateway.renderers import TokenTexts
     from prefixgate.gateway.upstream import UpstreamRouter
 
@@ -167,6 +168,7 @@ class GatewayState:
     prefixes: PrefixRegistry | None = None  # local mode, once the engine is attached
     token_texts: TokenTexts | None = None  # local mode: token id -> text, for logprobs
     router: UpstreamRouter | None = None  # upstream mode
+    proxy_prefixes: ProxyPrefixRegistry | None = None  # upstream mode's prefix API
     shared: StateBackend = field(default_factory=LocalState)  # limits, leases, prefixes
     ready: bool = False
 

@@ -103,6 +103,8 @@ class Upstream:
         "last_error",
         "cache_salt",
         "cache_misses",
+        "prefix_api",
+        "models",
     )
 
     def __init__(self, url: str) -> None:
@@ -117,6 +119,10 @@ class Upstream:
         # while unknown (then it is sent: an upstream that refuses it fails loudly).
         self.cache_salt: bool | None = None
         self.cache_misses = 0  # answers that cached less than cache_aware routing predicted
+        # Serves prefixgate's prefix API (``POST /v1/prefixes``): True / False, None while
+        # unknown (then tried: a 404/405/501 answer says no).
+        self.prefix_api: bool | None = None
+        self.models: frozenset[str] | None = None  # its /v1/models ids, None while unknown
 
     def __repr__(self) -> str:
         state = "healthy" if self.healthy else "unhealthy"
@@ -281,8 +287,7 @@ class UpstreamRouter:
         await asyncio.gather(
             *(self.probe(u, mark_down=True, why="at start") for u in self.upstreams)
         )
-        if self.cache_salt_mode == "auto":
-            await asyncio.gather(*(self.detect_cache_salt(u) for u in self.upstreams))
+        await asyncio.gather(*(self.detect(u) for u in self.upstreams))
         for u in self.upstreams:
             if u.cache_salt is False:
                 logger.warning(
@@ -299,9 +304,11 @@ class UpstreamRouter:
                 )
         self._probe_task = asyncio.create_task(self._probe_loop())
 
-    async def detect_cache_salt(self, up: Upstream) -> bool | None:
-        """Ask ``up`` what it is (``GET /v1/models``, 2 s): prefixgate and vLLM take
-        ``cache_salt``; another server that answers does not; no answer leaves it unknown."""
+    async def detect(self, up: Upstream) -> None:
+        """Ask ``up`` what it is (``GET /v1/models``, 2 s) and note its model ids. ``owned_by``
+        ``"prefixgate"`` on every card: it serves the prefix API (``prefix_api``); prefixgate
+        and vLLM take ``cache_salt`` (set only under ``cache_salt="auto"``); another server
+        that answers has neither; no answer leaves both unknown."""
         assert self.session is not None
         auth = up.auth or self._auth
         try:
@@ -311,14 +318,21 @@ class UpstreamRouter:
                 timeout=aiohttp.ClientTimeout(total=2.0),
             ) as resp:
                 if resp.status != 200:
-                    return up.cache_salt
+                    return
                 data = await resp.json(content_type=None)
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
-            return up.cache_salt
+            return
         cards = data.get("data") if isinstance(data, dict) else None
-        owners = {c.get("owned_by") for c in cards or [] if isinstance(c, dict)}
-        up.cache_salt = bool(owners) and owners <= _SALTED_SERVERS
-        return up.cache_salt
+        cards = [c for c in cards or [] if isinstance(c, dict)]
+        owners = {c.get("owned_by") for c in cards}
+        up.models = frozenset(str(c.get("id")) for c in cards)
+        up.prefix_api = owners == {"prefixgate"}
+        if self.cache_salt_mode == "auto":
+            up.cache_salt = bool(owners) and owners <= _SALTED_SERVERS
+
+    def find(self, url: str) -> Upstream | None:
+        """The upstream with base URL ``url`` (None when not in this pool)."""
+        return next((u for u in self.upstreams if u.url == url), None)
 
     async def close(self) -> None:
         """Stop probing and close the session."""
@@ -427,8 +441,8 @@ class UpstreamRouter:
         if ok and not up.healthy:
             logger.info("upstream %s healthy again", up.url)
             up.healthy = True
-            if up.cache_salt is None and self.cache_salt_mode == "auto":
-                await self.detect_cache_salt(up)
+            if up.models is None:
+                await self.detect(up)
         elif not ok and mark_down:
             self.mark_failed(up, (why + "; " if why else "") + "GET /health failed")
         return ok
@@ -452,6 +466,7 @@ class UpstreamRouter:
                 "last_error": u.last_error,
                 "cache_salt": u.cache_salt,
                 "cache_misses": u.cache_misses,
+                "prefix_api": u.prefix_api,
             }
             for u in self.upstreams
         ]

@@ -146,8 +146,9 @@ def test_all_upstreams_down_and_errors_passed_through(servers):
         assert r.status_code == 400 and r.json()["error"]["message"] == "nope"  # not retried
         assert http.post("/v1/chat/completions", content=b"{x").status_code == 400
         r = http.post("/v1/chat/completions", json={**_chat("s", "q"), "prefix_id": "p"})
-        assert r.json()["error"]["code"] == "unsupported_in_upstream_mode"
-        assert http.post("/v1/prefixes", json={}).status_code == 404  # SDK falls back
+        assert r.status_code == 404 and r.json()["error"]["code"] == "prefix_not_found"
+        r = http.post("/v1/prefixes", json={})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "model"
 
 
 def test_streams_pass_through_chunk_by_chunk(servers):

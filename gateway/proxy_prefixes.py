@@ -1,0 +1,526 @@
+"""The prefix API in upstream (proxy) mode: ``POST /v1/prefixes`` registers a prefix on the
+upstream that will serve it.
+
+The gateway always keeps the prefix's messages (its text), under a gateway id
+(``"pfx-..."``), owned by the creating key's salt (another key gets 404) and counted against
+that key's ``max_prefixes``. Where it lives:
+
+* **A prefixgate upstream** (``Upstream.prefix_api``: its ``/v1/models`` cards say
+  ``owned_by: "prefixgate"``): the prefix is registered through that upstream's own prefix
+  API, with the creating request's effective cache salt as ``cache_salt`` (as local mode pins
+  under it), and the gateway keeps ``gateway id -> (upstream URL, upstream prefix id)``. A
+  chat with ``prefix_id`` is sent to that upstream with the upstream's prefix id: only the
+  new messages travel. If that upstream is down, or answers 404 ``prefix_not_found`` (its
+  pin was revoked, or it restarted), the prefix is registered again from the kept messages
+  on a healthy upstream (the one routing picks for the prefix's text) and the chat goes
+  there — or, when none can take it, the request fails with an explicit error.
+* **Any other OpenAI-compatible upstream**: nothing is registered there; a chat with
+  ``prefix_id`` is sent with the prefix's messages prepended to its own, routed like any
+  request whose prompt starts with that text (``cache_aware`` / ``rendezvous`` affinity:
+  the same prefix and salt go to the same upstream, whose automatic prefix cache holds it).
+
+The upstream chosen for a new prefix is the one routing picks for the prefix's text and
+salt, so the prefix sits where requests starting with it go anyway.
+
+Life: a prefix lives ``ttl_seconds`` on the gateway's clock (``expires_at``, Unix seconds);
+an upstream pin has the same TTL and is released by the upstream itself when it lapses.
+``DELETE`` deletes the upstream's pin too. With ``--redis-url`` (``StateBackend``
+``shares_prefixes``) the registry is shared by the gateway replicas through the same
+``put_prefix`` / ``get_prefix`` / ``delete_prefix`` seam as local mode: the record carries the
+messages and the upstream registration (never a credential), so a prefix created on one
+replica serves chats, GET and DELETE on every replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from prefixgate.gateway.errors import APIError, not_found, shown
+from prefixgate.gateway.routing import prompt_blocks
+from prefixgate.gateway.state_backend import StateBackend
+from prefixgate.gateway.upstream import (
+    Route,
+    Upstream,
+    UpstreamRouter,
+    affinity_key,
+    prompt_text,
+    salted_affinity_key,
+)
+
+HeadersFor = Callable[[Upstream], dict[str, str]]
+_SHORT = aiohttp.ClientTimeout(total=5.0)
+
+
+@dataclass(slots=True)
+class ProxyPrefix:
+    """One prefix registered through the gateway in upstream mode.
+
+    Attributes:
+        id: the gateway's public id (``"pfx-..."``).
+        model: the ``model`` it was created for.
+        messages: the leading messages as ``{"role", "content"}`` dicts (kept in all cases).
+        prompt_tokens: tokens of the rendered prefix as the upstream counted them (0 when a
+            non-prefixgate upstream cannot count them: no ``/tokenize``).
+        created_at: Unix seconds.
+        expires_at: Unix seconds; the prefix is gone after it.
+        salt: the creating key's salt (its owner: other salts get 404).
+        cache_salt: the effective cache salt of the create (key salt + request ``cache_salt``).
+        owner: the creating key's id (its ``max_prefixes``), None on an open gateway.
+        upstream: base URL of the prefixgate upstream holding its pin (None: text kept here
+            and sent in full).
+        upstream_id: the prefix's id on that upstream.
+        published: written to the shared state (Redis) for the other replicas.
+        headers: the ``Authorization`` used on the upstream (this replica's memory only,
+            for the release at shutdown; never published).
+    """
+
+    id: str
+    model: str
+    messages: list[dict[str, Any]]
+    prompt_tokens: int
+    created_at: int
+    expires_at: float
+    salt: str | None
+    cache_salt: str | None
+    owner: str | None = None
+    upstream: str | None = None
+    upstream_id: str | None = None
+    published: bool = False
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def seconds_left(self) -> float:
+        """Seconds until it expires (<= 0: expired)."""
+        return self.expires_at - time.time()
+
+    def public(self) -> dict[str, Any]:
+        """The prefix object returned by the API (the local mode's shape)."""
+        return {
+            "id": self.id,
+            "object": "prefix",
+            "model": self.model,
+            "created": self.created_at,
+            "prompt_tokens": self.prompt_tokens,
+            "expires_at": int(self.expires_at),
+        }
+
+    def record(self) -> dict[str, Any]:
+        """What is published for the other replicas (local mode's record fields + the
+        upstream registration)."""
+        return {
+            "id": self.id,
+            "model": self.model,
+            "messages": self.messages,
+            "prompt_tokens": self.prompt_tokens,
+            "created": self.created_at,
+            "expires_at": self.expires_at,
+            "salt": self.salt,
+            "cache_salt": self.cache_salt,
+            "upstream": self.upstream,
+            "upstream_id": self.upstream_id,
+        }
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> ProxyPrefix:
+        """A prefix read from the shared state (a local-mode record has no registration:
+        its text is sent in full)."""
+        return cls(
+            id=str(record["id"]),
+            model=str(record.get("model", "")),
+            messages=list(record["messages"]),
+            prompt_tokens=int(record.get("prompt_tokens", 0)),
+            created_at=int(record.get("created", 0)),
+            expires_at=float(record["expires_at"]),
+            salt=record.get("salt"),
+            cache_salt=record.get("cache_salt", record.get("salt")),
+            upstream=record.get("upstream"),
+            upstream_id=record.get("upstream_id"),
+            published=True,
+        )
+
+
+class ProxyPrefixRegistry:
+    """Prefixes of upstream mode by gateway id (see the module docstring).
+
+    Args:
+        router: the upstream pool (its session, health and routing policy).
+        shared: the state backend (``RedisState`` shares the registry with other replicas).
+        max_ttl_s: longest ``ttl_seconds`` accepted (seconds).
+        max_prefixes: most live prefixes created on this replica (over it: 429).
+        block_chars, max_chars: the affinity blocks of the prefix's text (as for requests).
+    """
+
+    def __init__(
+        self,
+        router: UpstreamRouter,
+        shared: StateBackend,
+        max_ttl_s: float = 86_400.0,
+        max_prefixes: int = 1024,
+        block_chars: int = 64,
+        max_chars: int = 4096,
+    ) -> None:
+        self._router = router
+        self._shared = shared
+        self.max_ttl_s = max_ttl_s
+        self.max_prefixes = max_prefixes
+        self._block_chars = block_chars
+        self._max_chars = max_chars
+        self._entries: dict[str, ProxyPrefix] = {}
+        self._pending: dict[str | None, int] = {}  # owner -> creates in progress
+        # prefix id -> (lock, users): one re-registration of a prefix at a time
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+
+    def __len__(self) -> int:
+        self._expire()
+        return len(self._entries)
+
+    async def create(
+        self,
+        model: str,
+        messages: list[dict[str, Any]],
+        ttl_s: float,
+        salt: str | None,
+        cache_salt: str | None,
+        headers_for: HeadersFor,
+        owner: str | None = None,
+        key_max_prefixes: int = 0,
+    ) -> ProxyPrefix:
+        """Register ``messages`` for ``ttl_s`` seconds on the upstream routing picks for them.
+
+        Raises:
+            APIError: 400 ``ttl_seconds`` over ``max_ttl_s``; 404 ``model_not_found`` when every
+                upstream listed its models and none has ``model``; 429
+                ``prefix_limit_exceeded`` over this replica's or the key's
+                (``key_max_prefixes``, 0 = none) live prefixes; the upstream's own 4xx
+                (bad messages, its pinned space full) as it answered; 502/503
+                ``upstream_unavailable`` when no upstream could take it.
+        """
+        self._expire()
+        if ttl_s > self.max_ttl_s:
+            raise APIError(400, f"ttl_seconds must be <= {self.max_ttl_s:g}", param="ttl_seconds")
+        pending = sum(self._pending.values())
+        if len(self._entries) + pending >= self.max_prefixes:
+            raise APIError(
+                429,
+                f"too many live prefixes (max {self.max_prefixes}); delete some",
+                code="prefix_limit_exceeded",
+                retry_after=self._next_expiry(list(self._entries.values())),
+            )
+        if owner is not None and key_max_prefixes:
+            mine = [e for e in self._entries.values() if e.owner == owner]
+            held = len(mine) + self._pending.get(owner, 0)
+            if held >= key_max_prefixes:
+                raise APIError(
+                    429,
+                    f"this key has {held} live prefixes, its limit (max_prefixes="
+                    f"{key_max_prefixes}); delete one or wait for one to expire",
+                    code="prefix_limit_exceeded",
+                    retry_after=self._next_expiry(mine),
+                )
+        now = time.time()
+        entry = ProxyPrefix(
+            id="pfx-" + secrets.token_hex(12),
+            model=model,
+            messages=messages,
+            prompt_tokens=0,
+            created_at=int(now),
+            expires_at=now + ttl_s,
+            salt=salt,
+            cache_salt=cache_salt,
+            owner=owner,
+        )
+        self._pending[owner] = self._pending.get(owner, 0) + 1
+        try:
+            await self._place(entry, headers_for, first=True)
+        finally:
+            self._pending[owner] -= 1
+            if not self._pending[owner]:
+                del self._pending[owner]
+        self._entries[entry.id] = entry
+        await self._publish(entry)
+        return entry
+
+    async def lookup(self, prefix_id: str, salt: str | None) -> ProxyPrefix:
+        """The live prefix ``prefix_id`` of this salt, created on this replica or (with
+        shared state) on any other.
+
+        Raises:
+            APIError: 404 ``prefix_not_found`` when unknown, expired or another key's.
+        """
+        self._expire()
+        entry = self._entries.get(prefix_id)
+        if self._shared.shares_prefixes:
+            record = await self._shared.get_prefix(prefix_id)
+            if record is None and self._shared.shares_prefixes:  # Redis answered: none
+                if entry is not None and entry.published:  # deleted on another replica
+                    self._entries.pop(prefix_id, None)
+                    entry = None
+            elif record is not None and entry is None:
+                try:
+                    entry = ProxyPrefix.from_record(record)
+                except (KeyError, TypeError, ValueError):
+                    entry = None
+            elif record is not None and entry is not None:
+                entry.upstream = record.get("upstream")  # another replica re-registered it
+                entry.upstream_id = record.get("upstream_id")
+        if entry is None or entry.salt != salt or entry.seconds_left() <= 0:
+            raise _not_found(prefix_id)
+        return entry
+
+    async def remove(
+        self, prefix_id: str, salt: str | None, headers_for: HeadersFor
+    ) -> ProxyPrefix:
+        """Delete ``prefix_id`` here, on every replica, and its pin on its upstream.
+
+        Raises:
+            APIError: 404 as ``lookup``.
+        """
+        entry = await self.lookup(prefix_id, salt)
+        self._entries.pop(entry.id, None)
+        await self._shared.delete_prefix(entry.id)
+        await self._release(entry, headers_for)
+        return entry
+
+    def holder(self, entry: ProxyPrefix) -> Upstream | None:
+        """The healthy upstream holding ``entry``'s pin, else None."""
+        if entry.upstream is None:
+            return None
+        up = self._router.find(entry.upstream)
+        return up if up is not None and up.healthy else None
+
+    async def replace(
+        self, entry: ProxyPrefix, lost_id: str | None, headers_for: HeadersFor
+    ) -> None:
+        """Register ``entry`` again from its messages (its upstream died, or lost the pin
+        ``lost_id``) on the upstream routing picks now; one re-registration per prefix at a
+        time (a concurrent caller finds it done and takes its result).
+
+        Raises:
+            APIError: as ``create`` when no upstream can take it.
+        """
+        lock, users = self._locks.get(entry.id, (asyncio.Lock(), 0))
+        self._locks[entry.id] = (lock, users + 1)
+        try:
+            async with lock:
+                current = self._entries.get(entry.id)
+                if self._shared.shares_prefixes:
+                    record = await self._shared.get_prefix(entry.id)
+                    if record is not None:
+                        current = ProxyPrefix.from_record(record)
+                if current is not None and current.upstream_id != lost_id:
+                    entry.upstream, entry.upstream_id = current.upstream, current.upstream_id
+                    if self.holder(entry) is not None:
+                        return  # done meanwhile by another request
+                if entry.seconds_left() <= 0:
+                    raise _not_found(entry.id)
+                entry.upstream = entry.upstream_id = None
+                await self._place(entry, headers_for, first=False)
+                local = self._entries.get(entry.id)
+                if local is not None and local is not entry:
+                    local.upstream, local.upstream_id = entry.upstream, entry.upstream_id
+                await self._publish(entry)
+        finally:
+            lock, users = self._locks[entry.id]
+            if users == 1:
+                del self._locks[entry.id]
+            else:
+                self._locks[entry.id] = (lock, users - 1)
+
+    async def close(self) -> None:
+        """Release the upstream pins of this replica's prefixes (shutdown) unless they are
+        shared with other replicas."""
+        entries = list(self._entries.values())
+        self._entries.clear()
+        if self._shared.shares_prefixes or self._router.session is None:
+            return
+        await asyncio.gather(
+            *(self._release(e, _fixed(e.headers)) for e in entries if e.upstream),
+            return_exceptions=True,
+        )
+
+    def route(self, entry: ProxyPrefix) -> Route:
+        """The routing of the prefix's own text under its cache salt (what a request starting
+        with it is routed by)."""
+        body = {"messages": entry.messages}
+        key = salted_affinity_key(
+            affinity_key(body, self._block_chars, self._max_chars), entry.cache_salt
+        )
+        blocks: list[int] = []
+        if self._router.policy == "cache_aware":
+            blocks = prompt_blocks(
+                prompt_text(body), entry.cache_salt, self._block_chars, self._max_chars
+            )
+        return Route(key, blocks)
+
+    async def _place(self, entry: ProxyPrefix, headers_for: HeadersFor, first: bool) -> None:
+        """Register ``entry`` on the upstream routing picks (others in turn when it fails);
+        on an upstream without the prefix API the text simply stays here."""
+        router = self._router
+        route = self.route(entry)
+        tried: list[Upstream] = []
+        while True:
+            up = router.pick(route, tried)
+            if up is None:
+                if tried:
+                    raise APIError(
+                        502,
+                        f"no upstream could register the prefix: {tried[-1].last_error}",
+                        code="upstream_unavailable",
+                    )
+                raise APIError(
+                    503,
+                    "no healthy upstream",
+                    code="upstream_unavailable",
+                    retry_after=router.health_interval_s,
+                )
+            tried.append(up)
+            known = [u.models for u in router.upstreams]
+            if first and None not in known and not any(entry.model in m for m in known if m):
+                raise not_found(
+                    f"the model {shown(entry.model)} does not exist",
+                    param="model",
+                    code="model_not_found",
+                )
+            headers = headers_for(up)
+            if up.prefix_api is not False:
+                done = await self._register_on(up, entry, headers)
+                if done is None:
+                    continue  # that upstream failed: the next one
+                if done:
+                    entry.headers = headers
+                    return
+            if first:  # kept here: count its tokens where the upstream can
+                entry.prompt_tokens = await self._count(up, entry, headers)
+            return
+
+    async def _register_on(
+        self, up: Upstream, entry: ProxyPrefix, headers: dict[str, str]
+    ) -> bool | None:
+        """POST the prefix to ``up``'s prefix API. True: registered (``entry`` updated);
+        False: ``up`` has no prefix API; None: ``up`` failed (marked so).
+
+        Raises:
+            APIError: ``up``'s own 4xx answer (the request's fault or its limits).
+        """
+        assert self._router.session is not None
+        body: dict[str, Any] = {
+            "model": entry.model,
+            "messages": entry.messages,
+            "ttl_seconds": max(1, math.ceil(entry.seconds_left())),
+        }
+        if entry.cache_salt is not None and up.cache_salt is not False:
+            body["cache_salt"] = entry.cache_salt
+        try:
+            async with self._router.session.post(
+                up.url + "/v1/prefixes", json=body, headers=headers, timeout=_SHORT
+            ) as resp:
+                data = await resp.read()
+                status = resp.status
+                retry = resp.headers.get("Retry-After", "")
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            self._router.mark_failed(up, f"POST /v1/prefixes: {type(exc).__name__}")
+            return None
+        error = _error(data)
+        if status == 200:
+            try:
+                obj = json.loads(data)
+                entry.upstream, entry.upstream_id = up.url, str(obj["id"])
+                entry.prompt_tokens = int(obj.get("prompt_tokens", 0))
+            except (ValueError, KeyError, TypeError):
+                self._router.mark_failed(up, "POST /v1/prefixes: not a prefix object")
+                return None
+            up.prefix_api = True
+            return True
+        if status in (405, 501) or (status == 404 and error.get("code") != "model_not_found"):
+            up.prefix_api = False
+            return False
+        if status >= 500:
+            self._router.mark_failed(up, f"POST /v1/prefixes: HTTP {status}")
+            return None
+        raise APIError(
+            status,
+            str(error.get("message") or f"the upstream refused the prefix (HTTP {status})"),
+            param=error["param"] if isinstance(error.get("param"), str) else None,
+            code=str(error.get("code") or "upstream_error"),
+            type=str(error.get("type") or "invalid_request_error"),
+            retry_after=float(retry) if retry.isdigit() else None,
+        )
+
+    async def _count(self, up: Upstream, entry: ProxyPrefix, headers: dict[str, str]) -> int:
+        """The prefix's tokens by ``up``'s ``POST /tokenize`` (vLLM's), 0 without it."""
+        assert self._router.session is not None
+        body = {"model": entry.model, "messages": entry.messages, "add_generation_prompt": False}
+        try:
+            async with self._router.session.post(
+                up.url + "/tokenize", json=body, headers=headers, timeout=_SHORT
+            ) as resp:
+                if resp.status != 200:
+                    return 0
+                count = (await resp.json(content_type=None)).get("count")
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError, AttributeError):
+            return 0
+        return count if isinstance(count, int) and not isinstance(count, bool) else 0
+
+    async def _release(self, entry: ProxyPrefix, headers_for: HeadersFor) -> None:
+        """DELETE the prefix's pin on its upstream (best effort: a dead upstream took its
+        pins with it, and an unreachable one releases it at the TTL)."""
+        if entry.upstream is None or entry.upstream_id is None:
+            return
+        up = self._router.find(entry.upstream)
+        if up is None or self._router.session is None:
+            return
+        try:
+            async with self._router.session.delete(
+                f"{up.url}/v1/prefixes/{entry.upstream_id}",
+                headers=headers_for(up),
+                timeout=_SHORT,
+            ) as resp:
+                await resp.read()
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            pass
+
+    async def _publish(self, entry: ProxyPrefix) -> None:
+        if self._shared.shares_prefixes:
+            await self._shared.put_prefix(entry.id, entry.record(), entry.seconds_left())
+            entry.published = self._shared.shares_prefixes  # False: Redis failed meanwhile
+
+    def _expire(self) -> None:
+        now = time.time()
+        for entry in [e for e in self._entries.values() if e.expires_at <= now]:
+            del self._entries[entry.id]  # the upstream's pin lapses on its own clock
+
+    @staticmethod
+    def _next_expiry(entries: list[ProxyPrefix]) -> float:
+        if not entries:
+            return 60.0
+        return max(1.0, min(e.seconds_left() for e in entries))
+
+
+def _fixed(headers: dict[str, str]) -> HeadersFor:
+    """The same ``headers`` for any upstream."""
+    return lambda up: headers
+
+
+def _error(data: bytes) -> dict[str, Any]:
+    """The ``error`` object of an OpenAI error body, ``{}`` when it is none."""
+    try:
+        obj = json.loads(data)
+    except ValueError:
+        return {}
+    err = obj.get("error") if isinstance(obj, dict) else None
+    return err if isinstance(err, dict) else {}
+
+
+def _not_found(prefix_id: str) -> APIError:
+    return not_found(
+        f"prefix {shown(prefix_id)} not found (unknown or expired)",
+        param="prefix_id",
+        code="prefix_not_found",
+    )
