@@ -448,7 +448,7 @@ def test_lone_surrogate_and_odd_headers_are_4xx(both_modes):
             r = c.get("/nowhere/%ff")
             assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
             r = c.post("/v1/prefixes", json={}, headers=auth)
-            assert r.status_code == (404 if mode == "proxy" else 400), (mode, r.text)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "model", (mode, r.text)
 
 
 # --- 8. /metrics counts refusals by status and error code ----------------------------------------
