@@ -31,12 +31,15 @@ from __future__ import annotations
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefixgate.engine.errors import PinLimitError
 from prefixgate.engine.protocol import EngineClient, PinHandle
 from prefixgate.gateway.errors import APIError, not_found, shown
 from prefixgate.gateway.state_backend import LocalState, StateBackend
+
+if TYPE_CHECKING:
+    from prefixgate.gateway.proxy_prefixes import ProxyPrefix
 
 
 @dataclass(slots=True)
@@ -82,8 +85,9 @@ class PrefixEntry:
         return prefix_object(self, model)
 
 
-def prefix_object(entry: PrefixEntry | SharedPrefix, model: str) -> dict[str, Any]:
-    """The API's prefix object (``POST``/``GET /v1/prefixes``) of a local or shared prefix;
+def prefix_object(entry: PrefixEntry | SharedPrefix | ProxyPrefix, model: str) -> dict[str, Any]:
+    """The API's prefix object (``POST``/``GET /v1/prefixes``) of a local, shared or
+    upstream-mode prefix;
     ``created`` and ``expires_at`` in Unix seconds."""
     return {
         "id": entry.id,

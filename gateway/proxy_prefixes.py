@@ -44,6 +44,7 @@ from typing import Any
 
 import aiohttp
 from prefixgate.gateway.errors import APIError, not_found, shown
+from prefixgate.gateway.prefixes import prefix_object
 from prefixgate.gateway.routing import prompt_blocks
 from prefixgate.gateway.state_backend import StateBackend
 from prefixgate.gateway.upstream import (
@@ -102,14 +103,7 @@ class ProxyPrefix:
 
     def public(self) -> dict[str, Any]:
         """The prefix object returned by the API (the local mode's shape)."""
-        return {
-            "id": self.id,
-            "object": "prefix",
-            "model": self.model,
-            "created": self.created_at,
-            "prompt_tokens": self.prompt_tokens,
-            "expires_at": int(self.expires_at),
-        }
+        return prefix_object(self, self.model)
 
     def record(self) -> dict[str, Any]:
         """What is published for the other replicas (local mode's record fields + the
