@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -229,6 +230,21 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+_DECIMAL = re.compile(r"-?(?:0|[1-9][0-9]*)")
+
+
+def token_id_key(key: object) -> int | None:
+    """A ``logit_bias`` key as a token id: an int (not a bool), or the canonical decimal
+    digits of one (``"42"``, ``"-1"``); ``None`` for anything else. ``int()`` alone would
+    read ``" 5"``, ``"+5"``, ``"5_0"`` (50), ``"٥"`` (an Arabic-Indic 5), ``"05"`` or a float
+    ``5.7`` as some id, biasing a token the client never named."""
+    if isinstance(key, int) and not isinstance(key, bool):
+        return key
+    if isinstance(key, str) and _DECIMAL.fullmatch(key):
+        return int(key)
+    return None
+
+
 def _check_logit_bias(bias: object) -> dict[int, float]:
     """``{token id: bias}`` with int ids (JSON's string keys accepted) and finite biases in
     [-100, 100]; raises ValueError / TypeError naming ``logit_bias``."""
@@ -236,12 +252,12 @@ def _check_logit_bias(bias: object) -> dict[int, float]:
         raise TypeError(f"logit_bias must be a dict of token id -> bias, got {type(bias).__name__}")
     out: dict[int, float] = {}
     for k, v in bias.items():
-        if isinstance(k, bool):
-            raise TypeError(f"logit_bias keys must be token ids, got {k!r}")
-        try:
-            tid = int(k)
-        except (TypeError, ValueError):
-            raise TypeError(f"logit_bias keys must be token ids, got {str(k)[:80]!r}") from None
+        tid = token_id_key(k)
+        if tid is None:
+            raise TypeError(
+                f"logit_bias keys must be token ids (an int, or its decimal digits as a JSON "
+                f"key), got {str(k)[:80]!r}"
+            )
         if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
             raise TypeError(f"logit_bias[{tid}] must be a finite number, got {str(v)[:80]!r}")
         if not LOGIT_BIAS_MIN <= v <= LOGIT_BIAS_MAX:

@@ -26,7 +26,11 @@ import re
 from typing import Any
 
 from prefixgate.engine.protocol import TokenizerLike
-from prefixgate.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from prefixgate.engine.sampling_params import (
+    SamplingParams,
+    StructuredOutputsParams,
+    token_id_key,
+)
 from prefixgate.gateway.errors import APIError, bad_request
 
 
@@ -264,12 +268,13 @@ def check_vocab(req: Any, vocab_size: int) -> None:
         ("stop_token_ids", list(req.stop_token_ids or [])),
     ):
         for t in ids:
-            try:
-                tid = int(t)
-            except ValueError:
+            tid = token_id_key(t)
+            if tid is None:
                 raise bad_request(
-                    f"{name}: {str(t)[:20]!r} is not a token id", param=name
-                ) from None
+                    f"{name}: {str(t)[:20]!r} is not a token id (keys are the decimal digits "
+                    'of one, as "42")',
+                    param=name,
+                )
             if not 0 <= tid < vocab_size:
                 raise bad_request(
                     f"{name}: token id {tid} is outside the vocabulary [0, {vocab_size})",

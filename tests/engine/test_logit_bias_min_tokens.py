@@ -57,6 +57,15 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached(llm, pool_whole):
         {"logit_bias": {5: -100.5}},
         {"logit_bias": {5: float("nan")}},
         {"logit_bias": {"x": 1}},
+        # keys int() would read as some other id than the one written: refused, not guessed
+        {"logit_bias": {" 5": 1}},
+        {"logit_bias": {"+5": 1}},
+        {"logit_bias": {"5_0": 1}},
+        {"logit_bias": {"\u0665": 1}},  # Arabic-Indic digit five
+        {"logit_bias": {"05": 1}},
+        {"logit_bias": {"5.0": 1}},
+        {"logit_bias": {5.7: 1}},
+        {"logit_bias": {True: 1}},
         {"logit_bias": {-1: 1}},
         {"logit_bias": [1, 2]},
         {"min_tokens": -1},
@@ -78,6 +87,14 @@ def test_ids_outside_vocabulary_refused_by_field(llm, kwargs, pool_whole):
     with pytest.raises(ValueError, match=field):
         llm.generate(["Hi"], SamplingParams(**kwargs))
     pool_whole(llm)
+
+
+def test_logit_bias_keys_are_ints_or_their_decimal_digits():
+    assert SamplingParams(logit_bias={"42": 1, 7: -2, "0": 3}).logit_bias == {
+        42: 1.0,
+        7: -2.0,
+        0: 3.0,
+    }
 
 
 def test_sampler_bias_rows_independent():
