@@ -194,10 +194,28 @@ def _spec(field: str, **kwargs: Any) -> StructuredOutputsParams:
         ) from None
 
 
+# The keys OpenAI defines in each response_format (any other is refused, never ignored).
+_RESPONSE_FORMAT_KEYS = {
+    "text": {"type"},
+    "json_object": {"type"},
+    "json_schema": {"type", "json_schema"},
+}
+_JSON_SCHEMA_KEYS = {"name", "description", "schema", "strict"}
+
+
+def _refuse_unknown_keys(obj: dict[str, Any], known: set[str], where: str) -> None:
+    unknown = sorted(str(k) for k in obj if k not in known)
+    if unknown:
+        name = f"{where}.{unknown[0][:80]}"
+        raise bad_request(f"Unrecognized request argument supplied: {name}", param=name)
+
+
 def _from_response_format(rf: Any) -> StructuredOutputsParams | None:
     if not isinstance(rf, dict):
         raise bad_request("response_format: must be an object", param="response_format")
     kind = rf.get("type")
+    if isinstance(kind, str) and kind in _RESPONSE_FORMAT_KEYS:
+        _refuse_unknown_keys(rf, _RESPONSE_FORMAT_KEYS[kind], "response_format")
     if kind == "text":
         return None
     if kind == "json_object":
@@ -209,6 +227,7 @@ def _from_response_format(rf: Any) -> StructuredOutputsParams | None:
                 "response_format.json_schema: an object {name, schema, strict} is required",
                 param="response_format.json_schema",
             )
+        _refuse_unknown_keys(js, _JSON_SCHEMA_KEYS, "response_format.json_schema")
         name = js.get("name")
         if not isinstance(name, str) or not _SCHEMA_NAME.match(name):
             raise bad_request(

@@ -105,10 +105,20 @@ def content_text(content: object) -> str:
 
 
 class StreamOptions(BaseModel):
-    """``stream_options``: ``include_usage`` adds a final usage chunk."""
+    """``stream_options``: ``include_usage`` adds a final usage chunk. OpenAI's
+    ``include_obfuscation`` is taken only as ``false`` (no padding field is ever sent); any
+    other key (vLLM's ``continuous_usage_stats`` included) is refused by name, never ignored."""
 
-    model_config = _CONFIG
+    model_config = _REQUEST_CONFIG
     include_usage: bool = False
+    include_obfuscation: bool | None = None
+
+    @field_validator("include_obfuscation")
+    @classmethod
+    def _no_obfuscation(cls, value: bool | None) -> bool | None:
+        if value:
+            raise ValueError("true is not supported: streamed chunks carry no obfuscation field")
+        return value
 
 
 Stop = str | Annotated[list[str], Field(max_length=4)] | None
@@ -249,7 +259,7 @@ class CompletionRequest(_SamplingFields):
 class PrefixCreateRequest(BaseModel):
     """POST /v1/prefixes: the leading messages to render and pin for ``ttl_seconds``."""
 
-    model_config = _CONFIG
+    model_config = _REQUEST_CONFIG
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
     ttl_seconds: float = Field(300.0, gt=0.0)
@@ -270,9 +280,9 @@ def parse(model: type[M], body: bytes) -> M:
         return model.model_validate_json(body)
     except ValidationError as exc:
         errors = exc.errors(include_url=False)
-        extra = [e for e in errors if e["type"] == "extra_forbidden" and len(e["loc"]) == 1]
-        if extra:  # OpenAI's answer to an unknown field
-            name = str(extra[0]["loc"][0])[:80]
+        extra = [e for e in errors if e["type"] == "extra_forbidden"]
+        if extra:  # OpenAI's answer to an unknown field (nested: its dotted path)
+            name = ".".join(str(p) for p in extra[0]["loc"] if not _is_type_tag(p))[:80]
             raise bad_request(
                 f"Unrecognized request argument supplied: {name}", param=name
             ) from None
