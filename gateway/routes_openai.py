@@ -156,9 +156,28 @@ async def _run(
     )
     salt = effective_salt(principal.salt, req.cache_salt)
     priority = principal.request_priority(req.priority)
+    check_priority_policy(req.priority, st.require_engine().config.scheduling_policy)
     return await Exchange(
         request, st, principal, choices, renderer, salt, req.stream, priority
     ).run()
+
+
+def check_priority_policy(requested: int | None, policy: str) -> None:
+    """A request's own non-zero ``priority`` only orders requests under the engine's
+    ``priority`` policy; under any other it would be accepted and do nothing, so it is refused
+    (vLLM's rule). ``0``, the no-op value, is always taken.
+
+    Raises:
+        APIError: 400 ``priority_not_supported`` naming ``priority``.
+    """
+    if requested and policy != "priority":
+        raise APIError(
+            400,
+            f"priority: this server schedules requests by {policy!r}, where a request priority "
+            "has no effect (it needs prefixgate serve --scheduling-policy priority)",
+            param="priority",
+            code="priority_not_supported",
+        )
 
 
 _VALID_CONSTRAINTS: cachetools.LRUCache[str, bool] = cachetools.LRUCache(1024)

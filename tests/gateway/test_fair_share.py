@@ -28,7 +28,9 @@ def test_key_name_is_the_tenant_and_priority_is_the_keys_to_allow(serve_fake, gw
             {"key": "sk-b", "name": "team-b", "allow_priority": True, "weight": 2},
         ],
     )
-    srv, engine = serve_fake(GatewaySettings(model_name="fake", keys_file=keys))
+    srv, engine = serve_fake(
+        GatewaySettings(model_name="fake", keys_file=keys), scheduling_policy="priority"
+    )
     body = gw.chat_body(max_tokens=2)
     with gw.client(srv, headers={"Authorization": "Bearer sk-a"}) as a:
         assert a.post("/v1/chat/completions", json=body).status_code == 200
@@ -49,11 +51,32 @@ def test_key_name_is_the_tenant_and_priority_is_the_keys_to_allow(serve_fake, gw
 
 
 def test_open_gateway_has_no_tenant_and_refuses_no_priority(serve_fake, gw):
-    srv, engine = serve_fake()
+    srv, engine = serve_fake(scheduling_policy="priority")
     with gw.client(srv) as http:
         r = http.post("/v1/chat/completions", json={**gw.chat_body(max_tokens=2), "priority": 2})
         assert r.status_code == 200
     assert engine.tenants_seen == [(None, 2)]
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "fair"])
+def test_request_priority_is_refused_where_the_policy_ignores_it(serve_fake, gw, policy):
+    # Under fcfs (the default) or fair, a request's priority was answered 200 and changed
+    # nothing: it is a 400 naming the field (vLLM's rule); 0, the no-op value, is served.
+    srv, engine = serve_fake(scheduling_policy=policy)
+    body = gw.chat_body(max_tokens=2)
+    with gw.client(srv) as http:
+        for route, b in (
+            ("/v1/chat/completions", body),
+            ("/v1/completions", {"model": "fake", "prompt": "hi", "max_tokens": 2}),
+        ):
+            for value in (2, -1):
+                r = http.post(route, json={**b, "priority": value})
+                assert r.status_code == 400, r.text
+                err = r.json()["error"]
+                assert err["param"] == "priority" and err["code"] == "priority_not_supported"
+                assert policy in err["message"]
+            assert http.post(route, json={**b, "priority": 0}).status_code == 200
+    assert engine.tenants_seen == [(None, 0), (None, 0)]
 
 
 def test_keys_file_weight_priority_fields_are_checked(tmp_path):

@@ -85,9 +85,14 @@ class FakeEngine:
         num_blocks: int = 64,
         block_size: int = 16,
         max_pinned_fraction: float = 0.5,
+        scheduling_policy: str = "fcfs",
     ) -> None:
         self.tokenizer = FakeTokenizer()
-        self.config = EngineConfig(model=None, block_size=block_size)
+        self.config = EngineConfig(
+            model=None,
+            block_size=block_size,
+            scheduling_policy=scheduling_policy,  # type: ignore[arg-type]
+        )
         self.max_model_len = max_model_len
         self.token_delay_s = token_delay_s
         self.block_size = block_size
