@@ -33,7 +33,7 @@ class EmbeddingRequest(BaseModel):
     model: str
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: None = None
+    dimensions: int | None = None
     user: str | None = None
 
 
@@ -46,6 +46,13 @@ async def create_embeddings(request: web.Request) -> web.Response:
     principal = st.keys.authenticate(request)
     req = parse(EmbeddingRequest, await request.read())
     st.check_model(req.model)
+    if req.dimensions is not None:
+        raise bad_request(
+            "dimensions: shortened embeddings are not supported (the model's hidden size is "
+            "the only size served; leave dimensions out)",
+            param="dimensions",
+            code="unsupported_parameter",
+        )
     embed = getattr(engine, "embed_async", None)
     if embed is None:
         raise bad_request(
@@ -99,10 +106,10 @@ async def _token_inputs(tokenizer: TokenizerLike, raw: object) -> list[list[int]
         raw = [raw]
     if not isinstance(raw, list) or not raw:
         raise bad_request("input must not be empty", param="input")
-    if len(raw) > MAX_INPUTS:
-        raise bad_request(f"at most {MAX_INPUTS} inputs per request", param="input")
-    if all(isinstance(x, int) for x in raw):
+    if all(isinstance(x, int) for x in raw):  # one input of token ids (its length: the context's)
         return [[int(x) for x in raw]]
+    if len(raw) > MAX_INPUTS:
+        raise bad_request(f"at most {MAX_INPUTS} inputs per request, got {len(raw)}", param="input")
     if all(isinstance(x, str) for x in raw):
         texts = [str(x) for x in raw]
         if not all(texts):

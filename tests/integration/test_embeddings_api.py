@@ -87,6 +87,23 @@ def test_bad_embedding_requests(server, body, param):
     r = httpx.post(server.url + "/v1/embeddings", json={"model": "embedder", **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+    if param == "dimensions":  # was "dimensions: Input should be null"
+        assert "not supported" in r.json()["error"]["message"]
+
+
+def test_token_ids_input_is_one_input_whatever_its_length():
+    # 3,000 token ids (one input) were refused as "at most 2048 inputs per request": the
+    # bound on inputs counted the ids of a single input; only its context bounds its length.
+    import asyncio
+
+    from prefixgate.gateway.errors import APIError
+    from prefixgate.gateway.routes_embeddings import MAX_INPUTS, _token_inputs
+
+    ids = [5] * (MAX_INPUTS + 952)
+    assert asyncio.run(_token_inputs(None, ids)) == [ids]  # type: ignore[arg-type]
+    with pytest.raises(APIError) as err:
+        asyncio.run(_token_inputs(None, [[5]] * (MAX_INPUTS + 1)))  # type: ignore[arg-type]
+    assert err.value.param == "input" and f"got {MAX_INPUTS + 1}" in str(err.value.message)
 
 
 def test_chat_on_a_pooling_runner_is_400(server):
