@@ -248,7 +248,10 @@ async def _no_route(request: web.Request) -> web.Response:
 _ROUTE_LABELS = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
+    "/v1/responses": "responses",
+    "/v1/embeddings": "embeddings",
     "/tokenize": "tokenize",
+    "/detokenize": "detokenize",
 }
 _PROBES = frozenset(("/health", "/ready", "/metrics"))
 CLIENT_GONE = 499  # nginx's "client closed request"
@@ -258,7 +261,9 @@ CLIENT_GONE = 499  # nginx's "client closed request"
 async def count_requests(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Count every API request in ``prefixgate_requests_total{route, status, code}`` — the
     refusals too (401, 400, 404, 413, 429, ...: ``code`` is the OpenAI error code, ``""`` on
-    success); a client gone before its answer counts as 499. Probes are not counted."""
+    success); a client gone before its answer counts as 499. Probes are not counted. ``route``
+    is the API route's short name (``chat``, ``completions``, ``responses``, ``embeddings``,
+    ``tokenize``, ``detokenize``, ``models``, ``prefixes``), ``other`` for any other path."""
     path = request.path
     if path in _PROBES or path.startswith("/dashboard"):
         return await handler(request)

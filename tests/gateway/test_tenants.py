@@ -478,3 +478,22 @@ def test_metrics_count_requests_by_status_and_code(both_modes):
         assert count("chat", 429, "rate_limit_exceeded") == 1, mode
         assert count("completions", 400, "invalid_json") == 1, mode
         assert count("chat", 413, "request_too_large") == 1, mode
+        # /v1/responses, /v1/embeddings and /detokenize were counted as "other", with unknown
+        # paths: each API route has its own label
+        with httpx.Client(base_url=url, timeout=30, headers=kb) as c:
+            for path in ("/v1/responses", "/v1/embeddings", "/detokenize", "/nowhere"):
+                c.post(path, content=b"{")
+            text = c.get("/metrics").text
+        for route in ("responses", "embeddings", "detokenize"):
+            counted = [
+                ln
+                for ln in text.splitlines()
+                if ln.startswith("prefixgate_requests_total") and f'route="{route}"' in ln
+            ]
+            assert counted and sum(float(ln.split()[-1]) for ln in counted) == 1, (mode, route)
+        other = [
+            ln
+            for ln in text.splitlines()
+            if ln.startswith("prefixgate_requests_total") and 'route="other"' in ln
+        ]
+        assert sum(float(ln.split()[-1]) for ln in other) == 1, (mode, other)
