@@ -18,6 +18,7 @@ so a client that disconnects cancels its handler at once.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 
 from aiohttp import web
@@ -274,14 +275,24 @@ async def count_requests(request: web.Request, handler: Handler) -> web.StreamRe
     else:
         route = "other"
     counter = request.app[STATE].metrics.requests
+    t0 = time.monotonic()
     try:
         resp = await handler(request)
     except BaseException:
         counter.labels(route, str(CLIENT_GONE), "client_gone").inc()
+        _log_client_gone(request, time.monotonic() - t0)
         raise
     code = resp.get(ERROR_CODE) or ("" if resp.status < 400 else "client_gone")
     counter.labels(route, str(resp.status), code).inc()
     return resp
+
+
+def _log_client_gone(request: web.Request, seconds: float) -> None:
+    """The access line of a request whose client left before its answer (its handler was
+    cancelled: aiohttp logs only answered requests), status 499, with the usage it had."""
+    access = getattr(request.protocol, "access_logger", None)
+    if access is not None and access.enabled:
+        access.log(request, web.Response(status=CLIENT_GONE), seconds)
 
 
 def attach_engine(app: web.Application, engine: EngineClient) -> None:

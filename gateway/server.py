@@ -103,7 +103,7 @@ class BackgroundServer:
 
     ``make_app`` runs inside that loop (so engines and sessions bind to it). Use as a context
     manager; ``url`` is the base URL; ``call(coro_fn)`` runs a coroutine function in the
-    server's loop and returns its result.
+    server's loop and returns its result; ``access_log`` as ``start_server``'s.
     """
 
     def __init__(
@@ -111,10 +111,12 @@ class BackgroundServer:
         make_app: Callable[[], web.Application | Awaitable[web.Application]],
         host: str = "127.0.0.1",
         port: int = 0,
+        access_log: bool = False,
     ) -> None:
         self._make_app = make_app
         self._host = host
         self._port = port
+        self._access_log = access_log
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self.loop.run_forever, daemon=True, name="prefixgate-server"
@@ -138,7 +140,7 @@ class BackgroundServer:
         made = self._make_app()
         app = made if isinstance(made, web.Application) else await made
         self.app = app
-        self.server = await start_server(app, self._host, self._port)
+        self.server = await start_server(app, self._host, self._port, access_log=self._access_log)
 
     @property
     def url(self) -> str:

@@ -62,3 +62,35 @@ def test_log_engine_stats_logs_only_active_intervals(caplog):
     ]
     with pytest.raises(ValueError):
         asyncio.run(log_engine_stats(lambda: IDLE, 0))
+
+
+def test_a_client_gone_before_its_answer_gets_its_access_line(caplog):
+    # aiohttp logs only answered requests: a non-streaming client that left mid-generation
+    # (its handler cancelled, its engine request aborted) left no access line at all.
+    import time
+
+    import httpx
+    from prefixgate.gateway.app import create_app
+    from prefixgate.gateway.server import BackgroundServer
+    from prefixgate.gateway.state import GatewaySettings
+    from support.fake_engine import FakeEngine
+
+    holder: dict = {}
+
+    def make():
+        holder["engine"] = FakeEngine(token_delay_s=0.05)
+        return create_app(holder["engine"], GatewaySettings(model_name="fake"))
+
+    body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100}
+    with caplog.at_level(logging.INFO, logger="prefixgate.access"):
+        with BackgroundServer(make, access_log=True) as srv:
+            with pytest.raises(httpx.TimeoutException):
+                httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=0.5)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and holder["engine"].stats()["num_running"]:
+                time.sleep(0.05)
+            time.sleep(0.2)
+    lines = [r.getMessage() for r in caplog.records if r.name == "prefixgate.access"]
+    assert len(lines) == 1, lines
+    assert '"POST /v1/chat/completions" 499 key=- prompt=' in lines[0]
+    assert "prompt=-" not in lines[0]  # the usage it had is kept
