@@ -182,6 +182,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             400, f"the request body cannot be read: {_payload_reason(exc)}", code="invalid_body"
         ).response()
         resp.force_close()  # the connection's framing is lost: tell the client not to reuse it
+        # and aiohttp not to read the rest after answering (that read raised the same error
+        # again, logged as an "Unhandled exception" traceback per request)
+        request.content.feed_eof()
         return resp
     except ConnectionResetError as exc:
         # The client went away: nothing can be sent anymore.

@@ -4,6 +4,8 @@ server keeps serving and nothing leaks; a huge prompt's tokenization stalls no o
 
 from __future__ import annotations
 
+import logging
+
 from prefixgate.gateway.prompts import choice_seeds
 from support.http import assert_openai_error as _error
 
@@ -99,11 +101,13 @@ def test_union_errors_name_the_real_fault(serve_fake, gw):
     assert gw.wait_idle(srv, engine)["kv_blocks_used"] == 0
 
 
-def test_undecodable_body_is_400_not_500(serve_fake, gw):
+def test_undecodable_body_is_400_not_500(serve_fake, gw, caplog):
     # `Content-Encoding: gzip` over bytes that are not gzip: aiohttp's RequestPayloadError
     # reached the catch-all and was answered 500 "internal server error" (traceback logged).
+    # Then, answered 400, aiohttp still read the rest of the body, met the same error and
+    # logged an ERROR "Unhandled exception" traceback per such request (log spam at will).
     srv, engine = serve_fake()
-    with gw.client(srv) as http:
+    with caplog.at_level(logging.DEBUG), gw.client(srv) as http:
         for encoding in ("gzip", "deflate"):
             r = http.post(
                 "/v1/chat/completions",
@@ -119,6 +123,8 @@ def test_undecodable_body_is_400_not_500(serve_fake, gw):
         assert http.post("/v1/chat/completions", json=gw.chat_body(max_tokens=2)).status_code == 200
     assert len(engine.requests_seen) == 1
     assert gw.wait_idle(srv, engine)["kv_blocks_used"] == 0
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors]
 
 
 def test_options_without_their_switch_are_refused(serve_fake, gw):
