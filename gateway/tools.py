@@ -60,6 +60,8 @@ def check_tools(tools: list[Any] | None) -> list[dict[str, Any]]:
     Raises:
         APIError: 400 naming ``tools[i]...``.
     """
+    if not tools:  # the usual chat: no xgrammar (and torch) import on the event loop
+        return []
     from prefixgate.engine.structured_output import check_schema  # noqa: PLC0415 - needs xgrammar
 
     out: list[dict[str, Any]] = []

@@ -225,3 +225,24 @@ def test_retry_after_after_a_quiet_period_uses_the_service_time(monkeypatch):
     assert e.value.retry_after == 60.0
     for t in tickets:
         t.done()
+
+
+def test_a_chat_without_tools_imports_no_grammar_machinery():
+    # plan_tools imported prefixgate.engine.structured_output (xgrammar, torch: ~1.3 s) for
+    # every chat, tools or not: the first chat request of a process blocked the event loop
+    # that long (every client stalled; a 0.3 s-timed disconnect test failed when run alone).
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from prefixgate.gateway.tools import plan_tools\n"
+        "plan = plan_tools(None, None, None, None)\n"
+        "assert plan.mode == 'none'\n"
+        "assert plan_tools([], 'none', None, None).mode == 'none'\n"
+        "print(sorted(m for m in ('prefixgate.engine.structured_output', 'xgrammar', 'torch')"
+        " if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
