@@ -24,6 +24,7 @@ import functools
 import warnings
 
 import torch
+from prefixgate.engine.models.cpu_linear import OneDNNLinear
 from torch import nn
 
 QUANTIZATION_METHODS = ("int8",)
@@ -146,7 +147,7 @@ class Int8Linear(nn.Module):
         self._reduce_range = not cpu_has_vnni()
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> Int8Linear:
+    def from_linear(cls, linear: nn.Linear | OneDNNLinear) -> Int8Linear:
         """Quantize an ``nn.Linear`` (its weight copied, never shared)."""
         q, scale = quantize_weight(linear.weight)
         dev = linear.weight.device
@@ -190,7 +191,8 @@ class Int8Linear(nn.Module):
 
 
 def quantize_model(model: nn.Module, method: str) -> nn.Module:
-    """Replace every ``nn.Linear`` in ``model`` by its ``Int8Linear``, in place.
+    """Replace every ``nn.Linear`` in ``model`` (or its oneDNN-packed ``OneDNNLinear``, what a
+    float32 CPU model loaded without quantization holds) by its ``Int8Linear``, in place.
 
     Raises:
         ValueError: an unknown method.
@@ -203,7 +205,7 @@ def quantize_model(model: nn.Module, method: str) -> nn.Module:
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if isinstance(child, nn.Linear)
+        if isinstance(child, (nn.Linear, OneDNNLinear))
     ]
     for parent, name, child in targets:
         setattr(parent, name, Int8Linear.from_linear(child))

@@ -1,0 +1,72 @@
+"""The oneDNN-packed fp32 linear layers a CPU model loads with (engine/models/cpu_linear.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from prefixgate.engine.models.cpu_linear import (
+    OneDNNLinear,
+    onednn_linear_available,
+    use_onednn_linear,
+)
+from prefixgate.engine.models.quantization import Int8Linear
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parent))  # importlib mode: make model_helpers importable
+from model_helpers import load  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not onednn_linear_available(), reason="torch built without oneDNN's prepacked linear"
+)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("rows", [0, 1, 3, 32, 200])
+def test_matches_nn_linear(bias, rows):
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 160, bias=bias)
+    packed = OneDNNLinear.from_linear(linear)
+    x = torch.randn(rows, 96)
+    with torch.inference_mode():
+        got, want = packed(x), linear(x)
+    assert got.shape == (rows, 160) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_leading_dims_non_contiguous_input_and_weight_copy():
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48)
+    packed = OneDNNLinear.from_linear(linear)
+    x = torch.randn(5, 64, 2)[..., 0]  # non-contiguous [5, 64]
+    torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
+    x3 = torch.randn(2, 3, 64)
+    assert packed(x3).shape == (2, 3, 48)
+    assert torch.equal(packed.weight, linear.weight.detach())
+    assert packed.weight.data_ptr() != linear.weight.data_ptr()  # packed copy, never shared
+
+
+def test_refuses_other_dtypes_and_devices():
+    with pytest.raises(ValueError, match="float32 CPU weight"):
+        OneDNNLinear(torch.zeros(4, 4, dtype=torch.bfloat16), None)
+
+
+def test_used_only_for_fp32_cpu_without_quantization():
+    assert use_onednn_linear("cpu", torch.float32, None)
+    assert not use_onednn_linear("cpu", torch.bfloat16, None)
+    assert not use_onednn_linear("cpu", torch.float32, "int8")
+    assert not use_onednn_linear("cuda", torch.float32, None)
+
+
+def test_loader_packs_every_linear_and_int8_still_quantizes(aidreams_path):
+    model = load(aidreams_path)
+    assert not [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    num_packed = sum(isinstance(m, OneDNNLinear) for m in model.modules())
+    assert num_packed == 4 * model.config.num_layers + 1  # qkv, o, gate_up, down + head
+    # the tied head is a packed copy of the embedding, which stays a plain tensor
+    assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+    quant = load(aidreams_path, quantization="int8")
+    assert isinstance(quant.lm_head, Int8Linear)
+    assert not any(isinstance(m, OneDNNLinear) for m in quant.modules())
