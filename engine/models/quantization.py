@@ -175,8 +175,9 @@ class Int8Linear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         n = x2.shape[0]
-        amax = torch.linalg.vector_norm(x2, ord=float("inf"), dim=1, keepdim=True)
-        amax = amax.clamp_min_(1e-30)
+        # abs().amax() is bitwise the inf-norm; linalg.vector_norm(ord=inf) measured 5-20x
+        # slower here (15-265 us against 3-12 us at 8-64 rows of 576-1,536).
+        amax = x2.abs().amax(dim=1, keepdim=True).clamp_min_(1e-30)
         rows = torch.empty((n + 1, self.in_features), dtype=x2.dtype)
         torch.div(x2, amax, out=rows[:n])
         rows[n] = self._anchor
