@@ -387,9 +387,12 @@ class UpstreamRouter:
             # Nobody holds most of it (a shared opening is no reason to pile up): the least
             # loaded, then the emptiest.
             return min(cands, key=lambda u: (u.in_flight, self.tree.size.get(u.url, 0)))
-        choice = min((u for u in cands if depth.get(u.url, 0) == best), key=_load)
-        if choice.in_flight - least.in_flight > self.abs_threshold:
-            choice = least
+        # The deepest match among the upstreams not overloaded (in flight within the threshold
+        # of the least loaded): the holder when it can take it, else the next-best holder — a
+        # hot prompt that spilled once spills to where it is cached already, not to a new
+        # cold replica each time — else the least loaded.
+        ok = [u for u in cands if u.in_flight - least.in_flight <= self.abs_threshold]
+        choice = min(ok, key=lambda u: (-depth.get(u.url, 0), _load(u)))
         route.predicted = depth.get(choice.url, 0)
         return choice
 

@@ -1,8 +1,9 @@
 """Routing across engine replicas: prefix hit rate, TTFT and load per ``--routing`` policy.
 
 Three ``prefixgate serve`` engine replicas (the tiny-random preset by default, one process
-each) behind one gateway in upstream mode, restarted per policy with ``--routing``; one run
-holds every policy so a shared machine's load hits all alike. The workload: 12 system
+each) behind one gateway per policy in upstream mode (``--routing``), all started at once;
+each policy's requests go in ``--rounds`` slices taken in turn (the order rotating), so a
+shared machine's load spikes hit every policy alike. The workload: 12 system
 prompts (the workload CSV's real system prompts, cut to ``--system-chars``) with skewed
 popularity (Zipf, s = 1.1) and several users each (their own user turn); streamed, with
 usage, ``--concurrency`` in flight. Each phase uses its own 12 prompts (a phase tag in the
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import csv
 import json
 import os
@@ -150,8 +152,12 @@ async def one(client: httpx.AsyncClient, url: str, body: dict, model: str) -> di
         "POST", url + "/v1/chat/completions", json={**body, "model": model}
     ) as resp:
         if resp.status_code != 200:
-            await resp.aread()
-            return {"error": resp.status_code}
+            raw = await resp.aread()
+            try:
+                code = json.loads(raw)["error"].get("code") or ""
+            except (ValueError, KeyError, TypeError, AttributeError):
+                code = ""
+            return {"error": f"{resp.status_code} {code}".strip()}
         async for line in resp.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -175,6 +181,30 @@ async def drive(url: str, bodies: list[dict], concurrency: int, model: str) -> l
         return await asyncio.gather(*(run(b) for b in bodies))
 
 
+def interleave(
+    targets: dict[str, str],
+    phase: str,
+    n: int,
+    hot: float | None,
+    args: argparse.Namespace,
+    model: str,
+) -> dict[str, list[dict]]:
+    """Each target's own workload (``n`` requests, its own prompts), sent in ``--rounds``
+    slices taken in turn, the order rotating each round: a load spike on the shared machine
+    falls on every policy alike instead of on whichever phase ran during it."""
+    loads = {name: workload(name + phase, n, args, hot=hot or 0.0) for name in targets}
+    out: dict[str, list[dict]] = {name: [] for name in targets}
+    names = list(targets)
+    size = -(-n // args.rounds)
+    for r in range(args.rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for name in order:
+            part = loads[name][r * size : (r + 1) * size]
+            if part:
+                out[name] += asyncio.run(drive(targets[name], part, args.concurrency, model))
+    return out
+
+
 def served(gateway: str) -> list[int]:
     ready = httpx.get(gateway + "/ready", timeout=5).json()
     return [u["served"] for u in ready["upstreams"]]
@@ -187,6 +217,7 @@ def summarize(results: list[dict]) -> dict:
     return {
         "requests": len(results),
         "errors": len(results) - len(ok),
+        "error_kinds": dict(collections.Counter(str(r["error"]) for r in results if "error" in r)),
         "hit_rate": sum(r["cached"] for r in ok) / prompt if prompt else 0.0,
         "ttft_p50_ms": 1000 * statistics.median(ttfts) if ttfts else float("nan"),
         "ttft_p99_ms": 1000 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))]
@@ -208,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--balance-abs-threshold", type=int, default=2)
+    ap.add_argument(
+        "--rounds", type=int, default=6, help="slices per phase, policies taken in turn"
+    )
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
 
@@ -225,38 +259,37 @@ def main(argv: list[str] | None = None) -> int:
         for url in urls:
             asyncio.run(drive(url, workload("warmup", 2, args), 1, model))
         t0 = time.monotonic()
-        single = asyncio.run(
-            drive(urls[0], workload("single", args.requests, args), args.concurrency, model)
-        )
-        results["single"] = summarize(single)
-        for policy in POLICIES:
-            gw, gw_url = start(
+        gateways = {
+            policy: start(
                 [f"--upstream={u}" for u in urls]
                 + ["--routing", policy, "--balance-abs-threshold", str(args.balance_abs_threshold)]
             )
-            try:
-                wait_ready([gw_url], [gw])
-                out = asyncio.run(
-                    drive(gw_url, workload(policy, args.requests, args), args.concurrency, model)
-                )
-                row = summarize(out)
-                row["per_replica"] = served(gw_url)
-                hot = asyncio.run(
-                    drive(
-                        gw_url,
-                        workload(policy + "-hot", args.hot_requests, args, hot=args.hot_share),
-                        args.concurrency,
-                        model,
-                    )
-                )
-                after = served(gw_url)
-                per = [a - b for a, b in zip(after, row["per_replica"], strict=True)]
+            for policy in POLICIES
+        }
+        try:
+            wait_ready([u for _, u in gateways.values()], [g for g, _ in gateways.values()])
+            targets = {"single": urls[0]} | {p: u for p, (_, u) in gateways.items()}
+            main_out = interleave(targets, "", args.requests, None, args, model)
+            before = {p: served(u) for p, (_, u) in gateways.items()}
+            hot_out = interleave(
+                {p: u for p, (_, u) in gateways.items()},
+                "-hot",
+                args.hot_requests,
+                args.hot_share,
+                args,
+                model,
+            )
+            results["single"] = summarize(main_out["single"])
+            for policy, (_, gw_url) in gateways.items():
+                row = summarize(main_out[policy])
+                row["per_replica"] = before[policy]
+                per = [a - b for a, b in zip(served(gw_url), before[policy], strict=True)]
                 row["hot_per_replica"] = per
                 row["hot_max_over_mean"] = max(per) / (sum(per) / len(per)) if sum(per) else 0
-                row["hot_hit_rate"] = summarize(hot)["hit_rate"]
+                row["hot_hit_rate"] = summarize(hot_out[policy])["hit_rate"]
                 results[policy] = row
-            finally:
-                stop([gw])
+        finally:
+            stop([g for g, _ in gateways.values()])
         wall = time.monotonic() - t0
     finally:
         stop(procs)
@@ -281,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{row.get('hot_max_over_mean', float('nan')):>8.2f}"
         )
         if row["errors"]:
-            print(f"  {name}: {row['errors']} requests failed")
+            kinds = ", ".join(f"{k}: {n}" for k, n in row["error_kinds"].items())
+            print(f"  {name}: {row['errors']} requests failed ({kinds or 'no first token'})")
     ca = results["cache_aware"]
     targets = {
         "cache_aware hit rate >= 90% of single": ca["hit_rate"] >= 0.9 * base,

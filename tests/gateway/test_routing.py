@@ -56,6 +56,24 @@ def test_cache_aware_leaves_a_hot_prompt_s_upstream_when_it_is_overloaded():
     assert r.pick(_route("the hot system prompt " * 8)) is other
 
 
+def test_cache_aware_spills_a_hot_prompt_to_where_it_is_cached_already():
+    """When the holder is overloaded, the upstream holding the next-longest match within the
+    threshold takes the request, not the least loaded cold upstream: each spill to a new
+    upstream is one more cold prefill of the system prompt there."""
+    r = UpstreamRouter(URLS, balance_abs_threshold=2)
+    system = "the hot system prompt " * 8
+    home = r.pick(_route(system + "user A asks a long question " * 3))
+    home.in_flight = 3
+    second = r.pick(_route(system + "user B asks another question " * 3))  # spilled
+    assert second is not home
+    second.in_flight = 1  # busier than the cold third upstream, within the threshold
+    third = next(u for u in r.upstreams if u not in (home, second))
+    # user A again: home holds all of it (overloaded), second the system prompt
+    assert r.pick(_route(system + "user A asks a long question " * 3)) is second
+    second.in_flight = 3  # both holders overloaded beyond the threshold: the cold one
+    assert r.pick(_route(system + "user A asks a long question " * 3)) is third
+
+
 def test_cache_aware_salts_never_match_across_tenants():
     r = UpstreamRouter(URLS)
     text = "shared system prompt text " * 8
