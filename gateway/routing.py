@@ -8,8 +8,10 @@
   to the upstream holding the longest match of its leading blocks (among equal matches the
   least loaded) when that match covers at least half the prompt (SGLang's
   ``cache_threshold``, 0.5), unless that upstream has more than ``balance_abs_threshold`` requests in
-  flight beyond the least loaded one: then to the least loaded (and the tree learns the
-  prompt there too, so a hot prompt spreads over the pool). Without such a match the request
+  flight beyond the least loaded one: then to the upstream with the next-longest match
+  among those within the threshold (a hot prompt that spilled once goes where it is cached
+  already), the least loaded when none of them holds it (and the tree learns the prompt
+  there too, so a hot prompt spreads over the pool). Without such a match the request
   goes to the least loaded upstream holding the fewest blocks (new prompts spread out).
   The tree also learns from the answer's ``usage.prompt_tokens_details.cached_tokens``: an
   upstream that reports cached tokens holds that share of the prompt's blocks (so a retry's
