@@ -142,7 +142,8 @@ def create_proxy_app(
         "/v1/chat/completions", routes_upstream.proxy_generate, expect_handler=expect_continue
     )
     r.add_post("/v1/completions", routes_upstream.proxy_generate, expect_handler=expect_continue)
-    r.add_post("/v1/responses", responses_api.responses_unsupported, expect_handler=expect_continue)
+    for path in ("/v1/responses", "/v1/embeddings", "/tokenize", "/detokenize"):
+        r.add_post(path, routes_upstream.local_mode_only, expect_handler=expect_continue)
     r.add_get("/v1/models", routes_upstream.proxy_get, expect_handler=expect_continue)
     r.add_get("/v1/models/{model}", routes_upstream.proxy_get, expect_handler=expect_continue)
     st.proxy_prefixes = ProxyPrefixRegistry(

@@ -332,6 +332,13 @@ class KeyRing:
             return self._anonymous
         header = request.headers.get("Authorization", "")
         scheme, _, key = header.partition(" ")
+        if header.strip() and scheme.lower() != "bearer":
+            raise APIError(
+                401,
+                f"Authorization scheme {scheme[:20]!r} is not supported: send "
+                "'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+            )
         if scheme.lower() != "bearer" or not key.strip():
             raise APIError(
                 401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"

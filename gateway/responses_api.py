@@ -357,13 +357,3 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     salt = effective_salt(principal.salt, req.cache_salt)
     choices = [Choice(0, f"{rid}-0", ids, params)]
     return await Exchange(request, st, principal, choices, renderer, salt, req.stream).run()
-
-
-async def responses_unsupported(request: web.Request) -> web.Response:
-    """POST /v1/responses in upstream mode: 501 (the proxy relays chat and completions only)."""
-    raise APIError(
-        501,
-        "/v1/responses is not available in upstream mode; use /v1/chat/completions",
-        code="unsupported_in_upstream_mode",
-        type="invalid_request_error",
-    )

@@ -432,3 +432,25 @@ def upstream_headers(request: web.Request, st: GatewayState, up: Upstream) -> di
     if auth and st.keys.open:
         return {**_HOP_HEADERS, "Authorization": auth}
     return _HOP_HEADERS
+
+
+async def local_mode_only(request: web.Request) -> web.Response:
+    """An API route of local mode only, in upstream mode (``/v1/responses``, ``/v1/embeddings``,
+    ``/tokenize``, ``/detokenize``): 501 naming it (the proxy relays chat, completions, models
+    and prefixes only), never a bare "unknown route".
+
+    Raises:
+        APIError: always, 501 ``unsupported_in_upstream_mode``.
+    """
+    instead = {
+        "/v1/responses": "; use /v1/chat/completions",
+        "/tokenize": "; the upstream's own /tokenize answers it",
+        "/detokenize": "; the upstream's own /detokenize answers it",
+        "/v1/embeddings": "; send embeddings to the upstream serving them",
+    }.get(request.path, "")
+    raise APIError(
+        501,
+        f"{request.path} is not available in upstream mode{instead}",
+        code="unsupported_in_upstream_mode",
+        type="invalid_request_error",
+    )

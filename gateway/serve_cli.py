@@ -410,6 +410,34 @@ def key_weights(keys_file: str) -> dict[str, float]:
     return weights
 
 
+def key_policy_warnings(keys_file: str, policy: str) -> list[str]:
+    """What the keys file asks that the engine's ``scheduling_policy`` will not do: a key's
+    ``priority`` acts only under ``priority``, its ``weight`` only under ``fair`` (logged at
+    start-up so the setting is not a silent no-op).
+
+    Raises:
+        ValueError: an unreadable keys file.
+    """
+    from prefixgate.gateway.auth import load_keys_file
+
+    specs = load_keys_file(keys_file)
+    out = []
+    prio = sorted({s.name or "unnamed" for s in specs if s.priority != 0})
+    if prio and policy != "priority":
+        out.append(
+            f"keys file {keys_file}: 'priority' of {', '.join(prio)} has no effect under "
+            f"--scheduling-policy {policy} (it orders requests under 'priority')"
+        )
+    weighted = sorted({s.name or "unnamed" for s in specs if s.weight != 1.0})
+    if weighted and policy != "fair":
+        out.append(
+            f"keys file {keys_file}: 'weight' of {', '.join(weighted)} shares the admission "
+            f"queue but not the engine under --scheduling-policy {policy} (engine fair share "
+            "needs 'fair')"
+        )
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     """``prefixgate serve``: returns 0 after a graceful stop, 1 when the model fails to load,
     2 on bad options."""
@@ -426,6 +454,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--stats-interval-s must be >= 0, got {args.stats_interval_s}")
         if config is not None and args.keys_file:
             config.tenant_weights = {**key_weights(args.keys_file), **config.tenant_weights}
+            for line in key_policy_warnings(args.keys_file, config.scheduling_policy):
+                logger.warning("%s", line)
     except (ValueError, TypeError) as exc:
         logger.error("bad option: %s", exc)
         return 2

@@ -10,7 +10,7 @@ import pytest
 from prefixgate.gateway.admission import AdmissionConfig, AdmissionController
 from prefixgate.gateway.auth import KeySpec
 from prefixgate.gateway.errors import APIError
-from prefixgate.gateway.serve_cli import key_weights
+from prefixgate.gateway.serve_cli import key_policy_warnings, key_weights
 from prefixgate.gateway.state import GatewaySettings
 
 
@@ -99,6 +99,26 @@ def test_keys_file_weight_priority_fields_are_checked(tmp_path):
     )
     with pytest.raises(ValueError, match="two weights"):
         key_weights(clash)
+
+
+def test_keys_file_fields_the_policy_ignores_are_warned_at_start(tmp_path):
+    """A key's priority acts only under the 'priority' policy and its weight in the engine
+    only under 'fair': ``prefixgate serve`` says so at start-up instead of a silent no-op."""
+    path = _keys_file(
+        tmp_path,
+        [
+            {"key": "a", "name": "batch", "priority": 5},
+            {"key": "b", "name": "big", "weight": 2},
+            {"key": "c", "name": "plain"},
+        ],
+    )
+    fcfs = key_policy_warnings(path, "fcfs")
+    assert len(fcfs) == 2 and "batch" in fcfs[0] and "big" in fcfs[1]
+    assert "plain" not in " ".join(fcfs)
+    assert len(key_policy_warnings(path, "priority")) == 1  # the weight only
+    assert len(key_policy_warnings(path, "fair")) == 1  # the priority only
+    quiet = _keys_file(tmp_path, [{"key": "c", "name": "plain"}])
+    assert key_policy_warnings(quiet, "fcfs") == []
 
 
 def test_admission_bound_is_shared_per_tenant():

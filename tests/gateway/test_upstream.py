@@ -192,3 +192,26 @@ def test_client_disconnect_closes_upstream_stream(servers):
     assert up.app[STUB].records[-1]["outcome"] == "cut"
     assert gw.app[STATE].router.upstreams[0].in_flight == 0
     assert gw.app[STATE].router.upstreams[0].healthy  # a client leaving is not an upstream fault
+
+
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/embeddings", "/tokenize", "/detokenize"])
+def test_local_mode_routes_are_501_naming_the_route_in_upstream_mode(servers, path):
+    up = servers(lambda: stub_app("a"))
+    gw = servers(lambda: create_proxy_app([up.url], GatewaySettings()))
+    r = httpx.post(gw.url + path, json={"model": "m", "input": "x", "prompt": "x"})
+    assert r.status_code == 501
+    err = r.json()["error"]
+    assert err["code"] == "unsupported_in_upstream_mode" and path in err["message"]
+
+
+def test_a_non_bearer_authorization_scheme_is_named(servers):
+    up = servers(lambda: stub_app("a"))
+    gw = servers(lambda: create_proxy_app([up.url], GatewaySettings(api_keys=["gk"])))
+    r = httpx.post(
+        gw.url + "/v1/chat/completions",
+        json=_chat("s", "q"),
+        headers={"Authorization": "Basic Z2s="},
+    )
+    assert r.status_code == 401 and "'Basic' is not supported" in r.json()["error"]["message"]
+    r = httpx.post(gw.url + "/v1/chat/completions", json=_chat("s", "q"))
+    assert r.status_code == 401 and r.json()["error"]["message"].startswith("missing API key")
