@@ -362,18 +362,7 @@ class ProxyPrefixRegistry:
         while True:
             up = router.pick(route, tried)
             if up is None:
-                if tried:
-                    raise APIError(
-                        502,
-                        f"no upstream could register the prefix: {tried[-1].last_error}",
-                        code="upstream_unavailable",
-                    )
-                raise APIError(
-                    503,
-                    "no healthy upstream",
-                    code="upstream_unavailable",
-                    retry_after=router.health_interval_s,
-                )
+                raise router.exhausted(tried, "no upstream could register the prefix")
             tried.append(up)
             known = [u.models for u in router.upstreams]
             if first and None not in known and not any(entry.model in m for m in known if m):

@@ -277,18 +277,7 @@ async def _forward(
         else:
             up = router.pick(route, tried)
         if up is None:
-            if tried:
-                raise APIError(
-                    502,
-                    f"every upstream failed: {tried[-1].last_error}",
-                    code="upstream_unavailable",
-                )
-            raise APIError(
-                503,
-                "no healthy upstream",
-                code="upstream_unavailable",
-                retry_after=router.health_interval_s,
-            )
+            raise router.exhausted(tried, "every upstream failed")
         tried.append(up)
         headers = upstream_headers(request, st, up)
         up.in_flight += 1

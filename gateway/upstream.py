@@ -32,6 +32,7 @@ from typing import Any
 import aiohttp
 import xxhash
 import yarl
+from prefixgate.gateway.errors import APIError
 from prefixgate.gateway.routing import PrefixTree, RoundRobin, check_policy
 from prefixgate.gateway.schemas import content_text
 
@@ -408,6 +409,19 @@ class UpstreamRouter:
             self.tree.insert(route.blocks[:held], up.url)
         if held < route.predicted:
             up.cache_misses += 1
+
+    def exhausted(self, tried: Sequence[Upstream], failed: str) -> APIError:
+        """The error when ``pick`` finds no upstream left: 502 ``failed`` plus the last
+        upstream's error when some were tried, else 503 "no healthy upstream" with
+        Retry-After of one probe interval (seconds)."""
+        if tried:
+            return APIError(502, f"{failed}: {tried[-1].last_error}", code="upstream_unavailable")
+        return APIError(
+            503,
+            "no healthy upstream",
+            code="upstream_unavailable",
+            retry_after=self.health_interval_s,
+        )
 
     def mark_failed(self, up: Upstream, why: str) -> None:
         """Take ``up`` out of rotation until a probe succeeds."""
