@@ -248,6 +248,17 @@ def test_disconnects_free_blocks(aidreams_path, pool_whole):
     """Mid-stream and while waiting (max_num_seqs=1): both engine requests aborted."""
     srv = _serve(aidreams_path, max_num_seqs=1)
     engine = _engine(srv)
+    # Each step takes >= 10 ms, so 100 tokens take >= 1 s: the disconnects must abort them,
+    # not race them (this tiny model decodes 100 tokens faster than a loaded machine may
+    # notice a closed connection: both then ran to max_tokens, 200 tokens).
+    inner = engine.engine
+    step = inner.step
+
+    def slow_step():
+        time.sleep(0.01)
+        return step()
+
+    inner.step = slow_step
     try:
 
         async def go(stream: bool, started: asyncio.Event | None = None):
