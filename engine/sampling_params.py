@@ -14,7 +14,7 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 LOGIT_BIAS_MIN, LOGIT_BIAS_MAX = -100.0, 100.0  # OpenAI's range for logit_bias values
 
-_STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+_STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 @dataclass(slots=True)
@@ -28,6 +28,11 @@ class StructuredOutputsParams:
         choice: the output is exactly one of these strings.
         grammar: the output follows this EBNF grammar (GBNF / xgrammar syntax, root rule
             ``root``).
+        structural_tag: an xgrammar structural tag (dict, or its JSON text):
+            ``{"type": "structural_tag", "format": {...}}``, e.g. ``triggered_tags``: free text
+            until a trigger string, then a tag (begin, content such as a JSON schema, end). The
+            gateway builds one to honour ``strict`` tools under ``tool_choice="auto"``
+            (``gateway/tool_parsers.py``). Format reference: xgrammar's "Structural Tag" docs.
 
     Compiled by xgrammar (``prefixgate.engine.structured_output``); the engine masks every
     token the constraint forbids, and a request whose constraint is complete ends with
@@ -44,13 +49,14 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    structural_tag: dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         given = [k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             raise ValueError(
                 "structured_outputs needs exactly one of json, json_object, regex, choice, "
-                f"grammar; got {given or 'none'}"
+                f"grammar, structural_tag; got {given or 'none'}"
             )
         if self.json is not None:
             if isinstance(self.json, str):
@@ -61,6 +67,15 @@ class StructuredOutputsParams:
                 self.json = parsed
             if not isinstance(self.json, dict) and not isinstance(self.json, bool):
                 raise TypeError("structured_outputs.json must be a JSON schema (an object)")
+        if isinstance(self.structural_tag, str):
+            try:
+                self.structural_tag = json.loads(self.structural_tag)
+            except ValueError as exc:
+                raise ValueError(
+                    f"structured_outputs.structural_tag is not valid JSON: {exc}"
+                ) from None
+        if self.structural_tag is not None and not isinstance(self.structural_tag, dict):
+            raise TypeError("structured_outputs.structural_tag must be an object (or its JSON)")
         if self.json_object is not None and not isinstance(self.json_object, bool):
             raise TypeError("structured_outputs.json_object must be a bool")
         for name in ("regex", "grammar"):
@@ -78,8 +93,8 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        """Which constraint this is: ``"json"``, ``"json_object"``, ``"regex"``, ``"choice"``
-        or ``"grammar"``."""
+        """Which constraint this is: ``"json"``, ``"json_object"``, ``"regex"``, ``"choice"``,
+        ``"grammar"`` or ``"structural_tag"``."""
         return next(k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False))
 
     def key(self) -> str:

@@ -49,8 +49,8 @@ def grammar_of(spec: StructuredOutputsParams) -> xgr.Grammar:
 
     Raises:
         ValueError: an invalid JSON schema, a schema feature xgrammar does not support, an
-            invalid regex or EBNF grammar; the message starts with the field
-            (``structured_outputs.json`` ...).
+            invalid regex, EBNF grammar or structural tag (or a JSON schema in it); the
+            message starts with the field (``structured_outputs.json`` ...).
     """
     key = spec.key()
     with _GRAMMARS_LOCK:
@@ -77,12 +77,15 @@ def _convert(spec: StructuredOutputsParams) -> xgr.Grammar:
             return xgr.Grammar.from_json_schema({"type": "object"}, **_JSON_OPTIONS)
         if kind == "regex":
             return xgr.Grammar.from_regex(spec.regex)
+        if kind == "structural_tag":
+            check_structural_tag_schemas(spec.structural_tag)
+            return xgr.Grammar.from_structural_tag(spec.structural_tag)
         if kind == "choice":
             return xgr.Grammar.from_ebnf(
                 "root ::= " + " | ".join(_ebnf_string(c) for c in spec.choice)
             )
         return xgr.Grammar.from_ebnf(spec.grammar)
-    except (RuntimeError, ValueError, TypeError) as exc:
+    except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar's errors are RuntimeError
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(f"structured_outputs.{kind}: {msg[:300]}") from None
 
@@ -107,6 +110,27 @@ def check_schema(schema: dict[str, Any]) -> None:
     found = unsupported_schema_feature(schema)
     if found is not None:
         raise ValueError(f"unsupported JSON schema feature {found}")
+
+
+def check_structural_tag_schemas(tag: Any, path: str = "") -> None:
+    """``check_schema`` every JSON schema inside a structural tag (the ``json_schema`` of each
+    ``{"type": "json_schema"}`` format, however deeply nested in tags, sequences, ...).
+
+    Raises:
+        ValueError: the first invalid or unsupported schema, with its path in the tag
+            (``format.tags.0.content: ...``).
+    """
+    if isinstance(tag, dict):
+        if tag.get("type") == "json_schema" and isinstance(tag.get("json_schema"), dict):
+            try:
+                check_schema(tag["json_schema"])
+            except ValueError as exc:
+                raise ValueError(f"{path or 'root'}: {exc}") from None
+        for key, value in tag.items():
+            check_structural_tag_schemas(value, f"{path}.{key}" if path else key)
+    elif isinstance(tag, list):
+        for i, value in enumerate(tag):
+            check_structural_tag_schemas(value, f"{path}.{i}")
 
 
 # JSON-schema keywords xgrammar 0.2 does not enforce (it would accept output that violates

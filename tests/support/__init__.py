@@ -2,4 +2,5 @@
 
 * ``support.net``: ``free_port()``.
 * ``support.stub_upstream``: ``StubServer``, the one stub OpenAI-compatible upstream.
+* ``support.steer``: ``steer_opening``, scripted opening tokens for constrained requests.
 """
