@@ -63,11 +63,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     )
     spec, field = structured_from(req)
     if spec is not None and plan.structured is not None:
-        raise bad_request(
-            f"{field}: cannot be combined with tool_choice {req.tool_choice!r} (it constrains "
-            "the output to a tool call)",
-            param=field,
+        why = (
+            "strict tools under tool_choice 'auto' (their calls are constrained)"
+            if plan.mode == "auto"
+            else f"tool_choice {req.tool_choice!r} (it constrains the output to a tool call)"
         )
+        raise bad_request(f"{field}: cannot be combined with {why}", param=field)
     if plan.structured is not None:
         spec, field = plan.structured, "tools"
     if spec is not None:

@@ -14,6 +14,14 @@ text so far of a stream) content that may still become part of a call (an unclos
 suffix that could open one) is held back; later calls never change what was already
 returned, so a stream (``ToolStream``) sends exactly the final result whatever the fragments.
 A block that does not parse as a call (malformed JSON, no name) stays content, as in vLLM.
+
+Each parser also has ``structural_tag(tools, parallel)``: the xgrammar structural tag that
+honours ``"strict": true`` tools under ``tool_choice="auto"`` (``tools.plan_tools``): the text
+is free until the format's trigger, then the call is constrained to ``{"name": <one of the
+tools>, <arguments key>: <its parameters>}`` and the format's closing text. A strict tool's
+arguments follow its ``parameters`` schema; a non-strict tool in the same request keeps free
+JSON-object arguments (its name is still one of the tools). ``None`` where the format has no
+trigger (``llama3_json``: a call is the whole answer, so free text cannot come first).
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ import json
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 
 @dataclass(slots=True)
@@ -43,11 +51,30 @@ class ToolCall:
 
 
 class ToolParser(Protocol):
-    """A tool-call format: ``split(text, final) -> (content, calls)`` (module docstring)."""
+    """A tool-call format: ``split(text, final) -> (content, calls)`` and its
+    ``structural_tag`` (module docstring)."""
 
     name: str
 
     def split(self, text: str, final: bool) -> tuple[str, list[ToolCall]]: ...
+
+    def structural_tag(
+        self, tools: list[dict[str, Any]], parallel: bool
+    ) -> dict[str, Any] | None: ...
+
+
+# At most one whitespace character in a row inside a constrained call: a tiny model would
+# otherwise spend its tokens on spaces (xgrammar needs a positive bound).
+_MAX_WHITESPACE = 1
+
+
+def _arguments_schema(function: dict[str, Any]) -> dict[str, Any]:
+    """A tool's arguments constraint: its ``parameters`` when ``strict``, else any object."""
+    return function["parameters"] if function.get("strict") is True else {"type": "object"}
+
+
+def _json_content(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": _MAX_WHITESPACE}
 
 
 def _call_from(obj: object, args_key: str) -> ToolCall | None:
@@ -116,6 +143,30 @@ class HermesParser:
         except ValueError:
             return None
 
+    def structural_tag(self, tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
+        """Free text; after ``<tool_call>``: a newline, ``{"name": "<tool>", "arguments":
+        <args>}``, a newline and ``</tool_call>`` (the Hermes / Qwen templates' layout), one
+        tag per tool; without ``parallel`` the answer ends after the first call."""
+        tags = [
+            {
+                "type": "tag",
+                "begin": f'{self.start}\n{{"name": {json.dumps(t["function"]["name"])}, '
+                '"arguments": ',
+                "content": _json_content(_arguments_schema(t["function"])),
+                "end": "}\n" + self.end,
+            }
+            for t in tools
+        ]
+        return {
+            "type": "structural_tag",
+            "format": {
+                "type": "triggered_tags",
+                "triggers": [self.start],
+                "tags": tags,
+                "stop_after_first": not parallel,
+            },
+        }
+
 
 class Llama3JsonParser:
     """The answer is ``{"name", "parameters"}`` objects separated by ``;`` (after an optional
@@ -155,6 +206,11 @@ class Llama3JsonParser:
                 pos += 1
         return calls
 
+    def structural_tag(self, tools: list[dict[str, Any]], parallel: bool) -> None:
+        """``None``: a call is the whole answer (no trigger after free text), so a strict
+        tool cannot be honoured under "auto" with this format."""
+        return None
+
 
 class MistralParser:
     """Content, then ``[TOOL_CALLS]`` and a JSON array of ``{"name", "arguments"}``."""
@@ -186,6 +242,38 @@ class MistralParser:
         if not calls or any(c is None for c in calls) or body[end:].strip():
             return []
         return calls  # type: ignore[return-value]
+
+    def structural_tag(self, tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
+        """Free text; after ``[TOOL_CALLS]``: a JSON array (one item without ``parallel``) of
+        ``{"name": <tool>, "arguments": <args>}``, and the answer ends there (the parser
+        reads one array, with nothing after it)."""
+        item = {
+            "anyOf": [
+                {
+                    "type": "object",
+                    "properties": {
+                        "name": {"type": "string", "enum": [t["function"]["name"]]},
+                        "arguments": _arguments_schema(t["function"]),
+                    },
+                    "required": ["name", "arguments"],
+                    "additionalProperties": False,
+                }
+                for t in tools
+            ]
+        }
+        array: dict[str, Any] = {"type": "array", "items": item, "minItems": 1}
+        if not parallel:
+            array["maxItems"] = 1
+        tag = {"type": "tag", "begin": self.marker, "content": _json_content(array), "end": ""}
+        return {
+            "type": "structural_tag",
+            "format": {
+                "type": "triggered_tags",
+                "triggers": [self.marker],
+                "tags": [tag],
+                "stop_after_first": True,
+            },
+        }
 
 
 PARSERS: dict[str, Callable[[], ToolParser]] = {

@@ -2,7 +2,12 @@
 
 - ``tool_choice="none"``: tools are not shown to the model, its answer is text.
 - ``"auto"`` (the default when tools are given): the chat template receives ``tools``; the
-  answer is parsed by the server's ``--tool-call-parser`` (``tool_parsers.py``).
+  answer is parsed by the server's ``--tool-call-parser`` (``tool_parsers.py``). When a tool
+  has ``"strict": true``, the answer is constrained by the parser's xgrammar structural tag:
+  free text until the format's trigger (``<tool_call>``, ``[TOOL_CALLS]``), then a call whose
+  name is one of the tools and whose arguments follow a strict tool's ``parameters`` (a
+  non-strict tool's are any JSON object). A format without a trigger (``llama3_json``) cannot
+  honour it: 400 naming ``tools[i].function.strict``.
 - ``"required"`` and a named function: constrained decoding (xgrammar) to a tool-call JSON
   that matches the functions' parameter schemas, as vLLM does: for ``"required"`` an array
   (``minItems`` 1, ``maxItems`` 1 without ``parallel_tool_calls``) of ``{"name": <one of the
@@ -36,7 +41,8 @@ class ToolPlan:
         tools: the request's tools (OpenAI shape) passed to the chat template (empty with
             ``"none"``).
         named: the forced function's name (mode ``"named"``).
-        structured: the constraint for ``"required"`` / ``"named"``.
+        structured: the constraint for ``"required"`` / ``"named"``, and for ``"auto"`` with a
+            strict tool (the parser's structural tag).
         parser: the ``--tool-call-parser`` instance for ``"auto"``.
         parallel: ``parallel_tool_calls`` (False: at most one call is returned in "auto"
             mode; "required" is constrained to one).
@@ -94,6 +100,11 @@ def check_tools(tools: list[Any] | None) -> list[dict[str, Any]]:
             raise bad_request(
                 f"{where}.function.parameters: {exc}", param=f"{where}.function.parameters"
             ) from None
+        strict = fn.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise bad_request(
+                f"{where}.function.strict: must be a boolean", param=f"{where}.function.strict"
+            )
         out.append(
             {"type": "function", "function": {**fn, "parameters": params}},
         )
@@ -111,7 +122,8 @@ def plan_tools(
     Raises:
         APIError: 400 naming the field: a bad tool, a ``tool_choice`` naming a function that
             is not in ``tools``, ``tool_choice`` without tools, ``"auto"`` on a server without
-            ``--tool-call-parser``.
+            ``--tool-call-parser``, a strict tool under ``"auto"`` with a parser whose format
+            has no trigger (``tools[i].function.strict``).
     """
     checked = check_tools(tools)
     if tool_choice is None:
@@ -180,7 +192,22 @@ def plan_tools(
     from prefixgate.gateway.tool_parsers import get_parser  # noqa: PLC0415
 
     parser = get_parser(parser_name)
-    return ToolPlan("auto", checked, None, None, parser, parallel_tool_calls is not False)
+    parallel = parallel_tool_calls is not False
+    strict = [i for i, t in enumerate(checked) if t["function"].get("strict") is True]
+    structured = None
+    if strict:
+        tag = parser.structural_tag(checked, parallel)
+        if tag is None:
+            where = f"tools[{strict[0]}].function.strict"
+            raise bad_request(
+                f"{where}: strict tools cannot be honoured with tool_choice 'auto' on this "
+                f"server's tool-call parser {parser_name!r} (its format has no trigger before "
+                "which free text may come, so the call cannot be constrained); use "
+                "tool_choice 'required' or a named function, or strict: false",
+                param=where,
+            )
+        structured = StructuredOutputsParams(structural_tag=tag)
+    return ToolPlan("auto", checked, None, structured, parser, parallel)
 
 
 def template_messages(messages: list[Any]) -> list[dict[str, Any]]:
