@@ -124,3 +124,50 @@ def test_strict_must_be_a_boolean(value):
     with pytest.raises(APIError) as err:
         plan_tools([_tool("f", CITY, value)], "auto", None, "hermes")
     assert err.value.param == "tools[0].function.strict"
+
+
+def test_single_token_triggers_of_real_tokenizers_are_accepted():
+    """Qwen's ``<tool_call>`` is an added token and Mistral's ``[TOOL_CALLS]`` a special one:
+    the engine's grammar (byte-level BPE vocabulary) accepts their token ids as the trigger,
+    then the constrained call, then EOS."""
+    from prefixgate.engine.structured_output import StructuredOutputManager  # noqa: PLC0415
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers  # noqa: PLC0415
+    from tokenizers import Tokenizer as HF  # noqa: PLC0415
+
+    hf = HF(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    hf.train_from_iterator(['{"name": "f", "arguments": {"a": 1}}', "hello there"] * 50, trainer)
+    hf.add_tokens([AddedToken(t, normalized=False) for t in ("<tool_call>", "</tool_call>")])
+    hf.add_special_tokens(["[TOOL_CALLS]"])
+    tok = Tokenizer(hf, eos_token="<|endoftext|>")
+    eos = tok.eos_token_id
+    mgr = StructuredOutputManager(tok, tok.vocab_size, [eos])
+    params = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    tools = [_tool("f", params, True)]
+    answers = {
+        "hermes": (
+            'hello<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>',
+            "<tool_call>",
+        ),
+        "mistral": ('hello[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}]', "[TOOL_CALLS]"),
+    }
+    try:
+        for parser, (text, trigger) in answers.items():
+            spec = plan_tools(tools, "auto", False, parser).structured
+            assert spec is not None
+            g = mgr.request(spec)
+            assert g.future.result(30) is not None and g.ready
+            ids = tok.encode(text, add_special_tokens=False)
+            assert tok.id_to_token(ids[1]) == trigger  # one token
+            for t in ids + [eos]:
+                g.accept(t)
+                assert g.rejected is None, (parser, tok.id_to_token(t))
+            assert g.terminated
+    finally:
+        mgr.shutdown()
