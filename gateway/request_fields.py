@@ -97,7 +97,7 @@ EXTRAS = {
     "min_tokens": "EOS and stop token ids masked until this many tokens",
     "stop_token_ids": "token ids that end generation (checked against the vocabulary)",
     "cache_salt": "prefix-cache partition inside the API key's",
-    "structured_outputs": "vLLM: {json | json_object | regex | choice | grammar}",
+    "structured_outputs": "vLLM: {json | json_object | regex | choice | grammar | structural_tag}",
     "guided_json": "vLLM (older): a JSON schema",
     "guided_regex": "vLLM (older): a regular expression",
     "guided_choice": "vLLM (older): a list of strings",
@@ -179,7 +179,7 @@ def structured_from(req: Any) -> tuple[StructuredOutputsParams | None, str | Non
 
 
 def _spec(field: str, **kwargs: Any) -> StructuredOutputsParams:
-    allowed = {"json", "json_object", "regex", "choice", "grammar"}
+    allowed = {"json", "json_object", "regex", "choice", "grammar", "structural_tag"}
     unknown = sorted(set(kwargs) - allowed)
     if unknown:
         raise bad_request(

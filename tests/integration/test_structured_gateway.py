@@ -152,6 +152,12 @@ def test_json_schema_response_format_validates(client, server, pool_whole):
                           "required": ["a"], "additionalProperties": False}},
          lambda t: isinstance(json.loads(t)["a"], bool)),
         ({"guided_grammar": 'root ::= "x" [0-9]'}, lambda t: re.fullmatch(r"x[0-9]", t)),
+        ({"structured_outputs": {"structural_tag": {"type": "structural_tag", "format": {
+            "type": "sequence", "elements": [
+                {"type": "const_string", "value": "id-"},
+                {"type": "json_schema", "json_schema": {"type": "integer", "minimum": 0,
+                                                         "maximum": 99}}]}}}},
+         lambda t: re.fullmatch(r"id-\d{1,2}", t) and int(t[3:]) <= 99),
     ],
 )  # fmt: skip
 def test_vllm_extras_map_to_the_same_constraint(client, server, extra, check, pool_whole):
@@ -273,6 +279,10 @@ BAD = [
     ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ({"guided_regex": "[a-"}, "guided_regex"),
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+    ({"structured_outputs": {"structural_tag": "{not json"}}, "structured_outputs"),
+    ({"structured_outputs": {"structural_tag": {"type": "structural_tag",
+                                                "format": {"type": "bogus"}}}},
+     "structured_outputs"),
     ({"response_format": _rf(SCHEMA), "tools": [WEATHER], "tool_choice": "required"},
      "response_format"),
     ({"audio": {"voice": "alloy", "format": "mp3"}}, "audio"),
