@@ -174,15 +174,25 @@ def _completion_prompts(
 
 
 def check_length(
-    num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, param: str
+    num_prompt_tokens: int,
+    max_tokens: int | None,
+    max_model_len: int,
+    param: str,
+    limit_param: str = "max_tokens",
 ) -> int:
     """The output limit in tokens, checked against the context length (vLLM's rule).
 
     Returns ``max_tokens``, or what is left of ``max_model_len`` when ``None``.
 
+    Args:
+        param: the prompt's field (``messages``, ``prompt``, ``input``).
+        limit_param: the request's own name of the output limit (``max_tokens``,
+            ``max_completion_tokens``, ``max_output_tokens``): the field named when it is
+            too large.
+
     Raises:
-        APIError: 400 ``context_length_exceeded`` when the prompt alone fills the context,
-            or when prompt + ``max_tokens`` exceeds it (``param`` names the field).
+        APIError: 400 ``context_length_exceeded`` naming ``param`` when the prompt alone fills
+            the context, or naming ``limit_param`` when prompt + ``max_tokens`` exceeds it.
     """
     if num_prompt_tokens >= max_model_len:
         raise APIError(
@@ -199,9 +209,9 @@ def check_length(
         raise APIError(
             400,
             f"this model's maximum context length is {max_model_len} tokens: the prompt "
-            f"({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceeds it; "
+            f"({num_prompt_tokens} tokens) plus {limit_param} ({max_tokens}) exceeds it; "
             f"ask for at most {room} tokens",
-            param="max_tokens",
+            param=limit_param,
             code="context_length_exceeded",
         )
     return max_tokens

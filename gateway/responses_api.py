@@ -343,7 +343,9 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     if not messages or (isinstance(req.input, list) and not req.input):
         raise bad_request("input must hold at least one message", param="input")
     ids = await render_chat(engine.tokenizer, messages, max_model_len=engine.max_model_len)
-    max_tokens = check_length(len(ids), req.max_output_tokens, engine.max_model_len, "input")
+    max_tokens = check_length(
+        len(ids), req.max_output_tokens, engine.max_model_len, "input", "max_output_tokens"
+    )
     rid = "resp_" + uuid.uuid4().hex
     try:
         params = SamplingParams(

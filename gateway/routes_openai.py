@@ -83,7 +83,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     ids = await render_chat(
         engine.tokenizer, messages, max_model_len=engine.max_model_len, tools=plan.tools or None
     )
-    max_tokens = check_length(len(ids), req.output_limit, engine.max_model_len, "messages")
+    max_tokens = check_length(
+        len(ids), req.output_limit, engine.max_model_len, "messages", req.output_limit_param
+    )
     rid = "chatcmpl-" + uuid.uuid4().hex
     seeds = choice_seeds(req.seed, req.n)
     # tool-call markers of some formats are special tokens: keep them in the text to parse

@@ -229,6 +229,11 @@ class ChatCompletionRequest(_SamplingFields):
         )
 
     @property
+    def output_limit_param(self) -> str:
+        """The field ``output_limit`` came from (what a too-large limit's 400 names)."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    @property
     def num_logprobs(self) -> int | None:
         """Top alternatives per token for the engine (None = no logprobs)."""
         if not self.logprobs:

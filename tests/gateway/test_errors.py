@@ -34,6 +34,12 @@ def test_bad_input_gives_400_404_413(serve_fake, gw):
         _error(post(gw.chat_body(model="gpt-4")), 404, "model_not_found", "model")
         _error(post(gw.chat_body("x" * 200)), 400, "context_length_exceeded", "messages")
         _error(post(gw.chat_body(max_tokens=500)), 400, "context_length_exceeded", "max_tokens")
+        _error(  # the field the request used is the one named
+            post(gw.chat_body(max_completion_tokens=500)),
+            400,
+            "context_length_exceeded",
+            "max_completion_tokens",
+        )
         _error(post(gw.chat_body("x" * 5000)), 413, "request_too_large")
         _error(post(gw.chat_body(prefix_id="pfx-nope")), 404, "prefix_not_found", "prefix_id")
         _error(

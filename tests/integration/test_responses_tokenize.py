@@ -131,6 +131,7 @@ def test_responses_stream_helper(server, client, pool_whole):
         ({"input": [{"type": "input_image", "image_url": "x"}]}, "input.0.type"),
         ({"no_such_field": 1}, "no_such_field"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"max_output_tokens": 100_000}, "max_output_tokens"),  # over the context length
         ({"input": []}, "input"),
     ],
 )
