@@ -134,6 +134,7 @@ class SharedPrefix:
     created_at: int
     salt: str | None
     expires_at: float  # Unix seconds
+    owner: str | None = None  # the creating key's id (its max_prefixes)
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> SharedPrefix:
@@ -144,6 +145,7 @@ class SharedPrefix:
             created_at=int(record["created"]),
             salt=record["salt"],
             expires_at=float(record["expires_at"]),
+            owner=record.get("owner"),
         )
 
     def public(self, model: str) -> dict[str, Any]:
@@ -210,6 +212,63 @@ class PrefixRegistry:
             raise APIError(400, f"ttl_seconds must be <= {self.max_ttl_s:g}", param="ttl_seconds")
         if len(token_ids) < 2:
             raise APIError(400, "the prefix renders to fewer than 2 tokens", param="messages")
+        prefix_id = "pfx-" + secrets.token_hex(12)
+        counted = None  # the key's max_prefixes counted across replicas: 0.0, or None
+        if owner is not None and quota is not None:
+            await self._forget_deleted_elsewhere(owner)
+        if owner is not None and quota is not None and quota.max_prefixes:
+            if self._shared.shares_prefixes:
+                counted = await self._shared.reserve_prefix(
+                    owner, prefix_id, quota.max_prefixes, ttl_s
+                )
+            if counted is not None and counted > 0:
+                raise APIError(
+                    429,
+                    f"this key holds its limit of live prefixes across replicas (max_prefixes="
+                    f"{quota.max_prefixes}); delete one or wait for one to expire",
+                    code="prefix_limit_exceeded",
+                    retry_after=counted,
+                )
+        try:
+            return await self._create(
+                prefix_id,
+                messages,
+                token_ids,
+                ttl_s,
+                salt,
+                cache_salt,
+                owner,
+                quota,
+                count=counted is None,
+            )
+        except BaseException:
+            if counted is not None and owner is not None:
+                await self._shared.release_prefix(owner, prefix_id)
+            raise
+
+    async def _forget_deleted_elsewhere(self, owner: str) -> None:
+        """Unpin ``owner``'s published prefixes that the shared state no longer holds
+        (deleted on another replica), so its quota here counts only live ones."""
+        for entry in [e for e in self._entries.values() if e.owner == owner and e.published]:
+            record = await self._shared.get_prefix(entry.id)
+            if record is None and self._shared.shares_prefixes:  # Redis answered: none
+                if self._entries.get(entry.id) is entry:
+                    self._drop(entry)
+
+    async def _create(
+        self,
+        prefix_id: str,
+        messages: list[dict[str, str]],
+        token_ids: list[int],
+        ttl_s: float,
+        salt: str | None,
+        cache_salt: str | None,
+        owner: str | None,
+        quota: PrefixQuota | None,
+        count: bool,
+    ) -> PrefixEntry:
+        """``create`` once the key's prefix count is reserved across replicas (``count``
+        False) or left to this replica (``count`` True)."""
         if len(self._entries) + self._pending >= self.max_prefixes:
             raise APIError(
                 429,
@@ -220,7 +279,7 @@ class PrefixRegistry:
         pinned = token_ids[:-1]
         blocks = len(pinned) // self.block_size
         if owner is not None and quota is not None:
-            self._check_quota(owner, quota, blocks)
+            self._check_quota(owner, quota, blocks, count=count)
         self._pending += 1
         if owner is not None:
             n, b = self._pending_by_owner.get(owner, (0, 0))
@@ -245,7 +304,7 @@ class PrefixRegistry:
                 if n > 1:
                     self._pending_by_owner[owner] = (n - 1, b - blocks)
         entry = PrefixEntry(
-            id="pfx-" + secrets.token_hex(12),
+            id=prefix_id,
             messages=messages,
             prompt_tokens=len(token_ids),
             pinned_tokens=len(pinned),
@@ -264,6 +323,7 @@ class PrefixRegistry:
                 "created": entry.created_at,
                 "salt": salt,
                 "expires_at": entry.expires_at,
+                "owner": owner,
             }
             await self._shared.put_prefix(entry.id, record, entry.seconds_left())
             entry.published = self._shared.shares_prefixes  # False: Redis failed meanwhile
@@ -302,14 +362,17 @@ class PrefixRegistry:
         if isinstance(entry, PrefixEntry):
             self._drop(entry)
         await self._shared.delete_prefix(prefix_id)
+        if entry.owner is not None:
+            await self._shared.release_prefix(entry.owner, prefix_id)
         return entry
 
-    def _check_quota(self, owner: str, quota: PrefixQuota, blocks: int) -> None:
+    def _check_quota(self, owner: str, quota: PrefixQuota, blocks: int, count: bool = True) -> None:
         """Raise 429 (or 400 for a prefix over the whole share) when ``owner`` would exceed
-        its quota with one more prefix of ``blocks`` KV blocks."""
+        its quota with one more prefix of ``blocks`` KV blocks (its ``max_prefixes`` on this
+        replica only when ``count``: else the shared state counted it)."""
         mine = [e for e in self._entries.values() if e.owner == owner]
         n, b = self._pending_by_owner.get(owner, (0, 0))
-        if quota.max_prefixes and len(mine) + n >= quota.max_prefixes:
+        if count and quota.max_prefixes and len(mine) + n >= quota.max_prefixes:
             raise APIError(
                 429,
                 f"this key has {len(mine) + n} live prefixes, its limit "

@@ -119,6 +119,7 @@ class ProxyPrefix:
             "cache_salt": self.cache_salt,
             "upstream": self.upstream,
             "upstream_id": self.upstream_id,
+            "owner": self.owner,
         }
 
     @classmethod
@@ -136,6 +137,7 @@ class ProxyPrefix:
             cache_salt=record.get("cache_salt", record.get("salt")),
             upstream=record.get("upstream"),
             upstream_id=record.get("upstream_id"),
+            owner=record.get("owner"),
             published=True,
         )
 
@@ -207,20 +209,13 @@ class ProxyPrefixRegistry:
                 code="prefix_limit_exceeded",
                 retry_after=self._next_expiry(list(self._entries.values())),
             )
+        prefix_id = "pfx-" + secrets.token_hex(12)
+        reserved = False
         if owner is not None and key_max_prefixes:
-            mine = [e for e in self._entries.values() if e.owner == owner]
-            held = len(mine) + self._pending.get(owner, 0)
-            if held >= key_max_prefixes:
-                raise APIError(
-                    429,
-                    f"this key has {held} live prefixes, its limit (max_prefixes="
-                    f"{key_max_prefixes}); delete one or wait for one to expire",
-                    code="prefix_limit_exceeded",
-                    retry_after=self._next_expiry(mine),
-                )
+            reserved = await self._reserve(owner, prefix_id, key_max_prefixes, ttl_s)
         now = time.time()
         entry = ProxyPrefix(
-            id="pfx-" + secrets.token_hex(12),
+            id=prefix_id,
             model=model,
             messages=messages,
             prompt_tokens=0,
@@ -233,6 +228,10 @@ class ProxyPrefixRegistry:
         self._pending[owner] = self._pending.get(owner, 0) + 1
         try:
             await self._place(entry, headers_for, first=True)
+        except BaseException:
+            if reserved and owner is not None:
+                await self._shared.release_prefix(owner, prefix_id)
+            raise
         finally:
             self._pending[owner] -= 1
             if not self._pending[owner]:
@@ -240,6 +239,31 @@ class ProxyPrefixRegistry:
         self._entries[entry.id] = entry
         await self._publish(entry)
         return entry
+
+    async def _reserve(self, owner: str, prefix_id: str, limit: int, ttl_s: float) -> bool:
+        """Count a new prefix against ``owner``'s ``limit``: across replicas in the shared
+        state when it answers (True: reserved there), else on this replica's own prefixes
+        (False).
+
+        Raises:
+            APIError: 429 ``prefix_limit_exceeded`` when the key holds ``limit`` prefixes.
+        """
+        wait = None
+        if self._shared.shares_prefixes:
+            wait = await self._shared.reserve_prefix(owner, prefix_id, limit, ttl_s)
+        if wait is not None and wait <= 0:
+            return True
+        mine = [e for e in self._entries.values() if e.owner == owner]
+        held = len(mine) + self._pending.get(owner, 0)
+        if wait is None and held < limit:
+            return False
+        raise APIError(
+            429,
+            f"this key holds its limit of live prefixes (max_prefixes={limit}, across "
+            "replicas when shared); delete one or wait for one to expire",
+            code="prefix_limit_exceeded",
+            retry_after=self._next_expiry(mine) if wait is None else wait,
+        )
 
     async def lookup(self, prefix_id: str, salt: str | None) -> ProxyPrefix:
         """The live prefix ``prefix_id`` of this salt, created on this replica or (with
@@ -279,6 +303,8 @@ class ProxyPrefixRegistry:
         entry = await self.lookup(prefix_id, salt)
         self._entries.pop(entry.id, None)
         await self._shared.delete_prefix(entry.id)
+        if entry.owner is not None:
+            await self._shared.release_prefix(entry.owner, entry.id)
         await self._release(entry, headers_for)
         return entry
 

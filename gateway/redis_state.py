@@ -14,6 +14,9 @@ stored):
   again once their leases expire (at most ``lease_ttl_s`` later).
 * ``pg:usage:<k>`` — usage counters (hash: requests, prompt_tokens, completion_tokens).
 * ``pg:pfx:<id>`` — a registered prefix (JSON), expiring with the prefix's TTL.
+* ``pg:pfxk:<k>`` — the key's live prefixes (its ``max_prefixes`` across replicas): a sorted
+  set of prefix ids scored by their expiry (Redis seconds), checked and added by one Lua
+  script; a prefix leaves it when deleted or when its expiry passes.
 
 Redis unreachable (refused, reset, or slower than ``timeout_s``): the request is admitted on
 the key's local limits instead (each replica then enforces the full limit by itself), the
@@ -112,6 +115,23 @@ end
 return 0
 """
 
+# KEYS: the key's prefix zset. ARGV: max prefixes, prefix id, ttl (s).
+# Returns {0} reserved, {1, wait} full (wait: seconds until its next prefix expires).
+_RESERVE_PREFIX = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local maxp, ttl = tonumber(ARGV[1]), tonumber(ARGV[3])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if redis.call('ZCARD', KEYS[1]) >= maxp then
+  local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+  return {1, tostring(math.max(1, tonumber(first[2]) - now))}
+end
+redis.call('ZADD', KEYS[1], now + ttl, ARGV[2])
+local last = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
+redis.call('EXPIREAT', KEYS[1], math.ceil(tonumber(last[2])) + 1)
+return {0}
+"""
+
 # KEYS: concurrency zset. ARGV: ttl (s), lease ids... Renews the leases still present.
 _RENEW = """
 local t = redis.call('TIME')
@@ -169,6 +189,7 @@ class RedisState:
         self._acquire = self._client.register_script(_ACQUIRE)
         self._release = self._client.register_script(_RELEASE)
         self._renew = self._client.register_script(_RENEW)
+        self._reserve_prefix = self._client.register_script(_RESERVE_PREFIX)
         self.up = True
         self.fallbacks = 0  # requests admitted on local limits because Redis was down
         self._retry_at = 0.0
@@ -320,6 +341,22 @@ class RedisState:
     async def delete_prefix(self, prefix_id: str) -> None:
         await self._call(self._client.delete("pg:pfx:" + prefix_id))
 
+    async def reserve_prefix(
+        self, owner: str, prefix_id: str, max_prefixes: int, ttl_s: float
+    ) -> float | None:
+        result = await self._call(
+            self._reserve_prefix(
+                keys=["pg:pfxk:" + _owner_id(owner)],
+                args=[max_prefixes, prefix_id, min(ttl_s, 10 * 365 * 86_400.0)],
+            )
+        )
+        if result is None:
+            return None
+        return 0.0 if int(result[0]) == 0 else float(result[1])
+
+    async def release_prefix(self, owner: str, prefix_id: str) -> None:
+        await self._call(self._client.zrem("pg:pfxk:" + _owner_id(owner), prefix_id))
+
     # -- health ------------------------------------------------------------------------
 
     def describe(self) -> dict[str, Any]:
@@ -353,3 +390,8 @@ class RedisState:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def _owner_id(owner: str) -> str:
+    """``<k>`` of a prefix owner (``Principal.id``, ``"key:<k>"``)."""
+    return owner.removeprefix("key:")

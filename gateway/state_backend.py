@@ -99,6 +99,23 @@ class StateBackend(Protocol):
         """Withdraw a published prefix."""
         ...
 
+    async def reserve_prefix(
+        self, owner: str, prefix_id: str, max_prefixes: int, ttl_s: float
+    ) -> float | None:
+        """Count ``prefix_id`` (live ``ttl_s`` seconds) against ``owner``'s (a key id's)
+        ``max_prefixes`` on every replica at once.
+
+        Returns:
+            0.0 when reserved; the seconds until the owner's next prefix expires when it
+            already holds ``max_prefixes`` (nothing reserved); None when the count is not
+            shared (local backend, or the store unreachable): the caller counts on its own.
+        """
+        ...
+
+    async def release_prefix(self, owner: str, prefix_id: str) -> None:
+        """Give back ``reserve_prefix``'s count (the prefix was deleted, or never made)."""
+        ...
+
     def describe(self) -> dict[str, Any]:
         """What ``/ready`` shows: ``{"backend": kind, "shared": up, ...}``."""
         ...
@@ -137,6 +154,14 @@ class LocalState:
         return None
 
     async def delete_prefix(self, prefix_id: str) -> None:
+        return None
+
+    async def reserve_prefix(
+        self, owner: str, prefix_id: str, max_prefixes: int, ttl_s: float
+    ) -> float | None:
+        return None
+
+    async def release_prefix(self, owner: str, prefix_id: str) -> None:
         return None
 
     def describe(self) -> dict[str, Any]:

@@ -263,3 +263,26 @@ def test_replicas_share_the_proxy_prefix_registry(pool, redis_server):
         assert http.delete(f"{b.url}/v1/prefixes/{pfx['id']}").status_code == 200
         assert_openai_error(http.get(f"{a.url}/v1/prefixes/{pfx['id']}"), 404, "prefix_not_found")
         assert pool.pinned(up.url) == 0
+
+
+def test_replicas_share_one_max_prefixes_per_key(pool, redis_server, tmp_path):
+    """k1's max_prefixes (2) holds across both replicas; a prefix deleted on one replica
+    frees its place on the other at once."""
+    up = pool.upstream()
+    a = pool.proxy([up.url], redis_url=redis_server.url, keys_file=_keys(tmp_path))
+    b = pool.proxy([up.url], redis_url=redis_server.url, keys_file=_keys(tmp_path))
+    with (
+        httpx.Client(base_url=a.url, timeout=30) as ha,
+        httpx.Client(base_url=b.url, timeout=30) as hb,
+    ):
+        first = _create(ha, "k1").json()["id"]
+        assert _create(hb, "k1").status_code == 200
+        for http in (ha, hb):
+            r = _create(http, "k1")
+            assert_openai_error(r, 429, "prefix_limit_exceeded")
+            assert float(r.headers["Retry-After"]) >= 1
+        assert _create(hb, "k2").status_code == 200  # another key's count is its own
+        auth = {"Authorization": "Bearer k1"}
+        assert hb.delete(f"/v1/prefixes/{first}", headers=auth).status_code == 200
+        assert _create(ha, "k1").status_code == 200  # replica A sees the freed place
+        assert_openai_error(_create(hb, "k1"), 429, "prefix_limit_exceeded")

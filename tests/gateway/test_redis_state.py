@@ -258,3 +258,27 @@ def test_prefix_created_on_replica_1_serves_a_chat_on_replica_2(
             gone = c.post("/v1/chat/completions", json=chat)
             assert gone.status_code == 404 and gone.json()["error"]["code"] == "prefix_not_found"
     assert engine_a.pinned_blocks == 0  # replica 1 released its pin
+
+
+def test_two_replicas_share_one_max_prefixes_per_key(serve_fake, gw, redis_server, tmp_path):
+    settings = GatewaySettings(
+        model_name="fake", keys_file=_keys(tmp_path, max_prefixes=2), redis_url=redis_server.url
+    )
+    a, _ = serve_fake(settings)
+    b, _ = serve_fake(settings)
+    system = [{"role": "system", "content": "You are a careful assistant. " * 3}]
+    body = {"model": "fake", "messages": system, "ttl_seconds": 60}
+    with gw.client(a, headers=AUTH) as ca, gw.client(b, headers=AUTH) as cb:
+        first = ca.post("/v1/prefixes", json=body)
+        assert first.status_code == 200, first.text
+        assert cb.post("/v1/prefixes", json=body).status_code == 200
+        for c in (ca, cb):
+            r = c.post("/v1/prefixes", json=body)
+            assert r.status_code == 429, r.text
+            assert r.json()["error"]["code"] == "prefix_limit_exceeded"
+            assert float(r.headers["Retry-After"]) >= 1
+        # Deleted on replica 2: replica 1 may create again at once.
+        assert cb.delete(f"/v1/prefixes/{first.json()['id']}").status_code == 200
+        again = ca.post("/v1/prefixes", json=body)
+        assert again.status_code == 200, again.text
+        assert cb.post("/v1/prefixes", json=body).status_code == 429
