@@ -1,0 +1,145 @@
+"""``client.prefixes`` of the blocking ``Client`` and its ``SyncPrefixSession`` (see
+``prefixes.py`` for the parameters' meaning)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Self
+
+from .._blocking import Bridge, RawMethods, SyncStream
+from .._options import Timeout
+from ..types import ChatCompletion, ChatCompletionChunk, Prefix, PrefixDeleted
+from .prefixes import AsyncPrefixes, PrefixSession
+
+__all__ = ["SyncPrefixSession", "SyncPrefixes"]
+
+
+class SyncPrefixSession:
+    """Blocking ``PrefixSession`` (context manager: leaving it deletes the prefix)."""
+
+    def __init__(self, session: PrefixSession, bridge: Bridge) -> None:
+        self.session = session
+        self._bridge = bridge
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def create(
+        self, user: str | Sequence[Mapping[str, Any]], **params: Any
+    ) -> ChatCompletion | SyncStream[ChatCompletionChunk]:
+        """Blocking ``PrefixSession.create`` (``params``: ``chat.completions.create``'s
+        keywords, checked there)."""
+        result: ChatCompletion | SyncStream[ChatCompletionChunk] = self._bridge.run(
+            self.session.create, user, **params
+        )
+        return result
+
+    def batch(
+        self,
+        users: Sequence[str | Sequence[Mapping[str, Any]]],
+        *,
+        progress: bool = False,
+        **params: Any,
+    ) -> list[ChatCompletion | Exception]:
+        """Blocking ``PrefixSession.batch``."""
+        result: list[ChatCompletion | Exception] = self._bridge.run(
+            self.session.batch, users, progress=progress, **params
+        )
+        return result
+
+    def close(self) -> None:
+        """Delete the prefix."""
+        self._bridge.run(self.session.close)
+
+
+class SyncPrefixes:
+    """``client.prefixes`` (see ``AsyncPrefixes``)."""
+
+    def __init__(self, prefixes: AsyncPrefixes, bridge: Bridge) -> None:
+        self._async = prefixes
+        self._bridge = bridge
+        names = ("create", "get", "delete")
+        self.with_raw_response = RawMethods(bridge, prefixes, names, False)
+        self.with_streaming_response = RawMethods(bridge, prefixes, names, True)
+
+    def create(
+        self,
+        *,
+        model: str,
+        messages: Sequence[Mapping[str, Any]],
+        ttl_seconds: float | None = None,
+        cache_salt: str | None = None,
+        extra_headers: Mapping[str, str] | None = None,
+        extra_query: Mapping[str, Any] | None = None,
+        extra_body: Mapping[str, Any] | None = None,
+        timeout: Timeout | None = None,
+        max_retries: int | None = None,
+    ) -> Prefix:
+        """Blocking ``AsyncPrefixes.create``."""
+        result: Prefix = self._bridge.run(
+            self._async.create,
+            model=model,
+            messages=messages,
+            ttl_seconds=ttl_seconds,
+            cache_salt=cache_salt,
+            extra_headers=extra_headers,
+            extra_query=extra_query,
+            extra_body=extra_body,
+            timeout=timeout,
+            max_retries=max_retries,
+        )
+        return result
+
+    def get(
+        self,
+        prefix_id: str,
+        *,
+        extra_headers: Mapping[str, str] | None = None,
+        extra_query: Mapping[str, Any] | None = None,
+        timeout: Timeout | None = None,
+        max_retries: int | None = None,
+    ) -> Prefix:
+        """Blocking ``AsyncPrefixes.get``."""
+        result: Prefix = self._bridge.run(
+            self._async.get,
+            prefix_id,
+            extra_headers=extra_headers,
+            extra_query=extra_query,
+            timeout=timeout,
+            max_retries=max_retries,
+        )
+        return result
+
+    def delete(
+        self,
+        prefix_id: str,
+        *,
+        extra_headers: Mapping[str, str] | None = None,
+        extra_query: Mapping[str, Any] | None = None,
+        timeout: Timeout | None = None,
+        max_retries: int | None = None,
+    ) -> PrefixDeleted:
+        """Blocking ``AsyncPrefixes.delete``."""
+        result: PrefixDeleted = self._bridge.run(
+            self._async.delete,
+            prefix_id,
+            extra_headers=extra_headers,
+            extra_query=extra_query,
+            timeout=timeout,
+            max_retries=max_retries,
+        )
+        return result
+
+    def session(
+        self,
+        system_prompt: str | Sequence[Mapping[str, Any]],
+        *,
+        model: str,
+        ttl_seconds: float = 600.0,
+    ) -> SyncPrefixSession:
+        """A blocking ``PrefixSession``."""
+        s = self._async.session(system_prompt, model=model, ttl_seconds=ttl_seconds)
+        return SyncPrefixSession(s, self._bridge)
