@@ -2,29 +2,32 @@
 
 Reads the same files as transformers' fast tokenizers (``tokenizer.json`` and
 ``tokenizer_config.json``, optionally ``chat_template.jinja`` and ``generation_config.json``) and
-gives the same ids; chat templates render in a sandboxed jinja2 environment configured like
-transformers' (``trim_blocks``, ``lstrip_blocks``, loop controls, ``raise_exception``,
-``tojson``, ``strftime_now``).
+gives the same ids; special tokens in the content of chat messages stay plain text
+(``encode_chat``). The templates render in ``chat_template.py`` (a sandboxed jinja2
+environment configured like transformers'); byte facts of the vocabulary are in
+``token_bytes.py``.
 """
 
 from __future__ import annotations
 
 import json
-import re
-import secrets
 from collections.abc import Sequence
-from datetime import datetime
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal, overload
 
 import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from prefixgate.engine.chat_template import (
+    Message,
+    compile_template,
+    content_spans,
+    normalize_messages,
+)
 from prefixgate.engine.models.errors import ModelFileNotFoundError
 from prefixgate.engine.models.presets import TINY_CHAT_TEMPLATE, build_tiny_tokenizer
+from prefixgate.engine.token_bytes import max_token_bytes, unicode_to_bytes
 from tokenizers import Tokenizer as HFTokenizer
 
-Message = dict[str, Any]
+__all__ = ["Message", "Tokenizer", "normalize_messages"]
 
 
 class Tokenizer:
@@ -214,7 +217,7 @@ class Tokenizer:
         bytes for one space, ``<0x0A>`` 6 characters for one byte)."""
         value = getattr(self, "_max_token_bytes", None)
         if value is None:
-            value = _max_token_bytes(self._tok)
+            value = max_token_bytes(self._tok)
             self._max_token_bytes = value
         return value
 
@@ -240,7 +243,7 @@ class Tokenizer:
             except ValueError:
                 pass
         if "ByteLevel" in kinds:
-            table = _unicode_to_bytes()
+            table = unicode_to_bytes()
             if all(ch in table for ch in token):
                 return bytes(table[ch] for ch in token)
         if "Metaspace" in kinds or "Replace" in kinds:
@@ -329,7 +332,7 @@ class Tokenizer:
             "add_generation_prompt": add_generation_prompt,
         }
         try:
-            text = _compile(source).render(**variables)
+            text = compile_template(source).render(**variables)
         except jinja2.TemplateError as exc:
             raise ValueError(f"chat template failed: {exc}") from exc
         if tokenize:
@@ -382,7 +385,7 @@ class Tokenizer:
         messages = variables["messages"]
         if not specials or not any(self._holds_special(m.get("content")) for m in messages):
             return ids
-        spans = _content_spans(variables, source, text)
+        spans = content_spans(variables, source, text)
         if spans is None:
             raise ValueError(
                 "a message's content holds a special-token string and the chat template "
@@ -413,190 +416,6 @@ class Tokenizer:
 
     def _id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
-
-
-@lru_cache(maxsize=1)
-def _unicode_to_bytes() -> dict[str, int]:
-    """Inverse of GPT-2's ``bytes_to_unicode`` (the byte-level BPE alphabet; Radford et al.
-    2019, ``encoder.py``): printable bytes map to themselves, the rest to U+0100 onwards."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    table = {chr(b): b for b in keep}
-    extra = 0
-    for b in range(256):
-        if b not in keep:
-            table[chr(256 + extra)] = b
-            extra += 1
-    return table
-
-
-def normalize_messages(messages: Any) -> list[Message]:
-    """Check the shape of chat messages and flatten text-part lists into strings.
-
-    Raises:
-        TypeError: ``messages`` is not a list, or an item is not a dict.
-        ValueError: an empty list, a message without a string ``role``, or content that is not
-            a string, ``None`` or a list of text parts.
-    """
-    if not isinstance(messages, list | tuple):
-        raise TypeError(f"messages must be a list of dicts, got {type(messages).__name__}")
-    if not messages:
-        raise ValueError("messages must not be empty")
-    out: list[Message] = []
-    for i, msg in enumerate(messages):
-        if not isinstance(msg, dict):
-            raise TypeError(f"messages[{i}] must be a dict, got {type(msg).__name__}")
-        role = msg.get("role")
-        if not isinstance(role, str) or not role:
-            raise ValueError(f"messages[{i}] needs a non-empty string 'role'")
-        content = msg.get("content")
-        if isinstance(content, list):
-            content = "".join(_text_part(part, i) for part in content)
-        elif content is not None and not isinstance(content, str):
-            raise ValueError(
-                f"messages[{i}].content must be a string or a list of text parts, "
-                f"got {type(content).__name__}"
-            )
-        out.append({**msg, "content": content})
-    return out
-
-
-def _content_spans(
-    variables: dict[str, Any], source: str, text: str
-) -> list[tuple[int, int]] | None:
-    """Character spans of the messages' contents in ``text`` (the template's rendering of
-    ``variables``), found by rendering each content as a unique marker; ``None`` when putting
-    the contents (as they are, or stripped) back in place of the markers does not give
-    ``text`` back (the template transforms a content)."""
-    nonce = secrets.token_hex(8)
-    messages = variables["messages"]
-    probe = [
-        {**m, "content": f"\ue000{nonce}{i}\ue001"} if isinstance(m.get("content"), str) else m
-        for i, m in enumerate(messages)
-    ]
-    try:
-        layout = _compile(source).render(**{**variables, "messages": probe})
-    except jinja2.TemplateError:
-        return None
-    parts = re.split(f"\ue000{nonce}(\\d+)\ue001", layout)
-    for strip in (False, True):
-        spans = []
-        pos = 0
-        rebuilt = []
-        for j, part in enumerate(parts):
-            if j % 2:
-                content = messages[int(part)]["content"]
-                piece = content.strip() if strip else content
-                spans.append((pos, pos + len(piece)))
-            else:
-                piece = part
-            rebuilt.append(piece)
-            pos += len(piece)
-        if "".join(rebuilt) == text:
-            return spans
-    return None
-
-
-def _text_part(part: Any, i: int) -> str:
-    if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
-        return part["text"]
-    raise ValueError(f"messages[{i}].content: only text parts are supported, got {part!r}")
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.TemplateError(message)
-
-
-def _tojson(value: Any, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
-    return json.dumps(
-        value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-@lru_cache(maxsize=32)
-def _compile(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    try:
-        return env.from_string(source)
-    except jinja2.TemplateError as exc:
-        raise ValueError(f"invalid chat template: {exc}") from exc
-
-
-# Worst-case shrink of the input's UTF-8 length per normalizer (the composed forms can merge
-# a base letter and combining marks, 3 bytes into 1-2; lowercasing shortens a few letters).
-_NORMALIZER_SHRINK = {
-    "Prepend": 1,
-    "NFC": 3,
-    "NFKC": 3,
-    "NFD": 3,
-    "NFKD": 3,
-    "Lowercase": 2,
-    "StripAccents": 3,
-}
-# Pre-tokenizers that split without dropping any text.
-_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Punctuation", "UnicodeScripts"}
-
-
-def _max_token_bytes(tok: HFTokenizer) -> int:
-    """See ``Tokenizer.max_token_bytes``."""
-    try:
-        spec = json.loads(tok.to_str())
-    except Exception:  # noqa: BLE001 - an unreadable spec: no bound
-        return 0
-    shrink = _shrink(spec.get("normalizer"))
-    pre = spec.get("pre_tokenizer")
-    model = spec.get("model") or {}
-    if not shrink or not _keeps_text(pre) or model.get("type") != "BPE":
-        return 0
-    byte_level = "ByteLevel" in json.dumps(pre)
-    if model.get("unk_token") and model.get("fuse_unk") and not model.get("byte_fallback"):
-        if not byte_level:
-            return 0  # a run of unknown characters of any length becomes one <unk>
-    vocab = tok.get_vocab(with_added_tokens=True)
-    longest = max((len(t.encode("utf-8", "surrogatepass")) for t in vocab), default=0)
-    return longest * shrink
-
-
-def _shrink(spec: Any) -> int:
-    """The normalizer's worst shrink factor (product over a Sequence); 0 = unknown."""
-    if spec is None:
-        return 1
-    kind = spec.get("type")
-    if kind == "Sequence":
-        factor = 1
-        for part in spec.get("normalizers", []):
-            f = _shrink(part)
-            if not f:
-                return 0
-            factor *= f
-        return factor
-    if kind == "Replace":
-        pattern = (spec.get("pattern") or {}).get("String")
-        content = spec.get("content", "")
-        if pattern is None or len(content.encode()) < len(pattern.encode()):
-            return 0  # a regex, or a replacement that shortens: no safe bound
-        return 1
-    return _NORMALIZER_SHRINK.get(kind, 0)
-
-
-def _keeps_text(spec: Any) -> bool:
-    """True when the pre-tokenizer never drops input text."""
-    if spec is None:
-        return True
-    kind = spec.get("type")
-    if kind == "Sequence":
-        return all(_keeps_text(p) for p in spec.get("pretokenizers", []))
-    if kind == "Split":
-        return spec.get("behavior") != "Removed"
-    return kind in _KEEPING_PRE_TOKENIZERS
 
 
 def _read_json(path: Path) -> dict[str, Any]:
