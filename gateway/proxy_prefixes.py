@@ -20,7 +20,9 @@ that key's ``max_prefixes``. Where it lives:
   the same prefix and salt go to the same upstream, whose automatic prefix cache holds it).
 
 The upstream chosen for a new prefix is the one routing picks for the prefix's text and
-salt, so the prefix sits where requests starting with it go anyway.
+salt, so the prefix sits where requests starting with it go anyway; the calls to the upstreams
+(register, count, release) are ``proxy_prefix_placement.PrefixPlacement``. This module is the
+registry: ids, owners and limits, lookup, re-registration and the shared (Redis) records.
 
 Life: a prefix lives ``ttl_seconds`` on the gateway's clock (``expires_at``, Unix seconds);
 an upstream pin has the same TTL and is released by the upstream itself when it lapses.
@@ -34,30 +36,18 @@ replica serves chats, GET and DELETE on every replica.
 from __future__ import annotations
 
 import asyncio
-import json
-import math
 import secrets
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 from prefixgate.gateway.errors import APIError, not_found, shown
 from prefixgate.gateway.prefixes import prefix_object
-from prefixgate.gateway.routing import prompt_blocks
+from prefixgate.gateway.proxy_prefix_placement import HeadersFor, PrefixPlacement
 from prefixgate.gateway.state_backend import StateBackend
-from prefixgate.gateway.upstream import (
-    Route,
-    Upstream,
-    UpstreamRouter,
-    affinity_key,
-    prompt_text,
-    salted_affinity_key,
-)
+from prefixgate.gateway.upstream import Route, Upstream, UpstreamRouter
 
-HeadersFor = Callable[[Upstream], dict[str, str]]
-_SHORT = aiohttp.ClientTimeout(total=5.0)
+__all__ = ["HeadersFor", "ProxyPrefix", "ProxyPrefixRegistry"]
 
 
 @dataclass(slots=True)
@@ -163,11 +153,10 @@ class ProxyPrefixRegistry:
         max_chars: int = 4096,
     ) -> None:
         self._router = router
+        self._placement = PrefixPlacement(router, block_chars, max_chars)
         self._shared = shared
         self.max_ttl_s = max_ttl_s
         self.max_prefixes = max_prefixes
-        self._block_chars = block_chars
-        self._max_chars = max_chars
         self._entries: dict[str, ProxyPrefix] = {}
         self._pending: dict[str | None, int] = {}  # owner -> creates in progress
         # prefix id -> (lock, users): one re-registration of a prefix at a time
@@ -227,7 +216,7 @@ class ProxyPrefixRegistry:
         )
         self._pending[owner] = self._pending.get(owner, 0) + 1
         try:
-            await self._place(entry, headers_for, first=True)
+            await self._placement.place(entry, headers_for, first=True)
         except BaseException:
             if reserved and owner is not None:
                 await self._shared.release_prefix(owner, prefix_id)
@@ -305,7 +294,7 @@ class ProxyPrefixRegistry:
         await self._shared.delete_prefix(entry.id)
         if entry.owner is not None:
             await self._shared.release_prefix(entry.owner, entry.id)
-        await self._release(entry, headers_for)
+        await self._placement.release(entry, headers_for)
         return entry
 
     def holder(self, entry: ProxyPrefix) -> Upstream | None:
@@ -341,7 +330,7 @@ class ProxyPrefixRegistry:
                 if entry.seconds_left() <= 0:
                     raise _not_found(entry.id)
                 entry.upstream = entry.upstream_id = None
-                await self._place(entry, headers_for, first=False)
+                await self._placement.place(entry, headers_for, first=False)
                 local = self._entries.get(entry.id)
                 if local is not None and local is not entry:
                     local.upstream, local.upstream_id = entry.upstream, entry.upstream_id
@@ -361,139 +350,14 @@ class ProxyPrefixRegistry:
         if self._shared.shares_prefixes or self._router.session is None:
             return
         await asyncio.gather(
-            *(self._release(e, _fixed(e.headers)) for e in entries if e.upstream),
+            *(self._placement.release(e, _fixed(e.headers)) for e in entries if e.upstream),
             return_exceptions=True,
         )
 
     def route(self, entry: ProxyPrefix) -> Route:
         """The routing of the prefix's own text under its cache salt (what a request starting
-        with it is routed by)."""
-        body = {"messages": entry.messages}
-        key = salted_affinity_key(
-            affinity_key(body, self._block_chars, self._max_chars), entry.cache_salt
-        )
-        blocks: list[int] = []
-        if self._router.policy == "cache_aware":
-            blocks = prompt_blocks(
-                prompt_text(body), entry.cache_salt, self._block_chars, self._max_chars
-            )
-        return Route(key, blocks)
-
-    async def _place(self, entry: ProxyPrefix, headers_for: HeadersFor, first: bool) -> None:
-        """Register ``entry`` on the upstream routing picks (others in turn when it fails);
-        on an upstream without the prefix API the text simply stays here."""
-        router = self._router
-        route = self.route(entry)
-        tried: list[Upstream] = []
-        while True:
-            up = router.pick(route, tried)
-            if up is None:
-                raise router.exhausted(tried, "no upstream could register the prefix")
-            tried.append(up)
-            known = [u.models for u in router.upstreams]
-            if first and None not in known and not any(entry.model in m for m in known if m):
-                raise not_found(
-                    f"the model {shown(entry.model)} does not exist",
-                    param="model",
-                    code="model_not_found",
-                )
-            headers = headers_for(up)
-            if up.prefix_api is not False:
-                done = await self._register_on(up, entry, headers)
-                if done is None:
-                    continue  # that upstream failed: the next one
-                if done:
-                    entry.headers = headers
-                    return
-            if first:  # kept here: count its tokens where the upstream can
-                entry.prompt_tokens = await self._count(up, entry, headers)
-            return
-
-    async def _register_on(
-        self, up: Upstream, entry: ProxyPrefix, headers: dict[str, str]
-    ) -> bool | None:
-        """POST the prefix to ``up``'s prefix API. True: registered (``entry`` updated);
-        False: ``up`` has no prefix API; None: ``up`` failed (marked so).
-
-        Raises:
-            APIError: ``up``'s own 4xx answer (the request's fault or its limits).
-        """
-        assert self._router.session is not None
-        body: dict[str, Any] = {
-            "model": entry.model,
-            "messages": entry.messages,
-            "ttl_seconds": max(1, math.ceil(entry.seconds_left())),
-        }
-        if entry.cache_salt is not None and up.cache_salt is not False:
-            body["cache_salt"] = entry.cache_salt
-        try:
-            async with self._router.session.post(
-                up.url + "/v1/prefixes", json=body, headers=headers, timeout=_SHORT
-            ) as resp:
-                data = await resp.read()
-                status = resp.status
-                retry = resp.headers.get("Retry-After", "")
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            self._router.mark_failed(up, f"POST /v1/prefixes: {type(exc).__name__}")
-            return None
-        error = _error(data)
-        if status == 200:
-            try:
-                obj = json.loads(data)
-                entry.upstream, entry.upstream_id = up.url, str(obj["id"])
-                entry.prompt_tokens = int(obj.get("prompt_tokens", 0))
-            except (ValueError, KeyError, TypeError):
-                self._router.mark_failed(up, "POST /v1/prefixes: not a prefix object")
-                return None
-            up.prefix_api = True
-            return True
-        if status in (405, 501) or (status == 404 and error.get("code") != "model_not_found"):
-            up.prefix_api = False
-            return False
-        if status >= 500:
-            self._router.mark_failed(up, f"POST /v1/prefixes: HTTP {status}")
-            return None
-        raise APIError(
-            status,
-            str(error.get("message") or f"the upstream refused the prefix (HTTP {status})"),
-            param=error["param"] if isinstance(error.get("param"), str) else None,
-            code=str(error.get("code") or "upstream_error"),
-            type=str(error.get("type") or "invalid_request_error"),
-            retry_after=float(retry) if retry.isdigit() else None,
-        )
-
-    async def _count(self, up: Upstream, entry: ProxyPrefix, headers: dict[str, str]) -> int:
-        """The prefix's tokens by ``up``'s ``POST /tokenize`` (vLLM's), 0 without it."""
-        assert self._router.session is not None
-        body = {"model": entry.model, "messages": entry.messages, "add_generation_prompt": False}
-        try:
-            async with self._router.session.post(
-                up.url + "/tokenize", json=body, headers=headers, timeout=_SHORT
-            ) as resp:
-                if resp.status != 200:
-                    return 0
-                count = (await resp.json(content_type=None)).get("count")
-        except (aiohttp.ClientError, TimeoutError, OSError, ValueError, AttributeError):
-            return 0
-        return count if isinstance(count, int) and not isinstance(count, bool) else 0
-
-    async def _release(self, entry: ProxyPrefix, headers_for: HeadersFor) -> None:
-        """DELETE the prefix's pin on its upstream (best effort: a dead upstream took its
-        pins with it, and an unreachable one releases it at the TTL)."""
-        if entry.upstream is None or entry.upstream_id is None:
-            return
-        up = self._router.find(entry.upstream)
-        if up is None or self._router.session is None:
-            return
-        try:
-            async with self._router.session.delete(
-                f"{up.url}/v1/prefixes/{entry.upstream_id}",
-                headers=headers_for(up),
-                timeout=_SHORT,
-            ) as resp:
-                await resp.read()
-        except (aiohttp.ClientError, TimeoutError, OSError):
-            pass
+        with it is routed by; see ``PrefixPlacement.route``)."""
+        return self._placement.route(entry)
 
     async def _publish(self, entry: ProxyPrefix) -> None:
         if self._shared.shares_prefixes:
@@ -515,16 +379,6 @@ class ProxyPrefixRegistry:
 def _fixed(headers: dict[str, str]) -> HeadersFor:
     """The same ``headers`` for any upstream."""
     return lambda up: headers
-
-
-def _error(data: bytes) -> dict[str, Any]:
-    """The ``error`` object of an OpenAI error body, ``{}`` when it is none."""
-    try:
-        obj = json.loads(data)
-    except ValueError:
-        return {}
-    err = obj.get("error") if isinstance(obj, dict) else None
-    return err if isinstance(err, dict) else {}
 
 
 def _not_found(prefix_id: str) -> APIError:
