@@ -17,6 +17,9 @@ aiohttp's own knobs where it has them, a thin subclass where it has none:
   aiohttp answers them from ``RequestHandler.handle_error`` with plain text. The subclass
   ``GatewayRequestHandler`` overrides that method to answer an OpenAI error object
   (431 for oversized/too many headers, 400 for the rest, 500 for an unhandled failure).
+  A parser error met inside a body whose request already has its handler (undecodable
+  ``Content-Encoding`` data arriving after the headers) fails that body at once, so the
+  handler answers 400 now instead of waiting for the body timeout.
 
 The request-level limits (declared ``Content-Length`` over the limit → 413 at once, body
 timeout → 408) live in ``limits``.
@@ -30,7 +33,9 @@ import resource
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http import RawRequestMessage
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
+from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
 from prefixgate.gateway.errors import APIError
 
@@ -99,7 +104,7 @@ class GatewayRequestHandler(RequestHandler):
     """aiohttp's connection protocol with a connection bound and OpenAI error objects for
     the errors aiohttp raises before any handler runs (see the module docstring)."""
 
-    __slots__ = ("refused",)
+    __slots__ = ("refused", "_open_body")
 
     def connection_made(self, transport: Any) -> None:  # noqa: D401 - aiohttp's hook
         server = self._manager
@@ -115,6 +120,7 @@ class GatewayRequestHandler(RequestHandler):
             self._loop.call_later(_REFUSAL_LINGER_S, transport.close)
             return
         self.refused = False
+        self._open_body: StreamReader | None = None  # the body of the last request parsed
         super().connection_made(transport)
 
     def connection_lost(self, exc: BaseException | None) -> None:
@@ -125,7 +131,25 @@ class GatewayRequestHandler(RequestHandler):
     def data_received(self, data: bytes) -> None:
         if getattr(self, "refused", False):
             return
+        queued = len(self._messages)
         super().data_received(data)
+        # aiohttp queues a parser error met inside a body (undecodable Content-Encoding data,
+        # broken chunked framing arriving after the headers) as if it were a next request,
+        # and the request whose body it is, already with its handler, waits for the rest of
+        # that body until the body timeout. Fail that body at once instead: its handler's
+        # read raises and the client gets its 400 now (``errors.error_middleware``).
+        for msg, payload in list(self._messages)[queued:]:
+            if isinstance(msg, RawRequestMessage):
+                self._open_body = payload
+                continue
+            # a parser error (aiohttp's error record: ``exc``, ``message``)
+            body = self._open_body
+            if body is not None and not body.is_eof() and body.exception() is None:
+                why = (
+                    _reason(getattr(msg, "exc", None)) or getattr(msg, "message", "") or "bad body"
+                )
+                body.set_exception(web.RequestPayloadError(why))
+            self._open_body = None
 
     def handle_error(
         self,
