@@ -148,22 +148,32 @@ def test_nofile_limit_raised_and_connection_budget_below_it():
     assert fd_budget(2) <= fd_budget() // 2 + 1
 
 
+_LATE_BAD_BODIES = {
+    "deflate": (b"Content-Encoding: deflate\r\nContent-Length: 2\r\n", b"{}"),
+    "gzip": (b"Content-Encoding: gzip\r\nContent-Length: 2\r\n", b"{}"),
+    "broken-chunked": (b"Transfer-Encoding: chunked\r\n", b"zz\r\nabc\r\n0\r\n\r\n"),
+}
+
+
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/nowhere"])
-@pytest.mark.parametrize("encoding", ["deflate", "gzip"])
-def test_undecodable_body_after_its_headers_is_400_at_once(serve_fake, path, encoding):
-    """Headers first, then a body that cannot be decompressed: the request already handed to
-    a handler reading its body gets a 400 ``invalid_body`` at once (the parser's error used
-    to be queued behind it as a next request, and the handler waited for the body timeout)."""
+@pytest.mark.parametrize("kind", sorted(_LATE_BAD_BODIES))
+def test_undecodable_body_after_its_headers_is_400_at_once(serve_fake, path, kind):
+    """Headers first, then a body the parser cannot read (bad compressed data, broken chunked
+    framing): the request already handed to a handler reading its body gets a 400 at once
+    (the parser's error used to be queued behind it as a next request, and the handler
+    waited for the body timeout)."""
+    headers, body = _LATE_BAD_BODIES[kind]
     srv, _ = serve_fake(GatewaySettings(model_name="fake", body_timeout_s=30.0))
     s = socket.create_connection(("127.0.0.1", srv.server.port))
     s.settimeout(20)  # well before the 30 s body timeout: a wait for it fails the test
     try:
         s.sendall(
-            f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            f"Content-Encoding: {encoding}\r\nContent-Length: 2\r\n\r\n".encode()
+            f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode()
+            + headers
+            + b"\r\n"
         )
         time.sleep(0.3)  # the handler is reading the body by now
-        s.sendall(b"{}")
+        s.sendall(body)
         raw = b""
         while b"\r\n\r\n" not in raw or not raw.rstrip().endswith(b"}"):
             chunk = s.recv(65536)
