@@ -17,6 +17,8 @@ so a client that disconnects cancels its handler at once.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -52,6 +54,8 @@ from prefixgate.gateway.renderers import TokenTexts
 from prefixgate.gateway.state import STATE, GatewaySettings, GatewayState
 from prefixgate.gateway.state_backend import make_backend
 from prefixgate.gateway.upstream import UpstreamRouter
+
+logger = logging.getLogger("prefixgate.gateway")
 
 
 def create_app(
@@ -94,9 +98,29 @@ def create_app(
     )
 
     async def release_prefixes(app: web.Application) -> None:
+        if sweeper:
+            sweeper[0].cancel()
         if st.prefixes is not None:
             st.prefixes.clear()
 
+    async def sweep_prefixes() -> None:
+        # With shared state, a prefix deleted through another replica is unpinned here
+        # within one interval (a third of the lease TTL), not at its own TTL.
+        while True:
+            await asyncio.sleep(st.settings.redis_lease_ttl_s / 3)
+            if st.prefixes is not None:
+                try:
+                    await st.prefixes.sweep()
+                except Exception:  # noqa: BLE001 - a failed sweep waits for the next one
+                    logger.exception("prefix sweep failed")
+
+    sweeper: list[asyncio.Task[None]] = []
+
+    async def start_sweeper(app: web.Application) -> None:
+        if st.settings.redis_url:
+            sweeper.append(asyncio.get_running_loop().create_task(sweep_prefixes()))
+
+    app.on_startup.append(start_sweeper)
     app.on_cleanup.append(release_prefixes)
     _add_fallback_route(app)
     if engine is not None:

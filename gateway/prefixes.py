@@ -255,6 +255,24 @@ class PrefixRegistry:
                 if self._entries.get(entry.id) is entry:
                     self._drop(entry)
 
+    async def sweep(self) -> int:
+        """Unpin every published prefix of this replica that the shared state no longer
+        holds (deleted through another replica), so its KV blocks are freed within one sweep
+        rather than at its TTL; returns how many were dropped. Nothing when the state is not
+        shared or the store does not answer."""
+        published = [e for e in self._entries.values() if e.published]
+        if not published or not self._shared.shares_prefixes:
+            return 0
+        live = await self._shared.live_prefixes([e.id for e in published])
+        if live is None:
+            return 0
+        dropped = 0
+        for entry in published:
+            if entry.id not in live and self._entries.get(entry.id) is entry:
+                self._drop(entry)
+                dropped += 1
+        return dropped
+
     async def _create(
         self,
         prefix_id: str,

@@ -341,6 +341,16 @@ class RedisState:
     async def delete_prefix(self, prefix_id: str) -> None:
         await self._call(self._client.delete("pg:pfx:" + prefix_id))
 
+    async def live_prefixes(self, prefix_ids: list[str]) -> set[str] | None:
+        live: set[str] = set()
+        for i in range(0, len(prefix_ids), 512):  # one MGET per 512 ids
+            part = prefix_ids[i : i + 512]
+            values = await self._call(self._client.mget(["pg:pfx:" + p for p in part]))
+            if values is None:
+                return None
+            live.update(p for p, v in zip(part, values, strict=True) if v is not None)
+        return live
+
     async def reserve_prefix(
         self, owner: str, prefix_id: str, max_prefixes: int, ttl_s: float
     ) -> float | None:

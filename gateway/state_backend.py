@@ -99,6 +99,11 @@ class StateBackend(Protocol):
         """Withdraw a published prefix."""
         ...
 
+    async def live_prefixes(self, prefix_ids: list[str]) -> set[str] | None:
+        """Which of ``prefix_ids`` are still published (not deleted on any replica, not
+        expired); None when that is unknown (local backend, or the store unreachable)."""
+        ...
+
     async def reserve_prefix(
         self, owner: str, prefix_id: str, max_prefixes: int, ttl_s: float
     ) -> float | None:
@@ -154,6 +159,9 @@ class LocalState:
         return None
 
     async def delete_prefix(self, prefix_id: str) -> None:
+        return None
+
+    async def live_prefixes(self, prefix_ids: list[str]) -> set[str] | None:
         return None
 
     async def reserve_prefix(

@@ -282,3 +282,31 @@ def test_two_replicas_share_one_max_prefixes_per_key(serve_fake, gw, redis_serve
         again = ca.post("/v1/prefixes", json=body)
         assert again.status_code == 200, again.text
         assert cb.post("/v1/prefixes", json=body).status_code == 429
+
+
+def test_prefix_deleted_through_another_replica_is_unpinned_without_a_lookup(
+    serve_fake, gw, redis_server, tmp_path
+):
+    """Replica 1 made the prefix (its engine pins the blocks); replica 2 deletes it. With no
+    further request on replica 1, its periodic sweep (every third of the lease TTL) unpins
+    the blocks: they are not held until the prefix's TTL."""
+    settings = GatewaySettings(
+        model_name="fake",
+        keys_file=_keys(tmp_path),
+        redis_url=redis_server.url,
+        redis_lease_ttl_s=0.6,
+    )
+    a, engine_a = serve_fake(settings)
+    b, _ = serve_fake(settings)
+    system = [{"role": "system", "content": "You are a careful assistant. " * 3}]
+    with gw.client(a, headers=AUTH) as ca, gw.client(b, headers=AUTH) as cb:
+        created = ca.post(
+            "/v1/prefixes", json={"model": "fake", "messages": system, "ttl_seconds": 600}
+        )
+        assert created.status_code == 200, created.text
+        assert engine_a.pinned_blocks > 0
+        assert cb.delete(f"/v1/prefixes/{created.json()['id']}").status_code == 200
+    deadline = time.monotonic() + 20  # many sweeps' worth; the TTL is 600 s
+    while engine_a.pinned_blocks and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert engine_a.pinned_blocks == 0
