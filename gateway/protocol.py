@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import resource
+import uuid
 from typing import Any
 
 from aiohttp import web
@@ -37,6 +38,7 @@ from aiohttp.http import RawRequestMessage
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
+from prefixgate.gateway import request_id
 from prefixgate.gateway.errors import APIError
 
 logger = logging.getLogger("prefixgate.gateway")
@@ -74,12 +76,14 @@ def fd_budget(fds_per_connection: int = 1) -> int:
 
 
 def _raw_error(error: APIError) -> bytes:
-    """A complete HTTP/1.1 response of ``error`` (``Connection: close``) as bytes."""
+    """A complete HTTP/1.1 response of ``error`` (``Connection: close``, a fresh
+    ``x-request-id``) as bytes."""
     body = json.dumps(error.body()).encode()
     head = (
         f"HTTP/1.1 {error.status} {_REASONS.get(error.status, 'Error')}\r\n"
         "Content-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\n"
+        f"{request_id.HEADER}: {uuid.uuid4().hex}\r\n"
         "Connection: close\r\n"
     )
     if error.retry_after is not None:
@@ -90,13 +94,11 @@ def _raw_error(error: APIError) -> bytes:
 _REASONS = {503: "Service Unavailable"}
 _REFUSAL_LINGER_S = 1.0
 
-REFUSAL = _raw_error(
-    APIError(
-        503,
-        "too many open connections to this server; retry shortly",
-        code="too_many_connections",
-        retry_after=1.0,
-    )
+_REFUSAL = APIError(
+    503,
+    "too many open connections to this server; retry shortly",
+    code="too_many_connections",
+    retry_after=1.0,
 )
 
 
@@ -114,7 +116,7 @@ class GatewayRequestHandler(RequestHandler):
             server.refused += 1
             # Answer, half-close, and drop what the client sends meanwhile; closing at once
             # with its request unread would reset the connection before it reads the answer.
-            transport.write(REFUSAL)
+            transport.write(_raw_error(_REFUSAL))
             if transport.can_write_eof():
                 transport.write_eof()
             self._loop.call_later(_REFUSAL_LINGER_S, transport.close)
@@ -186,6 +188,9 @@ class GatewayRequestHandler(RequestHandler):
         if request.writer.output_size > 0:
             raise ConnectionError("a response was already sent; cannot send an error")
         resp = error.response()
+        # No app hook runs for these (``request_id.stamp``): a fresh id, the client's own
+        # header is not trusted from a request that did not parse.
+        resp.headers[request_id.HEADER] = uuid.uuid4().hex
         resp.force_close()
         return resp
 

@@ -94,6 +94,7 @@ def test_protocol_errors_are_openai_error_objects(limited, data, status, code):
     assert got == status
     assert code is None or err["code"] == code
     assert b"Connection: close" in raw or raw.startswith(b"HTTP/1.0")
+    assert b"\r\nx-request-id: " in raw.partition(b"\r\n\r\n")[0].lower()  # every answer
 
 
 def test_declared_content_length_over_the_limit_is_413_at_once(limited):
@@ -133,6 +134,7 @@ def test_connections_beyond_the_bound_get_503_and_health_answers_after(limited, 
         status, err = _error(raw)
         assert status == 503 and err["code"] == "too_many_connections"
         assert b"Retry-After" in raw
+        assert b"\r\nx-request-id: " in raw.partition(b"\r\n\r\n")[0].lower()
     finally:
         for s in held:
             s.close()
