@@ -314,19 +314,19 @@ async def _forward(
                     up.served -= 1
                     status = "prefix_lost"
                     raise _PinnedLost("prefix_not_found")
+                if resp.status >= 400 and not _is_openai_error(data, resp.headers):
+                    raise _wrapped_error(resp)
+                problem = json_body_problem(data, resp.headers) if resp.status < 300 else None
+                if problem is not None:  # a failed upstream: not served, nothing learnt
+                    up.served -= 1
+                    router.mark_failed(up, f"HTTP {resp.status} with {problem}")
+                    status = "invalid"
+                    continue
                 if outcome is not None and resp.status == 200:
                     outcome.served = True
                     if "Content-Encoding" not in resp.headers:
                         outcome.usage = body_usage(data)
                     _learn(router, up, route, data[-4096:])
-                if resp.status >= 400 and not _is_openai_error(data, resp.headers):
-                    raise _wrapped_error(resp)
-                problem = json_body_problem(data, resp.headers) if resp.status < 300 else None
-                if problem is not None:
-                    up.served -= 1
-                    router.mark_failed(up, f"HTTP {resp.status} with {problem}")
-                    status = "invalid"
-                    continue
                 out_headers = {"Content-Type": ctype}
                 for name in _PASSED_HEADERS:  # a 429's advice; an encoding we did not undo
                     value = resp.headers.get(name)

@@ -145,3 +145,16 @@ def test_event_checker_units():
     c = EventChecker()
     c.feed(b'data: {"error": {"message": "x"}}\n\n')
     assert c.done and c.errored  # the upstream's own explicit ending passes
+
+
+@pytest.mark.parametrize("mode", ["html200", "garbage"])
+def test_an_invalid_200_answer_costs_the_key_nothing(proxy, mode, tmp_path):
+    # The invalid answer is a failed upstream (502): the request is refunded, as every
+    # request that fails before its first token, not charged as if served.
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"keys": [{"key": "sk-a", "requests_per_minute": 1}]}))
+    gw, up = proxy(mode, keys_file=str(keys))
+    auth = {"Authorization": "Bearer sk-a"}
+    for _ in range(3):  # 502, then 503 (the only upstream is out of rotation): never 429
+        r = httpx.post(gw.url + "/v1/chat/completions", json=BODY, headers=auth, timeout=10)
+        assert r.status_code in (502, 503), r.text
