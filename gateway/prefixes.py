@@ -216,20 +216,26 @@ class PrefixRegistry:
         counted = None  # the key's max_prefixes counted across replicas: 0.0, or None
         if owner is not None and quota is not None:
             await self._forget_deleted_elsewhere(owner)
-        if owner is not None and quota is not None and quota.max_prefixes:
-            if self._shared.shares_prefixes:
-                counted = await self._shared.reserve_prefix(
-                    owner, prefix_id, quota.max_prefixes, ttl_s
-                )
-            if counted is not None and counted > 0:
-                raise APIError(
-                    429,
-                    f"this key holds its limit of live prefixes across replicas (max_prefixes="
-                    f"{quota.max_prefixes}); delete one or wait for one to expire",
-                    code="prefix_limit_exceeded",
-                    retry_after=counted,
-                )
+        # True while a count of this prefix may sit in the shared state: given back when the
+        # create fails or is cancelled (also while the reservation itself is in flight).
+        reserved = False
         try:
+            if owner is not None and quota is not None and quota.max_prefixes:
+                if self._shared.shares_prefixes:
+                    reserved = True
+                    counted = await self._shared.reserve_prefix(
+                        owner, prefix_id, quota.max_prefixes, ttl_s
+                    )
+                if counted is not None and counted > 0:
+                    reserved = False  # refused: nothing was counted
+                    raise APIError(
+                        429,
+                        f"this key holds its limit of live prefixes across replicas "
+                        f"(max_prefixes={quota.max_prefixes}); delete one or wait for one "
+                        "to expire",
+                        code="prefix_limit_exceeded",
+                        retry_after=counted,
+                    )
             return await self._create(
                 prefix_id,
                 messages,
@@ -242,7 +248,7 @@ class PrefixRegistry:
                 count=counted is None,
             )
         except BaseException:
-            if counted is not None and owner is not None:
+            if reserved and owner is not None:
                 await self._shared.release_prefix(owner, prefix_id)
             raise
 
@@ -343,7 +349,12 @@ class PrefixRegistry:
                 "expires_at": entry.expires_at,
                 "owner": owner,
             }
-            await self._shared.put_prefix(entry.id, record, entry.seconds_left())
+            try:
+                await self._shared.put_prefix(entry.id, record, entry.seconds_left())
+            except BaseException:  # cancelled (client gone): nobody will know its id
+                self._drop(entry)
+                await self._shared.delete_prefix(entry.id)  # in case it was written
+                raise
             entry.published = self._shared.shares_prefixes  # False: Redis failed meanwhile
         return entry
 
