@@ -199,9 +199,16 @@ class ProxyPrefixRegistry:
                 retry_after=self._next_expiry(list(self._entries.values())),
             )
         prefix_id = "pfx-" + secrets.token_hex(12)
-        reserved = False
-        if owner is not None and key_max_prefixes:
-            reserved = await self._reserve(owner, prefix_id, key_max_prefixes, ttl_s)
+        # counted as in progress from here: the checks above and the key's own count hold
+        # for the creates that pass them while this one awaits
+        self._pending[owner] = self._pending.get(owner, 0) + 1
+        try:
+            reserved = False
+            if owner is not None and key_max_prefixes:
+                reserved = await self._reserve(owner, prefix_id, key_max_prefixes, ttl_s)
+        except BaseException:
+            self._unpend(owner)
+            raise
         now = time.time()
         entry = ProxyPrefix(
             id=prefix_id,
@@ -214,7 +221,6 @@ class ProxyPrefixRegistry:
             cache_salt=cache_salt,
             owner=owner,
         )
-        self._pending[owner] = self._pending.get(owner, 0) + 1
         try:
             await self._placement.place(entry, headers_for, first=True)
         except BaseException:
@@ -222,28 +228,43 @@ class ProxyPrefixRegistry:
                 await self._shared.release_prefix(owner, prefix_id)
             raise
         finally:
-            self._pending[owner] -= 1
-            if not self._pending[owner]:
-                del self._pending[owner]
+            self._unpend(owner)
         self._entries[entry.id] = entry
-        await self._publish(entry)
+        try:
+            await self._publish(entry)
+        except BaseException:  # cancelled (client gone): nobody will know its id
+            self._entries.pop(entry.id, None)
+            await self._shared.delete_prefix(entry.id)  # in case it was written
+            if reserved and owner is not None:
+                await self._shared.release_prefix(owner, prefix_id)
+            await self._placement.release(entry, headers_for)
+            raise
         return entry
 
+    def _unpend(self, owner: str | None) -> None:
+        self._pending[owner] -= 1
+        if not self._pending[owner]:
+            del self._pending[owner]
+
     async def _reserve(self, owner: str, prefix_id: str, limit: int, ttl_s: float) -> bool:
-        """Count a new prefix against ``owner``'s ``limit``: across replicas in the shared
-        state when it answers (True: reserved there), else on this replica's own prefixes
-        (False).
+        """Count a new prefix (already in ``_pending``) against ``owner``'s ``limit``: across
+        replicas in the shared state when it answers (True: reserved there), else on this
+        replica's own prefixes (False).
 
         Raises:
             APIError: 429 ``prefix_limit_exceeded`` when the key holds ``limit`` prefixes.
         """
         wait = None
         if self._shared.shares_prefixes:
-            wait = await self._shared.reserve_prefix(owner, prefix_id, limit, ttl_s)
+            try:
+                wait = await self._shared.reserve_prefix(owner, prefix_id, limit, ttl_s)
+            except BaseException:  # cancelled with the answer unknown: give it back
+                await self._shared.release_prefix(owner, prefix_id)
+                raise
         if wait is not None and wait <= 0:
             return True
         mine = [e for e in self._entries.values() if e.owner == owner]
-        held = len(mine) + self._pending.get(owner, 0)
+        held = len(mine) + self._pending.get(owner, 0) - 1  # the others in progress
         if wait is None and held < limit:
             return False
         raise APIError(
