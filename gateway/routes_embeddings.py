@@ -71,17 +71,27 @@ async def create_embeddings(request: web.Request) -> web.Response:
         st.shared.refund(principal, lease)
         raise
     served = False
+    work = asyncio.ensure_future(embed(inputs))
     try:
-        vectors = await embed(inputs)
+        vectors = await asyncio.shield(work)
         served = True
     except (ValueError, TypeError) as exc:
         raise bad_request(str(exc), param="input") from None
     finally:
-        ticket.done()
         if served:  # charged exactly its input tokens, as a chat is its prompt + completion
             st.shared.settle(principal, lease, tokens, 0)
         else:
             st.shared.refund(principal, lease)
+        if work.done():
+            ticket.done()
+        else:  # client gone: the worker thread cannot be stopped; its place is held till it ends
+
+            def finished(f: asyncio.Future[list[list[float]]]) -> None:
+                ticket.done()
+                if not f.cancelled():
+                    f.exception()  # nobody awaits it any more: retrieved, never logged
+
+            work.add_done_callback(finished)
     rec = record(request)
     rec.prompt_tokens, rec.completion_tokens = tokens, 0
     data = []
