@@ -353,6 +353,8 @@ class UpstreamRouter:
         """The upstream for a request (None when none is healthy), by ``policy``."""
         if isinstance(route, bytes):
             route = Route(route, [])
+        if route is not None:
+            route.predicted = 0  # this pick's own prediction (a retry's upstream is another)
         cands = [u for u in self.upstreams if u.healthy and u not in exclude]
         if not cands:
             return None

@@ -93,6 +93,18 @@ def test_cache_aware_learns_from_cached_tokens():
     assert up.cache_misses == 1
 
 
+def test_a_retry_s_upstream_is_not_held_to_the_first_pick_s_prediction():
+    r = UpstreamRouter(URLS)
+    text = "retried prompt " * 8
+    r.pick(_route(text))
+    route = _route(text)
+    home = r.pick(route)  # the tree predicts all of it cached there
+    assert route.predicted == len(route.blocks)
+    other = r.pick(route, [home])  # home failed: a cold upstream, nothing predicted
+    r.learn(other, route, cached=0, prompt_tokens=100)
+    assert other.cache_misses == 0
+
+
 def test_round_robin_and_least_loaded():
     r = UpstreamRouter(URLS, policy="round_robin")
     assert [r.pick(_route("same")).url for _ in range(6)] == URLS * 2
