@@ -8,7 +8,7 @@ from urllib.parse import quote
 
 from .._options import Requester
 
-__all__ = ["APIResource", "clean_body", "require_str", "path_part"]
+__all__ = ["APIResource", "call_args", "clean_body", "reject_stream", "require_str", "path_part"]
 
 
 class APIResource:
@@ -21,6 +21,24 @@ class APIResource:
 def clean_body(params: Mapping[str, Any]) -> dict[str, Any]:
     """The JSON body: every parameter except those left ``None`` (omitted, server default)."""
     return {k: v for k, v in params.items() if v is not None}
+
+
+def call_args(frame_locals: Mapping[str, Any]) -> dict[str, Any]:
+    """A method's arguments by name, from its ``locals()`` taken first thing in its body
+    (before any other local is bound), less ``self``.
+
+    Lets a method whose parameters are spelled out (typed, keyword-only: the API) hand them
+    all on to its twin with the same names (the blocking resource to the async one, ``parse``
+    to ``create``) without restating each one; tests/sdk/test_request_params.py checks the
+    twins' signatures match.
+    """
+    return {k: v for k, v in frame_locals.items() if k != "self"}
+
+
+def reject_stream(request: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` when a ``batch()`` request asks to stream."""
+    if request.get("stream"):
+        raise ValueError("batch() requests cannot stream: drop stream=True")
 
 
 def require_str(name: str, value: Any) -> None:

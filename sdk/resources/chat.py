@@ -16,7 +16,7 @@ from .._response import (
 from ..batch import run_batch
 from ..streaming import AsyncStream
 from ..types import ChatCompletion, ChatCompletionChunk, ParsedChatCompletion
-from ._common import APIResource, clean_body, require_str
+from ._common import APIResource, call_args, clean_body, reject_stream, require_str
 
 __all__ = [
     "AsyncChat",
@@ -360,44 +360,10 @@ class AsyncChatCompletions(APIResource):
             TypeError: a ``response_format`` that is neither a type nor a mapping.
             APIStatusError, APIConnectionError, APITimeoutError: see ``create``.
         """
-        wire_format = None if response_format is None else response_format_param(response_format)
-        completion = await self.create(
-            model=model,
-            messages=messages,
-            stream=False,
-            frequency_penalty=frequency_penalty,
-            logit_bias=logit_bias,
-            logprobs=logprobs,
-            max_completion_tokens=max_completion_tokens,
-            max_tokens=max_tokens,
-            n=n,
-            parallel_tool_calls=parallel_tool_calls,
-            presence_penalty=presence_penalty,
-            seed=seed,
-            stop=stop,
-            stream_options=stream_options,
-            temperature=temperature,
-            tool_choice=tool_choice,
-            tools=tools,
-            top_logprobs=top_logprobs,
-            top_p=top_p,
-            user=user,
-            top_k=top_k,
-            min_p=min_p,
-            repetition_penalty=repetition_penalty,
-            min_tokens=min_tokens,
-            ignore_eos=ignore_eos,
-            stop_token_ids=stop_token_ids,
-            cache_salt=cache_salt,
-            prefix_id=prefix_id,
-            extra_headers=extra_headers,
-            extra_query=extra_query,
-            extra_body=extra_body,
-            timeout=timeout,
-            max_retries=max_retries,
-            idle_timeout=idle_timeout,
-            response_format=wire_format,
-        )
+        params = call_args(locals())
+        if response_format is not None:  # a type becomes its strict json_schema
+            params["response_format"] = response_format_param(response_format)
+        completion: ChatCompletion = await self.create(stream=False, **params)
         if isinstance(completion, APIResponse):  # with_raw_response: parse what it holds
             completion._parsed = parse_chat_completion(completion.parse(), response_format, tools)
             return completion  # type: ignore[return-value]
@@ -427,8 +393,7 @@ class AsyncChatCompletions(APIResource):
         )
 
     async def _non_stream_create(self, **request: Any) -> ChatCompletion:
-        if request.get("stream"):
-            raise ValueError("batch() requests cannot stream: drop stream=True")
+        reject_stream(request)
         result: ChatCompletion = await self.create(**request)
         return result
 

@@ -9,6 +9,7 @@ from typing import Any, Literal, TypeVar, overload
 from .._blocking import Bridge, RawMethods, SyncStream
 from .._options import Timeout
 from ..types import ChatCompletion, ChatCompletionChunk, ParsedChatCompletion
+from ._common import call_args
 from .chat import AsyncChatCompletions
 
 __all__ = ["SyncChat", "SyncChatCompletions"]
@@ -189,42 +190,7 @@ class SyncChatCompletions:
     ) -> ChatCompletion | SyncStream[ChatCompletionChunk]:
         """Blocking ``AsyncChatCompletions.create``."""
         result: ChatCompletion | SyncStream[ChatCompletionChunk] = self._bridge.run(
-            self._async.create,
-            model=model,
-            messages=messages,
-            stream=stream,
-            frequency_penalty=frequency_penalty,
-            logit_bias=logit_bias,
-            logprobs=logprobs,
-            max_completion_tokens=max_completion_tokens,
-            max_tokens=max_tokens,
-            n=n,
-            parallel_tool_calls=parallel_tool_calls,
-            presence_penalty=presence_penalty,
-            response_format=response_format,
-            seed=seed,
-            stop=stop,
-            stream_options=stream_options,
-            temperature=temperature,
-            tool_choice=tool_choice,
-            tools=tools,
-            top_logprobs=top_logprobs,
-            top_p=top_p,
-            user=user,
-            top_k=top_k,
-            min_p=min_p,
-            repetition_penalty=repetition_penalty,
-            min_tokens=min_tokens,
-            ignore_eos=ignore_eos,
-            stop_token_ids=stop_token_ids,
-            cache_salt=cache_salt,
-            prefix_id=prefix_id,
-            extra_headers=extra_headers,
-            extra_query=extra_query,
-            extra_body=extra_body,
-            timeout=timeout,
-            max_retries=max_retries,
-            idle_timeout=idle_timeout,
+            self._async.create, **call_args(locals())
         )
         return result
 
@@ -268,41 +234,7 @@ class SyncChatCompletions:
     ) -> ParsedChatCompletion[ResponseFormatT]:
         """Blocking ``AsyncChatCompletions.parse``."""
         result: ParsedChatCompletion[ResponseFormatT] = self._bridge.run(
-            self._async.parse,
-            model=model,
-            messages=messages,
-            frequency_penalty=frequency_penalty,
-            logit_bias=logit_bias,
-            logprobs=logprobs,
-            max_completion_tokens=max_completion_tokens,
-            max_tokens=max_tokens,
-            n=n,
-            parallel_tool_calls=parallel_tool_calls,
-            presence_penalty=presence_penalty,
-            response_format=response_format,
-            seed=seed,
-            stop=stop,
-            stream_options=stream_options,
-            temperature=temperature,
-            tool_choice=tool_choice,
-            tools=tools,
-            top_logprobs=top_logprobs,
-            top_p=top_p,
-            user=user,
-            top_k=top_k,
-            min_p=min_p,
-            repetition_penalty=repetition_penalty,
-            min_tokens=min_tokens,
-            ignore_eos=ignore_eos,
-            stop_token_ids=stop_token_ids,
-            cache_salt=cache_salt,
-            prefix_id=prefix_id,
-            extra_headers=extra_headers,
-            extra_query=extra_query,
-            extra_body=extra_body,
-            timeout=timeout,
-            max_retries=max_retries,
-            idle_timeout=idle_timeout,
+            self._async.parse, **call_args(locals())
         )
         return result
 

@@ -11,7 +11,7 @@ from .._response import to_raw_response_wrapper, to_streamed_response_wrapper
 from ..batch import run_batch
 from ..streaming import AsyncStream
 from ..types import Completion
-from ._common import APIResource, clean_body, require_str
+from ._common import APIResource, clean_body, reject_stream, require_str
 
 __all__ = [
     "AsyncCompletions",
@@ -243,8 +243,7 @@ class AsyncCompletions(APIResource):
         )
 
     async def _non_stream_create(self, **request: Any) -> Completion:
-        if request.get("stream"):
-            raise ValueError("batch() requests cannot stream: drop stream=True")
+        reject_stream(request)
         result: Completion = await self.create(**request)
         return result
 

@@ -9,6 +9,7 @@ from typing import Any, Literal, overload
 from .._blocking import Bridge, RawMethods, SyncStream
 from .._options import Timeout
 from ..types import Completion
+from ._common import call_args
 from .completions import AsyncCompletions
 
 __all__ = ["SyncCompletions"]
@@ -171,38 +172,7 @@ class SyncCompletions:
     ) -> Completion | SyncStream[Completion]:
         """Blocking ``AsyncCompletions.create``."""
         result: Completion | SyncStream[Completion] = self._bridge.run(
-            self._async.create,
-            model=model,
-            prompt=prompt,
-            stream=stream,
-            best_of=best_of,
-            echo=echo,
-            frequency_penalty=frequency_penalty,
-            logit_bias=logit_bias,
-            logprobs=logprobs,
-            max_tokens=max_tokens,
-            n=n,
-            presence_penalty=presence_penalty,
-            seed=seed,
-            stop=stop,
-            stream_options=stream_options,
-            suffix=suffix,
-            temperature=temperature,
-            top_p=top_p,
-            user=user,
-            top_k=top_k,
-            min_p=min_p,
-            repetition_penalty=repetition_penalty,
-            min_tokens=min_tokens,
-            ignore_eos=ignore_eos,
-            stop_token_ids=stop_token_ids,
-            cache_salt=cache_salt,
-            extra_headers=extra_headers,
-            extra_query=extra_query,
-            extra_body=extra_body,
-            timeout=timeout,
-            max_retries=max_retries,
-            idle_timeout=idle_timeout,
+            self._async.create, **call_args(locals())
         )
         return result
 

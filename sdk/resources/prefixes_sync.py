@@ -9,6 +9,7 @@ from typing import Any, Self
 from .._blocking import Bridge, RawMethods, SyncStream
 from .._options import Timeout
 from ..types import ChatCompletion, ChatCompletionChunk, Prefix, PrefixDeleted
+from ._common import call_args
 from .prefixes import AsyncPrefixes, PrefixSession
 
 __all__ = ["SyncPrefixSession", "SyncPrefixes"]
@@ -79,18 +80,7 @@ class SyncPrefixes:
         max_retries: int | None = None,
     ) -> Prefix:
         """Blocking ``AsyncPrefixes.create``."""
-        result: Prefix = self._bridge.run(
-            self._async.create,
-            model=model,
-            messages=messages,
-            ttl_seconds=ttl_seconds,
-            cache_salt=cache_salt,
-            extra_headers=extra_headers,
-            extra_query=extra_query,
-            extra_body=extra_body,
-            timeout=timeout,
-            max_retries=max_retries,
-        )
+        result: Prefix = self._bridge.run(self._async.create, **call_args(locals()))
         return result
 
     def get(
@@ -103,14 +93,7 @@ class SyncPrefixes:
         max_retries: int | None = None,
     ) -> Prefix:
         """Blocking ``AsyncPrefixes.get``."""
-        result: Prefix = self._bridge.run(
-            self._async.get,
-            prefix_id,
-            extra_headers=extra_headers,
-            extra_query=extra_query,
-            timeout=timeout,
-            max_retries=max_retries,
-        )
+        result: Prefix = self._bridge.run(self._async.get, **call_args(locals()))
         return result
 
     def delete(
@@ -123,14 +106,7 @@ class SyncPrefixes:
         max_retries: int | None = None,
     ) -> PrefixDeleted:
         """Blocking ``AsyncPrefixes.delete``."""
-        result: PrefixDeleted = self._bridge.run(
-            self._async.delete,
-            prefix_id,
-            extra_headers=extra_headers,
-            extra_query=extra_query,
-            timeout=timeout,
-            max_retries=max_retries,
-        )
+        result: PrefixDeleted = self._bridge.run(self._async.delete, **call_args(locals()))
         return result
 
     def session(
