@@ -8,6 +8,7 @@ from typing import Any
 from .._blocking import Bridge, RawMethods
 from .._options import Timeout
 from ..types import ModelInfo, ModelList
+from ._common import call_args
 from .models import AsyncModels
 
 __all__ = ["SyncModels"]
@@ -31,13 +32,7 @@ class SyncModels:
         max_retries: int | None = None,
     ) -> ModelList:
         """Blocking ``AsyncModels.list``."""
-        result: ModelList = self._bridge.run(
-            self._async.list,
-            extra_headers=extra_headers,
-            extra_query=extra_query,
-            timeout=timeout,
-            max_retries=max_retries,
-        )
+        result: ModelList = self._bridge.run(self._async.list, **call_args(locals()))
         return result
 
     def retrieve(
@@ -50,12 +45,5 @@ class SyncModels:
         max_retries: int | None = None,
     ) -> ModelInfo:
         """Blocking ``AsyncModels.retrieve``."""
-        result: ModelInfo = self._bridge.run(
-            self._async.retrieve,
-            model,
-            extra_headers=extra_headers,
-            extra_query=extra_query,
-            timeout=timeout,
-            max_retries=max_retries,
-        )
+        result: ModelInfo = self._bridge.run(self._async.retrieve, **call_args(locals()))
         return result

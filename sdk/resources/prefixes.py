@@ -24,7 +24,7 @@ from ..batch import run_batch
 from ..errors import APIStatusError, NotFoundError, RateLimitError
 from ..streaming import AsyncStream
 from ..types import ChatCompletion, ChatCompletionChunk, Prefix, PrefixDeleted
-from ._common import APIResource, clean_body, path_part, require_str
+from ._common import APIResource, call_args, clean_body, path_part, reject_stream, require_str
 from .chat import AsyncChatCompletions, validate_messages
 
 __all__ = [
@@ -94,16 +94,7 @@ class AsyncPrefixes(APIResource):
         max_retries: int | None = None,
     ) -> Prefix:
         """The live prefix ``prefix_id``. Raises ``NotFoundError`` when unknown or expired."""
-        require_str("prefix_id", prefix_id)
-        options = make_options(
-            extra_headers=extra_headers,
-            extra_query=extra_query,
-            timeout=timeout,
-            max_retries=max_retries,
-        )
-        result: Prefix = await self._client.request(
-            "GET", f"prefixes/{path_part(prefix_id)}", cast=Prefix.model_validate, options=options
-        )
+        result: Prefix = await self._by_id("GET", Prefix.model_validate, **call_args(locals()))
         return result
 
     async def delete(
@@ -116,6 +107,23 @@ class AsyncPrefixes(APIResource):
         max_retries: int | None = None,
     ) -> PrefixDeleted:
         """Unpin and forget ``prefix_id``. Raises ``NotFoundError`` when unknown or expired."""
+        result: PrefixDeleted = await self._by_id(
+            "DELETE", PrefixDeleted.model_validate, **call_args(locals())
+        )
+        return result
+
+    async def _by_id(
+        self,
+        method: str,
+        cast: Callable[[Any], Any],
+        prefix_id: str,
+        *,
+        extra_headers: Mapping[str, str] | None,
+        extra_query: Mapping[str, Any] | None,
+        timeout: Timeout | None,
+        max_retries: int | None,
+    ) -> Any:
+        """``method`` on ``/v1/prefixes/{prefix_id}`` (checked, path-escaped), answer ``cast``."""
         require_str("prefix_id", prefix_id)
         options = make_options(
             extra_headers=extra_headers,
@@ -123,13 +131,9 @@ class AsyncPrefixes(APIResource):
             timeout=timeout,
             max_retries=max_retries,
         )
-        result: PrefixDeleted = await self._client.request(
-            "DELETE",
-            f"prefixes/{path_part(prefix_id)}",
-            cast=PrefixDeleted.model_validate,
-            options=options,
+        return await self._client.request(
+            method, f"prefixes/{path_part(prefix_id)}", cast=cast, options=options
         )
-        return result
 
     def session(
         self,
@@ -280,8 +284,7 @@ class PrefixSession:
         **params: Any,
     ) -> list[ChatCompletion | Exception]:
         """``create(user, **params)`` for each user turn, in input order, errors per item."""
-        if params.get("stream"):
-            raise ValueError("batch() requests cannot stream: drop stream=True")
+        reject_stream(params)
         return await run_batch(
             self._non_stream_create,
             [dict(user=u, **params) for u in users],
