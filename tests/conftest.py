@@ -66,3 +66,16 @@ def pytest_collection_modifyitems(config, items):
 def pool_whole():
     """The block-pool check as a fixture: ``pool_whole(llm)`` (see ``assert_pool_whole``)."""
     return assert_pool_whole
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch intra-op thread for a module's tests, restored after it (a module opts in
+    with ``pytestmark = pytest.mark.usefixtures("one_thread")``): on a loaded 2-core machine
+    torch's thread pool makes tiny-model steps ~25x slower (threads spin-wait on each other)."""
+    import torch  # here, not at the top: the sdk tests run without torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -10,18 +10,11 @@ on a GPU in ``python -m prefixgate.sdk.bench.gpu_check`` (section ``engine_varia
 from __future__ import annotations
 
 import pytest
-import torch
 from prefixgate.engine import LLM, SamplingParams
 from prefixgate.engine.config import EngineConfig
 from prefixgate.engine.cuda_graphs import DecodeCudaGraphs, capture_sizes, check_cuda_graphs
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def test_refused_where_it_cannot_work():

@@ -4,20 +4,13 @@ length caps, streaming deltas."""
 from __future__ import annotations
 
 import pytest
-import torch
 from prefixgate.engine import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PROMPTS = ["I sense the nodes", "A gentle hum", "The dreamer wakes inside the code and"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny model on a loaded 2-core machine: one intra-op thread is much faster."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -52,14 +52,7 @@ def hf_greedy(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int
     return ids[len(prompt_ids) :]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: on a loaded 2-core machine torch's thread pool makes tiny-model
-    steps ~25x slower (threads spin-wait on each other)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -22,14 +22,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).parent))  # importlib mode: make model_helpers importable
 from model_helpers import load  # noqa: E402
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Engine tests on tiny models run single-threaded (see DEVELOPERS.md)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def test_unknown_method_and_bad_combinations_raise_at_start():

@@ -12,7 +12,6 @@ import re
 
 import jsonschema
 import pytest
-import torch
 from prefixgate.engine import LLM, SamplingParams
 from prefixgate.engine.sampling_params import StructuredOutputsParams as SO
 from prefixgate.engine.structured_output import grammar_of
@@ -64,12 +63,7 @@ def hermes_tag(stop_after_first: bool) -> dict:
     }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

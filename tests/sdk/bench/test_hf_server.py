@@ -16,12 +16,7 @@ from prefixgate.sdk.bench.hf_server import HFBatchServer  # noqa: E402
 MSG = [{"role": "user", "content": "I sense the nodes"}]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def test_batches_streams_and_rejects(aidreams_path):
