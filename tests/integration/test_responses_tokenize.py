@@ -3,18 +3,13 @@ aidreams-260k, driven by the official openai client (plain and streaming Respons
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import openai
 import pytest
 
 pytest.importorskip("prefixgate.engine.async_engine")
 
-from prefixgate.engine import AsyncEngine, EngineConfig  # noqa: E402
-from prefixgate.gateway.app import create_app  # noqa: E402
-from prefixgate.gateway.server import BackgroundServer  # noqa: E402
-from prefixgate.gateway.state import STATE, GatewaySettings  # noqa: E402
+from support.gateway import openai_client, serve_aidreams, wait_idle  # noqa: E402
 
 MODEL = "aidreams-260k"
 INSTRUCTIONS = "You are a storyteller. Tell short tales about a fox, a bird and an old oak tree."
@@ -22,30 +17,12 @@ INSTRUCTIONS = "You are a storyteller. Tell short tales about a fox, a bird and 
 
 @pytest.fixture(scope="module")
 def server(aidreams_path):
-    def make():
-        engine = AsyncEngine(EngineConfig(model=aidreams_path, num_kv_blocks=256))
-        return create_app(engine, GatewaySettings(model_name=MODEL, poll_s=0.02))
-
-    srv = BackgroundServer(make).__enter__()
-    yield srv
-    srv.call(srv.app[STATE].engine.shutdown)
-    srv.close()
+    yield from serve_aidreams(aidreams_path, model_name=MODEL)
 
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
-
-
-def _idle(server, pool_whole) -> None:
-    engine = server.app[STATE].engine
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        s = engine.stats()
-        if s["num_running"] == 0 and s["num_waiting"] == 0:
-            break
-        time.sleep(0.02)
-    pool_whole(engine, pinned_ok=True)
+    return openai_client(server)
 
 
 def test_responses_plain_matches_chat_and_reports_cached_tokens(server, client, pool_whole):
@@ -77,7 +54,7 @@ def test_responses_plain_matches_chat_and_reports_cached_tokens(server, client, 
         **kw,
     )
     assert msgs.output_text == first.output_text
-    _idle(server, pool_whole)
+    wait_idle(server, pool_whole, 10, pinned_ok=True)
 
 
 def test_responses_stream_events(server, client, pool_whole):
@@ -102,7 +79,7 @@ def test_responses_stream_events(server, client, pool_whole):
     assert text == plain.output_text == events[-4].text
     final = events[-1].response
     assert final.output_text == text and final.usage.output_tokens == 10
-    _idle(server, pool_whole)
+    wait_idle(server, pool_whole, 10, pinned_ok=True)
 
 
 def test_responses_stream_helper(server, client, pool_whole):
@@ -117,7 +94,7 @@ def test_responses_stream_helper(server, client, pool_whole):
     assert last.response.usage.output_tokens > 0
     if last.type == "response.completed":
         assert stream.get_final_response().output_text == text
-    _idle(server, pool_whole)
+    wait_idle(server, pool_whole, 10, pinned_ok=True)
 
 
 @pytest.mark.parametrize(
@@ -142,7 +119,7 @@ def test_responses_refuses_what_it_does_not_implement(server, body, param, pool_
     err = r.json()["error"]
     assert err["param"] == param, err
     assert r.headers["x-request-id"]
-    _idle(server, pool_whole)
+    wait_idle(server, pool_whole, 10, pinned_ok=True)
 
 
 def test_x_request_id_on_every_answer(server):

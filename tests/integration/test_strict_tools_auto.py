@@ -12,7 +12,6 @@ arguments under the same steering fail the schema.)"""
 from __future__ import annotations
 
 import json
-import time
 
 import jsonschema
 import openai
@@ -20,10 +19,8 @@ import pytest
 
 pytest.importorskip("prefixgate.engine.async_engine")
 
-from prefixgate.engine import AsyncEngine, EngineConfig  # noqa: E402
-from prefixgate.gateway.app import create_app  # noqa: E402
-from prefixgate.gateway.server import BackgroundServer  # noqa: E402
-from prefixgate.gateway.state import STATE, GatewaySettings  # noqa: E402
+from prefixgate.gateway.state import STATE  # noqa: E402
+from support.gateway import openai_client, serve_aidreams, wait_idle  # noqa: E402
 from support.steer import steer_opening  # noqa: E402
 
 MODEL = "aidreams-260k"
@@ -55,22 +52,14 @@ MSGS = [{"role": "user", "content": "Weather?"}]
 
 @pytest.fixture(scope="module")
 def server(aidreams_path):
-    def make():
-        engine = AsyncEngine(EngineConfig(model=aidreams_path, num_kv_blocks=256))
-        settings = GatewaySettings(
-            model_name=MODEL, poll_s=0.02, max_queued_requests=64, tool_call_parser="hermes"
-        )
-        return create_app(engine, settings)
-
-    srv = BackgroundServer(make).__enter__()
-    yield srv
-    srv.call(srv.app[STATE].engine.shutdown)
-    srv.close()
+    yield from serve_aidreams(
+        aidreams_path, model_name=MODEL, tool_call_parser="hermes", max_queued_requests=64
+    )
 
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    return openai_client(server)
 
 
 @pytest.fixture(params=[OPENING, WEATHER_OPENING], ids=["model_picks", "get_weather"])
@@ -79,17 +68,6 @@ def steered(server, monkeypatch, request):
     ids = tok.encode_plain(request.param)
     assert tok.decode(ids) == request.param
     return steer_opening(monkeypatch, ids)
-
-
-def _idle(server, pool_whole, timeout: float = 20.0) -> None:
-    engine = server.app[STATE].engine
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        s = engine.stats()
-        if s["num_running"] == 0 and s["num_waiting"] == 0:
-            break
-        time.sleep(0.02)
-    pool_whole(engine)
 
 
 def _validate(name: str, arguments: str) -> None:
@@ -120,7 +98,7 @@ def test_every_returned_call_validates(client, server, steered, pool_whole, para
                 else:  # free text may follow a call
                     assert content.startswith("Let me see."), content
     assert calls >= 9, calls  # of 12 answers: most finish their call within max_tokens
-    _idle(server, pool_whole)
+    wait_idle(server, pool_whole)
 
 
 def test_streamed_calls_validate(client, server, steered, pool_whole):
@@ -149,7 +127,7 @@ def test_streamed_calls_validate(client, server, steered, pool_whole):
             complete += 1
             assert finish == "tool_calls" and content.strip() == "Let me see."
     assert complete >= 4, complete
-    _idle(server, pool_whole)
+    wait_idle(server, pool_whole)
 
 
 def test_strict_auto_with_response_format_is_a_400(client, server, pool_whole):
@@ -160,7 +138,7 @@ def test_strict_auto_with_response_format_is_a_400(client, server, pool_whole):
         )  # fmt: skip
     assert err.value.body["param"] == "response_format"
     assert "strict tools" in err.value.body["message"]
-    _idle(server, pool_whole)
+    wait_idle(server, pool_whole)
 
 
 def test_strict_not_a_boolean_is_a_400(client, server, pool_whole):
@@ -168,4 +146,4 @@ def test_strict_not_a_boolean_is_a_400(client, server, pool_whole):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=MODEL, messages=MSGS, tools=bad, max_tokens=5)
     assert err.value.body["param"] == "tools[0].function.strict"
-    _idle(server, pool_whole)
+    wait_idle(server, pool_whole)

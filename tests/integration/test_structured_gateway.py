@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import re
 import threading
-import time
 import typing
 
 import httpx
@@ -18,8 +17,6 @@ import pytest
 
 pytest.importorskip("prefixgate.engine.async_engine")
 
-from prefixgate.engine import AsyncEngine, EngineConfig  # noqa: E402
-from prefixgate.gateway.app import create_app  # noqa: E402
 from prefixgate.gateway.request_fields import (  # noqa: E402
     CHAT_EXTRAS,
     CHAT_SUPPORTED,
@@ -27,8 +24,7 @@ from prefixgate.gateway.request_fields import (  # noqa: E402
     EXTRAS,
     REFUSED,
 )
-from prefixgate.gateway.server import BackgroundServer  # noqa: E402
-from prefixgate.gateway.state import STATE, GatewaySettings  # noqa: E402
+from support.gateway import openai_client, serve_aidreams, wait_idle  # noqa: E402
 
 MODEL = "aidreams-260k"
 SCHEMA = {
@@ -82,33 +78,14 @@ MSGS = [{"role": "user", "content": "Tell me"}]
 
 @pytest.fixture(scope="module")
 def server(aidreams_path):
-    def make():
-        engine = AsyncEngine(EngineConfig(model=aidreams_path, num_kv_blocks=256))
-        settings = GatewaySettings(
-            model_name=MODEL, poll_s=0.02, max_queued_requests=64, tool_call_parser="hermes"
-        )
-        return create_app(engine, settings)
-
-    srv = BackgroundServer(make).__enter__()
-    yield srv
-    srv.call(srv.app[STATE].engine.shutdown)
-    srv.close()
+    yield from serve_aidreams(
+        aidreams_path, model_name=MODEL, tool_call_parser="hermes", max_queued_requests=64
+    )
 
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
-
-
-def _idle(server, pool_whole, timeout: float = 20.0) -> None:
-    engine = server.app[STATE].engine
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        s = engine.stats()
-        if s["num_running"] == 0 and s["num_waiting"] == 0:
-            break
-        time.sleep(0.02)
-    pool_whole(engine)
+    return openai_client(server)
 
 
 def _rf(schema: dict) -> dict:
@@ -139,7 +116,7 @@ def test_json_schema_response_format_validates(client, server, pool_whole):
                 finish = ch.choices[0].finish_reason or finish
         if finish == "stop":
             jsonschema.validate(json.loads("".join(parts)), SCHEMA)
-    _idle(server, pool_whole)
+    wait_idle(server, pool_whole)
 
 
 @pytest.mark.parametrize(
@@ -180,7 +157,7 @@ def test_vllm_extras_map_to_the_same_constraint(client, server, extra, check, po
                 parts.append(ch.choices[0].delta.content or "")
                 finish = ch.choices[0].finish_reason or finish
         assert finish == "stop" and check("".join(parts)), parts
-    _idle(server, pool_whole)
+    wait_idle(server, pool_whole)
 
 
 def test_json_object_mode(client, server, pool_whole):
@@ -191,7 +168,7 @@ def test_json_object_mode(client, server, pool_whole):
     for c in r.choices:
         if c.finish_reason == "stop":
             assert isinstance(json.loads(c.message.content), dict)
-    _idle(server, pool_whole)
+    wait_idle(server, pool_whole)
 
 
 def test_named_and_required_tool_choice(client, server, pool_whole):
@@ -215,7 +192,7 @@ def test_named_and_required_tool_choice(client, server, pool_whole):
         assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1
         call = c.message.tool_calls[0]
         jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
-    _idle(server, pool_whole)
+    wait_idle(server, pool_whole)
 
 
 def test_tool_calls_streamed_with_index(client, server, pool_whole):
@@ -250,7 +227,7 @@ def test_tool_calls_streamed_with_index(client, server, pool_whole):
                 assert slot["id"].startswith("call_")
                 jsonschema.validate(json.loads(slot["arguments"]), PARAMS[slot["name"]])
         assert complete >= 3, choice
-    _idle(server, pool_whole)
+    wait_idle(server, pool_whole)
 
 
 def test_auto_without_a_call_is_plain_content(client, server, pool_whole):
@@ -259,7 +236,7 @@ def test_auto_without_a_call_is_plain_content(client, server, pool_whole):
     )
     c = r.choices[0]
     assert c.message.content and not c.message.tool_calls and c.finish_reason in ("stop", "length")
-    _idle(server, pool_whole)
+    wait_idle(server, pool_whole)
 
 
 BAD = [
@@ -321,7 +298,7 @@ def test_bad_input_is_400_naming_the_field_and_disturbs_nothing(server, pool_who
         assert r.json()["error"]["message"] == "Unrecognized request argument supplied: frobnicate"
     t.join(60)
     assert result["finish"] == "length" and len(result["text"]) > 20
-    _idle(server, pool_whole)
+    wait_idle(server, pool_whole)
 
 
 def test_every_openai_field_is_handled_or_refused(server, pool_whole):
@@ -372,7 +349,7 @@ def test_every_openai_field_is_handled_or_refused(server, pool_whole):
         assert r.status_code == 200, r.text
     for name in EXTRAS | CHAT_EXTRAS:
         assert name not in chat_fields  # extras are ours, sent via extra_body
-    _idle(server, pool_whole)
+    wait_idle(server, pool_whole)
 
 
 def test_tool_messages_render_through_the_template():

@@ -1,0 +1,56 @@
+"""A real gateway on aidreams-260k for integration tests: the module-scoped ``server`` fixture's
+body, the official ``openai`` client on it, and the wait for the engine to go idle."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import openai
+from prefixgate.engine import AsyncEngine, EngineConfig
+from prefixgate.gateway.app import create_app
+from prefixgate.gateway.server import BackgroundServer
+from prefixgate.gateway.state import STATE, GatewaySettings
+
+
+def serve_aidreams(model_path: str, **settings: Any) -> Iterator[BackgroundServer]:
+    """Yield a ``BackgroundServer`` (127.0.0.1, free port) over an ``AsyncEngine`` of
+    ``model_path`` with 256 KV blocks and ``GatewaySettings(poll_s=0.02, **settings)``; shut
+    the engine down and close the server after. Use as ``yield from serve_aidreams(...)``."""
+
+    def make():
+        engine = AsyncEngine(EngineConfig(model=model_path, num_kv_blocks=256))
+        return create_app(engine, GatewaySettings(poll_s=0.02, **settings))
+
+    srv = BackgroundServer(make).__enter__()
+    yield srv
+    srv.call(srv.app[STATE].engine.shutdown)
+    srv.close()
+
+
+def openai_client(server: BackgroundServer) -> openai.OpenAI:
+    """The official client on ``server``'s ``/v1`` (no retries: a failure shows)."""
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+
+def wait_idle(
+    server: BackgroundServer,
+    pool_whole: Callable[..., None],
+    timeout: float = 20.0,
+    *,
+    pinned_ok: bool = False,
+) -> None:
+    """Wait up to ``timeout`` seconds for no running or waiting request, then check the block
+    pool is whole (``pinned_ok``: blocks pinned by prefixes are fine)."""
+    engine = server.app[STATE].engine
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = engine.stats()
+        if s["num_running"] == 0 and s["num_waiting"] == 0:
+            break
+        time.sleep(0.02)
+    if pinned_ok:
+        pool_whole(engine, pinned_ok=True)
+    else:
+        pool_whole(engine)
