@@ -36,7 +36,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,bench}")
     if command == "serve":
         try:
-            from prefixgate.gateway.serve_cli import add_serve_parser
+            from prefixgate.gateway.serve.runner import add_serve_parser
         except ImportError as exc:  # the SDK-only install: `pip install -e .`
             raise SystemExit(
                 f"prefixgate serve: the server needs the engine extra ({exc.name} is missing):"

@@ -97,7 +97,7 @@ def test_llm_int8_generates_batch_invariant(aidreams_path, pool_whole):
 
 
 def test_serve_flag():
-    from prefixgate.gateway.serve_cli import add_serve_parser, engine_config
+    from prefixgate.gateway.serve.runner import add_serve_parser, engine_config
 
     parser = argparse.ArgumentParser()
     add_serve_parser(parser.add_subparsers())

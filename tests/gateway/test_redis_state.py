@@ -16,7 +16,7 @@ import threading
 import time
 
 import httpx
-from prefixgate.gateway.state import GatewaySettings
+from prefixgate.gateway.settings import GatewaySettings
 from support.net import free_port
 from support.stub_upstream import StubServer
 
