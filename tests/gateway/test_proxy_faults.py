@@ -18,7 +18,7 @@ from prefixgate.gateway.server import BackgroundServer
 from prefixgate.gateway.state import GatewaySettings
 from prefixgate.sdk import Client
 from prefixgate.sdk import errors as sdk_errors
-from prefixgate.sdk.bench.fault_upstream import FaultUpstream
+from prefixgate.gateway.bench.fault_upstream import FaultUpstream
 
 BODY = {"model": "fault", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 
