@@ -90,7 +90,7 @@ def test_killed_replica_frees_its_concurrency_slots_within_the_lease_ttl(
         [
             sys.executable,
             "-m",
-            "prefixgate.sdk.cli",
+            "prefixgate.gateway.cli",
             "serve",
             "--upstream",
             slow.base_url,

@@ -20,7 +20,7 @@ round_robin's, and with one hot prompt no replica serving more than 1.5x the mea
 
 Usage::
 
-    python -m prefixgate.sdk.bench.routing [--requests 48] [--concurrency 6] [--json OUT]
+    python -m prefixgate.gateway.bench.routing [--requests 48] [--concurrency 6] [--json OUT]
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ import time
 from pathlib import Path
 
 import httpx
+from prefixgate.sdk.bench.workload import SAMPLE_SYSTEM_PROMPTS, SAMPLE_USER_TASKS
 
-DATA = Path(__file__).parent / "data"
 POLICIES = ("cache_aware", "rendezvous", "round_robin", "least_loaded")
 
 
@@ -57,7 +57,7 @@ def start(args: list[str]) -> tuple[subprocess.Popen, str]:
     """``prefixgate serve ARGS`` on a free loopback port; returns (process, base URL)."""
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "prefixgate.sdk.cli", "serve", "--port", str(port)]
+        [sys.executable, "-m", "prefixgate.gateway.cli", "serve", "--port", str(port)]
         + ["--no-access-log", "--stats-interval-s", "0", "--log-level", "WARNING", *args],
         stdout=subprocess.DEVNULL,
     )
@@ -91,7 +91,7 @@ def stop(procs: list[subprocess.Popen]) -> None:
 
 
 def system_prompts(tag: str, n: int, chars: int) -> list[str]:
-    with open(DATA / "system_prompts.csv", newline="") as f:
+    with open(SAMPLE_SYSTEM_PROMPTS, newline="") as f:
         texts = [row["prompt"] for row in csv.DictReader(f)]
     out = []
     for i in range(n):
@@ -102,7 +102,7 @@ def system_prompts(tag: str, n: int, chars: int) -> list[str]:
 
 def user_turns(n: int) -> list[str]:
     turns = []
-    with open(DATA / "user_tasks.jsonl") as f:
+    with open(SAMPLE_USER_TASKS) as f:
         for line in f:
             turns.append(json.loads(line)["instruction"][:120])
             if len(turns) == n:

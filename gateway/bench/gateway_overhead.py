@@ -14,7 +14,7 @@ Targets: added p50 <= 2 ms and >= 1,000 requests/s on this 2-core machine
 (LiteLLM publishes 1,035 requests/s on two 4-CPU instances with 12 ms p50 overhead).
 Bounded: the default run takes about 30 s.
 
-    python -m prefixgate.sdk.bench.gateway_overhead [--json out.json]
+    python -m prefixgate.gateway.bench.gateway_overhead [--json out.json]
 """
 
 from __future__ import annotations

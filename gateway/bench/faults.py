@@ -21,7 +21,7 @@ model, loopback only) and prints what each client received:
 
 Bounded: about 1-2 minutes on a 2-core machine.
 
-    python -m prefixgate.sdk.bench.faults [--slow 1000] [--json out.json]
+    python -m prefixgate.gateway.bench.faults [--slow 1000] [--json out.json]
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import time
 from typing import Any
 
 import httpx
-from prefixgate.sdk.bench.fault_upstream import FaultUpstream
+from prefixgate.gateway.bench.fault_upstream import FaultUpstream
 
 HOST = "127.0.0.1"
 

@@ -23,7 +23,7 @@ the forward < 10 %.
 
 Usage::
 
-    python -m prefixgate.sdk.bench.engine_throughput [--model DIR] [--num-requests 32]
+    python -m prefixgate.engine.bench.engine_throughput [--model DIR] [--num-requests 32]
         [--prompt-len 128] [--output-len 64] [--prefill-len 1088] [--decode-batches 1 8]
         [--no-transformers] [--no-int8] [--threads N] [--json OUT]
 """

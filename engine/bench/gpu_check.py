@@ -15,8 +15,8 @@ Measures, in one process:
 
 Usage::
 
-    python -m prefixgate.sdk.bench.gpu_check --out gpu_check.json
-    python -m prefixgate.sdk.bench.gpu_check --dry-run --out /tmp/gpu_check.json   # CPU, tiny
+    python -m prefixgate.engine.bench.gpu_check --out gpu_check.json
+    python -m prefixgate.engine.bench.gpu_check --dry-run --out /tmp/gpu_check.json   # CPU, tiny
 
 ``--dry-run`` runs every section at tiny sizes (in the Triton interpreter without CUDA) to
 check the script itself; its timings mean nothing. Each section records its own error and the

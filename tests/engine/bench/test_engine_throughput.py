@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prefixgate.sdk.bench.engine_throughput import load_prompts
+from prefixgate.engine.bench.engine_throughput import load_prompts
 
 
 def test_prompts_have_exactly_the_asked_length(aidreams_path, workloads_path):

@@ -11,7 +11,7 @@ distributions:
 
 Usage::
 
-    python -m prefixgate.sdk.bench.int8_quality [--model DIR] [--max-windows N] [--json OUT]
+    python -m prefixgate.engine.bench.int8_quality [--model DIR] [--max-windows N] [--json OUT]
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from aiohttp.test_utils import TestClient, TestServer  # noqa: E402
-from prefixgate.sdk.bench.hf_server import HFBatchServer  # noqa: E402
+from prefixgate.engine.bench.hf_server import HFBatchServer  # noqa: E402
 
 MSG = [{"role": "user", "content": "I sense the nodes"}]
 

@@ -14,7 +14,7 @@ unconstrained. Rounds alternate (unconstrained, constrained, ...) and the median
 
 Usage::
 
-    python -m prefixgate.sdk.bench.structured_outputs [--num-requests 32] [--output-len 32]
+    python -m prefixgate.engine.bench.structured_outputs [--num-requests 32] [--output-len 32]
         [--rounds 2] [--threads N] [--json OUT]
 """
 
@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-SHARED = Path(os.environ.get("PREFIXGATE_SHARED", REPO.parent / "shared"))
+from prefixgate.sdk.bench.shared import shared_dir
+
+SHARED = shared_dir()
 
 SCHEMA = {
     "type": "array",

@@ -33,7 +33,7 @@ not on depth).
 
 Usage::
 
-    python -m prefixgate.sdk.bench.fairness [--model DIR] [--duration 60] [--layers 1]
+    python -m prefixgate.engine.bench.fairness [--model DIR] [--duration 60] [--layers 1]
         [--threads N] [--json OUT] [--plot OUT.png]
 """
 
@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import time
@@ -49,8 +48,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
-SHARED = Path(os.environ.get("PREFIXGATE_SHARED", REPO.parent / "shared"))
+from prefixgate.sdk.bench.shared import shared_dir
+
+SHARED = shared_dir()
 
 
 @dataclass

@@ -10,7 +10,7 @@ exists for the client before then). No KV cache is shared between requests.
 Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/chat/completions`` (``stream`` and
 ``stream_options.include_usage`` honoured; ``usage.prompt_tokens_details.cached_tokens`` is 0).
 
-Run: ``python -m prefixgate.sdk.bench.hf_server --model DIR [--load-format dummy] --port P``.
+Run: ``python -m prefixgate.engine.bench.hf_server --model DIR [--load-format dummy] --port P``.
 """
 
 from __future__ import annotations
@@ -288,7 +288,7 @@ def _error(status: int, message: str, kind: str = "invalid_request_error") -> we
 def main(argv: list[str] | None = None) -> int:
     """Command line: serve a model with transformers' ``generate`` in static batches."""
     p = argparse.ArgumentParser(
-        prog="python -m prefixgate.sdk.bench.hf_server", description=__doc__.split("\n\n")[0]
+        prog="python -m prefixgate.engine.bench.hf_server", description=__doc__.split("\n\n")[0]
     )
     p.add_argument("--model", required=True, help="Hugging Face model directory")
     p.add_argument("--load-format", choices=["auto", "dummy"], default="auto")

@@ -10,7 +10,7 @@ import pytest
 
 @pytest.mark.slow
 def test_routing_bench_tiny(tmp_path):
-    from prefixgate.sdk.bench import routing
+    from prefixgate.gateway.bench import routing
 
     out = tmp_path / "routing.json"
     rc = routing.main(

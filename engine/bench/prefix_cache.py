@@ -17,7 +17,7 @@ prefix stored once.
 
 Usage::
 
-    python -m prefixgate.sdk.bench.prefix_cache [--model DIR] [--trials 7] [--threads N]
+    python -m prefixgate.engine.bench.prefix_cache [--model DIR] [--trials 7] [--threads N]
         [--json OUT]
 """
 
