@@ -48,7 +48,7 @@ from aiohttp import web
 from prefixgate.gateway.access_log import record
 from prefixgate.gateway.errors import APIError, too_many
 from prefixgate.gateway.schemas import MAX_SALT_CHARS
-from prefixgate.sdk.limits import TokenBucket
+from prefixgate.sdk.flow_control import TokenBucket
 
 
 @dataclass(slots=True)

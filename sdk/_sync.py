@@ -20,7 +20,7 @@ import httpx
 from ._blocking import Bridge, SyncAPIResponse, SyncResponseContextManager, SyncStream
 from ._client import DEFAULT_TIMEOUT, AsyncClient
 from ._options import Timeout
-from .limits import RateLimit
+from .flow_control import RateLimit
 from .resources.chat_sync import SyncChat, SyncChatCompletions
 from .resources.completions_sync import SyncCompletions
 from .resources.models_sync import SyncModels
