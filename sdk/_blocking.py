@@ -94,10 +94,10 @@ class _LoopThread:
             ready.set_result(portal)
             await self._stop.wait()
             with anyio.CancelScope(shield=True):
-                try:
-                    await self._on_stop()
-                finally:  # calls still in flight (other threads) are cancelled
-                    await portal.stop(cancel_remaining=True)
+                # Calls still in flight (another thread's, or one a Ctrl-C left behind) are
+                # cancelled, so they free their slots and responses, then the pool closes.
+                await portal.stop(cancel_remaining=True)
+                await self._on_stop()
 
     def shut_down(self, unclosed: bool) -> None:
         """Close the pool and stop the thread (idempotent, from any thread). ``unclosed``:

@@ -5,6 +5,7 @@ point of the test) against the stub OpenAI server on loopback."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import textwrap
@@ -162,3 +163,34 @@ def test_inside_an_event_loop_it_says_to_use_async_client(stub: StubServer) -> N
     first, second = out.stdout.strip().splitlines()
     assert "AsyncClient" in first and "event loop" in first
     assert second == "stub-model"
+
+
+def test_ctrl_c_in_a_blocking_stream_exits() -> None:
+    """A Ctrl-C while a stream waits for its next chunk ends the script: the call left in
+    flight on the loop thread is cancelled at exit, it does not hold the process."""
+    silent = StubServer(name="silent", ttft_s=600.0).start()  # first chunk, then silence
+    source = textwrap.dedent(
+        f"""
+        from prefixgate.sdk import Client
+        client = Client({silent.base_url + "/v1"!r})
+        stream = client.chat.completions.create(
+            model="m", messages=[{{"role": "user", "content": "hi"}}], stream=True
+        )
+        print("streaming", flush=True)
+        for chunk in stream:
+            pass
+        """
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", source], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "streaming"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=HANG_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("the interrupted script never exited")
+    finally:
+        silent.stop()
+    assert proc.returncode != 0 and "KeyboardInterrupt" in err, err
