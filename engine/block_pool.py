@@ -17,8 +17,22 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Iterable
+from typing import Protocol
 
 from prefixgate.engine.block_hash import BlockContent, BlockKey
+
+
+class BlockEventSink(Protocol):
+    """Receives the prefix cache's changes (``engine/kv_events.py``'s ``KVEventCollector``).
+
+    Called on the engine's thread, inside the pool's own operations: must not block.
+    """
+
+    def stored(self, content: BlockContent) -> None:
+        """A block was cached under ``content`` (its key is now findable)."""
+
+    def removed(self, content: BlockContent) -> None:
+        """The cache entry ``content`` was dropped (evicted or reset)."""
 
 
 class Block:
@@ -52,6 +66,7 @@ class BlockPool:
 
     Attributes:
         num_evictions: cached blocks whose hash was dropped to reuse them.
+        events: where cache changes are reported (KV events), ``None`` when off.
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -62,6 +77,7 @@ class BlockPool:
         self._index: dict[BlockKey, dict[int, Block]] = {}  # key -> cached blocks with that key
         self._next_uid = 0
         self.num_evictions = 0
+        self.events: BlockEventSink | None = None
 
     # ---- counts -------------------------------------------------------------------------
     @property
@@ -130,13 +146,19 @@ class BlockPool:
         token_ids: tuple[int, ...],
         cache_salt: str | None,
         parent_uid: int | None,
+        parent_key: BlockKey | None = None,
     ) -> BlockContent:
-        """Register a full, computed, held block under ``key``; returns its new content."""
+        """Register a full, computed, held block under ``key``; returns its new content.
+
+        ``parent_key``: the previous block's key (``None`` for a first block), reported in
+        the block's KV event."""
         assert block.content is None and block.ref_cnt > 0, block
-        content = BlockContent(key, token_ids, cache_salt, parent_uid, self._next_uid)
+        content = BlockContent(key, token_ids, cache_salt, parent_uid, self._next_uid, parent_key)
         self._next_uid += 1
         block.content = content
         self._index.setdefault(key, {})[block.block_id] = block
+        if self.events is not None:
+            self.events.stored(content)
         return content
 
     def lookup(
@@ -165,6 +187,10 @@ class BlockPool:
                 return block
         return None
 
+    def cached_contents(self) -> list[BlockContent]:
+        """The content of every cached block (used or free), in block id order."""
+        return [b.content for b in self.blocks if b.content is not None]
+
     def reset_prefix_cache(self) -> int:
         """Drop the hash of every free-cached block (they become free-empty); returns how many."""
         n = len(self._free_cached)
@@ -182,6 +208,8 @@ class BlockPool:
         if not bucket:
             del self._index[c.key]
         block.content = None
+        if self.events is not None:
+            self.events.removed(c)
 
     # ---- checks -------------------------------------------------------------------------
     def check_invariants(self) -> None:

@@ -263,7 +263,14 @@ class KVCacheManager:
             block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
             existing = self.pool.lookup(keys[i], block_tokens, salt, parent_uid)
             if existing is None:
-                content = self.pool.cache(state.blocks[i], keys[i], block_tokens, salt, parent_uid)
+                content = self.pool.cache(
+                    state.blocks[i],
+                    keys[i],
+                    block_tokens,
+                    salt,
+                    parent_uid,
+                    parent_key=keys[i - 1] if i else None,
+                )
                 state.chain_uids.append(content.uid)
             else:
                 state.chain_uids.append(existing.content.uid)  # type: ignore[union-attr]
