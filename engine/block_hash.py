@@ -28,6 +28,8 @@ HashFn = Callable[[bytes], int]
 
 _MASK_128 = (1 << 128) - 1
 
+_NO_SALT = b"\xff\xff\xff\xff"
+
 BLOCK_KEY_BYTES = 16
 """Bytes of a published block key (``block_key_bytes``): the 128 bits of ``xxh3_128``."""
 
@@ -49,15 +51,20 @@ def hash_block_tokens(
         parent: key of the previous block, ``None`` for the first block.
         token_ids: the block's ``block_size`` token ids.
         cache_salt: extra key, mixed into the first block only (the caller passes it for
-            block 0 and ``None`` otherwise).
+            block 0 and ``None`` otherwise); ``None`` and ``""`` give different keys, as the
+            engine keeps them apart (the key is injective on the salt, as on the tokens).
         hash_fn: bytes → int hash (default ``xxh3_128``).
 
     Returns:
         The block key (int).
     """
     head = b"\x00" if parent is None else b"\x01" + (int(parent) & _MASK_128).to_bytes(16, "little")
-    salt = b"" if cache_salt is None else cache_salt.encode("utf-8")
-    data = head + len(salt).to_bytes(4, "little") + salt + array("q", token_ids).tobytes()
+    if cache_salt is None:  # a length no salt has: no salt and the empty salt key apart
+        salt = _NO_SALT
+    else:
+        raw = cache_salt.encode("utf-8")
+        salt = len(raw).to_bytes(4, "little") + raw
+    data = head + salt + array("q", token_ids).tobytes()
     return hash_fn(data)
 
 

@@ -54,7 +54,6 @@ from typing import Any
 
 import msgspec
 import zmq
-
 from prefixgate.engine.block_hash import BlockContent, block_key_bytes
 from prefixgate.engine.config import derive_replay_endpoint
 
@@ -446,7 +445,14 @@ class ParsedEvent:
     medium: str | None = None
 
 
-_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium")
+_STORED_FIELDS = (
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+)
 _REMOVED_FIELDS = ("block_hashes", "medium")
 
 

@@ -1,0 +1,447 @@
+"""The exact prefix-cache index (gateway/kv_index.py) following a real engine's KV events.
+
+aidreams-260k engines publish on loopback ZeroMQ ports (``kv_events="tcp://127.0.0.1:*"``) with
+small KV pools, so the workloads evict. Each scenario ends with the index's multiset of block
+hashes equal to the engine's cached blocks (``BlockPool.cached_contents``), and the pool whole:
+
+- a workload with evictions, followed live;
+- predicted cached tokens (``KVIndex.predict``) equal the engine's ``num_cached_tokens`` for
+  every request of a salted, evicting workload, on chat and completions prompts rendered by the
+  gateway's own functions (``prompts.render_chat`` / ``completion_prompts``, salts from
+  ``auth.effective_salt``), and ``prompt_block_hashes`` equals the engine's blocks;
+- a consumer stopped while the engine works, then restarted: the gap is found and replayed;
+- a consumer that starts late: snapshot;
+- batches dropped past the engine's queue bound: the gap is found, replay cannot cover it,
+  snapshot;
+- a replay buffer rolled over: snapshot; an engine restarted on the same ports: snapshot;
+- vLLM's layouts (maps and the legacy ``array_like``) parse; the modules import without torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import subprocess
+import sys
+import textwrap
+import time
+from collections import Counter
+
+import msgspec
+import pytest
+from prefixgate.engine.block_hash import block_key_bytes, prompt_block_hashes
+from prefixgate.engine.kv_events import parse_batch
+from prefixgate.gateway.auth import effective_salt
+from prefixgate.gateway.kv_index import KVIndex, prompt_block_keys
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+BS = 8
+
+
+def make_engine(path: str, **cfg):
+    from prefixgate.engine.config import EngineConfig
+    from prefixgate.engine.llm_engine import LLMEngine
+
+    cfg.setdefault("block_size", BS)
+    cfg.setdefault("num_kv_blocks", 24)
+    cfg.setdefault("kv_events", "tcp://127.0.0.1:*")
+    return LLMEngine(EngineConfig(path, **cfg))
+
+
+def greedy(n: int):
+    from prefixgate.engine.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+_ids = iter(range(10**9))
+
+
+def run(engine, prompts: list[list[int]], salt: str | None = None, max_tokens: int = 4) -> list:
+    """Run ``prompts`` together to completion; their final outputs in order."""
+    rids = []
+    for p in prompts:
+        rid = f"r{next(_ids)}"
+        engine.add_request(rid, p, greedy(max_tokens), cache_salt=salt)
+        rids.append(rid)
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    return [final[r] for r in rids]
+
+
+def workload(rng: random.Random, n: int, prefixes: list[list[int]]) -> list[list[int]]:
+    return [
+        rng.choice(prefixes) + [rng.randrange(3, 512) for _ in range(rng.randrange(1, 20))]
+        for _ in range(n)
+    ]
+
+
+def rand_ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, 512) for _ in range(n)]
+
+
+def engine_blocks(engine) -> Counter:
+    """The engine's cached blocks as the index counts them (hash -> entries)."""
+    return Counter(block_key_bytes(c.key) for c in engine.kv_cache_manager.pool.cached_contents())
+
+
+def index_for(engine, name: str = "e0", **kw) -> KVIndex:
+    kw.setdefault("probe_interval_s", 0.1)
+    return KVIndex({name: (engine.kv_events.endpoint, engine.kv_events.replay_endpoint)}, **kw)
+
+
+def wait_synced(index: KVIndex, engine, name: str = "e0", timeout_s: float = 60.0) -> dict:
+    """Wait until the index has applied the engine's last batch (a deadline, not a timing
+    assertion); returns the replica's counters."""
+    engine.kv_events.collector.flush()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        st = index.stats()["replicas"][name]
+        if st["synced"] and index.applied_seq(name) == engine.kv_events.collector.last_seq:
+            return st
+        time.sleep(0.02)
+    raise AssertionError(f"index never caught up: {index.stats()}")
+
+
+@pytest.fixture
+def engines(aidreams_path, pool_whole):
+    """``make(**cfg)`` builds engines; each is checked whole and shut down after the test."""
+    made = []
+
+    def make(**cfg):
+        e = make_engine(aidreams_path, **cfg)
+        made.append(e)
+        return e
+
+    yield make
+    for e in made:
+        pool_whole(e)
+        e.shutdown()
+
+
+def test_index_equals_engine_blocks_after_evicting_workload(engines):
+    engine = engines()
+    rng = random.Random(1)
+    prefixes = [[1] + rand_ids(rng, 23) for _ in range(4)]
+    with index_for(engine) as index:
+        for _ in range(8):
+            run(engine, workload(rng, 3, prefixes))
+        st = wait_synced(index, engine)
+        assert engine.stats()["prefix_cache_evictions"] > 0
+        assert index.blocks("e0") == engine_blocks(engine)
+        # gaps may be > 0: batches published before the subscription reached the engine
+        # (ZeroMQ's slow joiner) are replayed
+        assert st["unknown_removals"] == 0 and st["bad_batches"] == 0
+        assert st["snapshots"] == 1 and st["batches_applied"] > 0
+        assert engine.stats()["kv_events_dropped_batches"] == 0
+        stats = index.stats()
+        assert stats["events_applied"] == st["events_applied"] > 0 and stats["lag_s"] >= 0
+
+
+def test_predicted_cached_tokens_equal_engine_reported(engines, aidreams_path):
+    """Chat and completions prompts rendered by the gateway's own code, two tenants' salts
+    (one sub-partitioned by a request cache_salt), an evicting pool: prediction == report."""
+    from prefixgate.engine.tokenizer import Tokenizer
+    from prefixgate.gateway.prompts import completion_prompts, render_chat
+
+    tok = Tokenizer.from_pretrained(aidreams_path)
+    engine = engines(num_kv_blocks=32)
+    rng = random.Random(2)
+    systems = [
+        "You are a careful assistant. Answer briefly and kindly, in plain words.",
+        "You dream of electric sheep and of gentle machines humming in the night.",
+    ]
+    texts = [
+        "Once upon a time there was a little robot who loved the sea.",
+        "The nodes of the gentle machine were glowing softly in the dark room.",
+    ]
+    salts = [None, effective_salt("tenant-a", None), effective_salt("tenant-a", "team-1")]
+    prompts: list[tuple[list[int], str | None]] = []
+    for _ in range(30):
+        salt = rng.choice(salts)
+        if rng.random() < 0.5:
+            messages = [
+                {"role": "system", "content": rng.choice(systems)},
+                {"role": "user", "content": f"question {rng.randrange(4)}"},
+            ]
+            ids = asyncio.run(render_chat(tok, messages))
+        else:
+            text = rng.choice(texts) + f" chapter {rng.randrange(4)}"
+            ids = asyncio.run(completion_prompts(tok, text))[0]
+        prompts.append((ids, salt))
+    hits = misses = 0
+    with index_for(engine) as index:
+        for ids, salt in prompts:
+            wait_synced(index, engine)
+            predicted = index.predict(ids, BS, salt)["e0"]
+            (out,) = run(engine, [ids], salt)
+            assert out.num_cached_tokens == predicted, (len(ids), salt)
+            hits += predicted > 0
+            misses += predicted == 0
+        wait_synced(index, engine)
+        assert index.blocks("e0") == engine_blocks(engine)
+    assert hits >= 10 and misses >= 3
+    assert engine.stats()["prefix_cache_evictions"] > 0
+
+
+def test_prompt_block_hashes_are_the_engine_blocks(engines, aidreams_path):
+    """The shared function gives the keys the engine caches for a prompt (one greedy token:
+    only the prompt's full blocks are cached), salted or not; salts give other keys."""
+    from prefixgate.engine.tokenizer import Tokenizer
+    from prefixgate.gateway.prompts import completion_prompts, render_chat
+
+    tok = Tokenizer.from_pretrained(aidreams_path)
+    messages = [
+        {"role": "system", "content": "You are a careful assistant who answers in plain words."},
+        {"role": "user", "content": "Tell me about the gentle machine and its glowing nodes."},
+    ]
+    chat = asyncio.run(render_chat(tok, messages))
+    completion = asyncio.run(completion_prompts(tok, "Once upon a time, a little robot sang."))[0]
+    for ids in (chat, completion):
+        for salt in (None, effective_salt("acme", None), effective_salt("acme", "prod")):
+            engine = engines(num_kv_blocks=64)
+            run(engine, [ids], salt, max_tokens=1)
+            keys = prompt_block_hashes(ids, BS, salt)
+            assert len(keys) == len(ids) // BS >= 2
+            assert engine_blocks(engine) == Counter(block_key_bytes(k) for k in keys)
+            assert prompt_block_keys(ids, BS, salt) == [
+                block_key_bytes(k) for k in keys[: (len(ids) - 1) // BS]
+            ]
+            engine.shutdown()
+    assert prompt_block_hashes(chat, BS, "a")[0] != prompt_block_hashes(chat, BS, "b")[0]
+    assert prompt_block_hashes(chat, BS, None)[0] != prompt_block_hashes(chat, BS, "")[0]
+
+
+def test_stopped_consumer_restarted_replays_the_gap(engines):
+    engine = engines()
+    rng = random.Random(3)
+    prefixes = [[1] + rand_ids(rng, 23) for _ in range(3)]
+    with index_for(engine) as index:
+        run(engine, workload(rng, 3, prefixes))
+        wait_synced(index, engine)
+        index.stop()
+        before = engine.kv_events.collector.last_seq
+        for _ in range(5):
+            run(engine, workload(rng, 3, prefixes))
+        assert engine.kv_events.collector.last_seq > before  # batches the consumer missed
+        assert index.applied_seq("e0") == before
+        index.start()
+        st = wait_synced(index, engine)
+        assert st["gaps"] >= 1 and st["replays"] >= 1 and st["snapshots"] == 1
+        assert index.blocks("e0") == engine_blocks(engine)
+
+
+def test_late_consumer_starts_from_snapshot(engines):
+    engine = engines()
+    rng = random.Random(4)
+    prefixes = [[1] + rand_ids(rng, 23) for _ in range(3)]
+    for _ in range(5):
+        run(engine, workload(rng, 3, prefixes))
+    assert engine_blocks(engine)  # something is cached
+    with index_for(engine) as index:
+        st = wait_synced(index, engine)
+        assert st["snapshots"] == 1 and st["resyncs"] >= 1
+        assert index.blocks("e0") == engine_blocks(engine)
+        run(engine, workload(rng, 3, prefixes))  # and it follows live from there
+        wait_synced(index, engine)
+        assert index.blocks("e0") == engine_blocks(engine)
+
+
+def test_batches_dropped_past_the_queue_bound_are_detected(engines):
+    engine = engines(kv_events_queue_size=2)
+    rng = random.Random(5)
+    prefixes = [[1] + rand_ids(rng, 23) for _ in range(3)]
+    with index_for(engine) as index:
+        run(engine, workload(rng, 2, prefixes))
+        wait_synced(index, engine)
+        engine.kv_events.hold()  # a stalled publisher: the step loop keeps going, batches drop
+        t_before = engine.timing["steps"]
+        for _ in range(5):
+            run(engine, workload(rng, 3, prefixes))
+        assert engine.timing["steps"] > t_before
+        dropped = engine.stats()["kv_events_dropped_batches"]
+        assert dropped > 0 and engine.stats()["kv_events_dropped_events"] >= dropped
+        engine.kv_events.release()
+        run(engine, workload(rng, 1, prefixes))
+        st = wait_synced(index, engine)
+        assert st["gaps"] >= 1 and st["snapshots"] >= 2  # the first sync, then the gap's
+        assert index.blocks("e0") == engine_blocks(engine)
+
+
+def test_rolled_over_replay_buffer_falls_back_to_snapshot(engines):
+    engine = engines(kv_events_buffer_steps=2)
+    rng = random.Random(6)
+    prefixes = [[1] + rand_ids(rng, 23) for _ in range(3)]
+    with index_for(engine) as index:
+        run(engine, workload(rng, 2, prefixes))
+        wait_synced(index, engine)
+        index.stop()
+        for _ in range(4):
+            run(engine, workload(rng, 3, prefixes))
+        index.start()
+        st = wait_synced(index, engine)
+        assert st["gaps"] >= 1 and st["snapshots"] >= 2
+        assert index.blocks("e0") == engine_blocks(engine)
+
+
+def test_engine_restart_on_the_same_ports_resyncs(engines, pool_whole):
+    first = engines()
+    rng = random.Random(7)
+    prefixes = [[1] + rand_ids(rng, 23) for _ in range(3)]
+    pub, replay = first.kv_events.endpoint, first.kv_events.replay_endpoint
+    with KVIndex({"e0": (pub, replay)}, probe_interval_s=0.1) as index:
+        run(first, workload(rng, 3, prefixes))
+        wait_synced(index, first)
+        assert index.blocks("e0")
+        pool_whole(first)
+        first.shutdown()
+        second = engines(kv_events=pub, kv_events_replay=replay)
+        run(second, workload(rng, 2, prefixes))
+        st = wait_synced(index, second)
+        assert st["gaps"] >= 1 and st["snapshots"] >= 2
+        assert index.blocks("e0") == engine_blocks(second)
+
+
+def test_two_replicas_match_each_their_own_blocks(engines):
+    a, b = engines(), engines()
+    rng = random.Random(8)
+    shared = [1] + rand_ids(rng, 31)  # 4 blocks
+    only_a = shared + rand_ids(rng, 17)
+    with KVIndex(
+        {n: (e.kv_events.endpoint, e.kv_events.replay_endpoint) for n, e in (("a", a), ("b", b))},
+        probe_interval_s=0.1,
+    ) as index:
+        run(a, [only_a])
+        run(b, [shared + [7]])
+        wait_synced(index, a, "a")
+        wait_synced(index, b, "b")
+        keys = prompt_block_keys(only_a + [9], BS)
+        assert index.match(keys) == {"a": 6, "b": 4}
+        assert index.predict(only_a + [9], BS) == {"a": 48, "b": 32}
+        assert index.predict(only_a + [9], BS, "salted") == {"a": 0, "b": 0}
+        index.remove_replica("b")
+        assert index.match(keys) == {"a": 6}
+
+
+# ---- format (no engine) -----------------------------------------------------------------------
+
+
+def test_parse_batch_reads_vllm_layouts():
+    h1, h2 = (1 << 63) + 5, 42
+
+    class Stored(msgspec.Struct, array_like=True, tag="BlockStored"):
+        block_hashes: list
+        parent_block_hash: int | None
+        token_ids: list
+        block_size: int
+        lora_id: int | None
+        medium: str | None
+
+    class Removed(msgspec.Struct, array_like=True, tag="BlockRemoved"):
+        block_hashes: list
+        medium: str | None
+
+    class Cleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared"):
+        pass
+
+    class Batch(msgspec.Struct, array_like=True):
+        ts: float
+        events: list
+
+    legacy = msgspec.msgpack.encode(
+        Batch(
+            1.5, [Cleared(), Stored([h1, h2], None, [1] * 8, 4, None, "GPU"), Removed([h2], "GPU")]
+        )
+    )
+    maps = msgspec.msgpack.encode(
+        {
+            "ts": 2.0,
+            "events": [
+                {
+                    "type": "BlockStored",
+                    "block_hashes": [b"x" * 32],
+                    "parent_block_hash": None,
+                    "token_ids": [1, 2],
+                    "block_size": 2,
+                    "lora_id": None,
+                    "medium": "GPU",
+                    "lora_name": None,
+                },
+                {"type": "BlockMigrated", "block_hashes": [b"y"]},  # unknown: skipped
+            ],
+        }
+    )
+    ts, events = parse_batch(legacy)
+    assert ts == 1.5 and [e.kind for e in events] == ["cleared", "stored", "removed"]
+    assert events[1].block_hashes == (h1, h2) and events[1].block_size == 4
+    assert events[2].block_hashes == (h2,)
+    ts, events = parse_batch(maps)
+    assert ts == 2.0 and len(events) == 1 and events[0].block_hashes == (b"x" * 32,)
+    with pytest.raises(ValueError):
+        parse_batch(b"\xc1")
+    with pytest.raises(ValueError):
+        parse_batch(msgspec.msgpack.encode({"ts": "x", "events": 3}))
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(TypeError):
+        prompt_block_hashes("abc", BS)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        prompt_block_hashes([1, -2], BS)
+    with pytest.raises(ValueError):
+        prompt_block_hashes([1, 2], 0)
+    with pytest.raises(TypeError):
+        prompt_block_hashes([1, 2], BS, cache_salt=3)  # type: ignore[arg-type]
+    index = KVIndex(start=False)
+    with pytest.raises(ValueError):
+        index.add_replica("", "tcp://127.0.0.1:1")
+    index.add_replica("x", "tcp://127.0.0.1:1")
+    with pytest.raises(ValueError):
+        index.add_replica("x", "tcp://127.0.0.1:2")
+    with pytest.raises(KeyError):
+        index.remove_replica("nope")
+    index.close()
+    from prefixgate.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="kv_events"):
+        EngineConfig(kv_events="http://x:1")
+    with pytest.raises(ValueError, match="port"):
+        EngineConfig(kv_events="tcp://127.0.0.1")
+    with pytest.raises(ValueError, match="kv_events_replay needs"):
+        EngineConfig(kv_events_replay="tcp://127.0.0.1:5")
+    with pytest.raises(ValueError, match="kv_events_queue_size"):
+        EngineConfig(kv_events="tcp://127.0.0.1:5557", kv_events_queue_size=0)
+
+
+def test_modules_import_without_torch(tmp_path):
+    blocked = ("torch", "safetensors", "tokenizers", "jinja2", "numpy", "triton", "transformers")
+    (tmp_path / "sitecustomize.py").write_text(
+        f"import sys\nfor n in {blocked!r}:\n    sys.modules[n] = None\n"
+    )
+    code = textwrap.dedent(
+        """
+        from prefixgate.gateway.kv_index import KVIndex, prompt_block_keys
+        from prefixgate.engine.block_hash import prompt_block_hashes
+        import prefixgate.engine.kv_events
+        print(len(prompt_block_keys(list(range(40)), 8, "s")))
+        KVIndex(start=False).close()
+        try:
+            import torch
+        except ModuleNotFoundError:
+            print("no torch")
+        """
+    )
+    import os
+
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["4", "no", "torch"]
