@@ -333,28 +333,17 @@ def test_two_replicas_match_each_their_own_blocks(engines):
 def test_parse_batch_reads_vllm_layouts():
     h1, h2 = (1 << 63) + 5, 42
 
-    class Stored(msgspec.Struct, array_like=True, tag="BlockStored"):
-        block_hashes: list
-        parent_block_hash: int | None
-        token_ids: list
-        block_size: int
-        lora_id: int | None
-        medium: str | None
-
-    class Removed(msgspec.Struct, array_like=True, tag="BlockRemoved"):
-        block_hashes: list
-        medium: str | None
-
     class Cleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared"):
         pass
 
-    class Batch(msgspec.Struct, array_like=True):
-        ts: float
-        events: list
-
     legacy = msgspec.msgpack.encode(
-        Batch(
-            1.5, [Cleared(), Stored([h1, h2], None, [1] * 8, 4, None, "GPU"), Removed([h2], "GPU")]
+        _LegacyBatch(
+            1.5,
+            [
+                Cleared(),
+                _LegacyStored([h1, h2], None, [1] * 8, 4, None, "GPU"),
+                _LegacyRemoved([h2], "GPU"),
+            ],
         )
     )
     maps = msgspec.msgpack.encode(
@@ -385,6 +374,109 @@ def test_parse_batch_reads_vllm_layouts():
         parse_batch(b"\xc1")
     with pytest.raises(ValueError):
         parse_batch(msgspec.msgpack.encode({"ts": "x", "events": 3}))
+
+
+class _LegacyStored(msgspec.Struct, array_like=True, tag="BlockStored"):
+    block_hashes: list
+    parent_block_hash: int | None
+    token_ids: list
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class _LegacyRemoved(msgspec.Struct, array_like=True, tag="BlockRemoved"):
+    block_hashes: list
+    medium: str | None
+
+
+class _LegacyBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list
+
+
+class VLLMStub:
+    """A publisher that behaves as vLLM's ZmqEventPublisher: legacy ``array_like`` batches with
+    64-bit int hashes, sequence numbers from 0, a replay socket that knows no snapshot (the
+    snapshot frame reads as a start sequence far ahead: only the end marker comes back)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        import zmq
+
+        self.ctx = zmq.Context()
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.bind("tcp://127.0.0.1:*")
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.bind("tcp://127.0.0.1:*")
+        self.endpoints = (
+            self.pub.getsockopt_string(zmq.LAST_ENDPOINT),
+            self.router.getsockopt_string(zmq.LAST_ENDPOINT),
+        )
+        self.buffer: list[tuple[int, bytes]] = []
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def publish(self, *events) -> None:
+        payload = msgspec.msgpack.encode(_LegacyBatch(time.time(), list(events)))
+        with self.lock:
+            seq = len(self.buffer)
+            self.buffer.append((seq, payload))
+        self.pub.send_multipart((b"", seq.to_bytes(8, "big"), payload))
+
+    def _serve(self) -> None:
+        while not self.stop.is_set():
+            if not self.router.poll(20):
+                continue
+            client, _, start = self.router.recv_multipart()
+            first = int.from_bytes(start, "big")
+            with self.lock:
+                batches = [b for b in self.buffer if b[0] >= first]
+            for seq, payload in batches:
+                self.router.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+            self.router.send_multipart((client, b"", (-1).to_bytes(8, "big", signed=True), b""))
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.pub.close(linger=0)
+        self.router.close(linger=0)
+        self.ctx.term()
+
+
+def test_index_follows_a_vllm_publisher():
+    """Legacy layout, int hashes, no snapshot support: the index rebuilds from the replay
+    buffer (an inexact resync, counted), then follows live; a removed copy of a hash stored
+    twice leaves the other copy held."""
+    stub = VLLMStub()
+    h = [(1 << 63) + i for i in range(5)]
+    stub.publish(_LegacyStored(h[:3], None, list(range(12)), 4, None, "GPU"))
+    stub.publish(_LegacyStored(h[:1], None, list(range(4)), 4, None, "GPU"))  # a second copy
+    try:
+        with KVIndex({"v": stub.endpoints}, probe_interval_s=0.1) as index:
+            deadline = time.monotonic() + 30
+            while index.applied_seq("v") != 1 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            st = index.stats()["replicas"]["v"]
+            assert st["inexact_resyncs"] == 1 and st["snapshots"] == 0
+            assert index.match(h) == {"v": 3}
+            stub.publish(
+                _LegacyRemoved(h[:1], "GPU"), _LegacyStored(h[3:5], h[2], [0] * 8, 4, None, "GPU")
+            )
+            while index.applied_seq("v") != 2 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert index.match(h) == {"v": 5}
+            assert index.blocks("v") == Counter(h)
+            stub.publish(_LegacyRemoved(h[:1], "GPU"))
+            while index.applied_seq("v") != 3 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert index.match(h) == {"v": 0}
+            assert index.stats()["unknown_removals"] == 0
+    finally:
+        stub.close()
 
 
 def test_bad_arguments_are_refused():
