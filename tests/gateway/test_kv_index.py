@@ -97,7 +97,6 @@ def index_for(engine, name: str = "e0", **kw) -> KVIndex:
 def wait_synced(index: KVIndex, engine, name: str = "e0", timeout_s: float = 60.0) -> dict:
     """Wait until the index has applied the engine's last batch (a deadline, not a timing
     assertion); returns the replica's counters."""
-    engine.kv_events.collector.flush()
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         st = index.stats()["replicas"][name]
@@ -325,6 +324,34 @@ def test_two_replicas_match_each_their_own_blocks(engines):
         assert index.predict(only_a + [9], BS, "salted") == {"a": 0, "b": 0}
         index.remove_replica("b")
         assert index.match(keys) == {"a": 6}
+
+
+def test_async_engine_publishes_and_shutdown_unbinds(aidreams_path, pool_whole):
+    """AsyncEngine (what ``prefixgate serve --kv-events`` runs): its step thread publishes;
+    ``shutdown()`` stops the publisher and frees its ports (a new engine binds them)."""
+    from prefixgate.engine.async_engine import AsyncEngine
+
+    async def scenario() -> tuple[str, str]:
+        engine = AsyncEngine(
+            model=aidreams_path, block_size=BS, num_kv_blocks=24, kv_events="tcp://127.0.0.1:*"
+        )
+        llm = engine.engine
+        with index_for(llm) as index:
+            prompt = [1] + rand_ids(random.Random(9), 30)
+            async for _ in engine.generate(prompt, greedy(3), "a0"):
+                pass
+            await asyncio.to_thread(wait_synced, index, llm)
+            assert index.blocks("e0") == engine_blocks(llm)
+            assert index.predict(prompt, BS)["e0"] == 24
+        pool_whole(engine)
+        endpoints = (llm.kv_events.endpoint, llm.kv_events.replay_endpoint)
+        await engine.shutdown()
+        return endpoints
+
+    pub, replay = asyncio.run(scenario())
+    again = make_engine(aidreams_path, kv_events=pub, kv_events_replay=replay)
+    assert again.kv_events.endpoint == pub
+    again.shutdown()
 
 
 # ---- format (no engine) -----------------------------------------------------------------------
