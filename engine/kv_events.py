@@ -16,7 +16,9 @@ vLLM engines alike):
   cache (the tier attention reads), on every device;
 - a ZeroMQ ROUTER socket (the replay endpoint) answers a DEALER/REQ request ``[b"", start]``
   (``start``: 8 bytes big-endian) with ``[b"", seq, payload]`` for each buffered batch with
-  ``seq >= start``, then ``[b"", END_SEQ, b""]`` (vLLM's replay);
+  ``seq >= start``, then ``[b"", END_SEQ, latest]`` (vLLM's replay; vLLM sends ``b""`` as
+  the end's last frame, prefixgate the 8-byte number of its latest batch, published or
+  dropped, so a consumer learns of a dropped last batch without waiting for the next one);
 - prefixgate's addition, the snapshot: the request ``[b"", SNAPSHOT_REQUEST]`` is answered
   with ``[b"", seq, payload]`` messages all carrying the same ``seq`` S, whose events (the first
   is ``AllBlocksCleared``) store every block the cache holds after batch S, then ``END_SEQ``.
@@ -157,6 +159,7 @@ class KVEventCollector:
     Attributes:
         queue: the bounded queue of numbered batches (the publisher thread's input).
         last_seq: the last batch's sequence number (published or dropped).
+        last_dropped_seq: the last dropped batch's number (``None``: none dropped).
         dropped_batches, dropped_events: batches (and their events) dropped on a full queue.
     """
 
@@ -172,6 +175,7 @@ class KVEventCollector:
         self._lock = threading.Lock()
         start = time.time_ns() // 1000 if first_seq is None else first_seq
         self.last_seq = start - 1
+        self.last_dropped_seq: int | None = None
         self.dropped_batches = 0
         self.dropped_events = 0
         self._events.append(("cleared", []))
@@ -215,6 +219,7 @@ class KVEventCollector:
             self.queue.put_nowait(item)
         except queue.Full:
             self.dropped_batches += 1
+            self.last_dropped_seq = item.seq
             self.dropped_events += len(events)
 
     def snapshot(self) -> tuple[int, list[BlockContent]]:
@@ -320,6 +325,7 @@ class ZmqEventPublisher:
         self.endpoint: str = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.replay_endpoint: str = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
         self.published_batches = 0
+        self.last_published_seq: int | None = None
         self.replays_served = 0
         self.snapshots_served = 0
         self._running = True
@@ -397,6 +403,7 @@ class ZmqEventPublisher:
                 continue
             self._buffer.append((item.seq, payload))
             self.published_batches += 1
+            self.last_published_seq = item.seq
 
     def _serve(self, encoder: msgspec.msgpack.Encoder) -> None:
         frames = self._router.recv_multipart()
@@ -420,7 +427,10 @@ class ZmqEventPublisher:
             self.replays_served += 1
         else:
             logger.warning("kv events: malformed replay request %r", request[:16])
-        send((client, b"", END_SEQ, b""))
+        known = [
+            q for q in (self.last_published_seq, self.collector.last_dropped_seq) if q is not None
+        ]
+        send((client, b"", END_SEQ, max(known).to_bytes(8, "big") if known else b""))
 
 
 # ---- the consumer side -------------------------------------------------------------------------

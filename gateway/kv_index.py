@@ -78,6 +78,7 @@ class _Replica:
     applied_seq: int | None = None  # last batch applied (or the snapshot's)
     has_state: bool = False  # a snapshot / replay has given a starting point
     last_live_seq: int | None = None  # last sequence number seen on the PUB stream
+    latest_seq: int | None = None  # the engine's latest batch, as its last replay answer said
     needs_sync: bool = True
     next_probe: float = 0.0
     failures: int = 0
@@ -386,6 +387,7 @@ class KVIndex:
         rep.last_live_seq = seq
         if last is not None and seq <= last:  # the stream stepped back: the engine restarted
             self._count(rep, "restarts", "gaps")
+            rep.latest_seq = None
             with self._lock:
                 self._clear(rep)
                 rep.has_state = False
@@ -416,7 +418,8 @@ class KVIndex:
             return
         contiguous = all(seq == start + i for i, (seq, _) in enumerate(batches))
         last = batches[-1][0] if batches else start - 1
-        need = max(known_seq or 0, rep.last_live_seq or 0)
+        # every batch known to exist must be covered (a dropped last batch shows only here)
+        need = max(known_seq or 0, rep.last_live_seq or 0, rep.latest_seq or 0)
         if contiguous and last >= need:
             if batches and known_seq is None:
                 self._count(rep, "gaps")  # a probe found missed batches
@@ -471,9 +474,10 @@ class KVIndex:
         self._synced(rep)
 
     def _request(self, ctx: Any, rep: _Replica, frame: bytes) -> list[tuple[int, bytes]] | None:
-        """One replay-socket exchange: the ``(seq, payload)`` answers before ``END_SEQ``;
-        ``None`` (counted, retried later) when the replica has no replay endpoint or does not
-        answer within ``request_timeout_s`` per message."""
+        """One replay-socket exchange: the ``(seq, payload)`` answers before ``END_SEQ``
+        (whose last frame, from a prefixgate engine, names its latest batch: kept in
+        ``rep.latest_seq``); ``None`` (counted, retried later) when the replica has no replay
+        endpoint or does not answer within ``request_timeout_s`` per message."""
         if rep.replay_endpoint is None:
             self._failed(rep)
             return None
@@ -491,6 +495,8 @@ class KVIndex:
                 if len(frames) != 3:
                     continue
                 if frames[1] == END_SEQ:
+                    if len(frames[2]) == 8:
+                        rep.latest_seq = int.from_bytes(frames[2], "big")
                     return out
                 out.append((int.from_bytes(frames[1], "big"), frames[2]))
         except (TimeoutError, zmq.ZMQError):
