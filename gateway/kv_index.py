@@ -94,7 +94,9 @@ class KVIndex:
 
     Args:
         replicas: replica name -> PUB endpoint, or ``(endpoint, replay_endpoint)``
-            (``replay_endpoint`` ``None``: no replay or snapshot; gaps then cannot be closed).
+            (``replay_endpoint`` ``None``: no replay or snapshot; the index then follows the
+            stream from the first batch it receives and cannot close gaps: each is counted in
+            ``gaps`` and ``inexact_resyncs``).
             More can be added with ``add_replica``.
         topic: topic prefix to subscribe to (vLLM's ``topic``; ``""`` = all).
         request_timeout_s: seconds to wait for each message of a replay / snapshot answer.
@@ -402,6 +404,11 @@ class KVIndex:
                 return
             self._count(rep, "bad_batches")
         self._count(rep, "gaps")
+        if rep.replay_endpoint is None:  # no way to close the gap: carry on, inexact
+            self._count(rep, "inexact_resyncs")
+            if not self._apply(rep, seq, payload):
+                self._count(rep, "bad_batches")
+            return
         self._catch_up(ctx, rep, seq)
 
     def _catch_up(self, ctx: Any, rep: _Replica, known_seq: int | None) -> None:
@@ -409,6 +416,14 @@ class KVIndex:
 
         ``known_seq``: a batch seen on the stream that must be covered (``None``: a probe)."""
         rep.next_probe = time.monotonic() + self.probe_interval_s
+        if rep.replay_endpoint is None:  # nothing to ask: follow the stream from here, inexact
+            if not rep.has_state:
+                with self._lock:
+                    self._clear(rep)
+                    rep.applied_seq, rep.has_state = None, True
+                self._count(rep, "inexact_resyncs")
+                self._synced(rep)
+            return
         if not rep.has_state or rep.applied_seq is None:
             self._snapshot(ctx, rep)
             return

@@ -511,6 +511,31 @@ def test_index_follows_a_vllm_publisher():
         stub.close()
 
 
+def test_replica_without_replay_endpoint_follows_inexactly():
+    """Only a PUB endpoint: the index follows from the first batch it gets; a gap cannot be
+    closed, so it is counted (gaps, inexact_resyncs) and the stream is followed on."""
+    stub = VLLMStub()
+    h = [7, 8, 9]
+    try:
+        with KVIndex({"v": stub.endpoints[0]}, probe_interval_s=0.1) as index:
+            deadline = time.monotonic() + 30
+            while index.applied_seq("v") is None and time.monotonic() < deadline:
+                stub.publish(_LegacyStored(h[:1], None, [0] * 4, 4, None, "GPU"))
+                time.sleep(0.05)
+            seq = index.applied_seq("v")
+            assert seq is not None and index.match(h) == {"v": 1}
+            with stub.lock:  # a batch that never reaches the subscriber
+                stub.buffer.append((len(stub.buffer), b""))
+            stub.publish(_LegacyStored(h[1:], h[0], [0] * 8, 4, None, "GPU"))
+            while index.applied_seq("v") == seq and time.monotonic() < deadline:
+                time.sleep(0.02)
+            st = index.stats()["replicas"]["v"]
+            assert st["gaps"] == 1 and st["inexact_resyncs"] == 2 and st["resync_failures"] == 0
+            assert index.match(h) == {"v": 3}
+    finally:
+        stub.close()
+
+
 def test_bad_arguments_are_refused():
     with pytest.raises(TypeError):
         prompt_block_hashes("abc", BS)  # type: ignore[arg-type]
