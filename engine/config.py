@@ -196,6 +196,10 @@ class EngineConfig:
                     f"{name} must be a ZeroMQ endpoint tcp://host:port, ipc://path or "
                     f"inproc://name, got {value!r}"
                 )
+        if self.kv_events is not None and self.runner == "pooling":
+            raise ValueError(
+                "kv_events needs runner='generate' (the pooling runner keeps no KV cache)"
+            )
         if self.kv_events_replay is not None and self.kv_events is None:
             raise ValueError("kv_events_replay needs kv_events (the event endpoint)")
         if self.kv_events is not None and self.kv_events_replay is None:

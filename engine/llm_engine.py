@@ -99,7 +99,6 @@ class LLMEngine:
         self._fit_max_model_len(num_blocks * config.block_size)
         kv_caches = allocate_kv_caches(spec, num_blocks, self.device)
         self.kv_cache_manager = KVCacheManager.from_config(config, num_blocks)
-        self.kv_events = _start_kv_events(config, self.kv_cache_manager)
         self.scheduler = Scheduler(config, self.kv_cache_manager, self.max_model_len)
         self.eos_token_ids: set[int] = set(mc.eos_token_ids) | set(
             getattr(self.tokenizer, "eos_token_ids", set()) or set()
@@ -131,6 +130,8 @@ class LLMEngine:
         self.timing: dict[str, float] = dict.fromkeys(
             ("steps", "step_s", "schedule_s", "prepare_s", "forward_s", "sample_s", "output_s"), 0
         )
+        # last: nothing above can fail with its sockets bound
+        self.kv_events = _start_kv_events(config, self.kv_cache_manager)
 
     def _fit_max_model_len(self, capacity: int) -> None:
         """Keep ``max_model_len`` within the KV cache (``capacity`` tokens), so that every

@@ -356,6 +356,8 @@ def test_async_engine_publishes_and_shutdown_unbinds(aidreams_path, pool_whole):
     pub, replay = asyncio.run(scenario())
     again = make_engine(aidreams_path, kv_events=pub, kv_events_replay=replay)
     assert again.kv_events.endpoint == pub
+    with pytest.raises(ValueError, match="cannot bind"):  # the port is taken: said at start
+        make_engine(aidreams_path, kv_events=pub)
     again.shutdown()
 
 
@@ -562,6 +564,8 @@ def test_bad_arguments_are_refused():
         EngineConfig(kv_events="tcp://127.0.0.1")
     with pytest.raises(ValueError, match="kv_events_replay needs"):
         EngineConfig(kv_events_replay="tcp://127.0.0.1:5")
+    with pytest.raises(ValueError, match="runner='generate'"):
+        EngineConfig(kv_events="tcp://127.0.0.1:5557", runner="pooling")
     with pytest.raises(ValueError, match="kv_events_queue_size"):
         EngineConfig(kv_events="tcp://127.0.0.1:5557", kv_events_queue_size=0)
 
