@@ -187,6 +187,30 @@ def test_predicted_cached_tokens_equal_engine_reported(engines, aidreams_path):
     assert engine.stats()["prefix_cache_evictions"] > 0
 
 
+def test_pinned_prefix_is_predicted(engines, aidreams_path):
+    """A registered prefix (the gateway pins its rendered ids but the last, under the key's
+    salt): the index sees its blocks; a chat on it is predicted as the engine serves it."""
+    from prefixgate.engine.tokenizer import Tokenizer
+    from prefixgate.gateway.prompts import render_chat
+
+    tok = Tokenizer.from_pretrained(aidreams_path)
+    engine = engines(num_kv_blocks=32)
+    salt = effective_salt("tenant-b", None)
+    system = [{"role": "system", "content": "You are the keeper of the gentle machine's nodes."}]
+    prefix_ids = asyncio.run(render_chat(tok, system, add_generation_prompt=False))
+    chat = asyncio.run(render_chat(tok, [*system, {"role": "user", "content": "hello there"}]))
+    with index_for(engine) as index:
+        pin = engine.pin_prefix(prefix_ids[:-1], ttl_s=600, cache_salt=salt)
+        assert pin.num_tokens >= 2 * BS
+        wait_synced(index, engine)
+        predicted = index.predict(chat, BS, salt)["e0"]
+        assert predicted >= pin.num_tokens
+        assert index.predict(chat, BS, None)["e0"] == 0  # another partition
+        (out,) = run(engine, [chat], salt)
+        assert out.num_cached_tokens == predicted
+        engine.unpin_prefix(pin.id)
+
+
 def test_prompt_block_hashes_are_the_engine_blocks(engines, aidreams_path):
     """The shared function gives the keys the engine caches for a prompt (one greedy token:
     only the prompt's full blocks are cached), salted or not; salts give other keys."""
