@@ -14,6 +14,10 @@ hashes equal to the engine's cached blocks (``BlockPool.cached_contents``), and 
 - batches dropped past the engine's queue bound: the gap is found, replay cannot cover it,
   snapshot;
 - a replay buffer rolled over: snapshot; an engine restarted on the same ports: snapshot;
+- a pinned prefix (the prefix API's path) is predicted; two replicas each match their own;
+  AsyncEngine publishes and its shutdown frees the ports;
+- a vLLM-style publisher (legacy ``array_like`` batches, int hashes, no snapshot) is followed;
+  a replica without a replay endpoint is followed inexactly (its gaps counted);
 - vLLM's layouts (maps and the legacy ``array_like``) parse; the modules import without torch.
 """
 
