@@ -227,6 +227,7 @@ class AsyncEngine:
             self._fail_all(EngineDeadError("the engine shut down"))
             self._drain_commands()
             self._snapshot = self.engine.stats()
+            self.engine.shutdown()  # the KV event publisher, when on
         self._flush_outbox()
 
     # -- engine thread -------------------------------------------------------------------

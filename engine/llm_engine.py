@@ -130,6 +130,8 @@ class LLMEngine:
         self.timing: dict[str, float] = dict.fromkeys(
             ("steps", "step_s", "schedule_s", "prepare_s", "forward_s", "sample_s", "output_s"), 0
         )
+        # last: nothing above can fail with its sockets bound
+        self.kv_events = _start_kv_events(config, self.kv_cache_manager)
 
     def _fit_max_model_len(self, capacity: int) -> None:
         """Keep ``max_model_len`` within the KV cache (``capacity`` tokens), so that every
@@ -268,6 +270,7 @@ class LLMEngine:
         self._fail_grammar_errors()
         sched_out = self.scheduler.schedule()
         if not sched_out.scheduled:
+            self._flush_kv_events()
             self._wait_for_grammars()
             outputs, self._stashed = self._stashed, []
             return outputs
@@ -295,6 +298,7 @@ class LLMEngine:
             outputs.append(op.make_output(r))
         self._step_requests = []
         outputs, self._stashed = self._stashed + outputs, []
+        self._flush_kv_events()
         t_end = time.perf_counter()
         t = self.timing
         t["steps"] += 1
@@ -305,6 +309,18 @@ class LLMEngine:
         t["sample_s"] += run.sample_s
         t["output_s"] += t_end - t_out  # scheduler update, detokenize, RequestOutputs
         return outputs
+
+    def _flush_kv_events(self) -> None:
+        """Hand the step's KV cache changes to the event publisher (one batch; never blocks)."""
+        if self.kv_events is not None:
+            self.kv_events.collector.flush()
+
+    def shutdown(self) -> None:
+        """Stop the KV event publisher (what is queued is sent first, within a second) and
+        unbind its sockets. The engine itself holds nothing else to release."""
+        if self.kv_events is not None:
+            self._flush_kv_events()
+            self.kv_events.close()
 
     # -- structured output -----------------------------------------------------------------
 
@@ -465,13 +481,39 @@ class LLMEngine:
 
         ``prompt_tokens_prefilled``: prompt tokens actually computed (a recompute after
         preemption counts its prompt part again; prefix-cache hits do not count);
-        ``tokens_decoded``: output tokens sampled. Both are the scheduler's counters."""
-        return dict(self.scheduler.stats())
+        ``tokens_decoded``: output tokens sampled. Both are the scheduler's counters.
+        With ``kv_events`` on, also the publisher's counters (``ZmqEventPublisher.stats``)."""
+        stats = dict(self.scheduler.stats())
+        if self.kv_events is not None:
+            stats.update(self.kv_events.stats())
+        return stats
 
     def check_invariants(self) -> None:
         """Raise AssertionError when a KV block is in two states or none, or the queues and
         the request table disagree."""
         self.scheduler.check_invariants()
+
+
+def _start_kv_events(config: EngineConfig, manager: KVCacheManager) -> Any:
+    """The KV event publisher of ``config.kv_events`` (installed on the block pool), or None.
+
+    Raises:
+        ValueError: an endpoint that cannot be bound.
+    """
+    if config.kv_events is None:
+        return None
+    from prefixgate.engine.kv_events import KVEventCollector, ZmqEventPublisher
+
+    collector = KVEventCollector(config.block_size, config.kv_events_queue_size)
+    publisher = ZmqEventPublisher(
+        collector,
+        config.kv_events,
+        config.kv_events_replay,
+        buffer_steps=config.kv_events_buffer_steps,
+        topic=config.kv_events_topic,
+    )
+    manager.pool.events = collector
+    return publisher
 
 
 def _load_tokenizer(mc: Any) -> Any:
