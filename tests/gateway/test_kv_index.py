@@ -1,4 +1,4 @@
-"""The exact prefix-cache index (gateway/kv_index.py) following a real engine's KV events.
+"""The exact prefix-cache index (gateway/proxy/kv_index.py) following a real engine's KV events.
 
 aidreams-260k engines publish on loopback ZeroMQ ports (``kv_events="tcp://127.0.0.1:*"``) with
 small KV pools, so the workloads evict. Each scenario ends with the index's multiset of block
@@ -35,8 +35,8 @@ import msgspec
 import pytest
 from prefixgate.engine.block_hash import block_key_bytes, prompt_block_hashes
 from prefixgate.engine.kv_events import parse_batch
-from prefixgate.gateway.auth import effective_salt
-from prefixgate.gateway.kv_index import KVIndex, prompt_block_keys
+from prefixgate.gateway.proxy.kv_index import KVIndex, prompt_block_keys
+from prefixgate.gateway.tenancy.keys import effective_salt
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -149,7 +149,7 @@ def test_predicted_cached_tokens_equal_engine_reported(engines, aidreams_path):
     """Chat and completions prompts rendered by the gateway's own code, two tenants' salts
     (one sub-partitioned by a request cache_salt), an evicting pool: prediction == report."""
     from prefixgate.engine.tokenizer import Tokenizer
-    from prefixgate.gateway.prompts import completion_prompts, render_chat
+    from prefixgate.gateway.api.prompts import completion_prompts, render_chat
 
     tok = Tokenizer.from_pretrained(aidreams_path)
     engine = engines(num_kv_blocks=32)
@@ -195,7 +195,7 @@ def test_pinned_prefix_is_predicted(engines, aidreams_path):
     """A registered prefix (the gateway pins its rendered ids but the last, under the key's
     salt): the index sees its blocks; a chat on it is predicted as the engine serves it."""
     from prefixgate.engine.tokenizer import Tokenizer
-    from prefixgate.gateway.prompts import render_chat
+    from prefixgate.gateway.api.prompts import render_chat
 
     tok = Tokenizer.from_pretrained(aidreams_path)
     engine = engines(num_kv_blocks=32)
@@ -219,7 +219,7 @@ def test_prompt_block_hashes_are_the_engine_blocks(engines, aidreams_path):
     """The shared function gives the keys the engine caches for a prompt (one greedy token:
     only the prompt's full blocks are cached), salted or not; salts give other keys."""
     from prefixgate.engine.tokenizer import Tokenizer
-    from prefixgate.gateway.prompts import completion_prompts, render_chat
+    from prefixgate.gateway.api.prompts import completion_prompts, render_chat
 
     tok = Tokenizer.from_pretrained(aidreams_path)
     messages = [
@@ -605,7 +605,7 @@ def test_modules_import_without_torch(tmp_path):
     )
     code = textwrap.dedent(
         """
-        from prefixgate.gateway.kv_index import KVIndex, prompt_block_keys
+        from prefixgate.gateway.proxy.kv_index import KVIndex, prompt_block_keys
         from prefixgate.engine.block_hash import prompt_block_hashes
         import prefixgate.engine.kv_events
         print(len(prompt_block_keys(list(range(40)), 8, "s")))
