@@ -29,6 +29,7 @@ from prefixgate.engine.detokenizer import IncrementalDetokenizer
 from prefixgate.engine.input_processor import InputProcessor, PreparedRequest
 from prefixgate.engine.kv_cache import KVCacheSpec, allocate_kv_caches, resolve_num_blocks
 from prefixgate.engine.kv_cache_manager import KVCacheManager, PrefixPin
+from prefixgate.engine.logits_processors import LogitsPipeline
 from prefixgate.engine.model_runner import ModelRunner
 from prefixgate.engine.models.config import ModelConfig
 from prefixgate.engine.models.loader import load_model
@@ -109,7 +110,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             model,
             kv_caches,
-            Sampler(config.seed),
+            Sampler(config.seed, LogitsPipeline(self.structured_output)),
             SamplingState,
             config.block_size,
             self.device,

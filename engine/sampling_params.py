@@ -122,16 +122,20 @@ class SamplingParams:
         max_tokens: most tokens to generate (>= 1); ``None`` means up to ``max_model_len``.
         stop: strings that end generation; never included in the text, matched across token
             boundaries.
-        stop_token_ids: token ids that end generation (not included in the text).
+        stop_token_ids: token ids that end generation (not included in the text); under a
+            structured-output grammar they are allowed only where the grammar may end.
         ignore_eos: keep generating past the end-of-sequence token.
         logprobs: return the sampled token's logprob and this many top alternatives
             (``None`` = no logprobs, 0 = sampled token only, at most 20).
         skip_special_tokens: leave special tokens out of the text.
-        min_tokens: generate at least this many tokens before EOS or a stop token id may be
-            sampled (they are masked until then; stop strings still apply, as in vLLM).
+        min_tokens: generate at least this many tokens before the request may end: EOS and
+            stop token ids are masked until then and a stop string ending in the first
+            ``min_tokens`` tokens' text is ordinary text (vLLM's semantics). A structured-output
+            grammar wins: when it allows only end-of-sequence (its answer is complete), the
+            request ends there (``prefixgate.engine.logits_processors``).
         logit_bias: token id -> bias in [-100, 100] added to that token's logit before sampling
             (OpenAI's ``logit_bias``; ids checked against the vocabulary when the request is
-            prepared).
+            prepared); it never unmasks a token the grammar or ``min_tokens`` forbids.
         structured_outputs: constrain the output (``StructuredOutputsParams``), or ``None``.
 
     Raises:

@@ -14,8 +14,9 @@ Pieces, as in vLLM v1 (``vllm/v1/structured_output``):
   the ``GrammarMatcher``, which advances with every sampled token. The request keeps its output
   tokens across preemption, so the matcher (kept on the request) stays in step with them.
 
-The model runner asks each constrained row of a batch for its token bitmask and applies it to
-that row only (``apply_bitmask``); unconstrained rows are untouched.
+The logits pipeline's first step (``prefixgate.engine.logits_processors.GrammarMask``) asks
+each constrained row of a batch for its token bitmask and applies it to that row only
+(``apply_bitmask``); unconstrained rows are untouched.
 """
 
 from __future__ import annotations
@@ -248,9 +249,12 @@ class StructuredOutputRequest:
         future: resolves to the ``xgrammar.CompiledGrammar``.
         matcher: the ``GrammarMatcher`` once the grammar is ready (``None`` before).
         rejected: a sampled token the grammar did not accept (the request must fail).
+        stop_ids_are_text: set by the logits pipeline for the step just sampled: the grammar's
+            only tokens were the request's stop ids where it cannot end, so a sampled stop id
+            is the grammar's text, not an end (``prefixgate.engine.logits_processors``).
     """
 
-    __slots__ = ("spec", "future", "matcher", "rejected", "_stop_ids")
+    __slots__ = ("spec", "future", "matcher", "rejected", "stop_ids_are_text", "_stop_ids")
 
     def __init__(
         self, spec: StructuredOutputsParams, future: Future, stop_token_ids: list[int]
@@ -259,6 +263,7 @@ class StructuredOutputRequest:
         self.future = future
         self.matcher: xgr.GrammarMatcher | None = None
         self.rejected: int | None = None
+        self.stop_ids_are_text = False
         self._stop_ids = stop_token_ids
 
     @property

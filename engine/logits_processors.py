@@ -1,0 +1,328 @@
+"""The engine's one ordered logits pipeline: every step that changes a row's logits.
+
+``LogitsPipeline(structured_output)(logits, states)`` is the only place a row's logits are
+changed before the choice (temperature, top-k/p, min-p and the draw are the sampler's). Each
+step is batched over the rows it applies to and runs in this declared order (``STEP_ORDER``):
+
+1. ``grammar`` (hard mask, ``GrammarMask``): every token the row's structured-output grammar
+   forbids gets ``-inf`` (xgrammar's token bitmask). **Ends follow the grammar**: EOS ids are
+   the grammar's own stop tokens, so EOS is allowed exactly where the constrained text may end;
+   the request's ``stop_token_ids`` are ends too, allowed (at their model logit) where the
+   grammar may end and masked everywhere else, so a JSON answer never stops mid-object.
+   Logprobs are read right after this step (as vLLM's: the model's logits with the grammar's
+   mask, before every later step).
+2. ``min_tokens`` (soft ban, ``MinTokens``): while fewer than ``min_tokens`` tokens were
+   generated, EOS and ``stop_token_ids`` get ``-inf``.
+3. ``logit_bias`` (``LogitBias``): each listed id's bias is added.
+4. ``repetition_penalty`` (``RepetitionPenalty``): CTRL / HF formula over prompt + output.
+5. ``frequency_presence`` (``FrequencyPresencePenalty``): OpenAI's formula over output tokens.
+
+Conflict rules (each held by a test in ``tests/engine/test_logits_processors.py``):
+
+- **No step leaves a row with no finite logit.** The grammar is the only hard mask and it
+  wins every conflict: a soft ban (``min_tokens``, the stop-id ban of step 1) that would leave
+  a row with nothing is lifted for that row and step. So when the grammar allows only
+  end-of-sequence (its answer is complete), EOS stays allowed whatever ``min_tokens`` says and
+  the request ends with ``"stop"`` before ``min_tokens`` (vLLM's rule); when the grammar's
+  only tokens are stop ids where it cannot end (``{`` opening a JSON answer, say), they are
+  its text: the grammar state's ``stop_ids_are_text`` is set for that step and
+  ``Request.check_stop`` does not end the request on them.
+  Steps 3-5 add or scale finite values, so they never create nor remove a ``-inf``.
+- ``logit_bias`` cannot unmask a token the grammar forbids (``-inf`` plus a finite bias is
+  ``-inf``), nor re-allow EOS / a stop id under ``min_tokens`` (step 2 bans after nothing
+  could lift it).
+- Stop strings are not a logits step: like stop ids and EOS, they end a request only once
+  ``min_tokens`` tokens were generated (``IncrementalDetokenizer`` ignores a stop string ending
+  in the first ``min_tokens`` tokens' text; vLLM's semantics since 2025).
+- A grammar that allows no token of the vocabulary at all (which a tokenizer missing the
+  characters it needs can cause) leaves its row empty: the sampled token is then rejected by
+  the grammar and the request fails with an explicit error (``Request.check_stop``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from prefixgate.engine.sampling_params import SamplingParams
+
+NEG_INF = float("-inf")
+
+
+@dataclass(slots=True)
+class SamplingState:
+    """What the logits pipeline and the sampler need about one request for this step.
+
+    Attributes:
+        params: the request's sampling parameters.
+        prompt_token_ids: prompt ids (repetition penalty).
+        output_token_ids: ids generated so far (penalties, ``min_tokens``).
+        generator: the request's own generator (seeded requests); ``None`` uses the
+            sampler's shared generator.
+        eos_token_ids: the model's EOS ids (banned, with stop token ids, until ``min_tokens``).
+        grammar: the request's ``StructuredOutputRequest`` (ready matcher) when its output is
+            constrained, else ``None``.
+    """
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    generator: torch.Generator | None = None
+    eos_token_ids: frozenset[int] | set[int] = frozenset()
+    grammar: Any | None = None
+
+
+class LogitsStep(Protocol):
+    """One step of the pipeline: ``applies`` picks its rows, ``apply`` changes them in place."""
+
+    name: str
+
+    def applies(self, state: SamplingState) -> bool:
+        """True when this step changes the row of ``state``."""
+        ...
+
+    def apply(self, scores: torch.Tensor, rows: list[int], states: Sequence[SamplingState]) -> None:
+        """Change ``scores[rows]`` (``[B, V]`` float32) in place; ``rows`` is never empty."""
+        ...
+
+
+def _pairs(
+    rows: list[int], ids_of: list[list[int]], vocab: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flatten per-row id lists into ``(row index [P], token id [P])`` int64 tensors, ids
+    outside ``[0, vocab)`` dropped."""
+    r: list[int] = []
+    t: list[int] = []
+    for row, ids in zip(rows, ids_of, strict=True):
+        for tid in ids:
+            if 0 <= tid < vocab:
+                r.append(row)
+                t.append(tid)
+    return (
+        torch.tensor(r, dtype=torch.int64, device=device),
+        torch.tensor(t, dtype=torch.int64, device=device),
+    )
+
+
+def _ban_unless_empty(
+    scores: torch.Tensor, r: torch.Tensor, t: torch.Tensor, new: torch.Tensor | None = None
+) -> list[int]:
+    """Set ``scores[r, t]`` to ``new`` (default ``-inf``), except in rows that would be left
+    with no finite logit: those rows keep their values (the hard mask wins).
+
+    Returns:
+        The rows left as they were (sorted).
+    """
+    if r.numel() == 0:
+        return []
+    saved = scores[r, t].clone()
+    scores[r, t] = NEG_INF if new is None else new
+    rows = r.unique()
+    empty = ~torch.isfinite(scores[rows]).any(dim=-1)
+    if not bool(empty.any()):
+        return []
+    empty_rows = rows[empty]
+    restore = torch.isin(r, empty_rows)
+    scores[r[restore], t[restore]] = saved[restore]
+    return empty_rows.tolist()
+
+
+class GrammarMask:
+    """Step 1: the structured-output grammar's mask, and ends (stop ids) that follow it.
+
+    Args:
+        structured_output: the engine's ``StructuredOutputManager`` (fills the bitmasks), or
+            ``None`` for an engine without structured output (no row then has a grammar).
+    """
+
+    name = "grammar"
+
+    def __init__(self, structured_output: Any | None) -> None:
+        self.structured_output = structured_output
+
+    def applies(self, state: SamplingState) -> bool:
+        return state.grammar is not None
+
+    def apply(self, scores: torch.Tensor, rows: list[int], states: Sequence[SamplingState]) -> None:
+        if self.structured_output is None:
+            raise ValueError("a row has a grammar but the pipeline has no structured output")
+        vocab, device = scores.shape[1], scores.device
+        r, t = _pairs(rows, [list(states[i].params.stop_token_ids) for i in rows], vocab, device)
+        before = scores[r, t].clone()
+        grammars = [states[i].grammar for i in rows]
+        self.structured_output.apply_bitmask(scores, rows, grammars)
+        for g in grammars:
+            g.stop_ids_are_text = False
+        if r.numel() == 0:
+            return
+        # A stop id is an end: allowed (at its model logit) where the grammar may end, that is
+        # where it allows one of its stop tokens (the EOS ids); masked everywhere else.
+        ends = sorted(
+            {e for i in rows for e in states[i].eos_token_ids if 0 <= e < vocab}
+            | {e for e in getattr(self.structured_output, "stop_token_ids", ()) if 0 <= e < vocab}
+        )
+        if ends:
+            eos = torch.tensor(ends, dtype=torch.int64, device=device)
+            can_end = torch.isfinite(scores[r.unsqueeze(1), eos.unsqueeze(0)]).any(dim=-1)
+        else:
+            can_end = torch.zeros(r.shape[0], dtype=torch.bool, device=device)
+        new = torch.where(can_end, before, torch.full_like(before, NEG_INF))
+        for i in _ban_unless_empty(scores, r, t, new):
+            # the grammar's only tokens here are stop ids: the grammar wins, they are its text
+            states[i].grammar.stop_ids_are_text = True
+
+
+class MinTokens:
+    """Step 2: EOS and stop token ids banned while fewer than ``min_tokens`` were generated
+    (vLLM's ``MinTokensLogitsProcessor``), unless the grammar allows nothing else."""
+
+    name = "min_tokens"
+
+    def applies(self, state: SamplingState) -> bool:
+        return len(state.output_token_ids) < state.params.min_tokens
+
+    def apply(self, scores: torch.Tensor, rows: list[int], states: Sequence[SamplingState]) -> None:
+        ends = [[*states[i].eos_token_ids, *states[i].params.stop_token_ids] for i in rows]
+        r, t = _pairs(rows, ends, scores.shape[1], scores.device)
+        _ban_unless_empty(scores, r, t)
+
+
+class LogitBias:
+    """Step 3: OpenAI's ``logit_bias``, each listed id's bias added to its logit."""
+
+    name = "logit_bias"
+
+    def applies(self, state: SamplingState) -> bool:
+        return bool(state.params.logit_bias)
+
+    def apply(self, scores: torch.Tensor, rows: list[int], states: Sequence[SamplingState]) -> None:
+        vocab = scores.shape[1]
+        r: list[int] = []
+        t: list[int] = []
+        v: list[float] = []
+        for i in rows:
+            for tid, bias in (states[i].params.logit_bias or {}).items():
+                if 0 <= tid < vocab:
+                    r.append(i)
+                    t.append(tid)
+                    v.append(bias)
+        if not r:
+            return
+        dev = scores.device
+        scores.index_put_(
+            (torch.tensor(r, device=dev), torch.tensor(t, device=dev)),
+            torch.tensor(v, dtype=scores.dtype, device=dev),
+            accumulate=True,
+        )
+
+
+class RepetitionPenalty:
+    """Step 4: CTRL's penalty (Keskar et al. 2019, HF's ``RepetitionPenaltyLogitsProcessor``):
+    every token seen in prompt or output becomes ``l / r`` when ``l > 0`` else ``l * r``."""
+
+    name = "repetition_penalty"
+
+    def applies(self, state: SamplingState) -> bool:
+        return state.params.repetition_penalty != 1.0
+
+    def apply(self, scores: torch.Tensor, rows: list[int], states: Sequence[SamplingState]) -> None:
+        dev = scores.device
+        local = list(range(len(rows)))
+        seen_ids = [[*states[i].prompt_token_ids, *states[i].output_token_ids] for i in rows]
+        r, t = _pairs(local, seen_ids, scores.shape[1], dev)
+        idx = torch.tensor(rows, dtype=torch.int64, device=dev)
+        seen = torch.zeros(len(rows), scores.shape[1], dtype=torch.bool, device=dev)
+        seen[r, t] = True
+        rp = torch.tensor(
+            [states[i].params.repetition_penalty for i in rows], dtype=scores.dtype, device=dev
+        ).unsqueeze(1)
+        sub = scores[idx]
+        scores[idx] = torch.where(seen, torch.where(sub > 0, sub / rp, sub * rp), sub)
+
+
+class FrequencyPresencePenalty:
+    """Step 5: OpenAI's ``l[j] -= c[j] * frequency_penalty + (c[j] > 0) * presence_penalty``,
+    ``c[j]`` the count of j among the output tokens."""
+
+    name = "frequency_presence"
+
+    def applies(self, state: SamplingState) -> bool:
+        p = state.params
+        return bool(p.frequency_penalty or p.presence_penalty) and len(state.output_token_ids) > 0
+
+    def apply(self, scores: torch.Tensor, rows: list[int], states: Sequence[SamplingState]) -> None:
+        dev = scores.device
+        local = list(range(len(rows)))
+        r, t = _pairs(local, [list(states[i].output_token_ids) for i in rows], scores.shape[1], dev)
+        counts = torch.zeros(len(rows), scores.shape[1], dtype=scores.dtype, device=dev)
+        counts.index_put_((r, t), torch.ones(r.shape[0], dtype=scores.dtype, device=dev), True)
+        fp = torch.tensor([states[i].params.frequency_penalty for i in rows], device=dev)
+        pp = torch.tensor([states[i].params.presence_penalty for i in rows], device=dev)
+        idx = torch.tensor(rows, dtype=torch.int64, device=dev)
+        scores[idx] -= counts * fp.to(scores.dtype).unsqueeze(1) + (counts > 0).to(
+            scores.dtype
+        ) * pp.to(scores.dtype).unsqueeze(1)
+
+
+STEP_ORDER = ("grammar", "min_tokens", "logit_bias", "repetition_penalty", "frequency_presence")
+
+
+@dataclass(slots=True)
+class ProcessedLogits:
+    """What the pipeline hands the sampler.
+
+    Attributes:
+        scores: ``[B, V]`` float32 logits after every step (a copy when any step applied, else
+            the input itself).
+        logprob_logits: ``[B, V]`` float32 logits the logprobs are taken from: after the
+            grammar mask, before the other steps.
+        changed: True when any step applied to any row (the sampler's all-greedy fast path
+            may then still take the argmax of ``scores``).
+    """
+
+    scores: torch.Tensor
+    logprob_logits: torch.Tensor
+    changed: bool
+
+
+class LogitsPipeline:
+    """The ordered steps (``STEP_ORDER``), applied to a batch in one call.
+
+    Args:
+        structured_output: the engine's ``StructuredOutputManager`` or ``None``.
+    """
+
+    def __init__(self, structured_output: Any | None = None) -> None:
+        self.steps: tuple[LogitsStep, ...] = (
+            GrammarMask(structured_output),
+            MinTokens(),
+            LogitBias(),
+            RepetitionPenalty(),
+            FrequencyPresencePenalty(),
+        )
+        assert tuple(s.name for s in self.steps) == STEP_ORDER
+
+    def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> ProcessedLogits:
+        """Apply every step, in order, to the rows it applies to.
+
+        Args:
+            logits: ``[B, V]`` float32 model logits, row i for ``states[i]``; not modified.
+            states: B sampling states.
+
+        Returns:
+            ``ProcessedLogits`` (scores, the logits of the logprobs, whether anything changed).
+        """
+        plan = [(step, [i for i, s in enumerate(states) if step.applies(s)]) for step in self.steps]
+        if not any(rows for _, rows in plan):
+            return ProcessedLogits(logits, logits, False)
+        scores = logits.float().clone()
+        logprob_logits = logits
+        for k, (step, rows) in enumerate(plan):
+            if rows:
+                step.apply(scores, rows, states)
+                if step.name == "grammar":  # logprobs: the model's logits under the mask
+                    later = any(r for _, r in plan[k + 1 :])
+                    logprob_logits = scores.clone() if later else scores
+        return ProcessedLogits(scores, logprob_logits, True)
