@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+    from prefixgate.engine.protocol import EngineRequest
     from prefixgate.engine.sampling_params import SamplingParams
 
 
@@ -85,6 +86,9 @@ class Request:
             ``num_sent_tokens`` / ``num_sent_chars``: what earlier outputs already reported.
         prompt: the prompt text when the caller gave text, else ``None``.
         pin_job: the pin in progress when this is the internal prefill of a prefix pin.
+        engine_request: the caller's ``EngineRequest`` it was built from (``None`` for bare
+            scheduler tests): a per-request field added there is read here as
+            ``request.engine_request.<field>``.
         error: why the request failed (a sampled token its grammar rejected), else ``None``.
 
     Raises:
@@ -154,6 +158,7 @@ class Request:
         self.num_sent_tokens = 0
         self.num_sent_chars = 0
         self.pin_job: Any = None
+        self.engine_request: EngineRequest | None = None
         self.error: BaseException | None = None
 
     @property
