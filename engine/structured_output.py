@@ -21,8 +21,13 @@ each constrained row of a batch for its token bitmask and applies it to that row
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import sys
+import tempfile
 import threading
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -65,6 +70,69 @@ def grammar_of(spec: StructuredOutputsParams) -> xgr.Grammar:
 
 
 def _convert(spec: StructuredOutputsParams) -> xgr.Grammar:
+    kind = spec.kind
+    with native_warnings() as warnings:
+        grammar = _convert_quietly(spec)
+    warned = [w for w in warnings if not any(b in w for b in BENIGN_WARNINGS)]
+    if warned:  # xgrammar said it drops part of the constraint: refused, never half-enforced
+        raise ValueError(
+            f"structured_outputs.{kind}: not enforced exactly by the grammar compiler "
+            f"(xgrammar: {warned[0][:240]})"
+        )
+    return grammar
+
+
+_STDERR_LOCK = threading.Lock()
+
+# xgrammar warnings that say the constraint is enforced as written (every other warning it
+# prints while building a grammar refuses the constraint): a regex escape of a character
+# without special meaning (``re.escape``'s ``\ ``) matches that character, as in Python.
+BENIGN_WARNINGS = ("The character itself will be matched",)
+
+
+@contextlib.contextmanager
+def native_warnings() -> Iterator[list[str]]:
+    """Collect the warnings xgrammar's C++ code prints while the block runs.
+
+    xgrammar reports a schema keyword or regex feature it drops (``pattern`` with
+    ``minLength``, ``multipleOf`` on a number, a lookahead, ``oneOf`` with overlapping
+    branches, ...) only as a line on the process's stderr (file descriptor 2), never to
+    Python. The block runs with fd 2 redirected to a temporary file (one block at a time);
+    afterwards xgrammar's ``Warning:`` lines are returned (their text) and anything else that
+    was written meanwhile (another thread's logging) is written on to the real stderr.
+    Without a usable fd 2 nothing is collected.
+
+    Yields:
+        The list the warning texts are appended to when the block ends.
+    """
+    found: list[str] = []
+    with _STDERR_LOCK:
+        try:
+            sys.stderr.flush()
+            saved = os.dup(2)
+        except (OSError, ValueError):
+            yield found
+            return
+        with tempfile.TemporaryFile() as tmp:
+            os.dup2(tmp.fileno(), 2)
+            try:
+                yield found
+            finally:
+                os.dup2(saved, 2)
+                os.close(saved)
+                tmp.seek(0)
+                other: list[bytes] = []
+                for line in tmp.read().splitlines(keepends=True):
+                    text = line.decode("utf-8", "replace")
+                    if "/cpp/" in text and "Warning:" in text:
+                        found.append(text.split("Warning:", 1)[1].strip())
+                    else:
+                        other.append(line)
+                if other:
+                    os.write(2, b"".join(other))
+
+
+def _convert_quietly(spec: StructuredOutputsParams) -> xgr.Grammar:
     kind = spec.kind
     try:
         if kind == "json":
@@ -153,14 +221,69 @@ UNSUPPORTED_SCHEMA_KEYWORDS = frozenset(
         "propertyNames",
         "unevaluatedProperties",
         "unevaluatedItems",
+        "contentEncoding",
+        "contentMediaType",
+        "contentSchema",
     }
 )
 
 
+# String formats xgrammar 0.2 turns into a grammar (each checked to reject a malformed value,
+# tests/engine/test_schema_keywords.py); any other ``format`` it ignores without a word.
+ENFORCED_FORMATS = frozenset(
+    {
+        "date",
+        "time",
+        "date-time",
+        "duration",
+        "email",
+        "hostname",
+        "ipv4",
+        "ipv6",
+        "uri",
+        "uri-reference",
+        "uri-template",
+        "json-pointer",
+        "relative-json-pointer",
+        "uuid",
+    }
+)
+
+_RANGE_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def _keyword_combination(schema: dict[str, Any]) -> str | None:
+    """A keyword (or combination) of this one schema object that xgrammar drops or does not
+    enforce exactly, named, or ``None``."""
+    length = [k for k in ("minLength", "maxLength") if k in schema]
+    if length and "pattern" in schema:
+        return f"pattern with {'/'.join(length)} (the length would be ignored)"
+    fmt = schema.get("format")
+    if fmt is not None:
+        if fmt not in ENFORCED_FORMATS:
+            return f"format {str(fmt)[:60]!r} (not enforced; enforced: {sorted(ENFORCED_FORMATS)})"
+        if length:
+            return f"format with {'/'.join(length)} (the length would be ignored)"
+    if "multipleOf" in schema:
+        step = schema["multipleOf"]
+        if schema.get("type") != "integer":
+            return "multipleOf on a non-integer type (only integer multiples are enforced)"
+        if isinstance(step, bool) or not isinstance(step, int):
+            return "multipleOf with a non-integer value on an integer"
+        ranged = [k for k in _RANGE_KEYWORDS if k in schema]
+        if ranged:
+            return f"multipleOf with {'/'.join(ranged)} (the multiple would be ignored)"
+    return None
+
+
 def unsupported_schema_feature(schema: Any, path: str = "#") -> str | None:
-    """The first keyword of ``schema`` (walked through its subschemas) that the grammar would
-    not enforce, as ``"<path>: <keyword>"``, or ``None``. ``allOf`` is enforced only with one
-    member."""
+    """The first keyword or keyword combination of ``schema`` (walked through its subschemas)
+    that the grammar would not enforce, as ``"<path>: <keyword>"``, or ``None``: the keywords
+    of ``UNSUPPORTED_SCHEMA_KEYWORDS``; ``allOf`` with more than one member; ``pattern`` or
+    ``format`` with ``minLength`` / ``maxLength``; a ``format`` outside ``ENFORCED_FORMATS``;
+    ``multipleOf`` other than an integer step on a ``type: integer`` without range keywords.
+    (Whatever else xgrammar reports dropping is refused when the grammar is built,
+    ``native_warnings``.)"""
     if not isinstance(schema, dict):
         return None
     for key in schema:
@@ -169,6 +292,9 @@ def unsupported_schema_feature(schema: Any, path: str = "#") -> str | None:
     all_of = schema.get("allOf")
     if isinstance(all_of, list) and len(all_of) > 1:
         return f"{path}: allOf with more than one schema"
+    combination = _keyword_combination(schema)
+    if combination is not None:
+        return f"{path}: {combination}"
     subs: list[tuple[str, Any]] = []
     for key in ("properties", "$defs", "definitions"):
         value = schema.get(key)

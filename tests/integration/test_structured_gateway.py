@@ -300,6 +300,17 @@ BAD = [
     ({"audio": {"voice": "alloy", "format": "mp3"}}, "audio"),
     ({"store": True}, "store"),
     ({"frobnicate": 1}, "frobnicate"),
+    # JSON Schema keywords the grammar would drop (tests/engine/test_schema_keywords.py)
+    ({"response_format": _rf({"type": "string", "pattern": "^a+$", "maxLength": 2})},
+     "response_format"),
+    ({"response_format": _rf({"type": "number", "multipleOf": 0.5})}, "response_format"),
+    ({"response_format": _rf({"oneOf": [{"type": "integer"}, {"type": "number"}]})},
+     "response_format"),
+    ({"guided_regex": "(?!a)b"}, "guided_regex"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "properties": {"d": {"type": "string", "format": "date",
+                                               "maxLength": 4}}}}}],
+      "tool_choice": "required"}, "tools[0].function.parameters"),
 ]  # fmt: skip
 
 
