@@ -497,5 +497,7 @@ class KVCacheManager:
         assert self.num_pinned_blocks == sum(1 for p in pins if p), "pinned block count drifted"
         for key, owners in self._pending.items():
             for owner in owners:
-                state = self._reqs.get(owner.request_id)
-                assert state is not None and key in state.pending, f"stale pending mark of {owner}"
+                owner_kv = self._reqs.get(owner.request_id)
+                assert owner_kv is not None and key in owner_kv.pending, (
+                    f"stale pending mark of {owner}"
+                )

@@ -135,9 +135,8 @@ class LLM:
     ) -> Any:
         """Compute and pin a prefix (token ids, or text tokenized with special tokens) for
         ``ttl_s`` seconds; returns a ``PrefixPin``. See ``LLMEngine.pin_prefix``."""
-        if isinstance(token_ids, str):
-            token_ids = self.tokenizer.encode(token_ids)
-        return self.engine.pin_prefix(token_ids, ttl_s, cache_salt)
+        ids = self.tokenizer.encode(token_ids) if isinstance(token_ids, str) else token_ids
+        return self.engine.pin_prefix(ids, ttl_s, cache_salt)
 
     def unpin_prefix(self, pin_id: str) -> None:
         """Release a pin."""

@@ -279,8 +279,8 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()
         if not sched_out.scheduled:
             self._wait_for_grammars()
-            outputs, self._stashed = self._stashed, []
-            return outputs
+            stashed, self._stashed = self._stashed, []
+            return stashed
         # if anything below raises, these are the requests the error concerns (fail_requests)
         self._step_requests = [s.request for s in sched_out.scheduled]
         t_run = time.perf_counter()

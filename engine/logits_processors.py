@@ -154,7 +154,8 @@ class GrammarMask:
         grammars = [states[i].grammar for i in rows]
         self.structured_output.apply_bitmask(scores, rows, grammars)
         for g in grammars:
-            g.stop_ids_are_text = False
+            if g is not None:
+                g.stop_ids_are_text = False
         if r.numel() == 0:
             return
         # A stop id is an end: allowed (at its model logit) where the grammar may end, that is
@@ -171,7 +172,9 @@ class GrammarMask:
         new = torch.where(can_end, before, torch.full_like(before, NEG_INF))
         for i in _ban_unless_empty(scores, r, t, new):
             # the grammar's only tokens here are stop ids: the grammar wins, they are its text
-            states[i].grammar.stop_ids_are_text = True
+            grammar = states[i].grammar
+            if grammar is not None:
+                grammar.stop_ids_are_text = True
 
 
 class MinTokens:

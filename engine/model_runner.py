@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from prefixgate.engine.attention_metadata import AttentionMetadata
 from prefixgate.engine.kv_cache import KVCaches
 from prefixgate.engine.outputs import TokenLogprobs
+
+if TYPE_CHECKING:
+    from prefixgate.engine.models.llama import CausalLM
 
 
 @dataclass(slots=True)
@@ -80,7 +83,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: CausalLM,
         kv_caches: KVCaches,
         sampler: Any,
         sampling_state_cls: Any,

@@ -202,7 +202,7 @@ def _logprobs(
     idx = torch.tensor(rows, device=logits.device)
     lp = torch.log_softmax(logits[idx].float(), dim=-1)
     chosen = lp.gather(1, torch.tensor([tokens[i] for i in rows], device=lp.device).unsqueeze(1))
-    n_max = max(params[i].logprobs for i in rows)
+    n_max = max(params[i].logprobs or 0 for i in rows)
     top_vals, top_ids = lp.topk(n_max, dim=-1) if n_max else (lp[:, :0], lp[:, :0].long())
     chosen_l, top_v, top_i = chosen.squeeze(1).tolist(), top_vals.tolist(), top_ids.tolist()
     out: list[TokenLogprobs | None] = [None] * len(params)

@@ -134,26 +134,24 @@ def native_warnings() -> Iterator[list[str]]:
 
 def _convert_quietly(spec: StructuredOutputsParams) -> xgr.Grammar:
     kind = spec.kind
+    value: Any = getattr(spec, kind)  # the one constraint given (never None: spec.kind)
     try:
         if kind == "json":
-            schema = spec.json
-            if isinstance(schema, dict):
-                check_schema(schema)
+            if isinstance(value, dict):
+                check_schema(value)
             return xgr.Grammar.from_json_schema(
-                schema if isinstance(schema, dict) else {}, **_JSON_OPTIONS
+                value if isinstance(value, dict) else {}, **_JSON_OPTIONS
             )
         if kind == "json_object":
             return xgr.Grammar.from_json_schema({"type": "object"}, **_JSON_OPTIONS)
         if kind == "regex":
-            return xgr.Grammar.from_regex(spec.regex)
+            return xgr.Grammar.from_regex(value)
         if kind == "structural_tag":
-            check_structural_tag_schemas(spec.structural_tag)
-            return xgr.Grammar.from_structural_tag(spec.structural_tag)
+            check_structural_tag_schemas(value)
+            return xgr.Grammar.from_structural_tag(value)
         if kind == "choice":
-            return xgr.Grammar.from_ebnf(
-                "root ::= " + " | ".join(_ebnf_string(c) for c in spec.choice)
-            )
-        return xgr.Grammar.from_ebnf(spec.grammar)
+            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(_ebnf_string(c) for c in value))
+        return xgr.Grammar.from_ebnf(value)
     except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar's errors are RuntimeError
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(f"structured_outputs.{kind}: {msg[:300]}") from None
