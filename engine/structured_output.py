@@ -22,6 +22,7 @@ each constrained row of a batch for its token bitmask and applies it to that row
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import sys
@@ -139,6 +140,7 @@ def _convert_quietly(spec: StructuredOutputsParams) -> xgr.Grammar:
         if kind == "json":
             if isinstance(value, dict):
                 check_schema(value)
+                value = exact_one_of(value)
             return xgr.Grammar.from_json_schema(
                 value if isinstance(value, dict) else {}, **_JSON_OPTIONS
             )
@@ -148,7 +150,7 @@ def _convert_quietly(spec: StructuredOutputsParams) -> xgr.Grammar:
             return xgr.Grammar.from_regex(value)
         if kind == "structural_tag":
             check_structural_tag_schemas(value)
-            return xgr.Grammar.from_structural_tag(value)
+            return xgr.Grammar.from_structural_tag(_tag_one_of(value))
         if kind == "choice":
             return xgr.Grammar.from_ebnf("root ::= " + " | ".join(_ebnf_string(c) for c in value))
         return xgr.Grammar.from_ebnf(value)
@@ -310,6 +312,101 @@ def unsupported_schema_feature(schema: Any, path: str = "#") -> str | None:
         if found is not None:
             return found
     return None
+
+
+def exact_one_of(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` with every ``oneOf`` whose branches are told apart by one property written
+    as ``anyOf`` (a copy; ``schema`` is not changed).
+
+    xgrammar writes a ``oneOf`` as ``anyOf`` and warns (refused, ``native_warnings``) unless
+    it proves the branches disjoint, which it does not through ``$ref``. A pydantic
+    discriminated union (``Cat | Dog`` on ``kind``) is the common case: each branch an object
+    requiring the same property with a ``const`` / ``enum`` of values no other branch has, so
+    at most one branch matches any instance and ``anyOf`` means exactly ``oneOf``.
+    """
+    return _rewrite_one_of(schema, schema)
+
+
+def _resolve(node: Any, root: dict[str, Any]) -> Any:
+    """Follow a local ``$ref`` (``#/...``) once; anything else is returned as it is."""
+    ref = node.get("$ref") if isinstance(node, dict) else None
+    if not isinstance(ref, str) or not ref.startswith("#/"):
+        return node
+    target: Any = root
+    for part in ref[2:].split("/"):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if not isinstance(target, dict) or part not in target:
+            return node
+        target = target[part]
+    return target
+
+
+def _tag_values(branch: Any, prop: str) -> set[str] | None:
+    """The JSON texts ``prop`` may take in an object branch that requires it (``const`` or
+    ``enum``), or ``None`` when the branch does not pin it. The branch must be
+    ``type: object``: ``required`` says nothing about a string, which would match every
+    branch."""
+    if not isinstance(branch, dict) or branch.get("type") != "object":
+        return None
+    if prop not in (branch.get("required") or []):
+        return None
+    spec = (branch.get("properties") or {}).get(prop)
+    if not isinstance(spec, dict):
+        return None
+    if "const" in spec:
+        return {json.dumps(spec["const"], sort_keys=True)}
+    if isinstance(spec.get("enum"), list):
+        return {json.dumps(v, sort_keys=True) for v in spec["enum"]}
+    return None
+
+
+def _disjoint(branches: list[Any], root: dict[str, Any]) -> bool:
+    resolved = [_resolve(b, root) for b in branches]
+    first = resolved[0]
+    candidates = list((first.get("properties") or {}) if isinstance(first, dict) else ())
+    for prop in candidates:
+        seen: set[str] = set()
+        for b in resolved:
+            values = _tag_values(b, prop)
+            if values is None or values & seen:
+                break
+            seen |= values
+        else:
+            return True
+    return False
+
+
+def _rewrite_one_of(node: Any, root: dict[str, Any]) -> Any:
+    if not isinstance(node, dict):
+        return node
+    out = dict(node)
+    for key in ("properties", "$defs", "definitions"):
+        if isinstance(out.get(key), dict):
+            out[key] = {k: _rewrite_one_of(v, root) for k, v in out[key].items()}
+    for key in ("items", "additionalProperties", "additionalItems"):
+        if isinstance(out.get(key), dict):
+            out[key] = _rewrite_one_of(out[key], root)
+    for key in ("prefixItems", "anyOf", "oneOf", "allOf", "items"):
+        if isinstance(out.get(key), list):
+            out[key] = [_rewrite_one_of(v, root) for v in out[key]]
+    one_of = out.get("oneOf")
+    if isinstance(one_of, list) and len(one_of) > 1 and "anyOf" not in out:
+        if _disjoint(one_of, root):
+            out["anyOf"] = out.pop("oneOf")
+            out.pop("discriminator", None)
+    return out
+
+
+def _tag_one_of(tag: Any) -> Any:
+    """``exact_one_of`` applied to every JSON schema inside a structural tag (a copy)."""
+    if isinstance(tag, dict):
+        out = {k: _tag_one_of(v) for k, v in tag.items()}
+        if tag.get("type") == "json_schema" and isinstance(tag.get("json_schema"), dict):
+            out["json_schema"] = exact_one_of(tag["json_schema"])
+        return out
+    if isinstance(tag, list):
+        return [_tag_one_of(v) for v in tag]
+    return tag
 
 
 def _ebnf_string(text: str) -> str:

@@ -137,6 +137,41 @@ def test_each_enforced_format_rejects_a_malformed_value(fmt):
     assert not _is_grammar_accept_string(_compile({**S, "format": fmt}), '" !!not valid!! "')
 
 
+CAT = {"type": "object", "properties": {"kind": {"const": "cat"}, "lives": I},
+       "required": ["kind", "lives"]}  # fmt: skip
+DOG = {"type": "object", "properties": {"kind": {"enum": ["dog", "wolf"]}, "good": {"type": "boolean"}},
+       "required": ["kind", "good"]}  # fmt: skip
+PET = {  # pydantic's discriminated union Cat | Dog on "kind"
+    "$defs": {"Cat": CAT, "Dog": DOG},
+    "type": "object",
+    "properties": {
+        "pet": {
+            "oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}],
+            "discriminator": {"propertyName": "kind"},
+        }
+    },
+    "required": ["pet"],
+}
+
+
+def test_one_of_told_apart_by_a_property_is_exact_and_accepted():
+    grammar = _compile(PET)
+    for pet, ok in [
+        ({"kind": "cat", "lives": 3}, True),
+        ({"kind": "wolf", "good": True}, True),
+        ({"kind": "cat", "good": True}, False),
+        ({"kind": "dog", "lives": 3}, False),
+    ]:
+        assert _is_grammar_accept_string(grammar, json.dumps({"pet": pet})) is ok, pet
+    # branches not pinned apart (kind shared, or not objects: "required" says nothing about a
+    # string) stay refused
+    same = {**DOG, "properties": {**DOG["properties"], "kind": {"enum": ["cat", "dog"]}}}
+    loose = {k: v for k, v in CAT.items() if k != "type"}
+    for branches in ([CAT, same], [loose, {k: v for k, v in DOG.items() if k != "type"}]):
+        with pytest.raises(ValueError, match="oneOf"):
+            _compile({"oneOf": branches})
+
+
 def test_regex_and_structural_tag_warnings_refuse_too():
     with pytest.raises(ValueError, match="structured_outputs.regex: not enforced exactly"):
         grammar_of(SO(regex="a$b"))
@@ -185,6 +220,7 @@ ACCEPTED_ON_MODEL = [
         "additionalProperties": False,
     },
     {"anyOf": [{**I, "minimum": 10, "maximum": 20}, {"enum": ["x", "y"]}]},
+    PET,
 ]
 
 
