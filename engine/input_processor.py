@@ -117,6 +117,20 @@ class InputProcessor:
                 raise ValueError(
                     f"logit_bias: token ids {bad[:5]} outside the vocabulary [0, {vocab})"
                 )
+        if params.allowed_token_ids is not None:
+            bad = [t for t in params.allowed_token_ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(
+                    f"allowed_token_ids: {bad[:5]} outside the vocabulary [0, {vocab})"
+                )
+        if params.bad_words:  # vLLM's: as written and with a leading space
+            seqs: list[list[int]] = []
+            for word in params.bad_words:
+                for text in (word, " " + word.lstrip()):
+                    ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+                    if ids and ids not in seqs:
+                        seqs.append(ids)
+            params.bad_words_token_ids = seqs
         if params.structured_outputs is not None:
             if self.structured_output is None:
                 raise ValueError("structured_outputs is not supported by this engine")

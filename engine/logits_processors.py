@@ -11,26 +11,30 @@ step is batched over the rows it applies to and runs in this declared order (``S
    grammar may end and masked everywhere else, so a JSON answer never stops mid-object.
    Logprobs are read right after this step (as vLLM's: the model's logits with the grammar's
    mask, before every later step).
-2. ``min_tokens`` (soft ban, ``MinTokens``): while fewer than ``min_tokens`` tokens were
-   generated, EOS and ``stop_token_ids`` get ``-inf``.
-3. ``logit_bias`` (``LogitBias``): each listed id's bias is added.
-4. ``repetition_penalty`` (``RepetitionPenalty``): CTRL / HF formula over prompt + output.
-5. ``frequency_presence`` (``FrequencyPresencePenalty``): OpenAI's formula over output tokens.
+2. ``allowed_token_ids`` (``AllowedTokenIds``): every id not listed gets ``-inf``.
+3. ``bad_words`` (``BadWords``): the last token of a bad word's token sequence gets ``-inf``
+   where the output ends with the rest of it.
+4. ``min_tokens`` (``MinTokens``): while fewer than ``min_tokens`` tokens were generated, EOS
+   and ``stop_token_ids`` get ``-inf``.
+5. ``logit_bias`` (``LogitBias``): each listed id's bias is added.
+6. ``repetition_penalty`` (``RepetitionPenalty``): CTRL / HF formula over prompt + output.
+7. ``frequency_presence`` (``FrequencyPresencePenalty``): OpenAI's formula over output tokens.
 
 Conflict rules (each held by a test in ``tests/engine/test_logits_processors.py``):
 
 - **No step leaves a row with no finite logit.** The grammar is the only hard mask and it
-  wins every conflict: a soft ban (``min_tokens``, the stop-id ban of step 1) that would leave
-  a row with nothing is lifted for that row and step. So when the grammar allows only
+  wins every conflict: a ban of a later step (``allowed_token_ids``, ``bad_words``,
+  ``min_tokens``, the stop-id ban of step 1) that would leave a row with nothing is lifted for
+  that row and step (the earlier steps' bans stand: ``allowed_token_ids`` before ``bad_words``
+  before ``min_tokens``). So when the grammar allows only
   end-of-sequence (its answer is complete), EOS stays allowed whatever ``min_tokens`` says and
   the request ends with ``"stop"`` before ``min_tokens`` (vLLM's rule); when the grammar's
   only tokens are stop ids where it cannot end (``{`` opening a JSON answer, say), they are
   its text: the grammar state's ``stop_ids_are_text`` is set for that step and
   ``Request.check_stop`` does not end the request on them.
-  Steps 3-5 add or scale finite values, so they never create nor remove a ``-inf``.
-- ``logit_bias`` cannot unmask a token the grammar forbids (``-inf`` plus a finite bias is
-  ``-inf``), nor re-allow EOS / a stop id under ``min_tokens`` (step 2 bans after nothing
-  could lift it).
+  Steps 5-7 add or scale finite values, so they never create nor remove a ``-inf``.
+- ``logit_bias`` cannot unmask a token the grammar, ``allowed_token_ids``, ``bad_words`` or
+  ``min_tokens`` forbid (``-inf`` plus a finite bias is ``-inf``).
 - Stop strings are not a logits step: like stop ids and EOS, they end a request only once
   ``min_tokens`` tokens were generated (``IncrementalDetokenizer`` ignores a stop string ending
   in the first ``min_tokens`` tokens' text; vLLM's semantics since 2025).
@@ -177,8 +181,55 @@ class GrammarMask:
                 grammar.stop_ids_are_text = True
 
 
+class AllowedTokenIds:
+    """Step 2: ``allowed_token_ids``, every other id ``-inf`` (vLLM's), unless that leaves the
+    row nothing (its grammar allows none of them: the grammar wins)."""
+
+    name = "allowed_token_ids"
+
+    def applies(self, state: SamplingState) -> bool:
+        return state.params.allowed_token_ids is not None
+
+    def apply(self, scores: torch.Tensor, rows: list[int], states: Sequence[SamplingState]) -> None:
+        dev = scores.device
+        local = list(range(len(rows)))
+        ids = [list(states[i].params.allowed_token_ids or ()) for i in rows]
+        r, t = _pairs(local, ids, scores.shape[1], dev)
+        keep = torch.zeros(len(rows), scores.shape[1], dtype=torch.bool, device=dev)
+        keep[r, t] = True
+        idx = torch.tensor(rows, dtype=torch.int64, device=dev)
+        sub = scores[idx]
+        masked = sub.masked_fill(~keep, NEG_INF)
+        empty = ~torch.isfinite(masked).any(dim=-1, keepdim=True)
+        scores[idx] = torch.where(empty, sub, masked)
+
+
+class BadWords:
+    """Step 3: ``bad_words`` (vLLM's): for each token sequence of a bad word, its last token
+    is banned when the output ends with the rest (a one-token word always), unless that
+    leaves the row nothing."""
+
+    name = "bad_words"
+
+    def applies(self, state: SamplingState) -> bool:
+        return bool(state.params.bad_words_token_ids)
+
+    def apply(self, scores: torch.Tensor, rows: list[int], states: Sequence[SamplingState]) -> None:
+        banned: list[list[int]] = []
+        for i in rows:
+            out = list(states[i].output_token_ids)
+            ban = []
+            for seq in states[i].params.bad_words_token_ids:
+                head = seq[:-1]
+                if not head or (len(out) >= len(head) and out[len(out) - len(head) :] == head):
+                    ban.append(seq[-1])
+            banned.append(ban)
+        r, t = _pairs(rows, banned, scores.shape[1], scores.device)
+        _ban_unless_empty(scores, r, t)
+
+
 class MinTokens:
-    """Step 2: EOS and stop token ids banned while fewer than ``min_tokens`` were generated
+    """Step 4: EOS and stop token ids banned while fewer than ``min_tokens`` were generated
     (vLLM's ``MinTokensLogitsProcessor``), unless the grammar allows nothing else."""
 
     name = "min_tokens"
@@ -193,7 +244,7 @@ class MinTokens:
 
 
 class LogitBias:
-    """Step 3: OpenAI's ``logit_bias``, each listed id's bias added to its logit."""
+    """Step 5: OpenAI's ``logit_bias``, each listed id's bias added to its logit."""
 
     name = "logit_bias"
 
@@ -222,7 +273,7 @@ class LogitBias:
 
 
 class RepetitionPenalty:
-    """Step 4: CTRL's penalty (Keskar et al. 2019, HF's ``RepetitionPenaltyLogitsProcessor``):
+    """Step 6: CTRL's penalty (Keskar et al. 2019, HF's ``RepetitionPenaltyLogitsProcessor``):
     every token seen in prompt or output becomes ``l / r`` when ``l > 0`` else ``l * r``."""
 
     name = "repetition_penalty"
@@ -246,7 +297,7 @@ class RepetitionPenalty:
 
 
 class FrequencyPresencePenalty:
-    """Step 5: OpenAI's ``l[j] -= c[j] * frequency_penalty + (c[j] > 0) * presence_penalty``,
+    """Step 7: OpenAI's ``l[j] -= c[j] * frequency_penalty + (c[j] > 0) * presence_penalty``,
     ``c[j]`` the count of j among the output tokens."""
 
     name = "frequency_presence"
@@ -269,7 +320,15 @@ class FrequencyPresencePenalty:
         ) * pp.to(scores.dtype).unsqueeze(1)
 
 
-STEP_ORDER = ("grammar", "min_tokens", "logit_bias", "repetition_penalty", "frequency_presence")
+STEP_ORDER = (
+    "grammar",
+    "allowed_token_ids",
+    "bad_words",
+    "min_tokens",
+    "logit_bias",
+    "repetition_penalty",
+    "frequency_presence",
+)
 
 
 @dataclass(slots=True)
@@ -300,6 +359,8 @@ class LogitsPipeline:
     def __init__(self, structured_output: Any | None = None) -> None:
         self.steps: tuple[LogitsStep, ...] = (
             GrammarMask(structured_output),
+            AllowedTokenIds(),
+            BadWords(),
             MinTokens(),
             LogitBias(),
             RepetitionPenalty(),

@@ -1,7 +1,7 @@
 """Next-token sampling for a batch: the logits pipeline, greedy / random choice, logprobs.
 
-Every change to a row's logits before the choice (grammar mask, ``min_tokens``, ``logit_bias``,
-repetition / frequency / presence penalties) is a step of the one ordered pipeline,
+Every change to a row's logits before the choice (grammar mask, ``allowed_token_ids``,
+``bad_words``, ``min_tokens``, ``logit_bias``, repetition / frequency / presence penalties) is a step of the one ordered pipeline,
 ``prefixgate.engine.logits_processors.LogitsPipeline`` (its docstring holds the order and the
 conflict rules). Then: greedy argmax, or temperature → top-k → top-p → min-p → one draw.
 Logprobs are the ``log_softmax`` of the model logits after the grammar mask, before every
@@ -118,8 +118,8 @@ class Sampler:
 
 
 def apply_penalties(row: torch.Tensor, state: SamplingState) -> None:
-    """Run the pipeline's steps after the grammar (``min_tokens``, ``logit_bias``, repetition,
-    frequency / presence) on one ``[V]`` float32 logits row, in place (tests and tools; the
+    """Run the pipeline's steps after the grammar (``allowed_token_ids``, ``bad_words``,
+    ``min_tokens``, ``logit_bias``, repetition, frequency / presence) on one ``[V]`` float32 logits row, in place (tests and tools; the
     sampler runs the whole ``LogitsPipeline`` on its batch).
     """
     batch = row.unsqueeze(0)

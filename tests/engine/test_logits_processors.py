@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import jsonschema
 import pytest
 import torch
-from prefixgate.engine import LLM, SamplingParams
+from prefixgate.engine import LLM, EngineRequest, SamplingParams
 from prefixgate.engine.logits_processors import (
     STEP_ORDER,
     LogitsPipeline,
@@ -124,6 +124,21 @@ def test_no_row_is_ever_left_without_a_finite_logit():
         if grammar is not None:  # the grammar's mask holds; where it may end, stop ids are ends
             ends = set(stops) if EOS in allowed else set()
             assert {i for i in range(8) if row[i] > NEG_INF} <= allowed | ends
+
+
+def test_allowed_ids_yield_to_the_grammar_and_bad_words_to_allowed_ids():
+    out = _run([_state(ScriptedGrammar({2, 3}), allowed_token_ids=[3, 5])])
+    assert torch.isfinite(out.scores[0]).tolist() == [i == 3 for i in range(8)]
+    out = _run([_state(ScriptedGrammar({2}), allowed_token_ids=[5])])  # disjoint: grammar wins
+    assert torch.isfinite(out.scores[0]).tolist() == [i == 2 for i in range(8)]
+    st = _state(allowed_token_ids=[4], output=[6])
+    st.params.bad_words_token_ids = [[4], [6, 7]]
+    out = _run([st])  # banning 4 would empty the row: the earlier allowed_token_ids stands
+    assert torch.isfinite(out.scores[0]).tolist() == [i == 4 for i in range(8)]
+    st = _state(output=[1, 6])
+    st.params.bad_words_token_ids = [[4], [6, 7], [1, 7], [9]]
+    out = _run([st])  # 4 (one token) and 7 (after 6) banned; [1, 7] does not end the output
+    assert torch.isinf(out.scores[0]).tolist() == [i in (4, 7) for i in range(8)]
 
 
 def test_logprobs_are_read_after_the_grammar_before_the_rest():
@@ -239,6 +254,54 @@ def test_stop_strings_apply_only_after_min_tokens(llm, pool_whole):
     out = _one(llm, max_tokens=20, ignore_eos=True, stop=[stop], min_tokens=3)
     assert out.finish_reason == "stop" and out.text == free.text[: free.text.index(stop, len(head))]
     assert len(out.token_ids) > 3 and out.token_ids == free.token_ids[: len(out.token_ids)]
+    pool_whole(llm)
+
+
+def test_allowed_token_ids_and_bad_words(llm, pool_whole):
+    free = _one(llm, max_tokens=12, ignore_eos=True)
+    allowed = sorted(set(free.token_ids[1:4]))
+    out = _one(llm, max_tokens=12, ignore_eos=True, allowed_token_ids=allowed)
+    assert set(out.token_ids) <= set(allowed)
+    # a bad word: none of its token sequences appears in the output
+    word = free.text.split()[1]
+    p = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, bad_words=[word])
+    prep = llm.engine.prepare_request(EngineRequest("probe", "Tell me", p))
+    seqs = prep.params.bad_words_token_ids
+    assert seqs and all(seq for seq in seqs)
+    out = _one(llm, max_tokens=12, ignore_eos=True, bad_words=[word])
+    ids = out.token_ids
+    for seq in seqs:
+        n = len(seq)
+        assert all(ids[k : k + n] != seq for k in range(len(ids))), (seq, ids)
+    assert ids != free.token_ids
+    # allowed ids the grammar forbids: the grammar wins (no row is left empty)
+    z = llm.engine.tokenizer.encode("z", add_special_tokens=False)[-1]
+    out = _one(llm, max_tokens=10, allowed_token_ids=[z], structured_outputs=SO(choice=["x", "yy"]))
+    assert out.text in ("x", "yy") and out.finish_reason == "stop"
+    pool_whole(llm)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"allowed_token_ids": []},
+        {"allowed_token_ids": [-1]},
+        {"allowed_token_ids": [True]},
+        {"allowed_token_ids": "1"},
+        {"bad_words": [""]},
+        {"bad_words": [" "]},
+        {"bad_words": "word"},
+        {"bad_words": [3]},
+    ],
+)
+def test_bad_allowed_ids_and_bad_words_refused(kwargs):
+    with pytest.raises((ValueError, TypeError), match=next(iter(kwargs))):
+        SamplingParams(**kwargs)
+
+
+def test_allowed_ids_outside_the_vocabulary_refused(llm, pool_whole):
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        _one(llm, allowed_token_ids=[1, 10**6])
     pool_whole(llm)
 
 
