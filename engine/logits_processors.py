@@ -110,11 +110,36 @@ def _pairs(
     )
 
 
+def _unique_pairs(
+    r: torch.Tensor, t: torch.Tensor, vocab: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The distinct ``(row, token)`` pairs of ``r, t`` and how often each occurs:
+    ``(rows [U], tokens [U], counts [U])`` int64."""
+    keys, counts = torch.unique(r * vocab + t, return_counts=True)
+    return keys // vocab, keys % vocab, counts
+
+
+def _may_be_emptied(state: SamplingState, num_banned: int, vocab: int) -> bool:
+    """Whether a ban of ``num_banned`` ids can leave this row without a finite logit: a row
+    masked by a grammar or ``allowed_token_ids`` can; any other row holds the model's finite
+    logits but for this call's other bans (bad words, ends), which are counted."""
+    p = state.params
+    if state.grammar is not None or p.allowed_token_ids is not None:
+        return True
+    others = len(p.bad_words_token_ids) + len(state.eos_token_ids) + len(p.stop_token_ids)
+    return num_banned + others >= vocab
+
+
 def _ban_unless_empty(
-    scores: torch.Tensor, r: torch.Tensor, t: torch.Tensor, new: torch.Tensor | None = None
+    scores: torch.Tensor,
+    r: torch.Tensor,
+    t: torch.Tensor,
+    states: Sequence[SamplingState],
+    new: torch.Tensor | None = None,
 ) -> list[int]:
     """Set ``scores[r, t]`` to ``new`` (default ``-inf``), except in rows that would be left
-    with no finite logit: those rows keep their values (the hard mask wins).
+    with no finite logit: those rows keep their values (the earlier steps win). Only rows
+    that can be emptied (``_may_be_emptied``) are checked, so a plain row costs its pairs.
 
     Returns:
         The rows left as they were (sorted).
@@ -123,8 +148,15 @@ def _ban_unless_empty(
         return []
     saved = scores[r, t].clone()
     scores[r, t] = NEG_INF if new is None else new
-    rows = r.unique()
-    empty = ~torch.isfinite(scores[rows]).any(dim=-1)
+    per_row: dict[int, int] = {}
+    for row in r.tolist():
+        per_row[row] = per_row.get(row, 0) + 1
+    vocab = scores.shape[1]
+    check = [row for row, n in per_row.items() if _may_be_emptied(states[row], n, vocab)]
+    if not check:
+        return []
+    rows = torch.tensor(sorted(check), dtype=torch.int64, device=scores.device)
+    empty = scores[rows].amax(dim=-1) == NEG_INF
     if not bool(empty.any()):
         return []
     empty_rows = rows[empty]
@@ -174,7 +206,7 @@ class GrammarMask:
         else:
             can_end = torch.zeros(r.shape[0], dtype=torch.bool, device=device)
         new = torch.where(can_end, before, torch.full_like(before, NEG_INF))
-        for i in _ban_unless_empty(scores, r, t, new):
+        for i in _ban_unless_empty(scores, r, t, states, new):
             # the grammar's only tokens here are stop ids: the grammar wins, they are its text
             grammar = states[i].grammar
             if grammar is not None:
@@ -225,7 +257,7 @@ class BadWords:
                     ban.append(seq[-1])
             banned.append(ban)
         r, t = _pairs(rows, banned, scores.shape[1], scores.device)
-        _ban_unless_empty(scores, r, t)
+        _ban_unless_empty(scores, r, t, states)
 
 
 class MinTokens:
@@ -240,7 +272,7 @@ class MinTokens:
     def apply(self, scores: torch.Tensor, rows: list[int], states: Sequence[SamplingState]) -> None:
         ends = [[*states[i].eos_token_ids, *states[i].params.stop_token_ids] for i in rows]
         r, t = _pairs(rows, ends, scores.shape[1], scores.device)
-        _ban_unless_empty(scores, r, t)
+        _ban_unless_empty(scores, r, t, states)
 
 
 class LogitBias:
@@ -282,18 +314,19 @@ class RepetitionPenalty:
         return state.params.repetition_penalty != 1.0
 
     def apply(self, scores: torch.Tensor, rows: list[int], states: Sequence[SamplingState]) -> None:
-        dev = scores.device
-        local = list(range(len(rows)))
+        # only the seen (row, token) pairs are read and written, each once
+        vocab, dev = scores.shape[1], scores.device
         seen_ids = [[*states[i].prompt_token_ids, *states[i].output_token_ids] for i in rows]
-        r, t = _pairs(local, seen_ids, scores.shape[1], dev)
-        idx = torch.tensor(rows, dtype=torch.int64, device=dev)
-        seen = torch.zeros(len(rows), scores.shape[1], dtype=torch.bool, device=dev)
-        seen[r, t] = True
-        rp = torch.tensor(
+        r, t = _unique_pairs(*_pairs(rows, seen_ids, vocab, dev), vocab)[:2]
+        if r.numel() == 0:
+            return
+        rp_of = torch.ones(scores.shape[0], dtype=scores.dtype, device=dev)
+        rp_of[torch.tensor(rows, device=dev)] = torch.tensor(
             [states[i].params.repetition_penalty for i in rows], dtype=scores.dtype, device=dev
-        ).unsqueeze(1)
-        sub = scores[idx]
-        scores[idx] = torch.where(seen, torch.where(sub > 0, sub / rp, sub * rp), sub)
+        )
+        rp = rp_of[r]
+        vals = scores[r, t]
+        scores[r, t] = torch.where(vals > 0, vals / rp, vals * rp)
 
 
 class FrequencyPresencePenalty:
@@ -307,17 +340,23 @@ class FrequencyPresencePenalty:
         return bool(p.frequency_penalty or p.presence_penalty) and len(state.output_token_ids) > 0
 
     def apply(self, scores: torch.Tensor, rows: list[int], states: Sequence[SamplingState]) -> None:
-        dev = scores.device
-        local = list(range(len(rows)))
-        r, t = _pairs(local, [list(states[i].output_token_ids) for i in rows], scores.shape[1], dev)
-        counts = torch.zeros(len(rows), scores.shape[1], dtype=scores.dtype, device=dev)
-        counts.index_put_((r, t), torch.ones(r.shape[0], dtype=scores.dtype, device=dev), True)
-        fp = torch.tensor([states[i].params.frequency_penalty for i in rows], device=dev)
-        pp = torch.tensor([states[i].params.presence_penalty for i in rows], device=dev)
-        idx = torch.tensor(rows, dtype=torch.int64, device=dev)
-        scores[idx] -= counts * fp.to(scores.dtype).unsqueeze(1) + (counts > 0).to(
-            scores.dtype
-        ) * pp.to(scores.dtype).unsqueeze(1)
+        # only the (row, token) pairs seen in the output are written (the others change by 0)
+        vocab, dev = scores.shape[1], scores.device
+        outputs = [list(states[i].output_token_ids) for i in rows]
+        r, t, counts = _unique_pairs(*_pairs(rows, outputs, vocab, dev), vocab)
+        if r.numel() == 0:
+            return
+        fp_of = torch.zeros(scores.shape[0], dtype=scores.dtype, device=dev)
+        pp_of = torch.zeros(scores.shape[0], dtype=scores.dtype, device=dev)
+        idx = torch.tensor(rows, device=dev)
+        fp_of[idx] = torch.tensor(
+            [states[i].params.frequency_penalty for i in rows], dtype=scores.dtype, device=dev
+        )
+        pp_of[idx] = torch.tensor(
+            [states[i].params.presence_penalty for i in rows], dtype=scores.dtype, device=dev
+        )
+        c = counts.to(scores.dtype)
+        scores[r, t] -= c * fp_of[r] + pp_of[r]
 
 
 STEP_ORDER = (

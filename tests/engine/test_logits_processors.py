@@ -141,6 +141,51 @@ def test_allowed_ids_yield_to_the_grammar_and_bad_words_to_allowed_ids():
     assert torch.isinf(out.scores[0]).tolist() == [i in (4, 7) for i in range(8)]
 
 
+def _reference_row(row: torch.Tensor, st: SamplingState) -> None:
+    """The formulas one row at a time, in the declared order (min_tokens, bias, CTRL, OpenAI)."""
+    p, vocab = st.params, row.shape[0]
+    if len(st.output_token_ids) < p.min_tokens:
+        for t in (*st.eos_token_ids, *p.stop_token_ids):
+            row[t] = NEG_INF
+    for t, b in (p.logit_bias or {}).items():
+        row[t] += b
+    for t in set(st.prompt_token_ids) | set(st.output_token_ids):
+        row[t] = row[t] / p.repetition_penalty if row[t] > 0 else row[t] * p.repetition_penalty
+    counts = torch.bincount(
+        torch.tensor(list(st.output_token_ids), dtype=torch.int64), minlength=vocab
+    )
+    row -= counts.float() * p.frequency_penalty + (counts > 0).float() * p.presence_penalty
+
+
+def test_batched_steps_equal_the_per_row_formulas_bitwise():
+    gen = torch.Generator().manual_seed(1)
+    vocab, batch = 300, 12
+
+    def draw(n: int) -> list[int]:
+        return torch.randint(0, vocab, (n,), generator=gen).tolist()
+
+    for _ in range(10):
+        logits = torch.randn(batch, vocab, generator=gen) * 5
+        states = []
+        for _ in range(batch):
+            u = torch.rand(4, generator=gen).tolist()
+            params = SamplingParams(
+                repetition_penalty=u[0] + 0.5,
+                frequency_penalty=u[1] * 2 - 1,
+                presence_penalty=u[2] - 0.5,
+                logit_bias={draw(1)[0]: 7.5},
+                min_tokens=3,
+                max_tokens=9,
+                stop_token_ids=draw(1),
+            )
+            out = draw(int(u[3] * 6))
+            states.append(SamplingState(params, draw(20), out, None, frozenset({EOS})))
+        ref = logits.clone()
+        for i, st in enumerate(states):
+            _reference_row(ref[i], st)
+        assert torch.equal(LogitsPipeline()(logits, states).scores, ref)
+
+
 def test_logprobs_are_read_after_the_grammar_before_the_rest():
     st = _state(ScriptedGrammar({2, 3}), logit_bias={2: 50.0}, logprobs=2)
     out = _run([st])
