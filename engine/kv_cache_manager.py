@@ -517,5 +517,7 @@ class KVCacheManager:
         self.pool.check_uid_holders(holds)
         for key, owners in self._pending.items():
             for owner in owners:
-                state = self._reqs.get(owner.request_id)
-                assert state is not None and key in state.pending, f"stale pending mark of {owner}"
+                owner_kv = self._reqs.get(owner.request_id)
+                assert owner_kv is not None and key in owner_kv.pending, (
+                    f"stale pending mark of {owner}"
+                )

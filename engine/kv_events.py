@@ -88,7 +88,7 @@ SNAPSHOT_REQUEST = b"SNAPSHOT"
 _SNAPSHOT_CHUNK = 512  # blocks per snapshot message
 
 
-class EventBatch(msgspec.Struct, omit_defaults=True, gc=False):  # type: ignore[call-arg]
+class EventBatch(msgspec.Struct, omit_defaults=True, gc=False):
     """One published message's payload: ``ts`` (Unix seconds) and its events."""
 
     ts: float
@@ -96,7 +96,7 @@ class EventBatch(msgspec.Struct, omit_defaults=True, gc=False):  # type: ignore[
     data_parallel_rank: int | None = None
 
 
-class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):  # type: ignore[call-arg]
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     """Base of the KV cache events (tagged union: ``"type"`` is the class name)."""
 
 
@@ -130,7 +130,7 @@ class AllBlocksCleared(KVCacheEvent):
 
 
 class KVEventBatch(EventBatch):
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]  # type: ignore[assignment]
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
 # ---- the engine side ------------------------------------------------------------------------
