@@ -141,8 +141,10 @@ def _convert_quietly(spec: StructuredOutputsParams) -> xgr.Grammar:
             if isinstance(value, dict):
                 check_schema(value)
                 value = exact_one_of(value)
-            return xgr.Grammar.from_json_schema(
-                value if isinstance(value, dict) else {}, **_JSON_OPTIONS
+            return exact_json_strings(
+                xgr.Grammar.from_json_schema(
+                    value if isinstance(value, dict) else {}, **_JSON_OPTIONS
+                )
             )
         if kind == "json_object":
             return xgr.Grammar.from_json_schema({"type": "object"}, **_JSON_OPTIONS)
@@ -150,13 +152,36 @@ def _convert_quietly(spec: StructuredOutputsParams) -> xgr.Grammar:
             return xgr.Grammar.from_regex(value)
         if kind == "structural_tag":
             check_structural_tag_schemas(value)
-            return xgr.Grammar.from_structural_tag(_tag_one_of(value))
+            return exact_json_strings(xgr.Grammar.from_structural_tag(_tag_one_of(value)))
         if kind == "choice":
             return xgr.Grammar.from_ebnf("root ::= " + " | ".join(_ebnf_string(c) for c in value))
         return xgr.Grammar.from_ebnf(value)
     except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar's errors are RuntimeError
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(f"structured_outputs.{kind}: {msg[:300]}") from None
+
+
+# xgrammar (0.2.x, mlc-ai/xgrammar#800) lowers a string with minLength/maxLength to a bounded
+# repetition of this class: it admits raw U+0000-U+001F (invalid JSON: strict parsers reject
+# the answer, "Invalid control character") and no escape, so a bounded string can neither be
+# valid JSON with a tab nor contain a quote. Each repetition becomes one JSON character: an
+# unescaped code point outside the C0 range, a short escape, or a \uXXXX escape (a surrogate
+# pair counts as two, so maxLength is never exceeded).
+_BOUNDED_STRING_CHAR = r'(([^\"\\\r\n]))'
+_EXACT_STRING_CHAR = (
+    r'(([^\0-\x1f\"\\]) | ("\\" [\"\\/bfnrt]) | '
+    r'("\\u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9]))'
+)
+
+
+def exact_json_strings(grammar: xgr.Grammar) -> xgr.Grammar:
+    """``grammar`` with every length-bounded JSON string rule made exact (see
+    ``_BOUNDED_STRING_CHAR``): only valid JSON strings, escapes allowed, each escape one
+    character of the bound. A grammar without such a rule is returned as is."""
+    text = str(grammar)
+    if _BOUNDED_STRING_CHAR not in text:
+        return grammar
+    return xgr.Grammar.from_ebnf(text.replace(_BOUNDED_STRING_CHAR, _EXACT_STRING_CHAR))
 
 
 def check_schema(schema: dict[str, Any]) -> None:

@@ -236,3 +236,60 @@ def test_accepted_schemas_give_answers_that_validate(llm, schema, pool_whole):
     for o in finished:
         jsonschema.validate(json.loads(o.text), schema, format_checker=jsonschema.FormatChecker())
     pool_whole(llm)
+
+
+# Length-bounded strings (xgrammar lowers them apart from plain strings): raw control
+# characters are invalid JSON and must never be admitted; escapes are JSON characters and
+# count once each against the bound. Plain, in an array, in a structural tag, with minLength.
+BOUNDED = [
+    (
+        SO(json={"type": "object", "properties": {"a": {**S, "maxLength": 3}}, "required": ["a"]}),
+        '{{"a": {}}}',
+    ),
+    (SO(json={"type": "array", "items": {**S, "minLength": 1, "maxLength": 3}}), "[{}]"),
+    (
+        SO(
+            structural_tag={
+                "type": "structural_tag",
+                "format": {"type": "json_schema", "json_schema": {**S, "maxLength": 3}},
+            }
+        ),
+        "{}",
+    ),
+]
+
+
+@pytest.mark.parametrize(("spec", "frame"), BOUNDED)
+def test_length_bounded_strings_are_exact_json_strings(spec, frame):
+    grammar = grammar_of(spec)
+
+    def accepts(string_literal: str) -> bool:
+        return _is_grammar_accept_string(grammar, frame.format(string_literal))
+
+    for raw in ("\t", "\x01", "\x1f", "a\x00"):  # raw C0: strict JSON parsers refuse them
+        assert not accepts('"' + raw + '"'), repr(raw)
+    for ok in ('"ab"', '"a\\tb"', '"\\"\\\\/"', '"\\u00e9"', '"\x7f"'):  # escapes: one char each
+        assert accepts(ok), ok
+        json.loads(frame.format(ok))  # and the instance is valid JSON
+    assert not accepts('"abcd"') and not accepts('"\\t\\t\\t\\t"')  # the bound holds
+    if "minLength" in json.dumps(spec.json or {}):
+        assert not accepts('""')
+
+
+def test_length_bounded_answers_parse_as_strict_json(llm, pool_whole):
+    schema = {
+        "type": "object",
+        "properties": {"city": {**S, "maxLength": 10}, "unit": {"enum": ["c", "f"]}},
+        "required": ["city", "unit"],
+        "additionalProperties": False,
+    }
+    params = [
+        SamplingParams(temperature=1.3, seed=i, max_tokens=60, structured_outputs=SO(json=schema))
+        for i in range(24)
+    ]
+    outs = [o.outputs[0] for o in llm.generate(["Tell me"] * 24, params)]
+    finished = [o for o in outs if o.finish_reason == "stop"]
+    assert finished
+    for o in finished:
+        jsonschema.validate(json.loads(o.text), schema)  # json.loads is strict: no raw C0
+    pool_whole(llm)
