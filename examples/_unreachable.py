@@ -6,17 +6,24 @@ The examples import it as a sibling (``python examples/x.py`` puts ``examples/``
 from __future__ import annotations
 
 import sys
-from typing import NoReturn
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 
-def exit_unreachable(url: str, exc: Exception, env_var: str = "PREFIXGATE_BASE_URL") -> NoReturn:
-    """Exit with one line: nothing answered at ``url`` (``exc`` says why); start a server or
-    point ``env_var`` at one.
+@contextmanager
+def exit_if_unreachable(
+    error: type[Exception], url: str, env_var: str = "PREFIXGATE_BASE_URL"
+) -> Iterator[None]:
+    """Run the block; an ``error`` (the client's connection error class) from it becomes one
+    line, nothing answered at ``url``: start a server or point ``env_var`` at one.
 
     Raises:
-        SystemExit: always, with that line (status 1).
+        SystemExit: on ``error``, with that line (status 1).
     """
-    sys.exit(
-        f"cannot reach a server at {url} ({exc}); start one with "
-        f"`prefixgate serve` or point {env_var} at one"
-    )
+    try:
+        yield
+    except error as exc:
+        sys.exit(
+            f"cannot reach a server at {url} ({exc}); start one with "
+            f"`prefixgate serve` or point {env_var} at one"
+        )

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from _unreachable import exit_unreachable
+from _unreachable import exit_if_unreachable
 from openai import APIConnectionError, OpenAI
 
 BASE_URL = os.environ.get("PREFIXGATE_BASE_URL", "http://127.0.0.1:8000/v1")
@@ -78,7 +78,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
+    with exit_if_unreachable(APIConnectionError, BASE_URL):
         main()
-    except APIConnectionError as exc:  # no server answers: one line, exit 1
-        exit_unreachable(BASE_URL, exc)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 
-from _unreachable import exit_unreachable
+from _unreachable import exit_if_unreachable
 from prefixgate.gateway.app import create_proxy_app
 from prefixgate.gateway.http.server import start_server
 from prefixgate.sdk import APIConnectionError, AsyncClient
@@ -60,7 +60,5 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
+    with exit_if_unreachable(APIConnectionError, UPSTREAM, "PREFIXGATE_UPSTREAM_URL"):
         asyncio.run(main())
-    except APIConnectionError as exc:  # no server answers: one line, exit 1
-        exit_unreachable(UPSTREAM, exc, "PREFIXGATE_UPSTREAM_URL")
