@@ -1,4 +1,4 @@
-"""The blocking ``Client`` is used as openai-python's is (issue 22): as a temporary, never
+"""The blocking ``Client`` is used as openai-python's is: as a temporary, never
 closed (the process still exits), from several threads, and inside a running event loop it
 says to use ``AsyncClient``. Each scenario is a fresh interpreter (a hang is a timeout, the
 point of the test) against the stub OpenAI server on loopback."""
