@@ -111,6 +111,26 @@ def _attend(
     return m_i, l_i, acc
 
 
+def kernel_strides(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    out: torch.Tensor,
+) -> tuple[int, ...]:
+    """The eleven stride arguments both attention kernels take, in their order (elements):
+    ``q [T, Hq, D]``'s token and head strides, ``k_cache``'s and ``v_cache``'s ``[N, S, Hkv, D]``
+    block, slot and head strides, ``block_tables``' row stride, ``out``'s token and head strides.
+    """
+    return (
+        *q.stride()[:2],
+        *k_cache.stride()[:3],
+        *v_cache.stride()[:3],
+        block_tables.stride(0),
+        *out.stride()[:2],
+    )
+
+
 def check_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,

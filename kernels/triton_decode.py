@@ -20,6 +20,7 @@ from prefixgate.kernels.triton_attention import (
     _softmax_output,
     _softmax_start,
     check_attention,
+    kernel_strides,
 )
 from prefixgate.kernels.triton_checks import check_cache, check_device, check_float
 from prefixgate.kernels.triton_env import interpreting, next_pow2, tl, triton
@@ -228,17 +229,7 @@ def decode(
         part_acc,
         part_ml,
         scale * LOG2E,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
+        *kernel_strides(q, k_cache, v_cache, block_tables, out),
         tokens_per_split,
         GROUPS=groups,
         G_PAD=next_pow2(groups, 16),

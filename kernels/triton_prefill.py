@@ -18,6 +18,7 @@ from prefixgate.kernels.triton_attention import (
     _softmax_output,
     _softmax_start,
     check_attention,
+    kernel_strides,
 )
 from prefixgate.kernels.triton_checks import check_cache, check_device, check_float, check_int
 from prefixgate.kernels.triton_env import interpreting, next_pow2, tl, triton
@@ -192,17 +193,7 @@ def prefill(
         out,
         scale * LOG2E,
         num_seqs,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
+        *kernel_strides(q, k_cache, v_cache, block_tables, out),
         GROUPS=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
         D_PAD=next_pow2(head_dim, 16),
