@@ -167,7 +167,7 @@ def _convert_quietly(spec: StructuredOutputsParams) -> xgr.Grammar:
 # valid JSON with a tab nor contain a quote. Each repetition becomes one JSON character: an
 # unescaped code point outside the C0 range, a short escape, or a \uXXXX escape (a surrogate
 # pair counts as two, so maxLength is never exceeded).
-_BOUNDED_STRING_CHAR = r'(([^\"\\\r\n]))'
+_BOUNDED_STRING_CHAR = r"(([^\"\\\r\n]))"
 _EXACT_STRING_CHAR = (
     r'(([^\0-\x1f\"\\]) | ("\\" [\"\\/bfnrt]) | '
     r'("\\u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9]))'
