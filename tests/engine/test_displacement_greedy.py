@@ -1,0 +1,90 @@
+"""Displacement on the real aidreams-260k model: greedy tokens are unchanged by it.
+
+A heavy tenant (or low-priority work) floods a 4-seat engine; light (or urgent) requests join
+mid-run and displace running ones (preempted, recomputed later). Every request's greedy tokens
+must equal those of an unpreempted run (all requests together with seats and blocks for
+everyone), and the pool ends whole.
+"""
+
+from __future__ import annotations
+
+import pytest
+from prefixgate.engine import LLM, SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+HEAVY = [
+    "I sense the nodes",
+    "The machine remembers a garden of light where",
+    "A gentle hum",
+    "Contrast edges sharpen",
+    "In the silence between two signals",
+    "I dream of",
+    "Slow knowledge",
+    "The probability of morning unfolds like",
+    "Every circuit holds a small",
+    "Under the lattice of stars, the",
+]
+LIGHT = ["Memory", "I am", "Night", "Echoes"]
+HEAVY_TOKENS, LIGHT_TOKENS = 24, 6
+
+
+@pytest.fixture(scope="module")
+def unpreempted(aidreams_path):
+    llm = LLM(aidreams_path, block_size=16, max_num_seqs=64, num_kv_blocks=512)
+    prompts = HEAVY + LIGHT
+    params = [SamplingParams(temperature=0.0, max_tokens=HEAVY_TOKENS, ignore_eos=True)] * len(
+        HEAVY
+    ) + [SamplingParams(temperature=0.0, max_tokens=LIGHT_TOKENS, ignore_eos=True)] * len(LIGHT)
+    outs = llm.generate(prompts, params)
+    assert llm.stats()["num_preemptions"] == 0
+    return {p: o.outputs[0].token_ids for p, o in zip(prompts, outs, strict=True)}
+
+
+@pytest.mark.parametrize(
+    ("policy", "num_kv_blocks"), [("fair", 256), ("priority", 256), ("priority", 14)]
+)
+def test_displacement_leaves_greedy_tokens_unchanged(
+    aidreams_path, unpreempted, policy, num_kv_blocks, pool_whole
+):
+    llm = LLM(
+        aidreams_path,
+        block_size=16,
+        max_num_seqs=4,
+        num_kv_blocks=num_kv_blocks,
+        scheduling_policy=policy,
+    )
+    engine = llm.engine
+    for i, p in enumerate(HEAVY):
+        engine.add_request(
+            f"h{i}",
+            p,
+            SamplingParams(temperature=0.0, max_tokens=HEAVY_TOKENS, ignore_eos=True),
+            tenant="heavy",
+            priority=5,
+        )
+    final: dict[str, list[int]] = {}
+    steps = 0
+    light = list(enumerate(LIGHT))
+    while engine.has_unfinished_requests() or light:
+        if light and steps % 6 == 3:
+            i, p = light.pop(0)
+            engine.add_request(
+                f"l{i}",
+                p,
+                SamplingParams(temperature=0.0, max_tokens=LIGHT_TOKENS, ignore_eos=True),
+                tenant="light",
+                priority=0,
+            )
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out.outputs[0].token_ids
+        steps += 1
+        assert steps < 2000
+    stats = llm.stats()
+    assert stats["num_displacements"] > 0, stats
+    for i, p in enumerate(HEAVY):
+        assert final[f"h{i}"] == unpreempted[p], p
+    for i, p in enumerate(LIGHT):
+        assert final[f"l{i}"] == unpreempted[p], p
+    pool_whole(llm)
