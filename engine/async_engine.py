@@ -162,9 +162,14 @@ class AsyncEngine:
     # -- prefix pins ---------------------------------------------------------------------
 
     async def pin_prefix(
-        self, token_ids: Sequence[int], ttl_s: float, cache_salt: str | None = None
+        self,
+        token_ids: Sequence[int],
+        ttl_s: float,
+        cache_salt: str | None = None,
+        tenant: str | None = None,
     ) -> Any:
-        """Compute (if not cached) and pin a prefix's full blocks for ``ttl_s`` seconds.
+        """Compute (if not cached) and pin a prefix's full blocks for ``ttl_s`` seconds
+        (charged to ``tenant``: under ``fair`` the pinned blocks count against its share).
 
         Returns:
             ``PrefixPin(id, num_tokens, expires_at, ...)``.
@@ -176,7 +181,7 @@ class AsyncEngine:
             raise EngineDeadError("the engine is shut down")
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
-        self._submit("pin", list(token_ids), ttl_s, cache_salt, loop, fut)
+        self._submit("pin", list(token_ids), ttl_s, cache_salt, tenant, loop, fut)
         return await fut
 
     def get_pin(self, pin_id: str) -> Any:
@@ -314,6 +319,7 @@ class AsyncEngine:
         token_ids: list[int],
         ttl_s: float,
         cache_salt: str | None,
+        tenant: str | None,
         loop: asyncio.AbstractEventLoop,
         fut: asyncio.Future,
     ) -> None:
@@ -321,7 +327,7 @@ class AsyncEngine:
             self._resolve(loop, fut, job.result, job.error, orphan=self._release_orphan_pin)
 
         try:
-            self.engine.start_pin(token_ids, ttl_s, cache_salt, callback=done)
+            self.engine.start_pin(token_ids, ttl_s, cache_salt, callback=done, tenant=tenant)
         except Exception as exc:  # noqa: BLE001 - delivered to the caller
             self._resolve(loop, fut, None, exc)
 

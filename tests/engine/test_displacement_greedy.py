@@ -88,3 +88,19 @@ def test_displacement_leaves_greedy_tokens_unchanged(
     for i, p in enumerate(LIGHT):
         assert final[f"l{i}"] == unpreempted[p], p
     pool_whole(llm)
+
+
+def test_a_pin_is_charged_to_its_tenant(aidreams_path, pool_whole):
+    llm = LLM(aidreams_path, block_size=16, scheduling_policy="fair")
+    ids = llm.tokenizer.encode(" ".join(HEAVY[:4]))
+    pin = llm.pin_prefix(ids, ttl_s=60, tenant="heavy")
+    kv = llm.engine.kv_cache_manager
+    assert pin.tenant == "heavy" and pin.num_tokens >= 16
+    assert kv.pinned_blocks_by_tenant() == {"heavy": pin.num_tokens // 16}
+    other = llm.pin_prefix(ids, ttl_s=60)  # the same blocks, charged to nobody
+    assert other.tenant is None and kv.pinned_blocks_by_tenant() == {"heavy": pin.num_tokens // 16}
+    # the pin's prefill was charged to the tenant too
+    assert llm.stats()["tenants"]["heavy"]["served_input_tokens"] == len(ids)
+    for p in (pin, other):
+        llm.unpin_prefix(p.id)
+    pool_whole(llm)

@@ -204,7 +204,11 @@ class FakeEngine:
         self._aborted.add(request_id)
 
     async def pin_prefix(
-        self, token_ids: list[int], ttl_s: float, cache_salt: str | None = None
+        self,
+        token_ids: list[int],
+        ttl_s: float,
+        cache_salt: str | None = None,
+        tenant: str | None = None,
     ) -> _Pin:
         if self.shutdown_called:
             raise EngineDeadError("the engine is shut down")
