@@ -27,6 +27,7 @@ from prefixgate.engine.errors import EngineDeadError
 from prefixgate.engine.llm_engine import LLMEngine, PinJob, PreparedRequest
 from prefixgate.engine.outputs import RequestOutput
 from prefixgate.engine.sampling_params import SamplingParams
+from prefixgate.engine.scheduler import estimate_ttft
 
 logger = logging.getLogger(__name__)
 
@@ -215,6 +216,23 @@ class AsyncEngine:
             finally:
                 self._lock.release()
         return dict(self._snapshot)
+
+    def predict_ttft(self, num_prompt_tokens: int, num_cached_tokens: int = 0) -> float | None:
+        """Seconds until a new request of ``num_prompt_tokens`` would get its first token,
+        from the ``stats()`` snapshot (never blocks; formula: ``scheduler.estimate_ttft``);
+        ``None`` before the rates are measured.
+
+        Raises:
+            ValueError / TypeError: bad token counts.
+        """
+        cfg = self.engine.config
+        return estimate_ttft(
+            self.stats(),
+            cfg.max_num_seqs,
+            cfg.max_num_batched_tokens,
+            num_prompt_tokens,
+            num_cached_tokens,
+        )
 
     def check_invariants(self) -> None:
         """Raise AssertionError on broken KV block bookkeeping (waits for the step in progress)."""

@@ -478,6 +478,16 @@ class LLMEngine:
         ``tokens_decoded``: output tokens sampled. Both are the scheduler's counters."""
         return dict(self.scheduler.stats())
 
+    def predict_ttft(self, num_prompt_tokens: int, num_cached_tokens: int = 0) -> float | None:
+        """Seconds until a new request of ``num_prompt_tokens`` would get its first token
+        (``Scheduler.predict_ttft``; formula: ``scheduler.estimate_ttft``), ``None`` before
+        the rates are measured.
+
+        Raises:
+            ValueError / TypeError: bad token counts.
+        """
+        return self.scheduler.predict_ttft(num_prompt_tokens, num_cached_tokens)
+
     def check_invariants(self) -> None:
         """Raise AssertionError when a KV block is in two states or none, or the queues and
         the request table disagree."""

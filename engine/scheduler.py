@@ -28,7 +28,8 @@ Rates (``stats()``): each step's model time is the time from ``schedule()`` to
 ``RATE_ALPHA`` for the newest step) of decode tokens / time over steps that prefill nothing;
 ``prefill_tokens_per_s`` the same of prefill tokens / (time - decode tokens /
 ``decode_tokens_per_s``) over steps that prefill; ``finished_per_s`` of the requests finished
-per second of step time. ``predict_ttft`` turns them into a first-token wait.
+per second of step time. ``estimate_ttft`` (``Scheduler.predict_ttft``, ``LLMEngine`` /
+``AsyncEngine.predict_ttft``) turns them into a first-token wait.
 
 The flow and vocabulary follow vLLM v1 (``vllm/v1/core/sched/scheduler.py``).
 """
@@ -37,7 +38,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -580,46 +581,20 @@ class Scheduler:
         return waiting + running
 
     def predict_ttft(self, num_prompt_tokens: int, num_cached_tokens: int = 0) -> float | None:
-        """Predicted seconds until a request of ``num_prompt_tokens`` arriving now would get
-        its first token, or ``None`` before both rates are measured.
-
-        With ``Q`` = ``queued_prefill_tokens()`` + the new request's uncached tokens ``N``,
-        ``D`` = running requests (decodes per step), ``r_p`` / ``r_d`` the prefill / decode
-        rates, ``B`` = ``max_num_batched_tokens``::
-
-            steps   = ceil(Q / max(1, B - D))        steps that the prefill work needs
-            compute = Q / r_p + steps * D / r_d      each step also carries D decodes
-            seat    = max(0, running + waiting + 1 - max_num_seqs) / finished_per_s
-            ttft    = max(compute, seat) + D / r_d   (+ the first token's own step)
-
-        ``seat`` is the wait for a free seat (0 while one is free; ``inf`` before any request
-        has finished). It assumes first come first served and ignores fairness and priority:
-        a light tenant under ``fair`` waits less.
+        """Predicted seconds until a request of ``num_prompt_tokens`` (``num_cached_tokens`` of
+        them prefix-cache hits) arriving now would get its first token; ``estimate_ttft`` on
+        this scheduler's ``stats()``. ``None`` before the rates are measured.
 
         Raises:
-            ValueError: ``num_prompt_tokens`` < 1 or ``num_cached_tokens`` outside
-                ``[0, num_prompt_tokens)``.
+            ValueError / TypeError: see ``estimate_ttft``.
         """
-        if isinstance(num_prompt_tokens, bool) or not isinstance(num_prompt_tokens, int):
-            raise TypeError(f"num_prompt_tokens must be an int, got {num_prompt_tokens!r}")
-        if num_prompt_tokens < 1:
-            raise ValueError(f"num_prompt_tokens must be >= 1, got {num_prompt_tokens}")
-        if not 0 <= num_cached_tokens < num_prompt_tokens:
-            raise ValueError(
-                f"num_cached_tokens must be in [0, {num_prompt_tokens}), got {num_cached_tokens}"
-            )
-        r_p, r_d = self.prefill_tokens_per_s, self.decode_tokens_per_s
-        if not r_p or not r_d:
-            return None
-        d = len(self.running)
-        q = self.queued_prefill_tokens() + num_prompt_tokens - num_cached_tokens
-        steps = -(-q // max(1, self.max_num_batched_tokens - d))
-        compute = q / r_p + steps * d / r_d
-        ahead = len(self.running) + len(self.waiting) + 1 - self.max_num_seqs
-        seat = 0.0
-        if ahead > 0:
-            seat = ahead / self.finished_per_s if self.finished_per_s else float("inf")
-        return max(compute, seat) + d / r_d
+        return estimate_ttft(
+            self.stats(),
+            self.max_num_seqs,
+            self.max_num_batched_tokens,
+            num_prompt_tokens,
+            num_cached_tokens,
+        )
 
     # ---- stats and checks ---------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -657,3 +632,60 @@ class Scheduler:
         for r in self.waiting:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), r
             assert self.kv.num_request_blocks(r.request_id) == 0, r
+
+
+def estimate_ttft(
+    stats: Mapping[str, Any],
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    num_prompt_tokens: int,
+    num_cached_tokens: int = 0,
+) -> float | None:
+    """Predicted seconds until a request of ``num_prompt_tokens`` arriving now would get its
+    first token, from a ``stats()`` snapshot (torch-free: the gateway can call it on
+    ``engine.stats()`` with ``engine.config``); ``None`` before both rates are measured.
+
+    With ``Q`` = ``queued_prefill_tokens`` + the new request's uncached tokens
+    (``num_prompt_tokens - num_cached_tokens``), ``D`` = ``num_running`` (decodes per step),
+    ``r_p`` / ``r_d`` = ``prefill_tokens_per_s`` / ``decode_tokens_per_s``, ``B`` =
+    ``max_num_batched_tokens``::
+
+        steps   = ceil(Q / max(1, B - D))          steps the prefill work needs
+        compute = Q / r_p + steps * D / r_d        each of them also carries D decodes
+        seat    = max(0, num_running + num_waiting + 1 - max_num_seqs) / finished_per_s
+        ttft    = max(compute, seat) + D / r_d     (+ the first token's own step)
+
+    ``seat`` is the wait for a free seat (0 while one is free; ``inf`` while seats are full
+    and no request has finished yet). First come first served is assumed: under ``fair`` a
+    light tenant, under ``priority`` an urgent request, waits less.
+
+    Raises:
+        TypeError: ``num_prompt_tokens`` / ``num_cached_tokens`` not ints.
+        ValueError: ``num_prompt_tokens`` < 1 or ``num_cached_tokens`` outside
+            ``[0, num_prompt_tokens)``.
+    """
+    for name, v in (
+        ("num_prompt_tokens", num_prompt_tokens),
+        ("num_cached_tokens", num_cached_tokens),
+    ):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{name} must be an int, got {v!r}")
+    if num_prompt_tokens < 1:
+        raise ValueError(f"num_prompt_tokens must be >= 1, got {num_prompt_tokens}")
+    if not 0 <= num_cached_tokens < num_prompt_tokens:
+        raise ValueError(
+            f"num_cached_tokens must be in [0, {num_prompt_tokens}), got {num_cached_tokens}"
+        )
+    r_p, r_d = stats.get("prefill_tokens_per_s"), stats.get("decode_tokens_per_s")
+    if not r_p or not r_d:
+        return None
+    d = int(stats["num_running"])
+    q = int(stats["queued_prefill_tokens"]) + num_prompt_tokens - num_cached_tokens
+    steps = -(-q // max(1, max_num_batched_tokens - d))
+    compute = q / r_p + steps * d / r_d
+    ahead = d + int(stats["num_waiting"]) + 1 - max_num_seqs
+    seat = 0.0
+    if ahead > 0:
+        finished = stats.get("finished_per_s")
+        seat = ahead / finished if finished else float("inf")
+    return max(compute, seat) + d / r_d

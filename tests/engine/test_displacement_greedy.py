@@ -104,3 +104,23 @@ def test_a_pin_is_charged_to_its_tenant(aidreams_path, pool_whole):
     for p in (pin, other):
         llm.unpin_prefix(p.id)
     pool_whole(llm)
+
+
+def test_the_engine_predicts_a_first_token_wait_from_measured_rates(aidreams_path, pool_whole):
+    llm = LLM(aidreams_path, block_size=16, max_num_seqs=4)
+    engine = llm.engine
+    assert engine.predict_ttft(8) is None  # nothing measured
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    llm.generate(HEAVY, [params] * len(HEAVY))
+    s = llm.stats()
+    assert s["prefill_tokens_per_s"] > 0 and s["decode_tokens_per_s"] > 0
+    idle = engine.predict_ttft(8)
+    assert idle is not None and idle > 0
+    for i, p in enumerate(HEAVY):  # queued work makes the predicted wait longer
+        engine.add_request(f"q{i}", p, params)
+    assert engine.predict_ttft(8) > idle
+    with pytest.raises(ValueError):
+        engine.predict_ttft(0)
+    while engine.has_unfinished_requests():
+        engine.step()
+    pool_whole(llm)
