@@ -133,7 +133,8 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
         self.num_displacements = 0  # preemptions of running requests for waiting ones
-        self._fair_preempted: set[str] = set()  # never preempted for fairness again
+        # id -> (fairness preemptions, output tokens at the last one): the hysteresis
+        self._fair_preempted: dict[str, tuple[int, int]] = {}
         self.prompt_tokens_prefilled = 0
         self.tokens_decoded = 0
         self._step_started: float | None = None
@@ -238,7 +239,7 @@ class Scheduler:
         now = time.monotonic()
         for r in reqs:
             self.kv.free(r)
-            self._fair_preempted.discard(r.request_id)
+            self._fair_preempted.pop(r.request_id, None)
             r.status = status
             r.finished_time = now
             del self.requests[r.request_id]
@@ -382,6 +383,16 @@ class Scheduler:
             used[tenant_of(req)] = used.get(tenant_of(req), 0) + num_new
         return budget
 
+    def _fair_exempt(self) -> set[str]:
+        """Requests preempted for fairness that have not yet sampled
+        ``policy.fair_min_progress`` tokens since: not to be preempted for fairness again."""
+        p = self.policy.fair_min_progress
+        return {
+            rid
+            for rid, (_, at) in self._fair_preempted.items()
+            if self.requests[rid].num_output_tokens - at < p
+        }
+
     def _skip_tenant(self, req: Request, skipped: set[str]) -> None:
         t = tenant_of(req)
         skipped.update(r.request_id for r in self.waiting if tenant_of(r) == t)
@@ -406,7 +417,8 @@ class Scheduler:
             max_num_seqs=self.max_num_seqs,
             num_blocks=self.kv.num_blocks,
             pinned_blocks=self.kv.pinned_blocks_by_tenant(),
-            exempt=self._fair_preempted | self._admitted_now,  # not one admitted this step
+            exempt=self._fair_exempt() | self._admitted_now,  # nor one admitted this step
+            fair_preemptions={rid: n for rid, (n, _) in self._fair_preempted.items()},
         )
 
     def _displace(
@@ -439,7 +451,8 @@ class Scheduler:
             back += self._preempt(v, scheduled, used)
             self.num_displacements += 1
             if self.policy.fair_preemption:
-                self._fair_preempted.add(v.request_id)
+                n, _ = self._fair_preempted.get(v.request_id, (0, 0))
+                self._fair_preempted[v.request_id] = (n + 1, v.num_output_tokens)
         return self._allocate(req, num_new, num_hit, hits), back
 
     def _allocate(

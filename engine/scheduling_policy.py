@@ -40,16 +40,22 @@ greedy outputs do not change):
   a first round gives each at most ``floor(max_num_batched_tokens * w_t / W)`` (decodes
   included), then what is left goes to anyone (work-conserving).
 
-  Bounds (tests hold each): (1) a request is preempted for fairness at most once (hysteresis:
-  no preemption loop); (2) displacement only moves a seat from a tenant over its share to one
-  under it, so ``sum_t max(0, held(t) - share(t))`` drops with each one and only admissions
-  into free seats raise it; (3) a waiting request of a tenant under its shares is admitted in
-  the first step whose decode phase preempts nothing, when a tenant over its share has a
-  running request not yet preempted for fairness; (4) the heavy tenant's starvation bound:
-  it keeps at least ``seats(heavy)`` running sequences whenever it has that many requests,
-  and a request preempted for fairness is the oldest of its tenant's waiting requests, so it
-  resumes at the latest when every request its tenant was running at its preemption has
-  finished (those are older than it, or already preempted once and so never again).
+  Bounds (tests hold each): (1) hysteresis, no preemption loop: a request preempted for
+  fairness samples at least ``fair_min_progress`` (16) output tokens before it may be
+  preempted for fairness again, so a request of ``max_tokens`` output tokens is preempted for
+  fairness at most ``1 + max_tokens // 16`` times; among the candidates the least often
+  preempted go first (newest first among equals), spreading the cost; (2) displacement only
+  moves a seat from a tenant over its share to one under it, so ``sum_t max(0, held(t) -
+  share(t))`` drops with each one and only admissions into free seats raise it; (3) a waiting
+  request of a tenant under its shares whose counter is no larger than an over-share tenant's
+  is admitted in the first step whose decode phase preempts nothing, as long as that tenant
+  has a running request outside the hysteresis; (4) the heavy tenant's starvation bound: it
+  keeps at least ``seats(heavy)`` running sequences whenever it has that many requests (it is
+  never displaced below its share), and a request preempted for fairness is older than every
+  waiting request of its tenant that never ran (VTC is first come first served within a
+  tenant), so it takes the first of its tenant's seats that frees up unless an older
+  preempted one is waiting too; in the tests' flood it resumes within the steps one heavy
+  request takes alone (prefill steps + ``max_tokens``).
 
 Every policy keeps per-tenant statistics (served input / output tokens, queue lengths).
 Requests without a tenant belong to tenant ``"default"``. A policy class declares what it
@@ -96,7 +102,9 @@ class Room:
         freeable: blocks that preempting a running request would return to the free pool.
         pinned_blocks: tenant → blocks its prefix pins hold.
         max_num_seqs, num_blocks: the engine's seats and KV blocks.
-        exempt: ids of requests never to preempt for fairness again (preempted once already).
+        exempt: ids of requests not to preempt now (admitted this step, or preempted for
+            fairness and not yet ``fair_min_progress`` tokens further since).
+        fair_preemptions: id → times the request was preempted for fairness.
     """
 
     running: Sequence[Request]
@@ -110,6 +118,7 @@ class Room:
     num_blocks: int
     pinned_blocks: dict[str, int] = field(default_factory=dict)
     exempt: set[str] = field(default_factory=set)
+    fair_preemptions: dict[str, int] = field(default_factory=dict)
 
 
 class SchedulingPolicy:
@@ -129,7 +138,9 @@ class SchedulingPolicy:
     displaces: ClassVar[bool] = False
     """True when a waiting request may displace running ones (``displaceable``)."""
     fair_preemption: ClassVar[bool] = False
-    """True when displacement is for fairness (a request is displaced at most once)."""
+    """True when displacement is for fairness (hysteresis: ``fair_min_progress``)."""
+    fair_min_progress: ClassVar[int] = 16
+    """Output tokens a request preempted for fairness samples before it may be again."""
 
     def __init__(
         self,
@@ -329,9 +340,9 @@ class FairPolicy(SchedulingPolicy):
         return seats, blocks
 
     def displaceable(self, req: Request, room: Room) -> list[Request]:
-        """The newest running requests (not preempted for fairness before) of tenants over
-        their shares with a VTC counter no less than ``req``'s tenant's, the most-over tenant
-        first, while ``req``'s tenant stays within its own shares counting ``req``; never a
+        """Running requests (outside the hysteresis; the least often preempted, then the
+        newest first) of tenants over their shares with a VTC counter no less than ``req``'s
+        tenant's, the most-over tenant first, while ``req``'s tenant stays within its own shares counting ``req``; never a
         victim that would take its tenant below a share."""
         me = tenant_of(req)
         active = {tenant_of(r) for r in room.running} | {tenant_of(r) for r in room.waiting}
@@ -358,8 +369,10 @@ class FairPolicy(SchedulingPolicy):
             if self._stats(t).counter < mine:
                 continue  # VTC serves that tenant first: it keeps its seats
             s_left, b_left = seats[t], blocks.get(t, 0)
-            for r in reversed(room.running):  # newest first
-                if tenant_of(r) != t or r.request_id in room.exempt:
+            mine_t = [r for r in reversed(room.running) if tenant_of(r) == t]  # newest first
+            mine_t.sort(key=lambda r: room.fair_preemptions.get(r.request_id, 0))  # stable
+            for r in mine_t:
+                if r.request_id in room.exempt:
                     continue
                 over_seats = room.need_seat and s_left > shares[t][0]
                 over_blocks = room.short_blocks > 0 and b_left > shares[t][1]

@@ -58,6 +58,7 @@ class Trace:
     first_scheduled: dict[str, int] = field(default_factory=dict)  # id -> step
     first_token: dict[str, int] = field(default_factory=dict)
     preempted_at: dict[str, list[int]] = field(default_factory=dict)
+    preempted_outputs: dict[str, list[int]] = field(default_factory=dict)  # tokens by then
     resumed_at: dict[str, list[int]] = field(default_factory=dict)
     outputs: dict[str, list[int]] = field(default_factory=dict)
     prompts: dict[str, list[int]] = field(default_factory=dict)
@@ -73,6 +74,7 @@ def step(sched: Scheduler, tr: Trace) -> None:
     assert len(sched.running) <= sched.max_num_seqs
     for rid in out.preempted:
         tr.preempted_at.setdefault(rid, []).append(n)
+        tr.preempted_outputs.setdefault(rid, []).append(sched.requests[rid].num_output_tokens)
     for s in out.scheduled:
         rid = s.request.request_id
         tr.first_scheduled.setdefault(rid, n)
@@ -183,10 +185,13 @@ def test_fair_light_tenant_is_scheduled_at_once_while_the_heavy_one_floods():
 def test_fair_heavy_tenant_keeps_its_share_and_its_starvation_bound():
     sched, tr, info = flood("fair", n_light=6, gap=3)
     reqs = info["reqs"]
-    # (1) hysteresis: no request is preempted for fairness twice (blocks are ample, so every
-    # preemption here is a displacement)
-    assert all(len(v) == 1 for v in tr.preempted_at.values()), tr.preempted_at
-    assert all(r.num_preemptions <= 1 for r in reqs.values())
+    # (1) hysteresis (blocks are ample, so every preemption here is a displacement): between
+    # two fairness preemptions a request samples >= fair_min_progress tokens, so none is
+    # preempted more than 1 + max_tokens // 16 times
+    p = FairPolicy.fair_min_progress
+    for rid, outs in tr.preempted_outputs.items():
+        assert all(b - a >= p for a, b in zip(outs, outs[1:], strict=False)), (rid, outs)
+        assert len(outs) <= 1 + reqs[rid].max_tokens // p
     assert set(tr.preempted_at) <= {r for r in reqs if r.startswith("h")}
     # (4) the heavy tenant never runs fewer than its share (4 of 8 seats) while it has that
     # many unfinished requests (from the light tenant's first arrival, step 5: before it the
@@ -203,9 +208,47 @@ def test_fair_heavy_tenant_keeps_its_share_and_its_starvation_bound():
     # its preemption have finished: each needs at most ceil(100 / 128) prefill steps and 40
     # decodes, so the wait is within one heavy request's length in steps (41)
     bound = -(-HEAVY["n_prompt"] // 128) + HEAVY["max_tokens"]
-    waits = [tr.resumed_at[r][0] - tr.preempted_at[r][0] for r in tr.preempted_at]
+    waits = [
+        back - at
+        for r in tr.preempted_at
+        for at, back in zip(tr.preempted_at[r], tr.resumed_at[r], strict=True)
+    ]
     assert waits and max(waits) <= bound, (max(waits), bound)
     assert_greedy_unchanged(tr, reqs)
+
+
+def test_fair_long_heavy_requests_are_preempted_again_only_after_progress():
+    # heavy keeps 32 long requests (256 output tokens) outstanding on 8 seats; light sends a
+    # short request every 16 steps. With "at most once" hysteresis every heavy running request
+    # would soon be exempt and light would wait for one to finish (~256 steps); with
+    # fair_min_progress a request yields again after 16 more tokens of progress.
+    sched = make("fair", max_num_seqs=8, max_num_batched_tokens=2048, num_blocks=2048)
+    tr = Trace()
+    reqs: dict[str, Request] = {}
+    light_at: dict[str, int] = {}
+    n_heavy = 0
+    while tr.steps < 600:
+        while sum(1 for r in sched.requests.values() if r.tenant == "heavy") < 32:
+            r = req(f"h{n_heavy}", 256, 256, tenant="heavy")
+            n_heavy += 1
+            reqs[r.request_id] = r
+            add(sched, tr, r)
+        if tr.steps % 16 == 0:
+            r = req(f"l{len(light_at)}", 32, 16, tenant="light")
+            reqs[r.request_id] = r
+            light_at[r.request_id] = tr.steps
+            add(sched, tr, r)
+        step(sched, tr)
+    sched.abort_requests(list(sched.requests))
+    assert_whole(sched)
+    assert all(tr.first_token[rid] == at for rid, at in light_at.items()), light_at
+    p = FairPolicy.fair_min_progress
+    again = {rid: o for rid, o in tr.preempted_outputs.items() if len(o) > 1}
+    assert again, "the scenario must preempt some request twice"
+    for rid, outs in tr.preempted_outputs.items():
+        assert all(b - a >= p for a, b in zip(outs, outs[1:], strict=False)), (rid, outs)
+    for rid, outs in tr.outputs.items():  # finished ones: the reference tokens
+        assert outs == reference(tr.prompts[rid], reqs[rid].max_tokens), rid
 
 
 def test_fair_token_budget_is_shared_while_both_tenants_want_tokens():
