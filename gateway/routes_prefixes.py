@@ -32,6 +32,7 @@ async def create_prefix(request: web.Request) -> web.Response:
         effective_salt(principal.salt, req.cache_salt),
         owner=principal.id,
         quota=prefix_quota(principal.spec, st.settings, engine.stats().get("kv_blocks_total", 0)),
+        tenant=principal.tenant,
     )
     return web.json_response(entry.public(st.model_name))
 

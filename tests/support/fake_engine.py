@@ -106,6 +106,7 @@ class FakeEngine:
         self._cache: dict[str | None, list[list[int]]] = {}
         self._pins: dict[str, _Pin] = {}
         self.tenants_seen: list[tuple[str | None, int]] = []  # (tenant, priority) per generate
+        self.pin_tenants_seen: list[str | None] = []  # tenant per pin_prefix
         self.tenant_rows: dict[str, dict] = {}  # stats()["tenants"], set by tests
         self.generated = 0
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache / found there
@@ -212,6 +213,7 @@ class FakeEngine:
     ) -> _Pin:
         if self.shutdown_called:
             raise EngineDeadError("the engine is shut down")
+        self.pin_tenants_seen.append(tenant)
         blocks = len(token_ids) // self.block_size
         self._expire_pins()
         if self.pinned_blocks + blocks > self.max_pinned_fraction * self.num_blocks:
