@@ -124,3 +124,32 @@ def test_the_engine_predicts_a_first_token_wait_from_measured_rates(aidreams_pat
     while engine.has_unfinished_requests():
         engine.step()
     pool_whole(llm)
+
+
+def test_the_async_engine_predicts_from_its_stats_snapshot(aidreams_path, pool_whole):
+    import asyncio
+
+    from prefixgate.engine import AsyncEngine, EngineConfig
+    from prefixgate.engine.scheduler import estimate_ttft
+
+    engine = AsyncEngine(EngineConfig(model=aidreams_path, num_kv_blocks=256))
+    try:
+        assert engine.predict_ttft(8) is None
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+        async def run() -> None:
+            async def one(i: int, p: str) -> None:
+                async for _ in engine.generate(p, params, f"r{i}"):
+                    pass
+
+            await asyncio.gather(*(one(i, p) for i, p in enumerate(HEAVY)))
+
+        asyncio.run(run())
+        s = engine.stats()
+        cfg = engine.engine.config
+        want = estimate_ttft(s, cfg.max_num_seqs, cfg.max_num_batched_tokens, 8)
+        assert want is not None and want > 0
+        assert engine.predict_ttft(8) == pytest.approx(want)
+        pool_whole(engine)
+    finally:
+        asyncio.run(engine.shutdown())
