@@ -190,3 +190,17 @@ def test_a_prefix_pin_is_charged_to_the_keys_tenant(serve_fake, gw, tmp_path):
     with gw.client(open_srv) as http:
         assert http.post("/v1/prefixes", json=body).status_code == 200
     assert open_engine.pin_tenants_seen == [None]
+
+
+def test_metrics_carry_displacements_queued_prefill_and_measured_rates(serve_fake, gw):
+    srv, engine = serve_fake(scheduling_policy="fair")
+    with gw.client(srv) as http:
+        text = http.get("/metrics").text
+        assert "prefixgate_engine_displacements 0.0" in text
+        assert "prefixgate_engine_queued_prefill_tokens 0.0" in text
+        assert "prefixgate_engine_prefill_tokens_per_second" not in text  # not measured yet
+        engine.rates = {"prefill_tokens_per_s": 1500.0, "decode_tokens_per_s": 80.0}
+        text = http.get("/metrics").text
+        assert "prefixgate_engine_prefill_tokens_per_second 1500.0" in text
+        assert "prefixgate_engine_decode_tokens_per_second 80.0" in text
+    gw.wait_idle(srv, engine)
