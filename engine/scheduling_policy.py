@@ -36,7 +36,9 @@ greedy outputs do not change):
   tenant's (VTC's order decides who goes first; the seats follow it), never taking a tenant
   below its share, so the VTC service bound above still holds. A
   tenant at or over its share does not hold back the tenants behind it in VTC order (they are
-  tried next). Each step's token budget is shared too: while two or more tenants want tokens,
+  tried next). Seats that free up follow VTC's order: the tenant VTC ranks first (the least
+  served) may take more than its share of them; the shares bound what displacement takes,
+  not VTC's own admissions. Each step's token budget is shared too: while two or more tenants want tokens,
   a first round gives each at most ``floor(max_num_batched_tokens * w_t / W)`` (decodes
   included), then what is left goes to anyone (work-conserving).
 
