@@ -26,6 +26,7 @@ from prefixgate.engine.config import EngineConfig
 from prefixgate.engine.errors import EngineDeadError
 from prefixgate.engine.llm_engine import LLMEngine, PinJob, PreparedRequest
 from prefixgate.engine.outputs import RequestOutput
+from prefixgate.engine.protocol import EngineRequest
 from prefixgate.engine.sampling_params import SamplingParams
 from prefixgate.engine.scheduler import estimate_ttft
 
@@ -96,21 +97,20 @@ class AsyncEngine:
 
     async def generate(
         self,
-        prompt: str | Sequence[int],
+        request: EngineRequest | str | Sequence[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
         cache_salt: str | None = None,
-        tenant: str | None = None,
-        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Submit a request and iterate over its outputs as tokens are produced.
 
-        ``tenant`` (who the ``fair`` scheduling policy charges; ``None``: ``"default"``) and
-        ``priority`` (the ``priority`` policy's rank, lower first, as vLLM's) only order the
-        work. Each ``RequestOutput`` carries cumulative ``text`` / ``token_ids`` and the new part in
-        ``delta_text`` / ``delta_token_ids``; the last has ``finished=True``. Leaving the loop
-        early (break, ``aclose``, task cancellation, client disconnect) aborts the request and
-        frees its KV blocks.
+        ``request`` is an ``EngineRequest`` (``EngineClient.generate``: every per-request
+        argument, tenant and priority included, is one of its fields), or vLLM's loose form
+        ``generate(prompt, params, request_id=None, cache_salt=None)`` (a random id when
+        ``None``), which builds one. Each ``RequestOutput`` carries cumulative ``text`` /
+        ``token_ids`` and the new part in ``delta_text`` / ``delta_token_ids``; the last has
+        ``finished=True``. Leaving the loop early (break, ``aclose``, task cancellation, client
+        disconnect) aborts the request and frees its KV blocks.
 
         Raises (from the first iteration):
             ValueError / TypeError: bad prompt or params, duplicate ``request_id``.
@@ -118,16 +118,18 @@ class AsyncEngine:
         """
         if self._stopped:
             raise EngineDeadError("the engine is shut down")
-        if request_id is None:
-            request_id = uuid.uuid4().hex
-        if not isinstance(request_id, str) or not request_id:
-            raise TypeError("request_id must be a non-empty string")
+        if not isinstance(request, EngineRequest):
+            rid = uuid.uuid4().hex if request_id is None else request_id
+            request = EngineRequest(rid, request, params or SamplingParams(), cache_salt)
+        elif params is not None or request_id is not None or cache_salt is not None:
+            raise TypeError("generate(EngineRequest) takes no other argument")
+        request_id = request.request_id
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        prep = self.engine.prepare_request(prompt, params, cache_salt, tenant, priority)
+        prep = self.engine.prepare_request(request)
         stream = _Stream(request_id, asyncio.get_running_loop())
         self._streams[request_id] = stream
-        self._submit("add", stream, prep, time.monotonic())
+        self._submit("add", stream, prep, request.arrival_time or time.monotonic())
         finished = False
         try:
             while True:
@@ -250,6 +252,7 @@ class AsyncEngine:
             self._fail_all(EngineDeadError("the engine shut down"))
             self._drain_commands()
             self._snapshot = self.engine.stats()
+            self.engine.shutdown()  # the KV event publisher, when on
         self._flush_outbox()
 
     # -- engine thread -------------------------------------------------------------------
@@ -312,7 +315,7 @@ class AsyncEngine:
             self._deliver([(stream, EngineDeadError("the engine shut down"))])
             return
         try:
-            self.engine.add_request(stream.request_id, prep, arrival_time=arrival)
+            self.engine.add_request(prep, arrival_time=arrival)
         except Exception as exc:  # noqa: BLE001 - delivered to the request's iterator
             self._deliver([(stream, exc)])
             return

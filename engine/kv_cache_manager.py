@@ -82,6 +82,9 @@ class _ReqKV:
     block_ids: list[int] = field(default_factory=list)
     chain_uids: list[int] = field(default_factory=list)  # uid of the cached block at each position
     pending: list[BlockKey] = field(default_factory=list)  # keys this request marked pending
+    # uids its chain runs through on blocks it does not hold (another request's copy was
+    # cached first): held in the pool, so the chain stays findable if that copy is evicted
+    uid_holds: list[int] = field(default_factory=list)
 
 
 class KVCacheManager:
@@ -289,10 +292,20 @@ class KVCacheManager:
             block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
             existing = self.pool.lookup(keys[i], block_tokens, salt, parent_uid)
             if existing is None:
-                content = self.pool.cache(state.blocks[i], keys[i], block_tokens, salt, parent_uid)
+                content = self.pool.cache(
+                    state.blocks[i],
+                    keys[i],
+                    block_tokens,
+                    salt,
+                    parent_uid,
+                    parent_key=keys[i - 1] if i else None,
+                )
                 state.chain_uids.append(content.uid)
             else:
-                state.chain_uids.append(existing.content.uid)  # type: ignore[union-attr]
+                uid = existing.content.uid  # type: ignore[union-attr]
+                state.chain_uids.append(uid)
+                self.pool.hold_uid(uid)
+                state.uid_holds.append(uid)
             self._unmark(keys[i], request)
 
     def free(self, request: Request) -> None:
@@ -303,6 +316,8 @@ class KVCacheManager:
         for key in state.pending:
             self._unmark(key, request)
         self.pool.free(reversed(state.blocks))
+        for uid in state.uid_holds:
+            self.pool.release_uid(uid)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table (block ids in token order); ``[]`` if it holds none."""
@@ -532,7 +547,14 @@ class KVCacheManager:
             assert b.ref_cnt == refs[b.block_id], f"{b}: {refs[b.block_id]} holders"
             assert b.pin_cnt == pins[b.block_id], f"{b}: {pins[b.block_id]} pins"
         assert self.num_pinned_blocks == sum(1 for p in pins if p), "pinned block count drifted"
+        holds: dict[int, int] = {}
+        for state in self._reqs.values():
+            for uid in state.uid_holds:
+                holds[uid] = holds.get(uid, 0) + 1
+        self.pool.check_uid_holders(holds)
         for key, owners in self._pending.items():
             for owner in owners:
-                state = self._reqs.get(owner.request_id)
-                assert state is not None and key in state.pending, f"stale pending mark of {owner}"
+                owner_kv = self._reqs.get(owner.request_id)
+                assert owner_kv is not None and key in owner_kv.pending, (
+                    f"stale pending mark of {owner}"
+                )

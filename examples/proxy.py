@@ -17,7 +17,7 @@ import os
 import sys
 
 from prefixgate.gateway.app import create_proxy_app
-from prefixgate.gateway.server import start_server
+from prefixgate.gateway.http.server import start_server
 from prefixgate.sdk import APIConnectionError, AsyncClient
 
 UPSTREAM = os.environ.get("PREFIXGATE_UPSTREAM_URL") or os.environ.get(

@@ -25,35 +25,32 @@ from collections.abc import Sequence
 
 from aiohttp import web
 from prefixgate.engine.protocol import EngineClient
-from prefixgate.gateway import (
-    dashboard,
-    lifecycle,
-    request_id,
-    responses_api,
-    routes_embeddings,
-    routes_openai,
-    routes_prefixes,
-    routes_proxy_prefixes,
-    routes_tokenize,
-    routes_upstream,
-)
-from prefixgate.gateway.admission import AdmissionController
-from prefixgate.gateway.auth import KeyRing
-from prefixgate.gateway.errors import (
+from prefixgate.gateway import dashboard
+from prefixgate.gateway.api import embeddings, openai_routes, prefix_routes, responses_api, tokenize
+from prefixgate.gateway.http import lifecycle, request_id
+from prefixgate.gateway.http.body_limits import body_limits_middleware
+from prefixgate.gateway.http.errors import (
     ERROR_CODE,
     APIError,
     Handler,
     error_middleware,
     expect_continue,
 )
-from prefixgate.gateway.limits import body_limits_middleware
-from prefixgate.gateway.metrics import CONTENT_TYPE, GatewayMetrics
-from prefixgate.gateway.prefixes import PrefixRegistry
-from prefixgate.gateway.proxy_prefixes import ProxyPrefixRegistry
-from prefixgate.gateway.renderers import TokenTexts
-from prefixgate.gateway.state import STATE, GatewaySettings, GatewayState
-from prefixgate.gateway.state_backend import make_backend
-from prefixgate.gateway.upstream import UpstreamRouter
+from prefixgate.gateway.http.metrics import CONTENT_TYPE, GatewayMetrics
+from prefixgate.gateway.http.server import FDS_PER_CONNECTION
+from prefixgate.gateway.local.prefixes import PrefixRegistry
+from prefixgate.gateway.local.serving import LOCAL, LocalServing
+from prefixgate.gateway.local.token_texts import TokenTexts
+from prefixgate.gateway.proxy import prefix_routes as proxy_prefix_routes
+from prefixgate.gateway.proxy import routes as proxy_routes
+from prefixgate.gateway.proxy.prefixes import ProxyPrefixRegistry
+from prefixgate.gateway.proxy.serving import PROXY, ProxyServing
+from prefixgate.gateway.proxy.upstream import UpstreamRouter
+from prefixgate.gateway.settings import SETTINGS, GatewaySettings
+from prefixgate.gateway.state import STATE, GatewayState
+from prefixgate.gateway.tenancy.admission import AdmissionController
+from prefixgate.gateway.tenancy.keys import KeyRing
+from prefixgate.gateway.tenancy.redis_state import make_backend
 
 logger = logging.getLogger("prefixgate.gateway")
 
@@ -75,42 +72,39 @@ def create_app(
     if isinstance(engine, Sequence):
         raise TypeError("create_app serves a local engine; upstream mode is create_proxy_app(urls)")
     app, st = _base_app(settings)
+    local = app[LOCAL] = LocalServing()
     app.router.add_get("/ready", ready_local, expect_handler=expect_continue)
     r = app.router
     r.add_post(
-        "/v1/chat/completions", routes_openai.chat_completions, expect_handler=expect_continue
+        "/v1/chat/completions", openai_routes.chat_completions, expect_handler=expect_continue
     )
-    r.add_post("/v1/completions", routes_openai.completions, expect_handler=expect_continue)
+    r.add_post("/v1/completions", openai_routes.completions, expect_handler=expect_continue)
     r.add_post("/v1/responses", responses_api.create_response, expect_handler=expect_continue)
-    r.add_post(
-        "/v1/embeddings", routes_embeddings.create_embeddings, expect_handler=expect_continue
-    )
-    r.add_post("/tokenize", routes_tokenize.tokenize, expect_handler=expect_continue)
-    r.add_post("/detokenize", routes_tokenize.detokenize, expect_handler=expect_continue)
-    r.add_get("/v1/models", routes_openai.list_models, expect_handler=expect_continue)
-    r.add_get("/v1/models/{model}", routes_openai.get_model, expect_handler=expect_continue)
-    r.add_post("/v1/prefixes", routes_prefixes.create_prefix, expect_handler=expect_continue)
-    r.add_get(
-        "/v1/prefixes/{prefix_id}", routes_prefixes.get_prefix, expect_handler=expect_continue
-    )
+    r.add_post("/v1/embeddings", embeddings.create_embeddings, expect_handler=expect_continue)
+    r.add_post("/tokenize", tokenize.tokenize, expect_handler=expect_continue)
+    r.add_post("/detokenize", tokenize.detokenize, expect_handler=expect_continue)
+    r.add_get("/v1/models", openai_routes.list_models, expect_handler=expect_continue)
+    r.add_get("/v1/models/{model}", openai_routes.get_model, expect_handler=expect_continue)
+    r.add_post("/v1/prefixes", prefix_routes.create_prefix, expect_handler=expect_continue)
+    r.add_get("/v1/prefixes/{prefix_id}", prefix_routes.get_prefix, expect_handler=expect_continue)
     r.add_delete(
-        "/v1/prefixes/{prefix_id}", routes_prefixes.delete_prefix, expect_handler=expect_continue
+        "/v1/prefixes/{prefix_id}", prefix_routes.delete_prefix, expect_handler=expect_continue
     )
 
     async def release_prefixes(app: web.Application) -> None:
         if sweeper:
             sweeper[0].cancel()
-        if st.prefixes is not None:
-            st.prefixes.clear()
+        if local.prefixes is not None:
+            local.prefixes.clear()
 
     async def sweep_prefixes() -> None:
         # With shared state, a prefix deleted through another replica is unpinned here
         # within one interval (a third of the lease TTL), not at its own TTL.
         while True:
             await asyncio.sleep(st.settings.redis_lease_ttl_s / 3)
-            if st.prefixes is not None:
+            if local.prefixes is not None:
                 try:
-                    await st.prefixes.sweep()
+                    await local.prefixes.sweep()
                 except Exception:  # noqa: BLE001 - a failed sweep waits for the next one
                     logger.exception("prefix sweep failed")
 
@@ -156,37 +150,38 @@ def create_proxy_app(
             "an upstream URL carries user:password and --upstream-api-key is set: give the "
             "upstreams one credential (one Authorization header)"
         )
-    st.router = router
     st.metrics.bind_upstreams(router.upstreams)
     st.model_name = st.model_name or "upstream"
     st.ready = True
     r = app.router
     r.add_get("/ready", ready_proxy, expect_handler=expect_continue)
-    r.add_post(
-        "/v1/chat/completions", routes_upstream.proxy_generate, expect_handler=expect_continue
-    )
-    r.add_post("/v1/completions", routes_upstream.proxy_generate, expect_handler=expect_continue)
+    r.add_post("/v1/chat/completions", proxy_routes.proxy_generate, expect_handler=expect_continue)
+    r.add_post("/v1/completions", proxy_routes.proxy_generate, expect_handler=expect_continue)
     for path in ("/v1/responses", "/v1/embeddings", "/tokenize", "/detokenize"):
-        r.add_post(path, routes_upstream.local_mode_only, expect_handler=expect_continue)
-    r.add_get("/v1/models", routes_upstream.proxy_get, expect_handler=expect_continue)
-    r.add_get("/v1/models/{model}", routes_upstream.proxy_get, expect_handler=expect_continue)
-    st.proxy_prefixes = ProxyPrefixRegistry(
+        r.add_post(path, proxy_routes.local_mode_only, expect_handler=expect_continue)
+    r.add_get("/v1/models", proxy_routes.proxy_get, expect_handler=expect_continue)
+    r.add_get("/v1/models/{model}", proxy_routes.proxy_get, expect_handler=expect_continue)
+    app[PROXY] = ProxyServing(
         router,
-        st.shared,
-        s.max_prefix_ttl_s,
-        s.max_prefixes,
-        s.affinity_block_chars,
-        s.affinity_max_chars,
+        ProxyPrefixRegistry(
+            router,
+            st.shared,
+            s.max_prefix_ttl_s,
+            s.max_prefixes,
+            s.affinity_block_chars,
+            s.affinity_max_chars,
+        ),
     )
-    r.add_post("/v1/prefixes", routes_proxy_prefixes.create_prefix, expect_handler=expect_continue)
+    app[FDS_PER_CONNECTION] = 2  # each client connection may hold one to an upstream
+    r.add_post("/v1/prefixes", proxy_prefix_routes.create_prefix, expect_handler=expect_continue)
     r.add_get(
         "/v1/prefixes/{prefix_id}",
-        routes_proxy_prefixes.get_prefix,
+        proxy_prefix_routes.get_prefix,
         expect_handler=expect_continue,
     )
     r.add_delete(
         "/v1/prefixes/{prefix_id}",
-        routes_proxy_prefixes.delete_prefix,
+        proxy_prefix_routes.delete_prefix,
         expect_handler=expect_continue,
     )
 
@@ -194,8 +189,7 @@ def create_proxy_app(
         await router.start()
 
     async def stop(app: web.Application) -> None:
-        assert st.proxy_prefixes is not None
-        await st.proxy_prefixes.close()  # releases upstream pins while the session is open
+        await app[PROXY].prefixes.close()  # releases upstream pins while the session is open
         await router.close()
 
     app.on_startup.append(start)
@@ -232,6 +226,7 @@ def _base_app(settings: GatewaySettings | None) -> tuple[web.Application, Gatewa
     lifecycle.install(app)
     app.on_response_prepare.append(request_id.stamp)
     app[STATE] = st
+    app[SETTINGS] = settings
     app.router.add_get("/health", health, expect_handler=expect_continue)
     app.router.add_get("/metrics", metrics_route, expect_handler=expect_continue)
     dashboard.install(app)
@@ -323,11 +318,12 @@ def _log_client_gone(request: web.Request, seconds: float) -> None:
 def attach_engine(app: web.Application, engine: EngineClient) -> None:
     """Serve ``engine`` from now on (local mode); the app becomes ready."""
     st = app[STATE]
-    st.engine = engine
-    st.prefixes = PrefixRegistry(
+    local = app[LOCAL]
+    local.engine = engine
+    local.prefixes = PrefixRegistry(
         engine, st.settings.max_prefix_ttl_s, st.settings.max_prefixes, st.shared
     )
-    st.token_texts = TokenTexts(engine.tokenizer)
+    local.token_texts = TokenTexts(engine.tokenizer)
     st.metrics.add_engine(engine.stats)
     # Retry-After's service-time estimate: requests run this many at once (decode batch).
     st.admission.concurrency = engine.config.max_num_seqs
@@ -352,7 +348,7 @@ async def health(request: web.Request) -> web.Response:
 async def ready_local(request: web.Request) -> web.Response:
     """GET /ready (local mode): 200 once the model is loaded, else 503."""
     st = request.app[STATE]
-    st.require_engine()
+    request.app[LOCAL].require_engine()
     return web.json_response(
         {
             "status": "ready",
@@ -366,8 +362,7 @@ async def ready_local(request: web.Request) -> web.Response:
 async def ready_proxy(request: web.Request) -> web.Response:
     """GET /ready (upstream mode): 200 while an upstream is healthy, else 503."""
     st = request.app[STATE]
-    assert st.router is not None
-    pool = st.router.describe()
+    pool = request.app[PROXY].router.describe()
     if not any(u["healthy"] for u in pool):
         raise APIError(503, "no healthy upstream", code="upstream_unavailable", retry_after=2.0)
     return web.json_response(

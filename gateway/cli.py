@@ -1,12 +1,69 @@
-"""``python -m prefixgate.gateway.cli serve ...``: the ``prefixgate`` command (:mod:`prefixgate.sdk.cli`)."""
+"""``prefixgate`` command line: ``prefixgate serve ...`` and ``prefixgate bench ...``.
+
+Also ``python -m prefixgate.gateway.cli``. It lives in the gateway because its imports point
+down: ``serve`` is the gateway's, ``bench`` the SDK's (the gateway may import the SDK; the SDK
+imports nothing of the project). This module imports neither at load time, only the one
+command that runs: ``prefixgate bench serve`` needs only the SDK (no aiohttp, no torch; the
+``prefixgate.gateway`` package's ``__init__`` imports nothing), while ``prefixgate serve`` needs
+the ``engine`` extra (aiohttp; torch for a local model), or ``proxy`` for ``--upstream``.
+"""
 
 from __future__ import annotations
 
+import argparse
 import sys
+from importlib import metadata
 
-from prefixgate.sdk.cli import main
+SERVE_HELP = "serve the OpenAI API (local engine or upstreams)"
+BENCH_HELP = "benchmark a server, or compare prefixgate with baselines"
 
-__all__ = ["main"]
+
+def version() -> str:
+    """The installed distribution's version (``"unknown"`` when run from an uninstalled tree)."""
+    try:
+        return metadata.version("prefixgate")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The top-level parser; only ``command``'s sub-parser is built in full (the rest are stubs).
+
+    Raises SystemExit with a one-line reason when ``serve`` is asked for without the engine extra.
+    """
+    parser = argparse.ArgumentParser(
+        prog="prefixgate",
+        description="prefixgate: serve the OpenAI API (prefixgate serve) or benchmark a server (prefixgate bench).",
+    )
+    parser.add_argument("--version", action="version", version=f"prefixgate {version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,bench}")
+    if command == "serve":
+        try:
+            from prefixgate.gateway.serve.runner import add_serve_parser
+        except ImportError as exc:  # the SDK-only install: `pip install -e .`
+            raise SystemExit(
+                f"prefixgate serve: the server needs the engine extra ({exc.name} is missing):"
+                " pip install -e '.[engine]' (or '.[proxy]' for --upstream only)"
+            ) from None
+        add_serve_parser(sub)
+    else:
+        sub.add_parser("serve", help=SERVE_HELP, add_help=False)
+    if command == "bench":
+        from prefixgate.sdk.bench.cli import add_bench_parser
+
+        add_bench_parser(sub)
+    else:
+        sub.add_parser("bench", help=BENCH_HELP, add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``prefixgate`` script; returns the process exit code."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(command).parse_args(argv)
+    return int(args.func(args) or 0)
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -36,9 +36,11 @@ from importlib import resources
 from typing import Any
 
 from aiohttp import web
-from prefixgate.gateway.access_log import ACCESS
-from prefixgate.gateway.errors import Handler, expect_continue
-from prefixgate.gateway.metrics import GatewayMetrics
+from prefixgate.gateway.http.access_log import ACCESS
+from prefixgate.gateway.http.errors import Handler, expect_continue
+from prefixgate.gateway.http.metrics import GatewayMetrics
+from prefixgate.gateway.local.serving import LOCAL
+from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.state import STATE, GatewayState
 
 logger = logging.getLogger("prefixgate.gateway")
@@ -138,7 +140,7 @@ def _round(x: float | None, digits: int = 6) -> float | None:
     return None if x is None else round(x, digits)
 
 
-class Sampler:
+class DashboardSampler:
     """Ring buffer of dashboard samples, one every ``interval_s`` seconds over ``window_s``.
 
     ``interval_s > 0`` and ``window_s, quantile_window_s >= interval_s`` (``GatewaySettings``
@@ -151,8 +153,10 @@ class Sampler:
         interval_s: float = 2.0,
         window_s: float = 300.0,
         quantile_window_s: float = 10.0,
+        app: web.Application | None = None,
     ) -> None:
         self.st = st
+        self.app = app  # its LOCAL (engine stats) or PROXY part, once the mode sets it
         self.interval_s = interval_s
         self.window_s = window_s
         self.quantile_window_s = quantile_window_s
@@ -165,9 +169,10 @@ class Sampler:
     def _read(self) -> tuple[_Totals, dict[str, Any] | None]:
         m: GatewayMetrics = self.st.metrics
         stats = None
-        if self.st.engine is not None:
+        local = self.app.get(LOCAL) if self.app is not None else None
+        if local is not None and local.engine is not None:
             try:
-                stats = self.st.engine.stats()
+                stats = local.engine.stats()
             except Exception:  # noqa: BLE001 - the dashboard never fails because of the engine
                 stats = None
         requests = {k[0]: v for k, v in _by_label(m.key_requests, "key").items()}
@@ -252,7 +257,7 @@ class Sampler:
             for (k,), v in sorted(reqs.items())
         }
         return {
-            "mode": "upstream" if self.st.router is not None else "local",
+            "mode": "upstream" if self.app is not None and PROXY in self.app else "local",
             "model": self.st.model_name,
             "ready": self.st.ready,
             "interval_s": self.interval_s,
@@ -294,7 +299,7 @@ def _shown_key(name: str) -> str:
     return "anonymous" if name in ("-", "") else name
 
 
-SAMPLER: web.AppKey[Sampler] = web.AppKey("prefixgate_dashboard", Sampler)
+SAMPLER: web.AppKey[DashboardSampler] = web.AppKey("prefixgate_dashboard", DashboardSampler)
 
 
 @web.middleware
@@ -327,8 +332,8 @@ def install(app: web.Application) -> None:
     """Add ``/dashboard``, its script and ``/dashboard/data``, and the sampling task."""
     st = app[STATE]
     s = st.settings
-    sampler = Sampler(
-        st, s.dashboard_sample_s, s.dashboard_window_s, max(10.0, s.dashboard_sample_s)
+    sampler = DashboardSampler(
+        st, s.dashboard_sample_s, s.dashboard_window_s, max(10.0, s.dashboard_sample_s), app
     )
     app[SAMPLER] = sampler
     app.on_startup.append(sampler.start)

@@ -31,7 +31,7 @@ from .errors import (
     RateLimitError,
     UnprocessableEntityError,
 )
-from .limits import ConcurrencyLimiter, RateLimit, RateLimiter
+from .flow_control import ConcurrencyLimiter, RateLimit, RateLimiter
 from .resources import PrefixSession
 from .retry import RetryPolicy, parse_retry_after
 from .streaming import AsyncStream, ServerSentEvent, SSEDecoder

@@ -1,6 +1,6 @@
 """``prefixgate bench serve`` (load generator) and ``prefixgate bench compare`` (baselines).
 
-``prefixgate.sdk.cli`` calls :func:`add_bench_parser`; each sub-command sets ``func`` to a
+``prefixgate.gateway.cli`` calls :func:`add_bench_parser`; each sub-command sets ``func`` to a
 callable ``(args) -> exit code``.
 """
 

@@ -64,14 +64,14 @@ def test_quantize_model_replaces_every_linear(aidreams_path):
 
 
 def _quality_module():
-    import prefixgate.sdk.bench.int8_quality as module
+    import prefixgate.engine.bench.int8_quality as module
 
     return module
 
 
 def test_int8_agrees_with_fp32_on_real_text(aidreams_path, workloads_path):
     """Top-1 next-token agreement on a small sample of the workloads' text (the full figure
-    comes from ``python -m prefixgate.sdk.bench.int8_quality``)."""
+    comes from ``python -m prefixgate.engine.bench.int8_quality``)."""
     q = _quality_module()
     ref = load(aidreams_path)
     quant = load(aidreams_path, quantization="int8")
@@ -97,7 +97,7 @@ def test_llm_int8_generates_batch_invariant(aidreams_path, pool_whole):
 
 
 def test_serve_flag():
-    from prefixgate.gateway.serve_cli import add_serve_parser, engine_config
+    from prefixgate.gateway.serve.runner import add_serve_parser, engine_config
 
     parser = argparse.ArgumentParser()
     add_serve_parser(parser.add_subparsers())

@@ -9,8 +9,8 @@ import httpx
 import pytest
 from prefixgate.engine.errors import PinLimitError
 from prefixgate.gateway.app import create_app
-from prefixgate.gateway.server import BackgroundServer
-from prefixgate.gateway.state import GatewaySettings
+from prefixgate.gateway.http.server import BackgroundServer
+from prefixgate.gateway.settings import GatewaySettings
 from support.fake_engine import FakeEngine
 
 

@@ -6,7 +6,7 @@ import asyncio
 import logging
 
 import pytest
-from prefixgate.gateway.engine_log import log_engine_stats, stats_line
+from prefixgate.gateway.local.engine_log import log_engine_stats, stats_line
 
 IDLE = {
     "prompt_tokens_prefilled": 100,
@@ -71,8 +71,8 @@ def test_a_client_gone_before_its_answer_gets_its_access_line(caplog):
 
     import httpx
     from prefixgate.gateway.app import create_app
-    from prefixgate.gateway.server import BackgroundServer
-    from prefixgate.gateway.state import GatewaySettings
+    from prefixgate.gateway.http.server import BackgroundServer
+    from prefixgate.gateway.settings import GatewaySettings
     from support.fake_engine import FakeEngine
 
     holder: dict = {}

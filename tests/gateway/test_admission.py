@@ -4,9 +4,9 @@ burst)."""
 
 from __future__ import annotations
 
-from prefixgate.gateway.admission import AdmissionConfig, AdmissionController
-from prefixgate.gateway.errors import APIError
-from prefixgate.gateway.state import GatewaySettings
+from prefixgate.gateway.http.errors import APIError
+from prefixgate.gateway.settings import GatewaySettings
+from prefixgate.gateway.tenancy.admission import AdmissionConfig, AdmissionController
 from support.http import assert_openai_error as _error
 
 
@@ -61,7 +61,7 @@ def test_retry_after_not_inflated_by_idle_time(monkeypatch):
     # minute idle, the first overload told every client to wait 60 s although the queue then
     # drained in ~3 s (500 concurrent requests on aidreams-260k).
     now = [1000.0]
-    monkeypatch.setattr("prefixgate.gateway.admission.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("prefixgate.gateway.tenancy.admission.time.monotonic", lambda: now[0])
     ctl = AdmissionController(AdmissionConfig(max_queued_requests=10))
     for _ in range(10):  # a busy second: 10 requests leave the queue
         ctl.admit(1).done()
@@ -85,7 +85,7 @@ def test_retry_after_right_on_the_first_burst_after_start(monkeypatch):
     # departures/s it read ~3.3/s, so 60 queued requests were told to wait 18 s (and a shorter
     # history hit the 60 s cap). Bias-corrected, the wait is the ~6 s the queue needs.
     now = [1000.0]
-    monkeypatch.setattr("prefixgate.gateway.admission.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("prefixgate.gateway.tenancy.admission.time.monotonic", lambda: now[0])
     ctl = AdmissionController(AdmissionConfig(max_queued_requests=60))
     tickets = [ctl.admit(1) for _ in range(60)]
     for t in tickets[:20]:  # 20 leave over 2 s, 20 new ones arrive: the queue stays full

@@ -18,8 +18,8 @@ import httpx
 import pytest
 from prefixgate.gateway.app import create_proxy_app
 from prefixgate.gateway.dashboard import histogram_quantile, static_file
-from prefixgate.gateway.server import BackgroundServer
-from prefixgate.gateway.state import GatewaySettings
+from prefixgate.gateway.http.server import BackgroundServer
+from prefixgate.gateway.settings import GatewaySettings
 from support.http import assert_openai_error
 from support.stub_upstream import StubServer
 

@@ -11,8 +11,9 @@ import time
 import httpx
 import pytest
 from prefixgate.gateway.app import create_app
-from prefixgate.gateway.server import BackgroundServer
-from prefixgate.gateway.state import STATE, GatewaySettings
+from prefixgate.gateway.http.server import BackgroundServer
+from prefixgate.gateway.settings import GatewaySettings
+from prefixgate.gateway.state import STATE
 from support.fake_engine import FakeEngine
 
 

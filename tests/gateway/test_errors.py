@@ -8,8 +8,8 @@ import json
 import aiohttp
 import pytest
 from prefixgate.gateway.app import attach_engine, create_app
-from prefixgate.gateway.server import BackgroundServer
-from prefixgate.gateway.state import GatewaySettings
+from prefixgate.gateway.http.server import BackgroundServer
+from prefixgate.gateway.settings import GatewaySettings
 from support.http import assert_openai_error as _error
 
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from prefixgate.gateway.admission import AdmissionConfig, AdmissionController
-from prefixgate.gateway.auth import KeySpec
-from prefixgate.gateway.errors import APIError
-from prefixgate.gateway.serve_cli import key_policy_warnings, key_weights
-from prefixgate.gateway.state import GatewaySettings
+from prefixgate.gateway.http.errors import APIError
+from prefixgate.gateway.serve.runner import key_policy_warnings, key_weights
+from prefixgate.gateway.settings import GatewaySettings
+from prefixgate.gateway.tenancy.admission import AdmissionConfig, AdmissionController
+from prefixgate.gateway.tenancy.keys import KeySpec
 
 
 def _keys_file(tmp_path, keys: list[dict]) -> str:

@@ -22,8 +22,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prefixgate.gateway.app import create_proxy_app
-from prefixgate.gateway.server import BackgroundServer
-from prefixgate.gateway.state import GatewaySettings
+from prefixgate.gateway.http.server import BackgroundServer
+from prefixgate.gateway.settings import GatewaySettings
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "1000"))
 

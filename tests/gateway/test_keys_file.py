@@ -10,7 +10,7 @@ def test_keys_file_entries_are_validated(tmp_path):
     import json
 
     import pytest
-    from prefixgate.gateway.auth import KeyRing
+    from prefixgate.gateway.tenancy.keys import KeyRing
 
     bad = [
         [{"key": "k1", "salt": 5}],

@@ -1,4 +1,4 @@
-"""Graceful shutdown (gateway/lifecycle.py): in-flight requests get the grace period, then
+"""Graceful shutdown (gateway/http/lifecycle.py): in-flight requests get the grace period, then
 every stream ends with an in-band error event (no [DONE]) and every other request with a
 503 error object; nothing is left running in the engine."""
 
@@ -15,7 +15,7 @@ import time
 import httpx
 import openai
 import pytest
-from prefixgate.gateway.state import GatewaySettings
+from prefixgate.gateway.settings import GatewaySettings
 
 
 def _stream_events(url: str, body: dict, out: dict, key: str) -> None:

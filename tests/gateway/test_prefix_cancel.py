@@ -9,11 +9,11 @@ import asyncio
 from typing import Any
 
 import pytest
-from prefixgate.gateway.errors import APIError
-from prefixgate.gateway.prefixes import PrefixQuota, PrefixRegistry
-from prefixgate.gateway.proxy_prefixes import ProxyPrefixRegistry
-from prefixgate.gateway.state_backend import LocalState
-from prefixgate.gateway.upstream import UpstreamRouter
+from prefixgate.gateway.http.errors import APIError
+from prefixgate.gateway.local.prefixes import PrefixQuota, PrefixRegistry
+from prefixgate.gateway.proxy.prefixes import ProxyPrefixRegistry
+from prefixgate.gateway.proxy.upstream import UpstreamRouter
+from prefixgate.gateway.tenancy.shared_state import LocalState
 from support.fake_engine import FakeEngine
 from support.stub_upstream import StubServer
 

@@ -3,7 +3,7 @@ concurrency and a 429's Retry-After is the time to the next expiry."""
 
 from __future__ import annotations
 
-from prefixgate.gateway.state import GatewaySettings
+from prefixgate.gateway.settings import GatewaySettings
 from support.http import assert_openai_error as _error
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from prefixgate.gateway.state import GatewaySettings
+from prefixgate.gateway.settings import GatewaySettings
 
 SYSTEM = "You are a terse assistant who answers in one word. " * 2  # 104 chars
 

@@ -1,5 +1,5 @@
 """Refuse before working: a prompt that cannot fit the context is refused from its size,
-before it is tokenized (gateway/prompts.py, Tokenizer.min_num_tokens)."""
+before it is tokenized (gateway/api/prompts.py, Tokenizer.min_num_tokens)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 
 import pytest
 from prefixgate.engine.tokenizer import Tokenizer
-from prefixgate.gateway.state import GatewaySettings
+from prefixgate.gateway.settings import GatewaySettings
 
 
 def test_over_context_prompts_refused_without_tokenizing(serve_fake, gw):

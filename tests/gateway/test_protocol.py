@@ -1,5 +1,5 @@
 """Connections: header/body timeouts, the connection bound, 413 at once, and protocol errors
-answered as OpenAI error objects (gateway/protocol.py, gateway/limits.py)."""
+answered as OpenAI error objects (gateway/http/connections.py, gateway/http/body_limits.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import socket
 import time
 
 import pytest
-from prefixgate.gateway.protocol import fd_budget, raise_nofile_limit
-from prefixgate.gateway.state import GatewaySettings
+from prefixgate.gateway.http.connections import fd_budget, raise_nofile_limit
+from prefixgate.gateway.settings import GatewaySettings
 
 
 def _raw(port: int, data: bytes, wait_s: float = 5.0) -> tuple[bytes, float]:

@@ -1,4 +1,4 @@
-"""The proxy verifies what it relays (gateway/relay.py, routes_upstream.py, upstream.py): a
+"""The proxy verifies what it relays (gateway/proxy/relay.py, routes_upstream.py, upstream.py): a
 broken upstream answer never reaches the client as a success, timeouts are idle timeouts,
 one slow request does not empty the pool, /ready probes the upstreams at start."""
 
@@ -13,12 +13,12 @@ import httpx
 import openai
 import pytest
 from prefixgate.gateway.app import create_proxy_app
-from prefixgate.gateway.relay import EventChecker, StreamBroken
-from prefixgate.gateway.server import BackgroundServer
-from prefixgate.gateway.state import GatewaySettings
+from prefixgate.gateway.bench.fault_upstream import FaultUpstream
+from prefixgate.gateway.http.server import BackgroundServer
+from prefixgate.gateway.proxy.relay import EventChecker, StreamBroken
+from prefixgate.gateway.settings import GatewaySettings
 from prefixgate.sdk import Client
 from prefixgate.sdk import errors as sdk_errors
-from prefixgate.sdk.bench.fault_upstream import FaultUpstream
 
 BODY = {"model": "fault", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 

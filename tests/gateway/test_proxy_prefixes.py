@@ -15,8 +15,8 @@ import httpx
 import openai
 import pytest
 from prefixgate.gateway.app import create_app, create_proxy_app
-from prefixgate.gateway.server import BackgroundServer
-from prefixgate.gateway.state import GatewaySettings
+from prefixgate.gateway.http.server import BackgroundServer
+from prefixgate.gateway.settings import GatewaySettings
 from support.fake_engine import FakeEngine, FakeTokenizer
 from support.http import assert_openai_error
 from support.stub_upstream import StubServer

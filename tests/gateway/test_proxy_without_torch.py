@@ -50,7 +50,7 @@ def test_gateway_imports_without_torch(tmp_path):
     """``import prefixgate.gateway.app`` (and the CLI's parser) with the engine-only packages
     unimportable; the engine's torch-free types import too, and torch really is blocked."""
     code = (
-        "import prefixgate.gateway.app, prefixgate.sdk.cli as cli\n"
+        "import prefixgate.gateway.app, prefixgate.gateway.cli as cli\n"
         "from prefixgate.engine import SamplingParams, EngineDeadError, PinLimitError\n"
         "from prefixgate.engine.protocol import EngineClient\n"
         "cli.build_parser('serve')\n"

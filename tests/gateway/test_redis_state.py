@@ -16,7 +16,7 @@ import threading
 import time
 
 import httpx
-from prefixgate.gateway.state import GatewaySettings
+from prefixgate.gateway.settings import GatewaySettings
 from support.net import free_port
 from support.stub_upstream import StubServer
 
@@ -90,7 +90,7 @@ def test_killed_replica_frees_its_concurrency_slots_within_the_lease_ttl(
         [
             sys.executable,
             "-m",
-            "prefixgate.sdk.cli",
+            "prefixgate.gateway.cli",
             "serve",
             "--upstream",
             slow.base_url,

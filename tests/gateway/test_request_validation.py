@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from prefixgate.gateway.prompts import choice_seeds
+from prefixgate.gateway.api.prompts import choice_seeds
 from support.http import assert_openai_error as _error
 
 

@@ -6,8 +6,8 @@ import json
 
 import openai
 import pytest
-from prefixgate.gateway.auth import effective_salt
-from prefixgate.gateway.state import GatewaySettings
+from prefixgate.gateway.settings import GatewaySettings
+from prefixgate.gateway.tenancy.keys import effective_salt
 
 
 def test_chat_non_streaming_shape(serve_fake, gw):

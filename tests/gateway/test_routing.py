@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from prefixgate.gateway.routing import PrefixTree, prompt_blocks
-from prefixgate.gateway.state import GatewaySettings
-from prefixgate.gateway.upstream import Route, UpstreamRouter
+from prefixgate.gateway.proxy.routing import PrefixTree, prompt_blocks
+from prefixgate.gateway.proxy.upstream import Route, UpstreamRouter
+from prefixgate.gateway.settings import GatewaySettings
 
 URLS = ["http://127.0.0.1:1", "http://127.0.0.1:2", "http://127.0.0.1:3"]
 

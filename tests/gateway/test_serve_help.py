@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
-from prefixgate.sdk.cli import build_parser, main, version
+from prefixgate.gateway.cli import build_parser, main, version
 
 
 def _serve_parser() -> argparse.ArgumentParser:

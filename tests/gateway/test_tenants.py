@@ -14,10 +14,12 @@ import httpx
 import pytest
 from aiohttp import web
 from prefixgate.gateway.app import create_proxy_app
-from prefixgate.gateway.auth import KeySpec, effective_salt
-from prefixgate.gateway.server import BackgroundServer
-from prefixgate.gateway.state import STATE, GatewaySettings
-from prefixgate.gateway.upstream import split_credentials
+from prefixgate.gateway.http.server import BackgroundServer
+from prefixgate.gateway.proxy.serving import PROXY
+from prefixgate.gateway.proxy.upstream import split_credentials
+from prefixgate.gateway.settings import GatewaySettings
+from prefixgate.gateway.state import STATE
+from prefixgate.gateway.tenancy.keys import KeySpec, effective_salt
 from support.stub_upstream import STUB, StubServer
 
 
@@ -138,7 +140,7 @@ def test_upstream_userinfo_redacted_and_sent_once(tmp_path, caplog, client_auth)
                 assert r.status_code == 200, r.text
             shown = c.get("/ready").text + c.get("/metrics").text
             assert "127.0.0.1:" + port in shown
-            shown += caplog.text + json.dumps(proxy.app[STATE].router.describe())
+            shown += caplog.text + json.dumps(proxy.app[PROXY].router.describe())
         for secret in ("hunter2", "s3cret", "alice", "bob"):
             assert secret not in shown
         basic = split_credentials(url)[1]
@@ -188,7 +190,7 @@ def test_proxy_forwards_salt_and_isolates_tenants(serve_fake, gw, tmp_path):
 
 
 def test_proxy_affinity_key_includes_salt():
-    from prefixgate.gateway.upstream import salted_affinity_key
+    from prefixgate.gateway.proxy.upstream import salted_affinity_key
 
     assert salted_affinity_key(b"sys", None) == b"sys"
     assert salted_affinity_key(b"sys", "a") != salted_affinity_key(b"sys", "b")
@@ -231,7 +233,7 @@ def test_upstream_without_cache_salt_is_declared(caplog, tmp_path, owned_by, mod
 
 
 def _principal(app, key: str):
-    from prefixgate.gateway.auth import _digest
+    from prefixgate.gateway.tenancy.keys import _digest
 
     return app[STATE].keys._by_digest[_digest(key)]  # noqa: SLF001 - the key's live counters
 
@@ -285,7 +287,7 @@ def _settled(principal, timeout: float = 5.0) -> None:
 
 
 def _failing_generate(engine):
-    async def generate(prompt, params, request_id, cache_salt=None):
+    async def generate(request):
         raise ValueError("this prompt can never fit the KV cache")
         yield  # pragma: no cover - an async generator that fails on its first step
 

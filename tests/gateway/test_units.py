@@ -8,17 +8,17 @@ import json
 import time
 
 import pytest
-from prefixgate.gateway.admission import AdmissionConfig, AdmissionController
-from prefixgate.gateway.auth import KeyRing, KeySpec, TokenBucket, load_keys_file
-from prefixgate.gateway.errors import APIError
-from prefixgate.gateway.schemas import ChatCompletionRequest, CompletionRequest, parse
-from prefixgate.gateway.serve_cli import (
+from prefixgate.gateway.api.request_models import ChatCompletionRequest, CompletionRequest, parse
+from prefixgate.gateway.http.errors import APIError
+from prefixgate.gateway.serve.runner import (
     add_serve_parser,
     engine_config,
     parse_bytes,
     settings_from_args,
 )
-from prefixgate.gateway.state import GatewaySettings
+from prefixgate.gateway.settings import GatewaySettings
+from prefixgate.gateway.tenancy.admission import AdmissionConfig, AdmissionController
+from prefixgate.gateway.tenancy.keys import KeyRing, KeySpec, TokenBucket, load_keys_file
 
 
 def test_admission_bounds_and_retry_after():
@@ -196,7 +196,7 @@ def test_retry_after_after_a_quiet_period_uses_the_service_time(monkeypatch):
     # held ~3 departures and said Retry-After: 60 while the queue drained in 5-7 s. With the
     # service-time estimate: 64 queued x 0.5 s / 8 running at once = 4 s.
     now = [1000.0]
-    monkeypatch.setattr("prefixgate.gateway.admission.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("prefixgate.gateway.tenancy.admission.time.monotonic", lambda: now[0])
     ctl = AdmissionController(AdmissionConfig(max_queued_requests=64), concurrency=8)
     for _ in range(3):
         t = ctl.admit(10)
@@ -236,7 +236,7 @@ def test_a_chat_without_tools_imports_no_grammar_machinery():
 
     code = (
         "import sys\n"
-        "from prefixgate.gateway.tools import plan_tools\n"
+        "from prefixgate.gateway.api.tools import plan_tools\n"
         "plan = plan_tools(None, None, None, None)\n"
         "assert plan.mode == 'none'\n"
         "assert plan_tools([], 'none', None, None).mode == 'none'\n"

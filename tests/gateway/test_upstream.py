@@ -8,9 +8,10 @@ import httpx
 import pytest
 from aiohttp import web
 from prefixgate.gateway.app import create_proxy_app
-from prefixgate.gateway.server import BackgroundServer
-from prefixgate.gateway.state import STATE, GatewaySettings
-from prefixgate.gateway.upstream import UpstreamRouter, affinity_key, normalize_url
+from prefixgate.gateway.http.server import BackgroundServer
+from prefixgate.gateway.proxy.serving import PROXY
+from prefixgate.gateway.proxy.upstream import UpstreamRouter, affinity_key, normalize_url
+from prefixgate.gateway.settings import GatewaySettings
 from support.net import free_port
 from support.stub_upstream import STUB, StubServer
 
@@ -107,7 +108,7 @@ def test_unhealthy_upstream_skipped_then_probed_back(servers):
     # their prompts are cached)
     settings = GatewaySettings(health_interval_s=0.1, routing="rendezvous")
     gw = servers(lambda: create_proxy_app([live.url, dead_url], settings))
-    router = gw.app[STATE].router
+    router = gw.app[PROXY].router
     dead = next(u for u in router.upstreams if u.url == dead_url)
     assert not dead.healthy and dead.failures == 1  # the probe at start found it down
     with httpx.Client(base_url=gw.url) as http:
@@ -190,8 +191,8 @@ def test_client_disconnect_closes_upstream_stream(servers):
         time.sleep(0.05)
     time.sleep(1.2)  # longer than the rest of the stream would take
     assert up.app[STUB].records[-1]["outcome"] == "cut"
-    assert gw.app[STATE].router.upstreams[0].in_flight == 0
-    assert gw.app[STATE].router.upstreams[0].healthy  # a client leaving is not an upstream fault
+    assert gw.app[PROXY].router.upstreams[0].in_flight == 0
+    assert gw.app[PROXY].router.upstreams[0].healthy  # a client leaving is not an upstream fault
 
 
 @pytest.mark.parametrize("path", ["/v1/responses", "/v1/embeddings", "/tokenize", "/detokenize"])

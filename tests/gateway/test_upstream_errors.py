@@ -3,7 +3,7 @@ garbage) is wrapped in one; OpenAI error bodies pass as they are."""
 
 from __future__ import annotations
 
-from prefixgate.gateway.state import GatewaySettings
+from prefixgate.gateway.settings import GatewaySettings
 from support.http import assert_openai_error as _error
 
 
@@ -17,7 +17,7 @@ def test_upstream_errors_without_an_openai_body_are_wrapped():
     import httpx
     from aiohttp import web
     from prefixgate.gateway.app import create_proxy_app
-    from prefixgate.gateway.server import BackgroundServer
+    from prefixgate.gateway.http.server import BackgroundServer
 
     answers = {
         "traceback": (

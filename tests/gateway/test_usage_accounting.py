@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from prefixgate.gateway.auth import KeySpec, Principal
-from prefixgate.gateway.errors import APIError
-from prefixgate.gateway.usage import UsageTap, ask_usage, body_usage
+from prefixgate.gateway.http.errors import APIError
+from prefixgate.gateway.proxy.usage import UsageTap, ask_usage, body_usage
+from prefixgate.gateway.tenancy.keys import KeySpec, Principal
 
 
 def _principal(**limits) -> Principal:

@@ -19,8 +19,9 @@ from model_helpers import tiny_hf_model  # noqa: E402
 from prefixgate.engine import AsyncEngine, EngineConfig  # noqa: E402
 from prefixgate.engine.pooling import PoolingEngine  # noqa: E402
 from prefixgate.gateway.app import create_app  # noqa: E402
-from prefixgate.gateway.server import BackgroundServer  # noqa: E402
-from prefixgate.gateway.state import STATE, GatewaySettings  # noqa: E402
+from prefixgate.gateway.http.server import BackgroundServer  # noqa: E402
+from prefixgate.gateway.local.serving import LOCAL  # noqa: E402
+from prefixgate.gateway.settings import GatewaySettings
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +61,7 @@ def test_openai_client_embeddings(server, checkpoint):
     texts = ["The fox and the bird", "an old oak tree", "x"]
     floats = client.embeddings.create(model="embedder", input=texts, encoding_format="float")
     b64 = client.embeddings.create(model="embedder", input=texts)  # the client asks base64
-    tok = server.app[STATE].engine.tokenizer
+    tok = server.app[LOCAL].engine.tokenizer
     want = _reference(hf, tok, texts)
     for res in (floats, b64):
         got = torch.tensor([d.embedding for d in res.data])
@@ -96,8 +97,8 @@ def test_token_ids_input_is_one_input_whatever_its_length():
     # bound on inputs counted the ids of a single input; only its context bounds its length.
     import asyncio
 
-    from prefixgate.gateway.errors import APIError
-    from prefixgate.gateway.routes_embeddings import MAX_INPUTS, _token_inputs
+    from prefixgate.gateway.api.embeddings import MAX_INPUTS, _token_inputs
+    from prefixgate.gateway.http.errors import APIError
 
     ids = [5] * (MAX_INPUTS + 952)
     assert asyncio.run(_token_inputs(None, ids)) == [ids]  # type: ignore[arg-type]
@@ -125,9 +126,9 @@ def test_embeddings_on_a_generation_runner_is_400(aidreams_path, pool_whole):
     try:
         r = httpx.post(srv.url + "/v1/embeddings", json={"model": "aidreams-260k", "input": "x"})
         assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_embedding"
-        pool_whole(srv.app[STATE].engine)
+        pool_whole(srv.app[LOCAL].engine)
     finally:
-        srv.call(srv.app[STATE].engine.shutdown)
+        srv.call(srv.app[LOCAL].engine.shutdown)
         srv.close()
 
 

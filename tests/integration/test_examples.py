@@ -22,7 +22,7 @@ def gateway_url(aidreams_path):
     import torch
     from prefixgate.engine import AsyncEngine, EngineConfig
     from prefixgate.gateway.app import create_app
-    from prefixgate.gateway.server import BackgroundServer
+    from prefixgate.gateway.http.server import BackgroundServer
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny model on a shared 2-core machine (see DEVELOPERS.md)

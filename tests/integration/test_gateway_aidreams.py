@@ -19,8 +19,9 @@ pytest.importorskip("prefixgate.engine.async_engine")
 
 from prefixgate.engine import LLM, AsyncEngine, EngineConfig, SamplingParams  # noqa: E402
 from prefixgate.gateway.app import create_app  # noqa: E402
-from prefixgate.gateway.server import BackgroundServer  # noqa: E402
-from prefixgate.gateway.state import STATE, GatewaySettings  # noqa: E402
+from prefixgate.gateway.http.server import BackgroundServer  # noqa: E402
+from prefixgate.gateway.local.serving import LOCAL  # noqa: E402
+from prefixgate.gateway.settings import GatewaySettings
 
 MODEL = "aidreams-260k"
 
@@ -39,7 +40,7 @@ def _serve(path: str, **engine_kw) -> BackgroundServer:
 def server(aidreams_path):
     srv = _serve(aidreams_path)
     yield srv
-    srv.call(srv.app[STATE].engine.shutdown)
+    srv.call(srv.app[LOCAL].engine.shutdown)
     srv.close()
 
 
@@ -63,7 +64,7 @@ def system_prompt(workloads_path, aidreams_path) -> str:
 
 
 def _engine(server):
-    return server.app[STATE].engine
+    return server.app[LOCAL].engine
 
 
 def _idle(server, pool_whole, timeout: float = 10.0) -> dict:

@@ -7,13 +7,14 @@ import time
 
 import httpx
 import pytest
-from prefixgate.gateway.server import BackgroundServer
+from prefixgate.gateway.http.server import BackgroundServer
 
 pytest.importorskip("prefixgate.engine.async_engine")
 
 from prefixgate.engine import AsyncEngine, EngineConfig  # noqa: E402
 from prefixgate.gateway.app import create_app  # noqa: E402
-from prefixgate.gateway.state import STATE, GatewaySettings  # noqa: E402
+from prefixgate.gateway.local.serving import LOCAL  # noqa: E402
+from prefixgate.gateway.settings import GatewaySettings
 from support.http import assert_openai_error  # noqa: E402
 
 MODEL = "aidreams-260k"
@@ -33,7 +34,7 @@ def server(aidreams_path):
 
     srv = BackgroundServer(make).__enter__()
     yield srv
-    srv.call(srv.app[STATE].engine.shutdown)
+    srv.call(srv.app[LOCAL].engine.shutdown)
     srv.close()
 
 
@@ -77,7 +78,7 @@ def test_gateway_refuses_what_the_engine_would_mishandle(server, pool_whole):
             "prompt",
         )
         assert http.post("/v1/chat/completions", json=chat).json()["choices"][0]["message"] == ref
-    engine = server.app[STATE].engine
+    engine = server.app[LOCAL].engine
     for _ in range(200):
         s = engine.stats()
         if s["num_running"] == 0 and s["num_waiting"] == 0:

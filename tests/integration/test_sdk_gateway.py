@@ -32,8 +32,8 @@ def gateway(aidreams_path):
     from prefixgate.engine.async_engine import AsyncEngine
     from prefixgate.engine.config import EngineConfig
     from prefixgate.gateway.app import create_app
-    from prefixgate.gateway.server import BackgroundServer
-    from prefixgate.gateway.state import GatewaySettings
+    from prefixgate.gateway.http.server import BackgroundServer
+    from prefixgate.gateway.settings import GatewaySettings
 
     engines = []
 

@@ -182,7 +182,7 @@ def test_bench_serve_against_aidreams_fits_or_refuses_in_one_line(aidreams_path)
     proc, url, _ = start_serve(["--model", aidreams_path, "--num-kv-blocks", "64"])
     try:
         out = subprocess.run(
-            [sys.executable, "-m", "prefixgate.sdk.cli", "bench", "serve", "--base-url", url]
+            [sys.executable, "-m", "prefixgate.gateway.cli", "bench", "serve", "--base-url", url]
             + ["--no-progress"],
             capture_output=True,
             text=True,

@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("prefixgate.engine.async_engine")
 
-from prefixgate.gateway.state import STATE  # noqa: E402
+from prefixgate.gateway.local.serving import LOCAL  # noqa: E402
 from support.gateway import openai_client, serve_aidreams, wait_idle  # noqa: E402
 from support.steer import steer_opening  # noqa: E402
 
@@ -64,7 +64,7 @@ def client(server) -> openai.OpenAI:
 
 @pytest.fixture(params=[OPENING, WEATHER_OPENING], ids=["model_picks", "get_weather"])
 def steered(server, monkeypatch, request):
-    tok = server.app[STATE].engine.tokenizer
+    tok = server.app[LOCAL].engine.tokenizer
     ids = tok.encode_plain(request.param)
     assert tok.decode(ids) == request.param
     return steer_opening(monkeypatch, ids)

@@ -30,8 +30,9 @@ pytest.importorskip("prefixgate.engine.async_engine")
 from prefixgate.engine import AsyncEngine, EngineConfig  # noqa: E402
 from prefixgate.engine.tokenizer import Tokenizer  # noqa: E402
 from prefixgate.gateway.app import create_app, create_proxy_app  # noqa: E402
-from prefixgate.gateway.server import BackgroundServer  # noqa: E402
-from prefixgate.gateway.state import STATE, GatewaySettings  # noqa: E402
+from prefixgate.gateway.http.server import BackgroundServer  # noqa: E402
+from prefixgate.gateway.local.serving import LOCAL  # noqa: E402
+from prefixgate.gateway.settings import GatewaySettings
 
 MODEL = "aidreams-260k"
 KEYS = [{"key": "ka", "salt": "tenant-a"}, {"key": "kb", "salt": "tenant-b"}]
@@ -98,7 +99,7 @@ def local(aidreams_path, keys_file):
 
     srv = BackgroundServer(make).__enter__()
     yield srv
-    srv.call(srv.app[STATE].engine.shutdown)
+    srv.call(srv.app[LOCAL].engine.shutdown)
     srv.close()
 
 
@@ -117,7 +118,7 @@ def gateway(request, pool_whole):
     srv = request.getfixturevalue(request.param)
     yield request.param, srv.url
     if request.param == "local":
-        engine = srv.app[STATE].engine
+        engine = srv.app[LOCAL].engine
         deadline = time.monotonic() + 10
         while engine.stats()["num_running"] + engine.stats()["num_waiting"] and (
             time.monotonic() < deadline

@@ -9,7 +9,7 @@ import pytest
 
 
 def _load():
-    return importlib.import_module("prefixgate.sdk.bench.gpu_check")
+    return importlib.import_module("prefixgate.engine.bench.gpu_check")
 
 
 def test_dry_run_writes_every_kernel_section(tmp_path):

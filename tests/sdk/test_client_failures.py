@@ -8,7 +8,7 @@ import asyncio
 import httpx
 import pytest
 from aiohttp import web
-from prefixgate.gateway.server import BackgroundServer
+from prefixgate.gateway.http.server import BackgroundServer
 from prefixgate.sdk import AsyncClient
 from prefixgate.sdk.errors import APIConnectionError, APIResponseValidationError
 from support.net import free_port

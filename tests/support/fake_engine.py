@@ -18,6 +18,7 @@ from typing import Any
 from prefixgate.engine.config import EngineConfig
 from prefixgate.engine.errors import EngineDeadError, PinLimitError
 from prefixgate.engine.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
+from prefixgate.engine.protocol import EngineRequest
 from prefixgate.engine.sampling_params import SamplingParams
 
 __all__ = ["EngineDeadError", "FakeEngine", "FakeTokenizer", "PinLimitError"]
@@ -116,16 +117,10 @@ class FakeEngine:
         self.shutdown_called = False
 
     # --- the contract -----------------------------------------------------------------
-    async def generate(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams,
-        request_id: str,
-        cache_salt: str | None = None,
-        tenant: str | None = None,
-        priority: int = 0,
-    ) -> AsyncIterator[RequestOutput]:
-        self.tenants_seen.append((tenant, priority))
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        prompt, params, request_id = request.prompt, request.sampling_params, request.request_id
+        cache_salt = request.cache_salt
+        self.tenants_seen.append((request.tenant, request.priority))
         if self.shutdown_called:
             raise EngineDeadError("the engine is shut down")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)

@@ -10,8 +10,9 @@ from typing import Any
 import openai
 from prefixgate.engine import AsyncEngine, EngineConfig
 from prefixgate.gateway.app import create_app
-from prefixgate.gateway.server import BackgroundServer
-from prefixgate.gateway.state import STATE, GatewaySettings
+from prefixgate.gateway.http.server import BackgroundServer
+from prefixgate.gateway.local.serving import LOCAL
+from prefixgate.gateway.settings import GatewaySettings
 
 
 def serve_aidreams(model_path: str, **settings: Any) -> Iterator[BackgroundServer]:
@@ -25,7 +26,7 @@ def serve_aidreams(model_path: str, **settings: Any) -> Iterator[BackgroundServe
 
     srv = BackgroundServer(make).__enter__()
     yield srv
-    srv.call(srv.app[STATE].engine.shutdown)
+    srv.call(srv.app[LOCAL].engine.shutdown)
     srv.close()
 
 
@@ -43,7 +44,7 @@ def wait_idle(
 ) -> None:
     """Wait up to ``timeout`` seconds for no running or waiting request, then check the block
     pool is whole (``pinned_ok``: blocks pinned by prefixes are fine)."""
-    engine = server.app[STATE].engine
+    engine = server.app[LOCAL].engine
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         s = engine.stats()

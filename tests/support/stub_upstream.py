@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass, field
 
 from aiohttp import web
-from prefixgate.gateway.server import BackgroundServer
+from prefixgate.gateway.http.server import BackgroundServer
 
 STUB: web.AppKey[StubServer] = web.AppKey("stub_upstream")
 

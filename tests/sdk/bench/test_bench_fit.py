@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from prefixgate.gateway.cli import main  # noqa: E402
 from prefixgate.sdk.bench.fit import WorkloadDoesNotFitError, fit_to_context  # noqa: E402
 from prefixgate.sdk.bench.workload import BenchRequest  # noqa: E402
-from prefixgate.sdk.cli import main  # noqa: E402
 from support.stub_upstream import StubServer  # noqa: E402
 
 

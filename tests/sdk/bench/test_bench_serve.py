@@ -136,11 +136,16 @@ _BLOCKER = """
 import importlib.abc
 import sys
 
-BLOCKED = ("torch", "transformers", "aiohttp", "prefixgate.gateway", "prefixgate.engine")
+BLOCKED = ("torch", "transformers", "aiohttp", "prefixgate.gateway", "prefixgate.engine",
+           "prefixgate.kernels")
+# the `prefixgate` entry point (prefixgate.gateway.cli:main) and its package's empty __init__
+ALLOWED = ("prefixgate.gateway", "prefixgate.gateway.cli")
 
 
 class _Block(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
+        if name in ALLOWED:
+            return None
         if any(name == b or name.startswith(b + ".") for b in BLOCKED):
             raise ImportError(f"{name} is blocked in this test", name=name)
         return None
@@ -153,17 +158,19 @@ sys.meta_path.insert(0, _Block())
 def _prefixgate_command() -> list[str]:
     """The installed ``prefixgate`` script next to this Python, else the same entry via ``-m``."""
     script = Path(sys.executable).parent / "prefixgate"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "prefixgate.sdk.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "prefixgate.gateway.cli"]
 
 
 def test_bench_serve_runs_without_torch_or_the_gateway(stub, tmp_path):
-    """``prefixgate bench serve`` with torch, transformers, aiohttp and the gateway unimportable."""
+    """``prefixgate bench serve`` with torch, transformers, aiohttp, the engine, the kernels and
+    every gateway module but the entry point (``prefixgate.gateway.cli``) unimportable."""
     (tmp_path / "sitecustomize.py").write_text(_BLOCKER)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
-    probe = subprocess.run(
-        [sys.executable, "-c", "import torch"], env=env, capture_output=True, text=True
-    )
-    assert probe.returncode != 0 and "blocked in this test" in probe.stderr
+    for blocked in ("torch", "prefixgate.gateway.app", "prefixgate.engine"):
+        probe = subprocess.run(
+            [sys.executable, "-c", f"import {blocked}"], env=env, capture_output=True, text=True
+        )
+        assert probe.returncode != 0 and "blocked in this test" in probe.stderr, blocked
     out = tmp_path / "r.json"
     argv = ["bench", "serve", "--base-url", stub.base_url, "--num-requests", "4"]
     argv += ["--output-len", "3", "--no-progress", "--json", str(out)]

@@ -1,0 +1,419 @@
+"""OpenAI routes served by the local engine: chat completions, completions, models.
+
+The walk of one request: authenticate → parse and validate the body → render and tokenize
+the prompt → check lengths → per-key rate limits → admission queue → one engine request per
+choice (``n``) → a JSON body, or SSE chunks as tokens come (``Exchange``, with the route's
+renderer: ``renderers.ChatRenderer`` or ``CompletionRenderer``). The engine requests are
+aborted when the client disconnects (checked every ``poll_s`` while waiting, and on every
+failed write while streaming), so their KV blocks are freed at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+import cachetools
+from aiohttp import web
+from prefixgate.engine.errors import EngineDeadError
+from prefixgate.engine.sampling_params import StructuredOutputsParams
+from prefixgate.engine.scheduling_policy import policy_class
+from prefixgate.gateway.api.prompts import (
+    check_length,
+    check_vocab,
+    choice_seeds,
+    completion_prompts,
+    render_chat,
+    sampling_params,
+)
+from prefixgate.gateway.api.renderers import ChatRenderer, CompletionRenderer, Renderer
+from prefixgate.gateway.api.request_fields import (
+    REFUSED,
+    check_constraint,
+    check_refused,
+    structured_from,
+)
+from prefixgate.gateway.api.request_models import ChatCompletionRequest, CompletionRequest, parse
+from prefixgate.gateway.api.response_models import ModelCard, ModelList, Usage, dump
+from prefixgate.gateway.api.tools import ToolPlan, plan_tools, template_messages
+from prefixgate.gateway.http.access_log import record
+from prefixgate.gateway.http.errors import APIError, bad_request
+from prefixgate.gateway.http.sse import SSEWriter, client_gone
+from prefixgate.gateway.local.generation import Choice, ChoiceOutput, ChoiceRun, Delta
+from prefixgate.gateway.local.serving import LOCAL
+from prefixgate.gateway.state import STATE, GatewayState
+from prefixgate.gateway.tenancy.keys import Principal, effective_salt
+
+logger = logging.getLogger("prefixgate.gateway")
+
+CLIENT_GONE = 499  # nginx's "client closed request": never seen by the client, only in logs
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    """POST /v1/chat/completions."""
+    st = request.app[STATE]
+    engine = request.app[LOCAL].require_engine()
+    principal = st.keys.authenticate(request)
+    req = parse(ChatCompletionRequest, await request.read())
+    st.check_model(req.model)
+    check_refused({name: getattr(req, name, None) for name in REFUSED}, req.n)
+    check_refused({k: getattr(req, k) for k in ("store", "service_tier", "modalities")}, req.n)
+    plan = plan_tools(
+        req.tools, req.tool_choice, req.parallel_tool_calls, st.settings.tool_call_parser
+    )
+    spec, field = structured_from(req)
+    if spec is not None and plan.structured is not None:
+        why = (
+            "strict tools under tool_choice 'auto' (their calls are constrained)"
+            if plan.mode == "auto"
+            else f"tool_choice {req.tool_choice!r} (it constrains the output to a tool call)"
+        )
+        raise bad_request(f"{field}: cannot be combined with {why}", param=field)
+    if plan.structured is not None:
+        spec, field = plan.structured, "tools"
+    if spec is not None:
+        await _check_constraint(spec, field or "structured_outputs")
+    check_vocab(req, engine.tokenizer.vocab_size)
+    messages = template_messages(req.messages)
+    if req.prefix_id is not None:
+        prefix = await request.app[LOCAL].require_prefixes().lookup(req.prefix_id, principal.salt)
+        messages = prefix.messages + messages
+    if not messages:
+        raise bad_request("messages must hold at least one message", param="messages")
+    ids = await render_chat(
+        engine.tokenizer, messages, max_model_len=engine.max_model_len, tools=plan.tools or None
+    )
+    max_tokens = check_length(
+        len(ids), req.output_limit, engine.max_model_len, "messages", req.output_limit_param
+    )
+    rid = "chatcmpl-" + uuid.uuid4().hex
+    seeds = choice_seeds(req.seed, req.n)
+    # tool-call markers of some formats are special tokens: keep them in the text to parse
+    skip_special = plan.mode != "auto"
+    choices = [
+        Choice(i, f"{rid}-{i}", ids, sampling_params(req, max_tokens, seeds[i], spec, skip_special))
+        for i in range(req.n)
+    ]
+    return await _run(request, st, principal, req, ChatRenderer, rid, choices, tools=plan)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    """POST /v1/completions."""
+    st = request.app[STATE]
+    engine = request.app[LOCAL].require_engine()
+    principal = st.keys.authenticate(request)
+    req = parse(CompletionRequest, await request.read())
+    st.check_model(req.model)
+    if req.echo:
+        raise bad_request("echo is not supported", param="echo")
+    if req.suffix:
+        raise bad_request("suffix is not supported", param="suffix")
+    check_refused({k: getattr(req, k) for k in ("store", "service_tier", "best_of")}, req.n)
+    check_refused({"metadata": req.metadata}, req.n)
+    spec, field = structured_from(req)
+    if spec is not None:
+        await _check_constraint(spec, field or "structured_outputs")
+    check_vocab(req, engine.tokenizer.vocab_size)
+    prompts = await completion_prompts(engine.tokenizer, req.prompt, engine.max_model_len)
+    rid = "cmpl-" + uuid.uuid4().hex
+    seeds = choice_seeds(req.seed, req.n)
+    choices = []
+    for p, ids in enumerate(prompts):
+        max_tokens = check_length(len(ids), req.output_limit, engine.max_model_len, "prompt")
+        for j in range(req.n):
+            index = p * req.n + j
+            choices.append(
+                Choice(
+                    index,
+                    f"{rid}-{index}",
+                    ids,
+                    sampling_params(req, max_tokens, seeds[j], spec),
+                    prompt_index=p,
+                )
+            )
+    return await _run(request, st, principal, req, CompletionRenderer, rid, choices)
+
+
+async def _run(
+    request: web.Request,
+    st: GatewayState,
+    principal: Principal,
+    req: ChatCompletionRequest | CompletionRequest,
+    renderer_type: type[ChatRenderer | CompletionRenderer],
+    rid: str,
+    choices: list[Choice],
+    tools: ToolPlan | None = None,
+) -> web.StreamResponse:
+    """Run the request's choices through an Exchange with the route's renderer (chat: with
+    the request's tool plan)."""
+    args = (
+        rid,
+        int(time.time()),
+        st.model_name,
+        request.app[LOCAL].require_token_texts(),
+        req.num_logprobs,
+        req.include_usage,
+    )
+    renderer = (
+        ChatRenderer(*args, tools=tools) if renderer_type is ChatRenderer else renderer_type(*args)
+    )
+    salt = effective_salt(principal.salt, req.cache_salt)
+    priority = principal.request_priority(req.priority)
+    check_priority_policy(
+        req.priority, request.app[LOCAL].require_engine().config.scheduling_policy
+    )
+    return await Exchange(
+        request, st, principal, choices, renderer, salt, req.stream, priority
+    ).run()
+
+
+def check_priority_policy(requested: int | None, policy: str) -> None:
+    """A request's own non-zero ``priority`` only orders requests under a policy that reads it
+    (``uses_priority``: ``priority``); under any other it would be accepted and do nothing, so
+    it is refused (vLLM's rule). ``0``, the no-op value, is always taken.
+
+    Raises:
+        APIError: 400 ``priority_not_supported`` naming ``priority``.
+    """
+    if requested and not policy_class(policy).uses_priority:
+        raise APIError(
+            400,
+            f"priority: this server schedules requests by {policy!r}, where a request priority "
+            "has no effect (it needs prefixgate serve --scheduling-policy priority)",
+            param="priority",
+            code="priority_not_supported",
+        )
+
+
+_VALID_CONSTRAINTS: cachetools.LRUCache[str, bool] = cachetools.LRUCache(1024)
+
+
+async def _check_constraint(spec: StructuredOutputsParams, field: str) -> None:
+    """400 naming ``field`` when the constraint does not compile (grammar conversion in a
+    worker thread; valid specs are remembered)."""
+    key = spec.key()
+    if key in _VALID_CONSTRAINTS:
+        return
+    await asyncio.to_thread(check_constraint, spec, field)
+    _VALID_CONSTRAINTS[key] = True
+
+
+async def list_models(request: web.Request) -> web.Response:
+    """GET /v1/models: the one served model."""
+    st = request.app[STATE]
+    st.keys.authenticate(request)
+    return _json(dump(ModelList(data=[_model_card(request.app)])))
+
+
+async def get_model(request: web.Request) -> web.Response:
+    """GET /v1/models/{model}."""
+    st = request.app[STATE]
+    st.keys.authenticate(request)
+    st.check_model(request.match_info["model"])
+    return _json(dump(_model_card(request.app)))
+
+
+def _model_card(app: web.Application) -> ModelCard:
+    engine = app[LOCAL].engine
+    length = engine.max_model_len if engine is not None else None
+    return ModelCard(id=app[STATE].model_name, max_model_len=length)
+
+
+def _json(body: bytes, status: int = 200) -> web.Response:
+    return web.Response(body=body, status=status, content_type="application/json")
+
+
+def engine_error(exc: Exception) -> APIError:
+    """An engine failure before any output, as an OpenAI error: bad input (ValueError,
+    TypeError) → 400; the engine shut down (EngineDeadError) → 503; anything else → 500."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ValueError | TypeError):
+        return bad_request(str(exc))
+    if isinstance(exc, EngineDeadError):
+        return APIError(
+            503, "the engine is shutting down", code="engine_unavailable", retry_after=5.0
+        )
+    logger.error("engine failed a request: %r", exc)
+    return APIError(500, f"generation failed: {type(exc).__name__}", code="engine_error")
+
+
+class Exchange:
+    """One admitted HTTP request: runs its choices on the engine and writes the JSON body or
+    the SSE stream through its route's renderer.
+
+    Args:
+        request: the HTTP request; st: the gateway state; principal: the caller.
+        choices: the engine requests (one per choice; per prompt for batched completions).
+        renderer: the route's ``Renderer`` (chat, completions, responses).
+        salt: the engine cache salt; stream: answer with SSE.
+    """
+
+    def __init__(
+        self,
+        request: web.Request,
+        st: GatewayState,
+        principal: Principal,
+        choices: list[Choice],
+        renderer: Renderer,
+        salt: str | None,
+        stream: bool,
+        priority: int = 0,
+    ) -> None:
+        self.request = request
+        self.priority = priority
+        self.st = st
+        self.principal = principal
+        self.choices = choices
+        self.renderer = renderer
+        self.salt = salt
+        self.stream = stream
+        self.outputs = [ChoiceOutput() for _ in choices]
+        self.cached: dict[int, int] = {}  # prompt index -> cached tokens (its first choice's)
+        prompts = {c.prompt_index: len(c.prompt_token_ids) for c in choices}
+        self.prompt_tokens = sum(prompts.values())
+        self.num_prompts = len(prompts)
+        self.t0 = time.monotonic()
+        self.t_first: float | None = None
+
+    async def run(self) -> web.StreamResponse:
+        st = self.st
+        lease = await st.shared.acquire(self.principal, self.prompt_tokens)
+        try:
+            self.ticket = st.admission.admit(
+                self.prompt_tokens,
+                len(self.choices),
+                param="n" if self.num_prompts == 1 else "prompt",
+                tenant=self.principal.tenant,
+                weight=self.principal.weight,
+            )
+        except APIError:
+            st.shared.refund(self.principal, lease)
+            raise
+        st.metrics.prompt_tokens.inc(self.prompt_tokens)
+        status = "error"
+        try:
+            resp = await (self._stream() if self.stream else self._collect())
+            status = str(resp.status)
+            return resp
+        finally:
+            self.ticket.done()
+            completion = sum(o.num_tokens for o in self.outputs)
+            if completion:  # served: exactly prompt + completion tokens
+                st.shared.settle(self.principal, lease, self.prompt_tokens, completion)
+            else:  # refused or failed before its first token: spends nothing
+                st.shared.refund(self.principal, lease)
+            rec = record(self.request)
+            rec.prompt_tokens, rec.completion_tokens = self.prompt_tokens, completion
+            rec.cached_tokens = sum(self.cached.values())
+            if status == "200":
+                st.metrics.e2e.observe(time.monotonic() - self.t0)
+
+    def _record(self, i: int, d: Delta) -> None:
+        """Note one output of choice ``i`` (and the request's metrics)."""
+        now = time.monotonic()
+        metrics = self.st.metrics
+        if self.t_first is None and d.new_tokens:
+            self.t_first = now
+            self.ticket.started()
+            metrics.ttft.observe(now - self.t0)
+        out = self.outputs[i]
+        out.add(d, now)
+        metrics.add_generated(d.new_tokens)
+        self.cached.setdefault(self.choices[i].prompt_index, d.num_cached_tokens)
+        if d.finished and d.num_tokens > 1:
+            metrics.tpot.observe((now - out.t_first_token) / (d.num_tokens - 1))
+
+    def _usage(self) -> Usage:
+        completion = sum(o.num_tokens for o in self.outputs)
+        return Usage.of(self.prompt_tokens, completion, sum(self.cached.values()))
+
+    # --- non-streaming --------------------------------------------------------------------
+    async def _collect(self) -> web.StreamResponse:
+        poll = self.st.settings.poll_s
+        async with ChoiceRun(
+            self.request.app[LOCAL].require_engine(),
+            self.choices,
+            self.salt,
+            tenant=self.principal.tenant,
+            priority=self.priority,
+        ) as run:
+            while run.pending:
+                try:
+                    ev = await run.next(poll)
+                except Exception as exc:  # noqa: BLE001 - mapped to an OpenAI error
+                    raise engine_error(exc) from None
+                if ev is None:
+                    if client_gone(self.request):
+                        return web.Response(status=CLIENT_GONE)
+                    continue
+                self._record(*ev)
+        self.st.metrics.cached_tokens.inc(sum(self.cached.values()))
+        return _json(self.renderer.json(self.outputs, self._usage()))
+
+    # --- streaming ------------------------------------------------------------------------
+    async def _stream(self) -> web.StreamResponse:
+        sse = SSEWriter(self.request)
+        poll = min(self.st.settings.poll_s, self.st.settings.keepalive_s)
+        keepalive = self.st.settings.keepalive_s
+        try:
+            async with ChoiceRun(
+                self.request.app[LOCAL].require_engine(),
+                self.choices,
+                self.salt,
+                tenant=self.principal.tenant,
+                priority=self.priority,
+            ) as run:
+                # Errors before the first output (bad input the engine refused) stay HTTP errors.
+                first = None
+                while run.pending and first is None:
+                    try:
+                        first = await run.next(poll)
+                    except Exception as exc:  # noqa: BLE001 - mapped to an OpenAI error
+                        raise engine_error(exc) from None
+                    if first is None:
+                        if client_gone(self.request):
+                            return web.Response(status=CLIENT_GONE)
+                        if not sse.response.prepared and time.monotonic() - self.t0 >= keepalive:
+                            await self._open(sse)
+                        elif (
+                            sse.response.prepared and time.monotonic() - sse.last_write >= keepalive
+                        ):
+                            await sse.keepalive()
+                if not sse.response.prepared:
+                    await self._open(sse)
+                ev = first
+                while True:
+                    if ev is not None:
+                        await self._send(sse, *ev)
+                    elif time.monotonic() - sse.last_write >= keepalive:
+                        await sse.keepalive()
+                    if not run.pending:
+                        break
+                    try:
+                        ev = await run.next(poll)
+                    except Exception as exc:  # noqa: BLE001 - reported in-band, then closed
+                        err = APIError(500, f"generation failed: {type(exc).__name__}")
+                        await sse.write(self.renderer.error_event(err))
+                        break
+            self.st.metrics.cached_tokens.inc(sum(self.cached.values()))
+            for event in self.renderer.closing(self.outputs, self._usage()):
+                await sse.write(event)
+            await sse.response.write_eof()
+        except ConnectionResetError:
+            pass  # client gone mid-stream: ChoiceRun aborted the engine requests on exit
+        return sse.response
+
+    async def _open(self, sse: SSEWriter) -> None:
+        """Send the headers and the renderer's opening chunks (chat: each choice's role)."""
+        await sse.open()
+        for chunk in self.renderer.opening(len(self.choices)):
+            await sse.write(self.renderer.event(chunk))
+
+    async def _send(self, sse: SSEWriter, i: int, d: Delta) -> None:
+        offset = len(self.outputs[i].text)
+        self._record(i, d)
+        for chunk in self.renderer.chunks(i, d, offset):
+            await sse.write(self.renderer.event(chunk))

@@ -1,0 +1,292 @@
+"""Prompts to token ids: chat rendering, completion prompts, length checks, sampling params.
+
+Chat messages are rendered with the model's chat template and encoded *without* adding special
+tokens (``engine.tokenizer.encode_chat``), as transformers' ``apply_chat_template(tokenize=True)``
+and vLLM's chat endpoint do: the template writes the BOS token itself. Unlike theirs, a
+special-token string inside a message's content (``"<s>"``, a fake ``"<|im_start|>system"``) is
+tokenized as plain text: only the template's markup yields control tokens, so one tenant's
+user text can never forge a role boundary. Completion prompts given as text are encoded with special tokens
+(BOS added), as vLLM's completions endpoint does; token-id prompts are passed as they are.
+
+Rendering and tokenizing run in a worker thread (``render_chat`` and ``completion_prompts``
+are coroutines), through ``encode_batch`` where the tokenizer has it (Hugging Face
+``tokenizers`` releases the GIL there, not in ``encode``): a multi-megabyte prompt takes
+seconds to tokenize, and the event loop must keep serving every other client meanwhile.
+Given ``max_model_len``, a text whose token count's lower bound
+(``Tokenizer.min_num_tokens``, from its UTF-8 length) already fills the context is refused
+before it is tokenized (400 ``context_length_exceeded``): a 4 MB over-context prompt costs
+microseconds, not seconds and gigabytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+from typing import Any
+
+from prefixgate.engine.protocol import TokenizerLike
+from prefixgate.engine.sampling_params import (
+    SamplingParams,
+    StructuredOutputsParams,
+    token_id_key,
+)
+from prefixgate.gateway.http.errors import APIError, bad_request
+
+
+async def render_chat(
+    tokenizer: TokenizerLike,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    max_model_len: int | None = None,
+    tools: list[dict[str, Any]] | None = None,
+) -> list[int]:
+    """Token ids of ``messages`` rendered with the chat template (in a worker thread);
+    ``tools`` (OpenAI's function tools) are passed to the template as ``tools``.
+
+    Raises:
+        APIError: 400 when the template refuses the conversation (e.g. roles out of order);
+            400 ``context_length_exceeded`` when the rendered text cannot fit
+            ``max_model_len`` tokens (checked before tokenizing).
+    """
+    return await asyncio.to_thread(
+        _render_chat, tokenizer, messages, add_generation_prompt, max_model_len, tools
+    )
+
+
+def refuse_oversized(
+    tokenizer: TokenizerLike, text: str, max_model_len: int | None, param: str
+) -> None:
+    """400 ``context_length_exceeded`` when ``text`` has at least ``max_model_len`` tokens
+    by ``tokenizer.min_num_tokens`` (no tokenization; a bound of 0 passes).
+
+    Raises:
+        APIError: 400 ``context_length_exceeded``.
+    """
+    if max_model_len is None:
+        return
+    at_least = tokenizer.min_num_tokens(text)
+    if at_least >= max_model_len:
+        raise APIError(
+            400,
+            f"this model's maximum context length is {max_model_len} tokens; the prompt has "
+            f"at least {at_least} tokens ({len(text)} characters), leaving no room to generate",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
+def _render_chat(
+    tokenizer: TokenizerLike,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    max_model_len: int | None = None,
+    tools: list[dict[str, Any]] | None = None,
+) -> list[int]:
+    kwargs: dict[str, Any] = {"tools": tools} if tools else {}
+    try:
+        if max_model_len is not None and _contents_may_overflow(tokenizer, messages, max_model_len):
+            # Only for a huge conversation: render it (cheap) and bound the rendering.
+            text = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, **kwargs
+            )
+            refuse_oversized(tokenizer, text, max_model_len, "messages")
+        return list(
+            tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        )
+    except APIError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - jinja raises its own types for template errors
+        raise bad_request(
+            f"the chat template cannot render these messages: {exc}", param="messages"
+        ) from None
+
+
+def _contents_may_overflow(
+    tokenizer: TokenizerLike, messages: list[dict], max_model_len: int
+) -> bool:
+    """True when the messages' text alone bounds at ``max_model_len`` tokens or more (the
+    rendering, which holds it, is then bounded too)."""
+    bound = tokenizer.min_num_tokens
+    total = 0
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            total += bound(content)
+        elif isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    total += bound(part["text"])
+    return total >= max_model_len
+
+
+def _encode(
+    tokenizer: TokenizerLike, texts: list[str], add_special_tokens: bool
+) -> list[list[int]]:
+    """``encode_batch`` of the texts (Hugging Face ``tokenizers`` releases the GIL there)."""
+    return [list(ids) for ids in tokenizer.encode_batch(texts, add_special_tokens)]
+
+
+async def completion_prompts(
+    tokenizer: TokenizerLike, prompt: str | list, max_model_len: int | None = None
+) -> list[list[int]]:
+    """Token ids of each prompt of a completions request (one, or a batch; in a worker
+    thread).
+
+    Raises:
+        APIError: 400 on an empty prompt or a token id outside the vocabulary; 400
+            ``context_length_exceeded`` when a text prompt cannot fit ``max_model_len``
+            tokens (checked before tokenizing).
+    """
+    return await asyncio.to_thread(_completion_prompts, tokenizer, prompt, max_model_len)
+
+
+def _completion_prompts(
+    tokenizer: TokenizerLike, prompt: str | list, max_model_len: int | None = None
+) -> list[list[int]]:
+    if isinstance(prompt, str):
+        batch: list = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        batch = [prompt]
+    else:
+        batch = list(prompt)
+    if not batch:
+        raise bad_request("prompt must not be empty", param="prompt")
+    vocab = tokenizer.vocab_size
+    if any(item == "" for item in batch):
+        raise bad_request("prompt must not be empty", param="prompt")
+    texts = [item for item in batch if isinstance(item, str)]
+    for text in texts:
+        refuse_oversized(tokenizer, text, max_model_len, "prompt")
+    encoded = iter(_encode(tokenizer, texts, add_special_tokens=True) if texts else [])
+    out = []
+    for item in batch:
+        if isinstance(item, str):
+            ids = next(encoded)
+        else:
+            ids = list(item)
+            if any(t < 0 or t >= vocab for t in ids):
+                raise bad_request(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        if not ids:
+            raise bad_request("prompt must not be empty", param="prompt")
+        out.append(ids)
+    return out
+
+
+def check_length(
+    num_prompt_tokens: int,
+    max_tokens: int | None,
+    max_model_len: int,
+    param: str,
+    limit_param: str = "max_tokens",
+) -> int:
+    """The output limit in tokens, checked against the context length (vLLM's rule).
+
+    Returns ``max_tokens``, or what is left of ``max_model_len`` when ``None``.
+
+    Args:
+        param: the prompt's field (``messages``, ``prompt``, ``input``).
+        limit_param: the request's own name of the output limit (``max_tokens``,
+            ``max_completion_tokens``, ``max_output_tokens``): the field named when it is
+            too large.
+
+    Raises:
+        APIError: 400 ``context_length_exceeded`` naming ``param`` when the prompt alone fills
+            the context, or naming ``limit_param`` when prompt + ``max_tokens`` exceeds it.
+    """
+    if num_prompt_tokens >= max_model_len:
+        raise APIError(
+            400,
+            f"this model's maximum context length is {max_model_len} tokens; the prompt has "
+            f"{num_prompt_tokens} tokens, leaving no room to generate",
+            param=param,
+            code="context_length_exceeded",
+        )
+    room = max_model_len - num_prompt_tokens
+    if max_tokens is None:
+        return room
+    if max_tokens > room:
+        raise APIError(
+            400,
+            f"this model's maximum context length is {max_model_len} tokens: the prompt "
+            f"({num_prompt_tokens} tokens) plus {limit_param} ({max_tokens}) exceeds it; "
+            f"ask for at most {room} tokens",
+            param=limit_param,
+            code="context_length_exceeded",
+        )
+    return max_tokens
+
+
+def choice_seeds(seed: int | None, n: int) -> list[int | None]:
+    """Seeds of the ``n`` choices: ``seed + i``, wrapped into int64 (the schema's range, so
+    ``2**63 - 1`` plus ``i`` is still a valid seed); a random base when ``n > 1`` and no seed
+    is given (so sampled choices differ); ``[seed]`` when ``n == 1``."""
+    if n == 1:
+        return [seed]
+    base = seed if seed is not None else random.getrandbits(31)
+    return [(base + i + 2**63) % 2**64 - 2**63 for i in range(n)]
+
+
+def sampling_params(
+    req: Any,
+    max_tokens: int,
+    seed: int | None,
+    structured: StructuredOutputsParams | None = None,
+    skip_special_tokens: bool = True,
+) -> SamplingParams:
+    """Engine SamplingParams of one choice of a chat or completions request.
+
+    Raises:
+        APIError: 400 when the engine's SamplingParams refuses a value (``param`` names the
+            field when the message starts with it).
+    """
+    try:
+        return SamplingParams(
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k,
+            min_p=req.min_p,
+            seed=seed,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+            max_tokens=max_tokens,
+            stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+            stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=req.ignore_eos,
+            logprobs=req.num_logprobs,
+            min_tokens=req.min_tokens,
+            logit_bias=req.logit_bias,
+            structured_outputs=structured,
+            skip_special_tokens=skip_special_tokens,
+        )
+    except (ValueError, TypeError) as exc:
+        msg = str(exc)
+        field = re.match(r"[a-z_]+", msg)
+        param = field.group(0) if field and hasattr(req, field.group(0)) else None
+        raise bad_request(msg, param=param) from None
+
+
+def check_vocab(req: Any, vocab_size: int) -> None:
+    """``logit_bias`` and ``stop_token_ids`` ids must be token ids of the model.
+
+    Raises:
+        APIError: 400 naming the field.
+    """
+    for name, ids in (
+        ("logit_bias", list(req.logit_bias or {})),
+        ("stop_token_ids", list(req.stop_token_ids or [])),
+    ):
+        for t in ids:
+            tid = token_id_key(t)
+            if tid is None:
+                raise bad_request(
+                    f"{name}: {str(t)[:20]!r} is not a token id (keys are the decimal digits "
+                    'of one, as "42")',
+                    param=name,
+                )
+            if not 0 <= tid < vocab_size:
+                raise bad_request(
+                    f"{name}: token id {tid} is outside the vocabulary [0, {vocab_size})",
+                    param=name,
+                )

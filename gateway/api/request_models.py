@@ -1,0 +1,333 @@
+"""Request bodies of the OpenAI API (chat, completions) and of the prefix API, validated.
+
+Validation is pydantic v2 in strict mode straight from the JSON bytes: a wrong type is an
+error (``"5"`` is not an int), never silently coerced. ``parse(model, body)`` turns any
+failure (malformed JSON, wrong type, missing field, out of range) into a 400 OpenAI error
+naming the field in ``param``. An unknown top-level field is a 400 "Unrecognized request
+argument supplied: NAME" (OpenAI's answer); OpenAI fields the gateway does not implement are
+refused by name (``request_fields.py``).
+Ranges follow the OpenAI API reference (https://platform.openai.com/docs/api-reference/chat).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, TypeVar
+
+from prefixgate.gateway.http.errors import bad_request
+from prefixgate.gateway.tenancy.keys import MAX_SALT_CHARS
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
+from pydantic_core import ErrorDetails
+
+# NaN / Infinity (which JSON parsers accept as literals) are never valid values.
+_CONFIG = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+# Request bodies: unknown top-level fields are refused (OpenAI: "Unrecognized request argument").
+_REQUEST_CONFIG = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+MAX_N = 16  # choices per request (each is one engine request)
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as vLLM and torch generators take
+
+
+class TextPart(BaseModel):
+    """One ``{"type": "text", "text": ...}`` part of a message's content."""
+
+    model_config = _CONFIG
+    type: Literal["text"]
+    text: str
+
+
+class ToolCallFunction(BaseModel):
+    """``function`` of an assistant message's tool call."""
+
+    model_config = _CONFIG
+    name: str
+    arguments: str
+
+
+class MessageToolCall(BaseModel):
+    """One tool call of an assistant message (as the API returned it)."""
+
+    model_config = _CONFIG
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ChatMessage(BaseModel):
+    """A chat message. Content is a string or a list of text parts (images are refused).
+    Assistant messages may carry ``tool_calls``; ``tool`` messages their ``tool_call_id``."""
+
+    model_config = _CONFIG
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+
+    def text(self) -> str:
+        """The content as one string (text parts joined)."""
+        return content_text(self.content)
+
+    def as_dict(self) -> dict[str, Any]:
+        """``{"role", "content"}`` for the chat template, plus ``tool_calls`` /
+        ``tool_call_id`` / ``name`` when the message has them."""
+        d: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            d["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            d["name"] = self.name
+        return d
+
+
+def content_text(content: object) -> str:
+    """A chat message's content as one string, the gateway's one flattening: a string as it
+    is, text parts (``TextPart`` or ``{"type": "text", "text": ...}`` dicts) joined, anything
+    else (``None``, other parts) ``""``."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        return ""
+    texts = []
+    for part in content:
+        if isinstance(part, TextPart):
+            texts.append(part.text)
+        elif isinstance(part, dict) and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+    return "".join(texts)
+
+
+class StreamOptions(BaseModel):
+    """``stream_options``: ``include_usage`` adds a final usage chunk. OpenAI's
+    ``include_obfuscation`` is taken only as ``false`` (no padding field is ever sent); any
+    other key (vLLM's ``continuous_usage_stats`` included) is refused by name, never ignored."""
+
+    model_config = _REQUEST_CONFIG
+    include_usage: bool = False
+    include_obfuscation: bool | None = None
+
+    @field_validator("include_obfuscation")
+    @classmethod
+    def _no_obfuscation(cls, value: bool | None) -> bool | None:
+        if value:
+            raise ValueError("true is not supported: streamed chunks carry no obfuscation field")
+        return value
+
+
+Stop = str | Annotated[list[str], Field(max_length=4)] | None
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by chat and completions (OpenAI names plus vLLM's extras)."""
+
+    model_config = _REQUEST_CONFIG
+    model: str
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: Stop = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM-style extras (not in OpenAI's API, accepted by OpenAI clients via extra_body).
+    top_k: int = Field(-1, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    min_tokens: int = Field(0, ge=0)
+    logit_bias: dict[str, float] | None = None
+    # structured outputs: vLLM's object and its older guided_* fields (request_fields.py)
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # OpenAI fields accepted with no effect on generation, or only with their no-op value,
+    # or refused with a non-null value (request_fields.REFUSED): checked after parsing.
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    metadata: Any = None
+    # vLLM's per-request cache salt; the gateway nests it inside the key's own partition.
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_SALT_CHARS)
+    # vLLM's request priority (lower first; the engine's "priority" policy); keys decide.
+    priority: int | None = Field(None, ge=-(2**31), le=2**31 - 1)
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, value: Stop) -> Stop:
+        if value == "" or (isinstance(value, list) and any(s == "" for s in value)):
+            raise ValueError("stop strings must not be empty")
+        return value
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(
+        cls, value: StreamOptions | None, info: ValidationInfo
+    ) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed with stream=true")
+        return value
+
+    @property
+    def include_usage(self) -> bool:
+        """True when a streamed response must end with a usage chunk."""
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions. ``prefix_id`` (ours) prepends a pinned prefix's messages."""
+
+    messages: list[ChatMessage] = Field(default_factory=list)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    prefix_id: str | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    modalities: list[str] | None = None
+    audio: Any = None
+    function_call: Any = None
+    functions: Any = None
+    moderation: Any = None
+    prediction: Any = None
+    prompt_cache_options: Any = None
+    prompt_cache_retention: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs requires logprobs=true")
+        return value
+
+    @property
+    def output_limit(self) -> int | None:
+        """``max_completion_tokens`` (current name) or ``max_tokens`` (deprecated name)."""
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
+
+    @property
+    def output_limit_param(self) -> str:
+        """The field ``output_limit`` came from (what a too-large limit's 400 names)."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top alternatives per token for the engine (None = no logprobs)."""
+        if not self.logprobs:
+            return None
+        return self.top_logprobs or 0
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions: a prompt string, token ids, or a batch of either."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
+
+    @property
+    def output_limit(self) -> int | None:
+        """``max_tokens``; OpenAI's default for completions is 16 tokens."""
+        return self.max_tokens if self.max_tokens is not None else 16
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top alternatives per token for the engine (None = no logprobs)."""
+        return self.logprobs
+
+
+class PrefixCreateRequest(BaseModel):
+    """POST /v1/prefixes: the leading messages to render and pin for ``ttl_seconds``."""
+
+    model_config = _REQUEST_CONFIG
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    ttl_seconds: float = Field(300.0, gt=0.0)
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_SALT_CHARS)
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse(model: type[M], body: bytes) -> M:
+    """Validate a JSON body into ``model``.
+
+    Raises:
+        APIError: 400 with ``param`` naming the first field at fault (``code``
+            ``"invalid_json"`` for malformed JSON).
+    """
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        extra = [e for e in errors if e["type"] == "extra_forbidden"]
+        if extra:  # OpenAI's answer to an unknown field (nested: its dotted path)
+            name = ".".join(str(p) for p in extra[0]["loc"] if not _is_type_tag(p))[:80]
+            raise bad_request(
+                f"Unrecognized request argument supplied: {name}", param=name
+            ) from None
+        err = _relevant_error(errors)
+        if err["type"] == "json_invalid":
+            raise bad_request(f"malformed JSON body: {err['msg']}", code="invalid_json") from None
+        if err["type"] == "model_type" and not err["loc"]:
+            raise bad_request("the body must be a JSON object", code="invalid_json") from None
+        # Union members add their type name to the location ('stop', 'str'): keep field names.
+        loc = [str(p) for p in err["loc"] if not _is_type_tag(p)]
+        param = ".".join(loc) or None
+        msg = err["msg"]
+        if err["type"] == "missing":
+            msg = "field required"
+        raise bad_request(f"{param}: {msg}" if param else msg, param=param) from None
+
+
+def _relevant_error(errors: list[ErrorDetails]) -> ErrorDetails:
+    """The error to report: the first field's, and for a union field (``stop``, ``prompt``,
+    ``content``) the error of the member that accepts the kind of value sent (a list of 100
+    stop strings is "too long", not "not a string"), the deepest one, else the first."""
+    first = errors[0]
+    loc = first["loc"]
+    cut = next((i for i, p in enumerate(loc) if _is_type_tag(p)), len(loc))
+    field = loc[:cut]
+    same = [e for e in errors if e["loc"][:cut] == field]
+    # "<member>: Input should be a valid <type>": that member does not take this value at all.
+    fitting = [
+        e
+        for e in same
+        if not (e["type"].endswith("_type") and e["loc"] and _is_type_tag(e["loc"][-1]))
+    ]
+    if not fitting or cut == len(loc):
+        return first
+    return max(fitting, key=lambda e: len(e["loc"]))  # max keeps the first of equal depth
+
+
+def _is_type_tag(part: object) -> bool:
+    return isinstance(part, str) and (
+        part in {"str", "int", "float", "bool", "none"}
+        or part.startswith(("list[", "function-"))
+        or part in {"TextPart"}
+    )

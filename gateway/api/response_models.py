@@ -1,0 +1,277 @@
+"""OpenAI response bodies as the gateway sends them: the server's one definition of their shape.
+
+pydantic models of ``chat.completion``, ``chat.completion.chunk``, ``text_completion`` (bodies
+and stream chunks), ``usage``, both logprobs shapes, the model card and list, the error body, after the OpenAI
+API reference (https://platform.openai.com/docs/api-reference/chat/object). The recorded
+OpenAI bodies in ``tests/fixtures/openai_wire`` validate against these models and every key
+the gateway sends appears in them (``tests/gateway/test_wire_shapes.py``); the SDK's
+``types`` parse the same files. Fields OpenAI sends and the gateway never does
+(``service_tier``, ``refusal``, ...) are accepted as extras when validating, never produced. Request bodies are in ``schemas``.
+
+``dump(model)`` serializes one to compact JSON bytes (UTF-8, ``None`` kept as ``null``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Protocol
+
+from pydantic import BaseModel, ConfigDict, model_serializer
+
+# Validation of recorded bodies tolerates fields the gateway never sends.
+_OUT = ConfigDict(extra="allow")
+
+
+class PromptTokensDetails(BaseModel):
+    """``usage.prompt_tokens_details``: prompt tokens served from the prefix cache."""
+
+    model_config = _OUT
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    """Token counts of a response (``total_tokens = prompt_tokens + completion_tokens``)."""
+
+    model_config = _OUT
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
+        """The usage of ``prompt_tokens`` in, ``completion_tokens`` out, ``cached_tokens`` of
+        the prompt from the prefix cache."""
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+        )
+
+
+class TopLogprob(BaseModel):
+    """One alternative token: its text, natural-log probability and UTF-8 bytes."""
+
+    model_config = _OUT
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    """One sampled token of a chat choice with its ``top_logprobs`` alternatives."""
+
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    """A chat choice's ``logprobs``: ``content`` one entry per generated token."""
+
+    model_config = _OUT
+    content: list[TokenLogprob] | None
+
+
+class FunctionCall(BaseModel):
+    """``function`` of a tool call: its name and its arguments as a JSON string."""
+
+    model_config = _OUT
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """One tool call of an assistant message."""
+
+    model_config = _OUT
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class AssistantMessage(BaseModel):
+    """The generated message of a chat choice (``tool_calls`` only sent when there are)."""
+
+    model_config = _OUT
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_no_tool_calls(self, handler: Any) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)
+        return out
+
+
+class ChatChoice(BaseModel):
+    model_config = _OUT
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletion(BaseModel):
+    """``POST /v1/chat/completions`` without ``stream``."""
+
+    model_config = _OUT
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None
+    system_fingerprint: str | None = None
+
+
+class FunctionDelta(BaseModel):
+    """A piece of a streamed tool call's ``function`` (unset fields are not sent)."""
+
+    model_config = _OUT
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_nones(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ToolCallDelta(BaseModel):
+    """A fragment of a streamed tool call: ``index`` always; ``id``, ``type`` and the
+    function's ``name`` in its first fragment; ``arguments`` in pieces (OpenAI's streaming)."""
+
+    model_config = _OUT
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_nones(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChoiceDelta(BaseModel):
+    """What a chunk adds to a chat choice; fields left ``None`` are not sent (``{}`` on the
+    finishing chunk, ``{"role": "assistant", "content": ""}`` opening a choice)."""
+
+    model_config = _OUT
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_nones(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    model_config = _OUT
+    index: int
+    delta: ChoiceDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One ``data:`` event of a chat stream (``choices: []`` and ``usage`` on the last one of a
+    stream with ``include_usage``; ``usage: null`` on the others then, absent otherwise)."""
+
+    model_config = _OUT
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """Legacy completions ``logprobs`` (one list entry per token; ``text_offset`` in
+    characters of the choice's text)."""
+
+    model_config = _OUT
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    model_config = _OUT
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+
+
+class Completion(BaseModel):
+    """``POST /v1/completions`` (``system_fingerprint`` only on the body, not on chunks)."""
+
+    model_config = _OUT
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class ModelCard(BaseModel):
+    """``GET /v1/models/{id}`` (``max_model_len`` is vLLM's extra: context length in tokens)."""
+
+    model_config = _OUT
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str = "prefixgate"
+    max_model_len: int | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_unknown_length(self, handler: Any) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("max_model_len") is None:
+            out.pop("max_model_len", None)
+        return out
+
+
+class ModelList(BaseModel):
+    """``GET /v1/models``."""
+
+    model_config = _OUT
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class PrefixFacts(Protocol):
+    """What the API's prefix object shows of a prefix (local, shared, or upstream mode's)."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def created_at(self) -> int: ...
+    @property
+    def prompt_tokens(self) -> int: ...
+    @property
+    def expires_at(self) -> float: ...
+
+
+def prefix_object(entry: PrefixFacts, model: str) -> dict[str, Any]:
+    """The API's prefix object (``POST``/``GET /v1/prefixes``) of a local, shared or
+    upstream-mode prefix;
+    ``created`` and ``expires_at`` in Unix seconds."""
+    return {
+        "id": entry.id,
+        "object": "prefix",
+        "model": model,
+        "created": entry.created_at,
+        "prompt_tokens": entry.prompt_tokens,
+        "expires_at": int(entry.expires_at),
+    }
+
+
+def dump(model: BaseModel, exclude: set[str] | None = None) -> bytes:
+    """``model`` as compact JSON bytes (``exclude``: top-level fields left out)."""
+    return model.__pydantic_serializer__.to_json(model, exclude=exclude)

@@ -1,0 +1,362 @@
+"""POST /v1/responses (local mode): OpenAI's Responses API over the chat pipeline.
+
+A Responses request is a chat request in another shape: ``instructions`` becomes the system
+message (so a shared system prompt rides the prefix cache as it does for chat), ``input`` (a
+string, or a list of message items) the following turns. It runs through the same ``Exchange``
+as chat completions (admission, rate limits, disconnect → abort, metrics, access log) with a
+renderer of its own (``ResponsesRenderer``) that writes a ``response`` object, or the typed
+stream events of the API reference (https://platform.openai.com/docs/api-reference/responses
+-streaming): ``response.created``, ``response.in_progress``, ``response.output_item.added``,
+``response.content_part.added``, ``response.output_text.delta`` …, ``response.output_text.done``,
+``response.content_part.done``, ``response.output_item.done``, then ``response.completed``
+(or ``response.incomplete`` when ``max_output_tokens`` cut it), each with a
+``sequence_number``. The stream has no ``[DONE]``, as OpenAI's.
+
+What is not implemented is refused by name (400), never ignored: stored responses
+(``store: true``, ``previous_response_id``, ``conversation``), tools, reasoning, non-text
+output formats, images/files in the input, ``include``, ``background``, logprobs.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+from aiohttp import web
+from prefixgate.engine.sampling_params import SamplingParams
+from prefixgate.gateway.api.prompts import check_length, render_chat
+from prefixgate.gateway.api.response_models import Usage
+from prefixgate.gateway.http.errors import APIError, bad_request
+from prefixgate.gateway.local.generation import Choice, ChoiceOutput, Delta
+from prefixgate.gateway.local.serving import LOCAL
+from prefixgate.gateway.state import STATE
+from pydantic import BaseModel, ConfigDict, Field
+
+_CONFIG = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+# Fields of openai-python's ResponseCreateParams that are refused unless absent or inert.
+_REFUSED = (
+    "previous_response_id",
+    "conversation",
+    "reasoning",
+    "include",
+    "background",
+    "top_logprobs",
+    "prompt",
+    "max_tool_calls",
+    "service_tier",
+    "prompt_cache_key",
+    "safety_identifier",
+    "context_management",
+)
+
+
+class InputText(BaseModel):
+    """``{"type": "input_text" | "output_text", "text": ...}``: a text part of an input item."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+class InputMessage(BaseModel):
+    """A message item of ``input`` (``type`` "message" or left out)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[InputText]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class TextFormat(BaseModel):
+    """``text.format``: only ``{"type": "text"}`` (plain text output)."""
+
+    model_config = _CONFIG
+    type: Literal["text"]
+
+
+class TextConfig(BaseModel):
+    """``text``: the output format (``verbosity`` is accepted as the API's default only)."""
+
+    model_config = _CONFIG
+    format: TextFormat | None = None
+    verbosity: Literal["medium"] | None = None
+
+
+class ResponsesRequest(BaseModel):
+    """POST /v1/responses body (the fields this server implements).
+
+    ``max_output_tokens`` in tokens; ``temperature`` in [0, 2]; ``top_p`` in (0, 1].
+    """
+
+    model_config = _CONFIG
+    model: str
+    input: str | list[InputMessage]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stream: bool = False
+    store: Literal[False] | None = None
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+    user: str | None = None
+    tools: list[Any] | None = Field(None, max_length=0)
+    tool_choice: Literal["none", "auto"] | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    truncation: Literal["disabled"] | None = None
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
+
+    def messages(self) -> list[dict[str, str]]:
+        """The conversation for the chat template: instructions first, then ``input``."""
+        out = []
+        if self.instructions:
+            out.append({"role": "system", "content": self.instructions})
+        if isinstance(self.input, str):
+            out.append({"role": "user", "content": self.input})
+        else:
+            out.extend({"role": m.role, "content": m.text()} for m in self.input)
+        return out
+
+
+def parse_request(body: bytes) -> ResponsesRequest:
+    """Validate a body; unknown or unimplemented fields are 400 naming them.
+
+    Raises:
+        APIError: 400 (``param`` names the field at fault).
+    """
+    from prefixgate.gateway.api.request_models import parse  # the shared JSON → model error mapping
+
+    try:
+        raw = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        raw = None
+    if isinstance(raw, dict):
+        for name in _REFUSED:
+            if raw.get(name) not in (None, [], False):
+                raise bad_request(f"{name} is not supported by this server", param=name)
+        if raw.get("store") is True:
+            raise bad_request(
+                "store=true is not supported: responses are not stored (send store=false)",
+                param="store",
+            )
+        if raw.get("tools"):
+            raise bad_request("tools are not supported on /v1/responses", param="tools")
+        items = raw.get("input")
+        if isinstance(items, list):
+            for i, item in enumerate(items):
+                kind = item.get("type", "message") if isinstance(item, dict) else None
+                if kind != "message":
+                    raise bad_request(
+                        f"input item type {str(kind)[:40]!r} is not supported (messages only)",
+                        param=f"input.{i}.type",
+                    )
+        for name in raw:
+            if name not in ResponsesRequest.model_fields and name not in _REFUSED:
+                raise bad_request(
+                    f"Unrecognized request argument supplied: {name[:80]}", param=name[:80]
+                )
+    return parse(ResponsesRequest, body)
+
+
+class ResponsesRenderer:
+    """Engine outputs → a ``response`` object, or its stream events (one choice).
+
+    Same methods as the chat and completions renderers (``opening``, ``chunk``, ``body``,
+    ``event``, ``closing``), so ``Exchange`` runs it unchanged.
+    """
+
+    route = "responses"
+    include_usage = True
+
+    def __init__(self, rid: str, created: int, model: str, req: ResponsesRequest) -> None:
+        self.rid = rid
+        self.msg_id = "msg_" + rid.removeprefix("resp_")
+        self.created = created
+        self.model = model
+        self.req = req
+        self.seq = 0
+        self.text = ""
+
+    # --- whole objects ------------------------------------------------------------------
+    def response(
+        self, status: str, text: str | None, usage: Usage | None, finish: str | None = None
+    ) -> dict[str, Any]:
+        """The ``response`` object (``text`` None: no output item yet)."""
+        req = self.req
+        incomplete = None
+        if finish == "length":
+            status = "incomplete"
+            incomplete = {"reason": "max_output_tokens"}
+        output = [] if text is None else [self._item("completed", text)]
+        return {
+            "id": self.rid,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "error": None,
+            "incomplete_details": incomplete,
+            "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens,
+            "model": self.model,
+            "output": output,
+            "parallel_tool_calls": bool(req.parallel_tool_calls),
+            "previous_response_id": None,
+            "reasoning": None,
+            "store": False,
+            "temperature": 1.0 if req.temperature is None else req.temperature,
+            "text": {"format": {"type": "text"}},
+            "tool_choice": req.tool_choice or "auto",
+            "tools": [],
+            "top_p": 1.0 if req.top_p is None else req.top_p,
+            "truncation": "disabled",
+            "usage": None if usage is None else _usage(usage),
+            "user": req.user,
+            "metadata": req.metadata or {},
+        }
+
+    def _item(self, status: str, text: str) -> dict[str, Any]:
+        content = [] if status == "in_progress" else [self._part(text)]
+        return {
+            "id": self.msg_id,
+            "type": "message",
+            "status": status,
+            "role": "assistant",
+            "content": content,
+        }
+
+    @staticmethod
+    def _part(text: str) -> dict[str, Any]:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+    def json(self, outputs: list[ChoiceOutput], usage: Usage) -> bytes:
+        """The whole ``response`` of the finished choice, as JSON bytes."""
+        o = outputs[0]
+        body = self.response("completed", o.text, usage, o.finish_reason)
+        return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+
+    # --- stream ---------------------------------------------------------------------------
+    def _ev(self, kind: str, **fields: Any) -> bytes:
+        obj = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        data = json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+        return f"event: {kind}\ndata: {data}\n\n".encode()
+
+    def event(self, chunk: bytes) -> bytes:
+        """Chunks are already framed events."""
+        return chunk
+
+    def opening(self, n: int) -> list[bytes]:
+        """``response.created`` … ``response.content_part.added``."""
+        pending = self.response("in_progress", None, None)
+        return [
+            self._ev("response.created", response=pending),
+            self._ev("response.in_progress", response=pending),
+            self._ev(
+                "response.output_item.added", output_index=0, item=self._item("in_progress", "")
+            ),
+            self._ev(
+                "response.content_part.added",
+                item_id=self.msg_id,
+                output_index=0,
+                content_index=0,
+                part=self._part(""),
+            ),
+        ]
+
+    def chunks(self, i: int, d: Delta, offset: int) -> list[bytes]:
+        """``response.output_text.delta`` of the new text (none when nothing is new)."""
+        if not d.delta_text:
+            return []
+        self.text += d.delta_text
+        return [
+            self._ev(
+                "response.output_text.delta",
+                item_id=self.msg_id,
+                output_index=0,
+                content_index=0,
+                delta=d.delta_text,
+                logprobs=[],
+            )
+        ]
+
+    def closing(self, outputs: list[ChoiceOutput], usage: Usage) -> list[bytes]:
+        """``response.output_text.done`` … ``response.completed`` (or ``.incomplete``)."""
+        o = outputs[0]
+        final = self.response("completed", o.text, usage, o.finish_reason)
+        done = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+        return [
+            self._ev(
+                "response.output_text.done",
+                item_id=self.msg_id,
+                output_index=0,
+                content_index=0,
+                text=o.text,
+                logprobs=[],
+            ),
+            self._ev(
+                "response.content_part.done",
+                item_id=self.msg_id,
+                output_index=0,
+                content_index=0,
+                part=self._part(o.text),
+            ),
+            self._ev(
+                "response.output_item.done", output_index=0, item=self._item("completed", o.text)
+            ),
+            self._ev(done, response=final),
+        ]
+
+    def error_event(self, err: APIError) -> bytes:
+        """The in-band ``error`` event that ends a stream cut short."""
+        return self._ev("error", code=err.code, message=err.message, param=err.param)
+
+
+def _usage(u: Usage) -> dict[str, Any]:
+    cached = u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details else 0
+    return {
+        "input_tokens": u.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": cached},
+        "output_tokens": u.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": u.total_tokens,
+    }
+
+
+async def create_response(request: web.Request) -> web.StreamResponse:
+    """POST /v1/responses."""
+    from prefixgate.gateway.api.openai_routes import Exchange
+    from prefixgate.gateway.tenancy.keys import effective_salt
+
+    st = request.app[STATE]
+    engine = request.app[LOCAL].require_engine()
+    principal = st.keys.authenticate(request)
+    req = parse_request(await request.read())
+    st.check_model(req.model)
+    messages = req.messages()
+    if not messages or (isinstance(req.input, list) and not req.input):
+        raise bad_request("input must hold at least one message", param="input")
+    ids = await render_chat(engine.tokenizer, messages, max_model_len=engine.max_model_len)
+    max_tokens = check_length(
+        len(ids), req.max_output_tokens, engine.max_model_len, "input", "max_output_tokens"
+    )
+    rid = "resp_" + uuid.uuid4().hex
+    try:
+        params = SamplingParams(
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            max_tokens=max_tokens,
+        )
+    except (ValueError, TypeError) as exc:
+        raise bad_request(str(exc)) from None
+    renderer = ResponsesRenderer(rid, int(time.time()), st.model_name, req)
+    salt = effective_salt(principal.salt, req.cache_salt)
+    choices = [Choice(0, f"{rid}-0", ids, params)]
+    return await Exchange(request, st, principal, choices, renderer, salt, req.stream).run()

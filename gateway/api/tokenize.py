@@ -1,0 +1,104 @@
+"""POST /tokenize and POST /detokenize (local mode), as vLLM's routes.
+
+``/tokenize``: a prompt's tokens as the server counts them.
+
+Body: ``{"model", "messages", "add_generation_prompt": true}`` (a chat, rendered with the chat
+template exactly as ``/v1/chat/completions`` renders it) or ``{"model", "prompt",
+"add_special_tokens": true}`` (text, encoded as ``/v1/completions`` encodes it; ``false``: no
+BOS/EOS added, as vLLM's). Answer: ``{"count", "max_model_len", "tokens"}``. Any other field is
+a 400 naming it (never ignored); ``add_special_tokens`` with ``messages`` only as ``false``
+(the template writes the special tokens itself), ``add_generation_prompt`` only with
+``messages``.
+Clients use it to fit prompts to the context before sending them (``prefixgate bench serve``
+does); it runs no model and touches no KV block. ``/detokenize``: ``{"model", "tokens"}`` →
+``{"prompt"}`` (special tokens kept, as vLLM's), each id checked against the vocabulary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+from prefixgate.gateway.api.prompts import completion_prompts, render_chat
+from prefixgate.gateway.api.request_models import ChatMessage, parse
+from prefixgate.gateway.http.errors import bad_request
+from prefixgate.gateway.local.serving import LOCAL
+from prefixgate.gateway.state import STATE
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize: exactly one of ``messages`` (a chat) and ``prompt`` (text)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+    model: str | None = None
+    messages: list[ChatMessage] | None = None
+    prompt: str | None = None
+    add_generation_prompt: bool | None = None
+    add_special_tokens: bool | None = None
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """POST /tokenize."""
+    st = request.app[STATE]
+    engine = request.app[LOCAL].require_engine()
+    st.keys.authenticate(request)
+    req = parse(TokenizeRequest, await request.read())
+    if req.model is not None:
+        st.check_model(req.model)
+    if (req.messages is None) == (req.prompt is None):
+        raise bad_request("send exactly one of messages and prompt", param="messages")
+    if req.messages is not None:
+        if req.add_special_tokens:
+            raise bad_request(
+                "add_special_tokens: only false with messages (the chat template writes the "
+                "special tokens itself)",
+                param="add_special_tokens",
+            )
+        messages = [m.as_dict() for m in req.messages]
+        gen = req.add_generation_prompt is not False
+        ids = await render_chat(engine.tokenizer, messages, gen)
+    elif req.add_generation_prompt is not None:
+        raise bad_request(
+            "add_generation_prompt: only with messages (a prompt is encoded as it is)",
+            param="add_generation_prompt",
+        )
+    elif req.add_special_tokens is False:
+        if not req.prompt:
+            raise bad_request("prompt must not be empty", param="prompt")
+        ids = list((await asyncio.to_thread(engine.tokenizer.encode_batch, [req.prompt], False))[0])
+    else:
+        ids = (await completion_prompts(engine.tokenizer, req.prompt or ""))[0]
+    return web.json_response(
+        {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+    )
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize: token ids to text."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+    model: str | None = None
+    tokens: list[int] = Field(max_length=1 << 20)
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    """POST /detokenize.
+
+    Raises:
+        APIError: 400 when an id is outside ``[0, vocab_size)`` (``param`` ``tokens.<i>``).
+    """
+    st = request.app[STATE]
+    engine = request.app[LOCAL].require_engine()
+    st.keys.authenticate(request)
+    req = parse(DetokenizeRequest, await request.read())
+    if req.model is not None:
+        st.check_model(req.model)
+    vocab = engine.tokenizer.vocab_size
+    for i, t in enumerate(req.tokens):
+        if not 0 <= t < vocab:
+            raise bad_request(
+                f"token id {t} is outside the vocabulary [0, {vocab})", param=f"tokens.{i}"
+            )
+    text = engine.tokenizer.decode(req.tokens, skip_special_tokens=False)
+    return web.json_response({"prompt": text})

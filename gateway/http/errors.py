@@ -1,0 +1,226 @@
+"""OpenAI error objects and the middleware that turns every failure into one.
+
+Every non-2xx answer of the gateway has the body of the OpenAI API
+(https://platform.openai.com/docs/guides/error-codes)::
+
+    {"error": {"message": str, "type": str, "param": str | None, "code": str | None}}
+
+Status codes: 400 bad input, 401 missing or wrong key, 404 unknown model, route or prefix,
+404 also for the prefix API in upstream mode, 405 wrong method, 413 body too large, 417 an ``Expect`` other than 100-continue, 429 overloaded or over a rate limit (with ``Retry-After``
+in whole seconds), 500 internal, 502 upstream failure, 503 not ready. A stack trace never
+reaches the wire: unexpected exceptions are logged and answered with a generic 500.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict
+
+logger = logging.getLogger("prefixgate.gateway")
+
+
+# OpenAI's error ``type`` per status (the values its API and vLLM's server use).
+class ErrorObject(BaseModel):
+    """The ``error`` of an error body (``errors.APIError`` fills it)."""
+
+    model_config = ConfigDict(extra="allow")
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every non-2xx body: ``{"error": {message, type, param, code}}``."""
+
+    model_config = ConfigDict(extra="allow")
+    error: ErrorObject
+
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "invalid_request_error",
+    413: "invalid_request_error",
+    431: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_server_error",
+    417: "invalid_request_error",
+    501: "invalid_request_error",
+    502: "upstream_error",
+    503: "service_unavailable",
+    504: "timeout_error",
+}
+
+
+ERROR_CODE: web.ResponseKey[str] = web.ResponseKey("prefixgate_error_code", str)
+
+
+class APIError(Exception):
+    """An error answered as an OpenAI error object.
+
+    Args:
+        status: HTTP status code.
+        message: human-readable message (never a traceback).
+        param: the request field at fault, if any.
+        code: machine-readable code (e.g. ``"invalid_api_key"``, ``"model_not_found"``).
+        retry_after: seconds for the ``Retry-After`` header (rounded up, at least 1), if any.
+        type: error type; defaults from the status.
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: float | None = None,
+        type: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.retry_after = retry_after
+        self.type = type or _TYPES.get(status, "api_error")
+
+    def body(self) -> dict[str, Any]:
+        """The OpenAI error object as a dict (``responses.ErrorResponse``)."""
+        error = ErrorObject(message=self.message, type=self.type, param=self.param, code=self.code)
+        return ErrorResponse(error=error).model_dump()
+
+    def response(self) -> web.Response:
+        """The error as an aiohttp JSON response (with ``Retry-After`` when set)."""
+        headers = {}
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(retry_after_seconds(self.retry_after))
+        resp = web.Response(
+            status=self.status,
+            body=json.dumps(self.body()).encode(),
+            content_type="application/json",
+            headers=headers,
+        )
+        resp[ERROR_CODE] = self.code or self.type  # for the request counter (metrics)
+        return resp
+
+
+def retry_after_seconds(seconds: float) -> int:
+    """``Retry-After`` is whole seconds (RFC 9110 §10.2.3): round up, at least 1."""
+    return max(1, math.ceil(seconds))
+
+
+def shown(value: object, limit: int = 80) -> str:
+    """``repr(value)`` for an error message, cut to ``limit`` characters (a client's input is
+    echoed so it can see what was refused, never megabytes of it)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    """A 400 ``invalid_request_error``."""
+    return APIError(400, message, param=param, code=code)
+
+
+def not_found(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    """A 404 ``not_found_error``."""
+    return APIError(404, message, param=param, code=code)
+
+
+def too_many(message: str, retry_after: float, code: str = "rate_limit_exceeded") -> APIError:
+    """A 429 with ``Retry-After``."""
+    return APIError(429, message, code=code, retry_after=retry_after)
+
+
+def from_http_exception(exc: web.HTTPException) -> APIError:
+    """Map aiohttp's own HTTP errors (404 route, 405 method, 413 body) to OpenAI errors."""
+    status = exc.status
+    if status == 413:
+        return APIError(
+            413, f"request body too large: {exc.text or exc.reason}", code="request_too_large"
+        )
+    if status == 404:
+        return APIError(404, "unknown route", code="not_found")
+    if status == 405:
+        return APIError(405, "method not allowed on this route", code="method_not_allowed")
+    return APIError(status, exc.reason or "HTTP error")
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+async def expect_continue(request: web.Request) -> web.StreamResponse | None:
+    """The routes' ``Expect`` handler: ``100-continue`` as aiohttp does it, anything else an
+    OpenAI error 417 (aiohttp's own answers it before any middleware, as plain text, and
+    fails with a 500 when the header is not UTF-8)."""
+    expect = request.headers.get("Expect", "")
+    if expect.lower() == "100-continue":
+        if request.version == (1, 1):
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        return None
+    resp = APIError(
+        417,
+        f"unsupported Expect header {shown(expect)}: only 100-continue is",
+        code="expectation_failed",
+        type="invalid_request_error",
+    ).response()
+    resp.force_close()  # the body is never read
+    return resp
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Answer every failure of ``handler`` with an OpenAI error object (no tracebacks).
+
+    An answer given without reading the request's body closes the connection after it
+    (``Connection: close``): aiohttp would drain that body to reuse the connection, and a body
+    it cannot decode (bad gzip) then resets the connection under the client's next request.
+    """
+    try:
+        return _closing_if_unread(request, await handler(request))
+    except APIError as exc:
+        return _closing_if_unread(request, exc.response())
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _closing_if_unread(request, from_http_exception(exc).response())
+    except web.RequestPayloadError as exc:
+        # The body itself is unreadable (bad Content-Encoding data, broken chunked framing).
+        resp = APIError(
+            400, f"the request body cannot be read: {_payload_reason(exc)}", code="invalid_body"
+        ).response()
+        resp.force_close()  # the connection's framing is lost: tell the client not to reuse it
+        # and aiohttp not to read the rest after answering (that read raised the same error
+        # again, logged as an "Unhandled exception" traceback per request)
+        request.content.feed_eof()
+        return resp
+    except ConnectionResetError as exc:
+        # The client went away: nothing can be sent anymore.
+        logger.debug("client connection ended on %s: %r", request.path, exc)
+        raise
+    except Exception:  # noqa: BLE001 - logged in full, answered without details
+        logger.exception("internal error on %s %s", request.method, request.path)
+        return APIError(500, "internal server error", code="internal_error").response()
+
+
+def _closing_if_unread(request: web.Request, resp: web.StreamResponse) -> web.StreamResponse:
+    if not resp.prepared and request.body_exists and not request.content.is_eof():
+        resp.force_close()
+    return resp
+
+
+def _payload_reason(exc: Exception) -> str:
+    """aiohttp's payload error text without its "400, message:" prefix, on one line."""
+    cause = exc.__cause__ if isinstance(exc.__cause__, Exception) else exc
+    text = " ".join(str(getattr(cause, "message", None) or cause).split())
+    return text.removeprefix("400, message: ") or "malformed body"

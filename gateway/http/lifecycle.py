@@ -1,0 +1,155 @@
+"""Graceful shutdown with explicit endings (``drain``), and the middleware it relies on.
+
+On SIGTERM the server (``drain``):
+
+1. stops accepting: the listening sockets close; a new request on a kept-alive connection is
+   answered 503 ``server_shutting_down`` (``Connection: close``);
+2. lets the requests in flight finish for up to ``grace_s`` seconds;
+3. then ends every request still running explicitly: its handler is cancelled (which aborts
+   its engine requests or closes its upstream connection) and
+
+   * a started stream gets one in-band error event, ``data: {"error": {...}}``, and its end
+     — no ``[DONE]``, as OpenAI's and vLLM's servers end a failed stream, so clients raise
+     instead of returning a truncated answer as complete;
+   * a request not yet answered gets a 503 error object (code ``server_shutting_down``);
+
+4. closes the remaining connections. The whole takes at most ``grace_s`` plus a fraction of
+   a second.
+
+``drain_middleware`` (the outermost middleware) runs each handler as a task it can end this
+way; ``on_response_prepare`` remembers each request's started response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from aiohttp import web
+from prefixgate.gateway.http.errors import APIError, Handler
+from prefixgate.gateway.http.sse import encode_event
+
+logger = logging.getLogger("prefixgate.gateway")
+
+
+class Drain:
+    """The in-flight handlers of one app and its shutdown state."""
+
+    __slots__ = ("active", "draining", "_ending")
+
+    def __init__(self) -> None:
+        self.active: set[asyncio.Task] = set()
+        self.draining = False
+        self._ending: asyncio.Future | None = None
+
+    def ending(self) -> asyncio.Future:
+        """Resolved when the grace period is over (created in the running loop)."""
+        if self._ending is None:
+            self._ending = asyncio.get_running_loop().create_future()
+        return self._ending
+
+    def end_all(self) -> None:
+        """End every handler still running (step 3)."""
+        fut = self.ending()
+        if not fut.done():
+            fut.set_result(None)
+
+
+DRAIN: web.AppKey[Drain] = web.AppKey("prefixgate_drain", Drain)
+_RESPONSE: web.RequestKey[web.StreamResponse] = web.RequestKey(
+    "prefixgate_response", web.StreamResponse
+)
+
+
+def install(app: web.Application) -> None:
+    """Give ``app`` its ``Drain`` and remember started responses (add ``drain_middleware``
+    first in the app's middlewares)."""
+    app[DRAIN] = Drain()
+    app.on_response_prepare.append(_remember)
+
+
+async def _remember(request: web.Request, response: web.StreamResponse) -> None:
+    request[_RESPONSE] = response
+
+
+def shutting_down() -> APIError:
+    """The 503 of a request the server will not serve because it is stopping."""
+    return APIError(
+        503,
+        "the server is shutting down; retry on another replica or later",
+        code="server_shutting_down",
+        type="service_unavailable",
+        retry_after=5.0,
+    )
+
+
+@web.middleware
+async def drain_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Run ``handler`` as a task ``drain`` can end with an explicit error (see module)."""
+    drain = request.app.get(DRAIN)
+    if drain is None:
+        return await handler(request)
+    if drain.draining:
+        return _closing(shutting_down())
+    ending = drain.ending()
+    task = asyncio.ensure_future(handler(request))
+    drain.active.add(task)
+    task.add_done_callback(drain.active.discard)
+    try:
+        await asyncio.wait({task, ending}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the client went away (handler cancellation)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise
+    if task.done():
+        return task.result()
+    # The ending goes out first; the cancelled handler (aborting its engine requests, closing
+    # its upstream connection) finishes in the background and ``drain`` waits for it.
+    task.cancel()
+    return await _end(request)
+
+
+async def _end(request: web.Request) -> web.StreamResponse:
+    """The explicit ending of a request cut by the shutdown."""
+    error = shutting_down()
+    resp = request.get(_RESPONSE)
+    if resp is None or not resp.prepared:
+        return _closing(error)
+    body = error.body()
+    body["error"]["message"] = "the server shut down before this stream finished"
+    try:
+        await resp.write(encode_event(body))
+        await resp.write_eof()
+    except (ConnectionError, RuntimeError):
+        pass  # client gone, or the response already ended
+    resp.force_close()
+    return resp
+
+
+def _closing(error: APIError) -> web.Response:
+    resp = error.response()
+    resp.force_close()
+    return resp
+
+
+async def drain(app: web.Application, runner: web.BaseRunner, grace_s: float) -> dict[str, Any]:
+    """Steps 1–3 of the module docstring; returns what happened (``finished``: requests that
+    ended within the grace period, ``ended``: requests ended explicitly, ``seconds``)."""
+    t0 = time.monotonic()
+    d = app[DRAIN]
+    d.draining = True
+    for site in list(runner.sites):
+        await site.stop()  # stop listening
+    in_flight = len(d.active)
+    deadline = t0 + grace_s
+    while d.active and time.monotonic() < deadline:
+        await asyncio.wait(set(d.active), timeout=deadline - time.monotonic())
+    left = len(d.active)
+    if left:
+        logger.warning("grace period over: ending %d request(s) with an error", left)
+    d.end_all()
+    if d.active:  # handlers cleaning up after their ending was sent
+        await asyncio.wait(set(d.active), timeout=0.9)
+    return {"finished": in_flight - left, "ended": left, "seconds": time.monotonic() - t0}

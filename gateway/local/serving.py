@@ -1,0 +1,57 @@
+"""What local mode holds beside the shared state: the attached engine, its prefix registry and
+its token texts (``LocalServing``, by app key ``LOCAL``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aiohttp import web
+from prefixgate.engine.protocol import EngineClient
+from prefixgate.gateway.http.errors import APIError
+from prefixgate.gateway.local.prefixes import PrefixRegistry
+from prefixgate.gateway.local.token_texts import TokenTexts
+
+
+@dataclass(slots=True)
+class LocalServing:
+    """The local engine's side of the app; every field is set together by
+    ``app.attach_engine`` (until then the engine routes answer 503 ``model_not_ready``)."""
+
+    engine: EngineClient | None = None
+    prefixes: PrefixRegistry | None = None
+    token_texts: TokenTexts | None = None  # token id -> text, for logprobs
+
+    def require_engine(self) -> EngineClient:
+        """The engine, or 503 while it loads.
+
+        Raises:
+            APIError: 503 ``model_not_ready``.
+        """
+        if self.engine is None:
+            raise APIError(
+                503,
+                "the model is still loading; retry shortly",
+                code="model_not_ready",
+                retry_after=2.0,
+            )
+        return self.engine
+
+    def require_token_texts(self) -> TokenTexts:
+        """Token id → text of the attached engine's tokenizer (logprobs), or 503 while it
+        loads."""
+        self.require_engine()
+        assert self.token_texts is not None  # set with the engine
+        return self.token_texts
+
+    def require_prefixes(self) -> PrefixRegistry:
+        """The prefix registry of the attached engine, or 503 while it loads.
+
+        Raises:
+            APIError: 503 ``model_not_ready``.
+        """
+        self.require_engine()
+        assert self.prefixes is not None  # set with the engine
+        return self.prefixes
+
+
+LOCAL: web.AppKey[LocalServing] = web.AppKey("prefixgate_local", LocalServing)

@@ -1,0 +1,191 @@
+"""Placing a proxy-mode prefix on an upstream (see ``proxy_prefixes`` for the registry).
+
+The upstream for a prefix is the one routing picks for the prefix's own text and cache salt
+(``route``), so the prefix sits where requests starting with it go anyway. A prefixgate
+upstream (``Upstream.prefix_api``) gets it through its own ``POST /v1/prefixes``, with the
+effective cache salt as ``cache_salt``; the next upstream is tried when one fails. On any other
+upstream nothing is registered: the text stays with the gateway and its tokens are counted by
+the upstream's ``POST /tokenize`` where it has one. ``release`` deletes an upstream pin (best
+effort: an unreachable upstream releases it at the TTL).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+from prefixgate.gateway.http.errors import APIError, not_found, shown
+from prefixgate.gateway.proxy.routing import prompt_blocks
+from prefixgate.gateway.proxy.upstream import (
+    Route,
+    Upstream,
+    UpstreamRouter,
+    affinity_key,
+    prompt_text,
+    salted_affinity_key,
+)
+
+if TYPE_CHECKING:
+    from prefixgate.gateway.proxy.prefix_entry import ProxyPrefix
+
+__all__ = ["HeadersFor", "PrefixPlacement"]
+
+HeadersFor = Callable[[Upstream], dict[str, str]]
+_SHORT = aiohttp.ClientTimeout(total=5.0)
+
+
+class PrefixPlacement:
+    """Registers prefixes on, and releases them from, the upstreams of ``router``.
+
+    Args:
+        router: the upstream pool (its session, health and routing policy).
+        block_chars, max_chars: the affinity blocks of the prefix's text (as for requests).
+    """
+
+    def __init__(self, router: UpstreamRouter, block_chars: int = 64, max_chars: int = 4096):
+        self._router = router
+        self._block_chars = block_chars
+        self._max_chars = max_chars
+
+    def route(self, entry: ProxyPrefix) -> Route:
+        """The routing of the prefix's own text under its cache salt (what a request starting
+        with it is routed by)."""
+        body = {"messages": entry.messages}
+        key = salted_affinity_key(
+            affinity_key(body, self._block_chars, self._max_chars), entry.cache_salt
+        )
+        blocks: list[int] = []
+        if self._router.policy == "cache_aware":
+            blocks = prompt_blocks(
+                prompt_text(body), entry.cache_salt, self._block_chars, self._max_chars
+            )
+        return Route(key, blocks)
+
+    async def place(self, entry: ProxyPrefix, headers_for: HeadersFor, first: bool) -> None:
+        """Register ``entry`` on the upstream routing picks (others in turn when it fails);
+        on an upstream without the prefix API the text simply stays here."""
+        router = self._router
+        route = self.route(entry)
+        tried: list[Upstream] = []
+        while True:
+            up = router.pick(route, tried)
+            if up is None:
+                raise router.exhausted(tried, "no upstream could register the prefix")
+            tried.append(up)
+            known = [u.models for u in router.upstreams]
+            if first and None not in known and not any(entry.model in m for m in known if m):
+                raise not_found(
+                    f"the model {shown(entry.model)} does not exist",
+                    param="model",
+                    code="model_not_found",
+                )
+            headers = headers_for(up)
+            if up.prefix_api is not False:
+                done = await self._register_on(up, entry, headers)
+                if done is None:
+                    continue  # that upstream failed: the next one
+                if done:
+                    entry.headers = headers
+                    return
+            if first:  # kept here: count its tokens where the upstream can
+                entry.prompt_tokens = await self._count(up, entry, headers)
+            return
+
+    async def _register_on(
+        self, up: Upstream, entry: ProxyPrefix, headers: dict[str, str]
+    ) -> bool | None:
+        """POST the prefix to ``up``'s prefix API. True: registered (``entry`` updated);
+        False: ``up`` has no prefix API; None: ``up`` failed (marked so).
+
+        Raises:
+            APIError: ``up``'s own 4xx answer (the request's fault or its limits).
+        """
+        assert self._router.session is not None
+        body: dict[str, Any] = {
+            "model": entry.model,
+            "messages": entry.messages,
+            "ttl_seconds": max(1, math.ceil(entry.seconds_left())),
+        }
+        if entry.cache_salt is not None and up.cache_salt is not False:
+            body["cache_salt"] = entry.cache_salt
+        try:
+            async with self._router.session.post(
+                up.url + "/v1/prefixes", json=body, headers=headers, timeout=_SHORT
+            ) as resp:
+                data = await resp.read()
+                status = resp.status
+                retry = resp.headers.get("Retry-After", "")
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            self._router.mark_failed(up, f"POST /v1/prefixes: {type(exc).__name__}")
+            return None
+        error = _error(data)
+        if status == 200:
+            try:
+                obj = json.loads(data)
+                entry.upstream, entry.upstream_id = up.url, str(obj["id"])
+                entry.prompt_tokens = int(obj.get("prompt_tokens", 0))
+            except (ValueError, KeyError, TypeError):
+                self._router.mark_failed(up, "POST /v1/prefixes: not a prefix object")
+                return None
+            up.prefix_api = True
+            return True
+        if status in (405, 501) or (status == 404 and error.get("code") != "model_not_found"):
+            up.prefix_api = False
+            return False
+        if status >= 500:
+            self._router.mark_failed(up, f"POST /v1/prefixes: HTTP {status}")
+            return None
+        raise APIError(
+            status,
+            str(error.get("message") or f"the upstream refused the prefix (HTTP {status})"),
+            param=error["param"] if isinstance(error.get("param"), str) else None,
+            code=str(error.get("code") or "upstream_error"),
+            type=str(error.get("type") or "invalid_request_error"),
+            retry_after=float(retry) if retry.isdigit() else None,
+        )
+
+    async def _count(self, up: Upstream, entry: ProxyPrefix, headers: dict[str, str]) -> int:
+        """The prefix's tokens by ``up``'s ``POST /tokenize`` (vLLM's), 0 without it."""
+        assert self._router.session is not None
+        body = {"model": entry.model, "messages": entry.messages, "add_generation_prompt": False}
+        try:
+            async with self._router.session.post(
+                up.url + "/tokenize", json=body, headers=headers, timeout=_SHORT
+            ) as resp:
+                if resp.status != 200:
+                    return 0
+                count = (await resp.json(content_type=None)).get("count")
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError, AttributeError):
+            return 0
+        return count if isinstance(count, int) and not isinstance(count, bool) else 0
+
+    async def release(self, entry: ProxyPrefix, headers_for: HeadersFor) -> None:
+        """DELETE the prefix's pin on its upstream (best effort: a dead upstream took its
+        pins with it, and an unreachable one releases it at the TTL)."""
+        if entry.upstream is None or entry.upstream_id is None:
+            return
+        up = self._router.find(entry.upstream)
+        if up is None or self._router.session is None:
+            return
+        try:
+            async with self._router.session.delete(
+                f"{up.url}/v1/prefixes/{entry.upstream_id}",
+                headers=headers_for(up),
+                timeout=_SHORT,
+            ) as resp:
+                await resp.read()
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            pass
+
+
+def _error(data: bytes) -> dict[str, Any]:
+    """The ``error`` object of an OpenAI error body, ``{}`` when it is none."""
+    try:
+        obj = json.loads(data)
+    except ValueError:
+        return {}
+    err = obj.get("error") if isinstance(obj, dict) else None
+    return err if isinstance(err, dict) else {}

@@ -1,0 +1,219 @@
+"""Relaying an upstream's SSE stream while verifying it: a stream cut short never reaches the
+client as a success.
+
+The upstream's bytes are split into events (blank-line separated, as the HTML standard's
+server-sent events) and each complete event is checked, then written as it came:
+
+* a ``data:`` line must hold JSON (or ``[DONE]``); comment lines (``:``) and the ``event``,
+  ``id``, ``retry`` fields pass; anything else is not an SSE stream;
+* the stream must end with ``data: [DONE]`` (or an error event of the upstream's own).
+
+When the upstream breaks the contract — garbage, a clean end without ``[DONE]``, a
+connection killed mid-stream, nothing for ``idle_timeout_s`` — the client gets one in-band
+error event, ``data: {"error": {...}}`` with code ``upstream_error`` (or
+``upstream_timeout``), and the stream ends without ``[DONE]``: openai-python and the
+project's SDK then raise instead of returning truncated text. While the upstream is silent,
+``: keep-alive`` comments go to the client every ``keepalive_s`` so it and any proxy in
+between keep the connection open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import zlib
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prefixgate.gateway.http.errors import APIError
+from prefixgate.gateway.http.sse import KEEPALIVE, SSE_HEADERS, encode_event
+from prefixgate.gateway.proxy.usage import UsageTap
+
+logger = logging.getLogger("prefixgate.gateway")
+
+MAX_EVENT_BYTES = 16 << 20  # one event larger than this is not a chat completion chunk
+_FIELDS = (b"data", b"event", b"id", b"retry")
+
+
+class StreamBroken(Exception):
+    """The upstream's stream broke its contract (``code``: the error code to report)."""
+
+    def __init__(self, message: str, code: str = "upstream_error") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class EventChecker:
+    """Splits bytes into SSE events and checks each (see the module docstring).
+
+    ``feed(data) -> bytes`` returns the complete events to pass on (raises ``StreamBroken``);
+    ``done`` is True once ``[DONE]`` (or an upstream error event) was seen; ``finished``
+    holds the choice indexes that reported a ``finish_reason``.
+    """
+
+    __slots__ = ("_buf", "done", "errored", "finished", "events")
+
+    def __init__(self) -> None:
+        self._buf = b""
+        self.done = False
+        self.errored = False
+        self.finished: set[int] = set()
+        self.events = 0
+
+    def feed(self, data: bytes) -> bytes:
+        """Complete, checked events of ``data`` (with what came before), as bytes."""
+        buf = (self._buf + data).replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        if buf.startswith(b"\xef\xbb\xbf") and not self.events:
+            buf = buf[3:]  # a byte-order mark may open a stream
+        out = []
+        while not self.done:
+            end = buf.find(b"\n\n")
+            if end < 0:
+                break
+            event, buf = buf[: end + 2], buf[end + 2 :]
+            self._check(event)
+            out.append(event)
+        if len(buf) > MAX_EVENT_BYTES:
+            raise StreamBroken("the upstream sent an event larger than 16 MiB")
+        self._buf = b"" if self.done else buf
+        return b"".join(out)
+
+    def _check(self, event: bytes) -> None:
+        self.events += 1
+        data = []
+        for line in event.split(b"\n"):
+            if not line or line.startswith(b":"):
+                continue
+            name, _, value = line.partition(b":")
+            if name not in _FIELDS:
+                raise StreamBroken("the upstream sent bytes that are not server-sent events")
+            if name == b"data":
+                data.append(value[1:] if value.startswith(b" ") else value)
+        if not data:
+            return
+        payload = b"\n".join(data)
+        if payload.strip() == b"[DONE]":
+            self.done = True
+            return
+        try:
+            obj = json.loads(payload)
+        except ValueError:
+            raise StreamBroken("the upstream sent an event whose data is not JSON") from None
+        if not isinstance(obj, dict):
+            raise StreamBroken("the upstream sent an event whose data is not a JSON object")
+        if obj.get("error") is not None:
+            self.done = self.errored = True  # the upstream's own explicit ending
+            return
+        for choice in obj.get("choices") or ():
+            if isinstance(choice, dict) and choice.get("finish_reason") is not None:
+                self.finished.add(choice.get("index", 0))
+
+
+def stream_error(message: str, code: str = "upstream_error") -> bytes:
+    """The in-band error event that ends a broken stream."""
+    return encode_event(APIError(502, message, code=code, type="upstream_error").body())
+
+
+def _tapped(tap: UsageTap | None, events: bytes) -> bytes:
+    return events if tap is None or not events else tap.feed(events)
+
+
+async def relay_sse(
+    request: web.Request,
+    resp: aiohttp.ClientResponse,
+    keepalive_s: float,
+    idle_timeout_s: float,
+    tap: UsageTap | None = None,
+    tail: bytearray | None = None,
+) -> web.StreamResponse:
+    """Relay ``resp``'s SSE stream to the client, checked (see the module docstring); whole
+    events pass through ``tap`` when given (it reads their usage, see ``usage``).
+
+    ``tail``, when given, is left holding the stream's last 4 KiB as relayed (where its
+    usage chunk is, for cache-aware routing).
+
+    A gzip/deflate-encoded stream is decoded (so it can be checked) and sent as identity.
+    Returns the (ended) client response; leaves when the client goes away.
+    """
+    encoding = resp.headers.get("Content-Encoding", "identity").lower()
+    if encoding not in ("identity", "gzip", "deflate"):
+        raise APIError(
+            502,
+            f"the upstream's stream is {encoding}-encoded and cannot be checked",
+            code="upstream_error",
+        )
+    inflate = zlib.decompressobj(wbits=47) if encoding != "identity" else None
+    out = web.StreamResponse(status=resp.status, headers=SSE_HEADERS)
+    await out.prepare(request)
+    checker = EventChecker()
+    last_byte = time.monotonic()
+    error: bytes | None = None
+    try:
+        while not checker.done:
+            try:
+                async with asyncio.timeout(min(keepalive_s, idle_timeout_s or keepalive_s)):
+                    chunk = await resp.content.readany()
+            except TimeoutError:  # ours (a keep-alive is due) or aiohttp's sock_read
+                if idle_timeout_s and time.monotonic() - last_byte >= idle_timeout_s:
+                    raise StreamBroken(
+                        f"the upstream sent nothing for {idle_timeout_s:g} s",
+                        code="upstream_timeout",
+                    ) from None
+                await out.write(KEEPALIVE)
+                continue
+            if not chunk:  # the upstream ended its response
+                if inflate is not None:
+                    await out.write(_tapped(tap, checker.feed(inflate.flush())))
+                if not checker.done:
+                    raise StreamBroken("the upstream's stream ended before its last event ([DONE])")
+                break
+            last_byte = time.monotonic()
+            if inflate is not None:
+                try:
+                    chunk = inflate.decompress(chunk)
+                except zlib.error:
+                    raise StreamBroken("the upstream's compressed stream is corrupt") from None
+            passed = _tapped(tap, checker.feed(chunk))
+            if passed:
+                await out.write(passed)
+                if tail is not None:
+                    tail += passed
+                    del tail[:-4096]
+    except StreamBroken as exc:
+        error = stream_error(str(exc), exc.code)
+    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+        error = stream_error(f"the upstream connection broke mid-stream: {type(exc).__name__}")
+    except ConnectionResetError:
+        return out  # client gone: leaving closes the upstream connection
+    if error is not None:
+        logger.warning("upstream stream broken: %s", error[6:].decode(errors="replace").strip())
+        try:
+            await out.write(error)
+        except ConnectionResetError:
+            return out
+    try:
+        await out.write_eof()
+    except ConnectionResetError:
+        pass
+    return out
+
+
+def json_body_problem(data: bytes, headers: Any) -> str | None:
+    """Why an upstream's 200 body is not the JSON object it must be (None when it is);
+    gzip/deflate undone to look."""
+    if headers.get("Content-Encoding", "identity").lower() in ("gzip", "deflate"):
+        try:
+            data = zlib.decompress(data, wbits=47)
+        except zlib.error:
+            return "a corrupt compressed body"
+    try:
+        parsed = json.loads(data)
+    except ValueError:
+        ctype = headers.get("Content-Type", "no content type")
+        return f"a body that is not JSON ({ctype.split(';')[0]}, {len(data)} bytes)"
+    if not isinstance(parsed, dict):
+        return "a JSON body that is not an object"
+    return None

@@ -1,0 +1,289 @@
+"""The flags of ``prefixgate serve``: one argparse flag per gateway option and per
+``EngineConfig`` field (typed from its annotation), with the help text of ``serve_help.py`` and
+each default appended; byte sizes parse with ``parse_bytes``. Turning the parsed flags into
+settings is ``serve_config.py``; running the server is ``serve_cli.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import types
+import typing
+from typing import Any
+
+from prefixgate.gateway.api.tool_parsers import PARSERS
+from prefixgate.gateway.proxy.routing import POLICIES
+from prefixgate.gateway.proxy.upstream import CACHE_SALT_MODES
+from prefixgate.gateway.serve.help_text import ENGINE_HELP, GATEWAY_HELP
+from prefixgate.gateway.settings import GatewaySettings
+
+__all__ = ["add_serve_arguments", "parse_bytes"]
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "kib": 2**10,
+    "ki": 2**10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 2**20,
+    "mi": 2**20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 2**30,
+    "gi": 2**30,
+    "t": 10**12,
+    "tb": 10**12,
+    "tib": 2**40,
+    "ti": 2**40,
+}
+
+# Flags whose generic name would be awkward; value: (flag, argparse kwargs).
+_SPECIAL = {"model", "enable_prefix_caching", "hf_overrides", "kv_cache_memory", "tenant_weights"}
+
+
+def parse_bytes(text: str) -> int:
+    """``"268435456"``, ``"256MiB"``, ``"1.5GB"`` → bytes (int).
+
+    Raises:
+        argparse.ArgumentTypeError: on anything else.
+    """
+    m = _SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 268435456, 256MiB)")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+
+
+def _shown(value: Any) -> str:
+    """A default as the help shows it: sizes in MiB, ``None`` as "unset"."""
+    if value is None:
+        return "unset"
+    if (
+        isinstance(value, int)
+        and not isinstance(value, bool)
+        and value >= 2**20
+        and value % 2**20 == 0
+    ):
+        return f"{value // 2**20}MiB"
+    return str(value)
+
+
+def _with_default(text: str, default: Any) -> str:
+    return text if "(default:" in text else f"{text} (default: {_shown(default)})"
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+def _engine_flags(group: argparse._ArgumentGroup) -> None:
+    """One flag per EngineConfig field, typed from its annotation."""
+    from prefixgate.engine.config import EngineConfig
+
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in _SPECIAL:
+            continue
+        hint = hints[f.name]
+        base = hint
+        if typing.get_origin(hint) in (typing.Union, types.UnionType):  # X | None → X
+            base = next(a for a in typing.get_args(hint) if a is not type(None))
+        kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS}
+        if typing.get_origin(base) is typing.Literal:
+            kwargs["choices"] = list(typing.get_args(base))
+        elif base is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif base in (int, float):
+            kwargs["type"] = base
+        else:
+            kwargs["type"] = str
+        default = f.default if f.default is not dataclasses.MISSING else None
+        # a field without an entry gets its bare name (test_serve_help fails on it)
+        kwargs["help"] = _with_default(ENGINE_HELP.get(f.name, f.name), default)
+        group.add_argument("--" + f.name.replace("_", "-"), **kwargs)
+    group.add_argument(
+        "--kv-cache-memory",
+        dest="kv_cache_memory",
+        type=parse_bytes,
+        default=argparse.SUPPRESS,
+        help="KV cache size in bytes, K and V of all layers (268435456, 256MiB, 2GiB; >= 1) "
+        "(default: 256MiB on CPU; what --num-kv-blocks needs when that is given)",
+    )
+    group.add_argument(
+        "--no-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        default=argparse.SUPPRESS,
+        help="turn the prefix cache off (default: on: requests sharing a prompt prefix reuse "
+        "its KV blocks)",
+    )
+    group.add_argument(
+        "--hf-overrides",
+        dest="hf_overrides",
+        type=_json_object,
+        default=argparse.SUPPRESS,
+        help="keys of the model's config.json to override, as a JSON object, e.g. "
+        "'{\"num_hidden_layers\": 2}' (default: none)",
+    )
+    group.add_argument(
+        "--tenant-weights",
+        dest="tenant_weights",
+        type=_json_object,
+        default=argparse.SUPPRESS,
+        help="fair-share weight per tenant as JSON (scheduling policy 'fair'), e.g. "
+        "'{\"team-a\": 2}'; keys-file 'weight' fields add to it (default: every tenant 1)",
+    )
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """Add every ``serve`` flag to ``p`` (gateway, limits, logging, then engine options)."""
+    p.add_argument(
+        "--model",
+        default=None,
+        help="the model: a Hugging Face model folder, or a hub id org/name fetched with "
+        "huggingface_hub into its cache (HF_HOME / HF_HUB_CACHE; HF_HUB_OFFLINE=1: the cache "
+        "only; HF_TOKEN for gated models) (default: the built-in tiny-random preset)",
+    )
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on; 0.0.0.0 for every interface (default: 127.0.0.1)",
+    )
+    p.add_argument(
+        "--port",
+        type=int,
+        default=8000,
+        help="TCP port, 0 to 65535; 0 = any free port, logged at start (default: 8000)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model id the API serves and requests must name; any other gets 404 "
+        "model_not_found (default: the hub id, or the model folder's name)",
+    )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="Jinja chat template for chat requests, as a file path or the template itself "
+        "(default: the model's own, from tokenizer_config.json or chat_template.jinja)",
+    )
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        dest="api_keys",
+        help="an API key clients must send as a Bearer token, without limits (repeatable) "
+        "(default: none; with no --keys-file either, the server is open)",
+    )
+    p.add_argument(
+        "--keys-file",
+        default=None,
+        help="JSON or TOML file of API keys with per-key names, limits and cache salts "
+        "(default: none)",
+    )
+    p.add_argument(
+        "--upstream",
+        action="append",
+        default=[],
+        dest="upstreams",
+        help="base URL of an OpenAI-compatible server to proxy to instead of a local engine "
+        "(repeatable: requests are routed by prompt-prefix affinity) (default: none)",
+    )
+    p.add_argument(
+        "--upstream-api-key",
+        default=None,
+        help="Bearer key sent to the upstreams (default: none; without keys of its own the "
+        "gateway passes the client's key through)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=list(PARSERS),
+        help="parse tool calls of tool_choice='auto' answers in this format (default: none, "
+        "'auto' is refused; 'required' and named functions always work)",
+    )
+    p.add_argument(
+        "--upstream-cache-salt",
+        choices=CACHE_SALT_MODES,
+        default="auto",
+        help="whether the upstreams take cache_salt, which keeps tenants' prefix caches apart "
+        "(auto: asked from GET /v1/models, prefixgate and vLLM do; an upstream without it is "
+        "named in the log and /ready) (default: auto)",
+    )
+    p.add_argument(
+        "--routing",
+        default="cache_aware",
+        choices=POLICIES,
+        help="how --upstream requests pick an upstream: cache_aware (the longest prompt-prefix "
+        "match of what each upstream was sent, unless it has more than "
+        "--balance-abs-threshold requests in flight beyond the least loaded), rendezvous "
+        "(hash of the system prompt), round_robin, least_loaded (default: cache_aware)",
+    )
+    p.add_argument(
+        "--redis-url",
+        default=None,
+        help="redis://host:port/db shared by gateway replicas: per-key limits, concurrency "
+        "slots (leases), registered prefixes and usage counters are kept there; when it is "
+        "unreachable each replica serves on its own limits (default: none, in-process state)",
+    )
+    g = p.add_argument_group("gateway limits")
+    defaults = GatewaySettings()
+    for name, kind in (
+        ("max_body_bytes", parse_bytes),
+        ("max_queued_requests", int),
+        ("max_queued_tokens", int),
+        ("max_running", int),
+        ("keepalive_s", float),
+        ("max_prefix_ttl_s", float),
+        ("key_max_prefixes", int),
+        ("key_max_pinned_fraction", float),
+        ("upstream_timeout_s", float),
+        ("health_interval_s", float),
+        ("header_timeout_s", float),
+        ("body_timeout_s", float),
+        ("max_connections", int),
+        ("shutdown_grace_s", float),
+        ("redis_lease_ttl_s", float),
+        ("balance_abs_threshold", int),
+        ("balance_rel_threshold", float),
+    ):
+        g.add_argument(
+            "--" + name.replace("_", "-"),
+            type=kind,
+            default=getattr(defaults, name),
+            help=_with_default(GATEWAY_HELP.get(name, name), getattr(defaults, name)),
+        )
+    p.add_argument(
+        "--no-access-log",
+        dest="access_log",
+        action="store_false",
+        help="no per-request log line (default: one INFO line per request: client, route, "
+        "status, key name, prompt/completion/cached tokens, seconds)",
+    )
+    p.add_argument(
+        "--stats-interval-s",
+        type=float,
+        default=10.0,
+        help="seconds between engine lines (prompt and generation tokens/s, running, waiting, "
+        "KV cache use, prefix hit rate), printed only after activity; 0 = never (default: 10.0)",
+    )
+    p.add_argument(
+        "--log-level",
+        default="INFO",
+        type=str.upper,
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="least severe log level printed (default: INFO)",
+    )
+    _engine_flags(p.add_argument_group("engine options"))

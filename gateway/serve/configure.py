@@ -1,0 +1,155 @@
+"""From the parsed ``prefixgate serve`` flags to what the server runs with: the
+``EngineConfig``, the ``GatewaySettings``, the served model name, the ``--chat-template``
+source and what the keys file adds (tenant weights, warnings about fields the scheduling
+policy ignores). Every function raises ``ValueError`` on a value it refuses (``run`` turns it
+into one "bad option" line and exit code 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+from typing import Any
+
+from prefixgate.gateway.settings import GatewaySettings
+
+__all__ = [
+    "default_model_name",
+    "engine_config",
+    "key_policy_warnings",
+    "key_weights",
+    "load_chat_template",
+    "settings_from_args",
+]
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")  # org/name
+
+
+def load_chat_template(value: str) -> str:
+    """The template source of ``--chat-template``: a file's text when ``value`` names a file,
+    else ``value`` itself when it holds Jinja markup.
+
+    Raises:
+        ValueError: neither a file nor a template (e.g. a mistyped path), or bad Jinja syntax.
+    """
+    path = os.path.expanduser(value)
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+    elif "{{" in value or "{%" in value:
+        source = value
+    else:
+        raise ValueError(f"--chat-template: no such file {value!r}, and not a Jinja template")
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"--chat-template: bad Jinja syntax: {exc}") from None
+    return source
+
+
+def engine_config(args: argparse.Namespace) -> Any:
+    """The EngineConfig from the parsed flags (fields not given keep their defaults).
+
+    Raises:
+        ValueError: on a value EngineConfig refuses.
+    """
+    from prefixgate.engine.config import EngineConfig
+
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    values = {k: v for k, v in vars(args).items() if k in names}
+    values["model"] = args.model
+    return EngineConfig(**values)
+
+
+def default_model_name(model: str | None) -> str:
+    """The served id of ``--model``: a hub id as given (``org/name``, as vLLM), a folder's
+    name, or ``"tiny-random"``."""
+    if not model:
+        return "tiny-random"
+    if not os.path.exists(os.path.expanduser(model)) and _HUB_ID.match(model):
+        return model
+    return os.path.basename(os.path.normpath(model))
+
+
+def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
+    """GatewaySettings from the parsed flags."""
+    name = args.served_model_name
+    if name is None and not args.upstreams:
+        name = default_model_name(args.model)
+    return GatewaySettings(
+        model_name=name,
+        api_keys=list(args.api_keys),
+        keys_file=args.keys_file,
+        upstream_api_key=args.upstream_api_key,
+        upstream_cache_salt=args.upstream_cache_salt,
+        max_body_bytes=args.max_body_bytes,
+        max_queued_requests=args.max_queued_requests,
+        max_queued_tokens=args.max_queued_tokens,
+        max_running=args.max_running,
+        keepalive_s=args.keepalive_s,
+        max_prefix_ttl_s=args.max_prefix_ttl_s,
+        key_max_prefixes=args.key_max_prefixes,
+        key_max_pinned_fraction=args.key_max_pinned_fraction,
+        upstream_timeout_s=args.upstream_timeout_s,
+        health_interval_s=args.health_interval_s,
+        header_timeout_s=args.header_timeout_s,
+        body_timeout_s=args.body_timeout_s,
+        max_connections=args.max_connections,
+        shutdown_grace_s=args.shutdown_grace_s,
+        tool_call_parser=args.tool_call_parser,
+        routing=args.routing,
+        balance_abs_threshold=args.balance_abs_threshold,
+        balance_rel_threshold=args.balance_rel_threshold,
+        redis_url=args.redis_url,
+        redis_lease_ttl_s=args.redis_lease_ttl_s,
+    )
+
+
+def key_weights(keys_file: str) -> dict[str, float]:
+    """Tenant weights of the keys file (key name → ``weight``) for the fair scheduler; keys of
+    one name must agree on their weight.
+
+    Raises:
+        ValueError: an unreadable keys file, or one name with two weights.
+    """
+    from prefixgate.gateway.tenancy.keys import load_keys_file
+
+    weights: dict[str, float] = {}
+    for spec in load_keys_file(keys_file):
+        if weights.setdefault(spec.name, spec.weight) != spec.weight:
+            raise ValueError(f"keys file {keys_file}: key name {spec.name} has two weights")
+    return weights
+
+
+def key_policy_warnings(keys_file: str, policy: str) -> list[str]:
+    """What the keys file asks that the engine's ``scheduling_policy`` will not do: a key's
+    ``priority`` acts only under a policy that ``uses_priority``, its ``weight`` only under one
+    that ``uses_tenant_weights`` (logged at start-up so the setting is not a silent no-op).
+
+    Raises:
+        ValueError: an unreadable keys file.
+    """
+    from prefixgate.engine.scheduling_policy import policy_class
+    from prefixgate.gateway.tenancy.keys import load_keys_file
+
+    cls = policy_class(policy)
+    specs = load_keys_file(keys_file)
+    out = []
+    prio = sorted({s.name or "unnamed" for s in specs if s.priority != 0})
+    if prio and not cls.uses_priority:
+        out.append(
+            f"keys file {keys_file}: 'priority' of {', '.join(prio)} has no effect under "
+            f"--scheduling-policy {policy} (it orders requests under 'priority')"
+        )
+    weighted = sorted({s.name or "unnamed" for s in specs if s.weight != 1.0})
+    if weighted and not cls.uses_tenant_weights:
+        out.append(
+            f"keys file {keys_file}: 'weight' of {', '.join(weighted)} shares the admission "
+            f"queue but not the engine under --scheduling-policy {policy} (engine fair share "
+            "needs 'fair')"
+        )
+    return out

@@ -1,0 +1,92 @@
+"""Help text of every ``prefixgate serve`` flag: meaning, unit and range.
+
+The parser appends the field's default unless the text already says it ("(default: ...").
+
+One entry per ``GatewaySettings`` / ``EngineConfig`` field that is a flag; a test checks that
+every flag of ``prefixgate serve --help`` has one.
+"""
+
+from __future__ import annotations
+
+GATEWAY_HELP = {
+    "max_body_bytes": "largest request body accepted, bytes (or 4MiB, 1GB ...; >= 1024); "
+    "larger bodies get 413",
+    "max_queued_requests": "most requests waiting for their first token (>= 1); beyond it "
+    "new requests get 429 with Retry-After",
+    "max_queued_tokens": "most prompt tokens, summed, waiting for prefill (>= 1); beyond it "
+    "new requests get 429 with Retry-After",
+    "max_running": "most requests admitted at once, queued or generating (>= 0; 0 = no bound)",
+    "keepalive_s": "seconds between SSE keep-alive comments while a stream waits for a token (> 0)",
+    "max_prefix_ttl_s": "longest ttl_seconds a registered prefix (POST /v1/prefixes) may ask "
+    "for, seconds (> 0)",
+    "key_max_prefixes": "each API key's default limit on its live prefixes (>= 0; 0 = none; "
+    "a key's max_prefixes in the keys file overrides it)",
+    "key_max_pinned_fraction": "each API key's default share of the KV blocks its prefixes may "
+    "pin, a fraction of all blocks in [0, 1] (1 = no per-key bound; a key's max_pinned_blocks "
+    "in the keys file overrides it)",
+    "upstream_timeout_s": "idle timeout of one upstream request in proxy mode: longest wait "
+    "for the answer's first byte and between two reads, never a total; a stream silent this "
+    "long ends with an error event, a request 504, seconds (0 = none)",
+    "health_interval_s": "seconds between health probes of an unhealthy upstream in proxy "
+    "mode (> 0)",
+    "header_timeout_s": "seconds a connection may take to send a request's headers, from its "
+    "start or the end of its previous response; idle keep-alive connections close after it "
+    "too (> 0)",
+    "body_timeout_s": "seconds a request may take to send its whole body; beyond it 408 (> 0)",
+    "max_connections": "most open client connections (>= 1); beyond it a connection gets 503 "
+    "too_many_connections and is closed",
+    "balance_abs_threshold": "upstream mode: requests in flight (>= 0) an upstream may have "
+    "beyond the least loaded one before routing sends a request to the least loaded instead",
+    "balance_rel_threshold": "upstream mode, rendezvous routing: the least loaded upstream is "
+    "chosen only when the most loaded has more than this many times its requests (>= 1)",
+    "redis_lease_ttl_s": "seconds (> 0) a concurrency slot held in Redis outlives a gateway "
+    "replica that died holding it (renewed every third of it while the request runs)",
+    "shutdown_grace_s": "on SIGTERM or SIGINT, seconds requests in flight get to finish before "
+    "streams end with an error event and other requests get 503 (>= 0)",
+}
+
+ENGINE_HELP = {
+    "load_format": "how weights are loaded: auto reads the safetensors files; dummy fills "
+    "the model's config with seeded random weights (benchmarks without a checkpoint)",
+    "dtype": "weights and activations dtype: auto (the checkpoint's torch_dtype), float32, "
+    "bfloat16 or float16",
+    "device": "cpu, cuda, or auto (cuda when available)",
+    "seed": "seed of dummy weights and of requests that give no seed (integer in [-2**63, 2**64))",
+    "block_size": "tokens per KV-cache block (a power of two >= 1)",
+    "num_kv_blocks": "KV-cache blocks (>= 1) (default: as many as --kv-cache-memory holds)",
+    "max_model_len": "longest prompt + output, tokens (>= 1; at most the model's "
+    "max_position_embeddings and the KV cache's tokens) (default: the model's own limit)",
+    "max_num_seqs": "most requests running at once, the decode batch bound (>= 1)",
+    "max_num_batched_tokens": "token budget of one engine step, prefill chunks plus decodes (>= 1)",
+    "scheduling": "continuous (continuous batching) or static (a new batch only when the "
+    "running one has drained; a benchmark baseline)",
+    "scheduling_policy": "which waiting request runs next and which running one is "
+    "preempted: fcfs (arrival order), priority (per-request priority, lower first, ties by "
+    "arrival; vLLM's) or fair (per-tenant Virtual Token Counter: the least-served tenant's "
+    "request first; tenant = API key name)",
+    "fair_input_weight": "cost of one prompt token in the fair policy's per-tenant counters (>= 0)",
+    "fair_output_weight": "cost of one generated token in the fair policy's per-tenant "
+    "counters (>= 0)",
+    "max_pinned_fraction": "largest share of KV blocks that registered prefixes may pin (0 to 1)",
+    "quantization": "int8: every linear layer's weights in int8 with one scale per output "
+    "channel (CPU: --dtype float32 only; CUDA: a Triton weight-only GEMM) (default: none, "
+    "weights in --dtype)",
+    "cuda_graphs": "replay CUDA graphs of decode-only steps, captured per padded batch size "
+    "(CUDA with the triton attention backend only) (default: off)",
+    "runner": "generate (text generation) or pooling (an embedding model served on "
+    "/v1/embeddings; chat and completions then answer 400)",
+    "pooling_type": "pooling runner: last (the last token's hidden state) or mean (mean over "
+    "the tokens), L2-normalized",
+    "attention_backend": "attention kernels: torch or triton (default: triton on CUDA, torch "
+    "elsewhere)",
+    "kv_events": "publish the engine's KV cache events (vLLM's BlockStored / BlockRemoved / "
+    "AllBlocksCleared, msgpack over ZeroMQ PUB) on this endpoint the engine binds: "
+    "tcp://host:port, tcp://host:* (ephemeral port), ipc://path or inproc://name "
+    "(default: off)",
+    "kv_events_replay": "the replay and snapshot (ROUTER) endpoint of --kv-events (default: "
+    "the next TCP port, <path>.replay for ipc)",
+    "kv_events_buffer_steps": "KV event batches (engine steps) kept for replay (>= 1)",
+    "kv_events_queue_size": "KV event batches queued between the step loop and the publisher "
+    "(>= 1); a batch past it is dropped and counted, and consumers resync on the gap",
+    "kv_events_topic": "topic frame of every KV event message (default: empty)",
+}

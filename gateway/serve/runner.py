@@ -1,0 +1,254 @@
+"""prefixgate serve: the gateway on a local engine, or a proxy to upstream servers.
+
+    prefixgate serve [--model PATH | org/name] [--host 127.0.0.1] [--port 8000]
+                     [--api-key KEY ...] [--keys-file FILE] [--upstream URL ...] [engine options]
+
+Without --model the engine's built-in tiny-random preset is served (dummy random weights: its
+text is gibberish by design). The HTTP server starts first (/health answers 200, /ready 503)
+and the model loads in a worker thread (/ready then answers 200); SIGINT/SIGTERM stop it
+gracefully: requests in flight get --shutdown-grace-s seconds, then every stream still running
+ends with an error event and every other request with a 503 error object; registered prefixes
+are released, the engine is shut down. The soft open-file limit is raised to the hard limit at
+start. Sizes in bytes accept 268435456, 256MiB or 1.5GB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+from prefixgate.gateway.proxy.serving import PROXY
+from prefixgate.gateway.serve.args import add_serve_arguments, parse_bytes
+from prefixgate.gateway.serve.configure import (
+    default_model_name,
+    engine_config,
+    key_policy_warnings,
+    key_weights,
+    load_chat_template,
+    settings_from_args,
+)
+from prefixgate.gateway.settings import GatewaySettings
+
+__all__ = [
+    "add_serve_parser",
+    "default_model_name",
+    "engine_config",
+    "key_policy_warnings",
+    "key_weights",
+    "load_chat_template",
+    "parse_bytes",
+    "run",
+    "serve",
+    "settings_from_args",
+]
+
+logger = logging.getLogger("prefixgate.gateway")
+
+
+def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``serve`` command to ``subparsers``; its ``func`` returns the exit code."""
+    p = subparsers.add_parser(
+        "serve",
+        help="serve the OpenAI API (local engine or upstreams)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_serve_arguments(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """``prefixgate serve``: returns 0 after a graceful stop, 1 when the model fails to load,
+    2 on bad options."""
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        settings = settings_from_args(args)
+        config = None if args.upstreams else engine_config(args)
+        chat_template = load_chat_template(args.chat_template) if args.chat_template else None
+        if chat_template and args.upstreams:
+            raise ValueError("--chat-template applies to a local model, not to --upstream")
+        if args.stats_interval_s < 0:
+            raise ValueError(f"--stats-interval-s must be >= 0, got {args.stats_interval_s}")
+        if config is not None and args.keys_file:
+            config.tenant_weights = {**key_weights(args.keys_file), **config.tenant_weights}
+            for line in key_policy_warnings(args.keys_file, config.scheduling_policy):
+                logger.warning("%s", line)
+    except (ValueError, TypeError) as exc:
+        logger.error("bad option: %s", exc)
+        return 2
+    try:
+        code = asyncio.run(
+            serve(
+                settings,
+                config,
+                args.upstreams,
+                args.host,
+                args.port,
+                chat_template,
+                access_log=args.access_log,
+                stats_interval_s=args.stats_interval_s,
+            )
+        )
+    except KeyboardInterrupt:
+        code = 0
+    if code == 0:  # a normal stop (SIGINT/SIGTERM): everything it owned is closed
+        _exit_now(code)
+    return code
+
+
+def _exit_now(code: int) -> None:
+    """End the process at once: every socket, request and the engine are closed by now, and
+    the interpreter's own finalization (torch's teardown) took 4 s on a loaded 2-core machine,
+    past the ``--shutdown-grace-s`` + 1 s a stopping server promises."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+async def serve(
+    settings: GatewaySettings,
+    config: Any,
+    upstreams: list[str],
+    host: str,
+    port: int,
+    chat_template: str | None = None,
+    *,
+    access_log: bool = False,
+    stats_interval_s: float = 0.0,
+) -> int:
+    """Serve until SIGINT/SIGTERM. ``config`` is an EngineConfig (local) or None (upstreams);
+    ``chat_template`` (Jinja source) replaces the model's default chat template; ``access_log``
+    logs a line per request; ``stats_interval_s`` > 0 logs the engine line that often."""
+    from prefixgate.gateway.app import attach_engine, create_app, create_proxy_app
+    from prefixgate.gateway.http.connections import raise_nofile_limit
+    from prefixgate.gateway.http.server import start_server
+    from prefixgate.gateway.local.engine_log import log_engine_stats
+
+    raise_nofile_limit()  # before any socket: a connection flood must not starve model loading
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass  # not the main thread / not supported: Ctrl-C raises KeyboardInterrupt
+    try:
+        app = create_proxy_app(upstreams, settings) if upstreams else create_app(None, settings)
+    except ValueError as exc:
+        logger.error("bad option: %s", exc)
+        return 2
+    try:
+        server = await start_server(app, host, port, access_log=access_log)
+    except OSError as exc:  # port in use, address not available, no permission
+        logger.error(
+            "cannot listen on %s:%d: %s (choose another --port)", host, port, exc.strerror or exc
+        )
+        return 1
+    logger.info("prefixgate listening on %s (OpenAI API at %s/v1)", server.url, server.url)
+    engine = None
+    stats_task: asyncio.Task | None = None
+    code = 0
+    try:
+        if upstreams:
+            router = app[PROXY].router
+            logger.info("upstream mode: %s", ", ".join(u["url"] for u in router.describe()))
+        else:
+            engine, code = await _load_engine(config, stop)
+            if engine is not None:
+                if chat_template:
+                    engine.tokenizer.chat_templates["default"] = chat_template
+                attach_engine(app, engine)
+                if stats_interval_s > 0:
+                    stats_task = asyncio.create_task(
+                        log_engine_stats(engine.stats, stats_interval_s)
+                    )
+                logger.info(
+                    "model %r ready (max_model_len %d)", settings.model_name, engine.max_model_len
+                )
+        if code == 0:
+            await stop.wait()
+            logger.info("shutting down")
+    finally:
+        if stats_task is not None:
+            stats_task.cancel()
+        summary = await server.drain(settings.shutdown_grace_s)
+        logger.info(
+            "stopped: %d request(s) finished in the grace period, %d ended with an error (%.2f s)",
+            summary["finished"],
+            summary["ended"],
+            summary["seconds"],
+        )
+        if engine is not None:
+            await engine.shutdown()
+            logger.info("engine stopped")
+    return code
+
+
+async def _load_engine(config: Any, stop: asyncio.Event) -> tuple[Any, int]:
+    from prefixgate.engine import AsyncEngine
+
+    if config.model is None:
+        logger.info(
+            "no --model given: serving the built-in 'tiny-random' preset "
+            "(dummy random weights, byte tokenizer; its text is gibberish by design)"
+        )
+    else:
+        logger.info("loading %s (load_format=%s)", config.model, config.load_format)
+    if config.runner == "pooling":
+        from prefixgate.engine.pooling import PoolingEngine
+
+        load = _in_daemon_thread(PoolingEngine, config)
+    else:
+        load = _in_daemon_thread(AsyncEngine, config)
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({load, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    stopper.cancel()
+    if not load.done():
+        logger.info("stopped while loading the model")
+        load.add_done_callback(lambda f: f.cancelled() or f.exception())
+        return None, 0
+    try:
+        return load.result(), 0
+    except Exception as exc:  # noqa: BLE001 - reported plainly, exit code 1
+        logger.error("cannot load the model: %s: %s", type(exc).__name__, exc)
+        return None, 1
+
+
+def _in_daemon_thread(fn: Any, *args: Any) -> asyncio.Future:
+    """``fn(*args)`` in a daemon thread, as a future of the running loop. Unlike
+    ``asyncio.to_thread``, a stop during a long model load does not wait for the load to end
+    (``asyncio.run`` joins its executor's threads), so SIGTERM exits on time."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def settle(result: Any, exc: BaseException | None) -> None:
+        if fut.done():
+            return
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+
+    def work() -> None:
+        try:
+            result, exc = fn(*args), None
+        except BaseException as e:  # noqa: BLE001 - handed to the loop
+            result, exc = None, e
+        try:
+            loop.call_soon_threadsafe(settle, result, exc)
+        except RuntimeError:
+            pass  # the loop has closed: nobody waits any more
+
+    threading.Thread(target=work, name="prefixgate-load", daemon=True).start()
+    return fut

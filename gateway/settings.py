@@ -1,0 +1,147 @@
+"""The gateway's options (``GatewaySettings``: the serving ones; engine options live in
+``EngineConfig``) and the app key every room reads them by."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from aiohttp import web
+from prefixgate.gateway.tenancy.admission import AdmissionConfig
+
+
+@dataclass(slots=True)
+class GatewaySettings:
+    """Options of the gateway (the serving ones; engine options live in EngineConfig).
+
+    Attributes:
+        model_name: the id served in ``/v1/models`` and accepted in ``model`` (default: the
+            model folder's name, or ``"tiny-random"``).
+        api_keys: keys accepted without limits (``--api-key``).
+        keys_file: keys file with per-key limits and salts (see ``auth``).
+        max_body_bytes: largest request body (bytes); larger → 413.
+        max_queued_requests, max_queued_tokens, max_running: admission bounds (see
+            ``admission.AdmissionConfig``).
+        keepalive_s: seconds between SSE keep-alive comments while no token comes.
+        poll_s: seconds between client-disconnect checks while waiting (non-streaming).
+        max_prefix_ttl_s: longest ``ttl_seconds`` of a prefix; max_prefixes: most live ones.
+        key_max_prefixes, key_max_pinned_fraction: each key's default share of the prefix
+            API — live prefixes, and KV blocks pinned as a fraction of all KV blocks (a key's
+            ``max_prefixes`` / ``max_pinned_blocks`` in the keys file override them).
+        upstream_timeout_s: idle timeout of one upstream request: longest wait for the
+            answer's first byte and between two reads of it (seconds, 0 = none); a stream
+            that stalls this long ends with an error event.
+        upstream_connect_timeout_s: connect timeout to an upstream (seconds).
+        upstream_api_key: bearer key sent to the upstreams (None: the client's header is
+            passed through when the gateway has no keys of its own).
+        upstream_cache_salt: whether the upstreams take ``cache_salt`` (tenant isolation):
+            ``"auto"`` (detected: prefixgate and vLLM do), ``"on"``, ``"off"``.
+        health_interval_s: seconds between probes of unhealthy upstreams.
+        affinity_block_chars: characters per "block" of the prompt for prefix affinity.
+        affinity_max_chars: at most this many leading characters are hashed.
+        balance_abs_threshold, balance_rel_threshold: SGLang router's load-imbalance rule:
+            route to the least loaded upstream when ``max - min > abs`` and
+            ``max > rel * min`` (in-flight requests).
+        header_timeout_s: seconds a connection may take to send a request's headers, counted
+            from the connection's start or the end of its previous response (aiohttp's
+            ``keepalive_timeout``: idle keep-alive connections close after it too).
+        body_timeout_s: seconds a request may take to send its whole body (408 beyond).
+        max_connections: most open client connections; beyond, a connection is answered
+            503 ``too_many_connections`` and closed (also bounded by the open-file limit).
+        shutdown_grace_s: on SIGTERM, seconds in-flight requests get to finish before
+            streams are ended with an error event and other requests with a 503.
+        tool_call_parser: how ``tool_choice="auto"`` answers are parsed (``hermes``,
+            ``llama3_json``, ``mistral``; ``None``: "auto" is refused with a 400).
+        dashboard_sample_s: seconds between two samples of ``/dashboard``'s charts.
+        dashboard_window_s: seconds of samples ``/dashboard`` keeps (a ring buffer).
+        routing: upstream mode's routing policy: ``cache_aware`` (default), ``rendezvous``,
+            ``round_robin`` or ``least_loaded`` (see ``routing``).
+        redis_url: share per-key limits, concurrency slots, prefixes and usage counters
+            with every gateway replica on this Redis (None: in-process state; see
+            ``redis_state``).
+        redis_lease_ttl_s: seconds a concurrency slot outlives a replica that died holding
+            it (leases are renewed every third of it while their request runs).
+    """
+
+    model_name: str | None = None
+    api_keys: list[str] = field(default_factory=list)
+    keys_file: str | None = None
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_queued_requests: int = 256
+    max_queued_tokens: int = 262_144
+    max_running: int = 0
+    keepalive_s: float = 5.0
+    poll_s: float = 0.25
+    max_prefix_ttl_s: float = 86_400.0
+    max_prefixes: int = 1024
+    key_max_prefixes: int = 64
+    key_max_pinned_fraction: float = 0.125
+    upstream_timeout_s: float = 600.0
+    upstream_connect_timeout_s: float = 5.0
+    upstream_api_key: str | None = None
+    upstream_cache_salt: str = "auto"
+    health_interval_s: float = 5.0
+    affinity_block_chars: int = 64
+    affinity_max_chars: int = 4096
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
+    header_timeout_s: float = 15.0
+    body_timeout_s: float = 30.0
+    max_connections: int = 4096
+    shutdown_grace_s: float = 5.0
+    tool_call_parser: str | None = None
+    dashboard_sample_s: float = 2.0
+    dashboard_window_s: float = 300.0
+    routing: str = "cache_aware"
+    redis_url: str | None = None
+    redis_lease_ttl_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        for name in (
+            "keepalive_s",
+            "poll_s",
+            "health_interval_s",
+            "max_prefix_ttl_s",
+            "header_timeout_s",
+            "body_timeout_s",
+            "dashboard_sample_s",
+            "redis_lease_ttl_s",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.dashboard_window_s < self.dashboard_sample_s:
+            raise ValueError("dashboard_window_s must be >= dashboard_sample_s")
+        from prefixgate.gateway.proxy.routing import check_policy
+        from prefixgate.gateway.proxy.upstream import CACHE_SALT_MODES
+
+        check_policy(self.routing)
+        if self.upstream_cache_salt not in CACHE_SALT_MODES:
+            raise ValueError(
+                f"upstream_cache_salt must be auto, on or off, got {self.upstream_cache_salt!r}"
+            )
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+        if self.shutdown_grace_s < 0 or self.upstream_timeout_s < 0:
+            raise ValueError("shutdown_grace_s and upstream_timeout_s must be >= 0")
+        if self.tool_call_parser is not None:
+            from prefixgate.gateway.api.tool_parsers import get_parser  # noqa: PLC0415
+
+            get_parser(self.tool_call_parser)  # ValueError on an unknown name
+        if self.key_max_prefixes < 0:
+            raise ValueError(f"key_max_prefixes must be >= 0, got {self.key_max_prefixes}")
+        if not 0.0 <= self.key_max_pinned_fraction <= 1.0:
+            raise ValueError(
+                f"key_max_pinned_fraction must be in [0, 1], got {self.key_max_pinned_fraction}"
+            )
+        if self.affinity_block_chars < 1 or self.affinity_max_chars < 1:
+            raise ValueError("affinity_block_chars and affinity_max_chars must be >= 1")
+        if self.balance_rel_threshold < 1.0 or self.balance_abs_threshold < 0:
+            raise ValueError("balance_rel_threshold must be >= 1 and balance_abs_threshold >= 0")
+
+    def admission_config(self) -> AdmissionConfig:
+        """The admission bounds as an AdmissionConfig."""
+        return AdmissionConfig(self.max_queued_requests, self.max_queued_tokens, self.max_running)
+
+
+SETTINGS: web.AppKey[GatewaySettings] = web.AppKey("prefixgate_settings", GatewaySettings)

@@ -1,0 +1,234 @@
+"""Admission control: a bounded queue in front of the engine, answered with 429 beyond it.
+
+A request is *queued* from the moment it is admitted until its first token (or its end):
+that is the time it waits for a prefill slot. Two bounds hold the queue (vLLM and TGI call
+this backpressure): the number of queued requests and the sum of their prompt tokens.
+Beyond either, the request is refused at once with 429 and a ``Retry-After`` derived from
+the current drain rate (requests leaving the queue per second, an exponentially weighted
+moving average), instead of letting latency grow without bound. Requests are counted as
+engine requests: an HTTP request of ``n`` choices over ``p`` prompts takes ``n * p`` places
+(one body must not slip thousands of engine requests past the bound); one that could never
+fit the bounds at all is bad input (400), not an overload to retry.
+
+The queue bound is shared per tenant (the API key's name): a tenant's share of
+``max_queued_requests`` is its weight over the weights of the tenants with requests queued
+(itself included). When the queue is full, a tenant over its share gets the 429; a tenant
+still within its share is admitted all the same, so one tenant's flood earns that tenant the
+429s, not the others (the total may then pass the bound by at most the newcomers' shares).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from prefixgate.gateway.http.errors import bad_request, too_many
+
+
+@dataclass(slots=True)
+class AdmissionConfig:
+    """Bounds of the admission queue.
+
+    Attributes:
+        max_queued_requests: most requests waiting for their first token.
+        max_queued_tokens: most prompt tokens (sum) waiting for prefill.
+        max_running: most requests admitted at once, queued or generating (0 = unbounded).
+    """
+
+    max_queued_requests: int = 256
+    max_queued_tokens: int = 262_144
+    max_running: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
+        if self.max_queued_tokens < 1:
+            raise ValueError(f"max_queued_tokens must be >= 1, got {self.max_queued_tokens}")
+        if self.max_running < 0:
+            raise ValueError(f"max_running must be >= 0, got {self.max_running}")
+
+
+class Ticket:
+    """One admitted request's place in the queue; ``started()`` then ``done()`` (idempotent)."""
+
+    __slots__ = ("_ctl", "tokens", "requests", "tenant", "_queued", "_done", "_t_start")
+
+    def __init__(
+        self, ctl: AdmissionController, tokens: int, requests: int = 1, tenant: str | None = None
+    ) -> None:
+        self._ctl = ctl
+        self.tokens = tokens
+        self.requests = requests
+        self.tenant = tenant
+        self._queued = True
+        self._done = False
+        self._t_start: float | None = None
+
+    def started(self) -> None:
+        """The request left the queue (its first token came out)."""
+        if self._queued:
+            self._queued = False
+            self._t_start = time.monotonic()
+            self._ctl._leave_queue(self.tokens, self.requests, self.tenant)
+
+    def done(self) -> None:
+        """The request finished, failed or was aborted: release its place."""
+        if self._done:
+            return
+        t_start = self._t_start
+        self.started()
+        self._done = True
+        self._ctl.in_flight -= self.requests
+        if t_start is not None:
+            self._ctl._note_service(time.monotonic() - t_start)
+
+
+class AdmissionController:
+    """Counts queued requests and tokens; ``admit`` refuses with 429 over the bounds.
+
+    Drain rate: EWMA (time constant ``tau_s`` seconds) of queue departures per second while
+    the queue holds requests (an empty queue has nothing to drain: idle time does not count
+    as slow draining, or the first burst after a quiet minute would be told to wait 60 s).
+    ``Retry-After`` = queued requests / drain rate, in [1, 60] seconds (1 s when no rate is
+    known yet). An EWMA that starts from 0 underestimates a steady rate r as
+    ``r * (1 - exp(-t / tau))`` after t busy seconds, so the estimate is divided by that factor
+    (the bias correction of Adam, Kingma & Ba 2015, in continuous time; t counted from at least
+    1 s) — otherwise the first overload after start-up would be told to wait 60 s.
+
+    A rate measured from a handful of departures is no estimate at all: after a quiet period
+    of three sequential requests the EWMA held ~3 departures and a burst of 800 was told
+    ``Retry-After: 60`` while the admitted work drained in 5-7 s. Until the EWMA holds
+    ``min_departures`` (10) departures, the wait is estimated from the service instead
+    (Little's law): queued requests x the recent per-request service time (first token to
+    end, EWMA) / the concurrency the server runs them at (``concurrency``: the engine's
+    ``max_num_seqs`` in local mode; else the most requests seen running at once), in
+    [1, 60] s.
+    """
+
+    def __init__(
+        self,
+        config: AdmissionConfig | None = None,
+        tau_s: float = 5.0,
+        concurrency: int = 0,
+        min_departures: float = 10.0,
+    ) -> None:
+        self.config = config or AdmissionConfig()
+        self.queued_requests = 0
+        self.queued_tokens = 0
+        self.in_flight = 0
+        self.concurrency = concurrency
+        self._tau = tau_s
+        self._min_departures = min_departures
+        self._rate = 0.0  # departures per second (EWMA, biased towards 0 while warming up)
+        self._busy = 0.0  # seconds the queue has held requests (the EWMA's age)
+        self._last = time.monotonic()
+        self._service = 0.0  # seconds from first token to end (EWMA over requests)
+        self._peak_running = 0
+        self.queued_by_tenant: dict[str | None, int] = {}  # tenants with requests queued
+        self._weights: dict[str | None, float] = {}
+
+    def admit(
+        self,
+        prompt_tokens: int,
+        requests: int = 1,
+        param: str | None = None,
+        tenant: str | None = None,
+        weight: float = 1.0,
+    ) -> Ticket:
+        """Take ``requests`` places in the queue (the engine requests of one HTTP request:
+        its choices) for ``prompt_tokens`` prompt tokens in all; ``param`` names the field
+        that asked for them (in the 400); ``tenant`` / ``weight``: whose places (see the
+        module docstring: a tenant within its share passes a full queue).
+
+        Raises:
+            APIError: 429 ``server_overloaded`` with ``Retry-After`` when the queue is full;
+                400 ``too_many_requests_in_body`` when ``requests`` alone exceeds a bound.
+        """
+        cfg = self.config
+        limit = min(cfg.max_queued_requests, cfg.max_running or cfg.max_queued_requests)
+        if requests > limit:
+            raise bad_request(
+                f"this request asks for {requests} completions (prompts x n); the server "
+                f"admits at most {limit} at once: send fewer prompts or a smaller n",
+                param=param,
+                code="too_many_requests_in_body",
+            )
+        self._weights[tenant] = weight
+        within_share = self._within_share(tenant, requests)
+        if self.queued_requests + requests > cfg.max_queued_requests and not within_share:
+            self._refuse(f"{self.queued_requests} requests already waiting")
+        # A single prompt larger than the token bound still passes when the queue is empty.
+        if (
+            self.queued_requests
+            and self.queued_tokens + prompt_tokens > cfg.max_queued_tokens
+            and not within_share
+        ):
+            self._refuse(f"{self.queued_tokens} prompt tokens already waiting")
+        if cfg.max_running and self.in_flight + requests > cfg.max_running:
+            self._refuse(f"{self.in_flight} requests in flight")
+        if not self.queued_requests:
+            self._last = time.monotonic()  # a busy period starts: the idle time is skipped
+        self.queued_requests += requests
+        self.queued_tokens += prompt_tokens
+        self.in_flight += requests
+        self.queued_by_tenant[tenant] = self.queued_by_tenant.get(tenant, 0) + requests
+        return Ticket(self, prompt_tokens, requests, tenant)
+
+    def _within_share(self, tenant: str | None, requests: int) -> bool:
+        """True when ``tenant`` holding ``requests`` more places stays within its weighted
+        share of ``max_queued_requests`` among the tenants with requests queued (itself
+        included). With a single tenant there is nobody to be fair to: False."""
+        present = {t for t, n in self.queued_by_tenant.items() if n > 0}
+        if not present - {tenant}:
+            return False
+        present.add(tenant)
+        total = sum(self._weights.get(t, 1.0) for t in present)
+        share = self.config.max_queued_requests * self._weights.get(tenant, 1.0) / total
+        return self.queued_by_tenant.get(tenant, 0) + requests <= share
+
+    def retry_after(self) -> float:
+        """Seconds until the current queue has drained: at the measured drain rate once it
+        holds ``min_departures`` departures, else by the service-time estimate (see class)."""
+        rate = self.drain_rate
+        if self._rate * self._tau >= self._min_departures:
+            wait = self.queued_requests / rate
+        else:
+            running = max(1, self.concurrency or self._peak_running)
+            wait = self.queued_requests * self._service / running
+        return min(60.0, max(1.0, wait))
+
+    def _note_service(self, seconds: float) -> None:
+        self._service = seconds if self._service == 0.0 else 0.7 * self._service + 0.3 * seconds
+
+    @property
+    def drain_rate(self) -> float:
+        """Queue departures per second (EWMA, bias-corrected for its age)."""
+        self._decay(time.monotonic())
+        warm = 1.0 - math.exp(-max(self._busy, 1.0) / self._tau)
+        return self._rate / warm
+
+    def _refuse(self, why: str) -> None:
+        raise too_many(
+            f"server overloaded: {why}; retry later", self.retry_after(), code="server_overloaded"
+        )
+
+    def _leave_queue(self, tokens: int, requests: int = 1, tenant: str | None = None) -> None:
+        self._decay(time.monotonic())  # over the busy interval that ends here
+        self.queued_requests -= requests
+        self.queued_tokens -= tokens
+        left = self.queued_by_tenant.get(tenant, 0) - requests
+        if left > 0:
+            self.queued_by_tenant[tenant] = left
+        else:
+            self.queued_by_tenant.pop(tenant, None)
+        self._rate += requests / self._tau  # each departure's impulse on the EWMA of a rate
+        self._peak_running = max(self._peak_running, self.in_flight - self.queued_requests)
+
+    def _decay(self, now: float) -> None:
+        dt = now - self._last
+        if dt > 0:
+            if self.queued_requests:  # the queue is unchanged since ``_last``
+                self._rate *= math.exp(-dt / self._tau)
+                self._busy += dt
+            self._last = now

@@ -1,0 +1,384 @@
+"""API keys, per-key rate limits (token buckets) and per-key cache salts.
+
+Keys come from ``--api-key`` (repeatable, no limits) and/or a keys file (JSON, or TOML when
+the name ends in ``.toml``)::
+
+    {"keys": [
+      {"key": "sk-team-a", "name": "team-a", "requests_per_minute": 600,
+       "tokens_per_minute": 200000, "max_concurrent": 16, "salt": "tenant-a"},
+      {"key": "sk-team-a-ci", "salt": "tenant-a"},
+      {"key": "sk-batch", "name": "batch", "weight": 0.5, "priority": 10,
+       "allow_priority": true}
+    ]}
+
+The key's ``name`` is its tenant: the engine's ``fair`` scheduling policy shares the
+engine between tenants by ``weight`` (default 1), and the admission queue's bound is shared by
+tenants in the same proportion. ``priority`` is the key's default request priority (the
+engine's ``priority`` policy: lower first); a request may set its own ``priority`` only when
+its key has ``allow_priority`` (else 400 naming the field).
+
+Every limit is optional (absent or 0 = unlimited), but for the key's share of the prefix API,
+``max_prefixes`` and ``max_pinned_blocks``: absent = the gateway's defaults
+(``GatewaySettings.key_max_prefixes`` / ``key_max_pinned_fraction``), 0 = unlimited. ``salt``
+names the prefix-cache partition:
+keys with the same salt share cached KV blocks; a key without one gets its own partition
+(salt derived from a SHA-256 of the key, so the key itself never reaches the engine). With no
+key configured at all the gateway is open and every request shares one partition (salt None).
+A request's own ``cache_salt`` field splits its key's partition further (``effective_salt``):
+the pair (key salt, request salt) is hashed, so no two different pairs ever meet (key salt
+``acme`` with ``cache_salt: "prod"`` is not key salt ``acme/prod``).
+
+Rate limits are token buckets (capacity = the per-minute limit, refilled continuously at
+limit/60 per second). Requests/min is charged one per request at admission; tokens/min is
+charged the prompt tokens at admission (an estimate in proxy mode) and settled to exactly
+prompt + completion tokens when the request ends (so a long answer delays the key's next
+requests rather than being cut). A request refused or failed before its first token is
+refunded: it spends nothing (``Charge``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiohttp import web
+from prefixgate.gateway.http.access_log import record
+from prefixgate.gateway.http.errors import APIError, too_many
+from prefixgate.sdk.flow_control import TokenBucket
+
+MAX_SALT_CHARS = 256  # cache_salt's bound; a key salt forwarded upstream fits it too
+
+
+@dataclass(slots=True)
+class KeySpec:
+    """One API key and its limits (0 = unlimited; ``max_prefixes`` / ``max_pinned_blocks``
+    None = the gateway's default share, ``key_max_prefixes`` / ``key_max_pinned_fraction``)."""
+
+    key: str
+    name: str = ""
+    requests_per_minute: int = 0
+    tokens_per_minute: int = 0
+    max_concurrent: int = 0
+    salt: str | None = None
+    weight: float = 1.0
+    priority: int = 0
+    allow_priority: bool = False
+    max_prefixes: int | None = None
+    max_pinned_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.key, str) or not self.key:
+            raise ValueError("every API key must be a non-empty string")
+        if self.key != self.key.strip():
+            raise ValueError(
+                "an API key must not start or end with whitespace (clients' "
+                "keys are read stripped, so it could never match)"
+            )
+        if not isinstance(self.name, str):
+            raise ValueError(f"name of a key must be a string, got {type(self.name).__name__}")
+        if self.salt is not None and (not isinstance(self.salt, str) or not self.salt):
+            raise ValueError(f"salt of key {self.name or '?'} must be a non-empty string")
+        if self.salt is not None and not _plain_salt(self.salt):
+            raise ValueError(
+                f"salt of key {self.name or '?'} must be at most {MAX_SALT_CHARS} characters "
+                "of valid Unicode without control characters"
+            )
+        for field in ("requests_per_minute", "tokens_per_minute", "max_concurrent"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{field} of key {self.name or '?'} must be an integer >= 0")
+        if (
+            isinstance(self.weight, bool)
+            or not isinstance(self.weight, int | float)
+            or not 0 < self.weight < float("inf")
+        ):
+            raise ValueError(f"weight of key {self.name or '?'} must be a number > 0")
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise ValueError(f"priority of key {self.name or '?'} must be an integer")
+        if not isinstance(self.allow_priority, bool):
+            raise ValueError(f"allow_priority of key {self.name or '?'} must be true or false")
+        for field in ("max_prefixes", "max_pinned_blocks"):
+            value = getattr(self, field)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 0
+            ):
+                raise ValueError(f"{field} of key {self.name or '?'} must be an integer >= 0")
+        if not self.name:
+            self.name = "key-" + _digest(self.key)[:8]
+        if self.salt is None:
+            self.salt = "key:" + _digest(self.key)[:32]
+
+
+def _plain_salt(salt: str) -> bool:
+    """A key salt: bounded, printable, valid UTF-8 (so ``effective_salt`` stays injective)."""
+    if len(salt) > MAX_SALT_CHARS or any(ord(c) < 0x20 for c in salt):
+        return False
+    try:
+        salt.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+class Principal:
+    """An authenticated caller: its key's limits and live counters."""
+
+    __slots__ = ("spec", "id", "salt", "key_id", "concurrent", "_rpm", "_tpm")
+
+    def __init__(self, spec: KeySpec | None) -> None:
+        self.spec = spec
+        self.id = "key:" + _digest(spec.key)[:32] if spec else None  # never the key itself
+        self.salt = spec.salt if spec else None
+        # The key's name in shared state (Redis): a digest, never the key itself.
+        self.key_id = _digest(spec.key)[:32] if spec else ""
+        self.concurrent = 0
+        self._rpm = (
+            TokenBucket(spec.requests_per_minute, spec.requests_per_minute / 60.0)
+            if spec and spec.requests_per_minute
+            else None
+        )
+        self._tpm = (
+            TokenBucket(spec.tokens_per_minute, spec.tokens_per_minute / 60.0)
+            if spec and spec.tokens_per_minute
+            else None
+        )
+
+    @property
+    def name(self) -> str:
+        return self.spec.name if self.spec else "anonymous"
+
+    @property
+    def tenant(self) -> str | None:
+        """The tenant the engine charges (the key's name; ``None`` on an open gateway)."""
+        return self.spec.name if self.spec else None
+
+    @property
+    def weight(self) -> float:
+        return self.spec.weight if self.spec else 1.0
+
+    def request_priority(self, requested: int | None) -> int:
+        """The engine priority of a request: its own ``priority`` when the key allows it,
+        else the key's.
+
+        Raises:
+            APIError: 400 naming ``priority`` when the request sets it and the key may not.
+        """
+        if requested is None:
+            return self.spec.priority if self.spec else 0
+        if self.spec is not None and not self.spec.allow_priority:
+            raise APIError(
+                400,
+                f"key {self.spec.name} may not set a request priority (allow_priority is off)",
+                param="priority",
+                code="priority_not_allowed",
+            )
+        return requested
+
+    def acquire(self, prompt_tokens: int) -> Charge:
+        """Count one request of ``prompt_tokens`` against the key's limits (the prompt an
+        estimate when the gateway cannot tokenize it: ``Charge.settle`` makes it exact).
+
+        Returns:
+            The request's ``Charge``: ``settle(prompt, completion)`` when it ends with tokens
+            served, ``refund()`` when it was refused or failed before any (it spends nothing).
+
+        Raises:
+            APIError: 429 ``rate_limit_exceeded`` with ``Retry-After`` when over a limit
+                (nothing taken).
+        """
+        spec = self.spec
+        if spec is None:
+            return Charge(self, 0)
+        if spec.max_concurrent and self.concurrent >= spec.max_concurrent:
+            raise too_many(
+                f"key {spec.name} already has {self.concurrent} requests in flight "
+                f"(max_concurrent={spec.max_concurrent})",
+                1.0,
+            )
+        if self._rpm is not None:
+            wait = self._rpm.take(1)
+            if wait:
+                raise too_many(
+                    f"key {spec.name} is over {spec.requests_per_minute} requests per minute", wait
+                )
+        if self._tpm is not None:
+            wait = self._tpm.take(prompt_tokens)
+            if wait:
+                if self._rpm is not None:
+                    self._rpm.adjust(-1)  # give the request back
+                raise too_many(
+                    f"key {spec.name} is over {spec.tokens_per_minute} tokens per minute", wait
+                )
+        self.concurrent += 1
+        return Charge(self, prompt_tokens)
+
+
+class Charge:
+    """What one admitted request took from its key: a request, a concurrency slot and its
+    (estimated) prompt tokens. Ends once, by ``settle`` or ``refund`` (later calls no-ops).
+
+    Accounting rule: a request answered with tokens costs one request and exactly its prompt
+    + completion tokens (the usage it reports); a request refused or failed before its
+    first token (400, 413, 429 of admission, an engine or upstream failure) costs nothing.
+    """
+
+    __slots__ = ("_principal", "_taken", "_open")
+
+    def __init__(self, principal: Principal, taken_tokens: int) -> None:
+        self._principal = principal
+        self._taken = taken_tokens
+        self._open = True
+
+    def settle(self, prompt_tokens: int, completion_tokens: int) -> None:
+        """The request was served: charge ``prompt_tokens + completion_tokens`` in all (the
+        difference to what admission took; the level may go into debt) and free the slot."""
+        if not self._end():
+            return
+        tpm = self._principal._tpm
+        if tpm is not None:
+            delta = prompt_tokens + completion_tokens - self._taken
+            if delta >= 0:
+                tpm.charge(delta)  # may leave a debt, repaid by refill
+            else:
+                tpm.adjust(delta)  # the estimate was high: the rest back, capped
+
+    def refund(self) -> None:
+        """Refused or failed before any token: give back the request and its tokens."""
+        if not self._end():
+            return
+        p = self._principal
+        if p._rpm is not None:
+            p._rpm.adjust(-1)
+        if p._tpm is not None:
+            p._tpm.adjust(-self._taken)
+
+    def _end(self) -> bool:
+        if not self._open:
+            return False
+        self._open = False
+        if self._principal.spec is not None:
+            self._principal.concurrent -= 1
+        return True
+
+
+def effective_salt(key_salt: str | None, request_salt: str | None) -> str | None:
+    """The engine's cache salt of a request: its key's partition, sub-partitioned by the
+    request's own ``cache_salt`` (vLLM's field) when given, so a client can split but never
+    leave its key's partition.
+
+    Injective: ``(key_salt, None)`` is ``key_salt`` itself (a key salt never holds a control
+    character), and a pair with a request salt is ``"\\x00" + SHA-256`` of the JSON array
+    ``[key_salt, request_salt]`` (JSON is injective on pairs of strings or null), so no two
+    different pairs share a partition: key salt ``acme`` + ``"prod"`` is not key salt
+    ``acme/prod``, nor key salt ``acme/`` + ``"prod"``. The result is at most 256 characters
+    (forwardable as an upstream's ``cache_salt``). ``(None, None)`` is ``None``.
+    """
+    if request_salt is None:
+        return key_salt
+    pair = json.dumps([key_salt, request_salt], ensure_ascii=True)
+    return "\x00" + hashlib.sha256(pair.encode("ascii")).hexdigest()
+
+
+class KeyRing:
+    """The configured keys; ``authenticate(request)`` returns the caller's Principal."""
+
+    def __init__(self, specs: list[KeySpec] | None = None) -> None:
+        self._by_digest: dict[str, Principal] = {}
+        for spec in specs or []:
+            digest = _digest(spec.key)
+            seen = self._by_digest.get(digest)
+            if seen is not None and seen.spec != spec:
+                raise ValueError(
+                    f"duplicate API key in the configured keys ({spec_name(seen.spec)!r} "
+                    f"and {spec.name!r}) with different limits or salt"
+                )
+            self._by_digest[digest] = Principal(spec)
+        self._anonymous = Principal(None)
+
+    @classmethod
+    def from_options(
+        cls, api_keys: list[str] | None = None, keys_file: str | None = None
+    ) -> KeyRing:
+        """Keys from ``--api-key`` values and a keys file.
+
+        Raises:
+            ValueError: on an unreadable or malformed keys file (naming the file), or a
+                key configured twice with different settings.
+        """
+        specs = [KeySpec(key=k) for k in api_keys or []]
+        if keys_file:
+            specs.extend(load_keys_file(keys_file))
+        return cls(specs)
+
+    @property
+    def open(self) -> bool:
+        """True when no key is configured (no authentication)."""
+        return not self._by_digest
+
+    def authenticate(self, request: web.Request) -> Principal:
+        """The Principal for the request's ``Authorization: Bearer <key>`` header.
+
+        Raises:
+            APIError: 401 ``invalid_api_key`` when the key is missing or unknown.
+        """
+        if not self._by_digest:
+            record(request).key_name = "-"
+            return self._anonymous
+        header = request.headers.get("Authorization", "")
+        scheme, _, key = header.partition(" ")
+        if header.strip() and scheme.lower() != "bearer":
+            raise APIError(
+                401,
+                f"Authorization scheme {scheme[:20]!r} is not supported: send "
+                "'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+            )
+        if scheme.lower() != "bearer" or not key.strip():
+            raise APIError(
+                401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
+            )
+        principal = self._by_digest.get(_digest(key.strip()))
+        if principal is None:
+            raise APIError(401, "incorrect API key provided", code="invalid_api_key")
+        record(request).key_name = (principal.spec.name if principal.spec else "") or "unnamed"
+        return principal
+
+
+def load_keys_file(path: str) -> list[KeySpec]:
+    """Read a keys file (format in the module docstring).
+
+    Raises:
+        ValueError: unreadable file, bad syntax, or an entry with unknown or invalid fields.
+    """
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+        data = tomllib.loads(raw.decode()) if p.suffix == ".toml" else json.loads(raw)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read keys file {path}: {exc}") from None
+    entries = data.get("keys") if isinstance(data, dict) else None
+    if not isinstance(entries, list):
+        raise ValueError(f'keys file {path} must hold {{"keys": [...]}}')
+    specs = []
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            raise ValueError(f"keys file {path}: entry {i} is not an object")
+        try:
+            specs.append(KeySpec(**entry))
+        except TypeError as exc:
+            raise ValueError(f"keys file {path}: entry {i}: {exc}") from None
+        except ValueError as exc:
+            raise ValueError(f"keys file {path}: entry {i}: {exc}") from None
+    return specs
+
+
+def spec_name(spec: KeySpec | None) -> str:
+    """The key's display name (``""`` for the anonymous caller of an open gateway)."""
+    return spec.name if spec is not None else ""

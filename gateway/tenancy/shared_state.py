@@ -1,0 +1,176 @@
+"""Where the gateway keeps state that replicas must share: per-key limits, concurrency slots,
+registered prefixes and usage counters.
+
+One interface, ``StateBackend``, with two implementations:
+
+* ``LocalState`` (the default): everything in this process (each key's token buckets and
+  in-flight count on its ``Principal``; prefixes only in the local ``PrefixRegistry``).
+* ``RedisState`` (``--redis-url``, ``redis_state``): the same limits enforced across every
+  gateway replica on one Redis, atomically (Lua scripts), concurrency slots held as leases
+  with a TTL, prefixes readable by every replica, usage counted per key.
+
+The routes call ``acquire`` before a request runs and, once it ends, ``settle`` (served:
+charged exactly its prompt + completion tokens) or ``refund`` (refused or failed before its
+first token: costs nothing) — ``auth.Charge``'s accounting rule — never branching on the
+backend. Both are synchronous (they run in a ``finally`` of a cancelled handler): a backend
+that talks to a server schedules that work itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from prefixgate.gateway.tenancy.keys import Charge, Principal
+
+
+@dataclass(slots=True)
+class Lease:
+    """One admitted request's hold on its key's limits.
+
+    Attributes:
+        id: unique id (the concurrency lease's member name in Redis).
+        shared: True when taken in the shared store; False when taken on the local
+            ``Principal`` (local backend, or Redis unreachable at admission).
+        prompt_tokens: tokens charged at admission (for the usage counters).
+    """
+
+    id: str
+    shared: bool
+    prompt_tokens: int
+    charge: Charge | None = None  # the local charge (local backend, or Redis was down)
+
+
+class StateBackend(Protocol):
+    """The gateway's shared state (see the module docstring)."""
+
+    @property
+    def kind(self) -> str:
+        """``"local"`` or ``"redis"``."""
+        ...
+
+    @property
+    def up(self) -> bool:
+        """False while the shared store is unreachable (limits then fall back to local)."""
+        ...
+
+    @property
+    def shares_prefixes(self) -> bool:
+        """True when prefixes are published to other replicas (and the store is up)."""
+        ...
+
+    async def start(self) -> None:
+        """Connect (on the app's startup); never raises for an unreachable store."""
+        ...
+
+    async def close(self) -> None:
+        """Release every lease this replica holds and disconnect."""
+        ...
+
+    async def acquire(self, principal: Principal, prompt_tokens: int) -> Lease:
+        """Count one request of ``prompt_tokens`` against the key's limits.
+
+        Raises:
+            APIError: 429 ``rate_limit_exceeded`` with ``Retry-After`` when over a limit.
+        """
+        ...
+
+    def settle(
+        self, principal: Principal, lease: Lease, prompt_tokens: int, completion_tokens: int
+    ) -> None:
+        """Served: charge ``prompt_tokens + completion_tokens`` in all, free the slot, count
+        usage."""
+        ...
+
+    def refund(self, principal: Principal, lease: Lease) -> None:
+        """Refused or failed before any token: give back what ``acquire`` took."""
+        ...
+
+    async def put_prefix(self, prefix_id: str, record: dict[str, Any], ttl_s: float) -> None:
+        """Publish a registered prefix to every replica for ``ttl_s`` seconds."""
+        ...
+
+    async def get_prefix(self, prefix_id: str) -> dict[str, Any] | None:
+        """A prefix published by any replica, or None (unknown, expired, or not shared)."""
+        ...
+
+    async def delete_prefix(self, prefix_id: str) -> None:
+        """Withdraw a published prefix."""
+        ...
+
+    async def live_prefixes(self, prefix_ids: list[str]) -> set[str] | None:
+        """Which of ``prefix_ids`` are still published (not deleted on any replica, not
+        expired); None when that is unknown (local backend, or the store unreachable)."""
+        ...
+
+    async def reserve_prefix(
+        self, owner: str, prefix_id: str, max_prefixes: int, ttl_s: float
+    ) -> float | None:
+        """Count ``prefix_id`` (live ``ttl_s`` seconds) against ``owner``'s (a key id's)
+        ``max_prefixes`` on every replica at once.
+
+        Returns:
+            0.0 when reserved; the seconds until the owner's next prefix expires when it
+            already holds ``max_prefixes`` (nothing reserved); None when the count is not
+            shared (local backend, or the store unreachable): the caller counts on its own.
+        """
+        ...
+
+    async def release_prefix(self, owner: str, prefix_id: str) -> None:
+        """Give back ``reserve_prefix``'s count (the prefix was deleted, or never made)."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """What ``/ready`` shows: ``{"backend": kind, "shared": up, ...}``."""
+        ...
+
+
+class LocalState:
+    """In-process state: the key's ``Principal`` holds its buckets and in-flight count."""
+
+    kind = "local"
+    up = True
+    shares_prefixes = False
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    async def acquire(self, principal: Principal, prompt_tokens: int) -> Lease:
+        return Lease("", False, prompt_tokens, principal.acquire(prompt_tokens))
+
+    def settle(
+        self, principal: Principal, lease: Lease, prompt_tokens: int, completion_tokens: int
+    ) -> None:
+        assert lease.charge is not None
+        lease.charge.settle(prompt_tokens, completion_tokens)
+
+    def refund(self, principal: Principal, lease: Lease) -> None:
+        assert lease.charge is not None
+        lease.charge.refund()
+
+    async def put_prefix(self, prefix_id: str, record: dict[str, Any], ttl_s: float) -> None:
+        return None
+
+    async def get_prefix(self, prefix_id: str) -> dict[str, Any] | None:
+        return None
+
+    async def delete_prefix(self, prefix_id: str) -> None:
+        return None
+
+    async def live_prefixes(self, prefix_ids: list[str]) -> set[str] | None:
+        return None
+
+    async def reserve_prefix(
+        self, owner: str, prefix_id: str, max_prefixes: int, ttl_s: float
+    ) -> float | None:
+        return None
+
+    async def release_prefix(self, owner: str, prefix_id: str) -> None:
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": "local"}

@@ -1,0 +1,136 @@
+"""The house rules of the layout, checked on the source (AST, so lazy and type-only imports count).
+
+- No import circle between the project's modules.
+- The SDK imports no other part of the project.
+- The gateway is in rooms: at most 12 modules at its top level, and each room imports only the
+  rooms below it (``ROOM_IMPORTS``; DEVELOPERS.md, "The gateway's rooms").
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PARTS = {"sdk": "prefixgate.sdk", "gateway": "prefixgate.gateway", "engine": "prefixgate.engine"}
+PARTS["kernels"] = "prefixgate.kernels"
+
+# What each gateway room may import of the gateway (besides itself). The top-level modules
+# (``settings``, ``state``, ``app``, ``cli``, ``dashboard``) are not rooms.
+GW = "prefixgate.gateway"
+ROOM_IMPORTS = {
+    "http": {f"{GW}.settings"},
+    "tenancy": {f"{GW}.settings", f"{GW}.http"},
+    "local": {f"{GW}.settings", f"{GW}.state", f"{GW}.http", f"{GW}.tenancy"},
+    "api": {f"{GW}.settings", f"{GW}.state", f"{GW}.http", f"{GW}.tenancy", f"{GW}.local"},
+    "proxy": {f"{GW}.settings", f"{GW}.state", f"{GW}.http", f"{GW}.tenancy", f"{GW}.api"},
+}
+
+
+def _modules() -> dict[str, Path]:
+    """Dotted module name -> file, for every module of the four parts."""
+    out: dict[str, Path] = {}
+    for folder, package in PARTS.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = path.relative_to(ROOT / folder).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            out[".".join([package, *parts])] = path
+    return out
+
+
+def _imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """Project modules ``name`` imports anywhere in its file (top level, lazy, TYPE_CHECKING)."""
+    is_package = path.name == "__init__.py"
+    here = name if is_package else name.rsplit(".", 1)[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("prefixgate."))
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = here.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, *([base] if base else [])])
+            if not base.startswith("prefixgate."):
+                continue
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.add(sub if sub in known else base)
+    return {m for m in found if m in known and m != name}
+
+
+def _graph() -> dict[str, set[str]]:
+    known = _modules()
+    return {name: _imports(name, path, known) for name, path in known.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle() -> None:
+    assert _cycles(_graph()) == []
+
+
+def test_sdk_imports_no_other_part() -> None:
+    bad = {
+        (name, dep)
+        for name, deps in _graph().items()
+        if name.startswith("prefixgate.sdk")
+        for dep in deps
+        if not dep.startswith("prefixgate.sdk")
+    }
+    assert bad == set()
+
+
+def test_gateway_top_level_is_small() -> None:
+    top = sorted(p.name for p in (ROOT / "gateway").glob("*.py"))
+    assert len(top) <= 12, top
+
+
+def test_rooms_import_only_rooms_below() -> None:
+    bad = []
+    for name, deps in _graph().items():
+        parts = name.split(".")
+        if len(parts) < 4 or parts[1] != "gateway" or parts[2] not in ROOM_IMPORTS:
+            continue
+        room = f"{GW}.{parts[2]}"
+        allowed = ROOM_IMPORTS[parts[2]]
+        for dep in deps:
+            if not dep.startswith(GW + ".") or dep.startswith(room):
+                continue
+            if not any(dep == a or dep.startswith(a + ".") for a in allowed):
+                bad.append(f"{name} imports {dep}")
+    assert bad == []
