@@ -28,6 +28,7 @@ from prefixgate.engine.llm_engine import LLMEngine, PinJob, PreparedRequest
 from prefixgate.engine.outputs import RequestOutput
 from prefixgate.engine.protocol import EngineRequest
 from prefixgate.engine.sampling_params import SamplingParams
+from prefixgate.engine.scheduler import estimate_ttft
 
 logger = logging.getLogger(__name__)
 
@@ -164,9 +165,14 @@ class AsyncEngine:
     # -- prefix pins ---------------------------------------------------------------------
 
     async def pin_prefix(
-        self, token_ids: Sequence[int], ttl_s: float, cache_salt: str | None = None
+        self,
+        token_ids: Sequence[int],
+        ttl_s: float,
+        cache_salt: str | None = None,
+        tenant: str | None = None,
     ) -> Any:
-        """Compute (if not cached) and pin a prefix's full blocks for ``ttl_s`` seconds.
+        """Compute (if not cached) and pin a prefix's full blocks for ``ttl_s`` seconds
+        (charged to ``tenant``: under ``fair`` the pinned blocks count against its share).
 
         Returns:
             ``PrefixPin(id, num_tokens, expires_at, ...)``.
@@ -178,7 +184,7 @@ class AsyncEngine:
             raise EngineDeadError("the engine is shut down")
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
-        self._submit("pin", list(token_ids), ttl_s, cache_salt, loop, fut)
+        self._submit("pin", list(token_ids), ttl_s, cache_salt, tenant, loop, fut)
         return await fut
 
     def get_pin(self, pin_id: str) -> Any:
@@ -212,6 +218,23 @@ class AsyncEngine:
             finally:
                 self._lock.release()
         return dict(self._snapshot)
+
+    def predict_ttft(self, num_prompt_tokens: int, num_cached_tokens: int = 0) -> float | None:
+        """Seconds until a new request of ``num_prompt_tokens`` would get its first token,
+        from the ``stats()`` snapshot (never blocks; formula: ``scheduler.estimate_ttft``);
+        ``None`` before the rates are measured.
+
+        Raises:
+            ValueError / TypeError: bad token counts.
+        """
+        cfg = self.engine.config
+        return estimate_ttft(
+            self.stats(),
+            cfg.max_num_seqs,
+            cfg.max_num_batched_tokens,
+            num_prompt_tokens,
+            num_cached_tokens,
+        )
 
     def check_invariants(self) -> None:
         """Raise AssertionError on broken KV block bookkeeping (waits for the step in progress)."""
@@ -317,6 +340,7 @@ class AsyncEngine:
         token_ids: list[int],
         ttl_s: float,
         cache_salt: str | None,
+        tenant: str | None,
         loop: asyncio.AbstractEventLoop,
         fut: asyncio.Future,
     ) -> None:
@@ -324,7 +348,7 @@ class AsyncEngine:
             self._resolve(loop, fut, job.result, job.error, orphan=self._release_orphan_pin)
 
         try:
-            self.engine.start_pin(token_ids, ttl_s, cache_salt, callback=done)
+            self.engine.start_pin(token_ids, ttl_s, cache_salt, callback=done, tenant=tenant)
         except Exception as exc:  # noqa: BLE001 - delivered to the caller
             self._resolve(loop, fut, None, exc)
 

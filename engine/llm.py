@@ -131,12 +131,17 @@ class LLM:
         return self.generate(prompts, sampling_params, cache_salt=cache_salt)
 
     def pin_prefix(
-        self, token_ids: Sequence[int] | str, ttl_s: float, cache_salt: str | None = None
+        self,
+        token_ids: Sequence[int] | str,
+        ttl_s: float,
+        cache_salt: str | None = None,
+        tenant: str | None = None,
     ) -> Any:
         """Compute and pin a prefix (token ids, or text tokenized with special tokens) for
-        ``ttl_s`` seconds; returns a ``PrefixPin``. See ``LLMEngine.pin_prefix``."""
+        ``ttl_s`` seconds, charged to ``tenant``; returns a ``PrefixPin``. See
+        ``LLMEngine.pin_prefix``."""
         ids = self.tokenizer.encode(token_ids) if isinstance(token_ids, str) else token_ids
-        return self.engine.pin_prefix(ids, ttl_s, cache_salt)
+        return self.engine.pin_prefix(ids, ttl_s, cache_salt, tenant=tenant)
 
     def unpin_prefix(self, pin_id: str) -> None:
         """Release a pin."""

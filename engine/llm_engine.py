@@ -63,6 +63,7 @@ class PinJob:
     ttl_s: float
     cache_salt: str | None
     callback: Callable[[PinJob], None] | None = None
+    tenant: str | None = None
     result: Any = None
     error: BaseException | None = None
     done: bool = False
@@ -402,10 +403,12 @@ class LLMEngine:
         ttl_s: float,
         cache_salt: str | None = None,
         callback: Callable[[PinJob], None] | None = None,
+        tenant: str | None = None,
     ) -> PinJob:
         """Start pinning a prefix: queue an internal prefill of ``token_ids`` (one greedy
         token); when it finishes, its full blocks (now in the prefix cache) are pinned for
-        ``ttl_s`` seconds and ``callback(job)`` runs.
+        ``ttl_s`` seconds and ``callback(job)`` runs. ``tenant``: who the prefill and the
+        pinned blocks are charged to (under ``fair`` they count against its share).
 
         Raises:
             ValueError: prefix caching disabled, ttl_s <= 0, or a bad prefix (see
@@ -419,12 +422,14 @@ class LLMEngine:
             raise TypeError("pin_prefix takes token ids; tokenize the text first")
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         rid = f"{PIN_REQUEST_PREFIX}{next(self._pin_counter)}"
-        prep = self.prepare_request(EngineRequest(rid, list(token_ids), params, cache_salt))
+        prep = self.prepare_request(
+            EngineRequest(rid, list(token_ids), params, cache_salt, tenant=tenant)
+        )
         if len(prep.prompt_token_ids) < self.config.block_size:
             raise ValueError(
                 f"a pinned prefix needs at least one full block ({self.config.block_size} tokens)"
             )
-        job = PinJob(rid, prep.prompt_token_ids, float(ttl_s), cache_salt, callback)
+        job = PinJob(rid, prep.prompt_token_ids, float(ttl_s), cache_salt, callback, tenant)
         self._enqueue(rid, prep, time.monotonic(), pin_job=job)
         return job
 
@@ -433,16 +438,23 @@ class LLMEngine:
         if not req.is_finished():  # cannot happen with max_tokens=1; be safe
             self.scheduler.abort_requests([req.request_id])
         try:
-            pin = self.kv_cache_manager.pin(job.token_ids, job.cache_salt, job.ttl_s)
+            pin = self.kv_cache_manager.pin(
+                job.token_ids, job.cache_salt, job.ttl_s, tenant=job.tenant
+            )
         except Exception as exc:  # noqa: BLE001 - delivered to the caller
             job.resolve(None, exc)
         else:
             job.resolve(pin, None)
 
     def pin_prefix(
-        self, token_ids: Sequence[int], ttl_s: float, cache_salt: str | None = None
+        self,
+        token_ids: Sequence[int],
+        ttl_s: float,
+        cache_salt: str | None = None,
+        tenant: str | None = None,
     ) -> PrefixPin:
-        """Compute ``token_ids`` (if not cached) and pin its full blocks for ``ttl_s`` seconds.
+        """Compute ``token_ids`` (if not cached) and pin its full blocks for ``ttl_s`` seconds
+        (charged to ``tenant``, see ``start_pin``).
 
         Steps the engine until done; outputs of other requests produced meanwhile are returned
         by the next ``step()``.
@@ -454,7 +466,7 @@ class LLMEngine:
             PinLimitError: pins would exceed ``max_pinned_fraction`` of the cache.
             ValueError / TypeError: see ``start_pin``.
         """
-        job = self.start_pin(token_ids, ttl_s, cache_salt)
+        job = self.start_pin(token_ids, ttl_s, cache_salt, tenant=tenant)
         pending: list[RequestOutput] = []
         while not job.done:
             pending.extend(self.step())
@@ -497,6 +509,16 @@ class LLMEngine:
         if self.kv_events is not None:
             stats.update(self.kv_events.stats())
         return stats
+
+    def predict_ttft(self, num_prompt_tokens: int, num_cached_tokens: int = 0) -> float | None:
+        """Seconds until a new request of ``num_prompt_tokens`` would get its first token
+        (``Scheduler.predict_ttft``; formula: ``scheduler.estimate_ttft``), ``None`` before
+        the rates are measured.
+
+        Raises:
+            ValueError / TypeError: bad token counts.
+        """
+        return self.scheduler.predict_ttft(num_prompt_tokens, num_cached_tokens)
 
     def check_invariants(self) -> None:
         """Raise AssertionError when a KV block is in two states or none, or the queues and

@@ -123,7 +123,11 @@ class PoolingEngine:
         raise ValueError(f"request {request_id!r} is not in flight")
 
     async def pin_prefix(
-        self, token_ids: list[int], ttl_s: float, cache_salt: str | None = None
+        self,
+        token_ids: list[int],
+        ttl_s: float,
+        cache_salt: str | None = None,
+        tenant: str | None = None,
     ) -> Any:
         raise ValueError(_NOT_GENERATIVE)
 

@@ -192,9 +192,14 @@ class EngineClient(Protocol):
         ...
 
     async def pin_prefix(
-        self, token_ids: list[int], ttl_s: float, cache_salt: str | None = None
+        self,
+        token_ids: list[int],
+        ttl_s: float,
+        cache_salt: str | None = None,
+        tenant: str | None = None,
     ) -> PinHandle:
-        """Prefill (if not cached) and pin the full KV blocks of ``token_ids`` for ``ttl_s`` s.
+        """Prefill (if not cached) and pin the full KV blocks of ``token_ids`` for ``ttl_s`` s,
+        charged to ``tenant`` (under ``fair`` the pinned blocks count against its share).
 
         Raises:
             PinLimitError: the pins would exceed the engine's pinned share of the cache.
