@@ -370,6 +370,12 @@ class PrefixRegistry:
             await self._shared.release_prefix(entry.owner, prefix_id)
         return entry
 
+    def pinned_blocks(self, owner: str) -> int:
+        """KV blocks the live prefixes of ``owner`` pin (its share, ``max_pinned_blocks``,
+        also holds its cache breakpoints: ``cache_pins.CachePins``)."""
+        self._expire()
+        return sum(e.pinned_blocks for e in self._entries.values() if e.owner == owner)
+
     def _check_quota(self, owner: str, quota: PrefixQuota, blocks: int, count: bool = True) -> None:
         """Raise 429 (or 400 for a prefix over the whole share) when ``owner`` would exceed
         its quota with one more prefix of ``blocks`` KV blocks (its ``max_prefixes`` on this
