@@ -171,6 +171,8 @@ def create_proxy_app(
     r.add_post("/v1/completions", proxy_routes.proxy_generate, expect_handler=expect_continue)
     for path in ("/v1/responses", "/v1/embeddings", "/tokenize", "/detokenize"):
         r.add_post(path, proxy_routes.local_mode_only, expect_handler=expect_continue)
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        r.add_post(path, proxy_routes.messages_local_mode_only, expect_handler=expect_continue)
     r.add_get("/v1/models", proxy_routes.proxy_get, expect_handler=expect_continue)
     r.add_get("/v1/models/{model}", proxy_routes.proxy_get, expect_handler=expect_continue)
     app[PROXY] = ProxyServing(

@@ -1,0 +1,190 @@
+"""The Messages API's parts without a model: the request as a chat, its breakpoints, the usage
+split (read + written + input == prompt), the breakpoint pins' share of a key, and the 501
+of upstream mode in Anthropic's error shape."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from prefixgate.gateway.api.anthropic_models import MessagesRequest, parse_request, to_chat
+from prefixgate.gateway.api.messages import Mark, anthropic_usage, cache_header
+from prefixgate.gateway.app import create_proxy_app
+from prefixgate.gateway.http.errors import APIError
+from prefixgate.gateway.http.server import BackgroundServer
+from prefixgate.gateway.local.cache_pins import CachePins, pin_key
+from prefixgate.gateway.settings import GatewaySettings
+from support.fake_engine import FakeEngine
+
+CC = {"type": "ephemeral"}
+
+
+def _req(**body) -> MessagesRequest:
+    import json
+
+    base = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    return parse_request(MessagesRequest, json.dumps({**base, **body}).encode())
+
+
+def test_to_chat_system_tools_tool_use_and_results():
+    req = _req(
+        system=[
+            {"type": "text", "text": "A. "},
+            {"type": "text", "text": "B.", "cache_control": CC},
+        ],
+        tools=[
+            {
+                "name": "f",
+                "description": "d",
+                "input_schema": {"type": "object", "properties": {}},
+                "cache_control": {"type": "ephemeral", "ttl": "1h"},
+            }
+        ],
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+        messages=[
+            {"role": "user", "content": "q"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "text", "text": "calling"},
+                    {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {"x": 1}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_1", "content": "42"},
+                    {"type": "text", "text": "thanks", "cache_control": CC},
+                ],
+            },
+        ],
+        cache_control=CC,
+    )
+    chat = to_chat(req)
+    assert chat.tool_choice == "required" and chat.parallel_tool_calls is False
+    assert chat.tools[0]["function"]["parameters"] == {"type": "object", "properties": {}}
+    assert chat.messages == [
+        {"role": "system", "content": "A. B."},
+        {"role": "user", "content": "q"},
+        {
+            "role": "assistant",
+            "content": "calling",
+            "tool_calls": [
+                {
+                    "id": "toolu_1",
+                    "type": "function",
+                    "function": {"name": "f", "arguments": {"x": 1}},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "42"},
+        {"role": "user", "content": "thanks"},
+    ]
+    where = [(b.where, b.ttl_s, len(b.messages)) for b in chat.breakpoints]
+    assert where == [
+        ("tools.0", 3600.0, 0),
+        ("system.1", 300.0, 1),
+        ("messages.2.content.1", 300.0, 5),
+        ("cache_control", 300.0, 5),
+    ]
+
+
+def test_more_than_four_breakpoints_is_a_400_naming_the_fifth():
+    blocks = [{"type": "text", "text": f"s{i}", "cache_control": CC} for i in range(4)]
+    with pytest.raises(APIError) as info:
+        to_chat(_req(system=blocks, cache_control=CC))
+    assert info.value.status == 400 and info.value.param == "cache_control.cache_control"
+
+
+def test_tool_result_in_an_assistant_turn_is_refused():
+    with pytest.raises(APIError) as info:
+        to_chat(
+            _req(
+                messages=[
+                    {
+                        "role": "assistant",
+                        "content": [{"type": "tool_result", "tool_use_id": "t", "content": "x"}],
+                    }
+                ]
+            )
+        )
+    assert info.value.param == "messages.0.content.0"
+
+
+@pytest.mark.parametrize(
+    ("prompt", "cached", "marks", "expect"),
+    [
+        (100, 0, [], (100, 0, 0)),
+        (100, 0, [Mark("system.0", 64, 300.0)], (36, 64, 0)),
+        (100, 64, [Mark("system.0", 64, 300.0)], (36, 0, 64)),
+        (100, 96, [Mark("system.0", 64, 300.0)], (4, 0, 96)),  # more read than marked
+        (100, 32, [Mark("a", 32, 3600.0), Mark("b", 80, 300.0)], (20, 48, 32)),
+        (100, 0, [Mark("b", 80, 300.0), Mark("a", 32, 3600.0)], (20, 80, 0)),
+        (100, 0, [Mark("tools.0", 0, 300.0)], (100, 0, 0)),  # below one block
+    ],
+)
+def test_usage_splits_the_prompt_exactly(prompt, cached, marks, expect):
+    u = anthropic_usage(prompt, cached, 3, marks)
+    got = (u["input_tokens"], u["cache_creation_input_tokens"], u["cache_read_input_tokens"])
+    assert got == expect
+    assert sum(got) == prompt
+    split = u["cache_creation"]
+    assert split["ephemeral_5m_input_tokens"] + split["ephemeral_1h_input_tokens"] == got[1]
+
+
+def test_usage_ttl_split():
+    u = anthropic_usage(100, 0, 1, [Mark("a", 32, 3600.0), Mark("b", 80, 300.0)])
+    assert u["cache_creation"] == {"ephemeral_5m_input_tokens": 48, "ephemeral_1h_input_tokens": 32}
+
+
+def test_cache_header():
+    marks = [Mark("system.0", 64, 300.0), Mark("tools.0", 0, 300.0)]
+    assert cache_header(marks, 64) == "read=64; system.0=64; tools.0=below_one_block"
+
+
+def test_breakpoint_pins_keep_to_the_key_share():
+    async def scenario() -> None:
+        engine = FakeEngine(num_blocks=64, max_pinned_fraction=0.5)  # 32 blocks may be pinned
+        other = {"k": 1}  # the key's prefixes (prefix API) pin 1 block of its share
+        pins = CachePins(engine, lambda owner: other.get(owner, 0))
+        a, b, c = list(range(64)), list(range(100, 164)), list(range(400, 416))
+        big = list(range(200, 312))  # 7 blocks
+
+        async def pin(ids, owner="k", share=9, salt="s"):
+            pins.pin_soon([(ids, 300.0)], salt, owner, share)
+            await pins.settle()
+            return pins.outcomes[pin_key(salt, ids)]
+
+        assert await pin(a) == "pinned"  # 4 blocks (+ 1 of the prefixes) of 9
+        assert await pin(a) == "kept"  # the same breakpoint with its TTL mostly left
+        assert pins.held_blocks("k") == 4 and len(engine._pins) == 1
+        assert await pin(b) == "pinned"  # 4 + 4 + 1 = 9: fits
+        assert await pin(c) == "pinned"  # 1 more: the least recently used (a) released
+        assert pins.live("s", a) is None and pins.live("s", b) is not None
+        assert await pin(big) == "pinned"  # 7 more: b released too
+        assert pins.live("s", b) is None and pins.live("s", c) is not None
+        assert pins.held_blocks("k") + other["k"] == 9
+        assert await pin(list(range(500, 660))) == "over_share"  # 10 blocks > the share
+        assert pins.live("s", big) is not None  # nothing released for it
+        # another tenant never releases this key's pins
+        assert await pin(a, owner="j", share=0, salt="t") == "pinned"
+        assert pins.live("s", big) is not None and pins.live("s", c) is not None
+        # the engine's pinned space is full: not pinned, and said so
+        huge = list(range(1000, 1000 + 16 * 30))
+        assert await pin(huge, owner="j", share=0, salt="t") == "pinned_space_full"
+        pins.clear()
+        assert engine.pinned_blocks == 0
+
+    asyncio.run(scenario())
+
+
+def test_messages_routes_are_501_in_anthropic_shape_in_upstream_mode():
+    with BackgroundServer(
+        lambda: create_proxy_app(["http://127.0.0.1:9"], GatewaySettings())
+    ) as gw:
+        for path in ("/v1/messages", "/v1/messages/count_tokens"):
+            r = httpx.post(gw.url + path, json={"model": "m", "max_tokens": 1, "messages": []})
+            assert r.status_code == 501
+            body = r.json()
+            assert body["type"] == "error" and path in body["error"]["message"]
