@@ -29,6 +29,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, TypeVar
 
+from prefixgate.gateway.api.cache_marks import Breakpoint
 from prefixgate.gateway.http.errors import bad_request
 from prefixgate.gateway.tenancy.keys import MAX_SALT_CHARS
 from pydantic import BaseModel, ConfigDict, Field
@@ -267,25 +268,6 @@ def _refuse(raw: dict[str, Any], model: type[_Conversation]) -> None:
                 param=f"{where}.type",
                 code="unsupported_parameter",
             )
-
-
-@dataclass(slots=True)
-class Breakpoint:
-    """One ``cache_control`` mark.
-
-    Attributes:
-        where: the marked field (``system.0``, ``tools.2``, ``messages.3.content.1``,
-            ``cache_control`` for the top-level one).
-        ttl_s: its TTL in seconds (300 or 3600).
-        messages: the chat messages up to and including the marked block (the block's own
-            message cut right after it); ``tools``: the tools up to the marked one (a tools
-            breakpoint) or all of them.
-    """
-
-    where: str
-    ttl_s: float
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]]
 
 
 @dataclass(slots=True)

@@ -17,30 +17,27 @@ blocks. Usage: ``cache_read_input_tokens`` = prompt tokens served from the prefi
 ``cache_creation_input_tokens`` = tokens up to the last breakpoint this request computed
 (written to the cache, then pinned), ``input_tokens`` the rest: the three sum to the prompt
 exactly (``cache_creation`` splits the written tokens by the TTL of the breakpoint they fall
-under). The ``x-prefixgate-cache`` header says where each breakpoint fell (module
-``cache_header``).
+under). The ``x-prefixgate-cache`` header says where each breakpoint fell and whether it hit
+(``cache_marks.py``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
-from prefixgate.engine.protocol import TokenizerLike
 from prefixgate.engine.sampling_params import SamplingParams
 from prefixgate.gateway.api.anthropic_models import (
-    Breakpoint,
     Chat,
     CountTokensRequest,
     MessagesRequest,
     parse_request,
     to_chat,
 )
+from prefixgate.gateway.api.cache_marks import Mark, find_marks, written_tokens
 from prefixgate.gateway.api.prompts import check_length, render_chat
 from prefixgate.gateway.api.response_models import Usage
 from prefixgate.gateway.api.tools import ToolDeltas, ToolPlan, parse_output, plan_tools
@@ -50,19 +47,6 @@ from prefixgate.gateway.local.serving import LOCAL
 from prefixgate.gateway.state import STATE
 from prefixgate.gateway.tenancy.keys import Principal, effective_salt
 
-CACHE_HEADER = "x-prefixgate-cache"
-
-
-@dataclass(slots=True)
-class Mark:
-    """Where one breakpoint fell: ``tokens`` of the prompt it covers in whole KV blocks
-    (0: below one block, or nothing shared with the cut rendering), its TTL in seconds and
-    the field that set it."""
-
-    where: str
-    tokens: int
-    ttl_s: float
-
 
 def anthropic_usage(
     prompt_tokens: int, cached: int, output_tokens: int, marks: Sequence[Mark]
@@ -71,21 +55,15 @@ def anthropic_usage(
     from the prefix cache: written = the breakpoints' tokens past the cached ones (split by
     the TTL each falls under), ``input_tokens`` the rest; read + written + input ==
     ``prompt_tokens``."""
-    by_ttl = {300.0: 0, 3600.0: 0}
-    done = cached
-    for m in sorted(marks, key=lambda m: m.tokens):
-        seg = max(0, m.tokens - done)
-        if seg:
-            by_ttl[m.ttl_s if m.ttl_s in by_ttl else 300.0] += seg
-            done += seg
-    written = done - cached
+    by_ttl = written_tokens(cached, marks)
+    written = sum(by_ttl.values())
     return {
         "input_tokens": prompt_tokens - cached - written,
         "cache_creation_input_tokens": written,
         "cache_read_input_tokens": cached,
         "cache_creation": {
-            "ephemeral_5m_input_tokens": by_ttl[300.0],
-            "ephemeral_1h_input_tokens": by_ttl[3600.0],
+            "ephemeral_5m_input_tokens": written - by_ttl.get(3600.0, 0),
+            "ephemeral_1h_input_tokens": by_ttl.get(3600.0, 0),
         },
         "output_tokens": output_tokens,
         "service_tier": "standard",
@@ -295,47 +273,6 @@ class MessagesRenderer:
         return f"event: error\ndata: {data}\n\n".encode()
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
-def _marks(
-    tokenizer: TokenizerLike,
-    breakpoints: list[Breakpoint],
-    with_tools: bool,
-    ids: list[int],
-    block_size: int,
-) -> list[Mark]:
-    """Each breakpoint's tokens: the prompt's tokens shared with the cut conversation's
-    rendering (no generation prompt), in whole blocks; 0 when the template cannot render
-    the cut (a tools breakpoint with no message, on some templates)."""
-    marks = []
-    for bp in breakpoints:
-        kwargs: dict[str, Any] = {"tools": bp.tools} if with_tools and bp.tools else {}
-        try:
-            cut = tokenizer.encode_chat(bp.messages, add_generation_prompt=False, **kwargs)
-        except Exception:  # noqa: BLE001 - the template refuses the cut: no cacheable prefix
-            shared = 0
-        else:
-            shared = _common_prefix(ids, list(cut))
-        marks.append(Mark(bp.where, shared // block_size * block_size, bp.ttl_s))
-    return marks
-
-
-def cache_header(marks: list[Mark], cached: int | None = None) -> str:
-    """The ``x-prefixgate-cache`` value: ``read=<tokens>`` when known, then each breakpoint
-    as ``<field>=<tokens>`` or ``<field>=below_one_block``; e.g. ``read=64;
-    system.0=64``."""
-    parts = [] if cached is None else [f"read={cached}"]
-    for m in marks:
-        parts.append(f"{m.where}={m.tokens if m.tokens else 'below_one_block'}")
-    return "; ".join(parts)
-
-
 async def _prepare(
     request: web.Request, kind: type[MessagesRequest] | type[CountTokensRequest]
 ) -> tuple[Principal, Any, Chat, ToolPlan, list[int]]:
@@ -370,7 +307,6 @@ async def count_tokens(request: web.Request) -> web.Response:
 async def create_message(request: web.Request) -> web.StreamResponse:
     """POST /v1/messages."""
     from prefixgate.gateway.api.openai_routes import Exchange, _check_constraint
-    from prefixgate.gateway.api.prefix_routes import prefix_quota
 
     st = request.app[STATE]
     local = request.app[LOCAL]
@@ -379,13 +315,8 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     if plan.structured is not None:
         await _check_constraint(plan.structured, "tools")
     max_tokens = check_length(len(ids), req.max_tokens, engine.max_model_len, "messages")
-    block_size = engine.config.block_size
-    marks = (
-        await asyncio.to_thread(
-            _marks, engine.tokenizer, chat.breakpoints, bool(plan.tools), ids, block_size
-        )
-        if chat.breakpoints
-        else []
+    marks = await find_marks(
+        engine.tokenizer, chat.breakpoints, bool(plan.tools), ids, engine.config.block_size
     )
     try:
         params = SamplingParams(
@@ -403,7 +334,7 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     renderer = MessagesRenderer(rid, st.model_name, len(ids), plan, marks)
     salt = effective_salt(principal.salt, req.cache_salt)
     choices = [Choice(0, rid, ids, params)]
-    exchange = Exchange(
+    return await Exchange(
         request,
         st,
         principal,
@@ -412,14 +343,5 @@ async def create_message(request: web.Request) -> web.StreamResponse:
         salt,
         req.stream,
         principal.request_priority(None),
-    )
-    resp = await exchange.run()
-    if not resp.prepared:  # a whole body: the header can say what was read
-        resp.headers[CACHE_HEADER] = cache_header(marks, sum(exchange.cached.values()))
-    if resp.status == 200 and any(m.tokens for m in marks):
-        quota = prefix_quota(principal.spec, st.settings, engine.stats().get("kv_blocks_total", 0))
-        runs = [(ids[: m.tokens], m.ttl_s) for m in marks if m.tokens]
-        local.require_cache_pins().pin_soon(
-            runs, salt, principal.id, quota.max_pinned_blocks if quota else 0
-        )
-    return resp
+        cache_marks=marks,
+    ).run()

@@ -9,7 +9,8 @@ import asyncio
 import httpx
 import pytest
 from prefixgate.gateway.api.anthropic_models import MessagesRequest, parse_request, to_chat
-from prefixgate.gateway.api.messages import Mark, anthropic_usage, cache_header
+from prefixgate.gateway.api.cache_marks import Mark, cache_header
+from prefixgate.gateway.api.messages import anthropic_usage
 from prefixgate.gateway.app import create_proxy_app
 from prefixgate.gateway.http.errors import APIError
 from prefixgate.gateway.http.server import BackgroundServer
@@ -139,8 +140,9 @@ def test_usage_ttl_split():
 
 
 def test_cache_header():
-    marks = [Mark("system.0", 64, 300.0), Mark("tools.0", 0, 300.0)]
-    assert cache_header(marks, 64) == "read=64; system.0=64; tools.0=below_one_block"
+    marks = [Mark("system.0", 64, 300.0, "hit"), Mark("tools.0", 0, 300.0, "below_one_block")]
+    assert cache_header(marks, 64) == "read=64; system.0=64:hit; tools.0=0:below_one_block"
+    assert cache_header([Mark("system.0", 64, 300.0)]) == "system.0=64"
 
 
 def test_breakpoint_pins_keep_to_the_key_share():
