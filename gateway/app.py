@@ -342,6 +342,7 @@ def attach_engine(app: web.Application, engine: EngineClient) -> None:
     )
     local.token_texts = TokenTexts(engine.tokenizer)
     local.cache_pins = CachePins(engine, local.prefixes.pinned_blocks)
+    local.prefixes.breakpoints = local.cache_pins  # one pin share per key: both count
     st.metrics.add_engine(engine.stats)
     # Retry-After's service-time estimate: requests run this many at once (decode batch).
     st.admission.concurrency = engine.config.max_num_seqs

@@ -90,6 +90,16 @@ class CachePins:
         self._expire()
         return sum(p.blocks for p in self._pins.values() if p.owner == owner)
 
+    def make_room(self, owner: str, other_blocks: int, share: int) -> None:
+        """Release ``owner``'s least recently used breakpoint pins until they and
+        ``other_blocks`` (its prefixes, and the one being created) fit ``share`` blocks
+        (a prefix of the prefix API outranks a breakpoint: that one is a hint)."""
+        while self.held_blocks(owner) + other_blocks > share:
+            victim = self._lru(owner, None)
+            if victim is None:
+                return
+            self._drop(victim)
+
     def live(self, salt: str | None, token_ids: Sequence[int]) -> CachePin | None:
         """The live pin of this breakpoint, if any."""
         self._expire()

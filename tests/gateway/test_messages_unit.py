@@ -190,3 +190,35 @@ def test_messages_routes_are_501_in_anthropic_shape_in_upstream_mode():
             assert r.status_code == 501
             body = r.json()
             assert body["type"] == "error" and path in body["error"]["message"]
+
+
+def test_prefixes_and_breakpoints_share_one_pin_share():
+    """A key's prefixes (prefix API) and breakpoint pins count in one max_pinned_blocks; a
+    prefix needing room releases the key's least recently used breakpoints first."""
+    from prefixgate.gateway.local.prefixes import PrefixQuota, PrefixRegistry
+
+    async def scenario() -> None:
+        engine = FakeEngine(num_blocks=64, max_pinned_fraction=0.5)
+        registry = PrefixRegistry(engine)
+        pins = CachePins(engine, registry.pinned_blocks)
+        registry.breakpoints = pins
+        pins.pin_soon([(list(range(64)), 300.0), (list(range(100, 164)), 300.0)], "s", "k", 9)
+        await pins.settle()
+        assert pins.held_blocks("k") == 8
+        quota = PrefixQuota(max_prefixes=0, max_pinned_blocks=9)
+        entry = await registry.create(
+            [{"role": "system", "content": "x"}], list(range(300, 365)), 60.0, "s", "s", "k", quota
+        )
+        assert entry.pinned_blocks == 4
+        assert pins.held_blocks("k") == 4  # the older breakpoint gave way
+        assert pins.live("s", list(range(100, 164))) is not None
+        assert registry.pinned_blocks("k") + pins.held_blocks("k") <= 9
+        # a breakpoint now has room for at most 1 more block: 4 blocks releases the other one
+        pins.pin_soon([(list(range(500, 564)), 300.0)], "s", "k", 9)
+        await pins.settle()
+        assert pins.held_blocks("k") == 4 and registry.pinned_blocks("k") == 4
+        registry.clear()
+        pins.clear()
+        assert engine.pinned_blocks == 0
+
+    asyncio.run(scenario())
