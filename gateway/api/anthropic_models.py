@@ -19,8 +19,8 @@ later to find where the breakpoint falls in the prompt's tokens) and its TTL in 
 What is not implemented is refused by name (400), never ignored: ``thinking`` other than
 disabled, images, documents and other block types, server tools, ``container``,
 ``mcp_servers``, ``output_config``, ``diagnostics``, ``inference_geo``, ``speed`` other than
-standard, ``citations``, ``max_tokens: 0`` (cache pre-warming), ``user_profile_id`` /
-``workspace_id``. An unknown field is a 400 naming it.
+standard, ``citations``, ``max_tokens: 0`` (cache pre-warming), a final assistant turn
+(prefill), ``user_profile_id`` / ``workspace_id``. An unknown field is a 400 naming it.
 """
 
 from __future__ import annotations
@@ -328,6 +328,14 @@ def to_chat(req: _Conversation) -> Chat:
                 cut = [{"role": "system", "content": text}]
                 marks.append(Breakpoint(f"system.{j}", b.cache_control.ttl_s, cut, tools))
         msgs.append({"role": "system", "content": text})
+    last = len(req.messages) - 1
+    if req.messages[last].role == "assistant":
+        raise bad_request(
+            f"messages.{last}: a final assistant turn (prefill: continuing the assistant's "
+            "text) is not supported; end with a user turn",
+            param=f"messages.{last}.role",
+            code="unsupported_parameter",
+        )
     for i, m in enumerate(req.messages):
         _add_turn(chat, i, m)
     if req.cache_control is not None:

@@ -98,6 +98,19 @@ def test_more_than_four_breakpoints_is_a_400_naming_the_fifth():
     assert info.value.status == 400 and info.value.param == "cache_control.cache_control"
 
 
+def test_a_final_assistant_turn_prefill_is_refused():
+    with pytest.raises(APIError) as info:
+        to_chat(
+            _req(
+                messages=[
+                    {"role": "user", "content": "q"},
+                    {"role": "assistant", "content": "The answer is"},
+                ]
+            )
+        )
+    assert info.value.status == 400 and info.value.param == "messages.1.role"
+
+
 def test_tool_result_in_an_assistant_turn_is_refused():
     with pytest.raises(APIError) as info:
         to_chat(
@@ -106,7 +119,8 @@ def test_tool_result_in_an_assistant_turn_is_refused():
                     {
                         "role": "assistant",
                         "content": [{"type": "tool_result", "tool_use_id": "t", "content": "x"}],
-                    }
+                    },
+                    {"role": "user", "content": "q"},
                 ]
             )
         )
