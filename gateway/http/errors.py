@@ -91,9 +91,21 @@ def error_dialect(dialect: str) -> Callable[[Handler], Handler]:
     return mark
 
 
-def _dialect(request: web.Request) -> str:
+def dialect_of(request: web.Request) -> str:
+    """The error dialect of the request's matched route (``"openai"`` unless its handler is
+    marked by ``error_dialect``)."""
     handler = getattr(request.match_info, "handler", None)
     return getattr(handler, "error_dialect", "openai")
+
+
+def error_event(request: web.Request, error: APIError) -> bytes:
+    """The in-band SSE event ending a stream of ``request`` cut short by ``error``, in its
+    route's dialect: OpenAI's ``data: {"error": ...}``, or Anthropic's ``event: error``."""
+    if dialect_of(request) == ANTHROPIC:
+        data = json.dumps(error.anthropic_body(), separators=(",", ":"), ensure_ascii=False)
+        return f"event: error\ndata: {data}\n\n".encode()
+    data = json.dumps(error.body(), separators=(",", ":"), ensure_ascii=False)
+    return f"data: {data}\n\n".encode()
 
 
 ERROR_CODE: web.ResponseKey[str] = web.ResponseKey("prefixgate_error_code", str)
@@ -218,7 +230,7 @@ async def expect_continue(request: web.Request) -> web.StreamResponse | None:
         f"unsupported Expect header {shown(expect)}: only 100-continue is",
         code="expectation_failed",
         type="invalid_request_error",
-    ).response()
+    ).response(dialect_of(request))
     resp.force_close()  # the body is never read
     return resp
 
@@ -234,16 +246,16 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return _closing_if_unread(request, await handler(request))
     except APIError as exc:
-        return _closing_if_unread(request, exc.response(_dialect(request)))
+        return _closing_if_unread(request, exc.response(dialect_of(request)))
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return _closing_if_unread(request, from_http_exception(exc).response(_dialect(request)))
+        return _closing_if_unread(request, from_http_exception(exc).response(dialect_of(request)))
     except web.RequestPayloadError as exc:
         # The body itself is unreadable (bad Content-Encoding data, broken chunked framing).
         resp = APIError(
             400, f"the request body cannot be read: {_payload_reason(exc)}", code="invalid_body"
-        ).response(_dialect(request))
+        ).response(dialect_of(request))
         resp.force_close()  # the connection's framing is lost: tell the client not to reuse it
         # and aiohttp not to read the rest after answering (that read raised the same error
         # again, logged as an "Unhandled exception" traceback per request)
@@ -256,7 +268,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except Exception:  # noqa: BLE001 - logged in full, answered without details
         logger.exception("internal error on %s %s", request.method, request.path)
         return APIError(500, "internal server error", code="internal_error").response(
-            _dialect(request)
+            dialect_of(request)
         )
 
 

@@ -236,3 +236,39 @@ def test_prefixes_and_breakpoints_share_one_pin_share():
         assert engine.pinned_blocks == 0
 
     asyncio.run(scenario())
+
+
+def test_errors_before_the_handler_take_anthropic_shape(serve_fake):
+    """Body limits and the admission queue answer /v1/messages in Anthropic's shape too."""
+    srv, _ = serve_fake(GatewaySettings(model_name="fake", max_body_bytes=1024))
+    big = {"model": "fake", "max_tokens": 1, "messages": [{"role": "user", "content": "x" * 4096}]}
+    r = httpx.post(srv.url + "/v1/messages", json=big)
+    assert r.status_code == 413
+    assert r.json() == {
+        "type": "error",
+        "error": {"type": "request_too_large", "message": r.json()["error"]["message"]},
+    }
+    # the OpenAI routes keep OpenAI's shape
+    r = httpx.post(srv.url + "/v1/chat/completions", json=big)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_fake_engine_message_and_stream(serve_fake):
+    srv, _ = serve_fake()
+    body = {"model": "fake", "max_tokens": 5, "messages": [{"role": "user", "content": "hello"}]}
+    r = httpx.post(srv.url + "/v1/messages", json=body, headers={"anthropic-version": "2023-06-01"})
+    assert r.status_code == 200, r.text
+    msg = r.json()
+    assert msg["type"] == "message" and msg["role"] == "assistant" and msg["id"].startswith("msg_")
+    u = msg["usage"]
+    assert u["input_tokens"] + u["cache_creation_input_tokens"] + u["cache_read_input_tokens"] > 0
+    assert r.headers["x-prefixgate-cache"].startswith("read=")
+    with httpx.stream("POST", srv.url + "/v1/messages", json={**body, "stream": True}) as s:
+        lines = [ln for ln in s.iter_lines() if ln.startswith("data: ")]
+    import json
+
+    events = [json.loads(ln[6:]) for ln in lines]
+    text = "".join(e["delta"]["text"] for e in events if e["type"] == "content_block_delta")
+    assert text == msg["content"][0]["text"]
+    assert events[-2]["usage"]["output_tokens"] == u["output_tokens"]
+    assert events[-2]["delta"]["stop_reason"] == msg["stop_reason"]
