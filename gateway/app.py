@@ -34,6 +34,7 @@ from prefixgate.gateway.api import (
     responses_api,
     tokenize,
 )
+from prefixgate.gateway.api.cache_diagnostics import PROMPT_LOG, PromptLog
 from prefixgate.gateway.http import lifecycle, request_id
 from prefixgate.gateway.http.body_limits import body_limits_middleware
 from prefixgate.gateway.http.errors import (
@@ -81,6 +82,7 @@ def create_app(
         raise TypeError("create_app serves a local engine; upstream mode is create_proxy_app(urls)")
     app, st = _base_app(settings)
     local = app[LOCAL] = LocalServing()
+    app[PROMPT_LOG] = PromptLog()  # recent Messages prompts, for their cache diagnostics
     app.router.add_get("/ready", ready_local, expect_handler=expect_continue)
     r = app.router
     r.add_post(

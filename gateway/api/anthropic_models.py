@@ -18,7 +18,7 @@ later to find where the breakpoint falls in the prompt's tokens) and its TTL in 
 
 What is not implemented is refused by name (400), never ignored: ``thinking`` other than
 disabled, images, documents and other block types, server tools, ``container``,
-``mcp_servers``, ``output_config``, ``diagnostics``, ``inference_geo``, ``speed`` other than
+``mcp_servers``, ``output_config``, ``inference_geo``, ``speed`` other than
 standard, ``citations``, ``max_tokens: 0`` (cache pre-warming), a final assistant turn
 (prefill), ``user_profile_id`` / ``workspace_id``. An unknown field is a 400 naming it.
 """
@@ -44,8 +44,6 @@ _REFUSED: dict[str, str] = {
     "container": "containers (code execution) are not supported",
     "mcp_servers": "MCP servers are not supported",
     "output_config": "output_config (structured outputs, effort) is not supported",
-    "diagnostics": "diagnostics (previous_message_id) is not supported; see the "
-    "x-prefixgate-cache response header",
     "inference_geo": "inference_geo is not supported",
     "user_profile_id": "user_profile_id is not supported",
     "workspace_id": "workspace_id is not supported",
@@ -176,6 +174,14 @@ class _Conversation(BaseModel):
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_SALT_CHARS)
 
 
+class Diagnostics(BaseModel):
+    """``diagnostics``: ``previous_message_id`` names an earlier message whose cached prompt
+    this one is compared with (``cache_diagnostics.py``)."""
+
+    model_config = _CONFIG
+    previous_message_id: str | None = None
+
+
 class MessagesRequest(_Conversation):
     """POST /v1/messages. ``max_tokens`` >= 1 (required); ``temperature`` in [0, 1] (default
     1); ``top_p`` in (0, 1]; ``top_k`` >= 1; at most 16 ``stop_sequences``."""
@@ -189,6 +195,7 @@ class MessagesRequest(_Conversation):
     metadata: Metadata | None = None
     service_tier: Literal["auto", "standard_only"] | None = None
     speed: Literal["standard"] | None = None
+    diagnostics: Diagnostics | None = None
 
 
 class CountTokensRequest(_Conversation):

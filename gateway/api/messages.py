@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Sequence
+from array import array
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -36,6 +37,12 @@ from prefixgate.gateway.api.anthropic_models import (
     MessagesRequest,
     parse_request,
     to_chat,
+)
+from prefixgate.gateway.api.cache_diagnostics import (
+    PROMPT_LOG,
+    LoggedPrompt,
+    cache_miss_reason,
+    prompt_parts,
 )
 from prefixgate.gateway.api.cache_marks import Mark, find_marks, written_tokens
 from prefixgate.gateway.api.prompts import check_length, render_chat
@@ -95,8 +102,15 @@ class MessagesRenderer:
     include_usage = True
 
     def __init__(
-        self, rid: str, model: str, prompt_tokens: int, plan: ToolPlan, marks: list[Mark]
+        self,
+        rid: str,
+        model: str,
+        prompt_tokens: int,
+        plan: ToolPlan,
+        marks: list[Mark],
+        diagnose: Callable[[int], dict[str, Any] | None] | None = None,
     ) -> None:
+        self.diagnose = diagnose  # cached tokens -> cache_miss_reason (diagnostics asked)
         self.rid = rid
         self.model = model
         self.prompt_tokens = prompt_tokens
@@ -112,7 +126,12 @@ class MessagesRenderer:
     def _message(
         self, content: list[dict[str, Any]], stop: tuple[str | None, str | None], usage: dict
     ) -> dict[str, Any]:
+        extra = {}
+        if self.diagnose is not None:
+            reason = self.diagnose(usage["cache_read_input_tokens"])
+            extra["diagnostics"] = {"cache_miss_reason": reason}
         return {
+            **extra,
             "id": self.rid,
             "type": "message",
             "role": "assistant",
@@ -331,8 +350,20 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     except (ValueError, TypeError) as exc:
         raise bad_request(str(exc)) from None
     rid = "msg_" + uuid.uuid4().hex[:24]
-    renderer = MessagesRenderer(rid, st.model_name, len(ids), plan, marks)
     salt = effective_salt(principal.salt, req.cache_salt)
+    log = request.app[PROMPT_LOG]
+    current = LoggedPrompt(salt, array("i", ids), *prompt_parts(chat.messages, plan.tools))
+    diagnose = None
+    if req.diagnostics is not None:
+        wanted = req.diagnostics.previous_message_id
+        previous = log.get(wanted, salt) if wanted else None
+        size = engine.config.block_size
+
+        def diagnose(cached: int) -> dict[str, Any] | None:
+            return cache_miss_reason(previous, current, cached, size) if wanted else None
+
+    log.add(rid, salt, ids, chat.messages, plan.tools)
+    renderer = MessagesRenderer(rid, st.model_name, len(ids), plan, marks, diagnose)
     choices = [Choice(0, rid, ids, params)]
     return await Exchange(
         request,

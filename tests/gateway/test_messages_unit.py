@@ -272,3 +272,36 @@ def test_fake_engine_message_and_stream(serve_fake):
     assert text == msg["content"][0]["text"]
     assert events[-2]["usage"]["output_tokens"] == u["output_tokens"]
     assert events[-2]["delta"]["stop_reason"] == msg["stop_reason"]
+
+
+def test_cache_miss_reasons():
+    from prefixgate.gateway.api.cache_diagnostics import PromptLog, cache_miss_reason
+
+    log = PromptLog(size=8)
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    sys_a = [{"role": "system", "content": "a"}, {"role": "user", "content": "q"}]
+    log.add("m1", "s", list(range(40)), sys_a, tools)
+    prev = log.get("m1", "s")
+    assert log.get("m1", "other-tenant") is None and log.get("nope", "s") is None
+
+    def cur(ids, messages=sys_a, tl=tools):
+        log.add("cur", "s", ids, messages, tl)
+        return log.get("cur", "s")
+
+    assert cache_miss_reason(None, cur(list(range(40))), 0, 16) == {
+        "type": "previous_message_not_found"
+    }
+    assert cache_miss_reason(prev, cur(list(range(50))), 32, 16) is None  # read all 32
+    assert cache_miss_reason(prev, cur(list(range(50))), 16, 16) == {"type": "unavailable"}
+    changed = [9, *range(1, 40)]
+    assert cache_miss_reason(prev, cur(changed, tl=[]), 0, 16) == {
+        "type": "tools_changed",
+        "cache_missed_input_tokens": 32,
+    }
+    other_sys = [{"role": "system", "content": "b"}, sys_a[1]]
+    assert cache_miss_reason(prev, cur(changed, other_sys), 0, 16)["type"] == "system_changed"
+    turns = [sys_a[0], {"role": "user", "content": "r"}]
+    assert cache_miss_reason(prev, cur(list(range(20)) + [0] * 20, turns), 16, 16) == {
+        "type": "messages_changed",
+        "cache_missed_input_tokens": 16,
+    }

@@ -327,3 +327,44 @@ def test_pool_whole_after_pins_released(server, client, pool_whole):
     _settle(server)
     server.app[LOCAL].cache_pins.clear()
     wait_idle(server, pool_whole)
+
+
+def test_cache_diagnostics_against_a_previous_message(server, client, pool_whole):
+    tag = uuid.uuid4().hex[:8]
+    system = _cached_system(tag)
+    first = client.messages.create(
+        model=MODEL, max_tokens=2, system=system, messages=[{"role": "user", "content": "A?"}]
+    )
+    assert first.diagnostics is None  # not asked for
+    _settle(server)
+
+    def ask(**kw):
+        return client.messages.create(
+            model=MODEL,
+            max_tokens=2,
+            extra_body={"diagnostics": {"previous_message_id": first.id}},
+            **kw,
+        )
+
+    same = ask(system=system, messages=[{"role": "user", "content": "B?"}])
+    assert same.usage.cache_read_input_tokens >= 64
+    assert same.diagnostics is not None and same.diagnostics.cache_miss_reason is None
+    changed = ask(system=_cached_system(tag + "x"), messages=[{"role": "user", "content": "A?"}])
+    reason = changed.diagnostics.cache_miss_reason
+    assert reason.type == "system_changed"
+    assert reason.cache_missed_input_tokens >= 64
+    assert changed.usage.cache_read_input_tokens + reason.cache_missed_input_tokens >= 96
+    with client.messages.stream(
+        model=MODEL,
+        max_tokens=2,
+        system=system,
+        messages=[
+            {"role": "user", "content": "A?"},
+            {"role": "assistant", "content": "x"},
+            {"role": "user", "content": "C?"},
+        ],
+        extra_body={"diagnostics": {"previous_message_id": "msg_unknown"}},
+    ) as stream:
+        streamed = stream.get_final_message()
+    assert streamed.diagnostics.cache_miss_reason.type == "previous_message_not_found"
+    wait_idle(server, pool_whole, pinned_ok=True)
