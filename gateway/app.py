@@ -26,7 +26,15 @@ from collections.abc import Sequence
 from aiohttp import web
 from prefixgate.engine.protocol import EngineClient
 from prefixgate.gateway import dashboard
-from prefixgate.gateway.api import embeddings, openai_routes, prefix_routes, responses_api, tokenize
+from prefixgate.gateway.api import (
+    embeddings,
+    messages,
+    openai_routes,
+    prefix_routes,
+    responses_api,
+    tokenize,
+)
+from prefixgate.gateway.api.cache_diagnostics import PROMPT_LOG, PromptLog
 from prefixgate.gateway.http import lifecycle, request_id
 from prefixgate.gateway.http.body_limits import body_limits_middleware
 from prefixgate.gateway.http.errors import (
@@ -38,6 +46,7 @@ from prefixgate.gateway.http.errors import (
 )
 from prefixgate.gateway.http.metrics import CONTENT_TYPE, GatewayMetrics
 from prefixgate.gateway.http.server import FDS_PER_CONNECTION
+from prefixgate.gateway.local.cache_pins import CachePins
 from prefixgate.gateway.local.prefixes import PrefixRegistry
 from prefixgate.gateway.local.serving import LOCAL, LocalServing
 from prefixgate.gateway.local.token_texts import TokenTexts
@@ -73,6 +82,7 @@ def create_app(
         raise TypeError("create_app serves a local engine; upstream mode is create_proxy_app(urls)")
     app, st = _base_app(settings)
     local = app[LOCAL] = LocalServing()
+    app[PROMPT_LOG] = PromptLog()  # recent Messages prompts, for their cache diagnostics
     app.router.add_get("/ready", ready_local, expect_handler=expect_continue)
     r = app.router
     r.add_post(
@@ -80,6 +90,8 @@ def create_app(
     )
     r.add_post("/v1/completions", openai_routes.completions, expect_handler=expect_continue)
     r.add_post("/v1/responses", responses_api.create_response, expect_handler=expect_continue)
+    r.add_post("/v1/messages", messages.create_message, expect_handler=expect_continue)
+    r.add_post("/v1/messages/count_tokens", messages.count_tokens, expect_handler=expect_continue)
     r.add_post("/v1/embeddings", embeddings.create_embeddings, expect_handler=expect_continue)
     r.add_post("/tokenize", tokenize.tokenize, expect_handler=expect_continue)
     r.add_post("/detokenize", tokenize.detokenize, expect_handler=expect_continue)
@@ -96,6 +108,8 @@ def create_app(
             sweeper[0].cancel()
         if local.prefixes is not None:
             local.prefixes.clear()
+        if local.cache_pins is not None:
+            local.cache_pins.clear()
 
     async def sweep_prefixes() -> None:
         # With shared state, a prefix deleted through another replica is unpinned here
@@ -159,6 +173,8 @@ def create_proxy_app(
     r.add_post("/v1/completions", proxy_routes.proxy_generate, expect_handler=expect_continue)
     for path in ("/v1/responses", "/v1/embeddings", "/tokenize", "/detokenize"):
         r.add_post(path, proxy_routes.local_mode_only, expect_handler=expect_continue)
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        r.add_post(path, proxy_routes.messages_local_mode_only, expect_handler=expect_continue)
     r.add_get("/v1/models", proxy_routes.proxy_get, expect_handler=expect_continue)
     r.add_get("/v1/models/{model}", proxy_routes.proxy_get, expect_handler=expect_continue)
     app[PROXY] = ProxyServing(
@@ -270,6 +286,8 @@ _ROUTE_LABELS = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
     "/v1/responses": "responses",
+    "/v1/messages": "messages",
+    "/v1/messages/count_tokens": "count_tokens",
     "/v1/embeddings": "embeddings",
     "/tokenize": "tokenize",
     "/detokenize": "detokenize",
@@ -284,7 +302,8 @@ async def count_requests(request: web.Request, handler: Handler) -> web.StreamRe
     refusals too (401, 400, 404, 413, 429, ...: ``code`` is the OpenAI error code, ``""`` on
     success); a client gone before its answer counts as 499. Probes are not counted. ``route``
     is the API route's short name (``chat``, ``completions``, ``responses``, ``embeddings``,
-    ``tokenize``, ``detokenize``, ``models``, ``prefixes``), ``other`` for any other path."""
+    ``tokenize``, ``detokenize``, ``models``, ``prefixes``, ``messages``, ``count_tokens``),
+    ``other`` for any other path."""
     path = request.path
     if path in _PROBES or path.startswith("/dashboard"):
         return await handler(request)
@@ -324,6 +343,8 @@ def attach_engine(app: web.Application, engine: EngineClient) -> None:
         engine, st.settings.max_prefix_ttl_s, st.settings.max_prefixes, st.shared
     )
     local.token_texts = TokenTexts(engine.tokenizer)
+    local.cache_pins = CachePins(engine, local.prefixes.pinned_blocks)
+    local.prefixes.breakpoints = local.cache_pins  # one pin share per key: both count
     st.metrics.add_engine(engine.stats)
     # Retry-After's service-time estimate: requests run this many at once (decode batch).
     st.admission.concurrency = engine.config.max_num_seqs

@@ -95,8 +95,15 @@ def _decode_kernel(
     )
 
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
-    kv = (bt_row, k_cache_ptr + kvh * stride_kh, v_cache_ptr + kvh * stride_vh)
-    kv += (stride_kn, stride_ks, stride_vn, stride_vs)
+    kv = (
+        bt_row,
+        k_cache_ptr + kvh * stride_kh,
+        v_cache_ptr + kvh * stride_vh,
+        stride_kn,
+        stride_ks,
+        stride_vn,
+        stride_vs,
+    )
     state = _softmax_start(G_PAD, D_PAD)
     state = _attend(
         q, state, g, start, end, kv, scale_log2, d_mask, TILE_N, BLOCK_SIZE, False, DOT_PRECISION

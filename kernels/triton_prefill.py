@@ -99,8 +99,15 @@ def _prefill_kernel(
 
     kv_end = tl.minimum(ctx, first_pos + (local + 1) * BLOCK_M)  # past the tile's last query
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
-    kv = (bt_row, k_cache_ptr + kvh * stride_kh, v_cache_ptr + kvh * stride_vh)
-    kv += (stride_kn, stride_ks, stride_vn, stride_vs)
+    kv = (
+        bt_row,
+        k_cache_ptr + kvh * stride_kh,
+        v_cache_ptr + kvh * stride_vh,
+        stride_kn,
+        stride_ks,
+        stride_vn,
+        stride_vs,
+    )
     # Keys below the tile's first query position are visible to every row: no causal mask.
     full_end = tl.minimum((first_pos + local * BLOCK_M + 1) // BLOCK_N * BLOCK_N, kv_end)
     state = _softmax_start(BLOCK_M, D_PAD)

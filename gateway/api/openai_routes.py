@@ -20,6 +20,16 @@ from aiohttp import web
 from prefixgate.engine.errors import EngineDeadError
 from prefixgate.engine.sampling_params import StructuredOutputsParams
 from prefixgate.engine.scheduling_policy import policy_class
+from prefixgate.gateway.api.cache_marks import (
+    CACHE_HEADER,
+    Mark,
+    cache_header,
+    chat_breakpoints,
+    find_marks,
+    note_states,
+    pin_marks,
+    written_tokens,
+)
 from prefixgate.gateway.api.prompts import (
     check_length,
     check_vocab,
@@ -82,11 +92,19 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         messages = prefix.messages + messages
     if not messages:
         raise bad_request("messages must hold at least one message", param="messages")
+    offset = len(messages) - len(req.messages)  # a prefix_id's messages come first
     ids = await render_chat(
         engine.tokenizer, messages, max_model_len=engine.max_model_len, tools=plan.tools or None
     )
     max_tokens = check_length(
         len(ids), req.output_limit, engine.max_model_len, "messages", req.output_limit_param
+    )
+    marks = await find_marks(
+        engine.tokenizer,
+        chat_breakpoints(req, messages, offset, plan.tools),
+        bool(plan.tools),
+        ids,
+        engine.config.block_size,
     )
     rid = "chatcmpl-" + uuid.uuid4().hex
     seeds = choice_seeds(req.seed, req.n)
@@ -96,7 +114,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         Choice(i, f"{rid}-{i}", ids, sampling_params(req, max_tokens, seeds[i], spec, skip_special))
         for i in range(req.n)
     ]
-    return await _run(request, st, principal, req, ChatRenderer, rid, choices, tools=plan)
+    return await _run(
+        request, st, principal, req, ChatRenderer, rid, choices, tools=plan, cache_marks=marks
+    )
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -145,9 +165,10 @@ async def _run(
     rid: str,
     choices: list[Choice],
     tools: ToolPlan | None = None,
+    cache_marks: list[Mark] | None = None,
 ) -> web.StreamResponse:
     """Run the request's choices through an Exchange with the route's renderer (chat: with
-    the request's tool plan)."""
+    the request's tool plan and cache breakpoints)."""
     args = (
         rid,
         int(time.time()),
@@ -165,7 +186,7 @@ async def _run(
         req.priority, request.app[LOCAL].require_engine().config.scheduling_policy
     )
     return await Exchange(
-        request, st, principal, choices, renderer, salt, req.stream, priority
+        request, st, principal, choices, renderer, salt, req.stream, priority, cache_marks
     ).run()
 
 
@@ -249,6 +270,9 @@ class Exchange:
         choices: the engine requests (one per choice; per prompt for batched completions).
         renderer: the route's ``Renderer`` (chat, completions, responses).
         salt: the engine cache salt; stream: answer with SSE.
+        cache_marks: the prompt's cache breakpoints (``cache_marks.Mark``; one prompt), or
+            None: with a list (empty too) the answer has the ``x-prefixgate-cache`` header,
+            usage ``cache_write_tokens``, and the marks are pinned once it is answered.
     """
 
     def __init__(
@@ -261,8 +285,10 @@ class Exchange:
         salt: str | None,
         stream: bool,
         priority: int = 0,
+        cache_marks: list[Mark] | None = None,
     ) -> None:
         self.request = request
+        self.cache_marks = cache_marks
         self.priority = priority
         self.st = st
         self.principal = principal
@@ -297,6 +323,14 @@ class Exchange:
         try:
             resp = await (self._stream() if self.stream else self._collect())
             status = str(resp.status)
+            if status == "200" and self.cache_marks:
+                pin_marks(
+                    self.request,
+                    self.principal,
+                    self.salt,
+                    self.choices[0].prompt_token_ids,
+                    self.cache_marks,
+                )
             return resp
         finally:
             self.ticket.done()
@@ -328,7 +362,20 @@ class Exchange:
 
     def _usage(self) -> Usage:
         completion = sum(o.num_tokens for o in self.outputs)
-        return Usage.of(self.prompt_tokens, completion, sum(self.cached.values()))
+        cached = sum(self.cached.values())
+        usage = Usage.of(self.prompt_tokens, completion, cached)
+        if self.cache_marks and usage.prompt_tokens_details is not None:
+            written = sum(written_tokens(cached, self.cache_marks).values())
+            usage.prompt_tokens_details.cache_write_tokens = written
+        return usage
+
+    def _cache_header(self, cached: int | None) -> str:
+        """The ``x-prefixgate-cache`` value (``cached`` None: not known yet, a stream's)."""
+        marks = self.cache_marks or []
+        if cached is not None:
+            pins = self.request.app[LOCAL].require_cache_pins()
+            note_states(marks, cached, pins, self.salt, self.choices[0].prompt_token_ids)
+        return cache_header(marks, cached)
 
     # --- non-streaming --------------------------------------------------------------------
     async def _collect(self) -> web.StreamResponse:
@@ -351,7 +398,10 @@ class Exchange:
                     continue
                 self._record(*ev)
         self.st.metrics.cached_tokens.inc(sum(self.cached.values()))
-        return _json(self.renderer.json(self.outputs, self._usage()))
+        resp = _json(self.renderer.json(self.outputs, self._usage()))
+        if self.cache_marks is not None:
+            resp.headers[CACHE_HEADER] = self._cache_header(sum(self.cached.values()))
+        return resp
 
     # --- streaming ------------------------------------------------------------------------
     async def _stream(self) -> web.StreamResponse:
@@ -408,6 +458,8 @@ class Exchange:
 
     async def _open(self, sse: SSEWriter) -> None:
         """Send the headers and the renderer's opening chunks (chat: each choice's role)."""
+        if self.cache_marks is not None:
+            sse.response.headers[CACHE_HEADER] = self._cache_header(None)
         await sse.open()
         for chunk in self.renderer.opening(len(self.choices)):
             await sse.write(self.renderer.event(chunk))

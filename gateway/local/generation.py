@@ -29,6 +29,8 @@ class Delta:
         logprobs: TokenLogprobs of the new tokens (None when not requested).
         finish_reason: None while running, else "stop" | "length" | "abort".
         num_cached_tokens: prompt tokens served from the prefix cache.
+        stop_reason: on the last output, the stop string matched (str) or the stop token id
+            (int) that ended it; None otherwise (EOS, length, running).
     """
 
     text: str
@@ -38,6 +40,7 @@ class Delta:
     logprobs: list[TokenLogprobs] | None
     finish_reason: str | None
     num_cached_tokens: int
+    stop_reason: str | int | None = None
 
     @property
     def finished(self) -> bool:
@@ -49,7 +52,8 @@ class ChoiceOutput:
     """What one choice has produced so far (``add`` each of its Deltas).
 
     Attributes:
-        text: the text so far; finish_reason: None while running.
+        text: the text so far; finish_reason: None while running; stop_reason: the stop
+            string (or stop token id) that ended it, else None.
         num_tokens: tokens generated; logprobs: TokenLogprobs of each (when asked for).
         t_first_token: monotonic seconds of its first token (0.0 before).
     """
@@ -59,6 +63,7 @@ class ChoiceOutput:
     num_tokens: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     t_first_token: float = 0.0
+    stop_reason: str | int | None = None
 
     def add(self, d: Delta, now: float) -> None:
         """Take in one output of this choice, seen at ``now`` (monotonic seconds)."""
@@ -70,6 +75,7 @@ class ChoiceOutput:
         self.text = d.text
         if d.finished:
             self.finish_reason = d.finish_reason
+            self.stop_reason = d.stop_reason
 
 
 @dataclass(slots=True)
@@ -159,6 +165,7 @@ class ChoiceRun:
                             lps,
                             finish,
                             out.num_cached_tokens,
+                            comp.stop_reason if finish is not None else None,
                         ),
                     )
                 )

@@ -323,7 +323,8 @@ class KeyRing:
         return not self._by_digest
 
     def authenticate(self, request: web.Request) -> Principal:
-        """The Principal for the request's ``Authorization: Bearer <key>`` header.
+        """The Principal for the request's ``Authorization: Bearer <key>`` header, or its
+        ``x-api-key: <key>`` header (Anthropic's clients) when it sends no Authorization.
 
         Raises:
             APIError: 401 ``invalid_api_key`` when the key is missing or unknown.
@@ -332,6 +333,9 @@ class KeyRing:
             record(request).key_name = "-"
             return self._anonymous
         header = request.headers.get("Authorization", "")
+        x_api_key = request.headers.get("x-api-key", "")
+        if not header.strip() and x_api_key.strip():
+            header = "Bearer " + x_api_key.strip()
         scheme, _, key = header.partition(" ")
         if header.strip() and scheme.lower() != "bearer":
             raise APIError(
