@@ -137,6 +137,11 @@ class PoolingEngine:
     def unpin_prefix(self, pin_id: str) -> None:
         raise KeyError(pin_id)
 
+    def predict_ttft(self, num_prompt_tokens: int, num_cached_tokens: int = 0) -> float | None:
+        """``None``: a pooling engine generates no tokens (the gateway admits without a
+        prediction)."""
+        return None
+
     def stats(self) -> dict[str, Any]:
         """Counters: embedding inputs and tokens served, and the generation keys at zero (so
         ``/metrics`` and the engine line read one shape)."""

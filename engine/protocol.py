@@ -227,6 +227,12 @@ class EngineClient(Protocol):
         """Engine counters (keys in DEVELOPERS.md, ``stats()`` keys); never blocks."""
         ...
 
+    def predict_ttft(self, num_prompt_tokens: int, num_cached_tokens: int = 0) -> float | None:
+        """Seconds until a new request of ``num_prompt_tokens`` would get its first token
+        (``scheduler.estimate_ttft`` on a ``stats()`` snapshot); ``None`` while the engine
+        has not measured its rates; never blocks."""
+        ...
+
     async def shutdown(self) -> None:
         """Stop the engine; requests in flight fail with ``EngineDeadError``."""
         ...

@@ -55,6 +55,7 @@ from prefixgate.gateway.local.generation import Choice, ChoiceOutput, ChoiceRun,
 from prefixgate.gateway.local.serving import LOCAL
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.tenancy.keys import Principal, effective_salt
+from prefixgate.gateway.tenancy.ttft_budget import check_budget
 
 logger = logging.getLogger("prefixgate.gateway")
 
@@ -306,6 +307,7 @@ class Exchange:
 
     async def run(self) -> web.StreamResponse:
         st = self.st
+        check_budget(self.request, self.request.app[LOCAL].require_engine(), self.prompt_tokens)
         lease = await st.shared.acquire(self.principal, self.prompt_tokens)
         try:
             self.ticket = st.admission.admit(

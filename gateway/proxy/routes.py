@@ -42,6 +42,7 @@ from prefixgate.gateway.proxy.upstream import (
 from prefixgate.gateway.proxy.usage import Usage, UsageTap, ask_usage, body_usage
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.tenancy.keys import MAX_SALT_CHARS, effective_salt
+from prefixgate.gateway.tenancy.ttft_budget import BUDGET_HEADER
 
 logger = logging.getLogger("prefixgate.gateway")
 
@@ -410,15 +411,21 @@ def _learn(router: Any, up: Upstream, route: Route | None, tail: bytes) -> None:
 def upstream_headers(request: web.Request, st: GatewayState, up: Upstream) -> dict[str, str]:
     """Headers towards ``up``: one credential at most — ``--upstream-api-key`` (Bearer), else
     the upstream URL's userinfo (Basic, made once by ``split_credentials``), else the client's
-    own ``Authorization`` when the gateway has no keys of its own."""
+    own ``Authorization`` when the gateway has no keys of its own; and the client's TTFT budget
+    header, which a prefixgate upstream enforces."""
+    out = dict(_HOP_HEADERS)
+    budget = request.headers.get(BUDGET_HEADER)  # a prefixgate upstream refuses by it
+    if budget is not None:
+        out[BUDGET_HEADER] = budget
     if st.settings.upstream_api_key:
-        return {**_HOP_HEADERS, "Authorization": "Bearer " + st.settings.upstream_api_key}
-    if up.auth is not None:
-        return {**_HOP_HEADERS, "Authorization": up.auth}
-    auth = request.headers.get("Authorization")
-    if auth and st.keys.open:
-        return {**_HOP_HEADERS, "Authorization": auth}
-    return _HOP_HEADERS
+        out["Authorization"] = "Bearer " + st.settings.upstream_api_key
+    elif up.auth is not None:
+        out["Authorization"] = up.auth
+    else:
+        auth = request.headers.get("Authorization")
+        if auth and st.keys.open:
+            out["Authorization"] = auth
+    return out
 
 
 async def local_mode_only(request: web.Request) -> web.Response:

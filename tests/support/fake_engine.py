@@ -109,6 +109,7 @@ class FakeEngine:
         self.tenants_seen: list[tuple[str | None, int]] = []  # (tenant, priority) per generate
         self.pin_tenants_seen: list[str | None] = []  # tenant per pin_prefix
         self.rates: dict[str, float | None] = {}  # stats() overrides: measured rates
+        self.predicted_ttft: float | None = None  # what predict_ttft answers (tests set it)
         self.tenant_rows: dict[str, dict] = {}  # stats()["tenants"], set by tests
         self.generated = 0
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache / found there
@@ -243,6 +244,11 @@ class FakeEngine:
     def pinned_blocks(self) -> int:
         self._expire_pins()
         return sum(p.blocks for p in self._pins.values())
+
+    def predict_ttft(self, num_prompt_tokens: int, num_cached_tokens: int = 0) -> float | None:
+        if num_prompt_tokens < 1:
+            raise ValueError("num_prompt_tokens must be >= 1")
+        return self.predicted_ttft
 
     def stats(self) -> dict:
         used = sum(self._running.values()) + self.pinned_blocks
