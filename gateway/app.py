@@ -144,6 +144,8 @@ def create_proxy_app(
         cache_salt=s.upstream_cache_salt,
         auth="Bearer " + s.upstream_api_key if s.upstream_api_key else None,
         policy=s.routing,
+        block_chars=s.affinity_block_chars,
+        max_chars=s.affinity_max_chars,
     )
     if s.upstream_api_key and any(u.auth for u in router.upstreams):
         raise ValueError(
@@ -168,8 +170,6 @@ def create_proxy_app(
             st.shared,
             s.max_prefix_ttl_s,
             s.max_prefixes,
-            s.affinity_block_chars,
-            s.affinity_max_chars,
         ),
     )
     app[FDS_PER_CONNECTION] = 2  # each client connection may hold one to an upstream

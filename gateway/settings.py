@@ -112,7 +112,7 @@ class GatewaySettings:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.dashboard_window_s < self.dashboard_sample_s:
             raise ValueError("dashboard_window_s must be >= dashboard_sample_s")
-        from prefixgate.gateway.proxy.routing import check_policy
+        from prefixgate.gateway.proxy.policies import check_policy
         from prefixgate.gateway.proxy.upstream import CACHE_SALT_MODES
 
         check_policy(self.routing)

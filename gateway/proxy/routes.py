@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 import time
 import zlib
@@ -26,19 +27,14 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from multidict import CIMultiDict
 from prefixgate.gateway.http.access_log import record
 from prefixgate.gateway.http.errors import APIError, bad_request
+from prefixgate.gateway.proxy.policies import Route
 from prefixgate.gateway.proxy.prefixes import ProxyPrefix
 from prefixgate.gateway.proxy.relay import json_body_problem, relay_sse
-from prefixgate.gateway.proxy.routing import prompt_blocks
 from prefixgate.gateway.proxy.serving import PROXY
-from prefixgate.gateway.proxy.upstream import (
-    Route,
-    Upstream,
-    affinity_key,
-    prompt_text,
-    salted_affinity_key,
-)
+from prefixgate.gateway.proxy.upstream import Upstream, UpstreamRouter, retry_after_seconds
 from prefixgate.gateway.proxy.usage import Usage, UsageTap, ask_usage, body_usage
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.tenancy.keys import MAX_SALT_CHARS, effective_salt
@@ -46,6 +42,9 @@ from prefixgate.gateway.tenancy.keys import MAX_SALT_CHARS, effective_salt
 logger = logging.getLogger("prefixgate.gateway")
 
 _RETRYABLE = frozenset((502, 503, 504))
+# Answers that send the request to the next upstream of its model (then to its fallback
+# models), the upstream staying in rotation; the last one is the client's when none is left.
+_NEXT_UPSTREAM = frozenset((429, 500))
 _HOP_HEADERS = {"Content-Type": "application/json"}
 _PASSED_HEADERS = ("Retry-After", "Content-Encoding")
 
@@ -61,6 +60,7 @@ async def proxy_generate(request: web.Request) -> web.StreamResponse:
     fails before its first token.
     """
     st = request.app[STATE]
+    router = request.app[PROXY].router
     principal = st.keys.authenticate(request)
     body = await request.read()
     try:
@@ -84,11 +84,10 @@ async def proxy_generate(request: web.Request) -> web.StreamResponse:
             f"cache_salt must be a string of 1 to {MAX_SALT_CHARS} characters", param="cache_salt"
         )
     salt = effective_salt(principal.salt, request_salt)
+    model = router.resolve(parsed.get("model"))  # 404 model_not_found when nobody serves it
     keep_usage = ask_usage(parsed)
     bodies = _Bodies(parsed, salt)
-    route = _route(
-        st, request.app[PROXY].router.policy, parsed, salt
-    )  # with a prefix: its messages + the request's
+    route = router.route(parsed, salt, model)  # with a prefix: its messages + the request's
     est_tokens = len(body) // 4 + 1  # no tokenizer here: ~4 bytes per token until the usage
     lease = await st.shared.acquire(principal, est_tokens)
     try:
@@ -185,41 +184,30 @@ class _PinnedLost(Exception):
     """The upstream holding a prefix's pin failed before answering, or no longer has it."""
 
 
-def _route(st: GatewayState, policy: str, parsed: dict[str, Any], salt: str | None) -> Route:
-    """What the router needs of a request: its rendezvous key (salted) and, for
-    ``cache_aware``, its prompt's blocks under its effective cache salt."""
-    s = st.settings
-    key = salted_affinity_key(
-        affinity_key(parsed, s.affinity_block_chars, s.affinity_max_chars), salt
-    )
-    blocks: list[int] = []
-    if policy == "cache_aware":
-        blocks = prompt_blocks(
-            prompt_text(parsed), salt, s.affinity_block_chars, s.affinity_max_chars
-        )
-    return Route(key, blocks)
-
-
 class _Bodies:
     """The forwarded body per upstream: with the effective ``cache_salt`` for upstreams that
-    take it; as the client sent it (plus the usage request) for those that do not."""
+    take it; as the client sent it (plus the usage request) for those that do not; with the
+    upstream's own id of the routed model (a config's alias, name or fallback)."""
 
-    __slots__ = ("_parsed", "_salt", "_salted", "_plain")
+    __slots__ = ("_parsed", "_salt", "_made")
 
     def __init__(self, parsed: dict[str, Any], salt: str | None) -> None:
         self._parsed = parsed
         self._salt = salt
-        self._salted: bytes | None = None
-        self._plain: bytes | None = None
+        self._made: dict[tuple[bool, str | None], bytes] = {}
 
-    def for_upstream(self, up: Upstream) -> bytes:
-        if up.cache_salt is False or self._salt is None:
-            if self._plain is None:
-                self._plain = json.dumps(self._parsed).encode()  # \ud800 stays an escape
-            return self._plain
-        if self._salted is None:
-            self._salted = json.dumps({**self._parsed, "cache_salt": self._salt}).encode()
-        return self._salted
+    def for_upstream(self, up: Upstream, model: str | None = None) -> bytes:
+        salted = up.cache_salt is not False and self._salt is not None
+        name = up.upstream_model(model) if model is not None else None  # None: as sent
+        made = self._made.get((salted, name))
+        if made is None:
+            body = self._parsed
+            if name is not None and name != body.get("model"):
+                body = {**body, "model": name}
+            if salted:
+                body = {**body, "cache_salt": self._salt}
+            made = self._made[(salted, name)] = json.dumps(body).encode()  # \ud800: an escape
+        return made
 
 
 class _Outcome:
@@ -245,10 +233,51 @@ class _Outcome:
 
 
 async def proxy_get(request: web.Request) -> web.StreamResponse:
-    """GET /v1/models (and /v1/models/{id}) from the least loaded healthy upstream."""
+    """GET /v1/models: the union of the upstreams' models (a config's model names and
+    aliases); GET /v1/models/{id}: that card, else 404 ``model_not_found``. Forwarded to an
+    upstream (the least loaded healthy one) only while no upstream's models are known."""
     st = request.app[STATE]
     st.keys.authenticate(request)
-    return await _forward(request, st, None, None, None, None)
+    router = request.app[PROXY].router
+    cards = model_cards(router)
+    if cards is None:
+        return await _forward(request, st, None, None, None, None)
+    wanted = request.match_info.get("model")
+    if wanted is None:
+        return web.json_response({"object": "list", "data": list(cards.values())})
+    card = cards.get(wanted)
+    if card is None:
+        router.resolve(wanted)  # 404 model_not_found when nobody serves it
+        raise APIError(404, f"the model {wanted!r} is not listed yet", code="model_not_found")
+    return web.json_response(card)
+
+
+def model_cards(router: UpstreamRouter) -> dict[str, dict[str, Any]] | None:
+    """The models the gateway serves, by id, as cards (``/v1/models``): each upstream's own
+    card, the first upstream's where several serve one; a config's model (or alias) has the
+    card of its first deployment's upstream model with its own id (a minimal card while
+    that upstream's are unknown). None while no upstream's models are known."""
+    if router.model_list is None:
+        if all(u.models is None for u in router.upstreams):
+            return None
+        out: dict[str, dict[str, Any]] = {}
+        for u in router.upstreams:
+            for mid in list(u.cards) or sorted(u.models or ()):
+                out.setdefault(mid, u.cards.get(mid) or _card(mid))
+        return out
+    out = {}
+    aliases = router.model_list.aliases()
+    for name in router.model_list.names():
+        model = aliases.get(name, name)
+        deployments = router.serving(model)
+        first = deployments[0] if deployments else None
+        card = first.cards.get(first.upstream_model(model)) if first is not None else None
+        out[name] = {**card, "id": name} if card else _card(name)
+    return out
+
+
+def _card(model_id: str) -> dict[str, Any]:
+    return {"id": model_id, "object": "model", "created": 0, "owned_by": "prefixgate"}
 
 
 async def _forward(
@@ -267,6 +296,8 @@ async def _forward(
     session = router.session
     assert session is not None  # opened on the app's startup
     tried: list[Upstream] = []
+    fallbacks = router.fallbacks(route.model if route is not None else None)
+    last: _Answer | None = None  # the last 429 / 500 answer, the client's when none is left
     while True:
         if pinned is not None:
             if tried:
@@ -274,22 +305,36 @@ async def _forward(
             up: Upstream | None = pinned
         else:
             up = router.pick(route, tried)
+        if up is None and route is not None and fallbacks:
+            route.model = fallbacks.pop(0)  # every deployment failed: the next model
+            logger.info("falling back to model %s", route.model)
+            continue
         if up is None:
-            raise router.exhausted(tried, "every upstream failed")
+            if last is not None:
+                return last.response(router.retry_after(route.model if route else None))
+            raise router.exhausted(tried, "every upstream failed", route.model if route else None)
         tried.append(up)
         headers = upstream_headers(request, st, up)
         up.in_flight += 1
         status = "error"
         try:
             if bodies is None:
-                ctx = session.get(up.url + request.path_qs, headers=headers)
+                ctx = session.get(up.url + request.path_qs, headers=headers, ssl=up.ssl)
             else:
-                body = bodies.for_upstream(up)
-                ctx = session.post(up.url + request.path, data=body, headers=headers)
+                body = bodies.for_upstream(up, route.model if route is not None else None)
+                ctx = session.post(up.url + request.path, data=body, headers=headers, ssl=up.ssl)
             async with ctx as resp:
                 status = str(resp.status)
                 if resp.status in _RETRYABLE:
                     router.mark_failed(up, f"HTTP {resp.status}")
+                    continue
+                if resp.status in _NEXT_UPSTREAM and pinned is None:
+                    last = _Answer(resp.status, await resp.read(), resp.headers)
+                    wait = retry_after_seconds(resp.headers.get("Retry-After"))
+                    if resp.status == 429 and wait is not None:
+                        router.limit(up, wait)
+                    else:
+                        up.last_error = f"HTTP {resp.status}"
                     continue
                 if ticket is not None:
                     ticket.started()
@@ -313,7 +358,7 @@ async def _forward(
                     status = "prefix_lost"
                     raise _PinnedLost("prefix_not_found")
                 if resp.status >= 400 and not _is_openai_error(data, resp.headers):
-                    raise _wrapped_error(resp)
+                    raise _wrapped_error(resp.status, resp.headers)
                 problem = json_body_problem(data, resp.headers) if resp.status < 300 else None
                 if problem is not None:  # a failed upstream: not served, nothing learnt
                     up.served -= 1
@@ -325,12 +370,7 @@ async def _forward(
                     if "Content-Encoding" not in resp.headers:
                         outcome.usage = body_usage(data)
                     _learn(router, up, route, data[-4096:])
-                out_headers = {"Content-Type": ctype}
-                for name in _PASSED_HEADERS:  # a 429's advice; an encoding we did not undo
-                    value = resp.headers.get(name)
-                    if value is not None:
-                        out_headers[name] = value
-                return web.Response(body=data, status=resp.status, headers=out_headers)
+                return _Answer(resp.status, data, resp.headers).response()
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
             if request.transport is None or request.transport.is_closing():
                 return web.Response(status=499)  # client gone; nothing to answer
@@ -380,13 +420,45 @@ def _lost_prefix(data: bytes, headers: Any) -> bool:
     return isinstance(err, dict) and err.get("code") == "prefix_not_found"
 
 
-def _wrapped_error(resp: aiohttp.ClientResponse) -> APIError:
+class _Answer:
+    """An upstream's whole (non-stream) answer: ``status``, body bytes, headers."""
+
+    __slots__ = ("status", "data", "headers")
+
+    def __init__(self, status: int, data: bytes, headers: Any) -> None:
+        self.status = status
+        self.data = data
+        self.headers = headers
+
+    def response(self, retry_after: float | None = None) -> web.Response:
+        """The client's response: the body as it came (an error without an OpenAI error
+        object wrapped in one), its content type, ``Retry-After`` and encoding; with
+        ``retry_after`` (seconds until one of the model's upstreams is out of its 429) as
+        ``Retry-After`` instead of the upstream's own.
+
+        Raises:
+            APIError: the wrapped error.
+        """
+        headers = CIMultiDict(self.headers)
+        if retry_after is not None:
+            headers["Retry-After"] = str(max(1, math.ceil(retry_after)))
+        if self.status >= 400 and not _is_openai_error(self.data, headers):
+            raise _wrapped_error(self.status, headers)
+        out_headers = {"Content-Type": headers.get("Content-Type", "application/json")}
+        for name in _PASSED_HEADERS:  # a 429's advice; an encoding we did not undo
+            value = headers.get(name)
+            if value is not None:
+                out_headers[name] = value
+        return web.Response(body=self.data, status=self.status, headers=out_headers)
+
+
+def _wrapped_error(status: int, headers: Any) -> APIError:
     """An upstream error whose body is not an OpenAI error object (an HTML page, a traceback,
     nothing): the same status, a generic OpenAI error, the upstream's body never shown."""
-    retry = resp.headers.get("Retry-After", "")
+    retry = headers.get("Retry-After", "")
     return APIError(
-        resp.status,
-        f"the upstream answered HTTP {resp.status} without an OpenAI error object",
+        status,
+        f"the upstream answered HTTP {status} without an OpenAI error object",
         code="upstream_error",
         retry_after=float(retry) if retry.isdigit() else None,
     )
@@ -408,13 +480,14 @@ def _learn(router: Any, up: Upstream, route: Route | None, tail: bytes) -> None:
 
 
 def upstream_headers(request: web.Request, st: GatewayState, up: Upstream) -> dict[str, str]:
-    """Headers towards ``up``: one credential at most — ``--upstream-api-key`` (Bearer), else
-    the upstream URL's userinfo (Basic, made once by ``split_credentials``), else the client's
+    """Headers towards ``up``: one credential at most — its own (a config's credential, or
+    its URL's userinfo as Basic, made once by ``split_credentials``), else
+    ``--upstream-api-key`` (Bearer), else the client's
     own ``Authorization`` when the gateway has no keys of its own."""
-    if st.settings.upstream_api_key:
-        return {**_HOP_HEADERS, "Authorization": "Bearer " + st.settings.upstream_api_key}
     if up.auth is not None:
         return {**_HOP_HEADERS, "Authorization": up.auth}
+    if st.settings.upstream_api_key:
+        return {**_HOP_HEADERS, "Authorization": "Bearer " + st.settings.upstream_api_key}
     auth = request.headers.get("Authorization")
     if auth and st.keys.open:
         return {**_HOP_HEADERS, "Authorization": auth}

@@ -1,9 +1,9 @@
-"""Upstream routing policies (``--routing``) and cache_aware's prefix tree (``gateway.routing``)."""
+"""Upstream routing policies (``--routing``) and cache_aware's prefix tree (``proxy.policies``)."""
 
 from __future__ import annotations
 
 import pytest
-from prefixgate.gateway.proxy.routing import PrefixTree, prompt_blocks
+from prefixgate.gateway.proxy.policies import PrefixTree, prompt_blocks
 from prefixgate.gateway.proxy.upstream import Route, UpstreamRouter
 from prefixgate.gateway.settings import GatewaySettings
 
