@@ -202,6 +202,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "(repeatable: requests are routed by prompt-prefix affinity) (default: none)",
     )
     p.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="proxy to the model list of this TOML or YAML file instead: models, each with "
+        "deployments (URL, credential from an env var or a file, weight, max in flight, "
+        "TLS), aliases and fallbacks; checked at start-up (README, 'Operators') "
+        "(default: none)",
+    )
+    p.add_argument(
         "--upstream-api-key",
         default=None,
         help="Bearer key sent to the upstreams (default: none; without keys of its own the "
