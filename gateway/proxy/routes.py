@@ -5,11 +5,18 @@ a 200 JSON answer must be a JSON object (an HTML page or garbage with status 200
 failed upstream: retried elsewhere, else 502 ``upstream_error``), an SSE stream is relayed
 event by event, each checked, and must end with ``[DONE]`` — a stream that ends early,
 breaks, stalls past the idle timeout or turns to garbage ends with an in-band error event
-(``relay``). A request whose upstream fails before answering (connection refused or reset,
-connect timeout, 502/503/504, an invalid 200 body) is retried once on each other healthy
-upstream; an idle timeout before the answer (nothing for ``upstream_timeout_s``) is 504
-``upstream_timeout`` and not retried (the request may still be running there); once a
-stream has started it cannot move. An upstream error whose body is not an OpenAI error
+(``relay``). A request goes only to upstreams serving its model (``upstream``). One whose
+upstream fails before answering (connection refused or reset, connect timeout, 502/503/504,
+an invalid 200 body) is retried once on each other healthy upstream of its model; a 429 or
+500 answer also moves it to the next one (the upstream stays in rotation; a 429's
+``Retry-After`` keeps it out that long), and when none is left the client gets that answer
+(a 429 with the ``Retry-After`` of the soonest upstream back). Then, under a config file,
+come the model's fallbacks in order — not for a 429 whose upstream is back within
+``SOON_S`` — and a 400 "context length exceeded" goes to the next fallback at once. An idle
+timeout before the answer (nothing for ``upstream_timeout_s``) is 504 ``upstream_timeout``
+and not retried (the request may still be running there), except under a config file, whose
+deployments are declared interchangeable: there the next one (then a fallback) takes it.
+Once a stream has started it cannot move. An upstream error whose body is not an OpenAI error
 object (an HTML page, a traceback, nothing) is answered with the same status and a generic
 OpenAI error. A client that disconnects closes the upstream connection (the
 upstream then aborts its request).
@@ -45,6 +52,7 @@ _RETRYABLE = frozenset((502, 503, 504))
 # Answers that send the request to the next upstream of its model (then to its fallback
 # models), the upstream staying in rotation; the last one is the client's when none is left.
 _NEXT_UPSTREAM = frozenset((429, 500))
+SOON_S = 1.0  # a 429 whose deployment is back within this (seconds) is not worth a fallback
 _HOP_HEADERS = {"Content-Type": "application/json"}
 _PASSED_HEADERS = ("Retry-After", "Content-Encoding")
 
@@ -289,31 +297,46 @@ async def _forward(
     outcome: _Outcome | None,
     pinned: Upstream | None = None,
 ) -> web.StreamResponse:
-    """Forward to the upstream routing picks (the next one on a failure before the answer),
-    or only to ``pinned`` (a prefix's upstream: ``_PinnedLost`` when it fails before the
-    answer or answers 404 ``prefix_not_found``)."""
+    """Forward to the upstream routing picks (the next one of the model on a failure before
+    the answer, then the model's fallbacks: see the module docstring), or only to ``pinned``
+    (a prefix's upstream: ``_PinnedLost`` when it fails before the answer or answers 404
+    ``prefix_not_found``)."""
     router = request.app[PROXY].router
     session = router.session
     assert session is not None  # opened on the app's startup
     tried: list[Upstream] = []
+    exclude: list[Upstream] = []  # tried for this model
     fallbacks = router.fallbacks(route.model if route is not None else None)
+    configured = router.model_list is not None  # deployments declared interchangeable
     last: _Answer | None = None  # the last 429 / 500 answer, the client's when none is left
+    timed_out: APIError | None = None
     while True:
+        model = route.model if route is not None else None
         if pinned is not None:
             if tried:
                 raise _PinnedLost(tried[-1].last_error)
             up: Upstream | None = pinned
         else:
-            up = router.pick(route, tried)
+            up = router.pick(route, exclude)
         if up is None and route is not None and fallbacks:
-            route.model = fallbacks.pop(0)  # every deployment failed: the next model
-            logger.info("falling back to model %s", route.model)
-            continue
+            soon = router.retry_after(model)
+            if not (
+                last is not None and last.status == 429 and soon is not None and soon <= SOON_S
+            ):
+                route.model = fallbacks.pop(0)  # every deployment failed: the next model
+                exclude = []
+                logger.info(
+                    "model %s failed (%s): falling back to %s", model, _why(tried), route.model
+                )
+                continue
         if up is None:
             if last is not None:
-                return last.response(router.retry_after(route.model if route else None))
-            raise router.exhausted(tried, "every upstream failed", route.model if route else None)
+                return last.response(router.retry_after(model))
+            if timed_out is not None:
+                raise timed_out
+            raise router.exhausted(tried, "every upstream failed", model)
         tried.append(up)
+        exclude.append(up)
         headers = upstream_headers(request, st, up)
         up.in_flight += 1
         status = "error"
@@ -353,6 +376,15 @@ async def _forward(
                     _learn(router, up, route, bytes(tail))
                     return out
                 data = await resp.read()
+                if resp.status == 400 and fallbacks and route and _too_long(data, resp.headers):
+                    up.served -= 1
+                    status = "too_long"
+                    route.model = fallbacks.pop(0)  # a model with a longer context, say
+                    exclude = []
+                    logger.info(
+                        "prompt too long for model %s: falling back to %s", model, route.model
+                    )
+                    continue
                 if pinned is not None and resp.status == 404 and _lost_prefix(data, resp.headers):
                     up.served -= 1
                     status = "prefix_lost"
@@ -381,12 +413,15 @@ async def _forward(
                 # An idle timeout: one slow request, not a dead server (a probe decides).
                 router.suspect(up, why)
                 status = "timeout"
-                raise APIError(
+                timed_out = APIError(
                     504,
                     f"the upstream sent nothing for {router.timeout_s:g} s",
                     code="upstream_timeout",
                     type="timeout_error",
-                ) from None
+                )
+                if configured and pinned is None and route is not None:
+                    continue  # a config's deployments are interchangeable: the next one
+                raise timed_out from None
             router.mark_failed(up, why)
             status = "failed"
         finally:
@@ -407,6 +442,28 @@ def _is_openai_error(data: bytes, headers: Any) -> bool:
     except ValueError:
         return False
     return isinstance(parsed, dict) and isinstance(parsed.get("error"), dict)
+
+
+def _too_long(data: bytes, headers: Any) -> bool:
+    """True when an upstream's 400 body says the prompt exceeds the model's context
+    (OpenAI's code ``context_length_exceeded``, or vLLM's / SGLang's "maximum context
+    length" message)."""
+    if "Content-Encoding" in headers:
+        return False
+    try:
+        err = json.loads(data).get("error")
+    except (ValueError, AttributeError):
+        return False
+    if not isinstance(err, dict):
+        return False
+    message = err.get("message")
+    return err.get("code") == "context_length_exceeded" or (
+        isinstance(message, str) and "maximum context length" in message
+    )
+
+
+def _why(tried: list[Upstream]) -> str:
+    return tried[-1].last_error if tried else "no upstream of it can take requests"
 
 
 def _lost_prefix(data: bytes, headers: Any) -> bool:

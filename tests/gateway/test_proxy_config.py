@@ -258,3 +258,96 @@ def test_tls_with_a_private_ca_on_every_route_and_the_probe(tmp_path):
             assert http.post("/v1/chat/completions", json=_chat("secure")).status_code == 200
         assert len(stub.seen) == 4
     assert json.loads(json.dumps(stub.seen[-1]))["model"] == "secure"
+
+
+def _answering(status: int = 200, delay_s: float = 0.0, error: dict | None = None):
+    """A minimal upstream: every chat waits ``delay_s`` before its answer (``error`` with
+    ``status``, else a completion naming the model)."""
+    import asyncio
+
+    from aiohttp import web
+
+    seen: list[dict] = []
+
+    async def chat(request: web.Request) -> web.Response:
+        body = await request.json()
+        seen.append(body)
+        await asyncio.sleep(delay_s)
+        if error is not None:
+            return web.json_response({"error": error}, status=status)
+        message = {"role": "assistant", "content": "from " + body["model"]}
+        choice = {"index": 0, "message": message, "finish_reason": "stop"}
+        return web.json_response({"id": "x", "object": "chat.completion", "choices": [choice]})
+
+    def make() -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", chat)
+        return app
+
+    return make, seen
+
+
+def _two_models(tmp_path: Path, first: str, second: str) -> Path:
+    return _write(
+        tmp_path,
+        f"""
+[[models]]
+name = "primary"
+fallbacks = ["secondary"]
+[[models.deployments]]
+url = "{first}"
+[[models]]
+name = "secondary"
+[[models.deployments]]
+url = "{second}"
+""",
+    )
+
+
+def test_fallback_on_timeout_and_on_a_too_long_prompt(tmp_path):
+    slow, slow_seen = _answering(delay_s=5.0)
+    error = {"message": "too long", "type": "invalid_request_error", "param": "messages"}
+    long, long_seen = _answering(400, error={**error, "code": "context_length_exceeded"})
+    spare, spare_seen = _answering()
+    settings = GatewaySettings(upstream_timeout_s=0.3)
+    with BackgroundServer(slow) as a, BackgroundServer(long) as b, BackgroundServer(spare) as c:
+        for first, seen in ((a, slow_seen), (b, long_seen)):
+            config = load_config(_two_models(tmp_path, first.url, c.url))
+            with (
+                BackgroundServer(lambda: create_proxy_app(config, settings)) as gw,  # noqa: B023
+                httpx.Client(base_url=gw.url, timeout=10) as http,
+            ):
+                r = http.post("/v1/chat/completions", json=_chat("primary"))
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["message"]["content"] == "from secondary"
+                assert len(seen) == 1
+        assert len(spare_seen) == 2
+        # Without a fallback a too-long prompt is the upstream's own 400.
+        solo = _write(
+            tmp_path, f'[[models]]\nname = "solo"\n[[models.deployments]]\nurl = "{b.url}"\n'
+        )
+        config = load_config(solo)
+        with (
+            BackgroundServer(lambda: create_proxy_app(config, settings)) as gw,
+            httpx.Client(base_url=gw.url, timeout=10) as http,
+        ):
+            r = http.post("/v1/chat/completions", json=_chat("solo"))
+            assert_openai_error(r, 400, code="context_length_exceeded")
+            assert len(long_seen) == 2 and len(spare_seen) == 2
+
+
+def test_a_429_back_soon_is_not_worth_a_fallback(tmp_path, stubs):
+    soon = stubs(name="soon", fail_every=1, retry_after="1")
+    later = stubs(name="later", fail_every=1, retry_after="120")
+    spare = stubs(name="spare", models=("secondary",))
+    for limited, answered in ((soon, 429), (later, 200)):
+        config = load_config(_two_models(tmp_path, limited.base_url, spare.base_url))
+        with (
+            BackgroundServer(lambda: create_proxy_app(config, GatewaySettings())) as gw,  # noqa: B023
+            httpx.Client(base_url=gw.url, timeout=10) as http,
+        ):
+            r = http.post("/v1/chat/completions", json=_chat("primary"))
+            assert r.status_code == answered, r.text
+            if answered == 429:
+                assert r.headers["Retry-After"] == "1"
+    assert len(spare.seen) == 1
