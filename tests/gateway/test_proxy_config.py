@@ -351,3 +351,20 @@ def test_a_429_back_soon_is_not_worth_a_fallback(tmp_path, stubs):
             if answered == 429:
                 assert r.headers["Retry-After"] == "1"
     assert len(spare.seen) == 1
+
+
+def test_prefixgate_serve_refuses_a_bad_config_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    bad = _write(tmp_path, _GOOD + 'dialect = "smoke-signals"\n')
+    argv = [sys.executable, "-m", "prefixgate.gateway.cli", "serve", "--port", "0"]
+    cases = [
+        (["--config", str(bad)], "deployments[0].dialect: 'smoke-signals' is not served"),
+        (["--config", str(bad), "--upstream", "http://x:1"], "give --config or --upstream"),
+    ]
+    for extra, message in cases:
+        done = subprocess.run([*argv, *extra], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2, done.stderr
+        (line,) = [ln for ln in done.stderr.splitlines() if "bad option" in ln]
+        assert message in line

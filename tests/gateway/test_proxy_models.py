@@ -143,3 +143,55 @@ def test_a_429_with_retry_after_takes_the_upstream_out_for_that_long(stubs):
         r = http.post("/v1/chat/completions", json=_chat("alpha", "again"))
         assert_openai_error(r, 429)
         assert r.headers["Retry-After"] == "7"
+
+
+def test_prefixgate_serve_with_two_upstream_flags(stubs, tmp_path):
+    """As a new user runs it: ``prefixgate serve --upstream A --upstream B`` with different
+    models: the union listed, every request answered by a server of its model, unknown 404."""
+    import os
+    import subprocess
+    import sys
+
+    from support.net import free_port
+
+    a = _start(stubs, name="a", models=("alpha",))
+    b = _start(stubs, name="b", models=("beta",))
+    port = free_port()
+    log = tmp_path / "serve.log"
+    argv = [sys.executable, "-m", "prefixgate.gateway.cli", "serve", "--port", str(port)]
+    proc = subprocess.Popen(
+        [*argv, "--upstream", a.base_url, "--upstream", b.base_url + "/v1", "--no-access-log"],
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=open(log, "wb"),  # noqa: SIM115
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+
+        def ready() -> bool:
+            assert proc.poll() is None, log.read_text()
+            try:
+                return httpx.get(url + "/ready", timeout=1).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        _wait(ready, "the gateway did not start", limit_s=60)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        assert sorted(m.id for m in client.models.list()) == ["alpha", "beta"]
+        for i in range(6):
+            model = ("alpha", "beta")[i % 2]
+            out = client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": f"q{i}"}]
+            )
+            assert out.model == model
+        assert {s["model"] for s in a.seen} == {"alpha"} and len(a.seen) == 3
+        assert {s["model"] for s in b.seen} == {"beta"} and len(b.seen) == 3
+        with pytest.raises(openai.NotFoundError) as err:
+            client.chat.completions.create(
+                model="gamma", messages=[{"role": "user", "content": "x"}]
+            )
+        assert err.value.code == "model_not_found"
+        assert "serve different models" in log.read_text()  # said at start-up
+    finally:
+        proc.terminate()
+        proc.wait(30)
