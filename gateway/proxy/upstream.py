@@ -34,7 +34,7 @@ from typing import Any
 
 import aiohttp
 import yarl
-from prefixgate.gateway.http.errors import APIError, not_found, shown
+from prefixgate.gateway.http.errors import APIError, bad_request, not_found, shown
 from prefixgate.gateway.proxy.model_list import ModelList
 from prefixgate.gateway.proxy.policies import (
     PrefixTree,
@@ -394,8 +394,14 @@ class UpstreamRouter:
 
         Raises:
             APIError: 404 ``model_not_found`` when no upstream serves it and every upstream's
-                models are known (a config's models always are).
+                models are known (a config's models always are); 400 under a config when it
+                is missing or not a string.
         """
+        if self.model_list is not None and not isinstance(model, str):
+            raise bad_request(
+                "model: must be the name of one of this gateway's models (GET /v1/models)",
+                param="model",
+            )
         if not isinstance(model, str):
             return None
         if self.model_list is not None:

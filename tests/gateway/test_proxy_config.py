@@ -162,6 +162,9 @@ api_key_file = "key.txt"
         assert {r["auth"] for r in small.records} == {"Bearer file-key"}
         r = http.post("/v1/chat/completions", json=_chat("llama-3-8b"))  # not a public name
         assert_openai_error(r, 404, code="model_not_found")
+        for model in (None, 3):
+            r = http.post("/v1/chat/completions", json=_chat(model))  # type: ignore[arg-type]
+            assert_openai_error(r, 400, param="model")
 
 
 def test_max_in_flight_sends_the_rest_to_other_deployments(tmp_path, stubs):
