@@ -12,7 +12,7 @@ read by PyYAML when installed). The shape, in TOML::
     [[models.deployments]]
     url = "https://a.internal:8000/v1" # an OpenAI-compatible server
     model = "meta-llama/Llama-3.1-8B-Instruct"  # its own id of the model (default: name)
-    dialect = "openai"                 # the only dialect served so far
+    dialect = "openai"                 # or "anthropic" (the Messages API, proxy.anthropic)
     api_key_env = "A_KEY"              # Bearer credential from an environment variable...
     # api_key_file = "/run/secrets/a"  # ...or from a file (one of the two at most)
     weight = 2                         # share of the load (> 0, default 1)
@@ -38,7 +38,7 @@ from typing import Any
 from prefixgate.gateway.proxy.model_list import ModelEntry, ModelList
 from prefixgate.gateway.proxy.upstream import Upstream, split_credentials
 
-DIALECTS = ("openai",)  # wire dialects of deployments served so far
+DIALECTS = ("openai", "anthropic")  # wire dialects of deployments (proxy.anthropic)
 _MODEL_KEYS = frozenset(("name", "aliases", "fallbacks", "deployments"))
 _DEPLOYMENT_KEYS = frozenset(
     ("url", "model", "dialect", "api_key_env", "api_key_file", "weight", "max_in_flight", "tls")
@@ -59,6 +59,7 @@ class Deployment:
     max_in_flight: int = 0
     tls: ssl.SSLContext | bool = True
     tls_spec: tuple[tuple[str, Any], ...] = ()  # the tls table as written (to compare)
+    dialect: str = "openai"
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,15 +84,16 @@ class ProxyConfig:
                 up = by_url.get(url)
                 if up is None:
                     up = by_url[url] = Upstream(
-                        d.url, d.auth, d.weight, d.max_in_flight, d.tls, {name: d.model}
+                        d.url, d.auth, d.weight, d.max_in_flight, d.tls, {name: d.model}, d.dialect
                     )
                     seen[url] = d
                     continue
                 first = seen[url]
-                same = (first.auth, first.weight, first.max_in_flight) == (
+                same = (first.auth, first.weight, first.max_in_flight, first.dialect) == (
                     d.auth,
                     d.weight,
                     d.max_in_flight,
+                    d.dialect,
                 ) and first.tls_spec == d.tls_spec
                 if not same:
                     raise ValueError(
@@ -236,6 +238,7 @@ class _Reader:
             max_in_flight=cap,
             tls=self.tls(d.get("tls"), at + ".tls"),
             tls_spec=tuple(sorted((d.get("tls") or {}).items())),
+            dialect=dialect,
         )
 
     def credential(self, d: dict[str, Any], at: str) -> str | None:

@@ -37,6 +37,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 from prefixgate.gateway.http.access_log import record
 from prefixgate.gateway.http.errors import APIError, bad_request
+from prefixgate.gateway.proxy import anthropic
 from prefixgate.gateway.proxy.policies import Route
 from prefixgate.gateway.proxy.prefixes import ProxyPrefix
 from prefixgate.gateway.proxy.relay import json_body_problem, relay_sse
@@ -204,6 +205,11 @@ class _Bodies:
         self._salt = salt
         self._made: dict[tuple[bool, str | None], bytes] = {}
 
+    @property
+    def parsed(self) -> dict[str, Any]:
+        """The request body as the client sent it (plus the usage request of a stream)."""
+        return self._parsed
+
     def for_upstream(self, up: Upstream, model: str | None = None) -> bytes:
         salted = up.cache_salt is not False and self._salt is not None
         name = up.upstream_model(model) if model is not None else None  # None: as sent
@@ -341,6 +347,20 @@ async def _forward(
         up.in_flight += 1
         status = "error"
         try:
+            if up.dialect == "anthropic":
+                got = await _forward_anthropic(request, st, up, bodies, route, ticket, outcome)
+                status = str(got.status)
+                if isinstance(got, _Answer):
+                    if got.status in _RETRYABLE:
+                        router.mark_failed(up, f"HTTP {got.status}")
+                    else:  # 429, 500, 529 overloaded (the client sees a 503: OpenAI's word)
+                        last = got if got.status != 529 else _Answer(503, got.data, got.headers)
+                        up.last_error = f"HTTP {got.status}"
+                        wait = retry_after_seconds(got.headers.get("Retry-After"))
+                        if got.status == 429 and wait is not None:
+                            router.limit(up, wait)
+                    continue
+                return got.response
             if bodies is None:
                 ctx = session.get(up.url + request.path_qs, headers=headers, ssl=up.ssl)
             else:
@@ -427,6 +447,84 @@ async def _forward(
         finally:
             up.in_flight -= 1
             st.metrics.upstream_requests.labels(up.url, status).inc()
+
+
+class _Served:
+    """An answer that went to the client (``response``), with its HTTP ``status``."""
+
+    __slots__ = ("status", "response")
+
+    def __init__(self, status: str, response: web.StreamResponse) -> None:
+        self.status = status
+        self.response = response
+
+
+async def _forward_anthropic(
+    request: web.Request,
+    st: GatewayState,
+    up: Upstream,
+    bodies: _Bodies | None,
+    route: Route | None,
+    ticket: Any,
+    outcome: _Outcome | None,
+) -> _Served | _Answer:
+    """One try of a chat on an Anthropic-dialect deployment (``proxy.anthropic``): the
+    translated answer sent to the client (``_Served``), or an answer worth the next upstream
+    (429, 500, 502/503/504, 529 overloaded: an ``_Answer`` holding an OpenAI error object).
+
+    Raises:
+        APIError: 400 for what the deployment cannot take (a route other than chat, a field
+            or content part); the upstream's other errors, mapped (``anthropic.error_of``).
+    """
+    if bodies is None or route is None or request.path != "/v1/chat/completions":
+        raise APIError(
+            400,
+            f"{request.path} is not served for this model (an Anthropic deployment): "
+            "use /v1/chat/completions",
+            code="unsupported_for_model",
+        )
+    session = request.app[PROXY].router.session
+    assert session is not None
+    public = route.model or ""
+    parsed = bodies.parsed
+    req = anthropic.to_messages(parsed, up.upstream_model(public))
+    async with session.post(
+        up.url + "/v1/messages", json=req, headers=anthropic.headers_for(up.auth), ssl=up.ssl
+    ) as resp:
+        if resp.status != 200:
+            data = await resp.read()
+            err = anthropic.error_of(resp.status, data)
+            if resp.status in (429, 500, 502, 503, 504, 529):
+                headers = {"Content-Type": "application/json"}
+                if "Retry-After" in resp.headers:
+                    headers["Retry-After"] = resp.headers["Retry-After"]
+                return _Answer(resp.status, json.dumps(err.body()).encode(), headers)
+            raise err
+        if ticket is not None:
+            ticket.started()
+        up.served += 1
+        if outcome is not None:
+            outcome.served = True
+        if req.get("stream"):
+            translator = anthropic.StreamTranslator(
+                public, include_usage=outcome.keep_usage if outcome is not None else False
+            )
+            out = await anthropic.relay_stream(
+                request, resp, translator, st.settings.upstream_timeout_s
+            )
+            if outcome is not None and translator.usage is not None:
+                outcome.usage.read(translator.usage)
+            return _Served("200", out)
+        try:
+            msg = await resp.json(content_type=None)
+            completion = anthropic.to_completion(msg, public)
+        except (ValueError, AttributeError, TypeError):
+            raise APIError(
+                502, "the Anthropic upstream's answer is not a message", code="upstream_error"
+            ) from None
+        if outcome is not None:
+            outcome.usage.read(completion["usage"])
+        return _Served("200", web.json_response(completion))
 
 
 def _is_openai_error(data: bytes, headers: Any) -> bool:

@@ -134,6 +134,7 @@ class Upstream:
         "max_in_flight",
         "limited_until",
         "ssl",
+        "dialect",
     )
 
     def __init__(
@@ -144,6 +145,7 @@ class Upstream:
         max_in_flight: int = 0,
         tls: ssl.SSLContext | bool = True,
         names: Mapping[str, str] | None = None,
+        dialect: str = "openai",
     ) -> None:
         self.url, self.auth = split_credentials(url)  # url: never holds a password
         if auth is not None:
@@ -170,6 +172,10 @@ class Upstream:
         self.max_in_flight = max_in_flight
         self.limited_until = 0.0  # time.monotonic() until which its 429 keeps it out
         self.ssl = tls
+        self.dialect = dialect  # "openai", or "anthropic" (the Messages API: proxy.anthropic)
+        if dialect == "anthropic":  # no prefix API, no cache_salt (its cache is the account's)
+            self.prefix_api = False
+            self.cache_salt = False
 
     def upstream_model(self, model: str) -> str:
         """The upstream's own id of public model ``model`` (the same without a config)."""
@@ -340,6 +346,8 @@ class UpstreamRouter:
         ``cache_salt="auto"``); another server that answers has neither; no answer leaves
         what was known. The models of a config's deployment are the config's."""
         assert self.session is not None
+        if up.dialect != "openai":
+            return  # a config's deployment: its models are the config's
         auth = up.auth or self._auth
         try:
             async with self.session.get(

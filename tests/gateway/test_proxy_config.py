@@ -62,7 +62,7 @@ url = "http://127.0.0.1:9/v1"
         ('[[models]]\nname = "a"\n', "models[0].deployments must be a non-empty list"),
         (_GOOD + 'colour = "red"\n', "models[0].deployments[0]: unknown field 'colour'"),
         (_GOOD.replace("http://127.0.0.1:9/v1", "ftp://x"), "deployments[0].url: upstream URL"),
-        (_GOOD + 'dialect = "anthropic"\n', "dialect: 'anthropic' is not served"),
+        (_GOOD + 'dialect = "grpc"\n', "dialect: 'grpc' is not served"),
         (_GOOD + "weight = 0\n", "weight: must be a number > 0"),
         (_GOOD + "max_in_flight = -1\n", "max_in_flight: must be an integer >= 0"),
         (_GOOD + 'api_key_env = "PG_TEST_UNSET_VAR"\n', "PG_TEST_UNSET_VAR is not set"),
