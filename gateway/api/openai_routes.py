@@ -19,6 +19,7 @@ import cachetools
 from aiohttp import web
 from prefixgate.engine.errors import EngineDeadError
 from prefixgate.engine.sampling_params import StructuredOutputsParams
+from prefixgate.engine.scheduling_policy import policy_class
 from prefixgate.gateway.api.prompts import (
     check_length,
     check_vocab,
@@ -169,14 +170,14 @@ async def _run(
 
 
 def check_priority_policy(requested: int | None, policy: str) -> None:
-    """A request's own non-zero ``priority`` only orders requests under the engine's
-    ``priority`` policy; under any other it would be accepted and do nothing, so it is refused
-    (vLLM's rule). ``0``, the no-op value, is always taken.
+    """A request's own non-zero ``priority`` only orders requests under a policy that reads it
+    (``uses_priority``: ``priority``); under any other it would be accepted and do nothing, so
+    it is refused (vLLM's rule). ``0``, the no-op value, is always taken.
 
     Raises:
         APIError: 400 ``priority_not_supported`` naming ``priority``.
     """
-    if requested and policy != "priority":
+    if requested and not policy_class(policy).uses_priority:
         raise APIError(
             400,
             f"priority: this server schedules requests by {policy!r}, where a request priority "

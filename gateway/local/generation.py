@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass, field
 
 from prefixgate.engine.outputs import TokenLogprobs
-from prefixgate.engine.protocol import EngineClient
+from prefixgate.engine.protocol import EngineClient, EngineRequest
 from prefixgate.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("prefixgate.gateway")
@@ -129,14 +129,15 @@ class ChoiceRun:
         put = self._queue.put_nowait
         seen_tokens = seen_logprobs = 0
         try:
-            async for out in self._engine.generate(
+            request = EngineRequest(
+                choice.request_id,
                 choice.prompt_token_ids,
                 choice.params,
-                choice.request_id,
                 cache_salt=self._salt,
                 tenant=self._tenant,
                 priority=self._priority,
-            ):
+            )
+            async for out in self._engine.generate(request):
                 # Copy now: an engine may reuse its output objects for the next step.
                 comp = out.outputs[0]
                 n = len(comp.token_ids)

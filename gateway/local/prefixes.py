@@ -168,8 +168,10 @@ class PrefixRegistry:
         cache_salt: str | None = None,
         owner: str | None = None,
         quota: PrefixQuota | None = None,
+        tenant: str | None = None,
     ) -> PrefixEntry:
-        """Pin ``token_ids`` (the rendered ``messages``) for ``ttl_s`` seconds.
+        """Pin ``token_ids`` (the rendered ``messages``) for ``ttl_s`` seconds, charged to
+        ``tenant`` (the key's name: under ``fair`` its pinned blocks count against its share).
 
         ``salt`` is the owner's (the key's) salt, checked by ``get``/``delete``;
         ``cache_salt`` the engine cache salt of the pin (default: ``salt``). Chat requests
@@ -221,6 +223,7 @@ class PrefixRegistry:
                 owner,
                 quota,
                 count=counted is None,
+                tenant=tenant,
             )
         except BaseException:
             if reserved and owner is not None:
@@ -265,6 +268,7 @@ class PrefixRegistry:
         owner: str | None,
         quota: PrefixQuota | None,
         count: bool,
+        tenant: str | None = None,
     ) -> PrefixEntry:
         """``create`` once the key's prefix count is reserved across replicas (``count``
         False) or left to this replica (``count`` True)."""
@@ -285,7 +289,7 @@ class PrefixRegistry:
             self._pending_by_owner[owner] = (n + 1, b + blocks)
         try:
             pin = await self._engine.pin_prefix(
-                pinned, ttl_s, cache_salt=salt if cache_salt is None else cache_salt
+                pinned, ttl_s, cache_salt=salt if cache_salt is None else cache_salt, tenant=tenant
             )
         except ValueError as exc:
             if isinstance(exc, PinLimitError):

@@ -79,4 +79,14 @@ ENGINE_HELP = {
     "the tokens), L2-normalized",
     "attention_backend": "attention kernels: torch or triton (default: triton on CUDA, torch "
     "elsewhere)",
+    "kv_events": "publish the engine's KV cache events (vLLM's BlockStored / BlockRemoved / "
+    "AllBlocksCleared, msgpack over ZeroMQ PUB) on this endpoint the engine binds: "
+    "tcp://host:port, tcp://host:* (ephemeral port), ipc://path or inproc://name "
+    "(default: off)",
+    "kv_events_replay": "the replay and snapshot (ROUTER) endpoint of --kv-events (default: "
+    "the next TCP port, <path>.replay for ipc)",
+    "kv_events_buffer_steps": "KV event batches (engine steps) kept for replay (>= 1)",
+    "kv_events_queue_size": "KV event batches queued between the step loop and the publisher "
+    "(>= 1); a batch past it is dropped and counted, and consumers resync on the gap",
+    "kv_events_topic": "topic frame of every KV event message (default: empty)",
 }

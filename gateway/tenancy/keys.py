@@ -47,7 +47,7 @@ from pathlib import Path
 from aiohttp import web
 from prefixgate.gateway.http.access_log import record
 from prefixgate.gateway.http.errors import APIError, too_many
-from prefixgate.sdk.limits import TokenBucket
+from prefixgate.sdk.flow_control import TokenBucket
 
 MAX_SALT_CHARS = 256  # cache_salt's bound; a key salt forwarded upstream fits it too
 
