@@ -3,17 +3,19 @@ Messages API (``POST /v1/messages``), its answer — whole or streamed event by 
 translated back, with prompt-cache breakpoints placed for the caller.
 
 Request (OpenAI → Anthropic): system and developer messages become ``system`` blocks; user
-text parts, assistant text and ``tool_calls`` (``tool_use`` blocks), ``tool`` messages
+text and image parts (``image_url``: a base64 ``data:`` URL or an http(s) URL), assistant text and ``tool_calls`` (``tool_use`` blocks), ``tool`` messages
 (``tool_result`` blocks in a user turn); ``max_tokens`` / ``max_completion_tokens``
 (default :data:`DEFAULT_MAX_TOKENS`: Anthropic requires one), ``temperature``, ``top_p``,
 ``stop`` (``stop_sequences``), ``tools`` and ``tool_choice``, ``user`` (``metadata.user_id``).
-Any other field — images, ``n`` > 1, ``logprobs``, ``response_format``, penalties, ... — is
+Any other field — ``n`` > 1, ``logprobs``, ``response_format``, penalties, ... — is
 refused by name (400), never dropped.
 
-Cache breakpoints (``cache_control``, at most :data:`MAX_BREAKPOINTS`): on the last system
-block, and on the last block of the conversation's stable head (every message before the
-last user turn), each only where the text up to it reaches Anthropic's minimum cacheable
-length (:data:`MIN_CACHE_CHARS`, about 1024 tokens at 4 characters a token); TTL ``5m``.
+Cache breakpoints (``cache_control``, at most :data:`MAX_BREAKPOINTS`): at the end of a
+registered prefix's messages (TTL ``1h`` when the prefix lives more than 5 more minutes,
+else ``5m``), on the last system block, and on the last block of the conversation's stable
+head (every message before the last user turn), these two only where the text up to them
+reaches Anthropic's minimum cacheable length (:data:`MIN_CACHE_CHARS`, about 1024 tokens
+at 4 characters a token); breakpoints inside the prefix take its TTL, later ones ``5m``.
 
 Answer (Anthropic → OpenAI): text blocks joined as ``content``, ``tool_use`` blocks as
 ``tool_calls``; ``stop_reason`` as ``finish_reason`` (``end_turn`` / ``stop_sequence`` →
@@ -65,8 +67,12 @@ _FINISH = {
 }
 
 
-def to_messages(body: dict[str, Any], model: str) -> dict[str, Any]:
-    """The Messages API body of an OpenAI chat completions ``body`` for ``model``.
+def to_messages(
+    body: dict[str, Any], model: str, prefix_messages: int = 0, prefix_ttl_s: float = 0.0
+) -> dict[str, Any]:
+    """The Messages API body of an OpenAI chat completions ``body`` for ``model``; its first
+    ``prefix_messages`` messages are a registered prefix living ``prefix_ttl_s`` more seconds
+    (a breakpoint at its end, TTL ``1h`` when it outlives 5 minutes).
 
     Raises:
         APIError: 400 naming a field or content part an Anthropic deployment cannot take.
@@ -86,16 +92,17 @@ def to_messages(body: dict[str, Any], model: str) -> dict[str, Any]:
         raise bad_request("messages must be a non-empty list", param="messages")
     system: list[dict[str, Any]] = []
     turns: list[dict[str, Any]] = []
+    mark: tuple[int, int, int] | None = None  # (system blocks, turns, blocks of the last turn)
     for i, m in enumerate(messages):
+        if i == prefix_messages and i:
+            mark = (len(system), len(turns), len(turns[-1]["content"]) if turns else 0)
         if not isinstance(m, dict):
             raise bad_request(f"messages[{i}] must be an object", param="messages")
         role = m.get("role")
         if role in ("system", "developer"):
             system += [{"type": "text", "text": t} for t in _texts(m.get("content"), i) if t]
         elif role == "user":
-            _append(
-                turns, "user", [{"type": "text", "text": t} for t in _texts(m.get("content"), i)]
-            )
+            _append(turns, "user", _user_blocks(m.get("content"), i))
         elif role == "assistant":
             blocks: list[dict[str, Any]] = [
                 {"type": "text", "text": t} for t in _texts(m.get("content"), i) if t
@@ -151,29 +158,84 @@ def to_messages(body: dict[str, Any], model: str) -> dict[str, Any]:
         out["tool_choice"] = _tool_choice(choice)
     if body.get("stream"):
         out["stream"] = True
-    place_breakpoints(out)
+    if prefix_messages >= len(messages) and prefix_messages:
+        mark = (len(system), len(turns), len(turns[-1]["content"]) if turns else 0)
+    place_breakpoints(out, mark, "1h" if prefix_ttl_s > 300 else "5m")
     return out
 
 
-def place_breakpoints(req: dict[str, Any]) -> int:
+def place_breakpoints(
+    req: dict[str, Any], prefix: tuple[int, int, int] | None = None, prefix_ttl: str = "5m"
+) -> int:
     """Mark the cacheable head of a Messages body with ``cache_control`` (see the module
-    docstring); returns how many breakpoints it placed (at most :data:`MAX_BREAKPOINTS`)."""
-    placed = 0
-    chars = 0
+    docstring): the end of a registered prefix (``prefix``: system blocks, turns and blocks of
+    its last turn it covers) with ``prefix_ttl``, the system prompt, the conversation's head
+    before the last user turn — each breakpoint inside the prefix with its TTL, after it
+    ``5m`` (Anthropic wants longer TTLs first). Returns how many it placed (at most
+    :data:`MAX_BREAKPOINTS`)."""
     system = req.get("system") or []
-    chars += sum(len(b.get("text", "")) for b in system)
-    if system and chars >= MIN_CACHE_CHARS:
-        system[-1]["cache_control"] = {"type": "ephemeral", "ttl": "5m"}
-        placed += 1
     turns = req.get("messages") or []
+    marks: list[tuple[dict[str, Any], bool]] = []  # (block, inside the prefix)
+    if prefix is not None:
+        n_sys, n_turns, n_blocks = prefix
+        if n_turns and n_blocks:
+            marks.append((turns[n_turns - 1]["content"][n_blocks - 1], True))
+        elif n_sys:
+            marks.append((system[n_sys - 1], True))
+    chars = sum(len(b.get("text", "")) for b in system)
+    if system and chars >= MIN_CACHE_CHARS:
+        inside = prefix is not None and (prefix[1] > 0 or prefix[0] >= len(system))
+        marks.append((system[-1], inside))
     last_user = max((i for i, t in enumerate(turns) if t["role"] == "user"), default=-1)
     head = turns[:last_user]
-    for t in head:
-        chars += sum(len(json.dumps(b)) for b in t["content"])
-    if head and head[-1]["content"] and chars >= MIN_CACHE_CHARS and placed < MAX_BREAKPOINTS:
-        head[-1]["content"][-1]["cache_control"] = {"type": "ephemeral", "ttl": "5m"}
+    chars += sum(len(json.dumps(b)) for t in head for b in t["content"])
+    if head and head[-1]["content"] and chars >= MIN_CACHE_CHARS:
+        inside = prefix is not None and prefix[1] > len(head)
+        marks.append((head[-1]["content"][-1], inside))
+    placed = 0
+    for block, inside in marks:
+        if "cache_control" in block or placed >= MAX_BREAKPOINTS:
+            continue
+        block["cache_control"] = {"type": "ephemeral", "ttl": prefix_ttl if inside else "5m"}
         placed += 1
     return placed
+
+
+_IMAGE_TYPES = frozenset(("image/jpeg", "image/png", "image/gif", "image/webp"))
+
+
+def _user_blocks(content: Any, i: int) -> list[dict[str, Any]]:
+    """A user message's content as Messages API blocks: text, and ``image_url`` parts as
+    ``image`` blocks (a ``data:`` URL of JPEG, PNG, GIF or WebP as base64, an http(s) URL
+    as a URL source)."""
+    if not isinstance(content, list):
+        return [{"type": "text", "text": t} for t in _texts(content, i)]
+    out: list[dict[str, Any]] = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "image_url":
+            out += [{"type": "text", "text": t} for t in _texts([part], i)]
+            continue
+        image = part.get("image_url")
+        url = image.get("url") if isinstance(image, dict) else None
+        if isinstance(url, str) and url.startswith("data:") and ";base64," in url:
+            media, data = url[5:].split(";base64,", 1)
+            if media not in _IMAGE_TYPES:
+                raise bad_request(
+                    f"messages[{i}].content: {media or 'this'} images are not supported by "
+                    "this model's Anthropic deployment (JPEG, PNG, GIF, WebP)",
+                    param="messages",
+                )
+            source = {"type": "base64", "media_type": media, "data": data}
+            out.append({"type": "image", "source": source})
+        elif isinstance(url, str) and url.startswith(("https://", "http://")):
+            out.append({"type": "image", "source": {"type": "url", "url": url}})
+        else:
+            raise bad_request(
+                f"messages[{i}].content: image_url.url must be a data: or http(s) URL",
+                param="messages",
+            )
+    return out
 
 
 def _texts(content: Any, i: int) -> list[str]:
@@ -188,8 +250,8 @@ def _texts(content: Any, i: int) -> list[str]:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind != "text":
             raise bad_request(
-                f"messages[{i}].content: {kind or 'this'} parts are not supported by this "
-                "model's Anthropic deployment (text only)",
+                f"messages[{i}].content: {kind or 'this'} parts are not supported here by "
+                "this model's Anthropic deployment",
                 param="messages",
             )
         out.append(str(part.get("text", "")))

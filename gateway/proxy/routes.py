@@ -169,7 +169,8 @@ async def _forward_prefix(
                 await registry.replace(prefix, lost or prefix.upstream_id, _for(request, st))
             up = registry.holder(prefix)
         if up is None:
-            return await _forward(request, st, _Bodies(full, salt), route, ticket, outcome)
+            bodies = _Bodies(full, salt, prefix)
+            return await _forward(request, st, bodies, route, ticket, outcome)
         own = full["messages"][len(prefix.messages) :]
         body = {**full, "messages": own, "prefix_id": prefix.upstream_id}
         try:
@@ -198,12 +199,15 @@ class _Bodies:
     take it; as the client sent it (plus the usage request) for those that do not; with the
     upstream's own id of the routed model (a config's alias, name or fallback)."""
 
-    __slots__ = ("_parsed", "_salt", "_made")
+    __slots__ = ("_parsed", "_salt", "_made", "prefix")
 
-    def __init__(self, parsed: dict[str, Any], salt: str | None) -> None:
+    def __init__(
+        self, parsed: dict[str, Any], salt: str | None, prefix: ProxyPrefix | None = None
+    ) -> None:
         self._parsed = parsed
         self._salt = salt
         self._made: dict[tuple[bool, str | None], bytes] = {}
+        self.prefix = prefix  # the registered prefix its messages start with (sent in full)
 
     @property
     def parsed(self) -> dict[str, Any]:
@@ -487,7 +491,13 @@ async def _forward_anthropic(
     assert session is not None
     public = route.model or ""
     parsed = bodies.parsed
-    req = anthropic.to_messages(parsed, up.upstream_model(public))
+    pfx = bodies.prefix
+    req = anthropic.to_messages(
+        parsed,
+        up.upstream_model(public),
+        len(pfx.messages) if pfx is not None else 0,
+        pfx.seconds_left() if pfx is not None else 0.0,
+    )
     async with session.post(
         up.url + "/v1/messages", json=req, headers=anthropic.headers_for(up.auth), ssl=up.ssl
     ) as resp:

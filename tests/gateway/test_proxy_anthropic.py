@@ -153,11 +153,11 @@ def test_streams_tools_and_tool_results_are_translated(gateway):
 def test_what_the_dialect_cannot_take_is_refused_by_name_and_errors_never_leak(gateway):
     gw, claude = gateway
     with httpx.Client(base_url=gw.url, timeout=10) as http:
-        image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
-        body = {"model": "claude", "messages": [{"role": "user", "content": [image]}]}
+        tiff = {"type": "image_url", "image_url": {"url": "data:image/tiff;base64,AAAA"}}
+        body = {"model": "claude", "messages": [{"role": "user", "content": [tiff]}]}
         r = http.post("/v1/chat/completions", json=body)
         assert_openai_error(r, 400, param="messages")
-        assert "image_url parts are not supported" in r.json()["error"]["message"]
+        assert "image/tiff images are not supported" in r.json()["error"]["message"]
         for field, value in (
             ("logprobs", True),
             ("n", 2),
@@ -211,3 +211,52 @@ def test_breakpoints_only_where_the_head_is_long_enough_and_at_most_four():
     assert req["messages"][1]["content"][-1]["cache_control"] == {"type": "ephemeral", "ttl": "5m"}
     assert "cache_control" not in req["messages"][2]["content"][-1]  # the new turn is not cached
     assert place_breakpoints(req) <= 4
+
+
+def test_images_and_a_registered_prefix_s_breakpoint_with_its_ttl(gateway):
+    gw, claude = gateway
+    with httpx.Client(base_url=gw.url, timeout=10) as http:
+        png = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0K"}}
+        web_image = {"type": "image_url", "image_url": {"url": "https://example.com/a.jpg"}}
+        text = {"type": "text", "text": "what is this?"}
+        body = {
+            "model": "claude",
+            "messages": [{"role": "user", "content": [text, png, web_image]}],
+        }
+        assert http.post("/v1/chat/completions", json=body).status_code == 200
+        blocks = claude.seen[-1]["messages"][0]["content"]
+        assert blocks[1] == {
+            "type": "image",
+            "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0K"},
+        }
+        assert blocks[2] == {
+            "type": "image",
+            "source": {"type": "url", "url": "https://example.com/a.jpg"},
+        }
+        # A registered prefix (an hour to live): its end carries a 1h breakpoint.
+        prefix = [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": "The berth list follows."},
+            {"role": "assistant", "content": "Ready."},
+        ]
+        r = http.post(
+            "/v1/prefixes", json={"model": "claude", "messages": prefix, "ttl_seconds": 3600}
+        )
+        assert r.status_code == 200, r.text
+        pid = r.json()["id"]
+        usage = []
+        for _ in range(2):
+            chat = {
+                "model": "claude",
+                "prefix_id": pid,
+                "messages": [{"role": "user", "content": "Berth 4?"}],
+            }
+            r = http.post("/v1/chat/completions", json=chat)
+            assert r.status_code == 200, r.text
+            usage.append(r.json()["usage"]["prompt_tokens_details"])
+        sent = claude.seen[-1]
+        assert sent["system"][0]["cache_control"] == {"type": "ephemeral", "ttl": "1h"}
+        turns = sent["messages"]
+        assert turns[1]["content"][-1]["cache_control"] == {"type": "ephemeral", "ttl": "1h"}
+        assert "cache_control" not in turns[2]["content"][-1]  # the new turn
+        assert usage[0]["cached_tokens"] == 0 and usage[1]["cached_tokens"] > 0
