@@ -52,9 +52,10 @@ from prefixgate.gateway.local.serving import LOCAL, LocalServing
 from prefixgate.gateway.local.token_texts import TokenTexts
 from prefixgate.gateway.proxy import prefix_routes as proxy_prefix_routes
 from prefixgate.gateway.proxy import routes as proxy_routes
+from prefixgate.gateway.proxy.config import ProxyConfig
 from prefixgate.gateway.proxy.prefixes import ProxyPrefixRegistry
 from prefixgate.gateway.proxy.serving import PROXY, ProxyServing
-from prefixgate.gateway.proxy.upstream import UpstreamRouter
+from prefixgate.gateway.proxy.upstream import Upstream, UpstreamRouter
 from prefixgate.gateway.settings import SETTINGS, GatewaySettings
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.tenancy.admission import AdmissionController
@@ -137,9 +138,11 @@ def create_app(
 
 
 def create_proxy_app(
-    upstreams: Sequence[str], settings: GatewaySettings | None = None
+    upstreams: Sequence[str] | ProxyConfig, settings: GatewaySettings | None = None
 ) -> web.Application:
-    """The gateway as a reverse proxy to OpenAI-compatible ``upstreams`` (base URLs).
+    """The gateway as a reverse proxy to OpenAI-compatible ``upstreams``: base URLs (their
+    models discovered from each one's ``/v1/models``), or a config file's model list
+    (``proxy.config.load_config``: models, deployments, aliases, fallbacks, TLS).
 
     Raises:
         ValueError: bad settings, keys file or upstream URL (none, malformed, repeated).
@@ -148,8 +151,13 @@ def create_proxy_app(
         raise TypeError("upstreams must be a list of base URLs, not one string")
     app, st = _base_app(settings)
     s = st.settings
+    if isinstance(upstreams, ProxyConfig):
+        config: ProxyConfig | None = upstreams
+        pool: list[str | Upstream] = list(upstreams.upstreams())
+    else:
+        config, pool = None, list(upstreams)
     router = UpstreamRouter(
-        list(upstreams),
+        pool,
         s.balance_abs_threshold,
         s.balance_rel_threshold,
         s.health_interval_s,
@@ -158,8 +166,11 @@ def create_proxy_app(
         cache_salt=s.upstream_cache_salt,
         auth="Bearer " + s.upstream_api_key if s.upstream_api_key else None,
         policy=s.routing,
+        block_chars=s.affinity_block_chars,
+        max_chars=s.affinity_max_chars,
+        models=config.models if config is not None else None,
     )
-    if s.upstream_api_key and any(u.auth for u in router.upstreams):
+    if config is None and s.upstream_api_key and any(u.auth for u in router.upstreams):
         raise ValueError(
             "an upstream URL carries user:password and --upstream-api-key is set: give the "
             "upstreams one credential (one Authorization header)"
@@ -184,8 +195,6 @@ def create_proxy_app(
             st.shared,
             s.max_prefix_ttl_s,
             s.max_prefixes,
-            s.affinity_block_chars,
-            s.affinity_max_chars,
         ),
     )
     app[FDS_PER_CONNECTION] = 2  # each client connection may hold one to an upstream

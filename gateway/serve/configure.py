@@ -78,7 +78,7 @@ def default_model_name(model: str | None) -> str:
 def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
     """GatewaySettings from the parsed flags."""
     name = args.served_model_name
-    if name is None and not args.upstreams:
+    if name is None and not args.upstreams and not args.config:
         name = default_model_name(args.model)
     return GatewaySettings(
         model_name=name,

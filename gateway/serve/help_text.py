@@ -28,7 +28,7 @@ GATEWAY_HELP = {
     "for the answer's first byte and between two reads, never a total; a stream silent this "
     "long ends with an error event, a request 504, seconds (0 = none)",
     "health_interval_s": "seconds between health probes of an unhealthy upstream in proxy "
-    "mode (> 0)",
+    "mode, and between two reads of each healthy one's /v1/models (its models) (> 0)",
     "header_timeout_s": "seconds a connection may take to send a request's headers, from its "
     "start or the end of its previous response; idle keep-alive connections close after it "
     "too (> 0)",

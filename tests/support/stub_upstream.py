@@ -8,8 +8,10 @@ left). With ``status`` other than 200 every answer is that status with an OpenAI
 request without ``stream`` gets a ``chat.completion`` naming the stub (``"upstream": name``,
 gzip when asked). A streamed one ``max_tokens`` content chunks ``token_delay_s`` apart after ``ttft_s``, ends with a
 usage chunk when ``stream_options.include_usage`` is set (``cached_tokens`` = half the prompt
-tokens from the second request on), and answers 429 to every ``fail_every``-th request.
-A prompt's tokens are its messages' characters. With ``max_model_len`` set, the model card
+tokens from the second request on), and answers 429 (``Retry-After: retry_after``) to every
+``fail_every``-th request.
+A prompt's tokens are its messages' characters. ``GET /v1/models`` lists ``models`` (default:
+``name`` alone; assign it to change what the stub serves). With ``max_model_len`` set, the model card
 says it and ``POST /tokenize`` counts prompts (``tokenize=False``: no such route).
 """
 
@@ -28,10 +30,12 @@ STUB: web.AppKey[StubServer] = web.AppKey("stub_upstream")
 @dataclass
 class StubServer:
     name: str = "stub-model"
+    models: tuple[str, ...] = ()
     status: int = 200
     ttft_s: float = 0.02
     token_delay_s: float = 0.002
     fail_every: int = 0
+    retry_after: str = "1"
     max_model_len: int | None = None
     tokenize: bool = True
     seen: list[dict] = field(default_factory=list)
@@ -65,7 +69,7 @@ class StubServer:
                     }
                 },
                 status=429,
-                headers={"Retry-After": "1"},
+                headers={"Retry-After": self.retry_after},
             )
         if not body.get("stream"):
             record["outcome"] = "complete"
@@ -135,10 +139,13 @@ class StubServer:
             self._in_flight -= 1
 
     async def _models(self, request: web.Request) -> web.Response:
-        card: dict = {"id": self.name, "object": "model"}
-        if self.max_model_len is not None:
-            card["max_model_len"] = self.max_model_len
-        return web.json_response({"object": "list", "data": [card]})
+        cards = []
+        for model in self.models or (self.name,):
+            card: dict = {"id": model, "object": "model", "owned_by": "stub"}
+            if self.max_model_len is not None:
+                card["max_model_len"] = self.max_model_len
+            cards.append(card)
+        return web.json_response({"object": "list", "data": cards})
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         if not self.tokenize:
