@@ -50,11 +50,12 @@ def free_port() -> int:
 
 @dataclass(slots=True)
 class Stream:
-    """One streamed request's timings (monotonic seconds) and tokens."""
+    """One streamed request's timings (monotonic seconds) and the arrival time of each content
+    chunk (one a token: the gateway sends a chunk per engine step of the request)."""
 
     sent: float
     first: float | None = None
-    tokens: int = 0
+    chunks: list[float] = field(default_factory=list)
     status: int = 0
 
 
@@ -92,9 +93,15 @@ def start_server(port: int, policy: str, args: argparse.Namespace, keys: Path) -
 
 
 async def stream_one(
-    http: httpx.AsyncClient, tenant: str, model: str, prompt: str, max_tokens: int
+    http: httpx.AsyncClient,
+    tenant: str,
+    model: str,
+    prompt: str,
+    max_tokens: int,
+    into: list[Stream],
 ) -> Stream:
-    """One streaming chat request; TTFT = first chunk with content."""
+    """One streaming chat request, recorded in ``into`` from its start (a request cut by the
+    end of the window still counts what it got); TTFT = first chunk with content."""
     body = {
         "model": model,
         "messages": [{"role": "user", "content": prompt}],
@@ -105,6 +112,7 @@ async def stream_one(
         "ignore_eos": True,
     }
     s = Stream(sent=time.monotonic())
+    into.append(s)
     headers = {"Authorization": f"Bearer {KEYS[tenant]}"}
     async with http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
         s.status = r.status_code
@@ -112,11 +120,12 @@ async def stream_one(
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line[6:])
-            if event.get("usage"):
-                s.tokens = event["usage"]["completion_tokens"]
             for c in event.get("choices", []):
-                if c.get("delta", {}).get("content") and s.first is None:
-                    s.first = time.monotonic()
+                if c.get("delta", {}).get("content"):
+                    now = time.monotonic()
+                    s.chunks.append(now)
+                    if s.first is None:
+                        s.first = now
     return s
 
 
@@ -131,9 +140,7 @@ async def run_phase(port: int, model: str, args: argparse.Namespace, flood: bool
         async def heavy_worker(i: int) -> None:
             while not stop.is_set():
                 prompt = f"heavy tenant stream {i} " * 8
-                phase.heavy.append(
-                    await stream_one(http, "heavy", model, prompt, args.heavy_tokens)
-                )
+                await stream_one(http, "heavy", model, prompt, args.heavy_tokens, phase.heavy)
 
         workers = (
             [asyncio.create_task(heavy_worker(i)) for i in range(args.heavy_streams)]
@@ -144,7 +151,7 @@ async def run_phase(port: int, model: str, args: argparse.Namespace, flood: bool
             await asyncio.sleep(args.warmup_s)  # the flood holds every seat first
         for j in range(args.light_requests):
             prompt = f"light tenant question {j}"
-            phase.light.append(await stream_one(http, "light", model, prompt, args.light_tokens))
+            await stream_one(http, "light", model, prompt, args.light_tokens, phase.light)
         stop.set()
         phase.t1 = time.monotonic()
         for w in workers:
@@ -165,7 +172,8 @@ def ttfts(streams: list[Stream]) -> list[float]:
 
 
 def displacements(port: int) -> float | None:
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    auth = {"Authorization": f"Bearer {KEYS['light']}"}
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", headers=auth, timeout=5).text
     for line in text.splitlines():
         if line.startswith("prefixgate_engine_displacements"):
             return float(line.split()[-1])
@@ -176,7 +184,9 @@ def measure(policy: str, args: argparse.Namespace, keys: Path) -> dict[str, Any]
     port = free_port()
     proc = start_server(port, policy, args, keys)
     try:
-        model = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).json()["data"][0]["id"]
+        auth = {"Authorization": f"Bearer {KEYS['light']}"}
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models", headers=auth, timeout=5)
+        model = models.json()["data"][0]["id"]
         asyncio.run(run_phase(port, model, args, flood=False))  # warm-up (first-use costs)
         solo = asyncio.run(run_phase(port, model, args, flood=False))
         flood = asyncio.run(run_phase(port, model, args, flood=True))
@@ -189,8 +199,11 @@ def measure(policy: str, args: argparse.Namespace, keys: Path) -> dict[str, Any]
             proc.kill()
     window = flood.t1 - flood.t0
     heavy_in_window = [s for s in flood.heavy if s.first is not None]
-    light_tokens = sum(s.tokens for s in flood.light)
-    heavy_tokens = sum(s.tokens for s in flood.heavy)
+
+    def in_window(streams: list[Stream]) -> int:
+        return sum(1 for s in streams for c in s.chunks if flood.t0 <= c <= flood.t1)
+
+    light_tokens, heavy_tokens = in_window(flood.light), in_window(flood.heavy)
     solo_t, flood_t = ttfts(solo.light), ttfts(flood.light)
     return {
         "policy": policy,
@@ -204,7 +217,9 @@ def measure(policy: str, args: argparse.Namespace, keys: Path) -> dict[str, Any]
         "flood_output_tokens_per_s": (light_tokens + heavy_tokens) / window,
         "heavy_longest_ttft_s": max((s.first - s.sent for s in heavy_in_window), default=None),
         "heavy_requests": len(flood.heavy),
-        "failed": sum(1 for s in solo.light + flood.light + flood.heavy if s.status != 200),
+        "failed": sum(
+            1 for s in solo.light + flood.light + flood.heavy if s.status not in (0, 200)
+        ),
         "displacements": moved,
         "window_s": window,
     }
