@@ -5,7 +5,8 @@ Drawn: the constraint (none, ``response_format`` json_schema / json_object, vLLM
 choice, tools with every ``tool_choice`` and ``parallel_tool_calls``) × ``min_tokens`` ×
 ``max_tokens`` × stop strings × ``stop_token_ids`` × ``logit_bias`` × ``n`` × logprobs ×
 temperature 0 or a seed × the prefix cache warm (shared prompt) or cold (a fresh
-``cache_salt``) × the server: 256 KV blocks, or 8 (exactly one full-context request:
+``cache_salt``) × the route (chat, or the legacy completions for the kinds it takes) × the
+server: 256 KV blocks, or 8 (exactly one full-context request:
 ``n`` up to 3 preempts). Each case is sent twice, whole and streamed (``include_usage``).
 
 Invariants (``check_case``): never a 5xx, a 400 only for the documented conflicts (prompt +
@@ -16,7 +17,8 @@ calls), the tokens returned (logprobs entries) add up to ``usage.completion_toke
 string in the text, ``min_tokens`` held by a plain answer that stopped; a constrained answer
 that stopped validates (``jsonschema``, the regex, the choice) and a required / named call's
 arguments validate against its function; at temperature 0 or with a seed the stream equals
-the whole answer (content, tool calls, finish reasons, usage); the block pool is whole after.
+the whole answer (content, tool calls, finish reasons, tokens, usage); ``usage`` adds up
+(total = prompt + completion, cached <= prompt); the block pool is whole after.
 
 Profiles: ``test_cross_features_fast`` (CI: ``FAST_EXAMPLES`` cases, derandomized, about a
 minute on a loaded 2-core machine) and ``test_cross_features_long`` (slow marker,
@@ -43,7 +45,7 @@ from support.gateway import serve_aidreams, wait_idle  # noqa: E402
 
 MODEL = "aidreams-260k"
 MAX_MODEL_LEN = 128  # aidreams' max_position_embeddings
-FAST_EXAMPLES = 100
+FAST_EXAMPLES = 150
 LONG_EXAMPLES = 2000
 
 SCHEMA = {
@@ -106,6 +108,7 @@ class Case:
     body: dict[str, Any]
     kind: str  # text | json_schema | json_object | regex | choice | tools
     server: str  # "big" | "small"
+    route: str = "chat"  # "chat" | "completions"
     tool_choice: Any = None
     tools: list[dict[str, Any]] = field(default_factory=list)
 
@@ -126,6 +129,9 @@ def cases(draw: st.DrawFn) -> Case:
     prompt = draw(st.sampled_from(PROMPTS))
     body: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": prompt}]}
     case = Case(body, kind, draw(st.sampled_from(["big", "small"])))
+    if kind not in ("tools", "json_schema", "json_object") and draw(st.integers(0, 2)) == 0:
+        case.route = "completions"  # the legacy route: a prompt, its own logprobs shape
+        body["prompt"] = body.pop("messages")[0]["content"]
     if kind == "json_schema":
         body["response_format"] = {
             "type": "json_schema",
@@ -169,8 +175,11 @@ def cases(draw: st.DrawFn) -> Case:
         body["logit_bias"] = draw(st.dictionaries(st.integers(3, 511).map(str), bias, max_size=3))
     body["n"] = draw(st.integers(1, 3))
     if draw(st.booleans()):
-        body["logprobs"] = True
-        body["top_logprobs"] = draw(st.integers(0, 3))
+        if case.route == "chat":
+            body["logprobs"] = True
+            body["top_logprobs"] = draw(st.integers(0, 3))
+        else:
+            body["logprobs"] = draw(st.integers(0, 3))
     if draw(st.booleans()):
         body["temperature"] = 0
     else:
@@ -194,30 +203,40 @@ class Answer:
     usage: dict[str, Any] | None = None
 
 
-def _whole(http: httpx.Client, url: str, body: dict[str, Any]) -> Answer:
-    r = http.post(url + "/v1/chat/completions", json=body)
+def _lp_count(route: str, lp: dict[str, Any] | None) -> int | None:
+    """Tokens a choice's (or chunk's) logprobs cover: chat ``content`` entries, or the
+    completions route's ``tokens``."""
+    if not lp:
+        return None
+    return len(lp["content"] if route == "chat" else lp["tokens"])
+
+
+def _whole(http: httpx.Client, url: str, case: Case) -> Answer:
+    body, route = case.body, case.route
+    r = http.post(f"{url}/v1/{'chat/completions' if route == 'chat' else 'completions'}", json=body)
     data = r.json()
     if r.status_code != 200:
         return Answer(r.status_code, data.get("error"))
     ans = Answer(200, usage=data["usage"])
     for i, c in enumerate(data["choices"]):
         assert c["index"] == i, data
-        msg = c["message"]
+        msg = c["message"] if route == "chat" else {"content": c["text"]}
         ans.contents.append(msg.get("content"))
         calls = [
             (t["function"]["name"], t["function"]["arguments"]) for t in msg.get("tool_calls") or []
         ]
         ans.calls.append(calls)
         ans.finishes.append(c["finish_reason"])
-        lp = c.get("logprobs")
-        ans.tokens.append(len(lp["content"]) if lp else None)
+        ans.tokens.append(_lp_count(route, c.get("logprobs")))
     return ans
 
 
-def _streamed(http: httpx.Client, url: str, body: dict[str, Any]) -> Answer:
-    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+def _streamed(http: httpx.Client, url: str, case: Case) -> Answer:
+    route = case.route
+    body = {**case.body, "stream": True, "stream_options": {"include_usage": True}}
     n = body.get("n", 1)
-    with http.stream("POST", url + "/v1/chat/completions", json=body) as r:
+    path = "chat/completions" if route == "chat" else "completions"
+    with http.stream("POST", f"{url}/v1/{path}", json=body) as r:
         if r.status_code != 200:
             r.read()
             return Answer(r.status_code, r.json().get("error"))
@@ -241,7 +260,7 @@ def _streamed(http: httpx.Client, url: str, body: dict[str, Any]) -> Answer:
             for c in chunk["choices"]:
                 i = c["index"]
                 assert finishes[i] is None, f"choice {i} has content after its finish: {chunk}"
-                d = c["delta"]
+                d = c["delta"] if route == "chat" else {"content": c["text"]}
                 contents[i] += d.get("content") or ""
                 for tc in d.get("tool_calls") or []:
                     slot = calls[i].setdefault(tc["index"], ["", ""])
@@ -249,7 +268,7 @@ def _streamed(http: httpx.Client, url: str, body: dict[str, Any]) -> Answer:
                     slot[0] += fn.get("name") or ""
                     slot[1] += fn.get("arguments") or ""
                 if c.get("logprobs"):
-                    tokens[i] = (tokens[i] or 0) + len(c["logprobs"]["content"])
+                    tokens[i] = (tokens[i] or 0) + (_lp_count(route, c["logprobs"]) or 0)
                 finishes[i] = c.get("finish_reason") or finishes[i]
         assert done, "the stream ended without [DONE]"
     ans.contents = list(contents)
@@ -257,7 +276,7 @@ def _streamed(http: httpx.Client, url: str, body: dict[str, Any]) -> Answer:
     for cs in calls:
         assert sorted(cs) == list(range(len(cs))), cs  # tool-call indexes 0, 1, ...
     ans.finishes = finishes
-    ans.tokens = tokens if body.get("logprobs") else [None] * n
+    ans.tokens = tokens if body.get("logprobs") is not None else [None] * n
     return ans
 
 
@@ -289,7 +308,11 @@ def check_answer(case: Case, ans: Answer, how: str) -> None:
         return
     n, max_tokens = body["n"], body["max_tokens"]
     assert len(ans.finishes) == n and ans.usage is not None, where
-    prompt_tokens = ans.usage["prompt_tokens"]
+    usage = ans.usage
+    prompt_tokens = usage["prompt_tokens"]
+    assert usage["total_tokens"] == prompt_tokens + usage["completion_tokens"], where
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    assert 0 <= cached <= prompt_tokens, where
     room = min(max_tokens, MAX_MODEL_LEN - prompt_tokens)
     counted = [t for t in ans.tokens if t is not None]
     if len(counted) == n:  # logprobs: one entry per token returned
@@ -341,9 +364,9 @@ def check_answer(case: Case, ans: Answer, how: str) -> None:
 def check_case(case: Case, servers: dict[str, Any], http: httpx.Client, pool_whole) -> None:
     """Send ``case`` whole and streamed; every invariant of the module docstring."""
     srv = servers[case.server]
-    whole = _whole(http, srv.url, case.body)
+    whole = _whole(http, srv.url, case)
     check_answer(case, whole, "whole")
-    streamed = _streamed(http, srv.url, case.body)
+    streamed = _streamed(http, srv.url, case)
     check_answer(case, streamed, "stream")
     if whole.status == 200 and case.deterministic:
         norm = [c or "" for c in whole.contents]
@@ -352,6 +375,7 @@ def check_case(case: Case, servers: dict[str, Any], http: httpx.Client, pool_who
             whole.calls,
             whole.finishes,
         ), f"stream != whole:\n{whole}\n{streamed}"
+        assert streamed.tokens == whole.tokens, (whole, streamed)
         assert streamed.usage["completion_tokens"] == whole.usage["completion_tokens"]
         assert streamed.usage["prompt_tokens"] == whole.usage["prompt_tokens"]
     assert whole.status == streamed.status, (whole, streamed)

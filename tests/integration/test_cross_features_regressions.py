@@ -147,3 +147,27 @@ def test_a_stop_token_id_never_cuts_a_json_answer(server, http, pool_whole):
                 assert isinstance(json.loads(c["message"]["content"]), dict), c
     finally:
         wait_idle(server, pool_whole)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_cut_required_call_never_returns_its_json_as_content(server, http, pool_whole, stream):
+    """Drawn (before the gateway fix): ``tool_choice: "required"``, two tools, parallel calls,
+    ``max_tokens`` 8, n 3, temperature 0: each choice's ``content`` was the internal array
+    text ``[{"name"`` (finish "length"). A cut constrained call is never content."""
+    r = _post(
+        http, server, tools=[TIME, {**TIME, "function": {**TIME["function"], "name": "t2"}}],
+        tool_choice="required", parallel_tool_calls=True, max_tokens=8, n=3, temperature=0,
+        stream=stream,
+    )  # fmt: skip
+    try:
+        assert r.status_code == 200, r.text
+        if stream:
+            events = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+            deltas = [c for e in events for c in e["choices"]]
+            assert not [c for c in deltas if c["delta"].get("content")], deltas
+            assert [c["finish_reason"] for c in deltas if c["finish_reason"]] == ["length"] * 3
+        else:
+            for c in r.json()["choices"]:
+                assert c["finish_reason"] == "length" and c["message"]["content"] is None, c
+    finally:
+        wait_idle(server, pool_whole)
