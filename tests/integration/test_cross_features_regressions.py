@@ -1,7 +1,7 @@
 """Every failure the cross-feature property test (``test_cross_features.py``) found, as a
 named test holding the right value, each on the request hypothesis drew (shrunk by hand).
 
-The engine classes of issue 22 (grammar vs ``min_tokens``, stop strings vs ``min_tokens``,
+The engine classes (grammar vs ``min_tokens``, stop strings vs ``min_tokens``,
 stop ids vs the grammar) are fixed on branch engine-pipeline: their tests are
 ``xfail(strict=False)`` here until it is merged (then they pass, and the property test's
 ``AVOID`` loses their names)."""
