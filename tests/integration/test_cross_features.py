@@ -200,6 +200,7 @@ class Answer:
     calls: list[list[tuple[str, str]]] = field(default_factory=list)
     finishes: list[str | None] = field(default_factory=list)
     tokens: list[int | None] = field(default_factory=list)  # logprobs entries per choice
+    texts: list[list[str] | None] = field(default_factory=list)  # each token's text (whole)
     usage: dict[str, Any] | None = None
 
 
@@ -227,7 +228,14 @@ def _whole(http: httpx.Client, url: str, case: Case) -> Answer:
         ]
         ans.calls.append(calls)
         ans.finishes.append(c["finish_reason"])
-        ans.tokens.append(_lp_count(route, c.get("logprobs")))
+        lp = c.get("logprobs")
+        ans.tokens.append(_lp_count(route, lp))
+        if not lp:
+            ans.texts.append(None)
+        else:
+            ans.texts.append(
+                [e["token"] for e in lp["content"]] if route == "chat" else lp["tokens"]
+            )
     return ans
 
 
@@ -347,8 +355,18 @@ def check_answer(case: Case, ans: Answer, how: str) -> None:
             if finish == "tool_calls":
                 for name, args in calls:
                     jsonschema.validate(json.loads(args), PARAMS[name])
+        # stop strings apply only after min_tokens (vLLM): none may end past the text of
+        # the first min_tokens tokens (known from logprobs; unknown without them)
+        min_tokens = body.get("min_tokens", 0)
+        exempt = 0
+        if min_tokens:
+            token_texts = ans.texts[i] if ans.texts else None
+            exempt = len("".join(token_texts[:min_tokens])) if token_texts else len(text)
         for s in stops:
-            assert s not in text, f"stop string {s!r} in the text: {where}"
+            at = text.find(s)
+            while at >= 0:
+                assert at + len(s) <= exempt, f"stop string {s!r} in the text: {where}"
+                at = text.find(s, at + 1)
         constrained = case.kind in ("json_schema", "json_object", "regex", "choice")
         if finish == "stop" and constrained and not stops:
             try:
