@@ -89,11 +89,10 @@ TIME = {
     },
 }
 PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
-# Engine classes fixed on branch engine-pipeline (grammar vs min_tokens: a 500;
-# stop strings before min_tokens; stop ids not masked by the grammar). Until it is merged the
-# draws go around them; each has its regression test in test_cross_features_regressions.py
-# (xfail until then). Remove a name here once its regression test passes.
-AVOID = {"grammar_min_tokens", "stop_strings_min_tokens", "stop_ids_grammar"}
+# Classes of failure the draws go around while a fix is pending (each named here has its
+# regression test in test_cross_features_regressions.py). Empty: every class found is fixed
+# (grammar vs min_tokens, stop strings before min_tokens, stop ids under a grammar).
+AVOID: set[str] = set()
 # aidreams token ids a constrained answer writes often: the bytes { } " : , and the letters
 # of the schema's words (a stop id drawn at random from 509 would rarely meet a grammar)
 HOT_IDS = [126, 128, 455, 487, 446, 433, 440, 437, 430, 436, 441, 451, 260, 2]

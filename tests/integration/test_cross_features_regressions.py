@@ -1,10 +1,9 @@
 """Every failure the cross-feature property test (``test_cross_features.py``) found, as a
 named test holding the right value, each on the request hypothesis drew (shrunk by hand).
 
-The engine classes (grammar vs ``min_tokens``, stop strings vs ``min_tokens``,
-stop ids vs the grammar) are fixed on branch engine-pipeline: their tests are
-``xfail(strict=False)`` here until it is merged (then they pass, and the property test's
-``AVOID`` loses their names)."""
+The engine classes (grammar vs ``min_tokens``, stop strings vs ``min_tokens``, stop ids vs the
+grammar) are fixed in the engine's ordered logits pipeline (``engine/logits_processors.py``);
+the gateway class (a cut ``required`` call returned as content) in ``api/tools.py``."""
 
 from __future__ import annotations
 
@@ -44,7 +43,6 @@ SCHEMA = {
 }
 PET = [{"role": "user", "content": "A pet, please"}]
 
-ENGINE_PIPELINE = "fixed on branch engine-pipeline"
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +64,6 @@ def _post(http: httpx.Client, server, **body) -> httpx.Response:
     )
 
 
-@pytest.mark.xfail(strict=False, reason=f"engine class grammar vs min_tokens, {ENGINE_PIPELINE}")
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_choice_complete_before_min_tokens_is_not_a_500(server, http, pool_whole, stream):
     """Drawn: choice + ``min_tokens`` 23, n 2, temperature 0. Was: every logit −inf once the
@@ -93,7 +90,6 @@ def test_a_choice_complete_before_min_tokens_is_not_a_500(server, http, pool_who
         wait_idle(server, pool_whole)
 
 
-@pytest.mark.xfail(strict=False, reason=f"engine class grammar vs min_tokens, {ENGINE_PIPELINE}")
 def test_a_required_call_complete_before_min_tokens_is_not_a_500(server, http, pool_whole):
     """Drawn: ``tool_choice: "required"``, one tool, ``min_tokens`` 28, seed 0. Was: 500."""
     r = _post(
@@ -112,9 +108,6 @@ def test_a_required_call_complete_before_min_tokens_is_not_a_500(server, http, p
         wait_idle(server, pool_whole)
 
 
-@pytest.mark.xfail(
-    strict=False, reason=f"engine class stop strings vs min_tokens, {ENGINE_PIPELINE}"
-)
 def test_stop_strings_apply_only_after_min_tokens(server, http, pool_whole):
     """Drawn: ``min_tokens`` 52, stop ``["\\n", "."]``, temperature 0. Was: "stop" after 17
     tokens at the first ".". vLLM's current rule: stop strings only after ``min_tokens``."""
@@ -131,7 +124,6 @@ def test_stop_strings_apply_only_after_min_tokens(server, http, pool_whole):
         wait_idle(server, pool_whole)
 
 
-@pytest.mark.xfail(strict=False, reason=f"engine class stop ids vs the grammar, {ENGINE_PIPELINE}")
 def test_a_stop_token_id_never_cuts_a_json_answer(server, http, pool_whole):
     """Drawn: ``json_object``, ``stop_token_ids`` [451] (aidreams' "y"), n 2, seed 0. Was:
     ``{"ands matrices unfolding like s sing maps. Contrast emerge, tendr`` with finish
