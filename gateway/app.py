@@ -50,6 +50,7 @@ from prefixgate.gateway.local.cache_pins import CachePins
 from prefixgate.gateway.local.prefixes import PrefixRegistry
 from prefixgate.gateway.local.serving import LOCAL, LocalServing
 from prefixgate.gateway.local.token_texts import TokenTexts
+from prefixgate.gateway.proxy import messages_relay
 from prefixgate.gateway.proxy import prefix_routes as proxy_prefix_routes
 from prefixgate.gateway.proxy import routes as proxy_routes
 from prefixgate.gateway.proxy.config import ProxyConfig
@@ -184,8 +185,10 @@ def create_proxy_app(
     r.add_post("/v1/completions", proxy_routes.proxy_generate, expect_handler=expect_continue)
     for path in ("/v1/responses", "/v1/embeddings", "/tokenize", "/detokenize"):
         r.add_post(path, proxy_routes.local_mode_only, expect_handler=expect_continue)
-    for path in ("/v1/messages", "/v1/messages/count_tokens"):
-        r.add_post(path, proxy_routes.messages_local_mode_only, expect_handler=expect_continue)
+    r.add_post("/v1/messages", messages_relay.create_message, expect_handler=expect_continue)
+    r.add_post(
+        "/v1/messages/count_tokens", messages_relay.count_tokens, expect_handler=expect_continue
+    )
     r.add_get("/v1/models", proxy_routes.proxy_get, expect_handler=expect_continue)
     r.add_get("/v1/models/{model}", proxy_routes.proxy_get, expect_handler=expect_continue)
     app[PROXY] = ProxyServing(

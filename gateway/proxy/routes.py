@@ -36,7 +36,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 from prefixgate.gateway.http.access_log import record
-from prefixgate.gateway.http.errors import ANTHROPIC, APIError, bad_request, error_dialect
+from prefixgate.gateway.http.errors import APIError, bad_request
 from prefixgate.gateway.proxy import anthropic
 from prefixgate.gateway.proxy.policies import Route
 from prefixgate.gateway.proxy.prefixes import ProxyPrefix
@@ -679,8 +679,6 @@ async def local_mode_only(request: web.Request) -> web.Response:
         "/tokenize": "; the upstream's own /tokenize answers it",
         "/detokenize": "; the upstream's own /detokenize answers it",
         "/v1/embeddings": "; send embeddings to the upstream serving them",
-        "/v1/messages": "; send Anthropic Messages requests to a gateway in local mode",
-        "/v1/messages/count_tokens": "; ask a gateway in local mode",
     }.get(request.path, "")
     raise APIError(
         501,
@@ -688,14 +686,3 @@ async def local_mode_only(request: web.Request) -> web.Response:
         code="unsupported_in_upstream_mode",
         type="invalid_request_error",
     )
-
-
-@error_dialect(ANTHROPIC)
-async def messages_local_mode_only(request: web.Request) -> web.Response:
-    """``/v1/messages`` and ``/v1/messages/count_tokens`` in upstream mode: 501 naming the
-    route (``local_mode_only``) in Anthropic's error shape.
-
-    Raises:
-        APIError: always, 501 ``unsupported_in_upstream_mode``.
-    """
-    return await local_mode_only(request)

@@ -1,6 +1,6 @@
 """The Messages API's parts without a model: the request as a chat, its breakpoints, the usage
-split (read + written + input == prompt), the breakpoint pins' share of a key, and the 501
-of upstream mode in Anthropic's error shape."""
+split (read + written + input == prompt), the breakpoint pins' share of a key, and upstream
+mode's own errors in Anthropic's error shape."""
 
 from __future__ import annotations
 
@@ -195,15 +195,20 @@ def test_breakpoint_pins_keep_to_the_key_share():
     asyncio.run(scenario())
 
 
-def test_messages_routes_are_501_in_anthropic_shape_in_upstream_mode():
+def test_messages_routes_answer_in_anthropic_shape_in_upstream_mode():
+    """Upstream mode serves both routes (``proxy.messages_relay``); its own errors take
+    Anthropic's shape: a bad body a 400 naming the field, no live upstream a 5xx."""
     with BackgroundServer(
         lambda: create_proxy_app(["http://127.0.0.1:9"], GatewaySettings())
     ) as gw:
-        for path in ("/v1/messages", "/v1/messages/count_tokens"):
-            r = httpx.post(gw.url + path, json={"model": "m", "max_tokens": 1, "messages": []})
-            assert r.status_code == 501
+        for path, extra in (("/v1/messages", {"max_tokens": 1}), ("/v1/messages/count_tokens", {})):
+            r = httpx.post(gw.url + path, json={"model": "m", "messages": [], **extra})
+            assert r.status_code == 400
             body = r.json()
-            assert body["type"] == "error" and path in body["error"]["message"]
+            assert body["type"] == "error" and "messages" in body["error"]["message"]
+            ok = {"model": "m", "messages": [{"role": "user", "content": "x"}], **extra}
+            r = httpx.post(gw.url + path, json=ok)
+            assert r.status_code in (502, 503) and r.json()["type"] == "error"
 
 
 def test_prefixes_and_breakpoints_share_one_pin_share():

@@ -1,0 +1,406 @@
+"""Anthropic's Messages API to an OpenAI-compatible upstream (vLLM, SGLang, llama.cpp): the
+request translated to a chat completion, the answer — whole or streamed chunk by chunk —
+translated back to a ``message`` and its events.
+
+Request (validated first by the local dialect's models, ``api.anthropic_models``, so what
+local mode refuses is refused here by the same name; ``to_chat`` makes the chat): ``system``
+→ a system message, text blocks joined, ``tool_use`` blocks → the assistant's
+``tool_calls`` (arguments as JSON text), ``tool_result`` blocks → ``tool`` messages
+(``is_error`` ones prefixed ``Error: ``), ``tools`` → function tools, ``tool_choice``
+(``auto``, ``any`` → ``required``, ``tool`` → the named function, ``none``,
+``disable_parallel_tool_use`` → ``parallel_tool_calls: false``), ``stop_sequences`` →
+``stop``, ``max_tokens``, ``temperature``, ``top_p``, ``metadata.user_id`` → ``user``.
+Refused by name (400): ``top_k`` (no OpenAI field; servers differ on the extra) and
+``diagnostics`` (it needs the prompt log of a prefixgate engine). Dropped, and said so:
+``cache_control`` breakpoints — an OpenAI-compatible server has no pin to put them on; its
+own automatic prefix cache (vLLM's, SGLang's) still serves repeated prefixes, reported as
+``cache_read_input_tokens``, and ``cache_creation_input_tokens`` is always 0 — the answer's
+``x-prefixgate-cache`` header lists them as ``WHERE=dropped``.
+
+Answer: ``content`` → a ``text`` block, ``tool_calls`` → ``tool_use`` blocks (the
+upstream's call id kept, so a ``tool_result`` finds its call again); ``finish_reason`` →
+``stop_reason`` (``stop`` → ``end_turn``, or ``stop_sequence`` with the sequence when the
+upstream names it — vLLM's ``stop_reason``; ``length`` → ``max_tokens``; ``tool_calls`` →
+``tool_use``; ``content_filter`` → ``refusal``); usage: ``input_tokens`` = prompt − cached,
+``cache_read_input_tokens`` = ``prompt_tokens_details.cached_tokens``, ``output_tokens`` =
+completion (0 when the upstream reports none).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from prefixgate.gateway.api.anthropic_models import Chat, MessagesRequest
+from prefixgate.gateway.http.errors import APIError, bad_request
+
+_STOP = {
+    "length": "max_tokens",
+    "tool_calls": "tool_use",
+    "function_call": "tool_use",
+    "content_filter": "refusal",
+}
+
+
+class Malformed(Exception):
+    """The upstream's answer is not the chat completion (or chunk) it must be."""
+
+
+def refuse_unmapped(req: MessagesRequest) -> None:
+    """Refuse what an OpenAI-compatible upstream cannot take (module docstring).
+
+    Raises:
+        APIError: 400 naming the field.
+    """
+    if req.top_k is not None:
+        raise bad_request(
+            "top_k: not supported for this model's OpenAI-compatible upstream "
+            "(OpenAI's chat API has no top_k)",
+            param="top_k",
+            code="unsupported_parameter",
+        )
+    if req.diagnostics is not None:
+        raise bad_request(
+            "diagnostics: cache diagnostics need a prefixgate upstream; this model's "
+            "upstream is OpenAI-compatible",
+            param="diagnostics",
+            code="unsupported_parameter",
+        )
+
+
+def dropped_marks(chat: Chat) -> str | None:
+    """The ``x-prefixgate-cache`` value naming the breakpoints not sent (None without any)."""
+    if not chat.breakpoints:
+        return None
+    return "; ".join(f"{b.where}=dropped" for b in chat.breakpoints)
+
+
+def openai_messages(chat: Chat) -> list[dict[str, Any]]:
+    """The chat's messages as OpenAI sends them (tool call arguments as JSON text)."""
+    messages: list[dict[str, Any]] = []
+    for m in chat.messages:
+        out = {k: v for k, v in m.items() if k != "tool_calls"}
+        calls = m.get("tool_calls")
+        if calls:
+            out["tool_calls"] = [
+                {
+                    "id": c["id"],
+                    "type": "function",
+                    "function": {
+                        "name": c["function"]["name"],
+                        "arguments": json.dumps(c["function"]["arguments"], ensure_ascii=False),
+                    },
+                }
+                for c in calls
+            ]
+            if not out.get("content"):
+                out["content"] = None
+        messages.append(out)
+    return messages
+
+
+def to_chat_body(req: MessagesRequest, chat: Chat, model: str) -> dict[str, Any]:
+    """The OpenAI chat completions body of a Messages request (``chat``: ``to_chat(req)``)
+    for the upstream's ``model``."""
+    messages = openai_messages(chat)
+    body: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": req.max_tokens}
+    if req.temperature is not None:
+        body["temperature"] = req.temperature
+    if req.top_p is not None:
+        body["top_p"] = req.top_p
+    if req.stop_sequences:
+        body["stop"] = list(req.stop_sequences)
+    if req.metadata is not None and req.metadata.user_id is not None:
+        body["user"] = req.metadata.user_id
+    if chat.tools:
+        body["tools"] = chat.tools
+    if chat.tool_choice is not None:
+        body["tool_choice"] = chat.tool_choice
+    if chat.parallel_tool_calls is False and chat.tools:
+        body["parallel_tool_calls"] = False
+    if req.stream:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def message_id() -> str:
+    """A new Anthropic message id."""
+    return "msg_" + uuid.uuid4().hex[:24]
+
+
+def usage_of(usage: Any) -> dict[str, int]:
+    """Anthropic usage of an OpenAI ``usage`` object (zeros when it is not one)."""
+    if not isinstance(usage, dict):
+        return _usage(0, 0, 0)
+    details = usage.get("prompt_tokens_details")
+    prompt = _int(usage.get("prompt_tokens"))
+    cached = min(_int(details.get("cached_tokens") if isinstance(details, dict) else None), prompt)
+    return _usage(prompt - cached, cached, _int(usage.get("completion_tokens")))
+
+
+def _int(value: Any) -> int:
+    """A token count, 0 when ``value`` is not one."""
+    return int(value) if _count(value) else 0
+
+
+def _usage(input_tokens: int, cached: int, output_tokens: int) -> dict[str, int]:
+    return {
+        "input_tokens": input_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+        "output_tokens": output_tokens,
+    }
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def stop_of(finish: Any, matched: Any, stops: list[str], called: bool) -> tuple[str, str | None]:
+    """``(stop_reason, stop_sequence)`` of an OpenAI ``finish_reason`` (``matched``: vLLM's
+    ``stop_reason``, the stop string that ended it, when the upstream names one)."""
+    if finish == "stop" and called:
+        return "tool_use", None
+    if finish == "stop":
+        if isinstance(matched, str) and matched in stops:
+            return "stop_sequence", matched
+        return "end_turn", None
+    return _STOP.get(str(finish), "end_turn"), None
+
+
+def _tool_input(arguments: Any) -> dict[str, Any]:
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        value = json.loads(arguments) if isinstance(arguments, str) else None
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def to_message(data: Any, rid: str, model: str, stops: list[str]) -> dict[str, Any]:
+    """The Anthropic ``message`` of a ``chat.completion`` answer, under the public ``model``.
+
+    Raises:
+        Malformed: the answer is not a chat completion with one choice.
+    """
+    if not isinstance(data, dict):
+        raise Malformed("a body that is not a JSON object")
+    choices = data.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise Malformed("a chat completion without choices")
+    choice = choices[0]
+    msg = choice.get("message")
+    if not isinstance(msg, dict):
+        raise Malformed("a choice without a message")
+    text = msg.get("content")
+    if text is not None and not isinstance(text, str):
+        raise Malformed("a message content that is not text")
+    calls = msg.get("tool_calls") or []
+    if not isinstance(calls, list):
+        raise Malformed("tool_calls that are not a list")
+    blocks: list[dict[str, Any]] = []
+    if text or not calls:
+        blocks.append({"type": "text", "text": text or ""})
+    for c in calls:
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise Malformed("a tool call without a function name")
+        blocks.append(
+            {
+                "type": "tool_use",
+                "id": c.get("id") if isinstance(c.get("id"), str) else "toolu_" + uuid.uuid4().hex,
+                "name": fn["name"],
+                "input": _tool_input(fn.get("arguments")),
+            }
+        )
+    reason, sequence = stop_of(
+        choice.get("finish_reason"), choice.get("stop_reason"), stops, bool(calls)
+    )
+    return {
+        "id": rid,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": blocks,
+        "stop_reason": reason,
+        "stop_sequence": sequence,
+        "usage": usage_of(data.get("usage")),
+    }
+
+
+def _ev(kind: str, **fields: Any) -> bytes:
+    data = json.dumps({"type": kind, **fields}, separators=(",", ":"), ensure_ascii=False)
+    return f"event: {kind}\ndata: {data}\n\n".encode()
+
+
+class ChunkTranslator:
+    """OpenAI ``chat.completion.chunk`` payloads in, Anthropic stream events out (bytes).
+
+    ``feed(obj) -> bytes`` per chunk; ``finish() -> bytes`` at ``[DONE]`` (the last block's
+    stop, ``message_delta``, ``message_stop``); ``usage`` the Anthropic usage so far.
+    ``message_start`` goes out with the first chunk (its ``input_tokens`` 0: an OpenAI stream
+    says the prompt's size only in its last chunk; ``message_delta`` carries the exact
+    usage, which the ``anthropic`` package takes over ``message_start``'s).
+
+    Raises (from ``feed`` / ``finish``): ``Malformed`` for a chunk that is not one, or a
+    stream that ends without a finish reason.
+    """
+
+    def __init__(self, rid: str, model: str, stops: list[str]) -> None:
+        self.rid = rid
+        self.model = model
+        self.stops = stops
+        self.usage = _usage(0, 0, 0)
+        self.usage_seen = False
+        self.content_chunks = 0
+        self._started = False
+        self._index = -1  # the open block's index
+        self._open_kind: str | None = None
+        self._calls: dict[int, int] = {}  # OpenAI tool call index -> block index
+        self._finish: Any = None
+        self._matched: Any = None
+
+    def _start(self) -> list[bytes]:
+        self._started = True
+        message: dict[str, Any] = {
+            "id": self.rid,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": dict(self.usage),
+        }
+        return [_ev("message_start", message=message), _ev("ping")]
+
+    def _open(self, kind: str, block: dict[str, Any]) -> list[bytes]:
+        out = self._close()
+        self._index += 1
+        self._open_kind = kind
+        return [*out, _ev("content_block_start", index=self._index, content_block=block)]
+
+    def _close(self) -> list[bytes]:
+        if self._open_kind is None:
+            return []
+        self._open_kind = None
+        return [_ev("content_block_stop", index=self._index)]
+
+    def feed(self, obj: Any) -> bytes:
+        if not isinstance(obj, dict):
+            raise Malformed("a chunk that is not a JSON object")
+        out = [] if self._started else self._start()
+        if obj.get("usage") is not None:
+            self.usage = usage_of(obj["usage"])
+            self.usage_seen = True
+        choices = obj.get("choices") or []
+        if not isinstance(choices, list):
+            raise Malformed("a chunk whose choices are not a list")
+        for choice in choices:
+            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                continue
+            delta = choice.get("delta") or {}
+            if not isinstance(delta, dict):
+                raise Malformed("a chunk whose delta is not an object")
+            out += self._delta(delta)
+            if choice.get("finish_reason") is not None:
+                self._finish = choice["finish_reason"]
+                self._matched = choice.get("stop_reason")
+        return b"".join(out)
+
+    def _delta(self, delta: dict[str, Any]) -> list[bytes]:
+        out: list[bytes] = []
+        text = delta.get("content")
+        if isinstance(text, str) and text:
+            self.content_chunks += 1
+            if self._open_kind != "text":
+                out += self._open("text", {"type": "text", "text": ""})
+            out.append(
+                _ev(
+                    "content_block_delta",
+                    index=self._index,
+                    delta={"type": "text_delta", "text": text},
+                )
+            )
+        calls = delta.get("tool_calls") or []
+        if not isinstance(calls, list):
+            raise Malformed("a chunk whose tool_calls are not a list")
+        for call in calls:
+            if not isinstance(call, dict):
+                raise Malformed("a tool call fragment that is not an object")
+            n = call.get("index", 0)
+            fn = call.get("function") or {}
+            if n not in self._calls:
+                self.content_chunks += 1
+                name = fn.get("name")
+                if not isinstance(name, str) or not name:
+                    raise Malformed("a tool call that starts without a function name")
+                cid = call.get("id") if isinstance(call.get("id"), str) else None
+                block: dict[str, Any] = {
+                    "type": "tool_use",
+                    "id": cid or "toolu_" + uuid.uuid4().hex,
+                    "name": name,
+                    "input": {},
+                }
+                out += self._open("tool_use", block)
+                self._calls[n] = self._index
+            args = fn.get("arguments")
+            if isinstance(args, str) and args:
+                out.append(
+                    _ev(
+                        "content_block_delta",
+                        index=self._calls[n],
+                        delta={"type": "input_json_delta", "partial_json": args},
+                    )
+                )
+        return out
+
+    def finish(self) -> bytes:
+        """The events closing the message (at the upstream's ``[DONE]``)."""
+        if self._finish is None:
+            raise Malformed("a stream that ended without a finish reason")
+        out = [] if self._started else self._start()
+        if self._index < 0:  # nothing was said: one empty text block, as the body has
+            out += self._open("text", {"type": "text", "text": ""})
+        out += self._close()
+        if not self.usage_seen:
+            self.usage["output_tokens"] = self.content_chunks
+        reason, sequence = stop_of(self._finish, self._matched, self.stops, bool(self._calls))
+        out.append(
+            _ev(
+                "message_delta",
+                delta={"stop_reason": reason, "stop_sequence": sequence},
+                usage=dict(self.usage),
+            )
+        )
+        out.append(_ev("message_stop"))
+        return b"".join(out)
+
+
+def tokenize_body(chat: Chat, model: str) -> dict[str, Any]:
+    """vLLM's ``POST /tokenize`` chat body for the prompt of ``chat``."""
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": openai_messages(chat),
+        "add_generation_prompt": True,
+    }
+    if chat.tools:
+        body["tools"] = chat.tools
+    return body
+
+
+def token_count(data: Any) -> int:
+    """The prompt's tokens in a ``/tokenize`` answer (vLLM's ``count``, else its ``tokens``).
+
+    Raises:
+        APIError: 502 when the answer holds neither.
+    """
+    if isinstance(data, dict):
+        if _count(data.get("count")):
+            return int(data["count"])
+        if isinstance(data.get("tokens"), list):
+            return len(data["tokens"])
+    raise APIError(502, "the upstream's /tokenize answer holds no count", code="upstream_error")

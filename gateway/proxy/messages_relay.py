@@ -1,0 +1,681 @@
+"""POST /v1/messages and /v1/messages/count_tokens in upstream mode (Anthropic's Messages API).
+
+The body is validated first by the local dialect's models (``api.anthropic_models``: a field
+local mode refuses is a 400 naming it here too), then routed as a chat of the same messages
+(its model's upstreams, prefix affinity by the system prompt under the key's salt). Per
+upstream:
+
+* **Messages upstreams** — a prefixgate upstream (``Upstream.prefix_api``: its
+  ``/v1/models`` cards are all ``owned_by: "prefixgate"``) or a config's Anthropic-dialect
+  deployment: the body is relayed as the client sent it, the model rewritten to the
+  upstream's id and, for a prefixgate upstream, the key's effective cache salt
+  (``keys.effective_salt`` of the key's salt and the request's own ``cache_salt``) as
+  ``cache_salt`` — so tenants never share cached blocks or pins there, and breakpoints
+  (``cache_control``) become that engine's pins. The answer is verified: a body must be an
+  Anthropic ``message``, a stream is checked event by event (JSON objects whose ``type``
+  is their event's, ``message_start`` first, ending with ``message_stop``).
+* **OpenAI-compatible upstreams** (any other): the request translated to a chat completion
+  and the answer back (``proxy.messages_openai``); ``count_tokens`` asks the upstream's
+  ``/tokenize`` (vLLM's shape) and is 501 naming the route when it has none.
+
+A failure before the answer (connection error, 502/503/504, an invalid 200) marks the
+upstream down and tries the next of the model; a 429 (its ``Retry-After`` keeps the upstream
+out) or 500/529 tries the next too; then a config's fallbacks. An upstream error reaches the
+client reworded — its status and error type, never its body. A stream that ends before its
+last event, breaks, stalls past ``--upstream-timeout-s`` or turns to garbage ends with an
+Anthropic ``error`` event, never as a success. The key is charged the usage the upstream
+reports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prefixgate.gateway.api.anthropic_models import (
+    Chat,
+    CountTokensRequest,
+    MessagesRequest,
+    parse_request,
+    to_chat,
+)
+from prefixgate.gateway.http.access_log import record
+from prefixgate.gateway.http.errors import ANTHROPIC, APIError, error_dialect, error_event
+from prefixgate.gateway.http.sse import KEEPALIVE, SSE_HEADERS
+from prefixgate.gateway.proxy import anthropic, messages_openai
+from prefixgate.gateway.proxy.messages_openai import Malformed
+from prefixgate.gateway.proxy.policies import Route
+from prefixgate.gateway.proxy.routes import upstream_headers
+from prefixgate.gateway.proxy.serving import PROXY
+from prefixgate.gateway.proxy.upstream import Upstream, retry_after_seconds
+from prefixgate.gateway.state import STATE, GatewayState
+from prefixgate.gateway.tenancy.keys import effective_salt
+
+logger = logging.getLogger("prefixgate.gateway")
+
+CACHE_HEADER = "x-prefixgate-cache"
+_DOWN = frozenset((502, 503, 504))
+_NEXT = frozenset((429, 500, 529))
+_CODE = re.compile(r"[a-z][a-z0-9_]{0,63}")
+_EVENTS = frozenset(
+    (
+        "message_start",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+        "ping",
+    )
+)
+
+
+class _Next(Exception):
+    """This upstream's answer sends the request on to the next one (``error``: the client's
+    answer when none is left)."""
+
+    def __init__(self, status: str, error: APIError | None) -> None:
+        super().__init__(status)
+        self.status = status
+        self.error = error
+
+
+class _Call:
+    """One client request: the parsed request, its chat, salt, route and what was served."""
+
+    def __init__(
+        self,
+        request: web.Request,
+        req: MessagesRequest | CountTokensRequest,
+        raw: dict[str, Any],
+        chat: Chat,
+        salt: str | None,
+        route: Route,
+    ) -> None:
+        self.request = request
+        self.st: GatewayState = request.app[STATE]
+        self.router = request.app[PROXY].router
+        self.req = req
+        self.raw = raw
+        self.chat = chat
+        self.salt = salt
+        self.route = route
+        self.public = req.model  # the model name the client sent: every answer says it
+        self.served = False
+        self.usage: dict[str, Any] | None = None
+        self.output_tokens = 0
+
+    def passthrough(self, up: Upstream) -> bool:
+        """Whether ``up`` takes the Messages API itself (prefixgate, or Anthropic's)."""
+        return up.dialect == "anthropic" or up.prefix_api is True
+
+    def messages_body(self, up: Upstream) -> bytes:
+        """The client's body for a Messages upstream: its model id, the salt (prefixgate)."""
+        body = {**self.raw, "model": up.upstream_model(self.route.model or self.public)}
+        body.pop("cache_salt", None)  # nested into the effective salt, or not taken
+        if up.dialect != "anthropic" and up.cache_salt is not False and self.salt is not None:
+            body["cache_salt"] = self.salt
+        return json.dumps(body).encode()
+
+    def headers(self, up: Upstream) -> dict[str, str]:
+        if up.dialect == "anthropic":
+            return anthropic.headers_for(up.auth)
+        out = upstream_headers(self.request, self.st, up)
+        key = self.request.headers.get("x-api-key", "").strip()
+        if "Authorization" not in out and key and self.st.keys.open:
+            out["Authorization"] = "Bearer " + key  # the client's own key, as on chat
+        return out
+
+    def took(self, usage: dict[str, Any] | None, up: Upstream) -> None:
+        """Note the answer's Anthropic usage (accounting, the access line, routing)."""
+        self.usage = usage
+        if not isinstance(usage, dict):
+            return
+        counts = [usage.get(k) for k in _PROMPT_KEYS]
+        if all(isinstance(c, int) and not isinstance(c, bool) for c in counts if c is not None):
+            cached = usage.get("cache_read_input_tokens") or 0
+            prompt = sum(c for c in counts if c is not None)
+            if self.route.blocks and isinstance(cached, int):
+                self.router.learn(up, self.route, cached, prompt)
+
+    def prompt_tokens(self) -> int | None:
+        if not isinstance(self.usage, dict):
+            return None
+        counts = [self.usage.get(k) for k in _PROMPT_KEYS]
+        if not all(c is None or _count(c) for c in counts) or counts[0] is None:
+            return None
+        return sum(c for c in counts if c is not None)
+
+    def completion_tokens(self) -> int:
+        out: Any = self.usage.get("output_tokens") if isinstance(self.usage, dict) else None
+        return int(out) if _count(out) else self.output_tokens
+
+
+_PROMPT_KEYS = ("input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+async def _prepare(
+    request: web.Request, kind: type[MessagesRequest] | type[CountTokensRequest]
+) -> tuple[_Call, Any]:
+    st = request.app[STATE]
+    router = request.app[PROXY].router
+    principal = st.keys.authenticate(request)
+    body = await request.read()
+    req = parse_request(kind, body)  # 400 naming the field, Anthropic's shape
+    raw = json.loads(body)
+    chat = to_chat(req)
+    salt = effective_salt(principal.salt, req.cache_salt)
+    model = router.resolve(req.model)  # 404 model_not_found when nobody serves it
+    route = router.route({"messages": chat.messages}, salt, model)
+    return _Call(request, req, raw, chat, salt, route), principal
+
+
+@error_dialect(ANTHROPIC)
+async def create_message(request: web.Request) -> web.StreamResponse:
+    """POST /v1/messages in upstream mode (module docstring)."""
+    call, principal = await _prepare(request, MessagesRequest)
+    st = call.st
+    est_tokens = request.content_length or len(json.dumps(call.raw))
+    est_tokens = est_tokens // 4 + 1  # no tokenizer here: ~4 bytes per token until the usage
+    lease = await st.shared.acquire(principal, est_tokens)
+    try:
+        ticket = st.admission.admit(est_tokens, tenant=principal.tenant, weight=principal.weight)
+    except APIError:
+        st.shared.refund(principal, lease)
+        raise
+    t0 = time.monotonic()
+    try:
+
+        async def attempt(up: Upstream) -> web.StreamResponse:
+            return await _message_try(call, up, ticket)
+
+        return await _each_upstream(call, attempt)
+    finally:
+        ticket.done()
+        if call.served:
+            prompt = call.prompt_tokens()
+            st.shared.settle(
+                principal,
+                lease,
+                est_tokens if prompt is None else prompt,
+                call.completion_tokens(),
+            )
+            if prompt is not None:
+                rec = record(request)
+                rec.prompt_tokens, rec.completion_tokens = prompt, call.completion_tokens()
+        else:
+            st.shared.refund(principal, lease)
+        st.metrics.e2e.observe(time.monotonic() - t0)
+
+
+@error_dialect(ANTHROPIC)
+async def count_tokens(request: web.Request) -> web.Response:
+    """POST /v1/messages/count_tokens in upstream mode: the upstream's own count (a Messages
+    upstream's ``count_tokens``, an OpenAI-compatible one's ``/tokenize``)."""
+    call, _ = await _prepare(request, CountTokensRequest)
+
+    async def attempt(up: Upstream) -> web.StreamResponse:
+        return await _count_try(call, up)
+
+    out = await _each_upstream(call, attempt)
+    assert isinstance(out, web.Response)
+    return out
+
+
+async def _each_upstream(
+    call: _Call, attempt: Callable[[Upstream], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """``attempt`` on the upstream routing picks, then the next of the model, then the
+    model's fallbacks (module docstring)."""
+    router, route = call.router, call.route
+    fallbacks = router.fallbacks(route.model)
+    configured = router.model_list is not None  # deployments declared interchangeable
+    tried: list[Upstream] = []
+    exclude: list[Upstream] = []
+    last: APIError | None = None
+    timed_out: APIError | None = None
+    while True:
+        up = router.pick(route, exclude)
+        if up is None and fallbacks:
+            route.model = fallbacks.pop(0)
+            exclude = []
+            continue
+        if up is None:
+            if last is not None:
+                soon = router.retry_after(route.model)
+                if last.status == 429 and soon is not None:
+                    last.retry_after = soon
+                raise last
+            if timed_out is not None:
+                raise timed_out
+            raise router.exhausted(tried, "every upstream failed", route.model)
+        tried.append(up)
+        exclude.append(up)
+        up.in_flight += 1
+        status = "error"
+        try:
+            out = await attempt(up)
+            status = str(out.status)
+            return out
+        except _Next as nxt:
+            status = nxt.status
+            if nxt.error is not None:
+                last = nxt.error
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
+            request = call.request
+            if request.transport is None or request.transport.is_closing():
+                return web.Response(status=499)  # client gone; nothing to answer
+            why = type(exc).__name__ + (f": {exc}" if str(exc) else "")
+            if isinstance(exc, TimeoutError) and not isinstance(
+                exc, aiohttp.ConnectionTimeoutError
+            ):
+                router.suspect(up, why)  # one slow request, not a dead server
+                status = "timeout"
+                timed_out = APIError(
+                    504,
+                    f"the upstream sent nothing for {router.timeout_s:g} s",
+                    code="upstream_timeout",
+                )
+                if configured:
+                    continue
+                raise timed_out from None
+            router.mark_failed(up, why)
+            status = "failed"
+        finally:
+            up.in_flight -= 1
+            call.st.metrics.upstream_requests.labels(up.url, status).inc()
+
+
+async def _refused(call: _Call, up: Upstream, resp: aiohttp.ClientResponse) -> None:
+    """An upstream's non-200 answer: on to the next upstream (``_Next``) or the client's
+    error, reworded (``reworded``); never returns."""
+    data = await resp.read()
+    if resp.status in _DOWN:
+        call.router.mark_failed(up, f"HTTP {resp.status}")
+        raise _Next(str(resp.status), reworded(resp.status, data, resp.headers))
+    err = reworded(resp.status, data, resp.headers)
+    if resp.status in _NEXT:
+        wait = retry_after_seconds(resp.headers.get("Retry-After"))
+        if resp.status == 429 and wait is not None:
+            call.router.limit(up, wait)
+        else:
+            up.last_error = f"HTTP {resp.status}"
+        raise _Next(str(resp.status), err)
+    raise err
+
+
+def reworded(status: int, data: bytes, headers: Any) -> APIError:
+    """The client's error for an upstream's error answer: its status and error type (and an
+    OpenAI error's code, an identifier), never its message or body."""
+    kind = code = None
+    try:
+        parsed = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        parsed = None
+    err = parsed.get("error") if isinstance(parsed, dict) else None
+    if isinstance(err, dict):
+        kind = err.get("type") if isinstance(err.get("type"), str) else None
+        code = err.get("code") if isinstance(err.get("code"), str) else None
+    kind = kind if kind is not None and _CODE.fullmatch(kind) else None
+    code = code if code is not None and _CODE.fullmatch(code) else None
+    said = ", ".join(x for x in (kind, code) if x)
+    retry = retry_after_seconds(headers.get("Retry-After"))
+    return APIError(
+        status if status >= 400 else 502,
+        f"the upstream answered HTTP {status}" + (f" ({said})" if said else ""),
+        code=code or "upstream_error",
+        retry_after=retry if status == 429 else None,
+    )
+
+
+async def _message_try(call: _Call, up: Upstream, ticket: Any) -> web.StreamResponse:
+    """One try of a Messages request on ``up`` (module docstring)."""
+    session = call.router.session
+    assert session is not None
+    req = call.req
+    assert isinstance(req, MessagesRequest)
+    stops = list(req.stop_sequences or [])
+    rid = messages_openai.message_id()
+    extra: dict[str, str] = {}
+    if call.passthrough(up):
+        url, data = up.url + "/v1/messages", call.messages_body(up)
+    else:
+        messages_openai.refuse_unmapped(req)
+        body = messages_openai.to_chat_body(
+            req, call.chat, up.upstream_model(call.route.model or call.public)
+        )
+        if up.cache_salt is not False and call.salt is not None:
+            body["cache_salt"] = call.salt
+        url, data = up.url + "/v1/chat/completions", json.dumps(body).encode()
+        dropped = messages_openai.dropped_marks(call.chat)
+        if dropped is not None:
+            extra[CACHE_HEADER] = dropped
+    async with session.post(url, data=data, headers=call.headers(up), ssl=up.ssl) as resp:
+        if resp.status != 200:
+            await _refused(call, up, resp)
+        if call.passthrough(up) and resp.headers.get(CACHE_HEADER):
+            extra[CACHE_HEADER] = resp.headers[CACHE_HEADER]  # the upstream's pins, as they are
+        ctype = resp.headers.get("Content-Type", "")
+        if req.stream and ctype.startswith("text/event-stream"):
+            if ticket is not None:
+                ticket.started()
+            up.served += 1
+            call.served = True
+            if call.passthrough(up):
+                checker: _Events = _MessageEvents(call.public)
+            else:
+                checker = _ChunkEvents(messages_openai.ChunkTranslator(rid, call.public, stops))
+            out = await _relay(call, resp, checker, extra)
+            call.took(checker.usage(), up)
+            call.output_tokens = checker.output_tokens()
+            return out
+        raw = await resp.read()
+        try:
+            if req.stream:
+                raise Malformed(f"a {ctype.split(';')[0] or 'typeless'} answer to a stream")
+            parsed = json.loads(raw)
+            if call.passthrough(up):
+                message = _checked_message(parsed, call.public)
+            else:
+                message = messages_openai.to_message(parsed, rid, call.public, stops)
+        except (ValueError, UnicodeDecodeError, Malformed) as exc:
+            why = str(exc) if isinstance(exc, Malformed) else "a body that is not JSON"
+            call.router.mark_failed(up, f"HTTP 200 with {why}")
+            raise _Next(
+                "invalid", APIError(502, f"the upstream answered {why}", code="upstream_error")
+            ) from None
+        if ticket is not None:
+            ticket.started()
+        up.served += 1
+        call.served = True
+        call.took(message["usage"], up)
+        return web.json_response(message, headers=extra)
+
+
+def _checked_message(obj: Any, model: str) -> dict[str, Any]:
+    """A Messages upstream's answer, checked to be an Anthropic ``message`` (its model the
+    public name).
+
+    Raises:
+        Malformed: it is not one.
+    """
+    if not isinstance(obj, dict) or obj.get("type") != "message":
+        raise Malformed("a body that is not an Anthropic message")
+    content, usage = obj.get("content"), obj.get("usage")
+    if obj.get("role") != "assistant" or not isinstance(obj.get("id"), str):
+        raise Malformed("a message that is not the assistant's")
+    if not isinstance(content, list) or not all(
+        isinstance(b, dict) and isinstance(b.get("type"), str) for b in content
+    ):
+        raise Malformed("a message whose content is not a list of blocks")
+    if not isinstance(usage, dict) or not (
+        _count(usage.get("input_tokens")) and _count(usage.get("output_tokens"))
+    ):
+        raise Malformed("a message without its usage")
+    return {**obj, "model": model}
+
+
+async def _count_try(call: _Call, up: Upstream) -> web.Response:
+    """One try of a ``count_tokens`` request on ``up``."""
+    session = call.router.session
+    assert session is not None
+    model = up.upstream_model(call.route.model or call.public)
+    if call.passthrough(up):
+        url, data = up.url + "/v1/messages/count_tokens", call.messages_body(up)
+    else:
+        url = up.url + "/tokenize"
+        data = json.dumps(messages_openai.tokenize_body(call.chat, model)).encode()
+    async with session.post(url, data=data, headers=call.headers(up), ssl=up.ssl) as resp:
+        if resp.status in (404, 405, 501) and not call.passthrough(up):
+            await resp.read()
+            raise APIError(
+                501,
+                f"{call.request.path} is not available for the model {call.public!r}: its "
+                "upstream is OpenAI-compatible and has no /tokenize to count with",
+                code="unsupported_for_model",
+            )
+        if resp.status != 200:
+            await _refused(call, up, resp)
+        raw = await resp.read()
+    try:
+        parsed = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        parsed = None
+    if call.passthrough(up):
+        n = parsed.get("input_tokens") if isinstance(parsed, dict) else None
+        if not _count(n):
+            call.router.mark_failed(up, "HTTP 200 without input_tokens")
+            raise _Next(
+                "invalid",
+                APIError(502, "the upstream's count has no input_tokens", code="upstream_error"),
+            )
+    else:
+        n = messages_openai.token_count(parsed)
+    up.served += 1
+    return web.json_response({"input_tokens": n})
+
+
+class _Events:
+    """A stream's checker: SSE events in (``event`` name, ``data`` text), bytes for the
+    client out; ``done`` once the stream ended well.
+
+    Raises (from ``feed`` / ``end``): ``Malformed`` when the stream breaks its contract.
+    """
+
+    done = False
+
+    def feed(self, event: str | None, data: str) -> bytes:
+        raise NotImplementedError
+
+    def end(self) -> bytes:
+        """The upstream's stream ended (cleanly, at the transport): what is left to send."""
+        raise Malformed("a stream that ended before its last event")
+
+    def usage(self) -> dict[str, Any] | None:
+        return None
+
+    def output_tokens(self) -> int:
+        return 0
+
+
+class _MessageEvents(_Events):
+    """A Messages upstream's stream, checked event by event: each ``data`` a JSON object
+    whose ``type`` is a Messages event (and its ``event:`` name), ``message_start`` first,
+    blocks opened before their deltas, ``message_stop`` last; an upstream ``error`` event is
+    reworded. ``message_start``'s model is the public name; other events pass as they came."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.started = False
+        self.blocks: set[int] = set()
+        self._usage: dict[str, Any] = {}
+
+    def feed(self, event: str | None, data: str) -> bytes:
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            raise Malformed("an event whose data is not JSON") from None
+        kind = obj.get("type") if isinstance(obj, dict) else None
+        if not isinstance(kind, str) or (event is not None and event != kind):
+            raise Malformed("an event without its type")
+        if kind == "error":
+            err = obj.get("error")
+            etype = err.get("type") if isinstance(err, dict) else None
+            etype = etype if isinstance(etype, str) and _CODE.fullmatch(etype) else "api_error"
+            raise _UpstreamError(etype)
+        if kind not in _EVENTS:
+            raise Malformed(f"an event of unknown type {kind[:40]!r}")
+        if kind == "ping":
+            return _frame(kind, data)
+        if not self.started:
+            if kind != "message_start" or not isinstance(obj.get("message"), dict):
+                raise Malformed(f"{kind} before message_start")
+            self.started = True
+            msg = obj["message"]
+            self._usage.update(msg.get("usage") or {})
+            return _frame(kind, json.dumps({**obj, "message": {**msg, "model": self.model}}))
+        index = obj.get("index")
+        if kind == "message_start":
+            raise Malformed("a second message_start")
+        if kind == "content_block_start":
+            if not isinstance(index, int) or index in self.blocks:
+                raise Malformed("a content block started twice")
+            self.blocks.add(index)
+        elif kind in ("content_block_delta", "content_block_stop") and index not in self.blocks:
+            raise Malformed(f"{kind} of a block never started")
+        elif kind == "message_delta":
+            usage = obj.get("usage")
+            if isinstance(usage, dict):
+                self._usage.update({k: v for k, v in usage.items() if v is not None})
+        elif kind == "message_stop":
+            self.done = True
+        return _frame(kind, data)
+
+    def usage(self) -> dict[str, Any] | None:
+        return self._usage or None
+
+
+class _ChunkEvents(_Events):
+    """An OpenAI-compatible upstream's chunks, translated (``ChunkTranslator``); it must end
+    with ``[DONE]`` after a finish reason."""
+
+    def __init__(self, translator: messages_openai.ChunkTranslator) -> None:
+        self.translator = translator
+
+    def feed(self, event: str | None, data: str) -> bytes:
+        if data.strip() == "[DONE]":
+            self.done = True
+            return self.translator.finish()
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            raise Malformed("an event whose data is not JSON") from None
+        if isinstance(obj, dict) and obj.get("error") is not None:
+            err = obj["error"]
+            etype = err.get("type") if isinstance(err, dict) else None
+            raise _UpstreamError(
+                etype if isinstance(etype, str) and _CODE.fullmatch(etype) else "api_error"
+            )
+        return self.translator.feed(obj)
+
+    def usage(self) -> dict[str, Any] | None:
+        return self.translator.usage if self.translator.usage_seen else None
+
+    def output_tokens(self) -> int:
+        return self.translator.content_chunks
+
+
+class _UpstreamError(Exception):
+    """The upstream ended its stream with an error event of its own (its type)."""
+
+
+def _frame(kind: str, data: str) -> bytes:
+    return f"event: {kind}\ndata: {data}\n\n".encode()
+
+
+async def _sse(
+    resp: aiohttp.ClientResponse, idle_timeout_s: float, keepalive_s: float
+) -> AsyncIterator[tuple[str | None, str] | None]:
+    """The upstream's SSE events as ``(event name, data)``; None when a keep-alive is due.
+
+    Raises:
+        Malformed: bytes that are not SSE, or an event over 16 MiB.
+        TimeoutError: nothing for ``idle_timeout_s``.
+    """
+    buf = b""
+    last = time.monotonic()
+    while True:
+        try:
+            async with asyncio.timeout(min(keepalive_s, idle_timeout_s or keepalive_s)):
+                chunk = await resp.content.readany()
+        except TimeoutError:
+            if idle_timeout_s and time.monotonic() - last >= idle_timeout_s:
+                raise
+            yield None
+            continue
+        if not chunk:
+            return
+        last = time.monotonic()
+        buf = (buf + chunk).replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        while b"\n\n" in buf:
+            raw, buf = buf.split(b"\n\n", 1)
+            name: str | None = None
+            data: list[str] = []
+            for line in raw.decode("utf-8", errors="strict").split("\n"):
+                if not line or line.startswith(":"):
+                    continue
+                field, _, value = line.partition(":")
+                value = value[1:] if value.startswith(" ") else value
+                if field == "event":
+                    name = value
+                elif field == "data":
+                    data.append(value)
+                elif field not in ("id", "retry"):
+                    raise Malformed("bytes that are not server-sent events")
+            if data:
+                yield name, "\n".join(data)
+        if len(buf) > 16 << 20:
+            raise Malformed("an event larger than 16 MiB")
+
+
+async def _relay(
+    call: _Call, resp: aiohttp.ClientResponse, checker: _Events, headers: dict[str, str]
+) -> web.StreamResponse:
+    """Relay the upstream's stream through ``checker``; a broken one ends with an Anthropic
+    ``error`` event (module docstring)."""
+    request = call.request
+    out = web.StreamResponse(status=200, headers={**SSE_HEADERS, **headers})
+    await out.prepare(request)
+    s = call.st.settings
+    error: APIError | None = None
+    try:
+        async for event in _sse(resp, s.upstream_timeout_s, s.keepalive_s):
+            if event is None:
+                await out.write(KEEPALIVE)
+                continue
+            passed = checker.feed(*event)
+            if passed:
+                await out.write(passed)
+            if checker.done:
+                break
+        else:
+            await out.write(checker.end())
+    except Malformed as exc:
+        error = APIError(502, f"the upstream's stream broke: {exc}", code="upstream_error")
+    except _UpstreamError as exc:
+        error = APIError(502, f"the upstream's stream failed ({exc})", code="upstream_error")
+    except UnicodeDecodeError:
+        error = APIError(502, "the upstream's stream is not UTF-8", code="upstream_error")
+    except TimeoutError:
+        error = APIError(
+            504,
+            f"the upstream sent nothing for {s.upstream_timeout_s:g} s",
+            code="upstream_timeout",
+        )
+    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+        error = APIError(
+            502,
+            f"the upstream connection broke mid-stream: {type(exc).__name__}",
+            code="upstream_error",
+        )
+    except ConnectionResetError:
+        return out  # client gone: leaving closes the upstream connection
+    try:
+        if error is not None:
+            logger.warning("upstream stream broken: %s", error.message)
+            await out.write(error_event(request, error))
+        await out.write_eof()
+    except ConnectionResetError:
+        pass
+    return out

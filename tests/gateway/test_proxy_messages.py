@@ -1,0 +1,376 @@
+"""Anthropic's Messages API in upstream mode (``proxy.messages_relay``), through the official
+``anthropic`` client: translated to chat completions for an OpenAI-compatible upstream (a
+scripted vLLM-shaped stub) and back, whole and streamed, tools round trip; relayed as is to a
+prefixgate upstream (``create_app`` on the fake engine) with the key's salt; upstream errors
+reworded, streams cut short ended by an ``error`` event, what cannot be mapped refused by
+name, ``count_tokens`` by ``/tokenize`` or 501 naming the route."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import anthropic
+import httpx
+import pytest
+from aiohttp import web
+from prefixgate.gateway.app import create_app, create_proxy_app
+from prefixgate.gateway.http.server import BackgroundServer
+from prefixgate.gateway.settings import GatewaySettings
+from prefixgate.gateway.tenancy.keys import effective_salt
+from support.chat_stub import SECRET, ChatStub
+from support.fake_engine import FakeEngine
+
+SYSTEM = "You are the harbour master's assistant."
+
+
+class Servers:
+    def __init__(self) -> None:
+        self.open: list[BackgroundServer] = []
+
+    def __call__(self, make) -> BackgroundServer:
+        srv = BackgroundServer(make).__enter__()
+        self.open.append(srv)
+        return srv
+
+    def close(self) -> None:
+        for srv in reversed(self.open):
+            srv.close()
+
+
+@pytest.fixture
+def servers() -> Iterator[Servers]:
+    s = Servers()
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def _client(gw: BackgroundServer, key: str = "none") -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=gw.url, api_key=key, max_retries=0)
+
+
+@pytest.fixture
+def vllm(servers: Servers):
+    stub = ChatStub()
+    up = servers(stub.app)
+    gw = servers(lambda: create_proxy_app([up.url], GatewaySettings()))
+    return stub, gw
+
+
+def test_a_message_to_an_openai_upstream_is_a_chat_and_comes_back_a_message(vllm):
+    stub, gw = vllm
+    client = _client(gw)
+    raw = client.messages.with_raw_response.create(
+        model="llama",
+        max_tokens=32,
+        system=[{"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}}],
+        messages=[{"role": "user", "content": [{"type": "text", "text": "High tide?"}]}],
+        stop_sequences=["END"],
+        metadata={"user_id": "u-1"},
+        extra_body={"temperature": 0.5, "top_p": 0.9},
+    )
+    msg = raw.parse()
+    assert msg.type == "message" and msg.role == "assistant" and msg.model == "llama"
+    assert [b.type for b in msg.content] == ["text"] and msg.content[0].text == "hello there"
+    assert msg.stop_reason == "end_turn" and msg.stop_sequence is None
+    sent = stub.seen[-1]
+    assert sent["messages"] == [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "High tide?"},
+    ]
+    assert sent["max_tokens"] == 32 and sent["stop"] == ["END"] and sent["user"] == "u-1"
+    assert sent["temperature"] == 0.5 and sent["top_p"] == 0.9 and "stream" not in sent
+    assert "cache_control" not in json.dumps(sent)
+    prompt = len(SYSTEM) + len("High tide?")
+    assert msg.usage.input_tokens == prompt - 8 and msg.usage.cache_read_input_tokens == 8
+    assert msg.usage.cache_creation_input_tokens == 0 and msg.usage.output_tokens == 5
+    assert raw.headers["x-prefixgate-cache"] == "system.0=dropped"
+
+
+def test_a_stream_to_an_openai_upstream_is_translated_event_by_event(vllm):
+    stub, gw = vllm
+    stub.stop_reason, stub.finish_reason = "END", "stop"
+    client = _client(gw)
+    with client.messages.stream(
+        model="llama",
+        max_tokens=32,
+        system=SYSTEM,
+        messages=[{"role": "user", "content": "High tide?"}],
+        stop_sequences=["END"],
+    ) as stream:
+        kinds = [e.type for e in stream]
+        final = stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert "content_block_delta" in kinds and "message_delta" in kinds
+    assert final.content[0].text == "hello there"
+    assert final.stop_reason == "stop_sequence" and final.stop_sequence == "END"
+    prompt = len(SYSTEM) + len("High tide?")
+    assert final.usage.input_tokens == prompt - 8 and final.usage.cache_read_input_tokens == 8
+    assert final.usage.output_tokens == 5
+    assert stub.seen[-1]["stream"] is True
+
+
+TOOLS = [
+    {
+        "name": "tide",
+        "description": "the next high tide",
+        "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}},
+    }
+]
+
+
+def test_tools_round_trip_through_an_openai_upstream(vllm):
+    stub, gw = vllm
+    stub.calls = [("tide", '{"city": "Oslo"}')]
+    client = _client(gw)
+    ask = [{"role": "user", "content": "tide?"}]
+    msg = client.messages.create(
+        model="llama",
+        max_tokens=32,
+        messages=ask,
+        tools=TOOLS,
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+    )
+    (use,) = msg.content
+    assert use.type == "tool_use" and use.name == "tide" and use.input == {"city": "Oslo"}
+    assert use.id == "call_0" and msg.stop_reason == "tool_use"
+    sent = stub.seen[-1]
+    assert sent["tools"] == [
+        {
+            "type": "function",
+            "function": {
+                "name": "tide",
+                "parameters": TOOLS[0]["input_schema"],
+                "description": "the next high tide",
+            },
+        }
+    ]
+    assert sent["tool_choice"] == "required" and sent["parallel_tool_calls"] is False
+    with client.messages.stream(model="llama", max_tokens=32, messages=ask, tools=TOOLS) as s:
+        streamed = s.get_final_message()
+    assert [(b.type, b.input) for b in streamed.content] == [("tool_use", {"city": "Oslo"})]
+    assert streamed.stop_reason == "tool_use"
+    stub.calls = []
+    follow = [
+        *ask,
+        {"role": "assistant", "content": [use.model_dump(exclude_none=True)]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": use.id, "content": "14:05"},
+                {"type": "text", "text": "thanks"},
+            ],
+        },
+    ]
+    done = client.messages.create(model="llama", max_tokens=32, messages=follow, tools=TOOLS)
+    assert done.content[0].text == "hello there"
+    turns = stub.seen[-1]["messages"]
+    assert turns[1] == {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_0",
+                "type": "function",
+                "function": {"name": "tide", "arguments": '{"city": "Oslo"}'},
+            }
+        ],
+    }
+    assert turns[2] == {"role": "tool", "tool_call_id": "call_0", "content": "14:05"}
+    assert turns[3] == {"role": "user", "content": "thanks"}
+
+
+def test_upstream_errors_are_reworded_and_never_shown(vllm):
+    stub, gw = vllm
+    stub.status = 400
+    client = _client(gw)
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        client.messages.create(
+            model="llama", max_tokens=8, messages=[{"role": "user", "content": "hi"}]
+        )
+    body = caught.value.body
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+    assert SECRET not in json.dumps(body) and "HTTP 400" in body["error"]["message"]
+    stub.status = 500
+    with pytest.raises(anthropic.InternalServerError) as caught:
+        client.messages.create(
+            model="llama", max_tokens=8, messages=[{"role": "user", "content": "hi"}]
+        )
+    assert SECRET not in json.dumps(caught.value.body)
+
+
+def test_a_stream_cut_short_ends_with_an_error_event(vllm):
+    stub, gw = vllm
+    stub.cut = True
+    client = _client(gw)
+    with pytest.raises(anthropic.APIStatusError) as caught:
+        with client.messages.stream(
+            model="llama", max_tokens=8, messages=[{"role": "user", "content": "hi"}]
+        ) as stream:
+            for _ in stream:
+                pass
+    assert "ended before its last event" in str(caught.value)
+    with httpx.stream(
+        "POST",
+        gw.url + "/v1/messages",
+        json={"model": "llama", "max_tokens": 8, "stream": True, "messages": [
+            {"role": "user", "content": "hi"}]},
+    ) as r:  # fmt: skip
+        text = r.read().decode()
+    assert text.rstrip().split("\n\n")[-1].startswith("event: error\ndata: ")
+    assert "message_stop" not in text
+
+
+def test_what_an_openai_upstream_cannot_take_is_refused_by_name(vllm):
+    stub, gw = vllm
+    client = _client(gw)
+    for extra, name in (({"top_k": 5}, "top_k"), ({"diagnostics": {}}, "diagnostics")):
+        with pytest.raises(anthropic.BadRequestError) as caught:
+            client.messages.create(
+                model="llama",
+                max_tokens=8,
+                messages=[{"role": "user", "content": "hi"}],
+                extra_body=extra,
+            )
+        assert caught.value.body["error"]["message"].startswith(name + ":")
+    with pytest.raises(anthropic.BadRequestError) as caught:  # the local dialect's own refusal
+        client.messages.create(
+            model="llama",
+            max_tokens=8,
+            messages=[{"role": "user", "content": "hi"}],
+            extra_body={"thinking": {"type": "enabled", "budget_tokens": 1024}},
+        )
+    assert "thinking" in caught.value.body["error"]["message"]
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.create(
+            model="nope", max_tokens=8, messages=[{"role": "user", "content": "hi"}]
+        )
+    assert stub.seen == []
+
+
+def test_count_tokens_asks_the_upstream_tokenize_or_is_501_naming_the_route(vllm):
+    stub, gw = vllm
+    client = _client(gw)
+    n = client.messages.count_tokens(
+        model="llama", system=SYSTEM, messages=[{"role": "user", "content": "hi"}]
+    )
+    assert n.input_tokens == len(SYSTEM) + 2
+    assert stub.seen[-1]["add_generation_prompt"] is True
+    stub.tokenize = False
+    r = httpx.post(
+        gw.url + "/v1/messages/count_tokens",
+        json={"model": "llama", "messages": [{"role": "user", "content": "hi"}]},
+    )
+    assert r.status_code == 501
+    body = r.json()
+    assert body["type"] == "error" and "/v1/messages/count_tokens" in body["error"]["message"]
+
+
+def _keys(tmp_path) -> str:
+    path = tmp_path / "keys.json"
+    keys = [{"key": "k1", "name": "a", "salt": "sa"}, {"key": "k2", "name": "b", "salt": "sb"}]
+    path.write_text(json.dumps({"keys": keys}))
+    return str(path)
+
+
+def test_a_prefixgate_upstream_gets_the_message_as_is_with_the_key_salt(servers, tmp_path):
+    holder: dict = {}
+
+    def make():
+        holder["engine"] = FakeEngine()
+        return create_app(holder["engine"], GatewaySettings(model_name="fake"))
+
+    up = servers(make)
+    settings = GatewaySettings(keys_file=_keys(tmp_path))
+    gw = servers(lambda: create_proxy_app([up.url], settings))
+    engine: FakeEngine = holder["engine"]
+    system = [{"type": "text", "text": SYSTEM * 2, "cache_control": {"type": "ephemeral"}}]
+    ask = [{"role": "user", "content": "High tide?"}]
+    raw = _client(gw, "k1").messages.with_raw_response.create(
+        model="fake", max_tokens=4, system=system, messages=ask
+    )
+    msg = raw.parse()
+    assert msg.type == "message" and msg.model == "fake" and msg.content[0].type == "text"
+    assert msg.usage.cache_creation_input_tokens > 0  # the upstream's breakpoint, written
+    assert "system.0=" in raw.headers["x-prefixgate-cache"]  # the upstream's own header
+    with _client(gw, "k2").messages.stream(
+        model="fake", max_tokens=4, system=system, messages=ask, extra_body={"cache_salt": "x"}
+    ) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason in ("end_turn", "max_tokens") and final.model == "fake"
+    salts = [seen[3] for seen in engine.requests_seen]
+    assert salts == [
+        effective_salt(None, "sa"),  # the upstream nests the proxy's salt in its own
+        effective_salt(None, effective_salt("sb", "x")),
+    ]
+    n = _client(gw, "k1").messages.count_tokens(model="fake", system=system, messages=ask)
+    prompt = msg.usage.input_tokens + msg.usage.cache_creation_input_tokens
+    assert n.input_tokens == prompt + msg.usage.cache_read_input_tokens
+
+
+def _prefixgate_lookalike(events: list[tuple[str, dict]]) -> web.Application:
+    """An upstream that says it is prefixgate and streams ``events`` (then ends)."""
+
+    async def models(request: web.Request) -> web.Response:
+        card = {"id": "pg", "object": "model", "created": 0, "owned_by": "prefixgate"}
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def messages(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if not body.get("stream"):
+            return web.json_response({"type": "message", "content": "not blocks"})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for kind, data in events:
+            await resp.write(f"event: {kind}\ndata: {json.dumps(data)}\n\n".encode())
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/messages", messages)
+    app.router.add_get("/health", lambda r: web.json_response({}))
+    return app
+
+
+def test_a_prefixgate_upstream_s_broken_answers_never_pass_as_success(servers):
+    start = {
+        "type": "message_start",
+        "message": {
+            "id": "msg_1", "type": "message", "role": "assistant", "model": "pg",
+            "content": [], "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": 3, "output_tokens": 0},
+        },
+    }  # fmt: skip
+    block = {
+        "type": "content_block_start",
+        "index": 0,
+        "content_block": {"type": "text", "text": ""},
+    }
+    delta = {
+        "type": "content_block_delta",
+        "index": 0,
+        "delta": {"type": "text_delta", "text": "hi"},
+    }
+    up = servers(
+        lambda: _prefixgate_lookalike(
+            [
+                ("message_start", start),
+                ("content_block_start", block),
+                ("content_block_delta", delta),
+            ]
+        )
+    )
+    gw = servers(lambda: create_proxy_app([up.url], GatewaySettings()))
+    client = _client(gw)
+    ask = [{"role": "user", "content": "hi"}]
+    with pytest.raises(anthropic.APIStatusError) as caught:
+        with client.messages.stream(model="pg", max_tokens=8, messages=ask) as stream:
+            for _ in stream:
+                pass
+    assert "ended before its last event" in str(caught.value)
+    with pytest.raises(anthropic.APIStatusError) as caught:  # a body that is no message
+        client.messages.create(model="pg", max_tokens=8, messages=ask)
+    assert caught.value.status_code == 502
