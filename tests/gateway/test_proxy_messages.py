@@ -374,3 +374,66 @@ def test_a_prefixgate_upstream_s_broken_answers_never_pass_as_success(servers):
     with pytest.raises(anthropic.APIStatusError) as caught:  # a body that is no message
         client.messages.create(model="pg", max_tokens=8, messages=ask)
     assert caught.value.status_code == 502
+
+
+def test_an_anthropic_deployment_gets_the_message_as_is_with_its_own_key(servers, tmp_path):
+    from prefixgate.gateway.proxy.config import load_config
+    from support.anthropic_stub import SECRET as ANTHROPIC_SECRET
+    from support.anthropic_stub import AnthropicStub
+
+    claude = AnthropicStub()
+    up = servers(claude.app)
+    config = tmp_path / "proxy.toml"
+    config.write_text(
+        f"""
+[[models]]
+name = "claude"
+[[models.deployments]]
+url = "{up.url}"
+dialect = "anthropic"
+model = "claude-sonnet-4-5"
+api_key_env = "ANTHROPIC_KEY"
+"""
+    )
+    cfg = load_config(config, env={"ANTHROPIC_KEY": "sk-ant-test"})
+    gw = servers(lambda: create_proxy_app(cfg, GatewaySettings()))
+    client = _client(gw, "client-key")
+    system = [{"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}}]
+    ask = [{"role": "user", "content": [{"type": "text", "text": "High tide?"}]}]
+    msg = client.messages.create(
+        model="claude", max_tokens=16, system=system, messages=ask, extra_body={"cache_salt": "x"}
+    )
+    assert msg.model == "claude" and msg.content[0].text == "hello there"
+    assert msg.usage.cache_creation_input_tokens > 0  # the breakpoint reached it as sent
+    sent = claude.seen[-1]
+    assert sent == {
+        "model": "claude-sonnet-4-5",
+        "max_tokens": 16,
+        "system": system,
+        "messages": ask,
+    }
+    headers = claude.headers[-1]
+    assert headers["x-api-key"] == "sk-ant-test" and "Authorization" not in headers
+    with client.messages.stream(model="claude", max_tokens=16, messages=ask) as stream:
+        final = stream.get_final_message()
+    assert final.content[0].text == "hello there" and final.model == "claude"
+    assert final.usage.output_tokens == 3
+    claude.status = 529
+    with pytest.raises(anthropic.APIStatusError) as caught:
+        client.messages.create(model="claude", max_tokens=16, messages=ask)
+    assert caught.value.status_code == 529
+    assert caught.value.body["error"]["type"] == "overloaded_error"
+    assert ANTHROPIC_SECRET not in json.dumps(caught.value.body)
+
+
+def test_a_failing_upstream_moves_the_message_to_the_next_of_its_model(servers):
+    bad, good = ChatStub(status=503), ChatStub()
+    urls = [servers(bad.app).url, servers(good.app).url]
+    gw = servers(lambda: create_proxy_app(urls, GatewaySettings()))
+    client = _client(gw)
+    for _ in range(3):
+        msg = client.messages.create(
+            model="llama", max_tokens=8, messages=[{"role": "user", "content": "hi"}]
+        )
+        assert msg.content[0].text == "hello there"
+    assert len(good.seen) == 3 and len(bad.seen) <= 1  # down after its first 503
