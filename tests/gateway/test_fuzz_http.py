@@ -1,9 +1,10 @@
 """Fuzz of the HTTP API: whatever a client sends — body, headers, query, in
-local and proxy mode — is answered with a 4xx OpenAI error at worst, never a 5xx; afterwards
+local and proxy mode — is answered with a 4xx OpenAI error (Anthropic's on ``/v1/messages``)
+at worst, never a 5xx; afterwards
 the server is healthy and the KV pool whole.
 
 Hypothesis strategies of our own generate requests over every route: JSON bodies with the
-OpenAI fields holding values of every JSON type (NaN, huge integers, lone surrogates,
+OpenAI fields (and the Messages API's) holding values of every JSON type (NaN, huge integers, lone surrogates,
 special-token strings, nesting), raw and invalid-UTF-8 bytes, truncated JSON, random headers
 (keys, content types and encodings) and query strings. ``FUZZ_EXAMPLES`` requests per mode
 (1,000 by default) against the fake engine (no per-token delay; proxy mode forwards to a real
@@ -99,6 +100,38 @@ completion_body = st.fixed_dictionaries(
         "suffix": json_values,
     },
 )
+block = st.fixed_dictionaries(
+    {"type": st.sampled_from(["text", "text", "tool_use", "tool_result", "image"]) | json_values},
+    optional={
+        "text": odd_text | json_values,
+        "cache_control": st.just({"type": "ephemeral"}) | json_values,
+        "id": odd_text,
+        "name": odd_text,
+        "input": json_values,
+        "tool_use_id": odd_text,
+        "content": odd_text | json_values,
+    },
+)
+anthropic_message = st.fixed_dictionaries(
+    {
+        "role": st.sampled_from(["user", "user", "assistant"]) | json_values,
+        "content": odd_text | st.lists(block, max_size=3) | json_values,
+    }
+)
+messages_body = st.fixed_dictionaries(
+    {"model": MODEL, "messages": st.lists(anthropic_message, min_size=1, max_size=3)},
+    optional={
+        "max_tokens": small_int | json_values,
+        "system": odd_text | st.lists(block, max_size=2) | json_values,
+        "stream": st.booleans() | json_values,
+        "temperature": st.floats(allow_nan=True) | json_values,
+        "top_k": small_int,
+        "stop_sequences": st.lists(odd_text, max_size=3) | json_values,
+        "cache_salt": odd_text | json_values,
+        "tools": json_values,
+        "cache_control": json_values,
+    },
+)
 prefix_body = st.fixed_dictionaries(
     {"model": MODEL, "messages": st.lists(message, max_size=2)},
     optional={"ttl_seconds": st.floats(allow_nan=True) | json_values, "cache_salt": odd_text},
@@ -107,6 +140,8 @@ ROUTES = [
     ("POST", "/v1/chat/completions", chat_body),
     ("POST", "/v1/completions", completion_body),
     ("POST", "/v1/prefixes", prefix_body),
+    ("POST", "/v1/messages", messages_body),
+    ("POST", "/v1/messages/count_tokens", messages_body),
     ("GET", "/v1/models", None),
     ("GET", "/v1/models/fake", None),
     ("GET", "/v1/models/%ff%zz", None),
