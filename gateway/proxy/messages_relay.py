@@ -317,7 +317,8 @@ async def _refused(call: _Call, up: Upstream, resp: aiohttp.ClientResponse) -> N
 
 def reworded(status: int, data: bytes, headers: Any) -> APIError:
     """The client's error for an upstream's error answer: its status and error type (and an
-    OpenAI error's code, an identifier), never its message or body."""
+    OpenAI error's code, an identifier), never its message or body; a 400 for a prompt over
+    the context (OpenAI's code, vLLM's and SGLang's wording) says so in the gateway's words."""
     kind = code = None
     try:
         parsed = json.loads(data)
@@ -331,9 +332,19 @@ def reworded(status: int, data: bytes, headers: Any) -> APIError:
     code = code if code is not None and _CODE.fullmatch(code) else None
     said = ", ".join(x for x in (kind, code) if x)
     retry = retry_after_seconds(headers.get("Retry-After"))
+    message = f"the upstream answered HTTP {status}" + (f" ({said})" if said else "")
+    told = err.get("message") if isinstance(err, dict) else None
+    if status == 400 and (
+        code == "context_length_exceeded"
+        or (isinstance(told, str) and "maximum context length" in told)  # vLLM's, SGLang's
+    ):
+        code = "context_length_exceeded"
+        message = (
+            "the prompt plus max_tokens exceeds the model's context length (upstream: HTTP 400)"
+        )
     return APIError(
         status if status >= 400 else 502,
-        f"the upstream answered HTTP {status}" + (f" ({said})" if said else ""),
+        message,
         code=code or "upstream_error",
         retry_after=retry if status == 429 else None,
     )

@@ -437,3 +437,25 @@ def test_a_failing_upstream_moves_the_message_to_the_next_of_its_model(servers):
         )
         assert msg.content[0].text == "hello there"
     assert len(good.seen) == 3 and len(bad.seen) <= 1  # down after its first 503
+
+
+def test_reworded_errors_keep_status_type_and_code_never_the_message():
+    from prefixgate.gateway.proxy.messages_relay import reworded
+
+    vllm_400 = {
+        "error": {
+            "message": f"This model's maximum context length is 2048 tokens ({SECRET})",
+            "type": "BadRequestError",
+            "param": None,
+            "code": 400,
+        }
+    }
+    err = reworded(400, json.dumps(vllm_400).encode(), {})
+    assert err.status == 400 and err.code == "context_length_exceeded"
+    assert SECRET not in err.message and "context length" in err.message
+    limited = {"type": "error", "error": {"type": "rate_limit_error", "message": SECRET}}
+    err = reworded(429, json.dumps(limited).encode(), {"Retry-After": "7"})
+    assert err.status == 429 and err.retry_after == 7 and SECRET not in err.message
+    assert err.anthropic_body()["error"]["type"] == "rate_limit_error"
+    err = reworded(503, b"<html>" + SECRET.encode() + b"</html>", {})
+    assert err.status == 503 and err.message == "the upstream answered HTTP 503"
