@@ -459,3 +459,21 @@ def test_reworded_errors_keep_status_type_and_code_never_the_message():
     assert err.anthropic_body()["error"]["type"] == "rate_limit_error"
     err = reworded(503, b"<html>" + SECRET.encode() + b"</html>", {})
     assert err.status == 503 and err.message == "the upstream answered HTTP 503"
+
+
+def test_the_key_is_charged_the_usage_the_upstream_reported(servers, tmp_path):
+    stub = ChatStub(cached=0)
+    up = servers(stub.app)
+    gw = servers(lambda: create_proxy_app([up.url], GatewaySettings(keys_file=_keys(tmp_path))))
+    client = _client(gw, "k1")
+    ask = [{"role": "user", "content": "hi"}]
+    client.messages.create(model="llama", max_tokens=8, messages=ask)
+    with client.messages.stream(model="llama", max_tokens=8, messages=ask) as stream:
+        stream.get_final_message()
+    metrics = httpx.get(gw.url + "/metrics", headers={"Authorization": "Bearer k1"}).text
+    tokens = {
+        line.split("kind=")[1].split('"')[1]: float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("prefixgate_key_tokens_total{") and 'key="a"' in line
+    }
+    assert tokens == {"prompt": 2 * len("hi"), "completion": 2 * 5}
