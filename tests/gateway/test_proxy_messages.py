@@ -477,3 +477,24 @@ def test_the_key_is_charged_the_usage_the_upstream_reported(servers, tmp_path):
         if line.startswith("prefixgate_key_tokens_total{") and 'key="a"' in line
     }
     assert tokens == {"prompt": 2 * len("hi"), "completion": 2 * 5}
+
+
+@pytest.mark.parametrize("routing", ["cache_aware", "rendezvous"])
+def test_messages_with_one_system_prompt_meet_on_one_upstream(servers, routing):
+    engines: list[FakeEngine] = []
+
+    def make():
+        engines.append(FakeEngine())
+        return create_app(engines[-1], GatewaySettings(model_name="fake"))
+
+    urls = [servers(make).url for _ in range(3)]
+    gw = servers(lambda: create_proxy_app(urls, GatewaySettings(routing=routing)))
+    client = _client(gw)
+    for i in range(4):
+        client.messages.create(
+            model="fake",
+            max_tokens=2,
+            system=SYSTEM * 2,  # two affinity blocks (64 characters each)
+            messages=[{"role": "user", "content": f"question {i}"}],
+        )
+    assert sorted(len(e.requests_seen) for e in engines) == [0, 0, 4]
