@@ -498,3 +498,29 @@ def test_messages_with_one_system_prompt_meet_on_one_upstream(servers, routing):
             messages=[{"role": "user", "content": f"question {i}"}],
         )
     assert sorted(len(e.requests_seen) for e in engines) == [0, 0, 4]
+
+
+@pytest.mark.parametrize(
+    "sent, said",
+    [
+        (b"data: {not json\n\n", "not JSON"),
+        (b"<html>" + SECRET.encode() + b"</html>\n\n", "not server-sent events"),
+        (
+            b'data: {"error": {"message": "' + SECRET.encode() + b'", "type": "oom"}}\n\n',
+            "failed (oom)",
+        ),
+    ],
+)
+def test_a_garbled_or_failed_stream_ends_with_an_error_event_never_showing_it(vllm, sent, said):
+    stub, gw = vllm
+    stub.after_first = sent
+    with httpx.stream(
+        "POST",
+        gw.url + "/v1/messages",
+        json={"model": "llama", "max_tokens": 8, "stream": True, "messages": [
+            {"role": "user", "content": "hi"}]},
+    ) as r:  # fmt: skip
+        text = r.read().decode()
+    last = text.rstrip().split("\n\n")[-1]
+    assert last.startswith("event: error\ndata: ") and said in last
+    assert SECRET not in text and "message_stop" not in text

@@ -4,7 +4,8 @@ body; ``headers``), and answered with ``reply`` as content or, when ``calls`` is
 tool calls (``[(name, arguments JSON)]``, ids ``call_0``...). Streams send a role chunk, the
 content in two pieces or each call as its id + name then its arguments in two pieces, a finish
 chunk (``finish_reason``, vLLM's ``stop_reason``), the usage chunk when asked and ``[DONE]``;
-``cut=True`` ends the stream after the first content piece. ``status`` other than 200
+``cut=True`` ends the stream after the first content piece (``after_first``: these bytes,
+then the end). ``status`` other than 200
 answers an OpenAI error whose message is ``SECRET``. Usage: ``prompt_tokens`` = the
 messages' characters, ``cached_tokens`` = ``cached``. ``POST /tokenize`` (vLLM's chat form)
 counts the messages' characters unless ``tokenize`` is False. ``GET /v1/models`` lists
@@ -29,6 +30,7 @@ class ChatStub:
     stop_reason: str | None = None
     status: int = 200
     cut: bool = False
+    after_first: bytes = b""  # written after the first content piece, then the stream ends
     cached: int = 8
     tokenize: bool = True
     seen: list[dict] = field(default_factory=list)
@@ -104,7 +106,8 @@ class ChatStub:
         else:
             half = len(self.reply) // 2
             await send({"content": self.reply[:half]})
-            if self.cut:
+            if self.cut or self.after_first:
+                await resp.write(self.after_first)
                 await resp.write_eof()
                 return resp
             await send({"content": self.reply[half:]})
