@@ -28,6 +28,7 @@ import aiohttp
 from aiohttp import web
 from prefixgate.gateway.http.access_log import record
 from prefixgate.gateway.http.errors import APIError, bad_request
+from prefixgate.gateway.http.headers import header_text
 from prefixgate.gateway.proxy.prefixes import ProxyPrefix
 from prefixgate.gateway.proxy.relay import json_body_problem, relay_sse
 from prefixgate.gateway.proxy.routing import prompt_blocks
@@ -415,7 +416,7 @@ def upstream_headers(request: web.Request, st: GatewayState, up: Upstream) -> di
         return {**_HOP_HEADERS, "Authorization": "Bearer " + st.settings.upstream_api_key}
     if up.auth is not None:
         return {**_HOP_HEADERS, "Authorization": up.auth}
-    auth = request.headers.get("Authorization")
+    auth = header_text(request, "Authorization")
     if auth and st.keys.open:
         return {**_HOP_HEADERS, "Authorization": auth}
     return _HOP_HEADERS

@@ -47,6 +47,7 @@ from pathlib import Path
 from aiohttp import web
 from prefixgate.gateway.http.access_log import record
 from prefixgate.gateway.http.errors import APIError, too_many
+from prefixgate.gateway.http.headers import header_text
 from prefixgate.sdk.limits import TokenBucket
 
 MAX_SALT_CHARS = 256  # cache_salt's bound; a key salt forwarded upstream fits it too
@@ -326,12 +327,13 @@ class KeyRing:
         """The Principal for the request's ``Authorization: Bearer <key>`` header.
 
         Raises:
-            APIError: 401 ``invalid_api_key`` when the key is missing or unknown.
+            APIError: 401 ``invalid_api_key`` when the key is missing or unknown; 400
+                ``invalid_header`` when the header's bytes are not UTF-8.
         """
         if not self._by_digest:
             record(request).key_name = "-"
             return self._anonymous
-        header = request.headers.get("Authorization", "")
+        header = header_text(request, "Authorization")
         scheme, _, key = header.partition(" ")
         if header.strip() and scheme.lower() != "bearer":
             raise APIError(
