@@ -26,6 +26,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from prefixgate.gateway.api.request_models import check_counts, load_json
 from prefixgate.gateway.http.access_log import record
 from prefixgate.gateway.http.errors import APIError, bad_request
 from prefixgate.gateway.http.headers import header_text
@@ -64,10 +65,8 @@ async def proxy_generate(request: web.Request) -> web.StreamResponse:
     st = request.app[STATE]
     principal = st.keys.authenticate(request)
     body = await request.read()
-    try:
-        parsed = json.loads(body)
-    except (ValueError, RecursionError) as exc:
-        raise bad_request(f"malformed JSON body: {exc}", code="invalid_json") from None
+    parsed = load_json(body)  # the local routes' bounds: nesting, then the message count
+    check_counts(parsed, ("messages",))
     if not isinstance(parsed, dict):
         raise bad_request("the body must be a JSON object", code="invalid_json")
     prefix = None
