@@ -30,8 +30,9 @@ from prefixgate.gateway.api.request_models import check_counts, load_json
 from prefixgate.gateway.http.access_log import record
 from prefixgate.gateway.http.errors import APIError, bad_request
 from prefixgate.gateway.http.headers import header_text
+from prefixgate.gateway.proxy.answers import answer_model
 from prefixgate.gateway.proxy.prefixes import ProxyPrefix
-from prefixgate.gateway.proxy.relay import json_body_problem, relay_sse
+from prefixgate.gateway.proxy.relay import EventChecker, json_body_problem, relay_sse
 from prefixgate.gateway.proxy.routing import prompt_blocks
 from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import (
@@ -204,9 +205,10 @@ class _Bodies:
     """The forwarded body per upstream: with the effective ``cache_salt`` for upstreams that
     take it; as the client sent it (plus the usage request) for those that do not."""
 
-    __slots__ = ("_parsed", "_salt", "_salted", "_plain")
+    __slots__ = ("_parsed", "_salt", "_salted", "_plain", "stream")
 
     def __init__(self, parsed: dict[str, Any], salt: str | None) -> None:
+        self.stream = parsed.get("stream") is True  # the answer must be SSE, else JSON
         self._parsed = parsed
         self._salt = salt
         self._salted: bytes | None = None
@@ -266,6 +268,8 @@ async def _forward(
     router = request.app[PROXY].router
     session = router.session
     assert session is not None  # opened on the app's startup
+    wants_stream = bodies is not None and bodies.stream
+    model = answer_model(request.path, wants_stream)
     tried: list[Upstream] = []
     while True:
         if pinned is not None:
@@ -295,16 +299,39 @@ async def _forward(
                     ticket.started()
                 up.served += 1
                 ctype = resp.headers.get("Content-Type", "application/json")
-                if ctype.startswith("text/event-stream"):
+                is_sse = ctype.startswith("text/event-stream")
+                if resp.status == 200 and is_sse != wants_stream and model is not None:
+                    # SSE to a non-stream request (or JSON to a stream): not its answer
+                    up.served -= 1
+                    router.mark_bad_answer(
+                        up,
+                        "HTTP 200 with an event stream for a non-stream request"
+                        if is_sse
+                        else f"HTTP 200 with {ctype.split(';')[0]} for a stream request",
+                    )
+                    status = "invalid"
+                    continue
+                if is_sse:
                     s = st.settings
                     tap = None
                     if outcome is not None and resp.status == 200:
                         outcome.served = True
                         outcome.tap = tap = UsageTap(outcome.keep_usage)
                     tail = bytearray()
+                    checker = EventChecker(model, require_finish=model is not None)
                     out = await relay_sse(
-                        request, resp, s.keepalive_s, s.upstream_timeout_s, tap=tap, tail=tail
+                        request,
+                        resp,
+                        s.keepalive_s,
+                        s.upstream_timeout_s,
+                        tap=tap,
+                        tail=tail,
+                        checker=checker,
                     )
+                    if checker.broken is not None:
+                        router.mark_bad_answer(up, checker.broken)
+                    elif checker.done:
+                        router.mark_ok(up)
                     _learn(router, up, route, bytes(tail))
                     return out
                 data = await resp.read()
@@ -314,12 +341,16 @@ async def _forward(
                     raise _PinnedLost("prefix_not_found")
                 if resp.status >= 400 and not _is_openai_error(data, resp.headers):
                     raise _wrapped_error(resp)
-                problem = json_body_problem(data, resp.headers) if resp.status < 300 else None
-                if problem is not None:  # a failed upstream: not served, nothing learnt
+                problem = (
+                    json_body_problem(data, resp.headers, model) if resp.status < 300 else None
+                )
+                if problem is not None:  # a bad answer: not served, nothing learnt
                     up.served -= 1
-                    router.mark_failed(up, f"HTTP {resp.status} with {problem}")
+                    router.mark_bad_answer(up, f"HTTP {resp.status} with {problem}")
                     status = "invalid"
                     continue
+                if resp.status < 300:
+                    router.mark_ok(up)
                 if outcome is not None and resp.status == 200:
                     outcome.served = True
                     if "Content-Encoding" not in resp.headers:
