@@ -36,6 +36,7 @@ from aiohttp import web
 from prefixgate.gateway.http.errors import APIError
 from prefixgate.gateway.http.sse import KEEPALIVE, SSE_HEADERS, encode_event
 from prefixgate.gateway.proxy.answers import shape_problem
+from prefixgate.gateway.proxy.redact import scrub
 from prefixgate.gateway.proxy.usage import UsageTap
 from pydantic import BaseModel
 
@@ -171,11 +172,14 @@ async def relay_sse(
     tap: UsageTap | None = None,
     tail: bytearray | None = None,
     checker: EventChecker | None = None,
+    secrets: tuple[str, ...] = (),
 ) -> web.StreamResponse:
     """Relay ``resp``'s SSE stream to the client, checked (see the module docstring); whole
     events pass through ``tap`` when given (it reads their usage, see ``usage``).
     ``checker``: the route's (``EventChecker(chunk_model, require_finish)``), else one that
     checks SSE framing and JSON only; its ``broken`` says afterwards why the stream broke.
+    ``secrets``: credentials scrubbed from every relayed event (``redact.scrub``: an
+    upstream's error event may quote the key it was sent).
 
     ``tail``, when given, is left holding the stream's last 4 KiB as relayed (where its
     usage chunk is, for cache-aware routing).
@@ -222,6 +226,8 @@ async def relay_sse(
                 except zlib.error:
                     raise StreamBroken("the upstream's compressed stream is corrupt") from None
             passed = _tapped(tap, checker.feed(chunk))
+            if passed and secrets:
+                passed = scrub(passed, secrets)
             if passed:
                 await out.write(passed)
                 if tail is not None:

@@ -21,7 +21,6 @@ import json
 import logging
 import re
 import time
-import zlib
 from typing import Any
 
 import aiohttp
@@ -32,6 +31,7 @@ from prefixgate.gateway.http.errors import APIError, bad_request
 from prefixgate.gateway.http.headers import header_text
 from prefixgate.gateway.proxy.answers import answer_model
 from prefixgate.gateway.proxy.prefixes import ProxyPrefix
+from prefixgate.gateway.proxy.redact import auth_error, reworded_error, secrets_of
 from prefixgate.gateway.proxy.relay import EventChecker, json_body_problem, relay_sse
 from prefixgate.gateway.proxy.routing import prompt_blocks
 from prefixgate.gateway.proxy.serving import PROXY
@@ -270,6 +270,7 @@ async def _forward(
     assert session is not None  # opened on the app's startup
     wants_stream = bodies is not None and bodies.stream
     model = answer_model(request.path, wants_stream)
+    api_key = st.settings.upstream_api_key
     tried: list[Upstream] = []
     while True:
         if pinned is not None:
@@ -327,6 +328,7 @@ async def _forward(
                         tap=tap,
                         tail=tail,
                         checker=checker,
+                        secrets=secrets_of(api_key, up.auth),
                     )
                     if checker.broken is not None:
                         router.mark_bad_answer(up, checker.broken)
@@ -339,8 +341,23 @@ async def _forward(
                     up.served -= 1
                     status = "prefix_lost"
                     raise _PinnedLost("prefix_not_found")
-                if resp.status >= 400 and not _is_openai_error(data, resp.headers):
-                    raise _wrapped_error(resp)
+                if resp.status in (401, 403):  # about the credential sent: never its body
+                    up.served -= 1
+                    raise auth_error(resp.status, up.url, bool(api_key or up.auth))
+                if resp.status >= 400:  # reworded from its four fields, credentials scrubbed
+                    encoding = resp.headers.get("Content-Encoding", "identity")
+                    error = reworded_error(data, encoding, secrets_of(api_key, up.auth))
+                    if error is None:
+                        raise _wrapped_error(resp)
+                    e = error["error"]
+                    raise APIError(
+                        resp.status,
+                        e["message"],
+                        param=e["param"],
+                        code=e["code"],
+                        type=e["type"],
+                        retry_after=_retry_after(resp),
+                    )
                 problem = (
                     json_body_problem(data, resp.headers, model) if resp.status < 300 else None
                 )
@@ -385,21 +402,6 @@ async def _forward(
             st.metrics.upstream_requests.labels(up.url, status).inc()
 
 
-def _is_openai_error(data: bytes, headers: Any) -> bool:
-    """True when an upstream's error body is an OpenAI error object (gzip/deflate undone to
-    look, the bytes themselves passed on as they came)."""
-    if headers.get("Content-Encoding", "identity").lower() in ("gzip", "deflate"):
-        try:
-            data = zlib.decompress(data, wbits=47)  # 32 + 15: gzip or zlib header
-        except zlib.error:
-            return False
-    try:
-        parsed = json.loads(data)
-    except ValueError:
-        return False
-    return isinstance(parsed, dict) and isinstance(parsed.get("error"), dict)
-
-
 def _lost_prefix(data: bytes, headers: Any) -> bool:
     """True when an upstream's 404 body is the error ``prefix_not_found``."""
     if "Content-Encoding" in headers:
@@ -414,13 +416,18 @@ def _lost_prefix(data: bytes, headers: Any) -> bool:
 def _wrapped_error(resp: aiohttp.ClientResponse) -> APIError:
     """An upstream error whose body is not an OpenAI error object (an HTML page, a traceback,
     nothing): the same status, a generic OpenAI error, the upstream's body never shown."""
-    retry = resp.headers.get("Retry-After", "")
     return APIError(
         resp.status,
         f"the upstream answered HTTP {resp.status} without an OpenAI error object",
         code="upstream_error",
-        retry_after=float(retry) if retry.isdigit() else None,
+        retry_after=_retry_after(resp),
     )
+
+
+def _retry_after(resp: aiohttp.ClientResponse) -> float | None:
+    """The upstream's ``Retry-After`` in seconds when it is a whole number, else None."""
+    retry = resp.headers.get("Retry-After", "")
+    return float(retry) if retry.isdigit() else None
 
 
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')

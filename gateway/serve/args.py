@@ -204,8 +204,17 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--upstream-api-key",
         default=None,
-        help="Bearer key sent to the upstreams (default: none; without keys of its own the "
-        "gateway passes the client's key through)",
+        help="Bearer key sent to the upstreams (default: $PREFIXGATE_UPSTREAM_API_KEY, else "
+        "none; without keys of its own the gateway passes the client's key through). A "
+        "command line is visible to every local user (ps): prefer --upstream-api-key-file "
+        "or the environment variable",
+    )
+    p.add_argument(
+        "--upstream-api-key-file",
+        default=None,
+        metavar="PATH",
+        help="read the upstreams' Bearer key from this file (its content, surrounding "
+        "whitespace stripped; not with --upstream-api-key) (default: none)",
     )
     p.add_argument(
         "--tool-call-parser",
