@@ -360,24 +360,43 @@ async def ready_local(request: web.Request) -> web.Response:
 
 
 async def ready_proxy(request: web.Request) -> web.Response:
-    """GET /ready (upstream mode): 200 while an upstream is healthy, else 503."""
+    """GET /ready (upstream mode): 200 while an upstream is healthy, else 503. The upstreams'
+    details (URLs, last errors) need a key when the gateway has keys; without one, only how
+    many are healthy."""
     st = request.app[STATE]
     pool = request.app[PROXY].router.describe()
     if not any(u["healthy"] for u in pool):
         raise APIError(503, "no healthy upstream", code="upstream_unavailable", retry_after=2.0)
-    return web.json_response(
-        {
-            "status": "ready",
-            "mode": "upstream",
-            # False: some upstream ignores cache_salt, so tenants may share its cache there
-            "tenant_isolation": all(u["cache_salt"] is not False for u in pool),
-            "upstreams": pool,
-            "state": st.shared.describe(),
-        }
-    )
+    body: dict = {
+        "status": "ready",
+        "mode": "upstream",
+        # False: some upstream ignores cache_salt, so tenants may share its cache there
+        "tenant_isolation": all(u["cache_salt"] is not False for u in pool),
+        "upstreams_healthy": sum(1 for u in pool if u["healthy"]),
+        "upstreams_total": len(pool),
+    }
+    if _has_key(request):
+        body["upstreams"] = pool
+        body["state"] = st.shared.describe()
+    return web.json_response(body)
 
 
 async def metrics_route(request: web.Request) -> web.Response:
-    """GET /metrics: Prometheus text exposition."""
+    """GET /metrics: Prometheus text exposition. When the gateway has API keys, the per-key,
+    per-tenant and per-upstream families (names and URLs) need one of them
+    (``Authorization: Bearer <key>``, a scraper's ``bearer_token``); without, the rest."""
     st = request.app[STATE]
-    return web.Response(body=st.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+    body = st.metrics.render(tenant_data=_has_key(request))
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+def _has_key(request: web.Request) -> bool:
+    """True on an open gateway, or when the request carries one of its keys."""
+    st = request.app[STATE]
+    if st.keys.open:
+        return True
+    try:
+        st.keys.authenticate(request)
+    except APIError:
+        return False
+    return True
