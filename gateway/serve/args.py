@@ -60,6 +60,23 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
 
 
+def port_number(text: str) -> int:
+    """A TCP port, ``"0"`` to ``"65535"`` → int.
+
+    Raises:
+        argparse.ArgumentTypeError: on anything else (argparse prints it as one line).
+    """
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a TCP port: give an integer from 0 to 65535 (0 = any free port)"
+        )
+    return port
+
+
 def _shown(value: Any) -> str:
     """A default as the help shows it: sizes in MiB, ``None`` as "unset"."""
     if value is None:
@@ -103,6 +120,10 @@ def _engine_flags(group: argparse._ArgumentGroup) -> None:
         kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS}
         if typing.get_origin(base) is typing.Literal:
             kwargs["choices"] = list(typing.get_args(base))
+        elif f.name == "dtype":
+            from prefixgate.engine.config import DTYPES
+
+            kwargs["choices"] = list(DTYPES)
         elif base is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif base in (int, float):
@@ -163,7 +184,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--port",
-        type=int,
+        type=port_number,
         default=8000,
         help="TCP port, 0 to 65535; 0 = any free port, logged at start (default: 8000)",
     )

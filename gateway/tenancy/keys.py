@@ -38,6 +38,8 @@ refunded: it spends nothing (``Charge``).
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import hashlib
 import json
 import tomllib
@@ -111,6 +113,9 @@ class KeySpec:
             self.name = "key-" + _digest(self.key)[:8]
         if self.salt is None:
             self.salt = "key:" + _digest(self.key)[:32]
+
+
+KEY_FIELDS = tuple(f.name for f in dataclasses.fields(KeySpec))  # a keys-file entry's fields
 
 
 def _plain_salt(salt: str) -> bool:
@@ -372,6 +377,16 @@ def load_keys_file(path: str) -> list[KeySpec]:
     for i, entry in enumerate(entries):
         if not isinstance(entry, dict):
             raise ValueError(f"keys file {path}: entry {i} is not an object")
+        unknown = sorted(set(entry) - set(KEY_FIELDS))
+        if unknown:
+            near = difflib.get_close_matches(unknown[0], KEY_FIELDS, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise ValueError(
+                f"keys file {path}: entry {i}: unknown field {unknown[0]!r}{hint}; "
+                f"valid fields: {', '.join(KEY_FIELDS)}"
+            )
+        if "key" not in entry:
+            raise ValueError(f"keys file {path}: entry {i}: missing field 'key'")
         try:
             specs.append(KeySpec(**entry))
         except TypeError as exc:
