@@ -119,14 +119,25 @@ def preflight(config: Any) -> None:
     Raises:
         ValueError: what ``ModelConfig.from_engine_config`` refuses (one line).
     """
+    import prefixgate.engine.async_engine  # noqa: F401 - the engine's imports, done now
     from prefixgate.engine.models.config import ModelConfig
     from prefixgate.engine.models.presets import PRESETS
 
     model = config.model
     if model is not None and not os.path.isdir(os.path.expanduser(model)) and model not in PRESETS:
         return
-    ModelConfig.from_engine_config(config)
-    import prefixgate.engine.async_engine  # noqa: F401 - the engine's imports, done now
+    mc = ModelConfig.from_engine_config(config)
+    if config.runner != "pooling":
+        # The model's skeleton on the meta device (no memory): its first build imports much
+        # of torch (torch._dynamo, 7 s on a loaded 2-core machine), which in the loading
+        # thread held the interpreter from the event loop (/health waited up to 1 s).
+        import torch
+        from prefixgate.engine.models.llama import CausalLM
+        from prefixgate.kernels import default_backend, get_backend
+
+        kernels = get_backend(config.attention_backend or default_backend(mc.device))
+        with torch.device("meta"):
+            CausalLM(mc, kernels)
 
 
 def _exit_now(code: int) -> None:
