@@ -50,6 +50,7 @@ from aiohttp import web
 from prefixgate.gateway.http.access_log import record
 from prefixgate.gateway.http.errors import APIError, too_many
 from prefixgate.gateway.http.headers import header_text
+from prefixgate.gateway.tenancy.slot_wait import SlotClock
 from prefixgate.sdk.limits import TokenBucket
 
 MAX_SALT_CHARS = 256  # cache_salt's bound; a key salt forwarded upstream fits it too
@@ -136,7 +137,7 @@ def _digest(key: str) -> str:
 class Principal:
     """An authenticated caller: its key's limits and live counters."""
 
-    __slots__ = ("spec", "id", "salt", "key_id", "concurrent", "_rpm", "_tpm")
+    __slots__ = ("spec", "id", "salt", "key_id", "concurrent", "slots", "_rpm", "_tpm")
 
     def __init__(self, spec: KeySpec | None) -> None:
         self.spec = spec
@@ -145,6 +146,7 @@ class Principal:
         # The key's name in shared state (Redis): a digest, never the key itself.
         self.key_id = _digest(spec.key)[:32] if spec else ""
         self.concurrent = 0
+        self.slots = SlotClock()  # its requests' hold times: max_concurrent's Retry-After
         self._rpm = (
             TokenBucket(spec.requests_per_minute, spec.requests_per_minute / 60.0)
             if spec and spec.requests_per_minute
@@ -206,7 +208,7 @@ class Principal:
             raise too_many(
                 f"key {spec.name} already has {self.concurrent} requests in flight "
                 f"(max_concurrent={spec.max_concurrent})",
-                1.0,
+                self.slots.wait(self.concurrent + 1 - spec.max_concurrent),
             )
         if self._rpm is not None:
             wait = self._rpm.take(1)
@@ -223,7 +225,7 @@ class Principal:
                     f"key {spec.name} is over {spec.tokens_per_minute} tokens per minute", wait
                 )
         self.concurrent += 1
-        return Charge(self, prompt_tokens)
+        return Charge(self, prompt_tokens, self.slots.take())
 
 
 class Charge:
@@ -235,12 +237,13 @@ class Charge:
     first token (400, 413, 429 of admission, an engine or upstream failure) costs nothing.
     """
 
-    __slots__ = ("_principal", "_taken", "_open")
+    __slots__ = ("_principal", "_taken", "_open", "_slot")
 
-    def __init__(self, principal: Principal, taken_tokens: int) -> None:
+    def __init__(self, principal: Principal, taken_tokens: int, slot: int | None = None) -> None:
         self._principal = principal
         self._taken = taken_tokens
         self._open = True
+        self._slot = slot
 
     def settle(self, prompt_tokens: int, completion_tokens: int) -> None:
         """The request was served: charge ``prompt_tokens + completion_tokens`` in all (the
@@ -271,6 +274,8 @@ class Charge:
         self._open = False
         if self._principal.spec is not None:
             self._principal.concurrent -= 1
+        if self._slot is not None:
+            self._principal.slots.give(self._slot)
         return True
 
 
