@@ -299,6 +299,10 @@ async def count_requests(request: web.Request, handler: Handler) -> web.StreamRe
     try:
         resp = await handler(request)
     except BaseException:
+        ending = lifecycle.shutdown_ending(request)
+        if ending is not None:  # cut by the shutdown: its ending is the answer, logged once
+            counter.labels(route, str(ending), "server_shutting_down").inc()
+            raise
         counter.labels(route, str(CLIENT_GONE), "client_gone").inc()
         _log_client_gone(request, time.monotonic() - t0)
         raise
