@@ -20,6 +20,7 @@ _LAZY = {
     "CompletionOutput": "prefixgate.engine.outputs",
     "EngineConfig": "prefixgate.engine.config",
     "EngineDeadError": "prefixgate.engine.errors",
+    "EngineRequest": "prefixgate.engine.protocol",
     "LLMEngine": "prefixgate.engine.llm_engine",
     "PinLimitError": "prefixgate.engine.errors",
     "PrefixPin": "prefixgate.engine.kv_cache_manager",
@@ -33,6 +34,7 @@ __all__ = [
     "CompletionOutput",
     "EngineConfig",
     "EngineDeadError",
+    "EngineRequest",
     "LLMEngine",
     "PinLimitError",
     "PrefixPin",
@@ -48,6 +50,7 @@ if TYPE_CHECKING:
     from prefixgate.engine.llm import LLM
     from prefixgate.engine.llm_engine import LLMEngine
     from prefixgate.engine.outputs import CompletionOutput, RequestOutput
+    from prefixgate.engine.protocol import EngineRequest
     from prefixgate.engine.sampling_params import SamplingParams
 
 

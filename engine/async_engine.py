@@ -26,7 +26,9 @@ from prefixgate.engine.config import EngineConfig
 from prefixgate.engine.errors import EngineDeadError
 from prefixgate.engine.llm_engine import LLMEngine, PinJob, PreparedRequest
 from prefixgate.engine.outputs import RequestOutput
+from prefixgate.engine.protocol import EngineRequest
 from prefixgate.engine.sampling_params import SamplingParams
+from prefixgate.engine.scheduler import estimate_ttft
 
 logger = logging.getLogger(__name__)
 
@@ -95,21 +97,20 @@ class AsyncEngine:
 
     async def generate(
         self,
-        prompt: str | Sequence[int],
+        request: EngineRequest | str | Sequence[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
         cache_salt: str | None = None,
-        tenant: str | None = None,
-        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Submit a request and iterate over its outputs as tokens are produced.
 
-        ``tenant`` (who the ``fair`` scheduling policy charges; ``None``: ``"default"``) and
-        ``priority`` (the ``priority`` policy's rank, lower first, as vLLM's) only order the
-        work. Each ``RequestOutput`` carries cumulative ``text`` / ``token_ids`` and the new part in
-        ``delta_text`` / ``delta_token_ids``; the last has ``finished=True``. Leaving the loop
-        early (break, ``aclose``, task cancellation, client disconnect) aborts the request and
-        frees its KV blocks.
+        ``request`` is an ``EngineRequest`` (``EngineClient.generate``: every per-request
+        argument, tenant and priority included, is one of its fields), or vLLM's loose form
+        ``generate(prompt, params, request_id=None, cache_salt=None)`` (a random id when
+        ``None``), which builds one. Each ``RequestOutput`` carries cumulative ``text`` /
+        ``token_ids`` and the new part in ``delta_text`` / ``delta_token_ids``; the last has
+        ``finished=True``. Leaving the loop early (break, ``aclose``, task cancellation, client
+        disconnect) aborts the request and frees its KV blocks.
 
         Raises (from the first iteration):
             ValueError / TypeError: bad prompt or params, duplicate ``request_id``.
@@ -117,16 +118,18 @@ class AsyncEngine:
         """
         if self._stopped:
             raise EngineDeadError("the engine is shut down")
-        if request_id is None:
-            request_id = uuid.uuid4().hex
-        if not isinstance(request_id, str) or not request_id:
-            raise TypeError("request_id must be a non-empty string")
+        if not isinstance(request, EngineRequest):
+            rid = uuid.uuid4().hex if request_id is None else request_id
+            request = EngineRequest(rid, request, params or SamplingParams(), cache_salt)
+        elif params is not None or request_id is not None or cache_salt is not None:
+            raise TypeError("generate(EngineRequest) takes no other argument")
+        request_id = request.request_id
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        prep = self.engine.prepare_request(prompt, params, cache_salt, tenant, priority)
+        prep = self.engine.prepare_request(request)
         stream = _Stream(request_id, asyncio.get_running_loop())
         self._streams[request_id] = stream
-        self._submit("add", stream, prep, time.monotonic())
+        self._submit("add", stream, prep, request.arrival_time or time.monotonic())
         finished = False
         try:
             while True:
@@ -162,9 +165,14 @@ class AsyncEngine:
     # -- prefix pins ---------------------------------------------------------------------
 
     async def pin_prefix(
-        self, token_ids: Sequence[int], ttl_s: float, cache_salt: str | None = None
+        self,
+        token_ids: Sequence[int],
+        ttl_s: float,
+        cache_salt: str | None = None,
+        tenant: str | None = None,
     ) -> Any:
-        """Compute (if not cached) and pin a prefix's full blocks for ``ttl_s`` seconds.
+        """Compute (if not cached) and pin a prefix's full blocks for ``ttl_s`` seconds
+        (charged to ``tenant``: under ``fair`` the pinned blocks count against its share).
 
         Returns:
             ``PrefixPin(id, num_tokens, expires_at, ...)``.
@@ -176,7 +184,7 @@ class AsyncEngine:
             raise EngineDeadError("the engine is shut down")
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
-        self._submit("pin", list(token_ids), ttl_s, cache_salt, loop, fut)
+        self._submit("pin", list(token_ids), ttl_s, cache_salt, tenant, loop, fut)
         return await fut
 
     def get_pin(self, pin_id: str) -> Any:
@@ -211,6 +219,23 @@ class AsyncEngine:
                 self._lock.release()
         return dict(self._snapshot)
 
+    def predict_ttft(self, num_prompt_tokens: int, num_cached_tokens: int = 0) -> float | None:
+        """Seconds until a new request of ``num_prompt_tokens`` would get its first token,
+        from the ``stats()`` snapshot (never blocks; formula: ``scheduler.estimate_ttft``);
+        ``None`` before the rates are measured.
+
+        Raises:
+            ValueError / TypeError: bad token counts.
+        """
+        cfg = self.engine.config
+        return estimate_ttft(
+            self.stats(),
+            cfg.max_num_seqs,
+            cfg.max_num_batched_tokens,
+            num_prompt_tokens,
+            num_cached_tokens,
+        )
+
     def check_invariants(self) -> None:
         """Raise AssertionError on broken KV block bookkeeping (waits for the step in progress)."""
         with self._lock:
@@ -227,6 +252,7 @@ class AsyncEngine:
             self._fail_all(EngineDeadError("the engine shut down"))
             self._drain_commands()
             self._snapshot = self.engine.stats()
+            self.engine.shutdown()  # the KV event publisher, when on
         self._flush_outbox()
 
     # -- engine thread -------------------------------------------------------------------
@@ -289,7 +315,7 @@ class AsyncEngine:
             self._deliver([(stream, EngineDeadError("the engine shut down"))])
             return
         try:
-            self.engine.add_request(stream.request_id, prep, arrival_time=arrival)
+            self.engine.add_request(prep, arrival_time=arrival)
         except Exception as exc:  # noqa: BLE001 - delivered to the request's iterator
             self._deliver([(stream, exc)])
             return
@@ -314,6 +340,7 @@ class AsyncEngine:
         token_ids: list[int],
         ttl_s: float,
         cache_salt: str | None,
+        tenant: str | None,
         loop: asyncio.AbstractEventLoop,
         fut: asyncio.Future,
     ) -> None:
@@ -321,7 +348,7 @@ class AsyncEngine:
             self._resolve(loop, fut, job.result, job.error, orphan=self._release_orphan_pin)
 
         try:
-            self.engine.start_pin(token_ids, ttl_s, cache_salt, callback=done)
+            self.engine.start_pin(token_ids, ttl_s, cache_salt, callback=done, tenant=tenant)
         except Exception as exc:  # noqa: BLE001 - delivered to the caller
             self._resolve(loop, fut, None, exc)
 

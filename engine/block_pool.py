@@ -17,8 +17,22 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Iterable
+from typing import Protocol
 
 from prefixgate.engine.block_hash import BlockContent, BlockKey
+
+
+class BlockEventSink(Protocol):
+    """Receives the prefix cache's changes (``engine/kv_events.py``'s ``KVEventCollector``).
+
+    Called on the engine's thread, inside the pool's own operations: must not block.
+    """
+
+    def stored(self, content: BlockContent) -> None:
+        """A block was cached under ``content`` (its key is now findable)."""
+
+    def removed(self, content: BlockContent) -> None:
+        """The cache entry ``content`` was dropped (evicted or reset)."""
 
 
 class Block:
@@ -52,6 +66,7 @@ class BlockPool:
 
     Attributes:
         num_evictions: cached blocks whose hash was dropped to reuse them.
+        events: where cache changes are reported (KV events), ``None`` when off.
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -61,7 +76,16 @@ class BlockPool:
         self._free_cached: OrderedDict[int, None] = OrderedDict()  # LRU order: oldest first
         self._index: dict[BlockKey, dict[int, Block]] = {}  # key -> cached blocks with that key
         self._next_uid = 0
+        # A cache uid names one content chain (parent uid, token ids, salt). Its holders (the
+        # entries and tombstones chained on it, and requests whose chain runs through it
+        # without holding the block) are counted here; an entry evicted while it has holders
+        # leaves a tombstone, so recomputing the same content revives the same uid and the
+        # blocks chained on it are found again (their keys are still published as held).
+        self._uid_holders: dict[int, int] = {}
+        self._tombs: dict[tuple[int | None, tuple[int, ...], str | None], BlockContent] = {}
+        self._tomb_of_uid: dict[int, tuple[int | None, tuple[int, ...], str | None]] = {}
         self.num_evictions = 0
+        self.events: BlockEventSink | None = None
 
     # ---- counts -------------------------------------------------------------------------
     @property
@@ -130,13 +154,27 @@ class BlockPool:
         token_ids: tuple[int, ...],
         cache_salt: str | None,
         parent_uid: int | None,
+        parent_key: BlockKey | None = None,
     ) -> BlockContent:
-        """Register a full, computed, held block under ``key``; returns its new content."""
+        """Register a full, computed, held block under ``key``; returns its new content.
+
+        ``parent_key``: the previous block's key (``None`` for a first block), reported in
+        the block's KV event."""
         assert block.content is None and block.ref_cnt > 0, block
-        content = BlockContent(key, token_ids, cache_salt, parent_uid, self._next_uid)
-        self._next_uid += 1
+        tomb = self._tombs.pop((parent_uid, token_ids, cache_salt), None)
+        if tomb is not None:  # the same content again: it takes its old uid back
+            del self._tomb_of_uid[tomb.uid]
+            uid = tomb.uid
+        else:
+            uid = self._next_uid
+            self._next_uid += 1
+            if parent_uid is not None:
+                self.hold_uid(parent_uid)
+        content = BlockContent(key, token_ids, cache_salt, parent_uid, uid, parent_key)
         block.content = content
         self._index.setdefault(key, {})[block.block_id] = block
+        if self.events is not None:
+            self.events.stored(content)
         return content
 
     def lookup(
@@ -165,6 +203,10 @@ class BlockPool:
                 return block
         return None
 
+    def cached_contents(self) -> list[BlockContent]:
+        """The content of every cached block (used or free), in block id order."""
+        return [b.content for b in self.blocks if b.content is not None]
+
     def reset_prefix_cache(self) -> int:
         """Drop the hash of every free-cached block (they become free-empty); returns how many."""
         n = len(self._free_cached)
@@ -174,6 +216,27 @@ class BlockPool:
         self._free_cached.clear()
         return n
 
+    def hold_uid(self, uid: int) -> None:
+        """One more holder of cache uid ``uid`` (see ``release_uid``)."""
+        self._uid_holders[uid] = self._uid_holders.get(uid, 0) + 1
+
+    def release_uid(self, uid: int) -> None:
+        """Drop a holder of ``uid``; a tombstone left without holders goes, and releases its
+        own parent."""
+        while True:
+            n = self._uid_holders[uid] - 1
+            if n:
+                self._uid_holders[uid] = n
+                return
+            del self._uid_holders[uid]
+            tomb_key = self._tomb_of_uid.pop(uid, None)
+            if tomb_key is None:
+                return
+            parent = self._tombs.pop(tomb_key).parent_uid
+            if parent is None:
+                return
+            uid = parent
+
     def _uncache(self, block: Block) -> None:
         c = block.content
         assert c is not None
@@ -182,6 +245,14 @@ class BlockPool:
         if not bucket:
             del self._index[c.key]
         block.content = None
+        if self._uid_holders.get(c.uid):
+            tomb_key = (c.parent_uid, c.token_ids, c.cache_salt)
+            self._tombs[tomb_key] = c
+            self._tomb_of_uid[c.uid] = tomb_key
+        elif c.parent_uid is not None:
+            self.release_uid(c.parent_uid)
+        if self.events is not None:
+            self.events.removed(c)
 
     # ---- checks -------------------------------------------------------------------------
     def check_invariants(self) -> None:
@@ -207,3 +278,24 @@ class BlockPool:
             else:
                 assert block.block_id not in indexed, f"{block} indexed without content"
         assert used + len(empty) + len(cached) == self.num_blocks, (used, len(empty), len(cached))
+        self.check_uid_holders(None)
+
+    def check_uid_holders(self, request_holds: dict[int, int] | None) -> None:
+        """Raise AssertionError unless each uid's holder count is the entries and tombstones
+        chained on it plus ``request_holds[uid]`` (skipped when ``None``), every tombstone has
+        holders and names no live entry."""
+        live = {b.content.uid for b in self.blocks if b.content is not None}
+        expected: dict[int, int] = dict(request_holds or {})
+        chained = [b.content for b in self.blocks if b.content is not None]
+        for c in [*chained, *self._tombs.values()]:
+            if c.parent_uid is not None:
+                expected[c.parent_uid] = expected.get(c.parent_uid, 0) + 1
+        for uid, tomb_key in self._tomb_of_uid.items():
+            assert uid not in live, f"uid {uid} both live and a tombstone"
+            assert self._tombs[tomb_key].uid == uid and self._uid_holders.get(uid), uid
+        assert len(self._tombs) == len(self._tomb_of_uid)
+        if request_holds is not None:
+            assert self._uid_holders == expected, (self._uid_holders, expected)
+        else:
+            for uid, n in expected.items():
+                assert self._uid_holders.get(uid, 0) >= n, (uid, n, self._uid_holders.get(uid))

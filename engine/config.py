@@ -8,6 +8,31 @@ from typing import Literal
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # what ``dtype`` may name
 
 
+def derive_replay_endpoint(endpoint: str) -> str:
+    """The default replay endpoint of a PUB ``endpoint``: the next TCP port (``*`` stays
+    ``*``), ``<path>.replay`` for ``ipc://``, ``<name>-replay`` for ``inproc://``.
+
+    Raises:
+        ValueError: an endpoint of another transport, or a TCP one without a port.
+    """
+    if endpoint.startswith("tcp://"):
+        host, sep, port = endpoint[len("tcp://") :].rpartition(":")
+        if not sep or not host:
+            raise ValueError(f"kv_events endpoint {endpoint!r} needs a port (tcp://host:port)")
+        if port == "*":
+            return endpoint
+        if not port.isdigit() or not 0 < int(port) < 65535:
+            raise ValueError(f"kv_events endpoint {endpoint!r}: port must be 1..65534 or *")
+        return f"tcp://{host}:{int(port) + 1}"
+    if endpoint.startswith("ipc://"):
+        return endpoint + ".replay"
+    if endpoint.startswith("inproc://"):
+        return endpoint + "-replay"
+    raise ValueError(
+        f"kv_events endpoint must be tcp://host:port, ipc://path or inproc://name, got {endpoint!r}"
+    )
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """Everything the engine needs to start.
@@ -79,6 +104,11 @@ class EngineConfig:
     cuda_graphs: bool = False
     runner: Literal["generate", "pooling"] = "generate"
     pooling_type: Literal["last", "mean"] = "last"
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
+    kv_events_buffer_steps: int = 10_000
+    kv_events_queue_size: int = 10_000
+    kv_events_topic: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
@@ -93,6 +123,8 @@ class EngineConfig:
             ("max_model_len", True),
             ("max_num_seqs", False),
             ("max_num_batched_tokens", False),
+            ("kv_events_buffer_steps", False),
+            ("kv_events_queue_size", False),
         ):
             value = getattr(self, name)
             if (value is not None or not optional) and (
@@ -161,6 +193,28 @@ class EngineConfig:
             raise ValueError(f"pooling_type must be 'last' or 'mean', got {self.pooling_type!r}")
         if self.quantization not in (None, "int8"):
             raise ValueError(f"quantization must be 'int8' or None, got {self.quantization!r}")
+        for name in ("kv_events", "kv_events_replay"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"{name} must be a str (a ZeroMQ endpoint), got {value!r}")
+            if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ValueError(
+                    f"{name} must be a ZeroMQ endpoint tcp://host:port, ipc://path or "
+                    f"inproc://name, got {value!r}"
+                )
+        if self.kv_events is not None and self.runner == "pooling":
+            raise ValueError(
+                "kv_events needs runner='generate' (the pooling runner keeps no KV cache)"
+            )
+        if self.kv_events_replay is not None and self.kv_events is None:
+            raise ValueError("kv_events_replay needs kv_events (the event endpoint)")
+        if self.kv_events is not None and self.kv_events_replay is None:
+            derive_replay_endpoint(self.kv_events)  # ValueError on a TCP endpoint without port
+        if not isinstance(self.kv_events_topic, str):
+            raise TypeError(f"kv_events_topic must be a str, got {self.kv_events_topic!r}")
+        for name in ("kv_events_buffer_steps", "kv_events_queue_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.attention_backend not in (None, "torch", "triton"):
             raise ValueError(
                 f"attention_backend must be 'torch', 'triton' or None, got {self.attention_backend!r}"

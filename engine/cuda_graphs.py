@@ -19,6 +19,8 @@ Correct by construction:
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from prefixgate.engine.attention_metadata import AttentionMetadata
 
@@ -84,7 +86,7 @@ class DecodeCudaGraphs:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self.pool = None
+        self.pool: Any = None  # the graphs' shared memory pool handle (torch's _POOL_HANDLE)
 
     def can_run(self, meta: AttentionMetadata) -> bool:
         """True for a decode-only batch that fits the captured sizes and table width."""

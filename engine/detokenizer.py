@@ -10,7 +10,9 @@ leading space right. The cost per step depends on the window, not on the output 
 
 Stop strings are matched on the decoded text across token boundaries: text that could still
 be the start of a stop string is held back (never emitted), and when a stop string appears the
-text is cut before it.
+text is cut before it. Like EOS and stop token ids, a stop string ends the request only once
+``min_tokens`` tokens were generated (vLLM's semantics since 2025): one that ends in the text
+of the first ``min_tokens`` tokens is ordinary text.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ class IncrementalDetokenizer:
     Args:
         tokenizer: has ``decode(ids, skip_special_tokens=...) -> str`` (``engine.tokenizer``).
         prompt_token_ids: the prompt (its last few tokens give the first output its context).
-        params: the request's ``SamplingParams`` (``stop``, ``skip_special_tokens``).
+        params: the request's ``SamplingParams`` (``stop``, ``skip_special_tokens``,
+            ``min_tokens``: stop strings are matched only in steps after that many tokens).
 
     Attributes:
         text: everything emitted so far (the concatenation of the returned deltas).
@@ -46,6 +49,8 @@ class IncrementalDetokenizer:
         self.text = ""
         self.stop_string: str | None = None
         self.finished = False
+        self.min_tokens = params.min_tokens
+        self.num_tokens = 0  # output tokens seen
         context = list(prompt_token_ids[max(0, len(prompt_token_ids) - PROMPT_CONTEXT_TOKENS) :])
         self._ids: list[int] = context
         self._prefix_offset = 0  # window start in _ids
@@ -60,6 +65,7 @@ class IncrementalDetokenizer:
         if self.stop_string is not None or self.finished or not new_token_ids:
             return ""
         self._ids.extend(new_token_ids)
+        self.num_tokens += len(new_token_ids)
         return self._emit(self._decode_new(final=False), final=False)
 
     def finish(self) -> str:
@@ -96,7 +102,10 @@ class IncrementalDetokenizer:
         buf = self._held + new_text
         if not buf:
             return ""
-        cut, stop = self._find_stop(buf)
+        # before min_tokens a stop string is text (its possible start is still held back, so
+        # one that ends in a later token's text is found then)
+        matching = self.num_tokens > self.min_tokens
+        cut, stop = self._find_stop(buf) if matching else (len(buf), None)
         if stop is not None:
             self.stop_string = stop
             self._held = ""

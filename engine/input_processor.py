@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from prefixgate.engine.protocol import EngineRequest
 from prefixgate.engine.sampling_params import SamplingParams
 
 
@@ -19,22 +20,23 @@ class PreparedRequest:
     """A validated, tokenized request, not yet queued (built without touching engine state).
 
     Attributes:
+        request: the caller's ``EngineRequest`` (id, salt, tenant, priority, arrival, ...).
         prompt: the prompt text, when given as text.
         prompt_token_ids: prompt token ids (non-empty, < max_model_len tokens).
         params: a private, re-validated copy of the caller's ``SamplingParams``.
         max_tokens: output tokens allowed: ``min(params.max_tokens, max_model_len - prompt)``.
-        cache_salt: prefix-cache partition key, or ``None``.
-        tenant: who the ``fair`` scheduling policy charges (``None``: ``"default"``).
-        priority: the ``priority`` policy's rank (lower first).
     """
 
+    request: EngineRequest
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
     max_tokens: int
-    cache_salt: str | None
-    tenant: str | None = None
-    priority: int = 0
+
+    @property
+    def cache_salt(self) -> str | None:
+        """The request's prefix-cache partition key, or ``None``."""
+        return self.request.cache_salt
 
 
 class InputProcessor:
@@ -58,36 +60,22 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.structured_output = structured_output  # StructuredOutputManager (validate)
 
-    def prepare(
-        self,
-        prompt: str | Sequence[int],
-        params: SamplingParams | None = None,
-        cache_salt: str | None = None,
-        tenant: str | None = None,
-        priority: int = 0,
-    ) -> PreparedRequest:
+    def prepare(self, request: EngineRequest) -> PreparedRequest:
         """Validate and tokenize a request without queuing it (safe from any thread).
 
         Raises:
-            TypeError: prompt not a str or a sequence of ints; params not SamplingParams;
-                cache_salt not a str.
+            TypeError: ``request`` not an ``EngineRequest`` (its own fields are type-checked
+                when it is built); prompt ids not ints.
             ValueError: empty prompt, token id outside the vocabulary, prompt of
                 ``max_model_len`` tokens or more, or invalid sampling parameters (a
                 ``stop_token_ids`` / ``logit_bias`` id outside the vocabulary, a
                 ``structured_outputs`` constraint that does not compile).
         """
-        if params is None:
-            params = SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        params = dataclasses.replace(params)  # private copy, re-validated by __post_init__
+        if not isinstance(request, EngineRequest):
+            raise TypeError(f"request must be an EngineRequest, got {type(request).__name__}")
+        prompt = request.prompt
+        params = dataclasses.replace(request.sampling_params)  # private copy, re-validated
         self._check_params(params)
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise TypeError(f"cache_salt must be a string or None, got {type(cache_salt).__name__}")
-        if tenant is not None and not isinstance(tenant, str):
-            raise TypeError(f"tenant must be a string or None, got {type(tenant).__name__}")
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise TypeError(f"priority must be an int, got {type(priority).__name__}")
         text: str | None = None
         if isinstance(prompt, str):
             if not prompt:
@@ -115,7 +103,7 @@ class InputProcessor:
             )
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        return PreparedRequest(text, ids, params, max_tokens, cache_salt, tenant, priority)
+        return PreparedRequest(request, text, ids, params, max_tokens)
 
     def _check_params(self, params: SamplingParams) -> None:
         """Vocabulary-dependent checks of ``params`` (field named in the message)."""
@@ -129,6 +117,20 @@ class InputProcessor:
                 raise ValueError(
                     f"logit_bias: token ids {bad[:5]} outside the vocabulary [0, {vocab})"
                 )
+        if params.allowed_token_ids is not None:
+            bad = [t for t in params.allowed_token_ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(
+                    f"allowed_token_ids: {bad[:5]} outside the vocabulary [0, {vocab})"
+                )
+        if params.bad_words:  # vLLM's: as written and with a leading space
+            seqs: list[list[int]] = []
+            for word in params.bad_words:
+                for text in (word, " " + word.lstrip()):
+                    ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+                    if ids and ids not in seqs:
+                        seqs.append(ids)
+            params.bad_words_token_ids = seqs
         if params.structured_outputs is not None:
             if self.structured_output is None:
                 raise ValueError("structured_outputs is not supported by this engine")

@@ -58,6 +58,8 @@ class PrefixPin:
             whether a pin is live rather than keeping a second one.
         block_ids: the pinned blocks, in prefix order.
         cache_salt: the salt the prefix was pinned under.
+        tenant: who the pin is charged to (the ``fair`` policy counts its blocks against the
+            tenant's share of the cache), ``None``: nobody.
     """
 
     id: str
@@ -65,6 +67,7 @@ class PrefixPin:
     expires_at: float | None
     block_ids: list[int] = field(default_factory=list)
     cache_salt: str | None = None
+    tenant: str | None = None
 
     def is_live(self, now: float) -> bool:
         """False once ``expires_at`` has passed (``now``: ``time.monotonic()`` seconds)."""
@@ -79,6 +82,9 @@ class _ReqKV:
     block_ids: list[int] = field(default_factory=list)
     chain_uids: list[int] = field(default_factory=list)  # uid of the cached block at each position
     pending: list[BlockKey] = field(default_factory=list)  # keys this request marked pending
+    # uids its chain runs through on blocks it does not hold (another request's copy was
+    # cached first): held in the pool, so the chain stays findable if that copy is evicted
+    uid_holds: list[int] = field(default_factory=list)
 
 
 class KVCacheManager:
@@ -239,6 +245,29 @@ class KVCacheManager:
         self.peak_used_blocks = max(self.peak_used_blocks, self.pool.num_used)
         return True
 
+    def num_blocks_short(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: Sequence[Block] = (),
+    ) -> tuple[int, int]:
+        """``(grow, short)`` for the ``allocate_slots`` call with these arguments: the blocks
+        it adds to the request's table (fresh + prefix hits), and how many fresh blocks the
+        free pool lacks (0: it succeeds)."""
+        state = self._reqs.get(request.request_id)
+        held = len(state.blocks) if state is not None else 0
+        total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        num_new = self.blocks_needed(total) - held - len(new_computed_blocks)
+        num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        grow = max(0, num_new) + len(new_computed_blocks)
+        return grow, max(0, num_new - (self.pool.num_free - num_free_hits))
+
+    def num_freeable_blocks(self, request_id: str) -> int:
+        """Blocks that freeing the request would return to the free pool (held by it alone)."""
+        state = self._reqs.get(request_id)
+        return sum(1 for b in state.blocks if b.ref_cnt == 1) if state is not None else 0
+
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Register the request's full blocks among its first ``num_computed_tokens`` tokens.
 
@@ -263,10 +292,20 @@ class KVCacheManager:
             block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
             existing = self.pool.lookup(keys[i], block_tokens, salt, parent_uid)
             if existing is None:
-                content = self.pool.cache(state.blocks[i], keys[i], block_tokens, salt, parent_uid)
+                content = self.pool.cache(
+                    state.blocks[i],
+                    keys[i],
+                    block_tokens,
+                    salt,
+                    parent_uid,
+                    parent_key=keys[i - 1] if i else None,
+                )
                 state.chain_uids.append(content.uid)
             else:
-                state.chain_uids.append(existing.content.uid)  # type: ignore[union-attr]
+                uid = existing.content.uid  # type: ignore[union-attr]
+                state.chain_uids.append(uid)
+                self.pool.hold_uid(uid)
+                state.uid_holds.append(uid)
             self._unmark(keys[i], request)
 
     def free(self, request: Request) -> None:
@@ -277,6 +316,8 @@ class KVCacheManager:
         for key in state.pending:
             self._unmark(key, request)
         self.pool.free(reversed(state.blocks))
+        for uid in state.uid_holds:
+            self.pool.release_uid(uid)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table (block ids in token order); ``[]`` if it holds none."""
@@ -345,6 +386,7 @@ class KVCacheManager:
         cache_salt: str | None = None,
         ttl_s: float | None = None,
         now: float | None = None,
+        tenant: str | None = None,
     ) -> PrefixPin:
         """Pin the longest cached full-block run of ``token_ids`` (ref + 1 on each block).
 
@@ -356,6 +398,7 @@ class KVCacheManager:
             cache_salt: tenant salt the prefix was computed under.
             ttl_s: seconds until the pin lapses (``None``: until ``unpin``).
             now: ``time.monotonic()`` override (tests).
+            tenant: who the pinned blocks are charged to (``PrefixPin.tenant``).
 
         Raises:
             PinLimitError: the distinct pinned blocks would exceed ``max_pinned_blocks``.
@@ -387,6 +430,7 @@ class KVCacheManager:
             expires_at=None if ttl_s is None else now + ttl_s,
             block_ids=[b.block_id for b in blocks],
             cache_salt=cache_salt,
+            tenant=tenant,
         )
         self._pins[pin.id] = (pin, blocks)
         return pin
@@ -446,6 +490,14 @@ class KVCacheManager:
         self.num_pins_revoked += 1
         return True
 
+    def pinned_blocks_by_tenant(self) -> dict[str, int]:
+        """Tenant → distinct blocks its pins hold (pins without a tenant are not counted)."""
+        held: dict[str, set[int]] = {}
+        for pin, _ in self._pins.values():
+            if pin.tenant is not None:
+                held.setdefault(pin.tenant, set()).update(pin.block_ids)
+        return {t: len(ids) for t, ids in held.items()}
+
     @property
     def pins(self) -> list[PrefixPin]:
         """The pins held, oldest first."""
@@ -495,7 +547,14 @@ class KVCacheManager:
             assert b.ref_cnt == refs[b.block_id], f"{b}: {refs[b.block_id]} holders"
             assert b.pin_cnt == pins[b.block_id], f"{b}: {pins[b.block_id]} pins"
         assert self.num_pinned_blocks == sum(1 for p in pins if p), "pinned block count drifted"
+        holds: dict[int, int] = {}
+        for state in self._reqs.values():
+            for uid in state.uid_holds:
+                holds[uid] = holds.get(uid, 0) + 1
+        self.pool.check_uid_holders(holds)
         for key, owners in self._pending.items():
             for owner in owners:
-                state = self._reqs.get(owner.request_id)
-                assert state is not None and key in state.pending, f"stale pending mark of {owner}"
+                owner_kv = self._reqs.get(owner.request_id)
+                assert owner_kv is not None and key in owner_kv.pending, (
+                    f"stale pending mark of {owner}"
+                )

@@ -9,6 +9,7 @@ from typing import Any
 from prefixgate.engine.config import EngineConfig
 from prefixgate.engine.llm_engine import LLMEngine
 from prefixgate.engine.outputs import RequestOutput
+from prefixgate.engine.protocol import EngineRequest
 from prefixgate.engine.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
@@ -79,15 +80,19 @@ class LLM:
             raise ValueError(
                 f"got {len(prios)} priorities and {len(tenants)} tenants for {len(plist)} prompts"
             )
+        first = next(self._counter)
         prepared = [
-            self.engine.prepare_request(p, sp, cache_salt, t, pr)
-            for p, sp, t, pr in zip(plist, params_list, tenants, prios, strict=True)
+            self.engine.prepare_request(
+                EngineRequest(f"llm-{first + k}", p, sp or SamplingParams(), cache_salt, t, pr)
+            )
+            for k, (p, sp, t, pr) in enumerate(zip(plist, params_list, tenants, prios, strict=True))
         ]
-        ids = [f"llm-{next(self._counter)}" for _ in prepared]
+        self._counter = itertools.count(first + len(prepared))  # ids taken only when all pass
+        ids = [prep.request.request_id for prep in prepared]
         added: list[str] = []
         try:
             for rid, prep in zip(ids, prepared, strict=True):
-                self.engine.add_request(rid, prep)
+                self.engine.add_request(prep)
                 added.append(rid)
             return self._run(ids)
         except BaseException:
@@ -126,13 +131,17 @@ class LLM:
         return self.generate(prompts, sampling_params, cache_salt=cache_salt)
 
     def pin_prefix(
-        self, token_ids: Sequence[int] | str, ttl_s: float, cache_salt: str | None = None
+        self,
+        token_ids: Sequence[int] | str,
+        ttl_s: float,
+        cache_salt: str | None = None,
+        tenant: str | None = None,
     ) -> Any:
         """Compute and pin a prefix (token ids, or text tokenized with special tokens) for
-        ``ttl_s`` seconds; returns a ``PrefixPin``. See ``LLMEngine.pin_prefix``."""
-        if isinstance(token_ids, str):
-            token_ids = self.tokenizer.encode(token_ids)
-        return self.engine.pin_prefix(token_ids, ttl_s, cache_salt)
+        ``ttl_s`` seconds, charged to ``tenant``; returns a ``PrefixPin``. See
+        ``LLMEngine.pin_prefix``."""
+        ids = self.tokenizer.encode(token_ids) if isinstance(token_ids, str) else token_ids
+        return self.engine.pin_prefix(ids, ttl_s, cache_salt, tenant=tenant)
 
     def unpin_prefix(self, pin_id: str) -> None:
         """Release a pin."""

@@ -29,11 +29,13 @@ from prefixgate.engine.detokenizer import IncrementalDetokenizer
 from prefixgate.engine.input_processor import InputProcessor, PreparedRequest
 from prefixgate.engine.kv_cache import KVCacheSpec, allocate_kv_caches, resolve_num_blocks
 from prefixgate.engine.kv_cache_manager import KVCacheManager, PrefixPin
+from prefixgate.engine.logits_processors import LogitsPipeline
 from prefixgate.engine.model_runner import ModelRunner
 from prefixgate.engine.models.config import ModelConfig
 from prefixgate.engine.models.loader import load_model
 from prefixgate.engine.output_processor import OutputProcessor
 from prefixgate.engine.outputs import RequestOutput
+from prefixgate.engine.protocol import EngineRequest
 from prefixgate.engine.request import Request, RequestStatus
 from prefixgate.engine.sampler import Sampler, SamplingState
 from prefixgate.engine.sampling_params import SamplingParams
@@ -61,6 +63,7 @@ class PinJob:
     ttl_s: float
     cache_salt: str | None
     callback: Callable[[PinJob], None] | None = None
+    tenant: str | None = None
     result: Any = None
     error: BaseException | None = None
     done: bool = False
@@ -109,7 +112,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             model,
             kv_caches,
-            Sampler(config.seed),
+            Sampler(config.seed, LogitsPipeline(self.structured_output)),
             SamplingState,
             config.block_size,
             self.device,
@@ -130,6 +133,8 @@ class LLMEngine:
         self.timing: dict[str, float] = dict.fromkeys(
             ("steps", "step_s", "schedule_s", "prepare_s", "forward_s", "sample_s", "output_s"), 0
         )
+        # last: nothing above can fail with its sockets bound
+        self.kv_events = _start_kv_events(config, self.kv_cache_manager)
 
     def _fit_max_model_len(self, capacity: int) -> None:
         """Keep ``max_model_len`` within the KV cache (``capacity`` tokens), so that every
@@ -153,32 +158,28 @@ class LLMEngine:
 
     # -- requests ------------------------------------------------------------------------
 
-    def prepare_request(
-        self,
-        prompt: str | Sequence[int],
-        params: SamplingParams | None = None,
-        cache_salt: str | None = None,
-        tenant: str | None = None,
-        priority: int = 0,
-    ) -> PreparedRequest:
+    def prepare_request(self, request: EngineRequest) -> PreparedRequest:
         """Validate and tokenize a request without queuing it (safe from any thread); see
         ``InputProcessor.prepare``."""
-        return self.input_processor.prepare(prompt, params, cache_salt, tenant, priority)
+        return self.input_processor.prepare(request)
 
     def add_request(
         self,
-        request_id: str,
-        prompt: str | Sequence[int] | PreparedRequest,
+        request: EngineRequest | PreparedRequest | str,
+        prompt: str | Sequence[int] | None = None,
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         tenant: str | None = None,
         priority: int = 0,
     ) -> None:
-        """Validate and queue a request.
+        """Validate and queue a request: an ``EngineRequest`` (or the ``PreparedRequest`` of
+        one), or vLLM's loose form ``add_request(request_id, prompt, params, ...)``, which
+        builds the ``EngineRequest`` of its arguments (``arrival_time`` given here wins over
+        the request's own).
 
         ``tenant`` / ``priority`` are read by the ``fair`` / ``priority`` scheduling policies
-        (vLLM's ``priority``: lower first); a ``PreparedRequest`` carries its own.
+        (vLLM's ``priority``: lower first).
 
         ``prompt + max_tokens`` beyond ``max_model_len`` caps generation at ``max_model_len``
         (vLLM's behaviour); a prompt of ``max_model_len`` tokens or more is an error.
@@ -187,33 +188,45 @@ class LLMEngine:
             TypeError / ValueError: bad request id, prompt or params (see ``prepare_request``);
                 duplicate request id; a request that can never fit in the KV cache.
         """
-        if not isinstance(request_id, str) or not request_id:
-            raise TypeError("request_id must be a non-empty string")
+        if isinstance(request, PreparedRequest):
+            prep = request
+            self._check_id(prep.request.request_id)
+        else:
+            if not isinstance(request, EngineRequest):
+                if not isinstance(request, str) or not request:
+                    raise TypeError("request_id must be a non-empty string")
+                if prompt is None:
+                    raise TypeError("add_request(request_id, prompt, ...) needs a prompt")
+                request = EngineRequest(
+                    request, prompt, params or SamplingParams(), cache_salt, tenant, priority
+                )
+            self._check_id(request.request_id)
+            prep = self.prepare_request(request)
+        arrival = arrival_time or prep.request.arrival_time or time.monotonic()
+        self._enqueue(prep.request.request_id, prep, arrival)
+
+    def _check_id(self, request_id: str) -> None:
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
         if request_id.startswith(PIN_REQUEST_PREFIX):
             raise ValueError(f"request ids starting with {PIN_REQUEST_PREFIX!r} are reserved")
-        prep = (
-            prompt
-            if isinstance(prompt, PreparedRequest)
-            else self.prepare_request(prompt, params, cache_salt, tenant, priority)
-        )
-        self._enqueue(request_id, prep, arrival_time or time.monotonic())
 
     def _enqueue(
         self, request_id: str, prep: PreparedRequest, arrival: float, pin_job: PinJob | None = None
     ) -> Request:
+        er = prep.request
         req = Request(
             request_id,
             prep.prompt_token_ids,
             prep.params,
             eos_token_ids=self.eos_token_ids,
             max_tokens=prep.max_tokens,
-            cache_salt=prep.cache_salt,
+            cache_salt=er.cache_salt,
             arrival_time=arrival,
-            tenant=prep.tenant,
-            priority=prep.priority,
+            tenant=er.tenant,
+            priority=er.priority,
         )
+        req.engine_request = er
         if prep.params.seed is not None:
             gen = torch.Generator(device="cpu")  # the sampler draws on the generator's device
             gen.manual_seed(prep.params.seed)
@@ -268,9 +281,10 @@ class LLMEngine:
         self._fail_grammar_errors()
         sched_out = self.scheduler.schedule()
         if not sched_out.scheduled:
+            self._flush_kv_events()
             self._wait_for_grammars()
-            outputs, self._stashed = self._stashed, []
-            return outputs
+            stashed, self._stashed = self._stashed, []
+            return stashed
         # if anything below raises, these are the requests the error concerns (fail_requests)
         self._step_requests = [s.request for s in sched_out.scheduled]
         t_run = time.perf_counter()
@@ -295,6 +309,7 @@ class LLMEngine:
             outputs.append(op.make_output(r))
         self._step_requests = []
         outputs, self._stashed = self._stashed + outputs, []
+        self._flush_kv_events()
         t_end = time.perf_counter()
         t = self.timing
         t["steps"] += 1
@@ -305,6 +320,18 @@ class LLMEngine:
         t["sample_s"] += run.sample_s
         t["output_s"] += t_end - t_out  # scheduler update, detokenize, RequestOutputs
         return outputs
+
+    def _flush_kv_events(self) -> None:
+        """Hand the step's KV cache changes to the event publisher (one batch; never blocks)."""
+        if self.kv_events is not None:
+            self.kv_events.collector.flush()
+
+    def shutdown(self) -> None:
+        """Stop the KV event publisher (what is queued is sent first, within a second) and
+        unbind its sockets. The engine itself holds nothing else to release."""
+        if self.kv_events is not None:
+            self._flush_kv_events()
+            self.kv_events.close()
 
     # -- structured output -----------------------------------------------------------------
 
@@ -376,10 +403,12 @@ class LLMEngine:
         ttl_s: float,
         cache_salt: str | None = None,
         callback: Callable[[PinJob], None] | None = None,
+        tenant: str | None = None,
     ) -> PinJob:
         """Start pinning a prefix: queue an internal prefill of ``token_ids`` (one greedy
         token); when it finishes, its full blocks (now in the prefix cache) are pinned for
-        ``ttl_s`` seconds and ``callback(job)`` runs.
+        ``ttl_s`` seconds and ``callback(job)`` runs. ``tenant``: who the prefill and the
+        pinned blocks are charged to (under ``fair`` they count against its share).
 
         Raises:
             ValueError: prefix caching disabled, ttl_s <= 0, or a bad prefix (see
@@ -392,13 +421,15 @@ class LLMEngine:
         if isinstance(token_ids, str):
             raise TypeError("pin_prefix takes token ids; tokenize the text first")
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-        prep = self.prepare_request(list(token_ids), params, cache_salt)
+        rid = f"{PIN_REQUEST_PREFIX}{next(self._pin_counter)}"
+        prep = self.prepare_request(
+            EngineRequest(rid, list(token_ids), params, cache_salt, tenant=tenant)
+        )
         if len(prep.prompt_token_ids) < self.config.block_size:
             raise ValueError(
                 f"a pinned prefix needs at least one full block ({self.config.block_size} tokens)"
             )
-        rid = f"{PIN_REQUEST_PREFIX}{next(self._pin_counter)}"
-        job = PinJob(rid, prep.prompt_token_ids, float(ttl_s), cache_salt, callback)
+        job = PinJob(rid, prep.prompt_token_ids, float(ttl_s), cache_salt, callback, tenant)
         self._enqueue(rid, prep, time.monotonic(), pin_job=job)
         return job
 
@@ -407,16 +438,23 @@ class LLMEngine:
         if not req.is_finished():  # cannot happen with max_tokens=1; be safe
             self.scheduler.abort_requests([req.request_id])
         try:
-            pin = self.kv_cache_manager.pin(job.token_ids, job.cache_salt, job.ttl_s)
+            pin = self.kv_cache_manager.pin(
+                job.token_ids, job.cache_salt, job.ttl_s, tenant=job.tenant
+            )
         except Exception as exc:  # noqa: BLE001 - delivered to the caller
             job.resolve(None, exc)
         else:
             job.resolve(pin, None)
 
     def pin_prefix(
-        self, token_ids: Sequence[int], ttl_s: float, cache_salt: str | None = None
+        self,
+        token_ids: Sequence[int],
+        ttl_s: float,
+        cache_salt: str | None = None,
+        tenant: str | None = None,
     ) -> PrefixPin:
-        """Compute ``token_ids`` (if not cached) and pin its full blocks for ``ttl_s`` seconds.
+        """Compute ``token_ids`` (if not cached) and pin its full blocks for ``ttl_s`` seconds
+        (charged to ``tenant``, see ``start_pin``).
 
         Steps the engine until done; outputs of other requests produced meanwhile are returned
         by the next ``step()``.
@@ -428,7 +466,7 @@ class LLMEngine:
             PinLimitError: pins would exceed ``max_pinned_fraction`` of the cache.
             ValueError / TypeError: see ``start_pin``.
         """
-        job = self.start_pin(token_ids, ttl_s, cache_salt)
+        job = self.start_pin(token_ids, ttl_s, cache_salt, tenant=tenant)
         pending: list[RequestOutput] = []
         while not job.done:
             pending.extend(self.step())
@@ -465,13 +503,49 @@ class LLMEngine:
 
         ``prompt_tokens_prefilled``: prompt tokens actually computed (a recompute after
         preemption counts its prompt part again; prefix-cache hits do not count);
-        ``tokens_decoded``: output tokens sampled. Both are the scheduler's counters."""
-        return dict(self.scheduler.stats())
+        ``tokens_decoded``: output tokens sampled. Both are the scheduler's counters.
+        With ``kv_events`` on, also the publisher's counters (``ZmqEventPublisher.stats``)."""
+        stats = dict(self.scheduler.stats())
+        if self.kv_events is not None:
+            stats.update(self.kv_events.stats())
+        return stats
+
+    def predict_ttft(self, num_prompt_tokens: int, num_cached_tokens: int = 0) -> float | None:
+        """Seconds until a new request of ``num_prompt_tokens`` would get its first token
+        (``Scheduler.predict_ttft``; formula: ``scheduler.estimate_ttft``), ``None`` before
+        the rates are measured.
+
+        Raises:
+            ValueError / TypeError: bad token counts.
+        """
+        return self.scheduler.predict_ttft(num_prompt_tokens, num_cached_tokens)
 
     def check_invariants(self) -> None:
         """Raise AssertionError when a KV block is in two states or none, or the queues and
         the request table disagree."""
         self.scheduler.check_invariants()
+
+
+def _start_kv_events(config: EngineConfig, manager: KVCacheManager) -> Any:
+    """The KV event publisher of ``config.kv_events`` (installed on the block pool), or None.
+
+    Raises:
+        ValueError: an endpoint that cannot be bound.
+    """
+    if config.kv_events is None:
+        return None
+    from prefixgate.engine.kv_events import KVEventCollector, ZmqEventPublisher
+
+    collector = KVEventCollector(config.block_size, config.kv_events_queue_size)
+    publisher = ZmqEventPublisher(
+        collector,
+        config.kv_events,
+        config.kv_events_replay,
+        buffer_steps=config.kv_events_buffer_steps,
+        topic=config.kv_events_topic,
+    )
+    manager.pool.events = collector
+    return publisher
 
 
 def _load_tokenizer(mc: Any) -> Any:

@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from prefixgate.engine.attention_metadata import AttentionMetadata
 from prefixgate.engine.kv_cache import KVCaches
 from prefixgate.engine.outputs import TokenLogprobs
+
+if TYPE_CHECKING:
+    from prefixgate.engine.models.llama import CausalLM
 
 
 @dataclass(slots=True)
@@ -67,18 +70,20 @@ class ModelRunner:
     Args:
         model: ``CausalLM`` following the DEVELOPERS.md model contract.
         kv_caches: one ``(k, v)`` pair per layer, ``[num_blocks, block_size, kv_heads, head_dim]``.
-        sampler: ``Sampler`` with ``sample(logits [B, V] fp32, states) -> list[SampleResult]``.
+        sampler: ``Sampler`` with ``sample(logits [B, V] fp32, states) -> list[SampleResult]``
+            (its ``LogitsPipeline`` applies each constrained row's grammar mask).
         sampling_state_cls: the sampler module's ``SamplingState`` dataclass.
         block_size: tokens per KV block.
         device: where the model and caches live.
         sync_timing: synchronize CUDA around the forward so ``forward_s`` is exact (benchmarks).
-        structured_output: the ``StructuredOutputManager`` (token bitmasks of constrained rows).
+        structured_output: the ``StructuredOutputManager`` (kept for callers; the sampler's
+            pipeline holds the one that masks).
         cuda_graphs: ``DecodeCudaGraphs`` replaying decode-only forwards, or None (eager).
     """
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: CausalLM,
         kv_caches: KVCaches,
         sampler: Any,
         sampling_state_cls: Any,
@@ -210,6 +215,7 @@ class ModelRunner:
         forward_s = t1 - t0
 
         requests = [scheduled[i].request for i in inp.sample_order]
+        grammar_of = [getattr(r, "structured_output", None) for r in requests]
         states = [
             self.sampling_state_cls(
                 params=r.sampling_params,
@@ -217,14 +223,11 @@ class ModelRunner:
                 output_token_ids=r.output_token_ids,
                 generator=r.generator,
                 eos_token_ids=r.eos_token_ids,
+                grammar=g,
             )
-            for r in requests
+            for r, g in zip(requests, grammar_of, strict=True)
         ]
-        grammar_of = [getattr(r, "structured_output", None) for r in requests]
-        constrained = [i for i, g in enumerate(grammar_of) if g is not None]
-        if constrained:  # structured output: mask what each grammar forbids, in its row only
-            grammars = [grammar_of[i] for i in constrained]
-            self.structured_output.apply_bitmask(logits, constrained, grammars)
+        # every change to the logits (grammar mask included) is the sampler's logits pipeline
         results = self.sampler.sample(logits, states)
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprobs] = {}

@@ -29,7 +29,7 @@ from prefixgate.engine.model_runner import ModelRunner
 from prefixgate.engine.models.config import ModelConfig
 from prefixgate.engine.models.loader import load_model
 from prefixgate.engine.outputs import RequestOutput
-from prefixgate.engine.sampling_params import SamplingParams
+from prefixgate.engine.protocol import EngineRequest
 from prefixgate.engine.tokenizer import Tokenizer
 
 _NOT_GENERATIVE = (
@@ -110,15 +110,7 @@ class PoolingEngine:
     def max_model_len(self) -> int:
         return self._max_model_len
 
-    async def generate(
-        self,
-        prompt: list[int],
-        params: SamplingParams,
-        request_id: str,
-        cache_salt: str | None = None,
-        tenant: str | None = None,
-        priority: int = 0,
-    ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Not available on a pooling runner (``EngineClient.generate``'s signature).
 
         Raises:
@@ -131,7 +123,11 @@ class PoolingEngine:
         raise ValueError(f"request {request_id!r} is not in flight")
 
     async def pin_prefix(
-        self, token_ids: list[int], ttl_s: float, cache_salt: str | None = None
+        self,
+        token_ids: list[int],
+        ttl_s: float,
+        cache_salt: str | None = None,
+        tenant: str | None = None,
     ) -> Any:
         raise ValueError(_NOT_GENERATIVE)
 
@@ -140,6 +136,11 @@ class PoolingEngine:
 
     def unpin_prefix(self, pin_id: str) -> None:
         raise KeyError(pin_id)
+
+    def predict_ttft(self, num_prompt_tokens: int, num_cached_tokens: int = 0) -> float | None:
+        """``None``: a pooling engine generates no tokens (the gateway admits without a
+        prediction)."""
+        return None
 
     def stats(self) -> dict[str, Any]:
         """Counters: embedding inputs and tokens served, and the generation keys at zero (so

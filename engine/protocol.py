@@ -13,11 +13,71 @@ Contract details (errors, ordering, what a cancelled call leaves behind) are in 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from prefixgate.engine.config import EngineConfig
 from prefixgate.engine.outputs import RequestOutput
 from prefixgate.engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    """One generation request as its caller builds it, once, and the engine carries it to its
+    ``Request`` (vLLM's ``EngineCoreRequest``): every per-request engine argument is a field
+    here, so a new one is added here, where it is read, and where the caller sets it.
+
+    Attributes:
+        request_id: caller-chosen id, unique among the requests in flight (non-empty).
+        prompt: the prompt as text (tokenized by the engine) or token ids (ints).
+        sampling_params: how to sample and stop (``None``: ``SamplingParams()`` defaults).
+        cache_salt: prefix-cache partition (tenant key): different salts never share KV
+            blocks; ``None`` is the shared partition.
+        tenant: who the ``fair`` scheduling policy charges (``None``: ``"default"``).
+        priority: the ``priority`` scheduling policy's rank, lower first (vLLM's).
+        arrival_time: ``time.monotonic()`` seconds when the request arrived (``None``: when
+            the engine receives it).
+
+    Raises:
+        TypeError: a field of the wrong type (named): ``request_id`` not a non-empty string,
+            ``prompt`` neither a string nor a sequence, ``sampling_params`` not
+            ``SamplingParams``, ``cache_salt`` / ``tenant`` not a string, ``priority`` not an
+            int, ``arrival_time`` not a number. The prompt's contents (empty, ids outside the
+            vocabulary, too long) are checked by the engine (``LLMEngine.prepare_request``).
+    """
+
+    request_id: str
+    prompt: str | Sequence[int]
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    cache_salt: str | None = None
+    tenant: str | None = None
+    priority: int = 0
+    arrival_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise TypeError("request_id must be a non-empty string")
+        if isinstance(self.prompt, bytes | bytearray) or not isinstance(
+            self.prompt, str | Sequence
+        ):
+            raise TypeError(
+                f"prompt must be a string or a list of token ids, got {type(self.prompt).__name__}"
+            )
+        if self.sampling_params is None:
+            self.sampling_params = SamplingParams()
+        if not isinstance(self.sampling_params, SamplingParams):
+            raise TypeError(
+                f"sampling params must be SamplingParams, got {type(self.sampling_params).__name__}"
+            )
+        for name in ("cache_salt", "tenant"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"{name} must be a string or None, got {type(value).__name__}")
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise TypeError(f"priority must be an int, got {type(self.priority).__name__}")
+        t = self.arrival_time
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int | float)):
+            raise TypeError(f"arrival_time must be a number or None, got {type(t).__name__}")
 
 
 @runtime_checkable
@@ -113,16 +173,8 @@ class EngineClient(Protocol):
         """Longest prompt + output in tokens."""
         ...
 
-    def generate(
-        self,
-        prompt: list[int],
-        params: SamplingParams,
-        request_id: str,
-        cache_salt: str | None = None,
-        tenant: str | None = None,
-        priority: int = 0,
-    ) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request as tokens come (the last has ``finished=True``); leaving
+    def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Outputs of ``request`` as tokens come (the last has ``finished=True``); leaving
         the iteration early aborts the request.
 
         Raises (from the first iteration):
@@ -140,9 +192,14 @@ class EngineClient(Protocol):
         ...
 
     async def pin_prefix(
-        self, token_ids: list[int], ttl_s: float, cache_salt: str | None = None
+        self,
+        token_ids: list[int],
+        ttl_s: float,
+        cache_salt: str | None = None,
+        tenant: str | None = None,
     ) -> PinHandle:
-        """Prefill (if not cached) and pin the full KV blocks of ``token_ids`` for ``ttl_s`` s.
+        """Prefill (if not cached) and pin the full KV blocks of ``token_ids`` for ``ttl_s`` s,
+        charged to ``tenant`` (under ``fair`` the pinned blocks count against its share).
 
         Raises:
             PinLimitError: the pins would exceed the engine's pinned share of the cache.
@@ -168,6 +225,12 @@ class EngineClient(Protocol):
 
     def stats(self) -> dict[str, Any]:
         """Engine counters (keys in DEVELOPERS.md, ``stats()`` keys); never blocks."""
+        ...
+
+    def predict_ttft(self, num_prompt_tokens: int, num_cached_tokens: int = 0) -> float | None:
+        """Seconds until a new request of ``num_prompt_tokens`` would get its first token
+        (``scheduler.estimate_ttft`` on a ``stats()`` snapshot); ``None`` while the engine
+        has not measured its rates; never blocks."""
         ...
 
     async def shutdown(self) -> None:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+    from prefixgate.engine.protocol import EngineRequest
     from prefixgate.engine.sampling_params import SamplingParams
 
 
@@ -85,6 +86,9 @@ class Request:
             ``num_sent_tokens`` / ``num_sent_chars``: what earlier outputs already reported.
         prompt: the prompt text when the caller gave text, else ``None``.
         pin_job: the pin in progress when this is the internal prefill of a prefix pin.
+        engine_request: the caller's ``EngineRequest`` it was built from (``None`` for bare
+            scheduler tests): a per-request field added there is read here as
+            ``request.engine_request.<field>``.
         error: why the request failed (a sampled token its grammar rejected), else ``None``.
 
     Raises:
@@ -154,6 +158,7 @@ class Request:
         self.num_sent_tokens = 0
         self.num_sent_chars = 0
         self.pin_job: Any = None
+        self.engine_request: EngineRequest | None = None
         self.error: BaseException | None = None
 
     @property
@@ -203,21 +208,31 @@ class Request:
         """Decide whether the last appended token ends the request: the one place that does.
 
         In order: EOS (unless ``ignore_eos``) or a stop token id (``stop_reason`` = the id;
-        neither adds text); unless the length is reached, a structured-output grammar that
+        neither adds text; under a grammar whose only tokens were stop ids, the logits pipeline
+        marks them as its text, ``stop_ids_are_text``, and they do not stop); unless the length is reached, a structured-output grammar that
         ended (stop, no text) or rejected the token (aborted, ``error`` set: the request
         fails); then the token's text goes to the detokenizer and a stop string in it ends the
         request (``stop_reason`` = the string); else ``max_tokens`` or ``max_model_len``
         reached (length). Returns the finished status, or ``None``.
+
+        ``min_tokens``: EOS and stop ids cannot be sampled before it (the logits pipeline masks
+        them unless a complete grammar allows only them) and the detokenizer matches stop
+        strings only after it, so the first ``min_tokens`` tokens never end the request but for
+        a grammar that is complete or the length limit.
         """
         token = self.output_token_ids[-1]
         params = self.sampling_params
         if token in self.eos_token_ids and not (params is not None and params.ignore_eos):
             return RequestStatus.FINISHED_STOPPED
-        if params is not None and token in params.stop_token_ids:
+        so = self.structured_output
+        if (
+            params is not None
+            and token in params.stop_token_ids
+            and not (so is not None and so.stop_ids_are_text)
+        ):
             self.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
         length = self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len
-        so = self.structured_output
         if so is not None and not length:
             if so.terminated:  # the grammar is complete (also with ignore_eos)
                 return RequestStatus.FINISHED_STOPPED

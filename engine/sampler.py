@@ -1,10 +1,11 @@
-"""Next-token sampling for a batch: penalties, greedy / random choice, logprobs.
+"""Next-token sampling for a batch: the logits pipeline, greedy / random choice, logprobs.
 
-Order per request (as vLLM and Hugging Face apply them): ``min_tokens`` (EOS and stop token ids
-masked until reached) → ``logit_bias`` (added) → repetition penalty (prompt + output
-tokens, CTRL / HF formula) → frequency and presence penalties (output tokens, OpenAI formula)
-→ greedy argmax, or temperature → top-k → top-p → min-p → one draw. Logprobs are the
-``log_softmax`` of the raw model logits (before penalties and temperature).
+Every change to a row's logits before the choice (grammar mask, ``allowed_token_ids``,
+``bad_words``, ``min_tokens``, ``logit_bias``, repetition / frequency / presence penalties) is a step of the one ordered pipeline,
+``prefixgate.engine.logits_processors.LogitsPipeline`` (its docstring holds the order and the
+conflict rules). Then: greedy argmax, or temperature → top-k → top-p → min-p → one draw.
+Logprobs are the ``log_softmax`` of the model logits after the grammar mask, before every
+other step (vLLM's; without a grammar, the raw model logits).
 
 Random draws use inverse-CDF sampling with exactly one uniform number per request per step,
 taken from the request's own ``torch.Generator`` (or, for requests without a seed, from the
@@ -18,30 +19,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from prefixgate.engine.logits_processors import (
+    STEP_ORDER,
+    LogitsPipeline,
+    SamplingState,
+)
 from prefixgate.engine.outputs import Logprob, TokenLogprobs
 from prefixgate.engine.sampling_params import SamplingParams
 
+__all__ = ["STEP_ORDER", "SampleResult", "Sampler", "SamplingState", "apply_penalties"]
+
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (dividing by them overflows fp32)
-
-
-@dataclass(slots=True)
-class SamplingState:
-    """What the sampler needs about one request for this step.
-
-    Attributes:
-        params: the request's sampling parameters.
-        prompt_token_ids: prompt ids (repetition penalty).
-        output_token_ids: ids generated so far (penalties).
-        generator: the request's own generator (seeded requests); ``None`` uses the
-            sampler's shared generator.
-        eos_token_ids: the model's EOS ids (masked, with stop token ids, until ``min_tokens``).
-    """
-
-    params: SamplingParams
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]
-    generator: torch.Generator | None = None
-    eos_token_ids: frozenset[int] | set[int] = frozenset()
 
 
 @dataclass(slots=True)
@@ -57,10 +45,13 @@ class Sampler:
 
     Args:
         seed: seed of the shared generator used by requests without their own seed.
+        pipeline: the logits pipeline (``LogitsPipeline(structured_output)``); the default has
+            no structured output (a row with a grammar then raises ValueError).
     """
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, pipeline: LogitsPipeline | None = None) -> None:
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        self.pipeline = pipeline if pipeline is not None else LogitsPipeline()
 
     def sample(self, logits: torch.Tensor, batch: Sequence[SamplingState]) -> list[SampleResult]:
         """Pick the next token of every request.
@@ -83,17 +74,14 @@ class Sampler:
         if not batch:
             return []
         params = [s.params for s in batch]
-        penalized = [i for i, s in enumerate(batch) if _has_penalty(s)]
+        processed = self.pipeline(logits, batch)
         random_rows = [i for i, p in enumerate(params) if p.temperature >= GREEDY_EPS]
         wants_logprobs = any(p.logprobs is not None for p in params)
-        if not penalized and not random_rows and not wants_logprobs:
-            return [SampleResult(t) for t in logits.argmax(dim=-1).tolist()]  # all-greedy batch
+        scores = processed.scores
+        if not random_rows and not wants_logprobs:
+            return [SampleResult(t) for t in scores.argmax(dim=-1).tolist()]  # all greedy
 
-        scores = logits.float()
-        if penalized:
-            scores = scores.clone()
-            for i in penalized:
-                apply_penalties(scores[i], batch[i])
+        scores = scores.float()
         if len(random_rows) == len(batch):
             tokens = torch.empty(len(batch), dtype=torch.int64, device=logits.device)
         else:
@@ -103,7 +91,11 @@ class Sampler:
             picked = self._sample_random(scores[rows], [batch[i] for i in random_rows])
             tokens[rows] = picked
         token_list = tokens.tolist()
-        lps = _logprobs(logits, params, token_list) if wants_logprobs else [None] * len(batch)
+        lps = (
+            _logprobs(processed.logprob_logits, params, token_list)
+            if wants_logprobs
+            else [None] * len(batch)
+        )
         return [SampleResult(t, lp) for t, lp in zip(token_list, lps, strict=True)]
 
     def _sample_random(self, scores: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
@@ -125,50 +117,15 @@ class Sampler:
         return torch.rand(1, generator=gen, device=gen.device)
 
 
-def _has_penalty(s: SamplingState) -> bool:
-    """True when the row's logits are processed before the choice (penalties, bias, min_tokens)."""
-    p = s.params
-    return (
-        p.repetition_penalty != 1.0
-        or p.presence_penalty != 0.0
-        or p.frequency_penalty != 0.0
-        or bool(p.logit_bias)
-        or len(s.output_token_ids) < p.min_tokens
-    )
-
-
 def apply_penalties(row: torch.Tensor, state: SamplingState) -> None:
-    """Process one ``[V]`` float32 logits row in place.
-
-    ``min_tokens``: EOS and stop token ids get ``-inf`` while fewer tokens were generated.
-    ``logit_bias``: each listed id's bias is added. Repetition (Keskar et al. 2019, as HF's ``RepetitionPenaltyLogitsProcessor``): for every
-    token seen in prompt or output, ``l / r`` when ``l > 0`` else ``l * r``. Then OpenAI's
-    ``l[j] -= c[j] * frequency_penalty + (c[j] > 0) * presence_penalty`` with ``c[j]`` the count
-    of j among output tokens.
+    """Run the pipeline's steps after the grammar (``allowed_token_ids``, ``bad_words``,
+    ``min_tokens``, ``logit_bias``, repetition, frequency / presence) on one ``[V]`` float32 logits row, in place (tests and tools; the
+    sampler runs the whole ``LogitsPipeline`` on its batch).
     """
-    p = state.params
-    vocab = row.shape[0]
-    if len(state.output_token_ids) < p.min_tokens:  # vLLM's MinTokensLogitsProcessor
-        ends = [t for t in (*state.eos_token_ids, *p.stop_token_ids) if 0 <= t < vocab]
-        if ends:
-            row[torch.tensor(ends, device=row.device)] = float("-inf")
-    if p.logit_bias:  # OpenAI's logit_bias: added to the logit before sampling
-        ids = torch.tensor(list(p.logit_bias), dtype=torch.int64, device=row.device)
-        keep = ids < vocab
-        vals = torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=row.device)
-        row.index_add_(0, ids[keep], vals[keep])
-    if p.repetition_penalty != 1.0:
-        seen = torch.tensor([*state.prompt_token_ids, *state.output_token_ids], dtype=torch.int64)
-        seen = seen[(seen >= 0) & (seen < vocab)].unique().to(row.device)
-        if seen.numel():
-            vals = row[seen]
-            rp = p.repetition_penalty
-            row[seen] = torch.where(vals > 0, vals / rp, vals * rp)
-    if (p.frequency_penalty or p.presence_penalty) and len(state.output_token_ids):
-        out = torch.tensor(list(state.output_token_ids), dtype=torch.int64)
-        out = out[(out >= 0) & (out < vocab)]
-        counts = torch.bincount(out, minlength=vocab).to(device=row.device, dtype=row.dtype)
-        row -= counts * p.frequency_penalty + (counts > 0).to(row.dtype) * p.presence_penalty
+    batch = row.unsqueeze(0)
+    for step in LogitsPipeline().steps[1:]:
+        if step.applies(state):
+            step.apply(batch, [0], [state])
 
 
 def apply_top_k(scores: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
@@ -245,7 +202,7 @@ def _logprobs(
     idx = torch.tensor(rows, device=logits.device)
     lp = torch.log_softmax(logits[idx].float(), dim=-1)
     chosen = lp.gather(1, torch.tensor([tokens[i] for i in rows], device=lp.device).unsqueeze(1))
-    n_max = max(params[i].logprobs for i in rows)
+    n_max = max(params[i].logprobs or 0 for i in rows)
     top_vals, top_ids = lp.topk(n_max, dim=-1) if n_max else (lp[:, :0], lp[:, :0].long())
     chosen_l, top_v, top_i = chosen.squeeze(1).tolist(), top_vals.tolist(), top_ids.tolist()
     out: list[TokenLogprobs | None] = [None] * len(params)

@@ -122,17 +122,28 @@ class SamplingParams:
         max_tokens: most tokens to generate (>= 1); ``None`` means up to ``max_model_len``.
         stop: strings that end generation; never included in the text, matched across token
             boundaries.
-        stop_token_ids: token ids that end generation (not included in the text).
+        stop_token_ids: token ids that end generation (not included in the text); under a
+            structured-output grammar they are allowed only where the grammar may end.
         ignore_eos: keep generating past the end-of-sequence token.
         logprobs: return the sampled token's logprob and this many top alternatives
             (``None`` = no logprobs, 0 = sampled token only, at most 20).
         skip_special_tokens: leave special tokens out of the text.
-        min_tokens: generate at least this many tokens before EOS or a stop token id may be
-            sampled (they are masked until then; stop strings still apply, as in vLLM).
+        min_tokens: generate at least this many tokens before the request may end: EOS and
+            stop token ids are masked until then and a stop string ending in the first
+            ``min_tokens`` tokens' text is ordinary text (vLLM's semantics). A structured-output
+            grammar wins: when it allows only end-of-sequence (its answer is complete), the
+            request ends there (``prefixgate.engine.logits_processors``).
         logit_bias: token id -> bias in [-100, 100] added to that token's logit before sampling
             (OpenAI's ``logit_bias``; ids checked against the vocabulary when the request is
-            prepared).
+            prepared); it never unmasks a token the grammar or ``min_tokens`` forbids.
         structured_outputs: constrain the output (``StructuredOutputsParams``), or ``None``.
+        allowed_token_ids: only these ids may be sampled (vLLM's; ``None``: all). Under a
+            grammar the two masks intersect; where they leave nothing, the grammar wins.
+        bad_words: words never generated (vLLM's): each is tokenized as written and with a
+            leading space, and the last token of such a sequence is banned whenever the output
+            ends with the rest of it (a one-token word is always banned).
+        bad_words_token_ids: the token sequences of ``bad_words``, filled by the engine when
+            the request is prepared (not an argument).
 
     Raises:
         ValueError / TypeError: on any out-of-range or non-finite (NaN, inf) value or wrong
@@ -156,6 +167,11 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] = field(
+        default_factory=list, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         def num(name: str, value: object, kinds: tuple[type, ...] = (int, float)) -> None:
@@ -229,6 +245,22 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids}")
         if self.logit_bias is not None:
             self.logit_bias = _check_logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, list | tuple) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in ids
+            ):
+                raise TypeError("allowed_token_ids must be a list of integers")
+            if not ids or any(t < 0 for t in ids):
+                raise ValueError("allowed_token_ids must be a non-empty list of ids >= 0")
+            self.allowed_token_ids = list(ids)
+        if self.bad_words is not None:
+            words = self.bad_words
+            if not isinstance(words, list | tuple) or not all(isinstance(w, str) for w in words):
+                raise TypeError("bad_words must be a list of strings")
+            if any(not w.strip() for w in words):
+                raise ValueError("bad_words must not hold an empty or blank word")
+            self.bad_words = list(words)
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             if isinstance(so, dict):

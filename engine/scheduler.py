@@ -8,14 +8,28 @@ Each ``schedule()`` call (one engine step):
    the front of the waiting queue, recomputed later from token 0 with its outputs kept). The
    oldest running request is never preempted for a newer one, so it always progresses: no endless
    preempt/resume cycle.
-2. then, if nothing was preempted this step, waiting requests are admitted first come first
-   served while the budget, ``max_num_seqs`` and free blocks allow; each reuses its longest
+2. then, if nothing was preempted this step, waiting requests are admitted in the policy's
+   order while the budget, ``max_num_seqs`` and free blocks allow; each reuses its longest
    cached prefix and prefills the rest in chunks (chunked prefill). A waiting request whose next
    prompt block is being computed by a running request (in-flight dedup) is skipped this step and
    hits that block once it is cached; requests behind it may go. A request whose grammar is
    still compiling (structured output) is skipped the same way.
    With ``scheduling="static"`` new requests are admitted only when the running batch is empty
    (and without in-flight dedup: waiting for an owner would mean waiting for the whole batch).
+3. displacement (``priority`` and ``fair``, continuous scheduling): a waiting request that finds
+   the seats or the blocks full may take them from running requests the policy names
+   (``SchedulingPolicy.displaceable``): the fewest from the front of that list that make room
+   are preempted (as in 1.; none when all of them would not make room). Under ``fair`` the
+   step's token budget is first shared by tenant weight (``token_caps``), then what is left
+   goes to anyone; see ``scheduling_policy.py`` for the shares and the bounds.
+
+Rates (``stats()``): each step's model time is the time from ``schedule()`` to
+``update_from_output()``. ``decode_tokens_per_s`` is an exponentially weighted mean (weight
+``RATE_ALPHA`` for the newest step) of decode tokens / time over steps that prefill nothing;
+``prefill_tokens_per_s`` the same of prefill tokens / (time - decode tokens /
+``decode_tokens_per_s``) over steps that prefill; ``finished_per_s`` of the requests finished
+per second of step time. ``estimate_ttft`` (``Scheduler.predict_ttft``, ``LLMEngine`` /
+``AsyncEngine.predict_ttft``) turns them into a first-token wait.
 
 The flow and vocabulary follow vLLM v1 (``vllm/v1/core/sched/scheduler.py``).
 """
@@ -24,7 +38,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +46,10 @@ from prefixgate.engine.config import EngineConfig
 from prefixgate.engine.errors import CacheCapacityError
 from prefixgate.engine.kv_cache_manager import KVCacheManager
 from prefixgate.engine.request import Request, RequestStatus
-from prefixgate.engine.scheduling_policy import SchedulingPolicy, make_policy
+from prefixgate.engine.scheduling_policy import Room, SchedulingPolicy, make_policy, tenant_of
+
+RATE_ALPHA = 0.2
+"""Weight of the newest step in the exponentially weighted rates of ``stats()``."""
 
 
 @dataclass(slots=True)
@@ -115,8 +132,16 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: the last is preempted first
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
+        self.num_displacements = 0  # preemptions of running requests for waiting ones
+        # id -> (fairness preemptions, output tokens at the last one): the hysteresis
+        self._fair_preempted: dict[str, tuple[int, int]] = {}
         self.prompt_tokens_prefilled = 0
         self.tokens_decoded = 0
+        self._step_started: float | None = None
+        self._admitted_now: set[str] = set()
+        self.prefill_tokens_per_s: float | None = None
+        self.decode_tokens_per_s: float | None = None
+        self.finished_per_s: float | None = None
 
     # ---- queue state --------------------------------------------------------------------
     @property
@@ -214,6 +239,7 @@ class Scheduler:
         now = time.monotonic()
         for r in reqs:
             self.kv.free(r)
+            self._fair_preempted.pop(r.request_id, None)
             r.status = status
             r.finished_time = now
             del self.requests[r.request_id]
@@ -224,9 +250,14 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and token counts; allocate their KV slots."""
         self.kv.expire_pins()
+        self._step_started = time.monotonic()
+        self._admitted_now = set()
         budget = self.max_num_batched_tokens
         scheduled: dict[str, ScheduledRequest] = {}
         preempted: list[str] = []
+        # fair: the first round's per-tenant token caps, and the tokens given so far
+        caps = None if self.static else self.policy.token_caps(budget, self.running, self.waiting)
+        used: dict[str, int] = {}
 
         # 1. running requests: decodes before prefill chunks, each in admission order
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
@@ -237,19 +268,29 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if caps is not None and num_new > 1:
+                num_new = min(num_new, self._cap_left(req, caps, used, budget))
+                if num_new <= 0:
+                    continue  # over its share this round: the second round may serve it
             while not self._allocate(req, num_new):
                 victim = self.policy.victim(self.running)
-                budget += self._preempt(victim, scheduled)
+                budget += self._preempt(victim, scheduled, used)
                 preempted.append(victim.request_id)
                 if victim is req:
                     break
             else:
                 scheduled[req.request_id] = self._schedule(req, num_new)
                 budget -= num_new
+                used[tenant_of(req)] = used.get(tenant_of(req), 0) + num_new
 
         # 2. waiting requests, in the scheduling policy's order
-        if not preempted and (not self.static or not self.running):
-            budget = self._admit(budget, scheduled)
+        admits = not preempted and (not self.static or not self.running)
+        if admits:
+            budget = self._admit(budget, scheduled, preempted, caps, used)
+        if caps is not None and budget > 0:  # second round: what is left, to anyone
+            budget = self._extend(budget, scheduled)
+            if admits:
+                budget = self._admit(budget, scheduled, preempted)
 
         out = list(scheduled.values())
         out.sort(key=lambda s: not s.is_decode)  # stable: decodes first
@@ -261,19 +302,57 @@ class Scheduler:
             req, num_new, self.kv.get_block_ids(req.request_id), req.num_computed_tokens
         )
 
-    def _admit(self, budget: int, scheduled: dict[str, ScheduledRequest]) -> int:
-        """Admit waiting requests into ``scheduled`` in the policy's order (``pick``); returns
-        the budget left."""
+    @staticmethod
+    def _cap_left(req: Request, caps: dict[str, int], used: dict[str, int], budget: int) -> int:
+        t = tenant_of(req)
+        return caps.get(t, budget) - used.get(t, 0)
+
+    def _extend(self, budget: int, scheduled: dict[str, ScheduledRequest]) -> int:
+        """Second round: running prefills get more of the budget left (admission order);
+        returns the budget left. Never preempts: a chunk that does not fit stays as it is."""
+        for req in self.running:
+            if budget <= 0:
+                break
+            s = scheduled.get(req.request_id)
+            have = s.num_new_tokens if s is not None else 0
+            extra = min(req.num_tokens - req.num_computed_tokens - have, budget)
+            if extra <= 0 or not self.kv.allocate_slots(req, have + extra):
+                continue
+            scheduled[req.request_id] = self._schedule(req, have + extra)
+            budget -= extra
+        return budget
+
+    def _admit(
+        self,
+        budget: int,
+        scheduled: dict[str, ScheduledRequest],
+        preempted: list[str],
+        caps: dict[str, int] | None = None,
+        used: dict[str, int] | None = None,
+    ) -> int:
+        """Admit waiting requests into ``scheduled`` in the policy's order (``pick``), with
+        displacement where the policy has it; returns the budget left."""
         skipped: set[str] = set()
         now = time.monotonic()
         bs = self.kv.block_size
-        while budget > 0 and len(self.running) < self.max_num_seqs:
+        displaces = self.policy.displaces and not self.static
+        used = {} if used is None else used
+        while budget > 0:
+            full = len(self.running) >= self.max_num_seqs
+            if full and not displaces:
+                break
             req = self.policy.pick(self.waiting, skipped)
             if req is None:
                 break
             if req.waits_for_grammar:  # structured output: its grammar is still compiling
                 skipped.add(req.request_id)
                 continue
+            num_new = req.num_tokens
+            if caps is not None:
+                num_new = self._cap_left(req, caps, used, budget)
+                if num_new <= 0:  # its tenant had its share of this round
+                    self._skip_tenant(req, skipped)
+                    continue
             hits, num_hit = self.kv.get_computed_blocks(req)
             if (
                 not self.static  # static: waiting for the owner would mean waiting for the drain
@@ -282,13 +361,99 @@ class Scheduler:
             ):
                 skipped.add(req.request_id)  # in-flight dedup: wait for the owner
                 continue
-            num_new = min(req.num_tokens - num_hit, budget)
-            if not self._allocate(req, num_new, num_hit, hits):
-                break  # nothing overtakes (in policy order) a request that does not fit
+            num_new = min(req.num_tokens - num_hit, budget, num_new)
+            if full or not self._allocate(req, num_new, num_hit, hits):
+                if not displaces:
+                    break  # nothing overtakes (in policy order) a request that does not fit
+                room = self._room(req, num_new, num_hit, hits, full)
+                fits, back = self._displace(req, room, num_new, num_hit, hits, scheduled, used)
+                preempted.extend(
+                    r.request_id for r in room.running if r.status != RequestStatus.RUNNING
+                )
+                budget += back
+                if not fits:
+                    if self.policy.may_overtake(req, room):
+                        self._skip_tenant(req, skipped)
+                        continue
+                    break
             self._start(req, num_hit, now)
+            self._admitted_now.add(req.request_id)
             scheduled[req.request_id] = self._schedule(req, num_new)
             budget -= num_new
+            used[tenant_of(req)] = used.get(tenant_of(req), 0) + num_new
         return budget
+
+    def _fair_exempt(self) -> set[str]:
+        """Requests preempted for fairness that have not yet sampled
+        ``policy.fair_min_progress`` tokens since: not to be preempted for fairness again."""
+        p = self.policy.fair_min_progress
+        return {
+            rid
+            for rid, (_, at) in self._fair_preempted.items()
+            if self.requests[rid].num_output_tokens - at < p
+        }
+
+    def _skip_tenant(self, req: Request, skipped: set[str]) -> None:
+        t = tenant_of(req)
+        skipped.update(r.request_id for r in self.waiting if tenant_of(r) == t)
+
+    def _room(
+        self,
+        req: Request,
+        num_new: int,
+        num_hit: int,
+        hits: list,
+        full: bool,
+    ) -> Room:
+        grow, short = self.kv.num_blocks_short(req, num_new, num_hit, hits)
+        return Room(
+            running=list(self.running),
+            waiting=self.waiting,
+            need_seat=full,
+            need_blocks=grow,
+            short_blocks=short,
+            blocks_held=lambda r: self.kv.num_request_blocks(r.request_id),
+            freeable=lambda r: self.kv.num_freeable_blocks(r.request_id),
+            max_num_seqs=self.max_num_seqs,
+            num_blocks=self.kv.num_blocks,
+            pinned_blocks=self.kv.pinned_blocks_by_tenant(),
+            exempt=self._fair_exempt() | self._admitted_now,  # nor one admitted this step
+            fair_preemptions={rid: n for rid, (n, _) in self._fair_preempted.items()},
+        )
+
+    def _displace(
+        self,
+        req: Request,
+        room: Room,
+        num_new: int,
+        num_hit: int,
+        hits: list,
+        scheduled: dict[str, ScheduledRequest],
+        used: dict[str, int],
+    ) -> tuple[bool, int]:
+        """Preempt the fewest of the policy's candidates that make room for ``req`` and
+        allocate its slots. Returns ``(fits, budget given back by the victims)``; nothing is
+        preempted when the candidates cannot make room (by the freeable-block count)."""
+        victims = self.policy.displaceable(req, room)
+        seats, freed, n = 0, 0, 0
+        for v in victims:
+            if (not room.need_seat or seats >= 1) and freed >= room.short_blocks:
+                break
+            seats += 1
+            freed += room.freeable(v)
+            n += 1
+        if n == 0 or freed < room.short_blocks:
+            return False, 0
+        back = 0
+        for i, v in enumerate(victims):
+            if i >= n and self._allocate(req, num_new, num_hit, hits):
+                return True, back
+            back += self._preempt(v, scheduled, used)
+            self.num_displacements += 1
+            if self.policy.fair_preemption:
+                n, _ = self._fair_preempted.get(v.request_id, (0, 0))
+                self._fair_preempted[v.request_id] = (n + 1, v.num_output_tokens)
+        return self._allocate(req, num_new, num_hit, hits), back
 
     def _allocate(
         self, req: Request, num_new: int, num_hit: int = 0, hits: list | None = None
@@ -319,8 +484,14 @@ class Scheduler:
         self.running.append(req)
         self.kv.mark_pending(req)
 
-    def _preempt(self, req: Request, scheduled: dict[str, ScheduledRequest]) -> int:
-        """Preempt ``req`` (recompute later); returns the budget its schedule gave back."""
+    def _preempt(
+        self,
+        req: Request,
+        scheduled: dict[str, ScheduledRequest],
+        used: dict[str, int] | None = None,
+    ) -> int:
+        """Preempt ``req`` (recompute later); returns the budget its schedule gave back (and
+        takes it off its tenant's ``used`` tokens)."""
         self.running.remove(req)
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
@@ -329,7 +500,11 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
         s = scheduled.pop(req.request_id, None)
-        return s.num_new_tokens if s is not None else 0
+        if s is None:
+            return 0
+        if used is not None:
+            used[tenant_of(req)] = used.get(tenant_of(req), 0) - s.num_new_tokens
+        return s.num_new_tokens
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, int]
@@ -364,6 +539,7 @@ class Scheduler:
             raise ValueError(f"no sampled token for request(s) {missing}")
         finished: list[Request] = []
         now = time.monotonic()
+        prefill_before = self.prompt_tokens_prefilled
         for s in live:
             req = s.request
             c, samples = s.num_computed_tokens, s.samples  # (samples reads num_tokens)
@@ -378,7 +554,60 @@ class Scheduler:
             status = req.check_stop(self.max_model_len) if samples else None
             if status is not None:
                 finished.extend(self._finish([req], status))
+        self._measure(
+            scheduler_output, self.prompt_tokens_prefilled - prefill_before, len(finished), now
+        )
         return finished
+
+    def _measure(
+        self, out: SchedulerOutput, num_prefill: int, num_finished: int, now: float
+    ) -> None:
+        """Fold one step into the rates (see the module docstring)."""
+        started, self._step_started = self._step_started, None
+        if started is None or out.is_empty:
+            return
+        dt = now - started
+        if dt <= 0:
+            return
+        num_decode = out.num_scheduled_tokens - num_prefill
+
+        def ewma(old: float | None, new: float) -> float:
+            return new if old is None else (1 - RATE_ALPHA) * old + RATE_ALPHA * new
+
+        if num_prefill == 0:
+            self.decode_tokens_per_s = ewma(self.decode_tokens_per_s, num_decode / dt)
+        else:
+            decode_s = num_decode / self.decode_tokens_per_s if self.decode_tokens_per_s else 0.0
+            prefill_s = max(dt - decode_s, 0.1 * dt)  # never credit prefill with no time
+            self.prefill_tokens_per_s = ewma(self.prefill_tokens_per_s, num_prefill / prefill_s)
+        self.finished_per_s = ewma(self.finished_per_s, num_finished / dt)
+
+    def queued_prefill_tokens(self) -> int:
+        """Prompt (and, for preempted requests, recompute) tokens still to prefill: waiting
+        requests' whole contexts and running requests' uncomputed tokens beyond one."""
+        waiting = sum(r.num_tokens for r in self.waiting)
+        running = sum(
+            r.num_tokens - r.num_computed_tokens
+            for r in self.running
+            if r.num_tokens - r.num_computed_tokens > 1
+        )
+        return waiting + running
+
+    def predict_ttft(self, num_prompt_tokens: int, num_cached_tokens: int = 0) -> float | None:
+        """Predicted seconds until a request of ``num_prompt_tokens`` (``num_cached_tokens`` of
+        them prefix-cache hits) arriving now would get its first token; ``estimate_ttft`` on
+        this scheduler's ``stats()``. ``None`` before the rates are measured.
+
+        Raises:
+            ValueError / TypeError: see ``estimate_ttft``.
+        """
+        return estimate_ttft(
+            self.stats(),
+            self.max_num_seqs,
+            self.max_num_batched_tokens,
+            num_prompt_tokens,
+            num_cached_tokens,
+        )
 
     # ---- stats and checks ---------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -388,6 +617,14 @@ class Scheduler:
             "num_running": self.num_running,
             "num_waiting": self.num_waiting,
             "num_preemptions": self.num_preemptions,
+            "num_displacements": self.num_displacements,
+            "queued_prefill_tokens": self.queued_prefill_tokens(),
+            "running_decodes": sum(
+                1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1
+            ),
+            "prefill_tokens_per_s": self.prefill_tokens_per_s,
+            "decode_tokens_per_s": self.decode_tokens_per_s,
+            "finished_per_s": self.finished_per_s,
             "prompt_tokens_prefilled": self.prompt_tokens_prefilled,
             "tokens_decoded": self.tokens_decoded,
             "scheduling_policy": self.policy.name,
@@ -408,3 +645,60 @@ class Scheduler:
         for r in self.waiting:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), r
             assert self.kv.num_request_blocks(r.request_id) == 0, r
+
+
+def estimate_ttft(
+    stats: Mapping[str, Any],
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    num_prompt_tokens: int,
+    num_cached_tokens: int = 0,
+) -> float | None:
+    """Predicted seconds until a request of ``num_prompt_tokens`` arriving now would get its
+    first token, from a ``stats()`` snapshot (torch-free: the gateway can call it on
+    ``engine.stats()`` with ``engine.config``); ``None`` before both rates are measured.
+
+    With ``Q`` = ``queued_prefill_tokens`` + the new request's uncached tokens
+    (``num_prompt_tokens - num_cached_tokens``), ``D`` = ``num_running`` (decodes per step),
+    ``r_p`` / ``r_d`` = ``prefill_tokens_per_s`` / ``decode_tokens_per_s``, ``B`` =
+    ``max_num_batched_tokens``::
+
+        steps   = ceil(Q / max(1, B - D))          steps the prefill work needs
+        compute = Q / r_p + steps * D / r_d        each of them also carries D decodes
+        seat    = max(0, num_running + num_waiting + 1 - max_num_seqs) / finished_per_s
+        ttft    = max(compute, seat) + D / r_d     (+ the first token's own step)
+
+    ``seat`` is the wait for a free seat (0 while one is free; ``inf`` while seats are full
+    and no request has finished yet). First come first served is assumed: under ``fair`` a
+    light tenant, under ``priority`` an urgent request, waits less.
+
+    Raises:
+        TypeError: ``num_prompt_tokens`` / ``num_cached_tokens`` not ints.
+        ValueError: ``num_prompt_tokens`` < 1 or ``num_cached_tokens`` outside
+            ``[0, num_prompt_tokens)``.
+    """
+    for name, v in (
+        ("num_prompt_tokens", num_prompt_tokens),
+        ("num_cached_tokens", num_cached_tokens),
+    ):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{name} must be an int, got {v!r}")
+    if num_prompt_tokens < 1:
+        raise ValueError(f"num_prompt_tokens must be >= 1, got {num_prompt_tokens}")
+    if not 0 <= num_cached_tokens < num_prompt_tokens:
+        raise ValueError(
+            f"num_cached_tokens must be in [0, {num_prompt_tokens}), got {num_cached_tokens}"
+        )
+    r_p, r_d = stats.get("prefill_tokens_per_s"), stats.get("decode_tokens_per_s")
+    if not r_p or not r_d:
+        return None
+    d = int(stats["num_running"])
+    q = int(stats["queued_prefill_tokens"]) + num_prompt_tokens - num_cached_tokens
+    steps = -(-q // max(1, max_num_batched_tokens - d))
+    compute = q / r_p + steps * d / r_d
+    ahead = d + int(stats["num_waiting"]) + 1 - max_num_seqs
+    seat = 0.0
+    if ahead > 0:
+        finished = stats.get("finished_per_s")
+        seat = ahead / finished if finished else float("inf")
+    return max(compute, seat) + d / r_d

@@ -19,14 +19,57 @@
   within the paper's bound of ``2 * max(w_in * L_in + w_out * L_out)`` (Theorem 4.4). The
   victim is the running request of the tenant with the largest counter (latest admitted first).
 
+Displacement (a waiting request takes a running one's place when seats or KV blocks are full;
+the displaced request is preempted: blocks freed, recomputed later with its outputs kept, so
+greedy outputs do not change):
+
+- ``priority``: a waiting request displaces running requests of a strictly larger ``priority``
+  value (largest ``(priority, arrival)`` first) when ``max_num_seqs`` seats or KV blocks are
+  full (vllm#40004's case). Never a loop: a request only displaces strictly lower priorities,
+  and the displaced one can never displace back.
+- ``fair`` (fair running slots): when several tenants are active (running or waiting), tenant
+  ``t`` is entitled to ``seats(t) = max(1, floor(max_num_seqs * w_t / W))`` running sequences
+  and ``blocks(t) = floor(num_blocks * w_t / W)`` KV blocks (``W``: the weights of the active
+  tenants; the blocks a tenant holds count its running requests' tables and its prefix pins).
+  A waiting request whose tenant is within its shares (counting the request) displaces the
+  newest running requests of tenants over theirs whose VTC counter is no less than its own
+  tenant's (VTC's order decides who goes first; the seats follow it), never taking a tenant
+  below its share, so the VTC service bound above still holds. A
+  tenant at or over its share does not hold back the tenants behind it in VTC order (they are
+  tried next). Seats that free up follow VTC's order: the tenant VTC ranks first (the least
+  served) may take more than its share of them; the shares bound what displacement takes,
+  not VTC's own admissions. Each step's token budget is shared too: while two or more tenants want tokens,
+  a first round gives each at most ``floor(max_num_batched_tokens * w_t / W)`` (decodes
+  included), then what is left goes to anyone (work-conserving).
+
+  Bounds (tests hold each): (1) hysteresis, no preemption loop: a request preempted for
+  fairness samples at least ``fair_min_progress`` (16) output tokens before it may be
+  preempted for fairness again, so a request of ``max_tokens`` output tokens is preempted for
+  fairness at most ``1 + max_tokens // 16`` times; among the candidates the least often
+  preempted go first (newest first among equals), spreading the cost; (2) displacement only
+  moves a seat from a tenant over its share to one under it, so ``sum_t max(0, held(t) -
+  share(t))`` drops with each one and only admissions into free seats raise it; (3) a waiting
+  request of a tenant under its shares whose counter is no larger than an over-share tenant's
+  is admitted in the first step whose decode phase preempts nothing, as long as that tenant
+  has a running request outside the hysteresis; (4) the heavy tenant's starvation bound: it
+  keeps at least ``seats(heavy)`` running sequences whenever it has that many requests (it is
+  never displaced below its share), and a request preempted for fairness is older than every
+  waiting request of its tenant that never ran (VTC is first come first served within a
+  tenant), so it takes the first of its tenant's seats that frees up unless an older
+  preempted one is waiting too; in the tests' flood it resumes within the steps one heavy
+  request takes alone (prefill steps + ``max_tokens``).
+
 Every policy keeps per-tenant statistics (served input / output tokens, queue lengths).
-Requests without a tenant belong to tenant ``"default"``.
+Requests without a tenant belong to tenant ``"default"``. A policy class declares what it
+reads: ``uses_priority`` (request priority) and ``uses_tenant_weights`` (tenant weights), so
+the gateway asks the policy (``policy_class(name)``) instead of naming policies.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 from prefixgate.engine.request import Request
 
@@ -47,6 +90,39 @@ def tenant_of(req: Request) -> str:
     return req.tenant or DEFAULT_TENANT
 
 
+@dataclass(slots=True)
+class Room:
+    """What a waiting request lacks to be admitted, and what it could take it from.
+
+    Attributes:
+        running: the running requests, admission order (the last admitted last).
+        waiting: the waiting queue (the request itself included).
+        need_seat: True when all ``max_num_seqs`` seats are taken.
+        need_blocks: KV blocks this admission allocates (its new blocks).
+        short_blocks: blocks missing from the free pool for it (0: enough).
+        blocks_held: KV blocks of a running request (its block table).
+        freeable: blocks that preempting a running request would return to the free pool.
+        pinned_blocks: tenant → blocks its prefix pins hold.
+        max_num_seqs, num_blocks: the engine's seats and KV blocks.
+        exempt: ids of requests not to preempt now (admitted this step, or preempted for
+            fairness and not yet ``fair_min_progress`` tokens further since).
+        fair_preemptions: id → times the request was preempted for fairness.
+    """
+
+    running: Sequence[Request]
+    waiting: Sequence[Request]
+    need_seat: bool
+    need_blocks: int
+    short_blocks: int
+    blocks_held: Callable[[Request], int]
+    freeable: Callable[[Request], int]
+    max_num_seqs: int
+    num_blocks: int
+    pinned_blocks: dict[str, int] = field(default_factory=dict)
+    exempt: set[str] = field(default_factory=set)
+    fair_preemptions: dict[str, int] = field(default_factory=dict)
+
+
 class SchedulingPolicy:
     """First come first served; the base of the other policies (tenant accounting included).
 
@@ -57,6 +133,16 @@ class SchedulingPolicy:
     """
 
     name = "fcfs"
+    uses_priority: ClassVar[bool] = False
+    """True when the policy reads ``Request.priority`` (a request's priority changes something)."""
+    uses_tenant_weights: ClassVar[bool] = False
+    """True when the policy reads the tenant weights (a key's ``weight`` shares the engine)."""
+    displaces: ClassVar[bool] = False
+    """True when a waiting request may displace running ones (``displaceable``)."""
+    fair_preemption: ClassVar[bool] = False
+    """True when displacement is for fairness (hysteresis: ``fair_min_progress``)."""
+    fair_min_progress: ClassVar[int] = 16
+    """Output tokens a request preempted for fairness samples before it may be again."""
 
     def __init__(
         self,
@@ -110,6 +196,23 @@ class SchedulingPolicy:
         """The running request to preempt when the KV cache is out of blocks."""
         return running[-1]
 
+    def displaceable(self, req: Request, room: Room) -> list[Request]:
+        """Running requests the waiting ``req`` may displace, in preemption order (the
+        scheduler preempts the fewest from the front that make room, and none when all of
+        them would not). ``[]``: ``req`` waits (the base policy never displaces)."""
+        return []
+
+    def may_overtake(self, req: Request, room: Room) -> bool:
+        """True when requests behind ``req`` (in ``pick`` order) may be tried although ``req``
+        does not fit and displaces nothing this step; else admission stops at ``req``."""
+        return False
+
+    def token_caps(
+        self, budget: int, running: Sequence[Request], waiting: Sequence[Request]
+    ) -> dict[str, int] | None:
+        """Tenant → most tokens it gets in the step's first round (``None``: no caps)."""
+        return None
+
     def tenant_stats(
         self, waiting: Iterable[Request], running: Iterable[Request]
     ) -> dict[str, dict[str, float | int]]:
@@ -136,6 +239,8 @@ class PriorityPolicy(SchedulingPolicy):
     """Lower ``priority`` first, ties by arrival; victim: largest ``(priority, arrival)``."""
 
     name = "priority"
+    uses_priority = True
+    displaces = True
 
     def pick(self, waiting: Sequence[Request], skip: set[str]) -> Request | None:
         best: Request | None = None
@@ -152,11 +257,20 @@ class PriorityPolicy(SchedulingPolicy):
     def victim(self, running: Sequence[Request]) -> Request:
         return max(running, key=lambda r: (r.priority, r.arrival_time))
 
+    def displaceable(self, req: Request, room: Room) -> list[Request]:
+        """Running requests of a strictly larger ``priority`` value, the largest
+        ``(priority, arrival)`` first."""
+        lower = [r for r in room.running if r.priority > req.priority]
+        return sorted(lower, key=lambda r: (r.priority, r.arrival_time), reverse=True)
+
 
 class FairPolicy(SchedulingPolicy):
     """Virtual Token Counter fair share across tenants (see the module docstring)."""
 
     name = "fair"
+    uses_tenant_weights = True
+    displaces = True
+    fair_preemption = True
 
     def __init__(
         self,
@@ -202,12 +316,119 @@ class FairPolicy(SchedulingPolicy):
         )
         return running[i]
 
+    # ---- fair running slots -------------------------------------------------------------
+    def shares(
+        self, tenants: Iterable[str], max_num_seqs: int, num_blocks: int
+    ) -> dict[str, tuple[int, int]]:
+        """Tenant → ``(seats, blocks)`` it is entitled to among the active ``tenants``:
+        ``max(1, floor(max_num_seqs * w / W))`` and ``floor(num_blocks * w / W)``."""
+        active = set(tenants)
+        total = sum(self.weight(t) for t in active)
+        return {
+            t: (
+                max(1, int(max_num_seqs * self.weight(t) / total)),
+                int(num_blocks * self.weight(t) / total),
+            )
+            for t in active
+        }
+
+    def _held(self, room: Room) -> tuple[dict[str, int], dict[str, int]]:
+        seats: dict[str, int] = {}
+        blocks: dict[str, int] = dict(room.pinned_blocks)
+        for r in room.running:
+            t = tenant_of(r)
+            seats[t] = seats.get(t, 0) + 1
+            blocks[t] = blocks.get(t, 0) + room.blocks_held(r)
+        return seats, blocks
+
+    def displaceable(self, req: Request, room: Room) -> list[Request]:
+        """Running requests (outside the hysteresis; the least often preempted, then the
+        newest first) of tenants over their shares with a VTC counter no less than ``req``'s
+        tenant's, the most-over tenant first, while ``req``'s tenant stays within its own shares counting ``req``; never a
+        victim that would take its tenant below a share."""
+        me = tenant_of(req)
+        active = {tenant_of(r) for r in room.running} | {tenant_of(r) for r in room.waiting}
+        shares = self.shares(active | {me}, room.max_num_seqs, room.num_blocks)
+        seats, blocks = self._held(room)
+        my_seats, my_blocks = shares[me]
+        if room.need_seat and seats.get(me, 0) + 1 > my_seats:
+            return []
+        if room.short_blocks and blocks.get(me, 0) + room.need_blocks > my_blocks:
+            return []
+        victims: list[Request] = []
+        others = sorted(
+            (t for t in seats if t != me),
+            key=lambda t: (
+                seats[t]
+                - shares[t][0]
+                + (blocks.get(t, 0) - shares[t][1]) / max(1, room.num_blocks),
+                self._stats(t).counter,
+            ),
+            reverse=True,
+        )
+        mine = self._stats(me).counter
+        for t in others:
+            if self._stats(t).counter < mine:
+                continue  # VTC serves that tenant first: it keeps its seats
+            s_left, b_left = seats[t], blocks.get(t, 0)
+            mine_t = [r for r in reversed(room.running) if tenant_of(r) == t]  # newest first
+            mine_t.sort(key=lambda r: room.fair_preemptions.get(r.request_id, 0))  # stable
+            for r in mine_t:
+                if r.request_id in room.exempt:
+                    continue
+                over_seats = room.need_seat and s_left > shares[t][0]
+                over_blocks = room.short_blocks > 0 and b_left > shares[t][1]
+                if not (over_seats or over_blocks):
+                    break
+                victims.append(r)
+                s_left -= 1
+                b_left -= room.blocks_held(r)
+        return victims
+
+    def may_overtake(self, req: Request, room: Room) -> bool:
+        """True when ``req``'s tenant is at or over the share it lacks (seats or blocks):
+        the tenants behind it in VTC order are tried."""
+        me = tenant_of(req)
+        active = {tenant_of(r) for r in room.running} | {tenant_of(r) for r in room.waiting}
+        if len(active | {me}) < 2:
+            return False
+        shares = self.shares(active | {me}, room.max_num_seqs, room.num_blocks)
+        seats, blocks = self._held(room)
+        if room.need_seat and seats.get(me, 0) + 1 > shares[me][0]:
+            return True
+        return bool(room.short_blocks) and blocks.get(me, 0) + room.need_blocks > shares[me][1]
+
+    def token_caps(
+        self, budget: int, running: Sequence[Request], waiting: Sequence[Request]
+    ) -> dict[str, int] | None:
+        """While two or more tenants want tokens (a waiting request or a running prefill
+        chunk), each gets ``max(1, floor(budget * w / W))`` in the first round."""
+        wanting = {tenant_of(r) for r in waiting}
+        wanting |= {tenant_of(r) for r in running if r.num_tokens - r.num_computed_tokens > 1}
+        if len(wanting) < 2:
+            return None
+        total = sum(self.weight(t) for t in wanting)
+        caps = {t: max(1, int(budget * self.weight(t) / total)) for t in wanting}
+        return caps
+
 
 POLICIES: dict[str, type[SchedulingPolicy]] = {
     "fcfs": SchedulingPolicy,
     "priority": PriorityPolicy,
     "fair": FairPolicy,
 }
+
+
+def policy_class(name: str) -> type[SchedulingPolicy]:
+    """The class of the policy called ``name``: read ``uses_priority`` /
+    ``uses_tenant_weights`` from it (torch-free; the gateway asks it).
+
+    Raises:
+        ValueError: unknown name.
+    """
+    if name not in POLICIES:
+        raise ValueError(f"scheduling_policy must be one of {sorted(POLICIES)}, got {name!r}")
+    return POLICIES[name]
 
 
 def make_policy(
@@ -221,6 +442,4 @@ def make_policy(
     Raises:
         ValueError: unknown name.
     """
-    if name not in POLICIES:
-        raise ValueError(f"scheduling_policy must be one of {sorted(POLICIES)}, got {name!r}")
-    return POLICIES[name](input_weight, output_weight, tenant_weights)
+    return policy_class(name)(input_weight, output_weight, tenant_weights)

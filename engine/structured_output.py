@@ -14,14 +14,21 @@ Pieces, as in vLLM v1 (``vllm/v1/structured_output``):
   the ``GrammarMatcher``, which advances with every sampled token. The request keeps its output
   tokens across preemption, so the matcher (kept on the request) stays in step with them.
 
-The model runner asks each constrained row of a batch for its token bitmask and applies it to
-that row only (``apply_bitmask``); unconstrained rows are untouched.
+The logits pipeline's first step (``prefixgate.engine.logits_processors.GrammarMask``) asks
+each constrained row of a batch for its token bitmask and applies it to that row only
+(``apply_bitmask``); unconstrained rows are untouched.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
+import os
+import sys
+import tempfile
 import threading
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -65,29 +72,116 @@ def grammar_of(spec: StructuredOutputsParams) -> xgr.Grammar:
 
 def _convert(spec: StructuredOutputsParams) -> xgr.Grammar:
     kind = spec.kind
+    with native_warnings() as warnings:
+        grammar = _convert_quietly(spec)
+    warned = [w for w in warnings if not any(b in w for b in BENIGN_WARNINGS)]
+    if warned:  # xgrammar said it drops part of the constraint: refused, never half-enforced
+        raise ValueError(
+            f"structured_outputs.{kind}: not enforced exactly by the grammar compiler "
+            f"(xgrammar: {warned[0][:240]})"
+        )
+    return grammar
+
+
+_STDERR_LOCK = threading.Lock()
+
+# xgrammar warnings that say the constraint is enforced as written (every other warning it
+# prints while building a grammar refuses the constraint): a regex escape of a character
+# without special meaning (``re.escape``'s ``\ ``) matches that character, as in Python.
+BENIGN_WARNINGS = ("The character itself will be matched",)
+
+
+@contextlib.contextmanager
+def native_warnings() -> Iterator[list[str]]:
+    """Collect the warnings xgrammar's C++ code prints while the block runs.
+
+    xgrammar reports a schema keyword or regex feature it drops (``pattern`` with
+    ``minLength``, ``multipleOf`` on a number, a lookahead, ``oneOf`` with overlapping
+    branches, ...) only as a line on the process's stderr (file descriptor 2), never to
+    Python. The block runs with fd 2 redirected to a temporary file (one block at a time);
+    afterwards xgrammar's ``Warning:`` lines are returned (their text) and anything else that
+    was written meanwhile (another thread's logging) is written on to the real stderr.
+    Without a usable fd 2 nothing is collected.
+
+    Yields:
+        The list the warning texts are appended to when the block ends.
+    """
+    found: list[str] = []
+    with _STDERR_LOCK:
+        try:
+            sys.stderr.flush()
+            saved = os.dup(2)
+        except (OSError, ValueError):
+            yield found
+            return
+        with tempfile.TemporaryFile() as tmp:
+            os.dup2(tmp.fileno(), 2)
+            try:
+                yield found
+            finally:
+                os.dup2(saved, 2)
+                os.close(saved)
+                tmp.seek(0)
+                other: list[bytes] = []
+                for line in tmp.read().splitlines(keepends=True):
+                    text = line.decode("utf-8", "replace")
+                    if "/cpp/" in text and "Warning:" in text:
+                        found.append(text.split("Warning:", 1)[1].strip())
+                    else:
+                        other.append(line)
+                if other:
+                    os.write(2, b"".join(other))
+
+
+def _convert_quietly(spec: StructuredOutputsParams) -> xgr.Grammar:
+    kind = spec.kind
+    value: Any = getattr(spec, kind)  # the one constraint given (never None: spec.kind)
     try:
         if kind == "json":
-            schema = spec.json
-            if isinstance(schema, dict):
-                check_schema(schema)
-            return xgr.Grammar.from_json_schema(
-                schema if isinstance(schema, dict) else {}, **_JSON_OPTIONS
+            if isinstance(value, dict):
+                check_schema(value)
+                value = exact_one_of(value)
+            return exact_json_strings(
+                xgr.Grammar.from_json_schema(
+                    value if isinstance(value, dict) else {}, **_JSON_OPTIONS
+                )
             )
         if kind == "json_object":
             return xgr.Grammar.from_json_schema({"type": "object"}, **_JSON_OPTIONS)
         if kind == "regex":
-            return xgr.Grammar.from_regex(spec.regex)
+            return xgr.Grammar.from_regex(value)
         if kind == "structural_tag":
-            check_structural_tag_schemas(spec.structural_tag)
-            return xgr.Grammar.from_structural_tag(spec.structural_tag)
+            check_structural_tag_schemas(value)
+            return exact_json_strings(xgr.Grammar.from_structural_tag(_tag_one_of(value)))
         if kind == "choice":
-            return xgr.Grammar.from_ebnf(
-                "root ::= " + " | ".join(_ebnf_string(c) for c in spec.choice)
-            )
-        return xgr.Grammar.from_ebnf(spec.grammar)
+            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(_ebnf_string(c) for c in value))
+        return xgr.Grammar.from_ebnf(value)
     except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar's errors are RuntimeError
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(f"structured_outputs.{kind}: {msg[:300]}") from None
+
+
+# xgrammar (0.2.x, mlc-ai/xgrammar#800) lowers a string with minLength/maxLength to a bounded
+# repetition of this class: it admits raw U+0000-U+001F (invalid JSON: strict parsers reject
+# the answer, "Invalid control character") and no escape, so a bounded string can neither be
+# valid JSON with a tab nor contain a quote. Each repetition becomes one JSON character: an
+# unescaped code point outside the C0 range, a short escape, or a \uXXXX escape (a surrogate
+# pair counts as two, so maxLength is never exceeded).
+_BOUNDED_STRING_CHAR = r"(([^\"\\\r\n]))"
+_EXACT_STRING_CHAR = (
+    r'(([^\0-\x1f\"\\]) | ("\\" [\"\\/bfnrt]) | '
+    r'("\\u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9]))'
+)
+
+
+def exact_json_strings(grammar: xgr.Grammar) -> xgr.Grammar:
+    """``grammar`` with every length-bounded JSON string rule made exact (see
+    ``_BOUNDED_STRING_CHAR``): only valid JSON strings, escapes allowed, each escape one
+    character of the bound. A grammar without such a rule is returned as is."""
+    text = str(grammar)
+    if _BOUNDED_STRING_CHAR not in text:
+        return grammar
+    return xgr.Grammar.from_ebnf(text.replace(_BOUNDED_STRING_CHAR, _EXACT_STRING_CHAR))
 
 
 def check_schema(schema: dict[str, Any]) -> None:
@@ -152,14 +246,69 @@ UNSUPPORTED_SCHEMA_KEYWORDS = frozenset(
         "propertyNames",
         "unevaluatedProperties",
         "unevaluatedItems",
+        "contentEncoding",
+        "contentMediaType",
+        "contentSchema",
     }
 )
 
 
+# String formats xgrammar 0.2 turns into a grammar (each checked to reject a malformed value,
+# tests/engine/test_schema_keywords.py); any other ``format`` it ignores without a word.
+ENFORCED_FORMATS = frozenset(
+    {
+        "date",
+        "time",
+        "date-time",
+        "duration",
+        "email",
+        "hostname",
+        "ipv4",
+        "ipv6",
+        "uri",
+        "uri-reference",
+        "uri-template",
+        "json-pointer",
+        "relative-json-pointer",
+        "uuid",
+    }
+)
+
+_RANGE_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def _keyword_combination(schema: dict[str, Any]) -> str | None:
+    """A keyword (or combination) of this one schema object that xgrammar drops or does not
+    enforce exactly, named, or ``None``."""
+    length = [k for k in ("minLength", "maxLength") if k in schema]
+    if length and "pattern" in schema:
+        return f"pattern with {'/'.join(length)} (the length would be ignored)"
+    fmt = schema.get("format")
+    if fmt is not None:
+        if fmt not in ENFORCED_FORMATS:
+            return f"format {str(fmt)[:60]!r} (not enforced; enforced: {sorted(ENFORCED_FORMATS)})"
+        if length:
+            return f"format with {'/'.join(length)} (the length would be ignored)"
+    if "multipleOf" in schema:
+        step = schema["multipleOf"]
+        if schema.get("type") != "integer":
+            return "multipleOf on a non-integer type (only integer multiples are enforced)"
+        if isinstance(step, bool) or not isinstance(step, int):
+            return "multipleOf with a non-integer value on an integer"
+        ranged = [k for k in _RANGE_KEYWORDS if k in schema]
+        if ranged:
+            return f"multipleOf with {'/'.join(ranged)} (the multiple would be ignored)"
+    return None
+
+
 def unsupported_schema_feature(schema: Any, path: str = "#") -> str | None:
-    """The first keyword of ``schema`` (walked through its subschemas) that the grammar would
-    not enforce, as ``"<path>: <keyword>"``, or ``None``. ``allOf`` is enforced only with one
-    member."""
+    """The first keyword or keyword combination of ``schema`` (walked through its subschemas)
+    that the grammar would not enforce, as ``"<path>: <keyword>"``, or ``None``: the keywords
+    of ``UNSUPPORTED_SCHEMA_KEYWORDS``; ``allOf`` with more than one member; ``pattern`` or
+    ``format`` with ``minLength`` / ``maxLength``; a ``format`` outside ``ENFORCED_FORMATS``;
+    ``multipleOf`` other than an integer step on a ``type: integer`` without range keywords.
+    (Whatever else xgrammar reports dropping is refused when the grammar is built,
+    ``native_warnings``.)"""
     if not isinstance(schema, dict):
         return None
     for key in schema:
@@ -168,6 +317,9 @@ def unsupported_schema_feature(schema: Any, path: str = "#") -> str | None:
     all_of = schema.get("allOf")
     if isinstance(all_of, list) and len(all_of) > 1:
         return f"{path}: allOf with more than one schema"
+    combination = _keyword_combination(schema)
+    if combination is not None:
+        return f"{path}: {combination}"
     subs: list[tuple[str, Any]] = []
     for key in ("properties", "$defs", "definitions"):
         value = schema.get(key)
@@ -185,6 +337,101 @@ def unsupported_schema_feature(schema: Any, path: str = "#") -> str | None:
         if found is not None:
             return found
     return None
+
+
+def exact_one_of(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` with every ``oneOf`` whose branches are told apart by one property written
+    as ``anyOf`` (a copy; ``schema`` is not changed).
+
+    xgrammar writes a ``oneOf`` as ``anyOf`` and warns (refused, ``native_warnings``) unless
+    it proves the branches disjoint, which it does not through ``$ref``. A pydantic
+    discriminated union (``Cat | Dog`` on ``kind``) is the common case: each branch an object
+    requiring the same property with a ``const`` / ``enum`` of values no other branch has, so
+    at most one branch matches any instance and ``anyOf`` means exactly ``oneOf``.
+    """
+    return _rewrite_one_of(schema, schema)
+
+
+def _resolve(node: Any, root: dict[str, Any]) -> Any:
+    """Follow a local ``$ref`` (``#/...``) once; anything else is returned as it is."""
+    ref = node.get("$ref") if isinstance(node, dict) else None
+    if not isinstance(ref, str) or not ref.startswith("#/"):
+        return node
+    target: Any = root
+    for part in ref[2:].split("/"):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if not isinstance(target, dict) or part not in target:
+            return node
+        target = target[part]
+    return target
+
+
+def _tag_values(branch: Any, prop: str) -> set[str] | None:
+    """The JSON texts ``prop`` may take in an object branch that requires it (``const`` or
+    ``enum``), or ``None`` when the branch does not pin it. The branch must be
+    ``type: object``: ``required`` says nothing about a string, which would match every
+    branch."""
+    if not isinstance(branch, dict) or branch.get("type") != "object":
+        return None
+    if prop not in (branch.get("required") or []):
+        return None
+    spec = (branch.get("properties") or {}).get(prop)
+    if not isinstance(spec, dict):
+        return None
+    if "const" in spec:
+        return {json.dumps(spec["const"], sort_keys=True)}
+    if isinstance(spec.get("enum"), list):
+        return {json.dumps(v, sort_keys=True) for v in spec["enum"]}
+    return None
+
+
+def _disjoint(branches: list[Any], root: dict[str, Any]) -> bool:
+    resolved = [_resolve(b, root) for b in branches]
+    first = resolved[0]
+    candidates = list((first.get("properties") or {}) if isinstance(first, dict) else ())
+    for prop in candidates:
+        seen: set[str] = set()
+        for b in resolved:
+            values = _tag_values(b, prop)
+            if values is None or values & seen:
+                break
+            seen |= values
+        else:
+            return True
+    return False
+
+
+def _rewrite_one_of(node: Any, root: dict[str, Any]) -> Any:
+    if not isinstance(node, dict):
+        return node
+    out = dict(node)
+    for key in ("properties", "$defs", "definitions"):
+        if isinstance(out.get(key), dict):
+            out[key] = {k: _rewrite_one_of(v, root) for k, v in out[key].items()}
+    for key in ("items", "additionalProperties", "additionalItems"):
+        if isinstance(out.get(key), dict):
+            out[key] = _rewrite_one_of(out[key], root)
+    for key in ("prefixItems", "anyOf", "oneOf", "allOf", "items"):
+        if isinstance(out.get(key), list):
+            out[key] = [_rewrite_one_of(v, root) for v in out[key]]
+    one_of = out.get("oneOf")
+    if isinstance(one_of, list) and len(one_of) > 1 and "anyOf" not in out:
+        if _disjoint(one_of, root):
+            out["anyOf"] = out.pop("oneOf")
+            out.pop("discriminator", None)
+    return out
+
+
+def _tag_one_of(tag: Any) -> Any:
+    """``exact_one_of`` applied to every JSON schema inside a structural tag (a copy)."""
+    if isinstance(tag, dict):
+        out = {k: _tag_one_of(v) for k, v in tag.items()}
+        if tag.get("type") == "json_schema" and isinstance(tag.get("json_schema"), dict):
+            out["json_schema"] = exact_one_of(tag["json_schema"])
+        return out
+    if isinstance(tag, list):
+        return [_tag_one_of(v) for v in tag]
+    return tag
 
 
 def _ebnf_string(text: str) -> str:
@@ -248,9 +495,12 @@ class StructuredOutputRequest:
         future: resolves to the ``xgrammar.CompiledGrammar``.
         matcher: the ``GrammarMatcher`` once the grammar is ready (``None`` before).
         rejected: a sampled token the grammar did not accept (the request must fail).
+        stop_ids_are_text: set by the logits pipeline for the step just sampled: the grammar's
+            only tokens were the request's stop ids where it cannot end, so a sampled stop id
+            is the grammar's text, not an end (``prefixgate.engine.logits_processors``).
     """
 
-    __slots__ = ("spec", "future", "matcher", "rejected", "_stop_ids")
+    __slots__ = ("spec", "future", "matcher", "rejected", "stop_ids_are_text", "_stop_ids")
 
     def __init__(
         self, spec: StructuredOutputsParams, future: Future, stop_token_ids: list[int]
@@ -259,6 +509,7 @@ class StructuredOutputRequest:
         self.future = future
         self.matcher: xgr.GrammarMatcher | None = None
         self.rejected: int | None = None
+        self.stop_ids_are_text = False
         self._stop_ids = stop_token_ids
 
     @property

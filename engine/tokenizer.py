@@ -157,10 +157,11 @@ class Tokenizer:
             raise TypeError(f"text must be a string, got {type(text).__name__}")
         ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens:
-            if self._prepend_bos:
-                ids.insert(0, self.bos_token_id)
-            if self._append_eos:
-                ids.append(self.eos_token_id)
+            bos, eos = self.bos_token_id, self.eos_token_id
+            if self._prepend_bos and bos is not None:
+                ids.insert(0, bos)
+            if self._append_eos and eos is not None:
+                ids.append(eos)
         return ids
 
     def encode_plain(self, text: str) -> list[int]:

@@ -11,8 +11,8 @@ and the prefix cache at work: the same system prompt sent twice gives
 from __future__ import annotations
 
 import os
-import sys
 
+from _unreachable import exit_if_unreachable
 from openai import APIConnectionError, OpenAI
 
 BASE_URL = os.environ.get("PREFIXGATE_BASE_URL", "http://127.0.0.1:8000/v1")
@@ -78,10 +78,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
+    with exit_if_unreachable(APIConnectionError, BASE_URL):
         main()
-    except APIConnectionError as exc:  # no server answers: one line, exit 1
-        sys.exit(
-            f"cannot reach a server at {BASE_URL} ({exc}); start one with "
-            "`prefixgate serve` or point PREFIXGATE_BASE_URL at one"
-        )

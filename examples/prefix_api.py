@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
 
+from _unreachable import exit_if_unreachable
 from prefixgate.sdk import APIConnectionError, AsyncClient
 
 BASE_URL = os.environ.get("PREFIXGATE_BASE_URL", "http://127.0.0.1:8000/v1")
@@ -59,10 +59,5 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
+    with exit_if_unreachable(APIConnectionError, BASE_URL):
         asyncio.run(main())
-    except APIConnectionError as exc:  # no server answers: one line, exit 1
-        sys.exit(
-            f"cannot reach a server at {BASE_URL} ({exc}); start one with "
-            "`prefixgate serve` or point PREFIXGATE_BASE_URL at one"
-        )

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
 
+from _unreachable import exit_if_unreachable
 from prefixgate.gateway.app import create_proxy_app
 from prefixgate.gateway.http.server import start_server
 from prefixgate.sdk import APIConnectionError, AsyncClient
@@ -60,10 +60,5 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
+    with exit_if_unreachable(APIConnectionError, UPSTREAM, "PREFIXGATE_UPSTREAM_URL"):
         asyncio.run(main())
-    except APIConnectionError as exc:  # no server answers: one line, exit 1
-        sys.exit(
-            f"cannot reach a server at {UPSTREAM} ({exc}); start one with "
-            "`prefixgate serve` or point PREFIXGATE_UPSTREAM_URL at one"
-        )

@@ -26,7 +26,15 @@ from collections.abc import Sequence
 from aiohttp import web
 from prefixgate.engine.protocol import EngineClient
 from prefixgate.gateway import dashboard
-from prefixgate.gateway.api import embeddings, openai_routes, prefix_routes, responses_api, tokenize
+from prefixgate.gateway.api import (
+    embeddings,
+    messages,
+    openai_routes,
+    prefix_routes,
+    responses_api,
+    tokenize,
+)
+from prefixgate.gateway.api.cache_diagnostics import PROMPT_LOG, PromptLog
 from prefixgate.gateway.http import lifecycle, request_id
 from prefixgate.gateway.http.body_limits import body_limits_middleware
 from prefixgate.gateway.http.errors import (
@@ -38,14 +46,16 @@ from prefixgate.gateway.http.errors import (
 )
 from prefixgate.gateway.http.metrics import CONTENT_TYPE, GatewayMetrics
 from prefixgate.gateway.http.server import FDS_PER_CONNECTION
+from prefixgate.gateway.local.cache_pins import CachePins
 from prefixgate.gateway.local.prefixes import PrefixRegistry
 from prefixgate.gateway.local.serving import LOCAL, LocalServing
 from prefixgate.gateway.local.token_texts import TokenTexts
 from prefixgate.gateway.proxy import prefix_routes as proxy_prefix_routes
 from prefixgate.gateway.proxy import routes as proxy_routes
+from prefixgate.gateway.proxy.config import ProxyConfig
 from prefixgate.gateway.proxy.prefixes import ProxyPrefixRegistry
 from prefixgate.gateway.proxy.serving import PROXY, ProxyServing
-from prefixgate.gateway.proxy.upstream import UpstreamRouter
+from prefixgate.gateway.proxy.upstream import Upstream, UpstreamRouter
 from prefixgate.gateway.settings import SETTINGS, GatewaySettings
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.tenancy.admission import AdmissionController
@@ -73,6 +83,7 @@ def create_app(
         raise TypeError("create_app serves a local engine; upstream mode is create_proxy_app(urls)")
     app, st = _base_app(settings)
     local = app[LOCAL] = LocalServing()
+    app[PROMPT_LOG] = PromptLog()  # recent Messages prompts, for their cache diagnostics
     app.router.add_get("/ready", ready_local, expect_handler=expect_continue)
     r = app.router
     r.add_post(
@@ -80,6 +91,8 @@ def create_app(
     )
     r.add_post("/v1/completions", openai_routes.completions, expect_handler=expect_continue)
     r.add_post("/v1/responses", responses_api.create_response, expect_handler=expect_continue)
+    r.add_post("/v1/messages", messages.create_message, expect_handler=expect_continue)
+    r.add_post("/v1/messages/count_tokens", messages.count_tokens, expect_handler=expect_continue)
     r.add_post("/v1/embeddings", embeddings.create_embeddings, expect_handler=expect_continue)
     r.add_post("/tokenize", tokenize.tokenize, expect_handler=expect_continue)
     r.add_post("/detokenize", tokenize.detokenize, expect_handler=expect_continue)
@@ -96,6 +109,8 @@ def create_app(
             sweeper[0].cancel()
         if local.prefixes is not None:
             local.prefixes.clear()
+        if local.cache_pins is not None:
+            local.cache_pins.clear()
 
     async def sweep_prefixes() -> None:
         # With shared state, a prefix deleted through another replica is unpinned here
@@ -123,9 +138,11 @@ def create_app(
 
 
 def create_proxy_app(
-    upstreams: Sequence[str], settings: GatewaySettings | None = None
+    upstreams: Sequence[str] | ProxyConfig, settings: GatewaySettings | None = None
 ) -> web.Application:
-    """The gateway as a reverse proxy to OpenAI-compatible ``upstreams`` (base URLs).
+    """The gateway as a reverse proxy to OpenAI-compatible ``upstreams``: base URLs (their
+    models discovered from each one's ``/v1/models``), or a config file's model list
+    (``proxy.config.load_config``: models, deployments, aliases, fallbacks, TLS).
 
     Raises:
         ValueError: bad settings, keys file or upstream URL (none, malformed, repeated).
@@ -134,8 +151,13 @@ def create_proxy_app(
         raise TypeError("upstreams must be a list of base URLs, not one string")
     app, st = _base_app(settings)
     s = st.settings
+    if isinstance(upstreams, ProxyConfig):
+        config: ProxyConfig | None = upstreams
+        pool: list[str | Upstream] = list(upstreams.upstreams())
+    else:
+        config, pool = None, list(upstreams)
     router = UpstreamRouter(
-        list(upstreams),
+        pool,
         s.balance_abs_threshold,
         s.balance_rel_threshold,
         s.health_interval_s,
@@ -144,8 +166,11 @@ def create_proxy_app(
         cache_salt=s.upstream_cache_salt,
         auth="Bearer " + s.upstream_api_key if s.upstream_api_key else None,
         policy=s.routing,
+        block_chars=s.affinity_block_chars,
+        max_chars=s.affinity_max_chars,
+        models=config.models if config is not None else None,
     )
-    if s.upstream_api_key and any(u.auth for u in router.upstreams):
+    if config is None and s.upstream_api_key and any(u.auth for u in router.upstreams):
         raise ValueError(
             "an upstream URL carries user:password and --upstream-api-key is set: give the "
             "upstreams one credential (one Authorization header)"
@@ -159,6 +184,8 @@ def create_proxy_app(
     r.add_post("/v1/completions", proxy_routes.proxy_generate, expect_handler=expect_continue)
     for path in ("/v1/responses", "/v1/embeddings", "/tokenize", "/detokenize"):
         r.add_post(path, proxy_routes.local_mode_only, expect_handler=expect_continue)
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        r.add_post(path, proxy_routes.messages_local_mode_only, expect_handler=expect_continue)
     r.add_get("/v1/models", proxy_routes.proxy_get, expect_handler=expect_continue)
     r.add_get("/v1/models/{model}", proxy_routes.proxy_get, expect_handler=expect_continue)
     app[PROXY] = ProxyServing(
@@ -168,8 +195,6 @@ def create_proxy_app(
             st.shared,
             s.max_prefix_ttl_s,
             s.max_prefixes,
-            s.affinity_block_chars,
-            s.affinity_max_chars,
         ),
     )
     app[FDS_PER_CONNECTION] = 2  # each client connection may hold one to an upstream
@@ -270,6 +295,8 @@ _ROUTE_LABELS = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
     "/v1/responses": "responses",
+    "/v1/messages": "messages",
+    "/v1/messages/count_tokens": "count_tokens",
     "/v1/embeddings": "embeddings",
     "/tokenize": "tokenize",
     "/detokenize": "detokenize",
@@ -284,7 +311,8 @@ async def count_requests(request: web.Request, handler: Handler) -> web.StreamRe
     refusals too (401, 400, 404, 413, 429, ...: ``code`` is the OpenAI error code, ``""`` on
     success); a client gone before its answer counts as 499. Probes are not counted. ``route``
     is the API route's short name (``chat``, ``completions``, ``responses``, ``embeddings``,
-    ``tokenize``, ``detokenize``, ``models``, ``prefixes``), ``other`` for any other path."""
+    ``tokenize``, ``detokenize``, ``models``, ``prefixes``, ``messages``, ``count_tokens``),
+    ``other`` for any other path."""
     path = request.path
     if path in _PROBES or path.startswith("/dashboard"):
         return await handler(request)
@@ -328,6 +356,8 @@ def attach_engine(app: web.Application, engine: EngineClient) -> None:
         engine, st.settings.max_prefix_ttl_s, st.settings.max_prefixes, st.shared
     )
     local.token_texts = TokenTexts(engine.tokenizer)
+    local.cache_pins = CachePins(engine, local.prefixes.pinned_blocks)
+    local.prefixes.breakpoints = local.cache_pins  # one pin share per key: both count
     st.metrics.add_engine(engine.stats)
     # Retry-After's service-time estimate: requests run this many at once (decode batch).
     st.admission.concurrency = engine.config.max_num_seqs

@@ -35,7 +35,8 @@ class GatewaySettings:
             passed through when the gateway has no keys of its own).
         upstream_cache_salt: whether the upstreams take ``cache_salt`` (tenant isolation):
             ``"auto"`` (detected: prefixgate and vLLM do), ``"on"``, ``"off"``.
-        health_interval_s: seconds between probes of unhealthy upstreams.
+        health_interval_s: seconds between probes of unhealthy upstreams, and between two
+            reads of each healthy upstream's ``/v1/models``.
         affinity_block_chars: characters per "block" of the prompt for prefix affinity.
         affinity_max_chars: at most this many leading characters are hashed.
         balance_abs_threshold, balance_rel_threshold: SGLang router's load-imbalance rule:
@@ -112,7 +113,7 @@ class GatewaySettings:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.dashboard_window_s < self.dashboard_sample_s:
             raise ValueError("dashboard_window_s must be >= dashboard_sample_s")
-        from prefixgate.gateway.proxy.routing import check_policy
+        from prefixgate.gateway.proxy.policies import check_policy
         from prefixgate.gateway.proxy.upstream import CACHE_SALT_MODES
 
         check_policy(self.routing)

@@ -1,12 +1,13 @@
 """Shared pieces of Triton paged attention (:mod:`.triton_decode`, :mod:`.triton_prefill`):
-the online-softmax step both kernels run and the argument checks both entry points share.
+the online-softmax loop both kernels run and the argument checks both entry points share.
 
 Both kernels read K/V through block tables from caches laid out
 ``[num_blocks, block_size, num_kv_heads, head_dim]`` (see :mod:`prefixgate.kernels.torch_ref`).
 Each K/V tile is gathered token by token (``block_tables[b, tok // S] * S + tok % S``), so any
 block size works and a tile may span several blocks. Softmax is online (Milakov & Gimelshein
 2018, as in FlashAttention, Dao et al. 2022) in fp32, with ``exp2`` and the scale folded into
-``log2(e)``: :func:`_online_softmax_step` folds one KV tile into the running max, sum and output.
+``log2(e)``: :func:`_attend` folds a range of keys into the running max, sum and output
+(:func:`_softmax_start`, :func:`_softmax_output`), one tile at a time.
 """
 
 from __future__ import annotations
@@ -27,72 +28,107 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 @triton.jit
-def _online_softmax_step(
+def _softmax_start(M: tl.constexpr, D_PAD: tl.constexpr):
+    """The empty running state ``(m_i, l_i, acc)``: ``m_i [M]`` = ``NEG_BIG``, ``l_i [M]`` = 0,
+    ``acc [M, D_PAD]`` = 0, all fp32."""
+    return (
+        tl.full([M], NEG_BIG, dtype=tl.float32),
+        tl.zeros([M], dtype=tl.float32),
+        tl.zeros([M, D_PAD], dtype=tl.float32),
+    )
+
+
+@triton.jit
+def _softmax_output(state):
+    """The normalized output ``acc / l_i`` ``[M, D_PAD]`` fp32 of a running state (rows that saw
+    no key give 0)."""
+    m_i, l_i, acc = state
+    return acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+
+
+@triton.jit
+def _load_kv_tile(head_ptr, blk, off, stride_n, stride_s, d, kv_mask):
+    """Gather ``[TILE_N, D_PAD]`` rows of one KV head: token i at block ``blk[i]``, offset
+    ``off[i]``; masked entries read 0."""
+    ptrs = head_ptr + blk[:, None] * stride_n + off[:, None] * stride_s + d[None, :]
+    return tl.load(ptrs, mask=kv_mask, other=0.0)
+
+
+@triton.jit
+def _attend(
     q,
-    m_i,
-    l_i,
-    acc,
+    state,
     q_pos,
-    tok0,
-    kv_end,
-    bt_row,
-    k_cache_ptr,
-    v_cache_ptr,
-    kvh,
-    stride_kn,
-    stride_ks,
-    stride_kh,
-    stride_vn,
-    stride_vs,
-    stride_vh,
+    start,
+    end,
+    kv,
     scale_log2,
-    d,
     d_mask,
     TILE_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Fold KV tile ``[tok0, tok0 + TILE_N)`` (keys < ``kv_end``) into the running softmax.
+    """Fold keys ``[start, end)`` into the running softmax, one ``TILE_N`` tile at a time.
 
-    ``q [M, D_PAD]``; ``m_i, l_i [M]`` fp32 running max (log2 units) and sum; ``acc [M, D_PAD]``
-    fp32 unnormalized output. With ``CAUSAL`` row i only sees keys <= ``q_pos[i]``.
-    Returns the updated ``(m_i, l_i, acc)``.
+    Args:
+        q: ``[M, D_PAD]`` query rows (D_PAD a power of two >= 16).
+        state: ``(m_i, l_i, acc)`` from :func:`_softmax_start`: ``m_i, l_i [M]`` fp32 running
+            max (log2 units) and sum, ``acc [M, D_PAD]`` fp32 unnormalized output.
+        q_pos: ``[M]`` absolute query positions; with ``CAUSAL`` row i only sees keys <=
+            ``q_pos[i]``.
+        kv: one sequence's paged K/V of one KV head, ``(bt_row, k_head, v_head, stride_kn,
+            stride_ks, stride_vn, stride_vs)``: its block-table row, the K and V cache
+            pointers already offset to the head, and the caches' block and slot strides.
+        scale_log2: softmax scale times ``log2(e)``.
+        d_mask: ``[D_PAD]`` the columns below head_dim.
+
+    Returns:
+        The updated state.
     """
-    toks = tok0 + tl.arange(0, TILE_N)
-    t_mask = toks < kv_end
-    blk = tl.load(bt_row + toks // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
-    off = toks % BLOCK_SIZE
-    kv_mask = t_mask[:, None] & d_mask[None, :]
-    k = tl.load(
-        k_cache_ptr
-        + blk[:, None] * stride_kn
-        + off[:, None] * stride_ks
-        + kvh * stride_kh
-        + d[None, :],
-        mask=kv_mask,
-        other=0.0,
+    m_i, l_i, acc = state
+    bt_row, k_head, v_head, stride_kn, stride_ks, stride_vn, stride_vs = kv
+    d = tl.arange(0, q.shape[1])
+    for tok0 in range(start, end, TILE_N):
+        toks = tok0 + tl.arange(0, TILE_N)
+        t_mask = toks < end
+        blk = tl.load(bt_row + toks // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+        off = toks % BLOCK_SIZE
+        kv_mask = t_mask[:, None] & d_mask[None, :]
+        k = _load_kv_tile(k_head, blk, off, stride_kn, stride_ks, d, kv_mask)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        if CAUSAL:
+            s = tl.where((toks[None, :] <= q_pos[:, None]) & t_mask[None, :], s, float("-inf"))
+        else:
+            s = tl.where(t_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_kv_tile(v_head, blk, off, stride_vn, stride_vs, d, kv_mask)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+def kernel_strides(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    out: torch.Tensor,
+) -> tuple[int, ...]:
+    """The eleven stride arguments both attention kernels take, in their order (elements):
+    ``q [T, Hq, D]``'s token and head strides, ``k_cache``'s and ``v_cache``'s ``[N, S, Hkv, D]``
+    block, slot and head strides, ``block_tables``' row stride, ``out``'s token and head strides.
+    """
+    return (
+        *q.stride()[:2],
+        *k_cache.stride()[:3],
+        *v_cache.stride()[:3],
+        block_tables.stride(0),
+        *out.stride()[:2],
     )
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-    if CAUSAL:
-        s = tl.where((toks[None, :] <= q_pos[:, None]) & t_mask[None, :], s, float("-inf"))
-    else:
-        s = tl.where(t_mask[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(
-        v_cache_ptr
-        + blk[:, None] * stride_vn
-        + off[:, None] * stride_vs
-        + kvh * stride_vh
-        + d[None, :],
-        mask=kv_mask,
-        other=0.0,
-    )
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
 
 
 def check_attention(

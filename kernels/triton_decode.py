@@ -15,9 +15,12 @@ import torch
 from prefixgate.kernels.triton_attention import (
     LOG2E,
     NEG_BIG,
+    _attend,
     _dot_precision,
-    _online_softmax_step,
+    _softmax_output,
+    _softmax_start,
     check_attention,
+    kernel_strides,
 )
 from prefixgate.kernels.triton_checks import check_cache, check_device, check_float
 from prefixgate.kernels.triton_env import interpreting, next_pow2, tl, triton
@@ -91,40 +94,23 @@ def _decode_kernel(
         other=0.0,
     )
 
-    m_i = tl.full([G_PAD], NEG_BIG, dtype=tl.float32)
-    l_i = tl.zeros([G_PAD], dtype=tl.float32)
-    acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
-    for tok0 in range(start, end, TILE_N):
-        m_i, l_i, acc = _online_softmax_step(
-            q,
-            m_i,
-            l_i,
-            acc,
-            g,
-            tok0,
-            end,
-            bt_row,
-            k_cache_ptr,
-            v_cache_ptr,
-            kvh,
-            stride_kn,
-            stride_ks,
-            stride_kh,
-            stride_vn,
-            stride_vs,
-            stride_vh,
-            scale_log2,
-            d,
-            d_mask,
-            TILE_N,
-            BLOCK_SIZE,
-            False,
-            DOT_PRECISION,
-        )
+    kv = (
+        bt_row,
+        k_cache_ptr + kvh * stride_kh,
+        v_cache_ptr + kvh * stride_vh,
+        stride_kn,
+        stride_ks,
+        stride_vn,
+        stride_vs,
+    )
+    state = _softmax_start(G_PAD, D_PAD)
+    state = _attend(
+        q, state, g, start, end, kv, scale_log2, d_mask, TILE_N, BLOCK_SIZE, False, DOT_PRECISION
+    )
 
     if NUM_SPLITS == 1:
-        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        out = _softmax_output(state)
         tl.store(
             out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :],
             out.to(out_ptr.dtype.element_ty),
@@ -132,6 +118,7 @@ def _decode_kernel(
         )
     else:
         # partials: acc [B, Hq, NUM_SPLITS, D_PAD], ml [B, Hq, NUM_SPLITS, 2] (max, sum), fp32
+        m_i, l_i, acc = state
         row = (b.to(tl.int64) * num_kv_heads * GROUPS + heads) * NUM_SPLITS + split
         tl.store(part_acc_ptr + row[:, None] * D_PAD + d[None, :], acc, mask=g_mask[:, None])
         tl.store(part_ml_ptr + row * 2, m_i, mask=g_mask)
@@ -249,17 +236,7 @@ def decode(
         part_acc,
         part_ml,
         scale * LOG2E,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
+        *kernel_strides(q, k_cache, v_cache, block_tables, out),
         tokens_per_split,
         GROUPS=groups,
         G_PAD=next_pow2(groups, 16),

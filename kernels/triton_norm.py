@@ -116,9 +116,9 @@ def rms_norm(
     x2 = _rows(x, hidden)
     res2 = _rows(residual, hidden) if residual is not None else None
     result = _rms_norm_rows(x2, weight.contiguous(), eps, res2)
-    if res2 is None:
-        return result.view(x.shape)
-    return result[0].view(x.shape), result[1].view(x.shape)
+    if isinstance(result, tuple):  # with a residual: (normed, new residual)
+        return result[0].view(x.shape), result[1].view(x.shape)
+    return result.view(x.shape)
 
 
 def _rows(t: torch.Tensor, hidden: int) -> torch.Tensor:

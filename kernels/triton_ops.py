@@ -17,18 +17,10 @@ input dtype before the P·V dot, as in FlashAttention).
 
 from __future__ import annotations
 
-from prefixgate.kernels.triton_activation import silu_and_mul
-from prefixgate.kernels.triton_decode import paged_attention_decode
-from prefixgate.kernels.triton_kv_cache import reshape_and_cache
-from prefixgate.kernels.triton_norm import rms_norm
-from prefixgate.kernels.triton_prefill import paged_attention_prefill
-from prefixgate.kernels.triton_rotary import rotary_embedding
-
-__all__ = [
-    "reshape_and_cache",
-    "paged_attention_decode",
-    "paged_attention_prefill",
-    "rms_norm",
-    "rotary_embedding",
-    "silu_and_mul",
-]
+# Re-exported by name (``import x as x``); ``prefixgate.kernels.KERNEL_NAMES`` lists them.
+from prefixgate.kernels.triton_activation import silu_and_mul as silu_and_mul
+from prefixgate.kernels.triton_decode import paged_attention_decode as paged_attention_decode
+from prefixgate.kernels.triton_kv_cache import reshape_and_cache as reshape_and_cache
+from prefixgate.kernels.triton_norm import rms_norm as rms_norm
+from prefixgate.kernels.triton_prefill import paged_attention_prefill as paged_attention_prefill
+from prefixgate.kernels.triton_rotary import rotary_embedding as rotary_embedding

@@ -13,10 +13,12 @@ from dataclasses import dataclass
 import torch
 from prefixgate.kernels.triton_attention import (
     LOG2E,
-    NEG_BIG,
+    _attend,
     _dot_precision,
-    _online_softmax_step,
+    _softmax_output,
+    _softmax_start,
     check_attention,
+    kernel_strides,
 )
 from prefixgate.kernels.triton_checks import check_cache, check_device, check_float, check_int
 from prefixgate.kernels.triton_env import interpreting, next_pow2, tl, triton
@@ -95,69 +97,51 @@ def _prefill_kernel(
     )
     kvh = h // GROUPS
 
-    m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     kv_end = tl.minimum(ctx, first_pos + (local + 1) * BLOCK_M)  # past the tile's last query
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+    kv = (
+        bt_row,
+        k_cache_ptr + kvh * stride_kh,
+        v_cache_ptr + kvh * stride_vh,
+        stride_kn,
+        stride_ks,
+        stride_vn,
+        stride_vs,
+    )
     # Keys below the tile's first query position are visible to every row: no causal mask.
     full_end = tl.minimum((first_pos + local * BLOCK_M + 1) // BLOCK_N * BLOCK_N, kv_end)
-    for n0 in range(0, full_end, BLOCK_N):
-        m_i, l_i, acc = _online_softmax_step(
-            q,
-            m_i,
-            l_i,
-            acc,
-            q_pos,
-            n0,
-            full_end,
-            bt_row,
-            k_cache_ptr,
-            v_cache_ptr,
-            kvh,
-            stride_kn,
-            stride_ks,
-            stride_kh,
-            stride_vn,
-            stride_vs,
-            stride_vh,
-            scale_log2,
-            d,
-            d_mask,
-            BLOCK_N,
-            BLOCK_SIZE,
-            False,
-            DOT_PRECISION,
-        )
-    for n0 in range(full_end, kv_end, BLOCK_N):  # the diagonal band
-        m_i, l_i, acc = _online_softmax_step(
-            q,
-            m_i,
-            l_i,
-            acc,
-            q_pos,
-            n0,
-            kv_end,
-            bt_row,
-            k_cache_ptr,
-            v_cache_ptr,
-            kvh,
-            stride_kn,
-            stride_ks,
-            stride_kh,
-            stride_vn,
-            stride_vs,
-            stride_vh,
-            scale_log2,
-            d,
-            d_mask,
-            BLOCK_N,
-            BLOCK_SIZE,
-            True,
-            DOT_PRECISION,
-        )
+    state = _softmax_start(BLOCK_M, D_PAD)
+    state = _attend(
+        q,
+        state,
+        q_pos,
+        0,
+        full_end,
+        kv,
+        scale_log2,
+        d_mask,
+        BLOCK_N,
+        BLOCK_SIZE,
+        False,
+        DOT_PRECISION,
+    )
+    # the diagonal band
+    state = _attend(
+        q,
+        state,
+        q_pos,
+        full_end,
+        kv_end,
+        kv,
+        scale_log2,
+        d_mask,
+        BLOCK_N,
+        BLOCK_SIZE,
+        True,
+        DOT_PRECISION,
+    )
 
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    out = _softmax_output(state)
     tl.store(
         out_ptr + q_rows[:, None] * stride_ot + h * stride_oh + d[None, :],
         out.to(out_ptr.dtype.element_ty),
@@ -216,17 +200,7 @@ def prefill(
         out,
         scale * LOG2E,
         num_seqs,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
+        *kernel_strides(q, k_cache, v_cache, block_tables, out),
         GROUPS=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
         D_PAD=next_pow2(head_dim, 16),

@@ -13,6 +13,31 @@ from prefixgate.kernels.triton_env import next_pow2, tl, triton
 
 
 @triton.jit
+def _rotate_heads(
+    head_ptr,
+    stride_h,
+    cos,
+    sin,
+    c,
+    c_mask,
+    NUM_HEADS: tl.constexpr,
+    H_PAD: tl.constexpr,
+    HALF: tl.constexpr,
+):
+    """Rotate one token's ``NUM_HEADS`` heads in place: ``head_ptr`` points at its first head,
+    ``cos``/``sin [HALF_PAD]`` fp32 are its position's angles over columns ``c`` (< ``HALF``
+    where ``c_mask``)."""
+    h = tl.arange(0, H_PAD)
+    mask = (h[:, None] < NUM_HEADS) & c_mask[None, :]
+    x1_ptr = head_ptr + h[:, None] * stride_h + c[None, :]
+    x1 = tl.load(x1_ptr, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x1_ptr + HALF, mask=mask, other=0.0).to(tl.float32)
+    dtype = head_ptr.dtype.element_ty
+    tl.store(x1_ptr, (x1 * cos[None, :] - x2 * sin[None, :]).to(dtype), mask=mask)
+    tl.store(x1_ptr + HALF, (x2 * cos[None, :] + x1 * sin[None, :]).to(dtype), mask=mask)
+
+
+@triton.jit
 def _rotary_kernel(
     positions_ptr,
     q_ptr,
@@ -36,34 +61,8 @@ def _rotary_kernel(
     c_mask = c < HALF
     cos = tl.load(cos_sin_ptr + pos * stride_cs + c, mask=c_mask, other=0.0).to(tl.float32)
     sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + c, mask=c_mask, other=0.0).to(tl.float32)
-
-    hq = tl.arange(0, HQ_PAD)
-    q_mask = (hq[:, None] < NUM_Q_HEADS) & c_mask[None, :]
-    q1_ptr = q_ptr + t * stride_qt + hq[:, None] * stride_qh + c[None, :]
-    q1 = tl.load(q1_ptr, mask=q_mask, other=0.0).to(tl.float32)
-    q2 = tl.load(q1_ptr + HALF, mask=q_mask, other=0.0).to(tl.float32)
-    tl.store(
-        q1_ptr, (q1 * cos[None, :] - q2 * sin[None, :]).to(q_ptr.dtype.element_ty), mask=q_mask
-    )
-    tl.store(
-        q1_ptr + HALF,
-        (q2 * cos[None, :] + q1 * sin[None, :]).to(q_ptr.dtype.element_ty),
-        mask=q_mask,
-    )
-
-    hk = tl.arange(0, HK_PAD)
-    k_mask = (hk[:, None] < NUM_K_HEADS) & c_mask[None, :]
-    k1_ptr = k_ptr + t * stride_kt + hk[:, None] * stride_kh + c[None, :]
-    k1 = tl.load(k1_ptr, mask=k_mask, other=0.0).to(tl.float32)
-    k2 = tl.load(k1_ptr + HALF, mask=k_mask, other=0.0).to(tl.float32)
-    tl.store(
-        k1_ptr, (k1 * cos[None, :] - k2 * sin[None, :]).to(k_ptr.dtype.element_ty), mask=k_mask
-    )
-    tl.store(
-        k1_ptr + HALF,
-        (k2 * cos[None, :] + k1 * sin[None, :]).to(k_ptr.dtype.element_ty),
-        mask=k_mask,
-    )
+    _rotate_heads(q_ptr + t * stride_qt, stride_qh, cos, sin, c, c_mask, NUM_Q_HEADS, HQ_PAD, HALF)
+    _rotate_heads(k_ptr + t * stride_kt, stride_kh, cos, sin, c, c_mask, NUM_K_HEADS, HK_PAD, HALF)
 
 
 def rotary_embedding(

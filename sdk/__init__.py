@@ -9,29 +9,13 @@ torch).
         print(r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens)
 """
 
+from . import errors
 from ._client import DEFAULT_BASE_URL, DEFAULT_TIMEOUT, AsyncClient
 from ._options import RequestOptions
 from ._response import APIResponse, AsyncAPIResponse
 from ._sync import Client, SyncAPIResponse, SyncStream
-from .errors import (
-    APIConnectionError,
-    APIError,
-    APIResponseValidationError,
-    APIStatusError,
-    APITimeoutError,
-    AuthenticationError,
-    BadRequestError,
-    ConflictError,
-    ContentFilterFinishReasonError,
-    InternalServerError,
-    LengthFinishReasonError,
-    NotFoundError,
-    PermissionDeniedError,
-    PrefixgateError,
-    RateLimitError,
-    UnprocessableEntityError,
-)
-from .limits import ConcurrencyLimiter, RateLimit, RateLimiter
+from .errors import *  # noqa: F403  (the error classes, errors.__all__)
+from .flow_control import ConcurrencyLimiter, RateLimit, RateLimiter
 from .resources import PrefixSession
 from .retry import RetryPolicy, parse_retry_after
 from .streaming import AsyncStream, ServerSentEvent, SSEDecoder
@@ -55,20 +39,5 @@ __all__ = [
     "RateLimit",
     "RateLimiter",
     "ConcurrencyLimiter",
-    "PrefixgateError",
-    "APIError",
-    "APIConnectionError",
-    "APITimeoutError",
-    "APIResponseValidationError",
-    "APIStatusError",
-    "BadRequestError",
-    "AuthenticationError",
-    "PermissionDeniedError",
-    "NotFoundError",
-    "ConflictError",
-    "UnprocessableEntityError",
-    "RateLimitError",
-    "InternalServerError",
-    "LengthFinishReasonError",
-    "ContentFilterFinishReasonError",
 ]
+__all__ += errors.__all__  # the error classes

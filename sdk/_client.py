@@ -33,7 +33,7 @@ from .errors import (
     RateLimitError,
     status_error,
 )
-from .limits import Charge, ConcurrencyLimiter, RateLimit, RateLimiter, estimate_tokens
+from .flow_control import Charge, ConcurrencyLimiter, RateLimit, RateLimiter, estimate_tokens
 from .resources import AsyncChat, AsyncCompletions, AsyncModels, AsyncPrefixes
 from .retry import RetryPolicy, parse_retry_after
 from .streaming import AsyncStream

@@ -9,11 +9,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypedDict, TypeVar
 
 import httpx
 
-__all__ = ["RequestOptions", "Requester", "Timeout", "make_options"]
+__all__ = [
+    "OPTION_NAMES",
+    "BodyCallOptions",
+    "CallOptions",
+    "RequestOptions",
+    "Requester",
+    "StreamCallOptions",
+    "Timeout",
+    "make_options",
+    "split_call",
+]
 
 T = TypeVar("T")
 
@@ -41,6 +51,50 @@ class RequestOptions:
     timeout: Timeout | None = None
     max_retries: int | None = None
     idle_timeout: float | None = None
+
+
+OPTION_NAMES = (
+    "extra_headers",
+    "extra_query",
+    "extra_body",
+    "timeout",
+    "max_retries",
+    "idle_timeout",
+)
+"""The keywords of a method that are ``RequestOptions`` (not body fields), in signature order."""
+
+
+class CallOptions(TypedDict, total=False):
+    """The option keywords of every method (``RequestOptions`` says what each does)."""
+
+    extra_headers: Mapping[str, str] | None
+    extra_query: Mapping[str, Any] | None
+    timeout: Timeout | None
+    max_retries: int | None
+
+
+class BodyCallOptions(CallOptions, total=False):
+    """The options of a method that sends a JSON body."""
+
+    extra_body: Mapping[str, Any] | None
+
+
+class StreamCallOptions(BodyCallOptions, total=False):
+    """The options of a method that may stream."""
+
+    idle_timeout: float | None
+
+
+def split_call(params: Mapping[str, Any]) -> tuple[dict[str, Any], RequestOptions]:
+    """A method's keywords (``**params``) as the JSON body (every field not left None:
+    omitted, the server's default) and the checked ``RequestOptions`` (``OPTION_NAMES``).
+
+    Raises:
+        TypeError / ValueError: as ``make_options``.
+    """
+    options = make_options(**{k: v for k, v in params.items() if k in OPTION_NAMES})
+    body = {k: v for k, v in params.items() if k not in OPTION_NAMES and v is not None}
+    return body, options
 
 
 def make_options(

@@ -1,26 +1,29 @@
 """``Client``: the blocking twin of ``AsyncClient``, same surface, same behaviour.
 
-It runs an ``AsyncClient`` on an event loop in a background thread (an anyio blocking portal,
-``_blocking.Bridge``) and calls into it, so limits, retries, streaming and batches behave
-exactly as in the async client; several threads may share one ``Client`` (its concurrency
-limit is then shared too). Streams come back as ``SyncStream`` (iterator + context manager).
+It runs an ``AsyncClient`` on an event loop in a daemon thread (an anyio blocking portal,
+``_blocking.Bridge``, started on the first call) and calls into it, so limits, retries,
+streaming and batches behave exactly as in the async client; several threads may share one
+``Client`` (its concurrency limit is then shared too). Streams come back as ``SyncStream``
+(iterator + context manager). Used as openai-python's client is: ``Client().models.list()``
+as a temporary, or never closed (the pool and thread are released when the last of the
+client, its copies, resources and streams is collected, or at exit, with a
+``ResourceWarning``); inside a running event loop a call raises ``RuntimeError`` naming
+``AsyncClient``.
 Its resources (``resources/*_sync.py``, beside their async twins) have every async method's
 parameters, spelled out (see the async twin for their meaning).
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping
 from typing import Self
 
-import anyio.from_thread
 import httpx
 
 from ._blocking import Bridge, SyncAPIResponse, SyncResponseContextManager, SyncStream
 from ._client import DEFAULT_TIMEOUT, AsyncClient
 from ._options import Timeout
-from .limits import RateLimit
+from .flow_control import RateLimit
 from .resources.chat_sync import SyncChat, SyncChatCompletions
 from .resources.completions_sync import SyncCompletions
 from .resources.models_sync import SyncModels
@@ -44,7 +47,8 @@ __all__ = [
 class Client:
     """Blocking client; takes exactly ``AsyncClient``'s arguments (see there).
 
-    Call ``close()`` (or use ``with Client(...) as client``) to stop its background thread.
+    ``close()`` (or ``with Client(...) as client``) closes its pool and stops its thread at
+    once; otherwise they go when the client is collected or the interpreter exits.
     """
 
     def __init__(
@@ -62,34 +66,25 @@ class Client:
         default_headers: Mapping[str, str] | None = None,
         http_client: httpx.AsyncClient | None = None,
     ) -> None:
-        self._exit = contextlib.ExitStack()
-        portal = self._exit.enter_context(anyio.from_thread.start_blocking_portal())
-        try:
-            async_client = AsyncClient(
-                base_url,
-                api_key,
-                max_concurrency=max_concurrency,
-                max_retries=max_retries,
-                timeout=timeout,
-                rate_limit=rate_limit,
-                adaptive_concurrency=adaptive_concurrency,
-                retry_policy=retry_policy,
-                stream_idle_timeout=stream_idle_timeout,
-                default_headers=default_headers,
-                http_client=http_client,
-            )
-        except BaseException:
-            self._exit.close()
-            raise
-        self._bind(async_client, portal, owner=True)
+        async_client = AsyncClient(
+            base_url,
+            api_key,
+            max_concurrency=max_concurrency,
+            max_retries=max_retries,
+            timeout=timeout,
+            rate_limit=rate_limit,
+            adaptive_concurrency=adaptive_concurrency,
+            retry_policy=retry_policy,
+            stream_idle_timeout=stream_idle_timeout,
+            default_headers=default_headers,
+            http_client=http_client,
+        )
+        self._bind(async_client, Bridge(async_client.close), owner=True)
 
-    def _bind(
-        self, async_client: AsyncClient, portal: anyio.from_thread.BlockingPortal, *, owner: bool
-    ) -> None:
+    def _bind(self, async_client: AsyncClient, bridge: Bridge, *, owner: bool) -> None:
         self._owner = owner  # closing stops the thread and the pool (not for a copy)
         self._async = async_client
-        self._portal = portal
-        bridge = Bridge(portal)
+        self._bridge = bridge
         self.base_url = async_client.base_url
         self.api_key = async_client.api_key
         self.chat = SyncChat(async_client.chat.completions, bridge)
@@ -116,7 +111,6 @@ class Client:
         """A copy with some options changed (see ``AsyncClient.with_options``); it shares this
         client's thread, pool and limits, and closing it leaves them open."""
         new = object.__new__(Client)
-        new._exit = contextlib.ExitStack()  # owns nothing
         new._bind(
             self._async.with_options(
                 base_url=base_url,
@@ -126,7 +120,7 @@ class Client:
                 stream_idle_timeout=stream_idle_timeout,
                 default_headers=default_headers,
             ),
-            self._portal,
+            self._bridge,
             owner=False,
         )
         return new
@@ -145,9 +139,5 @@ class Client:
         if self._closed:
             return
         self._closed = True
-        if not self._owner:
-            return
-        try:
-            self._portal.call(self._async.close)
-        finally:
-            self._exit.close()
+        if self._owner:
+            self._bridge.close()

@@ -46,8 +46,7 @@ __all__ = [
     "InternalServerError",
     "LengthFinishReasonError",
     "ContentFilterFinishReasonError",
-    "status_error",
-]
+]  # the error classes, re-exported by prefixgate.sdk (status_error is the client's helper)
 
 
 class PrefixgateError(Exception):

@@ -134,3 +134,15 @@ def test_rooms_import_only_rooms_below() -> None:
             if not any(dep == a or dep.startswith(a + ".") for a in allowed):
                 bad.append(f"{name} imports {dep}")
     assert bad == []
+
+
+def test_every_package_is_in_the_distribution() -> None:
+    """A folder with ``__init__.py`` missing from pyproject's ``packages`` is left out of a
+    built wheel (the editable install still finds it, so nothing else would notice)."""
+    import tomllib
+
+    listed = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    found = {name for name, path in _modules().items() if path.name == "__init__.py"}
+    assert found - listed == set() and listed - found == set()

@@ -54,6 +54,8 @@ class OneDNNLinear(nn.Module):
     ``forward(x [T, I] float32)`` → ``[T, O]`` float32 (any leading dims; T may be 0).
     """
 
+    bias: torch.Tensor | None  # a buffer (register_buffer), declared for the type checker
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         if weight.dtype != torch.float32 or weight.device.type != "cpu":

@@ -101,7 +101,7 @@ class Attention(nn.Module):
         """``hidden [T, H]`` → ``[T, H]``; writes this step's K/V into ``kv_cache`` first."""
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q.reshape(-1, self.head_dim))
             k = self.k_norm(k.reshape(-1, self.head_dim))
         q = q.reshape(num_tokens, self.num_heads, self.head_dim).contiguous()

@@ -114,6 +114,10 @@ class Int8Linear(nn.Module):
     ``forward(x [T, I])`` → ``[T, O]`` in ``out_dtype``. On CPU ``x`` must be fp32.
     """
 
+    qweight: torch.Tensor  # buffers (register_buffer), declared for the type checker
+    scale: torch.Tensor
+    bias: torch.Tensor | None
+
     def __init__(
         self,
         qweight: torch.Tensor,
@@ -180,6 +184,7 @@ class Int8Linear(nn.Module):
         amax = x2.abs().amax(dim=1, keepdim=True).clamp_min_(1e-30)
         rows = torch.empty((n + 1, self.in_features), dtype=x2.dtype)
         torch.div(x2, amax, out=rows[:n])
+        assert self._anchor is not None, "the CPU path is set up with its anchor row"
         rows[n] = self._anchor
         y = torch.ops.quantized.linear_dynamic(rows, self._packed, self._reduce_range)[:n]
         y.mul_(amax)

@@ -19,6 +19,17 @@ import cachetools
 from aiohttp import web
 from prefixgate.engine.errors import EngineDeadError
 from prefixgate.engine.sampling_params import StructuredOutputsParams
+from prefixgate.engine.scheduling_policy import policy_class
+from prefixgate.gateway.api.cache_marks import (
+    CACHE_HEADER,
+    Mark,
+    cache_header,
+    chat_breakpoints,
+    find_marks,
+    note_states,
+    pin_marks,
+    written_tokens,
+)
 from prefixgate.gateway.api.prompts import (
     check_length,
     check_vocab,
@@ -44,6 +55,7 @@ from prefixgate.gateway.local.generation import Choice, ChoiceOutput, ChoiceRun,
 from prefixgate.gateway.local.serving import LOCAL
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.tenancy.keys import Principal, effective_salt
+from prefixgate.gateway.tenancy.ttft_budget import check_budget
 
 logger = logging.getLogger("prefixgate.gateway")
 
@@ -81,11 +93,19 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         messages = prefix.messages + messages
     if not messages:
         raise bad_request("messages must hold at least one message", param="messages")
+    offset = len(messages) - len(req.messages)  # a prefix_id's messages come first
     ids = await render_chat(
         engine.tokenizer, messages, max_model_len=engine.max_model_len, tools=plan.tools or None
     )
     max_tokens = check_length(
         len(ids), req.output_limit, engine.max_model_len, "messages", req.output_limit_param
+    )
+    marks = await find_marks(
+        engine.tokenizer,
+        chat_breakpoints(req, messages, offset, plan.tools),
+        bool(plan.tools),
+        ids,
+        engine.config.block_size,
     )
     rid = "chatcmpl-" + uuid.uuid4().hex
     seeds = choice_seeds(req.seed, req.n)
@@ -95,7 +115,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         Choice(i, f"{rid}-{i}", ids, sampling_params(req, max_tokens, seeds[i], spec, skip_special))
         for i in range(req.n)
     ]
-    return await _run(request, st, principal, req, ChatRenderer, rid, choices, tools=plan)
+    return await _run(
+        request, st, principal, req, ChatRenderer, rid, choices, tools=plan, cache_marks=marks
+    )
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -144,9 +166,10 @@ async def _run(
     rid: str,
     choices: list[Choice],
     tools: ToolPlan | None = None,
+    cache_marks: list[Mark] | None = None,
 ) -> web.StreamResponse:
     """Run the request's choices through an Exchange with the route's renderer (chat: with
-    the request's tool plan)."""
+    the request's tool plan and cache breakpoints)."""
     args = (
         rid,
         int(time.time()),
@@ -164,19 +187,19 @@ async def _run(
         req.priority, request.app[LOCAL].require_engine().config.scheduling_policy
     )
     return await Exchange(
-        request, st, principal, choices, renderer, salt, req.stream, priority
+        request, st, principal, choices, renderer, salt, req.stream, priority, cache_marks
     ).run()
 
 
 def check_priority_policy(requested: int | None, policy: str) -> None:
-    """A request's own non-zero ``priority`` only orders requests under the engine's
-    ``priority`` policy; under any other it would be accepted and do nothing, so it is refused
-    (vLLM's rule). ``0``, the no-op value, is always taken.
+    """A request's own non-zero ``priority`` only orders requests under a policy that reads it
+    (``uses_priority``: ``priority``); under any other it would be accepted and do nothing, so
+    it is refused (vLLM's rule). ``0``, the no-op value, is always taken.
 
     Raises:
         APIError: 400 ``priority_not_supported`` naming ``priority``.
     """
-    if requested and policy != "priority":
+    if requested and not policy_class(policy).uses_priority:
         raise APIError(
             400,
             f"priority: this server schedules requests by {policy!r}, where a request priority "
@@ -248,6 +271,9 @@ class Exchange:
         choices: the engine requests (one per choice; per prompt for batched completions).
         renderer: the route's ``Renderer`` (chat, completions, responses).
         salt: the engine cache salt; stream: answer with SSE.
+        cache_marks: the prompt's cache breakpoints (``cache_marks.Mark``; one prompt), or
+            None: with a list (empty too) the answer has the ``x-prefixgate-cache`` header,
+            usage ``cache_write_tokens``, and the marks are pinned once it is answered.
     """
 
     def __init__(
@@ -260,8 +286,10 @@ class Exchange:
         salt: str | None,
         stream: bool,
         priority: int = 0,
+        cache_marks: list[Mark] | None = None,
     ) -> None:
         self.request = request
+        self.cache_marks = cache_marks
         self.priority = priority
         self.st = st
         self.principal = principal
@@ -279,6 +307,7 @@ class Exchange:
 
     async def run(self) -> web.StreamResponse:
         st = self.st
+        check_budget(self.request, self.request.app[LOCAL].require_engine(), self.prompt_tokens)
         lease = await st.shared.acquire(self.principal, self.prompt_tokens)
         try:
             self.ticket = st.admission.admit(
@@ -296,6 +325,14 @@ class Exchange:
         try:
             resp = await (self._stream() if self.stream else self._collect())
             status = str(resp.status)
+            if status == "200" and self.cache_marks:
+                pin_marks(
+                    self.request,
+                    self.principal,
+                    self.salt,
+                    self.choices[0].prompt_token_ids,
+                    self.cache_marks,
+                )
             return resp
         finally:
             self.ticket.done()
@@ -327,7 +364,20 @@ class Exchange:
 
     def _usage(self) -> Usage:
         completion = sum(o.num_tokens for o in self.outputs)
-        return Usage.of(self.prompt_tokens, completion, sum(self.cached.values()))
+        cached = sum(self.cached.values())
+        usage = Usage.of(self.prompt_tokens, completion, cached)
+        if self.cache_marks and usage.prompt_tokens_details is not None:
+            written = sum(written_tokens(cached, self.cache_marks).values())
+            usage.prompt_tokens_details.cache_write_tokens = written
+        return usage
+
+    def _cache_header(self, cached: int | None) -> str:
+        """The ``x-prefixgate-cache`` value (``cached`` None: not known yet, a stream's)."""
+        marks = self.cache_marks or []
+        if cached is not None:
+            pins = self.request.app[LOCAL].require_cache_pins()
+            note_states(marks, cached, pins, self.salt, self.choices[0].prompt_token_ids)
+        return cache_header(marks, cached)
 
     # --- non-streaming --------------------------------------------------------------------
     async def _collect(self) -> web.StreamResponse:
@@ -352,7 +402,10 @@ class Exchange:
                     continue
                 self._record(*ev)
         self.st.metrics.cached_tokens.inc(sum(self.cached.values()))
-        return _json(self.renderer.json(self.outputs, self._usage()))
+        resp = _json(self.renderer.json(self.outputs, self._usage()))
+        if self.cache_marks is not None:
+            resp.headers[CACHE_HEADER] = self._cache_header(sum(self.cached.values()))
+        return resp
 
     # --- streaming ------------------------------------------------------------------------
     async def _stream(self) -> web.StreamResponse:
@@ -411,6 +464,8 @@ class Exchange:
 
     async def _open(self, sse: SSEWriter) -> None:
         """Send the headers and the renderer's opening chunks (chat: each choice's role)."""
+        if self.cache_marks is not None:
+            sse.response.headers[CACHE_HEADER] = self._cache_header(None)
         await sse.open()
         for chunk in self.renderer.opening(len(self.choices)):
             await sse.write(self.renderer.event(chunk))

@@ -42,6 +42,7 @@ async def create_prefix(request: web.Request) -> web.Response:
             quota=prefix_quota(
                 principal.spec, st.settings, engine.stats().get("kv_blocks_total", 0)
             ),
+            tenant=principal.tenant,
         )
     )
     return web.json_response(prefix_object(entry, st.model_name))

@@ -46,6 +46,10 @@ CHAT_SUPPORTED = {
     "safety_identifier": "accepted: an end-user identifier (does not change generation)",
     "prompt_cache_key": "accepted: every prompt is prefix-cached already (use cache_salt to "
     "partition)",
+    "prompt_cache_options": "mode implicit (a pinned breakpoint at the end of the messages) "
+    "or explicit (the parts' prompt_cache_breakpoint only); ttl 30m",
+    "prompt_cache_retention": "in_memory (the prefix cache, as every prompt) or 24h (the "
+    "messages pinned for 24 h, charged to the key's pin share)",
     "store": "only false (nothing is stored)",
     "service_tier": "only 'auto' or 'default'",
     "modalities": "only ['text']",
@@ -79,8 +83,6 @@ REFUSED: dict[str, tuple[str, Any]] = {
     "metadata": ("metadata is not stored (store is not supported)", None),
     "moderation": ("moderation is not supported", None),
     "prediction": ("predicted outputs are not supported", None),
-    "prompt_cache_options": ("prompt_cache_options is not supported", None),
-    "prompt_cache_retention": ("prompt_cache_retention is not supported", None),
     "reasoning_effort": ("reasoning_effort is not supported (not a reasoning model)", None),
     "verbosity": ("verbosity is not supported", None),
     "web_search_options": ("web search is not supported", None),

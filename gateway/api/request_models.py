@@ -47,12 +47,43 @@ MAX_MESSAGES = 4096  # messages (or input items) of one request
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as vLLM and torch generators take
 
 
+class PromptCacheBreakpoint(BaseModel):
+    """OpenAI's ``prompt_cache_breakpoint`` on a text part: ``{"mode": "explicit", "ttl":
+    "30m" | "12h"}`` (``ttl`` default: the request's ``prompt_cache_options.ttl``, 30m)."""
+
+    model_config = _REQUEST_CONFIG
+    mode: Literal["explicit"]
+    ttl: Literal["30m", "12h"] | None = None
+
+
+class PartCacheControl(BaseModel):
+    """``cache_control`` on a text part (Anthropic's breakpoint, as OpenAI-compatible
+    routers take it): ``{"type": "ephemeral", "ttl": "5m" | "1h"}``."""
+
+    model_config = _REQUEST_CONFIG
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None
+
+
 class TextPart(BaseModel):
-    """One ``{"type": "text", "text": ...}`` part of a message's content."""
+    """One ``{"type": "text", "text": ...}`` part of a message's content, optionally a cache
+    breakpoint (``prompt_cache_breakpoint`` or ``cache_control``: ``api/cache_marks.py``)."""
 
     model_config = _CONFIG
     type: Literal["text"]
     text: str
+    prompt_cache_breakpoint: PromptCacheBreakpoint | None = None
+    cache_control: PartCacheControl | None = None
+
+
+class PromptCacheOptions(BaseModel):
+    """``prompt_cache_options``: ``mode`` ``implicit`` (default: a breakpoint at the end of the
+    messages, plus the explicit ones) or ``explicit`` (the parts' breakpoints only); ``ttl``
+    only ``"30m"`` (OpenAI's one value), the breakpoints' default TTL."""
+
+    model_config = _REQUEST_CONFIG
+    mode: Literal["implicit", "explicit"] = "implicit"
+    ttl: Literal["30m"] | None = None
 
 
 class ToolCallFunction(BaseModel):
@@ -220,8 +251,8 @@ class ChatCompletionRequest(_SamplingFields):
     functions: Any = None
     moderation: Any = None
     prediction: Any = None
-    prompt_cache_options: Any = None
-    prompt_cache_retention: Any = None
+    prompt_cache_options: PromptCacheOptions | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     reasoning_effort: Any = None
     verbosity: Any = None
     web_search_options: Any = None

@@ -22,10 +22,20 @@ _OUT = ConfigDict(extra="allow")
 
 
 class PromptTokensDetails(BaseModel):
-    """``usage.prompt_tokens_details``: prompt tokens served from the prefix cache."""
+    """``usage.prompt_tokens_details``: prompt tokens served from the prefix cache
+    (``cached_tokens``) and, for a request with cache breakpoints, those written at them
+    (``cache_write_tokens``, sent only then)."""
 
     model_config = _OUT
     cached_tokens: int = 0
+    cache_write_tokens: int | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_no_writes(self, handler: Any) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("cache_write_tokens") is None:
+            out.pop("cache_write_tokens", None)
+        return out
 
 
 class Usage(BaseModel):

@@ -1,7 +1,8 @@
 """A misbehaving OpenAI-compatible upstream on loopback (raw asyncio, its own thread), for the
 proxy fault matrix of ``faults`` and the gateway's tests.
 
-``FaultUpstream(mode)``: ``GET /health`` is always 200; ``POST /v1/chat/completions`` and
+``FaultUpstream(mode)``: ``GET /health`` is always 200, ``GET /v1/models`` lists ``fault``;
+``POST /v1/chat/completions`` and
 ``/v1/completions`` answer by ``mode`` (changeable between requests):
 
 * ``ok`` — a well-formed answer: ``chunks`` content chunks ``delay_s`` apart, a chunk with
@@ -162,6 +163,12 @@ class FaultUpstream:
                 body = await reader.readexactly(length) if length else b""
                 if path == "/health":
                     await self._send(writer, 200, "application/json", b'{"status":"ok"}')
+                    continue
+                if path == "/v1/models":  # well-formed always: the faults are the answers'
+                    self._path = path
+                    card = {"id": "fault", "object": "model", "owned_by": "fault"}
+                    models = json.dumps({"object": "list", "data": [card]}).encode()
+                    await self._send(writer, 200, "application/json", models)
                     continue
                 self.requests += 1
                 stream = bool(body and json.loads(body).get("stream"))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 
 from aiohttp import web
-from prefixgate.gateway.http.errors import APIError, Handler
+from prefixgate.gateway.http.errors import APIError, Handler, dialect_of
 from prefixgate.gateway.settings import SETTINGS
 
 
@@ -29,29 +29,31 @@ async def body_limits_middleware(request: web.Request, handler: Handler) -> web.
         declared = request.content_length
         if declared is not None and declared > s.max_body_bytes:
             return _closing(
+                request,
                 APIError(
                     413,
                     f"request body too large: Content-Length {declared} exceeds the limit of "
                     f"{s.max_body_bytes} bytes",
                     code="request_too_large",
-                )
+                ),
             )
         try:
             async with asyncio.timeout(s.body_timeout_s):
                 await request.read()
         except TimeoutError:
             return _closing(
+                request,
                 APIError(
                     408,
                     f"the request body did not arrive within {s.body_timeout_s:g} s",
                     code="request_timeout",
                     type="invalid_request_error",
-                )
+                ),
             )
     return await handler(request)
 
 
-def _closing(error: APIError) -> web.Response:
-    resp = error.response()
+def _closing(request: web.Request, error: APIError) -> web.Response:
+    resp = error.response(dialect_of(request))
     resp.force_close()
     return resp

@@ -62,6 +62,52 @@ _TYPES = {
 }
 
 
+# Anthropic's error ``type`` per status (https://docs.anthropic.com/en/api/errors).
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+
+ANTHROPIC = "anthropic"  # the error dialect of Anthropic's routes (``error_dialect``)
+
+
+def error_dialect(dialect: str) -> Callable[[Handler], Handler]:
+    """Mark a route handler whose errors take another dialect's body (``ANTHROPIC``):
+    ``error_middleware`` reads the mark off the matched route, so the errors raised before
+    the handler runs (body limits, ``Expect``) take that shape too."""
+
+    def mark(handler: Handler) -> Handler:
+        handler.error_dialect = dialect  # type: ignore[attr-defined]
+        return handler
+
+    return mark
+
+
+def dialect_of(request: web.Request) -> str:
+    """The error dialect of the request's matched route (``"openai"`` unless its handler is
+    marked by ``error_dialect``)."""
+    handler = getattr(request.match_info, "handler", None)
+    return getattr(handler, "error_dialect", "openai")
+
+
+def error_event(request: web.Request, error: APIError) -> bytes:
+    """The in-band SSE event ending a stream of ``request`` cut short by ``error``, in its
+    route's dialect: OpenAI's ``data: {"error": ...}``, or Anthropic's ``event: error``."""
+    if dialect_of(request) == ANTHROPIC:
+        data = json.dumps(error.anthropic_body(), separators=(",", ":"), ensure_ascii=False)
+        return f"event: error\ndata: {data}\n\n".encode()
+    data = json.dumps(error.body(), separators=(",", ":"), ensure_ascii=False)
+    return f"data: {data}\n\n".encode()
+
+
 ERROR_CODE: web.ResponseKey[str] = web.ResponseKey("prefixgate_error_code", str)
 
 
@@ -100,14 +146,25 @@ class APIError(Exception):
         error = ErrorObject(message=self.message, type=self.type, param=self.param, code=self.code)
         return ErrorResponse(error=error).model_dump()
 
-    def response(self) -> web.Response:
-        """The error as an aiohttp JSON response (with ``Retry-After`` when set)."""
+    def anthropic_body(self) -> dict[str, Any]:
+        """The error in Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}``
+        (the error type from the status, as Anthropic's API names it)."""
+        kind = _ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else None)
+        return {
+            "type": "error",
+            "error": {"type": kind or "invalid_request_error", "message": self.message},
+        }
+
+    def response(self, dialect: str = "openai") -> web.Response:
+        """The error as an aiohttp JSON response (with ``Retry-After`` when set); ``dialect``
+        ``"anthropic"`` gives Anthropic's body (``anthropic_body``), else OpenAI's."""
         headers = {}
         if self.retry_after is not None:
             headers["Retry-After"] = str(retry_after_seconds(self.retry_after))
+        body = self.anthropic_body() if dialect == ANTHROPIC else self.body()
         resp = web.Response(
             status=self.status,
-            body=json.dumps(self.body()).encode(),
+            body=json.dumps(body).encode(),
             content_type="application/json",
             headers=headers,
         )
@@ -173,7 +230,7 @@ async def expect_continue(request: web.Request) -> web.StreamResponse | None:
         f"unsupported Expect header {shown(expect)}: only 100-continue is",
         code="expectation_failed",
         type="invalid_request_error",
-    ).response()
+    ).response(dialect_of(request))
     resp.force_close()  # the body is never read
     return resp
 
@@ -189,16 +246,16 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return _closing_if_unread(request, await handler(request))
     except APIError as exc:
-        return _closing_if_unread(request, exc.response())
+        return _closing_if_unread(request, exc.response(dialect_of(request)))
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return _closing_if_unread(request, from_http_exception(exc).response())
+        return _closing_if_unread(request, from_http_exception(exc).response(dialect_of(request)))
     except web.RequestPayloadError as exc:
         # The body itself is unreadable (bad Content-Encoding data, broken chunked framing).
         resp = APIError(
             400, f"the request body cannot be read: {_payload_reason(exc)}", code="invalid_body"
-        ).response()
+        ).response(dialect_of(request))
         resp.force_close()  # the connection's framing is lost: tell the client not to reuse it
         # and aiohttp not to read the rest after answering (that read raised the same error
         # again, logged as an "Unhandled exception" traceback per request)
@@ -210,7 +267,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         raise
     except Exception:  # noqa: BLE001 - logged in full, answered without details
         logger.exception("internal error on %s %s", request.method, request.path)
-        return APIError(500, "internal server error", code="internal_error").response()
+        return APIError(500, "internal server error", code="internal_error").response(
+            dialect_of(request)
+        )
 
 
 def _closing_if_unread(request: web.Request, resp: web.StreamResponse) -> web.StreamResponse:

@@ -28,8 +28,7 @@ import time
 from typing import Any
 
 from aiohttp import web
-from prefixgate.gateway.http.errors import APIError, Handler
-from prefixgate.gateway.http.sse import encode_event
+from prefixgate.gateway.http.errors import APIError, Handler, dialect_of, error_event
 
 logger = logging.getLogger("prefixgate.gateway")
 
@@ -104,7 +103,7 @@ async def drain_middleware(request: web.Request, handler: Handler) -> web.Stream
     if drain is None:
         return await handler(request)
     if drain.draining:
-        return _closing(shutting_down())
+        return _closing(request, shutting_down())
     ending = drain.ending()
     task = asyncio.ensure_future(handler(request))
     drain.active.add(task)
@@ -128,11 +127,10 @@ async def _end(request: web.Request) -> web.StreamResponse:
     error = shutting_down()
     resp = request.get(_RESPONSE)
     if resp is None or not resp.prepared:
-        return _closing(error)
-    body = error.body()
-    body["error"]["message"] = "the server shut down before this stream finished"
+        return _closing(request, error)
+    error.message = "the server shut down before this stream finished"
     try:
-        await resp.write(encode_event(body))
+        await resp.write(error_event(request, error))
         await resp.write_eof()
     except (ConnectionError, RuntimeError):
         pass  # client gone, or the response already ended
@@ -140,8 +138,8 @@ async def _end(request: web.Request) -> web.StreamResponse:
     return resp
 
 
-def _closing(error: APIError) -> web.Response:
-    resp = error.response()
+def _closing(request: web.Request, error: APIError) -> web.Response:
+    resp = error.response(dialect_of(request))
     resp.force_close()
     return resp
 

@@ -84,6 +84,22 @@ class _EngineStats(Collector):
             "prompt tokens served from the prefix cache",
         ),
         "num_preemptions": ("prefixgate_engine_preemptions", "requests preempted so far"),
+        "num_displacements": (
+            "prefixgate_engine_displacements",
+            "running requests preempted for a waiting one (priority / fair) so far",
+        ),
+        "queued_prefill_tokens": (
+            "prefixgate_engine_queued_prefill_tokens",
+            "prompt tokens still to prefill (waiting and running requests)",
+        ),
+        "prefill_tokens_per_s": (
+            "prefixgate_engine_prefill_tokens_per_second",
+            "measured prefill rate (exponentially weighted over steps; absent until measured)",
+        ),
+        "decode_tokens_per_s": (
+            "prefixgate_engine_decode_tokens_per_second",
+            "measured decode rate (exponentially weighted over steps; absent until measured)",
+        ),
     }
 
     def __init__(self, stats: Callable[[], dict[str, Any] | None]) -> None:

@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass, field
 
 from prefixgate.engine.outputs import TokenLogprobs
-from prefixgate.engine.protocol import EngineClient
+from prefixgate.engine.protocol import EngineClient, EngineRequest
 from prefixgate.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("prefixgate.gateway")
@@ -29,6 +29,8 @@ class Delta:
         logprobs: TokenLogprobs of the new tokens (None when not requested).
         finish_reason: None while running, else "stop" | "length" | "abort".
         num_cached_tokens: prompt tokens served from the prefix cache.
+        stop_reason: on the last output, the stop string matched (str) or the stop token id
+            (int) that ended it; None otherwise (EOS, length, running).
     """
 
     text: str
@@ -38,6 +40,7 @@ class Delta:
     logprobs: list[TokenLogprobs] | None
     finish_reason: str | None
     num_cached_tokens: int
+    stop_reason: str | int | None = None
 
     @property
     def finished(self) -> bool:
@@ -49,7 +52,8 @@ class ChoiceOutput:
     """What one choice has produced so far (``add`` each of its Deltas).
 
     Attributes:
-        text: the text so far; finish_reason: None while running.
+        text: the text so far; finish_reason: None while running; stop_reason: the stop
+            string (or stop token id) that ended it, else None.
         num_tokens: tokens generated; logprobs: TokenLogprobs of each (when asked for).
         t_first_token: monotonic seconds of its first token (0.0 before).
     """
@@ -59,6 +63,7 @@ class ChoiceOutput:
     num_tokens: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     t_first_token: float = 0.0
+    stop_reason: str | int | None = None
 
     def add(self, d: Delta, now: float) -> None:
         """Take in one output of this choice, seen at ``now`` (monotonic seconds)."""
@@ -70,6 +75,7 @@ class ChoiceOutput:
         self.text = d.text
         if d.finished:
             self.finish_reason = d.finish_reason
+            self.stop_reason = d.stop_reason
 
 
 @dataclass(slots=True)
@@ -132,14 +138,15 @@ class ChoiceRun:
         put = self._queue.put_nowait
         seen_tokens = seen_logprobs = 0
         try:
-            async for out in self._engine.generate(
+            request = EngineRequest(
+                choice.request_id,
                 choice.prompt_token_ids,
                 choice.params,
-                choice.request_id,
                 cache_salt=self._salt,
                 tenant=self._tenant,
                 priority=self._priority,
-            ):
+            )
+            async for out in self._engine.generate(request):
                 # Copy now: an engine may reuse its output objects for the next step.
                 comp = out.outputs[0]
                 n = len(comp.token_ids)
@@ -161,6 +168,7 @@ class ChoiceRun:
                             lps,
                             finish,
                             out.num_cached_tokens,
+                            comp.stop_reason if finish is not None else None,
                         ),
                     )
                 )

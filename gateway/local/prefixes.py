@@ -31,7 +31,7 @@ from __future__ import annotations
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from prefixgate.engine.errors import PinLimitError
 from prefixgate.engine.protocol import EngineClient, PinHandle
@@ -82,6 +82,15 @@ def _pin_blocks(pin: Any, blocks: int, block_size: int) -> int:
     """Full KV blocks a pin holds: from its ``num_tokens`` when it has one, else ``blocks``."""
     num = getattr(pin, "num_tokens", None)
     return num // block_size if isinstance(num, int) else blocks
+
+
+class BreakpointShare(Protocol):
+    """The cache breakpoint pins of the keys (``cache_pins.CachePins``), as the registry
+    counts them in a key's pin share."""
+
+    def held_blocks(self, owner: str | None) -> int: ...
+
+    def make_room(self, owner: str, other_blocks: int, share: int) -> None: ...
 
 
 @dataclass(slots=True)
@@ -154,6 +163,9 @@ class PrefixRegistry:
         self._pending = 0  # creates awaiting their pin
         self._pending_by_owner: dict[str, tuple[int, int]] = {}  # owner -> (creates, blocks)
         self.block_size: int = engine.config.block_size
+        # the key's cache breakpoint pins (cache_pins.CachePins), in the same share: a prefix
+        # that needs room releases the key's least recently used breakpoints first
+        self.breakpoints: BreakpointShare | None = None
 
     def __len__(self) -> int:
         self._expire()
@@ -168,8 +180,10 @@ class PrefixRegistry:
         cache_salt: str | None = None,
         owner: str | None = None,
         quota: PrefixQuota | None = None,
+        tenant: str | None = None,
     ) -> PrefixEntry:
-        """Pin ``token_ids`` (the rendered ``messages``) for ``ttl_s`` seconds.
+        """Pin ``token_ids`` (the rendered ``messages``) for ``ttl_s`` seconds, charged to
+        ``tenant`` (the key's name: under ``fair`` its pinned blocks count against its share).
 
         ``salt`` is the owner's (the key's) salt, checked by ``get``/``delete``;
         ``cache_salt`` the engine cache salt of the pin (default: ``salt``). Chat requests
@@ -221,6 +235,7 @@ class PrefixRegistry:
                 owner,
                 quota,
                 count=counted is None,
+                tenant=tenant,
             )
         except BaseException:
             if reserved and owner is not None:
@@ -265,6 +280,7 @@ class PrefixRegistry:
         owner: str | None,
         quota: PrefixQuota | None,
         count: bool,
+        tenant: str | None = None,
     ) -> PrefixEntry:
         """``create`` once the key's prefix count is reserved across replicas (``count``
         False) or left to this replica (``count`` True)."""
@@ -278,6 +294,10 @@ class PrefixRegistry:
         pinned = token_ids[:-1]
         blocks = len(pinned) // self.block_size
         if owner is not None and quota is not None:
+            if self.breakpoints is not None and quota.max_pinned_blocks:
+                mine = sum(e.pinned_blocks for e in self._entries.values() if e.owner == owner)
+                pending = self._pending_by_owner.get(owner, (0, 0))[1]
+                self.breakpoints.make_room(owner, mine + pending + blocks, quota.max_pinned_blocks)
             self._check_quota(owner, quota, blocks, count=count)
         self._pending += 1
         if owner is not None:
@@ -285,7 +305,7 @@ class PrefixRegistry:
             self._pending_by_owner[owner] = (n + 1, b + blocks)
         try:
             pin = await self._engine.pin_prefix(
-                pinned, ttl_s, cache_salt=salt if cache_salt is None else cache_salt
+                pinned, ttl_s, cache_salt=salt if cache_salt is None else cache_salt, tenant=tenant
             )
         except ValueError as exc:
             if isinstance(exc, PinLimitError):
@@ -370,6 +390,12 @@ class PrefixRegistry:
             await self._shared.release_prefix(entry.owner, prefix_id)
         return entry
 
+    def pinned_blocks(self, owner: str) -> int:
+        """KV blocks the live prefixes of ``owner`` pin (its share, ``max_pinned_blocks``,
+        also holds its cache breakpoints: ``cache_pins.CachePins``)."""
+        self._expire()
+        return sum(e.pinned_blocks for e in self._entries.values() if e.owner == owner)
+
     def _check_quota(self, owner: str, quota: PrefixQuota, blocks: int, count: bool = True) -> None:
         """Raise 429 (or 400 for a prefix over the whole share) when ``owner`` would exceed
         its quota with one more prefix of ``blocks`` KV blocks (its ``max_prefixes`` on this
@@ -393,6 +419,8 @@ class PrefixRegistry:
                 code="prefix_too_large",
             )
         held = sum(e.pinned_blocks for e in mine) + b
+        if self.breakpoints is not None:
+            held += self.breakpoints.held_blocks(owner)
         if quota.max_pinned_blocks and held + blocks > quota.max_pinned_blocks:
             raise APIError(
                 429,

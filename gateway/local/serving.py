@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from aiohttp import web
 from prefixgate.engine.protocol import EngineClient
 from prefixgate.gateway.http.errors import APIError
+from prefixgate.gateway.local.cache_pins import CachePins
 from prefixgate.gateway.local.prefixes import PrefixRegistry
 from prefixgate.gateway.local.token_texts import TokenTexts
 
@@ -20,6 +21,7 @@ class LocalServing:
     engine: EngineClient | None = None
     prefixes: PrefixRegistry | None = None
     token_texts: TokenTexts | None = None  # token id -> text, for logprobs
+    cache_pins: CachePins | None = None  # cache breakpoints (Messages cache_control, ...)
 
     def require_engine(self) -> EngineClient:
         """The engine, or 503 while it loads.
@@ -42,6 +44,16 @@ class LocalServing:
         self.require_engine()
         assert self.token_texts is not None  # set with the engine
         return self.token_texts
+
+    def require_cache_pins(self) -> CachePins:
+        """The cache breakpoint pins of the attached engine, or 503 while it loads.
+
+        Raises:
+            APIError: 503 ``model_not_ready``.
+        """
+        self.require_engine()
+        assert self.cache_pins is not None  # set with the engine
+        return self.cache_pins
 
     def require_prefixes(self) -> PrefixRegistry:
         """The prefix registry of the attached engine, or 503 while it loads.

@@ -5,8 +5,9 @@ The gateway's own response models (``api/response_models.py``) are the shape: a 
 ``/v1/completions`` a ``text_completion``, of ``/v1/models`` a model list (``/v1/models/{id}``
 a model card); every streamed event a ``chat.completion.chunk`` (or ``text_completion``
 chunk). Fields an upstream may leave out where the API allows null (``logprobs``, ``usage``,
-``system_fingerprint``; a chunk's ``finish_reason``) are tolerated; extra fields pass (the
-models allow them). A completion must also say why each choice ended: a non-stream choice
+``system_fingerprint``; a chunk's ``finish_reason``) and the envelope's ``id`` / ``created`` /
+``model`` / ``object`` are tolerated when missing (not when of the wrong type); extra fields
+pass (the models allow them). A completion must also say why each choice ended: a non-stream choice
 without ``finish_reason`` is a truncated answer posing as a finished one.
 
 ``answer_model(path, stream)`` names the model of a route; ``shape_problem(obj, model,
@@ -26,8 +27,13 @@ from prefixgate.gateway.api.response_models import (
 )
 from pydantic import BaseModel, ValidationError
 
-# Left out by some OpenAI-compatible servers where the API allows null.
-_MAY_BE_MISSING = frozenset(("logprobs", "usage", "system_fingerprint"))
+# Left out by some OpenAI-compatible servers where the API allows null, and the envelope's
+# bookkeeping (``id``, ``created``, ``model``, ``object``: clients read them as attributes, a
+# missing one is None there, never a TypeError); what an answer is made of — ``choices``, each
+# choice's message / delta / text and, non-stream, its finish_reason — must be there.
+_MAY_BE_MISSING = frozenset(
+    ("logprobs", "usage", "system_fingerprint", "id", "created", "model", "object")
+)
 _CHUNK_MAY_BE_MISSING = _MAY_BE_MISSING | {"finish_reason"}
 
 

@@ -17,17 +17,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
-from prefixgate.gateway.http.errors import APIError, not_found, shown
+from prefixgate.gateway.http.errors import APIError
+from prefixgate.gateway.proxy.policies import Route
 from prefixgate.gateway.proxy.redact import auth_error, scrub_text, secrets_of
-from prefixgate.gateway.proxy.routing import prompt_blocks
-from prefixgate.gateway.proxy.upstream import (
-    Route,
-    Upstream,
-    UpstreamRouter,
-    affinity_key,
-    prompt_text,
-    salted_affinity_key,
-)
+from prefixgate.gateway.proxy.upstream import Upstream, UpstreamRouter
 
 if TYPE_CHECKING:
     from prefixgate.gateway.proxy.prefix_entry import ProxyPrefix
@@ -42,28 +35,22 @@ class PrefixPlacement:
     """Registers prefixes on, and releases them from, the upstreams of ``router``.
 
     Args:
-        router: the upstream pool (its session, health and routing policy).
-        block_chars, max_chars: the affinity blocks of the prefix's text (as for requests).
+        router: the upstream pool (its session, health, models and routing policy; the
+            prefix's text is routed as a request's, ``UpstreamRouter.route``).
     """
 
-    def __init__(self, router: UpstreamRouter, block_chars: int = 64, max_chars: int = 4096):
+    def __init__(self, router: UpstreamRouter):
         self._router = router
-        self._block_chars = block_chars
-        self._max_chars = max_chars
 
     def route(self, entry: ProxyPrefix) -> Route:
         """The routing of the prefix's own text under its cache salt (what a request starting
         with it is routed by)."""
         body = {"messages": entry.messages}
-        key = salted_affinity_key(
-            affinity_key(body, self._block_chars, self._max_chars), entry.cache_salt
-        )
-        blocks: list[int] = []
-        if self._router.policy == "cache_aware":
-            blocks = prompt_blocks(
-                prompt_text(body), entry.cache_salt, self._block_chars, self._max_chars
-            )
-        return Route(key, blocks)
+        return self._router.route(body, entry.cache_salt, self._router.resolve(entry.model))
+
+    def _model(self, entry: ProxyPrefix) -> str:
+        """The public model name of the prefix's ``model`` (an alias resolved)."""
+        return self._router.resolve(entry.model) or entry.model
 
     async def place(self, entry: ProxyPrefix, headers_for: HeadersFor, first: bool) -> None:
         """Register ``entry`` on the upstream routing picks (others in turn when it fails);
@@ -76,13 +63,6 @@ class PrefixPlacement:
             if up is None:
                 raise router.exhausted(tried, "no upstream could register the prefix")
             tried.append(up)
-            known = [u.models for u in router.upstreams]
-            if first and None not in known and not any(entry.model in m for m in known if m):
-                raise not_found(
-                    f"the model {shown(entry.model)} does not exist",
-                    param="model",
-                    code="model_not_found",
-                )
             headers = headers_for(up)
             if up.prefix_api is not False:
                 done = await self._register_on(up, entry, headers)
@@ -106,7 +86,7 @@ class PrefixPlacement:
         """
         assert self._router.session is not None
         body: dict[str, Any] = {
-            "model": entry.model,
+            "model": up.upstream_model(self._model(entry)),
             "messages": entry.messages,
             "ttl_seconds": max(1, math.ceil(entry.seconds_left())),
         }
@@ -114,7 +94,7 @@ class PrefixPlacement:
             body["cache_salt"] = entry.cache_salt
         try:
             async with self._router.session.post(
-                up.url + "/v1/prefixes", json=body, headers=headers, timeout=_SHORT
+                up.url + "/v1/prefixes", json=body, headers=headers, timeout=_SHORT, ssl=up.ssl
             ) as resp:
                 data = await resp.read()
                 status = resp.status
@@ -157,10 +137,14 @@ class PrefixPlacement:
     async def _count(self, up: Upstream, entry: ProxyPrefix, headers: dict[str, str]) -> int:
         """The prefix's tokens by ``up``'s ``POST /tokenize`` (vLLM's), 0 without it."""
         assert self._router.session is not None
-        body = {"model": entry.model, "messages": entry.messages, "add_generation_prompt": False}
+        body = {
+            "model": up.upstream_model(self._model(entry)),
+            "messages": entry.messages,
+            "add_generation_prompt": False,
+        }
         try:
             async with self._router.session.post(
-                up.url + "/tokenize", json=body, headers=headers, timeout=_SHORT
+                up.url + "/tokenize", json=body, headers=headers, timeout=_SHORT, ssl=up.ssl
             ) as resp:
                 if resp.status != 200:
                     return 0

@@ -57,7 +57,6 @@ class ProxyPrefixRegistry:
         shared: the state backend (``RedisState`` shares the registry with other replicas).
         max_ttl_s: longest ``ttl_seconds`` accepted (seconds).
         max_prefixes: most live prefixes created on this replica (over it: 429).
-        block_chars, max_chars: the affinity blocks of the prefix's text (as for requests).
     """
 
     def __init__(
@@ -66,11 +65,9 @@ class ProxyPrefixRegistry:
         shared: StateBackend,
         max_ttl_s: float = 86_400.0,
         max_prefixes: int = 1024,
-        block_chars: int = 64,
-        max_chars: int = 4096,
     ) -> None:
         self._router = router
-        self._placement = PrefixPlacement(router, block_chars, max_chars)
+        self._placement = PrefixPlacement(router)
         self._shared = shared
         self.max_ttl_s = max_ttl_s
         self.max_prefixes = max_prefixes

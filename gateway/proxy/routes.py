@@ -5,11 +5,18 @@ a 200 JSON answer must be a JSON object (an HTML page or garbage with status 200
 failed upstream: retried elsewhere, else 502 ``upstream_error``), an SSE stream is relayed
 event by event, each checked, and must end with ``[DONE]`` — a stream that ends early,
 breaks, stalls past the idle timeout or turns to garbage ends with an in-band error event
-(``relay``). A request whose upstream fails before answering (connection refused or reset,
-connect timeout, 502/503/504, an invalid 200 body) is retried once on each other healthy
-upstream; an idle timeout before the answer (nothing for ``upstream_timeout_s``) is 504
-``upstream_timeout`` and not retried (the request may still be running there); once a
-stream has started it cannot move. An upstream error whose body is not an OpenAI error
+(``relay``). A request goes only to upstreams serving its model (``upstream``). One whose
+upstream fails before answering (connection refused or reset, connect timeout, 502/503/504,
+an invalid 200 body) is retried once on each other healthy upstream of its model; a 429 or
+500 answer also moves it to the next one (the upstream stays in rotation; a 429's
+``Retry-After`` keeps it out that long), and when none is left the client gets that answer
+(a 429 with the ``Retry-After`` of the soonest upstream back). Then, under a config file,
+come the model's fallbacks in order — not for a 429 whose upstream is back within
+``SOON_S`` — and a 400 "context length exceeded" goes to the next fallback at once. An idle
+timeout before the answer (nothing for ``upstream_timeout_s``) is 504 ``upstream_timeout``
+and not retried (the request may still be running there), except under a config file, whose
+deployments are declared interchangeable: there the next one (then a fallback) takes it.
+Once a stream has started it cannot move. An upstream error whose body is not an OpenAI error
 object (an HTML page, a traceback, nothing) is answered with the same status and a generic
 OpenAI error. A client that disconnects closes the upstream connection (the
 upstream then aborts its request).
@@ -19,36 +26,38 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 import time
 from typing import Any
 
 import aiohttp
 from aiohttp import web
+from multidict import CIMultiDict
 from prefixgate.gateway.api.request_models import check_counts, load_json
 from prefixgate.gateway.http.access_log import record
-from prefixgate.gateway.http.errors import APIError, bad_request
+from prefixgate.gateway.http.errors import ANTHROPIC, APIError, bad_request, error_dialect
 from prefixgate.gateway.http.headers import header_text
+from prefixgate.gateway.proxy import anthropic
 from prefixgate.gateway.proxy.answers import answer_model
+from prefixgate.gateway.proxy.policies import Route
 from prefixgate.gateway.proxy.prefixes import ProxyPrefix
 from prefixgate.gateway.proxy.redact import auth_error, reworded_error, secrets_of
 from prefixgate.gateway.proxy.relay import EventChecker, json_body_problem, relay_sse
-from prefixgate.gateway.proxy.routing import prompt_blocks
 from prefixgate.gateway.proxy.serving import PROXY
-from prefixgate.gateway.proxy.upstream import (
-    Route,
-    Upstream,
-    affinity_key,
-    prompt_text,
-    salted_affinity_key,
-)
+from prefixgate.gateway.proxy.upstream import Upstream, UpstreamRouter, retry_after_seconds
 from prefixgate.gateway.proxy.usage import Usage, UsageTap, ask_usage, body_usage
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.tenancy.keys import MAX_SALT_CHARS, effective_salt
+from prefixgate.gateway.tenancy.ttft_budget import BUDGET_HEADER
 
 logger = logging.getLogger("prefixgate.gateway")
 
 _RETRYABLE = frozenset((502, 503, 504))
+# Answers that send the request to the next upstream of its model (then to its fallback
+# models), the upstream staying in rotation; the last one is the client's when none is left.
+_NEXT_UPSTREAM = frozenset((429, 500))
+SOON_S = 1.0  # a 429 whose deployment is back within this (seconds) is not worth a fallback
 _HOP_HEADERS = {"Content-Type": "application/json"}
 _PASSED_HEADERS = ("Retry-After", "Content-Encoding")
 
@@ -64,6 +73,7 @@ async def proxy_generate(request: web.Request) -> web.StreamResponse:
     fails before its first token.
     """
     st = request.app[STATE]
+    router = request.app[PROXY].router
     principal = st.keys.authenticate(request)
     body = await request.read()
     parsed = load_json(body)  # the local routes' bounds: nesting, then the message count
@@ -85,11 +95,10 @@ async def proxy_generate(request: web.Request) -> web.StreamResponse:
             f"cache_salt must be a string of 1 to {MAX_SALT_CHARS} characters", param="cache_salt"
         )
     salt = effective_salt(principal.salt, request_salt)
+    model = router.resolve(parsed.get("model"))  # 404 model_not_found when nobody serves it
     keep_usage = ask_usage(parsed)
     bodies = _Bodies(parsed, salt)
-    route = _route(
-        st, request.app[PROXY].router.policy, parsed, salt
-    )  # with a prefix: its messages + the request's
+    route = router.route(parsed, salt, model)  # with a prefix: its messages + the request's
     est_tokens = len(body) // 4 + 1  # no tokenizer here: ~4 bytes per token until the usage
     lease = await st.shared.acquire(principal, est_tokens)
     try:
@@ -162,7 +171,8 @@ async def _forward_prefix(
                 await registry.replace(prefix, lost or prefix.upstream_id, _for(request, st))
             up = registry.holder(prefix)
         if up is None:
-            return await _forward(request, st, _Bodies(full, salt), route, ticket, outcome)
+            bodies = _Bodies(full, salt, prefix)
+            return await _forward(request, st, bodies, route, ticket, outcome)
         own = full["messages"][len(prefix.messages) :]
         body = {**full, "messages": own, "prefix_id": prefix.upstream_id}
         try:
@@ -186,42 +196,39 @@ class _PinnedLost(Exception):
     """The upstream holding a prefix's pin failed before answering, or no longer has it."""
 
 
-def _route(st: GatewayState, policy: str, parsed: dict[str, Any], salt: str | None) -> Route:
-    """What the router needs of a request: its rendezvous key (salted) and, for
-    ``cache_aware``, its prompt's blocks under its effective cache salt."""
-    s = st.settings
-    key = salted_affinity_key(
-        affinity_key(parsed, s.affinity_block_chars, s.affinity_max_chars), salt
-    )
-    blocks: list[int] = []
-    if policy == "cache_aware":
-        blocks = prompt_blocks(
-            prompt_text(parsed), salt, s.affinity_block_chars, s.affinity_max_chars
-        )
-    return Route(key, blocks)
-
-
 class _Bodies:
     """The forwarded body per upstream: with the effective ``cache_salt`` for upstreams that
-    take it; as the client sent it (plus the usage request) for those that do not."""
+    take it; as the client sent it (plus the usage request) for those that do not; with the
+    upstream's own id of the routed model (a config's alias, name or fallback)."""
 
-    __slots__ = ("_parsed", "_salt", "_salted", "_plain", "stream")
+    __slots__ = ("_parsed", "_salt", "_made", "prefix", "stream")
 
-    def __init__(self, parsed: dict[str, Any], salt: str | None) -> None:
+    def __init__(
+        self, parsed: dict[str, Any], salt: str | None, prefix: ProxyPrefix | None = None
+    ) -> None:
         self.stream = parsed.get("stream") is True  # the answer must be SSE, else JSON
         self._parsed = parsed
         self._salt = salt
-        self._salted: bytes | None = None
-        self._plain: bytes | None = None
+        self._made: dict[tuple[bool, str | None], bytes] = {}
+        self.prefix = prefix  # the registered prefix its messages start with (sent in full)
 
-    def for_upstream(self, up: Upstream) -> bytes:
-        if up.cache_salt is False or self._salt is None:
-            if self._plain is None:
-                self._plain = json.dumps(self._parsed).encode()  # \ud800 stays an escape
-            return self._plain
-        if self._salted is None:
-            self._salted = json.dumps({**self._parsed, "cache_salt": self._salt}).encode()
-        return self._salted
+    @property
+    def parsed(self) -> dict[str, Any]:
+        """The request body as the client sent it (plus the usage request of a stream)."""
+        return self._parsed
+
+    def for_upstream(self, up: Upstream, model: str | None = None) -> bytes:
+        salted = up.cache_salt is not False and self._salt is not None
+        name = up.upstream_model(model) if model is not None else None  # None: as sent
+        made = self._made.get((salted, name))
+        if made is None:
+            body = self._parsed
+            if name is not None and name != body.get("model"):
+                body = {**body, "model": name}
+            if salted:
+                body = {**body, "cache_salt": self._salt}
+            made = self._made[(salted, name)] = json.dumps(body).encode()  # \ud800: an escape
+        return made
 
 
 class _Outcome:
@@ -247,10 +254,51 @@ class _Outcome:
 
 
 async def proxy_get(request: web.Request) -> web.StreamResponse:
-    """GET /v1/models (and /v1/models/{id}) from the least loaded healthy upstream."""
+    """GET /v1/models: the union of the upstreams' models (a config's model names and
+    aliases); GET /v1/models/{id}: that card, else 404 ``model_not_found``. Forwarded to an
+    upstream (the least loaded healthy one) only while no upstream's models are known."""
     st = request.app[STATE]
     st.keys.authenticate(request)
-    return await _forward(request, st, None, None, None, None)
+    router = request.app[PROXY].router
+    cards = model_cards(router)
+    if cards is None:
+        return await _forward(request, st, None, None, None, None)
+    wanted = request.match_info.get("model")
+    if wanted is None:
+        return web.json_response({"object": "list", "data": list(cards.values())})
+    card = cards.get(wanted)
+    if card is None:
+        router.resolve(wanted)  # 404 model_not_found when nobody serves it
+        raise APIError(404, f"the model {wanted!r} is not listed yet", code="model_not_found")
+    return web.json_response(card)
+
+
+def model_cards(router: UpstreamRouter) -> dict[str, dict[str, Any]] | None:
+    """The models the gateway serves, by id, as cards (``/v1/models``): each upstream's own
+    card, the first upstream's where several serve one; a config's model (or alias) has the
+    card of its first deployment's upstream model with its own id (a minimal card while
+    that upstream's are unknown). None while no upstream's models are known."""
+    if router.model_list is None:
+        if all(u.models is None for u in router.upstreams):
+            return None
+        out: dict[str, dict[str, Any]] = {}
+        for u in router.upstreams:
+            for mid in list(u.cards) or sorted(u.models or ()):
+                out.setdefault(mid, u.cards.get(mid) or _card(mid))
+        return out
+    out = {}
+    aliases = router.model_list.aliases()
+    for name in router.model_list.names():
+        model = aliases.get(name, name)
+        deployments = router.serving(model)
+        first = deployments[0] if deployments else None
+        card = first.cards.get(first.upstream_model(model)) if first is not None else None
+        out[name] = {**card, "id": name} if card else _card(name)
+    return out
+
+
+def _card(model_id: str) -> dict[str, Any]:
+    return {"id": model_id, "object": "model", "created": 0, "owned_by": "prefixgate"}
 
 
 async def _forward(
@@ -262,46 +310,93 @@ async def _forward(
     outcome: _Outcome | None,
     pinned: Upstream | None = None,
 ) -> web.StreamResponse:
-    """Forward to the upstream routing picks (the next one on a failure before the answer),
-    or only to ``pinned`` (a prefix's upstream: ``_PinnedLost`` when it fails before the
-    answer or answers 404 ``prefix_not_found``)."""
+    """Forward to the upstream routing picks (the next one of the model on a failure before
+    the answer, then the model's fallbacks: see the module docstring), or only to ``pinned``
+    (a prefix's upstream: ``_PinnedLost`` when it fails before the answer or answers 404
+    ``prefix_not_found``)."""
     router = request.app[PROXY].router
     session = router.session
     assert session is not None  # opened on the app's startup
     wants_stream = bodies is not None and bodies.stream
-    model = answer_model(request.path, wants_stream)
+    shape = answer_model(request.path, wants_stream)  # the response model answers must fit
     api_key = st.settings.upstream_api_key
     tried: list[Upstream] = []
+    exclude: list[Upstream] = []  # tried for this model
+    fallbacks = router.fallbacks(route.model if route is not None else None)
+    configured = router.model_list is not None  # deployments declared interchangeable
+    last: _Answer | None = None  # the last 429 / 500 answer, the client's when none is left
+    timed_out: APIError | None = None
     while True:
+        model = route.model if route is not None else None
         if pinned is not None:
             if tried:
                 raise _PinnedLost(tried[-1].last_error)
             up: Upstream | None = pinned
         else:
-            up = router.pick(route, tried)
+            up = router.pick(route, exclude)
+        if up is None and route is not None and fallbacks:
+            soon = router.retry_after(model)
+            if not (
+                last is not None and last.status == 429 and soon is not None and soon <= SOON_S
+            ):
+                route.model = fallbacks.pop(0)  # every deployment failed: the next model
+                exclude = []
+                logger.info(
+                    "model %s failed (%s): falling back to %s", model, _why(tried), route.model
+                )
+                continue
         if up is None:
-            raise router.exhausted(tried, "every upstream failed")
+            if last is not None:
+                return last.response(router.retry_after(model))
+            if timed_out is not None:
+                raise timed_out
+            raise router.exhausted(tried, "every upstream failed", model)
         tried.append(up)
+        exclude.append(up)
         headers = upstream_headers(request, st, up)
         up.in_flight += 1
         status = "error"
         try:
+            if up.dialect == "anthropic":
+                got = await _forward_anthropic(request, st, up, bodies, route, ticket, outcome)
+                status = str(got.status)
+                if isinstance(got, _Answer):
+                    if got.status in _RETRYABLE:
+                        router.mark_failed(up, f"HTTP {got.status}")
+                    else:  # 429, 500, 529 overloaded (the client sees a 503: OpenAI's word)
+                        last = got if got.status != 529 else _Answer(503, got.data, got.headers)
+                        up.last_error = f"HTTP {got.status}"
+                        wait = retry_after_seconds(got.headers.get("Retry-After"))
+                        if got.status == 429 and wait is not None:
+                            router.limit(up, wait)
+                    continue
+                return got.response
             if bodies is None:
-                ctx = session.get(up.url + request.path_qs, headers=headers)
+                ctx = session.get(up.url + request.path_qs, headers=headers, ssl=up.ssl)
             else:
-                body = bodies.for_upstream(up)
-                ctx = session.post(up.url + request.path, data=body, headers=headers)
+                body = bodies.for_upstream(up, route.model if route is not None else None)
+                ctx = session.post(up.url + request.path, data=body, headers=headers, ssl=up.ssl)
             async with ctx as resp:
                 status = str(resp.status)
                 if resp.status in _RETRYABLE:
                     router.mark_failed(up, f"HTTP {resp.status}")
+                    continue
+                if resp.status in _NEXT_UPSTREAM and pinned is None:
+                    last = _Answer(
+                        resp.status, await resp.read(), resp.headers, secrets_of(api_key, up.auth)
+                    )
+                    wait = retry_after_seconds(resp.headers.get("Retry-After"))
+                    if resp.status == 429 and wait is not None:
+                        router.limit(up, wait)
+                    else:
+                        up.last_error = f"HTTP {resp.status}"
                     continue
                 if ticket is not None:
                     ticket.started()
                 up.served += 1
                 ctype = resp.headers.get("Content-Type", "application/json")
                 is_sse = ctype.startswith("text/event-stream")
-                if resp.status == 200 and is_sse != wants_stream and model is not None:
+                if resp.status == 200 and is_sse != wants_stream and shape is not None:
                     # SSE to a non-stream request (or JSON to a stream): not its answer
                     up.served -= 1
                     router.mark_bad_answer(
@@ -319,7 +414,7 @@ async def _forward(
                         outcome.served = True
                         outcome.tap = tap = UsageTap(outcome.keep_usage)
                     tail = bytearray()
-                    checker = EventChecker(model, require_finish=model is not None)
+                    checker = EventChecker(shape, require_finish=shape is not None)
                     out = await relay_sse(
                         request,
                         resp,
@@ -337,6 +432,15 @@ async def _forward(
                     _learn(router, up, route, bytes(tail))
                     return out
                 data = await resp.read()
+                if resp.status == 400 and fallbacks and route and _too_long(data, resp.headers):
+                    up.served -= 1
+                    status = "too_long"
+                    route.model = fallbacks.pop(0)  # a model with a longer context, say
+                    exclude = []
+                    logger.info(
+                        "prompt too long for model %s: falling back to %s", model, route.model
+                    )
+                    continue
                 if pinned is not None and resp.status == 404 and _lost_prefix(data, resp.headers):
                     up.served -= 1
                     status = "prefix_lost"
@@ -348,7 +452,7 @@ async def _forward(
                     encoding = resp.headers.get("Content-Encoding", "identity")
                     error = reworded_error(data, encoding, secrets_of(api_key, up.auth))
                     if error is None:
-                        raise _wrapped_error(resp)
+                        raise _wrapped_error(resp.status, resp.headers)
                     e = error["error"]
                     raise APIError(
                         resp.status,
@@ -356,10 +460,10 @@ async def _forward(
                         param=e["param"],
                         code=e["code"],
                         type=e["type"],
-                        retry_after=_retry_after(resp),
+                        retry_after=_retry_after(resp.headers),
                     )
                 problem = (
-                    json_body_problem(data, resp.headers, model) if resp.status < 300 else None
+                    json_body_problem(data, resp.headers, shape) if resp.status < 300 else None
                 )
                 if problem is not None:  # a bad answer: not served, nothing learnt
                     up.served -= 1
@@ -373,12 +477,7 @@ async def _forward(
                     if "Content-Encoding" not in resp.headers:
                         outcome.usage = body_usage(data)
                     _learn(router, up, route, data[-4096:])
-                out_headers = {"Content-Type": ctype}
-                for name in _PASSED_HEADERS:  # a 429's advice; an encoding we did not undo
-                    value = resp.headers.get(name)
-                    if value is not None:
-                        out_headers[name] = value
-                return web.Response(body=data, status=resp.status, headers=out_headers)
+                return _Answer(resp.status, data, resp.headers).response()
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
             if request.transport is None or request.transport.is_closing():
                 return web.Response(status=499)  # client gone; nothing to answer
@@ -389,17 +488,126 @@ async def _forward(
                 # An idle timeout: one slow request, not a dead server (a probe decides).
                 router.suspect(up, why)
                 status = "timeout"
-                raise APIError(
+                timed_out = APIError(
                     504,
                     f"the upstream sent nothing for {router.timeout_s:g} s",
                     code="upstream_timeout",
                     type="timeout_error",
-                ) from None
+                )
+                if configured and pinned is None and route is not None:
+                    continue  # a config's deployments are interchangeable: the next one
+                raise timed_out from None
             router.mark_failed(up, why)
             status = "failed"
         finally:
             up.in_flight -= 1
             st.metrics.upstream_requests.labels(up.url, status).inc()
+
+
+class _Served:
+    """An answer that went to the client (``response``), with its HTTP ``status``."""
+
+    __slots__ = ("status", "response")
+
+    def __init__(self, status: str, response: web.StreamResponse) -> None:
+        self.status = status
+        self.response = response
+
+
+async def _forward_anthropic(
+    request: web.Request,
+    st: GatewayState,
+    up: Upstream,
+    bodies: _Bodies | None,
+    route: Route | None,
+    ticket: Any,
+    outcome: _Outcome | None,
+) -> _Served | _Answer:
+    """One try of a chat on an Anthropic-dialect deployment (``proxy.anthropic``): the
+    translated answer sent to the client (``_Served``), or an answer worth the next upstream
+    (429, 500, 502/503/504, 529 overloaded: an ``_Answer`` holding an OpenAI error object).
+
+    Raises:
+        APIError: 400 for what the deployment cannot take (a route other than chat, a field
+            or content part); the upstream's other errors, mapped (``anthropic.error_of``).
+    """
+    if bodies is None or route is None or request.path != "/v1/chat/completions":
+        raise APIError(
+            400,
+            f"{request.path} is not served for this model (an Anthropic deployment): "
+            "use /v1/chat/completions",
+            code="unsupported_for_model",
+        )
+    session = request.app[PROXY].router.session
+    assert session is not None
+    public = route.model or ""
+    parsed = bodies.parsed
+    pfx = bodies.prefix
+    req = anthropic.to_messages(
+        parsed,
+        up.upstream_model(public),
+        len(pfx.messages) if pfx is not None else 0,
+        pfx.seconds_left() if pfx is not None else 0.0,
+    )
+    async with session.post(
+        up.url + "/v1/messages", json=req, headers=anthropic.headers_for(up.auth), ssl=up.ssl
+    ) as resp:
+        if resp.status != 200:
+            data = await resp.read()
+            err = anthropic.error_of(resp.status, data)
+            if resp.status in (429, 500, 502, 503, 504, 529):
+                headers = {"Content-Type": "application/json"}
+                if "Retry-After" in resp.headers:
+                    headers["Retry-After"] = resp.headers["Retry-After"]
+                return _Answer(resp.status, json.dumps(err.body()).encode(), headers)
+            raise err
+        if ticket is not None:
+            ticket.started()
+        up.served += 1
+        if outcome is not None:
+            outcome.served = True
+        if req.get("stream"):
+            translator = anthropic.StreamTranslator(
+                public, include_usage=outcome.keep_usage if outcome is not None else False
+            )
+            out = await anthropic.relay_stream(
+                request, resp, translator, st.settings.upstream_timeout_s
+            )
+            if outcome is not None and translator.usage is not None:
+                outcome.usage.read(translator.usage)
+            return _Served("200", out)
+        try:
+            msg = await resp.json(content_type=None)
+            completion = anthropic.to_completion(msg, public)
+        except (ValueError, AttributeError, TypeError):
+            raise APIError(
+                502, "the Anthropic upstream's answer is not a message", code="upstream_error"
+            ) from None
+        if outcome is not None:
+            outcome.usage.read(completion["usage"])
+        return _Served("200", web.json_response(completion))
+
+
+def _too_long(data: bytes, headers: Any) -> bool:
+    """True when an upstream's 400 body says the prompt exceeds the model's context
+    (OpenAI's code ``context_length_exceeded``, or vLLM's / SGLang's "maximum context
+    length" message)."""
+    if "Content-Encoding" in headers:
+        return False
+    try:
+        err = json.loads(data).get("error")
+    except (ValueError, AttributeError):
+        return False
+    if not isinstance(err, dict):
+        return False
+    message = err.get("message")
+    return err.get("code") == "context_length_exceeded" or (
+        isinstance(message, str) and "maximum context length" in message
+    )
+
+
+def _why(tried: list[Upstream]) -> str:
+    return tried[-1].last_error if tried else "no upstream of it can take requests"
 
 
 def _lost_prefix(data: bytes, headers: Any) -> bool:
@@ -413,20 +621,68 @@ def _lost_prefix(data: bytes, headers: Any) -> bool:
     return isinstance(err, dict) and err.get("code") == "prefix_not_found"
 
 
-def _wrapped_error(resp: aiohttp.ClientResponse) -> APIError:
+class _Answer:
+    """An upstream's whole (non-stream) answer: ``status``, body bytes, headers."""
+
+    __slots__ = ("status", "data", "headers", "secrets")
+
+    def __init__(
+        self, status: int, data: bytes, headers: Any, secrets: tuple[str, ...] = ()
+    ) -> None:
+        self.status = status
+        self.data = data
+        self.headers = headers
+        self.secrets = secrets  # the credentials scrubbed from an error body (redact)
+
+    def response(self, retry_after: float | None = None) -> web.Response:
+        """The client's response: the body as it came (an error without an OpenAI error
+        object wrapped in one), its content type, ``Retry-After`` and encoding; with
+        ``retry_after`` (seconds until one of the model's upstreams is out of its 429) as
+        ``Retry-After`` instead of the upstream's own.
+
+        Raises:
+            APIError: the wrapped error.
+        """
+        headers = CIMultiDict(self.headers)
+        if retry_after is not None:
+            headers["Retry-After"] = str(max(1, math.ceil(retry_after)))
+        if self.status >= 400:  # reworded from its four fields, credentials scrubbed
+            error = reworded_error(
+                self.data, headers.get("Content-Encoding", "identity"), self.secrets
+            )
+            if error is None:
+                raise _wrapped_error(self.status, headers)
+            e = error["error"]
+            raise APIError(
+                self.status,
+                e["message"],
+                param=e["param"],
+                code=e["code"],
+                type=e["type"],
+                retry_after=_retry_after(headers),
+            )
+        out_headers = {"Content-Type": headers.get("Content-Type", "application/json")}
+        for name in _PASSED_HEADERS:  # a 429's advice; an encoding we did not undo
+            value = headers.get(name)
+            if value is not None:
+                out_headers[name] = value
+        return web.Response(body=self.data, status=self.status, headers=out_headers)
+
+
+def _wrapped_error(status: int, headers: Any) -> APIError:
     """An upstream error whose body is not an OpenAI error object (an HTML page, a traceback,
     nothing): the same status, a generic OpenAI error, the upstream's body never shown."""
     return APIError(
-        resp.status,
-        f"the upstream answered HTTP {resp.status} without an OpenAI error object",
+        status,
+        f"the upstream answered HTTP {status} without an OpenAI error object",
         code="upstream_error",
-        retry_after=_retry_after(resp),
+        retry_after=_retry_after(headers),
     )
 
 
-def _retry_after(resp: aiohttp.ClientResponse) -> float | None:
+def _retry_after(headers: Any) -> float | None:
     """The upstream's ``Retry-After`` in seconds when it is a whole number, else None."""
-    retry = resp.headers.get("Retry-After", "")
+    retry = headers.get("Retry-After", "")
     return float(retry) if retry.isdigit() else None
 
 
@@ -446,17 +702,24 @@ def _learn(router: Any, up: Upstream, route: Route | None, tail: bytes) -> None:
 
 
 def upstream_headers(request: web.Request, st: GatewayState, up: Upstream) -> dict[str, str]:
-    """Headers towards ``up``: one credential at most — ``--upstream-api-key`` (Bearer), else
-    the upstream URL's userinfo (Basic, made once by ``split_credentials``), else the client's
-    own ``Authorization`` when the gateway has no keys of its own."""
-    if st.settings.upstream_api_key:
-        return {**_HOP_HEADERS, "Authorization": "Bearer " + st.settings.upstream_api_key}
+    """Headers towards ``up``: one credential at most — its own (a config's credential, or
+    its URL's userinfo as Basic, made once by ``split_credentials``), else
+    ``--upstream-api-key`` (Bearer), else the client's own ``Authorization`` when the gateway
+    has no keys of its own; and the client's TTFT budget header, which a prefixgate upstream
+    enforces."""
+    out = dict(_HOP_HEADERS)
+    budget = request.headers.get(BUDGET_HEADER)  # a prefixgate upstream refuses by it
+    if budget is not None:
+        out[BUDGET_HEADER] = budget
     if up.auth is not None:
-        return {**_HOP_HEADERS, "Authorization": up.auth}
-    auth = header_text(request, "Authorization")
-    if auth and st.keys.open:
-        return {**_HOP_HEADERS, "Authorization": auth}
-    return _HOP_HEADERS
+        out["Authorization"] = up.auth
+    elif st.settings.upstream_api_key:
+        out["Authorization"] = "Bearer " + st.settings.upstream_api_key
+    else:
+        auth = header_text(request, "Authorization")
+        if auth and st.keys.open:
+            out["Authorization"] = auth
+    return out
 
 
 async def local_mode_only(request: web.Request) -> web.Response:
@@ -472,6 +735,8 @@ async def local_mode_only(request: web.Request) -> web.Response:
         "/tokenize": "; the upstream's own /tokenize answers it",
         "/detokenize": "; the upstream's own /detokenize answers it",
         "/v1/embeddings": "; send embeddings to the upstream serving them",
+        "/v1/messages": "; send Anthropic Messages requests to a gateway in local mode",
+        "/v1/messages/count_tokens": "; ask a gateway in local mode",
     }.get(request.path, "")
     raise APIError(
         501,
@@ -479,3 +744,14 @@ async def local_mode_only(request: web.Request) -> web.Response:
         code="unsupported_in_upstream_mode",
         type="invalid_request_error",
     )
+
+
+@error_dialect(ANTHROPIC)
+async def messages_local_mode_only(request: web.Request) -> web.Response:
+    """``/v1/messages`` and ``/v1/messages/count_tokens`` in upstream mode: 501 naming the
+    route (``local_mode_only``) in Anthropic's error shape.
+
+    Raises:
+        APIError: always, 501 ``unsupported_in_upstream_mode``.
+    """
+    return await local_mode_only(request)

@@ -1,43 +1,53 @@
-"""Upstream mode: a pool of OpenAI-compatible servers and prefix-affinity routing among them.
+"""Upstream mode: a pool of OpenAI-compatible servers, the models each serves, and the
+choice of one per request.
 
-Routing of one request (after SGLang's cache-aware router, adapted to rendezvous hashing):
+Choosing the upstream of one request:
 
-1. Only healthy upstreams are candidates. An upstream becomes unhealthy after a connection
-   failure, a connect timeout, a 502/503/504 answer, or a failed probe (every upstream is
-   probed at start, and after an idle timeout of one of its requests); an answer that is not
-   the OpenAI shape (``answers.py``) is one strike, and ``FAILURE_THRESHOLD`` (3) strikes in
-   a row take it out (one bad answer never ejects the only upstream). A background task
-   probes unhealthy ones (``GET /health``) every ``health_interval_s`` and puts them back on
-   any answer below 500, half-open: one more bad answer takes a returned upstream out again,
-   a good one clears its strikes.
-2. If the load is imbalanced — ``max - min > balance_abs_threshold`` and
-   ``max > balance_rel_threshold * min``, over in-flight requests (SGLang's defaults 64 and
-   1.5) — the least loaded upstream is chosen.
-3. Otherwise rendezvous (highest-random-weight) hashing of the prompt's affinity key picks the
-   upstream (Thaler & Ravishankar 1998): score = xxh3_64(key, seed=upstream's seed), highest
-   wins. The same system prompt goes to the same upstream, where its KV blocks are cached, and
-   removing one upstream moves only the keys it owned.
-
-The affinity key is the prompt's leading text in whole "blocks" of ``affinity_block_chars``
-characters, at most ``affinity_max_chars``: the leading system/developer messages of a chat
-(else its first message), or a completion's prompt. A key shorter than one block is used
-whole. A request without one goes to the least loaded upstream.
+1. Only upstreams serving the request's ``model`` are candidates: the ids of each one's
+   ``GET /v1/models`` (asked at start and again every ``health_interval_s``, so an upstream
+   whose models change is followed), or the models a config file gives its deployments
+   (``proxy.model_list``; aliases resolved first). A model no upstream lists is the
+   gateway's own 404 ``model_not_found``; an upstream that never answered ``/v1/models`` is
+   a candidate only for a model no known upstream lists (it may serve it).
+2. Of those, only healthy ones. An upstream becomes unhealthy after a connection failure,
+   a connect timeout, a 502/503/504 answer, or
+   a failed probe (every upstream is probed at start, and after an idle timeout of one of
+   its requests); an answer that is not the OpenAI shape (``answers.py``) is one strike, and
+   ``FAILURE_THRESHOLD`` (3) strikes in a row take it out (one bad answer never ejects the
+   only upstream). A background task probes unhealthy ones (``GET /health``) every
+   ``health_interval_s`` and puts them back on any answer below 500, half-open: one more
+   bad answer takes a returned upstream out again, a good one clears its strikes.
+3. An upstream that answered 429 with ``Retry-After`` is left out for that long, and one at
+   its ``max_in_flight`` is left out while it is: others serve. When every candidate is
+   rate limited they are tried anyway (the limit is theirs to enforce, and may be the
+   client key's own); when every one is full, 429 with ``Retry-After``.
+4. The routing policy picks among the rest (``proxy.policies``: ``cache_aware``,
+   ``rendezvous``, ``round_robin``, ``least_loaded``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
+import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import aiohttp
-import xxhash
 import yarl
-from prefixgate.gateway.api.request_models import content_text
-from prefixgate.gateway.http.errors import APIError
-from prefixgate.gateway.proxy.routing import PrefixTree, RoundRobin, check_policy
+from prefixgate.gateway.http.errors import APIError, bad_request, not_found, shown
+from prefixgate.gateway.proxy.model_list import ModelList
+from prefixgate.gateway.proxy.policies import (
+    PrefixTree,
+    Route,
+    RoutingPolicy,
+    affinity_key,
+    make_policy,
+    prompt_text,
+    salted_affinity_key,
+)
 
 logger = logging.getLogger("prefixgate.gateway")
 
@@ -95,8 +105,20 @@ def split_credentials(url: str) -> tuple[str, str | None]:
 
 
 class Upstream:
-    """One upstream server: its base URL (without userinfo), the ``Authorization`` value made
-    of that userinfo (``auth``, None without), health and in-flight request count."""
+    """One upstream server (a deployment): its base URL (without userinfo), the
+    ``Authorization`` value it is sent (``auth``: made of the URL's userinfo, or a config
+    file's credential; None without), TLS (``ssl``: True for default verification, an
+    ``ssl.SSLContext`` of its own CA bundle / client certificate, False only when a config
+    turns verification off), ``weight`` and ``max_in_flight`` (0: no limit), health,
+    in-flight request count and the models it serves.
+
+    ``models``: the public model names it serves (None while unknown): its ``/v1/models``
+    ids, or the config's names for it (``names`` then maps each to the upstream's own id,
+    and discovery leaves them as they are). ``cards``: its model cards by id as it sent them.
+
+    Raises:
+        ValueError: a malformed URL; a URL with userinfo given another credential too.
+    """
 
     __slots__ = (
         "url",
@@ -112,10 +134,30 @@ class Upstream:
         "cache_misses",
         "prefix_api",
         "models",
+        "names",
+        "cards",
+        "weight",
+        "max_in_flight",
+        "limited_until",
+        "ssl",
+        "dialect",
     )
 
-    def __init__(self, url: str) -> None:
+    def __init__(
+        self,
+        url: str,
+        auth: str | None = None,
+        weight: float = 1.0,
+        max_in_flight: int = 0,
+        tls: ssl.SSLContext | bool = True,
+        names: Mapping[str, str] | None = None,
+        dialect: str = "openai",
+    ) -> None:
         self.url, self.auth = split_credentials(url)  # url: never holds a password
+        if auth is not None:
+            if self.auth is not None:
+                raise ValueError(f"upstream {self.url}: give user:password or a credential")
+            self.auth = auth
         self.seed = zlib.crc32(self.url.encode())
         self.healthy = True
         self.in_flight = 0
@@ -130,100 +172,59 @@ class Upstream:
         # Serves prefixgate's prefix API (``POST /v1/prefixes``): True / False, None while
         # unknown (then tried: a 404/405/501 answer says no).
         self.prefix_api: bool | None = None
-        self.models: frozenset[str] | None = None  # its /v1/models ids, None while unknown
+        self.names: dict[str, str] = dict(names or {})
+        self.models: frozenset[str] | None = frozenset(self.names) if self.names else None
+        self.cards: dict[str, dict[str, Any]] = {}
+        self.weight = weight
+        self.max_in_flight = max_in_flight
+        self.limited_until = 0.0  # time.monotonic() until which its 429 keeps it out
+        self.ssl = tls
+        self.dialect = dialect  # "openai", or "anthropic" (the Messages API: proxy.anthropic)
+        if dialect == "anthropic":  # no prefix API, no cache_salt (its cache is the account's)
+            self.prefix_api = False
+            self.cache_salt = False
+
+    def upstream_model(self, model: str) -> str:
+        """The upstream's own id of public model ``model`` (the same without a config)."""
+        return self.names.get(model, model)
 
     def __repr__(self) -> str:
         state = "healthy" if self.healthy else "unhealthy"
         return f"Upstream({self.url}, {state}, in_flight={self.in_flight})"
 
 
-def salted_affinity_key(key: bytes | None, salt: str | None) -> bytes | None:
-    """The affinity key of a request in cache partition ``salt``: tenants that can never
-    share cached blocks need not meet on one upstream (``None`` salt: the key unchanged)."""
-    if key is None or salt is None:
-        return key
-    return salt.encode("utf-8", "surrogatepass") + b"\x00" + key
-
-
 CACHE_SALT_MODES = ("auto", "on", "off")  # --upstream-cache-salt
-CACHE_THRESHOLD = 0.5  # SGLang router's cache_threshold: the least match worth following
+__all__ = ["Route", "affinity_key", "prompt_text", "salted_affinity_key"]  # re-exported
 
 
-class Route:
-    """What routing knows of one request: the rendezvous ``key`` (leading blocks of its
-    system prompt) and the whole prompt's ``blocks`` (``routing.prompt_blocks``, salted)."""
-
-    __slots__ = ("key", "blocks", "predicted")
-
-    def __init__(self, key: bytes | None, blocks: list[int]) -> None:
-        self.key = key
-        self.blocks = blocks
-        self.predicted = 0  # blocks the chosen upstream held by the tree (cache_aware)
-
-
-def prompt_text(body: Any) -> str:
-    """The whole prompt of a chat or completions body as text (messages as ``role: content``
-    lines; a token-id prompt as its comma-joined ids)."""
-    if not isinstance(body, dict):
-        return ""
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        return "".join(
-            f"{m.get('role')}: {content_text(m.get('content'))}\n"
-            for m in messages
-            if isinstance(m, dict)
-        )
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list):
-        return ",".join(map(str, prompt))
-    return ""
-
-
-def affinity_key(body: Any, block_chars: int = 64, max_chars: int = 4096) -> bytes | None:
-    """The prompt's leading blocks of text (UTF-8 bytes) of a chat or completions body."""
-    if not isinstance(body, dict):
+def retry_after_seconds(value: str | None) -> float | None:
+    """A ``Retry-After`` header's delay in seconds (delta-seconds or an HTTP date, RFC 9110
+    10.2.3); None when absent or unreadable."""
+    if not value:
         return None
-    text = ""
-    messages = body.get("messages")
-    if isinstance(messages, list) and messages:
-        lead = []
-        for m in messages:
-            if isinstance(m, dict) and m.get("role") in ("system", "developer"):
-                lead.append(content_text(m.get("content")))
-            else:
-                break
-        text = (
-            "\n".join(lead)
-            if lead
-            else (content_text(messages[0].get("content")) if isinstance(messages[0], dict) else "")
-        )
-    else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt:
-            prompt = prompt[0] if not isinstance(prompt[0], int) else prompt
-        if isinstance(prompt, str):
-            text = prompt
-        elif isinstance(prompt, list):
-            text = ",".join(map(str, prompt[: max_chars // 4]))
-    if not text:
+    value = value.strip()
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    from email.utils import parsedate_to_datetime
+
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError):
         return None
-    n = min(len(text), max_chars)
-    if n >= block_chars:
-        n -= n % block_chars
-    return text[:n].encode("utf-8", "surrogatepass")  # a lone surrogate is client text too
+    return max(0.0, when.timestamp() - time.time())
 
 
 class UpstreamRouter:
-    """Picks an upstream per request and keeps the pool's health (see the module docstring).
+    """Picks an upstream per request and keeps the pool's health and models (see the module
+    docstring).
 
     Args:
-        urls: base URLs of the upstreams.
+        urls: base URLs of the upstreams, or ``Upstream`` objects (a config's deployments).
         balance_abs_threshold, balance_rel_threshold: the imbalance rule (in-flight requests).
-        health_interval_s: seconds between probes of unhealthy upstreams.
+        health_interval_s: seconds between probes of unhealthy upstreams, and between two
+            reads of each healthy one's ``/v1/models``.
         connect_timeout_s: connect timeout of each upstream request.
         timeout_s: idle timeout of each upstream request — the longest wait for the answer's
             first byte and between two reads of it (aiohttp's ``sock_read``), never a total:
@@ -233,9 +234,11 @@ class UpstreamRouter:
             ``GET /v1/models``: ``owned_by`` ``"prefixgate"`` or ``"vllm"``, the servers known
             to isolate by it), ``"on"`` or ``"off"`` (all of them).
         auth: ``Authorization`` value for the detection request (``--upstream-api-key``);
-            an upstream's own userinfo is used when it has one.
-        policy: ``cache_aware``, ``rendezvous``, ``round_robin`` or ``least_loaded``
-            (``routing``).
+            an upstream's own credential is used when it has one.
+        policy: a registered routing policy's name (``proxy.policies.POLICIES``).
+        block_chars, max_chars: the prompt's affinity blocks (characters) and longest text.
+        models: the config file's model list (aliases, fallbacks; ``proxy.model_list``), None
+            when the models are discovered.
 
     Health: a refused or reset connection, a connect timeout or a 502/503/504 takes an
     upstream out of rotation (``mark_failed``); an idle timeout does not — one slow request
@@ -249,7 +252,7 @@ class UpstreamRouter:
 
     def __init__(
         self,
-        urls: Sequence[str],
+        urls: Sequence[str | Upstream],
         balance_abs_threshold: int = 64,
         balance_rel_threshold: float = 1.5,
         health_interval_s: float = 5.0,
@@ -258,15 +261,23 @@ class UpstreamRouter:
         cache_salt: str = "auto",
         auth: str | None = None,
         policy: str = "cache_aware",
+        block_chars: int = 64,
+        max_chars: int = 4096,
+        models: ModelList | None = None,
     ) -> None:
         if not urls:
             raise ValueError("upstream mode needs at least one upstream URL")
-        self.policy = check_policy(policy)
-        self.tree = PrefixTree()
-        self._turn = RoundRobin()
-        self.upstreams = [Upstream(u) for u in urls]
+        self.policy: RoutingPolicy = make_policy(
+            policy,
+            abs_threshold=balance_abs_threshold,
+            rel_threshold=balance_rel_threshold,
+            block_chars=block_chars,
+            max_chars=max_chars,
+        )
+        self.upstreams = [u if isinstance(u, Upstream) else Upstream(u) for u in urls]
         if len({u.url for u in self.upstreams}) != len(self.upstreams):
             raise ValueError("upstream URLs must be distinct")
+        self.model_list = models
         self.cache_salt_mode = cache_salt
         if cache_salt != "auto":
             for u in self.upstreams:
@@ -282,6 +293,18 @@ class UpstreamRouter:
         self.session: aiohttp.ClientSession | None = None
         self._probe_task: asyncio.Task | None = None
         self._suspects: set[asyncio.Task] = set()
+
+    @property
+    def tree(self) -> PrefixTree:
+        """The prefix tree of ``cache_aware`` routing.
+
+        Raises:
+            AttributeError: under another policy (it keeps none).
+        """
+        tree = getattr(self.policy, "tree", None)
+        if tree is None:
+            raise AttributeError(f"routing {self.policy.name} keeps no prefix tree")
+        return tree
 
     async def start(self) -> None:
         """Open the shared ClientSession and start the health prober (in the server's loop)."""
@@ -310,20 +333,35 @@ class UpstreamRouter:
                     "GET /v1/models); sending it, detecting again when it is healthy",
                     u.url,
                 )
+        if self.model_list is None:
+            self._warn_split_models()
         self._probe_task = asyncio.create_task(self._probe_loop())
 
+    def _warn_split_models(self) -> None:
+        """Log what each upstream serves when they do not all serve the same models."""
+        known = {u.url: u.models for u in self.upstreams if u.models is not None}
+        if len({*known.values()}) > 1:
+            logger.info(
+                "upstreams serve different models; each request goes to a server of its model: %s",
+                "; ".join(f"{url}: {', '.join(sorted(m)) or '-'}" for url, m in known.items()),
+            )
+
     async def detect(self, up: Upstream) -> None:
-        """Ask ``up`` what it is (``GET /v1/models``, 2 s) and note its model ids. ``owned_by``
-        ``"prefixgate"`` on every card: it serves the prefix API (``prefix_api``); prefixgate
-        and vLLM take ``cache_salt`` (set only under ``cache_salt="auto"``); another server
-        that answers has neither; no answer leaves both unknown."""
+        """Ask ``up`` what it is (``GET /v1/models``, 2 s) and note its model ids and cards.
+        ``owned_by`` ``"prefixgate"`` on every card: it serves the prefix API
+        (``prefix_api``); prefixgate and vLLM take ``cache_salt`` (set only under
+        ``cache_salt="auto"``); another server that answers has neither; no answer leaves
+        what was known. The models of a config's deployment are the config's."""
         assert self.session is not None
+        if up.dialect != "openai":
+            return  # a config's deployment: its models are the config's
         auth = up.auth or self._auth
         try:
             async with self.session.get(
                 up.url + "/v1/models",
                 headers={"Authorization": auth} if auth else None,
                 timeout=aiohttp.ClientTimeout(total=2.0),
+                ssl=up.ssl,
             ) as resp:
                 if resp.status != 200:
                     return
@@ -331,9 +369,19 @@ class UpstreamRouter:
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
             return
         cards = data.get("data") if isinstance(data, dict) else None
-        cards = [c for c in cards or [] if isinstance(c, dict)]
+        cards = [c for c in cards or [] if isinstance(c, dict) and isinstance(c.get("id"), str)]
         owners = {c.get("owned_by") for c in cards}
-        up.models = frozenset(str(c.get("id")) for c in cards)
+        up.cards = {c["id"]: c for c in cards}
+        if not up.names:
+            models = frozenset(up.cards)
+            if up.models is not None and models != up.models:
+                logger.info(
+                    "upstream %s now serves %s (was %s)",
+                    up.url,
+                    ", ".join(sorted(models)) or "no model",
+                    ", ".join(sorted(up.models)) or "no model",
+                )
+            up.models = models
         up.prefix_api = owners == {"prefixgate"}
         if self.cache_salt_mode == "auto":
             up.cache_salt = bool(owners) and owners <= _SALTED_SERVERS
@@ -354,77 +402,112 @@ class UpstreamRouter:
             await self.session.close()
             self.session = None
 
+    def resolve(self, model: Any) -> str | None:
+        """The public model name a request's ``model`` field routes by: an alias resolved
+        (config), the name itself otherwise; None when it is not a string (any upstream
+        may take it, and answers for it).
+
+        Raises:
+            APIError: 404 ``model_not_found`` when no upstream serves it and every upstream's
+                models are known (a config's models always are); 400 under a config when it
+                is missing or not a string.
+        """
+        if self.model_list is not None and not isinstance(model, str):
+            raise bad_request(
+                "model: must be the name of one of this gateway's models (GET /v1/models)",
+                param="model",
+            )
+        if not isinstance(model, str):
+            return None
+        if self.model_list is not None:
+            name = self.model_list.resolve(model)
+            if name is None:
+                raise _unknown_model(model)
+            return name
+        if not self.serving(model):
+            raise _unknown_model(model)
+        return model
+
+    def serving(self, model: str | None) -> list[Upstream]:
+        """The upstreams that serve ``model`` (all of them for None): those listing it, else
+        those whose models are unknown yet."""
+        if model is None:
+            return self.upstreams
+        known = [u for u in self.upstreams if u.models is not None and model in u.models]
+        return known or [u for u in self.upstreams if u.models is None]
+
+    def fallbacks(self, model: str | None) -> list[str]:
+        """The models a request for ``model`` falls back to, in order (config; none else)."""
+        if model is None or self.model_list is None:
+            return []
+        return self.model_list.fallbacks(model)
+
+    def route(self, body: Any, salt: str | None, model: str | None = None) -> Route:
+        """What the policy needs of a chat or completions ``body`` in cache partition
+        ``salt``, for public model ``model``."""
+        return self.policy.route(body, salt, model)
+
     def pick(
         self, route: Route | bytes | None, exclude: Sequence[Upstream] = ()
     ) -> Upstream | None:
-        """The upstream for a request (None when none is healthy), by ``policy``."""
+        """The upstream for a request (None when none can take it) among those serving its
+        model, healthy and not in ``exclude``, by the policy (see the module docstring)."""
         if isinstance(route, bytes):
             route = Route(route, [])
         if route is not None:
             route.predicted = 0  # this pick's own prediction (a retry's upstream is another)
-        cands = [u for u in self.upstreams if u.healthy and u not in exclude]
+        pool = self.serving(route.model if route is not None else None)
+        cands = [u for u in pool if u.healthy and u not in exclude]
         if not cands:
             return None
-        if len(cands) == 1:
-            choice = cands[0]
-        elif self.policy == "round_robin":
-            choice = cands[self._turn.next() % len(cands)]
-        else:
-            start = self._turn.next() % len(cands)  # ties rotate
-            least = min(cands[start:] + cands[:start], key=_load)
-            if route is None or self.policy == "least_loaded":
-                choice = least
-            elif self.policy == "cache_aware" and route.blocks:
-                choice = self._cache_aware(route, cands, least)
-            elif route.key is None:
-                choice = least
-            else:
-                lo = least.in_flight
-                hi = max(u.in_flight for u in cands)
-                if hi - lo > self.abs_threshold and hi > self.rel_threshold * lo:
-                    choice = least
-                else:
-                    key = route.key
-                    choice = max(cands, key=lambda u: xxhash.xxh3_64_intdigest(key, seed=u.seed))
-        if self.policy == "cache_aware" and route is not None and route.blocks:
-            self.tree.insert(route.blocks, choice.url)
-        return choice
-
-    def _cache_aware(self, route: Route, cands: list[Upstream], least: Upstream) -> Upstream:
-        depth = self.tree.match(route.blocks)
-        best = max(depth.get(u.url, 0) for u in cands)
-        if best < CACHE_THRESHOLD * len(route.blocks):
-            # Nobody holds most of it (a shared opening is no reason to pile up): the least
-            # loaded, then the emptiest.
-            return min(cands, key=lambda u: (u.in_flight, self.tree.size.get(u.url, 0)))
-        # The deepest match among the upstreams not overloaded (in flight within the threshold
-        # of the least loaded): the holder when it can take it, else the next-best holder — a
-        # hot prompt that spilled once spills to where it is cached already, not to a new
-        # cold replica each time — else the least loaded.
-        ok = [u for u in cands if u.in_flight - least.in_flight <= self.abs_threshold]
-        choice = min(ok, key=lambda u: (-depth.get(u.url, 0), _load(u)))
-        route.predicted = depth.get(choice.url, 0)
+        now = time.monotonic()
+        roomy = [u for u in cands if not u.max_in_flight or u.in_flight < u.max_in_flight]
+        if not roomy:
+            return None
+        free = [u for u in roomy if u.limited_until <= now]
+        choice = self.policy.pick(route, free or roomy)
+        assert isinstance(choice, Upstream)
         return choice
 
     def learn(self, up: Upstream, route: Route | None, cached: int, prompt_tokens: int) -> None:
         """An answer from ``up`` said ``cached`` of its ``prompt_tokens`` were cached: the
-        tree learns that ``up`` holds that share of the prompt's blocks (a retry's upstream,
-        or blocks the tree had evicted), and counts a miss on ``up`` when it cached less than
-        the tree predicted (it evicted them; the prompt is cached there again now)."""
-        if route is None or not route.blocks or prompt_tokens <= 0:
-            return
-        held = int(len(route.blocks) * min(1.0, cached / prompt_tokens))
-        if held:
-            self.tree.insert(route.blocks[:held], up.url)
-        if held < route.predicted:
-            up.cache_misses += 1
+        policy learns it (``cache_aware``'s tree; see ``RoutingPolicy.learn``)."""
+        self.policy.learn(up, route, cached, prompt_tokens)
 
-    def exhausted(self, tried: Sequence[Upstream], failed: str) -> APIError:
+    def retry_after(self, model: str | None) -> float | None:
+        """Seconds until the first of ``model``'s healthy upstreams is out of its 429 (None
+        when none of them is rate limited)."""
+        now = time.monotonic()
+        waits = [
+            u.limited_until - now
+            for u in self.serving(model)
+            if u.healthy and u.limited_until > now
+        ]
+        return min(waits) if waits else None
+
+    def limit(self, up: Upstream, seconds: float) -> None:
+        """``up`` answered 429 with ``Retry-After: seconds``: others serve until then."""
+        up.limited_until = max(up.limited_until, time.monotonic() + seconds)
+        up.last_error = f"HTTP 429, Retry-After {seconds:g} s"
+
+    def exhausted(
+        self, tried: Sequence[Upstream], failed: str, model: str | None = None
+    ) -> APIError:
         """The error when ``pick`` finds no upstream left: 502 ``failed`` plus the last
-        upstream's error when some were tried, else 503 "no healthy upstream" with
+        upstream's error when some were tried; 429 when every healthy upstream of ``model``
+        is at its ``max_in_flight`` (Retry-After 1 s); else 503 "no healthy upstream" with
         Retry-After of one probe interval (seconds)."""
         if tried:
             return APIError(502, f"{failed}: {tried[-1].last_error}", code="upstream_unavailable")
+        healthy = [u for u in self.serving(model) if u.healthy]
+        if healthy and all(u.max_in_flight and u.in_flight >= u.max_in_flight for u in healthy):
+            return APIError(
+                429,
+                "every upstream of this model has its most requests in flight",
+                code="upstream_busy",
+                type="rate_limit_error",
+                retry_after=1.0,
+            )
         return APIError(
             503,
             "no healthy upstream",
@@ -477,7 +560,7 @@ class UpstreamRouter:
         assert self.session is not None
         try:
             async with self.session.get(
-                up.url + "/health", timeout=aiohttp.ClientTimeout(total=2.0)
+                up.url + "/health", timeout=aiohttp.ClientTimeout(total=2.0), ssl=up.ssl
             ) as resp:
                 ok = resp.status < 500  # alive (a server without /health answers 404)
         except (aiohttp.ClientError, TimeoutError, OSError):
@@ -494,11 +577,14 @@ class UpstreamRouter:
         return ok
 
     async def _probe_loop(self) -> None:
+        """Every ``health_interval_s``: probe the unhealthy upstreams, read the healthy ones'
+        ``/v1/models`` (an upstream whose models change is followed)."""
         while True:
             await asyncio.sleep(self.health_interval_s)
-            sick = [u for u in self.upstreams if not u.healthy]
-            if sick:
-                await asyncio.gather(*(self.probe(u) for u in sick), return_exceptions=True)
+            await asyncio.gather(
+                *(self.probe(u) if not u.healthy else self.detect(u) for u in self.upstreams),
+                return_exceptions=True,
+            )
 
     def describe(self) -> list[dict[str, Any]]:
         """Per-upstream state for ``/ready`` and logs."""
@@ -514,6 +600,8 @@ class UpstreamRouter:
                 "cache_salt": u.cache_salt,
                 "cache_misses": u.cache_misses,
                 "prefix_api": u.prefix_api,
+                "models": sorted(u.models) if u.models is not None else None,
+                "rate_limited_s": round(max(0.0, u.limited_until - time.monotonic()), 3),
             }
             for u in self.upstreams
         ]
@@ -522,5 +610,7 @@ class UpstreamRouter:
 _SALTED_SERVERS = frozenset(("prefixgate", "vllm"))  # ``owned_by`` of servers taking cache_salt
 
 
-def _load(u: Upstream) -> int:
-    return u.in_flight
+def _unknown_model(model: str) -> APIError:
+    return not_found(
+        f"the model {shown(model)} does not exist", param="model", code="model_not_found"
+    )

@@ -15,7 +15,7 @@ import typing
 from typing import Any
 
 from prefixgate.gateway.api.tool_parsers import PARSERS
-from prefixgate.gateway.proxy.routing import POLICIES
+from prefixgate.gateway.proxy.policies import POLICIES
 from prefixgate.gateway.proxy.upstream import CACHE_SALT_MODES
 from prefixgate.gateway.serve.help_text import ENGINE_HELP, GATEWAY_HELP
 from prefixgate.gateway.settings import GatewaySettings
@@ -221,6 +221,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         dest="upstreams",
         help="base URL of an OpenAI-compatible server to proxy to instead of a local engine "
         "(repeatable: requests are routed by prompt-prefix affinity) (default: none)",
+    )
+    p.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="proxy to the model list of this TOML or YAML file instead: models, each with "
+        "deployments (URL, credential from an env var or a file, weight, max in flight, "
+        "TLS), aliases and fallbacks; checked at start-up (README, 'Operators') "
+        "(default: none)",
     )
     p.add_argument(
         "--upstream-api-key",

@@ -118,7 +118,7 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
             (``upstream_api_key``).
     """
     name = args.served_model_name
-    if name is None and not args.upstreams:
+    if name is None and not args.upstreams and not args.config:
         name = default_model_name(args.model)
     return GatewaySettings(
         model_name=name,
@@ -167,24 +167,26 @@ def key_weights(keys_file: str) -> dict[str, float]:
 
 def key_policy_warnings(keys_file: str, policy: str) -> list[str]:
     """What the keys file asks that the engine's ``scheduling_policy`` will not do: a key's
-    ``priority`` acts only under ``priority``, its ``weight`` only under ``fair`` (logged at
-    start-up so the setting is not a silent no-op).
+    ``priority`` acts only under a policy that ``uses_priority``, its ``weight`` only under one
+    that ``uses_tenant_weights`` (logged at start-up so the setting is not a silent no-op).
 
     Raises:
         ValueError: an unreadable keys file.
     """
+    from prefixgate.engine.scheduling_policy import policy_class
     from prefixgate.gateway.tenancy.keys import load_keys_file
 
+    cls = policy_class(policy)
     specs = load_keys_file(keys_file)
     out = []
     prio = sorted({s.name or "unnamed" for s in specs if s.priority != 0})
-    if prio and policy != "priority":
+    if prio and not cls.uses_priority:
         out.append(
             f"keys file {keys_file}: 'priority' of {', '.join(prio)} has no effect under "
             f"--scheduling-policy {policy} (it orders requests under 'priority')"
         )
     weighted = sorted({s.name or "unnamed" for s in specs if s.weight != 1.0})
-    if weighted and policy != "fair":
+    if weighted and not cls.uses_tenant_weights:
         out.append(
             f"keys file {keys_file}: 'weight' of {', '.join(weighted)} shares the admission "
             f"queue but not the engine under --scheduling-policy {policy} (engine fair share "

@@ -28,7 +28,7 @@ GATEWAY_HELP = {
     "for the answer's first byte and between two reads, never a total; a stream silent this "
     "long ends with an error event, a request 504, seconds (0 = none)",
     "health_interval_s": "seconds between health probes of an unhealthy upstream in proxy "
-    "mode (> 0)",
+    "mode, and between two reads of each healthy one's /v1/models (its models) (> 0)",
     "header_timeout_s": "seconds a connection may take to send a request's headers, from its "
     "start or the end of its previous response; idle keep-alive connections close after it "
     "too (> 0)",
@@ -79,4 +79,14 @@ ENGINE_HELP = {
     "the tokens), L2-normalized",
     "attention_backend": "attention kernels: torch or triton (default: triton on CUDA, torch "
     "elsewhere)",
+    "kv_events": "publish the engine's KV cache events (vLLM's BlockStored / BlockRemoved / "
+    "AllBlocksCleared, msgpack over ZeroMQ PUB) on this endpoint the engine binds: "
+    "tcp://host:port, tcp://host:* (ephemeral port), ipc://path or inproc://name "
+    "(default: off)",
+    "kv_events_replay": "the replay and snapshot (ROUTER) endpoint of --kv-events (default: "
+    "the next TCP port, <path>.replay for ipc)",
+    "kv_events_buffer_steps": "KV event batches (engine steps) kept for replay (>= 1)",
+    "kv_events_queue_size": "KV event batches queued between the step loop and the publisher "
+    "(>= 1); a batch past it is dropped and counted, and consumers resync on the gap",
+    "kv_events_topic": "topic frame of every KV event message (default: empty)",
 }

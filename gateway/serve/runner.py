@@ -23,6 +23,7 @@ import sys
 import threading
 from typing import Any
 
+from prefixgate.gateway.proxy.config import ProxyConfig, load_config
 from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.serve.args import add_serve_arguments, parse_bytes
 from prefixgate.gateway.serve.configure import (
@@ -74,9 +75,14 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         settings = settings_from_args(args)
-        config = None if args.upstreams else engine_config(args)
+        upstreams: list[str] | ProxyConfig = args.upstreams
+        if args.config:
+            if args.upstreams:
+                raise ValueError("give --config or --upstream, not both")
+            upstreams = load_config(args.config)
+        config = None if upstreams else engine_config(args)
         chat_template = load_chat_template(args.chat_template) if args.chat_template else None
-        if chat_template and args.upstreams:
+        if chat_template and upstreams:
             raise ValueError("--chat-template applies to a local model, not to --upstream")
         if args.stats_interval_s < 0:
             raise ValueError(f"--stats-interval-s must be >= 0, got {args.stats_interval_s}")
@@ -94,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
             serve(
                 settings,
                 config,
-                args.upstreams,
+                upstreams,
                 args.host,
                 args.port,
                 chat_template,
@@ -153,7 +159,7 @@ def _exit_now(code: int) -> None:
 async def serve(
     settings: GatewaySettings,
     config: Any,
-    upstreams: list[str],
+    upstreams: list[str] | ProxyConfig,
     host: str,
     port: int,
     chat_template: str | None = None,

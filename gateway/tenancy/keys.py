@@ -51,7 +51,7 @@ from prefixgate.gateway.http.access_log import record
 from prefixgate.gateway.http.errors import APIError, too_many
 from prefixgate.gateway.http.headers import header_text
 from prefixgate.gateway.tenancy.slot_wait import SlotClock
-from prefixgate.sdk.limits import TokenBucket
+from prefixgate.sdk.flow_control import TokenBucket
 
 MAX_SALT_CHARS = 256  # cache_salt's bound; a key salt forwarded upstream fits it too
 
@@ -334,7 +334,8 @@ class KeyRing:
         return not self._by_digest
 
     def authenticate(self, request: web.Request) -> Principal:
-        """The Principal for the request's ``Authorization: Bearer <key>`` header.
+        """The Principal for the request's ``Authorization: Bearer <key>`` header, or its
+        ``x-api-key: <key>`` header (Anthropic's clients) when it sends no Authorization.
 
         Raises:
             APIError: 401 ``invalid_api_key`` when the key is missing or unknown; 400
@@ -344,6 +345,9 @@ class KeyRing:
             record(request).key_name = "-"
             return self._anonymous
         header = header_text(request, "Authorization")
+        x_api_key = header_text(request, "x-api-key")
+        if not header.strip() and x_api_key.strip():
+            header = "Bearer " + x_api_key.strip()
         scheme, _, key = header.partition(" ")
         if header.strip() and scheme.lower() != "bearer":
             raise APIError(

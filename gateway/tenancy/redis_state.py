@@ -6,7 +6,7 @@ stored):
 
 * ``pg:rpm:<k>``, ``pg:tpm:<k>`` — token buckets as hashes ``{level, stamp}`` (capacity =
   the per-minute limit, refilled at limit/60 per second, the level may go negative, as
-  ``sdk.limits.TokenBucket``); absent = full. Taken atomically with the concurrency check by
+  ``sdk.flow_control.TokenBucket``); absent = full. Taken atomically with the concurrency check by
   one Lua script, stamped with Redis's own clock (``TIME``), so replicas' clocks never meet.
 * ``pg:conc:<k>`` — concurrency slots: a sorted set of lease ids scored by their expiry (Redis
   seconds). A lease lives ``lease_ttl_s`` and is renewed every ``lease_ttl_s / 3`` while its

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+import functools
+import inspect
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypedDict, TypeVar
 from urllib.parse import quote
 
-from .._options import Requester
+from .._options import OPTION_NAMES, Requester
 
-__all__ = ["APIResource", "call_args", "clean_body", "reject_stream", "require_str", "path_part"]
+__all__ = ["APIResource", "GenerationParams", "reject_stream", "require_str", "path_part", "takes"]
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 class APIResource:
@@ -18,21 +23,81 @@ class APIResource:
         self._client = client
 
 
-def clean_body(params: Mapping[str, Any]) -> dict[str, Any]:
-    """The JSON body: every parameter except those left ``None`` (omitted, server default)."""
-    return {k: v for k, v in params.items() if v is not None}
+class GenerationParams(TypedDict, total=False):
+    """The generation keywords chat and text completions share: OpenAI's, then vLLM's sampling
+    extensions (``top_k`` to ``stop_token_ids``) and ``cache_salt``; their meaning:
+    ``AsyncChatCompletions.create``."""
+
+    frequency_penalty: float | None
+    logit_bias: Mapping[str, float] | Mapping[int, float] | None
+    max_tokens: int | None
+    n: int | None
+    presence_penalty: float | None
+    seed: int | None
+    stop: str | Sequence[str] | None
+    stream_options: Mapping[str, Any] | None
+    temperature: float | None
+    top_p: float | None
+    user: str | None
+    top_k: int | None
+    min_p: float | None
+    repetition_penalty: float | None
+    min_tokens: int | None
+    ignore_eos: bool | None
+    stop_token_ids: Sequence[int] | None
+    cache_salt: str | None
 
 
-def call_args(frame_locals: Mapping[str, Any]) -> dict[str, Any]:
-    """A method's arguments by name, from its ``locals()`` taken first thing in its body
-    (before any other local is bound), less ``self``.
+def takes(params: Any) -> Callable[[F], F]:
+    """The decorated method's ``**params`` are the keys of the TypedDict ``params`` (each
+    endpoint's parameters, stated once, shared by the async method and its blocking twin).
 
-    Lets a method whose parameters are spelled out (typed, keyword-only: the API) hand them
-    all on to its twin with the same names (the blocking resource to the async one, ``parse``
-    to ``create``) without restating each one; tests/sdk/test_request_params.py checks the
-    twins' signatures match.
+    The type checker reads them from the method's ``**params: Unpack[...]``; at run time they
+    become keyword-only parameters of its signature (``inspect.signature``, ``help``: the
+    required keys first without default, then the method's own keyword-only ones, then the
+    others defaulting to None, the ``OPTION_NAMES`` last), and a call with an unknown or
+    missing keyword raises ``TypeError`` naming it before anything runs (nothing is sent), as
+    a spelled-out signature would.
     """
-    return {k: v for k, v in frame_locals.items() if k != "self"}
+    hints = typing.get_type_hints(params)
+    required = params.__required_keys__
+    fields = [name for name in hints if name not in OPTION_NAMES]
+    options = [name for name in OPTION_NAMES if name in hints]
+
+    def keyword(name: str, default: Any) -> inspect.Parameter:
+        return inspect.Parameter(
+            name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=hints[name]
+        )
+
+    def decorate(fn: F) -> F:
+        own = [p for p in inspect.signature(fn).parameters.values() if p.kind is not p.VAR_KEYWORD]
+        signature = inspect.Signature(
+            [p for p in own if p.kind is not p.KEYWORD_ONLY]
+            + [keyword(name, inspect.Parameter.empty) for name in fields if name in required]
+            + [p for p in own if p.kind is p.KEYWORD_ONLY]
+            + [keyword(name, None) for name in fields if name not in required]
+            + [keyword(name, None) for name in options],
+            return_annotation=inspect.signature(fn).return_annotation,
+        )
+
+        allowed = frozenset(hints) | {p.name for p in own}
+        must = [name for name in fields if name in required]
+        where = f"{fn.__qualname__}()"
+
+        @functools.wraps(fn)
+        def checked(*args: Any, **kwargs: Any) -> Any:
+            if not allowed.issuperset(kwargs):
+                unknown = next(name for name in kwargs if name not in allowed)
+                raise TypeError(f"{where} got an unexpected keyword argument {unknown!r}")
+            for name in must:
+                if name not in kwargs:
+                    raise TypeError(f"{where} missing a required keyword argument: {name!r}")
+            return fn(*args, **kwargs)  # its own parameters are checked by Python
+
+        checked.__signature__ = signature  # type: ignore[attr-defined]
+        return checked  # type: ignore[return-value]
+
+    return decorate
 
 
 def reject_stream(request: Mapping[str, Any]) -> None:

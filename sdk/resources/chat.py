@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from functools import cached_property
-from typing import Any, Literal, TypeVar, overload
+from typing import Any, Literal, TypedDict, TypeVar, Unpack, overload
 
-from .._options import Requester, Timeout, make_options
+from .._options import Requester, StreamCallOptions, split_call
 from .._parsing import parse_chat_completion, response_format_param
 from .._response import (
     APIResponse,
@@ -16,9 +16,12 @@ from .._response import (
 from ..batch import run_batch
 from ..streaming import AsyncStream
 from ..types import ChatCompletion, ChatCompletionChunk, ParsedChatCompletion
-from ._common import APIResource, call_args, clean_body, reject_stream, require_str
+from ._common import APIResource, GenerationParams, reject_stream, require_str, takes
 
 __all__ = [
+    "ChatCompletionCreateParams",
+    "ChatCompletionParseParams",
+    "ChatRequired",
     "AsyncChat",
     "AsyncChatCompletions",
     "AsyncChatCompletionsWithRawResponse",
@@ -48,170 +51,53 @@ def validate_messages(messages: Any, *, allow_empty: bool = False) -> list[dict[
     return out
 
 
+class ChatRequired(TypedDict):
+    """The keywords a chat request (and a prefix) cannot do without."""
+
+    model: str
+    messages: Sequence[Mapping[str, Any]]
+
+
+class ChatCompletionParseParams(ChatRequired, GenerationParams, StreamCallOptions, total=False):
+    """The keywords of ``chat.completions.parse`` besides its ``response_format`` (their
+    meaning: ``AsyncChatCompletions.create``)."""
+
+    logprobs: bool | None
+    max_completion_tokens: int | None
+    parallel_tool_calls: bool | None
+    tool_choice: str | Mapping[str, Any] | None
+    tools: Sequence[Mapping[str, Any]] | None
+    top_logprobs: int | None
+    prefix_id: str | None
+
+
+class ChatCompletionCreateParams(ChatCompletionParseParams, total=False):
+    """The keywords of ``chat.completions.create`` besides ``stream`` (async and blocking)."""
+
+    response_format: Mapping[str, Any] | None
+
+
 class AsyncChatCompletions(APIResource):
     """``client.chat.completions``."""
 
     @overload
     async def create(
-        self,
-        *,
-        model: str,
-        messages: Sequence[Mapping[str, Any]],
-        stream: Literal[False] = False,
-        frequency_penalty: float | None = None,
-        logit_bias: Mapping[str, float] | Mapping[int, float] | None = None,
-        logprobs: bool | None = None,
-        max_completion_tokens: int | None = None,
-        max_tokens: int | None = None,
-        n: int | None = None,
-        parallel_tool_calls: bool | None = None,
-        presence_penalty: float | None = None,
-        response_format: Mapping[str, Any] | None = None,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        stream_options: Mapping[str, Any] | None = None,
-        temperature: float | None = None,
-        tool_choice: str | Mapping[str, Any] | None = None,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        top_logprobs: int | None = None,
-        top_p: float | None = None,
-        user: str | None = None,
-        top_k: int | None = None,
-        min_p: float | None = None,
-        repetition_penalty: float | None = None,
-        min_tokens: int | None = None,
-        ignore_eos: bool | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        cache_salt: str | None = None,
-        prefix_id: str | None = None,
-        extra_headers: Mapping[str, str] | None = None,
-        extra_query: Mapping[str, Any] | None = None,
-        extra_body: Mapping[str, Any] | None = None,
-        timeout: Timeout | None = None,
-        max_retries: int | None = None,
-        idle_timeout: float | None = None,
+        self, *, stream: Literal[False] = False, **params: Unpack[ChatCompletionCreateParams]
     ) -> ChatCompletion: ...
 
     @overload
     async def create(
-        self,
-        *,
-        model: str,
-        messages: Sequence[Mapping[str, Any]],
-        stream: Literal[True],
-        frequency_penalty: float | None = None,
-        logit_bias: Mapping[str, float] | Mapping[int, float] | None = None,
-        logprobs: bool | None = None,
-        max_completion_tokens: int | None = None,
-        max_tokens: int | None = None,
-        n: int | None = None,
-        parallel_tool_calls: bool | None = None,
-        presence_penalty: float | None = None,
-        response_format: Mapping[str, Any] | None = None,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        stream_options: Mapping[str, Any] | None = None,
-        temperature: float | None = None,
-        tool_choice: str | Mapping[str, Any] | None = None,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        top_logprobs: int | None = None,
-        top_p: float | None = None,
-        user: str | None = None,
-        top_k: int | None = None,
-        min_p: float | None = None,
-        repetition_penalty: float | None = None,
-        min_tokens: int | None = None,
-        ignore_eos: bool | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        cache_salt: str | None = None,
-        prefix_id: str | None = None,
-        extra_headers: Mapping[str, str] | None = None,
-        extra_query: Mapping[str, Any] | None = None,
-        extra_body: Mapping[str, Any] | None = None,
-        timeout: Timeout | None = None,
-        max_retries: int | None = None,
-        idle_timeout: float | None = None,
+        self, *, stream: Literal[True], **params: Unpack[ChatCompletionCreateParams]
     ) -> AsyncStream[ChatCompletionChunk]: ...
 
     @overload
     async def create(
-        self,
-        *,
-        model: str,
-        messages: Sequence[Mapping[str, Any]],
-        stream: bool = False,
-        frequency_penalty: float | None = None,
-        logit_bias: Mapping[str, float] | Mapping[int, float] | None = None,
-        logprobs: bool | None = None,
-        max_completion_tokens: int | None = None,
-        max_tokens: int | None = None,
-        n: int | None = None,
-        parallel_tool_calls: bool | None = None,
-        presence_penalty: float | None = None,
-        response_format: Mapping[str, Any] | None = None,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        stream_options: Mapping[str, Any] | None = None,
-        temperature: float | None = None,
-        tool_choice: str | Mapping[str, Any] | None = None,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        top_logprobs: int | None = None,
-        top_p: float | None = None,
-        user: str | None = None,
-        top_k: int | None = None,
-        min_p: float | None = None,
-        repetition_penalty: float | None = None,
-        min_tokens: int | None = None,
-        ignore_eos: bool | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        cache_salt: str | None = None,
-        prefix_id: str | None = None,
-        extra_headers: Mapping[str, str] | None = None,
-        extra_query: Mapping[str, Any] | None = None,
-        extra_body: Mapping[str, Any] | None = None,
-        timeout: Timeout | None = None,
-        max_retries: int | None = None,
-        idle_timeout: float | None = None,
+        self, *, stream: bool = False, **params: Unpack[ChatCompletionCreateParams]
     ) -> ChatCompletion | AsyncStream[ChatCompletionChunk]: ...
 
+    @takes(ChatCompletionCreateParams)
     async def create(
-        self,
-        *,
-        model: str,
-        messages: Sequence[Mapping[str, Any]],
-        stream: bool = False,
-        frequency_penalty: float | None = None,
-        logit_bias: Mapping[str, float] | Mapping[int, float] | None = None,
-        logprobs: bool | None = None,
-        max_completion_tokens: int | None = None,
-        max_tokens: int | None = None,
-        n: int | None = None,
-        parallel_tool_calls: bool | None = None,
-        presence_penalty: float | None = None,
-        response_format: Mapping[str, Any] | None = None,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        stream_options: Mapping[str, Any] | None = None,
-        temperature: float | None = None,
-        tool_choice: str | Mapping[str, Any] | None = None,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        top_logprobs: int | None = None,
-        top_p: float | None = None,
-        user: str | None = None,
-        top_k: int | None = None,
-        min_p: float | None = None,
-        repetition_penalty: float | None = None,
-        min_tokens: int | None = None,
-        ignore_eos: bool | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        cache_salt: str | None = None,
-        prefix_id: str | None = None,
-        extra_headers: Mapping[str, str] | None = None,
-        extra_query: Mapping[str, Any] | None = None,
-        extra_body: Mapping[str, Any] | None = None,
-        timeout: Timeout | None = None,
-        max_retries: int | None = None,
-        idle_timeout: float | None = None,
+        self, *, stream: bool = False, **params: Unpack[ChatCompletionCreateParams]
     ) -> ChatCompletion | AsyncStream[ChatCompletionChunk]:
         """Create a chat completion (OpenAI API parameters; None: the server's default).
 
@@ -244,48 +130,11 @@ class AsyncChatCompletions(APIResource):
             TypeError / ValueError: malformed arguments (nothing is sent).
             APIStatusError, APIConnectionError, APITimeoutError: see ``AsyncClient.request``.
         """
-        require_str("model", model)
-        msgs = validate_messages(messages, allow_empty=prefix_id is not None)
-        options = make_options(
-            extra_headers=extra_headers,
-            extra_query=extra_query,
-            extra_body=extra_body,
-            timeout=timeout,
-            max_retries=max_retries,
-            idle_timeout=idle_timeout,
-        )
-        body = clean_body(
-            dict(
-                model=model,
-                messages=msgs,
-                frequency_penalty=frequency_penalty,
-                logit_bias=logit_bias,
-                logprobs=logprobs,
-                max_completion_tokens=max_completion_tokens,
-                max_tokens=max_tokens,
-                n=n,
-                parallel_tool_calls=parallel_tool_calls,
-                presence_penalty=presence_penalty,
-                response_format=response_format,
-                seed=seed,
-                stop=stop,
-                stream_options=stream_options,
-                temperature=temperature,
-                tool_choice=tool_choice,
-                tools=tools,
-                top_logprobs=top_logprobs,
-                top_p=top_p,
-                user=user,
-                top_k=top_k,
-                min_p=min_p,
-                repetition_penalty=repetition_penalty,
-                min_tokens=min_tokens,
-                ignore_eos=ignore_eos,
-                stop_token_ids=stop_token_ids,
-                cache_salt=cache_salt,
-                prefix_id=prefix_id,
-            )
-        )
+        require_str("model", params["model"])
+        allow_empty = params.get("prefix_id") is not None
+        messages = validate_messages(params["messages"], allow_empty=allow_empty)
+        body, options = split_call(params)
+        body["messages"] = messages
         if stream:
             body["stream"] = True
             chunks: AsyncStream[ChatCompletionChunk] = await self._client.request(
@@ -306,43 +155,12 @@ class AsyncChatCompletions(APIResource):
         )
         return completion
 
+    @takes(ChatCompletionParseParams)
     async def parse(
         self,
         *,
-        model: str,
-        messages: Sequence[Mapping[str, Any]],
-        frequency_penalty: float | None = None,
-        logit_bias: Mapping[str, float] | Mapping[int, float] | None = None,
-        logprobs: bool | None = None,
-        max_completion_tokens: int | None = None,
-        max_tokens: int | None = None,
-        n: int | None = None,
-        parallel_tool_calls: bool | None = None,
-        presence_penalty: float | None = None,
         response_format: type[ResponseFormatT] | Mapping[str, Any] | None = None,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        stream_options: Mapping[str, Any] | None = None,
-        temperature: float | None = None,
-        tool_choice: str | Mapping[str, Any] | None = None,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        top_logprobs: int | None = None,
-        top_p: float | None = None,
-        user: str | None = None,
-        top_k: int | None = None,
-        min_p: float | None = None,
-        repetition_penalty: float | None = None,
-        min_tokens: int | None = None,
-        ignore_eos: bool | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        cache_salt: str | None = None,
-        prefix_id: str | None = None,
-        extra_headers: Mapping[str, str] | None = None,
-        extra_query: Mapping[str, Any] | None = None,
-        extra_body: Mapping[str, Any] | None = None,
-        timeout: Timeout | None = None,
-        max_retries: int | None = None,
-        idle_timeout: float | None = None,
+        **params: Unpack[ChatCompletionParseParams],
     ) -> ParsedChatCompletion[ResponseFormatT]:
         """``create`` whose answer is parsed: ``choices[i].message.parsed`` (openai-python's).
 
@@ -360,10 +178,12 @@ class AsyncChatCompletions(APIResource):
             TypeError: a ``response_format`` that is neither a type nor a mapping.
             APIStatusError, APIConnectionError, APITimeoutError: see ``create``.
         """
-        params = call_args(locals())
-        if response_format is not None:  # a type becomes its strict json_schema
-            params["response_format"] = response_format_param(response_format)
-        completion: ChatCompletion = await self.create(stream=False, **params)
+        # a type becomes its strict json_schema
+        wire_format = None if response_format is None else response_format_param(response_format)
+        completion: ChatCompletion = await self.create(
+            stream=False, response_format=wire_format, **params
+        )
+        tools = params.get("tools")
         if isinstance(completion, APIResponse):  # with_raw_response: parse what it holds
             completion._parsed = parse_chat_completion(completion.parse(), response_format, tools)
             return completion  # type: ignore[return-value]

@@ -1,16 +1,16 @@
 """``client.chat.completions`` of the blocking ``Client``: ``AsyncChatCompletions``'s methods
-with the same parameters, run through the bridge (see ``chat.py`` for their meaning)."""
+with the same parameters (``ChatCompletionCreateParams``, stated once in ``chat.py`` with their
+meaning), run through the bridge."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal, TypeVar, overload
+from typing import Any, Literal, TypeVar, Unpack, overload
 
 from .._blocking import Bridge, RawMethods, SyncStream
-from .._options import Timeout
 from ..types import ChatCompletion, ChatCompletionChunk, ParsedChatCompletion
-from ._common import call_args
-from .chat import AsyncChatCompletions
+from ._common import takes
+from .chat import AsyncChatCompletions, ChatCompletionCreateParams, ChatCompletionParseParams
 
 __all__ = ["SyncChat", "SyncChatCompletions"]
 
@@ -28,213 +28,39 @@ class SyncChatCompletions:
 
     @overload
     def create(
-        self,
-        *,
-        model: str,
-        messages: Sequence[Mapping[str, Any]],
-        stream: Literal[False] = False,
-        frequency_penalty: float | None = None,
-        logit_bias: Mapping[str, float] | Mapping[int, float] | None = None,
-        logprobs: bool | None = None,
-        max_completion_tokens: int | None = None,
-        max_tokens: int | None = None,
-        n: int | None = None,
-        parallel_tool_calls: bool | None = None,
-        presence_penalty: float | None = None,
-        response_format: Mapping[str, Any] | None = None,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        stream_options: Mapping[str, Any] | None = None,
-        temperature: float | None = None,
-        tool_choice: str | Mapping[str, Any] | None = None,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        top_logprobs: int | None = None,
-        top_p: float | None = None,
-        user: str | None = None,
-        top_k: int | None = None,
-        min_p: float | None = None,
-        repetition_penalty: float | None = None,
-        min_tokens: int | None = None,
-        ignore_eos: bool | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        cache_salt: str | None = None,
-        prefix_id: str | None = None,
-        extra_headers: Mapping[str, str] | None = None,
-        extra_query: Mapping[str, Any] | None = None,
-        extra_body: Mapping[str, Any] | None = None,
-        timeout: Timeout | None = None,
-        max_retries: int | None = None,
-        idle_timeout: float | None = None,
+        self, *, stream: Literal[False] = False, **params: Unpack[ChatCompletionCreateParams]
     ) -> ChatCompletion: ...
 
     @overload
     def create(
-        self,
-        *,
-        model: str,
-        messages: Sequence[Mapping[str, Any]],
-        stream: Literal[True],
-        frequency_penalty: float | None = None,
-        logit_bias: Mapping[str, float] | Mapping[int, float] | None = None,
-        logprobs: bool | None = None,
-        max_completion_tokens: int | None = None,
-        max_tokens: int | None = None,
-        n: int | None = None,
-        parallel_tool_calls: bool | None = None,
-        presence_penalty: float | None = None,
-        response_format: Mapping[str, Any] | None = None,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        stream_options: Mapping[str, Any] | None = None,
-        temperature: float | None = None,
-        tool_choice: str | Mapping[str, Any] | None = None,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        top_logprobs: int | None = None,
-        top_p: float | None = None,
-        user: str | None = None,
-        top_k: int | None = None,
-        min_p: float | None = None,
-        repetition_penalty: float | None = None,
-        min_tokens: int | None = None,
-        ignore_eos: bool | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        cache_salt: str | None = None,
-        prefix_id: str | None = None,
-        extra_headers: Mapping[str, str] | None = None,
-        extra_query: Mapping[str, Any] | None = None,
-        extra_body: Mapping[str, Any] | None = None,
-        timeout: Timeout | None = None,
-        max_retries: int | None = None,
-        idle_timeout: float | None = None,
+        self, *, stream: Literal[True], **params: Unpack[ChatCompletionCreateParams]
     ) -> SyncStream[ChatCompletionChunk]: ...
 
     @overload
     def create(
-        self,
-        *,
-        model: str,
-        messages: Sequence[Mapping[str, Any]],
-        stream: bool = False,
-        frequency_penalty: float | None = None,
-        logit_bias: Mapping[str, float] | Mapping[int, float] | None = None,
-        logprobs: bool | None = None,
-        max_completion_tokens: int | None = None,
-        max_tokens: int | None = None,
-        n: int | None = None,
-        parallel_tool_calls: bool | None = None,
-        presence_penalty: float | None = None,
-        response_format: Mapping[str, Any] | None = None,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        stream_options: Mapping[str, Any] | None = None,
-        temperature: float | None = None,
-        tool_choice: str | Mapping[str, Any] | None = None,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        top_logprobs: int | None = None,
-        top_p: float | None = None,
-        user: str | None = None,
-        top_k: int | None = None,
-        min_p: float | None = None,
-        repetition_penalty: float | None = None,
-        min_tokens: int | None = None,
-        ignore_eos: bool | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        cache_salt: str | None = None,
-        prefix_id: str | None = None,
-        extra_headers: Mapping[str, str] | None = None,
-        extra_query: Mapping[str, Any] | None = None,
-        extra_body: Mapping[str, Any] | None = None,
-        timeout: Timeout | None = None,
-        max_retries: int | None = None,
-        idle_timeout: float | None = None,
+        self, *, stream: bool = False, **params: Unpack[ChatCompletionCreateParams]
     ) -> ChatCompletion | SyncStream[ChatCompletionChunk]: ...
 
+    @takes(ChatCompletionCreateParams)
     def create(
-        self,
-        *,
-        model: str,
-        messages: Sequence[Mapping[str, Any]],
-        stream: bool = False,
-        frequency_penalty: float | None = None,
-        logit_bias: Mapping[str, float] | Mapping[int, float] | None = None,
-        logprobs: bool | None = None,
-        max_completion_tokens: int | None = None,
-        max_tokens: int | None = None,
-        n: int | None = None,
-        parallel_tool_calls: bool | None = None,
-        presence_penalty: float | None = None,
-        response_format: Mapping[str, Any] | None = None,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        stream_options: Mapping[str, Any] | None = None,
-        temperature: float | None = None,
-        tool_choice: str | Mapping[str, Any] | None = None,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        top_logprobs: int | None = None,
-        top_p: float | None = None,
-        user: str | None = None,
-        top_k: int | None = None,
-        min_p: float | None = None,
-        repetition_penalty: float | None = None,
-        min_tokens: int | None = None,
-        ignore_eos: bool | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        cache_salt: str | None = None,
-        prefix_id: str | None = None,
-        extra_headers: Mapping[str, str] | None = None,
-        extra_query: Mapping[str, Any] | None = None,
-        extra_body: Mapping[str, Any] | None = None,
-        timeout: Timeout | None = None,
-        max_retries: int | None = None,
-        idle_timeout: float | None = None,
+        self, *, stream: bool = False, **params: Unpack[ChatCompletionCreateParams]
     ) -> ChatCompletion | SyncStream[ChatCompletionChunk]:
         """Blocking ``AsyncChatCompletions.create``."""
         result: ChatCompletion | SyncStream[ChatCompletionChunk] = self._bridge.run(
-            self._async.create, **call_args(locals())
+            self._async.create, stream=stream, **params
         )
         return result
 
+    @takes(ChatCompletionParseParams)
     def parse(
         self,
         *,
-        model: str,
-        messages: Sequence[Mapping[str, Any]],
-        frequency_penalty: float | None = None,
-        logit_bias: Mapping[str, float] | Mapping[int, float] | None = None,
-        logprobs: bool | None = None,
-        max_completion_tokens: int | None = None,
-        max_tokens: int | None = None,
-        n: int | None = None,
-        parallel_tool_calls: bool | None = None,
-        presence_penalty: float | None = None,
         response_format: type[ResponseFormatT] | Mapping[str, Any] | None = None,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        stream_options: Mapping[str, Any] | None = None,
-        temperature: float | None = None,
-        tool_choice: str | Mapping[str, Any] | None = None,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        top_logprobs: int | None = None,
-        top_p: float | None = None,
-        user: str | None = None,
-        top_k: int | None = None,
-        min_p: float | None = None,
-        repetition_penalty: float | None = None,
-        min_tokens: int | None = None,
-        ignore_eos: bool | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        cache_salt: str | None = None,
-        prefix_id: str | None = None,
-        extra_headers: Mapping[str, str] | None = None,
-        extra_query: Mapping[str, Any] | None = None,
-        extra_body: Mapping[str, Any] | None = None,
-        timeout: Timeout | None = None,
-        max_retries: int | None = None,
-        idle_timeout: float | None = None,
+        **params: Unpack[ChatCompletionParseParams],
     ) -> ParsedChatCompletion[ResponseFormatT]:
         """Blocking ``AsyncChatCompletions.parse``."""
         result: ParsedChatCompletion[ResponseFormatT] = self._bridge.run(
-            self._async.parse, **call_args(locals())
+            self._async.parse, response_format=response_format, **params
         )
         return result
 

@@ -4,20 +4,38 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from functools import cached_property
-from typing import Any, Literal, overload
+from typing import Any, Literal, TypedDict, Unpack, overload
 
-from .._options import Timeout, make_options
+from .._options import StreamCallOptions, split_call
 from .._response import to_raw_response_wrapper, to_streamed_response_wrapper
 from ..batch import run_batch
 from ..streaming import AsyncStream
 from ..types import Completion
-from ._common import APIResource, clean_body, reject_stream, require_str
+from ._common import APIResource, GenerationParams, reject_stream, require_str, takes
 
 __all__ = [
+    "CompletionCreateParams",
+    "CompletionRequired",
     "AsyncCompletions",
     "AsyncCompletionsWithRawResponse",
     "AsyncCompletionsWithStreamingResponse",
 ]
+
+
+class CompletionRequired(TypedDict):
+    """The keywords a completion cannot do without."""
+
+    model: str
+    prompt: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]]
+
+
+class CompletionCreateParams(CompletionRequired, GenerationParams, StreamCallOptions, total=False):
+    """The keywords of ``completions.create`` besides ``stream`` (async and blocking)."""
+
+    best_of: int | None
+    echo: bool | None
+    logprobs: int | None
+    suffix: str | None
 
 
 class AsyncCompletions(APIResource):
@@ -25,149 +43,22 @@ class AsyncCompletions(APIResource):
 
     @overload
     async def create(
-        self,
-        *,
-        model: str,
-        prompt: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
-        stream: Literal[False] = False,
-        best_of: int | None = None,
-        echo: bool | None = None,
-        frequency_penalty: float | None = None,
-        logit_bias: Mapping[str, float] | Mapping[int, float] | None = None,
-        logprobs: int | None = None,
-        max_tokens: int | None = None,
-        n: int | None = None,
-        presence_penalty: float | None = None,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        stream_options: Mapping[str, Any] | None = None,
-        suffix: str | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        user: str | None = None,
-        top_k: int | None = None,
-        min_p: float | None = None,
-        repetition_penalty: float | None = None,
-        min_tokens: int | None = None,
-        ignore_eos: bool | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        cache_salt: str | None = None,
-        extra_headers: Mapping[str, str] | None = None,
-        extra_query: Mapping[str, Any] | None = None,
-        extra_body: Mapping[str, Any] | None = None,
-        timeout: Timeout | None = None,
-        max_retries: int | None = None,
-        idle_timeout: float | None = None,
+        self, *, stream: Literal[False] = False, **params: Unpack[CompletionCreateParams]
     ) -> Completion: ...
 
     @overload
     async def create(
-        self,
-        *,
-        model: str,
-        prompt: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
-        stream: Literal[True],
-        best_of: int | None = None,
-        echo: bool | None = None,
-        frequency_penalty: float | None = None,
-        logit_bias: Mapping[str, float] | Mapping[int, float] | None = None,
-        logprobs: int | None = None,
-        max_tokens: int | None = None,
-        n: int | None = None,
-        presence_penalty: float | None = None,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        stream_options: Mapping[str, Any] | None = None,
-        suffix: str | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        user: str | None = None,
-        top_k: int | None = None,
-        min_p: float | None = None,
-        repetition_penalty: float | None = None,
-        min_tokens: int | None = None,
-        ignore_eos: bool | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        cache_salt: str | None = None,
-        extra_headers: Mapping[str, str] | None = None,
-        extra_query: Mapping[str, Any] | None = None,
-        extra_body: Mapping[str, Any] | None = None,
-        timeout: Timeout | None = None,
-        max_retries: int | None = None,
-        idle_timeout: float | None = None,
+        self, *, stream: Literal[True], **params: Unpack[CompletionCreateParams]
     ) -> AsyncStream[Completion]: ...
 
     @overload
     async def create(
-        self,
-        *,
-        model: str,
-        prompt: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
-        stream: bool = False,
-        best_of: int | None = None,
-        echo: bool | None = None,
-        frequency_penalty: float | None = None,
-        logit_bias: Mapping[str, float] | Mapping[int, float] | None = None,
-        logprobs: int | None = None,
-        max_tokens: int | None = None,
-        n: int | None = None,
-        presence_penalty: float | None = None,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        stream_options: Mapping[str, Any] | None = None,
-        suffix: str | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        user: str | None = None,
-        top_k: int | None = None,
-        min_p: float | None = None,
-        repetition_penalty: float | None = None,
-        min_tokens: int | None = None,
-        ignore_eos: bool | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        cache_salt: str | None = None,
-        extra_headers: Mapping[str, str] | None = None,
-        extra_query: Mapping[str, Any] | None = None,
-        extra_body: Mapping[str, Any] | None = None,
-        timeout: Timeout | None = None,
-        max_retries: int | None = None,
-        idle_timeout: float | None = None,
+        self, *, stream: bool = False, **params: Unpack[CompletionCreateParams]
     ) -> Completion | AsyncStream[Completion]: ...
 
+    @takes(CompletionCreateParams)
     async def create(
-        self,
-        *,
-        model: str,
-        prompt: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
-        stream: bool = False,
-        best_of: int | None = None,
-        echo: bool | None = None,
-        frequency_penalty: float | None = None,
-        logit_bias: Mapping[str, float] | Mapping[int, float] | None = None,
-        logprobs: int | None = None,
-        max_tokens: int | None = None,
-        n: int | None = None,
-        presence_penalty: float | None = None,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        stream_options: Mapping[str, Any] | None = None,
-        suffix: str | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        user: str | None = None,
-        top_k: int | None = None,
-        min_p: float | None = None,
-        repetition_penalty: float | None = None,
-        min_tokens: int | None = None,
-        ignore_eos: bool | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        cache_salt: str | None = None,
-        extra_headers: Mapping[str, str] | None = None,
-        extra_query: Mapping[str, Any] | None = None,
-        extra_body: Mapping[str, Any] | None = None,
-        timeout: Timeout | None = None,
-        max_retries: int | None = None,
-        idle_timeout: float | None = None,
+        self, *, stream: bool = False, **params: Unpack[CompletionCreateParams]
     ) -> Completion | AsyncStream[Completion]:
         """Complete ``prompt`` (text, list of texts, token ids, or lists of token ids).
 
@@ -179,45 +70,12 @@ class AsyncCompletions(APIResource):
             TypeError / ValueError: malformed arguments (nothing is sent).
             APIStatusError, APIConnectionError, APITimeoutError: see ``AsyncClient.request``.
         """
-        require_str("model", model)
+        require_str("model", params["model"])
+        prompt = params["prompt"]
         if isinstance(prompt, bytes) or not isinstance(prompt, (str, Sequence)):
             raise TypeError(f"prompt must be a str or a list, got {type(prompt).__name__}")
-        options = make_options(
-            extra_headers=extra_headers,
-            extra_query=extra_query,
-            extra_body=extra_body,
-            timeout=timeout,
-            max_retries=max_retries,
-            idle_timeout=idle_timeout,
-        )
-        body = clean_body(
-            dict(
-                model=model,
-                prompt=prompt if isinstance(prompt, str) else list(prompt),
-                best_of=best_of,
-                echo=echo,
-                frequency_penalty=frequency_penalty,
-                logit_bias=logit_bias,
-                logprobs=logprobs,
-                max_tokens=max_tokens,
-                n=n,
-                presence_penalty=presence_penalty,
-                seed=seed,
-                stop=stop,
-                stream_options=stream_options,
-                suffix=suffix,
-                temperature=temperature,
-                top_p=top_p,
-                user=user,
-                top_k=top_k,
-                min_p=min_p,
-                repetition_penalty=repetition_penalty,
-                min_tokens=min_tokens,
-                ignore_eos=ignore_eos,
-                stop_token_ids=stop_token_ids,
-                cache_salt=cache_salt,
-            )
-        )
+        body, options = split_call(params)
+        body["prompt"] = prompt if isinstance(prompt, str) else list(prompt)
         if stream:
             body["stream"] = True
         result: Completion | AsyncStream[Completion] = await self._client.request(

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from functools import cached_property
-from typing import Any
+from typing import Unpack
 
-from .._options import Timeout, make_options
+from .._options import CallOptions, split_call
 from .._response import to_raw_response_wrapper, to_streamed_response_wrapper
 from ..types import ModelInfo, ModelList
-from ._common import APIResource, path_part, require_str
+from ._common import APIResource, path_part, require_str, takes
 
 __all__ = ["AsyncModels", "AsyncModelsWithRawResponse", "AsyncModelsWithStreamingResponse"]
 
@@ -17,39 +16,21 @@ __all__ = ["AsyncModels", "AsyncModelsWithRawResponse", "AsyncModelsWithStreamin
 class AsyncModels(APIResource):
     """``client.models``."""
 
-    async def list(
-        self,
-        *,
-        extra_headers: Mapping[str, str] | None = None,
-        extra_query: Mapping[str, Any] | None = None,
-        timeout: Timeout | None = None,
-        max_retries: int | None = None,
-    ) -> ModelList:
+    @takes(CallOptions)
+    async def list(self, **options: Unpack[CallOptions]) -> ModelList:
         """The models the server serves (``GET /v1/models``).
 
         Raises:
             APIStatusError, APIConnectionError, APITimeoutError: see ``AsyncClient.request``.
         """
-        opts = make_options(
-            extra_headers=extra_headers,
-            extra_query=extra_query,
-            timeout=timeout,
-            max_retries=max_retries,
-        )
+        _, opts = split_call(options)
         result: ModelList = await self._client.request(
             "GET", "models", cast=ModelList.model_validate, options=opts
         )
         return result
 
-    async def retrieve(
-        self,
-        model: str,
-        *,
-        extra_headers: Mapping[str, str] | None = None,
-        extra_query: Mapping[str, Any] | None = None,
-        timeout: Timeout | None = None,
-        max_retries: int | None = None,
-    ) -> ModelInfo:
+    @takes(CallOptions)
+    async def retrieve(self, model: str, **options: Unpack[CallOptions]) -> ModelInfo:
         """One model (``GET /v1/models/{model}``).
 
         Raises:
@@ -57,12 +38,7 @@ class AsyncModels(APIResource):
             NotFoundError: unknown model.
         """
         require_str("model", model)
-        opts = make_options(
-            extra_headers=extra_headers,
-            extra_query=extra_query,
-            timeout=timeout,
-            max_retries=max_retries,
-        )
+        _, opts = split_call(options)
         result: ModelInfo = await self._client.request(
             "GET",
             f"models/{path_part(model, keep_slashes=True)}",

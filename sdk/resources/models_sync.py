@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from typing import Unpack
 
 from .._blocking import Bridge, RawMethods
-from .._options import Timeout
+from .._options import CallOptions
 from ..types import ModelInfo, ModelList
-from ._common import call_args
+from ._common import takes
 from .models import AsyncModels
 
 __all__ = ["SyncModels"]
@@ -23,27 +22,14 @@ class SyncModels:
         self.with_raw_response = RawMethods(bridge, models, ("list", "retrieve"), False)
         self.with_streaming_response = RawMethods(bridge, models, ("list", "retrieve"), True)
 
-    def list(
-        self,
-        *,
-        extra_headers: Mapping[str, str] | None = None,
-        extra_query: Mapping[str, Any] | None = None,
-        timeout: Timeout | None = None,
-        max_retries: int | None = None,
-    ) -> ModelList:
+    @takes(CallOptions)
+    def list(self, **options: Unpack[CallOptions]) -> ModelList:
         """Blocking ``AsyncModels.list``."""
-        result: ModelList = self._bridge.run(self._async.list, **call_args(locals()))
+        result: ModelList = self._bridge.run(self._async.list, **options)
         return result
 
-    def retrieve(
-        self,
-        model: str,
-        *,
-        extra_headers: Mapping[str, str] | None = None,
-        extra_query: Mapping[str, Any] | None = None,
-        timeout: Timeout | None = None,
-        max_retries: int | None = None,
-    ) -> ModelInfo:
+    @takes(CallOptions)
+    def retrieve(self, model: str, **options: Unpack[CallOptions]) -> ModelInfo:
         """Blocking ``AsyncModels.retrieve``."""
-        result: ModelInfo = self._bridge.run(self._async.retrieve, **call_args(locals()))
+        result: ModelInfo = self._bridge.run(self._async.retrieve, model, **options)
         return result

@@ -14,20 +14,21 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from functools import cached_property
-from typing import Any, Self
+from typing import Any, Self, Unpack
 
 import anyio
 
-from .._options import Timeout, make_options
+from .._options import BodyCallOptions, CallOptions, split_call
 from .._response import to_raw_response_wrapper, to_streamed_response_wrapper
 from ..batch import run_batch
 from ..errors import APIStatusError, NotFoundError, RateLimitError
 from ..streaming import AsyncStream
 from ..types import ChatCompletion, ChatCompletionChunk, Prefix, PrefixDeleted
-from ._common import APIResource, call_args, clean_body, path_part, reject_stream, require_str
-from .chat import AsyncChatCompletions, validate_messages
+from ._common import APIResource, path_part, reject_stream, require_str, takes
+from .chat import AsyncChatCompletions, ChatRequired, validate_messages
 
 __all__ = [
+    "PrefixCreateParams",
     "AsyncPrefixes",
     "AsyncPrefixesWithRawResponse",
     "AsyncPrefixesWithStreamingResponse",
@@ -37,22 +38,18 @@ __all__ = [
 _UNSUPPORTED_STATUSES = frozenset({404, 405, 501})
 
 
+class PrefixCreateParams(ChatRequired, BodyCallOptions, total=False):
+    """The keywords of ``prefixes.create`` (async and blocking)."""
+
+    ttl_seconds: float | None
+    cache_salt: str | None
+
+
 class AsyncPrefixes(APIResource):
     """``client.prefixes``."""
 
-    async def create(
-        self,
-        *,
-        model: str,
-        messages: Sequence[Mapping[str, Any]],
-        ttl_seconds: float | None = None,
-        cache_salt: str | None = None,
-        extra_headers: Mapping[str, str] | None = None,
-        extra_query: Mapping[str, Any] | None = None,
-        extra_body: Mapping[str, Any] | None = None,
-        timeout: Timeout | None = None,
-        max_retries: int | None = None,
-    ) -> Prefix:
+    @takes(PrefixCreateParams)
+    async def create(self, **params: Unpack[PrefixCreateParams]) -> Prefix:
         """Register and pin ``messages`` as a prefix for ``ttl_seconds`` (server default if None).
 
         Raises:
@@ -61,76 +58,38 @@ class AsyncPrefixes(APIResource):
             RateLimitError: the server's prefix space is full (``code ==
                 "prefix_limit_exceeded"``; not retried).
         """
-        require_str("model", model)
+        require_str("model", params["model"])
+        ttl_seconds = params.get("ttl_seconds")
         if ttl_seconds is not None and not ttl_seconds > 0:
             raise ValueError(f"ttl_seconds must be > 0, got {ttl_seconds!r}")
-        options = make_options(
-            extra_headers=extra_headers,
-            extra_query=extra_query,
-            extra_body=extra_body,
-            timeout=timeout,
-            max_retries=max_retries,
-        )
-        body = clean_body(
-            dict(
-                model=model,
-                messages=validate_messages(messages),
-                ttl_seconds=ttl_seconds,
-                cache_salt=cache_salt,
-            )
-        )
+        messages = validate_messages(params["messages"])
+        body, options = split_call(params)
+        body["messages"] = messages
         result: Prefix = await self._client.request(
             "POST", "prefixes", body=body, cast=Prefix.model_validate, options=options
         )
         return result
 
-    async def get(
-        self,
-        prefix_id: str,
-        *,
-        extra_headers: Mapping[str, str] | None = None,
-        extra_query: Mapping[str, Any] | None = None,
-        timeout: Timeout | None = None,
-        max_retries: int | None = None,
-    ) -> Prefix:
+    @takes(CallOptions)
+    async def get(self, prefix_id: str, **options: Unpack[CallOptions]) -> Prefix:
         """The live prefix ``prefix_id``. Raises ``NotFoundError`` when unknown or expired."""
-        result: Prefix = await self._by_id("GET", Prefix.model_validate, **call_args(locals()))
+        result: Prefix = await self._by_id("GET", Prefix.model_validate, prefix_id, options)
         return result
 
-    async def delete(
-        self,
-        prefix_id: str,
-        *,
-        extra_headers: Mapping[str, str] | None = None,
-        extra_query: Mapping[str, Any] | None = None,
-        timeout: Timeout | None = None,
-        max_retries: int | None = None,
-    ) -> PrefixDeleted:
+    @takes(CallOptions)
+    async def delete(self, prefix_id: str, **options: Unpack[CallOptions]) -> PrefixDeleted:
         """Unpin and forget ``prefix_id``. Raises ``NotFoundError`` when unknown or expired."""
         result: PrefixDeleted = await self._by_id(
-            "DELETE", PrefixDeleted.model_validate, **call_args(locals())
+            "DELETE", PrefixDeleted.model_validate, prefix_id, options
         )
         return result
 
     async def _by_id(
-        self,
-        method: str,
-        cast: Callable[[Any], Any],
-        prefix_id: str,
-        *,
-        extra_headers: Mapping[str, str] | None,
-        extra_query: Mapping[str, Any] | None,
-        timeout: Timeout | None,
-        max_retries: int | None,
+        self, method: str, cast: Callable[[Any], Any], prefix_id: str, params: CallOptions
     ) -> Any:
         """``method`` on ``/v1/prefixes/{prefix_id}`` (checked, path-escaped), answer ``cast``."""
         require_str("prefix_id", prefix_id)
-        options = make_options(
-            extra_headers=extra_headers,
-            extra_query=extra_query,
-            timeout=timeout,
-            max_retries=max_retries,
-        )
+        _, options = split_call(params)
         return await self._client.request(
             method, f"prefixes/{path_part(prefix_id)}", cast=cast, options=options
         )

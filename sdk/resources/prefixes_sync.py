@@ -1,16 +1,16 @@
-"""``client.prefixes`` of the blocking ``Client`` and its ``SyncPrefixSession`` (see
-``prefixes.py`` for the parameters' meaning)."""
+"""``client.prefixes`` of the blocking ``Client`` and its ``SyncPrefixSession`` (the
+parameters, ``PrefixCreateParams``, are stated once in ``prefixes.py``)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Self
+from typing import Any, Self, Unpack
 
 from .._blocking import Bridge, RawMethods, SyncStream
-from .._options import Timeout
+from .._options import CallOptions
 from ..types import ChatCompletion, ChatCompletionChunk, Prefix, PrefixDeleted
-from ._common import call_args
-from .prefixes import AsyncPrefixes, PrefixSession
+from ._common import takes
+from .prefixes import AsyncPrefixes, PrefixCreateParams, PrefixSession
 
 __all__ = ["SyncPrefixSession", "SyncPrefixes"]
 
@@ -66,47 +66,22 @@ class SyncPrefixes:
         self.with_raw_response = RawMethods(bridge, prefixes, names, False)
         self.with_streaming_response = RawMethods(bridge, prefixes, names, True)
 
-    def create(
-        self,
-        *,
-        model: str,
-        messages: Sequence[Mapping[str, Any]],
-        ttl_seconds: float | None = None,
-        cache_salt: str | None = None,
-        extra_headers: Mapping[str, str] | None = None,
-        extra_query: Mapping[str, Any] | None = None,
-        extra_body: Mapping[str, Any] | None = None,
-        timeout: Timeout | None = None,
-        max_retries: int | None = None,
-    ) -> Prefix:
+    @takes(PrefixCreateParams)
+    def create(self, **params: Unpack[PrefixCreateParams]) -> Prefix:
         """Blocking ``AsyncPrefixes.create``."""
-        result: Prefix = self._bridge.run(self._async.create, **call_args(locals()))
+        result: Prefix = self._bridge.run(self._async.create, **params)
         return result
 
-    def get(
-        self,
-        prefix_id: str,
-        *,
-        extra_headers: Mapping[str, str] | None = None,
-        extra_query: Mapping[str, Any] | None = None,
-        timeout: Timeout | None = None,
-        max_retries: int | None = None,
-    ) -> Prefix:
+    @takes(CallOptions)
+    def get(self, prefix_id: str, **options: Unpack[CallOptions]) -> Prefix:
         """Blocking ``AsyncPrefixes.get``."""
-        result: Prefix = self._bridge.run(self._async.get, **call_args(locals()))
+        result: Prefix = self._bridge.run(self._async.get, prefix_id, **options)
         return result
 
-    def delete(
-        self,
-        prefix_id: str,
-        *,
-        extra_headers: Mapping[str, str] | None = None,
-        extra_query: Mapping[str, Any] | None = None,
-        timeout: Timeout | None = None,
-        max_retries: int | None = None,
-    ) -> PrefixDeleted:
+    @takes(CallOptions)
+    def delete(self, prefix_id: str, **options: Unpack[CallOptions]) -> PrefixDeleted:
         """Blocking ``AsyncPrefixes.delete``."""
-        result: PrefixDeleted = self._bridge.run(self._async.delete, **call_args(locals()))
+        result: PrefixDeleted = self._bridge.run(self._async.delete, prefix_id, **options)
         return result
 
     def session(

@@ -83,13 +83,14 @@ def test_bad_inputs_are_value_errors(tmp_path, aidreams_path):
 def test_generation_refused_on_a_pooling_runner(tmp_path, aidreams_path):
     import asyncio
 
+    from prefixgate.engine.protocol import EngineRequest
     from prefixgate.engine.sampling_params import SamplingParams
 
     _checkpoint("llama", tmp_path, aidreams_path)
     engine = _engine(tmp_path, "last")
 
     async def go():
-        async for _ in engine.generate([1, 2], SamplingParams(max_tokens=2), "r"):
+        async for _ in engine.generate(EngineRequest("r", [1, 2], SamplingParams(max_tokens=2))):
             pass
 
     with pytest.raises(ValueError, match="embedding model"):

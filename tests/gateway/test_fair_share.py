@@ -166,3 +166,41 @@ def test_metrics_show_per_tenant_service_and_queue(serve_fake, gw, tmp_path):
     assert 'prefixgate_tenant_served_output_tokens{tenant="team-a"} 4.0' in text
     assert 'prefixgate_tenant_virtual_counter{tenant="team-a"} 20.0' in text
     assert "prefixgate_tenant_queue_requests" in text
+
+
+def test_a_prefix_pin_is_charged_to_the_keys_tenant(serve_fake, gw, tmp_path):
+    # under fair, pinned prefix blocks count against the tenant's share: the gateway hands
+    # the key's name to pin_prefix (None on an open gateway)
+    keys = _keys_file(tmp_path, [{"key": "sk-a", "name": "team-a"}])
+    srv, engine = serve_fake(
+        GatewaySettings(model_name="fake", keys_file=keys), scheduling_policy="fair"
+    )
+    body = {
+        "model": "fake",
+        "ttl_seconds": 60,
+        "messages": [{"role": "system", "content": "a shared system prompt " * 2}],
+    }
+    with gw.client(srv, headers={"Authorization": "Bearer sk-a"}) as a:
+        r = a.post("/v1/prefixes", json=body)
+        assert r.status_code == 200, r.text
+        assert a.delete(f"/v1/prefixes/{r.json()['id']}").status_code == 200
+    assert engine.pin_tenants_seen == ["team-a"]
+    gw.wait_idle(srv, engine)
+    open_srv, open_engine = serve_fake(scheduling_policy="fair")
+    with gw.client(open_srv) as http:
+        assert http.post("/v1/prefixes", json=body).status_code == 200
+    assert open_engine.pin_tenants_seen == [None]
+
+
+def test_metrics_carry_displacements_queued_prefill_and_measured_rates(serve_fake, gw):
+    srv, engine = serve_fake(scheduling_policy="fair")
+    with gw.client(srv) as http:
+        text = http.get("/metrics").text
+        assert "prefixgate_engine_displacements 0.0" in text
+        assert "prefixgate_engine_queued_prefill_tokens 0.0" in text
+        assert "prefixgate_engine_prefill_tokens_per_second" not in text  # not measured yet
+        engine.rates = {"prefill_tokens_per_s": 1500.0, "decode_tokens_per_s": 80.0}
+        text = http.get("/metrics").text
+        assert "prefixgate_engine_prefill_tokens_per_second 1500.0" in text
+        assert "prefixgate_engine_decode_tokens_per_second 80.0" in text
+    gw.wait_idle(srv, engine)

@@ -23,16 +23,16 @@ def _keys(tmp_path) -> str:
     return str(path)
 
 
-def _check(url: str, keyed: bool, reads_auth: bool = True) -> None:
+def _check(url: str, keyed: bool, reads_auth: bool = True, model: str = "fake") -> None:
     """``reads_auth``: the gateway reads ``Authorization`` (it has keys, or forwards the
     client's own upstream); an open local gateway ignores it."""
-    body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     good = {"Authorization": b"Bearer k"} if keyed else {}
     with httpx.Client(base_url=url, timeout=10) as http:
         for value in BAD:
             for path, req in (
                 ("/v1/chat/completions", body),
-                ("/v1/completions", {"model": "fake", "prompt": "hi", "max_tokens": 2}),
+                ("/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 2}),
             ):
                 r = http.post(path, headers={"Authorization": value}, json=req)
                 if not reads_auth:
@@ -62,7 +62,7 @@ def test_proxy_mode_refuses_undecodable_headers_by_name(tmp_path, keyed):
         keys = _keys(tmp_path) if keyed else None
         settings = GatewaySettings(keys_file=keys)
         with BackgroundServer(lambda: create_proxy_app([stub.base_url], settings)) as gw:
-            _check(gw.url, keyed)
+            _check(gw.url, keyed, model="stub-model")  # the model its /v1/models lists
         # nothing undecodable was forwarded (gateway-side keys are not forwarded either)
         assert {r["auth"] for r in stub.records} <= {None}
     finally:

@@ -16,14 +16,14 @@ def _slow_pins(engine, delay_s: float = 0.3) -> None:
     plain = engine.pin_prefix
     jobs = set()
 
-    async def pin_prefix(token_ids, ttl_s, cache_salt=None):
+    async def pin_prefix(token_ids, ttl_s, cache_salt=None, tenant=None):
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
 
         async def job():
             await asyncio.sleep(delay_s)
             try:
-                pin = await plain(token_ids, ttl_s, cache_salt)
+                pin = await plain(token_ids, ttl_s, cache_salt, tenant=tenant)
             except Exception as exc:  # noqa: BLE001 - handed to the caller
                 if not fut.done():
                     fut.set_exception(exc)

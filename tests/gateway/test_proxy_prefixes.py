@@ -215,7 +215,8 @@ def test_dead_upstream_or_lost_pin_registers_again(pool):
 
 
 def test_other_upstreams_get_the_text_in_full_with_affinity(pool):
-    stubs = [StubServer(name=f"s{i}").start() for i in range(3)]
+    # each serves the prefix's model (s1) and the chats' (fake)
+    stubs = [StubServer(name=f"s{i}", models=("s1", "fake", "m")).start() for i in range(3)]
     try:
         gw = pool.proxy([s.base_url for s in stubs])
         with httpx.Client(base_url=gw.url, timeout=30) as http:

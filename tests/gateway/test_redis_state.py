@@ -83,7 +83,7 @@ def test_killed_replica_frees_its_concurrency_slots_within_the_lease_ttl(
     key until the leases expire, then serves it again within the TTL."""
     ttl = 2.0
     keys = _keys(tmp_path, max_concurrent=2)
-    slow = StubServer(ttft_s=60).start()
+    slow = StubServer(ttft_s=60, models=("fake",)).start()  # serves the chats' model
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(

@@ -1,9 +1,9 @@
-"""Upstream routing policies (``--routing``) and cache_aware's prefix tree (``gateway.routing``)."""
+"""Upstream routing policies (``--routing``) and cache_aware's prefix tree (``proxy.policies``)."""
 
 from __future__ import annotations
 
 import pytest
-from prefixgate.gateway.proxy.routing import PrefixTree, prompt_blocks
+from prefixgate.gateway.proxy.policies import PrefixTree, prompt_blocks
 from prefixgate.gateway.proxy.upstream import Route, UpstreamRouter
 from prefixgate.gateway.settings import GatewaySettings
 
@@ -125,3 +125,49 @@ def test_unknown_policy_is_refused():
         UpstreamRouter(URLS, policy="random")
     with pytest.raises(ValueError, match="routing must be one of"):
         GatewaySettings(routing="random")
+
+
+def test_a_policy_is_one_class_registered_by_name(monkeypatch):
+    """Adding a policy: a ``Policy`` subclass and its line in ``REGISTRY`` — the router,
+    settings and ``--routing`` take it by name, and it sees only the model's healthy upstreams."""
+    from prefixgate.gateway.proxy import policies
+
+    class Last(policies.Policy):
+        name = "last"
+
+        def pick(self, route, candidates):
+            return candidates[-1]
+
+    monkeypatch.setitem(policies.REGISTRY, "last", Last)
+    r = UpstreamRouter(URLS, policy="last")
+    assert r.policy.name == "last" and GatewaySettings(routing="last").routing == "last"
+    assert r.pick(_route("x")) is r.upstreams[2]
+    r.upstreams[2].healthy = False
+    assert r.pick(_route("x")) is r.upstreams[1]
+    r.upstreams[0].models = frozenset({"a"})
+    r.upstreams[1].models = frozenset({"b"})
+    assert r.pick(Route(b"x", [], "a")) is r.upstreams[0]
+    with pytest.raises(AttributeError, match="keeps no prefix tree"):
+        r.tree  # noqa: B018
+
+
+def test_weighted_rendezvous_shares_keys_by_weight():
+    from prefixgate.gateway.proxy.upstream import Upstream
+
+    ups = [Upstream(URLS[0], weight=3.0), Upstream(URLS[1], weight=1.0)]
+    r = UpstreamRouter(ups, policy="rendezvous")
+    wins = sum(r.pick(Route(f"key {i}".encode(), [])) is ups[0] for i in range(4000))
+    assert 2800 < wins < 3200  # 3/4 of the keys, within a few percent
+
+
+def test_full_upstreams_are_skipped_and_all_full_is_429():
+    from prefixgate.gateway.proxy.upstream import Upstream
+
+    ups = [Upstream(URLS[0], max_in_flight=1), Upstream(URLS[1], max_in_flight=2)]
+    r = UpstreamRouter(ups, policy="least_loaded")
+    ups[0].in_flight = 1
+    assert r.pick(_route("x")) is ups[1]
+    ups[1].in_flight = 2
+    assert r.pick(_route("x")) is None
+    err = r.exhausted([], "every upstream failed")
+    assert err.status == 429 and err.code == "upstream_busy" and err.retry_after == 1.0

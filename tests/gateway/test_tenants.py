@@ -291,7 +291,7 @@ def _settled(principal, timeout: float = 5.0) -> None:
 
 
 def _failing_generate(engine):
-    async def generate(prompt, params, request_id, cache_salt=None):
+    async def generate(request):
         raise ValueError("this prompt can never fit the KV cache")
         yield  # pragma: no cover - an async generator that fails on its first step
 

@@ -17,11 +17,16 @@ from support.stub_upstream import STUB, StubServer
 
 
 def stub_app(name: str, chunk_delay_s: float = 0.0, status: int = 200) -> web.Application:
-    """The stub upstream (``support.stub_upstream``) named ``name``; a stream of it sends its
+    """The stub upstream (``support.stub_upstream``) named ``name`` serving the model ``m``
+    (and ``name``: its ``/v1/models`` lists both); a stream of it sends its
     role chunk at once, then 4 content chunks, the first ``2 * chunk_delay_s`` later and each
     next one ``chunk_delay_s`` apart, and ``[DONE]``."""
     stub = StubServer(
-        name=name, status=status, ttft_s=2 * chunk_delay_s, token_delay_s=chunk_delay_s
+        name=name,
+        models=(name, "m"),
+        status=status,
+        ttft_s=2 * chunk_delay_s,
+        token_delay_s=chunk_delay_s,
     )
     return stub.app()
 

@@ -171,6 +171,41 @@ def test_json_object_mode(client, server, pool_whole):
     wait_idle(server, pool_whole)
 
 
+SMALL = {
+    "type": "object",
+    "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["n"],
+    "additionalProperties": False,
+}
+
+
+def test_grammar_meets_min_tokens_and_stop_ids(client, server, pool_whole):
+    """Where features meet (engine/logits_processors.py): ``min_tokens`` beyond the complete
+    answer was a 500 (every logit -inf); a stop id the grammar allows as text cut the JSON
+    mid-object with "stop". Now: the grammar wins, the answer validates, stream == non-stream."""
+    # aidreams ids of '"' and '1', both in its greedy answer '{"n": 12}' (as text, mid-object)
+    extra = {"min_tokens": 25, "stop_token_ids": [455, 469]}
+    for stream in (False, True):
+        r = client.chat.completions.create(
+            model=MODEL, messages=MSGS, temperature=0.0, max_tokens=30,
+            response_format=_rf(SMALL), extra_body=extra, stream=stream,
+        )  # fmt: skip
+        if stream:
+            parts, finish = [], None
+            for ch in r:
+                if ch.choices:
+                    parts.append(ch.choices[0].delta.content or "")
+                    finish = ch.choices[0].finish_reason or finish
+            text = "".join(parts)
+        else:
+            text, finish = r.choices[0].message.content, r.choices[0].finish_reason
+            want = text
+        assert finish == "stop", (finish, text)
+        jsonschema.validate(json.loads(text), SMALL)
+    assert text == want
+    wait_idle(server, pool_whole)
+
+
 def test_named_and_required_tool_choice(client, server, pool_whole):
     named = client.chat.completions.create(
         model=MODEL, messages=MSGS, temperature=1.0, n=4, max_tokens=60, tools=[WEATHER, TIME],
@@ -265,6 +300,17 @@ BAD = [
     ({"audio": {"voice": "alloy", "format": "mp3"}}, "audio"),
     ({"store": True}, "store"),
     ({"frobnicate": 1}, "frobnicate"),
+    # JSON Schema keywords the grammar would drop (tests/engine/test_schema_keywords.py)
+    ({"response_format": _rf({"type": "string", "pattern": "^a+$", "maxLength": 2})},
+     "response_format"),
+    ({"response_format": _rf({"type": "number", "multipleOf": 0.5})}, "response_format"),
+    ({"response_format": _rf({"oneOf": [{"type": "integer"}, {"type": "number"}]})},
+     "response_format"),
+    ({"guided_regex": "(?!a)b"}, "guided_regex"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "properties": {"d": {"type": "string", "format": "date",
+                                               "maxLength": 4}}}}}],
+      "tool_choice": "required"}, "tools[0].function.parameters"),
 ]  # fmt: skip
 
 
@@ -317,11 +363,12 @@ def test_every_openai_field_is_handled_or_refused(server, pool_whole):
     values = {
         "audio": {"voice": "alloy", "format": "mp3"}, "function_call": "auto",
         "functions": [{"name": "f"}], "metadata": {"a": "b"}, "moderation": {"x": 1},
-        "prediction": {"type": "content", "content": "x"}, "prompt_cache_options": {"a": 1},
-        "prompt_cache_retention": "24h", "reasoning_effort": "high", "verbosity": "low",
+        "prediction": {"type": "content", "content": "x"}, "prompt_cache_options": "on",
+        "prompt_cache_retention": "forever", "reasoning_effort": "high", "verbosity": "low",
         "web_search_options": {}, "echo": True, "suffix": "end",
     }  # fmt: skip
-    assert set(values) == set(REFUSED)
+    # implemented since the cache controls (test_cache_controls.py); bad values still 400
+    assert set(values) == set(REFUSED) | {"prompt_cache_options", "prompt_cache_retention"}
     with httpx.Client(base_url=server.url, timeout=30) as http:
         for name, value in values.items():
             if name in chat_fields:

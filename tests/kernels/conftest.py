@@ -36,6 +36,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def assert_close(out: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
+    """Same shape, all finite, max abs difference <= ``tol`` (compared in fp32)."""
+    assert out.shape == ref.shape
+    assert torch.isfinite(out).all()
+    err = (out.float() - ref.float()).abs().max().item()
+    assert err <= tol, f"max abs error {err:.3g} > {tol:.1g}"
+
+
+@pytest.fixture
+def close():
+    """:func:`assert_close` as a fixture: ``close(out, ref, tol)``."""
+    return assert_close
+
+
 @pytest.fixture
 def atol() -> dict[torch.dtype, float]:
     """Max abs error per input dtype against the fp32 references (see ``ATOL``)."""
@@ -67,6 +81,30 @@ class PagedBatch:
     @property
     def scale(self) -> float:
         return self.q.shape[-1] ** -0.5
+
+    def decode_args(
+        self,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float]:
+        """``paged_attention_decode``'s arguments: ``(q, k_cache, v_cache, block_tables,
+        context_lens, scale)``."""
+        return (
+            self.q,
+            self.k_cache,
+            self.v_cache,
+            self.block_tables,
+            self.context_lens,
+            self.scale,
+        )
+
+    def prefill_args(
+        self,
+    ) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float
+    ]:
+        """``paged_attention_prefill``'s arguments: ``(q, k_cache, v_cache, block_tables,
+        query_start_loc, context_lens, scale)``."""
+        q, k_cache, v_cache, block_tables, context_lens, scale = self.decode_args()
+        return (q, k_cache, v_cache, block_tables, self.query_start_loc, context_lens, scale)
 
 
 def make_paged_batch(

@@ -28,43 +28,32 @@ def _kv_heads(groups: int) -> int:
     return 1 if groups >= 8 else NUM_KV_HEADS
 
 
-def _close(out: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
-    assert out.shape == ref.shape
-    assert torch.isfinite(out).all()
-    err = (out.float() - ref.float()).abs().max().item()
-    assert err <= tol, f"max abs error {err:.3g} > {tol:.1g}"
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size,head_dim,groups", SHAPES)
 def test_decode_matches_reference_and_dense(
-    paged_batch, dense, atol, block_size, head_dim, groups, dtype
+    close, paged_batch, dense, atol, block_size, head_dim, groups, dtype
 ):
     # lengths: the first token only, exactly one block, and two non-multiples of the block size
     lens = [1, block_size, 37, 2 * block_size + 5]
     pb = paged_batch(lens, [1] * len(lens), block_size, _kv_heads(groups), groups, head_dim, dtype)
-    args = (pb.q, pb.k_cache, pb.v_cache, pb.block_tables, pb.context_lens, pb.scale)
+    args = pb.decode_args()
     out = triton_ops.paged_attention_decode(*args)
     assert out.dtype == dtype
-    _close(out, torch_ref.paged_attention_decode(*args), atol[dtype])
-    _close(out, dense(pb), atol[dtype])
+    close(out, torch_ref.paged_attention_decode(*args), atol[dtype])
+    close(out, dense(pb), atol[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_splits,tile_n", [(2, 16), (5, 32), (16, 16)])
-def test_decode_split_k(paged_batch, dense, atol, num_splits, tile_n, dtype):
+def test_decode_split_k(close, paged_batch, dense, atol, num_splits, tile_n, dtype):
     """Flash-decoding: splits (some empty for short sequences) merged by the reduce kernel."""
     lens = [3, 70, 129, 200]
     pb = paged_batch(lens, [1] * len(lens), 16, NUM_KV_HEADS, 4, 64, dtype)
     cfg = triton_decode.DecodeConfig(tile_n=tile_n, num_splits=num_splits)
-    out = triton_decode.decode(
-        pb.q, pb.k_cache, pb.v_cache, pb.block_tables, pb.context_lens, pb.scale, cfg
-    )
-    ref = torch_ref.paged_attention_decode(
-        pb.q, pb.k_cache, pb.v_cache, pb.block_tables, pb.context_lens, pb.scale
-    )
-    _close(out, ref, atol[dtype])
-    _close(out, dense(pb), atol[dtype])
+    out = triton_decode.decode(*pb.decode_args(), cfg)
+    ref = torch_ref.paged_attention_decode(*pb.decode_args())
+    close(out, ref, atol[dtype])
+    close(out, dense(pb), atol[dtype])
 
 
 def _prefill_case(block_size: int) -> tuple[list[int], list[int]]:
@@ -78,56 +67,35 @@ def _prefill_case(block_size: int) -> tuple[list[int], list[int]]:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size,head_dim,groups", SHAPES)
 def test_prefill_matches_reference_and_dense(
-    paged_batch, dense, atol, block_size, head_dim, groups, dtype
+    close, paged_batch, dense, atol, block_size, head_dim, groups, dtype
 ):
     ctx, q_lens = _prefill_case(block_size)
     pb = paged_batch(ctx, q_lens, block_size, _kv_heads(groups), groups, head_dim, dtype, seed=1)
-    args = (
-        pb.q,
-        pb.k_cache,
-        pb.v_cache,
-        pb.block_tables,
-        pb.query_start_loc,
-        pb.context_lens,
-        pb.scale,
-    )
+    args = pb.prefill_args()
     out = triton_ops.paged_attention_prefill(*args)
     assert out.dtype == dtype
-    _close(out, torch_ref.paged_attention_prefill(*args), atol[dtype])
-    _close(out, dense(pb), atol[dtype])
+    close(out, torch_ref.paged_attention_prefill(*args), atol[dtype])
+    close(out, dense(pb), atol[dtype])
 
 
 @pytest.mark.parametrize(
     "block_m,block_n", [(16, 16), (16, 64), (64, 16)], ids=["m16n16", "m16n64", "m64n16"]
 )
-def test_prefill_tilings(paged_batch, dense, atol, block_m, block_n):
+def test_prefill_tilings(close, paged_batch, dense, atol, block_m, block_n):
     """Tiles smaller and larger than the chunks and blocks; a zero-length chunk in the middle."""
     ctx, q_lens = [40, 9, 70, 33], [40, 0, 35, 17]
     pb = paged_batch(ctx, q_lens, 16, NUM_KV_HEADS, 4, 64, torch.float32, seed=2)
     cfg = triton_prefill.PrefillConfig(block_m=block_m, block_n=block_n)
-    out = triton_prefill.prefill(
-        pb.q,
-        pb.k_cache,
-        pb.v_cache,
-        pb.block_tables,
-        pb.query_start_loc,
-        pb.context_lens,
-        pb.scale,
-        cfg,
-    )
-    _close(out, dense(pb), atol[torch.float32])
+    out = triton_prefill.prefill(*pb.prefill_args(), cfg)
+    close(out, dense(pb), atol[torch.float32])
 
 
-def test_prefill_of_one_token_equals_decode(paged_batch, atol):
+def test_prefill_of_one_token_equals_decode(close, paged_batch, atol):
     lens = [5, 33, 64]
     pb = paged_batch(lens, [1, 1, 1], 16, NUM_KV_HEADS, 4, 64, torch.float32, seed=3)
-    dec = triton_ops.paged_attention_decode(
-        pb.q, pb.k_cache, pb.v_cache, pb.block_tables, pb.context_lens, pb.scale
-    )
-    pre = triton_ops.paged_attention_prefill(
-        pb.q, pb.k_cache, pb.v_cache, pb.block_tables, pb.query_start_loc, pb.context_lens, pb.scale
-    )
-    _close(pre, dec, atol[torch.float32])
+    dec = triton_ops.paged_attention_decode(*pb.decode_args())
+    pre = triton_ops.paged_attention_prefill(*pb.prefill_args())
+    close(pre, dec, atol[torch.float32])
 
 
 def test_empty_batches(paged_batch):
@@ -185,31 +153,29 @@ def test_split_heuristic_bounds(monkeypatch):
     assert triton_decode.choose_num_splits(1, 1, 100, gpu, 64) == 1
 
 
-def test_int64_metadata(paged_batch, dense, atol):
+def test_int64_metadata(close, paged_batch, dense, atol):
     """Block tables, context lengths and query offsets may be int64 as well as int32."""
     pb = paged_batch([30, 7], [12, 7], 16, NUM_KV_HEADS, 2, 64, torch.float32, seed=4)
     tables, lens, qsl = pb.block_tables.long(), pb.context_lens.long(), pb.query_start_loc.long()
     out = triton_ops.paged_attention_prefill(
         pb.q, pb.k_cache, pb.v_cache, tables, qsl, lens, pb.scale
     )
-    _close(out, dense(pb), atol[torch.float32])
+    close(out, dense(pb), atol[torch.float32])
     last = qsl[1:] - 1
     dec = triton_ops.paged_attention_decode(
         pb.q[last], pb.k_cache, pb.v_cache, tables, lens, pb.scale
     )
-    _close(dec, out[last], atol[torch.float32])
+    close(dec, out[last], atol[torch.float32])
 
 
 @pytest.mark.parametrize("head_dim", [16, 80])
-def test_other_head_dims(paged_batch, dense, atol, head_dim):
+def test_other_head_dims(close, paged_batch, dense, atol, head_dim):
     """head_dim 16 (aidreams-260k) and 80 (padded to a 128-wide tile, masked)."""
     pb = paged_batch([21, 40], [21, 9], 16, NUM_KV_HEADS, 2, head_dim, torch.float32, seed=5)
-    out = triton_ops.paged_attention_prefill(
-        pb.q, pb.k_cache, pb.v_cache, pb.block_tables, pb.query_start_loc, pb.context_lens, pb.scale
-    )
-    _close(out, dense(pb), atol[torch.float32])
+    out = triton_ops.paged_attention_prefill(*pb.prefill_args())
+    close(out, dense(pb), atol[torch.float32])
     last = pb.query_start_loc[1:].long() - 1
     dec = triton_ops.paged_attention_decode(
         pb.q[last], pb.k_cache, pb.v_cache, pb.block_tables, pb.context_lens, pb.scale
     )
-    _close(dec, out[last], atol[torch.float32])
+    close(dec, out[last], atol[torch.float32])

@@ -30,6 +30,7 @@ PTR_TYPES = {  # pointer args whose element type does not follow the data dtype
 FLOAT_ARGS = {"scale_log2", "eps"}
 
 # (module, kernel, data dtype, constexprs, num_warps, num_stages): the launches the wrappers make.
+CASE_FIELDS = ("module", "kernel", "dtype", "constexprs", "num_warps", "num_stages")
 CASES = {
     "decode-splits-bf16-d128-g4": (
         "triton_decode",
@@ -200,22 +201,16 @@ def _backend_available() -> bool:
 
 
 def _compile(cases: list[str]) -> dict[str, dict]:
-    specs = []
-    for case in cases:
-        module, kernel, dtype, constexprs, warps, stages = CASES[case]
-        specs.append(
-            dict(
-                case=case,
-                module=module,
-                kernel=kernel,
-                dtype=dtype,
-                constexprs=constexprs,
-                ptr_types=PTR_TYPES,
-                floats=sorted(FLOAT_ARGS),
-                num_warps=warps,
-                num_stages=stages,
-            )
+    floats = sorted(FLOAT_ARGS)
+    specs = [
+        dict(
+            zip(CASE_FIELDS, CASES[case], strict=True),
+            case=case,
+            ptr_types=PTR_TYPES,
+            floats=floats,
         )
+        for case in cases
+    ]
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
     proc = subprocess.run(
         [sys.executable, "-c", _SCRIPT, json.dumps(specs)],

@@ -17,25 +17,16 @@ DTYPES = [
 ]
 
 
-def _close(out: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
-    assert out.shape == ref.shape
-    assert torch.isfinite(out).all()
-    err = (out.float() - ref.float()).abs().max().item()
-    assert err <= tol, f"max abs error {err:.3g} > {tol:.1g}"
-
-
 @pytest.mark.parametrize("dtype,tol", DTYPES)
 @pytest.mark.parametrize("groups", [1, 3, 8])
 @pytest.mark.parametrize(
     "lens", [[1, 16, 37, 53], [40, 40, 40]], ids=["mixed", "equal"]
 )  # equal lengths: the no-mask path
-def test_decode(paged_batch, dense, lens, groups, dtype, tol):
+def test_decode(close, paged_batch, dense, lens, groups, dtype, tol):
     pb = paged_batch(lens, [1] * len(lens), 16, 2, groups, 64, dtype)
-    out = torch_ref.paged_attention_decode(
-        pb.q, pb.k_cache, pb.v_cache, pb.block_tables, pb.context_lens, pb.scale
-    )
+    out = torch_ref.paged_attention_decode(*pb.decode_args())
     assert out.dtype == dtype
-    _close(out, dense(pb), tol)
+    close(out, dense(pb), tol)
 
 
 @pytest.mark.parametrize("dtype,tol", DTYPES)
@@ -51,36 +42,18 @@ def test_decode(paged_batch, dense, lens, groups, dtype, tol):
         pytest.param([33, 40], [33, 33], id="equal-len-one-prefix"),
     ],
 )
-def test_prefill(paged_batch, dense, lens, q_lens, groups, dtype, tol):
+def test_prefill(close, paged_batch, dense, lens, q_lens, groups, dtype, tol):
     pb = paged_batch(lens, q_lens, 16, 2, groups, 64, dtype)
-    out = torch_ref.paged_attention_prefill(
-        pb.q,
-        pb.k_cache,
-        pb.v_cache,
-        pb.block_tables,
-        pb.query_start_loc,
-        pb.context_lens,
-        pb.scale,
-    )
+    out = torch_ref.paged_attention_prefill(*pb.prefill_args())
     assert out.dtype == dtype
-    _close(out, dense(pb), tol)
+    close(out, dense(pb), tol)
 
 
-def test_prefill_one_token_equals_decode(paged_batch):
+def test_prefill_one_token_equals_decode(close, paged_batch):
     pb = paged_batch([5, 37, 64], [1, 1, 1], 16, 2, 4, 64)
-    dec = torch_ref.paged_attention_decode(
-        pb.q, pb.k_cache, pb.v_cache, pb.block_tables, pb.context_lens, pb.scale
-    )
-    pre = torch_ref.paged_attention_prefill(
-        pb.q,
-        pb.k_cache,
-        pb.v_cache,
-        pb.block_tables,
-        pb.query_start_loc,
-        pb.context_lens,
-        pb.scale,
-    )
-    _close(pre, dec, 1e-5)
+    dec = torch_ref.paged_attention_decode(*pb.decode_args())
+    pre = torch_ref.paged_attention_prefill(*pb.prefill_args())
+    close(pre, dec, 1e-5)
 
 
 def test_empty(paged_batch):

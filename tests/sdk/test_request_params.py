@@ -10,6 +10,7 @@ import httpx
 import pytest
 import respx
 from prefixgate.sdk import AsyncClient, Client
+from prefixgate.sdk._options import CallOptions
 from prefixgate.sdk._sync import (
     SyncChatCompletions,
     SyncCompletions,
@@ -22,6 +23,9 @@ from prefixgate.sdk.resources import (
     AsyncModels,
     AsyncPrefixes,
 )
+from prefixgate.sdk.resources.chat import ChatCompletionCreateParams, ChatCompletionParseParams
+from prefixgate.sdk.resources.completions import CompletionCreateParams
+from prefixgate.sdk.resources.prefixes import PrefixCreateParams
 
 from .conftest import BASE
 
@@ -185,3 +189,48 @@ def test_sync_methods_have_the_async_signatures(sync_cls, async_cls, names) -> N
 def test_sync_client_constructor_matches_async() -> None:
     assert _params(Client.__init__) == _params(AsyncClient.__init__)
     assert _params(Client.with_options) == _params(AsyncClient.with_options)
+
+
+@pytest.mark.parametrize(
+    ("method", "params", "own"),
+    [
+        (AsyncChatCompletions.create, ChatCompletionCreateParams, {"stream"}),
+        (SyncChatCompletions.create, ChatCompletionCreateParams, {"stream"}),
+        (AsyncChatCompletions.parse, ChatCompletionParseParams, {"response_format"}),
+        (SyncChatCompletions.parse, ChatCompletionParseParams, {"response_format"}),
+        (AsyncCompletions.create, CompletionCreateParams, {"stream"}),
+        (SyncCompletions.create, CompletionCreateParams, {"stream"}),
+        (AsyncPrefixes.create, PrefixCreateParams, set()),
+        (SyncPrefixes.create, PrefixCreateParams, set()),
+        (AsyncPrefixes.get, CallOptions, {"prefix_id"}),
+        (SyncModels.retrieve, CallOptions, {"model"}),
+    ],
+)
+def test_each_endpoints_parameters_are_its_one_typeddict(method, params, own) -> None:
+    """The keywords a method takes at run time are its TypedDict's keys (stated once for the
+    async method and its blocking twin) plus its own; required keys have no default, the
+    others default to None (omitted from the body)."""
+    sig = inspect.signature(method).parameters
+    assert set(sig) - {"self"} == set(params.__annotations__) | own
+    for name in params.__annotations__:
+        assert sig[name].kind is inspect.Parameter.KEYWORD_ONLY, name
+        required = name in params.__required_keys__
+        assert sig[name].default is (inspect.Parameter.empty if required else None), name
+
+
+@respx.mock
+async def test_a_missing_required_keyword_is_a_type_error_and_sends_nothing(make_client) -> None:
+    route = respx.post(f"{BASE}/chat/completions").mock(return_value=httpx.Response(200, json=OK))
+    async with make_client() as client:
+        with pytest.raises(TypeError, match="'model'"):
+            await client.chat.completions.create(messages=MSG)  # type: ignore[call-overload]
+        with pytest.raises(TypeError, match="'prompt'"):
+            await client.completions.create(model="m")  # type: ignore[call-overload]
+        with pytest.raises(TypeError, match="multiple values"):
+            await client.models.retrieve("a", model="b")  # type: ignore[misc]
+    with Client(BASE) as sync:  # checked before the call reaches the loop thread
+        with pytest.raises(TypeError, match="'messages'"):
+            sync.chat.completions.create(model="m")  # type: ignore[call-overload]
+        with pytest.raises(TypeError, match="'model'"):
+            sync.prefixes.create(messages=MSG)  # type: ignore[call-arg]
+    assert route.calls.call_count == 0

@@ -18,6 +18,7 @@ from typing import Any
 from prefixgate.engine.config import EngineConfig
 from prefixgate.engine.errors import EngineDeadError, PinLimitError
 from prefixgate.engine.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
+from prefixgate.engine.protocol import EngineRequest
 from prefixgate.engine.sampling_params import SamplingParams
 
 __all__ = ["EngineDeadError", "FakeEngine", "FakeTokenizer", "PinLimitError"]
@@ -106,6 +107,9 @@ class FakeEngine:
         self._cache: dict[str | None, list[list[int]]] = {}
         self._pins: dict[str, _Pin] = {}
         self.tenants_seen: list[tuple[str | None, int]] = []  # (tenant, priority) per generate
+        self.pin_tenants_seen: list[str | None] = []  # tenant per pin_prefix
+        self.rates: dict[str, float | None] = {}  # stats() overrides: measured rates
+        self.predicted_ttft: float | None = None  # what predict_ttft answers (tests set it)
         self.tenant_rows: dict[str, dict] = {}  # stats()["tenants"], set by tests
         self.generated = 0
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache / found there
@@ -114,16 +118,10 @@ class FakeEngine:
         self.shutdown_called = False
 
     # --- the contract -----------------------------------------------------------------
-    async def generate(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams,
-        request_id: str,
-        cache_salt: str | None = None,
-        tenant: str | None = None,
-        priority: int = 0,
-    ) -> AsyncIterator[RequestOutput]:
-        self.tenants_seen.append((tenant, priority))
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        prompt, params, request_id = request.prompt, request.sampling_params, request.request_id
+        cache_salt = request.cache_salt
+        self.tenants_seen.append((request.tenant, request.priority))
         if self.shutdown_called:
             raise EngineDeadError("the engine is shut down")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -204,10 +202,15 @@ class FakeEngine:
         self._aborted.add(request_id)
 
     async def pin_prefix(
-        self, token_ids: list[int], ttl_s: float, cache_salt: str | None = None
+        self,
+        token_ids: list[int],
+        ttl_s: float,
+        cache_salt: str | None = None,
+        tenant: str | None = None,
     ) -> _Pin:
         if self.shutdown_called:
             raise EngineDeadError("the engine is shut down")
+        self.pin_tenants_seen.append(tenant)
         blocks = len(token_ids) // self.block_size
         self._expire_pins()
         if self.pinned_blocks + blocks > self.max_pinned_fraction * self.num_blocks:
@@ -242,6 +245,11 @@ class FakeEngine:
         self._expire_pins()
         return sum(p.blocks for p in self._pins.values())
 
+    def predict_ttft(self, num_prompt_tokens: int, num_cached_tokens: int = 0) -> float | None:
+        if num_prompt_tokens < 1:
+            raise ValueError("num_prompt_tokens must be >= 1")
+        return self.predicted_ttft
+
     def stats(self) -> dict:
         used = sum(self._running.values()) + self.pinned_blocks
         return {
@@ -261,7 +269,14 @@ class FakeEngine:
             "prefix_cache_evictions": 0,
             "pinned_blocks": self.pinned_blocks,
             "num_preemptions": 0,
+            "num_displacements": 0,
+            "queued_prefill_tokens": 0,
+            "running_decodes": len(self._running),
+            "prefill_tokens_per_s": None,
+            "decode_tokens_per_s": None,
+            "finished_per_s": None,
             "tenants": dict(self.tenant_rows),
+            **self.rates,
         }
 
     def check_invariants(self) -> None:

@@ -8,8 +8,10 @@ left). With ``status`` other than 200 every answer is that status with an OpenAI
 request without ``stream`` gets a ``chat.completion`` naming the stub (``"upstream": name``,
 gzip when asked). A streamed one ``max_tokens`` content chunks ``token_delay_s`` apart after ``ttft_s``, ends with a
 usage chunk when ``stream_options.include_usage`` is set (``cached_tokens`` = half the prompt
-tokens from the second request on), and answers 429 to every ``fail_every``-th request.
-A prompt's tokens are its messages' characters. With ``max_model_len`` set, the model card
+tokens from the second request on), and answers 429 (``Retry-After: retry_after``) to every
+``fail_every``-th request.
+A prompt's tokens are its messages' characters. ``GET /v1/models`` lists ``models`` (default:
+``name`` alone; assign it to change what the stub serves). With ``max_model_len`` set, the model card
 says it and ``POST /tokenize`` counts prompts (``tokenize=False``: no such route).
 """
 
@@ -28,10 +30,12 @@ STUB: web.AppKey[StubServer] = web.AppKey("stub_upstream")
 @dataclass
 class StubServer:
     name: str = "stub-model"
+    models: tuple[str, ...] = ()
     status: int = 200
     ttft_s: float = 0.02
     token_delay_s: float = 0.002
     fail_every: int = 0
+    retry_after: str = "1"
     max_model_len: int | None = None
     tokenize: bool = True
     seen: list[dict] = field(default_factory=list)
@@ -65,25 +69,24 @@ class StubServer:
                     }
                 },
                 status=429,
-                headers={"Retry-After": "1"},
+                headers={"Retry-After": self.retry_after},
             )
+        text_route = request.path == "/v1/completions"  # text_completion shapes there
         if not body.get("stream"):
             record["outcome"] = "complete"
+            choice: dict = {"index": 0, "logprobs": None, "finish_reason": "stop"}
+            if text_route:
+                choice["text"] = "ok"
+            else:
+                choice["message"] = {"role": "assistant", "content": "ok"}
             resp = web.json_response(
                 {
                     "id": f"c{n}",
-                    "object": "chat.completion",
+                    "object": "text_completion" if text_route else "chat.completion",
                     "created": 0,
                     "model": body.get("model", self.name),
                     "upstream": self.name,
-                    "choices": [
-                        {
-                            "index": 0,
-                            "message": {"role": "assistant", "content": "ok"},
-                            "logprobs": None,
-                            "finish_reason": "stop",
-                        }
-                    ],
+                    "choices": [choice],
                     "usage": None,
                 }
             )
@@ -97,26 +100,38 @@ class StubServer:
             await resp.prepare(request)
             base = {
                 "id": f"c{n}",
-                "object": "chat.completion.chunk",
+                "object": "text_completion" if text_route else "chat.completion.chunk",
                 "created": 0,
                 "model": body["model"],
             }
-            await resp.write(
-                f"data: {json.dumps({**base, 'choices': [{'index': 0, 'delta': {'role': 'assistant'}, 'finish_reason': None}]})}\n\n".encode()
-            )
+
+            def part(content: str | None, fin: str | None) -> dict:
+                if text_route:
+                    return {
+                        "index": 0,
+                        "text": content or "",
+                        "logprobs": None,
+                        "finish_reason": fin,
+                    }
+                delta = {"role": "assistant"} if content is None else {"content": content}
+                return {"index": 0, "delta": delta, "finish_reason": fin}
+
+            if not text_route:
+                await resp.write(
+                    f"data: {json.dumps({**base, 'choices': [part(None, None)]})}\n\n".encode()
+                )
             await asyncio.sleep(self.ttft_s)
             k = int(body.get("max_tokens", 4))
             for i in range(k):
                 if i:
                     await asyncio.sleep(self.token_delay_s)
                 fin = "length" if i == k - 1 else None
-                chunk = {
-                    **base,
-                    "choices": [{"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": fin}],
-                }
+                chunk = {**base, "choices": [part(f"t{i} ", fin)]}
                 await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
             if (body.get("stream_options") or {}).get("include_usage"):
-                prompt = sum(len(m["content"]) for m in body["messages"])
+                prompt = sum(len(m["content"]) for m in body.get("messages", [])) + len(
+                    str(body.get("prompt", ""))
+                )
                 cached = prompt // 2 if n > 1 else 0
                 usage = {
                     "prompt_tokens": prompt,
@@ -135,10 +150,13 @@ class StubServer:
             self._in_flight -= 1
 
     async def _models(self, request: web.Request) -> web.Response:
-        card: dict = {"id": self.name, "object": "model"}
-        if self.max_model_len is not None:
-            card["max_model_len"] = self.max_model_len
-        return web.json_response({"object": "list", "data": [card]})
+        cards = []
+        for model in self.models or (self.name,):
+            card: dict = {"id": model, "object": "model", "owned_by": "stub"}
+            if self.max_model_len is not None:
+                card["max_model_len"] = self.max_model_len
+            cards.append(card)
+        return web.json_response({"object": "list", "data": cards})
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         if not self.tokenize:

@@ -14,7 +14,7 @@ from prefixgate.sdk import (
     RateLimitError,
     RetryPolicy,
 )
-from prefixgate.sdk.limits import estimate_tokens
+from prefixgate.sdk.flow_control import estimate_tokens
 
 pytestmark = pytest.mark.anyio
 

@@ -1,0 +1,404 @@
+"""Anthropic's Messages API request bodies, validated, and their conversion to a chat.
+
+``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` take Anthropic's shapes (the
+``anthropic`` package's ``MessageCreateParams`` / ``MessageCountTokensParams``): ``system`` as
+a string or text blocks, ``messages`` whose content is a string or ``text`` / ``tool_use`` /
+``tool_result`` blocks, ``tools`` (custom tools: ``name``, ``description``, ``input_schema``),
+``tool_choice`` (``auto`` / ``any`` / ``tool`` / ``none``, ``disable_parallel_tool_use``),
+``stop_sequences``, ``max_tokens`` (required), ``temperature`` (0-1), ``top_p``, ``top_k``,
+``metadata.user_id``, and ``cache_control: {"type": "ephemeral", "ttl": "5m" | "1h"}``
+breakpoints on system blocks, tools and message blocks (at most 4, the top-level
+``cache_control`` included, which marks the end of the last message).
+
+``to_chat`` turns a request into the chat the gateway already serves: a system message, the
+turns (``tool_use`` blocks become an assistant message's ``tool_calls``, ``tool_result``
+blocks ``tool`` messages), OpenAI-shaped function tools and a ``tool_choice``; each
+breakpoint becomes a ``Breakpoint``: the conversation cut right after its block (rendered
+later to find where the breakpoint falls in the prompt's tokens) and its TTL in seconds.
+
+What is not implemented is refused by name (400), never ignored: ``thinking`` other than
+disabled, images, documents and other block types, server tools, ``container``,
+``mcp_servers``, ``output_config``, ``inference_geo``, ``speed`` other than
+standard, ``citations``, ``max_tokens: 0`` (cache pre-warming), a final assistant turn
+(prefill), ``user_profile_id`` / ``workspace_id``. An unknown field is a 400 naming it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal, TypeVar
+
+from prefixgate.gateway.api.cache_marks import Breakpoint
+from prefixgate.gateway.http.errors import bad_request
+from prefixgate.gateway.tenancy.keys import MAX_SALT_CHARS
+from pydantic import BaseModel, ConfigDict, Field
+
+_CONFIG = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+MAX_BREAKPOINTS = 4  # Anthropic's limit of cache_control breakpoints per request
+TTL_SECONDS = {"5m": 300.0, "1h": 3600.0}
+
+# Known fields of MessageCreateParams refused unless absent or holding their no-op value.
+_REFUSED: dict[str, str] = {
+    "container": "containers (code execution) are not supported",
+    "mcp_servers": "MCP servers are not supported",
+    "output_config": "output_config (structured outputs, effort) is not supported",
+    "inference_geo": "inference_geo is not supported",
+    "user_profile_id": "user_profile_id is not supported",
+    "workspace_id": "workspace_id is not supported",
+    "context_management": "context_management is not supported",
+}
+
+
+class CacheControl(BaseModel):
+    """``{"type": "ephemeral", "ttl": "5m" | "1h"}`` (``ttl`` default ``"5m"``)."""
+
+    model_config = _CONFIG
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None
+
+    @property
+    def ttl_s(self) -> float:
+        """The breakpoint's TTL in seconds."""
+        return TTL_SECONDS[self.ttl or "5m"]
+
+
+class TextBlock(BaseModel):
+    """``{"type": "text", "text", "cache_control"?}`` (``citations`` only null or empty)."""
+
+    model_config = _CONFIG
+    type: Literal["text"]
+    text: str
+    cache_control: CacheControl | None = None
+    citations: list[Any] | None = Field(None, max_length=0)
+
+
+class ToolUseBlock(BaseModel):
+    """An assistant's earlier tool call: ``{"type": "tool_use", "id", "name", "input"}``."""
+
+    model_config = _CONFIG
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+    cache_control: CacheControl | None = None
+
+
+class ToolResultBlock(BaseModel):
+    """A tool's answer: ``{"type": "tool_result", "tool_use_id", "content", "is_error"}``
+    (``content`` a string or text blocks)."""
+
+    model_config = _CONFIG
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] | None = None
+    is_error: bool | None = None
+    cache_control: CacheControl | None = None
+
+    def text(self) -> str:
+        """The result as text (blocks joined); an error result is prefixed ``"Error: "``."""
+        body = (
+            self.content
+            if isinstance(self.content, str)
+            else "".join(b.text for b in self.content or [])
+        )
+        return "Error: " + body if self.is_error else body
+
+
+Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+
+
+class MessageParam(BaseModel):
+    """One turn: ``role`` user or assistant, ``content`` a string or blocks."""
+
+    model_config = _CONFIG
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+
+class InputSchema(BaseModel):
+    """A custom tool's ``input_schema``: a JSON schema of ``type: "object"``."""
+
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+    type: Literal["object"]
+
+
+class ToolParam(BaseModel):
+    """A custom (client) tool: ``name``, ``description``, ``input_schema``."""
+
+    model_config = _CONFIG
+    name: str
+    input_schema: InputSchema
+    description: str | None = None
+    type: Literal["custom"] | None = None
+    cache_control: CacheControl | None = None
+    strict: bool | None = None
+
+
+class ToolChoice(BaseModel):
+    """``{"type": "auto" | "any" | "tool" | "none", "name"?, "disable_parallel_tool_use"?}``."""
+
+    model_config = _CONFIG
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class Metadata(BaseModel):
+    """``metadata``: ``user_id``, an end-user identifier (logged nowhere, changes nothing)."""
+
+    model_config = _CONFIG
+    user_id: str | None = None
+
+
+class ThinkingDisabled(BaseModel):
+    """``thinking``: only ``{"type": "disabled"}`` (the model does not reason)."""
+
+    model_config = _CONFIG
+    type: Literal["disabled"]
+
+
+class _Conversation(BaseModel):
+    """What ``messages`` and ``count_tokens`` share: the prompt."""
+
+    model_config = _CONFIG
+    model: str
+    messages: list[MessageParam] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    tools: list[ToolParam] | None = None
+    tool_choice: ToolChoice | None = None
+    cache_control: CacheControl | None = None
+    thinking: ThinkingDisabled | None = None
+    # prefixgate's extra (vLLM's name): a prefix-cache partition inside the key's
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_SALT_CHARS)
+
+
+class Diagnostics(BaseModel):
+    """``diagnostics``: ``previous_message_id`` names an earlier message whose cached prompt
+    this one is compared with (``cache_diagnostics.py``)."""
+
+    model_config = _CONFIG
+    previous_message_id: str | None = None
+
+
+class MessagesRequest(_Conversation):
+    """POST /v1/messages. ``max_tokens`` >= 1 (required); ``temperature`` in [0, 1] (default
+    1); ``top_p`` in (0, 1]; ``top_k`` >= 1; at most 16 ``stop_sequences``."""
+
+    max_tokens: int = Field(ge=1)
+    stop_sequences: list[Annotated[str, Field(min_length=1)]] | None = Field(None, max_length=16)
+    stream: bool = False
+    temperature: float | None = Field(None, ge=0.0, le=1.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=1)
+    metadata: Metadata | None = None
+    service_tier: Literal["auto", "standard_only"] | None = None
+    speed: Literal["standard"] | None = None
+    diagnostics: Diagnostics | None = None
+
+
+class CountTokensRequest(_Conversation):
+    """POST /v1/messages/count_tokens: the prompt of a ``messages`` request."""
+
+
+M = TypeVar("M", bound=_Conversation)
+
+
+def parse_request(model: type[M], body: bytes) -> M:
+    """Validate a body: known fields not implemented, block types other than text /
+    tool_use / tool_result, server tools and ``max_tokens: 0`` are refused by name first.
+
+    Raises:
+        APIError: 400 naming the field (``param``).
+    """
+    from prefixgate.gateway.api.request_models import parse  # the shared JSON → 400 mapping
+
+    try:
+        raw = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        raw = None
+    if isinstance(raw, dict):
+        _refuse(raw, model)
+    return parse(model, body)
+
+
+def _refuse(raw: dict[str, Any], model: type[_Conversation]) -> None:
+    for name, why in _REFUSED.items():
+        if raw.get(name) not in (None, [], {}):
+            raise bad_request(f"{name}: {why}", param=name, code="unsupported_parameter")
+    thinking = raw.get("thinking")
+    if isinstance(thinking, dict) and thinking.get("type") != "disabled":
+        raise bad_request(
+            "thinking: extended thinking is not supported (send {'type': 'disabled'})",
+            param="thinking",
+            code="unsupported_parameter",
+        )
+    if model is MessagesRequest and raw.get("max_tokens") == 0:
+        raise bad_request(
+            "max_tokens: 0 (cache pre-warming without a response) is not supported",
+            param="max_tokens",
+            code="unsupported_parameter",
+        )
+    if raw.get("speed") not in (None, "standard"):
+        raise bad_request(
+            "speed: only 'standard' is supported", param="speed", code="unsupported_parameter"
+        )
+    for i, tool in enumerate(raw.get("tools") or []):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind not in (None, "custom"):
+            where = f"tools.{i}.type"
+            raise bad_request(
+                f"{where}: server tool {str(kind)[:60]!r} is not supported (custom tools only)",
+                param=where,
+                code="unsupported_parameter",
+            )
+    system = raw.get("system")
+    blocks = [(f"system.{j}", b) for j, b in enumerate(system)] if isinstance(system, list) else []
+    for i, m in enumerate(raw.get("messages") or []):
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list):
+            blocks += [(f"messages.{i}.content.{j}", b) for j, b in enumerate(content)]
+            for j, b in enumerate(content):
+                inner = b.get("content") if isinstance(b, dict) else None
+                if isinstance(inner, list):
+                    where = f"messages.{i}.content.{j}.content"
+                    blocks += [(f"{where}.{k}", c) for k, c in enumerate(inner)]
+    allowed = {"text", "tool_use", "tool_result"}
+    for where, b in blocks:
+        kind = b.get("type") if isinstance(b, dict) else None
+        ok = allowed if where.count("content") == 1 else {"text"}
+        if isinstance(kind, str) and kind not in ok:
+            raise bad_request(
+                f"{where}.type: {kind[:60]!r} blocks are not supported here "
+                f"({', '.join(sorted(ok))} only)",
+                param=f"{where}.type",
+                code="unsupported_parameter",
+            )
+
+
+@dataclass(slots=True)
+class Chat:
+    """A Messages request as a chat: template messages, OpenAI function tools, the
+    ``tool_choice`` / ``parallel_tool_calls`` for ``tools.plan_tools``, and its breakpoints."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]]
+    tool_choice: Any
+    parallel_tool_calls: bool | None
+    breakpoints: list[Breakpoint] = field(default_factory=list)
+
+
+def _openai_tool(t: ToolParam) -> dict[str, Any]:
+    fn: dict[str, Any] = {"name": t.name, "parameters": t.input_schema.model_dump()}
+    if t.description is not None:
+        fn["description"] = t.description
+    if t.strict is not None:
+        fn["strict"] = t.strict
+    return {"type": "function", "function": fn}
+
+
+def to_chat(req: _Conversation) -> Chat:
+    """The request as a chat (module docstring).
+
+    Raises:
+        APIError: 400 naming the field: more than 4 breakpoints, a ``tool_choice`` ``tool``
+            without ``name``, an empty conversation.
+    """
+    tools = [_openai_tool(t) for t in req.tools or []]
+    tc = req.tool_choice
+    choice: Any = None
+    parallel: bool | None = None
+    if tc is not None:
+        if tc.type == "tool":
+            if not tc.name:
+                raise bad_request("tool_choice.name: required for type 'tool'", "tool_choice.name")
+            choice = {"type": "function", "function": {"name": tc.name}}
+        else:
+            choice = {"auto": "auto", "any": "required", "none": "none"}[tc.type]
+        if tc.disable_parallel_tool_use:
+            parallel = False
+    chat = Chat([], tools, choice, parallel)
+    marks = chat.breakpoints
+    for i, t in enumerate(req.tools or []):
+        if t.cache_control is not None:
+            marks.append(Breakpoint(f"tools.{i}", t.cache_control.ttl_s, [], tools[: i + 1]))
+    msgs = chat.messages
+    if isinstance(req.system, str):
+        if req.system:
+            msgs.append({"role": "system", "content": req.system})
+    elif req.system:
+        text = ""
+        for j, b in enumerate(req.system):
+            text += b.text
+            if b.cache_control is not None:
+                cut = [{"role": "system", "content": text}]
+                marks.append(Breakpoint(f"system.{j}", b.cache_control.ttl_s, cut, tools))
+        msgs.append({"role": "system", "content": text})
+    last = len(req.messages) - 1
+    if req.messages[last].role == "assistant":
+        raise bad_request(
+            f"messages.{last}: a final assistant turn (prefill: continuing the assistant's "
+            "text) is not supported; end with a user turn",
+            param=f"messages.{last}.role",
+            code="unsupported_parameter",
+        )
+    for i, m in enumerate(req.messages):
+        _add_turn(chat, i, m)
+    if req.cache_control is not None:
+        marks.append(Breakpoint("cache_control", req.cache_control.ttl_s, list(msgs), tools))
+    if len(marks) > MAX_BREAKPOINTS:
+        raise bad_request(
+            f"{marks[MAX_BREAKPOINTS].where}.cache_control: at most {MAX_BREAKPOINTS} "
+            f"cache_control breakpoints per request, got {len(marks)}",
+            param=f"{marks[MAX_BREAKPOINTS].where}.cache_control",
+        )
+    return chat
+
+
+def _add_turn(chat: Chat, i: int, m: MessageParam) -> None:
+    """Append turn ``i`` to ``chat.messages`` (tool results as ``tool`` messages first, then
+    the turn's text; an assistant's ``tool_use`` blocks as its ``tool_calls``), noting the
+    breakpoints of its blocks."""
+    msgs = chat.messages
+    if isinstance(m.content, str):
+        msgs.append({"role": m.role, "content": m.content})
+        return
+    text = ""
+    calls: list[dict[str, Any]] = []
+
+    def current() -> dict[str, Any]:
+        d: dict[str, Any] = {"role": m.role, "content": text}
+        if calls:
+            d["tool_calls"] = [json.loads(json.dumps(c)) for c in calls]
+        return d
+
+    opened = False  # the turn's own message (text / tool calls) has started
+    for j, b in enumerate(m.content):
+        if isinstance(b, ToolResultBlock):
+            if m.role != "user":
+                where = f"messages.{i}.content.{j}"
+                raise bad_request(f"{where}: tool_result blocks belong to user turns", where)
+            msgs.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()})
+            cut = list(msgs)
+        else:
+            if isinstance(b, ToolUseBlock):
+                if m.role != "assistant":
+                    where = f"messages.{i}.content.{j}"
+                    raise bad_request(f"{where}: tool_use blocks belong to assistant turns", where)
+                calls.append(
+                    {
+                        "id": b.id,
+                        "type": "function",
+                        "function": {"name": b.name, "arguments": b.input},
+                    }
+                )
+            else:
+                text += b.text
+            opened = True
+            cut = [*msgs, current()]
+        if b.cache_control is not None:
+            where = f"messages.{i}.content.{j}"
+            chat.breakpoints.append(Breakpoint(where, b.cache_control.ttl_s, cut, chat.tools))
+    if opened or not m.content:
+        msgs.append(current())

@@ -1,0 +1,378 @@
+"""POST /v1/messages and /v1/messages/count_tokens (local mode): Anthropic's Messages API.
+
+A Messages request is a chat in another shape (``anthropic_models.to_chat``): it is rendered
+with the chat template into the same token ids as the equivalent chat completion and runs
+through the same ``Exchange`` (rate limits, admission, disconnect → abort, metrics, access
+log) with a renderer of its own (``MessagesRenderer``): a ``message`` object, or the event
+stream the ``anthropic`` package parses (``message_start``, ``ping``, then per content block
+``content_block_start`` / ``content_block_delta`` (``text_delta``, ``input_json_delta``) /
+``content_block_stop``, then ``message_delta`` (stop reason, cumulative usage) and
+``message_stop``). Errors take Anthropic's shape, ``{"type": "error", "error": {"type",
+"message"}}`` (``errors.error_dialect``), in-stream as an ``error`` event.
+
+Cache breakpoints (``cache_control``) become engine pins (``local/cache_pins.py``): each
+breakpoint's position in the prompt is the tokens the prompt shares with the conversation
+cut right after the marked block (rendered without a generation prompt), in whole KV
+blocks. Usage: ``cache_read_input_tokens`` = prompt tokens served from the prefix cache,
+``cache_creation_input_tokens`` = tokens up to the last breakpoint this request computed
+(written to the cache, then pinned), ``input_tokens`` the rest: the three sum to the prompt
+exactly (``cache_creation`` splits the written tokens by the TTL of the breakpoint they fall
+under). The ``x-prefixgate-cache`` header says where each breakpoint fell and whether it hit
+(``cache_marks.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from array import array
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from aiohttp import web
+from prefixgate.engine.sampling_params import SamplingParams
+from prefixgate.gateway.api.anthropic_models import (
+    Chat,
+    CountTokensRequest,
+    MessagesRequest,
+    parse_request,
+    to_chat,
+)
+from prefixgate.gateway.api.cache_diagnostics import (
+    PROMPT_LOG,
+    LoggedPrompt,
+    cache_miss_reason,
+    prompt_parts,
+)
+from prefixgate.gateway.api.cache_marks import Mark, find_marks, written_tokens
+from prefixgate.gateway.api.prompts import check_length, render_chat
+from prefixgate.gateway.api.response_models import Usage
+from prefixgate.gateway.api.tools import ToolDeltas, ToolPlan, parse_output, plan_tools
+from prefixgate.gateway.http.errors import ANTHROPIC, APIError, bad_request, error_dialect
+from prefixgate.gateway.local.generation import Choice, ChoiceOutput, Delta
+from prefixgate.gateway.local.serving import LOCAL
+from prefixgate.gateway.state import STATE
+from prefixgate.gateway.tenancy.keys import Principal, effective_salt
+
+
+def anthropic_usage(
+    prompt_tokens: int, cached: int, output_tokens: int, marks: Sequence[Mark]
+) -> dict[str, Any]:
+    """Anthropic's ``usage`` of a prompt of ``prompt_tokens`` with ``cached`` of them read
+    from the prefix cache: written = the breakpoints' tokens past the cached ones (split by
+    the TTL each falls under), ``input_tokens`` the rest; read + written + input ==
+    ``prompt_tokens``."""
+    by_ttl = written_tokens(cached, marks)
+    written = sum(by_ttl.values())
+    return {
+        "input_tokens": prompt_tokens - cached - written,
+        "cache_creation_input_tokens": written,
+        "cache_read_input_tokens": cached,
+        "cache_creation": {
+            "ephemeral_5m_input_tokens": written - by_ttl.get(3600.0, 0),
+            "ephemeral_1h_input_tokens": by_ttl.get(3600.0, 0),
+        },
+        "output_tokens": output_tokens,
+        "service_tier": "standard",
+    }
+
+
+def _tool_use_id(call_id: str) -> str:
+    return "toolu_" + call_id.removeprefix("call_")
+
+
+def _tool_input(arguments: str) -> dict[str, Any]:
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+class MessagesRenderer:
+    """Engine outputs → a ``message`` object, or its stream events (one choice).
+
+    The same methods as the other renderers (``opening``, ``chunks``, ``event``, ``json``,
+    ``closing``, ``error_event``), so ``Exchange`` runs it unchanged. ``message_start`` is
+    sent with the first output, when the prompt's cached tokens are known, so its usage is
+    exact; ``message_delta`` repeats the cumulative usage.
+    """
+
+    route = "messages"
+    include_usage = True
+
+    def __init__(
+        self,
+        rid: str,
+        model: str,
+        prompt_tokens: int,
+        plan: ToolPlan,
+        marks: list[Mark],
+        diagnose: Callable[[int], dict[str, Any] | None] | None = None,
+    ) -> None:
+        self.diagnose = diagnose  # cached tokens -> cache_miss_reason (diagnostics asked)
+        self.rid = rid
+        self.model = model
+        self.prompt_tokens = prompt_tokens
+        self.tools = plan if plan.active else None
+        self.marks = marks
+        self._started = False
+        self._deltas = ToolDeltas(plan) if self.tools is not None else None
+        self._block: str | None = None  # the open block's type
+        self._index = -1  # the open block's index
+        self._called = False
+
+    # --- whole message --------------------------------------------------------------------
+    def _message(
+        self, content: list[dict[str, Any]], stop: tuple[str | None, str | None], usage: dict
+    ) -> dict[str, Any]:
+        extra = {}
+        if self.diagnose is not None:
+            reason = self.diagnose(usage["cache_read_input_tokens"])
+            extra["diagnostics"] = {"cache_miss_reason": reason}
+        return {
+            **extra,
+            "id": self.rid,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": content,
+            "stop_reason": stop[0],
+            "stop_sequence": stop[1],
+            "usage": usage,
+        }
+
+    def _usage(self, usage: Usage, output_tokens: int | None = None) -> dict[str, Any]:
+        cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+        out = usage.completion_tokens if output_tokens is None else output_tokens
+        return anthropic_usage(self.prompt_tokens, cached, out, self.marks)
+
+    @staticmethod
+    def _stop(o: ChoiceOutput, called: bool) -> tuple[str | None, str | None]:
+        """``(stop_reason, stop_sequence)`` of a finished choice."""
+        if o.finish_reason == "length":
+            return "max_tokens", None
+        if called:
+            return "tool_use", None
+        if isinstance(o.stop_reason, str):
+            return "stop_sequence", o.stop_reason
+        return "end_turn", None
+
+    def json(self, outputs: list[ChoiceOutput], usage: Usage) -> bytes:
+        """The whole ``message`` of the finished choice, as JSON bytes."""
+        o = outputs[0]
+        content, calls = (o.text, []) if self.tools is None else parse_output(self.tools, o.text)
+        blocks: list[dict[str, Any]] = []
+        if content or not calls:
+            blocks.append({"type": "text", "text": content or ""})
+        for c in calls:
+            blocks.append(
+                {
+                    "type": "tool_use",
+                    "id": _tool_use_id(c.id),
+                    "name": c.name,
+                    "input": _tool_input(c.arguments),
+                }
+            )
+        body = self._message(blocks, self._stop(o, bool(calls)), self._usage(usage))
+        return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+
+    # --- stream ---------------------------------------------------------------------------
+    @staticmethod
+    def _ev(kind: str, **fields: Any) -> bytes:
+        data = json.dumps({"type": kind, **fields}, separators=(",", ":"), ensure_ascii=False)
+        return f"event: {kind}\ndata: {data}\n\n".encode()
+
+    def event(self, chunk: bytes) -> bytes:
+        """Chunks are already framed events."""
+        return chunk
+
+    def opening(self, n: int) -> list[bytes]:
+        """Nothing: ``message_start`` waits for the first output (its usage is exact)."""
+        return []
+
+    def _start(self, cached: int) -> list[bytes]:
+        self._started = True
+        usage = anthropic_usage(self.prompt_tokens, cached, 0, self.marks)
+        message = self._message([], (None, None), usage)
+        return [self._ev("message_start", message=message), self._ev("ping")]
+
+    def _open(self, kind: str, block: dict[str, Any]) -> list[bytes]:
+        out = self._close()
+        self._index += 1
+        self._block = kind
+        return [*out, self._ev("content_block_start", index=self._index, content_block=block)]
+
+    def _close(self) -> list[bytes]:
+        if self._block is None:
+            return []
+        self._block = None
+        return [self._ev("content_block_stop", index=self._index)]
+
+    def _translate(self, delta: dict[str, Any]) -> list[bytes]:
+        out: list[bytes] = []
+        text = delta.get("content")
+        if text:
+            if self._block != "text":
+                out += self._open("text", {"type": "text", "text": ""})
+            out.append(
+                self._ev(
+                    "content_block_delta",
+                    index=self._index,
+                    delta={"type": "text_delta", "text": text},
+                )
+            )
+        for call in delta.get("tool_calls") or []:
+            fn = call.get("function") or {}
+            if "id" in call:
+                self._called = True
+                block = {
+                    "type": "tool_use",
+                    "id": _tool_use_id(call["id"]),
+                    "name": fn.get("name", ""),
+                    "input": {},
+                }
+                out += self._open("tool_use", block)
+            args = fn.get("arguments") or ""
+            if args and self._block == "tool_use":
+                out.append(
+                    self._ev(
+                        "content_block_delta",
+                        index=self._index,
+                        delta={"type": "input_json_delta", "partial_json": args},
+                    )
+                )
+        return out
+
+    def chunks(self, i: int, d: Delta, offset: int) -> list[bytes]:
+        """The events of the choice's new output (``message_start`` first)."""
+        out = [] if self._started else self._start(d.num_cached_tokens)
+        if self._deltas is None:
+            deltas = [{"content": d.delta_text}] if d.delta_text else []
+        else:
+            deltas = self._deltas.feed(d.delta_text) if d.delta_text else []
+            if d.finished:
+                deltas += self._deltas.finish()
+        for delta in deltas:
+            out += self._translate(delta)
+        return out
+
+    def closing(self, outputs: list[ChoiceOutput], usage: Usage) -> list[bytes]:
+        """The last block's stop, ``message_delta`` (stop reason, usage) and ``message_stop``."""
+        cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+        out = [] if self._started else self._start(cached)
+        if self._index < 0:  # nothing was said: one empty text block, as the body has
+            out += self._open("text", {"type": "text", "text": ""})
+        out += self._close()
+        stop_reason, stop_sequence = self._stop(outputs[0], self._called)
+        full = self._usage(usage)
+        delta_usage = {
+            k: full[k]
+            for k in (
+                "input_tokens",
+                "cache_creation_input_tokens",
+                "cache_read_input_tokens",
+                "output_tokens",
+            )
+        }
+        out.append(
+            self._ev(
+                "message_delta",
+                delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                usage=delta_usage,
+            )
+        )
+        out.append(self._ev("message_stop"))
+        return out
+
+    def error_event(self, err: APIError) -> bytes:
+        """The in-band ``error`` event that ends a stream cut short (Anthropic's shape)."""
+        body = err.anthropic_body()
+        data = json.dumps(body, separators=(",", ":"), ensure_ascii=False)
+        return f"event: error\ndata: {data}\n\n".encode()
+
+
+async def _prepare(
+    request: web.Request, kind: type[MessagesRequest] | type[CountTokensRequest]
+) -> tuple[Principal, Any, Chat, ToolPlan, list[int]]:
+    """Authenticate, parse, check the model, plan the tools and render the prompt."""
+    st = request.app[STATE]
+    engine = request.app[LOCAL].require_engine()
+    principal = st.keys.authenticate(request)
+    req = parse_request(kind, await request.read())
+    st.check_model(req.model)
+    chat = to_chat(req)
+    plan = plan_tools(
+        chat.tools or None, chat.tool_choice, chat.parallel_tool_calls, st.settings.tool_call_parser
+    )
+    ids = await render_chat(
+        engine.tokenizer,
+        chat.messages,
+        max_model_len=engine.max_model_len,
+        tools=plan.tools or None,
+    )
+    return principal, req, chat, plan, ids
+
+
+@error_dialect(ANTHROPIC)
+async def count_tokens(request: web.Request) -> web.Response:
+    """POST /v1/messages/count_tokens → ``{"input_tokens": N}``: the prompt's tokens, as a
+    ``messages`` request's usage counts them (input + cache creation + cache read)."""
+    _, _, _, _, ids = await _prepare(request, CountTokensRequest)
+    return web.json_response({"input_tokens": len(ids)})
+
+
+@error_dialect(ANTHROPIC)
+async def create_message(request: web.Request) -> web.StreamResponse:
+    """POST /v1/messages."""
+    from prefixgate.gateway.api.openai_routes import Exchange, _check_constraint
+
+    st = request.app[STATE]
+    local = request.app[LOCAL]
+    engine = local.require_engine()
+    principal, req, chat, plan, ids = await _prepare(request, MessagesRequest)
+    if plan.structured is not None:
+        await _check_constraint(plan.structured, "tools")
+    max_tokens = check_length(len(ids), req.max_tokens, engine.max_model_len, "messages")
+    marks = await find_marks(
+        engine.tokenizer, chat.breakpoints, bool(plan.tools), ids, engine.config.block_size
+    )
+    try:
+        params = SamplingParams(
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=-1 if req.top_k is None else req.top_k,
+            max_tokens=max_tokens,
+            stop=list(req.stop_sequences or []),
+            structured_outputs=plan.structured,
+            skip_special_tokens=plan.mode != "auto",
+        )
+    except (ValueError, TypeError) as exc:
+        raise bad_request(str(exc)) from None
+    rid = "msg_" + uuid.uuid4().hex[:24]
+    salt = effective_salt(principal.salt, req.cache_salt)
+    log = request.app[PROMPT_LOG]
+    current = LoggedPrompt(salt, array("i", ids), *prompt_parts(chat.messages, plan.tools))
+    diagnose = None
+    if req.diagnostics is not None:
+        wanted = req.diagnostics.previous_message_id
+        previous = log.get(wanted, salt) if wanted else None
+        size = engine.config.block_size
+
+        def diagnose(cached: int) -> dict[str, Any] | None:
+            return cache_miss_reason(previous, current, cached, size) if wanted else None
+
+    log.add(rid, salt, ids, chat.messages, plan.tools)
+    renderer = MessagesRenderer(rid, st.model_name, len(ids), plan, marks, diagnose)
+    choices = [Choice(0, rid, ids, params)]
+    return await Exchange(
+        request,
+        st,
+        principal,
+        choices,
+        renderer,
+        salt,
+        req.stream,
+        principal.request_priority(None),
+        cache_marks=marks,
+    ).run()

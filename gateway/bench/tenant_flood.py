@@ -1,0 +1,269 @@
+"""A light tenant during a heavy tenant's flood, measured through the real gateway.
+
+For each scheduling policy (``--policies``, default ``fcfs fair``) a fresh ``prefixgate serve``
+process (built-in ``tiny-random`` preset unless ``--model``; ``--max-num-seqs`` seats) serves two
+API keys, tenants ``heavy`` and ``light`` (weight 1 each). Then, over streaming HTTP:
+
+1. **solo**: ``light`` sends ``--light-requests`` short requests one after another (its TTFT:
+   request sent -> first content chunk);
+2. **flood**: ``heavy`` keeps ``--heavy-streams`` long streaming requests in flight (a new one as
+   each ends) while ``light`` sends the same short requests again one after another; the
+   window lasts until light's requests are done.
+
+Reported per policy: light's TTFT p50 / p99 solo and flooded (and their ratio: the issue's
+target is <= 1.5x under ``fair``), each tenant's share of the tokens served during the flood,
+total output tokens/s during it (``fair`` vs ``fcfs``: the cost of fairness), heavy's longest
+wait for a first token, and the engine's displacement count from ``/metrics``. The offered
+load is ``heavy-streams`` concurrent long requests against one short request at a time
+(10 : 1 by default, in concurrent requests; far more in tokens).
+
+    python -m prefixgate.gateway.bench.tenant_flood [--json out.json]
+
+Bounded: each policy's server lives about ``30 + solo + flood`` seconds (about 2 minutes for
+the defaults on a quiet 2-core machine). No timed assertion anywhere: figures only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+KEYS = {"heavy": "sk-heavy-tenant", "light": "sk-light-tenant"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(slots=True)
+class Stream:
+    """One streamed request's timings (monotonic seconds) and the arrival time of each content
+    chunk (one a token: the gateway sends a chunk per engine step of the request)."""
+
+    sent: float
+    first: float | None = None
+    chunks: list[float] = field(default_factory=list)
+    status: int = 0
+
+
+@dataclass(slots=True)
+class Phase:
+    light: list[Stream] = field(default_factory=list)
+    heavy: list[Stream] = field(default_factory=list)
+    t0: float = 0.0
+    t1: float = 0.0
+
+
+def start_server(port: int, policy: str, args: argparse.Namespace, keys: Path) -> subprocess.Popen:
+    """``prefixgate serve`` in its own process; returns once ``/ready`` answers 200."""
+    cmd = [sys.executable, "-m", "prefixgate.gateway.cli", "serve", "--host", "127.0.0.1"]
+    cmd += ["--port", str(port), "--scheduling-policy", policy, "--keys-file", str(keys)]
+    cmd += ["--max-num-seqs", str(args.max_num_seqs), "--log-level", "WARNING"]
+    cmd += ["--max-queued-requests", "1024", "--no-access-log"]
+    if args.model:
+        cmd += ["--model", args.model]
+    log = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True)
+    deadline = time.monotonic() + 180.0
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            log.seek(0)
+            raise SystemExit(f"prefixgate serve exited with {proc.returncode}: {log.read()}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1.0).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise SystemExit("prefixgate serve did not start within 180 s")
+
+
+async def stream_one(
+    http: httpx.AsyncClient,
+    tenant: str,
+    model: str,
+    prompt: str,
+    max_tokens: int,
+    into: list[Stream],
+) -> Stream:
+    """One streaming chat request, recorded in ``into`` from its start (a request cut by the
+    end of the window still counts what it got); TTFT = first chunk with content."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
+    s = Stream(sent=time.monotonic())
+    into.append(s)
+    headers = {"Authorization": f"Bearer {KEYS[tenant]}"}
+    async with http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
+        s.status = r.status_code
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            for c in event.get("choices", []):
+                if c.get("delta", {}).get("content"):
+                    now = time.monotonic()
+                    s.chunks.append(now)
+                    if s.first is None:
+                        s.first = now
+    return s
+
+
+async def run_phase(port: int, model: str, args: argparse.Namespace, flood: bool) -> Phase:
+    phase = Phase(t0=time.monotonic())
+    limits = httpx.Limits(max_connections=args.heavy_streams + 8)
+    async with httpx.AsyncClient(
+        base_url=f"http://127.0.0.1:{port}", timeout=600, limits=limits
+    ) as http:
+        stop = asyncio.Event()
+
+        async def heavy_worker(i: int) -> None:
+            while not stop.is_set():
+                prompt = f"heavy tenant stream {i} " * 8
+                await stream_one(http, "heavy", model, prompt, args.heavy_tokens, phase.heavy)
+
+        workers = (
+            [asyncio.create_task(heavy_worker(i)) for i in range(args.heavy_streams)]
+            if flood
+            else []
+        )
+        if flood:
+            await asyncio.sleep(args.warmup_s)  # the flood holds every seat first
+        for j in range(args.light_requests):
+            prompt = f"light tenant question {j}"
+            await stream_one(http, "light", model, prompt, args.light_tokens, phase.light)
+        stop.set()
+        phase.t1 = time.monotonic()
+        for w in workers:
+            w.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+    return phase
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def ttfts(streams: list[Stream]) -> list[float]:
+    return [s.first - s.sent for s in streams if s.first is not None]
+
+
+def displacements(port: int) -> float | None:
+    auth = {"Authorization": f"Bearer {KEYS['light']}"}
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", headers=auth, timeout=5).text
+    for line in text.splitlines():
+        if line.startswith("prefixgate_engine_displacements"):
+            return float(line.split()[-1])
+    return None
+
+
+def measure(policy: str, args: argparse.Namespace, keys: Path) -> dict[str, Any]:
+    port = free_port()
+    proc = start_server(port, policy, args, keys)
+    try:
+        auth = {"Authorization": f"Bearer {KEYS['light']}"}
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models", headers=auth, timeout=5)
+        model = models.json()["data"][0]["id"]
+        asyncio.run(run_phase(port, model, args, flood=False))  # warm-up (first-use costs)
+        solo = asyncio.run(run_phase(port, model, args, flood=False))
+        flood = asyncio.run(run_phase(port, model, args, flood=True))
+        moved = displacements(port)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    window = flood.t1 - flood.t0
+    heavy_in_window = [s for s in flood.heavy if s.first is not None]
+
+    def in_window(streams: list[Stream]) -> int:
+        return sum(1 for s in streams for c in s.chunks if flood.t0 <= c <= flood.t1)
+
+    light_tokens, heavy_tokens = in_window(flood.light), in_window(flood.heavy)
+    solo_t, flood_t = ttfts(solo.light), ttfts(flood.light)
+    return {
+        "policy": policy,
+        "light_ttft_solo_p50_s": pct(solo_t, 0.5),
+        "light_ttft_solo_p99_s": pct(solo_t, 0.99),
+        "light_ttft_flood_p50_s": pct(flood_t, 0.5),
+        "light_ttft_flood_p99_s": pct(flood_t, 0.99),
+        "p50_ratio": pct(flood_t, 0.5) / pct(solo_t, 0.5),
+        "p99_ratio": pct(flood_t, 0.99) / pct(solo_t, 0.99),
+        "light_token_share": light_tokens / max(1, light_tokens + heavy_tokens),
+        "flood_output_tokens_per_s": (light_tokens + heavy_tokens) / window,
+        "heavy_longest_ttft_s": max((s.first - s.sent for s in heavy_in_window), default=None),
+        "heavy_requests": len(flood.heavy),
+        "failed": sum(
+            1 for s in solo.light + flood.light + flood.heavy if s.status not in (0, 200)
+        ),
+        "displacements": moved,
+        "window_s": window,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="model folder (default: built-in tiny-random)")
+    p.add_argument("--policies", nargs="+", default=["fcfs", "fair"])
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--heavy-streams", type=int, default=10)
+    p.add_argument("--heavy-tokens", type=int, default=256)
+    p.add_argument("--light-requests", type=int, default=20)
+    p.add_argument("--light-tokens", type=int, default=8)
+    p.add_argument("--warmup-s", type=float, default=3.0)
+    p.add_argument("--json", default=None, help="write the results here")
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        keys = Path(tmp) / "keys.json"
+        rows = [{"key": k, "name": name, "weight": 1.0} for name, k in KEYS.items()]
+        keys.write_text(json.dumps({"keys": rows}))
+        results = [measure(policy, args, keys) for policy in args.policies]
+    head = (
+        f"{'policy':8} {'solo p50':>9} {'solo p99':>9} {'flood p50':>10} {'flood p99':>10} "
+        f"{'p99 x':>6} {'light share':>11} {'tok/s':>7} {'heavy max':>9} {'displ':>6} {'fail':>4}"
+    )
+    print(head)
+    for r in results:
+        print(
+            f"{r['policy']:8} {r['light_ttft_solo_p50_s']:9.3f} {r['light_ttft_solo_p99_s']:9.3f} "
+            f"{r['light_ttft_flood_p50_s']:10.3f} {r['light_ttft_flood_p99_s']:10.3f} "
+            f"{r['p99_ratio']:6.2f} {r['light_token_share']:11.3f} "
+            f"{r['flood_output_tokens_per_s']:7.1f} {r['heavy_longest_ttft_s'] or 0:9.2f} "
+            f"{r['displacements'] if r['displacements'] is not None else '-':>6} {r['failed']:4d}"
+        )
+    if len(results) > 1:
+        base = results[0]["flood_output_tokens_per_s"]
+        for r in results[1:]:
+            ratio = r["flood_output_tokens_per_s"] / base
+            print(f"throughput {r['policy']} / {results[0]['policy']}: {ratio:.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

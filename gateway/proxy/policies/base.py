@@ -1,0 +1,110 @@
+"""The protocol every routing policy follows (``RoutingPolicy``: route, pick, learn) and
+the base class the four built-in policies share (``Policy``: the imbalance rule and the
+least loaded candidate).
+
+A policy sees upstreams only as ``Candidate`` (URL, rendezvous seed, requests in flight,
+weight), so it imports nothing of the pool that holds them.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any, ClassVar, Protocol
+
+from prefixgate.gateway.proxy.policies.prompt import Route, affinity_key, salted_affinity_key
+
+
+class Candidate(Protocol):
+    """What a policy reads of an upstream (``proxy.upstream.Upstream`` is one)."""
+
+    @property
+    def url(self) -> str: ...
+    @property
+    def seed(self) -> int: ...
+    @property
+    def in_flight(self) -> int: ...
+    @property
+    def weight(self) -> float: ...
+    @property
+    def cache_misses(self) -> int: ...
+    @cache_misses.setter
+    def cache_misses(self, value: int) -> None: ...
+
+
+class RoutingPolicy(Protocol):
+    """One way to choose an upstream (``--routing NAME``; registered in ``policies``).
+
+    ``route(body, salt, model)`` says what the policy needs of a request (``Route``);
+    ``pick(route, candidates)`` chooses among the healthy upstreams that serve its model
+    (at least one; ``route`` None for a request without a prompt); ``learn(up, route,
+    cached, prompt_tokens)`` hears what the chosen upstream reported cached (tokens).
+    """
+
+    name: ClassVar[str]
+
+    def route(self, body: Any, salt: str | None, model: str | None = None) -> Route: ...
+
+    def pick(self, route: Route | None, candidates: Sequence[Candidate]) -> Candidate: ...
+
+    def learn(
+        self, up: Candidate, route: Route | None, cached: int, prompt_tokens: int
+    ) -> None: ...
+
+
+class Policy:
+    """Shared parts of the built-in policies.
+
+    Args:
+        abs_threshold, rel_threshold: the imbalance rule over in-flight requests: imbalanced
+            when ``max - min > abs_threshold`` and ``max > rel_threshold * min`` (SGLang's
+            defaults 64 and 1.5).
+        block_chars, max_chars: the affinity key's blocks (characters) and its longest text.
+    """
+
+    name: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        abs_threshold: int = 64,
+        rel_threshold: float = 1.5,
+        block_chars: int = 64,
+        max_chars: int = 4096,
+    ) -> None:
+        self.abs_threshold = abs_threshold
+        self.rel_threshold = rel_threshold
+        self.block_chars = block_chars
+        self.max_chars = max_chars
+        self._turn = itertools.count()
+
+    def route(self, body: Any, salt: str | None, model: str | None = None) -> Route:
+        """The request's salted affinity key (no prompt blocks: only ``cache_aware`` reads
+        them)."""
+        key = affinity_key(body, self.block_chars, self.max_chars)
+        return Route(salted_affinity_key(key, salt), [], model)
+
+    def pick(self, route: Route | None, candidates: Sequence[Candidate]) -> Candidate:
+        raise NotImplementedError
+
+    def learn(self, up: Candidate, route: Route | None, cached: int, prompt_tokens: int) -> None:
+        """Nothing to learn (only ``cache_aware`` keeps state of what was cached where)."""
+
+    def turn(self) -> int:
+        """The next value of a counter (round-robin turns, tie rotation)."""
+        return next(self._turn)
+
+    def least(self, candidates: Sequence[Candidate]) -> Candidate:
+        """The least loaded candidate (in flight per unit of weight); ties rotate."""
+        start = self.turn() % len(candidates)
+        return min([*candidates[start:], *candidates[:start]], key=load)
+
+    def imbalanced(self, candidates: Sequence[Candidate], least: Candidate) -> bool:
+        """The imbalance rule (see the class docstring) over in-flight requests."""
+        lo = least.in_flight
+        hi = max(u.in_flight for u in candidates)
+        return hi - lo > self.abs_threshold and hi > self.rel_threshold * lo
+
+
+def load(u: Candidate) -> float:
+    """In-flight requests per unit of weight (weight 1: the in-flight count itself)."""
+    return u.in_flight / u.weight if u.weight != 1 else u.in_flight
