@@ -67,3 +67,12 @@ def test_proxy_mode_refuses_undecodable_headers_by_name(tmp_path, keyed):
         assert {r["auth"] for r in stub.records} <= {None}
     finally:
         stub.stop()
+
+
+def test_x_api_key_bytes_that_are_not_utf8_are_refused_by_name(serve_fake, tmp_path):
+    srv, _ = serve_fake(GatewaySettings(model_name="fake", keys_file=_keys(tmp_path)))
+    body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    r = httpx.post(
+        srv.url + "/v1/chat/completions", headers={"x-api-key": b"k\xff"}, json=body, timeout=10
+    )
+    assert_openai_error(r, 400, "invalid_header", "x-api-key")
