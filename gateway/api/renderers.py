@@ -34,7 +34,7 @@ from prefixgate.gateway.api.response_models import (
     Usage,
     dump,
 )
-from prefixgate.gateway.api.tools import ToolDeltas, ToolPlan, parse_output
+from prefixgate.gateway.api.tools import ToolDeltas, ToolPlan, parse_output, tool_finish_reason
 from prefixgate.gateway.http.errors import APIError
 from prefixgate.gateway.http.sse import DONE, encode_data, encode_event
 from prefixgate.gateway.local.generation import ChoiceOutput, Delta
@@ -256,9 +256,7 @@ class ChatRenderer(_Renderer):
                 index=i, message=message, logprobs=logprobs, finish_reason=o.finish_reason
             )
         content, calls = parse_output(self.tools, o.text)
-        finish = o.finish_reason
-        if calls and finish == "stop":
-            finish = "tool_calls"
+        finish = tool_finish_reason(self.tools, o.text, calls, o.finish_reason)
         message = AssistantMessage(
             content=content,
             tool_calls=[ToolCall.model_validate(c.as_openai()) for c in calls] or None,

@@ -14,6 +14,8 @@ text so far of a stream) content that may still become part of a call (an unclos
 suffix that could open one) is held back; later calls never change what was already
 returned, so a stream (``ToolStream``) sends exactly the final result whatever the fragments.
 A block that does not parse as a call (malformed JSON, no name) stays content, as in vLLM.
+Parsing is never all-or-nothing: a complete call is returned whatever follows it (prose, a
+cut or malformed call), and what follows is kept as content.
 
 Each parser also has ``structural_tag(tools, parallel)``: the xgrammar structural tag that
 honours ``"strict": true`` tools under ``tool_choice="auto"`` (``tools.plan_tools``): the text
@@ -122,9 +124,10 @@ class HermesParser:
             j = text.find(self.end, i + len(self.start))
             if j < 0:  # unclosed block: a call still being written (or, at the end, text)
                 if final:
-                    call = self._parse(text[i + len(self.start) :])
+                    call, rest = self._parse_open(text[i + len(self.start) :])
                     if call is not None:
                         calls.append(call)
+                        content.append(rest)
                     else:
                         content.append(text[i:])
                 break
@@ -142,6 +145,18 @@ class HermesParser:
             return _call_from(json.loads(body.strip()), "arguments")
         except ValueError:
             return None
+
+    @staticmethod
+    def _parse_open(body: str) -> tuple[ToolCall | None, str]:
+        """An unclosed last block: the call its leading JSON object makes and the text after
+        that object (content), or ``(None, "")`` when it does not start with a call."""
+        stripped = body.lstrip()
+        try:
+            obj, end = json.JSONDecoder().raw_decode(stripped)
+        except ValueError:
+            return None, ""
+        call = _call_from(obj, "arguments")
+        return (call, stripped[end:]) if call is not None else (None, "")
 
     def structural_tag(self, tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
         """Free text; after ``<tool_call>``: a newline, ``{"name": "<tool>", "arguments":
@@ -185,26 +200,30 @@ class Llama3JsonParser:
             return text, []
         if not final:
             return "", []
-        calls = self._parse(body)
-        return ("", calls) if calls else (text, [])
+        calls, rest = self._parse(body)
+        return (rest, calls) if calls else (text, [])
 
     @staticmethod
-    def _parse(body: str) -> list[ToolCall]:
+    def _parse(body: str) -> tuple[list[ToolCall], str]:
+        """The leading calls of ``body`` (objects separated by ``;`` / whitespace) and the
+        text after the last of them: a complete call is kept whatever follows it (prose, a
+        cut or malformed object), and what follows is content, as vLLM's parser does."""
         dec = json.JSONDecoder()
         calls: list[ToolCall] = []
-        pos = 0
+        pos = rest = 0
         while pos < len(body):
             try:
-                obj, pos = dec.raw_decode(body, pos)
+                obj, end = dec.raw_decode(body, pos)
             except ValueError:
-                return []
+                break
             call = _call_from(obj, "parameters")
             if call is None:
-                return []
+                break
             calls.append(call)
+            pos = rest = end
             while pos < len(body) and body[pos] in " \t\r\n;":
                 pos += 1
-        return calls
+        return calls, body[rest:].lstrip(" \t\r\n;")
 
     def structural_tag(self, tools: list[dict[str, Any]], parallel: bool) -> None:
         """``None``: a call is the whole answer (no trigger after free text), so a strict
@@ -226,22 +245,24 @@ class MistralParser:
             return text[: len(text) - _held_suffix(text, self.marker)], []
         if not final:
             return text[:i], []
-        calls = self._parse(text[i + len(self.marker) :])
-        return (text[:i], calls) if calls else (text, [])
+        calls, rest = self._parse(text[i + len(self.marker) :])
+        return (text[:i] + rest, calls) if calls else (text, [])
 
     @staticmethod
-    def _parse(body: str) -> list[ToolCall]:
+    def _parse(body: str) -> tuple[list[ToolCall], str]:
+        """The calls of the JSON array (or single object) that opens ``body`` and the text
+        after it (content: prose after a complete array never loses its calls)."""
         dec = json.JSONDecoder()
-        body = body.strip()
+        body = body.lstrip()
         try:
             obj, end = dec.raw_decode(body)
         except ValueError:
-            return []
+            return [], ""
         items = obj if isinstance(obj, list) else [obj]
         calls = [_call_from(item, "arguments") for item in items]
-        if not calls or any(c is None for c in calls) or body[end:].strip():
-            return []
-        return calls  # type: ignore[return-value]
+        if not calls or any(c is None for c in calls):
+            return [], ""
+        return calls, body[end:].lstrip()  # type: ignore[return-value]
 
     def structural_tag(self, tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
         """Free text; after ``[TOOL_CALLS]``: a JSON array (one item without ``parallel``) of

@@ -9,9 +9,23 @@
   non-strict tool's are any JSON object). A format without a trigger (``llama3_json``) cannot
   honour it: 400 naming ``tools[i].function.strict``.
 - ``"required"`` and a named function: constrained decoding (xgrammar) to a tool-call JSON
-  that matches the functions' parameter schemas, as vLLM does: for ``"required"`` an array
-  (``minItems`` 1, ``maxItems`` 1 without ``parallel_tool_calls``) of ``{"name": <one of the
-  tools>, "parameters": <that tool's schema>}``; for a named function its parameters object.
+  that matches the functions' parameter schemas. The constraint spends no token on what the
+  request already decides (``ToolPlan.shape``):
+
+  - ``"arguments"``: a named function, or ``"required"`` with one tool (whatever
+    ``parallel_tool_calls``: one tool is exactly one call, as pydantic-ai's output tool):
+    the text is the parameters object itself, the call by name;
+  - ``"call"``: ``"required"`` with several tools and ``parallel_tool_calls: false``: one
+    ``{"name": <one of the tools>, "parameters": <that tool's schema>}`` object, no array;
+  - ``"calls"``: ``"required"`` with several tools and parallel calls: an array
+    (``minItems`` 1) of such objects, as vLLM does.
+
+  The text is never content: a cut answer (``finish_reason: "length"``, or a stop string)
+  returns the call(s) started so far (a started call with the arguments written so far, a
+  ``"calls"`` array its complete items) and ``content: null``, never the internal JSON. The
+  finish reason is ``"tool_calls"`` only when the constrained JSON is complete; streams and
+  whole answers go through the same ``ConstrainedCalls`` state machine, so they agree in
+  every case (content, calls, finish reason).
 
 Responses carry ``message.tool_calls`` (``id``, ``type``, ``function.name``,
 ``function.arguments`` as a JSON string) and ``finish_reason: "tool_calls"``; streams carry
@@ -46,6 +60,10 @@ class ToolPlan:
         parser: the ``--tool-call-parser`` instance for ``"auto"``.
         parallel: ``parallel_tool_calls`` (False: at most one call is returned in "auto"
             mode; "required" is constrained to one).
+        shape: what the constrained text of ``"required"`` / ``"named"`` is (module
+            docstring): ``"arguments"`` (the call's parameters; ``named`` is its function),
+            ``"call"`` (one ``{"name", "parameters"}`` object) or ``"calls"`` (an array of
+            them); ``None`` for ``"none"`` / ``"auto"``.
     """
 
     mode: str = "none"
@@ -54,6 +72,11 @@ class ToolPlan:
     structured: StructuredOutputsParams | None = None
     parser: Any = None
     parallel: bool = True
+    shape: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode == "named" and self.shape is None:
+            self.shape = "arguments"  # a named function's text is its arguments
 
     @property
     def active(self) -> bool:
@@ -163,9 +186,13 @@ def plan_tools(
                 param="tool_choice",
             )
         spec = StructuredOutputsParams(json=by_name[named]["parameters"])
-        return ToolPlan("named", checked, named, spec)
+        return ToolPlan("named", checked, named, spec, shape="arguments")
     if mode == "required":
-        items = {
+        if len(by_name) == 1:  # exactly the call by name: no wrapper spends the budget
+            (only,) = by_name
+            spec = StructuredOutputsParams(json=by_name[only]["parameters"])
+            return ToolPlan("required", checked, only, spec, parallel=False, shape="arguments")
+        call = {
             "type": "object",
             "anyOf": [
                 {
@@ -179,10 +206,12 @@ def plan_tools(
                 for name, fn in by_name.items()
             ],
         }
-        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": items}
-        if parallel_tool_calls is False:
-            schema["maxItems"] = 1
-        return ToolPlan("required", checked, None, StructuredOutputsParams(json=schema))
+        if parallel_tool_calls is False:  # one call: the object alone, no array around it
+            spec = StructuredOutputsParams(json=call)
+            return ToolPlan("required", checked, None, spec, parallel=False, shape="call")
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": call}
+        spec = StructuredOutputsParams(json=schema)
+        return ToolPlan("required", checked, None, spec, shape="calls")
     if parser_name is None:
         raise bad_request(
             "tool_choice: 'auto' needs a server started with --tool-call-parser "
@@ -238,18 +267,36 @@ def template_messages(messages: list[Any]) -> list[dict[str, Any]]:
 
 
 def parse_output(plan: ToolPlan, text: str) -> tuple[str | None, list[ToolCall]]:
-    """The whole answer → ``(content or None, tool calls)``."""
-    if plan.mode == "named":
-        return None, [ToolCall(plan.named or "", text)]
-    if plan.mode == "required":
-        calls = RequiredStream().feed(text)
-        return (None, calls) if calls else (text, [])
+    """The whole answer → ``(content or None, tool calls)``. A constrained plan
+    (``"required"`` / ``"named"``) never has content; its calls are what a stream of the same
+    text sends (``ConstrainedCalls``), complete or not."""
+    if plan.shape is not None:
+        stream = ConstrainedCalls(plan)
+        stream.feed(text)
+        stream.finish()
+        return None, stream.calls
     if plan.mode == "auto":
         content, calls = plan.parser.split(text, True)
         if not plan.parallel:
             calls = calls[:1]
         return (content if content or not calls else None), calls
     return text, []
+
+
+def tool_finish_reason(
+    plan: ToolPlan, text: str, calls: list[ToolCall], finish: str | None
+) -> str | None:
+    """The finish reason of a whole answer with tools: ``"stop"`` becomes ``"tool_calls"``
+    when it returned calls (for a constrained plan: when its JSON is complete, so an answer
+    a stop string cut keeps ``"stop"``); other reasons pass through."""
+    if finish != "stop" or not calls:
+        return finish
+    if plan.shape is not None:
+        try:
+            json.loads(text)
+        except ValueError:
+            return finish
+    return "tool_calls"
 
 
 class RequiredStream:
@@ -299,6 +346,133 @@ class RequiredStream:
         return calls
 
 
+_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"parameters"\s*:\s*')
+
+
+class ConstrainedCalls:
+    """The calls of a constrained answer (``ToolPlan.shape``), streamed: ``feed(delta)`` and
+    ``finish()`` return fragments ``{"index", "name"?, "id"?, "arguments"}`` (a call's first
+    fragment has its name and id); ``calls`` holds the calls so far with their arguments as
+    sent. A whole answer is ``feed(text)`` then ``finish()``, so both agree by construction.
+
+    - ``"arguments"``: call 0 (``plan.named``) opens at once; every piece of text is
+      arguments.
+    - ``"call"``: the call opens when ``{"name": "<name>", "parameters": `` is complete;
+      then the parameters value is sent as it is written (an object or array up to its
+      closing bracket; any other value at the end), never the wrapper's closing brace.
+    - ``"calls"``: each array item is sent when it closes (``RequiredStream``); an item cut
+      off is not sent.
+    """
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.shape = plan.shape
+        self.named = plan.named or ""
+        self.text = ""
+        self.calls: list[ToolCall] = []
+        self._items = RequiredStream() if plan.shape == "calls" else None
+        self._value_start = -1  # "call": where the parameters value starts in text
+        self._value_end = -1  # ... and ends (exclusive) once closed
+        self._scan = 0
+        self._sent = 0  # "call": characters of text sent as arguments
+        self._depth = 0
+        self._in_string = False
+        self._escape = False
+
+    @property
+    def complete(self) -> bool:
+        """The constrained JSON is whole (then the finish reason may be ``"tool_calls"``)."""
+        try:
+            json.loads(self.text)
+        except ValueError:
+            return False
+        return bool(self.calls)
+
+    def _open(self, name: str) -> dict[str, Any]:
+        call = ToolCall(name, "")
+        self.calls.append(call)
+        return {"index": len(self.calls) - 1, "id": call.id, "name": name, "arguments": ""}
+
+    def _args(self, piece: str) -> list[dict[str, Any]]:
+        if not piece:
+            return []
+        self.calls[-1].arguments += piece
+        return [{"index": len(self.calls) - 1, "arguments": piece}]
+
+    def feed(self, delta: str) -> list[dict[str, Any]]:
+        """Add text; the fragments it completes."""
+        self.text += delta
+        if self.shape == "arguments":
+            out = [self._open(self.named)] if not self.calls else []
+            return out + self._args(delta)
+        if self._items is not None:
+            out = []
+            for call in self._items.feed(delta):
+                self.calls.append(call)
+                frag = {"index": len(self.calls) - 1, "id": call.id, "name": call.name}
+                out.append({**frag, "arguments": call.arguments})
+            return out
+        return self._feed_call()
+
+    def _feed_call(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        text = self.text
+        if self._value_start < 0:
+            m = _CALL_HEAD.match(text)
+            if m is None or m.end() == len(text):  # the value's first character decides
+                return out
+            try:
+                name = json.loads(m.group(1))
+            except ValueError:
+                return out
+            out.append(self._open(name))
+            self._value_start = self._scan = self._sent = m.end()
+        if text[self._value_start] not in "[{":  # a scalar: its end is known at the end
+            return out
+        i = self._scan
+        while i < len(text) and self._value_end < 0:
+            ch = text[i]
+            if self._in_string:
+                if self._escape:
+                    self._escape = False
+                elif ch == "\\":
+                    self._escape = True
+                elif ch == '"':
+                    self._in_string = False
+            elif ch == '"':
+                self._in_string = True
+            elif ch in "[{":
+                self._depth += 1
+            elif ch in "]}":
+                self._depth -= 1
+                if self._depth == 0:
+                    self._value_end = i + 1
+            i += 1
+        self._scan = i
+        upto = self._value_end if self._value_end >= 0 else len(text)
+        out += self._args(text[self._sent : upto])
+        self._sent = max(self._sent, upto)
+        return out
+
+    def finish(self) -> list[dict[str, Any]]:
+        """The end of the answer: a named call that never opened, a scalar value's text."""
+        if self.shape == "arguments" and not self.calls:
+            return [self._open(self.named)]
+        if self.shape == "call" and self._value_start < 0:
+            m = _CALL_HEAD.match(self.text)
+            if m is not None:  # the head only, cut before its value
+                try:
+                    return [self._open(json.loads(m.group(1)))]
+                except ValueError:
+                    return []
+        if self.shape == "call" and self._value_start >= 0 and self._value_end < 0:
+            if self.text[self._value_start] not in "[{":
+                rest = self.text[self._sent :].rstrip()
+                rest = rest[:-1].rstrip() if rest.endswith("}") else rest
+                self._sent = len(self.text)
+                return self._args(rest)
+        return []
+
+
 class ToolDeltas:
     """A streamed choice's ``delta`` objects under a ``ToolPlan``: ``feed(delta_text)`` and
     ``finish()`` return the deltas to send (``{"content": ...}`` and/or ``{"tool_calls":
@@ -308,28 +482,20 @@ class ToolDeltas:
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
         self.num_calls = 0
-        self._named_started = False
-        self._required = RequiredStream() if plan.mode == "required" else None
+        self._constrained = ConstrainedCalls(plan) if plan.shape is not None else None
         self._auto = ToolStream(plan.parser) if plan.mode == "auto" else None
 
     @property
     def called(self) -> bool:
-        """True once a tool call was sent (finish reason ``"tool_calls"``)."""
+        """True once a tool call was sent and, for a constrained plan, its JSON is complete
+        (then finish reason ``"stop"`` becomes ``"tool_calls"``)."""
+        if self._constrained is not None:
+            return self._constrained.complete
         return self.num_calls > 0
 
     def feed(self, delta_text: str) -> list[dict[str, Any]]:
-        if self.plan.mode == "named":
-            out = []
-            if not self._named_started:
-                self._named_started = True
-                call = ToolCall(self.plan.named or "", "")
-                out.append(self._call_delta(call, first=True, arguments=""))
-                self.num_calls = 1
-            if delta_text:
-                out.append({"tool_calls": [{"index": 0, "function": {"arguments": delta_text}}]})
-            return out
-        if self._required is not None:
-            return [self._call_delta(c) for c in self._required.feed(delta_text)]
+        if self._constrained is not None:
+            return [self._fragment(f) for f in self._constrained.feed(delta_text)]
         if self._auto is not None:
             content, calls = self._auto.feed(delta_text)
             return self._auto_deltas(content, calls)
@@ -339,9 +505,22 @@ class ToolDeltas:
         if self._auto is not None:
             content, calls = self._auto.finish()
             return self._auto_deltas(content, calls)
-        if self.plan.mode == "named" and not self._named_started:
-            return self.feed("")
+        if self._constrained is not None:
+            return [self._fragment(f) for f in self._constrained.finish()]
         return []
+
+    def _fragment(self, frag: dict[str, Any]) -> dict[str, Any]:
+        """A ``ConstrainedCalls`` fragment as a delta (a call's first one with id and type)."""
+        self.num_calls = max(self.num_calls, frag["index"] + 1)
+        if "name" not in frag:
+            fn = {"arguments": frag["arguments"]}
+            return {"tool_calls": [{"index": frag["index"], "function": fn}]}
+        fn = {"name": frag["name"], "arguments": frag["arguments"]}
+        return {
+            "tool_calls": [
+                {"index": frag["index"], "id": frag["id"], "type": "function", "function": fn}
+            ]
+        }
 
     def _auto_deltas(self, content: str, calls: list[ToolCall]) -> list[dict[str, Any]]:
         if not self.plan.parallel:
@@ -350,21 +529,8 @@ class ToolDeltas:
         out += [self._call_delta(c) for c in calls]
         return out
 
-    def _call_delta(
-        self, call: ToolCall, first: bool = True, arguments: str | None = None
-    ) -> dict[str, Any]:
+    def _call_delta(self, call: ToolCall) -> dict[str, Any]:
         index = self.num_calls
         self.num_calls += 1
-        return {
-            "tool_calls": [
-                {
-                    "index": index,
-                    "id": call.id,
-                    "type": "function",
-                    "function": {
-                        "name": call.name,
-                        "arguments": call.arguments if arguments is None else arguments,
-                    },
-                }
-            ]
-        }
+        fn = {"name": call.name, "arguments": call.arguments}
+        return {"tool_calls": [{"index": index, "id": call.id, "type": "function", "function": fn}]}

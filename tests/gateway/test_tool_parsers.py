@@ -66,6 +66,43 @@ RECORDED = [
         [("f", {})],
     ),
     ("mistral", "No calls [TOOL_CA", "No calls [TOOL_CA", []),
+    # prose after a complete call: the call is kept, the prose is content (never all-or-nothing)
+    (
+        "hermes",
+        '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\nDone, I called f.',
+        "\nDone, I called f.",
+        [("f", {"a": 1})],
+    ),
+    (  # an unclosed last block: its call, then the prose the model went on with
+        "hermes",
+        'Ok <tool_call>{"name": "f", "arguments": {}} and then some words',
+        "Ok  and then some words",
+        [("f", {})],
+    ),
+    (
+        "llama3_json",
+        '{"name": "a", "parameters": {"x": 1}} I hope this helps!',
+        "I hope this helps!",
+        [("a", {"x": 1})],
+    ),
+    (  # a complete call, then a cut one: the complete call is kept, the rest is content
+        "llama3_json",
+        '<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "param',
+        '{"name": "b", "param',
+        [("a", {})],
+    ),
+    (
+        "mistral",
+        'Sure. [TOOL_CALLS][{"name": "f", "arguments": {"q": "x"}}] Anything else?',
+        "Sure. Anything else?",
+        [("f", {"q": "x"})],
+    ),
+    (  # an item that is not a call: the whole array stays text
+        "mistral",
+        '[TOOL_CALLS][{"name": "f", "arguments": {}}, 3] tail',
+        '[TOOL_CALLS][{"name": "f", "arguments": {}}, 3] tail',
+        [],
+    ),
 ]
 
 

@@ -15,13 +15,16 @@ from prefixgate.gateway.local.serving import LOCAL
 from prefixgate.gateway.settings import GatewaySettings
 
 
-def serve_aidreams(model_path: str, **settings: Any) -> Iterator[BackgroundServer]:
+def serve_aidreams(
+    model_path: str, num_kv_blocks: int = 256, **settings: Any
+) -> Iterator[BackgroundServer]:
     """Yield a ``BackgroundServer`` (127.0.0.1, free port) over an ``AsyncEngine`` of
-    ``model_path`` with 256 KV blocks and ``GatewaySettings(poll_s=0.02, **settings)``; shut
-    the engine down and close the server after. Use as ``yield from serve_aidreams(...)``."""
+    ``model_path`` with ``num_kv_blocks`` KV blocks (256; few blocks make it preempt) and
+    ``GatewaySettings(poll_s=0.02, **settings)``; shut the engine down and close the server
+    after. Use as ``yield from serve_aidreams(...)``."""
 
     def make():
-        engine = AsyncEngine(EngineConfig(model=model_path, num_kv_blocks=256))
+        engine = AsyncEngine(EngineConfig(model=model_path, num_kv_blocks=num_kv_blocks))
         return create_app(engine, GatewaySettings(poll_s=0.02, **settings))
 
     srv = BackgroundServer(make).__enter__()
