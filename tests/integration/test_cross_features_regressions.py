@@ -44,7 +44,6 @@ SCHEMA = {
 PET = [{"role": "user", "content": "A pet, please"}]
 
 
-
 @pytest.fixture(scope="module")
 def server(aidreams_path):
     yield from serve_aidreams(
