@@ -86,9 +86,10 @@ async def proxy_generate(request: web.Request) -> web.StreamResponse:
     salt = effective_salt(principal.salt, request_salt)
     keep_usage = ask_usage(parsed)
     bodies = _Bodies(parsed, salt)
-    route = _route(
-        st, request.app[PROXY].router.policy, parsed, salt
-    )  # with a prefix: its messages + the request's
+    router = request.app[PROXY].router
+    route = _route(st, router.policy, parsed, salt)  # with a prefix: its messages + the request's
+    if router.precise is not None:  # precise routing: the prompt's token ids, as the upstream's
+        route = await router.precise.prepare(route, parsed, request.path, salt)
     est_tokens = len(body) // 4 + 1  # no tokenizer here: ~4 bytes per token until the usage
     lease = await st.shared.acquire(principal, est_tokens)
     try:
@@ -104,6 +105,9 @@ async def proxy_generate(request: web.Request) -> web.StreamResponse:
         return await _forward(request, st, bodies, route, ticket, outcome)
     finally:
         ticket.done()
+        if router.precise is not None:
+            router.precise.release(route)
+            _record_prediction(request, route)
         if outcome.served:
             prompt = outcome.prompt_tokens()
             st.shared.settle(
@@ -193,11 +197,20 @@ def _route(st: GatewayState, policy: str, parsed: dict[str, Any], salt: str | No
         affinity_key(parsed, s.affinity_block_chars, s.affinity_max_chars), salt
     )
     blocks: list[int] = []
-    if policy == "cache_aware":
+    if policy in ("cache_aware", "precise"):  # precise: for its cache_aware fallback
         blocks = prompt_blocks(
             prompt_text(parsed), salt, s.affinity_block_chars, s.affinity_max_chars
         )
     return Route(key, blocks)
+
+
+def _record_prediction(request: web.Request, route: Route) -> None:
+    """The access line's ``predicted=`` / ``cached=`` of a precise-routed request
+    (``precise_routing.PreciseRoute``)."""
+    if hasattr(route, "predicted_cached"):
+        rec = record(request)
+        rec.predicted_cached_tokens = route.predicted_cached
+        rec.cached_tokens = route.reported_cached
 
 
 class _Bodies:
@@ -399,7 +412,7 @@ _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 def _learn(router: Any, up: Upstream, route: Route | None, tail: bytes) -> None:
     """Feed the answer's usage (its last ``prompt_tokens`` / ``cached_tokens``) to the
     router's prefix tree (``UpstreamRouter.learn``); nothing when the answer has none."""
-    if route is None or not route.blocks:
+    if route is None:
         return
     prompt = _PROMPT_TOKENS.findall(tail)
     cached = _CACHED_TOKENS.findall(tail)

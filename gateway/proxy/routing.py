@@ -21,6 +21,9 @@
 * ``rendezvous``: highest-random-weight hashing of the prompt's leading blocks (the
   ``UpstreamRouter`` docstring), with the imbalance rule.
 * ``round_robin``: each healthy upstream in turn. ``least_loaded``: fewest in flight.
+* ``precise``: the exact blocks each upstream's engine holds, from its KV events, scored
+  against load (``precise_routing.PreciseRouting``; ``cache_aware`` is its fallback, so the
+  tree is kept under it too).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-POLICIES = ("cache_aware", "rendezvous", "round_robin", "least_loaded")
+POLICIES = ("cache_aware", "rendezvous", "round_robin", "least_loaded", "precise")
 
 
 def check_policy(name: str) -> str:

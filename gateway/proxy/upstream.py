@@ -227,8 +227,9 @@ class UpstreamRouter:
             to isolate by it), ``"on"`` or ``"off"`` (all of them).
         auth: ``Authorization`` value for the detection request (``--upstream-api-key``);
             an upstream's own userinfo is used when it has one.
-        policy: ``cache_aware``, ``rendezvous``, ``round_robin`` or ``least_loaded``
-            (``routing``).
+        policy: ``cache_aware``, ``rendezvous``, ``round_robin``, ``least_loaded`` or
+            ``precise`` (``routing``; ``precise`` picks through ``self.precise``, a
+            ``precise_routing.PreciseRouting``, and is ``cache_aware`` while that is None).
 
     Health: a refused or reset connection, a connect timeout or a 502/503/504 takes an
     upstream out of rotation (``mark_failed``); an idle timeout does not — one slow request
@@ -275,6 +276,8 @@ class UpstreamRouter:
         self.session: aiohttp.ClientSession | None = None
         self._probe_task: asyncio.Task | None = None
         self._suspects: set[asyncio.Task] = set()
+        # policy "precise": a precise_routing.PreciseRouting, set by create_proxy_app
+        self.precise: Any = None
 
     async def start(self) -> None:
         """Open the shared ClientSession and start the health prober (in the server's loop)."""
@@ -358,7 +361,9 @@ class UpstreamRouter:
         cands = [u for u in self.upstreams if u.healthy and u not in exclude]
         if not cands:
             return None
-        if len(cands) == 1:
+        if self.policy == "precise" and self.precise is not None and route is not None:
+            choice = self.precise.pick(route, cands, lambda: self._fallback(route, cands))
+        elif len(cands) == 1:
             choice = cands[0]
         elif self.policy == "round_robin":
             choice = cands[self._turn.next() % len(cands)]
@@ -367,7 +372,7 @@ class UpstreamRouter:
             least = min(cands[start:] + cands[:start], key=_load)
             if route is None or self.policy == "least_loaded":
                 choice = least
-            elif self.policy == "cache_aware" and route.blocks:
+            elif self.policy in _TREE_POLICIES and route.blocks:
                 choice = self._cache_aware(route, cands, least)
             elif route.key is None:
                 choice = least
@@ -379,9 +384,17 @@ class UpstreamRouter:
                 else:
                     key = route.key
                     choice = max(cands, key=lambda u: xxhash.xxh3_64_intdigest(key, seed=u.seed))
-        if self.policy == "cache_aware" and route is not None and route.blocks:
+        if self.policy in _TREE_POLICIES and route is not None and route.blocks:
             self.tree.insert(route.blocks, choice.url)
         return choice
+
+    def _fallback(self, route: Route, cands: list[Upstream]) -> Upstream:
+        """``precise`` routing's fallback: ``cache_aware`` (the least loaded without blocks)."""
+        if len(cands) == 1:
+            return cands[0]
+        start = self._turn.next() % len(cands)
+        least = min(cands[start:] + cands[:start], key=_load)
+        return self._cache_aware(route, cands, least) if route.blocks else least
 
     def _cache_aware(self, route: Route, cands: list[Upstream], least: Upstream) -> Upstream:
         depth = self.tree.match(route.blocks)
@@ -404,6 +417,8 @@ class UpstreamRouter:
         tree learns that ``up`` holds that share of the prompt's blocks (a retry's upstream,
         or blocks the tree had evicted), and counts a miss on ``up`` when it cached less than
         the tree predicted (it evicted them; the prompt is cached there again now)."""
+        if self.precise is not None:
+            self.precise.learn(up, route, cached, prompt_tokens)
         if route is None or not route.blocks or prompt_tokens <= 0:
             return
         held = int(len(route.blocks) * min(1.0, cached / prompt_tokens))
@@ -491,6 +506,7 @@ class UpstreamRouter:
         ]
 
 
+_TREE_POLICIES = frozenset(("cache_aware", "precise"))  # keep the prefix tree (precise: fallback)
 _SALTED_SERVERS = frozenset(("prefixgate", "vllm"))  # ``owned_by`` of servers taking cache_salt
 
 
