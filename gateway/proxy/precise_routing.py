@@ -286,12 +286,10 @@ class PreciseRouting:
         if route.token_ids is None:
             return self._fallback(route, "untokenized", fallback)
         replicas = self.index.stats()["replicas"]
-        for u in cands:
-            st = replicas.get(u.url)
-            if st is None:
-                return self._fallback(route, "no_feed", fallback)
-            if not st["synced"]:
-                return self._fallback(route, "not_synced", fallback)
+        if any(u.url not in replicas for u in cands):
+            return self._fallback(route, "no_feed", fallback)
+        if not all(replicas[u.url]["synced"] for u in cands):
+            return self._fallback(route, "not_synced", fallback)
         cached = {u.url: self._cached(route, u) for u in cands}
         n = len(cands)
         prompt = len(route.token_ids)

@@ -210,7 +210,7 @@ def _record_prediction(request: web.Request, route: Route) -> None:
     if hasattr(route, "predicted_cached"):
         rec = record(request)
         rec.predicted_cached_tokens = route.predicted_cached
-        rec.cached_tokens = route.reported_cached
+        rec.cached_tokens = getattr(route, "reported_cached", None)
 
 
 class _Bodies:

@@ -13,7 +13,9 @@
 from __future__ import annotations
 
 import json
+import logging
 import random
+import re
 import time
 
 import httpx
@@ -73,7 +75,7 @@ def _feeds(replicas) -> dict[str, tuple[str, str | None]]:
     return out
 
 
-def _proxy(replicas, aidreams_path, tmp_path, feeds) -> BackgroundServer:
+def _proxy(replicas, aidreams_path, tmp_path, feeds, access_log=False) -> BackgroundServer:
     keys = tmp_path / "keys.json"
     keys.write_text(
         json.dumps(
@@ -91,7 +93,9 @@ def _proxy(replicas, aidreams_path, tmp_path, feeds) -> BackgroundServer:
         upstream_kv_events=feeds,
         keys_file=str(keys),
     )
-    return BackgroundServer(lambda: create_proxy_app([r.url for r in replicas], s)).__enter__()
+    return BackgroundServer(
+        lambda: create_proxy_app([r.url for r in replicas], s), access_log=access_log
+    ).__enter__()
 
 
 def _wait_synced(proxy: BackgroundServer, replicas, timeout_s: float = 60.0) -> None:
@@ -186,8 +190,11 @@ def test_predicted_equals_reported_on_mixed_workload(replicas, aidreams_path, tm
         pool_whole(_engine(srv))
 
 
-def test_repeat_of_long_prompt_goes_to_its_holder(replicas, aidreams_path, tmp_path, pool_whole):
-    proxy = _proxy(replicas, aidreams_path, tmp_path, _feeds(replicas))
+def test_repeat_of_long_prompt_goes_to_its_holder(
+    replicas, aidreams_path, tmp_path, pool_whole, caplog
+):
+    caplog.set_level(logging.INFO, logger="prefixgate.access")
+    proxy = _proxy(replicas, aidreams_path, tmp_path, _feeds(replicas), access_log=True)
     try:
         _wait_synced(proxy, replicas)
         router = proxy.app[PROXY].router
@@ -219,6 +226,15 @@ def test_repeat_of_long_prompt_goes_to_its_holder(replicas, aidreams_path, tmp_p
         assert router.precise.predictions and all(
             result == "exact" for (_, result) in router.precise.predictions
         ), router.precise.predictions
+        # the access log shows the prediction beside the reported cached tokens
+        lines = [
+            r.getMessage()
+            for r in caplog.records
+            if r.name == "prefixgate.access" and "/v1/completions" in r.getMessage()
+        ]
+        pairs = [re.search(r"cached=(\d+) predicted=(\d+)", line) for line in lines]
+        assert len(pairs) == 12 and all(m and m[1] == m[2] for m in pairs), lines
+        assert any(m and int(m[1]) > 0 for m in pairs)
     finally:
         proxy.close()
     _settle(replicas)
