@@ -14,16 +14,27 @@ composes ``keys.effective_salt(its key salt, cache_salt)``. Upstreams are taken 
 without keys of their own (their key salt ``None``), as replicas behind a gateway do; an
 upstream whose key has a salt hashes otherwise, and the agreement counter shows it.
 
-Score (NVIDIA Dynamo's KV router cost, in tokens; the lowest wins)::
+Score (after NVIDIA Dynamo's KV router cost, in tokens; the lowest wins)::
 
-    cost(u) = overlap_weight * (prompt - cached(u) + pending_prefill(u)) + active(u)
+    cost(u) = overlap_weight * (prompt - cached(u)) + pending_prefill(u)
 
-``cached(u)``: prompt tokens ``u`` serves from its cache (index match x block size);
-``pending_prefill(u)``: prompt tokens the requests in flight to ``u`` (routed here) still had
-to compute; ``active(u)``: their prompt tokens (the KV they hold while decoding). The bound on
+``cached(u)``: prompt tokens ``u`` serves from its cache: the index's match x block size, or
+the blocks of requests in flight to ``u`` when those reach further (computed there before
+their events arrive: a burst of one prefix is not spread by the event delay);
+``pending_prefill(u)``: prompt tokens the requests in flight to ``u`` (routed here) have to
+compute until their answers begin (``started``: a stream's headers come with its first
+token), the prefill queued ahead of this one, less what this one shares of it. The bound on
 imbalance is judged per request: ``u`` is a candidate only when its in-flight requests with
-this one stay within ``max_load_ratio`` times the mean with this one
-(``in_flight(u) + 1 <= X * (sum + 1) / n``), or it is the least loaded (always a candidate).
+this one stay within ``max_load_ratio`` times the mean with this one, ``in_flight(u) + 1 <=
+max(X * m, m + 1)`` with ``m = (sum + 1) / n`` (the ``m + 1``: requests are whole, so one above
+the mean is allowed while X times it is less — two requests of one prompt on an idle pool of
+two stay together), or it is the least loaded (always a candidate).
+
+A prompt no candidate holds (cold, or evicted everywhere) goes to its home: the upstream its
+leading text (``Route.key``: the system prompt, salted) was first placed on, a candidate
+homing the fewest prompts (ties by rendezvous hashing). Each prefix then has one copy and the
+fleet's distinct prefixes spread evenly — as many as its KV holds — instead of copies wherever
+the queue was shortest.
 
 Session affinity: a request with ``prompt_cache_key`` (else ``user``) goes where the previous
 request of that session within its cache partition (effective salt) went, while that upstream
@@ -55,6 +66,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import xxhash
 from prefixgate.engine.config import derive_replay_endpoint
 from prefixgate.gateway.api.prompts import completion_prompts, render_chat
 from prefixgate.gateway.api.request_models import (
@@ -143,7 +155,7 @@ class PreciseRoute(Route):
         self.reason = ""
         self.batch = False  # a completions batch: routed on its first prompt, not predicted
         self._keys: dict[tuple[str | None, int], list[bytes]] = {}
-        self._charge: tuple[str, int, int] | None = None  # (url, prompt, uncached)
+        self._charge: tuple[str, int, list[bytes]] | None = None  # (url, uncached, keys)
 
     def engine_salt(self, up: Upstream) -> str | None:
         """The cache salt ``up``'s engine gets for this request (an open upstream)."""
@@ -211,8 +223,11 @@ class PreciseRouting:
         )
         self._sessions: OrderedDict[tuple[str | None, str], _Session] = OrderedDict()
         self._pending: Counter[str] = Counter()  # url -> uncached prompt tokens in flight
-        self._active: Counter[str] = Counter()  # url -> prompt tokens in flight
+        # url -> block keys of the requests in flight there (stored soon, not yet published)
+        self._inflight_keys: dict[str, Counter[bytes]] = {}
         self._turn = itertools.count()
+        self._homes: OrderedDict[bytes, str] = OrderedDict()  # prompt key -> its home upstream
+        self._home_count: Counter[str] = Counter()  # upstream -> prompts homed there
         self.decisions: Counter[str] = Counter()
         self.predictions: Counter[tuple[str, str]] = Counter()  # (url, exact|over|under)
         self.predicted_tokens: Counter[str] = Counter()
@@ -290,12 +305,14 @@ class PreciseRouting:
             return self._fallback(route, "no_feed", fallback)
         if not all(replicas[u.url]["synced"] for u in cands):
             return self._fallback(route, "not_synced", fallback)
-        cached = {u.url: self._cached(route, u) for u in cands}
+        found = {u.url: self._match(route, u) for u in cands}
+        cached = {url: n for url, (n, _) in found.items()}
         n = len(cands)
         prompt = len(route.token_ids)
         total = sum(u.in_flight for u in cands)
         least = min(u.in_flight for u in cands)
-        bound = self.max_load_ratio * (total + 1) / n
+        mean = (total + 1) / n  # with this request
+        bound = max(self.max_load_ratio * mean, mean + 1)
         ok = [u for u in cands if u.in_flight + 1 <= bound or u.in_flight == least]
         choice: Upstream | None = None
         reason = "score"
@@ -303,19 +320,45 @@ class PreciseRouting:
         if sess is not None:
             choice = next((u for u in ok if u.url == sess.url), None)
             reason = "affinity" if choice is not None else reason
+        if choice is None and route.key is not None and not any(cached[u.url] for u in ok):
+            choice, reason = self._place(route.key, ok), "placed"
         if choice is None:
             start = next(self._turn) % n  # ties rotate
             order = list(ok[start % len(ok) :]) + list(ok[: start % len(ok)])
             w = self.overlap_weight
 
             def cost(u: Upstream) -> tuple[float, int]:
-                prefill = prompt - cached[u.url] + self._pending[u.url]
-                return (w * prefill + self._active[u.url], u.in_flight)
+                # the in-flight prefill this request shares is work it need not wait twice for
+                pending = max(0, self._pending[u.url] - found[u.url][1])
+                return (w * (prompt - cached[u.url]) + pending, u.in_flight)
 
             choice = min(order, key=cost)
         self.decisions[reason] += 1
         route.reason = reason
         self._note(route, choice, cached[choice.url])
+        return choice
+
+    def _place(self, key: bytes, ok: Sequence[Upstream]) -> Upstream:
+        """The home of a prompt no candidate holds (its leading text ``key``): its home when
+        that is a candidate, else the candidate homing the fewest prompts (ties: rendezvous
+        hashing), which becomes its home — so the fleet's distinct prefixes are spread
+        evenly and each has one copy, as many as the fleet's KV holds."""
+        home = self._homes.get(key)
+        if home is not None:
+            self._homes.move_to_end(key)
+            for u in ok:
+                if u.url == home:
+                    return u
+            self._home_count[home] -= 1
+        choice = min(
+            ok,
+            key=lambda u: (self._home_count[u.url], -xxhash.xxh3_64_intdigest(key, seed=u.seed)),
+        )
+        self._homes[key] = choice.url
+        self._home_count[choice.url] += 1
+        while len(self._homes) > MAX_SESSIONS:
+            _, gone = self._homes.popitem(last=False)
+            self._home_count[gone] -= 1
         return choice
 
     def _fallback(
@@ -333,12 +376,31 @@ class PreciseRouting:
         return choice
 
     def _cached(self, route: PreciseRoute, up: Upstream) -> int:
-        """Prompt tokens ``up``'s engine will serve from its cache, by the index."""
-        bs = self.index.block_size(up.url)
-        if bs <= 0:  # no block stored there yet: nothing cached
-            return 0
+        return self._match(route, up)[0]
+
+    def _match(self, route: PreciseRoute, up: Upstream) -> tuple[int, int]:
+        """Prompt tokens ``up``'s engine will serve from its cache: the leading blocks the
+        index says it holds, or, when longer, those of requests in flight there (their
+        blocks are stored as they are computed, before their events arrive). Returns
+        ``(cached tokens, of which only in flight)``."""
+        bs = self._block_size(up.url)
+        if bs <= 0:  # no block stored anywhere yet: nothing cached
+            return 0, 0
         keys = route.keys(route.engine_salt(up), bs)
-        return self.index.match(keys).get(up.url, 0) * bs
+        n = self.index.match(keys).get(up.url, 0)
+        flying = self._inflight_keys.get(up.url)
+        m = 0
+        if flying:
+            while m < len(keys) and keys[m] in flying:
+                m += 1
+        return max(n, m) * bs, max(0, m - n) * bs
+
+    def _block_size(self, url: str) -> int:
+        """``url``'s block size by its events, else another feed's (0 before any)."""
+        bs = self.index.block_size(url)
+        if bs <= 0:
+            bs = max((self.index.block_size(u) for u in self.feeds), default=0)
+        return bs
 
     def _note(self, route: PreciseRoute, up: Upstream, cached: int | None) -> None:
         """Charge ``up`` with the request's load and remember the session's pin."""
@@ -346,15 +408,16 @@ class PreciseRouting:
             cached = None  # several prompts: not predicted
         route.predicted_cached = cached
         if route.token_ids is not None:
-            prompt = len(route.token_ids)
-            uncached = prompt - (cached or 0)
-            route._charge = (up.url, prompt, uncached)
-            self._active[up.url] += prompt
+            uncached = len(route.token_ids) - (cached or 0)
+            bs = self._block_size(up.url)
+            keys = route.keys(route.engine_salt(up), bs) if bs > 0 else []
+            route._charge = (up.url, uncached, keys)
             self._pending[up.url] += uncached
+            self._inflight_keys.setdefault(up.url, Counter()).update(keys)
         if route.session is not None:
             first = None
             if route.token_ids is not None:
-                bs = self.index.block_size(up.url) or 0
+                bs = self._block_size(up.url)
                 keys = route.keys(route.engine_salt(up), bs) if bs else []
                 first = keys[0] if keys else None
             sess = self._sessions.get(route.session)
@@ -382,15 +445,29 @@ class PreciseRouting:
         del self._sessions[route.session]  # its pins are gone
         return None
 
+    def started(self, route: Route | None) -> None:
+        """The upstream's answer began (a stream's headers come with its first token): the
+        request's prefill is done, its pending prefill charge goes."""
+        if not isinstance(route, PreciseRoute) or route._charge is None:
+            return
+        url, uncached, keys = route._charge
+        self._pending[url] -= uncached
+        route._charge = (url, 0, keys)
+
     def release(self, route: Route | None) -> None:
         """The request left its upstream (answered, failed, or retried elsewhere): its load
         charge goes."""
         if not isinstance(route, PreciseRoute) or route._charge is None:
             return
-        url, prompt, uncached = route._charge
+        url, uncached, keys = route._charge
         route._charge = None
-        self._active[url] -= prompt
         self._pending[url] -= uncached
+        held = self._inflight_keys.get(url)
+        if held is not None:
+            held.subtract(keys)
+            for k in keys:
+                if k in held and held[k] <= 0:
+                    del held[k]
         if route.session is not None:
             sess = self._sessions.get(route.session)
             if sess is not None and sess.url == url and sess.in_flight > 0:

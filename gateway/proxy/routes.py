@@ -301,6 +301,8 @@ async def _forward(
                 ctx = session.post(up.url + request.path, data=body, headers=headers)
             async with ctx as resp:
                 status = str(resp.status)
+                if router.precise is not None:
+                    router.precise.started(route)  # the answer began: its prefill is done
                 if resp.status in _RETRYABLE:
                     router.mark_failed(up, f"HTTP {resp.status}")
                     continue

@@ -124,7 +124,7 @@ def test_holder_wins_at_equal_load_and_prediction_is_noted():
     p.learn(b, r, 48, 52)
     assert p.predictions[(B, "exact")] == 1
     p.release(r)
-    assert p._active[B] == 0 and p._pending[B] == 0
+    assert p._pending[B] == 0 and not p._inflight_keys[B]
 
 
 def test_load_outweighs_a_small_cache_advantage():
@@ -135,7 +135,7 @@ def test_load_outweighs_a_small_cache_advantage():
     busy = route_of(p, {"prompt": "z" * 40})
     assert p.pick(busy, [a], never) is a  # 40 tokens in flight on A
     assert p.pick(route_of(p, {"prompt": PROMPT}), [a, b], never) is b
-    # with B carrying far more in flight tokens than it saves, A wins
+    # with B's queued prefill far above what it saves, A wins
     p2, index2 = policy([A, B])
     index2.hold(B, ids, blocks=1)
     a2, b2 = ups(A, B)
@@ -154,7 +154,12 @@ def test_bound_on_imbalance_is_judged_per_request():
     r = route_of(p, {"prompt": PROMPT})
     assert p.pick(r, [a, b, c], never) in (b, c)
     assert r.predicted_cached == 0
-    a.in_flight = 1  # 2 > 1.3 * 4 / 3 = 1.73, but every upstream is among the least loaded
+    a.in_flight = 1  # 2 <= max(1.3 * 4 / 3, 4 / 3 + 1): one above the mean is allowed
+    assert p.pick(route_of(p, {"prompt": PROMPT}), [a, b, c], never) is a
+    a.in_flight, b.in_flight, c.in_flight = 9, 6, 6
+    # A with this one: 10 > max(1.3 * 22 / 3 = 9.53, 8.33)
+    assert p.pick(route_of(p, {"prompt": PROMPT}), [a, b, c], never) in (b, c)
+    a.in_flight = 8  # 9 <= 9.53
     assert p.pick(route_of(p, {"prompt": PROMPT}), [a, b, c], never) is a
     with pytest.raises(ValueError, match="max_load_ratio"):
         policy([A], max_load_ratio=0.9)
@@ -181,6 +186,21 @@ def test_session_affinity_lasts_as_long_as_its_pins():
     index.held[A].clear()
     fourth = route_of(p, {"prompt": other, "user": "u1"}, salt="t")
     assert p.pick(fourth, [a, b], never) is b and fourth.reason == "score"
+
+
+def test_burst_of_one_prompt_stays_before_its_events_arrive():
+    """Nothing published yet: the second request of a prompt goes where the first is in
+    flight (its blocks are being computed there), and is predicted cached there."""
+    p, _ = policy([A, B])
+    a, b = ups(A, B)
+    first = route_of(p, {"prompt": PROMPT})
+    up = p.pick(first, [a, b], never)
+    up.in_flight = 1
+    second = route_of(p, {"prompt": PROMPT})
+    assert p.pick(second, [a, b], never) is up and second.predicted_cached == 48
+    p.release(first)
+    p.release(second)
+    assert not p._inflight_keys[up.url] and p._pending[up.url] == 0
 
 
 def test_falls_back_without_feed_sync_or_tokens():

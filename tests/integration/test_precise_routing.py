@@ -175,7 +175,7 @@ def test_predicted_equals_reported_on_mixed_workload(replicas, aidreams_path, tm
         assert results.get("exact", 0) >= 0.99 * n, results
         assert sum(precise.reported_tokens.values()) > 0  # the workload did hit the caches
         assert sum(_engine(r).stats()["prefix_cache_evictions"] for r in replicas) > 0
-        assert set(precise.decisions) <= {"score", "affinity"}, precise.decisions
+        assert set(precise.decisions) <= {"score", "affinity", "placed"}, precise.decisions
         text = httpx.get(proxy.url + "/metrics").text
         assert 'prefixgate_route_predictions_total{result="exact"' in text or (
             "prefixgate_route_predictions_total{" in text
