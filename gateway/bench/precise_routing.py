@@ -1,8 +1,8 @@
 """Precise prefix-cache routing against the others, on CPU replicas: hit rate, load, TTFT.
 
 A scaled-down version of llm-d's multi-tenant workload: ``--tenants`` tenants, each with its
-own long system prompt (the workload CSV's real prompts, cut to ``--system-tokens`` tokens of
-aidreams-260k's tokenizer) and its own cache partition (a request ``cache_salt`` per tenant),
+own long system prompt (the real prompts of the shared folder's ``workloads/system_prompts.csv``,
+else the SDK's sample copy, cut to ``--system-tokens`` tokens of aidreams-260k's tokenizer) and its own cache partition (a request ``cache_salt`` per tenant),
 popularity Zipf (s = ``--zipf``), a short user turn each, Poisson arrivals at ``--rate``
 requests/s, streamed with usage. More distinct prefixes than one replica's KV holds
 (``--num-kv-blocks``, printed).
@@ -21,7 +21,7 @@ cached tokens (``/metrics``) and its decisions by reason.
 
 Usage::
 
-    python -m prefixgate.gateway.bench.precise_routing [--requests 120] [--rate 8] [--json OUT]
+    python -m prefixgate.gateway.bench.precise_routing [--requests 120] [--rate 4] [--json OUT]
 """
 
 from __future__ import annotations
@@ -39,10 +39,11 @@ from pathlib import Path
 
 import httpx
 from prefixgate.gateway.bench.routing import free_port, start, stop, wait_ready
+from prefixgate.sdk.bench.shared import find_shared
 from prefixgate.sdk.bench.workload import SAMPLE_SYSTEM_PROMPTS, SAMPLE_USER_TASKS
 
 POLICIES = ("precise", "cache_aware", "round_robin", "single")
-MODEL_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "aidreams-260k"
+MODEL = "models/aidreams-260k"  # in the shared test-data folder (sdk.bench.shared)
 
 
 def port_pair() -> int:
@@ -63,7 +64,8 @@ def port_pair() -> int:
 
 def cut_prompts(tokenizer, n: int, tokens: int, tag: str) -> list[str]:
     """``n`` system prompts of at most ``tokens`` tokens (the CSV's texts, tagged)."""
-    with open(SAMPLE_SYSTEM_PROMPTS, newline="") as f:
+    path = find_shared("workloads/system_prompts.csv") or SAMPLE_SYSTEM_PROMPTS
+    with open(path, newline="") as f:
         texts = [row["prompt"] for row in csv.DictReader(f)]
     out = []
     for i in range(n):
@@ -78,7 +80,7 @@ def cut_prompts(tokenizer, n: int, tokens: int, tag: str) -> list[str]:
 
 def users(n: int) -> list[str]:
     out = []
-    with open(SAMPLE_USER_TASKS) as f:
+    with open(find_shared("workloads/user_tasks.jsonl") or SAMPLE_USER_TASKS) as f:
         for line in f:
             out.append(json.loads(line)["instruction"][:40])
             if len(out) == n:
@@ -165,7 +167,8 @@ def summarize(out: list[dict]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=str(MODEL_DIR))
+    found = find_shared(MODEL)
+    ap.add_argument("--model", default=str(found) if found else None)
     ap.add_argument("--replicas", type=int, default=3)
     ap.add_argument("--tenants", type=int, default=24)
     ap.add_argument("--system-tokens", type=int, default=80)
@@ -182,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if not args.model:
+        ap.error(f"no {MODEL} in the shared folder: pass --model")
     from prefixgate.engine.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_pretrained(args.model)
