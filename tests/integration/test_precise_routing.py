@@ -226,12 +226,19 @@ def test_repeat_of_long_prompt_goes_to_its_holder(
         assert router.precise.predictions and all(
             result == "exact" for (_, result) in router.precise.predictions
         ), router.precise.predictions
+
         # the access log shows the prediction beside the reported cached tokens
-        lines = [
-            r.getMessage()
-            for r in caplog.records
-            if r.name == "prefixgate.access" and "/v1/completions" in r.getMessage()
-        ]
+        def access_lines() -> list[str]:
+            return [
+                r.getMessage()
+                for r in caplog.records
+                if r.name == "prefixgate.access" and "/v1/completions" in r.getMessage()
+            ]
+
+        deadline = time.monotonic() + 30  # the line is written after the answer's last byte
+        while len(access_lines()) < 12 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        lines = access_lines()
         pairs = [re.search(r"cached=(\d+) predicted=(\d+)", line) for line in lines]
         assert len(pairs) == 12 and all(m and m[1] == m[2] for m in pairs), lines
         assert any(m and int(m[1]) > 0 for m in pairs)
