@@ -22,6 +22,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from aiohttp import web
 from prefixgate.engine.protocol import EngineClient
@@ -176,6 +177,9 @@ def create_proxy_app(
             "upstreams one credential (one Authorization header)"
         )
     st.metrics.bind_upstreams(router.upstreams)
+    if s.routing == "precise":
+        router.precise = _precise_routing(s, router)
+        st.metrics.registry.register(router.precise.collector())
     st.model_name = st.model_name or "upstream"
     st.ready = True
     r = app.router
@@ -212,15 +216,43 @@ def create_proxy_app(
 
     async def start(app: web.Application) -> None:
         await router.start()
+        if router.precise is not None:
+            router.precise.start()
 
     async def stop(app: web.Application) -> None:
         await app[PROXY].prefixes.close()  # releases upstream pins while the session is open
         await router.close()
+        if router.precise is not None:
+            router.precise.close()
 
     app.on_startup.append(start)
     app.on_cleanup.append(stop)
     _add_fallback_route(app)
     return app
+
+
+def _precise_routing(s: GatewaySettings, router: UpstreamRouter) -> Any:
+    """``precise`` routing over ``router``'s upstreams (lazy: needs ``tokenizers`` and
+    ``jinja2``, not torch).
+
+    Raises:
+        ValueError: a KV event feed for a URL that is not an upstream, an unreadable
+            tokenizer folder.
+    """
+    from prefixgate.engine.tokenizer import Tokenizer  # noqa: PLC0415
+    from prefixgate.gateway.proxy.precise_routing import PreciseRouting  # noqa: PLC0415
+    from prefixgate.gateway.proxy.upstream import normalize_url  # noqa: PLC0415
+
+    feeds = {normalize_url(u): f for u, f in s.upstream_kv_events.items()}
+    unknown = sorted(set(feeds) - {u.url for u in router.upstreams})
+    if unknown:
+        raise ValueError(f"upstream_kv_events names URLs that are not upstreams: {unknown}")
+    assert s.tokenizer is not None  # GatewaySettings requires it under precise
+    try:
+        tokenizer = Tokenizer.from_pretrained(s.tokenizer)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"tokenizer {s.tokenizer!r}: {exc}") from None
+    return PreciseRouting(tokenizer, feeds, s.precise_max_load_ratio, s.precise_overlap_weight)
 
 
 def _base_app(settings: GatewaySettings | None) -> tuple[web.Application, GatewayState]:

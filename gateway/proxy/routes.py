@@ -99,6 +99,8 @@ async def proxy_generate(request: web.Request) -> web.StreamResponse:
     keep_usage = ask_usage(parsed)
     bodies = _Bodies(parsed, salt)
     route = router.route(parsed, salt, model)  # with a prefix: its messages + the request's
+    if router.precise is not None:  # precise routing: the prompt's token ids, as the upstream's
+        route = await router.precise.prepare(route, parsed, request.path, salt)
     est_tokens = len(body) // 4 + 1  # no tokenizer here: ~4 bytes per token until the usage
     lease = await st.shared.acquire(principal, est_tokens)
     try:
@@ -114,6 +116,9 @@ async def proxy_generate(request: web.Request) -> web.StreamResponse:
         return await _forward(request, st, bodies, route, ticket, outcome)
     finally:
         ticket.done()
+        if router.precise is not None:
+            router.precise.release(route)
+            _record_prediction(request, route)
         if outcome.served:
             prompt = outcome.prompt_tokens()
             st.shared.settle(
@@ -194,6 +199,15 @@ def _for(request: web.Request, st: GatewayState) -> Any:
 
 class _PinnedLost(Exception):
     """The upstream holding a prefix's pin failed before answering, or no longer has it."""
+
+
+def _record_prediction(request: web.Request, route: Route) -> None:
+    """The access line's ``predicted=`` / ``cached=`` of a precise-routed request
+    (``precise_routing.PreciseRoute``)."""
+    if hasattr(route, "predicted_cached"):
+        rec = record(request)
+        rec.predicted_cached_tokens = route.predicted_cached
+        rec.cached_tokens = getattr(route, "reported_cached", None)
 
 
 class _Bodies:
@@ -378,6 +392,8 @@ async def _forward(
                 ctx = session.post(up.url + request.path, data=body, headers=headers, ssl=up.ssl)
             async with ctx as resp:
                 status = str(resp.status)
+                if router.precise is not None:
+                    router.precise.started(route)  # the answer began: its prefill is done
                 if resp.status in _RETRYABLE:
                     router.mark_failed(up, f"HTTP {resp.status}")
                     continue
@@ -693,7 +709,7 @@ _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 def _learn(router: Any, up: Upstream, route: Route | None, tail: bytes) -> None:
     """Feed the answer's usage (its last ``prompt_tokens`` / ``cached_tokens``) to the
     router's prefix tree (``UpstreamRouter.learn``); nothing when the answer has none."""
-    if route is None or not route.blocks:
+    if route is None:
         return
     prompt = _PROMPT_TOKENS.findall(tail)
     cached = _CACHED_TOKENS.findall(tail)

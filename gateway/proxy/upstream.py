@@ -295,6 +295,18 @@ class UpstreamRouter:
         self._suspects: set[asyncio.Task] = set()
 
     @property
+    def precise(self) -> Any:
+        """``precise`` routing's ``PreciseRouting`` (None under another policy, or before
+        ``app.create_proxy_app`` attaches it)."""
+        return getattr(self.policy, "exact", None)
+
+    @precise.setter
+    def precise(self, value: Any) -> None:
+        if not hasattr(self.policy, "exact"):
+            raise AttributeError(f"routing {self.policy.name} takes no precise routing")
+        self.policy.exact = value
+
+    @property
     def tree(self) -> PrefixTree:
         """The prefix tree of ``cache_aware`` routing.
 

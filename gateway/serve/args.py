@@ -268,7 +268,25 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="how --upstream requests pick an upstream: cache_aware (the longest prompt-prefix "
         "match of what each upstream was sent, unless it has more than "
         "--balance-abs-threshold requests in flight beyond the least loaded), rendezvous "
-        "(hash of the system prompt), round_robin, least_loaded (default: cache_aware)",
+        "(hash of the system prompt), round_robin, least_loaded, precise (the blocks each "
+        "upstream's engine holds, from its KV events, against its load; needs --tokenizer, "
+        "feeds from --upstream-kv-events) (default: cache_aware)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="--routing precise: the upstreams' model folder, whose tokenizer and chat "
+        "template the gateway tokenizes requests with, as the upstreams do (default: none)",
+    )
+    p.add_argument(
+        "--upstream-kv-events",
+        action="append",
+        default=[],
+        metavar="URL=PUB[,REPLAY]",
+        help="--routing precise: the KV event endpoints of upstream URL's engine (its "
+        "--kv-events, e.g. http://e0:8000=tcp://e0:5557; REPLAY defaults to the next port, "
+        "'-' for none) (repeatable; an upstream without one makes routing fall back to "
+        "cache_aware) (default: none)",
     )
     p.add_argument(
         "--redis-url",
@@ -297,6 +315,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         ("redis_lease_ttl_s", float),
         ("balance_abs_threshold", int),
         ("balance_rel_threshold", float),
+        ("precise_max_load_ratio", float),
+        ("precise_overlap_weight", float),
     ):
         g.add_argument(
             "--" + name.replace("_", "-"),

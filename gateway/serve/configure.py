@@ -142,11 +142,32 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         shutdown_grace_s=args.shutdown_grace_s,
         tool_call_parser=args.tool_call_parser,
         routing=args.routing,
+        tokenizer=args.tokenizer,
+        upstream_kv_events=upstream_kv_events(args.upstream_kv_events),
+        precise_max_load_ratio=args.precise_max_load_ratio,
+        precise_overlap_weight=args.precise_overlap_weight,
         balance_abs_threshold=args.balance_abs_threshold,
         balance_rel_threshold=args.balance_rel_threshold,
         redis_url=args.redis_url,
         redis_lease_ttl_s=args.redis_lease_ttl_s,
     )
+
+
+def upstream_kv_events(specs: list[str]) -> dict[str, tuple[str, str | None]]:
+    """``--upstream-kv-events URL=PUB[,REPLAY]`` flags → upstream URL → (PUB, REPLAY).
+
+    Raises:
+        ValueError: a malformed flag, or one URL given twice.
+    """
+    from prefixgate.gateway.proxy.precise_routing import parse_kv_events_spec  # noqa: PLC0415
+
+    out: dict[str, tuple[str, str | None]] = {}
+    for spec in specs:
+        url, pub, replay = parse_kv_events_spec(spec)
+        if url in out:
+            raise ValueError(f"--upstream-kv-events: {url} given twice")
+        out[url] = (pub, replay)
+    return out
 
 
 def key_weights(keys_file: str) -> dict[str, float]:
