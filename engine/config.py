@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # what ``dtype`` may name
+
 
 def derive_replay_endpoint(endpoint: str) -> str:
     """The default replay endpoint of a PUB ``endpoint``: the next TCP port (``*`` stays
@@ -109,6 +111,10 @@ class EngineConfig:
     kv_events_topic: str = ""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
+            # (a torch.dtype is taken too, as the model loader does)
+            if str(self.dtype).removeprefix("torch.") not in DTYPES:
+                raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         for name, optional in (
             ("seed", False),
             ("block_size", False),

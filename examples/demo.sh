@@ -7,13 +7,22 @@ cd "$(dirname "$0")/.."
 python3 -m pip install -q torch==2.13.0              # the CPU wheel; a bare `torch` pulls CUDA
 python3 -m pip install -q -e '.[engine]'
 PORT="${PORT:-8000}"
+# The demo must talk to the server it starts: refuse a port something already listens on.
+if python3 -c 'import socket, sys; s = socket.socket(); s.settimeout(1); sys.exit(s.connect_ex(("127.0.0.1", int(sys.argv[1]))) != 0)' "$PORT"; then
+    echo "demo.sh: something already listens on 127.0.0.1:$PORT; stop it or run PORT=<free port> $0" >&2
+    exit 1
+fi
 prefixgate serve --host 127.0.0.1 --port "$PORT" &
 SERVER=$!
 trap 'kill "$SERVER" 2>/dev/null || true; wait "$SERVER" 2>/dev/null || true' EXIT
-python3 - "$PORT" <<'PY'
-import sys, time, urllib.request
-url = f"http://127.0.0.1:{sys.argv[1]}/ready"
+python3 - "$PORT" "$SERVER" <<'PY'
+import os, sys, time, urllib.request
+url, pid = f"http://127.0.0.1:{sys.argv[1]}/ready", int(sys.argv[2])
 for _ in range(240):
+    try:
+        os.kill(pid, 0)  # our server still runs: whatever answers below is it
+    except ProcessLookupError:
+        sys.exit(f"the demo's server (pid {pid}) exited before it was ready (see its log above)")
     try:
         urllib.request.urlopen(url, timeout=1)
         break

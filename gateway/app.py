@@ -22,6 +22,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from aiohttp import web
 from prefixgate.engine.protocol import EngineClient
@@ -177,6 +178,9 @@ def create_proxy_app(
             "upstreams one credential (one Authorization header)"
         )
     st.metrics.bind_upstreams(router.upstreams)
+    if s.routing == "precise":
+        router.precise = _precise_routing(s, router)
+        st.metrics.registry.register(router.precise.collector())
     st.model_name = st.model_name or "upstream"
     st.ready = True
     r = app.router
@@ -215,15 +219,43 @@ def create_proxy_app(
 
     async def start(app: web.Application) -> None:
         await router.start()
+        if router.precise is not None:
+            router.precise.start()
 
     async def stop(app: web.Application) -> None:
         await app[PROXY].prefixes.close()  # releases upstream pins while the session is open
         await router.close()
+        if router.precise is not None:
+            router.precise.close()
 
     app.on_startup.append(start)
     app.on_cleanup.append(stop)
     _add_fallback_route(app)
     return app
+
+
+def _precise_routing(s: GatewaySettings, router: UpstreamRouter) -> Any:
+    """``precise`` routing over ``router``'s upstreams (lazy: needs ``tokenizers`` and
+    ``jinja2``, not torch).
+
+    Raises:
+        ValueError: a KV event feed for a URL that is not an upstream, an unreadable
+            tokenizer folder.
+    """
+    from prefixgate.engine.tokenizer import Tokenizer  # noqa: PLC0415
+    from prefixgate.gateway.proxy.precise_routing import PreciseRouting  # noqa: PLC0415
+    from prefixgate.gateway.proxy.upstream import normalize_url  # noqa: PLC0415
+
+    feeds = {normalize_url(u): f for u, f in s.upstream_kv_events.items()}
+    unknown = sorted(set(feeds) - {u.url for u in router.upstreams})
+    if unknown:
+        raise ValueError(f"upstream_kv_events names URLs that are not upstreams: {unknown}")
+    assert s.tokenizer is not None  # GatewaySettings requires it under precise
+    try:
+        tokenizer = Tokenizer.from_pretrained(s.tokenizer)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"tokenizer {s.tokenizer!r}: {exc}") from None
+    return PreciseRouting(tokenizer, feeds, s.precise_max_load_ratio, s.precise_overlap_weight)
 
 
 def _base_app(settings: GatewaySettings | None) -> tuple[web.Application, GatewayState]:
@@ -330,6 +362,10 @@ async def count_requests(request: web.Request, handler: Handler) -> web.StreamRe
     try:
         resp = await handler(request)
     except BaseException:
+        ending = lifecycle.shutdown_ending(request)
+        if ending is not None:  # cut by the shutdown: its ending is the answer, logged once
+            counter.labels(route, str(ending), "server_shutting_down").inc()
+            raise
         counter.labels(route, str(CLIENT_GONE), "client_gone").inc()
         _log_client_gone(request, time.monotonic() - t0)
         raise
@@ -393,24 +429,43 @@ async def ready_local(request: web.Request) -> web.Response:
 
 
 async def ready_proxy(request: web.Request) -> web.Response:
-    """GET /ready (upstream mode): 200 while an upstream is healthy, else 503."""
+    """GET /ready (upstream mode): 200 while an upstream is healthy, else 503. The upstreams'
+    details (URLs, last errors) need a key when the gateway has keys; without one, only how
+    many are healthy."""
     st = request.app[STATE]
     pool = request.app[PROXY].router.describe()
     if not any(u["healthy"] for u in pool):
         raise APIError(503, "no healthy upstream", code="upstream_unavailable", retry_after=2.0)
-    return web.json_response(
-        {
-            "status": "ready",
-            "mode": "upstream",
-            # False: some upstream ignores cache_salt, so tenants may share its cache there
-            "tenant_isolation": all(u["cache_salt"] is not False for u in pool),
-            "upstreams": pool,
-            "state": st.shared.describe(),
-        }
-    )
+    body: dict = {
+        "status": "ready",
+        "mode": "upstream",
+        # False: some upstream ignores cache_salt, so tenants may share its cache there
+        "tenant_isolation": all(u["cache_salt"] is not False for u in pool),
+        "upstreams_healthy": sum(1 for u in pool if u["healthy"]),
+        "upstreams_total": len(pool),
+    }
+    if _has_key(request):
+        body["upstreams"] = pool
+        body["state"] = st.shared.describe()
+    return web.json_response(body)
 
 
 async def metrics_route(request: web.Request) -> web.Response:
-    """GET /metrics: Prometheus text exposition."""
+    """GET /metrics: Prometheus text exposition. When the gateway has API keys, the per-key,
+    per-tenant and per-upstream families (names and URLs) need one of them
+    (``Authorization: Bearer <key>``, a scraper's ``bearer_token``); without, the rest."""
     st = request.app[STATE]
-    return web.Response(body=st.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+    body = st.metrics.render(tenant_data=_has_key(request))
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+def _has_key(request: web.Request) -> bool:
+    """True on an open gateway, or when the request carries one of its keys."""
+    st = request.app[STATE]
+    if st.keys.open:
+        return True
+    try:
+        st.keys.authenticate(request)
+    except APIError:
+        return False
+    return True

@@ -49,7 +49,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     else:
         sub.add_parser("serve", help=SERVE_HELP, add_help=False)
     if command == "bench":
-        from prefixgate.sdk.bench.cli import add_bench_parser
+        from prefixgate.sdk.bench.commands import add_bench_parser
 
         add_bench_parser(sub)
     else:

@@ -55,7 +55,18 @@ class GatewaySettings:
         dashboard_sample_s: seconds between two samples of ``/dashboard``'s charts.
         dashboard_window_s: seconds of samples ``/dashboard`` keeps (a ring buffer).
         routing: upstream mode's routing policy: ``cache_aware`` (default), ``rendezvous``,
-            ``round_robin`` or ``least_loaded`` (see ``routing``).
+            ``round_robin``, ``least_loaded`` or ``precise`` (see ``routing``,
+            ``precise_routing``).
+        tokenizer: the upstreams' model folder, whose tokenizer and chat template
+            ``precise`` routing tokenizes with (needed by it, refused otherwise).
+        upstream_kv_events: upstream URL -> ``(PUB endpoint, replay endpoint or None)`` of
+            its engine's KV events (``precise`` only; an upstream without one makes routing
+            fall back to ``cache_aware``).
+        precise_max_load_ratio: ``precise``'s bound on imbalance, judged per request: no
+            upstream above this many times the mean in-flight load (the least loaded always
+            qualifies), >= 1.
+        precise_overlap_weight: ``precise``'s weight of prefill tokens against the tokens
+            held by requests in flight (Dynamo's ``overlap_score_weight``), > 0.
         redis_url: share per-key limits, concurrency slots, prefixes and usage counters
             with every gateway replica on this Redis (None: in-process state; see
             ``redis_state``).
@@ -93,6 +104,10 @@ class GatewaySettings:
     dashboard_sample_s: float = 2.0
     dashboard_window_s: float = 300.0
     routing: str = "cache_aware"
+    tokenizer: str | None = None
+    upstream_kv_events: dict[str, tuple[str, str | None]] = field(default_factory=dict)
+    precise_max_load_ratio: float = 1.3
+    precise_overlap_weight: float = 1.0
     redis_url: str | None = None
     redis_lease_ttl_s: float = 10.0
 
@@ -139,6 +154,22 @@ class GatewaySettings:
             raise ValueError("affinity_block_chars and affinity_max_chars must be >= 1")
         if self.balance_rel_threshold < 1.0 or self.balance_abs_threshold < 0:
             raise ValueError("balance_rel_threshold must be >= 1 and balance_abs_threshold >= 0")
+        if self.routing == "precise" and not self.tokenizer:
+            raise ValueError(
+                "routing precise needs the upstreams' tokenizer (tokenizer: a model folder)"
+            )
+        if self.routing != "precise":
+            for name in ("tokenizer", "upstream_kv_events"):
+                if getattr(self, name):
+                    raise ValueError(f"{name} is used by routing precise only")
+        if not self.precise_max_load_ratio >= 1.0:
+            raise ValueError(
+                f"precise_max_load_ratio must be >= 1, got {self.precise_max_load_ratio}"
+            )
+        if not self.precise_overlap_weight > 0:
+            raise ValueError(
+                f"precise_overlap_weight must be > 0, got {self.precise_overlap_weight}"
+            )
 
     def admission_config(self) -> AdmissionConfig:
         """The admission bounds as an AdmissionConfig."""

@@ -1,9 +1,22 @@
-"""Model side of the engine: config, the Llama-family model over a paged KV cache, loading."""
+"""Model side of the engine: config, the Llama-family model over a paged KV cache, loading.
 
-from prefixgate.engine.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from prefixgate.engine.models.errors import ModelFileNotFoundError
-from prefixgate.engine.models.llama import CausalLM
-from prefixgate.engine.models.loader import load_model
+Lazy (PEP 562, as ``prefixgate.engine``): importing the package or its torch-free module
+``errors`` loads no torch, so ``engine.tokenizer`` (which names ``ModelFileNotFoundError``)
+runs in a torch-free gateway (proxy mode's ``precise`` routing tokenizes there).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_LAZY = {
+    "SUPPORTED_ARCHITECTURES": "prefixgate.engine.models.config",
+    "ModelConfig": "prefixgate.engine.models.config",
+    "ModelFileNotFoundError": "prefixgate.engine.models.errors",
+    "CausalLM": "prefixgate.engine.models.llama",
+    "load_model": "prefixgate.engine.models.loader",
+}
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -12,3 +25,18 @@ __all__ = [
     "ModelFileNotFoundError",
     "load_model",
 ]
+
+if TYPE_CHECKING:
+    from prefixgate.engine.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+    from prefixgate.engine.models.errors import ModelFileNotFoundError
+    from prefixgate.engine.models.llama import CausalLM
+    from prefixgate.engine.models.loader import load_model
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

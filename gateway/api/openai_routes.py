@@ -394,9 +394,11 @@ class Exchange:
                     ev = await run.next(poll)
                 except Exception as exc:  # noqa: BLE001 - mapped to an OpenAI error
                     raise engine_error(exc) from None
+                # checked on every output too: a request whose tokens come faster than
+                # ``poll`` must not outlive its client (every wait would end in an output)
+                if client_gone(self.request):
+                    return web.Response(status=CLIENT_GONE)
                 if ev is None:
-                    if client_gone(self.request):
-                        return web.Response(status=CLIENT_GONE)
                     continue
                 self._record(*ev)
         self.st.metrics.cached_tokens.inc(sum(self.cached.values()))
@@ -444,6 +446,8 @@ class Exchange:
                         await sse.keepalive()
                     if not run.pending:
                         break
+                    if client_gone(self.request):  # ChoiceRun aborts the engine requests
+                        return sse.response  # on exit; nothing more to send, no [DONE]
                     try:
                         ev = await run.next(poll)
                     except Exception as exc:  # noqa: BLE001 - reported in-band, then closed

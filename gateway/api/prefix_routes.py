@@ -25,7 +25,9 @@ async def create_prefix(request: web.Request) -> web.Response:
     req = parse(PrefixCreateRequest, await request.read())
     st.check_model(req.model)
     messages = [m.as_dict() for m in req.messages]
-    ids = await render_chat(engine.tokenizer, messages, add_generation_prompt=False)
+    ids = await render_chat(
+        engine.tokenizer, messages, add_generation_prompt=False, max_model_len=engine.max_model_len
+    )
     check_length(len(ids), None, engine.max_model_len, "messages")
     entry = (
         await request.app[LOCAL]

@@ -22,17 +22,19 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from aiohttp import web
 from prefixgate.engine.sampling_params import SamplingParams
 from prefixgate.gateway.api.prompts import check_length, render_chat
+from prefixgate.gateway.api.request_models import MAX_MESSAGES, check_counts, parse
 from prefixgate.gateway.api.response_models import Usage
 from prefixgate.gateway.http.errors import APIError, bad_request
 from prefixgate.gateway.local.generation import Choice, ChoiceOutput, Delta
 from prefixgate.gateway.local.serving import LOCAL
 from prefixgate.gateway.state import STATE
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic_core import from_json
 
 _CONFIG = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
@@ -97,8 +99,9 @@ class ResponsesRequest(BaseModel):
     """
 
     model_config = _CONFIG
+    counted: ClassVar[tuple[str, ...]] = ("input",)
     model: str
-    input: str | list[InputMessage]
+    input: str | Annotated[list[InputMessage], Field(max_length=MAX_MESSAGES)]
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -132,12 +135,11 @@ def parse_request(body: bytes) -> ResponsesRequest:
     Raises:
         APIError: 400 (``param`` names the field at fault).
     """
-    from prefixgate.gateway.api.request_models import parse  # the shared JSON → model error mapping
-
     try:
-        raw = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        raw = None
+        raw = from_json(body)  # nesting bounded (MAX_JSON_DEPTH): a ValueError, never recursion
+    except ValueError:
+        raw = None  # parse() reports it
+    check_counts(raw, ResponsesRequest.counted)
     if isinstance(raw, dict):
         for name in _REFUSED:
             if raw.get(name) not in (None, [], False):

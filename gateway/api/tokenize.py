@@ -9,6 +9,12 @@ BOS/EOS added, as vLLM's). Answer: ``{"count", "max_model_len", "tokens"}``. Any
 a 400 naming it (never ignored); ``add_special_tokens`` with ``messages`` only as ``false``
 (the template writes the special tokens itself), ``add_generation_prompt`` only with
 ``messages``.
+Bounded work: ``messages`` holds at most ``MAX_MESSAGES`` (4,096, counted before anything is
+validated or rendered), and a text (the prompt, or the rendered chat) is tokenized only when
+its token count's lower bound (``Tokenizer.min_num_tokens``) is under
+``TOKENIZE_CONTEXTS`` (8) × ``max_model_len``; beyond, 400 ``context_length_exceeded`` naming
+the field, before tokenizing (a prompt that long fits no request: the route's answer is that
+it does not fit). A request's tokenizing so costs at most that many tokens' work.
 Clients use it to fit prompts to the context before sending them (``prefixgate bench serve``
 does); it runs no model and touches no KV block. ``/detokenize``: ``{"model", "tokens"}`` →
 ``{"prompt"}`` (special tokens kept, as vLLM's), each id checked against the vocabulary.
@@ -17,35 +23,64 @@ does); it runs no model and touches no KV block. ``/detokenize``: ``{"model", "t
 from __future__ import annotations
 
 import asyncio
+from typing import ClassVar
 
 from aiohttp import web
-from prefixgate.gateway.api.prompts import completion_prompts, render_chat
-from prefixgate.gateway.api.request_models import ChatMessage, parse
-from prefixgate.gateway.http.errors import bad_request
+from prefixgate.gateway.api.prompts import completion_prompts, refuse_oversized, render_chat
+from prefixgate.gateway.api.request_models import MAX_MESSAGES, ChatMessage, parse
+from prefixgate.gateway.http.errors import APIError, bad_request
 from prefixgate.gateway.local.serving import LOCAL
 from prefixgate.gateway.state import STATE
 from pydantic import BaseModel, ConfigDict, Field
+
+TOKENIZE_CONTEXTS = 8  # /tokenize counts texts of up to this many contexts (lower bound)
 
 
 class TokenizeRequest(BaseModel):
     """POST /tokenize: exactly one of ``messages`` (a chat) and ``prompt`` (text)."""
 
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+    counted: ClassVar[tuple[str, ...]] = ("messages",)
     model: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, max_length=MAX_MESSAGES)
     prompt: str | None = None
     add_generation_prompt: bool | None = None
     add_special_tokens: bool | None = None
 
 
 async def tokenize(request: web.Request) -> web.Response:
-    """POST /tokenize."""
+    """POST /tokenize.
+
+    Raises:
+        APIError: 400 on a bad body; 400 ``context_length_exceeded`` naming ``messages`` or
+            ``prompt`` when the text holds at least ``TOKENIZE_CONTEXTS * max_model_len``
+            tokens by its lower bound (nothing tokenized).
+    """
+    try:
+        return await _tokenize(request)
+    except APIError as exc:
+        if exc.code != "context_length_exceeded":
+            raise
+        engine = request.app[LOCAL].require_engine()
+        raise APIError(
+            400,
+            f"/tokenize counts texts of fewer than {TOKENIZE_CONTEXTS} x max_model_len = "
+            f"{TOKENIZE_CONTEXTS * engine.max_model_len} tokens, and this {exc.param} has at "
+            "least that many by its length alone (not tokenized); it fits no request to this "
+            f"model (max_model_len {engine.max_model_len})",
+            param=exc.param,
+            code=exc.code,
+        ) from None
+
+
+async def _tokenize(request: web.Request) -> web.Response:
     st = request.app[STATE]
     engine = request.app[LOCAL].require_engine()
     st.keys.authenticate(request)
     req = parse(TokenizeRequest, await request.read())
     if req.model is not None:
         st.check_model(req.model)
+    cap = TOKENIZE_CONTEXTS * engine.max_model_len
     if (req.messages is None) == (req.prompt is None):
         raise bad_request("send exactly one of messages and prompt", param="messages")
     if req.messages is not None:
@@ -57,7 +92,7 @@ async def tokenize(request: web.Request) -> web.Response:
             )
         messages = [m.as_dict() for m in req.messages]
         gen = req.add_generation_prompt is not False
-        ids = await render_chat(engine.tokenizer, messages, gen)
+        ids = await render_chat(engine.tokenizer, messages, gen, max_model_len=cap)
     elif req.add_generation_prompt is not None:
         raise bad_request(
             "add_generation_prompt: only with messages (a prompt is encoded as it is)",
@@ -66,9 +101,10 @@ async def tokenize(request: web.Request) -> web.Response:
     elif req.add_special_tokens is False:
         if not req.prompt:
             raise bad_request("prompt must not be empty", param="prompt")
+        refuse_oversized(engine.tokenizer, req.prompt, cap, "prompt")
         ids = list((await asyncio.to_thread(engine.tokenizer.encode_batch, [req.prompt], False))[0])
     else:
-        ids = (await completion_prompts(engine.tokenizer, req.prompt or ""))[0]
+        ids = (await completion_prompts(engine.tokenizer, req.prompt or "", cap))[0]
     return web.json_response(
         {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
     )

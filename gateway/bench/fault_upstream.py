@@ -1,7 +1,8 @@
 """A misbehaving OpenAI-compatible upstream on loopback (raw asyncio, its own thread), for the
 proxy fault matrix of ``faults`` and the gateway's tests.
 
-``FaultUpstream(mode)``: ``GET /health`` is always 200; ``POST /v1/chat/completions`` and
+``FaultUpstream(mode)``: ``GET /health`` is always 200, ``GET /v1/models`` lists ``fault``;
+``POST /v1/chat/completions`` and
 ``/v1/completions`` answer by ``mode`` (changeable between requests):
 
 * ``ok`` — a well-formed answer: ``chunks`` content chunks ``delay_s`` apart, a chunk with
@@ -12,7 +13,15 @@ proxy fault matrix of ``faults`` and the gateway's tests.
 * ``eof`` — two content chunks, then a clean end of the response: no finish_reason, no
   ``[DONE]`` (non-stream: half of the declared JSON body, then the connection closes);
 * ``stall`` — two content chunks, then nothing (the connection stays open);
-* ``kill`` — two content chunks (non-stream: half the body), then the connection is reset.
+* ``kill`` — two content chunks (non-stream: half the body), then the connection is reset;
+* ``nochoices`` — a JSON completion without ``choices`` (stream: chunks without it);
+* ``sse`` — a well-formed stream, even to a non-stream request;
+* ``nofinish`` — chunks, then ``data: [DONE]`` with no ``finish_reason`` (non-stream: a
+  completion whose choice has ``finish_reason`` null);
+* ``auth401`` / ``auth403`` — that status with an OpenAI error body quoting the
+  ``Authorization`` it got ("Incorrect API key provided: Bearer sk-..."), as some servers do.
+
+``auth`` holds the last ``Authorization`` header received.
 """
 
 from __future__ import annotations
@@ -35,7 +44,15 @@ def _chunk(content: str | None, finish: str | None = None) -> bytes:
     return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
 
-def _completion(text: str) -> bytes:
+def _completion(text: str, finish: str | None = "stop", choices: bool = True) -> bytes:
+    body = json.loads(_completion_body(text))
+    body["choices"][0]["finish_reason"] = finish
+    if not choices:
+        del body["choices"]
+    return json.dumps(body).encode()
+
+
+def _completion_body(text: str) -> bytes:
     return json.dumps(
         {
             "id": "chatcmpl-fault",
@@ -54,6 +71,35 @@ def _completion(text: str) -> bytes:
     ).encode()
 
 
+def _text_completion(obj: dict) -> dict:
+    """A chat answer (body or chunk) as ``/v1/completions`` answers it (``text_completion``)."""
+    out = {**obj, "object": "text_completion"}
+    if "choices" in obj:
+        out["choices"] = [
+            {
+                "index": c["index"],
+                "text": (c.get("message") or c.get("delta") or {}).get("content") or "",
+                "logprobs": None,
+                "finish_reason": c.get("finish_reason"),
+            }
+            for c in obj["choices"]
+        ]
+    return out
+
+
+def _for_path(data: bytes, path: str) -> bytes:
+    """``data`` (a JSON body, or one ``data:`` event) for ``path``: chat shapes as they are,
+    ``text_completion`` ones for ``/v1/completions``."""
+    if not path.startswith("/v1/completions"):
+        return data
+    if data.startswith(b"data: {"):
+        obj = _text_completion(json.loads(data[6:]))
+        return b"data: " + json.dumps(obj).encode() + b"\n\n"
+    if data.startswith(b"{"):
+        return json.dumps(_text_completion(json.loads(data))).encode()
+    return data
+
+
 class FaultUpstream:
     """The server; ``url`` once entered (context manager); ``requests`` counts answers."""
 
@@ -62,6 +108,8 @@ class FaultUpstream:
         self.chunks = chunks
         self.delay_s = delay_s
         self.requests = 0
+        self.auth: str | None = None
+        self._path = ""
         self.port = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -110,12 +158,21 @@ class FaultUpstream:
                 for line in lines[1:]:
                     if line.lower().startswith("content-length:"):
                         length = int(line.split(":", 1)[1])
+                    if line.lower().startswith("authorization:") and path != "/health":
+                        self.auth = line.split(":", 1)[1].strip()
                 body = await reader.readexactly(length) if length else b""
                 if path == "/health":
                     await self._send(writer, 200, "application/json", b'{"status":"ok"}')
                     continue
+                if path == "/v1/models":  # well-formed always: the faults are the answers'
+                    self._path = path
+                    card = {"id": "fault", "object": "model", "owned_by": "fault"}
+                    models = json.dumps({"object": "list", "data": [card]}).encode()
+                    await self._send(writer, 200, "application/json", models)
+                    continue
                 self.requests += 1
                 stream = bool(body and json.loads(body).get("stream"))
+                self._path = path
                 if not await self._answer(writer, stream):
                     return
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
@@ -126,6 +183,8 @@ class FaultUpstream:
     async def _send(
         self, writer: asyncio.StreamWriter, status: int, ctype: str, body: bytes
     ) -> None:
+        if status == 200:
+            body = _for_path(body, self._path)
         writer.write(
             f"HTTP/1.1 {status} OK\r\nContent-Type: {ctype}\r\n"
             f"Content-Length: {len(body)}\r\n\r\n".encode()
@@ -136,6 +195,26 @@ class FaultUpstream:
     async def _answer(self, writer: asyncio.StreamWriter, stream: bool) -> bool:
         """Answer one request by ``mode``; False when the connection must end."""
         mode = self.mode
+        if mode in ("auth401", "auth403"):
+            status = int(mode[4:])
+            err = {
+                "error": {
+                    "message": f"Incorrect API key provided: {self.auth}",
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": "invalid_api_key",
+                }
+            }
+            await self._send(writer, status, "application/json", json.dumps(err).encode())
+            return True
+        if mode == "nochoices" and not stream:
+            await self._send(writer, 200, "application/json", _completion("ok", choices=False))
+            return True
+        if mode == "nofinish" and not stream:
+            await self._send(writer, 200, "application/json", _completion("ok", finish=None))
+            return True
+        if mode == "sse":
+            stream, mode = True, "ok"
         if mode == "html200":
             page = b"<html><body><h1>Welcome to nginx!</h1></body></html>"
             await self._send(writer, 200, "text/html", page)
@@ -166,13 +245,19 @@ class FaultUpstream:
         )
 
         async def chunk(data: bytes) -> None:
+            data = _for_path(data, self._path)
             writer.write(b"%x\r\n%s\r\n" % (len(data), data))
             await writer.drain()
 
-        n = self.chunks if mode == "ok" else 2
+        n = self.chunks if mode in ("ok", "nofinish", "nochoices") else 2
         for i in range(n):
-            await chunk(_chunk(f"t{i} "))
+            if mode == "nochoices":
+                await chunk(b"data: " + json.dumps(CHUNK).encode() + b"\n\n")
+            else:
+                await chunk(_chunk(f"t{i} "))
             await asyncio.sleep(self.delay_s)
+        if mode in ("nofinish", "nochoices"):
+            await chunk(b"data: [DONE]\n\n")
         if mode == "ok":
             await chunk(_chunk(None, "stop"))
             await chunk(b"data: [DONE]\n\n")

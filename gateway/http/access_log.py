@@ -5,7 +5,8 @@
 The key is shown by its *name* from the keys file (``-`` on an open server, ``unnamed`` for a
 key without one), never the key itself. Token counts are those of the request's usage (``-``
 for requests that never reached the engine; in proxy mode the upstream's reported usage,
-``cached`` unknown). Probes (``/health``,
+``cached`` unknown unless ``--routing precise``, which adds ``predicted=``, the cached
+tokens it predicted on the chosen upstream, beside it). Probes (``/health``,
 ``/ready``, ``/metrics``, the ``/dashboard`` page and its polls) are logged at DEBUG only, so a load balancer's checks do not flood
 the log. ``prefixgate serve --no-access-log`` turns the lines off.
 """
@@ -32,6 +33,7 @@ class AccessRecord:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     cached_tokens: int | None = None
+    predicted_cached_tokens: int | None = None  # proxy mode, precise routing's prediction
 
 
 ACCESS = web.RequestKey("prefixgate_access", AccessRecord)
@@ -56,7 +58,12 @@ def access_line(request: web.BaseRequest, status: int, seconds: float) -> str:
         f'{request.remote or "-"} "{request.method} {request.path}" {status} '
         f"key={_shown(rec.key_name)} prompt={_shown(rec.prompt_tokens)} "
         f"completion={_shown(rec.completion_tokens)} cached={_shown(rec.cached_tokens)} "
-        f"{seconds:.3f}s"
+        + (
+            ""
+            if rec.predicted_cached_tokens is None
+            else f"predicted={rec.predicted_cached_tokens} "
+        )
+        + f"{seconds:.3f}s"
     )
 
 

@@ -73,6 +73,18 @@ async def _remember(request: web.Request, response: web.StreamResponse) -> None:
     request[_RESPONSE] = response
 
 
+def shutdown_ending(request: web.Request) -> int | None:
+    """The status of the explicit ending ``drain`` gives ``request`` once the grace period is
+    over (200: a started stream, ended with an error event; 503: no answer yet), None while
+    it is not being ended that way (a handler cancelled for another reason: its client left).
+    A request ended so is logged once, by that ending, never as "client gone"."""
+    drain = request.app.get(DRAIN)
+    if drain is None or not drain.draining or drain._ending is None or not drain._ending.done():
+        return None
+    resp = request.get(_RESPONSE)
+    return 200 if resp is not None and resp.prepared else 503
+
+
 def shutting_down() -> APIError:
     """The 503 of a request the server will not serve because it is stopping."""
     return APIError(

@@ -313,15 +313,33 @@ class GatewayMetrics:
         self.state_backend_up.set_function(lambda: 1.0 if backend.up else 0.0)
         self.state_fallbacks.set_function(lambda: float(getattr(backend, "fallbacks", 0)))
 
-    def render(self) -> bytes:
-        """The Prometheus text exposition of every metric."""
+    def render(self, tenant_data: bool = True) -> bytes:
+        """The Prometheus text exposition of every metric; without ``tenant_data`` the
+        families of ``PRIVATE_FAMILIES`` (per key and per tenant, labelled with their names;
+        per upstream, labelled with its URL) are left out."""
         now = time.monotonic()
         self._marks.append((now, self._generated))
         while len(self._marks) > 2 and now - self._marks[1][0] >= self._window:
             self._marks.pop(0)
         t0, g0 = self._marks[0]
         self.tokens_per_s.set((self._generated - g0) / (now - t0) if now > t0 else 0.0)
-        return generate_latest(self.registry)
+        text = generate_latest(self.registry)
+        return text if tenant_data else public_exposition(text)
+
+
+# Families that name a tenant, a key or an upstream (its URL): shown to callers with a key.
+PRIVATE_FAMILIES = ("prefixgate_key_", "prefixgate_tenant_", "prefixgate_upstream_")
+
+
+def public_exposition(text: bytes) -> bytes:
+    """A Prometheus text exposition without the samples, ``# HELP`` and ``# TYPE`` lines of
+    ``PRIVATE_FAMILIES``."""
+    keep = []
+    for line in text.split(b"\n"):
+        name = line[7:] if line.startswith((b"# HELP ", b"# TYPE ")) else line
+        if not name.startswith(tuple(p.encode() for p in PRIVATE_FAMILIES)):
+            keep.append(line)
+    return b"\n".join(keep)
 
 
 def _reader(obj: object, attr: str) -> Callable[[], float]:

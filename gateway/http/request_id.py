@@ -24,6 +24,7 @@ def request_id(request: web.Request) -> str:
     rid = request.get(KEY)
     if rid is None:
         sent = request.headers.get(HEADER, "")
+        # the pattern is ASCII: a value with bytes that are not UTF-8 never matches
         rid = sent if _SAFE.fullmatch(sent) else uuid.uuid4().hex
         request[KEY] = rid
     return rid

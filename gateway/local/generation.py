@@ -97,6 +97,9 @@ class Choice:
     prompt_index: int = 0
 
 
+_ABORTING: set[asyncio.Task] = set()  # aborts finishing in the background (kept referenced)
+
+
 class ChoiceRun:
     """Runs the choices of one HTTP request on the engine (``async with``).
 
@@ -207,7 +210,18 @@ class ChoiceRun:
 
     async def abort(self) -> None:
         """Abort every unfinished engine request (concurrently) and stop the pumps
-        (idempotent). Unknown ids (finished meanwhile, or never started) are ignored."""
+        (idempotent). Unknown ids (finished meanwhile, or never started) are ignored.
+
+        Shielded: a second cancellation of the caller (the client's disconnect, then the
+        shutdown's ending) cannot interrupt it half-way — the aborts and the pumps' ends run
+        to completion in the background, so no engine request outlives its client.
+        """
+        task = asyncio.ensure_future(self._abort())
+        _ABORTING.add(task)
+        task.add_done_callback(_ABORTING.discard)
+        await asyncio.shield(task)
+
+    async def _abort(self) -> None:
         live = [
             i for i, task in enumerate(self._tasks) if i not in self._finished and not task.done()
         ]

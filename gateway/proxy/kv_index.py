@@ -224,6 +224,13 @@ class KVIndex:
         with self._lock:
             return Counter(self._replicas[name].counts)
 
+    def block_size(self, name: str) -> int:
+        """Tokens per block of replica ``name``, as its ``BlockStored`` events said (0 before
+        its first stored block, or for an unknown replica)."""
+        with self._lock:
+            rep = self._replicas.get(name)
+            return rep.block_size if rep is not None else 0
+
     def applied_seq(self, name: str) -> int | None:
         """The last batch applied for ``name`` (``None`` before its first sync).
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from prefixgate.gateway.http.errors import APIError
 from prefixgate.gateway.proxy.policies import Route
+from prefixgate.gateway.proxy.redact import auth_error, scrub_text, secrets_of
 from prefixgate.gateway.proxy.upstream import Upstream, UpstreamRouter
 
 if TYPE_CHECKING:
@@ -118,9 +119,15 @@ class PrefixPlacement:
         if status >= 500:
             self._router.mark_failed(up, f"POST /v1/prefixes: HTTP {status}")
             return None
+        if status in (401, 403):  # about the credential sent: never its body
+            raise auth_error(status, up.url, own_credential=True)
+        secrets = secrets_of(None, headers.get("Authorization"))
         raise APIError(
             status,
-            str(error.get("message") or f"the upstream refused the prefix (HTTP {status})"),
+            scrub_text(
+                str(error.get("message") or f"the upstream refused the prefix (HTTP {status})"),
+                secrets,
+            ),
             param=error["param"] if isinstance(error.get("param"), str) else None,
             code=str(error.get("code") or "upstream_error"),
             type=str(error.get("type") or "invalid_request_error"),

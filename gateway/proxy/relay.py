@@ -6,9 +6,14 @@ server-sent events) and each complete event is checked, then written as it came:
 
 * a ``data:`` line must hold JSON (or ``[DONE]``); comment lines (``:``) and the ``event``,
   ``id``, ``retry`` fields pass; anything else is not an SSE stream;
-* the stream must end with ``data: [DONE]`` (or an error event of the upstream's own).
+* the stream must end with ``data: [DONE]`` (or an error event of the upstream's own);
+* with a ``chunk_model`` (``answers.answer_model``), each JSON event must be one of its
+  chunks (``answers.shape_problem``), and with ``require_finish`` every choice the stream
+  opened must have reported a ``finish_reason`` by ``[DONE]`` (a stream ending ``[DONE]``
+  without one is a truncated answer posing as a finished one).
 
-When the upstream breaks the contract — garbage, a clean end without ``[DONE]``, a
+When the upstream breaks the contract — garbage, a clean end without ``[DONE]``, a chunk
+that is not the route's, ``[DONE]`` before a ``finish_reason``, a
 connection killed mid-stream, nothing for ``idle_timeout_s`` — the client gets one in-band
 error event, ``data: {"error": {...}}`` with code ``upstream_error`` (or
 ``upstream_timeout``), and the stream ends without ``[DONE]``: openai-python and the
@@ -30,7 +35,10 @@ import aiohttp
 from aiohttp import web
 from prefixgate.gateway.http.errors import APIError
 from prefixgate.gateway.http.sse import KEEPALIVE, SSE_HEADERS, encode_event
+from prefixgate.gateway.proxy.answers import shape_problem
+from prefixgate.gateway.proxy.redact import scrub
 from prefixgate.gateway.proxy.usage import UsageTap
+from pydantic import BaseModel
 
 logger = logging.getLogger("prefixgate.gateway")
 
@@ -50,18 +58,41 @@ class EventChecker:
     """Splits bytes into SSE events and checks each (see the module docstring).
 
     ``feed(data) -> bytes`` returns the complete events to pass on (raises ``StreamBroken``);
-    ``done`` is True once ``[DONE]`` (or an upstream error event) was seen; ``finished``
-    holds the choice indexes that reported a ``finish_reason``.
+    ``done`` is True once ``[DONE]`` (or an upstream error event) was seen; ``seen`` and
+    ``finished`` hold the choice indexes that sent a chunk and that reported a
+    ``finish_reason``; ``broken`` is set by ``relay_sse`` to why the stream broke, if it did.
+
+    Args:
+        chunk_model: the response model each JSON event must be a chunk of (None: any JSON
+            object).
+        require_finish: ``[DONE]`` before every opened choice finished (or with none opened)
+            breaks the stream.
     """
 
-    __slots__ = ("_buf", "done", "errored", "finished", "events")
+    __slots__ = (
+        "_buf",
+        "done",
+        "errored",
+        "seen",
+        "finished",
+        "events",
+        "broken",
+        "_model",
+        "_require_finish",
+    )
 
-    def __init__(self) -> None:
+    def __init__(
+        self, chunk_model: type[BaseModel] | None = None, require_finish: bool = False
+    ) -> None:
         self._buf = b""
         self.done = False
         self.errored = False
+        self.seen: set[int] = set()
         self.finished: set[int] = set()
         self.events = 0
+        self.broken: str | None = None
+        self._model = chunk_model
+        self._require_finish = require_finish
 
     def feed(self, data: bytes) -> bytes:
         """Complete, checked events of ``data`` (with what came before), as bytes."""
@@ -96,20 +127,32 @@ class EventChecker:
             return
         payload = b"\n".join(data)
         if payload.strip() == b"[DONE]":
+            if self._require_finish and (not self.seen or self.seen - self.finished):
+                open_ = sorted(self.seen - self.finished)
+                raise StreamBroken(
+                    "the upstream's stream ended ([DONE]) without a finish_reason"
+                    + (f" for choice {open_[0]}" if open_ else " (no choice sent)")
+                )
             self.done = True
             return
         try:
             obj = json.loads(payload)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise StreamBroken("the upstream sent an event whose data is not JSON") from None
         if not isinstance(obj, dict):
             raise StreamBroken("the upstream sent an event whose data is not a JSON object")
         if obj.get("error") is not None:
             self.done = self.errored = True  # the upstream's own explicit ending
             return
+        if self._model is not None:
+            problem = shape_problem(obj, self._model, chunk=True)
+            if problem is not None:
+                raise StreamBroken(f"the upstream sent an event that is {problem}")
         for choice in obj.get("choices") or ():
-            if isinstance(choice, dict) and choice.get("finish_reason") is not None:
-                self.finished.add(choice.get("index", 0))
+            if isinstance(choice, dict):
+                self.seen.add(choice.get("index", 0))
+                if choice.get("finish_reason") is not None:
+                    self.finished.add(choice.get("index", 0))
 
 
 def stream_error(message: str, code: str = "upstream_error") -> bytes:
@@ -128,9 +171,15 @@ async def relay_sse(
     idle_timeout_s: float,
     tap: UsageTap | None = None,
     tail: bytearray | None = None,
+    checker: EventChecker | None = None,
+    secrets: tuple[str, ...] = (),
 ) -> web.StreamResponse:
     """Relay ``resp``'s SSE stream to the client, checked (see the module docstring); whole
     events pass through ``tap`` when given (it reads their usage, see ``usage``).
+    ``checker``: the route's (``EventChecker(chunk_model, require_finish)``), else one that
+    checks SSE framing and JSON only; its ``broken`` says afterwards why the stream broke.
+    ``secrets``: credentials scrubbed from every relayed event (``redact.scrub``: an
+    upstream's error event may quote the key it was sent).
 
     ``tail``, when given, is left holding the stream's last 4 KiB as relayed (where its
     usage chunk is, for cache-aware routing).
@@ -148,7 +197,7 @@ async def relay_sse(
     inflate = zlib.decompressobj(wbits=47) if encoding != "identity" else None
     out = web.StreamResponse(status=resp.status, headers=SSE_HEADERS)
     await out.prepare(request)
-    checker = EventChecker()
+    checker = checker if checker is not None else EventChecker()
     last_byte = time.monotonic()
     error: bytes | None = None
     try:
@@ -177,15 +226,19 @@ async def relay_sse(
                 except zlib.error:
                     raise StreamBroken("the upstream's compressed stream is corrupt") from None
             passed = _tapped(tap, checker.feed(chunk))
+            if passed and secrets:
+                passed = scrub(passed, secrets)
             if passed:
                 await out.write(passed)
                 if tail is not None:
                     tail += passed
                     del tail[:-4096]
     except StreamBroken as exc:
+        checker.broken = str(exc)
         error = stream_error(str(exc), exc.code)
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
-        error = stream_error(f"the upstream connection broke mid-stream: {type(exc).__name__}")
+        checker.broken = f"the upstream connection broke mid-stream: {type(exc).__name__}"
+        error = stream_error(checker.broken)
     except ConnectionResetError:
         return out  # client gone: leaving closes the upstream connection
     if error is not None:
@@ -201,9 +254,12 @@ async def relay_sse(
     return out
 
 
-def json_body_problem(data: bytes, headers: Any) -> str | None:
-    """Why an upstream's 200 body is not the JSON object it must be (None when it is);
-    gzip/deflate undone to look."""
+def json_body_problem(
+    data: bytes, headers: Any, model: type[BaseModel] | None = None
+) -> str | None:
+    """Why an upstream's 200 body is not the JSON object it must be — with ``model``, one
+    that validates as it (``answers.shape_problem``) — None when it is; gzip/deflate undone
+    to look."""
     if headers.get("Content-Encoding", "identity").lower() in ("gzip", "deflate"):
         try:
             data = zlib.decompress(data, wbits=47)
@@ -211,9 +267,9 @@ def json_body_problem(data: bytes, headers: Any) -> str | None:
             return "a corrupt compressed body"
     try:
         parsed = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):
         ctype = headers.get("Content-Type", "no content type")
         return f"a body that is not JSON ({ctype.split(';')[0]}, {len(data)} bytes)"
     if not isinstance(parsed, dict):
         return "a JSON body that is not an object"
-    return None
+    return shape_problem(parsed, model) if model is not None else None

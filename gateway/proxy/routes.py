@@ -29,18 +29,21 @@ import logging
 import math
 import re
 import time
-import zlib
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
+from prefixgate.gateway.api.request_models import check_counts, load_json
 from prefixgate.gateway.http.access_log import record
 from prefixgate.gateway.http.errors import APIError, bad_request
+from prefixgate.gateway.http.headers import header_text
 from prefixgate.gateway.proxy import anthropic
+from prefixgate.gateway.proxy.answers import answer_model
 from prefixgate.gateway.proxy.policies import Route
 from prefixgate.gateway.proxy.prefixes import ProxyPrefix
-from prefixgate.gateway.proxy.relay import json_body_problem, relay_sse
+from prefixgate.gateway.proxy.redact import auth_error, reworded_error, secrets_of
+from prefixgate.gateway.proxy.relay import EventChecker, json_body_problem, relay_sse
 from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import Upstream, UpstreamRouter, retry_after_seconds
 from prefixgate.gateway.proxy.usage import Usage, UsageTap, ask_usage, body_usage
@@ -73,10 +76,8 @@ async def proxy_generate(request: web.Request) -> web.StreamResponse:
     router = request.app[PROXY].router
     principal = st.keys.authenticate(request)
     body = await request.read()
-    try:
-        parsed = json.loads(body)
-    except (ValueError, RecursionError) as exc:
-        raise bad_request(f"malformed JSON body: {exc}", code="invalid_json") from None
+    parsed = load_json(body)  # the local routes' bounds: nesting, then the message count
+    check_counts(parsed, ("messages",))
     if not isinstance(parsed, dict):
         raise bad_request("the body must be a JSON object", code="invalid_json")
     prefix = None
@@ -98,6 +99,8 @@ async def proxy_generate(request: web.Request) -> web.StreamResponse:
     keep_usage = ask_usage(parsed)
     bodies = _Bodies(parsed, salt)
     route = router.route(parsed, salt, model)  # with a prefix: its messages + the request's
+    if router.precise is not None:  # precise routing: the prompt's token ids, as the upstream's
+        route = await router.precise.prepare(route, parsed, request.path, salt)
     est_tokens = len(body) // 4 + 1  # no tokenizer here: ~4 bytes per token until the usage
     lease = await st.shared.acquire(principal, est_tokens)
     try:
@@ -113,6 +116,9 @@ async def proxy_generate(request: web.Request) -> web.StreamResponse:
         return await _forward(request, st, bodies, route, ticket, outcome)
     finally:
         ticket.done()
+        if router.precise is not None:
+            router.precise.release(route)
+            _record_prediction(request, route)
         if outcome.served:
             prompt = outcome.prompt_tokens()
             st.shared.settle(
@@ -195,16 +201,26 @@ class _PinnedLost(Exception):
     """The upstream holding a prefix's pin failed before answering, or no longer has it."""
 
 
+def _record_prediction(request: web.Request, route: Route) -> None:
+    """The access line's ``predicted=`` / ``cached=`` of a precise-routed request
+    (``precise_routing.PreciseRoute``)."""
+    if hasattr(route, "predicted_cached"):
+        rec = record(request)
+        rec.predicted_cached_tokens = route.predicted_cached
+        rec.cached_tokens = getattr(route, "reported_cached", None)
+
+
 class _Bodies:
     """The forwarded body per upstream: with the effective ``cache_salt`` for upstreams that
     take it; as the client sent it (plus the usage request) for those that do not; with the
     upstream's own id of the routed model (a config's alias, name or fallback)."""
 
-    __slots__ = ("_parsed", "_salt", "_made", "prefix")
+    __slots__ = ("_parsed", "_salt", "_made", "prefix", "stream")
 
     def __init__(
         self, parsed: dict[str, Any], salt: str | None, prefix: ProxyPrefix | None = None
     ) -> None:
+        self.stream = parsed.get("stream") is True  # the answer must be SSE, else JSON
         self._parsed = parsed
         self._salt = salt
         self._made: dict[tuple[bool, str | None], bytes] = {}
@@ -315,6 +331,9 @@ async def _forward(
     router = request.app[PROXY].router
     session = router.session
     assert session is not None  # opened on the app's startup
+    wants_stream = bodies is not None and bodies.stream
+    shape = answer_model(request.path, wants_stream)  # the response model answers must fit
+    api_key = st.settings.upstream_api_key
     tried: list[Upstream] = []
     exclude: list[Upstream] = []  # tried for this model
     fallbacks = router.fallbacks(route.model if route is not None else None)
@@ -373,11 +392,15 @@ async def _forward(
                 ctx = session.post(up.url + request.path, data=body, headers=headers, ssl=up.ssl)
             async with ctx as resp:
                 status = str(resp.status)
+                if router.precise is not None:
+                    router.precise.started(route)  # the answer began: its prefill is done
                 if resp.status in _RETRYABLE:
                     router.mark_failed(up, f"HTTP {resp.status}")
                     continue
                 if resp.status in _NEXT_UPSTREAM and pinned is None:
-                    last = _Answer(resp.status, await resp.read(), resp.headers)
+                    last = _Answer(
+                        resp.status, await resp.read(), resp.headers, secrets_of(api_key, up.auth)
+                    )
                     wait = retry_after_seconds(resp.headers.get("Retry-After"))
                     if resp.status == 429 and wait is not None:
                         router.limit(up, wait)
@@ -388,16 +411,40 @@ async def _forward(
                     ticket.started()
                 up.served += 1
                 ctype = resp.headers.get("Content-Type", "application/json")
-                if ctype.startswith("text/event-stream"):
+                is_sse = ctype.startswith("text/event-stream")
+                if resp.status == 200 and is_sse != wants_stream and shape is not None:
+                    # SSE to a non-stream request (or JSON to a stream): not its answer
+                    up.served -= 1
+                    router.mark_bad_answer(
+                        up,
+                        "HTTP 200 with an event stream for a non-stream request"
+                        if is_sse
+                        else f"HTTP 200 with {ctype.split(';')[0]} for a stream request",
+                    )
+                    status = "invalid"
+                    continue
+                if is_sse:
                     s = st.settings
                     tap = None
                     if outcome is not None and resp.status == 200:
                         outcome.served = True
                         outcome.tap = tap = UsageTap(outcome.keep_usage)
                     tail = bytearray()
+                    checker = EventChecker(shape, require_finish=shape is not None)
                     out = await relay_sse(
-                        request, resp, s.keepalive_s, s.upstream_timeout_s, tap=tap, tail=tail
+                        request,
+                        resp,
+                        s.keepalive_s,
+                        s.upstream_timeout_s,
+                        tap=tap,
+                        tail=tail,
+                        checker=checker,
+                        secrets=secrets_of(api_key, up.auth),
                     )
+                    if checker.broken is not None:
+                        router.mark_bad_answer(up, checker.broken)
+                    elif checker.done:
+                        router.mark_ok(up)
                     _learn(router, up, route, bytes(tail))
                     return out
                 data = await resp.read()
@@ -414,14 +461,33 @@ async def _forward(
                     up.served -= 1
                     status = "prefix_lost"
                     raise _PinnedLost("prefix_not_found")
-                if resp.status >= 400 and not _is_openai_error(data, resp.headers):
-                    raise _wrapped_error(resp.status, resp.headers)
-                problem = json_body_problem(data, resp.headers) if resp.status < 300 else None
-                if problem is not None:  # a failed upstream: not served, nothing learnt
+                if resp.status in (401, 403):  # about the credential sent: never its body
                     up.served -= 1
-                    router.mark_failed(up, f"HTTP {resp.status} with {problem}")
+                    raise auth_error(resp.status, up.url, bool(api_key or up.auth))
+                if resp.status >= 400:  # reworded from its four fields, credentials scrubbed
+                    encoding = resp.headers.get("Content-Encoding", "identity")
+                    error = reworded_error(data, encoding, secrets_of(api_key, up.auth))
+                    if error is None:
+                        raise _wrapped_error(resp.status, resp.headers)
+                    e = error["error"]
+                    raise APIError(
+                        resp.status,
+                        e["message"],
+                        param=e["param"],
+                        code=e["code"],
+                        type=e["type"],
+                        retry_after=_retry_after(resp.headers),
+                    )
+                problem = (
+                    json_body_problem(data, resp.headers, shape) if resp.status < 300 else None
+                )
+                if problem is not None:  # a bad answer: not served, nothing learnt
+                    up.served -= 1
+                    router.mark_bad_answer(up, f"HTTP {resp.status} with {problem}")
                     status = "invalid"
                     continue
+                if resp.status < 300:
+                    router.mark_ok(up)
                 if outcome is not None and resp.status == 200:
                     outcome.served = True
                     if "Content-Encoding" not in resp.headers:
@@ -538,21 +604,6 @@ async def _forward_anthropic(
         return _Served("200", web.json_response(completion))
 
 
-def _is_openai_error(data: bytes, headers: Any) -> bool:
-    """True when an upstream's error body is an OpenAI error object (gzip/deflate undone to
-    look, the bytes themselves passed on as they came)."""
-    if headers.get("Content-Encoding", "identity").lower() in ("gzip", "deflate"):
-        try:
-            data = zlib.decompress(data, wbits=47)  # 32 + 15: gzip or zlib header
-        except zlib.error:
-            return False
-    try:
-        parsed = json.loads(data)
-    except ValueError:
-        return False
-    return isinstance(parsed, dict) and isinstance(parsed.get("error"), dict)
-
-
 def _too_long(data: bytes, headers: Any) -> bool:
     """True when an upstream's 400 body says the prompt exceeds the model's context
     (OpenAI's code ``context_length_exceeded``, or vLLM's / SGLang's "maximum context
@@ -589,12 +640,15 @@ def _lost_prefix(data: bytes, headers: Any) -> bool:
 class _Answer:
     """An upstream's whole (non-stream) answer: ``status``, body bytes, headers."""
 
-    __slots__ = ("status", "data", "headers")
+    __slots__ = ("status", "data", "headers", "secrets")
 
-    def __init__(self, status: int, data: bytes, headers: Any) -> None:
+    def __init__(
+        self, status: int, data: bytes, headers: Any, secrets: tuple[str, ...] = ()
+    ) -> None:
         self.status = status
         self.data = data
         self.headers = headers
+        self.secrets = secrets  # the credentials scrubbed from an error body (redact)
 
     def response(self, retry_after: float | None = None) -> web.Response:
         """The client's response: the body as it came (an error without an OpenAI error
@@ -608,8 +662,21 @@ class _Answer:
         headers = CIMultiDict(self.headers)
         if retry_after is not None:
             headers["Retry-After"] = str(max(1, math.ceil(retry_after)))
-        if self.status >= 400 and not _is_openai_error(self.data, headers):
-            raise _wrapped_error(self.status, headers)
+        if self.status >= 400:  # reworded from its four fields, credentials scrubbed
+            error = reworded_error(
+                self.data, headers.get("Content-Encoding", "identity"), self.secrets
+            )
+            if error is None:
+                raise _wrapped_error(self.status, headers)
+            e = error["error"]
+            raise APIError(
+                self.status,
+                e["message"],
+                param=e["param"],
+                code=e["code"],
+                type=e["type"],
+                retry_after=_retry_after(headers),
+            )
         out_headers = {"Content-Type": headers.get("Content-Type", "application/json")}
         for name in _PASSED_HEADERS:  # a 429's advice; an encoding we did not undo
             value = headers.get(name)
@@ -621,13 +688,18 @@ class _Answer:
 def _wrapped_error(status: int, headers: Any) -> APIError:
     """An upstream error whose body is not an OpenAI error object (an HTML page, a traceback,
     nothing): the same status, a generic OpenAI error, the upstream's body never shown."""
-    retry = headers.get("Retry-After", "")
     return APIError(
         status,
         f"the upstream answered HTTP {status} without an OpenAI error object",
         code="upstream_error",
-        retry_after=float(retry) if retry.isdigit() else None,
+        retry_after=_retry_after(headers),
     )
+
+
+def _retry_after(headers: Any) -> float | None:
+    """The upstream's ``Retry-After`` in seconds when it is a whole number, else None."""
+    retry = headers.get("Retry-After", "")
+    return float(retry) if retry.isdigit() else None
 
 
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
@@ -637,7 +709,7 @@ _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 def _learn(router: Any, up: Upstream, route: Route | None, tail: bytes) -> None:
     """Feed the answer's usage (its last ``prompt_tokens`` / ``cached_tokens``) to the
     router's prefix tree (``UpstreamRouter.learn``); nothing when the answer has none."""
-    if route is None or not route.blocks:
+    if route is None:
         return
     prompt = _PROMPT_TOKENS.findall(tail)
     cached = _CACHED_TOKENS.findall(tail)
@@ -660,7 +732,7 @@ def upstream_headers(request: web.Request, st: GatewayState, up: Upstream) -> di
     elif st.settings.upstream_api_key:
         out["Authorization"] = "Bearer " + st.settings.upstream_api_key
     else:
-        auth = request.headers.get("Authorization")
+        auth = header_text(request, "Authorization")
         if auth and st.keys.open:
             out["Authorization"] = auth
     return out

@@ -10,10 +10,13 @@ Choosing the upstream of one request:
    gateway's own 404 ``model_not_found``; an upstream that never answered ``/v1/models`` is
    a candidate only for a model no known upstream lists (it may serve it).
 2. Of those, only healthy ones. An upstream becomes unhealthy after a connection failure,
-   a connect timeout, a 502/503/504 answer or a 200 whose body is not the JSON it must be, or
+   a connect timeout, a 502/503/504 answer, or
    a failed probe (every upstream is probed at start, and after an idle timeout of one of
-   its requests); a background task probes unhealthy ones (``GET /health``) every
-   ``health_interval_s`` and puts them back on any answer below 500.
+   its requests); an answer that is not the OpenAI shape (``answers.py``) is one strike, and
+   ``FAILURE_THRESHOLD`` (3) strikes in a row take it out (one bad answer never ejects the
+   only upstream). A background task probes unhealthy ones (``GET /health``) every
+   ``health_interval_s`` and puts them back on any answer below 500, half-open: one more
+   bad answer takes a returned upstream out again, a good one clears its strikes.
 3. An upstream that answered 429 with ``Retry-After`` is left out for that long, and one at
    its ``max_in_flight`` is left out while it is: others serve. When every candidate is
    rate limited they are tried anyway (the limit is theirs to enforce, and may be the
@@ -47,6 +50,8 @@ from prefixgate.gateway.proxy.policies import (
 )
 
 logger = logging.getLogger("prefixgate.gateway")
+
+FAILURE_THRESHOLD = 3  # bad answers in a row that take an upstream out of rotation
 
 
 def normalize_url(url: str) -> str:
@@ -122,6 +127,7 @@ class Upstream:
         "healthy",
         "in_flight",
         "failures",
+        "strikes",
         "served",
         "last_error",
         "cache_salt",
@@ -156,6 +162,7 @@ class Upstream:
         self.healthy = True
         self.in_flight = 0
         self.failures = 0
+        self.strikes = 0  # bad answers in a row (FAILURE_THRESHOLD of them: unhealthy)
         self.served = 0
         self.last_error = ""
         # Takes vLLM's ``cache_salt`` (isolates tenants' prefix caches): True / False, or None
@@ -286,6 +293,18 @@ class UpstreamRouter:
         self.session: aiohttp.ClientSession | None = None
         self._probe_task: asyncio.Task | None = None
         self._suspects: set[asyncio.Task] = set()
+
+    @property
+    def precise(self) -> Any:
+        """``precise`` routing's ``PreciseRouting`` (None under another policy, or before
+        ``app.create_proxy_app`` attaches it)."""
+        return getattr(self.policy, "exact", None)
+
+    @precise.setter
+    def precise(self, value: Any) -> None:
+        if not hasattr(self.policy, "exact"):
+            raise AttributeError(f"routing {self.policy.name} takes no precise routing")
+        self.policy.exact = value
 
     @property
     def tree(self) -> PrefixTree:
@@ -518,6 +537,24 @@ class UpstreamRouter:
             log("upstream %s unhealthy: %s", up.url, why)
         up.healthy = False
 
+    def mark_bad_answer(self, up: Upstream, why: str) -> None:
+        """``up`` answered, but not in the OpenAI shape: one strike; ``FAILURE_THRESHOLD``
+        strikes in a row take it out of rotation (``mark_failed``), so one bad answer never
+        ejects the only upstream."""
+        up.strikes += 1
+        if up.strikes >= FAILURE_THRESHOLD:
+            self.mark_failed(up, f"{why} ({up.strikes} bad answers in a row)")
+            return
+        up.failures += 1
+        up.last_error = why
+        logger.warning(
+            "upstream %s: bad answer %d of %d: %s", up.url, up.strikes, FAILURE_THRESHOLD, why
+        )
+
+    def mark_ok(self, up: Upstream) -> None:
+        """``up`` answered in the OpenAI shape: its strikes are cleared."""
+        up.strikes = 0
+
     def suspect(self, up: Upstream, why: str) -> None:
         """One request to ``up`` timed out: probe it now; only a failed probe takes it out
         of rotation (one slow request must not empty the pool)."""
@@ -543,6 +580,8 @@ class UpstreamRouter:
         if ok and not up.healthy:
             logger.info("upstream %s healthy again", up.url)
             up.healthy = True
+            # half-open: a strike short of the threshold until a good answer clears them
+            up.strikes = FAILURE_THRESHOLD - 1
             if up.models is None:
                 await self.detect(up)
         elif not ok and mark_down:
@@ -568,6 +607,7 @@ class UpstreamRouter:
                 "in_flight": u.in_flight,
                 "served": u.served,
                 "failures": u.failures,
+                "strikes": u.strikes,
                 "last_error": u.last_error,
                 "cache_salt": u.cache_salt,
                 "cache_misses": u.cache_misses,

@@ -60,6 +60,23 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
 
 
+def port_number(text: str) -> int:
+    """A TCP port, ``"0"`` to ``"65535"`` → int.
+
+    Raises:
+        argparse.ArgumentTypeError: on anything else (argparse prints it as one line).
+    """
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a TCP port: give an integer from 0 to 65535 (0 = any free port)"
+        )
+    return port
+
+
 def _shown(value: Any) -> str:
     """A default as the help shows it: sizes in MiB, ``None`` as "unset"."""
     if value is None:
@@ -103,6 +120,10 @@ def _engine_flags(group: argparse._ArgumentGroup) -> None:
         kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS}
         if typing.get_origin(base) is typing.Literal:
             kwargs["choices"] = list(typing.get_args(base))
+        elif f.name == "dtype":
+            from prefixgate.engine.config import DTYPES
+
+            kwargs["choices"] = list(DTYPES)
         elif base is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif base in (int, float):
@@ -163,7 +184,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--port",
-        type=int,
+        type=port_number,
         default=8000,
         help="TCP port, 0 to 65535; 0 = any free port, logged at start (default: 8000)",
     )
@@ -213,8 +234,17 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--upstream-api-key",
         default=None,
-        help="Bearer key sent to the upstreams (default: none; without keys of its own the "
-        "gateway passes the client's key through)",
+        help="Bearer key sent to the upstreams (default: $PREFIXGATE_UPSTREAM_API_KEY, else "
+        "none; without keys of its own the gateway passes the client's key through). A "
+        "command line is visible to every local user (ps): prefer --upstream-api-key-file "
+        "or the environment variable",
+    )
+    p.add_argument(
+        "--upstream-api-key-file",
+        default=None,
+        metavar="PATH",
+        help="read the upstreams' Bearer key from this file (its content, surrounding "
+        "whitespace stripped; not with --upstream-api-key) (default: none)",
     )
     p.add_argument(
         "--tool-call-parser",
@@ -238,7 +268,25 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="how --upstream requests pick an upstream: cache_aware (the longest prompt-prefix "
         "match of what each upstream was sent, unless it has more than "
         "--balance-abs-threshold requests in flight beyond the least loaded), rendezvous "
-        "(hash of the system prompt), round_robin, least_loaded (default: cache_aware)",
+        "(hash of the system prompt), round_robin, least_loaded, precise (the blocks each "
+        "upstream's engine holds, from its KV events, against its load; needs --tokenizer, "
+        "feeds from --upstream-kv-events) (default: cache_aware)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="--routing precise: the upstreams' model folder, whose tokenizer and chat "
+        "template the gateway tokenizes requests with, as the upstreams do (default: none)",
+    )
+    p.add_argument(
+        "--upstream-kv-events",
+        action="append",
+        default=[],
+        metavar="URL=PUB[,REPLAY]",
+        help="--routing precise: the KV event endpoints of upstream URL's engine (its "
+        "--kv-events, e.g. http://e0:8000=tcp://e0:5557; REPLAY defaults to the next port, "
+        "'-' for none) (repeatable; an upstream without one makes routing fall back to "
+        "cache_aware) (default: none)",
     )
     p.add_argument(
         "--redis-url",
@@ -267,6 +315,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         ("redis_lease_ttl_s", float),
         ("balance_abs_threshold", int),
         ("balance_rel_threshold", float),
+        ("precise_max_load_ratio", float),
+        ("precise_overlap_weight", float),
     ):
         g.add_argument(
             "--" + name.replace("_", "-"),

@@ -11,6 +11,8 @@ import argparse
 import dataclasses
 import os
 import re
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from prefixgate.gateway.settings import GatewaySettings
@@ -75,8 +77,46 @@ def default_model_name(model: str | None) -> str:
     return os.path.basename(os.path.normpath(model))
 
 
+UPSTREAM_KEY_ENV = "PREFIXGATE_UPSTREAM_API_KEY"
+
+
+def upstream_api_key(
+    args: argparse.Namespace, environ: Mapping[str, str] = os.environ
+) -> str | None:
+    """The upstreams' Bearer key: ``--upstream-api-key``, else the content of
+    ``--upstream-api-key-file`` (whitespace stripped), else ``$PREFIXGATE_UPSTREAM_API_KEY``,
+    else None.
+
+    Raises:
+        ValueError: both flags given, an unreadable or empty key file, or a key holding
+            whitespace or control characters.
+    """
+    key, path = args.upstream_api_key, getattr(args, "upstream_api_key_file", None)
+    if key is not None and path is not None:
+        raise ValueError("give one of --upstream-api-key and --upstream-api-key-file")
+    source = "--upstream-api-key"
+    if path is not None:
+        source = f"--upstream-api-key-file {path}"
+        try:
+            key = Path(path).expanduser().read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"cannot read {source}: {exc}") from None
+        if not key:
+            raise ValueError(f"{source} is empty")
+    elif key is None and environ.get(UPSTREAM_KEY_ENV):
+        key, source = environ[UPSTREAM_KEY_ENV].strip(), f"${UPSTREAM_KEY_ENV}"
+    if key is not None and (not key or any(c.isspace() or ord(c) < 0x20 for c in key)):
+        raise ValueError(f"the upstream key of {source} must be one word without whitespace")
+    return key
+
+
 def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
-    """GatewaySettings from the parsed flags."""
+    """GatewaySettings from the parsed flags.
+
+    Raises:
+        ValueError: an option out of its range (``GatewaySettings``), or a bad upstream key
+            (``upstream_api_key``).
+    """
     name = args.served_model_name
     if name is None and not args.upstreams and not args.config:
         name = default_model_name(args.model)
@@ -84,7 +124,7 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         model_name=name,
         api_keys=list(args.api_keys),
         keys_file=args.keys_file,
-        upstream_api_key=args.upstream_api_key,
+        upstream_api_key=upstream_api_key(args),
         upstream_cache_salt=args.upstream_cache_salt,
         max_body_bytes=args.max_body_bytes,
         max_queued_requests=args.max_queued_requests,
@@ -102,11 +142,32 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         shutdown_grace_s=args.shutdown_grace_s,
         tool_call_parser=args.tool_call_parser,
         routing=args.routing,
+        tokenizer=args.tokenizer,
+        upstream_kv_events=upstream_kv_events(args.upstream_kv_events),
+        precise_max_load_ratio=args.precise_max_load_ratio,
+        precise_overlap_weight=args.precise_overlap_weight,
         balance_abs_threshold=args.balance_abs_threshold,
         balance_rel_threshold=args.balance_rel_threshold,
         redis_url=args.redis_url,
         redis_lease_ttl_s=args.redis_lease_ttl_s,
     )
+
+
+def upstream_kv_events(specs: list[str]) -> dict[str, tuple[str, str | None]]:
+    """``--upstream-kv-events URL=PUB[,REPLAY]`` flags → upstream URL → (PUB, REPLAY).
+
+    Raises:
+        ValueError: a malformed flag, or one URL given twice.
+    """
+    from prefixgate.gateway.proxy.precise_routing import parse_kv_events_spec  # noqa: PLC0415
+
+    out: dict[str, tuple[str, str | None]] = {}
+    for spec in specs:
+        url, pub, replay = parse_kv_events_spec(spec)
+        if url in out:
+            raise ValueError(f"--upstream-kv-events: {url} given twice")
+        out[url] = (pub, replay)
+    return out
 
 
 def key_weights(keys_file: str) -> dict[str, float]:

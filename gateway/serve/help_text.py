@@ -39,6 +39,11 @@ GATEWAY_HELP = {
     "beyond the least loaded one before routing sends a request to the least loaded instead",
     "balance_rel_threshold": "upstream mode, rendezvous routing: the least loaded upstream is "
     "chosen only when the most loaded has more than this many times its requests (>= 1)",
+    "precise_max_load_ratio": "upstream mode, precise routing: no upstream gets a request "
+    "that would put it above this many times the mean requests in flight (the least loaded "
+    "always may) (>= 1)",
+    "precise_overlap_weight": "upstream mode, precise routing: weight of the prefill tokens "
+    "a request needs on an upstream against the tokens its requests in flight hold (> 0)",
     "redis_lease_ttl_s": "seconds (> 0) a concurrency slot held in Redis outlives a gateway "
     "replica that died holding it (renewed every third of it while the request runs)",
     "shutdown_grace_s": "on SIGTERM or SIGINT, seconds requests in flight get to finish before "

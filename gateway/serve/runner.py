@@ -57,6 +57,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "serve",
         help="serve the OpenAI API (local engine or upstreams)",
+        # a short usage: a bad flag is its error line, not 30 lines of flags above it
+        usage="prefixgate serve [options]  (every option: prefixgate serve --help)",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -84,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--chat-template applies to a local model, not to --upstream")
         if args.stats_interval_s < 0:
             raise ValueError(f"--stats-interval-s must be >= 0, got {args.stats_interval_s}")
+        if config is not None:
+            preflight(config)
         if config is not None and args.keys_file:
             config.tenant_weights = {**key_weights(args.keys_file), **config.tenant_weights}
             for line in key_policy_warnings(args.keys_file, config.scheduling_policy):
@@ -109,6 +113,37 @@ def run(args: argparse.Namespace) -> int:
     if code == 0:  # a normal stop (SIGINT/SIGTERM): everything it owned is closed
         _exit_now(code)
     return code
+
+
+def preflight(config: Any) -> None:
+    """Check what needs the model's ``config.json`` — ``max_model_len`` within the model's
+    limit, the checkpoint's dtype and architecture — before the port is bound, for a preset or
+    a local folder (a hub id is checked when it is loaded, after its download). It also
+    imports torch and the engine here, before the server answers anyone, not in the loading
+    thread while ``/health`` waits for the interpreter lock.
+
+    Raises:
+        ValueError: what ``ModelConfig.from_engine_config`` refuses (one line).
+    """
+    import prefixgate.engine.async_engine  # noqa: F401 - the engine's imports, done now
+    from prefixgate.engine.models.config import ModelConfig
+    from prefixgate.engine.models.presets import PRESETS
+
+    model = config.model
+    if model is not None and not os.path.isdir(os.path.expanduser(model)) and model not in PRESETS:
+        return
+    mc = ModelConfig.from_engine_config(config)
+    if config.runner != "pooling":
+        # The model's skeleton on the meta device (no memory): its first build imports much
+        # of torch (torch._dynamo, 7 s on a loaded 2-core machine), which in the loading
+        # thread held the interpreter from the event loop (/health waited up to 1 s).
+        import torch
+        from prefixgate.engine.models.llama import CausalLM
+        from prefixgate.kernels import default_backend, get_backend
+
+        kernels = get_backend(config.attention_backend or default_backend(mc.device))
+        with torch.device("meta"):
+            CausalLM(mc, kernels)
 
 
 def _exit_now(code: int) -> None:
@@ -144,9 +179,17 @@ async def serve(
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        # the first SIGINT/SIGTERM drains; a second one (Ctrl-C again) exits at once
+        if stop.is_set():
+            logger.warning("second interrupt: exiting now, without draining")
+            _exit_now(130)
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
         try:
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal)
         except (NotImplementedError, RuntimeError):
             pass  # not the main thread / not supported: Ctrl-C raises KeyboardInterrupt
     try:

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 
 from prefixgate.gateway.http.errors import bad_request, too_many
+from prefixgate.gateway.tenancy.slot_wait import SlotClock
 
 
 @dataclass(slots=True)
@@ -52,7 +53,7 @@ class AdmissionConfig:
 class Ticket:
     """One admitted request's place in the queue; ``started()`` then ``done()`` (idempotent)."""
 
-    __slots__ = ("_ctl", "tokens", "requests", "tenant", "_queued", "_done", "_t_start")
+    __slots__ = ("_ctl", "tokens", "requests", "tenant", "_queued", "_done", "_t_start", "_slot")
 
     def __init__(
         self, ctl: AdmissionController, tokens: int, requests: int = 1, tenant: str | None = None
@@ -64,6 +65,7 @@ class Ticket:
         self._queued = True
         self._done = False
         self._t_start: float | None = None
+        self._slot = ctl.slots.take(requests)
 
     def started(self) -> None:
         """The request left the queue (its first token came out)."""
@@ -80,6 +82,7 @@ class Ticket:
         self.started()
         self._done = True
         self._ctl.in_flight -= self.requests
+        self._ctl.slots.give(self._slot)
         if t_start is not None:
             self._ctl._note_service(time.monotonic() - t_start)
 
@@ -103,7 +106,9 @@ class AdmissionController:
     (Little's law): queued requests x the recent per-request service time (first token to
     end, EWMA) / the concurrency the server runs them at (``concurrency``: the engine's
     ``max_num_seqs`` in local mode; else the most requests seen running at once), in
-    [1, 60] s.
+    [1, 60] s. The in-flight cap (``max_running``) tells instead when enough running requests
+    are estimated to end (``slot_wait.SlotClock``: their ages against the recent time a
+    request stays admitted).
     """
 
     def __init__(
@@ -125,6 +130,7 @@ class AdmissionController:
         self._last = time.monotonic()
         self._service = 0.0  # seconds from first token to end (EWMA over requests)
         self._peak_running = 0
+        self.slots = SlotClock()  # admitted requests' hold times: max_running's Retry-After
         self.queued_by_tenant: dict[str | None, int] = {}  # tenants with requests queued
         self._weights: dict[str | None, float] = {}
 
@@ -166,7 +172,14 @@ class AdmissionController:
         ):
             self._refuse(f"{self.queued_tokens} prompt tokens already waiting")
         if cfg.max_running and self.in_flight + requests > cfg.max_running:
-            self._refuse(f"{self.in_flight} requests in flight")
+            # Retry-After: when enough of the running requests are estimated to end
+            wait = self.slots.wait(self.in_flight + requests - cfg.max_running)
+            raise too_many(
+                f"server overloaded: {self.in_flight} requests in flight "
+                f"(max_running={cfg.max_running}); retry later",
+                wait,
+                code="server_overloaded",
+            )
         if not self.queued_requests:
             self._last = time.monotonic()  # a busy period starts: the idle time is skipped
         self.queued_requests += requests

@@ -38,6 +38,8 @@ refunded: it spends nothing (``Charge``).
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import hashlib
 import json
 import tomllib
@@ -47,6 +49,8 @@ from pathlib import Path
 from aiohttp import web
 from prefixgate.gateway.http.access_log import record
 from prefixgate.gateway.http.errors import APIError, too_many
+from prefixgate.gateway.http.headers import header_text
+from prefixgate.gateway.tenancy.slot_wait import SlotClock
 from prefixgate.sdk.flow_control import TokenBucket
 
 MAX_SALT_CHARS = 256  # cache_salt's bound; a key salt forwarded upstream fits it too
@@ -112,6 +116,9 @@ class KeySpec:
             self.salt = "key:" + _digest(self.key)[:32]
 
 
+KEY_FIELDS = tuple(f.name for f in dataclasses.fields(KeySpec))  # a keys-file entry's fields
+
+
 def _plain_salt(salt: str) -> bool:
     """A key salt: bounded, printable, valid UTF-8 (so ``effective_salt`` stays injective)."""
     if len(salt) > MAX_SALT_CHARS or any(ord(c) < 0x20 for c in salt):
@@ -130,7 +137,7 @@ def _digest(key: str) -> str:
 class Principal:
     """An authenticated caller: its key's limits and live counters."""
 
-    __slots__ = ("spec", "id", "salt", "key_id", "concurrent", "_rpm", "_tpm")
+    __slots__ = ("spec", "id", "salt", "key_id", "concurrent", "slots", "_rpm", "_tpm")
 
     def __init__(self, spec: KeySpec | None) -> None:
         self.spec = spec
@@ -139,6 +146,7 @@ class Principal:
         # The key's name in shared state (Redis): a digest, never the key itself.
         self.key_id = _digest(spec.key)[:32] if spec else ""
         self.concurrent = 0
+        self.slots = SlotClock()  # its requests' hold times: max_concurrent's Retry-After
         self._rpm = (
             TokenBucket(spec.requests_per_minute, spec.requests_per_minute / 60.0)
             if spec and spec.requests_per_minute
@@ -200,7 +208,7 @@ class Principal:
             raise too_many(
                 f"key {spec.name} already has {self.concurrent} requests in flight "
                 f"(max_concurrent={spec.max_concurrent})",
-                1.0,
+                self.slots.wait(self.concurrent + 1 - spec.max_concurrent),
             )
         if self._rpm is not None:
             wait = self._rpm.take(1)
@@ -217,7 +225,7 @@ class Principal:
                     f"key {spec.name} is over {spec.tokens_per_minute} tokens per minute", wait
                 )
         self.concurrent += 1
-        return Charge(self, prompt_tokens)
+        return Charge(self, prompt_tokens, self.slots.take())
 
 
 class Charge:
@@ -229,12 +237,13 @@ class Charge:
     first token (400, 413, 429 of admission, an engine or upstream failure) costs nothing.
     """
 
-    __slots__ = ("_principal", "_taken", "_open")
+    __slots__ = ("_principal", "_taken", "_open", "_slot")
 
-    def __init__(self, principal: Principal, taken_tokens: int) -> None:
+    def __init__(self, principal: Principal, taken_tokens: int, slot: int | None = None) -> None:
         self._principal = principal
         self._taken = taken_tokens
         self._open = True
+        self._slot = slot
 
     def settle(self, prompt_tokens: int, completion_tokens: int) -> None:
         """The request was served: charge ``prompt_tokens + completion_tokens`` in all (the
@@ -265,6 +274,8 @@ class Charge:
         self._open = False
         if self._principal.spec is not None:
             self._principal.concurrent -= 1
+        if self._slot is not None:
+            self._principal.slots.give(self._slot)
         return True
 
 
@@ -327,13 +338,14 @@ class KeyRing:
         ``x-api-key: <key>`` header (Anthropic's clients) when it sends no Authorization.
 
         Raises:
-            APIError: 401 ``invalid_api_key`` when the key is missing or unknown.
+            APIError: 401 ``invalid_api_key`` when the key is missing or unknown; 400
+                ``invalid_header`` when the header's bytes are not UTF-8.
         """
         if not self._by_digest:
             record(request).key_name = "-"
             return self._anonymous
-        header = request.headers.get("Authorization", "")
-        x_api_key = request.headers.get("x-api-key", "")
+        header = header_text(request, "Authorization")
+        x_api_key = header_text(request, "x-api-key")
         if not header.strip() and x_api_key.strip():
             header = "Bearer " + x_api_key.strip()
         scheme, _, key = header.partition(" ")
@@ -374,6 +386,16 @@ def load_keys_file(path: str) -> list[KeySpec]:
     for i, entry in enumerate(entries):
         if not isinstance(entry, dict):
             raise ValueError(f"keys file {path}: entry {i} is not an object")
+        unknown = sorted(set(entry) - set(KEY_FIELDS))
+        if unknown:
+            near = difflib.get_close_matches(unknown[0], KEY_FIELDS, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise ValueError(
+                f"keys file {path}: entry {i}: unknown field {unknown[0]!r}{hint}; "
+                f"valid fields: {', '.join(KEY_FIELDS)}"
+            )
+        if "key" not in entry:
+            raise ValueError(f"keys file {path}: entry {i}: missing field 'key'")
         try:
             specs.append(KeySpec(**entry))
         except TypeError as exc:

@@ -48,7 +48,8 @@ logger = logging.getLogger("prefixgate.gateway")
 
 # KEYS: rpm bucket, tpm bucket, concurrency zset.
 # ARGV: rpm limit, tpm limit, prompt tokens, max concurrent, lease id, lease ttl (s).
-# Returns {0} admitted, {1, wait} concurrency full, {2, wait} rpm, {3, wait} tpm.
+# Returns {0} admitted, {1, wait} concurrency full (wait: until the first lease expires),
+# {2, wait} rpm, {3, wait} tpm.
 _ACQUIRE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
@@ -62,7 +63,10 @@ local function level(key, cap)
 end
 if maxc > 0 then
   redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
-  if redis.call('ZCARD', KEYS[3]) >= maxc then return {1, '1'} end
+  if redis.call('ZCARD', KEYS[3]) >= maxc then
+    local first = redis.call('ZRANGE', KEYS[3], 0, 0, 'WITHSCORES')
+    return {1, tostring(math.max(0, tonumber(first[2]) - now))}
+  end
 end
 local r, k
 if rpm > 0 then
@@ -242,10 +246,15 @@ class RedisState:
             return Lease(lease_id, False, prompt_tokens, principal.acquire(prompt_tokens))
         code = int(result[0])
         if code == 1:
+            # Retry-After: this replica's estimate of when one of its own leases of the key
+            # ends, bounded by when the first lease expires unrenewed (a replica's leases
+            # stranded by a Redis stall free the key then, not "in 1 s")
+            expiry = float(result[1])
+            wait = min(expiry, principal.slots.wait(1)) if principal.slots.held else expiry
             raise too_many(
                 f"key {spec.name} already has {spec.max_concurrent} requests in flight "
                 f"across the gateway replicas (max_concurrent={spec.max_concurrent})",
-                1.0,
+                wait,
             )
         if code == 2:
             raise too_many(
@@ -259,6 +268,7 @@ class RedisState:
             )
         if spec.max_concurrent:
             self._held.setdefault(k, {})[lease_id] = 1.0
+            return Lease(lease_id, True, prompt_tokens, slot=principal.slots.take())
         return Lease(lease_id, True, prompt_tokens)
 
     def settle(
@@ -270,6 +280,8 @@ class RedisState:
         if principal.spec is None:
             return
         self._held.get(principal.key_id, {}).pop(lease.id, None)
+        if lease.slot is not None:
+            principal.slots.give(lease.slot)
         delta = prompt_tokens + completion_tokens - lease.prompt_tokens
         self._spawn(self._end(principal, lease, 0, delta, (prompt_tokens, completion_tokens)))
 
@@ -280,6 +292,8 @@ class RedisState:
         if principal.spec is None:
             return
         self._held.get(principal.key_id, {}).pop(lease.id, None)
+        if lease.slot is not None:
+            principal.slots.give(lease.slot)
         self._spawn(self._end(principal, lease, -1, -lease.prompt_tokens, None))
 
     async def _end(

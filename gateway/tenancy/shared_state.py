@@ -34,12 +34,15 @@ class Lease:
         shared: True when taken in the shared store; False when taken on the local
             ``Principal`` (local backend, or Redis unreachable at admission).
         prompt_tokens: tokens charged at admission (for the usage counters).
+        slot: the ``Principal.slots`` token of a shared concurrency lease (its hold time
+            feeds the key's ``Retry-After``), None without one.
     """
 
     id: str
     shared: bool
     prompt_tokens: int
     charge: Charge | None = None  # the local charge (local backend, or Redis was down)
+    slot: int | None = None
 
 
 class StateBackend(Protocol):

@@ -77,15 +77,27 @@ async def model_context(http: httpx.AsyncClient, model: str) -> int | None:
 async def count_prompt_tokens(
     http: httpx.AsyncClient, model: str, messages: list[dict[str, Any]]
 ) -> int | None:
-    """Prompt tokens of a chat request as the server renders it, or ``None`` when the server
-    has no ``POST /tokenize`` (404/405/501) or answers something else."""
+    """Prompt tokens of a chat request as the server renders it, ``BEYOND_CONTEXT`` when the
+    server refuses to tokenize it as too long (400 ``context_length_exceeded``), or ``None``
+    when the server has no ``POST /tokenize`` (404/405/501) or answers something else."""
     body = {"model": model, "messages": messages, "add_generation_prompt": True}
     try:
         resp = await http.post("/tokenize", json=body)
-        count = resp.json().get("count") if resp.status_code == 200 else None
+        data = resp.json()
+        if resp.status_code == 400 and _error_code(data) == "context_length_exceeded":
+            return BEYOND_CONTEXT  # too long to count (prefixgate: past 8 contexts)
+        count = data.get("count") if resp.status_code == 200 else None
     except (httpx.HTTPError, ValueError, AttributeError):
         return None
     return count if isinstance(count, int) else None
+
+
+BEYOND_CONTEXT = 2**62  # the count of a prompt the server refused to tokenize as too long
+
+
+def _error_code(data: Any) -> Any:
+    err = data.get("error") if isinstance(data, dict) else None
+    return err.get("code") if isinstance(err, dict) else None
 
 
 async def fit_to_context(
@@ -142,9 +154,10 @@ async def fit_to_context(
             result.requests.append(r)
     if not result.requests:
         shortest = min(result.prompt_tokens.values())
+        has = f"{shortest} tokens" if shortest < BEYOND_CONTEXT else "more tokens than it counts"
         raise WorkloadDoesNotFitError(
             f"no prompt fits the model's context of {context} tokens: the shortest prompt of "
-            f"this workload has {shortest} tokens (choose shorter prompts with "
+            f"this workload has {has} (choose shorter prompts with "
             "--system-prompt-max-chars / --user-task-max-chars, or a model with a longer context)"
         )
     return result

@@ -176,7 +176,9 @@ def requests(draw) -> tuple[str, str, dict[str, bytes], bytes]:
             body = gzip.compress(body)
     headers: dict[str, bytes] = {}
     auth = draw(
-        st.sampled_from([None, "Bearer k", "Bearer k", "Bearer wrong", "bearer  k", "Basic k"])
+        st.sampled_from(
+            [None, "Bearer k", "Bearer k", "Bearer wrong", "bearer  k", "Basic k", "Bearer k\xe9"]
+        )
         | header_text
     )
     if auth is not None:

@@ -106,7 +106,8 @@ def test_prefixgate_upstream_pins_serves_and_releases(pool, tmp_path):
     ups = [pool.upstream() for _ in range(2)]
     gw = pool.proxy([u.url for u in ups], keys_file=_keys(tmp_path))
     with httpx.Client(base_url=gw.url, timeout=30) as http:
-        ready = http.get("/ready").json()
+        # the upstreams' details need a key on a keyed gateway
+        ready = http.get("/ready", headers={"Authorization": "Bearer k1"}).json()
         assert [u["prefix_api"] for u in ready["upstreams"]] == [True, True]
         r = _create(http, "k1")
         assert r.status_code == 200, r.text

@@ -310,3 +310,36 @@ def test_prefix_deleted_through_another_replica_is_unpinned_without_a_lookup(
     while engine_a.pinned_blocks and time.monotonic() < deadline:
         time.sleep(0.1)
     assert engine_a.pinned_blocks == 0
+
+
+def test_a_stranded_lease_s_retry_after_is_its_expiry(serve_fake, gw, redis_server, tmp_path):
+    """A lease stranded in Redis (its replica died, or a Redis stall cut its renewals) holds a
+    ``max_concurrent=1`` key until it expires: the refusal's ``Retry-After`` says when (it was
+    always 1 s, so a client obeying it was refused again and again), measured against the
+    actual wait."""
+    keys = _keys(tmp_path, max_concurrent=1)
+    srv, _ = serve_fake(
+        GatewaySettings(
+            model_name="fake", keys_file=keys, redis_url=redis_server.url, redis_lease_ttl_s=10
+        )
+    )
+    r = redis_server.client()
+    seconds, micros = r.time()
+    r.zadd(_conc_key("k1"), {"stranded": seconds + micros / 1e6 + 4.0})
+    with gw.client(srv) as c:
+        refused = c.post("/v1/chat/completions", json=gw.chat_body("x"), headers=AUTH)
+        t_refused = time.monotonic()
+        assert refused.status_code == 429, refused.text
+        advice = int(refused.headers["Retry-After"])
+        while True:
+            resp = c.post(
+                "/v1/chat/completions", json=gw.chat_body("x", max_tokens=1), headers=AUTH
+            )
+            if resp.status_code == 200:
+                break
+            assert resp.status_code == 429, resp.text
+            time.sleep(0.05)
+        waited = time.monotonic() - t_refused
+    print(f"stranded lease: Retry-After {advice} s, actual wait {waited:.2f} s")
+    assert waited > 2.0
+    assert abs(advice - waited) <= 1.5, (advice, waited)

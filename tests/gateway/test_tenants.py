@@ -94,7 +94,9 @@ def _auth_echo_app(owned_by: str = "x") -> web.Application:
     async def chat(request: web.Request) -> web.Response:
         seen.append(request.headers.get("Authorization"))
         bodies.append(await request.json())
-        return web.json_response({"object": "chat.completion", "choices": [], "usage": None})
+        # a valid chat.completion (the proxy checks the shape of what it relays)
+        body = {"id": "c", "object": "chat.completion", "created": 0, "model": "m"}
+        return web.json_response({**body, "choices": [], "usage": None})
 
     async def health(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -177,7 +179,8 @@ def test_proxy_forwards_salt_and_isolates_tenants(serve_fake, gw, tmp_path):
         BackgroundServer(lambda: create_proxy_app([upstream.url], settings)) as proxy,
         gw.client(proxy) as c,
     ):
-        ready = c.get("/ready").json()
+        # the upstreams' details need a key on a keyed gateway
+        ready = c.get("/ready", headers={"Authorization": "Bearer ka"}).json()
         assert ready["tenant_isolation"] is True and ready["upstreams"][0]["cache_salt"] is True
         body = gw.chat_body("p" * 80, max_tokens=1)
         assert _cached(_post(c, "ka", body)) == 0
@@ -217,7 +220,8 @@ def test_upstream_without_cache_salt_is_declared(caplog, tmp_path, owned_by, mod
             BackgroundServer(lambda: create_proxy_app([up.url], settings)) as proxy,
             httpx.Client(base_url=proxy.url, timeout=30) as c,
         ):
-            ready = c.get("/ready").json()
+            # the upstreams' details need a key on a keyed gateway
+            ready = c.get("/ready", headers={"Authorization": "Bearer ka"}).json()
             assert ready["tenant_isolation"] is isolated
             assert ready["upstreams"][0]["cache_salt"] is isolated
             r = _post(c, "ka", {"model": "m", "messages": [{"role": "user", "content": "q"}]})

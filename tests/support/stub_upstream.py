@@ -71,23 +71,22 @@ class StubServer:
                 status=429,
                 headers={"Retry-After": self.retry_after},
             )
+        text_route = request.path == "/v1/completions"  # text_completion shapes there
         if not body.get("stream"):
             record["outcome"] = "complete"
+            choice: dict = {"index": 0, "logprobs": None, "finish_reason": "stop"}
+            if text_route:
+                choice["text"] = "ok"
+            else:
+                choice["message"] = {"role": "assistant", "content": "ok"}
             resp = web.json_response(
                 {
                     "id": f"c{n}",
-                    "object": "chat.completion",
+                    "object": "text_completion" if text_route else "chat.completion",
                     "created": 0,
                     "model": body.get("model", self.name),
                     "upstream": self.name,
-                    "choices": [
-                        {
-                            "index": 0,
-                            "message": {"role": "assistant", "content": "ok"},
-                            "logprobs": None,
-                            "finish_reason": "stop",
-                        }
-                    ],
+                    "choices": [choice],
                     "usage": None,
                 }
             )
@@ -101,26 +100,38 @@ class StubServer:
             await resp.prepare(request)
             base = {
                 "id": f"c{n}",
-                "object": "chat.completion.chunk",
+                "object": "text_completion" if text_route else "chat.completion.chunk",
                 "created": 0,
                 "model": body["model"],
             }
-            await resp.write(
-                f"data: {json.dumps({**base, 'choices': [{'index': 0, 'delta': {'role': 'assistant'}, 'finish_reason': None}]})}\n\n".encode()
-            )
+
+            def part(content: str | None, fin: str | None) -> dict:
+                if text_route:
+                    return {
+                        "index": 0,
+                        "text": content or "",
+                        "logprobs": None,
+                        "finish_reason": fin,
+                    }
+                delta = {"role": "assistant"} if content is None else {"content": content}
+                return {"index": 0, "delta": delta, "finish_reason": fin}
+
+            if not text_route:
+                await resp.write(
+                    f"data: {json.dumps({**base, 'choices': [part(None, None)]})}\n\n".encode()
+                )
             await asyncio.sleep(self.ttft_s)
             k = int(body.get("max_tokens", 4))
             for i in range(k):
                 if i:
                     await asyncio.sleep(self.token_delay_s)
                 fin = "length" if i == k - 1 else None
-                chunk = {
-                    **base,
-                    "choices": [{"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": fin}],
-                }
+                chunk = {**base, "choices": [part(f"t{i} ", fin)]}
                 await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
             if (body.get("stream_options") or {}).get("include_usage"):
-                prompt = sum(len(m["content"]) for m in body["messages"])
+                prompt = sum(len(m["content"]) for m in body.get("messages", [])) + len(
+                    str(body.get("prompt", ""))
+                )
                 cached = prompt // 2 if n > 1 else 0
                 usage = {
                     "prompt_tokens": prompt,

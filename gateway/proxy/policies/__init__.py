@@ -12,6 +12,7 @@ from typing import Any
 from prefixgate.gateway.proxy.policies.base import Candidate, Policy, RoutingPolicy
 from prefixgate.gateway.proxy.policies.cache_aware import CACHE_THRESHOLD, CacheAware, PrefixTree
 from prefixgate.gateway.proxy.policies.least_loaded import LeastLoaded
+from prefixgate.gateway.proxy.policies.precise import Precise
 from prefixgate.gateway.proxy.policies.prompt import (
     Route,
     affinity_key,
@@ -23,7 +24,7 @@ from prefixgate.gateway.proxy.policies.rendezvous import Rendezvous
 from prefixgate.gateway.proxy.policies.round_robin import RoundRobin
 
 REGISTRY: dict[str, type[Policy]] = {
-    p.name: p for p in (CacheAware, Rendezvous, RoundRobin, LeastLoaded)
+    p.name: p for p in (CacheAware, Rendezvous, RoundRobin, LeastLoaded, Precise)
 }
 POLICIES = tuple(REGISTRY)  # the names --routing takes; the first is the default
 

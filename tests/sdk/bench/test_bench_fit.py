@@ -85,3 +85,24 @@ def test_bench_serve_fits_and_names_error_reasons(stub, capsys):
     assert main(argv + ["--no-fit"]) == 0
     out = capsys.readouterr().out
     assert "RateLimitError(429)" in out and "overloaded" in out  # the kind and its message
+
+
+def test_fit_drops_a_prompt_the_server_will_not_tokenize_as_too_long():
+    """prefixgate's ``/tokenize`` refuses a text past 8 contexts (400
+    ``context_length_exceeded``, nothing tokenized): such a prompt is dropped as not fitting,
+    not taken for a server that cannot count."""
+    from prefixgate.gateway.app import create_app
+    from prefixgate.gateway.http.server import BackgroundServer
+    from prefixgate.gateway.settings import GatewaySettings
+    from support.fake_engine import FakeEngine  # one token per byte, a context of 128
+
+    requests = [
+        BenchRequest(0, [{"role": "user", "content": "x" * 10}], 8),
+        BenchRequest(1, [{"role": "user", "content": "x" * 5000}], 8),
+    ]
+    with BackgroundServer(
+        lambda: create_app(FakeEngine(), GatewaySettings(model_name="fake"))
+    ) as srv:
+        fit = asyncio.run(fit_to_context(requests, srv.url, "fake"))
+    assert [r.index for r in fit.requests] == [0] and fit.dropped == [1], fit
+    assert "cannot count" not in (fit.describe() or "")

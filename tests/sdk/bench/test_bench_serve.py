@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from prefixgate.sdk.bench.cli import add_bench_parser  # noqa: E402
+from prefixgate.sdk.bench.commands import add_bench_parser  # noqa: E402
 from prefixgate.sdk.bench.loadgen import LoadConfig, root_url, run_load  # noqa: E402
 from prefixgate.sdk.bench.workload import WorkloadConfig, load_workload, parse_output_len_dist  # noqa: E402
 from support.stub_upstream import StubServer  # noqa: E402

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from prefixgate.sdk.bench.cli import add_bench_parser  # noqa: E402
+from prefixgate.sdk.bench.commands import add_bench_parser  # noqa: E402
 from prefixgate.sdk.bench.compare import bench_target, shared_prefix_share  # noqa: E402
 from prefixgate.sdk.bench.report import checks, ratios  # noqa: E402
 from prefixgate.sdk.bench.targets import Target, build_targets  # noqa: E402
@@ -163,7 +163,7 @@ def test_a_server_that_fails_is_reported(tmp_path):
 
 
 def test_compare_defaults_are_the_cpu_demo(workloads_path):
-    from prefixgate.sdk.bench.cli import workload_from_args
+    from prefixgate.sdk.bench.commands import workload_from_args
     from prefixgate.sdk.bench.workload import load_workload
 
     args = _parse(["bench", "compare"])

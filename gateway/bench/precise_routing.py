@@ -1,0 +1,308 @@
+"""Precise prefix-cache routing against the others, on CPU replicas: hit rate, load, TTFT.
+
+A scaled-down version of llm-d's multi-tenant workload: ``--tenants`` tenants, each with its
+own long system prompt (the real prompts of the shared folder's ``workloads/system_prompts.csv``,
+else the SDK's sample copy, cut to ``--system-tokens`` tokens of aidreams-260k's tokenizer) and its own cache partition (a request ``cache_salt`` per tenant),
+popularity Zipf (s = ``--zipf``), a short user turn each, Poisson arrivals at ``--rate``
+requests/s, streamed with usage. More distinct prefixes than one replica's KV holds
+(``--num-kv-blocks``, printed).
+
+``--replicas`` aidreams-260k engines (``prefixgate serve --kv-events``, one process each) and
+one gateway per policy in upstream mode (``precise`` with ``--tokenizer`` and
+``--upstream-kv-events``, ``cache_aware``, ``round_robin``), all started at once; "single" is
+one replica served directly (the hit rate the others are held against). Each policy runs its
+own tenants' prompts (a phase tag in the text: no policy finds another's blocks), one after
+the other, in the order given.
+
+Per policy: prefix hit rate (cached / prompt tokens, from the answers' usage), requests per
+replica (the gateway's ``/ready``) and the hottest replica's over the mean, TTFT p50/p90
+(first chunk with choices), and for ``precise`` its predictions that equalled the reported
+cached tokens (``/metrics``) and its decisions by reason.
+
+Usage::
+
+    python -m prefixgate.gateway.bench.precise_routing [--requests 120] [--rate 4] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import json
+import random
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from prefixgate.gateway.bench.routing import free_port, start, stop, wait_ready
+from prefixgate.sdk.bench.shared import find_shared
+from prefixgate.sdk.bench.workload import SAMPLE_SYSTEM_PROMPTS, SAMPLE_USER_TASKS
+
+POLICIES = ("precise", "cache_aware", "round_robin", "single")
+MODEL = "models/aidreams-260k"  # in the shared test-data folder (sdk.bench.shared)
+
+
+def port_pair() -> int:
+    """A free loopback port whose next port is free too (the KV events PUB + replay)."""
+    import socket
+
+    while True:
+        port = free_port()
+        if port + 1 >= 65535:
+            continue
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+        except OSError:
+            continue
+        return port
+
+
+def cut_prompts(tokenizer, n: int, tokens: int, tag: str) -> list[str]:
+    """``n`` system prompts of at most ``tokens`` tokens (the CSV's texts, tagged)."""
+    path = find_shared("workloads/system_prompts.csv") or SAMPLE_SYSTEM_PROMPTS
+    with open(path, newline="") as f:
+        texts = [row["prompt"] for row in csv.DictReader(f)]
+    out = []
+    for i in range(n):
+        text = f"[{tag} tenant {i}] " + texts[i % len(texts)]
+        ids = tokenizer.encode(text, add_special_tokens=False)[:tokens]
+        cut = tokenizer.decode(ids)
+        while len(tokenizer.encode(cut, add_special_tokens=False)) > tokens:
+            cut = cut[:-4]
+        out.append(cut)
+    return out
+
+
+def users(n: int) -> list[str]:
+    out = []
+    with open(find_shared("workloads/user_tasks.jsonl") or SAMPLE_USER_TASKS) as f:
+        for line in f:
+            out.append(json.loads(line)["instruction"][:40])
+            if len(out) == n:
+                break
+    return out
+
+
+def workload(tokenizer, tag: str, args: argparse.Namespace) -> list[tuple[float, dict]]:
+    """``(arrival offset s, chat body)`` pairs: Zipf tenants, Poisson arrivals."""
+    rng = random.Random(args.seed)
+    systems = cut_prompts(tokenizer, args.tenants, args.system_tokens, tag)
+    turns = users(50)
+    weights = [1.0 / (i + 1) ** args.zipf for i in range(args.tenants)]
+    t = 0.0
+    out = []
+    for _ in range(args.requests):
+        t += rng.expovariate(args.rate)
+        tenant = rng.choices(range(args.tenants), weights)[0]
+        body = {
+            "model": "any",
+            "messages": [
+                {"role": "system", "content": systems[tenant]},
+                {"role": "user", "content": rng.choice(turns)[: args.user_chars]},
+            ],
+            "max_tokens": args.max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "cache_salt": f"tenant-{tenant}",
+        }
+        out.append((t, body))
+    return out
+
+
+async def one(client: httpx.AsyncClient, url: str, body: dict) -> dict:
+    t0 = time.perf_counter()
+    ttft, usage = None, None
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as resp:
+        if resp.status_code != 200:
+            return {"error": resp.status_code, "body": (await resp.aread())[:200]}
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if ttft is None and chunk.get("choices"):
+                ttft = time.perf_counter() - t0
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+    usage = usage or {}
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return {"ttft": ttft, "prompt": usage.get("prompt_tokens", 0), "cached": cached}
+
+
+async def drive(url: str, load: list[tuple[float, dict]], model: str) -> list[dict]:
+    async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=256)) as c:
+        t0 = time.perf_counter()
+
+        async def at(offset: float, body: dict) -> dict:
+            await asyncio.sleep(max(0.0, t0 + offset - time.perf_counter()))
+            return await one(c, url, {**body, "model": model})
+
+        return await asyncio.gather(*(at(o, b) for o, b in load))
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def summarize(out: list[dict]) -> dict:
+    ok = [o for o in out if "error" not in o]
+    prompt = sum(o["prompt"] for o in ok)
+    ttfts = [o["ttft"] for o in ok if o["ttft"] is not None]
+    return {
+        "requests": len(out),
+        "errors": len(out) - len(ok),
+        "hit_rate": sum(o["cached"] for o in ok) / prompt if prompt else 0.0,
+        "ttft_p50_s": statistics.median(ttfts) if ttfts else float("nan"),
+        "ttft_p90_s": pct(ttfts, 0.9),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    found = find_shared(MODEL)
+    ap.add_argument("--model", default=str(found) if found else None)
+    ap.add_argument("--replicas", type=int, default=3)
+    ap.add_argument("--tenants", type=int, default=24)
+    ap.add_argument("--system-tokens", type=int, default=80)
+    ap.add_argument("--user-chars", type=int, default=24)
+    ap.add_argument("--requests", type=int, default=120, help="per policy")
+    ap.add_argument("--rate", type=float, default=4.0, help="Poisson arrivals, requests/s")
+    ap.add_argument("--zipf", type=float, default=1.1)
+    ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--block-size", type=int, default=8)
+    ap.add_argument("--num-kv-blocks", type=int, default=96)
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--max-load-ratio", type=float, default=1.3, help="precise's X")
+    ap.add_argument("--overlap-weight", type=float, default=1.0, help="precise's weight")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if not args.model:
+        ap.error(f"no {MODEL} in the shared folder: pass --model")
+    from prefixgate.engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_pretrained(args.model)
+    policies = [p for p in args.policies.split(",") if p]
+    model = Path(args.model).name
+    procs, urls, feeds = [], [], []
+    t_start = time.monotonic()
+    try:
+        for _ in range(args.replicas):
+            ev = port_pair()
+            proc, url = start(
+                [
+                    "--model",
+                    args.model,
+                    "--block-size",
+                    str(args.block_size),
+                    "--num-kv-blocks",
+                    str(args.num_kv_blocks),
+                    "--kv-events",
+                    f"tcp://127.0.0.1:{ev}",
+                ]
+            )
+            procs.append(proc)
+            urls.append(url)
+            feeds.append(f"{url}=tcp://127.0.0.1:{ev}")
+        gateways: dict[str, str] = {}
+        for policy in policies:
+            if policy == "single":
+                gateways[policy] = urls[0]
+                continue
+            extra = ["--routing", policy]
+            if policy == "precise":
+                extra += ["--tokenizer", args.model]
+                extra += ["--precise-max-load-ratio", str(args.max_load_ratio)]
+                extra += ["--precise-overlap-weight", str(args.overlap_weight)]
+                for f in feeds:
+                    extra += ["--upstream-kv-events", f]
+            flags = [x for u in urls for x in ("--upstream", u)]
+            proc, url = start([*flags, *extra])
+            procs.append(proc)
+            gateways[policy] = url
+        wait_ready(urls + [u for p, u in gateways.items() if p != "single"], procs)
+        if "precise" in gateways:  # until its index holds every replica's snapshot
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                text = httpx.get(gateways["precise"] + "/metrics", timeout=10).text
+                if text.count("prefixgate_kv_index_synced{") == args.replicas and not re.search(
+                    r"prefixgate_kv_index_synced\{[^}]*\} 0", text
+                ):
+                    break
+                time.sleep(0.2)
+        print(
+            f"{args.replicas} replicas x {args.num_kv_blocks} KV blocks of {args.block_size} "
+            f"tokens; {args.tenants} tenants x {args.system_tokens}-token system prompts "
+            f"(~{args.tenants * (args.system_tokens // args.block_size)} blocks of prefixes: "
+            f"{args.tenants * (args.system_tokens // args.block_size) / args.num_kv_blocks:.1f}x "
+            f"one replica's KV); {args.requests} requests per policy at {args.rate:g}/s "
+            "(Poisson)",
+            file=sys.stderr,
+        )
+        rows = []
+        for policy in policies:
+            load = workload(tokenizer, policy, args)
+            out = asyncio.run(drive(gateways[policy], load, model))
+            row = {"policy": policy, **summarize(out)}
+            if policy != "single":
+                ready = httpx.get(gateways[policy] + "/ready", timeout=10).json()
+                per = [u["served"] for u in ready.get("upstreams", [])]
+                row["per_replica"] = per
+                row["hot_over_mean"] = max(per) / (sum(per) / len(per)) if sum(per) else 0.0
+            if policy == "precise":
+                text = httpx.get(gateways[policy] + "/metrics", timeout=10).text
+                res: dict[str, float] = {}
+                for m in re.finditer(
+                    r'prefixgate_route_predictions_total\{[^}]*result="(\w+)"[^}]*\} (\S+)', text
+                ):
+                    res[m[1]] = res.get(m[1], 0) + float(m[2])
+                dec = {
+                    m[1]: float(m[2])
+                    for m in re.finditer(
+                        r'prefixgate_route_decisions_total\{reason="(\w+)"\} (\S+)', text
+                    )
+                }
+                row["predictions"] = res
+                row["decisions"] = dec
+            rows.append(row)
+    finally:
+        stop(procs)
+    single = next((r for r in rows if r["policy"] == "single"), None)
+    rr = next((r for r in rows if r["policy"] == "round_robin"), None)
+    print(
+        f"{'policy':<12}{'hit':>6}{'/single':>8}{'hot/mean':>9}{'p50 ms':>8}{'p90 ms':>8}"
+        f"{'p90/rr':>7}  per replica"
+    )
+    for r in rows:
+        rel = r["hit_rate"] / single["hit_rate"] if single and single["hit_rate"] else float("nan")
+        p90rr = r["ttft_p90_s"] / rr["ttft_p90_s"] if rr else float("nan")
+        print(
+            f"{r['policy']:<12}{r['hit_rate']:>6.3f}{rel:>8.2f}"
+            f"{r.get('hot_over_mean', 1.0):>9.2f}{r['ttft_p50_s'] * 1e3:>8.1f}"
+            f"{r['ttft_p90_s'] * 1e3:>8.1f}{p90rr:>7.2f}  {r.get('per_replica', '-')}"
+            + (f"  errors={r['errors']}" if r["errors"] else "")
+        )
+    for r in rows:
+        if "predictions" in r:
+            total = sum(r["predictions"].values())
+            exact = r["predictions"].get("exact", 0)
+            print(
+                f"precise: predictions exact {exact:.0f}/{total:.0f}"
+                f" ({exact / total if total else float('nan'):.3f}); decisions {r['decisions']}"
+            )
+    print(f"wall {time.monotonic() - t_start:.0f} s", file=sys.stderr)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

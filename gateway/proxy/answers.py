@@ -1,0 +1,87 @@
+"""An upstream's answer checked against the OpenAI shape before a byte of it is relayed.
+
+The gateway's own response models (``api/response_models.py``) are the shape: a non-stream
+200 of ``/v1/chat/completions`` must be a ``chat.completion`` (``ChatCompletion``), of
+``/v1/completions`` a ``text_completion``, of ``/v1/models`` a model list (``/v1/models/{id}``
+a model card); every streamed event a ``chat.completion.chunk`` (or ``text_completion``
+chunk). Fields an upstream may leave out where the API allows null (``logprobs``, ``usage``,
+``system_fingerprint``; a chunk's ``finish_reason``) and the envelope's ``id`` / ``created`` /
+``model`` / ``object`` are tolerated when missing (not when of the wrong type); extra fields
+pass (the models allow them). A completion must also say why each choice ended: a non-stream choice
+without ``finish_reason`` is a truncated answer posing as a finished one.
+
+``answer_model(path, stream)`` names the model of a route; ``shape_problem(obj, model,
+finished)`` says what is wrong with a parsed answer (None when nothing).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefixgate.gateway.api.response_models import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    Completion,
+    ModelCard,
+    ModelList,
+)
+from pydantic import BaseModel, ValidationError
+
+# Left out by some OpenAI-compatible servers where the API allows null, and the envelope's
+# bookkeeping (``id``, ``created``, ``model``, ``object``: clients read them as attributes, a
+# missing one is None there, never a TypeError); what an answer is made of — ``choices``, each
+# choice's message / delta / text and, non-stream, its finish_reason — must be there.
+_MAY_BE_MISSING = frozenset(
+    ("logprobs", "usage", "system_fingerprint", "id", "created", "model", "object")
+)
+_CHUNK_MAY_BE_MISSING = _MAY_BE_MISSING | {"finish_reason"}
+
+
+def answer_model(path: str, stream: bool) -> type[BaseModel] | None:
+    """The response model an answer to ``path`` must validate against (a stream: each
+    chunk's), None for a route without one."""
+    if path == "/v1/chat/completions":
+        return ChatCompletionChunk if stream else ChatCompletion
+    if path == "/v1/completions":
+        return Completion  # its chunks are text_completion objects too
+    if path == "/v1/models":
+        return None if stream else ModelList
+    if path.startswith("/v1/models/"):
+        return None if stream else ModelCard
+    return None
+
+
+def shape_problem(obj: Any, model: type[BaseModel], chunk: bool = False) -> str | None:
+    """What makes ``obj`` (a parsed JSON answer, or one stream chunk with ``chunk``) not a
+    ``model``, in a short sentence; None when it is one.
+
+    A non-stream completion (a model with ``choices``) must also give each choice a
+    ``finish_reason``.
+    """
+    if not isinstance(obj, dict):
+        return "a JSON value that is not an object"
+    tolerated = _CHUNK_MAY_BE_MISSING if chunk else _MAY_BE_MISSING
+    try:
+        model.model_validate(obj)
+    except ValidationError as exc:
+        for err in exc.errors(include_url=False):
+            loc = err["loc"]
+            if err["type"] == "missing" and loc and loc[-1] in tolerated:
+                continue
+            where = ".".join(str(p) for p in loc) or "the body"
+            return f"not a {_name(model, chunk)}: {where}: {err['msg']}"
+    if not chunk and "choices" in model.model_fields:
+        for choice in obj.get("choices") or ():
+            if isinstance(choice, dict) and choice.get("finish_reason") is None:
+                return (
+                    f"a {_name(model, chunk)} whose choice {choice.get('index', 0)} has no "
+                    "finish_reason"
+                )
+    return None
+
+
+def _name(model: type[BaseModel], chunk: bool) -> str:
+    field = model.model_fields.get("object")
+    kind = field.default if field is not None and isinstance(field.default, str) else None
+    kind = kind or model.__name__
+    return f"{kind} chunk" if chunk and not kind.endswith("chunk") else kind

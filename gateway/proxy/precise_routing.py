@@ -1,0 +1,574 @@
+"""``precise`` routing: score each upstream on the KV blocks its engine really holds.
+
+The gateway tokenizes a request exactly as a prefixgate upstream will (the same model folder,
+``--tokenizer``, loaded with ``engine.tokenizer``; chat through ``api.prompts.render_chat``
+with the messages and tools local mode passes; completions through ``completion_prompts``),
+hashes it with the engines' own function (``block_hash.prompt_block_hashes`` via
+``kv_index.prompt_block_keys``) under the salt that upstream's engine will use, and asks the
+exact index (``kv_index.KVIndex``, fed by each upstream engine's KV events) how many leading
+blocks each upstream holds.
+
+Salt: the body forwarded to upstream ``u`` carries ``cache_salt`` = the gateway's effective
+salt when ``u`` takes it (``proxy.routes._Bodies``), else the client's own; the upstream then
+composes ``keys.effective_salt(its key salt, cache_salt)``. Upstreams are taken to serve
+without keys of their own (their key salt ``None``), as replicas behind a gateway do; an
+upstream whose key has a salt hashes otherwise, and the agreement counter shows it.
+
+Score (after NVIDIA Dynamo's KV router cost, in tokens; the lowest wins)::
+
+    cost(u) = overlap_weight * (prompt - cached(u)) + pending_prefill(u)
+
+``cached(u)``: prompt tokens ``u`` serves from its cache: the index's match x block size, or
+the blocks of requests in flight to ``u`` when those reach further (computed there before
+their events arrive: a burst of one prefix is not spread by the event delay);
+``pending_prefill(u)``: prompt tokens the requests in flight to ``u`` (routed here) have to
+compute until their answers begin (``started``: a stream's headers come with its first
+token), the prefill queued ahead of this one, less what this one shares of it. The bound on
+imbalance is judged per request: ``u`` is a candidate only when its in-flight requests with
+this one stay within ``max_load_ratio`` times the mean with this one, ``in_flight(u) + 1 <=
+max(X * m, m + 1)`` with ``m = (sum + 1) / n`` (the ``m + 1``: requests are whole, so one above
+the mean is allowed while X times it is less — two requests of one prompt on an idle pool of
+two stay together), or it is the least loaded (always a candidate).
+
+A prompt no candidate holds (cold, or evicted everywhere) goes to its home: the upstream its
+leading text (``Route.key``: the system prompt, salted) was first placed on, a candidate
+homing the fewest prompts (ties by rendezvous hashing). Each prefix then has one copy and the
+fleet's distinct prefixes spread evenly — as many as its KV holds — instead of copies wherever
+the queue was shortest.
+
+Session affinity: a request with ``prompt_cache_key`` (else ``user``) goes where the previous
+request of that session within its cache partition (effective salt) went, while that upstream
+is a candidate and still holds the session's pins: the first block of the session's last
+prompt (by the index), or a request of the session is still in flight there. When the pins
+are gone the session is forgotten (no fixed lifetime).
+
+Fallback to ``cache_aware`` (``policies.precise.Precise`` is a ``CacheAware``), counted by reason: the request
+could not be tokenized (the upstream will answer its own error), or a candidate has no event
+feed (``--upstream-kv-events``) or its feed is not synced (before its snapshot, or while a gap
+is being resynced). A completions batch (several prompts) is routed on its first prompt and
+not predicted.
+
+Visible: per request the predicted cached tokens beside the upstream's reported
+``cached_tokens`` (the access log's ``predicted=`` and ``cached=``), and in ``/metrics``:
+``prefixgate_route_predicted_cached_tokens`` / ``_reported_cached_tokens`` (sums, per upstream),
+``prefixgate_route_predictions{result=exact|over|under}``, ``prefixgate_route_decisions{reason}``
+and the index's state per replica (``prefixgate_kv_index_*``: synced, blocks, lag, gaps,
+resyncs, replays, snapshots, restarts, failures).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import xxhash
+from prefixgate.engine.config import derive_replay_endpoint
+from prefixgate.gateway.api.prompts import completion_prompts, render_chat
+from prefixgate.gateway.api.request_models import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse,
+)
+from prefixgate.gateway.api.tools import plan_tools, template_messages
+from prefixgate.gateway.http.errors import APIError
+from prefixgate.gateway.proxy.kv_index import KVIndex, prompt_block_keys
+from prefixgate.gateway.proxy.upstream import Route, Upstream, normalize_url
+from prefixgate.gateway.tenancy.keys import effective_salt
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+__all__ = [
+    "DEFAULT_MAX_LOAD_RATIO",
+    "PreciseRoute",
+    "PreciseRouting",
+    "parse_kv_events_spec",
+]
+
+logger = logging.getLogger("prefixgate.gateway")
+
+DEFAULT_MAX_LOAD_RATIO = 1.3  # X: no upstream above X x the mean in-flight load
+MAX_SESSIONS = 65_536  # session pins remembered (least recently used forgotten beyond)
+MAX_PROMPT_CHARS = 1 << 21  # a longer body is routed without tokenizing (cache_aware)
+
+
+def parse_kv_events_spec(spec: str) -> tuple[str, str, str | None]:
+    """``URL=PUB[,REPLAY]`` (``--upstream-kv-events``) → ``(upstream URL, PUB, REPLAY)``.
+
+    ``REPLAY`` defaults to prefixgate's own (the PUB port + 1, ``derive_replay_endpoint``);
+    ``-`` means none (the index then follows the stream without resync).
+
+    Raises:
+        ValueError: no ``=``, a bad URL or endpoint.
+    """
+    url, sep, rest = spec.partition("=")
+    if not sep or not url or not rest:
+        raise ValueError(
+            f"upstream kv events must look like URL=tcp://host:port[,REPLAY], got {spec!r}"
+        )
+    pub, _, replay = rest.partition(",")
+    pub = pub.strip()
+    replay_ep: str | None
+    if not replay:
+        replay_ep = derive_replay_endpoint(pub)
+    elif replay.strip() == "-":
+        derive_replay_endpoint(pub)  # checks the PUB endpoint
+        replay_ep = None
+    else:
+        derive_replay_endpoint(pub)
+        replay_ep = replay.strip()
+        derive_replay_endpoint(replay_ep)
+    if pub.endswith(":*"):
+        raise ValueError(f"upstream kv events endpoint {pub!r} needs a real port")
+    return normalize_url(url), pub, replay_ep
+
+
+class PreciseRoute(Route):
+    """A ``Route`` with what ``precise`` routing learns of the request (see the module
+    docstring): its token ids and salts, and the prediction for the chosen upstream."""
+
+    __slots__ = (
+        "token_ids",
+        "salt",
+        "client_salt",
+        "session",
+        "predicted_cached",
+        "reported_cached",
+        "reason",
+        "batch",
+        "_keys",
+        "_charge",
+    )
+
+    def __init__(self, key: bytes | None, blocks: list[int], model: str | None = None) -> None:
+        super().__init__(key, blocks, model)
+        self.token_ids: list[int] | None = None  # None: not tokenized (fallback)
+        self.salt: str | None = None  # the gateway's effective salt
+        self.client_salt: str | None = None  # the body's own cache_salt
+        self.session: tuple[str | None, str] | None = None
+        self.predicted_cached: int | None = None  # for the chosen upstream, None: unknown
+        self.reported_cached: int | None = None
+        self.reason = ""
+        self.batch = False  # a completions batch: routed on its first prompt, not predicted
+        self._keys: dict[tuple[str | None, int], list[bytes]] = {}
+        self._charge: tuple[str, int, list[bytes]] | None = None  # (url, uncached, keys)
+
+    def engine_salt(self, up: Upstream) -> str | None:
+        """The cache salt ``up``'s engine gets for this request (an open upstream)."""
+        forwarded = self.client_salt if up.cache_salt is False or self.salt is None else self.salt
+        return effective_salt(None, forwarded)
+
+    def keys(self, salt: str | None, block_size: int) -> list[bytes]:
+        """The reusable block keys of the prompt under ``salt`` (computed once per pair)."""
+        assert self.token_ids is not None
+        got = self._keys.get((salt, block_size))
+        if got is None:
+            got = self._keys[(salt, block_size)] = prompt_block_keys(
+                self.token_ids, block_size, salt
+            )
+        return got
+
+
+@dataclass(slots=True)
+class _Session:
+    url: str
+    first_key: bytes | None
+    in_flight: int = 0
+
+
+class PreciseRouting:
+    """The ``precise`` policy (module docstring): ``prepare`` (tokenize, in the handler),
+    ``pick`` (score the candidates), ``learn`` (the answer's cached tokens), ``release``
+    (the request left its upstream).
+
+    Args:
+        tokenizer: the upstreams' tokenizer (``engine.tokenizer.Tokenizer``, or anything
+            with its ``encode_chat`` / ``encode_batch`` / ``min_num_tokens`` / ``vocab_size``).
+        feeds: upstream URL → ``(PUB endpoint, replay endpoint or None)`` of its engine's KV
+            events; upstreams without one make ``pick`` fall back.
+        max_load_ratio: X of the imbalance bound (>= 1).
+        overlap_weight: weight of prefill tokens against active tokens (> 0).
+        index: an index to use instead of one built on ``feeds`` (tests); its replica names
+            are upstream URLs.
+
+    Raises:
+        ValueError: ``max_load_ratio`` < 1 or ``overlap_weight`` <= 0.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        feeds: Mapping[str, tuple[str, str | None]],
+        max_load_ratio: float = DEFAULT_MAX_LOAD_RATIO,
+        overlap_weight: float = 1.0,
+        index: KVIndex | None = None,
+        probe_interval_s: float = 5.0,
+    ) -> None:
+        if not max_load_ratio >= 1.0:
+            raise ValueError(f"max_load_ratio must be >= 1, got {max_load_ratio}")
+        if not overlap_weight > 0:
+            raise ValueError(f"overlap_weight must be > 0, got {overlap_weight}")
+        self.tokenizer = tokenizer
+        self.max_load_ratio = float(max_load_ratio)
+        self.overlap_weight = float(overlap_weight)
+        self.feeds = {normalize_url(u): f for u, f in feeds.items()}
+        self.index = (
+            index
+            if index is not None
+            else KVIndex(dict(self.feeds), probe_interval_s=probe_interval_s, start=False)
+        )
+        self._sessions: OrderedDict[tuple[str | None, str], _Session] = OrderedDict()
+        self._pending: Counter[str] = Counter()  # url -> uncached prompt tokens in flight
+        # url -> block keys of the requests in flight there (stored soon, not yet published)
+        self._inflight_keys: dict[str, Counter[bytes]] = {}
+        self._turn = itertools.count()
+        self._homes: OrderedDict[bytes, str] = OrderedDict()  # prompt key -> its home upstream
+        self._home_count: Counter[str] = Counter()  # upstream -> prompts homed there
+        self.decisions: Counter[str] = Counter()
+        self.predictions: Counter[tuple[str, str]] = Counter()  # (url, exact|over|under)
+        self.predicted_tokens: Counter[str] = Counter()
+        self.reported_tokens: Counter[str] = Counter()
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start following the feeds (the index's consumer thread)."""
+        self.index.start()
+
+    def close(self) -> None:
+        """Stop the index (its sockets closed)."""
+        self.index.close()
+
+    # ---- per request -------------------------------------------------------------------------
+    async def prepare(
+        self, base: Route, body: dict[str, Any], path: str, salt: str | None
+    ) -> PreciseRoute:
+        """``base`` (the request's ``Route``) as a ``PreciseRoute`` with the prompt's token
+        ids, tokenized as the upstream will; a body that does not tokenize (the upstream
+        answers its own error) stays untokenized and is routed by the fallback. Never raises
+        for the request's content.
+
+        Args:
+            base: the rendezvous key, text blocks and model (``UpstreamRouter.route``).
+            body: the parsed request body (a prefix's messages already in front).
+            path: the route (``/v1/chat/completions`` or ``/v1/completions``).
+            salt: the gateway's effective cache salt of the request.
+        """
+        route = PreciseRoute(base.key, base.blocks, base.model)
+        route.salt = salt
+        cs = body.get("cache_salt")
+        route.client_salt = cs if isinstance(cs, str) else None
+        session = body.get("prompt_cache_key") or body.get("user")
+        if isinstance(session, str) and session:
+            kind = "prompt_cache_key" if body.get("prompt_cache_key") else "user"
+            route.session = (salt, f"{kind}:{session}")
+        try:
+            raw = json.dumps(body).encode()
+            if len(raw) > MAX_PROMPT_CHARS:
+                return route
+            if path.endswith("/chat/completions"):
+                req = parse(ChatCompletionRequest, raw)
+                plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, "hermes")
+                route.token_ids = await render_chat(
+                    self.tokenizer, template_messages(req.messages), tools=plan.tools or None
+                )
+            else:
+                creq = parse(CompletionRequest, raw)
+                prompts = await completion_prompts(self.tokenizer, creq.prompt)
+                route.token_ids = prompts[0]
+                route.batch = len(prompts) > 1
+        except (APIError, ValueError, TypeError, RecursionError) as exc:
+            logger.debug("precise routing: request not tokenized (%s)", exc)
+            route.token_ids = None
+        return route
+
+    def pick(
+        self,
+        route: Route,
+        cands: Sequence[Upstream],
+        fallback: Callable[[], Upstream],
+    ) -> Upstream:
+        """The upstream for ``route`` among healthy ``cands`` (two or more); ``fallback``
+        (cache_aware) when the request is not tokenized or a candidate's feed is missing or
+        not synced. Notes the prediction for the chosen upstream on the route."""
+        if not isinstance(route, PreciseRoute):
+            return fallback()
+        self.release(route)  # a retry: the previous upstream's charge goes
+        route.predicted_cached = None
+        if route.token_ids is None:
+            return self._fallback(route, "untokenized", fallback)
+        replicas = self.index.stats()["replicas"]
+        if any(u.url not in replicas for u in cands):
+            return self._fallback(route, "no_feed", fallback)
+        if not all(replicas[u.url]["synced"] for u in cands):
+            return self._fallback(route, "not_synced", fallback)
+        found = {u.url: self._match(route, u) for u in cands}
+        cached = {url: n for url, (n, _) in found.items()}
+        n = len(cands)
+        prompt = len(route.token_ids)
+        total = sum(u.in_flight for u in cands)
+        least = min(u.in_flight for u in cands)
+        mean = (total + 1) / n  # with this request
+        bound = max(self.max_load_ratio * mean, mean + 1)
+        ok = [u for u in cands if u.in_flight + 1 <= bound or u.in_flight == least]
+        choice: Upstream | None = None
+        reason = "score"
+        sess = self._session(route)
+        if sess is not None:
+            choice = next((u for u in ok if u.url == sess.url), None)
+            reason = "affinity" if choice is not None else reason
+        if choice is None and route.key is not None and not any(cached[u.url] for u in ok):
+            choice, reason = self._place(route.key, ok), "placed"
+        if choice is None:
+            start = next(self._turn) % n  # ties rotate
+            order = list(ok[start % len(ok) :]) + list(ok[: start % len(ok)])
+            w = self.overlap_weight
+
+            def cost(u: Upstream) -> tuple[float, int]:
+                # the in-flight prefill this request shares is work it need not wait twice for
+                pending = max(0, self._pending[u.url] - found[u.url][1])
+                return (w * (prompt - cached[u.url]) + pending, u.in_flight)
+
+            choice = min(order, key=cost)
+        self.decisions[reason] += 1
+        route.reason = reason
+        self._note(route, choice, cached[choice.url])
+        return choice
+
+    def _place(self, key: bytes, ok: Sequence[Upstream]) -> Upstream:
+        """The home of a prompt no candidate holds (its leading text ``key``): its home when
+        that is a candidate, else the candidate homing the fewest prompts (ties: rendezvous
+        hashing), which becomes its home — so the fleet's distinct prefixes are spread
+        evenly and each has one copy, as many as the fleet's KV holds."""
+        home = self._homes.get(key)
+        if home is not None:
+            self._homes.move_to_end(key)
+            for u in ok:
+                if u.url == home:
+                    return u
+            self._home_count[home] -= 1
+        choice = min(
+            ok,
+            key=lambda u: (self._home_count[u.url], -xxhash.xxh3_64_intdigest(key, seed=u.seed)),
+        )
+        self._homes[key] = choice.url
+        self._home_count[choice.url] += 1
+        while len(self._homes) > MAX_SESSIONS:
+            _, gone = self._homes.popitem(last=False)
+            self._home_count[gone] -= 1
+        return choice
+
+    def _fallback(
+        self, route: PreciseRoute, why: str, fallback: Callable[[], Upstream]
+    ) -> Upstream:
+        self.decisions["fallback_" + why] += 1
+        route.reason = "fallback_" + why
+        choice = fallback()
+        if route.token_ids is not None:
+            st = self.index.stats()["replicas"].get(choice.url)
+            if st is not None and st["synced"]:
+                self._note(route, choice, self._cached(route, choice))
+                return choice
+        self._note(route, choice, None)
+        return choice
+
+    def _cached(self, route: PreciseRoute, up: Upstream) -> int:
+        return self._match(route, up)[0]
+
+    def _match(self, route: PreciseRoute, up: Upstream) -> tuple[int, int]:
+        """Prompt tokens ``up``'s engine will serve from its cache: the leading blocks the
+        index says it holds, or, when longer, those of requests in flight there (their
+        blocks are stored as they are computed, before their events arrive). Returns
+        ``(cached tokens, of which only in flight)``."""
+        bs = self._block_size(up.url)
+        if bs <= 0:  # no block stored anywhere yet: nothing cached
+            return 0, 0
+        keys = route.keys(route.engine_salt(up), bs)
+        n = self.index.match(keys).get(up.url, 0)
+        flying = self._inflight_keys.get(up.url)
+        m = 0
+        if flying:
+            while m < len(keys) and keys[m] in flying:
+                m += 1
+        return max(n, m) * bs, max(0, m - n) * bs
+
+    def _block_size(self, url: str) -> int:
+        """``url``'s block size by its events, else another feed's (0 before any)."""
+        bs = self.index.block_size(url)
+        if bs <= 0:
+            bs = max((self.index.block_size(u) for u in self.feeds), default=0)
+        return bs
+
+    def _note(self, route: PreciseRoute, up: Upstream, cached: int | None) -> None:
+        """Charge ``up`` with the request's load and remember the session's pin."""
+        if route.batch:
+            cached = None  # several prompts: not predicted
+        route.predicted_cached = cached
+        if route.token_ids is not None:
+            uncached = len(route.token_ids) - (cached or 0)
+            bs = self._block_size(up.url)
+            keys = route.keys(route.engine_salt(up), bs) if bs > 0 else []
+            route._charge = (up.url, uncached, keys)
+            self._pending[up.url] += uncached
+            self._inflight_keys.setdefault(up.url, Counter()).update(keys)
+        if route.session is not None:
+            first = None
+            if route.token_ids is not None:
+                bs = self._block_size(up.url)
+                keys = route.keys(route.engine_salt(up), bs) if bs else []
+                first = keys[0] if keys else None
+            sess = self._sessions.get(route.session)
+            if sess is None or sess.url != up.url:
+                sess = _Session(up.url, first)
+                self._sessions[route.session] = sess
+            elif first is not None:
+                sess.first_key = first
+            sess.in_flight += 1
+            self._sessions.move_to_end(route.session)
+            while len(self._sessions) > MAX_SESSIONS:
+                self._sessions.popitem(last=False)
+
+    def _session(self, route: PreciseRoute) -> _Session | None:
+        """The route's session pin while it holds (module docstring), else None (forgotten)."""
+        if route.session is None:
+            return None
+        sess = self._sessions.get(route.session)
+        if sess is None:
+            return None
+        if sess.in_flight > 0:
+            return sess
+        if sess.first_key is not None and self.index.match([sess.first_key]).get(sess.url, 0):
+            return sess
+        del self._sessions[route.session]  # its pins are gone
+        return None
+
+    def started(self, route: Route | None) -> None:
+        """The upstream's answer began (a stream's headers come with its first token): the
+        request's prefill is done, its pending prefill charge goes."""
+        if not isinstance(route, PreciseRoute) or route._charge is None:
+            return
+        url, uncached, keys = route._charge
+        self._pending[url] -= uncached
+        route._charge = (url, 0, keys)
+
+    def release(self, route: Route | None) -> None:
+        """The request left its upstream (answered, failed, or retried elsewhere): its load
+        charge goes."""
+        if not isinstance(route, PreciseRoute) or route._charge is None:
+            return
+        url, uncached, keys = route._charge
+        route._charge = None
+        self._pending[url] -= uncached
+        held = self._inflight_keys.get(url)
+        if held is not None:
+            held.subtract(keys)
+            for k in keys:
+                if k in held and held[k] <= 0:
+                    del held[k]
+        if route.session is not None:
+            sess = self._sessions.get(route.session)
+            if sess is not None and sess.url == url and sess.in_flight > 0:
+                sess.in_flight -= 1
+
+    def learn(self, up: Upstream, route: Route | None, cached: int, prompt_tokens: int) -> None:
+        """The answer from ``up`` reported ``cached`` cached prompt tokens: compared with the
+        prediction (counted exact / over / under)."""
+        if not isinstance(route, PreciseRoute):
+            return
+        route.reported_cached = cached
+        predicted = route.predicted_cached
+        if predicted is None:
+            return
+        self.predicted_tokens[up.url] += predicted
+        self.reported_tokens[up.url] += cached
+        result = "exact" if predicted == cached else "over" if predicted > cached else "under"
+        self.predictions[(up.url, result)] += 1
+
+    # ---- metrics -----------------------------------------------------------------------------
+    def collector(self) -> Collector:
+        """A prometheus collector of the policy's and the index's counters."""
+        return _PreciseCollector(self)
+
+
+_INDEX_COUNTERS = (
+    ("gaps", "sequence gaps found in the replica's KV event stream"),
+    ("resyncs", "resyncs of the replica's blocks (replay or snapshot)"),
+    ("replays", "resyncs by replay"),
+    ("snapshots", "resyncs by snapshot"),
+    ("restarts", "engine restarts seen"),
+    ("resync_failures", "replay / snapshot requests that failed"),
+    ("batches_applied", "KV event batches applied"),
+    ("unknown_removals", "removals of blocks the index did not hold (0 when exact)"),
+)
+
+
+class _PreciseCollector(Collector):
+    def __init__(self, policy: PreciseRouting) -> None:
+        self.policy = policy
+
+    def collect(self) -> Iterator[Any]:
+        p = self.policy
+        pred = CounterMetricFamily(
+            "prefixgate_route_predicted_cached_tokens",
+            "prompt tokens precise routing predicted cached on the chosen upstream "
+            "(requests whose answer reported cached_tokens)",
+            labels=["upstream"],
+        )
+        rep = CounterMetricFamily(
+            "prefixgate_route_reported_cached_tokens",
+            "cached_tokens the upstreams reported for those requests",
+            labels=["upstream"],
+        )
+        for url in sorted(set(p.predicted_tokens) | set(p.reported_tokens)):
+            pred.add_metric([url], p.predicted_tokens[url])
+            rep.add_metric([url], p.reported_tokens[url])
+        agree = CounterMetricFamily(
+            "prefixgate_route_predictions",
+            "precise routing's predictions against the reported cached tokens",
+            labels=["upstream", "result"],
+        )
+        for (url, result), n in sorted(p.predictions.items()):
+            agree.add_metric([url, result], n)
+        dec = CounterMetricFamily(
+            "prefixgate_route_decisions",
+            "precise routing's choices by reason (score, affinity, fallback_*)",
+            labels=["reason"],
+        )
+        for reason, n in sorted(p.decisions.items()):
+            dec.add_metric([reason], n)
+        yield from (pred, rep, agree, dec)
+        stats = p.index.stats()["replicas"]
+        gauges = {
+            "synced": GaugeMetricFamily(
+                "prefixgate_kv_index_synced",
+                "1 when the replica's blocks are in sync",
+                labels=["replica"],
+            ),
+            "blocks": GaugeMetricFamily(
+                "prefixgate_kv_index_blocks", "distinct block hashes held", labels=["replica"]
+            ),
+            "lag_s": GaugeMetricFamily(
+                "prefixgate_kv_index_lag_seconds",
+                "seconds from the last applied batch's engine step to its application",
+                labels=["replica"],
+            ),
+            "seq_lag": GaugeMetricFamily(
+                "prefixgate_kv_index_seq_lag",
+                "batches seen on the stream but not applied",
+                labels=["replica"],
+            ),
+        }
+        counters = {
+            name: CounterMetricFamily(f"prefixgate_kv_index_{name}", doc, labels=["replica"])
+            for name, doc in _INDEX_COUNTERS
+        }
+        for name, st in sorted(stats.items()):
+            for k, g in gauges.items():
+                g.add_metric([name], float(st[k]))
+            for k, c in counters.items():
+                c.add_metric([name], st[k])
+        yield from gauges.values()
+        yield from counters.values()

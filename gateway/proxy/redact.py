@@ -1,0 +1,129 @@
+"""Upstream errors reworded, never relayed: no upstream credential ever reaches a client.
+
+An upstream's error body is written by another server, about the request the *gateway* sent:
+with the gateway's own credential (``--upstream-api-key``, or a URL's ``user:password``), a 401
+or 403 is about that credential, and some servers quote it ("Incorrect API key provided:
+Bearer sk-..."). So:
+
+* ``auth_error(status, up, own)``: a 401/403 answered to the gateway's own credential is a 502
+  ``upstream_auth_failed`` naming the upstream (its URL, which never holds a password), never
+  its body; answered to the client's own forwarded ``Authorization`` (an open gateway without
+  an upstream key) it stays a 401/403, reworded, the body still not shown.
+* ``reworded_error(data, secrets)``: any other error body is rebuilt as an OpenAI error object
+  of its four fields (``message``, ``type``, ``param``, ``code``; anything else dropped) with
+  every credential string replaced by ``[redacted]``.
+* ``secrets_of(api_key, up)``: the strings to scrub: the key, its ``Bearer`` header, a URL's
+  Basic header, its base64 token, ``user:password`` and the password alone.
+* ``scrub(data, secrets)``: the same replacement on raw bytes (stream events).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import zlib
+from typing import Any
+
+from prefixgate.gateway.http.errors import APIError
+
+REDACTED = "[redacted]"
+_MIN_SECRET = 4  # shorter strings are not scrubbed (they would garble every message)
+
+
+def secrets_of(api_key: str | None, auth: str | None) -> tuple[str, ...]:
+    """Every spelling of the gateway's upstream credentials (longest first): ``api_key`` (and
+    ``Bearer <key>``), an upstream's own ``auth`` header value (``Basic <token>``), its token
+    and the ``user:password`` / password it encodes."""
+    found: set[str] = set()
+    if api_key:
+        found |= {api_key, "Bearer " + api_key}
+    if auth:
+        found.add(auth)
+        scheme, _, token = auth.partition(" ")
+        if token:
+            found.add(token)
+            if scheme.lower() == "basic":
+                try:
+                    userinfo = base64.b64decode(token, validate=True).decode("utf-8")
+                except (binascii.Error, UnicodeDecodeError):
+                    userinfo = ""
+                if userinfo:
+                    found.add(userinfo)
+                    found.add(userinfo.partition(":")[2])
+    return tuple(sorted((s for s in found if len(s) >= _MIN_SECRET), key=len, reverse=True))
+
+
+def scrub_text(text: str, secrets: tuple[str, ...]) -> str:
+    """``text`` with every secret replaced by ``[redacted]``."""
+    for secret in secrets:
+        if secret in text:
+            text = text.replace(secret, REDACTED)
+    return text
+
+
+def scrub(data: bytes, secrets: tuple[str, ...]) -> bytes:
+    """``data`` (UTF-8 bytes, e.g. stream events) with every secret replaced, also in its
+    JSON-escaped spelling."""
+    for secret in secrets:
+        for spelled in {secret, json.dumps(secret)[1:-1]}:
+            raw = spelled.encode("utf-8", "surrogatepass")
+            if raw in data:
+                data = data.replace(raw, REDACTED.encode())
+    return data
+
+
+def auth_error(status: int, url: str, own_credential: bool) -> APIError:
+    """The error for an upstream's 401/403 (its body never shown).
+
+    Returns:
+        502 ``upstream_auth_failed`` naming ``url`` when the gateway sent its own credential;
+        else ``status`` with ``invalid_api_key`` (the client's forwarded key was refused).
+    """
+    if own_credential:
+        return APIError(
+            502,
+            f"upstream {url} refused the gateway's credentials (HTTP {status}): check "
+            "--upstream-api-key or the upstream URL's user:password",
+            code="upstream_auth_failed",
+            type="upstream_error",
+        )
+    return APIError(
+        status,
+        f"upstream {url} refused the request's credentials (HTTP {status})",
+        code="invalid_api_key",
+    )
+
+
+def reworded_error(data: bytes, encoding: str, secrets: tuple[str, ...]) -> dict[str, Any] | None:
+    """An upstream's OpenAI error body rebuilt from its four fields, credentials scrubbed
+    (``encoding``: its ``Content-Encoding``, gzip/deflate undone); None when ``data`` is not an
+    OpenAI error object."""
+    if encoding.lower() in ("gzip", "deflate"):
+        try:
+            data = zlib.decompress(data, wbits=47)
+        except zlib.error:
+            return None
+    try:
+        parsed = json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    err = parsed.get("error") if isinstance(parsed, dict) else None
+    if not isinstance(err, dict):
+        return None
+
+    def field(name: str) -> str | None:
+        value = err.get(name)
+        if value is None:
+            return None
+        text = value if isinstance(value, str) else json.dumps(value)
+        return scrub_text(text, secrets)[:2000]
+
+    return {
+        "error": {
+            "message": field("message") or "upstream error",
+            "type": field("type") or "upstream_error",
+            "param": field("param"),
+            "code": field("code"),
+        }
+    }

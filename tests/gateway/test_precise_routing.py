@@ -1,0 +1,343 @@
+"""``precise`` routing's decisions on a stub index (no engine), its options, and its import
+without torch.
+
+- the cost: the upstream holding more of the prompt wins at equal load; load (tokens in flight
+  there) outweighs a small cache advantage;
+- the per-request bound: an upstream whose in-flight requests with this one would exceed X x
+  the mean is never chosen, however much it holds; the least loaded always qualifies;
+- session affinity (``prompt_cache_key``, else ``user``, within a cache partition) holds while
+  the session's pins are held (or a request of it is in flight) and is forgotten when the
+  index says they are gone;
+- fallback to ``cache_aware`` when a candidate has no feed or its feed is not synced, or the
+  request does not tokenize;
+- salts: the engine salt per upstream is ``effective_salt(None, forwarded cache_salt)``;
+- options: ``--upstream-kv-events`` specs, settings refused by name, the CLI flags;
+- torch-free: the policy tokenizes in a process where torch cannot be imported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Sequence
+
+import pytest
+from prefixgate.gateway.proxy.kv_index import prompt_block_keys
+from prefixgate.gateway.proxy.precise_routing import (
+    PreciseRoute,
+    PreciseRouting,
+    parse_kv_events_spec,
+)
+from prefixgate.gateway.proxy.upstream import Route, Upstream
+from prefixgate.gateway.settings import GatewaySettings
+from prefixgate.gateway.tenancy.keys import effective_salt
+
+BS = 4
+A, B, C = "http://a:1", "http://b:1", "http://c:1"
+
+
+class StubIndex:
+    """What the policy asks of ``KVIndex``: per replica a set of held keys, synced or not."""
+
+    def __init__(self, urls: Sequence[str]) -> None:
+        self.held: dict[str, set[bytes]] = {u: set() for u in urls}
+        self.synced = dict.fromkeys(urls, True)
+
+    def stats(self) -> dict:
+        return {"replicas": {u: {"synced": s} for u, s in self.synced.items()}}
+
+    def block_size(self, name: str) -> int:
+        return BS
+
+    def match(self, keys: Sequence[bytes]) -> dict[str, int]:
+        out = {}
+        for u, held in self.held.items():
+            n = 0
+            while n < len(keys) and keys[n] in held:
+                n += 1
+            out[u] = n
+        return out
+
+    def hold(self, url: str, ids: list[int], salt: str | None = None, blocks: int | None = None):
+        keys = prompt_block_keys(ids, BS, salt)
+        self.held[url].update(keys[:blocks])
+
+    def start(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class FakeTokenizer:
+    """Each character one token (its code point); chat: the contents joined."""
+
+    vocab_size = 1 << 20
+
+    def encode_chat(self, messages, add_generation_prompt=True, **kw):
+        return [ord(c) for m in messages for c in m["content"]]
+
+    def encode_batch(self, texts, add_special_tokens=True):
+        return [[ord(c) for c in t] for t in texts]
+
+    def min_num_tokens(self, text: str) -> int:
+        return 0
+
+    def apply_chat_template(self, messages, **kw):
+        return "".join(m["content"] for m in messages)
+
+
+def ups(*urls: str) -> list[Upstream]:
+    out = [Upstream(u) for u in urls]
+    for u in out:
+        u.cache_salt = True
+    return out
+
+
+def policy(urls: Sequence[str], **kw) -> tuple[PreciseRouting, StubIndex]:
+    index = StubIndex(urls)
+    feeds = {u: ("tcp://127.0.0.1:1", None) for u in urls}
+    return PreciseRouting(FakeTokenizer(), feeds, index=index, **kw), index  # type: ignore[arg-type]
+
+
+def route_of(p: PreciseRouting, body: dict, salt: str | None = None) -> PreciseRoute:
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    body = {"model": "m", **body}
+    return asyncio.run(p.prepare(Route(None, [1]), body, path, salt))
+
+
+def never() -> Upstream:
+    raise AssertionError("fell back")
+
+
+PROMPT = "abcdefghijklmnopqrstuvwxyz" * 2  # 52 tokens: 12 reusable blocks of 4
+
+
+def test_holder_wins_at_equal_load_and_prediction_is_noted():
+    p, index = policy([A, B])
+    index.hold(B, [ord(c) for c in PROMPT])
+    a, b = ups(A, B)
+    r = route_of(p, {"prompt": PROMPT})
+    assert p.pick(r, [a, b], never) is b
+    assert r.predicted_cached == 48 and r.reason == "score"
+    p.learn(b, r, 48, 52)
+    assert p.predictions[(B, "exact")] == 1
+    p.release(r)
+    assert p._pending[B] == 0 and not p._inflight_keys[B]
+
+
+def test_load_outweighs_a_small_cache_advantage():
+    p, index = policy([A, B])
+    ids = [ord(c) for c in PROMPT]
+    index.hold(B, ids, blocks=1)  # B saves 4 tokens
+    a, b = ups(A, B)
+    busy = route_of(p, {"prompt": "z" * 40})
+    assert p.pick(busy, [a], never) is a  # 40 tokens in flight on A
+    assert p.pick(route_of(p, {"prompt": PROMPT}), [a, b], never) is b
+    # with B's queued prefill far above what it saves, A wins
+    p2, index2 = policy([A, B])
+    index2.hold(B, ids, blocks=1)
+    a2, b2 = ups(A, B)
+    heavy = route_of(p2, {"prompt": "y" * 200})
+    assert p2.pick(heavy, [b2], never) is b2
+    assert p2.pick(route_of(p2, {"prompt": PROMPT}), [a2, b2], never) is a2
+
+
+def test_bound_on_imbalance_is_judged_per_request():
+    p, index = policy([A, B, C], max_load_ratio=1.3)
+    ids = [ord(c) for c in PROMPT]
+    index.hold(A, ids)
+    a, b, c = ups(A, B, C)
+    a.in_flight, b.in_flight, c.in_flight = 2, 1, 1
+    # A with this one: 3 > 1.3 * (4 + 1) / 3 = 2.17 -> not a candidate, however much it holds
+    r = route_of(p, {"prompt": PROMPT})
+    assert p.pick(r, [a, b, c], never) in (b, c)
+    assert r.predicted_cached == 0
+    a.in_flight = 1  # 2 <= max(1.3 * 4 / 3, 4 / 3 + 1): one above the mean is allowed
+    assert p.pick(route_of(p, {"prompt": PROMPT}), [a, b, c], never) is a
+    a.in_flight, b.in_flight, c.in_flight = 9, 6, 6
+    # A with this one: 10 > max(1.3 * 22 / 3 = 9.53, 8.33)
+    assert p.pick(route_of(p, {"prompt": PROMPT}), [a, b, c], never) in (b, c)
+    a.in_flight = 8  # 9 <= 9.53
+    assert p.pick(route_of(p, {"prompt": PROMPT}), [a, b, c], never) is a
+    with pytest.raises(ValueError, match="max_load_ratio"):
+        policy([A], max_load_ratio=0.9)
+
+
+def test_session_affinity_lasts_as_long_as_its_pins():
+    p, index = policy([A, B])
+    a, b = ups(A, B)
+    first = route_of(p, {"prompt": "hello there, this is turn one", "user": "u1"}, salt="t")
+    assert p.pick(first, [a, b], never) is a  # nothing cached anywhere: the first in turn
+    p.release(first)
+    index.hold(A, [ord(c) for c in "hello there, this is turn one"], salt=effective_salt(None, "t"))
+    # B holds this new prompt's opening, but the session's pins are on A
+    other = "something else entirely, turn two"
+    index.hold(B, [ord(c) for c in other], salt=effective_salt(None, "t"))
+    second = route_of(p, {"prompt": other, "user": "u1"}, salt="t")
+    assert p.pick(second, [a, b], never) is a and second.reason == "affinity"
+    p.release(second)
+    # another tenant's session of the same name is its own
+    third = route_of(p, {"prompt": other, "user": "u1"}, salt="other-tenant")
+    assert p.pick(third, [a, b], never).url in (A, B) and third.reason == "score"
+    p.release(third)
+    # A evicted the session's blocks: the pin is gone, the session forgotten
+    index.held[A].clear()
+    fourth = route_of(p, {"prompt": other, "user": "u1"}, salt="t")
+    assert p.pick(fourth, [a, b], never) is b and fourth.reason == "score"
+
+
+def test_burst_of_one_prompt_stays_before_its_events_arrive():
+    """Nothing published yet: the second request of a prompt goes where the first is in
+    flight (its blocks are being computed there), and is predicted cached there."""
+    p, _ = policy([A, B])
+    a, b = ups(A, B)
+    first = route_of(p, {"prompt": PROMPT})
+    up = p.pick(first, [a, b], never)
+    up.in_flight = 1
+    second = route_of(p, {"prompt": PROMPT})
+    assert p.pick(second, [a, b], never) is up and second.predicted_cached == 48
+    p.release(first)
+    p.release(second)
+    assert not p._inflight_keys[up.url] and p._pending[up.url] == 0
+
+
+def test_falls_back_without_feed_sync_or_tokens():
+    p, index = policy([A, B])
+    a, b = ups(A, B)
+    c = Upstream(C)
+    r = route_of(p, {"prompt": PROMPT})
+    assert p.pick(r, [a, c], lambda: a) is a and r.reason == "fallback_no_feed"
+    assert r.predicted_cached == 0  # the chosen one's feed is synced: still predicted
+    p.release(r)
+    index.synced[B] = False
+    r = route_of(p, {"prompt": PROMPT})
+    assert p.pick(r, [a, b], lambda: b) is b and r.reason == "fallback_not_synced"
+    assert r.predicted_cached is None
+    p.release(r)
+    r = route_of(p, {"messages": "not a list"})
+    assert r.token_ids is None
+    assert p.pick(r, [a], lambda: a) is a and r.reason == "fallback_untokenized"
+    assert p.decisions == {
+        "fallback_no_feed": 1,
+        "fallback_not_synced": 1,
+        "fallback_untokenized": 1,
+    }
+
+
+def test_engine_salt_follows_the_forwarded_cache_salt():
+    p, _ = policy([A])
+    (a,) = ups(A)
+    r = route_of(p, {"prompt": PROMPT, "cache_salt": "mine"}, salt="composed")
+    assert r.engine_salt(a) == effective_salt(None, "composed")
+    a.cache_salt = False  # the body goes as the client sent it
+    assert r.engine_salt(a) == effective_salt(None, "mine")
+    open_route = route_of(p, {"prompt": PROMPT}, salt=None)
+    assert open_route.engine_salt(a) is None
+
+
+def test_batch_of_prompts_is_routed_but_not_predicted():
+    p, _ = policy([A, B])
+    a, b = ups(A, B)
+    r = route_of(p, {"prompt": ["first prompt", "second"]})
+    assert r.batch and r.token_ids == [ord(c) for c in "first prompt"]
+    p.pick(r, [a, b], never)
+    assert r.predicted_cached is None
+
+
+def test_kv_events_specs():
+    assert parse_kv_events_spec("http://e0:8000/v1=tcp://e0:5557") == (
+        "http://e0:8000",
+        "tcp://e0:5557",
+        "tcp://e0:5558",
+    )
+    assert parse_kv_events_spec("http://e0:8000=tcp://e0:5557,tcp://e0:6000")[2] == "tcp://e0:6000"
+    assert parse_kv_events_spec("http://e0:8000=tcp://e0:5557,-")[2] is None
+    for bad in ("tcp://e0:5557", "http://e0:8000=", "http://e0:8000=udp://x:1", "x=tcp://e:*"):
+        with pytest.raises(ValueError):
+            parse_kv_events_spec(bad)
+
+
+def test_settings_refuse_precise_options_by_name(aidreams_path):
+    with pytest.raises(ValueError, match="tokenizer"):
+        GatewaySettings(routing="precise")
+    with pytest.raises(ValueError, match="tokenizer is used by routing precise only"):
+        GatewaySettings(tokenizer=aidreams_path)
+    with pytest.raises(ValueError, match="upstream_kv_events is used by routing precise only"):
+        GatewaySettings(upstream_kv_events={A: ("tcp://a:1", None)})
+    with pytest.raises(ValueError, match="precise_max_load_ratio"):
+        GatewaySettings(routing="precise", tokenizer=aidreams_path, precise_max_load_ratio=0.5)
+    with pytest.raises(ValueError, match="precise_overlap_weight"):
+        GatewaySettings(routing="precise", tokenizer=aidreams_path, precise_overlap_weight=0)
+    from prefixgate.gateway.app import create_proxy_app
+
+    s = GatewaySettings(
+        routing="precise", tokenizer=aidreams_path, upstream_kv_events={B: ("tcp://b:1", None)}
+    )
+    with pytest.raises(ValueError, match="not upstreams"):
+        create_proxy_app([A], s)
+
+
+def test_cli_flags_reach_the_settings(aidreams_path):
+    from prefixgate.gateway.cli import build_parser
+    from prefixgate.gateway.serve.configure import settings_from_args
+
+    args = build_parser("serve").parse_args(
+        [
+            "serve",
+            "--upstream",
+            A,
+            "--routing",
+            "precise",
+            "--tokenizer",
+            aidreams_path,
+            "--upstream-kv-events",
+            A + "=tcp://a:5557",
+            "--precise-max-load-ratio",
+            "1.5",
+        ]
+    )
+    s = settings_from_args(args)
+    assert s.routing == "precise" and s.tokenizer == aidreams_path
+    assert s.upstream_kv_events == {A: ("tcp://a:5557", "tcp://a:5558")}
+    assert s.precise_max_load_ratio == 1.5
+
+
+def test_precise_proxy_tokenizes_without_torch(tmp_path, aidreams_path):
+    """In a process where torch (and numpy, safetensors, triton, transformers) cannot be
+    imported, a precise proxy app is built and tokenizes a chat as the engine's tokenizer does
+    (the parent process computes the expected ids)."""
+    from prefixgate.engine.tokenizer import Tokenizer
+
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    expected = Tokenizer.from_pretrained(aidreams_path).encode_chat(
+        messages, add_generation_prompt=True
+    )
+    blocked = ("torch", "safetensors", "numpy", "triton", "transformers")
+    (tmp_path / "sitecustomize.py").write_text(
+        f"import sys\nfor n in {blocked!r}:\n    sys.modules[n] = None\n"
+    )
+    code = textwrap.dedent(
+        f"""
+        import asyncio, sys
+        from prefixgate.gateway.app import create_proxy_app
+        from prefixgate.gateway.proxy.serving import PROXY
+        from prefixgate.gateway.proxy.upstream import Route
+        from prefixgate.gateway.settings import GatewaySettings
+        s = GatewaySettings(routing="precise", tokenizer={aidreams_path!r})
+        app = create_proxy_app(["http://127.0.0.1:9"], s)
+        body = {{"model": "m", "messages": {messages!r}}}
+        r = asyncio.run(app[PROXY].router.precise.prepare(
+            Route(None, []), body, "/v1/chat/completions", None))
+        assert "torch" not in sys.modules or sys.modules["torch"] is None
+        print(r.token_ids)
+        """
+    )
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(list(expected))

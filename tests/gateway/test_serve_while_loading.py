@@ -1,0 +1,72 @@
+"""The server answers while the model loads (``serve/runner.py``): the port is bound before the
+load, the load runs in its own thread, so ``/health`` is 200 and ``/ready`` 503 all the while a
+(deliberately slowed, interpreter-busy) load has not ended; then ``/ready`` turns 200."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import prefixgate.engine
+from prefixgate.engine.config import EngineConfig
+from prefixgate.gateway.serve.runner import serve
+from prefixgate.gateway.settings import GatewaySettings
+from support.fake_engine import FakeEngine
+from support.net import free_port
+
+
+def test_health_answers_while_a_slow_load_runs(monkeypatch):
+    release = threading.Event()
+    loading = threading.Event()
+    answered_during_load: list[int] = []
+
+    class SlowEngine(FakeEngine):
+        def __init__(self, config: EngineConfig) -> None:
+            loading.set()
+            while not release.is_set():  # busy in Python, as an import or a weight copy is
+                sum(range(10_000))
+            super().__init__()
+
+    monkeypatch.setattr(prefixgate.engine, "AsyncEngine", SlowEngine)
+    port = free_port()
+    loop = asyncio.new_event_loop()
+    task: list[asyncio.Task] = []
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        coro = serve(GatewaySettings(model_name="fake"), EngineConfig(), [], "127.0.0.1", port)
+        task.append(loop.create_task(coro))
+        try:
+            loop.run_until_complete(task[0])
+        except asyncio.CancelledError:
+            pass
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert loading.wait(60)
+        with httpx.Client(base_url=url, timeout=30) as http:
+            for _ in range(20):  # 20 probes, all during the load (it waits for `release`)
+                while True:
+                    try:
+                        r = http.get("/health")
+                        break
+                    except httpx.ConnectError:
+                        time.sleep(0.05)  # bound just after the load started
+                answered_during_load.append(r.status_code)
+                assert http.get("/ready").status_code == 503
+            assert not release.is_set()
+            release.set()
+            deadline = time.monotonic() + 30
+            while http.get("/ready").status_code != 200 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert http.get("/ready").status_code == 200
+        assert answered_during_load == [200] * 20
+    finally:
+        release.set()
+        if task:
+            loop.call_soon_threadsafe(task[0].cancel)
+        thread.join(30)
