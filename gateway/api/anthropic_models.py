@@ -244,7 +244,7 @@ def _refuse(raw: dict[str, Any], model: type[_Conversation]) -> None:
         raise bad_request(
             "speed: only 'standard' is supported", param="speed", code="unsupported_parameter"
         )
-    for i, tool in enumerate(raw.get("tools") or []):
+    for i, tool in enumerate(_listed(raw.get("tools"))):
         kind = tool.get("type") if isinstance(tool, dict) else None
         if kind not in (None, "custom"):
             where = f"tools.{i}.type"
@@ -255,7 +255,7 @@ def _refuse(raw: dict[str, Any], model: type[_Conversation]) -> None:
             )
     system = raw.get("system")
     blocks = [(f"system.{j}", b) for j, b in enumerate(system)] if isinstance(system, list) else []
-    for i, m in enumerate(raw.get("messages") or []):
+    for i, m in enumerate(_listed(raw.get("messages"))):
         content = m.get("content") if isinstance(m, dict) else None
         if isinstance(content, list):
             blocks += [(f"messages.{i}.content.{j}", b) for j, b in enumerate(content)]
@@ -275,6 +275,11 @@ def _refuse(raw: dict[str, Any], model: type[_Conversation]) -> None:
                 param=f"{where}.type",
                 code="unsupported_parameter",
             )
+
+
+def _listed(value: Any) -> list[Any]:
+    """``value`` when it is a list, else empty (the models then name what is wrong with it)."""
+    return value if isinstance(value, list) else []
 
 
 @dataclass(slots=True)

@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prefixgate.gateway.app import create_proxy_app
 from prefixgate.gateway.http.server import BackgroundServer
+from prefixgate.gateway.local.serving import LOCAL
 from prefixgate.gateway.settings import GatewaySettings
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "1000"))
@@ -257,6 +258,7 @@ def _healthy_and_whole(srv: BackgroundServer, engine, gw) -> None:
         assert http.get("/health").status_code == 200
         assert http.get("/ready").status_code == 200
         assert http.get("/metrics").status_code == 200
+    srv.call(srv.app[LOCAL].cache_pins.settle)  # Messages breakpoints pin in the background
     stats = gw.wait_idle(srv, engine)
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0, stats
     assert stats["kv_blocks_used"] == stats["pinned_blocks"], stats

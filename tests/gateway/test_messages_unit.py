@@ -5,6 +5,7 @@ mode's own errors in Anthropic's error shape."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -310,3 +311,13 @@ def test_cache_miss_reasons():
         "type": "messages_changed",
         "cache_missed_input_tokens": 16,
     }
+
+
+@pytest.mark.parametrize("field", ["tools", "messages"])
+def test_a_non_list_tools_or_messages_is_a_400_naming_it(field):
+    from prefixgate.gateway.api.anthropic_models import CountTokensRequest
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], field: -9276}
+    with pytest.raises(APIError) as caught:
+        parse_request(CountTokensRequest, json.dumps(body).encode())
+    assert caught.value.status == 400 and field in caught.value.message
