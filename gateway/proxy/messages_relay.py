@@ -21,7 +21,8 @@ upstream:
 A failure before the answer (connection error, 502/503/504, an invalid 200) marks the
 upstream down and tries the next of the model; a 429 (its ``Retry-After`` keeps the upstream
 out) or 500/529 tries the next too; then a config's fallbacks. An upstream error reaches the
-client reworded — its status and error type, never its body. A stream that ends before its
+client reworded — its status and error type, never its body (a 401/403 to the gateway's own
+credential is a 502 ``upstream_auth_failed``: ``redact.auth_error``). A stream that ends before its
 last event, breaks, stalls past ``--upstream-timeout-s`` or turns to garbage ends with an
 Anthropic ``error`` event, never as a success. The key is charged the usage the upstream
 reports.
@@ -52,6 +53,7 @@ from prefixgate.gateway.http.sse import KEEPALIVE, SSE_HEADERS
 from prefixgate.gateway.proxy import anthropic, messages_openai
 from prefixgate.gateway.proxy.messages_openai import Malformed
 from prefixgate.gateway.proxy.policies import Route
+from prefixgate.gateway.proxy.redact import auth_error, secrets_of
 from prefixgate.gateway.proxy.routes import upstream_headers
 from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import Upstream, retry_after_seconds
@@ -301,10 +303,14 @@ async def _refused(call: _Call, up: Upstream, resp: aiohttp.ClientResponse) -> N
     """An upstream's non-200 answer: on to the next upstream (``_Next``) or the client's
     error, reworded (``reworded``); never returns."""
     data = await resp.read()
+    if resp.status in (401, 403):  # about whose credential: the gateway's, or the client's
+        own = up.auth is not None or bool(call.st.settings.upstream_api_key)
+        raise auth_error(resp.status, up.url, own)
+    secrets = secrets_of(call.st.settings.upstream_api_key, up.auth)
     if resp.status in _DOWN:
         call.router.mark_failed(up, f"HTTP {resp.status}")
-        raise _Next(str(resp.status), reworded(resp.status, data, resp.headers))
-    err = reworded(resp.status, data, resp.headers)
+        raise _Next(str(resp.status), reworded(resp.status, data, resp.headers, secrets))
+    err = reworded(resp.status, data, resp.headers, secrets)
     if resp.status in _NEXT:
         wait = retry_after_seconds(resp.headers.get("Retry-After"))
         if resp.status == 429 and wait is not None:
@@ -315,9 +321,9 @@ async def _refused(call: _Call, up: Upstream, resp: aiohttp.ClientResponse) -> N
     raise err
 
 
-def reworded(status: int, data: bytes, headers: Any) -> APIError:
+def reworded(status: int, data: bytes, headers: Any, secrets: tuple[str, ...] = ()) -> APIError:
     """The client's error for an upstream's error answer: its status and error type (and an
-    OpenAI error's code, an identifier), never its message or body; a 400 for a prompt over
+    OpenAI error's code, an identifier without a credential), never its message or body; a 400 for a prompt over
     the context (OpenAI's code, vLLM's and SGLang's wording) says so in the gateway's words."""
     kind = code = None
     try:
@@ -328,8 +334,8 @@ def reworded(status: int, data: bytes, headers: Any) -> APIError:
     if isinstance(err, dict):
         kind = err.get("type") if isinstance(err.get("type"), str) else None
         code = err.get("code") if isinstance(err.get("code"), str) else None
-    kind = kind if kind is not None and _CODE.fullmatch(kind) else None
-    code = code if code is not None and _CODE.fullmatch(code) else None
+    kind = kind if kind is not None and _shown(kind, secrets) else None
+    code = code if code is not None and _shown(code, secrets) else None
     said = ", ".join(x for x in (kind, code) if x)
     retry = retry_after_seconds(headers.get("Retry-After"))
     message = f"the upstream answered HTTP {status}" + (f" ({said})" if said else "")
@@ -348,6 +354,12 @@ def reworded(status: int, data: bytes, headers: Any) -> APIError:
         code=code or "upstream_error",
         retry_after=retry if status == 429 else None,
     )
+
+
+def _shown(word: str, secrets: tuple[str, ...]) -> bool:
+    """Whether an upstream's error type or code may be named: an identifier holding none of
+    the gateway's upstream credentials."""
+    return bool(_CODE.fullmatch(word)) and not any(s in word for s in secrets)
 
 
 async def _message_try(call: _Call, up: Upstream, ticket: Any) -> web.StreamResponse:

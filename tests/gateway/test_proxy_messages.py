@@ -524,3 +524,23 @@ def test_a_garbled_or_failed_stream_ends_with_an_error_event_never_showing_it(vl
     last = text.rstrip().split("\n\n")[-1]
     assert last.startswith("event: error\ndata: ") and said in last
     assert SECRET not in text and "message_stop" not in text
+
+
+def test_an_upstream_refusing_the_gateway_key_is_a_502_not_the_client_s_401(servers):
+    stub = ChatStub(status=401)
+    up = servers(stub.app)
+    gw = servers(lambda: create_proxy_app([up.url], GatewaySettings(upstream_api_key="sk-up")))
+    with pytest.raises(anthropic.APIStatusError) as caught:
+        _client(gw).messages.create(
+            model="llama", max_tokens=8, messages=[{"role": "user", "content": "hi"}]
+        )
+    assert caught.value.status_code == 502 and "sk-up" not in json.dumps(caught.value.body)
+    assert stub.headers[-1]["Authorization"] == "Bearer sk-up"
+
+
+def test_an_error_code_holding_the_gateway_key_is_not_named():
+    from prefixgate.gateway.proxy.messages_relay import reworded
+
+    body = {"error": {"message": "x", "type": "sk_up_key", "code": "fine_code"}}
+    err = reworded(400, json.dumps(body).encode(), {}, ("sk_up_key",))
+    assert "sk_up_key" not in err.message and err.code == "fine_code"
