@@ -49,6 +49,18 @@ STUB_BODY = json.dumps(
         "usage": {"prompt_tokens": 20, "completion_tokens": 1, "total_tokens": 21},
     }
 ).encode()
+MODELS_BODY = json.dumps(
+    {
+        "object": "list",
+        "data": [{"id": "stub", "object": "model", "created": 0, "owned_by": "stub"}],
+    }
+).encode()
+MODELS_RESPONSE = (  # GET /v1/models: the gateway routes by model and polls each upstream's list
+    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+    + str(len(MODELS_BODY)).encode()
+    + b"\r\nConnection: keep-alive\r\n\r\n"
+    + MODELS_BODY
+)
 STUB_RESPONSE = (
     b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
     + str(len(STUB_BODY)).encode()
@@ -99,8 +111,9 @@ class _StubProtocol(asyncio.Protocol):
             length = _content_length(self.buf[: end + 2])
             if len(self.buf) < end + 4 + length:
                 return
+            models = self.buf.startswith(b"GET /v1/models")
             self.buf = self.buf[end + 4 + length :]
-            self.transport.write(STUB_RESPONSE)
+            self.transport.write(MODELS_RESPONSE if models else STUB_RESPONSE)
 
 
 def _run_stub(port: int, ready: mp.Event) -> None:
@@ -114,21 +127,21 @@ def _run_stub(port: int, ready: mp.Event) -> None:
     asyncio.run(main())
 
 
-def _start_gateway(port: int, upstream: str) -> subprocess.Popen:
-    """``prefixgate serve --upstream`` in its own process; returns once ``/ready`` answers 200.
+def start_serve(port: int, args: list[str], timeout_s: float = 60.0) -> subprocess.Popen:
+    """``prefixgate serve --host 127.0.0.1 --port PORT ARGS`` in its own process; returns once
+    ``/ready`` answers 200 (the benchmarks of this folder that measure a served gateway).
 
-    Raises SystemExit when it does not come up within 60 s (its stderr is shown).
+    Raises SystemExit when it exits or does not come up within ``timeout_s`` (its stderr shown).
     """
     cmd = [sys.executable, "-m", "prefixgate.gateway.cli", "serve", "--host", "127.0.0.1"]
-    cmd += ["--port", str(port), "--upstream", upstream, "--max-queued-requests", "4096"]
-    cmd += ["--log-level", "WARNING"]
+    cmd += ["--port", str(port), *args]
     log = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: a full pipe would stall it
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True)
-    deadline = time.monotonic() + 60.0
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             log.seek(0)
-            raise SystemExit(f"gateway exited with {proc.returncode}: {log.read()}")
+            raise SystemExit(f"prefixgate serve exited with {proc.returncode}: {log.read()}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1.0).status_code == 200:
                 return proc
@@ -136,7 +149,7 @@ def _start_gateway(port: int, upstream: str) -> subprocess.Popen:
             pass
         time.sleep(0.1)
     proc.kill()
-    raise SystemExit("gateway did not start within 60 s")
+    raise SystemExit(f"prefixgate serve did not start within {timeout_s:.0f} s")
 
 
 # --- load generator: raw keep-alive connections ----------------------------------------------
@@ -227,7 +240,11 @@ def main() -> None:
     stub.start()
     stub_ready.wait(30)
     try:
-        gateway = _start_gateway(gw_port, f"http://127.0.0.1:{stub_port}")
+        gateway = start_serve(
+            gw_port,
+            ["--upstream", f"http://127.0.0.1:{stub_port}", "--max-queued-requests", "4096"]
+            + ["--log-level", "WARNING"],
+        )
     except BaseException:
         stub.terminate()
         raise

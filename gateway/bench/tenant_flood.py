@@ -30,7 +30,6 @@ import asyncio
 import json
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from prefixgate.gateway.bench.gateway_overhead import start_serve
 
 KEYS = {"heavy": "sk-heavy-tenant", "light": "sk-light-tenant"}
 
@@ -68,28 +68,13 @@ class Phase:
 
 
 def start_server(port: int, policy: str, args: argparse.Namespace, keys: Path) -> subprocess.Popen:
-    """``prefixgate serve`` in its own process; returns once ``/ready`` answers 200."""
-    cmd = [sys.executable, "-m", "prefixgate.gateway.cli", "serve", "--host", "127.0.0.1"]
-    cmd += ["--port", str(port), "--scheduling-policy", policy, "--keys-file", str(keys)]
-    cmd += ["--max-num-seqs", str(args.max_num_seqs), "--log-level", "WARNING"]
-    cmd += ["--max-queued-requests", "1024", "--no-access-log"]
+    """``prefixgate serve`` with the two tenants' keys under ``policy``, once ready."""
+    flags = ["--scheduling-policy", policy, "--keys-file", str(keys)]
+    flags += ["--max-num-seqs", str(args.max_num_seqs), "--log-level", "WARNING"]
+    flags += ["--max-queued-requests", "1024", "--no-access-log"]
     if args.model:
-        cmd += ["--model", args.model]
-    log = tempfile.TemporaryFile(mode="w+")
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True)
-    deadline = time.monotonic() + 180.0
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            log.seek(0)
-            raise SystemExit(f"prefixgate serve exited with {proc.returncode}: {log.read()}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1.0).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise SystemExit("prefixgate serve did not start within 180 s")
+        flags += ["--model", args.model]
+    return start_serve(port, flags, timeout_s=180.0)
 
 
 async def stream_one(
