@@ -33,7 +33,6 @@ import multiprocessing as mp
 import os
 import resource
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,21 +42,16 @@ from typing import Any
 
 import httpx
 from prefixgate.gateway.bench.fault_upstream import FaultUpstream
+from prefixgate.sdk.bench.targets import free_port
 
 HOST = "127.0.0.1"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 class Server:
     """``prefixgate serve`` in its own process (stderr to a temp file)."""
 
     def __init__(self, *args: str) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://{HOST}:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "prefixgate.gateway.cli", "serve", "--host", HOST]
@@ -414,7 +408,7 @@ def proxy_matrix(idle_timeout_s: float = 2.0) -> dict[str, Any]:
                 rows.append(row)
         finally:
             srv.stop()
-    dead = Server("--upstream", f"http://{HOST}:{_free_port()}", "--health-interval-s", "30")
+    dead = Server("--upstream", f"http://{HOST}:{free_port()}", "--health-interval-s", "30")
     try:
         dead.wait("/health")
         ready = httpx.get(dead.url + "/ready", timeout=5).status_code

@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,6 +30,7 @@ import tempfile
 import time
 
 import httpx
+from prefixgate.sdk.bench.targets import free_port
 
 STUB_BODY = json.dumps(
     {
@@ -79,12 +79,6 @@ REQUEST_BODY = json.dumps(
         ],
     }
 ).encode()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _content_length(head: bytes) -> int:
@@ -234,7 +228,7 @@ def main() -> None:
     args = ap.parse_args()
 
     ctx = mp.get_context("spawn")
-    stub_port, gw_port = _free_port(), _free_port()
+    stub_port, gw_port = free_port(), free_port()
     stub_ready = ctx.Event()
     stub = ctx.Process(target=_run_stub, args=(stub_port, stub_ready), daemon=True)
     stub.start()

@@ -38,8 +38,9 @@ import time
 from pathlib import Path
 
 import httpx
-from prefixgate.gateway.bench.routing import free_port, start, stop, wait_ready
+from prefixgate.gateway.bench.routing import start, stop, wait_ready
 from prefixgate.sdk.bench.shared import find_shared
+from prefixgate.sdk.bench.targets import free_port
 from prefixgate.sdk.bench.workload import SAMPLE_SYSTEM_PROMPTS, SAMPLE_USER_TASKS
 
 POLICIES = ("precise", "cache_aware", "round_robin", "single")

@@ -40,17 +40,10 @@ import time
 from pathlib import Path
 
 import httpx
+from prefixgate.sdk.bench.targets import free_port
 from prefixgate.sdk.bench.workload import SAMPLE_SYSTEM_PROMPTS, SAMPLE_USER_TASKS
 
 POLICIES = ("cache_aware", "rendezvous", "round_robin", "least_loaded")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(args: list[str]) -> tuple[subprocess.Popen, str]:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import subprocess
 import tempfile
 import time
@@ -38,14 +37,9 @@ from typing import Any
 
 import httpx
 from prefixgate.gateway.bench.gateway_overhead import start_serve
+from prefixgate.sdk.bench.targets import free_port
 
 KEYS = {"heavy": "sk-heavy-tenant", "light": "sk-light-tenant"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass(slots=True)
