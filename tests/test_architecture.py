@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,6 +28,7 @@ ROOM_IMPORTS = {
 }
 
 
+@functools.cache
 def _modules() -> dict[str, Path]:
     """Dotted module name -> file, for every module of the four parts."""
     out: dict[str, Path] = {}
@@ -60,6 +62,7 @@ def _imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
     return {m for m in found if m in known and m != name}
 
 
+@functools.cache
 def _graph() -> dict[str, set[str]]:
     known = _modules()
     return {name: _imports(name, path, known) for name, path in known.items()}
