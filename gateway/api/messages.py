@@ -49,7 +49,7 @@ from prefixgate.gateway.api.prompts import check_length, render_chat
 from prefixgate.gateway.api.response_models import Usage
 from prefixgate.gateway.api.tools import ToolDeltas, ToolPlan, parse_output, plan_tools
 from prefixgate.gateway.http.errors import ANTHROPIC, APIError, bad_request, error_dialect
-from prefixgate.gateway.local.generation import Choice, ChoiceOutput, Delta
+from prefixgate.gateway.local.generation import ChoiceOutput, Delta, engine_request
 from prefixgate.gateway.local.serving import LOCAL
 from prefixgate.gateway.state import STATE
 from prefixgate.gateway.tenancy.keys import Principal, effective_salt
@@ -364,15 +364,5 @@ async def create_message(request: web.Request) -> web.StreamResponse:
 
     log.add(rid, salt, ids, chat.messages, plan.tools)
     renderer = MessagesRenderer(rid, st.model_name, len(ids), plan, marks, diagnose)
-    choices = [Choice(0, rid, ids, params)]
-    return await Exchange(
-        request,
-        st,
-        principal,
-        choices,
-        renderer,
-        salt,
-        req.stream,
-        principal.request_priority(None),
-        cache_marks=marks,
-    ).run()
+    requests = [engine_request(principal, rid, ids, params, cache_salt=req.cache_salt)]
+    return await Exchange(request, st, principal, requests, renderer, req.stream, marks).run()

@@ -18,7 +18,8 @@ import uuid
 import cachetools
 from aiohttp import web
 from prefixgate.engine.errors import EngineDeadError
-from prefixgate.engine.sampling_params import StructuredOutputsParams
+from prefixgate.engine.protocol import EngineRequest
+from prefixgate.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from prefixgate.engine.scheduling_policy import policy_class
 from prefixgate.gateway.api.cache_marks import (
     CACHE_HEADER,
@@ -51,10 +52,10 @@ from prefixgate.gateway.api.tools import ToolPlan, plan_tools, template_messages
 from prefixgate.gateway.http.access_log import record
 from prefixgate.gateway.http.errors import APIError, bad_request
 from prefixgate.gateway.http.sse import SSEWriter, client_gone
-from prefixgate.gateway.local.generation import Choice, ChoiceOutput, ChoiceRun, Delta
+from prefixgate.gateway.local.generation import ChoiceOutput, ChoiceRun, Delta, engine_request
 from prefixgate.gateway.local.serving import LOCAL
 from prefixgate.gateway.state import STATE, GatewayState
-from prefixgate.gateway.tenancy.keys import Principal, effective_salt
+from prefixgate.gateway.tenancy.keys import Principal
 from prefixgate.gateway.tenancy.ttft_budget import check_budget
 
 logger = logging.getLogger("prefixgate.gateway")
@@ -111,12 +112,19 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     seeds = choice_seeds(req.seed, req.n)
     # tool-call markers of some formats are special tokens: keep them in the text to parse
     skip_special = plan.mode != "auto"
-    choices = [
-        Choice(i, f"{rid}-{i}", ids, sampling_params(req, max_tokens, seeds[i], spec, skip_special))
+    requests = [
+        _engine_request(
+            request,
+            principal,
+            req,
+            f"{rid}-{i}",
+            ids,
+            sampling_params(req, max_tokens, seeds[i], spec, skip_special),
+        )
         for i in range(req.n)
     ]
     return await _run(
-        request, st, principal, req, ChatRenderer, rid, choices, tools=plan, cache_marks=marks
+        request, st, principal, req, ChatRenderer, rid, requests, tools=plan, cache_marks=marks
     )
 
 
@@ -140,21 +148,37 @@ async def completions(request: web.Request) -> web.StreamResponse:
     prompts = await completion_prompts(engine.tokenizer, req.prompt, engine.max_model_len)
     rid = "cmpl-" + uuid.uuid4().hex
     seeds = choice_seeds(req.seed, req.n)
-    choices = []
+    requests, prompt_index = [], []
     for p, ids in enumerate(prompts):
         max_tokens = check_length(len(ids), req.output_limit, engine.max_model_len, "prompt")
         for j in range(req.n):
-            index = p * req.n + j
-            choices.append(
-                Choice(
-                    index,
-                    f"{rid}-{index}",
-                    ids,
-                    sampling_params(req, max_tokens, seeds[j], spec),
-                    prompt_index=p,
-                )
+            params = sampling_params(req, max_tokens, seeds[j], spec)
+            requests.append(
+                _engine_request(request, principal, req, f"{rid}-{p * req.n + j}", ids, params)
             )
-    return await _run(request, st, principal, req, CompletionRenderer, rid, choices)
+            prompt_index.append(p)
+    return await _run(
+        request, st, principal, req, CompletionRenderer, rid, requests, prompt_index=prompt_index
+    )
+
+
+def _engine_request(
+    request: web.Request,
+    principal: Principal,
+    req: ChatCompletionRequest | CompletionRequest,
+    request_id: str,
+    prompt: list[int],
+    params: SamplingParams,
+) -> EngineRequest:
+    """One choice's engine request, with the body's ``cache_salt`` and ``priority`` (checked
+    against the engine's scheduling policy)."""
+    built = engine_request(
+        principal, request_id, prompt, params, cache_salt=req.cache_salt, priority=req.priority
+    )
+    check_priority_policy(
+        req.priority, request.app[LOCAL].require_engine().config.scheduling_policy
+    )
+    return built
 
 
 async def _run(
@@ -164,9 +188,10 @@ async def _run(
     req: ChatCompletionRequest | CompletionRequest,
     renderer_type: type[ChatRenderer | CompletionRenderer],
     rid: str,
-    choices: list[Choice],
+    requests: list[EngineRequest],
     tools: ToolPlan | None = None,
     cache_marks: list[Mark] | None = None,
+    prompt_index: list[int] | None = None,
 ) -> web.StreamResponse:
     """Run the request's choices through an Exchange with the route's renderer (chat: with
     the request's tool plan and cache breakpoints)."""
@@ -181,13 +206,8 @@ async def _run(
     renderer = (
         ChatRenderer(*args, tools=tools) if renderer_type is ChatRenderer else renderer_type(*args)
     )
-    salt = effective_salt(principal.salt, req.cache_salt)
-    priority = principal.request_priority(req.priority)
-    check_priority_policy(
-        req.priority, request.app[LOCAL].require_engine().config.scheduling_policy
-    )
     return await Exchange(
-        request, st, principal, choices, renderer, salt, req.stream, priority, cache_marks
+        request, st, principal, requests, renderer, req.stream, cache_marks, prompt_index
     ).run()
 
 
@@ -268,12 +288,15 @@ class Exchange:
 
     Args:
         request: the HTTP request; st: the gateway state; principal: the caller.
-        choices: the engine requests (one per choice; per prompt for batched completions).
+        requests: the engine requests, built by the route (``engine_request``): one per
+            choice, choice ``i`` is ``requests[i]``; all share one cache salt.
         renderer: the route's ``Renderer`` (chat, completions, responses).
-        salt: the engine cache salt; stream: answer with SSE.
+        stream: answer with SSE.
         cache_marks: the prompt's cache breakpoints (``cache_marks.Mark``; one prompt), or
             None: with a list (empty too) the answer has the ``x-prefixgate-cache`` header,
             usage ``cache_write_tokens``, and the marks are pinned once it is answered.
+        prompt_index: which prompt of a batched completions request each choice answers
+            (None: all answer one prompt).
     """
 
     def __init__(
@@ -281,25 +304,28 @@ class Exchange:
         request: web.Request,
         st: GatewayState,
         principal: Principal,
-        choices: list[Choice],
+        requests: list[EngineRequest],
         renderer: Renderer,
-        salt: str | None,
         stream: bool,
-        priority: int = 0,
         cache_marks: list[Mark] | None = None,
+        prompt_index: list[int] | None = None,
     ) -> None:
         self.request = request
         self.cache_marks = cache_marks
-        self.priority = priority
         self.st = st
         self.principal = principal
-        self.choices = choices
+        self.requests = requests
         self.renderer = renderer
-        self.salt = salt
+        self.salt = requests[0].cache_salt
+        prompt = requests[0].prompt
+        if isinstance(prompt, str):  # the routes render and tokenize: always token ids
+            raise TypeError("Exchange runs tokenized prompts (token ids), not text")
+        self.prompt_ids = list(prompt)
         self.stream = stream
-        self.outputs = [ChoiceOutput() for _ in choices]
+        self.prompt_index = prompt_index or [0] * len(requests)
+        self.outputs = [ChoiceOutput() for _ in requests]
         self.cached: dict[int, int] = {}  # prompt index -> cached tokens (its first choice's)
-        prompts = {c.prompt_index: len(c.prompt_token_ids) for c in choices}
+        prompts = {p: len(r.prompt) for p, r in zip(self.prompt_index, requests, strict=True)}
         self.prompt_tokens = sum(prompts.values())
         self.num_prompts = len(prompts)
         self.t0 = time.monotonic()
@@ -312,7 +338,7 @@ class Exchange:
         try:
             self.ticket = st.admission.admit(
                 self.prompt_tokens,
-                len(self.choices),
+                len(self.requests),
                 param="n" if self.num_prompts == 1 else "prompt",
                 tenant=self.principal.tenant,
                 weight=self.principal.weight,
@@ -330,7 +356,7 @@ class Exchange:
                     self.request,
                     self.principal,
                     self.salt,
-                    self.choices[0].prompt_token_ids,
+                    self.prompt_ids,
                     self.cache_marks,
                 )
             return resp
@@ -358,7 +384,7 @@ class Exchange:
         out = self.outputs[i]
         out.add(d, now)
         metrics.add_generated(d.new_tokens)
-        self.cached.setdefault(self.choices[i].prompt_index, d.num_cached_tokens)
+        self.cached.setdefault(self.prompt_index[i], d.num_cached_tokens)
         if d.finished and d.num_tokens > 1:
             metrics.tpot.observe((now - out.t_first_token) / (d.num_tokens - 1))
 
@@ -376,19 +402,13 @@ class Exchange:
         marks = self.cache_marks or []
         if cached is not None:
             pins = self.request.app[LOCAL].require_cache_pins()
-            note_states(marks, cached, pins, self.salt, self.choices[0].prompt_token_ids)
+            note_states(marks, cached, pins, self.salt, self.prompt_ids)
         return cache_header(marks, cached)
 
     # --- non-streaming --------------------------------------------------------------------
     async def _collect(self) -> web.StreamResponse:
         poll = self.st.settings.poll_s
-        async with ChoiceRun(
-            self.request.app[LOCAL].require_engine(),
-            self.choices,
-            self.salt,
-            tenant=self.principal.tenant,
-            priority=self.priority,
-        ) as run:
+        async with ChoiceRun(self.request.app[LOCAL].require_engine(), self.requests) as run:
             while run.pending:
                 try:
                     ev = await run.next(poll)
@@ -413,13 +433,7 @@ class Exchange:
         poll = min(self.st.settings.poll_s, self.st.settings.keepalive_s)
         keepalive = self.st.settings.keepalive_s
         try:
-            async with ChoiceRun(
-                self.request.app[LOCAL].require_engine(),
-                self.choices,
-                self.salt,
-                tenant=self.principal.tenant,
-                priority=self.priority,
-            ) as run:
+            async with ChoiceRun(self.request.app[LOCAL].require_engine(), self.requests) as run:
                 # Errors before the first output (bad input the engine refused) stay HTTP errors.
                 first = None
                 while run.pending and first is None:
@@ -467,7 +481,7 @@ class Exchange:
         if self.cache_marks is not None:
             sse.response.headers[CACHE_HEADER] = self._cache_header(None)
         await sse.open()
-        for chunk in self.renderer.opening(len(self.choices)):
+        for chunk in self.renderer.opening(len(self.requests)):
             await sse.write(self.renderer.event(chunk))
 
     async def _send(self, sse: SSEWriter, i: int, d: Delta) -> None:

@@ -30,7 +30,7 @@ from prefixgate.gateway.api.prompts import check_length, render_chat
 from prefixgate.gateway.api.request_models import MAX_MESSAGES, check_counts, parse
 from prefixgate.gateway.api.response_models import Usage
 from prefixgate.gateway.http.errors import APIError, bad_request
-from prefixgate.gateway.local.generation import Choice, ChoiceOutput, Delta
+from prefixgate.gateway.local.generation import ChoiceOutput, Delta, engine_request
 from prefixgate.gateway.local.serving import LOCAL
 from prefixgate.gateway.state import STATE
 from pydantic import BaseModel, ConfigDict, Field
@@ -335,7 +335,6 @@ def _usage(u: Usage) -> dict[str, Any]:
 async def create_response(request: web.Request) -> web.StreamResponse:
     """POST /v1/responses."""
     from prefixgate.gateway.api.openai_routes import Exchange
-    from prefixgate.gateway.tenancy.keys import effective_salt
 
     st = request.app[STATE]
     engine = request.app[LOCAL].require_engine()
@@ -359,6 +358,5 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     except (ValueError, TypeError) as exc:
         raise bad_request(str(exc)) from None
     renderer = ResponsesRenderer(rid, int(time.time()), st.model_name, req)
-    salt = effective_salt(principal.salt, req.cache_salt)
-    choices = [Choice(0, f"{rid}-0", ids, params)]
-    return await Exchange(request, st, principal, choices, renderer, salt, req.stream).run()
+    requests = [engine_request(principal, f"{rid}-0", ids, params, cache_salt=req.cache_salt)]
+    return await Exchange(request, st, principal, requests, renderer, req.stream).run()

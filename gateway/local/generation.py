@@ -1,5 +1,7 @@
 """Fan-out of one HTTP request into engine requests (one per choice) and fan-in of outputs.
 
+``engine_request`` is the one place a route turns its caller and body into the engine's
+``EngineRequest`` (salt, tenant, priority included), so every route sends the same fields.
 ``ChoiceRun`` starts one task per choice that drains ``engine.generate`` into a shared queue;
 the route reads ``(choice index, Delta)`` events in arrival order. Leaving the
 ``async with`` block for any reason (client gone, handler cancelled, error) aborts every
@@ -15,6 +17,7 @@ from dataclasses import dataclass, field
 from prefixgate.engine.outputs import TokenLogprobs
 from prefixgate.engine.protocol import EngineClient, EngineRequest
 from prefixgate.engine.sampling_params import SamplingParams
+from prefixgate.gateway.tenancy.keys import Principal, effective_salt
 
 logger = logging.getLogger("prefixgate.gateway")
 
@@ -78,23 +81,35 @@ class ChoiceOutput:
             self.stop_reason = d.stop_reason
 
 
-@dataclass(slots=True)
-class Choice:
-    """One engine request: choice ``index`` of an HTTP request.
+def engine_request(
+    principal: Principal,
+    request_id: str,
+    prompt: list[int],
+    params: SamplingParams,
+    *,
+    cache_salt: str | None = None,
+    priority: int | None = None,
+) -> EngineRequest:
+    """The engine request of one choice, built once by its route.
 
-    Attributes:
-        index: the choice's index in the response.
-        request_id: the engine request id (unique).
-        prompt_token_ids: the prompt, token ids (int).
-        params: its sampling parameters.
-        prompt_index: which prompt of a batched completions request it belongs to.
+    Args:
+        principal: the caller: its key's salt partition, tenant (``fair``'s charge) and
+            default priority. request_id: unique engine id; prompt: token ids (int).
+        params: sampling parameters. cache_salt: the body's own ``cache_salt`` (a
+            sub-partition of the key's, ``effective_salt``). priority: the body's
+            ``priority`` (None: the key's).
+
+    Raises:
+        APIError: 400 naming ``priority`` when the key may not set one.
     """
-
-    index: int
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    prompt_index: int = 0
+    return EngineRequest(
+        request_id,
+        prompt,
+        params,
+        cache_salt=effective_salt(principal.salt, cache_salt),
+        tenant=principal.tenant,
+        priority=principal.request_priority(priority),
+    )
 
 
 _ABORTING: set[asyncio.Task] = set()  # aborts finishing in the background (kept referenced)
@@ -108,44 +123,26 @@ class ChoiceRun:
     is re-raised from ``next``.
     """
 
-    def __init__(
-        self,
-        engine: EngineClient,
-        choices: list[Choice],
-        cache_salt: str | None,
-        tenant: str | None = None,
-        priority: int = 0,
-    ) -> None:
+    def __init__(self, engine: EngineClient, requests: list[EngineRequest]) -> None:
         self._engine = engine
-        self.choices = choices
-        self._salt = cache_salt
-        self._tenant = tenant
-        self._priority = priority
+        self.requests = requests
         self._queue: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
         self._finished: set[int] = set()
-        self.pending = len(choices)
+        self.pending = len(requests)
 
     async def __aenter__(self) -> ChoiceRun:
-        for i, choice in enumerate(self.choices):
-            self._tasks.append(asyncio.create_task(self._pump(i, choice)))
+        for i, request in enumerate(self.requests):
+            self._tasks.append(asyncio.create_task(self._pump(i, request)))
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.abort()
 
-    async def _pump(self, i: int, choice: Choice) -> None:
+    async def _pump(self, i: int, request: EngineRequest) -> None:
         put = self._queue.put_nowait
         seen_tokens = seen_logprobs = 0
         try:
-            request = EngineRequest(
-                choice.request_id,
-                choice.prompt_token_ids,
-                choice.params,
-                cache_salt=self._salt,
-                tenant=self._tenant,
-                priority=self._priority,
-            )
             async for out in self._engine.generate(request):
                 # Copy now: an engine may reuse its output objects for the next step.
                 comp = out.outputs[0]
@@ -227,12 +224,12 @@ class ChoiceRun:
         ]
         if live:
             results = await asyncio.gather(
-                *(self._engine.abort(self.choices[i].request_id) for i in live),
+                *(self._engine.abort(self.requests[i].request_id) for i in live),
                 return_exceptions=True,
             )
             for i, res in zip(live, results, strict=True):
                 if isinstance(res, Exception) and not isinstance(res, ValueError | KeyError):
-                    logger.error("abort of %s failed: %r", self.choices[i].request_id, res)
+                    logger.error("abort of %s failed: %r", self.requests[i].request_id, res)
         for task in self._tasks:
             if not task.done():
                 task.cancel()

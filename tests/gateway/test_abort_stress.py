@@ -93,8 +93,9 @@ def test_an_abort_interrupted_by_a_second_cancel_still_completes():
     while ``ChoiceRun`` is aborting: the abort (shielded) still ends every engine request."""
     import asyncio
 
+    from prefixgate.engine.protocol import EngineRequest
     from prefixgate.engine.sampling_params import SamplingParams
-    from prefixgate.gateway.local.generation import Choice, ChoiceRun
+    from prefixgate.gateway.local.generation import ChoiceRun
     from support.fake_engine import FakeEngine
 
     class SlowAbort(FakeEngine):
@@ -104,10 +105,12 @@ def test_an_abort_interrupted_by_a_second_cancel_still_completes():
 
     async def scenario() -> dict:
         engine = SlowAbort(token_delay_s=0.01, max_model_len=4096)
-        choices = [Choice(i, f"r{i}", [1, 2, 3], SamplingParams(max_tokens=2000)) for i in range(2)]
+        requests = [
+            EngineRequest(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=2000)) for i in range(2)
+        ]
 
         async def handler() -> None:
-            async with ChoiceRun(engine, choices, None) as run:
+            async with ChoiceRun(engine, requests) as run:
                 while True:
                     await run.next(0.05)
 

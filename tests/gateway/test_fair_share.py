@@ -204,3 +204,28 @@ def test_metrics_carry_displacements_queued_prefill_and_measured_rates(serve_fak
         assert "prefixgate_engine_prefill_tokens_per_second 1500.0" in text
         assert "prefixgate_engine_decode_tokens_per_second 80.0" in text
     gw.wait_idle(srv, engine)
+
+
+def test_every_generating_route_charges_the_keys_tenant_and_priority(serve_fake, gw, tmp_path):
+    # The responses and messages routes built their engine requests without the tenant (the
+    # fair policy charged them to "default") and, on responses, without the key's priority:
+    # every route now builds its engine request in one function (``engine_request``).
+    keys = _keys_file(tmp_path, [{"key": "sk-a", "name": "team-a", "priority": 3}])
+    srv, engine = serve_fake(
+        GatewaySettings(model_name="fake", keys_file=keys), scheduling_policy="priority"
+    )
+    with gw.client(srv, headers={"Authorization": "Bearer sk-a"}) as a:
+        routes = (
+            ("/v1/chat/completions", gw.chat_body(max_tokens=2)),
+            ("/v1/completions", {"model": "fake", "prompt": "hi", "max_tokens": 2}),
+            ("/v1/responses", {"model": "fake", "input": "hi", "max_output_tokens": 2}),
+            (
+                "/v1/messages",
+                {"model": "fake", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
+            ),
+        )
+        for route, body in routes:
+            r = a.post(route, json=body)
+            assert r.status_code == 200, (route, r.text)
+    assert engine.tenants_seen == [("team-a", 3)] * 4
+    gw.wait_idle(srv, engine)
