@@ -173,3 +173,47 @@ def test_messages_header_says_written_then_hit(server, pool_whole):
         assert s.headers["x-prefixgate-cache"] == f"system.0={written}"
         s.read()
     wait_idle(server, pool_whole, pinned_ok=True)
+
+
+def test_responses_cache_controls(server, client, pool_whole):
+    """The Responses API takes the chat's cache controls: ``prompt_cache_key`` (no effect),
+    ``prompt_cache_options`` (implicit: the end of the input pinned, its ttl), a part's
+    ``prompt_cache_breakpoint``; usage ``cache_write_tokens`` then ``cached_tokens``."""
+    text = _system(uuid.uuid4().hex[:8])
+    first = client.responses.create(
+        model=MODEL,
+        max_output_tokens=2,
+        instructions=text,
+        input="Tell me a story.",
+        prompt_cache_key="stories",
+        prompt_cache_options={"mode": "implicit", "ttl": "12h"},
+    )
+    d = first.usage.input_tokens_details
+    assert d.cached_tokens == 0 and d.cache_write_tokens >= 64
+    assert d.cache_write_tokens_details.ttl_12h_tokens == d.cache_write_tokens
+    assert first.prompt_cache_key == "stories"
+    assert first.prompt_cache_options.ttl == "12h"
+    _settle(server)
+    pins = server.app[LOCAL].cache_pins
+    assert any(p.ttl_s == 43_200.0 for p in pins._pins.values())  # the 12h TTL took effect
+    part = {
+        "type": "input_text",
+        "text": text,
+        "prompt_cache_breakpoint": {"mode": "explicit"},
+    }
+    raw = client.responses.with_raw_response.create(
+        model=MODEL,
+        max_output_tokens=2,
+        input=[
+            {"role": "system", "content": [part]},
+            {"role": "user", "content": "Tell me a story."},
+        ],
+        prompt_cache_options={"mode": "explicit"},
+    )
+    again = raw.parse()
+    d2 = again.usage.input_tokens_details
+    assert d2.cached_tokens >= d.cache_write_tokens and d2.cache_write_tokens == 0
+    assert "input.0.content.0.prompt_cache_breakpoint=" in raw.headers["x-prefixgate-cache"]
+    assert raw.headers["x-prefixgate-cache"].endswith(":hit")
+    assert d2.cached_tokens + d2.cache_write_tokens <= again.usage.input_tokens
+    wait_idle(server, pool_whole, pinned_ok=True)
