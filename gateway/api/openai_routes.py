@@ -20,6 +20,7 @@ from aiohttp import web
 from prefixgate.engine.errors import EngineDeadError
 from prefixgate.engine.sampling_params import StructuredOutputsParams
 from prefixgate.engine.scheduling_policy import policy_class
+from prefixgate.gateway.api.cache_diagnostics import Comparison, header_part
 from prefixgate.gateway.api.cache_marks import (
     CACHE_HEADER,
     Mark,
@@ -274,6 +275,8 @@ class Exchange:
         cache_marks: the prompt's cache breakpoints (``cache_marks.Mark``; one prompt), or
             None: with a list (empty too) the answer has the ``x-prefixgate-cache`` header,
             usage ``cache_write_tokens``, and the marks are pinned once it is answered.
+        comparison: the request's comparison against a named earlier answer
+            (``cache_diagnostics.Comparison``): the header adds its ``compare=`` part.
     """
 
     def __init__(
@@ -287,7 +290,9 @@ class Exchange:
         stream: bool,
         priority: int = 0,
         cache_marks: list[Mark] | None = None,
+        comparison: Comparison | None = None,
     ) -> None:
+        self.comparison = comparison
         self.request = request
         self.cache_marks = cache_marks
         self.priority = priority
@@ -377,7 +382,10 @@ class Exchange:
         if cached is not None:
             pins = self.request.app[LOCAL].require_cache_pins()
             note_states(marks, cached, pins, self.salt, self.choices[0].prompt_token_ids)
-        return cache_header(marks, cached)
+        value = cache_header(marks, cached)
+        if cached is not None and self.comparison is not None:
+            value += "; " + header_part(self.comparison.diagnosis(cached))
+        return value
 
     # --- non-streaming --------------------------------------------------------------------
     async def _collect(self) -> web.StreamResponse:

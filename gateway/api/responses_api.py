@@ -18,6 +18,10 @@ Prompt caching takes the chat's controls (``api/cache_marks.py``): ``prompt_cach
 ``prompt_cache_retention`` (``24h`` pins the input for a day) and ``prompt_cache_breakpoint``
 (or ``cache_control``) on ``input_text`` parts; usage carries
 ``input_tokens_details.cache_write_tokens`` and the answer the ``x-prefixgate-cache`` header.
+``prompt_cache_options.comparison_response_id`` names an earlier response: the answer's
+``prompt_cache_diagnostics`` (OpenAI's shape: ``cache_hit``, ``cache_miss`` with its reason,
+``cache_missed_tokens`` and ``comparison_reusable_tokens``, ``comparison_response_not_found``,
+``unavailable``) says what was reused (``api/cache_diagnostics.py``, shared with Messages).
 
 What is not implemented is refused by name (400), never ignored: stored responses
 (``store: true``, ``previous_response_id``, ``conversation``), tools, reasoning, non-text
@@ -33,6 +37,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from aiohttp import web
 from prefixgate.engine.sampling_params import SamplingParams
+from prefixgate.gateway.api.cache_diagnostics import PROMPT_LOG, Comparison, openai_diagnostics
 from prefixgate.gateway.api.cache_marks import Mark, find_marks, openai_breakpoints, written_tokens
 from prefixgate.gateway.api.prompts import check_length, render_chat
 from prefixgate.gateway.api.request_models import (
@@ -227,7 +232,9 @@ class ResponsesRenderer:
         model: str,
         req: ResponsesRequest,
         marks: list[Mark] | None = None,
+        comparison: Comparison | None = None,
     ) -> None:
+        self.comparison = comparison  # prompt_cache_options.comparison_response_id asked
         self.marks = marks or []
         self.rid = rid
         self.msg_id = "msg_" + rid.removeprefix("resp_")
@@ -275,7 +282,15 @@ class ResponsesRenderer:
             "prompt_cache_key": req.prompt_cache_key,
             "prompt_cache_retention": req.prompt_cache_retention,
             "prompt_cache_options": _options(req.prompt_cache_options),
+            "prompt_cache_diagnostics": self._diagnostics(usage),
         }
+
+    def _diagnostics(self, usage: Usage | None) -> dict[str, Any] | None:
+        """``prompt_cache_diagnostics`` (None: not asked, or the usage is not known yet)."""
+        if self.comparison is None or usage is None:
+            return None
+        cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+        return openai_diagnostics(self.comparison.diagnosis(cached))
 
     def _item(self, status: str, text: str) -> dict[str, Any]:
         content = [] if status == "in_progress" else [self._part(text)]
@@ -449,8 +464,14 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         field="input",
     )
     marks = await find_marks(engine.tokenizer, breakpoints, False, ids, engine.config.block_size)
-    renderer = ResponsesRenderer(rid, int(time.time()), st.model_name, req, marks)
     salt = effective_salt(principal.salt, req.cache_salt)
+    log = request.app[PROMPT_LOG]
+    options = req.prompt_cache_options
+    wanted = options.comparison_response_id if options is not None else None
+    previous = log.find(wanted) if wanted else None
+    current = log.add(rid, salt, ids, messages, [], principal.id)
+    comparison = Comparison(previous, current, engine.config.block_size) if wanted else None
+    renderer = ResponsesRenderer(rid, int(time.time()), st.model_name, req, marks, comparison)
     choices = [Choice(0, f"{rid}-0", ids, params)]
     return await Exchange(
         request,
@@ -462,4 +483,5 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         req.stream,
         principal.request_priority(None),
         cache_marks=marks,
+        comparison=comparison,
     ).run()
