@@ -33,6 +33,7 @@ BLOCK = 16
 CHAT, RESPONSES, MESSAGES = "chat", "responses", "messages"
 DIALECTS = (CHAT, RESPONSES, MESSAGES)
 VERDICTS: dict[tuple[str, str], str] = {}  # (case, dialect) -> "effect" | "400"
+CHECKED = [0]  # answers whose usage invariant was checked
 
 
 @pytest.fixture(scope="module")
@@ -248,6 +249,7 @@ class Matrix:
         r = httpx.post(self.server.url + "/v1/messages/count_tokens", json=count, timeout=30)
         assert r.status_code == 200, r.text
         assert a.prompt == r.json()["input_tokens"], (a, r.text)
+        CHECKED[0] += 1
 
     # --- observables ------------------------------------------------------------------------
     def settle(self) -> None:
@@ -469,6 +471,19 @@ def case_repeat_read(m, tag):
         assert "compare=hit" in again.header
     elif m.dialect == RESPONSES:
         assert again.body["prompt_cache_diagnostics"] == {"type": "cache_hit"}
+    if m.dialect == CHAT:  # chat has no comparison field (openai's type): refused by name
+        ask = Conv(
+            c.system,
+            c.system_mark,
+            c.user,
+            extra={
+                "prompt_cache_options": {
+                    "mode": "explicit",
+                    "comparison_response_id": first.body["id"],
+                }
+            },
+        )
+        refused(m.send(ask), "prompt_cache_options.comparison_response_id")
     third = m.send(c)  # a third read: still a hit, still nothing written
     assert third.read == again.read and third.written == 0
     return "effect"
@@ -566,8 +581,9 @@ def test_matrix_figure_and_pool_whole(server, pool_whole):
     if len(VERDICTS) < len(CASES) * len(DIALECTS):
         pytest.skip("the figure needs the whole matrix")
     effect = sum(v == "effect" for v in VERDICTS.values())
+    assert CHECKED[0] >= effect  # every case that took effect had its usage checked
     print(
-        f"\ncache matrix: {len(VERDICTS)} cases, {effect} take effect, {len(VERDICTS) - effect} are 400s"
+        f"\ncache matrix: {CHECKED[0]} answers with read + written + uncached == prompt; {len(VERDICTS)} cases, {effect} take effect, {len(VERDICTS) - effect} are 400s"
     )
     server.app[LOCAL].cache_pins.clear()
     wait_idle(server, pool_whole)
