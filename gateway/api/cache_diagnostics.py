@@ -17,8 +17,8 @@ The kinds of ``Diagnosis`` (``reusable`` = the earlier prompt's whole KV blocks,
 - ``not_found``: no such prompt in the recent log, or another key's under another cache salt
   (a cache partition never learns of another's prompts). Anthropic
   ``previous_message_not_found``, OpenAI ``comparison_response_not_found``;
-- ``salt_differs``: the same API key's prompt under another cache salt (``cache_salt``):
-  nothing can be shared. Rendered as ``not_found`` in both dialects (neither has the
+- ``salt_differs``: the same API key's prompt (on an open gateway every caller is one key)
+  under another cache salt (``cache_salt``): nothing can be shared. Rendered as ``not_found`` in both dialects (neither has the
   notion); the header says ``salt_differs``;
 - ``below_one_block``: the earlier prompt is shorter than one KV block, so nothing of it was
   cacheable. Anthropic ``null`` (nothing missed), OpenAI ``unavailable``;
