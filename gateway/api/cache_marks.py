@@ -217,13 +217,21 @@ def openai_breakpoints(
     ``messages[offset + i]`` (a ``prefix_id``'s messages or the ``instructions`` come first).
 
     Raises:
-        APIError: 400 naming the fifth explicit breakpoint.
+        APIError: 400 naming the fifth explicit breakpoint, or a breakpoint set on a message
+            rather than on one of its parts.
     """
     from prefixgate.gateway.http.errors import bad_request
 
     default_ttl = _OPENAI_TTL[options.ttl if options is not None and options.ttl else "30m"]
     out: list[Breakpoint] = []
     for i, m in enumerate(items):
+        for name in ("prompt_cache_breakpoint", "cache_control"):
+            if getattr(m, name, None) is not None:
+                raise bad_request(
+                    f"{field}.{i}.{name}: a cache breakpoint goes on a text part of the "
+                    f"content ({field}.{i}.content.<j>.{name}), not on the message",
+                    param=f"{field}.{i}.{name}",
+                )
         if not isinstance(m.content, list):
             continue
         text = ""

@@ -92,6 +92,9 @@ class InputMessage(BaseModel):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[InputText]
+    # a breakpoint on the item itself, not on a part: refused by name (cache_marks.py)
+    prompt_cache_breakpoint: Any = None
+    cache_control: Any = None
 
     def text(self) -> str:
         if isinstance(self.content, str):

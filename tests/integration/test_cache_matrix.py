@@ -399,7 +399,18 @@ def case_message_part_breakpoint(m, tag):
         where = f"{root}.1.content.0.prompt_cache_breakpoint"
     assert a.written >= 64 and f"{where}={a.written}:written" in a.header, a.header
     assert len(m.new_pins(before)) == 1
+    # the same mark on the message rather than on its part: a 400 naming it, never ignored
+    body = body_of(m.dialect, Conv(SHORT_SYSTEM, user=[(_system(tag), None)]))
+    turn = body["messages" if m.dialect != RESPONSES else "input"][-1]
+    turn.update(m.mark())
+    r = httpx.post(m.server.url + "/v1/" + _ROUTES[m.dialect], json=body, timeout=30)
+    root = "input" if m.dialect == RESPONSES else "messages"
+    index = 0 if m.dialect == MESSAGES else 1
+    assert r.status_code == 400 and f"{root}.{index}.{next(iter(m.mark()))}" in r.text, r.text
     return "effect"
+
+
+_ROUTES = {CHAT: "chat/completions", RESPONSES: "responses", MESSAGES: "messages"}
 
 
 def case_five_breakpoints(m, tag):
