@@ -183,27 +183,61 @@ MAX_EXPLICIT = 4  # breakpoints one request may write (OpenAI's and Anthropic's 
 def chat_breakpoints(
     req: Any, messages: list[dict[str, Any]], offset: int, tools: list[dict[str, Any]]
 ) -> list[Breakpoint]:
-    """The breakpoints of a chat completion: each text part's ``prompt_cache_breakpoint`` or
-    ``cache_control``, and the implicit one at the end of the messages
-    (``prompt_cache_options`` mode ``implicit``: 30 min; ``prompt_cache_retention: "24h"``:
-    24 h). ``messages`` are the template messages, ``req.messages[i]`` being
-    ``messages[offset + i]`` (a ``prefix_id``'s come first).
+    """The breakpoints of a chat completion (``openai_breakpoints`` of its ``messages``).
 
     Raises:
         APIError: 400 naming the fifth explicit breakpoint.
     """
+    return openai_breakpoints(
+        req.messages,
+        req.prompt_cache_options,
+        req.prompt_cache_retention,
+        messages,
+        offset,
+        tools,
+    )
+
+
+def openai_breakpoints(
+    items: Sequence[Any],
+    options: Any,
+    retention: str | None,
+    messages: list[dict[str, Any]],
+    offset: int,
+    tools: list[dict[str, Any]],
+    field: str = "messages",
+) -> list[Breakpoint]:
+    """The breakpoints of an OpenAI request (chat completions, or the Responses API with
+    ``field="input"``): each text part's ``prompt_cache_breakpoint`` or ``cache_control``,
+    and the implicit one at the end of the messages (``options`` = ``prompt_cache_options``
+    in mode ``implicit``: its ``ttl``, 30 min by default; ``retention`` =
+    ``prompt_cache_retention`` ``"24h"``: 24 h). ``items`` are the request's messages (or
+    input items: ``.content`` a string or parts with ``.text``, ``.prompt_cache_breakpoint``,
+    ``.cache_control``); ``messages`` the template messages, ``items[i]`` being
+    ``messages[offset + i]`` (a ``prefix_id``'s messages or the ``instructions`` come first).
+
+    Raises:
+        APIError: 400 naming the fifth explicit breakpoint, or a breakpoint set on a message
+            rather than on one of its parts.
+    """
     from prefixgate.gateway.http.errors import bad_request
 
-    options = req.prompt_cache_options
     default_ttl = _OPENAI_TTL[options.ttl if options is not None and options.ttl else "30m"]
     out: list[Breakpoint] = []
-    for i, m in enumerate(req.messages):
+    for i, m in enumerate(items):
+        for name in ("prompt_cache_breakpoint", "cache_control"):
+            if getattr(m, name, None) is not None:
+                raise bad_request(
+                    f"{field}.{i}.{name}: a cache breakpoint goes on a text part of the "
+                    f"content ({field}.{i}.content.<j>.{name}), not on the message",
+                    param=f"{field}.{i}.{name}",
+                )
         if not isinstance(m.content, list):
             continue
         text = ""
         for j, part in enumerate(m.content):
             text += part.text
-            where = f"messages.{i}.content.{j}"
+            where = f"{field}.{i}.content.{j}"
             if part.prompt_cache_breakpoint is not None and part.cache_control is not None:
                 raise bad_request(
                     f"{where}: prompt_cache_breakpoint and cache_control are two spellings of "
@@ -231,7 +265,7 @@ def chat_breakpoints(
     implicit = []
     if options is not None and options.mode == "implicit":
         implicit.append(("prompt_cache_options", default_ttl))
-    if req.prompt_cache_retention == "24h":
+    if retention == "24h":
         implicit.append(("prompt_cache_retention", 86_400.0))
     if implicit:
         where, seconds = max(implicit, key=lambda w: w[1])

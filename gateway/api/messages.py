@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import uuid
-from array import array
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -38,12 +37,7 @@ from prefixgate.gateway.api.anthropic_models import (
     parse_request,
     to_chat,
 )
-from prefixgate.gateway.api.cache_diagnostics import (
-    PROMPT_LOG,
-    LoggedPrompt,
-    cache_miss_reason,
-    prompt_parts,
-)
+from prefixgate.gateway.api.cache_diagnostics import PROMPT_LOG, Comparison, anthropic_reason
 from prefixgate.gateway.api.cache_marks import Mark, find_marks, written_tokens
 from prefixgate.gateway.api.prompts import check_length, render_chat
 from prefixgate.gateway.api.response_models import Usage
@@ -352,17 +346,18 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     rid = "msg_" + uuid.uuid4().hex[:24]
     salt = effective_salt(principal.salt, req.cache_salt)
     log = request.app[PROMPT_LOG]
-    current = LoggedPrompt(salt, array("i", ids), *prompt_parts(chat.messages, plan.tools))
-    diagnose = None
+    wanted = req.diagnostics.previous_message_id if req.diagnostics is not None else None
+    previous = log.find(wanted) if wanted else None
+    current = log.add(rid, salt, ids, chat.messages, plan.tools, principal.id)
+    comparison = diagnose = None
     if req.diagnostics is not None:
-        wanted = req.diagnostics.previous_message_id
-        previous = log.get(wanted, salt) if wanted else None
-        size = engine.config.block_size
+        comparison = Comparison(previous, current, engine.config.block_size) if wanted else None
 
         def diagnose(cached: int) -> dict[str, Any] | None:
-            return cache_miss_reason(previous, current, cached, size) if wanted else None
+            return anthropic_reason(comparison.diagnosis(cached)) if comparison else None
 
-    log.add(rid, salt, ids, chat.messages, plan.tools)
     renderer = MessagesRenderer(rid, st.model_name, len(ids), plan, marks, diagnose)
     requests = [engine_request(principal, rid, ids, params, cache_salt=req.cache_salt)]
-    return await Exchange(request, st, principal, requests, renderer, req.stream, marks).run()
+    return await Exchange(
+        request, st, principal, requests, renderer, req.stream, marks, comparison=comparison
+    ).run()

@@ -21,6 +21,7 @@ from prefixgate.engine.errors import EngineDeadError
 from prefixgate.engine.protocol import EngineRequest
 from prefixgate.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from prefixgate.engine.scheduling_policy import policy_class
+from prefixgate.gateway.api.cache_diagnostics import Comparison, header_part
 from prefixgate.gateway.api.cache_marks import (
     CACHE_HEADER,
     Mark,
@@ -297,6 +298,8 @@ class Exchange:
             usage ``cache_write_tokens``, and the marks are pinned once it is answered.
         prompt_index: which prompt of a batched completions request each choice answers
             (None: all answer one prompt).
+        comparison: the request's comparison against a named earlier answer
+            (``cache_diagnostics.Comparison``): the header adds its ``compare=`` part.
     """
 
     def __init__(
@@ -309,7 +312,9 @@ class Exchange:
         stream: bool,
         cache_marks: list[Mark] | None = None,
         prompt_index: list[int] | None = None,
+        comparison: Comparison | None = None,
     ) -> None:
+        self.comparison = comparison
         self.request = request
         self.cache_marks = cache_marks
         self.st = st
@@ -403,7 +408,10 @@ class Exchange:
         if cached is not None:
             pins = self.request.app[LOCAL].require_cache_pins()
             note_states(marks, cached, pins, self.salt, self.prompt_ids)
-        return cache_header(marks, cached)
+        value = cache_header(marks, cached)
+        if cached is not None and self.comparison is not None:
+            value += "; " + header_part(self.comparison.diagnosis(cached))
+        return value
 
     # --- non-streaming --------------------------------------------------------------------
     async def _collect(self) -> web.StreamResponse:

@@ -113,6 +113,9 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
+    # a breakpoint on the message itself, not on a part: refused by name (cache_marks.py)
+    prompt_cache_breakpoint: Any = None
+    cache_control: Any = None
 
     def text(self) -> str:
         """The content as one string (text parts joined)."""

@@ -12,6 +12,17 @@ stream events of the API reference (https://platform.openai.com/docs/api-referen
 (or ``response.incomplete`` when ``max_output_tokens`` cut it), each with a
 ``sequence_number``. The stream has no ``[DONE]``, as OpenAI's.
 
+Prompt caching takes the chat's controls (``api/cache_marks.py``): ``prompt_cache_key``
+(accepted with no effect: every prompt is prefix-cached already), ``prompt_cache_options``
+(``mode`` implicit / explicit, ``ttl`` 30m / 12h; ``prewarm`` only false),
+``prompt_cache_retention`` (``24h`` pins the input for a day) and ``prompt_cache_breakpoint``
+(or ``cache_control``) on ``input_text`` parts; usage carries
+``input_tokens_details.cache_write_tokens`` and the answer the ``x-prefixgate-cache`` header.
+``prompt_cache_options.comparison_response_id`` names an earlier response: the answer's
+``prompt_cache_diagnostics`` (OpenAI's shape: ``cache_hit``, ``cache_miss`` with its reason,
+``cache_missed_tokens`` and ``comparison_reusable_tokens``, ``comparison_response_not_found``,
+``unavailable``) says what was reused (``api/cache_diagnostics.py``, shared with Messages).
+
 What is not implemented is refused by name (400), never ignored: stored responses
 (``store: true``, ``previous_response_id``, ``conversation``), tools, reasoning, non-text
 output formats, images/files in the input, ``include``, ``background``, logprobs.
@@ -26,8 +37,16 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from aiohttp import web
 from prefixgate.engine.sampling_params import SamplingParams
+from prefixgate.gateway.api.cache_diagnostics import PROMPT_LOG, Comparison, openai_diagnostics
+from prefixgate.gateway.api.cache_marks import Mark, find_marks, openai_breakpoints, written_tokens
 from prefixgate.gateway.api.prompts import check_length, render_chat
-from prefixgate.gateway.api.request_models import MAX_MESSAGES, check_counts, parse
+from prefixgate.gateway.api.request_models import (
+    MAX_MESSAGES,
+    PartCacheControl,
+    PromptCacheBreakpoint,
+    check_counts,
+    parse,
+)
 from prefixgate.gateway.api.response_models import Usage
 from prefixgate.gateway.http.errors import APIError, bad_request
 from prefixgate.gateway.local.generation import ChoiceOutput, Delta, engine_request
@@ -49,18 +68,21 @@ _REFUSED = (
     "prompt",
     "max_tool_calls",
     "service_tier",
-    "prompt_cache_key",
     "safety_identifier",
     "context_management",
 )
 
 
 class InputText(BaseModel):
-    """``{"type": "input_text" | "output_text", "text": ...}``: a text part of an input item."""
+    """``{"type": "input_text" | "output_text", "text": ...}``: a text part of an input item,
+    optionally a cache breakpoint (``prompt_cache_breakpoint``, or ``cache_control`` as on
+    chat: ``api/cache_marks.py``)."""
 
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
     type: Literal["input_text", "output_text"]
     text: str
+    prompt_cache_breakpoint: PromptCacheBreakpoint | None = None
+    cache_control: PartCacheControl | None = None
 
 
 class InputMessage(BaseModel):
@@ -70,6 +92,9 @@ class InputMessage(BaseModel):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[InputText]
+    # a breakpoint on the item itself, not on a part: refused by name (cache_marks.py)
+    prompt_cache_breakpoint: Any = None
+    cache_control: Any = None
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -90,6 +115,20 @@ class TextConfig(BaseModel):
     model_config = _CONFIG
     format: TextFormat | None = None
     verbosity: Literal["medium"] | None = None
+
+
+class ResponsesCacheOptions(BaseModel):
+    """``prompt_cache_options`` of the Responses API: ``mode`` ``implicit`` (default: a
+    breakpoint at the end of the input, plus the explicit ones) or ``explicit`` (the parts'
+    ``prompt_cache_breakpoint`` only); ``ttl`` ``"30m"`` (default) or ``"12h"``, the
+    breakpoints' TTL; ``comparison_response_id``: an earlier response to diagnose cache reuse
+    against (the answer's ``prompt_cache_diagnostics``); ``prewarm`` only ``false``."""
+
+    model_config = _CONFIG
+    mode: Literal["implicit", "explicit"] = "implicit"
+    ttl: Literal["30m", "12h"] | None = None
+    comparison_response_id: str | None = Field(None, min_length=1, max_length=256)
+    prewarm: Literal[False] | None = None
 
 
 class ResponsesRequest(BaseModel):
@@ -116,6 +155,10 @@ class ResponsesRequest(BaseModel):
     text: TextConfig | None = None
     truncation: Literal["disabled"] | None = None
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
+    # accepted with no effect, as on chat: every prompt is prefix-cached already
+    prompt_cache_key: str | None = Field(None, max_length=1024)
+    prompt_cache_options: ResponsesCacheOptions | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
 
     def messages(self) -> list[dict[str, str]]:
         """The conversation for the chat template: instructions first, then ``input``."""
@@ -151,6 +194,13 @@ def parse_request(body: bytes) -> ResponsesRequest:
             )
         if raw.get("tools"):
             raise bad_request("tools are not supported on /v1/responses", param="tools")
+        options = raw.get("prompt_cache_options")
+        if isinstance(options, dict) and options.get("prewarm") is True:
+            raise bad_request(
+                "prompt_cache_options.prewarm is not supported (send the request itself; "
+                "its prefix is cached by answering it)",
+                param="prompt_cache_options.prewarm",
+            )
         items = raw.get("input")
         if isinstance(items, list):
             for i, item in enumerate(items):
@@ -178,7 +228,17 @@ class ResponsesRenderer:
     route = "responses"
     include_usage = True
 
-    def __init__(self, rid: str, created: int, model: str, req: ResponsesRequest) -> None:
+    def __init__(
+        self,
+        rid: str,
+        created: int,
+        model: str,
+        req: ResponsesRequest,
+        marks: list[Mark] | None = None,
+        comparison: Comparison | None = None,
+    ) -> None:
+        self.comparison = comparison  # prompt_cache_options.comparison_response_id asked
+        self.marks = marks or []
         self.rid = rid
         self.msg_id = "msg_" + rid.removeprefix("resp_")
         self.created = created
@@ -219,10 +279,21 @@ class ResponsesRenderer:
             "tools": [],
             "top_p": 1.0 if req.top_p is None else req.top_p,
             "truncation": "disabled",
-            "usage": None if usage is None else _usage(usage),
+            "usage": None if usage is None else _usage(usage, self.marks),
             "user": req.user,
             "metadata": req.metadata or {},
+            "prompt_cache_key": req.prompt_cache_key,
+            "prompt_cache_retention": req.prompt_cache_retention,
+            "prompt_cache_options": _options(req.prompt_cache_options),
+            "prompt_cache_diagnostics": self._diagnostics(usage),
         }
+
+    def _diagnostics(self, usage: Usage | None) -> dict[str, Any] | None:
+        """``prompt_cache_diagnostics`` (None: not asked, or the usage is not known yet)."""
+        if self.comparison is None or usage is None:
+            return None
+        cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+        return openai_diagnostics(self.comparison.diagnosis(cached))
 
     def _item(self, status: str, text: str) -> dict[str, Any]:
         content = [] if status == "in_progress" else [self._part(text)]
@@ -321,11 +392,38 @@ class ResponsesRenderer:
         return self._ev("error", code=err.code, message=err.message, param=err.param)
 
 
-def _usage(u: Usage) -> dict[str, Any]:
+def _options(options: ResponsesCacheOptions | None) -> dict[str, Any] | None:
+    """The ``prompt_cache_options`` applied (None when the request sent none)."""
+    if options is None:
+        return None
+    return {
+        "mode": options.mode,
+        "ttl": options.ttl or "30m",
+        "comparison_response_id": options.comparison_response_id,
+    }
+
+
+_TWELVE_HOURS = 43_200.0
+
+
+def _usage(u: Usage, marks: list[Mark]) -> dict[str, Any]:
+    """The Responses ``usage``: ``input_tokens_details.cached_tokens`` read from the prefix
+    cache, ``cache_write_tokens`` written at the breakpoints (split into
+    ``cache_write_tokens_details``: TTLs of 12 h and more, and the shorter ones), so read +
+    written + the uncached rest == ``input_tokens``."""
     cached = u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details else 0
+    by_ttl = written_tokens(cached, marks)
+    written = sum(by_ttl.values())
+    long = sum(n for ttl, n in by_ttl.items() if ttl >= _TWELVE_HOURS)
+    details: dict[str, Any] = {"cached_tokens": cached, "cache_write_tokens": written}
+    if marks:
+        details["cache_write_tokens_details"] = {
+            "ttl_12h_tokens": long,
+            "ttl_30m_tokens": written - long,
+        }
     return {
         "input_tokens": u.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": cached},
+        "input_tokens_details": details,
         "output_tokens": u.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": u.total_tokens,
@@ -357,6 +455,26 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         )
     except (ValueError, TypeError) as exc:
         raise bad_request(str(exc)) from None
-    renderer = ResponsesRenderer(rid, int(time.time()), st.model_name, req)
+    offset = 1 if req.instructions else 0
+    breakpoints = openai_breakpoints(
+        req.input if isinstance(req.input, list) else [],
+        req.prompt_cache_options,
+        req.prompt_cache_retention,
+        messages,
+        offset,
+        [],
+        field="input",
+    )
+    marks = await find_marks(engine.tokenizer, breakpoints, False, ids, engine.config.block_size)
     requests = [engine_request(principal, f"{rid}-0", ids, params, cache_salt=req.cache_salt)]
-    return await Exchange(request, st, principal, requests, renderer, req.stream).run()
+    salt = requests[0].cache_salt
+    log = request.app[PROMPT_LOG]
+    options = req.prompt_cache_options
+    wanted = options.comparison_response_id if options is not None else None
+    previous = log.find(wanted) if wanted else None
+    current = log.add(rid, salt, ids, messages, [], principal.id)
+    comparison = Comparison(previous, current, engine.config.block_size) if wanted else None
+    renderer = ResponsesRenderer(rid, int(time.time()), st.model_name, req, marks, comparison)
+    return await Exchange(
+        request, st, principal, requests, renderer, req.stream, marks, comparison=comparison
+    ).run()

@@ -83,11 +83,29 @@ class ToolPlan:
         return self.mode != "none"
 
 
+_TOOL_KEYS = {"type", "function"}  # openai's ChatCompletionFunctionToolParam
+_FUNCTION_KEYS = {"name", "description", "parameters", "strict"}  # its FunctionDefinition
+
+
+def _refuse_unknown(obj: dict[str, Any], known: set[str], where: str) -> None:
+    """400 naming the first key of ``obj`` not in ``known`` (never ignored: e.g. a
+    ``cache_control`` on a tool, which OpenAI's tools do not take)."""
+    unknown = sorted(str(k) for k in obj if k not in known)
+    if unknown:
+        name = f"{where}.{unknown[0][:80]}"
+        hint = (
+            " (a cache breakpoint goes on a message's text part)"
+            if unknown[0] == "cache_control"
+            else ""
+        )
+        raise bad_request(f"Unrecognized request argument supplied: {name}{hint}", param=name)
+
+
 def check_tools(tools: list[Any] | None) -> list[dict[str, Any]]:
     """Validate ``tools``: function tools with a valid name and a JSON-schema ``parameters``.
 
     Raises:
-        APIError: 400 naming ``tools[i]...``.
+        APIError: 400 naming ``tools[i]...`` (an unknown key of a tool or its function too).
     """
     if not tools:  # the usual chat: no xgrammar (and torch) import on the event loop
         return []
@@ -102,6 +120,8 @@ def check_tools(tools: list[Any] | None) -> list[dict[str, Any]]:
         fn = tool.get("function")
         if not isinstance(fn, dict):
             raise bad_request(f"{where}.function: an object is required", param=f"{where}.function")
+        _refuse_unknown(tool, _TOOL_KEYS, where)
+        _refuse_unknown(fn, _FUNCTION_KEYS, f"{where}.function")
         name = fn.get("name")
         if not isinstance(name, str) or not _NAME.match(name):
             raise bad_request(

@@ -173,3 +173,124 @@ def test_messages_header_says_written_then_hit(server, pool_whole):
         assert s.headers["x-prefixgate-cache"] == f"system.0={written}"
         s.read()
     wait_idle(server, pool_whole, pinned_ok=True)
+
+
+def test_responses_cache_controls(server, client, pool_whole):
+    """The Responses API takes the chat's cache controls: ``prompt_cache_key`` (no effect),
+    ``prompt_cache_options`` (implicit: the end of the input pinned, its ttl), a part's
+    ``prompt_cache_breakpoint``; usage ``cache_write_tokens`` then ``cached_tokens``."""
+    text = _system(uuid.uuid4().hex[:8])
+    first = client.responses.create(
+        model=MODEL,
+        max_output_tokens=2,
+        instructions=text,
+        input="Tell me a story.",
+        prompt_cache_key="stories",
+        prompt_cache_options={"mode": "implicit", "ttl": "12h"},
+    )
+    d = first.usage.input_tokens_details
+    assert d.cached_tokens == 0 and d.cache_write_tokens >= 64
+    assert d.cache_write_tokens_details.ttl_12h_tokens == d.cache_write_tokens
+    assert first.prompt_cache_key == "stories"
+    assert first.prompt_cache_options.ttl == "12h"
+    _settle(server)
+    pins = server.app[LOCAL].cache_pins
+    assert any(p.ttl_s == 43_200.0 for p in pins._pins.values())  # the 12h TTL took effect
+    part = {
+        "type": "input_text",
+        "text": text,
+        "prompt_cache_breakpoint": {"mode": "explicit"},
+    }
+    raw = client.responses.with_raw_response.create(
+        model=MODEL,
+        max_output_tokens=2,
+        input=[
+            {"role": "system", "content": [part]},
+            {"role": "user", "content": "Tell me a story."},
+        ],
+        prompt_cache_options={"mode": "explicit"},
+    )
+    again = raw.parse()
+    d2 = again.usage.input_tokens_details
+    assert d2.cached_tokens >= d.cache_write_tokens and d2.cache_write_tokens == 0
+    assert "input.0.content.0.prompt_cache_breakpoint=" in raw.headers["x-prefixgate-cache"]
+    assert raw.headers["x-prefixgate-cache"].endswith(":hit")
+    assert d2.cached_tokens + d2.cache_write_tokens <= again.usage.input_tokens
+    wait_idle(server, pool_whole, pinned_ok=True)
+
+
+def _tokens(server, messages) -> list[int]:
+    r = httpx.post(server.url + "/tokenize", json={"model": MODEL, "messages": messages})
+    return r.json()["tokens"]
+
+
+def test_responses_prompt_cache_diagnostics_against_a_token_diff(server, client, pool_whole):
+    """``prompt_cache_options.comparison_response_id``: the answer's
+    ``prompt_cache_diagnostics`` in OpenAI's shape, checked against the two prompts' token
+    ids (the header's ``at=`` is their first differing index)."""
+    tag = uuid.uuid4().hex[:8]
+    first = client.responses.create(
+        model=MODEL, max_output_tokens=2, instructions=_system(tag), input="A?"
+    )
+    assert first.prompt_cache_diagnostics is None  # not asked for
+    _settle(server)
+    first_ids = _tokens(
+        server, [{"role": "system", "content": _system(tag)}, {"role": "user", "content": "A?"}]
+    )
+    assert len(first_ids) == first.usage.input_tokens
+    reusable = len(first_ids) // 16 * 16
+
+    def ask(instructions, text, **kw):
+        raw = client.responses.with_raw_response.create(
+            model=MODEL,
+            max_output_tokens=2,
+            instructions=instructions,
+            input=text,
+            prompt_cache_options={"comparison_response_id": first.id},
+            **kw,
+        )
+        return raw.parse(), raw.headers["x-prefixgate-cache"]
+
+    same, header = ask(_system(tag), "B?")
+    assert same.prompt_cache_diagnostics.type == "cache_hit"
+    assert same.usage.input_tokens_details.cached_tokens >= reusable
+    b_ids = _tokens(
+        server, [{"role": "system", "content": _system(tag)}, {"role": "user", "content": "B?"}]
+    )
+    b_at = next(i for i, (a, b) in enumerate(zip(first_ids, b_ids, strict=False)) if a != b)
+    assert b_at >= reusable and header.endswith(f"compare=hit:at={b_at}")
+    changed_sys = _system(tag + "x")
+    changed, header = ask(changed_sys, "A?")
+    d = changed.prompt_cache_diagnostics
+    assert d.type == "cache_miss" and d.reason == "input_changed"
+    ids = _tokens(
+        server, [{"role": "system", "content": changed_sys}, {"role": "user", "content": "A?"}]
+    )
+    at = next(i for i, (a, b) in enumerate(zip(first_ids, ids, strict=False)) if a != b)
+    read = changed.usage.input_tokens_details.cached_tokens
+    assert read == at // 16 * 16  # the prefix cache reads the whole blocks before the divergence
+    assert d.comparison_reusable_tokens == reusable and d.cache_missed_tokens == reusable - read
+    assert header.endswith(f"compare=system_changed:missed={reusable - read}:at={at}")
+    salted, header = ask(_system(tag), "A?", extra_body={"cache_salt": "another"})
+    assert salted.prompt_cache_diagnostics.type == "comparison_response_not_found"
+    assert header.endswith("compare=salt_differs")
+    assert salted.usage.input_tokens_details.cached_tokens == 0
+    short = client.responses.create(model=MODEL, max_output_tokens=2, input="hi")
+    assert short.usage.input_tokens < 16
+    below = client.responses.create(
+        model=MODEL,
+        max_output_tokens=2,
+        input="hi",
+        prompt_cache_options={"comparison_response_id": short.id},
+    )
+    assert below.prompt_cache_diagnostics.type == "unavailable"
+    with client.responses.stream(
+        model=MODEL,
+        max_output_tokens=2,
+        instructions=_system(tag),
+        input="C?",
+        prompt_cache_options={"comparison_response_id": "resp_unknown"},
+    ) as stream:
+        last = list(stream)[-1]  # response.incomplete here: max_output_tokens cut it
+    assert last.response.prompt_cache_diagnostics.type == "comparison_response_not_found"
+    wait_idle(server, pool_whole, pinned_ok=True)

@@ -88,6 +88,9 @@ def test_breakpoint_pin_survives_cache_pressure(server, client, pool_whole):
     msgs = [{"role": "user", "content": "Tell me a story."}]
     first = client.messages.create(model=MODEL, max_tokens=2, system=system, messages=msgs)
     assert first.usage.cache_creation.ephemeral_1h_input_tokens >= 64
+    # a prompt with no breakpoint: its blocks are only cached, so the pressure evicts them
+    control = dict(model=MODEL, max_tokens=1, system=_system(tag + "-control"), messages=msgs)
+    unpinned = client.messages.create(**control)
     _settle(server)
     total_blocks = server.app[LOCAL].engine.stats()["kv_blocks_total"]
     # ~7 blocks per prompt: 3x the KV capacity of distinct prompts, none cached
@@ -107,6 +110,17 @@ def test_breakpoint_pin_survives_cache_pressure(server, client, pool_whole):
         messages=[{"role": "user", "content": "Another one."}],
     )
     assert probe.usage.cache_read_input_tokens >= first.usage.cache_creation_input_tokens
+    # the same unpinned prompt again, compared with its first answer: evicted, by the diagnosis
+    raw = client.messages.with_raw_response.create(
+        **control, extra_body={"diagnostics": {"previous_message_id": unpinned.id}}
+    )
+    again = raw.parse()
+    assert again.diagnostics.cache_miss_reason.type == "unavailable"
+    reusable = unpinned.usage.input_tokens // 16 * 16
+    missed = reusable - again.usage.cache_read_input_tokens
+    assert missed > 0 and raw.headers["x-prefixgate-cache"] == (
+        f"read={again.usage.cache_read_input_tokens}; compare=evicted:missed={missed}"
+    )
     wait_idle(server, pool_whole, pinned_ok=True)
 
 
