@@ -30,15 +30,17 @@ import argparse
 import asyncio
 import csv
 import json
+import os
 import random
 import re
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
-from prefixgate.gateway.bench.routing import start, stop, wait_ready
+from prefixgate.gateway.bench.routing import stop, wait_ready
 from prefixgate.sdk.bench.shared import find_shared
 from prefixgate.sdk.bench.targets import free_port
 from prefixgate.sdk.bench.workload import SAMPLE_SYSTEM_PROMPTS, SAMPLE_USER_TASKS
@@ -61,6 +63,25 @@ def port_pair() -> int:
         except OSError:
             continue
         return port
+
+
+def start(
+    args: list[str], log: Path | None = None, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen, str]:
+    """``prefixgate serve ARGS`` on a free loopback port (access log off, warnings only);
+    with ``log``, at DEBUG level (precise's per-request picks) into that file. Returns
+    (process, base URL)."""
+    port = free_port()
+    level = "DEBUG" if log is not None else "WARNING"
+    cmd = [sys.executable, "-m", "prefixgate.gateway.cli", "serve", "--port", str(port)]
+    cmd += ["--no-access-log", "--stats-interval-s", "0", "--log-level", level, *args]
+    err = open(log, "w") if log is not None else None  # noqa: SIM115 (the child keeps it)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=err, env={**os.environ, **(env or {})}
+    )
+    if err is not None:
+        err.close()
+    return proc, f"http://127.0.0.1:{port}"
 
 
 def cut_prompts(tokenizer, n: int, tokens: int, tag: str) -> list[str]:
@@ -185,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--overlap-weight", type=float, default=1.0, help="precise's weight")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--log-dir", default=None, help="precise gateway's DEBUG log (its picks) goes here"
+    )
     args = ap.parse_args(argv)
     if not args.model:
         ap.error(f"no {MODEL} in the shared folder: pass --model")
@@ -226,7 +250,11 @@ def main(argv: list[str] | None = None) -> int:
                 for f in feeds:
                     extra += ["--upstream-kv-events", f]
             flags = [x for u in urls for x in ("--upstream", u)]
-            proc, url = start([*flags, *extra])
+            log = None
+            if args.log_dir and policy == "precise":
+                Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+                log = Path(args.log_dir) / f"{policy}.log"
+            proc, url = start([*flags, *extra], log)
             procs.append(proc)
             gateways[policy] = url
         wait_ready(urls + [u for p, u in gateways.items() if p != "single"], procs)
