@@ -33,9 +33,12 @@ compute until their answers begin (``started``: a stream's headers come with its
 token), the prefill queued ahead of this one, less what this one shares of it. The bound on
 imbalance is judged per request: ``u`` is a candidate only when its in-flight requests with
 this one stay within ``max_load_ratio`` times the mean with this one, ``in_flight(u) + 1 <=
-max(X * m, m + 1)`` with ``m = (sum + 1) / n`` (the ``m + 1``: requests are whole, so one above
-the mean is allowed while X times it is less — two requests of one prompt on an idle pool of
-two stay together), or it is the least loaded (always a candidate).
+max(X * m, m + 1, 2)`` with ``m = (sum + 1) / n`` (the ``m + 1``: requests are whole, so one
+above the mean is allowed while X times it is less — two requests of one prompt on an idle
+pool of two stay together; the ``2``: on a pool mostly idle, a mean below one, a replica may
+take a second request — on three replicas with one request in flight, ``m + 1`` = 1.67 sent
+every request of the busy replica's prompts to a cold one, a whole prefill and a copy to save
+waiting beside one request), or it is the least loaded (always a candidate).
 
 A prompt no candidate holds (cold, or evicted everywhere) goes to its home: the upstream its
 leading text (``Route.key``: the system prompt, salted) was first placed on, a candidate
@@ -320,7 +323,7 @@ class PreciseRouting:
         total = sum(u.in_flight for u in cands)
         least = min(u.in_flight for u in cands)
         mean = (total + 1) / n  # with this request
-        bound = max(self.max_load_ratio * mean, mean + 1)
+        bound = max(self.max_load_ratio * mean, mean + 1, 2)
         ok = [u for u in cands if u.in_flight + 1 <= bound or u.in_flight == least]
         choice: Upstream | None = None
         reason = "score"

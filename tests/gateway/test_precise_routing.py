@@ -214,6 +214,14 @@ def test_bound_on_imbalance_is_judged_per_request():
     assert p.pick(route_of(p, {"prompt": PROMPT}), [a, b, c], never) in (b, c)
     a.in_flight = 8  # 9 <= 9.53
     assert p.pick(route_of(p, {"prompt": PROMPT}), [a, b, c], never) is a
+    # a mostly idle pool (the mean below one): a second request may join the holder's one
+    p, index = policy([A, B, C], max_load_ratio=1.3)  # nothing charged by the picks above
+    index.hold(A, ids)
+    a.in_flight, b.in_flight, c.in_flight = 1, 0, 0  # 2 <= max(1.3 * 2 / 3, 2 / 3 + 1, 2)
+    r = route_of(p, {"prompt": PROMPT})
+    assert p.pick(r, [a, b, c], never) is a and r.predicted_cached == 48
+    a.in_flight = 2  # a third does not: 3 > 2
+    assert p.pick(route_of(p, {"prompt": PROMPT}), [a, b, c], never) in (b, c)
     with pytest.raises(ValueError, match="max_load_ratio"):
         policy([A], max_load_ratio=0.9)
 
