@@ -2,26 +2,38 @@
 
 A scaled-down version of llm-d's multi-tenant workload: ``--tenants`` tenants, each with its
 own long system prompt (the real prompts of the shared folder's ``workloads/system_prompts.csv``,
-else the SDK's sample copy, cut to ``--system-tokens`` tokens of aidreams-260k's tokenizer) and its own cache partition (a request ``cache_salt`` per tenant),
-popularity Zipf (s = ``--zipf``), a short user turn each, Poisson arrivals at ``--rate``
-requests/s, streamed with usage. More distinct prefixes than one replica's KV holds
-(``--num-kv-blocks``, printed).
+else the SDK's sample copy, cut to ``--system-tokens`` tokens of the model's tokenizer) and its
+own cache partition (a request ``cache_salt`` per tenant), popularity Zipf (s = ``--zipf``), a
+short user turn each, Poisson arrivals at ``--rate`` requests/s, streamed with usage. More
+distinct prefixes than one replica's KV holds (``--num-kv-blocks``, printed). ``--warmup``
+first sends each tenant's prompt once, one at a time and not measured (the steady state, as
+a deployed app's prompts are: not every tenant's first request).
 
-``--replicas`` aidreams-260k engines (``prefixgate serve --kv-events``, one process each) and
-one gateway per policy in upstream mode (``precise`` with ``--tokenizer`` and
-``--upstream-kv-events``, ``cache_aware``, ``round_robin``), all started at once; "single" is
-one replica served directly (the hit rate the others are held against). Each policy runs its
-own tenants' prompts (a phase tag in the text: no policy finds another's blocks), one after
-the other, in the order given.
+``--replicas`` engines (``prefixgate serve --kv-events``, one process each: aidreams-260k by
+default; ``--model`` another, ``--load-format dummy`` for a weightless shape such as
+smollm2-135m-shape, ``--layers N`` to cut it, ``--engine-threads`` torch threads each) and
+``--gateways`` gateways per policy in upstream mode (``precise`` with ``--tokenizer`` and
+``--upstream-kv-events``: each follows every engine's events; ``cache_aware``,
+``round_robin``), all started at once, the client sending request ``i`` to gateway ``i mod
+N``; "single" is one replica served directly (the hit rate the others are held against).
+Each policy runs its own tenants' prompts (a phase tag in the text: no policy finds another's
+blocks), one after the other, in the order given.
 
 Per policy: prefix hit rate (cached / prompt tokens, from the answers' usage), requests per
-replica (the gateway's ``/ready``) and the hottest replica's over the mean, TTFT p50/p90
-(first chunk with choices), and for ``precise`` its predictions that equalled the reported
-cached tokens (``/metrics``) and its decisions by reason.
+replica (the gateways' ``/ready``, summed) and the hottest replica's over the mean, TTFT
+p50/p90 (first chunk with choices) and round robin's p90 over it, and for ``precise`` its
+predictions that equalled the reported cached tokens (``/metrics``) and its decisions by
+reason (the warm-up's counted apart). ``--json`` keeps every TTFT, ``--plot`` draws their CDFs
+beside the hit rates (PNG), ``--log-dir`` keeps each precise gateway's picks (DEBUG log:
+per request the cached tokens, queued prefill and load of every replica, the choice and its
+reason; then the predicted beside the reported cached tokens).
 
 Usage::
 
     python -m prefixgate.gateway.bench.precise_routing [--requests 120] [--rate 4] [--json OUT]
+    python -m prefixgate.gateway.bench.precise_routing --model ../shared/models/smollm2-135m-shape
+        --load-format dummy --layers 2 --engine-threads 1 --block-size 16 --num-kv-blocks 256
+        --system-tokens 400 --requests 90 --rate 1.5 --warmup --plot precise.png
 """
 
 from __future__ import annotations
@@ -36,6 +48,7 @@ import re
 import statistics
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -240,7 +253,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     bx.set_ylim(0, 1.15)
     bx.set_ylabel("prefix hit rate (cached / prompt tokens)")
     bx.tick_params(axis="x", labelsize=7)
-    fig.suptitle(title, fontsize=8)
+    fig.suptitle(textwrap.fill(title, 120), fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
