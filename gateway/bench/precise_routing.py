@@ -2,26 +2,38 @@
 
 A scaled-down version of llm-d's multi-tenant workload: ``--tenants`` tenants, each with its
 own long system prompt (the real prompts of the shared folder's ``workloads/system_prompts.csv``,
-else the SDK's sample copy, cut to ``--system-tokens`` tokens of aidreams-260k's tokenizer) and its own cache partition (a request ``cache_salt`` per tenant),
-popularity Zipf (s = ``--zipf``), a short user turn each, Poisson arrivals at ``--rate``
-requests/s, streamed with usage. More distinct prefixes than one replica's KV holds
-(``--num-kv-blocks``, printed).
+else the SDK's sample copy, cut to ``--system-tokens`` tokens of the model's tokenizer) and its
+own cache partition (a request ``cache_salt`` per tenant), popularity Zipf (s = ``--zipf``), a
+short user turn each, Poisson arrivals at ``--rate`` requests/s, streamed with usage. More
+distinct prefixes than one replica's KV holds (``--num-kv-blocks``, printed). ``--warmup``
+first sends each tenant's prompt once, one at a time and not measured (the steady state, as
+a deployed app's prompts are: not every tenant's first request).
 
-``--replicas`` aidreams-260k engines (``prefixgate serve --kv-events``, one process each) and
-one gateway per policy in upstream mode (``precise`` with ``--tokenizer`` and
-``--upstream-kv-events``, ``cache_aware``, ``round_robin``), all started at once; "single" is
-one replica served directly (the hit rate the others are held against). Each policy runs its
-own tenants' prompts (a phase tag in the text: no policy finds another's blocks), one after
-the other, in the order given.
+``--replicas`` engines (``prefixgate serve --kv-events``, one process each: aidreams-260k by
+default; ``--model`` another, ``--load-format dummy`` for a weightless shape such as
+smollm2-135m-shape, ``--layers N`` to cut it, ``--engine-threads`` torch threads each) and
+``--gateways`` gateways per policy in upstream mode (``precise`` with ``--tokenizer`` and
+``--upstream-kv-events``: each follows every engine's events; ``cache_aware``,
+``round_robin``), all started at once, the client sending request ``i`` to gateway ``i mod
+N``; "single" is one replica served directly (the hit rate the others are held against).
+Each policy runs its own tenants' prompts (a phase tag in the text: no policy finds another's
+blocks), one after the other, in the order given.
 
 Per policy: prefix hit rate (cached / prompt tokens, from the answers' usage), requests per
-replica (the gateway's ``/ready``) and the hottest replica's over the mean, TTFT p50/p90
-(first chunk with choices), and for ``precise`` its predictions that equalled the reported
-cached tokens (``/metrics``) and its decisions by reason.
+replica (the gateways' ``/ready``, summed) and the hottest replica's over the mean, TTFT
+p50/p90 (first chunk with choices) and round robin's p90 over it, and for ``precise`` its
+predictions that equalled the reported cached tokens (``/metrics``) and its decisions by
+reason (the warm-up's counted apart). ``--json`` keeps every TTFT, ``--plot`` draws their CDFs
+beside the hit rates (PNG), ``--log-dir`` keeps each precise gateway's picks (DEBUG log:
+per request the cached tokens, queued prefill and load of every replica, the choice and its
+reason; then the predicted beside the reported cached tokens).
 
 Usage::
 
     python -m prefixgate.gateway.bench.precise_routing [--requests 120] [--rate 4] [--json OUT]
+    python -m prefixgate.gateway.bench.precise_routing --model ../shared/models/smollm2-135m-shape
+        --load-format dummy --layers 2 --engine-threads 1 --block-size 16 --num-kv-blocks 256
+        --system-tokens 400 --requests 90 --rate 1.5 --warmup --plot precise.png
 """
 
 from __future__ import annotations
@@ -30,15 +42,18 @@ import argparse
 import asyncio
 import csv
 import json
+import os
 import random
 import re
 import statistics
+import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
 import httpx
-from prefixgate.gateway.bench.routing import start, stop, wait_ready
+from prefixgate.gateway.bench.routing import stop, wait_ready
 from prefixgate.sdk.bench.shared import find_shared
 from prefixgate.sdk.bench.targets import free_port
 from prefixgate.sdk.bench.workload import SAMPLE_SYSTEM_PROMPTS, SAMPLE_USER_TASKS
@@ -61,6 +76,25 @@ def port_pair() -> int:
         except OSError:
             continue
         return port
+
+
+def start(
+    args: list[str], log: Path | None = None, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen, str]:
+    """``prefixgate serve ARGS`` on a free loopback port (access log off, warnings only);
+    with ``log``, at DEBUG level (precise's per-request picks) into that file. Returns
+    (process, base URL)."""
+    port = free_port()
+    level = "DEBUG" if log is not None else "WARNING"
+    cmd = [sys.executable, "-m", "prefixgate.gateway.cli", "serve", "--port", str(port)]
+    cmd += ["--no-access-log", "--stats-interval-s", "0", "--log-level", level, *args]
+    err = open(log, "w") if log is not None else None  # noqa: SIM115 (the child keeps it)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=err, env={**os.environ, **(env or {})}
+    )
+    if err is not None:
+        err.close()
+    return proc, f"http://127.0.0.1:{port}"
 
 
 def cut_prompts(tokenizer, n: int, tokens: int, tag: str) -> list[str]:
@@ -89,22 +123,22 @@ def users(n: int) -> list[str]:
     return out
 
 
-def workload(tokenizer, tag: str, args: argparse.Namespace) -> list[tuple[float, dict]]:
-    """``(arrival offset s, chat body)`` pairs: Zipf tenants, Poisson arrivals."""
+def workload(
+    tokenizer, tag: str, args: argparse.Namespace
+) -> tuple[list[tuple[float, dict]], list[dict]]:
+    """``(arrival offset s, chat body)`` pairs (Zipf tenants, Poisson arrivals), and the
+    warm-up: one body per tenant (its system prompt, another user turn) when ``--warmup``."""
     rng = random.Random(args.seed)
     systems = cut_prompts(tokenizer, args.tenants, args.system_tokens, tag)
     turns = users(50)
     weights = [1.0 / (i + 1) ** args.zipf for i in range(args.tenants)]
-    t = 0.0
-    out = []
-    for _ in range(args.requests):
-        t += rng.expovariate(args.rate)
-        tenant = rng.choices(range(args.tenants), weights)[0]
-        body = {
+
+    def body(tenant: int, turn: str) -> dict:
+        return {
             "model": "any",
             "messages": [
                 {"role": "system", "content": systems[tenant]},
-                {"role": "user", "content": rng.choice(turns)[: args.user_chars]},
+                {"role": "user", "content": turn[: args.user_chars]},
             ],
             "max_tokens": args.max_tokens,
             "temperature": 0,
@@ -112,8 +146,15 @@ def workload(tokenizer, tag: str, args: argparse.Namespace) -> list[tuple[float,
             "stream_options": {"include_usage": True},
             "cache_salt": f"tenant-{tenant}",
         }
-        out.append((t, body))
-    return out
+
+    t = 0.0
+    out = []
+    for _ in range(args.requests):
+        t += rng.expovariate(args.rate)
+        tenant = rng.choices(range(args.tenants), weights)[0]
+        out.append((t, body(tenant, rng.choice(turns))))
+    warm = [body(i, "warm up") for i in range(args.tenants)] if args.warmup else []
+    return out, warm
 
 
 async def one(client: httpx.AsyncClient, url: str, body: dict) -> dict:
@@ -135,15 +176,87 @@ async def one(client: httpx.AsyncClient, url: str, body: dict) -> dict:
     return {"ttft": ttft, "prompt": usage.get("prompt_tokens", 0), "cached": cached}
 
 
-async def drive(url: str, load: list[tuple[float, dict]], model: str) -> list[dict]:
+async def drive(
+    urls: list[str], load: list[tuple[float, dict]], model: str, warm: list[dict] = ()
+) -> list[dict]:
+    """The ``warm`` bodies one at a time (not measured), then ``load`` at its offsets; request
+    ``i`` goes to ``urls[i % len(urls)]`` (a round-robin client over the gateways)."""
     async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=256)) as c:
+        for i, body in enumerate(warm):
+            await one(c, urls[i % len(urls)], {**body, "model": model})
         t0 = time.perf_counter()
 
-        async def at(offset: float, body: dict) -> dict:
+        async def at(i: int, offset: float, body: dict) -> dict:
             await asyncio.sleep(max(0.0, t0 + offset - time.perf_counter()))
-            return await one(c, url, {**body, "model": model})
+            return await one(c, urls[i % len(urls)], {**body, "model": model})
 
-        return await asyncio.gather(*(at(o, b) for o, b in load))
+        return await asyncio.gather(*(at(i, o, b) for i, (o, b) in enumerate(load)))
+
+
+def scrape(gateways: list[str]) -> dict:
+    """Summed over ``gateways``: requests served per replica (``/ready``, in upstream order),
+    precise's predictions by result and decisions by reason (``/metrics``)."""
+    per: list[int] = []
+    res: dict[str, float] = {}
+    dec: dict[str, float] = {}
+    for g in gateways:
+        ready = httpx.get(g + "/ready", timeout=10).json()
+        served = [u["served"] for u in ready.get("upstreams", [])]
+        per = [a + b for a, b in zip(per, served, strict=True)] if per else served
+        text = httpx.get(g + "/metrics", timeout=10).text
+        for m in re.finditer(
+            r'prefixgate_route_predictions_total\{[^}]*result="(\w+)"[^}]*\} (\S+)', text
+        ):
+            res[m[1]] = res.get(m[1], 0) + float(m[2])
+        for m in re.finditer(r'prefixgate_route_decisions_total\{reason="(\w+)"\} (\S+)', text):
+            dec[m[1]] = dec.get(m[1], 0) + float(m[2])
+    return {"per_replica": per, "predictions": res, "decisions": dec}
+
+
+def minus(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    """A PNG at ``path``: each policy's TTFT CDF (log time axis) beside its hit rate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(9, 3.4), gridspec_kw={"width_ratios": [3, 2]})
+    for r in rows:
+        xs = sorted(r["ttfts"])
+        if xs:
+            ax.step(
+                xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=r["policy"]
+            )
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (s)")
+    ax.set_ylabel("fraction of requests")
+    ax.axhline(0.9, color="grey", lw=0.5, ls=":")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    names = [r["policy"] for r in rows]
+    bars = bx.bar(names, [r["hit_rate"] for r in rows], color=[f"C{i}" for i in range(len(rows))])
+    for b, r in zip(bars, rows, strict=True):
+        hot = r.get("hot_over_mean")
+        label = f"{r['hit_rate']:.2f}" + (f"\nhot {hot:.2f}" if hot else "")
+        bx.text(
+            b.get_x() + b.get_width() / 2,
+            b.get_height(),
+            label,
+            ha="center",
+            va="bottom",
+            fontsize=7,
+        )
+    bx.set_ylim(0, 1.15)
+    bx.set_ylabel("prefix hit rate (cached / prompt tokens)")
+    bx.tick_params(axis="x", labelsize=7)
+    fig.suptitle(textwrap.fill(title, 120), fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -163,6 +276,7 @@ def summarize(out: list[dict]) -> dict:
         "hit_rate": sum(o["cached"] for o in ok) / prompt if prompt else 0.0,
         "ttft_p50_s": statistics.median(ttfts) if ttfts else float("nan"),
         "ttft_p90_s": pct(ttfts, 0.9),
+        "ttfts": ttfts,
     }
 
 
@@ -170,7 +284,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     found = find_shared(MODEL)
     ap.add_argument("--model", default=str(found) if found else None)
+    ap.add_argument(
+        "--load-format", default="auto", help="the replicas' weights (dummy: random, for shapes)"
+    )
+    ap.add_argument("--layers", type=int, default=0, help="cut the model to N layers (0: all)")
+    ap.add_argument(
+        "--engine-threads", type=int, default=0, help="torch threads per replica (0: torch's)"
+    )
     ap.add_argument("--replicas", type=int, default=3)
+    ap.add_argument("--gateways", type=int, default=1, help="gateways per policy (round robin)")
     ap.add_argument("--tenants", type=int, default=24)
     ap.add_argument("--system-tokens", type=int, default=80)
     ap.add_argument("--user-chars", type=int, default=24)
@@ -180,99 +302,121 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--block-size", type=int, default=8)
     ap.add_argument("--num-kv-blocks", type=int, default=96)
+    ap.add_argument(
+        "--warmup",
+        action="store_true",
+        help="each tenant's prompt once, one at a time, before the measured requests",
+    )
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--max-load-ratio", type=float, default=1.3, help="precise's X")
     ap.add_argument("--overlap-weight", type=float, default=1.0, help="precise's weight")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--plot", default=None, help="a PNG of TTFT CDFs and hit rates")
+    ap.add_argument(
+        "--log-dir", default=None, help="precise gateways' DEBUG logs (their picks) go here"
+    )
     args = ap.parse_args(argv)
     if not args.model:
         ap.error(f"no {MODEL} in the shared folder: pass --model")
+    if args.gateways < 1:
+        ap.error("--gateways must be >= 1")
     from prefixgate.engine.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_pretrained(args.model)
     policies = [p for p in args.policies.split(",") if p]
     model = Path(args.model).name
     procs, urls, feeds = [], [], []
+    engine_env = {}
+    if args.engine_threads:
+        n = str(args.engine_threads)
+        engine_env = {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n}
+    engine_flags = ["--model", args.model, "--load-format", args.load_format]
+    if args.layers:
+        engine_flags += ["--hf-overrides", json.dumps({"num_hidden_layers": args.layers})]
     t_start = time.monotonic()
     try:
         for _ in range(args.replicas):
             ev = port_pair()
             proc, url = start(
                 [
-                    "--model",
-                    args.model,
+                    *engine_flags,
                     "--block-size",
                     str(args.block_size),
                     "--num-kv-blocks",
                     str(args.num_kv_blocks),
                     "--kv-events",
                     f"tcp://127.0.0.1:{ev}",
-                ]
+                ],
+                env=engine_env,
             )
             procs.append(proc)
             urls.append(url)
             feeds.append(f"{url}=tcp://127.0.0.1:{ev}")
-        gateways: dict[str, str] = {}
+        gateways: dict[str, list[str]] = {}
         for policy in policies:
             if policy == "single":
-                gateways[policy] = urls[0]
+                gateways[policy] = [urls[0]]
                 continue
             extra = ["--routing", policy]
             if policy == "precise":
                 extra += ["--tokenizer", args.model]
                 extra += ["--precise-max-load-ratio", str(args.max_load_ratio)]
                 extra += ["--precise-overlap-weight", str(args.overlap_weight)]
-                for f in feeds:
+                for f in feeds:  # every gateway follows every engine's events
                     extra += ["--upstream-kv-events", f]
             flags = [x for u in urls for x in ("--upstream", u)]
-            proc, url = start([*flags, *extra])
-            procs.append(proc)
-            gateways[policy] = url
-        wait_ready(urls + [u for p, u in gateways.items() if p != "single"], procs)
-        if "precise" in gateways:  # until its index holds every replica's snapshot
+            gateways[policy] = []
+            for g in range(args.gateways):
+                log = None
+                if args.log_dir and policy == "precise":
+                    Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+                    log = Path(args.log_dir) / f"{policy}-{g}.log"
+                proc, url = start([*flags, *extra], log)
+                procs.append(proc)
+                gateways[policy].append(url)
+        proxies = [u for p, us in gateways.items() if p != "single" for u in us]
+        wait_ready(urls + proxies, procs)
+        for g in gateways.get("precise", []):  # until its index holds every replica's snapshot
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
-                text = httpx.get(gateways["precise"] + "/metrics", timeout=10).text
+                text = httpx.get(g + "/metrics", timeout=10).text
                 if text.count("prefixgate_kv_index_synced{") == args.replicas and not re.search(
                     r"prefixgate_kv_index_synced\{[^}]*\} 0", text
                 ):
                     break
                 time.sleep(0.2)
-        print(
+        blocks = args.tenants * (args.system_tokens // args.block_size)
+        desc = (
             f"{args.replicas} replicas x {args.num_kv_blocks} KV blocks of {args.block_size} "
             f"tokens; {args.tenants} tenants x {args.system_tokens}-token system prompts "
-            f"(~{args.tenants * (args.system_tokens // args.block_size)} blocks of prefixes: "
-            f"{args.tenants * (args.system_tokens // args.block_size) / args.num_kv_blocks:.1f}x "
-            f"one replica's KV); {args.requests} requests per policy at {args.rate:g}/s "
-            "(Poisson)",
-            file=sys.stderr,
+            f"(~{blocks} blocks of prefixes: {blocks / args.num_kv_blocks:.1f}x one replica's "
+            f"KV); {args.requests} requests per policy at {args.rate:g}/s (Poisson)"
+            + (f"; {args.gateways} gateways per policy" if args.gateways > 1 else "")
+            + ("; warmed up" if args.warmup else "")
         )
+        print(desc, file=sys.stderr)
         rows = []
         for policy in policies:
-            load = workload(tokenizer, policy, args)
+            load, warm = workload(tokenizer, policy, args)
+            proxied = policy != "single"
+            if proxied:
+                before = scrape(gateways[policy])
+                asyncio.run(drive(gateways[policy], [], model, warm))
+                mid = scrape(gateways[policy])
+            else:
+                asyncio.run(drive(gateways[policy], [], model, warm))
             out = asyncio.run(drive(gateways[policy], load, model))
             row = {"policy": policy, **summarize(out)}
-            if policy != "single":
-                ready = httpx.get(gateways[policy] + "/ready", timeout=10).json()
-                per = [u["served"] for u in ready.get("upstreams", [])]
+            if proxied:
+                after = scrape(gateways[policy])
+                per = [a - b for a, b in zip(after["per_replica"], mid["per_replica"], strict=True)]
                 row["per_replica"] = per
                 row["hot_over_mean"] = max(per) / (sum(per) / len(per)) if sum(per) else 0.0
             if policy == "precise":
-                text = httpx.get(gateways[policy] + "/metrics", timeout=10).text
-                res: dict[str, float] = {}
-                for m in re.finditer(
-                    r'prefixgate_route_predictions_total\{[^}]*result="(\w+)"[^}]*\} (\S+)', text
-                ):
-                    res[m[1]] = res.get(m[1], 0) + float(m[2])
-                dec = {
-                    m[1]: float(m[2])
-                    for m in re.finditer(
-                        r'prefixgate_route_decisions_total\{reason="(\w+)"\} (\S+)', text
-                    )
-                }
-                row["predictions"] = res
-                row["decisions"] = dec
+                row["predictions"] = minus(after["predictions"], mid["predictions"])
+                row["decisions"] = minus(after["decisions"], mid["decisions"])
+                row["warmup_decisions"] = minus(mid["decisions"], before["decisions"])
             rows.append(row)
     finally:
         stop(procs)
@@ -280,15 +424,17 @@ def main(argv: list[str] | None = None) -> int:
     rr = next((r for r in rows if r["policy"] == "round_robin"), None)
     print(
         f"{'policy':<12}{'hit':>6}{'/single':>8}{'hot/mean':>9}{'p50 ms':>8}{'p90 ms':>8}"
-        f"{'p90/rr':>7}  per replica"
+        f"{'rr/p90':>7}  per replica"
     )
     for r in rows:
         rel = r["hit_rate"] / single["hit_rate"] if single and single["hit_rate"] else float("nan")
-        p90rr = r["ttft_p90_s"] / rr["ttft_p90_s"] if rr else float("nan")
+        rr_over = rr["ttft_p90_s"] / r["ttft_p90_s"] if rr else float("nan")
+        r["hit_vs_single"] = rel
+        r["rr_p90_over_p90"] = rr_over
         print(
             f"{r['policy']:<12}{r['hit_rate']:>6.3f}{rel:>8.2f}"
             f"{r.get('hot_over_mean', 1.0):>9.2f}{r['ttft_p50_s'] * 1e3:>8.1f}"
-            f"{r['ttft_p90_s'] * 1e3:>8.1f}{p90rr:>7.2f}  {r.get('per_replica', '-')}"
+            f"{r['ttft_p90_s'] * 1e3:>8.1f}{rr_over:>7.2f}  {r.get('per_replica', '-')}"
             + (f"  errors={r['errors']}" if r["errors"] else "")
         )
     for r in rows:
@@ -302,6 +448,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wall {time.monotonic() - t_start:.0f} s", file=sys.stderr)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    if args.plot:
+        plot(rows, args.plot, desc)
     return 0
 
 

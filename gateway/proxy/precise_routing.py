@@ -16,8 +16,15 @@ upstream whose key has a salt hashes otherwise, and the agreement counter shows 
 
 Score (after NVIDIA Dynamo's KV router cost, in tokens; the lowest wins)::
 
-    cost(u) = overlap_weight * (prompt - cached(u)) + pending_prefill(u)
+    cost(u) = overlap_weight * (prompt - cached(u) + copied(u)) + pending_prefill(u)
 
+``copied(u)``: the tokens another candidate holds beyond ``cached(u)`` (the most any
+candidate caches, less ``cached(u)``): computing them again on ``u`` makes a copy that
+displaces as many tokens of ``u``'s cache — other prompts' blocks, to be computed again by
+their next request. Without it a holder with one cold prompt queued lost its hit to an idle
+replica, and such copies cost the fleet more hits than they saved in queueing (measured: the
+benchmark's precise hit rate was below cache_aware's by about the tokens its spills left
+behind).
 ``cached(u)``: prompt tokens ``u`` serves from its cache: the index's match x block size, or
 the blocks of requests in flight to ``u`` when those reach further (computed there before
 their events arrive: a burst of one prefix is not spread by the event delay);
@@ -26,15 +33,19 @@ compute until their answers begin (``started``: a stream's headers come with its
 token), the prefill queued ahead of this one, less what this one shares of it. The bound on
 imbalance is judged per request: ``u`` is a candidate only when its in-flight requests with
 this one stay within ``max_load_ratio`` times the mean with this one, ``in_flight(u) + 1 <=
-max(X * m, m + 1)`` with ``m = (sum + 1) / n`` (the ``m + 1``: requests are whole, so one above
-the mean is allowed while X times it is less — two requests of one prompt on an idle pool of
-two stay together), or it is the least loaded (always a candidate).
+max(X * m, m + 1, 2)`` with ``m = (sum + 1) / n`` (the ``m + 1``: requests are whole, so one
+above the mean is allowed while X times it is less — two requests of one prompt on an idle
+pool of two stay together; the ``2``: on a pool mostly idle, a mean below one, a replica may
+take a second request — on three replicas with one request in flight, ``m + 1`` = 1.67 sent
+every request of the busy replica's prompts to a cold one, a whole prefill and a copy to save
+waiting beside one request), or it is the least loaded (always a candidate).
 
 A prompt no candidate holds (cold, or evicted everywhere) goes to its home: the upstream its
 leading text (``Route.key``: the system prompt, salted) was first placed on, a candidate
 homing the fewest prompts (ties by rendezvous hashing). Each prefix then has one copy and the
 fleet's distinct prefixes spread evenly — as many as its KV holds — instead of copies wherever
-the queue was shortest.
+the queue was shortest. A home over the bound right now stays the home (this request goes to
+the candidate homing the fewest); only a home that is no longer a candidate is replaced.
 
 Session affinity: a request with ``prompt_cache_key`` (else ``user``) goes where the previous
 request of that session within its cache partition (effective salt) went, while that upstream
@@ -312,7 +323,7 @@ class PreciseRouting:
         total = sum(u.in_flight for u in cands)
         least = min(u.in_flight for u in cands)
         mean = (total + 1) / n  # with this request
-        bound = max(self.max_load_ratio * mean, mean + 1)
+        bound = max(self.max_load_ratio * mean, mean + 1, 2)
         ok = [u for u in cands if u.in_flight + 1 <= bound or u.in_flight == least]
         choice: Upstream | None = None
         reason = "score"
@@ -321,34 +332,60 @@ class PreciseRouting:
             choice = next((u for u in ok if u.url == sess.url), None)
             reason = "affinity" if choice is not None else reason
         if choice is None and route.key is not None and not any(cached[u.url] for u in ok):
-            choice, reason = self._place(route.key, ok), "placed"
+            choice, reason = self._place(route.key, ok, cands), "placed"
         if choice is None:
             start = next(self._turn) % n  # ties rotate
             order = list(ok[start % len(ok) :]) + list(ok[: start % len(ok)])
             w = self.overlap_weight
+            held = max(cached.values())  # the most any upstream already holds
 
             def cost(u: Upstream) -> tuple[float, int]:
                 # the in-flight prefill this request shares is work it need not wait twice for
                 pending = max(0, self._pending[u.url] - found[u.url][1])
-                return (w * (prompt - cached[u.url]) + pending, u.in_flight)
+                # tokens held elsewhere but computed again here are a copy: they displace as
+                # many tokens of u's cache (other prompts' blocks, refilled later)
+                copy = held - cached[u.url]
+                return (w * (prompt - cached[u.url] + copy) + pending, u.in_flight)
 
             choice = min(order, key=cost)
         self.decisions[reason] += 1
         route.reason = reason
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "precise pick %s reason=%s prompt=%d cached=%s pending=%s in_flight=%s ok=%s",
+                choice.url,
+                reason,
+                prompt,
+                {u.url: cached[u.url] for u in cands},
+                {u.url: self._pending[u.url] for u in cands},
+                {u.url: u.in_flight for u in cands},
+                [u.url for u in ok],
+            )
         self._note(route, choice, cached[choice.url])
         return choice
 
-    def _place(self, key: bytes, ok: Sequence[Upstream]) -> Upstream:
-        """The home of a prompt no candidate holds (its leading text ``key``): its home when
-        that is a candidate, else the candidate homing the fewest prompts (ties: rendezvous
-        hashing), which becomes its home — so the fleet's distinct prefixes are spread
-        evenly and each has one copy, as many as the fleet's KV holds."""
+    def _place(self, key: bytes, ok: Sequence[Upstream], cands: Sequence[Upstream]) -> Upstream:
+        """The home of a prompt no candidate under the bound holds (its leading text
+        ``key``): its home when that is in ``ok``, else the candidate homing the fewest
+        prompts (ties: rendezvous hashing), which becomes its home — so the fleet's distinct
+        prefixes are spread evenly and each has one copy, as many as the fleet's KV holds.
+        A home that is still a candidate (healthy, serving the model) but over the bound
+        right now stays the home: this request goes to the ``ok`` one homing the fewest, and
+        the prompt's later requests go home again once its load is back under the bound."""
         home = self._homes.get(key)
         if home is not None:
             self._homes.move_to_end(key)
             for u in ok:
                 if u.url == home:
                     return u
+            if any(u.url == home for u in cands):  # only busy: no new home
+                return min(
+                    ok,
+                    key=lambda u: (
+                        self._home_count[u.url],
+                        -xxhash.xxh3_64_intdigest(key, seed=u.seed),
+                    ),
+                )
             self._home_count[home] -= 1
         choice = min(
             ok,
@@ -486,6 +523,14 @@ class PreciseRouting:
         self.reported_tokens[up.url] += cached
         result = "exact" if predicted == cached else "over" if predicted > cached else "under"
         self.predictions[(up.url, result)] += 1
+        logger.debug(
+            "precise learn %s reason=%s predicted=%d reported=%d prompt=%d",
+            up.url,
+            route.reason,
+            predicted,
+            cached,
+            prompt_tokens,
+        )
 
     # ---- metrics -----------------------------------------------------------------------------
     def collector(self) -> Collector:

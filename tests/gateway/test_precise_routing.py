@@ -2,7 +2,9 @@
 without torch.
 
 - the cost: the upstream holding more of the prompt wins at equal load; load (tokens in flight
-  there) outweighs a small cache advantage;
+  there) outweighs a small cache advantage; a copy of tokens another upstream holds costs
+  them twice (the prefill and the cache it displaces);
+- homes: a cold prompt's home stays while it is only busy;
 - the per-request bound: an upstream whose in-flight requests with this one would exceed X x
   the mean is never chosen, however much it holds; the least loaded always qualifies;
 - session affinity (``prompt_cache_key``, else ``user``, within a cache partition) holds while
@@ -144,6 +146,57 @@ def test_load_outweighs_a_small_cache_advantage():
     assert p2.pick(route_of(p2, {"prompt": PROMPT}), [a2, b2], never) is a2
 
 
+def test_a_copy_costs_the_cache_it_displaces():
+    """Computing again tokens another upstream holds makes a copy that displaces as many of
+    this upstream's cached tokens: the holder keeps the prompt until its queued prefill
+    exceeds the prompt's own uncached tokens plus twice the held ones (the bench's case:
+    a holder with one cold 60-token prompt queued lost an 80-token hit to an idle replica)."""
+    ids = [ord(c) for c in PROMPT]  # 52 tokens, 48 held on A
+    for queued, winner in ((60, A), (95, A), (100, B)):
+        p, index = policy([A, B])
+        index.hold(A, ids)
+        a, b = ups(A, B)
+        busy = route_of(p, {"prompt": "q" * queued})
+        assert p.pick(busy, [a], never) is a  # ``queued`` uncached tokens in flight on A
+        # A: 4 + queued; B: 52 + the 48 it would copy
+        r = route_of(p, {"prompt": PROMPT})
+        assert p.pick(r, [a, b], never).url == winner, queued
+        assert r.predicted_cached == (48 if winner == A else 0)
+
+
+def test_a_busy_home_stays_the_home():
+    """A cold prompt whose home is over the bound right now goes elsewhere, but its home
+    stays: the next cold request of it goes home again once the load allows, and the home
+    counts are unchanged (no prompt re-homed by a passing burst)."""
+    p, _ = policy([A, B, C], max_load_ratio=1.3)
+    a, b, c = ups(A, B, C)
+
+    def cold() -> PreciseRoute:
+        base = Route(b"system prompt", [1])
+        body = {"model": "m", "prompt": PROMPT}
+        return asyncio.run(p.prepare(base, body, "/v1/completions", None))
+
+    first = cold()
+    home = p.pick(first, [a, b, c], never)
+    assert first.reason == "placed"
+    p.release(first)
+    counts = dict(p._home_count)
+    home.in_flight = 3  # 4 > max(1.3 * 4 / 3, 4 / 3 + 1): over the bound
+    second = cold()
+    assert p.pick(second, [a, b, c], never) is not home and second.reason == "placed"
+    p.release(second)
+    assert p._homes[b"system prompt"] == home.url and dict(p._home_count) == counts
+    home.in_flight = 0
+    third = cold()
+    assert p.pick(third, [a, b, c], never) is home and third.reason == "placed"
+    # a home no longer among the candidates (down, or not serving the model) is replaced
+    p.release(third)
+    rest = [u for u in (a, b, c) if u is not home]
+    fourth = cold()
+    new = p.pick(fourth, rest, never)
+    assert p._homes[b"system prompt"] == new.url and p._home_count[home.url] == 0
+
+
 def test_bound_on_imbalance_is_judged_per_request():
     p, index = policy([A, B, C], max_load_ratio=1.3)
     ids = [ord(c) for c in PROMPT]
@@ -161,6 +214,14 @@ def test_bound_on_imbalance_is_judged_per_request():
     assert p.pick(route_of(p, {"prompt": PROMPT}), [a, b, c], never) in (b, c)
     a.in_flight = 8  # 9 <= 9.53
     assert p.pick(route_of(p, {"prompt": PROMPT}), [a, b, c], never) is a
+    # a mostly idle pool (the mean below one): a second request may join the holder's one
+    p, index = policy([A, B, C], max_load_ratio=1.3)  # nothing charged by the picks above
+    index.hold(A, ids)
+    a.in_flight, b.in_flight, c.in_flight = 1, 0, 0  # 2 <= max(1.3 * 2 / 3, 2 / 3 + 1, 2)
+    r = route_of(p, {"prompt": PROMPT})
+    assert p.pick(r, [a, b, c], never) is a and r.predicted_cached == 48
+    a.in_flight = 2  # a third does not: 3 > 2
+    assert p.pick(route_of(p, {"prompt": PROMPT}), [a, b, c], never) in (b, c)
     with pytest.raises(ValueError, match="max_load_ratio"):
         policy([A], max_load_ratio=0.9)
 

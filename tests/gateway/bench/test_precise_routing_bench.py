@@ -37,3 +37,43 @@ def test_precise_routing_bench_tiny(tmp_path, aidreams_path):
         assert row["errors"] == 0 and row["requests"] == 6
     assert sum(rows["round_robin"]["per_replica"]) == 6
     assert sum(rows["precise"]["predictions"].values()) == 6
+
+
+@pytest.mark.slow
+def test_precise_routing_bench_two_gateways_warmup_and_plot(tmp_path, aidreams_path):
+    """Two gateways per policy behind the round-robin client, a warm-up (not counted), the
+    plot written as a PNG."""
+    from prefixgate.gateway.bench import precise_routing
+
+    out, png = tmp_path / "precise.json", tmp_path / "precise.png"
+    rc = precise_routing.main(
+        [
+            "--model",
+            aidreams_path,
+            "--replicas",
+            "2",
+            "--gateways",
+            "2",
+            "--tenants",
+            "3",
+            "--requests",
+            "6",
+            "--rate",
+            "20",
+            "--warmup",
+            "--policies",
+            "precise,round_robin,single",
+            "--json",
+            str(out),
+            "--plot",
+            str(png),
+        ]
+    )
+    assert rc == 0
+    rows = {r["policy"]: r for r in json.loads(out.read_text())["rows"]}
+    for row in rows.values():
+        assert row["errors"] == 0 and row["requests"] == 6 and len(row["ttfts"]) == 6
+    assert sum(rows["round_robin"]["per_replica"]) == 6  # the warm-up's 3 are not counted
+    assert sum(rows["precise"]["predictions"].values()) == 6
+    assert sum(rows["precise"]["warmup_decisions"].values()) == 3
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
