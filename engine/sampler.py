@@ -197,7 +197,10 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 def _logprobs(
     logits: torch.Tensor, params: list[SamplingParams], tokens: list[int]
 ) -> list[TokenLogprobs | None]:
-    """Per row: the sampled token's logprob and the top-n, from the raw logits."""
+    """Per row: the sampled token's logprob and the top-n, from the raw logits. Alternatives
+    at -inf (tokens a grammar masked: they could not have been sampled) are left out, so a
+    row may list fewer than n; sent as they were, they became ``"logprob": null`` on the
+    wire, which OpenAI's schema (and the proxy's check of it) refuses."""
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     idx = torch.tensor(rows, device=logits.device)
     lp = torch.log_softmax(logits[idx].float(), dim=-1)
@@ -210,6 +213,10 @@ def _logprobs(
         n = params[i].logprobs
         out[i] = TokenLogprobs(
             sampled=Logprob(tokens[i], chosen_l[j]),
-            top=[Logprob(t, v) for t, v in zip(top_i[j][:n], top_v[j][:n], strict=True)],
+            top=[
+                Logprob(t, v)
+                for t, v in zip(top_i[j][:n], top_v[j][:n], strict=True)
+                if v != float("-inf")
+            ],
         )
     return out

@@ -58,11 +58,19 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``prefixgate`` script; returns the process exit code."""
+    """Entry point of the ``prefixgate`` script; returns the process exit code.
+
+    Ctrl-C before a command has its own handling (``serve``'s drain starts with its server:
+    until then it is importing torch and the engine, reading the model's config) ends with
+    one line and exit code 130, not a ``KeyboardInterrupt`` traceback."""
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), None)
-    args = build_parser(command).parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        args = build_parser(command).parse_args(argv)
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("prefixgate: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

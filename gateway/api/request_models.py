@@ -109,13 +109,24 @@ class ChatMessage(BaseModel):
 
     model_config = _CONFIG
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart] | None = Field(None, validate_default=True)
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
     # a breakpoint on the message itself, not on a part: refused by name (cache_marks.py)
     prompt_cache_breakpoint: Any = None
     cache_control: Any = None
+
+    @field_validator("content", mode="after")
+    @classmethod
+    def _content_required(cls, value: object, info: ValidationInfo) -> object:
+        # only an assistant turn may go without content (a turn of tool calls); a missing or
+        # null content elsewhere was rendered as an empty turn, as OpenAI refuses it
+        if value is None and info.data.get("role") not in (None, "assistant"):
+            raise ValueError(
+                f"a {info.data['role']} message needs content (a string or text parts)"
+            )
+        return value
 
     def text(self) -> str:
         """The content as one string (text parts joined)."""

@@ -83,35 +83,35 @@ class KeySpec:
             )
         if not isinstance(self.name, str):
             raise ValueError(f"name of a key must be a string, got {type(self.name).__name__}")
+        if not self.name:  # named before the checks below, whose errors name the key
+            self.name = "key-" + _digest(self.key)[:8]
         if self.salt is not None and (not isinstance(self.salt, str) or not self.salt):
-            raise ValueError(f"salt of key {self.name or '?'} must be a non-empty string")
+            raise ValueError(f"salt of key {self.name} must be a non-empty string")
         if self.salt is not None and not _plain_salt(self.salt):
             raise ValueError(
-                f"salt of key {self.name or '?'} must be at most {MAX_SALT_CHARS} characters "
+                f"salt of key {self.name} must be at most {MAX_SALT_CHARS} characters "
                 "of valid Unicode without control characters"
             )
         for field in ("requests_per_minute", "tokens_per_minute", "max_concurrent"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{field} of key {self.name or '?'} must be an integer >= 0")
+                raise ValueError(f"{field} of key {self.name} must be an integer >= 0")
         if (
             isinstance(self.weight, bool)
             or not isinstance(self.weight, int | float)
             or not 0 < self.weight < float("inf")
         ):
-            raise ValueError(f"weight of key {self.name or '?'} must be a number > 0")
+            raise ValueError(f"weight of key {self.name} must be a number > 0")
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
-            raise ValueError(f"priority of key {self.name or '?'} must be an integer")
+            raise ValueError(f"priority of key {self.name} must be an integer")
         if not isinstance(self.allow_priority, bool):
-            raise ValueError(f"allow_priority of key {self.name or '?'} must be true or false")
+            raise ValueError(f"allow_priority of key {self.name} must be true or false")
         for field in ("max_prefixes", "max_pinned_blocks"):
             value = getattr(self, field)
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, int) or value < 0
             ):
-                raise ValueError(f"{field} of key {self.name or '?'} must be an integer >= 0")
-        if not self.name:
-            self.name = "key-" + _digest(self.key)[:8]
+                raise ValueError(f"{field} of key {self.name} must be an integer >= 0")
         if self.salt is None:
             self.salt = "key:" + _digest(self.key)[:32]
 

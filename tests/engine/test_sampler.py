@@ -157,6 +157,19 @@ def test_logprobs_are_raw_log_softmax():
     )
 
 
+def test_logprobs_leave_out_masked_alternatives():
+    """Was: a grammar allowing fewer tokens than ``top_logprobs`` gave -inf alternatives,
+    sent as ``"logprob": null`` (invalid for OpenAI clients; the proxy answered 502)."""
+    ninf = float("-inf")
+    logits = torch.tensor([[ninf, 2.0, ninf, ninf], [1.0, 0.0, ninf, ninf]])
+    batch = [state(temperature=0.0, logprobs=3), state(temperature=0.0, logprobs=3)]
+    out = Sampler().sample(logits, batch)
+    assert [x.token_id for x in out[0].logprobs.top] == [1]
+    assert out[0].logprobs.top[0].logprob == pytest.approx(0.0)
+    assert [x.token_id for x in out[1].logprobs.top] == [0, 1]
+    assert all(math.isfinite(x.logprob) for r in out for x in r.logprobs.top)
+
+
 def test_bad_shapes_raise():
     with pytest.raises(ValueError):
         Sampler().sample(torch.zeros(2, 5), [state()])

@@ -29,3 +29,21 @@ def test_keys_file_entries_are_validated(tmp_path):
     path.write_text(json.dumps({"keys": [{"key": "k1", "salt": "t"}, {"key": "k2", "salt": "t"}]}))
     ring = KeyRing.from_options(["k3"], str(path))
     assert not ring.open
+
+
+def test_an_unnamed_keys_errors_name_it_as_logs_do(tmp_path):
+    """Was: "requests_per_minute of key ? must be ..." for an entry without a name; the
+    key's display name (key- and its digest's first 8 hex digits) is known before the checks."""
+    import hashlib
+    import json
+
+    import pytest
+    from prefixgate.gateway.tenancy.keys import load_keys_file
+
+    shown = "key-" + hashlib.sha256(b"sk-x").hexdigest()[:8]
+    for field, value in (("requests_per_minute", -5), ("weight", 0), ("salt", "")):
+        path = tmp_path / f"{field}.json"
+        path.write_text(json.dumps({"keys": [{"key": "sk-x", field: value}]}))
+        with pytest.raises(ValueError, match=f"entry 0: {field} of key {shown} must") as err:
+            load_keys_file(str(path))
+        assert "?" not in str(err.value)

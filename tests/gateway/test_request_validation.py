@@ -228,3 +228,22 @@ def test_tokenizing_a_huge_prompt_does_not_stall_other_clients(serve_fake, gw):
     assert stalled < 0.5, f"/health waited {stalled:.2f} s behind a tokenization"
     assert results == {"/v1/chat/completions": 400, "/v1/completions": 400}
     assert gw.wait_idle(srv, engine)["kv_blocks_used"] == 0
+
+
+def test_a_message_without_content_is_refused_naming_it(serve_fake, gw):
+    """Was: a user (system, tool) message with no ``content``, or ``null``, was served as an
+    empty turn; only an assistant turn (of tool calls) may go without content."""
+    srv, engine = serve_fake()
+    with gw.client(srv) as http:
+        for msg in ({"role": "user"}, {"role": "user", "content": None}, {"role": "system"}):
+            body = {"model": "fake", "messages": [msg], "max_tokens": 2}
+            err = _error(
+                http.post("/v1/chat/completions", json=body), 400, param="messages.0.content"
+            )
+            assert f"a {msg['role']} message needs content" in err["message"]
+            tok = {"model": "fake", "messages": [msg]}
+            _error(http.post("/tokenize", json=tok), 400, param="messages.0.content")
+        turn = {"role": "assistant", "content": None}
+        body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}, turn]}
+        assert http.post("/v1/chat/completions", json={**body, "max_tokens": 2}).status_code == 200
+    assert len(engine.requests_seen) == 1

@@ -33,3 +33,17 @@ def test_version(capsys):
     assert done.value.code == 0
     assert capsys.readouterr().out.strip() == f"prefixgate {version()}"
     assert version()[0].isdigit()
+
+
+def test_ctrl_c_before_the_server_starts_is_one_line_and_130(monkeypatch, capsys):
+    """Was: Ctrl-C while `prefixgate serve` imported torch or read the model's config (the
+    seconds before its server and its drain start) printed a KeyboardInterrupt traceback."""
+    from prefixgate.gateway.serve import runner
+
+    def interrupted(config):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "preflight", interrupted)
+    assert main(["serve", "--load-format", "dummy", "--port", "0"]) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == "prefixgate: interrupted" and "Traceback" not in err
