@@ -69,7 +69,9 @@ def write_gguf(model_dir: Path, out: Path, kind: str = "f32", seed: int = 0) -> 
         ``out``.
 
     Raises:
-        ValueError: an unknown ``kind``, or a tokenizer that is not BPE.
+        ValueError: an unknown ``kind``, or a tokenizer that is not BPE (a BPE with merges
+            is written as llama.cpp's ``gpt2`` vocabulary, one with byte fallback or no merges
+            as its SentencePiece ``llama`` vocabulary).
     """
     import gguf
     import numpy as np
@@ -124,11 +126,23 @@ def write_gguf(model_dir: Path, out: Path, kind: str = "f32", seed: int = 0) -> 
         if not text:
             tokens[i] = f"[PAD{i}]"
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"].get("merges", [])]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
     w.add_token_list(tokens)
+    if tok["model"].get("byte_fallback") or not merges:
+        # SentencePiece-style BPE ("▁" words, <0xNN> byte tokens; the shape model's synthetic
+        # tokenizer): llama.cpp's "llama" vocabulary, ranked by id
+        for i, text in enumerate(tokens):
+            if types[i] == gguf.TokenType.NORMAL and len(text) == 6 and text.startswith("<0x"):
+                types[i] = gguf.TokenType.BYTE
+            elif text == tok["model"].get("unk_token"):
+                types[i] = gguf.TokenType.UNKNOWN
+                w.add_unk_token_id(i)
+        w.add_tokenizer_model("llama")
+        w.add_token_scores([-float(i) for i in range(vocab)])
+    else:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("smollm")
+        w.add_token_merges(merges)
     w.add_token_types(types)
-    w.add_token_merges(merges)
     w.add_bos_token_id(int(cfg.get("bos_token_id", 1)))
     w.add_eos_token_id(int(cfg.get("eos_token_id", 2)))
     w.add_add_bos_token(False)
