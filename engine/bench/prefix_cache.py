@@ -31,6 +31,7 @@ import statistics
 import time
 from pathlib import Path
 
+from prefixgate.engine.bench.options import add_common_options, parse_with_threads
 from prefixgate.sdk.bench.shared import shared_dir
 
 SHARED = shared_dir()
@@ -169,15 +170,12 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=8, help="output tokens in the KV-block run")
     ap.add_argument("--cold-trials", type=int, default=3, help="cold TTFT samples (median)")
     ap.add_argument("--trials", type=int, default=7, help="warm and suffix-only samples (median)")
-    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    ap.add_argument("--json", dest="json_out", default=None)
-    args = ap.parse_args()
+    add_common_options(ap)
+    args = parse_with_threads(ap)
 
     import torch
     from prefixgate.engine import LLM
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     wl = Path(args.workloads)
     llm = LLM(
         args.model,

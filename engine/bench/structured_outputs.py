@@ -26,6 +26,7 @@ import statistics
 import time
 from pathlib import Path
 
+from prefixgate.engine.bench.options import add_common_options, parse_with_threads
 from prefixgate.sdk.bench.shared import shared_dir
 
 SHARED = shared_dir()
@@ -89,16 +90,13 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds per group")
-    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    ap.add_argument("--json", dest="json_out", default=None)
-    args = ap.parse_args()
+    add_common_options(ap)
+    args = parse_with_threads(ap)
 
     import torch
     from prefixgate.engine import LLM, SamplingParams
     from prefixgate.engine.sampling_params import StructuredOutputsParams
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     llm = LLM(
         args.model,
         load_format=args.load_format,
