@@ -37,7 +37,7 @@ import statistics
 import time
 from pathlib import Path
 
-from prefixgate.engine.bench.options import add_common_options, parse_with_threads
+from prefixgate.engine.bench.options import add_common_options, parse_with_threads, write_results
 from prefixgate.sdk.bench.shared import shared_dir
 
 SHARED = shared_dir()
@@ -293,9 +293,7 @@ def main() -> int:
             "load_average_before": load_before,
             "load_average_after": load_after,
         }
-        Path(args.json_out).write_text(
-            json.dumps({"meta": meta, "results": results}, indent=2, default=str)
-        )
+        write_results(args.json_out, {"meta": meta, "results": results})
     return 0
 
 

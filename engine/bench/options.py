@@ -1,9 +1,13 @@
 """The options every in-process engine benchmark takes: ``--threads N`` (torch intra-op
-threads) and ``--json OUT`` (``args.json_out``: where the results are written)."""
+threads) and ``--json OUT`` (``args.json_out``: where the results are written), and the
+writing of those results."""
 
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
+from typing import Any
 
 
 def add_common_options(ap: argparse.ArgumentParser, json_help: str | None = None) -> None:
@@ -21,3 +25,10 @@ def parse_with_threads(ap: argparse.ArgumentParser) -> argparse.Namespace:
     if args.threads:
         torch.set_num_threads(args.threads)
     return args
+
+
+def write_results(path: str | None, results: dict[str, Any]) -> None:
+    """Write ``results`` to ``path`` (``--json``) as indented JSON (values JSON does not
+    know as their ``str``); nothing when ``path`` is None."""
+    if path:
+        Path(path).write_text(json.dumps(results, indent=2, default=str))

@@ -31,7 +31,7 @@ import statistics
 import time
 from pathlib import Path
 
-from prefixgate.engine.bench.options import add_common_options, parse_with_threads
+from prefixgate.engine.bench.options import add_common_options, parse_with_threads, write_results
 from prefixgate.sdk.bench.shared import shared_dir
 
 SHARED = shared_dir()
@@ -244,26 +244,23 @@ def main() -> int:
         f"  ratio {unshared['peak_blocks_used'] / max(1, shared['peak_blocks_used']):.1f}x; prefix stored once: "
         f"{'yes' if stored_once else 'NO'}"
     )
-    if args.json_out:
-        Path(args.json_out).write_text(
-            json.dumps(
-                {
-                    "meta": {
-                        "model": args.model,
-                        "threads": torch.get_num_threads(),
-                        "system_tokens": args.system_tokens,
-                        "user_tokens": args.user_tokens,
-                    },
-                    "ttft": t,
-                    "blocks_shared": shared,
-                    "blocks_unshared": unshared,
-                    "expected_blocks_prefix_once": expected_once,
-                    "expected_blocks_prefix_each": expected_each,
-                    "prefix_stored_once": stored_once,
-                },
-                indent=2,
-            )
-        )
+    write_results(
+        args.json_out,
+        {
+            "meta": {
+                "model": args.model,
+                "threads": torch.get_num_threads(),
+                "system_tokens": args.system_tokens,
+                "user_tokens": args.user_tokens,
+            },
+            "ttft": t,
+            "blocks_shared": shared,
+            "blocks_unshared": unshared,
+            "expected_blocks_prefix_once": expected_once,
+            "expected_blocks_prefix_each": expected_each,
+            "prefix_stored_once": stored_once,
+        },
+    )
     return 0
 
 

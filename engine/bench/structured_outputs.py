@@ -26,7 +26,7 @@ import statistics
 import time
 from pathlib import Path
 
-from prefixgate.engine.bench.options import add_common_options, parse_with_threads
+from prefixgate.engine.bench.options import add_common_options, parse_with_threads, write_results
 from prefixgate.sdk.bench.shared import shared_dir
 
 SHARED = shared_dir()
@@ -149,13 +149,10 @@ def main() -> int:
         f"constrained / unconstrained = {ratio:.3f} wall, {ratio_cpu:.3f} CPU -> "
         f"target within 10 % (wall): {'met' if ok else 'NOT met'}"
     )
-    if args.json_out:
-        Path(args.json_out).write_text(
-            json.dumps(
-                {"compile_s": compile_s, "rates": rates, "ratio": ratio, "ratio_cpu": ratio_cpu},
-                indent=2,
-            )
-        )
+    write_results(
+        args.json_out,
+        {"compile_s": compile_s, "rates": rates, "ratio": ratio, "ratio_cpu": ratio_cpu},
+    )
     return 0
 
 

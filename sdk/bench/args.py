@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from prefixgate.sdk.bench.workload import WorkloadConfig, parse_output_len_dist
+
+
+def add_api_key_arg(p: argparse.ArgumentParser, help: str) -> None:
+    """``--api-key``: the bearer key, by default ``$PREFIXGATE_API_KEY`` (read when the parser
+    is built)."""
+    p.add_argument("--api-key", default=os.environ.get("PREFIXGATE_API_KEY"), help=help)
 
 
 def add_workload_args(p: argparse.ArgumentParser, *, num_requests: int, output_len: str) -> None:

@@ -9,11 +9,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 from pathlib import Path
 
-from prefixgate.sdk.bench.args import add_workload_args, workload_doc, workload_from_args
+from prefixgate.sdk.bench.args import (
+    add_api_key_arg,
+    add_workload_args,
+    workload_doc,
+    workload_from_args,
+)
 from prefixgate.sdk.bench.compare import (
     COMPARE_DEFAULTS,
     COMPARE_OUTPUT_LEN,
@@ -52,11 +56,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     serve.add_argument(
         "--model", default=None, help="model name (default: the first of GET /v1/models)"
     )
-    serve.add_argument(
-        "--api-key",
-        default=os.environ.get("PREFIXGATE_API_KEY"),
-        help="bearer key (default $PREFIXGATE_API_KEY)",
-    )
+    add_api_key_arg(serve, "bearer key (default $PREFIXGATE_API_KEY)")
     serve.add_argument(
         "--no-fit",
         action="store_true",

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shlex
 import sys
 import tempfile
@@ -28,7 +27,7 @@ import time
 from pathlib import Path
 
 import httpx
-from prefixgate.sdk.bench.args import workload_doc, workload_from_args
+from prefixgate.sdk.bench.args import add_api_key_arg, workload_doc, workload_from_args
 from prefixgate.sdk.bench.loadgen import LoadConfig, run_load
 from prefixgate.sdk.bench.report import checks, machine, print_compare, ratios, title
 from prefixgate.sdk.bench.targets import (
@@ -229,11 +228,7 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="model name for --upstream (default: its first listed)",
     )
-    p.add_argument(
-        "--api-key",
-        default=os.environ.get("PREFIXGATE_API_KEY"),
-        help="bearer key sent to every target",
-    )
+    add_api_key_arg(p, "bearer key sent to every target")
     p.add_argument(
         "--kv-cache-memory",
         type=int,
