@@ -46,7 +46,7 @@ from prefixgate.gateway.proxy.redact import auth_error, reworded_error, secrets_
 from prefixgate.gateway.proxy.relay import EventChecker, json_body_problem, relay_sse
 from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import Upstream, UpstreamRouter, retry_after_seconds
-from prefixgate.gateway.proxy.usage import Usage, UsageTap, ask_usage, body_usage
+from prefixgate.gateway.proxy.usage import Usage, UsageTap, ask_usage, body_usage, settle_usage
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.tenancy.keys import MAX_SALT_CHARS, effective_salt
 from prefixgate.gateway.tenancy.ttft_budget import BUDGET_HEADER
@@ -119,19 +119,7 @@ async def proxy_generate(request: web.Request) -> web.StreamResponse:
         if router.precise is not None:
             router.precise.release(route)
             _record_prediction(request, route)
-        if outcome.served:
-            prompt = outcome.prompt_tokens()
-            st.shared.settle(
-                principal,
-                lease,
-                est_tokens if prompt is None else prompt,
-                outcome.completion_tokens(),
-            )
-            if prompt is not None:  # the upstream's usage, for the access line
-                rec = record(request)
-                rec.prompt_tokens, rec.completion_tokens = prompt, outcome.completion_tokens()
-        else:
-            st.shared.refund(principal, lease)
+        settle_usage(request, st.shared, principal, lease, est_tokens, outcome)
         st.metrics.e2e.observe(time.monotonic() - t0)
 
 
@@ -464,19 +452,9 @@ async def _forward(
                 if resp.status in (401, 403):  # about the credential sent: never its body
                     up.served -= 1
                     raise auth_error(resp.status, up.url, bool(api_key or up.auth))
-                if resp.status >= 400:  # reworded from its four fields, credentials scrubbed
-                    encoding = resp.headers.get("Content-Encoding", "identity")
-                    error = reworded_error(data, encoding, secrets_of(api_key, up.auth))
-                    if error is None:
-                        raise _wrapped_error(resp.status, resp.headers)
-                    e = error["error"]
-                    raise APIError(
-                        resp.status,
-                        e["message"],
-                        param=e["param"],
-                        code=e["code"],
-                        type=e["type"],
-                        retry_after=_retry_after(resp.headers),
+                if resp.status >= 400:
+                    raise _upstream_error(
+                        resp.status, data, resp.headers, secrets_of(api_key, up.auth)
                     )
                 problem = (
                     json_body_problem(data, resp.headers, shape) if resp.status < 300 else None
@@ -662,27 +640,32 @@ class _Answer:
         headers = CIMultiDict(self.headers)
         if retry_after is not None:
             headers["Retry-After"] = str(max(1, math.ceil(retry_after)))
-        if self.status >= 400:  # reworded from its four fields, credentials scrubbed
-            error = reworded_error(
-                self.data, headers.get("Content-Encoding", "identity"), self.secrets
-            )
-            if error is None:
-                raise _wrapped_error(self.status, headers)
-            e = error["error"]
-            raise APIError(
-                self.status,
-                e["message"],
-                param=e["param"],
-                code=e["code"],
-                type=e["type"],
-                retry_after=_retry_after(headers),
-            )
+        if self.status >= 400:
+            raise _upstream_error(self.status, self.data, headers, self.secrets)
         out_headers = {"Content-Type": headers.get("Content-Type", "application/json")}
         for name in _PASSED_HEADERS:  # a 429's advice; an encoding we did not undo
             value = headers.get(name)
             if value is not None:
                 out_headers[name] = value
         return web.Response(body=self.data, status=self.status, headers=out_headers)
+
+
+def _upstream_error(status: int, data: bytes, headers: Any, secrets: tuple[str, ...]) -> APIError:
+    """The client's error for an upstream's error answer (``status`` >= 400, body ``data``):
+    reworded from its error object's four fields with ``secrets`` scrubbed, with the
+    upstream's ``Retry-After``; a body without an error object is wrapped (never shown)."""
+    error = reworded_error(data, headers.get("Content-Encoding", "identity"), secrets)
+    if error is None:
+        return _wrapped_error(status, headers)
+    e = error["error"]
+    return APIError(
+        status,
+        e["message"],
+        param=e["param"],
+        code=e["code"],
+        type=e["type"],
+        retry_after=_retry_after(headers),
+    )
 
 
 def _wrapped_error(status: int, headers: Any) -> APIError:
