@@ -56,7 +56,7 @@ from prefixgate.gateway.proxy.redact import auth_error, secrets_of
 from prefixgate.gateway.proxy.routes import upstream_headers
 from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import Upstream, retry_after_seconds
-from prefixgate.gateway.proxy.usage import settle_usage
+from prefixgate.gateway.proxy.usage import admit_call, settle_usage
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.tenancy.keys import effective_salt
 
@@ -190,12 +190,7 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     st = call.st
     est_tokens = request.content_length or len(json.dumps(call.raw))
     est_tokens = est_tokens // 4 + 1  # no tokenizer here: ~4 bytes per token until the usage
-    lease = await st.shared.acquire(principal, est_tokens)
-    try:
-        ticket = st.admission.admit(est_tokens, tenant=principal.tenant, weight=principal.weight)
-    except APIError:
-        st.shared.refund(principal, lease)
-        raise
+    lease, ticket = await admit_call(st, principal, est_tokens)
     t0 = time.monotonic()
     try:
 

@@ -46,7 +46,14 @@ from prefixgate.gateway.proxy.redact import auth_error, reworded_error, secrets_
 from prefixgate.gateway.proxy.relay import EventChecker, json_body_problem, relay_sse
 from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import Upstream, UpstreamRouter, retry_after_seconds
-from prefixgate.gateway.proxy.usage import Usage, UsageTap, ask_usage, body_usage, settle_usage
+from prefixgate.gateway.proxy.usage import (
+    Usage,
+    UsageTap,
+    admit_call,
+    ask_usage,
+    body_usage,
+    settle_usage,
+)
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.tenancy.keys import MAX_SALT_CHARS, effective_salt
 from prefixgate.gateway.tenancy.ttft_budget import BUDGET_HEADER
@@ -102,12 +109,7 @@ async def proxy_generate(request: web.Request) -> web.StreamResponse:
     if router.precise is not None:  # precise routing: the prompt's token ids, as the upstream's
         route = await router.precise.prepare(route, parsed, request.path, salt)
     est_tokens = len(body) // 4 + 1  # no tokenizer here: ~4 bytes per token until the usage
-    lease = await st.shared.acquire(principal, est_tokens)
-    try:
-        ticket = st.admission.admit(est_tokens, tenant=principal.tenant, weight=principal.weight)
-    except APIError:
-        st.shared.refund(principal, lease)
-        raise
+    lease, ticket = await admit_call(st, principal, est_tokens)
     outcome = _Outcome(keep_usage)
     t0 = time.monotonic()
     try:
@@ -586,13 +588,8 @@ def _too_long(data: bytes, headers: Any) -> bool:
     """True when an upstream's 400 body says the prompt exceeds the model's context
     (OpenAI's code ``context_length_exceeded``, or vLLM's / SGLang's "maximum context
     length" message)."""
-    if "Content-Encoding" in headers:
-        return False
-    try:
-        err = json.loads(data).get("error")
-    except (ValueError, AttributeError):
-        return False
-    if not isinstance(err, dict):
+    err = _error_object(data, headers)
+    if err is None:
         return False
     message = err.get("message")
     return err.get("code") == "context_length_exceeded" or (
@@ -606,13 +603,20 @@ def _why(tried: list[Upstream]) -> str:
 
 def _lost_prefix(data: bytes, headers: Any) -> bool:
     """True when an upstream's 404 body is the error ``prefix_not_found``."""
+    err = _error_object(data, headers)
+    return err is not None and err.get("code") == "prefix_not_found"
+
+
+def _error_object(data: bytes, headers: Any) -> dict[str, Any] | None:
+    """The ``error`` object of an upstream's JSON error body; None when the body is encoded
+    (``Content-Encoding``), not JSON, or holds no error object."""
     if "Content-Encoding" in headers:
-        return False
+        return None
     try:
         err = json.loads(data).get("error")
     except (ValueError, AttributeError):
-        return False
-    return isinstance(err, dict) and err.get("code") == "prefix_not_found"
+        return None
+    return err if isinstance(err, dict) else None
 
 
 class _Answer:

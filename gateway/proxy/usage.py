@@ -16,9 +16,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from prefixgate.gateway.http.access_log import record
+from prefixgate.gateway.http.errors import APIError
 
 if TYPE_CHECKING:
     from aiohttp import web
+    from prefixgate.gateway.state import GatewayState
+    from prefixgate.gateway.tenancy.admission import Ticket
     from prefixgate.gateway.tenancy.keys import Principal
     from prefixgate.gateway.tenancy.shared_state import Lease, StateBackend
 
@@ -150,6 +153,24 @@ def _event_end(buf: bytes) -> tuple[int, int]:
         if i >= 0 and (best < 0 or i < best):
             best, sep = i, len(marker)
     return best, sep
+
+
+async def admit_call(
+    st: GatewayState, principal: Principal, est_tokens: int
+) -> tuple[Lease, Ticket]:
+    """Before a proxied call: the key's token lease for ``est_tokens`` (the prompt's estimate,
+    tokens), then the admission ticket; the lease is refunded when admission refuses.
+
+    Raises:
+        APIError: 429 over the key's limits or the gateway's queue bounds.
+    """
+    lease = await st.shared.acquire(principal, est_tokens)
+    try:
+        ticket = st.admission.admit(est_tokens, tenant=principal.tenant, weight=principal.weight)
+    except APIError:
+        st.shared.refund(principal, lease)
+        raise
+    return lease, ticket
 
 
 class Served(Protocol):
