@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from prefixgate.sdk.bench.loadgen import LoadConfig
 from prefixgate.sdk.bench.workload import WorkloadConfig, parse_output_len_dist
 
 
@@ -99,6 +100,25 @@ def workload_from_args(args: argparse.Namespace) -> WorkloadConfig:
         user_task_max_chars=args.user_task_max_chars,
         output_len=dist,
         seed=args.seed,
+    )
+
+
+def load_from_args(args: argparse.Namespace, base_url: str, model: str | None) -> LoadConfig:
+    """The load shape of ``--rate``, ``--concurrency``, ``--seed``, ``--timeout``,
+    ``--no-progress`` and ``--api-key``, sent to ``base_url`` for ``model``.
+
+    Raises:
+        ValueError: a bad rate, concurrency or timeout (``LoadConfig``'s checks).
+    """
+    return LoadConfig(
+        base_url=base_url,
+        model=model,
+        api_key=args.api_key,
+        rate=args.rate,
+        concurrency=args.concurrency,
+        seed=args.seed,
+        timeout_s=args.timeout,
+        progress=not args.no_progress,
     )
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from prefixgate.sdk.bench.args import (
     add_api_key_arg,
     add_workload_args,
+    load_from_args,
     workload_doc,
     workload_from_args,
 )
@@ -86,22 +87,12 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 def run_serve(args: argparse.Namespace) -> int:
     """``bench serve``: run the load, print the table, write JSON/plot; exit 0 unless all failed."""
-    from prefixgate.sdk.bench.loadgen import LoadConfig
     from prefixgate.sdk.bench.stats import print_table, summary_rows
 
     try:
         wl = workload_from_args(args)
         requests = load_workload(wl, args.system_prompts, args.user_tasks)
-        cfg = LoadConfig(
-            base_url=args.base_url,
-            model=args.model,
-            api_key=args.api_key,
-            rate=args.rate,
-            concurrency=args.concurrency,
-            seed=args.seed,
-            timeout_s=args.timeout,
-            progress=not args.no_progress,
-        )
+        cfg = load_from_args(args, args.base_url, args.model)
     except (ValueError, OSError) as exc:
         print(f"prefixgate bench serve: {exc}", file=sys.stderr)
         return 2
