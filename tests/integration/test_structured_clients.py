@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import time
 from typing import Literal
@@ -13,7 +12,7 @@ import httpx
 import openai
 import pytest
 from pydantic import BaseModel, Field
-from support.serve_process import SERVE, read_until_ready
+from support.serve_process import SERVE, read_until_ready, terminate
 
 pytest.importorskip("prefixgate.engine.async_engine")
 
@@ -43,12 +42,7 @@ def serve_url(aidreams_path):
             time.sleep(0.1)
         yield url
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        terminate(proc)
 
 
 def _pool_whole(url: str) -> None:

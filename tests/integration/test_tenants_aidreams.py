@@ -31,7 +31,7 @@ from prefixgate.gateway.app import create_app, create_proxy_app  # noqa: E402
 from prefixgate.gateway.http.server import BackgroundServer  # noqa: E402
 from prefixgate.gateway.local.serving import LOCAL  # noqa: E402
 from prefixgate.gateway.settings import GatewaySettings
-from support.serve_process import SERVE, read_until_ready
+from support.serve_process import SERVE, read_until_ready, terminate
 
 MODEL = "aidreams-260k"
 KEYS = [{"key": "ka", "salt": "tenant-a"}, {"key": "kb", "salt": "tenant-b"}]
@@ -68,12 +68,7 @@ def upstream(aidreams_path):
         assert url and httpx.get(url + "/ready").status_code == 200, "".join(log)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        terminate(proc)
 
 
 @pytest.fixture(scope="module")

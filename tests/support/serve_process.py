@@ -37,3 +37,13 @@ def read_until_ready(
         if url and ready in line:
             return url, log, True
     return url, log, False
+
+
+def terminate(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    """SIGTERM ``proc`` and wait up to ``timeout_s`` seconds for it; kill it past that."""
+    proc.terminate()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
