@@ -10,8 +10,9 @@ below is imported on first use (``from prefixgate.engine import AsyncEngine`` lo
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from prefixgate.engine.lazy import lazy_getattr
 
 # Public name -> the module that defines it.
 _LAZY = {
@@ -54,13 +55,7 @@ if TYPE_CHECKING:
     from prefixgate.engine.sampling_params import SamplingParams
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip __getattr__
-    return value
+__getattr__ = lazy_getattr(__name__, globals(), _LAZY)
 
 
 def __dir__() -> list[str]:

@@ -24,6 +24,7 @@ from typing import Any
 
 from prefixgate.engine.config import EngineConfig
 from prefixgate.engine.errors import EngineDeadError
+from prefixgate.engine.front_end import EngineFrontEnd
 from prefixgate.engine.llm_engine import LLMEngine, PinJob, PreparedRequest
 from prefixgate.engine.outputs import RequestOutput
 from prefixgate.engine.protocol import EngineRequest
@@ -43,7 +44,7 @@ class _Stream:
     closed: bool = False
 
 
-class AsyncEngine:
+class AsyncEngine(EngineFrontEnd):
     """Asynchronous engine in vLLM's ``AsyncLLM`` shape.
 
     Args:
@@ -75,23 +76,6 @@ class AsyncEngine:
         # event-loop callbacks produced under the lock, posted after the stats snapshot is
         # fresh (so a caller woken by them sees stats that include what woke it)
         self._outbox: list[tuple[asyncio.AbstractEventLoop, Callable[[], None]]] = []
-
-    # -- properties ----------------------------------------------------------------------
-
-    @property
-    def config(self) -> EngineConfig:
-        """The engine configuration."""
-        return self.engine.config
-
-    @property
-    def tokenizer(self) -> Any:
-        """The engine's tokenizer (thread-safe for encode/decode/apply_chat_template)."""
-        return self.engine.tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        """Longest prompt + output in tokens."""
-        return self.engine.max_model_len
 
     # -- requests ------------------------------------------------------------------------
 

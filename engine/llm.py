@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from prefixgate.engine.config import EngineConfig
+from prefixgate.engine.front_end import EngineFrontEnd
 from prefixgate.engine.llm_engine import LLMEngine
 from prefixgate.engine.outputs import RequestOutput
 from prefixgate.engine.protocol import EngineRequest
@@ -16,7 +17,7 @@ Prompt = str | Sequence[int]
 Message = dict[str, Any]
 
 
-class LLM:
+class LLM(EngineFrontEnd):
     """Offline engine: give it prompts, get finished ``RequestOutput`` objects back.
 
     Args:
@@ -29,19 +30,8 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        self.config = EngineConfig(model=model, **engine_args)
-        self.engine = LLMEngine(self.config)
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
         self._counter = itertools.count()
-
-    @property
-    def tokenizer(self) -> Any:
-        """The engine's tokenizer (``encode`` / ``decode`` / ``apply_chat_template``)."""
-        return self.engine.tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        """Longest prompt + output in tokens."""
-        return self.engine.max_model_len
 
     def generate(
         self,

@@ -271,15 +271,8 @@ class FairPolicy(SchedulingPolicy):
     uses_tenant_weights = True
     displaces = True
     fair_preemption = True
-
-    def __init__(
-        self,
-        input_weight: float = 1.0,
-        output_weight: float = 2.0,
-        tenant_weights: dict[str, float] | None = None,
-    ) -> None:
-        super().__init__(input_weight, output_weight, tenant_weights)
-        self._last_left: str | None = None  # the last tenant whose queue emptied
+    _last_left: str | None = None
+    """The last tenant whose queue emptied (None until one did; set on the instance)."""
 
     def on_arrival(self, req: Request, waiting: Iterable[Request]) -> None:
         t = tenant_of(req)

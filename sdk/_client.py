@@ -311,17 +311,11 @@ class AsyncClient:
                     self.limiter.on_success()
                     handed_off = True
                     release = _releaser(self.limiter, slot)
-                    if mode == "streaming":
-                        return AsyncAPIResponse(
-                            response,
-                            cast,
-                            stream=stream,
-                            idle_timeout=self._idle_timeout(opts),
-                            on_close=release,
-                        )
                     chunks = AsyncStream(
                         response, cast, idle_timeout=self._idle_timeout(opts), on_close=release
                     )
+                    if mode == "streaming":
+                        return AsyncAPIResponse(chunks, stream=stream)
                     return APIResponse(response, chunks) if mode == "raw" else chunks
                 await response.aread()
             data = _decode(response)

@@ -124,23 +124,16 @@ class AsyncAPIResponse(_ResponseInfo, Generic[R]):
     """``with_streaming_response``'s response: status and headers known, body not read yet.
 
     The call's concurrency slot is held until ``close()`` (leaving the ``async with``).
+
+    Args:
+        body: the call's response as a chunk stream (closing it frees the slot).
+        stream: the call asked for ``stream=True``: ``parse()`` returns ``body`` itself.
     """
 
-    def __init__(
-        self,
-        response: httpx.Response,
-        cast: Callable[[Any], Any],
-        *,
-        stream: bool,
-        idle_timeout: float | None,
-        on_close: Callable[[], None],
-    ) -> None:
-        self.http_response = response
-        self._cast = cast
+    def __init__(self, body: AsyncStream[Any], *, stream: bool) -> None:
+        self.http_response = body.response
+        self._body = body
         self._stream = stream
-        self._idle_timeout = idle_timeout
-        self._on_close = on_close
-        self._closed = False
 
     async def parse(self) -> R:
         """The typed result: read the body and build it, or (``stream=True``) the stream.
@@ -149,17 +142,11 @@ class AsyncAPIResponse(_ResponseInfo, Generic[R]):
             APIResponseValidationError: the body is not the expected JSON.
         """
         if self._stream:
-            stream = AsyncStream(
-                self.http_response,
-                self._cast,
-                idle_timeout=self._idle_timeout,
-                on_close=self._release,
-            )
-            return stream  # type: ignore[return-value]
+            return self._body  # type: ignore[return-value]
         await self.read()
         try:
             data = json.loads(self.http_response.content)
-            result: R = self._cast(data)
+            result: R = self._body.cast(data)
             return result
         except (TypeError, ValueError) as exc:
             raise APIResponseValidationError(
@@ -192,15 +179,7 @@ class AsyncAPIResponse(_ResponseInfo, Generic[R]):
 
     async def close(self) -> None:
         """Close the response and free the call's concurrency slot (idempotent)."""
-        try:
-            await self.http_response.aclose()
-        finally:
-            self._release()
-
-    def _release(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._on_close()
+        await self._body.close()
 
 
 class AsyncResponseContextManager(Generic[T]):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, Self, TypeVar
 
 import anyio
@@ -135,6 +135,7 @@ class SSEDecoder:
         return None
 
 
+@dataclass(eq=False)
 class AsyncStream(Generic[T]):
     """Async iterator (and async context manager) of typed chunks from an SSE response.
 
@@ -146,20 +147,15 @@ class AsyncStream(Generic[T]):
     is JSON but not an object of the chunk's shape raises ``APIResponseValidationError``.
     """
 
-    def __init__(
-        self,
-        response: httpx.Response,
-        cast: Callable[[Any], T],
-        *,
-        idle_timeout: float | None = None,
-        on_close: Callable[[], None] | None = None,
-    ) -> None:
-        self.response = response
-        self._cast = cast
-        self._idle_timeout = idle_timeout
-        self._on_close = on_close
-        self._closed = False
-        self._iterator: AsyncIterator[T] | None = None
+    response: httpx.Response
+    cast: Callable[[Any], T]
+    """Builds one chunk from its decoded JSON (raises TypeError/ValueError on a wrong shape)."""
+    idle_timeout: float | None = field(default=None, kw_only=True)
+    """Seconds to wait for each chunk (None: no limit)."""
+    on_close: Callable[[], None] | None = field(default=None, kw_only=True)
+    """Called once when the stream closes (frees the client's concurrency slot)."""
+    _closed: bool = field(default=False, init=False)
+    _iterator: AsyncIterator[T] | None = field(default=None, init=False)
 
     async def __aenter__(self) -> Self:
         return self
@@ -205,8 +201,8 @@ class AsyncStream(Generic[T]):
             with anyio.CancelScope(shield=True):
                 await self.response.aclose()
         finally:
-            if self._on_close is not None:
-                self._on_close()
+            if self.on_close is not None:
+                self.on_close()
 
     async def _events(self) -> AsyncGenerator[ServerSentEvent, None]:
         decoder = SSEDecoder()
@@ -220,7 +216,7 @@ class AsyncStream(Generic[T]):
         try:
             while True:
                 try:
-                    with anyio.fail_after(self._idle_timeout):
+                    with anyio.fail_after(self.idle_timeout):
                         sse = await events.__anext__()
                 except StopAsyncIteration:
                     # Every OpenAI-compatible stream ends with ``data: [DONE]``: a body that
@@ -232,7 +228,7 @@ class AsyncStream(Generic[T]):
                     ) from None
                 except TimeoutError:
                     raise APITimeoutError(
-                        f"No stream chunk within {self._idle_timeout} s.", self.response.request
+                        f"No stream chunk within {self.idle_timeout} s.", self.response.request
                     ) from None
                 except httpx.TimeoutException as exc:
                     raise APITimeoutError(request=self.response.request) from exc
@@ -253,7 +249,7 @@ class AsyncStream(Generic[T]):
                     msg = err.get("message") if isinstance(err, dict) else str(err or data)
                     raise APIError(f"Stream error: {msg}", self.response.request, body=data)
                 try:
-                    item = self._cast(data)
+                    item = self.cast(data)
                 except (TypeError, ValueError) as exc:  # a chunk that is not the promised shape
                     raise APIResponseValidationError(
                         f"Unexpected stream chunk shape: {exc}", self.response, body=data

@@ -37,6 +37,7 @@ import statistics
 import time
 from pathlib import Path
 
+from prefixgate.engine.bench.options import add_common_options, parse_with_threads, write_results
 from prefixgate.sdk.bench.shared import shared_dir
 
 SHARED = shared_dir()
@@ -263,16 +264,13 @@ def main() -> int:
     ap.add_argument("--decode-repeats", type=int, default=2, help="decode runs (median)")
     ap.add_argument("--no-transformers", action="store_true", help="skip the HF baseline")
     ap.add_argument("--no-int8", action="store_true", help="skip quantization='int8'")
-    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--kv-cache-memory", type=int, default=1 << 29, help="bytes")
-    ap.add_argument("--json", dest="json_out", default=None, help="write results here")
-    args = ap.parse_args()
+    add_common_options(ap, json_help="write results here")
+    args = parse_with_threads(ap)
 
     import torch
     from prefixgate.engine.tokenizer import Tokenizer
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     load_before = _load_average()
     tok = Tokenizer.from_pretrained(args.model)
     workload = Path(args.workload)
@@ -295,9 +293,7 @@ def main() -> int:
             "load_average_before": load_before,
             "load_average_after": load_after,
         }
-        Path(args.json_out).write_text(
-            json.dumps({"meta": meta, "results": results}, indent=2, default=str)
-        )
+        write_results(args.json_out, {"meta": meta, "results": results})
     return 0
 
 

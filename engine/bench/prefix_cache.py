@@ -31,6 +31,7 @@ import statistics
 import time
 from pathlib import Path
 
+from prefixgate.engine.bench.options import add_common_options, parse_with_threads, write_results
 from prefixgate.sdk.bench.shared import shared_dir
 
 SHARED = shared_dir()
@@ -169,15 +170,12 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=8, help="output tokens in the KV-block run")
     ap.add_argument("--cold-trials", type=int, default=3, help="cold TTFT samples (median)")
     ap.add_argument("--trials", type=int, default=7, help="warm and suffix-only samples (median)")
-    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    ap.add_argument("--json", dest="json_out", default=None)
-    args = ap.parse_args()
+    add_common_options(ap)
+    args = parse_with_threads(ap)
 
     import torch
     from prefixgate.engine import LLM
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     wl = Path(args.workloads)
     llm = LLM(
         args.model,
@@ -246,26 +244,23 @@ def main() -> int:
         f"  ratio {unshared['peak_blocks_used'] / max(1, shared['peak_blocks_used']):.1f}x; prefix stored once: "
         f"{'yes' if stored_once else 'NO'}"
     )
-    if args.json_out:
-        Path(args.json_out).write_text(
-            json.dumps(
-                {
-                    "meta": {
-                        "model": args.model,
-                        "threads": torch.get_num_threads(),
-                        "system_tokens": args.system_tokens,
-                        "user_tokens": args.user_tokens,
-                    },
-                    "ttft": t,
-                    "blocks_shared": shared,
-                    "blocks_unshared": unshared,
-                    "expected_blocks_prefix_once": expected_once,
-                    "expected_blocks_prefix_each": expected_each,
-                    "prefix_stored_once": stored_once,
-                },
-                indent=2,
-            )
-        )
+    write_results(
+        args.json_out,
+        {
+            "meta": {
+                "model": args.model,
+                "threads": torch.get_num_threads(),
+                "system_tokens": args.system_tokens,
+                "user_tokens": args.user_tokens,
+            },
+            "ttft": t,
+            "blocks_shared": shared,
+            "blocks_unshared": unshared,
+            "expected_blocks_prefix_once": expected_once,
+            "expected_blocks_prefix_each": expected_each,
+            "prefix_stored_once": stored_once,
+        },
+    )
     return 0
 
 

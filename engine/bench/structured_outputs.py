@@ -26,6 +26,7 @@ import statistics
 import time
 from pathlib import Path
 
+from prefixgate.engine.bench.options import add_common_options, parse_with_threads, write_results
 from prefixgate.sdk.bench.shared import shared_dir
 
 SHARED = shared_dir()
@@ -89,16 +90,13 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds per group")
-    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    ap.add_argument("--json", dest="json_out", default=None)
-    args = ap.parse_args()
+    add_common_options(ap)
+    args = parse_with_threads(ap)
 
     import torch
     from prefixgate.engine import LLM, SamplingParams
     from prefixgate.engine.sampling_params import StructuredOutputsParams
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     llm = LLM(
         args.model,
         load_format=args.load_format,
@@ -151,13 +149,10 @@ def main() -> int:
         f"constrained / unconstrained = {ratio:.3f} wall, {ratio_cpu:.3f} CPU -> "
         f"target within 10 % (wall): {'met' if ok else 'NOT met'}"
     )
-    if args.json_out:
-        Path(args.json_out).write_text(
-            json.dumps(
-                {"compile_s": compile_s, "rates": rates, "ratio": ratio, "ratio_cpu": ratio_cpu},
-                indent=2,
-            )
-        )
+    write_results(
+        args.json_out,
+        {"compile_s": compile_s, "rates": rates, "ratio": ratio, "ratio_cpu": ratio_cpu},
+    )
     return 0
 
 

@@ -7,8 +7,9 @@ runs in a torch-free gateway (proxy mode's ``precise`` routing tokenizes there).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from prefixgate.engine.lazy import lazy_getattr
 
 _LAZY = {
     "SUPPORTED_ARCHITECTURES": "prefixgate.engine.models.config",
@@ -33,10 +34,4 @@ if TYPE_CHECKING:
     from prefixgate.engine.models.loader import load_model
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, globals(), _LAZY)

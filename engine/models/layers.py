@@ -118,35 +118,28 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         nd = views.num_decodes
         if nd and not views.has_prefill:
-            return self.kernels.paged_attention_decode(
-                q,
-                k_cache,
-                v_cache,
-                views.decode_block_tables,
-                views.decode_context_lens,
-                self.scale,
-            )
+            return self._decode(q, k_cache, v_cache, views)
         if not nd:
-            return self.kernels.paged_attention_prefill(
-                q,
-                k_cache,
-                v_cache,
-                views.prefill_block_tables,
-                views.prefill_query_start_loc,
-                views.prefill_context_lens,
-                self.scale,
-            )
+            return self._prefill(q, k_cache, v_cache, views)
         out = torch.empty_like(q)
-        out[:nd] = self.kernels.paged_attention_decode(
-            q[:nd],
-            k_cache,
-            v_cache,
-            views.decode_block_tables,
-            views.decode_context_lens,
-            self.scale,
+        out[:nd] = self._decode(q[:nd], k_cache, v_cache, views)
+        out[nd:] = self._prefill(q[nd:], k_cache, v_cache, views)
+        return out
+
+    def _decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, views: BatchViews
+    ) -> torch.Tensor:
+        """Paged decode attention of the batch's decode rows ``q`` (``[num_decodes, Hq, D]``)."""
+        return self.kernels.paged_attention_decode(
+            q, k_cache, v_cache, views.decode_block_tables, views.decode_context_lens, self.scale
         )
-        out[nd:] = self.kernels.paged_attention_prefill(
-            q[nd:],
+
+    def _prefill(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, views: BatchViews
+    ) -> torch.Tensor:
+        """Paged prefill attention of the batch's prefill rows ``q`` (``[T_prefill, Hq, D]``)."""
+        return self.kernels.paged_attention_prefill(
+            q,
             k_cache,
             v_cache,
             views.prefill_block_tables,
@@ -154,7 +147,6 @@ class Attention(nn.Module):
             views.prefill_context_lens,
             self.scale,
         )
-        return out
 
 
 class MLP(nn.Module):

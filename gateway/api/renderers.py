@@ -14,7 +14,8 @@ and ``"abort"`` as vLLM reports it).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, Protocol
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal, Protocol
 
 from prefixgate.engine.outputs import TokenLogprobs
 from prefixgate.gateway.api.response_models import (
@@ -93,6 +94,7 @@ def completion_logprobs(
     )
 
 
+@dataclass(slots=True, eq=False)
 class _Renderer:
     """What both renderers share: the response's identity and the stream's options.
 
@@ -104,35 +106,20 @@ class _Renderer:
             ``usage: null``).
     """
 
-    route: Literal["chat", "completions"]
-    __slots__ = (
-        "rid",
-        "created",
-        "model",
-        "token_text",
-        "num_logprobs",
-        "include_usage",
-        "_chunk_exclude",
-    )
-    _never_on_chunks: frozenset[str] = frozenset()
+    route: ClassVar[Literal["chat", "completions"]]
+    _never_on_chunks: ClassVar[frozenset[str]] = frozenset()
 
-    def __init__(
-        self,
-        rid: str,
-        created: int,
-        model: str,
-        token_text: Callable[[int], str],
-        num_logprobs: int | None,
-        include_usage: bool,
-    ) -> None:
-        self.rid = rid
-        self.created = created
-        self.model = model
-        self.token_text = token_text
-        self.num_logprobs = num_logprobs
-        self.include_usage = include_usage
+    rid: str
+    created: int
+    model: str
+    token_text: Callable[[int], str]
+    num_logprobs: int | None
+    include_usage: bool
+    _chunk_exclude: set[str] = field(init=False)
+
+    def __post_init__(self) -> None:
         self._chunk_exclude = set(self._never_on_chunks)
-        if not include_usage:
+        if not self.include_usage:
             self._chunk_exclude.add("usage")
 
     def event(self, chunk: ChatCompletionChunk | Completion) -> bytes:

@@ -13,7 +13,7 @@ the gateway sends appears in them (``tests/gateway/test_wire_shapes.py``); the S
 
 from __future__ import annotations
 
-from typing import Any, Literal, Protocol
+from typing import Any, ClassVar, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, model_serializer
 
@@ -21,21 +21,32 @@ from pydantic import BaseModel, ConfigDict, model_serializer
 _OUT = ConfigDict(extra="allow")
 
 
-class PromptTokensDetails(BaseModel):
+class _Sparse(BaseModel):
+    """A response model that leaves the fields named in ``sparse_fields`` out of its body
+    while they are None (``sparse_fields`` None: every field that is None)."""
+
+    model_config = _OUT
+    sparse_fields: ClassVar[frozenset[str] | None] = None
+
+    @model_serializer(mode="wrap")
+    def _without_nones(self, handler: Any) -> dict[str, Any]:
+        names = self.sparse_fields
+        return {
+            k: v
+            for k, v in handler(self).items()
+            if v is not None or (names is not None and k not in names)
+        }
+
+
+class PromptTokensDetails(_Sparse):
     """``usage.prompt_tokens_details``: prompt tokens served from the prefix cache
     (``cached_tokens``) and, for a request with cache breakpoints, those written at them
     (``cache_write_tokens``, sent only then)."""
 
     model_config = _OUT
+    sparse_fields = frozenset({"cache_write_tokens"})
     cached_tokens: int = 0
     cache_write_tokens: int | None = None
-
-    @model_serializer(mode="wrap")
-    def _without_no_writes(self, handler: Any) -> dict[str, Any]:
-        out = handler(self)
-        if out.get("cache_write_tokens") is None:
-            out.pop("cache_write_tokens", None)
-        return out
 
 
 class Usage(BaseModel):
@@ -98,20 +109,14 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
-class AssistantMessage(BaseModel):
+class AssistantMessage(_Sparse):
     """The generated message of a chat choice (``tool_calls`` only sent when there are)."""
 
     model_config = _OUT
+    sparse_fields = frozenset({"tool_calls"})
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCall] | None = None
-
-    @model_serializer(mode="wrap")
-    def _without_no_tool_calls(self, handler: Any) -> dict[str, Any]:
-        out = handler(self)
-        if out.get("tool_calls") is None:
-            out.pop("tool_calls", None)
-        return out
 
 
 class ChatChoice(BaseModel):
@@ -135,19 +140,15 @@ class ChatCompletion(BaseModel):
     system_fingerprint: str | None = None
 
 
-class FunctionDelta(BaseModel):
+class FunctionDelta(_Sparse):
     """A piece of a streamed tool call's ``function`` (unset fields are not sent)."""
 
     model_config = _OUT
     name: str | None = None
     arguments: str | None = None
 
-    @model_serializer(mode="wrap")
-    def _without_nones(self, handler: Any) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
 
-
-class ToolCallDelta(BaseModel):
+class ToolCallDelta(_Sparse):
     """A fragment of a streamed tool call: ``index`` always; ``id``, ``type`` and the
     function's ``name`` in its first fragment; ``arguments`` in pieces (OpenAI's streaming)."""
 
@@ -157,12 +158,8 @@ class ToolCallDelta(BaseModel):
     type: Literal["function"] | None = None
     function: FunctionDelta | None = None
 
-    @model_serializer(mode="wrap")
-    def _without_nones(self, handler: Any) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
 
-
-class ChoiceDelta(BaseModel):
+class ChoiceDelta(_Sparse):
     """What a chunk adds to a chat choice; fields left ``None`` are not sent (``{}`` on the
     finishing chunk, ``{"role": "assistant", "content": ""}`` opening a choice)."""
 
@@ -170,10 +167,6 @@ class ChoiceDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
-
-    @model_serializer(mode="wrap")
-    def _without_nones(self, handler: Any) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatChunkChoice(BaseModel):
@@ -229,22 +222,16 @@ class Completion(BaseModel):
     system_fingerprint: str | None = None
 
 
-class ModelCard(BaseModel):
+class ModelCard(_Sparse):
     """``GET /v1/models/{id}`` (``max_model_len`` is vLLM's extra: context length in tokens)."""
 
     model_config = _OUT
+    sparse_fields = frozenset({"max_model_len"})
     id: str
     object: Literal["model"] = "model"
     created: int = 0
     owned_by: str = "prefixgate"
     max_model_len: int | None = None
-
-    @model_serializer(mode="wrap")
-    def _without_unknown_length(self, handler: Any) -> dict[str, Any]:
-        out = handler(self)
-        if out.get("max_model_len") is None:
-            out.pop("max_model_len", None)
-        return out
 
 
 class ModelList(BaseModel):

@@ -23,7 +23,7 @@ does); it runs no model and touches no KV block. ``/detokenize``: ``{"model", "t
 from __future__ import annotations
 
 import asyncio
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 from aiohttp import web
 from prefixgate.gateway.api.prompts import completion_prompts, refuse_oversized, render_chat
@@ -33,7 +33,13 @@ from prefixgate.gateway.local.serving import LOCAL
 from prefixgate.gateway.state import STATE
 from pydantic import BaseModel, ConfigDict, Field
 
+if TYPE_CHECKING:
+    from prefixgate.engine.protocol import EngineClient
+
 TOKENIZE_CONTEXTS = 8  # /tokenize counts texts of up to this many contexts (lower bound)
+
+
+_Body = TypeVar("_Body", "TokenizeRequest", "DetokenizeRequest")
 
 
 class TokenizeRequest(BaseModel):
@@ -73,13 +79,24 @@ async def tokenize(request: web.Request) -> web.Response:
         ) from None
 
 
-async def _tokenize(request: web.Request) -> web.Response:
+async def _engine_and_body(request: web.Request, kind: type[_Body]) -> tuple[EngineClient, _Body]:
+    """The local engine and the request's body parsed as ``kind``, once the key is checked
+    (a ``model`` named in the body must be the served one).
+
+    Raises:
+        APIError: 503 while the model loads, 401 / 400 / 404 from the key, body and model.
+    """
     st = request.app[STATE]
     engine = request.app[LOCAL].require_engine()
     st.keys.authenticate(request)
-    req = parse(TokenizeRequest, await request.read())
+    req = parse(kind, await request.read())
     if req.model is not None:
         st.check_model(req.model)
+    return engine, req
+
+
+async def _tokenize(request: web.Request) -> web.Response:
+    engine, req = await _engine_and_body(request, TokenizeRequest)
     cap = TOKENIZE_CONTEXTS * engine.max_model_len
     if (req.messages is None) == (req.prompt is None):
         raise bad_request("send exactly one of messages and prompt", param="messages")
@@ -124,12 +141,7 @@ async def detokenize(request: web.Request) -> web.Response:
     Raises:
         APIError: 400 when an id is outside ``[0, vocab_size)`` (``param`` ``tokens.<i>``).
     """
-    st = request.app[STATE]
-    engine = request.app[LOCAL].require_engine()
-    st.keys.authenticate(request)
-    req = parse(DetokenizeRequest, await request.read())
-    if req.model is not None:
-        st.check_model(req.model)
+    engine, req = await _engine_and_body(request, DetokenizeRequest)
     vocab = engine.tokenizer.vocab_size
     for i, t in enumerate(req.tokens):
         if not 0 <= t < vocab:

@@ -4,6 +4,7 @@ its token texts (``LocalServing``, by app key ``LOCAL``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 from aiohttp import web
 from prefixgate.engine.protocol import EngineClient
@@ -11,6 +12,8 @@ from prefixgate.gateway.http.errors import APIError
 from prefixgate.gateway.local.cache_pins import CachePins
 from prefixgate.gateway.local.prefixes import PrefixRegistry
 from prefixgate.gateway.local.token_texts import TokenTexts
+
+_T = TypeVar("_T")
 
 
 @dataclass(slots=True)
@@ -41,9 +44,7 @@ class LocalServing:
     def require_token_texts(self) -> TokenTexts:
         """Token id → text of the attached engine's tokenizer (logprobs), or 503 while it
         loads."""
-        self.require_engine()
-        assert self.token_texts is not None  # set with the engine
-        return self.token_texts
+        return self._attached(self.token_texts)
 
     def require_cache_pins(self) -> CachePins:
         """The cache breakpoint pins of the attached engine, or 503 while it loads.
@@ -51,9 +52,7 @@ class LocalServing:
         Raises:
             APIError: 503 ``model_not_ready``.
         """
-        self.require_engine()
-        assert self.cache_pins is not None  # set with the engine
-        return self.cache_pins
+        return self._attached(self.cache_pins)
 
     def require_prefixes(self) -> PrefixRegistry:
         """The prefix registry of the attached engine, or 503 while it loads.
@@ -61,9 +60,13 @@ class LocalServing:
         Raises:
             APIError: 503 ``model_not_ready``.
         """
+        return self._attached(self.prefixes)
+
+    def _attached(self, part: _T | None) -> _T:
+        """``part`` of the attached engine (set together with it), or 503 while it loads."""
         self.require_engine()
-        assert self.prefixes is not None  # set with the engine
-        return self.prefixes
+        assert part is not None  # set with the engine
+        return part
 
 
 LOCAL: web.AppKey[LocalServing] = web.AppKey("prefixgate_local", LocalServing)

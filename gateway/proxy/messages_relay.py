@@ -47,7 +47,6 @@ from prefixgate.gateway.api.anthropic_models import (
     parse_request,
     to_chat,
 )
-from prefixgate.gateway.http.access_log import record
 from prefixgate.gateway.http.errors import ANTHROPIC, APIError, error_dialect, error_event
 from prefixgate.gateway.http.sse import KEEPALIVE, SSE_HEADERS
 from prefixgate.gateway.proxy import anthropic, messages_openai
@@ -57,6 +56,7 @@ from prefixgate.gateway.proxy.redact import auth_error, secrets_of
 from prefixgate.gateway.proxy.routes import upstream_headers
 from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import Upstream, retry_after_seconds
+from prefixgate.gateway.proxy.usage import admit_call, settle_usage
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.tenancy.keys import effective_salt
 
@@ -190,12 +190,7 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     st = call.st
     est_tokens = request.content_length or len(json.dumps(call.raw))
     est_tokens = est_tokens // 4 + 1  # no tokenizer here: ~4 bytes per token until the usage
-    lease = await st.shared.acquire(principal, est_tokens)
-    try:
-        ticket = st.admission.admit(est_tokens, tenant=principal.tenant, weight=principal.weight)
-    except APIError:
-        st.shared.refund(principal, lease)
-        raise
+    lease, ticket = await admit_call(st, principal, est_tokens)
     t0 = time.monotonic()
     try:
 
@@ -205,19 +200,7 @@ async def create_message(request: web.Request) -> web.StreamResponse:
         return await _each_upstream(call, attempt)
     finally:
         ticket.done()
-        if call.served:
-            prompt = call.prompt_tokens()
-            st.shared.settle(
-                principal,
-                lease,
-                est_tokens if prompt is None else prompt,
-                call.completion_tokens(),
-            )
-            if prompt is not None:
-                rec = record(request)
-                rec.prompt_tokens, rec.completion_tokens = prompt, call.completion_tokens()
-        else:
-            st.shared.refund(principal, lease)
+        settle_usage(request, st.shared, principal, lease, est_tokens, call)
         st.metrics.e2e.observe(time.monotonic() - t0)
 
 

@@ -46,7 +46,14 @@ from prefixgate.gateway.proxy.redact import auth_error, reworded_error, secrets_
 from prefixgate.gateway.proxy.relay import EventChecker, json_body_problem, relay_sse
 from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import Upstream, UpstreamRouter, retry_after_seconds
-from prefixgate.gateway.proxy.usage import Usage, UsageTap, ask_usage, body_usage
+from prefixgate.gateway.proxy.usage import (
+    Usage,
+    UsageTap,
+    admit_call,
+    ask_usage,
+    body_usage,
+    settle_usage,
+)
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.tenancy.keys import MAX_SALT_CHARS, effective_salt
 from prefixgate.gateway.tenancy.ttft_budget import BUDGET_HEADER
@@ -102,12 +109,7 @@ async def proxy_generate(request: web.Request) -> web.StreamResponse:
     if router.precise is not None:  # precise routing: the prompt's token ids, as the upstream's
         route = await router.precise.prepare(route, parsed, request.path, salt)
     est_tokens = len(body) // 4 + 1  # no tokenizer here: ~4 bytes per token until the usage
-    lease = await st.shared.acquire(principal, est_tokens)
-    try:
-        ticket = st.admission.admit(est_tokens, tenant=principal.tenant, weight=principal.weight)
-    except APIError:
-        st.shared.refund(principal, lease)
-        raise
+    lease, ticket = await admit_call(st, principal, est_tokens)
     outcome = _Outcome(keep_usage)
     t0 = time.monotonic()
     try:
@@ -119,19 +121,7 @@ async def proxy_generate(request: web.Request) -> web.StreamResponse:
         if router.precise is not None:
             router.precise.release(route)
             _record_prediction(request, route)
-        if outcome.served:
-            prompt = outcome.prompt_tokens()
-            st.shared.settle(
-                principal,
-                lease,
-                est_tokens if prompt is None else prompt,
-                outcome.completion_tokens(),
-            )
-            if prompt is not None:  # the upstream's usage, for the access line
-                rec = record(request)
-                rec.prompt_tokens, rec.completion_tokens = prompt, outcome.completion_tokens()
-        else:
-            st.shared.refund(principal, lease)
+        settle_usage(request, st.shared, principal, lease, est_tokens, outcome)
         st.metrics.e2e.observe(time.monotonic() - t0)
 
 
@@ -464,19 +454,9 @@ async def _forward(
                 if resp.status in (401, 403):  # about the credential sent: never its body
                     up.served -= 1
                     raise auth_error(resp.status, up.url, bool(api_key or up.auth))
-                if resp.status >= 400:  # reworded from its four fields, credentials scrubbed
-                    encoding = resp.headers.get("Content-Encoding", "identity")
-                    error = reworded_error(data, encoding, secrets_of(api_key, up.auth))
-                    if error is None:
-                        raise _wrapped_error(resp.status, resp.headers)
-                    e = error["error"]
-                    raise APIError(
-                        resp.status,
-                        e["message"],
-                        param=e["param"],
-                        code=e["code"],
-                        type=e["type"],
-                        retry_after=_retry_after(resp.headers),
+                if resp.status >= 400:
+                    raise _upstream_error(
+                        resp.status, data, resp.headers, secrets_of(api_key, up.auth)
                     )
                 problem = (
                     json_body_problem(data, resp.headers, shape) if resp.status < 300 else None
@@ -608,13 +588,8 @@ def _too_long(data: bytes, headers: Any) -> bool:
     """True when an upstream's 400 body says the prompt exceeds the model's context
     (OpenAI's code ``context_length_exceeded``, or vLLM's / SGLang's "maximum context
     length" message)."""
-    if "Content-Encoding" in headers:
-        return False
-    try:
-        err = json.loads(data).get("error")
-    except (ValueError, AttributeError):
-        return False
-    if not isinstance(err, dict):
+    err = _error_object(data, headers)
+    if err is None:
         return False
     message = err.get("message")
     return err.get("code") == "context_length_exceeded" or (
@@ -628,13 +603,20 @@ def _why(tried: list[Upstream]) -> str:
 
 def _lost_prefix(data: bytes, headers: Any) -> bool:
     """True when an upstream's 404 body is the error ``prefix_not_found``."""
+    err = _error_object(data, headers)
+    return err is not None and err.get("code") == "prefix_not_found"
+
+
+def _error_object(data: bytes, headers: Any) -> dict[str, Any] | None:
+    """The ``error`` object of an upstream's JSON error body; None when the body is encoded
+    (``Content-Encoding``), not JSON, or holds no error object."""
     if "Content-Encoding" in headers:
-        return False
+        return None
     try:
         err = json.loads(data).get("error")
     except (ValueError, AttributeError):
-        return False
-    return isinstance(err, dict) and err.get("code") == "prefix_not_found"
+        return None
+    return err if isinstance(err, dict) else None
 
 
 class _Answer:
@@ -662,27 +644,32 @@ class _Answer:
         headers = CIMultiDict(self.headers)
         if retry_after is not None:
             headers["Retry-After"] = str(max(1, math.ceil(retry_after)))
-        if self.status >= 400:  # reworded from its four fields, credentials scrubbed
-            error = reworded_error(
-                self.data, headers.get("Content-Encoding", "identity"), self.secrets
-            )
-            if error is None:
-                raise _wrapped_error(self.status, headers)
-            e = error["error"]
-            raise APIError(
-                self.status,
-                e["message"],
-                param=e["param"],
-                code=e["code"],
-                type=e["type"],
-                retry_after=_retry_after(headers),
-            )
+        if self.status >= 400:
+            raise _upstream_error(self.status, self.data, headers, self.secrets)
         out_headers = {"Content-Type": headers.get("Content-Type", "application/json")}
         for name in _PASSED_HEADERS:  # a 429's advice; an encoding we did not undo
             value = headers.get(name)
             if value is not None:
                 out_headers[name] = value
         return web.Response(body=self.data, status=self.status, headers=out_headers)
+
+
+def _upstream_error(status: int, data: bytes, headers: Any, secrets: tuple[str, ...]) -> APIError:
+    """The client's error for an upstream's error answer (``status`` >= 400, body ``data``):
+    reworded from its error object's four fields with ``secrets`` scrubbed, with the
+    upstream's ``Retry-After``; a body without an error object is wrapped (never shown)."""
+    error = reworded_error(data, headers.get("Content-Encoding", "identity"), secrets)
+    if error is None:
+        return _wrapped_error(status, headers)
+    e = error["error"]
+    return APIError(
+        status,
+        e["message"],
+        param=e["param"],
+        code=e["code"],
+        type=e["type"],
+        retry_after=_retry_after(headers),
+    )
 
 
 def _wrapped_error(status: int, headers: Any) -> APIError:

@@ -13,7 +13,17 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+from prefixgate.gateway.http.access_log import record
+from prefixgate.gateway.http.errors import APIError
+
+if TYPE_CHECKING:
+    from aiohttp import web
+    from prefixgate.gateway.state import GatewayState
+    from prefixgate.gateway.tenancy.admission import Ticket
+    from prefixgate.gateway.tenancy.keys import Principal
+    from prefixgate.gateway.tenancy.shared_state import Lease, StateBackend
 
 
 @dataclass(slots=True)
@@ -143,3 +153,55 @@ def _event_end(buf: bytes) -> tuple[int, int]:
         if i >= 0 and (best < 0 or i < best):
             best, sep = i, len(marker)
     return best, sep
+
+
+async def admit_call(
+    st: GatewayState, principal: Principal, est_tokens: int
+) -> tuple[Lease, Ticket]:
+    """Before a proxied call: the key's token lease for ``est_tokens`` (the prompt's estimate,
+    tokens), then the admission ticket; the lease is refunded when admission refuses.
+
+    Raises:
+        APIError: 429 over the key's limits or the gateway's queue bounds.
+    """
+    lease = await st.shared.acquire(principal, est_tokens)
+    try:
+        ticket = st.admission.admit(est_tokens, tenant=principal.tenant, weight=principal.weight)
+    except APIError:
+        st.shared.refund(principal, lease)
+        raise
+    return lease, ticket
+
+
+class Served(Protocol):
+    """What a proxied call reports once it ends: whether the upstream served it, and the
+    tokens (the prompt None when the upstream reported no usage)."""
+
+    served: bool
+
+    def prompt_tokens(self) -> int | None: ...
+
+    def completion_tokens(self) -> int: ...
+
+
+def settle_usage(
+    request: web.Request,
+    shared: StateBackend,
+    principal: Principal,
+    lease: Lease,
+    est_tokens: int,
+    call: Served,
+) -> None:
+    """Once a proxied call ends: a served call settles ``lease`` with the tokens the upstream
+    reported (the prompt at the admission estimate ``est_tokens`` when it reported none) and
+    a reported prompt goes to the access line; a call not served is refunded."""
+    if not call.served:
+        shared.refund(principal, lease)
+        return
+    prompt = call.prompt_tokens()
+    shared.settle(
+        principal, lease, est_tokens if prompt is None else prompt, call.completion_tokens()
+    )
+    if prompt is not None:  # the upstream's usage, for the access line
+        rec = record(request)
+        rec.prompt_tokens, rec.completion_tokens = prompt, call.completion_tokens()

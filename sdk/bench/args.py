@@ -3,8 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import os
 
+from prefixgate.sdk.bench.loadgen import LoadConfig
 from prefixgate.sdk.bench.workload import WorkloadConfig, parse_output_len_dist
+
+
+def add_api_key_arg(p: argparse.ArgumentParser, help: str) -> None:
+    """``--api-key``: the bearer key, by default ``$PREFIXGATE_API_KEY`` (read when the parser
+    is built)."""
+    p.add_argument("--api-key", default=os.environ.get("PREFIXGATE_API_KEY"), help=help)
 
 
 def add_workload_args(p: argparse.ArgumentParser, *, num_requests: int, output_len: str) -> None:
@@ -92,6 +100,25 @@ def workload_from_args(args: argparse.Namespace) -> WorkloadConfig:
         user_task_max_chars=args.user_task_max_chars,
         output_len=dist,
         seed=args.seed,
+    )
+
+
+def load_from_args(args: argparse.Namespace, base_url: str, model: str | None) -> LoadConfig:
+    """The load shape of ``--rate``, ``--concurrency``, ``--seed``, ``--timeout``,
+    ``--no-progress`` and ``--api-key``, sent to ``base_url`` for ``model``.
+
+    Raises:
+        ValueError: a bad rate, concurrency or timeout (``LoadConfig``'s checks).
+    """
+    return LoadConfig(
+        base_url=base_url,
+        model=model,
+        api_key=args.api_key,
+        rate=args.rate,
+        concurrency=args.concurrency,
+        seed=args.seed,
+        timeout_s=args.timeout,
+        progress=not args.no_progress,
     )
 
 

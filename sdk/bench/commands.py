@@ -9,11 +9,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 from pathlib import Path
 
-from prefixgate.sdk.bench.args import add_workload_args, workload_doc, workload_from_args
+from prefixgate.sdk.bench.args import (
+    add_api_key_arg,
+    add_workload_args,
+    load_from_args,
+    workload_doc,
+    workload_from_args,
+)
 from prefixgate.sdk.bench.compare import (
     COMPARE_DEFAULTS,
     COMPARE_OUTPUT_LEN,
@@ -52,11 +57,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     serve.add_argument(
         "--model", default=None, help="model name (default: the first of GET /v1/models)"
     )
-    serve.add_argument(
-        "--api-key",
-        default=os.environ.get("PREFIXGATE_API_KEY"),
-        help="bearer key (default $PREFIXGATE_API_KEY)",
-    )
+    add_api_key_arg(serve, "bearer key (default $PREFIXGATE_API_KEY)")
     serve.add_argument(
         "--no-fit",
         action="store_true",
@@ -86,22 +87,12 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 def run_serve(args: argparse.Namespace) -> int:
     """``bench serve``: run the load, print the table, write JSON/plot; exit 0 unless all failed."""
-    from prefixgate.sdk.bench.loadgen import LoadConfig
     from prefixgate.sdk.bench.stats import print_table, summary_rows
 
     try:
         wl = workload_from_args(args)
         requests = load_workload(wl, args.system_prompts, args.user_tasks)
-        cfg = LoadConfig(
-            base_url=args.base_url,
-            model=args.model,
-            api_key=args.api_key,
-            rate=args.rate,
-            concurrency=args.concurrency,
-            seed=args.seed,
-            timeout_s=args.timeout,
-            progress=not args.no_progress,
-        )
+        cfg = load_from_args(args, args.base_url, args.model)
     except (ValueError, OSError) as exc:
         print(f"prefixgate bench serve: {exc}", file=sys.stderr)
         return 2

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shlex
 import sys
 import tempfile
@@ -28,7 +27,12 @@ import time
 from pathlib import Path
 
 import httpx
-from prefixgate.sdk.bench.args import workload_doc, workload_from_args
+from prefixgate.sdk.bench.args import (
+    add_api_key_arg,
+    load_from_args,
+    workload_doc,
+    workload_from_args,
+)
 from prefixgate.sdk.bench.loadgen import LoadConfig, run_load
 from prefixgate.sdk.bench.report import checks, machine, print_compare, ratios, title
 from prefixgate.sdk.bench.targets import (
@@ -84,16 +88,7 @@ async def bench_target(
             print(f"[{target.key}] {target.label}: starting {info['command']}", file=sys.stderr)
             await server.start(args.startup_timeout)
             target.base_url = server.base_url
-        cfg = LoadConfig(
-            base_url=target.base_url or "",
-            model=target.model,
-            api_key=args.api_key,
-            rate=args.rate,
-            concurrency=args.concurrency,
-            seed=args.seed,
-            timeout_s=args.timeout,
-            progress=not args.no_progress,
-        )
+        cfg = load_from_args(args, target.base_url or "", target.model)
         warm = LoadConfig(
             base_url=cfg.base_url,
             model=cfg.model,
@@ -229,11 +224,7 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="model name for --upstream (default: its first listed)",
     )
-    p.add_argument(
-        "--api-key",
-        default=os.environ.get("PREFIXGATE_API_KEY"),
-        help="bearer key sent to every target",
-    )
+    add_api_key_arg(p, "bearer key sent to every target")
     p.add_argument(
         "--kv-cache-memory",
         type=int,

@@ -99,6 +99,12 @@ def step(sched: Scheduler, tr: Trace) -> None:
     tr.steps += 1
 
 
+def step_until_done(sched: Scheduler, tr: Trace) -> None:
+    """``step`` until no request is left."""
+    while sched.has_unfinished_requests():
+        step(sched, tr)
+
+
 def add(sched: Scheduler, tr: Trace, r: Request) -> None:
     tr.prompts[r.request_id] = list(r.prompt_token_ids)
     sched.add_request(r)
@@ -291,8 +297,7 @@ def test_fair_light_tenant_over_its_share_does_not_displace():
     for _ in range(5):
         step(sched, tr)
     assert "l1" not in tr.first_scheduled and sched.num_displacements == 1
-    while sched.has_unfinished_requests():
-        step(sched, tr)
+    step_until_done(sched, tr)
     assert_whole(sched)
 
 
@@ -306,8 +311,7 @@ def test_fair_pinned_blocks_count_against_the_tenant_share(pin_tenant):
     tr = Trace()
     prefix = req("pfx", 96, 1, tenant="heavy")
     add(sched, tr, prefix)
-    while sched.has_unfinished_requests():
-        step(sched, tr)
+    step_until_done(sched, tr)
     sched.kv.pin(prefix.prompt_token_ids, tenant=pin_tenant)
     assert sched.stats()["pinned_blocks"] == 6
     for i in range(2):
@@ -320,8 +324,7 @@ def test_fair_pinned_blocks_count_against_the_tenant_share(pin_tenant):
         assert tr.preempted_at == {"h1": [2]} and tr.first_scheduled["l0"] == 2
     else:
         assert not tr.preempted_at and "l0" not in tr.first_scheduled
-    while sched.has_unfinished_requests():
-        step(sched, tr)
+    step_until_done(sched, tr)
     for pin in sched.kv.pins:
         sched.kv.unpin(pin.id)
     assert_whole(sched)
@@ -346,8 +349,7 @@ def test_priority_displaces_under_full_seats():
     step(sched, tr)
     # the newest lowest-priority request yields its seat at once
     assert tr.preempted_at == {"lo1": [3]} and tr.first_token["urgent"] == 3
-    while sched.has_unfinished_requests():
-        step(sched, tr)
+    step_until_done(sched, tr)
     assert sched.num_preemptions == 1 and urgent.num_preemptions == 0  # no preemption loop
     assert_greedy_unchanged(tr, reqs)
     assert_whole(sched)
@@ -359,8 +361,7 @@ def test_priority_displaces_under_full_seats():
             add(s, t, r)
         step(s, t)
         add(s, t, req("c", 30, 5, priority=prio))
-        while s.has_unfinished_requests():
-            step(s, t)
+        step_until_done(s, t)
         assert s.num_preemptions == 0 and t.first_scheduled["c"] >= 20
         assert_whole(s)
 
@@ -380,8 +381,7 @@ def test_priority_displaces_under_full_blocks():
     add(sched, tr, urgent)
     step(sched, tr)
     assert tr.preempted_at == {"lo1": [1]} and tr.first_token["urgent"] == 1
-    while sched.has_unfinished_requests():
-        step(sched, tr)
+    step_until_done(sched, tr)
     assert urgent.num_preemptions == 0
     assert sched.num_displacements == 1
     assert_greedy_unchanged(tr, reqs)
@@ -468,8 +468,7 @@ def test_displaced_request_status_and_blocks():
     assert out.preempted == ["lo"] and lo.status == RequestStatus.PREEMPTED
     assert sched.kv.num_request_blocks("lo") == 0 and sched.waiting[0] is lo
     sched.update_from_output(out, {s.request.request_id: 7 for s in out.scheduled if s.samples})
-    while sched.has_unfinished_requests():
-        step(sched, tr)
+    step_until_done(sched, tr)
     assert_whole(sched)
 
 

@@ -48,22 +48,33 @@ def req(
     )
 
 
-def step(sched: Scheduler) -> list[str]:
-    """One step; returns the ids admitted (first scheduled) in it, in admission order."""
+def step(sched: Scheduler, preempted: list[str] | None = None) -> list[str]:
+    """One step; returns the ids admitted (first scheduled) in it, in admission order, and
+    appends those it preempted to ``preempted``."""
     before = {r.request_id for r in sched.running}
     out = sched.schedule()
+    if preempted is not None:
+        preempted += out.preempted
     admitted = [s.request.request_id for s in out.scheduled if s.request.request_id not in before]
     sched.update_from_output(out, {s.request.request_id: TOKEN for s in out.scheduled if s.samples})
     sched.check_invariants()
     return admitted
 
 
-def run_all(sched: Scheduler, max_steps: int = 10_000) -> list[str]:
+def steps_until_done(sched: Scheduler, max_steps: int) -> tuple[list[str], list[str]]:
+    """Step until no request is left (at most ``max_steps``): the ids admitted and the ids
+    preempted, each in order."""
     order: list[str] = []
+    preempted: list[str] = []
     for _ in range(max_steps):
         if not sched.has_unfinished_requests():
             break
-        order += step(sched)
+        order += step(sched, preempted)
+    return order, preempted
+
+
+def run_all(sched: Scheduler, max_steps: int = 10_000) -> list[str]:
+    order, _ = steps_until_done(sched, max_steps)
     assert not sched.has_unfinished_requests()
     s = sched.stats()
     assert s["kv_blocks_used"] == 0 and s["num_running"] == s["num_waiting"] == 0, s
@@ -103,16 +114,7 @@ def test_priority_preempts_the_lowest_priority_running_request():
     lazy = req("lazy", 40, max_tokens=20, priority=5, arrival=0.0)
     sched.add_request(lazy)
     sched.add_request(urgent)
-    victims: list[str] = []
-    for _ in range(200):
-        if not sched.has_unfinished_requests():
-            break
-        out = sched.schedule()
-        victims += out.preempted
-        sched.update_from_output(
-            out, {s.request.request_id: TOKEN for s in out.scheduled if s.samples}
-        )
-        sched.check_invariants()
+    _, victims = steps_until_done(sched, 200)
     assert victims and set(victims) == {"lazy"}
     assert urgent.num_preemptions == 0 and lazy.num_output_tokens == 20
     assert sched.stats()["kv_blocks_used"] == 0
@@ -214,16 +216,7 @@ def test_fair_preempts_the_most_served_tenant():
     sched.add_request(light)
     step(sched)  # both admitted
     sched.policy.tenants["heavy"].counter += 1000.0  # as if served a lot more before
-    victims: list[str] = []
-    for _ in range(200):
-        if not sched.has_unfinished_requests():
-            break
-        out = sched.schedule()
-        victims += out.preempted
-        sched.update_from_output(
-            out, {s.request.request_id: TOKEN for s in out.scheduled if s.samples}
-        )
-        sched.check_invariants()
+    _, victims = steps_until_done(sched, 200)
     assert victims and set(victims) == {"heavy"}
     assert light.num_preemptions == 0
     assert sched.stats()["kv_blocks_used"] == 0

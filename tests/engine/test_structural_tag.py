@@ -15,24 +15,10 @@ import pytest
 from prefixgate.engine import LLM, SamplingParams
 from prefixgate.engine.sampling_params import StructuredOutputsParams as SO
 from prefixgate.engine.structured_output import grammar_of
+from support.schemas import STRICT_WEATHER_PARAMS as WEATHER
+from support.schemas import TIME_PARAMS as TIME
 from support.steer import steer_opening
 
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 8},
-        "unit": {"enum": ["c", "f"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    },
-    "required": ["city", "unit", "days"],
-    "additionalProperties": False,
-}
-TIME = {
-    "type": "object",
-    "properties": {"tz": {"enum": ["UTC", "CET"]}},
-    "required": ["tz"],
-    "additionalProperties": False,
-}
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 OPENING = "Let me see.<tool_call>"
 # aidreams always picks get_time of its own accord: this opening scripts get_weather's head

@@ -21,25 +21,7 @@ from prefixgate.engine.structured_output import (
     unsupported_schema_feature,
 )
 from prefixgate.engine.tokenizer import Tokenizer
-
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "c": {"enum": ["red", "green", "blue"]},
-        "n": {"type": "integer", "minimum": -3, "maximum": 42},
-        "ok": {"type": "boolean"},
-        "in": {
-            "type": "object",
-            "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}},
-            "required": ["x"],
-            "additionalProperties": False,
-        },
-        "t": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
-    },
-    "required": ["c", "n", "ok", "in", "t"],
-    "additionalProperties": False,
-}
-
+from support.schemas import NESTED_SCHEMA as SCHEMA
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -299,18 +281,9 @@ def test_padded_model_vocab_never_allows_padding_ids(aidreams_path):
 def test_byte_level_bpe_vocabulary(tmp_path):
     """A GPT-2 style byte-level BPE tokenizer (as SmolLM2 / Qwen ship): detected as BYTE_LEVEL,
     and the token ids of a valid answer are accepted by the grammar, to the end."""
-    from tokenizers import Tokenizer as HF
-    from tokenizers import decoders, models, pre_tokenizers, trainers
+    from support.bpe import byte_level_bpe
 
-    hf = HF(models.BPE())
-    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    hf.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    hf.train_from_iterator(['{"c": "red", "n": 12}', "héllo wörld ✓"] * 50, trainer)
+    hf = byte_level_bpe(['{"c": "red", "n": 12}', "héllo wörld ✓"])
     tok = Tokenizer(hf, eos_token="<|endoftext|>")
     eos = tok.eos_token_id
     info = tokenizer_info(tok, tok.vocab_size, [eos])

@@ -4,6 +4,7 @@ burst)."""
 
 from __future__ import annotations
 
+import pytest
 from prefixgate.gateway.http.errors import APIError
 from prefixgate.gateway.settings import GatewaySettings
 from prefixgate.gateway.tenancy.admission import AdmissionConfig, AdmissionController
@@ -31,28 +32,25 @@ def test_admission_counts_engine_requests():
     ctl = AdmissionController(AdmissionConfig(max_queued_requests=10, max_running=12))
     a = ctl.admit(5, requests=6)
     assert (ctl.queued_requests, ctl.in_flight) == (6, 6)
-    try:
+    with pytest.raises(APIError) as info:  # else: admitted over the queue bound
         ctl.admit(5, requests=5)  # 6 + 5 > 10 queued
-        raise AssertionError("admitted over the queue bound")
-    except APIError as exc:
-        assert exc.status == 429 and exc.code == "server_overloaded"
+    exc = info.value
+    assert exc.status == 429 and exc.code == "server_overloaded"
     a.started()
     b = ctl.admit(5, requests=5)
     assert (ctl.queued_requests, ctl.in_flight) == (5, 11)
-    try:
+    with pytest.raises(APIError) as info:  # else: admitted over max_running
         ctl.admit(1, requests=2)  # 11 + 2 > 12 running
-        raise AssertionError("admitted over max_running")
-    except APIError as exc:
-        assert exc.status == 429
+    exc = info.value
+    assert exc.status == 429
     for t in (a, b):
         t.done()
         t.done()
     assert (ctl.queued_requests, ctl.queued_tokens, ctl.in_flight) == (0, 0, 0)
-    try:
+    with pytest.raises(APIError) as info:  # else: admitted a request larger than the queue
         ctl.admit(1, requests=11)  # more than the queue can ever hold: not a 429 to retry
-        raise AssertionError("admitted a request larger than the queue")
-    except APIError as exc:
-        assert exc.status == 400
+    exc = info.value
+    assert exc.status == 400
     assert (ctl.queued_requests, ctl.in_flight) == (0, 0)
 
 
@@ -69,12 +67,11 @@ def test_retry_after_not_inflated_by_idle_time(monkeypatch):
     busy = ctl.retry_after()
     now[0] += 120.0  # idle for two minutes
     tickets = [ctl.admit(1) for _ in range(10)]
-    try:
+    with pytest.raises(APIError) as info:  # else: admitted over the queue bound
         ctl.admit(1)
-        raise AssertionError("admitted over the queue bound")
-    except APIError as exc:
-        assert exc.status == 429
-        assert exc.retry_after <= 10.0, exc.retry_after  # ~10 queued at ~2/s, not 60
+    exc = info.value
+    assert exc.status == 429
+    assert exc.retry_after <= 10.0, exc.retry_after  # ~10 queued at ~2/s, not 60
     assert busy >= 1.0
     for t in tickets:
         t.done()
@@ -92,11 +89,10 @@ def test_retry_after_right_on_the_first_burst_after_start(monkeypatch):
         now[0] += 0.1
         t.done()
         tickets.append(ctl.admit(1))
-    try:
+    with pytest.raises(APIError) as info:  # else: admitted over the queue bound
         ctl.admit(1)
-        raise AssertionError("admitted over the queue bound")
-    except APIError as exc:
-        assert exc.status == 429
-        assert 4.0 <= exc.retry_after <= 8.0, exc.retry_after  # 60 queued at 10/s
+    exc = info.value
+    assert exc.status == 429
+    assert 4.0 <= exc.retry_after <= 8.0, exc.retry_after  # 60 queued at 10/s
     for t in tickets:
         t.done()

@@ -110,6 +110,13 @@ def wait_synced(index: KVIndex, engine, name: str = "e0", timeout_s: float = 60.
     raise AssertionError(f"index never caught up: {index.stats()}")
 
 
+def mirrors(index: KVIndex, engine) -> dict:
+    """``wait_synced``, then the index's blocks of ``e0`` are the engine's; the counters."""
+    st = wait_synced(index, engine)
+    assert index.blocks("e0") == engine_blocks(engine)
+    return st
+
+
 @pytest.fixture
 def engines(aidreams_path, pool_whole):
     """``make(**cfg)`` builds engines; each is checked whole and shut down after the test."""
@@ -185,8 +192,7 @@ def test_predicted_cached_tokens_equal_engine_reported(engines, aidreams_path):
             assert out.num_cached_tokens == predicted, (len(ids), salt)
             hits += predicted > 0
             misses += predicted == 0
-        wait_synced(index, engine)
-        assert index.blocks("e0") == engine_blocks(engine)
+        mirrors(index, engine)
     assert hits >= 10 and misses >= 3
     assert engine.stats()["prefix_cache_evictions"] > 0
 
@@ -257,9 +263,8 @@ def test_stopped_consumer_restarted_replays_the_gap(engines):
         assert engine.kv_events.collector.last_seq > before  # batches the consumer missed
         assert index.applied_seq("e0") == before
         index.start()
-        st = wait_synced(index, engine)
+        st = mirrors(index, engine)
         assert st["gaps"] >= 1 and st["replays"] >= 1 and st["snapshots"] == 1
-        assert index.blocks("e0") == engine_blocks(engine)
 
 
 def test_late_consumer_starts_from_snapshot(engines):
@@ -270,12 +275,10 @@ def test_late_consumer_starts_from_snapshot(engines):
         run(engine, workload(rng, 3, prefixes))
     assert engine_blocks(engine)  # something is cached
     with index_for(engine) as index:
-        st = wait_synced(index, engine)
+        st = mirrors(index, engine)
         assert st["snapshots"] == 1 and st["resyncs"] >= 1
-        assert index.blocks("e0") == engine_blocks(engine)
         run(engine, workload(rng, 3, prefixes))  # and it follows live from there
-        wait_synced(index, engine)
-        assert index.blocks("e0") == engine_blocks(engine)
+        mirrors(index, engine)
 
 
 def test_batches_dropped_past_the_queue_bound_are_detected(engines):
@@ -296,12 +299,10 @@ def test_batches_dropped_past_the_queue_bound_are_detected(engines):
         engine.kv_events.release()
         # the last batch was dropped: no later batch shows the gap; the probe's replay answer
         # names the latest batch, so the index still finds it and resyncs (snapshot)
-        st = wait_synced(index, engine)
+        st = mirrors(index, engine)
         assert st["gaps"] >= 1 and st["snapshots"] >= 2  # the first sync, then the gap's
-        assert index.blocks("e0") == engine_blocks(engine)
         run(engine, workload(rng, 2, prefixes))  # and it follows live again
-        wait_synced(index, engine)
-        assert index.blocks("e0") == engine_blocks(engine)
+        mirrors(index, engine)
 
 
 def test_rolled_over_replay_buffer_falls_back_to_snapshot(engines):
@@ -315,9 +316,8 @@ def test_rolled_over_replay_buffer_falls_back_to_snapshot(engines):
         for _ in range(4):
             run(engine, workload(rng, 3, prefixes))
         index.start()
-        st = wait_synced(index, engine)
+        st = mirrors(index, engine)
         assert st["gaps"] >= 1 and st["snapshots"] >= 2
-        assert index.blocks("e0") == engine_blocks(engine)
 
 
 def test_engine_restart_on_the_same_ports_resyncs(engines, pool_whole):

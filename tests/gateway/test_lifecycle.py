@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 
@@ -16,6 +15,7 @@ import httpx
 import openai
 import pytest
 from prefixgate.gateway.settings import GatewaySettings
+from support.serve_process import SERVE
 
 
 def _stream_events(url: str, body: dict, out: dict, key: str) -> None:
@@ -106,10 +106,7 @@ def test_sigterm_on_prefixgate_serve_ends_streams_with_an_error_event(tmp_path):
     port_file = tmp_path / "log"
     proc = subprocess.Popen(
         [
-            sys.executable,
-            "-m",
-            "prefixgate.gateway.cli",
-            "serve",
+            *SERVE,
             "--port",
             "0",
             "--shutdown-grace-s",

@@ -29,6 +29,13 @@ def _req(**body) -> MessagesRequest:
     return parse_request(MessagesRequest, json.dumps({**base, **body}).encode())
 
 
+def _refusal(**body) -> APIError:
+    """The error ``to_chat`` raises on the request ``_req(**body)``."""
+    with pytest.raises(APIError) as info:
+        to_chat(_req(**body))
+    return info.value
+
+
 def test_to_chat_system_tools_tool_use_and_results():
     req = _req(
         system=[
@@ -94,38 +101,31 @@ def test_to_chat_system_tools_tool_use_and_results():
 
 def test_more_than_four_breakpoints_is_a_400_naming_the_fifth():
     blocks = [{"type": "text", "text": f"s{i}", "cache_control": CC} for i in range(4)]
-    with pytest.raises(APIError) as info:
-        to_chat(_req(system=blocks, cache_control=CC))
-    assert info.value.status == 400 and info.value.param == "cache_control.cache_control"
+    err = _refusal(system=blocks, cache_control=CC)
+    assert err.status == 400 and err.param == "cache_control.cache_control"
 
 
 def test_a_final_assistant_turn_prefill_is_refused():
-    with pytest.raises(APIError) as info:
-        to_chat(
-            _req(
-                messages=[
-                    {"role": "user", "content": "q"},
-                    {"role": "assistant", "content": "The answer is"},
-                ]
-            )
-        )
-    assert info.value.status == 400 and info.value.param == "messages.1.role"
+    err = _refusal(
+        messages=[
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "The answer is"},
+        ]
+    )
+    assert err.status == 400 and err.param == "messages.1.role"
 
 
 def test_tool_result_in_an_assistant_turn_is_refused():
-    with pytest.raises(APIError) as info:
-        to_chat(
-            _req(
-                messages=[
-                    {
-                        "role": "assistant",
-                        "content": [{"type": "tool_result", "tool_use_id": "t", "content": "x"}],
-                    },
-                    {"role": "user", "content": "q"},
-                ]
-            )
-        )
-    assert info.value.param == "messages.0.content.0"
+    err = _refusal(
+        messages=[
+            {
+                "role": "assistant",
+                "content": [{"type": "tool_result", "tool_use_id": "t", "content": "x"}],
+            },
+            {"role": "user", "content": "q"},
+        ]
+    )
+    assert err.param == "messages.0.content.0"
 
 
 @pytest.mark.parametrize(

@@ -15,14 +15,11 @@ import httpx
 import openai
 import pytest
 from prefixgate.gateway.api.response_models import ChatCompletion, ChatCompletionChunk
-from prefixgate.gateway.app import create_proxy_app
-from prefixgate.gateway.bench.fault_upstream import FaultUpstream
-from prefixgate.gateway.http.server import BackgroundServer
 from prefixgate.gateway.proxy.answers import shape_problem
 from prefixgate.gateway.proxy.relay import EventChecker, StreamBroken
 from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import FAILURE_THRESHOLD
-from prefixgate.gateway.settings import GatewaySettings
+from support.fault_proxy import FaultProxies
 from support.http import assert_openai_error
 
 BODY = {"model": "fault", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
@@ -32,19 +29,12 @@ COMPLETION = {"model": "fault", "prompt": "hi", "max_tokens": 8}
 @pytest.fixture
 def proxy() -> Iterator:
     """``proxy(mode, **settings) -> (gateway, upstream)``; both stopped after the test."""
-    opened: list = []
+    with FaultProxies() as proxies:
 
-    def start(mode: str = "ok", **settings):
-        up = FaultUpstream(mode, 3, 0.005).__enter__()
-        opened.append(up)
-        s = GatewaySettings(**{"upstream_timeout_s": 2.0, **settings})
-        gw = BackgroundServer(lambda: create_proxy_app([up.url], s)).__enter__()
-        opened.append(gw)
-        return gw, up
+        def start(mode: str = "ok", **settings):
+            return proxies.start(mode, 3, 0.005, {"upstream_timeout_s": 2.0, **settings})
 
-    yield start
-    for item in reversed(opened):
-        item.close()
+        yield start
 
 
 def _sse(url: str, path: str, body: dict) -> tuple[int, list[str]]:

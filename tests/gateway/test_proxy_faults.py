@@ -19,6 +19,7 @@ from prefixgate.gateway.proxy.relay import EventChecker, StreamBroken
 from prefixgate.gateway.settings import GatewaySettings
 from prefixgate.sdk import Client
 from prefixgate.sdk import errors as sdk_errors
+from support.fault_proxy import FaultProxies
 
 BODY = {"model": "fault", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 
@@ -26,19 +27,13 @@ BODY = {"model": "fault", "messages": [{"role": "user", "content": "hi"}], "max_
 @pytest.fixture
 def proxy() -> Iterator:
     """``proxy(mode, **settings) -> (gateway, upstream)``; both stopped after the test."""
-    opened: list = []
+    with FaultProxies() as proxies:
 
-    def start(mode: str = "ok", chunks: int = 4, delay_s: float = 0.01, **settings):
-        up = FaultUpstream(mode, chunks, delay_s).__enter__()
-        opened.append(up)
-        s = GatewaySettings(**{"keepalive_s": 0.2, "upstream_timeout_s": 1.0, **settings})
-        gw = BackgroundServer(lambda: create_proxy_app([up.url], s)).__enter__()
-        opened.append(gw)
-        return gw, up
+        def start(mode: str = "ok", chunks: int = 4, delay_s: float = 0.01, **settings):
+            defaults = {"keepalive_s": 0.2, "upstream_timeout_s": 1.0}
+            return proxies.start(mode, chunks, delay_s, {**defaults, **settings})
 
-    yield start
-    for item in reversed(opened):
-        item.close()
+        yield start
 
 
 def _sse(gw: BackgroundServer, body: dict) -> tuple[int, list[str], list[str]]:

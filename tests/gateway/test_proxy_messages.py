@@ -51,6 +51,17 @@ def _client(gw: BackgroundServer, key: str = "none") -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=gw.url, api_key=key, max_retries=0)
 
 
+def _streamed_text(gw: BackgroundServer) -> str:
+    """The whole body of a streamed ``/v1/messages`` call ("hi", 8 tokens, model ``llama``)."""
+    with httpx.stream(
+        "POST",
+        gw.url + "/v1/messages",
+        json={"model": "llama", "max_tokens": 8, "stream": True, "messages": [
+            {"role": "user", "content": "hi"}]},
+    ) as r:  # fmt: skip
+        return r.read().decode()
+
+
 @pytest.fixture
 def vllm(servers: Servers):
     stub = ChatStub()
@@ -212,13 +223,7 @@ def test_a_stream_cut_short_ends_with_an_error_event(vllm):
             for _ in stream:
                 pass
     assert "ended before its last event" in str(caught.value)
-    with httpx.stream(
-        "POST",
-        gw.url + "/v1/messages",
-        json={"model": "llama", "max_tokens": 8, "stream": True, "messages": [
-            {"role": "user", "content": "hi"}]},
-    ) as r:  # fmt: skip
-        text = r.read().decode()
+    text = _streamed_text(gw)
     assert text.rstrip().split("\n\n")[-1].startswith("event: error\ndata: ")
     assert "message_stop" not in text
 
@@ -514,13 +519,7 @@ def test_messages_with_one_system_prompt_meet_on_one_upstream(servers, routing):
 def test_a_garbled_or_failed_stream_ends_with_an_error_event_never_showing_it(vllm, sent, said):
     stub, gw = vllm
     stub.after_first = sent
-    with httpx.stream(
-        "POST",
-        gw.url + "/v1/messages",
-        json={"model": "llama", "max_tokens": 8, "stream": True, "messages": [
-            {"role": "user", "content": "hi"}]},
-    ) as r:  # fmt: skip
-        text = r.read().decode()
+    text = _streamed_text(gw)
     last = text.rstrip().split("\n\n")[-1]
     assert last.startswith("event: error\ndata: ") and said in last
     assert SECRET not in text and "message_stop" not in text

@@ -28,6 +28,7 @@ def _keys(tmp_path, **limits: int) -> str:
 
 
 AUTH = {"Authorization": "Bearer k1"}
+SYSTEM = [{"role": "system", "content": "You are a careful assistant. " * 3}]  # a prefix
 
 
 async def _burst(urls: list[str], n: int, body: dict) -> list[httpx.Response]:
@@ -231,10 +232,9 @@ def test_prefix_created_on_replica_1_serves_a_chat_on_replica_2(
     )
     a, engine_a = serve_fake(settings)
     b, engine_b = serve_fake(settings)
-    system = [{"role": "system", "content": "You are a careful assistant. " * 3}]
     with gw.client(a, headers=AUTH) as ca, gw.client(b, headers=AUTH) as cb:
         created = ca.post(
-            "/v1/prefixes", json={"model": "fake", "messages": system, "ttl_seconds": 60}
+            "/v1/prefixes", json={"model": "fake", "messages": SYSTEM, "ttl_seconds": 60}
         )
         assert created.status_code == 200, created.text
         pid = created.json()["id"]
@@ -250,7 +250,7 @@ def test_prefix_created_on_replica_1_serves_a_chat_on_replica_2(
         r = cb.post("/v1/chat/completions", json=chat)
         assert r.status_code == 200, r.text
         # Replica 2's engine saw the whole conversation: prefix messages + the new one.
-        whole = engine_b.tokenizer.encode_chat(system + chat["messages"])
+        whole = engine_b.tokenizer.encode_chat(SYSTEM + chat["messages"])
         assert engine_b.requests_seen[-1][1] == whole
         # A deletion on replica 2 holds on replica 1 too.
         assert cb.delete(f"/v1/prefixes/{pid}").status_code == 200
@@ -266,8 +266,7 @@ def test_two_replicas_share_one_max_prefixes_per_key(serve_fake, gw, redis_serve
     )
     a, _ = serve_fake(settings)
     b, _ = serve_fake(settings)
-    system = [{"role": "system", "content": "You are a careful assistant. " * 3}]
-    body = {"model": "fake", "messages": system, "ttl_seconds": 60}
+    body = {"model": "fake", "messages": SYSTEM, "ttl_seconds": 60}
     with gw.client(a, headers=AUTH) as ca, gw.client(b, headers=AUTH) as cb:
         first = ca.post("/v1/prefixes", json=body)
         assert first.status_code == 200, first.text
@@ -298,10 +297,9 @@ def test_prefix_deleted_through_another_replica_is_unpinned_without_a_lookup(
     )
     a, engine_a = serve_fake(settings)
     b, _ = serve_fake(settings)
-    system = [{"role": "system", "content": "You are a careful assistant. " * 3}]
     with gw.client(a, headers=AUTH) as ca, gw.client(b, headers=AUTH) as cb:
         created = ca.post(
-            "/v1/prefixes", json={"model": "fake", "messages": system, "ttl_seconds": 600}
+            "/v1/prefixes", json={"model": "fake", "messages": SYSTEM, "ttl_seconds": 600}
         )
         assert created.status_code == 200, created.text
         assert engine_a.pinned_blocks > 0

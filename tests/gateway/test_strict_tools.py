@@ -131,18 +131,10 @@ def test_single_token_triggers_of_real_tokenizers_are_accepted():
     the engine's grammar (byte-level BPE vocabulary) accepts their token ids as the trigger,
     then the constrained call, then EOS."""
     from prefixgate.engine.structured_output import StructuredOutputManager  # noqa: PLC0415
-    from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers  # noqa: PLC0415
-    from tokenizers import Tokenizer as HF  # noqa: PLC0415
+    from support.bpe import byte_level_bpe  # noqa: PLC0415
+    from tokenizers import AddedToken  # noqa: PLC0415
 
-    hf = HF(models.BPE())
-    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    hf.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    hf.train_from_iterator(['{"name": "f", "arguments": {"a": 1}}', "hello there"] * 50, trainer)
+    hf = byte_level_bpe(['{"name": "f", "arguments": {"a": 1}}', "hello there"])
     hf.add_tokens([AddedToken(t, normalized=False) for t in ("<tool_call>", "</tool_call>")])
     hf.add_special_tokens(["[TOOL_CALLS]"])
     tok = Tokenizer(hf, eos_token="<|endoftext|>")

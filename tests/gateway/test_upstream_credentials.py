@@ -33,15 +33,20 @@ def _assert_clean(text: str) -> None:
         assert secret not in text, text
 
 
+def _with_credential(url: str, how: str) -> tuple[str, GatewaySettings]:
+    """The upstream URL and gateway settings that carry the credential ``how``: the
+    ``upstream_api_key`` setting, or the URL's userinfo."""
+    if how == "userinfo":
+        return url.replace("http://", f"http://{USER}:{PASSWORD}@"), GatewaySettings()
+    return url, GatewaySettings(upstream_api_key=KEY)
+
+
 @pytest.mark.parametrize("mode", ["auth401", "auth403"])
 @pytest.mark.parametrize("how", ["api_key", "userinfo"])
 @pytest.mark.parametrize("stream", [False, True])
 def test_an_upstream_auth_refusal_is_a_502_naming_it_never_its_body(mode, how, stream):
     with FaultUpstream(mode) as up:
-        url, settings = up.url, GatewaySettings(upstream_api_key=KEY)
-        if how == "userinfo":
-            url = up.url.replace("http://", f"http://{USER}:{PASSWORD}@")
-            settings = GatewaySettings()
+        url, settings = _with_credential(up.url, how)
         with BackgroundServer(lambda: create_proxy_app([url], settings)) as gw:
             r = httpx.post(
                 gw.url + "/v1/chat/completions", json={**BODY, "stream": stream}, timeout=10
@@ -98,10 +103,7 @@ def _quoting_upstream() -> web.Application:
 @pytest.mark.parametrize("how", ["api_key", "userinfo"])
 def test_every_relayed_error_is_scrubbed_of_the_credential(how):
     with BackgroundServer(_quoting_upstream) as up:
-        url, settings = up.url, GatewaySettings(upstream_api_key=KEY)
-        if how == "userinfo":
-            url = up.url.replace("http://", f"http://{USER}:{PASSWORD}@")
-            settings = GatewaySettings()
+        url, settings = _with_credential(up.url, how)
         with BackgroundServer(lambda: create_proxy_app([url], settings)) as gw:
             r = httpx.post(gw.url + "/v1/chat/completions", json=BODY, timeout=10)
             err = assert_openai_error(r, 400)

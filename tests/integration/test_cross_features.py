@@ -42,22 +42,14 @@ from hypothesis import strategies as st
 pytest.importorskip("prefixgate.engine.async_engine")
 
 from support.gateway import serve_aidreams, wait_idle  # noqa: E402
+from support.schemas import FLAT_SCHEMA as SCHEMA  # noqa: E402
+from support.schemas import TIME_TOOL as TIME
 
 MODEL = "aidreams-260k"
 MAX_MODEL_LEN = 128  # aidreams' max_position_embeddings
 FAST_EXAMPLES = 150
 LONG_EXAMPLES = 2000
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "c": {"enum": ["red", "green"]},
-        "n": {"type": "integer", "minimum": 0, "maximum": 9},
-        "ok": {"type": "boolean"},
-    },
-    "required": ["c", "n", "ok"],
-    "additionalProperties": False,
-}
 REGEX = r"[a-c]{2}-[0-9]"
 CHOICE = ["yes", "no", "maybe"]
 WEATHER = {
@@ -74,18 +66,6 @@ WEATHER = {
             "additionalProperties": False,
         },
         "strict": True,
-    },
-}
-TIME = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "parameters": {
-            "type": "object",
-            "properties": {"tz": {"enum": ["UTC", "CET"]}},
-            "required": ["tz"],
-            "additionalProperties": False,
-        },
     },
 }
 PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}

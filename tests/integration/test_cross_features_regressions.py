@@ -16,31 +16,10 @@ import pytest
 pytest.importorskip("prefixgate.engine.async_engine")
 
 from support.gateway import serve_aidreams, wait_idle  # noqa: E402
+from support.schemas import TIME_TOOL as TIME
 
 MODEL = "aidreams-260k"
 CHOICE = ["yes", "no", "maybe"]
-TIME = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "parameters": {
-            "type": "object",
-            "properties": {"tz": {"enum": ["UTC", "CET"]}},
-            "required": ["tz"],
-            "additionalProperties": False,
-        },
-    },
-}
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "c": {"enum": ["red", "green"]},
-        "n": {"type": "integer", "minimum": 0, "maximum": 9},
-        "ok": {"type": "boolean"},
-    },
-    "required": ["c", "n", "ok"],
-    "additionalProperties": False,
-}
 PET = [{"role": "user", "content": "A pet, please"}]
 
 

@@ -22,6 +22,7 @@ from prefixgate.gateway.app import create_app  # noqa: E402
 from prefixgate.gateway.http.server import BackgroundServer  # noqa: E402
 from prefixgate.gateway.local.serving import LOCAL  # noqa: E402
 from prefixgate.gateway.settings import GatewaySettings
+from support.gateway import wait_idle  # noqa: E402
 
 MODEL = "aidreams-260k"
 
@@ -67,16 +68,10 @@ def _engine(server):
     return server.app[LOCAL].engine
 
 
-def _idle(server, pool_whole, timeout: float = 10.0) -> dict:
-    engine = _engine(server)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        s = engine.stats()
-        if s["num_running"] == 0 and s["num_waiting"] == 0:
-            break
-        time.sleep(0.02)
-    pool_whole(engine, pinned_ok=True)
-    return engine.stats()
+def _idle(server, pool_whole) -> dict:
+    """``wait_idle`` (up to 10 s; pinned blocks allowed), then the engine's stats."""
+    wait_idle(server, pool_whole, 10.0, pinned_ok=True)
+    return _engine(server).stats()
 
 
 def test_chat_completion_streaming_usage(client, server, pool_whole):

@@ -5,12 +5,12 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import httpx
 import openai
 import pytest
+from support.serve_process import SERVE
 
 pytest.importorskip("prefixgate.engine.async_engine")
 
@@ -18,10 +18,7 @@ pytest.importorskip("prefixgate.engine.async_engine")
 def test_serve_tiny_random_then_sigterm():
     proc = subprocess.Popen(
         [
-            sys.executable,
-            "-m",
-            "prefixgate.gateway.cli",
-            "serve",
+            *SERVE,
             "--port",
             "0",
             "--max-model-len",
@@ -94,10 +91,7 @@ def test_serve_port_in_use_is_a_clear_error():
         port = taken.getsockname()[1]
         proc = subprocess.run(
             [
-                sys.executable,
-                "-m",
-                "prefixgate.gateway.cli",
-                "serve",
+                *SERVE,
                 "--port",
                 str(port),
                 "--upstream",

@@ -13,6 +13,7 @@ import pytest
 pytest.importorskip("prefixgate.engine.async_engine")
 
 from support.gateway import openai_client, serve_aidreams, wait_idle  # noqa: E402
+from support.schemas import TIME_TOOL as TIME  # noqa: E402
 
 MODEL = "aidreams-260k"
 PET = {  # pydantic-ai's output tool for a small model (strict: additionalProperties false)
@@ -32,18 +33,6 @@ FINAL = {
         "description": "The final response which ends this conversation",
         "parameters": PET,
         "strict": True,
-    },
-}
-TIME = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "parameters": {
-            "type": "object",
-            "properties": {"tz": {"enum": ["UTC", "CET"]}},
-            "required": ["tz"],
-            "additionalProperties": False,
-        },
     },
 }
 PARAMS = {"final_result": PET, "get_time": TIME["function"]["parameters"]}

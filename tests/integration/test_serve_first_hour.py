@@ -9,18 +9,18 @@ import json
 import re
 import signal
 import subprocess
-import sys
 import threading
 
 import httpx
 import pytest
+from support.serve_process import SERVE
 
 pytest.importorskip("prefixgate.engine.async_engine")
 
 
 def _serve(*flags: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "prefixgate.gateway.cli", "serve", *flags],
+        [*SERVE, *flags],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -72,10 +72,7 @@ def test_a_second_ctrl_c_exits_at_once():
     with 130 without waiting for the grace period."""
     proc = subprocess.Popen(
         [
-            sys.executable,
-            "-m",
-            "prefixgate.gateway.cli",
-            "serve",
+            *SERVE,
             "--port",
             "0",
             "--shutdown-grace-s",

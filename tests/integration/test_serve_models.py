@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from support.serve_process import SERVE, read_until_ready  # noqa: E402
 
 pytest.importorskip("prefixgate.engine.async_engine")
 pytest.importorskip("huggingface_hub")
@@ -26,24 +27,15 @@ def start_serve(
     """Start ``prefixgate serve --port 0 ...``; return (process, base URL, log lines so far)
     once the model is ready, or fail with the log."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "prefixgate.gateway.cli", "serve", "--port", "0", *argv],
+        [*SERVE, "--port", "0", *argv],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         env={**os.environ, **(env or {})},
     )
-    log: list[str] = []
-    url = None
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        log.append(line)
-        m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
-        url = url or (m.group(1) if m else None)
-        if "ready (max_model_len" in line:
-            return proc, url, log
+    url, log, ready = read_until_ready(proc, time.monotonic() + 120, "ready (max_model_len")
+    if ready:
+        return proc, url, log
     proc.kill()
     proc.wait()
     raise AssertionError("serve did not become ready:\n" + "".join(log))
@@ -91,8 +83,7 @@ def test_model_by_hub_id_from_an_offline_cache(tmp_path, aidreams_path):
         stop(proc)
     # a name the cache does not hold: one line, exit 1, no traceback
     out = subprocess.run(
-        [sys.executable, "-m", "prefixgate.gateway.cli", "serve", "--port", "0"]
-        + ["--model", "testorg/absent"],
+        [*SERVE, "--port", "0"] + ["--model", "testorg/absent"],
         env={**os.environ, **env},
         capture_output=True,
         text=True,
@@ -132,8 +123,7 @@ def test_served_model_name_and_chat_template(tmp_path, aidreams_path):
     finally:
         stop(proc)
     out = subprocess.run(
-        [sys.executable, "-m", "prefixgate.gateway.cli", "serve", "--port", "0"]
-        + ["--chat-template", str(tmp_path / "absent.jinja")],
+        [*SERVE, "--port", "0"] + ["--chat-template", str(tmp_path / "absent.jinja")],
         capture_output=True,
         text=True,
         timeout=60,

@@ -21,27 +21,13 @@ pytest.importorskip("prefixgate.engine.async_engine")
 
 from prefixgate.gateway.local.serving import LOCAL  # noqa: E402
 from support.gateway import openai_client, serve_aidreams, wait_idle  # noqa: E402
+from support.schemas import STRICT_WEATHER_PARAMS as WEATHER  # noqa: E402
+from support.schemas import TIME_PARAMS as TIME
 from support.steer import steer_opening  # noqa: E402
 
 MODEL = "aidreams-260k"
 OPENING = "Let me see.<tool_call>"
 WEATHER_OPENING = OPENING + '\n{"name": "get_weather", "arguments": '
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 8},
-        "unit": {"enum": ["c", "f"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    },
-    "required": ["city", "unit", "days"],
-    "additionalProperties": False,
-}
-TIME = {
-    "type": "object",
-    "properties": {"tz": {"enum": ["UTC", "CET"]}},
-    "required": ["tz"],
-    "additionalProperties": False,
-}
 PARAMS = {"get_weather": WEATHER, "get_time": TIME}
 TOOLS = [
     {"type": "function", "function": {"name": n, "parameters": p, "strict": True}}

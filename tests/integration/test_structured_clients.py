@@ -4,10 +4,7 @@
 
 from __future__ import annotations
 
-import re
-import signal
 import subprocess
-import sys
 import time
 from typing import Literal
 
@@ -15,6 +12,7 @@ import httpx
 import openai
 import pytest
 from pydantic import BaseModel, Field
+from support.serve_process import SERVE, read_until_ready, terminate
 
 pytest.importorskip("prefixgate.engine.async_engine")
 
@@ -31,36 +29,20 @@ class Pet(BaseModel):
 def serve_url(aidreams_path):
     proc = subprocess.Popen(
         [
-            sys.executable, "-m", "prefixgate.gateway.cli", "serve", "--model", aidreams_path,
-            "--served-model-name", MODEL, "--port", "0", "--num-kv-blocks", "128",
-            "--tool-call-parser", "hermes",
+            *SERVE, "--model", aidreams_path, "--served-model-name", MODEL, "--port", "0",
+            "--num-kv-blocks", "128", "--tool-call-parser", "hermes",
         ],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
-    log: list[str] = []
-    url = None
     deadline = time.monotonic() + 120
     try:
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            log.append(line)
-            m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
-            url = url or (m.group(1) if m else None)
-            if url and "ready" in line:
-                break
+        url, log, _ = read_until_ready(proc, deadline)
         assert url, "".join(log)
         while httpx.get(url + "/ready").status_code != 200 and time.monotonic() < deadline:
             time.sleep(0.1)
         yield url
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        terminate(proc)
 
 
 def _pool_whole(url: str) -> None:

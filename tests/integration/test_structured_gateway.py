@@ -25,25 +25,10 @@ from prefixgate.gateway.api.request_fields import (  # noqa: E402
     REFUSED,
 )
 from support.gateway import openai_client, serve_aidreams, wait_idle  # noqa: E402
+from support.schemas import NESTED_SCHEMA as SCHEMA  # noqa: E402
+from support.schemas import TIME_TOOL as TIME
 
 MODEL = "aidreams-260k"
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "c": {"enum": ["red", "green", "blue"]},
-        "n": {"type": "integer", "minimum": -3, "maximum": 42},
-        "ok": {"type": "boolean"},
-        "in": {
-            "type": "object",
-            "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}},
-            "required": ["x"],
-            "additionalProperties": False,
-        },
-        "t": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
-    },
-    "required": ["c", "n", "ok", "in", "t"],
-    "additionalProperties": False,
-}
 WEATHER = {
     "type": "function",
     "function": {
@@ -56,18 +41,6 @@ WEATHER = {
                 "unit": {"enum": ["c", "f"]},
             },
             "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
-TIME = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "parameters": {
-            "type": "object",
-            "properties": {"tz": {"enum": ["UTC", "CET"]}},
-            "required": ["tz"],
             "additionalProperties": False,
         },
     },

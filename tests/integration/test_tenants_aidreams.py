@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import statistics
 import subprocess
-import sys
 import time
 
 import httpx
@@ -33,6 +31,7 @@ from prefixgate.gateway.app import create_app, create_proxy_app  # noqa: E402
 from prefixgate.gateway.http.server import BackgroundServer  # noqa: E402
 from prefixgate.gateway.local.serving import LOCAL  # noqa: E402
 from prefixgate.gateway.settings import GatewaySettings
+from support.serve_process import SERVE, read_until_ready, terminate
 
 MODEL = "aidreams-260k"
 KEYS = [{"key": "ka", "salt": "tenant-a"}, {"key": "kb", "salt": "tenant-b"}]
@@ -50,10 +49,7 @@ def upstream(aidreams_path):
     """A real ``prefixgate serve`` process (open: the proxy's salts reach it as cache_salt)."""
     proc = subprocess.Popen(
         [
-            sys.executable,
-            "-m",
-            "prefixgate.gateway.cli",
-            "serve",
+            *SERVE,
             "--model",
             aidreams_path,
             "--port",
@@ -68,27 +64,11 @@ def upstream(aidreams_path):
         text=True,
     )
     try:
-        log: list[str] = []
-        url = None
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            log.append(line)
-            m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
-            url = url or (m.group(1) if m else None)
-            if url and "ready" in line:
-                break
+        url, log, _ = read_until_ready(proc, time.monotonic() + 120)
         assert url and httpx.get(url + "/ready").status_code == 200, "".join(log)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        terminate(proc)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,8 @@ weight), so it imports nothing of the pool that holds them.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 from prefixgate.gateway.proxy.policies.prompt import Route, affinity_key, salted_affinity_key
@@ -52,6 +53,7 @@ class RoutingPolicy(Protocol):
     ) -> None: ...
 
 
+@dataclass(eq=False)
 class Policy:
     """Shared parts of the built-in policies.
 
@@ -64,18 +66,11 @@ class Policy:
 
     name: ClassVar[str] = ""
 
-    def __init__(
-        self,
-        abs_threshold: int = 64,
-        rel_threshold: float = 1.5,
-        block_chars: int = 64,
-        max_chars: int = 4096,
-    ) -> None:
-        self.abs_threshold = abs_threshold
-        self.rel_threshold = rel_threshold
-        self.block_chars = block_chars
-        self.max_chars = max_chars
-        self._turn = itertools.count()
+    abs_threshold: int = 64
+    rel_threshold: float = 1.5
+    block_chars: int = 64
+    max_chars: int = 4096
+    _turn: Iterator[int] = field(default_factory=itertools.count, init=False, repr=False)
 
     def route(self, body: Any, salt: str | None, model: str | None = None) -> Route:
         """The request's salted affinity key (no prompt blocks: only ``cache_aware`` reads

@@ -1,0 +1,66 @@
+"""JSON schemas and tools that several structured-output and tool-calling tests share, on
+aidreams-260k (small bounds, so a tiny model finishes an answer within a few dozen tokens).
+
+Plain dicts: a test must not mutate them (copy first)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+NESTED_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "c": {"enum": ["red", "green", "blue"]},
+        "n": {"type": "integer", "minimum": -3, "maximum": 42},
+        "ok": {"type": "boolean"},
+        "in": {
+            "type": "object",
+            "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}},
+            "required": ["x"],
+            "additionalProperties": False,
+        },
+        "t": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+    },
+    "required": ["c", "n", "ok", "in", "t"],
+    "additionalProperties": False,
+}
+"""Enum, bounded integer, boolean, a nested object and a bounded array, all required."""
+
+FLAT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "c": {"enum": ["red", "green"]},
+        "n": {"type": "integer", "minimum": 0, "maximum": 9},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["c", "n", "ok"],
+    "additionalProperties": False,
+}
+"""Three required keys (enum, one-digit integer, boolean): the shortest answer of a kind."""
+
+TIME_PARAMS: dict[str, Any] = {
+    "type": "object",
+    "properties": {"tz": {"enum": ["UTC", "CET"]}},
+    "required": ["tz"],
+    "additionalProperties": False,
+}
+"""``get_time``'s parameters: one enum."""
+
+TIME_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {"name": "get_time", "parameters": TIME_PARAMS},
+}
+"""The ``get_time`` tool (not strict), as a chat request's ``tools`` entry."""
+
+STRICT_WEATHER_PARAMS: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 8},
+        "unit": {"enum": ["c", "f"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "unit", "days"],
+    "additionalProperties": False,
+}
+"""``get_weather``'s parameters for the strict-tool tests: a bounded string, an enum, a
+bounded integer."""

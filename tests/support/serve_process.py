@@ -1,0 +1,49 @@
+"""``prefixgate serve`` as a real process in tests: the command line and the wait for its
+log to say it listens and is ready."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+
+SERVE = [sys.executable, "-m", "prefixgate.gateway.cli", "serve"]
+"""The ``prefixgate serve`` command of this interpreter (flags follow)."""
+
+_LISTENING = re.compile(r"listening on (http://127\.0\.0\.1:\d+)")
+
+
+def read_until_ready(
+    proc: subprocess.Popen, deadline: float, ready: str = "ready"
+) -> tuple[str | None, list[str], bool]:
+    """Read ``proc``'s log (text stdout) line by line until a line holding ``ready`` once the
+    listening URL was logged, the end of the log, or ``deadline`` (``time.monotonic()``
+    seconds).
+
+    Returns:
+        (the base URL or None, the lines read, whether the ready line came).
+    """
+    log: list[str] = []
+    url = None
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        log.append(line)
+        m = _LISTENING.search(line)
+        url = url or (m.group(1) if m else None)
+        if url and ready in line:
+            return url, log, True
+    return url, log, False
+
+
+def terminate(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    """SIGTERM ``proc`` and wait up to ``timeout_s`` seconds for it; kill it past that."""
+    proc.terminate()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
