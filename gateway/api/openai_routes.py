@@ -55,7 +55,7 @@ from prefixgate.gateway.local.generation import Choice, ChoiceOutput, ChoiceRun,
 from prefixgate.gateway.local.serving import LOCAL
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.tenancy.keys import Principal, effective_salt
-from prefixgate.gateway.tenancy.ttft_budget import check_budget
+from prefixgate.gateway.tenancy.ttft_budget import budget_s
 
 logger = logging.getLogger("prefixgate.gateway")
 
@@ -307,7 +307,8 @@ class Exchange:
 
     async def run(self) -> web.StreamResponse:
         st = self.st
-        check_budget(self.request, self.request.app[LOCAL].require_engine(), self.prompt_tokens)
+        budget = budget_s(self.request)  # a malformed header is a 400 before anything is taken
+        self.request.app[LOCAL].require_engine()
         lease = await st.shared.acquire(self.principal, self.prompt_tokens)
         try:
             self.ticket = st.admission.admit(
@@ -316,6 +317,8 @@ class Exchange:
                 param="n" if self.num_prompts == 1 else "prompt",
                 tenant=self.principal.tenant,
                 weight=self.principal.weight,
+                fingerprint=self.fingerprint(),
+                budget_s=budget,
             )
         except APIError:
             st.shared.refund(self.principal, lease)
@@ -346,6 +349,15 @@ class Exchange:
             rec.cached_tokens = sum(self.cached.values())
             if status == "200":
                 st.metrics.e2e.observe(time.monotonic() - self.t0)
+
+    def fingerprint(self) -> tuple[str | None, int, int]:
+        """What recognises this request when it comes back after a 429 (admission's
+        promises): its key, its number of engine requests and a hash of its prompts."""
+        prompts: dict[int, list[int]] = {}
+        for c in self.choices:
+            prompts.setdefault(c.prompt_index, c.prompt_token_ids)
+        digest = hash(tuple(tuple(ids) for _, ids in sorted(prompts.items())))
+        return self.principal.id, len(self.choices), digest
 
     def _record(self, i: int, d: Delta) -> None:
         """Note one output of choice ``i`` (and the request's metrics)."""
