@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 
@@ -55,7 +56,7 @@ from prefixgate.gateway.local.generation import Choice, ChoiceOutput, ChoiceRun,
 from prefixgate.gateway.local.serving import LOCAL
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.tenancy.keys import Principal, effective_salt
-from prefixgate.gateway.tenancy.ttft_budget import budget_s
+from prefixgate.gateway.tenancy.ttft_budget import PREDICTED_TTFT_HEADER, budget_s
 
 logger = logging.getLogger("prefixgate.gateway")
 
@@ -350,6 +351,13 @@ class Exchange:
             if status == "200":
                 st.metrics.e2e.observe(time.monotonic() - self.t0)
 
+    def _predicted_header(self, resp: web.StreamResponse) -> None:
+        """``x-prefixgate-predicted-ttft-ms``: the engine's predicted first-token wait at
+        admission (milliseconds), when it had one."""
+        predicted = self.ticket.predicted_ttft
+        if predicted is not None and math.isfinite(predicted):
+            resp.headers[PREDICTED_TTFT_HEADER] = f"{predicted * 1000:.0f}"
+
     def fingerprint(self) -> tuple[str | None, int, int]:
         """What recognises this request when it comes back after a 429 (admission's
         promises): its key, its number of engine requests and a hash of its prompts."""
@@ -417,6 +425,7 @@ class Exchange:
         resp = _json(self.renderer.json(self.outputs, self._usage()))
         if self.cache_marks is not None:
             resp.headers[CACHE_HEADER] = self._cache_header(sum(self.cached.values()))
+        self._predicted_header(resp)
         return resp
 
     # --- streaming ------------------------------------------------------------------------
@@ -478,6 +487,7 @@ class Exchange:
         """Send the headers and the renderer's opening chunks (chat: each choice's role)."""
         if self.cache_marks is not None:
             sse.response.headers[CACHE_HEADER] = self._cache_header(None)
+        self._predicted_header(sse.response)
         await sse.open()
         for chunk in self.renderer.opening(len(self.choices)):
             await sse.write(self.renderer.event(chunk))

@@ -61,7 +61,19 @@ class AdmissionConfig:
 class Ticket:
     """One admitted request's place in the queue; ``started()`` then ``done()`` (idempotent)."""
 
-    __slots__ = ("_ctl", "tokens", "requests", "tenant", "_queued", "_done", "_t_start", "_slot")
+    __slots__ = (
+        "_ctl",
+        "tokens",
+        "requests",
+        "tenant",
+        "_queued",
+        "_done",
+        "_t_start",
+        "_slot",
+        "predicted_ttft",
+        "_raw_prediction",
+        "_t_admit",
+    )
 
     def __init__(
         self, ctl: AdmissionController, tokens: int, requests: int = 1, tenant: str | None = None
@@ -74,12 +86,18 @@ class Ticket:
         self._done = False
         self._t_start: float | None = None
         self._slot = ctl.slots.take(requests)
+        self.predicted_ttft: float | None = None  # seconds, calibrated, at admission
+        self._raw_prediction: float | None = None  # the engine's own (calibration input)
+        self._t_admit = time.monotonic()
 
     def started(self) -> None:
         """The request left the queue (its first token came out)."""
         if self._queued:
             self._queued = False
             self._t_start = time.monotonic()
+            wait = self._ctl.wait
+            if wait is not None and self._raw_prediction is not None:
+                wait.observe(self._raw_prediction, self._t_start - self._t_admit)
             self._ctl._leave_queue(self.tokens, self.requests, self.tenant)
 
     def done(self) -> None:
@@ -183,12 +201,13 @@ class AdmissionController:
         # due before it would leave the queue (``held``; see ``admission_wait``).
         claimed = self.promises.claim(fingerprint) is not None
         every, every_tokens = (0, 0) if claimed else self.promises.held()
+        prediction = self.wait.predict_ttft(prompt_tokens) if self.wait is not None else None
         held, held_tokens = (0, 0)
         if every:
-            held, held_tokens = self.promises.held(self._horizon(prompt_tokens))
+            held, held_tokens = self.promises.held(prediction[0] if prediction else 0.0)
         refuse = _Refusal(self, fingerprint, requests, prompt_tokens)
         if budget_s is not None:
-            self._check_budget(budget_s, prompt_tokens, every, every_tokens, refuse)
+            self._check_budget(budget_s, prediction, prompt_tokens, every, every_tokens, refuse)
         within_share = self._within_share(tenant, requests)
         over = self.queued_requests + held + requests - cfg.max_queued_requests
         if over > 0 and not within_share:
@@ -222,38 +241,35 @@ class AdmissionController:
         self.queued_tokens += prompt_tokens
         self.in_flight += requests
         self.queued_by_tenant[tenant] = self.queued_by_tenant.get(tenant, 0) + requests
-        return Ticket(self, prompt_tokens, requests, tenant)
+        ticket = Ticket(self, prompt_tokens, requests, tenant)
+        if prediction is not None:
+            ticket.predicted_ttft, ticket._raw_prediction = prediction
+        return ticket
 
     def _check_budget(
-        self, budget: float, prompt_tokens: int, held: int, held_tokens: int, refuse: _Refusal
+        self,
+        budget: float,
+        prediction: tuple[float, float] | None,
+        prompt_tokens: int,
+        held: int,
+        held_tokens: int,
+        refuse: _Refusal,
     ) -> None:
-        """Refuse when the predicted TTFT (the engine's, plus the promised places ahead)
-        exceeds ``budget`` seconds; no prediction (proxy mode, rates not measured): admit."""
-        wait = self.wait
-        if wait is None:
+        """Refuse when the predicted TTFT (the engine's, calibrated, plus the promised places
+        ahead) exceeds ``budget`` seconds; no prediction (proxy mode, rates not measured, no
+        free seat in sight): admit."""
+        if self.wait is None or prediction is None:
             return
-        predicted = wait.engine.predict_ttft(max(1, prompt_tokens))
-        if predicted is None:
-            return
-        predicted += wait.extra_s(held, held_tokens, prompt_tokens)
+        predicted = prediction[0] + self.wait.extra_s(held, held_tokens, prompt_tokens)
         if predicted > budget:
             # the work ahead drains one second per second: admitted once it is within budget
-            beyond = predicted - budget if math.isfinite(predicted) else 60.0
             refuse(
                 f"the predicted time to first token ({_ms(predicted)} ms) exceeds this "
                 f"request's budget ({_ms(budget)} ms, {BUDGET_HEADER}); retry later",
-                beyond,
-                math.isfinite(predicted),
+                predicted - budget,
+                math.isfinite(predicted),  # no time in sight: a guess, no promise
                 code="ttft_budget_exceeded",
             )
-
-    def _horizon(self, prompt_tokens: int) -> float:
-        """Seconds until a request admitted now would leave the queue (its first token): the
-        engine's prediction, 0.0 without one."""
-        if self.wait is None:
-            return 0.0
-        got = self.wait.engine.predict_ttft(max(1, prompt_tokens))
-        return got if got is not None and math.isfinite(got) else 0.0
 
     def _departures(self, n: int, held: int) -> tuple[float, bool]:
         """Seconds until ``n`` places of the queue are free, and whether that is predicted

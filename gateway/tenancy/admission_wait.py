@@ -9,7 +9,9 @@ Two parts:
   ``departure_s(n)`` is the predicted time until ``n`` more requests of the queue (first come,
   first served) have their first token: the admission queue (which holds a request until its
   first token) then has ``n`` places free. ``extra_s(requests, tokens)`` is the time that much
-  more queued work adds to a new request's first token.
+  more queued work adds to a new request's first token. Every wait is scaled by ``scale``,
+  the measured ratio of admitted requests' actual first-token waits to the engine's
+  predictions for them (``observe``): the prediction's bias, measured on its own answers.
 * ``Promises``: a refused request is told to come back after ``wait`` seconds; the server
   then holds its places for it. A place promised counts as taken for every later request (a
   newcomer does not take the place a returning client was promised: that would make the
@@ -49,13 +51,44 @@ class EngineWait:
         max_num_seqs / max_num_batched_tokens: the engine's seats and step token budget.
     """
 
-    def __init__(self, engine: EngineClient, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(
+        self,
+        engine: EngineClient,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        alpha: float = 0.1,
+        max_scale: float = 10.0,
+    ):
         self.engine = engine
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.scale = 1.0  # actual / predicted first-token wait (EWMA over admitted requests)
+        self._alpha = alpha
+        self._max_scale = max_scale
+
+    def observe(self, predicted_s: float, actual_s: float) -> None:
+        """Fold one admitted request's first-token wait (``actual_s``) against the engine's
+        prediction for it (``predicted_s``, uncalibrated) into ``scale`` (clamped to
+        ``[1 / max_scale, max_scale]``). The engine's rates are its model time per step; what
+        they leave out (the gaps between steps, the gateway's own work, a machine short of
+        CPU) shows as this ratio, so every wait below is scaled by it."""
+        if not 0 < predicted_s < math.inf or actual_s < 0:
+            return
+        ratio = min(self._max_scale, max(1.0 / self._max_scale, actual_s / predicted_s))
+        self.scale = (1 - self._alpha) * self.scale + self._alpha * ratio
+
+    def predict_ttft(self, tokens: int) -> tuple[float, float] | None:
+        """The engine's predicted first-token wait for a request of ``tokens`` arriving now:
+        ``(calibrated, uncalibrated)`` seconds (``inf`` while every seat is taken and no
+        request has finished yet), or ``None`` before the rates are measured."""
+        got = self.engine.predict_ttft(max(1, tokens))
+        if got is None:
+            return None
+        return got * self.scale, got
 
     def _estimate(self, stats: Mapping[str, Any], tokens: int) -> float | None:
-        return estimate_ttft(stats, self.max_num_seqs, self.max_num_batched_tokens, tokens)
+        got = estimate_ttft(stats, self.max_num_seqs, self.max_num_batched_tokens, tokens)
+        return None if got is None else got * self.scale
 
     def departure_s(self, n: int, tokens_per_request: float) -> float | None:
         """Seconds until ``n`` (>= 1) more queued requests have their first token, each of

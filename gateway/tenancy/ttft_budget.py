@@ -5,8 +5,9 @@ queueing to fail late.
 
 The check is admission's (``AdmissionController.admit(budget_s=...)``): the prediction is the
 engine's ``predict_ttft`` (``engine/scheduler.estimate_ttft``: queued prefill over the measured
-prefill rate, running decodes over the decode rate, and the wait for a free seat) plus what the
-places promised to refused requests coming back add (``admission_wait``). Until the engine has
+prefill rate, running decodes over the decode rate, and the wait for a free seat) plus what
+the places promised to refused requests coming back add (``admission_wait``). An admitted
+answer carries the engine's prediction as ``x-prefixgate-predicted-ttft-ms``. Until the engine has
 measured its rates it predicts nothing and every request is admitted. ``Retry-After`` is the
 predicted wait beyond the budget: the work ahead drains one second per second, so that is when
 the request's prediction is within its budget.
@@ -20,6 +21,8 @@ from aiohttp import web
 from prefixgate.gateway.http.errors import bad_request
 
 BUDGET_HEADER = "x-prefixgate-ttft-budget-ms"
+PREDICTED_TTFT_HEADER = "x-prefixgate-predicted-ttft-ms"
+"""On an admitted answer (local mode): the engine's predicted first-token wait at admission."""
 MAX_BUDGET_MS = 3_600_000.0  # one hour: a larger budget is no budget
 
 

@@ -202,3 +202,36 @@ def test_every_429_states_the_wait_in_milliseconds_too(serve_fake, gw):
         )
     assert r.status_code == 429, r.text
     assert r.headers["Retry-After"] == "6" and r.headers["retry-after-ms"] == "5250"
+
+
+def test_waits_are_scaled_by_the_measured_bias_of_the_prediction():
+    # The engine's rates are model time; first tokens that come twice as late as predicted
+    # (gaps between steps, a busy machine) double every later wait.
+    engine = RatedEngine(waiting=3)
+    wait = EngineWait(engine, SEQS, BUDGET_TOKENS, alpha=1.0)  # type: ignore[arg-type]
+    before = wait.departure_s(2, 100)
+    raw = engine.predict_ttft(100)
+    assert before is not None and raw is not None
+    assert wait.predict_ttft(100) == (raw, raw)
+    wait.observe(raw, 2 * raw)
+    assert wait.scale == pytest.approx(2.0)
+    assert wait.departure_s(2, 100) == pytest.approx(2 * before)
+    assert wait.predict_ttft(100) == pytest.approx((2 * raw, raw))
+    wait.observe(1.0, 1e6)  # clamped
+    assert wait.scale == 10.0
+    wait.observe(float("inf"), 1.0)  # no prediction to learn from
+    assert wait.scale == 10.0
+
+
+def test_an_admitted_request_teaches_the_calibration(monkeypatch):
+    clock = Clock()
+    engine = RatedEngine(waiting=0, running=0)
+    ctl = _ctl(engine, clock)
+    t = [50.0]
+    monkeypatch.setattr("prefixgate.gateway.tenancy.admission.time.monotonic", lambda: t[0])
+    ticket = ctl.admit(100)
+    assert ticket.predicted_ttft is not None
+    t[0] += 3 * ticket.predicted_ttft  # its first token came three times as late
+    ticket.started()
+    assert ctl.wait is not None and ctl.wait.scale == pytest.approx(0.9 + 0.1 * 3)
+    ticket.done()
