@@ -160,6 +160,9 @@ def summarize(
         and (a.first - a.admitted if a.first and a.admitted else 1e9) <= limit
     ]
     answered = [a for a in admitted if a.done is not None and a.done <= t1]
+    # over the whole run (arrivals, then the retries' drain): no edge of the window
+    met_all = [a for a in admitted if a.first and a.admitted and a.first - a.admitted <= limit]
+    end = max((a.done for a in admitted if a.done is not None), default=t1)
 
     def q(xs: list[float], p: float) -> float | None:
         if not xs:
@@ -188,6 +191,9 @@ def summarize(
         "goodput_per_s": len(good) / (t1 - t0),
         "goodput_vs_capacity": len(good) / (t1 - t0) / cap if cap else None,
         "answered_vs_capacity": len(answered) / (t1 - t0) / cap if cap else None,
+        "run_s": end - t0,
+        "run_goodput_vs_capacity": len(met_all) / (end - t0) / cap if cap else None,
+        "run_answered_vs_capacity": len(admitted) / (end - t0) / cap if cap else None,
     }
 
 

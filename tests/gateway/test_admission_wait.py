@@ -235,3 +235,14 @@ def test_an_admitted_request_teaches_the_calibration(monkeypatch):
     ticket.started()
     assert ctl.wait is not None and ctl.wait.scale == pytest.approx(0.9 + 0.1 * 3)
     ticket.done()
+
+
+def test_an_admitted_answer_carries_its_predicted_ttft(serve_fake, gw):
+    srv, engine = serve_fake()
+    with gw.client(srv) as c:
+        engine.predicted_ttft = 0.25
+        r = c.post("/v1/chat/completions", json=gw.chat_body(max_tokens=2))
+        assert r.status_code == 200 and r.headers["x-prefixgate-predicted-ttft-ms"] == "250"
+        engine.predicted_ttft = None  # nothing measured: no header
+        r = c.post("/v1/chat/completions", json=gw.chat_body(max_tokens=2))
+        assert r.status_code == 200 and "x-prefixgate-predicted-ttft-ms" not in r.headers
