@@ -261,15 +261,21 @@ class AdmissionController:
         if self.wait is None or prediction is None:
             return
         predicted = prediction[0] + self.wait.extra_s(held, held_tokens, prompt_tokens)
-        if predicted > budget:
-            # the work ahead drains one second per second: admitted once it is within budget
-            refuse(
-                f"the predicted time to first token ({_ms(predicted)} ms) exceeds this "
-                f"request's budget ({_ms(budget)} ms, {BUDGET_HEADER}); retry later",
-                predicted - budget,
-                math.isfinite(predicted),  # no time in sight: a guess, no promise
-                code="ttft_budget_exceeded",
-            )
+        if predicted <= budget:
+            return
+        # The work ahead drains one second per second: admitted once it is within budget.
+        # What the request would take alone no wait removes: a budget below it is admitted
+        # (a 429 would send it back forever to an idle server).
+        alone = self.wait.alone_s(prompt_tokens) or 0.0
+        if alone >= budget:
+            return
+        refuse(
+            f"the predicted time to first token ({_ms(predicted)} ms) exceeds this "
+            f"request's budget ({_ms(budget)} ms, {BUDGET_HEADER}); retry later",
+            predicted - budget,
+            math.isfinite(predicted),  # no time in sight: a guess, no promise
+            code="ttft_budget_exceeded",
+        )
 
     def _departures(self, n: int, held: int) -> tuple[float, bool]:
         """Seconds until ``n`` places of the queue are free, and whether that is predicted

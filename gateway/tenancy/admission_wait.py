@@ -57,7 +57,7 @@ class EngineWait:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         alpha: float = 0.1,
-        max_scale: float = 10.0,
+        max_scale: float = 5.0,
     ):
         self.engine = engine
         self.max_num_seqs = max_num_seqs
@@ -85,6 +85,14 @@ class EngineWait:
         if got is None:
             return None
         return got * self.scale, got
+
+    def alone_s(self, tokens: int) -> float | None:
+        """The calibrated first-token wait of a request of ``tokens`` on an idle engine
+        (nothing running or queued): the part of any prediction no wait can remove; ``None``
+        before the rates are measured."""
+        stats = self.engine.stats()
+        idle = {**stats, "num_running": 0, "num_waiting": 0, "queued_prefill_tokens": 0}
+        return self._estimate(idle, max(1, tokens))
 
     def _estimate(self, stats: Mapping[str, Any], tokens: int) -> float | None:
         got = estimate_ttft(stats, self.max_num_seqs, self.max_num_batched_tokens, tokens)

@@ -218,9 +218,9 @@ def test_waits_are_scaled_by_the_measured_bias_of_the_prediction():
     assert wait.departure_s(2, 100) == pytest.approx(2 * before)
     assert wait.predict_ttft(100) == pytest.approx((2 * raw, raw))
     wait.observe(1.0, 1e6)  # clamped
-    assert wait.scale == 10.0
+    assert wait.scale == 5.0
     wait.observe(float("inf"), 1.0)  # no prediction to learn from
-    assert wait.scale == 10.0
+    assert wait.scale == 5.0
 
 
 def test_an_admitted_request_teaches_the_calibration(monkeypatch):
@@ -246,3 +246,20 @@ def test_an_admitted_answer_carries_its_predicted_ttft(serve_fake, gw):
         engine.predicted_ttft = None  # nothing measured: no header
         r = c.post("/v1/chat/completions", json=gw.chat_body(max_tokens=2))
         assert r.status_code == 200 and "x-prefixgate-predicted-ttft-ms" not in r.headers
+
+
+def test_a_budget_no_wait_can_meet_is_admitted_not_sent_back_forever():
+    # Measured through the gateway: a calibration at its clamp made even an idle engine's
+    # prediction exceed a 2 s budget; every request was refused again and again (24,787
+    # 429s) while the engine sat idle. What a request would take alone is no queue to wait out.
+    clock = Clock()
+    engine = RatedEngine(waiting=0, running=0)
+    ctl = _ctl(engine, clock)
+    alone = engine.predict_ttft(5000)  # 0.5 s of prefill on an idle engine
+    assert alone is not None and alone > 0.4
+    ticket = ctl.admit(5000, fingerprint="big", budget_s=0.2)  # admitted: waiting cannot help
+    ticket.done()
+    engine.waiting, engine.running = 10, SEQS  # now there is work ahead: refused, told when
+    with pytest.raises(APIError) as exc:
+        ctl.admit(5000, fingerprint="big", budget_s=1.0)
+    assert exc.value.code == "ttft_budget_exceeded" and exc.value.retry_after > 0
