@@ -42,6 +42,7 @@ from prefixgate.gateway.bench.gateway_overhead import start_serve
 from prefixgate.sdk.bench.targets import free_port
 
 BUDGET_HEADER = "x-prefixgate-ttft-budget-ms"
+GIVE_UP_S = 120.0  # a request still refused after this long gives up (counted as failed)
 
 
 @dataclass(slots=True)
@@ -70,6 +71,9 @@ async def one(
             async with http.stream("POST", "/v1/completions", json=body, headers=headers) as r:
                 if r.status_code == 429:
                     await r.aread()
+                    if sent - rec.arrived > GIVE_UP_S:  # the bench stays bounded
+                        rec.status = 429
+                        return
                     ms = r.headers.get("retry-after-ms")
                     wait = int(ms) / 1000.0 if ms else float(r.headers.get("Retry-After", "1"))
                     rec.refusals.append((time.monotonic(), wait))
