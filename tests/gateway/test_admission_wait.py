@@ -227,6 +227,8 @@ def test_an_admitted_request_teaches_the_calibration(monkeypatch):
     clock = Clock()
     engine = RatedEngine(waiting=0, running=0)
     ctl = _ctl(engine, clock)
+    assert ctl.wait is not None and ctl.wait.scale == 1.0
+    ctl.wait = EngineWait(engine, SEQS, BUDGET_TOKENS, alpha=0.1)  # type: ignore[arg-type]
     t = [50.0]
     monkeypatch.setattr("prefixgate.gateway.tenancy.admission.time.monotonic", lambda: t[0])
     ticket = ctl.admit(100)
