@@ -24,9 +24,11 @@ Two parts:
   ``early_s`` before its time until ``grace`` after it. A promise nobody claims within its
   grace (``grace_s`` + ``grace_fraction`` x the wait: a client rounding ``Retry-After`` up to
   whole seconds is up to 1 s late) lapses and frees its places. A newcomer counts only the
-  promises due before its own predicted first token (``held(within_s)``): one that leaves
-  the queue before they are due takes nothing from them, so an idle server is never held
-  idle for clients due later. Promises are made only for waits predicted from measured
+  promises due between now and its own predicted first token (``held(within_s)``): one that
+  leaves the queue before they are due takes nothing from them, so an idle server is never
+  held idle for clients due later; and a promise past its time keeps nobody out (its client
+  may never come back: 468 refused clients that did not return kept a queue of 32 full for
+  the next one), though it can still be claimed until it lapses. Promises are made only for waits predicted from measured
   rates (the engine's, or the measured hold time of a slot); a guess promises nothing.
 
 So a crowd refused at once is told a spread of times, one departure apart, instead of one
@@ -184,15 +186,17 @@ class Promises:
 
     def held(self, within_s: float | None = None) -> tuple[int, int]:
         """``(requests, prompt tokens)`` held for returning requests: all of them, or with
-        ``within_s`` those due within that many seconds from now (a request admitted now
-        that leaves the queue before a promise is due takes nothing from it)."""
+        ``within_s`` those due within that many seconds from now, not before (a request
+        admitted now that leaves the queue before a promise is due takes nothing from it;
+        one already due keeps nobody out: its client may never come back)."""
         self._expire()
         if within_s is None:
             return self.requests, self.tokens
-        until = self._clock() + within_s
+        now = self._clock()
+        until = now + within_s
         requests = tokens = 0
         for p in self._by_id.values():
-            if p.due <= until:
+            if now <= p.due <= until:
                 requests += p.requests
                 tokens += p.tokens
         return requests, tokens

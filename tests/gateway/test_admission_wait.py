@@ -265,3 +265,22 @@ def test_a_budget_no_wait_can_meet_is_admitted_not_sent_back_forever():
     with pytest.raises(APIError) as exc:
         ctl.admit(5000, fingerprint="big", budget_s=1.0)
     assert exc.value.code == "ttft_budget_exceeded" and exc.value.retry_after > 0
+
+
+def test_a_promise_past_its_time_keeps_nobody_out_but_can_still_be_claimed():
+    # Refused clients that never come back must not keep the queue full: once a promise is
+    # due it holds no place for newcomers (measured: 468 refused, none back, and the next
+    # request met a 429 on an idle server); its own client may still claim it until it lapses.
+    clock = Clock()
+    engine = RatedEngine(waiting=4)
+    ctl = _ctl(engine, clock, max_queued_requests=1)
+    first = ctl.admit(100)
+    wait = _refused(ctl, "late")
+    first.done()
+    clock.t += wait + 0.5  # due, not back yet
+    newcomer = ctl.admit(100, fingerprint="new")  # the place is not kept from it
+    newcomer.done()
+    assert ctl.promises.held() == (1, 100)  # still claimable
+    ticket = ctl.admit(100, fingerprint="late")
+    assert ctl.promises.held() == (0, 0)
+    ticket.done()
