@@ -61,6 +61,7 @@ from prefixgate.gateway.proxy.upstream import Upstream, UpstreamRouter
 from prefixgate.gateway.settings import SETTINGS, GatewaySettings
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.tenancy.admission import AdmissionController
+from prefixgate.gateway.tenancy.admission_wait import EngineWait
 from prefixgate.gateway.tenancy.keys import KeyRing
 from prefixgate.gateway.tenancy.redis_state import make_backend
 
@@ -396,6 +397,10 @@ def attach_engine(app: web.Application, engine: EngineClient) -> None:
     st.metrics.add_engine(engine.stats)
     # Retry-After's service-time estimate: requests run this many at once (decode batch).
     st.admission.concurrency = engine.config.max_num_seqs
+    # Retry-After and TTFT budgets from the engine's queue and measured rates.
+    st.admission.wait = EngineWait(
+        engine, engine.config.max_num_seqs, engine.config.max_num_batched_tokens
+    )
     if not st.model_name:
         st.model_name = default_model_name(engine)
     st.ready = True

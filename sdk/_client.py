@@ -308,7 +308,7 @@ class AsyncClient:
                         err.flow_control = self.limiter.adaptive
                     raise err
                 if stream or mode == "streaming":
-                    self.limiter.on_success()
+                    self.limiter.on_success(slot)
                     handed_off = True
                     release = _releaser(self.limiter, slot)
                     chunks = AsyncStream(
@@ -323,7 +323,7 @@ class AsyncClient:
                 raise APIResponseValidationError(
                     f"Expected a JSON body, got {response.text[:200]!r}", response, body=data
                 )
-            self.limiter.on_success()
+            self.limiter.on_success(slot)
             if self.rate_limiter is not None and isinstance(data, dict):
                 usage = data.get("usage")
                 if isinstance(usage, dict) and isinstance(usage.get("total_tokens"), int):

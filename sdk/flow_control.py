@@ -10,7 +10,9 @@ Adaptive mode applies AIMD (additive increase, multiplicative decrease; Jacobson
 Avoidance and Control", SIGCOMM 1988): a 429 multiplies the limit by ``decrease_factor`` (once
 per "window": only a request admitted after the previous decrease can shrink it again, so one
 burst of 429s counts once), and every ``limit`` successes add one slot, up to
-``max_concurrency``. Lowering the limit never interrupts requests in flight; it only delays new
+``max_concurrency``. A 429 stating its wait (``retry-after-ms`` / ``Retry-After``) also holds
+every new attempt until it has passed, and the limit probes up again only after it: successes
+during the wait, or of requests admitted before the decrease, do not count. Lowering the limit never interrupts requests in flight; it only delays new
 ones.
 
 ``RateLimiter`` paces requests/min and tokens/min with debt-based token buckets: a caller takes
@@ -178,9 +180,16 @@ class ConcurrencyLimiter:
         self._successes = 0
         self._set(max(self.min_concurrency, math.floor(self._limit * self.decrease_factor)))
 
-    def on_success(self) -> None:
-        """A request succeeded: grow the limit by one every ``limit`` successes (adaptive)."""
+    def on_success(self, slot: Slot | None = None) -> None:
+        """A request (admitted as ``slot``) succeeded: grow the limit by one every ``limit``
+        successes (adaptive). No probing up before the server's stated wait has passed: a
+        success during a cool-down, or of a request admitted before the last decrease (it
+        says nothing about the new limit), does not count."""
         if not self.adaptive or self._limit >= self.max_concurrency:
+            return
+        if self._clock() < self._resume_at:
+            return
+        if slot is not None and slot.epoch != self._epoch:
             return
         self._successes += 1
         if self._successes >= self._limit:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 
@@ -57,7 +58,7 @@ from prefixgate.gateway.local.generation import ChoiceOutput, ChoiceRun, Delta, 
 from prefixgate.gateway.local.serving import LOCAL
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.tenancy.keys import Principal
-from prefixgate.gateway.tenancy.ttft_budget import check_budget
+from prefixgate.gateway.tenancy.ttft_budget import PREDICTED_TTFT_HEADER, budget_s
 
 logger = logging.getLogger("prefixgate.gateway")
 
@@ -338,7 +339,8 @@ class Exchange:
 
     async def run(self) -> web.StreamResponse:
         st = self.st
-        check_budget(self.request, self.request.app[LOCAL].require_engine(), self.prompt_tokens)
+        budget = budget_s(self.request)  # a malformed header is a 400 before anything is taken
+        self.request.app[LOCAL].require_engine()
         lease = await st.shared.acquire(self.principal, self.prompt_tokens)
         try:
             self.ticket = st.admission.admit(
@@ -347,6 +349,8 @@ class Exchange:
                 param="n" if self.num_prompts == 1 else "prompt",
                 tenant=self.principal.tenant,
                 weight=self.principal.weight,
+                fingerprint=self.fingerprint(),
+                budget_s=budget,
             )
         except APIError:
             st.shared.refund(self.principal, lease)
@@ -377,6 +381,23 @@ class Exchange:
             rec.cached_tokens = sum(self.cached.values())
             if status == "200":
                 st.metrics.e2e.observe(time.monotonic() - self.t0)
+
+    def _predicted_header(self, resp: web.StreamResponse) -> None:
+        """``x-prefixgate-predicted-ttft-ms``: the engine's predicted first-token wait at
+        admission (milliseconds), when it had one."""
+        predicted = self.ticket.predicted_ttft
+        if predicted is not None and math.isfinite(predicted):
+            resp.headers[PREDICTED_TTFT_HEADER] = f"{predicted * 1000:.0f}"
+
+    def fingerprint(self) -> tuple[str | None, int, int]:
+        """What recognises this request when it comes back after a 429 (admission's
+        promises): its key, its number of engine requests and a hash of its prompts."""
+        prompts: dict[int, tuple[int, ...]] = {}
+        for p, r in zip(self.prompt_index, self.requests, strict=True):
+            assert not isinstance(r.prompt, str)  # token ids (checked in __init__)
+            prompts.setdefault(p, tuple(r.prompt))
+        digest = hash(tuple(ids for _, ids in sorted(prompts.items())))
+        return self.principal.id, len(self.requests), digest
 
     def _record(self, i: int, d: Delta) -> None:
         """Note one output of choice ``i`` (and the request's metrics)."""
@@ -433,6 +454,7 @@ class Exchange:
         resp = _json(self.renderer.json(self.outputs, self._usage()))
         if self.cache_marks is not None:
             resp.headers[CACHE_HEADER] = self._cache_header(sum(self.cached.values()))
+        self._predicted_header(resp)
         return resp
 
     # --- streaming ------------------------------------------------------------------------
@@ -488,6 +510,7 @@ class Exchange:
         """Send the headers and the renderer's opening chunks (chat: each choice's role)."""
         if self.cache_marks is not None:
             sse.response.headers[CACHE_HEADER] = self._cache_header(None)
+        self._predicted_header(sse.response)
         await sse.open()
         for chunk in self.renderer.opening(len(self.requests)):
             await sse.write(self.renderer.event(chunk))

@@ -39,7 +39,7 @@ from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
 from prefixgate.gateway.http import request_id
-from prefixgate.gateway.http.errors import APIError
+from prefixgate.gateway.http.errors import APIError, retry_after_headers
 
 logger = logging.getLogger("prefixgate.gateway")
 
@@ -87,7 +87,7 @@ def _raw_error(error: APIError) -> bytes:
         "Connection: close\r\n"
     )
     if error.retry_after is not None:
-        head += "Retry-After: 1\r\n"
+        head += "".join(f"{k}: {v}\r\n" for k, v in retry_after_headers(error.retry_after).items())
     return head.encode() + b"\r\n" + body
 
 

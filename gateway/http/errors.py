@@ -119,7 +119,8 @@ class APIError(Exception):
         message: human-readable message (never a traceback).
         param: the request field at fault, if any.
         code: machine-readable code (e.g. ``"invalid_api_key"``, ``"model_not_found"``).
-        retry_after: seconds for the ``Retry-After`` header (rounded up, at least 1), if any.
+        retry_after: seconds for the ``Retry-After`` header (rounded up, at least 1) and the
+            ``retry-after-ms`` header, if any.
         type: error type; defaults from the status.
     """
 
@@ -160,7 +161,7 @@ class APIError(Exception):
         ``"anthropic"`` gives Anthropic's body (``anthropic_body``), else OpenAI's."""
         headers = {}
         if self.retry_after is not None:
-            headers["Retry-After"] = str(retry_after_seconds(self.retry_after))
+            headers.update(retry_after_headers(self.retry_after))
         body = self.anthropic_body() if dialect == ANTHROPIC else self.body()
         resp = web.Response(
             status=self.status,
@@ -175,6 +176,16 @@ class APIError(Exception):
 def retry_after_seconds(seconds: float) -> int:
     """``Retry-After`` is whole seconds (RFC 9110 §10.2.3): round up, at least 1."""
     return max(1, math.ceil(seconds))
+
+
+def retry_after_headers(seconds: float) -> dict[str, str]:
+    """A wait of ``seconds`` as headers: ``Retry-After`` (whole seconds, rounded up) and
+    ``retry-after-ms`` (milliseconds, rounded up, at least 1: the precise one, which the
+    OpenAI and Anthropic SDKs and LiteLLM read first)."""
+    return {
+        "Retry-After": str(retry_after_seconds(seconds)),
+        "retry-after-ms": str(max(1, math.ceil(seconds * 1000.0))),
+    }
 
 
 def shown(value: object, limit: int = 80) -> str:

@@ -66,7 +66,7 @@ _RETRYABLE = frozenset((502, 503, 504))
 _NEXT_UPSTREAM = frozenset((429, 500))
 SOON_S = 1.0  # a 429 whose deployment is back within this (seconds) is not worth a fallback
 _HOP_HEADERS = {"Content-Type": "application/json"}
-_PASSED_HEADERS = ("Retry-After", "Content-Encoding")
+_PASSED_HEADERS = ("Retry-After", "retry-after-ms", "Content-Encoding")
 
 
 async def proxy_generate(request: web.Request) -> web.StreamResponse:
@@ -553,8 +553,9 @@ async def _forward_anthropic(
             err = anthropic.error_of(resp.status, data)
             if resp.status in (429, 500, 502, 503, 504, 529):
                 headers = {"Content-Type": "application/json"}
-                if "Retry-After" in resp.headers:
-                    headers["Retry-After"] = resp.headers["Retry-After"]
+                for name in ("Retry-After", "retry-after-ms"):
+                    if name in resp.headers:
+                        headers[name] = resp.headers[name]
                 return _Answer(resp.status, json.dumps(err.body()).encode(), headers)
             raise err
         if ticket is not None:
@@ -684,7 +685,11 @@ def _wrapped_error(status: int, headers: Any) -> APIError:
 
 
 def _retry_after(headers: Any) -> float | None:
-    """The upstream's ``Retry-After`` in seconds when it is a whole number, else None."""
+    """The upstream's wait in seconds: its ``retry-after-ms`` (the precise one) when a whole
+    number, else its ``Retry-After`` when a whole number, else None."""
+    ms = headers.get("retry-after-ms", "")
+    if ms.isdigit():
+        return int(ms) / 1000.0
     retry = headers.get("Retry-After", "")
     return float(retry) if retry.isdigit() else None
 

@@ -21,10 +21,18 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 from prefixgate.gateway.http.errors import bad_request, too_many
+from prefixgate.gateway.tenancy.admission_wait import EngineWait, Promises
 from prefixgate.gateway.tenancy.slot_wait import SlotClock
+from prefixgate.gateway.tenancy.ttft_budget import BUDGET_HEADER
+
+MIN_RETRY_AFTER_S = 0.05
+"""The shortest wait a 429 states (``retry-after-ms``; ``Retry-After`` rounds up to 1 s)."""
+MAX_RETRY_AFTER_S = 60.0
+"""The longest: a longer prediction is no prediction."""
 
 
 @dataclass(slots=True)
@@ -53,7 +61,19 @@ class AdmissionConfig:
 class Ticket:
     """One admitted request's place in the queue; ``started()`` then ``done()`` (idempotent)."""
 
-    __slots__ = ("_ctl", "tokens", "requests", "tenant", "_queued", "_done", "_t_start", "_slot")
+    __slots__ = (
+        "_ctl",
+        "tokens",
+        "requests",
+        "tenant",
+        "_queued",
+        "_done",
+        "_t_start",
+        "_slot",
+        "predicted_ttft",
+        "_raw_prediction",
+        "_t_admit",
+    )
 
     def __init__(
         self, ctl: AdmissionController, tokens: int, requests: int = 1, tenant: str | None = None
@@ -66,12 +86,18 @@ class Ticket:
         self._done = False
         self._t_start: float | None = None
         self._slot = ctl.slots.take(requests)
+        self.predicted_ttft: float | None = None  # seconds, calibrated, at admission
+        self._raw_prediction: float | None = None  # the engine's own (calibration input)
+        self._t_admit = time.monotonic()
 
     def started(self) -> None:
         """The request left the queue (its first token came out)."""
         if self._queued:
             self._queued = False
             self._t_start = time.monotonic()
+            wait = self._ctl.wait
+            if wait is not None and self._raw_prediction is not None:
+                wait.observe(self._raw_prediction, self._t_start - self._t_admit)
             self._ctl._leave_queue(self.tokens, self.requests, self.tenant)
 
     def done(self) -> None:
@@ -133,6 +159,8 @@ class AdmissionController:
         self.slots = SlotClock()  # admitted requests' hold times: max_running's Retry-After
         self.queued_by_tenant: dict[str | None, int] = {}  # tenants with requests queued
         self._weights: dict[str | None, float] = {}
+        self.wait: EngineWait | None = None  # the engine's predictions (local mode)
+        self.promises = Promises()  # places held for refused requests told to come back
 
     def admit(
         self,
@@ -141,15 +169,22 @@ class AdmissionController:
         param: str | None = None,
         tenant: str | None = None,
         weight: float = 1.0,
+        fingerprint: Hashable | None = None,
+        budget_s: float | None = None,
     ) -> Ticket:
         """Take ``requests`` places in the queue (the engine requests of one HTTP request:
         its choices) for ``prompt_tokens`` prompt tokens in all; ``param`` names the field
         that asked for them (in the 400); ``tenant`` / ``weight``: whose places (see the
-        module docstring: a tenant within its share passes a full queue).
+        module docstring: a tenant within its share passes a full queue); ``fingerprint``:
+        what identifies this request when it comes back after a 429 (it then claims the
+        places it was promised, ``admission_wait.Promises``; ``None``: nothing is promised);
+        ``budget_s``: its TTFT budget in seconds (``ttft_budget``), or ``None``.
 
         Raises:
-            APIError: 429 ``server_overloaded`` with ``Retry-After`` when the queue is full;
-                400 ``too_many_requests_in_body`` when ``requests`` alone exceeds a bound.
+            APIError: 429 ``server_overloaded`` / ``ttft_budget_exceeded`` with
+                ``Retry-After`` (the predicted wait until this request would be admitted)
+                over a bound; 400 ``too_many_requests_in_body`` when ``requests`` alone
+                exceeds a bound.
         """
         cfg = self.config
         limit = min(cfg.max_queued_requests, cfg.max_running or cfg.max_queued_requests)
@@ -161,24 +196,44 @@ class AdmissionController:
                 code="too_many_requests_in_body",
             )
         self._weights[tenant] = weight
+        # A returning request claims its promise; a new one finds the promised places taken:
+        # every promised request's work is ahead of it (``every``), and the places of those
+        # due before it would leave the queue (``held``; see ``admission_wait``).
+        claimed = self.promises.claim(fingerprint) is not None
+        every, every_tokens = (0, 0) if claimed else self.promises.held()
+        prediction = self.wait.predict_ttft(prompt_tokens) if self.wait is not None else None
+        held, held_tokens = (0, 0)
+        if every:
+            held, held_tokens = self.promises.held(prediction[0] if prediction else 0.0)
+        refuse = _Refusal(self, fingerprint, requests, prompt_tokens)
+        if budget_s is not None:
+            self._check_budget(budget_s, prediction, prompt_tokens, every, every_tokens, refuse)
         within_share = self._within_share(tenant, requests)
-        if self.queued_requests + requests > cfg.max_queued_requests and not within_share:
-            self._refuse(f"{self.queued_requests} requests already waiting")
+        over = self.queued_requests + held + requests - cfg.max_queued_requests
+        if over > 0 and not within_share:
+            refuse(
+                f"server overloaded: {self.queued_requests} requests already waiting; retry later",
+                *self._departures(over + every - held, every),
+            )
         # A single prompt larger than the token bound still passes when the queue is empty.
         if (
-            self.queued_requests
-            and self.queued_tokens + prompt_tokens > cfg.max_queued_tokens
+            self.queued_requests + held
+            and self.queued_tokens + held_tokens + prompt_tokens > cfg.max_queued_tokens
             and not within_share
         ):
-            self._refuse(f"{self.queued_tokens} prompt tokens already waiting")
-        if cfg.max_running and self.in_flight + requests > cfg.max_running:
+            refuse(
+                f"server overloaded: {self.queued_tokens} prompt tokens already waiting; "
+                "retry later",
+                *self._departures(max(1, self.queued_requests + every - 1), every),
+            )
+        running_over = self.in_flight + held + requests - cfg.max_running
+        if cfg.max_running and running_over > 0:
             # Retry-After: when enough of the running requests are estimated to end
-            wait = self.slots.wait(self.in_flight + requests - cfg.max_running)
-            raise too_many(
+            refuse(
                 f"server overloaded: {self.in_flight} requests in flight "
                 f"(max_running={cfg.max_running}); retry later",
-                wait,
-                code="server_overloaded",
+                self.slots.wait(running_over + every - held),
+                self.slots.hold_s > 0,  # from a measured hold time: a promise
             )
         if not self.queued_requests:
             self._last = time.monotonic()  # a busy period starts: the idle time is skipped
@@ -186,7 +241,54 @@ class AdmissionController:
         self.queued_tokens += prompt_tokens
         self.in_flight += requests
         self.queued_by_tenant[tenant] = self.queued_by_tenant.get(tenant, 0) + requests
-        return Ticket(self, prompt_tokens, requests, tenant)
+        ticket = Ticket(self, prompt_tokens, requests, tenant)
+        if prediction is not None:
+            ticket.predicted_ttft, ticket._raw_prediction = prediction
+        return ticket
+
+    def _check_budget(
+        self,
+        budget: float,
+        prediction: tuple[float, float] | None,
+        prompt_tokens: int,
+        held: int,
+        held_tokens: int,
+        refuse: _Refusal,
+    ) -> None:
+        """Refuse when the predicted TTFT (the engine's, calibrated, plus the promised places
+        ahead) exceeds ``budget`` seconds; no prediction (proxy mode, rates not measured, no
+        free seat in sight): admit."""
+        if self.wait is None or prediction is None:
+            return
+        predicted = prediction[0] + self.wait.extra_s(held, held_tokens, prompt_tokens)
+        if predicted <= budget:
+            return
+        # The work ahead drains one second per second: admitted once it is within budget.
+        # What the request would take alone no wait removes: a budget below it is admitted
+        # (a 429 would send it back forever to an idle server).
+        alone = self.wait.alone_s(prompt_tokens) or 0.0
+        if alone >= budget:
+            return
+        refuse(
+            f"the predicted time to first token ({_ms(predicted)} ms) exceeds this "
+            f"request's budget ({_ms(budget)} ms, {BUDGET_HEADER}); retry later",
+            predicted - budget,
+            math.isfinite(predicted),  # no time in sight: a guess, no promise
+            code="ttft_budget_exceeded",
+        )
+
+    def _departures(self, n: int, held: int) -> tuple[float, bool]:
+        """Seconds until ``n`` places of the queue are free, and whether that is predicted
+        from measured rates: the engine's prediction of ``n`` departures (local mode, rates
+        measured), else the drain-rate estimate of the queue and the promised places
+        (``retry_after``)."""
+        if self.wait is not None:
+            queued = self.queued_requests + held
+            mean = (self.queued_tokens + self.promises.tokens) / max(1, queued)
+            got = self.wait.departure_s(n, mean)
+            if got is not None and math.isfinite(got):
+                return got, True
+        return self.retry_after(held), False
 
     def _within_share(self, tenant: str | None, requests: int) -> bool:
         """True when ``tenant`` holding ``requests`` more places stays within its weighted
@@ -200,15 +302,17 @@ class AdmissionController:
         share = self.config.max_queued_requests * self._weights.get(tenant, 1.0) / total
         return self.queued_by_tenant.get(tenant, 0) + requests <= share
 
-    def retry_after(self) -> float:
-        """Seconds until the current queue has drained: at the measured drain rate once it
-        holds ``min_departures`` departures, else by the service-time estimate (see class)."""
+    def retry_after(self, held: int = 0) -> float:
+        """Seconds until the current queue (and ``held`` promised places) has drained: at the
+        measured drain rate once it holds ``min_departures`` departures, else by the
+        service-time estimate (see class)."""
         rate = self.drain_rate
+        queued = self.queued_requests + held
         if self._rate * self._tau >= self._min_departures:
-            wait = self.queued_requests / rate
+            wait = queued / rate
         else:
             running = max(1, self.concurrency or self._peak_running)
-            wait = self.queued_requests * self._service / running
+            wait = queued * self._service / running
         return min(60.0, max(1.0, wait))
 
     def _note_service(self, seconds: float) -> None:
@@ -220,11 +324,6 @@ class AdmissionController:
         self._decay(time.monotonic())
         warm = 1.0 - math.exp(-max(self._busy, 1.0) / self._tau)
         return self._rate / warm
-
-    def _refuse(self, why: str) -> None:
-        raise too_many(
-            f"server overloaded: {why}; retry later", self.retry_after(), code="server_overloaded"
-        )
 
     def _leave_queue(self, tokens: int, requests: int = 1, tenant: str | None = None) -> None:
         self._decay(time.monotonic())  # over the busy interval that ends here
@@ -245,3 +344,32 @@ class AdmissionController:
                 self._rate *= math.exp(-dt / self._tau)
                 self._busy += dt
             self._last = now
+
+
+class _Refusal:
+    """Raises the 429 of one request and, when it can be recognised on its return
+    (a fingerprint), holds its places for it until then (``Promises``)."""
+
+    __slots__ = ("ctl", "fingerprint", "requests", "tokens")
+
+    def __init__(
+        self, ctl: AdmissionController, fingerprint: Hashable | None, requests: int, tokens: int
+    ) -> None:
+        self.ctl = ctl
+        self.fingerprint = fingerprint
+        self.requests = requests
+        self.tokens = tokens
+
+    def __call__(
+        self, message: str, wait_s: float, predicted: bool, code: str = "server_overloaded"
+    ) -> None:
+        """Raise the 429 with ``Retry-After`` = ``wait_s``; a ``predicted`` wait (from
+        measured rates) is promised, a guess is not."""
+        wait_s = min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, wait_s))
+        if predicted and self.fingerprint is not None:
+            self.ctl.promises.promise(self.fingerprint, wait_s, self.requests, self.tokens)
+        raise too_many(message, wait_s, code=code)
+
+
+def _ms(seconds: float) -> str:
+    return "inf" if not math.isfinite(seconds) else f"{seconds * 1000:.0f}"

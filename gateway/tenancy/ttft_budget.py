@@ -3,12 +3,14 @@
 it is refused at once with 429 ``ttft_budget_exceeded`` and a ``Retry-After``, instead of
 queueing to fail late.
 
-The prediction is the engine's ``predict_ttft`` (``engine/scheduler.estimate_ttft``: queued
-prefill over the measured prefill rate, running decodes over the decode rate, and the wait for
-a free seat). Until the engine has measured its rates it predicts nothing and every request
-is admitted (the answer then has no ``x-prefixgate-predicted-ttft-ms``). ``Retry-After`` is the
-predicted wait beyond the budget: the time for the queue ahead to drain by that much, at the
-rates measured now.
+The check is admission's (``AdmissionController.admit(budget_s=...)``): the prediction is the
+engine's ``predict_ttft`` (``engine/scheduler.estimate_ttft``: queued prefill over the measured
+prefill rate, running decodes over the decode rate, and the wait for a free seat) plus what
+the places promised to refused requests coming back add (``admission_wait``). An admitted
+answer carries the engine's prediction as ``x-prefixgate-predicted-ttft-ms``. Until the engine has
+measured its rates it predicts nothing and every request is admitted. ``Retry-After`` is the
+predicted wait beyond the budget: the work ahead drains one second per second, so that is when
+the request's prediction is within its budget.
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ from __future__ import annotations
 import math
 
 from aiohttp import web
-from prefixgate.engine.protocol import EngineClient
-from prefixgate.gateway.http.errors import APIError, bad_request
+from prefixgate.gateway.http.errors import bad_request
 
 BUDGET_HEADER = "x-prefixgate-ttft-budget-ms"
+PREDICTED_TTFT_HEADER = "x-prefixgate-predicted-ttft-ms"
+"""On an admitted answer (local mode): the engine's predicted first-token wait at admission."""
 MAX_BUDGET_MS = 3_600_000.0  # one hour: a larger budget is no budget
 
 
@@ -45,33 +48,3 @@ def budget_s(request: web.Request) -> float | None:
             code="invalid_header",
         )
     return ms / 1000.0
-
-
-def check_budget(request: web.Request, engine: EngineClient, prompt_tokens: int) -> float | None:
-    """Refuse the request when its predicted TTFT exceeds its budget; the prediction (seconds,
-    ``None`` when no budget was asked for or the engine cannot predict yet).
-
-    Raises:
-        APIError: 400 for a malformed budget header; 429 ``ttft_budget_exceeded`` with
-            ``Retry-After`` = predicted wait - budget (at least 1 s).
-    """
-    budget = budget_s(request)
-    if budget is None:
-        return None
-    predicted = engine.predict_ttft(max(1, prompt_tokens))
-    if predicted is None:
-        return None
-    if predicted > budget:
-        wait = predicted - budget if math.isfinite(predicted) else 60.0
-        raise APIError(
-            429,
-            f"the predicted time to first token ({_ms(predicted)} ms) exceeds this request's "
-            f"budget ({_ms(budget)} ms, {BUDGET_HEADER}); retry later",
-            code="ttft_budget_exceeded",
-            retry_after=max(1.0, wait),
-        )
-    return predicted
-
-
-def _ms(seconds: float) -> str:
-    return "inf" if not math.isfinite(seconds) else f"{seconds * 1000:.0f}"

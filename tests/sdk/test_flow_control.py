@@ -5,6 +5,7 @@ from __future__ import annotations
 import anyio
 import httpx
 import pytest
+import respx
 from aiohttp import web
 from prefixgate.sdk import (
     AsyncClient,
@@ -391,3 +392,59 @@ async def test_adaptive_429s_spend_no_retries_until_the_call_is_old(serve) -> No
         with pytest.raises(RateLimitError):
             await plain.chat.completions.create(model="m", messages=MSG)
     assert calls["n"] == 3  # 1 + max_retries: every 429 counted
+
+
+async def test_adaptive_probes_up_only_after_the_stated_wait() -> None:
+    """Successes during the server's stated wait, or of requests admitted before the cut,
+    do not grow the limit; after the wait, every ``limit`` successes add one."""
+    clock = FakeClock()
+
+    async def sleep(seconds: float) -> None:
+        clock.t += seconds
+
+    lim = ConcurrencyLimiter(8, adaptive=True, clock=clock, sleep=sleep)
+    old = [await lim.acquire() for _ in range(5)]
+    lim.on_overload(old[0], retry_after=2.0)
+    assert lim.limit == 4
+    for s in old[1:]:
+        lim.on_success(s)  # admitted before the cut
+        lim.release(s)
+    lim.release(old[0])
+    assert lim.limit == 4
+    fresh = await lim.acquire()  # waits out the 2 s
+    assert clock.t == 2.0
+    clock.t = 1.0  # (a success seen while the wait still ran would not count either)
+    lim.on_success(fresh)
+    assert lim.limit == 4
+    clock.t = 2.0
+    for _ in range(4):
+        lim.on_success(fresh)
+    assert lim.limit == 5
+
+
+@respx.mock
+async def test_adaptive_client_shrinks_on_429_and_waits_the_stated_time(make_client) -> None:
+    """Through the client (respx): a 429 with ``retry-after-ms`` halves the limit, the call
+    is retried and no request is sent before the stated time; then the limit grows back."""
+    clock = FakeClock()
+    sent: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        clock.t += seconds
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        sent.append(clock.t)
+        if len(sent) == 1:
+            err = {"error": {"message": "busy", "type": "rate_limit_error", "code": None}}
+            return httpx.Response(429, json=err, headers={"retry-after-ms": "1500"})
+        return httpx.Response(200, json=OK)
+
+    respx.post("http://test.local/v1/chat/completions").mock(side_effect=answer)
+    async with make_client(max_concurrency=8, adaptive_concurrency=True) as client:
+        client.limiter = ConcurrencyLimiter(8, adaptive=True, clock=clock, sleep=sleep)
+        await client.chat.completions.create(model="m", messages=MSG)  # 429, then served
+        assert sent == [0.0, 1.5]  # the retry waited the stated time
+        assert client.limiter.limit == 4
+        for _ in range(3):
+            await client.chat.completions.create(model="m", messages=MSG)
+        assert client.limiter.limit == 5  # 4 successes after the wait: one more slot

@@ -1,0 +1,286 @@
+"""Retry-After that tells the truth: the queue bound's wait predicted from the engine's queue
+and measured rates (``admission_wait.EngineWait``), a crowd refused at once told a spread of
+times one departure apart, the places promised to a refused request held for it until it comes
+back (``Promises``), never holding an idle server for clients due later, and every 429 with
+``retry-after-ms`` beside ``Retry-After``.
+
+The engine here is a stub of known rates: ``stats()`` answers fixed counters and
+``predict_ttft`` is ``estimate_ttft`` on them, so every figure below is worked out by hand
+from ``engine/scheduler.estimate_ttft``'s formula."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from prefixgate.engine.scheduler import estimate_ttft
+from prefixgate.gateway.http.errors import APIError
+from prefixgate.gateway.tenancy.admission import AdmissionConfig, AdmissionController
+from prefixgate.gateway.tenancy.admission_wait import EngineWait, Promises
+from prefixgate.gateway.tenancy.ttft_budget import BUDGET_HEADER
+
+SEQS, BUDGET_TOKENS = 8, 2048
+
+
+class RatedEngine:
+    """Eight seats all taken, ``waiting`` queued; prefill 10,000 tok/s, decode 100 tok/s
+    (8 decodes: 0.08 s a step), 4 requests finish per second."""
+
+    def __init__(self, waiting: int = 0, running: int = SEQS, measured: bool = True) -> None:
+        self.waiting = waiting
+        self.running = running
+        self.measured = measured
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "num_running": self.running,
+            "num_waiting": self.waiting,
+            "queued_prefill_tokens": 100 * self.waiting,
+            "prefill_tokens_per_s": 10_000.0 if self.measured else None,
+            "decode_tokens_per_s": 100.0 if self.measured else None,
+            "finished_per_s": 4.0 if self.measured else None,
+        }
+
+    def predict_ttft(self, num_prompt_tokens: int, num_cached_tokens: int = 0) -> float | None:
+        return estimate_ttft(self.stats(), SEQS, BUDGET_TOKENS, num_prompt_tokens)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _ctl(engine: RatedEngine, clock: Clock, **cfg: int) -> AdmissionController:
+    ctl = AdmissionController(AdmissionConfig(**cfg))
+    ctl.wait = EngineWait(engine, SEQS, BUDGET_TOKENS)  # type: ignore[arg-type]
+    ctl.promises = Promises(clock=clock)
+    return ctl
+
+
+def _refused(ctl: AdmissionController, fingerprint: object, **kw: Any) -> float:
+    with pytest.raises(APIError) as exc:
+        ctl.admit(100, fingerprint=fingerprint, **kw)
+    assert exc.value.status == 429, exc.value
+    assert exc.value.retry_after is not None
+    return exc.value.retry_after
+
+
+def test_departure_time_from_known_rates():
+    wait = EngineWait(RatedEngine(waiting=3), SEQS, BUDGET_TOKENS)  # type: ignore[arg-type]
+    # n-th departure: n - 1 requests of 100 tokens ahead, every seat taken. The seat frees
+    # after n requests finish (n / 4 per s); the prefill of n x 100 tokens at 10,000 tok/s
+    # plus 8 decodes / 100 tok/s in its one step is shorter; then the first token's step.
+    for n in (1, 2, 5):
+        seat = n / 4.0
+        compute = n * 100 / 10_000 + 8 / 100
+        assert wait.departure_s(n, 100) == pytest.approx(max(seat, compute) + 8 / 100)
+    # Five more requests of 500 tokens ahead: five more seats (1.25 s) to wait for.
+    own = RatedEngine(waiting=3).predict_ttft(100)
+    assert wait.extra_s(5, 500, 100) == pytest.approx(
+        estimate_ttft(
+            {**RatedEngine(waiting=8).stats(), "queued_prefill_tokens": 800}, 8, 2048, 100
+        )
+        - own
+    )
+    assert wait.extra_s(0, 0, 100) == 0.0
+    unmeasured = EngineWait(RatedEngine(measured=False), SEQS, BUDGET_TOKENS)  # type: ignore[arg-type]
+    assert unmeasured.departure_s(1, 100) is None
+    assert unmeasured.extra_s(3, 300, 100) == 0.0
+
+
+def test_a_refused_crowd_is_told_a_spread_one_departure_apart():
+    clock = Clock()
+    ctl = _ctl(RatedEngine(waiting=4), clock, max_queued_requests=4)
+    held = [ctl.admit(100) for _ in range(4)]  # the queue is full
+    waits = [_refused(ctl, f"req{i}") for i in range(6)]
+    # k-th refusal: k departures (the k - 1 promised before it come first), 1/4 s apart
+    assert waits == pytest.approx([k / 4.0 + 8 / 100 for k in range(1, 7)])
+    assert ctl.promises.held() == (6, 600)
+    for t in held:
+        t.done()
+
+
+def test_a_returning_request_claims_its_place_and_a_newcomer_does_not_take_it():
+    clock = Clock()
+    engine = RatedEngine(waiting=4)
+    ctl = _ctl(engine, clock, max_queued_requests=4)
+    held = [ctl.admit(100) for _ in range(4)]
+    wait = _refused(ctl, "back")
+    clock.t += wait
+    held.pop(0).started()  # one place freed, as predicted
+    newcomer = _refused(ctl, "new")  # the freed place is promised: the newcomer waits
+    assert newcomer > 0.25
+    ticket = ctl.admit(100, fingerprint="back")  # the returning request gets it
+    assert ctl.queued_requests == 4
+    # The same body early (before its time) is a newcomer: refused, told the rest.
+    assert _refused(ctl, "new") > 0
+    for t in [*held, ticket]:
+        t.done()
+
+
+def test_a_claimed_place_still_obeys_the_real_bound():
+    # A promise is no pass: when the prediction was early, the returning request meets the
+    # bound and is told a new time (so a wrong prediction shows as a second 429).
+    clock = Clock()
+    ctl = _ctl(RatedEngine(waiting=4), clock, max_queued_requests=4)
+    held = [ctl.admit(100) for _ in range(4)]
+    clock.t += _refused(ctl, "back")
+    again = _refused(ctl, "back")  # nobody left the queue
+    assert 0 < again < 1.0
+    for t in held:
+        t.done()
+
+
+def test_an_unclaimed_promise_lapses_after_its_grace():
+    clock = Clock()
+    ctl = _ctl(RatedEngine(waiting=4), clock, max_queued_requests=4)
+    held = [ctl.admit(100) for _ in range(4)]
+    wait = _refused(ctl, "gone")
+    held.pop().started()
+    clock.t += wait + ctl.promises.grace_s + ctl.promises.grace_fraction * wait + 0.01
+    assert ctl.promises.held() == (0, 0)
+    ticket = ctl.admit(100, fingerprint="other")  # the place is free again
+    for t in [*held, ticket]:
+        t.done()
+
+
+def test_promises_due_later_never_hold_an_idle_server():
+    clock = Clock()
+    engine = RatedEngine(waiting=4)
+    ctl = _ctl(engine, clock, max_queued_requests=2)
+    held = [ctl.admit(100) for _ in range(2)]
+    waits = [_refused(ctl, f"later{i}") for i in range(8)]
+    assert max(waits) > 2.0
+    for t in held:
+        t.done()
+    engine.waiting, engine.running = 0, 0  # idle: a request now has its first token at once
+    ticket = ctl.admit(100)  # not held back for the clients due in seconds
+    assert ctl.promises.held(0.1)[0] < 2
+    ticket.done()
+
+
+def test_a_budget_refusal_counts_the_promised_work_ahead():
+    clock = Clock()
+    engine = RatedEngine(waiting=10)
+    ctl = _ctl(engine, clock)
+    predicted = engine.predict_ttft(100)
+    assert predicted is not None
+    first = _refused(ctl, "a", budget_s=1.0)
+    assert first == pytest.approx(predicted - 1.0)
+    second = _refused(ctl, "b", budget_s=1.0)
+    # b is behind a: one more seat to wait for (1/4 s)
+    assert second == pytest.approx(first + 0.25, abs=0.02)
+    with pytest.raises(APIError) as exc:
+        ctl.admit(100, fingerprint="c", budget_s=1.0)
+    assert exc.value.code == "ttft_budget_exceeded"
+    ticket = ctl.admit(100, fingerprint="d", budget_s=60.0)  # within a loose budget
+    ticket.done()
+
+
+def test_a_guessed_wait_promises_nothing():
+    # Before the engine measured its rates the wait is the drain-rate guess: no place held.
+    clock = Clock()
+    ctl = _ctl(RatedEngine(waiting=4, measured=False), clock, max_queued_requests=2)
+    held = [ctl.admit(100) for _ in range(2)]
+    assert _refused(ctl, "x") >= 1.0
+    assert ctl.promises.held() == (0, 0)
+    for t in held:
+        t.done()
+
+
+def test_every_429_states_the_wait_in_milliseconds_too(serve_fake, gw):
+    srv, engine = serve_fake()
+    engine.predicted_ttft = 7.25
+    with gw.client(srv) as c:
+        r = c.post(
+            "/v1/chat/completions",
+            json=gw.chat_body(max_tokens=4),
+            headers={BUDGET_HEADER: "2000"},
+        )
+    assert r.status_code == 429, r.text
+    assert r.headers["Retry-After"] == "6" and r.headers["retry-after-ms"] == "5250"
+
+
+def test_waits_are_scaled_by_the_measured_bias_of_the_prediction():
+    # The engine's rates are model time; first tokens that come twice as late as predicted
+    # (gaps between steps, a busy machine) double every later wait.
+    engine = RatedEngine(waiting=3)
+    wait = EngineWait(engine, SEQS, BUDGET_TOKENS, alpha=1.0)  # type: ignore[arg-type]
+    before = wait.departure_s(2, 100)
+    raw = engine.predict_ttft(100)
+    assert before is not None and raw is not None
+    assert wait.predict_ttft(100) == (raw, raw)
+    wait.observe(raw, 2 * raw)
+    assert wait.scale == pytest.approx(2.0)
+    assert wait.departure_s(2, 100) == pytest.approx(2 * before)
+    assert wait.predict_ttft(100) == pytest.approx((2 * raw, raw))
+    wait.observe(1.0, 1e6)  # clamped
+    assert wait.scale == 5.0
+    wait.observe(float("inf"), 1.0)  # no prediction to learn from
+    assert wait.scale == 5.0
+
+
+def test_an_admitted_request_teaches_the_calibration(monkeypatch):
+    clock = Clock()
+    engine = RatedEngine(waiting=0, running=0)
+    ctl = _ctl(engine, clock)
+    assert ctl.wait is not None and ctl.wait.scale == 1.0
+    ctl.wait = EngineWait(engine, SEQS, BUDGET_TOKENS, alpha=0.1)  # type: ignore[arg-type]
+    t = [50.0]
+    monkeypatch.setattr("prefixgate.gateway.tenancy.admission.time.monotonic", lambda: t[0])
+    ticket = ctl.admit(100)
+    assert ticket.predicted_ttft is not None
+    t[0] += 3 * ticket.predicted_ttft  # its first token came three times as late
+    ticket.started()
+    assert ctl.wait is not None and ctl.wait.scale == pytest.approx(0.9 + 0.1 * 3)
+    ticket.done()
+
+
+def test_an_admitted_answer_carries_its_predicted_ttft(serve_fake, gw):
+    srv, engine = serve_fake()
+    with gw.client(srv) as c:
+        engine.predicted_ttft = 0.25
+        r = c.post("/v1/chat/completions", json=gw.chat_body(max_tokens=2))
+        assert r.status_code == 200 and r.headers["x-prefixgate-predicted-ttft-ms"] == "250"
+        engine.predicted_ttft = None  # nothing measured: no header
+        r = c.post("/v1/chat/completions", json=gw.chat_body(max_tokens=2))
+        assert r.status_code == 200 and "x-prefixgate-predicted-ttft-ms" not in r.headers
+
+
+def test_a_budget_no_wait_can_meet_is_admitted_not_sent_back_forever():
+    # Measured through the gateway: a calibration at its clamp made even an idle engine's
+    # prediction exceed a 2 s budget; every request was refused again and again (24,787
+    # 429s) while the engine sat idle. What a request would take alone is no queue to wait out.
+    clock = Clock()
+    engine = RatedEngine(waiting=0, running=0)
+    ctl = _ctl(engine, clock)
+    alone = engine.predict_ttft(5000)  # 0.5 s of prefill on an idle engine
+    assert alone is not None and alone > 0.4
+    ticket = ctl.admit(5000, fingerprint="big", budget_s=0.2)  # admitted: waiting cannot help
+    ticket.done()
+    engine.waiting, engine.running = 10, SEQS  # now there is work ahead: refused, told when
+    with pytest.raises(APIError) as exc:
+        ctl.admit(5000, fingerprint="big", budget_s=1.0)
+    assert exc.value.code == "ttft_budget_exceeded" and exc.value.retry_after > 0
+
+
+def test_a_promise_past_its_time_keeps_nobody_out_but_can_still_be_claimed():
+    # Refused clients that never come back must not keep the queue full: once a promise is
+    # due it holds no place for newcomers (measured: 468 refused, none back, and the next
+    # request met a 429 on an idle server); its own client may still claim it until it lapses.
+    clock = Clock()
+    engine = RatedEngine(waiting=4)
+    ctl = _ctl(engine, clock, max_queued_requests=1)
+    first = ctl.admit(100)
+    wait = _refused(ctl, "late")
+    first.done()
+    clock.t += wait + 0.5  # due, not back yet
+    newcomer = ctl.admit(100, fingerprint="new")  # the place is not kept from it
+    newcomer.done()
+    assert ctl.promises.held() == (1, 100)  # still claimable
+    ticket = ctl.admit(100, fingerprint="late")
+    assert ctl.promises.held() == (0, 0)
+    ticket.done()
