@@ -44,6 +44,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -255,23 +256,27 @@ def prefixgate_command(model: Path, port: int, threads: int, int8: bool, ctx: in
 
 
 class Server:
-    """A server subprocess (``cmd``) on ``port``, ready once ``GET ready_path`` answers 200."""
+    """A server subprocess (``cmd``) on ``port``, ready once ``GET ready`` answers 200;
+    its output goes to a temporary file (a pipe nobody reads fills up and stalls it: llama.cpp
+    logs every GGUF key while loading)."""
 
-    def __init__(self, name: str, cmd: list[str], port: int, env: dict[str, str]) -> None:
-        self.name, self.port = name, port
+    def __init__(
+        self, name: str, cmd: list[str], port: int, env: dict[str, str], ready: str = "/v1/models"
+    ) -> None:
+        self.name, self.port, self.ready = name, port, ready
         self.url = f"http://127.0.0.1:{port}"
-        self.proc = subprocess.Popen(
-            cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-        )
+        self.log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 600.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
+                self.log.seek(0)
+                err = self.log.read().decode(errors="replace")
                 raise RuntimeError(f"{self.name} exited ({self.proc.returncode}): {err[-2000:]}")
             try:
-                if httpx.get(self.url + "/v1/models", timeout=2.0).status_code == 200:
+                if httpx.get(self.url + self.ready, timeout=2.0).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -284,6 +289,7 @@ class Server:
             self.proc.wait(30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+        self.log.close()
 
 
 class Probe:
@@ -341,6 +347,11 @@ class Probe:
         return len(prompts) * max_tokens / (time.perf_counter() - t0)
 
 
+def served_model(server: Server) -> str:
+    """The model id a server lists first (what its completions route expects)."""
+    return str(httpx.get(server.url + "/v1/models", timeout=10.0).json()["data"][0]["id"])
+
+
 def make_prompts(tokenizer: Any, n: int, length: int, salt: str) -> list[str]:
     """``n`` distinct texts of about ``length`` tokens (real user tasks, a salt word first)."""
     from prefixgate.engine.bench.engine_throughput import load_prompts
@@ -358,7 +369,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     kind = "q8_0" if args.int8 else "f32"
     pg_port = free_port()
     cmd = prefixgate_command(args.model, pg_port, args.threads, args.int8, ctx)
-    servers = [Server("prefixgate", cmd, pg_port, env)]
+    servers = [Server("prefixgate", cmd, pg_port, env, ready="/ready")]  # serves while loading
     gguf_path = args.gguf_dir / f"{args.model.name}-{kind}.gguf"
     port = free_port()
     peer_cmd = llamacpp_command(gguf_path, port, args.threads, ctx)
@@ -374,7 +385,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         for s in servers:
             s.wait_ready()
-        probes = [Probe(s, "dummy", int(tok.eos_token_id or 2)) for s in servers]
+        probes = [Probe(s, served_model(s), int(tok.eos_token_id or 2)) for s in servers]
         for p in probes:  # warm-up: first-use costs out of the figures
             p.complete("hello", 4)
             results[p.server.name] = {"batched": [], "prefill": [], "warm": [], "decode": []}
