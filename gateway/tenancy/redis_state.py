@@ -18,11 +18,30 @@ stored):
   set of prefix ids scored by their expiry (Redis seconds), checked and added by one Lua
   script; a prefix leaves it when deleted or when its expiry passes.
 
-Redis unreachable (refused, reset, or slower than ``timeout_s``): the request is admitted on
-the key's local limits instead (each replica then enforces the full limit by itself), the
-first failure is logged once as a warning, ``up`` turns False (``/ready`` and the
-``prefixgate_state_backend_up`` gauge show it) and Redis is tried again at most every
-``retry_s`` seconds; its return is logged once too. No request fails because of Redis.
+* ``pg:epoch`` — this Redis's life (hash ``{id, until}``): created by the first replica that
+  finds it missing. A Redis restarted empty (or flushed) has none, so every replica notices
+  the loss (at its next admission, or within ``WATCH_S`` by its watch loop), and then
+  publishes again the concurrency leases of the requests it still runs ("leases rebuilt").
+  A replica that finds the epoch missing recreates it with ``until = now + SETTLE_S``:
+  admissions of a concurrency-limited key wait until then, so every live replica's leases are
+  back before one more slot is given (RPM/TPM buckets are not rebuilt: after a restart they
+  start full, as on a fresh Redis).
+
+Connections: a bounded pool whose connections are health-checked (a PING before a
+connection idle for ``HEALTH_CHECK_S`` is used: a stale connection to a restarted Redis is
+replaced before a command goes on it) and retried once on a connection error or timeout
+(redis-py ``Retry`` with ``ExponentialBackoff``); waiting for a free connection is local
+queueing, not Redis being slow, so it is not timed (a burst of requests admitted on one
+replica queues, it does not fall back to local limits); each command (with its retry) has
+``2 * timeout_s + 1`` seconds.
+
+Redis unreachable (refused, reset, or slower than that): the request is admitted on the key's
+local limits instead (each replica then enforces the full limit by itself), the first failure
+is logged once as a warning, ``up`` turns False (``/ready`` and the
+``prefixgate_state_backend_up`` gauge show it) and admissions skip Redis for ``retry_s``
+seconds at most; the watch loop tries Redis every ``WATCH_S`` seconds, so the fallback ends
+as soon as Redis answers again, with this replica's leases (those taken locally meanwhile
+too) published again; its return is logged once too. No request fails because of Redis.
 The Lua-script pattern follows redis-py's ``Script`` objects (``register_script``: EVALSHA
 with a reload on NOSCRIPT).
 """
@@ -39,22 +58,48 @@ from typing import TYPE_CHECKING, Any
 import redis.asyncio as aioredis
 from prefixgate.gateway.http.errors import too_many
 from prefixgate.gateway.tenancy.shared_state import Lease, LocalState, StateBackend
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 if TYPE_CHECKING:
     from prefixgate.gateway.tenancy.keys import Principal
 
 logger = logging.getLogger("prefixgate.gateway")
 
-# KEYS: rpm bucket, tpm bucket, concurrency zset.
-# ARGV: rpm limit, tpm limit, prompt tokens, max concurrent, lease id, lease ttl (s).
+EPOCH_KEY = "pg:epoch"
+WATCH_S = 0.25  # seconds between the watch loop's checks of Redis (its epoch, its return)
+SETTLE_S = 1.0  # after a lost epoch, seconds concurrency-limited admissions wait
+HEALTH_CHECK_S = 1.0  # a pooled connection idle this long is PINGed before use
+
+# KEYS: epoch hash. ARGV: a new epoch id, settle (s). The current epoch's id; when missing,
+# created as ARGV[1] with until = now + settle.
+_EPOCH = """
+local id = redis.call('HGET', KEYS[1], 'id')
+if id then return id end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+redis.call('HSET', KEYS[1], 'id', ARGV[1], 'until', tostring(now + tonumber(ARGV[2])))
+return ARGV[1]
+"""
+
+# KEYS: rpm bucket, tpm bucket, concurrency zset, epoch hash.
+# ARGV: rpm limit, tpm limit, prompt tokens, max concurrent, lease id, lease ttl (s), epoch id.
 # Returns {0} admitted, {1, wait} concurrency full (wait: until the first lease expires),
-# {2, wait} rpm, {3, wait} tpm.
+# {2, wait} rpm, {3, wait} tpm, {4} not the replica's epoch (Redis lost its state),
+# {5, wait} concurrency limited and the epoch is settling (leases still being rebuilt).
 _ACQUIRE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local rpm, tpm, n = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local maxc, ttl = tonumber(ARGV[4]), tonumber(ARGV[6])
+local epoch = redis.call('HMGET', KEYS[4], 'id', 'until')
+if epoch[1] ~= ARGV[7] then return {4} end
+if maxc > 0 and tonumber(epoch[2]) > now then
+  return {5, tostring(tonumber(epoch[2]) - now)}
+end
 local function level(key, cap)
   local v = redis.call('HMGET', key, 'level', 'stamp')
   local lv, st = tonumber(v[1]), tonumber(v[2])
@@ -136,12 +181,17 @@ redis.call('EXPIREAT', KEYS[1], math.ceil(tonumber(last[2])) + 1)
 return {0}
 """
 
-# KEYS: concurrency zset. ARGV: ttl (s), lease ids... Renews the leases still present.
+# KEYS: concurrency zset. ARGV: ttl (s), mode, lease ids... Mode "XX" renews the leases still
+# present; mode "" adds them too (rebuilding them after Redis lost them).
 _RENEW = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-for i = 2, #ARGV do
-  redis.call('ZADD', KEYS[1], 'XX', now + tonumber(ARGV[1]), ARGV[i])
+for i = 3, #ARGV do
+  if ARGV[2] == 'XX' then
+    redis.call('ZADD', KEYS[1], 'XX', now + tonumber(ARGV[1]), ARGV[i])
+  else
+    redis.call('ZADD', KEYS[1], now + tonumber(ARGV[1]), ARGV[i])
+  end
 end
 redis.call('EXPIRE', KEYS[1], math.ceil(tonumber(ARGV[1])) + 60)
 return 0
@@ -156,9 +206,10 @@ class RedisState:
     Args:
         url: ``redis://[:password@]host:port/db`` (or ``rediss://``, ``unix://``).
         lease_ttl_s: seconds a concurrency slot outlives its replica (renewed every third).
-        timeout_s: connect, command and pool-wait timeout (seconds): a slower Redis counts
-            as down.
-        retry_s: while down, seconds between attempts to use Redis again.
+        timeout_s: connect and socket timeout of one Redis command (seconds); a command with
+            its one retry that takes over ``2 * timeout_s + 1`` counts Redis as down.
+        retry_s: while down, seconds admissions skip Redis at most (the watch loop tries it
+            every ``WATCH_S`` and ends the fallback as soon as it answers).
         max_connections: connections to Redis at most (commands beyond wait for one).
 
     Raises:
@@ -179,37 +230,50 @@ class RedisState:
         self.lease_ttl_s = lease_ttl_s
         self.timeout_s = timeout_s
         self.retry_s = retry_s
-        # A bounded pool: a burst of requests queues for a connection (up to timeout_s)
+        # A bounded pool: a burst of requests queues for a connection (on _slots, untimed)
         # instead of opening one connection per request in flight.
         pool = aioredis.BlockingConnectionPool.from_url(
             url,
             max_connections=max_connections,
-            timeout=timeout_s,
+            timeout=None,  # never waits: _slots admits at most max_connections commands
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
+            socket_keepalive=True,
+            health_check_interval=HEALTH_CHECK_S,
+            retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=1),
+            retry_on_error=[RedisConnectionError, RedisTimeoutError],
             decode_responses=True,
         )
         self._client = aioredis.Redis(connection_pool=pool)
+        self._slots = asyncio.Semaphore(max_connections)
+        self._deadline_s = 2 * timeout_s + 1.0
+        self._epoch = self._client.register_script(_EPOCH)
         self._acquire = self._client.register_script(_ACQUIRE)
         self._release = self._client.register_script(_RELEASE)
         self._renew = self._client.register_script(_RENEW)
         self._reserve_prefix = self._client.register_script(_RESERVE_PREFIX)
         self.up = True
         self.fallbacks = 0  # requests admitted on local limits because Redis was down
+        self.rebuilds = 0  # times this replica published its leases again (Redis lost them)
         self._retry_at = 0.0
+        self._epoch_id = ""  # the epoch this replica's leases are published in
+        self._resync = True  # publish the held leases again before the next admission
+        self._sync_lock = asyncio.Lock()
         self._held: dict[str, dict[str, float]] = {}  # key id -> {lease id: 1}
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._renewer: asyncio.Task[None] | None = None
+        self._watcher: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        """Check Redis once (logs when unreachable) and start renewing leases."""
-        await self._call(self._client.ping())
-        self._renewer = asyncio.create_task(self._renew_loop())
+        """Check Redis once (logs when unreachable), join its epoch (a fresh Redis: no
+        settling, nobody holds leases yet) and start the watch loop (epoch, return after a
+        failure, lease renewals)."""
+        await self._sync(settle_s=0.0)
+        self._watcher = asyncio.create_task(self._watch_loop())
 
     async def close(self) -> None:
         """Free the leases this replica holds, then disconnect."""
-        if self._renewer is not None:
-            self._renewer.cancel()
+        if self._watcher is not None:
+            self._watcher.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         for key_id, leases in list(self._held.items()):
@@ -228,21 +292,39 @@ class RedisState:
             return Lease("", True, prompt_tokens)  # nothing to hold; usage still counted
         k = principal.key_id
         lease_id = secrets.token_hex(8)
-        result = await self._call(
-            self._acquire(
-                keys=["pg:rpm:" + k, "pg:tpm:" + k, "pg:conc:" + k],
-                args=[
-                    spec.requests_per_minute,
-                    spec.tokens_per_minute,
-                    prompt_tokens,
-                    spec.max_concurrent,
-                    lease_id,
-                    self.lease_ttl_s,
-                ],
+        result = None
+        for _ in range(3):  # a lost epoch: rebuild, then again; settling: wait, then again
+            if self._resync and self.up:
+                await self._sync(SETTLE_S)
+            result = await self._call(
+                self._acquire(
+                    keys=["pg:rpm:" + k, "pg:tpm:" + k, "pg:conc:" + k, EPOCH_KEY],
+                    args=[
+                        spec.requests_per_minute,
+                        spec.tokens_per_minute,
+                        prompt_tokens,
+                        spec.max_concurrent,
+                        lease_id,
+                        self.lease_ttl_s,
+                        self._epoch_id,
+                    ],
+                )
             )
-        )
+            if result is None:
+                break
+            code = int(result[0])
+            if code == 4:
+                self._resync = True
+            elif code == 5:
+                await asyncio.sleep(min(float(result[1]), SETTLE_S))
+            else:
+                break
+        else:
+            result = None  # the epoch changed under every attempt (Redis flushed repeatedly)
         if result is None:  # Redis down: this replica's own limits
             self.fallbacks += 1
+            if spec.max_concurrent:  # published to Redis once it is back (see _sync)
+                self._held.setdefault(k, {})[lease_id] = 1.0
             return Lease(lease_id, False, prompt_tokens, principal.acquire(prompt_tokens))
         code = int(result[0])
         if code == 1:
@@ -276,6 +358,7 @@ class RedisState:
     ) -> None:
         if lease.charge is not None:  # admitted on local limits while Redis was down
             lease.charge.settle(prompt_tokens, completion_tokens)
+            self._drop_local(principal, lease)
             return
         if principal.spec is None:
             return
@@ -288,6 +371,7 @@ class RedisState:
     def refund(self, principal: Principal, lease: Lease) -> None:
         if lease.charge is not None:
             lease.charge.refund()
+            self._drop_local(principal, lease)
             return
         if principal.spec is None:
             return
@@ -295,6 +379,12 @@ class RedisState:
         if lease.slot is not None:
             principal.slots.give(lease.slot)
         self._spawn(self._end(principal, lease, -1, -lease.prompt_tokens, None))
+
+    def _drop_local(self, principal: Principal, lease: Lease) -> None:
+        """A request admitted on local limits ended: its lease leaves ``_held`` and, had it
+        been published since Redis came back, Redis too."""
+        if self._held.get(principal.key_id, {}).pop(lease.id, None) is not None and self.up:
+            self._spawn(self._call(self._client.zrem("pg:conc:" + principal.key_id, lease.id)))
 
     async def _end(
         self,
@@ -329,14 +419,52 @@ class RedisState:
         raw = await self._call(self._client.hgetall("pg:usage:" + principal.key_id))
         return {name: int(v) for name, v in (raw or {}).items()}
 
-    async def _renew_loop(self) -> None:
+    async def _watch_loop(self) -> None:
+        """Every ``WATCH_S``: check the epoch (a restarted Redis is noticed, the leases are
+        published again; a Redis back after a failure ends the fallback); every third of
+        the lease TTL: renew the leases held."""
+        renew_at = time.monotonic() + self.lease_ttl_s / 3
         while True:
-            await asyncio.sleep(self.lease_ttl_s / 3)
-            for key_id, leases in list(self._held.items()):
-                if leases:
-                    await self._call(
-                        self._renew(keys=["pg:conc:" + key_id], args=[self.lease_ttl_s, *leases])
-                    )
+            await asyncio.sleep(WATCH_S)
+            await self._sync(SETTLE_S)
+            if time.monotonic() >= renew_at and self.up:
+                renew_at = time.monotonic() + self.lease_ttl_s / 3
+                await self._publish("XX")
+
+    async def _sync(self, settle_s: float) -> None:
+        """Join Redis's epoch (creating it, settling for ``settle_s``, when missing) and,
+        when it is not the one this replica's leases were published in (or Redis was down
+        meanwhile), publish the held leases again. Tries Redis even while it counts as down:
+        the one way ``up`` turns True again."""
+        async with self._sync_lock:
+            epoch = await self._call(
+                self._epoch(keys=[EPOCH_KEY], args=[secrets.token_hex(8), settle_s]), probe=True
+            )
+            if epoch is None or (epoch == self._epoch_id and not self._resync):
+                return
+            if not await self._publish(""):
+                return
+            if self._epoch_id and epoch != self._epoch_id:
+                self.rebuilds += 1
+                logger.warning(
+                    "redis lost the shared state (restarted or flushed): this replica's "
+                    "%d concurrency leases published again",
+                    sum(len(v) for v in self._held.values()),
+                )
+            self._epoch_id = epoch
+            self._resync = False
+
+    async def _publish(self, mode: str) -> bool:
+        """Renew (``mode="XX"``) or add (``""``) every held lease; False when Redis failed."""
+        for key_id, leases in list(self._held.items()):
+            if leases:
+                done = await self._call(
+                    self._renew(keys=["pg:conc:" + key_id], args=[self.lease_ttl_s, mode, *leases]),
+                    probe=True,
+                )
+                if done is None:
+                    return False
+        return True
 
     # -- prefixes ----------------------------------------------------------------------
 
@@ -386,25 +514,32 @@ class RedisState:
     def describe(self) -> dict[str, Any]:
         return {"backend": "redis", "shared": self.up, "fallbacks": self.fallbacks}
 
-    async def _call(self, coro: Any) -> Any:
-        """Await a Redis command; None (and ``up`` False) when Redis fails."""
-        if not self.up and time.monotonic() < self._retry_at:
-            coro.close()
-            return None
+    async def _call(self, coro: Any, probe: bool = False) -> Any:
+        """Await a Redis command; None (and ``up`` False) when Redis fails. While down,
+        commands are skipped (None at once) for ``retry_s`` unless ``probe``."""
         try:
-            async with asyncio.timeout(self.timeout_s * 2):
-                result = await coro
-        except _FAILURES as exc:
-            self._retry_at = time.monotonic() + self.retry_s
-            if self.up:
-                self.up = False
-                logger.warning(
-                    "redis unreachable (%s): serving on this replica's local limits; "
-                    "retrying every %g s",
-                    type(exc).__name__ + (f": {exc}" if str(exc) else ""),
-                    self.retry_s,
-                )
-            return None
+            if not probe and not self.up and time.monotonic() < self._retry_at:
+                return None
+            async with self._slots:  # queueing for a connection: local, not timed
+                if not probe and not self.up and time.monotonic() < self._retry_at:
+                    return None
+                try:
+                    async with asyncio.timeout(self._deadline_s):
+                        result = await coro
+                except _FAILURES as exc:
+                    self._retry_at = time.monotonic() + self.retry_s
+                    if self.up:
+                        self.up = False
+                        self._resync = True
+                        logger.warning(
+                            "redis unreachable (%s): serving on this replica's local limits; "
+                            "retrying every %g s",
+                            type(exc).__name__ + (f": {exc}" if str(exc) else ""),
+                            WATCH_S,
+                        )
+                    return None
+        finally:
+            coro.close()  # never started (skipped, or cancelled while queued): no warning
         if not self.up:
             self.up = True
             logger.warning("redis reachable again: limits shared across replicas")

@@ -7,6 +7,7 @@ is down. Each test starts its own ``redis-server`` (``redis_server`` fixture).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -341,3 +342,109 @@ def test_a_stranded_lease_s_retry_after_is_its_expiry(serve_fake, gw, redis_serv
     print(f"stranded lease: Retry-After {advice} s, actual wait {waited:.2f} s")
     assert waited > 2.0
     assert abs(advice - waited) <= 1.5, (advice, waited)
+
+
+def _backend(srv):
+    from prefixgate.gateway.state import STATE
+
+    return srv.app[STATE].shared
+
+
+def _restart(redis_server) -> None:
+    """Kill ``redis-server`` and start it again on the same port, empty (no persistence)."""
+    redis_server.proc.kill()
+    redis_server.proc.wait(10)
+    redis_server.proc = None
+    redis_server.start()
+
+
+def _until_rebuilt(*servers) -> float:
+    """Poll (a failure guard of 60 s, not a timed assertion) until every replica's backend is
+    up again and has noticed that Redis lost its state (its leases published again);
+    returns the seconds that took."""
+    t0 = time.monotonic()
+    while not all(_backend(s).up and _backend(s).rebuilds >= 1 for s in servers):
+        assert time.monotonic() - t0 < 60, [vars(_backend(s)) for s in servers]
+        time.sleep(0.02)
+    return time.monotonic() - t0
+
+
+def test_max_concurrent_holds_across_a_redis_restart(serve_fake, gw, redis_server, tmp_path):
+    """Replica A holds both slots of a ``max_concurrent=2`` key; Redis is killed and started
+    again empty. Once the replicas report Redis back (A's leases published again), the key
+    is never admitted a third time, on either replica; once A's requests end, two are
+    admitted again, not three."""
+    settings = GatewaySettings(
+        model_name="fake", keys_file=_keys(tmp_path, max_concurrent=2), redis_url=redis_server.url
+    )
+    a, _ = serve_fake(settings, token_delay_s=0.2)
+    b, _ = serve_fake(settings, token_delay_s=0.2)
+    hold = gw.chat_body("hold", max_tokens=100, stream=True)
+    quick = gw.chat_body("x", max_tokens=1)
+    r = redis_server.client()
+    with contextlib.ExitStack() as held:
+        for _ in range(2):
+            http = held.enter_context(httpx.Client(timeout=60))
+            resp = held.enter_context(
+                http.stream("POST", a.url + "/v1/chat/completions", json=hold, headers=AUTH)
+            )
+            assert resp.status_code == 200
+        with gw.client(b) as cb:
+            assert cb.post("/v1/chat/completions", json=quick, headers=AUTH).status_code == 429
+        _restart(redis_server)
+        assert r.zcard(_conc_key("k1")) == 0  # Redis came back empty
+        took = _until_rebuilt(a, b)
+        print(f"redis restart: leases rebuilt and both replicas up {took:.3f} s after the start")
+        assert r.zcard(_conc_key("k1")) == 2
+        for srv in (b, a, b):
+            with gw.client(srv) as c:
+                refused = c.post("/v1/chat/completions", json=quick, headers=AUTH)
+            assert refused.status_code == 429, refused.text
+            assert "max_concurrent=2" in refused.json()["error"]["message"]
+    # A's two streams closed: their leases go (a background release each), then two fit.
+    deadline = time.monotonic() + 60
+    while r.zcard(_conc_key("k1")):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    with contextlib.ExitStack() as held:
+        for srv in (b, a):
+            http = held.enter_context(httpx.Client(timeout=60))
+            resp = held.enter_context(
+                http.stream("POST", srv.url + "/v1/chat/completions", json=hold, headers=AUTH)
+            )
+            assert resp.status_code == 200
+        with gw.client(b) as cb:
+            assert cb.post("/v1/chat/completions", json=quick, headers=AUTH).status_code == 429
+    assert _backend(a).fallbacks == 0 and _backend(b).fallbacks == 0
+
+
+def test_requests_per_minute_shared_by_two_replicas_holds_after_a_redis_restart(
+    serve_fake, gw, redis_server, tmp_path
+):
+    """Both replicas' pools hold connections to the old Redis; after it is killed and
+    started again empty, the stale connections are replaced (health check, one retry)
+    without a fallback episode, and one shared bucket of 60 requests per minute holds
+    across the two replicas again (restarted full: Redis lost the old level)."""
+    settings = GatewaySettings(
+        model_name="fake",
+        keys_file=_keys(tmp_path, requests_per_minute=60),
+        redis_url=redis_server.url,
+        max_queued_requests=512,
+    )
+    a, _ = serve_fake(settings)
+    b, _ = serve_fake(settings)
+    body = gw.chat_body("hi", max_tokens=1)
+    warm = asyncio.run(_burst([a.url, b.url], 40, body))  # many pooled connections on each
+    assert sorted({x.status_code for x in warm}) == [200]
+    _restart(redis_server)
+    took = _until_rebuilt(a, b)
+    print(f"redis restart: both replicas back on the new Redis {took:.3f} s after its start")
+    t0 = time.monotonic()
+    responses = asyncio.run(_burst([a.url, b.url], 200, body))
+    elapsed = time.monotonic() - t0
+    ok = [x for x in responses if x.status_code == 200]
+    refused = [x for x in responses if x.status_code == 429]
+    assert len(ok) + len(refused) == 200, sorted({x.status_code for x in responses})
+    assert 60 <= len(ok) <= 60 + int(elapsed), (len(ok), elapsed)
+    assert _backend(a).fallbacks == 0 and _backend(b).fallbacks == 0
+    assert int(redis_server.client().hgetall(_usage_key("k1"))["requests"]) == len(ok)

@@ -70,3 +70,49 @@ def test_health_answers_while_a_slow_load_runs(monkeypatch):
         if task:
             loop.call_soon_threadsafe(task[0].cancel)
         thread.join(30)
+
+
+def test_the_load_thread_outlives_the_load_until_the_server_stops(monkeypatch):
+    """The thread that loaded the model ran torch's first parallel regions (it owns the
+    OpenMP thread pool); it stays parked while the server runs — once it had exited, every
+    engine step's parallel region ran many times slower — and ends when the server stops."""
+    monkeypatch.setattr(prefixgate.engine, "AsyncEngine", lambda config: FakeEngine())
+    port = free_port()
+    loop = asyncio.new_event_loop()
+    task: list[asyncio.Task] = []
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        coro = serve(GatewaySettings(model_name="fake"), EngineConfig(), [], "127.0.0.1", port)
+        task.append(loop.create_task(coro))
+        try:
+            loop.run_until_complete(task[0])
+        except asyncio.CancelledError:
+            pass
+
+    def loaders() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "prefixgate-load"]
+
+    before = set(loaders())
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60  # a failure guard, not a timed assertion
+    while True:
+        try:
+            if httpx.get(url + "/ready", timeout=10).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "not ready"
+        time.sleep(0.05)
+    mine = [t for t in loaders() if t not in before]
+    assert len(mine) == 1 and mine[0].is_alive()
+    with httpx.Client(base_url=url, timeout=30) as http:
+        chat = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        assert http.post("/v1/chat/completions", json=chat).status_code == 200
+    assert mine[0].is_alive()
+    loop.call_soon_threadsafe(task[0].cancel)
+    thread.join(30)
+    mine[0].join(30)
+    assert not mine[0].is_alive()
