@@ -176,5 +176,5 @@ def rejection_sample(
         return draft_token_id, True
     target = u_residual * float(cdf[-1])
     picked = int(torch.searchsorted(cdf, torch.tensor([target], dtype=cdf.dtype), right=True))
-    last = int(torch.flatnonzero(residual > 0)[-1])
+    last = int(torch.nonzero(residual > 0)[-1, 0])
     return min(picked, last), False
