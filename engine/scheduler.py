@@ -368,7 +368,11 @@ class Scheduler:
         )
         if caps is not None:
             limit = min(limit, self._cap_left(req, caps, used, room + 1) - 1)
-        return self.proposer.propose(req.all_token_ids, limit) if limit > 0 else []
+        if limit <= 0:
+            return []
+        if req.spec.index is None:
+            req.spec.index = self.proposer.new_index()
+        return self.proposer.propose(req.all_token_ids, limit, req.spec.index)
 
     @staticmethod
     def _cap_left(req: Request, caps: dict[str, int], used: dict[str, int], budget: int) -> int:

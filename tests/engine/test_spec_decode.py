@@ -290,3 +290,49 @@ def test_structured_output_decodes_without_drafts(aidreams_path):
     assert llm.stats()["spec_decode_num_drafts"] == 0
     assert out.outputs[0].text.startswith("ab")
     assert_pool_whole(llm)
+
+
+def test_ngram_index_gives_the_scans_drafts_as_tokens_grow():
+    """The incremental index (kept across steps) and the full numpy scan agree at every length."""
+    import random
+
+    rng = random.Random(5)
+    for min_n, max_n in ((1, 3), (2, 5), (3, 3)):
+        p = NgramProposer(4, min_n, max_n)
+        index = p.new_index()
+        tokens = [rng.randrange(6) for _ in range(3)]
+        for _ in range(300):
+            assert p.propose(tokens, index=index) == p.propose(tokens), (min_n, max_n, tokens)
+            tokens += [rng.randrange(6) for _ in range(rng.randrange(1, 4))]
+
+
+def test_async_engine_streams_every_accepted_token_once(aidreams_path, plain):
+    """Several tokens per step reach a stream as one delta each step: the deltas join to the
+    final output, which equals the plain engine's."""
+    import asyncio
+
+    from prefixgate.engine import AsyncEngine
+
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+
+    async def run() -> list[tuple[list[int], list[int]]]:
+        engine = AsyncEngine(EngineConfig(model=aidreams_path, speculative_method="ngram"))
+        try:
+            got = []
+            longest = 0
+            for i, prompt in enumerate(REPEATING):
+                outs = [o async for o in engine.generate(prompt, params, f"s{i}")]
+                joined = [t for o in outs for t in o.outputs[0].delta_token_ids]
+                got.append((joined, list(outs[-1].outputs[0].token_ids)))
+                longest = max(longest, *(len(o.outputs[0].delta_token_ids) for o in outs))
+            assert engine.stats()["spec_decode_num_accepted_tokens"] > 0
+            assert longest > 1  # some step delivered an accepted run in one delta
+            engine.check_invariants()
+            return got
+        finally:
+            await engine.shutdown()
+
+    got = asyncio.run(run())
+    ref = [o.outputs[0].token_ids for o in plain.generate(REPEATING, params)]
+    for (joined, final), want in zip(got, ref, strict=True):
+        assert joined == final == list(want)
