@@ -3,8 +3,9 @@
 **Drafts** (``NgramProposer``): for a running request whose tokens are ``x[0..L)`` (prompt +
 output), the longest suffix ``x[L-n..L)`` with ``prompt_lookup_min <= n <= prompt_lookup_max``
 that also occurs earlier in ``x`` is looked up (longest ``n`` first; among its earlier
-occurrences the most recent one), and the up to ``k`` tokens that followed that occurrence are
-the drafts. No match, no drafts: the request decodes as usual that step (no extra cost but the
+occurrences the most recent one), and the ``k`` tokens that followed that occurrence are the
+drafts (where they run past the end, the text is continued with the period of the match: a
+loop drafts ``k`` tokens of itself). No match, no drafts: the request decodes as usual that step (no extra cost but the
 lookup). This is prompt lookup decoding (Saxena 2023), vLLM's ``NgramProposer``.
 
 **Verification** (``ModelRunner`` + ``Sampler.verify``): the request's query in the step's one
@@ -96,7 +97,7 @@ class NgramProposer:
             for n in range(min(self.max_n, n_tokens - 1), self.min_n - 1, -1):
                 end = index.ends[n - self.min_n].get(tuple(token_ids[n_tokens - n :]))
                 if end is not None:
-                    return list(token_ids[end : end + k])
+                    return _continue(token_ids, end, k)
             return []
         x = np.asarray(token_ids, dtype=np.int64)
         for n in range(min(self.max_n, n_tokens - 1), self.min_n - 1, -1):
@@ -105,13 +106,23 @@ class NgramProposer:
             windows = np.lib.stride_tricks.sliding_window_view(x[: n_tokens - 1], n)
             hits = np.flatnonzero((windows == suffix).all(axis=1))
             if hits.size:
-                start = int(hits[-1]) + n
-                return x[start : start + k].tolist()
+                return _continue(token_ids, int(hits[-1]) + n, k)
         return []
 
     def new_index(self) -> NgramIndex:
         """An empty ``NgramIndex`` for this proposer's n-gram lengths."""
         return NgramIndex(self.min_n, self.max_n)
+
+
+def _continue(token_ids: Sequence[int], end: int, k: int) -> list[int]:
+    """The ``k`` tokens that follow position ``end`` when the text goes on as it did there:
+    ``x[end:]``, and past the last token the drafts themselves (a match ``p`` tokens back
+    repeats with period ``p``: a loop "a b a b" drafts "a b a b", not just "a")."""
+    n_tokens = len(token_ids)
+    out = list(token_ids[end : min(end + k, n_tokens)])
+    while len(out) < k:
+        out.append(out[len(out) - (n_tokens - end)])
+    return out
 
 
 class NgramIndex:

@@ -53,8 +53,10 @@ def test_ngram_proposer_takes_the_longest_recent_match():
     assert p.propose(tokens, max_drafts=2) == [8, 9]
     assert p.propose(tokens, max_drafts=0) == []
     assert p.propose([1, 2, 3, 4]) == []  # nothing recurs
-    # the most recent occurrence wins among equal lengths; the draft may run to the end
-    assert NgramProposer(4, 1, 1).propose([1, 2, 1, 3, 1]) == [3, 1]
+    # the most recent occurrence wins among equal lengths; past the end the match's period
+    # continues: "1" recurred 2 tokens back, so the drafts repeat "3 1"
+    assert NgramProposer(4, 1, 1).propose([1, 2, 1, 3, 1]) == [3, 1, 3, 1]
+    assert NgramProposer(5, 2, 3).propose([4, 7, 7, 7]) == [7, 7, 7, 7, 7]  # a loop of one
     # longer n-grams first: "2 1" matches at 1 (then 9), not "1" at 3 (then 4)
     assert NgramProposer(2, 1, 2).propose([2, 1, 9, 1, 4, 2, 1]) == [9, 1]
     assert NgramProposer(2, 3, 3).propose([2, 1, 9, 1, 4, 2, 1]) == []  # min 3: no match
