@@ -61,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``prefixgate`` script; returns the process exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), None)
+    if command == "serve":  # before torch loads (OpenMP reads it once): engine/threads.py
+        from prefixgate.engine.threads import passive_wait_env
+
+        passive_wait_env()
     args = build_parser(command).parse_args(argv)
     return int(args.func(args) or 0)
 
