@@ -78,6 +78,16 @@ class EngineConfig:
             ``--runner``.
         pooling_type: how the pooling runner turns a sequence's final hidden states into one
             vector: ``"last"`` (last token) or ``"mean"``; the vector is L2-normalized.
+        speculative_method: ``None`` (off) or ``"ngram"``: prompt-lookup speculative decoding
+            (vLLM's ``speculative_config={"method": "ngram"}``; ``engine/spec_decode.py``).
+        num_speculative_tokens: most draft tokens verified per request per step (vLLM's).
+        prompt_lookup_min, prompt_lookup_max: shortest / longest n-gram the ``ngram`` drafter
+            matches (vLLM's names), ``1 <= min <= max``.
+        spec_min_acceptance: a request whose mean share of accepted drafts falls under this
+            (0..1) pauses speculation for a while (``spec_decode.SpecDecodeState``).
+        threads: torch intra-op threads, set once (``torch.set_num_threads``) when the engine
+            starts; ``None`` leaves torch's setting as it is (``prefixgate serve`` passes
+            ``--threads``, default ``engine.threads.default_threads()``).
     """
 
     model: str | None = None
@@ -109,6 +119,12 @@ class EngineConfig:
     kv_events_buffer_steps: int = 10_000
     kv_events_queue_size: int = 10_000
     kv_events_topic: str = ""
+    speculative_method: Literal["ngram"] | None = None
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    spec_min_acceptance: float = 0.25
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
@@ -125,6 +141,10 @@ class EngineConfig:
             ("max_num_batched_tokens", False),
             ("kv_events_buffer_steps", False),
             ("kv_events_queue_size", False),
+            ("num_speculative_tokens", False),
+            ("prompt_lookup_min", False),
+            ("prompt_lookup_max", False),
+            ("threads", True),
         ):
             value = getattr(self, name)
             if (value is not None or not optional) and (
@@ -219,3 +239,30 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be 'torch', 'triton' or None, got {self.attention_backend!r}"
             )
+        if self.speculative_method not in (None, "ngram"):
+            raise ValueError(
+                f"speculative_method must be 'ngram' or None, got {self.speculative_method!r}"
+            )
+        if not 1 <= self.num_speculative_tokens <= 64:
+            raise ValueError(
+                f"num_speculative_tokens must be in [1, 64], got {self.num_speculative_tokens}"
+            )
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                "need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
+            )
+        if isinstance(self.spec_min_acceptance, bool) or not isinstance(
+            self.spec_min_acceptance, int | float
+        ):
+            raise TypeError(
+                f"spec_min_acceptance must be a number, got {self.spec_min_acceptance!r}"
+            )
+        if not 0.0 <= self.spec_min_acceptance <= 1.0:
+            raise ValueError(
+                f"spec_min_acceptance must be in [0, 1], got {self.spec_min_acceptance}"
+            )
+        if self.speculative_method is not None and self.runner == "pooling":
+            raise ValueError("speculative_method needs runner='generate'")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")

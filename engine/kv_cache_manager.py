@@ -319,6 +319,31 @@ class KVCacheManager:
         for uid in state.uid_holds:
             self.pool.release_uid(uid)
 
+    def trim(self, request: Request, num_tokens: int) -> int:
+        """Free the request's tail blocks beyond the first ``blocks_needed(num_tokens)`` (the
+        slots of rejected speculative drafts); returns how many were freed.
+
+        Raises:
+            ValueError: a block to free is in the prefix cache's chain of the request (its
+                tokens were computed: ``num_tokens`` below the cached length).
+        """
+        state = self._reqs.get(request.request_id)
+        if state is None:
+            return 0
+        keep = self.blocks_needed(num_tokens)
+        if keep < len(state.chain_uids):
+            raise ValueError(
+                f"request {request.request_id!r}: cannot trim to {num_tokens} tokens, "
+                f"{len(state.chain_uids)} of its blocks are cached"
+            )
+        tail = state.blocks[keep:]
+        if not tail:
+            return 0
+        del state.blocks[keep:]
+        del state.block_ids[keep:]
+        self.pool.free(reversed(tail))
+        return len(tail)
+
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table (block ids in token order); ``[]`` if it holds none."""
         state = self._reqs.get(request_id)

@@ -41,6 +41,7 @@ from prefixgate.engine.sampler import Sampler, SamplingState
 from prefixgate.engine.sampling_params import SamplingParams
 from prefixgate.engine.scheduler import Scheduler
 from prefixgate.engine.structured_output import StructuredOutputManager
+from prefixgate.engine.threads import apply_threads
 from prefixgate.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -89,6 +90,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        apply_threads(config.threads)  # once, before the model is built
         self.model_config = mc = ModelConfig.from_engine_config(config)
         self.tokenizer = _load_tokenizer(mc)
         self.max_model_len: int = mc.max_model_len

@@ -13,7 +13,7 @@ operations, so host overhead stays small next to the forward pass.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -34,8 +34,11 @@ class ModelInput:
         input_ids: ``[T]`` int64 query token ids, sequence after sequence.
         positions: ``[T]`` int64 absolute positions of those tokens.
         meta: paged-attention metadata (slot mapping, block tables, ...).
-        logits_indices: ``[N]`` int64 rows of the hidden states whose logits are sampled.
+        logits_indices: ``[N + D]`` int64 rows of the hidden states whose logits are computed:
+            per sampling request its last query token, and before it one row per draft token
+            (speculative decoding: ``1 + k`` rows for a request with ``k`` drafts); D = drafts.
         sample_order: indices into the scheduled list of the N requests that sample, in row order.
+        num_drafts: per entry of ``sample_order``, its draft count ``k`` (0 without drafts).
     """
 
     input_ids: torch.Tensor
@@ -43,6 +46,7 @@ class ModelInput:
     meta: AttentionMetadata
     logits_indices: torch.Tensor
     sample_order: list[int]
+    num_drafts: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -50,14 +54,16 @@ class RunnerOutput:
     """What one ``execute`` produced.
 
     Attributes:
-        sampled: request id → sampled token id (requests that sampled this step only).
+        sampled: request id → sampled token id (requests that sampled this step only); for a
+            request that verified drafts, the list of its accepted drafts then the correction
+            or bonus token.
         logprobs: request id → ``TokenLogprobs`` (requests that asked for logprobs only).
         forward_s: seconds spent in the model forward + logits (host wall clock).
         prepare_s: seconds spent building the flat batch and its metadata.
         sample_s: seconds spent sampling (and reading the tokens back).
     """
 
-    sampled: dict[str, int]
+    sampled: dict[str, int | list[int]]
     logprobs: dict[str, TokenLogprobs]
     forward_s: float
     prepare_s: float = 0.0
@@ -110,9 +116,10 @@ class ModelRunner:
         """Flatten scheduled requests (``ScheduledRequest(request, num_new_tokens, block_ids)``,
         single-token queries first) into a ``ModelInput``.
 
-        Query tokens of request r are ``r.all_token_ids[c : c + n]`` with ``c =
-        r.num_computed_tokens`` and ``n = num_new_tokens``; their positions are ``c .. c+n-1``
-        and their slots ``block_ids[p // S] * S + p % S``.
+        Query tokens of request r are ``r.all_token_ids[c : c + n - k] + spec_token_ids``
+        with ``c = r.num_computed_tokens``, ``n = num_new_tokens`` and ``k`` drafts (0 but for
+        speculative decoding); their positions are ``c .. c+n-1`` and their slots
+        ``block_ids[p // S] * S + p % S``.
         """
         bs = self.block_size
         num_seqs = len(scheduled)
@@ -121,6 +128,7 @@ class ModelRunner:
         token_ids: list[int] = []
         max_blocks = 1
         sample_order: list[int] = []
+        num_drafts: list[int] = []
         for i, s in enumerate(scheduled):
             r = s.request
             n = s.num_new_tokens
@@ -128,12 +136,18 @@ class ModelRunner:
             q_lens[i] = n
             starts[i] = c
             all_ids = r.all_token_ids
-            if n == 1:
+            spec = getattr(s, "spec_token_ids", None)
+            if spec:
+                n -= len(spec)
+                token_ids.extend(all_ids[c : c + n])
+                token_ids.extend(spec)
+            elif n == 1:
                 token_ids.append(all_ids[c])
             else:
                 token_ids.extend(all_ids[c : c + n])
             if c + n == len(all_ids):
                 sample_order.append(i)
+                num_drafts.append(len(spec) if spec else 0)
             nb = len(s.block_ids)
             if nb > max_blocks:
                 max_blocks = nb
@@ -154,6 +168,13 @@ class ModelRunner:
             tables[i, : len(ids)] = ids
         slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
         logits_idx = qsl[1:][sample_order] - 1
+        if any(num_drafts):  # 1 + k rows per request with k drafts
+            logits_idx = np.concatenate(
+                [
+                    np.arange(e - k, e + 1)
+                    for e, k in zip(logits_idx.tolist(), num_drafts, strict=True)
+                ]
+            )
 
         dev = self.device
         meta = AttentionMetadata(
@@ -171,6 +192,7 @@ class ModelRunner:
             meta=meta,
             logits_indices=self._to(np.asarray(logits_idx, dtype=np.int64), dev),
             sample_order=sample_order,
+            num_drafts=num_drafts,
         )
 
     def _to(self, arr: np.ndarray, dev: torch.device) -> torch.Tensor:
@@ -214,30 +236,56 @@ class ModelRunner:
         t1 = time.perf_counter()
         forward_s = t1 - t0
 
-        requests = [scheduled[i].request for i in inp.sample_order]
+        sampled: dict[str, int | list[int]] = {}
+        logprobs: dict[str, TokenLogprobs] = {}
+        sampling = [scheduled[i] for i in inp.sample_order]
+        if any(inp.num_drafts):  # speculative decoding: verify each request's drafts
+            rows: list[int] = []
+            plain: list[Any] = []
+            row = 0
+            for s, k in zip(sampling, inp.num_drafts, strict=True):
+                if k == 0:
+                    rows.append(row)
+                    plain.append(s)
+                else:
+                    sampled[s.request.request_id] = self.sampler.verify(
+                        logits[row : row + k + 1], self._state(s.request), list(s.spec_token_ids)
+                    )
+                row += k + 1
+            logits, sampling = logits[rows], plain
+        if sampling:
+            self._sample(logits, [s.request for s in sampling], sampled, logprobs)
+        return RunnerOutput(sampled, logprobs, forward_s, prepare_s, time.perf_counter() - t1)
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        requests: list[Any],
+        sampled: dict[str, int | list[int]],
+        logprobs: dict[str, TokenLogprobs],
+    ) -> None:
+        """One token per request from ``logits`` ``[N, V]`` (row i: ``requests[i]``) into
+        ``sampled`` / ``logprobs``; a grammar accepts its request's token."""
         grammar_of = [getattr(r, "structured_output", None) for r in requests]
-        states = [
-            self.sampling_state_cls(
-                params=r.sampling_params,
-                prompt_token_ids=r.prompt_token_ids,
-                output_token_ids=r.output_token_ids,
-                generator=r.generator,
-                eos_token_ids=r.eos_token_ids,
-                grammar=g,
-            )
-            for r, g in zip(requests, grammar_of, strict=True)
-        ]
+        states = [self._state(r, g) for r, g in zip(requests, grammar_of, strict=True)]
         # every change to the logits (grammar mask included) is the sampler's logits pipeline
         results = self.sampler.sample(logits, states)
-        sampled: dict[str, int] = {}
-        logprobs: dict[str, TokenLogprobs] = {}
         for r, res, g in zip(requests, results, grammar_of, strict=True):
             sampled[r.request_id] = int(res.token_id)
             if g is not None:
                 g.accept(int(res.token_id))
             if res.logprobs is not None:
                 logprobs[r.request_id] = res.logprobs
-        return RunnerOutput(sampled, logprobs, forward_s, prepare_s, time.perf_counter() - t1)
+
+    def _state(self, r: Any, grammar: Any = None) -> Any:
+        return self.sampling_state_cls(
+            params=r.sampling_params,
+            prompt_token_ids=r.prompt_token_ids,
+            output_token_ids=r.output_token_ids,
+            generator=r.generator,
+            eos_token_ids=r.eos_token_ids,
+            grammar=grammar,
+        )
 
 
 def _decodes_first(scheduled: list[Any]) -> list[Any]:

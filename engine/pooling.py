@@ -30,6 +30,7 @@ from prefixgate.engine.models.config import ModelConfig
 from prefixgate.engine.models.loader import load_model
 from prefixgate.engine.outputs import RequestOutput
 from prefixgate.engine.protocol import EngineRequest
+from prefixgate.engine.threads import apply_threads
 from prefixgate.engine.tokenizer import Tokenizer
 
 _NOT_GENERATIVE = (
@@ -76,6 +77,7 @@ class PoolingEngine:
         if config.runner != "pooling":
             raise ValueError(f"PoolingEngine needs runner='pooling', got {config.runner!r}")
         self._config = config
+        apply_threads(config.threads)  # once, before the model is built
         mc = ModelConfig.from_engine_config(config)
         self.model_config = mc
         self._tokenizer = (

@@ -90,6 +90,8 @@ class Request:
             scheduler tests): a per-request field added there is read here as
             ``request.engine_request.<field>``.
         error: why the request failed (a sampled token its grammar rejected), else ``None``.
+        spec: its speculative-decoding bookkeeping (``spec_decode.SpecDecodeState``), made by
+            the scheduler at its first draft; ``None`` until then or without speculation.
 
     Raises:
         ValueError: empty prompt, a negative token id, or max_tokens < 1.
@@ -160,6 +162,7 @@ class Request:
         self.pin_job: Any = None
         self.engine_request: EngineRequest | None = None
         self.error: BaseException | None = None
+        self.spec: Any = None
 
     @property
     def num_tokens(self) -> int:

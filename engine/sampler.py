@@ -15,6 +15,7 @@ shares its batch.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ from prefixgate.engine.logits_processors import (
 )
 from prefixgate.engine.outputs import Logprob, TokenLogprobs
 from prefixgate.engine.sampling_params import SamplingParams
+from prefixgate.engine.spec_decode import rejection_sample
 
 __all__ = ["STEP_ORDER", "SampleResult", "Sampler", "SamplingState", "apply_penalties"]
 
@@ -100,6 +102,15 @@ class Sampler:
 
     def _sample_random(self, scores: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
         """``scores [R, V]`` (penalized logits) → ``[R]`` int64 sampled ids."""
+        probs = self._probs(scores, states)
+        # Generators may live on different devices (per-request CUDA ones, the shared CPU one).
+        uniforms = torch.cat([self._uniform(s.generator).cpu() for s in states]).to(probs.device)
+        return inverse_cdf(probs, uniforms)
+
+    @staticmethod
+    def _probs(scores: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+        """``scores [R, V]`` float32 (penalized logits) → ``[R, V]`` the distributions drawn
+        from: temperature, top-k, top-p, softmax, min-p."""
         params = [s.params for s in states]
         device = scores.device
         temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
@@ -107,10 +118,74 @@ class Sampler:
         scores = apply_top_k(scores, [p.top_k for p in params])
         scores = apply_top_p(scores, [p.top_p for p in params])
         probs = torch.softmax(scores, dim=-1)
-        probs = apply_min_p(probs, [p.min_p for p in params])
-        # Generators may live on different devices (per-request CUDA ones, the shared CPU one).
-        uniforms = torch.cat([self._uniform(s.generator).cpu() for s in states]).to(device)
-        return inverse_cdf(probs, uniforms)
+        return apply_min_p(probs, [p.min_p for p in params])
+
+    def verify(
+        self, logits: torch.Tensor, state: SamplingState, draft_token_ids: Sequence[int]
+    ) -> list[int]:
+        """Verify ``k`` draft tokens of one request (speculative decoding).
+
+        Row ``j`` of ``logits`` is the model's prediction after the request's tokens plus
+        drafts ``d_1..d_j``. Position by position, the logits pipeline runs with the output so
+        far plus the drafts accepted before it, then: greedy accepts ``d_{j+1}`` while it is
+        the argmax; random sampling accepts it by ``spec_decode.rejection_sample`` (output
+        distribution unchanged). The first rejection yields the replacement token; when all
+        are accepted, the last row yields one more (the bonus).
+
+        Args:
+            logits: ``[k + 1, V]`` float32 raw model logits.
+            state: the request's sampling state (no grammar: the scheduler drafts none there).
+            draft_token_ids: the ``k`` drafts.
+
+        Returns:
+            The accepted drafts then the replacement / bonus token: 1 to ``k + 1`` ids.
+
+        Raises:
+            ValueError: ``logits`` not ``[k + 1, V]``, or ``state`` has a grammar.
+        """
+        k = len(draft_token_ids)
+        if logits.dim() != 2 or logits.shape[0] != k + 1:
+            raise ValueError(
+                f"logits must be [{k + 1}, V] for {k} drafts, got {tuple(logits.shape)}"
+            )
+        if state.grammar is not None:
+            raise ValueError("speculative verification does not take a structured-output grammar")
+        drafts = [int(d) for d in draft_token_ids]
+        outputs = list(state.output_token_ids)
+        greedy = state.params.temperature < GREEDY_EPS
+        states = [
+            dataclasses.replace(state, output_token_ids=outputs + drafts[:j]) for j in range(k + 1)
+        ]
+        steps = self.pipeline.steps
+        if greedy and not any(step.applies(st) for st in states for step in steps):
+            targets = logits.argmax(dim=-1).tolist()  # the pipeline would change nothing
+            out: list[int] = []
+            for j in range(k + 1):
+                out.append(int(targets[j]))
+                if j == k or targets[j] != drafts[j]:
+                    return out
+            return out
+        out = []
+        for j in range(k + 1):
+            st = states[j]
+            scores = self.pipeline(logits[j : j + 1], [st]).scores.float()
+            if greedy:
+                t = int(scores[0].argmax())
+                out.append(t)
+                if j == k or t != drafts[j]:
+                    return out
+                continue
+            probs = self._probs(scores, [st])
+            if j == k:  # the bonus token: a plain draw
+                out.append(int(inverse_cdf(probs, self._uniform(st.generator).cpu())[0]))
+                return out
+            u1 = float(self._uniform(st.generator))
+            u2 = float(self._uniform(st.generator))
+            t, accepted = rejection_sample(probs[0], drafts[j], u1, u2)
+            out.append(t)
+            if not accepted:
+                return out
+        return out
 
     def _uniform(self, generator: torch.Generator | None) -> torch.Tensor:
         gen = generator if generator is not None else self.generator

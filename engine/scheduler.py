@@ -23,6 +23,16 @@ Each ``schedule()`` call (one engine step):
    step's token budget is first shared by tenant weight (``token_caps``), then what is left
    goes to anyone; see ``scheduling_policy.py`` for the shares and the bounds.
 
+Speculative decoding (``EngineConfig.speculative_method="ngram"``, ``spec_decode.py``): a
+decode may carry draft tokens (``ScheduledRequest.spec_token_ids``), its query growing to
+``1 + k`` tokens; drafts get KV slots only when blocks are free (a request that cannot have
+them decodes plainly: drafts never preempt anyone) and live only in the step's
+``ScheduledRequest``, so a preempted request has none. ``update_from_output`` takes the
+runner's accepted drafts + bonus token per such request, appends them one by one (each through
+``Request.check_stop``: EOS, stop ids, stop strings and ``max_tokens`` end the run at that
+token), keeps ``num_computed_tokens`` at the last accepted draft and frees the blocks that
+only rejected drafts used.
+
 Rates (``stats()``): each step's model time is the time from ``schedule()`` to
 ``update_from_output()``. ``decode_tokens_per_s`` is an exponentially weighted mean (weight
 ``RATE_ALPHA`` for the newest step) of decode tokens / time over steps that prefill nothing;
@@ -38,7 +48,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +57,7 @@ from prefixgate.engine.errors import CacheCapacityError
 from prefixgate.engine.kv_cache_manager import KVCacheManager
 from prefixgate.engine.request import Request, RequestStatus
 from prefixgate.engine.scheduling_policy import Room, SchedulingPolicy, make_policy, tenant_of
+from prefixgate.engine.spec_decode import NgramProposer, SpecDecodeState
 
 RATE_ALPHA = 0.2
 """Weight of the newest step in the exponentially weighted rates of ``stats()``."""
@@ -63,17 +74,23 @@ class ScheduledRequest:
             positions ``c ..`` where ``c = num_computed_tokens``.
         block_ids: the request's whole block table after allocation (covers ``c + n`` tokens).
         num_computed_tokens: ``c``, the context already in the KV cache before this step.
+        spec_token_ids: draft tokens verified this step (speculative decoding), the last
+            ``len(spec_token_ids)`` of the ``num_new_tokens`` query tokens; ``[]`` otherwise.
     """
 
     request: Request
     num_new_tokens: int
     block_ids: list[int]
     num_computed_tokens: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """True when this step reaches the request's last token: the runner samples it."""
-        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        return (
+            self.num_computed_tokens + self.num_new_tokens - len(self.spec_token_ids)
+            == self.request.num_tokens
+        )
 
     @property
     def is_decode(self) -> bool:
@@ -142,6 +159,15 @@ class Scheduler:
         self.prefill_tokens_per_s: float | None = None
         self.decode_tokens_per_s: float | None = None
         self.finished_per_s: float | None = None
+        self.proposer: NgramProposer | None = None
+        if config.speculative_method == "ngram":
+            self.proposer = NgramProposer(
+                config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
+            )
+        self.spec_min_acceptance = float(config.spec_min_acceptance)
+        self.spec_num_drafts = 0  # verify steps (vLLM's spec_decode_num_drafts)
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
 
     # ---- queue state --------------------------------------------------------------------
     @property
@@ -272,6 +298,12 @@ class Scheduler:
                 num_new = min(num_new, self._cap_left(req, caps, used, budget))
                 if num_new <= 0:
                     continue  # over its share this round: the second round may serve it
+            drafts = self._propose(req, budget - num_new, caps, used) if num_new == 1 else []
+            if drafts and self.kv.allocate_slots(req, 1 + len(drafts)):
+                scheduled[req.request_id] = self._schedule(req, 1 + len(drafts), drafts)
+                budget -= 1 + len(drafts)
+                used[tenant_of(req)] = used.get(tenant_of(req), 0) + 1 + len(drafts)
+                continue
             while not self._allocate(req, num_new):
                 victim = self.policy.victim(self.running)
                 budget += self._preempt(victim, scheduled, used)
@@ -297,10 +329,50 @@ class Scheduler:
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(out, sum(s.num_new_tokens for s in out), preempted, finished)
 
-    def _schedule(self, req: Request, num_new: int) -> ScheduledRequest:
+    def _schedule(
+        self, req: Request, num_new: int, drafts: list[int] | None = None
+    ) -> ScheduledRequest:
         return ScheduledRequest(
-            req, num_new, self.kv.get_block_ids(req.request_id), req.num_computed_tokens
+            req,
+            num_new,
+            self.kv.get_block_ids(req.request_id),
+            req.num_computed_tokens,
+            drafts if drafts is not None else [],
         )
+
+    def _propose(
+        self,
+        req: Request,
+        room: int,
+        caps: dict[str, int] | None,
+        used: dict[str, int],
+    ) -> list[int]:
+        """Draft tokens for a decode of ``req`` (``[]``: plain decode): none without a
+        proposer, for a grammar, logprobs or a pin request, while its speculation pauses, or
+        beyond ``room`` budget tokens, ``max_tokens`` or ``max_model_len``."""
+        if self.proposer is None or room <= 0:
+            return []
+        params = req.sampling_params
+        if req.structured_output is not None or req.pin_job is not None:
+            return []
+        if params is not None and params.logprobs is not None:
+            return []
+        if req.spec is None:
+            req.spec = SpecDecodeState()
+        if not req.spec.enabled(req.num_output_tokens):
+            return []
+        limit = min(
+            room,
+            req.max_tokens - req.num_output_tokens - 1,  # accepted + bonus within max_tokens
+            self.max_model_len - req.num_tokens - 1,
+        )
+        if caps is not None:
+            limit = min(limit, self._cap_left(req, caps, used, room + 1) - 1)
+        if limit <= 0:
+            return []
+        if req.spec.index is None:
+            req.spec.index = self.proposer.new_index()
+        return self.proposer.propose(req.all_token_ids, limit, req.spec.index)
 
     @staticmethod
     def _cap_left(req: Request, caps: dict[str, int], used: dict[str, int], budget: int) -> int:
@@ -507,14 +579,18 @@ class Scheduler:
         return s.num_new_tokens
 
     def update_from_output(
-        self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, int]
+        self,
+        scheduler_output: SchedulerOutput,
+        sampled_token_ids: Mapping[str, int | Sequence[int]],
     ) -> list[Request]:
         """Advance the step's requests, append sampled tokens, and finish the done ones.
 
         Args:
             scheduler_output: what ``schedule()`` returned for this step.
             sampled_token_ids: request id → sampled token, for each scheduled request that
-                samples (``ScheduledRequest.samples``); tokens for others are ignored.
+                samples (``ScheduledRequest.samples``); tokens for others are ignored. For a
+                request with drafts: the list of its accepted drafts then one more token (the
+                correction or bonus), 1 to ``len(spec_token_ids) + 1`` ids.
 
         Returns:
             Requests finished this step, as ``Request.check_stop`` decided (EOS unless
@@ -522,7 +598,8 @@ class Scheduler:
             ``max_model_len``); their blocks are freed already.
 
         Raises:
-            ValueError: a sampling request has no token in ``sampled_token_ids``.
+            ValueError: a sampling request has no token in ``sampled_token_ids``, or a
+                request with drafts got more than ``len(spec_token_ids) + 1`` or no token.
         """
         live = [
             s
@@ -537,17 +614,33 @@ class Scheduler:
         ]
         if missing:  # checked before anything changes
             raise ValueError(f"no sampled token for request(s) {missing}")
+        for s in live:
+            got = sampled_token_ids.get(s.request.request_id)
+            if s.samples and not isinstance(got, int):
+                if got is None or not 1 <= len(got) <= len(s.spec_token_ids) + 1:
+                    raise ValueError(
+                        f"request {s.request.request_id!r}: {got!r} is not 1 to "
+                        f"{len(s.spec_token_ids) + 1} sampled tokens"
+                    )
         finished: list[Request] = []
         now = time.monotonic()
         prefill_before = self.prompt_tokens_prefilled
         for s in live:
             req = s.request
             c, samples = s.num_computed_tokens, s.samples  # (samples reads num_tokens)
+            if s.spec_token_ids:
+                if samples:
+                    status = self._accept_run(s, sampled_token_ids[req.request_id], now)
+                    if status is not None:
+                        finished.extend(self._finish([req], status))
+                continue
             if c < req.num_prompt_tokens:  # prompt tokens computed (a recompute counts again)
                 self.prompt_tokens_prefilled += min(c + s.num_new_tokens, req.num_prompt_tokens) - c
             req.num_computed_tokens = c + s.num_new_tokens
+            status = None
             if samples:
-                req.append_output_token(sampled_token_ids[req.request_id], now)
+                token = sampled_token_ids[req.request_id]
+                req.append_output_token(token if isinstance(token, int) else token[0], now)
                 self.tokens_decoded += 1
                 self.policy.on_output_token(req)
             self.kv.cache_blocks(req, req.num_computed_tokens)
@@ -558,6 +651,44 @@ class Scheduler:
             scheduler_output, self.prompt_tokens_prefilled - prefill_before, len(finished), now
         )
         return finished
+
+    def _accept_run(
+        self, s: ScheduledRequest, tokens: int | Sequence[int], now: float
+    ) -> RequestStatus | None:
+        """Apply one verify step of ``s`` (drafts ``d_1..d_k`` at positions ``c+1..c+k``):
+        ``tokens`` are the accepted drafts then the correction / bonus token. Each is appended
+        and checked (``Request.check_stop``) in turn, the first that ends the request ends the
+        run; ``num_computed_tokens`` becomes ``c + 1 +`` the accepted drafts kept, and blocks
+        beyond it (written only by rejected drafts) go back to the pool. Returns the finished
+        status or ``None``."""
+        req = s.request
+        run = [tokens] if isinstance(tokens, int) else list(tokens)
+        c, k = s.num_computed_tokens, len(s.spec_token_ids)
+        num_plain = s.num_new_tokens - k  # the query's tokens before the drafts (1)
+        if c < req.num_prompt_tokens:  # a one-token prompt tail carried drafts
+            self.prompt_tokens_prefilled += min(c + num_plain, req.num_prompt_tokens) - c
+        accepted = len(run) - 1
+        status = None
+        appended = 0
+        for token in run:
+            req.append_output_token(token, now)
+            appended += 1
+            self.tokens_decoded += 1
+            self.policy.on_output_token(req)
+            status = req.check_stop(self.max_model_len)
+            if status is not None:
+                break
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += k
+        self.spec_num_accepted_tokens += accepted
+        if req.spec is not None:
+            req.spec.record(k, accepted, req.num_output_tokens, self.spec_min_acceptance)
+        # KV is valid through the last accepted draft the request kept
+        req.num_computed_tokens = c + num_plain + min(accepted, appended)
+        self.kv.cache_blocks(req, req.num_computed_tokens)
+        if status is None:
+            self.kv.trim(req, req.num_computed_tokens)
+        return status
 
     def _measure(
         self, out: SchedulerOutput, num_prefill: int, num_finished: int, now: float
@@ -627,9 +758,24 @@ class Scheduler:
             "finished_per_s": self.finished_per_s,
             "prompt_tokens_prefilled": self.prompt_tokens_prefilled,
             "tokens_decoded": self.tokens_decoded,
+            **self.spec_stats(),
             "scheduling_policy": self.policy.name,
             "tenants": self.policy.tenant_stats(self.waiting, self.running),
             **self.kv.stats(),
+        }
+
+    def spec_stats(self) -> dict[str, Any]:
+        """Speculative decoding's counters (vLLM's ``spec_decode_*``): verify steps, draft
+        tokens proposed, drafts accepted, and their ratio (``None`` before any draft); empty
+        without speculation."""
+        if self.proposer is None:
+            return {}
+        n = self.spec_num_draft_tokens
+        return {
+            "spec_decode_num_drafts": self.spec_num_drafts,
+            "spec_decode_num_draft_tokens": n,
+            "spec_decode_num_accepted_tokens": self.spec_num_accepted_tokens,
+            "spec_decode_acceptance_rate": self.spec_num_accepted_tokens / n if n else None,
         }
 
     def check_invariants(self) -> None:

@@ -65,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     one line and exit code 130, not a ``KeyboardInterrupt`` traceback."""
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), None)
+    if command == "serve":  # before torch loads (OpenMP reads it once): engine/threads.py
+        from prefixgate.engine.threads import passive_wait_env
+
+        passive_wait_env()
     try:
         args = build_parser(command).parse_args(argv)
         return int(args.func(args) or 0)

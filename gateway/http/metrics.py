@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS = (
@@ -102,10 +102,27 @@ class _EngineStats(Collector):
         ),
     }
 
+    # counters (exposed with the ``_total`` suffix), present with speculative decoding on:
+    # vLLM's ``vllm:spec_decode_*`` names
+    _COUNTERS = {
+        "spec_decode_num_drafts": (
+            "prefixgate_spec_decode_num_drafts",
+            "verify steps of speculative decoding (one per request per step with drafts)",
+        ),
+        "spec_decode_num_draft_tokens": (
+            "prefixgate_spec_decode_num_draft_tokens",
+            "draft tokens proposed by speculative decoding",
+        ),
+        "spec_decode_num_accepted_tokens": (
+            "prefixgate_spec_decode_num_accepted_tokens",
+            "draft tokens accepted by the verification",
+        ),
+    }
+
     def __init__(self, stats: Callable[[], dict[str, Any] | None]) -> None:
         self._stats = stats
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         try:
             stats = self._stats()
         except Exception:  # noqa: BLE001 - a scrape never fails because of the engine
@@ -116,6 +133,10 @@ class _EngineStats(Collector):
             value = stats.get(key)
             if isinstance(value, int | float):
                 yield GaugeMetricFamily(name, doc, value=float(value))
+        for key, (name, doc) in self._COUNTERS.items():
+            value = stats.get(key)
+            if isinstance(value, int | float):
+                yield CounterMetricFamily(name, doc, value=float(value))
         tenants = stats.get("tenants")
         if isinstance(tenants, dict) and tenants:
             yield from self._tenant_families(tenants)
@@ -159,7 +180,7 @@ class _TenantQueue(Collector):
     def __init__(self, admission: Any) -> None:
         self._admission = admission
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         fam = GaugeMetricFamily(
             "prefixgate_tenant_queue_requests",
             "requests per tenant (API key name) in the admission queue",

@@ -5,6 +5,9 @@ activity:
     engine: prompt 812.4 tokens/s, generation 96.0 tokens/s, running 8, waiting 3,
     KV cache 41.2 % used, prefix hit rate 88.0 %
 
+With speculative decoding on, the line ends with the interval's draft acceptance: ``,
+spec acceptance 62.5 % (40/64 draft tokens)`` (vLLM's "SpecDecoding metrics" line).
+
 Throughputs are over the interval (tokens prefilled / decoded since the previous line, divided
 by the seconds between them); the prefix hit rate is the share of prompt tokens looked up in
 the interval that were served from the prefix cache (the cumulative rate when none were).
@@ -35,11 +38,19 @@ def stats_line(prev: dict[str, Any], cur: dict[str, Any], seconds: float) -> str
     hits = cur["prefix_cache_hits"] - prev["prefix_cache_hits"]
     hit_rate = hits / queries if queries else cur.get("prefix_cache_hit_rate") or 0.0
     total = cur["kv_blocks_total"] or 1
-    return (
+    line = (
         f"engine: prompt {prefilled / seconds:.1f} tokens/s, generation {decoded / seconds:.1f} "
         f"tokens/s, running {running}, waiting {waiting}, KV cache "
         f"{100.0 * cur['kv_blocks_used'] / total:.1f} % used, prefix hit rate {100.0 * hit_rate:.1f} %"
     )
+    if "spec_decode_num_draft_tokens" in cur:
+        drafted = cur["spec_decode_num_draft_tokens"] - prev.get("spec_decode_num_draft_tokens", 0)
+        accepted = cur["spec_decode_num_accepted_tokens"] - prev.get(
+            "spec_decode_num_accepted_tokens", 0
+        )
+        rate = 100.0 * accepted / drafted if drafted else 0.0
+        line += f", spec acceptance {rate:.1f} % ({accepted}/{drafted} draft tokens)"
+    return line
 
 
 async def log_engine_stats(

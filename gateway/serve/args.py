@@ -46,6 +46,12 @@ _UNITS = {
 
 # Flags whose generic name would be awkward; value: (flag, argparse kwargs).
 _SPECIAL = {"model", "enable_prefix_caching", "hf_overrides", "kv_cache_memory", "tenant_weights"}
+# More spellings of an engine flag: vLLM's names where they differ from the field's.
+_ALIASES = {
+    "speculative_method": ("--speculative",),
+    "prompt_lookup_min": ("--ngram-prompt-lookup-min",),
+    "prompt_lookup_max": ("--ngram-prompt-lookup-max",),
+}
 
 
 def parse_bytes(text: str) -> int:
@@ -133,7 +139,7 @@ def _engine_flags(group: argparse._ArgumentGroup) -> None:
         default = f.default if f.default is not dataclasses.MISSING else None
         # a field without an entry gets its bare name (test_serve_help fails on it)
         kwargs["help"] = _with_default(ENGINE_HELP.get(f.name, f.name), default)
-        group.add_argument("--" + f.name.replace("_", "-"), **kwargs)
+        group.add_argument("--" + f.name.replace("_", "-"), *_ALIASES.get(f.name, ()), **kwargs)
     group.add_argument(
         "--kv-cache-memory",
         dest="kv_cache_memory",

@@ -64,6 +64,10 @@ def engine_config(args: argparse.Namespace) -> Any:
     names = {f.name for f in dataclasses.fields(EngineConfig)}
     values = {k: v for k, v in vars(args).items() if k in names}
     values["model"] = args.model
+    if values.get("threads") is None:
+        from prefixgate.engine.threads import default_threads
+
+        values["threads"] = default_threads()
     return EngineConfig(**values)
 
 

@@ -94,4 +94,14 @@ ENGINE_HELP = {
     "kv_events_queue_size": "KV event batches queued between the step loop and the publisher "
     "(>= 1); a batch past it is dropped and counted, and consumers resync on the gap",
     "kv_events_topic": "topic frame of every KV event message (default: empty)",
+    "speculative_method": "speculative decoding: ngram (prompt lookup: drafts copied from "
+    "where the request's last n-gram occurred before in its prompt + output, verified in one "
+    "forward; greedy output unchanged, sampling by rejection sampling) (default: off)",
+    "num_speculative_tokens": "most draft tokens verified per request per step (1 to 64)",
+    "prompt_lookup_min": "ngram speculation: shortest n-gram matched (>= 1)",
+    "prompt_lookup_max": "ngram speculation: longest n-gram matched (>= --prompt-lookup-min)",
+    "spec_min_acceptance": "a request whose mean share of accepted drafts falls under this "
+    "(0 to 1) pauses speculation for a while (16 output tokens, doubling each time)",
+    "threads": "torch intra-op threads, set once before the model is built (>= 1) "
+    "(default: the CPUs this process may run on, at most 8)",
 }

@@ -1,0 +1,33 @@
+"""spec_decode's workloads fit the model's context, and one short round runs end to end with
+identical greedy outputs (the benchmark's own check)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from prefixgate.engine.bench.spec_decode import make_engine, run_workload, workloads
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+def test_workloads_fit_and_one_round_runs(aidreams_path, workloads_path):
+    engines = {
+        "plain": make_engine(aidreams_path, "auto", False, 4),
+        "ngram": make_engine(aidreams_path, "auto", True, 4),
+    }
+    tok = engines["plain"].tokenizer
+    room = engines["plain"].max_model_len - 17
+
+    def fits(prompt: str) -> bool:
+        return len(tok.encode(prompt)) <= room
+
+    wl = workloads(Path(workloads_path) / "user_tasks.jsonl", 3, fits)
+    assert set(wl) == {"repeat", "fresh"}
+    for prompts in wl.values():
+        assert len(prompts) == 3 and all(fits(p) for p in prompts)
+    assert all(p.startswith("Repeat this text exactly.") for p in wl["repeat"])
+    r = run_workload(engines, wl["repeat"][:2], 16)
+    assert r["plain"]["outputs"] == r["ngram"]["outputs"]
+    assert r["plain"]["tokens"] == r["ngram"]["tokens"] == 32
+    assert 0.0 <= r["ngram"]["acceptance"] <= 1.0

@@ -1,0 +1,79 @@
+"""The engine's thread policy: ``EngineConfig.threads`` applied once before the model is built."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from prefixgate.engine import LLM
+from prefixgate.engine.threads import (
+    MAX_DEFAULT_THREADS,
+    apply_threads,
+    available_cpus,
+    default_threads,
+)
+
+
+@pytest.fixture
+def restore_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_default_is_the_affinity_mask_capped():
+    import os
+
+    mask = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert available_cpus() == mask
+    assert default_threads() == min(mask, MAX_DEFAULT_THREADS) >= 1
+
+
+def test_apply_threads(restore_threads):
+    torch.set_num_threads(2)
+    apply_threads(None)
+    assert torch.get_num_threads() == 2
+    apply_threads(1)
+    assert torch.get_num_threads() == 1
+    with pytest.raises(ValueError):
+        apply_threads(0)
+
+
+def test_engine_sets_its_threads_before_the_model(restore_threads):
+    torch.set_num_threads(2)
+    llm = LLM(None, load_format="dummy", threads=1, num_kv_blocks=16)
+    assert torch.get_num_threads() == 1
+    assert llm.config.threads == 1
+
+
+def test_passive_wait_env_only_before_torch_and_never_over_the_users():
+    from prefixgate.engine.threads import PASSIVE_WAIT_ENV, passive_wait_env
+
+    env: dict[str, str] = {}
+    assert passive_wait_env(env, modules={}) == PASSIVE_WAIT_ENV
+    assert env == PASSIVE_WAIT_ENV
+    mine = {"OMP_WAIT_POLICY": "ACTIVE"}
+    assert passive_wait_env(mine, modules={}) == {"KMP_BLOCKTIME": "0"}
+    assert mine["OMP_WAIT_POLICY"] == "ACTIVE"
+    late: dict[str, str] = {}
+    assert passive_wait_env(late, modules={"torch": object()}) == {}
+    assert late == {}
+
+
+def test_serve_sets_passive_waiting_before_torch_loads():
+    import subprocess
+    import sys
+
+    code = (
+        "import os, sys\n"
+        "from prefixgate.gateway import cli\n"
+        "try:\n"
+        "    cli.main(['serve', '--help'])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print(os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)\n"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("OMP_WAIT_POLICY",)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.stdout.strip().splitlines()[-1] == "PASSIVE False", out.stderr[-2000:]
