@@ -32,9 +32,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
+if TYPE_CHECKING:  # torch and numpy only where used: the scheduler (and through it the
+    import torch  # gateway's admission wait, proxy mode too) imports this module torch-free
+
 
 SPEC_METHODS = ("ngram",)
 """The ``speculative_method`` values ``EngineConfig`` takes (``None``: off)."""
@@ -99,6 +101,8 @@ class NgramProposer:
                 if end is not None:
                     return _continue(token_ids, end, k)
             return []
+        import numpy as np
+
         x = np.asarray(token_ids, dtype=np.int64)
         for n in range(min(self.max_n, n_tokens - 1), self.min_n - 1, -1):
             suffix = x[n_tokens - n :]
@@ -217,6 +221,8 @@ def rejection_sample(
     Raises:
         ValueError: ``probs`` not 1-D, or ``draft_token_id`` outside ``[0, V)``.
     """
+    import torch
+
     if probs.dim() != 1:
         raise ValueError(f"probs must be [V], got {tuple(probs.shape)}")
     if not 0 <= draft_token_id < probs.shape[0]:
