@@ -66,9 +66,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     if command == "serve":  # before torch loads (OpenMP reads it once): engine/threads.py
-        from prefixgate.engine.threads import passive_wait_env
-
-        passive_wait_env()
+        try:
+            from prefixgate.engine.threads import passive_wait_env
+        except ImportError:  # no engine: the parser below says which extra to install
+            pass
+        else:
+            passive_wait_env()
     try:
         args = build_parser(command).parse_args(argv)
         return int(args.func(args) or 0)
