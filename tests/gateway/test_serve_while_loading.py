@@ -17,6 +17,36 @@ from support.fake_engine import FakeEngine
 from support.net import free_port
 
 
+class ServeThread:
+    """``serve`` (the runner, fake-engine settings) on a free loopback port, in its own thread
+    and event loop: ``start()``, then ``stop()`` cancels it and joins the thread."""
+
+    def __init__(self) -> None:
+        self.url = f"http://127.0.0.1:{free_port()}"
+        self._loop = asyncio.new_event_loop()
+        self._task: list[asyncio.Task] = []
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        port = int(self.url.rsplit(":", 1)[1])
+        coro = serve(GatewaySettings(model_name="fake"), EngineConfig(), [], "127.0.0.1", port)
+        self._task.append(self._loop.create_task(coro))
+        try:
+            self._loop.run_until_complete(self._task[0])
+        except asyncio.CancelledError:
+            pass
+
+    def start(self) -> ServeThread:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._task:
+            self._loop.call_soon_threadsafe(self._task[0].cancel)
+        self._thread.join(30)
+
+
 def test_health_answers_while_a_slow_load_runs(monkeypatch):
     release = threading.Event()
     loading = threading.Event()
@@ -30,22 +60,8 @@ def test_health_answers_while_a_slow_load_runs(monkeypatch):
             super().__init__()
 
     monkeypatch.setattr(prefixgate.engine, "AsyncEngine", SlowEngine)
-    port = free_port()
-    loop = asyncio.new_event_loop()
-    task: list[asyncio.Task] = []
-
-    def run() -> None:
-        asyncio.set_event_loop(loop)
-        coro = serve(GatewaySettings(model_name="fake"), EngineConfig(), [], "127.0.0.1", port)
-        task.append(loop.create_task(coro))
-        try:
-            loop.run_until_complete(task[0])
-        except asyncio.CancelledError:
-            pass
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
+    server = ServeThread().start()
+    url = server.url
     try:
         assert loading.wait(60)
         with httpx.Client(base_url=url, timeout=30) as http:
@@ -67,9 +83,7 @@ def test_health_answers_while_a_slow_load_runs(monkeypatch):
         assert answered_during_load == [200] * 20
     finally:
         release.set()
-        if task:
-            loop.call_soon_threadsafe(task[0].cancel)
-        thread.join(30)
+        server.stop()
 
 
 def test_the_load_thread_outlives_the_load_until_the_server_stops(monkeypatch):
@@ -77,26 +91,13 @@ def test_the_load_thread_outlives_the_load_until_the_server_stops(monkeypatch):
     OpenMP thread pool); it stays parked while the server runs — once it had exited, every
     engine step's parallel region ran many times slower — and ends when the server stops."""
     monkeypatch.setattr(prefixgate.engine, "AsyncEngine", lambda config: FakeEngine())
-    port = free_port()
-    loop = asyncio.new_event_loop()
-    task: list[asyncio.Task] = []
-
-    def run() -> None:
-        asyncio.set_event_loop(loop)
-        coro = serve(GatewaySettings(model_name="fake"), EngineConfig(), [], "127.0.0.1", port)
-        task.append(loop.create_task(coro))
-        try:
-            loop.run_until_complete(task[0])
-        except asyncio.CancelledError:
-            pass
 
     def loaders() -> list[threading.Thread]:
         return [t for t in threading.enumerate() if t.name == "prefixgate-load"]
 
     before = set(loaders())
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
+    server = ServeThread().start()
+    url = server.url
     deadline = time.monotonic() + 60  # a failure guard, not a timed assertion
     while True:
         try:
@@ -112,7 +113,6 @@ def test_the_load_thread_outlives_the_load_until_the_server_stops(monkeypatch):
         chat = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
         assert http.post("/v1/chat/completions", json=chat).status_code == 200
     assert mine[0].is_alive()
-    loop.call_soon_threadsafe(task[0].cancel)
-    thread.join(30)
+    server.stop()
     mine[0].join(30)
     assert not mine[0].is_alive()
