@@ -42,7 +42,8 @@ async def _burst(urls: list[str], n: int, body: dict) -> list[httpx.Response]:
         )
 
 
-def test_two_replicas_share_one_requests_per_minute_limit(serve_fake, gw, redis_server, tmp_path):
+def _two_replicas_at_60_rpm(serve_fake, redis_server, tmp_path):
+    """Two fake-engine gateways sharing ``redis_server``, one key of 60 requests per minute."""
     settings = GatewaySettings(
         model_name="fake",
         keys_file=_keys(tmp_path, requests_per_minute=60),
@@ -51,6 +52,11 @@ def test_two_replicas_share_one_requests_per_minute_limit(serve_fake, gw, redis_
     )
     a, _ = serve_fake(settings)
     b, _ = serve_fake(settings)
+    return a, b
+
+
+def test_two_replicas_share_one_requests_per_minute_limit(serve_fake, gw, redis_server, tmp_path):
+    a, b = _two_replicas_at_60_rpm(serve_fake, redis_server, tmp_path)
     t0 = time.monotonic()
     responses = asyncio.run(_burst([a.url, b.url], 200, gw.chat_body("hi", max_tokens=1)))
     elapsed = time.monotonic() - t0
@@ -425,14 +431,7 @@ def test_requests_per_minute_shared_by_two_replicas_holds_after_a_redis_restart(
     started again empty, the stale connections are replaced (health check, one retry)
     without a fallback episode, and one shared bucket of 60 requests per minute holds
     across the two replicas again (restarted full: Redis lost the old level)."""
-    settings = GatewaySettings(
-        model_name="fake",
-        keys_file=_keys(tmp_path, requests_per_minute=60),
-        redis_url=redis_server.url,
-        max_queued_requests=512,
-    )
-    a, _ = serve_fake(settings)
-    b, _ = serve_fake(settings)
+    a, b = _two_replicas_at_60_rpm(serve_fake, redis_server, tmp_path)
     body = gw.chat_body("hi", max_tokens=1)
     warm = asyncio.run(_burst([a.url, b.url], 40, body))  # many pooled connections on each
     assert sorted({x.status_code for x in warm}) == [200]
