@@ -22,8 +22,7 @@ Four measures, as the CPU-speed table of the README:
 
 Rounds alternate between the servers (``--rounds``, each round every measure on each server);
 the table gives medians and the min–max spread. Both servers run with the same thread count
-(``--threads``; prefixgate through ``OMP_NUM_THREADS`` and ``--threads`` when its CLI has
-it, llama.cpp through its own flag).
+(``--threads``: prefixgate's and llama.cpp's own flags; ``OMP_NUM_THREADS`` too).
 
 llama.cpp comes from ``llama-cpp-python[server]`` (``python -m llama_cpp.server``) or a
 ``llama-server`` on PATH; when neither is installed the peer is skipped with one line and
@@ -248,10 +247,9 @@ def prefixgate_command(model: Path, port: int, threads: int, int8: bool, ctx: in
         "--no-access-log",
         "--log-level",
         "WARNING",
+        "--threads",
+        str(threads),
     ]
-    help_text = subprocess.run(cmd[:4] + ["--help"], capture_output=True, text=True).stdout
-    if "--threads" in help_text:
-        cmd += ["--threads", str(threads)]
     return cmd + (["--quantization", "int8"] if int8 else [])
 
 
@@ -418,10 +416,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def table(results: dict[str, dict[str, list[float]]]) -> str:
     """Medians with min–max, and prefixgate / llama.cpp ratios where both ran."""
     rows = [
-        ("batched output tok/s", "batched", True),
-        ("prefill s", "prefill", False),
-        ("warm prefix / suffix-only TTFT", "warm", False),
-        ("single-stream decode tok/s", "decode", True),
+        ("batched output tok/s", "batched"),
+        ("prefill s", "prefill"),
+        ("warm prefix / suffix-only TTFT", "warm"),
+        ("single-stream decode tok/s", "decode"),
     ]
     names = list(results)
     lines = [
@@ -432,7 +430,7 @@ def table(results: dict[str, dict[str, list[float]]]) -> str:
     def fmt(v: list[float]) -> str:
         return f"{statistics.median(v):.3g} ({min(v):.3g}–{max(v):.3g})"
 
-    for label, key, _higher in rows:
+    for label, key in rows:
         cells = [fmt(results[n][key]) for n in names]
         if len(names) > 1:
             a, b = (statistics.median(results[n][key]) for n in names[:2])
