@@ -25,6 +25,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import sys
 import tempfile
 import threading
@@ -157,8 +158,49 @@ def _convert_quietly(spec: StructuredOutputsParams) -> xgr.Grammar:
             return xgr.Grammar.from_ebnf("root ::= " + " | ".join(_ebnf_string(c) for c in value))
         return xgr.Grammar.from_ebnf(value)
     except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar's errors are RuntimeError
-        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(f"structured_outputs.{kind}: {msg[:300]}") from None
+        raise ValueError(f"structured_outputs.{kind}: {reworded_error(kind, exc)}") from None
+
+
+# xgrammar's C++ errors start with its log prefix, ``[03:16:06] /project/cpp/x.cc:94: ``
+# (a time and a source path of the build machine); a path may also appear inside the text.
+_LOG_PREFIX = re.compile(r"^\[[0-9:. ]*\]\s*")
+_SOURCE_PATH = re.compile(r"(?:[A-Za-z]:)?(?:[\\/][\w.+-]+)+\.(?:cc|cpp|cxx|h|hpp|py):\d+:?\s*")
+# a regex is lowered to EBNF before parsing: a position in that EBNF is not the client's
+_EBNF_POSITION = re.compile(r"EBNF (?:parser|lexer) error at line \d+, column \d+:\s*")
+_WHAT = {
+    "regex": "invalid regex",
+    "grammar": "invalid EBNF grammar",
+    "choice": "invalid choice",
+    "json": "invalid JSON schema",
+    "json_object": "invalid JSON schema",
+    "structural_tag": "invalid structural tag",
+}
+
+
+def reworded_error(kind: str, exc: BaseException) -> str:
+    """The client's message for a failed grammar conversion of a ``kind`` constraint: what is
+    wrong, in the client's terms, never the compiler's log prefix or source paths.
+
+    ``Regex parsing error at position 4: The parenthesis is not closed.`` becomes ``invalid
+    regex at position 4: The parenthesis is not closed.``; a regex's error found in its EBNF
+    lowering loses the EBNF position (``invalid regex: Lower bound is larger than upper
+    bound: 3 > 1``); a grammar keeps its line and column. At most 300 characters.
+    """
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else type(exc).__name__
+    msg = _SOURCE_PATH.sub("", _LOG_PREFIX.sub("", first)).strip()
+    what = _WHAT.get(kind, "invalid constraint")
+    if kind == "regex":
+        msg = _EBNF_POSITION.sub("", msg)
+        found = re.match(r"Regex parsing error (at position \d+):\s*(.*)", msg)
+        msg = f"{what} {found.group(1)}: {found.group(2)}" if found else f"{what}: {msg}"
+    else:
+        found = re.match(r"EBNF (?:parser|lexer) error (at line \d+, column \d+):\s*(.*)", msg)
+        if found:
+            msg = f"{what} {found.group(1)}: {found.group(2)}"
+        elif not re.match(r"(invalid|unsupported)\b", msg, re.IGNORECASE):
+            msg = f"{what}: {msg}"
+    return msg[:300]
 
 
 # xgrammar (0.2.x, mlc-ai/xgrammar#800) lowers a string with minLength/maxLength to a bounded

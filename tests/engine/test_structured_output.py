@@ -299,3 +299,27 @@ def test_byte_level_bpe_vocabulary(tmp_path):
     assert g.terminated
     assert tok.token_bytes(tok.encode("✓", add_special_tokens=False)[0])[:1] == "✓".encode()[:1]
     mgr.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("spec", "want"),
+    [
+        (dict(regex="a(b"), "structured_outputs.regex: invalid regex at position 4: "),
+        (dict(regex="(?<=a)b"), "structured_outputs.regex: invalid regex at position 3: "),
+        (dict(regex="a{3,1}"), "structured_outputs.regex: invalid regex: Lower bound"),
+        (dict(regex="[z-a]"), "structured_outputs.regex: invalid regex: Invalid character"),
+        (dict(grammar='root ::= "a'), "structured_outputs.grammar: invalid EBNF grammar at line 1"),
+        (dict(grammar="root ::= foo"), "structured_outputs.grammar: invalid EBNF grammar at line"),
+        (dict(json={"$ref": "#/nope"}), "structured_outputs.json: invalid JSON schema: "),
+        (dict(json={"type": "foo"}), "structured_outputs.json: invalid JSON schema at type"),
+    ],
+)
+def test_grammar_errors_name_the_problem_never_compiler_paths(spec, want):
+    """xgrammar's C++ errors start with its log prefix and a source path of its build
+    (``[03:16:06] /project/cpp/regex_converter.cc:94: ``): reworded, the field and the
+    problem stay, the compiler's internals go."""
+    with pytest.raises(ValueError) as info:
+        grammar_of(SO(**spec))
+    msg = str(info.value)
+    assert msg.startswith(want), msg
+    assert not re.search(r"\.(cc|h|cpp)\b|/cpp/|/project/|\[\d\d:\d\d", msg), msg

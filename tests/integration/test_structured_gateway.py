@@ -320,6 +320,35 @@ def test_bad_input_is_400_naming_the_field_and_disturbs_nothing(server, pool_who
     wait_idle(server, pool_whole)
 
 
+GRAMMAR_ERRORS = [
+    ("/v1/chat/completions", {"guided_regex": "a(b"}, "guided_regex: invalid regex at position 4"),
+    ("/v1/chat/completions", {"guided_regex": "a{3,1}"}, "guided_regex: invalid regex: Lower"),
+    ("/v1/completions", {"guided_regex": "(?<=a)b"}, "guided_regex: invalid regex at position 3"),
+    ("/v1/completions", {"guided_grammar": "root ::= nope"}, "guided_grammar: invalid EBNF"),
+    ("/v1/chat/completions", {"response_format": _rf({"$ref": "#/nope"})},
+     "response_format: invalid JSON schema: "),
+    ("/v1/chat/completions", {"structured_outputs": {"regex": "[z-a]"}},
+     "structured_outputs: invalid regex: "),
+]  # fmt: skip
+
+
+def test_grammar_errors_name_the_field_never_compiler_paths(server, pool_whole):
+    """A constraint the grammar compiler refuses is a 400 naming the request's field and the
+    problem; xgrammar's log prefix and source paths (``/project/cpp/regex_converter.cc:94``)
+    never reach the client."""
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        for path, extra, want in GRAMMAR_ERRORS:
+            body = {"model": MODEL, "max_tokens": 5, **extra}
+            body.update({"messages": MSGS} if "chat" in path else {"prompt": "x"})
+            r = http.post(path, json=body)
+            assert r.status_code == 400, (extra, r.text)
+            err = r.json()["error"]
+            assert err["param"] == next(iter(extra)), err
+            assert err["message"].startswith(want), err
+            assert not re.search(r"\.(cc|h|cpp)\b|/cpp/|/project/|\[\d\d:\d\d", err["message"])
+    wait_idle(server, pool_whole)
+
+
 def test_every_openai_field_is_handled_or_refused(server, pool_whole):
     """openai-python's own field lists: each is implemented (documented in request_fields)
     or, with a non-default value, answered 400 naming it."""
