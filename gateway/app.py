@@ -280,6 +280,7 @@ def _base_app(settings: GatewaySettings | None) -> tuple[web.Application, Gatewa
             lifecycle.drain_middleware,
             count_requests,
             error_middleware,
+            require_key,
             dashboard.usage_middleware,
             body_limits_middleware,
         ],
@@ -339,6 +340,35 @@ _ROUTE_LABELS = {
 }
 _PROBES = frozenset(("/health", "/ready", "/metrics"))
 CLIENT_GONE = 499  # nginx's "client closed request"
+
+
+# Routes any caller may ask without a key (canonical paths): the probes (``/ready`` and
+# ``/metrics`` hide per-key and upstream details from them, ``http.metrics``), the dashboard
+# and the fallback route's 404/405. Every other registered route checks the key first.
+OPEN_ROUTES = frozenset(
+    (
+        "/health",
+        "/ready",
+        "/metrics",
+        "/dashboard",
+        "/dashboard/dashboard.js",
+        "/dashboard/data",
+        "/{tail}",
+    )
+)
+
+
+@web.middleware
+async def require_key(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The caller's key is checked before the route's handler runs, on every route but
+    ``OPEN_ROUTES``, in both modes: a missing or unknown key is 401 ``invalid_api_key``
+    before any other answer (503 while the model loads, 501 of a local-mode route in upstream
+    mode, 400 of a bad body, 413). The handlers authenticate again for their ``Principal``
+    (a digest lookup)."""
+    resource = request.match_info.route.resource
+    if resource is None or resource.canonical not in OPEN_ROUTES:
+        request.app[STATE].keys.authenticate(request)
+    return await handler(request)
 
 
 @web.middleware

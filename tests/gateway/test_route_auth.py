@@ -1,0 +1,102 @@
+"""Every registered route checks the key first, in both modes: without a valid key the answer
+is 401 ``invalid_api_key`` (Anthropic's shape on the Messages routes), before any other answer
+— 503 while the model loads, 501 of a local-mode route in upstream mode, 400 of a bad body,
+404 of an unknown model or prefix. Only ``app.OPEN_ROUTES`` (probes, dashboard, fallback)
+answer without one."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import pytest
+from prefixgate.gateway.app import OPEN_ROUTES, create_app, create_proxy_app
+from prefixgate.gateway.http.server import BackgroundServer
+from prefixgate.gateway.settings import GatewaySettings
+
+KEY = "sk-route-auth"
+NO_KEYS = (
+    {},
+    {"Authorization": "Bearer wrong"},
+    {"x-api-key": "wrong"},
+    {"Authorization": "Basic x"},
+)
+
+
+def _keys(tmp_path) -> str:
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"keys": [{"key": KEY, "name": "team"}]}))
+    return str(path)
+
+
+def _routes(app) -> list[tuple[str, str]]:
+    """``(method, path)`` of every registered route but the open ones, path parameters
+    filled in."""
+    out = []
+    for resource in app.router.resources():
+        if resource.canonical in OPEN_ROUTES:
+            continue
+        for route in resource:
+            if route.method in ("HEAD", "*"):
+                continue
+            path = re.sub(r"\{model\}", "fake", resource.canonical)
+            out.append((route.method, re.sub(r"\{prefix_id\}", "pfx-nope", path)))
+    return sorted(set(out))
+
+
+def _check_refused(url: str, routes: list[tuple[str, str]]) -> None:
+    with httpx.Client(base_url=url, timeout=10) as http:
+        for method, path in routes:
+            for headers in NO_KEYS:
+                body = b"{not json" if method == "POST" else None
+                r = http.request(method, path, content=body, headers=headers)
+                assert r.status_code == 401, (method, path, headers, r.text)
+                if path.startswith("/v1/messages"):
+                    assert r.json()["type"] == "error", r.text
+                    assert r.json()["error"]["type"] == "authentication_error", r.text
+                else:
+                    assert r.json()["error"]["code"] == "invalid_api_key", r.text
+            ok = http.request(method, path, headers={"Authorization": f"Bearer {KEY}"})
+            assert ok.status_code != 401, (method, path, ok.text)
+
+
+EXPECTED_LOCAL = {
+    "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+    "/v1/messages/count_tokens", "/v1/embeddings", "/tokenize", "/detokenize", "/v1/models",
+    "/v1/models/fake", "/v1/prefixes", "/v1/prefixes/pfx-nope",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("loaded", [True, False])
+def test_every_local_route_checks_the_key_first(serve_fake, tmp_path, loaded):
+    settings = GatewaySettings(model_name="fake", keys_file=_keys(tmp_path))
+    if loaded:
+        srv, _ = serve_fake(settings)
+        app = srv.app
+        _check_refused(srv.url, _routes(app))
+    else:  # the model loading: 401 before 503 model_not_ready
+        with BackgroundServer(lambda: create_app(None, settings)) as srv:
+            _check_refused(srv.url, _routes(srv.app))
+            app = srv.app
+    assert {p for _, p in _routes(app)} == EXPECTED_LOCAL
+
+
+def test_every_proxy_route_checks_the_key_first(serve_fake, tmp_path):
+    """The 501 routes of local mode only (``/v1/responses``, ``/tokenize``, ...) too."""
+    upstream, _ = serve_fake(GatewaySettings(model_name="fake"))
+    settings = GatewaySettings(keys_file=_keys(tmp_path))
+    with BackgroundServer(lambda: create_proxy_app([upstream.url], settings)) as gw:
+        routes = _routes(gw.app)
+        assert {p for _, p in routes} == EXPECTED_LOCAL
+        _check_refused(gw.url, routes)
+        r = httpx.post(gw.url + "/tokenize", json={}, headers={"Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 501, r.text
+
+
+def test_open_routes_answer_without_a_key(serve_fake, tmp_path):
+    srv, _ = serve_fake(GatewaySettings(model_name="fake", keys_file=_keys(tmp_path)))
+    with httpx.Client(base_url=srv.url, timeout=10) as http:
+        for path in ("/health", "/ready", "/metrics"):
+            assert http.get(path).status_code == 200, path
+        assert http.get("/no/such/route").status_code == 404
