@@ -41,6 +41,7 @@ from prefixgate.gateway.api.cache_diagnostics import PROMPT_LOG, Comparison, ant
 from prefixgate.gateway.api.cache_marks import Mark, find_marks, written_tokens
 from prefixgate.gateway.api.prompts import check_length, render_chat
 from prefixgate.gateway.api.response_models import Usage
+from prefixgate.gateway.api.stop_strings import refuse_stop_under_constraint
 from prefixgate.gateway.api.tools import ToolDeltas, ToolPlan, parse_output, plan_tools
 from prefixgate.gateway.http.errors import ANTHROPIC, APIError, bad_request, error_dialect
 from prefixgate.gateway.local.generation import ChoiceOutput, Delta, engine_request
@@ -325,6 +326,8 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     local = request.app[LOCAL]
     engine = local.require_engine()
     principal, req, chat, plan, ids = await _prepare(request, MessagesRequest)
+    forced = "tool_choice" if plan.mode in ("required", "named") else None
+    refuse_stop_under_constraint(req.stop_sequences, "stop_sequences", forced)
     if plan.structured is not None:
         await _check_constraint(plan.structured, "tools")
     max_tokens = check_length(len(ids), req.max_tokens, engine.max_model_len, "messages")

@@ -50,6 +50,7 @@ from prefixgate.gateway.api.request_fields import (
 )
 from prefixgate.gateway.api.request_models import ChatCompletionRequest, CompletionRequest, parse
 from prefixgate.gateway.api.response_models import ModelCard, ModelList, Usage, dump
+from prefixgate.gateway.api.stop_strings import refuse_stop_under_constraint
 from prefixgate.gateway.api.tools import ToolPlan, plan_tools, template_messages
 from prefixgate.gateway.http.access_log import record
 from prefixgate.gateway.http.errors import APIError, bad_request
@@ -85,6 +86,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             else f"tool_choice {req.tool_choice!r} (it constrains the output to a tool call)"
         )
         raise bad_request(f"{field}: cannot be combined with {why}", param=field)
+    forced = "tool_choice" if plan.mode in ("required", "named") else None
+    refuse_stop_under_constraint(req.stop, "stop", field if spec is not None else forced)
     if plan.structured is not None:
         spec, field = plan.structured, "tools"
     if spec is not None:
@@ -144,6 +147,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     check_refused({k: getattr(req, k) for k in ("store", "service_tier", "best_of")}, req.n)
     check_refused({"metadata": req.metadata}, req.n)
     spec, field = structured_from(req)
+    refuse_stop_under_constraint(req.stop, "stop", field if spec is not None else None)
     if spec is not None:
         await _check_constraint(spec, field or "structured_outputs")
     check_vocab(req, engine.tokenizer.vocab_size)

@@ -47,6 +47,7 @@ from prefixgate.gateway.api.anthropic_models import (
     parse_request,
     to_chat,
 )
+from prefixgate.gateway.api.stop_strings import anthropic_constraint, refuse_stop_under_constraint
 from prefixgate.gateway.http.errors import ANTHROPIC, APIError, error_dialect, error_event
 from prefixgate.gateway.http.sse import KEEPALIVE, SSE_HEADERS
 from prefixgate.gateway.proxy import anthropic, messages_openai
@@ -176,6 +177,8 @@ async def _prepare(
     body = await request.read()
     req = parse_request(kind, body)  # 400 naming the field, Anthropic's shape
     raw = json.loads(body)
+    stop = getattr(req, "stop_sequences", None)
+    refuse_stop_under_constraint(stop, "stop_sequences", anthropic_constraint(raw))
     chat = to_chat(req)
     salt = effective_salt(principal.salt, req.cache_salt)
     model = router.resolve(req.model)  # 404 model_not_found when nobody serves it

@@ -35,6 +35,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 from prefixgate.gateway.api.request_models import check_counts, load_json
+from prefixgate.gateway.api.stop_strings import openai_constraint, refuse_stop_under_constraint
 from prefixgate.gateway.http.access_log import record
 from prefixgate.gateway.http.errors import APIError, bad_request
 from prefixgate.gateway.http.headers import header_text
@@ -87,6 +88,7 @@ async def proxy_generate(request: web.Request) -> web.StreamResponse:
     check_counts(parsed, ("messages",))
     if not isinstance(parsed, dict):
         raise bad_request("the body must be a JSON object", code="invalid_json")
+    refuse_stop_under_constraint(parsed.get("stop"), "stop", openai_constraint(parsed))
     prefix = None
     if parsed.get("prefix_id") is not None:
         prefix, parsed = await _with_prefix(request, st, parsed, principal.salt)
