@@ -308,7 +308,7 @@ def to_chat(req: _Conversation) -> Chat:
 
     Raises:
         APIError: 400 naming the field: more than 4 breakpoints, a ``tool_choice`` ``tool``
-            without ``name``, an empty conversation.
+            without ``name``, an empty conversation, a turn against ``check_turns``.
     """
     tools = [_openai_tool(t) for t in req.tools or []]
     tc = req.tool_choice
@@ -348,6 +348,7 @@ def to_chat(req: _Conversation) -> Chat:
             param=f"messages.{last}.role",
             code="unsupported_parameter",
         )
+    check_turns(req.messages)
     for i, m in enumerate(req.messages):
         _add_turn(chat, i, m)
     if req.cache_control is not None:
@@ -359,6 +360,83 @@ def to_chat(req: _Conversation) -> Chat:
             param=f"{marks[MAX_BREAKPOINTS].where}.cache_control",
         )
     return chat
+
+
+def check_turns(messages: list[MessageParam]) -> None:
+    """Anthropic's structural rules of a conversation, checked before it is rendered (the
+    messages Anthropic's API answers, the field as ``param``):
+
+    - every turn has content: not ``""``, not ``[]``, no text block with empty ``text``;
+    - ``tool_use`` blocks only in assistant turns, ids unique; ``tool_result`` blocks only in
+      user turns, before any text of the turn;
+    - a ``tool_result`` answers a ``tool_use`` of the previous turn (its ``tool_use_id``), and
+      the turn after an assistant's ``tool_use`` blocks answers every one of them;
+    - the first turn is the user's.
+
+    Consecutive turns of one role are accepted (Anthropic combines them into one turn).
+
+    Raises:
+        APIError: 400 ``invalid_request_error`` naming the block or turn.
+    """
+    seen: set[str] = set()
+    asked: list[str] = []  # tool_use ids of the previous turn, each awaiting its result
+    for i, m in enumerate(messages):
+        if not m.content:
+            raise bad_request(
+                f"messages.{i}: all messages must have non-empty content except for the "
+                "optional final assistant message",
+                param=f"messages.{i}.content",
+            )
+        blocks = [] if isinstance(m.content, str) else m.content
+        answered: list[str] = []
+        other_seen = False  # a text or tool_use block came before in this turn
+        for j, b in enumerate(blocks):
+            where = f"messages.{i}.content.{j}"
+            if isinstance(b, TextBlock) and not b.text:
+                raise bad_request(
+                    f"{where}.text: text content blocks must be non-empty", param=f"{where}.text"
+                )
+            if isinstance(b, ToolResultBlock):
+                if m.role != "user":
+                    raise bad_request(f"{where}: tool_result blocks belong to user turns", where)
+                if other_seen:
+                    raise bad_request(
+                        f"{where}: tool_result blocks must come first in the content, before "
+                        "any text",
+                        param=where,
+                    )
+                if b.tool_use_id not in asked:
+                    raise bad_request(
+                        f"{where}.tool_use_id: unexpected tool_use_id found in tool_result "
+                        f"blocks: {b.tool_use_id[:80]!r}. Each tool_result block must have a "
+                        "corresponding tool_use block in the previous message",
+                        param=f"{where}.tool_use_id",
+                    )
+                answered.append(b.tool_use_id)
+                continue
+            other_seen = True
+            if isinstance(b, ToolUseBlock):
+                if m.role != "assistant":
+                    raise bad_request(f"{where}: tool_use blocks belong to assistant turns", where)
+                if b.id in seen:
+                    raise bad_request(
+                        f"{where}.id: tool_use ids must be unique ({b.id[:80]!r} is used twice)",
+                        param=f"{where}.id",
+                    )
+                seen.add(b.id)
+        missing = [t for t in asked if t not in answered]
+        if missing:
+            raise bad_request(
+                f"messages.{i - 1}: tool_use ids were found without tool_result blocks "
+                f"immediately after: {', '.join(t[:80] for t in missing)}. Each tool_use block "
+                "must have a corresponding tool_result block in the next message",
+                param=f"messages.{i - 1}.content",
+            )
+        asked = [b.id for b in blocks if isinstance(b, ToolUseBlock)]
+    if messages and messages[0].role != "user":
+        raise bad_request(
+            "messages.0.role: the first message must use the user role", "messages.0.role"
+        )
 
 
 def _add_turn(chat: Chat, i: int, m: MessageParam) -> None:
@@ -380,17 +458,11 @@ def _add_turn(chat: Chat, i: int, m: MessageParam) -> None:
 
     opened = False  # the turn's own message (text / tool calls) has started
     for j, b in enumerate(m.content):
-        if isinstance(b, ToolResultBlock):
-            if m.role != "user":
-                where = f"messages.{i}.content.{j}"
-                raise bad_request(f"{where}: tool_result blocks belong to user turns", where)
+        if isinstance(b, ToolResultBlock):  # where blocks may be: check_turns
             msgs.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()})
             cut = list(msgs)
         else:
             if isinstance(b, ToolUseBlock):
-                if m.role != "assistant":
-                    where = f"messages.{i}.content.{j}"
-                    raise bad_request(f"{where}: tool_use blocks belong to assistant turns", where)
                 calls.append(
                     {
                         "id": b.id,
@@ -405,5 +477,5 @@ def _add_turn(chat: Chat, i: int, m: MessageParam) -> None:
         if b.cache_control is not None:
             where = f"messages.{i}.content.{j}"
             chat.breakpoints.append(Breakpoint(where, b.cache_control.ttl_s, cut, chat.tools))
-    if opened or not m.content:
+    if opened:
         msgs.append(current())
