@@ -388,8 +388,18 @@ class ResponsesRenderer:
         ]
 
     def error_event(self, err: APIError) -> bytes:
-        """The in-band ``error`` event that ends a stream cut short."""
-        return self._ev("error", code=err.code, message=err.message, param=err.param)
+        """The ending of a stream cut short: an ``error`` event (``code``, ``message``,
+        ``param``), then ``response.failed`` whose response has ``status: "failed"``, the
+        ``error`` (``code``, ``message``) and the text so far as an incomplete item — the
+        terminal event openai-python's Responses stream reads instead of
+        ``response.completed``."""
+        failed = self.response("failed", None, None)
+        failed["error"] = {"code": err.code or "server_error", "message": err.message}
+        if self.text:
+            failed["output"] = [{**self._item("incomplete", self.text)}]
+        return self._ev("error", code=err.code, message=err.message, param=err.param) + self._ev(
+            "response.failed", response=failed
+        )
 
 
 def _options(options: ResponsesCacheOptions | None) -> dict[str, Any] | None:

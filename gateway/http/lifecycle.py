@@ -8,9 +8,13 @@ On SIGTERM the server (``drain``):
 3. then ends every request still running explicitly: its handler is cancelled (which aborts
    its engine requests or closes its upstream connection) and
 
-   * a started stream gets one in-band error event, ``data: {"error": {...}}``, and its end
-     — no ``[DONE]``, as OpenAI's and vLLM's servers end a failed stream, so clients raise
-     instead of returning a truncated answer as complete;
+   * a started stream gets its dialect's in-band error ending and its end — no ``[DONE]``,
+     no ``response.completed`` / ``message_stop``, so clients raise instead of returning a
+     truncated answer as complete. The ending is the one the route registered with
+     ``end_streams_with`` (its renderer's ``error_event``: chat and completions ``data:
+     {"error": {...}}`` as OpenAI's and vLLM's servers end a failed stream; Responses an
+     ``error`` event then ``response.failed``; Messages Anthropic's ``event: error``), else
+     the route's error dialect (``errors.error_event``: proxy relays);
    * a request not yet answered gets a 503 error object (code ``server_shutting_down``);
 
 4. closes the remaining connections. The whole takes at most ``grace_s`` plus a fraction of
@@ -25,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -60,6 +65,18 @@ DRAIN: web.AppKey[Drain] = web.AppKey("prefixgate_drain", Drain)
 _RESPONSE: web.RequestKey[web.StreamResponse] = web.RequestKey(
     "prefixgate_response", web.StreamResponse
 )
+
+
+_STREAM_ENDING: web.RequestKey[Callable[[APIError], bytes]] = web.RequestKey(
+    "prefixgate_stream_ending"
+)
+
+
+def end_streams_with(request: web.Request, ending: Callable[[APIError], bytes]) -> None:
+    """Register how a stream of ``request`` ends when the drain cuts it: ``ending(error)``
+    gives the SSE bytes of its dialect's error ending (a renderer's ``error_event``, which
+    knows the stream's state: Responses' sequence numbers, the text so far)."""
+    request[_STREAM_ENDING] = ending
 
 
 def install(app: web.Application) -> None:
@@ -130,7 +147,8 @@ async def _end(request: web.Request) -> web.StreamResponse:
         return _closing(request, error)
     error.message = "the server shut down before this stream finished"
     try:
-        await resp.write(error_event(request, error))
+        ending = request.get(_STREAM_ENDING)
+        await resp.write(ending(error) if ending is not None else error_event(request, error))
         await resp.write_eof()
     except (ConnectionError, RuntimeError):
         pass  # client gone, or the response already ended

@@ -1,0 +1,158 @@
+"""One table of stream endings per dialect: how a stream of each route ends when it finishes
+and when the shutdown (``RunningServer.drain``) cuts it — each in its own dialect, never a
+success: chat and completions ``data: {"error": ...}`` without ``[DONE]``; Responses an
+``error`` event, then ``response.failed`` (never ``response.completed``); Messages
+Anthropic's ``event: error`` (never ``message_stop``). Checked on the raw events and with the
+official clients (openai-python raises for chat and completions and hands Responses'
+``response.failed`` as the last event; the ``anthropic`` package raises)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import anthropic
+import httpx
+import openai
+from prefixgate.gateway.settings import GatewaySettings
+
+MSGS = [{"role": "user", "content": "long"}]
+BODIES = {
+    "/v1/chat/completions": {"model": "fake", "messages": MSGS, "stream": True},
+    "/v1/completions": {"model": "fake", "prompt": "long", "stream": True},
+    "/v1/responses": {"model": "fake", "input": "long", "stream": True},
+    "/v1/messages": {"model": "fake", "messages": MSGS, "stream": True},
+}
+LIMIT = {"/v1/responses": "max_output_tokens"}  # the others: max_tokens
+
+# route -> (the last events of a stream finished at its token limit — the fake engine never
+# ends on its own —, of a stream cut by the shutdown), as
+# (SSE event name or None, what its data holds); "[DONE]" is the data-only end of OpenAI's
+ENDINGS = {
+    "/v1/chat/completions": ([(None, "[DONE]")], [(None, "error:server_shutting_down")]),
+    "/v1/completions": ([(None, "[DONE]")], [(None, "error:server_shutting_down")]),
+    "/v1/responses": (
+        [("response.incomplete", "response.incomplete")],  # (ended at max_output_tokens)
+        [
+            ("error", "error:server_shutting_down"),
+            ("response.failed", "failed:server_shutting_down"),
+        ],
+    ),
+    "/v1/messages": ([("message_stop", "message_stop")], [("error", "error:overloaded_error")]),
+}
+
+
+def _summary(event: str | None, data: str) -> tuple[str | None, str]:
+    """What an event says, for the table: ``[DONE]``, ``error:<code or type>``,
+    ``failed:<code>``, or its ``type``."""
+    if data == "[DONE]":
+        return event, data
+    obj = json.loads(data)
+    if event is None and "error" in obj:
+        return event, "error:" + obj["error"]["code"]
+    if obj.get("type") == "error":  # Responses' error event, Anthropic's error event
+        err = obj.get("error") or obj
+        return event, "error:" + (err.get("code") or err.get("type"))
+    if obj.get("type") == "response.failed":
+        assert obj["response"]["status"] == "failed", obj
+        return event, "failed:" + obj["response"]["error"]["code"]
+    return event, obj.get("type", "chunk")
+
+
+def _events(url: str, path: str, max_tokens: int, out: dict) -> None:
+    body = {**BODIES[path], LIMIT.get(path, "max_tokens"): max_tokens}
+    events, name = [], None
+    try:
+        with httpx.stream("POST", url + path, json=body, timeout=30) as r:
+            assert r.status_code == 200, r.read()
+            for line in r.iter_lines():
+                if line.startswith("event: "):
+                    name = line[7:]
+                elif line.startswith("data: "):
+                    events.append(_summary(name, line[6:]))
+                    name = None
+    except httpx.HTTPError as exc:
+        out[path + "_exc"] = exc
+    out[path] = events
+
+
+def _clients(url: str, out: dict) -> None:
+    """Each official client on a long stream: what it raised, or its last event."""
+    oa = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    an = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)
+    runs = {
+        "chat": lambda: list(
+            oa.chat.completions.create(model="fake", messages=MSGS, max_tokens=100, stream=True)
+        ),
+        "completions": lambda: list(
+            oa.completions.create(model="fake", prompt="long", max_tokens=100, stream=True)
+        ),
+        "responses": lambda: list(
+            oa.responses.create(model="fake", input="long", max_output_tokens=100, stream=True)
+        ),
+        "messages": lambda: list(
+            an.messages.create(model="fake", messages=MSGS, max_tokens=100, stream=True)
+        ),
+    }
+
+    def run(name, fn):
+        try:
+            out[name] = ("events", fn()[-1])
+        except (openai.APIError, anthropic.APIError) as exc:
+            out[name] = ("raised", exc)
+
+    threads = [threading.Thread(target=run, args=item) for item in runs.items()]
+    for t in threads:
+        t.start()
+    out["_threads"] = threads
+
+
+def _stats(engine):
+    async def get():
+        return engine.stats()
+
+    return get
+
+
+def test_every_dialect_ends_its_stream_in_its_own_shape(serve_fake):
+    srv, engine = serve_fake(
+        GatewaySettings(model_name="fake", keepalive_s=0.2), token_delay_s=0.05, max_num_seqs=16
+    )
+    finished: dict = {}
+    for path in BODIES:
+        _events(srv.url, path, 3, finished)
+        want = ENDINGS[path][0]
+        assert finished[path][-len(want) :] == want, (path, finished[path])
+    raw: dict = {}
+    threads = [threading.Thread(target=_events, args=(srv.url, p, 100, raw)) for p in BODIES]
+    for t in threads:
+        t.start()
+    clients: dict = {}
+    _clients(srv.url, clients)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:  # the eight long streams generating
+        if srv.call(_stats(engine))["num_running"] >= 8:
+            break
+        time.sleep(0.05)
+    summary = srv.call(lambda: srv.server.drain(0.1), timeout=10)
+    srv.server = None  # stopped by drain
+    for t in threads + clients.pop("_threads"):
+        t.join(10)
+    assert summary["ended"] == 8, summary
+    for path in BODIES:
+        want = ENDINGS[path][1]
+        events = raw[path]
+        assert events[-len(want) :] == want, (path, events[-4:])
+        ends = {e[1] for e in events}
+        success = {"[DONE]", "response.completed", "response.incomplete", "message_stop"}
+        assert not ends & success, (path, ends)
+    # the official clients: an error raised, or Responses' response.failed as the last event
+    for name in ("chat", "completions", "messages"):
+        kind, exc = clients[name]
+        assert kind == "raised" and "shut down" in str(exc), (name, clients[name])
+    kind, last = clients["responses"]
+    assert kind == "events" and last.type == "response.failed", clients["responses"]
+    assert last.response.status == "failed"
+    assert last.response.error.code == "server_shutting_down"
+    assert engine.stats()["num_running"] == 0
