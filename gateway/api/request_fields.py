@@ -116,6 +116,14 @@ _GUIDED = {
 }
 
 
+def known_fields() -> frozenset[str]:
+    """Every top-level request field of chat and completions this module names (implemented,
+    refused, vLLM's and prefixgate's extras)."""
+    return frozenset(
+        (*CHAT_SUPPORTED, *COMPLETIONS_SUPPORTED, *REFUSED, *EXTRAS, *CHAT_EXTRAS, "priority")
+    )
+
+
 def unrecognized(name: str) -> APIError:
     """OpenAI's answer to an unknown field."""
     return bad_request(f"Unrecognized request argument supplied: {name[:80]}", param=name[:80])

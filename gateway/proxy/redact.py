@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import re
 import zlib
 from typing import Any
 
@@ -96,9 +97,20 @@ def auth_error(status: int, url: str, own_credential: bool) -> APIError:
 
 
 def reworded_error(data: bytes, encoding: str, secrets: tuple[str, ...]) -> dict[str, Any] | None:
-    """An upstream's OpenAI error body rebuilt from its four fields, credentials scrubbed
-    (``encoding``: its ``Content-Encoding``, gzip/deflate undone); None when ``data`` is not an
-    OpenAI error object."""
+    """An upstream's error body rebuilt as an OpenAI error object of its four fields,
+    credentials scrubbed (``encoding``: its ``Content-Encoding``, gzip/deflate undone); None
+    when ``data`` is no error body this knows.
+
+    The shapes read (``upstream_error_fields``): OpenAI's ``{"error": {message, type, param,
+    code}}`` (Anthropic's ``{"type": "error", "error": {type, message}}`` too), vLLM's flat
+    ``{"object": "error", "message", "type", "param", "code"}``, FastAPI's validation
+    ``{"detail": [{"loc": ["body", FIELD, ...], "msg"}]}`` or ``{"detail": "text"}``, and
+    ``{"error": "text"}``. A ``param`` the body leaves null is read off a message that starts
+    with a request field, ``temperature: ...`` (how prefixgate and many servers word it; FastAPI's ``loc`` as local
+    mode spells it, ``messages.0.role``), so
+    a semantic 400 names its field in proxy mode as in local mode. A non-string ``code``
+    (vLLM sends the HTTP status) is dropped.
+    """
     if encoding.lower() in ("gzip", "deflate"):
         try:
             data = zlib.decompress(data, wbits=47)
@@ -108,8 +120,8 @@ def reworded_error(data: bytes, encoding: str, secrets: tuple[str, ...]) -> dict
         parsed = json.loads(data)
     except (ValueError, RecursionError):
         return None
-    err = parsed.get("error") if isinstance(parsed, dict) else None
-    if not isinstance(err, dict):
+    err = upstream_error_fields(parsed)
+    if err is None:
         return None
 
     def field(name: str) -> str | None:
@@ -119,11 +131,57 @@ def reworded_error(data: bytes, encoding: str, secrets: tuple[str, ...]) -> dict
         text = value if isinstance(value, str) else json.dumps(value)
         return scrub_text(text, secrets)[:2000]
 
+    message = field("message") or "upstream error"
+    code = err.get("code")
     return {
         "error": {
-            "message": field("message") or "upstream error",
+            "message": message,
             "type": field("type") or "upstream_error",
-            "param": field("param"),
-            "code": field("code"),
+            "param": field("param") or param_of(message),
+            "code": field("code") if isinstance(code, str) else None,
         }
     }
+
+
+def upstream_error_fields(parsed: Any) -> dict[str, Any] | None:
+    """The error fields of a parsed upstream error body in any shape ``reworded_error``
+    reads, or None."""
+    if not isinstance(parsed, dict):
+        return None
+    err = parsed.get("error")
+    if isinstance(err, dict):
+        return err
+    if isinstance(err, str):
+        return {"message": err}
+    if parsed.get("object") == "error" and isinstance(parsed.get("message"), str):
+        return parsed
+    detail = parsed.get("detail")
+    if isinstance(detail, str):
+        return {"message": detail}
+    if isinstance(detail, list) and detail and isinstance(detail[0], dict):
+        first = detail[0]
+        loc = [str(p) for p in first.get("loc") or [] if p != "body"]
+        where = ".".join(loc)  # local mode's spelling: messages.0.role
+        msg = str(first.get("msg") or "invalid value")
+        return {
+            "message": f"{where}: {msg}" if where else msg,
+            "type": "invalid_request_error",
+            "param": where or None,
+        }
+    return None
+
+
+_LEADING_FIELD = re.compile(r"^([A-Za-z_]\w*)((?:\.\w+|\[\d+\])*)\s*:\s")
+
+
+def param_of(message: str) -> str | None:
+    """The request field a message starts with (``"temperature: must be ..."`` →
+    ``"temperature"``, ``"messages.0.role: ..."`` → ``"messages.0.role"``) when its first
+    name is a field of OpenAI's chat or completions requests (``api.request_fields``), else
+    None."""
+    from prefixgate.gateway.api.request_fields import known_fields  # noqa: PLC0415
+
+    found = _LEADING_FIELD.match(message)
+    if found is None or found.group(1) not in known_fields():
+        return None
+    return found.group(1) + found.group(2)

@@ -94,7 +94,7 @@ async def proxy_generate(request: web.Request) -> web.StreamResponse:
         prefix, parsed = await _with_prefix(request, st, parsed, principal.salt)
     if parsed.get("priority") is not None:  # forwarded as is, if the key may set it
         if isinstance(parsed["priority"], bool) or not isinstance(parsed["priority"], int):
-            raise bad_request("priority: must be an integer", param="priority")
+            raise bad_request("priority: Input should be a valid integer", param="priority")
         principal.request_priority(parsed["priority"])
     request_salt = parsed.get("cache_salt")
     if request_salt is not None and (

@@ -1,0 +1,101 @@
+"""Proxy mode names the field of a semantic 400 as local mode does: the same bad requests
+through a local gateway and through a proxy in front of it give the same error object
+(status, message, type, param, code); an upstream whose 400 comes in another server's shape
+(vLLM's flat error, FastAPI's ``detail``, a message starting with the field) is reworded
+into an OpenAI error object naming the field (``proxy/redact.reworded_error``)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from aiohttp import web
+from prefixgate.gateway.app import create_proxy_app
+from prefixgate.gateway.http.server import BackgroundServer
+from prefixgate.gateway.settings import GatewaySettings
+
+M = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+CHAT, COMP = "/v1/chat/completions", "/v1/completions"
+BAD = [
+    (CHAT, {"messages": M, "temperature": 5}, "temperature"),
+    (CHAT, {"messages": M, "max_tokens": -1}, "max_tokens"),
+    (CHAT, {"messages": M, "frobnicate": 1}, "frobnicate"),
+    (CHAT, {"messages": "x"}, "messages"),
+    (CHAT, {}, "messages"),
+    (CHAT, {"messages": M, "n": 0}, "n"),
+    (CHAT, {"messages": M, "logit_bias": {"x": 1}}, "logit_bias"),
+    (CHAT, {"messages": M, "max_tokens": 100000}, "max_tokens"),
+    (CHAT, {"messages": M, "stop": ["a"] * 5}, "stop"),
+    (CHAT, {"messages": M, "tool_choice": "required"}, "tool_choice"),
+    (CHAT, {"messages": M, "response_format": {"type": "xml"}}, "response_format.type"),
+    (CHAT, {"messages": M, "priority": "x"}, "priority"),
+    (CHAT, {"messages": [{"role": "bogus", "content": "x"}]}, "messages.0.role"),
+    (CHAT, {"messages": M, "tools": [TOOL], "tool_choice": "required", "stop": "{"}, "stop"),
+    (CHAT, {"messages": M, "stream": True, "temperature": -1}, "temperature"),
+    (CHAT, {"messages": M, "stream_options": {"include_usage": 1}}, "stream_options"),
+    (COMP, {"prompt": "x", "echo": True}, "echo"),
+    (COMP, {"prompt": "x", "top_p": 0}, "top_p"),
+    (COMP, {}, "prompt"),
+    (COMP, {"prompt": "x", "guided_choice": ["a"], "stop": "a"}, "stop"),
+]
+
+
+@pytest.fixture
+def both(serve_fake):
+    local, _ = serve_fake(GatewaySettings(model_name="fake"))
+    with BackgroundServer(lambda: create_proxy_app([local.url], GatewaySettings())) as proxy:
+        yield local.url, proxy.url
+
+
+def test_the_same_bad_requests_give_the_same_error_object_in_both_modes(both):
+    local, proxy = both
+    with httpx.Client(timeout=120) as http:  # the first tool request imports xgrammar
+        for path, extra, param in BAD:
+            body = {"model": "fake", **extra}
+            a = http.post(local + path, json=body)
+            b = http.post(proxy + path, json=body)
+            assert a.status_code == 400, (extra, a.text)
+            assert a.json()["error"]["param"].startswith(param), (extra, a.json())
+            assert (b.status_code, b.json()) == (a.status_code, a.json()), (extra, b.text)
+
+
+# what other servers answer a bad ``temperature`` with (status 400 unless said)
+SHAPES = [
+    ({"object": "error", "message": "temperature: must be in [0, 2]", "type": "BadRequestError",
+      "param": None, "code": 400}, 400, "temperature"),  # vLLM's flat ErrorResponse
+    ({"detail": [{"loc": ["body", "temperature"], "msg": "Input should be <= 2",
+                  "type": "less_than_equal"}]}, 422, "temperature"),  # FastAPI validation
+    ({"detail": [{"loc": ["body", "messages", 0, "role"], "msg": "bad role"}]}, 422,
+     "messages.0.role"),
+    ({"error": {"message": "temperature: out of range", "type": "invalid_request_error",
+                "param": None, "code": None}}, 400, "temperature"),
+    ({"error": {"message": "bad value", "type": "invalid_request_error", "param": "top_p",
+                "code": "invalid_value"}}, 400, "top_p"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("body", "status", "param"), SHAPES)
+def test_an_upstream_400_in_another_shape_still_names_the_field(body, status, param):
+    async def chat(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response(body, status=status)
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "m", "object": "model"}]})
+
+    def upstream() -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", chat)
+        app.router.add_get("/v1/models", models)
+        return app
+
+    with BackgroundServer(upstream) as up:
+        with BackgroundServer(lambda: create_proxy_app([up.url], GatewaySettings())) as gw:
+            r = httpx.post(
+                gw.url + CHAT, json={"model": "m", "messages": M, "temperature": 9}, timeout=10
+            )
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param, err
+    assert err["message"].startswith(param) or body["error"]["param"] == param, err
+    assert set(err) == {"message", "type", "param", "code"}
