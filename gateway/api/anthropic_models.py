@@ -479,3 +479,36 @@ def _add_turn(chat: Chat, i: int, m: MessageParam) -> None:
             chat.breakpoints.append(Breakpoint(where, b.cache_control.ttl_s, cut, chat.tools))
     if opened:
         msgs.append(current())
+
+
+# --- answers: what a Messages answer must be (proxy/answers.py checks upstreams' with it) ---
+_ANSWER = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+_Count = Annotated[int, Field(ge=0)]
+
+
+class AnswerBlock(BaseModel):
+    """A content block of an answer: any block with a string ``type`` (its fields pass)."""
+
+    model_config = _ANSWER
+    type: str
+
+
+class AnswerUsage(BaseModel):
+    """An answer's ``usage``: ``input_tokens`` and ``output_tokens``, whole counts >= 0
+    (the cache fields pass as they are)."""
+
+    model_config = _ANSWER
+    input_tokens: _Count
+    output_tokens: _Count
+
+
+class MessageAnswer(BaseModel):
+    """A whole Messages answer: ``{"type": "message", "id", "role": "assistant", "content":
+    [blocks], "usage"}`` (other fields pass; none may be missing)."""
+
+    model_config = _ANSWER
+    type: Literal["message"]
+    id: str
+    role: Literal["assistant"]
+    content: list[AnswerBlock]
+    usage: AnswerUsage

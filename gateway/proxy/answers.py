@@ -10,6 +10,11 @@ chunk). Fields an upstream may leave out where the API allows null (``logprobs``
 pass (the models allow them). A completion must also say why each choice ended: a non-stream choice
 without ``finish_reason`` is a truncated answer posing as a finished one.
 
+The same verifier serves the Messages relay (``proxy/messages_relay.py``): a Messages
+upstream's whole answer must be an Anthropic ``message`` (``anthropic_models.MessageAnswer``:
+nothing may be missing), an OpenAI-compatible upstream's answer to a translated Messages
+request a ``chat.completion`` (each chunk a ``chat.completion.chunk``) as on the chat route.
+
 ``answer_model(path, stream)`` names the model of a route; ``shape_problem(obj, model,
 finished)`` says what is wrong with a parsed answer (None when nothing).
 """
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from prefixgate.gateway.api.anthropic_models import MessageAnswer
 from prefixgate.gateway.api.response_models import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -35,6 +41,7 @@ _MAY_BE_MISSING = frozenset(
     ("logprobs", "usage", "system_fingerprint", "id", "created", "model", "object")
 )
 _CHUNK_MAY_BE_MISSING = _MAY_BE_MISSING | {"finish_reason"}
+_STRICT: frozenset[type[BaseModel]] = frozenset((MessageAnswer,))  # nothing may be missing
 
 
 def answer_model(path: str, stream: bool) -> type[BaseModel] | None:
@@ -48,6 +55,8 @@ def answer_model(path: str, stream: bool) -> type[BaseModel] | None:
         return None if stream else ModelList
     if path.startswith("/v1/models/"):
         return None if stream else ModelCard
+    if path == "/v1/messages":  # a stream: its events, checked in order by the relay
+        return None if stream else MessageAnswer
     return None
 
 
@@ -60,7 +69,9 @@ def shape_problem(obj: Any, model: type[BaseModel], chunk: bool = False) -> str 
     """
     if not isinstance(obj, dict):
         return "a JSON value that is not an object"
-    tolerated = _CHUNK_MAY_BE_MISSING if chunk else _MAY_BE_MISSING
+    tolerated = (
+        frozenset() if model in _STRICT else _CHUNK_MAY_BE_MISSING if chunk else _MAY_BE_MISSING
+    )
     try:
         model.model_validate(obj)
     except ValidationError as exc:

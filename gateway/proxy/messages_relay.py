@@ -43,14 +43,17 @@ from aiohttp import web
 from prefixgate.gateway.api.anthropic_models import (
     Chat,
     CountTokensRequest,
+    MessageAnswer,
     MessagesRequest,
     parse_request,
     to_chat,
 )
+from prefixgate.gateway.api.response_models import ChatCompletion, ChatCompletionChunk
 from prefixgate.gateway.api.stop_strings import anthropic_constraint, refuse_stop_under_constraint
 from prefixgate.gateway.http.errors import ANTHROPIC, APIError, error_dialect, error_event
 from prefixgate.gateway.http.sse import KEEPALIVE, SSE_HEADERS
 from prefixgate.gateway.proxy import anthropic, messages_openai
+from prefixgate.gateway.proxy.answers import shape_problem
 from prefixgate.gateway.proxy.messages_openai import Malformed
 from prefixgate.gateway.proxy.policies import Route
 from prefixgate.gateway.proxy.redact import auth_error, secrets_of
@@ -397,7 +400,9 @@ async def _message_try(call: _Call, up: Upstream, ticket: Any) -> web.StreamResp
             if call.passthrough(up):
                 message = _checked_message(parsed, call.public)
             else:
-                message = messages_openai.to_message(parsed, rid, call.public, stops)
+                message = messages_openai.to_message(
+                    _checked_completion(parsed), rid, call.public, stops
+                )
         except (ValueError, UnicodeDecodeError, Malformed) as exc:
             why = str(exc) if isinstance(exc, Malformed) else "a body that is not JSON"
             call.router.mark_failed(up, f"HTTP 200 with {why}")
@@ -413,26 +418,31 @@ async def _message_try(call: _Call, up: Upstream, ticket: Any) -> web.StreamResp
 
 
 def _checked_message(obj: Any, model: str) -> dict[str, Any]:
-    """A Messages upstream's answer, checked to be an Anthropic ``message`` (its model the
-    public name).
+    """A Messages upstream's answer, checked to be an Anthropic ``message`` by the proxy's
+    one verifier (``answers.shape_problem`` with ``MessageAnswer``), its model the public
+    name.
 
     Raises:
-        Malformed: it is not one.
+        Malformed: it is not one (what is wrong, in a short sentence).
     """
-    if not isinstance(obj, dict) or obj.get("type") != "message":
-        raise Malformed("a body that is not an Anthropic message")
-    content, usage = obj.get("content"), obj.get("usage")
-    if obj.get("role") != "assistant" or not isinstance(obj.get("id"), str):
-        raise Malformed("a message that is not the assistant's")
-    if not isinstance(content, list) or not all(
-        isinstance(b, dict) and isinstance(b.get("type"), str) for b in content
-    ):
-        raise Malformed("a message whose content is not a list of blocks")
-    if not isinstance(usage, dict) or not (
-        _count(usage.get("input_tokens")) and _count(usage.get("output_tokens"))
-    ):
-        raise Malformed("a message without its usage")
+    problem = shape_problem(obj, MessageAnswer)
+    if problem is not None:
+        raise Malformed(problem)
     return {**obj, "model": model}
+
+
+def _checked_completion(obj: Any) -> Any:
+    """An OpenAI-compatible upstream's answer to a translated Messages request, checked as
+    the chat route checks it (``answers.shape_problem`` with ``ChatCompletion``: choices,
+    messages, finish reasons).
+
+    Raises:
+        Malformed: it is not a ``chat.completion``.
+    """
+    problem = shape_problem(obj, ChatCompletion)
+    if problem is not None:
+        raise Malformed(problem)
+    return obj
 
 
 async def _count_try(call: _Call, up: Upstream) -> web.Response:
@@ -576,6 +586,9 @@ class _ChunkEvents(_Events):
             raise _UpstreamError(
                 etype if isinstance(etype, str) and _CODE.fullmatch(etype) else "api_error"
             )
+        problem = shape_problem(obj, ChatCompletionChunk, chunk=True)  # as the chat relay's
+        if problem is not None:
+            raise Malformed(problem)
         return self.translator.feed(obj)
 
     def usage(self) -> dict[str, Any] | None:
