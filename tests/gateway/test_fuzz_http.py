@@ -195,7 +195,8 @@ valid_messages = st.fixed_dictionaries(
         "max_tokens": st.integers(1, 4),
         "messages": st.just([]).map(lambda _: [{"role": "user", "content": "hi"}])
         | st.lists(
-            st.fixed_dictionaries({"role": st.just("user"), "content": plain_text}),
+            # non-empty: Anthropic refuses an empty turn (anthropic_models.check_turns)
+            st.fixed_dictionaries({"role": st.just("user"), "content": plain_text.filter(bool)}),
             min_size=1,
             max_size=1,
         ),
