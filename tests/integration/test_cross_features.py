@@ -11,7 +11,8 @@ server: 256 KV blocks, or 8 (exactly one full-context request:
 
 Invariants (``check_case``): never a 5xx, a 400 only for the documented conflicts (prompt +
 ``max_tokens`` over the context, a constraint with a constraining ``tool_choice``), always
-naming its ``param``; every choice's ``finish_reason`` truthful (``length`` exactly at
+naming its ``param``, and always the 400 naming ``stop`` for stop strings beside a
+constraint on the whole output; every choice's ``finish_reason`` truthful (``length`` exactly at
 ``max_tokens`` or the context's end, ``stop`` within it, ``tool_calls`` only with complete
 calls), the tokens returned (logprobs entries) add up to ``usage.completion_tokens``, no stop
 string in the text, ``min_tokens`` held by a plain answer that stopped; a constrained answer
@@ -267,6 +268,14 @@ def _streamed(http: httpx.Client, url: str, case: Case) -> Answer:
     return ans
 
 
+def _stop_refused(case: Case) -> bool:
+    """Stop strings beside a constraint on the whole output (a constraint kind, or a
+    constraining ``tool_choice``) are refused, 400 naming ``stop``, before anything else
+    (``gateway/api/stop_strings.py``: one matched inside the constrained text cut it)."""
+    whole = case.kind in ("json_schema", "json_object", "regex", "choice")
+    return bool(case.body.get("stop")) and (whole or case.constrained_tools)
+
+
 def _allowed_400(case: Case, err: dict[str, Any]) -> bool:
     """The one 400 a drawn request may get: prompt + ``max_tokens`` over the context (the
     draws never put a constraint beside a constraining ``tool_choice``)."""
@@ -289,6 +298,9 @@ def check_answer(case: Case, ans: Answer, how: str) -> None:
     body = case.body
     where = f"{how}: {ans}"
     assert ans.status < 500, where
+    if _stop_refused(case):
+        assert ans.status == 400 and ans.error and ans.error.get("param") == "stop", where
+        return
     if ans.status != 200:
         assert ans.status == 400 and ans.error and ans.error.get("param"), where
         assert _allowed_400(case, ans.error), where
