@@ -156,3 +156,42 @@ def test_every_dialect_ends_its_stream_in_its_own_shape(serve_fake):
     assert last.response.status == "failed"
     assert last.response.error.code == "server_shutting_down"
     assert engine.stats()["num_running"] == 0
+
+
+def test_proxy_streams_cut_by_its_shutdown_end_in_their_dialect(serve_fake):
+    """Proxy mode relays chat, completions and Messages streams (Responses is local mode
+    only): its own drain ends each relayed stream in its dialect, as local mode does."""
+    from prefixgate.gateway.app import create_proxy_app
+    from prefixgate.gateway.http.server import BackgroundServer
+
+    local, engine = serve_fake(
+        GatewaySettings(model_name="fake", keepalive_s=0.2), token_delay_s=0.05, max_num_seqs=16
+    )
+    proxy = BackgroundServer(
+        lambda: create_proxy_app([local.url], GatewaySettings(keepalive_s=0.2))
+    ).__enter__()
+    paths = ["/v1/chat/completions", "/v1/completions", "/v1/messages"]
+    raw: dict = {}
+    try:
+        threads = [threading.Thread(target=_events, args=(proxy.url, p, 100, raw)) for p in paths]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if local.call(_stats(engine))["num_running"] >= 3:
+                break
+            time.sleep(0.05)
+        summary = proxy.call(lambda: proxy.server.drain(0.1), timeout=10)
+        proxy.server = None
+        for t in threads:
+            t.join(10)
+    finally:
+        proxy.close()
+    assert summary["ended"] == 3, summary
+    for path in paths:
+        want = ENDINGS[path][1]
+        assert raw[path][-len(want) :] == want, (path, raw[path][-3:])
+    deadline = time.monotonic() + 5  # the upstream's requests aborted when the proxy let go
+    while engine.stats()["num_running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.stats()["num_running"] == 0
