@@ -42,6 +42,20 @@ async def _burst(urls: list[str], n: int, body: dict) -> list[httpx.Response]:
         )
 
 
+def _post_until_admitted(c, gw, pause_s: float, deadline: float | None = None) -> None:
+    """POST a one-token chat as ``k1`` with ``c`` every ``pause_s`` seconds until one is admitted
+    (200); every answer before it must be a 429, and come before ``deadline`` (a
+    ``time.monotonic()`` value; else the slots were not freed within the TTL)."""
+    while True:
+        resp = c.post("/v1/chat/completions", json=gw.chat_body("x", max_tokens=1), headers=AUTH)
+        if resp.status_code == 200:
+            break
+        assert resp.status_code == 429, resp.text
+        if deadline is not None:
+            assert time.monotonic() < deadline, "slots not freed within the TTL"
+        time.sleep(pause_s)
+
+
 def _two_replicas_at_60_rpm(serve_fake, redis_server, tmp_path):
     """Two fake-engine gateways sharing ``redis_server``, one key of 60 requests per minute."""
     settings = GatewaySettings(
@@ -170,15 +184,7 @@ def test_killed_replica_frees_its_concurrency_slots_within_the_lease_ttl(
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(10)
             killed_at = time.monotonic()
-            while True:
-                resp = c.post(
-                    "/v1/chat/completions", json=gw.chat_body("x", max_tokens=1), headers=AUTH
-                )
-                if resp.status_code == 200:
-                    break
-                assert resp.status_code == 429, resp.text
-                assert time.monotonic() - killed_at < ttl + 1.0, "slots not freed within the TTL"
-                time.sleep(0.1)
+            _post_until_admitted(c, gw, 0.1, deadline=killed_at + ttl + 1.0)
         freed_after = time.monotonic() - killed_at
         assert freed_after <= ttl + 1.0, freed_after
     finally:
@@ -336,14 +342,7 @@ def test_a_stranded_lease_s_retry_after_is_its_expiry(serve_fake, gw, redis_serv
         t_refused = time.monotonic()
         assert refused.status_code == 429, refused.text
         advice = int(refused.headers["Retry-After"])
-        while True:
-            resp = c.post(
-                "/v1/chat/completions", json=gw.chat_body("x", max_tokens=1), headers=AUTH
-            )
-            if resp.status_code == 200:
-                break
-            assert resp.status_code == 429, resp.text
-            time.sleep(0.05)
+        _post_until_admitted(c, gw, 0.05)
         waited = time.monotonic() - t_refused
     print(f"stranded lease: Retry-After {advice} s, actual wait {waited:.2f} s")
     assert waited > 2.0
