@@ -6,7 +6,9 @@ import random
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import anyio
+import httpx
 import pytest
+import respx
 from aiohttp import web
 from prefixgate.sdk import AsyncClient, RetryPolicy
 
@@ -33,6 +35,14 @@ def fake_sleep() -> FakeSleep:
 
 
 BASE = "http://test.local/v1"
+MSG = [{"role": "user", "content": "hi"}]  # a one-message chat
+OK = {"id": "c1", "choices": [{"index": 0, "message": {"role": "assistant", "content": "yo"}}]}
+
+
+def mock_chat(json: dict = OK) -> respx.Route:
+    """Mock ``POST {BASE}/chat/completions`` (inside ``@respx.mock``) to answer 200 with
+    ``json``; returns the route (its ``calls`` are what was sent)."""
+    return respx.post(f"{BASE}/chat/completions").mock(return_value=httpx.Response(200, json=json))
 
 
 @pytest.fixture

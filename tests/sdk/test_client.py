@@ -11,10 +11,7 @@ import respx
 from prefixgate.sdk import AsyncClient, Client, SyncStream
 from prefixgate.sdk.types import ChatCompletionChunk
 
-from .conftest import BASE
-
-OK = {"id": "c1", "choices": [{"index": 0, "message": {"role": "assistant", "content": "yo"}}]}
-MSG = [{"role": "user", "content": "hi"}]
+from .conftest import BASE, MSG, OK, mock_chat
 
 
 @pytest.mark.anyio
@@ -35,7 +32,7 @@ async def test_env_base_url_and_api_key(monkeypatch) -> None:
 @pytest.mark.anyio
 @respx.mock
 async def test_extra_body_and_passthrough_fields(make_client) -> None:
-    route = respx.post(f"{BASE}/chat/completions").mock(return_value=httpx.Response(200, json=OK))
+    route = mock_chat()
     async with make_client() as client:
         await client.chat.completions.create(
             model="m",
