@@ -39,21 +39,28 @@ def openai_client(server: BackgroundServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
 
 
+def module_server(model_name: str, name: str = "server", **settings: Any) -> Any:
+    """A module-scoped fixture named ``name`` for a test module (``server =
+    module_server(MODEL, ...)``): aidreams-260k served as ``model_name`` with ``settings``
+    (``serve_aidreams``)."""
+
+    @pytest.fixture(scope="module", name=name)
+    def server(aidreams_path: str) -> Iterator[BackgroundServer]:
+        yield from serve_aidreams(aidreams_path, model_name=model_name, **settings)
+
+    return server
+
+
 def hermes_fixtures(model_name: str) -> tuple[Any, Any]:
     """A test module's module-scoped ``server`` and ``client`` fixtures, as
     ``server, client = hermes_fixtures(MODEL)``: aidreams-260k served as ``model_name`` with
     the ``hermes`` tool-call parser and 64 queued requests, and the openai client on it."""
 
-    @pytest.fixture(scope="module", name="server")
-    def server(aidreams_path: str) -> Iterator[BackgroundServer]:
-        yield from serve_aidreams(
-            aidreams_path, model_name=model_name, tool_call_parser="hermes", max_queued_requests=64
-        )
-
     @pytest.fixture(scope="module", name="client")
     def client(server: BackgroundServer) -> openai.OpenAI:
         return openai_client(server)
 
+    server = module_server(model_name, tool_call_parser="hermes", max_queued_requests=64)
     return server, client
 
 
