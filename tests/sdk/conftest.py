@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import anyio
 import httpx
@@ -37,6 +38,19 @@ def fake_sleep() -> FakeSleep:
 BASE = "http://test.local/v1"
 MSG = [{"role": "user", "content": "hi"}]  # a one-message chat
 OK = {"id": "c1", "choices": [{"index": 0, "message": {"role": "assistant", "content": "yo"}}]}
+
+
+def completion_body(message: dict, finish: str = "stop", **choice: Any) -> dict:
+    """A ``chat.completion`` body (id ``chatcmpl-1``, model ``m``) with one choice: ``message``,
+    ``finish`` as its finish reason and the ``choice`` fields (``logprobs``)."""
+    one = {"index": 0, "message": message, "finish_reason": finish, **choice}
+    return {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "created": 1,
+        "model": "m",
+        "choices": [one],
+    }
 
 
 def mock_chat(json: dict = OK) -> respx.Route:
