@@ -59,6 +59,14 @@ def mock_chat(json: dict = OK) -> respx.Route:
     return respx.post(f"{BASE}/chat/completions").mock(return_value=httpx.Response(200, json=json))
 
 
+async def sent_chat(client: AsyncClient, **params: Any) -> httpx.Request:
+    """The request ``client`` sends for one chat completion (model ``m``, ``MSG``) with
+    ``params``, answered by ``mock_chat()`` (call inside ``@respx.mock``)."""
+    route = mock_chat()
+    await client.chat.completions.create(model="m", messages=MSG, **params)
+    return route.calls[0].request
+
+
 @pytest.fixture
 def make_client(fake_sleep: FakeSleep) -> Callable[..., AsyncClient]:
     """Client factory on ``BASE`` with the fake sleep, a fixed clock and a seeded jitter."""

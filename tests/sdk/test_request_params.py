@@ -27,7 +27,7 @@ from prefixgate.sdk.resources.chat import ChatCompletionCreateParams, ChatComple
 from prefixgate.sdk.resources.completions import CompletionCreateParams
 from prefixgate.sdk.resources.prefixes import PrefixCreateParams
 
-from .conftest import BASE, MSG, OK, mock_chat
+from .conftest import BASE, MSG, OK, mock_chat, sent_chat
 
 pytestmark = pytest.mark.anyio
 
@@ -69,11 +69,9 @@ async def test_unknown_keywords_are_type_errors_and_send_nothing(make_client) ->
 
 @respx.mock
 async def test_named_fields_and_extra_body_reach_the_body(make_client) -> None:
-    route = mock_chat()
     async with make_client() as client:
-        await client.chat.completions.create(
-            model="m",
-            messages=MSG,
+        req = await sent_chat(
+            client,
             tools=TOOLS,
             tool_choice={"type": "function", "function": {"name": "get_weather"}},
             parallel_tool_calls=False,
@@ -86,7 +84,6 @@ async def test_named_fields_and_extra_body_reach_the_body(make_client) -> None:
             extra_body={"structured_outputs": {"regex": "[a-z]+"}},
             extra_headers={"x-trace": "1"},
         )
-    req = route.calls[0].request
     body = json.loads(req.content)
     assert body == {
         "model": "m",
