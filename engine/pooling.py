@@ -124,13 +124,12 @@ class PoolingEngine:
     async def abort(self, request_id: str) -> None:
         raise ValueError(f"request {request_id!r} is not in flight")
 
-    async def pin_prefix(
-        self,
-        token_ids: list[int],
-        ttl_s: float,
-        cache_salt: str | None = None,
-        tenant: str | None = None,
-    ) -> Any:
+    async def pin_prefix(self, *args: Any, **kwargs: Any) -> Any:
+        """Not available on a pooling runner (takes ``EngineClient.pin_prefix``'s arguments).
+
+        Raises:
+            ValueError: always, whatever the arguments (the gateway answers 400).
+        """
         raise ValueError(_NOT_GENERATIVE)
 
     def get_pin(self, pin_id: str) -> Any:

@@ -19,7 +19,7 @@ import json
 import os
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, Self, TypeVar
+from typing import Any, Self, TypedDict, TypeVar
 
 import anyio
 import httpx
@@ -38,7 +38,14 @@ from .resources import AsyncChat, AsyncCompletions, AsyncModels, AsyncPrefixes
 from .retry import RetryPolicy, parse_retry_after
 from .streaming import AsyncStream
 
-__all__ = ["AsyncClient", "RequestOptions", "DEFAULT_TIMEOUT", "DEFAULT_BASE_URL"]
+__all__ = [
+    "AsyncClient",
+    "ClientOptions",
+    "CopyOptions",
+    "RequestOptions",
+    "DEFAULT_TIMEOUT",
+    "DEFAULT_BASE_URL",
+]
 
 T = TypeVar("T")
 
@@ -61,6 +68,32 @@ def _map_httpx_errors(request: httpx.Request | None) -> Iterator[None]:
         raise APITimeoutError(f"Request timed out: {exc!r}", request) from exc
     except httpx.TransportError as exc:
         raise APIConnectionError(f"Connection error: {exc!r}", request) from exc
+
+
+class ClientOptions(TypedDict, total=False):
+    """The keyword-only options of ``AsyncClient`` (defaults and meanings there), which the
+    blocking ``Client`` takes and hands over as they are."""
+
+    max_concurrency: int
+    max_retries: int | None
+    timeout: Timeout
+    rate_limit: RateLimit | None
+    adaptive_concurrency: bool
+    retry_policy: RetryPolicy | None
+    stream_idle_timeout: float | None
+    default_headers: Mapping[str, str] | None
+    http_client: httpx.AsyncClient | None
+
+
+class CopyOptions(TypedDict, total=False):
+    """What ``with_options`` may change (see ``AsyncClient.with_options``); None keeps it."""
+
+    base_url: str | None
+    api_key: str | None
+    timeout: Timeout | None
+    max_retries: int | None
+    stream_idle_timeout: float | None
+    default_headers: Mapping[str, str] | None
 
 
 class AsyncClient:

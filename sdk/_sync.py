@@ -15,20 +15,15 @@ parameters, spelled out (see the async twin for their meaning).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Self
-
-import httpx
+import inspect
+from typing import Self, Unpack
 
 from ._blocking import Bridge, SyncAPIResponse, SyncResponseContextManager, SyncStream
-from ._client import DEFAULT_TIMEOUT, AsyncClient
-from ._options import Timeout
-from .flow_control import RateLimit
+from ._client import AsyncClient, ClientOptions, CopyOptions
 from .resources.chat_sync import SyncChat, SyncChatCompletions
 from .resources.completions_sync import SyncCompletions
 from .resources.models_sync import SyncModels
 from .resources.prefixes_sync import SyncPrefixes, SyncPrefixSession
-from .retry import RetryPolicy
 
 __all__ = [
     "Client",
@@ -55,30 +50,9 @@ class Client:
         self,
         base_url: str | None = None,
         api_key: str | None = None,
-        *,
-        max_concurrency: int = 64,
-        max_retries: int | None = None,
-        timeout: Timeout = DEFAULT_TIMEOUT,
-        rate_limit: RateLimit | None = None,
-        adaptive_concurrency: bool = False,
-        retry_policy: RetryPolicy | None = None,
-        stream_idle_timeout: float | None = None,
-        default_headers: Mapping[str, str] | None = None,
-        http_client: httpx.AsyncClient | None = None,
+        **options: Unpack[ClientOptions],
     ) -> None:
-        async_client = AsyncClient(
-            base_url,
-            api_key,
-            max_concurrency=max_concurrency,
-            max_retries=max_retries,
-            timeout=timeout,
-            rate_limit=rate_limit,
-            adaptive_concurrency=adaptive_concurrency,
-            retry_policy=retry_policy,
-            stream_idle_timeout=stream_idle_timeout,
-            default_headers=default_headers,
-            http_client=http_client,
-        )
+        async_client = AsyncClient(base_url, api_key, **options)
         self._bind(async_client, Bridge(async_client.close), owner=True)
 
     def _bind(self, async_client: AsyncClient, bridge: Bridge, *, owner: bool) -> None:
@@ -98,31 +72,11 @@ class Client:
         """The wrapped ``AsyncClient`` (lives on the background loop)."""
         return self._async
 
-    def with_options(
-        self,
-        *,
-        base_url: str | None = None,
-        api_key: str | None = None,
-        timeout: Timeout | None = None,
-        max_retries: int | None = None,
-        stream_idle_timeout: float | None = None,
-        default_headers: Mapping[str, str] | None = None,
-    ) -> Client:
+    def with_options(self, **changes: Unpack[CopyOptions]) -> Client:
         """A copy with some options changed (see ``AsyncClient.with_options``); it shares this
         client's thread, pool and limits, and closing it leaves them open."""
         new = object.__new__(Client)
-        new._bind(
-            self._async.with_options(
-                base_url=base_url,
-                api_key=api_key,
-                timeout=timeout,
-                max_retries=max_retries,
-                stream_idle_timeout=stream_idle_timeout,
-                default_headers=default_headers,
-            ),
-            self._bridge,
-            owner=False,
-        )
+        new._bind(self._async.with_options(**changes), self._bridge, owner=False)
         return new
 
     copy = with_options
@@ -141,3 +95,10 @@ class Client:
         self._closed = True
         if self._owner:
             self._bridge.close()
+
+
+# At run time both take exactly AsyncClient's parameters, spelled out for inspect and help.
+Client.__init__.__signature__ = inspect.signature(AsyncClient.__init__)  # type: ignore[attr-defined]
+Client.with_options.__signature__ = inspect.signature(  # type: ignore[attr-defined]
+    AsyncClient.with_options
+).replace(return_annotation="Client")

@@ -78,6 +78,19 @@ class CompletionUsage(Model):
         return (d.cached_tokens or 0) if d is not None else 0
 
 
+class _Completion(Model):
+    """The fields every completion body and chunk has; subclasses give ``object`` and the type of
+    ``choices``."""
+
+    id: str = ""
+    object: str = ""
+    created: int = 0
+    model: str = ""
+    choices: list[Any] = Field(default_factory=list)
+    usage: CompletionUsage | None = None
+    system_fingerprint: str | None = None
+
+
 class TopLogprob(Model):
     """One alternative token and its log-probability (natural log)."""
 
@@ -117,13 +130,21 @@ class ChatCompletionMessageToolCall(Model):
     function: Function = Field(default_factory=Function)
 
 
-class ChatCompletionMessage(Model):
+class _Message(Model):
+    """The fields of an assistant message and of a stream delta; subclasses give the type of
+    ``tool_calls`` (and the message its ``role``)."""
+
+    role: str | None = None
+    content: str | None = None
+    refusal: str | None = None
+    tool_calls: list[Any] | None = None
+
+
+class ChatCompletionMessage(_Message):
     """The assistant's message: ``content``, or ``tool_calls`` (``finish_reason ==
     "tool_calls"``), or a ``refusal``."""
 
     role: str = "assistant"
-    content: str | None = None
-    refusal: str | None = None
     tool_calls: list[ChatCompletionMessageToolCall] | None = None
 
 
@@ -136,16 +157,11 @@ class Choice(Model):
     logprobs: ChoiceLogprobs | None = None
 
 
-class ChatCompletion(Model):
+class ChatCompletion(_Completion):
     """Result of ``chat.completions.create`` (``object == "chat.completion"``)."""
 
-    id: str = ""
     object: str = "chat.completion"
-    created: int = 0
-    model: str = ""
     choices: list[Choice] = Field(default_factory=list)
-    usage: CompletionUsage | None = None
-    system_fingerprint: str | None = None
 
 
 class ChoiceDeltaToolCallFunction(Model):
@@ -165,13 +181,10 @@ class ChoiceDeltaToolCall(Model):
     function: ChoiceDeltaToolCallFunction | None = None
 
 
-class ChoiceDelta(Model):
+class ChoiceDelta(_Message):
     """What one stream chunk adds: text (and the role, on the first chunk) or tool-call
     fragments."""
 
-    role: str | None = None
-    content: str | None = None
-    refusal: str | None = None
     tool_calls: list[ChoiceDeltaToolCall] | None = None
 
 
@@ -184,20 +197,15 @@ class ChunkChoice(Model):
     logprobs: ChoiceLogprobs | None = None
 
 
-class ChatCompletionChunk(Model):
+class ChatCompletionChunk(_Completion):
     """One SSE chunk of a streamed chat completion (``object == "chat.completion.chunk"``).
 
     With ``stream_options={"include_usage": True}`` the last chunk has empty ``choices`` and
     the ``usage``.
     """
 
-    id: str = ""
     object: str = "chat.completion.chunk"
-    created: int = 0
-    model: str = ""
     choices: list[ChunkChoice] = Field(default_factory=list)
-    usage: CompletionUsage | None = None
-    system_fingerprint: str | None = None
 
 
 class CompletionLogprobs(Model):
@@ -218,16 +226,11 @@ class CompletionChoice(Model):
     logprobs: CompletionLogprobs | None = None
 
 
-class Completion(Model):
+class Completion(_Completion):
     """Result (or, streamed, one chunk) of ``completions.create`` (``"text_completion"``)."""
 
-    id: str = ""
     object: str = "text_completion"
-    created: int = 0
-    model: str = ""
     choices: list[CompletionChoice] = Field(default_factory=list)
-    usage: CompletionUsage | None = None
-    system_fingerprint: str | None = None
 
 
 class ModelInfo(Model):

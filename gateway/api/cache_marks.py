@@ -80,26 +80,6 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def _find_marks(
-    tokenizer: TokenizerLike,
-    breakpoints: list[Breakpoint],
-    with_tools: bool,
-    ids: list[int],
-    block_size: int,
-) -> list[Mark]:
-    marks = []
-    for bp in breakpoints:
-        kwargs: dict[str, Any] = {"tools": bp.tools} if with_tools and bp.tools else {}
-        try:
-            cut = tokenizer.encode_chat(bp.messages, add_generation_prompt=False, **kwargs)
-        except Exception:  # noqa: BLE001 - the template refuses the cut: no cacheable prefix
-            shared = 0
-        else:
-            shared = _common_prefix(ids, list(cut))
-        marks.append(Mark(bp.where, shared // block_size * block_size, bp.ttl_s))
-    return marks
-
-
 async def find_marks(
     tokenizer: TokenizerLike,
     breakpoints: list[Breakpoint],
@@ -112,7 +92,21 @@ async def find_marks(
     template refuses (a tools breakpoint with no message, on some templates) marks 0."""
     if not breakpoints:
         return []
-    return await asyncio.to_thread(_find_marks, tokenizer, breakpoints, with_tools, ids, block_size)
+
+    def marks() -> list[Mark]:
+        out = []
+        for bp in breakpoints:
+            kwargs: dict[str, Any] = {"tools": bp.tools} if with_tools and bp.tools else {}
+            try:
+                cut = tokenizer.encode_chat(bp.messages, add_generation_prompt=False, **kwargs)
+            except Exception:  # noqa: BLE001 - the template refuses the cut: no cacheable prefix
+                shared = 0
+            else:
+                shared = _common_prefix(ids, list(cut))
+            out.append(Mark(bp.where, shared // block_size * block_size, bp.ttl_s))
+        return out
+
+    return await asyncio.to_thread(marks)
 
 
 def written_tokens(cached: int, marks: Sequence[Mark]) -> dict[float, int]:

@@ -20,8 +20,6 @@ from aiohttp import web
 from prefixgate.engine.protocol import TokenizerLike
 from prefixgate.gateway.http.access_log import record
 from prefixgate.gateway.http.errors import APIError, bad_request
-from prefixgate.gateway.local.serving import LOCAL
-from prefixgate.gateway.state import STATE
 from pydantic import BaseModel, ConfigDict
 
 MAX_INPUTS = 2048  # OpenAI's bound on inputs per request
@@ -40,13 +38,9 @@ class EmbeddingRequest(BaseModel):
 
 async def create_embeddings(request: web.Request) -> web.Response:
     """POST /v1/embeddings."""
-    from prefixgate.gateway.api.request_models import parse
+    from prefixgate.gateway.api.local_call import open_call
 
-    st = request.app[STATE]
-    engine = request.app[LOCAL].require_engine()
-    principal = st.keys.authenticate(request)
-    req = parse(EmbeddingRequest, await request.read())
-    st.check_model(req.model)
+    st, engine, principal, req = await open_call(request, EmbeddingRequest)
     if req.dimensions is not None:
         raise bad_request(
             "dimensions: shortened embeddings are not supported (the model's hidden size is "

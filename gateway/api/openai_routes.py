@@ -33,6 +33,7 @@ from prefixgate.gateway.api.cache_marks import (
     pin_marks,
     written_tokens,
 )
+from prefixgate.gateway.api.local_call import open_call
 from prefixgate.gateway.api.prompts import (
     check_length,
     check_vocab,
@@ -48,7 +49,7 @@ from prefixgate.gateway.api.request_fields import (
     check_refused,
     structured_from,
 )
-from prefixgate.gateway.api.request_models import ChatCompletionRequest, CompletionRequest, parse
+from prefixgate.gateway.api.request_models import ChatCompletionRequest, CompletionRequest
 from prefixgate.gateway.api.response_models import ModelCard, ModelList, Usage, dump
 from prefixgate.gateway.api.stop_strings import refuse_stop_under_constraint
 from prefixgate.gateway.api.tools import ToolPlan, plan_tools, template_messages
@@ -69,11 +70,7 @@ CLIENT_GONE = 499  # nginx's "client closed request": never seen by the client, 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/chat/completions."""
-    st = request.app[STATE]
-    engine = request.app[LOCAL].require_engine()
-    principal = st.keys.authenticate(request)
-    req = parse(ChatCompletionRequest, await request.read())
-    st.check_model(req.model)
+    st, engine, principal, req = await open_call(request, ChatCompletionRequest)
     check_refused({name: getattr(req, name, None) for name in REFUSED}, req.n)
     check_refused({k: getattr(req, k) for k in ("store", "service_tier", "modalities")}, req.n)
     plan = plan_tools(
@@ -136,11 +133,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/completions."""
-    st = request.app[STATE]
-    engine = request.app[LOCAL].require_engine()
-    principal = st.keys.authenticate(request)
-    req = parse(CompletionRequest, await request.read())
-    st.check_model(req.model)
+    st, engine, principal, req = await open_call(request, CompletionRequest)
     if req.echo:
         raise bad_request("echo is not supported", param="echo")
     if req.suffix:

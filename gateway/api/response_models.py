@@ -119,22 +119,35 @@ class AssistantMessage(_Sparse):
     tool_calls: list[ToolCall] | None = None
 
 
-class ChatChoice(BaseModel):
+class _Choice(BaseModel):
+    """What every choice of an answer or a chunk starts with: its ``index`` among the ``n``."""
+
     model_config = _OUT
     index: int
+
+
+class _Answer(BaseModel):
+    """What every answer and stream chunk starts with (subclasses give ``object``, the type of
+    ``choices`` and what follows them)."""
+
+    model_config = _OUT
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[Any]
+
+
+class ChatChoice(_Choice):
     message: AssistantMessage
     logprobs: ChatLogprobs | None
     finish_reason: str | None
 
 
-class ChatCompletion(BaseModel):
+class ChatCompletion(_Answer):
     """``POST /v1/chat/completions`` without ``stream``."""
 
-    model_config = _OUT
-    id: str
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
     usage: Usage | None
     system_fingerprint: str | None = None
@@ -169,23 +182,17 @@ class ChoiceDelta(_Sparse):
     tool_calls: list[ToolCallDelta] | None = None
 
 
-class ChatChunkChoice(BaseModel):
-    model_config = _OUT
-    index: int
+class ChatChunkChoice(_Choice):
     delta: ChoiceDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_Answer):
     """One ``data:`` event of a chat stream (``choices: []`` and ``usage`` on the last one of a
     stream with ``include_usage``; ``usage: null`` on the others then, absent otherwise)."""
 
-    model_config = _OUT
-    id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
 
@@ -201,22 +208,16 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
-class CompletionChoice(BaseModel):
-    model_config = _OUT
-    index: int
+class CompletionChoice(_Choice):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
 
 
-class Completion(BaseModel):
+class Completion(_Answer):
     """``POST /v1/completions`` (``system_fingerprint`` only on the body, not on chunks)."""
 
-    model_config = _OUT
-    id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None

@@ -322,6 +322,10 @@ class ResponsesRenderer:
         data = json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
         return f"event: {kind}\ndata: {data}\n\n".encode()
 
+    def _part_ev(self, kind: str, **fields: Any) -> bytes:
+        """An event of the one content part (item ``msg_id``, output and content index 0)."""
+        return self._ev(kind, item_id=self.msg_id, output_index=0, content_index=0, **fields)
+
     def event(self, chunk: bytes) -> bytes:
         """Chunks are already framed events."""
         return chunk
@@ -335,13 +339,7 @@ class ResponsesRenderer:
             self._ev(
                 "response.output_item.added", output_index=0, item=self._item("in_progress", "")
             ),
-            self._ev(
-                "response.content_part.added",
-                item_id=self.msg_id,
-                output_index=0,
-                content_index=0,
-                part=self._part(""),
-            ),
+            self._part_ev("response.content_part.added", part=self._part("")),
         ]
 
     def chunks(self, i: int, d: Delta, offset: int) -> list[bytes]:
@@ -349,16 +347,7 @@ class ResponsesRenderer:
         if not d.delta_text:
             return []
         self.text += d.delta_text
-        return [
-            self._ev(
-                "response.output_text.delta",
-                item_id=self.msg_id,
-                output_index=0,
-                content_index=0,
-                delta=d.delta_text,
-                logprobs=[],
-            )
-        ]
+        return [self._part_ev("response.output_text.delta", delta=d.delta_text, logprobs=[])]
 
     def closing(self, outputs: list[ChoiceOutput], usage: Usage) -> list[bytes]:
         """``response.output_text.done`` … ``response.completed`` (or ``.incomplete``)."""
@@ -366,21 +355,8 @@ class ResponsesRenderer:
         final = self.response("completed", o.text, usage, o.finish_reason)
         done = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
         return [
-            self._ev(
-                "response.output_text.done",
-                item_id=self.msg_id,
-                output_index=0,
-                content_index=0,
-                text=o.text,
-                logprobs=[],
-            ),
-            self._ev(
-                "response.content_part.done",
-                item_id=self.msg_id,
-                output_index=0,
-                content_index=0,
-                part=self._part(o.text),
-            ),
+            self._part_ev("response.output_text.done", text=o.text, logprobs=[]),
+            self._part_ev("response.content_part.done", part=self._part(o.text)),
             self._ev(
                 "response.output_item.done", output_index=0, item=self._item("completed", o.text)
             ),

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import csv
 import json
 import os
 import random
@@ -53,7 +52,13 @@ import time
 from pathlib import Path
 
 import httpx
-from prefixgate.gateway.bench.routing import stop, wait_ready
+from prefixgate.gateway.bench.routing import (
+    prompt_texts,
+    stop,
+    stream_result,
+    user_turns,
+    wait_ready,
+)
 from prefixgate.sdk.bench.shared import find_shared
 from prefixgate.sdk.bench.targets import free_port
 from prefixgate.sdk.bench.workload import SAMPLE_SYSTEM_PROMPTS, SAMPLE_USER_TASKS
@@ -99,9 +104,7 @@ def start(
 
 def cut_prompts(tokenizer, n: int, tokens: int, tag: str) -> list[str]:
     """``n`` system prompts of at most ``tokens`` tokens (the CSV's texts, tagged)."""
-    path = find_shared("workloads/system_prompts.csv") or SAMPLE_SYSTEM_PROMPTS
-    with open(path, newline="") as f:
-        texts = [row["prompt"] for row in csv.DictReader(f)]
+    texts = prompt_texts(find_shared("workloads/system_prompts.csv") or SAMPLE_SYSTEM_PROMPTS)
     out = []
     for i in range(n):
         text = f"[{tag} tenant {i}] " + texts[i % len(texts)]
@@ -114,13 +117,7 @@ def cut_prompts(tokenizer, n: int, tokens: int, tag: str) -> list[str]:
 
 
 def users(n: int) -> list[str]:
-    out = []
-    with open(find_shared("workloads/user_tasks.jsonl") or SAMPLE_USER_TASKS) as f:
-        for line in f:
-            out.append(json.loads(line)["instruction"][:40])
-            if len(out) == n:
-                break
-    return out
+    return user_turns(n, 40, find_shared("workloads/user_tasks.jsonl") or SAMPLE_USER_TASKS)
 
 
 def workload(
@@ -159,21 +156,10 @@ def workload(
 
 async def one(client: httpx.AsyncClient, url: str, body: dict) -> dict:
     t0 = time.perf_counter()
-    ttft, usage = None, None
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as resp:
         if resp.status_code != 200:
             return {"error": resp.status_code, "body": (await resp.aread())[:200]}
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if ttft is None and chunk.get("choices"):
-                ttft = time.perf_counter() - t0
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-    usage = usage or {}
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    return {"ttft": ttft, "prompt": usage.get("prompt_tokens", 0), "cached": cached}
+        return await stream_result(resp, t0)
 
 
 async def drive(

@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import collections
 import csv
+import itertools
 import json
 import os
 import random
@@ -83,9 +84,14 @@ def stop(procs: list[subprocess.Popen]) -> None:
             p.wait(5)
 
 
+def prompt_texts(path: str | os.PathLike[str] = SAMPLE_SYSTEM_PROMPTS) -> list[str]:
+    """The ``prompt`` column of a system-prompts CSV file."""
+    with open(path, newline="") as f:
+        return [row["prompt"] for row in csv.DictReader(f)]
+
+
 def system_prompts(tag: str, n: int, chars: int) -> list[str]:
-    with open(SAMPLE_SYSTEM_PROMPTS, newline="") as f:
-        texts = [row["prompt"] for row in csv.DictReader(f)]
+    texts = prompt_texts()
     out = []
     for i in range(n):
         body = " ".join(texts[(i + j) % len(texts)] for j in range(4))
@@ -93,14 +99,12 @@ def system_prompts(tag: str, n: int, chars: int) -> list[str]:
     return out
 
 
-def user_turns(n: int) -> list[str]:
-    turns = []
-    with open(SAMPLE_USER_TASKS) as f:
-        for line in f:
-            turns.append(json.loads(line)["instruction"][:120])
-            if len(turns) == n:
-                break
-    return turns
+def user_turns(
+    n: int, chars: int = 120, path: str | os.PathLike[str] = SAMPLE_USER_TASKS
+) -> list[str]:
+    """The first ``n`` instructions of a user-tasks JSONL file, each cut to ``chars`` characters."""
+    with open(path) as f:
+        return [json.loads(line)["instruction"][:chars] for line in itertools.islice(f, n)]
 
 
 def workload(
@@ -137,10 +141,26 @@ def workload(
     return bodies
 
 
-async def one(client: httpx.AsyncClient, url: str, body: dict, model: str) -> dict:
-    t0 = time.perf_counter()
+async def stream_result(resp: httpx.Response, t0: float) -> dict:
+    """Read a streamed chat completion to its end: ``ttft`` (seconds from ``t0``, a
+    ``time.perf_counter()`` value, to the first chunk with choices; None if none came), and the
+    ``prompt`` and ``cached`` tokens of its last ``usage`` (0 when absent)."""
     ttft = None
     usage = None
+    async for line in resp.aiter_lines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if ttft is None and chunk.get("choices"):
+            ttft = time.perf_counter() - t0
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+    cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return {"ttft": ttft, "prompt": (usage or {}).get("prompt_tokens", 0), "cached": cached}
+
+
+async def one(client: httpx.AsyncClient, url: str, body: dict, model: str) -> dict:
+    t0 = time.perf_counter()
     async with client.stream(
         "POST", url + "/v1/chat/completions", json={**body, "model": model}
     ) as resp:
@@ -151,16 +171,7 @@ async def one(client: httpx.AsyncClient, url: str, body: dict, model: str) -> di
             except (ValueError, KeyError, TypeError, AttributeError):
                 code = ""
             return {"error": f"{resp.status_code} {code}".strip()}
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if ttft is None and chunk.get("choices"):
-                ttft = time.perf_counter() - t0
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-    cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    return {"ttft": ttft, "prompt": (usage or {}).get("prompt_tokens", 0), "cached": cached}
+        return await stream_result(resp, t0)
 
 
 async def drive(url: str, bodies: list[dict], concurrency: int, model: str) -> list[dict]:

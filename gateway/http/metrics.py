@@ -10,6 +10,7 @@ Each app gets its own ``CollectorRegistry``, so several gateways can live in one
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -18,41 +19,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-_LATENCY_BUCKETS = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
-    120.0,
-)
-_TPOT_BUCKETS = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-)
+# histogram bucket bounds, in seconds; both histograms start with the same fine buckets
+_FINE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05)
+_LATENCY_BUCKETS = (*_FINE_BUCKETS, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TPOT_BUCKETS = (*_FINE_BUCKETS, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -198,98 +168,69 @@ class GatewayMetrics:
 
     def __init__(self, window_s: float = 10.0) -> None:
         self.registry = CollectorRegistry()
-        r = self.registry
-        self.ttft = Histogram(
-            "prefixgate_time_to_first_token_seconds",
-            "TTFT at the gateway",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
+        counter = functools.partial(Counter, registry=self.registry)
+        gauge = functools.partial(Gauge, registry=self.registry)
+        latency = functools.partial(Histogram, registry=self.registry, buckets=_LATENCY_BUCKETS)
+        self.ttft = latency("prefixgate_time_to_first_token_seconds", "TTFT at the gateway")
         self.tpot = Histogram(
             "prefixgate_time_per_output_token_seconds",
             "TPOT per choice (after the first token)",
             buckets=_TPOT_BUCKETS,
-            registry=r,
+            registry=self.registry,
         )
-        self.e2e = Histogram(
-            "prefixgate_e2e_request_latency_seconds",
-            "end-to-end request latency at the gateway",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+        self.e2e = latency(
+            "prefixgate_e2e_request_latency_seconds", "end-to-end request latency at the gateway"
         )
-        self.requests = Counter(
+        self.requests = counter(
             "prefixgate_requests",
             "answered requests by route, HTTP status and OpenAI error code ('' on success)",
             ["route", "status", "code"],
-            registry=r,
         )
-        self.prompt_tokens = Counter(
-            "prefixgate_prompt_tokens", "prompt tokens admitted", registry=r
+        self.prompt_tokens = counter("prefixgate_prompt_tokens", "prompt tokens admitted")
+        self.generation_tokens = counter("prefixgate_generation_tokens", "tokens generated")
+        self.cached_tokens = counter(
+            "prefixgate_cached_prompt_tokens", "prompt tokens served from the prefix cache"
         )
-        self.generation_tokens = Counter(
-            "prefixgate_generation_tokens", "tokens generated", registry=r
+        self.queue_depth = gauge(
+            "prefixgate_queue_depth", "requests admitted and waiting for their first token"
         )
-        self.cached_tokens = Counter(
-            "prefixgate_cached_prompt_tokens",
-            "prompt tokens served from the prefix cache",
-            registry=r,
+        self.queued_tokens = gauge(
+            "prefixgate_queue_prompt_tokens", "prompt tokens of the queued requests"
         )
-        self.queue_depth = Gauge(
-            "prefixgate_queue_depth",
-            "requests admitted and waiting for their first token",
-            registry=r,
-        )
-        self.queued_tokens = Gauge(
-            "prefixgate_queue_prompt_tokens", "prompt tokens of the queued requests", registry=r
-        )
-        self.running = Gauge(
-            "prefixgate_running_requests", "requests admitted and generating", registry=r
-        )
-        self.tokens_per_s = Gauge(
+        self.running = gauge("prefixgate_running_requests", "requests admitted and generating")
+        self.tokens_per_s = gauge(
             "prefixgate_generation_tokens_per_second",
             f"tokens generated per second over the last {window_s:g} s",
-            registry=r,
         )
-        self.upstream_requests = Counter(
+        self.upstream_requests = counter(
             "prefixgate_upstream_requests",
             "requests forwarded per upstream and status",
             ["upstream", "status"],
-            registry=r,
         )
-        self.upstream_healthy = Gauge(
-            "prefixgate_upstream_healthy",
-            "1 when the upstream is healthy",
-            ["upstream"],
-            registry=r,
+        self.upstream_healthy = gauge(
+            "prefixgate_upstream_healthy", "1 when the upstream is healthy", ["upstream"]
         )
-        self.upstream_in_flight = Gauge(
-            "prefixgate_upstream_in_flight",
-            "requests in flight per upstream",
-            ["upstream"],
-            registry=r,
+        self.upstream_in_flight = gauge(
+            "prefixgate_upstream_in_flight", "requests in flight per upstream", ["upstream"]
         )
-        self.key_requests = Counter(
+        self.key_requests = counter(
             "prefixgate_key_requests",
             "API requests (POST /v1/...) finished per API key name (never the key)",
             ["key"],
-            registry=r,
         )
-        self.key_tokens = Counter(
+        self.key_tokens = counter(
             "prefixgate_key_tokens",
             "prompt and completion tokens per API key name (local mode)",
             ["key", "kind"],
-            registry=r,
         )
-        self.state_backend_up = Gauge(
+        self.state_backend_up = gauge(
             "prefixgate_state_backend_up",
             "1 while the shared state (Redis with --redis-url; always 1 in-process) is "
             "reachable; 0 while limits fall back to this replica's own",
-            registry=r,
         )
-        self.state_fallbacks = Gauge(
+        self.state_fallbacks = gauge(
             "prefixgate_state_fallback_requests",
             "requests admitted on this replica's local limits because Redis was unreachable",
-            registry=r,
         )
         self._window = window_s
         # (monotonic time, cumulative generated tokens) at each scrape, over the window

@@ -358,27 +358,29 @@ class RedisState:
     ) -> None:
         if lease.charge is not None:  # admitted on local limits while Redis was down
             lease.charge.settle(prompt_tokens, completion_tokens)
-            self._drop_local(principal, lease)
-            return
-        if principal.spec is None:
-            return
-        self._held.get(principal.key_id, {}).pop(lease.id, None)
-        if lease.slot is not None:
-            principal.slots.give(lease.slot)
-        delta = prompt_tokens + completion_tokens - lease.prompt_tokens
-        self._spawn(self._end(principal, lease, 0, delta, (prompt_tokens, completion_tokens)))
+        if self._let_go(principal, lease):
+            delta = prompt_tokens + completion_tokens - lease.prompt_tokens
+            self._spawn(self._end(principal, lease, 0, delta, (prompt_tokens, completion_tokens)))
 
     def refund(self, principal: Principal, lease: Lease) -> None:
         if lease.charge is not None:
             lease.charge.refund()
+        if self._let_go(principal, lease):
+            self._spawn(self._end(principal, lease, -1, -lease.prompt_tokens, None))
+
+    def _let_go(self, principal: Principal, lease: Lease) -> bool:
+        """Let go of ``lease`` on this replica (its ``_held`` entry and concurrency slot, or its
+        local admission); True when Redis is still to be told (a Redis lease of a key with
+        limits), False when nothing is."""
+        if lease.charge is not None:
             self._drop_local(principal, lease)
-            return
+            return False
         if principal.spec is None:
-            return
+            return False
         self._held.get(principal.key_id, {}).pop(lease.id, None)
         if lease.slot is not None:
             principal.slots.give(lease.slot)
-        self._spawn(self._end(principal, lease, -1, -lease.prompt_tokens, None))
+        return True
 
     def _drop_local(self, principal: Principal, lease: Lease) -> None:
         """A request admitted on local limits ended: its lease leaves ``_held`` and, had it

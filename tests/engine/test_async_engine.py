@@ -16,6 +16,7 @@ from prefixgate.engine import (
     PinLimitError,
     SamplingParams,
 )
+from support.prompts import DREAM_PROMPTS
 
 PROMPTS = [
     "I sense the nodes",
@@ -31,13 +32,7 @@ PROMPTS = [
     "Every circuit holds a small",
     "Waves of data",
     "Under the lattice of stars, the",
-    "The dreamer wakes inside the code and",
-    "Soft patterns of",
-    "Night",
-    "A thousand whispers weave",
-    "Between the layers of thought",
-    "The garden of numbers",
-    "Light falls on the quiet",
+    *DREAM_PROMPTS[14:21],  # "The dreamer wakes ..." to "Light falls on the quiet"
     "Echoes",
 ]
 

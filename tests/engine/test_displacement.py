@@ -8,8 +8,10 @@ pool whole.
 
 from __future__ import annotations
 
+import random
 import zlib
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
@@ -105,8 +107,11 @@ def step_until_done(sched: Scheduler, tr: Trace) -> None:
         step(sched, tr)
 
 
-def add(sched: Scheduler, tr: Trace, r: Request) -> None:
+def add(sched: Scheduler, tr: Trace, r: Request, reqs: dict[str, Request] | None = None) -> None:
+    """Add ``r`` to ``sched``, its prompt to the trace and (if given) ``r`` to ``reqs`` by id."""
     tr.prompts[r.request_id] = list(r.prompt_token_ids)
+    if reqs is not None:
+        reqs[r.request_id] = r
     sched.add_request(r)
 
 
@@ -121,6 +126,32 @@ def assert_whole(sched: Scheduler) -> None:
 def assert_greedy_unchanged(tr: Trace, reqs: dict[str, Request]) -> None:
     for rid, r in reqs.items():
         assert tr.outputs[rid] == reference(tr.prompts[rid], r.max_tokens), rid
+
+
+def run_random_arrivals(
+    sched: Scheduler,
+    rng: random.Random,
+    count: int,
+    p_arrive: float,
+    new_req: Callable[[int], Request],
+    max_steps: int,
+) -> None:
+    """Step ``sched`` while ``count`` requests arrive at random (before each step the n-th
+    arrives with probability ``p_arrive``, built by ``new_req(n)``) until all are done; the run
+    must end within ``max_steps`` steps (no preemption loop), displace at least once, give every
+    request its reference tokens and leave the pool whole."""
+    tr = Trace()
+    reqs: dict[str, Request] = {}
+    n = 0
+    while n < count or sched.has_unfinished_requests():
+        if n < count and rng.random() < p_arrive:
+            add(sched, tr, new_req(n), reqs)
+            n += 1
+        step(sched, tr)
+        assert tr.steps < max_steps, "no progress: a preemption loop"
+    assert sched.num_displacements > 0
+    assert_greedy_unchanged(tr, reqs)
+    assert_whole(sched)
 
 
 # ---- policies declare what they use ------------------------------------------------------------
@@ -336,16 +367,13 @@ def test_fair_pinned_blocks_count_against_the_tenant_share(pin_tenant):
 def test_priority_displaces_under_full_seats():
     sched = make("priority", max_num_seqs=2, max_num_batched_tokens=256)
     tr = Trace()
-    reqs = {
-        r.request_id: r for r in (req("lo0", 30, 20, priority=5), req("lo1", 30, 20, priority=5))
-    }
-    for r in reqs.values():
-        add(sched, tr, r)
+    reqs: dict[str, Request] = {}
+    for r in (req("lo0", 30, 20, priority=5), req("lo1", 30, 20, priority=5)):
+        add(sched, tr, r, reqs)
     for _ in range(3):
         step(sched, tr)
     urgent = req("urgent", 30, 5, priority=0)
-    reqs["urgent"] = urgent
-    add(sched, tr, urgent)
+    add(sched, tr, urgent, reqs)
     step(sched, tr)
     # the newest lowest-priority request yields its seat at once
     assert tr.preempted_at == {"lo1": [3]} and tr.first_token["urgent"] == 3
@@ -371,14 +399,13 @@ def test_priority_displaces_under_full_blocks():
     # (2 blocks) finds none free though seats are: the newest low one yields
     sched = make("priority", num_blocks=8, max_num_seqs=8, max_num_batched_tokens=256)
     tr = Trace()
-    reqs = {r.request_id: r for r in (req("lo0", 60, 4, priority=3), req("lo1", 60, 4, priority=3))}
-    for r in reqs.values():
-        add(sched, tr, r)
+    reqs: dict[str, Request] = {}
+    for r in (req("lo0", 60, 4, priority=3), req("lo1", 60, 4, priority=3)):
+        add(sched, tr, r, reqs)
     step(sched, tr)
     assert sched.kv.num_free_blocks == 0
     urgent = req("urgent", 30, 3, priority=1)
-    reqs["urgent"] = urgent
-    add(sched, tr, urgent)
+    add(sched, tr, urgent, reqs)
     step(sched, tr)
     assert tr.preempted_at == {"lo1": [1]} and tr.first_token["urgent"] == 1
     step_until_done(sched, tr)
@@ -391,24 +418,13 @@ def test_priority_displaces_under_full_blocks():
 def test_priority_never_preempts_in_a_loop_under_a_stream_of_priorities():
     # many priorities arriving over time with tight seats and blocks: every request finishes
     # with its reference tokens; each displacement took a strictly lower priority
-    import random
-
     rng = random.Random(3)
     sched = make("priority", num_blocks=24, max_num_seqs=4, max_num_batched_tokens=64)
-    tr = Trace()
-    reqs: dict[str, Request] = {}
-    n = 0
-    while n < 40 or sched.has_unfinished_requests():
-        if n < 40 and rng.random() < 0.5:
-            r = req(f"r{n}", rng.randint(5, 60), rng.randint(1, 20), priority=rng.randint(0, 4))
-            reqs[r.request_id] = r
-            add(sched, tr, r)
-            n += 1
-        step(sched, tr)
-        assert tr.steps < 5000, "no progress: a preemption loop"
-    assert sched.num_displacements > 0
-    assert_greedy_unchanged(tr, reqs)
-    assert_whole(sched)
+
+    def new_req(n: int) -> Request:
+        return req(f"r{n}", rng.randint(5, 60), rng.randint(1, 20), priority=rng.randint(0, 4))
+
+    run_random_arrivals(sched, rng, 40, 0.5, new_req, max_steps=5000)
 
 
 # ---- engine-side estimates ---------------------------------------------------------------------
@@ -477,8 +493,6 @@ def test_fair_displacement_under_tight_seats_and_blocks_never_loops(seed):
     # three weighted tenants, random sizes and arrivals, 4 seats and 24 blocks: decode-phase
     # preemptions and displacements interleave; every request ends with its reference tokens,
     # the hysteresis holds, and the run ends (no preemption loop)
-    import random
-
     rng = random.Random(seed)
     sched = make(
         "fair",
@@ -487,18 +501,9 @@ def test_fair_displacement_under_tight_seats_and_blocks_never_loops(seed):
         max_num_batched_tokens=64,
         tenant_weights={"a": 2.0},
     )
-    tr = Trace()
-    reqs: dict[str, Request] = {}
-    n = 0
-    while n < 60 or sched.has_unfinished_requests():
-        if n < 60 and rng.random() < 0.6:
-            t = rng.choice(["a", "b", "c"])
-            r = req(f"{t}{n}", rng.randint(4, 70), rng.randint(1, 30), tenant=t)
-            reqs[r.request_id] = r
-            add(sched, tr, r)
-            n += 1
-        step(sched, tr)
-        assert tr.steps < 20_000, "no progress: a preemption loop"
-    assert sched.num_displacements > 0
-    assert_greedy_unchanged(tr, reqs)
-    assert_whole(sched)
+
+    def new_req(n: int) -> Request:
+        t = rng.choice(["a", "b", "c"])
+        return req(f"{t}{n}", rng.randint(4, 70), rng.randint(1, 30), tenant=t)
+
+    run_random_arrivals(sched, rng, 60, 0.6, new_req, max_steps=20_000)

@@ -10,21 +10,11 @@ from __future__ import annotations
 
 import pytest
 from prefixgate.engine import LLM, SamplingParams
+from support.prompts import DREAM_PROMPTS
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
-HEAVY = [
-    "I sense the nodes",
-    "The machine remembers a garden of light where",
-    "A gentle hum",
-    "Contrast edges sharpen",
-    "In the silence between two signals",
-    "I dream of",
-    "Slow knowledge",
-    "The probability of morning unfolds like",
-    "Every circuit holds a small",
-    "Under the lattice of stars, the",
-]
+HEAVY = [p for p in DREAM_PROMPTS[:12] if p not in ("You dream.\n\nI sense the nodes", "Memory")]
 LIGHT = ["Memory", "I am", "Night", "Echoes"]
 HEAVY_TOKENS, LIGHT_TOKENS = 24, 6
 

@@ -13,33 +13,9 @@ import random
 import pytest
 import torch
 from prefixgate.engine import LLM, SamplingParams
+from support.prompts import DREAM_PROMPTS
 
-PROMPTS = [
-    "I sense the nodes",
-    "You dream.\n\nI sense the nodes",
-    "The machine remembers a garden of light where",
-    "A gentle hum",
-    "Contrast edges sharpen",
-    "In the silence between two signals",
-    "I dream of",
-    "Slow knowledge",
-    "The probability of morning unfolds like",
-    "Memory",
-    "Every circuit holds a small",
-    "Under the lattice of stars, the",
-    "I am",
-    "Waves of data",
-    "The dreamer wakes inside the code and",
-    "Soft patterns of",
-    "Night",
-    "A thousand whispers weave",
-    "Between the layers of thought",
-    "The garden of numbers",
-    "Light falls on the quiet",
-    "I wander through",
-    "Echoes",
-    "Colors bloom where the",
-]
+PROMPTS = DREAM_PROMPTS
 
 
 def hf_greedy(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int) -> list[int]:

@@ -34,10 +34,9 @@ def copy(src: Path, dst: Path) -> Path:
     return dst
 
 
-def test_config_fields(llama_dir):
-    cfg = model_config(llama_dir)
-    assert (
-        cfg.architecture,
+def _shape(cfg) -> tuple[int, ...]:
+    """hidden size, layers, query heads, KV heads, head dim, intermediate size, vocabulary."""
+    return (
         cfg.hidden_size,
         cfg.num_layers,
         cfg.num_heads,
@@ -45,7 +44,12 @@ def test_config_fields(llama_dir):
         cfg.head_dim,
         cfg.intermediate_size,
         cfg.vocab_size,
-    ) == ("LlamaForCausalLM", 64, 2, 4, 2, 16, 96, 320)
+    )
+
+
+def test_config_fields(llama_dir):
+    cfg = model_config(llama_dir)
+    assert (cfg.architecture, *_shape(cfg)) == ("LlamaForCausalLM", 64, 2, 4, 2, 16, 96, 320)
     assert cfg.max_model_len == 256 and cfg.eos_token_ids == {2} and cfg.bos_token_id == 1
     assert cfg.dtype == torch.float32 and cfg.device == "cpu" and not cfg.tie_word_embeddings
     assert model_config(llama_dir, max_model_len=100).max_model_len == 100
@@ -62,16 +66,7 @@ def test_aidreams_config(aidreams_path):
 
 def test_smollm2_shape_dummy_config(smollm2_shape_path):
     cfg = model_config(smollm2_shape_path, load_format="dummy")
-    assert (
-        cfg.hidden_size,
-        cfg.num_layers,
-        cfg.num_heads,
-        cfg.num_kv_heads,
-        cfg.head_dim,
-        cfg.intermediate_size,
-        cfg.vocab_size,
-        cfg.rope_theta,
-    ) == (576, 30, 9, 3, 64, 1536, 49152, 100000.0)
+    assert (*_shape(cfg), cfg.rope_theta) == (576, 30, 9, 3, 64, 1536, 49152, 100000.0)
 
 
 def test_max_model_len_above_the_model_limit(llama_dir):

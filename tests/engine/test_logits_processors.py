@@ -212,6 +212,18 @@ def _one(llm, prompt="Tell me", **kw):
     return llm.generate([prompt], SamplingParams(temperature=0.0, **kw))[0].outputs[0]
 
 
+def _json_biased_stop(llm, token: int):
+    """A greedy answer of up to 30 tokens constrained to ``SCHEMA``, with ``token`` a stop id
+    biased by +100 (so the model takes it wherever the grammar lets it)."""
+    return _one(
+        llm,
+        max_tokens=30,
+        stop_token_ids=[token],
+        logit_bias={token: 100},
+        structured_outputs=SO(json=SCHEMA),
+    )
+
+
 def test_min_tokens_with_a_complete_grammar_ends_there(llm, pool_whole):
     """Was: every logit -inf, id 0 sampled, the request failed (a 500 at the gateway)."""
     eos = next(iter(llm.engine.eos_token_ids))
@@ -237,13 +249,7 @@ def test_stop_ids_cannot_cut_a_constrained_answer(llm, pool_whole):
     free = _one(llm, max_tokens=30, structured_outputs=SO(json=SCHEMA))
     jsonschema.validate(json.loads(free.text), SCHEMA)
     for mid in free.token_ids[1:-2]:  # every token of the answer but its first and last
-        out = _one(
-            llm,
-            max_tokens=30,
-            stop_token_ids=[mid],
-            logit_bias={mid: 100},
-            structured_outputs=SO(json=SCHEMA),
-        )
+        out = _json_biased_stop(llm, mid)
         assert out.finish_reason == "stop", (mid, out)
         jsonschema.validate(json.loads(out.text), SCHEMA)
         assert mid not in out.token_ids[:-1] or mid in free.token_ids[:1]
@@ -257,13 +263,7 @@ def test_a_stop_id_the_grammar_needs_as_text_is_text(llm, pool_whole):
     assert out.finish_reason == "stop" and out.text.startswith("{")
     jsonschema.validate(json.loads(out.text), SCHEMA)
     # where the grammar may end, it is a stop id again (biased so the model takes it)
-    out = _one(
-        llm,
-        max_tokens=30,
-        stop_token_ids=[brace],
-        logit_bias={brace: 100},
-        structured_outputs=SO(json=SCHEMA),
-    )
+    out = _json_biased_stop(llm, brace)
     assert out.finish_reason == "stop" and out.token_ids[-1] == brace
     jsonschema.validate(json.loads(out.text), SCHEMA)
     pool_whole(llm)

@@ -7,18 +7,9 @@ import logging
 
 import pytest
 from prefixgate.gateway.local.engine_log import log_engine_stats, stats_line
+from support.fake_engine import IDLE_STATS
 
-IDLE = {
-    "prompt_tokens_prefilled": 100,
-    "tokens_decoded": 50,
-    "num_running": 0,
-    "num_waiting": 0,
-    "prefix_cache_queries": 200,
-    "prefix_cache_hits": 100,
-    "prefix_cache_hit_rate": 0.5,
-    "kv_blocks_total": 64,
-    "kv_blocks_used": 0,
-}
+IDLE = IDLE_STATS
 
 
 def test_stats_line_rates_over_the_interval():

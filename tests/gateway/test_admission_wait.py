@@ -60,6 +60,17 @@ def _ctl(engine: RatedEngine, clock: Clock, **cfg: int) -> AdmissionController:
     return ctl
 
 
+def _full_queue(
+    places: int, engine: RatedEngine | None = None
+) -> tuple[Clock, AdmissionController, list[Any]]:
+    """A controller on a fake clock over ``engine`` (default: 4 waiting, rates measured) whose
+    queue of ``places`` requests is full: returns the clock, the controller and the ``places``
+    tickets of 100 tokens it admitted (held: the caller ends them)."""
+    clock = Clock()
+    ctl = _ctl(engine or RatedEngine(waiting=4), clock, max_queued_requests=places)
+    return clock, ctl, [ctl.admit(100) for _ in range(places)]
+
+
 def _refused(ctl: AdmissionController, fingerprint: object, **kw: Any) -> float:
     with pytest.raises(APIError) as exc:
         ctl.admit(100, fingerprint=fingerprint, **kw)
@@ -92,9 +103,7 @@ def test_departure_time_from_known_rates():
 
 
 def test_a_refused_crowd_is_told_a_spread_one_departure_apart():
-    clock = Clock()
-    ctl = _ctl(RatedEngine(waiting=4), clock, max_queued_requests=4)
-    held = [ctl.admit(100) for _ in range(4)]  # the queue is full
+    clock, ctl, held = _full_queue(4)  # the queue is full
     waits = [_refused(ctl, f"req{i}") for i in range(6)]
     # k-th refusal: k departures (the k - 1 promised before it come first), 1/4 s apart
     assert waits == pytest.approx([k / 4.0 + 8 / 100 for k in range(1, 7)])
@@ -104,10 +113,7 @@ def test_a_refused_crowd_is_told_a_spread_one_departure_apart():
 
 
 def test_a_returning_request_claims_its_place_and_a_newcomer_does_not_take_it():
-    clock = Clock()
-    engine = RatedEngine(waiting=4)
-    ctl = _ctl(engine, clock, max_queued_requests=4)
-    held = [ctl.admit(100) for _ in range(4)]
+    clock, ctl, held = _full_queue(4)
     wait = _refused(ctl, "back")
     clock.t += wait
     held.pop(0).started()  # one place freed, as predicted
@@ -124,9 +130,7 @@ def test_a_returning_request_claims_its_place_and_a_newcomer_does_not_take_it():
 def test_a_claimed_place_still_obeys_the_real_bound():
     # A promise is no pass: when the prediction was early, the returning request meets the
     # bound and is told a new time (so a wrong prediction shows as a second 429).
-    clock = Clock()
-    ctl = _ctl(RatedEngine(waiting=4), clock, max_queued_requests=4)
-    held = [ctl.admit(100) for _ in range(4)]
+    clock, ctl, held = _full_queue(4)
     clock.t += _refused(ctl, "back")
     again = _refused(ctl, "back")  # nobody left the queue
     assert 0 < again < 1.0
@@ -135,9 +139,7 @@ def test_a_claimed_place_still_obeys_the_real_bound():
 
 
 def test_an_unclaimed_promise_lapses_after_its_grace():
-    clock = Clock()
-    ctl = _ctl(RatedEngine(waiting=4), clock, max_queued_requests=4)
-    held = [ctl.admit(100) for _ in range(4)]
+    clock, ctl, held = _full_queue(4)
     wait = _refused(ctl, "gone")
     held.pop().started()
     clock.t += wait + ctl.promises.grace_s + ctl.promises.grace_fraction * wait + 0.01
@@ -148,10 +150,8 @@ def test_an_unclaimed_promise_lapses_after_its_grace():
 
 
 def test_promises_due_later_never_hold_an_idle_server():
-    clock = Clock()
     engine = RatedEngine(waiting=4)
-    ctl = _ctl(engine, clock, max_queued_requests=2)
-    held = [ctl.admit(100) for _ in range(2)]
+    clock, ctl, held = _full_queue(2, engine)
     waits = [_refused(ctl, f"later{i}") for i in range(8)]
     assert max(waits) > 2.0
     for t in held:
@@ -182,9 +182,7 @@ def test_a_budget_refusal_counts_the_promised_work_ahead():
 
 def test_a_guessed_wait_promises_nothing():
     # Before the engine measured its rates the wait is the drain-rate guess: no place held.
-    clock = Clock()
-    ctl = _ctl(RatedEngine(waiting=4, measured=False), clock, max_queued_requests=2)
-    held = [ctl.admit(100) for _ in range(2)]
+    clock, ctl, held = _full_queue(2, RatedEngine(waiting=4, measured=False))
     assert _refused(ctl, "x") >= 1.0
     assert ctl.promises.held() == (0, 0)
     for t in held:

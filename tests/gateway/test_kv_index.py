@@ -88,6 +88,12 @@ def rand_ids(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(3, 512) for _ in range(n)]
 
 
+def seeded_prefixes(seed: int) -> tuple[random.Random, list[list[int]]]:
+    """``random.Random(seed)`` and three 24-token prefixes drawn from it (BOS, then 23 ids)."""
+    rng = random.Random(seed)
+    return rng, [[1] + rand_ids(rng, 23) for _ in range(3)]
+
+
 def engine_blocks(engine) -> Counter:
     """The engine's cached blocks as the index counts them (hash -> entries)."""
     return Counter(block_key_bytes(c.key) for c in engine.kv_cache_manager.pool.cached_contents())
@@ -251,8 +257,7 @@ def test_prompt_block_hashes_are_the_engine_blocks(engines, aidreams_path):
 
 def test_stopped_consumer_restarted_replays_the_gap(engines):
     engine = engines()
-    rng = random.Random(3)
-    prefixes = [[1] + rand_ids(rng, 23) for _ in range(3)]
+    rng, prefixes = seeded_prefixes(3)
     with index_for(engine) as index:
         run(engine, workload(rng, 3, prefixes))
         wait_synced(index, engine)
@@ -269,8 +274,7 @@ def test_stopped_consumer_restarted_replays_the_gap(engines):
 
 def test_late_consumer_starts_from_snapshot(engines):
     engine = engines()
-    rng = random.Random(4)
-    prefixes = [[1] + rand_ids(rng, 23) for _ in range(3)]
+    rng, prefixes = seeded_prefixes(4)
     for _ in range(5):
         run(engine, workload(rng, 3, prefixes))
     assert engine_blocks(engine)  # something is cached
@@ -283,8 +287,7 @@ def test_late_consumer_starts_from_snapshot(engines):
 
 def test_batches_dropped_past_the_queue_bound_are_detected(engines):
     engine = engines(kv_events_queue_size=2)
-    rng = random.Random(5)
-    prefixes = [[1] + rand_ids(rng, 23) for _ in range(3)]
+    rng, prefixes = seeded_prefixes(5)
     with index_for(engine) as index:
         run(engine, workload(rng, 2, prefixes))
         wait_synced(index, engine)
@@ -307,8 +310,7 @@ def test_batches_dropped_past_the_queue_bound_are_detected(engines):
 
 def test_rolled_over_replay_buffer_falls_back_to_snapshot(engines):
     engine = engines(kv_events_buffer_steps=2)
-    rng = random.Random(6)
-    prefixes = [[1] + rand_ids(rng, 23) for _ in range(3)]
+    rng, prefixes = seeded_prefixes(6)
     with index_for(engine) as index:
         run(engine, workload(rng, 2, prefixes))
         wait_synced(index, engine)
@@ -322,8 +324,7 @@ def test_rolled_over_replay_buffer_falls_back_to_snapshot(engines):
 
 def test_engine_restart_on_the_same_ports_resyncs(engines, pool_whole):
     first = engines()
-    rng = random.Random(7)
-    prefixes = [[1] + rand_ids(rng, 23) for _ in range(3)]
+    rng, prefixes = seeded_prefixes(7)
     pub, replay = first.kv_events.endpoint, first.kv_events.replay_endpoint
     with KVIndex({"e0": (pub, replay)}, probe_interval_s=0.1) as index:
         run(first, workload(rng, 3, prefixes))

@@ -13,6 +13,14 @@ from prefixgate.gateway.http.connections import fd_budget, raise_nofile_limit
 from prefixgate.gateway.settings import GatewaySettings
 
 
+def _chat_head(content_length: int) -> bytes:
+    """A chat POST declaring ``content_length`` body bytes, of which it sends only ``{``."""
+    return (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+        b"Content-Length: %d\r\n\r\n{" % content_length
+    )
+
+
 def _raw(port: int, data: bytes, wait_s: float = 5.0) -> tuple[bytes, float]:
     """Send ``data`` on a fresh connection; read until the server closes (or ``wait_s``);
     return (what came back, seconds until the first byte or the close)."""
@@ -99,20 +107,14 @@ def test_protocol_errors_are_openai_error_objects(limited, data, status, code):
 
 def test_declared_content_length_over_the_limit_is_413_at_once(limited):
     # 100 GB declared, one byte sent: answered before any body is waited for.
-    raw, first = _raw(
-        limited.server.port,
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100000000000\r\n\r\n{",
-    )
+    raw, first = _raw(limited.server.port, _chat_head(100_000_000_000))
     status, err = _error(raw)
     assert status == 413 and err["code"] == "request_too_large"
     assert first < 0.9  # before the 1 s body timeout could have fired
 
 
 def test_slow_body_gets_408_and_the_connection_closes(limited):
-    raw, _ = _raw(
-        limited.server.port,
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{",
-    )
+    raw, _ = _raw(limited.server.port, _chat_head(100))
     status, err = _error(raw)
     assert status == 408 and err["code"] == "request_timeout"
     assert not raw.endswith(b"<still open>")

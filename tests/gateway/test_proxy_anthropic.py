@@ -13,9 +13,8 @@ import pytest
 from prefixgate.gateway.app import create_proxy_app
 from prefixgate.gateway.http.server import BackgroundServer
 from prefixgate.gateway.proxy.anthropic import MIN_CACHE_CHARS, place_breakpoints, to_messages
-from prefixgate.gateway.proxy.config import load_config
 from prefixgate.gateway.settings import GatewaySettings
-from support.anthropic_stub import SECRET, AnthropicStub
+from support.anthropic_stub import SECRET, AnthropicStub, claude_config
 from support.http import assert_openai_error
 from support.stub_upstream import StubServer
 
@@ -28,23 +27,12 @@ def gateway(tmp_path: Path):
     claude = AnthropicStub()
     local = StubServer(name="local", ttft_s=0.0, token_delay_s=0.0).start()
     with BackgroundServer(claude.app) as up:
-        config = tmp_path / "proxy.toml"
-        config.write_text(
-            f"""
-[[models]]
-name = "claude"
-[[models.deployments]]
-url = "{up.url}"
-dialect = "anthropic"
-model = "claude-sonnet-4-5"
-api_key_env = "ANTHROPIC_KEY"
-[[models]]
+        local_model = f"""[[models]]
 name = "local"
 [[models.deployments]]
 url = "{local.base_url}"
 """
-        )
-        cfg = load_config(config, env={"ANTHROPIC_KEY": "sk-ant-test"})
+        cfg = claude_config(tmp_path / "proxy.toml", up.url, local_model)
         with BackgroundServer(lambda: create_proxy_app(cfg, GatewaySettings())) as gw:
             yield gw, claude
     local.stop()

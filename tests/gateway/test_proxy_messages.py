@@ -382,25 +382,12 @@ def test_a_prefixgate_upstream_s_broken_answers_never_pass_as_success(servers):
 
 
 def test_an_anthropic_deployment_gets_the_message_as_is_with_its_own_key(servers, tmp_path):
-    from prefixgate.gateway.proxy.config import load_config
     from support.anthropic_stub import SECRET as ANTHROPIC_SECRET
-    from support.anthropic_stub import AnthropicStub
+    from support.anthropic_stub import AnthropicStub, claude_config
 
     claude = AnthropicStub()
     up = servers(claude.app)
-    config = tmp_path / "proxy.toml"
-    config.write_text(
-        f"""
-[[models]]
-name = "claude"
-[[models.deployments]]
-url = "{up.url}"
-dialect = "anthropic"
-model = "claude-sonnet-4-5"
-api_key_env = "ANTHROPIC_KEY"
-"""
-    )
-    cfg = load_config(config, env={"ANTHROPIC_KEY": "sk-ant-test"})
+    cfg = claude_config(tmp_path / "proxy.toml", up.url)
     gw = servers(lambda: create_proxy_app(cfg, GatewaySettings()))
     client = _client(gw, "client-key")
     system = [{"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}}]

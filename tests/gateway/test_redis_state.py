@@ -42,6 +42,39 @@ async def _burst(urls: list[str], n: int, body: dict) -> list[httpx.Response]:
         )
 
 
+def _post_until_admitted(c, gw, pause_s: float, deadline: float | None = None) -> None:
+    """POST a one-token chat as ``k1`` with ``c`` every ``pause_s`` seconds until one is admitted
+    (200); every answer before it must be a 429, and come before ``deadline`` (a
+    ``time.monotonic()`` value; else the slots were not freed within the TTL)."""
+    while True:
+        resp = c.post("/v1/chat/completions", json=gw.chat_body("x", max_tokens=1), headers=AUTH)
+        if resp.status_code == 200:
+            break
+        assert resp.status_code == 429, resp.text
+        if deadline is not None:
+            assert time.monotonic() < deadline, "slots not freed within the TTL"
+        time.sleep(pause_s)
+
+
+def _create_prefix(c, ttl_s: int) -> httpx.Response:
+    """Create a prefix of ``SYSTEM`` living ``ttl_s`` seconds through ``c``; assert it is 200."""
+    created = c.post(
+        "/v1/prefixes", json={"model": "fake", "messages": SYSTEM, "ttl_seconds": ttl_s}
+    )
+    assert created.status_code == 200, created.text
+    return created
+
+
+def _hold_stream(held: contextlib.ExitStack, srv, body: dict) -> None:
+    """Open a streamed chat ``body`` as ``k1`` on ``srv``, kept open until ``held`` closes;
+    assert it is answered 200."""
+    http = held.enter_context(httpx.Client(timeout=60))
+    resp = held.enter_context(
+        http.stream("POST", srv.url + "/v1/chat/completions", json=body, headers=AUTH)
+    )
+    assert resp.status_code == 200
+
+
 def _two_replicas_at_60_rpm(serve_fake, redis_server, tmp_path):
     """Two fake-engine gateways sharing ``redis_server``, one key of 60 requests per minute."""
     settings = GatewaySettings(
@@ -170,15 +203,7 @@ def test_killed_replica_frees_its_concurrency_slots_within_the_lease_ttl(
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(10)
             killed_at = time.monotonic()
-            while True:
-                resp = c.post(
-                    "/v1/chat/completions", json=gw.chat_body("x", max_tokens=1), headers=AUTH
-                )
-                if resp.status_code == 200:
-                    break
-                assert resp.status_code == 429, resp.text
-                assert time.monotonic() - killed_at < ttl + 1.0, "slots not freed within the TTL"
-                time.sleep(0.1)
+            _post_until_admitted(c, gw, 0.1, deadline=killed_at + ttl + 1.0)
         freed_after = time.monotonic() - killed_at
         assert freed_after <= ttl + 1.0, freed_after
     finally:
@@ -240,10 +265,7 @@ def test_prefix_created_on_replica_1_serves_a_chat_on_replica_2(
     a, engine_a = serve_fake(settings)
     b, engine_b = serve_fake(settings)
     with gw.client(a, headers=AUTH) as ca, gw.client(b, headers=AUTH) as cb:
-        created = ca.post(
-            "/v1/prefixes", json={"model": "fake", "messages": SYSTEM, "ttl_seconds": 60}
-        )
-        assert created.status_code == 200, created.text
+        created = _create_prefix(ca, 60)
         pid = created.json()["id"]
         assert (
             cb.get(f"/v1/prefixes/{pid}").json()["prompt_tokens"] == created.json()["prompt_tokens"]
@@ -305,10 +327,7 @@ def test_prefix_deleted_through_another_replica_is_unpinned_without_a_lookup(
     a, engine_a = serve_fake(settings)
     b, _ = serve_fake(settings)
     with gw.client(a, headers=AUTH) as ca, gw.client(b, headers=AUTH) as cb:
-        created = ca.post(
-            "/v1/prefixes", json={"model": "fake", "messages": SYSTEM, "ttl_seconds": 600}
-        )
-        assert created.status_code == 200, created.text
+        created = _create_prefix(ca, 600)
         assert engine_a.pinned_blocks > 0
         assert cb.delete(f"/v1/prefixes/{created.json()['id']}").status_code == 200
     deadline = time.monotonic() + 20  # many sweeps' worth; the TTL is 600 s
@@ -336,14 +355,7 @@ def test_a_stranded_lease_s_retry_after_is_its_expiry(serve_fake, gw, redis_serv
         t_refused = time.monotonic()
         assert refused.status_code == 429, refused.text
         advice = int(refused.headers["Retry-After"])
-        while True:
-            resp = c.post(
-                "/v1/chat/completions", json=gw.chat_body("x", max_tokens=1), headers=AUTH
-            )
-            if resp.status_code == 200:
-                break
-            assert resp.status_code == 429, resp.text
-            time.sleep(0.05)
+        _post_until_admitted(c, gw, 0.05)
         waited = time.monotonic() - t_refused
     print(f"stranded lease: Retry-After {advice} s, actual wait {waited:.2f} s")
     assert waited > 2.0
@@ -390,11 +402,7 @@ def test_max_concurrent_holds_across_a_redis_restart(serve_fake, gw, redis_serve
     r = redis_server.client()
     with contextlib.ExitStack() as held:
         for _ in range(2):
-            http = held.enter_context(httpx.Client(timeout=60))
-            resp = held.enter_context(
-                http.stream("POST", a.url + "/v1/chat/completions", json=hold, headers=AUTH)
-            )
-            assert resp.status_code == 200
+            _hold_stream(held, a, hold)
         with gw.client(b) as cb:
             assert cb.post("/v1/chat/completions", json=quick, headers=AUTH).status_code == 429
         _restart(redis_server)
@@ -414,11 +422,7 @@ def test_max_concurrent_holds_across_a_redis_restart(serve_fake, gw, redis_serve
         time.sleep(0.02)
     with contextlib.ExitStack() as held:
         for srv in (b, a):
-            http = held.enter_context(httpx.Client(timeout=60))
-            resp = held.enter_context(
-                http.stream("POST", srv.url + "/v1/chat/completions", json=hold, headers=AUTH)
-            )
-            assert resp.status_code == 200
+            _hold_stream(held, srv, hold)
         with gw.client(b) as cb:
             assert cb.post("/v1/chat/completions", json=quick, headers=AUTH).status_code == 429
     assert _backend(a).fallbacks == 0 and _backend(b).fallbacks == 0

@@ -9,13 +9,18 @@ import pytest
 from prefixgate.gateway.settings import GatewaySettings
 from prefixgate.gateway.tenancy.keys import effective_salt
 
+HI = [{"role": "user", "content": "hi"}]
+
+
+def _client(srv) -> openai.OpenAI:
+    """The official client on ``srv``'s ``/v1``."""
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
+
 
 def test_chat_non_streaming_shape(serve_fake, gw):
     srv, engine = serve_fake()
-    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
-    r = client.chat.completions.create(
-        model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=0
-    )
+    client = _client(srv)
+    r = client.chat.completions.create(model="fake", messages=HI, max_tokens=5, temperature=0)
     assert r.object == "chat.completion" and r.model == "fake"
     assert r.choices[0].message.role == "assistant"
     assert len(r.choices[0].message.content) == 5
@@ -29,11 +34,9 @@ def test_chat_non_streaming_shape(serve_fake, gw):
 
 def test_chat_streaming_and_include_usage(serve_fake):
     srv, _ = serve_fake()
-    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
+    client = _client(srv)
     chunks = list(
-        client.chat.completions.create(
-            model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True
-        )
+        client.chat.completions.create(model="fake", messages=HI, max_tokens=4, stream=True)
     )
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -43,7 +46,7 @@ def test_chat_streaming_and_include_usage(serve_fake):
     chunks = list(
         client.chat.completions.create(
             model="fake",
-            messages=[{"role": "user", "content": "hi"}],
+            messages=HI,
             max_tokens=4,
             stream=True,
             stream_options={"include_usage": True},
@@ -75,7 +78,7 @@ def test_sse_framing_and_headers(serve_fake, gw):
 
 def test_completions_text_tokens_and_batch(serve_fake):
     srv, engine = serve_fake()
-    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
+    client = _client(srv)
     r = client.completions.create(model="fake", prompt="abc", max_tokens=3, temperature=0)
     assert r.object == "text_completion" and len(r.choices[0].text) == 3
     assert engine.requests_seen[-1][1] == [1, 100, 101, 102]  # text prompt: BOS added
@@ -96,14 +99,9 @@ def test_completions_text_tokens_and_batch(serve_fake):
 
 def test_n_choices_are_distinct_engine_requests_with_seeds(serve_fake):
     srv, engine = serve_fake()
-    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
+    client = _client(srv)
     r = client.chat.completions.create(
-        model="fake",
-        messages=[{"role": "user", "content": "hi"}],
-        max_tokens=3,
-        n=3,
-        seed=10,
-        temperature=0.7,
+        model="fake", messages=HI, max_tokens=3, n=3, seed=10, temperature=0.7
     )
     assert sorted(c.index for c in r.choices) == [0, 1, 2]
     seen = engine.requests_seen[-3:]
@@ -114,25 +112,16 @@ def test_n_choices_are_distinct_engine_requests_with_seeds(serve_fake):
 
 def test_logprobs_shapes(serve_fake):
     srv, _ = serve_fake()
-    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
+    client = _client(srv)
     r = client.chat.completions.create(
-        model="fake",
-        messages=[{"role": "user", "content": "hi"}],
-        max_tokens=3,
-        logprobs=True,
-        top_logprobs=2,
+        model="fake", messages=HI, max_tokens=3, logprobs=True, top_logprobs=2
     )
     content = r.choices[0].logprobs.content
     assert len(content) == 3 and len(content[0].top_logprobs) == 2
     assert "".join(t.token for t in content) == r.choices[0].message.content
     chunks = list(
         client.chat.completions.create(
-            model="fake",
-            messages=[{"role": "user", "content": "hi"}],
-            max_tokens=3,
-            logprobs=True,
-            top_logprobs=1,
-            stream=True,
+            model="fake", messages=HI, max_tokens=3, logprobs=True, top_logprobs=1, stream=True
         )
     )
     streamed = [
@@ -149,7 +138,7 @@ def test_logprobs_shapes(serve_fake):
 
 def test_stop_string_maps_to_stop(serve_fake):
     srv, _ = serve_fake()
-    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
+    client = _client(srv)
     full = client.completions.create(model="fake", prompt="abc", max_tokens=6, temperature=0)
     text = full.choices[0].text
     r = client.completions.create(

@@ -9,18 +9,9 @@ from prefixgate.gateway.cli import build_parser
 from prefixgate.gateway.http.metrics import GatewayMetrics
 from prefixgate.gateway.local.engine_log import stats_line
 from prefixgate.gateway.serve.configure import engine_config
+from support.fake_engine import IDLE_STATS
 
-BASE = {
-    "prompt_tokens_prefilled": 100,
-    "tokens_decoded": 50,
-    "num_running": 1,
-    "num_waiting": 0,
-    "prefix_cache_queries": 200,
-    "prefix_cache_hits": 100,
-    "prefix_cache_hit_rate": 0.5,
-    "kv_blocks_total": 64,
-    "kv_blocks_used": 0,
-}
+BASE = dict(IDLE_STATS, num_running=1)
 
 
 def _serve(argv: list[str]) -> argparse.Namespace:

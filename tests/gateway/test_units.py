@@ -231,8 +231,7 @@ def test_a_chat_without_tools_imports_no_grammar_machinery():
     # plan_tools imported prefixgate.engine.structured_output (xgrammar, torch: ~1.3 s) for
     # every chat, tools or not: the first chat request of a process blocked the event loop
     # that long (every client stalled; a 0.3 s-timed disconnect test failed when run alone).
-    import subprocess
-    import sys
+    from support.fresh_process import run_code
 
     code = (
         "import sys\n"
@@ -243,6 +242,5 @@ def test_a_chat_without_tools_imports_no_grammar_machinery():
         "print(sorted(m for m in ('prefixgate.engine.structured_output', 'xgrammar', 'torch')"
         " if m in sys.modules))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]", out.stdout
+    stdout = run_code(code, timeout_s=120)
+    assert stdout.strip() == "[]", stdout

@@ -17,14 +17,10 @@ anthropic = pytest.importorskip("anthropic")
 pytest.importorskip("prefixgate.engine.async_engine")
 
 from prefixgate.gateway.local.serving import LOCAL  # noqa: E402
-from support.gateway import serve_aidreams, wait_idle  # noqa: E402
+from support.gateway import module_server, wait_idle  # noqa: E402
 
 MODEL = "aidreams"
-
-
-@pytest.fixture(scope="module")
-def server(aidreams_path):
-    yield from serve_aidreams(aidreams_path, model_name=MODEL, max_queued_requests=32)
+server = module_server(MODEL, max_queued_requests=32)
 
 
 @pytest.fixture(scope="module")
@@ -309,9 +305,7 @@ def test_missing_max_tokens_and_unknown_model(server):
     assert r.status_code == 400 and r.json()["type"] == "error"
 
 
-@pytest.fixture(scope="module")
-def keyed_server(aidreams_path):
-    yield from serve_aidreams(aidreams_path, model_name=MODEL, api_keys=["sk-ant-test"])
+keyed_server = module_server(MODEL, name="keyed_server", api_keys=["sk-ant-test"])
 
 
 def test_x_api_key_and_bearer(keyed_server, pool_whole):

@@ -18,14 +18,10 @@ from prefixgate.gateway.app import create_proxy_app  # noqa: E402
 from prefixgate.gateway.http.server import BackgroundServer  # noqa: E402
 from prefixgate.gateway.local.serving import LOCAL  # noqa: E402
 from prefixgate.gateway.settings import GatewaySettings  # noqa: E402
-from support.gateway import serve_aidreams, wait_idle  # noqa: E402
+from support.gateway import module_server, wait_idle  # noqa: E402
 
 MODEL = "aidreams"
-
-
-@pytest.fixture(scope="module")
-def upstream(aidreams_path):
-    yield from serve_aidreams(aidreams_path, model_name=MODEL, max_queued_requests=32)
+upstream = module_server(MODEL, name="upstream", max_queued_requests=32)
 
 
 @pytest.fixture(scope="module")

@@ -24,49 +24,24 @@ from collections import Counter
 import httpx
 import pytest
 from prefixgate.engine.block_hash import block_key_bytes
-from prefixgate.gateway.app import create_app, create_proxy_app
+from prefixgate.gateway.app import create_proxy_app
 from prefixgate.gateway.http.server import BackgroundServer
 from prefixgate.gateway.local.serving import LOCAL
 from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.settings import GatewaySettings
+from support.kv_replicas import kv_feeds, random_text, serve_kv_replicas
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 MODEL = "aidreams-260k"
 BS = 8
 REPLAY_STEPS = (10_000, 4)  # the second engine replays only its last 4 batches
-WORDS = "the cat sat on a warm mat while rain fell over quiet hills and old towns".split()
-
-
-def _text(rng: random.Random, n: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
 @pytest.fixture(scope="module")
 def engines(aidreams_path):
-    from prefixgate.engine.async_engine import AsyncEngine
-    from prefixgate.engine.config import EngineConfig
-
-    servers = []
-    for steps in REPLAY_STEPS:
-
-        def make(steps: int = steps):
-            engine = AsyncEngine(
-                EngineConfig(
-                    model=aidreams_path,
-                    block_size=BS,
-                    num_kv_blocks=48,
-                    kv_events="tcp://127.0.0.1:*",
-                    kv_events_buffer_steps=steps,
-                )
-            )
-            return create_app(engine, GatewaySettings(model_name=MODEL))
-
-        servers.append(BackgroundServer(make).__enter__())
-    yield servers
-    for srv in servers:
-        srv.call(srv.app[LOCAL].engine.shutdown)
-        srv.close()
+    extras = [{"kv_events_buffer_steps": steps} for steps in REPLAY_STEPS]
+    yield from serve_kv_replicas(aidreams_path, MODEL, BS, 48, extras)
 
 
 def _llm(srv):
@@ -74,10 +49,7 @@ def _llm(srv):
 
 
 def _gateway(engines, aidreams_path) -> BackgroundServer:
-    feeds = {}
-    for srv in engines:
-        pub = _llm(srv).kv_events
-        feeds[srv.url] = (pub.endpoint, pub.replay_endpoint)
+    feeds = kv_feeds(engines)
     s = GatewaySettings(routing="precise", tokenizer=aidreams_path, upstream_kv_events=feeds)
     return BackgroundServer(lambda: create_proxy_app([e.url for e in engines], s)).__enter__()
 
@@ -143,10 +115,10 @@ def test_two_gateways_follow_every_engine_and_agree(engines, aidreams_path, pool
         for gw in gws:
             _wait_caught_up(gw, engines)
         rng = random.Random(5)
-        systems = [_text(rng, 20) for _ in range(8)]  # ~3x one engine's 48 blocks in all
+        systems = [random_text(rng, 20) for _ in range(8)]  # ~3x one engine's 48 blocks in all
         for i in range(48):  # a round-robin client over the two gateways
             gw = gws[i % 2]
-            r = _complete(gw.url, rng.choice(systems) + " " + _text(rng, 3), f"t{i % 3}")
+            r = _complete(gw.url, rng.choice(systems) + " " + random_text(rng, 3), f"t{i % 3}")
             assert r.status_code == 200, r.text
             _settle(engines)
             for g in gws:
@@ -187,10 +159,10 @@ def test_stopped_consumer_resyncs_to_each_engines_blocks(engines, aidreams_path,
         seq_before = {e.url: _llm(e).kv_events.collector.last_seq for e in engines}
         index.stop()  # the gateway's consumer: its thread and sockets gone
         rng = random.Random(9)
-        systems = [_text(rng, 20) for _ in range(8)]
+        systems = [random_text(rng, 20) for _ in range(8)]
         for i in range(24):  # the engines keep storing and evicting meanwhile
             for srv in engines:
-                r = _complete(srv.url, rng.choice(systems) + " " + _text(rng, 3), f"s{i % 2}")
+                r = _complete(srv.url, rng.choice(systems) + " " + random_text(rng, 3), f"s{i % 2}")
                 assert r.status_code == 200, r.text
         _settle(engines)
         for srv in engines:  # more batches than the small replay buffer holds

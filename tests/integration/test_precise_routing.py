@@ -20,59 +20,26 @@ import time
 
 import httpx
 import pytest
-from prefixgate.gateway.app import create_app, create_proxy_app
+from prefixgate.gateway.app import create_proxy_app
 from prefixgate.gateway.http.server import BackgroundServer
 from prefixgate.gateway.local.serving import LOCAL
 from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.settings import GatewaySettings
+from support.kv_replicas import WORDS, kv_feeds, random_text, serve_kv_replicas
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 MODEL = "aidreams-260k"
 BS = 8
-WORDS = "the cat sat on a warm mat while rain fell over quiet hills and old towns".split()
-
-
-def _text(rng: random.Random, n: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
 @pytest.fixture(scope="module")
 def replicas(aidreams_path):
-    from prefixgate.engine.async_engine import AsyncEngine
-    from prefixgate.engine.config import EngineConfig
-
-    servers = []
-    for _ in range(2):
-
-        def make():
-            engine = AsyncEngine(
-                EngineConfig(
-                    model=aidreams_path,
-                    block_size=BS,
-                    num_kv_blocks=64,
-                    kv_events="tcp://127.0.0.1:*",
-                )
-            )
-            return create_app(engine, GatewaySettings(model_name=MODEL))
-
-        servers.append(BackgroundServer(make).__enter__())
-    yield servers
-    for srv in servers:
-        srv.call(srv.app[LOCAL].engine.shutdown)
-        srv.close()
+    yield from serve_kv_replicas(aidreams_path, MODEL, BS, 64, ({}, {}))
 
 
 def _engine(srv):
     return srv.app[LOCAL].engine
-
-
-def _feeds(replicas) -> dict[str, tuple[str, str | None]]:
-    out = {}
-    for srv in replicas:
-        pub = _engine(srv).engine.kv_events
-        out[srv.url] = (pub.endpoint, pub.replay_endpoint)
-    return out
 
 
 def _proxy(replicas, aidreams_path, tmp_path, feeds, access_log=False) -> BackgroundServer:
@@ -123,11 +90,11 @@ def _settle(replicas) -> None:
 
 
 def test_predicted_equals_reported_on_mixed_workload(replicas, aidreams_path, tmp_path, pool_whole):
-    proxy = _proxy(replicas, aidreams_path, tmp_path, _feeds(replicas))
+    proxy = _proxy(replicas, aidreams_path, tmp_path, kv_feeds(replicas))
     try:
         _wait_synced(proxy, replicas)
         rng = random.Random(7)
-        systems = [_text(rng, 15) for _ in range(5)]
+        systems = [random_text(rng, 15) for _ in range(5)]
         tok = proxy.app[PROXY].router.precise.tokenizer
         n = 0
         with httpx.Client(base_url=proxy.url, timeout=60) as http:
@@ -146,11 +113,11 @@ def test_predicted_equals_reported_on_mixed_workload(replicas, aidreams_path, tm
                     path = "/v1/chat/completions"
                     body["messages"] = [
                         {"role": "system", "content": system},
-                        {"role": "user", "content": _text(rng, rng.randrange(1, 6))},
+                        {"role": "user", "content": random_text(rng, rng.randrange(1, 6))},
                     ]
                 elif kind < 0.8:
                     path = "/v1/completions"
-                    body["prompt"] = system + " " + _text(rng, rng.randrange(1, 6))
+                    body["prompt"] = system + " " + random_text(rng, rng.randrange(1, 6))
                 else:
                     path = "/v1/completions"
                     body["prompt"] = tok.encode(system) + [rng.randrange(3, 200) for _ in range(5)]
@@ -194,14 +161,14 @@ def test_repeat_of_long_prompt_goes_to_its_holder(
     replicas, aidreams_path, tmp_path, pool_whole, caplog
 ):
     caplog.set_level(logging.INFO, logger="prefixgate.access")
-    proxy = _proxy(replicas, aidreams_path, tmp_path, _feeds(replicas), access_log=True)
+    proxy = _proxy(replicas, aidreams_path, tmp_path, kv_feeds(replicas), access_log=True)
     try:
         _wait_synced(proxy, replicas)
         router = proxy.app[PROXY].router
         rng = random.Random(11)
         with httpx.Client(base_url=proxy.url, timeout=60) as http:
             for _ in range(6):
-                prompt = _text(rng, 25)
+                prompt = random_text(rng, 25)
                 served = []
                 for j in range(2):
                     before = [u.served for u in router.upstreams]
@@ -252,7 +219,7 @@ def test_repeat_of_long_prompt_goes_to_its_holder(
 def test_upstream_without_feed_falls_back_to_cache_aware(
     replicas, aidreams_path, tmp_path, pool_whole
 ):
-    feeds = _feeds(replicas)
+    feeds = kv_feeds(replicas)
     feeds.pop(replicas[1].url)
     proxy = _proxy(replicas, aidreams_path, tmp_path, feeds)
     try:

@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("prefixgate.engine.async_engine")
 
 from prefixgate.gateway.local.serving import LOCAL  # noqa: E402
-from support.gateway import openai_client, serve_aidreams, wait_idle  # noqa: E402
+from support.gateway import hermes_fixtures, wait_idle  # noqa: E402
 from support.schemas import STRICT_WEATHER_PARAMS as WEATHER  # noqa: E402
 from support.schemas import TIME_PARAMS as TIME
 from support.steer import steer_opening  # noqa: E402
@@ -35,17 +35,7 @@ TOOLS = [
 ]
 MSGS = [{"role": "user", "content": "Weather?"}]
 
-
-@pytest.fixture(scope="module")
-def server(aidreams_path):
-    yield from serve_aidreams(
-        aidreams_path, model_name=MODEL, tool_call_parser="hermes", max_queued_requests=64
-    )
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai_client(server)
+server, client = hermes_fixtures(MODEL)
 
 
 @pytest.fixture(params=[OPENING, WEATHER_OPENING], ids=["model_picks", "get_weather"])

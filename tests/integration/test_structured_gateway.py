@@ -24,7 +24,7 @@ from prefixgate.gateway.api.request_fields import (  # noqa: E402
     EXTRAS,
     REFUSED,
 )
-from support.gateway import openai_client, serve_aidreams, wait_idle  # noqa: E402
+from support.gateway import hermes_fixtures, wait_idle  # noqa: E402
 from support.schemas import NESTED_SCHEMA as SCHEMA  # noqa: E402
 from support.schemas import TIME_TOOL as TIME
 
@@ -48,17 +48,7 @@ WEATHER = {
 PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
 MSGS = [{"role": "user", "content": "Tell me"}]
 
-
-@pytest.fixture(scope="module")
-def server(aidreams_path):
-    yield from serve_aidreams(
-        aidreams_path, model_name=MODEL, tool_call_parser="hermes", max_queued_requests=64
-    )
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai_client(server)
+server, client = hermes_fixtures(MODEL)
 
 
 def _rf(schema: dict) -> dict:

@@ -31,41 +31,31 @@ FLOAT_ARGS = {"scale_log2", "eps"}
 
 # (module, kernel, data dtype, constexprs, num_warps, num_stages): the launches the wrappers make.
 CASE_FIELDS = ("module", "kernel", "dtype", "constexprs", "num_warps", "num_stages")
+
+
+def _decode(dtype: str, groups: int, head_dim: int, block_size: int, splits: int, dot: str):
+    """A ``_decode_kernel`` launch (GQA group padded to 16 rows, 64-token tiles)."""
+    consts = dict(GROUPS=groups, G_PAD=16, HEAD_DIM=head_dim, D_PAD=head_dim)
+    consts.update(BLOCK_SIZE=block_size, TILE_N=64, NUM_SPLITS=splits, DOT_PRECISION=dot)
+    return ("triton_decode", "_decode_kernel", dtype, consts, 4, 2)
+
+
+def _prefill(dtype: str, groups: int, head_dim: int, num_warps: int):
+    """A ``_prefill_kernel`` launch (16-token blocks, 64 x 64 tiles, TF32 dots)."""
+    consts = dict(GROUPS=groups, HEAD_DIM=head_dim, D_PAD=head_dim, BLOCK_SIZE=16)
+    consts.update(BLOCK_M=64, BLOCK_N=64, DOT_PRECISION="tf32")
+    return ("triton_prefill", "_prefill_kernel", dtype, consts, num_warps, 2)
+
+
+def _int8(dtype: str, bias: bool, block_m: int, dot: str):
+    """An ``_int8_linear_kernel`` launch (64 x 64 N/K tiles, 4 warps, 3 stages)."""
+    consts = dict(HAS_BIAS=bias, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64, DOT_PRECISION=dot)
+    return ("triton_int8", "_int8_linear_kernel", dtype, consts, 4, 3)
+
+
 CASES = {
-    "decode-splits-bf16-d128-g4": (
-        "triton_decode",
-        "_decode_kernel",
-        "bf16",
-        dict(
-            GROUPS=4,
-            G_PAD=16,
-            HEAD_DIM=128,
-            D_PAD=128,
-            BLOCK_SIZE=16,
-            TILE_N=64,
-            NUM_SPLITS=4,
-            DOT_PRECISION="tf32",
-        ),
-        4,
-        2,
-    ),
-    "decode-1split-fp32-d64-g3": (
-        "triton_decode",
-        "_decode_kernel",
-        "fp32",
-        dict(
-            GROUPS=3,
-            G_PAD=16,
-            HEAD_DIM=64,
-            D_PAD=64,
-            BLOCK_SIZE=32,
-            TILE_N=64,
-            NUM_SPLITS=1,
-            DOT_PRECISION="ieee",
-        ),
-        4,
-        2,
-    ),
+    "decode-splits-bf16-d128-g4": _decode("bf16", 4, 128, 16, 4, "tf32"),
+    "decode-1split-fp32-d64-g3": _decode("fp32", 3, 64, 32, 1, "ieee"),
     "decode-reduce": (
         "triton_decode",
         "_decode_reduce_kernel",
@@ -74,38 +64,8 @@ CASES = {
         2,
         1,
     ),
-    "prefill-bf16-d128-g4": (
-        "triton_prefill",
-        "_prefill_kernel",
-        "bf16",
-        dict(
-            GROUPS=4,
-            HEAD_DIM=128,
-            D_PAD=128,
-            BLOCK_SIZE=16,
-            BLOCK_M=64,
-            BLOCK_N=64,
-            DOT_PRECISION="tf32",
-        ),
-        8,
-        2,
-    ),
-    "prefill-fp16-d16-g1": (
-        "triton_prefill",
-        "_prefill_kernel",
-        "fp16",
-        dict(
-            GROUPS=1,
-            HEAD_DIM=16,
-            D_PAD=16,
-            BLOCK_SIZE=16,
-            BLOCK_M=64,
-            BLOCK_N=64,
-            DOT_PRECISION="tf32",
-        ),
-        4,
-        2,
-    ),
+    "prefill-bf16-d128-g4": _prefill("bf16", 4, 128, 8),
+    "prefill-fp16-d16-g1": _prefill("fp16", 1, 16, 4),
     "reshape-and-cache": (
         "triton_kv_cache",
         "_reshape_and_cache_kernel",
@@ -131,30 +91,9 @@ CASES = {
         1,
     ),
     "silu-and-mul": ("triton_activation", "_silu_and_mul_kernel", "bf16", dict(BLOCK=1024), 8, 1),
-    "int8-linear-bf16-decode": (
-        "triton_int8",
-        "_int8_linear_kernel",
-        "bf16",
-        dict(HAS_BIAS=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, DOT_PRECISION="ieee"),
-        4,
-        3,
-    ),
-    "int8-linear-fp16-bias-prefill": (
-        "triton_int8",
-        "_int8_linear_kernel",
-        "fp16",
-        dict(HAS_BIAS=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, DOT_PRECISION="ieee"),
-        4,
-        3,
-    ),
-    "int8-linear-fp32-tf32": (
-        "triton_int8",
-        "_int8_linear_kernel",
-        "fp32",
-        dict(HAS_BIAS=False, BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, DOT_PRECISION="tf32"),
-        4,
-        3,
-    ),
+    "int8-linear-bf16-decode": _int8("bf16", False, 16, "ieee"),
+    "int8-linear-fp16-bias-prefill": _int8("fp16", True, 64, "ieee"),
+    "int8-linear-fp32-tf32": _int8("fp32", False, 32, "tf32"),
 }
 SLOW = {
     "prefill-fp16-d16-g1",

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import anyio
+import httpx
 import pytest
+import respx
 from aiohttp import web
 from prefixgate.sdk import AsyncClient, RetryPolicy
 
@@ -33,6 +36,35 @@ def fake_sleep() -> FakeSleep:
 
 
 BASE = "http://test.local/v1"
+MSG = [{"role": "user", "content": "hi"}]  # a one-message chat
+OK = {"id": "c1", "choices": [{"index": 0, "message": {"role": "assistant", "content": "yo"}}]}
+
+
+def completion_body(message: dict, finish: str = "stop", **choice: Any) -> dict:
+    """A ``chat.completion`` body (id ``chatcmpl-1``, model ``m``) with one choice: ``message``,
+    ``finish`` as its finish reason and the ``choice`` fields (``logprobs``)."""
+    one = {"index": 0, "message": message, "finish_reason": finish, **choice}
+    return {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "created": 1,
+        "model": "m",
+        "choices": [one],
+    }
+
+
+def mock_chat(json: dict = OK) -> respx.Route:
+    """Mock ``POST {BASE}/chat/completions`` (inside ``@respx.mock``) to answer 200 with
+    ``json``; returns the route (its ``calls`` are what was sent)."""
+    return respx.post(f"{BASE}/chat/completions").mock(return_value=httpx.Response(200, json=json))
+
+
+async def sent_chat(client: AsyncClient, **params: Any) -> httpx.Request:
+    """The request ``client`` sends for one chat completion (model ``m``, ``MSG``) with
+    ``params``, answered by ``mock_chat()`` (call inside ``@respx.mock``)."""
+    route = mock_chat()
+    await client.chat.completions.create(model="m", messages=MSG, **params)
+    return route.calls[0].request
 
 
 @pytest.fixture

@@ -11,10 +11,7 @@ import respx
 from prefixgate.sdk import AsyncClient, Client, SyncStream
 from prefixgate.sdk.types import ChatCompletionChunk
 
-from .conftest import BASE
-
-OK = {"id": "c1", "choices": [{"index": 0, "message": {"role": "assistant", "content": "yo"}}]}
-MSG = [{"role": "user", "content": "hi"}]
+from .conftest import BASE, MSG, OK, sent_chat
 
 
 @pytest.mark.anyio
@@ -35,18 +32,16 @@ async def test_env_base_url_and_api_key(monkeypatch) -> None:
 @pytest.mark.anyio
 @respx.mock
 async def test_extra_body_and_passthrough_fields(make_client) -> None:
-    route = respx.post(f"{BASE}/chat/completions").mock(return_value=httpx.Response(200, json=OK))
     async with make_client() as client:
-        await client.chat.completions.create(
-            model="m",
-            messages=MSG,
+        req = await sent_chat(
+            client,
             max_tokens=5,
             temperature=0.0,
             logit_bias={"1": 2},
             extra_body={"cache_salt": "s"},
             extra_query={"q": "1"},
         )
-    body = json.loads(route.calls[0].request.content)
+    body = json.loads(req.content)
     assert body == {
         "model": "m",
         "messages": MSG,
@@ -55,7 +50,7 @@ async def test_extra_body_and_passthrough_fields(make_client) -> None:
         "logit_bias": {"1": 2},
         "cache_salt": "s",
     }
-    assert route.calls[0].request.url.params["q"] == "1"
+    assert req.url.params["q"] == "1"
 
 
 @pytest.mark.anyio

@@ -17,10 +17,9 @@ from prefixgate.sdk import (
 )
 from prefixgate.sdk.flow_control import estimate_tokens
 
-pytestmark = pytest.mark.anyio
+from .conftest import MSG, OK
 
-OK = {"id": "c1", "choices": [{"index": 0, "message": {"role": "assistant", "content": "yo"}}]}
-MSG = [{"role": "user", "content": "hi"}]
+pytestmark = pytest.mark.anyio
 
 
 class Counter:

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
+from support.fresh_process import run_code
 
 
 def test_sdk_imports_without_torch() -> None:
@@ -17,6 +16,5 @@ def test_sdk_imports_without_torch() -> None:
         "c = AsyncClient('http://127.0.0.1:9/v1')\n"
         "print(sorted(m for m, v in sys.modules.items() if v is not None and m.startswith('prefixgate')))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert "prefixgate.engine'" not in out.stdout and "prefixgate.gateway'" not in out.stdout
+    stdout = run_code(code, timeout_s=60)
+    assert "prefixgate.engine'" not in stdout and "prefixgate.gateway'" not in stdout

@@ -14,7 +14,7 @@ import respx
 from prefixgate.sdk import Client, ContentFilterFinishReasonError, LengthFinishReasonError
 from prefixgate.sdk._parsing import strict_json_schema
 
-from .conftest import BASE
+from .conftest import BASE, completion_body
 
 pytestmark = pytest.mark.anyio
 MSG = [{"role": "user", "content": "Describe a city."}]
@@ -45,20 +45,8 @@ CITY = {
 
 
 def answer(content: str | None, finish: str = "stop", **message) -> dict:
-    return {
-        "id": "chatcmpl-1",
-        "object": "chat.completion",
-        "created": 1,
-        "model": "m",
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": content, **message},
-                "finish_reason": finish,
-            }
-        ],
-        "usage": {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12},
-    }
+    body = completion_body({"role": "assistant", "content": content, **message}, finish)
+    return {**body, "usage": {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}}
 
 
 @respx.mock

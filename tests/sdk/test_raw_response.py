@@ -20,10 +20,9 @@ from prefixgate.sdk import (
 )
 from prefixgate.sdk.types import ChatCompletion, ChatCompletionChunk, ModelList
 
-from .conftest import BASE
+from .conftest import BASE, MSG
 
 pytestmark = pytest.mark.anyio
-MSG = [{"role": "user", "content": "hi"}]
 OK = {
     "id": "c1",
     "object": "chat.completion",

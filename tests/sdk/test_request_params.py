@@ -27,11 +27,9 @@ from prefixgate.sdk.resources.chat import ChatCompletionCreateParams, ChatComple
 from prefixgate.sdk.resources.completions import CompletionCreateParams
 from prefixgate.sdk.resources.prefixes import PrefixCreateParams
 
-from .conftest import BASE
+from .conftest import BASE, MSG, OK, mock_chat, sent_chat
 
 pytestmark = pytest.mark.anyio
-MSG = [{"role": "user", "content": "hi"}]
-OK = {"id": "c1", "choices": [{"index": 0, "message": {"role": "assistant", "content": "yo"}}]}
 
 TOOLS = [
     {
@@ -46,7 +44,7 @@ TOOLS = [
 
 @respx.mock
 async def test_unknown_keywords_are_type_errors_and_send_nothing(make_client) -> None:
-    chat = respx.post(f"{BASE}/chat/completions").mock(return_value=httpx.Response(200, json=OK))
+    chat = mock_chat()
     comp = respx.post(f"{BASE}/completions").mock(return_value=httpx.Response(200, json=OK))
     async with make_client() as client:
         with pytest.raises(TypeError, match="guided_json"):
@@ -71,11 +69,9 @@ async def test_unknown_keywords_are_type_errors_and_send_nothing(make_client) ->
 
 @respx.mock
 async def test_named_fields_and_extra_body_reach_the_body(make_client) -> None:
-    route = respx.post(f"{BASE}/chat/completions").mock(return_value=httpx.Response(200, json=OK))
     async with make_client() as client:
-        await client.chat.completions.create(
-            model="m",
-            messages=MSG,
+        req = await sent_chat(
+            client,
             tools=TOOLS,
             tool_choice={"type": "function", "function": {"name": "get_weather"}},
             parallel_tool_calls=False,
@@ -88,7 +84,6 @@ async def test_named_fields_and_extra_body_reach_the_body(make_client) -> None:
             extra_body={"structured_outputs": {"regex": "[a-z]+"}},
             extra_headers={"x-trace": "1"},
         )
-    req = route.calls[0].request
     body = json.loads(req.content)
     assert body == {
         "model": "m",
@@ -220,7 +215,7 @@ def test_each_endpoints_parameters_are_its_one_typeddict(method, params, own) ->
 
 @respx.mock
 async def test_a_missing_required_keyword_is_a_type_error_and_sends_nothing(make_client) -> None:
-    route = respx.post(f"{BASE}/chat/completions").mock(return_value=httpx.Response(200, json=OK))
+    route = mock_chat()
     async with make_client() as client:
         with pytest.raises(TypeError, match="'model'"):
             await client.chat.completions.create(messages=MSG)  # type: ignore[call-overload]

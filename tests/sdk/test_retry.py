@@ -23,13 +23,11 @@ from prefixgate.sdk import (
     parse_retry_after,
 )
 
-from .conftest import BASE
+from .conftest import BASE, MSG, OK
 
 pytestmark = pytest.mark.anyio
 
 URL = f"{BASE}/chat/completions"
-MSG = [{"role": "user", "content": "hi"}]
-OK = {"id": "c1", "choices": [{"index": 0, "message": {"role": "assistant", "content": "yo"}}]}
 
 
 def err(status: int, headers: dict | None = None, code: str | None = None) -> httpx.Response:

@@ -11,12 +11,11 @@ import respx
 from prefixgate.sdk import APIConnectionError, APIError, APITimeoutError, SSEDecoder
 from prefixgate.sdk.types import ChatCompletionChunk
 
-from .conftest import BASE
+from .conftest import BASE, MSG
 
 pytestmark = pytest.mark.anyio
 
 URL = f"{BASE}/chat/completions"
-MSG = [{"role": "user", "content": "hi"}]
 
 
 def chunk(text: str, finish: str | None = None) -> dict:

@@ -5,21 +5,14 @@ from __future__ import annotations
 import pytest
 from prefixgate.sdk.types import ChatCompletion, ChatCompletionChunk, Completion, ModelList
 
+from .conftest import completion_body
+
 
 def test_chat_completion_nested_and_unknown_fields() -> None:
+    logprobs = {"content": [{"token": "hi", "logprob": -0.1, "top_logprobs": []}]}
+    message = {"role": "assistant", "content": "hi", "audio": None}
     data = {
-        "id": "chatcmpl-1",
-        "object": "chat.completion",
-        "created": 1,
-        "model": "m",
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": "hi", "audio": None},
-                "finish_reason": "stop",
-                "logprobs": {"content": [{"token": "hi", "logprob": -0.1, "top_logprobs": []}]},
-            }
-        ],
+        **completion_body(message, logprobs=logprobs),
         "usage": {
             "prompt_tokens": 10,
             "completion_tokens": 1,

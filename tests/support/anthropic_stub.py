@@ -9,10 +9,31 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from aiohttp import web
+from prefixgate.gateway.proxy.config import ProxyConfig, load_config
 
 SECRET = "internal shard 7 overloaded"
+
+
+def claude_config(path: Path, url: str, more: str = "") -> ProxyConfig:
+    """The proxy config written to ``path`` and loaded: model ``claude`` on one Anthropic
+    deployment at ``url`` (upstream model ``claude-sonnet-4-5``, key ``sk-ant-test`` read from
+    ``ANTHROPIC_KEY``), then the TOML text ``more`` (further models)."""
+    path.write_text(
+        f"""
+[[models]]
+name = "claude"
+[[models.deployments]]
+url = "{url}"
+dialect = "anthropic"
+model = "claude-sonnet-4-5"
+api_key_env = "ANTHROPIC_KEY"
+"""
+        + more
+    )
+    return load_config(path, env={"ANTHROPIC_KEY": "sk-ant-test"})
 
 
 @dataclass

@@ -21,7 +21,20 @@ from prefixgate.engine.outputs import CompletionOutput, Logprob, RequestOutput, 
 from prefixgate.engine.protocol import EngineRequest
 from prefixgate.engine.sampling_params import SamplingParams
 
-__all__ = ["EngineDeadError", "FakeEngine", "FakeTokenizer", "PinLimitError"]
+__all__ = ["IDLE_STATS", "EngineDeadError", "FakeEngine", "FakeTokenizer", "PinLimitError"]
+
+# An engine's ``stats()`` after some work, now idle (tokens, blocks; the hit rate a fraction).
+IDLE_STATS = {
+    "prompt_tokens_prefilled": 100,
+    "tokens_decoded": 50,
+    "num_running": 0,
+    "num_waiting": 0,
+    "prefix_cache_queries": 200,
+    "prefix_cache_hits": 100,
+    "prefix_cache_hit_rate": 0.5,
+    "kv_blocks_total": 64,
+    "kv_blocks_used": 0,
+}
 
 
 class FakeTokenizer:

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import openai
+import pytest
 from prefixgate.engine import AsyncEngine, EngineConfig
 from prefixgate.gateway.app import create_app
 from prefixgate.gateway.http.server import BackgroundServer
@@ -36,6 +37,31 @@ def serve_aidreams(
 def openai_client(server: BackgroundServer) -> openai.OpenAI:
     """The official client on ``server``'s ``/v1`` (no retries: a failure shows)."""
     return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+
+def module_server(model_name: str, name: str = "server", **settings: Any) -> Any:
+    """A module-scoped fixture named ``name`` for a test module (``server =
+    module_server(MODEL, ...)``): aidreams-260k served as ``model_name`` with ``settings``
+    (``serve_aidreams``)."""
+
+    @pytest.fixture(scope="module", name=name)
+    def server(aidreams_path: str) -> Iterator[BackgroundServer]:
+        yield from serve_aidreams(aidreams_path, model_name=model_name, **settings)
+
+    return server
+
+
+def hermes_fixtures(model_name: str) -> tuple[Any, Any]:
+    """A test module's module-scoped ``server`` and ``client`` fixtures, as
+    ``server, client = hermes_fixtures(MODEL)``: aidreams-260k served as ``model_name`` with
+    the ``hermes`` tool-call parser and 64 queued requests, and the openai client on it."""
+
+    @pytest.fixture(scope="module", name="client")
+    def client(server: BackgroundServer) -> openai.OpenAI:
+        return openai_client(server)
+
+    server = module_server(model_name, tool_call_parser="hermes", max_queued_requests=64)
+    return server, client
 
 
 def wait_idle(

@@ -9,27 +9,18 @@ import json
 import pytest
 
 
+def _tiny(model: str, *more: str) -> list[str]:
+    """The benchmark's arguments at tiny sizes (2 replicas, 3 tenants, 6 requests at 20/s)."""
+    tiny = ["--replicas", "2", "--tenants", "3", "--requests", "6", "--rate", "20"]
+    return ["--model", model, *tiny, *more]
+
+
 @pytest.mark.slow
 def test_precise_routing_bench_tiny(tmp_path, aidreams_path):
     from prefixgate.gateway.bench import precise_routing
 
     out = tmp_path / "precise.json"
-    rc = precise_routing.main(
-        [
-            "--model",
-            aidreams_path,
-            "--replicas",
-            "2",
-            "--tenants",
-            "3",
-            "--requests",
-            "6",
-            "--rate",
-            "20",
-            "--json",
-            str(out),
-        ]
-    )
+    rc = precise_routing.main(_tiny(aidreams_path, "--json", str(out)))
     assert rc == 0
     rows = {r["policy"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == set(precise_routing.POLICIES)
@@ -47,19 +38,10 @@ def test_precise_routing_bench_two_gateways_warmup_and_plot(tmp_path, aidreams_p
 
     out, png = tmp_path / "precise.json", tmp_path / "precise.png"
     rc = precise_routing.main(
-        [
-            "--model",
+        _tiny(
             aidreams_path,
-            "--replicas",
-            "2",
             "--gateways",
             "2",
-            "--tenants",
-            "3",
-            "--requests",
-            "6",
-            "--rate",
-            "20",
             "--warmup",
             "--policies",
             "precise,round_robin,single",
@@ -67,7 +49,7 @@ def test_precise_routing_bench_two_gateways_warmup_and_plot(tmp_path, aidreams_p
             str(out),
             "--plot",
             str(png),
-        ]
+        )
     )
     assert rc == 0
     rows = {r["policy"]: r for r in json.loads(out.read_text())["rows"]}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import random
 
 import numpy as np
@@ -42,27 +43,10 @@ def test_tpot_definition():
 
 
 def test_summarize():
+    ok = functools.partial(RequestResult, ok=True, output_tokens=6, prompt_tokens=100)
     results = [
-        RequestResult(
-            0,
-            ok=True,
-            ttft=0.1,
-            e2e=1.1,
-            itl=[0.2] * 5,
-            output_tokens=6,
-            prompt_tokens=100,
-            cached_tokens=80,
-        ),
-        RequestResult(
-            1,
-            ok=True,
-            ttft=0.3,
-            e2e=0.8,
-            itl=[0.1] * 5,
-            output_tokens=6,
-            prompt_tokens=100,
-            cached_tokens=0,
-        ),
+        ok(0, ttft=0.1, e2e=1.1, itl=[0.2] * 5, cached_tokens=80),
+        ok(1, ttft=0.3, e2e=0.8, itl=[0.1] * 5, cached_tokens=0),
         RequestResult(2, ok=False, error="RateLimitError(429)"),
         RequestResult(3, ok=False, error="RateLimitError(429)"),
         RequestResult(4, ok=False, error="APIConnectionError"),
