@@ -156,6 +156,7 @@ class Scheduler:
         self.tokens_decoded = 0
         self._step_started: float | None = None
         self._admitted_now: set[str] = set()
+        self._first_now: list[Request] = []  # first scheduled in the step now running
         self.prefill_tokens_per_s: float | None = None
         self.decode_tokens_per_s: float | None = None
         self.finished_per_s: float | None = None
@@ -327,7 +328,25 @@ class Scheduler:
         out = list(scheduled.values())
         out.sort(key=lambda s: not s.is_decode)  # stable: decodes first
         finished, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(out, sum(s.num_new_tokens for s in out), preempted, finished)
+        result = SchedulerOutput(out, sum(s.num_new_tokens for s in out), preempted, finished)
+        self._note_first_steps(result)
+        return result
+
+    def _note_first_steps(self, out: SchedulerOutput) -> None:
+        """The timeline of first admissions (``Request.steps_waited``, ``first_step_tokens``,
+        ``first_chunk_tokens``): the step a request first runs in, and the steps it waited."""
+        if out.is_empty:
+            return
+        self._first_now = []
+        for s in out.scheduled:
+            r = s.request
+            if r.first_step_tokens == 0:
+                r.first_step_tokens = out.num_scheduled_tokens
+                r.first_chunk_tokens = s.num_new_tokens
+                self._first_now.append(r)
+        for r in self.waiting:
+            if r.first_scheduled_time is None:
+                r.steps_waited += 1
 
     def _schedule(
         self, req: Request, num_new: int, drafts: list[int] | None = None
@@ -695,9 +714,12 @@ class Scheduler:
     ) -> None:
         """Fold one step into the rates (see the module docstring)."""
         started, self._step_started = self._step_started, None
+        first, self._first_now = self._first_now, []
         if started is None or out.is_empty:
             return
         dt = now - started
+        for r in first:
+            r.first_step_s = dt
         if dt <= 0:
             return
         num_decode = out.num_scheduled_tokens - num_prefill

@@ -56,6 +56,7 @@ from prefixgate.gateway.http.errors import APIError, bad_request
 from prefixgate.gateway.http.sse import SSEWriter, client_gone
 from prefixgate.gateway.local.generation import ChoiceOutput, ChoiceRun, Delta, engine_request
 from prefixgate.gateway.local.serving import LOCAL
+from prefixgate.gateway.local.token_walk import first_token_walk
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.tenancy.keys import Principal
 from prefixgate.gateway.tenancy.ttft_budget import PREDICTED_TTFT_HEADER, budget_s
@@ -336,6 +337,9 @@ class Exchange:
         self.num_prompts = len(prompts)
         self.t0 = time.monotonic()
         self.t_first: float | None = None
+        self.t_admitted: float | None = None
+        self.t_client: float | None = None  # first content written to the client
+        self.engine_metrics: dict[str, float] | None = None  # the first choice's timeline
 
     async def run(self) -> web.StreamResponse:
         st = self.st
@@ -355,6 +359,7 @@ class Exchange:
         except APIError:
             st.shared.refund(self.principal, lease)
             raise
+        self.t_admitted = time.monotonic()
         st.metrics.prompt_tokens.inc(self.prompt_tokens)
         status = "error"
         try:
@@ -379,6 +384,9 @@ class Exchange:
             rec = record(self.request)
             rec.prompt_tokens, rec.completion_tokens = self.prompt_tokens, completion
             rec.cached_tokens = sum(self.cached.values())
+            rec.walk = first_token_walk(
+                self.t0, self.t_admitted, self.engine_metrics, self.t_first, self.t_client
+            )
             if status == "200":
                 st.metrics.e2e.observe(time.monotonic() - self.t0)
 
@@ -407,6 +415,7 @@ class Exchange:
             self.t_first = now
             self.ticket.started()
             metrics.ttft.observe(now - self.t0)
+            self.engine_metrics = d.engine_metrics
         out = self.outputs[i]
         out.add(d, now)
         metrics.add_generated(d.new_tokens)
@@ -455,6 +464,7 @@ class Exchange:
         if self.cache_marks is not None:
             resp.headers[CACHE_HEADER] = self._cache_header(sum(self.cached.values()))
         self._predicted_header(resp)
+        self.t_client = time.monotonic()  # the body is written next
         return resp
 
     # --- streaming ------------------------------------------------------------------------
@@ -520,3 +530,5 @@ class Exchange:
         self._record(i, d)
         for chunk in self.renderer.chunks(i, d, offset):
             await sse.write(self.renderer.event(chunk))
+        if self.t_client is None and self.t_first is not None:
+            self.t_client = time.monotonic()
