@@ -505,12 +505,21 @@ class Scheduler:
             short_blocks=short,
             blocks_held=lambda r: self.kv.num_request_blocks(r.request_id),
             freeable=lambda r: self.kv.num_freeable_blocks(r.request_id),
+            recompute=self._recompute_tokens,
             max_num_seqs=self.max_num_seqs,
             num_blocks=self.kv.num_blocks,
             pinned_blocks=self.kv.pinned_blocks_by_tenant(),
             exempt=self._fair_exempt() | self._admitted_now,  # nor one admitted this step
             fair_preemptions={rid: n for rid, (n, _) in self._fair_preempted.items()},
         )
+
+    def _recompute_tokens(self, req: Request) -> int:
+        """Tokens preempting running ``req`` now would make it compute again: its computed
+        tokens past the last full block (full blocks stay in the prefix cache, unless evicted
+        before it resumes), or all of them without prefix caching."""
+        if not self.kv.enable_prefix_caching:
+            return req.num_computed_tokens
+        return req.num_computed_tokens % self.kv.block_size
 
     def _displace(
         self,

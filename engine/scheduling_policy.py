@@ -32,7 +32,9 @@ greedy outputs do not change):
   and ``blocks(t) = floor(num_blocks * w_t / W)`` KV blocks (``W``: the weights of the active
   tenants; the blocks a tenant holds count its running requests' tables and its prefix pins).
   A waiting request whose tenant is within its shares (counting the request) displaces the
-  newest running requests of tenants over theirs whose VTC counter is no less than its own
+  cheapest running requests to recompute (``Room.recompute``: the tokens past their last
+  full block, which the prefix cache keeps) of tenants over theirs whose VTC counter is no
+  less than its own
   tenant's (VTC's order decides who goes first; the seats follow it), never taking a tenant
   below its share, so the VTC service bound above still holds. A
   tenant at or over its share does not hold back the tenants behind it in VTC order (they are
@@ -45,8 +47,9 @@ greedy outputs do not change):
   Bounds (tests hold each): (1) hysteresis, no preemption loop: a request preempted for
   fairness samples at least ``fair_min_progress`` (16) output tokens before it may be
   preempted for fairness again, so a request of ``max_tokens`` output tokens is preempted for
-  fairness at most ``1 + max_tokens // 16`` times; among the candidates the least often
-  preempted go first (newest first among equals), spreading the cost; (2) displacement only
+  fairness at most ``1 + max_tokens // 16`` times; among the candidates of a tenant the
+  cheapest to recompute go first, then the least often preempted (spreading the cost), then
+  the newest; (2) displacement only
   moves a seat from a tenant over its share to one under it, so ``sum_t max(0, held(t) -
   share(t))`` drops with each one and only admissions into free seats raise it; (3) a waiting
   request of a tenant under its shares whose counter is no larger than an over-share tenant's
@@ -102,6 +105,9 @@ class Room:
         short_blocks: blocks missing from the free pool for it (0: enough).
         blocks_held: KV blocks of a running request (its block table).
         freeable: blocks that preempting a running request would return to the free pool.
+        recompute: tokens a running request would compute again if preempted now (its
+            computed tokens beyond the full blocks the prefix cache keeps; all of them
+            without prefix caching).
         pinned_blocks: tenant → blocks its prefix pins hold.
         max_num_seqs, num_blocks: the engine's seats and KV blocks.
         exempt: ids of requests not to preempt now (admitted this step, or preempted for
@@ -118,6 +124,7 @@ class Room:
     freeable: Callable[[Request], int]
     max_num_seqs: int
     num_blocks: int
+    recompute: Callable[[Request], int] = lambda r: r.num_computed_tokens
     pinned_blocks: dict[str, int] = field(default_factory=dict)
     exempt: set[str] = field(default_factory=set)
     fair_preemptions: dict[str, int] = field(default_factory=dict)
@@ -335,8 +342,8 @@ class FairPolicy(SchedulingPolicy):
         return seats, blocks
 
     def displaceable(self, req: Request, room: Room) -> list[Request]:
-        """Running requests (outside the hysteresis; the least often preempted, then the
-        newest first) of tenants over their shares with a VTC counter no less than ``req``'s
+        """Running requests (outside the hysteresis; the cheapest to recompute, then the least
+        often preempted, then the newest first) of tenants over their shares with a VTC counter no less than ``req``'s
         tenant's, the most-over tenant first, while ``req``'s tenant stays within its own shares counting ``req``; never a
         victim that would take its tenant below a share."""
         me = tenant_of(req)
@@ -365,7 +372,11 @@ class FairPolicy(SchedulingPolicy):
                 continue  # VTC serves that tenant first: it keeps its seats
             s_left, b_left = seats[t], blocks.get(t, 0)
             mine_t = [r for r in reversed(room.running) if tenant_of(r) == t]  # newest first
-            mine_t.sort(key=lambda r: room.fair_preemptions.get(r.request_id, 0))  # stable
+            # the cheapest to recompute first, then the least often preempted (stable sort:
+            # newest first among equals)
+            mine_t.sort(
+                key=lambda r: (room.recompute(r), room.fair_preemptions.get(r.request_id, 0))
+            )
             for r in mine_t:
                 if r.request_id in room.exempt:
                     continue

@@ -188,6 +188,29 @@ def test_fair_light_tenant_is_scheduled_at_once_while_the_heavy_one_floods():
     assert fcfs.first_token["l0"] - finfo["light_at"]["l0"] > 100
 
 
+def test_fair_displaces_the_victim_cheapest_to_recompute():
+    # two heavy requests hold both seats; the older one's context ends on a block boundary
+    # (preempted now it recomputes nothing: its full blocks stay cached), the newer one's 3
+    # tokens past one: the light request takes the older one's seat, not the newest's
+    sched = make("fair", max_num_seqs=2, max_num_batched_tokens=256)
+    tr = Trace()
+    reqs = {r.request_id: r for r in (req("h0", 30, 40, "heavy"), req("h1", 17, 40, "heavy"))}
+    for r in reqs.values():
+        add(sched, tr, r)
+    for _ in range(3):  # h0: 30 prompt + 2 decodes computed = 32; h1: 17 + 2 = 19
+        step(sched, tr)
+    assert [r.num_computed_tokens for r in sched.running] == [32, 19]
+    light = req("l0", 20, 4, "light")
+    reqs["l0"] = light
+    add(sched, tr, light)
+    step(sched, tr)
+    assert tr.preempted_at == {"h0": [3]}  # the cheapest, though h1 is the newest
+    assert tr.first_scheduled["l0"] == 3
+    step_until_done(sched, tr)
+    assert_greedy_unchanged(tr, reqs)
+    assert_whole(sched)
+
+
 def test_fair_heavy_tenant_keeps_its_share_and_its_starvation_bound():
     sched, tr, info = flood("fair", n_light=6, gap=3)
     reqs = info["reqs"]
