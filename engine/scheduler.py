@@ -438,6 +438,15 @@ class Scheduler:
             if req.waits_for_grammar:  # structured output: its grammar is still compiling
                 skipped.add(req.request_id)
                 continue
+            if full:  # the policy's seat decision first: no prefix lookup for a refusal
+                verdict = self.policy.seat_verdict(
+                    req, self.running, self.waiting, self.max_num_seqs, self.kv.num_blocks
+                )
+                if verdict == "skip":
+                    self._skip_tenant(req, skipped)
+                    continue
+                if verdict == "stop":
+                    break
             num_new = req.num_tokens
             if caps is not None:
                 num_new = self._cap_left(req, caps, used, budget)

@@ -214,6 +214,20 @@ class SchedulingPolicy:
         does not fit and displaces nothing this step; else admission stops at ``req``."""
         return False
 
+    def seat_verdict(
+        self,
+        req: Request,
+        running: Sequence[Request],
+        waiting: Sequence[Request],
+        max_num_seqs: int,
+        num_blocks: int,
+    ) -> str | None:
+        """While every seat is taken, what ``displaceable`` and ``may_overtake`` would decide
+        for ``req`` whatever its blocks, told before the scheduler looks up its prefix and
+        measures its room: ``"skip"`` (it waits, the requests behind it are tried),
+        ``"stop"`` (it waits and so does admission) or ``None`` (ask them)."""
+        return None
+
     def token_caps(
         self, budget: int, running: Sequence[Request], waiting: Sequence[Request]
     ) -> dict[str, int] | None:
@@ -388,6 +402,24 @@ class FairPolicy(SchedulingPolicy):
                 s_left -= 1
                 b_left -= room.blocks_held(r)
         return victims
+
+    def seat_verdict(
+        self,
+        req: Request,
+        running: Sequence[Request],
+        waiting: Sequence[Request],
+        max_num_seqs: int,
+        num_blocks: int,
+    ) -> str | None:
+        """A tenant already holding its seat share displaces nothing for a seat: ``"skip"``
+        with another tenant active (the tenants behind it in VTC order are tried), else
+        ``"stop"``; ``None`` when it is within its share."""
+        me = tenant_of(req)
+        active = {tenant_of(r) for r in running} | {tenant_of(r) for r in waiting} | {me}
+        held = sum(1 for r in running if tenant_of(r) == me)
+        if held + 1 <= self.shares(active, max_num_seqs, num_blocks)[me][0]:
+            return None
+        return "skip" if len(active) >= 2 else "stop"
 
     def may_overtake(self, req: Request, room: Room) -> bool:
         """True when ``req``'s tenant is at or over the share it lacks (seats or blocks):
