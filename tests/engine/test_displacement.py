@@ -525,3 +525,30 @@ def test_fair_displacement_under_tight_seats_and_blocks_never_loops(seed):
     assert sched.num_displacements > 0
     assert_greedy_unchanged(tr, reqs)
     assert_whole(sched)
+
+
+def test_fair_seat_verdict_skips_a_tenant_at_its_share_before_any_prefix_lookup():
+    sched = make("fair", max_num_seqs=2)
+    tr = Trace()
+    for rid in ("h0", "h1", "h2"):
+        add(sched, tr, req(rid, 20, 30, "heavy"))
+    step(sched, tr)  # h0, h1 take both seats; h2 waits
+    pol, waiting = sched.policy, list(sched.waiting)
+    h2 = waiting[0]
+    # one tenant active: nobody to be fair to, admission stops at it
+    assert pol.seat_verdict(h2, sched.running, waiting, 2, 512) == "stop"
+    light = req("l0", 20, 4, "light")
+    add(sched, tr, light)
+    waiting = list(sched.waiting)
+    # two tenants: heavy holds 2 of its 1 seat: passed over; light holds 0 of 1: ask the room
+    assert pol.seat_verdict(h2, sched.running, waiting, 2, 512) == "skip"
+    assert pol.seat_verdict(light, sched.running, waiting, 2, 512) is None
+    looked_up = []
+    lookup = sched.kv.get_computed_blocks
+    sched.kv.get_computed_blocks = lambda r: looked_up.append(r.request_id) or lookup(r)
+    step(sched, tr)
+    assert tr.first_scheduled["l0"] == 1  # displaced a heavy request at once
+    assert "h2" not in looked_up  # the refused heavy request cost no prefix lookup
+    del sched.kv.get_computed_blocks
+    step_until_done(sched, tr)
+    assert_whole(sched)
