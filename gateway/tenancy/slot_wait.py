@@ -15,15 +15,23 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 
 
 class SlotClock:
     """Slots in use with their start times (``take`` → token, ``give(token)``) and the EWMA
-    of their hold time (seconds, weight ``alpha`` for each release)."""
+    of their hold time (seconds, weight ``alpha`` for each release); ``clock``: monotonic
+    seconds (injectable for tests)."""
 
-    __slots__ = ("_live", "_hold", "_alpha", "_ids", "floor_s")
+    __slots__ = ("_live", "_hold", "_alpha", "_ids", "floor_s", "_clock")
 
-    def __init__(self, alpha: float = 0.3, floor_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        alpha: float = 0.3,
+        floor_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._clock = clock
         self._live: dict[int, tuple[float, int]] = {}  # token -> (start, slots)
         self._hold = 0.0
         self._alpha = alpha
@@ -33,7 +41,7 @@ class SlotClock:
     def take(self, slots: int = 1) -> int:
         """``slots`` slots start being held now; returns the token that gives them back."""
         token = next(self._ids)
-        self._live[token] = (time.monotonic(), slots)
+        self._live[token] = (self._clock(), slots)
         return token
 
     def give(self, token: int) -> None:
@@ -41,7 +49,7 @@ class SlotClock:
         entry = self._live.pop(token, None)
         if entry is None:
             return
-        held = time.monotonic() - entry[0]
+        held = self._clock() - entry[0]
         a = self._alpha
         self._hold = held if self._hold == 0.0 else (1 - a) * self._hold + a * held
 
@@ -58,7 +66,7 @@ class SlotClock:
     def wait(self, needed: int = 1) -> float:
         """Seconds until ``needed`` held slots are estimated free (see the module docstring);
         at least ``floor_s``."""
-        now = time.monotonic()
+        now = self._clock()
         if not self._live or needed <= 0:
             return self.floor_s
         ages = sorted(((now - start, n) for start, n in self._live.values()), reverse=True)
