@@ -285,6 +285,10 @@ def engine_error(exc: Exception) -> APIError:
     return APIError(500, f"generation failed: {type(exc).__name__}", code="engine_error")
 
 
+ETA_MIN_TOKENS = 8
+"""Tokens a choice has before its token rate predicts its end (``Exchange.eta_s``)."""
+
+
 class Exchange:
     """One admitted HTTP request: runs its choices on the engine and writes the JSON body or
     the SSE stream through its route's renderer.
@@ -346,6 +350,8 @@ class Exchange:
         budget = budget_s(self.request)  # a malformed header is a 400 before anything is taken
         self.request.app[LOCAL].require_engine()
         lease = await st.shared.acquire(self.principal, self.prompt_tokens)
+        if lease.slot_token is not None:  # max_concurrent's Retry-After: when this one ends
+            self.principal.slots.set_eta(lease.slot_token, self.eta_s)
         try:
             self.ticket = st.admission.admit(
                 self.prompt_tokens,
@@ -389,6 +395,29 @@ class Exchange:
             )
             if status == "200":
                 st.metrics.e2e.observe(time.monotonic() - self.t0)
+
+    def eta_s(self) -> float | None:
+        """Predicted seconds until this request ends, from its own progress: each choice's
+        tokens left (``max_tokens``; an earlier stop only shortens it) over its measured token
+        rate since its first token; None until every choice has ``ETA_MIN_TOKENS`` tokens to
+        measure by (a rate from two tokens was off by 3-4x on a loaded host), or when a choice
+        has no ``max_tokens``."""
+        now = time.monotonic()
+        left = 0.0
+        engine = self.request.app[LOCAL].engine
+        room = None if engine is None else engine.max_model_len - len(self.prompt_ids)
+        for out, req in zip(self.outputs, self.requests, strict=True):
+            params = req.sampling_params
+            cap = params.max_tokens if params is not None else None
+            if cap is not None and room is not None:
+                cap = min(cap, room)  # the engine caps prompt + max_tokens at max_model_len
+            if cap is None or out.num_tokens < ETA_MIN_TOKENS or not out.t_first_token:
+                return None
+            if out.finish_reason is not None:
+                continue
+            rate = (out.num_tokens - 1) / max(now - out.t_first_token, 1e-6)
+            left = max(left, (cap - out.num_tokens) / rate)
+        return left
 
     def _predicted_header(self, resp: web.StreamResponse) -> None:
         """``x-prefixgate-predicted-ttft-ms``: the engine's predicted first-token wait at

@@ -258,6 +258,11 @@ class Charge:
         self._open = True
         self._slot = slot
 
+    @property
+    def slot(self) -> int | None:
+        """The key's ``Principal.slots`` token of this charge (None on an open gateway)."""
+        return self._slot
+
     def settle(self, prompt_tokens: int, completion_tokens: int) -> None:
         """The request was served: charge ``prompt_tokens + completion_tokens`` in all (the
         difference to what admission took; the level may go into debt) and free the slot."""
