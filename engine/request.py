@@ -78,6 +78,13 @@ class Request:
         arrival_time, first_scheduled_time, first_token_time, last_token_time, finished_time:
             ``time.monotonic()`` seconds (``None`` until it happens); ``metrics`` is them as a
             dict, the one copy ``RequestOutput.metrics`` reports.
+        steps_waited: engine steps that ran while it waited for its first admission.
+        first_step_tokens, first_chunk_tokens: the query tokens of the whole step that first
+            scheduled it, and its own share of them (its first prefill chunk); 0 until then.
+        first_step_s: that step's model time (schedule to update, seconds; ``None`` until it
+            ended). These four are in ``metrics`` too (``steps_waited``,
+            ``first_step_tokens``, ``first_chunk_tokens``, ``first_step_s``) once admitted:
+            where a first-token wait went.
         detokenizer: the ``IncrementalDetokenizer`` of a caller request (``None`` for internal
             requests and bare scheduler tests): ``check_stop`` feeds it each token and ends the
             request on a stop string.
@@ -153,6 +160,10 @@ class Request:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.finished_time: float | None = None
+        self.steps_waited = 0
+        self.first_step_tokens = 0
+        self.first_chunk_tokens = 0
+        self.first_step_s: float | None = None
         self.prompt: str | None = None
         self.detokenizer: Any = None
         self.text = ""
@@ -188,14 +199,21 @@ class Request:
     @property
     def metrics(self) -> dict[str, float]:
         """The timestamps that happened, by name (``arrival``, ``first_scheduled``,
-        ``first_token``, ``last_token``, ``finished``), ``time.monotonic()`` seconds."""
-        times = {
+        ``first_token``, ``last_token``, ``finished``), ``time.monotonic()`` seconds; once
+        admitted also ``steps_waited``, ``first_step_tokens``, ``first_chunk_tokens`` (counts)
+        and, once that step ended, ``first_step_s`` (seconds)."""
+        times: dict[str, float | None] = {
             "arrival": self.arrival_time,
             "first_scheduled": self.first_scheduled_time,
             "first_token": self.first_token_time,
             "last_token": self.last_token_time,
             "finished": self.finished_time,
         }
+        if self.first_scheduled_time is not None:
+            times["steps_waited"] = self.steps_waited
+            times["first_step_tokens"] = self.first_step_tokens
+            times["first_chunk_tokens"] = self.first_chunk_tokens
+            times["first_step_s"] = self.first_step_s
         return {k: v for k, v in times.items() if v is not None}
 
     def append_output_token(self, token_id: int, now: float | None = None) -> None:

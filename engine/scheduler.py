@@ -156,6 +156,7 @@ class Scheduler:
         self.tokens_decoded = 0
         self._step_started: float | None = None
         self._admitted_now: set[str] = set()
+        self._first_now: list[Request] = []  # first scheduled in the step now running
         self.prefill_tokens_per_s: float | None = None
         self.decode_tokens_per_s: float | None = None
         self.finished_per_s: float | None = None
@@ -327,7 +328,25 @@ class Scheduler:
         out = list(scheduled.values())
         out.sort(key=lambda s: not s.is_decode)  # stable: decodes first
         finished, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(out, sum(s.num_new_tokens for s in out), preempted, finished)
+        result = SchedulerOutput(out, sum(s.num_new_tokens for s in out), preempted, finished)
+        self._note_first_steps(result)
+        return result
+
+    def _note_first_steps(self, out: SchedulerOutput) -> None:
+        """The timeline of first admissions (``Request.steps_waited``, ``first_step_tokens``,
+        ``first_chunk_tokens``): the step a request first runs in, and the steps it waited."""
+        if out.is_empty:
+            return
+        self._first_now = []
+        for s in out.scheduled:
+            r = s.request
+            if r.first_step_tokens == 0:
+                r.first_step_tokens = out.num_scheduled_tokens
+                r.first_chunk_tokens = s.num_new_tokens
+                self._first_now.append(r)
+        for r in self.waiting:
+            if r.first_scheduled_time is None:
+                r.steps_waited += 1
 
     def _schedule(
         self, req: Request, num_new: int, drafts: list[int] | None = None
@@ -419,6 +438,15 @@ class Scheduler:
             if req.waits_for_grammar:  # structured output: its grammar is still compiling
                 skipped.add(req.request_id)
                 continue
+            if full:  # the policy's seat decision first: no prefix lookup for a refusal
+                verdict = self.policy.seat_verdict(
+                    req, self.running, self.waiting, self.max_num_seqs, self.kv.num_blocks
+                )
+                if verdict == "skip":
+                    self._skip_tenant(req, skipped)
+                    continue
+                if verdict == "stop":
+                    break
             num_new = req.num_tokens
             if caps is not None:
                 num_new = self._cap_left(req, caps, used, budget)
@@ -486,12 +514,21 @@ class Scheduler:
             short_blocks=short,
             blocks_held=lambda r: self.kv.num_request_blocks(r.request_id),
             freeable=lambda r: self.kv.num_freeable_blocks(r.request_id),
+            recompute=self._recompute_tokens,
             max_num_seqs=self.max_num_seqs,
             num_blocks=self.kv.num_blocks,
             pinned_blocks=self.kv.pinned_blocks_by_tenant(),
             exempt=self._fair_exempt() | self._admitted_now,  # nor one admitted this step
             fair_preemptions={rid: n for rid, (n, _) in self._fair_preempted.items()},
         )
+
+    def _recompute_tokens(self, req: Request) -> int:
+        """Tokens preempting running ``req`` now would make it compute again: its computed
+        tokens past the last full block (full blocks stay in the prefix cache, unless evicted
+        before it resumes), or all of them without prefix caching."""
+        if not self.kv.enable_prefix_caching:
+            return req.num_computed_tokens
+        return req.num_computed_tokens % self.kv.block_size
 
     def _displace(
         self,
@@ -695,9 +732,12 @@ class Scheduler:
     ) -> None:
         """Fold one step into the rates (see the module docstring)."""
         started, self._step_started = self._step_started, None
+        first, self._first_now = self._first_now, []
         if started is None or out.is_empty:
             return
         dt = now - started
+        for r in first:
+            r.first_step_s = dt
         if dt <= 0:
             return
         num_decode = out.num_scheduled_tokens - num_prefill

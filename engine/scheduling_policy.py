@@ -32,7 +32,9 @@ greedy outputs do not change):
   and ``blocks(t) = floor(num_blocks * w_t / W)`` KV blocks (``W``: the weights of the active
   tenants; the blocks a tenant holds count its running requests' tables and its prefix pins).
   A waiting request whose tenant is within its shares (counting the request) displaces the
-  newest running requests of tenants over theirs whose VTC counter is no less than its own
+  cheapest running requests to recompute (``Room.recompute``: the tokens past their last
+  full block, which the prefix cache keeps) of tenants over theirs whose VTC counter is no
+  less than its own
   tenant's (VTC's order decides who goes first; the seats follow it), never taking a tenant
   below its share, so the VTC service bound above still holds. A
   tenant at or over its share does not hold back the tenants behind it in VTC order (they are
@@ -45,8 +47,9 @@ greedy outputs do not change):
   Bounds (tests hold each): (1) hysteresis, no preemption loop: a request preempted for
   fairness samples at least ``fair_min_progress`` (16) output tokens before it may be
   preempted for fairness again, so a request of ``max_tokens`` output tokens is preempted for
-  fairness at most ``1 + max_tokens // 16`` times; among the candidates the least often
-  preempted go first (newest first among equals), spreading the cost; (2) displacement only
+  fairness at most ``1 + max_tokens // 16`` times; among the candidates of a tenant the
+  cheapest to recompute go first, then the least often preempted (spreading the cost), then
+  the newest; (2) displacement only
   moves a seat from a tenant over its share to one under it, so ``sum_t max(0, held(t) -
   share(t))`` drops with each one and only admissions into free seats raise it; (3) a waiting
   request of a tenant under its shares whose counter is no larger than an over-share tenant's
@@ -102,6 +105,9 @@ class Room:
         short_blocks: blocks missing from the free pool for it (0: enough).
         blocks_held: KV blocks of a running request (its block table).
         freeable: blocks that preempting a running request would return to the free pool.
+        recompute: tokens a running request would compute again if preempted now (its
+            computed tokens beyond the full blocks the prefix cache keeps; all of them
+            without prefix caching).
         pinned_blocks: tenant → blocks its prefix pins hold.
         max_num_seqs, num_blocks: the engine's seats and KV blocks.
         exempt: ids of requests not to preempt now (admitted this step, or preempted for
@@ -118,6 +124,7 @@ class Room:
     freeable: Callable[[Request], int]
     max_num_seqs: int
     num_blocks: int
+    recompute: Callable[[Request], int] = lambda r: r.num_computed_tokens
     pinned_blocks: dict[str, int] = field(default_factory=dict)
     exempt: set[str] = field(default_factory=set)
     fair_preemptions: dict[str, int] = field(default_factory=dict)
@@ -206,6 +213,20 @@ class SchedulingPolicy:
         """True when requests behind ``req`` (in ``pick`` order) may be tried although ``req``
         does not fit and displaces nothing this step; else admission stops at ``req``."""
         return False
+
+    def seat_verdict(
+        self,
+        req: Request,
+        running: Sequence[Request],
+        waiting: Sequence[Request],
+        max_num_seqs: int,
+        num_blocks: int,
+    ) -> str | None:
+        """While every seat is taken, what ``displaceable`` and ``may_overtake`` would decide
+        for ``req`` whatever its blocks, told before the scheduler looks up its prefix and
+        measures its room: ``"skip"`` (it waits, the requests behind it are tried),
+        ``"stop"`` (it waits and so does admission) or ``None`` (ask them)."""
+        return None
 
     def token_caps(
         self, budget: int, running: Sequence[Request], waiting: Sequence[Request]
@@ -335,8 +356,8 @@ class FairPolicy(SchedulingPolicy):
         return seats, blocks
 
     def displaceable(self, req: Request, room: Room) -> list[Request]:
-        """Running requests (outside the hysteresis; the least often preempted, then the
-        newest first) of tenants over their shares with a VTC counter no less than ``req``'s
+        """Running requests (outside the hysteresis; the cheapest to recompute, then the least
+        often preempted, then the newest first) of tenants over their shares with a VTC counter no less than ``req``'s
         tenant's, the most-over tenant first, while ``req``'s tenant stays within its own shares counting ``req``; never a
         victim that would take its tenant below a share."""
         me = tenant_of(req)
@@ -365,7 +386,11 @@ class FairPolicy(SchedulingPolicy):
                 continue  # VTC serves that tenant first: it keeps its seats
             s_left, b_left = seats[t], blocks.get(t, 0)
             mine_t = [r for r in reversed(room.running) if tenant_of(r) == t]  # newest first
-            mine_t.sort(key=lambda r: room.fair_preemptions.get(r.request_id, 0))  # stable
+            # the cheapest to recompute first, then the least often preempted (stable sort:
+            # newest first among equals)
+            mine_t.sort(
+                key=lambda r: (room.recompute(r), room.fair_preemptions.get(r.request_id, 0))
+            )
             for r in mine_t:
                 if r.request_id in room.exempt:
                     continue
@@ -377,6 +402,24 @@ class FairPolicy(SchedulingPolicy):
                 s_left -= 1
                 b_left -= room.blocks_held(r)
         return victims
+
+    def seat_verdict(
+        self,
+        req: Request,
+        running: Sequence[Request],
+        waiting: Sequence[Request],
+        max_num_seqs: int,
+        num_blocks: int,
+    ) -> str | None:
+        """A tenant already holding its seat share displaces nothing for a seat: ``"skip"``
+        with another tenant active (the tenants behind it in VTC order are tried), else
+        ``"stop"``; ``None`` when it is within its share."""
+        me = tenant_of(req)
+        active = {tenant_of(r) for r in running} | {tenant_of(r) for r in waiting} | {me}
+        held = sum(1 for r in running if tenant_of(r) == me)
+        if held + 1 <= self.shares(active, max_num_seqs, num_blocks)[me][0]:
+            return None
+        return "skip" if len(active) >= 2 else "stop"
 
     def may_overtake(self, req: Request, room: Room) -> bool:
         """True when ``req``'s tenant is at or over the share it lacks (seats or blocks):

@@ -67,6 +67,9 @@ class PolicyRun:
     max_service_gap: float = 0.0
     preemptions: int = 0  # engine preemptions within the run (recomputes)
     displacements: int = 0  # of them, running requests displaced for a waiting one
+    steps: int = 0  # this engine's steps within the window
+    schedule_s: float = 0.0  # of its busy time, in the scheduler (schedule())
+    forward_s: float = 0.0  # of its busy time, in the model's forward passes
     trace: list[tuple[float, float, float]] = field(default_factory=list)  # t, W_A, W_B
 
     def summary(self) -> dict[str, Any]:
@@ -84,6 +87,10 @@ class PolicyRun:
             "max_service_gap": self.max_service_gap,
             "preemptions": self.preemptions,
             "displacements": self.displacements,
+            "steps": self.steps,
+            "tokens_per_step": self.tokens_total / self.steps if self.steps else 0.0,
+            "schedule_ms_per_step": 1000 * self.schedule_s / self.steps if self.steps else 0.0,
+            "forward_ms_per_step": 1000 * self.forward_s / self.steps if self.steps else 0.0,
         }
 
 
@@ -183,10 +190,14 @@ def run_side_by_side(args: argparse.Namespace) -> list[PolicyRun]:
             if not eng.has_unfinished_requests():
                 continue
             began = time.monotonic()
+            timing = dict(eng.timing)
             outs = eng.step()
             done = time.monotonic()
             if open_:
                 run.busy_s += done - began
+                run.steps += eng.timing["steps"] - timing["steps"]
+                run.schedule_s += eng.timing["schedule_s"] - timing["schedule_s"]
+                run.forward_s += eng.timing["forward_s"] - timing["forward_s"]
             for out in outs:
                 rid = out.request_id
                 if rid in side.b_waiting and out.outputs[0].token_ids:
@@ -310,6 +321,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['total_tokens_per_s']:>12.0f} {r['total_tokens_per_busy_s']:>11.0f} "
             f"{r['max_service_gap']:>16.0f} "
             f"{r['preemptions']:>7}/{r['displacements']:<6}"
+        )
+    for r in rows:
+        print(
+            f"{r['policy']:8} steps {r['steps']}, {r['tokens_per_step']:.1f} tokens/step, "
+            f"schedule {r['schedule_ms_per_step']:.2f} ms/step, "
+            f"forward {r['forward_ms_per_step']:.2f} ms/step"
         )
     print(f"VTC bound on the service gap: 2 * max request cost = {bound:.0f} weighted tokens")
     by = {r["policy"]: r for r in rows}

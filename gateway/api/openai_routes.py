@@ -59,6 +59,7 @@ from prefixgate.gateway.http.lifecycle import end_streams_with
 from prefixgate.gateway.http.sse import SSEWriter, client_gone
 from prefixgate.gateway.local.generation import ChoiceOutput, ChoiceRun, Delta, engine_request
 from prefixgate.gateway.local.serving import LOCAL
+from prefixgate.gateway.local.token_walk import first_token_walk
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.tenancy.keys import Principal
 from prefixgate.gateway.tenancy.ttft_budget import PREDICTED_TTFT_HEADER, budget_s
@@ -282,6 +283,10 @@ def engine_error(exc: Exception) -> APIError:
     return APIError(500, f"generation failed: {type(exc).__name__}", code="engine_error")
 
 
+ETA_MIN_TOKENS = 8
+"""Tokens a choice has before its token rate predicts its end (``Exchange.eta_s``)."""
+
+
 class Exchange:
     """One admitted HTTP request: runs its choices on the engine and writes the JSON body or
     the SSE stream through its route's renderer.
@@ -334,12 +339,17 @@ class Exchange:
         self.num_prompts = len(prompts)
         self.t0 = time.monotonic()
         self.t_first: float | None = None
+        self.t_admitted: float | None = None
+        self.t_client: float | None = None  # first content written to the client
+        self.engine_metrics: dict[str, float] | None = None  # the first choice's timeline
 
     async def run(self) -> web.StreamResponse:
         st = self.st
         budget = budget_s(self.request)  # a malformed header is a 400 before anything is taken
         self.request.app[LOCAL].require_engine()
         lease = await st.shared.acquire(self.principal, self.prompt_tokens)
+        if lease.slot_token is not None:  # max_concurrent's Retry-After: when this one ends
+            self.principal.slots.set_eta(lease.slot_token, self.eta_s)
         try:
             self.ticket = st.admission.admit(
                 self.prompt_tokens,
@@ -353,6 +363,7 @@ class Exchange:
         except APIError:
             st.shared.refund(self.principal, lease)
             raise
+        self.t_admitted = time.monotonic()
         st.metrics.prompt_tokens.inc(self.prompt_tokens)
         status = "error"
         try:
@@ -377,8 +388,34 @@ class Exchange:
             rec = record(self.request)
             rec.prompt_tokens, rec.completion_tokens = self.prompt_tokens, completion
             rec.cached_tokens = sum(self.cached.values())
+            rec.walk = first_token_walk(
+                self.t0, self.t_admitted, self.engine_metrics, self.t_first, self.t_client
+            )
             if status == "200":
                 st.metrics.e2e.observe(time.monotonic() - self.t0)
+
+    def eta_s(self) -> float | None:
+        """Predicted seconds until this request ends, from its own progress: each choice's
+        tokens left (``max_tokens``; an earlier stop only shortens it) over its measured token
+        rate since its first token; None until every choice has ``ETA_MIN_TOKENS`` tokens to
+        measure by (a rate from two tokens was off by 3-4x on a loaded host), or when a choice
+        has no ``max_tokens``."""
+        now = time.monotonic()
+        left = 0.0
+        engine = self.request.app[LOCAL].engine
+        room = None if engine is None else engine.max_model_len - len(self.prompt_ids)
+        for out, req in zip(self.outputs, self.requests, strict=True):
+            params = req.sampling_params
+            cap = params.max_tokens if params is not None else None
+            if cap is not None and room is not None:
+                cap = min(cap, room)  # the engine caps prompt + max_tokens at max_model_len
+            if cap is None or out.num_tokens < ETA_MIN_TOKENS or not out.t_first_token:
+                return None
+            if out.finish_reason is not None:
+                continue
+            rate = (out.num_tokens - 1) / max(now - out.t_first_token, 1e-6)
+            left = max(left, (cap - out.num_tokens) / rate)
+        return left
 
     def _predicted_header(self, resp: web.StreamResponse) -> None:
         """``x-prefixgate-predicted-ttft-ms``: the engine's predicted first-token wait at
@@ -405,6 +442,7 @@ class Exchange:
             self.t_first = now
             self.ticket.started()
             metrics.ttft.observe(now - self.t0)
+            self.engine_metrics = d.engine_metrics
         out = self.outputs[i]
         out.add(d, now)
         metrics.add_generated(d.new_tokens)
@@ -453,6 +491,7 @@ class Exchange:
         if self.cache_marks is not None:
             resp.headers[CACHE_HEADER] = self._cache_header(sum(self.cached.values()))
         self._predicted_header(resp)
+        self.t_client = time.monotonic()  # the body is written next
         return resp
 
     # --- streaming ------------------------------------------------------------------------
@@ -519,3 +558,5 @@ class Exchange:
         self._record(i, d)
         for chunk in self.renderer.chunks(i, d, offset):
             await sse.write(self.renderer.event(chunk))
+        if self.t_client is None and self.t_first is not None:
+            self.t_client = time.monotonic()

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import IO
 
 import httpx
 from prefixgate.sdk.bench.targets import free_port
@@ -121,15 +122,20 @@ def _run_stub(port: int, ready: mp.Event) -> None:
     asyncio.run(main())
 
 
-def start_serve(port: int, args: list[str], timeout_s: float = 60.0) -> subprocess.Popen:
+def start_serve(
+    port: int, args: list[str], timeout_s: float = 60.0, log: IO[str] | None = None
+) -> subprocess.Popen:
     """``prefixgate serve --host 127.0.0.1 --port PORT ARGS`` in its own process; returns once
     ``/ready`` answers 200 (the benchmarks of this folder that measure a served gateway).
+    Its stderr (the log) goes to ``log`` when given (a file the caller reads), else to a
+    temporary file.
 
     Raises SystemExit when it exits or does not come up within ``timeout_s`` (its stderr shown).
     """
     cmd = [sys.executable, "-m", "prefixgate.gateway.cli", "serve", "--host", "127.0.0.1"]
     cmd += ["--port", str(port), *args]
-    log = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: a full pipe would stall it
+    if log is None:
+        log = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: a full pipe would stall it
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

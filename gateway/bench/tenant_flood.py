@@ -13,7 +13,13 @@ API keys, tenants ``heavy`` and ``light`` (weight 1 each). Then, over streaming 
 Reported per policy: light's TTFT p50 / p99 solo and flooded (and their ratio: the issue's
 target is <= 1.5x under ``fair``), each tenant's share of the tokens served during the flood,
 total output tokens/s during it (``fair`` vs ``fcfs``: the cost of fairness), heavy's longest
-wait for a first token, and the engine's displacement count from ``/metrics``. The offered
+wait for a first token and its longest stall between two tokens (a displaced stream's wait)
+beside the starvation bound (the steps one heavy request takes alone, ``1 + heavy-tokens``,
+times heavy's median step), and the engine's displacement count from ``/metrics``. Where
+light's first tokens went: each light request's ``walk=`` from the server's access log
+(``gateway/local/token_walk.py``: admission, hand-over to the engine, engine wait and steps
+waited, its first step's size and time, delivery to the handler, the SSE write), p50 / p99 per
+part, solo beside flooded. The offered
 load is ``heavy-streams`` concurrent long requests against one short request at a time
 (10 : 1 by default, in concurrent requests; far more in tokens).
 
@@ -28,15 +34,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shlex
 import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import httpx
 from prefixgate.gateway.bench.gateway_overhead import start_serve
+from prefixgate.gateway.local.token_walk import parse_walk
 from prefixgate.sdk.bench.targets import free_port
 
 KEYS = {"heavy": "sk-heavy-tenant", "light": "sk-light-tenant"}
@@ -61,14 +69,40 @@ class Phase:
     t1: float = 0.0
 
 
-def start_server(port: int, policy: str, args: argparse.Namespace, keys: Path) -> subprocess.Popen:
-    """``prefixgate serve`` with the two tenants' keys under ``policy``, once ready."""
+def start_server(
+    port: int, policy: str, args: argparse.Namespace, keys: Path, log: IO[str]
+) -> subprocess.Popen:
+    """``prefixgate serve`` with the two tenants' keys under ``policy``, once ready; its log
+    (access lines included) goes to ``log``."""
     flags = ["--scheduling-policy", policy, "--keys-file", str(keys)]
-    flags += ["--max-num-seqs", str(args.max_num_seqs), "--log-level", "WARNING"]
-    flags += ["--max-queued-requests", "1024", "--no-access-log"]
+    flags += ["--max-num-seqs", str(args.max_num_seqs), "--log-level", "INFO"]
+    flags += ["--max-queued-requests", "1024", "--stats-interval-s", "3600"]
     if args.model:
         flags += ["--model", args.model]
-    return start_serve(port, flags, timeout_s=180.0)
+    flags += shlex.split(args.serve_args)
+    return start_serve(port, flags, timeout_s=180.0, log=log)
+
+
+def light_walks(log_text: str) -> list[dict[str, float]]:
+    """The ``walk=`` of each light request's access line, in the order they ended."""
+    out = []
+    for line in log_text.splitlines():
+        if "prefixgate.access" in line and " key=light " in line and " walk=" in line:
+            out.append(parse_walk(line.split(" walk=", 1)[1].split()[0]))
+    return out
+
+
+WALK_PARTS = ("admit", "to_engine", "wait", "steps", "step_tokens", "step_ms", "chunk")
+WALK_PARTS += ("to_token", "deliver", "write")
+
+
+def walk_summary(walks: list[dict[str, float]]) -> dict[str, tuple[float, float]]:
+    """Part → (p50, p99) over ``walks``."""
+    return {
+        part: (pct(vals, 0.5), pct(vals, 0.99))
+        for part in WALK_PARTS
+        if (vals := [w[part] for w in walks if part in w])
+    }
 
 
 async def stream_one(
@@ -161,7 +195,8 @@ def displacements(port: int) -> float | None:
 
 def measure(policy: str, args: argparse.Namespace, keys: Path) -> dict[str, Any]:
     port = free_port()
-    proc = start_server(port, policy, args, keys)
+    log = tempfile.TemporaryFile(mode="w+")
+    proc = start_server(port, policy, args, keys, log)
     try:
         auth = {"Authorization": f"Bearer {KEYS['light']}"}
         models = httpx.get(f"http://127.0.0.1:{port}/v1/models", headers=auth, timeout=5)
@@ -176,6 +211,11 @@ def measure(policy: str, args: argparse.Namespace, keys: Path) -> dict[str, Any]
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+    log.seek(0)
+    walks = light_walks(log.read())
+    log.close()
+    n = args.light_requests  # warm-up, solo, flood: n each, in that order
+    solo_walks, flood_walks = walks[n : 2 * n], walks[2 * n : 3 * n]
     window = flood.t1 - flood.t0
     heavy_in_window = [s for s in flood.heavy if s.first is not None]
 
@@ -183,6 +223,7 @@ def measure(policy: str, args: argparse.Namespace, keys: Path) -> dict[str, Any]
         return sum(1 for s in streams for c in s.chunks if flood.t0 <= c <= flood.t1)
 
     light_tokens, heavy_tokens = in_window(flood.light), in_window(flood.heavy)
+    gaps = [b - a for s in flood.heavy for a, b in zip(s.chunks, s.chunks[1:], strict=False)]
     solo_t, flood_t = ttfts(solo.light), ttfts(flood.light)
     return {
         "policy": policy,
@@ -195,7 +236,12 @@ def measure(policy: str, args: argparse.Namespace, keys: Path) -> dict[str, Any]
         "light_token_share": light_tokens / max(1, light_tokens + heavy_tokens),
         "flood_output_tokens_per_s": (light_tokens + heavy_tokens) / window,
         "heavy_longest_ttft_s": max((s.first - s.sent for s in heavy_in_window), default=None),
+        "heavy_longest_stall_s": max(gaps, default=None),
+        "heavy_step_p50_s": pct(gaps, 0.5),
+        "starvation_bound_s": (1 + args.heavy_tokens) * pct(gaps, 0.5) if gaps else None,
         "heavy_requests": len(flood.heavy),
+        "light_walk_solo": walk_summary(solo_walks),
+        "light_walk_flood": walk_summary(flood_walks),
         "failed": sum(
             1 for s in solo.light + flood.light + flood.heavy if s.status not in (0, 200)
         ),
@@ -214,6 +260,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--light-requests", type=int, default=20)
     p.add_argument("--light-tokens", type=int, default=8)
     p.add_argument("--warmup-s", type=float, default=3.0)
+    p.add_argument(
+        "--serve-args",
+        default="",
+        help="more `prefixgate serve` flags, one string (e.g. the SmolLM2 shape: "
+        "'--load-format dummy --hf-overrides {\"num_hidden_layers\": 4}')",
+    )
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
@@ -234,6 +286,20 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['flood_output_tokens_per_s']:7.1f} {r['heavy_longest_ttft_s'] or 0:9.2f} "
             f"{r['displacements'] if r['displacements'] is not None else '-':>6} {r['failed']:4d}"
         )
+    for r in results:
+        print(
+            f"{r['policy']}: heavy longest stall {r['heavy_longest_stall_s'] or 0:.2f} s, "
+            f"starvation bound {r['starvation_bound_s'] or 0:.2f} s "
+            f"(1 + {args.heavy_tokens} steps x {r['heavy_step_p50_s']:.4f} s)"
+        )
+        print("  light's first-token walk, p50 / p99 (ms; steps, tokens counted): solo | flood")
+        for part in WALK_PARTS:
+            a = r["light_walk_solo"].get(part)
+            b = r["light_walk_flood"].get(part)
+            if a is None and b is None:
+                continue
+            show = lambda v: "-" if v is None else f"{v[0]:8.1f} / {v[1]:8.1f}"  # noqa: E731
+            print(f"  {part:12} {show(a):>19} | {show(b):>19}")
     if len(results) > 1:
         base = results[0]["flood_output_tokens_per_s"]
         for r in results[1:]:

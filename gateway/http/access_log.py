@@ -6,7 +6,15 @@ The key is shown by its *name* from the keys file (``-`` on an open server, ``un
 key without one), never the key itself. Token counts are those of the request's usage (``-``
 for requests that never reached the engine; in proxy mode the upstream's reported usage,
 ``cached`` unknown unless ``--routing precise``, which adds ``predicted=``, the cached
-tokens it predicted on the chosen upstream, beside it). Probes (``/health``,
+tokens it predicted on the chosen upstream, beside it). A local-mode generation adds its
+first token's walk, ``walk=`` then ``name:value`` pairs (milliseconds unless named otherwise):
+``admit`` (request parsed to admitted: rate limits, leases, the admission queue),
+``to_engine`` (admitted to the engine's arrival), ``wait`` (arrival to first scheduled) and
+``steps`` (engine steps run meanwhile), ``step`` (its first step: ``<tokens>tok/<ms>``) and
+``chunk`` (its own tokens in it), ``to_token`` (first scheduled to first token sampled),
+``deliver`` (sampled to received by the handler: the step thread's hand-over and the event
+loop's lag), ``write`` (received to its content written to the client); a part not known is
+left out. Probes (``/health``,
 ``/ready``, ``/metrics``, the ``/dashboard`` page and its polls) are logged at DEBUG only, so a load balancer's checks do not flood
 the log. ``prefixgate serve --no-access-log`` turns the lines off.
 """
@@ -34,6 +42,7 @@ class AccessRecord:
     completion_tokens: int | None = None
     cached_tokens: int | None = None
     predicted_cached_tokens: int | None = None  # proxy mode, precise routing's prediction
+    walk: str | None = None  # local mode: the first token's walk (see the module docstring)
 
 
 ACCESS = web.RequestKey("prefixgate_access", AccessRecord)
@@ -63,6 +72,7 @@ def access_line(request: web.BaseRequest, status: int, seconds: float) -> str:
             if rec.predicted_cached_tokens is None
             else f"predicted={rec.predicted_cached_tokens} "
         )
+        + ("" if rec.walk is None else f"walk={rec.walk} ")
         + f"{seconds:.3f}s"
     )
 

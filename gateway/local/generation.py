@@ -34,6 +34,9 @@ class Delta:
         num_cached_tokens: prompt tokens served from the prefix cache.
         stop_reason: on the last output, the stop string matched (str) or the stop token id
             (int) that ended it; None otherwise (EOS, length, running).
+        engine_metrics: on the choice's first output with tokens, a copy of the engine's
+            ``RequestOutput.metrics`` (its timeline: monotonic timestamps in seconds, the
+            steps it waited, its first step's tokens and seconds); None on the others.
     """
 
     text: str
@@ -44,6 +47,7 @@ class Delta:
     finish_reason: str | None
     num_cached_tokens: int
     stop_reason: str | int | None = None
+    engine_metrics: dict[str, float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -166,6 +170,7 @@ class ChoiceRun:
                             finish,
                             out.num_cached_tokens,
                             comp.stop_reason if finish is not None else None,
+                            dict(out.metrics) if seen_tokens == 0 and n else None,
                         ),
                     )
                 )

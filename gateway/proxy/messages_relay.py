@@ -254,6 +254,7 @@ async def _each_upstream(
         tried.append(up)
         exclude.append(up)
         up.in_flight += 1
+        slot = up.slots.take()
         status = "error"
         try:
             out = await attempt(up)
@@ -285,6 +286,7 @@ async def _each_upstream(
             status = "failed"
         finally:
             up.in_flight -= 1
+            up.slots.give(slot)
             call.st.metrics.upstream_requests.labels(up.url, status).inc()
 
 

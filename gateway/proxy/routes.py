@@ -361,6 +361,7 @@ async def _forward(
         exclude.append(up)
         headers = upstream_headers(request, st, up)
         up.in_flight += 1
+        slot = up.slots.take()
         status = "error"
         try:
             if up.dialect == "anthropic":
@@ -499,6 +500,7 @@ async def _forward(
             status = "failed"
         finally:
             up.in_flight -= 1
+            up.slots.give(slot)
             st.metrics.upstream_requests.labels(up.url, status).inc()
 
 

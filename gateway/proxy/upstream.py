@@ -48,6 +48,7 @@ from prefixgate.gateway.proxy.policies import (
     prompt_text,
     salted_affinity_key,
 )
+from prefixgate.gateway.tenancy.slot_wait import SlotClock
 
 logger = logging.getLogger("prefixgate.gateway")
 
@@ -139,6 +140,7 @@ class Upstream:
         "weight",
         "max_in_flight",
         "limited_until",
+        "slots",
         "ssl",
         "dialect",
     )
@@ -178,6 +180,9 @@ class Upstream:
         self.weight = weight
         self.max_in_flight = max_in_flight
         self.limited_until = 0.0  # time.monotonic() until which its 429 keeps it out
+        # its requests' hold times (take at dispatch, give at the end): when a full upstream
+        # frees a place, the Retry-After of "every upstream is full"
+        self.slots = SlotClock()
         self.ssl = tls
         self.dialect = dialect  # "openai", or "anthropic" (the Messages API: proxy.anthropic)
         if dialect == "anthropic":  # no prefix API, no cache_salt (its cache is the account's)
@@ -507,7 +512,9 @@ class UpstreamRouter:
     ) -> APIError:
         """The error when ``pick`` finds no upstream left: 502 ``failed`` plus the last
         upstream's error when some were tried; 429 when every healthy upstream of ``model``
-        is at its ``max_in_flight`` (Retry-After 1 s); else 503 "no healthy upstream" with
+        is at its ``max_in_flight`` (Retry-After: the soonest an upstream is estimated to
+        free a place, from its requests' ages against their recent hold time, ``SlotClock``;
+        1 s before any hold time is measured); else 503 "no healthy upstream" with
         Retry-After of one probe interval (seconds)."""
         if tried:
             return APIError(502, f"{failed}: {tried[-1].last_error}", code="upstream_unavailable")
@@ -518,7 +525,7 @@ class UpstreamRouter:
                 "every upstream of this model has its most requests in flight",
                 code="upstream_busy",
                 type="rate_limit_error",
-                retry_after=1.0,
+                retry_after=min(u.slots.wait(u.in_flight + 1 - u.max_in_flight) for u in healthy),
             )
         return APIError(
             503,

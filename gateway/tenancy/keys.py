@@ -198,32 +198,45 @@ class Principal:
             served, ``refund()`` when it was refused or failed before any (it spends nothing).
 
         Raises:
-            APIError: 429 ``rate_limit_exceeded`` with ``Retry-After`` when over a limit
-                (nothing taken).
+            APIError: 429 ``rate_limit_exceeded`` when over a limit (nothing taken), naming
+                every limit it is over, with ``Retry-After`` the longest of their waits: a
+                concurrency slot's estimated release (``SlotClock``), a bucket's exact time
+                until it holds the request (``TokenBucket.take``).
         """
         spec = self.spec
         if spec is None:
             return Charge(self, 0)
+        # Every bound is asked, and the 429 states the longest wait of those that refuse: a
+        # client told only the first bound's wait came back to meet the next one.
+        refusals: list[tuple[str, float]] = []
         if spec.max_concurrent and self.concurrent >= spec.max_concurrent:
-            raise too_many(
-                f"key {spec.name} already has {self.concurrent} requests in flight "
-                f"(max_concurrent={spec.max_concurrent})",
-                self.slots.wait(self.concurrent + 1 - spec.max_concurrent),
+            refusals.append(
+                (
+                    f"already has {self.concurrent} requests in flight "
+                    f"(max_concurrent={spec.max_concurrent})",
+                    self.slots.wait(self.concurrent + 1 - spec.max_concurrent),
+                )
             )
+        took_request = took_tokens = False
         if self._rpm is not None:
             wait = self._rpm.take(1)
             if wait:
-                raise too_many(
-                    f"key {spec.name} is over {spec.requests_per_minute} requests per minute", wait
-                )
+                refusals.append((f"is over {spec.requests_per_minute} requests per minute", wait))
+            else:
+                took_request = True
         if self._tpm is not None:
             wait = self._tpm.take(prompt_tokens)
             if wait:
-                if self._rpm is not None:
-                    self._rpm.adjust(-1)  # give the request back
-                raise too_many(
-                    f"key {spec.name} is over {spec.tokens_per_minute} tokens per minute", wait
-                )
+                refusals.append((f"is over {spec.tokens_per_minute} tokens per minute", wait))
+            else:
+                took_tokens = True
+        if refusals:  # nothing is taken: give back what the passing buckets gave
+            if took_request and self._rpm is not None:
+                self._rpm.adjust(-1)
+            if took_tokens and self._tpm is not None:
+                self._tpm.adjust(-prompt_tokens)
+            reasons = " and ".join(reason for reason, _ in refusals)
+            raise too_many(f"key {spec.name} {reasons}", max(w for _, w in refusals))
         self.concurrent += 1
         return Charge(self, prompt_tokens, self.slots.take())
 
@@ -244,6 +257,11 @@ class Charge:
         self._taken = taken_tokens
         self._open = True
         self._slot = slot
+
+    @property
+    def slot(self) -> int | None:
+        """The key's ``Principal.slots`` token of this charge (None on an open gateway)."""
+        return self._slot
 
     def settle(self, prompt_tokens: int, completion_tokens: int) -> None:
         """The request was served: charge ``prompt_tokens + completion_tokens`` in all (the

@@ -53,7 +53,7 @@ import json
 import logging
 import secrets
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import redis.asyncio as aioredis
 from prefixgate.gateway.http.errors import too_many
@@ -87,8 +87,9 @@ return ARGV[1]
 
 # KEYS: rpm bucket, tpm bucket, concurrency zset, epoch hash.
 # ARGV: rpm limit, tpm limit, prompt tokens, max concurrent, lease id, lease ttl (s), epoch id.
-# Returns {0} admitted, {1, wait} concurrency full (wait: until the first lease expires),
-# {2, wait} rpm, {3, wait} tpm, {4} not the replica's epoch (Redis lost its state),
+# Returns {0} admitted, {1, wc, wr, wk} refused: the wait of each bound that refuses, -1 for
+# one that passes (wc: concurrency full, until the first lease expires; wr: rpm; wk: tpm;
+# every bound is asked, nothing taken), {4} not the replica's epoch (Redis lost its state),
 # {5, wait} concurrency limited and the epoch is settling (leases still being rebuilt).
 _ACQUIRE = """
 local t = redis.call('TIME')
@@ -106,22 +107,26 @@ local function level(key, cap)
   if lv == nil or st == nil then return cap end
   return math.min(cap, lv + (now - st) * cap / 60)
 end
+local wc, wr, wk = -1, -1, -1
 if maxc > 0 then
   redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
   if redis.call('ZCARD', KEYS[3]) >= maxc then
     local first = redis.call('ZRANGE', KEYS[3], 0, 0, 'WITHSCORES')
-    return {1, tostring(math.max(0, tonumber(first[2]) - now))}
+    wc = math.max(0, tonumber(first[2]) - now)
   end
 end
 local r, k
 if rpm > 0 then
   r = level(KEYS[1], rpm)
-  if r < 1 then return {2, tostring((1 - r) * 60 / rpm)} end
+  if r < 1 then wr = (1 - r) * 60 / rpm end
 end
 if tpm > 0 then
   k = level(KEYS[2], tpm)
   local need = math.min(n, tpm)
-  if k < need then return {3, tostring((need - k) * 60 / tpm)} end
+  if k < need then wk = (need - k) * 60 / tpm end
+end
+if wc >= 0 or wr >= 0 or wk >= 0 then
+  return {1, tostring(wc), tostring(wr), tostring(wk)}
 end
 if rpm > 0 then
   redis.call('HSET', KEYS[1], 'level', tostring(r - 1), 'stamp', tostring(now))
@@ -326,32 +331,39 @@ class RedisState:
             if spec.max_concurrent:  # published to Redis once it is back (see _sync)
                 self._held.setdefault(k, {})[lease_id] = 1.0
             return Lease(lease_id, False, prompt_tokens, principal.acquire(prompt_tokens))
-        code = int(result[0])
-        if code == 1:
-            # Retry-After: this replica's estimate of when one of its own leases of the key
-            # ends, bounded by when the first lease expires unrenewed (a replica's leases
-            # stranded by a Redis stall free the key then, not "in 1 s")
-            expiry = float(result[1])
-            wait = min(expiry, principal.slots.wait(1)) if principal.slots.held else expiry
-            raise too_many(
-                f"key {spec.name} already has {spec.max_concurrent} requests in flight "
-                f"across the gateway replicas (max_concurrent={spec.max_concurrent})",
-                wait,
-            )
-        if code == 2:
-            raise too_many(
-                f"key {spec.name} is over {spec.requests_per_minute} requests per minute",
-                float(result[1]),
-            )
-        if code == 3:
-            raise too_many(
-                f"key {spec.name} is over {spec.tokens_per_minute} tokens per minute",
-                float(result[1]),
-            )
+        if int(result[0]) == 1:
+            self._refuse(principal, *(float(w) for w in result[1:4]))
         if spec.max_concurrent:
             self._held.setdefault(k, {})[lease_id] = 1.0
             return Lease(lease_id, True, prompt_tokens, slot=principal.slots.take())
         return Lease(lease_id, True, prompt_tokens)
+
+    @staticmethod
+    def _refuse(principal: Principal, conc: float, rpm: float, tpm: float) -> NoReturn:
+        """The 429 of a refused acquire: each bound that refused (a wait >= 0) named, with
+        ``Retry-After`` the longest of their waits (a client told the first bound's wait came
+        back to meet the next)."""
+        spec = principal.spec
+        assert spec is not None
+        refusals: list[tuple[str, float]] = []
+        if conc >= 0:
+            # this replica's estimate of when one of its own leases of the key ends, bounded
+            # by when the first lease expires unrenewed (a replica's leases stranded by a
+            # Redis stall free the key then, not "in 1 s")
+            wait = min(conc, principal.slots.wait(1)) if principal.slots.held else conc
+            refusals.append(
+                (
+                    f"already has {spec.max_concurrent} requests in flight across the gateway "
+                    f"replicas (max_concurrent={spec.max_concurrent})",
+                    wait,
+                )
+            )
+        if rpm >= 0:
+            refusals.append((f"is over {spec.requests_per_minute} requests per minute", rpm))
+        if tpm >= 0:
+            refusals.append((f"is over {spec.tokens_per_minute} tokens per minute", tpm))
+        reasons = " and ".join(reason for reason, _ in refusals)
+        raise too_many(f"key {spec.name} {reasons}", max(w for _, w in refusals))
 
     def settle(
         self, principal: Principal, lease: Lease, prompt_tokens: int, completion_tokens: int

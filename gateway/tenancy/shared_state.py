@@ -44,6 +44,14 @@ class Lease:
     charge: Charge | None = None  # the local charge (local backend, or Redis was down)
     slot: int | None = None
 
+    @property
+    def slot_token(self) -> int | None:
+        """The key's ``Principal.slots`` token this lease holds (shared or local), or None
+        (no concurrency limit): where the holder's predicted release is told (``set_eta``)."""
+        if self.slot is not None:
+            return self.slot
+        return self.charge.slot if self.charge is not None else None
+
 
 class StateBackend(Protocol):
     """The gateway's shared state (see the module docstring)."""

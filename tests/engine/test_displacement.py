@@ -219,6 +219,29 @@ def test_fair_light_tenant_is_scheduled_at_once_while_the_heavy_one_floods():
     assert fcfs.first_token["l0"] - finfo["light_at"]["l0"] > 100
 
 
+def test_fair_displaces_the_victim_cheapest_to_recompute():
+    # two heavy requests hold both seats; the older one's context ends on a block boundary
+    # (preempted now it recomputes nothing: its full blocks stay cached), the newer one's 3
+    # tokens past one: the light request takes the older one's seat, not the newest's
+    sched = make("fair", max_num_seqs=2, max_num_batched_tokens=256)
+    tr = Trace()
+    reqs = {r.request_id: r for r in (req("h0", 30, 40, "heavy"), req("h1", 17, 40, "heavy"))}
+    for r in reqs.values():
+        add(sched, tr, r)
+    for _ in range(3):  # h0: 30 prompt + 2 decodes computed = 32; h1: 17 + 2 = 19
+        step(sched, tr)
+    assert [r.num_computed_tokens for r in sched.running] == [32, 19]
+    light = req("l0", 20, 4, "light")
+    reqs["l0"] = light
+    add(sched, tr, light)
+    step(sched, tr)
+    assert tr.preempted_at == {"h0": [3]}  # the cheapest, though h1 is the newest
+    assert tr.first_scheduled["l0"] == 3
+    step_until_done(sched, tr)
+    assert_greedy_unchanged(tr, reqs)
+    assert_whole(sched)
+
+
 def test_fair_heavy_tenant_keeps_its_share_and_its_starvation_bound():
     sched, tr, info = flood("fair", n_light=6, gap=3)
     reqs = info["reqs"]
@@ -507,3 +530,30 @@ def test_fair_displacement_under_tight_seats_and_blocks_never_loops(seed):
         return req(f"{t}{n}", rng.randint(4, 70), rng.randint(1, 30), tenant=t)
 
     run_random_arrivals(sched, rng, 60, 0.6, new_req, max_steps=20_000)
+
+
+def test_fair_seat_verdict_skips_a_tenant_at_its_share_before_any_prefix_lookup():
+    sched = make("fair", max_num_seqs=2)
+    tr = Trace()
+    for rid in ("h0", "h1", "h2"):
+        add(sched, tr, req(rid, 20, 30, "heavy"))
+    step(sched, tr)  # h0, h1 take both seats; h2 waits
+    pol, waiting = sched.policy, list(sched.waiting)
+    h2 = waiting[0]
+    # one tenant active: nobody to be fair to, admission stops at it
+    assert pol.seat_verdict(h2, sched.running, waiting, 2, 512) == "stop"
+    light = req("l0", 20, 4, "light")
+    add(sched, tr, light)
+    waiting = list(sched.waiting)
+    # two tenants: heavy holds 2 of its 1 seat: passed over; light holds 0 of 1: ask the room
+    assert pol.seat_verdict(h2, sched.running, waiting, 2, 512) == "skip"
+    assert pol.seat_verdict(light, sched.running, waiting, 2, 512) is None
+    looked_up = []
+    lookup = sched.kv.get_computed_blocks
+    sched.kv.get_computed_blocks = lambda r: looked_up.append(r.request_id) or lookup(r)
+    step(sched, tr)
+    assert tr.first_scheduled["l0"] == 1  # displaced a heavy request at once
+    assert "h2" not in looked_up  # the refused heavy request cost no prefix lookup
+    del sched.kv.get_computed_blocks
+    step_until_done(sched, tr)
+    assert_whole(sched)

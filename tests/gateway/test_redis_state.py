@@ -451,3 +451,28 @@ def test_requests_per_minute_shared_by_two_replicas_holds_after_a_redis_restart(
     assert 60 <= len(ok) <= 60 + int(elapsed), (len(ok), elapsed)
     assert _backend(a).fallbacks == 0 and _backend(b).fallbacks == 0
     assert int(redis_server.client().hgetall(_usage_key("k1"))["requests"]) == len(ok)
+
+
+def test_a_key_over_two_shared_limits_is_told_the_longer_wait(
+    serve_fake, gw, redis_server, tmp_path
+):
+    """A ``max_concurrent=1``, 1-request-per-minute key whose slot is held by a lease expiring
+    in 4 s: the refusal names both bounds and states the bucket's 60 s (it said the lease's
+    4 s, and the client came back to meet the empty bucket); the bucket gave nothing."""
+    keys = _keys(tmp_path, max_concurrent=1, requests_per_minute=1)
+    srv, _ = serve_fake(
+        GatewaySettings(
+            model_name="fake", keys_file=keys, redis_url=redis_server.url, redis_lease_ttl_s=10
+        )
+    )
+    with gw.client(srv) as c:
+        first = c.post("/v1/chat/completions", json=gw.chat_body("x", max_tokens=1), headers=AUTH)
+        assert first.status_code == 200, first.text  # the minute's one request
+        r = redis_server.client()
+        seconds, micros = r.time()
+        r.zadd(_conc_key("k1"), {"stranded": seconds + micros / 1e6 + 4.0})
+        refused = c.post("/v1/chat/completions", json=gw.chat_body("x"), headers=AUTH)
+    assert refused.status_code == 429, refused.text
+    message = refused.json()["error"]["message"]
+    assert "max_concurrent=1" in message and "1 requests per minute" in message, message
+    assert 58 <= int(refused.headers["Retry-After"]) <= 60, refused.headers

@@ -171,3 +171,28 @@ def test_full_upstreams_are_skipped_and_all_full_is_429():
     assert r.pick(_route("x")) is None
     err = r.exhausted([], "every upstream failed")
     assert err.status == 429 and err.code == "upstream_busy" and err.retry_after == 1.0
+
+
+def test_all_full_upstreams_tell_when_the_soonest_frees_a_place():
+    # the 429 of "every upstream is full" said 1 s whatever the upstreams' pace; it now says
+    # when the first place is estimated to free: each upstream's requests' ages against its
+    # recent hold time (a clock of its own here, no sleeping)
+    from prefixgate.gateway.proxy.upstream import Upstream
+    from prefixgate.gateway.tenancy.slot_wait import SlotClock
+
+    now = [100.0]
+    ups = [Upstream(URLS[0], max_in_flight=1), Upstream(URLS[1], max_in_flight=1)]
+    for u, hold in zip(ups, (10.0, 6.0), strict=True):
+        u.slots = SlotClock(clock=lambda: now[0])
+        token = u.slots.take()
+        now[0] += hold  # one request held it this long
+        u.slots.give(token)
+    for u in ups:  # both full again, their requests 2 s old
+        u.slots.take()
+        u.in_flight = 1
+    now[0] += 2.0
+    r = UpstreamRouter(ups, policy="least_loaded")
+    assert r.pick(_route("x")) is None
+    err = r.exhausted([], "every upstream failed")
+    assert err.status == 429 and err.code == "upstream_busy"
+    assert err.retry_after == 4.0  # the second upstream: 6 s hold - 2 s held
