@@ -23,10 +23,10 @@ class VerifyLayout:
         num_tokens: ``Tv``.
         query_start_loc: ``[Bv + 1]`` int32 cumulative query lengths of the verify rows, from 0
             (what the prefill kernels take).
-        mask: ``[Bv, 1, Q, L]`` float32 additive mask (0 or ``-inf``), ``L`` = the longest
-            verify context: padded query row ``i`` of sequence ``b`` sees key ``j`` (0) iff
-            ``j <= ctx_b - q_b + min(i, q_b - 1)`` (padding rows repeat the last real row:
-            never fully masked).
+        mask: ``[Bv, 1, Q, L]`` float32 additive mask (0 or ``-inf``; bool, True = visible,
+            past ``FLOAT_MASK_MAX`` entries), ``L`` = the longest verify context: padded query
+            row ``i`` of sequence ``b`` sees key ``j`` iff ``j <= ctx_b - q_b + min(i, q_b - 1)``
+            (padding rows repeat the last real row: never fully masked).
         query_index: ``[Bv * Q]`` int64 verify-token index of each padded row, or ``None``
             when every query is ``Q`` tokens long (no padding).
         output_index: ``[Tv]`` int64 padded row of each real token, or ``None`` (no padding).
@@ -40,6 +40,10 @@ class VerifyLayout:
     output_index: torch.Tensor | None
 
 
+FLOAT_MASK_MAX = 1 << 16
+"""Mask entries (``Bv * Q * L``) up to which the verify mask is additive float32 (larger: bool)."""
+
+
 def verify_layout_arrays(
     q_lens: np.ndarray, context_lens: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
@@ -50,7 +54,7 @@ def verify_layout_arrays(
         context_lens: ``[Bv]`` int tokens per sequence after this step (>= its ``q_len``).
 
     Returns:
-        ``(query_start_loc [Bv + 1] int32, mask [Bv, 1, Q, L] float32, query_index [Bv * Q]
+        ``(query_start_loc [Bv + 1] int32, mask [Bv, 1, Q, L] float32 or bool, query_index [Bv * Q]
         int64 or None, output_index [Tv] int64 or None)``.
 
     Raises:
@@ -71,9 +75,11 @@ def verify_layout_arrays(
     if not uniform:
         row = np.minimum(row, (q_lens - 1)[:, None])
     last_key = start[:, None] + row
-    # additive: SDPA would turn a boolean mask into this in every layer
-    hidden = np.arange(length)[None, None, :] > last_key[:, :, None]
-    mask = np.where(hidden, np.float32(-np.inf), np.float32(0))[:, None]
+    visible = np.arange(length)[None, None, :] <= last_key[:, :, None]
+    if visible.size <= FLOAT_MASK_MAX:  # additive: SDPA would make this in every layer
+        mask = np.where(visible, np.float32(0), np.float32(-np.inf))[:, None]
+    else:  # long contexts: a quarter of the bytes, converted by SDPA per layer
+        mask = visible[:, None]
     if uniform:
         return qsl, mask, None, None
     query_index = (qsl[:-1, None].astype(np.int64) + row).reshape(-1)

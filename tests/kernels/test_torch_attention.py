@@ -101,6 +101,8 @@ def test_verify(close, paged_batch, dense, lens, q_lens, groups, dtype, tol):
     assert out.dtype == dtype
     close(out, dense(pb), tol)
     close(out, torch_ref.paged_attention_prefill(*pb.prefill_args()), tol)
+    as_bool = [hints[0] == 0, *hints[1:]]  # the long-context form of the mask (True: visible)
+    close(torch_ref.paged_attention_verify(*pb.prefill_args(), *as_bool), dense(pb), tol)
     if dtype == torch.float32:  # the Triton backend takes its prefill kernel (interpreter here)
         close(triton_ops.paged_attention_verify(*pb.prefill_args(), *hints), dense(pb), tol)
 
@@ -113,3 +115,15 @@ def test_verify_layout_refuses_bad_lengths():
         verify_layout_arrays(np.array([5]), np.array([4]))
     with pytest.raises(ValueError, match=r"\[Bv\]"):
         verify_layout_arrays(np.array([], dtype=np.int64), np.array([], dtype=np.int64))
+
+
+def test_verify_layout_mask_is_bool_past_the_float_limit():
+    import numpy as np
+    from prefixgate.engine.attention_metadata import FLOAT_MASK_MAX, verify_layout_arrays
+
+    small = verify_layout_arrays(np.array([5]), np.array([40]))[1]
+    assert small.dtype == np.float32 and small.shape == (1, 1, 5, 40)
+    long_ctx = FLOAT_MASK_MAX // 5 + 1
+    big = verify_layout_arrays(np.array([5]), np.array([long_ctx]))[1]
+    assert big.dtype == np.bool_ and big.shape == (1, 1, 5, long_ctx)
+    assert big[0, 0, 0, : long_ctx - 4].all() and not big[0, 0, 0, long_ctx - 4 :].any()
