@@ -18,7 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from prefixgate.engine.attention_metadata import AttentionMetadata
+from prefixgate.engine.attention_metadata import (
+    AttentionMetadata,
+    VerifyLayout,
+    verify_layout_arrays,
+)
 from prefixgate.engine.kv_cache import KVCaches
 from prefixgate.engine.outputs import TokenLogprobs
 
@@ -114,7 +118,8 @@ class ModelRunner:
 
     def prepare(self, scheduled: list[Any]) -> ModelInput:
         """Flatten scheduled requests (``ScheduledRequest(request, num_new_tokens, block_ids)``,
-        single-token queries first) into a ``ModelInput``.
+        single-token queries first, then verify rows with ``spec_token_ids``, then prefill
+        chunks) into a ``ModelInput``.
 
         Query tokens of request r are ``r.all_token_ids[c : c + n - k] + spec_token_ids``
         with ``c = r.num_computed_tokens``, ``n = num_new_tokens`` and ``k`` drafts (0 but for
@@ -154,6 +159,11 @@ class ModelRunner:
         num_decodes = 0
         while num_decodes < num_seqs and q_lens[num_decodes] == 1:
             num_decodes += 1
+        num_verify = 0  # verify rows (a decode and its drafts) right after the decodes
+        while num_decodes + num_verify < num_seqs and getattr(
+            scheduled[num_decodes + num_verify], "spec_token_ids", None
+        ):
+            num_verify += 1
 
         qsl = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(q_lens, out=qsl[1:])
@@ -168,15 +178,28 @@ class ModelRunner:
             tables[i, : len(ids)] = ids
         slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
         logits_idx = qsl[1:][sample_order] - 1
-        if any(num_drafts):  # 1 + k rows per request with k drafts
-            logits_idx = np.concatenate(
-                [
-                    np.arange(e - k, e + 1)
-                    for e, k in zip(logits_idx.tolist(), num_drafts, strict=True)
-                ]
+        if num_verify:  # 1 + k rows per request with k drafts: e - k .. e
+            rows = np.asarray(num_drafts, dtype=np.int64) + 1
+            first_row = np.repeat(np.cumsum(rows) - rows, rows)
+            logits_idx = np.repeat(logits_idx - rows + 1, rows) + (
+                np.arange(int(rows.sum())) - first_row
             )
 
         dev = self.device
+        verify = None
+        if num_verify:
+            end = num_decodes + num_verify
+            v_qsl, v_mask, v_qidx, v_oidx = verify_layout_arrays(
+                q_lens[num_decodes:end], ctx[num_decodes:end]
+            )
+            verify = VerifyLayout(
+                num_seqs=num_verify,
+                num_tokens=int(v_qsl[-1]),
+                query_start_loc=self._to(v_qsl, dev),
+                mask=self._to(v_mask, dev),
+                query_index=None if v_qidx is None else self._to(v_qidx, dev),
+                output_index=None if v_oidx is None else self._to(v_oidx, dev),
+            )
         meta = AttentionMetadata(
             slot_mapping=self._to(slots, dev),
             query_start_loc=self._to(qsl.astype(np.int32), dev),
@@ -185,6 +208,7 @@ class ModelRunner:
             num_decode_seqs=num_decodes,
             max_query_len=int(q_lens.max()) if num_seqs else 0,
             max_context_len=int(ctx.max()) if num_seqs else 0,
+            verify=verify,
         )
         return ModelInput(
             input_ids=self._to(np.asarray(token_ids, dtype=np.int64), dev),
@@ -289,15 +313,13 @@ class ModelRunner:
 
 
 def _decodes_first(scheduled: list[Any]) -> list[Any]:
-    """Stable partition: single-token queries (decodes) before multi-token prefill chunks, as
-    ``AttentionMetadata`` requires. The scheduler already orders them; this keeps the runner
-    correct if a one-token prefill chunk comes after a longer one."""
-    seen_prefill = False
-    for s in scheduled:
-        if s.num_new_tokens != 1:
-            seen_prefill = True
-        elif seen_prefill:
-            return [s for s in scheduled if s.num_new_tokens == 1] + [
-                s for s in scheduled if s.num_new_tokens != 1
-            ]
-    return scheduled
+    """Stable partition: single-token queries (decodes), then verify rows (a decode with draft
+    tokens), then prefill chunks, as ``AttentionMetadata`` requires. The scheduler already puts
+    decodes first; this keeps the runner correct whatever order it gets."""
+    rank = [
+        0 if s.num_new_tokens == 1 else 1 if getattr(s, "spec_token_ids", None) else 2
+        for s in scheduled
+    ]
+    if all(a <= b for a, b in zip(rank, rank[1:], strict=False)):
+        return scheduled
+    return [s for _, s in sorted(zip(rank, scheduled, strict=True), key=lambda p: p[0])]

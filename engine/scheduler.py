@@ -387,11 +387,13 @@ class Scheduler:
         )
         if caps is not None:
             limit = min(limit, self._cap_left(req, caps, used, room + 1) - 1)
+        if req.spec.num_drafts is not None:  # the request's adaptive draft count
+            limit = min(limit, req.spec.num_drafts)
         if limit <= 0:
             return []
         if req.spec.index is None:
             req.spec.index = self.proposer.new_index()
-        return self.proposer.propose(req.all_token_ids, limit, req.spec.index)
+        return self.proposer.propose(req.all_token_ids, limit, req.spec.index, min_n=req.spec.min_n)
 
     @staticmethod
     def _cap_left(req: Request, caps: dict[str, int], used: dict[str, int], budget: int) -> int:
@@ -719,7 +721,15 @@ class Scheduler:
         self.spec_num_draft_tokens += k
         self.spec_num_accepted_tokens += accepted
         if req.spec is not None:
-            req.spec.record(k, accepted, req.num_output_tokens, self.spec_min_acceptance)
+            p = self.proposer
+            req.spec.record(
+                k,
+                accepted,
+                req.num_output_tokens,
+                self.spec_min_acceptance,
+                max_drafts=None if p is None else p.k,
+                ngram_bounds=None if p is None else (p.min_n, p.max_n),
+            )
         # KV is valid through the last accepted draft the request kept
         req.num_computed_tokens = c + num_plain + min(accepted, appended)
         self.kv.cache_blocks(req, req.num_computed_tokens)

@@ -82,6 +82,7 @@ class NgramProposer:
         token_ids: Sequence[int],
         max_drafts: int | None = None,
         index: NgramIndex | None = None,
+        min_n: int | None = None,
     ) -> list[int]:
         """Draft tokens to follow ``token_ids`` (``[L]`` ints): up to ``min(k, max_drafts)``
         ids, ``[]`` when no n-gram of the allowed lengths recurs (or ``max_drafts <= 0``).
@@ -89,14 +90,17 @@ class NgramProposer:
         ``index``: the request's ``NgramIndex`` (kept across steps: each call then costs
         O(new tokens x n-gram lengths) dict operations, not a scan of all L tokens); without
         one, a scan with numpy (O(L x n) per tried n). Both give the same drafts.
+        ``min_n``: the shortest n-gram matched this time (a request's adaptive bound,
+        ``SpecDecodeState.min_n``), clamped to ``prompt_lookup_min .. prompt_lookup_max``.
         """
         k = self.k if max_drafts is None else min(self.k, max_drafts)
+        lo = self.min_n if min_n is None else min(max(min_n, self.min_n), self.max_n)
         n_tokens = len(token_ids)
-        if k <= 0 or n_tokens < self.min_n + 1:
+        if k <= 0 or n_tokens < lo + 1:
             return []
         if index is not None:
             index.extend(token_ids)
-            for n in range(min(self.max_n, n_tokens - 1), self.min_n - 1, -1):
+            for n in range(min(self.max_n, n_tokens - 1), lo - 1, -1):
                 end = index.ends[n - self.min_n].get(tuple(token_ids[n_tokens - n :]))
                 if end is not None:
                     return _continue(token_ids, end, k)
@@ -104,7 +108,7 @@ class NgramProposer:
         import numpy as np
 
         x = np.asarray(token_ids, dtype=np.int64)
-        for n in range(min(self.max_n, n_tokens - 1), self.min_n - 1, -1):
+        for n in range(min(self.max_n, n_tokens - 1), lo - 1, -1):
             suffix = x[n_tokens - n :]
             # windows starting at 0 .. L-n-1: every occurrence that ends before the suffix's end
             windows = np.lib.stride_tricks.sliding_window_view(x[: n_tokens - 1], n)
@@ -159,6 +163,13 @@ class NgramIndex:
 class SpecDecodeState:
     """One request's speculation bookkeeping (``Request.spec``).
 
+    The draft policy adapts per request: the number of drafts of the next verify step
+    (``num_drafts``) grows by 2 after a step whose drafts were all accepted and shrinks by 1
+    after one with a rejection (Hugging Face's assisted generation "heuristic" schedule), so a
+    request whose drafts miss pays for one draft row a step, not ``k``; the shortest n-gram
+    matched (``min_n``) grows by 1 after a step that accepted nothing (a longer match is
+    likelier to continue the same way) and falls back by 1 after a fully accepted one.
+
     Attributes:
         acceptance: exponentially weighted mean of accepted / drafted per verify step
             (``None`` before the first).
@@ -166,6 +177,8 @@ class SpecDecodeState:
         resume_at: output-token count before which no drafts are proposed (0: now).
         cooldown: output tokens of the next turn-off.
         index: the request's ``NgramIndex`` (the scheduler's proposer fills it).
+        num_drafts: most drafts of the next verify step (``None``: the proposer's ``k``).
+        min_n: shortest n-gram of the next lookup (``None``: the proposer's minimum).
     """
 
     acceptance: float | None = None
@@ -173,17 +186,38 @@ class SpecDecodeState:
     resume_at: int = 0
     cooldown: int = COOLDOWN_TOKENS
     index: NgramIndex | None = None
+    num_drafts: int | None = None
+    min_n: int | None = None
 
     def enabled(self, num_output_tokens: int) -> bool:
         """True when drafts may be proposed at this output length."""
         return num_output_tokens >= self.resume_at
 
     def record(
-        self, num_drafts: int, num_accepted: int, num_output_tokens: int, min_acceptance: float
+        self,
+        num_drafts: int,
+        num_accepted: int,
+        num_output_tokens: int,
+        min_acceptance: float,
+        max_drafts: int | None = None,
+        ngram_bounds: tuple[int, int] | None = None,
     ) -> None:
         """Fold one verify step (``num_accepted`` of ``num_drafts`` drafts accepted) into the
         mean; under ``min_acceptance`` (after ``MIN_VERIFY_STEPS``) speculation pauses for
-        ``cooldown`` output tokens, and the next pause is twice as long."""
+        ``cooldown`` output tokens, and the next pause is twice as long. With ``max_drafts``
+        (the proposer's ``k``) the next step's ``num_drafts`` adapts, with ``ngram_bounds``
+        (its ``(min, max)`` n-gram) its ``min_n`` (see the class docstring)."""
+        if max_drafts is not None:
+            grown = num_drafts + 2 if num_accepted == num_drafts else num_drafts - 1
+            self.num_drafts = min(max(grown, 1), max_drafts)
+        if ngram_bounds is not None:
+            lo, hi = ngram_bounds
+            cur = lo if self.min_n is None else self.min_n
+            if num_accepted == 0:
+                cur += 1
+            elif num_accepted == num_drafts:
+                cur -= 1
+            self.min_n = min(max(cur, lo), hi)
         rate = num_accepted / num_drafts
         a = self.acceptance
         self.acceptance = (

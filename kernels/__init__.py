@@ -1,8 +1,8 @@
 """Kernels: Triton on CUDA, pure torch on CPU, behind one set of signatures.
 
 ``get_backend("torch" | "triton")`` returns a namespace with ``reshape_and_cache``,
-``paged_attention_decode``, ``paged_attention_prefill``, ``rms_norm``, ``rotary_embedding`` and
-``silu_and_mul``; see :mod:`prefixgate.kernels.torch_ref` for shapes and semantics.
+``paged_attention_decode``, ``paged_attention_prefill``, ``paged_attention_verify``,
+``rms_norm``, ``rotary_embedding`` and ``silu_and_mul``; see :mod:`prefixgate.kernels.torch_ref` for shapes and semantics.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ KERNEL_NAMES = (
     "reshape_and_cache",
     "paged_attention_decode",
     "paged_attention_prefill",
+    "paged_attention_verify",
     "rms_norm",
     "rotary_embedding",
     "silu_and_mul",

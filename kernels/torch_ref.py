@@ -170,6 +170,68 @@ def paged_attention_prefill(
     return result
 
 
+def paged_attention_verify(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor,
+    query_index: torch.Tensor | None = None,
+    output_index: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of short query chunks (speculative decoding's verify rows: a decode and
+    its drafts) over paged K/V: ``paged_attention_prefill``'s result, computed as a decode is.
+
+    The first seven arguments and the result are ``paged_attention_prefill``'s; the layout
+    (``prefixgate.engine.attention_metadata.verify_layout_arrays``, built once per step on the
+    host) replaces its per-call index arithmetic: queries padded to ``Q`` rows per sequence
+    (``query_index``), the ``G = Hq / Hkv`` query heads of a KV head riding in SDPA's query
+    dimension as ``Q * G`` rows (no K/V repeat, as in ``paged_attention_decode``), one SDPA
+    call with ``mask``, the real rows picked back (``output_index``).
+
+    Args:
+        q: ``[T, Hq, D]``.
+        k_cache, v_cache: ``[N, S, Hkv, D]``; these queries' K/V already written.
+        block_tables: ``[B, max_blocks]`` int32.
+        query_start_loc: ``[B + 1]`` int32 (unused here: the layout holds it).
+        context_lens: ``[B]`` int32 (unused here: ``mask`` holds it).
+        scale: softmax scale.
+        mask: ``[B, 1, Q, L]`` additive float mask (0: visible, ``-inf``: not) or bool (True:
+            visible) per padded query row, ``L`` >= every context.
+        query_index: ``[B * Q]`` int64 index into ``q`` of each padded row, or ``None`` when
+            ``T == B * Q`` (no padding).
+        output_index: ``[T]`` int64 padded row of each query, or ``None`` (no padding).
+
+    Returns:
+        ``[T, Hq, D]`` in q's dtype.
+    """
+    del query_start_loc, context_lens  # the layout carries them
+    batch = block_tables.shape[0]
+    total, hq, d = q.shape
+    if batch == 0 or total == 0:
+        return torch.empty_like(q)
+    qlen, length = mask.shape[2], mask.shape[3]
+    hkv = k_cache.shape[2]
+    group = hq // hkv
+    k = _gather_kv(k_cache, block_tables, length)
+    v = _gather_kv(v_cache, block_tables, length)
+    padded = q if query_index is None else q.index_select(0, query_index)
+    if group == 1:  # [B * Q, H, D] -> [B, H, Q, D]: a strided view, no copy
+        out = F.scaled_dot_product_attention(
+            padded.view(batch, qlen, hq, d).transpose(1, 2), k, v, attn_mask=mask, scale=scale
+        )
+    else:  # [B * Q, Hkv * G, D] -> [B, Hkv, Q * G, D]: row i * G + g is query i, head kv*G + g
+        qg = padded.view(batch, qlen, hkv, group, d).transpose(1, 2).reshape(batch, hkv, -1, d)
+        rows_mask = mask.repeat_interleave(group, dim=2)
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=rows_mask, scale=scale)
+    # [B, Hkv, Q * G, D] -> [B * Q, Hq, D]
+    out = out.view(batch, hkv, qlen, group, d).transpose(1, 2).reshape(batch * qlen, hq, d)
+    return out if output_index is None else out.index_select(0, output_index)
+
+
 def rms_norm(
     x: torch.Tensor,
     weight: torch.Tensor,

@@ -23,4 +23,5 @@ from prefixgate.kernels.triton_decode import paged_attention_decode as paged_att
 from prefixgate.kernels.triton_kv_cache import reshape_and_cache as reshape_and_cache
 from prefixgate.kernels.triton_norm import rms_norm as rms_norm
 from prefixgate.kernels.triton_prefill import paged_attention_prefill as paged_attention_prefill
+from prefixgate.kernels.triton_prefill import paged_attention_verify as paged_attention_verify
 from prefixgate.kernels.triton_rotary import rotary_embedding as rotary_embedding

@@ -251,3 +251,31 @@ def paged_attention_prefill(
         raise ValueError("query_start_loc must hold B + 1 >= 1 offsets")
     check_attention(q, k_cache, block_tables, context_lens, num_seqs)
     return prefill(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, float(scale))
+
+
+def paged_attention_verify(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor,
+    query_index: torch.Tensor | None = None,
+    output_index: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Speculative decoding's verify rows (``torch_ref.paged_attention_verify``'s signature):
+    the prefill kernel, which handles short varlen queries as they are; the host layout
+    (``mask``, ``query_index``, ``output_index``) is the torch path's and is not read here.
+
+    Returns:
+        ``[T, Hq, D]`` in q's dtype.
+
+    Raises:
+        TypeError / ValueError: as ``paged_attention_prefill``.
+    """
+    del mask, query_index, output_index
+    return paged_attention_prefill(
+        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale
+    )

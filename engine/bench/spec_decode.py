@@ -53,7 +53,7 @@ def task_texts(path: Path, n: int) -> list[tuple[str, str]]:
 
 
 def workloads(path: Path, n: int, fits) -> dict[str, list[str]]:
-    """The ``repeat`` and ``fresh`` prompts (see the module docstring); a task's text is cut
+    """The ``task-twice`` and ``fresh`` prompts (see the module docstring); a task's text is cut
     (words from the end) until ``fits(prompt)`` holds (the model's context less the output)."""
     repeat, fresh = [], []
     for inst, text in task_texts(path, n):
@@ -69,7 +69,45 @@ def workloads(path: Path, n: int, fits) -> dict[str, list[str]]:
         while not fits(" ".join(words)) and len(words) > 4:
             words = words[: max(4, len(words) * 3 // 4)]
         fresh.append(" ".join(words))
-    return {"repeat": repeat, "fresh": fresh}
+    return {"task-twice": repeat, "fresh": fresh}
+
+
+def copy_prompts(
+    llm, instructions: list[str], text_tokens: int = 40, cut: int = 8, rounds: int = 8
+) -> tuple[list[list[int]], list[list[int]]]:
+    """The ``repeat`` prompts: ``X + "\\n" + X[:cut]`` (token ids) where ``X`` is a text of the
+    model's own whose greedy continuation there is ``X[cut:]``, so the answer copies its input.
+
+    A tiny model cannot copy a text it would not write itself (aidreams-260k, given a task's
+    text twice and a third start, writes its own phrases instead), so ``X`` is found by a
+    fixed-point iteration from each instruction's first 16 tokens: ``X`` = those + their
+    greedy continuation (``text_tokens`` in all), then up to ``rounds`` times ``X <- X[:cut] +``
+    the greedy continuation of ``X + "\\n" + X[:cut]``, until it is ``X[cut:]`` itself.
+
+    Returns:
+        ``(prompts, wanted)``: per instruction the prompt and ``X[cut:]`` (what copying gives).
+    """
+    from prefixgate.engine import SamplingParams
+
+    tok = llm.tokenizer
+    newline = tok.encode("\n")
+
+    def greedy(ids: list[int], n: int) -> list[int]:
+        p = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        return list(llm.generate([ids], p)[0].outputs[0].token_ids)
+
+    prompts, wanted = [], []
+    for inst in instructions:
+        head = tok.encode(inst)[:16]
+        x = head + greedy(head, text_tokens - len(head))
+        for _ in range(rounds):
+            cont = greedy(x + newline + x[:cut], len(x) - cut)
+            if cont == x[cut:]:
+                break
+            x = x[:cut] + cont
+        prompts.append(x + newline + x[:cut])
+        wanted.append(x[cut:])
+    return prompts, wanted
 
 
 def make_engine(model: str, load_format: str, spec: bool, k: int):
@@ -87,19 +125,25 @@ def run_workload(engines: dict, prompts: list[str], max_tokens: int) -> dict[str
     from prefixgate.engine import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    res = {name: {"tokens": 0, "seconds": 0.0, "outputs": []} for name in engines}
+    res = {
+        name: {"tokens": 0, "seconds": 0.0, "cpu_seconds": 0.0, "outputs": []} for name in engines
+    }
     before = {name: dict(e.stats()) for name, e in engines.items()}
+    steps_before = {name: e.engine.timing["steps"] for name, e in engines.items()}
     order = list(engines)
     for i, prompt in enumerate(prompts):
         for name in order if i % 2 == 0 else order[::-1]:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             out = engines[name].generate([prompt], params)[0].outputs[0]
+            res[name]["cpu_seconds"] += time.thread_time() - c0
             res[name]["seconds"] += time.perf_counter() - t0
             res[name]["tokens"] += len(out.token_ids)
             res[name]["outputs"].append(list(out.token_ids))
     for name, e in engines.items():
         r, s, b = res[name], e.stats(), before[name]
         r["tok_s"] = r["tokens"] / r["seconds"] if r["seconds"] else 0.0
+        r["cpu_tok_s"] = r["tokens"] / r["cpu_seconds"] if r["cpu_seconds"] else 0.0
+        r["steps"] = e.engine.timing["steps"] - steps_before[name]
         if "spec_decode_num_draft_tokens" in s:
             drafted = s["spec_decode_num_draft_tokens"] - b["spec_decode_num_draft_tokens"]
             accepted = s["spec_decode_num_accepted_tokens"] - b["spec_decode_num_accepted_tokens"]
@@ -125,15 +169,36 @@ def measure(args) -> dict:
         def fits(prompt: str, llm=llm, room=room) -> bool:
             return len(llm.tokenizer.encode(prompt)) <= room
 
-        wl = workloads(SHARED / "workloads" / "user_tasks.jsonl", args.prompts, fits)
+        tasks = SHARED / "workloads" / "user_tasks.jsonl"
+        copies, wanted = copy_prompts(llm, [inst for inst, _ in task_texts(tasks, args.prompts)])
+        wl: dict[str, list] = {"repeat": copies, **workloads(tasks, args.prompts, fits)}
         results[model_key] = {}
         for wname, prompts in wl.items():
             r = run_workload(engines, prompts, args.max_tokens)
             plain, ngram = r["plain"], r["ngram"]
+            copied = None
+            if wname == "repeat":  # the share of the text's rest the answers copied (prefix)
+                same = sum(
+                    next(
+                        (i for i, (a, b) in enumerate(zip(o, w, strict=False)) if a != b),
+                        min(len(o), len(w)),
+                    )
+                    for o, w in zip(plain["outputs"], wanted, strict=True)
+                )
+                copied = same / sum(len(w) for w in wanted)
             results[model_key][wname] = {
+                "copied": copied,
                 "plain_tok_s": plain["tok_s"],
                 "ngram_tok_s": ngram["tok_s"],
                 "ratio": ngram["tok_s"] / plain["tok_s"] if plain["tok_s"] else 0.0,
+                "plain_cpu_tok_s": plain["cpu_tok_s"],
+                "ngram_cpu_tok_s": ngram["cpu_tok_s"],
+                "cpu_ratio": (
+                    ngram["cpu_tok_s"] / plain["cpu_tok_s"] if plain["cpu_tok_s"] else 0.0
+                ),
+                "plain_steps": plain["steps"],
+                "ngram_steps": ngram["steps"],
+                "verify_steps": ngram.get("verify_steps"),
                 "acceptance": ngram.get("acceptance"),
                 "accepted_per_verify": ngram.get("accepted_per_verify"),
                 "draft_tokens": ngram.get("draft_tokens"),
@@ -150,16 +215,20 @@ def report(args, results: dict, load_before: str, load_after: str) -> None:
         f"load {load_before} -> {load_after}"
     )
     print(
-        f"{'model':10} {'workload':8} {'plain tok/s':>12} {'ngram tok/s':>12} {'ratio':>6} "
-        f"{'accept':>7} {'acc/step':>8} identical"
+        f"{'model':10} {'workload':22} {'plain tok/s':>12} {'ngram tok/s':>12} {'ratio':>6} "
+        f"{'cpu ratio':>9} {'accept':>7} {'acc/step':>8} {'steps p/n/verify':>17} identical"
     )
     for model, per in results.items():
         for wname, r in per.items():
             acc = r["acceptance"] if r["acceptance"] is not None else 0.0
             aps = r["accepted_per_verify"] or 0.0
+            steps = f"{r['plain_steps']:.0f}/{r['ngram_steps']:.0f}/{r['verify_steps'] or 0}"
+            if r.get("copied") is not None:
+                wname = f"{wname} ({100 * r['copied']:.0f}% copied)"
             print(
-                f"{model:10} {wname:8} {r['plain_tok_s']:12.1f} {r['ngram_tok_s']:12.1f} "
-                f"{r['ratio']:6.2f} {100 * acc:6.1f}% {aps:8.2f} {r['identical']}"
+                f"{model:10} {wname:22} {r['plain_tok_s']:12.1f} {r['ngram_tok_s']:12.1f} "
+                f"{r['ratio']:6.2f} {r['cpu_ratio']:9.2f} {100 * acc:6.1f}% {aps:8.2f} "
+                f"{steps:>17} {r['identical']}"
             )
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
-from prefixgate.engine.attention_metadata import AttentionMetadata
+from prefixgate.engine.attention_metadata import AttentionMetadata, VerifyLayout
 from prefixgate.engine.models.config import ModelConfig
 from torch import nn
 
@@ -21,13 +21,18 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 class BatchViews:
     """The metadata slices attention needs, computed once per forward (not per layer).
 
-    Decodes come first (one query token each), prefill chunks after them.
+    Decodes come first (one query token each), then verify rows (``meta.verify``: a decode and
+    its drafts), then prefill chunks; ``*_tokens`` are the first token index of each group.
     """
 
     meta: AttentionMetadata
     num_decodes: int
     decode_block_tables: torch.Tensor
     decode_context_lens: torch.Tensor
+    verify: VerifyLayout | None
+    verify_block_tables: torch.Tensor
+    verify_context_lens: torch.Tensor
+    prefill_tokens: int
     has_prefill: bool
     prefill_block_tables: torch.Tensor
     prefill_query_start_loc: torch.Tensor
@@ -36,16 +41,24 @@ class BatchViews:
     @classmethod
     def of(cls, meta: AttentionMetadata) -> BatchViews:
         nd = meta.num_decode_seqs
+        verify = meta.verify
+        nv = 0 if verify is None else verify.num_seqs
+        first = nd + nv  # first prefill sequence
+        # decodes hold one token each, so the first prefill token sits at nd + the verify tokens
+        first_token = nd + (0 if verify is None else verify.num_tokens)
         return cls(
             meta=meta,
             num_decodes=nd,
             decode_block_tables=meta.block_tables[:nd],
             decode_context_lens=meta.context_lens[:nd],
-            has_prefill=meta.num_seqs > nd,
-            prefill_block_tables=meta.block_tables[nd:],
-            # Decodes hold one token each, so the first prefill token sits at index nd.
-            prefill_query_start_loc=meta.query_start_loc[nd:] - nd,
-            prefill_context_lens=meta.context_lens[nd:],
+            verify=verify,
+            verify_block_tables=meta.block_tables[nd:first],
+            verify_context_lens=meta.context_lens[nd:first],
+            prefill_tokens=first_token,
+            has_prefill=meta.num_seqs > first,
+            prefill_block_tables=meta.block_tables[first:],
+            prefill_query_start_loc=meta.query_start_loc[first:] - first_token,
+            prefill_context_lens=meta.context_lens[first:],
         )
 
 
@@ -116,14 +129,21 @@ class Attention(nn.Module):
     def _attend(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, views: BatchViews
     ) -> torch.Tensor:
-        nd = views.num_decodes
-        if nd and not views.has_prefill:
+        nd, first = views.num_decodes, views.prefill_tokens
+        verify = views.verify is not None
+        if nd and not verify and not views.has_prefill:
             return self._decode(q, k_cache, v_cache, views)
-        if not nd:
+        if not nd and not verify:
             return self._prefill(q, k_cache, v_cache, views)
+        if verify and not nd and not views.has_prefill:
+            return self._verify(q, k_cache, v_cache, views)
         out = torch.empty_like(q)
-        out[:nd] = self._decode(q[:nd], k_cache, v_cache, views)
-        out[nd:] = self._prefill(q[nd:], k_cache, v_cache, views)
+        if nd:
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, views)
+        if verify:
+            out[nd:first] = self._verify(q[nd:first], k_cache, v_cache, views)
+        if views.has_prefill:
+            out[first:] = self._prefill(q[first:], k_cache, v_cache, views)
         return out
 
     def _decode(
@@ -132,6 +152,26 @@ class Attention(nn.Module):
         """Paged decode attention of the batch's decode rows ``q`` (``[num_decodes, Hq, D]``)."""
         return self.kernels.paged_attention_decode(
             q, k_cache, v_cache, views.decode_block_tables, views.decode_context_lens, self.scale
+        )
+
+    def _verify(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, views: BatchViews
+    ) -> torch.Tensor:
+        """Attention of the batch's verify rows ``q`` (``[T_verify, Hq, D]``): a decode and its
+        drafts per sequence, decode-like over the layout built once per step."""
+        lay = views.verify
+        assert lay is not None
+        return self.kernels.paged_attention_verify(
+            q,
+            k_cache,
+            v_cache,
+            views.verify_block_tables,
+            lay.query_start_loc,
+            views.verify_context_lens,
+            self.scale,
+            lay.mask,
+            lay.query_index,
+            lay.output_index,
         )
 
     def _prefill(

@@ -98,6 +98,33 @@ def test_spec_state_pauses_on_low_acceptance_and_backs_off():
     assert good.enabled(11)
 
 
+def test_spec_state_adapts_draft_count_and_ngram_length():
+    st = SpecDecodeState()
+    st.record(4, 1, 2, 0.0, max_drafts=4, ngram_bounds=(2, 5))  # a rejection: one draft fewer
+    assert (st.num_drafts, st.min_n) == (3, 2)
+    st.record(3, 0, 3, 0.0, max_drafts=4, ngram_bounds=(2, 5))  # nothing accepted: longer match
+    assert (st.num_drafts, st.min_n) == (2, 3)
+    for i in range(5):
+        st.record(1, 0, 4 + i, 0.0, max_drafts=4, ngram_bounds=(2, 5))
+    assert (st.num_drafts, st.min_n) == (1, 5)  # floors: one draft, the longest n-gram
+    st.record(1, 1, 10, 0.0, max_drafts=4, ngram_bounds=(2, 5))  # all accepted: 2 more
+    assert (st.num_drafts, st.min_n) == (3, 4)
+    st.record(3, 3, 14, 0.0, max_drafts=4, ngram_bounds=(2, 5))
+    assert (st.num_drafts, st.min_n) == (4, 3)  # capped at k
+    plain = SpecDecodeState()
+    plain.record(4, 0, 1, 0.0)  # without the bounds: nothing adapts
+    assert (plain.num_drafts, plain.min_n) == (None, None)
+
+
+def test_proposer_min_n_override():
+    prop = NgramProposer(3, 1, 3)
+    toks = [7, 1, 2, 9, 5, 2]  # "2" recurs (followed by 9); no 2- or 3-gram does
+    assert prop.propose(toks) == [9, 5, 2]
+    assert prop.propose(toks, min_n=2) == []
+    assert prop.propose(toks, index=prop.new_index(), min_n=2) == []
+    assert prop.propose(toks, min_n=0) == [9, 5, 2]  # clamped to prompt_lookup_min
+
+
 # ---- rejection sampling --------------------------------------------------------------------
 
 

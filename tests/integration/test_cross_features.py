@@ -42,6 +42,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("prefixgate.engine.async_engine")
 
+from prefixgate.gateway.local.serving import LOCAL  # noqa: E402
 from support.gateway import serve_aidreams, wait_idle  # noqa: E402
 from support.schemas import FLAT_SCHEMA as SCHEMA  # noqa: E402
 from support.schemas import TIME_TOOL as TIME
@@ -103,10 +104,18 @@ class Case:
         return self.body.get("temperature") == 0 or "seed" in self.body
 
 
+KINDS = ["text", "json_schema", "json_object", "regex", "choice", "tools"]
+
+
 @st.composite
-def cases(draw: st.DrawFn) -> Case:
-    kind = draw(st.sampled_from(["text", "json_schema", "json_object", "regex", "choice", "tools"]))
-    prompt = draw(st.sampled_from(PROMPTS))
+def cases(
+    draw: st.DrawFn,
+    kinds: list[str] = KINDS,
+    penalties: bool = False,
+    prompts: list[str] = PROMPTS,
+) -> Case:
+    kind = draw(st.sampled_from(kinds))
+    prompt = draw(st.sampled_from(prompts))
     body: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": prompt}]}
     case = Case(body, kind, draw(st.sampled_from(["big", "small"])))
     if kind not in ("tools", "json_schema", "json_object") and draw(st.integers(0, 2)) == 0:
@@ -167,6 +176,11 @@ def cases(draw: st.DrawFn) -> Case:
         body["seed"] = draw(st.integers(0, 10_000))
     if draw(st.booleans()):  # cold: nothing of it is in the prefix cache
         body["cache_salt"] = uuid.uuid4().hex
+    if penalties and draw(st.integers(0, 2)) == 0:
+        body["frequency_penalty"] = draw(st.sampled_from([0.5, 1.5]))
+        body["presence_penalty"] = draw(st.sampled_from([-0.5, 1.0]))
+    if penalties and draw(st.integers(0, 3)) == 0:
+        body["repetition_penalty"] = draw(st.sampled_from([0.8, 1.3]))
     return case
 
 
@@ -428,3 +442,76 @@ def test_cross_features_fast(servers, http, pool_whole, case):
 @given(case=cases())
 def test_cross_features_long(servers, http, pool_whole, case):
     check_case(case, servers, http, pool_whole)
+
+
+# ---- speculation as one more axis ----------------------------------------------------------
+
+SPEC_EXAMPLES = 60
+SPEC = {"speculative_method": "ngram", "num_speculative_tokens": 4, "spec_min_acceptance": 0.0}
+
+
+@pytest.fixture(scope="module")
+def spec_servers(aidreams_path):
+    """The same two servers with n-gram speculation on (never paused: every decode that finds
+    an n-gram verifies drafts)."""
+    big = serve_aidreams(
+        aidreams_path, engine_args=SPEC, model_name=MODEL, tool_call_parser="hermes"
+    )
+    small = serve_aidreams(aidreams_path, 8, SPEC, model_name=MODEL, tool_call_parser="hermes")
+    out = {"big": next(big), "small": next(small)}
+    yield out
+    for gen in (big, small):
+        next(gen, None)
+
+
+def check_spec_case(
+    case: Case, servers: dict[str, Any], spec_servers: dict[str, Any], http, pool_whole
+) -> None:
+    """Every invariant of ``check_case`` with speculation on; at temperature 0 the answer
+    equals the one without speculation (content, calls, finish reasons, tokens, usage): the
+    stop strings, ``max_tokens``, ``min_tokens``, ``logit_bias`` and penalties held at every
+    accepted draft as they do token by token."""
+    check_case(case, spec_servers, http, pool_whole)
+    if case.body.get("temperature") != 0:
+        return
+    plain = _whole(http, servers[case.server].url, case)
+    spec = _whole(http, spec_servers[case.server].url, case)
+    assert plain.status == spec.status, (plain, spec)
+    if plain.status == 200:
+        assert (spec.contents, spec.calls, spec.finishes, spec.tokens) == (
+            plain.contents,
+            plain.calls,
+            plain.finishes,
+            plain.tokens,
+        ), f"speculative != plain:\n{plain}\n{spec}"
+        assert spec.usage["completion_tokens"] == plain.usage["completion_tokens"]
+    wait_idle(servers[case.server], pool_whole)
+    wait_idle(spec_servers[case.server], pool_whole)
+
+
+# drafts are verified for requests without a grammar or logprobs: mostly those
+SPEC_KINDS = ["text", "text", "text", "tools", "regex"]
+# aidreams' own phrases, which it goes on repeating (its drafts are accepted most)
+SPEC_PROMPTS = [*PROMPTS, "Contrast edges sharpen, as I adjust, as I adjust, as I adjust, as I"]
+
+
+@settings(max_examples=SPEC_EXAMPLES, derandomize=True, **_COMMON)
+@given(case=cases(SPEC_KINDS, penalties=True, prompts=SPEC_PROMPTS))
+def test_cross_features_speculative(servers, spec_servers, http, pool_whole, case):
+    check_spec_case(case, servers, spec_servers, http, pool_whole)
+
+
+def test_cross_features_speculative_verified_drafts(spec_servers, http, pool_whole):
+    """The axis is real: the spec servers verified drafts and accepted some (after the drawn
+    cases when the module runs whole; a greedy request of its own first either way)."""
+    srv = spec_servers["big"]
+    print(
+        {k: v for k, v in srv.app[LOCAL].engine.stats().items() if "spec" in k},
+        {k: v for k, v in spec_servers["small"].app[LOCAL].engine.stats().items() if "spec" in k},
+    )
+    body = {"model": MODEL, "prompt": SPEC_PROMPTS[-1], "max_tokens": 40, "temperature": 0}
+    assert http.post(f"{srv.url}/v1/completions", json=body).status_code == 200
+    stats = srv.app[LOCAL].engine.stats()
+    assert stats["spec_decode_num_drafts"] > 0, stats
+    assert stats["spec_decode_num_accepted_tokens"] > 0, stats
+    wait_idle(srv, pool_whole)

@@ -73,3 +73,57 @@ def test_empty(paged_batch):
         pb.scale,
     )
     assert out.shape == (0, 4, 64)
+
+
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+@pytest.mark.parametrize("groups", [1, 3])
+@pytest.mark.parametrize(
+    "lens,q_lens",
+    [
+        pytest.param([40], [5], id="one"),
+        pytest.param([17, 64, 5], [5, 5, 5], id="uniform"),  # no padding indices
+        pytest.param([33, 9, 70], [3, 5, 2], id="ragged"),  # padded to 5 rows
+        pytest.param([6, 16], [6, 2], id="whole-context"),
+    ],
+)
+def test_verify(close, paged_batch, dense, lens, q_lens, groups, dtype, tol):
+    # speculative decoding's verify rows: prefill's result, through the decode-like layout
+    from prefixgate.engine.attention_metadata import verify_layout_arrays
+    from prefixgate.kernels import triton_ops
+
+    pb = paged_batch(lens, q_lens, 16, 2, groups, 64, dtype)
+    qsl, mask, q_idx, o_idx = verify_layout_arrays(
+        torch.tensor(q_lens).numpy(), torch.tensor(lens).numpy()
+    )
+    assert (q_idx is None) == (len(set(q_lens)) == 1)
+    hints = [torch.from_numpy(a) if a is not None else None for a in (mask, q_idx, o_idx)]
+    out = torch_ref.paged_attention_verify(*pb.prefill_args(), *hints)
+    assert out.dtype == dtype
+    close(out, dense(pb), tol)
+    close(out, torch_ref.paged_attention_prefill(*pb.prefill_args()), tol)
+    as_bool = [hints[0] == 0, *hints[1:]]  # the long-context form of the mask (True: visible)
+    close(torch_ref.paged_attention_verify(*pb.prefill_args(), *as_bool), dense(pb), tol)
+    if dtype == torch.float32:  # the Triton backend takes its prefill kernel (interpreter here)
+        close(triton_ops.paged_attention_verify(*pb.prefill_args(), *hints), dense(pb), tol)
+
+
+def test_verify_layout_refuses_bad_lengths():
+    import numpy as np
+    from prefixgate.engine.attention_metadata import verify_layout_arrays
+
+    with pytest.raises(ValueError, match="q_len <= context_len"):
+        verify_layout_arrays(np.array([5]), np.array([4]))
+    with pytest.raises(ValueError, match=r"\[Bv\]"):
+        verify_layout_arrays(np.array([], dtype=np.int64), np.array([], dtype=np.int64))
+
+
+def test_verify_layout_mask_is_bool_past_the_float_limit():
+    import numpy as np
+    from prefixgate.engine.attention_metadata import FLOAT_MASK_MAX, verify_layout_arrays
+
+    small = verify_layout_arrays(np.array([5]), np.array([40]))[1]
+    assert small.dtype == np.float32 and small.shape == (1, 1, 5, 40)
+    long_ctx = FLOAT_MASK_MAX // 5 + 1
+    big = verify_layout_arrays(np.array([5]), np.array([long_ctx]))[1]
+    assert big.dtype == np.bool_ and big.shape == (1, 1, 5, long_ctx)
+    assert big[0, 0, 0, : long_ctx - 4].all() and not big[0, 0, 0, long_ctx - 4 :].any()

@@ -17,15 +17,21 @@ from prefixgate.gateway.settings import GatewaySettings
 
 
 def serve_aidreams(
-    model_path: str, num_kv_blocks: int = 256, **settings: Any
+    model_path: str,
+    num_kv_blocks: int = 256,
+    engine_args: dict[str, Any] | None = None,
+    **settings: Any,
 ) -> Iterator[BackgroundServer]:
     """Yield a ``BackgroundServer`` (127.0.0.1, free port) over an ``AsyncEngine`` of
-    ``model_path`` with ``num_kv_blocks`` KV blocks (256; few blocks make it preempt) and
+    ``model_path`` with ``num_kv_blocks`` KV blocks (256; few blocks make it preempt), more
+    ``EngineConfig`` fields in ``engine_args`` (e.g. speculative decoding) and
     ``GatewaySettings(poll_s=0.02, **settings)``; shut the engine down and close the server
     after. Use as ``yield from serve_aidreams(...)``."""
 
     def make():
-        engine = AsyncEngine(EngineConfig(model=model_path, num_kv_blocks=num_kv_blocks))
+        engine = AsyncEngine(
+            EngineConfig(model=model_path, num_kv_blocks=num_kv_blocks, **(engine_args or {}))
+        )
         return create_app(engine, GatewaySettings(poll_s=0.02, **settings))
 
     srv = BackgroundServer(make).__enter__()
