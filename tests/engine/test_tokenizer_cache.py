@@ -4,49 +4,18 @@
 ``tiny-random`` tokenizer has no pre-tokenizer, so there a word is a whole prompt: before the
 bound, every distinct prompt kept ~1.5 KB of C heap for the first 10,000 (the local server's
 memory grew ~1.5 KB per request, invisible to tracemalloc). Heap bytes in use are read from
-glibc's ``mallinfo2`` (allocated bytes, not RSS: the allocator's retention does not count).
+glibc's ``mallinfo2`` (``support.heap``: allocated bytes, not RSS).
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 from unittest import mock
 
-import pytest
 from prefixgate.engine import tokenizer as tokenizer_module
 from prefixgate.engine.models.presets import build_tiny_tokenizer
 from prefixgate.engine.tokenizer import MAX_CACHED_WORDS, Tokenizer, bound_word_cache
+from support.heap import heap_in_use
 from tokenizers import pre_tokenizers
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in (
-            "arena",
-            "ordblks",
-            "smblks",
-            "hblks",
-            "hblkhd",
-            "usmblks",
-            "fsmblks",
-            "uordblks",
-            "fordblks",
-            "keepcost",
-        )
-    ]
-
-
-def _heap_in_use() -> int:
-    """Bytes malloc has handed out and not had back (small chunks + mmapped ones)."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    fn = getattr(libc, "mallinfo2", None)
-    if fn is None:
-        pytest.skip("glibc without mallinfo2 (< 2.33)")
-    fn.restype = _MallInfo2
-    info = fn()
-    return info.uordblks + info.hblkhd
 
 
 def _prompts(n: int) -> list[str]:
@@ -74,15 +43,15 @@ def test_cache_off_without_pre_tokenizer_capped_with_one(aidreams_path):
 def test_distinct_prompts_keep_no_heap():
     prompts = _prompts(3000)
     control = build_tiny_tokenizer()  # tokenizers' default cache: the measure sees it
-    before = _heap_in_use()
+    before = heap_in_use()
     for text in prompts:
         control.encode(text, add_special_tokens=False)
-    control_growth = _heap_in_use() - before
+    control_growth = heap_in_use() - before
     tok = Tokenizer.builtin()
-    before = _heap_in_use()
+    before = heap_in_use()
     for text in prompts:
         tok.encode(text)
         tok.encode_chat([{"role": "user", "content": text}])
-    growth = _heap_in_use() - before
+    growth = heap_in_use() - before
     assert control_growth > 8_000_000, control_growth  # ~6.6 KB a 210-character word
     assert growth < 1_000_000, growth
