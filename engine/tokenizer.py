@@ -27,7 +27,30 @@ from prefixgate.engine.models.presets import TINY_CHAT_TEMPLATE, build_tiny_toke
 from prefixgate.engine.token_bytes import max_token_bytes, unicode_to_bytes
 from tokenizers import Tokenizer as HFTokenizer
 
-__all__ = ["Message", "Tokenizer", "normalize_messages"]
+__all__ = ["MAX_CACHED_WORDS", "Message", "Tokenizer", "bound_word_cache", "normalize_messages"]
+
+MAX_CACHED_WORDS = 4096
+"""At most this many words in a ``tokenizers`` model's word cache (BPE, Unigram: a word's
+pieces kept by its text, up to 256 characters a word; ``tokenizers``' own cap is 10,000). A
+word of ``c`` characters costs ~33·c bytes there (measured: ~1.5 KB for 45 characters), so the
+cache holds at most ~35 MB and, for words of real pre-tokenized text (a few characters), ~2 MB."""
+
+
+def bound_word_cache(tok: HFTokenizer) -> int:
+    """Bound ``tok``'s word cache (in place); return its capacity in words.
+
+    With a pre-tokenizer, the cache holds up to ``MAX_CACHED_WORDS`` words. Without one (the
+    ``tiny-random`` preset), a "word" is a whole text between special tokens, nearly every
+    prompt a new one never hit again: there the cache is off (capacity 0), or it would keep
+    ~1.5 KB for each of the first 10,000 distinct prompts. Models without a word cache
+    (WordPiece, WordLevel) are left as they are (0 is returned).
+    """
+    model = tok.model
+    if not hasattr(model, "_resize_cache"):
+        return 0
+    capacity = MAX_CACHED_WORDS if tok.pre_tokenizer is not None else 0
+    model._resize_cache(capacity)
+    return capacity
 
 
 class Tokenizer:
@@ -58,6 +81,7 @@ class Tokenizer:
         extra_eos_token_ids: Sequence[int] = (),
     ) -> None:
         self._tok = tokenizer
+        bound_word_cache(tokenizer)
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.unk_token = unk_token
@@ -176,6 +200,7 @@ class Tokenizer:
         if self._plain is None:
             plain = HFTokenizer.from_str(self._tok.to_str())
             plain.encode_special_tokens = True
+            bound_word_cache(plain)
             self._plain = plain
         return self._plain.encode_batch([text], add_special_tokens=False)[0].ids
 

@@ -23,6 +23,36 @@ from torch import nn
 # count; 32 gave the best layout from 8 to 2,048 rows (a hint of 1 halved the speed at 8-32).
 _PACK_ROWS_HINT = 32
 
+EXACT_ROWS = 64
+"""Row counts up to this run as they are (decode batches: ``max_num_seqs`` is 64 by default)."""
+
+
+def padded_rows(rows: int) -> int:
+    """The row count a GEMM of ``rows`` rows runs at: ``rows`` up to ``EXACT_ROWS``, above it
+    rounded up to one of 8 steps per octave (a multiple of 2^(k-3) for rows in (2^k, 2^(k+1)]).
+
+    Why: oneDNN (its primitive cache, 1,024 entries) and torch's ideep (its LRU cache,
+    ``LRU_CACHE_CAPACITY``, 1,024) keep one compiled primitive per input shape; every new row
+    count kept ~2.2 MB for the tiny-random model's linears, so a server seeing prefills of ever
+    new lengths grew for thousands of requests. With this bound a linear sees at most
+    ``EXACT_ROWS + 8`` shapes per octave (``distinct_row_counts``: 104 up to 2,048 rows), and
+    pads at most 12.5% rows (zeros, their outputs dropped).
+
+    Raises:
+        ValueError: ``rows`` < 0.
+    """
+    if rows < 0:
+        raise ValueError(f"rows must be >= 0, got {rows}")
+    if rows <= EXACT_ROWS:
+        return rows
+    step = 1 << ((rows - 1).bit_length() - 4)
+    return -(-rows // step) * step
+
+
+def distinct_row_counts(max_rows: int) -> int:
+    """How many shapes ``padded_rows`` maps ``1..max_rows`` to (the caches' bound per linear)."""
+    return len({padded_rows(m) for m in range(1, max_rows + 1)})
+
 
 def onednn_linear_available() -> bool:
     """True when torch has oneDNN (MKL-DNN) and its prepacked linear ops on this build."""
@@ -86,10 +116,14 @@ class OneDNNLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] == 0:
             return x.new_empty((*lead, self.out_features))
-        if not x2.is_contiguous():
+        rows = x2.shape[0]
+        padded = padded_rows(rows)
+        if padded != rows:
+            x2 = torch.cat([x2, x2.new_zeros((padded - rows, self.in_features))])
+        elif not x2.is_contiguous():
             x2 = x2.contiguous()
         y = torch.ops.mkldnn._linear_pointwise(x2, self._packed, self.bias, "none", [], "")
-        return y.reshape(*lead, self.out_features)
+        return y[:rows].reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, onednn"

@@ -1,0 +1,72 @@
+"""The oneDNN linear runs a bounded set of row counts, so its primitive caches stay bounded.
+
+oneDNN and torch's ideep keep one compiled primitive per GEMM shape (1,024 each); before the
+row counts were padded to ``padded_rows``, every new prefill length kept ~2.2 MB for the
+tiny-random model (the local server grew for thousands of requests, invisible to
+tracemalloc). Heap bytes in use from glibc's ``mallinfo2`` (``support.heap``), not RSS.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from prefixgate.engine.models.cpu_linear import (
+    EXACT_ROWS,
+    OneDNNLinear,
+    distinct_row_counts,
+    onednn_linear_available,
+    padded_rows,
+)
+from support.heap import heap_in_use
+from torch import nn
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread, as the engine runs on a loaded 2-core machine (the server's setting)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_padded_rows_bounds_shapes_and_padding():
+    for rows in range(0, 9000):
+        p = padded_rows(rows)
+        assert rows <= p <= rows * 1.125, rows
+        assert padded_rows(p) == p
+        if rows <= EXACT_ROWS:
+            assert p == rows
+    assert distinct_row_counts(2048) == 104
+    assert distinct_row_counts(8192) == 120
+    with pytest.raises(ValueError, match="rows"):
+        padded_rows(-1)
+
+
+@pytest.mark.skipif(not onednn_linear_available(), reason="torch without oneDNN's linear")
+@pytest.mark.parametrize("rows", [65, 100, 257, 1000])
+def test_padded_rows_give_the_same_values(rows):
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 96)
+    packed = OneDNNLinear.from_linear(linear)
+    x = torch.randn(2, rows, 64).transpose(0, 1)  # leading dims, not contiguous
+    with torch.inference_mode():
+        got, want = packed(x), linear(x)
+    assert got.shape == (rows, 2, 96)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not onednn_linear_available(), reason="torch without oneDNN's linear")
+def test_new_row_counts_keep_no_more_primitives(one_thread):
+    torch.manual_seed(0)
+    packed = OneDNNLinear.from_linear(nn.Linear(128, 256))
+    xs = torch.randn(400, 128)
+    lengths = range(301, 341)  # unpadded, each new row count kept ~575 KB: ~23 MB
+    with torch.inference_mode():
+        for rows in (301, 320, 352):  # warm: the first length, the two padded shapes
+            packed(xs[:rows])
+        before = heap_in_use()
+        for rows in lengths:
+            packed(xs[:rows])
+        growth = heap_in_use() - before
+    assert growth < 2_000_000, growth

@@ -1,0 +1,28 @@
+"""memory_plot draws memory_curve's JSON results; memory_curve's slope is in KB per request."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from prefixgate.gateway.bench.memory_curve import slope_kb_per_request
+from prefixgate.gateway.bench.memory_plot import main
+
+
+def test_slope_is_kb_per_request():
+    points = [(i * 1000, 100_000 + i * 1000) for i in range(5)]  # 1 KiB per request
+    assert slope_kb_per_request(points) == pytest.approx(1.024)
+    assert slope_kb_per_request(points[:1]) == 0.0
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    run = {"rss_kib": [[0, 700_000], [500, 701_000]], "slope_kb_per_request_second_half": 0.1}
+    src = tmp_path / "run.json"
+    src.write_text(json.dumps(run))
+    out = tmp_path / "curve.png"
+    main([str(out), str(src), "--label", "local"])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(SystemExit, match="rss_kib"):
+        main([str(out), str(tmp_path / "bad.json")])
