@@ -96,14 +96,21 @@ def run_one(args, threads: int, busy: bool, policy: str) -> float:
             "--trials",
             str(args.trials),
         ]
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+        try:
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            # a collapse: under 1 token per ``--timeout`` seconds; recorded, the run goes on
+            print(f"  {policy} threads={threads} busy={busy}: over {args.timeout:.0f} s, 0 tok/s")
+            return 0.0
     finally:
         if hog is not None:
             hog.kill()
             hog.wait()
     if out.returncode != 0:
         raise RuntimeError(f"measurement failed: {out.stderr[-2000:]}")
-    return float(json.loads(out.stdout.strip().splitlines()[-1])["tok_s"])
+    rate = float(json.loads(out.stdout.strip().splitlines()[-1])["tok_s"])
+    print(f"  {policy} threads={threads} busy={busy}: {rate:.2f} tok/s", flush=True)
+    return rate
 
 
 def main() -> int:
@@ -153,7 +160,8 @@ def main() -> int:
         for t in args.threads_list:
             q = statistics.median(rates[(t, False, name)])
             b = statistics.median(rates[(t, True, name)])
-            print(f"{name:9} {t:7d} {q:12.1f} {b:11.1f} {b / q:10.2f}")
+            ratio = f"{b / q:10.2f}" if q else f"{'-':>10}"
+            print(f"{name:9} {t:7d} {q:12.1f} {b:11.1f} {ratio}")
             table.append(
                 {
                     "omp_wait": name,
