@@ -45,26 +45,21 @@ def test_engine_sets_its_threads_before_the_model(restore_threads):
     assert llm.config.threads == 1
 
 
-def test_wait_policy_env_only_before_torch_and_never_over_the_users():
-    from prefixgate.engine.threads import WAIT_POLICY_ENV, wait_policy_env
+def test_passive_wait_env_only_before_torch_and_never_over_the_users():
+    from prefixgate.engine.threads import PASSIVE_WAIT_ENV, passive_wait_env
 
     env: dict[str, str] = {}
-    assert wait_policy_env(env, modules={}) == WAIT_POLICY_ENV
-    assert env == {"GOMP_SPINCOUNT": "1000", "KMP_BLOCKTIME": "0"}
-    # the user's wait policy: no spin count over it
-    mine = {"OMP_WAIT_POLICY": "PASSIVE"}
-    assert wait_policy_env(mine, modules={}) == {"KMP_BLOCKTIME": "0"}
-    assert mine == {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
-    # the user's spin count and block time stay
-    theirs = {"GOMP_SPINCOUNT": "0", "KMP_BLOCKTIME": "200"}
-    assert wait_policy_env(theirs, modules={}) == {}
-    assert theirs == {"GOMP_SPINCOUNT": "0", "KMP_BLOCKTIME": "200"}
+    assert passive_wait_env(env, modules={}) == PASSIVE_WAIT_ENV
+    assert env == PASSIVE_WAIT_ENV
+    mine = {"OMP_WAIT_POLICY": "ACTIVE"}
+    assert passive_wait_env(mine, modules={}) == {"KMP_BLOCKTIME": "0"}
+    assert mine["OMP_WAIT_POLICY"] == "ACTIVE"
     late: dict[str, str] = {}
-    assert wait_policy_env(late, modules={"torch": object()}) == {}
+    assert passive_wait_env(late, modules={"torch": object()}) == {}
     assert late == {}
 
 
-def test_serve_sets_the_bounded_spin_before_torch_loads():
+def test_serve_sets_passive_waiting_before_torch_loads():
     import subprocess
     import sys
 
@@ -75,12 +70,10 @@ def test_serve_sets_the_bounded_spin_before_torch_loads():
         "    cli.main(['serve', '--help'])\n"
         "except SystemExit:\n"
         "    pass\n"
-        "print(os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'),"
-        " 'torch' in sys.modules)\n"
+        "print(os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)\n"
     )
-    unset = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
-    env = {k: v for k, v in __import__("os").environ.items() if k not in unset}
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("OMP_WAIT_POLICY",)}
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
     )
-    assert out.stdout.strip().splitlines()[-1] == "1000 None False", out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "PASSIVE False", out.stderr[-2000:]
