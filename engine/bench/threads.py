@@ -1,7 +1,10 @@
 """The thread policy on a busy host: single-stream decode tok/s at 1 and 2 torch threads, on a
-quiet host and with one competing CPU-bound process (``python -c "while 1: pass"``), with
-OpenMP's default waiting and with passive waiting (``OMP_WAIT_POLICY=PASSIVE``,
-``KMP_BLOCKTIME=0``: set before torch is imported, so each measurement is its own process).
+quiet host and with one competing CPU-bound process (``python -c "while 1: pass"``), under
+OpenMP wait policies (``--policies``): ``default`` (GNU libgomp's, spinning ~300,000 rounds for
+the next parallel region), ``passive`` (``OMP_WAIT_POLICY=PASSIVE``, ``KMP_BLOCKTIME=0``: sleep at
+once) and ``spinN`` (``GOMP_SPINCOUNT=N`` with the wait policy unset: spin N rounds, then sleep).
+OpenMP reads these when torch loads, so each measurement is its own process. torch's CPU
+wheel links GNU libgomp (``torch/lib/libgomp.so.1``), which reads ``GOMP_SPINCOUNT``.
 
 Each measurement: a fresh process loads the SmolLM2-135M-shaped config with dummy weights
 (fp32, ``threads=N``), warms up, then decodes ``--max-tokens`` tokens for one ``--prompt-len``
@@ -31,6 +34,22 @@ from prefixgate.sdk.bench.shared import shared_dir
 
 SHARED = shared_dir()
 PASSIVE_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
+WAIT_KEYS = ("OMP_WAIT_POLICY", "KMP_BLOCKTIME", "GOMP_SPINCOUNT")
+
+
+def policy_env(name: str) -> dict[str, str]:
+    """The environment of a wait policy: ``default``, ``passive`` or ``spinN`` (N >= 0).
+
+    Raises:
+        ValueError: another name.
+    """
+    if name == "default":
+        return {}
+    if name == "passive":
+        return dict(PASSIVE_ENV)
+    if name.startswith("spin") and name[4:].isdigit():
+        return {"GOMP_SPINCOUNT": name[4:]}
+    raise ValueError(f"unknown wait policy {name!r}; expected default, passive or spinN")
 
 
 def child(args) -> int:
@@ -52,12 +71,11 @@ def child(args) -> int:
     return 0
 
 
-def run_one(args, threads: int, busy: bool, passive: bool) -> float:
+def run_one(args, threads: int, busy: bool, policy: str) -> float:
     env = dict(os.environ)
-    for k in PASSIVE_ENV:
+    for k in WAIT_KEYS:
         env.pop(k, None)
-    if passive:
-        env.update(PASSIVE_ENV)
+    env.update(policy_env(policy))
     hog = None
     if busy:
         hog = subprocess.Popen([sys.executable, "-c", "while 1: pass"])
@@ -78,14 +96,21 @@ def run_one(args, threads: int, busy: bool, passive: bool) -> float:
             "--trials",
             str(args.trials),
         ]
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+        try:
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            # a collapse: under 1 token per ``--timeout`` seconds; recorded, the run goes on
+            print(f"  {policy} threads={threads} busy={busy}: over {args.timeout:.0f} s, 0 tok/s")
+            return 0.0
     finally:
         if hog is not None:
             hog.kill()
             hog.wait()
     if out.returncode != 0:
         raise RuntimeError(f"measurement failed: {out.stderr[-2000:]}")
-    return float(json.loads(out.stdout.strip().splitlines()[-1])["tok_s"])
+    rate = float(json.loads(out.stdout.strip().splitlines()[-1])["tok_s"])
+    print(f"  {policy} threads={threads} busy={busy}: {rate:.2f} tok/s", flush=True)
+    return rate
 
 
 def main() -> int:
@@ -95,6 +120,9 @@ def main() -> int:
     ap.add_argument("--model", default=str(SHARED / "models" / "smollm2-135m-shape"))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads-list", type=int, nargs="+", default=[1, 2])
+    ap.add_argument(
+        "--policies", nargs="+", default=["default", "passive", "spin1000", "spin10000"]
+    )
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--trials", type=int, default=2)
@@ -105,9 +133,11 @@ def main() -> int:
     args = ap.parse_args()
     if args.child:
         return child(args)
+    for name in args.policies:
+        policy_env(name)  # an unknown name fails before any measurement
     configs = [
-        (t, busy, passive)
-        for passive in (False, True)
+        (t, busy, policy)
+        for policy in args.policies
         for t in args.threads_list
         for busy in (False, True)
     ]
@@ -123,23 +153,23 @@ def main() -> int:
         f"affinity CPUs {len(os.sched_getaffinity(0))}, load {load[0]} -> {load[1]}"
     )
     print(
-        f"{'omp wait':8} {'threads':>7} {'quiet tok/s':>12} {'busy tok/s':>11} {'busy/quiet':>10}"
+        f"{'omp wait':9} {'threads':>7} {'quiet tok/s':>12} {'busy tok/s':>11} {'busy/quiet':>10}"
     )
     table = []
-    for passive in (False, True):
+    for name in args.policies:
         for t in args.threads_list:
-            q = statistics.median(rates[(t, False, passive)])
-            b = statistics.median(rates[(t, True, passive)])
-            name = "passive" if passive else "default"
-            print(f"{name:8} {t:7d} {q:12.1f} {b:11.1f} {b / q:10.2f}")
+            q = statistics.median(rates[(t, False, name)])
+            b = statistics.median(rates[(t, True, name)])
+            ratio = f"{b / q:10.2f}" if q else f"{'-':>10}"
+            print(f"{name:9} {t:7d} {q:12.1f} {b:11.1f} {ratio}")
             table.append(
                 {
                     "omp_wait": name,
                     "threads": t,
                     "quiet_tok_s": q,
                     "busy_tok_s": b,
-                    "quiet_runs": rates[(t, False, passive)],
-                    "busy_runs": rates[(t, True, passive)],
+                    "quiet_runs": rates[(t, False, name)],
+                    "busy_runs": rates[(t, True, name)],
                 }
             )
     if args.json_out:

@@ -31,7 +31,9 @@ prefixgate's figures are printed alone.
 Usage::
 
     python -m prefixgate.gateway.bench.llamacpp_peer [--threads 2] [--int8] [--rounds 3]
-        [--model DIR] [--gguf-dir DIR] [--json OUT]
+        [--single-only] [--model DIR] [--gguf-dir DIR] [--json OUT]
+
+``--single-only`` runs the single-stream decode row alone (quick iterations on decode speed).
 """
 
 from __future__ import annotations
@@ -391,6 +393,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             order = probes if r % 2 == 0 else probes[::-1]
             for p in order:
                 fig = results[p.server.name]
+                if args.single_only:
+                    _, span, n = p.stream(f"d{r}: tell a story", args.decode_len)
+                    fig["decode"].append((n - 1) / span if span > 0 and n > 1 else 0.0)
+                    continue
                 fig["batched"].append(
                     p.batched(
                         make_prompts(tok, args.num_requests, args.prompt_len, f"b{r}"),
@@ -431,6 +437,8 @@ def table(results: dict[str, dict[str, list[float]]]) -> str:
         return f"{statistics.median(v):.3g} ({min(v):.3g}–{max(v):.3g})"
 
     for label, key in rows:
+        if not all(results[n][key] for n in names):
+            continue  # a row not measured (--single-only)
         cells = [fmt(results[n][key]) for n in names]
         if len(names) > 1:
             a, b = (statistics.median(results[n][key]) for n in names[:2])
@@ -453,12 +461,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shared-len", type=int, default=1024)
     ap.add_argument("--suffix-len", type=int, default=64)
     ap.add_argument("--decode-len", type=int, default=64)
+    ap.add_argument("--single-only", action="store_true", help="only the single-stream decode row")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
+    load = os.getloadavg()[0]
     results = run(args)
     print(
         f"threads {args.threads}, {'int8 vs Q8_0' if args.int8 else 'fp32 vs f32'}, "
-        f"{args.rounds} rounds, load average {os.getloadavg()[0]:.1f}"
+        f"{args.rounds} rounds, load average {load:.1f} -> {os.getloadavg()[0]:.1f}"
     )
     print(table(results))
     if args.json:

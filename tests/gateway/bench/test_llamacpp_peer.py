@@ -87,3 +87,15 @@ def test_the_table_gives_medians_spreads_and_the_ratio():
     text = llamacpp_peer.table(results)
     assert "| batched output tok/s | 20 (10–30) | 10 (10–10) | 2.00× |" in text
     assert "| single-stream decode tok/s | 40 (40–40) | 20 (20–20) | 2.00× |" in text
+
+
+def test_the_table_leaves_out_rows_not_measured():
+    # --single-only fills the decode row alone
+    empty = {"batched": [], "prefill": [], "warm": []}
+    results = {
+        "prefixgate": {**empty, "decode": [30.0, 40.0, 50.0]},
+        "llama.cpp": {**empty, "decode": [20.0]},
+    }
+    text = llamacpp_peer.table(results)
+    assert "| single-stream decode tok/s | 40 (30–50) | 20 (20–20) | 2.00× |" in text
+    assert "batched" not in text and "prefill" not in text and "warm" not in text
