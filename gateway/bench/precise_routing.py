@@ -23,7 +23,8 @@ Per policy: prefix hit rate (cached / prompt tokens, from the answers' usage), r
 replica (the gateways' ``/ready``, summed) and the hottest replica's over the mean, TTFT
 p50/p90 (first chunk with choices) and round robin's p90 over it, and for ``precise`` its
 predictions that equalled the reported cached tokens (``/metrics``) and its decisions by
-reason (the warm-up's counted apart). ``--json`` keeps every TTFT, ``--plot`` draws their CDFs
+reason (the warm-up's counted apart). ``--json`` keeps every TTFT and every request (Unix
+send time, TTFT, prompt and cached tokens, tenant salt, gateway), ``--plot`` draws their CDFs
 beside the hit rates (PNG), ``--log-dir`` keeps each precise gateway's picks (DEBUG log:
 per request the cached tokens, queued prefill and load of every replica, the choice and its
 reason; then the predicted beside the reported cached tokens).
@@ -158,6 +159,7 @@ def workload(
 
 
 async def one(client: httpx.AsyncClient, url: str, body: dict) -> dict:
+    sent = time.time()
     t0 = time.perf_counter()
     ttft, usage = None, None
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as resp:
@@ -173,7 +175,14 @@ async def one(client: httpx.AsyncClient, url: str, body: dict) -> dict:
                 usage = chunk["usage"]
     usage = usage or {}
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    return {"ttft": ttft, "prompt": usage.get("prompt_tokens", 0), "cached": cached}
+    return {
+        "ttft": ttft,
+        "prompt": usage.get("prompt_tokens", 0),
+        "cached": cached,
+        "sent": sent,
+        "salt": body.get("cache_salt"),
+        "gateway": url,
+    }
 
 
 async def drive(
@@ -277,6 +286,7 @@ def summarize(out: list[dict]) -> dict:
         "ttft_p50_s": statistics.median(ttfts) if ttfts else float("nan"),
         "ttft_p90_s": pct(ttfts, 0.9),
         "ttfts": ttfts,
+        "per_request": out,
     }
 
 

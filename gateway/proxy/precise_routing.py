@@ -28,17 +28,25 @@ behind).
 ``cached(u)``: prompt tokens ``u`` serves from its cache: the index's match x block size, or
 the blocks of requests in flight to ``u`` when those reach further (computed there before
 their events arrive: a burst of one prefix is not spread by the event delay);
-``pending_prefill(u)``: prompt tokens the requests in flight to ``u`` (routed here) have to
-compute until their answers begin (``started``: a stream's headers come with its first
-token), the prefill queued ahead of this one, less what this one shares of it. The bound on
-imbalance is judged per request: ``u`` is a candidate only when its in-flight requests with
-this one stay within ``max_load_ratio`` times the mean with this one, ``in_flight(u) + 1 <=
-max(X * m, m + 1, 2)`` with ``m = (sum + 1) / n`` (the ``m + 1``: requests are whole, so one
-above the mean is allowed while X times it is less — two requests of one prompt on an idle
-pool of two stay together; the ``2``: on a pool mostly idle, a mean below one, a replica may
-take a second request — on three replicas with one request in flight, ``m + 1`` = 1.67 sent
-every request of the busy replica's prompts to a cold one, a whole prefill and a copy to save
-waiting beside one request), or it is the least loaded (always a candidate).
+``pending_prefill(u)``: prompt tokens the requests in flight on ``u`` have to compute until
+their answers begin, the prefill queued ahead of this one, less what this one shares of it.
+
+Load (``load(u)``: requests in flight and their pending prefill) is the fleet's, not this
+gateway's alone: each engine publishes load reports on its KV event stream
+(``kv_events.EngineLoad``: running and waiting requests, queued prefill net of its cache),
+so every gateway following it sees the same numbers; to the latest report are added this
+gateway's requests sent since it arrived (their uncached tokens), and the result is never
+less than this gateway's own (``Upstream.in_flight``; the uncached tokens of its requests
+not yet ``started``: a stream's headers come with its first token). Engines without
+reports: this gateway's own. The bound on imbalance is judged per request: ``u`` is a
+candidate only when its requests with this one stay within ``max_load_ratio`` times the
+mean with this one, ``load(u) + 1 <= max(X * m, m + 1, 2)`` with ``m = (sum + 1) / n``
+(the ``m + 1``: requests are whole, so one above the mean is allowed while X times it is
+less — two requests of one prompt on an idle pool of two stay together; the ``2``: on a pool
+mostly idle, a mean below one, a replica may take a second request — on three replicas with
+one request in flight, ``m + 1`` = 1.67 sent every request of the busy replica's prompts to a
+cold one, a whole prefill and a copy to save waiting beside one request), or it is the least
+loaded (always a candidate).
 
 A prompt no candidate holds (cold, or evicted everywhere) goes to its home: the upstream its
 leading text (``Route.key``: the system prompt, salted) was first placed on, a candidate
@@ -72,6 +80,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -153,6 +162,7 @@ class PreciseRoute(Route):
         "batch",
         "_keys",
         "_charge",
+        "_sent",
     )
 
     def __init__(self, key: bytes | None, blocks: list[int], model: str | None = None) -> None:
@@ -167,6 +177,7 @@ class PreciseRoute(Route):
         self.batch = False  # a completions batch: routed on its first prompt, not predicted
         self._keys: dict[tuple[str | None, int], list[bytes]] = {}
         self._charge: tuple[str, int, list[bytes]] | None = None  # (url, uncached, keys)
+        self._sent = 0.0  # time.monotonic() of the pick
 
     def engine_salt(self, up: Upstream) -> str | None:
         """The cache salt ``up``'s engine gets for this request (an open upstream)."""
@@ -234,6 +245,7 @@ class PreciseRouting:
         )
         self._sessions: OrderedDict[tuple[str | None, str], _Session] = OrderedDict()
         self._pending: Counter[str] = Counter()  # url -> uncached prompt tokens in flight
+        self._flying: dict[str, dict[int, PreciseRoute]] = {}  # url -> id -> route charged
         # url -> block keys of the requests in flight there (stored soon, not yet published)
         self._inflight_keys: dict[str, Counter[bytes]] = {}
         self._turn = itertools.count()
@@ -318,13 +330,15 @@ class PreciseRouting:
             return self._fallback(route, "not_synced", fallback)
         found = {u.url: self._match(route, u) for u in cands}
         cached = {url: n for url, (n, _) in found.items()}
+        loads = {u.url: self.load(u) for u in cands}
+        busy = {url: reqs for url, (reqs, _) in loads.items()}
         n = len(cands)
         prompt = len(route.token_ids)
-        total = sum(u.in_flight for u in cands)
-        least = min(u.in_flight for u in cands)
+        total = sum(busy.values())
+        least = min(busy.values())
         mean = (total + 1) / n  # with this request
         bound = max(self.max_load_ratio * mean, mean + 1, 2)
-        ok = [u for u in cands if u.in_flight + 1 <= bound or u.in_flight == least]
+        ok = [u for u in cands if busy[u.url] + 1 <= bound or busy[u.url] == least]
         choice: Upstream | None = None
         reason = "score"
         sess = self._session(route)
@@ -341,28 +355,50 @@ class PreciseRouting:
 
             def cost(u: Upstream) -> tuple[float, int]:
                 # the in-flight prefill this request shares is work it need not wait twice for
-                pending = max(0, self._pending[u.url] - found[u.url][1])
+                pending = max(0, loads[u.url][1] - found[u.url][1])
                 # tokens held elsewhere but computed again here are a copy: they displace as
                 # many tokens of u's cache (other prompts' blocks, refilled later)
                 copy = held - cached[u.url]
-                return (w * (prompt - cached[u.url] + copy) + pending, u.in_flight)
+                return (w * (prompt - cached[u.url] + copy) + pending, busy[u.url])
 
             choice = min(order, key=cost)
         self.decisions[reason] += 1
         route.reason = reason
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
-                "precise pick %s reason=%s prompt=%d cached=%s pending=%s in_flight=%s ok=%s",
+                "precise pick %s reason=%s prompt=%d cached=%s pending=%s load=%s ok=%s",
                 choice.url,
                 reason,
                 prompt,
                 {u.url: cached[u.url] for u in cands},
-                {u.url: self._pending[u.url] for u in cands},
-                {u.url: u.in_flight for u in cands},
+                {u.url: loads[u.url][1] for u in cands},
+                busy,
                 [u.url for u in ok],
             )
         self._note(route, choice, cached[choice.url])
         return choice
+
+    def load(self, up: Upstream) -> tuple[int, int]:
+        """``(requests, prefill tokens)`` in flight on ``up`` from every client of its
+        engine, not only this gateway's: the engine's latest load report (its running and
+        waiting requests and its queued prefill net of its cache, the same in every gateway
+        following its events) plus this gateway's requests sent to ``up`` since that report
+        arrived (not in it yet) and their uncached tokens; never less than this gateway's
+        own (``up.in_flight`` and the uncached tokens of its requests not yet started: a
+        request sent just before the report may not have reached the engine). Without a
+        report (the engine publishes none, or none yet): this gateway's own."""
+        own = (up.in_flight, max(0, self._pending[up.url]))
+        got = self.index.load(up.url)
+        if got is None:
+            return own
+        report, at = got
+        reqs = report.num_running + report.num_waiting
+        tokens = report.queued_prefill_tokens
+        for r in self._flying.get(up.url, {}).values():
+            if r._sent > at and r._charge is not None:
+                reqs += 1
+                tokens += r._charge[1]
+        return max(reqs, own[0]), max(tokens, own[1])
 
     def _place(self, key: bytes, ok: Sequence[Upstream], cands: Sequence[Upstream]) -> Upstream:
         """The home of a prompt no candidate under the bound holds (its leading text
@@ -449,6 +485,8 @@ class PreciseRouting:
             bs = self._block_size(up.url)
             keys = route.keys(route.engine_salt(up), bs) if bs > 0 else []
             route._charge = (up.url, uncached, keys)
+            route._sent = time.monotonic()
+            self._flying.setdefault(up.url, {})[id(route)] = route
             self._pending[up.url] += uncached
             self._inflight_keys.setdefault(up.url, Counter()).update(keys)
         if route.session is not None:
@@ -499,6 +537,7 @@ class PreciseRouting:
         url, uncached, keys = route._charge
         route._charge = None
         self._pending[url] -= uncached
+        self._flying.get(url, {}).pop(id(route), None)
         held = self._inflight_keys.get(url)
         if held is not None:
             held.subtract(keys)

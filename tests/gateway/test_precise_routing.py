@@ -7,6 +7,9 @@ without torch.
 - homes: a cold prompt's home stays while it is only busy;
 - the per-request bound: an upstream whose in-flight requests with this one would exceed X x
   the mean is never chosen, however much it holds; the least loaded always qualifies;
+- the fleet's load: the engines' load reports (requests another gateway sent) count in the
+  bound and the queued prefill, with this gateway's requests sent since the last report added
+  once, and never less than this gateway's own;
 - session affinity (``prompt_cache_key``, else ``user``, within a cache partition) holds while
   the session's pins are held (or a request of it is in flight) and is forgotten when the
   index says they are gone;
@@ -24,9 +27,11 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Sequence
 
 import pytest
+from prefixgate.engine.kv_events import EngineLoad
 from prefixgate.gateway.proxy.kv_index import prompt_block_keys
 from prefixgate.gateway.proxy.precise_routing import (
     PreciseRoute,
@@ -47,6 +52,16 @@ class StubIndex:
     def __init__(self, urls: Sequence[str]) -> None:
         self.held: dict[str, set[bytes]] = {u: set() for u in urls}
         self.synced = dict.fromkeys(urls, True)
+        self.loads: dict[str, tuple[EngineLoad, float]] = {}  # url -> (report, arrival)
+
+    def load(self, name: str) -> tuple[EngineLoad, float] | None:
+        return self.loads.get(name)
+
+    def report(self, url: str, running: int = 0, waiting: int = 0, queued: int = 0) -> None:
+        """A load report from ``url``'s engine arrives now."""
+        n = self.loads[url][0].n + 1 if url in self.loads else 1
+        load = EngineLoad(time.time(), n, running, waiting, queued, 0, 0, 256)
+        self.loads[url] = (load, time.monotonic())
 
     def stats(self) -> dict:
         return {"replicas": {u: {"synced": s} for u, s in self.synced.items()}}
@@ -224,6 +239,57 @@ def test_bound_on_imbalance_is_judged_per_request():
     assert p.pick(route_of(p, {"prompt": PROMPT}), [a, b, c], never) in (b, c)
     with pytest.raises(ValueError, match="max_load_ratio"):
         policy([A], max_load_ratio=0.9)
+
+
+def test_engine_load_reports_count_every_gateways_requests():
+    """Two gateways on one pool: the requests gateway 1 sent show in gateway 2's bound and
+    queued prefill through the engines' load reports (the same report in both), so 2 does
+    not pile onto the replica 1 keeps busy."""
+    ids = [ord(c) for c in PROMPT]
+    index = StubIndex([A, B, C])
+    index.hold(A, ids)
+    feeds = {u: ("tcp://127.0.0.1:1", None) for u in (A, B, C)}
+    g2 = PreciseRouting(FakeTokenizer(), feeds, index=index, max_load_ratio=1.3)  # type: ignore[arg-type]
+    a, b, c = ups(A, B, C)  # gateway 2's own view: nothing in flight anywhere
+    assert g2.load(a) == (0, 0)  # no report yet: its own
+    index.report(A, running=2, waiting=1, queued=300)  # gateway 1's three requests on A
+    index.report(B)
+    index.report(C)
+    assert g2.load(a) == (3, 300) and g2.load(b) == (0, 0)
+    # A with this one: 4 > max(1.3 * 4 / 3, 4 / 3 + 1, 2) -> not a candidate, though it holds
+    r = route_of(g2, {"prompt": PROMPT})
+    assert g2.pick(r, [a, b, c], never) in (b, c) and r.predicted_cached == 0
+    g2.release(r)
+    # A down to one running request (a new report): the holder wins again, and its queued
+    # prefill is weighed: 4 + 95 against 52 + 48 copied on an idle replica; 4 + 97 loses
+    index.report(A, running=1, queued=95)
+    r = route_of(g2, {"prompt": PROMPT})
+    assert g2.pick(r, [a, b, c], never) is a and r.predicted_cached == 48
+    g2.release(r)
+    index.report(A, running=1, queued=97)
+    assert g2.pick(route_of(g2, {"prompt": PROMPT}), [a, b, c], never) is not a
+
+
+def test_requests_sent_since_the_last_report_are_added_once():
+    p, index = policy([A, B])
+    a, b = ups(A, B)
+    index.report(A, running=1, queued=10)
+    index.report(B)
+    r = route_of(p, {"prompt": "z" * 40})
+    assert p.pick(r, [a], never) is a
+    a.in_flight += 1  # what the proxy does once picked
+    # sent after the report arrived: not in it, added (1 request, its 40 uncached tokens)
+    assert p.load(a) == (2, 50)
+    time.sleep(0.002)  # (monotonic clock steps: the next report arrives after the pick)
+    index.report(A, running=2, queued=50)  # the engine has it now: counted once
+    assert p.load(a) == (2, 50)
+    index.report(A, running=0, queued=0)  # a report that misses it (sent before it arrived)
+    assert p.load(a) == (1, 40)  # this gateway's own is the floor
+    p.started(r)  # its prefill done
+    assert p.load(a) == (1, 0)
+    p.release(r)
+    a.in_flight -= 1
+    assert p.load(a) == (0, 0) and not p._flying[A]
 
 
 def test_session_affinity_lasts_as_long_as_its_pins():
