@@ -48,6 +48,15 @@ one request in flight, ``m + 1`` = 1.67 sent every request of the busy replica's
 cold one, a whole prefill and a copy to save waiting beside one request), or it is the least
 loaded (always a candidate).
 
+The share bound: a candidate whose share of this gateway's last ``SHARE_WINDOW x n`` picks,
+with this one, would exceed ``max_load_ratio`` times the mean share is left out too (the one
+with the fewest recent picks stays). The in-flight bound is instantaneous: at a light load
+(a replica mostly idle between requests) it never acts, and a replica homing the most
+popular prompts served up to 1.33x the mean (the benchmark's hot replica); the share bound
+sends the hot prompt's next request to another replica, which computes it once and holds a
+copy, after which the cost spreads the prompt over its holders. With two gateways behind a
+round-robin client each bounds its own half of the traffic, and so the sum.
+
 A prompt no candidate holds (cold, or evicted everywhere) goes to its home: the upstream its
 leading text (``Route.key``: the system prompt, salted) was first placed on, a candidate
 homing the fewest prompts (ties by rendezvous hashing). Each prefix then has one copy and the
@@ -81,7 +90,7 @@ import itertools
 import json
 import logging
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -114,6 +123,7 @@ logger = logging.getLogger("prefixgate.gateway")
 DEFAULT_MAX_LOAD_RATIO = 1.3  # X: no upstream above X x the mean in-flight load
 MAX_SESSIONS = 65_536  # session pins remembered (least recently used forgotten beyond)
 MAX_PROMPT_CHARS = 1 << 21  # a longer body is routed without tokenizing (cache_aware)
+SHARE_WINDOW = 16  # picks per upstream in the window of the share bound
 
 
 def parse_kv_events_spec(spec: str) -> tuple[str, str, str | None]:
@@ -249,6 +259,8 @@ class PreciseRouting:
         # url -> block keys of the requests in flight there (stored soon, not yet published)
         self._inflight_keys: dict[str, Counter[bytes]] = {}
         self._turn = itertools.count()
+        # the upstreams of the last picks (the share bound; sized for the pool on first use)
+        self._recent: deque[str] = deque(maxlen=SHARE_WINDOW * max(1, len(self.feeds)))
         self._homes: OrderedDict[bytes, str] = OrderedDict()  # prompt key -> its home upstream
         self._home_count: Counter[str] = Counter()  # upstream -> prompts homed there
         self.decisions: Counter[str] = Counter()
@@ -339,6 +351,7 @@ class PreciseRouting:
         mean = (total + 1) / n  # with this request
         bound = max(self.max_load_ratio * mean, mean + 1, 2)
         ok = [u for u in cands if busy[u.url] + 1 <= bound or busy[u.url] == least]
+        ok = self._within_share(ok, n)
         choice: Upstream | None = None
         reason = "score"
         sess = self._session(route)
@@ -364,6 +377,7 @@ class PreciseRouting:
             choice = min(order, key=cost)
         self.decisions[reason] += 1
         route.reason = reason
+        self._recent.append(choice.url)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "precise pick %s reason=%s prompt=%d cached=%s pending=%s load=%s ok=%s",
@@ -377,6 +391,21 @@ class PreciseRouting:
             )
         self._note(route, choice, cached[choice.url])
         return choice
+
+    def _within_share(self, ok: list[Upstream], n: int) -> list[Upstream]:
+        """``ok`` less the upstreams whose share of this gateway's last ``SHARE_WINDOW x n``
+        picks, with this one, would exceed ``max_load_ratio`` times the mean share (``share(u)
+        + 1 <= max(X * m, m + 1)``, ``m = (window + 1) / n``); the one with the fewest recent
+        picks always stays. Judged once the window is full (a gateway's first picks are the
+        warm-up of its prompts' homes)."""
+        recent = self._recent
+        if len(recent) < SHARE_WINDOW * n or len(ok) < 2:
+            return ok
+        counts = Counter(recent)
+        m = (len(recent) + 1) / n
+        bound = max(self.max_load_ratio * m, m + 1)
+        fewest = min(counts[u.url] for u in ok)
+        return [u for u in ok if counts[u.url] + 1 <= bound or counts[u.url] == fewest]
 
     def load(self, up: Upstream) -> tuple[int, int]:
         """``(requests, prefill tokens)`` in flight on ``up`` from every client of its

@@ -292,6 +292,39 @@ def test_requests_sent_since_the_last_report_are_added_once():
     assert p.load(a) == (0, 0) and not p._flying[A]
 
 
+def test_share_of_recent_picks_is_bounded_by_copies_of_the_hot_prompt():
+    """One prompt held by A takes every pick while A is idle; once A has more than X x the
+    mean share of the last 16 x n picks, the prompt goes to another upstream (a copy), and
+    so on until the holders' shares are within the bound: one copy per other upstream (a
+    single prompt is the whole traffic here, so it ends on all three), each made once."""
+    from prefixgate.gateway.proxy.precise_routing import SHARE_WINDOW
+
+    p, index = policy([A, B, C], max_load_ratio=1.3)
+    ids = [ord(c) for c in PROMPT]
+    index.hold(A, ids)
+    a, b, c = ups(A, B, C)
+    window = SHARE_WINDOW * 3
+    cold: list[str] = []
+
+    def pick() -> str:
+        r = route_of(p, {"prompt": PROMPT})
+        up = p.pick(r, [a, b, c], never)
+        p.release(r)
+        if r.predicted_cached != 48:
+            cold.append(up.url)
+            index.hold(up.url, ids)  # its events arrive: one more holder
+        return up.url
+
+    assert [pick() for _ in range(window)] == [A] * window and not cold  # the window fills
+    assert pick() != A and len(cold) == 1  # A: 49 > 1.3 x 49 / 3: a copy elsewhere
+    for i in range(4 * window):
+        assert pick() != A or p._recent.count(A) <= 1.3 * (window + 1) / 3  # none while over
+        counts = [p._recent.count(u) for u in (A, B, C)]
+        if i >= window:  # the window has slid past A's run: every share within the bound
+            assert max(counts) <= 1.3 * (window + 1) / 3, counts
+    assert sorted(cold) == [B, C]  # each other upstream copied it once
+
+
 def test_session_affinity_lasts_as_long_as_its_pins():
     p, index = policy([A, B])
     a, b = ups(A, B)
