@@ -63,19 +63,35 @@ POLICIES = ("precise", "cache_aware", "round_robin", "single")
 MODEL = "models/aidreams-260k"  # in the shared test-data folder (sdk.bench.shared)
 
 
+_TAKEN: set[int] = set()  # ports handed out in this run (released ones are handed out again)
+
+
+def own_port() -> int:
+    """A free loopback port not handed out before in this run: the processes bind theirs a
+    moment later, and the OS may hand a released port out twice meanwhile (a run failed on
+    two replicas given one port)."""
+    while True:
+        port = free_port()
+        if port not in _TAKEN:
+            _TAKEN.add(port)
+            return port
+
+
 def port_pair() -> int:
-    """A free loopback port whose next port is free too (the KV events PUB + replay)."""
+    """A free loopback port whose next port is free too (the KV events PUB + replay), neither
+    handed out before in this run."""
     import socket
 
     while True:
-        port = free_port()
-        if port + 1 >= 65535:
+        port = own_port()
+        if port + 1 >= 65535 or port + 1 in _TAKEN:
             continue
         try:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", port + 1))
         except OSError:
             continue
+        _TAKEN.add(port + 1)
         return port
 
 
@@ -85,7 +101,7 @@ def start(
     """``prefixgate serve ARGS`` on a free loopback port (access log off, warnings only);
     with ``log``, at DEBUG level (precise's per-request picks) into that file. Returns
     (process, base URL)."""
-    port = free_port()
+    port = own_port()
     level = "DEBUG" if log is not None else "WARNING"
     cmd = [sys.executable, "-m", "prefixgate.gateway.cli", "serve", "--port", str(port)]
     cmd += ["--no-access-log", "--stats-interval-s", "0", "--log-level", level, *args]

@@ -81,7 +81,8 @@ Visible: per request the predicted cached tokens beside the upstream's reported
 ``prefixgate_route_predicted_cached_tokens`` / ``_reported_cached_tokens`` (sums, per upstream),
 ``prefixgate_route_predictions{result=exact|over|under}``, ``prefixgate_route_decisions{reason}``
 and the index's state per replica (``prefixgate_kv_index_*``: synced, blocks, lag, gaps,
-resyncs, replays, snapshots, restarts, failures).
+resyncs, replays, snapshots, restarts, failures, load reports; and the latest report's
+requests, queued prefill tokens and KV usage, ``prefixgate_kv_index_load_*``).
 """
 
 from __future__ import annotations
@@ -615,6 +616,7 @@ _INDEX_COUNTERS = (
     ("resync_failures", "replay / snapshot requests that failed"),
     ("batches_applied", "KV event batches applied"),
     ("unknown_removals", "removals of blocks the index did not hold (0 when exact)"),
+    ("load_reports", "load reports received from the replica's engine"),
 )
 
 
@@ -683,5 +685,31 @@ class _PreciseCollector(Collector):
                 g.add_metric([name], float(st[k]))
             for k, c in counters.items():
                 c.add_metric([name], st[k])
+        load = {
+            "requests": GaugeMetricFamily(
+                "prefixgate_kv_index_load_requests",
+                "requests running and waiting on the replica, by its latest load report",
+                labels=["replica"],
+            ),
+            "queued": GaugeMetricFamily(
+                "prefixgate_kv_index_load_queued_prefill_tokens",
+                "prefill tokens queued on the replica (net of its cache), by its latest report",
+                labels=["replica"],
+            ),
+            "kv": GaugeMetricFamily(
+                "prefixgate_kv_index_load_kv_usage",
+                "fraction of the replica's KV blocks in use, by its latest load report",
+                labels=["replica"],
+            ),
+        }
+        for name, st in sorted(stats.items()):
+            rep = st.get("load")
+            if rep is None:
+                continue
+            load["requests"].add_metric([name], rep.num_running + rep.num_waiting)
+            load["queued"].add_metric([name], rep.queued_prefill_tokens)
+            total = rep.kv_blocks_total
+            load["kv"].add_metric([name], rep.kv_blocks_used / total if total else 0.0)
         yield from gauges.values()
         yield from counters.values()
+        yield from load.values()

@@ -240,6 +240,9 @@ def test_two_gateways_see_the_same_load(engines, aidreams_path, pool_whole):
         assert all(u.in_flight == 0 for u in gws[1].app[PROXY].router.upstreams)
         # one request decoding there (no prefill left), in both gateways' view
         _wait_load(gws, {**idle, busy: (1, 0)})
+        text = httpx.get(gws[1].url + "/metrics", timeout=10).text  # and in its /metrics
+        assert f'prefixgate_kv_index_load_requests{{replica="{busy}"}} 1.0' in text
+        assert f'prefixgate_kv_index_load_queued_prefill_tokens{{replica="{busy}"}} 0.0' in text
         gate.set()
         t.join(60)
         _settle(engines)
