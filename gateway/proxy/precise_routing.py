@@ -49,12 +49,15 @@ cold one, a whole prefill and a copy to save waiting beside one request), or it 
 loaded (always a candidate).
 
 The share bound: a candidate whose share of this gateway's last ``SHARE_WINDOW x n`` picks,
-with this one, would exceed ``max_load_ratio`` times the mean share is left out too (the one
-with the fewest recent picks stays). The in-flight bound is instantaneous: at a light load
-(a replica mostly idle between requests) it never acts, and a replica homing the most
-popular prompts served up to 1.33x the mean (the benchmark's hot replica); the share bound
-sends the hot prompt's next request to another replica, which computes it once and holds a
-copy, after which the cost spreads the prompt over its holders. With two gateways behind a
+with this one, would exceed ``max_load_ratio`` times the mean share is left out too for the
+request of its hottest prompt in that window (``Route.key``; the one with the fewest recent
+picks stays). The in-flight bound is instantaneous: at a light load (a replica mostly idle
+between requests) it never acts, and a replica homing the most popular prompts served up to
+1.33x the mean (the benchmark's hot replica); the share bound sends the hot prompt's next
+request to another replica, which computes it once and holds a copy, after which the cost
+spreads the prompt over its holders. Only the hottest prompt moves: leaving the replica out
+for every prompt made a copy of each prompt that came while it was over (4 cold prefills
+within 6 s in one run, the slowest tenth's first five). With two gateways behind a
 round-robin client each bounds its own half of the traffic, and so the sum.
 
 A prompt no candidate holds (cold, or evicted everywhere) goes to its home: the upstream its
@@ -260,8 +263,10 @@ class PreciseRouting:
         # url -> block keys of the requests in flight there (stored soon, not yet published)
         self._inflight_keys: dict[str, Counter[bytes]] = {}
         self._turn = itertools.count()
-        # the upstreams of the last picks (the share bound; sized for the pool on first use)
-        self._recent: deque[str] = deque(maxlen=SHARE_WINDOW * max(1, len(self.feeds)))
+        # the upstreams of the last picks (the share bound: SHARE_WINDOW per upstream fed)
+        self._recent: deque[tuple[str, bytes | None]] = deque(  # (url, prompt key)
+            maxlen=SHARE_WINDOW * max(1, len(self.feeds))
+        )
         self._homes: OrderedDict[bytes, str] = OrderedDict()  # prompt key -> its home upstream
         self._home_count: Counter[str] = Counter()  # upstream -> prompts homed there
         self.decisions: Counter[str] = Counter()
@@ -352,7 +357,7 @@ class PreciseRouting:
         mean = (total + 1) / n  # with this request
         bound = max(self.max_load_ratio * mean, mean + 1, 2)
         ok = [u for u in cands if busy[u.url] + 1 <= bound or busy[u.url] == least]
-        ok = self._within_share(ok, n)
+        ok = self._within_share(ok, n, route.key)
         choice: Upstream | None = None
         reason = "score"
         sess = self._session(route)
@@ -378,7 +383,7 @@ class PreciseRouting:
             choice = min(order, key=cost)
         self.decisions[reason] += 1
         route.reason = reason
-        self._recent.append(choice.url)
+        self._recent.append((choice.url, route.key))
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "precise pick %s reason=%s prompt=%d cached=%s pending=%s load=%s ok=%s",
@@ -393,20 +398,36 @@ class PreciseRouting:
         self._note(route, choice, cached[choice.url])
         return choice
 
-    def _within_share(self, ok: list[Upstream], n: int) -> list[Upstream]:
+    def _within_share(self, ok: list[Upstream], n: int, key: bytes | None) -> list[Upstream]:
         """``ok`` less the upstreams whose share of this gateway's last ``SHARE_WINDOW x n``
         picks, with this one, would exceed ``max_load_ratio`` times the mean share (``share(u)
-        + 1 <= max(X * m, m + 1)``, ``m = (window + 1) / n``); the one with the fewest recent
+        + 1 <= max(X * m, m + 1)``, ``m = (window + 1) / n``) when this request's prompt
+        (``key``) is the one ``u`` took most often in the window: the hottest prompt moves
+        (one copy), the others stay where they are cached. The one with the fewest recent
         picks always stays. Judged once the window is full (a gateway's first picks are the
         warm-up of its prompts' homes)."""
         recent = self._recent
         if len(recent) < SHARE_WINDOW * n or len(ok) < 2:
             return ok
-        counts = Counter(recent)
+        counts = Counter(url for url, _ in recent)
         m = (len(recent) + 1) / n
         bound = max(self.max_load_ratio * m, m + 1)
         fewest = min(counts[u.url] for u in ok)
-        return [u for u in ok if counts[u.url] + 1 <= bound or counts[u.url] == fewest]
+        over = {u.url for u in ok if counts[u.url] + 1 > bound and counts[u.url] != fewest}
+        if not over:
+            return ok
+        keys: dict[str, Counter[bytes | None]] = {url: Counter() for url in over}
+        for url, k in recent:
+            if url in keys:
+                keys[url][k] += 1
+        out = []
+        for u in ok:
+            if u.url in over:
+                top = max(keys[u.url].values())
+                if keys[u.url][key] == top:  # this prompt is u's hottest: it moves
+                    continue
+            out.append(u)
+        return out
 
     def load(self, up: Upstream) -> tuple[int, int]:
         """``(requests, prefill tokens)`` in flight on ``up`` from every client of its

@@ -306,6 +306,9 @@ def test_share_of_recent_picks_is_bounded_by_copies_of_the_hot_prompt():
     window = SHARE_WINDOW * 3
     cold: list[str] = []
 
+    def share(url: str) -> int:
+        return sum(1 for u, _ in p._recent if u == url)
+
     def pick() -> str:
         r = route_of(p, {"prompt": PROMPT})
         up = p.pick(r, [a, b, c], never)
@@ -318,11 +321,38 @@ def test_share_of_recent_picks_is_bounded_by_copies_of_the_hot_prompt():
     assert [pick() for _ in range(window)] == [A] * window and not cold  # the window fills
     assert pick() != A and len(cold) == 1  # A: 49 > 1.3 x 49 / 3: a copy elsewhere
     for i in range(4 * window):
-        assert pick() != A or p._recent.count(A) <= 1.3 * (window + 1) / 3  # none while over
-        counts = [p._recent.count(u) for u in (A, B, C)]
+        assert pick() != A or share(A) <= 1.3 * (window + 1) / 3  # none while over
+        counts = [share(u) for u in (A, B, C)]
         if i >= window:  # the window has slid past A's run: every share within the bound
             assert max(counts) <= 1.3 * (window + 1) / 3, counts
     assert sorted(cold) == [B, C]  # each other upstream copied it once
+
+
+def test_share_bound_moves_only_the_hot_replicas_hottest_prompt():
+    """A over its share with two prompts: the hottest one's next request goes elsewhere (a
+    copy), the other prompt's request stays where it is cached (no copy of it)."""
+    from prefixgate.gateway.proxy.precise_routing import SHARE_WINDOW
+
+    p, index = policy([A, B, C], max_load_ratio=1.3)
+    hot, mild = PROMPT, PROMPT[::-1]
+    for text in (hot, mild):
+        index.hold(A, [ord(c) for c in text])
+    a, b, c = ups(A, B, C)
+
+    def pick(text: str) -> PreciseRoute:
+        base = Route(text[:8].encode(), [1])  # the prompt's key: its leading text
+        r = asyncio.run(p.prepare(base, {"model": "m", "prompt": text}, "/v1/completions", None))
+        p.pick(r, [a, b, c], never)
+        p.release(r)
+        return r
+
+    window = SHARE_WINDOW * 3
+    for i in range(window):  # A takes them all: 3 of 4 the hot prompt's
+        assert pick(mild if i % 4 == 0 else hot).predicted_cached == 48
+    r = pick(mild)  # A is over its share, but this is not its hottest prompt: it stays
+    assert r.predicted_cached == 48  # on A (only A holds it)
+    r = pick(hot)  # the hottest: elsewhere, a copy
+    assert r.predicted_cached == 0
 
 
 def test_session_affinity_lasts_as_long_as_its_pins():
