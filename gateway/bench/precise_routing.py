@@ -402,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
                 procs.append(proc)
                 gateways[policy].append(url)
         proxies = [u for p, us in gateways.items() if p != "single" for u in us]
-        wait_ready(urls + proxies, procs)
+        wait_ready(urls + proxies, procs, timeout=600)  # 3+ min to start at load 15+
         for g in gateways.get("precise", []):  # until its index holds every replica's snapshot
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
