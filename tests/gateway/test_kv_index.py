@@ -450,7 +450,7 @@ def test_load_reports_follow_the_engines_queue(engines):
         assert (done.num_running, done.num_waiting, done.queued_prefill_tokens) == (0, 0, 0)
         mirrors(index, engine)  # the reports never disturbed the batches
         st = index.stats()["replicas"]["e0"]
-        assert st["gaps"] == 0 and st["load_reports"] >= 3 and st["load"] == done
+        assert st["bad_batches"] == 0 and st["load_reports"] >= 3 and st["load"] == done
         assert engine.stats()["kv_events_load_reports"] == engine._load_n
     quiet = engines(kv_events_load_interval_s=0)
     with index_for(quiet) as index:
