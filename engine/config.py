@@ -119,6 +119,7 @@ class EngineConfig:
     kv_events_buffer_steps: int = 10_000
     kv_events_queue_size: int = 10_000
     kv_events_topic: str = ""
+    kv_events_load_interval_s: float = 0.1
     speculative_method: Literal["ngram"] | None = None
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
@@ -232,6 +233,11 @@ class EngineConfig:
             derive_replay_endpoint(self.kv_events)  # ValueError on a TCP endpoint without port
         if not isinstance(self.kv_events_topic, str):
             raise TypeError(f"kv_events_topic must be a str, got {self.kv_events_topic!r}")
+        interval = self.kv_events_load_interval_s
+        if isinstance(interval, bool) or not isinstance(interval, int | float):
+            raise TypeError(f"kv_events_load_interval_s must be a number, got {interval!r}")
+        if not 0 <= interval < float("inf"):
+            raise ValueError(f"kv_events_load_interval_s must be >= 0 seconds, got {interval}")
         for name in ("kv_events_buffer_steps", "kv_events_queue_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

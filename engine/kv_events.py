@@ -26,6 +26,17 @@ vLLM engines alike):
   continues from batch S + 1. A vLLM engine answers it with ``END_SEQ`` alone (no snapshot
   support: the 8 bytes read as a start sequence far ahead).
 
+Load reports (prefixgate's addition, so every gateway learns each engine's load, not only
+the requests it sent itself; as NVIDIA Dynamo's engines publish ``ForwardPassMetrics``): the
+same PUB socket sends ``[topic, LOAD_SEQ, payload]``, ``payload`` a msgpack ``EngineLoad``
+(requests running and waiting, prefill tokens queued net of the prefix cache, KV blocks used,
+the measured token rates) measured in the engine thread at the end of a step whenever the
+number of running or waiting requests changed, else at most every ``load_interval_s`` while
+it is busy (``EngineConfig.kv_events_load_interval_s``; 0: none). Load reports carry no batch
+sequence number, are not replayed and never advance the batches' sequence; a consumer that
+reads only vLLM's events skips the ``LOAD_SEQ`` frame (or the engine is run with reports
+off).
+
 Sequence numbers start at the publisher's start time in microseconds (Unix), so a restarted
 engine's batches never continue an old sequence: a consumer sees a gap (or a step back) and
 resyncs rather than stacking a new cache on the old one. The first batch holds
@@ -61,17 +72,20 @@ from prefixgate.engine.config import derive_replay_endpoint
 
 __all__ = [
     "END_SEQ",
+    "LOAD_SEQ",
     "MEDIUM_GPU",
     "SNAPSHOT_REQUEST",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
+    "EngineLoad",
     "KVEventBatch",
     "KVEventCollector",
     "ParsedEvent",
     "ZmqEventPublisher",
     "derive_replay_endpoint",
     "parse_batch",
+    "parse_load",
 ]
 
 logger = logging.getLogger(__name__)
@@ -82,10 +96,14 @@ MEDIUM_GPU = "GPU"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 """The replay socket's end-of-answer marker (vLLM's)."""
 
+LOAD_SEQ = (-2).to_bytes(8, "big", signed=True)
+"""The sequence frame of a load report (``EngineLoad``; not a batch, never replayed)."""
+
 SNAPSHOT_REQUEST = b"SNAPSHOT"
 """The request frame (8 bytes) that asks the replay socket for a full snapshot."""
 
 _SNAPSHOT_CHUNK = 512  # blocks per snapshot message
+_LOAD_WAKE = "load"  # the queue item that tells the publisher a load report is waiting
 
 
 class EventBatch(msgspec.Struct, omit_defaults=True, gc=False):
@@ -133,6 +151,50 @@ class KVEventBatch(EventBatch):
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
+class EngineLoad(msgspec.Struct, gc=False, frozen=True):
+    """One engine's load at the end of a step (a load report's payload).
+
+    Attributes:
+        ts: Unix seconds of the measurement.
+        n: report number (+1 per report of this publisher; restarts at 0 with the engine).
+        num_running: requests running (prefilling or decoding), pin jobs included.
+        num_waiting: requests waiting for a seat (preempted ones included).
+        queued_prefill_tokens: prompt tokens still to compute: a waiting request's tokens
+            beyond the prefix its engine holds now, a running request's uncomputed tokens
+            beyond one (the scheduler's ``queued_prefill_tokens`` net of cache hits).
+        running_decodes: running requests past their prefill.
+        kv_blocks_used: KV blocks held by requests and pins.
+        kv_blocks_total: KV blocks in the pool.
+        prefill_tokens_per_s, decode_tokens_per_s: the scheduler's measured rates (``None``
+            before measured).
+        last_seq: the last KV event batch numbered when measured.
+    """
+
+    ts: float
+    n: int
+    num_running: int
+    num_waiting: int
+    queued_prefill_tokens: int
+    running_decodes: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    prefill_tokens_per_s: float | None = None
+    decode_tokens_per_s: float | None = None
+    last_seq: int = -1
+
+
+def parse_load(payload: bytes) -> EngineLoad:
+    """Decode a load report's payload.
+
+    Raises:
+        ValueError: not msgpack, or not an ``EngineLoad``.
+    """
+    try:
+        return msgspec.msgpack.decode(payload, type=EngineLoad)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ValueError(f"not an engine load report: {exc}") from None
+
+
 # ---- the engine side ------------------------------------------------------------------------
 
 
@@ -161,6 +223,7 @@ class KVEventCollector:
         last_seq: the last batch's sequence number (published or dropped).
         last_dropped_seq: the last dropped batch's number (``None``: none dropped).
         dropped_batches, dropped_events: batches (and their events) dropped on a full queue.
+        load_reports, dropped_load_reports: load reports made / dropped on a full queue.
     """
 
     def __init__(
@@ -169,7 +232,7 @@ class KVEventCollector:
         if max_queue_batches < 1:
             raise ValueError(f"max_queue_batches must be >= 1, got {max_queue_batches}")
         self.block_size = block_size
-        self.queue: queue.Queue[_Pending | None] = queue.Queue(maxsize=max_queue_batches)
+        self.queue: queue.Queue[_Pending | str | None] = queue.Queue(maxsize=max_queue_batches)
         self._events: list[tuple[str, list[BlockContent]]] = []
         self._mirror: dict[int, BlockContent] = {}  # cache uid -> content (what a snapshot shows)
         self._lock = threading.Lock()
@@ -178,6 +241,10 @@ class KVEventCollector:
         self.last_dropped_seq: int | None = None
         self.dropped_batches = 0
         self.dropped_events = 0
+        self.load_reports = 0
+        self.dropped_load_reports = 0
+        self._latest_load: EngineLoad | None = None
+        self._load_queued = False
         self._events.append(("cleared", []))
 
     # BlockEventSink
@@ -221,6 +288,30 @@ class KVEventCollector:
             self.dropped_batches += 1
             self.last_dropped_seq = item.seq
             self.dropped_events += len(events)
+
+    def report_load(self, load: EngineLoad) -> None:
+        """Hand the publisher a load report (never blocks). At most one wake-up for load
+        reports is in the queue at a time and the publisher sends the latest report when it
+        takes it, so reports take at most one of the queue's places; a full queue drops it
+        (counted in ``dropped_load_reports``)."""
+        with self._lock:
+            self._latest_load = load
+            self.load_reports += 1
+            queued, self._load_queued = self._load_queued, True
+        if queued:
+            return
+        try:
+            self.queue.put_nowait(_LOAD_WAKE)
+        except queue.Full:
+            with self._lock:
+                self._load_queued = False
+                self.dropped_load_reports += 1
+
+    def take_load(self) -> EngineLoad | None:
+        """The latest load report (the publisher thread, on a wake-up)."""
+        with self._lock:
+            self._load_queued = False
+            return self._latest_load
 
     def snapshot(self) -> tuple[int, list[BlockContent]]:
         """``(S, entries)``: every cache entry held after batch ``S`` (any thread)."""
@@ -325,6 +416,7 @@ class ZmqEventPublisher:
         self.endpoint: str = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.replay_endpoint: str = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
         self.published_batches = 0
+        self.published_load_reports = 0
         self.last_published_seq: int | None = None
         self.replays_served = 0
         self.snapshots_served = 0
@@ -357,7 +449,7 @@ class ZmqEventPublisher:
 
     def stats(self) -> dict[str, int]:
         """Counters: batches published / dropped (and dropped events), replays and snapshots
-        served, the last sequence number."""
+        served, the last sequence number, load reports published / dropped."""
         c = self.collector
         return {
             "kv_events_published_batches": self.published_batches,
@@ -366,6 +458,8 @@ class ZmqEventPublisher:
             "kv_events_replays": self.replays_served,
             "kv_events_snapshots": self.snapshots_served,
             "kv_events_last_seq": c.last_seq,
+            "kv_events_load_reports": self.published_load_reports,
+            "kv_events_dropped_load_reports": c.dropped_load_reports,
         }
 
     def _close_sockets(self) -> None:
@@ -394,6 +488,15 @@ class ZmqEventPublisher:
                 continue
             if item is None:
                 return
+            if isinstance(item, str):  # _LOAD_WAKE
+                load = self.collector.take_load()
+                try:
+                    if load is not None:
+                        self._pub.send_multipart((self._topic, LOAD_SEQ, encoder.encode(load)))
+                        self.published_load_reports += 1
+                except zmq.ZMQError:
+                    logger.exception("kv events: a load report was not published")
+                continue
             try:
                 events = _to_events(item.events, self.collector.block_size)
                 payload = encoder.encode(KVEventBatch(ts=item.ts, events=events))

@@ -135,6 +135,8 @@ class LLMEngine:
         self.timing: dict[str, float] = dict.fromkeys(
             ("steps", "step_s", "schedule_s", "prepare_s", "forward_s", "sample_s", "output_s"), 0
         )
+        self._load_last: tuple[float, tuple[int, int]] | None = None  # (when, counts) reported
+        self._load_n = 0
         # last: nothing above can fail with its sockets bound
         self.kv_events = _start_kv_events(config, self.kv_cache_manager)
 
@@ -324,9 +326,56 @@ class LLMEngine:
         return outputs
 
     def _flush_kv_events(self) -> None:
-        """Hand the step's KV cache changes to the event publisher (one batch; never blocks)."""
+        """Hand the step's KV cache changes to the event publisher (one batch; never blocks),
+        and a load report when due (``_report_load``)."""
         if self.kv_events is not None:
             self.kv_events.collector.flush()
+            if self.config.kv_events_load_interval_s > 0:
+                self._report_load()
+
+    def _report_load(self) -> None:
+        """A load report (``kv_events.EngineLoad``) to the publisher when the numbers of
+        running or waiting requests changed since the last report, else when
+        ``kv_events_load_interval_s`` has passed since it and requests are in flight."""
+        s = self.scheduler
+        counts = (s.num_running, s.num_waiting)
+        now = time.monotonic()
+        last = self._load_last
+        if last is not None and counts == last[1]:
+            if counts == (0, 0) or now - last[0] < self.config.kv_events_load_interval_s:
+                return
+        from prefixgate.engine.kv_events import EngineLoad  # torch-free, loaded with kv_events
+
+        kv = self.kv_cache_manager
+        waiting = 0
+        for r in s.waiting:
+            waiting += r.num_tokens - kv.get_computed_blocks(r)[1]
+        running = 0
+        decodes = 0
+        for r in s.running:
+            left = r.num_tokens - r.num_computed_tokens
+            if left > 1:
+                running += left
+            elif left == 1:
+                decodes += 1
+        collector = self.kv_events.collector
+        self._load_last = (now, counts)
+        self._load_n += 1
+        collector.report_load(
+            EngineLoad(
+                ts=time.time(),
+                n=self._load_n,
+                num_running=counts[0],
+                num_waiting=counts[1],
+                queued_prefill_tokens=waiting + running,
+                running_decodes=decodes,
+                kv_blocks_used=kv.pool.num_used,
+                kv_blocks_total=kv.pool.num_blocks,
+                prefill_tokens_per_s=s.prefill_tokens_per_s,
+                decode_tokens_per_s=s.decode_tokens_per_s,
+                last_seq=collector.last_seq,
+            )
+        )
 
     def shutdown(self) -> None:
         """Stop the KV event publisher (what is queued is sent first, within a second) and

@@ -23,7 +23,8 @@ Per policy: prefix hit rate (cached / prompt tokens, from the answers' usage), r
 replica (the gateways' ``/ready``, summed) and the hottest replica's over the mean, TTFT
 p50/p90 (first chunk with choices) and round robin's p90 over it, and for ``precise`` its
 predictions that equalled the reported cached tokens (``/metrics``) and its decisions by
-reason (the warm-up's counted apart). ``--json`` keeps every TTFT, ``--plot`` draws their CDFs
+reason (the warm-up's counted apart). ``--json`` keeps every TTFT and every request (Unix
+send time, TTFT, prompt and cached tokens, tenant salt, gateway), ``--plot`` draws their CDFs
 beside the hit rates (PNG), ``--log-dir`` keeps each precise gateway's picks (DEBUG log:
 per request the cached tokens, queued prefill and load of every replica, the choice and its
 reason; then the predicted beside the reported cached tokens).
@@ -67,19 +68,35 @@ POLICIES = ("precise", "cache_aware", "round_robin", "single")
 MODEL = "models/aidreams-260k"  # in the shared test-data folder (sdk.bench.shared)
 
 
+_TAKEN: set[int] = set()  # ports handed out in this run (released ones are handed out again)
+
+
+def own_port() -> int:
+    """A free loopback port not handed out before in this run: the processes bind theirs a
+    moment later, and the OS may hand a released port out twice meanwhile (a run failed on
+    two replicas given one port)."""
+    while True:
+        port = free_port()
+        if port not in _TAKEN:
+            _TAKEN.add(port)
+            return port
+
+
 def port_pair() -> int:
-    """A free loopback port whose next port is free too (the KV events PUB + replay)."""
+    """A free loopback port whose next port is free too (the KV events PUB + replay), neither
+    handed out before in this run."""
     import socket
 
     while True:
-        port = free_port()
-        if port + 1 >= 65535:
+        port = own_port()
+        if port + 1 >= 65535 or port + 1 in _TAKEN:
             continue
         try:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", port + 1))
         except OSError:
             continue
+        _TAKEN.add(port + 1)
         return port
 
 
@@ -89,7 +106,7 @@ def start(
     """``prefixgate serve ARGS`` on a free loopback port (access log off, warnings only);
     with ``log``, at DEBUG level (precise's per-request picks) into that file. Returns
     (process, base URL)."""
-    port = free_port()
+    port = own_port()
     level = "DEBUG" if log is not None else "WARNING"
     cmd = [sys.executable, "-m", "prefixgate.gateway.cli", "serve", "--port", str(port)]
     cmd += ["--no-access-log", "--stats-interval-s", "0", "--log-level", level, *args]
@@ -155,11 +172,13 @@ def workload(
 
 
 async def one(client: httpx.AsyncClient, url: str, body: dict) -> dict:
+    sent = time.time()
     t0 = time.perf_counter()
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as resp:
         if resp.status_code != 200:
             return {"error": resp.status_code, "body": (await resp.aread())[:200]}
-        return await stream_result(resp, t0)
+        result = await stream_result(resp, t0)
+    return {**result, "sent": sent, "salt": body.get("cache_salt"), "gateway": url}
 
 
 async def drive(
@@ -263,6 +282,7 @@ def summarize(out: list[dict]) -> dict:
         "ttft_p50_s": statistics.median(ttfts) if ttfts else float("nan"),
         "ttft_p90_s": pct(ttfts, 0.9),
         "ttfts": ttfts,
+        "per_request": out,
     }
 
 
@@ -362,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
                 procs.append(proc)
                 gateways[policy].append(url)
         proxies = [u for p, us in gateways.items() if p != "single" for u in us]
-        wait_ready(urls + proxies, procs)
+        wait_ready(urls + proxies, procs, timeout=600)  # 3+ min to start at load 15+
         for g in gateways.get("precise", []):  # until its index holds every replica's snapshot
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:

@@ -5,9 +5,10 @@
 and keeps, per replica, the multiset of block hashes it holds (``BlockStored`` adds one entry per
 hash, ``BlockRemoved`` takes one away, ``AllBlocksCleared`` empties it), plus the inverted
 index hash -> replicas. ``match(block_hashes)`` answers, for every replica, how many leading
-blocks of a request it holds; ``predict(token_ids, block_size, cache_salt)`` hashes a prompt
-exactly as a prefixgate engine does (``block_hash.prompt_block_hashes``, the one function both
-sides share) and turns the match into the prompt tokens the engine will serve from its cache.
+blocks of a request it holds; ``load(name)`` is the replica's latest load report (``kv_events.EngineLoad``: the same
+numbers in every gateway that follows the engine). ``predict(token_ids, block_size,
+cache_salt)`` hashes a prompt exactly as a prefixgate engine does
+(``block_hash.prompt_block_hashes``, the one function both sides share) and turns the match into the prompt tokens the engine will serve from its cache.
 One index serves one model (the same tokens hash the same under every model).
 
 Exactness: every batch carries a sequence number (+1 per batch). A replica's batches are
@@ -40,7 +41,15 @@ from typing import Any
 
 import zmq
 from prefixgate.engine.block_hash import block_key_bytes, num_reusable_blocks, prompt_block_hashes
-from prefixgate.engine.kv_events import END_SEQ, SNAPSHOT_REQUEST, ParsedEvent, parse_batch
+from prefixgate.engine.kv_events import (
+    END_SEQ,
+    LOAD_SEQ,
+    SNAPSHOT_REQUEST,
+    EngineLoad,
+    ParsedEvent,
+    parse_batch,
+    parse_load,
+)
 
 __all__ = ["BlockHash", "KVIndex", "prompt_block_keys"]
 
@@ -85,6 +94,8 @@ class _Replica:
     block_size: int = 0
     counters: Counter[str] = field(default_factory=Counter)
     lag_s: float = 0.0
+    load: EngineLoad | None = None  # the engine's latest load report
+    load_at: float = 0.0  # time.monotonic() when it arrived
     sub: Any = None
     dealer: Any = None
 
@@ -231,6 +242,16 @@ class KVIndex:
             rep = self._replicas.get(name)
             return rep.block_size if rep is not None else 0
 
+    def load(self, name: str) -> tuple[EngineLoad, float] | None:
+        """Replica ``name``'s latest load report and when it arrived (``time.monotonic()``),
+        or ``None`` before its first (an engine without load reports, or an unknown
+        replica)."""
+        with self._lock:
+            rep = self._replicas.get(name)
+            if rep is None or rep.load is None:
+                return None
+            return rep.load, rep.load_at
+
     def applied_seq(self, name: str) -> int | None:
         """The last batch applied for ``name`` (``None`` before its first sync).
 
@@ -244,7 +265,8 @@ class KVIndex:
         """Counters for metrics: ``replicas`` (per replica: ``synced``, ``applied_seq``,
         ``blocks`` (distinct hashes), ``batches_applied``, ``events_applied``, ``gaps``,
         ``resyncs``, ``replays``, ``snapshots``, ``inexact_resyncs``, ``restarts``,
-        ``resync_failures``, ``bad_batches``, ``unknown_removals``, ``lag_s`` (seconds from
+        ``resync_failures``, ``bad_batches``, ``unknown_removals``, ``load_reports``,
+        ``load`` (the latest ``EngineLoad`` or ``None``), ``lag_s`` (seconds from
         the last applied batch's step to its application), ``seq_lag`` (batches seen on the
         stream but not applied)) and the same counters summed over replicas (``lag_s``: the
         largest)."""
@@ -262,6 +284,7 @@ class KVIndex:
                     "applied_seq": applied,
                     "blocks": len(rep.counts),
                     **c,
+                    "load": rep.load,
                     "lag_s": rep.lag_s,
                     "seq_lag": 0 if live is None or applied is None else max(0, live - applied),
                 }
@@ -341,7 +364,9 @@ class KVIndex:
                             frames = sock.recv_multipart(zmq.NOBLOCK)
                         except zmq.Again:
                             break
-                        if len(frames) == 3:
+                        if len(frames) == 3 and frames[1] == LOAD_SEQ:
+                            self._on_load(source, frames[2])
+                        elif len(frames) == 3:
                             seq = int.from_bytes(frames[1], "big")
                             self._on_live(ctx, source, seq, frames[2])
         finally:
@@ -390,6 +415,17 @@ class KVIndex:
                     rep.dealer.close(linger=0)
                     rep.dealer = None
 
+    def _on_load(self, rep: _Replica, payload: bytes) -> None:
+        """A load report from the PUB stream: kept as the replica's latest."""
+        try:
+            load = parse_load(payload)
+        except ValueError:
+            self._count(rep, "bad_batches")
+            return
+        with self._lock:
+            rep.load, rep.load_at = load, time.monotonic()
+            rep.counters["load_reports"] += 1
+
     def _on_live(self, ctx: Any, rep: _Replica, seq: int, payload: bytes) -> None:
         """A batch from the PUB stream."""
         last = rep.last_live_seq
@@ -400,6 +436,7 @@ class KVIndex:
             with self._lock:
                 self._clear(rep)
                 rep.has_state = False
+                rep.load = None
             self._catch_up(ctx, rep, None)
             return
         if rep.needs_sync or not rep.has_state:
@@ -609,4 +646,5 @@ _COUNTERS = (
     "resync_failures",
     "bad_batches",
     "unknown_removals",
+    "load_reports",
 )

@@ -28,17 +28,37 @@ behind).
 ``cached(u)``: prompt tokens ``u`` serves from its cache: the index's match x block size, or
 the blocks of requests in flight to ``u`` when those reach further (computed there before
 their events arrive: a burst of one prefix is not spread by the event delay);
-``pending_prefill(u)``: prompt tokens the requests in flight to ``u`` (routed here) have to
-compute until their answers begin (``started``: a stream's headers come with its first
-token), the prefill queued ahead of this one, less what this one shares of it. The bound on
-imbalance is judged per request: ``u`` is a candidate only when its in-flight requests with
-this one stay within ``max_load_ratio`` times the mean with this one, ``in_flight(u) + 1 <=
-max(X * m, m + 1, 2)`` with ``m = (sum + 1) / n`` (the ``m + 1``: requests are whole, so one
-above the mean is allowed while X times it is less — two requests of one prompt on an idle
-pool of two stay together; the ``2``: on a pool mostly idle, a mean below one, a replica may
-take a second request — on three replicas with one request in flight, ``m + 1`` = 1.67 sent
-every request of the busy replica's prompts to a cold one, a whole prefill and a copy to save
-waiting beside one request), or it is the least loaded (always a candidate).
+``pending_prefill(u)``: prompt tokens the requests in flight on ``u`` have to compute until
+their answers begin, the prefill queued ahead of this one, less what this one shares of it.
+
+Load (``load(u)``: requests in flight and their pending prefill) is the fleet's, not this
+gateway's alone: each engine publishes load reports on its KV event stream
+(``kv_events.EngineLoad``: running and waiting requests, queued prefill net of its cache),
+so every gateway following it sees the same numbers; to the latest report are added this
+gateway's requests sent since it arrived (their uncached tokens), and the result is never
+less than this gateway's own (``Upstream.in_flight``; the uncached tokens of its requests
+not yet ``started``: a stream's headers come with its first token). Engines without
+reports: this gateway's own. The bound on imbalance is judged per request: ``u`` is a
+candidate only when its requests with this one stay within ``max_load_ratio`` times the
+mean with this one, ``load(u) + 1 <= max(X * m, m + 1, 2)`` with ``m = (sum + 1) / n``
+(the ``m + 1``: requests are whole, so one above the mean is allowed while X times it is
+less — two requests of one prompt on an idle pool of two stay together; the ``2``: on a pool
+mostly idle, a mean below one, a replica may take a second request — on three replicas with
+one request in flight, ``m + 1`` = 1.67 sent every request of the busy replica's prompts to a
+cold one, a whole prefill and a copy to save waiting beside one request), or it is the least
+loaded (always a candidate).
+
+The share bound: a candidate whose share of this gateway's last ``SHARE_WINDOW x n`` picks,
+with this one, would exceed ``max_load_ratio`` times the mean share is left out too for the
+request of its hottest prompt in that window (``Route.key``; the one with the fewest recent
+picks stays). The in-flight bound is instantaneous: at a light load (a replica mostly idle
+between requests) it never acts, and a replica homing the most popular prompts served up to
+1.33x the mean (the benchmark's hot replica); the share bound sends the hot prompt's next
+request to another replica, which computes it once and holds a copy, after which the cost
+spreads the prompt over its holders. Only the hottest prompt moves: leaving the replica out
+for every prompt made a copy of each prompt that came while it was over (4 cold prefills
+within 6 s in one run, the slowest tenth's first five). With two gateways behind a
+round-robin client each bounds its own half of the traffic, and so the sum.
 
 A prompt no candidate holds (cold, or evicted everywhere) goes to its home: the upstream its
 leading text (``Route.key``: the system prompt, salted) was first placed on, a candidate
@@ -64,7 +84,8 @@ Visible: per request the predicted cached tokens beside the upstream's reported
 ``prefixgate_route_predicted_cached_tokens`` / ``_reported_cached_tokens`` (sums, per upstream),
 ``prefixgate_route_predictions{result=exact|over|under}``, ``prefixgate_route_decisions{reason}``
 and the index's state per replica (``prefixgate_kv_index_*``: synced, blocks, lag, gaps,
-resyncs, replays, snapshots, restarts, failures).
+resyncs, replays, snapshots, restarts, failures, load reports; and the latest report's
+requests, queued prefill tokens and KV usage, ``prefixgate_kv_index_load_*``).
 """
 
 from __future__ import annotations
@@ -72,7 +93,8 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-from collections import Counter, OrderedDict
+import time
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -105,6 +127,7 @@ logger = logging.getLogger("prefixgate.gateway")
 DEFAULT_MAX_LOAD_RATIO = 1.3  # X: no upstream above X x the mean in-flight load
 MAX_SESSIONS = 65_536  # session pins remembered (least recently used forgotten beyond)
 MAX_PROMPT_CHARS = 1 << 21  # a longer body is routed without tokenizing (cache_aware)
+SHARE_WINDOW = 16  # picks per upstream in the window of the share bound
 
 
 def parse_kv_events_spec(spec: str) -> tuple[str, str, str | None]:
@@ -153,6 +176,7 @@ class PreciseRoute(Route):
         "batch",
         "_keys",
         "_charge",
+        "_sent",
     )
 
     def __init__(self, key: bytes | None, blocks: list[int], model: str | None = None) -> None:
@@ -167,6 +191,7 @@ class PreciseRoute(Route):
         self.batch = False  # a completions batch: routed on its first prompt, not predicted
         self._keys: dict[tuple[str | None, int], list[bytes]] = {}
         self._charge: tuple[str, int, list[bytes]] | None = None  # (url, uncached, keys)
+        self._sent = 0.0  # time.monotonic() of the pick
 
     def engine_salt(self, up: Upstream) -> str | None:
         """The cache salt ``up``'s engine gets for this request (an open upstream)."""
@@ -234,9 +259,14 @@ class PreciseRouting:
         )
         self._sessions: OrderedDict[tuple[str | None, str], _Session] = OrderedDict()
         self._pending: Counter[str] = Counter()  # url -> uncached prompt tokens in flight
+        self._flying: dict[str, dict[int, PreciseRoute]] = {}  # url -> id -> route charged
         # url -> block keys of the requests in flight there (stored soon, not yet published)
         self._inflight_keys: dict[str, Counter[bytes]] = {}
         self._turn = itertools.count()
+        # the upstreams of the last picks (the share bound: SHARE_WINDOW per upstream fed)
+        self._recent: deque[tuple[str, bytes | None]] = deque(  # (url, prompt key)
+            maxlen=SHARE_WINDOW * max(1, len(self.feeds))
+        )
         self._homes: OrderedDict[bytes, str] = OrderedDict()  # prompt key -> its home upstream
         self._home_count: Counter[str] = Counter()  # upstream -> prompts homed there
         self.decisions: Counter[str] = Counter()
@@ -318,13 +348,16 @@ class PreciseRouting:
             return self._fallback(route, "not_synced", fallback)
         found = {u.url: self._match(route, u) for u in cands}
         cached = {url: n for url, (n, _) in found.items()}
+        loads = {u.url: self.load(u) for u in cands}
+        busy = {url: reqs for url, (reqs, _) in loads.items()}
         n = len(cands)
         prompt = len(route.token_ids)
-        total = sum(u.in_flight for u in cands)
-        least = min(u.in_flight for u in cands)
+        total = sum(busy.values())
+        least = min(busy.values())
         mean = (total + 1) / n  # with this request
         bound = max(self.max_load_ratio * mean, mean + 1, 2)
-        ok = [u for u in cands if u.in_flight + 1 <= bound or u.in_flight == least]
+        ok = [u for u in cands if busy[u.url] + 1 <= bound or busy[u.url] == least]
+        ok = self._within_share(ok, n, route.key)
         choice: Upstream | None = None
         reason = "score"
         sess = self._session(route)
@@ -341,28 +374,82 @@ class PreciseRouting:
 
             def cost(u: Upstream) -> tuple[float, int]:
                 # the in-flight prefill this request shares is work it need not wait twice for
-                pending = max(0, self._pending[u.url] - found[u.url][1])
+                pending = max(0, loads[u.url][1] - found[u.url][1])
                 # tokens held elsewhere but computed again here are a copy: they displace as
                 # many tokens of u's cache (other prompts' blocks, refilled later)
                 copy = held - cached[u.url]
-                return (w * (prompt - cached[u.url] + copy) + pending, u.in_flight)
+                return (w * (prompt - cached[u.url] + copy) + pending, busy[u.url])
 
             choice = min(order, key=cost)
         self.decisions[reason] += 1
         route.reason = reason
+        self._recent.append((choice.url, route.key))
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
-                "precise pick %s reason=%s prompt=%d cached=%s pending=%s in_flight=%s ok=%s",
+                "precise pick %s reason=%s prompt=%d cached=%s pending=%s load=%s ok=%s",
                 choice.url,
                 reason,
                 prompt,
                 {u.url: cached[u.url] for u in cands},
-                {u.url: self._pending[u.url] for u in cands},
-                {u.url: u.in_flight for u in cands},
+                {u.url: loads[u.url][1] for u in cands},
+                busy,
                 [u.url for u in ok],
             )
         self._note(route, choice, cached[choice.url])
         return choice
+
+    def _within_share(self, ok: list[Upstream], n: int, key: bytes | None) -> list[Upstream]:
+        """``ok`` less the upstreams whose share of this gateway's last ``SHARE_WINDOW x n``
+        picks, with this one, would exceed ``max_load_ratio`` times the mean share (``share(u)
+        + 1 <= max(X * m, m + 1)``, ``m = (window + 1) / n``) when this request's prompt
+        (``key``) is the one ``u`` took most often in the window: the hottest prompt moves
+        (one copy), the others stay where they are cached. The one with the fewest recent
+        picks always stays. Judged once the window is full (a gateway's first picks are the
+        warm-up of its prompts' homes)."""
+        recent = self._recent
+        if len(recent) < SHARE_WINDOW * n or len(ok) < 2:
+            return ok
+        counts = Counter(url for url, _ in recent)
+        m = (len(recent) + 1) / n
+        bound = max(self.max_load_ratio * m, m + 1)
+        fewest = min(counts[u.url] for u in ok)
+        over = {u.url for u in ok if counts[u.url] + 1 > bound and counts[u.url] != fewest}
+        if not over:
+            return ok
+        keys: dict[str, Counter[bytes | None]] = {url: Counter() for url in over}
+        for url, k in recent:
+            if url in keys:
+                keys[url][k] += 1
+        out = []
+        for u in ok:
+            if u.url in over:
+                top = max(keys[u.url].values())
+                if keys[u.url][key] == top:  # this prompt is u's hottest: it moves
+                    continue
+            out.append(u)
+        return out
+
+    def load(self, up: Upstream) -> tuple[int, int]:
+        """``(requests, prefill tokens)`` in flight on ``up`` from every client of its
+        engine, not only this gateway's: the engine's latest load report (its running and
+        waiting requests and its queued prefill net of its cache, the same in every gateway
+        following its events) plus this gateway's requests sent to ``up`` since that report
+        arrived (not in it yet) and their uncached tokens; never less than this gateway's
+        own (``up.in_flight`` and the uncached tokens of its requests not yet started: a
+        request sent just before the report may not have reached the engine). Without a
+        report (the engine publishes none, or none yet): this gateway's own."""
+        own = (up.in_flight, max(0, self._pending[up.url]))
+        got = self.index.load(up.url)
+        if got is None:
+            return own
+        report, at = got
+        reqs = report.num_running + report.num_waiting
+        tokens = report.queued_prefill_tokens
+        for r in self._flying.get(up.url, {}).values():
+            if r._sent > at and r._charge is not None:
+                reqs += 1
+                tokens += r._charge[1]
+        return max(reqs, own[0]), max(tokens, own[1])
 
     def _place(self, key: bytes, ok: Sequence[Upstream], cands: Sequence[Upstream]) -> Upstream:
         """The home of a prompt no candidate under the bound holds (its leading text
@@ -449,6 +536,8 @@ class PreciseRouting:
             bs = self._block_size(up.url)
             keys = route.keys(route.engine_salt(up), bs) if bs > 0 else []
             route._charge = (up.url, uncached, keys)
+            route._sent = time.monotonic()
+            self._flying.setdefault(up.url, {})[id(route)] = route
             self._pending[up.url] += uncached
             self._inflight_keys.setdefault(up.url, Counter()).update(keys)
         if route.session is not None:
@@ -499,6 +588,7 @@ class PreciseRouting:
         url, uncached, keys = route._charge
         route._charge = None
         self._pending[url] -= uncached
+        self._flying.get(url, {}).pop(id(route), None)
         held = self._inflight_keys.get(url)
         if held is not None:
             held.subtract(keys)
@@ -547,6 +637,7 @@ _INDEX_COUNTERS = (
     ("resync_failures", "replay / snapshot requests that failed"),
     ("batches_applied", "KV event batches applied"),
     ("unknown_removals", "removals of blocks the index did not hold (0 when exact)"),
+    ("load_reports", "load reports received from the replica's engine"),
 )
 
 
@@ -615,5 +706,31 @@ class _PreciseCollector(Collector):
                 g.add_metric([name], float(st[k]))
             for k, c in counters.items():
                 c.add_metric([name], st[k])
+        load = {
+            "requests": GaugeMetricFamily(
+                "prefixgate_kv_index_load_requests",
+                "requests running and waiting on the replica, by its latest load report",
+                labels=["replica"],
+            ),
+            "queued": GaugeMetricFamily(
+                "prefixgate_kv_index_load_queued_prefill_tokens",
+                "prefill tokens queued on the replica (net of its cache), by its latest report",
+                labels=["replica"],
+            ),
+            "kv": GaugeMetricFamily(
+                "prefixgate_kv_index_load_kv_usage",
+                "fraction of the replica's KV blocks in use, by its latest load report",
+                labels=["replica"],
+            ),
+        }
+        for name, st in sorted(stats.items()):
+            rep = st.get("load")
+            if rep is None:
+                continue
+            load["requests"].add_metric([name], rep.num_running + rep.num_waiting)
+            load["queued"].add_metric([name], rep.queued_prefill_tokens)
+            total = rep.kv_blocks_total
+            load["kv"].add_metric([name], rep.kv_blocks_used / total if total else 0.0)
         yield from gauges.values()
         yield from counters.values()
+        yield from load.values()

@@ -94,6 +94,10 @@ ENGINE_HELP = {
     "kv_events_queue_size": "KV event batches queued between the step loop and the publisher "
     "(>= 1); a batch past it is dropped and counted, and consumers resync on the gap",
     "kv_events_topic": "topic frame of every KV event message (default: empty)",
+    "kv_events_load_interval_s": "with --kv-events, also publish the engine's load (requests "
+    "running and waiting, queued prefill tokens, KV use) on the same socket whenever its "
+    "requests change and at most this often in between while busy; 0: no load reports "
+    "(for consumers that read only vLLM's events)",
     "speculative_method": "speculative decoding: ngram (prompt lookup: drafts copied from "
     "where the request's last n-gram occurred before in its prompt + output, verified in one "
     "forward; greedy output unchanged, sampling by rejection sampling) (default: off)",

@@ -18,7 +18,10 @@ hashes equal to the engine's cached blocks (``BlockPool.cached_contents``), and 
   AsyncEngine publishes and its shutdown frees the ports;
 - a vLLM-style publisher (legacy ``array_like`` batches, int hashes, no snapshot) is followed;
   a replica without a replay endpoint is followed inexactly (its gaps counted);
-- vLLM's layouts (maps and the legacy ``array_like``) parse; the modules import without torch.
+- vLLM's layouts (maps and the legacy ``array_like``) parse; the modules import without torch;
+- load reports: the index holds the engine's latest (running, waiting, queued prefill net of
+  the cache, KV blocks used), reported when its requests change, idle at the end; off with
+  ``kv_events_load_interval_s=0``; they never advance or disturb the batches' sequence.
 """
 
 from __future__ import annotations
@@ -393,6 +396,70 @@ def test_async_engine_publishes_and_shutdown_unbinds(aidreams_path, pool_whole):
 # ---- format (no engine) -----------------------------------------------------------------------
 
 
+def wait_load(index: KVIndex, engine, name: str = "e0", timeout_s: float = 60.0):
+    """Until the index holds the engine's latest load report (a deadline, not a timing
+    assertion); returns it."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = index.load(name)
+        if got is not None and got[0].n == engine._load_n:
+            return got[0]
+        time.sleep(0.02)
+    raise AssertionError(f"load report {engine._load_n} never arrived: {index.load(name)}")
+
+
+def test_load_reports_follow_the_engines_queue(engines):
+    engine = engines(max_num_seqs=2, num_kv_blocks=48)
+    rng = random.Random(11)
+    prefix = [1] + rand_ids(rng, 31)  # 4 blocks
+    with index_for(engine) as index:
+        run(engine, [prefix + rand_ids(rng, 5)])  # cached now
+        wait_synced(index, engine)
+        idle = wait_load(index, engine)
+        assert (idle.num_running, idle.num_waiting, idle.queued_prefill_tokens) == (0, 0, 0)
+        prompts = [prefix + rand_ids(rng, 5) for _ in range(3)] + [rand_ids(rng, 20)]
+        for i, p in enumerate(prompts):
+            engine.add_request(f"load{i}", p, greedy(3))
+        engine.step()  # two seats: two run, two wait (one with the cached prefix)
+        got = wait_load(index, engine)
+        sched = engine.scheduler
+        assert (
+            (got.num_running, got.num_waiting)
+            == (2, 2)
+            == (
+                sched.num_running,
+                sched.num_waiting,
+            )
+        )
+        # the waiting ones' tokens less the prefix the engine holds for them (32 cached for
+        # the prefix's request, none for the other), the running ones' uncomputed beyond one
+        waiting = sum(
+            r.num_tokens - (32 if r.all_token_ids[:32] == prefix else 0) for r in sched.waiting
+        )
+        running = sum(
+            r.num_tokens - r.num_computed_tokens
+            for r in sched.running
+            if r.num_tokens - r.num_computed_tokens > 1
+        )
+        assert got.queued_prefill_tokens == waiting + running
+        assert waiting < sum(r.num_tokens for r in sched.waiting)  # the hit is netted out
+        assert got.kv_blocks_used == engine.kv_cache_manager.pool.num_used
+        assert got.kv_blocks_total == 48 and got.last_seq == engine.kv_events.collector.last_seq
+        while engine.has_unfinished_requests():
+            engine.step()
+        done = wait_load(index, engine)
+        assert (done.num_running, done.num_waiting, done.queued_prefill_tokens) == (0, 0, 0)
+        mirrors(index, engine)  # the reports never disturbed the batches
+        st = index.stats()["replicas"]["e0"]
+        assert st["bad_batches"] == 0 and st["load_reports"] >= 3 and st["load"] == done
+        assert engine.stats()["kv_events_load_reports"] == engine._load_n
+    quiet = engines(kv_events_load_interval_s=0)
+    with index_for(quiet) as index:
+        run(quiet, [prefix])
+        wait_synced(index, quiet)
+        assert index.load("e0") is None and quiet.stats()["kv_events_load_reports"] == 0
+
+
 def test_parse_batch_reads_vllm_layouts():
     h1, h2 = (1 << 63) + 5, 42
 
@@ -597,6 +664,14 @@ def test_bad_arguments_are_refused():
         EngineConfig(kv_events="tcp://127.0.0.1:5557", runner="pooling")
     with pytest.raises(ValueError, match="kv_events_queue_size"):
         EngineConfig(kv_events="tcp://127.0.0.1:5557", kv_events_queue_size=0)
+    with pytest.raises(ValueError, match="kv_events_load_interval_s"):
+        EngineConfig(kv_events_load_interval_s=-0.1)
+    with pytest.raises(TypeError, match="kv_events_load_interval_s"):
+        EngineConfig(kv_events_load_interval_s="0.1")  # type: ignore[arg-type]
+    from prefixgate.engine.kv_events import parse_load
+
+    with pytest.raises(ValueError, match="load report"):
+        parse_load(msgspec.msgpack.encode({"ts": 1.0}))
 
 
 def test_modules_import_without_torch(tmp_path):

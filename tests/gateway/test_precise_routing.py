@@ -7,6 +7,9 @@ without torch.
 - homes: a cold prompt's home stays while it is only busy;
 - the per-request bound: an upstream whose in-flight requests with this one would exceed X x
   the mean is never chosen, however much it holds; the least loaded always qualifies;
+- the fleet's load: the engines' load reports (requests another gateway sent) count in the
+  bound and the queued prefill, with this gateway's requests sent since the last report added
+  once, and never less than this gateway's own;
 - session affinity (``prompt_cache_key``, else ``user``, within a cache partition) holds while
   the session's pins are held (or a request of it is in flight) and is forgotten when the
   index says they are gone;
@@ -24,9 +27,11 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Sequence
 
 import pytest
+from prefixgate.engine.kv_events import EngineLoad
 from prefixgate.gateway.proxy.kv_index import prompt_block_keys
 from prefixgate.gateway.proxy.precise_routing import (
     PreciseRoute,
@@ -47,6 +52,16 @@ class StubIndex:
     def __init__(self, urls: Sequence[str]) -> None:
         self.held: dict[str, set[bytes]] = {u: set() for u in urls}
         self.synced = dict.fromkeys(urls, True)
+        self.loads: dict[str, tuple[EngineLoad, float]] = {}  # url -> (report, arrival)
+
+    def load(self, name: str) -> tuple[EngineLoad, float] | None:
+        return self.loads.get(name)
+
+    def report(self, url: str, running: int = 0, waiting: int = 0, queued: int = 0) -> None:
+        """A load report from ``url``'s engine arrives now."""
+        n = self.loads[url][0].n + 1 if url in self.loads else 1
+        load = EngineLoad(time.time(), n, running, waiting, queued, 0, 0, 256)
+        self.loads[url] = (load, time.monotonic())
 
     def stats(self) -> dict:
         return {"replicas": {u: {"synced": s} for u, s in self.synced.items()}}
@@ -224,6 +239,120 @@ def test_bound_on_imbalance_is_judged_per_request():
     assert p.pick(route_of(p, {"prompt": PROMPT}), [a, b, c], never) in (b, c)
     with pytest.raises(ValueError, match="max_load_ratio"):
         policy([A], max_load_ratio=0.9)
+
+
+def test_engine_load_reports_count_every_gateways_requests():
+    """Two gateways on one pool: the requests gateway 1 sent show in gateway 2's bound and
+    queued prefill through the engines' load reports (the same report in both), so 2 does
+    not pile onto the replica 1 keeps busy."""
+    ids = [ord(c) for c in PROMPT]
+    index = StubIndex([A, B, C])
+    index.hold(A, ids)
+    feeds = {u: ("tcp://127.0.0.1:1", None) for u in (A, B, C)}
+    g2 = PreciseRouting(FakeTokenizer(), feeds, index=index, max_load_ratio=1.3)  # type: ignore[arg-type]
+    a, b, c = ups(A, B, C)  # gateway 2's own view: nothing in flight anywhere
+    assert g2.load(a) == (0, 0)  # no report yet: its own
+    index.report(A, running=2, waiting=1, queued=300)  # gateway 1's three requests on A
+    index.report(B)
+    index.report(C)
+    assert g2.load(a) == (3, 300) and g2.load(b) == (0, 0)
+    # A with this one: 4 > max(1.3 * 4 / 3, 4 / 3 + 1, 2) -> not a candidate, though it holds
+    r = route_of(g2, {"prompt": PROMPT})
+    assert g2.pick(r, [a, b, c], never) in (b, c) and r.predicted_cached == 0
+    g2.release(r)
+    # A down to one running request (a new report): the holder wins again, and its queued
+    # prefill is weighed: 4 + 95 against 52 + 48 copied on an idle replica; 4 + 97 loses
+    index.report(A, running=1, queued=95)
+    r = route_of(g2, {"prompt": PROMPT})
+    assert g2.pick(r, [a, b, c], never) is a and r.predicted_cached == 48
+    g2.release(r)
+    index.report(A, running=1, queued=97)
+    assert g2.pick(route_of(g2, {"prompt": PROMPT}), [a, b, c], never) is not a
+
+
+def test_requests_sent_since_the_last_report_are_added_once():
+    p, index = policy([A, B])
+    a, b = ups(A, B)
+    index.report(A, running=1, queued=10)
+    index.report(B)
+    r = route_of(p, {"prompt": "z" * 40})
+    assert p.pick(r, [a], never) is a
+    a.in_flight += 1  # what the proxy does once picked
+    # sent after the report arrived: not in it, added (1 request, its 40 uncached tokens)
+    assert p.load(a) == (2, 50)
+    time.sleep(0.002)  # (monotonic clock steps: the next report arrives after the pick)
+    index.report(A, running=2, queued=50)  # the engine has it now: counted once
+    assert p.load(a) == (2, 50)
+    index.report(A, running=0, queued=0)  # a report that misses it (sent before it arrived)
+    assert p.load(a) == (1, 40)  # this gateway's own is the floor
+    p.started(r)  # its prefill done
+    assert p.load(a) == (1, 0)
+    p.release(r)
+    a.in_flight -= 1
+    assert p.load(a) == (0, 0) and not p._flying[A]
+
+
+def test_share_of_recent_picks_is_bounded_by_copies_of_the_hot_prompt():
+    """One prompt held by A takes every pick while A is idle; once A has more than X x the
+    mean share of the last 16 x n picks, the prompt goes to another upstream (a copy), and
+    so on until the holders' shares are within the bound: one copy per other upstream (a
+    single prompt is the whole traffic here, so it ends on all three), each made once."""
+    from prefixgate.gateway.proxy.precise_routing import SHARE_WINDOW
+
+    p, index = policy([A, B, C], max_load_ratio=1.3)
+    ids = [ord(c) for c in PROMPT]
+    index.hold(A, ids)
+    a, b, c = ups(A, B, C)
+    window = SHARE_WINDOW * 3
+    cold: list[str] = []
+
+    def share(url: str) -> int:
+        return sum(1 for u, _ in p._recent if u == url)
+
+    def pick() -> str:
+        r = route_of(p, {"prompt": PROMPT})
+        up = p.pick(r, [a, b, c], never)
+        p.release(r)
+        if r.predicted_cached != 48:
+            cold.append(up.url)
+            index.hold(up.url, ids)  # its events arrive: one more holder
+        return up.url
+
+    assert [pick() for _ in range(window)] == [A] * window and not cold  # the window fills
+    assert pick() != A and len(cold) == 1  # A: 49 > 1.3 x 49 / 3: a copy elsewhere
+    for i in range(4 * window):
+        assert pick() != A or share(A) <= 1.3 * (window + 1) / 3  # none while over
+        counts = [share(u) for u in (A, B, C)]
+        if i >= window:  # the window has slid past A's run: every share within the bound
+            assert max(counts) <= 1.3 * (window + 1) / 3, counts
+    assert sorted(cold) == [B, C]  # each other upstream copied it once
+
+
+def test_share_bound_moves_only_the_hot_replicas_hottest_prompt():
+    """A over its share with two prompts: the hottest one's next request goes elsewhere (a
+    copy), the other prompt's request stays where it is cached (no copy of it)."""
+    from prefixgate.gateway.proxy.precise_routing import SHARE_WINDOW
+
+    p, index = policy([A, B, C], max_load_ratio=1.3)
+    hot, mild = PROMPT, PROMPT[::-1]
+    for text in (hot, mild):
+        index.hold(A, [ord(c) for c in text])
+    a, b, c = ups(A, B, C)
+
+    def pick(text: str) -> PreciseRoute:
+        base = Route(text[:8].encode(), [1])  # the prompt's key: its leading text
+        r = asyncio.run(p.prepare(base, {"model": "m", "prompt": text}, "/v1/completions", None))
+        p.pick(r, [a, b, c], never)
+        p.release(r)
+        return r
+
+    window = SHARE_WINDOW * 3
+    for i in range(window):  # A takes them all: 3 of 4 the hot prompt's
+        assert pick(mild if i % 4 == 0 else hot).predicted_cached == 48
+    r = pick(mild)  # A is over its share, but this is not its hottest prompt: it stays
+    assert r.predicted_cached == 48  # on A (only A holds it)
+    r = pick(hot)  # the hottest: elsewhere, a copy
+    assert r.predicted_cached == 0
 
 
 def test_session_affinity_lasts_as_long_as_its_pins():

@@ -7,6 +7,9 @@ publish KV events on loopback ports.
   through both (several prefixes, evicting), both gateways' indexes equal each engine's block
   set, and the same prefix sent through either gateway goes to the same replica (and is
   predicted there exactly);
+- two gateways see the same load on each replica (the engines' load reports): a request sent
+  through one gateway, held in its engine after its first token, shows as one request on
+  that replica in the other gateway too, and both see the fleet idle after it;
 - a consumer stopped while the engines keep storing and evicting (requests straight to the
   engines): on resuming, the gap is found (one replica closes it by replay, the other, whose
   replay buffer is smaller than the gap, by a snapshot) and the index equals each engine's
@@ -18,6 +21,7 @@ The waits poll the index's state with a deadline (no timed assertion).
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections import Counter
 
@@ -143,6 +147,82 @@ def test_two_gateways_follow_every_engine_and_agree(engines, aidreams_path, pool
             assert pred and all(result == "exact" for (_, result) in pred), pred
             _assert_index_equals_engines(gw, engines)
     finally:
+        for gw in gws:
+            gw.close()
+    _settle(engines)
+    for srv in engines:
+        pool_whole(srv.app[LOCAL].engine)
+
+
+def _wait_load(gws, expect: dict[str, tuple[int, int]], timeout_s: float = 60.0) -> None:
+    """Until every gateway's ``load`` of each upstream is ``expect[url]`` (a deadline for the
+    wait, not a timing assertion)."""
+    deadline = time.monotonic() + timeout_s
+    seen: list = []
+    while time.monotonic() < deadline:
+        seen = [
+            {u.url: gw.app[PROXY].router.precise.load(u) for u in gw.app[PROXY].router.upstreams}
+            for gw in gws
+        ]
+        if all(view == expect for view in seen):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"gateways' loads {seen} never became {expect}")
+
+
+def test_two_gateways_see_the_same_load(engines, aidreams_path, pool_whole):
+    gws = [_gateway(engines, aidreams_path) for _ in range(2)]
+    gate = threading.Event()
+    saved = []
+    try:
+        for srv in engines:  # each engine reports once (a request straight to it)
+            assert _complete(srv.url, "the cat sat", "warm").status_code == 200
+        _settle(engines)
+        for gw in gws:
+            _wait_caught_up(gw, engines)
+        idle = {e.url: (0, 0) for e in engines}
+        _wait_load(gws, idle)
+        for srv in engines:  # from now on an engine's second step waits for the gate
+            llm = _llm(srv)
+            calls = [0]
+
+            def execute(out, orig=llm.runner.execute, calls=calls):
+                calls[0] += 1
+                if calls[0] > 1:
+                    gate.wait(60)
+                return orig(out)
+
+            saved.append((llm, llm.runner.execute))
+            llm.runner.execute = execute
+        first = threading.Event()
+
+        def client() -> None:
+            body = {"model": MODEL, "prompt": "a warm mat " * 4, "max_tokens": 4, "stream": True}
+            with httpx.stream("POST", gws[0].url + "/v1/completions", json=body, timeout=60) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        first.set()
+
+        t = threading.Thread(target=client)
+        t.start()
+        assert first.wait(60)  # its first token came: its engine now waits in its next step
+        ups = gws[0].app[PROXY].router.upstreams
+        busy = next(u.url for u in ups if u.in_flight == 1)
+        assert all(u.in_flight == 0 for u in gws[1].app[PROXY].router.upstreams)
+        # one request decoding there (no prefill left), in both gateways' view
+        _wait_load(gws, {**idle, busy: (1, 0)})
+        text = httpx.get(gws[1].url + "/metrics", timeout=10).text  # and in its /metrics
+        assert f'prefixgate_kv_index_load_requests{{replica="{busy}"}} 1.0' in text
+        assert f'prefixgate_kv_index_load_queued_prefill_tokens{{replica="{busy}"}} 0.0' in text
+        gate.set()
+        t.join(60)
+        _settle(engines)
+        _wait_load(gws, idle)
+    finally:
+        gate.set()
+        for llm, orig in saved:
+            llm.runner.execute = orig
         for gw in gws:
             gw.close()
     _settle(engines)
