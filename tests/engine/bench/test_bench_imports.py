@@ -7,25 +7,12 @@ lazily (a benchmark of the engine behind the gateway belongs in ``gateway/bench/
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import prefixgate.engine.bench as bench
+from support.imports import imported_names
 
 BENCH_DIR = Path(bench.__file__).parent
-
-
-def _imports(path: Path, *, top_level_only: bool = False) -> set[str]:
-    tree = ast.parse(path.read_text(), filename=str(path))
-    names: set[str] = set()
-    for node in tree.body if top_level_only else ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            assert node.level == 0, f"{path.name}: relative import (use the absolute name)"
-            names.add(node.module or "")
-            names.update(f"{node.module}.{a.name}" for a in node.names)
-    return names
 
 
 def _benches() -> list[Path]:
@@ -36,7 +23,7 @@ def _benches() -> list[Path]:
 
 def test_engine_benchmarks_import_no_gateway_and_of_the_sdk_only_the_shared_lookup():
     for path in _benches():
-        names = _imports(path)
+        names = imported_names(path)
         gateway = {n for n in names if n.startswith("prefixgate.gateway")}
         assert not gateway, f"{path.name} imports {gateway}"
         sdk = {n for n in names if n.startswith("prefixgate.sdk")}

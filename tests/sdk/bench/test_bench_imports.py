@@ -10,58 +10,20 @@
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import prefixgate.sdk as sdk
+from support.imports import imported_names
 
 SDK_DIR = Path(sdk.__file__).parent
 OTHER_PARTS = ("prefixgate.engine", "prefixgate.gateway", "prefixgate.kernels")
 HEAVY = ("torch", "transformers", "triton")
 
 
-def _module_name(path: Path, root: Path) -> str:
-    rel = path.relative_to(root).with_suffix("")
-    parts = ["prefixgate", "sdk", *rel.parts]
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def _package(path: Path, root: Path) -> str:
-    name = _module_name(path, root)
-    return name if path.name == "__init__.py" else name.rpartition(".")[0]
-
-
 def _imports(path: Path, *, root: Path = SDK_DIR, top_level_only: bool = False) -> set[str]:
     """Absolute names of the modules ``path`` (a module under ``root``, the folder of
     ``prefixgate.sdk``) imports, relative imports resolved."""
-    tree = ast.parse(path.read_text(), filename=str(path))
-    names: set[str] = set()
-    for node in tree.body if top_level_only else ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                package = _package(path, root).split(".")
-                up = package[: len(package) - (node.level - 1)]
-                base = ".".join([*up, base] if base else up)
-            names.add(base)
-            names.update(f"{base}.{a.name}" for a in node.names)  # `from prefixgate import engine`
-        elif (
-            isinstance(node, ast.Call)
-            and (
-                (isinstance(node.func, ast.Attribute) and node.func.attr == "import_module")
-                or (
-                    isinstance(node.func, ast.Name)
-                    and node.func.id in ("import_module", "__import__")
-                )
-            )
-            and node.args
-            and isinstance(node.args[0], ast.Constant)
-            and isinstance(node.args[0].value, str)
-        ):
-            names.add(node.args[0].value)
-    return names
+    return imported_names(path, root, "prefixgate.sdk", top_level_only=top_level_only)
 
 
 def _within(name: str, prefixes: tuple[str, ...]) -> bool:
