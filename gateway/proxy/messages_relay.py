@@ -57,7 +57,7 @@ from prefixgate.gateway.proxy.answers import shape_problem
 from prefixgate.gateway.proxy.messages_openai import Malformed
 from prefixgate.gateway.proxy.policies import Route
 from prefixgate.gateway.proxy.redact import auth_error, secrets_of
-from prefixgate.gateway.proxy.routes import upstream_headers
+from prefixgate.gateway.proxy.routes import end_attempt, transport_failure, upstream_headers
 from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import Upstream, retry_after_seconds
 from prefixgate.gateway.proxy.usage import admit_call, settle_usage
@@ -268,26 +268,14 @@ async def _each_upstream(
             request = call.request
             if request.transport is None or request.transport.is_closing():
                 return web.Response(status=499)  # client gone; nothing to answer
-            why = type(exc).__name__ + (f": {exc}" if str(exc) else "")
-            if isinstance(exc, TimeoutError) and not isinstance(
-                exc, aiohttp.ConnectionTimeoutError
-            ):
-                router.suspect(up, why)  # one slow request, not a dead server
-                status = "timeout"
-                timed_out = APIError(
-                    504,
-                    f"the upstream sent nothing for {router.timeout_s:g} s",
-                    code="upstream_timeout",
-                )
+            status, timeout = transport_failure(router, up, exc)
+            if timeout is not None:
+                timed_out = timeout
                 if configured:
                     continue
                 raise timed_out from None
-            router.mark_failed(up, why)
-            status = "failed"
         finally:
-            up.in_flight -= 1
-            up.slots.give(slot)
-            call.st.metrics.upstream_requests.labels(up.url, status).inc()
+            end_attempt(call.st, up, slot, status)
 
 
 async def _refused(call: _Call, up: Upstream, resp: aiohttp.ClientResponse) -> None:

@@ -480,28 +480,37 @@ async def _forward(
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
             if request.transport is None or request.transport.is_closing():
                 return web.Response(status=499)  # client gone; nothing to answer
-            why = type(exc).__name__ + (f": {exc}" if str(exc) else "")
-            if isinstance(exc, TimeoutError) and not isinstance(
-                exc, aiohttp.ConnectionTimeoutError
-            ):
-                # An idle timeout: one slow request, not a dead server (a probe decides).
-                router.suspect(up, why)
-                status = "timeout"
-                timed_out = APIError(
-                    504,
-                    f"the upstream sent nothing for {router.timeout_s:g} s",
-                    code="upstream_timeout",
-                    type="timeout_error",
-                )
+            status, timeout = transport_failure(router, up, exc)
+            if timeout is not None:
+                timed_out = timeout
                 if configured and pinned is None and route is not None:
                     continue  # a config's deployments are interchangeable: the next one
                 raise timed_out from None
-            router.mark_failed(up, why)
-            status = "failed"
         finally:
-            up.in_flight -= 1
-            up.slots.give(slot)
-            st.metrics.upstream_requests.labels(up.url, status).inc()
+            end_attempt(st, up, slot, status)
+
+
+def transport_failure(
+    router: UpstreamRouter, up: Upstream, exc: BaseException
+) -> tuple[str, APIError | None]:
+    """Judge a transport error of one attempt on ``up``: an idle timeout is one slow request,
+    not a dead server (``suspect``; a probe decides): ``("timeout", the 504
+    upstream_timeout to answer)``; anything else marks ``up`` failed: ``("failed", None)``."""
+    why = type(exc).__name__ + (f": {exc}" if str(exc) else "")
+    if isinstance(exc, TimeoutError) and not isinstance(exc, aiohttp.ConnectionTimeoutError):
+        router.suspect(up, why)
+        message = f"the upstream sent nothing for {router.timeout_s:g} s"
+        return "timeout", APIError(504, message, code="upstream_timeout")
+    router.mark_failed(up, why)
+    return "failed", None
+
+
+def end_attempt(st: GatewayState, up: Upstream, slot: int, status: str) -> None:
+    """One attempt on ``up`` is over: its in-flight place and slot given back (``slot`` from
+    ``up.slots.take()``), counted by ``status`` in ``prefixgate_upstream_requests_total``."""
+    up.in_flight -= 1
+    up.slots.give(slot)
+    st.metrics.upstream_requests.labels(up.url, status).inc()
 
 
 class _Served:
