@@ -73,6 +73,16 @@ def messages(user: str) -> list[dict]:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
 
 
+def _greedy(user: str, max_tokens: int) -> dict:
+    """A greedy chat request of ``user``'s turn after the system prompt (``messages``)."""
+    return {
+        "model": MODEL,
+        "messages": messages(user),
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+
+
 async def test_models_and_greedy_completion_equals_transformers(gateway, hf) -> None:
     base, _, _ = gateway
     async with AsyncClient(base, max_concurrency=4) as client:
@@ -89,18 +99,11 @@ async def test_models_and_greedy_completion_equals_transformers(gateway, hf) -> 
 async def test_chat_create_and_stream_agree(gateway) -> None:
     base, _, _ = gateway
     async with AsyncClient(base, max_concurrency=4) as client:
-        r = await client.chat.completions.create(
-            model=MODEL, messages=messages("I sense the nodes"), max_tokens=16, temperature=0
-        )
+        r = await client.chat.completions.create(**_greedy("I sense the nodes", 16))
         text = r.choices[0].message.content
         assert text and r.choices[0].finish_reason in ("stop", "length")
         stream = await client.chat.completions.create(
-            model=MODEL,
-            messages=messages("I sense the nodes"),
-            max_tokens=16,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
+            **_greedy("I sense the nodes", 16), stream=True, stream_options={"include_usage": True}
         )
         parts, usage = [], None
         async with stream:
@@ -117,13 +120,7 @@ async def test_chat_create_and_stream_agree(gateway) -> None:
 async def test_stream_early_exit_frees_everything(gateway, pool_whole) -> None:
     base, engine, _ = gateway
     async with AsyncClient(base, max_concurrency=2) as client:
-        stream = await client.chat.completions.create(
-            model=MODEL,
-            messages=messages("A long dream"),
-            max_tokens=40,
-            temperature=0,
-            stream=True,
-        )
+        stream = await client.chat.completions.create(**_greedy("A long dream", 40), stream=True)
         async for _chunk in stream:
             break
         await anyio.sleep(0.05)
@@ -155,9 +152,7 @@ async def test_batch_in_order_under_the_limit(gateway) -> None:
 async def test_prefix_session_reuses_the_cache(gateway, pool_whole) -> None:
     base, engine, _ = gateway
     async with AsyncClient(base, max_concurrency=4) as client:
-        full = await client.chat.completions.create(
-            model=MODEL, messages=messages("The circuit"), max_tokens=12, temperature=0
-        )
+        full = await client.chat.completions.create(**_greedy("The circuit", 12))
         async with client.prefixes.session(SYSTEM, model=MODEL, ttl_seconds=60) as session:
             first = await session.create("The circuit", max_tokens=12, temperature=0)
             second = await session.create("A light", max_tokens=12, temperature=0)
@@ -176,18 +171,8 @@ async def test_prefix_session_reuses_the_cache(gateway, pool_whole) -> None:
 def test_sync_client_against_gateway(gateway) -> None:
     base, _, _ = gateway
     with Client(base, max_concurrency=2) as client:
-        r = client.chat.completions.create(
-            model=MODEL, messages=messages("Sync dream"), max_tokens=8, temperature=0
-        )
-        chunks = list(
-            client.chat.completions.create(
-                model=MODEL,
-                messages=messages("Sync dream"),
-                max_tokens=8,
-                temperature=0,
-                stream=True,
-            )
-        )
+        r = client.chat.completions.create(**_greedy("Sync dream", 8))
+        chunks = list(client.chat.completions.create(**_greedy("Sync dream", 8), stream=True))
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert text == r.choices[0].message.content
         with pytest.raises(NotFoundError):
