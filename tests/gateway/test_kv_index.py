@@ -33,6 +33,8 @@ import sys
 import textwrap
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import msgspec
 import pytest
@@ -117,6 +119,15 @@ def wait_synced(index: KVIndex, engine, name: str = "e0", timeout_s: float = 60.
             return st
         time.sleep(0.02)
     raise AssertionError(f"index never caught up: {index.stats()}")
+
+
+@contextmanager
+def synced_index(engine, prompts: list[list[int]]) -> Iterator[KVIndex]:
+    """``index_for(engine)`` once ``prompts`` have run and the index has applied them."""
+    with index_for(engine) as index:
+        run(engine, prompts)
+        wait_synced(index, engine)
+        yield index
 
 
 def mirrors(index: KVIndex, engine) -> dict:
@@ -261,9 +272,7 @@ def test_prompt_block_hashes_are_the_engine_blocks(engines, aidreams_path):
 def test_stopped_consumer_restarted_replays_the_gap(engines):
     engine = engines()
     rng, prefixes = seeded_prefixes(3)
-    with index_for(engine) as index:
-        run(engine, workload(rng, 3, prefixes))
-        wait_synced(index, engine)
+    with synced_index(engine, workload(rng, 3, prefixes)) as index:
         index.stop()
         before = engine.kv_events.collector.last_seq
         for _ in range(5):
@@ -291,9 +300,7 @@ def test_late_consumer_starts_from_snapshot(engines):
 def test_batches_dropped_past_the_queue_bound_are_detected(engines):
     engine = engines(kv_events_queue_size=2)
     rng, prefixes = seeded_prefixes(5)
-    with index_for(engine) as index:
-        run(engine, workload(rng, 2, prefixes))
-        wait_synced(index, engine)
+    with synced_index(engine, workload(rng, 2, prefixes)) as index:
         engine.kv_events.hold()  # a stalled publisher: the step loop keeps going, batches drop
         t_before = engine.timing["steps"]
         for _ in range(5):
@@ -314,9 +321,7 @@ def test_batches_dropped_past_the_queue_bound_are_detected(engines):
 def test_rolled_over_replay_buffer_falls_back_to_snapshot(engines):
     engine = engines(kv_events_buffer_steps=2)
     rng, prefixes = seeded_prefixes(6)
-    with index_for(engine) as index:
-        run(engine, workload(rng, 2, prefixes))
-        wait_synced(index, engine)
+    with synced_index(engine, workload(rng, 2, prefixes)) as index:
         index.stop()
         for _ in range(4):
             run(engine, workload(rng, 3, prefixes))
