@@ -4,11 +4,6 @@
 ``paged_attention_decode``, ``paged_attention_prefill``, ``paged_attention_verify``,
 ``rms_norm``, ``rotary_embedding`` and ``silu_and_mul``; see :mod:`prefixgate.kernels.torch_ref`
 for shapes and semantics.
-
-The torch backend adds ``STEP_PLAN_NAMES``: the same ops with what every layer reads from the
-step's metadata (cache slots, decode lengths and mask, rotary tables) computed once per forward
-(``plan_*`` / ``rotary_tables``) and passed to each layer's op (``write_kv``,
-``attend_decode``, ``rotate_qk``). A model uses them when the namespace has them.
 """
 
 from __future__ import annotations
@@ -27,15 +22,6 @@ KERNEL_NAMES = (
     "silu_and_mul",
 )
 
-STEP_PLAN_NAMES = (
-    "plan_cache_write",
-    "write_kv",
-    "plan_decode",
-    "attend_decode",
-    "rotary_tables",
-    "rotate_qk",
-)
-
 
 def get_backend(name: str) -> SimpleNamespace:
     """Return the kernel namespace for ``name``.
@@ -45,8 +31,7 @@ def get_backend(name: str) -> SimpleNamespace:
         ImportError: ``"triton"`` without triton installed.
     """
     if name == "torch":
-        names = KERNEL_NAMES + STEP_PLAN_NAMES
-        return SimpleNamespace(**{k: getattr(torch_ref, k) for k in names})
+        return SimpleNamespace(**{k: getattr(torch_ref, k) for k in KERNEL_NAMES})
     if name == "triton":
         from prefixgate.kernels import triton_ops  # imported lazily: triton is optional
 

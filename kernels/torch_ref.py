@@ -8,8 +8,6 @@ The Triton kernels in this package have the same signatures and semantics.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
@@ -28,47 +26,15 @@ def reshape_and_cache(
         k_cache, v_cache: ``[N, S, Hkv, D]``.
         slot_mapping: ``[T]`` int64, slot = block_id * S + offset; -1 skips the token.
     """
-    write_kv(key, value, k_cache, v_cache, plan_cache_write(slot_mapping))
-
-
-@dataclass(slots=True)
-class CacheWritePlan:
-    """A step's cache slots, read once per forward and shared by every layer
-    (:func:`plan_cache_write`).
-
-    Attributes:
-        slots: ``[T']`` int64 slots of the tokens written (``T' <= T``).
-        valid: ``[T]`` bool mask of the tokens written, or None when all are (no -1 slot).
-    """
-
-    slots: torch.Tensor
-    valid: torch.Tensor | None
-
-
-def plan_cache_write(slot_mapping: torch.Tensor) -> CacheWritePlan:
-    """The :class:`CacheWritePlan` of ``slot_mapping`` (``[T]`` int, -1 skips a token)."""
-    slots = slot_mapping.long()
-    valid = slots >= 0
-    if bool(valid.all()):
-        return CacheWritePlan(slots, None)
-    return CacheWritePlan(slots[valid], valid)
-
-
-def write_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    plan: CacheWritePlan,
-) -> None:
-    """:func:`reshape_and_cache` with the step's slots read once (``plan``)."""
     num_blocks, block_size = k_cache.shape[:2]
     k_flat = k_cache.view(num_blocks * block_size, *k_cache.shape[2:])
     v_flat = v_cache.view(num_blocks * block_size, *v_cache.shape[2:])
-    if plan.valid is not None:
-        key, value = key[plan.valid], value[plan.valid]
-    k_flat.index_copy_(0, plan.slots, key.to(k_cache.dtype))
-    v_flat.index_copy_(0, plan.slots, value.to(v_cache.dtype))
+    slots = slot_mapping.long()
+    valid = slots >= 0
+    if not bool(valid.all()):
+        slots, key, value = slots[valid], key[valid], value[valid]
+    k_flat.index_copy_(0, slots, key.to(k_cache.dtype))
+    v_flat.index_copy_(0, slots, value.to(v_cache.dtype))
 
 
 def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
@@ -119,54 +85,20 @@ def paged_attention_decode(
     Returns:
         ``[B, Hq, D]`` in q's dtype (SDPA accumulates in fp32 for half types).
     """
-    if q.shape[0] == 0:
+    batch, hq, d = q.shape
+    if batch == 0:
         return torch.empty_like(q)
-    return attend_decode(q, k_cache, v_cache, plan_decode(block_tables, context_lens), scale)
-
-
-@dataclass(slots=True)
-class DecodePlan:
-    """What decode attention reads from the metadata, computed once per forward and shared by
-    every layer (:func:`plan_decode`): no per-layer ``max`` / ``any`` read back to the host.
-
-    Attributes:
-        block_tables: ``[B, max_blocks]`` block ids.
-        max_len: the longest context (keys gathered per sequence).
-        mask: ``[B, 1, 1, max_len]`` bool key-padding mask, or None when every context is
-            ``max_len`` long.
-    """
-
-    block_tables: torch.Tensor
-    max_len: int
-    mask: torch.Tensor | None
-
-
-def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor) -> DecodePlan:
-    """The :class:`DecodePlan` of B >= 1 decode rows (``context_lens [B]`` int, >= 1)."""
+    hkv = k_cache.shape[2]
     lens = context_lens.long()
     max_len = int(lens.max())
+    k = _gather_kv(k_cache, block_tables, max_len)
+    v = _gather_kv(v_cache, block_tables, max_len)
+    qg = q.reshape(batch, hkv, hq // hkv, d)  # [B, Hkv, G, D]: the group as query rows
     mask = None
     if bool((lens != max_len).any()):
-        keys = torch.arange(max_len, device=context_lens.device)
+        keys = torch.arange(max_len, device=q.device)
         mask = (keys.unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]  # [B, 1, 1, L]
-    return DecodePlan(block_tables, max_len, mask)
-
-
-def attend_decode(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    plan: DecodePlan,
-    scale: float,
-) -> torch.Tensor:
-    """:func:`paged_attention_decode` with the step's metadata read once (``plan``);
-    ``q [B, Hq, D]`` with B >= 1 → ``[B, Hq, D]``."""
-    batch, hq, d = q.shape
-    hkv = k_cache.shape[2]
-    k = _gather_kv(k_cache, plan.block_tables, plan.max_len)
-    v = _gather_kv(v_cache, plan.block_tables, plan.max_len)
-    qg = q.reshape(batch, hkv, hq // hkv, d)  # [B, Hkv, G, D]: the group as query rows
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=plan.mask, scale=scale)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
     return out.reshape(batch, hq, d)
 
 
@@ -342,55 +274,18 @@ def rotary_embedding(
         q: ``[T, Hq, D]``, k: ``[T, Hkv, D]``; rotated in place and returned.
         cos_sin_cache: ``[max_pos, D]`` fp32, ``cos`` in the first D/2 columns, ``sin`` in the last.
     """
-    return rotate_qk(q, k, rotary_tables(positions, cos_sin_cache))
-
-
-def rotary_tables(
-    positions: torch.Tensor, cos_sin_cache: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(cos2, sin2)``, each ``[T, 1, D]`` fp32: ``[cos, cos]`` and ``[-sin, sin]`` of each
-    position (``positions [T]`` int64), built once per forward and shared by every layer."""
     cos_sin = cos_sin_cache.index_select(0, positions)
     half = cos_sin.shape[-1] // 2
     cos, sin = cos_sin[:, :half], cos_sin[:, half:]
+    # out = t * [cos, cos] + [x2, x1] * [-sin, sin]: elementwise the same products and sums as
+    # HF's ``q * cos + rotate_half(q) * sin`` (negation is exact), in half the ops.
     cos2 = torch.cat([cos, cos], dim=-1).unsqueeze(1)  # [T, 1, D]
     sin2 = torch.cat([-sin, sin], dim=-1).unsqueeze(1)
-    return cos2, sin2
-
-
-def rotate_qk(
-    q: torch.Tensor, k: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`rotary_embedding` with the step's :func:`rotary_tables`; q and k rotated in
-    place (one pass over both when k's heads follow q's in memory, as the merged q/k/v
-    projection's views of one row do) and returned."""
-    cos2, sin2 = tables
-    both = _adjacent_heads(q, k)
-    for t in (q, k) if both is None else (both,):
-        half = t.shape[-1] // 2
-        # out = t * [cos, cos] + [x2, x1] * [-sin, sin]: elementwise the same products and sums
-        # as HF's ``q * cos + rotate_half(q) * sin`` (negation is exact), in half the ops.
+    for t in (q, k):
         tf = t.float()
         rot = torch.cat([tf[..., half:], tf[..., :half]], dim=-1)
         t.copy_(tf * cos2 + rot * sin2)
     return q, k
-
-
-def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
-    """``[T, Hq + Hkv, D]``: one view of q's and k's heads when k's start where q's end in
-    one storage with the same strides (else None; a row stride counts only when T > 1)."""
-    if (
-        q.dtype != k.dtype
-        or q.shape[0] != k.shape[0]
-        or q.stride()[1:] != k.stride()[1:]
-        or (q.shape[0] > 1 and q.stride(0) != k.stride(0))
-        or q.stride(2) != 1
-        or q.stride(1) != q.shape[2]
-        or q.untyped_storage().data_ptr() != k.untyped_storage().data_ptr()
-        or k.data_ptr() != q.data_ptr() + q.shape[1] * q.shape[2] * q.element_size()
-    ):
-        return None
-    return q.as_strided((q.shape[0], q.shape[1] + k.shape[1], q.shape[2]), q.stride())
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

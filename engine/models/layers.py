@@ -37,24 +37,6 @@ class BatchViews:
     prefill_block_tables: torch.Tensor
     prefill_query_start_loc: torch.Tensor
     prefill_context_lens: torch.Tensor
-    cache_plan: object | None = None
-    decode_plan: object | None = None
-    rope: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def plan(
-        self, kernels: SimpleNamespace, positions: torch.Tensor, cos_sin_cache: torch.Tensor
-    ) -> None:
-        """Read the step's metadata once for every layer where the backend takes it so (the
-        torch backend's ``STEP_PLAN_NAMES``): cache slots, decode lengths and mask, rotary
-        tables. A backend without them (Triton) leaves the plans None."""
-        if not hasattr(kernels, "plan_decode"):
-            return
-        self.cache_plan = kernels.plan_cache_write(self.meta.slot_mapping)
-        if self.num_decodes:
-            self.decode_plan = kernels.plan_decode(
-                self.decode_block_tables, self.decode_context_lens
-            )
-        self.rope = kernels.rotary_tables(positions, cos_sin_cache)
 
     @classmethod
     def of(cls, meta: AttentionMetadata) -> BatchViews:
@@ -138,13 +120,9 @@ class Attention(nn.Module):
         q = q.reshape(num_tokens, self.num_heads, self.head_dim).contiguous()
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim).contiguous()
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.kernels.rotary_embedding(positions, q, k, cos_sin_cache)
         k_cache, v_cache = kv_cache
-        if views.rope is not None:  # the step's tables and slots, read once (BatchViews.plan)
-            q, k = self.kernels.rotate_qk(q, k, views.rope)
-            self.kernels.write_kv(k, v, k_cache, v_cache, views.cache_plan)
-        else:
-            q, k = self.kernels.rotary_embedding(positions, q, k, cos_sin_cache)
-            self.kernels.reshape_and_cache(k, v, k_cache, v_cache, views.meta.slot_mapping)
+        self.kernels.reshape_and_cache(k, v, k_cache, v_cache, views.meta.slot_mapping)
         out = self._attend(q, k_cache, v_cache, views)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -172,8 +150,6 @@ class Attention(nn.Module):
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, views: BatchViews
     ) -> torch.Tensor:
         """Paged decode attention of the batch's decode rows ``q`` (``[num_decodes, Hq, D]``)."""
-        if views.decode_plan is not None:
-            return self.kernels.attend_decode(q, k_cache, v_cache, views.decode_plan, self.scale)
         return self.kernels.paged_attention_decode(
             q, k_cache, v_cache, views.decode_block_tables, views.decode_context_lens, self.scale
         )

@@ -84,9 +84,7 @@ class CausalLM(nn.Module):
             )
         if self.cos_sin_cache is None:
             self.init_rope()
-        assert self.cos_sin_cache is not None, "init_rope builds the table"
         views = BatchViews.of(meta)
-        views.plan(self.kernels, positions, self.cos_sin_cache)
         hidden = self.model.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
