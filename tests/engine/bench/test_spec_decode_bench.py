@@ -23,11 +23,11 @@ def test_workloads_fit_and_one_round_runs(aidreams_path, workloads_path):
         return len(tok.encode(prompt)) <= room
 
     wl = workloads(Path(workloads_path) / "user_tasks.jsonl", 3, fits)
-    assert set(wl) == {"repeat", "fresh"}
+    assert set(wl) == {"task-twice", "fresh"}
     for prompts in wl.values():
         assert len(prompts) == 3 and all(fits(p) for p in prompts)
-    assert all(p.startswith("Repeat this text exactly.") for p in wl["repeat"])
-    r = run_workload(engines, wl["repeat"][:2], 16)
+    assert all(p.startswith("Repeat this text exactly.") for p in wl["task-twice"])
+    r = run_workload(engines, wl["task-twice"][:2], 16)
     assert r["plain"]["outputs"] == r["ngram"]["outputs"]
     assert r["plain"]["tokens"] == r["ngram"]["tokens"] == 32
     assert 0.0 <= r["ngram"]["acceptance"] <= 1.0
