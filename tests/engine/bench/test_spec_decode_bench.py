@@ -31,3 +31,24 @@ def test_workloads_fit_and_one_round_runs(aidreams_path, workloads_path):
     assert r["plain"]["outputs"] == r["ngram"]["outputs"]
     assert r["plain"]["tokens"] == r["ngram"]["tokens"] == 32
     assert 0.0 <= r["ngram"]["acceptance"] <= 1.0
+
+
+def test_copy_prompts_are_a_text_then_its_start(aidreams_path, workloads_path):
+    """``repeat``'s prompts are ``X + newline + X[:cut]`` and ``wanted`` is ``X[cut:]``; greedy
+    outputs with and without speculation are identical on them."""
+    from prefixgate.engine.bench.spec_decode import copy_prompts, task_texts
+
+    engines = {
+        "plain": make_engine(aidreams_path, "auto", False, 4),
+        "ngram": make_engine(aidreams_path, "auto", True, 4),
+    }
+    llm = engines["plain"]
+    newline = llm.tokenizer.encode("\n")
+    insts = [inst for inst, _ in task_texts(Path(workloads_path) / "user_tasks.jsonl", 2)]
+    prompts, wanted = copy_prompts(llm, insts, text_tokens=24, cut=6, rounds=2)
+    assert len(prompts) == len(wanted) == 2
+    for p, w in zip(prompts, wanted, strict=True):
+        x = p[: len(w) + 6]
+        assert p == x + newline + x[:6] and w == x[6:]
+    r = run_workload(engines, prompts, 12)
+    assert r["plain"]["outputs"] == r["ngram"]["outputs"]
