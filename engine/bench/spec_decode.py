@@ -4,8 +4,11 @@ draft acceptance, on a workload whose answers repeat their input and one whose a
 Workloads, from the shared user tasks (``../shared/workloads/user_tasks.jsonl``), one request
 at a time (single stream), greedy, ``--max-tokens`` output tokens each (``ignore_eos``):
 
-- ``repeat``: "Repeat this text exactly." + the task's text + the task's text again + its first
-  half: the answer that continues the pattern copies the text (what n-gram drafts predict);
+- ``repeat``: ``X + newline + X[:8]`` (token ids), ``X`` a 40-token text of the model's own
+  whose greedy continuation there is ``X[8:]`` (``copy_prompts``: a fixed point found from each
+  task's instruction), so the answer copies its input (what n-gram drafts predict);
+- ``task-twice``: "Repeat this text exactly." + the task's text + the task's text again + its
+  first half (a tiny model writes its own phrases instead of copying it);
 - ``fresh``: the task's instruction alone: an answer that repeats nothing of its prompt.
 
 For each model (the real tiny ``aidreams-260k`` and the SmolLM2-135M-shaped config with dummy
