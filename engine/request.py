@@ -160,6 +160,7 @@ class Request:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.finished_time: float | None = None
+        self.arrival_step = 0  # the scheduler's count of non-empty steps when it arrived
         self.steps_waited = 0
         self.first_step_tokens = 0
         self.first_chunk_tokens = 0

@@ -157,6 +157,7 @@ class Scheduler:
         self._step_started: float | None = None
         self._admitted_now: set[str] = set()
         self._first_now: list[Request] = []  # first scheduled in the step now running
+        self._steps_scheduled = 0  # non-empty steps so far (``Request.arrival_step``)
         self.prefill_tokens_per_s: float | None = None
         self.decode_tokens_per_s: float | None = None
         self.finished_per_s: float | None = None
@@ -215,6 +216,7 @@ class Scheduler:
                 f"cache has {self.kv.num_blocks}"
             )
         request.status = RequestStatus.WAITING
+        request.arrival_step = self._steps_scheduled
         self.policy.on_arrival(request, self.waiting)
         self.requests[rid] = request
         self.waiting.append(request)
@@ -334,7 +336,8 @@ class Scheduler:
 
     def _note_first_steps(self, out: SchedulerOutput) -> None:
         """The timeline of first admissions (``Request.steps_waited``, ``first_step_tokens``,
-        ``first_chunk_tokens``): the step a request first runs in, and the steps it waited."""
+        ``first_chunk_tokens``): the step a request first runs in, and the steps it waited
+        (the non-empty steps scheduled since its arrival; derived, no pass over the queue)."""
         if out.is_empty:
             return
         self._first_now = []
@@ -343,10 +346,9 @@ class Scheduler:
             if r.first_step_tokens == 0:
                 r.first_step_tokens = out.num_scheduled_tokens
                 r.first_chunk_tokens = s.num_new_tokens
+                r.steps_waited = self._steps_scheduled - r.arrival_step
                 self._first_now.append(r)
-        for r in self.waiting:
-            if r.first_scheduled_time is None:
-                r.steps_waited += 1
+        self._steps_scheduled += 1
 
     def _schedule(
         self, req: Request, num_new: int, drafts: list[int] | None = None
