@@ -347,17 +347,7 @@ class LLMEngine:
         from prefixgate.engine.kv_events import EngineLoad  # torch-free, loaded with kv_events
 
         kv = self.kv_cache_manager
-        waiting = 0
-        for r in s.waiting:
-            waiting += r.num_tokens - kv.get_computed_blocks(r)[1]
-        running = 0
-        decodes = 0
-        for r in s.running:
-            left = r.num_tokens - r.num_computed_tokens
-            if left > 1:
-                running += left
-            elif left == 1:
-                decodes += 1
+        decodes = sum(1 for r in s.running if r.num_tokens - r.num_computed_tokens == 1)
         collector = self.kv_events.collector
         self._load_last = (now, counts)
         self._load_n += 1
@@ -367,7 +357,7 @@ class LLMEngine:
                 n=self._load_n,
                 num_running=counts[0],
                 num_waiting=counts[1],
-                queued_prefill_tokens=waiting + running,
+                queued_prefill_tokens=s.queued_prefill_tokens(net_of_cache=True),
                 running_decodes=decodes,
                 kv_blocks_used=kv.pool.num_used,
                 kv_blocks_total=kv.pool.num_blocks,

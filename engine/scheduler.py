@@ -765,10 +765,15 @@ class Scheduler:
             self.prefill_tokens_per_s = ewma(self.prefill_tokens_per_s, num_prefill / prefill_s)
         self.finished_per_s = ewma(self.finished_per_s, num_finished / dt)
 
-    def queued_prefill_tokens(self) -> int:
+    def queued_prefill_tokens(self, net_of_cache: bool = False) -> int:
         """Prompt (and, for preempted requests, recompute) tokens still to prefill: waiting
-        requests' whole contexts and running requests' uncomputed tokens beyond one."""
-        waiting = sum(r.num_tokens for r in self.waiting)
+        requests' whole contexts (with ``net_of_cache``, less what the prefix cache holds of
+        each now: one lookup per waiting request) and running requests' uncomputed tokens
+        beyond one."""
+        if net_of_cache:
+            waiting = sum(r.num_tokens - self.kv.get_computed_blocks(r)[1] for r in self.waiting)
+        else:
+            waiting = sum(r.num_tokens for r in self.waiting)
         running = sum(
             r.num_tokens - r.num_computed_tokens
             for r in self.running
