@@ -3,6 +3,7 @@ the step that first scheduled it, its own chunk of it, and that step's time."""
 
 from __future__ import annotations
 
+from conftest import assert_pool_whole
 from prefixgate.engine.config import EngineConfig
 from prefixgate.engine.kv_cache_manager import KVCacheManager
 from prefixgate.engine.request import Request
@@ -41,3 +42,4 @@ def test_metrics_count_the_steps_waited_and_the_first_step():
         _step(sched)
     assert second.metrics["steps_waited"] == 3  # later steps change nothing
     assert second.metrics["first_step_tokens"] == 64
+    assert_pool_whole(sched)
