@@ -138,10 +138,11 @@ def users(n: int) -> list[str]:
 
 
 def workload(
-    tokenizer, tag: str, args: argparse.Namespace
+    tokenizer, tag: str, args: argparse.Namespace, requests: int | None = None
 ) -> tuple[list[tuple[float, dict]], list[dict]]:
-    """``(arrival offset s, chat body)`` pairs (Zipf tenants, Poisson arrivals), and the
-    warm-up: one body per tenant (its system prompt, another user turn) when ``--warmup``."""
+    """``requests`` (default ``--requests``) ``(arrival offset s, chat body)`` pairs (Zipf
+    tenants, Poisson arrivals at ``args.rate``), and the warm-up: one body per tenant (its
+    system prompt, another user turn) when ``--warmup``."""
     rng = random.Random(args.seed)
     systems = cut_prompts(tokenizer, args.tenants, args.system_tokens, tag)
     turns = users(50)
@@ -163,7 +164,7 @@ def workload(
 
     t = 0.0
     out = []
-    for _ in range(args.requests):
+    for _ in range(args.requests if requests is None else requests):
         t += rng.expovariate(args.rate)
         tenant = rng.choices(range(args.tenants), weights)[0]
         out.append((t, body(tenant, rng.choice(turns))))
@@ -196,6 +197,31 @@ async def drive(
             return await one(c, urls[i % len(urls)], {**body, "model": model})
 
         return await asyncio.gather(*(at(i, o, b) for i, (o, b) in enumerate(load)))
+
+
+async def saturate(urls: list[str], bodies: list[dict], model: str, concurrency: int) -> float:
+    """Closed loop: ``bodies`` sent with ``concurrency`` in flight (request ``i`` to
+    ``urls[i % len(urls)]``); returns the completed requests per second (the fleet's capacity
+    on this workload under the policy behind ``urls``)."""
+    sem = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=256)) as c:
+
+        async def go(i: int, body: dict) -> bool:
+            async with sem:
+                return "error" not in await one(c, urls[i % len(urls)], {**body, "model": model})
+
+        t0 = time.perf_counter()
+        done = await asyncio.gather(*(go(i, b) for i, b in enumerate(bodies)))
+        return sum(done) / (time.perf_counter() - t0)
+
+
+def calibrate(urls: list[str], tokenizer, model: str, args: argparse.Namespace) -> float:
+    """Round robin's capacity in requests/s on this workload (its own tenants' prompts,
+    tagged ``calibrate``, warmed up like the measured phases): ``--calibrate-requests``
+    bodies in a closed loop with two per replica in flight."""
+    load, warm = workload(tokenizer, "calibrate", args, requests=args.calibrate_requests)
+    asyncio.run(drive(urls, [], model, warm))
+    return asyncio.run(saturate(urls, [b for _, b in load], model, 2 * args.replicas))
 
 
 def scrape(gateways: list[str]) -> dict:
@@ -304,6 +330,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--user-chars", type=int, default=24)
     ap.add_argument("--requests", type=int, default=120, help="per policy")
     ap.add_argument("--rate", type=float, default=4.0, help="Poisson arrivals, requests/s")
+    ap.add_argument(
+        "--rate-of-capacity",
+        type=float,
+        default=0.0,
+        help="instead of --rate: this fraction of round robin's capacity, measured first "
+        "(closed loop, two requests per replica in flight); 0: off",
+    )
+    ap.add_argument("--calibrate-requests", type=int, default=30)
     ap.add_argument("--zipf", type=float, default=1.1)
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--block-size", type=int, default=8)
@@ -392,12 +426,28 @@ def main(argv: list[str] | None = None) -> int:
                 ):
                     break
                 time.sleep(0.2)
+        capacity = None
+        if args.rate_of_capacity > 0:
+            rr = gateways.get("round_robin")
+            if rr is None:
+                raise SystemExit("--rate-of-capacity needs round_robin among --policies")
+            capacity = calibrate(rr, tokenizer, model, args)
+            args.rate = args.rate_of_capacity * capacity
+            print(
+                f"round robin's capacity {capacity:.2f} requests/s: rate {args.rate:.2f}/s",
+                file=sys.stderr,
+            )
         blocks = args.tenants * (args.system_tokens // args.block_size)
         desc = (
             f"{args.replicas} replicas x {args.num_kv_blocks} KV blocks of {args.block_size} "
             f"tokens; {args.tenants} tenants x {args.system_tokens}-token system prompts "
             f"(~{blocks} blocks of prefixes: {blocks / args.num_kv_blocks:.1f}x one replica's "
-            f"KV); {args.requests} requests per policy at {args.rate:g}/s (Poisson)"
+            f"KV); {args.requests} requests per policy at {args.rate:.3g}/s (Poisson)"
+            + (
+                f" = {args.rate_of_capacity:g}x round robin's measured {capacity:.2f}/s"
+                if capacity
+                else ""
+            )
             + (f"; {args.gateways} gateways per policy" if args.gateways > 1 else "")
             + ("; warmed up" if args.warmup else "")
         )
@@ -453,7 +503,9 @@ def main(argv: list[str] | None = None) -> int:
             )
     print(f"wall {time.monotonic() - t_start:.0f} s", file=sys.stderr)
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+        Path(args.json).write_text(
+            json.dumps({"args": vars(args), "capacity": capacity, "rows": rows}, indent=1)
+        )
     if args.plot:
         plot(rows, args.plot, desc)
     return 0
