@@ -70,3 +70,21 @@ def test_new_row_counts_keep_no_more_primitives(one_thread):
             packed(xs[:rows])
         growth = heap_in_use() - before
     assert growth < 2_000_000, growth
+
+
+@pytest.mark.skipif(not onednn_linear_available(), reason="torch without oneDNN's linear")
+def test_decode_sized_row_counts_share_primitives(one_thread):
+    """Steps that mix decode rows with prefill chunks reach every row count up to 64 in turn
+    (the local server's bursts): past 16 rows they share the 8-steps-per-octave shapes."""
+    torch.manual_seed(0)
+    packed = OneDNNLinear.from_linear(nn.Linear(128, 256))
+    xs = torch.randn(64, 128)
+    grid = [r for r in range(17, 65) if r % (2 if r <= 32 else 4) == 0]  # 18, 20, ..., 60, 64
+    with torch.inference_mode():
+        for rows in grid:
+            packed(xs[:rows])
+        before = heap_in_use()
+        for rows in range(17, 65):  # unpadded, the 24 counts off the grid kept ~14 MB
+            packed(xs[:rows])
+        growth = heap_in_use() - before
+    assert growth < 2_000_000, growth
