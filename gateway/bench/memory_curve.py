@@ -210,7 +210,6 @@ async def _drive(args: argparse.Namespace, send, send_burst, sample) -> dict:
         "slope_kb_per_request_second_half": slope_kb_per_request(half),
         "slope_kb_per_request_all": slope_kb_per_request(points),
         "seconds": time.monotonic() - t0,
-        "loadavg": [os.getloadavg(), None],
     }
     if samples.heap_bytes:
         heap_half = [(x, y / 1024) for x, y in samples.heap_bytes if x >= args.requests / 2]
@@ -327,12 +326,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not 0 <= args.burst < args.every:
         parser.error("--burst must be in [0, --every)")
-    print(f"load average at the start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    start_load = os.getloadavg()
+    print(f"load average at the start: {' '.join(f'{x:.2f}' for x in start_load)}")
     if args.mode == "engine":
         result = asyncio.run(run_engine(args))
     else:
         result = _serve_and_run(args)
-    result["loadavg"][1] = os.getloadavg()
+    result["loadavg"] = [start_load, os.getloadavg()]  # (1, 5, 15 min) at start and end
     print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
