@@ -28,8 +28,9 @@ EXACT_ROWS = 16
 rows). Was 64 (every decode batch size exact): in the local server the steps of a burst mix
 decode rows with prefill chunks, so every row count up to 64 showed up in turn, each a new
 ~2.2 MB of primitives on tiny-random (the memory bench's curve rose in 1-7 MiB steps after
-10,000 requests); at 16 there are 32 shapes up to 64 rows instead of 64, for 1-2 zero rows
-more in a decode batch of 17-64 (a GEMM that small is bound by reading its weight)."""
+10,000 requests); at 16 there are 32 shapes up to 64 rows instead of 64, for 1-3 zero rows
+more in a step of 17-64 rows off the grid (measured 0-5% more time for such a GEMM, about the
+rows added; README, "Memory over many requests")."""
 
 
 def padded_rows(rows: int) -> int:
