@@ -23,8 +23,14 @@ from torch import nn
 # count; 32 gave the best layout from 8 to 2,048 rows (a hint of 1 halved the speed at 8-32).
 _PACK_ROWS_HINT = 32
 
-EXACT_ROWS = 64
-"""Row counts up to this run as they are (decode batches: ``max_num_seqs`` is 64 by default)."""
+EXACT_ROWS = 16
+"""Row counts up to this run as they are; above it, 8 steps per octave (at most 12.5% more
+rows). Was 64 (every decode batch size exact): in the local server the steps of a burst mix
+decode rows with prefill chunks, so every row count up to 64 showed up in turn, each a new
+~2.2 MB of primitives on tiny-random (the memory bench's curve rose in 1-7 MiB steps after
+10,000 requests); at 16 there are 32 shapes up to 64 rows instead of 64, for 1-3 zero rows
+more in a step of 17-64 rows off the grid (measured 0-5% more time for such a GEMM, about the
+rows added; README, "Memory over many requests")."""
 
 
 def padded_rows(rows: int) -> int:
@@ -35,8 +41,9 @@ def padded_rows(rows: int) -> int:
     ``LRU_CACHE_CAPACITY``, 1,024) keep one compiled primitive per input shape; every new row
     count kept ~2.2 MB for the tiny-random model's linears, so a server seeing prefills of ever
     new lengths grew for thousands of requests. With this bound a linear sees at most
-    ``EXACT_ROWS + 8`` shapes per octave (``distinct_row_counts``: 104 up to 2,048 rows), and
-    pads at most 12.5% rows (zeros, their outputs dropped).
+    ``EXACT_ROWS`` shapes, then 8 per octave (``distinct_row_counts``: 72 up to 2,048 rows, the
+    default ``max_num_batched_tokens``), and pads at most 12.5% rows (zeros, their outputs
+    dropped).
 
     Raises:
         ValueError: ``rows`` < 0.

@@ -1,4 +1,5 @@
-"""memory_plot draws memory_curve's JSON results; memory_curve's slope is in KB per request."""
+"""memory_plot draws memory_curve's JSON results; memory_curve's slope is in KB per request,
+its prompts come in three kinds, its heap reading counts held bytes."""
 
 from __future__ import annotations
 
@@ -26,3 +27,28 @@ def test_plot_writes_a_png(tmp_path):
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(SystemExit, match="rss_kib"):
         main([str(out), str(tmp_path / "bad.json")])
+
+
+def test_prompt_kinds():
+    from prefixgate.gateway.bench.memory_curve import prompt_text
+
+    assert prompt_text("distinct", 7) != prompt_text("distinct", 70)
+    fixed = {prompt_text("fixed", i) for i in (0, 7, 70_000, 999_999)}
+    assert len(fixed) == 4 and len({len(t) for t in fixed}) == 1
+    assert prompt_text("identical", 1) == prompt_text("identical", 2)
+    with pytest.raises(ValueError, match="distinct, fixed or identical"):
+        prompt_text("random", 1)
+
+
+def test_heap_in_use_counts_a_held_allocation():
+    import ctypes
+
+    from prefixgate.gateway.bench.memory_curve import heap_in_use
+
+    before = heap_in_use()
+    if before is None:
+        pytest.skip("glibc without mallinfo2")
+    buf = ctypes.create_string_buffer(8 << 20)  # malloc'ed by ctypes: 8 MiB held
+    held = heap_in_use() - before
+    del buf
+    assert held >= 8 << 20
