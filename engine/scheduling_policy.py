@@ -234,6 +234,17 @@ class SchedulingPolicy:
         """Tenant → most tokens it gets in the step's first round (``None``: no caps)."""
         return None
 
+    def hold_back(
+        self,
+        running: Sequence[Request],
+        waiting: Sequence[Request],
+        max_num_seqs: int,
+        num_blocks: int,
+    ) -> set[str]:
+        """Tenants whose running requests sit out this step so that a waiting request's
+        first step runs without them (``set()``: none; the base policy never holds back)."""
+        return set()
+
     def tenant_stats(
         self, waiting: Iterable[Request], running: Iterable[Request]
     ) -> dict[str, dict[str, float | int]]:
@@ -292,6 +303,9 @@ class FairPolicy(SchedulingPolicy):
     uses_tenant_weights = True
     displaces = True
     fair_preemption = True
+    first_step_alone: ClassVar[bool] = True
+    """True: a light request's first step runs without the over-share tenants' requests
+    (``hold_back``)."""
     _last_left: str | None = None
     """The last tenant whose queue emptied (None until one did; set on the instance)."""
 
@@ -433,6 +447,47 @@ class FairPolicy(SchedulingPolicy):
         if room.need_seat and seats.get(me, 0) + 1 > shares[me][0]:
             return True
         return bool(room.short_blocks) and blocks.get(me, 0) + room.need_blocks > shares[me][1]
+
+    def hold_back(
+        self,
+        running: Sequence[Request],
+        waiting: Sequence[Request],
+        max_num_seqs: int,
+        num_blocks: int,
+    ) -> set[str]:
+        """The first step of a light request alone: when a request waits for its first token
+        (it never ran) whose tenant is within its seat share counting it, the tenants over
+        their seat shares whose VTC counter is no less than its tenant's sit this step out
+        (their decodes, prefill chunks and admissions run in the next one), so that the
+        light request's first step holds its prefill and the light tenant's own decodes
+        only. The scheduler never holds back two steps in a row (the held tenants run at
+        least every other step) and runs the held requests in the same step when no such
+        request is admitted after all. ``set()`` when ``first_step_alone`` is off, fewer
+        than two tenants are active, or no such request waits."""
+        if not self.first_step_alone:
+            return set()
+        active = {tenant_of(r) for r in running} | {tenant_of(r) for r in waiting}
+        if len(active) < 2:
+            return set()
+        shares = self.shares(active, max_num_seqs, num_blocks)
+        seats: dict[str, int] = {}
+        for r in running:
+            seats[tenant_of(r)] = seats.get(tenant_of(r), 0) + 1
+        over = {t for t, n in seats.items() if n > shares[t][0]}
+        if not over:
+            return set()
+        least: float | None = None  # the least counter of a tenant with a first step due
+        for r in waiting:
+            t = tenant_of(r)
+            if r.first_scheduled_time is not None or r.waits_for_grammar or t in over:
+                continue
+            if seats.get(t, 0) + 1 > shares[t][0]:
+                continue
+            c = self._stats(t).counter
+            least = c if least is None else min(least, c)
+        if least is None:
+            return set()
+        return {t for t in over if self._stats(t).counter >= least}
 
     def token_caps(
         self, budget: int, running: Sequence[Request], waiting: Sequence[Request]

@@ -277,11 +277,15 @@ def test_fair_heavy_tenant_keeps_its_share_and_its_starvation_bound():
     assert_greedy_unchanged(tr, reqs)
 
 
-def test_fair_long_heavy_requests_are_preempted_again_only_after_progress():
+def test_fair_long_heavy_requests_are_preempted_again_only_after_progress(monkeypatch):
     # heavy keeps 32 long requests (256 output tokens) outstanding on 8 seats; light sends a
     # short request every 16 steps. With "at most once" hysteresis every heavy running request
     # would soon be exempt and light would wait for one to finish (~256 steps); with
     # fair_min_progress a request yields again after 16 more tokens of progress.
+    # (The light first step alone, FairPolicy.hold_back, is off here: its one held step per
+    # light request shifts this script so that light's previous request always ends just
+    # before the next one arrives, and nothing is displaced at all; it has its own test.)
+    monkeypatch.setattr(FairPolicy, "first_step_alone", False)
     sched = make("fair", max_num_seqs=8, max_num_batched_tokens=2048, num_blocks=2048)
     tr = Trace()
     reqs: dict[str, Request] = {}
@@ -556,4 +560,97 @@ def test_fair_seat_verdict_skips_a_tenant_at_its_share_before_any_prefix_lookup(
     assert "h2" not in looked_up  # the refused heavy request cost no prefix lookup
     del sched.kv.get_computed_blocks
     step_until_done(sched, tr)
+    assert_whole(sched)
+
+
+def test_fair_light_first_step_runs_alone_and_the_heavy_tenant_every_other_step():
+    # the first step of a light request holds its prefill only: the heavy tenant (over its
+    # seat share) sits that step out, runs in the next one, and never sits out two in a row
+    sched = make("fair", max_num_seqs=SEATS, max_num_batched_tokens=256)
+    tr = Trace()
+    for i in range(12):
+        add(sched, tr, req(f"h{i}", tenant="heavy", **HEAVY))
+    for _ in range(5):
+        step(sched, tr)
+    assert {r.tenant for r in sched.running} == {"heavy"} and len(sched.running) == SEATS
+
+    history: list[set[str]] = []
+
+    def one_step() -> set[str]:
+        out = sched.schedule()
+        sched.update_from_output(out, {s.request.request_id: 7 for s in out.scheduled})
+        sched.check_invariants()
+        history.append({s.request.request_id for s in out.scheduled})
+        return history[-1]
+
+    for j in range(4):
+        # (a light request waits while its tenant's VTC counter is above heavy's: VTC's
+        # order, as for displacement; within a few steps)
+        add(sched, tr, req(f"l{j}", tenant="light", **LIGHT))
+        for _ in range(10):
+            got = one_step()
+            if f"l{j}" in got:
+                break
+        # its first step holds no heavy request (light's own decodes may run beside it)
+        assert f"l{j}" in got and not any(rid.startswith("h") for rid in got), got
+        got = one_step()  # the next step: the heavy decodes again, with light's
+        assert f"l{j}" in got and any(rid.startswith("h") for rid in got), got
+    # light requests at once: the heavy tenant never sits out two steps in a row
+    for k in range(3):
+        add(sched, tr, req(f"m{k}", tenant="light", **LIGHT))
+    for _ in range(12):
+        one_step()
+    assert all(any(rid.startswith(f"m{k}") for got in history for rid in got) for k in range(3))
+    for a, b in zip(history, history[1:], strict=False):
+        assert any(rid.startswith("h") for rid in a | b), (a, b)
+    sched.abort_requests(list(sched.requests))
+    assert_whole(sched)
+
+
+def test_fair_light_first_step_alone_keeps_greedy_outputs_and_bounds():
+    # the whole flood script with the first step alone (and without it): greedy outputs
+    # unchanged, each light request's first token in the step it arrives for
+    sched, tr, info = flood("fair", n_light=6, gap=3)
+    assert_greedy_unchanged(tr, info["reqs"])
+    for rid, at in info["light_at"].items():
+        assert tr.first_token[rid] == at, rid
+    off = FairPolicy.first_step_alone
+    try:
+        FairPolicy.first_step_alone = False
+        _, tr_off, info_off = flood("fair", n_light=6, gap=3)
+    finally:
+        FairPolicy.first_step_alone = off
+    assert_greedy_unchanged(tr_off, info_off["reqs"])
+
+
+def test_fair_hold_back_with_no_first_step_admitted_runs_the_held_requests():
+    # a hold that admits no first step (here forced: no light request waits) must not cost
+    # the heavy tenant its step: the held requests run in the same step, as without the hold
+    twins = [make("fair", max_num_seqs=SEATS, max_num_batched_tokens=256) for _ in range(2)]
+    for sched in twins:
+        for i in range(10):
+            sched.add_request(req(f"h{i}", tenant="heavy", **HEAVY))
+        for _ in range(6):
+            out = sched.schedule()
+            sched.update_from_output(out, {s.request.request_id: 7 for s in out.scheduled})
+    forced = twins[0]
+    forced.policy.hold_back = lambda *a: {"heavy"}  # type: ignore[method-assign]
+    outs = [sched.schedule() for sched in twins]
+    got = [sorted((s.request.request_id, s.num_new_tokens) for s in o.scheduled) for o in outs]
+    assert got[0] == got[1] and len(got[0]) == SEATS
+    assert not forced._held_last
+    for sched, out in zip(twins, outs, strict=True):
+        sched.update_from_output(out, {s.request.request_id: 7 for s in out.scheduled})
+        sched.abort_requests(list(sched.requests))
+        assert_whole(sched)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_other_policies_never_hold_a_tenant_back(policy):
+    sched = make(policy, max_num_seqs=SEATS)
+    for i in range(10):
+        sched.add_request(req(f"h{i}", tenant="heavy", **HEAVY))
+    sched.add_request(req("l0", tenant="light", **LIGHT))
+    assert sched.policy.hold_back(sched.running, list(sched.waiting), SEATS, 512) == set()
+    sched.abort_requests(list(sched.requests))
     assert_whole(sched)
