@@ -142,6 +142,40 @@ async def stream_one(
     return s
 
 
+async def run_shares(port: int, model: str, args: argparse.Namespace) -> Phase:
+    """Both tenants backlogged: ``heavy`` keeps ``--heavy-streams`` long streams in flight and
+    ``light`` keeps ``--light-backlog`` streams of the same shape (prompt and output length)
+    in flight, for ``--shares-s`` seconds after a warm-up; the tokens each tenant got in that
+    window are its served share (weights 1 : 1, so each is due half)."""
+    phase = Phase()
+    limits = httpx.Limits(max_connections=args.heavy_streams + args.light_backlog + 8)
+    async with httpx.AsyncClient(
+        base_url=f"http://127.0.0.1:{port}", timeout=600, limits=limits
+    ) as http:
+        stop = asyncio.Event()
+
+        async def worker(tenant: str, i: int, into: list[Stream]) -> None:
+            while not stop.is_set():
+                prompt = f"{tenant} tenant stream {i} " * 8
+                await stream_one(http, tenant, model, prompt, args.heavy_tokens, into)
+
+        workers = [
+            asyncio.create_task(worker("heavy", i, phase.heavy)) for i in range(args.heavy_streams)
+        ]
+        workers += [
+            asyncio.create_task(worker("light", i, phase.light)) for i in range(args.light_backlog)
+        ]
+        await asyncio.sleep(args.warmup_s)
+        phase.t0 = time.monotonic()
+        await asyncio.sleep(args.shares_s)
+        phase.t1 = time.monotonic()
+        stop.set()
+        for w in workers:
+            w.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+    return phase
+
+
 async def run_phase(port: int, model: str, args: argparse.Namespace, flood: bool) -> Phase:
     phase = Phase(t0=time.monotonic())
     limits = httpx.Limits(max_connections=args.heavy_streams + 8)
@@ -204,6 +238,7 @@ def measure(policy: str, args: argparse.Namespace, keys: Path) -> dict[str, Any]
         asyncio.run(run_phase(port, model, args, flood=False))  # warm-up (first-use costs)
         solo = asyncio.run(run_phase(port, model, args, flood=False))
         flood = asyncio.run(run_phase(port, model, args, flood=True))
+        shares = asyncio.run(run_shares(port, model, args)) if args.shares_s > 0 else None
         moved = displacements(port)
     finally:
         proc.terminate()
@@ -219,10 +254,27 @@ def measure(policy: str, args: argparse.Namespace, keys: Path) -> dict[str, Any]
     window = flood.t1 - flood.t0
     heavy_in_window = [s for s in flood.heavy if s.first is not None]
 
-    def in_window(streams: list[Stream]) -> int:
-        return sum(1 for s in streams for c in s.chunks if flood.t0 <= c <= flood.t1)
+    def in_window(streams: list[Stream], ph: Phase = flood) -> int:
+        return sum(1 for s in streams for c in s.chunks if ph.t0 <= c <= ph.t1)
 
     light_tokens, heavy_tokens = in_window(flood.light), in_window(flood.heavy)
+    backlogged: dict[str, Any] = {}
+    if shares is not None:
+        sl, sh = in_window(shares.light, shares), in_window(shares.heavy, shares)
+        sgaps = [
+            b - a
+            for s in shares.heavy + shares.light
+            for a, b in zip(s.chunks, s.chunks[1:], strict=False)
+        ]
+        backlogged = {
+            "backlogged_light_share": sl / max(1, sl + sh),
+            "backlogged_tokens_per_s": (sl + sh) / (shares.t1 - shares.t0),
+            "backlogged_longest_stall_s": max(sgaps, default=None),
+            "backlogged_longest_ttft_s": max(
+                (s.first - s.sent for s in shares.heavy + shares.light if s.first is not None),
+                default=None,
+            ),
+        }
     gaps = [b - a for s in flood.heavy for a, b in zip(s.chunks, s.chunks[1:], strict=False)]
     solo_t, flood_t = ttfts(solo.light), ttfts(flood.light)
     return {
@@ -247,6 +299,8 @@ def measure(policy: str, args: argparse.Namespace, keys: Path) -> dict[str, Any]
         ),
         "displacements": moved,
         "window_s": window,
+        "load_avg_1m": Path("/proc/loadavg").read_text().split()[0],
+        **backlogged,
     }
 
 
@@ -261,6 +315,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--light-tokens", type=int, default=8)
     p.add_argument("--warmup-s", type=float, default=3.0)
     p.add_argument(
+        "--light-requests-fcfs",
+        type=int,
+        default=None,
+        help="light's requests per phase under fcfs (default: --light-requests; each waits "
+        "for the flood, so a few suffice for the throughput reference)",
+    )
+    p.add_argument(
+        "--light-backlog",
+        type=int,
+        default=8,
+        help="shares phase: light's streams in flight (heavy's shape), both tenants backlogged",
+    )
+    p.add_argument(
+        "--shares-s", type=float, default=15.0, help="shares phase window (0: no such phase)"
+    )
+    p.add_argument(
         "--serve-args",
         default="",
         help="more `prefixgate serve` flags, one string (e.g. the SmolLM2 shape: "
@@ -272,17 +342,24 @@ def main(argv: list[str] | None = None) -> int:
         keys = Path(tmp) / "keys.json"
         rows = [{"key": k, "name": name, "weight": 1.0} for name, k in KEYS.items()]
         keys.write_text(json.dumps({"keys": rows}))
-        results = [measure(policy, args, keys) for policy in args.policies]
+        results = []
+        for policy in args.policies:
+            pargs = argparse.Namespace(**vars(args))
+            if policy == "fcfs" and args.light_requests_fcfs is not None:
+                pargs.light_requests = args.light_requests_fcfs
+            print(f"{policy}: load average {Path('/proc/loadavg').read_text().strip()}")
+            results.append(measure(policy, pargs, keys))
+        print(f"end: load average {Path('/proc/loadavg').read_text().strip()}")
     head = (
         f"{'policy':8} {'solo p50':>9} {'solo p99':>9} {'flood p50':>10} {'flood p99':>10} "
-        f"{'p99 x':>6} {'light share':>11} {'tok/s':>7} {'heavy max':>9} {'displ':>6} {'fail':>4}"
+        f"{'p50 x':>6} {'p99 x':>6} {'light share':>11} {'tok/s':>7} {'heavy max':>9} {'displ':>6} {'fail':>4}"
     )
     print(head)
     for r in results:
         print(
             f"{r['policy']:8} {r['light_ttft_solo_p50_s']:9.3f} {r['light_ttft_solo_p99_s']:9.3f} "
             f"{r['light_ttft_flood_p50_s']:10.3f} {r['light_ttft_flood_p99_s']:10.3f} "
-            f"{r['p99_ratio']:6.2f} {r['light_token_share']:11.3f} "
+            f"{r['p50_ratio']:6.2f} {r['p99_ratio']:6.2f} {r['light_token_share']:11.3f} "
             f"{r['flood_output_tokens_per_s']:7.1f} {r['heavy_longest_ttft_s'] or 0:9.2f} "
             f"{r['displacements'] if r['displacements'] is not None else '-':>6} {r['failed']:4d}"
         )
@@ -292,6 +369,14 @@ def main(argv: list[str] | None = None) -> int:
             f"starvation bound {r['starvation_bound_s'] or 0:.2f} s "
             f"(1 + {args.heavy_tokens} steps x {r['heavy_step_p50_s']:.4f} s)"
         )
+        if "backlogged_light_share" in r:
+            print(
+                f"  both backlogged ({args.shares_s:.0f} s, light {args.light_backlog} streams): "
+                f"light's token share {r['backlogged_light_share']:.3f} (due 0.500), "
+                f"{r['backlogged_tokens_per_s']:.1f} tokens/s, longest stall "
+                f"{r['backlogged_longest_stall_s'] or 0:.2f} s, longest first token "
+                f"{r['backlogged_longest_ttft_s'] or 0:.2f} s"
+            )
         print("  light's first-token walk, p50 / p99 (ms; steps, tokens counted): solo | flood")
         for part in WALK_PARTS:
             a = r["light_walk_solo"].get(part)
