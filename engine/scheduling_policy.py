@@ -42,7 +42,11 @@ greedy outputs do not change):
   served) may take more than its share of them; the shares bound what displacement takes,
   not VTC's own admissions. Each step's token budget is shared too: while two or more tenants want tokens,
   a first round gives each at most ``floor(max_num_batched_tokens * w_t / W)`` (decodes
-  included), then what is left goes to anyone (work-conserving).
+  included), then what is left goes to anyone (work-conserving). A light request's first
+  step runs alone (``FairPolicy.hold_back``): while a request that never ran waits and its
+  tenant is within its seat share, the tenants over their seat shares sit that step out, so
+  its time to first token is one short step rather than a step carrying every heavy decode;
+  the scheduler never holds back two steps in a row.
 
   Bounds (tests hold each): (1) hysteresis, no preemption loop: a request preempted for
   fairness samples at least ``fair_min_progress`` (16) output tokens before it may be
@@ -60,7 +64,9 @@ greedy outputs do not change):
   waiting request of its tenant that never ran (VTC is first come first served within a
   tenant), so it takes the first of its tenant's seats that frees up unless an older
   preempted one is waiting too; in the tests' flood it resumes within the steps one heavy
-  request takes alone (prefill steps + ``max_tokens``).
+  request takes alone (prefill steps + ``max_tokens``); the first step alone delays a held
+  tenant's requests by at most one step in two (never two held steps in a row), so each of
+  its running requests samples a token at least every other step.
 
 Every policy keeps per-tenant statistics (served input / output tokens, queue lengths).
 Requests without a tenant belong to tenant ``"default"``. A policy class declares what it

@@ -4,11 +4,17 @@ For each scheduling policy (``--policies``, default ``fcfs fair``) a fresh ``pre
 process (built-in ``tiny-random`` preset unless ``--model``; ``--max-num-seqs`` seats) serves two
 API keys, tenants ``heavy`` and ``light`` (weight 1 each). Then, over streaming HTTP:
 
-1. **solo**: ``light`` sends ``--light-requests`` short requests one after another (its TTFT:
-   request sent -> first content chunk);
+1. **solo**: ``light`` sends short requests one after another (its TTFT: request sent ->
+   first content chunk);
 2. **flood**: ``heavy`` keeps ``--heavy-streams`` long streaming requests in flight (a new one as
    each ends) while ``light`` sends the same short requests again one after another; the
-   window lasts until light's requests are done.
+   window lasts until light's requests are done. Phases 1 and 2 alternate in ``--rounds``
+   rounds (``--light-requests`` split among them), so that the host's varying load weighs
+   on solo and flooded figures alike;
+3. **both backlogged** (``--shares-s`` seconds, 0: skipped): ``heavy`` keeps its streams and
+   ``light`` keeps ``--light-backlog`` streams of the same shape in flight, so both tenants
+   have requests waiting throughout; each tenant's share of the tokens served in the window
+   is its served share (weights 1 : 1: each is due half; the target is within 10 % of it).
 
 Reported per policy: light's TTFT p50 / p99 solo and flooded (and their ratio: the issue's
 target is <= 1.5x under ``fair``), each tenant's share of the tokens served during the flood,
@@ -21,11 +27,14 @@ light's first tokens went: each light request's ``walk=`` from the server's acce
 waited, its first step's size and time, delivery to the handler, the SSE write), p50 / p99 per
 part, solo beside flooded. The offered
 load is ``heavy-streams`` concurrent long requests against one short request at a time
-(10 : 1 by default, in concurrent requests; far more in tokens).
+(10 : 1 by default, in concurrent requests; far more in tokens). ``--light-requests-fcfs``
+gives ``fcfs`` fewer light requests (each waits for the flood to drain: a few are enough for
+its throughput, the reference of ``fair``'s). The load average is printed at the start of
+each policy's server and at the end.
 
     python -m prefixgate.gateway.bench.tenant_flood [--json out.json]
 
-Bounded: each policy's server lives about ``30 + solo + flood`` seconds (about 2 minutes for
+Bounded: each policy's server lives about ``30 + solo + flood + shares`` seconds (about 2 minutes for
 the defaults on a quiet 2-core machine). No timed assertion anywhere: figures only.
 """
 
@@ -176,7 +185,12 @@ async def run_shares(port: int, model: str, args: argparse.Namespace) -> Phase:
     return phase
 
 
-async def run_phase(port: int, model: str, args: argparse.Namespace, flood: bool) -> Phase:
+async def run_phase(
+    port: int, model: str, args: argparse.Namespace, flood: bool, n: int | None = None
+) -> Phase:
+    """``n`` (default ``--light-requests``) light requests one after another, during the
+    heavy tenant's flood when ``flood``."""
+    n = args.light_requests if n is None else n
     phase = Phase(t0=time.monotonic())
     limits = httpx.Limits(max_connections=args.heavy_streams + 8)
     async with httpx.AsyncClient(
@@ -196,7 +210,7 @@ async def run_phase(port: int, model: str, args: argparse.Namespace, flood: bool
         )
         if flood:
             await asyncio.sleep(args.warmup_s)  # the flood holds every seat first
-        for j in range(args.light_requests):
+        for j in range(n):
             prompt = f"light tenant question {j}"
             await stream_one(http, "light", model, prompt, args.light_tokens, phase.light)
         stop.set()
@@ -236,8 +250,17 @@ def measure(policy: str, args: argparse.Namespace, keys: Path) -> dict[str, Any]
         models = httpx.get(f"http://127.0.0.1:{port}/v1/models", headers=auth, timeout=5)
         model = models.json()["data"][0]["id"]
         asyncio.run(run_phase(port, model, args, flood=False))  # warm-up (first-use costs)
-        solo = asyncio.run(run_phase(port, model, args, flood=False))
-        flood = asyncio.run(run_phase(port, model, args, flood=True))
+        # solo and flooded rounds interleaved, so that the host's varying load weighs on both
+        rounds = max(1, min(args.rounds, args.light_requests))
+        sizes = [
+            args.light_requests // rounds + (i < args.light_requests % rounds)
+            for i in range(rounds)
+        ]
+        solos: list[Phase] = []
+        floods: list[Phase] = []
+        for size in sizes:
+            solos.append(asyncio.run(run_phase(port, model, args, flood=False, n=size)))
+            floods.append(asyncio.run(run_phase(port, model, args, flood=True, n=size)))
         shares = asyncio.run(run_shares(port, model, args)) if args.shares_s > 0 else None
         moved = displacements(port)
     finally:
@@ -249,15 +272,26 @@ def measure(policy: str, args: argparse.Namespace, keys: Path) -> dict[str, Any]
     log.seek(0)
     walks = light_walks(log.read())
     log.close()
-    n = args.light_requests  # warm-up, solo, flood: n each, in that order
-    solo_walks, flood_walks = walks[n : 2 * n], walks[2 * n : 3 * n]
-    window = flood.t1 - flood.t0
-    heavy_in_window = [s for s in flood.heavy if s.first is not None]
+    # walks: the warm-up's, then each round's solo and flooded ones, in that order
+    at = args.light_requests
+    solo_walks: list[dict[str, float]] = []
+    flood_walks: list[dict[str, float]] = []
+    for size in sizes:
+        solo_walks += walks[at : at + size]
+        flood_walks += walks[at + size : at + 2 * size]
+        at += 2 * size
+    window = sum(f.t1 - f.t0 for f in floods)
+    heavy_in_window = [s for f in floods for s in f.heavy if s.first is not None]
 
-    def in_window(streams: list[Stream], ph: Phase = flood) -> int:
+    def in_window(streams: list[Stream], ph: Phase) -> int:
         return sum(1 for s in streams for c in s.chunks if ph.t0 <= c <= ph.t1)
 
-    light_tokens, heavy_tokens = in_window(flood.light), in_window(flood.heavy)
+    light_tokens = sum(in_window(f.light, f) for f in floods)
+    heavy_tokens = sum(in_window(f.heavy, f) for f in floods)
+    solo = Phase(light=[s for p in solos for s in p.light])
+    flood = Phase(
+        light=[s for f in floods for s in f.light], heavy=[s for f in floods for s in f.heavy]
+    )
     backlogged: dict[str, Any] = {}
     if shares is not None:
         sl, sh = in_window(shares.light, shares), in_window(shares.heavy, shares)
@@ -314,6 +348,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--light-requests", type=int, default=20)
     p.add_argument("--light-tokens", type=int, default=8)
     p.add_argument("--warmup-s", type=float, default=3.0)
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=4,
+        help="solo and flooded rounds, interleaved (light's requests split among them)",
+    )
     p.add_argument(
         "--light-requests-fcfs",
         type=int,
