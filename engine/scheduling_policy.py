@@ -156,6 +156,8 @@ class SchedulingPolicy:
     """True when displacement is for fairness (hysteresis: ``fair_min_progress``)."""
     fair_min_progress: ClassVar[int] = 16
     """Output tokens a request preempted for fairness samples before it may be again."""
+    first_step_alone: bool = False
+    """Read by ``FairPolicy.hold_back`` (``EngineConfig.fair_first_step_alone``)."""
 
     def __init__(
         self,
@@ -309,9 +311,9 @@ class FairPolicy(SchedulingPolicy):
     uses_tenant_weights = True
     displaces = True
     fair_preemption = True
-    first_step_alone: ClassVar[bool] = True
+    first_step_alone: bool = True
     """True: a light request's first step runs without the over-share tenants' requests
-    (``hold_back``)."""
+    (``hold_back``); the scheduler sets it from ``EngineConfig.fair_first_step_alone``."""
     _last_left: str | None = None
     """The last tenant whose queue emptied (None until one did; set on the instance)."""
 

@@ -29,7 +29,6 @@ from pathlib import Path
 from prefixgate.engine.config import EngineConfig
 from prefixgate.engine.llm_engine import LLMEngine
 from prefixgate.engine.sampling_params import SamplingParams
-from prefixgate.engine.scheduling_policy import FairPolicy
 
 PARTS = ("step_s", "schedule_s", "prepare_s", "forward_s", "sample_s", "output_s")
 
@@ -96,10 +95,10 @@ def main(argv: list[str] | None = None) -> int:
         timed("alone")
         engine.step()  # the heavy decodes again (never two held steps in a row)
         # mixed: the same with the first step alone off
-        FairPolicy.first_step_alone = False
+        engine.scheduler.policy.first_step_alone = False
         light_request()
         timed("mixed")
-        FairPolicy.first_step_alone = True
+        engine.scheduler.policy.first_step_alone = True
         engine.step()
     for i in range(8):
         engine.abort_request(f"h{i}")

@@ -83,7 +83,9 @@ def start_server(
 ) -> subprocess.Popen:
     """``prefixgate serve`` with the two tenants' keys under ``policy``, once ready; its log
     (access lines included) goes to ``log``."""
-    flags = ["--scheduling-policy", policy, "--keys-file", str(keys)]
+    flags = ["--scheduling-policy", policy.removesuffix("-mixed"), "--keys-file", str(keys)]
+    if policy == "fair-mixed":  # fair without the first step alone: the reference
+        flags.append("--no-fair-first-step-alone")
     flags += ["--max-num-seqs", str(args.max_num_seqs), "--log-level", "INFO"]
     flags += ["--max-queued-requests", "1024", "--stats-interval-s", "3600"]
     if args.model:
@@ -210,6 +212,7 @@ async def run_phase(
         )
         if flood:
             await asyncio.sleep(args.warmup_s)  # the flood holds every seat first
+            phase.t0 = time.monotonic()  # the window: the flood's steady state
         for j in range(n):
             prompt = f"light tenant question {j}"
             await stream_one(http, "light", model, prompt, args.light_tokens, phase.light)
@@ -241,28 +244,54 @@ def displacements(port: int) -> float | None:
     return None
 
 
-def measure(policy: str, args: argparse.Namespace, keys: Path) -> dict[str, Any]:
+@dataclass(slots=True)
+class Run:
+    """One policy's server and what its rounds measured so far."""
+
+    policy: str
+    args: argparse.Namespace
+    port: int
+    proc: subprocess.Popen
+    log: IO[str]
+    model: str = ""
+    sizes: list[int] = field(default_factory=list)
+    solos: list[Phase] = field(default_factory=list)
+    floods: list[Phase] = field(default_factory=list)
+
+
+def start_run(policy: str, args: argparse.Namespace, keys: Path) -> Run:
+    """Start ``policy``'s server, warm it up (first-use costs) and split light's requests
+    into its rounds."""
     port = free_port()
     log = tempfile.TemporaryFile(mode="w+")
-    proc = start_server(port, policy, args, keys, log)
+    run = Run(policy, args, port, start_server(port, policy, args, keys, log), log)
+    auth = {"Authorization": f"Bearer {KEYS['light']}"}
+    models = httpx.get(f"http://127.0.0.1:{port}/v1/models", headers=auth, timeout=5)
+    run.model = models.json()["data"][0]["id"]
+    asyncio.run(run_phase(port, run.model, args, flood=False))  # warm-up
+    rounds = max(1, min(args.rounds, args.light_requests))
+    run.sizes = [
+        args.light_requests // rounds + (i < args.light_requests % rounds) for i in range(rounds)
+    ]
+    return run
+
+
+def run_round(run: Run, i: int) -> None:
+    """Round ``i`` of ``run`` (if it has one): a solo phase, then a flooded one."""
+    if i >= len(run.sizes):
+        return
+    n = run.sizes[i]
+    run.solos.append(asyncio.run(run_phase(run.port, run.model, run.args, flood=False, n=n)))
+    run.floods.append(asyncio.run(run_phase(run.port, run.model, run.args, flood=True, n=n)))
+
+
+def measure(run: Run) -> dict[str, Any]:
+    """The shares phase, then stop the server and summarize ``run``."""
+    args, sizes, floods, solos = run.args, run.sizes, run.floods, run.solos
+    policy, proc, log = run.policy, run.proc, run.log
     try:
-        auth = {"Authorization": f"Bearer {KEYS['light']}"}
-        models = httpx.get(f"http://127.0.0.1:{port}/v1/models", headers=auth, timeout=5)
-        model = models.json()["data"][0]["id"]
-        asyncio.run(run_phase(port, model, args, flood=False))  # warm-up (first-use costs)
-        # solo and flooded rounds interleaved, so that the host's varying load weighs on both
-        rounds = max(1, min(args.rounds, args.light_requests))
-        sizes = [
-            args.light_requests // rounds + (i < args.light_requests % rounds)
-            for i in range(rounds)
-        ]
-        solos: list[Phase] = []
-        floods: list[Phase] = []
-        for size in sizes:
-            solos.append(asyncio.run(run_phase(port, model, args, flood=False, n=size)))
-            floods.append(asyncio.run(run_phase(port, model, args, flood=True, n=size)))
-        shares = asyncio.run(run_shares(port, model, args)) if args.shares_s > 0 else None
-        moved = displacements(port)
+        shares = asyncio.run(run_shares(run.port, run.model, args)) if args.shares_s > 0 else None
+        moved = displacements(run.port)
     finally:
         proc.terminate()
         try:
@@ -341,7 +370,12 @@ def measure(policy: str, args: argparse.Namespace, keys: Path) -> dict[str, Any]
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="model folder (default: built-in tiny-random)")
-    p.add_argument("--policies", nargs="+", default=["fcfs", "fair"])
+    p.add_argument(
+        "--policies",
+        nargs="+",
+        default=["fcfs", "fair"],
+        help="fcfs, priority, fair, or fair-mixed (fair with --no-fair-first-step-alone)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--heavy-streams", type=int, default=10)
     p.add_argument("--heavy-tokens", type=int, default=256)
@@ -382,13 +416,23 @@ def main(argv: list[str] | None = None) -> int:
         keys = Path(tmp) / "keys.json"
         rows = [{"key": k, "name": name, "weight": 1.0} for name, k in KEYS.items()]
         keys.write_text(json.dumps({"keys": rows}))
-        results = []
-        for policy in args.policies:
-            pargs = argparse.Namespace(**vars(args))
-            if policy == "fcfs" and args.light_requests_fcfs is not None:
-                pargs.light_requests = args.light_requests_fcfs
-            print(f"{policy}: load average {Path('/proc/loadavg').read_text().strip()}")
-            results.append(measure(policy, pargs, keys))
+        runs: list[Run] = []
+        print(f"start: load average {Path('/proc/loadavg').read_text().strip()}")
+        try:
+            for policy in args.policies:  # every policy's server up at once
+                pargs = argparse.Namespace(**vars(args))
+                if policy == "fcfs" and args.light_requests_fcfs is not None:
+                    pargs.light_requests = args.light_requests_fcfs
+                runs.append(start_run(policy, pargs, keys))
+            for i in range(max(len(r.sizes) for r in runs)):  # rounds interleaved
+                for r in runs:
+                    run_round(r, i)
+                print(f"round {i + 1}: load average {Path('/proc/loadavg').read_text().strip()}")
+            results = [measure(r) for r in runs]
+        finally:
+            for r in runs:
+                if r.proc.poll() is None:
+                    r.proc.kill()
         print(f"end: load average {Path('/proc/loadavg').read_text().strip()}")
     head = (
         f"{'policy':8} {'solo p50':>9} {'solo p99':>9} {'flood p50':>10} {'flood p99':>10} "

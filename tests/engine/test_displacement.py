@@ -175,11 +175,11 @@ HEAVY = dict(n_prompt=100, max_tokens=40)
 LIGHT = dict(n_prompt=20, max_tokens=4)
 
 
-def flood(policy: str, n_light: int = 6, gap: int = 12) -> tuple[Scheduler, Trace, dict]:
+def flood(policy: str, n_light: int = 6, gap: int = 12, **cfg) -> tuple[Scheduler, Trace, dict]:
     """Heavy floods 32 long requests at step 0; light sends one short request every ``gap``
     steps (from step 5) after the previous one finished. Ample KV blocks: seats and the token
-    budget are what the tenants compete for."""
-    sched = make(policy, max_num_seqs=SEATS, max_num_batched_tokens=256)
+    budget are what the tenants compete for. ``cfg``: more ``EngineConfig`` fields."""
+    sched = make(policy, max_num_seqs=SEATS, max_num_batched_tokens=256, **cfg)
     tr = Trace()
     reqs: dict[str, Request] = {}
     for i in range(32):
@@ -277,7 +277,7 @@ def test_fair_heavy_tenant_keeps_its_share_and_its_starvation_bound():
     assert_greedy_unchanged(tr, reqs)
 
 
-def test_fair_long_heavy_requests_are_preempted_again_only_after_progress(monkeypatch):
+def test_fair_long_heavy_requests_are_preempted_again_only_after_progress():
     # heavy keeps 32 long requests (256 output tokens) outstanding on 8 seats; light sends a
     # short request every 16 steps. With "at most once" hysteresis every heavy running request
     # would soon be exempt and light would wait for one to finish (~256 steps); with
@@ -285,8 +285,13 @@ def test_fair_long_heavy_requests_are_preempted_again_only_after_progress(monkey
     # (The light first step alone, FairPolicy.hold_back, is off here: its one held step per
     # light request shifts this script so that light's previous request always ends just
     # before the next one arrives, and nothing is displaced at all; it has its own test.)
-    monkeypatch.setattr(FairPolicy, "first_step_alone", False)
-    sched = make("fair", max_num_seqs=8, max_num_batched_tokens=2048, num_blocks=2048)
+    sched = make(
+        "fair",
+        max_num_seqs=8,
+        max_num_batched_tokens=2048,
+        num_blocks=2048,
+        fair_first_step_alone=False,
+    )
     tr = Trace()
     reqs: dict[str, Request] = {}
     light_at: dict[str, int] = {}
@@ -614,12 +619,7 @@ def test_fair_light_first_step_alone_keeps_greedy_outputs_and_bounds():
     assert_greedy_unchanged(tr, info["reqs"])
     for rid, at in info["light_at"].items():
         assert tr.first_token[rid] == at, rid
-    off = FairPolicy.first_step_alone
-    try:
-        FairPolicy.first_step_alone = False
-        _, tr_off, info_off = flood("fair", n_light=6, gap=3)
-    finally:
-        FairPolicy.first_step_alone = off
+    _, tr_off, info_off = flood("fair", n_light=6, gap=3, fair_first_step_alone=False)
     assert_greedy_unchanged(tr_off, info_off["reqs"])
 
 
@@ -645,12 +645,17 @@ def test_fair_hold_back_with_no_first_step_admitted_runs_the_held_requests():
         assert_whole(sched)
 
 
-@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "fair-off", "fair"])
 def test_other_policies_never_hold_a_tenant_back(policy):
-    sched = make(policy, max_num_seqs=SEATS)
+    # nor fair with fair_first_step_alone off (EngineConfig / --no-fair-first-step-alone)
+    cfg = {"fair_first_step_alone": False} if policy == "fair-off" else {}
+    sched = make(policy.removesuffix("-off"), max_num_seqs=SEATS, **cfg)
     for i in range(10):
         sched.add_request(req(f"h{i}", tenant="heavy", **HEAVY))
+    out = sched.schedule()  # 8 heavy requests take every seat
+    sched.update_from_output(out, {s.request.request_id: 7 for s in out.scheduled})
     sched.add_request(req("l0", tenant="light", **LIGHT))
-    assert sched.policy.hold_back(sched.running, list(sched.waiting), SEATS, 512) == set()
+    held = sched.policy.hold_back(sched.running, list(sched.waiting), SEATS, 512)
+    assert held == ({"heavy"} if policy == "fair" else set())
     sched.abort_requests(list(sched.requests))
     assert_whole(sched)
