@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import shlex
 import subprocess
 import tempfile
@@ -214,6 +215,8 @@ async def run_phase(
             await asyncio.sleep(args.warmup_s)  # the flood holds every seat first
             phase.t0 = time.monotonic()  # the window: the flood's steady state
         for j in range(n):
+            if args.light_think_s > 0:  # open the loop: arrivals off the step boundaries
+                await asyncio.sleep(random.uniform(0.0, args.light_think_s))
             prompt = f"light tenant question {j}"
             await stream_one(http, "light", model, prompt, args.light_tokens, phase.light)
         stop.set()
@@ -394,6 +397,14 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="light's requests per phase under fcfs (default: --light-requests; each waits "
         "for the flood, so a few suffice for the throughput reference)",
+    )
+    p.add_argument(
+        "--light-think-s",
+        type=float,
+        default=0.0,
+        help="light pauses a uniform random 0..this many seconds before each request (0: "
+        "the next request follows the last one's final token at once, i.e. just after a "
+        "step boundary)",
     )
     p.add_argument(
         "--light-backlog",
