@@ -104,6 +104,25 @@ def light_walks(log_text: str) -> list[dict[str, float]]:
     return out
 
 
+def split_walks(
+    walks: list[dict[str, float]], warmup: int, sizes: list[int]
+) -> tuple[list[dict[str, float]], list[dict[str, float]]]:
+    """``(solo, flooded)`` walks of a server's light requests, which ran ``warmup`` first,
+    then in each round ``sizes[i]`` solo and ``sizes[i]`` flooded, one after another."""
+    at, solo, flood = warmup, [], []
+    for size in sizes:
+        solo += walks[at : at + size]
+        flood += walks[at + size : at + 2 * size]
+        at += 2 * size
+    return solo, flood
+
+
+def round_sizes(n: int, rounds: int) -> list[int]:
+    """``n`` requests split into at most ``rounds`` rounds (at least one), as even as can be."""
+    k = max(1, min(rounds, n))
+    return [n // k + (i < n % k) for i in range(k)]
+
+
 WALK_PARTS = ("admit", "to_engine", "wait", "steps", "step_tokens", "step_ms", "chunk")
 WALK_PARTS += ("to_token", "deliver", "write")
 
@@ -272,10 +291,7 @@ def start_run(policy: str, args: argparse.Namespace, keys: Path) -> Run:
     models = httpx.get(f"http://127.0.0.1:{port}/v1/models", headers=auth, timeout=5)
     run.model = models.json()["data"][0]["id"]
     asyncio.run(run_phase(port, run.model, args, flood=False))  # warm-up
-    rounds = max(1, min(args.rounds, args.light_requests))
-    run.sizes = [
-        args.light_requests // rounds + (i < args.light_requests % rounds) for i in range(rounds)
-    ]
+    run.sizes = round_sizes(args.light_requests, args.rounds)
     return run
 
 
@@ -304,14 +320,7 @@ def measure(run: Run) -> dict[str, Any]:
     log.seek(0)
     walks = light_walks(log.read())
     log.close()
-    # walks: the warm-up's, then each round's solo and flooded ones, in that order
-    at = args.light_requests
-    solo_walks: list[dict[str, float]] = []
-    flood_walks: list[dict[str, float]] = []
-    for size in sizes:
-        solo_walks += walks[at : at + size]
-        flood_walks += walks[at + size : at + 2 * size]
-        at += 2 * size
+    solo_walks, flood_walks = split_walks(walks, args.light_requests, sizes)
     window = sum(f.t1 - f.t0 for f in floods)
     heavy_in_window = [s for f in floods for s in f.heavy if s.first is not None]
 
