@@ -61,6 +61,8 @@ class EngineConfig:
             see ``engine/scheduling_policy.py``.
         fair_input_weight, fair_output_weight: VTC's cost of one input / output token
             (default 1 and 2, the paper's).
+        fair_first_step_alone: under ``"fair"``, a light request's first step runs without
+            the over-share tenants' requests (``FairPolicy.hold_back``; default on).
         tenant_weights: tenant → share weight under ``"fair"`` (default 1.0 each).
         enable_prefix_caching: reuse KV blocks of identical hash-chained prefixes.
         max_pinned_fraction: cap on the share of KV blocks that prefix pins may hold.
@@ -105,6 +107,7 @@ class EngineConfig:
     scheduling_policy: Literal["fcfs", "priority", "fair"] = "fcfs"
     fair_input_weight: float = 1.0
     fair_output_weight: float = 2.0
+    fair_first_step_alone: bool = True
     tenant_weights: dict = field(default_factory=dict)
     enable_prefix_caching: bool = True
     max_pinned_fraction: float = 0.5

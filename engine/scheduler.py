@@ -49,6 +49,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -144,6 +145,8 @@ class Scheduler:
             config.fair_output_weight,
             config.tenant_weights,
         )
+        if config.scheduling_policy == "fair":
+            self.policy.first_step_alone = config.fair_first_step_alone
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last is preempted first
@@ -156,6 +159,7 @@ class Scheduler:
         self.tokens_decoded = 0
         self._step_started: float | None = None
         self._admitted_now: set[str] = set()
+        self._held_last = False  # the last step held tenants back (FairPolicy.hold_back)
         self._first_now: list[Request] = []  # first scheduled in the step now running
         self._steps_scheduled = 0  # non-empty steps so far (``Request.arrival_step``)
         self.prefill_tokens_per_s: float | None = None
@@ -288,9 +292,62 @@ class Scheduler:
         caps = None if self.static else self.policy.token_caps(budget, self.running, self.waiting)
         used: dict[str, int] = {}
 
+        # fair: tenants whose requests sit this step out so that a light request's first
+        # step runs without them (never two steps in a row: they run at least every other)
+        hold: set[str] = set()
+        if not self.static and not self._held_last:
+            hold = self.policy.hold_back(
+                self.running, self.waiting, self.max_num_seqs, self.kv.num_blocks
+            )
+
         # 1. running requests: decodes before prefill chunks, each in admission order
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        chunks = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        held = [r for r in self.running if tenant_of(r) in hold] if hold else []
+        budget = self._run_running(
+            [r for r in self.running if tenant_of(r) not in hold] if hold else self.running,
+            budget,
+            scheduled,
+            preempted,
+            caps,
+            used,
+        )
+
+        # 2. waiting requests, in the scheduling policy's order
+        admits = not preempted and (not self.static or not self.running)
+        if admits:
+            budget = self._admit(budget, scheduled, preempted, caps, used, hold)
+        if hold and not any(
+            r.first_step_tokens == 0 and tenant_of(r) not in hold
+            for r in (self.requests[rid] for rid in self._admitted_now)
+        ):  # no first step came of holding back: the held requests run in this step
+            hold = set()
+            budget = self._run_running(held, budget, scheduled, preempted, caps, used)
+        self._held_last = bool(hold)
+        if caps is not None and budget > 0:  # second round: what is left, to anyone
+            budget = self._extend(budget, scheduled, hold)
+            if admits:
+                budget = self._admit(budget, scheduled, preempted, hold=hold)
+
+        out = list(scheduled.values())
+        out.sort(key=lambda s: not s.is_decode)  # stable: decodes first
+        finished, self._finished_ids = self._finished_ids, []
+        result = SchedulerOutput(out, sum(s.num_new_tokens for s in out), preempted, finished)
+        self._note_first_steps(result)
+        return result
+
+    def _run_running(
+        self,
+        reqs: list[Request],
+        budget: int,
+        scheduled: dict[str, ScheduledRequest],
+        preempted: list[str],
+        caps: dict[str, int] | None,
+        used: dict[str, int],
+    ) -> int:
+        """Schedule the running ``reqs`` (decodes before prefill chunks, each in admission
+        order), preempting the policy's victim when KV blocks run out; returns the budget
+        left."""
+        decodes = [r for r in reqs if r.num_tokens - r.num_computed_tokens == 1]
+        chunks = [r for r in reqs if r.num_tokens - r.num_computed_tokens > 1]
         for req in decodes + chunks:
             if budget <= 0:
                 break
@@ -317,22 +374,7 @@ class Scheduler:
                 scheduled[req.request_id] = self._schedule(req, num_new)
                 budget -= num_new
                 used[tenant_of(req)] = used.get(tenant_of(req), 0) + num_new
-
-        # 2. waiting requests, in the scheduling policy's order
-        admits = not preempted and (not self.static or not self.running)
-        if admits:
-            budget = self._admit(budget, scheduled, preempted, caps, used)
-        if caps is not None and budget > 0:  # second round: what is left, to anyone
-            budget = self._extend(budget, scheduled)
-            if admits:
-                budget = self._admit(budget, scheduled, preempted)
-
-        out = list(scheduled.values())
-        out.sort(key=lambda s: not s.is_decode)  # stable: decodes first
-        finished, self._finished_ids = self._finished_ids, []
-        result = SchedulerOutput(out, sum(s.num_new_tokens for s in out), preempted, finished)
-        self._note_first_steps(result)
-        return result
+        return budget
 
     def _note_first_steps(self, out: SchedulerOutput) -> None:
         """The timeline of first admissions (``Request.steps_waited``, ``first_step_tokens``,
@@ -402,12 +444,20 @@ class Scheduler:
         t = tenant_of(req)
         return caps.get(t, budget) - used.get(t, 0)
 
-    def _extend(self, budget: int, scheduled: dict[str, ScheduledRequest]) -> int:
-        """Second round: running prefills get more of the budget left (admission order);
-        returns the budget left. Never preempts: a chunk that does not fit stays as it is."""
+    def _extend(
+        self,
+        budget: int,
+        scheduled: dict[str, ScheduledRequest],
+        hold: AbstractSet[str] = frozenset(),
+    ) -> int:
+        """Second round: running prefills (but ``hold``'s tenants') get more of the budget
+        left (admission order); returns the budget left. Never preempts: a chunk that does
+        not fit stays as it is."""
         for req in self.running:
             if budget <= 0:
                 break
+            if hold and tenant_of(req) in hold:
+                continue
             s = scheduled.get(req.request_id)
             have = s.num_new_tokens if s is not None else 0
             extra = min(req.num_tokens - req.num_computed_tokens - have, budget)
@@ -424,10 +474,14 @@ class Scheduler:
         preempted: list[str],
         caps: dict[str, int] | None = None,
         used: dict[str, int] | None = None,
+        hold: AbstractSet[str] = frozenset(),
     ) -> int:
         """Admit waiting requests into ``scheduled`` in the policy's order (``pick``), with
-        displacement where the policy has it; returns the budget left."""
-        skipped: set[str] = set()
+        displacement where the policy has it, none of ``hold``'s tenants; returns the budget
+        left."""
+        skipped: set[str] = (
+            {r.request_id for r in self.waiting if tenant_of(r) in hold} if hold else set()
+        )
         now = time.monotonic()
         bs = self.kv.block_size
         displaces = self.policy.displaces and not self.static

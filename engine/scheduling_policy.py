@@ -42,7 +42,11 @@ greedy outputs do not change):
   served) may take more than its share of them; the shares bound what displacement takes,
   not VTC's own admissions. Each step's token budget is shared too: while two or more tenants want tokens,
   a first round gives each at most ``floor(max_num_batched_tokens * w_t / W)`` (decodes
-  included), then what is left goes to anyone (work-conserving).
+  included), then what is left goes to anyone (work-conserving). A light request's first
+  step runs alone (``FairPolicy.hold_back``): while a request that never ran waits and its
+  tenant is within its seat share, the tenants over their seat shares sit that step out, so
+  its time to first token is one short step rather than a step carrying every heavy decode;
+  the scheduler never holds back two steps in a row.
 
   Bounds (tests hold each): (1) hysteresis, no preemption loop: a request preempted for
   fairness samples at least ``fair_min_progress`` (16) output tokens before it may be
@@ -60,7 +64,9 @@ greedy outputs do not change):
   waiting request of its tenant that never ran (VTC is first come first served within a
   tenant), so it takes the first of its tenant's seats that frees up unless an older
   preempted one is waiting too; in the tests' flood it resumes within the steps one heavy
-  request takes alone (prefill steps + ``max_tokens``).
+  request takes alone (prefill steps + ``max_tokens``); the first step alone delays a held
+  tenant's requests by at most one step in two (never two held steps in a row), so each of
+  its running requests samples a token at least every other step.
 
 Every policy keeps per-tenant statistics (served input / output tokens, queue lengths).
 Requests without a tenant belong to tenant ``"default"``. A policy class declares what it
@@ -150,6 +156,8 @@ class SchedulingPolicy:
     """True when displacement is for fairness (hysteresis: ``fair_min_progress``)."""
     fair_min_progress: ClassVar[int] = 16
     """Output tokens a request preempted for fairness samples before it may be again."""
+    first_step_alone: bool = False
+    """Read by ``FairPolicy.hold_back`` (``EngineConfig.fair_first_step_alone``)."""
 
     def __init__(
         self,
@@ -234,6 +242,17 @@ class SchedulingPolicy:
         """Tenant → most tokens it gets in the step's first round (``None``: no caps)."""
         return None
 
+    def hold_back(
+        self,
+        running: Sequence[Request],
+        waiting: Sequence[Request],
+        max_num_seqs: int,
+        num_blocks: int,
+    ) -> set[str]:
+        """Tenants whose running requests sit out this step so that a waiting request's
+        first step runs without them (``set()``: none; the base policy never holds back)."""
+        return set()
+
     def tenant_stats(
         self, waiting: Iterable[Request], running: Iterable[Request]
     ) -> dict[str, dict[str, float | int]]:
@@ -292,6 +311,9 @@ class FairPolicy(SchedulingPolicy):
     uses_tenant_weights = True
     displaces = True
     fair_preemption = True
+    first_step_alone: bool = True
+    """True: a light request's first step runs without the over-share tenants' requests
+    (``hold_back``); the scheduler sets it from ``EngineConfig.fair_first_step_alone``."""
     _last_left: str | None = None
     """The last tenant whose queue emptied (None until one did; set on the instance)."""
 
@@ -433,6 +455,47 @@ class FairPolicy(SchedulingPolicy):
         if room.need_seat and seats.get(me, 0) + 1 > shares[me][0]:
             return True
         return bool(room.short_blocks) and blocks.get(me, 0) + room.need_blocks > shares[me][1]
+
+    def hold_back(
+        self,
+        running: Sequence[Request],
+        waiting: Sequence[Request],
+        max_num_seqs: int,
+        num_blocks: int,
+    ) -> set[str]:
+        """The first step of a light request alone: when a request waits for its first token
+        (it never ran) whose tenant is within its seat share counting it, the tenants over
+        their seat shares whose VTC counter is no less than its tenant's sit this step out
+        (their decodes, prefill chunks and admissions run in the next one), so that the
+        light request's first step holds its prefill and the light tenant's own decodes
+        only. The scheduler never holds back two steps in a row (the held tenants run at
+        least every other step) and runs the held requests in the same step when no such
+        request is admitted after all. ``set()`` when ``first_step_alone`` is off, fewer
+        than two tenants are active, or no such request waits."""
+        if not self.first_step_alone:
+            return set()
+        active = {tenant_of(r) for r in running} | {tenant_of(r) for r in waiting}
+        if len(active) < 2:
+            return set()
+        shares = self.shares(active, max_num_seqs, num_blocks)
+        seats: dict[str, int] = {}
+        for r in running:
+            seats[tenant_of(r)] = seats.get(tenant_of(r), 0) + 1
+        over = {t for t, n in seats.items() if n > shares[t][0]}
+        if not over:
+            return set()
+        least: float | None = None  # the least counter of a tenant with a first step due
+        for r in waiting:
+            t = tenant_of(r)
+            if r.first_scheduled_time is not None or r.waits_for_grammar or t in over:
+                continue
+            if seats.get(t, 0) + 1 > shares[t][0]:
+                continue
+            c = self._stats(t).counter
+            least = c if least is None else min(least, c)
+        if least is None:
+            return set()
+        return {t for t in over if self._stats(t).counter >= least}
 
     def token_caps(
         self, budget: int, running: Sequence[Request], waiting: Sequence[Request]

@@ -72,6 +72,9 @@ ENGINE_HELP = {
     "fair_input_weight": "cost of one prompt token in the fair policy's per-tenant counters (>= 0)",
     "fair_output_weight": "cost of one generated token in the fair policy's per-tenant "
     "counters (>= 0)",
+    "fair_first_step_alone": "under the fair policy, a light tenant's request runs its first "
+    "step without the over-share tenants' requests (they run in the next step; never two "
+    "such steps in a row)",
     "max_pinned_fraction": "largest share of KV blocks that registered prefixes may pin (0 to 1)",
     "quantization": "int8: every linear layer's weights in int8 with one scale per output "
     "channel (CPU: --dtype float32 only; CUDA: a Triton weight-only GEMM) (default: none, "

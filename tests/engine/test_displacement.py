@@ -175,11 +175,11 @@ HEAVY = dict(n_prompt=100, max_tokens=40)
 LIGHT = dict(n_prompt=20, max_tokens=4)
 
 
-def flood(policy: str, n_light: int = 6, gap: int = 12) -> tuple[Scheduler, Trace, dict]:
+def flood(policy: str, n_light: int = 6, gap: int = 12, **cfg) -> tuple[Scheduler, Trace, dict]:
     """Heavy floods 32 long requests at step 0; light sends one short request every ``gap``
     steps (from step 5) after the previous one finished. Ample KV blocks: seats and the token
-    budget are what the tenants compete for."""
-    sched = make(policy, max_num_seqs=SEATS, max_num_batched_tokens=256)
+    budget are what the tenants compete for. ``cfg``: more ``EngineConfig`` fields."""
+    sched = make(policy, max_num_seqs=SEATS, max_num_batched_tokens=256, **cfg)
     tr = Trace()
     reqs: dict[str, Request] = {}
     for i in range(32):
@@ -282,7 +282,16 @@ def test_fair_long_heavy_requests_are_preempted_again_only_after_progress():
     # short request every 16 steps. With "at most once" hysteresis every heavy running request
     # would soon be exempt and light would wait for one to finish (~256 steps); with
     # fair_min_progress a request yields again after 16 more tokens of progress.
-    sched = make("fair", max_num_seqs=8, max_num_batched_tokens=2048, num_blocks=2048)
+    # (The light first step alone, FairPolicy.hold_back, is off here: its one held step per
+    # light request shifts this script so that light's previous request always ends just
+    # before the next one arrives, and nothing is displaced at all; it has its own test.)
+    sched = make(
+        "fair",
+        max_num_seqs=8,
+        max_num_batched_tokens=2048,
+        num_blocks=2048,
+        fair_first_step_alone=False,
+    )
     tr = Trace()
     reqs: dict[str, Request] = {}
     light_at: dict[str, int] = {}
@@ -556,4 +565,97 @@ def test_fair_seat_verdict_skips_a_tenant_at_its_share_before_any_prefix_lookup(
     assert "h2" not in looked_up  # the refused heavy request cost no prefix lookup
     del sched.kv.get_computed_blocks
     step_until_done(sched, tr)
+    assert_whole(sched)
+
+
+def test_fair_light_first_step_runs_alone_and_the_heavy_tenant_every_other_step():
+    # the first step of a light request holds its prefill only: the heavy tenant (over its
+    # seat share) sits that step out, runs in the next one, and never sits out two in a row
+    sched = make("fair", max_num_seqs=SEATS, max_num_batched_tokens=256)
+    tr = Trace()
+    for i in range(12):
+        add(sched, tr, req(f"h{i}", tenant="heavy", **HEAVY))
+    for _ in range(5):
+        step(sched, tr)
+    assert {r.tenant for r in sched.running} == {"heavy"} and len(sched.running) == SEATS
+
+    history: list[set[str]] = []
+
+    def one_step() -> set[str]:
+        out = sched.schedule()
+        sched.update_from_output(out, {s.request.request_id: 7 for s in out.scheduled})
+        sched.check_invariants()
+        history.append({s.request.request_id for s in out.scheduled})
+        return history[-1]
+
+    for j in range(4):
+        # (a light request waits while its tenant's VTC counter is above heavy's: VTC's
+        # order, as for displacement; within a few steps)
+        add(sched, tr, req(f"l{j}", tenant="light", **LIGHT))
+        for _ in range(10):
+            got = one_step()
+            if f"l{j}" in got:
+                break
+        # its first step holds no heavy request (light's own decodes may run beside it)
+        assert f"l{j}" in got and not any(rid.startswith("h") for rid in got), got
+        got = one_step()  # the next step: the heavy decodes again, with light's
+        assert f"l{j}" in got and any(rid.startswith("h") for rid in got), got
+    # light requests at once: the heavy tenant never sits out two steps in a row
+    for k in range(3):
+        add(sched, tr, req(f"m{k}", tenant="light", **LIGHT))
+    for _ in range(12):
+        one_step()
+    assert all(any(rid.startswith(f"m{k}") for got in history for rid in got) for k in range(3))
+    for a, b in zip(history, history[1:], strict=False):
+        assert any(rid.startswith("h") for rid in a | b), (a, b)
+    sched.abort_requests(list(sched.requests))
+    assert_whole(sched)
+
+
+def test_fair_light_first_step_alone_keeps_greedy_outputs_and_bounds():
+    # the whole flood script with the first step alone (and without it): greedy outputs
+    # unchanged, each light request's first token in the step it arrives for
+    sched, tr, info = flood("fair", n_light=6, gap=3)
+    assert_greedy_unchanged(tr, info["reqs"])
+    for rid, at in info["light_at"].items():
+        assert tr.first_token[rid] == at, rid
+    _, tr_off, info_off = flood("fair", n_light=6, gap=3, fair_first_step_alone=False)
+    assert_greedy_unchanged(tr_off, info_off["reqs"])
+
+
+def test_fair_hold_back_with_no_first_step_admitted_runs_the_held_requests():
+    # a hold that admits no first step (here forced: no light request waits) must not cost
+    # the heavy tenant its step: the held requests run in the same step, as without the hold
+    twins = [make("fair", max_num_seqs=SEATS, max_num_batched_tokens=256) for _ in range(2)]
+    for sched in twins:
+        for i in range(10):
+            sched.add_request(req(f"h{i}", tenant="heavy", **HEAVY))
+        for _ in range(6):
+            out = sched.schedule()
+            sched.update_from_output(out, {s.request.request_id: 7 for s in out.scheduled})
+    forced = twins[0]
+    forced.policy.hold_back = lambda *a: {"heavy"}  # type: ignore[method-assign]
+    outs = [sched.schedule() for sched in twins]
+    got = [sorted((s.request.request_id, s.num_new_tokens) for s in o.scheduled) for o in outs]
+    assert got[0] == got[1] and len(got[0]) == SEATS
+    assert not forced._held_last
+    for sched, out in zip(twins, outs, strict=True):
+        sched.update_from_output(out, {s.request.request_id: 7 for s in out.scheduled})
+        sched.abort_requests(list(sched.requests))
+        assert_whole(sched)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "fair-off", "fair"])
+def test_other_policies_never_hold_a_tenant_back(policy):
+    # nor fair with fair_first_step_alone off (EngineConfig / --no-fair-first-step-alone)
+    cfg = {"fair_first_step_alone": False} if policy == "fair-off" else {}
+    sched = make(policy.removesuffix("-off"), max_num_seqs=SEATS, **cfg)
+    for i in range(10):
+        sched.add_request(req(f"h{i}", tenant="heavy", **HEAVY))
+    out = sched.schedule()  # 8 heavy requests take every seat
+    sched.update_from_output(out, {s.request.request_id: 7 for s in out.scheduled})
+    sched.add_request(req("l0", tenant="light", **LIGHT))
+    held = sched.policy.hold_back(sched.running, list(sched.waiting), SEATS, 512)
+    assert held == ({"heavy"} if policy == "fair" else set())
+    sched.abort_requests(list(sched.requests))
     assert_whole(sched)

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from prefixgate.gateway.bench.tenant_flood import light_walks, walk_summary
+from prefixgate.gateway.bench.tenant_flood import (
+    light_walks,
+    round_sizes,
+    split_walks,
+    walk_summary,
+)
 
 LOG = """\
 2026-12-02 03:00:00,000 INFO prefixgate.access: 127.0.0.1 "POST /v1/chat/completions" 200 \
@@ -23,3 +28,14 @@ def test_light_walks_read_only_light_access_lines_in_order():
     summary = walk_summary(walks)
     assert summary["wait"] == (2.0, 6.0)  # (p50, p99) of two: the nearest ranks
     assert summary["chunk"] == (10.0, 10.0) and "deliver" not in summary
+
+
+def test_rounds_split_light_requests_and_their_walks():
+    assert round_sizes(10, 4) == [3, 3, 2, 2]
+    assert round_sizes(3, 4) == [1, 1, 1]  # never an empty round
+    assert round_sizes(0, 4) == [0]
+    # warm-up 2, then rounds of 2 and 1: solo, flooded, solo, flooded
+    walks = [{"i": float(i)} for i in range(2 + 2 * 2 + 2 * 1)]
+    solo, flood = split_walks(walks, 2, [2, 1])
+    assert [w["i"] for w in solo] == [2.0, 3.0, 6.0]
+    assert [w["i"] for w in flood] == [4.0, 5.0, 7.0]
