@@ -217,13 +217,15 @@ CPU's caches, as a decode step's whole model is; fewer layers when the shape hol
 def _time_one_row(
     fns: list[Callable[[torch.Tensor], torch.Tensor]], x: torch.Tensor, reps: int
 ) -> float:
-    """Fastest of ``reps`` passes of ``x`` through every function in turn, in seconds."""
+    """Fastest of ``reps`` passes of ``x`` through every function in turn, in seconds of the
+    process's CPU time (``time.process_time``: all its threads; on a host whose cores other
+    processes share, wall time mostly measured who else ran, CPU time the GEMM)."""
     best = float("inf")
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         for fn in fns:
             fn(x)
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, time.process_time() - t0)
     return best
 
 
@@ -251,8 +253,8 @@ def calibrate_one_row(
     each weight once, so the pass streams them from memory as the step does); the kinds
     alternate within each of ``rounds`` rounds and each kind's time is its fastest pass
     (``reps`` a round). An alternative replaces oneDNN only when it is :data:`ONE_ROW_MARGIN`
-    faster. Runs at the current ``torch.get_num_threads()``; about 0.5 s for the SmolLM2-135M
-    shape on the dev machine.
+    faster. Runs at the current ``torch.get_num_threads()``; 1-3 s for the SmolLM2-135M shape on
+    the dev machine (8 s at load 12 on its 2 cores).
 
     Returns:
         ``(out_features, in_features)`` → the kind chosen (also logged, with the extra bytes).
