@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -215,7 +215,7 @@ CPU's caches, as a decode step's whole model is; fewer layers when the shape hol
 
 
 def _time_one_row(
-    fns: list[Callable[[torch.Tensor], torch.Tensor]], x: torch.Tensor, reps: int
+    fns: Sequence[Callable[[torch.Tensor], torch.Tensor]], x: torch.Tensor, reps: int
 ) -> float:
     """Fastest of ``reps`` passes of ``x`` through every function in turn, in seconds of the
     process's CPU time (``time.process_time``: all its threads; on a host whose cores other
@@ -253,8 +253,8 @@ def calibrate_one_row(
     each weight once, so the pass streams them from memory as the step does); the kinds
     alternate within each of ``rounds`` rounds and each kind's time is its fastest pass
     (``reps`` a round). An alternative replaces oneDNN only when it is :data:`ONE_ROW_MARGIN`
-    faster. Runs at the current ``torch.get_num_threads()``; 1-3 s for the SmolLM2-135M shape on
-    the dev machine (8 s at load 12 on its 2 cores).
+    faster. Runs at the current ``torch.get_num_threads()``; 3-9 s for the SmolLM2-135M shape on
+    the dev machine's 2 cores at load 11-16 (not measured quiet).
 
     Returns:
         ``(out_features, in_features)`` → the kind chosen (also logged, with the extra bytes).
@@ -269,7 +269,7 @@ def calibrate_one_row(
         per_layer = out * inp * 4
         timed = layers[: max(1, min(len(layers), CALIBRATION_BYTES // per_layer))]
         plain = [m.weight for m in timed]
-        fns = {
+        fns: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {
             "onednn": [functools.partial(_onednn_one, m) for m in timed],
             "linear": [
                 functools.partial(_linear_one, w, m.bias) for w, m in zip(plain, timed, strict=True)
