@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 
@@ -46,6 +47,20 @@ ONE_ROW_KINDS = ("onednn", "linear", "mm_t")
 
 ONE_ROW_MARGIN = 0.05
 """An alternative to oneDNN is kept only when it measured at least this much faster (5 %)."""
+
+ONE_ROW_MEMORY_SHARE = 0.25
+"""The one-row weight copies may take at most this share of the memory available when
+:func:`calibrate_one_row` starts (shapes past it keep oneDNN): a model that fits leaves room."""
+
+
+def available_memory_bytes() -> int | None:
+    """Physical memory available now (``os.sysconf``'s ``SC_AVPHYS_PAGES``), or None where
+    that is not known."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
 
 # Rows the weight is reordered for: a decode batch size. The packed weight serves every row
 # count; 32 gave the best layout from 8 to 2,048 rows (a hint of 1 halved the speed at 8-32).
@@ -243,7 +258,11 @@ def _mm_t_one(w: torch.Tensor, b: torch.Tensor | None, x: torch.Tensor) -> torch
 
 @torch.inference_mode()
 def calibrate_one_row(
-    model: nn.Module, rounds: int = 3, reps: int = 2, seed: int = 0
+    model: nn.Module,
+    rounds: int = 3,
+    reps: int = 2,
+    seed: int = 0,
+    memory_budget: int | None = None,
 ) -> dict[tuple[int, int], str]:
     """Time the :data:`ONE_ROW_KINDS` GEMMs at one row for each shape of ``model``'s
     :class:`OneDNNLinear` layers and set each layer's ``one_row`` to its shape's fastest.
@@ -253,7 +272,9 @@ def calibrate_one_row(
     each weight once, so the pass streams them from memory as the step does); the kinds
     alternate within each of ``rounds`` rounds and each kind's time is its fastest pass
     (``reps`` a round). An alternative replaces oneDNN only when it is :data:`ONE_ROW_MARGIN`
-    faster. Runs at the current ``torch.get_num_threads()``; 3-9 s for the SmolLM2-135M shape on
+    faster, and while the copies it keeps fit ``memory_budget`` bytes (default
+    :data:`ONE_ROW_MEMORY_SHARE` of :func:`available_memory_bytes`; unbounded where unknown);
+    a shape whose copies would pass it keeps oneDNN. Runs at the current ``torch.get_num_threads()``; 3-9 s for the SmolLM2-135M shape on
     the dev machine's 2 cores at load 11-16 (not measured quiet).
 
     Returns:
@@ -263,6 +284,10 @@ def calibrate_one_row(
     for m in model.modules():
         if isinstance(m, OneDNNLinear):
             groups.setdefault((m.out_features, m.in_features), []).append(m)
+    if memory_budget is None:
+        avail = available_memory_bytes()
+        memory_budget = None if avail is None else int(avail * ONE_ROW_MEMORY_SHARE)
+    kept = 0
     gen = torch.Generator().manual_seed(seed)
     chosen: dict[tuple[int, int], str] = {}
     for (out, inp), layers in groups.items():
@@ -287,6 +312,19 @@ def calibrate_one_row(
         del fns, plain
         alt = min(("linear", "mm_t"), key=best.__getitem__)
         kind = alt if best[alt] < (1 - ONE_ROW_MARGIN) * best["onednn"] else "onednn"
+        if kind != "onednn" and memory_budget is not None:
+            if kept + per_layer * len(layers) > memory_budget:
+                logger.info(
+                    "one-row GEMM of %d x %d keeps oneDNN: its copies (%.1f MB) pass the "
+                    "memory budget (%.1f MB)",
+                    out,
+                    inp,
+                    per_layer * len(layers) / 1e6,
+                    memory_budget / 1e6,
+                )
+                kind = "onednn"
+            else:
+                kept += per_layer * len(layers)
         for layer in layers:
             layer.set_one_row(kind)
         chosen[(out, inp)] = kind

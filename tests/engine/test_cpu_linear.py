@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from prefixgate.engine.models.cpu_linear import (
     ONE_ROW_KINDS,
     OneDNNLinear,
+    available_memory_bytes,
     calibrate_one_row,
     one_row_extra_bytes,
     onednn_linear_available,
@@ -132,3 +133,11 @@ def test_loader_calibrates_one_row_gemms(aidreams_path):
     for m in packed:  # one choice per shape
         by_shape.setdefault((m.out_features, m.in_features), set()).add(m.one_row)
     assert all(len(kinds) == 1 for kinds in by_shape.values())
+
+
+def test_calibrate_one_row_keeps_onednn_past_the_memory_budget():
+    model = pack_linears(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 256)))
+    chosen = calibrate_one_row(model, rounds=1, reps=1, memory_budget=0)
+    assert set(chosen.values()) == {"onednn"}
+    assert one_row_extra_bytes(model) == 0
+    assert available_memory_bytes() is None or available_memory_bytes() > 0
