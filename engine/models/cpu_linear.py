@@ -12,12 +12,55 @@ This is the op PyTorch's own inductor emits for frozen CPU linears
 Results differ from MKL's in the last bits (another summation order; fp32 accumulation both;
 measured max abs error against float64 about 2x MKL's, ~1e-4 on unit-normal inputs). As with
 MKL, a row's result may differ in the last bit with the batch's row count (seen at one row).
+
+**One row (batch-1 decode).** At one row the GEMM is a matrix-vector product that only streams
+the weight, and the blocked layout packed for 32 rows is not always the fastest way to stream it.
+Measured on the dev machine (one thread, 30 copies of each SmolLM2-135M weight read in turn, as a
+decode step reads them): ``torch.mm(x, W^T)`` on the weight stored transposed (``[I, O]``
+contiguous, "mm_t") took 165 / 105 / 474 us for the 960 x 576 / 576 x 576 / 3,072 x 576 layers
+against oneDNN's 219 / 137 / 816 us, and 4.8 against 7.9 ms for the 49,152 x 576 LM head; for
+the 576 x 1,536 down projection MKL's ``F.linear`` on the plain weight ("linear") and oneDNN were
+about even; from two rows on oneDNN's packed layout won every shape. Which one wins depends on the
+CPU, the shape and the thread count, so :func:`calibrate_one_row` times the three at load
+(:data:`ONE_ROW_KINDS`) and a layer keeps a second copy of its weight (``[I, O]`` or ``[O, I]``)
+only where it beat oneDNN by :data:`ONE_ROW_MARGIN`: that copy is extra memory
+(:func:`one_row_extra_bytes`; up to the model's linear weights once more).
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+logger = logging.getLogger(__name__)
+
+ONE_ROW_KINDS = ("onednn", "linear", "mm_t")
+"""The GEMMs a one-row input may take: oneDNN's packed weight; MKL's ``F.linear`` on the plain
+``[O, I]`` weight; ``torch.mm`` on the weight stored transposed, ``[I, O]`` contiguous."""
+
+ONE_ROW_MARGIN = 0.05
+"""An alternative to oneDNN is kept only when it measured at least this much faster (5 %)."""
+
+ONE_ROW_MEMORY_SHARE = 0.25
+"""The one-row weight copies may take at most this share of the memory available when
+:func:`calibrate_one_row` starts (shapes past it keep oneDNN): a model that fits leaves room."""
+
+
+def available_memory_bytes() -> int | None:
+    """Physical memory available now (``os.sysconf``'s ``SC_AVPHYS_PAGES``), or None where
+    that is not known."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
 
 # Rows the weight is reordered for: a decode batch size. The packed weight serves every row
 # count; 32 gave the best layout from 8 to 2,048 rows (a hint of 1 halved the speed at 8-32).
@@ -106,6 +149,33 @@ class OneDNNLinear(nn.Module):
         # .to() never see it; the module lives on CPU only.
         self._packed = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS_HINT)
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+        self.one_row = "onednn"
+        # the one-row GEMM's own copy of the weight ([I, O] for "mm_t", [O, I] for "linear"):
+        # a plain attribute, as _packed
+        self._one_row_weight: torch.Tensor | None = None
+
+    def set_one_row(self, kind: str) -> None:
+        """Choose the GEMM a one-row input takes (one of :data:`ONE_ROW_KINDS`); "linear" and
+        "mm_t" keep a second copy of the weight (``in_features * out_features`` fp32), "onednn"
+        drops it.
+
+        Raises:
+            ValueError: another ``kind``.
+        """
+        if kind not in ONE_ROW_KINDS:
+            raise ValueError(f"unknown one-row GEMM {kind!r}; expected one of {ONE_ROW_KINDS}")
+        self._one_row_weight = None
+        if kind == "linear":
+            self._one_row_weight = self.weight
+        elif kind == "mm_t":
+            self._one_row_weight = self.weight.t().contiguous()
+        self.one_row = kind
+
+    @property
+    def one_row_bytes(self) -> int:
+        """Bytes held by the one-row copy of the weight (0 for "onednn")."""
+        w = self._one_row_weight
+        return 0 if w is None else w.numel() * w.element_size()
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> OneDNNLinear:
@@ -124,6 +194,13 @@ class OneDNNLinear(nn.Module):
         if x2.shape[0] == 0:
             return x.new_empty((*lead, self.out_features))
         rows = x2.shape[0]
+        w1 = self._one_row_weight
+        if rows == 1 and w1 is not None:
+            if self.one_row == "mm_t":
+                y = torch.mm(x2, w1) if self.bias is None else torch.addmm(self.bias, x2, w1)
+            else:
+                y = F.linear(x2, w1, self.bias)
+            return y.reshape(*lead, self.out_features)
         padded = padded_rows(rows)
         if padded != rows:
             x2 = torch.cat([x2, x2.new_zeros((padded - rows, self.in_features))])
@@ -133,7 +210,8 @@ class OneDNNLinear(nn.Module):
         return y[:rows].reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, onednn"
+        one = "" if self.one_row == "onednn" else f", one_row={self.one_row}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, onednn{one}"
 
 
 def pack_linears(model: nn.Module) -> nn.Module:
@@ -151,3 +229,129 @@ def pack_linears(model: nn.Module) -> nn.Module:
     for parent, name, child in targets:
         setattr(parent, name, OneDNNLinear.from_linear(child))
     return model
+
+
+CALIBRATION_BYTES = 64 << 20
+"""Weights one timing pass of :func:`calibrate_one_row` streams per shape (64 MiB: beyond the
+CPU's caches, as a decode step's whole model is; fewer layers when the shape holds less)."""
+
+
+def _time_one_row(
+    fns: Sequence[Callable[[torch.Tensor], torch.Tensor]], x: torch.Tensor, reps: int
+) -> float:
+    """Fastest of ``reps`` passes of ``x`` through every function in turn, in seconds of the
+    process's CPU time (``time.process_time``: all its threads; on a host whose cores other
+    processes share, wall time mostly measured who else ran, CPU time the GEMM)."""
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.process_time()
+        for fn in fns:
+            fn(x)
+        best = min(best, time.process_time() - t0)
+    return best
+
+
+def _onednn_one(m: OneDNNLinear, x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, m._packed, m.bias, "none", [], "")
+
+
+def _linear_one(w: torch.Tensor, b: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, w, b)
+
+
+def _mm_t_one(w: torch.Tensor, b: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    return torch.mm(x, w) if b is None else torch.addmm(b, x, w)
+
+
+@torch.inference_mode()
+def calibrate_one_row(
+    model: nn.Module,
+    rounds: int = 3,
+    reps: int = 2,
+    seed: int = 0,
+    memory_budget: int | None = None,
+) -> dict[tuple[int, int], str]:
+    """Time the :data:`ONE_ROW_KINDS` GEMMs at one row for each shape of ``model``'s
+    :class:`OneDNNLinear` layers and set each layer's ``one_row`` to its shape's fastest.
+
+    Per ``(out_features, in_features)`` shape, a pass sends one ``[1, I]`` fp32 input through
+    its first layers in turn, up to :data:`CALIBRATION_BYTES` of weights (a decode step reads
+    each weight once, so the pass streams them from memory as the step does); the kinds
+    alternate within each of ``rounds`` rounds and each kind's time is its fastest pass
+    (``reps`` a round). An alternative replaces oneDNN only when it is :data:`ONE_ROW_MARGIN`
+    faster, and while the copies it keeps fit ``memory_budget`` bytes (default
+    :data:`ONE_ROW_MEMORY_SHARE` of :func:`available_memory_bytes`; unbounded where unknown);
+    a shape whose copies would pass it keeps oneDNN. Runs at the current ``torch.get_num_threads()``; 3-9 s for the SmolLM2-135M shape on
+    the dev machine's 2 cores at load 11-16 (not measured quiet).
+
+    Returns:
+        ``(out_features, in_features)`` → the kind chosen (also logged, with the extra bytes).
+    """
+    groups: dict[tuple[int, int], list[OneDNNLinear]] = {}
+    for m in model.modules():
+        if isinstance(m, OneDNNLinear):
+            groups.setdefault((m.out_features, m.in_features), []).append(m)
+    if memory_budget is None:
+        avail = available_memory_bytes()
+        memory_budget = None if avail is None else int(avail * ONE_ROW_MEMORY_SHARE)
+    kept = 0
+    gen = torch.Generator().manual_seed(seed)
+    chosen: dict[tuple[int, int], str] = {}
+    for (out, inp), layers in groups.items():
+        per_layer = out * inp * 4
+        timed = layers[: max(1, min(len(layers), CALIBRATION_BYTES // per_layer))]
+        plain = [m.weight for m in timed]
+        fns: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {
+            "onednn": [functools.partial(_onednn_one, m) for m in timed],
+            "linear": [
+                functools.partial(_linear_one, w, m.bias) for w, m in zip(plain, timed, strict=True)
+            ],
+            "mm_t": [
+                functools.partial(_mm_t_one, w.t().contiguous(), m.bias)
+                for w, m in zip(plain, timed, strict=True)
+            ],
+        }
+        x = torch.randn((1, inp), generator=gen)
+        best = dict.fromkeys(ONE_ROW_KINDS, float("inf"))
+        for _ in range(rounds):
+            for kind in ONE_ROW_KINDS:
+                best[kind] = min(best[kind], _time_one_row(fns[kind], x, reps))
+        del fns, plain
+        alt = min(("linear", "mm_t"), key=best.__getitem__)
+        kind = alt if best[alt] < (1 - ONE_ROW_MARGIN) * best["onednn"] else "onednn"
+        if kind != "onednn" and memory_budget is not None:
+            if kept + per_layer * len(layers) > memory_budget:
+                logger.info(
+                    "one-row GEMM of %d x %d keeps oneDNN: its copies (%.1f MB) pass the "
+                    "memory budget (%.1f MB)",
+                    out,
+                    inp,
+                    per_layer * len(layers) / 1e6,
+                    memory_budget / 1e6,
+                )
+                kind = "onednn"
+            else:
+                kept += per_layer * len(layers)
+        for layer in layers:
+            layer.set_one_row(kind)
+        chosen[(out, inp)] = kind
+        logger.debug(
+            "one-row GEMM of %d x %d (%d of %d layers timed): %s (%s)",
+            out,
+            inp,
+            len(timed),
+            len(layers),
+            kind,
+            ", ".join(f"{k} {v * 1e6 / len(timed):.0f} us" for k, v in best.items()),
+        )
+    logger.info(
+        "one-row GEMMs: %s; extra memory %.1f MB",
+        ", ".join(f"{o}x{i} {k}" for (o, i), k in chosen.items()),
+        one_row_extra_bytes(model) / 1e6,
+    )
+    return chosen
+
+
+def one_row_extra_bytes(model: nn.Module) -> int:
+    """Bytes of the one-row weight copies :func:`calibrate_one_row` kept in ``model``."""
+    return sum(m.one_row_bytes for m in model.modules() if isinstance(m, OneDNNLinear))

@@ -10,7 +10,11 @@ import torch
 from prefixgate.engine.config import EngineConfig
 from prefixgate.engine.cuda_graphs import check_cuda_graphs
 from prefixgate.engine.models.config import ModelConfig
-from prefixgate.engine.models.cpu_linear import pack_linears, use_onednn_linear
+from prefixgate.engine.models.cpu_linear import (
+    calibrate_one_row,
+    pack_linears,
+    use_onednn_linear,
+)
 from prefixgate.engine.models.llama import CausalLM
 from prefixgate.engine.models.quantization import check_quantization, quantize_model
 from prefixgate.engine.models.weights import iter_tensors, weight_files
@@ -71,6 +75,7 @@ def load_model(model_config: ModelConfig, engine_config: EngineConfig) -> Causal
         logger.info("quantized every linear layer to %s", engine_config.quantization)
     elif use_onednn_linear(device, model_config.dtype, None):
         pack_linears(model)  # MKL's sgemm measured 2-2.5x slower here (cpu_linear.py)
+        calibrate_one_row(model)  # batch-1 decode: the fastest GEMM per shape at one row
     model.init_rope()
     return model.eval().requires_grad_(False)
 

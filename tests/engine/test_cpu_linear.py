@@ -7,9 +7,15 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from prefixgate.engine.models.cpu_linear import (
+    ONE_ROW_KINDS,
     OneDNNLinear,
+    available_memory_bytes,
+    calibrate_one_row,
+    one_row_extra_bytes,
     onednn_linear_available,
+    pack_linears,
     use_onednn_linear,
 )
 from prefixgate.engine.models.quantization import Int8Linear
@@ -70,3 +76,68 @@ def test_loader_packs_every_linear_and_int8_still_quantizes(aidreams_path):
     quant = load(aidreams_path, quantization="int8")
     assert isinstance(quant.lm_head, Int8Linear)
     assert not any(isinstance(m, OneDNNLinear) for m in quant.modules())
+
+
+@pytest.mark.parametrize("kind", ONE_ROW_KINDS)
+@pytest.mark.parametrize("bias", [True, False])
+def test_one_row_gemms_match_nn_linear(kind, bias):
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 160, bias=bias)
+    packed = OneDNNLinear.from_linear(linear)
+    packed.set_one_row(kind)
+    assert packed.one_row == kind
+    assert packed.one_row_bytes == (0 if kind == "onednn" else 96 * 160 * 4)
+    with torch.inference_mode():
+        for x in (torch.randn(1, 96), torch.randn(1, 1, 96), torch.randn(3, 96)):
+            got, want = packed(x), linear(x)
+            assert got.shape == want.shape and got.dtype == torch.float32
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        # a non-contiguous one-row input
+        x = torch.randn(1, 96, 2)[..., 0]
+        torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
+    packed.set_one_row("onednn")
+    assert packed.one_row_bytes == 0
+
+
+def test_one_row_refuses_unknown_kind():
+    packed = OneDNNLinear.from_linear(nn.Linear(8, 8))
+    with pytest.raises(ValueError, match="unknown one-row GEMM 'gemv'"):
+        packed.set_one_row("gemv")
+
+
+def test_calibrate_one_row_sets_every_layer_of_a_shape():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 256, bias=False))
+    ref = [m.weight.detach().clone() for m in model]
+    pack_linears(model)
+    chosen = calibrate_one_row(model, rounds=1, reps=1)
+    assert set(chosen) == {(64, 64), (256, 64)}
+    assert set(chosen.values()) <= set(ONE_ROW_KINDS)
+    layers = list(model)
+    assert layers[0].one_row == layers[1].one_row == chosen[(64, 64)]
+    assert layers[2].one_row == chosen[(256, 64)]
+    assert one_row_extra_bytes(model) == sum(m.one_row_bytes for m in layers)
+    x = torch.randn(1, 64)
+    with torch.inference_mode():
+        want = x
+        for w, m in zip(ref, model, strict=True):
+            want = F.linear(want, w, m.bias)
+        torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-5)
+
+
+def test_loader_calibrates_one_row_gemms(aidreams_path):
+    model = load(aidreams_path)
+    packed = [m for m in model.modules() if isinstance(m, OneDNNLinear)]
+    assert all(m.one_row in ONE_ROW_KINDS for m in packed)
+    by_shape = {}
+    for m in packed:  # one choice per shape
+        by_shape.setdefault((m.out_features, m.in_features), set()).add(m.one_row)
+    assert all(len(kinds) == 1 for kinds in by_shape.values())
+
+
+def test_calibrate_one_row_keeps_onednn_past_the_memory_budget():
+    model = pack_linears(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 256)))
+    chosen = calibrate_one_row(model, rounds=1, reps=1, memory_budget=0)
+    assert set(chosen.values()) == {"onednn"}
+    assert one_row_extra_bytes(model) == 0
+    assert available_memory_bytes() is None or available_memory_bytes() > 0
