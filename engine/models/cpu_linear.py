@@ -231,6 +231,10 @@ def pack_linears(model: nn.Module) -> nn.Module:
     return model
 
 
+CALIBRATION_MIN_BYTES = 32 << 20
+"""Linear weights below which :func:`calibrate_one_row` keeps oneDNN without timing (32 MiB:
+beyond a desktop CPU's last-level cache)."""
+
 CALIBRATION_BYTES = 64 << 20
 """Weights one timing pass of :func:`calibrate_one_row` streams per shape (64 MiB: beyond the
 CPU's caches, as a decode step's whole model is; fewer layers when the shape holds less)."""
@@ -270,6 +274,7 @@ def calibrate_one_row(
     reps: int = 2,
     seed: int = 0,
     memory_budget: int | None = None,
+    min_bytes: int = CALIBRATION_MIN_BYTES,
 ) -> dict[tuple[int, int], str]:
     """Time the :data:`ONE_ROW_KINDS` GEMMs at one row for each shape of ``model``'s
     :class:`OneDNNLinear` layers and set each layer's ``one_row`` to its shape's fastest.
@@ -281,7 +286,11 @@ def calibrate_one_row(
     (``reps`` a round). An alternative replaces oneDNN only when it is :data:`ONE_ROW_MARGIN`
     faster, and while the copies it keeps fit ``memory_budget`` bytes (default
     :data:`ONE_ROW_MEMORY_SHARE` of :func:`available_memory_bytes`; unbounded where unknown);
-    a shape whose copies would pass it keeps oneDNN. Runs at the current ``torch.get_num_threads()``; 3-9 s for the SmolLM2-135M shape on
+    a shape whose copies would pass it keeps oneDNN. A model with under ``min_bytes`` of
+    linear weights (default :data:`CALIBRATION_MIN_BYTES`) keeps oneDNN everywhere without
+    timing: its weights stay in the CPU's caches, so the kinds' times say nothing about
+    streaming, and a choice by noise would make its outputs differ in the last bits from one
+    load to the next (the test models are all that small). Runs at the current ``torch.get_num_threads()``; 3-9 s for the SmolLM2-135M shape on
     the dev machine's 2 cores at load 11-16 (not measured quiet).
 
     Returns:
@@ -291,6 +300,10 @@ def calibrate_one_row(
     for m in model.modules():
         if isinstance(m, OneDNNLinear):
             groups.setdefault((m.out_features, m.in_features), []).append(m)
+    total = sum(o * i * 4 * len(ms) for (o, i), ms in groups.items())
+    if total < min_bytes:  # cache-resident: nothing to stream, every kind times alike
+        logger.debug("one-row GEMMs: oneDNN (%.1f MB of linear weights)", total / 1e6)
+        return dict.fromkeys(groups, "onednn")
     if memory_budget is None:
         avail = available_memory_bytes()
         memory_budget = None if avail is None else int(avail * ONE_ROW_MEMORY_SHARE)
