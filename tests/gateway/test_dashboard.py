@@ -211,16 +211,21 @@ def test_page_draws_live_charts_in_headless_chromium(serve_fake, gw, tmp_path):
     keys = _keys_file(
         tmp_path, [{"key": "sk-dash-1", "name": "alpha"}, {"key": "sk-dash-2", "name": "beta"}]
     )
+    # samples of 0.5 s: the page shows the newest sample's requests/s, and a 0.25 s window
+    # with no request ended in it (the host busy starting Chromium) reads 0
     settings = GatewaySettings(
-        model_name="fake", keys_file=keys, dashboard_sample_s=0.25, dashboard_window_s=10.0
+        model_name="fake", keys_file=keys, dashboard_sample_s=0.5, dashboard_window_s=10.0
     )
     srv, _ = serve_fake(settings, token_delay_s=0.004, max_num_seqs=2)
     stop = threading.Event()
 
     def load(key: str, n_tokens: int) -> None:
+        # bounded by time, not a request count: the load must outlast the browser (400
+        # requests once ended before the page's last sample, which then read 0 requests/s)
+        deadline = time.monotonic() + 120
         with gw.client(srv, headers={"Authorization": f"Bearer {key}"}) as http:
             i = 0
-            while not stop.is_set() and i < 400:
+            while not stop.is_set() and time.monotonic() < deadline:
                 # A shared system prompt: its blocks hit the prefix cache from the 2nd request.
                 body = {
                     "model": "fake",
