@@ -144,9 +144,8 @@ class Scheduler:
             config.fair_input_weight,
             config.fair_output_weight,
             config.tenant_weights,
+            config.fair_first_step_alone,
         )
-        if config.scheduling_policy == "fair":
-            self.policy.first_step_alone = config.fair_first_step_alone
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last is preempted first

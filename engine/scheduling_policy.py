@@ -156,18 +156,20 @@ class SchedulingPolicy:
     """True when displacement is for fairness (hysteresis: ``fair_min_progress``)."""
     fair_min_progress: ClassVar[int] = 16
     """Output tokens a request preempted for fairness samples before it may be again."""
-    first_step_alone: bool = False
-    """Read by ``FairPolicy.hold_back`` (``EngineConfig.fair_first_step_alone``)."""
 
     def __init__(
         self,
         input_weight: float = 1.0,
         output_weight: float = 2.0,
         tenant_weights: dict[str, float] | None = None,
+        first_step_alone: bool = True,
     ) -> None:
         self.input_weight = float(input_weight)
         self.output_weight = float(output_weight)
         self.tenant_weights: dict[str, float] = dict(tenant_weights or {})
+        # read by FairPolicy.hold_back (EngineConfig.fair_first_step_alone), as the weights
+        # above are by the fair policy only
+        self.first_step_alone = bool(first_step_alone)
         self.tenants: dict[str, TenantStats] = {}
 
     # ---- accounting ---------------------------------------------------------------------
@@ -311,9 +313,6 @@ class FairPolicy(SchedulingPolicy):
     uses_tenant_weights = True
     displaces = True
     fair_preemption = True
-    first_step_alone: bool = True
-    """True: a light request's first step runs without the over-share tenants' requests
-    (``hold_back``); the scheduler sets it from ``EngineConfig.fair_first_step_alone``."""
     _last_left: str | None = None
     """The last tenant whose queue emptied (None until one did; set on the instance)."""
 
@@ -535,10 +534,13 @@ def make_policy(
     input_weight: float = 1.0,
     output_weight: float = 2.0,
     tenant_weights: dict[str, float] | None = None,
+    first_step_alone: bool = True,
 ) -> SchedulingPolicy:
-    """The policy called ``name`` (``"fcfs"``, ``"priority"`` or ``"fair"``).
+    """The policy called ``name`` (``"fcfs"``, ``"priority"`` or ``"fair"``); the weights and
+    ``first_step_alone`` (a light request's first step alone, ``FairPolicy.hold_back``) are
+    read by ``"fair"`` only.
 
     Raises:
         ValueError: unknown name.
     """
-    return policy_class(name)(input_weight, output_weight, tenant_weights)
+    return policy_class(name)(input_weight, output_weight, tenant_weights, first_step_alone)
