@@ -254,7 +254,8 @@ class AsyncEngine(EngineFrontEnd):
             with self._lock:
                 self._drain_commands()
                 busy = engine.has_unfinished_requests()
-                if busy:
+                until = engine.anticipation_deadline() if busy else None
+                if busy and until is None:
                     try:
                         self._deliver_outputs(engine.step())
                         self._deliver_failed(engine.pop_failed())
@@ -272,6 +273,18 @@ class AsyncEngine(EngineFrontEnd):
             self._flush_outbox()
             if not busy:
                 self._idle_wait()
+            elif until is not None:
+                self._anticipate(until)
+
+    def _anticipate(self, until: float) -> None:
+        """Wait until ``until`` (monotonic seconds) or the next command, whichever comes
+        first, instead of a step that an idle tenant's next request would just miss
+        (``engine/anticipation.py``); the loop then looks again."""
+        t0 = time.monotonic()
+        self._wake.wait(max(0.0, until - t0))
+        self._wake.clear()
+        with self._lock:
+            self.engine.note_anticipated(time.monotonic() - t0)
 
     def _idle_wait(self) -> None:
         """Sleep until a command arrives, or until the next prefix pin expires (then release

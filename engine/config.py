@@ -63,6 +63,9 @@ class EngineConfig:
             (default 1 and 2, the paper's).
         fair_first_step_alone: under ``"fair"``, a light request's first step runs without
             the over-share tenants' requests (``FairPolicy.hold_back``; default on).
+        fair_anticipation_ms: under ``"fair"``, the longest wait (milliseconds) before a
+            step for the next request of a tenant whose request just ended and who has been
+            coming back within this long (its think time; ``engine/anticipation.py``); 0: off.
         tenant_weights: tenant → share weight under ``"fair"`` (default 1.0 each).
         enable_prefix_caching: reuse KV blocks of identical hash-chained prefixes.
         max_pinned_fraction: cap on the share of KV blocks that prefix pins may hold.
@@ -108,6 +111,7 @@ class EngineConfig:
     fair_input_weight: float = 1.0
     fair_output_weight: float = 2.0
     fair_first_step_alone: bool = True
+    fair_anticipation_ms: float = 30.0
     tenant_weights: dict = field(default_factory=dict)
     enable_prefix_caching: bool = True
     max_pinned_fraction: float = 0.5
@@ -194,7 +198,7 @@ class EngineConfig:
                 "scheduling_policy must be 'fcfs', 'priority' or 'fair', "
                 f"got {self.scheduling_policy!r}"
             )
-        for name in ("fair_input_weight", "fair_output_weight"):
+        for name in ("fair_input_weight", "fair_output_weight", "fair_anticipation_ms"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise TypeError(f"{name} must be a number, got {value!r}")

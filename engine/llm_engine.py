@@ -525,6 +525,15 @@ class LLMEngine:
         idle). Returns the released pin ids."""
         return self.kv_cache_manager.expire_pins(now)
 
+    def anticipation_deadline(self) -> float | None:
+        """Monotonic time until which a serving loop may wait before the next step for an
+        idle tenant's next request (``Scheduler.anticipation_deadline``), or None."""
+        return self.scheduler.anticipation_deadline()
+
+    def note_anticipated(self, seconds: float) -> None:
+        """A serving loop waited ``seconds`` on ``anticipation_deadline`` (stats)."""
+        self.scheduler.anticipation.note_waited(seconds)
+
     def next_pin_expiry(self) -> float | None:
         """Earliest ``expires_at`` (``time.monotonic()`` seconds) of the live pins, or None."""
         return self.kv_cache_manager.next_pin_expiry()

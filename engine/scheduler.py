@@ -53,6 +53,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
+from prefixgate.engine.anticipation import Anticipation
 from prefixgate.engine.config import EngineConfig
 from prefixgate.engine.errors import CacheCapacityError
 from prefixgate.engine.kv_cache_manager import KVCacheManager
@@ -146,6 +147,12 @@ class Scheduler:
             config.tenant_weights,
             config.fair_first_step_alone,
         )
+        # fair: a short wait for a light tenant's next request (engine/anticipation.py)
+        self.anticipation = Anticipation(
+            config.fair_anticipation_ms / 1000.0
+            if self.policy.anticipatory and not self.static
+            else 0.0
+        )
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last is preempted first
@@ -221,6 +228,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.arrival_step = self._steps_scheduled
         self.policy.on_arrival(request, self.waiting)
+        self.anticipation.on_arrival(tenant_of(request), time.monotonic())
         self.requests[rid] = request
         self.waiting.append(request)
 
@@ -276,7 +284,24 @@ class Scheduler:
             r.finished_time = now
             del self.requests[r.request_id]
             self._finished_ids.append(r.request_id)
+        if self.anticipation.max_wait_s > 0:
+            left = {tenant_of(r) for r in self.requests.values()}
+            for t in {tenant_of(r) for r in reqs} - left:
+                self.anticipation.on_idle(t, now)
         return reqs
+
+    def anticipation_deadline(self, now: float | None = None) -> float | None:
+        """Monotonic time until which the loop may wait before the next step for an idle
+        tenant's next request (``engine/anticipation.py``; the policy says who may be waited
+        for), or None: step now."""
+        if self.anticipation.max_wait_s <= 0 or not self.running:
+            return None
+        return self.anticipation.deadline(
+            time.monotonic() if now is None else now,
+            lambda t: self.policy.anticipates(
+                t, self.running, self.max_num_seqs, self.kv.num_blocks
+            ),
+        )
 
     # ---- one step -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -869,6 +894,7 @@ class Scheduler:
             "prompt_tokens_prefilled": self.prompt_tokens_prefilled,
             "tokens_decoded": self.tokens_decoded,
             **self.spec_stats(),
+            **self.anticipation.stats(),
             "scheduling_policy": self.policy.name,
             "tenants": self.policy.tenant_stats(self.waiting, self.running),
             **self.kv.stats(),

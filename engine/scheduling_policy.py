@@ -154,6 +154,8 @@ class SchedulingPolicy:
     """True when a waiting request may displace running ones (``displaceable``)."""
     fair_preemption: ClassVar[bool] = False
     """True when displacement is for fairness (hysteresis: ``fair_min_progress``)."""
+    anticipatory: ClassVar[bool] = False
+    """True when the loop may wait for an idle tenant's next request (``anticipates``)."""
     fair_min_progress: ClassVar[int] = 16
     """Output tokens a request preempted for fairness samples before it may be again."""
 
@@ -255,6 +257,14 @@ class SchedulingPolicy:
         first step runs without them (``set()``: none; the base policy never holds back)."""
         return set()
 
+    def anticipates(
+        self, tenant: str, running: Sequence[Request], max_num_seqs: int, num_blocks: int
+    ) -> bool:
+        """Whether the loop may wait a moment for the idle ``tenant``'s next request before
+        a step of the ``running`` requests (``engine/anticipation.py``; the base policy is
+        work-conserving: never)."""
+        return False
+
     def tenant_stats(
         self, waiting: Iterable[Request], running: Iterable[Request]
     ) -> dict[str, dict[str, float | int]]:
@@ -313,6 +323,7 @@ class FairPolicy(SchedulingPolicy):
     uses_tenant_weights = True
     displaces = True
     fair_preemption = True
+    anticipatory = True
     _last_left: str | None = None
     """The last tenant whose queue emptied (None until one did; set on the instance)."""
 
@@ -495,6 +506,22 @@ class FairPolicy(SchedulingPolicy):
         if least is None:
             return set()
         return {t for t in over if self._stats(t).counter >= least}
+
+    def anticipates(
+        self, tenant: str, running: Sequence[Request], max_num_seqs: int, num_blocks: int
+    ) -> bool:
+        """True when a request of the idle ``tenant`` arriving now would have its first step
+        alone (``hold_back``'s rule, as if it waited): a running tenant over its seat share,
+        counting ``tenant`` active, whose VTC counter is no less than ``tenant``'s. The loop
+        may then wait for it a moment (``engine/anticipation.py``)."""
+        seats: dict[str, int] = {}
+        for r in running:
+            seats[tenant_of(r)] = seats.get(tenant_of(r), 0) + 1
+        if not seats or tenant in seats:
+            return False
+        shares = self.shares(set(seats) | {tenant}, max_num_seqs, num_blocks)
+        mine = self._stats(tenant).counter
+        return any(n > shares[t][0] and self._stats(t).counter >= mine for t, n in seats.items())
 
     def token_caps(
         self, budget: int, running: Sequence[Request], waiting: Sequence[Request]

@@ -84,9 +84,12 @@ def start_server(
 ) -> subprocess.Popen:
     """``prefixgate serve`` with the two tenants' keys under ``policy``, once ready; its log
     (access lines included) goes to ``log``."""
-    flags = ["--scheduling-policy", policy.removesuffix("-mixed"), "--keys-file", str(keys)]
-    if policy == "fair-mixed":  # fair without the first step alone: the reference
-        flags.append("--no-fair-first-step-alone")
+    base = policy.removesuffix("-mixed").removesuffix("-eager")
+    flags = ["--scheduling-policy", base, "--keys-file", str(keys)]
+    if policy == "fair-mixed":  # fair without the first step alone (nor anticipation)
+        flags += ["--no-fair-first-step-alone", "--fair-anticipation-ms", "0"]
+    if policy == "fair-eager":  # fair without anticipation: the previous round's fair
+        flags += ["--fair-anticipation-ms", "0"]
     flags += ["--max-num-seqs", str(args.max_num_seqs), "--log-level", "INFO"]
     flags += ["--max-queued-requests", "1024", "--stats-interval-s", "3600"]
     if args.model:
@@ -257,13 +260,21 @@ def ttfts(streams: list[Stream]) -> list[float]:
     return [s.first - s.sent for s in streams if s.first is not None]
 
 
-def displacements(port: int) -> float | None:
+COUNTERS = {
+    "displacements": "prefixgate_engine_displacements",
+    "anticipation_waits": "prefixgate_engine_anticipation_waits_total",
+    "anticipation_hits": "prefixgate_engine_anticipation_hits_total",
+    "anticipation_wait_s": "prefixgate_engine_anticipation_wait_seconds_total",
+}
+"""Engine figures read from ``/metrics`` at the end of a policy's run (None: absent)."""
+
+
+def engine_counters(port: int) -> dict[str, float | None]:
+    """:data:`COUNTERS` from the server's ``/metrics``."""
     auth = {"Authorization": f"Bearer {KEYS['light']}"}
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", headers=auth, timeout=5).text
-    for line in text.splitlines():
-        if line.startswith("prefixgate_engine_displacements"):
-            return float(line.split()[-1])
-    return None
+    values = {line.split()[0]: line.split()[-1] for line in text.splitlines() if line[:1] != "#"}
+    return {k: float(values[m]) if m in values else None for k, m in COUNTERS.items()}
 
 
 @dataclass(slots=True)
@@ -310,7 +321,7 @@ def measure(run: Run) -> dict[str, Any]:
     policy, proc, log = run.policy, run.proc, run.log
     try:
         shares = asyncio.run(run_shares(run.port, run.model, args)) if args.shares_s > 0 else None
-        moved = displacements(run.port)
+        counters = engine_counters(run.port)
     finally:
         proc.terminate()
         try:
@@ -372,7 +383,7 @@ def measure(run: Run) -> dict[str, Any]:
         "failed": sum(
             1 for s in solo.light + flood.light + flood.heavy if s.status not in (0, 200)
         ),
-        "displacements": moved,
+        **counters,
         "window_s": window,
         "load_avg_1m": Path("/proc/loadavg").read_text().split()[0],
         **backlogged,
@@ -386,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
         "--policies",
         nargs="+",
         default=["fcfs", "fair"],
-        help="fcfs, priority, fair, or fair-mixed (fair with --no-fair-first-step-alone)",
+        help="fcfs, priority, fair, fair-eager (fair with --fair-anticipation-ms 0) or "
+        "fair-mixed (fair-eager with --no-fair-first-step-alone)",
     )
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--heavy-streams", type=int, default=10)
@@ -473,6 +485,12 @@ def main(argv: list[str] | None = None) -> int:
             f"starvation bound {r['starvation_bound_s'] or 0:.2f} s "
             f"(1 + {args.heavy_tokens} steps x {r['heavy_step_p50_s']:.4f} s)"
         )
+        if r.get("anticipation_waits") is not None:
+            print(
+                f"  anticipation: {r['anticipation_waits']:.0f} waits, "
+                f"{r['anticipation_hits'] or 0:.0f} ended by the tenant's request, "
+                f"{(r['anticipation_wait_s'] or 0) * 1e3:.0f} ms waited in all"
+            )
         if "backlogged_light_share" in r:
             print(
                 f"  both backlogged ({args.shares_s:.0f} s, light {args.light_backlog} streams): "

@@ -87,6 +87,18 @@ class _EngineStats(Collector):
             "prefixgate_spec_decode_num_accepted_tokens",
             "draft tokens accepted by the verification",
         ),
+        "anticipation_waits": (
+            "prefixgate_engine_anticipation_waits",
+            "waits before a step for an idle tenant's next request (fair policy)",
+        ),
+        "anticipation_hits": (
+            "prefixgate_engine_anticipation_hits",
+            "anticipation waits that the tenant's next request ended",
+        ),
+        "anticipation_wait_s": (
+            "prefixgate_engine_anticipation_wait_seconds",
+            "seconds the engine loop spent in anticipation waits",
+        ),
     }
 
     def __init__(self, stats: Callable[[], dict[str, Any] | None]) -> None:

@@ -75,6 +75,9 @@ ENGINE_HELP = {
     "fair_first_step_alone": "under the fair policy, a light tenant's request runs its first "
     "step without the over-share tenants' requests (they run in the next step; never two "
     "such steps in a row)",
+    "fair_anticipation_ms": "under the fair policy, the longest wait (ms) before a step for the "
+    "next request of a tenant whose request just ended and who has been coming back within "
+    "this long (anticipatory scheduling; 0: off)",
     "max_pinned_fraction": "largest share of KV blocks that registered prefixes may pin (0 to 1)",
     "quantization": "int8: every linear layer's weights in int8 with one scale per output "
     "channel (CPU: --dtype float32 only; CUDA: a Triton weight-only GEMM) (default: none, "
