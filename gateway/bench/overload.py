@@ -34,6 +34,7 @@ import json
 import random
 import statistics
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +58,7 @@ class Attempt:
     done: float | None = None
     status: int = 0
     predicted: float | None = None  # the gateway's x-prefixgate-predicted-ttft-ms, seconds
+    codes: list[str] = field(default_factory=list)  # each 429's error code, in order
 
 
 async def one(
@@ -71,6 +73,10 @@ async def one(
             async with http.stream("POST", "/v1/completions", json=body, headers=headers) as r:
                 if r.status_code == 429:
                     await r.aread()
+                    try:
+                        rec.codes.append(str(r.json()["error"]["code"]))
+                    except (ValueError, KeyError, TypeError):
+                        rec.codes.append("?")
                     if sent - rec.arrived > GIVE_UP_S:  # the bench stays bounded
                         rec.status = 429
                         return
@@ -186,6 +192,9 @@ def summarize(
         "refusals": sum(len(a.refusals) for a in got),
         "refused_requests": sum(1 for a in got if a.refusals),
         "refused_twice_or_more": sum(1 for a in got if len(a.refusals) > 1),
+        # which bound refused: every 429, and the 429s met again on coming back as told
+        "refusal_codes": dict(Counter(c for a in got for c in a.codes)),
+        "refused_again_codes": dict(Counter(c for a in got for c in a.codes[1:])),
         "failed": sum(1 for a in got if a.status not in (200,)),
         "retry_after_error_p50": q(errors, 50),
         "retry_after_error_p90": q(errors, 90),
