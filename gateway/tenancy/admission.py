@@ -15,6 +15,13 @@ The queue bound is shared per tenant (the API key's name): a tenant's share of
 (itself included). When the queue is full, a tenant over its share gets the 429; a tenant
 still within its share is admitted all the same, so one tenant's flood earns that tenant the
 429s, not the others (the total may then pass the bound by at most the newcomers' shares).
+
+A refused request that comes back when it was told claims the places promised to it
+(``admission_wait.Promises``) and is admitted even when the queue (or the in-flight bound) is
+still full because the engine drained slower than predicted, up to :data:`PROMISE_OVERFLOW`
+of each bound more: the ``Retry-After`` it was told is kept, and the newcomers, who find the
+queue over its bound, are told later times. Beyond that overflow it meets the bound and a new
+time. A TTFT budget (``ttft_budget``) is the client's own condition and is checked again.
 """
 
 from __future__ import annotations
@@ -33,6 +40,10 @@ MIN_RETRY_AFTER_S = 0.05
 """The shortest wait a 429 states (``retry-after-ms``; ``Retry-After`` rounds up to 1 s)."""
 MAX_RETRY_AFTER_S = 60.0
 """The longest: a longer prediction is no prediction."""
+PROMISE_OVERFLOW = 0.5
+"""A request claiming its promise passes the queue and in-flight bounds by up to this share of
+each (``ceil``; at least one place): the stated wait is kept where the engine drained slower
+than predicted, and the overflow stays bounded."""
 
 
 @dataclass(slots=True)
@@ -206,11 +217,15 @@ class AdmissionController:
         if every:
             held, held_tokens = self.promises.held(prediction[0] if prediction else 0.0)
         refuse = _Refusal(self, fingerprint, requests, prompt_tokens)
-        if budget_s is not None:
-            self._check_budget(budget_s, prediction, prompt_tokens, every, every_tokens, refuse)
+        if budget_s is not None:  # the promises due before its own first token are ahead
+            self._check_budget(budget_s, prediction, prompt_tokens, held, held_tokens, refuse)
         within_share = self._within_share(tenant, requests)
+        # a returning request that claimed its promise passes each bound by the overflow
+        slack_requests = _overflow(cfg.max_queued_requests) if claimed else 0
+        slack_tokens = _overflow(cfg.max_queued_tokens) if claimed else 0
+        slack_running = _overflow(cfg.max_running) if claimed and cfg.max_running else 0
         over = self.queued_requests + held + requests - cfg.max_queued_requests
-        if over > 0 and not within_share:
+        if over > slack_requests and not within_share:
             refuse(
                 f"server overloaded: {self.queued_requests} requests already waiting; retry later",
                 *self._departures(over + every - held, every),
@@ -218,7 +233,8 @@ class AdmissionController:
         # A single prompt larger than the token bound still passes when the queue is empty.
         if (
             self.queued_requests + held
-            and self.queued_tokens + held_tokens + prompt_tokens > cfg.max_queued_tokens
+            and self.queued_tokens + held_tokens + prompt_tokens
+            > cfg.max_queued_tokens + slack_tokens
             and not within_share
         ):
             refuse(
@@ -227,7 +243,7 @@ class AdmissionController:
                 *self._departures(max(1, self.queued_requests + every - 1), every),
             )
         running_over = self.in_flight + held + requests - cfg.max_running
-        if cfg.max_running and running_over > 0:
+        if cfg.max_running and running_over > slack_running:
             # Retry-After: when enough of the running requests are estimated to end
             refuse(
                 f"server overloaded: {self.in_flight} requests in flight "
@@ -256,8 +272,12 @@ class AdmissionController:
         refuse: _Refusal,
     ) -> None:
         """Refuse when the predicted TTFT (the engine's, calibrated, plus the promised places
-        ahead) exceeds ``budget`` seconds; no prediction (proxy mode, rates not measured, no
-        free seat in sight): admit."""
+        ``held`` ahead: those due before its own first token, whose clients it would be
+        queued ahead of) exceeds ``budget`` seconds; no prediction (proxy mode, rates not
+        measured, no free seat in sight): admit. Promises due later are not counted: a
+        request that has its first token before they come back takes nothing from them
+        (counting every promise held the engine idle at 2x overload: goodput 0.40 of
+        capacity)."""
         if self.wait is None or prediction is None:
             return
         predicted = prediction[0] + self.wait.extra_s(held, held_tokens, prompt_tokens)
@@ -369,6 +389,11 @@ class _Refusal:
         if predicted and self.fingerprint is not None:
             self.ctl.promises.promise(self.fingerprint, wait_s, self.requests, self.tokens)
         raise too_many(message, wait_s, code=code)
+
+
+def _overflow(bound: int) -> int:
+    """Places a claimed promise may pass ``bound`` by (:data:`PROMISE_OVERFLOW`)."""
+    return max(1, math.ceil(PROMISE_OVERFLOW * bound))
 
 
 def _ms(seconds: float) -> str:

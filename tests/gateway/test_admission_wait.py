@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from prefixgate.engine.scheduler import estimate_ttft
 from prefixgate.gateway.http.errors import APIError
-from prefixgate.gateway.tenancy.admission import AdmissionConfig, AdmissionController
+from prefixgate.gateway.tenancy.admission import AdmissionConfig, AdmissionController, _overflow
 from prefixgate.gateway.tenancy.admission_wait import EngineWait, Promises
 from prefixgate.gateway.tenancy.ttft_budget import BUDGET_HEADER
 
@@ -127,14 +127,21 @@ def test_a_returning_request_claims_its_place_and_a_newcomer_does_not_take_it():
         t.done()
 
 
-def test_a_claimed_place_still_obeys_the_real_bound():
-    # A promise is no pass: when the prediction was early, the returning request meets the
-    # bound and is told a new time (so a wrong prediction shows as a second 429).
+def test_a_claimed_place_passes_a_full_queue_by_the_bounded_overflow_only():
+    # When the prediction was early (nobody left the queue), a request that comes back when
+    # it was told is still admitted: its Retry-After is kept. The overflow is bounded
+    # (PROMISE_OVERFLOW of the bound: 2 places over a queue of 4); past it the returning
+    # request meets the bound and is told a new time, and newcomers are refused throughout.
     clock, ctl, held = _full_queue(4)
-    clock.t += _refused(ctl, "back")
-    again = _refused(ctl, "back")  # nobody left the queue
-    assert 0 < again < 1.0
-    for t in held:
+    waits = [_refused(ctl, f"back{i}") for i in range(3)]
+    assert _overflow(4) == 2
+    clock.t += max(waits)  # every promise due; the queue is as full as it was
+    tickets = [ctl.admit(100, fingerprint=f"back{i}") for i in range(2)]
+    assert ctl.queued_requests == 6
+    again = _refused(ctl, "back2")  # a third would pass the bound by 3
+    assert 0 < again < 5.0
+    assert _refused(ctl, "new") > 0
+    for t in [*held, *tickets]:
         t.done()
 
 
@@ -178,6 +185,24 @@ def test_a_budget_refusal_counts_the_promised_work_ahead():
     assert exc.value.code == "ttft_budget_exceeded"
     ticket = ctl.admit(100, fingerprint="d", budget_s=60.0)  # within a loose budget
     ticket.done()
+
+
+def test_budget_promises_due_after_a_newcomers_first_token_do_not_refuse_it():
+    # A crowd refused for its budget is promised times seconds ahead; a newcomer whose own
+    # first token comes before they are due takes nothing from them and is admitted (when
+    # every promise counted, the engine sat idle while its clients waited: goodput 0.40 of
+    # capacity at 2x overload).
+    clock = Clock()
+    engine = RatedEngine(waiting=10)
+    ctl = _ctl(engine, clock)
+    waits = [_refused(ctl, f"crowd{i}", budget_s=1.0) for i in range(6)]
+    assert min(waits) > 0.5
+    engine.waiting = 0  # the queue drained faster than the crowd's times
+    predicted = engine.predict_ttft(100)
+    assert predicted is not None and predicted < min(waits)
+    ticket = ctl.admit(100, fingerprint="new", budget_s=1.0)
+    ticket.done()
+    assert ctl.promises.held()[0] == 6  # the crowd's places are still theirs
 
 
 def test_a_guessed_wait_promises_nothing():
