@@ -10,6 +10,7 @@ from ``engine/scheduler.estimate_ttft``'s formula."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -203,6 +204,30 @@ def test_budget_promises_due_after_a_newcomers_first_token_do_not_refuse_it():
     ticket = ctl.admit(100, fingerprint="new", budget_s=1.0)
     ticket.done()
     assert ctl.promises.held()[0] == 6  # the crowd's places are still theirs
+
+
+def _draining(ctl: AdmissionController, per_s: float) -> None:
+    """Make ``ctl``'s measured drain rate ``per_s`` departures a second, warm (as after a
+    long busy period at that rate)."""
+    ctl._rate, ctl._busy, ctl._last = per_s, 1e6, time.monotonic()
+    ctl._min_departures = 1.0  # warm: well over one departure in the EWMA's time constant
+
+
+def test_a_wait_is_never_sooner_than_the_queue_has_been_draining():
+    # The engine says a departure every 1/4 s; the queue has really drained at 2 a second
+    # (gaps between steps, the gateway's work, a busy machine): the crowd is told times 1/2 s
+    # apart, the measured pace, so that it does not come back to a full queue.
+    clock, ctl, held = _full_queue(4)
+    _draining(ctl, 2.0)
+    waits = [_refused(ctl, f"req{i}") for i in range(4)]
+    assert waits == pytest.approx([k / 2.0 for k in range(1, 5)], rel=1e-3)
+    # a budget: 4 queued ahead + itself at 2 a second is 2.5 s, over a 1 s budget by 1.5 s
+    budget_ctl = _ctl(RatedEngine(waiting=0), clock, max_queued_requests=64)
+    tickets = [budget_ctl.admit(100) for _ in range(4)]
+    _draining(budget_ctl, 2.0)
+    assert _refused(budget_ctl, "late", budget_s=1.0) == pytest.approx(1.5, rel=1e-3)
+    for t in [*held, *tickets]:
+        t.done()
 
 
 def test_a_guessed_wait_promises_nothing():
