@@ -170,8 +170,8 @@ def test_no_wait_for_a_tenant_with_requests_in_the_engine_or_without_an_over_sha
 
 # ---- the real loop ------------------------------------------------------------------------
 def run_flood(aidreams_path: str, anticipation_ms: float, pool_whole) -> tuple[dict, list, list]:
-    """6 heavy streams of 120 tokens on 4 seats; light sends 8 short requests one after
-    another. Returns the engine's stats, light's and heavy's greedy tokens."""
+    """6 heavy streams of 300 tokens on 4 seats; light sends 8 short requests one after
+    another, 50 ms apart. Returns the engine's stats, light's and heavy's greedy tokens."""
     engine = AsyncEngine(
         EngineConfig(
             model=aidreams_path,
@@ -194,11 +194,16 @@ def run_flood(aidreams_path: str, anticipation_ms: float, pool_whole) -> tuple[d
         return list(last.outputs[0].token_ids)
 
     async def light() -> list[list[int]]:
-        await asyncio.sleep(0.05)
-        return [await one(f"l{i}", "I am", 3, "light") for i in range(8)]
+        out = []
+        for i in range(8):
+            # think 50 ms: the loop checks for a wait before the next request is in (with no
+            # think time in process the request is often there first: no wait is needed)
+            await asyncio.sleep(0.05)
+            out.append(await one(f"l{i}", "I am", 3, "light"))
+        return out
 
     async def main():
-        heavy = [one(f"h{i}", "I sense the nodes", 120, "heavy") for i in range(6)]
+        heavy = [one(f"h{i}", "I sense the nodes", 300, "heavy") for i in range(6)]
         return await asyncio.gather(light(), *heavy)
 
     try:
