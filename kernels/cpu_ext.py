@@ -16,6 +16,8 @@ Ops (fp32, CPU; tolerances as the tests check them against the torch reference):
 - :func:`gemv`: ``y [1, N] = x [1, K] @ W^T + bias`` on :func:`pack_panels`' layout. fp32
   accumulation, four partial sums per output (k mod 4), so results differ from MKL's / oneDNN's
   in the last bits: within ``rtol=1e-5, atol=1e-5`` (plus ~1e-6 * sqrt(K) on unit inputs).
+- :func:`gemv_int8`: the same GEMV on int8 panels (:func:`pack_panels_int8`) with one fp32
+  scale per output row: ``x @ (q * scale)^T + bias`` with fp32 activations.
 - :func:`add_rms_norm`: the residual add + RMSNorm of ``torch_ref.rms_norm`` for one row; the
   sum is exact (same fp32 add), the mean square differs in summation order (``rtol=1e-6``).
 - :func:`silu_mul`: ``torch_ref.silu_and_mul`` for one row (``std::exp``; ``rtol=1e-6``).
@@ -120,6 +122,38 @@ def gemv(
         RuntimeError: wrong dtypes or shapes (the op's checks).
     """
     return torch.ops.prefixgate_cpu.gemv_packed(x, packed, bias, out_features)
+
+
+def pack_panels_int8(
+    qweight: torch.Tensor, scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``qweight [N, K]`` int8, ``scale [N]`` fp32 → (``[ceil(N / 8), K, 8]`` int8 in
+    :func:`pack_panels`' layout, ``[8 * ceil(N / 8)]`` fp32 scales; padding rows zero)."""
+    n, k = qweight.shape
+    panels = -(-n // PANEL)
+    padded = qweight.new_zeros((panels * PANEL, k), dtype=torch.int8)
+    padded[:n] = qweight
+    scales = scale.new_zeros(panels * PANEL, dtype=torch.float32)
+    scales[:n] = scale
+    return padded.view(panels, PANEL, k).transpose(1, 2).contiguous(), scales
+
+
+def gemv_int8(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+) -> torch.Tensor:
+    """``x [1, K]`` fp32 → ``[1, N]`` fp32 ``= scale * (x @ q^T) + bias`` on
+    :func:`pack_panels_int8`' weight: the int8 weight widened to fp32 in registers, fp32
+    activations and accumulation (no activation quantization, unlike FBGEMM's
+    ``linear_dynamic``: closer to ``x @ (q * scale)^T``, within ``rtol=1e-5`` of it in float64).
+
+    Raises:
+        RuntimeError: wrong dtypes or shapes (the op's checks).
+    """
+    return torch.ops.prefixgate_cpu.gemv_int8_packed(x, packed, scale, bias, out_features)
 
 
 def add_rms_norm(

@@ -18,7 +18,11 @@ from prefixgate.engine.models.cpu_linear import (
 )
 from prefixgate.engine.models.layers import set_one_row_ops
 from prefixgate.engine.models.llama import CausalLM
-from prefixgate.engine.models.quantization import check_quantization, quantize_model
+from prefixgate.engine.models.quantization import (
+    calibrate_int8_one_row,
+    check_quantization,
+    quantize_model,
+)
 from prefixgate.engine.models.weights import iter_tensors, weight_files
 from prefixgate.kernels import cpu_ext, default_backend, get_backend
 
@@ -78,6 +82,8 @@ def load_model(model_config: ModelConfig, engine_config: EngineConfig) -> Causal
     if engine_config.quantization is not None:
         quantize_model(model, engine_config.quantization)
         logger.info("quantized every linear layer to %s", engine_config.quantization)
+        if device.type == "cpu":
+            calibrate_int8_one_row(model)  # batch-1 decode: the AVX2 int8 GEMV where faster
     elif use_onednn_linear(device, model_config.dtype, None):
         pack_linears(model)  # MKL's sgemm measured 2-2.5x slower here (cpu_linear.py)
         calibrate_one_row(model)  # batch-1 decode: the fastest GEMM per shape at one row

@@ -96,6 +96,115 @@ inline void store_panel(__m256 acc, const float* bias, float* y, int64_t row0, i
   }
 }
 
+// int8 panels: 8 weights of one input column (one per output row) are 8 bytes; four columns
+// (32 bytes) are widened to fp32 (vpmovsxbd + vcvtdq2ps) and multiplied by the broadcast x[k].
+inline __m256 widen8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+inline __m256 gemv_int8_panel(const int8_t* w0, const float* x, int64_t k_len) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 4 <= k_len; k += 4) {
+    const int8_t* p = w0 + k * kPanel;
+    a0 = _mm256_fmadd_ps(widen8(p), _mm256_broadcast_ss(x + k), a0);
+    a1 = _mm256_fmadd_ps(widen8(p + 8), _mm256_broadcast_ss(x + k + 1), a1);
+    a2 = _mm256_fmadd_ps(widen8(p + 16), _mm256_broadcast_ss(x + k + 2), a2);
+    a3 = _mm256_fmadd_ps(widen8(p + 24), _mm256_broadcast_ss(x + k + 3), a3);
+  }
+  for (; k < k_len; ++k) {
+    a0 = _mm256_fmadd_ps(widen8(w0 + k * kPanel), _mm256_broadcast_ss(x + k), a0);
+  }
+  return _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+}
+
+// Two int8 panels at once (the broadcast x[k] shared), the same sums as gemv_int8_panel.
+inline void gemv_int8_two_panels(const int8_t* w0, const int8_t* w1, const float* x,
+                                 int64_t k_len, __m256* out0, __m256* out1) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+  __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+  __m256 b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 4 <= k_len; k += 4) {
+    const int8_t* p = w0 + k * kPanel;
+    const int8_t* q = w1 + k * kPanel;
+    const __m256 x0 = _mm256_broadcast_ss(x + k);
+    const __m256 x1 = _mm256_broadcast_ss(x + k + 1);
+    const __m256 x2 = _mm256_broadcast_ss(x + k + 2);
+    const __m256 x3 = _mm256_broadcast_ss(x + k + 3);
+    a0 = _mm256_fmadd_ps(widen8(p), x0, a0);
+    b0 = _mm256_fmadd_ps(widen8(q), x0, b0);
+    a1 = _mm256_fmadd_ps(widen8(p + 8), x1, a1);
+    b1 = _mm256_fmadd_ps(widen8(q + 8), x1, b1);
+    a2 = _mm256_fmadd_ps(widen8(p + 16), x2, a2);
+    b2 = _mm256_fmadd_ps(widen8(q + 16), x2, b2);
+    a3 = _mm256_fmadd_ps(widen8(p + 24), x3, a3);
+    b3 = _mm256_fmadd_ps(widen8(q + 24), x3, b3);
+  }
+  for (; k < k_len; ++k) {
+    const __m256 xk = _mm256_broadcast_ss(x + k);
+    a0 = _mm256_fmadd_ps(widen8(w0 + k * kPanel), xk, a0);
+    b0 = _mm256_fmadd_ps(widen8(w1 + k * kPanel), xk, b0);
+  }
+  *out0 = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+  *out1 = _mm256_add_ps(_mm256_add_ps(b0, b1), _mm256_add_ps(b2, b3));
+}
+
+// x [1, K] fp32; packed [P, K, 8] int8 (pack as the fp32 panels; rows past N zero); scale [8P]
+// fp32 (per output row, padded); bias [N] or none -> y [1, N] = scale * (x . q) + bias.
+at::Tensor gemv_int8_packed(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                            const c10::optional<at::Tensor>& bias, int64_t n_out) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kChar &&
+                  scale.scalar_type() == at::kFloat,
+              "gemv_int8_packed: float32 x and scale, int8 packed weight");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous(),
+              "gemv_int8_packed: packed must be a contiguous [P, K, 8] tensor");
+  const int64_t k_len = packed.size(1);
+  const int64_t panels = packed.size(0);
+  TORCH_CHECK(x.numel() == k_len, "gemv_int8_packed: x has ", x.numel(), " values, K is ", k_len);
+  TORCH_CHECK(n_out > (panels - 1) * kPanel && n_out <= panels * kPanel,
+              "gemv_int8_packed: n_out ", n_out, " does not fit ", panels, " panels");
+  TORCH_CHECK(scale.is_contiguous() && scale.numel() == panels * kPanel,
+              "gemv_int8_packed: scale must hold 8 * P values");
+  at::Tensor xc = x.contiguous();
+  const float* bias_ptr = nullptr;
+  at::Tensor bc;
+  if (bias.has_value() && bias->defined()) {
+    bc = bias->contiguous();
+    TORCH_CHECK(bc.scalar_type() == at::kFloat && bc.numel() == n_out,
+                "gemv_int8_packed: bias [N]");
+    bias_ptr = bc.data_ptr<float>();
+  }
+  at::Tensor y = at::empty({1, n_out}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t pairs = (panels + 1) / 2;
+  const int64_t grain = std::max<int64_t>(1, (128 * 1024) / (2 * kPanel * k_len));
+  at::parallel_for(0, pairs, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t q = begin; q < end; ++q) {
+      const int64_t p = 2 * q;
+      const int8_t* w0 = wp + p * k_len * kPanel;
+      if (p + 1 < panels) {
+        __m256 acc0, acc1;
+        gemv_int8_two_panels(w0, w0 + k_len * kPanel, xp, k_len, &acc0, &acc1);
+        store_panel(_mm256_mul_ps(acc0, _mm256_loadu_ps(sp + p * kPanel)), bias_ptr, yp,
+                    p * kPanel, n_out);
+        store_panel(_mm256_mul_ps(acc1, _mm256_loadu_ps(sp + (p + 1) * kPanel)), bias_ptr, yp,
+                    (p + 1) * kPanel, n_out);
+      } else {
+        __m256 acc = gemv_int8_panel(w0, xp, k_len);
+        acc = _mm256_mul_ps(acc, _mm256_loadu_ps(sp + p * kPanel));
+        store_panel(acc, bias_ptr, yp, p * kPanel, n_out);
+      }
+    }
+  });
+  return y;
+}
+
 // x [1, K] (or [K]) fp32 contiguous; packed [P, K, 8] fp32 contiguous (output row p*8+j of the
 // weight in packed[p, :, j]; rows past N zero); bias [N] or none -> y [1, N].
 at::Tensor gemv_packed(const at::Tensor& x, const at::Tensor& packed,
@@ -305,6 +414,9 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& positions,
 
 TORCH_LIBRARY(prefixgate_cpu, m) {
   m.def("gemv_packed(Tensor x, Tensor packed, Tensor? bias, int n_out) -> Tensor");
+  m.def(
+      "gemv_int8_packed(Tensor x, Tensor packed, Tensor scale, Tensor? bias, int n_out) -> "
+      "Tensor");
   m.def("add_rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_mul(Tensor x) -> Tensor");
   m.def(
@@ -315,6 +427,7 @@ TORCH_LIBRARY(prefixgate_cpu, m) {
 
 TORCH_LIBRARY_IMPL(prefixgate_cpu, CPU, m) {
   m.impl("gemv_packed", gemv_packed);
+  m.impl("gemv_int8_packed", gemv_int8_packed);
   m.impl("add_rms_norm", add_rms_norm);
   m.impl("silu_mul", silu_mul);
   m.impl("decode_attention", decode_attention);

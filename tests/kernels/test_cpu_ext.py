@@ -140,3 +140,19 @@ def test_decode_attention_refuses_out_of_range():
             1,
             1.0,
         )
+
+
+@pytest.mark.parametrize("n,k", [(160, 96), (7, 5), (9, 13), (1000, 577), (576, 1536)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_gemv_int8_matches_dequantized(n, k, bias):
+    gen = torch.Generator().manual_seed(n + k)
+    q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    scale = torch.rand(n, generator=gen) / 100
+    b = torch.randn(n, generator=gen) if bias else None
+    x = torch.randn(1, k, generator=gen)
+    packed, scales = cpu_ext.pack_panels_int8(q, scale)
+    assert packed.dtype == torch.int8 and packed.shape == (-(-n // 8), k, 8)
+    got = cpu_ext.gemv_int8(x, packed, scales, b, n)
+    w = q.double() * scale.double()[:, None]
+    want = (x.double() @ w.t() + (0 if b is None else b.double())).float()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * k**0.5)
