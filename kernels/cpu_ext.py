@@ -156,6 +156,40 @@ def gemv_int8(
     return torch.ops.prefixgate_cpu.gemv_int8_packed(x, packed, scale, bias, out_features)
 
 
+def pack_pairs_int8(
+    qweight: torch.Tensor, scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``qweight [N, K]`` int8, ``scale [N]`` fp32 → (``[ceil(N / 8), ceil(K / 2), 8, 2]`` int8:
+    panel ``p``, column pair ``j``, row ``r``: ``q[8p + r, 2j]``, ``q[8p + r, 2j + 1]``; padding
+    zero), ``[8 * ceil(N / 8)]`` fp32 scales) for :func:`gemv_int8_w16`."""
+    n, k = qweight.shape
+    panels, pairs = -(-n // PANEL), -(-k // 2)
+    padded = qweight.new_zeros((panels * PANEL, pairs * 2), dtype=torch.int8)
+    padded[:n, :k] = qweight
+    scales = scale.new_zeros(panels * PANEL, dtype=torch.float32)
+    scales[:n] = scale
+    packed = padded.view(panels, PANEL, pairs, 2).permute(0, 2, 1, 3).contiguous()
+    return packed, scales
+
+
+def gemv_int8_w16(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+) -> torch.Tensor:
+    """:func:`gemv_int8` with the activations quantized to int16 (one scale a row, absmax →
+    32,767) and exact int32 products (``vpmaddwd``): half the instructions per weight. Error
+    against ``x @ (q * scale)^T``: at most ``0.5 * amax(|x|) / 32767 * sum_k |q * scale|`` per
+    output (the activations' rounding), plus fp32 rounding.
+
+    Raises:
+        RuntimeError: wrong dtypes or shapes (the op's checks).
+    """
+    return torch.ops.prefixgate_cpu.gemv_int8w16_packed(x, packed, scale, bias, out_features)
+
+
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:

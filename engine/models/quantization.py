@@ -18,9 +18,10 @@ The matmul runs on:
   weights only: :func:`calibrate_int8_one_row`): where prefixgate's AVX2 int8 GEMV
   (:func:`prefixgate.kernels.cpu_ext.gemv_int8`) measured faster, a one-row input takes it
   instead: int8 weights widened to fp32 in registers, fp32 activations (not quantized) and
-  accumulation, so a lone row's result is ``x @ (q * scale)^T`` to fp32 rounding and differs from
-  the same row's in a batch by the activation quantization FBGEMM applies (that row is then the
-  more exact one). Test models are below the size gate and keep FBGEMM at every row count.
+  accumulation ("gemv"), or activations quantized per row to int16 with exact int32 products
+  ("gemv16", error at most ``0.5 / 32767`` of the row's absmax per weight); either way a lone
+  row's result is ``x @ (q * scale)^T`` to within that and differs from the same row's in a
+  batch by the 8-bit activation quantization FBGEMM applies (the lone row is the more exact). Test models are below the size gate and keep FBGEMM at every row count.
 - CUDA: the Triton weight-only GEMM :func:`prefixgate.kernels.triton_int8.int8_linear` (int8
   weights dequantized in registers, fp32 accumulation; fp32 / fp16 / bf16 activations).
 """
@@ -45,10 +46,12 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-INT8_ONE_ROW_KINDS = ("fbgemm", "gemv")
+INT8_ONE_ROW_KINDS = ("fbgemm", "gemv", "gemv16")
 """The GEMMs a one-row input of an :class:`Int8Linear` on CPU may take: FBGEMM's
-``linear_dynamic`` (as every other row count) or prefixgate's AVX2 int8 GEMV (an 8-row panel copy
-of the int8 weight, ``cpu_ext.pack_panels_int8``)."""
+``linear_dynamic`` (as every other row count), prefixgate's AVX2 int8 GEMV with fp32
+activations (an 8-row panel copy of the int8 weight, ``cpu_ext.pack_panels_int8``), or the one
+with int16 activations and exact int32 pair products (``cpu_ext.gemv_int8_w16`` on
+``cpu_ext.pack_pairs_int8``'s copy; half the instructions per weight)."""
 
 QUANTIZATION_METHODS = ("int8",)
 
@@ -178,7 +181,8 @@ class Int8Linear(nn.Module):
 
     def set_one_row(self, kind: str) -> None:
         """Choose the GEMM a one-row CPU input takes (one of :data:`INT8_ONE_ROW_KINDS`);
-        "gemv" keeps a panel copy of the int8 weight (``in_features * out_features`` bytes).
+        "gemv" and "gemv16" keep a panel copy of the int8 weight (``in_features * out_features``
+        bytes, padded to whole panels).
 
         Raises:
             ValueError: another ``kind``, or "gemv" on a CUDA layer.
@@ -187,12 +191,13 @@ class Int8Linear(nn.Module):
         if kind not in INT8_ONE_ROW_KINDS:
             raise ValueError(f"unknown int8 one-row GEMM {kind!r}; expected {INT8_ONE_ROW_KINDS}")
         self._one_row_panels = None
-        if kind == "gemv":
+        if kind != "fbgemm":
             if self._packed is None:
                 raise ValueError("the int8 one-row GEMV runs on CPU layers only")
             if not cpu_ext.available():
                 raise RuntimeError("int8 one-row GEMV needs prefixgate's CPU ops (not built here)")
-            self._one_row_panels = cpu_ext.pack_panels_int8(self.qweight, self.scale)
+            pack = cpu_ext.pack_panels_int8 if kind == "gemv" else cpu_ext.pack_pairs_int8
+            self._one_row_panels = pack(self.qweight, self.scale)
         self.one_row = kind
 
     @property
@@ -232,7 +237,8 @@ class Int8Linear(nn.Module):
         n = x2.shape[0]
         panels = self._one_row_panels
         if n == 1 and panels is not None:
-            y1 = cpu_ext.gemv_int8(x2, panels[0], panels[1], self.bias, self.out_features)
+            gemv = cpu_ext.gemv_int8 if self.one_row == "gemv" else cpu_ext.gemv_int8_w16
+            y1 = gemv(x2, panels[0], panels[1], self.bias, self.out_features)
             return y1.reshape(*lead, self.out_features)
         # abs().amax() is bitwise the inf-norm; linalg.vector_norm(ord=inf) measured 5-20x
         # slower here (15-265 us against 3-12 us at 8-64 rows of 576-1,536).
@@ -284,6 +290,12 @@ def _int8_gemv_one(
     return cpu_ext.gemv_int8(x, panels[0], panels[1], m.bias, m.out_features)
 
 
+def _int8_gemv16_one(
+    panels: tuple[torch.Tensor, torch.Tensor], m: Int8Linear, x: torch.Tensor
+) -> torch.Tensor:
+    return cpu_ext.gemv_int8_w16(x, panels[0], panels[1], m.bias, m.out_features)
+
+
 @torch.inference_mode()
 def calibrate_int8_one_row(
     model: nn.Module,
@@ -294,9 +306,9 @@ def calibrate_int8_one_row(
 ) -> dict[tuple[int, int], str]:
     """``cpu_linear.calibrate_one_row`` for the CPU :class:`Int8Linear` layers of ``model``:
     per ``(out_features, in_features)`` shape, FBGEMM's one-row ``linear_dynamic`` against
-    the AVX2 int8 GEMV, alternating, each streaming up to ``cpu_linear.CALIBRATION_BYTES`` of
-    int8 weights a pass (CPU time, fastest of ``reps`` passes in each of ``rounds``); "gemv" is
-    kept only where it won by ``ONE_ROW_MARGIN`` (5 %). Nothing is timed (FBGEMM everywhere)
+    the AVX2 int8 GEMVs (fp32 or int16 activations), alternating, each streaming up to ``cpu_linear.CALIBRATION_BYTES`` of
+    int8 weights a pass (CPU time, fastest of ``reps`` passes in each of ``rounds``); the faster
+    GEMV is kept only where it beat FBGEMM by ``ONE_ROW_MARGIN`` (5 %). Nothing is timed (FBGEMM everywhere)
     for models under ``min_bytes`` of int8 weights, or where prefixgate's CPU ops are not
     available. Its copies are the int8 weights once more (135 MB for SmolLM2-135M's shape).
 
@@ -320,6 +332,10 @@ def calibrate_int8_one_row(
                 functools.partial(_int8_gemv_one, cpu_ext.pack_panels_int8(m.qweight, m.scale), m)
                 for m in timed
             ],
+            "gemv16": [
+                functools.partial(_int8_gemv16_one, cpu_ext.pack_pairs_int8(m.qweight, m.scale), m)
+                for m in timed
+            ],
         }
         x = torch.randn((1, inp), generator=gen)
         best = dict.fromkeys(INT8_ONE_ROW_KINDS, float("inf"))
@@ -327,7 +343,8 @@ def calibrate_int8_one_row(
             for kind in INT8_ONE_ROW_KINDS:
                 best[kind] = min(best[kind], _time_one_row(fns[kind], x, reps))
         del fns
-        kind = "gemv" if best["gemv"] < (1 - ONE_ROW_MARGIN) * best["fbgemm"] else "fbgemm"
+        alt = min(INT8_ONE_ROW_KINDS[1:], key=best.__getitem__)
+        kind = alt if best[alt] < (1 - ONE_ROW_MARGIN) * best["fbgemm"] else "fbgemm"
         for layer in layers:
             layer.set_one_row(kind)
         chosen[(out, inp)] = kind

@@ -152,6 +152,86 @@ inline void gemv_int8_two_panels(const int8_t* w0, const int8_t* w1, const float
   *out1 = _mm256_add_ps(_mm256_add_ps(b0, b1), _mm256_add_ps(b2, b3));
 }
 
+// int16-activation int8 GEMV: x quantized per row to int16 (absmax -> 32767), weights in pair
+// panels [P, K2 / 2, 8, 2] (rows r of panel p, columns 2j and 2j+1 adjacent), so vpmaddwd
+// multiplies 16 weights by two activations and sums the pairs exactly into int32; the int32
+// sums are moved into fp32 every 128 column pairs (|sum| < 128 * 2 * 127 * 32767 < 2^31).
+at::Tensor gemv_int8w16_packed(const at::Tensor& x, const at::Tensor& packed,
+                               const at::Tensor& scale, const c10::optional<at::Tensor>& bias,
+                               int64_t n_out) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kChar &&
+                  scale.scalar_type() == at::kFloat,
+              "gemv_int8w16_packed: float32 x and scale, int8 packed weight");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kPanel && packed.size(3) == 2 &&
+                  packed.is_contiguous(),
+              "gemv_int8w16_packed: packed must be a contiguous [P, K2 / 2, 8, 2] tensor");
+  const int64_t panels = packed.size(0);
+  const int64_t pairs = packed.size(1);
+  const int64_t k_len = x.numel();
+  TORCH_CHECK((k_len + 1) / 2 == pairs, "gemv_int8w16_packed: x has ", k_len,
+              " values for ", pairs, " column pairs");
+  TORCH_CHECK(n_out > (panels - 1) * kPanel && n_out <= panels * kPanel,
+              "gemv_int8w16_packed: n_out ", n_out, " does not fit ", panels, " panels");
+  TORCH_CHECK(scale.is_contiguous() && scale.numel() == panels * kPanel,
+              "gemv_int8w16_packed: scale must hold 8 * P values");
+  at::Tensor xc = x.contiguous();
+  const float* xf = xc.data_ptr<float>();
+  float amax = 0.0f;
+  for (int64_t k = 0; k < k_len; ++k) amax = std::max(amax, std::fabs(xf[k]));
+  const float xs = amax > 0.0f ? 32767.0f / amax : 1.0f;
+  std::vector<int32_t> xpair(pairs);
+  for (int64_t j = 0; j < pairs; ++j) {
+    const int32_t lo = static_cast<int32_t>(std::nearbyint(xf[2 * j] * xs));
+    const int32_t hi =
+        2 * j + 1 < k_len ? static_cast<int32_t>(std::nearbyint(xf[2 * j + 1] * xs)) : 0;
+    xpair[j] = static_cast<int32_t>((static_cast<uint32_t>(hi) << 16) |
+                                    (static_cast<uint32_t>(lo) & 0xffffu));
+  }
+  const float* bias_ptr = nullptr;
+  at::Tensor bc;
+  if (bias.has_value() && bias->defined()) {
+    bc = bias->contiguous();
+    TORCH_CHECK(bc.scalar_type() == at::kFloat && bc.numel() == n_out,
+                "gemv_int8w16_packed: bias [N]");
+    bias_ptr = bc.data_ptr<float>();
+  }
+  at::Tensor y = at::empty({1, n_out}, x.options());
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int32_t* xq = xpair.data();
+  const float inv_xs = 1.0f / xs;
+  const int64_t grain = std::max<int64_t>(1, (128 * 1024) / (kPanel * 2 * pairs));
+  at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int8_t* w = wp + p * pairs * 2 * kPanel;
+      __m256 accf = _mm256_setzero_ps();
+      for (int64_t j0 = 0; j0 < pairs; j0 += 128) {
+        const int64_t j1 = std::min<int64_t>(pairs, j0 + 128);
+        __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
+        int64_t j = j0;
+        for (; j + 2 <= j1; j += 2) {
+          const __m256i w0 = _mm256_cvtepi8_epi16(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * 2 * kPanel)));
+          const __m256i w1 = _mm256_cvtepi8_epi16(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (j + 1) * 2 * kPanel)));
+          a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(w0, _mm256_set1_epi32(xq[j])));
+          a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(w1, _mm256_set1_epi32(xq[j + 1])));
+        }
+        if (j < j1) {
+          const __m256i w0 = _mm256_cvtepi8_epi16(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * 2 * kPanel)));
+          a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(w0, _mm256_set1_epi32(xq[j])));
+        }
+        accf = _mm256_add_ps(accf, _mm256_cvtepi32_ps(_mm256_add_epi32(a0, a1)));
+      }
+      const __m256 sc = _mm256_mul_ps(_mm256_loadu_ps(sp + p * kPanel), _mm256_set1_ps(inv_xs));
+      store_panel(_mm256_mul_ps(accf, sc), bias_ptr, yp, p * kPanel, n_out);
+    }
+  });
+  return y;
+}
+
 // x [1, K] fp32; packed [P, K, 8] int8 (pack as the fp32 panels; rows past N zero); scale [8P]
 // fp32 (per output row, padded); bias [N] or none -> y [1, N] = scale * (x . q) + bias.
 at::Tensor gemv_int8_packed(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
@@ -417,6 +497,9 @@ TORCH_LIBRARY(prefixgate_cpu, m) {
   m.def(
       "gemv_int8_packed(Tensor x, Tensor packed, Tensor scale, Tensor? bias, int n_out) -> "
       "Tensor");
+  m.def(
+      "gemv_int8w16_packed(Tensor x, Tensor packed, Tensor scale, Tensor? bias, int n_out) -> "
+      "Tensor");
   m.def("add_rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_mul(Tensor x) -> Tensor");
   m.def(
@@ -428,6 +511,7 @@ TORCH_LIBRARY(prefixgate_cpu, m) {
 TORCH_LIBRARY_IMPL(prefixgate_cpu, CPU, m) {
   m.impl("gemv_packed", gemv_packed);
   m.impl("gemv_int8_packed", gemv_int8_packed);
+  m.impl("gemv_int8w16_packed", gemv_int8w16_packed);
   m.impl("add_rms_norm", add_rms_norm);
   m.impl("silu_mul", silu_mul);
   m.impl("decode_attention", decode_attention);

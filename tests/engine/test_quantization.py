@@ -138,16 +138,35 @@ def test_int8_one_row_gemv_is_the_dequantized_product():
 
 
 @pytest.mark.skipif(not cpu_ext.available(), reason="prefixgate CPU ops not built here")
-@pytest.mark.parametrize("gemv_s,want", [(0.5, "gemv"), (0.97, "fbgemm"), (2.0, "fbgemm")])
-def test_int8_calibration_picks_gemv_only_where_faster(monkeypatch, gemv_s, want):
+@pytest.mark.parametrize(
+    "gemv_s,gemv16_s,want",
+    [(0.5, 0.7, "gemv"), (0.7, 0.5, "gemv16"), (0.97, 0.98, "fbgemm"), (2.0, 1.5, "fbgemm")],
+)  # the faster GEMV, and only when 5 % faster than FBGEMM (timed 1.0 here)
+def test_int8_calibration_picks_a_gemv_only_where_faster(monkeypatch, gemv_s, gemv16_s, want):
+    times = {quantization._int8_gemv_one: gemv_s, quantization._int8_gemv16_one: gemv16_s}
+
     def fake(fns, x, reps):
-        return gemv_s if fns[0].func is quantization._int8_gemv_one else 1.0
+        return times.get(getattr(fns[0], "func", None), 1.0)
 
     monkeypatch.setattr(quantization, "_time_one_row", fake)
     model = nn.Sequential(_int8_layer(100, 96)[0], _int8_layer(96, 100)[0])
     chosen = quantization.calibrate_int8_one_row(model, rounds=1, reps=1, min_bytes=0)
     assert set(chosen.values()) == {want}
     assert {m.one_row for m in model} == {want}
+
+
+@pytest.mark.skipif(not cpu_ext.available(), reason="prefixgate CPU ops not built here")
+def test_int8_one_row_gemv16_within_its_activation_rounding():
+    q, lin = _int8_layer(100, 97)
+    q.set_one_row("gemv16")
+    assert q.one_row_bytes == 104 * 98 + 104 * 4  # 13 panels, 49 column pairs
+    x = torch.randn(1, 97)
+    qw, scale = quantize_weight(lin.weight)
+    w = qw.double() * scale.double()[:, None]
+    want = x.double() @ w.T + lin.bias.double()
+    bound = 0.5 * x.abs().max().double() / 32767 * w.abs().sum(1) + 1e-5
+    with torch.inference_mode():
+        assert ((q(x).double() - want).abs() <= bound).all()
 
 
 def test_int8_calibration_keeps_fbgemm_for_small_models(aidreams_path):

@@ -156,3 +156,31 @@ def test_gemv_int8_matches_dequantized(n, k, bias):
     w = q.double() * scale.double()[:, None]
     want = (x.double() @ w.t() + (0 if b is None else b.double())).float()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * k**0.5)
+
+
+@pytest.mark.parametrize("n,k", [(7, 5), (9, 13), (100, 97), (576, 1536), (16, 600)])
+def test_gemv_int8_w16_within_activation_rounding(n, k):
+    """Error bound: 0.5 * amax|x| / 32767 * sum_k |q * scale| per output, + fp32 rounding."""
+    gen = torch.Generator().manual_seed(n * 7 + k)
+    q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    scale = torch.rand(n, generator=gen) / 100
+    b = torch.randn(n, generator=gen)
+    x = torch.randn(1, k, generator=gen) * 3
+    packed, scales = cpu_ext.pack_pairs_int8(q, scale)
+    assert packed.shape == (-(-n // 8), -(-k // 2), 8, 2)
+    got = cpu_ext.gemv_int8_w16(x, packed, scales, b, n)
+    w = q.double() * scale.double()[:, None]
+    want = x.double() @ w.t() + b.double()
+    bound = 0.5 * x.abs().max().double() / 32767 * w.abs().sum(1) + 1e-5 * want.abs() + 1e-6
+    assert ((got.double() - want).abs() <= bound).all()
+
+
+def test_gemv_int8_w16_int32_sums_never_overflow():
+    """Extreme weights and activations over a long row: the int32 sums are flushed to fp32
+    every 128 column pairs, so 127 * 32767 products over K = 8192 stay exact."""
+    k = 8192
+    q = torch.full((8, k), 127, dtype=torch.int8)
+    x = torch.ones(1, k)
+    packed, scales = cpu_ext.pack_pairs_int8(q, torch.ones(8))
+    got = cpu_ext.gemv_int8_w16(x, packed, scales, None, 8)
+    torch.testing.assert_close(got, torch.full((1, 8), 127.0 * k), rtol=1e-6, atol=0)
