@@ -18,6 +18,9 @@ Ops (fp32, CPU; tolerances as the tests check them against the torch reference):
   in the last bits: within ``rtol=1e-5, atol=1e-5`` (plus ~1e-6 * sqrt(K) on unit inputs).
 - :func:`gemv_int8`: the same GEMV on int8 panels (:func:`pack_panels_int8`) with one fp32
   scale per output row: ``x @ (q * scale)^T + bias`` with fp32 activations.
+- :func:`gemv_int8_w16`: the same product with the activations quantized per row to int16 and
+  exact int32 pair products (:func:`pack_pairs_int8`' layout); error at most
+  ``0.5 * amax(|x|) / 32767 * sum_k |q * scale|`` per output.
 - :func:`add_rms_norm`: the residual add + RMSNorm of ``torch_ref.rms_norm`` for one row; the
   sum is exact (same fp32 add), the mean square differs in summation order (``rtol=1e-6``).
 - :func:`silu_mul`: ``torch_ref.silu_and_mul`` for one row (``std::exp``; ``rtol=1e-6``).
