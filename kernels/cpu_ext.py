@@ -3,7 +3,7 @@
 ``kernels/csrc/cpu_ops.cpp`` is compiled with ``torch.utils.cpp_extension.load`` (g++,
 ``-O3 -mavx2 -mfma -ffp-contract=off``) into torch's extensions cache (``TORCH_EXTENSIONS_DIR``,
 by default ``~/.cache/torch_extensions``; never the repository) and registered as
-``torch.ops.prefixgate_cpu.*`` (``TORCH_LIBRARY``, no pybind). The first build took 20-21 s on
+``torch.ops.prefixgate_cpu.*`` (``TORCH_LIBRARY``, no pybind). The first build took 20-22 s on
 the dev machine (2 cores, AMD EPYC Zen 3, g++ 12); later processes load the cached library.
 The ops' threads are ``at::parallel_for``'s: torch's own pool, at ``torch.get_num_threads()``.
 

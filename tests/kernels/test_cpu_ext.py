@@ -1,7 +1,7 @@
 """prefixgate's C++ CPU ops (kernels/cpu_ext.py) against the torch reference.
 
 Skipped, with the reason, where the ops cannot be built (no x86-64 AVX2, no compiler, or
-``PREFIXGATE_CPU_EXT=0``). The first test to run builds them: 20-21 s once on the dev machine's
+``PREFIXGATE_CPU_EXT=0``). The first test to run builds them: 20-22 s once on the dev machine's
 2 cores (g++ 12), then torch's extensions cache serves every later process.
 """
 
