@@ -3,7 +3,8 @@
 ``get_backend("torch" | "triton")`` returns a namespace with ``reshape_and_cache``,
 ``paged_attention_decode``, ``paged_attention_prefill``, ``paged_attention_verify``,
 ``rms_norm``, ``rotary_embedding`` and ``silu_and_mul``; see :mod:`prefixgate.kernels.torch_ref`
-for shapes and semantics.
+for shapes and semantics. :mod:`prefixgate.kernels.cpu_ext` adds prefixgate's own C++ CPU ops
+for one row (batch-1 decode), built on first use; the engine calls them directly where they apply.
 """
 
 from __future__ import annotations

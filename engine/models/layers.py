@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import torch
 from prefixgate.engine.attention_metadata import AttentionMetadata, VerifyLayout
 from prefixgate.engine.models.config import ModelConfig
+from prefixgate.kernels import cpu_ext
 from torch import nn
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -62,11 +63,45 @@ class BatchViews:
         )
 
 
+def set_one_row_ops(model: nn.Module, on: bool) -> int:
+    """Route the one-row (single decode token) paths of ``model``'s :class:`RMSNorm`,
+    :class:`Attention` and :class:`MLP` through prefixgate's fused CPU ops
+    (:mod:`prefixgate.kernels.cpu_ext`: add + RMSNorm, rotary + KV write + paged attention,
+    SiLU * mul; ~8 ops a layer instead of ~70) when ``on``, or back to the kernels namespace.
+    Only fp32 CPU rows take them (checked per call); the results differ from the torch
+    reference in the last bits (the attention's and the norm's summation order; tolerances in
+    ``cpu_ext``), so the loader turns them on only for models past
+    ``cpu_linear.CALIBRATION_MIN_BYTES`` (the test models are below it).
+
+    Returns:
+        the number of modules set.
+
+    Raises:
+        RuntimeError: ``on`` where :func:`prefixgate.kernels.cpu_ext.available` is False.
+    """
+    if on and not cpu_ext.available():
+        raise RuntimeError("one-row fused ops need prefixgate's CPU ops (not built here)")
+    n = 0
+    for m in model.modules():
+        if isinstance(m, RMSNorm | Attention | MLP):
+            m.one_row_ops = on
+            n += 1
+    return n
+
+
+def _one_cpu_row(x: torch.Tensor) -> bool:
+    """True for a ``[1, H]`` fp32 CPU tensor (the rows the fused ops take)."""
+    return x.dim() == 2 and x.shape[0] == 1 and x.dtype == torch.float32 and x.device.type == "cpu"
+
+
 class RMSNorm(nn.Module):
     """RMSNorm (Zhang & Sennrich 2019) with an optional fused residual add.
 
     ``forward(x [T, H])`` → ``[T, H]``; ``forward(x, residual)`` → ``(out, x + residual)``.
     """
+
+    one_row_ops = False
+    """One fp32 CPU row through ``cpu_ext.add_rms_norm`` (:func:`set_one_row_ops`)."""
 
     def __init__(self, size: int, eps: float, kernels: SimpleNamespace) -> None:
         super().__init__()
@@ -77,6 +112,9 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.one_row_ops and _one_cpu_row(x) and self.weight.dtype == torch.float32:
+            out, total = cpu_ext.add_rms_norm(x, residual, self.weight, self.eps)
+            return out if residual is None else (out, total)
         return self.kernels.rms_norm(x, self.weight, self.eps, residual)
 
 
@@ -86,6 +124,10 @@ class Attention(nn.Module):
     Projections: one merged ``qkv_proj [H → (Hq + 2 Hkv) * D]`` (fewer matmuls on CPU) and
     ``o_proj [Hq * D → H]``; the loader fills ``qkv_proj`` from HF's q/k/v_proj tensors.
     """
+
+    one_row_ops = False
+    """A step of one decode token (nothing else) through ``cpu_ext.decode_attention``
+    (:func:`set_one_row_ops`); not with q/k norms."""
 
     def __init__(self, cfg: ModelConfig, kernels: SimpleNamespace) -> None:
         super().__init__()
@@ -113,7 +155,24 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """``hidden [T, H]`` → ``[T, H]``; writes this step's K/V into ``kv_cache`` first."""
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden)
+        if self.one_row_ops and self._fused_decode(qkv, kv_cache, views):
+            k_cache, v_cache = kv_cache
+            out = cpu_ext.decode_attention(
+                qkv,
+                positions,
+                cos_sin_cache,
+                k_cache,
+                v_cache,
+                views.decode_block_tables,
+                views.decode_context_lens,
+                views.meta.slot_mapping,
+                self.num_heads,
+                self.num_kv_heads,
+                self.scale,
+            )
+            return self.o_proj(out)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q.reshape(-1, self.head_dim))
             k = self.k_norm(k.reshape(-1, self.head_dim))
@@ -125,6 +184,21 @@ class Attention(nn.Module):
         self.kernels.reshape_and_cache(k, v, k_cache, v_cache, views.meta.slot_mapping)
         out = self._attend(q, k_cache, v_cache, views)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+    def _fused_decode(self, qkv: torch.Tensor, kv_cache: KVCache, views: BatchViews) -> bool:
+        """Whether this step takes ``cpu_ext.decode_attention``: one decode token alone, fp32
+        on CPU, no q/k norm, contiguous fp32 caches."""
+        k_cache, v_cache = kv_cache
+        return (
+            views.num_decodes == 1
+            and views.verify is None
+            and not views.has_prefill
+            and self.q_norm is None
+            and _one_cpu_row(qkv)
+            and k_cache.dtype == v_cache.dtype == torch.float32
+            and k_cache.is_contiguous()
+            and v_cache.is_contiguous()
+        )
 
     def _attend(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, views: BatchViews
@@ -198,9 +272,15 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
+    one_row_ops = False
+    """One fp32 CPU row's activation through ``cpu_ext.silu_mul`` (:func:`set_one_row_ops`)."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, H]`` → ``[T, H]``."""
-        return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if self.one_row_ops and _one_cpu_row(gate_up):
+            return self.down_proj(cpu_ext.silu_mul(gate_up))
+        return self.down_proj(self.kernels.silu_and_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):

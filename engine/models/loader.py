@@ -11,14 +11,20 @@ from prefixgate.engine.config import EngineConfig
 from prefixgate.engine.cuda_graphs import check_cuda_graphs
 from prefixgate.engine.models.config import ModelConfig
 from prefixgate.engine.models.cpu_linear import (
+    CALIBRATION_MIN_BYTES,
     calibrate_one_row,
     pack_linears,
     use_onednn_linear,
 )
+from prefixgate.engine.models.layers import set_one_row_ops
 from prefixgate.engine.models.llama import CausalLM
-from prefixgate.engine.models.quantization import check_quantization, quantize_model
+from prefixgate.engine.models.quantization import (
+    calibrate_int8_one_row,
+    check_quantization,
+    quantize_model,
+)
 from prefixgate.engine.models.weights import iter_tensors, weight_files
-from prefixgate.kernels import default_backend, get_backend
+from prefixgate.kernels import cpu_ext, default_backend, get_backend
 
 logger = logging.getLogger(__name__)
 
@@ -70,12 +76,25 @@ def load_model(model_config: ModelConfig, engine_config: EngineConfig) -> Causal
         )
     else:
         load_weights(model, model_config.model_path)
+    linear_bytes = sum(
+        m.weight.numel() * 4 for m in model.modules() if isinstance(m, torch.nn.Linear)
+    )  # fp32 bytes a one-row step streams (the tied head counted: it is read each step)
     if engine_config.quantization is not None:
         quantize_model(model, engine_config.quantization)
         logger.info("quantized every linear layer to %s", engine_config.quantization)
+        if device.type == "cpu":
+            calibrate_int8_one_row(model)  # batch-1 decode: the AVX2 int8 GEMV where faster
     elif use_onednn_linear(device, model_config.dtype, None):
         pack_linears(model)  # MKL's sgemm measured 2-2.5x slower here (cpu_linear.py)
         calibrate_one_row(model)  # batch-1 decode: the fastest GEMM per shape at one row
+    if (
+        device.type == "cpu"
+        and model_config.dtype == torch.float32
+        and linear_bytes >= CALIBRATION_MIN_BYTES  # as calibrate_one_row: test models keep torch's
+        and cpu_ext.available()
+    ):
+        set_one_row_ops(model, True)  # batch-1 decode: fused norm / attention / activation
+        logger.info("one-row decode through prefixgate's fused CPU ops")
     model.init_rope()
     return model.eval().requires_grad_(False)
 

@@ -14,6 +14,14 @@ The matmul runs on:
   output fp32. A row's result does not depend on the rest of the batch. Needs
   ``dtype="float32"``. Measured on the 2-core dev CPU: faster than fp32 at batch 1-128, where
   torchao's int8 configs (0.18) and ``torch._int_mm`` were slower.
+  **One row** (batch-1 decode, models past ``cpu_linear.CALIBRATION_MIN_BYTES`` of int8
+  weights only: :func:`calibrate_int8_one_row`): where prefixgate's AVX2 int8 GEMV
+  (:func:`prefixgate.kernels.cpu_ext.gemv_int8`) measured faster, a one-row input takes it
+  instead: int8 weights widened to fp32 in registers, fp32 activations (not quantized) and
+  accumulation ("gemv"), or activations quantized per row to int16 with exact int32 products
+  ("gemv16", error at most ``0.5 / 32767`` of the row's absmax per weight); either way a lone
+  row's result is ``x @ (q * scale)^T`` to within that and differs from the same row's in a
+  batch by the 8-bit activation quantization FBGEMM applies (the lone row is the more exact). Test models are below the size gate and keep FBGEMM at every row count.
 - CUDA: the Triton weight-only GEMM :func:`prefixgate.kernels.triton_int8.int8_linear` (int8
   weights dequantized in registers, fp32 accumulation; fp32 / fp16 / bf16 activations).
 """
@@ -21,11 +29,29 @@ The matmul runs on:
 from __future__ import annotations
 
 import functools
+import logging
 import warnings
+from collections.abc import Callable
 
 import torch
-from prefixgate.engine.models.cpu_linear import OneDNNLinear
+from prefixgate.engine.models.cpu_linear import (
+    CALIBRATION_BYTES,
+    CALIBRATION_MIN_BYTES,
+    ONE_ROW_MARGIN,
+    OneDNNLinear,
+    _time_one_row,
+)
+from prefixgate.kernels import cpu_ext
 from torch import nn
+
+logger = logging.getLogger(__name__)
+
+INT8_ONE_ROW_KINDS = ("fbgemm", "gemv", "gemv16")
+"""The GEMMs a one-row input of an :class:`Int8Linear` on CPU may take: FBGEMM's
+``linear_dynamic`` (as every other row count), prefixgate's AVX2 int8 GEMV with fp32
+activations (an 8-row panel copy of the int8 weight, ``cpu_ext.pack_panels_int8``), or the one
+with int16 activations and exact int32 pair products (``cpu_ext.gemv_int8_w16`` on
+``cpu_ext.pack_pairs_int8``'s copy; half the instructions per weight)."""
 
 QUANTIZATION_METHODS = ("int8",)
 
@@ -149,6 +175,36 @@ class Int8Linear(nn.Module):
             anchor[0], anchor[-1] = 1.0, -1.0
             self._anchor = anchor
         self._reduce_range = not cpu_has_vnni()
+        self.one_row = "fbgemm"
+        # the one-row GEMV's int8 panels and padded scales (None for "fbgemm"): plain attributes
+        self._one_row_panels: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def set_one_row(self, kind: str) -> None:
+        """Choose the GEMM a one-row CPU input takes (one of :data:`INT8_ONE_ROW_KINDS`);
+        "gemv" and "gemv16" keep a panel copy of the int8 weight (``in_features * out_features``
+        bytes, padded to whole panels).
+
+        Raises:
+            ValueError: another ``kind``, or "gemv" on a CUDA layer.
+            RuntimeError: "gemv" where prefixgate's CPU ops are not available.
+        """
+        if kind not in INT8_ONE_ROW_KINDS:
+            raise ValueError(f"unknown int8 one-row GEMM {kind!r}; expected {INT8_ONE_ROW_KINDS}")
+        self._one_row_panels = None
+        if kind != "fbgemm":
+            if self._packed is None:
+                raise ValueError("the int8 one-row GEMV runs on CPU layers only")
+            if not cpu_ext.available():
+                raise RuntimeError("int8 one-row GEMV needs prefixgate's CPU ops (not built here)")
+            pack = cpu_ext.pack_panels_int8 if kind == "gemv" else cpu_ext.pack_pairs_int8
+            self._one_row_panels = pack(self.qweight, self.scale)
+        self.one_row = kind
+
+    @property
+    def one_row_bytes(self) -> int:
+        """Bytes held by the one-row panel copy (0 for "fbgemm")."""
+        p = self._one_row_panels
+        return 0 if p is None else p[0].numel() + p[1].numel() * 4
 
     @classmethod
     def from_linear(cls, linear: nn.Linear | OneDNNLinear) -> Int8Linear:
@@ -179,6 +235,11 @@ class Int8Linear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         n = x2.shape[0]
+        panels = self._one_row_panels
+        if n == 1 and panels is not None:
+            gemv = cpu_ext.gemv_int8 if self.one_row == "gemv" else cpu_ext.gemv_int8_w16
+            y1 = gemv(x2, panels[0], panels[1], self.bias, self.out_features)
+            return y1.reshape(*lead, self.out_features)
         # abs().amax() is bitwise the inf-norm; linalg.vector_norm(ord=inf) measured 5-20x
         # slower here (15-265 us against 3-12 us at 8-64 rows of 576-1,536).
         amax = x2.abs().amax(dim=1, keepdim=True).clamp_min_(1e-30)
@@ -193,7 +254,8 @@ class Int8Linear(nn.Module):
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+        one = "" if self.one_row == "fbgemm" else f", one_row={self.one_row}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8{one}"
 
 
 def quantize_model(model: nn.Module, method: str) -> nn.Module:
@@ -216,3 +278,82 @@ def quantize_model(model: nn.Module, method: str) -> nn.Module:
     for parent, name, child in targets:
         setattr(parent, name, Int8Linear.from_linear(child))
     return model
+
+
+def _int8_one(m: Int8Linear, x: torch.Tensor) -> torch.Tensor:
+    return m._forward_cpu(x)
+
+
+def _int8_gemv_one(
+    panels: tuple[torch.Tensor, torch.Tensor], m: Int8Linear, x: torch.Tensor
+) -> torch.Tensor:
+    return cpu_ext.gemv_int8(x, panels[0], panels[1], m.bias, m.out_features)
+
+
+def _int8_gemv16_one(
+    panels: tuple[torch.Tensor, torch.Tensor], m: Int8Linear, x: torch.Tensor
+) -> torch.Tensor:
+    return cpu_ext.gemv_int8_w16(x, panels[0], panels[1], m.bias, m.out_features)
+
+
+@torch.inference_mode()
+def calibrate_int8_one_row(
+    model: nn.Module,
+    rounds: int = 3,
+    reps: int = 2,
+    seed: int = 0,
+    min_bytes: int = CALIBRATION_MIN_BYTES,
+) -> dict[tuple[int, int], str]:
+    """``cpu_linear.calibrate_one_row`` for the CPU :class:`Int8Linear` layers of ``model``:
+    per ``(out_features, in_features)`` shape, FBGEMM's one-row ``linear_dynamic`` against
+    the AVX2 int8 GEMVs (fp32 or int16 activations), alternating, each streaming up to ``cpu_linear.CALIBRATION_BYTES`` of
+    int8 weights a pass (CPU time, fastest of ``reps`` passes in each of ``rounds``); the faster
+    GEMV is kept only where it beat FBGEMM by ``ONE_ROW_MARGIN`` (5 %). Nothing is timed (FBGEMM everywhere)
+    for models under ``min_bytes`` of int8 weights, or where prefixgate's CPU ops are not
+    available. Its copies are the int8 weights once more (135 MB for SmolLM2-135M's shape).
+
+    Returns:
+        ``(out_features, in_features)`` → the kind chosen (also logged).
+    """
+    groups: dict[tuple[int, int], list[Int8Linear]] = {}
+    for m in model.modules():
+        if isinstance(m, Int8Linear) and m._packed is not None:
+            groups.setdefault((m.out_features, m.in_features), []).append(m)
+    total = sum(o * i * len(ms) for (o, i), ms in groups.items())
+    if total < min_bytes or not cpu_ext.available():
+        return dict.fromkeys(groups, "fbgemm")
+    gen = torch.Generator().manual_seed(seed)
+    chosen: dict[tuple[int, int], str] = {}
+    for (out, inp), layers in groups.items():
+        timed = layers[: max(1, min(len(layers), CALIBRATION_BYTES // (out * inp)))]
+        fns: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {
+            "fbgemm": [functools.partial(_int8_one, m) for m in timed],
+            "gemv": [
+                functools.partial(_int8_gemv_one, cpu_ext.pack_panels_int8(m.qweight, m.scale), m)
+                for m in timed
+            ],
+            "gemv16": [
+                functools.partial(_int8_gemv16_one, cpu_ext.pack_pairs_int8(m.qweight, m.scale), m)
+                for m in timed
+            ],
+        }
+        x = torch.randn((1, inp), generator=gen)
+        best = dict.fromkeys(INT8_ONE_ROW_KINDS, float("inf"))
+        for _ in range(rounds):
+            for kind in INT8_ONE_ROW_KINDS:
+                best[kind] = min(best[kind], _time_one_row(fns[kind], x, reps))
+        del fns
+        alt = min(INT8_ONE_ROW_KINDS[1:], key=best.__getitem__)
+        kind = alt if best[alt] < (1 - ONE_ROW_MARGIN) * best["fbgemm"] else "fbgemm"
+        for layer in layers:
+            layer.set_one_row(kind)
+        chosen[(out, inp)] = kind
+        logger.debug(
+            "int8 one-row GEMM of %d x %d: %s (%s)",
+            out,
+            inp,
+            kind,
+            ", ".join(f"{k} {v * 1e6 / len(timed):.0f} us" for k, v in best.items()),
+        )
+    logger.info("int8 one-row GEMMs: %s", ", ".join(f"{o}x{i} {k}" for (o, i), k in chosen.items()))
+    return chosen

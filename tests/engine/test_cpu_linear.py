@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from prefixgate.engine.models import cpu_linear
 from prefixgate.engine.models.cpu_linear import (
     ONE_ROW_KINDS,
     OneDNNLinear,
@@ -19,6 +20,7 @@ from prefixgate.engine.models.cpu_linear import (
     use_onednn_linear,
 )
 from prefixgate.engine.models.quantization import Int8Linear
+from prefixgate.kernels import cpu_ext
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))  # importlib mode: make model_helpers importable
@@ -81,12 +83,14 @@ def test_loader_packs_every_linear_and_int8_still_quantizes(aidreams_path):
 @pytest.mark.parametrize("kind", ONE_ROW_KINDS)
 @pytest.mark.parametrize("bias", [True, False])
 def test_one_row_gemms_match_nn_linear(kind, bias):
+    if kind == "gemv" and not cpu_ext.available():
+        pytest.skip("prefixgate CPU ops not built here (no AVX2 or no compiler)")
     torch.manual_seed(0)
     linear = nn.Linear(96, 160, bias=bias)
     packed = OneDNNLinear.from_linear(linear)
     packed.set_one_row(kind)
     assert packed.one_row == kind
-    assert packed.one_row_bytes == (0 if kind == "onednn" else 96 * 160 * 4)
+    assert packed.one_row_bytes == (0 if kind == "onednn" else 96 * 160 * 4)  # 160 = 20 * 8
     with torch.inference_mode():
         for x in (torch.randn(1, 96), torch.randn(1, 1, 96), torch.randn(3, 96)):
             got, want = packed(x), linear(x)
@@ -101,8 +105,8 @@ def test_one_row_gemms_match_nn_linear(kind, bias):
 
 def test_one_row_refuses_unknown_kind():
     packed = OneDNNLinear.from_linear(nn.Linear(8, 8))
-    with pytest.raises(ValueError, match="unknown one-row GEMM 'gemv'"):
-        packed.set_one_row("gemv")
+    with pytest.raises(ValueError, match="unknown one-row GEMM 'gemm1'"):
+        packed.set_one_row("gemm1")
 
 
 def test_calibrate_one_row_sets_every_layer_of_a_shape():
@@ -144,3 +148,43 @@ def test_calibrate_one_row_keeps_onednn_past_the_memory_budget():
     assert set(chosen.values()) == {"onednn"}
     assert one_row_extra_bytes(model) == 0
     assert available_memory_bytes() is None or available_memory_bytes() > 0
+
+
+def _fake_times(gemv_s: float, others_s: float):
+    """A ``_time_one_row`` stand-in: ``gemv_s`` for the gemv kind's functions, ``others_s`` for
+    every other kind's (so the choice is the margin rule's, never the host's noise)."""
+
+    def fake(fns, x, reps):
+        return gemv_s if fns[0].func is cpu_linear._gemv_one else others_s
+
+    return fake
+
+
+@pytest.mark.skipif(not cpu_ext.available(), reason="prefixgate CPU ops not built here")
+@pytest.mark.parametrize(
+    "gemv_s,want", [(0.5, "gemv"), (0.97, "onednn"), (1.5, "onednn")]
+)  # 3 % faster is inside ONE_ROW_MARGIN (5 %): oneDNN stays
+def test_calibrate_picks_gemv_only_where_it_is_faster(monkeypatch, gemv_s, want):
+    monkeypatch.setattr(cpu_linear, "_time_one_row", _fake_times(gemv_s, 1.0))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 100))
+    ref = [m.weight.detach().clone() for m in model]
+    pack_linears(model)
+    chosen = calibrate_one_row(model, rounds=1, reps=1, min_bytes=0)
+    assert set(chosen.values()) == {want}
+    assert all(m.one_row == want for m in model)
+    x = torch.randn(1, 64)
+    with torch.inference_mode():
+        want_y = F.linear(F.linear(x, ref[0], model[0].bias), ref[1], model[1].bias)
+        torch.testing.assert_close(model(x), want_y, rtol=1e-5, atol=1e-5)
+
+
+def test_calibrate_never_times_gemv_without_the_ops(monkeypatch):
+    monkeypatch.setattr(cpu_ext, "available", lambda: False)
+    monkeypatch.setattr(cpu_linear, "_time_one_row", _fake_times(0.1, 1.0))
+    model = pack_linears(nn.Sequential(nn.Linear(64, 64)))
+    assert cpu_linear.one_row_kinds() == ("onednn", "linear", "mm_t")
+    chosen = calibrate_one_row(model, rounds=1, reps=1, min_bytes=0)
+    assert set(chosen.values()) == {"onednn"}  # the others all timed alike: no 5 % win
+    with pytest.raises(RuntimeError, match="needs prefixgate's CPU ops"):
+        model[0].set_one_row("gemv")

@@ -11,12 +11,14 @@ import pytest
 import torch
 from prefixgate.engine import LLM, SamplingParams
 from prefixgate.engine.config import EngineConfig
+from prefixgate.engine.models import quantization
 from prefixgate.engine.models.quantization import (
     Int8Linear,
     check_quantization,
     quantize_model,
     quantize_weight,
 )
+from prefixgate.kernels import cpu_ext
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))  # importlib mode: make model_helpers importable
@@ -105,3 +107,69 @@ def test_serve_flag():
     assert engine_config(args).quantization == "int8"
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--quantization", "int4"])
+
+
+def _int8_layer(n: int = 100, k: int = 96) -> tuple[Int8Linear, nn.Linear]:
+    gen = torch.Generator().manual_seed(n)
+    lin = nn.Linear(k, n, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n, k, generator=gen) * 0.05)
+        lin.bias.copy_(torch.randn(n, generator=gen))
+    return Int8Linear.from_linear(lin), lin
+
+
+@pytest.mark.skipif(not cpu_ext.available(), reason="prefixgate CPU ops not built here")
+def test_int8_one_row_gemv_is_the_dequantized_product():
+    q, lin = _int8_layer(100, 97)  # N, K off the panel and unroll steps
+    q.set_one_row("gemv")
+    assert q.one_row_bytes == 104 * 97 + 104 * 4  # padded to 13 panels of 8 rows
+    x = torch.randn(1, 97)
+    qw, scale = quantize_weight(lin.weight)
+    want = x.double() @ (qw.double() * scale.double()[:, None]).T + lin.bias.double()
+    with torch.inference_mode():
+        torch.testing.assert_close(q(x), want.float(), rtol=1e-5, atol=1e-5)
+        many = torch.randn(3, 97)
+        q2, _ = _int8_layer(100, 97)
+        assert torch.equal(q(many), q2(many))  # more rows: FBGEMM as before
+    q.set_one_row("fbgemm")
+    assert q.one_row_bytes == 0
+    with pytest.raises(ValueError, match="unknown int8 one-row GEMM"):
+        q.set_one_row("mm_t")
+
+
+@pytest.mark.skipif(not cpu_ext.available(), reason="prefixgate CPU ops not built here")
+@pytest.mark.parametrize(
+    "gemv_s,gemv16_s,want",
+    [(0.5, 0.7, "gemv"), (0.7, 0.5, "gemv16"), (0.97, 0.98, "fbgemm"), (2.0, 1.5, "fbgemm")],
+)  # the faster GEMV, and only when 5 % faster than FBGEMM (timed 1.0 here)
+def test_int8_calibration_picks_a_gemv_only_where_faster(monkeypatch, gemv_s, gemv16_s, want):
+    times = {quantization._int8_gemv_one: gemv_s, quantization._int8_gemv16_one: gemv16_s}
+
+    def fake(fns, x, reps):
+        return times.get(getattr(fns[0], "func", None), 1.0)
+
+    monkeypatch.setattr(quantization, "_time_one_row", fake)
+    model = nn.Sequential(_int8_layer(100, 96)[0], _int8_layer(96, 100)[0])
+    chosen = quantization.calibrate_int8_one_row(model, rounds=1, reps=1, min_bytes=0)
+    assert set(chosen.values()) == {want}
+    assert {m.one_row for m in model} == {want}
+
+
+@pytest.mark.skipif(not cpu_ext.available(), reason="prefixgate CPU ops not built here")
+def test_int8_one_row_gemv16_within_its_activation_rounding():
+    q, lin = _int8_layer(100, 97)
+    q.set_one_row("gemv16")
+    assert q.one_row_bytes == 104 * 98 + 104 * 4  # 13 panels, 49 column pairs
+    x = torch.randn(1, 97)
+    qw, scale = quantize_weight(lin.weight)
+    w = qw.double() * scale.double()[:, None]
+    want = x.double() @ w.T + lin.bias.double()
+    bound = 0.5 * x.abs().max().double() / 32767 * w.abs().sum(1) + 1e-5
+    with torch.inference_mode():
+        assert ((q(x).double() - want).abs() <= bound).all()
+
+
+def test_int8_calibration_keeps_fbgemm_for_small_models(aidreams_path):
+    llm = LLM(aidreams_path, quantization="int8")
+    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, Int8Linear)]
+    assert layers and {m.one_row for m in layers} == {"fbgemm"}  # under the size gate: untimed

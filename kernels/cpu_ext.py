@@ -1,0 +1,252 @@
+"""prefixgate's own CPU ops for one row (batch-1 decode), built on first use.
+
+``kernels/csrc/cpu_ops.cpp`` is compiled with ``torch.utils.cpp_extension.load`` (g++,
+``-O3 -mavx2 -mfma -ffp-contract=off``) into torch's extensions cache (``TORCH_EXTENSIONS_DIR``,
+by default ``~/.cache/torch_extensions``; never the repository) and registered as
+``torch.ops.prefixgate_cpu.*`` (``TORCH_LIBRARY``, no pybind). The first build took 20-22 s on
+the dev machine (2 cores, AMD EPYC Zen 3, g++ 12); later processes load the cached library.
+The ops' threads are ``at::parallel_for``'s: torch's own pool, at ``torch.get_num_threads()``.
+
+:func:`available` builds (once per process) and says whether the ops can be used; it returns
+False, with one log line, on a CPU without AVX2 / FMA, without a compiler, when the build fails,
+or with ``PREFIXGATE_CPU_EXT=0`` in the environment. Callers then keep the torch paths.
+
+Ops (fp32, CPU; tolerances as the tests check them against the torch reference):
+
+- :func:`gemv`: ``y [1, N] = x [1, K] @ W^T + bias`` on :func:`pack_panels`' layout. fp32
+  accumulation, four partial sums per output (k mod 4), so results differ from MKL's / oneDNN's
+  in the last bits: within ``rtol=1e-5, atol=1e-5`` (plus ~1e-6 * sqrt(K) on unit inputs).
+- :func:`gemv_int8`: the same GEMV on int8 panels (:func:`pack_panels_int8`) with one fp32
+  scale per output row: ``x @ (q * scale)^T + bias`` with fp32 activations.
+- :func:`gemv_int8_w16`: the same product with the activations quantized per row to int16 and
+  exact int32 pair products (:func:`pack_pairs_int8`' layout); error at most
+  ``0.5 * amax(|x|) / 32767 * sum_k |q * scale|`` per output.
+- :func:`add_rms_norm`: the residual add + RMSNorm of ``torch_ref.rms_norm`` for one row; the
+  sum is exact (same fp32 add), the mean square differs in summation order (``rtol=1e-6``).
+- :func:`silu_mul`: ``torch_ref.silu_and_mul`` for one row (``std::exp``; ``rtol=1e-6``).
+- :func:`decode_attention`: rotary + KV-cache write + paged attention of one decode token
+  (``torch_ref.rotary_embedding`` + ``reshape_and_cache`` + ``paged_attention_decode``); the
+  rotary and the cache write are bit-exact, the attention (fp32, one pass of scores, softmax
+  with the max subtracted) within ``rtol=1e-5, atol=1e-6`` of SDPA.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+"""The C++ source of every op (one file: one compile)."""
+
+EXTENSION_NAME = "prefixgate_cpu_ops"
+"""The name of the built library in torch's extensions cache (the source's hash is checked)."""
+
+PANEL = 8
+"""Output rows per panel of :func:`pack_panels` (one AVX2 register of fp32)."""
+
+DISABLE_ENV = "PREFIXGATE_CPU_EXT"
+"""Set to ``0`` to never build or use the ops (the torch paths stay)."""
+
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off"]
+"""Compiler flags: AVX2 + FMA intrinsics; no contraction of plain ``a * b + c`` into FMAs, so the
+rotary's products and sums are the torch reference's bit for bit."""
+
+
+def cpu_supports_avx2() -> bool:
+    """True on x86-64 where torch's own dispatch reports AVX2 or better (AVX2 implies FMA
+    on every CPU torch selects it for)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        cap = torch.backends.cpu.get_cpu_capability()
+    except (AttributeError, RuntimeError):
+        return False
+    return cap in ("AVX2", "AVX512")
+
+
+@functools.cache
+def available() -> bool:
+    """Build (or load from the cache) the ops once per process; True when they can be used.
+
+    Never raises: a failed build logs one warning and returns False.
+    """
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        logger.info("prefixgate CPU ops off (%s=0): torch paths only", DISABLE_ENV)
+        return False
+    if not cpu_supports_avx2():
+        logger.info("prefixgate CPU ops need x86-64 with AVX2/FMA: torch paths only")
+        return False
+    if hasattr(torch.ops, "prefixgate_cpu") and hasattr(torch.ops.prefixgate_cpu, "gemv_packed"):
+        return True
+    t0 = time.perf_counter()
+    try:
+        from torch.utils.cpp_extension import load
+
+        load(
+            name=EXTENSION_NAME,
+            sources=[str(SOURCE)],
+            extra_cflags=CFLAGS,
+            is_python_module=False,
+            verbose=False,
+        )
+        torch.ops.prefixgate_cpu.gemv_packed  # noqa: B018  (registered: raises otherwise)
+    except Exception as exc:  # no compiler, no ninja, a build error: the torch paths remain
+        logger.warning("prefixgate CPU ops unavailable (%s): torch paths only", exc)
+        return False
+    logger.info("prefixgate CPU ops ready in %.1f s", time.perf_counter() - t0)
+    return True
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """``weight [N, K]`` fp32 → ``[ceil(N / 8), K, 8]`` contiguous: panel ``p`` holds output rows
+    ``8p .. 8p+7`` interleaved per input column (rows past N are zeros), so :func:`gemv` reads
+    the whole weight as one forward stream. A copy (``8 * ceil(N / 8) * K`` fp32)."""
+    n, k = weight.shape
+    panels = -(-n // PANEL)
+    padded = weight.new_zeros((panels * PANEL, k), dtype=torch.float32)
+    padded[:n] = weight.detach()
+    return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
+
+
+def gemv(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    """``x [1, K]`` fp32 → ``[1, N]`` fp32 on :func:`pack_panels`' ``packed [P, K, 8]``.
+
+    Raises:
+        RuntimeError: wrong dtypes or shapes (the op's checks).
+    """
+    return torch.ops.prefixgate_cpu.gemv_packed(x, packed, bias, out_features)
+
+
+def pack_panels_int8(
+    qweight: torch.Tensor, scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``qweight [N, K]`` int8, ``scale [N]`` fp32 → (``[ceil(N / 8), K, 8]`` int8 in
+    :func:`pack_panels`' layout, ``[8 * ceil(N / 8)]`` fp32 scales; padding rows zero)."""
+    n, k = qweight.shape
+    panels = -(-n // PANEL)
+    padded = qweight.new_zeros((panels * PANEL, k), dtype=torch.int8)
+    padded[:n] = qweight
+    scales = scale.new_zeros(panels * PANEL, dtype=torch.float32)
+    scales[:n] = scale
+    return padded.view(panels, PANEL, k).transpose(1, 2).contiguous(), scales
+
+
+def gemv_int8(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+) -> torch.Tensor:
+    """``x [1, K]`` fp32 → ``[1, N]`` fp32 ``= scale * (x @ q^T) + bias`` on
+    :func:`pack_panels_int8`' weight: the int8 weight widened to fp32 in registers, fp32
+    activations and accumulation (no activation quantization, unlike FBGEMM's
+    ``linear_dynamic``: closer to ``x @ (q * scale)^T``, within ``rtol=1e-5`` of it in float64).
+
+    Raises:
+        RuntimeError: wrong dtypes or shapes (the op's checks).
+    """
+    return torch.ops.prefixgate_cpu.gemv_int8_packed(x, packed, scale, bias, out_features)
+
+
+def pack_pairs_int8(
+    qweight: torch.Tensor, scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``qweight [N, K]`` int8, ``scale [N]`` fp32 → (``[ceil(N / 8), ceil(K / 2), 8, 2]`` int8:
+    panel ``p``, column pair ``j``, row ``r``: ``q[8p + r, 2j]``, ``q[8p + r, 2j + 1]``; padding
+    zero), ``[8 * ceil(N / 8)]`` fp32 scales) for :func:`gemv_int8_w16`."""
+    n, k = qweight.shape
+    panels, pairs = -(-n // PANEL), -(-k // 2)
+    padded = qweight.new_zeros((panels * PANEL, pairs * 2), dtype=torch.int8)
+    padded[:n, :k] = qweight
+    scales = scale.new_zeros(panels * PANEL, dtype=torch.float32)
+    scales[:n] = scale
+    packed = padded.view(panels, PANEL, pairs, 2).permute(0, 2, 1, 3).contiguous()
+    return packed, scales
+
+
+def gemv_int8_w16(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+) -> torch.Tensor:
+    """:func:`gemv_int8` with the activations quantized to int16 (one scale a row, absmax →
+    32,767) and exact int32 products (``vpmaddwd``): half the instructions per weight. Error
+    against ``x @ (q * scale)^T``: at most ``0.5 * amax(|x|) / 32767 * sum_k |q * scale|`` per
+    output (the activations' rounding), plus fp32 rounding.
+
+    Raises:
+        RuntimeError: wrong dtypes or shapes (the op's checks).
+    """
+    return torch.ops.prefixgate_cpu.gemv_int8w16_packed(x, packed, scale, bias, out_features)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row: ``(weight * s / sqrt(mean(s^2) + eps), s)`` with ``s = x + residual`` (``s = x``
+    without a residual); ``x``, ``residual`` ``[1, H]`` fp32, ``weight [H]`` fp32."""
+    return torch.ops.prefixgate_cpu.add_rms_norm(x, residual, weight, eps)
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """One row: ``x [1, 2I]`` fp32 → ``silu(x[:, :I]) * x[:, I:]`` ``[1, I]``."""
+    return torch.ops.prefixgate_cpu.silu_mul(x)
+
+
+def decode_attention(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_len: torch.Tensor,
+    slot: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    scale: float,
+) -> torch.Tensor:
+    """One decode token of one sequence: rotary on q and k, k / v written to the caches at
+    ``slot`` (in place; ``-1`` skips), attention over the ``context_len`` cached tokens.
+
+    Args:
+        qkv: ``[1, (Hq + 2 Hkv) * D]`` fp32, the merged projection's row (q, then k, then v).
+        positions: ``[1]`` int64.
+        cos_sin_cache: ``[max_pos, D]`` fp32 (cos in the first D/2 columns).
+        k_cache, v_cache: ``[N, S, Hkv, D]`` fp32 contiguous.
+        block_table: ``[1, max_blocks]`` int32; context_len: ``[1]`` int32 (with this token);
+        slot: ``[1]`` int64.
+        num_heads, num_kv_heads: Hq, Hkv; scale: the softmax scale.
+
+    Returns:
+        ``[1, Hq * D]`` fp32.
+
+    Raises:
+        RuntimeError: wrong dtypes, shapes or an out-of-range position / slot / length.
+    """
+    return torch.ops.prefixgate_cpu.decode_attention(
+        qkv,
+        positions,
+        cos_sin_cache,
+        k_cache,
+        v_cache,
+        block_table,
+        context_len,
+        slot,
+        num_heads,
+        num_kv_heads,
+        scale,
+    )

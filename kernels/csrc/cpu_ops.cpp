@@ -1,0 +1,518 @@
+// prefixgate's CPU ops for one row (batch-1 decode): an AVX2/FMA fp32 GEMV over a panel-packed
+// weight, and fused small ops (residual add + RMSNorm, SiLU * mul). Built lazily by
+// prefixgate/kernels/cpu_ext.py (torch.utils.cpp_extension.load, -O3 -mavx2 -mfma) and
+// registered as torch.ops.prefixgate_cpu.*; threads through at::parallel_for (torch's own pool).
+// Shapes, dtypes and tolerances are documented in cpu_ext.py.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Optional.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kPanel = 8;  // output rows per packed panel (one ymm register)
+
+inline float hsum8(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v);
+  __m128 hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+  return _mm_cvtss_f32(lo);
+}
+
+// Two panels (16 outputs) at once: each x[k] broadcast once feeds both; four accumulators per
+// panel (k, k+1, k+2, k+3) hide the FMA latency; summed (a0 + a1) + (a2 + a3) at the end.
+inline void gemv_two_panels(const float* w0, const float* w1, const float* x, int64_t k_len,
+                            __m256* out0, __m256* out1) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+  __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+  __m256 b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 4 <= k_len; k += 4) {
+    const float* p0 = w0 + k * kPanel;
+    const float* p1 = w1 + k * kPanel;
+    __m256 x0 = _mm256_broadcast_ss(x + k);
+    __m256 x1 = _mm256_broadcast_ss(x + k + 1);
+    __m256 x2 = _mm256_broadcast_ss(x + k + 2);
+    __m256 x3 = _mm256_broadcast_ss(x + k + 3);
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(p0), x0, a0);
+    b0 = _mm256_fmadd_ps(_mm256_loadu_ps(p1), x0, b0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(p0 + 8), x1, a1);
+    b1 = _mm256_fmadd_ps(_mm256_loadu_ps(p1 + 8), x1, b1);
+    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(p0 + 16), x2, a2);
+    b2 = _mm256_fmadd_ps(_mm256_loadu_ps(p1 + 16), x2, b2);
+    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(p0 + 24), x3, a3);
+    b3 = _mm256_fmadd_ps(_mm256_loadu_ps(p1 + 24), x3, b3);
+  }
+  for (; k < k_len; ++k) {
+    __m256 xk = _mm256_broadcast_ss(x + k);
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k * kPanel), xk, a0);
+    b0 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + k * kPanel), xk, b0);
+  }
+  *out0 = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+  *out1 = _mm256_add_ps(_mm256_add_ps(b0, b1), _mm256_add_ps(b2, b3));
+}
+
+inline __m256 gemv_one_panel(const float* w0, const float* x, int64_t k_len) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 4 <= k_len; k += 4) {
+    const float* p0 = w0 + k * kPanel;
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(p0), _mm256_broadcast_ss(x + k), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(p0 + 8), _mm256_broadcast_ss(x + k + 1), a1);
+    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(p0 + 16), _mm256_broadcast_ss(x + k + 2), a2);
+    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(p0 + 24), _mm256_broadcast_ss(x + k + 3), a3);
+  }
+  for (; k < k_len; ++k) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k * kPanel), _mm256_broadcast_ss(x + k), a0);
+  }
+  return _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+}
+
+inline void store_panel(__m256 acc, const float* bias, float* y, int64_t row0, int64_t n_out) {
+  alignas(32) float tmp[kPanel];
+  if (bias != nullptr && row0 + kPanel <= n_out) {
+    acc = _mm256_add_ps(acc, _mm256_loadu_ps(bias + row0));
+  }
+  if (row0 + kPanel <= n_out) {
+    _mm256_storeu_ps(y + row0, acc);
+    return;
+  }
+  _mm256_store_ps(tmp, acc);
+  for (int64_t r = row0; r < n_out; ++r) {
+    y[r] = tmp[r - row0] + (bias != nullptr ? bias[r] : 0.0f);
+  }
+}
+
+// int8 panels: 8 weights of one input column (one per output row) are 8 bytes; four columns
+// (32 bytes) are widened to fp32 (vpmovsxbd + vcvtdq2ps) and multiplied by the broadcast x[k].
+inline __m256 widen8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+inline __m256 gemv_int8_panel(const int8_t* w0, const float* x, int64_t k_len) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 4 <= k_len; k += 4) {
+    const int8_t* p = w0 + k * kPanel;
+    a0 = _mm256_fmadd_ps(widen8(p), _mm256_broadcast_ss(x + k), a0);
+    a1 = _mm256_fmadd_ps(widen8(p + 8), _mm256_broadcast_ss(x + k + 1), a1);
+    a2 = _mm256_fmadd_ps(widen8(p + 16), _mm256_broadcast_ss(x + k + 2), a2);
+    a3 = _mm256_fmadd_ps(widen8(p + 24), _mm256_broadcast_ss(x + k + 3), a3);
+  }
+  for (; k < k_len; ++k) {
+    a0 = _mm256_fmadd_ps(widen8(w0 + k * kPanel), _mm256_broadcast_ss(x + k), a0);
+  }
+  return _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+}
+
+// Two int8 panels at once (the broadcast x[k] shared), the same sums as gemv_int8_panel.
+inline void gemv_int8_two_panels(const int8_t* w0, const int8_t* w1, const float* x,
+                                 int64_t k_len, __m256* out0, __m256* out1) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+  __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+  __m256 b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 4 <= k_len; k += 4) {
+    const int8_t* p = w0 + k * kPanel;
+    const int8_t* q = w1 + k * kPanel;
+    const __m256 x0 = _mm256_broadcast_ss(x + k);
+    const __m256 x1 = _mm256_broadcast_ss(x + k + 1);
+    const __m256 x2 = _mm256_broadcast_ss(x + k + 2);
+    const __m256 x3 = _mm256_broadcast_ss(x + k + 3);
+    a0 = _mm256_fmadd_ps(widen8(p), x0, a0);
+    b0 = _mm256_fmadd_ps(widen8(q), x0, b0);
+    a1 = _mm256_fmadd_ps(widen8(p + 8), x1, a1);
+    b1 = _mm256_fmadd_ps(widen8(q + 8), x1, b1);
+    a2 = _mm256_fmadd_ps(widen8(p + 16), x2, a2);
+    b2 = _mm256_fmadd_ps(widen8(q + 16), x2, b2);
+    a3 = _mm256_fmadd_ps(widen8(p + 24), x3, a3);
+    b3 = _mm256_fmadd_ps(widen8(q + 24), x3, b3);
+  }
+  for (; k < k_len; ++k) {
+    const __m256 xk = _mm256_broadcast_ss(x + k);
+    a0 = _mm256_fmadd_ps(widen8(w0 + k * kPanel), xk, a0);
+    b0 = _mm256_fmadd_ps(widen8(w1 + k * kPanel), xk, b0);
+  }
+  *out0 = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+  *out1 = _mm256_add_ps(_mm256_add_ps(b0, b1), _mm256_add_ps(b2, b3));
+}
+
+// int16-activation int8 GEMV: x quantized per row to int16 (absmax -> 32767), weights in pair
+// panels [P, K2 / 2, 8, 2] (rows r of panel p, columns 2j and 2j+1 adjacent), so vpmaddwd
+// multiplies 16 weights by two activations and sums the pairs exactly into int32; the int32
+// sums are moved into fp32 every 128 column pairs (|sum| < 128 * 2 * 127 * 32767 < 2^31).
+at::Tensor gemv_int8w16_packed(const at::Tensor& x, const at::Tensor& packed,
+                               const at::Tensor& scale, const c10::optional<at::Tensor>& bias,
+                               int64_t n_out) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kChar &&
+                  scale.scalar_type() == at::kFloat,
+              "gemv_int8w16_packed: float32 x and scale, int8 packed weight");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kPanel && packed.size(3) == 2 &&
+                  packed.is_contiguous(),
+              "gemv_int8w16_packed: packed must be a contiguous [P, K2 / 2, 8, 2] tensor");
+  const int64_t panels = packed.size(0);
+  const int64_t pairs = packed.size(1);
+  const int64_t k_len = x.numel();
+  TORCH_CHECK((k_len + 1) / 2 == pairs, "gemv_int8w16_packed: x has ", k_len,
+              " values for ", pairs, " column pairs");
+  TORCH_CHECK(n_out > (panels - 1) * kPanel && n_out <= panels * kPanel,
+              "gemv_int8w16_packed: n_out ", n_out, " does not fit ", panels, " panels");
+  TORCH_CHECK(scale.is_contiguous() && scale.numel() == panels * kPanel,
+              "gemv_int8w16_packed: scale must hold 8 * P values");
+  at::Tensor xc = x.contiguous();
+  const float* xf = xc.data_ptr<float>();
+  float amax = 0.0f;
+  for (int64_t k = 0; k < k_len; ++k) amax = std::max(amax, std::fabs(xf[k]));
+  const float xs = amax > 0.0f ? 32767.0f / amax : 1.0f;
+  std::vector<int32_t> xpair(pairs);
+  for (int64_t j = 0; j < pairs; ++j) {
+    const int32_t lo = static_cast<int32_t>(std::nearbyint(xf[2 * j] * xs));
+    const int32_t hi =
+        2 * j + 1 < k_len ? static_cast<int32_t>(std::nearbyint(xf[2 * j + 1] * xs)) : 0;
+    xpair[j] = static_cast<int32_t>((static_cast<uint32_t>(hi) << 16) |
+                                    (static_cast<uint32_t>(lo) & 0xffffu));
+  }
+  const float* bias_ptr = nullptr;
+  at::Tensor bc;
+  if (bias.has_value() && bias->defined()) {
+    bc = bias->contiguous();
+    TORCH_CHECK(bc.scalar_type() == at::kFloat && bc.numel() == n_out,
+                "gemv_int8w16_packed: bias [N]");
+    bias_ptr = bc.data_ptr<float>();
+  }
+  at::Tensor y = at::empty({1, n_out}, x.options());
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int32_t* xq = xpair.data();
+  const float inv_xs = 1.0f / xs;
+  const int64_t grain = std::max<int64_t>(1, (128 * 1024) / (kPanel * 2 * pairs));
+  at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int8_t* w = wp + p * pairs * 2 * kPanel;
+      __m256 accf = _mm256_setzero_ps();
+      for (int64_t j0 = 0; j0 < pairs; j0 += 128) {
+        const int64_t j1 = std::min<int64_t>(pairs, j0 + 128);
+        __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
+        int64_t j = j0;
+        for (; j + 2 <= j1; j += 2) {
+          const __m256i w0 = _mm256_cvtepi8_epi16(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * 2 * kPanel)));
+          const __m256i w1 = _mm256_cvtepi8_epi16(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (j + 1) * 2 * kPanel)));
+          a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(w0, _mm256_set1_epi32(xq[j])));
+          a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(w1, _mm256_set1_epi32(xq[j + 1])));
+        }
+        if (j < j1) {
+          const __m256i w0 = _mm256_cvtepi8_epi16(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * 2 * kPanel)));
+          a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(w0, _mm256_set1_epi32(xq[j])));
+        }
+        accf = _mm256_add_ps(accf, _mm256_cvtepi32_ps(_mm256_add_epi32(a0, a1)));
+      }
+      const __m256 sc = _mm256_mul_ps(_mm256_loadu_ps(sp + p * kPanel), _mm256_set1_ps(inv_xs));
+      store_panel(_mm256_mul_ps(accf, sc), bias_ptr, yp, p * kPanel, n_out);
+    }
+  });
+  return y;
+}
+
+// x [1, K] fp32; packed [P, K, 8] int8 (pack as the fp32 panels; rows past N zero); scale [8P]
+// fp32 (per output row, padded); bias [N] or none -> y [1, N] = scale * (x . q) + bias.
+at::Tensor gemv_int8_packed(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                            const c10::optional<at::Tensor>& bias, int64_t n_out) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kChar &&
+                  scale.scalar_type() == at::kFloat,
+              "gemv_int8_packed: float32 x and scale, int8 packed weight");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous(),
+              "gemv_int8_packed: packed must be a contiguous [P, K, 8] tensor");
+  const int64_t k_len = packed.size(1);
+  const int64_t panels = packed.size(0);
+  TORCH_CHECK(x.numel() == k_len, "gemv_int8_packed: x has ", x.numel(), " values, K is ", k_len);
+  TORCH_CHECK(n_out > (panels - 1) * kPanel && n_out <= panels * kPanel,
+              "gemv_int8_packed: n_out ", n_out, " does not fit ", panels, " panels");
+  TORCH_CHECK(scale.is_contiguous() && scale.numel() == panels * kPanel,
+              "gemv_int8_packed: scale must hold 8 * P values");
+  at::Tensor xc = x.contiguous();
+  const float* bias_ptr = nullptr;
+  at::Tensor bc;
+  if (bias.has_value() && bias->defined()) {
+    bc = bias->contiguous();
+    TORCH_CHECK(bc.scalar_type() == at::kFloat && bc.numel() == n_out,
+                "gemv_int8_packed: bias [N]");
+    bias_ptr = bc.data_ptr<float>();
+  }
+  at::Tensor y = at::empty({1, n_out}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t pairs = (panels + 1) / 2;
+  const int64_t grain = std::max<int64_t>(1, (128 * 1024) / (2 * kPanel * k_len));
+  at::parallel_for(0, pairs, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t q = begin; q < end; ++q) {
+      const int64_t p = 2 * q;
+      const int8_t* w0 = wp + p * k_len * kPanel;
+      if (p + 1 < panels) {
+        __m256 acc0, acc1;
+        gemv_int8_two_panels(w0, w0 + k_len * kPanel, xp, k_len, &acc0, &acc1);
+        store_panel(_mm256_mul_ps(acc0, _mm256_loadu_ps(sp + p * kPanel)), bias_ptr, yp,
+                    p * kPanel, n_out);
+        store_panel(_mm256_mul_ps(acc1, _mm256_loadu_ps(sp + (p + 1) * kPanel)), bias_ptr, yp,
+                    (p + 1) * kPanel, n_out);
+      } else {
+        __m256 acc = gemv_int8_panel(w0, xp, k_len);
+        acc = _mm256_mul_ps(acc, _mm256_loadu_ps(sp + p * kPanel));
+        store_panel(acc, bias_ptr, yp, p * kPanel, n_out);
+      }
+    }
+  });
+  return y;
+}
+
+// x [1, K] (or [K]) fp32 contiguous; packed [P, K, 8] fp32 contiguous (output row p*8+j of the
+// weight in packed[p, :, j]; rows past N zero); bias [N] or none -> y [1, N].
+at::Tensor gemv_packed(const at::Tensor& x, const at::Tensor& packed,
+                       const c10::optional<at::Tensor>& bias, int64_t n_out) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat,
+              "gemv_packed: float32 tensors only");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous(),
+              "gemv_packed: packed must be a contiguous [P, K, 8] tensor");
+  const int64_t k_len = packed.size(1);
+  const int64_t panels = packed.size(0);
+  TORCH_CHECK(x.numel() == k_len, "gemv_packed: x has ", x.numel(), " values, K is ", k_len);
+  TORCH_CHECK(n_out > (panels - 1) * kPanel && n_out <= panels * kPanel,
+              "gemv_packed: n_out ", n_out, " does not fit ", panels, " panels");
+  at::Tensor xc = x.contiguous();
+  const float* bias_ptr = nullptr;
+  at::Tensor bc;
+  if (bias.has_value() && bias->defined()) {
+    bc = bias->contiguous();
+    TORCH_CHECK(bc.scalar_type() == at::kFloat && bc.numel() == n_out, "gemv_packed: bias [N]");
+    bias_ptr = bc.data_ptr<float>();
+  }
+  at::Tensor y = at::empty({1, n_out}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  // pairs of panels are the unit of work; a thread's share is at least ~256 KiB of weight
+  const int64_t pairs = (panels + 1) / 2;
+  const int64_t grain = std::max<int64_t>(1, (256 * 1024) / (2 * kPanel * k_len * 4));
+  at::parallel_for(0, pairs, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t q = begin; q < end; ++q) {
+      const int64_t p = 2 * q;
+      const float* w0 = wp + p * k_len * kPanel;
+      if (p + 1 < panels) {
+        __m256 acc0, acc1;
+        gemv_two_panels(w0, w0 + k_len * kPanel, xp, k_len, &acc0, &acc1);
+        store_panel(acc0, bias_ptr, yp, p * kPanel, n_out);
+        store_panel(acc1, bias_ptr, yp, (p + 1) * kPanel, n_out);
+      } else {
+        store_panel(gemv_one_panel(w0, xp, k_len), bias_ptr, yp, p * kPanel, n_out);
+      }
+    }
+  });
+  return y;
+}
+
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  float s = 0.0f;
+  if (n >= 8) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+      acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+      acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+    }
+    for (; i + 8 <= n; i += 8) {
+      acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    }
+    s = hsum8(_mm256_add_ps(acc0, acc1));
+  }
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// x [1, H], residual [1, H] or none, weight [H] -> (weight * (x + residual) / rms, x + residual)
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x,
+                                                const c10::optional<at::Tensor>& residual,
+                                                const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
+              "add_rms_norm: float32 tensors only");
+  const int64_t h = weight.numel();
+  TORCH_CHECK(x.numel() == h, "add_rms_norm: x must hold one row of ", h, " values");
+  at::Tensor xc = x.contiguous();
+  at::Tensor wc = weight.contiguous();
+  at::Tensor sum = xc;
+  if (residual.has_value() && residual->defined()) {
+    at::Tensor rc = residual->contiguous();
+    TORCH_CHECK(rc.scalar_type() == at::kFloat && rc.numel() == h, "add_rms_norm: residual [1, H]");
+    sum = at::empty({1, h}, x.options());
+    const float* a = xc.data_ptr<float>();
+    const float* b = rc.data_ptr<float>();
+    float* s = sum.data_ptr<float>();
+    for (int64_t i = 0; i < h; ++i) s[i] = a[i] + b[i];
+  }
+  const float* s = sum.data_ptr<float>();
+  const float ms = dot(s, s, h) / static_cast<float>(h);
+  const float inv = 1.0f / std::sqrt(ms + static_cast<float>(eps));
+  at::Tensor out = at::empty({1, h}, x.options());
+  float* o = out.data_ptr<float>();
+  const float* w = wc.data_ptr<float>();
+  for (int64_t i = 0; i < h; ++i) o[i] = w[i] * (s[i] * inv);
+  return {out, sum.view({1, h})};
+}
+
+// x [1, 2I] -> silu(x[:, :I]) * x[:, I:]  [1, I]
+at::Tensor silu_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.numel() % 2 == 0, "silu_mul: float32 [1, 2I]");
+  at::Tensor xc = x.contiguous();
+  const int64_t n = x.numel() / 2;
+  at::Tensor out = at::empty({1, n}, x.options());
+  const float* a = xc.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = a[i];
+    o[i] = (g / (1.0f + std::exp(-g))) * a[n + i];
+  }
+  return out;
+}
+
+// One decode token of one sequence: rotary on q and k (half-split layout), k and v written to
+// the paged caches at the slot, then attention of each query head over the whole context.
+// qkv [1, (Hq + 2 Hkv) D]; positions [1] int64; cos_sin [max_pos, D]; caches [N, S, Hkv, D]
+// fp32 contiguous; block_table [1, max_blocks] int32; context_len [1] int32; slot [1] int64.
+at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& positions,
+                            const at::Tensor& cos_sin, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_table,
+                            const at::Tensor& context_len, const at::Tensor& slot,
+                            int64_t num_heads, int64_t num_kv_heads, double scale) {
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+                  v_cache.scalar_type() == at::kFloat && cos_sin.scalar_type() == at::kFloat,
+              "decode_attention: float32 tensors only");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && cos_sin.is_contiguous(),
+              "decode_attention: contiguous caches and cos/sin table");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && slot.scalar_type() == at::kLong &&
+                  block_table.scalar_type() == at::kInt && context_len.scalar_type() == at::kInt,
+              "decode_attention: int64 positions/slot, int32 block table/context length");
+  const int64_t d = k_cache.size(3);
+  const int64_t block_size = k_cache.size(1);
+  TORCH_CHECK(k_cache.size(2) == num_kv_heads && num_heads % num_kv_heads == 0,
+              "decode_attention: head counts");
+  TORCH_CHECK(qkv.numel() == (num_heads + 2 * num_kv_heads) * d, "decode_attention: qkv size");
+  TORCH_CHECK(cos_sin.size(1) == d && d % 2 == 0, "decode_attention: cos/sin table [P, D]");
+  at::Tensor qc = qkv.contiguous();
+  at::Tensor bt = block_table.contiguous();
+  const int64_t pos = positions.data_ptr<int64_t>()[0];
+  const int64_t length = context_len.data_ptr<int32_t>()[0];
+  const int64_t s = slot.data_ptr<int64_t>()[0];
+  TORCH_CHECK(pos >= 0 && pos < cos_sin.size(0), "decode_attention: position out of range");
+  TORCH_CHECK(length >= 1 && (length - 1) / block_size < bt.size(-1),
+              "decode_attention: context length past the block table");
+  TORCH_CHECK(s < k_cache.size(0) * block_size, "decode_attention: slot out of range");
+  const int64_t half = d / 2;
+  const float* cs = cos_sin.data_ptr<float>() + pos * d;
+  const float* src = qc.data_ptr<float>();
+  at::Tensor out = at::empty({1, num_heads * d}, qkv.options());
+  float* q = out.data_ptr<float>();  // rotated q lives in out until each head overwrites its own
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  const int64_t row = num_kv_heads * d;  // floats per cache slot
+  // rotary: t * [cos, cos] + [t2, t1] * [-sin, sin], the torch reference's products and sums
+  auto rotate = [&](const float* t, float* dst) {
+    for (int64_t i = 0; i < half; ++i) {
+      const float c = cs[i], sn = cs[half + i];
+      const float a = t[i], b = t[half + i];
+      dst[i] = a * c + b * (-sn);
+      dst[half + i] = b * c + a * sn;
+    }
+  };
+  for (int64_t hh = 0; hh < num_heads; ++hh) rotate(src + hh * d, q + hh * d);
+  const float* ksrc = src + num_heads * d;
+  const float* vsrc = ksrc + num_kv_heads * d;
+  if (s >= 0) {  // slot -1: the token is not cached (the reference's reshape_and_cache skips it)
+    for (int64_t g = 0; g < num_kv_heads; ++g) rotate(ksrc + g * d, kc + s * row + g * d);
+    std::copy(vsrc, vsrc + row, vc + s * row);
+  }
+  const int32_t* table = bt.data_ptr<int32_t>();
+  const int64_t group = num_heads / num_kv_heads;
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, num_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(length);
+    std::vector<float> acc(d);
+    for (int64_t hh = begin; hh < end; ++hh) {
+      const int64_t g = hh / group;
+      float* qh = q + hh * d;
+      float mx = -INFINITY;
+      for (int64_t t = 0; t < length; ++t) {
+        const int64_t slot_t = static_cast<int64_t>(table[t / block_size]) * block_size +
+                               t % block_size;
+        const float v = dot(qh, kc + slot_t * row + g * d, d) * sc;
+        scores[t] = v;
+        mx = std::max(mx, v);
+      }
+      float denom = 0.0f;
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t t = 0; t < length; ++t) {
+        const float p = std::exp(scores[t] - mx);
+        denom += p;
+        const int64_t slot_t = static_cast<int64_t>(table[t / block_size]) * block_size +
+                               t % block_size;
+        const float* vt = vc + slot_t * row + g * d;
+        int64_t i = 0;
+        const __m256 pv = _mm256_set1_ps(p);
+        for (; i + 8 <= d; i += 8) {
+          _mm256_storeu_ps(acc.data() + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(vt + i),
+                                                           _mm256_loadu_ps(acc.data() + i)));
+        }
+        for (; i < d; ++i) acc[i] += p * vt[i];
+      }
+      const float inv = 1.0f / denom;
+      for (int64_t i = 0; i < d; ++i) qh[i] = acc[i] * inv;
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(prefixgate_cpu, m) {
+  m.def("gemv_packed(Tensor x, Tensor packed, Tensor? bias, int n_out) -> Tensor");
+  m.def(
+      "gemv_int8_packed(Tensor x, Tensor packed, Tensor scale, Tensor? bias, int n_out) -> "
+      "Tensor");
+  m.def(
+      "gemv_int8w16_packed(Tensor x, Tensor packed, Tensor scale, Tensor? bias, int n_out) -> "
+      "Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("silu_mul(Tensor x) -> Tensor");
+  m.def(
+      "decode_attention(Tensor qkv, Tensor positions, Tensor cos_sin, Tensor(a!) k_cache, "
+      "Tensor(b!) v_cache, Tensor block_table, Tensor context_len, Tensor slot, int num_heads, "
+      "int num_kv_heads, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(prefixgate_cpu, CPU, m) {
+  m.impl("gemv_packed", gemv_packed);
+  m.impl("gemv_int8_packed", gemv_int8_packed);
+  m.impl("gemv_int8w16_packed", gemv_int8w16_packed);
+  m.impl("add_rms_norm", add_rms_norm);
+  m.impl("silu_mul", silu_mul);
+  m.impl("decode_attention", decode_attention);
+}

@@ -1,0 +1,186 @@
+"""prefixgate's C++ CPU ops (kernels/cpu_ext.py) against the torch reference.
+
+Skipped, with the reason, where the ops cannot be built (no x86-64 AVX2, no compiler, or
+``PREFIXGATE_CPU_EXT=0``). The first test to run builds them: 20-22 s once on the dev machine's
+2 cores (g++ 12), then torch's extensions cache serves every later process.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from prefixgate.kernels import cpu_ext, torch_ref
+
+pytestmark = pytest.mark.skipif(
+    not cpu_ext.available(), reason="prefixgate CPU ops not built here (no AVX2 or no compiler)"
+)
+
+
+@pytest.mark.parametrize(
+    "n,k",
+    [(160, 96), (7, 5), (9, 13), (17, 1), (24, 33), (960, 576), (576, 1536), (1000, 577)],
+)  # N not a multiple of 8 / of the two-panel step; K not a multiple of 4 or 8
+@pytest.mark.parametrize("bias", [True, False])
+def test_gemv_matches_linear(n, k, bias):
+    gen = torch.Generator().manual_seed(n * 1000 + k)
+    w = torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    x = torch.randn(1, k, generator=gen)
+    got = cpu_ext.gemv(x, cpu_ext.pack_panels(w), b, n)
+    want = (x.double() @ w.double().t() + (0 if b is None else b.double())).float()
+    assert got.shape == (1, n) and got.dtype == torch.float32
+    # fp32 accumulation in another order: ~1e-6 * sqrt(K) on unit-normal inputs
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6 * k**0.5)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gemv_same_result_at_any_thread_count(threads):
+    gen = torch.Generator().manual_seed(0)
+    w, x = torch.randn(3000, 200, generator=gen), torch.randn(1, 200, generator=gen)
+    packed = cpu_ext.pack_panels(w)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_ext.gemv(x, packed, None, 3000)
+        torch.set_num_threads(threads)
+        assert torch.equal(cpu_ext.gemv(x, packed, None, 3000), one)  # rows never split
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_gemv_refuses_bad_shapes():
+    packed = cpu_ext.pack_panels(torch.randn(16, 8))
+    with pytest.raises(RuntimeError, match="K is 8"):
+        cpu_ext.gemv(torch.randn(1, 9), packed, None, 16)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        cpu_ext.gemv(torch.randn(1, 8), packed, None, 17)
+
+
+def test_pack_panels_layout():
+    w = torch.arange(10 * 3, dtype=torch.float32).view(10, 3)
+    p = cpu_ext.pack_panels(w)
+    assert p.shape == (2, 3, 8) and p.is_contiguous()
+    assert torch.equal(p[0, :, 5], w[5]) and torch.equal(p[1, :, 1], w[9])
+    assert not p[1, :, 2:].any()  # rows past N are zeros
+
+
+@pytest.mark.parametrize("h", [576, 64, 13])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_add_rms_norm(h, with_residual):
+    gen = torch.Generator().manual_seed(h)
+    x, r = torch.randn(1, h, generator=gen), torch.randn(1, h, generator=gen)
+    w = torch.randn(h, generator=gen)
+    got, got_res = cpu_ext.add_rms_norm(x, r if with_residual else None, w, 1e-5)
+    if with_residual:
+        want, want_res = torch_ref.rms_norm(x, w, 1e-5, r)
+        assert torch.equal(got_res, want_res)  # the same fp32 add
+    else:
+        want = torch_ref.rms_norm(x, w, 1e-5)
+        assert torch.equal(got_res, x)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("i", [1536, 7])
+def test_silu_mul(i):
+    x = torch.randn(1, 2 * i, generator=torch.Generator().manual_seed(i)) * 4
+    torch.testing.assert_close(cpu_ext.silu_mul(x), torch_ref.silu_and_mul(x), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("hq,hkv", [(9, 3), (4, 4), (8, 1)])
+@pytest.mark.parametrize("length", [1, 16, 37])
+@pytest.mark.parametrize("d", [64, 20])  # 20: not a multiple of 8 (the scalar tails)
+def test_decode_attention_matches_reference(hq, hkv, length, d):
+    gen = torch.Generator().manual_seed(hq * 100 + length + d)
+    block, num_blocks, max_pos = 16, 8, 64
+    k_cache = torch.randn(num_blocks, block, hkv, d, generator=gen)
+    v_cache = torch.randn(num_blocks, block, hkv, d, generator=gen)
+    table = torch.randperm(num_blocks, generator=gen)[:4].to(torch.int32).unsqueeze(0)
+    pos = length - 1
+    slot = torch.tensor([int(table[0, pos // block]) * block + pos % block])
+    positions = torch.tensor([pos])
+    lens = torch.tensor([length], dtype=torch.int32)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    freqs = torch.outer(torch.arange(max_pos).float(), inv)
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    qkv = torch.randn(1, (hq + 2 * hkv) * d, generator=gen)
+    scale = d**-0.5
+
+    kr, vr = k_cache.clone(), v_cache.clone()
+    q, k, v = qkv.clone().split([hq * d, hkv * d, hkv * d], dim=-1)  # rotated in place
+    q = q.reshape(1, hq, d).contiguous()
+    k = k.reshape(1, hkv, d).contiguous()
+    q, k = torch_ref.rotary_embedding(positions, q, k, cos_sin)
+    torch_ref.reshape_and_cache(k, v.reshape(1, hkv, d), kr, vr, slot)
+    want = torch_ref.paged_attention_decode(q, kr, vr, table, lens, scale).reshape(1, hq * d)
+
+    got = cpu_ext.decode_attention(
+        qkv, positions, cos_sin, k_cache, v_cache, table, lens, slot, hq, hkv, scale
+    )
+    assert torch.equal(k_cache, kr) and torch.equal(v_cache, vr)  # rotary + write: bit-exact
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_decode_attention_refuses_out_of_range():
+    k_cache = torch.zeros(2, 4, 1, 8)
+    args = (torch.zeros(1, 24), torch.tensor([3]), torch.zeros(8, 8), k_cache, k_cache.clone())
+    table = torch.zeros(1, 1, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="context length past the block table"):
+        cpu_ext.decode_attention(
+            *args, table, torch.tensor([5], dtype=torch.int32), torch.tensor([0]), 1, 1, 1.0
+        )
+    with pytest.raises(RuntimeError, match="position out of range"):
+        cpu_ext.decode_attention(
+            torch.zeros(1, 24),
+            torch.tensor([8]),
+            *args[2:],
+            table,
+            torch.tensor([1], dtype=torch.int32),
+            torch.tensor([0]),
+            1,
+            1,
+            1.0,
+        )
+
+
+@pytest.mark.parametrize("n,k", [(160, 96), (7, 5), (9, 13), (1000, 577), (576, 1536)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_gemv_int8_matches_dequantized(n, k, bias):
+    gen = torch.Generator().manual_seed(n + k)
+    q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    scale = torch.rand(n, generator=gen) / 100
+    b = torch.randn(n, generator=gen) if bias else None
+    x = torch.randn(1, k, generator=gen)
+    packed, scales = cpu_ext.pack_panels_int8(q, scale)
+    assert packed.dtype == torch.int8 and packed.shape == (-(-n // 8), k, 8)
+    got = cpu_ext.gemv_int8(x, packed, scales, b, n)
+    w = q.double() * scale.double()[:, None]
+    want = (x.double() @ w.t() + (0 if b is None else b.double())).float()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * k**0.5)
+
+
+@pytest.mark.parametrize("n,k", [(7, 5), (9, 13), (100, 97), (576, 1536), (16, 600)])
+def test_gemv_int8_w16_within_activation_rounding(n, k):
+    """Error bound: 0.5 * amax|x| / 32767 * sum_k |q * scale| per output, + fp32 rounding."""
+    gen = torch.Generator().manual_seed(n * 7 + k)
+    q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    scale = torch.rand(n, generator=gen) / 100
+    b = torch.randn(n, generator=gen)
+    x = torch.randn(1, k, generator=gen) * 3
+    packed, scales = cpu_ext.pack_pairs_int8(q, scale)
+    assert packed.shape == (-(-n // 8), -(-k // 2), 8, 2)
+    got = cpu_ext.gemv_int8_w16(x, packed, scales, b, n)
+    w = q.double() * scale.double()[:, None]
+    want = x.double() @ w.t() + b.double()
+    bound = 0.5 * x.abs().max().double() / 32767 * w.abs().sum(1) + 1e-5 * want.abs() + 1e-6
+    assert ((got.double() - want).abs() <= bound).all()
+
+
+def test_gemv_int8_w16_int32_sums_never_overflow():
+    """Extreme weights and activations over a long row: the int32 sums are flushed to fp32
+    every 128 column pairs, so 127 * 32767 products over K = 8192 stay exact."""
+    k = 8192
+    q = torch.full((8, k), 127, dtype=torch.int8)
+    x = torch.ones(1, k)
+    packed, scales = cpu_ext.pack_pairs_int8(q, torch.ones(8))
+    got = cpu_ext.gemv_int8_w16(x, packed, scales, None, 8)
+    torch.testing.assert_close(got, torch.full((1, 8), 127.0 * k), rtol=1e-6, atol=0)
