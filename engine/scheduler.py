@@ -228,7 +228,8 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.arrival_step = self._steps_scheduled
         self.policy.on_arrival(request, self.waiting)
-        self.anticipation.on_arrival(tenant_of(request), time.monotonic())
+        if self.anticipation.max_wait_s > 0:
+            self.anticipation.on_arrival(tenant_of(request), time.monotonic())
         self.requests[rid] = request
         self.waiting.append(request)
 
@@ -894,7 +895,7 @@ class Scheduler:
             "prompt_tokens_prefilled": self.prompt_tokens_prefilled,
             "tokens_decoded": self.tokens_decoded,
             **self.spec_stats(),
-            **self.anticipation.stats(),
+            **(self.anticipation.stats() if self.anticipation.max_wait_s > 0 else {}),
             "scheduling_policy": self.policy.name,
             "tenants": self.policy.tenant_stats(self.waiting, self.running),
             **self.kv.stats(),

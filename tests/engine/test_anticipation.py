@@ -144,7 +144,7 @@ def test_fcfs_slow_tenants_and_a_zero_cap_never_wait(monkeypatch):
     ):
         sched, _, deadlines = drive(policy, monkeypatch, think_s, **cfg)
         assert deadlines == [None] * len(deadlines), (policy, think_s, cfg)
-        assert sched.stats()["anticipation_waits"] == 0
+        assert sched.stats().get("anticipation_waits", 0) == 0  # absent unless it can wait
         assert_whole(sched)
 
 
@@ -220,7 +220,7 @@ def test_async_engine_waits_for_the_light_tenant_and_greedy_tokens_stay_the_same
 ):
     off_stats, off_light, off_heavy = run_flood(aidreams_path, 0.0, pool_whole)
     on_stats, on_light, on_heavy = run_flood(aidreams_path, 500.0, pool_whole)
-    assert off_stats["anticipation_waits"] == 0
+    assert "anticipation_waits" not in off_stats  # cap 0: no anticipation, no counters
     # in process a light request follows its predecessor within a few ms, far under the
     # 500 ms cap: the loop waited for it, and its request ended the wait
     assert on_stats["anticipation_hits"] >= 1, on_stats
