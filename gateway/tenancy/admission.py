@@ -305,16 +305,17 @@ class AdmissionController:
         measured), else the drain-rate estimate of the queue and the promised places
         (``retry_after``)."""
         if self.wait is not None:
+            if self._rate * self._tau >= self._min_departures:
+                # the queue's measured drain, once warm: departures are what it counts. The
+                # engine's rates are its model time per step and leave out the gaps between
+                # steps, the gateway's work and a machine short of CPU (returning clients met
+                # the bound again: 4x overload, 1,150 second 429s of 1,746); for hundreds of
+                # departures its model overshot instead (told 60 s, the cap, for ~11 s)
+                return n / self.drain_rate, True
             queued = self.queued_requests + held
             mean = (self.queued_tokens + self.promises.tokens) / max(1, queued)
             got = self.wait.departure_s(n, mean)
             if got is not None and math.isfinite(got):
-                # never sooner than the queue has been draining: the engine's rates are its
-                # model time per step, and what they leave out (gaps between steps, the
-                # gateway's own work, a machine short of CPU) showed as returning clients
-                # meeting the bound again (4x overload: 1,150 second 429s of 1,746)
-                if self._rate * self._tau >= self._min_departures:
-                    got = max(got, n / max(self.drain_rate, 1e-9))
                 return got, True
         return self.retry_after(held), False
 

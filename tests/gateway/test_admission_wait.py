@@ -213,7 +213,7 @@ def _draining(ctl: AdmissionController, per_s: float) -> None:
     ctl._min_departures = 1.0  # warm: well over one departure in the EWMA's time constant
 
 
-def test_a_wait_is_never_sooner_than_the_queue_has_been_draining():
+def test_once_warm_the_measured_drain_states_the_waits():
     # The engine says a departure every 1/4 s; the queue has really drained at 2 a second
     # (gaps between steps, the gateway's work, a busy machine): the crowd is told times 1/2 s
     # apart, the measured pace, so that it does not come back to a full queue.
