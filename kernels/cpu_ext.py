@@ -18,7 +18,7 @@ Ops (fp32, CPU; tolerances as the tests check them against the torch reference):
   in the last bits: within ``rtol=1e-5, atol=1e-5`` (plus ~1e-6 * sqrt(K) on unit inputs).
 - :func:`gemv_int8`: the same GEMV on int8 panels (:func:`pack_panels_int8`) with one fp32
   scale per output row: ``x @ (q * scale)^T + bias`` with fp32 activations.
-- :func:`gemv_int8_w16`: the same product with the activations quantized per row to int16 and
+- :func:`gemv_int8` with ``int16_activations=True``: the same product with the activations quantized per row to int16 and
   exact int32 pair products (:func:`pack_pairs_int8`' layout); error at most
   ``0.5 * amax(|x|) / 32767 * sum_k |q * scale|`` per output.
 - :func:`add_rms_norm`: the residual add + RMSNorm of ``torch_ref.rms_norm`` for one row; the
@@ -147,16 +147,25 @@ def gemv_int8(
     scale: torch.Tensor,
     bias: torch.Tensor | None,
     out_features: int,
+    int16_activations: bool = False,
 ) -> torch.Tensor:
-    """``x [1, K]`` fp32 → ``[1, N]`` fp32 ``= scale * (x @ q^T) + bias`` on
-    :func:`pack_panels_int8`' weight: the int8 weight widened to fp32 in registers, fp32
-    activations and accumulation (no activation quantization, unlike FBGEMM's
-    ``linear_dynamic``: closer to ``x @ (q * scale)^T``, within ``rtol=1e-5`` of it in float64).
+    """``x [1, K]`` fp32 → ``[1, N]`` fp32 ``= scale * (x @ q^T) + bias``.
+
+    ``int16_activations=False``: on :func:`pack_panels_int8`' weight, the int8 weight widened
+    to fp32 in registers, fp32 activations and accumulation (no activation quantization,
+    unlike FBGEMM's ``linear_dynamic``: closer to ``x @ (q * scale)^T``, within ``rtol=1e-5``
+    of it in float64). ``True`` ("gemv16"): on :func:`pack_pairs_int8`' weight, the
+    activations quantized to int16 (one scale a row, absmax → 32,767) and exact int32
+    products (``vpmaddwd``): half the instructions per weight; error against
+    ``x @ (q * scale)^T`` at most ``0.5 * amax(|x|) / 32767 * sum_k |q * scale|`` per output
+    (the activations' rounding), plus fp32 rounding.
 
     Raises:
         RuntimeError: wrong dtypes or shapes (the op's checks).
     """
-    return torch.ops.prefixgate_cpu.gemv_int8_packed(x, packed, scale, bias, out_features)
+    ops = torch.ops.prefixgate_cpu
+    op = ops.gemv_int8w16_packed if int16_activations else ops.gemv_int8_packed
+    return op(x, packed, scale, bias, out_features)
 
 
 def pack_pairs_int8(
@@ -164,7 +173,7 @@ def pack_pairs_int8(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``qweight [N, K]`` int8, ``scale [N]`` fp32 → (``[ceil(N / 8), ceil(K / 2), 8, 2]`` int8:
     panel ``p``, column pair ``j``, row ``r``: ``q[8p + r, 2j]``, ``q[8p + r, 2j + 1]``; padding
-    zero), ``[8 * ceil(N / 8)]`` fp32 scales) for :func:`gemv_int8_w16`."""
+    zero), ``[8 * ceil(N / 8)]`` fp32 scales) for :func:`gemv_int8` with ``int16_activations=True``."""
     n, k = qweight.shape
     panels, pairs = -(-n // PANEL), -(-k // 2)
     padded = qweight.new_zeros((panels * PANEL, pairs * 2), dtype=torch.int8)
@@ -173,24 +182,6 @@ def pack_pairs_int8(
     scales[:n] = scale
     packed = padded.view(panels, PANEL, pairs, 2).permute(0, 2, 1, 3).contiguous()
     return packed, scales
-
-
-def gemv_int8_w16(
-    x: torch.Tensor,
-    packed: torch.Tensor,
-    scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    out_features: int,
-) -> torch.Tensor:
-    """:func:`gemv_int8` with the activations quantized to int16 (one scale a row, absmax →
-    32,767) and exact int32 products (``vpmaddwd``): half the instructions per weight. Error
-    against ``x @ (q * scale)^T``: at most ``0.5 * amax(|x|) / 32767 * sum_k |q * scale|`` per
-    output (the activations' rounding), plus fp32 rounding.
-
-    Raises:
-        RuntimeError: wrong dtypes or shapes (the op's checks).
-    """
-    return torch.ops.prefixgate_cpu.gemv_int8w16_packed(x, packed, scale, bias, out_features)
 
 
 def add_rms_norm(

@@ -275,6 +275,26 @@ def _time_one_row(
     return best
 
 
+def fastest_one_row(
+    fns: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]],
+    x: torch.Tensor,
+    rounds: int,
+    reps: int,
+) -> tuple[str, dict[str, float]]:
+    """Time the one-row GEMMs of ``fns`` (kind → its functions over the timed layers; the first
+    kind is the default) in turn, ``rounds`` rounds of ``reps`` passes each
+    (:func:`_time_one_row`), and return the kind to keep — the fastest other kind where it
+    beat the default by :data:`ONE_ROW_MARGIN`, else the default — and each kind's fastest
+    pass (seconds of CPU time)."""
+    kinds = list(fns)
+    best = dict.fromkeys(kinds, float("inf"))
+    for _ in range(rounds):
+        for kind in kinds:
+            best[kind] = min(best[kind], _time_one_row(fns[kind], x, reps))
+    alt = min(kinds[1:], key=best.__getitem__)
+    return (alt if best[alt] < (1 - ONE_ROW_MARGIN) * best[kinds[0]] else kinds[0]), best
+
+
 def _onednn_one(m: OneDNNLinear, x: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, m._packed, m.bias, "none", [], "")
 
@@ -360,14 +380,8 @@ def calibrate_one_row(
                 functools.partial(_gemv_one, cpu_ext.pack_panels(w), m.bias, out)
                 for w, m in zip(plain, timed, strict=True)
             ]
-        x = torch.randn((1, inp), generator=gen)
-        best = dict.fromkeys(kinds, float("inf"))
-        for _ in range(rounds):
-            for kind in kinds:
-                best[kind] = min(best[kind], _time_one_row(fns[kind], x, reps))
+        kind, best = fastest_one_row(fns, torch.randn((1, inp), generator=gen), rounds, reps)
         del fns, plain
-        alt = min(kinds[1:], key=best.__getitem__)
-        kind = alt if best[alt] < (1 - ONE_ROW_MARGIN) * best["onednn"] else "onednn"
         if kind != "onednn" and memory_budget is not None:
             if kept + per_layer * len(layers) > memory_budget:
                 logger.info(

@@ -37,9 +37,8 @@ import torch
 from prefixgate.engine.models.cpu_linear import (
     CALIBRATION_BYTES,
     CALIBRATION_MIN_BYTES,
-    ONE_ROW_MARGIN,
     OneDNNLinear,
-    _time_one_row,
+    fastest_one_row,
 )
 from prefixgate.kernels import cpu_ext
 from torch import nn
@@ -50,7 +49,7 @@ INT8_ONE_ROW_KINDS = ("fbgemm", "gemv", "gemv16")
 """The GEMMs a one-row input of an :class:`Int8Linear` on CPU may take: FBGEMM's
 ``linear_dynamic`` (as every other row count), prefixgate's AVX2 int8 GEMV with fp32
 activations (an 8-row panel copy of the int8 weight, ``cpu_ext.pack_panels_int8``), or the one
-with int16 activations and exact int32 pair products (``cpu_ext.gemv_int8_w16`` on
+with int16 activations and exact int32 pair products (``cpu_ext.gemv_int8(..., int16_activations=True)`` on
 ``cpu_ext.pack_pairs_int8``'s copy; half the instructions per weight)."""
 
 QUANTIZATION_METHODS = ("int8",)
@@ -237,8 +236,8 @@ class Int8Linear(nn.Module):
         n = x2.shape[0]
         panels = self._one_row_panels
         if n == 1 and panels is not None:
-            gemv = cpu_ext.gemv_int8 if self.one_row == "gemv" else cpu_ext.gemv_int8_w16
-            y1 = gemv(x2, panels[0], panels[1], self.bias, self.out_features)
+            w16 = self.one_row != "gemv"  # "gemv16": int16 activations
+            y1 = cpu_ext.gemv_int8(x2, panels[0], panels[1], self.bias, self.out_features, w16)
             return y1.reshape(*lead, self.out_features)
         # abs().amax() is bitwise the inf-norm; linalg.vector_norm(ord=inf) measured 5-20x
         # slower here (15-265 us against 3-12 us at 8-64 rows of 576-1,536).
@@ -293,16 +292,17 @@ def _int8_gemv_one(
 def _int8_gemv16_one(
     panels: tuple[torch.Tensor, torch.Tensor], m: Int8Linear, x: torch.Tensor
 ) -> torch.Tensor:
-    return cpu_ext.gemv_int8_w16(x, panels[0], panels[1], m.bias, m.out_features)
+    return cpu_ext.gemv_int8(x, panels[0], panels[1], m.bias, m.out_features, True)
 
 
 @torch.inference_mode()
 def calibrate_int8_one_row(
     model: nn.Module,
+    *,
+    min_bytes: int = CALIBRATION_MIN_BYTES,
     rounds: int = 3,
     reps: int = 2,
     seed: int = 0,
-    min_bytes: int = CALIBRATION_MIN_BYTES,
 ) -> dict[tuple[int, int], str]:
     """``cpu_linear.calibrate_one_row`` for the CPU :class:`Int8Linear` layers of ``model``:
     per ``(out_features, in_features)`` shape, FBGEMM's one-row ``linear_dynamic`` against
@@ -337,23 +337,12 @@ def calibrate_int8_one_row(
                 for m in timed
             ],
         }
-        x = torch.randn((1, inp), generator=gen)
-        best = dict.fromkeys(INT8_ONE_ROW_KINDS, float("inf"))
-        for _ in range(rounds):
-            for kind in INT8_ONE_ROW_KINDS:
-                best[kind] = min(best[kind], _time_one_row(fns[kind], x, reps))
+        kind, best = fastest_one_row(fns, torch.randn((1, inp), generator=gen), rounds, reps)
         del fns
-        alt = min(INT8_ONE_ROW_KINDS[1:], key=best.__getitem__)
-        kind = alt if best[alt] < (1 - ONE_ROW_MARGIN) * best["fbgemm"] else "fbgemm"
+        chosen[(out, inp)] = kind
         for layer in layers:
             layer.set_one_row(kind)
-        chosen[(out, inp)] = kind
-        logger.debug(
-            "int8 one-row GEMM of %d x %d: %s (%s)",
-            out,
-            inp,
-            kind,
-            ", ".join(f"{k} {v * 1e6 / len(timed):.0f} us" for k, v in best.items()),
-        )
+        times = ", ".join(f"{k} {v * 1e6 / len(timed):.0f} us" for k, v in best.items())
+        logger.debug("int8 one-row GEMM of %d x %d: %s (%s)", out, inp, kind, times)
     logger.info("int8 one-row GEMMs: %s", ", ".join(f"{o}x{i} {k}" for (o, i), k in chosen.items()))
     return chosen

@@ -30,9 +30,22 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(lo);
 }
 
+// One panel's 8 weights of input column k as fp32: the fp32 panel as it is; an int8 panel's 8
+// bytes widened (vpmovsxbd + vcvtdq2ps). The GEMV loops below are one template over both.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+// int8 panels: 8 weights of one input column (one per output row) are 8 bytes; four columns
+// (32 bytes) are widened to fp32 (vpmovsxbd + vcvtdq2ps) and multiplied by the broadcast x[k].
+inline __m256 widen8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+inline __m256 load8(const int8_t* p) { return widen8(p); }
+
 // Two panels (16 outputs) at once: each x[k] broadcast once feeds both; four accumulators per
 // panel (k, k+1, k+2, k+3) hide the FMA latency; summed (a0 + a1) + (a2 + a3) at the end.
-inline void gemv_two_panels(const float* w0, const float* w1, const float* x, int64_t k_len,
+template <typename W>
+inline void gemv_two_panels(const W* w0, const W* w1, const float* x, int64_t k_len,
                             __m256* out0, __m256* out1) {
   __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
   __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
@@ -40,45 +53,57 @@ inline void gemv_two_panels(const float* w0, const float* w1, const float* x, in
   __m256 b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 4 <= k_len; k += 4) {
-    const float* p0 = w0 + k * kPanel;
-    const float* p1 = w1 + k * kPanel;
-    __m256 x0 = _mm256_broadcast_ss(x + k);
-    __m256 x1 = _mm256_broadcast_ss(x + k + 1);
-    __m256 x2 = _mm256_broadcast_ss(x + k + 2);
-    __m256 x3 = _mm256_broadcast_ss(x + k + 3);
-    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(p0), x0, a0);
-    b0 = _mm256_fmadd_ps(_mm256_loadu_ps(p1), x0, b0);
-    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(p0 + 8), x1, a1);
-    b1 = _mm256_fmadd_ps(_mm256_loadu_ps(p1 + 8), x1, b1);
-    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(p0 + 16), x2, a2);
-    b2 = _mm256_fmadd_ps(_mm256_loadu_ps(p1 + 16), x2, b2);
-    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(p0 + 24), x3, a3);
-    b3 = _mm256_fmadd_ps(_mm256_loadu_ps(p1 + 24), x3, b3);
+    const W* p0 = w0 + k * kPanel;
+    const W* p1 = w1 + k * kPanel;
+    const __m256 x0 = _mm256_broadcast_ss(x + k);
+    const __m256 x1 = _mm256_broadcast_ss(x + k + 1);
+    const __m256 x2 = _mm256_broadcast_ss(x + k + 2);
+    const __m256 x3 = _mm256_broadcast_ss(x + k + 3);
+    a0 = _mm256_fmadd_ps(load8(p0), x0, a0);
+    b0 = _mm256_fmadd_ps(load8(p1), x0, b0);
+    a1 = _mm256_fmadd_ps(load8(p0 + 8), x1, a1);
+    b1 = _mm256_fmadd_ps(load8(p1 + 8), x1, b1);
+    a2 = _mm256_fmadd_ps(load8(p0 + 16), x2, a2);
+    b2 = _mm256_fmadd_ps(load8(p1 + 16), x2, b2);
+    a3 = _mm256_fmadd_ps(load8(p0 + 24), x3, a3);
+    b3 = _mm256_fmadd_ps(load8(p1 + 24), x3, b3);
   }
   for (; k < k_len; ++k) {
-    __m256 xk = _mm256_broadcast_ss(x + k);
-    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k * kPanel), xk, a0);
-    b0 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + k * kPanel), xk, b0);
+    const __m256 xk = _mm256_broadcast_ss(x + k);
+    a0 = _mm256_fmadd_ps(load8(w0 + k * kPanel), xk, a0);
+    b0 = _mm256_fmadd_ps(load8(w1 + k * kPanel), xk, b0);
   }
   *out0 = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
   *out1 = _mm256_add_ps(_mm256_add_ps(b0, b1), _mm256_add_ps(b2, b3));
 }
 
-inline __m256 gemv_one_panel(const float* w0, const float* x, int64_t k_len) {
+// One panel alone (the last of an odd count): the same sums as gemv_two_panels.
+template <typename W>
+inline __m256 gemv_one_panel(const W* w0, const float* x, int64_t k_len) {
   __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
   __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 4 <= k_len; k += 4) {
-    const float* p0 = w0 + k * kPanel;
-    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(p0), _mm256_broadcast_ss(x + k), a0);
-    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(p0 + 8), _mm256_broadcast_ss(x + k + 1), a1);
-    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(p0 + 16), _mm256_broadcast_ss(x + k + 2), a2);
-    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(p0 + 24), _mm256_broadcast_ss(x + k + 3), a3);
+    const W* p0 = w0 + k * kPanel;
+    a0 = _mm256_fmadd_ps(load8(p0), _mm256_broadcast_ss(x + k), a0);
+    a1 = _mm256_fmadd_ps(load8(p0 + 8), _mm256_broadcast_ss(x + k + 1), a1);
+    a2 = _mm256_fmadd_ps(load8(p0 + 16), _mm256_broadcast_ss(x + k + 2), a2);
+    a3 = _mm256_fmadd_ps(load8(p0 + 24), _mm256_broadcast_ss(x + k + 3), a3);
   }
   for (; k < k_len; ++k) {
-    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k * kPanel), _mm256_broadcast_ss(x + k), a0);
+    a0 = _mm256_fmadd_ps(load8(w0 + k * kPanel), _mm256_broadcast_ss(x + k), a0);
   }
   return _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+}
+
+// The bias's data, checked fp32 [N] (nullptr without a bias); ``holder`` keeps its contiguous
+// copy alive while the op runs.
+inline const float* bias_data(const c10::optional<at::Tensor>& bias, int64_t n_out,
+                              at::Tensor& holder, const char* op) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  holder = bias->contiguous();
+  TORCH_CHECK(holder.scalar_type() == at::kFloat && holder.numel() == n_out, op, ": bias [N]");
+  return holder.data_ptr<float>();
 }
 
 inline void store_panel(__m256 acc, const float* bias, float* y, int64_t row0, int64_t n_out) {
@@ -96,61 +121,6 @@ inline void store_panel(__m256 acc, const float* bias, float* y, int64_t row0, i
   }
 }
 
-// int8 panels: 8 weights of one input column (one per output row) are 8 bytes; four columns
-// (32 bytes) are widened to fp32 (vpmovsxbd + vcvtdq2ps) and multiplied by the broadcast x[k].
-inline __m256 widen8(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-
-inline __m256 gemv_int8_panel(const int8_t* w0, const float* x, int64_t k_len) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-  __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + 4 <= k_len; k += 4) {
-    const int8_t* p = w0 + k * kPanel;
-    a0 = _mm256_fmadd_ps(widen8(p), _mm256_broadcast_ss(x + k), a0);
-    a1 = _mm256_fmadd_ps(widen8(p + 8), _mm256_broadcast_ss(x + k + 1), a1);
-    a2 = _mm256_fmadd_ps(widen8(p + 16), _mm256_broadcast_ss(x + k + 2), a2);
-    a3 = _mm256_fmadd_ps(widen8(p + 24), _mm256_broadcast_ss(x + k + 3), a3);
-  }
-  for (; k < k_len; ++k) {
-    a0 = _mm256_fmadd_ps(widen8(w0 + k * kPanel), _mm256_broadcast_ss(x + k), a0);
-  }
-  return _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
-}
-
-// Two int8 panels at once (the broadcast x[k] shared), the same sums as gemv_int8_panel.
-inline void gemv_int8_two_panels(const int8_t* w0, const int8_t* w1, const float* x,
-                                 int64_t k_len, __m256* out0, __m256* out1) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-  __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-  __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
-  __m256 b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + 4 <= k_len; k += 4) {
-    const int8_t* p = w0 + k * kPanel;
-    const int8_t* q = w1 + k * kPanel;
-    const __m256 x0 = _mm256_broadcast_ss(x + k);
-    const __m256 x1 = _mm256_broadcast_ss(x + k + 1);
-    const __m256 x2 = _mm256_broadcast_ss(x + k + 2);
-    const __m256 x3 = _mm256_broadcast_ss(x + k + 3);
-    a0 = _mm256_fmadd_ps(widen8(p), x0, a0);
-    b0 = _mm256_fmadd_ps(widen8(q), x0, b0);
-    a1 = _mm256_fmadd_ps(widen8(p + 8), x1, a1);
-    b1 = _mm256_fmadd_ps(widen8(q + 8), x1, b1);
-    a2 = _mm256_fmadd_ps(widen8(p + 16), x2, a2);
-    b2 = _mm256_fmadd_ps(widen8(q + 16), x2, b2);
-    a3 = _mm256_fmadd_ps(widen8(p + 24), x3, a3);
-    b3 = _mm256_fmadd_ps(widen8(q + 24), x3, b3);
-  }
-  for (; k < k_len; ++k) {
-    const __m256 xk = _mm256_broadcast_ss(x + k);
-    a0 = _mm256_fmadd_ps(widen8(w0 + k * kPanel), xk, a0);
-    b0 = _mm256_fmadd_ps(widen8(w1 + k * kPanel), xk, b0);
-  }
-  *out0 = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
-  *out1 = _mm256_add_ps(_mm256_add_ps(b0, b1), _mm256_add_ps(b2, b3));
-}
 
 // int16-activation int8 GEMV: x quantized per row to int16 (absmax -> 32767), weights in pair
 // panels [P, K2 / 2, 8, 2] (rows r of panel p, columns 2j and 2j+1 adjacent), so vpmaddwd
@@ -187,14 +157,8 @@ at::Tensor gemv_int8w16_packed(const at::Tensor& x, const at::Tensor& packed,
     xpair[j] = static_cast<int32_t>((static_cast<uint32_t>(hi) << 16) |
                                     (static_cast<uint32_t>(lo) & 0xffffu));
   }
-  const float* bias_ptr = nullptr;
   at::Tensor bc;
-  if (bias.has_value() && bias->defined()) {
-    bc = bias->contiguous();
-    TORCH_CHECK(bc.scalar_type() == at::kFloat && bc.numel() == n_out,
-                "gemv_int8w16_packed: bias [N]");
-    bias_ptr = bc.data_ptr<float>();
-  }
+  const float* bias_ptr = bias_data(bias, n_out, bc, "gemv_int8w16_packed");
   at::Tensor y = at::empty({1, n_out}, x.options());
   const int8_t* wp = packed.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
@@ -232,6 +196,52 @@ at::Tensor gemv_int8w16_packed(const at::Tensor& x, const at::Tensor& packed,
   return y;
 }
 
+// The panel GEMV's common body, fp32 or int8 panels [P, K, 8] (output row p*8+j of the weight in
+// packed[p, :, j]; rows past N zero): checks, bias, pairs of panels over at::parallel_for (a
+// thread's share at least ``grain_bytes`` of weight); ``scale`` (8P fp32 values, one per output
+// row) multiplies each panel's sums when given (the int8 weight), before the bias.
+template <typename W>
+at::Tensor gemv_panels(const at::Tensor& x, const at::Tensor& packed, const float* scale,
+                       const c10::optional<at::Tensor>& bias, int64_t n_out, int64_t grain_bytes,
+                       const char* op) {
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous(), op,
+              ": packed must be a contiguous [P, K, 8] tensor");
+  const int64_t k_len = packed.size(1);
+  const int64_t panels = packed.size(0);
+  TORCH_CHECK(x.numel() == k_len, op, ": x has ", x.numel(), " values, K is ", k_len);
+  TORCH_CHECK(n_out > (panels - 1) * kPanel && n_out <= panels * kPanel, op, ": n_out ", n_out,
+              " does not fit ", panels, " panels");
+  at::Tensor xc = x.contiguous();
+  at::Tensor bc;
+  const float* bias_ptr = bias_data(bias, n_out, bc, op);
+  at::Tensor y = at::empty({1, n_out}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  const W* wp = packed.data_ptr<W>();
+  float* yp = y.data_ptr<float>();
+  auto scaled = [&](__m256 acc, int64_t p) {
+    return scale == nullptr ? acc : _mm256_mul_ps(acc, _mm256_loadu_ps(scale + p * kPanel));
+  };
+  // pairs of panels are the unit of work
+  const int64_t pairs = (panels + 1) / 2;
+  const int64_t pair_bytes = 2 * kPanel * k_len * static_cast<int64_t>(sizeof(W));
+  const int64_t grain = std::max<int64_t>(1, grain_bytes / pair_bytes);
+  at::parallel_for(0, pairs, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t q = begin; q < end; ++q) {
+      const int64_t p = 2 * q;
+      const W* w0 = wp + p * k_len * kPanel;
+      if (p + 1 < panels) {
+        __m256 acc0, acc1;
+        gemv_two_panels(w0, w0 + k_len * kPanel, xp, k_len, &acc0, &acc1);
+        store_panel(scaled(acc0, p), bias_ptr, yp, p * kPanel, n_out);
+        store_panel(scaled(acc1, p + 1), bias_ptr, yp, (p + 1) * kPanel, n_out);
+      } else {
+        store_panel(scaled(gemv_one_panel(w0, xp, k_len), p), bias_ptr, yp, p * kPanel, n_out);
+      }
+    }
+  });
+  return y;
+}
+
 // x [1, K] fp32; packed [P, K, 8] int8 (pack as the fp32 panels; rows past N zero); scale [8P]
 // fp32 (per output row, padded); bias [N] or none -> y [1, N] = scale * (x . q) + bias.
 at::Tensor gemv_int8_packed(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
@@ -239,97 +249,20 @@ at::Tensor gemv_int8_packed(const at::Tensor& x, const at::Tensor& packed, const
   TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kChar &&
                   scale.scalar_type() == at::kFloat,
               "gemv_int8_packed: float32 x and scale, int8 packed weight");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous(),
-              "gemv_int8_packed: packed must be a contiguous [P, K, 8] tensor");
-  const int64_t k_len = packed.size(1);
-  const int64_t panels = packed.size(0);
-  TORCH_CHECK(x.numel() == k_len, "gemv_int8_packed: x has ", x.numel(), " values, K is ", k_len);
-  TORCH_CHECK(n_out > (panels - 1) * kPanel && n_out <= panels * kPanel,
-              "gemv_int8_packed: n_out ", n_out, " does not fit ", panels, " panels");
-  TORCH_CHECK(scale.is_contiguous() && scale.numel() == panels * kPanel,
+  TORCH_CHECK(scale.is_contiguous() && scale.numel() == packed.size(0) * kPanel,
               "gemv_int8_packed: scale must hold 8 * P values");
-  at::Tensor xc = x.contiguous();
-  const float* bias_ptr = nullptr;
-  at::Tensor bc;
-  if (bias.has_value() && bias->defined()) {
-    bc = bias->contiguous();
-    TORCH_CHECK(bc.scalar_type() == at::kFloat && bc.numel() == n_out,
-                "gemv_int8_packed: bias [N]");
-    bias_ptr = bc.data_ptr<float>();
-  }
-  at::Tensor y = at::empty({1, n_out}, x.options());
-  const float* xp = xc.data_ptr<float>();
-  const int8_t* wp = packed.data_ptr<int8_t>();
-  const float* sp = scale.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const int64_t pairs = (panels + 1) / 2;
-  const int64_t grain = std::max<int64_t>(1, (128 * 1024) / (2 * kPanel * k_len));
-  at::parallel_for(0, pairs, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t q = begin; q < end; ++q) {
-      const int64_t p = 2 * q;
-      const int8_t* w0 = wp + p * k_len * kPanel;
-      if (p + 1 < panels) {
-        __m256 acc0, acc1;
-        gemv_int8_two_panels(w0, w0 + k_len * kPanel, xp, k_len, &acc0, &acc1);
-        store_panel(_mm256_mul_ps(acc0, _mm256_loadu_ps(sp + p * kPanel)), bias_ptr, yp,
-                    p * kPanel, n_out);
-        store_panel(_mm256_mul_ps(acc1, _mm256_loadu_ps(sp + (p + 1) * kPanel)), bias_ptr, yp,
-                    (p + 1) * kPanel, n_out);
-      } else {
-        __m256 acc = gemv_int8_panel(w0, xp, k_len);
-        acc = _mm256_mul_ps(acc, _mm256_loadu_ps(sp + p * kPanel));
-        store_panel(acc, bias_ptr, yp, p * kPanel, n_out);
-      }
-    }
-  });
-  return y;
+  return gemv_panels<int8_t>(x, packed, scale.data_ptr<float>(), bias, n_out, 128 * 1024,
+                             "gemv_int8_packed");
 }
 
-// x [1, K] (or [K]) fp32 contiguous; packed [P, K, 8] fp32 contiguous (output row p*8+j of the
-// weight in packed[p, :, j]; rows past N zero); bias [N] or none -> y [1, N].
+// x [1, K] (or [K]) fp32 contiguous; packed [P, K, 8] fp32 contiguous; bias [N] or none ->
+// y [1, N]; a thread's share is at least ~256 KiB of weight.
 at::Tensor gemv_packed(const at::Tensor& x, const at::Tensor& packed,
                        const c10::optional<at::Tensor>& bias, int64_t n_out) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat,
               "gemv_packed: float32 tensors only");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous(),
-              "gemv_packed: packed must be a contiguous [P, K, 8] tensor");
-  const int64_t k_len = packed.size(1);
-  const int64_t panels = packed.size(0);
-  TORCH_CHECK(x.numel() == k_len, "gemv_packed: x has ", x.numel(), " values, K is ", k_len);
-  TORCH_CHECK(n_out > (panels - 1) * kPanel && n_out <= panels * kPanel,
-              "gemv_packed: n_out ", n_out, " does not fit ", panels, " panels");
-  at::Tensor xc = x.contiguous();
-  const float* bias_ptr = nullptr;
-  at::Tensor bc;
-  if (bias.has_value() && bias->defined()) {
-    bc = bias->contiguous();
-    TORCH_CHECK(bc.scalar_type() == at::kFloat && bc.numel() == n_out, "gemv_packed: bias [N]");
-    bias_ptr = bc.data_ptr<float>();
-  }
-  at::Tensor y = at::empty({1, n_out}, x.options());
-  const float* xp = xc.data_ptr<float>();
-  const float* wp = packed.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  // pairs of panels are the unit of work; a thread's share is at least ~256 KiB of weight
-  const int64_t pairs = (panels + 1) / 2;
-  const int64_t grain = std::max<int64_t>(1, (256 * 1024) / (2 * kPanel * k_len * 4));
-  at::parallel_for(0, pairs, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t q = begin; q < end; ++q) {
-      const int64_t p = 2 * q;
-      const float* w0 = wp + p * k_len * kPanel;
-      if (p + 1 < panels) {
-        __m256 acc0, acc1;
-        gemv_two_panels(w0, w0 + k_len * kPanel, xp, k_len, &acc0, &acc1);
-        store_panel(acc0, bias_ptr, yp, p * kPanel, n_out);
-        store_panel(acc1, bias_ptr, yp, (p + 1) * kPanel, n_out);
-      } else {
-        store_panel(gemv_one_panel(w0, xp, k_len), bias_ptr, yp, p * kPanel, n_out);
-      }
-    }
-  });
-  return y;
+  return gemv_panels<float>(x, packed, nullptr, bias, n_out, 256 * 1024, "gemv_packed");
 }
-
 
 inline float dot(const float* a, const float* b, int64_t n) {
   int64_t i = 0;

@@ -11,7 +11,7 @@ import pytest
 import torch
 from prefixgate.engine import LLM, SamplingParams
 from prefixgate.engine.config import EngineConfig
-from prefixgate.engine.models import quantization
+from prefixgate.engine.models import cpu_linear, quantization
 from prefixgate.engine.models.quantization import (
     Int8Linear,
     check_quantization,
@@ -148,7 +148,7 @@ def test_int8_calibration_picks_a_gemv_only_where_faster(monkeypatch, gemv_s, ge
     def fake(fns, x, reps):
         return times.get(getattr(fns[0], "func", None), 1.0)
 
-    monkeypatch.setattr(quantization, "_time_one_row", fake)
+    monkeypatch.setattr(cpu_linear, "_time_one_row", fake)  # fastest_one_row times with it
     model = nn.Sequential(_int8_layer(100, 96)[0], _int8_layer(96, 100)[0])
     chosen = quantization.calibrate_int8_one_row(model, rounds=1, reps=1, min_bytes=0)
     assert set(chosen.values()) == {want}

@@ -168,7 +168,7 @@ def test_gemv_int8_w16_within_activation_rounding(n, k):
     x = torch.randn(1, k, generator=gen) * 3
     packed, scales = cpu_ext.pack_pairs_int8(q, scale)
     assert packed.shape == (-(-n // 8), -(-k // 2), 8, 2)
-    got = cpu_ext.gemv_int8_w16(x, packed, scales, b, n)
+    got = cpu_ext.gemv_int8(x, packed, scales, b, n, int16_activations=True)
     w = q.double() * scale.double()[:, None]
     want = x.double() @ w.t() + b.double()
     bound = 0.5 * x.abs().max().double() / 32767 * w.abs().sum(1) + 1e-5 * want.abs() + 1e-6
@@ -182,5 +182,5 @@ def test_gemv_int8_w16_int32_sums_never_overflow():
     q = torch.full((8, k), 127, dtype=torch.int8)
     x = torch.ones(1, k)
     packed, scales = cpu_ext.pack_pairs_int8(q, torch.ones(8))
-    got = cpu_ext.gemv_int8_w16(x, packed, scales, None, 8)
+    got = cpu_ext.gemv_int8(x, packed, scales, None, 8, int16_activations=True)
     torch.testing.assert_close(got, torch.full((1, 8), 127.0 * k), rtol=1e-6, atol=0)
