@@ -50,11 +50,14 @@ class ThinkTime:
         idle_since: monotonic time its last request in the engine ended (None: it has a
             request in the engine, or never had one).
         waited: a wait was started for it since ``idle_since`` (counted once).
+        window: its wait's length (:meth:`Anticipation.window`), computed when a think time
+            is added (the loop asks every step).
     """
 
     gaps: deque[float] = field(default_factory=lambda: deque(maxlen=THINK_TIMES))
     idle_since: float | None = None
     waited: bool = False
+    window: float | None = None  # Anticipation.window's value, set when ``gaps`` change
 
 
 class Anticipation:
@@ -82,6 +85,7 @@ class Anticipation:
         if st is None or st.idle_since is None:
             return
         st.gaps.append(max(0.0, now - st.idle_since))
+        st.window = self._window(st)
         if st.waited:
             self.num_hits += 1
         st.idle_since, st.waited = None, False
@@ -100,7 +104,10 @@ class Anticipation:
         max_wait_s, WINDOW_OF_MEDIAN x median think time + WINDOW_SLACK_S)``; None when it has shown fewer
         than :data:`MIN_THINK_TIMES` think times or their median exceeds ``max_wait_s``."""
         st = self.tenants.get(tenant)
-        if st is None or len(st.gaps) < MIN_THINK_TIMES or self.max_wait_s <= 0:
+        return None if st is None else st.window
+
+    def _window(self, st: ThinkTime) -> float | None:
+        if len(st.gaps) < MIN_THINK_TIMES or self.max_wait_s <= 0:
             return None
         median = statistics.median(st.gaps)
         if median > self.max_wait_s:
@@ -115,7 +122,7 @@ class Anticipation:
         for tenant, st in self.tenants.items():
             if st.idle_since is None:
                 continue
-            w = self.window(tenant)
+            w = st.window
             if w is None or now >= st.idle_since + w or not eligible(tenant):
                 continue
             end = st.idle_since + w

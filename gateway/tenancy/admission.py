@@ -303,7 +303,7 @@ class AdmissionController:
         measured), else the drain-rate estimate of the queue and the promised places
         (``retry_after``)."""
         if self.wait is not None:
-            if self._rate * self._tau >= self._min_departures:
+            if self._drain_warm:
                 # the queue's measured drain, once warm: departures are what it counts. The
                 # engine's rates are its model time per step and leave out the gaps between
                 # steps, the gateway's work and a machine short of CPU (returning clients met
@@ -335,7 +335,7 @@ class AdmissionController:
         service-time estimate (see class)."""
         rate = self.drain_rate
         queued = self.queued_requests + held
-        if self._rate * self._tau >= self._min_departures:
+        if self._drain_warm:
             wait = queued / rate
         else:
             running = max(1, self.concurrency or self._peak_running)
@@ -344,6 +344,11 @@ class AdmissionController:
 
     def _note_service(self, seconds: float) -> None:
         self._service = seconds if self._service == 0.0 else 0.7 * self._service + 0.3 * seconds
+
+    @property
+    def _drain_warm(self) -> bool:
+        """True once the drain rate's EWMA holds ``min_departures`` departures (an estimate)."""
+        return self._rate * self._tau >= self._min_departures
 
     @property
     def drain_rate(self) -> float:
