@@ -28,7 +28,7 @@ def test_loader_keeps_torch_ops_for_small_models(aidreams_path):
 
 
 @pytest.mark.skipif(not cpu_ext.available(), reason="prefixgate CPU ops not built here")
-def test_fused_one_row_decode_matches_transformers(aidreams_path):
+def test_fused_one_row_decode_matches_transformers(aidreams_path, pool_whole):
     transformers = pytest.importorskip("transformers")
     hf = transformers.LlamaForCausalLM.from_pretrained(aidreams_path, torch_dtype=torch.float32)
     tok = transformers.AutoTokenizer.from_pretrained(aidreams_path)
@@ -63,3 +63,4 @@ def test_fused_one_row_decode_matches_transformers(aidreams_path):
     assert calls["n"] > 0  # the fused attention ran
     set_one_row_ops(model, False)
     assert _flags(model) == {False}
+    pool_whole(llm)  # the fused KV writes go to the slots the scheduler gave: nothing leaked
