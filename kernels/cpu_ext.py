@@ -18,12 +18,18 @@ Ops (fp32, CPU; tolerances as the tests check them against the torch reference):
   in the last bits: within ``rtol=1e-5, atol=1e-5`` (plus ~1e-6 * sqrt(K) on unit inputs).
 - :func:`gemv_int8`: the same GEMV on int8 panels (:func:`pack_panels_int8`) with one fp32
   scale per output row: ``x @ (q * scale)^T + bias`` with fp32 activations.
-- :func:`gemv_int8` with ``int16_activations=True``: the same product with the activations quantized per row to int16 and
-  exact int32 pair products (:func:`pack_pairs_int8`' layout); error at most
-  ``0.5 * amax(|x|) / 32767 * sum_k |q * scale|`` per output.
+- :func:`gemv_int8` with ``activations="int16"``: the same product with the activations
+  quantized per row to int16 and exact int32 pair products (:func:`pack_pairs_int8`' layout);
+  error at most ``0.5 * amax(|x|) / 32767 * sum_k |q * scale|`` per output.
+- :func:`gemv_int8` with ``activations="int8"``: activations quantized per 32 columns to int8
+  and exact int32 block sums (:func:`pack_quads_int8`' layout; AVX-VNNI where the CPU has it);
+  error at most ``sum_b 0.5 * amax(|x_b|) / 127 * sum_{k in b} |q * scale|`` per output.
 - :func:`add_rms_norm`: the residual add + RMSNorm of ``torch_ref.rms_norm`` for one row; the
   sum is exact (same fp32 add), the mean square differs in summation order (``rtol=1e-6``).
 - :func:`silu_mul`: ``torch_ref.silu_and_mul`` for one row (``std::exp``; ``rtol=1e-6``).
+- :func:`decode_layer`: a whole pre-norm decoder layer for one decode token alone (the ops
+  above in ``DecoderLayer.forward``'s order, its linears by :data:`LINEAR_KINDS`): one call a
+  layer instead of ~8, the same results bit for bit as calling them one by one.
 - :func:`decode_attention`: rotary + KV-cache write + paged attention of one decode token
   (``torch_ref.rotary_embedding`` + ``reshape_and_cache`` + ``paged_attention_decode``); the
   rotary and the cache write are bit-exact, the attention (fp32, one pass of scores, softmax
@@ -141,31 +147,73 @@ def pack_panels_int8(
     return padded.view(panels, PANEL, k).transpose(1, 2).contiguous(), scales
 
 
+INT8_ACTIVATIONS = ("fp32", "int16", "int8")
+"""The activations :func:`gemv_int8` may take: fp32 (not quantized), int16 per row, int8 per
+block of 32 columns."""
+
+
 def gemv_int8(
     x: torch.Tensor,
     packed: torch.Tensor,
     scale: torch.Tensor,
     bias: torch.Tensor | None,
     out_features: int,
-    int16_activations: bool = False,
+    activations: str = "fp32",
+    *,
+    vnni: bool = True,
 ) -> torch.Tensor:
     """``x [1, K]`` fp32 → ``[1, N]`` fp32 ``= scale * (x @ q^T) + bias``.
 
-    ``int16_activations=False``: on :func:`pack_panels_int8`' weight, the int8 weight widened
-    to fp32 in registers, fp32 activations and accumulation (no activation quantization,
-    unlike FBGEMM's ``linear_dynamic``: closer to ``x @ (q * scale)^T``, within ``rtol=1e-5``
-    of it in float64). ``True`` ("gemv16"): on :func:`pack_pairs_int8`' weight, the
-    activations quantized to int16 (one scale a row, absmax → 32,767) and exact int32
-    products (``vpmaddwd``): half the instructions per weight; error against
-    ``x @ (q * scale)^T`` at most ``0.5 * amax(|x|) / 32767 * sum_k |q * scale|`` per output
-    (the activations' rounding), plus fp32 rounding.
+    ``activations="fp32"``: on :func:`pack_panels_int8`' weight, the int8 weight widened to
+    fp32 in registers, fp32 activations and accumulation (no activation quantization, unlike
+    FBGEMM's ``linear_dynamic``: closer to ``x @ (q * scale)^T``, within ``rtol=1e-5`` of it in
+    float64). ``"int16"`` ("gemv16"): on :func:`pack_pairs_int8`' weight, the activations
+    quantized to int16 (one scale a row, absmax → 32,767) and exact int32 products
+    (``vpmaddwd``): half the instructions per weight; error against ``x @ (q * scale)^T`` at
+    most ``0.5 * amax(|x|) / 32767 * sum_k |q * scale|`` per output (the activations'
+    rounding), plus fp32 rounding. ``"int8"`` ("gemv8"): on :func:`pack_quads_int8`' weight,
+    the activations quantized to int8 per block of 32 columns (absmax → 127, one fp32 scale a
+    block, as ggml's ``quantize_row_q8_0``) and exact int32 sums of a block (``vpmaddubsw`` +
+    ``vpmaddwd``, or one AVX-VNNI ``vpdpbusd`` where the CPU has it and ``vnni``; the same sums
+    either way, so the same result bit for bit): a quarter of fp32's instructions per weight;
+    error at most ``sum_b 0.5 * amax(|x_b|) / 127 * sum_{k in b} |q * scale|`` per output plus
+    fp32 rounding. FBGEMM's 8-bit activations (one scale a row) are coarser.
 
     Raises:
+        ValueError: an unknown ``activations``.
         RuntimeError: wrong dtypes or shapes (the op's checks).
     """
     ops = torch.ops.prefixgate_cpu
-    op = ops.gemv_int8w16_packed if int16_activations else ops.gemv_int8_packed
-    return op(x, packed, scale, bias, out_features)
+    if activations == "fp32":
+        return ops.gemv_int8_packed(x, packed, scale, bias, out_features)
+    if activations == "int16":
+        return ops.gemv_int8w16_packed(x, packed, scale, bias, out_features)
+    if activations == "int8":
+        return ops.gemv_int8x8_packed(x, packed, scale, bias, out_features, vnni)
+    raise ValueError(f"unknown activations {activations!r}; expected one of {INT8_ACTIVATIONS}")
+
+
+def pack_quads_int8(
+    qweight: torch.Tensor, scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``qweight [N, K]`` int8 in [-127, 127], ``scale [N]`` fp32 → (``[ceil(N / 8), K32 / 4, 8,
+    4]`` int8 with ``K32`` = K rounded up to a multiple of 32: panel ``p``, column quad ``j``, row
+    ``r``: ``q[8p + r, 4j .. 4j + 3]``; padding zero), ``[8 * ceil(N / 8)]`` fp32 scales) for
+    :func:`gemv_int8` with ``activations="int8"``. -128 is refused (its sign flip overflows).
+
+    Raises:
+        ValueError: a weight of -128.
+    """
+    if bool((qweight == -128).any()):
+        raise ValueError("pack_quads_int8: weights must lie in [-127, 127]")
+    n, k = qweight.shape
+    panels, k32 = -(-n // PANEL), -(-k // 32) * 32
+    padded = qweight.new_zeros((panels * PANEL, k32), dtype=torch.int8)
+    padded[:n, :k] = qweight
+    scales = scale.new_zeros(panels * PANEL, dtype=torch.float32)
+    scales[:n] = scale
+    packed = padded.view(panels, PANEL, k32 // 4, 4).permute(0, 2, 1, 3).contiguous()
+    return packed, scales
 
 
 def pack_pairs_int8(
@@ -173,7 +221,7 @@ def pack_pairs_int8(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``qweight [N, K]`` int8, ``scale [N]`` fp32 → (``[ceil(N / 8), ceil(K / 2), 8, 2]`` int8:
     panel ``p``, column pair ``j``, row ``r``: ``q[8p + r, 2j]``, ``q[8p + r, 2j + 1]``; padding
-    zero), ``[8 * ceil(N / 8)]`` fp32 scales) for :func:`gemv_int8` with ``int16_activations=True``."""
+    zero), ``[8 * ceil(N / 8)]`` fp32 scales) for :func:`gemv_int8` with ``activations="int16"``."""
     n, k = qweight.shape
     panels, pairs = -(-n // PANEL), -(-k // 2)
     padded = qweight.new_zeros((panels * PANEL, pairs * 2), dtype=torch.int8)
@@ -230,6 +278,95 @@ def decode_attention(
     """
     return torch.ops.prefixgate_cpu.decode_attention(
         qkv,
+        positions,
+        cos_sin_cache,
+        k_cache,
+        v_cache,
+        block_table,
+        context_len,
+        slot,
+        num_heads,
+        num_kv_heads,
+        scale,
+    )
+
+
+_one_row_generation = 0
+
+
+def one_row_changed() -> None:
+    """Note that some layer's one-row GEMM (its kind or its copy of the weight) or a model's
+    modules changed: callers that cached :data:`LinearSpec` s (``DecoderLayer``) rebuild them."""
+    global _one_row_generation
+    _one_row_generation += 1
+
+
+def one_row_generation() -> int:
+    """Bumped by every :func:`one_row_changed`; a cache of specs is valid while it is equal."""
+    return _one_row_generation
+
+
+LINEAR_KINDS = {
+    "gemv": 0,
+    "mm_t": 1,
+    "linear": 2,
+    "int8_gemv": 3,
+    "int8_gemv16": 4,
+    "int8_gemv8": 5,
+}
+"""One-row linear kinds :func:`decode_layer` runs → its code: fp32 panels (:func:`gemv` on
+:func:`pack_panels`), ``torch.mm`` / ``torch.addmm`` on the ``[I, O]`` weight, ``F.linear`` on
+``[O, I]``, and :func:`gemv_int8` with fp32 / int16 / int8 activations on its packed weight."""
+
+LinearSpec = tuple[int, torch.Tensor, torch.Tensor | None, torch.Tensor | None, int]
+"""``(LINEAR_KINDS code, weight as the kind takes it, int8 scale or None, bias or None,
+out_features)``: what a linear module's ``one_row_spec()`` hands :func:`decode_layer`."""
+
+
+def decode_layer(
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    input_norm: torch.Tensor,
+    post_norm: torch.Tensor,
+    eps: float,
+    linears: tuple[LinearSpec, LinearSpec, LinearSpec, LinearSpec],
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_len: torch.Tensor,
+    slot: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One pre-norm decoder layer (Llama: no q/k norm) for one decode token alone: ``(out, s)``
+    with ``s = hidden + residual`` after the attention block (``hidden`` alone when
+    ``residual`` is None, the first layer), ``out`` the MLP's ``[1, H]`` output; their sum is
+    the layer's output, as ``DecoderLayer.forward`` returns it.
+
+    Args:
+        hidden, residual: ``[1, H]`` fp32.
+        input_norm, post_norm: the two RMSNorm weights ``[H]`` fp32; eps: their epsilon.
+        linears: the :data:`LinearSpec` of qkv, o, gate_up and down, in that order.
+        positions, cos_sin_cache, k_cache, v_cache, block_table, context_len, slot,
+        num_heads, num_kv_heads, scale: as :func:`decode_attention` (the caches written in place).
+
+    Raises:
+        RuntimeError: wrong dtypes, shapes, kinds or ranges (the ops' checks).
+    """
+    return torch.ops.prefixgate_cpu.decode_layer(
+        hidden,
+        residual,
+        input_norm,
+        post_norm,
+        eps,
+        [spec[0] for spec in linears],
+        [spec[1] for spec in linears],
+        [spec[2] for spec in linears],
+        [spec[3] for spec in linears],
+        [spec[4] for spec in linears],
         positions,
         cos_sin_cache,
         k_cache,

@@ -9,8 +9,10 @@ alike):
 - ``old``: the one-row GEMMs without prefixgate's GEMV (fp32: ``calibrate_one_row`` rerun over
   ``onednn`` / ``linear`` / ``mm_t``; int8: FBGEMM) and torch's small ops;
 - ``gemv``: the GEMMs the loader chose (prefixgate's GEMV where it won) and torch's small ops;
-- ``fused``: those GEMMs and the fused one-row ops (``layers.set_one_row_ops``), what the loader
-  sets up for a model of this size.
+- ``fused``: those GEMMs and the fused one-row ops (``layers.set_one_row_ops``), one op call
+  each;
+- ``layer``: those ops as one ``cpu_ext.decode_layer`` call a layer
+  (``layers.set_one_row_layers``), what the loader sets up for a model of this size.
 
 Also printed: the copy bandwidth at ``--threads`` (``dst.copy_(src)`` of 256 MiB, read + write
 bytes counted; best of 5), the linear weights a step streams, and for each setting tok/s and
@@ -102,7 +104,7 @@ def run(args: argparse.Namespace) -> None:
     from prefixgate.engine import LLM, SamplingParams
     from prefixgate.engine.models import cpu_linear
     from prefixgate.engine.models.cpu_linear import OneDNNLinear
-    from prefixgate.engine.models.layers import set_one_row_ops
+    from prefixgate.engine.models.layers import set_one_row_layers, set_one_row_ops
     from prefixgate.engine.models.quantization import Int8Linear
 
     bw = copy_bandwidth()
@@ -129,25 +131,34 @@ def run(args: argparse.Namespace) -> None:
             cpu_linear.one_row_kinds = saved  # type: ignore[assignment]
         old = [m.one_row for m in layers]
     fused_on = any(getattr(m, "one_row_ops", False) for m in model.modules())
-    settings = {"old": (old, False), "gemv": (new, False), "fused": (new, fused_on)}
+    layer_on = any(getattr(m, "one_row_layer", False) for m in model.modules())
+    settings = {
+        "old": (old, False, False),
+        "gemv": (new, False, False),
+        "fused": (new, fused_on, False),
+        "layer": (new, fused_on, layer_on),
+    }
     wbytes = sum(m.out_features * m.in_features * (1 if args.int8 else 4) for m in layers)
     print(
         f"threads {args.threads}, {'int8' if args.int8 else 'fp32'}, load average "
         f"{os.getloadavg()[0]:.2f}; copy bandwidth {bw:.1f} GB/s; linear weights {wbytes / 1e6:.0f} MB"
     )
-    for name, (kinds, fused) in settings.items():
+    for name, (kinds, fused, per_layer) in settings.items():
         shapes = sorted(
             {f"{m.out_features}x{m.in_features} {k}" for m, k in zip(layers, kinds, strict=True)}
         )
-        print(f"  {name}: {', '.join(shapes)}{'; fused ops' if fused else ''}")
+        how = "; one call a layer" if per_layer else "; fused ops" if fused else ""
+        print(f"  {name}: {', '.join(shapes)}{how}")
 
     def use(name: str) -> None:
-        kinds, fused = settings[name]
+        kinds, fused, per_layer = settings[name]
         for m, k in zip(layers, kinds, strict=True):
             if m.one_row != k:
                 m.set_one_row(k)
         if fused_on:
             set_one_row_ops(model, fused)
+        if layer_on:
+            set_one_row_layers(model, per_layer)
 
     prompt = list(range(100, 100 + args.prompt_len))
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)

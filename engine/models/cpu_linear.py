@@ -188,6 +188,15 @@ class OneDNNLinear(nn.Module):
         elif kind == "gemv":
             self._one_row_weight = cpu_ext.pack_panels(self.weight)
         self.one_row = kind
+        cpu_ext.one_row_changed()
+
+    def one_row_spec(self) -> cpu_ext.LinearSpec | None:
+        """This layer's one-row GEMM as ``cpu_ext.decode_layer`` takes it (None for "onednn",
+        whose packed weight only torch's oneDNN op reads)."""
+        w = self._one_row_weight
+        if w is None:
+            return None
+        return cpu_ext.LINEAR_KINDS[self.one_row], w, None, self.bias, self.out_features
 
     @property
     def one_row_bytes(self) -> int:

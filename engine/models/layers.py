@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 from prefixgate.engine.attention_metadata import AttentionMetadata, VerifyLayout
@@ -87,6 +88,42 @@ def set_one_row_ops(model: nn.Module, on: bool) -> int:
             m.one_row_ops = on
             n += 1
     return n
+
+
+def set_one_row_layers(model: nn.Module, on: bool) -> int:
+    """Run each :class:`DecoderLayer` of ``model`` as one ``cpu_ext.decode_layer`` call on a
+    step of one decode token alone (one C++ call a layer instead of ~8 ops and the modules'
+    Python between them) when ``on``; a layer whose linears do not all have a one-row spec
+    (oneDNN's or FBGEMM's packed weights), or with q/k norms, keeps its modules. The results
+    are those of :func:`set_one_row_ops`' fused ops bit for bit (the same C++ functions in the
+    same order); the loader sets both for models past ``cpu_linear.CALIBRATION_MIN_BYTES``.
+
+    Returns:
+        the number of layers set.
+
+    Raises:
+        RuntimeError: ``on`` where :func:`prefixgate.kernels.cpu_ext.available` is False.
+    """
+    if on and not cpu_ext.available():
+        raise RuntimeError("one-row decoder layers need prefixgate's CPU ops (not built here)")
+    n = 0
+    for m in model.modules():
+        if isinstance(m, DecoderLayer):
+            m.one_row_layer = on
+            n += 1
+    cpu_ext.one_row_changed()
+    return n
+
+
+def one_decode_alone(views: BatchViews, hidden: torch.Tensor) -> bool:
+    """True for a step of one decode token and nothing else, as an fp32 CPU row: the steps
+    :meth:`DecoderLayer.decode_one_row` takes."""
+    return (
+        views.num_decodes == 1
+        and views.verify is None
+        and not views.has_prefill
+        and _one_cpu_row(hidden)
+    )
 
 
 def _one_cpu_row(x: torch.Tensor) -> bool:
@@ -289,9 +326,86 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, kernels: SimpleNamespace) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, kernels)
+        # (cpu_ext.one_row_generation when built, _layer_args()): a plain attribute
+        self._one_row_args: tuple[int, tuple[Any, ...] | None] = (-1, None)
         self.mlp = MLP(cfg, kernels)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+
+    one_row_layer = False
+    """A step of one decode token alone through one ``cpu_ext.decode_layer`` call
+    (:func:`set_one_row_layers`)."""
+
+    def decode_one_row(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: KVCache,
+        views: BatchViews,
+        cos_sin_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """:meth:`forward` of a step that :func:`one_decode_alone` admits, as one
+        ``cpu_ext.decode_layer`` call; None (nothing run) where this layer cannot take it: not
+        set, q/k norms, a linear without a one-row spec, or caches other than contiguous fp32."""
+        if not self.one_row_layer:
+            return None
+        gen = cpu_ext.one_row_generation()
+        if self._one_row_args[0] != gen:  # kinds or modules changed since: build them again
+            self._one_row_args = (gen, self._layer_args())
+        args = self._one_row_args[1]
+        k_cache, v_cache = kv_cache
+        if args is None or not (
+            k_cache.dtype == v_cache.dtype == torch.float32
+            and k_cache.is_contiguous()
+            and v_cache.is_contiguous()
+        ):
+            return None
+        norm1, norm2, eps, specs, num_heads, num_kv_heads, scale = args
+        return cpu_ext.decode_layer(
+            hidden,
+            residual,
+            norm1,
+            norm2,
+            eps,
+            specs,
+            positions,
+            cos_sin_cache,
+            k_cache,
+            v_cache,
+            views.decode_block_tables,
+            views.decode_context_lens,
+            views.meta.slot_mapping,
+            num_heads,
+            num_kv_heads,
+            scale,
+        )
+
+    def _layer_args(self) -> tuple[Any, ...] | None:
+        """The layer's own arguments of ``cpu_ext.decode_layer`` (norm weights, eps, linear
+        specs, head counts, softmax scale), or None where it cannot take it (q/k norms, a
+        linear without a one-row spec). Cached by :meth:`decode_one_row` until
+        ``cpu_ext.one_row_generation`` moves: looking them up through the modules each step
+        cost ~0.8 ms of a ~8 ms step (SmolLM2-135M, int8, one thread)."""
+        attn = self.self_attn
+        if attn.q_norm is not None:
+            return None
+        specs = []
+        for linear in (attn.qkv_proj, attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj):
+            spec_of = getattr(linear, "one_row_spec", None)
+            spec = None if spec_of is None else spec_of()
+            if spec is None:
+                return None
+            specs.append(spec)
+        return (
+            self.input_layernorm.weight,
+            self.post_attention_layernorm.weight,
+            self.input_layernorm.eps,
+            (specs[0], specs[1], specs[2], specs[3]),
+            attn.num_heads,
+            attn.num_kv_heads,
+            attn.scale,
+        )
 
     def forward(
         self,

@@ -7,7 +7,13 @@ from types import SimpleNamespace
 import torch
 from prefixgate.engine.attention_metadata import AttentionMetadata
 from prefixgate.engine.models.config import ModelConfig
-from prefixgate.engine.models.layers import BatchViews, DecoderLayer, KVCache, RMSNorm
+from prefixgate.engine.models.layers import (
+    BatchViews,
+    DecoderLayer,
+    KVCache,
+    RMSNorm,
+    one_decode_alone,
+)
 from prefixgate.engine.models.rope import build_cos_sin_cache
 from torch import nn
 
@@ -87,10 +93,17 @@ class CausalLM(nn.Module):
         views = BatchViews.of(meta)
         hidden = self.model.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
+        one_row = one_decode_alone(views, hidden)
+        cos_sin = self.cos_sin_cache
+        assert cos_sin is not None  # init_rope above
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            hidden, residual = layer(
-                positions, hidden, residual, kv_cache, views, self.cos_sin_cache
-            )
+            assert isinstance(layer, DecoderLayer)
+            done = None
+            if one_row:  # one C++ call for the layer where it can take it (set_one_row_layers)
+                done = layer.decode_one_row(positions, hidden, residual, kv_cache, views, cos_sin)
+            if done is None:
+                done = layer(positions, hidden, residual, kv_cache, views, cos_sin)
+            hidden, residual = done
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
 

@@ -16,7 +16,7 @@ from prefixgate.engine.models.cpu_linear import (
     pack_linears,
     use_onednn_linear,
 )
-from prefixgate.engine.models.layers import set_one_row_ops
+from prefixgate.engine.models.layers import set_one_row_layers, set_one_row_ops
 from prefixgate.engine.models.llama import CausalLM
 from prefixgate.engine.models.quantization import (
     calibrate_int8_one_row,
@@ -94,6 +94,7 @@ def load_model(model_config: ModelConfig, engine_config: EngineConfig) -> Causal
         and cpu_ext.available()
     ):
         set_one_row_ops(model, True)  # batch-1 decode: fused norm / attention / activation
+        set_one_row_layers(model, True)  # ... and one C++ call a layer where its GEMMs allow
         logger.info("one-row decode through prefixgate's fused CPU ops")
     model.init_rope()
     return model.eval().requires_grad_(False)

@@ -19,7 +19,10 @@ The matmul runs on:
   (:func:`prefixgate.kernels.cpu_ext.gemv_int8`) measured faster, a one-row input takes it
   instead: int8 weights widened to fp32 in registers, fp32 activations (not quantized) and
   accumulation ("gemv"), or activations quantized per row to int16 with exact int32 products
-  ("gemv16", error at most ``0.5 / 32767`` of the row's absmax per weight); either way a lone
+  ("gemv16", error at most ``0.5 / 32767`` of the row's absmax per weight), or activations
+  quantized per block of 32 columns to int8 with exact int32 block sums ("gemv8", as ggml's
+  Q8_0 dot products; error at most ``0.5 / 127`` of the block's absmax per weight, finer than
+  FBGEMM's one scale a row); either way a lone
   row's result is ``x @ (q * scale)^T`` to within that and differs from the same row's in a
   batch by the 8-bit activation quantization FBGEMM applies (the lone row is the more exact). Test models are below the size gate and keep FBGEMM at every row count.
 - CUDA: the Triton weight-only GEMM :func:`prefixgate.kernels.triton_int8.int8_linear` (int8
@@ -45,12 +48,23 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-INT8_ONE_ROW_KINDS = ("fbgemm", "gemv", "gemv16")
+INT8_ONE_ROW_KINDS = ("fbgemm", "gemv", "gemv16", "gemv8")
 """The GEMMs a one-row input of an :class:`Int8Linear` on CPU may take: FBGEMM's
-``linear_dynamic`` (as every other row count), prefixgate's AVX2 int8 GEMV with fp32
-activations (an 8-row panel copy of the int8 weight, ``cpu_ext.pack_panels_int8``), or the one
-with int16 activations and exact int32 pair products (``cpu_ext.gemv_int8(..., int16_activations=True)`` on
-``cpu_ext.pack_pairs_int8``'s copy; half the instructions per weight)."""
+``linear_dynamic`` (as every other row count), or prefixgate's AVX2 int8 GEMV on a panel copy
+of the int8 weight with the activations of :data:`GEMV_ACTIVATIONS`: fp32 ("gemv",
+``cpu_ext.pack_panels_int8``), int16 per row with exact int32 pair products ("gemv16",
+``cpu_ext.pack_pairs_int8``; half the instructions per weight), or int8 per block of 32
+columns with exact int32 block sums ("gemv8", ``cpu_ext.pack_quads_int8``; AVX-VNNI where the
+CPU has it, a quarter of fp32's instructions per weight)."""
+
+GEMV_ACTIVATIONS = {"gemv": "fp32", "gemv16": "int16", "gemv8": "int8"}
+"""One-row GEMV kind → the ``activations`` of ``cpu_ext.gemv_int8``."""
+
+_GEMV_PACK = {
+    "gemv": cpu_ext.pack_panels_int8,
+    "gemv16": cpu_ext.pack_pairs_int8,
+    "gemv8": cpu_ext.pack_quads_int8,
+}
 
 QUANTIZATION_METHODS = ("int8",)
 
@@ -195,9 +209,18 @@ class Int8Linear(nn.Module):
                 raise ValueError("the int8 one-row GEMV runs on CPU layers only")
             if not cpu_ext.available():
                 raise RuntimeError("int8 one-row GEMV needs prefixgate's CPU ops (not built here)")
-            pack = cpu_ext.pack_panels_int8 if kind == "gemv" else cpu_ext.pack_pairs_int8
-            self._one_row_panels = pack(self.qweight, self.scale)
+            self._one_row_panels = _GEMV_PACK[kind](self.qweight, self.scale)
         self.one_row = kind
+        cpu_ext.one_row_changed()
+
+    def one_row_spec(self) -> cpu_ext.LinearSpec | None:
+        """This layer's one-row GEMV as ``cpu_ext.decode_layer`` takes it (None for
+        "fbgemm")."""
+        p = self._one_row_panels
+        if p is None:
+            return None
+        kind = cpu_ext.LINEAR_KINDS["int8_" + self.one_row]
+        return kind, p[0], p[1], self.bias, self.out_features
 
     @property
     def one_row_bytes(self) -> int:
@@ -236,8 +259,8 @@ class Int8Linear(nn.Module):
         n = x2.shape[0]
         panels = self._one_row_panels
         if n == 1 and panels is not None:
-            w16 = self.one_row != "gemv"  # "gemv16": int16 activations
-            y1 = cpu_ext.gemv_int8(x2, panels[0], panels[1], self.bias, self.out_features, w16)
+            act = GEMV_ACTIVATIONS[self.one_row]
+            y1 = cpu_ext.gemv_int8(x2, panels[0], panels[1], self.bias, self.out_features, act)
             return y1.reshape(*lead, self.out_features)
         # abs().amax() is bitwise the inf-norm; linalg.vector_norm(ord=inf) measured 5-20x
         # slower here (15-265 us against 3-12 us at 8-64 rows of 576-1,536).
@@ -276,6 +299,7 @@ def quantize_model(model: nn.Module, method: str) -> nn.Module:
     ]
     for parent, name, child in targets:
         setattr(parent, name, Int8Linear.from_linear(child))
+    cpu_ext.one_row_changed()
     return model
 
 
@@ -292,7 +316,13 @@ def _int8_gemv_one(
 def _int8_gemv16_one(
     panels: tuple[torch.Tensor, torch.Tensor], m: Int8Linear, x: torch.Tensor
 ) -> torch.Tensor:
-    return cpu_ext.gemv_int8(x, panels[0], panels[1], m.bias, m.out_features, True)
+    return cpu_ext.gemv_int8(x, panels[0], panels[1], m.bias, m.out_features, "int16")
+
+
+def _int8_gemv8_one(
+    panels: tuple[torch.Tensor, torch.Tensor], m: Int8Linear, x: torch.Tensor
+) -> torch.Tensor:
+    return cpu_ext.gemv_int8(x, panels[0], panels[1], m.bias, m.out_features, "int8")
 
 
 @torch.inference_mode()
@@ -306,7 +336,7 @@ def calibrate_int8_one_row(
 ) -> dict[tuple[int, int], str]:
     """``cpu_linear.calibrate_one_row`` for the CPU :class:`Int8Linear` layers of ``model``:
     per ``(out_features, in_features)`` shape, FBGEMM's one-row ``linear_dynamic`` against
-    the AVX2 int8 GEMVs (fp32 or int16 activations), alternating, each streaming up to ``cpu_linear.CALIBRATION_BYTES`` of
+    the AVX2 int8 GEMVs (fp32, int16 or int8 activations), alternating, each streaming up to ``cpu_linear.CALIBRATION_BYTES`` of
     int8 weights a pass (CPU time, fastest of ``reps`` passes in each of ``rounds``); the faster
     GEMV is kept only where it beat FBGEMM by ``ONE_ROW_MARGIN`` (5 %). Nothing is timed (FBGEMM everywhere)
     for models under ``min_bytes`` of int8 weights, or where prefixgate's CPU ops are not
@@ -334,6 +364,10 @@ def calibrate_int8_one_row(
             ],
             "gemv16": [
                 functools.partial(_int8_gemv16_one, cpu_ext.pack_pairs_int8(m.qweight, m.scale), m)
+                for m in timed
+            ],
+            "gemv8": [
+                functools.partial(_int8_gemv8_one, cpu_ext.pack_quads_int8(m.qweight, m.scale), m)
                 for m in timed
             ],
         }

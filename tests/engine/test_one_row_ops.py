@@ -64,3 +64,62 @@ def test_fused_one_row_decode_matches_transformers(aidreams_path, pool_whole):
     set_one_row_ops(model, False)
     assert _flags(model) == {False}
     pool_whole(llm)  # the fused KV writes go to the slots the scheduler gave: nothing leaked
+
+
+def _generate(llm: LLM, prompts: list[str]) -> list[tuple[list[int], list]]:
+    sp = SamplingParams(temperature=0.0, max_tokens=16, logprobs=3)
+    outs = []
+    for prompt in prompts:  # one at a time: every decode step is one token alone
+        o = llm.generate([prompt], sp)[0].outputs[0]
+        outs.append((list(o.token_ids), o.logprobs))
+    return outs
+
+
+@pytest.mark.skipif(not cpu_ext.available(), reason="prefixgate CPU ops not built here")
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_one_call_a_layer_equals_the_fused_ops_bit_for_bit(aidreams_path, pool_whole, quantization):
+    """decode_layer runs the fused ops in DecoderLayer.forward's order: the same tokens and the
+    same logprobs (floats equal) as the per-op path, for every one-row GEMM kind it takes; a
+    layer with a linear it cannot take (oneDNN's / FBGEMM's packed weight) keeps its modules,
+    and changing a kind after the first step is seen (the cached specs are rebuilt)."""
+    from prefixgate.engine.models.layers import DecoderLayer, set_one_row_layers
+    from prefixgate.engine.models.quantization import INT8_ONE_ROW_KINDS, Int8Linear
+
+    llm = LLM(aidreams_path, block_size=16, quantization=quantization)
+    model = llm.engine.runner.model
+    layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
+    assert {m.one_row_layer for m in layers} == {False}  # under the size gate: off
+    if quantization is None:
+        linears = [m for m in model.modules() if isinstance(m, OneDNNLinear)]
+        kinds = ["gemv", "mm_t", "linear"]
+    else:
+        linears = [m for m in model.modules() if isinstance(m, Int8Linear)]
+        kinds = [k for k in INT8_ONE_ROW_KINDS if k != "fbgemm"]
+    for i, m in enumerate(linears):  # every kind the layer op takes, mixed within layers
+        m.set_one_row(kinds[i % len(kinds)])
+    set_one_row_ops(model, True)
+    prompts = DREAM_PROMPTS[:4]
+    per_op = _generate(llm, prompts)
+    calls = {"n": 0}
+    real = cpu_ext.decode_layer
+
+    def counting(*args, **kwargs):
+        calls["n"] += 1
+        return real(*args, **kwargs)
+
+    cpu_ext.decode_layer = counting  # type: ignore[assignment]
+    try:
+        assert set_one_row_layers(model, True) == len(layers)
+        assert _generate(llm, prompts) == per_op
+        every_layer = calls["n"]
+        assert every_layer > 0 and every_layer % len(layers) == 0
+        fallback = "onednn" if quantization is None else "fbgemm"
+        layers[0].mlp.down_proj.set_one_row(fallback)  # layer 0 can no longer take it
+        calls["n"] = 0
+        mixed = _generate(llm, prompts)
+        assert calls["n"] == every_layer // len(layers) * (len(layers) - 1)
+    finally:
+        cpu_ext.decode_layer = real  # type: ignore[assignment]
+    set_one_row_layers(model, False)
+    assert _generate(llm, prompts) == mixed  # the per-op path with layer 0's new kind
+    pool_whole(llm)

@@ -168,11 +168,71 @@ def test_gemv_int8_w16_within_activation_rounding(n, k):
     x = torch.randn(1, k, generator=gen) * 3
     packed, scales = cpu_ext.pack_pairs_int8(q, scale)
     assert packed.shape == (-(-n // 8), -(-k // 2), 8, 2)
-    got = cpu_ext.gemv_int8(x, packed, scales, b, n, int16_activations=True)
+    got = cpu_ext.gemv_int8(x, packed, scales, b, n, activations="int16")
     w = q.double() * scale.double()[:, None]
     want = x.double() @ w.t() + b.double()
     bound = 0.5 * x.abs().max().double() / 32767 * w.abs().sum(1) + 1e-5 * want.abs() + 1e-6
     assert ((got.double() - want).abs() <= bound).all()
+
+
+def _gemv8_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """sum over 32-column blocks b of 0.5 * amax|x_b| / 127 * sum_{k in b} |w[:, k]|."""
+    k = x.shape[1]
+    bound = torch.zeros(w.shape[0], dtype=torch.float64)
+    for k0 in range(0, k, 32):
+        amax = x[0, k0 : k0 + 32].abs().max().double()
+        bound += 0.5 * amax / 127 * w[:, k0 : k0 + 32].abs().sum(1)
+    return bound
+
+
+@pytest.mark.parametrize("n,k", [(7, 5), (9, 13), (100, 97), (576, 1536), (16, 600), (24, 64)])
+def test_gemv_int8_x8_within_block_rounding(n, k):
+    """Per-32-column int8 activations: error within each block's rounding, + fp32 rounding;
+    the AVX2 and AVX-VNNI paths give the same int32 sums, so the same floats."""
+    gen = torch.Generator().manual_seed(n * 11 + k)
+    q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    scale = torch.rand(n, generator=gen) / 100
+    b = torch.randn(n, generator=gen)
+    x = torch.randn(1, k, generator=gen) * 3
+    x[0, : min(k, 32)] *= 50  # one block's outliers must not coarsen the others
+    packed, scales = cpu_ext.pack_quads_int8(q, scale)
+    assert packed.shape == (-(-n // 8), -(-k // 32) * 8, 8, 4)
+    got = cpu_ext.gemv_int8(x, packed, scales, b, n, activations="int8")
+    w = q.double() * scale.double()[:, None]
+    want = x.double() @ w.t() + b.double()
+    bound = _gemv8_bound(x, w) + 1e-5 * want.abs() + 1e-5
+    assert ((got.double() - want).abs() <= bound).all()
+    avx2 = cpu_ext.gemv_int8(x, packed, scales, b, n, activations="int8", vnni=False)
+    assert torch.equal(got, avx2)
+
+
+def test_gemv_int8_x8_exact_on_int8_grid_and_extremes():
+    """Activations already on the int8 grid of their block are exact; 127 x 127 over a long
+    row neither saturates the pair sums nor overflows a block's int32 sum."""
+    k = 4096
+    q = torch.full((8, k), 127, dtype=torch.int8)
+    q[1] = -127
+    x = torch.full((1, k), -1.0)
+    packed, scales = cpu_ext.pack_quads_int8(q, torch.ones(8))
+    for vnni in (True, False):
+        got = cpu_ext.gemv_int8(x, packed, scales, None, 8, activations="int8", vnni=vnni)
+        want = torch.full((1, 8), -127.0 * k)
+        want[0, 1] = 127.0 * k
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    zero = cpu_ext.gemv_int8(torch.zeros(1, k), packed, scales, None, 8, activations="int8")
+    assert torch.equal(zero, torch.zeros(1, 8))
+
+
+def test_gemv_int8_x8_refuses_what_it_cannot_compute():
+    q = torch.zeros((8, 32), dtype=torch.int8)
+    q[0, 0] = -128
+    with pytest.raises(ValueError, match=r"\[-127, 127\]"):
+        cpu_ext.pack_quads_int8(q, torch.ones(8))
+    packed, scales = cpu_ext.pack_quads_int8(torch.zeros((8, 64), dtype=torch.int8), torch.ones(8))
+    with pytest.raises(RuntimeError, match="blocks of 32 columns"):
+        cpu_ext.gemv_int8(torch.zeros(1, 96), packed, scales, None, 8, activations="int8")
+    with pytest.raises(ValueError, match="unknown activations"):
+        cpu_ext.gemv_int8(torch.zeros(1, 64), packed, scales, None, 8, activations="int4")
 
 
 def test_gemv_int8_w16_int32_sums_never_overflow():
@@ -182,5 +242,5 @@ def test_gemv_int8_w16_int32_sums_never_overflow():
     q = torch.full((8, k), 127, dtype=torch.int8)
     x = torch.ones(1, k)
     packed, scales = cpu_ext.pack_pairs_int8(q, torch.ones(8))
-    got = cpu_ext.gemv_int8(x, packed, scales, None, 8, int16_activations=True)
+    got = cpu_ext.gemv_int8(x, packed, scales, None, 8, activations="int16")
     torch.testing.assert_close(got, torch.full((1, 8), 127.0 * k), rtol=1e-6, atol=0)
