@@ -313,10 +313,12 @@ LINEAR_KINDS = {
     "int8_gemv": 3,
     "int8_gemv16": 4,
     "int8_gemv8": 5,
+    "onednn": 6,
 }
 """One-row linear kinds :func:`decode_layer` runs → its code: fp32 panels (:func:`gemv` on
 :func:`pack_panels`), ``torch.mm`` / ``torch.addmm`` on the ``[I, O]`` weight, ``F.linear`` on
-``[O, I]``, and :func:`gemv_int8` with fp32 / int16 / int8 activations on its packed weight."""
+``[O, I]``, :func:`gemv_int8` with fp32 / int16 / int8 activations on its packed weight, and
+oneDNN's ``torch.ops.mkldnn._linear_pointwise`` on its packed (opaque) weight."""
 
 LinearSpec = tuple[int, torch.Tensor, torch.Tensor | None, torch.Tensor | None, int]
 """``(LINEAR_KINDS code, weight as the kind takes it, int8 scale or None, bias or None,

@@ -191,11 +191,10 @@ class OneDNNLinear(nn.Module):
         cpu_ext.one_row_changed()
 
     def one_row_spec(self) -> cpu_ext.LinearSpec | None:
-        """This layer's one-row GEMM as ``cpu_ext.decode_layer`` takes it (None for "onednn",
-        whose packed weight only torch's oneDNN op reads)."""
-        w = self._one_row_weight
-        if w is None:
-            return None
+        """This layer's one-row GEMM as ``cpu_ext.decode_layer`` takes it: its one-row copy of
+        the weight, or for "onednn" the packed weight (a one-row input is not padded there: the
+        op takes any row count)."""
+        w = self._packed if self._one_row_weight is None else self._one_row_weight
         return cpu_ext.LINEAR_KINDS[self.one_row], w, None, self.bias, self.out_features
 
     @property

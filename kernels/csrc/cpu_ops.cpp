@@ -4,6 +4,7 @@
 // registered as torch.ops.prefixgate_cpu.*; threads through at::parallel_for (torch's own pool).
 // Shapes, dtypes and tolerances are documented in cpu_ext.py.
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/addmm.h>
 #include <ATen/ops/empty.h>
@@ -45,42 +46,10 @@ inline __m256 widen8(const int8_t* p) {
 
 inline __m256 load8(const int8_t* p) { return widen8(p); }
 
-// Two panels (16 outputs) at once: each x[k] broadcast once feeds both; four accumulators per
-// panel (k, k+1, k+2, k+3) hide the FMA latency; summed (a0 + a1) + (a2 + a3) at the end.
-template <typename W>
-inline void gemv_two_panels(const W* w0, const W* w1, const float* x, int64_t k_len,
-                            __m256* out0, __m256* out1) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-  __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-  __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
-  __m256 b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + 4 <= k_len; k += 4) {
-    const W* p0 = w0 + k * kPanel;
-    const W* p1 = w1 + k * kPanel;
-    const __m256 x0 = _mm256_broadcast_ss(x + k);
-    const __m256 x1 = _mm256_broadcast_ss(x + k + 1);
-    const __m256 x2 = _mm256_broadcast_ss(x + k + 2);
-    const __m256 x3 = _mm256_broadcast_ss(x + k + 3);
-    a0 = _mm256_fmadd_ps(load8(p0), x0, a0);
-    b0 = _mm256_fmadd_ps(load8(p1), x0, b0);
-    a1 = _mm256_fmadd_ps(load8(p0 + 8), x1, a1);
-    b1 = _mm256_fmadd_ps(load8(p1 + 8), x1, b1);
-    a2 = _mm256_fmadd_ps(load8(p0 + 16), x2, a2);
-    b2 = _mm256_fmadd_ps(load8(p1 + 16), x2, b2);
-    a3 = _mm256_fmadd_ps(load8(p0 + 24), x3, a3);
-    b3 = _mm256_fmadd_ps(load8(p1 + 24), x3, b3);
-  }
-  for (; k < k_len; ++k) {
-    const __m256 xk = _mm256_broadcast_ss(x + k);
-    a0 = _mm256_fmadd_ps(load8(w0 + k * kPanel), xk, a0);
-    b0 = _mm256_fmadd_ps(load8(w1 + k * kPanel), xk, b0);
-  }
-  *out0 = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
-  *out1 = _mm256_add_ps(_mm256_add_ps(b0, b1), _mm256_add_ps(b2, b3));
-}
-
-// One panel alone (the last of an odd count): the same sums as gemv_two_panels.
+// One panel's 8 outputs: four accumulators (k, k+1, k+2, k+3) hide the FMA latency, summed
+// (a0 + a1) + (a2 + a3) at the end. One panel at a time reads the weight as one forward stream:
+// two panels side by side (one x[k] broadcast feeding both) measured 10-35 % slower at one
+// thread on a Zen 5 (memory-bound shapes).
 template <typename W>
 inline __m256 gemv_one_panel(const W* w0, const float* x, int64_t k_len) {
   __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
@@ -322,7 +291,7 @@ at::Tensor gemv_int8x8_packed(const at::Tensor& x, const at::Tensor& packed,
 }
 
 // The panel GEMV's common body, fp32 or int8 panels [P, K, 8] (output row p*8+j of the weight in
-// packed[p, :, j]; rows past N zero): checks, bias, pairs of panels over at::parallel_for (a
+// packed[p, :, j]; rows past N zero): checks, bias, panels over at::parallel_for (a
 // thread's share at least ``grain_bytes`` of weight); ``scale`` (8P fp32 values, one per output
 // row) multiplies each panel's sums when given (the int8 weight), before the bias.
 template <typename W>
@@ -346,22 +315,12 @@ at::Tensor gemv_panels(const at::Tensor& x, const at::Tensor& packed, const floa
   auto scaled = [&](__m256 acc, int64_t p) {
     return scale == nullptr ? acc : _mm256_mul_ps(acc, _mm256_loadu_ps(scale + p * kPanel));
   };
-  // pairs of panels are the unit of work
-  const int64_t pairs = (panels + 1) / 2;
-  const int64_t pair_bytes = 2 * kPanel * k_len * static_cast<int64_t>(sizeof(W));
-  const int64_t grain = std::max<int64_t>(1, grain_bytes / pair_bytes);
-  at::parallel_for(0, pairs, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t q = begin; q < end; ++q) {
-      const int64_t p = 2 * q;
-      const W* w0 = wp + p * k_len * kPanel;
-      if (p + 1 < panels) {
-        __m256 acc0, acc1;
-        gemv_two_panels(w0, w0 + k_len * kPanel, xp, k_len, &acc0, &acc1);
-        store_panel(scaled(acc0, p), bias_ptr, yp, p * kPanel, n_out);
-        store_panel(scaled(acc1, p + 1), bias_ptr, yp, (p + 1) * kPanel, n_out);
-      } else {
-        store_panel(scaled(gemv_one_panel(w0, xp, k_len), p), bias_ptr, yp, p * kPanel, n_out);
-      }
+  const int64_t panel_bytes = kPanel * k_len * static_cast<int64_t>(sizeof(W));
+  const int64_t grain = std::max<int64_t>(1, grain_bytes / panel_bytes);
+  at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const W* w = wp + p * k_len * kPanel;
+      store_panel(scaled(gemv_one_panel(w, xp, k_len), p), bias_ptr, yp, p * kPanel, n_out);
     }
   });
   return y;
@@ -548,9 +507,28 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& positions,
   return out;
 }
 
+// oneDNN's linear on its packed weight (torch.ops.mkldnn._linear_pointwise, registered by torch
+// itself; called boxed, as its C++ declaration is not among torch's public headers).
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed,
+                         const c10::optional<at::Tensor>& bias) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  std::vector<c10::IValue> stack;
+  stack.reserve(6);
+  stack.emplace_back(x);
+  stack.emplace_back(packed);
+  stack.emplace_back(bias.has_value() && bias->defined() ? c10::IValue(*bias) : c10::IValue());
+  stack.emplace_back(std::string("none"));
+  stack.emplace_back(c10::List<c10::optional<at::Scalar>>());
+  stack.emplace_back(std::string(""));
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
 // One linear of a decoder layer at one row, by the kind its module chose (cpu_ext.LINEAR_KINDS):
 // 0 fp32 panels (gemv_packed), 1 "mm_t" ([I, O] weight, at::mm / at::addmm), 2 "linear" ([O, I],
-// at::linear), 3 / 4 / 5 int8 panels with fp32 / int16 / int8 activations.
+// at::linear), 3 / 4 / 5 int8 panels with fp32 / int16 / int8 activations, 6 oneDNN's packed
+// weight.
 at::Tensor linear_one_row(int64_t kind, const at::Tensor& x, const at::Tensor& w,
                           const c10::optional<at::Tensor>& scale,
                           const c10::optional<at::Tensor>& bias, int64_t n_out) {
@@ -570,6 +548,8 @@ at::Tensor linear_one_row(int64_t kind, const at::Tensor& x, const at::Tensor& w
       if (kind == 4) return gemv_int8w16_packed(x, w, *scale, bias, n_out);
       return gemv_int8x8_packed(x, w, *scale, bias, n_out, true);
     }
+    case 6:
+      return onednn_linear(x, w, bias);
     default:
       TORCH_CHECK(false, "decode_layer: unknown linear kind ", kind);
   }
@@ -638,3 +618,6 @@ TORCH_LIBRARY_IMPL(prefixgate_cpu, CPU, m) {
   m.impl("decode_layer", decode_layer);
   m.impl("decode_attention", decode_attention);
 }
+
+// A layer whose linears include oneDNN's packed (opaque) weight dispatches on its MkldnnCPU key.
+TORCH_LIBRARY_IMPL(prefixgate_cpu, MkldnnCPU, m) { m.impl("decode_layer", decode_layer); }

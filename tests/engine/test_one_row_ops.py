@@ -79,9 +79,10 @@ def _generate(llm: LLM, prompts: list[str]) -> list[tuple[list[int], list]]:
 @pytest.mark.parametrize("quantization", [None, "int8"])
 def test_one_call_a_layer_equals_the_fused_ops_bit_for_bit(aidreams_path, pool_whole, quantization):
     """decode_layer runs the fused ops in DecoderLayer.forward's order: the same tokens and the
-    same logprobs (floats equal) as the per-op path, for every one-row GEMM kind it takes; a
-    layer with a linear it cannot take (oneDNN's / FBGEMM's packed weight) keeps its modules,
-    and changing a kind after the first step is seen (the cached specs are rebuilt)."""
+    same logprobs (floats equal) as the per-op path, for every one-row GEMM kind it takes;
+    changing a kind after the first step is seen (the cached specs are rebuilt: the per-op
+    path with the new kind still equals it), and a layer with a linear it cannot take
+    (FBGEMM's packed weight) keeps its modules."""
     from prefixgate.engine.models.layers import DecoderLayer, set_one_row_layers
     from prefixgate.engine.models.quantization import INT8_ONE_ROW_KINDS, Int8Linear
 
@@ -91,7 +92,7 @@ def test_one_call_a_layer_equals_the_fused_ops_bit_for_bit(aidreams_path, pool_w
     assert {m.one_row_layer for m in layers} == {False}  # under the size gate: off
     if quantization is None:
         linears = [m for m in model.modules() if isinstance(m, OneDNNLinear)]
-        kinds = ["gemv", "mm_t", "linear"]
+        kinds = ["gemv", "mm_t", "linear", "onednn"]
     else:
         linears = [m for m in model.modules() if isinstance(m, Int8Linear)]
         kinds = [k for k in INT8_ONE_ROW_KINDS if k != "fbgemm"]
@@ -113,11 +114,16 @@ def test_one_call_a_layer_equals_the_fused_ops_bit_for_bit(aidreams_path, pool_w
         assert _generate(llm, prompts) == per_op
         every_layer = calls["n"]
         assert every_layer > 0 and every_layer % len(layers) == 0
-        fallback = "onednn" if quantization is None else "fbgemm"
-        layers[0].mlp.down_proj.set_one_row(fallback)  # layer 0 can no longer take it
+        down = layers[0].mlp.down_proj
+        if quantization is None:  # another kind: every layer still takes decode_layer
+            down.set_one_row("mm_t" if down.one_row != "mm_t" else "gemv")
+            taking = len(layers)
+        else:  # FBGEMM: layer 0 can no longer take it
+            down.set_one_row("fbgemm")
+            taking = len(layers) - 1
         calls["n"] = 0
         mixed = _generate(llm, prompts)
-        assert calls["n"] == every_layer // len(layers) * (len(layers) - 1)
+        assert calls["n"] == every_layer // len(layers) * taking
     finally:
         cpu_ext.decode_layer = real  # type: ignore[assignment]
     set_one_row_layers(model, False)
