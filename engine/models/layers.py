@@ -80,21 +80,14 @@ def set_one_row_ops(model: nn.Module, on: bool) -> int:
     Raises:
         RuntimeError: ``on`` where :func:`prefixgate.kernels.cpu_ext.available` is False.
     """
-    if on and not cpu_ext.available():
-        raise RuntimeError("one-row fused ops need prefixgate's CPU ops (not built here)")
-    n = 0
-    for m in model.modules():
-        if isinstance(m, RMSNorm | Attention | MLP):
-            m.one_row_ops = on
-            n += 1
-    return n
+    return _set_flag(model, (RMSNorm, Attention, MLP), "one_row_ops", on, "one-row fused ops")
 
 
 def set_one_row_layers(model: nn.Module, on: bool) -> int:
     """Run each :class:`DecoderLayer` of ``model`` as one ``cpu_ext.decode_layer`` call on a
     step of one decode token alone (one C++ call a layer instead of ~8 ops and the modules'
     Python between them) when ``on``; a layer whose linears do not all have a one-row spec
-    (oneDNN's or FBGEMM's packed weights), or with q/k norms, keeps its modules. The results
+    (FBGEMM's packed int8 weight has none), or with q/k norms, keeps its modules. The results
     are those of :func:`set_one_row_ops`' fused ops bit for bit (the same C++ functions in the
     same order); the loader sets both for models past ``cpu_linear.CALIBRATION_MIN_BYTES``.
 
@@ -104,12 +97,22 @@ def set_one_row_layers(model: nn.Module, on: bool) -> int:
     Raises:
         RuntimeError: ``on`` where :func:`prefixgate.kernels.cpu_ext.available` is False.
     """
+    return _set_flag(model, (DecoderLayer,), "one_row_layer", on, "one-row decoder layers")
+
+
+def _set_flag(model: nn.Module, kinds: tuple[type, ...], attr: str, on: bool, what: str) -> int:
+    """Set ``attr = on`` on every module of ``model`` of one of ``kinds``; how many were set.
+    Bumps ``cpu_ext.one_row_generation`` (cached layer specs are rebuilt).
+
+    Raises:
+        RuntimeError: ``on`` where :func:`prefixgate.kernels.cpu_ext.available` is False.
+    """
     if on and not cpu_ext.available():
-        raise RuntimeError("one-row decoder layers need prefixgate's CPU ops (not built here)")
+        raise RuntimeError(f"{what} need prefixgate's CPU ops (not built here)")
     n = 0
     for m in model.modules():
-        if isinstance(m, DecoderLayer):
-            m.one_row_layer = on
+        if isinstance(m, kinds):
+            setattr(m, attr, on)
             n += 1
     cpu_ext.one_row_changed()
     return n

@@ -66,6 +66,16 @@ def test_fused_one_row_decode_matches_transformers(aidreams_path, pool_whole):
     pool_whole(llm)  # the fused KV writes go to the slots the scheduler gave: nothing leaked
 
 
+def _counted(fn, calls: dict[str, int]):
+    """``fn`` with each call counted in ``calls["n"]``."""
+
+    def wrapped(*args, **kwargs):
+        calls["n"] += 1
+        return fn(*args, **kwargs)
+
+    return wrapped
+
+
 def _generate(llm: LLM, prompts: list[str]) -> list[tuple[list[int], list]]:
     sp = SamplingParams(temperature=0.0, max_tokens=16, logprobs=3)
     outs = []
@@ -77,7 +87,9 @@ def _generate(llm: LLM, prompts: list[str]) -> list[tuple[list[int], list]]:
 
 @pytest.mark.skipif(not cpu_ext.available(), reason="prefixgate CPU ops not built here")
 @pytest.mark.parametrize("quantization", [None, "int8"])
-def test_one_call_a_layer_equals_the_fused_ops_bit_for_bit(aidreams_path, pool_whole, quantization):
+def test_one_call_a_layer_equals_the_fused_ops_bit_for_bit(
+    aidreams_path, pool_whole, monkeypatch, quantization
+):
     """decode_layer runs the fused ops in DecoderLayer.forward's order: the same tokens and the
     same logprobs (floats equal) as the per-op path, for every one-row GEMM kind it takes;
     changing a kind after the first step is seen (the cached specs are rebuilt: the per-op
@@ -103,29 +115,21 @@ def test_one_call_a_layer_equals_the_fused_ops_bit_for_bit(aidreams_path, pool_w
     per_op = _generate(llm, prompts)
     calls = {"n": 0}
     real = cpu_ext.decode_layer
-
-    def counting(*args, **kwargs):
-        calls["n"] += 1
-        return real(*args, **kwargs)
-
-    cpu_ext.decode_layer = counting  # type: ignore[assignment]
-    try:
-        assert set_one_row_layers(model, True) == len(layers)
-        assert _generate(llm, prompts) == per_op
-        every_layer = calls["n"]
-        assert every_layer > 0 and every_layer % len(layers) == 0
-        down = layers[0].mlp.down_proj
-        if quantization is None:  # another kind: every layer still takes decode_layer
-            down.set_one_row("mm_t" if down.one_row != "mm_t" else "gemv")
-            taking = len(layers)
-        else:  # FBGEMM: layer 0 can no longer take it
-            down.set_one_row("fbgemm")
-            taking = len(layers) - 1
-        calls["n"] = 0
-        mixed = _generate(llm, prompts)
-        assert calls["n"] == every_layer // len(layers) * taking
-    finally:
-        cpu_ext.decode_layer = real  # type: ignore[assignment]
+    monkeypatch.setattr(cpu_ext, "decode_layer", _counted(real, calls))
+    assert set_one_row_layers(model, True) == len(layers)
+    assert _generate(llm, prompts) == per_op
+    every_layer = calls["n"]
+    assert every_layer > 0 and every_layer % len(layers) == 0
+    down = layers[0].mlp.down_proj
+    if quantization is None:  # another kind: every layer still takes decode_layer
+        down.set_one_row("mm_t" if down.one_row != "mm_t" else "gemv")
+        taking = len(layers)
+    else:  # FBGEMM: layer 0 can no longer take it
+        down.set_one_row("fbgemm")
+        taking = len(layers) - 1
+    calls["n"] = 0
+    mixed = _generate(llm, prompts)
+    assert calls["n"] == every_layer // len(layers) * taking
     set_one_row_layers(model, False)
     assert _generate(llm, prompts) == mixed  # the per-op path with layer 0's new kind
     pool_whole(llm)
