@@ -44,6 +44,7 @@ import os
 import platform
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -320,6 +321,21 @@ LINEAR_KINDS = {
 ``[O, I]``, :func:`gemv_int8` with fp32 / int16 / int8 activations on its packed weight, and
 oneDNN's ``torch.ops.mkldnn._linear_pointwise`` on its packed (opaque) weight."""
 
+DecodeAttentionArgs = tuple[
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    int,
+    int,
+    float,
+]
+"""The arguments of :func:`decode_attention` after ``qkv``: positions, cos/sin table, k and v
+caches, block table, context length, slot, head counts and softmax scale."""
+
 LinearSpec = tuple[int, torch.Tensor, torch.Tensor | None, torch.Tensor | None, int]
 """``(LINEAR_KINDS code, weight as the kind takes it, int8 scale or None, bias or None,
 out_features)``: what a linear module's ``one_row_spec()`` hands :func:`decode_layer`."""
@@ -332,16 +348,7 @@ def decode_layer(
     post_norm: torch.Tensor,
     eps: float,
     linears: tuple[LinearSpec, LinearSpec, LinearSpec, LinearSpec],
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    context_len: torch.Tensor,
-    slot: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-    scale: float,
+    *attention: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One pre-norm decoder layer (Llama: no q/k norm) for one decode token alone: ``(out, s)``
     with ``s = hidden + residual`` after the attention block (``hidden`` alone when
@@ -352,8 +359,8 @@ def decode_layer(
         hidden, residual: ``[1, H]`` fp32.
         input_norm, post_norm: the two RMSNorm weights ``[H]`` fp32; eps: their epsilon.
         linears: the :data:`LinearSpec` of qkv, o, gate_up and down, in that order.
-        positions, cos_sin_cache, k_cache, v_cache, block_table, context_len, slot,
-        num_heads, num_kv_heads, scale: as :func:`decode_attention` (the caches written in place).
+        attention: :data:`DecodeAttentionArgs`, :func:`decode_attention`'s arguments after
+            ``qkv`` (the caches written in place).
 
     Raises:
         RuntimeError: wrong dtypes, shapes, kinds or ranges (the ops' checks).
@@ -369,14 +376,5 @@ def decode_layer(
         [spec[2] for spec in linears],
         [spec[3] for spec in linears],
         [spec[4] for spec in linears],
-        positions,
-        cos_sin_cache,
-        k_cache,
-        v_cache,
-        block_table,
-        context_len,
-        slot,
-        num_heads,
-        num_kv_heads,
-        scale,
+        *attention,
     )

@@ -129,6 +129,32 @@ def one_decode_alone(views: BatchViews, hidden: torch.Tensor) -> bool:
     )
 
 
+def decode_attention_args(
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    kv_cache: KVCache,
+    views: BatchViews,
+    num_heads: int,
+    num_kv_heads: int,
+    scale: float,
+) -> cpu_ext.DecodeAttentionArgs:
+    """The arguments of ``cpu_ext.decode_attention`` after ``qkv`` for a step of one decode
+    token alone (its block table, context length and slot from ``views``)."""
+    k_cache, v_cache = kv_cache
+    return (
+        positions,
+        cos_sin_cache,
+        k_cache,
+        v_cache,
+        views.decode_block_tables,
+        views.decode_context_lens,
+        views.meta.slot_mapping,
+        num_heads,
+        num_kv_heads,
+        scale,
+    )
+
+
 def _one_cpu_row(x: torch.Tensor) -> bool:
     """True for a ``[1, H]`` fp32 CPU tensor (the rows the fused ops take)."""
     return x.dim() == 2 and x.shape[0] == 1 and x.dtype == torch.float32 and x.device.type == "cpu"
@@ -197,20 +223,16 @@ class Attention(nn.Module):
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         if self.one_row_ops and self._fused_decode(qkv, kv_cache, views):
-            k_cache, v_cache = kv_cache
-            out = cpu_ext.decode_attention(
-                qkv,
+            args = decode_attention_args(
                 positions,
                 cos_sin_cache,
-                k_cache,
-                v_cache,
-                views.decode_block_tables,
-                views.decode_context_lens,
-                views.meta.slot_mapping,
+                kv_cache,
+                views,
                 self.num_heads,
                 self.num_kv_heads,
                 self.scale,
             )
+            out = cpu_ext.decode_attention(qkv, *args)
             return self.o_proj(out)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None and self.k_norm is not None:
@@ -365,24 +387,10 @@ class DecoderLayer(nn.Module):
         ):
             return None
         norm1, norm2, eps, specs, num_heads, num_kv_heads, scale = args
-        return cpu_ext.decode_layer(
-            hidden,
-            residual,
-            norm1,
-            norm2,
-            eps,
-            specs,
-            positions,
-            cos_sin_cache,
-            k_cache,
-            v_cache,
-            views.decode_block_tables,
-            views.decode_context_lens,
-            views.meta.slot_mapping,
-            num_heads,
-            num_kv_heads,
-            scale,
+        attention = decode_attention_args(
+            positions, cos_sin_cache, kv_cache, views, num_heads, num_kv_heads, scale
         )
+        return cpu_ext.decode_layer(hidden, residual, norm1, norm2, eps, specs, *attention)
 
     def _layer_args(self) -> tuple[Any, ...] | None:
         """The layer's own arguments of ``cpu_ext.decode_layer`` (norm weights, eps, linear

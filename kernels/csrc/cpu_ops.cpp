@@ -94,6 +94,14 @@ inline void store_panel(__m256 acc, const float* bias, float* y, int64_t row0, i
 }
 
 
+// An int8 panel GEMV's output rows: n_out fits the panels, one fp32 scale per panel row.
+inline void check_rows(int64_t panels, int64_t n_out, const at::Tensor& scale, const char* op) {
+  TORCH_CHECK(n_out > (panels - 1) * kPanel && n_out <= panels * kPanel, op, ": n_out ", n_out,
+              " does not fit ", panels, " panels");
+  TORCH_CHECK(scale.is_contiguous() && scale.numel() == panels * kPanel, op,
+              ": scale must hold 8 * P values");
+}
+
 // int16-activation int8 GEMV: x quantized per row to int16 (absmax -> 32767), weights in pair
 // panels [P, K2 / 2, 8, 2] (rows r of panel p, columns 2j and 2j+1 adjacent), so vpmaddwd
 // multiplies 16 weights by two activations and sums the pairs exactly into int32; the int32
@@ -112,10 +120,7 @@ at::Tensor gemv_int8w16_packed(const at::Tensor& x, const at::Tensor& packed,
   const int64_t k_len = x.numel();
   TORCH_CHECK((k_len + 1) / 2 == pairs, "gemv_int8w16_packed: x has ", k_len,
               " values for ", pairs, " column pairs");
-  TORCH_CHECK(n_out > (panels - 1) * kPanel && n_out <= panels * kPanel,
-              "gemv_int8w16_packed: n_out ", n_out, " does not fit ", panels, " panels");
-  TORCH_CHECK(scale.is_contiguous() && scale.numel() == panels * kPanel,
-              "gemv_int8w16_packed: scale must hold 8 * P values");
+  check_rows(panels, n_out, scale, "gemv_int8w16_packed");
   at::Tensor xc = x.contiguous();
   const float* xf = xc.data_ptr<float>();
   float amax = 0.0f;
@@ -263,10 +268,7 @@ at::Tensor gemv_int8x8_packed(const at::Tensor& x, const at::Tensor& packed,
   const int64_t k_len = x.numel();
   TORCH_CHECK((k_len + kBlock - 1) / kBlock == blocks, "gemv_int8x8_packed: x has ", k_len,
               " values for ", blocks, " blocks of 32 columns");
-  TORCH_CHECK(n_out > (panels - 1) * kPanel && n_out <= panels * kPanel,
-              "gemv_int8x8_packed: n_out ", n_out, " does not fit ", panels, " panels");
-  TORCH_CHECK(scale.is_contiguous() && scale.numel() == panels * kPanel,
-              "gemv_int8x8_packed: scale must hold 8 * P values");
+  check_rows(panels, n_out, scale, "gemv_int8x8_packed");
   at::Tensor xc = x.contiguous();
   const QuantizedRow xq = quantize_row_int8(xc.data_ptr<float>(), k_len, blocks);
   at::Tensor bc;
