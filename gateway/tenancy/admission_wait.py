@@ -143,6 +143,7 @@ class Promise:
         due: monotonic time it was told to come back at.
         expires: monotonic time the places lapse if it has not.
         requests / tokens: the places (engine requests) and prompt tokens held.
+        ahead: the departures its wait was predicted from (0: not from departures).
     """
 
     fingerprint: Hashable
@@ -150,6 +151,7 @@ class Promise:
     expires: float
     requests: int
     tokens: int
+    ahead: int = 0
 
 
 class Promises:
@@ -201,14 +203,15 @@ class Promises:
                 tokens += p.tokens
         return requests, tokens
 
-    def promise(self, fingerprint: Hashable, wait_s: float, requests: int, tokens: int) -> None:
+    def promise(
+        self, fingerprint: Hashable, wait_s: float, requests: int, tokens: int, ahead: int = 0
+    ) -> None:
         """Hold ``requests`` places of ``tokens`` prompt tokens for ``fingerprint``, due in
-        ``wait_s`` seconds (> 0)."""
+        ``wait_s`` seconds (> 0), predicted from ``ahead`` departures."""
         now = self._clock()
         due = now + wait_s
-        p = Promise(
-            fingerprint, due, due + self.grace_s + self.grace_fraction * wait_s, requests, tokens
-        )
+        expires = due + self.grace_s + self.grace_fraction * wait_s
+        p = Promise(fingerprint, due, expires, requests, tokens, ahead)
         pid = next(self._ids)
         self._by_id[pid] = p
         self._by_fingerprint.setdefault(fingerprint, []).append(pid)
