@@ -309,3 +309,39 @@ def test_a_promise_past_its_time_keeps_nobody_out_but_can_still_be_claimed():
     ticket = ctl.admit(100, fingerprint="late")
     assert ctl.promises.held() == (0, 0)
     ticket.done()
+
+
+def test_a_claimed_places_overflow_grows_with_the_departures_it_was_told_from():
+    # A wait told from n departures is kept when the queue drained up to 20 % slower:
+    # 0.2 n places, never fewer than half the bound.
+    assert _overflow(16) == _overflow(16, 10) == 8
+    assert _overflow(16, 100) == 20
+    clock, ctl, held = _full_queue(4)
+    waits = [_refused(ctl, f"back{i}") for i in range(20)]  # the 20th told from 20 departures
+    assert ctl.promises.held()[0] == 20
+    clock.t += max(waits)  # every promise due; nobody left the queue (the drain stalled)
+    last = ctl.admit(100, fingerprint="back19")  # 4 + 1 places over a queue of 4: within 0.2 x 20
+    assert ctl.queued_requests == 5
+    for t in [*held, last]:
+        t.done()
+
+
+def test_a_claimed_request_refused_again_waits_for_the_promises_due_before_it_returns():
+    # Past its overflow, a returning request goes behind the promises due before it would
+    # come back again, instead of being told the next free place and meeting them there.
+    clock, ctl, held = _full_queue(4)
+    first = [_refused(ctl, f"early{i}") for i in range(2)]
+    clock.t += max(first)
+    tickets = [ctl.admit(100, fingerprint=f"early{i}") for i in range(2)]  # the overflow: 2
+    later = [_refused(ctl, f"later{i}") for i in range(6)]  # due from now on
+    back = _refused(ctl, "later-0-twin")  # a newcomer: behind all six promises
+    assert back >= max(later)
+    # the same body as a due promise, claimed, refused again: it counts the promises due
+    # before it returns (the other five), so it is told more than the places over the bound
+    clock.t += min(later)
+    again = _refused(ctl, "later0")
+    over = ctl.queued_requests + 1 - 4  # what its wait counted before
+    assert again > ctl._departures(over, 0)[0]
+    assert again >= ctl._departures(over + 5, 5)[0] - 1e-9
+    for t in [*held, *tickets]:
+        t.done()
