@@ -338,7 +338,26 @@ caches, block table, context length, slot, head counts and softmax scale."""
 
 LinearSpec = tuple[int, torch.Tensor, torch.Tensor | None, torch.Tensor | None, int]
 """``(LINEAR_KINDS code, weight as the kind takes it, int8 scale or None, bias or None,
-out_features)``: what a linear module's ``one_row_spec()`` hands :func:`decode_layer`."""
+out_features)``: what a linear module's ``one_row_spec()`` hands :func:`layer_linears`."""
+
+LayerLinears = tuple[
+    list[int], list[torch.Tensor], list[torch.Tensor | None], list[torch.Tensor | None], list[int]
+]
+"""A layer's four :data:`LinearSpec` s column by column (codes, weights, scales, biases,
+out_features), as :func:`decode_layer`'s op takes them: built once by :func:`layer_linears`."""
+
+
+def layer_linears(
+    specs: tuple[LinearSpec, LinearSpec, LinearSpec, LinearSpec],
+) -> LayerLinears:
+    """The :data:`LayerLinears` of the qkv, o, gate_up and down specs, in that order."""
+    return (
+        [spec[0] for spec in specs],
+        [spec[1] for spec in specs],
+        [spec[2] for spec in specs],
+        [spec[3] for spec in specs],
+        [spec[4] for spec in specs],
+    )
 
 
 def decode_layer(
@@ -347,7 +366,7 @@ def decode_layer(
     input_norm: torch.Tensor,
     post_norm: torch.Tensor,
     eps: float,
-    linears: tuple[LinearSpec, LinearSpec, LinearSpec, LinearSpec],
+    linears: LayerLinears,
     *attention: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One pre-norm decoder layer (Llama: no q/k norm) for one decode token alone: ``(out, s)``
@@ -358,7 +377,7 @@ def decode_layer(
     Args:
         hidden, residual: ``[1, H]`` fp32.
         input_norm, post_norm: the two RMSNorm weights ``[H]`` fp32; eps: their epsilon.
-        linears: the :data:`LinearSpec` of qkv, o, gate_up and down, in that order.
+        linears: :func:`layer_linears` of the qkv, o, gate_up and down specs.
         attention: :data:`DecodeAttentionArgs`, :func:`decode_attention`'s arguments after
             ``qkv`` (the caches written in place).
 
@@ -371,10 +390,6 @@ def decode_layer(
         input_norm,
         post_norm,
         eps,
-        [spec[0] for spec in linears],
-        [spec[1] for spec in linears],
-        [spec[2] for spec in linears],
-        [spec[3] for spec in linears],
-        [spec[4] for spec in linears],
+        *linears,
         *attention,
     )

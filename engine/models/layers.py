@@ -386,16 +386,16 @@ class DecoderLayer(nn.Module):
             and v_cache.is_contiguous()
         ):
             return None
-        norm1, norm2, eps, specs, num_heads, num_kv_heads, scale = args
+        norm1, norm2, eps, linears, num_heads, num_kv_heads, scale = args
         attention = decode_attention_args(
             positions, cos_sin_cache, kv_cache, views, num_heads, num_kv_heads, scale
         )
-        return cpu_ext.decode_layer(hidden, residual, norm1, norm2, eps, specs, *attention)
+        return cpu_ext.decode_layer(hidden, residual, norm1, norm2, eps, linears, *attention)
 
     def _layer_args(self) -> tuple[Any, ...] | None:
-        """The layer's own arguments of ``cpu_ext.decode_layer`` (norm weights, eps, linear
-        specs, head counts, softmax scale), or None where it cannot take it (q/k norms, a
-        linear without a one-row spec). Cached by :meth:`decode_one_row` until
+        """The layer's own arguments of ``cpu_ext.decode_layer`` (norm weights, eps, its
+        ``layer_linears``, head counts, softmax scale), or None where it cannot take it (q/k
+        norms, a linear without a one-row spec). Cached by :meth:`decode_one_row` until
         ``cpu_ext.one_row_generation`` moves: looking them up through the modules each step
         cost ~0.8 ms of a ~8 ms step (SmolLM2-135M, int8, one thread)."""
         attn = self.self_attn
@@ -412,7 +412,7 @@ class DecoderLayer(nn.Module):
             self.input_layernorm.weight,
             self.post_attention_layernorm.weight,
             self.input_layernorm.eps,
-            (specs[0], specs[1], specs[2], specs[3]),
+            cpu_ext.layer_linears((specs[0], specs[1], specs[2], specs[3])),
             attn.num_heads,
             attn.num_kv_heads,
             attn.scale,
