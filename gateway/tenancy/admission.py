@@ -234,15 +234,9 @@ class AdmissionController:
         within_share = self._within_share(tenant, requests)
         # a returning request that claimed its promise passes each bound by the overflow
         slack_requests = _overflow(cfg.max_queued_requests, ahead) if claimed else 0
-        # the token bound passes by the same share of itself as the request bound
-        slack_tokens = (
-            max(
-                _overflow(cfg.max_queued_tokens),
-                math.ceil(cfg.max_queued_tokens * slack_requests / cfg.max_queued_requests),
-            )
-            if claimed
-            else 0
-        )
+        # the token bound passes by the same share of itself as the request bound (at least
+        # half of it, as slack_requests is at least half the request bound)
+        slack_tokens = math.ceil(cfg.max_queued_tokens * slack_requests / cfg.max_queued_requests)
         slack_running = _overflow(cfg.max_running, ahead) if claimed and cfg.max_running else 0
         over = self.queued_requests + held + requests - cfg.max_queued_requests
         if over > slack_requests and not within_share:

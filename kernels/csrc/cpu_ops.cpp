@@ -1,5 +1,7 @@
-// prefixgate's CPU ops for one row (batch-1 decode): an AVX2/FMA fp32 GEMV over a panel-packed
-// weight, and fused small ops (residual add + RMSNorm, SiLU * mul). Built lazily by
+// prefixgate's CPU ops for one row (batch-1 decode): AVX2/FMA GEMVs over panel-packed weights
+// (fp32; int8 with fp32, int16 or int8 activations, the last on AVX-VNNI where the CPU has it),
+// fused small ops (residual add + RMSNorm, rotary + KV write + paged attention, SiLU * mul) and
+// a whole decoder layer in one call (decode_layer). Built lazily by
 // prefixgate/kernels/cpu_ext.py (torch.utils.cpp_extension.load, -O3 -mavx2 -mfma) and
 // registered as torch.ops.prefixgate_cpu.*; threads through at::parallel_for (torch's own pool).
 // Shapes, dtypes and tolerances are documented in cpu_ext.py.
@@ -229,8 +231,8 @@ inline __m256i quad(__m256i acc, __m256i w, __m256i xs, __m256i xa) {
 
 // One panel's 8 outputs: fp32 sums of its block int32 sums times their activation scale. Two
 // int32 accumulators (even and odd quads) halve the dependency chain of vpdpbusd's latency;
-// one panel at a time reads the weight as one forward stream (two panels side by side, as
-// the fp32 GEMV does, measured 20-40 % slower here at the memory-bound shapes).
+// one panel at a time reads the weight as one forward stream (two panels side by side
+// measured 20-40 % slower here at the memory-bound shapes).
 template <bool VNNI>
 inline __m256 gemv8_panel(const int8_t* w, const QuantizedRow& xq, int64_t blocks) {
   __m256 f = _mm256_setzero_ps();
@@ -531,26 +533,37 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed,
 // 0 fp32 panels (gemv_packed), 1 "mm_t" ([I, O] weight, at::mm / at::addmm), 2 "linear" ([O, I],
 // at::linear), 3 / 4 / 5 int8 panels with fp32 / int16 / int8 activations, 6 oneDNN's packed
 // weight.
+enum LinearKind : int64_t {  // the codes of cpu_ext.LINEAR_KINDS
+  kGemv = 0,
+  kMmT = 1,
+  kLinear = 2,
+  kInt8Gemv = 3,
+  kInt8Gemv16 = 4,
+  kInt8Gemv8 = 5,
+  kOneDNN = 6,
+};
+
 at::Tensor linear_one_row(int64_t kind, const at::Tensor& x, const at::Tensor& w,
                           const c10::optional<at::Tensor>& scale,
                           const c10::optional<at::Tensor>& bias, int64_t n_out) {
   const bool has_bias = bias.has_value() && bias->defined();
+  const bool int8 = kind == kInt8Gemv || kind == kInt8Gemv16 || kind == kInt8Gemv8;
+  TORCH_CHECK(!int8 || (scale.has_value() && scale->defined()),
+              "decode_layer: an int8 linear needs its scale");
   switch (kind) {
-    case 0:
+    case kGemv:
       return gemv_packed(x, w, bias, n_out);
-    case 1:
+    case kMmT:
       return has_bias ? at::addmm(*bias, x, w) : at::mm(x, w);
-    case 2:
+    case kLinear:
       return at::linear(x, w, bias);
-    case 3:
-    case 4:
-    case 5: {
-      TORCH_CHECK(scale.has_value() && scale->defined(), "decode_layer: an int8 linear needs its scale");
-      if (kind == 3) return gemv_int8_packed(x, w, *scale, bias, n_out);
-      if (kind == 4) return gemv_int8w16_packed(x, w, *scale, bias, n_out);
+    case kInt8Gemv:
+      return gemv_int8_packed(x, w, *scale, bias, n_out);
+    case kInt8Gemv16:
+      return gemv_int8w16_packed(x, w, *scale, bias, n_out);
+    case kInt8Gemv8:
       return gemv_int8x8_packed(x, w, *scale, bias, n_out, true);
-    }
-    case 6:
+    case kOneDNN:
       return onednn_linear(x, w, bias);
     default:
       TORCH_CHECK(false, "decode_layer: unknown linear kind ", kind);
