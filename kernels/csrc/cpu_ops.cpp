@@ -529,19 +529,11 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed,
   return stack[0].toTensor();
 }
 
-// One linear of a decoder layer at one row, by the kind its module chose (cpu_ext.LINEAR_KINDS):
-// 0 fp32 panels (gemv_packed), 1 "mm_t" ([I, O] weight, at::mm / at::addmm), 2 "linear" ([O, I],
-// at::linear), 3 / 4 / 5 int8 panels with fp32 / int16 / int8 activations, 6 oneDNN's packed
-// weight.
-enum LinearKind : int64_t {  // the codes of cpu_ext.LINEAR_KINDS
-  kGemv = 0,
-  kMmT = 1,
-  kLinear = 2,
-  kInt8Gemv = 3,
-  kInt8Gemv16 = 4,
-  kInt8Gemv8 = 5,
-  kOneDNN = 6,
-};
+// One linear of a decoder layer at one row, by the kind its module chose, in the order (0..6)
+// of cpu_ext.LINEAR_KINDS: fp32 panels (gemv_packed), "mm_t" ([I, O] weight, at::mm /
+// at::addmm), "linear" ([O, I], at::linear), int8 panels with fp32 / int16 / int8 activations,
+// oneDNN's packed weight.
+enum LinearKind : int64_t { kGemv, kMmT, kLinear, kInt8Gemv, kInt8Gemv16, kInt8Gemv8, kOneDNN };
 
 at::Tensor linear_one_row(int64_t kind, const at::Tensor& x, const at::Tensor& w,
                           const c10::optional<at::Tensor>& scale,
