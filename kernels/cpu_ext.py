@@ -10,6 +10,9 @@ The ops' threads are ``at::parallel_for``'s: torch's own pool, at ``torch.get_nu
 :func:`available` builds (once per process) and says whether the ops can be used; it returns
 False, with one log line, on a CPU without AVX2 / FMA, without a compiler, when the build fails,
 or with ``PREFIXGATE_CPU_EXT=0`` in the environment. Callers then keep the torch paths.
+A build killed part-way (Ctrl-C during the first ``prefixgate serve`` of a large model) leaves
+torch's ``lock`` file in the build folder, on which every later ``load`` would wait forever:
+:func:`clear_stale_lock` waits at most :data:`STALE_LOCK_S` for a live build and then removes it.
 
 Ops (fp32, CPU; tolerances as the tests check them against the torch reference):
 
@@ -67,6 +70,38 @@ CFLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off"]
 rotary's products and sums are the torch reference's bit for bit."""
 
 
+STALE_LOCK_S = 180.0
+"""Seconds after which torch's build ``lock`` counts as left by a killed build and is removed.
+A build takes 16-22 s on a 2-core machine, so a live one is done long before."""
+
+
+def clear_stale_lock(
+    build_dir: str | os.PathLike[str], stale_after_s: float = STALE_LOCK_S, poll_s: float = 0.2
+) -> bool:
+    """Wait until ``build_dir/lock`` is gone or older than ``stale_after_s`` seconds (its
+    mtime: torch's ``FileBaton`` creates it once and never touches it), and remove it in the
+    second case, with one warning; True when a stale lock was removed.
+
+    A lock that appears again after this returns belongs to a live build, which torch waits on.
+    """
+    lock = Path(build_dir) / "lock"
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return False
+        if age > stale_after_s:
+            try:
+                lock.unlink()
+            except FileNotFoundError:
+                return False
+            logger.warning(
+                "removed a stale build lock %s (%.0f s old: a killed build left it)", lock, age
+            )
+            return True
+        time.sleep(poll_s)
+
+
 def cpu_supports_avx2() -> bool:
     """True on x86-64 where torch's own dispatch reports AVX2 or better (AVX2 implies FMA
     on every CPU torch selects it for)."""
@@ -95,8 +130,9 @@ def available() -> bool:
         return True
     t0 = time.perf_counter()
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import _get_build_directory, load
 
+        clear_stale_lock(_get_build_directory(EXTENSION_NAME, verbose=False))
         load(
             name=EXTENSION_NAME,
             sources=[str(SOURCE)],
