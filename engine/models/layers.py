@@ -120,7 +120,7 @@ def _set_flag(model: nn.Module, kinds: tuple[type, ...], attr: str, on: bool, wh
 
 def one_decode_alone(views: BatchViews, hidden: torch.Tensor) -> bool:
     """True for a step of one decode token and nothing else, as an fp32 CPU row: the steps
-    :meth:`DecoderLayer.decode_one_row` takes."""
+    :meth:`DecoderLayer.forward` takes with ``one_row``."""
     return (
         views.num_decodes == 1
         and views.verify is None
@@ -361,18 +361,10 @@ class DecoderLayer(nn.Module):
     """A step of one decode token alone through one ``cpu_ext.decode_layer`` call
     (:func:`set_one_row_layers`)."""
 
-    def decode_one_row(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        kv_cache: KVCache,
-        views: BatchViews,
-        cos_sin_cache: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """:meth:`forward` of a step that :func:`one_decode_alone` admits, as one
-        ``cpu_ext.decode_layer`` call; None (nothing run) where this layer cannot take it: not
-        set, q/k norms, a linear without a one-row spec, or caches other than contiguous fp32."""
+    def _one_row_args_for(self, kv_cache: KVCache) -> tuple[Any, ...] | None:
+        """This layer's cached arguments of ``cpu_ext.decode_layer`` for a step that
+        :func:`one_decode_alone` admits; None where it cannot take it: not set, q/k norms, a
+        linear without a one-row spec, or caches other than contiguous fp32."""
         if not self.one_row_layer:
             return None
         gen = cpu_ext.one_row_generation()
@@ -386,16 +378,12 @@ class DecoderLayer(nn.Module):
             and v_cache.is_contiguous()
         ):
             return None
-        norm1, norm2, eps, linears, num_heads, num_kv_heads, scale = args
-        attention = decode_attention_args(
-            positions, cos_sin_cache, kv_cache, views, num_heads, num_kv_heads, scale
-        )
-        return cpu_ext.decode_layer(hidden, residual, norm1, norm2, eps, linears, *attention)
+        return args
 
     def _layer_args(self) -> tuple[Any, ...] | None:
         """The layer's own arguments of ``cpu_ext.decode_layer`` (norm weights, eps, its
         ``layer_linears``, head counts, softmax scale), or None where it cannot take it (q/k
-        norms, a linear without a one-row spec). Cached by :meth:`decode_one_row` until
+        norms, a linear without a one-row spec). Cached by :meth:`_one_row_args_for` until
         ``cpu_ext.one_row_generation`` moves: looking them up through the modules each step
         cost ~0.8 ms of a ~8 ms step (SmolLM2-135M, int8, one thread)."""
         attn = self.self_attn
@@ -426,8 +414,19 @@ class DecoderLayer(nn.Module):
         kv_cache: KVCache,
         views: BatchViews,
         cos_sin_cache: torch.Tensor,
+        one_row: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns ``(hidden [T, H], residual [T, H])``; their sum is the block's output."""
+        """Returns ``(hidden [T, H], residual [T, H])``; their sum is the block's output.
+
+        ``one_row``: the step is one decode token alone (:func:`one_decode_alone`); where this
+        layer can take it (:func:`set_one_row_layers`), the whole layer is one
+        ``cpu_ext.decode_layer`` call, bit for bit the ops below."""
+        if one_row and (args := self._one_row_args_for(kv_cache)) is not None:
+            norm1, norm2, eps, linears, num_heads, num_kv_heads, scale = args
+            attention = decode_attention_args(
+                positions, cos_sin_cache, kv_cache, views, num_heads, num_kv_heads, scale
+            )
+            return cpu_ext.decode_layer(hidden, residual, norm1, norm2, eps, linears, *attention)
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)

@@ -98,12 +98,8 @@ class CausalLM(nn.Module):
         assert cos_sin is not None  # init_rope above
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             assert isinstance(layer, DecoderLayer)
-            done = None
-            if one_row:  # one C++ call for the layer where it can take it (set_one_row_layers)
-                done = layer.decode_one_row(positions, hidden, residual, kv_cache, views, cos_sin)
-            if done is None:
-                done = layer(positions, hidden, residual, kv_cache, views, cos_sin)
-            hidden, residual = done
+            # one_row: one C++ call for the layer where it can take it (set_one_row_layers)
+            hidden, residual = layer(positions, hidden, residual, kv_cache, views, cos_sin, one_row)
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
 
