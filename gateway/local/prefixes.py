@@ -36,7 +36,7 @@ from typing import Any, Protocol
 from prefixgate.engine.errors import PinLimitError
 from prefixgate.engine.protocol import EngineClient, PinHandle
 from prefixgate.gateway.http.errors import APIError, not_found, shown
-from prefixgate.gateway.tenancy.shared_state import LocalState, StateBackend
+from prefixgate.gateway.tenancy.shared_state import LocalState, StateBackend, published_prefix
 
 
 @dataclass(slots=True)
@@ -363,15 +363,12 @@ class PrefixRegistry:
         """
         self._expire()
         entry = self._entries.get(prefix_id)
-        if self._shared.shares_prefixes:
-            record = await self._shared.get_prefix(prefix_id)
-            if record is None and self._shared.shares_prefixes:  # Redis answered: none
-                if entry is not None and entry.published:
-                    self._drop(entry)
-                    entry = None
-            elif record is not None and entry is None:
-                if record.get("salt") == salt:
-                    return SharedPrefix.from_record(record)
+        record, withdrawn = await published_prefix(self._shared, prefix_id)
+        if withdrawn and entry is not None and entry.published:
+            self._drop(entry)
+            entry = None
+        elif record is not None and entry is None and record.get("salt") == salt:
+            return SharedPrefix.from_record(record)
         if entry is None:
             raise _not_found(prefix_id)
         return self.get(prefix_id, salt)

@@ -44,7 +44,7 @@ from prefixgate.gateway.http.errors import APIError, not_found, shown
 from prefixgate.gateway.proxy.prefix_entry import ProxyPrefix
 from prefixgate.gateway.proxy.prefix_placement import HeadersFor, PrefixPlacement
 from prefixgate.gateway.proxy.upstream import Route, Upstream, UpstreamRouter
-from prefixgate.gateway.tenancy.shared_state import StateBackend
+from prefixgate.gateway.tenancy.shared_state import StateBackend, published_prefix
 
 __all__ = ["HeadersFor", "ProxyPrefix", "ProxyPrefixRegistry"]
 
@@ -198,20 +198,18 @@ class ProxyPrefixRegistry:
         """
         self._expire()
         entry = self._entries.get(prefix_id)
-        if self._shared.shares_prefixes:
-            record = await self._shared.get_prefix(prefix_id)
-            if record is None and self._shared.shares_prefixes:  # Redis answered: none
-                if entry is not None and entry.published:  # deleted on another replica
-                    self._entries.pop(prefix_id, None)
-                    entry = None
-            elif record is not None and entry is None:
-                try:
-                    entry = ProxyPrefix.from_record(record)
-                except (KeyError, TypeError, ValueError):
-                    entry = None
-            elif record is not None and entry is not None:
-                entry.upstream = record.get("upstream")  # another replica re-registered it
-                entry.upstream_id = record.get("upstream_id")
+        record, withdrawn = await published_prefix(self._shared, prefix_id)
+        if withdrawn and entry is not None and entry.published:  # deleted on another replica
+            self._entries.pop(prefix_id, None)
+            entry = None
+        elif record is not None and entry is None:
+            try:
+                entry = ProxyPrefix.from_record(record)
+            except (KeyError, TypeError, ValueError):
+                entry = None
+        elif record is not None and entry is not None:
+            entry.upstream = record.get("upstream")  # another replica re-registered it
+            entry.upstream_id = record.get("upstream_id")
         if entry is None or entry.salt != salt or entry.seconds_left() <= 0:
             raise _not_found(prefix_id)
         return entry

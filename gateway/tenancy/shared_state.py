@@ -137,6 +137,19 @@ class StateBackend(Protocol):
         ...
 
 
+async def published_prefix(
+    shared: StateBackend, prefix_id: str
+) -> tuple[dict[str, Any] | None, bool]:
+    """``(record, withdrawn)`` of ``prefix_id``: its record as published by any replica (None
+    when unknown, expired or not shared), and whether the shared store answered that it holds
+    none, so a copy of it here marked published was deleted on another replica or expired.
+    ``withdrawn`` is False without shared state and when the store failed meanwhile."""
+    if not shared.shares_prefixes:
+        return None, False
+    record = await shared.get_prefix(prefix_id)
+    return record, record is None and shared.shares_prefixes  # False: the store failed
+
+
 class LocalState:
     """In-process state: the key's ``Principal`` holds its buckets and in-flight count."""
 
