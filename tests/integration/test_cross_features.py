@@ -23,7 +23,11 @@ the whole answer (content, tool calls, finish reasons, tokens, usage); ``usage``
 
 Profiles: ``test_cross_features_fast`` (CI: ``FAST_EXAMPLES`` cases, derandomized, about a
 minute on a loaded 2-core machine) and ``test_cross_features_long`` (slow marker,
-``LONG_EXAMPLES``). What they found is in ``test_cross_features_regressions.py``.
+``LONG_EXAMPLES``). What they found is in ``test_cross_features_regressions.py``. Two more
+axes compare against these servers at temperature 0: n-gram speculation
+(``test_cross_features_speculative``) and the one-row CPU ops forced on
+(``test_cross_features_cpu_ops``: ``decode_layer`` on every lone decode step, each linear on
+another one-row kind; the loader keeps them off for aidreams).
 """
 
 from __future__ import annotations
@@ -464,18 +468,19 @@ def spec_servers(aidreams_path):
         next(gen, None)
 
 
-def check_spec_case(
-    case: Case, servers: dict[str, Any], spec_servers: dict[str, Any], http, pool_whole
+def check_beside_plain(
+    case: Case, servers: dict[str, Any], other: dict[str, Any], http, pool_whole
 ) -> None:
-    """Every invariant of ``check_case`` with speculation on; at temperature 0 the answer
-    equals the one without speculation (content, calls, finish reasons, tokens, usage): the
-    stop strings, ``max_tokens``, ``min_tokens``, ``logit_bias`` and penalties held at every
-    accepted draft as they do token by token."""
-    check_case(case, spec_servers, http, pool_whole)
+    """Every invariant of ``check_case`` on the ``other`` servers (speculation on, or the CPU
+    ops); at temperature 0 the answer equals the plain servers' (content, calls, finish
+    reasons, tokens, usage): the stop strings, ``max_tokens``, ``min_tokens``, ``logit_bias``
+    and penalties held at every accepted draft, and on every step taken by the one-row ops,
+    as they do token by token on the torch path."""
+    check_case(case, other, http, pool_whole)
     if case.body.get("temperature") != 0:
         return
     plain = _whole(http, servers[case.server].url, case)
-    spec = _whole(http, spec_servers[case.server].url, case)
+    spec = _whole(http, other[case.server].url, case)
     assert plain.status == spec.status, (plain, spec)
     if plain.status == 200:
         assert (spec.contents, spec.calls, spec.finishes, spec.tokens) == (
@@ -483,10 +488,10 @@ def check_spec_case(
             plain.calls,
             plain.finishes,
             plain.tokens,
-        ), f"speculative != plain:\n{plain}\n{spec}"
+        ), f"other != plain:\n{plain}\n{spec}"
         assert spec.usage["completion_tokens"] == plain.usage["completion_tokens"]
     wait_idle(servers[case.server], pool_whole)
-    wait_idle(spec_servers[case.server], pool_whole)
+    wait_idle(other[case.server], pool_whole)
 
 
 # drafts are verified for requests without a grammar or logprobs: mostly those
@@ -498,7 +503,7 @@ SPEC_PROMPTS = [*PROMPTS, "Contrast edges sharpen, as I adjust, as I adjust, as 
 @settings(max_examples=SPEC_EXAMPLES, derandomize=True, **_COMMON)
 @given(case=cases(SPEC_KINDS, penalties=True, prompts=SPEC_PROMPTS))
 def test_cross_features_speculative(servers, spec_servers, http, pool_whole, case):
-    check_spec_case(case, servers, spec_servers, http, pool_whole)
+    check_beside_plain(case, servers, spec_servers, http, pool_whole)
 
 
 def test_cross_features_speculative_verified_drafts(spec_servers, http, pool_whole):
@@ -514,4 +519,66 @@ def test_cross_features_speculative_verified_drafts(spec_servers, http, pool_who
     stats = srv.app[LOCAL].engine.stats()
     assert stats["spec_decode_num_drafts"] > 0, stats
     assert stats["spec_decode_num_accepted_tokens"] > 0, stats
+    wait_idle(srv, pool_whole)
+
+
+# ---- the one-row CPU ops as one more axis ---------------------------------------------------
+
+OPS_EXAMPLES = 120
+
+
+@pytest.fixture(scope="module")
+def ops_servers(aidreams_path):
+    """The same two servers with the one-row CPU ops forced on (aidreams is under the loader's
+    size gate, so no other test's server runs them): every step of one decode token alone runs
+    ``cpu_ext.decode_layer``, each linear on another one-row kind (the AVX2 GEMV, ``mm_t``,
+    ``linear``, oneDNN's packed weight), while ``n`` > 1, prefills and the 8-block server's
+    preemptions run the torch path between them."""
+    from prefixgate.engine.models.cpu_linear import OneDNNLinear
+    from prefixgate.engine.models.layers import set_one_row_layers, set_one_row_ops
+    from prefixgate.kernels import cpu_ext
+
+    if not cpu_ext.available():
+        pytest.skip("prefixgate CPU ops not built here (no AVX2 or no compiler)")
+    big = serve_aidreams(aidreams_path, model_name=MODEL, tool_call_parser="hermes")
+    small = serve_aidreams(
+        aidreams_path, num_kv_blocks=8, model_name=MODEL, tool_call_parser="hermes"
+    )
+    out = {"big": next(big), "small": next(small)}
+    kinds = ["gemv", "mm_t", "linear", "onednn"]
+    for srv in out.values():  # before any request: the step thread reads the flags
+        model = srv.app[LOCAL].engine.engine.runner.model
+        linears = [m for m in model.modules() if isinstance(m, OneDNNLinear)]
+        for i, m in enumerate(linears):
+            m.set_one_row(kinds[i % len(kinds)])
+        set_one_row_ops(model, True)
+        assert set_one_row_layers(model, True) == model.config.num_layers
+    yield out
+    for gen in (big, small):
+        next(gen, None)
+
+
+@settings(max_examples=OPS_EXAMPLES, derandomize=True, **_COMMON)
+@given(case=cases())
+def test_cross_features_cpu_ops(servers, ops_servers, http, pool_whole, case):
+    check_beside_plain(case, servers, ops_servers, http, pool_whole)
+
+
+def test_cross_features_cpu_ops_ran(ops_servers, http, pool_whole, monkeypatch):
+    """The axis is real: a lone greedy request on the ops server goes through
+    ``cpu_ext.decode_layer`` (looked up at each call, so a counting wrapper sees it)."""
+    from prefixgate.kernels import cpu_ext
+
+    calls = {"n": 0}
+    real = cpu_ext.decode_layer
+
+    def counting(*args, **kwargs):
+        calls["n"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_ext, "decode_layer", counting)
+    srv = ops_servers["big"]
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0}
+    assert http.post(f"{srv.url}/v1/completions", json=body).status_code == 200
+    assert calls["n"] > 0
     wait_idle(srv, pool_whole)
