@@ -12,7 +12,8 @@ False, with one log line, on a CPU without AVX2 / FMA, without a compiler, when 
 or with ``PREFIXGATE_CPU_EXT=0`` in the environment. Callers then keep the torch paths.
 A build killed part-way (Ctrl-C during the first ``prefixgate serve`` of a large model) leaves
 torch's ``lock`` file in the build folder, on which every later ``load`` would wait forever:
-:func:`clear_stale_lock` waits at most :data:`STALE_LOCK_S` for a live build and then removes it.
+:func:`clear_stale_lock` removes it when no process holds it open (on Linux; elsewhere once it
+is :data:`STALE_LOCK_S` old) and waits for a live build otherwise.
 
 Ops (fp32, CPU; tolerances as the tests check them against the torch reference):
 
@@ -71,18 +72,49 @@ rotary's products and sums are the torch reference's bit for bit."""
 
 
 STALE_LOCK_S = 180.0
-"""Seconds after which torch's build ``lock`` counts as left by a killed build and is removed.
-A build takes 16-22 s on a 2-core machine, so a live one is done long before."""
+"""Seconds after which torch's build ``lock`` counts as left by a killed build where no
+:func:`lock_holders` answer can be had. A build takes 16-22 s on a 2-core machine, so a live
+one is done long before."""
+
+
+def lock_holders(lock: Path) -> bool | None:
+    """Whether a process on this machine holds ``lock`` open (torch's ``FileBaton`` keeps it
+    open for the whole build); None where that cannot be told: no ``/proc`` (not Linux), or a
+    process whose open files cannot be read (another user's)."""
+    proc = Path("/proc")
+    if not (proc / "self" / "fd").is_dir():
+        return None
+    target = str(lock.resolve())
+    unknown = False
+    for pid in proc.iterdir():
+        if not pid.name.isdigit():
+            continue
+        try:
+            fds = list((pid / "fd").iterdir())
+        except FileNotFoundError:  # exited meanwhile
+            continue
+        except PermissionError:
+            unknown = True
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(fd) == target:
+                    return True
+            except OSError:
+                continue
+    return None if unknown else False
 
 
 def clear_stale_lock(
     build_dir: str | os.PathLike[str], stale_after_s: float = STALE_LOCK_S, poll_s: float = 0.2
 ) -> bool:
-    """Wait until ``build_dir/lock`` is gone or older than ``stale_after_s`` seconds (its
-    mtime: torch's ``FileBaton`` creates it once and never touches it), and remove it in the
-    second case, with one warning; True when a stale lock was removed.
+    """Wait until ``build_dir/lock`` is gone or stale, and remove it in the second case, with
+    one warning; True when a stale lock was removed.
 
-    A lock that appears again after this returns belongs to a live build, which torch waits on.
+    Stale: no process on this machine holds it open (:func:`lock_holders`; a live build does),
+    or, where that cannot be told, older than ``stale_after_s`` seconds (its mtime: torch's
+    ``FileBaton`` creates it once and never touches it). A lock that appears again after this
+    returns belongs to a live build, which torch waits on.
     """
     lock = Path(build_dir) / "lock"
     while True:
@@ -90,14 +122,14 @@ def clear_stale_lock(
             age = time.time() - lock.stat().st_mtime
         except FileNotFoundError:
             return False
-        if age > stale_after_s:
+        held = lock_holders(lock)
+        if held is False or (held is None and age > stale_after_s):
             try:
                 lock.unlink()
             except FileNotFoundError:
                 return False
-            logger.warning(
-                "removed a stale build lock %s (%.0f s old: a killed build left it)", lock, age
-            )
+            why = "no process holds it" if held is False else f"{age:.0f} s old"
+            logger.warning("removed a stale build lock %s (%s: a killed build left it)", lock, why)
             return True
         time.sleep(poll_s)
 
