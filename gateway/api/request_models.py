@@ -36,10 +36,12 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails
 
-# NaN / Infinity (which JSON parsers accept as literals) are never valid values.
-_CONFIG = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
-# Request bodies: unknown top-level fields are refused (OpenAI: "Unrecognized request argument").
+# NaN / Infinity (which JSON parsers accept as literals) are never valid values. Unknown fields
+# are refused, at the top level and in every nested object (messages, parts, tool calls), by
+# their dotted path (OpenAI: "Unrecognized request argument"; "Additional properties are not
+# allowed" inside a message): a field that is not implemented is never ignored.
 _REQUEST_CONFIG = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+_CONFIG = _REQUEST_CONFIG
 
 MAX_N = 16  # choices per request (each is one engine request)
 MAX_JSON_DEPTH = 200  # nesting of a body's arrays/objects: the JSON parser's recursion limit
@@ -116,6 +118,19 @@ class ChatMessage(BaseModel):
     # a breakpoint on the message itself, not on a part: refused by name (cache_marks.py)
     prompt_cache_breakpoint: Any = None
     cache_control: Any = None
+    # fields of an assistant message as openai-python returns it (``message.model_dump()``
+    # given back as history): accepted when they hold nothing, refused by name otherwise
+    refusal: Any = None
+    audio: Any = None
+    function_call: Any = None
+    annotations: Any = None
+
+    @field_validator("refusal", "audio", "function_call", "annotations", mode="after")
+    @classmethod
+    def _inert_only(cls, value: object, info: ValidationInfo) -> object:
+        if value not in (None, []):
+            raise ValueError(f"{info.field_name} is not supported in messages (only null)")
+        return value
 
     @field_validator("content", mode="after")
     @classmethod
@@ -389,6 +404,16 @@ def parse(model: type[M], body: bytes) -> M:
         return model.model_validate_json(body)
     except ValidationError as exc:
         errors = exc.errors(include_url=False)
+        # a part of a kind not taken ({"type": "image_url", "image_url": ...}): its type is the
+        # fault, not the keys that belong to that kind
+        wrong_kind = {e["loc"][:-1] for e in errors if e["loc"][-1:] == ("type",)}
+        if wrong_kind:
+            kept = [
+                e
+                for e in errors
+                if not (e["type"] == "extra_forbidden" and e["loc"][:-1] in wrong_kind)
+            ]
+            errors = kept or errors
         extra = [e for e in errors if e["type"] == "extra_forbidden"]
         if extra:  # OpenAI's answer to an unknown field (nested: its dotted path)
             name = ".".join(str(p) for p in extra[0]["loc"] if not _is_type_tag(p))[:80]

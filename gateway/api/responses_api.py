@@ -78,18 +78,25 @@ class InputText(BaseModel):
     optionally a cache breakpoint (``prompt_cache_breakpoint``, or ``cache_control`` as on
     chat: ``api/cache_marks.py``)."""
 
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    model_config = _CONFIG
     type: Literal["input_text", "output_text"]
     text: str
     prompt_cache_breakpoint: PromptCacheBreakpoint | None = None
     cache_control: PartCacheControl | None = None
+    # an earlier response's output text given back as input (openai-python's
+    # ResponseOutputText): its metadata, not part of the text
+    annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
 
 
 class InputMessage(BaseModel):
     """A message item of ``input`` (``type`` "message" or left out)."""
 
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    model_config = _CONFIG
     type: Literal["message"] = "message"
+    # an earlier response's output message given back as input (ResponseOutputMessage)
+    id: str | None = Field(None, max_length=256)
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[InputText]
     # a breakpoint on the item itself, not on a part: refused by name (cache_marks.py)

@@ -1,7 +1,8 @@
 """A field a client sends is used or refused by name, never ignored or read as something else:
 unknown keys inside objects (``stream_options``, ``response_format`` and its ``json_schema``,
-``/tokenize`` and ``/v1/prefixes`` bodies) and ``logit_bias`` keys that only look like token
-ids (fake engine, fast)."""
+``/tokenize`` and ``/v1/prefixes`` bodies, chat messages, their parts and tool calls,
+Responses input items and parts) and ``logit_bias`` keys that only look like token ids (fake
+engine, fast)."""
 
 from __future__ import annotations
 
@@ -126,3 +127,86 @@ def test_prefix_create_refuses_unknown_fields(serve_fake, gw):
     with gw.client(srv) as http:
         _error(http.post("/v1/prefixes", json=body), 400, param="ttl")
     assert engine.stats()["pinned_blocks"] == 0
+
+
+USER = {"role": "user", "content": "hi"}
+CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize(
+    ("messages", "param"),
+    [
+        # each was answered 200 with the key dropped (found by a new user's probe)
+        ([{**USER, "foo": 1}], "messages.0.foo"),
+        ([{"role": "user", "content": [{"type": "text", "text": "hi", "foo": 1}]}], "foo"),
+        ([USER, {"role": "assistant", "tool_calls": [{**CALL, "zzz": 1}]}], "zzz"),
+        (
+            [
+                USER,
+                {
+                    "role": "assistant",
+                    "tool_calls": [{**CALL, "function": {**CALL["function"], "zzz": 1}}],
+                },
+            ],
+            "zzz",
+        ),
+        ([USER, {"role": "assistant", "content": "", "refusal": "no"}], "messages.1.refusal"),
+        ([USER, {"role": "assistant", "content": "x", "audio": {"id": "a"}}], "messages.1.audio"),
+        (
+            [USER, {"role": "assistant", "content": "x", "function_call": {"name": "f"}}],
+            "messages.1.function_call",
+        ),
+    ],
+)
+def test_unknown_or_unsupported_message_keys_are_refused(serve_fake, gw, messages, param):
+    srv, engine = serve_fake()
+    with gw.client(srv) as http:
+        body = {"model": "fake", "messages": messages, "max_tokens": 2}
+        err = _error(http.post(CHAT, json=body), 400)
+        assert param in (err["param"] or "") and param.rsplit(".", 1)[-1] in err["message"], err
+        prefix = {"model": "fake", "messages": messages}
+        _error(http.post("/v1/prefixes", json=prefix), 400)
+    assert engine.requests_seen == []
+
+
+def test_an_assistant_message_given_back_as_openai_returns_it_is_served(serve_fake, gw):
+    """openai-python's ``message.model_dump()`` of an answer (refusal, audio, function_call
+    and annotations all empty) is valid history."""
+    srv, engine = serve_fake()
+    given_back = {
+        "role": "assistant",
+        "content": "hello",
+        "refusal": None,
+        "audio": None,
+        "function_call": None,
+        "annotations": [],
+        "tool_calls": None,
+    }
+    with gw.client(srv) as http:
+        body = {"model": "fake", "messages": [USER, given_back, USER], "max_tokens": 2}
+        r = http.post(CHAT, json=body)
+        assert r.status_code == 200, r.text
+    assert len(engine.requests_seen) == 1
+
+
+def test_responses_input_refuses_unknown_keys_and_takes_its_own_output_back(serve_fake, gw):
+    srv, engine = serve_fake()
+    output_item = {  # an earlier response's output message, as openai-python returns it
+        "id": "msg_1",
+        "type": "message",
+        "status": "completed",
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": "hello", "annotations": [], "logprobs": []}],
+    }
+    with gw.client(srv) as http:
+        for item, param in (
+            ({"role": "user", "content": "hi", "foo": 1}, "foo"),
+            ({"role": "user", "content": [{"type": "input_text", "text": "hi", "zzz": 1}]}, "zzz"),
+        ):
+            body = {"model": "fake", "input": [item], "max_output_tokens": 2}
+            err = _error(http.post("/v1/responses", json=body), 400)
+            assert param in (err["param"] or ""), err
+        body = {"model": "fake", "input": [{"role": "user", "content": "hi"}, output_item]}
+        r = http.post("/v1/responses", json={**body, "max_output_tokens": 2})
+        assert r.status_code == 200, r.text
+    assert len(engine.requests_seen) == 1
