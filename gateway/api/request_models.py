@@ -239,6 +239,23 @@ class _SamplingFields(BaseModel):
     # vLLM's request priority (lower first; the engine's "priority" policy); keys decide.
     priority: int | None = Field(None, ge=-(2**31), le=2**31 - 1)
 
+    @field_validator(
+        "n",
+        "presence_penalty",
+        "frequency_penalty",
+        "stream",
+        "logprobs",
+        "echo",
+        mode="before",
+        check_fields=False,
+    )
+    @classmethod
+    def _null_is_the_default(cls, value: object, info: ValidationInfo) -> object:
+        # OpenAI's spec makes these nullable: an explicit null is the field's default
+        if value is None and info.field_name is not None:
+            return cls.model_fields[info.field_name].default
+        return value
+
     @field_validator("stop")
     @classmethod
     def _no_empty_stop(cls, value: Stop) -> Stop:

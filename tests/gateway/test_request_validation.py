@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 from prefixgate.gateway.api.prompts import choice_seeds
 from support.http import assert_openai_error as _error
 
@@ -246,4 +247,24 @@ def test_a_message_without_content_is_refused_naming_it(serve_fake, gw):
         turn = {"role": "assistant", "content": None}
         body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}, turn]}
         assert http.post("/v1/chat/completions", json={**body, "max_tokens": 2}).status_code == 200
+    assert len(engine.requests_seen) == 1
+
+
+@pytest.mark.parametrize(
+    ("route", "body"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+        ("/v1/completions", {"prompt": "hi"}),
+    ],
+)
+def test_null_on_a_nullable_field_is_its_default(serve_fake, gw, route, body):
+    # OpenAI's spec makes n, stream, logprobs, echo and the penalties nullable: an explicit
+    # null was a 400 "Input should be a valid integer" (a new user's probe)
+    srv, engine = serve_fake()
+    nulls = {"n": None, "stream": None, "frequency_penalty": None, "presence_penalty": None}
+    nulls |= {"logprobs": None} if "messages" in body else {"echo": None}
+    with gw.client(srv) as http:
+        r = http.post(route, json={"model": "fake", "max_tokens": 2, **body, **nulls})
+        assert r.status_code == 200, r.text
+        assert len(r.json()["choices"]) == 1
     assert len(engine.requests_seen) == 1
