@@ -160,6 +160,9 @@ class PrefixRegistry:
         self.max_ttl_s = max_ttl_s
         self.max_prefixes = max_prefixes
         self._entries: dict[str, PrefixEntry] = {}
+        # ids whose pin the engine revoked before its TTL (it needed the blocks): salt, so
+        # their owner is told so instead of "unknown or expired"; the latest MAX_REVOKED only
+        self._revoked: dict[str, str | None] = {}
         self._pending = 0  # creates awaiting their pin
         self._pending_by_owner: dict[str, tuple[int, int]] = {}  # owner -> (creates, blocks)
         self.block_size: int = engine.config.block_size
@@ -370,7 +373,7 @@ class PrefixRegistry:
         elif record is not None and entry is None and record.get("salt") == salt:
             return SharedPrefix.from_record(record)
         if entry is None:
-            raise _not_found(prefix_id)
+            raise self._missing(prefix_id, salt)
         return self.get(prefix_id, salt)
 
     async def remove(self, prefix_id: str, salt: str | None) -> PrefixEntry | SharedPrefix:
@@ -437,7 +440,7 @@ class PrefixRegistry:
         self._expire()
         entry = self._entries.get(prefix_id)
         if entry is None or entry.salt != salt:
-            raise _not_found(prefix_id)
+            raise self._missing(prefix_id, salt)
         return entry
 
     def delete(self, prefix_id: str, salt: str | None) -> PrefixEntry:
@@ -475,6 +478,27 @@ class PrefixRegistry:
                 self._engine.get_pin(entry.pin.id)
             except KeyError:
                 del self._entries[entry.id]
+                if entry.seconds_left() > 0:  # gone before its TTL: the engine revoked it
+                    self._revoked[entry.id] = entry.salt
+                    while len(self._revoked) > MAX_REVOKED:
+                        del self._revoked[next(iter(self._revoked))]
+
+    def _missing(self, prefix_id: str, salt: str | None) -> APIError:
+        """404 for a prefix this salt cannot use: ``prefix_revoked`` when its pin was revoked
+        for room (its owner only), else ``prefix_not_found``."""
+        if prefix_id in self._revoked and self._revoked[prefix_id] == salt:
+            return not_found(
+                f"prefix {shown(prefix_id)} was revoked before its TTL: the engine needed its "
+                "KV blocks for running requests (a pin gives way under memory pressure); "
+                "register it again",
+                param="prefix_id",
+                code="prefix_revoked",
+            )
+        return _not_found(prefix_id)
+
+
+MAX_REVOKED = 1024
+"""Revoked prefix ids remembered for their ``prefix_revoked`` answer (the latest)."""
 
 
 def _not_found(prefix_id: str) -> APIError:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from prefixgate.gateway.settings import GatewaySettings
+from support.http import assert_openai_error
 
 SYSTEM = "You are a terse assistant who answers in one word. " * 2  # 104 chars
 
@@ -119,3 +120,29 @@ def test_prefix_lives_as_long_as_its_engine_pin(serve_fake, gw):
         engine.unpin_prefix(pin_id)  # the engine let go of it (as a revoke does)
         assert http.get(f"/v1/prefixes/{pfx['id']}").status_code == 404
         assert engine.pinned_blocks == 0
+
+
+def test_a_revoked_prefix_says_it_was_revoked_to_its_owner_only(serve_fake, gw):
+    # A pin the engine revoked for room was answered "not found (unknown or expired)" before
+    # its TTL (a new user's probe): its owner is told it was revoked and to register it again.
+    srv, engine = serve_fake(GatewaySettings(model_name="fake", api_keys=["a", "b"]))
+    body = {"model": "fake", "ttl_seconds": 60, "messages": [{"role": "system", "content": SYSTEM}]}
+    with (
+        gw.client(srv, headers={"Authorization": "Bearer a"}) as a,
+        gw.client(srv, headers={"Authorization": "Bearer b"}) as b,
+    ):
+        pfx = a.post("/v1/prefixes", json=body).json()
+        (pin_id,) = list(engine._pins)
+        engine.unpin_prefix(pin_id)  # the engine let go of it before its TTL (a revoke)
+        chat = {"model": "fake", "prefix_id": pfx["id"], "max_tokens": 2}
+        chat["messages"] = [{"role": "user", "content": "hi"}]
+        for r in (
+            a.get(f"/v1/prefixes/{pfx['id']}"),
+            a.post("/v1/chat/completions", json=chat),
+            a.delete(f"/v1/prefixes/{pfx['id']}"),
+        ):
+            err = assert_openai_error(r, 404, "prefix_revoked")
+            assert "revoked" in err["message"] and "register it again" in err["message"]
+        assert_openai_error(b.get(f"/v1/prefixes/{pfx['id']}"), 404, "prefix_not_found")
+        assert_openai_error(a.get("/v1/prefixes/pfx-unknown"), 404, "prefix_not_found")
+    assert engine.pinned_blocks == 0
