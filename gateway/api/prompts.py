@@ -83,6 +83,7 @@ def _render_chat(
     max_model_len: int | None = None,
     tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
+    check_tool_turns(messages)
     kwargs: dict[str, Any] = {"tools": tools} if tools else {}
     try:
         if max_model_len is not None and _contents_may_overflow(tokenizer, messages, max_model_len):
@@ -100,6 +101,33 @@ def _render_chat(
         raise bad_request(
             f"the chat template cannot render these messages: {exc}", param="messages"
         ) from None
+
+
+def check_tool_turns(messages: list[dict[str, Any]]) -> None:
+    """Every ``tool`` message answers a call an earlier assistant message made, by its
+    ``tool_call_id`` (OpenAI's rule; a template would otherwise render a result of no call).
+
+    Raises:
+        APIError: 400 naming ``messages``: a tool message without ``tool_call_id``, or with
+            an id no earlier assistant tool call has.
+    """
+    called: set[object] = set()
+    for i, m in enumerate(messages):
+        if m.get("role") == "assistant":
+            called.update(c.get("id") for c in m.get("tool_calls") or [] if isinstance(c, dict))
+        elif m.get("role") == "tool":
+            call_id = m.get("tool_call_id")
+            if call_id is None:
+                raise bad_request(
+                    f"messages.{i}: a tool message needs the tool_call_id of the call it answers",
+                    param="messages",
+                )
+            if call_id not in called:
+                raise bad_request(
+                    f"messages.{i}: tool_call_id {str(call_id)[:80]!r} answers no tool call of "
+                    "an earlier assistant message",
+                    param="messages",
+                )
 
 
 def _contents_may_overflow(

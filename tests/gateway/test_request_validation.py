@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from prefixgate.gateway.api.prompts import choice_seeds
+from prefixgate.gateway.api.prompts import check_tool_turns, choice_seeds
 from support.http import assert_openai_error as _error
 
 
@@ -268,3 +268,25 @@ def test_null_on_a_nullable_field_is_its_default(serve_fake, gw, route, body):
         assert r.status_code == 200, r.text
         assert len(r.json()["choices"]) == 1
     assert len(engine.requests_seen) == 1
+
+
+def test_a_tool_message_must_answer_an_earlier_call(serve_fake, gw):
+    # a tool result of no call (or with no tool_call_id) was rendered and answered 200 (a new
+    # user's probe); OpenAI refuses it, as our Messages route refuses a stray tool_use_id
+    srv, engine = serve_fake()
+    user = {"role": "user", "content": "I sense the nodes"}
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    asked = {"role": "assistant", "content": None, "tool_calls": [call]}
+    with gw.client(srv) as http:
+        for messages, words in (
+            ([user, {"role": "tool", "tool_call_id": "zzz", "content": "r"}], "'zzz'"),
+            ([user, {"role": "tool", "content": "r"}], "needs the tool_call_id"),
+            ([user, asked, {"role": "tool", "tool_call_id": "call_2", "content": "r"}], "call_2"),
+        ):
+            body = {"model": "fake", "messages": messages, "max_tokens": 2}
+            err = _error(http.post("/v1/chat/completions", json=body), 400, param="messages")
+            assert "messages.1" in err["message"] or "messages.2" in err["message"], err
+            assert words in err["message"], err
+        answered = [user, asked, {"role": "tool", "tool_call_id": "call_1", "content": "r"}]
+        check_tool_turns(answered)  # passes (the fake's template has no tool role to render)
+    assert engine.requests_seen == []
