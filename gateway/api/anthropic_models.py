@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from prefixgate.gateway.api.cache_marks import Breakpoint
 from prefixgate.gateway.http.errors import bad_request
@@ -163,6 +163,8 @@ class _Conversation(BaseModel):
     """What ``messages`` and ``count_tokens`` share: the prompt."""
 
     model_config = _CONFIG
+    # the content blocks' discriminator values, left out of an error's path (request_models.parse)
+    union_tags: ClassVar[frozenset[str]] = frozenset({"text", "tool_use", "tool_result"})
     model: str
     messages: list[MessageParam] = Field(min_length=1)
     system: str | list[TextBlock] | None = None

@@ -411,6 +411,7 @@ def parse(model: type[M], body: bytes) -> M:
             ``"too_many_messages"`` over ``MAX_MESSAGES``).
     """
     counted: tuple[str, ...] = getattr(model, "counted", ())
+    tags: frozenset[str] = getattr(model, "union_tags", frozenset())
     if counted and len(body) > 2 * MAX_MESSAGES:
         try:
             raw = pydantic_core.from_json(body)
@@ -433,7 +434,7 @@ def parse(model: type[M], body: bytes) -> M:
             errors = kept or errors
         extra = [e for e in errors if e["type"] == "extra_forbidden"]
         if extra:  # OpenAI's answer to an unknown field (nested: its dotted path)
-            name = ".".join(str(p) for p in extra[0]["loc"] if not _is_type_tag(p))[:80]
+            name = ".".join(_field_path(extra[0]["loc"], tags))[:80]
             raise bad_request(
                 f"Unrecognized request argument supplied: {name}", param=name
             ) from None
@@ -443,7 +444,7 @@ def parse(model: type[M], body: bytes) -> M:
         if err["type"] == "model_type" and not err["loc"]:
             raise bad_request("the body must be a JSON object", code="invalid_json") from None
         # Union members add their type name to the location ('stop', 'str'): keep field names.
-        loc = [str(p) for p in err["loc"] if not _is_type_tag(p)]
+        loc = _field_path(err["loc"], tags)
         param = ".".join(loc) or None
         msg = err["msg"]
         if err["type"] == "missing":
@@ -469,6 +470,19 @@ def _relevant_error(errors: list[ErrorDetails]) -> ErrorDetails:
     if not fitting or cut == len(loc):
         return first
     return max(fitting, key=lambda e: len(e["loc"]))  # max keeps the first of equal depth
+
+
+def _field_path(loc: tuple[int | str, ...], tags: frozenset[str]) -> list[str]:
+    """``loc`` without the union members' names pydantic adds: type tags (``str``,
+    ``list[...]``) and, right after a list index, a discriminated union's tag (the model's
+    ``union_tags``: ``messages.0.content.0.text.foo`` is ``messages.0.content.0.foo``)."""
+    out: list[str] = []
+    for i, p in enumerate(loc):
+        tag = p in tags and 0 < i < len(loc) - 1 and isinstance(loc[i - 1], int)
+        if tag or _is_type_tag(p):  # a tag is never last: the error is inside its member
+            continue
+        out.append(str(p))
+    return out
 
 
 def _is_type_tag(part: object) -> bool:

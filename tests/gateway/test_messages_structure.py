@@ -42,6 +42,9 @@ BAD = [
     ([{"role": "assistant", "content": "hello"}, Q],
      "messages.0.role: the first message must use the user role"),
     ([{"role": "user", "content": [USE]}], "messages.0.content.0: tool_use blocks belong to assistant"),
+    # the block's discriminator tag is not part of the path (it read content.0.text.foo)
+    ([{"role": "user", "content": [{"type": "text", "text": "t", "foo": 1}]}],
+     "Unrecognized request argument supplied: messages.0.content.0.foo"),
 ]  # fmt: skip
 # (the fake engine's template has no tool role: valid tool turns are rendered by the real
 # model's template in tests/integration/test_messages_api.py and test_messages_turns.py)
