@@ -316,6 +316,8 @@ def to_chat(req: _Conversation) -> Chat:
     tc = req.tool_choice
     choice: Any = None
     parallel: bool | None = None
+    if tc is not None and tc.type != "none" and not tools:  # Anthropic's words, not OpenAI's
+        raise bad_request("tool_choice: may only be specified while providing tools", "tool_choice")
     if tc is not None:
         if tc.type == "tool":
             if not tc.name:

@@ -88,3 +88,15 @@ def test_valid_conversations_pass(url, messages):
     m = client.messages.create(model="fake", max_tokens=4, messages=messages, tools=TOOLS)
     assert m.type == "message"
     assert client.messages.count_tokens(model="fake", messages=messages, tools=TOOLS).input_tokens
+
+
+@pytest.mark.parametrize(
+    "choice", [{"type": "any"}, {"type": "auto"}, {"type": "tool", "name": "f"}]
+)
+def test_tool_choice_without_tools_is_refused_in_anthropic_words(url, choice):
+    # it said "tool_choice: 'required' needs tools" (OpenAI's words; a new user's probe)
+    client = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0)
+    with pytest.raises(anthropic.BadRequestError) as info:
+        client.messages.create(model="fake", max_tokens=4, messages=[Q], tool_choice=choice)
+    body = info.value.body
+    assert body["error"]["message"].startswith("tool_choice: may only be specified"), body
