@@ -136,9 +136,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/completions."""
     st, engine, principal, req = await open_call(request, CompletionRequest)
     if req.echo:
-        raise bad_request("echo is not supported", param="echo")
+        raise bad_request("echo is not supported", param="echo", code="unsupported_parameter")
     if req.suffix:
-        raise bad_request("suffix is not supported", param="suffix")
+        raise bad_request("suffix is not supported", param="suffix", code="unsupported_parameter")
     check_refused({k: getattr(req, k) for k in ("store", "service_tier", "best_of")}, req.n)
     check_refused({"metadata": req.metadata}, req.n)
     spec, field = structured_from(req)

@@ -193,14 +193,22 @@ def parse_request(body: bytes) -> ResponsesRequest:
     if isinstance(raw, dict):
         for name in _REFUSED:
             if raw.get(name) not in (None, [], False):
-                raise bad_request(f"{name} is not supported by this server", param=name)
+                raise bad_request(
+                    f"{name} is not supported by this server",
+                    param=name,
+                    code="unsupported_parameter",
+                )
         if raw.get("store") is True:
             raise bad_request(
                 "store=true is not supported: responses are not stored (send store=false)",
                 param="store",
             )
         if raw.get("tools"):
-            raise bad_request("tools are not supported on /v1/responses", param="tools")
+            raise bad_request(
+                "tools are not supported on /v1/responses",
+                param="tools",
+                code="unsupported_parameter",
+            )
         options = raw.get("prompt_cache_options")
         if isinstance(options, dict) and options.get("prewarm") is True:
             raise bad_request(

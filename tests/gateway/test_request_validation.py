@@ -290,3 +290,19 @@ def test_a_tool_message_must_answer_an_earlier_call(serve_fake, gw):
         answered = [user, asked, {"role": "tool", "tool_call_id": "call_1", "content": "r"}]
         check_tool_turns(answered)  # passes (the fake's template has no tool role to render)
     assert engine.requests_seen == []
+
+
+def test_refused_fields_say_unsupported_parameter_on_every_route(serve_fake, gw):
+    # completions' echo / suffix and the Responses API's refusals had code null, where chat's
+    # refused fields say unsupported_parameter (a new user's probe)
+    srv, engine = serve_fake()
+    with gw.client(srv) as http:
+        for route, body, param in (
+            ("/v1/completions", {"prompt": "hi", "echo": True}, "echo"),
+            ("/v1/completions", {"prompt": "hi", "suffix": "end"}, "suffix"),
+            ("/v1/responses", {"input": "hi", "reasoning": {"effort": "low"}}, "reasoning"),
+            ("/v1/responses", {"input": "hi", "tools": [{"type": "web_search"}]}, "tools"),
+        ):
+            r = http.post(route, json={"model": "fake", **body})
+            _error(r, 400, code="unsupported_parameter", param=param)
+    assert engine.requests_seen == []
