@@ -41,7 +41,6 @@ from pydantic_core import ErrorDetails
 # their dotted path (OpenAI: "Unrecognized request argument"; "Additional properties are not
 # allowed" inside a message): a field that is not implemented is never ignored.
 _REQUEST_CONFIG = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
-_CONFIG = _REQUEST_CONFIG
 
 MAX_N = 16  # choices per request (each is one engine request)
 MAX_JSON_DEPTH = 200  # nesting of a body's arrays/objects: the JSON parser's recursion limit
@@ -71,7 +70,7 @@ class TextPart(BaseModel):
     """One ``{"type": "text", "text": ...}`` part of a message's content, optionally a cache
     breakpoint (``prompt_cache_breakpoint`` or ``cache_control``: ``api/cache_marks.py``)."""
 
-    model_config = _CONFIG
+    model_config = _REQUEST_CONFIG
     type: Literal["text"]
     text: str
     prompt_cache_breakpoint: PromptCacheBreakpoint | None = None
@@ -91,7 +90,7 @@ class PromptCacheOptions(BaseModel):
 class ToolCallFunction(BaseModel):
     """``function`` of an assistant message's tool call."""
 
-    model_config = _CONFIG
+    model_config = _REQUEST_CONFIG
     name: str
     arguments: str
 
@@ -99,7 +98,7 @@ class ToolCallFunction(BaseModel):
 class MessageToolCall(BaseModel):
     """One tool call of an assistant message (as the API returned it)."""
 
-    model_config = _CONFIG
+    model_config = _REQUEST_CONFIG
     id: str
     type: Literal["function"] = "function"
     function: ToolCallFunction
@@ -109,7 +108,7 @@ class ChatMessage(BaseModel):
     """A chat message. Content is a string or a list of text parts (images are refused).
     Assistant messages may carry ``tool_calls``; ``tool`` messages their ``tool_call_id``."""
 
-    model_config = _CONFIG
+    model_config = _REQUEST_CONFIG
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = Field(None, validate_default=True)
     name: str | None = None
