@@ -616,9 +616,10 @@ def _why(tried: list[Upstream]) -> str:
 
 
 def _lost_prefix(data: bytes, headers: Any) -> bool:
-    """True when an upstream's 404 body is the error ``prefix_not_found``."""
+    """True when an upstream's 404 body is the error ``prefix_not_found`` or
+    ``prefix_revoked`` (a prefixgate upstream whose engine revoked the pin for room)."""
     err = _error_object(data, headers)
-    return err is not None and err.get("code") == "prefix_not_found"
+    return err is not None and err.get("code") in ("prefix_not_found", "prefix_revoked")
 
 
 def _error_object(data: bytes, headers: Any) -> dict[str, Any] | None:
