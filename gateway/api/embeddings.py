@@ -53,6 +53,7 @@ async def create_embeddings(request: web.Request) -> web.Response:
         raise bad_request(
             "this model is served for generation: start the server with --runner pooling "
             "to serve embeddings",
+            param="model",
             code="model_not_embedding",
         )
     inputs = await _token_inputs(engine.tokenizer, req.input)

@@ -53,7 +53,7 @@ from prefixgate.gateway.api.request_models import ChatCompletionRequest, Complet
 from prefixgate.gateway.api.response_models import ModelCard, ModelList, Usage, dump
 from prefixgate.gateway.api.stop_strings import refuse_stop_under_constraint
 from prefixgate.gateway.api.tools import ToolPlan, plan_tools, template_messages
-from prefixgate.gateway.http.access_log import record
+from prefixgate.gateway.http.access_log import record, stream_cut
 from prefixgate.gateway.http.errors import APIError, bad_request
 from prefixgate.gateway.http.lifecycle import end_streams_with
 from prefixgate.gateway.http.sse import SSEWriter, client_gone
@@ -365,6 +365,10 @@ class Exchange:
             raise
         self.t_admitted = time.monotonic()
         st.metrics.prompt_tokens.inc(self.prompt_tokens)
+        # kept current as tokens come: a request the shutdown cuts is logged before its
+        # handler's cleanup runs, with the usage it had
+        self.rec = record(self.request)
+        self.rec.prompt_tokens, self.rec.completion_tokens = self.prompt_tokens, 0
         status = "error"
         try:
             resp = await (self._stream() if self.stream else self._collect())
@@ -447,6 +451,8 @@ class Exchange:
         out.add(d, now)
         metrics.add_generated(d.new_tokens)
         self.cached.setdefault(self.prompt_index[i], d.num_cached_tokens)
+        self.rec.completion_tokens = sum(o.num_tokens for o in self.outputs)
+        self.rec.cached_tokens = sum(self.cached.values())
         if d.finished and d.num_tokens > 1:
             metrics.tpot.observe((now - out.t_first_token) / (d.num_tokens - 1))
 
@@ -534,6 +540,7 @@ class Exchange:
                         ev = await run.next(poll)
                     except Exception as exc:  # noqa: BLE001 - reported in-band, then closed
                         err = APIError(500, f"generation failed: {type(exc).__name__}")
+                        stream_cut(self.request, err.code)
                         await sse.write(self.renderer.error_event(err))
                         break
             self.st.metrics.cached_tokens.inc(sum(self.cached.values()))

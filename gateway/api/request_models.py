@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import pydantic_core
-from prefixgate.gateway.http.errors import bad_request
+from prefixgate.gateway.http.errors import APIError, bad_request
 from prefixgate.gateway.tenancy.keys import MAX_SALT_CHARS
 from pydantic import (
     BaseModel,
@@ -376,7 +376,19 @@ def load_json(body: bytes) -> Any:
     try:
         return pydantic_core.from_json(body)
     except ValueError as exc:
-        raise bad_request(f"malformed JSON body: {exc}", code="invalid_json") from None
+        raise json_error(str(exc)) from None
+
+
+def json_error(msg: str) -> APIError:
+    """The 400 ``invalid_json`` for the JSON parser's message ``msg``: a body nested past
+    ``MAX_JSON_DEPTH`` is well-formed JSON and is told so (its depth, not "malformed")."""
+    if "recursion limit" in msg:
+        return bad_request(
+            f"JSON body nested deeper than {MAX_JSON_DEPTH} levels of arrays and objects, "
+            f"the bound of every route ({msg})",
+            code="invalid_json",
+        )
+    return bad_request(f"malformed JSON body: {msg}", code="invalid_json")
 
 
 def check_counts(raw: object, fields: tuple[str, ...] = ("messages",)) -> None:
@@ -439,7 +451,7 @@ def parse(model: type[M], body: bytes) -> M:
             ) from None
         err = _relevant_error(errors)
         if err["type"] == "json_invalid":
-            raise bad_request(f"malformed JSON body: {err['msg']}", code="invalid_json") from None
+            raise json_error(err["msg"]) from None
         if err["type"] == "model_type" and not err["loc"]:
             raise bad_request("the body must be a JSON object", code="invalid_json") from None
         # Union members add their type name to the location ('stop', 'str'): keep field names.

@@ -3,7 +3,9 @@
     127.0.0.1 "POST /v1/chat/completions" 200 key=team-a prompt=31 completion=16 cached=16 0.412s
 
 The key is shown by its *name* from the keys file (``-`` on an open server, ``unnamed`` for a
-key without one), never the key itself. Token counts are those of the request's usage (``-``
+key without one), never the key itself. A started stream that ended with an in-band error event instead of its normal
+ending (the shutdown cut it, the engine failed, the upstream broke) says so after its status,
+``200 error=server_shutting_down``: its 200 was sent before the fault. Token counts are those of the request's usage (``-``
 for requests that never reached the engine; in proxy mode the upstream's reported usage,
 ``cached`` unknown unless ``--routing precise``, which adds ``predicted=``, the cached
 tokens it predicted on the chosen upstream, beside it). A local-mode generation adds its
@@ -43,6 +45,13 @@ class AccessRecord:
     cached_tokens: int | None = None
     predicted_cached_tokens: int | None = None  # proxy mode, precise routing's prediction
     walk: str | None = None  # local mode: the first token's walk (see the module docstring)
+    error: str | None = None  # the code of the error event a started stream ended with
+
+
+def stream_cut(request: web.Request, code: str | None) -> None:
+    """Note that ``request``'s started stream ended with an in-band error event of ``code``
+    (``None``: the event had no code; logged as ``error``)."""
+    record(request).error = code or "error"
 
 
 ACCESS = web.RequestKey("prefixgate_access", AccessRecord)
@@ -65,7 +74,8 @@ def access_line(request: web.BaseRequest, status: int, seconds: float) -> str:
     rec = request.get(ACCESS) or AccessRecord()
     return (
         f'{request.remote or "-"} "{request.method} {request.path}" {status} '
-        f"key={_shown(rec.key_name)} prompt={_shown(rec.prompt_tokens)} "
+        + ("" if rec.error is None else f"error={rec.error} ")
+        + f"key={_shown(rec.key_name)} prompt={_shown(rec.prompt_tokens)} "
         f"completion={_shown(rec.completion_tokens)} cached={_shown(rec.cached_tokens)} "
         + (
             ""

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
+from prefixgate.gateway.http.access_log import stream_cut
 from prefixgate.gateway.http.errors import APIError, Handler, dialect_of, error_event
 
 logger = logging.getLogger("prefixgate.gateway")
@@ -146,6 +147,7 @@ async def _end(request: web.Request) -> web.StreamResponse:
     if resp is None or not resp.prepared:
         return _closing(request, error)
     error.message = "the server shut down before this stream finished"
+    stream_cut(request, error.code)
     try:
         ending = request.get(_STREAM_ENDING)
         await resp.write(ending(error) if ending is not None else error_event(request, error))

@@ -50,6 +50,7 @@ from prefixgate.gateway.api.anthropic_models import (
 )
 from prefixgate.gateway.api.response_models import ChatCompletion, ChatCompletionChunk
 from prefixgate.gateway.api.stop_strings import anthropic_constraint, refuse_stop_under_constraint
+from prefixgate.gateway.http.access_log import stream_cut
 from prefixgate.gateway.http.errors import ANTHROPIC, APIError, error_dialect, error_event
 from prefixgate.gateway.http.sse import KEEPALIVE, SSE_HEADERS
 from prefixgate.gateway.proxy import anthropic, messages_openai
@@ -686,6 +687,7 @@ async def _relay(
     try:
         if error is not None:
             logger.warning("upstream stream broken: %s", error.message)
+            stream_cut(request, error.code)
             await out.write(error_event(request, error))
         await out.write_eof()
     except ConnectionResetError:

@@ -33,6 +33,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from prefixgate.gateway.http.access_log import stream_cut
 from prefixgate.gateway.http.errors import APIError
 from prefixgate.gateway.http.sse import KEEPALIVE, SSE_HEADERS, encode_event
 from prefixgate.gateway.proxy.answers import shape_problem
@@ -200,6 +201,7 @@ async def relay_sse(
     checker = checker if checker is not None else EventChecker()
     last_byte = time.monotonic()
     error: bytes | None = None
+    code = "upstream_error"
     try:
         while not checker.done:
             try:
@@ -235,14 +237,15 @@ async def relay_sse(
                     del tail[:-4096]
     except StreamBroken as exc:
         checker.broken = str(exc)
-        error = stream_error(str(exc), exc.code)
+        error, code = stream_error(str(exc), exc.code), exc.code
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
         checker.broken = f"the upstream connection broke mid-stream: {type(exc).__name__}"
-        error = stream_error(checker.broken)
+        error, code = stream_error(checker.broken), "upstream_error"
     except ConnectionResetError:
         return out  # client gone: leaving closes the upstream connection
     if error is not None:
         logger.warning("upstream stream broken: %s", error[6:].decode(errors="replace").strip())
+        stream_cut(request, code)
         try:
             await out.write(error)
         except ConnectionResetError:

@@ -67,6 +67,9 @@ def test_nesting_past_the_bound_is_a_400_on_every_route(both):
                 err = assert_openai_error(r, 400)
                 assert err["code"] == "invalid_json", (mode, path, err)
                 assert "recursion" in err["message"], (mode, path, err)
+                # well-formed JSON, too deep: told its depth, never "malformed"
+                assert "malformed" not in err["message"], (mode, path, err)
+                assert str(MAX_JSON_DEPTH) in err["message"], (mode, path, err)
             assert http.get("/health").status_code == 200
 
 

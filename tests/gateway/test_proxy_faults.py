@@ -5,6 +5,7 @@ one slow request does not empty the pool, /ready probes the upstreams at start."
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import time
 from collections.abc import Iterator
@@ -34,6 +35,14 @@ def proxy() -> Iterator:
             return proxies.start(mode, chunks, delay_s, {**defaults, **settings})
 
         yield start
+
+
+def _access_lines(caplog) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "prefixgate.access" and "/v1/chat/completions" in r.getMessage()
+    ]
 
 
 def _sse(gw: BackgroundServer, body: dict) -> tuple[int, list[str], list[str]]:
@@ -70,9 +79,16 @@ def test_a_200_that_is_not_a_whole_json_object_is_a_502_error_object(proxy, mode
         ("stall", "upstream_timeout"),
     ],
 )
-def test_a_broken_stream_ends_with_an_error_event(proxy, mode, code):
+def test_a_broken_stream_ends_with_an_error_event(proxy, mode, code, caplog):
     gw, up = proxy(mode)
-    status, data, comments = _sse(gw, BODY)
+    with caplog.at_level(logging.INFO, logger="prefixgate.access"):
+        status, data, comments = _sse(gw, BODY)
+        # its 200 went out before the break: the access line says how the stream ended
+        deadline = time.monotonic() + 5
+        while not _access_lines(caplog) and time.monotonic() < deadline:
+            time.sleep(0.02)
+    (line,) = _access_lines(caplog)
+    assert f'" 200 error={code} ' in line, line
     assert status == 200
     assert "[DONE]" not in data
     last = json.loads(data[-1])

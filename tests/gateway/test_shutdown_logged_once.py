@@ -49,6 +49,13 @@ def test_a_request_cut_by_shutdown_is_logged_once(caplog):
     assert len(chat) == 2, lines  # one line per request
     assert not any('" 499 ' in line for line in chat), lines
     assert sorted(line.split('" ')[1].split()[0] for line in chat) == ["200", "503"], lines
+    # the started stream's 200 was sent before the cut: its line says how it ended, with the
+    # usage it had (both the token counts of its handler's cleanup, never "-")
+    (streamed,) = [line for line in chat if '" 200 ' in line]
+    assert '" 200 error=server_shutting_down ' in streamed, streamed
+    assert "prompt=-" not in streamed and "completion=-" not in streamed, streamed
+    (refused,) = [line for line in chat if '" 503 ' in line]
+    assert "error=" not in refused, refused  # an error answer says so by its status
     from prefixgate.gateway.state import STATE
 
     text = srv.app[STATE].metrics.render().decode()

@@ -125,7 +125,9 @@ def test_embeddings_on_a_generation_runner_is_400(aidreams_path, pool_whole):
     srv = BackgroundServer(make).__enter__()
     try:
         r = httpx.post(srv.url + "/v1/embeddings", json={"model": "aidreams-260k", "input": "x"})
-        assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_embedding"
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "model_not_embedding"
+        assert err["param"] == "model", err  # the model is at fault, not the body
         pool_whole(srv.app[LOCAL].engine)
     finally:
         srv.call(srv.app[LOCAL].engine.shutdown)

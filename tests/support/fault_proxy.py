@@ -25,7 +25,7 @@ class FaultProxies:
         up = FaultUpstream(mode, chunks, delay_s).__enter__()
         self.opened.append(up)
         s = GatewaySettings(**settings)
-        gw = BackgroundServer(lambda: create_proxy_app([up.url], s)).__enter__()
+        gw = BackgroundServer(lambda: create_proxy_app([up.url], s), access_log=True).__enter__()
         self.opened.append(gw)
         return gw, up
 
