@@ -37,8 +37,12 @@ Rates (``stats()``): each step's model time is the time from ``schedule()`` to
 ``update_from_output()``. ``decode_tokens_per_s`` is an exponentially weighted mean (weight
 ``RATE_ALPHA`` for the newest step) of decode tokens / time over steps that prefill nothing;
 ``prefill_tokens_per_s`` the same of prefill tokens / (time - decode tokens /
-``decode_tokens_per_s``) over steps that prefill; ``finished_per_s`` of the requests finished
-per second of step time. ``estimate_ttft`` (``Scheduler.predict_ttft``, ``LLMEngine`` /
+``decode_tokens_per_s``) over steps that prefill; ``finished_per_s`` is not a per-step mean
+(finishes come in bursts: a batch admitted together finishes together, and a per-step mean
+decayed 30-fold over the finish-free steps in between, so a full engine predicted a 33 s wait
+for a seat that freed in 0.5 s) but the requests finished over the step time of a window of
+recent steps that spans at least ``FINISH_WINDOW_S`` seconds and ``FINISH_WINDOW_MIN``
+finishes (at most ``FINISH_WINDOW_MAX_S`` seconds; ``FinishRate``). ``estimate_ttft`` (``Scheduler.predict_ttft``, ``LLMEngine`` /
 ``AsyncEngine.predict_ttft``) turns them into a first-token wait.
 
 The flow and vocabulary follow vLLM v1 (``vllm/v1/core/sched/scheduler.py``).
@@ -63,6 +67,45 @@ from prefixgate.engine.spec_decode import NgramProposer, SpecDecodeState
 
 RATE_ALPHA = 0.2
 """Weight of the newest step in the exponentially weighted rates of ``stats()``."""
+FINISH_WINDOW_S = 8.0  # step seconds the finish rate spans at least ...
+FINISH_WINDOW_MIN = 8  # ... and finishes, when the last FINISH_WINDOW_MAX_S seconds hold them
+FINISH_WINDOW_MAX_S = 60.0
+
+
+class FinishRate:
+    """Requests finished per second of step time over a window of recent steps (see the
+    module docstring): it spans at least ``FINISH_WINDOW_S`` step seconds and
+    ``FINISH_WINDOW_MIN`` finishes, never more than ``FINISH_WINDOW_MAX_S`` step seconds.
+    Cost: O(1) amortized a step; memory: one pair per step in the window."""
+
+    __slots__ = ("_steps", "_seconds", "_finished")
+
+    def __init__(self) -> None:
+        self._steps: deque[tuple[float, int]] = deque()
+        self._seconds = 0.0
+        self._finished = 0
+
+    def add(self, dt: float, num_finished: int) -> None:
+        """Fold in one step of ``dt`` seconds that finished ``num_finished`` requests."""
+        self._steps.append((dt, num_finished))
+        self._seconds += dt
+        self._finished += num_finished
+        while len(self._steps) > 1:
+            old_dt, old_n = self._steps[0]
+            rest_s, rest_n = self._seconds - old_dt, self._finished - old_n
+            enough = rest_s >= FINISH_WINDOW_S and rest_n >= FINISH_WINDOW_MIN
+            if not (enough or rest_s >= FINISH_WINDOW_MAX_S):
+                break
+            self._steps.popleft()
+            self._seconds, self._finished = rest_s, rest_n
+
+    def per_s(self) -> float | None:
+        """Finishes per step second over the window; ``None`` before the first finish. A
+        window that starts or ends at a burst counts one burst too many or too few: with
+        ``FINISH_WINDOW_S`` of 8 s and requests of about 1 s, within about 15 %."""
+        if not self._finished or self._seconds <= 0:
+            return None
+        return self._finished / self._seconds
 
 
 @dataclass(slots=True)
@@ -171,6 +214,7 @@ class Scheduler:
         self.prefill_tokens_per_s: float | None = None
         self.decode_tokens_per_s: float | None = None
         self.finished_per_s: float | None = None
+        self._finish_rate = FinishRate()
         self.proposer: NgramProposer | None = None
         if config.speculative_method == "ngram":
             self.proposer = NgramProposer(
@@ -842,7 +886,8 @@ class Scheduler:
             decode_s = num_decode / self.decode_tokens_per_s if self.decode_tokens_per_s else 0.0
             prefill_s = max(dt - decode_s, 0.1 * dt)  # never credit prefill with no time
             self.prefill_tokens_per_s = ewma(self.prefill_tokens_per_s, num_prefill / prefill_s)
-        self.finished_per_s = ewma(self.finished_per_s, num_finished / dt)
+        self._finish_rate.add(dt, num_finished)
+        self.finished_per_s = self._finish_rate.per_s()
 
     def queued_prefill_tokens(self, net_of_cache: bool = False) -> int:
         """Prompt (and, for preempted requests, recompute) tokens still to prefill: waiting
