@@ -310,20 +310,22 @@ class AdmissionController:
         told only its own work's drain, it came back among them and met the budget again."""
         if self.wait is None or prediction is None:
             return
-        predicted = prediction[0] + self.wait.extra_s(held, held_tokens, prompt_tokens)
+        margin = self.wait.margin_s()  # how much later than predicted first tokens come
+        predicted = prediction[0] + margin + self.wait.extra_s(held, held_tokens, prompt_tokens)
         if predicted <= budget:
             return
         # The work ahead drains one second per second: admitted once it is within budget.
         # What the request would take alone no wait removes: a budget below it is admitted
         # (a 429 would send it back forever to an idle server).
-        alone = self.wait.alone_s(prompt_tokens) or 0.0
+        alone = (self.wait.alone_s(prompt_tokens) or 0.0) + margin
         if alone >= budget:
             return
         if claimed and math.isfinite(predicted):
             # back and still over budget: the promises due before it returns again go first
             for _ in range(2):
                 due, due_tokens = self.promises.held(predicted - budget)
-                predicted = prediction[0] + self.wait.extra_s(due, due_tokens, prompt_tokens)
+                extra = self.wait.extra_s(due, due_tokens, prompt_tokens)
+                predicted = prediction[0] + margin + extra
         refuse(
             f"the predicted time to first token ({_ms(predicted)} ms) exceeds this "
             f"request's budget ({_ms(budget)} ms, {BUDGET_HEADER}); retry later",

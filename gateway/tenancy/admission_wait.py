@@ -41,12 +41,17 @@ import heapq
 import itertools
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from prefixgate.engine.protocol import EngineClient
 from prefixgate.engine.scheduler import estimate_ttft
+
+MISS_WINDOW = 200  # admitted requests whose prediction misses the budget margin is read from
+MISS_MIN = 20  # misses known before the margin counts
+MISS_QUANTILE = 0.95  # the share of admitted budgets the margin aims to meet
 
 
 class EngineWait:
@@ -71,6 +76,7 @@ class EngineWait:
         self.scale = 1.0  # actual / predicted first-token wait (EWMA over admitted requests)
         self._alpha = alpha
         self._max_scale = max_scale
+        self._misses: deque[float] = deque(maxlen=MISS_WINDOW)  # actual - predicted, s
 
     def observe(self, predicted_s: float, actual_s: float) -> None:
         """Fold one admitted request's first-token wait (``actual_s``) against the engine's
@@ -80,8 +86,21 @@ class EngineWait:
         CPU) shows as this ratio, so every wait below is scaled by it."""
         if not 0 < predicted_s < math.inf or actual_s < 0:
             return
+        self._misses.append(actual_s - predicted_s * self.scale)
         ratio = min(self._max_scale, max(1.0 / self._max_scale, actual_s / predicted_s))
         self.scale = (1 - self._alpha) * self.scale + self._alpha * ratio
+
+    def margin_s(self) -> float:
+        """How much later than predicted first tokens came: the ``MISS_QUANTILE`` of the
+        last ``MISS_WINDOW`` admitted requests' (actual - predicted) first-token waits, at
+        least 0; 0.0 until ``MISS_MIN`` are known. A TTFT budget is checked against the
+        prediction plus this margin, so that the budgets admitted are met at that quantile
+        (without it, 68-77 % of budgets were met at 2x overload, the predictions missing by
+        0.2-0.3 s at p90 on the development machine)."""
+        if len(self._misses) < MISS_MIN:
+            return 0.0
+        ordered = sorted(self._misses)
+        return max(0.0, ordered[min(len(ordered) - 1, int(MISS_QUANTILE * len(ordered)))])
 
     def predict_ttft(self, tokens: int) -> tuple[float, float] | None:
         """The engine's predicted first-token wait for a request of ``tokens`` arriving now:
