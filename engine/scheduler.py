@@ -42,8 +42,9 @@ Rates (``stats()``): each step's model time is the time from ``schedule()`` to
 decayed 30-fold over the finish-free steps in between, so a full engine predicted a 33 s wait
 for a seat that freed in 0.5 s) but the requests finished over the step time of a window of
 recent steps that spans at least ``FINISH_WINDOW_S`` seconds and ``FINISH_WINDOW_MIN``
-finishes (at most ``FINISH_WINDOW_MAX_S`` seconds; ``FinishRate``). ``estimate_ttft`` (``Scheduler.predict_ttft``, ``LLMEngine`` /
-``AsyncEngine.predict_ttft``) turns them into a first-token wait.
+finishes (at most ``FINISH_WINDOW_MAX_S`` seconds; ``FinishRate``). ``estimate_ttft``
+(``Scheduler.predict_ttft``, ``LLMEngine`` / ``AsyncEngine.predict_ttft``) turns them into a
+first-token wait.
 
 The flow and vocabulary follow vLLM v1 (``vllm/v1/core/sched/scheduler.py``).
 """

@@ -369,6 +369,7 @@ class Exchange:
         # handler's cleanup runs, with the usage it had
         self.rec = record(self.request)
         self.rec.prompt_tokens, self.rec.completion_tokens = self.prompt_tokens, 0
+        self.rec.cached_tokens = 0
         status = "error"
         try:
             resp = await (self._stream() if self.stream else self._collect())
@@ -389,10 +390,7 @@ class Exchange:
                 st.shared.settle(self.principal, lease, self.prompt_tokens, completion)
             else:  # refused or failed before its first token: spends nothing
                 st.shared.refund(self.principal, lease)
-            rec = record(self.request)
-            rec.prompt_tokens, rec.completion_tokens = self.prompt_tokens, completion
-            rec.cached_tokens = sum(self.cached.values())
-            rec.walk = first_token_walk(
+            self.rec.walk = first_token_walk(  # the usage is kept current by _record
                 self.t0, self.t_admitted, self.engine_metrics, self.t_first, self.t_client
             )
             if status == "200":

@@ -3,9 +3,10 @@
     127.0.0.1 "POST /v1/chat/completions" 200 key=team-a prompt=31 completion=16 cached=16 0.412s
 
 The key is shown by its *name* from the keys file (``-`` on an open server, ``unnamed`` for a
-key without one), never the key itself. A started stream that ended with an in-band error event instead of its normal
-ending (the shutdown cut it, the engine failed, the upstream broke) says so after its status,
-``200 error=server_shutting_down``: its 200 was sent before the fault. Token counts are those of the request's usage (``-``
+key without one), never the key itself. A started stream that ended with an in-band error
+event instead of its normal ending (the shutdown cut it, the engine failed, the upstream broke)
+says so after its status, ``200 error=server_shutting_down``: its 200 was sent before the
+fault. Token counts are those of the request's usage (``-``
 for requests that never reached the engine; in proxy mode the upstream's reported usage,
 ``cached`` unknown unless ``--routing precise``, which adds ``predicted=``, the cached
 tokens it predicted on the chosen upstream, beside it). A local-mode generation adds its

@@ -201,7 +201,7 @@ async def relay_sse(
     checker = checker if checker is not None else EventChecker()
     last_byte = time.monotonic()
     error: bytes | None = None
-    code = "upstream_error"
+    code = "upstream_error"  # the error event's code, when there is one
     try:
         while not checker.done:
             try:
@@ -240,7 +240,7 @@ async def relay_sse(
         error, code = stream_error(str(exc), exc.code), exc.code
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
         checker.broken = f"the upstream connection broke mid-stream: {type(exc).__name__}"
-        error, code = stream_error(checker.broken), "upstream_error"
+        error = stream_error(checker.broken)
     except ConnectionResetError:
         return out  # client gone: leaving closes the upstream connection
     if error is not None:
