@@ -42,7 +42,11 @@ Rates (``stats()``): each step's model time is the time from ``schedule()`` to
 decayed 30-fold over the finish-free steps in between, so a full engine predicted a 33 s wait
 for a seat that freed in 0.5 s) but the requests finished over the step time of a window of
 recent steps that spans at least ``FINISH_WINDOW_S`` seconds and ``FINISH_WINDOW_MIN``
-finishes (at most ``FINISH_WINDOW_MAX_S`` seconds; ``FinishRate``). ``estimate_ttft``
+finishes (at most ``FINISH_WINDOW_MAX_S`` seconds; ``FinishRate``). A step's time there is
+busy wall time, from the end of the step before it (when that one left requests unfinished)
+to its own end: the gap between steps (the engine thread's loop, the gateway's own work on
+the same cores) drains no seat, and a rate over model time alone told waits that were 0.6-0.8
+of the real ones through ``prefixgate serve`` at 2x overload. ``estimate_ttft``
 (``Scheduler.predict_ttft``, ``LLMEngine`` / ``AsyncEngine.predict_ttft``) turns them into a
 first-token wait.
 
@@ -216,6 +220,7 @@ class Scheduler:
         self.decode_tokens_per_s: float | None = None
         self.finished_per_s: float | None = None
         self._finish_rate = FinishRate()
+        self._busy_since: float | None = None  # the last step's end, when it left work
         self.proposer: NgramProposer | None = None
         if config.speculative_method == "ngram":
             self.proposer = NgramProposer(
@@ -874,6 +879,10 @@ class Scheduler:
         dt = now - started
         for r in first:
             r.first_step_s = dt
+        # finishes over busy wall time: from the last step's end (when it left work) to this
+        # one's, the gap between steps included
+        busy = now - self._busy_since if self._busy_since is not None else dt
+        self._busy_since = now if self.has_unfinished_requests() else None
         if dt <= 0:
             return
         num_decode = out.num_scheduled_tokens - num_prefill
@@ -887,7 +896,7 @@ class Scheduler:
             decode_s = num_decode / self.decode_tokens_per_s if self.decode_tokens_per_s else 0.0
             prefill_s = max(dt - decode_s, 0.1 * dt)  # never credit prefill with no time
             self.prefill_tokens_per_s = ewma(self.prefill_tokens_per_s, num_prefill / prefill_s)
-        self._finish_rate.add(dt, num_finished)
+        self._finish_rate.add(max(dt, busy), num_finished)
         self.finished_per_s = self._finish_rate.per_s()
 
     def queued_prefill_tokens(self, net_of_cache: bool = False) -> int:

@@ -77,3 +77,42 @@ def test_the_window_spans_its_seconds_and_finishes():
     assert rate._seconds <= FINISH_WINDOW_MAX_S + STEP_S  # bounded between rare finishes
     assert rate._finished < FINISH_WINDOW_MIN
     assert rate.per_s() == pytest.approx(1 / rate._seconds, rel=0.01)
+
+
+def test_the_rate_counts_the_gaps_between_steps(monkeypatch):
+    # Through ``prefixgate serve`` the engine thread's steps leave gaps (its loop, the
+    # gateway's own work on the same cores): a rate over model time alone drained the seat
+    # wait faster than real time and returning clients met their budget again. Each step
+    # here takes 10 ms of model time after a 30 ms gap: the rate is over the 40 ms.
+    from prefixgate.engine import scheduler as sched_module
+    from prefixgate.engine.config import EngineConfig
+    from prefixgate.engine.kv_cache_manager import KVCacheManager
+    from prefixgate.engine.request import Request
+    from prefixgate.engine.sampling_params import SamplingParams
+
+    now = [100.0]
+    monkeypatch.setattr(sched_module.time, "monotonic", lambda: now[0])
+    config = EngineConfig(block_size=16, max_num_seqs=4)
+    sched = sched_module.Scheduler(config, KVCacheManager.from_config(config, 64), 4096)
+
+    def add(i: int) -> None:
+        sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        sched.add_request(Request(f"r{i}", [5, 6, 7], sp, eos_token_ids=[2], max_tokens=4))
+
+    for i in range(400):  # one new request a step, each of 4 steps: 1 finish a step
+        add(i)
+        out = sched.schedule()
+        now[0] += 0.010
+        sched.update_from_output(out, {s.request.request_id: 9 for s in out.scheduled if s.samples})
+        now[0] += 0.030
+    assert sched.finished_per_s == pytest.approx(1 / 0.040, rel=0.05)
+    while sched.has_unfinished_requests():  # an idle engine's time is not counted
+        out = sched.schedule()
+        sched.update_from_output(out, {s.request.request_id: 9 for s in out.scheduled if s.samples})
+    now[0] += 3600.0
+    add(10_000)
+    for _ in range(4):
+        out = sched.schedule()
+        now[0] += 0.010
+        sched.update_from_output(out, {s.request.request_id: 9 for s in out.scheduled if s.samples})
+    assert sched.finished_per_s > 1 / 0.1
