@@ -226,10 +226,15 @@ class AdmissionController:
         held, held_tokens = (0, 0)
         if every:
             held, held_tokens = self.promises.held(prediction[0] if prediction else 0.0)
-        refuse = _Refusal(self, fingerprint, requests, prompt_tokens)
-        if budget_s is not None:  # every promised request's work is ahead of it
+        rank = promise.rank if promise is not None else None
+        refuse = _Refusal(self, fingerprint, requests, prompt_tokens, rank)
+        if budget_s is not None:
+            # a newcomer: every promised request's work is ahead of it; a returning request:
+            # the work of those ahead of it in line still to come back
+            before = self.promises.ranked_before(rank) if rank is not None else (0, 0)
+            ahead_requests, ahead_tokens = before if claimed else (every, every_tokens)
             self._check_budget(
-                budget_s, prediction, prompt_tokens, every, every_tokens, refuse, claimed
+                budget_s, prediction, prompt_tokens, ahead_requests, ahead_tokens, refuse
             )
         within_share = self._within_share(tenant, requests)
         # a returning request that claimed its promise passes each bound by the overflow
@@ -296,18 +301,22 @@ class AdmissionController:
         held: int,
         held_tokens: int,
         refuse: _Refusal,
-        claimed: bool = False,
     ) -> None:
-        """Refuse when the predicted TTFT (the engine's, calibrated, plus the promised places
-        ``held`` ahead: every promise) exceeds ``budget`` seconds; no prediction (proxy mode,
-        rates not measured, no free seat in sight): admit. Counting only the promises due
-        before the newcomer's own first token let newcomers in ahead of the returning
-        clients, who then met the budget again (2x overload: p90 Retry-After error 0.99,
-        1,821 second 429s, 45 % of budgets met, against 0.01 and 100 % counting every
-        promise, whose cost is an engine left idle at times: goodput 0.40 of capacity). A
-        returning (``claimed``) request still over budget is told a wait that also counts the
-        promises due before it would come back (twice over), as the queue bound's refusal does:
-        told only its own work's drain, it came back among them and met the budget again."""
+        """Refuse when the predicted TTFT (the engine's, calibrated, plus the margin of recent
+        misses and the promised places ``held`` ahead) exceeds ``budget`` seconds; no
+        prediction (proxy mode, rates not measured, no free seat in sight): admit.
+
+        What is ahead: for a newcomer every promise (counting only the promises due before
+        its own first token let newcomers in ahead of the returning clients, who then met
+        the budget again: 2x overload, p90 Retry-After error 0.99, 1,821 second 429s, 45 %
+        of budgets met, against 0.01 and 100 % counting every promise). For a returning
+        request, the promises ahead of it in line (``Promises.ranked_before``): one refused
+        again keeps its rank, and its wait counts only those, so it takes the next place
+        that opens for it. Before, it was told a wait counting the promises due before it
+        would come back, and came back among them: at 4x the engine's queue stayed at the
+        budget, topped up by whichever returner came first, and one request was refused five
+        times, told 0.5-0.7 s each time, the prediction never under its budget (p90
+        Retry-After error 0.61-0.84 at 2x and 4x, 215-226 requests refused twice or more)."""
         if self.wait is None or prediction is None:
             return
         margin = self.wait.margin_s()  # how much later than predicted first tokens come
@@ -320,12 +329,6 @@ class AdmissionController:
         alone = (self.wait.alone_s(prompt_tokens) or 0.0) + margin
         if alone >= budget:
             return
-        if claimed and math.isfinite(predicted):
-            # back and still over budget: the promises due before it returns again go first
-            for _ in range(2):
-                due, due_tokens = self.promises.held(predicted - budget)
-                extra = self.wait.extra_s(due, due_tokens, prompt_tokens)
-                predicted = prediction[0] + margin + extra
         refuse(
             f"the predicted time to first token ({_ms(predicted)} ms) exceeds this "
             f"request's budget ({_ms(budget)} ms, {BUDGET_HEADER}); retry later",
@@ -419,15 +422,21 @@ class _Refusal:
     """Raises the 429 of one request and, when it can be recognised on its return
     (a fingerprint), holds its places for it until then (``Promises``)."""
 
-    __slots__ = ("ctl", "fingerprint", "requests", "tokens")
+    __slots__ = ("ctl", "fingerprint", "requests", "tokens", "rank")
 
     def __init__(
-        self, ctl: AdmissionController, fingerprint: Hashable | None, requests: int, tokens: int
+        self,
+        ctl: AdmissionController,
+        fingerprint: Hashable | None,
+        requests: int,
+        tokens: int,
+        rank: float | None = None,
     ) -> None:
         self.ctl = ctl
         self.fingerprint = fingerprint
         self.requests = requests
         self.tokens = tokens
+        self.rank = rank  # the claimed promise's place in line, kept by the next promise
 
     def __call__(
         self,
@@ -442,7 +451,7 @@ class _Refusal:
         wait_s = min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, wait_s))
         if predicted and self.fingerprint is not None:
             self.ctl.promises.promise(
-                self.fingerprint, wait_s, self.requests, self.tokens, max(0, ahead)
+                self.fingerprint, wait_s, self.requests, self.tokens, max(0, ahead), self.rank
             )
         raise too_many(message, wait_s, code=code)
 

@@ -163,6 +163,9 @@ class Promise:
         expires: monotonic time the places lapse if it has not.
         requests / tokens: the places (engine requests) and prompt tokens held.
         ahead: the departures its wait was predicted from (0: not from departures).
+        rank: its place in line among the promises (monotonic time): the time its request
+            was first told to come back at. A request refused again on its return keeps the
+            rank of the promise it claimed, so it stays ahead of the promises due after it.
     """
 
     fingerprint: Hashable
@@ -171,6 +174,7 @@ class Promise:
     requests: int
     tokens: int
     ahead: int = 0
+    rank: float = 0.0
 
 
 class Promises:
@@ -222,15 +226,38 @@ class Promises:
                 tokens += p.tokens
         return requests, tokens
 
+    def ranked_before(self, rank: float) -> tuple[int, int]:
+        """``(requests, prompt tokens)`` of the promises ahead of ``rank`` in line (an earlier
+        rank) whose clients are still to come back (due from ``early_s`` ago on, not lapsed):
+        a returning request refused again keeps its rank, so a request due after it that
+        comes back first does not take the place that was its."""
+        self._expire()
+        since = self._clock() - self.early_s
+        requests = tokens = 0
+        for p in self._by_id.values():
+            if p.rank < rank and p.due >= since:
+                requests += p.requests
+                tokens += p.tokens
+        return requests, tokens
+
     def promise(
-        self, fingerprint: Hashable, wait_s: float, requests: int, tokens: int, ahead: int = 0
+        self,
+        fingerprint: Hashable,
+        wait_s: float,
+        requests: int,
+        tokens: int,
+        ahead: int = 0,
+        rank: float | None = None,
     ) -> None:
         """Hold ``requests`` places of ``tokens`` prompt tokens for ``fingerprint``, due in
-        ``wait_s`` seconds (> 0), predicted from ``ahead`` departures."""
+        ``wait_s`` seconds (> 0), predicted from ``ahead`` departures; ``rank``: its place in
+        line (``Promise.rank``; ``None``: its due time, a new request's)."""
         now = self._clock()
         due = now + wait_s
         expires = due + self.grace_s + self.grace_fraction * wait_s
-        p = Promise(fingerprint, due, expires, requests, tokens, ahead)
+        p = Promise(
+            fingerprint, due, expires, requests, tokens, ahead, due if rank is None else rank
+        )
         pid = next(self._ids)
         self._by_id[pid] = p
         self._by_fingerprint.setdefault(fingerprint, []).append(pid)
