@@ -116,3 +116,75 @@ def test_the_rate_counts_the_gaps_between_steps(monkeypatch):
         now[0] += 0.010
         sched.update_from_output(out, {s.request.request_id: 9 for s in out.scheduled if s.samples})
     assert sched.finished_per_s > 1 / 0.1
+
+
+def test_the_nth_free_seat_of_seats_freeing_at_their_times():
+    from prefixgate.engine.scheduler import nth_free_seat
+
+    assert [nth_free_seat([0.1, 0.3], 1.0, n) for n in range(4)] == pytest.approx(
+        [0.1, 0.3, 1.1, 1.3]
+    )
+    # a seat held longer than one service: the other seat serves twice meanwhile
+    assert [nth_free_seat([0.0, 2.5], 1.0, n) for n in range(6)] == pytest.approx(
+        [0.0, 1.0, 2.0, 2.5, 3.0, 3.5]
+    )
+    for bad in (([], 1.0, 0), ([0.1], 0.0, 0), ([0.1], 1.0, -1)):
+        with pytest.raises(ValueError):
+            nth_free_seat(*bad)
+
+
+def test_the_seat_wait_falls_with_every_step_not_only_when_a_batch_finishes(monkeypatch):
+    # A batch admitted together finishes together: the fluid wait (ahead / finished_per_s)
+    # stayed put between such finishes, and returning clients told it met their TTFT budget
+    # again and again, 50-60 ms at a time (2x overload through ``prefixgate serve``). The
+    # seat schedule (the running requests' own tokens left) falls with each step.
+    from prefixgate.engine import scheduler as sched_module
+    from prefixgate.engine.config import EngineConfig
+    from prefixgate.engine.kv_cache_manager import KVCacheManager
+    from prefixgate.engine.request import Request
+    from prefixgate.engine.sampling_params import SamplingParams
+
+    now = [100.0]
+    monkeypatch.setattr(sched_module.time, "monotonic", lambda: now[0])
+    config = EngineConfig(block_size=16, max_num_seqs=4)
+    sched = sched_module.Scheduler(config, KVCacheManager.from_config(config, 256), 4096)
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    ids = iter(range(10**6))
+
+    def add() -> None:
+        sched.add_request(Request(f"r{next(ids)}", [5, 6, 7], sp, eos_token_ids=[2], max_tokens=8))
+
+    def step() -> None:
+        out = sched.schedule()
+        now[0] += 0.010
+        sched.update_from_output(out, {s.request.request_id: 9 for s in out.scheduled if s.samples})
+
+    for _ in range(12):  # batches of 4 admitted together, 8 steps each
+        for _ in range(4):
+            add()
+        for _ in range(8):
+            step()
+    stats = sched.stats()
+    assert stats["seat_service_s"] == pytest.approx(8 * 0.010)
+    for _ in range(8):  # 4 running, 4 waiting
+        add()
+    step()
+    waits, fluid = [], []
+    for _ in range(6):
+        stats = sched.stats()
+        assert stats["seat_free_s"] == sorted(stats["seat_free_s"])
+        waits.append(sched.predict_ttft(3))
+        fluid.append(
+            estimate_ttft({**stats, "seat_free_s": None}, 4, config.max_num_batched_tokens, 3)
+        )
+        step()
+    falls = [a - b for a, b in zip(waits, waits[1:], strict=False)]
+    assert falls == pytest.approx([0.010] * 5, abs=1e-6)  # one step (10 ms) less each step
+    assert fluid[-1] >= fluid[0]  # the fluid wait did not fall (it rose as finishes aged)
+    # the new request is behind 4 waiting: it takes a seat a whole service (8 steps) after
+    # the running batch ends (7 of its 8 steps left when the first wait was read), then its
+    # first token's own step (4 decodes at 400 tokens/s)
+    assert waits[0] == pytest.approx(7 * 0.010 + 8 * 0.010 + 0.010, abs=1e-6)
+    while sched.has_unfinished_requests():
+        step()
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
