@@ -188,3 +188,16 @@ def test_the_seat_wait_falls_with_every_step_not_only_when_a_batch_finishes(monk
     while sched.has_unfinished_requests():
         step()
     assert sched.kv.num_free_blocks == sched.kv.num_blocks
+
+
+def test_the_step_time_is_a_plain_mean_over_its_window():
+    from prefixgate.engine.scheduler import STEP_WINDOW_S, StepTime
+
+    steps = StepTime()
+    assert steps.mean_s() is None
+    for i in range(int(4 * STEP_WINDOW_S / 0.01)):  # 1 prefill step of 50 ms in 10
+        steps.add(0.050 if i % 10 == 0 else 0.005)
+    assert steps.mean_s() == pytest.approx((0.050 + 9 * 0.005) / 10, rel=0.02)
+    assert steps._seconds <= STEP_WINDOW_S + 0.05  # bounded by the window
+    steps.add(30.0)  # a step longer than the window: the window holds it alone
+    assert steps.mean_s() == pytest.approx(30.0)
