@@ -222,7 +222,11 @@ class AdmissionController:
         claimed = promise is not None
         ahead = promise.ahead if promise is not None else 0
         every, every_tokens = (0, 0) if claimed else self.promises.held()
-        prediction = self.wait.predict_ttft(prompt_tokens) if self.wait is not None else None
+        prediction = (
+            self.wait.predict_ttft(prompt_tokens, self.queued_requests, self.queued_tokens)
+            if self.wait is not None
+            else None
+        )
         held, held_tokens = (0, 0)
         if every:
             held, held_tokens = self.promises.held(prediction[0] if prediction else 0.0)
