@@ -78,6 +78,7 @@ FINISH_WINDOW_MIN = 8  # ... and finishes, when the last FINISH_WINDOW_MAX_S sec
 FINISH_WINDOW_MAX_S = 60.0
 STEP_WINDOW_S = 8.0  # busy wall seconds of steps the seat schedule's mean step spans
 STEP_RECENT_S = 1.0  # ... and the recent part of it that counts when its steps are slower
+SEAT_HOLD_WINDOW = 64  # finished requests whose time seated bounds the seat service below
 
 
 class FinishRate:
@@ -273,6 +274,7 @@ class Scheduler:
         self._step_time = StepTime()
         self._busy_since: float | None = None  # the last step's end, when it left work
         self.mean_output_tokens: float | None = None  # of finished requests (exponential mean)
+        self._holds: deque[float] = deque(maxlen=SEAT_HOLD_WINDOW)  # seconds seated, finished
         self.proposer: NgramProposer | None = None
         if config.speculative_method == "ngram":
             self.proposer = NgramProposer(
@@ -870,6 +872,8 @@ class Scheduler:
             if status is not None:
                 finished.extend(self._finish([req], status))
         for r in finished:
+            if r.first_scheduled_time is not None and r.finished_time is not None:
+                self._holds.append(r.finished_time - r.first_scheduled_time)
             n = float(r.num_output_tokens)
             old = self.mean_output_tokens
             self.mean_output_tokens = n if old is None else (1 - RATE_ALPHA) * old + RATE_ALPHA * n
@@ -1025,8 +1029,12 @@ class Scheduler:
         bound them; without ``ignore_eos`` also the mean output of finished requests, at least
         one), one a step, and its prompt's chunks still to prefill (at most
         ``max_num_batched_tokens`` each; the last of them samples its first token). A waiting
-        request holds its seat for the mean output's steps. An estimate where requests stop
-        early at EOS or a stop string."""
+        request holds its seat for the mean output's steps, or for the mean time the last
+        ``SEAT_HOLD_WINDOW`` finished requests sat where that is longer (prefill steps,
+        preemptions; at 4x overload the steps alone told returners to come back seconds
+        early). Not the finish rate: after a quiet spell of one request at a time it counts
+        one busy seat of eight, and a burst was told 34 s waits (the 60 s cap at most) for
+        about 6 s of work. An estimate where requests stop early at EOS or a stop string."""
         step, near, mean = (
             self._step_time.mean_s(),
             self._step_time.near_s(),
@@ -1045,7 +1053,10 @@ class Scheduler:
             chunks = -(-max(0, r.num_prompt_tokens - r.num_computed_tokens) // budget)
             free.append((left + max(0, chunks - 1)) * near)
         free.sort()
-        return {"seat_free_s": free, "seat_service_s": max(1.0, mean) * step}
+        service = max(1.0, mean) * step
+        if self._holds:  # how long finished requests really sat, preemptions and all
+            service = max(service, sum(self._holds) / len(self._holds))
+        return {"seat_free_s": free, "seat_service_s": service}
 
     def spec_stats(self) -> dict[str, Any]:
         """Speculative decoding's counters (vLLM's ``spec_decode_*``): verify steps, draft
@@ -1100,11 +1111,7 @@ def estimate_ttft(
     ``seat`` is the wait for a free seat (0 while one is free): the ``num_waiting``-th free
     seat (0-based: the requests queued ahead take the ones before it), where the free seats
     free now and the running requests' at ``seat_free_s`` (``Scheduler.seat_schedule``: from
-    their own tokens left), each then once a service: ``seat_service_s``, or
-    ``max_num_seqs / finished_per_s`` where that is longer (seats refilled more slowly than
-    they could be: with the full-seat service alone, returning clients at 4x overload came
-    back early, up to seconds over their budget, against a p90 error of 0.03 with the
-    measured rate). Without that schedule (a
+    their own tokens left), each then once a ``seat_service_s``. Without that schedule (a
     snapshot from before a step and a finish were measured, or one whose ``seat_free_s`` is
     not one entry a running request) it is the fluid ``max(0, num_running + num_waiting + 1 -
     max_num_seqs) / finished_per_s`` (``inf`` while seats are full and no request has finished
@@ -1143,9 +1150,6 @@ def estimate_ttft(
     seat = 0.0
     free, service = stats.get("seat_free_s"), stats.get("seat_service_s")
     if ahead > 0 and free is not None and service and len(free) == d:
-        finished = stats.get("finished_per_s")
-        if finished:  # seats refilled more slowly than they could be: the measured rate
-            service = max(service, max_num_seqs / finished)
         seat = nth_free_seat([0.0] * (max_num_seqs - d) + list(free), service, waiting)
     elif ahead > 0:
         finished = stats.get("finished_per_s")

@@ -222,21 +222,44 @@ def test_the_step_time_follows_a_slowdown_at_once():
     assert steps.near_s() == steps.mean_s() and 0.005 < steps.mean_s() < 0.015
 
 
-def test_seats_refilled_slowly_serve_at_the_measured_finish_rate():
-    # The full-seat service (mean output x step) says how fast a seat could turn over; when
-    # the seats are not kept full, the finish rate is lower and it is the truth for waits
-    # many services ahead (traced at 4x overload: returners came back early by seconds).
-    stats = {
-        "prefill_tokens_per_s": 10_000.0,
-        "decode_tokens_per_s": 400.0,
-        "num_running": 4,
-        "num_waiting": 40,
-        "queued_prefill_tokens": 400,
-        "seat_free_s": [0.01, 0.02, 0.03, 0.04],
-        "seat_service_s": 0.08,
-        "finished_per_s": 50.0,  # 4 seats / 0.08 s: kept full
-    }
-    full = estimate_ttft(stats, 4, 2048, 10)
-    assert full == pytest.approx(0.01 + 10 * 0.08 + 4 / 400.0)
-    slow = estimate_ttft({**stats, "finished_per_s": 25.0}, 4, 2048, 10)  # half as fast
-    assert slow == pytest.approx(0.01 + 10 * 0.16 + 4 / 400.0)
+def test_a_seat_is_held_at_least_as_long_as_finished_requests_sat(monkeypatch):
+    # The service is the longer of the mean output's steps and the time finished requests
+    # really sat; never the finish rate, which after a quiet spell of one request at a time
+    # counted one busy seat of eight (a burst was told 34 s for about 6 s of work).
+    from prefixgate.engine import scheduler as sched_module
+    from prefixgate.engine.config import EngineConfig
+    from prefixgate.engine.kv_cache_manager import KVCacheManager
+    from prefixgate.engine.request import Request
+    from prefixgate.engine.sampling_params import SamplingParams
+
+    now = [100.0]
+    monkeypatch.setattr(sched_module.time, "monotonic", lambda: now[0])
+    config = EngineConfig(block_size=16, max_num_seqs=8)
+    sched = sched_module.Scheduler(config, KVCacheManager.from_config(config, 64), 4096)
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    for i in range(3):  # one at a time, 8 steps of 10 ms, then 5 s of nothing
+        sched.add_request(Request(f"r{i}", [5, 6, 7], sp, eos_token_ids=[2], max_tokens=8))
+        while sched.has_unfinished_requests():
+            out = sched.schedule()
+            now[0] += 0.010
+            sched.update_from_output(
+                out, {s.request.request_id: 9 for s in out.scheduled if s.samples}
+            )
+        now[0] += 5.0
+    stats = sched.stats()
+    assert stats["finished_per_s"] == pytest.approx(1 / 0.080)  # one seat of eight busy
+    assert stats["seat_service_s"] == pytest.approx(0.080)  # what a seat is really held
+    for i in range(16):  # a burst: 8 seated, 8 waiting behind them
+        sched.add_request(Request(f"b{i}", [5, 6, 7], sp, eos_token_ids=[2], max_tokens=8))
+    out = sched.schedule()
+    now[0] += 0.010
+    sched.update_from_output(out, {s.request.request_id: 9 for s in out.scheduled if s.samples})
+    # a new request, behind the 8 waiting, gets a seat when the first of them ends: 7 steps
+    # left, then a service (0.15 s), then its first step (8 decodes at the 100 tokens/s
+    # measured one at a time: 0.08 s); the fluid wait at the quiet finish rate: 0.72 s
+    got = sched.predict_ttft(3)
+    assert got == pytest.approx(0.07 + 0.08 + 0.08, abs=1e-6)
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        sched.update_from_output(out, {s.request.request_id: 9 for s in out.scheduled if s.samples})
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
