@@ -324,7 +324,10 @@ class AdmissionController:
         if self.wait is None or prediction is None:
             return
         margin = self.wait.margin_s()  # how much later than predicted first tokens come
-        predicted = prediction[0] + margin + self.wait.extra_s(held, held_tokens, prompt_tokens)
+        extra = self.wait.extra_s(
+            held, held_tokens, prompt_tokens, self.queued_requests, self.queued_tokens
+        )
+        predicted = prediction[0] + margin + extra
         if predicted <= budget:
             return
         # The work ahead drains one second per second: admitted once it is within budget.

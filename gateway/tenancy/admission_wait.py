@@ -116,23 +116,30 @@ class EngineWait:
         admitted in between was judged on a queue without the others (4x overload with
         budgets: first tokens 0.34 s later than predicted at the median, 0.15 s counting
         them)."""
-        unseen = self.unseen(queued)
-        if unseen <= 0:
+        if self.unseen(queued) <= 0:
             got = self.engine.predict_ttft(max(1, tokens))
         else:
-            stats = self.engine.stats()
-            mean = math.ceil(queued_tokens / max(1, queued))
-            more = {
-                **stats,
-                "num_waiting": int(stats.get("num_waiting", 0)) + unseen,
-                "queued_prefill_tokens": int(stats.get("queued_prefill_tokens", 0)) + unseen * mean,
-            }
+            view = self._view(queued, queued_tokens)
             got = estimate_ttft(
-                more, self.max_num_seqs, self.max_num_batched_tokens, max(1, tokens)
+                view, self.max_num_seqs, self.max_num_batched_tokens, max(1, tokens)
             )
         if got is None:
             return None
         return got * self.scale, got
+
+    def _view(self, queued: int, queued_tokens: int) -> dict[str, Any]:
+        """The engine's ``stats()`` with the ``unseen`` requests of the admission queue
+        (``queued`` requests of ``queued_tokens`` prompt tokens) counted as waiting, each of
+        the queue's mean prompt."""
+        stats = dict(self.engine.stats())
+        unseen = self.unseen(queued)
+        if unseen > 0:
+            mean = math.ceil(queued_tokens / max(1, queued))
+            stats["num_waiting"] = int(stats.get("num_waiting", 0)) + unseen
+            stats["queued_prefill_tokens"] = (
+                int(stats.get("queued_prefill_tokens", 0)) + unseen * mean
+            )
+        return stats
 
     def unseen(self, queued: int) -> int:
         """How many of the admission queue's ``queued`` requests the engine's ``stats()`` do
@@ -168,13 +175,18 @@ class EngineWait:
         ahead = {**stats, "num_waiting": n - 1, "queued_prefill_tokens": (n - 1) * tokens}
         return self._estimate(ahead, tokens)
 
-    def extra_s(self, requests: int, tokens: int, own_tokens: int) -> float:
+    def extra_s(
+        self, requests: int, tokens: int, own_tokens: int, queued: int = 0, queued_tokens: int = 0
+    ) -> float:
         """Seconds ``requests`` more queued requests of ``tokens`` prompt tokens in all add to
         the first token of a new request of ``own_tokens`` (0.0 when nothing is added or the
-        rates are not measured)."""
+        rates are not measured), behind the admission queue's ``queued`` requests of
+        ``queued_tokens`` (as ``predict_ttft``: the ones the engine does not show yet count;
+        without them a crowd admitted at once left the engine's seats looking free, and the
+        requests refused behind it were all told one wait instead of a spread)."""
         if requests <= 0:
             return 0.0
-        stats = self.engine.stats()
+        stats = self._view(queued, queued_tokens)
         own = max(1, own_tokens)
         now = self._estimate(stats, own)
         more = {

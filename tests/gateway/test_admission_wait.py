@@ -437,3 +437,20 @@ def test_admitted_requests_the_engine_does_not_show_yet_count_as_waiting():
         ctl.admit(100, fingerprint="late", budget_s=seen[0] + 0.5)
     for t in tickets:
         t.done()
+
+
+def test_a_crowd_refused_behind_unseen_requests_is_told_a_spread():
+    # A probe fired 16 requests at once at 8 seats: the 8 admitted were not in the engine's
+    # stats yet, its seats looked free, and the 8 refused were all told one wait (107 ms).
+    class Reporting(RatedEngine):
+        def stats(self) -> dict[str, Any]:
+            return {**super().stats(), "running_decodes": self.running}
+
+    clock = Clock()
+    ctl = _ctl(Reporting(waiting=0, running=0), clock)
+    tickets = [ctl.admit(100) for _ in range(SEQS)]  # none of them shown by the engine yet
+    waits = [_refused(ctl, f"r{i}", budget_s=0.1) for i in range(4)]
+    steps = [b - a for a, b in zip(waits, waits[1:], strict=False)]
+    assert steps == pytest.approx([0.25] * 3, abs=0.02)  # one seat (1/4 s) apart
+    for t in tickets:
+        t.done()
