@@ -10,53 +10,56 @@ below is imported on first use (``from prefixgate.engine import AsyncEngine`` lo
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+if __name__ != "prefixgate.engine":  # the checkout's folder imported by its bare name
+    from prefixgate.sdk._bare_name import step_aside
 
-from prefixgate.engine.lazy import lazy_getattr
+    step_aside(__name__, __file__)
+else:
+    from typing import TYPE_CHECKING
 
-# Public name -> the module that defines it.
-_LAZY = {
-    "LLM": "prefixgate.engine.llm",
-    "AsyncEngine": "prefixgate.engine.async_engine",
-    "CompletionOutput": "prefixgate.engine.outputs",
-    "EngineConfig": "prefixgate.engine.config",
-    "EngineDeadError": "prefixgate.engine.errors",
-    "EngineRequest": "prefixgate.engine.protocol",
-    "LLMEngine": "prefixgate.engine.llm_engine",
-    "PinLimitError": "prefixgate.engine.errors",
-    "PrefixPin": "prefixgate.engine.kv_cache_manager",
-    "RequestOutput": "prefixgate.engine.outputs",
-    "SamplingParams": "prefixgate.engine.sampling_params",
-}
+    from prefixgate.engine.lazy import lazy_getattr
 
-__all__ = [
-    "LLM",
-    "AsyncEngine",
-    "CompletionOutput",
-    "EngineConfig",
-    "EngineDeadError",
-    "EngineRequest",
-    "LLMEngine",
-    "PinLimitError",
-    "PrefixPin",
-    "RequestOutput",
-    "SamplingParams",
-]
+    # Public name -> the module that defines it.
+    _LAZY = {
+        "LLM": "prefixgate.engine.llm",
+        "AsyncEngine": "prefixgate.engine.async_engine",
+        "CompletionOutput": "prefixgate.engine.outputs",
+        "EngineConfig": "prefixgate.engine.config",
+        "EngineDeadError": "prefixgate.engine.errors",
+        "EngineRequest": "prefixgate.engine.protocol",
+        "LLMEngine": "prefixgate.engine.llm_engine",
+        "PinLimitError": "prefixgate.engine.errors",
+        "PrefixPin": "prefixgate.engine.kv_cache_manager",
+        "RequestOutput": "prefixgate.engine.outputs",
+        "SamplingParams": "prefixgate.engine.sampling_params",
+    }
 
-if TYPE_CHECKING:
-    from prefixgate.engine.async_engine import AsyncEngine
-    from prefixgate.engine.config import EngineConfig
-    from prefixgate.engine.errors import EngineDeadError, PinLimitError
-    from prefixgate.engine.kv_cache_manager import PrefixPin
-    from prefixgate.engine.llm import LLM
-    from prefixgate.engine.llm_engine import LLMEngine
-    from prefixgate.engine.outputs import CompletionOutput, RequestOutput
-    from prefixgate.engine.protocol import EngineRequest
-    from prefixgate.engine.sampling_params import SamplingParams
+    __all__ = [
+        "LLM",
+        "AsyncEngine",
+        "CompletionOutput",
+        "EngineConfig",
+        "EngineDeadError",
+        "EngineRequest",
+        "LLMEngine",
+        "PinLimitError",
+        "PrefixPin",
+        "RequestOutput",
+        "SamplingParams",
+    ]
 
+    if TYPE_CHECKING:
+        from prefixgate.engine.async_engine import AsyncEngine
+        from prefixgate.engine.config import EngineConfig
+        from prefixgate.engine.errors import EngineDeadError, PinLimitError
+        from prefixgate.engine.kv_cache_manager import PrefixPin
+        from prefixgate.engine.llm import LLM
+        from prefixgate.engine.llm_engine import LLMEngine
+        from prefixgate.engine.outputs import CompletionOutput, RequestOutput
+        from prefixgate.engine.protocol import EngineRequest
+        from prefixgate.engine.sampling_params import SamplingParams
 
-__getattr__ = lazy_getattr(__name__, globals(), _LAZY)
+    __getattr__ = lazy_getattr(__name__, globals(), _LAZY)
 
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_LAZY])
+    def __dir__() -> list[str]:
+        return sorted([*globals(), *_LAZY])

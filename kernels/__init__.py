@@ -9,37 +9,40 @@ for one row (batch-1 decode), built on first use; the engine calls them directly
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+if __name__ != "prefixgate.kernels":  # the checkout's folder imported by its bare name
+    from prefixgate.sdk._bare_name import step_aside
 
-from prefixgate.kernels import torch_ref
+    step_aside(__name__, __file__)
+else:
+    from types import SimpleNamespace
 
-KERNEL_NAMES = (
-    "reshape_and_cache",
-    "paged_attention_decode",
-    "paged_attention_prefill",
-    "paged_attention_verify",
-    "rms_norm",
-    "rotary_embedding",
-    "silu_and_mul",
-)
+    from prefixgate.kernels import torch_ref
 
+    KERNEL_NAMES = (
+        "reshape_and_cache",
+        "paged_attention_decode",
+        "paged_attention_prefill",
+        "paged_attention_verify",
+        "rms_norm",
+        "rotary_embedding",
+        "silu_and_mul",
+    )
 
-def get_backend(name: str) -> SimpleNamespace:
-    """Return the kernel namespace for ``name``.
+    def get_backend(name: str) -> SimpleNamespace:
+        """Return the kernel namespace for ``name``.
 
-    Raises:
-        ValueError: unknown backend name.
-        ImportError: ``"triton"`` without triton installed.
-    """
-    if name == "torch":
-        return SimpleNamespace(**{k: getattr(torch_ref, k) for k in KERNEL_NAMES})
-    if name == "triton":
-        from prefixgate.kernels import triton_ops  # imported lazily: triton is optional
+        Raises:
+            ValueError: unknown backend name.
+            ImportError: ``"triton"`` without triton installed.
+        """
+        if name == "torch":
+            return SimpleNamespace(**{k: getattr(torch_ref, k) for k in KERNEL_NAMES})
+        if name == "triton":
+            from prefixgate.kernels import triton_ops  # imported lazily: triton is optional
 
-        return SimpleNamespace(**{k: getattr(triton_ops, k) for k in KERNEL_NAMES})
-    raise ValueError(f"unknown attention backend {name!r}; expected 'torch' or 'triton'")
+            return SimpleNamespace(**{k: getattr(triton_ops, k) for k in KERNEL_NAMES})
+        raise ValueError(f"unknown attention backend {name!r}; expected 'torch' or 'triton'")
 
-
-def default_backend(device: str) -> str:
-    """``"triton"`` on CUDA devices, ``"torch"`` elsewhere."""
-    return "triton" if str(device).startswith("cuda") else "torch"
+    def default_backend(device: str) -> str:
+        """``"triton"`` on CUDA devices, ``"torch"`` elsewhere."""
+        return "triton" if str(device).startswith("cuda") else "torch"
