@@ -86,7 +86,7 @@ decode rows with prefill chunks, so every row count up to 64 showed up in turn, 
 ~2.2 MB of primitives on tiny-random (the memory bench's curve rose in 1-7 MiB steps after
 10,000 requests); at 16 there are 32 shapes up to 64 rows instead of 64, for 1-3 zero rows
 more in a step of 17-64 rows off the grid (measured 0-5% more time for such a GEMM, about the
-rows added; README, "Memory over many requests")."""
+rows added; docs/benchmarks/memory-curve.md)."""
 
 
 def padded_rows(rows: int) -> int:
