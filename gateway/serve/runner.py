@@ -34,6 +34,7 @@ from prefixgate.gateway.serve.configure import (
     load_chat_template,
     settings_from_args,
 )
+from prefixgate.gateway.serve.early_checks import CannotListenError, check_before_imports
 from prefixgate.gateway.settings import GatewaySettings
 
 __all__ = [
@@ -74,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
+        check_before_imports(args)  # port, keys file, model path: before torch is imported
         settings = settings_from_args(args)
         upstreams: list[str] | ProxyConfig = args.upstreams
         if args.config:
@@ -92,6 +94,9 @@ def run(args: argparse.Namespace) -> int:
             config.tenant_weights = {**key_weights(args.keys_file), **config.tenant_weights}
             for line in key_policy_warnings(args.keys_file, config.scheduling_policy):
                 logger.warning("%s", line)
+    except CannotListenError as exc:  # as a bind that fails at the server's start: exit 1
+        logger.error("%s", exc)
+        return 1
     except (ValueError, TypeError) as exc:
         logger.error("bad option: %s", exc)
         return 2
