@@ -147,8 +147,8 @@ class StepTime:
         """Mean seconds a step for the steps just ahead: over the last ``STEP_RECENT_S``
         seconds where that is longer than the window's (a slowdown is followed at once, a
         speed-up over the window); ``None`` before the first step. A wait tens of seconds
-        ahead is not scaled by it: a recent slowdown taken as lasting told 30 s waits that
-        were 10 s too long (traced at 4x overload)."""
+        ahead is not scaled by it: a recent slowdown taken as lasting told long waits far
+        too long (docs/admission.md, "Near steps")."""
         if not self._steps:
             return None
         return max(self._seconds / len(self._steps), self._recent_s / len(self._recent))
@@ -1117,8 +1117,7 @@ def estimate_ttft(
     max_num_seqs) / finished_per_s`` (``inf`` while seats are full and no request has finished
     yet). The fluid wait is a step function of time for a batch admitted together: it stays
     put until the batch finishes, and returning clients told it met their TTFT budget again
-    and again, 50-60 ms at a time (2x overload through ``prefixgate serve``); the schedule's
-    falls with every step. First come first served is assumed: under ``fair`` a light
+    and again (docs/admission.md, "The seat schedule"); the schedule's falls with every step. First come first served is assumed: under ``fair`` a light
     tenant, under ``priority`` an urgent request, waits less.
 
     Raises:
