@@ -54,7 +54,8 @@ def render_options_page() -> str:
         ]
         if not actions:
             continue
-        title = "General" if group.title in ("options", "optional arguments") else group.title
+        title = group.title or ""
+        title = "General" if title in ("", "options", "optional arguments") else title
         out.append(f"## {title[:1].upper()}{title[1:]}\n")
         out.append("| flag | value | meaning |")
         out.append("|---|---|---|")
