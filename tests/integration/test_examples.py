@@ -25,7 +25,7 @@ def gateway_url(aidreams_path):
     from prefixgate.gateway.http.server import BackgroundServer
 
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny model on a shared 2-core machine (see DEVELOPERS.md)
+    torch.set_num_threads(1)  # tiny model on a shared 2-core machine (see docs/architecture.md)
     engines = []
 
     def make_app():
