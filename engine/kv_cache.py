@@ -1,6 +1,6 @@
 """Paged KV cache storage: how many blocks fit, and the per-layer K/V tensors.
 
-Layout (DEVELOPERS.md, kernels contract): per layer two tensors
+Layout (docs/architecture.md, kernels contract): per layer two tensors
 ``[num_blocks, block_size, num_kv_heads, head_dim]``, one for K and one for V, in the model's
 dtype. A token's cache slot is ``block_id * block_size + offset``.
 """

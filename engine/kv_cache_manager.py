@@ -537,7 +537,7 @@ class KVCacheManager:
 
     # ---- stats and checks ---------------------------------------------------------------
     def stats(self) -> dict[str, float | int]:
-        """KV and prefix-cache counters (keys as DEVELOPERS.md; queries/hits in tokens)."""
+        """KV and prefix-cache counters (keys as docs/architecture.md; queries/hits in tokens)."""
         q = self.prefix_cache_queries
         return {
             "kv_blocks_total": self.pool.num_blocks,

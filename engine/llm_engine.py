@@ -549,7 +549,8 @@ class LLMEngine:
     # -- introspection -------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        """Engine counters (DEVELOPERS.md ``stats()`` keys) — requests, KV blocks, prefix cache.
+        """Engine counters (docs/architecture.md ``stats()`` keys): requests, KV blocks, prefix
+        cache.
 
         ``prompt_tokens_prefilled``: prompt tokens actually computed (a recompute after
         preemption counts its prompt part again; prefix-cache hits do not count);

@@ -78,7 +78,7 @@ class ModelRunner:
     """Owns the model, its paged KV caches and the sampler.
 
     Args:
-        model: ``CausalLM`` following the DEVELOPERS.md model contract.
+        model: ``CausalLM`` following the docs/architecture.md model contract.
         kv_caches: one ``(k, v)`` pair per layer, ``[num_blocks, block_size, kv_heads, head_dim]``.
         sampler: ``Sampler`` with ``sample(logits [B, V] fp32, states) -> list[SampleResult]``
             (its ``LogitsPipeline`` applies each constrained row's grammar mask).

@@ -6,8 +6,8 @@ mypy in ``tests/gateway/test_engine_client.py`` and by ``isinstance`` at run tim
 module imports no torch (only the engine's torch-free types), so the gateway imports it in
 proxy mode as well.
 
-Contract details (errors, ordering, what a cancelled call leaves behind) are in DEVELOPERS.md,
-"gateway ↔ engine".
+Contract details (errors, ordering, what a cancelled call leaves behind) are in
+docs/architecture.md, "gateway ↔ engine".
 """
 
 from __future__ import annotations
@@ -224,7 +224,7 @@ class EngineClient(Protocol):
         ...
 
     def stats(self) -> dict[str, Any]:
-        """Engine counters (keys in DEVELOPERS.md, ``stats()`` keys); never blocks."""
+        """Engine counters (keys in docs/architecture.md, ``stats()`` keys); never blocks."""
         ...
 
     def predict_ttft(self, num_prompt_tokens: int, num_cached_tokens: int = 0) -> float | None:

@@ -147,8 +147,8 @@ class StepTime:
         """Mean seconds a step for the steps just ahead: over the last ``STEP_RECENT_S``
         seconds where that is longer than the window's (a slowdown is followed at once, a
         speed-up over the window); ``None`` before the first step. A wait tens of seconds
-        ahead is not scaled by it: a recent slowdown taken as lasting told 30 s waits that
-        were 10 s too long (traced at 4x overload)."""
+        ahead is not scaled by it: a recent slowdown taken as lasting told long waits far
+        too long (docs/admission.md, "Near steps")."""
         if not self._steps:
             return None
         return max(self._seconds / len(self._steps), self._recent_s / len(self._recent))
@@ -994,8 +994,8 @@ class Scheduler:
 
     # ---- stats and checks ---------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """Queue, token and KV counters (keys as DEVELOPERS.md ``stats()``), the policy's name
-        and per-tenant service (``tenants``)."""
+        """Queue, token and KV counters (keys as docs/architecture.md ``stats()``), the
+        policy's name and per-tenant service (``tenants``)."""
         return {
             "num_running": self.num_running,
             "num_waiting": self.num_waiting,
@@ -1117,9 +1117,9 @@ def estimate_ttft(
     max_num_seqs) / finished_per_s`` (``inf`` while seats are full and no request has finished
     yet). The fluid wait is a step function of time for a batch admitted together: it stays
     put until the batch finishes, and returning clients told it met their TTFT budget again
-    and again, 50-60 ms at a time (2x overload through ``prefixgate serve``); the schedule's
-    falls with every step. First come first served is assumed: under ``fair`` a light
-    tenant, under ``priority`` an urgent request, waits less.
+    and again (docs/admission.md, "The seat schedule"); the schedule's falls with every step.
+    First come first served is assumed: under ``fair`` a light tenant, under ``priority`` an
+    urgent request, waits less.
 
     Raises:
         TypeError: ``num_prompt_tokens`` / ``num_cached_tokens`` not ints.

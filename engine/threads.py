@@ -6,7 +6,7 @@ region), which OpenMP reads once when torch loads, so ``prefixgate serve`` sets 
 anything imports torch (a variable the user set wins). Measured with
 ``engine/bench/threads.py`` on a shared 2-core host: with OpenMP's default (active) waiting,
 2-thread single-stream decode collapsed to a fraction of 1-thread decode, with passive
-waiting it did not (README, "Speculative decoding (n-gram) and threads").
+waiting it did not (docs/benchmarks/threads.md).
 
 ``default_threads()``: the CPUs this process may run on (``os.sched_getaffinity``: a container's
 or ``taskset``'s CPU set, not the host's count), at most ``MAX_DEFAULT_THREADS`` (past that a

@@ -73,8 +73,8 @@ rotary's products and sums are the torch reference's bit for bit."""
 
 STALE_LOCK_S = 180.0
 """Seconds after which torch's build ``lock`` counts as left by a killed build where no
-:func:`lock_holders` answer can be had. A build takes 16-22 s on a 2-core machine, so a live
-one is done long before."""
+:func:`lock_holders` answer can be had: several times a build's time on a 2-core machine
+(docs/benchmarks/cpu-gemm.md), so a live one is done long before."""
 
 
 def lock_holders(lock: Path) -> bool | None:

@@ -3,7 +3,7 @@
 - No import circle between the project's modules.
 - The SDK imports no other part of the project.
 - The gateway is in rooms: at most 12 modules at its top level, and each room imports only the
-  rooms below it (``ROOM_IMPORTS``; DEVELOPERS.md, "The gateway's rooms").
+  rooms below it (``ROOM_IMPORTS``; docs/architecture.md, "The gateway's rooms").
 """
 
 from __future__ import annotations

@@ -1,26 +1,21 @@
 """fp32 linear layers on CPU through oneDNN with prepacked weights.
 
-``nn.Linear`` on CPU calls MKL's ``sgemm``. On the AMD EPYC (Zen 5, AVX-512) dev machine that
-path measured 2-2.5x slower than oneDNN (torch's bundled MKL-DNN) with the weight reordered
-once into oneDNN's blocked layout: single thread, SmolLM2-135M shapes (K 576-1536, N 576-49152),
-57-110 GFLOP/s for MKL against 150-250 for oneDNN at 8-2,048 rows; about equal at one row.
-This is the op PyTorch's own inductor emits for frozen CPU linears
+``nn.Linear`` on CPU calls MKL's ``sgemm``, which measured slower than oneDNN (torch's bundled
+MKL-DNN) with the weight reordered once into oneDNN's blocked layout from 8 rows on, and about
+equal at one row (figures: docs/benchmarks/cpu-gemm.md). This is the op PyTorch's own inductor emits for frozen CPU linears
 (``torch.ops.mkldnn._linear_pointwise`` on a weight from
 ``torch.ops.mkldnn._reorder_linear_weight``), so the engine gets the same GEMM without
 ``torch.compile``.
 
 Results differ from MKL's in the last bits (another summation order; fp32 accumulation both;
-measured max abs error against float64 about 2x MKL's, ~1e-4 on unit-normal inputs). As with
+max abs error against float64 about 2x MKL's, ~1e-4 on unit-normal inputs). As with
 MKL, a row's result may differ in the last bit with the batch's row count (seen at one row).
 
 **One row (batch-1 decode).** At one row the GEMM is a matrix-vector product that only streams
-the weight, and the blocked layout packed for 32 rows is not always the fastest way to stream it.
-Measured on the dev machine (one thread, 30 copies of each SmolLM2-135M weight read in turn, as a
-decode step reads them): ``torch.mm(x, W^T)`` on the weight stored transposed (``[I, O]``
-contiguous, "mm_t") took 165 / 105 / 474 us for the 960 x 576 / 576 x 576 / 3,072 x 576 layers
-against oneDNN's 219 / 137 / 816 us, and 4.8 against 7.9 ms for the 49,152 x 576 LM head; for
-the 576 x 1,536 down projection MKL's ``F.linear`` on the plain weight ("linear") and oneDNN were
-about even; from two rows on oneDNN's packed layout won every shape. Which one wins depends on the
+the weight, and the blocked layout packed for 32 rows is not always the fastest way to stream it:
+``torch.mm(x, W^T)`` on the weight stored transposed (``[I, O]`` contiguous, "mm_t") or MKL's
+``F.linear`` on the plain weight ("linear") beat it on some shapes, while from two rows on
+oneDNN's packed layout won every shape (docs/benchmarks/cpu-gemm.md). Which one wins depends on the
 CPU, the shape and the thread count, so :func:`calibrate_one_row` times the three at load
 (:data:`ONE_ROW_KINDS`) and a layer keeps a second copy of its weight (``[I, O]`` or ``[O, I]``)
 only where it beat oneDNN by :data:`ONE_ROW_MARGIN`: that copy is extra memory
@@ -28,12 +23,8 @@ only where it beat oneDNN by :data:`ONE_ROW_MARGIN`: that copy is extra memory
 
 The fourth kind, "gemv", is prefixgate's own AVX2/FMA GEMV (:mod:`prefixgate.kernels.cpu_ext`,
 built on first use; absent where it cannot be built) on the weight packed in 8-row panels, read
-as one forward stream. Measured on the Zen 3 machine (AVX2, 2 cores shared, one thread, load
-2.4, 30 copies as above, 2 December 2026): 162 / 134 / 621 / 305 us for the 960 x 576 /
-576 x 576 / 3,072 x 576 / 576 x 1,536 layers against mm_t's 255 / 256 / 588 / 511 and MKL's
-``F.linear`` 328 / 256 / 1,151 / 403, and 9.7 against 11.0 ms (mm_t) for the LM head: 10-14 GB/s,
-about the machine's one-thread read bandwidth then; the calibration picks it per shape where it
-wins by the same margin.
+as one forward stream, at about a core's read bandwidth (docs/benchmarks/cpu-gemm.md); the
+calibration picks it per shape where it wins by the same margin.
 """
 
 from __future__ import annotations
@@ -82,11 +73,10 @@ _PACK_ROWS_HINT = 32
 EXACT_ROWS = 16
 """Row counts up to this run as they are; above it, 8 steps per octave (at most 12.5% more
 rows). Was 64 (every decode batch size exact): in the local server the steps of a burst mix
-decode rows with prefill chunks, so every row count up to 64 showed up in turn, each a new
-~2.2 MB of primitives on tiny-random (the memory bench's curve rose in 1-7 MiB steps after
-10,000 requests); at 16 there are 32 shapes up to 64 rows instead of 64, for 1-3 zero rows
-more in a step of 17-64 rows off the grid (measured 0-5% more time for such a GEMM, about the
-rows added; README, "Memory over many requests")."""
+decode rows with prefill chunks, so every row count up to 64 showed up in turn, each new
+primitives of megabytes; at 16 there are 32 shapes up to 64 rows instead of 64, for 1-3 zero
+rows more in a step of 17-64 rows off the grid, costing about the rows added
+(docs/benchmarks/cpu-gemm.md, docs/benchmarks/memory-curve.md)."""
 
 
 def padded_rows(rows: int) -> int:
@@ -95,8 +85,9 @@ def padded_rows(rows: int) -> int:
 
     Why: oneDNN (its primitive cache, 1,024 entries) and torch's ideep (its LRU cache,
     ``LRU_CACHE_CAPACITY``, 1,024) keep one compiled primitive per input shape; every new row
-    count kept ~2.2 MB for the tiny-random model's linears, so a server seeing prefills of ever
-    new lengths grew for thousands of requests. With this bound a linear sees at most
+    count kept megabytes for the model's linears (docs/benchmarks/cpu-gemm.md), so a server
+    seeing prefills of ever new lengths grew for thousands of requests. With this bound a
+    linear sees at most
     ``EXACT_ROWS`` shapes, then 8 per octave (``distinct_row_counts``: 72 up to 2,048 rows, the
     default ``max_num_batched_tokens``), and pads at most 12.5% rows (zeros, their outputs
     dropped).
@@ -348,8 +339,8 @@ def calibrate_one_row(
     linear weights (default :data:`CALIBRATION_MIN_BYTES`) keeps oneDNN everywhere without
     timing: its weights stay in the CPU's caches, so the kinds' times say nothing about
     streaming, and a choice by noise would make its outputs differ in the last bits from one
-    load to the next (the test models are all that small). Runs at the current ``torch.get_num_threads()``; 3-9 s for the SmolLM2-135M shape on
-    the dev machine's 2 cores at load 11-16 (not measured quiet).
+    load to the next (the test models are all that small). Runs at the current
+    ``torch.get_num_threads()``; seconds for the SmolLM2-135M shape (docs/benchmarks/cpu-gemm.md).
 
     Returns:
         ``(out_features, in_features)`` → the kind chosen (also logged, with the extra bytes).

@@ -385,7 +385,7 @@ class DecoderLayer(nn.Module):
         ``layer_linears``, head counts, softmax scale), or None where it cannot take it (q/k
         norms, a linear without a one-row spec). Cached by :meth:`_one_row_args_for` until
         ``cpu_ext.one_row_generation`` moves: looking them up through the modules each step
-        cost ~0.8 ms of a ~8 ms step (SmolLM2-135M, int8, one thread)."""
+        cost a tenth of a step (docs/benchmarks/cpu-gemm.md)."""
         attn = self.self_attn
         if attn.q_norm is not None:
             return None

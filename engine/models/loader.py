@@ -85,7 +85,7 @@ def load_model(model_config: ModelConfig, engine_config: EngineConfig) -> Causal
         if device.type == "cpu":
             calibrate_int8_one_row(model)  # batch-1 decode: the AVX2 int8 GEMV where faster
     elif use_onednn_linear(device, model_config.dtype, None):
-        pack_linears(model)  # MKL's sgemm measured 2-2.5x slower here (cpu_linear.py)
+        pack_linears(model)  # MKL's sgemm is slower (cpu_linear.py, docs/benchmarks/cpu-gemm.md)
         calibrate_one_row(model)  # batch-1 decode: the fastest GEMM per shape at one row
     if (
         device.type == "cpu"

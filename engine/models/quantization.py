@@ -12,8 +12,8 @@ The matmul runs on:
   activations are quantized to uint8 on the fly, per token in effect (each row scaled to
   absmax 1, see :meth:`Int8Linear._forward_cpu`), int8 x uint8 GEMM with int32 accumulation,
   output fp32. A row's result does not depend on the rest of the batch. Needs
-  ``dtype="float32"``. Measured on the 2-core dev CPU: faster than fp32 at batch 1-128, where
-  torchao's int8 configs (0.18) and ``torch._int_mm`` were slower.
+  ``dtype="float32"``. Chosen because it was faster than fp32 at batch 1-128 where torchao's
+  int8 configs and ``torch._int_mm`` were slower (docs/benchmarks/cpu-gemm.md).
   **One row** (batch-1 decode, models past ``cpu_linear.CALIBRATION_MIN_BYTES`` of int8
   weights only: :func:`calibrate_int8_one_row`): where prefixgate's AVX2 int8 GEMV
   (:func:`prefixgate.kernels.cpu_ext.gemv_int8`) measured faster, a one-row input takes it
@@ -262,8 +262,8 @@ class Int8Linear(nn.Module):
             act = GEMV_ACTIVATIONS[self.one_row]
             y1 = cpu_ext.gemv_int8(x2, panels[0], panels[1], self.bias, self.out_features, act)
             return y1.reshape(*lead, self.out_features)
-        # abs().amax() is bitwise the inf-norm; linalg.vector_norm(ord=inf) measured 5-20x
-        # slower here (15-265 us against 3-12 us at 8-64 rows of 576-1,536).
+        # abs().amax() is bitwise the inf-norm, and faster than linalg.vector_norm(ord=inf)
+        # (docs/benchmarks/cpu-gemm.md).
         amax = x2.abs().amax(dim=1, keepdim=True).clamp_min_(1e-30)
         rows = torch.empty((n + 1, self.in_features), dtype=x2.dtype)
         torch.div(x2, amax, out=rows[:n])

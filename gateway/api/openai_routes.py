@@ -400,7 +400,7 @@ class Exchange:
         """Predicted seconds until this request ends, from its own progress: each choice's
         tokens left (``max_tokens``; an earlier stop only shortens it) over its measured token
         rate since its first token; None until every choice has ``ETA_MIN_TOKENS`` tokens to
-        measure by (a rate from two tokens was off by 3-4x on a loaded host), or when a choice
+        measure by (a rate from two tokens is noise: docs/admission.md), or when a choice
         has no ``max_tokens``."""
         now = time.monotonic()
         left = 0.0

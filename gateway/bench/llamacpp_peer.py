@@ -8,7 +8,7 @@ package (random weights, the model's own tokenizer; ``f32`` beside prefixgate fp
 of a step; every request bans the end-of-sequence token (``logit_bias`` -100, which both
 servers take) so every answer is exactly ``max_tokens`` long.
 
-Four measures, as the CPU-speed table of the README:
+Four measures, as the CPU-speed table of docs/benchmarks/llamacpp-peer.md:
 
 - **batched**: ``--num-requests`` x (``--prompt-len`` in, ``--output-len`` out) sent at once;
   output tokens / wall seconds;

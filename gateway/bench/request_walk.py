@@ -8,7 +8,7 @@ event-loop thread and the engine's step thread while one non-streaming (or ``--s
 request runs, after one warm-up request (so first-use imports and caches are not counted).
 A file counts when one of its functions is called; a class counts when an ``__init__`` (or
 ``__post_init__``) runs with ``self`` of that class, or a pydantic model of it is built. The
-figures are the architecture page's "one chat request's walk" counts (DEVELOPERS.md).
+figures are the architecture page's "one chat request's walk" counts (docs/architecture.md).
 """
 
 from __future__ import annotations

@@ -22,9 +22,8 @@ Score (after NVIDIA Dynamo's KV router cost, in tokens; the lowest wins)::
 candidate caches, less ``cached(u)``): computing them again on ``u`` makes a copy that
 displaces as many tokens of ``u``'s cache — other prompts' blocks, to be computed again by
 their next request. Without it a holder with one cold prompt queued lost its hit to an idle
-replica, and such copies cost the fleet more hits than they saved in queueing (measured: the
-benchmark's precise hit rate was below cache_aware's by about the tokens its spills left
-behind).
+replica, and such copies cost the fleet more hits than they saved in queueing
+(docs/precise-routing.md).
 ``cached(u)``: prompt tokens ``u`` serves from its cache: the index's match x block size, or
 the blocks of requests in flight to ``u`` when those reach further (computed there before
 their events arrive: a burst of one prefix is not spread by the event delay);
@@ -49,19 +48,18 @@ cold one, a whole prefill and a copy to save waiting beside one request), or it 
 loaded (always a candidate). The bound alone never turns a hit into a copy: when every
 upstream holding the most of the prompt is over it, those holders stay candidates and the
 cost decides (their queued prefill against a copy's tokens). Without that, a burst at round
-robin's capacity sent 15 of 90 requests cold to replicas under the bound (precise's p90 TTFT
-then 1.09x round robin's, its hit rate 0.77; with it 25-38x, 0.88-0.90).
+robin's capacity sent requests cold to replicas under the bound (docs/precise-routing.md).
 
 The share bound: a candidate whose share of this gateway's last ``SHARE_WINDOW x n`` picks,
 with this one, would exceed ``max_load_ratio`` times the mean share is left out too for the
 request of its hottest prompt in that window (``Route.key``; the one with the fewest recent
 picks stays). The in-flight bound is instantaneous: at a light load (a replica mostly idle
-between requests) it never acts, and a replica homing the most popular prompts served up to
-1.33x the mean (the benchmark's hot replica); the share bound sends the hot prompt's next
+between requests) it never acts, and a replica homing the most popular prompts served well
+over the mean (docs/precise-routing.md); the share bound sends the hot prompt's next
 request to another replica, which computes it once and holds a copy, after which the cost
 spreads the prompt over its holders. Only the hottest prompt moves: leaving the replica out
-for every prompt made a copy of each prompt that came while it was over (4 cold prefills
-within 6 s in one run, the slowest tenth's first five). With two gateways behind a
+for every prompt made a copy of each prompt that came while it was over
+(docs/precise-routing.md). With two gateways behind a
 round-robin client each bounds its own half of the traffic, and so the sum.
 
 A prompt no candidate holds (cold, or evicted everywhere) goes to its home: the upstream its

@@ -234,7 +234,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="proxy to the model list of this TOML or YAML file instead: models, each with "
         "deployments (URL, credential from an env var or a file, weight, max in flight, "
-        "TLS), aliases and fallbacks; checked at start-up (README, 'Operators') "
+        "TLS), aliases and fallbacks; checked at start-up (docs/proxy.md) "
         "(default: none)",
     )
     p.add_argument(

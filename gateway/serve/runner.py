@@ -34,6 +34,7 @@ from prefixgate.gateway.serve.configure import (
     load_chat_template,
     settings_from_args,
 )
+from prefixgate.gateway.serve.early_checks import CannotListenError, check_before_imports
 from prefixgate.gateway.settings import GatewaySettings
 
 __all__ = [
@@ -74,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
+        check_before_imports(args)  # port, keys file, model path: before torch is imported
         settings = settings_from_args(args)
         upstreams: list[str] | ProxyConfig = args.upstreams
         if args.config:
@@ -92,6 +94,9 @@ def run(args: argparse.Namespace) -> int:
             config.tenant_weights = {**key_weights(args.keys_file), **config.tenant_weights}
             for line in key_policy_warnings(args.keys_file, config.scheduling_policy):
                 logger.warning("%s", line)
+    except CannotListenError as exc:  # as a bind that fails at the server's start: exit 1
+        logger.error("%s", exc)
+        return 1
     except (ValueError, TypeError) as exc:
         logger.error("bad option: %s", exc)
         return 2
@@ -135,8 +140,8 @@ def preflight(config: Any) -> None:
     mc = ModelConfig.from_engine_config(config)
     if config.runner != "pooling":
         # The model's skeleton on the meta device (no memory): its first build imports much
-        # of torch (torch._dynamo, 7 s on a loaded 2-core machine), which in the loading
-        # thread held the interpreter from the event loop (/health waited up to 1 s).
+        # of torch (torch._dynamo: seconds), which in the loading thread held the
+        # interpreter from the event loop (/health waited; docs/benchmarks/health-while-loading.md).
         import torch
         from prefixgate.engine.models.llama import CausalLM
         from prefixgate.kernels import default_backend, get_backend
@@ -148,8 +153,8 @@ def preflight(config: Any) -> None:
 
 def _exit_now(code: int) -> None:
     """End the process at once: every socket, request and the engine are closed by now, and
-    the interpreter's own finalization (torch's teardown) took 4 s on a loaded 2-core machine,
-    past the ``--shutdown-grace-s`` + 1 s a stopping server promises."""
+    the interpreter's own finalization (torch's teardown) can take seconds, past the
+    ``--shutdown-grace-s`` + 1 s a stopping server promises."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -287,9 +292,8 @@ def _in_daemon_thread(fn: Any, *args: Any, hold: threading.Event | None = None) 
 
     With ``hold``, the thread then waits for ``hold`` before it ends: the model load runs
     torch's first intra-op parallel regions, so that thread owns the OpenMP thread pool, and
-    once it exits every later parallel region of the engine's thread ran 7-25x slower (a
-    4-token chat on tiny-random: 0.3-1.1 s instead of 45 ms, with RSS growing ~10 KB per
-    request); parked, it costs nothing."""
+    once it exits every later parallel region of the engine's thread ran many times slower,
+    with RSS growing per request (docs/benchmarks/threads.md); parked, it costs nothing."""
     loop = asyncio.get_running_loop()
     fut = loop.create_future()
 

@@ -49,9 +49,8 @@ PROMISE_ERROR_SHARE = 0.2
 """The drain a claimed promise's overflow absorbs, as a share of the departures its wait was
 predicted from: a wait told from ``n`` departures is kept when the queue drained up to this
 much slower than measured (``n`` told 10 s ahead at 30 requests/s: 60 places). The error of a
-prediction grows with its horizon; a fixed overflow (8 places over a queue of 16) held for the
-first second of waits and sent the rest back again (4x overload: 1,068 of 1,248 refused
-requests refused twice or more, 9,390 second 429s, p90 Retry-After error 0.96)."""
+prediction grows with its horizon, so the overflow grows with it; a fixed one held only the
+first second of waits (docs/admission.md, "Promise overflow")."""
 
 
 @dataclass(slots=True)
@@ -312,15 +311,12 @@ class AdmissionController:
 
         What is ahead: for a newcomer every promise (counting only the promises due before
         its own first token let newcomers in ahead of the returning clients, who then met
-        the budget again: 2x overload, p90 Retry-After error 0.99, 1,821 second 429s, 45 %
-        of budgets met, against 0.01 and 100 % counting every promise). For a returning
+        the budget again: docs/admission.md, "TTFT budgets and promises"). For a returning
         request, the promises ahead of it in line (``Promises.ranked_before``): one refused
         again keeps its rank, and its wait counts only those, so it takes the next place
         that opens for it. Before, it was told a wait counting the promises due before it
-        would come back, and came back among them: at 4x the engine's queue stayed at the
-        budget, topped up by whichever returner came first, and one request was refused five
-        times, told 0.5-0.7 s each time, the prediction never under its budget (p90
-        Retry-After error 0.61-0.84 at 2x and 4x, 215-226 requests refused twice or more)."""
+        would come back, and came back among them, refused again and again, the prediction
+        never under its budget (docs/admission.md)."""
         if self.wait is None or prediction is None:
             return
         margin = self.wait.margin_s()  # how much later than predicted first tokens come
@@ -354,8 +350,8 @@ class AdmissionController:
                 # the queue's measured drain, once warm: departures are what it counts. The
                 # engine's rates are its model time per step and leave out the gaps between
                 # steps, the gateway's work and a machine short of CPU (returning clients met
-                # the bound again: 4x overload, 1,150 second 429s of 1,746); for hundreds of
-                # departures its model overshot instead (told 60 s, the cap, for ~11 s)
+                # the bound again); for hundreds of departures its model overshot instead
+                # (docs/admission.md, "The queue bound's wait")
                 return n / self.drain_rate, True
             queued = self.queued_requests + held
             mean = (self.queued_tokens + self.promises.tokens) / max(1, queued)

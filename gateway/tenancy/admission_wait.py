@@ -12,10 +12,8 @@ Two parts:
   more queued work adds to a new request's first token. Every wait is scaled by ``scale``,
   the measured ratio of admitted requests' actual first-token waits to the engine's
   predictions for them (``observe``, an EWMA of weight ``alpha``). Off by default
-  (``alpha=0``: ``scale`` stays 1): through ``prefixgate serve`` on a loaded 2-core machine,
-  ``alpha=0.1`` made the waits worse (p90 ``Retry-After`` error at 4x overload 96 % against
-  0.4 % without, met budgets at 2x 71 % against 89 %): one ratio learnt mostly from short
-  predictions misjudges long ones.
+  (``alpha=0``: ``scale`` stays 1): ``alpha=0.1`` made the waits worse (docs/admission.md,
+  "Calibration"): one ratio learnt mostly from short predictions misjudges long ones.
 * ``Promises``: a refused request is told to come back after ``wait`` seconds; the server
   then holds its places for it. A place promised counts as taken for every later request (a
   newcomer does not take the place a returning client was promised: that would make the
@@ -27,8 +25,8 @@ Two parts:
   promises due between now and its own predicted first token (``held(within_s)``): one that
   leaves the queue before they are due takes nothing from them, so an idle server is never
   held idle for clients due later; and a promise past its time keeps nobody out (its client
-  may never come back: 468 refused clients that did not return kept a queue of 32 full for
-  the next one), though it can still be claimed until it lapses. Promises are made only for waits predicted from measured
+  may never come back, and unclaimed promises once kept a full queue full: docs/admission.md),
+  though it can still be claimed until it lapses. Promises are made only for waits predicted from measured
   rates (the engine's, or the measured hold time of a slot); a guess promises nothing.
 
 So a crowd refused at once is told a spread of times, one departure apart, instead of one
@@ -95,8 +93,7 @@ class EngineWait:
         last ``MISS_WINDOW`` admitted requests' (actual - predicted) first-token waits, at
         least 0; 0.0 until ``MISS_MIN`` are known. A TTFT budget is checked against the
         prediction plus this margin, so that the budgets admitted are met at that quantile
-        (without it, 68-77 % of budgets were met at 2x overload, the predictions missing by
-        0.2-0.3 s at p90 on the development machine)."""
+        (without it, too few budgets were met: docs/admission.md, "The miss margin")."""
         if len(self._misses) < MISS_MIN:
             return 0.0
         ordered = sorted(self._misses)
@@ -113,9 +110,8 @@ class EngineWait:
         queue holds now. Those the engine does not show yet (``unseen``) count as waiting
         too: an admitted request reaches the engine only when its handler's task next runs
         and the engine thread takes it in, and in the first seconds of a flood every request
-        admitted in between was judged on a queue without the others (4x overload with
-        budgets: first tokens 0.34 s later than predicted at the median, 0.15 s counting
-        them)."""
+        admitted in between was judged on a queue without the others (docs/admission.md,
+        "Unseen requests")."""
         if self.unseen(queued) <= 0:
             got = self.engine.predict_ttft(max(1, tokens))
         else:

@@ -135,29 +135,66 @@ async def fit_to_context(
                 return key, await count_prompt_tokens(http, model, distinct[key])
 
         counts = dict(await asyncio.gather(*(count(k) for k in distinct)))
-    if any(v is None for v in counts.values()):
-        note = (
-            f"the model's context is {context} tokens, but the server cannot count prompt "
-            "tokens (no POST /tokenize): the workload is sent unfitted"
-        )
-        return FitResult(list(requests), context=context, note=note)
-    result = FitResult([], context=context)
-    for r in requests:
-        n = counts[json.dumps(r.messages, sort_keys=True)]
-        result.prompt_tokens[r.index] = n
-        if n >= context:
-            result.dropped.append(r.index)
-        elif n + r.max_tokens > context:
-            result.shortened.append(r.index)
-            result.requests.append(dataclasses.replace(r, max_tokens=context - n))
-        else:
-            result.requests.append(r)
-    if not result.requests:
-        shortest = min(result.prompt_tokens.values())
-        has = f"{shortest} tokens" if shortest < BEYOND_CONTEXT else "more tokens than it counts"
-        raise WorkloadDoesNotFitError(
-            f"no prompt fits the model's context of {context} tokens: the shortest prompt of "
-            f"this workload has {has} (choose shorter prompts with "
-            "--system-prompt-max-chars / --user-task-max-chars, or a model with a longer context)"
-        )
+        if any(v is None for v in counts.values()):
+            note = (
+                f"the model's context is {context} tokens, but the server cannot count prompt "
+                "tokens (no POST /tokenize): the workload is sent unfitted"
+            )
+            return FitResult(list(requests), context=context, note=note)
+        result = FitResult([], context=context)
+        for r in requests:
+            n = counts[json.dumps(r.messages, sort_keys=True)]
+            result.prompt_tokens[r.index] = n
+            if n >= context:
+                result.dropped.append(r.index)
+            elif n + r.max_tokens > context:
+                result.shortened.append(r.index)
+                result.requests.append(dataclasses.replace(r, max_tokens=context - n))
+            else:
+                result.requests.append(r)
+        if not result.requests:
+            shortest = min(result.prompt_tokens.values())
+            has = (
+                f"{shortest} tokens" if shortest < BEYOND_CONTEXT else "more tokens than it counts"
+            )
+            advice = await _what_would_fit(http, model, requests, context, sem)
+            raise WorkloadDoesNotFitError(
+                f"no prompt fits the model's context of {context} tokens: the shortest prompt "
+                f"of this workload has {has} ({advice})"
+            )
     return result
+
+
+async def _what_would_fit(
+    http: httpx.AsyncClient,
+    model: str,
+    requests: list[BenchRequest],
+    context: int,
+    sem: asyncio.Semaphore,
+) -> str:
+    """The advice of a refused run, only what is true of this workload on this server: without
+    its system prompts, do some user turns alone fit? (counted with ``/tokenize`` as well)."""
+    other = (
+        "use shorter prompts (--system-prompts CSV, --user-tasks JSONL) or a model with a "
+        "longer context"
+    )
+    users: dict[str, list[dict[str, Any]]] = {}
+    for r in requests:
+        if any(m.get("role") == "system" for m in r.messages):
+            turns = [m for m in r.messages if m.get("role") != "system"]
+            users[json.dumps(turns, sort_keys=True)] = turns
+    if not users:
+        return other
+
+    async def count(messages: list[dict[str, Any]]) -> int | None:
+        async with sem:
+            return await count_prompt_tokens(http, model, messages)
+
+    counts = await asyncio.gather(*(count(u) for u in users.values()))
+    fit = sum(1 for n in counts if n is not None and n < context)
+    if not fit:
+        return f"the user turns alone do not fit either: {other}"
+    return (
+        f"without a system prompt {fit} of its {len(users)} user turns fit: "
+        f"--num-system-prompts 0; or {other}"
+    )

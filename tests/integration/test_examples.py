@@ -25,7 +25,7 @@ def gateway_url(aidreams_path):
     from prefixgate.gateway.http.server import BackgroundServer
 
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny model on a shared 2-core machine (see DEVELOPERS.md)
+    torch.set_num_threads(1)  # tiny model on a shared 2-core machine (see docs/architecture.md)
     engines = []
 
     def make_app():
@@ -76,12 +76,24 @@ def test_prefix_api(gateway_url):
     assert not cached.strip().startswith("0 ")
 
 
+def test_anthropic_client(gateway_url):
+    out = run_example("anthropic_client.py", gateway_url)
+    assert "model: aidreams-260k" in out and "stream: " in out
+    prompt = int(next(line for line in out.splitlines() if line.startswith("prompt:")).split()[1])
+    assert prompt + 32 <= 128  # the prompt and max_tokens fit aidreams-260k's context
+    second = next(line for line in out.splitlines() if line.startswith("second call:"))
+    assert " 0 read" not in second, out  # the marked system prompt came from the cache
+
+
 def test_proxy(gateway_url):
     out = run_example("proxy.py", gateway_url, PREFIXGATE_UPSTREAM_URL=gateway_url)
     assert "identical: True" in out
 
 
-@pytest.mark.parametrize("name", ["quickstart.py", "openai_client.py", "prefix_api.py", "proxy.py"])
+@pytest.mark.parametrize(
+    "name",
+    ["quickstart.py", "openai_client.py", "prefix_api.py", "proxy.py", "anthropic_client.py"],
+)
 def test_example_without_a_server_says_so_in_one_line(name):
     url = "http://127.0.0.1:9/v1"  # nothing listens on the discard port
     proc = subprocess.run(

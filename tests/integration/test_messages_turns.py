@@ -2,7 +2,7 @@
 third turn) replayed through the ``anthropic`` and ``openai`` clients against the gateway on
 the built-in tiny-random model. Turn N+1's prompt strictly extends turn N's, so each turn reads
 from the prefix cache every whole KV block of the previous turn's prompt: the figure is the
-share of turns that do (README, "Prompt caching").
+share of turns that do (docs/prompt-caching.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A fake AsyncEngine with the contract of DEVELOPERS.md (gateway <-> engine), for fast tests.
+"""A fake AsyncEngine with the docs/architecture.md contract (gateway <-> engine), for tests.
 
 Byte-level tokenizer (id = byte + 3; 1 = <s>, 2 = </s>), deterministic "generation" (letters
 derived from the prompt), a per-token delay, ``max_num_seqs`` running at a time (the rest

@@ -1,0 +1,117 @@
+"""Checks of ``prefixgate serve``'s values that need no engine: run before torch is imported.
+
+A port already in use, a keys file that cannot be read or a model folder that does not exist
+is told in one line before the engine's imports (torch's is the slow part of a start). This
+module and what it imports stay torch-free; ``tests/gateway/test_serve_early_checks.py`` holds
+that.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import sys
+from typing import Any
+
+__all__ = [
+    "CannotListenError",
+    "check_before_imports",
+    "check_keys_file",
+    "check_model_path",
+    "check_port_free",
+]
+
+
+class CannotListenError(Exception):
+    """The server could not bind its ``--host`` / ``--port`` (exit code 1, as a bind that fails
+    later, at the server's start)."""
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Refuse a ``host:port`` the server could not bind (port 0, any free port, always can).
+
+    Binds and closes a socket with ``SO_REUSEADDR``, as the server's own listener does, so a
+    port left in TIME_WAIT by a stopped server passes and one another process listens on fails.
+
+    Raises:
+        CannotListenError: the port is in use or not permitted, or ``host`` is not an address
+            of this machine (one line naming the address and the flag to change).
+    """
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise CannotListenError(
+            f"cannot listen on {host}:{port}: {exc.strerror} (choose another --host)"
+        ) from None
+    for family, kind, proto, _, addr in infos:
+        sock = socket.socket(family, kind, proto)
+        try:
+            if sys.platform != "win32":
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(addr)
+        except OSError as exc:
+            hint = {
+                errno.EADDRINUSE: "another server listens there: stop it, or choose another "
+                "--port (0 = any free port)",
+                errno.EACCES: "ports below 1024 need privileges: choose another --port",
+                errno.EADDRNOTAVAIL: "not an address of this machine: choose another --host "
+                "(127.0.0.1 for local clients, 0.0.0.0 for every interface)",
+            }.get(exc.errno or 0, "choose another --port")
+            raise CannotListenError(
+                f"cannot listen on {host}:{port}: {exc.strerror} ({hint})"
+            ) from None
+        finally:
+            sock.close()
+
+
+def check_keys_file(path: str) -> None:
+    """Read and validate the keys file as the server will (``tenancy/keys.load_keys_file``).
+
+    Raises:
+        ValueError: unreadable file, bad syntax, or an entry with unknown or invalid fields.
+    """
+    from prefixgate.gateway.tenancy.keys import load_keys_file
+
+    load_keys_file(path)
+
+
+def check_model_path(model: str | None) -> None:
+    """Refuse a ``--model`` that is neither a folder, a built-in preset nor a hub id ``org/name``.
+
+    A hub id is fetched later, when the model loads (the network is not asked here).
+
+    Raises:
+        ValueError: the path does not exist, or is a file rather than a model folder.
+    """
+    if model is None:
+        return
+    from prefixgate.engine.models.hub import is_hub_id
+    from prefixgate.engine.models.presets import PRESETS
+
+    path = os.path.expanduser(model)
+    if os.path.isdir(path) or model in PRESETS:
+        return
+    if os.path.exists(path):
+        raise ValueError(f"--model {model}: a file, not a model folder (its config.json's folder)")
+    if not is_hub_id(model):
+        raise ValueError(
+            f"--model {model}: no such folder (nor is it a Hugging Face hub id org/name, "
+            f"or a preset: {', '.join(PRESETS)})"
+        )
+
+
+def check_before_imports(args: Any) -> None:
+    """Every check above on the parsed ``serve`` flags; the first failure is raised.
+
+    Raises:
+        ValueError: one line naming the flag and what is wrong with its value.
+        CannotListenError: the server could not bind ``--host`` / ``--port``.
+    """
+    if args.keys_file:
+        check_keys_file(args.keys_file)
+    if not args.upstreams and not args.config:
+        check_model_path(args.model)
+    check_port_free(args.host, args.port)

@@ -1,0 +1,106 @@
+"""``prefixgate serve`` tells a bad port, keys file or model path in one line, before torch.
+
+Each case runs the real command line in a fresh interpreter and then asks that interpreter
+whether torch was imported: the check must come before the engine's imports, so a user waits
+for the interpreter and aiohttp, never for torch, to hear that the port is taken.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+from prefixgate.gateway.serve.early_checks import (
+    CannotListenError,
+    check_model_path,
+    check_port_free,
+)
+
+# main() returns the exit code of a refused start; the last stdout line says whether torch
+# (or the engine's async core) was imported by then.
+PROBE = (
+    "import sys, json\n"
+    "from prefixgate.gateway.cli import main\n"
+    "code = main(sys.argv[1:])\n"
+    "print(json.dumps({'code': code, 'torch': 'torch' in sys.modules,"
+    " 'engine': 'prefixgate.engine.async_engine' in sys.modules}))\n"
+)
+
+
+def _serve(*flags: str) -> tuple[dict, list[str]]:
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE, "serve", *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    errors = [line for line in proc.stderr.splitlines() if line.strip()]
+    return seen, errors
+
+
+def _one_line(errors: list[str], *words: str) -> str:
+    assert len(errors) == 1, errors
+    assert "bad option:" in errors[0] and all(w in errors[0] for w in words), errors[0]
+    return errors[0]
+
+
+def test_a_port_in_use_is_told_before_torch():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        seen, errors = _serve("--port", str(port), "--host", "127.0.0.1")
+    assert seen == {"code": 1, "torch": False, "engine": False}  # as a bind that fails later
+    assert len(errors) == 1, errors
+    assert f"cannot listen on 127.0.0.1:{port}" in errors[0], errors
+    assert "choose another --port" in errors[0], errors
+
+
+def test_a_missing_keys_file_is_told_before_torch(tmp_path):
+    missing = tmp_path / "keys.json"
+    seen, errors = _serve("--keys-file", str(missing), "--port", "0")
+    assert seen == {"code": 2, "torch": False, "engine": False}
+    _one_line(errors, "keys file", str(missing))
+
+
+def test_a_bad_keys_file_field_is_told_before_torch(tmp_path):
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"keys": [{"key": "sk-a", "rate": 3}]}))
+    seen, errors = _serve("--keys-file", str(keys), "--port", "0")
+    assert seen == {"code": 2, "torch": False, "engine": False}
+    _one_line(errors, "unknown field 'rate'")
+
+
+def test_a_model_path_that_does_not_exist_is_told_before_torch(tmp_path):
+    missing = tmp_path / "models" / "nope"
+    seen, errors = _serve("--model", str(missing), "--port", "0")
+    assert seen == {"code": 2, "torch": False, "engine": False}
+    _one_line(errors, f"--model {missing}", "no such folder")
+
+
+def test_model_values_that_are_not_refused(tmp_path):
+    check_model_path(None)  # the built-in preset
+    check_model_path("tiny-random")
+    check_model_path("HuggingFaceTB/SmolLM2-135M")  # a hub id: fetched when it loads
+    check_model_path(str(tmp_path))  # a folder: its config.json is read by the preflight
+    for bad in ("../no/such/model", "./nope", "a/b/c"):
+        with pytest.raises(ValueError, match="no such folder"):
+            check_model_path(bad)
+    a_file = tmp_path / "config.json"
+    a_file.write_text("{}")
+    with pytest.raises(ValueError, match="a file, not a model folder"):
+        check_model_path(str(a_file))
+
+
+def test_port_checks():
+    check_port_free("127.0.0.1", 0)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    check_port_free("127.0.0.1", port)  # bound then released: free again
+    with pytest.raises(CannotListenError, match="not an address of this machine"):
+        check_port_free("192.0.2.1", port)  # TEST-NET-1, never local
