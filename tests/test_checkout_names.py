@@ -69,8 +69,9 @@ def test_transformers_loads_the_reference_model_from_the_root(aidreams_path: str
     out = _run_in_root(
         "import importlib.util\n"
         "from transformers import AutoModelForCausalLM\n"
-        "from transformers.utils.import_utils import is_kernels_available\n"
-        "if importlib.util.find_spec('kernels') is not None and is_kernels_available():\n"
+        "from transformers.utils import import_utils\n"
+        "usable = getattr(import_utils, 'is_kernels_available', lambda: False)\n"
+        "if importlib.util.find_spec('kernels') is not None and usable():\n"
         "    import transformers.integrations.hub_kernels  # the integration that imports it\n"
         "    from kernels import get_kernel  # the distribution's own name\n"
         "    print('kernels', get_kernel.__module__)\n"
