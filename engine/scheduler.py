@@ -23,9 +23,9 @@ Each ``schedule()`` call (one engine step):
    step's token budget is first shared by tenant weight (``token_caps``), then what is left
    goes to anyone; see ``scheduling_policy.py`` for the shares and the bounds.
 
-Speculative decoding (``EngineConfig.speculative_method="ngram"``, ``spec_decode.py``): a
-decode may carry draft tokens (``ScheduledRequest.spec_token_ids``), its query growing to
-``1 + k`` tokens; drafts get KV slots only when blocks are free (a request that cannot have
+Speculative decoding (``EngineConfig.speculative_method="ngram"``,
+``spec_decode.SpecDecoding``): a decode may carry draft tokens
+(``ScheduledRequest.spec_token_ids``), its query growing to ``1 + k`` tokens; drafts get KV slots only when blocks are free (a request that cannot have
 them decodes plainly: drafts never preempt anyone) and live only in the step's
 ``ScheduledRequest``, so a preempted request has none. ``update_from_output`` takes the
 runner's accepted drafts + bonus token per such request, appends them one by one (each through
@@ -55,7 +55,7 @@ from prefixgate.engine.kv_cache_manager import KVCacheManager
 from prefixgate.engine.load_model import LoadModel, estimate_ttft
 from prefixgate.engine.request import Request, RequestStatus
 from prefixgate.engine.scheduling_policy import Room, SchedulingPolicy, make_policy, tenant_of
-from prefixgate.engine.spec_decode import NgramProposer, SpecDecodeState
+from prefixgate.engine.spec_decode import NgramProposer, SpecDecoding
 
 
 @dataclass(slots=True)
@@ -162,15 +162,12 @@ class Scheduler:
         self._first_now: list[Request] = []  # first scheduled in the step now running
         self._steps_scheduled = 0  # non-empty steps so far (``Request.arrival_step``)
         self.load = LoadModel()  # rates, finish rate, step time, seat schedule
-        self.proposer: NgramProposer | None = None
+        self.spec: SpecDecoding | None = None  # drafts, their acceptance, the counters
         if config.speculative_method == "ngram":
-            self.proposer = NgramProposer(
+            proposer = NgramProposer(
                 config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
             )
-        self.spec_min_acceptance = float(config.spec_min_acceptance)
-        self.spec_num_drafts = 0  # verify steps (vLLM's spec_decode_num_drafts)
-        self.spec_num_draft_tokens = 0
-        self.spec_num_accepted_tokens = 0
+            self.spec = SpecDecoding(proposer, config.spec_min_acceptance)
 
     # ---- queue state --------------------------------------------------------------------
     @property
@@ -426,34 +423,12 @@ class Scheduler:
         caps: dict[str, int] | None,
         used: dict[str, int],
     ) -> list[int]:
-        """Draft tokens for a decode of ``req`` (``[]``: plain decode): none without a
-        proposer, for a grammar, logprobs or a pin request, while its speculation pauses, or
-        beyond ``room`` budget tokens, ``max_tokens`` or ``max_model_len``."""
-        if self.proposer is None or room <= 0:
+        """Draft tokens for a decode of ``req`` within ``room`` budget tokens and its tenant's
+        cap (``SpecDecoding.propose``; ``[]`` without speculation)."""
+        if self.spec is None:
             return []
-        params = req.sampling_params
-        if req.structured_output is not None or req.pin_job is not None:
-            return []
-        if params is not None and params.logprobs is not None:
-            return []
-        if req.spec is None:
-            req.spec = SpecDecodeState()
-        if not req.spec.enabled(req.num_output_tokens):
-            return []
-        limit = min(
-            room,
-            req.max_tokens - req.num_output_tokens - 1,  # accepted + bonus within max_tokens
-            self.max_model_len - req.num_tokens - 1,
-        )
-        if caps is not None:
-            limit = min(limit, self._cap_left(req, caps, used, room + 1) - 1)
-        if req.spec.num_drafts is not None:  # the request's adaptive draft count
-            limit = min(limit, req.spec.num_drafts)
-        if limit <= 0:
-            return []
-        if req.spec.index is None:
-            req.spec.index = self.proposer.new_index()
-        return self.proposer.propose(req.all_token_ids, limit, req.spec.index, min_n=req.spec.min_n)
+        cap = None if caps is None else self._cap_left(req, caps, used, room + 1) - 1
+        return self.spec.propose(req, room, self.max_model_len, cap)
 
     @staticmethod
     def _cap_left(req: Request, caps: dict[str, int], used: dict[str, int], budget: int) -> int:
@@ -752,8 +727,7 @@ class Scheduler:
             if samples:
                 token = sampled_token_ids[req.request_id]
                 req.append_output_token(token if isinstance(token, int) else token[0], now)
-                self.tokens_decoded += 1
-                self.policy.on_output_token(req)
+                self._on_token(req)
             self.kv.cache_blocks(req, req.num_computed_tokens)
             status = req.check_stop(self.max_model_len) if samples else None
             if status is not None:
@@ -767,48 +741,28 @@ class Scheduler:
     def _accept_run(
         self, s: ScheduledRequest, tokens: int | Sequence[int], now: float
     ) -> RequestStatus | None:
-        """Apply one verify step of ``s`` (drafts ``d_1..d_k`` at positions ``c+1..c+k``):
-        ``tokens`` are the accepted drafts then the correction / bonus token. Each is appended
-        and checked (``Request.check_stop``) in turn, the first that ends the request ends the
-        run; ``num_computed_tokens`` becomes ``c + 1 +`` the accepted drafts kept, and blocks
-        beyond it (written only by rejected drafts) go back to the pool. Returns the finished
-        status or ``None``."""
-        req = s.request
-        run = [tokens] if isinstance(tokens, int) else list(tokens)
+        """Apply one verify step of ``s`` (drafts ``d_1..d_k`` at positions ``c+1..c+k``;
+        ``SpecDecoding.accept`` appends the run): ``num_computed_tokens`` becomes ``c + 1 +``
+        the accepted drafts kept, and blocks beyond it (written only by rejected drafts) go
+        back to the pool. Returns the finished status or ``None``."""
+        req, spec = s.request, self.spec
+        assert spec is not None  # drafts come only from it
         c, k = s.num_computed_tokens, len(s.spec_token_ids)
         num_plain = s.num_new_tokens - k  # the query's tokens before the drafts (1)
         if c < req.num_prompt_tokens:  # a one-token prompt tail carried drafts
             self.prompt_tokens_prefilled += min(c + num_plain, req.num_prompt_tokens) - c
-        accepted = len(run) - 1
-        status = None
-        appended = 0
-        for token in run:
-            req.append_output_token(token, now)
-            appended += 1
-            self.tokens_decoded += 1
-            self.policy.on_output_token(req)
-            status = req.check_stop(self.max_model_len)
-            if status is not None:
-                break
-        self.spec_num_drafts += 1
-        self.spec_num_draft_tokens += k
-        self.spec_num_accepted_tokens += accepted
-        if req.spec is not None:
-            p = self.proposer
-            req.spec.record(
-                k,
-                accepted,
-                req.num_output_tokens,
-                self.spec_min_acceptance,
-                max_drafts=None if p is None else p.k,
-                ngram_bounds=None if p is None else (p.min_n, p.max_n),
-            )
+        kept, status = spec.accept(req, tokens, k, now, self.max_model_len, self._on_token)
         # KV is valid through the last accepted draft the request kept
-        req.num_computed_tokens = c + num_plain + min(accepted, appended)
+        req.num_computed_tokens = c + num_plain + kept
         self.kv.cache_blocks(req, req.num_computed_tokens)
         if status is None:
             self.kv.trim(req, req.num_computed_tokens)
         return status
+
+    def _on_token(self, req: Request) -> None:
+        """Count one sampled token of ``req`` (the scheduler's and the policy's counters)."""
+        self.tokens_decoded += 1
+        self.policy.on_output_token(req)
 
     def _measure(
         self, out: SchedulerOutput, num_prefill: int, num_finished: int, now: float
@@ -879,25 +833,11 @@ class Scheduler:
             **self.load.stats(self.running, self.max_num_batched_tokens, self.max_model_len),
             "prompt_tokens_prefilled": self.prompt_tokens_prefilled,
             "tokens_decoded": self.tokens_decoded,
-            **self.spec_stats(),
+            **(self.spec.stats() if self.spec is not None else {}),
             **(self.anticipation.stats() if self.anticipation.max_wait_s > 0 else {}),
             "scheduling_policy": self.policy.name,
             "tenants": self.policy.tenant_stats(self.waiting, self.running),
             **self.kv.stats(),
-        }
-
-    def spec_stats(self) -> dict[str, Any]:
-        """Speculative decoding's counters (vLLM's ``spec_decode_*``): verify steps, draft
-        tokens proposed, drafts accepted, and their ratio (``None`` before any draft); empty
-        without speculation."""
-        if self.proposer is None:
-            return {}
-        n = self.spec_num_draft_tokens
-        return {
-            "spec_decode_num_drafts": self.spec_num_drafts,
-            "spec_decode_num_draft_tokens": n,
-            "spec_decode_num_accepted_tokens": self.spec_num_accepted_tokens,
-            "spec_decode_acceptance_rate": self.spec_num_accepted_tokens / n if n else None,
         }
 
     def check_invariants(self) -> None:
