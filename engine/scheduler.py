@@ -152,8 +152,6 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
         self.num_displacements = 0  # preemptions of running requests for waiting ones
-        # id -> (fairness preemptions, output tokens at the last one): the hysteresis
-        self._fair_preempted: dict[str, tuple[int, int]] = {}
         self.prompt_tokens_prefilled = 0
         self.tokens_decoded = 0
         self._step_started: float | None = None
@@ -268,7 +266,7 @@ class Scheduler:
         now = time.monotonic()
         for r in reqs:
             self.kv.free(r)
-            self._fair_preempted.pop(r.request_id, None)
+            self.policy.on_finish(r)
             r.status = status
             r.finished_time = now
             del self.requests[r.request_id]
@@ -532,16 +530,6 @@ class Scheduler:
             used[tenant_of(req)] = used.get(tenant_of(req), 0) + num_new
         return budget
 
-    def _fair_exempt(self) -> set[str]:
-        """Requests preempted for fairness that have not yet sampled
-        ``policy.fair_min_progress`` tokens since: not to be preempted for fairness again."""
-        p = self.policy.fair_min_progress
-        return {
-            rid
-            for rid, (_, at) in self._fair_preempted.items()
-            if self.requests[rid].num_output_tokens - at < p
-        }
-
     def _skip_tenant(self, req: Request, skipped: set[str]) -> None:
         t = tenant_of(req)
         skipped.update(r.request_id for r in self.waiting if tenant_of(r) == t)
@@ -567,8 +555,7 @@ class Scheduler:
             max_num_seqs=self.max_num_seqs,
             num_blocks=self.kv.num_blocks,
             pinned_blocks=self.kv.pinned_blocks_by_tenant(),
-            exempt=self._fair_exempt() | self._admitted_now,  # nor one admitted this step
-            fair_preemptions={rid: n for rid, (n, _) in self._fair_preempted.items()},
+            exempt=set(self._admitted_now),  # (the policy adds its own)
         )
 
     def _recompute_tokens(self, req: Request) -> int:
@@ -608,9 +595,7 @@ class Scheduler:
                 return True, back
             back += self._preempt(v, scheduled, used)
             self.num_displacements += 1
-            if self.policy.fair_preemption:
-                n, _ = self._fair_preempted.get(v.request_id, (0, 0))
-                self._fair_preempted[v.request_id] = (n + 1, v.num_output_tokens)
+            self.policy.on_displace(v)
         return self._allocate(req, num_new, num_hit, hits), back
 
     def _allocate(
