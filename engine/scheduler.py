@@ -25,18 +25,19 @@ Each ``schedule()`` call (one engine step):
 
 Speculative decoding (``EngineConfig.speculative_method="ngram"``,
 ``spec_decode.SpecDecoding``): a decode may carry draft tokens
-(``ScheduledRequest.spec_token_ids``), its query growing to ``1 + k`` tokens; drafts get KV slots only when blocks are free (a request that cannot have
-them decodes plainly: drafts never preempt anyone) and live only in the step's
-``ScheduledRequest``, so a preempted request has none. ``update_from_output`` takes the
-runner's accepted drafts + bonus token per such request, appends them one by one (each through
-``Request.check_stop``: EOS, stop ids, stop strings and ``max_tokens`` end the run at that
-token), keeps ``num_computed_tokens`` at the last accepted draft and frees the blocks that
-only rejected drafts used.
+(``ScheduledRequest.spec_token_ids``), its query growing to ``1 + k`` tokens; drafts get KV
+slots only when blocks are free (a request that cannot have them decodes plainly: drafts never
+preempt anyone) and live only in the step's ``ScheduledRequest``, so a preempted request has
+none. ``update_from_output`` takes the runner's accepted drafts + bonus token per such
+request, appends them one by one (each through ``Request.check_stop``: EOS, stop ids, stop
+strings and ``max_tokens`` end the run at that token), keeps ``num_computed_tokens`` at the
+last accepted draft and frees the blocks that only rejected drafts used.
 
 Rates and predictions (``stats()``'s rates and seat schedule, ``predict_ttft``) are the load
 model's (``load_model.py``): the scheduler feeds it each step's time, tokens and finishes.
 
-The flow and vocabulary follow vLLM v1 (``vllm/v1/core/sched/scheduler.py``).
+What a step runs is ``scheduler_output.py``'s. The flow and vocabulary follow vLLM v1
+(``vllm/v1/core/sched/scheduler.py``).
 """
 
 from __future__ import annotations
@@ -45,7 +46,6 @@ import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field
 from typing import Any
 
 from prefixgate.engine.anticipation import Anticipation
@@ -54,65 +54,9 @@ from prefixgate.engine.errors import CacheCapacityError
 from prefixgate.engine.kv_cache_manager import KVCacheManager
 from prefixgate.engine.load_model import LoadModel, estimate_ttft
 from prefixgate.engine.request import Request, RequestStatus
+from prefixgate.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from prefixgate.engine.scheduling_policy import Room, SchedulingPolicy, make_policy, tenant_of
 from prefixgate.engine.spec_decode import NgramProposer, SpecDecoding
-
-
-@dataclass(slots=True)
-class ScheduledRequest:
-    """One request's share of a step.
-
-    Attributes:
-        request: the request (its ``num_computed_tokens`` is unchanged until
-            ``update_from_output``).
-        num_new_tokens: query tokens this step: ``all_token_ids[c : c + num_new_tokens]`` at
-            positions ``c ..`` where ``c = num_computed_tokens``.
-        block_ids: the request's whole block table after allocation (covers ``c + n`` tokens).
-        num_computed_tokens: ``c``, the context already in the KV cache before this step.
-        spec_token_ids: draft tokens verified this step (speculative decoding), the last
-            ``len(spec_token_ids)`` of the ``num_new_tokens`` query tokens; ``[]`` otherwise.
-    """
-
-    request: Request
-    num_new_tokens: int
-    block_ids: list[int]
-    num_computed_tokens: int = 0
-    spec_token_ids: list[int] = field(default_factory=list)
-
-    @property
-    def samples(self) -> bool:
-        """True when this step reaches the request's last token: the runner samples it."""
-        return (
-            self.num_computed_tokens + self.num_new_tokens - len(self.spec_token_ids)
-            == self.request.num_tokens
-        )
-
-    @property
-    def is_decode(self) -> bool:
-        """One query token (decode, or a one-token prefill tail treated the same way)."""
-        return self.num_new_tokens == 1
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    """What one step runs.
-
-    Attributes:
-        scheduled: decodes first, then prefill chunks.
-        num_scheduled_tokens: total query tokens (<= ``max_num_batched_tokens``).
-        preempted: ids of requests preempted this step (the runner may drop their state).
-        finished_ids: ids of requests that finished since the previous ``schedule()``
-            (aborted, stopped by ``finish_requests`` or by ``update_from_output``).
-    """
-
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    num_scheduled_tokens: int = 0
-    preempted: list[str] = field(default_factory=list)
-    finished_ids: list[str] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 class Scheduler:
