@@ -78,7 +78,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from prefixgate.engine.request import Request
 
@@ -330,8 +330,14 @@ class FairPolicy(SchedulingPolicy):
     _last_left: str | None = None
     """The last tenant whose queue emptied (None until one did; set on the instance)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        input_weight: float = 1.0,
+        output_weight: float = 2.0,
+        tenant_weights: dict[str, float] | None = None,
+        first_step_alone: bool = True,
+    ) -> None:
+        super().__init__(input_weight, output_weight, tenant_weights, first_step_alone)
         # id -> (request, fairness preemptions, output tokens at the last one): the hysteresis
         self._fair_preempted: dict[str, tuple[Request, int, int]] = {}
 
