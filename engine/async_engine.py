@@ -26,10 +26,10 @@ from prefixgate.engine.config import EngineConfig
 from prefixgate.engine.errors import EngineDeadError
 from prefixgate.engine.front_end import EngineFrontEnd
 from prefixgate.engine.llm_engine import LLMEngine, PinJob, PreparedRequest
+from prefixgate.engine.load_model import estimate_ttft
 from prefixgate.engine.outputs import RequestOutput
 from prefixgate.engine.protocol import EngineRequest
 from prefixgate.engine.sampling_params import SamplingParams
-from prefixgate.engine.scheduler import estimate_ttft
 
 logger = logging.getLogger(__name__)
 
@@ -205,7 +205,7 @@ class AsyncEngine(EngineFrontEnd):
 
     def predict_ttft(self, num_prompt_tokens: int, num_cached_tokens: int = 0) -> float | None:
         """Seconds until a new request of ``num_prompt_tokens`` would get its first token,
-        from the ``stats()`` snapshot (never blocks; formula: ``scheduler.estimate_ttft``);
+        from the ``stats()`` snapshot (never blocks; formula: ``load_model.estimate_ttft``);
         ``None`` before the rates are measured.
 
         Raises:

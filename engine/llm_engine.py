@@ -361,8 +361,8 @@ class LLMEngine:
                 running_decodes=decodes,
                 kv_blocks_used=kv.pool.num_used,
                 kv_blocks_total=kv.pool.num_blocks,
-                prefill_tokens_per_s=s.prefill_tokens_per_s,
-                decode_tokens_per_s=s.decode_tokens_per_s,
+                prefill_tokens_per_s=s.load.prefill_tokens_per_s,
+                decode_tokens_per_s=s.load.decode_tokens_per_s,
                 last_seq=collector.last_seq,
             )
         )
@@ -563,7 +563,7 @@ class LLMEngine:
 
     def predict_ttft(self, num_prompt_tokens: int, num_cached_tokens: int = 0) -> float | None:
         """Seconds until a new request of ``num_prompt_tokens`` would get its first token
-        (``Scheduler.predict_ttft``; formula: ``scheduler.estimate_ttft``), ``None`` before
+        (``Scheduler.predict_ttft``; formula: ``load_model.estimate_ttft``), ``None`` before
         the rates are measured.
 
         Raises:

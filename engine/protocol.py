@@ -229,7 +229,7 @@ class EngineClient(Protocol):
 
     def predict_ttft(self, num_prompt_tokens: int, num_cached_tokens: int = 0) -> float | None:
         """Seconds until a new request of ``num_prompt_tokens`` would get its first token
-        (``scheduler.estimate_ttft`` on a ``stats()`` snapshot); ``None`` while the engine
+        (``load_model.estimate_ttft`` on a ``stats()`` snapshot); ``None`` while the engine
         has not measured its rates; never blocks."""
         ...
 

@@ -23,202 +23,40 @@ Each ``schedule()`` call (one engine step):
    step's token budget is first shared by tenant weight (``token_caps``), then what is left
    goes to anyone; see ``scheduling_policy.py`` for the shares and the bounds.
 
-Speculative decoding (``EngineConfig.speculative_method="ngram"``, ``spec_decode.py``): a
-decode may carry draft tokens (``ScheduledRequest.spec_token_ids``), its query growing to
-``1 + k`` tokens; drafts get KV slots only when blocks are free (a request that cannot have
-them decodes plainly: drafts never preempt anyone) and live only in the step's
-``ScheduledRequest``, so a preempted request has none. ``update_from_output`` takes the
-runner's accepted drafts + bonus token per such request, appends them one by one (each through
-``Request.check_stop``: EOS, stop ids, stop strings and ``max_tokens`` end the run at that
-token), keeps ``num_computed_tokens`` at the last accepted draft and frees the blocks that
-only rejected drafts used.
+Speculative decoding (``EngineConfig.speculative_method="ngram"``,
+``spec_decode.SpecDecoding``): a decode may carry draft tokens
+(``ScheduledRequest.spec_token_ids``), its query growing to ``1 + k`` tokens; drafts get KV
+slots only when blocks are free (a request that cannot have them decodes plainly: drafts never
+preempt anyone) and live only in the step's ``ScheduledRequest``, so a preempted request has
+none. ``update_from_output`` takes the runner's accepted drafts + bonus token per such
+request, appends them one by one (each through ``Request.check_stop``: EOS, stop ids, stop
+strings and ``max_tokens`` end the run at that token), keeps ``num_computed_tokens`` at the
+last accepted draft and frees the blocks that only rejected drafts used.
 
-Rates (``stats()``): each step's model time is the time from ``schedule()`` to
-``update_from_output()``. ``decode_tokens_per_s`` is an exponentially weighted mean (weight
-``RATE_ALPHA`` for the newest step) of decode tokens / time over steps that prefill nothing;
-``prefill_tokens_per_s`` the same of prefill tokens / (time - decode tokens /
-``decode_tokens_per_s``) over steps that prefill; ``finished_per_s`` is not a per-step mean
-(finishes come in bursts: a batch admitted together finishes together, and a per-step mean
-decayed 30-fold over the finish-free steps in between, so a full engine predicted a 33 s wait
-for a seat that freed in 0.5 s) but the requests finished over the step time of a window of
-recent steps that spans at least ``FINISH_WINDOW_S`` seconds and ``FINISH_WINDOW_MIN``
-finishes (at most ``FINISH_WINDOW_MAX_S`` seconds; ``FinishRate``). A step's time there is
-busy wall time, from the end of the step before it (when that one left requests unfinished)
-to its own end: the gap between steps (the engine thread's loop, the gateway's own work on
-the same cores) drains no seat, and a rate over model time alone told waits that were 0.6-0.8
-of the real ones through ``prefixgate serve`` at 2x overload. ``estimate_ttft``
-(``Scheduler.predict_ttft``, ``LLMEngine`` / ``AsyncEngine.predict_ttft``) turns them into a
-first-token wait.
+Rates and predictions (``stats()``'s rates and seat schedule, ``predict_ttft``) are the load
+model's (``load_model.py``): the scheduler feeds it each step's time, tokens and finishes.
 
-The flow and vocabulary follow vLLM v1 (``vllm/v1/core/sched/scheduler.py``).
+What a step runs is ``scheduler_output.py``'s. The flow and vocabulary follow vLLM v1
+(``vllm/v1/core/sched/scheduler.py``).
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field
 from typing import Any
 
 from prefixgate.engine.anticipation import Anticipation
 from prefixgate.engine.config import EngineConfig
 from prefixgate.engine.errors import CacheCapacityError
 from prefixgate.engine.kv_cache_manager import KVCacheManager
+from prefixgate.engine.load_model import LoadModel, estimate_ttft
 from prefixgate.engine.request import Request, RequestStatus
+from prefixgate.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from prefixgate.engine.scheduling_policy import Room, SchedulingPolicy, make_policy, tenant_of
-from prefixgate.engine.spec_decode import NgramProposer, SpecDecodeState
-
-RATE_ALPHA = 0.2
-"""Weight of the newest step in the exponentially weighted rates of ``stats()``."""
-FINISH_WINDOW_S = 8.0  # step seconds the finish rate spans at least ...
-FINISH_WINDOW_MIN = 8  # ... and finishes, when the last FINISH_WINDOW_MAX_S seconds hold them
-FINISH_WINDOW_MAX_S = 60.0
-STEP_WINDOW_S = 8.0  # busy wall seconds of steps the seat schedule's mean step spans
-STEP_RECENT_S = 1.0  # ... and the recent part of it that counts when its steps are slower
-SEAT_HOLD_WINDOW = 64  # finished requests whose time seated bounds the seat service below
-
-
-class FinishRate:
-    """Requests finished per second of step time over a window of recent steps (see the
-    module docstring): it spans at least ``FINISH_WINDOW_S`` step seconds and
-    ``FINISH_WINDOW_MIN`` finishes, never more than ``FINISH_WINDOW_MAX_S`` step seconds.
-    Cost: O(1) amortized a step; memory: one pair per step in the window."""
-
-    __slots__ = ("_steps", "_seconds", "_finished")
-
-    def __init__(self) -> None:
-        self._steps: deque[tuple[float, int]] = deque()
-        self._seconds = 0.0
-        self._finished = 0
-
-    def add(self, dt: float, num_finished: int) -> None:
-        """Fold in one step of ``dt`` seconds that finished ``num_finished`` requests."""
-        self._steps.append((dt, num_finished))
-        self._seconds += dt
-        self._finished += num_finished
-        while len(self._steps) > 1:
-            old_dt, old_n = self._steps[0]
-            rest_s, rest_n = self._seconds - old_dt, self._finished - old_n
-            enough = rest_s >= FINISH_WINDOW_S and rest_n >= FINISH_WINDOW_MIN
-            if not (enough or rest_s >= FINISH_WINDOW_MAX_S):
-                break
-            self._steps.popleft()
-            self._seconds, self._finished = rest_s, rest_n
-
-    def per_s(self) -> float | None:
-        """Finishes per step second over the window; ``None`` before the first finish. A
-        window that starts or ends at a burst counts one burst too many or too few: with
-        ``FINISH_WINDOW_S`` of 8 s and requests of about 1 s, within about 15 %."""
-        if not self._finished or self._seconds <= 0:
-            return None
-        return self._finished / self._seconds
-
-
-class StepTime:
-    """Mean busy wall seconds a step over the last ``STEP_WINDOW_S`` seconds of steps (at
-    least the newest step): the seat schedule's clock. A plain mean, not an exponential one
-    (steps that prefill a batch are many times a decode step: a per-step mean of weight 0.2
-    read 7.4 ms where the steps took 4.8 ms on average). A wait tens of seconds ahead is that
-    many steps of this mean, so it follows the window's noise: with a 2 s window, traced
-    at 4x overload, returners found themselves up to 7 s over their budget (p90 error 0.35 at
-    2x and 4x, against 0.07 and 0.34 over 8 s). Cost: O(1) amortized a step."""
-
-    __slots__ = ("_steps", "_seconds", "_recent", "_recent_s")
-
-    def __init__(self) -> None:
-        self._steps: deque[float] = deque()
-        self._seconds = 0.0
-        self._recent: deque[float] = deque()  # the last STEP_RECENT_S of them
-        self._recent_s = 0.0
-
-    def add(self, dt: float) -> None:
-        """Fold in one step of ``dt`` busy wall seconds."""
-        self._seconds = _push(self._steps, self._seconds, dt, STEP_WINDOW_S)
-        self._recent_s = _push(self._recent, self._recent_s, dt, STEP_RECENT_S)
-
-    def mean_s(self) -> float | None:
-        """Mean seconds a step over the window; ``None`` before the first step."""
-        return self._seconds / len(self._steps) if self._steps else None
-
-    def near_s(self) -> float | None:
-        """Mean seconds a step for the steps just ahead: over the last ``STEP_RECENT_S``
-        seconds where that is longer than the window's (a slowdown is followed at once, a
-        speed-up over the window); ``None`` before the first step. A wait tens of seconds
-        ahead is not scaled by it: a recent slowdown taken as lasting told long waits far
-        too long (docs/admission.md, "Near steps")."""
-        if not self._steps:
-            return None
-        return max(self._seconds / len(self._steps), self._recent_s / len(self._recent))
-
-
-def _push(steps: deque[float], total: float, dt: float, bound: float) -> float:
-    """Append ``dt`` to ``steps`` (summing to ``total``), drop the oldest while the rest span
-    ``bound`` seconds (at least one stays); returns the new total."""
-    steps.append(dt)
-    total += dt
-    while len(steps) > 1 and total - steps[0] >= bound:
-        total -= steps.popleft()
-    return total
-
-
-@dataclass(slots=True)
-class ScheduledRequest:
-    """One request's share of a step.
-
-    Attributes:
-        request: the request (its ``num_computed_tokens`` is unchanged until
-            ``update_from_output``).
-        num_new_tokens: query tokens this step: ``all_token_ids[c : c + num_new_tokens]`` at
-            positions ``c ..`` where ``c = num_computed_tokens``.
-        block_ids: the request's whole block table after allocation (covers ``c + n`` tokens).
-        num_computed_tokens: ``c``, the context already in the KV cache before this step.
-        spec_token_ids: draft tokens verified this step (speculative decoding), the last
-            ``len(spec_token_ids)`` of the ``num_new_tokens`` query tokens; ``[]`` otherwise.
-    """
-
-    request: Request
-    num_new_tokens: int
-    block_ids: list[int]
-    num_computed_tokens: int = 0
-    spec_token_ids: list[int] = field(default_factory=list)
-
-    @property
-    def samples(self) -> bool:
-        """True when this step reaches the request's last token: the runner samples it."""
-        return (
-            self.num_computed_tokens + self.num_new_tokens - len(self.spec_token_ids)
-            == self.request.num_tokens
-        )
-
-    @property
-    def is_decode(self) -> bool:
-        """One query token (decode, or a one-token prefill tail treated the same way)."""
-        return self.num_new_tokens == 1
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    """What one step runs.
-
-    Attributes:
-        scheduled: decodes first, then prefill chunks.
-        num_scheduled_tokens: total query tokens (<= ``max_num_batched_tokens``).
-        preempted: ids of requests preempted this step (the runner may drop their state).
-        finished_ids: ids of requests that finished since the previous ``schedule()``
-            (aborted, stopped by ``finish_requests`` or by ``update_from_output``).
-    """
-
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    num_scheduled_tokens: int = 0
-    preempted: list[str] = field(default_factory=list)
-    finished_ids: list[str] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+from prefixgate.engine.spec_decode import NgramProposer, SpecDecoding
 
 
 class Scheduler:
@@ -258,8 +96,6 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
         self.num_displacements = 0  # preemptions of running requests for waiting ones
-        # id -> (fairness preemptions, output tokens at the last one): the hysteresis
-        self._fair_preempted: dict[str, tuple[int, int]] = {}
         self.prompt_tokens_prefilled = 0
         self.tokens_decoded = 0
         self._step_started: float | None = None
@@ -267,23 +103,13 @@ class Scheduler:
         self._held_last = False  # the last step held tenants back (FairPolicy.hold_back)
         self._first_now: list[Request] = []  # first scheduled in the step now running
         self._steps_scheduled = 0  # non-empty steps so far (``Request.arrival_step``)
-        self.prefill_tokens_per_s: float | None = None
-        self.decode_tokens_per_s: float | None = None
-        self.finished_per_s: float | None = None
-        self._finish_rate = FinishRate()
-        self._step_time = StepTime()
-        self._busy_since: float | None = None  # the last step's end, when it left work
-        self.mean_output_tokens: float | None = None  # of finished requests (exponential mean)
-        self._holds: deque[float] = deque(maxlen=SEAT_HOLD_WINDOW)  # seconds seated, finished
-        self.proposer: NgramProposer | None = None
+        self.load = LoadModel()  # rates, finish rate, step time, seat schedule
+        self.spec: SpecDecoding | None = None  # drafts, their acceptance, the counters
         if config.speculative_method == "ngram":
-            self.proposer = NgramProposer(
+            proposer = NgramProposer(
                 config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
             )
-        self.spec_min_acceptance = float(config.spec_min_acceptance)
-        self.spec_num_drafts = 0  # verify steps (vLLM's spec_decode_num_drafts)
-        self.spec_num_draft_tokens = 0
-        self.spec_num_accepted_tokens = 0
+            self.spec = SpecDecoding(proposer, config.spec_min_acceptance)
 
     # ---- queue state --------------------------------------------------------------------
     @property
@@ -384,7 +210,7 @@ class Scheduler:
         now = time.monotonic()
         for r in reqs:
             self.kv.free(r)
-            self._fair_preempted.pop(r.request_id, None)
+            self.policy.on_finish(r)
             r.status = status
             r.finished_time = now
             del self.requests[r.request_id]
@@ -539,34 +365,12 @@ class Scheduler:
         caps: dict[str, int] | None,
         used: dict[str, int],
     ) -> list[int]:
-        """Draft tokens for a decode of ``req`` (``[]``: plain decode): none without a
-        proposer, for a grammar, logprobs or a pin request, while its speculation pauses, or
-        beyond ``room`` budget tokens, ``max_tokens`` or ``max_model_len``."""
-        if self.proposer is None or room <= 0:
+        """Draft tokens for a decode of ``req`` within ``room`` budget tokens and its tenant's
+        cap (``SpecDecoding.propose``; ``[]`` without speculation)."""
+        if self.spec is None:
             return []
-        params = req.sampling_params
-        if req.structured_output is not None or req.pin_job is not None:
-            return []
-        if params is not None and params.logprobs is not None:
-            return []
-        if req.spec is None:
-            req.spec = SpecDecodeState()
-        if not req.spec.enabled(req.num_output_tokens):
-            return []
-        limit = min(
-            room,
-            req.max_tokens - req.num_output_tokens - 1,  # accepted + bonus within max_tokens
-            self.max_model_len - req.num_tokens - 1,
-        )
-        if caps is not None:
-            limit = min(limit, self._cap_left(req, caps, used, room + 1) - 1)
-        if req.spec.num_drafts is not None:  # the request's adaptive draft count
-            limit = min(limit, req.spec.num_drafts)
-        if limit <= 0:
-            return []
-        if req.spec.index is None:
-            req.spec.index = self.proposer.new_index()
-        return self.proposer.propose(req.all_token_ids, limit, req.spec.index, min_n=req.spec.min_n)
+        cap = None if caps is None else self._cap_left(req, caps, used, room + 1) - 1
+        return self.spec.propose(req, room, self.max_model_len, cap)
 
     @staticmethod
     def _cap_left(req: Request, caps: dict[str, int], used: dict[str, int], budget: int) -> int:
@@ -670,16 +474,6 @@ class Scheduler:
             used[tenant_of(req)] = used.get(tenant_of(req), 0) + num_new
         return budget
 
-    def _fair_exempt(self) -> set[str]:
-        """Requests preempted for fairness that have not yet sampled
-        ``policy.fair_min_progress`` tokens since: not to be preempted for fairness again."""
-        p = self.policy.fair_min_progress
-        return {
-            rid
-            for rid, (_, at) in self._fair_preempted.items()
-            if self.requests[rid].num_output_tokens - at < p
-        }
-
     def _skip_tenant(self, req: Request, skipped: set[str]) -> None:
         t = tenant_of(req)
         skipped.update(r.request_id for r in self.waiting if tenant_of(r) == t)
@@ -705,8 +499,7 @@ class Scheduler:
             max_num_seqs=self.max_num_seqs,
             num_blocks=self.kv.num_blocks,
             pinned_blocks=self.kv.pinned_blocks_by_tenant(),
-            exempt=self._fair_exempt() | self._admitted_now,  # nor one admitted this step
-            fair_preemptions={rid: n for rid, (n, _) in self._fair_preempted.items()},
+            exempt=set(self._admitted_now),  # (the policy adds its own)
         )
 
     def _recompute_tokens(self, req: Request) -> int:
@@ -746,9 +539,7 @@ class Scheduler:
                 return True, back
             back += self._preempt(v, scheduled, used)
             self.num_displacements += 1
-            if self.policy.fair_preemption:
-                n, _ = self._fair_preempted.get(v.request_id, (0, 0))
-                self._fair_preempted[v.request_id] = (n + 1, v.num_output_tokens)
+            self.policy.on_displace(v)
         return self._allocate(req, num_new, num_hit, hits), back
 
     def _allocate(
@@ -865,18 +656,12 @@ class Scheduler:
             if samples:
                 token = sampled_token_ids[req.request_id]
                 req.append_output_token(token if isinstance(token, int) else token[0], now)
-                self.tokens_decoded += 1
-                self.policy.on_output_token(req)
+                self._on_token(req)
             self.kv.cache_blocks(req, req.num_computed_tokens)
             status = req.check_stop(self.max_model_len) if samples else None
             if status is not None:
                 finished.extend(self._finish([req], status))
-        for r in finished:
-            if r.first_scheduled_time is not None and r.finished_time is not None:
-                self._holds.append(r.finished_time - r.first_scheduled_time)
-            n = float(r.num_output_tokens)
-            old = self.mean_output_tokens
-            self.mean_output_tokens = n if old is None else (1 - RATE_ALPHA) * old + RATE_ALPHA * n
+        self.load.on_finished(finished)
         self._measure(
             scheduler_output, self.prompt_tokens_prefilled - prefill_before, len(finished), now
         )
@@ -885,53 +670,34 @@ class Scheduler:
     def _accept_run(
         self, s: ScheduledRequest, tokens: int | Sequence[int], now: float
     ) -> RequestStatus | None:
-        """Apply one verify step of ``s`` (drafts ``d_1..d_k`` at positions ``c+1..c+k``):
-        ``tokens`` are the accepted drafts then the correction / bonus token. Each is appended
-        and checked (``Request.check_stop``) in turn, the first that ends the request ends the
-        run; ``num_computed_tokens`` becomes ``c + 1 +`` the accepted drafts kept, and blocks
-        beyond it (written only by rejected drafts) go back to the pool. Returns the finished
-        status or ``None``."""
-        req = s.request
-        run = [tokens] if isinstance(tokens, int) else list(tokens)
+        """Apply one verify step of ``s`` (drafts ``d_1..d_k`` at positions ``c+1..c+k``;
+        ``SpecDecoding.accept`` appends the run): ``num_computed_tokens`` becomes ``c + 1 +``
+        the accepted drafts kept, and blocks beyond it (written only by rejected drafts) go
+        back to the pool. Returns the finished status or ``None``."""
+        req, spec = s.request, self.spec
+        assert spec is not None  # drafts come only from it
         c, k = s.num_computed_tokens, len(s.spec_token_ids)
         num_plain = s.num_new_tokens - k  # the query's tokens before the drafts (1)
         if c < req.num_prompt_tokens:  # a one-token prompt tail carried drafts
             self.prompt_tokens_prefilled += min(c + num_plain, req.num_prompt_tokens) - c
-        accepted = len(run) - 1
-        status = None
-        appended = 0
-        for token in run:
-            req.append_output_token(token, now)
-            appended += 1
-            self.tokens_decoded += 1
-            self.policy.on_output_token(req)
-            status = req.check_stop(self.max_model_len)
-            if status is not None:
-                break
-        self.spec_num_drafts += 1
-        self.spec_num_draft_tokens += k
-        self.spec_num_accepted_tokens += accepted
-        if req.spec is not None:
-            p = self.proposer
-            req.spec.record(
-                k,
-                accepted,
-                req.num_output_tokens,
-                self.spec_min_acceptance,
-                max_drafts=None if p is None else p.k,
-                ngram_bounds=None if p is None else (p.min_n, p.max_n),
-            )
+        kept, status = spec.accept(req, tokens, k, now, self.max_model_len, self._on_token)
         # KV is valid through the last accepted draft the request kept
-        req.num_computed_tokens = c + num_plain + min(accepted, appended)
+        req.num_computed_tokens = c + num_plain + kept
         self.kv.cache_blocks(req, req.num_computed_tokens)
         if status is None:
             self.kv.trim(req, req.num_computed_tokens)
         return status
 
+    def _on_token(self, req: Request) -> None:
+        """Count one sampled token of ``req`` (the scheduler's and the policy's counters)."""
+        self.tokens_decoded += 1
+        self.policy.on_output_token(req)
+
     def _measure(
         self, out: SchedulerOutput, num_prefill: int, num_finished: int, now: float
     ) -> None:
-        """Fold one step into the rates (see the module docstring)."""
+        """Time one step (model time: ``schedule()`` to now) for its first-scheduled requests'
+        ``first_step_s`` and fold it into the load model."""
         started, self._step_started = self._step_started, None
         first, self._first_now = self._first_now, []
         if started is None or out.is_empty:
@@ -939,26 +705,14 @@ class Scheduler:
         dt = now - started
         for r in first:
             r.first_step_s = dt
-        # finishes over busy wall time: from the last step's end (when it left work) to this
-        # one's, the gap between steps included
-        busy = now - self._busy_since if self._busy_since is not None else dt
-        self._busy_since = now if self.has_unfinished_requests() else None
-        if dt <= 0:
-            return
-        num_decode = out.num_scheduled_tokens - num_prefill
-
-        def ewma(old: float | None, new: float) -> float:
-            return new if old is None else (1 - RATE_ALPHA) * old + RATE_ALPHA * new
-
-        if num_prefill == 0:
-            self.decode_tokens_per_s = ewma(self.decode_tokens_per_s, num_decode / dt)
-        else:
-            decode_s = num_decode / self.decode_tokens_per_s if self.decode_tokens_per_s else 0.0
-            prefill_s = max(dt - decode_s, 0.1 * dt)  # never credit prefill with no time
-            self.prefill_tokens_per_s = ewma(self.prefill_tokens_per_s, num_prefill / prefill_s)
-        self._finish_rate.add(max(dt, busy), num_finished)
-        self._step_time.add(max(dt, busy))
-        self.finished_per_s = self._finish_rate.per_s()
+        self.load.on_step(
+            dt,
+            now,
+            num_prefill,
+            out.num_scheduled_tokens - num_prefill,
+            num_finished,
+            self.has_unfinished_requests(),
+        )
 
     def queued_prefill_tokens(self, net_of_cache: bool = False) -> int:
         """Prompt (and, for preempted requests, recompute) tokens still to prefill: waiting
@@ -1005,71 +759,14 @@ class Scheduler:
             "running_decodes": sum(
                 1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1
             ),
-            "prefill_tokens_per_s": self.prefill_tokens_per_s,
-            "decode_tokens_per_s": self.decode_tokens_per_s,
-            "finished_per_s": self.finished_per_s,
-            **self.seat_schedule(),
+            **self.load.stats(self.running, self.max_num_batched_tokens, self.max_model_len),
             "prompt_tokens_prefilled": self.prompt_tokens_prefilled,
             "tokens_decoded": self.tokens_decoded,
-            **self.spec_stats(),
+            **(self.spec.stats() if self.spec is not None else {}),
             **(self.anticipation.stats() if self.anticipation.max_wait_s > 0 else {}),
             "scheduling_policy": self.policy.name,
             "tenants": self.policy.tenant_stats(self.waiting, self.running),
             **self.kv.stats(),
-        }
-
-    def seat_schedule(self) -> dict[str, Any]:
-        """When the seats free (``stats()``'s ``seat_free_s``: seconds until each running
-        request is estimated to finish, ascending) and how long a seat is then held
-        (``seat_service_s``), from the requests' own progress and the mean busy wall time of
-        a step (``StepTime``: the running requests' steps at ``near_s``, the seats' later
-        services at the window's ``mean_s``); both ``None`` before a request has finished.
-
-        A running request's steps left: its tokens left (``max_tokens`` and the model length
-        bound them; without ``ignore_eos`` also the mean output of finished requests, at least
-        one), one a step, and its prompt's chunks still to prefill (at most
-        ``max_num_batched_tokens`` each; the last of them samples its first token). A waiting
-        request holds its seat for the mean output's steps, or for the mean time the last
-        ``SEAT_HOLD_WINDOW`` finished requests sat where that is longer (prefill steps,
-        preemptions; at 4x overload the steps alone told returners to come back seconds
-        early). Not the finish rate: after a quiet spell of one request at a time it counts
-        one busy seat of eight, and a burst was told 34 s waits (the 60 s cap at most) for
-        about 6 s of work. An estimate where requests stop early at EOS or a stop string."""
-        step, near, mean = (
-            self._step_time.mean_s(),
-            self._step_time.near_s(),
-            self.mean_output_tokens,
-        )
-        if step is None or near is None or mean is None:
-            return {"seat_free_s": None, "seat_service_s": None}
-        budget = max(1, self.max_num_batched_tokens)
-        free = []
-        for r in self.running:
-            left = min(r.max_tokens - r.num_output_tokens, self.max_model_len - r.num_tokens)
-            params = r.sampling_params
-            if not (params is not None and params.ignore_eos):
-                left = min(left, math.ceil(mean - r.num_output_tokens))
-            left = max(1, left)
-            chunks = -(-max(0, r.num_prompt_tokens - r.num_computed_tokens) // budget)
-            free.append((left + max(0, chunks - 1)) * near)
-        free.sort()
-        service = max(1.0, mean) * step
-        if self._holds:  # how long finished requests really sat, preemptions and all
-            service = max(service, sum(self._holds) / len(self._holds))
-        return {"seat_free_s": free, "seat_service_s": service}
-
-    def spec_stats(self) -> dict[str, Any]:
-        """Speculative decoding's counters (vLLM's ``spec_decode_*``): verify steps, draft
-        tokens proposed, drafts accepted, and their ratio (``None`` before any draft); empty
-        without speculation."""
-        if self.proposer is None:
-            return {}
-        n = self.spec_num_draft_tokens
-        return {
-            "spec_decode_num_drafts": self.spec_num_drafts,
-            "spec_decode_num_draft_tokens": n,
-            "spec_decode_num_accepted_tokens": self.spec_num_accepted_tokens,
-            "spec_decode_acceptance_rate": self.spec_num_accepted_tokens / n if n else None,
         }
 
     def check_invariants(self) -> None:
@@ -1085,97 +782,3 @@ class Scheduler:
         for r in self.waiting:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), r
             assert self.kv.num_request_blocks(r.request_id) == 0, r
-
-
-def estimate_ttft(
-    stats: Mapping[str, Any],
-    max_num_seqs: int,
-    max_num_batched_tokens: int,
-    num_prompt_tokens: int,
-    num_cached_tokens: int = 0,
-) -> float | None:
-    """Predicted seconds until a request of ``num_prompt_tokens`` arriving now would get its
-    first token, from a ``stats()`` snapshot (torch-free: the gateway can call it on
-    ``engine.stats()`` with ``engine.config``); ``None`` before both rates are measured.
-
-    With ``Q`` = ``queued_prefill_tokens`` + the new request's uncached tokens
-    (``num_prompt_tokens - num_cached_tokens``), ``D`` = ``num_running`` (decodes per step),
-    ``r_p`` / ``r_d`` = ``prefill_tokens_per_s`` / ``decode_tokens_per_s``, ``B`` =
-    ``max_num_batched_tokens``::
-
-        steps   = ceil(Q / max(1, B - D))          steps the prefill work needs
-        compute = Q / r_p + steps * D / r_d        each of them also carries D decodes
-        seat    = nth_free_seat(seats, seat_service_s, num_waiting)  while no seat is free
-        ttft    = max(compute, seat) + D / r_d     (+ the first token's own step)
-
-    ``seat`` is the wait for a free seat (0 while one is free): the ``num_waiting``-th free
-    seat (0-based: the requests queued ahead take the ones before it), where the free seats
-    free now and the running requests' at ``seat_free_s`` (``Scheduler.seat_schedule``: from
-    their own tokens left), each then once a ``seat_service_s``. Without that schedule (a
-    snapshot from before a step and a finish were measured, or one whose ``seat_free_s`` is
-    not one entry a running request) it is the fluid ``max(0, num_running + num_waiting + 1 -
-    max_num_seqs) / finished_per_s`` (``inf`` while seats are full and no request has finished
-    yet). The fluid wait is a step function of time for a batch admitted together: it stays
-    put until the batch finishes, and returning clients told it met their TTFT budget again
-    and again (docs/admission.md, "The seat schedule"); the schedule's falls with every step.
-    First come first served is assumed: under ``fair`` a light tenant, under ``priority`` an
-    urgent request, waits less.
-
-    Raises:
-        TypeError: ``num_prompt_tokens`` / ``num_cached_tokens`` not ints.
-        ValueError: ``num_prompt_tokens`` < 1 or ``num_cached_tokens`` outside
-            ``[0, num_prompt_tokens)``.
-    """
-    for name, v in (
-        ("num_prompt_tokens", num_prompt_tokens),
-        ("num_cached_tokens", num_cached_tokens),
-    ):
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise TypeError(f"{name} must be an int, got {v!r}")
-    if num_prompt_tokens < 1:
-        raise ValueError(f"num_prompt_tokens must be >= 1, got {num_prompt_tokens}")
-    if not 0 <= num_cached_tokens < num_prompt_tokens:
-        raise ValueError(
-            f"num_cached_tokens must be in [0, {num_prompt_tokens}), got {num_cached_tokens}"
-        )
-    r_p, r_d = stats.get("prefill_tokens_per_s"), stats.get("decode_tokens_per_s")
-    if not r_p or not r_d:
-        return None
-    d = int(stats["num_running"])
-    q = int(stats["queued_prefill_tokens"]) + num_prompt_tokens - num_cached_tokens
-    steps = -(-q // max(1, max_num_batched_tokens - d))
-    compute = q / r_p + steps * d / r_d
-    waiting = int(stats["num_waiting"])
-    ahead = d + waiting + 1 - max_num_seqs
-    seat = 0.0
-    free, service = stats.get("seat_free_s"), stats.get("seat_service_s")
-    if ahead > 0 and free is not None and service and len(free) == d:
-        seat = nth_free_seat([0.0] * (max_num_seqs - d) + list(free), service, waiting)
-    elif ahead > 0:
-        finished = stats.get("finished_per_s")
-        seat = ahead / finished if finished else float("inf")
-    return max(compute, seat) + d / r_d
-
-
-def nth_free_seat(free_s: Sequence[float], service_s: float, n: int) -> float:
-    """Seconds until the ``n``-th request (0-based) of a first-come-first-served queue gets a
-    seat: seat ``i`` frees at ``free_s[i]`` and then at every ``service_s`` (each request
-    holds it that long), so the ``n``-th is the ``n``-th smallest of
-    ``{free_s[i] + r * service_s : i, r >= 0}``. Found by bisection on the count of frees up
-    to a time (``O(len(free_s))`` each, 60 rounds: exact to well under a microsecond).
-
-    Raises:
-        ValueError: no seat, ``service_s`` not > 0, or ``n`` < 0.
-    """
-    if not free_s or not service_s > 0 or n < 0:
-        raise ValueError(f"need seats, service_s > 0 and n >= 0, got {free_s}, {service_s}, {n}")
-    seats = len(free_s)
-    lo, hi = min(free_s), max(free_s) + (n // seats + 1) * service_s
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        count = sum(math.floor((mid - f) / service_s) + 1 for f in free_s if f <= mid)
-        if count > n:
-            hi = mid
-        else:
-            lo = mid
-    return hi

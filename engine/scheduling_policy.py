@@ -116,9 +116,9 @@ class Room:
             without prefix caching).
         pinned_blocks: tenant → blocks its prefix pins hold.
         max_num_seqs, num_blocks: the engine's seats and KV blocks.
-        exempt: ids of requests not to preempt now (admitted this step, or preempted for
-            fairness and not yet ``fair_min_progress`` tokens further since).
-        fair_preemptions: id → times the request was preempted for fairness.
+        exempt: ids of requests not to preempt now (admitted this step; the fair policy adds
+            its own: preempted for fairness and not yet ``fair_min_progress`` tokens further
+            since).
     """
 
     running: Sequence[Request]
@@ -133,7 +133,6 @@ class Room:
     recompute: Callable[[Request], int] = lambda r: r.num_computed_tokens
     pinned_blocks: dict[str, int] = field(default_factory=dict)
     exempt: set[str] = field(default_factory=set)
-    fair_preemptions: dict[str, int] = field(default_factory=dict)
 
 
 class SchedulingPolicy:
@@ -152,8 +151,6 @@ class SchedulingPolicy:
     """True when the policy reads the tenant weights (a key's ``weight`` shares the engine)."""
     displaces: ClassVar[bool] = False
     """True when a waiting request may displace running ones (``displaceable``)."""
-    fair_preemption: ClassVar[bool] = False
-    """True when displacement is for fairness (hysteresis: ``fair_min_progress``)."""
     anticipatory: ClassVar[bool] = False
     """True when the loop may wait for an idle tenant's next request (``anticipates``)."""
     fair_min_progress: ClassVar[int] = 16
@@ -202,6 +199,13 @@ class SchedulingPolicy:
         st = self._stats(t)
         st.served_output_tokens += 1
         st.counter += self.output_weight / self.weight(t)
+
+    def on_displace(self, req: Request) -> None:
+        """The running ``req`` was preempted to make room for a waiting request
+        (``displaceable`` named it)."""
+
+    def on_finish(self, req: Request) -> None:
+        """``req`` finished (or was aborted): the policy forgets it."""
 
     # ---- decisions ----------------------------------------------------------------------
     def pick(self, waiting: Sequence[Request], skip: set[str]) -> Request | None:
@@ -322,10 +326,35 @@ class FairPolicy(SchedulingPolicy):
     name = "fair"
     uses_tenant_weights = True
     displaces = True
-    fair_preemption = True
     anticipatory = True
     _last_left: str | None = None
     """The last tenant whose queue emptied (None until one did; set on the instance)."""
+
+    def __init__(
+        self,
+        input_weight: float = 1.0,
+        output_weight: float = 2.0,
+        tenant_weights: dict[str, float] | None = None,
+        first_step_alone: bool = True,
+    ) -> None:
+        super().__init__(input_weight, output_weight, tenant_weights, first_step_alone)
+        # id -> (request, fairness preemptions, output tokens at the last one): the hysteresis
+        self._fair_preempted: dict[str, tuple[Request, int, int]] = {}
+
+    def on_displace(self, req: Request) -> None:
+        _, n, _ = self._fair_preempted.get(req.request_id, (req, 0, 0))
+        self._fair_preempted[req.request_id] = (req, n + 1, req.num_output_tokens)
+
+    def on_finish(self, req: Request) -> None:
+        self._fair_preempted.pop(req.request_id, None)
+
+    def _exempt(self) -> set[str]:
+        """Requests preempted for fairness that have not yet sampled ``fair_min_progress``
+        tokens since: not to be preempted for fairness again."""
+        p = self.fair_min_progress
+        return {
+            rid for rid, (r, _, at) in self._fair_preempted.items() if r.num_output_tokens - at < p
+        }
 
     def on_arrival(self, req: Request, waiting: Iterable[Request]) -> None:
         t = tenant_of(req)
@@ -413,6 +442,8 @@ class FairPolicy(SchedulingPolicy):
             reverse=True,
         )
         mine = self._stats(me).counter
+        exempt = room.exempt | self._exempt()
+        preempted = {rid: n for rid, (_, n, _) in self._fair_preempted.items()}
         for t in others:
             if self._stats(t).counter < mine:
                 continue  # VTC serves that tenant first: it keeps its seats
@@ -420,11 +451,9 @@ class FairPolicy(SchedulingPolicy):
             mine_t = [r for r in reversed(room.running) if tenant_of(r) == t]  # newest first
             # the cheapest to recompute first, then the least often preempted (stable sort:
             # newest first among equals)
-            mine_t.sort(
-                key=lambda r: (room.recompute(r), room.fair_preemptions.get(r.request_id, 0))
-            )
+            mine_t.sort(key=lambda r: (room.recompute(r), preempted.get(r.request_id, 0)))
             for r in mine_t:
-                if r.request_id in room.exempt:
+                if r.request_id in exempt:
                     continue
                 over_seats = room.need_seat and s_left > shares[t][0]
                 over_blocks = room.short_blocks > 0 and b_left > shares[t][1]

@@ -30,12 +30,13 @@ only now and then).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # torch and numpy only where used: the scheduler (and through it the
-    import torch  # gateway's admission wait, proxy mode too) imports this module torch-free
+if TYPE_CHECKING:  # torch and numpy only where used: the scheduler imports this module
+    import torch  # torch-free
+    from prefixgate.engine.request import Request, RequestStatus
 
 
 SPEC_METHODS = ("ngram",)
@@ -229,6 +230,109 @@ class SpecDecodeState:
             self.cooldown *= 2
             self.acceptance = None
             self.num_verify_steps = 0
+
+
+class SpecDecoding:
+    """The scheduler's side of speculative decoding: a decode's drafts (``propose``), a verify
+    step's accepted run appended to its request (``accept``), and vLLM's ``spec_decode_*``
+    counters (``stats``).
+
+    Args:
+        proposer: the drafter.
+        min_acceptance: ``EngineConfig.spec_min_acceptance`` (``SpecDecodeState.record``).
+    """
+
+    def __init__(self, proposer: NgramProposer, min_acceptance: float) -> None:
+        self.proposer = proposer
+        self.min_acceptance = float(min_acceptance)
+        self.num_drafts = 0  # verify steps (vLLM's spec_decode_num_drafts)
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+
+    def propose(
+        self, req: Request, room: int, max_model_len: int, cap: int | None = None
+    ) -> list[int]:
+        """Draft tokens for a decode of ``req`` (``[]``: plain decode): none for a grammar,
+        logprobs or a pin request, while its speculation pauses, or beyond ``room`` budget
+        tokens, ``cap`` (its tenant's tokens left this round, less the decode's own),
+        ``max_tokens`` or ``max_model_len``."""
+        if room <= 0:
+            return []
+        params = req.sampling_params
+        if req.structured_output is not None or req.pin_job is not None:
+            return []
+        if params is not None and params.logprobs is not None:
+            return []
+        if req.spec is None:
+            req.spec = SpecDecodeState()
+        if not req.spec.enabled(req.num_output_tokens):
+            return []
+        limit = min(
+            room,
+            req.max_tokens - req.num_output_tokens - 1,  # accepted + bonus within max_tokens
+            max_model_len - req.num_tokens - 1,
+        )
+        if cap is not None:
+            limit = min(limit, cap)
+        if req.spec.num_drafts is not None:  # the request's adaptive draft count
+            limit = min(limit, req.spec.num_drafts)
+        if limit <= 0:
+            return []
+        if req.spec.index is None:
+            req.spec.index = self.proposer.new_index()
+        return self.proposer.propose(req.all_token_ids, limit, req.spec.index, min_n=req.spec.min_n)
+
+    def accept(
+        self,
+        req: Request,
+        tokens: int | Sequence[int],
+        num_drafts: int,
+        now: float,
+        max_model_len: int,
+        on_token: Callable[[Request], None],
+    ) -> tuple[int, RequestStatus | None]:
+        """Append one verify step's run to ``req``: ``tokens`` are the accepted drafts (of
+        ``num_drafts``) then the correction / bonus token. Each is appended, handed to
+        ``on_token`` and checked (``Request.check_stop``) in turn; the first that ends the
+        request ends the run. Counts the step and folds it into ``req.spec``. Returns
+        ``(accepted drafts kept, finished status or None)``: the KV is valid through the last
+        accepted draft kept."""
+        run = [tokens] if isinstance(tokens, int) else list(tokens)
+        accepted = len(run) - 1
+        status = None
+        appended = 0
+        for token in run:
+            req.append_output_token(token, now)
+            appended += 1
+            on_token(req)
+            status = req.check_stop(max_model_len)
+            if status is not None:
+                break
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += accepted
+        if req.spec is not None:
+            p = self.proposer
+            req.spec.record(
+                num_drafts,
+                accepted,
+                req.num_output_tokens,
+                self.min_acceptance,
+                max_drafts=p.k,
+                ngram_bounds=(p.min_n, p.max_n),
+            )
+        return min(accepted, appended), status
+
+    def stats(self) -> dict[str, Any]:
+        """vLLM's ``spec_decode_*`` counters: verify steps, draft tokens proposed, drafts
+        accepted, and their ratio (``None`` before any draft)."""
+        n = self.num_draft_tokens
+        return {
+            "spec_decode_num_drafts": self.num_drafts,
+            "spec_decode_num_draft_tokens": n,
+            "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+            "spec_decode_acceptance_rate": self.num_accepted_tokens / n if n else None,
+        }
 
 
 def rejection_sample(

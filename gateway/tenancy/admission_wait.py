@@ -4,7 +4,7 @@ the places promised to the requests told to come back.
 Two parts:
 
 * ``EngineWait`` (local mode): the engine's rates turned into waits, by
-  ``engine.scheduler.estimate_ttft`` on the engine's ``stats()`` (queued prefill tokens,
+  ``engine.load_model.estimate_ttft`` on the engine's ``stats()`` (queued prefill tokens,
   running decodes, measured prefill / decode rates, requests finished per second).
   ``departure_s(n)`` is the predicted time until ``n`` more requests of the queue (first come,
   first served) have their first token: the admission queue (which holds a request until its
@@ -44,8 +44,8 @@ from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from prefixgate.engine.load_model import estimate_ttft
 from prefixgate.engine.protocol import EngineClient
-from prefixgate.engine.scheduler import estimate_ttft
 
 MISS_WINDOW = 200  # admitted requests whose prediction misses the budget margin is read from
 MISS_MIN = 20  # misses known before the margin counts

@@ -4,7 +4,7 @@ it is refused at once with 429 ``ttft_budget_exceeded`` and a ``Retry-After``, i
 queueing to fail late.
 
 The check is admission's (``AdmissionController.admit(budget_s=...)``): the prediction is the
-engine's ``predict_ttft`` (``engine/scheduler.estimate_ttft``: queued prefill over the measured
+engine's ``predict_ttft`` (``engine/load_model.estimate_ttft``: queued prefill over the measured
 prefill rate, running decodes over the decode rate, and the wait for a free seat) plus what
 the places promised to refused requests coming back add (``admission_wait``). An admitted
 answer carries the engine's prediction as ``x-prefixgate-predicted-ttft-ms``. Until the engine has

@@ -481,8 +481,9 @@ def test_stats_carry_queued_work_and_the_ttft_prediction_follows_its_formula():
         sched.add_request(req(f"q{i}", 50, 3))
     o = sched.schedule()  # admits 2 with 64 tokens: one whole, one 14-token chunk
     sched.update_from_output(o, {x.request.request_id: 7 for x in o.scheduled if x.samples})
-    sched.prefill_tokens_per_s, sched.decode_tokens_per_s, sched.finished_per_s = 1000.0, 50.0, 2.0
-    sched.mean_output_tokens = None  # no seat schedule: the fluid seat wait (test_finish_rate)
+    load = sched.load
+    load.prefill_tokens_per_s, load.decode_tokens_per_s, load.finished_per_s = 1000.0, 50.0, 2.0
+    load.mean_output_tokens = None  # no seat schedule: the fluid seat wait (test_finish_rate)
     s = sched.stats()
     d = sched.num_running
     assert s["queued_prefill_tokens"] == 36 + 3 * 50 and s["running_decodes"] == 1

@@ -120,7 +120,7 @@ def test_the_async_engine_predicts_from_its_stats_snapshot(aidreams_path, pool_w
     import asyncio
 
     from prefixgate.engine import AsyncEngine, EngineConfig
-    from prefixgate.engine.scheduler import estimate_ttft
+    from prefixgate.engine.load_model import estimate_ttft
 
     engine = AsyncEngine(EngineConfig(model=aidreams_path, num_kv_blocks=256))
     try:

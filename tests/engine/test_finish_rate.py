@@ -1,4 +1,4 @@
-"""The finish rate behind the seat wait (``scheduler.FinishRate``): requests finished per step
+"""The finish rate behind the seat wait (``load_model.FinishRate``): requests finished per step
 second over a window of recent steps, not a per-step mean that collapses between the bursts in
 which a batch admitted together finishes (that mean told a full engine a 33 s wait for a seat
 that freed in 0.5 s, and the TTFT budget's Retry-After with it)."""
@@ -6,7 +6,7 @@ that freed in 0.5 s, and the TTFT budget's Retry-After with it)."""
 from __future__ import annotations
 
 import pytest
-from prefixgate.engine.scheduler import (
+from prefixgate.engine.load_model import (
     FINISH_WINDOW_MAX_S,
     FINISH_WINDOW_MIN,
     FINISH_WINDOW_S,
@@ -105,7 +105,7 @@ def test_the_rate_counts_the_gaps_between_steps(monkeypatch):
         now[0] += 0.010
         sched.update_from_output(out, {s.request.request_id: 9 for s in out.scheduled if s.samples})
         now[0] += 0.030
-    assert sched.finished_per_s == pytest.approx(1 / 0.040, rel=0.05)
+    assert sched.load.finished_per_s == pytest.approx(1 / 0.040, rel=0.05)
     while sched.has_unfinished_requests():  # an idle engine's time is not counted
         out = sched.schedule()
         sched.update_from_output(out, {s.request.request_id: 9 for s in out.scheduled if s.samples})
@@ -115,11 +115,11 @@ def test_the_rate_counts_the_gaps_between_steps(monkeypatch):
         out = sched.schedule()
         now[0] += 0.010
         sched.update_from_output(out, {s.request.request_id: 9 for s in out.scheduled if s.samples})
-    assert sched.finished_per_s > 1 / 0.1
+    assert sched.load.finished_per_s > 1 / 0.1
 
 
 def test_the_nth_free_seat_of_seats_freeing_at_their_times():
-    from prefixgate.engine.scheduler import nth_free_seat
+    from prefixgate.engine.load_model import nth_free_seat
 
     assert [nth_free_seat([0.1, 0.3], 1.0, n) for n in range(4)] == pytest.approx(
         [0.1, 0.3, 1.1, 1.3]
@@ -192,7 +192,7 @@ def test_the_seat_wait_falls_with_every_step_not_only_when_a_batch_finishes(monk
 
 
 def test_the_step_time_is_a_plain_mean_over_its_window():
-    from prefixgate.engine.scheduler import STEP_WINDOW_S, StepTime
+    from prefixgate.engine.load_model import STEP_WINDOW_S, StepTime
 
     steps = StepTime()
     assert steps.mean_s() is None
@@ -208,7 +208,7 @@ def test_the_step_time_follows_a_slowdown_at_once():
     # Under a flood of 429s the gateway takes the engine thread's cores and steps slow
     # within a second; the 8 s mean alone lagged (first tokens 0.15 s later than predicted
     # at the median in the first seconds of a 4x flood).
-    from prefixgate.engine.scheduler import STEP_RECENT_S, STEP_WINDOW_S, StepTime
+    from prefixgate.engine.load_model import STEP_RECENT_S, STEP_WINDOW_S, StepTime
 
     steps = StepTime()
     for _ in range(int(STEP_WINDOW_S / 0.005)):

@@ -20,7 +20,8 @@ from prefixgate.engine.errors import CacheCapacityError
 from prefixgate.engine.kv_cache_manager import KVCacheManager
 from prefixgate.engine.request import Request, RequestStatus
 from prefixgate.engine.sampling_params import SamplingParams
-from prefixgate.engine.scheduler import Scheduler, SchedulerOutput
+from prefixgate.engine.scheduler import Scheduler
+from prefixgate.engine.scheduler_output import SchedulerOutput
 
 BS = 16
 EOS = 2

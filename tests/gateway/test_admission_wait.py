@@ -6,7 +6,7 @@ back (``Promises``), never holding an idle server for clients due later, and eve
 
 The engine here is a stub of known rates: ``stats()`` answers fixed counters and
 ``predict_ttft`` is ``estimate_ttft`` on them, so every figure below is worked out by hand
-from ``engine/scheduler.estimate_ttft``'s formula."""
+from ``engine/load_model.estimate_ttft``'s formula."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 import pytest
-from prefixgate.engine.scheduler import estimate_ttft
+from prefixgate.engine.load_model import estimate_ttft
 from prefixgate.gateway.http.errors import APIError
 from prefixgate.gateway.tenancy.admission import AdmissionConfig, AdmissionController, _overflow
 from prefixgate.gateway.tenancy.admission_wait import EngineWait, Promises

@@ -1,0 +1,338 @@
+"""The load model: what the engine's measured load predicts (the scheduler feeds it, admission
+reads it). It holds the step rates, the finish rate, the step time and the seat schedule, and
+turns a ``stats()`` snapshot of them into a predicted time to first token (``estimate_ttft``).
+
+Rates (``stats()``): each step's model time is the time from ``schedule()`` to
+``update_from_output()``. ``decode_tokens_per_s`` is an exponentially weighted mean (weight
+``RATE_ALPHA`` for the newest step) of decode tokens / time over steps that prefill nothing;
+``prefill_tokens_per_s`` the same of prefill tokens / (time - decode tokens /
+``decode_tokens_per_s``) over steps that prefill; ``finished_per_s`` is not a per-step mean
+(finishes come in bursts: a batch admitted together finishes together, and a per-step mean
+decayed 30-fold over the finish-free steps in between, so a full engine predicted a 33 s wait
+for a seat that freed in 0.5 s) but the requests finished over the step time of a window of
+recent steps that spans at least ``FINISH_WINDOW_S`` seconds and ``FINISH_WINDOW_MIN``
+finishes (at most ``FINISH_WINDOW_MAX_S`` seconds; ``FinishRate``). A step's time there is
+busy wall time, from the end of the step before it (when that one left requests unfinished)
+to its own end: the gap between steps (the engine thread's loop, the gateway's own work on
+the same cores) drains no seat, and a rate over model time alone told waits that were 0.6-0.8
+of the real ones through ``prefixgate serve`` at 2x overload. ``estimate_ttft``
+(``Scheduler.predict_ttft``, ``LLMEngine`` / ``AsyncEngine.predict_ttft``) turns them into a
+first-token wait.
+
+The scheduler calls ``LoadModel.on_step`` once a step and ``LoadModel.on_finished`` with the
+requests each step finished; ``LoadModel.stats`` is its part of ``Scheduler.stats()``. Torch-free:
+the gateway imports this module in proxy mode too.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from prefixgate.engine.request import Request
+
+RATE_ALPHA = 0.2
+"""Weight of the newest step in the exponentially weighted rates of ``stats()``."""
+FINISH_WINDOW_S = 8.0  # step seconds the finish rate spans at least ...
+FINISH_WINDOW_MIN = 8  # ... and finishes, when the last FINISH_WINDOW_MAX_S seconds hold them
+FINISH_WINDOW_MAX_S = 60.0
+STEP_WINDOW_S = 8.0  # busy wall seconds of steps the seat schedule's mean step spans
+STEP_RECENT_S = 1.0  # ... and the recent part of it that counts when its steps are slower
+SEAT_HOLD_WINDOW = 64  # finished requests whose time seated bounds the seat service below
+
+
+class FinishRate:
+    """Requests finished per second of step time over a window of recent steps (see the
+    module docstring): it spans at least ``FINISH_WINDOW_S`` step seconds and
+    ``FINISH_WINDOW_MIN`` finishes, never more than ``FINISH_WINDOW_MAX_S`` step seconds.
+    Cost: O(1) amortized a step; memory: one pair per step in the window."""
+
+    __slots__ = ("_steps", "_seconds", "_finished")
+
+    def __init__(self) -> None:
+        self._steps: deque[tuple[float, int]] = deque()
+        self._seconds = 0.0
+        self._finished = 0
+
+    def add(self, dt: float, num_finished: int) -> None:
+        """Fold in one step of ``dt`` seconds that finished ``num_finished`` requests."""
+        self._steps.append((dt, num_finished))
+        self._seconds += dt
+        self._finished += num_finished
+        while len(self._steps) > 1:
+            old_dt, old_n = self._steps[0]
+            rest_s, rest_n = self._seconds - old_dt, self._finished - old_n
+            enough = rest_s >= FINISH_WINDOW_S and rest_n >= FINISH_WINDOW_MIN
+            if not (enough or rest_s >= FINISH_WINDOW_MAX_S):
+                break
+            self._steps.popleft()
+            self._seconds, self._finished = rest_s, rest_n
+
+    def per_s(self) -> float | None:
+        """Finishes per step second over the window; ``None`` before the first finish. A
+        window that starts or ends at a burst counts one burst too many or too few: with
+        ``FINISH_WINDOW_S`` of 8 s and requests of about 1 s, within about 15 %."""
+        if not self._finished or self._seconds <= 0:
+            return None
+        return self._finished / self._seconds
+
+
+class StepTime:
+    """Mean busy wall seconds a step over the last ``STEP_WINDOW_S`` seconds of steps (at
+    least the newest step): the seat schedule's clock. A plain mean, not an exponential one
+    (steps that prefill a batch are many times a decode step: a per-step mean of weight 0.2
+    read 7.4 ms where the steps took 4.8 ms on average). A wait tens of seconds ahead is that
+    many steps of this mean, so it follows the window's noise: with a 2 s window, traced
+    at 4x overload, returners found themselves up to 7 s over their budget (p90 error 0.35 at
+    2x and 4x, against 0.07 and 0.34 over 8 s). Cost: O(1) amortized a step."""
+
+    __slots__ = ("_steps", "_seconds", "_recent", "_recent_s")
+
+    def __init__(self) -> None:
+        self._steps: deque[float] = deque()
+        self._seconds = 0.0
+        self._recent: deque[float] = deque()  # the last STEP_RECENT_S of them
+        self._recent_s = 0.0
+
+    def add(self, dt: float) -> None:
+        """Fold in one step of ``dt`` busy wall seconds."""
+        self._seconds = _push(self._steps, self._seconds, dt, STEP_WINDOW_S)
+        self._recent_s = _push(self._recent, self._recent_s, dt, STEP_RECENT_S)
+
+    def mean_s(self) -> float | None:
+        """Mean seconds a step over the window; ``None`` before the first step."""
+        return self._seconds / len(self._steps) if self._steps else None
+
+    def near_s(self) -> float | None:
+        """Mean seconds a step for the steps just ahead: over the last ``STEP_RECENT_S``
+        seconds where that is longer than the window's (a slowdown is followed at once, a
+        speed-up over the window); ``None`` before the first step. A wait tens of seconds
+        ahead is not scaled by it: a recent slowdown taken as lasting told long waits far
+        too long (docs/admission.md, "Near steps")."""
+        if not self._steps:
+            return None
+        return max(self._seconds / len(self._steps), self._recent_s / len(self._recent))
+
+
+def _push(steps: deque[float], total: float, dt: float, bound: float) -> float:
+    """Append ``dt`` to ``steps`` (summing to ``total``), drop the oldest while the rest span
+    ``bound`` seconds (at least one stays); returns the new total."""
+    steps.append(dt)
+    total += dt
+    while len(steps) > 1 and total - steps[0] >= bound:
+        total -= steps.popleft()
+    return total
+
+
+class LoadModel:
+    """The measured load of one scheduler: step rates, finish rate, step time and the finished
+    requests' output lengths and seated times (see the module docstring).
+
+    Attributes:
+        prefill_tokens_per_s, decode_tokens_per_s: exponentially weighted step rates
+            (``None`` before a step of that kind was measured).
+        finished_per_s: ``FinishRate.per_s`` after the last step (``None`` before a finish).
+        mean_output_tokens: exponentially weighted mean output length of finished requests.
+    """
+
+    def __init__(self) -> None:
+        self.prefill_tokens_per_s: float | None = None
+        self.decode_tokens_per_s: float | None = None
+        self.finished_per_s: float | None = None
+        self.mean_output_tokens: float | None = None
+        self._finish_rate = FinishRate()
+        self._step_time = StepTime()
+        self._busy_since: float | None = None  # the last step's end, when it left work
+        self._holds: deque[float] = deque(maxlen=SEAT_HOLD_WINDOW)  # seconds seated, finished
+
+    def on_finished(self, finished: Iterable[Request]) -> None:
+        """Fold in the requests a step finished: their seconds seated (first scheduled to
+        finished) and output lengths."""
+        for r in finished:
+            if r.first_scheduled_time is not None and r.finished_time is not None:
+                self._holds.append(r.finished_time - r.first_scheduled_time)
+            n = float(r.num_output_tokens)
+            old = self.mean_output_tokens
+            self.mean_output_tokens = n if old is None else (1 - RATE_ALPHA) * old + RATE_ALPHA * n
+
+    def on_step(
+        self,
+        dt: float,
+        now: float,
+        num_prefill: int,
+        num_decode: int,
+        num_finished: int,
+        busy_after: bool,
+    ) -> None:
+        """Fold one non-empty step into the rates: ``dt`` seconds of model time ending at
+        monotonic ``now``, ``num_prefill`` prompt tokens and ``num_decode`` other tokens,
+        ``num_finished`` requests finished; ``busy_after``: requests are left unfinished."""
+        # finishes over busy wall time: from the last step's end (when it left work) to this
+        # one's, the gap between steps included
+        busy = now - self._busy_since if self._busy_since is not None else dt
+        self._busy_since = now if busy_after else None
+        if dt <= 0:
+            return
+
+        def ewma(old: float | None, new: float) -> float:
+            return new if old is None else (1 - RATE_ALPHA) * old + RATE_ALPHA * new
+
+        if num_prefill == 0:
+            self.decode_tokens_per_s = ewma(self.decode_tokens_per_s, num_decode / dt)
+        else:
+            decode_s = num_decode / self.decode_tokens_per_s if self.decode_tokens_per_s else 0.0
+            prefill_s = max(dt - decode_s, 0.1 * dt)  # never credit prefill with no time
+            self.prefill_tokens_per_s = ewma(self.prefill_tokens_per_s, num_prefill / prefill_s)
+        self._finish_rate.add(max(dt, busy), num_finished)
+        self._step_time.add(max(dt, busy))
+        self.finished_per_s = self._finish_rate.per_s()
+
+    def stats(
+        self, running: Sequence[Request], max_num_batched_tokens: int, max_model_len: int
+    ) -> dict[str, Any]:
+        """The rates and the seat schedule, keys as ``Scheduler.stats()``."""
+        return {
+            "prefill_tokens_per_s": self.prefill_tokens_per_s,
+            "decode_tokens_per_s": self.decode_tokens_per_s,
+            "finished_per_s": self.finished_per_s,
+            **self.seat_schedule(running, max_num_batched_tokens, max_model_len),
+        }
+
+    def seat_schedule(
+        self, running: Sequence[Request], max_num_batched_tokens: int, max_model_len: int
+    ) -> dict[str, Any]:
+        """When the seats free (``stats()``'s ``seat_free_s``: seconds until each running
+        request is estimated to finish, ascending) and how long a seat is then held
+        (``seat_service_s``), from the requests' own progress and the mean busy wall time of
+        a step (``StepTime``: the running requests' steps at ``near_s``, the seats' later
+        services at the window's ``mean_s``); both ``None`` before a request has finished.
+
+        A running request's steps left: its tokens left (``max_tokens`` and the model length
+        bound them; without ``ignore_eos`` also the mean output of finished requests, at least
+        one), one a step, and its prompt's chunks still to prefill (at most
+        ``max_num_batched_tokens`` each; the last of them samples its first token). A waiting
+        request holds its seat for the mean output's steps, or for the mean time the last
+        ``SEAT_HOLD_WINDOW`` finished requests sat where that is longer (prefill steps,
+        preemptions; at 4x overload the steps alone told returners to come back seconds
+        early). Not the finish rate: after a quiet spell of one request at a time it counts
+        one busy seat of eight, and a burst was told 34 s waits (the 60 s cap at most) for
+        about 6 s of work. An estimate where requests stop early at EOS or a stop string."""
+        step, near, mean = (
+            self._step_time.mean_s(),
+            self._step_time.near_s(),
+            self.mean_output_tokens,
+        )
+        if step is None or near is None or mean is None:
+            return {"seat_free_s": None, "seat_service_s": None}
+        budget = max(1, max_num_batched_tokens)
+        free = []
+        for r in running:
+            left = min(r.max_tokens - r.num_output_tokens, max_model_len - r.num_tokens)
+            params = r.sampling_params
+            if not (params is not None and params.ignore_eos):
+                left = min(left, math.ceil(mean - r.num_output_tokens))
+            left = max(1, left)
+            chunks = -(-max(0, r.num_prompt_tokens - r.num_computed_tokens) // budget)
+            free.append((left + max(0, chunks - 1)) * near)
+        free.sort()
+        service = max(1.0, mean) * step
+        if self._holds:  # how long finished requests really sat, preemptions and all
+            service = max(service, sum(self._holds) / len(self._holds))
+        return {"seat_free_s": free, "seat_service_s": service}
+
+
+def estimate_ttft(
+    stats: Mapping[str, Any],
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    num_prompt_tokens: int,
+    num_cached_tokens: int = 0,
+) -> float | None:
+    """Predicted seconds until a request of ``num_prompt_tokens`` arriving now would get its
+    first token, from a ``stats()`` snapshot (torch-free: the gateway can call it on
+    ``engine.stats()`` with ``engine.config``); ``None`` before both rates are measured.
+
+    With ``Q`` = ``queued_prefill_tokens`` + the new request's uncached tokens
+    (``num_prompt_tokens - num_cached_tokens``), ``D`` = ``num_running`` (decodes per step),
+    ``r_p`` / ``r_d`` = ``prefill_tokens_per_s`` / ``decode_tokens_per_s``, ``B`` =
+    ``max_num_batched_tokens``::
+
+        steps   = ceil(Q / max(1, B - D))          steps the prefill work needs
+        compute = Q / r_p + steps * D / r_d        each of them also carries D decodes
+        seat    = nth_free_seat(seats, seat_service_s, num_waiting)  while no seat is free
+        ttft    = max(compute, seat) + D / r_d     (+ the first token's own step)
+
+    ``seat`` is the wait for a free seat (0 while one is free): the ``num_waiting``-th free
+    seat (0-based: the requests queued ahead take the ones before it), where the free seats
+    free now and the running requests' at ``seat_free_s`` (``LoadModel.seat_schedule``: from
+    their own tokens left), each then once a ``seat_service_s``. Without that schedule (a
+    snapshot from before a step and a finish were measured, or one whose ``seat_free_s`` is
+    not one entry a running request) it is the fluid ``max(0, num_running + num_waiting + 1 -
+    max_num_seqs) / finished_per_s`` (``inf`` while seats are full and no request has finished
+    yet). The fluid wait is a step function of time for a batch admitted together: it stays
+    put until the batch finishes, and returning clients told it met their TTFT budget again
+    and again (docs/admission.md, "The seat schedule"); the schedule's falls with every step.
+    First come first served is assumed: under ``fair`` a light tenant, under ``priority`` an
+    urgent request, waits less.
+
+    Raises:
+        TypeError: ``num_prompt_tokens`` / ``num_cached_tokens`` not ints.
+        ValueError: ``num_prompt_tokens`` < 1 or ``num_cached_tokens`` outside
+            ``[0, num_prompt_tokens)``.
+    """
+    for name, v in (
+        ("num_prompt_tokens", num_prompt_tokens),
+        ("num_cached_tokens", num_cached_tokens),
+    ):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{name} must be an int, got {v!r}")
+    if num_prompt_tokens < 1:
+        raise ValueError(f"num_prompt_tokens must be >= 1, got {num_prompt_tokens}")
+    if not 0 <= num_cached_tokens < num_prompt_tokens:
+        raise ValueError(
+            f"num_cached_tokens must be in [0, {num_prompt_tokens}), got {num_cached_tokens}"
+        )
+    r_p, r_d = stats.get("prefill_tokens_per_s"), stats.get("decode_tokens_per_s")
+    if not r_p or not r_d:
+        return None
+    d = int(stats["num_running"])
+    q = int(stats["queued_prefill_tokens"]) + num_prompt_tokens - num_cached_tokens
+    steps = -(-q // max(1, max_num_batched_tokens - d))
+    compute = q / r_p + steps * d / r_d
+    waiting = int(stats["num_waiting"])
+    ahead = d + waiting + 1 - max_num_seqs
+    seat = 0.0
+    free, service = stats.get("seat_free_s"), stats.get("seat_service_s")
+    if ahead > 0 and free is not None and service and len(free) == d:
+        seat = nth_free_seat([0.0] * (max_num_seqs - d) + list(free), service, waiting)
+    elif ahead > 0:
+        finished = stats.get("finished_per_s")
+        seat = ahead / finished if finished else float("inf")
+    return max(compute, seat) + d / r_d
+
+
+def nth_free_seat(free_s: Sequence[float], service_s: float, n: int) -> float:
+    """Seconds until the ``n``-th request (0-based) of a first-come-first-served queue gets a
+    seat: seat ``i`` frees at ``free_s[i]`` and then at every ``service_s`` (each request
+    holds it that long), so the ``n``-th is the ``n``-th smallest of
+    ``{free_s[i] + r * service_s : i, r >= 0}``. Found by bisection on the count of frees up
+    to a time (``O(len(free_s))`` each, 60 rounds: exact to well under a microsecond).
+
+    Raises:
+        ValueError: no seat, ``service_s`` not > 0, or ``n`` < 0.
+    """
+    if not free_s or not service_s > 0 or n < 0:
+        raise ValueError(f"need seats, service_s > 0 and n >= 0, got {free_s}, {service_s}, {n}")
+    seats = len(free_s)
+    lo, hi = min(free_s), max(free_s) + (n // seats + 1) * service_s
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        count = sum(math.floor((mid - f) / service_s) + 1 for f in free_s if f <= mid)
+        if count > n:
+            hi = mid
+        else:
+            lo = mid
+    return hi
