@@ -29,6 +29,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
+import pydantic_core
 from prefixgate.gateway.api.cache_marks import Breakpoint
 from prefixgate.gateway.http.errors import bad_request
 from prefixgate.gateway.tenancy.keys import MAX_SALT_CHARS
@@ -217,9 +218,9 @@ def parse_request(model: type[M], body: bytes) -> M:
     from prefixgate.gateway.api.request_models import parse  # the shared JSON → 400 mapping
 
     try:
-        raw = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        raw = None
+        raw = pydantic_core.from_json(body)  # nesting bounded: never a RecursionError
+    except ValueError:
+        raw = None  # parse() reports it
     if isinstance(raw, dict):
         _refuse(raw, model)
     return parse(model, body)

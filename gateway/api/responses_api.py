@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, Literal
 
 from aiohttp import web
 from prefixgate.engine.sampling_params import SamplingParams
@@ -44,7 +44,6 @@ from prefixgate.gateway.api.request_models import (
     MAX_MESSAGES,
     PartCacheControl,
     PromptCacheBreakpoint,
-    check_counts,
     parse,
 )
 from prefixgate.gateway.api.response_models import Usage
@@ -145,7 +144,6 @@ class ResponsesRequest(BaseModel):
     """
 
     model_config = _CONFIG
-    counted: ClassVar[tuple[str, ...]] = ("input",)
     model: str
     input: str | Annotated[list[InputMessage], Field(max_length=MAX_MESSAGES)]
     instructions: str | None = None
@@ -189,7 +187,6 @@ def parse_request(body: bytes) -> ResponsesRequest:
         raw = from_json(body)  # nesting bounded (MAX_JSON_DEPTH): a ValueError, never recursion
     except ValueError:
         raw = None  # parse() reports it
-    check_counts(raw, ResponsesRequest.counted)
     if isinstance(raw, dict):
         for name in _REFUSED:
             if raw.get(name) not in (None, [], False):
