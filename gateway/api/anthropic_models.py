@@ -215,20 +215,23 @@ def parse_request(model: type[M], body: bytes) -> M:
     Raises:
         APIError: 400 naming the field (``param``).
     """
-    from prefixgate.gateway.api.request_models import parse  # the shared JSON → 400 mapping
+    # the shared JSON → 400 mapping, and empty fields as absent ones
+    from prefixgate.gateway.api.request_models import parse, without_empty
 
     try:
         raw = pydantic_core.from_json(body)  # nesting bounded: never a RecursionError
     except ValueError:
         raw = None  # parse() reports it
     if isinstance(raw, dict):
-        _refuse(raw, model)
+        _refuse(without_empty(raw), model)
     return parse(model, body)
 
 
 def _refuse(raw: dict[str, Any], model: type[_Conversation]) -> None:
+    from prefixgate.gateway.api.request_models import is_empty
+
     for name, why in _REFUSED.items():
-        if raw.get(name) not in (None, [], {}):
+        if not is_empty(raw.get(name)):
             raise bad_request(f"{name}: {why}", param=name, code="unsupported_parameter")
     thinking = raw.get("thinking")
     if isinstance(thinking, dict) and thinking.get("type") != "disabled":

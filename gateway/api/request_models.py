@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, TypeVar
 
+import pydantic_core
 from prefixgate.gateway.http.errors import bad_request
 from prefixgate.gateway.http.json_guard import (  # noqa: F401 - re-exported for the routes
     MAX_JSON_DEPTH,
@@ -360,15 +361,40 @@ class PrefixCreateRequest(BaseModel):
 M = TypeVar("M", bound=BaseModel)
 
 
+# Top-level fields whose empty value is content, not absence: an empty prompt, input or token
+# list is a request for the empty text (or refused by the model as such).
+EMPTY_IS_CONTENT = frozenset({"prompt", "input", "tokens"})
+
+
+def is_empty(value: object) -> bool:
+    """True for ``null``, ``[]``, ``{}`` and ``""``: a value that says nothing."""
+    return value is None or (type(value) in (list, dict, str) and not value)  # type: ignore[arg-type]
+
+
+def without_empty(raw: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` without its top-level fields holding an empty value (``is_empty``), but those of
+    ``EMPTY_IS_CONTENT``: every dialect answers a field's empty value as its absence."""
+    return {k: v for k, v in raw.items() if k in EMPTY_IS_CONTENT or not is_empty(v)}
+
+
 def parse(model: type[M], body: bytes) -> M:
     """Validate a JSON body into ``model`` (its counts bounded already by the ingress
-    guard, ``http/json_guard.py``).
+    guard, ``http/json_guard.py``). A top-level field holding ``null``, ``[]``, ``{}`` or
+    ``""`` is validated as if absent (``without_empty``).
 
     Raises:
         APIError: 400 with ``param`` naming the first field at fault (``code``
             ``"invalid_json"`` for malformed JSON or nesting over ``MAX_JSON_DEPTH``).
     """
     tags: frozenset[str] = getattr(model, "union_tags", frozenset())
+    try:
+        raw = pydantic_core.from_json(body)
+    except ValueError:
+        raw = None  # model_validate_json reports it, naming the place
+    if isinstance(raw, dict):
+        kept = without_empty(raw)
+        if len(kept) != len(raw):  # an empty field is answered as its absence
+            body = pydantic_core.to_json(kept)
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:

@@ -231,7 +231,9 @@ def test_a_stream_cut_short_ends_with_an_error_event(vllm):
 def test_what_an_openai_upstream_cannot_take_is_refused_by_name(vllm):
     stub, gw = vllm
     client = _client(gw)
-    for extra, name in (({"top_k": 5}, "top_k"), ({"diagnostics": {}}, "diagnostics")):
+    # (an empty ``diagnostics: {}`` says nothing: taken as absent, test_empty_is_absent.py)
+    diagnostics = {"diagnostics": {"previous_message_id": "msg_1"}}
+    for extra, name in (({"top_k": 5}, "top_k"), (diagnostics, "diagnostics")):
         with pytest.raises(anthropic.BadRequestError) as caught:
             client.messages.create(
                 model="llama",
