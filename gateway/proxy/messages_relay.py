@@ -45,6 +45,7 @@ from prefixgate.gateway.api.anthropic_models import (
     CountTokensRequest,
     MessageAnswer,
     MessagesRequest,
+    output_constraint,
     parse_request,
     to_chat,
 )
@@ -185,6 +186,7 @@ async def _prepare(
     stop = getattr(req, "stop_sequences", None)
     refuse_stop_under_constraint(stop, "stop_sequences", anthropic_constraint(raw))
     chat = to_chat(req)
+    output_constraint(req, chat)  # 400 beside a forced tool call, as in local mode
     salt = effective_salt(principal.salt, req.cache_salt)
     model = router.resolve(req.model)  # 404 model_not_found when nobody serves it
     route = router.route({"messages": chat.messages}, salt, model)
