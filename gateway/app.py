@@ -45,7 +45,12 @@ from prefixgate.gateway.http.errors import (
     error_middleware,
     expect_continue,
 )
-from prefixgate.gateway.http.json_guard import json_guard_middleware, no_body
+from prefixgate.gateway.http.json_guard import (
+    GUARD_LIMITS,
+    Limits,
+    json_guard_middleware,
+    no_body,
+)
 from prefixgate.gateway.http.metrics import CONTENT_TYPE, GatewayMetrics
 from prefixgate.gateway.http.server import FDS_PER_CONNECTION
 from prefixgate.gateway.local.cache_pins import CachePins
@@ -291,6 +296,7 @@ def _base_app(settings: GatewaySettings | None) -> tuple[web.Application, Gatewa
     app.on_response_prepare.append(request_id.stamp)
     app[STATE] = st
     app[SETTINGS] = settings
+    app[GUARD_LIMITS] = Limits(settings.max_request_tools, settings.max_request_values)
     app.router.add_get("/health", health, expect_handler=expect_continue)
     app.router.add_get("/metrics", metrics_route, expect_handler=expect_continue)
     dashboard.install(app)

@@ -10,11 +10,13 @@ value iteratively (no recursion either), stopping at the first bound passed:
 * an array of anything but numbers: at most ``MAX_ARRAY_ITEMS`` (4,096) items; an object at
   most ``MAX_ARRAY_ITEMS`` members;
 * an array of numbers (token ids): at most ``MAX_TOKEN_IDS`` (1,048,576) items;
-* the whole body: at most ``MAX_JSON_VALUES`` (131,072) values other than numbers (objects,
-  arrays, strings, object keys, booleans, nulls: what request models validate one by one);
+* the whole body: at most ``MAX_JSON_VALUES`` (131,072; ``--max-request-values``) values
+  other than numbers (objects, arrays, strings, object keys, booleans, nulls: what request
+  models validate one by one); a body whose quotes alone show more strings is refused before
+  it is parsed;
 * fields of every dialect with a bound of their own (``FIELD_LIMITS``, by name, at any depth):
   ``messages`` / ``input`` / ``contents`` 4,096 (``too_many_messages``), ``tools`` and
-  ``functionDeclarations`` 128 (``too_many_tools``, OpenAI's bound).
+  ``functionDeclarations`` 128 (``too_many_tools``, OpenAI's bound; ``--max-request-tools``).
 
 A body past a bound is a 400 (``invalid_json`` for malformed or too deep JSON,
 ``too_many_messages`` / ``too_many_tools`` / ``too_many_items`` / ``too_many_values``) with
@@ -27,6 +29,7 @@ fallback route's 404/405, upstream mode's 501) is marked ``no_body`` and skipped
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Any
 
 import pydantic_core
@@ -41,17 +44,37 @@ MAX_JSON_VALUES = 131_072  # values other than numbers in one body
 MAX_TOOLS = 128  # tools of one request (OpenAI's bound)
 OFFLOAD_BYTES = 64 * 1024  # bodies larger than this are checked in a worker thread
 
-# Field name -> (most items of its array, error code), wherever the field is: one table for
-# every dialect (OpenAI's chat/prefixes/tokenize ``messages``, Responses' ``input``,
-# Anthropic's ``messages``, Gemini's ``contents``; tools of each).
-FIELD_LIMITS: dict[str, tuple[int, str]] = {
-    "messages": (MAX_MESSAGES, "too_many_messages"),
-    "input": (MAX_MESSAGES, "too_many_messages"),
-    "contents": (MAX_MESSAGES, "too_many_messages"),
-    "tools": (MAX_TOOLS, "too_many_tools"),
-    "functionDeclarations": (MAX_TOOLS, "too_many_tools"),
-    "function_declarations": (MAX_TOOLS, "too_many_tools"),
+# Field name -> what its array holds (its bound and error code: ``Limits``), wherever the
+# field is: one table for every dialect (OpenAI's chat/prefixes/tokenize ``messages``,
+# Responses' ``input``, Anthropic's ``messages``, Gemini's ``contents``; tools of each).
+FIELD_LIMITS: dict[str, str] = {
+    "messages": "messages",
+    "input": "messages",
+    "contents": "messages",
+    "tools": "tools",
+    "functionDeclarations": "tools",
+    "function_declarations": "tools",
 }
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """The guard's bounds that ``prefixgate serve`` sets (``--max-request-tools``,
+    ``--max-request-values``); the others are constants of the module."""
+
+    max_tools: int = MAX_TOOLS
+    max_values: int = MAX_JSON_VALUES
+
+    def of(self, kind: str) -> tuple[int, str]:
+        """``(bound, error code)`` of a ``FIELD_LIMITS`` kind."""
+        if kind == "tools":
+            return self.max_tools, "too_many_tools"
+        return MAX_MESSAGES, "too_many_messages"
+
+
+LIMITS = Limits()
+
+GUARD_LIMITS: web.AppKey[Limits] = web.AppKey("prefixgate_guard_limits", Limits)
 
 _BODY_METHODS = frozenset(("POST", "PUT", "PATCH"))
 _CONTAINERS = (dict, list)
@@ -90,21 +113,30 @@ def json_error(msg: str) -> APIError:
     return bad_request(f"malformed JSON body: {msg}", code="invalid_json")
 
 
-def check_body(body: bytes) -> Any:
+def check_body(body: bytes, limits: Limits = LIMITS) -> Any:
     """Parse ``body`` and check every bound of the module docstring; the parsed value.
 
-    Cost: one parse, then one step per object/array member until a bound is passed (at most
-    ``MAX_JSON_VALUES`` containers and strings, plus the items of number arrays).
+    Cost: a count of the body's quotes (a lower bound of its strings: more than
+    ``MAX_JSON_VALUES`` is refused without parsing), then one parse and one step per
+    object/array member until a bound is passed (at most ``MAX_JSON_VALUES`` containers and
+    strings, plus the items of number arrays).
 
     Raises:
         APIError: 400 naming the path of the value at fault (``param``).
     """
+    if len(body) > 2 * limits.max_values:
+        # Each string (or key) has two quotes that are not escaped: a lower bound of the
+        # strings, counted without parsing (a 4 MB body of tiny blocks is refused in
+        # milliseconds, before its million objects are built).
+        strings = (body.count(b'"') - body.count(b'\\"')) // 2
+        if strings > limits.max_values:
+            raise _too_many_values(limits, f" (at least {strings} strings)")
     value = load_json(body)
-    check_value(value)
+    check_value(value, limits)
     return value
 
 
-def check_value(value: Any) -> None:
+def check_value(value: Any, limits: Limits = LIMITS) -> None:
     """Check a parsed body's counts (``check_body`` without the parse).
 
     Raises:
@@ -130,7 +162,8 @@ def check_value(value: Any) -> None:
             values += n  # the keys
             items: Any = node.items()
         else:
-            limit = FIELD_LIMITS.get(key) if isinstance(key, str) else None
+            kind = FIELD_LIMITS.get(key) if isinstance(key, str) else None
+            limit = limits.of(kind) if kind is not None else None
             if n > MAX_ARRAY_ITEMS or (limit is not None and n > limit[0]):
                 if all(type(x) in _NUMBERS for x in node):
                     if n > MAX_TOKEN_IDS:
@@ -147,13 +180,17 @@ def check_value(value: Any) -> None:
                 stack.append((x, k, here))
             elif t is not int and t is not float:
                 values += 1
-        if values > MAX_JSON_VALUES:
-            raise APIError(
-                400,
-                f"the body holds more than {MAX_JSON_VALUES} values other than numbers "
-                "(objects, arrays, strings, booleans, nulls), the bound of every route",
-                code="too_many_values",
-            )
+        if values > limits.max_values:
+            raise _too_many_values(limits)
+
+
+def _too_many_values(limits: Limits, seen: str = "") -> APIError:
+    return APIError(
+        400,
+        f"the body holds more than {limits.max_values} values other than numbers (objects, "
+        f"arrays, strings, object keys, booleans, nulls), the bound of every route{seen}",
+        code="too_many_values",
+    )
 
 
 def _too_many(
@@ -178,15 +215,19 @@ async def json_guard_middleware(request: web.Request, handler: Handler) -> web.S
         route_handler = getattr(request.match_info, "handler", None)
         if not getattr(route_handler, "no_body", False):
             body = await request.read()
+            limits = request.app[GUARD_LIMITS]
             if len(body) > OFFLOAD_BYTES:
-                await asyncio.to_thread(check_body, body)
+                await asyncio.to_thread(check_body, body, limits)
             elif body:
-                check_body(body)
+                check_body(body, limits)
     return await handler(request)
 
 
 __all__ = [
     "FIELD_LIMITS",
+    "GUARD_LIMITS",
+    "LIMITS",
+    "Limits",
     "MAX_ARRAY_ITEMS",
     "MAX_JSON_DEPTH",
     "MAX_JSON_VALUES",
