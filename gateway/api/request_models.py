@@ -368,7 +368,7 @@ EMPTY_IS_CONTENT = frozenset({"prompt", "input", "tokens"})
 
 def is_empty(value: object) -> bool:
     """True for ``null``, ``[]``, ``{}`` and ``""``: a value that says nothing."""
-    return value is None or (type(value) in (list, dict, str) and not value)  # type: ignore[arg-type]
+    return value is None or (type(value) in (list, dict, str) and not value)
 
 
 def without_empty(raw: dict[str, Any]) -> dict[str, Any]:
@@ -392,9 +392,9 @@ def parse(model: type[M], body: bytes) -> M:
     except ValueError:
         raw = None  # model_validate_json reports it, naming the place
     if isinstance(raw, dict):
-        kept = without_empty(raw)
-        if len(kept) != len(raw):  # an empty field is answered as its absence
-            body = pydantic_core.to_json(kept)
+        present = without_empty(raw)
+        if len(present) != len(raw):  # an empty field is answered as its absence
+            body = pydantic_core.to_json(present)
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:
