@@ -15,6 +15,7 @@ checked once before any route runs, by the ingress guard (``http/json_guard.py``
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal, TypeVar
 
 import pydantic_core
@@ -366,6 +367,10 @@ M = TypeVar("M", bound=BaseModel)
 EMPTY_IS_CONTENT = frozenset({"prompt", "input", "tokens"})
 
 
+# An empty value's JSON (null, [], {}, ""), found anywhere in a body without parsing it.
+_MAYBE_EMPTY = re.compile(rb'null|\[\s*\]|\{\s*\}|""')
+
+
 def is_empty(value: object) -> bool:
     """True for ``null``, ``[]``, ``{}`` and ``""``: a value that says nothing."""
     return value is None or (type(value) in (list, dict, str) and not value)
@@ -387,10 +392,12 @@ def parse(model: type[M], body: bytes) -> M:
             ``"invalid_json"`` for malformed JSON or nesting over ``MAX_JSON_DEPTH``).
     """
     tags: frozenset[str] = getattr(model, "union_tags", frozenset())
-    try:
-        raw = pydantic_core.from_json(body)
-    except ValueError:
-        raw = None  # model_validate_json reports it, naming the place
+    raw = None
+    if _MAYBE_EMPTY.search(body):  # no empty value anywhere: nothing to drop, no parse
+        try:
+            raw = pydantic_core.from_json(body)
+        except ValueError:
+            pass  # model_validate_json reports it, naming the place
     if isinstance(raw, dict):
         present = without_empty(raw)
         if len(present) != len(raw):  # an empty field is answered as its absence

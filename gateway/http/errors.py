@@ -122,11 +122,14 @@ def dialect_of(request: web.Request) -> str:
 
 def error_event(request: web.Request, error: APIError) -> bytes:
     """The in-band SSE event ending a stream of ``request`` cut short by ``error``, in its
-    route's dialect: OpenAI's ``data: {"error": ...}``, or Anthropic's ``event: error``."""
-    if dialect_of(request) == ANTHROPIC:
+    route's dialect: OpenAI's ``data: {"error": ...}``, Anthropic's ``event: error``, or
+    Gemini's ``data: {"error": {code, message, status}}``."""
+    dialect = dialect_of(request)
+    if dialect == ANTHROPIC:
         data = json.dumps(error.anthropic_body(), separators=(",", ":"), ensure_ascii=False)
         return f"event: error\ndata: {data}\n\n".encode()
-    data = json.dumps(error.body(), separators=(",", ":"), ensure_ascii=False)
+    body = error.gemini_body() if dialect == GEMINI else error.body()
+    data = json.dumps(body, separators=(",", ":"), ensure_ascii=False)
     return f"data: {data}\n\n".encode()
 
 
