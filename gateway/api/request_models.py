@@ -362,9 +362,10 @@ class PrefixCreateRequest(BaseModel):
 M = TypeVar("M", bound=BaseModel)
 
 
-# Top-level fields whose empty value is content, not absence: an empty prompt, input or token
-# list is a request for the empty text (or refused by the model as such).
-EMPTY_IS_CONTENT = frozenset({"prompt", "input", "tokens"})
+# Top-level fields whose empty value means something: an empty prompt, input or token list is
+# a request for the empty text (or refused by the model as such); OpenAI's
+# ``web_search_options: {}`` turns web search on (refused here by name).
+EMPTY_MEANS = frozenset({"prompt", "input", "tokens", "web_search_options"})
 
 
 # An empty value's JSON (null, [], {}, ""), found anywhere in a body without parsing it.
@@ -378,8 +379,8 @@ def is_empty(value: object) -> bool:
 
 def without_empty(raw: dict[str, Any]) -> dict[str, Any]:
     """``raw`` without its top-level fields holding an empty value (``is_empty``), but those of
-    ``EMPTY_IS_CONTENT``: every dialect answers a field's empty value as its absence."""
-    return {k: v for k, v in raw.items() if k in EMPTY_IS_CONTENT or not is_empty(v)}
+    ``EMPTY_MEANS``: every dialect answers a field's empty value as its absence."""
+    return {k: v for k, v in raw.items() if k in EMPTY_MEANS or not is_empty(v)}
 
 
 def parse(model: type[M], body: bytes) -> M:

@@ -2,8 +2,9 @@
 values (``null``, ``[]``, ``{}``, ``""``) are answered as the field's absence is
 (``request_models.without_empty``). The fields come from the models themselves
 (``model_fields``) and from each dialect's list of fields refused unless they hold nothing, so
-a field added later is covered without a line here. ``EMPTY_IS_CONTENT`` fields (an empty
-prompt, input or token list is content) are left out. openai-agents sends ``include: []`` on
+a field added later is covered without a line here. ``EMPTY_MEANS`` fields (an empty
+prompt, input or token list is content; ``web_search_options: {}`` turns web search on) are
+left out. openai-agents sends ``include: []`` on
 every Responses call (it was a 400 "Unrecognized request argument supplied: include")."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from prefixgate.gateway.api.anthropic_models import CountTokensRequest, Messages
 from prefixgate.gateway.api.embeddings import EmbeddingRequest
 from prefixgate.gateway.api.request_fields import REFUSED
 from prefixgate.gateway.api.request_models import (
-    EMPTY_IS_CONTENT,
+    EMPTY_MEANS,
     ChatCompletionRequest,
     CompletionRequest,
     PrefixCreateRequest,
@@ -73,7 +74,7 @@ ROUTES: list[tuple[str, type[BaseModel], tuple[str, ...], dict]] = [
 
 
 def _fields(model: type[BaseModel], refused: tuple[str, ...]) -> list[str]:
-    return sorted((set(model.model_fields) | set(refused)) - EMPTY_IS_CONTENT)
+    return sorted((set(model.model_fields) | set(refused)) - EMPTY_MEANS)
 
 
 def _outcome(r: httpx.Response) -> tuple[int, object]:
