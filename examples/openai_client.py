@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 from _unreachable import exit_if_unreachable
-from openai import APIConnectionError, OpenAI
+from openai import APIConnectionError, AuthenticationError, OpenAI
 
 BASE_URL = os.environ.get("PREFIXGATE_BASE_URL", "http://127.0.0.1:8000/v1")
 # A gateway started without --api-key accepts any key; the client insists on having one.
@@ -78,5 +78,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    with exit_if_unreachable(APIConnectionError, BASE_URL):
+    with exit_if_unreachable(APIConnectionError, BASE_URL, unauthorized=AuthenticationError):
         main()

@@ -18,7 +18,7 @@ import os
 from _unreachable import exit_if_unreachable
 from prefixgate.gateway.app import create_proxy_app
 from prefixgate.gateway.http.server import start_server
-from prefixgate.sdk import APIConnectionError, AsyncClient
+from prefixgate.sdk import APIConnectionError, AsyncClient, AuthenticationError
 
 UPSTREAM = os.environ.get("PREFIXGATE_UPSTREAM_URL") or os.environ.get(
     "PREFIXGATE_BASE_URL", "http://127.0.0.1:8000/v1"
@@ -60,5 +60,7 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    with exit_if_unreachable(APIConnectionError, UPSTREAM, "PREFIXGATE_UPSTREAM_URL"):
+    with exit_if_unreachable(
+        APIConnectionError, UPSTREAM, "PREFIXGATE_UPSTREAM_URL", unauthorized=AuthenticationError
+    ):
         asyncio.run(main())

@@ -15,7 +15,7 @@ import asyncio
 import os
 
 from _unreachable import exit_if_unreachable
-from prefixgate.sdk import APIConnectionError, AsyncClient
+from prefixgate.sdk import APIConnectionError, AsyncClient, AuthenticationError
 
 BASE_URL = os.environ.get("PREFIXGATE_BASE_URL", "http://127.0.0.1:8000/v1")
 SYSTEM = "You are a concise assistant. Answer in one sentence."
@@ -86,5 +86,5 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    with exit_if_unreachable(APIConnectionError, BASE_URL):
+    with exit_if_unreachable(APIConnectionError, BASE_URL, unauthorized=AuthenticationError):
         asyncio.run(main())

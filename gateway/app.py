@@ -45,6 +45,12 @@ from prefixgate.gateway.http.errors import (
     error_middleware,
     expect_continue,
 )
+from prefixgate.gateway.http.json_guard import (
+    GUARD_LIMITS,
+    Limits,
+    json_guard_middleware,
+    no_body,
+)
 from prefixgate.gateway.http.metrics import CONTENT_TYPE, GatewayMetrics
 from prefixgate.gateway.http.server import FDS_PER_CONNECTION
 from prefixgate.gateway.local.cache_pins import CachePins
@@ -283,12 +289,14 @@ def _base_app(settings: GatewaySettings | None) -> tuple[web.Application, Gatewa
             require_key,
             dashboard.usage_middleware,
             body_limits_middleware,
+            json_guard_middleware,
         ],
     )
     lifecycle.install(app)
     app.on_response_prepare.append(request_id.stamp)
     app[STATE] = st
     app[SETTINGS] = settings
+    app[GUARD_LIMITS] = Limits(settings.max_request_tools, settings.max_request_values)
     app.router.add_get("/health", health, expect_handler=expect_continue)
     app.router.add_get("/metrics", metrics_route, expect_handler=expect_continue)
     dashboard.install(app)
@@ -311,6 +319,7 @@ def _add_fallback_route(app: web.Application) -> None:
     app.router.add_route("*", "/{tail:.*}", _no_route, expect_handler=expect_continue)
 
 
+@no_body
 async def _no_route(request: web.Request) -> web.Response:
     """404 ``not_found`` for an unknown path, 405 ``method_not_allowed`` for a known path
     asked with another method (with ``Allow``)."""

@@ -19,6 +19,9 @@ class GatewaySettings:
         api_keys: keys accepted without limits (``--api-key``).
         keys_file: keys file with per-key limits and salts (see ``auth``).
         max_body_bytes: largest request body (bytes); larger → 413.
+        max_request_tools: most tools in one request, any dialect (400 ``too_many_tools``).
+        max_request_values: most JSON values other than numbers in one request body
+            (objects, arrays, strings, keys, booleans, nulls; 400 ``too_many_values``).
         max_queued_requests, max_queued_tokens, max_running: admission bounds (see
             ``admission.AdmissionConfig``).
         keepalive_s: seconds between SSE keep-alive comments while no token comes.
@@ -78,6 +81,8 @@ class GatewaySettings:
     api_keys: list[str] = field(default_factory=list)
     keys_file: str | None = None
     max_body_bytes: int = 4 * 1024 * 1024
+    max_request_tools: int = 128
+    max_request_values: int = 131_072
     max_queued_requests: int = 256
     max_queued_tokens: int = 262_144
     max_running: int = 0
@@ -114,6 +119,8 @@ class GatewaySettings:
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.max_request_tools < 0 or self.max_request_values < 1024:
+            raise ValueError("max_request_tools must be >= 0 and max_request_values >= 1024")
         for name in (
             "keepalive_s",
             "poll_s",

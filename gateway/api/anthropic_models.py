@@ -18,9 +18,15 @@ later to find where the breakpoint falls in the prompt's tokens) and its TTL in 
 
 What is not implemented is refused by name (400), never ignored: ``thinking`` other than
 disabled, images, documents and other block types, server tools, ``container``,
-``mcp_servers``, ``output_config``, ``inference_geo``, ``speed`` other than
+``mcp_servers``, ``inference_geo``, ``speed`` other than
 standard, ``citations``, ``max_tokens: 0`` (cache pre-warming), a final assistant turn
-(prefill), ``user_profile_id`` / ``workspace_id``. An unknown field is a 400 naming it.
+(prefill), ``user_profile_id`` / ``workspace_id``, ``output_config.effort`` other than
+``"high"`` (the default). An unknown field is a 400 naming it.
+
+Structured output: ``output_config.format`` (or the older ``output_format``) ``{"type":
+"json_schema", "schema": {...}}`` constrains the answer's text to the schema on the grammar path
+OpenAI's ``response_format`` takes (``OutputFormat.structured``); it is one output constraint,
+so not with a forced tool call (``tool_choice`` any / tool) nor with ``stop_sequences``.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
+import pydantic_core
+from prefixgate.engine.sampling_params import StructuredOutputsParams
 from prefixgate.gateway.api.cache_marks import Breakpoint
 from prefixgate.gateway.http.errors import bad_request
 from prefixgate.gateway.tenancy.keys import MAX_SALT_CHARS
@@ -43,7 +51,6 @@ TTL_SECONDS = {"5m": 300.0, "1h": 3600.0}
 _REFUSED: dict[str, str] = {
     "container": "containers (code execution) are not supported",
     "mcp_servers": "MCP servers are not supported",
-    "output_config": "output_config (structured outputs, effort) is not supported",
     "inference_geo": "inference_geo is not supported",
     "user_profile_id": "user_profile_id is not supported",
     "workspace_id": "workspace_id is not supported",
@@ -159,6 +166,28 @@ class ThinkingDisabled(BaseModel):
     type: Literal["disabled"]
 
 
+class OutputFormat(BaseModel):
+    """``output_config.format`` / ``output_format``: ``{"type": "json_schema", "schema": {...}}``
+    (a JSON schema the answer's text follows)."""
+
+    model_config = _CONFIG
+    type: Literal["json_schema"]
+    json_schema: dict[str, Any] = Field(alias="schema")
+
+    def structured(self) -> StructuredOutputsParams:
+        """The engine's constraint: the schema, as ``response_format`` json_schema gives it."""
+        return StructuredOutputsParams(json=self.json_schema)
+
+
+class OutputConfig(BaseModel):
+    """``output_config``: ``format`` (structured output); ``effort`` only ``"high"``, the
+    default (the model does not reason, so no other effort changes anything)."""
+
+    model_config = _CONFIG
+    format: OutputFormat | None = None
+    effort: Literal["high"] | None = None
+
+
 class _Conversation(BaseModel):
     """What ``messages`` and ``count_tokens`` share: the prompt."""
 
@@ -174,6 +203,27 @@ class _Conversation(BaseModel):
     thinking: ThinkingDisabled | None = None
     # prefixgate's extra (vLLM's name): a prefix-cache partition inside the key's
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_SALT_CHARS)
+    output_config: OutputConfig | None = None
+    output_format: OutputFormat | None = None  # the older spelling of output_config.format
+
+    def output_schema(self) -> tuple[StructuredOutputsParams | None, str]:
+        """The structured-output constraint and the field it came from
+        (``output_config.format`` or ``output_format``), or ``(None, "")``.
+
+        Raises:
+            APIError: 400 when both spellings are given.
+        """
+        fmt = self.output_config.format if self.output_config is not None else None
+        if fmt is not None and self.output_format is not None:
+            raise bad_request(
+                "output_format: give the format once, in output_config.format",
+                param="output_format",
+            )
+        if fmt is not None:
+            return fmt.structured(), "output_config.format"
+        if self.output_format is not None:
+            return self.output_format.structured(), "output_format"
+        return None, ""
 
 
 class Diagnostics(BaseModel):
@@ -214,20 +264,23 @@ def parse_request(model: type[M], body: bytes) -> M:
     Raises:
         APIError: 400 naming the field (``param``).
     """
-    from prefixgate.gateway.api.request_models import parse  # the shared JSON → 400 mapping
+    # the shared JSON → 400 mapping, and empty fields as absent ones
+    from prefixgate.gateway.api.request_models import parse, without_empty
 
     try:
-        raw = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        raw = None
+        raw = pydantic_core.from_json(body)  # nesting bounded: never a RecursionError
+    except ValueError:
+        raw = None  # parse() reports it
     if isinstance(raw, dict):
-        _refuse(raw, model)
+        _refuse(without_empty(raw), model)
     return parse(model, body)
 
 
 def _refuse(raw: dict[str, Any], model: type[_Conversation]) -> None:
+    from prefixgate.gateway.api.request_models import is_empty
+
     for name, why in _REFUSED.items():
-        if raw.get(name) not in (None, [], {}):
+        if not is_empty(raw.get(name)):
             raise bad_request(f"{name}: {why}", param=name, code="unsupported_parameter")
     thinking = raw.get("thinking")
     if isinstance(thinking, dict) and thinking.get("type") != "disabled":
@@ -303,6 +356,24 @@ def _openai_tool(t: ToolParam) -> dict[str, Any]:
     if t.strict is not None:
         fn["strict"] = t.strict
     return {"type": "function", "function": fn}
+
+
+def output_constraint(req: _Conversation, chat: Chat) -> tuple[StructuredOutputsParams | None, str]:
+    """The request's structured-output constraint and its field (``output_schema``), refused
+    beside a forced tool call (``chat.tool_choice`` required or named: one constraint each).
+
+    Raises:
+        APIError: 400 naming the format's field.
+    """
+    schema, where = req.output_schema()
+    forced = chat.tool_choice == "required" or isinstance(chat.tool_choice, dict)
+    if schema is not None and forced:
+        raise bad_request(
+            f"{where}: only one output constraint per request (tool_choice forces a tool "
+            "call, which constrains the output too)",
+            param=where,
+        )
+    return schema, where
 
 
 def to_chat(req: _Conversation) -> Chat:

@@ -34,6 +34,7 @@ from prefixgate.gateway.api.anthropic_models import (
     Chat,
     CountTokensRequest,
     MessagesRequest,
+    output_constraint,
     parse_request,
     to_chat,
 )
@@ -327,7 +328,12 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     engine = local.require_engine()
     principal, req, chat, plan, ids = await _prepare(request, MessagesRequest)
     forced = "tool_choice" if plan.mode in ("required", "named") else None
-    refuse_stop_under_constraint(req.stop_sequences, "stop_sequences", forced)
+    schema, schema_field = output_constraint(req, chat)
+    if schema is not None:
+        await _check_constraint(schema, f"{schema_field}.schema")
+    refuse_stop_under_constraint(
+        req.stop_sequences, "stop_sequences", forced or (schema_field or None)
+    )
     if plan.structured is not None:
         await _check_constraint(plan.structured, "tools")
     max_tokens = check_length(len(ids), req.max_tokens, engine.max_model_len, "messages")
@@ -341,7 +347,7 @@ async def create_message(request: web.Request) -> web.StreamResponse:
             top_k=-1 if req.top_k is None else req.top_k,
             max_tokens=max_tokens,
             stop=list(req.stop_sequences or []),
-            structured_outputs=plan.structured,
+            structured_outputs=plan.structured or schema,
             skip_special_tokens=plan.mode != "auto",
         )
     except (ValueError, TypeError) as exc:

@@ -8,23 +8,24 @@ argument supplied: NAME" (OpenAI's answer); OpenAI fields the gateway does not i
 refused by name (``request_fields.py``).
 Ranges follow the OpenAI API reference (https://platform.openai.com/docs/api-reference/chat).
 
-Bounds every route's body shares (``parse`` and ``load_json``; the proxy parses with
-``load_json`` too):
-
-* nesting: at most ``MAX_JSON_DEPTH`` (200) levels of arrays/objects — the JSON parser's own
-  recursion limit (jiter's, pydantic's parser), a 400 ``invalid_json`` beyond, never a
-  ``RecursionError``;
-* messages: at most ``MAX_MESSAGES`` (4,096) in ``messages`` (chat, prefixes) or ``input``
-  (responses), counted on the parsed JSON before any message is validated or rendered
-  (``check_counts``): 400 ``too_many_messages`` naming the field.
+The bounds every route's body shares (nesting, counts of messages, items, tools, values) are
+checked once before any route runs, by the ingress guard (``http/json_guard.py``);
+``MAX_JSON_DEPTH``, ``MAX_MESSAGES``, ``load_json`` and ``json_error`` are its names.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal, TypeVar
+import re
+from typing import Annotated, Any, Literal, TypeVar
 
 import pydantic_core
-from prefixgate.gateway.http.errors import APIError, bad_request
+from prefixgate.gateway.http.errors import bad_request
+from prefixgate.gateway.http.json_guard import (  # noqa: F401 - re-exported for the routes
+    MAX_JSON_DEPTH,
+    MAX_MESSAGES,
+    json_error,
+    load_json,
+)
 from prefixgate.gateway.tenancy.keys import MAX_SALT_CHARS
 from pydantic import (
     BaseModel,
@@ -43,8 +44,6 @@ from pydantic_core import ErrorDetails
 _REQUEST_CONFIG = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 MAX_N = 16  # choices per request (each is one engine request)
-MAX_JSON_DEPTH = 200  # nesting of a body's arrays/objects: the JSON parser's recursion limit
-MAX_MESSAGES = 4096  # messages (or input items) of one request
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as vLLM and torch generators take
 
 
@@ -280,7 +279,6 @@ class _SamplingFields(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions. ``prefix_id`` (ours) prepends a pinned prefix's messages."""
 
-    counted: ClassVar[tuple[str, ...]] = ("messages",)
     messages: list[ChatMessage] = Field(default_factory=list, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -355,7 +353,6 @@ class PrefixCreateRequest(BaseModel):
     """POST /v1/prefixes: the leading messages to render and pin for ``ttl_seconds``."""
 
     model_config = _REQUEST_CONFIG
-    counted: ClassVar[tuple[str, ...]] = ("messages",)
     model: str
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     ttl_seconds: float = Field(300.0, gt=0.0)
@@ -365,70 +362,47 @@ class PrefixCreateRequest(BaseModel):
 M = TypeVar("M", bound=BaseModel)
 
 
-def load_json(body: bytes) -> Any:
-    """A request body parsed to Python values (``dict``, ``list``, ``str``, ``int``,
-    ``float``, ``bool``, ``None``), nesting bounded by ``MAX_JSON_DEPTH``.
-
-    Raises:
-        APIError: 400 ``invalid_json`` for malformed JSON or JSON nested deeper than
-            ``MAX_JSON_DEPTH`` (never a ``RecursionError``).
-    """
-    try:
-        return pydantic_core.from_json(body)
-    except ValueError as exc:
-        raise json_error(str(exc)) from None
+# Top-level fields whose empty value means something: an empty prompt, input or token list is
+# a request for the empty text (or refused by the model as such); OpenAI's
+# ``web_search_options: {}`` turns web search on (refused here by name).
+EMPTY_MEANS = frozenset({"prompt", "input", "tokens", "web_search_options"})
 
 
-def json_error(msg: str) -> APIError:
-    """The 400 ``invalid_json`` for the JSON parser's message ``msg``: a body nested past
-    ``MAX_JSON_DEPTH`` is well-formed JSON and is told so (its depth, not "malformed")."""
-    if "recursion limit" in msg:
-        return bad_request(
-            f"JSON body nested deeper than {MAX_JSON_DEPTH} levels of arrays and objects, "
-            f"the bound of every route ({msg})",
-            code="invalid_json",
-        )
-    return bad_request(f"malformed JSON body: {msg}", code="invalid_json")
+# An empty value's JSON (null, [], {}, ""), found anywhere in a body without parsing it.
+_MAYBE_EMPTY = re.compile(rb'null|\[\s*\]|\{\s*\}|""')
 
 
-def check_counts(raw: object, fields: tuple[str, ...] = ("messages",)) -> None:
-    """Refuse a body whose list ``fields`` hold more than ``MAX_MESSAGES`` items, before any
-    item is validated or rendered (cost: the length of a parsed list).
+def is_empty(value: object) -> bool:
+    """True for ``null``, ``[]``, ``{}`` and ``""``: a value that says nothing."""
+    return value is None or (type(value) in (list, dict, str) and not value)
 
-    Raises:
-        APIError: 400 ``too_many_messages`` naming the field.
-    """
-    if not isinstance(raw, dict):
-        return
-    for name in fields:
-        items = raw.get(name)
-        if isinstance(items, list) and len(items) > MAX_MESSAGES:
-            raise bad_request(
-                f"{name}: at most {MAX_MESSAGES} items per request, got {len(items)}",
-                param=name,
-                code="too_many_messages",
-            )
+
+def without_empty(raw: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` without its top-level fields holding an empty value (``is_empty``), but those of
+    ``EMPTY_MEANS``: every dialect answers a field's empty value as its absence."""
+    return {k: v for k, v in raw.items() if k in EMPTY_MEANS or not is_empty(v)}
 
 
 def parse(model: type[M], body: bytes) -> M:
-    """Validate a JSON body into ``model``. A model's ``counted`` list fields are counted
-    first (``check_counts``) when the body is large enough to exceed ``MAX_MESSAGES`` (an item
-    takes at least 2 bytes), so an oversized list is refused after one fast JSON parse
-    (about 0.1 s for 4 MB) instead of validating every item.
+    """Validate a JSON body into ``model`` (its counts bounded already by the ingress
+    guard, ``http/json_guard.py``). A top-level field holding ``null``, ``[]``, ``{}`` or
+    ``""`` is validated as if absent (``without_empty``).
 
     Raises:
         APIError: 400 with ``param`` naming the first field at fault (``code``
-            ``"invalid_json"`` for malformed JSON or nesting over ``MAX_JSON_DEPTH``,
-            ``"too_many_messages"`` over ``MAX_MESSAGES``).
+            ``"invalid_json"`` for malformed JSON or nesting over ``MAX_JSON_DEPTH``).
     """
-    counted: tuple[str, ...] = getattr(model, "counted", ())
     tags: frozenset[str] = getattr(model, "union_tags", frozenset())
-    if counted and len(body) > 2 * MAX_MESSAGES:
+    raw = None
+    if _MAYBE_EMPTY.search(body):  # no empty value anywhere: nothing to drop, no parse
         try:
             raw = pydantic_core.from_json(body)
         except ValueError:
-            raw = None  # model_validate_json reports it, naming the place
-        check_counts(raw, counted)
+            pass  # model_validate_json reports it, naming the place
+    if isinstance(raw, dict):
+        present = without_empty(raw)
+        if len(present) != len(raw):  # an empty field is answered as its absence
+            body = pydantic_core.to_json(present)
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:

@@ -33,8 +33,9 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, Literal
 
+import pydantic_core
 from aiohttp import web
 from prefixgate.engine.sampling_params import SamplingParams
 from prefixgate.gateway.api.cache_diagnostics import PROMPT_LOG, Comparison, openai_diagnostics
@@ -44,7 +45,7 @@ from prefixgate.gateway.api.request_models import (
     MAX_MESSAGES,
     PartCacheControl,
     PromptCacheBreakpoint,
-    check_counts,
+    is_empty,
     parse,
 )
 from prefixgate.gateway.api.response_models import Usage
@@ -145,7 +146,6 @@ class ResponsesRequest(BaseModel):
     """
 
     model_config = _CONFIG
-    counted: ClassVar[tuple[str, ...]] = ("input",)
     model: str
     input: str | Annotated[list[InputMessage], Field(max_length=MAX_MESSAGES)]
     instructions: str | None = None
@@ -189,10 +189,9 @@ def parse_request(body: bytes) -> ResponsesRequest:
         raw = from_json(body)  # nesting bounded (MAX_JSON_DEPTH): a ValueError, never recursion
     except ValueError:
         raw = None  # parse() reports it
-    check_counts(raw, ResponsesRequest.counted)
     if isinstance(raw, dict):
         for name in _REFUSED:
-            if raw.get(name) not in (None, [], False):
+            if not is_empty(raw.get(name)) and raw.get(name) is not False:
                 raise bad_request(
                     f"{name} is not supported by this server",
                     param=name,
@@ -230,6 +229,9 @@ def parse_request(body: bytes) -> ResponsesRequest:
                 raise bad_request(
                     f"Unrecognized request argument supplied: {name[:80]}", param=name[:80]
                 )
+        if any(name in raw for name in _REFUSED):  # each holds its no-op value: absent
+            kept = {k: v for k, v in raw.items() if k not in _REFUSED}
+            body = pydantic_core.to_json(kept)
     return parse(ResponsesRequest, body)
 
 

@@ -65,8 +65,14 @@ def openai_constraint(body: dict[str, Any]) -> str | None:
 
 def anthropic_constraint(body: dict[str, Any]) -> str | None:
     """``"tool_choice"`` when a raw Messages body forces a tool call (``{"type": "any"}`` or
-    ``{"type": "tool", "name": ...}``), else None."""
+    ``{"type": "tool", "name": ...}``), ``"output_config.format"`` / ``"output_format"`` when
+    it asks for structured output, else None."""
     choice = body.get("tool_choice")
     if isinstance(choice, dict) and choice.get("type") in ("any", "tool"):
         return "tool_choice"
+    config = body.get("output_config")
+    if isinstance(config, dict) and config.get("format"):
+        return "output_config.format"
+    if body.get("output_format"):
+        return "output_format"
     return None

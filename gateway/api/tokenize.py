@@ -9,8 +9,8 @@ BOS/EOS added, as vLLM's). Answer: ``{"count", "max_model_len", "tokens"}``. Any
 a 400 naming it (never ignored); ``add_special_tokens`` with ``messages`` only as ``false``
 (the template writes the special tokens itself), ``add_generation_prompt`` only with
 ``messages``.
-Bounded work: ``messages`` holds at most ``MAX_MESSAGES`` (4,096, counted before anything is
-validated or rendered), and a text (the prompt, or the rendered chat) is tokenized only when
+Bounded work: ``messages`` holds at most ``MAX_MESSAGES`` (4,096, counted by the ingress
+guard before anything is validated or rendered), and a text (the prompt, or the rendered chat) is tokenized only when
 its token count's lower bound (``Tokenizer.min_num_tokens``) is under
 ``TOKENIZE_CONTEXTS`` (8) × ``max_model_len``; beyond, 400 ``context_length_exceeded`` naming
 the field, before tokenizing (a prompt that long fits no request: the route's answer is that
@@ -23,7 +23,7 @@ does); it runs no model and touches no KV block. ``/detokenize``: ``{"model", "t
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, ClassVar, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from aiohttp import web
 from prefixgate.gateway.api.prompts import completion_prompts, refuse_oversized, render_chat
@@ -46,7 +46,6 @@ class TokenizeRequest(BaseModel):
     """POST /tokenize: exactly one of ``messages`` (a chat) and ``prompt`` (text)."""
 
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
-    counted: ClassVar[tuple[str, ...]] = ("messages",)
     model: str | None = None
     messages: list[ChatMessage] | None = Field(None, max_length=MAX_MESSAGES)
     prompt: str | None = None

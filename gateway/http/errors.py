@@ -77,6 +77,25 @@ _ANTHROPIC_TYPES = {
 }
 
 ANTHROPIC = "anthropic"  # the error dialect of Anthropic's routes (``error_dialect``)
+GEMINI = "gemini"  # the error dialect of Gemini's routes (every path under ``/v1beta/``)
+
+# Google's canonical status names per HTTP status (google.rpc.Code), Gemini's ``status``.
+_GEMINI_STATUS = {
+    400: "INVALID_ARGUMENT",
+    401: "UNAUTHENTICATED",
+    403: "PERMISSION_DENIED",
+    404: "NOT_FOUND",
+    408: "DEADLINE_EXCEEDED",
+    409: "ABORTED",
+    413: "INVALID_ARGUMENT",
+    429: "RESOURCE_EXHAUSTED",
+    499: "CANCELLED",
+    500: "INTERNAL",
+    501: "UNIMPLEMENTED",
+    502: "UNAVAILABLE",
+    503: "UNAVAILABLE",
+    504: "DEADLINE_EXCEEDED",
+}
 
 
 def error_dialect(dialect: str) -> Callable[[Handler], Handler]:
@@ -92,19 +111,25 @@ def error_dialect(dialect: str) -> Callable[[Handler], Handler]:
 
 
 def dialect_of(request: web.Request) -> str:
-    """The error dialect of the request's matched route (``"openai"`` unless its handler is
-    marked by ``error_dialect``)."""
+    """The error dialect of the request's matched route: its handler's ``error_dialect`` mark,
+    else ``GEMINI`` for a path under ``/v1beta/`` (Gemini's API), else ``"openai"``."""
     handler = getattr(request.match_info, "handler", None)
-    return getattr(handler, "error_dialect", "openai")
+    mark = getattr(handler, "error_dialect", None)
+    if mark is not None:
+        return mark
+    return GEMINI if request.path.startswith("/v1beta/") else "openai"
 
 
 def error_event(request: web.Request, error: APIError) -> bytes:
     """The in-band SSE event ending a stream of ``request`` cut short by ``error``, in its
-    route's dialect: OpenAI's ``data: {"error": ...}``, or Anthropic's ``event: error``."""
-    if dialect_of(request) == ANTHROPIC:
+    route's dialect: OpenAI's ``data: {"error": ...}``, Anthropic's ``event: error``, or
+    Gemini's ``data: {"error": {code, message, status}}``."""
+    dialect = dialect_of(request)
+    if dialect == ANTHROPIC:
         data = json.dumps(error.anthropic_body(), separators=(",", ":"), ensure_ascii=False)
         return f"event: error\ndata: {data}\n\n".encode()
-    data = json.dumps(error.body(), separators=(",", ":"), ensure_ascii=False)
+    body = error.gemini_body() if dialect == GEMINI else error.body()
+    data = json.dumps(body, separators=(",", ":"), ensure_ascii=False)
     return f"data: {data}\n\n".encode()
 
 
@@ -156,13 +181,25 @@ class APIError(Exception):
             "error": {"type": kind or "invalid_request_error", "message": self.message},
         }
 
+    def gemini_body(self) -> dict[str, Any]:
+        """The error in Gemini's shape (Google's API error), ``{"error": {"code": status,
+        "message", "status": "INVALID_ARGUMENT" | ...}}``."""
+        status = _GEMINI_STATUS.get(self.status, "INTERNAL" if self.status >= 500 else "UNKNOWN")
+        return {"error": {"code": self.status, "message": self.message, "status": status}}
+
     def response(self, dialect: str = "openai") -> web.Response:
         """The error as an aiohttp JSON response (with ``Retry-After`` when set); ``dialect``
-        ``"anthropic"`` gives Anthropic's body (``anthropic_body``), else OpenAI's."""
+        ``"anthropic"`` gives Anthropic's body (``anthropic_body``), ``"gemini"`` Gemini's
+        (``gemini_body``), else OpenAI's."""
         headers = {}
         if self.retry_after is not None:
             headers.update(retry_after_headers(self.retry_after))
-        body = self.anthropic_body() if dialect == ANTHROPIC else self.body()
+        if dialect == ANTHROPIC:
+            body = self.anthropic_body()
+        elif dialect == GEMINI:
+            body = self.gemini_body()
+        else:
+            body = self.body()
         resp = web.Response(
             status=self.status,
             body=json.dumps(body).encode(),

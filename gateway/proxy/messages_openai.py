@@ -119,6 +119,10 @@ def to_chat_body(req: MessagesRequest, chat: Chat, model: str) -> dict[str, Any]
         body["tool_choice"] = chat.tool_choice
     if chat.parallel_tool_calls is False and chat.tools:
         body["parallel_tool_calls"] = False
+    schema, _ = req.output_schema()
+    if schema is not None:  # Anthropic's structured output as OpenAI's
+        json_schema = {"name": "output", "schema": schema.json, "strict": True}
+        body["response_format"] = {"type": "json_schema", "json_schema": json_schema}
     if req.stream:
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}

@@ -45,9 +45,11 @@ from prefixgate.gateway.api.anthropic_models import (
     CountTokensRequest,
     MessageAnswer,
     MessagesRequest,
+    output_constraint,
     parse_request,
     to_chat,
 )
+from prefixgate.gateway.api.request_models import load_json
 from prefixgate.gateway.api.response_models import ChatCompletion, ChatCompletionChunk
 from prefixgate.gateway.api.stop_strings import anthropic_constraint, refuse_stop_under_constraint
 from prefixgate.gateway.http.access_log import stream_cut
@@ -180,10 +182,11 @@ async def _prepare(
     principal = st.keys.authenticate(request)
     body = await request.read()
     req = parse_request(kind, body)  # 400 naming the field, Anthropic's shape
-    raw = json.loads(body)
+    raw = load_json(body)
     stop = getattr(req, "stop_sequences", None)
     refuse_stop_under_constraint(stop, "stop_sequences", anthropic_constraint(raw))
     chat = to_chat(req)
+    output_constraint(req, chat)  # 400 beside a forced tool call, as in local mode
     salt = effective_salt(principal.salt, req.cache_salt)
     model = router.resolve(req.model)  # 404 model_not_found when nobody serves it
     route = router.route({"messages": chat.messages}, salt, model)

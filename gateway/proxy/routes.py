@@ -34,11 +34,12 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
-from prefixgate.gateway.api.request_models import check_counts, load_json
+from prefixgate.gateway.api.request_models import load_json
 from prefixgate.gateway.api.stop_strings import openai_constraint, refuse_stop_under_constraint
 from prefixgate.gateway.http.access_log import record
 from prefixgate.gateway.http.errors import APIError, bad_request
 from prefixgate.gateway.http.headers import header_text
+from prefixgate.gateway.http.json_guard import no_body
 from prefixgate.gateway.proxy import anthropic
 from prefixgate.gateway.proxy.answers import answer_model
 from prefixgate.gateway.proxy.policies import Route
@@ -84,8 +85,7 @@ async def proxy_generate(request: web.Request) -> web.StreamResponse:
     router = request.app[PROXY].router
     principal = st.keys.authenticate(request)
     body = await request.read()
-    parsed = load_json(body)  # the local routes' bounds: nesting, then the message count
-    check_counts(parsed, ("messages",))
+    parsed = load_json(body)  # bounded already by the ingress guard (http/json_guard.py)
     if not isinstance(parsed, dict):
         raise bad_request("the body must be a JSON object", code="invalid_json")
     refuse_stop_under_constraint(parsed.get("stop"), "stop", openai_constraint(parsed))
@@ -744,6 +744,7 @@ def upstream_headers(request: web.Request, st: GatewayState, up: Upstream) -> di
     return out
 
 
+@no_body
 async def local_mode_only(request: web.Request) -> web.Response:
     """An API route of local mode only, in upstream mode (``/v1/responses``, ``/v1/embeddings``,
     ``/tokenize``, ``/detokenize``): 501 naming it (the proxy relays chat, completions, models

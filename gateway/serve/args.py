@@ -305,6 +305,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     defaults = GatewaySettings()
     for name, kind in (
         ("max_body_bytes", parse_bytes),
+        ("max_request_tools", int),
+        ("max_request_values", int),
         ("max_queued_requests", int),
         ("max_queued_tokens", int),
         ("max_running", int),

@@ -131,6 +131,8 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         upstream_api_key=upstream_api_key(args),
         upstream_cache_salt=args.upstream_cache_salt,
         max_body_bytes=args.max_body_bytes,
+        max_request_tools=args.max_request_tools,
+        max_request_values=args.max_request_values,
         max_queued_requests=args.max_queued_requests,
         max_queued_tokens=args.max_queued_tokens,
         max_running=args.max_running,

@@ -11,6 +11,10 @@ from __future__ import annotations
 GATEWAY_HELP = {
     "max_body_bytes": "largest request body accepted, bytes (or 4MiB, 1GB ...; >= 1024); "
     "larger bodies get 413",
+    "max_request_tools": "most tools in one request, every dialect (>= 0); more get 400 "
+    "too_many_tools before the body is parsed into a request (docs/request-guards.md)",
+    "max_request_values": "most JSON values other than numbers in one request body (objects, "
+    "arrays, strings, keys, booleans, nulls; >= 1024); more get 400 too_many_values",
     "max_queued_requests": "most requests waiting for their first token (>= 1); beyond it "
     "new requests get 429 with Retry-After",
     "max_queued_tokens": "most prompt tokens, summed, waiting for prefill (>= 1); beyond it "

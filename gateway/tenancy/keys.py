@@ -48,7 +48,7 @@ from pathlib import Path
 
 from aiohttp import web
 from prefixgate.gateway.http.access_log import record
-from prefixgate.gateway.http.errors import APIError, too_many
+from prefixgate.gateway.http.errors import ANTHROPIC, APIError, dialect_of, too_many
 from prefixgate.gateway.http.headers import header_text
 from prefixgate.gateway.tenancy.slot_wait import SlotClock
 from prefixgate.sdk.flow_control import TokenBucket
@@ -367,17 +367,20 @@ class KeyRing:
         if not header.strip() and x_api_key.strip():
             header = "Bearer " + x_api_key.strip()
         scheme, _, key = header.partition(" ")
+        # the header the route's clients send: Anthropic's send x-api-key
+        send = (
+            "'x-api-key: <key>' (or 'Authorization: Bearer <key>')"
+            if dialect_of(request) == ANTHROPIC
+            else "'Authorization: Bearer <key>'"
+        )
         if header.strip() and scheme.lower() != "bearer":
             raise APIError(
                 401,
-                f"Authorization scheme {scheme[:20]!r} is not supported: send "
-                "'Authorization: Bearer <key>'",
+                f"Authorization scheme {scheme[:20]!r} is not supported: send {send}",
                 code="invalid_api_key",
             )
         if scheme.lower() != "bearer" or not key.strip():
-            raise APIError(
-                401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
-            )
+            raise APIError(401, f"missing API key: send {send}", code="invalid_api_key")
         principal = self._by_digest.get(_digest(key.strip()))
         if principal is None:
             raise APIError(401, "incorrect API key provided", code="invalid_api_key")

@@ -231,7 +231,9 @@ def test_a_stream_cut_short_ends_with_an_error_event(vllm):
 def test_what_an_openai_upstream_cannot_take_is_refused_by_name(vllm):
     stub, gw = vllm
     client = _client(gw)
-    for extra, name in (({"top_k": 5}, "top_k"), ({"diagnostics": {}}, "diagnostics")):
+    # (an empty ``diagnostics: {}`` says nothing: taken as absent, test_empty_is_absent.py)
+    diagnostics = {"diagnostics": {"previous_message_id": "msg_1"}}
+    for extra, name in (({"top_k": 5}, "top_k"), (diagnostics, "diagnostics")):
         with pytest.raises(anthropic.BadRequestError) as caught:
             client.messages.create(
                 model="llama",
@@ -530,3 +532,27 @@ def test_an_error_code_holding_the_gateway_key_is_not_named():
     body = {"error": {"message": "x", "type": "sk_up_key", "code": "fine_code"}}
     err = reworded(400, json.dumps(body).encode(), {}, ("sk_up_key",))
     assert "sk_up_key" not in err.message and err.code == "fine_code"
+
+
+def test_structured_output_is_translated_to_response_format(vllm):
+    """``output_config.format`` (and the older ``output_format``) reach an OpenAI-compatible
+    upstream as ``response_format`` json_schema, whole and streamed."""
+    stub, gw = vllm
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    fmt = {"type": "json_schema", "schema": schema}
+    expected = {
+        "type": "json_schema",
+        "json_schema": {"name": "output", "schema": schema, "strict": True},
+    }
+    for extra in ({"output_config": {"format": fmt}}, {"output_format": fmt}):
+        for stream in (False, True):
+            body = {
+                "model": "llama",
+                "max_tokens": 8,
+                "stream": stream,
+                "messages": [{"role": "user", "content": "hi"}],
+                **extra,
+            }
+            r = httpx.post(gw.url + "/v1/messages", json=body, timeout=30)
+            assert r.status_code == 200, r.text
+            assert stub.seen[-1]["response_format"] == expected, (extra, stream)

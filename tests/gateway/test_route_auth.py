@@ -52,11 +52,16 @@ def _check_refused(url: str, routes: list[tuple[str, str]]) -> None:
                 body = b"{not json" if method == "POST" else None
                 r = http.request(method, path, content=body, headers=headers)
                 assert r.status_code == 401, (method, path, headers, r.text)
+                message = r.json()["error"]["message"]
                 if path.startswith("/v1/messages"):
                     assert r.json()["type"] == "error", r.text
                     assert r.json()["error"]["type"] == "authentication_error", r.text
+                    # the header Anthropic's clients send, not only OpenAI's
+                    if "incorrect" not in message:
+                        assert "'x-api-key: <key>'" in message, message
                 else:
                     assert r.json()["error"]["code"] == "invalid_api_key", r.text
+                    assert "x-api-key" not in message, message
             ok = http.request(method, path, headers={"Authorization": f"Bearer {KEY}"})
             assert ok.status_code != 401, (method, path, ok.text)
 

@@ -106,3 +106,36 @@ def test_example_without_a_server_says_so_in_one_line(name):
     assert proc.returncode == 1, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "cannot reach a server at" in lines[0], proc.stderr
+
+
+@pytest.fixture(scope="module")
+def keyed_url():
+    """A gateway (fake engine) that takes only the key ``sk-right``."""
+    from prefixgate.gateway.app import create_app
+    from prefixgate.gateway.http.server import BackgroundServer
+    from prefixgate.gateway.settings import GatewaySettings
+    from support.fake_engine import FakeEngine
+
+    settings = GatewaySettings(model_name="fake", api_keys=["sk-right"])
+    with BackgroundServer(lambda: create_app(FakeEngine(), settings)) as server:
+        yield server.url + "/v1"
+
+
+@pytest.mark.parametrize("name", ["quickstart.py", "openai_client.py", "prefix_api.py", "proxy.py"])
+def test_example_with_a_refused_key_says_so_in_one_line(name, keyed_url):
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / name)],
+        env={
+            **os.environ,
+            "PREFIXGATE_BASE_URL": keyed_url,
+            "PREFIXGATE_UPSTREAM_URL": keyed_url,
+            "PREFIXGATE_API_KEY": "sk-wrong",
+        },
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "refused the API key (401" in lines[0], proc.stderr
+    assert "PREFIXGATE_API_KEY" in lines[0]

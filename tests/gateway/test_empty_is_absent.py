@@ -1,0 +1,129 @@
+"""Empty is absent: for every top-level field of every request model of every dialect, its empty
+values (``null``, ``[]``, ``{}``, ``""``) are answered as the field's absence is
+(``request_models.without_empty``). The fields come from the models themselves
+(``model_fields``) and from each dialect's list of fields refused unless they hold nothing, so
+a field added later is covered without a line here. ``EMPTY_MEANS`` fields (an empty
+prompt, input or token list is content; ``web_search_options: {}`` turns web search on) are
+left out. openai-agents sends ``include: []`` on
+every Responses call (it was a 400 "Unrecognized request argument supplied: include")."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from prefixgate.gateway.api import anthropic_models, responses_api
+from prefixgate.gateway.api.anthropic_models import CountTokensRequest, MessagesRequest
+from prefixgate.gateway.api.embeddings import EmbeddingRequest
+from prefixgate.gateway.api.request_fields import REFUSED
+from prefixgate.gateway.api.request_models import (
+    EMPTY_MEANS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    PrefixCreateRequest,
+)
+from prefixgate.gateway.api.responses_api import ResponsesRequest
+from prefixgate.gateway.api.tokenize import DetokenizeRequest, TokenizeRequest
+from prefixgate.gateway.settings import GatewaySettings
+from pydantic import BaseModel
+
+EMPTIES = [None, [], {}, ""]
+USER = [{"role": "user", "content": "hi"}]
+
+# (route, request model, the dialect's refused-unless-empty names, a valid body)
+ROUTES: list[tuple[str, type[BaseModel], tuple[str, ...], dict]] = [
+    (
+        "/v1/chat/completions",
+        ChatCompletionRequest,
+        tuple(REFUSED),
+        {"model": "fake", "messages": USER, "max_tokens": 2},
+    ),
+    (
+        "/v1/completions",
+        CompletionRequest,
+        tuple(REFUSED),
+        {"model": "fake", "prompt": "hi", "max_tokens": 2},
+    ),
+    (
+        "/v1/responses",
+        ResponsesRequest,
+        responses_api._REFUSED,
+        {"model": "fake", "input": "hi", "max_output_tokens": 2},
+    ),
+    (
+        "/v1/messages",
+        MessagesRequest,
+        tuple(anthropic_models._REFUSED),
+        {"model": "fake", "max_tokens": 2, "messages": USER},
+    ),
+    (
+        "/v1/messages/count_tokens",
+        CountTokensRequest,
+        tuple(anthropic_models._REFUSED),
+        {"model": "fake", "messages": USER},
+    ),
+    (
+        "/v1/prefixes",
+        PrefixCreateRequest,
+        (),
+        {"model": "fake", "messages": [{"role": "system", "content": "be brief"}]},
+    ),
+    ("/v1/embeddings", EmbeddingRequest, (), {"model": "fake", "input": "hi"}),
+    ("/tokenize", TokenizeRequest, (), {"model": "fake", "prompt": "hi"}),
+    ("/detokenize", DetokenizeRequest, (), {"model": "fake", "tokens": [1, 2]}),
+]
+
+
+def _fields(model: type[BaseModel], refused: tuple[str, ...]) -> list[str]:
+    return sorted((set(model.model_fields) | set(refused)) - EMPTY_MEANS)
+
+
+def _outcome(r: httpx.Response) -> tuple[int, object]:
+    """What a client sees of an answer: its status, and an error's code (Anthropic's: type)."""
+    if r.status_code == 200:
+        return 200, None
+    body = r.json()
+    err = body["error"]
+    return r.status_code, err.get("code", err.get("type"))
+
+
+@pytest.mark.parametrize("route", [r[0] for r in ROUTES])
+def test_every_fields_empty_value_is_answered_as_its_absence(serve_fake, route):
+    path, model, refused, base = next(r for r in ROUTES if r[0] == route)
+    srv, _ = serve_fake(GatewaySettings(model_name="fake"), token_delay_s=0.0)
+    assert srv.app is not None
+    differ: list[str] = []
+    with httpx.Client(base_url=srv.url, timeout=30) as http:
+        assert http.post(path, json=base).status_code in (200, 201, 400), path
+        for name in _fields(model, refused):
+            absent = {k: v for k, v in base.items() if k != name}
+            expected = _outcome(http.post(path, json=absent))
+            for empty in EMPTIES:
+                got = _outcome(http.post(path, json={**absent, name: empty}))
+                if got != expected:
+                    differ.append(f"{name}={empty!r}: {got}, absent: {expected}")
+    assert not differ, f"{path}: " + "; ".join(differ)
+
+
+def test_openai_agents_responses_fields_are_taken_empty(serve_fake):
+    """What openai-agents' Responses model sends on every call (its empty fields included)."""
+    srv, _ = serve_fake(GatewaySettings(model_name="fake"), token_delay_s=0.0)
+    body = {
+        "model": "fake",
+        "input": [{"role": "user", "content": "hi"}],
+        "instructions": "be brief",
+        "include": [],
+        "tools": [],
+        "previous_response_id": None,
+        "reasoning": None,
+        "background": None,
+        "conversation": None,
+        "prompt": None,
+        "top_logprobs": None,
+        "max_output_tokens": 2,
+        "stream": False,
+    }
+    r = httpx.post(srv.url + "/v1/responses", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["object"] == "response"
+    r = httpx.post(srv.url + "/v1/responses", json={**body, "include": ["reasoning"]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "include"
