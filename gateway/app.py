@@ -29,6 +29,7 @@ from prefixgate.engine.protocol import EngineClient
 from prefixgate.gateway import dashboard
 from prefixgate.gateway.api import (
     embeddings,
+    gemini,
     messages,
     openai_routes,
     prefix_routes,
@@ -106,6 +107,7 @@ def create_app(
     r.add_delete(
         "/v1/prefixes/{prefix_id}", prefix_routes.delete_prefix, expect_handler=expect_continue
     )
+    gemini.add_routes(app, expect_continue)
 
     async def release_prefixes(app: web.Application) -> None:
         if sweeper:
@@ -377,8 +379,8 @@ async def count_requests(request: web.Request, handler: Handler) -> web.StreamRe
     refusals too (401, 400, 404, 413, 429, ...: ``code`` is the OpenAI error code, ``""`` on
     success); a client gone before its answer counts as 499. Probes are not counted. ``route``
     is the API route's short name (``chat``, ``completions``, ``responses``, ``embeddings``,
-    ``tokenize``, ``detokenize``, ``models``, ``prefixes``, ``messages``, ``count_tokens``),
-    ``other`` for any other path."""
+    ``tokenize``, ``detokenize``, ``models``, ``prefixes``, ``messages``, ``count_tokens``,
+    ``gemini`` for every ``/v1beta`` route), ``other`` for any other path."""
     path = request.path
     if path in _PROBES or path.startswith("/dashboard"):
         return await handler(request)
@@ -386,6 +388,8 @@ async def count_requests(request: web.Request, handler: Handler) -> web.StreamRe
         route = _ROUTE_LABELS[path]
     elif path.startswith(("/v1/models", "/v1/prefixes")):
         route = path.split("/")[2]
+    elif path.startswith("/v1beta/"):
+        route = "gemini"
     else:
         route = "other"
     counter = request.app[STATE].metrics.requests

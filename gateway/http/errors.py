@@ -77,10 +77,32 @@ _ANTHROPIC_TYPES = {
 }
 
 ANTHROPIC = "anthropic"  # the error dialect of Anthropic's routes (``error_dialect``)
+GEMINI = "gemini"  # the error dialect of Gemini's routes (/v1beta)
+
+# Gemini's (google.rpc) ``status`` per HTTP status
+# (https://ai.google.dev/gemini-api/docs/troubleshooting#error-codes).
+_GEMINI_STATUS = {
+    400: "INVALID_ARGUMENT",
+    401: "UNAUTHENTICATED",
+    403: "PERMISSION_DENIED",
+    404: "NOT_FOUND",
+    405: "UNIMPLEMENTED",
+    408: "DEADLINE_EXCEEDED",
+    409: "ALREADY_EXISTS",
+    413: "INVALID_ARGUMENT",
+    417: "INVALID_ARGUMENT",
+    429: "RESOURCE_EXHAUSTED",
+    499: "CANCELLED",
+    500: "INTERNAL",
+    501: "UNIMPLEMENTED",
+    502: "UNAVAILABLE",
+    503: "UNAVAILABLE",
+    504: "DEADLINE_EXCEEDED",
+}
 
 
 def error_dialect(dialect: str) -> Callable[[Handler], Handler]:
-    """Mark a route handler whose errors take another dialect's body (``ANTHROPIC``):
+    """Mark a route handler whose errors take another dialect's body (``ANTHROPIC``, ``GEMINI``):
     ``error_middleware`` reads the mark off the matched route, so the errors raised before
     the handler runs (body limits, ``Expect``) take that shape too."""
 
@@ -100,7 +122,11 @@ def dialect_of(request: web.Request) -> str:
 
 def error_event(request: web.Request, error: APIError) -> bytes:
     """The in-band SSE event ending a stream of ``request`` cut short by ``error``, in its
-    route's dialect: OpenAI's ``data: {"error": ...}``, or Anthropic's ``event: error``."""
+    route's dialect: OpenAI's ``data: {"error": ...}`` (Gemini's the same with its own error
+    object), or Anthropic's ``event: error``."""
+    if dialect_of(request) == GEMINI:
+        data = json.dumps(error.gemini_body(), separators=(",", ":"), ensure_ascii=False)
+        return f"data: {data}\n\n".encode()
     if dialect_of(request) == ANTHROPIC:
         data = json.dumps(error.anthropic_body(), separators=(",", ":"), ensure_ascii=False)
         return f"event: error\ndata: {data}\n\n".encode()
@@ -156,13 +182,39 @@ class APIError(Exception):
             "error": {"type": kind or "invalid_request_error", "message": self.message},
         }
 
+    def gemini_body(self) -> dict[str, Any]:
+        """The error in Gemini's shape, ``{"error": {"code", "message", "status"}}`` (``code``
+        the HTTP status, ``status`` its google.rpc name), plus a ``google.rpc.BadRequest``
+        detail naming the field when ``param`` is set."""
+        error: dict[str, Any] = {
+            "code": self.status,
+            "message": self.message,
+            "status": _GEMINI_STATUS.get(
+                self.status, "INTERNAL" if self.status >= 500 else "INVALID_ARGUMENT"
+            ),
+        }
+        if self.param:
+            error["details"] = [
+                {
+                    "@type": "type.googleapis.com/google.rpc.BadRequest",
+                    "fieldViolations": [{"field": self.param, "description": self.message}],
+                }
+            ]
+        return {"error": error}
+
     def response(self, dialect: str = "openai") -> web.Response:
         """The error as an aiohttp JSON response (with ``Retry-After`` when set); ``dialect``
-        ``"anthropic"`` gives Anthropic's body (``anthropic_body``), else OpenAI's."""
+        ``"anthropic"`` gives Anthropic's body (``anthropic_body``), ``"gemini"`` Gemini's
+        (``gemini_body``), else OpenAI's."""
         headers = {}
         if self.retry_after is not None:
             headers.update(retry_after_headers(self.retry_after))
-        body = self.anthropic_body() if dialect == ANTHROPIC else self.body()
+        if dialect == ANTHROPIC:
+            body = self.anthropic_body()
+        elif dialect == GEMINI:
+            body = self.gemini_body()
+        else:
+            body = self.body()
         resp = web.Response(
             status=self.status,
             body=json.dumps(body).encode(),

@@ -1,0 +1,242 @@
+"""Gemini's API (``/v1beta``) on the real gateway and the real aidreams-260k model, driven by
+the official ``google-genai`` client: generate, stream == non-stream, countTokens == usage,
+models, Gemini-shaped errors, the ``cachedContents`` lifecycle on the prefix pins, cached token
+counts on repeats and through a named cache, another key refused a key's cache.
+
+aidreams has a 128-token context: prompts are short and answers a few tokens.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import httpx
+import pytest
+
+genai = pytest.importorskip("google.genai")
+pytest.importorskip("prefixgate.engine.async_engine")
+
+from google.genai import errors as genai_errors  # noqa: E402
+from google.genai import types  # noqa: E402
+from prefixgate.gateway.local.serving import LOCAL  # noqa: E402
+from support.gateway import serve_aidreams, wait_idle  # noqa: E402
+
+MODEL = "aidreams"
+KEY_A, KEY_B = "sk-gemini-a", "sk-gemini-b"
+
+
+@pytest.fixture(scope="module")
+def server(aidreams_path):
+    yield from serve_aidreams(
+        aidreams_path, model_name=MODEL, max_queued_requests=32, api_keys=[KEY_A, KEY_B]
+    )
+
+
+def _client(server, key: str = KEY_A):
+    return genai.Client(
+        api_key=key,
+        http_options=types.HttpOptions(base_url=server.url, api_version="v1beta"),
+    )
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return _client(server)
+
+
+def _system(tag: str) -> str:
+    """A system instruction of ~70 tokens, unique per test (no test reads another's cache)."""
+    return f"[{tag}] " + "You are a friendly storyteller who tells short tales about cats. " * 2
+
+
+def _greedy(n: int = 4, **more) -> types.GenerateContentConfig:
+    return types.GenerateContentConfig(temperature=0, max_output_tokens=n, **more)
+
+
+def test_generate_text_usage_and_finish(server, client, pool_whole):
+    r = client.models.generate_content(model=MODEL, contents="Once upon a time", config=_greedy())
+    assert isinstance(r.text, str) and r.text
+    c = r.candidates[0]
+    assert c.finish_reason == types.FinishReason.MAX_TOKENS
+    u = r.usage_metadata
+    assert u.candidates_token_count == 4
+    assert u.total_token_count == u.prompt_token_count + 4
+    assert u.cached_content_token_count == 0 or u.cached_content_token_count is not None
+    counted = client.models.count_tokens(model=MODEL, contents="Once upon a time")
+    assert counted.total_tokens == u.prompt_token_count
+    wait_idle(server, pool_whole)
+
+
+def test_stream_equals_generate(server, client, pool_whole):
+    contents = "Tell me about a dog"
+    whole = client.models.generate_content(model=MODEL, contents=contents, config=_greedy(6))
+    chunks = list(
+        client.models.generate_content_stream(model=MODEL, contents=contents, config=_greedy(6))
+    )
+    assert "".join(ch.text or "" for ch in chunks) == whole.text
+    last = chunks[-1]
+    assert last.candidates[0].finish_reason == whole.candidates[0].finish_reason
+    assert last.usage_metadata.candidates_token_count == 6
+    assert last.usage_metadata.prompt_token_count == whole.usage_metadata.prompt_token_count
+    wait_idle(server, pool_whole)
+
+
+def test_system_instruction_cached_on_repeat(server, client, pool_whole):
+    """Implicit caching: the same systemInstruction again is served from the prefix cache."""
+    system = _system(uuid.uuid4().hex[:8])
+    cfg = _greedy(2, system_instruction=system)
+    first = client.models.generate_content(model=MODEL, contents="A story.", config=cfg)
+    assert first.usage_metadata.cached_content_token_count == 0
+    again = client.models.generate_content(model=MODEL, contents="Another one.", config=cfg)
+    assert again.usage_metadata.cached_content_token_count >= 48
+    wait_idle(server, pool_whole)
+
+
+def test_models_list_and_get(server, client):
+    names = [m.name for m in client.models.list()]
+    assert names == [f"models/{MODEL}"]
+    m = client.models.get(model=MODEL)
+    assert m.name == f"models/{MODEL}" and m.input_token_limit == 128
+    with pytest.raises(genai_errors.ClientError) as e:
+        client.models.get(model="gemini-9")
+    assert e.value.code == 404 and e.value.status == "NOT_FOUND"
+
+
+def test_candidates_and_stop_sequences(server, client, pool_whole):
+    r = client.models.generate_content(
+        model=MODEL,
+        contents="Once upon a time",
+        config=types.GenerateContentConfig(candidate_count=2, max_output_tokens=3, seed=7),
+    )
+    assert [c.index for c in r.candidates] == [0, 1]
+    assert r.usage_metadata.candidates_token_count <= 6
+    wait_idle(server, pool_whole)
+
+
+def test_errors_in_gemini_shape(server, client):
+    url = f"{server.url}/v1beta/models/{MODEL}:generateContent"
+    with httpx.Client() as h:
+        # unknown field: named
+        r = h.post(
+            url,
+            headers={"x-goog-api-key": KEY_A},
+            json={"contents": [{"parts": [{"text": "hi"}]}], "cachedContentz": "x"},
+        )
+        assert r.status_code == 400
+        err = r.json()["error"]
+        assert err["status"] == "INVALID_ARGUMENT" and err["code"] == 400
+        assert "cachedContentz" in err["message"]
+        # an image part: refused by name
+        r = h.post(
+            url,
+            params={"key": KEY_A},
+            json={"contents": [{"parts": [{"inlineData": {"mimeType": "image/png", "data": ""}}]}]},
+        )
+        assert r.status_code == 400 and "inlineData" in r.json()["error"]["message"]
+        # no key / wrong key
+        r = h.post(url, json={"contents": [{"parts": [{"text": "hi"}]}]})
+        assert r.status_code == 401 and r.json()["error"]["status"] == "UNAUTHENTICATED"
+        r = h.post(url, params={"key": "nope"}, json={"contents": [{"parts": [{"text": "x"}]}]})
+        assert r.status_code == 401
+        # ?key= is taken only on Gemini's routes
+        r = h.get(f"{server.url}/v1/models", params={"key": KEY_A})
+        assert r.status_code == 401
+        # an unknown method, a bad alt
+        r = h.post(f"{server.url}/v1beta/models/{MODEL}:embedContent", params={"key": KEY_A})
+        assert r.status_code == 404 and r.json()["error"]["status"] == "NOT_FOUND"
+        r = h.post(
+            f"{server.url}/v1beta/models/{MODEL}:streamGenerateContent",
+            params={"key": KEY_A},
+            json={"contents": [{"parts": [{"text": "hi"}]}]},
+        )
+        assert r.status_code == 400 and "alt" in r.json()["error"]["message"]
+    # through the client: a too-long answer
+    with pytest.raises(genai_errors.ClientError) as e:
+        client.models.generate_content(
+            model=MODEL, contents="hi", config=types.GenerateContentConfig(max_output_tokens=500)
+        )
+    assert e.value.code == 400 and "maxOutputTokens" in e.value.message
+    with pytest.raises(genai_errors.ClientError) as e:
+        client.models.generate_content(model="other", contents="hi")
+    assert e.value.code == 404
+
+
+def test_safety_settings_taken(server, client, pool_whole):
+    cfg = _greedy(
+        2,
+        safety_settings=[
+            types.SafetySetting(
+                category=types.HarmCategory.HARM_CATEGORY_HATE_SPEECH,
+                threshold=types.HarmBlockThreshold.BLOCK_NONE,
+            )
+        ],
+    )
+    r = client.models.generate_content(model=MODEL, contents="hello", config=cfg)
+    assert r.usage_metadata.candidates_token_count == 2
+    wait_idle(server, pool_whole)
+
+
+def test_cache_lifecycle_and_reads(server, client, pool_whole):
+    system = _system(uuid.uuid4().hex[:8])
+    cache = client.caches.create(
+        model=MODEL,
+        config=types.CreateCachedContentConfig(
+            system_instruction=system, ttl="120s", display_name="stories"
+        ),
+    )
+    assert cache.name.startswith("cachedContents/pfx-")
+    assert cache.display_name == "stories"
+    assert cache.usage_metadata.total_token_count >= 48
+    assert server.app[LOCAL].engine.stats()["pinned_blocks"] >= 3
+    got = client.caches.get(name=cache.name)
+    assert got.name == cache.name and got.expire_time == cache.expire_time
+    assert cache.name in [c.name for c in client.caches.list()]
+    # generate through the named cache: its pinned blocks are read
+    r = client.models.generate_content(
+        model=MODEL, contents="A story.", config=_greedy(2, cached_content=cache.name)
+    )
+    assert r.usage_metadata.cached_content_token_count >= 48
+    # the same system prompt sent inline lands on the same cached blocks
+    inline = client.models.generate_content(
+        model=MODEL, contents="Another.", config=_greedy(2, system_instruction=system)
+    )
+    assert inline.usage_metadata.cached_content_token_count >= 48
+    # the pin is the prefix API's too
+    with httpx.Client() as h:
+        pid = cache.name.removeprefix("cachedContents/")
+        p = h.get(f"{server.url}/v1/prefixes/{pid}", headers={"Authorization": f"Bearer {KEY_A}"})
+        assert p.status_code == 200 and p.json()["id"] == pid
+    # a systemInstruction beside cachedContent is refused, as Gemini does
+    with pytest.raises(genai_errors.ClientError) as e:
+        client.models.generate_content(
+            model=MODEL,
+            contents="x",
+            config=_greedy(2, cached_content=cache.name, system_instruction="other"),
+        )
+    assert e.value.code == 400
+    # the TTL patched
+    longer = client.caches.update(
+        name=cache.name, config=types.UpdateCachedContentConfig(ttl="600s")
+    )
+    assert longer.expire_time > cache.expire_time
+    # another key cannot see, use, change or delete it
+    other = _client(server, KEY_B)
+    assert cache.name not in [c.name for c in other.caches.list()]
+    for call in (
+        lambda: other.caches.get(name=cache.name),
+        lambda: other.caches.delete(name=cache.name),
+        lambda: other.caches.update(
+            name=cache.name, config=types.UpdateCachedContentConfig(ttl="60s")
+        ),
+        lambda: other.models.generate_content(
+            model=MODEL, contents="x", config=_greedy(2, cached_content=cache.name)
+        ),
+    ):
+        with pytest.raises(genai_errors.ClientError) as e:
+            call()
+        assert e.value.code == 404 and e.value.status == "NOT_FOUND"
+    client.caches.delete(name=cache.name)
+    with pytest.raises(genai_errors.ClientError) as e:
+        client.caches.get(name=cache.name)
+    assert e.value.code == 404
+    wait_idle(server, pool_whole)
