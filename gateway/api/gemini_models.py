@@ -398,9 +398,9 @@ def openai_tools(tools: list[Tool] | None, where: str = "tools") -> list[dict[st
 
 def tool_choice(config: ToolConfig | None, tools: list[dict[str, Any]]) -> Any:
     """``functionCallingConfig`` as OpenAI's ``tool_choice`` (``AUTO`` → ``"auto"``, ``NONE``
-    → ``"none"``, ``ANY`` → ``"required"``, or the one function when ``allowedFunctionNames``
-    names one); ``allowedFunctionNames`` under ``ANY`` keeps only those tools (``tools`` is
-    cut in place).
+    → ``"none"``, ``ANY`` → ``"required"``, or that function when one is declared or
+    allowed); ``allowedFunctionNames`` under ``ANY`` keeps only those tools (``tools`` is cut
+    in place).
 
     Raises:
         APIError: 400 naming the field: ``allowedFunctionNames`` outside ``ANY`` or naming an
@@ -436,8 +436,8 @@ def tool_choice(config: ToolConfig | None, tools: list[dict[str, Any]]) -> Any:
                     param=f"{where}.allowedFunctionNames.{k}",
                 )
         tools[:] = [t for t in tools if t["function"]["name"] in names]
-        if len(tools) == 1:
-            return {"type": "function", "function": {"name": tools[0]["function"]["name"]}}
+    if len(tools) == 1:
+        return {"type": "function", "function": {"name": tools[0]["function"]["name"]}}
     return "required"
 
 

@@ -540,7 +540,10 @@ class Exchange:
                         err = APIError(500, f"generation failed: {type(exc).__name__}")
                         stream_cut(self.request, err.code)
                         await sse.write(self.renderer.error_event(err))
-                        break
+                        # the error is the stream's last event: no closing events after it
+                        # (they would end a cut stream as a success: [DONE], message_stop)
+                        await sse.response.write_eof()
+                        return sse.response
             self.st.metrics.cached_tokens.inc(sum(self.cached.values()))
             for event in self.renderer.closing(self.outputs, self._usage()):
                 await sse.write(event)

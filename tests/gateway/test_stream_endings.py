@@ -195,3 +195,40 @@ def test_proxy_streams_cut_by_its_shutdown_end_in_their_dialect(serve_fake):
     while engine.stats()["num_running"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert engine.stats()["num_running"] == 0
+
+
+def test_an_engine_failure_mid_stream_ends_every_dialect_with_its_error(serve_fake):
+    """The engine fails after two tokens: the error event is each stream's last event (no
+    ``[DONE]``, ``message_stop`` or Gemini's closing chunk after it)."""
+    srv, engine = serve_fake()
+    real = engine.generate
+
+    async def failing(request):
+        n = 0
+        async for out in real(request):
+            yield out
+            n += 1
+            if n == 2:
+                raise RuntimeError("boom")
+
+    engine.generate = failing
+    gemini = "/v1beta/models/fake:streamGenerateContent?alt=sse"
+    bodies = {
+        **{p: {**b, LIMIT.get(p, "max_tokens"): 8} for p, b in BODIES.items()},
+        gemini: {
+            "contents": [{"parts": [{"text": "long"}]}],
+            "generationConfig": {"maxOutputTokens": 8},
+        },
+    }
+    for path, body in bodies.items():
+        with httpx.stream("POST", srv.url + path, json=body, timeout=10) as r:
+            assert r.status_code == 200
+            data = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+        assert "[DONE]" not in data, path
+        last = json.loads(data[-1])
+        if path == "/v1/responses":  # its error event, then response.failed
+            assert last["type"] == "response.failed", (path, data[-3:])
+            continue
+        assert last.get("type") == "error" or "error" in last, (path, data[-3:])
+        kinds = {json.loads(d).get("type") for d in data}
+        assert not kinds & {"message_stop", "message_delta", "response.completed"}, path
