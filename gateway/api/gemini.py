@@ -289,7 +289,15 @@ async def _prepare(
     st = request.app[STATE]
     engine = request.app[LOCAL].require_engine()
     chat = await _chat(request, req, principal)
-    plan = plan_tools(chat.tools or None, chat.tool_choice, None, st.settings.tool_call_parser)
+    try:
+        plan = plan_tools(chat.tools or None, chat.tool_choice, None, st.settings.tool_call_parser)
+    except APIError as exc:  # named in OpenAI's terms: say it in Gemini's
+        if exc.param is None or not exc.param.startswith("tool_choice"):
+            raise
+        where = "toolConfig.functionCallingConfig.mode"
+        raise bad_request(
+            f"{where} (AUTO unless set): {exc.message.removeprefix('tool_choice: ')}", where
+        ) from None
     ids = await render_chat(
         engine.tokenizer,
         chat.messages,

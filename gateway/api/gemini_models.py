@@ -271,9 +271,15 @@ _SCHEMA_KEYS = {
 _TYPES = {"STRING", "NUMBER", "INTEGER", "BOOLEAN", "ARRAY", "OBJECT", "NULL"}
 
 
+def _camel(name: str) -> str:
+    """``max_length`` → ``maxLength`` (a proto field name as its JSON name)."""
+    head, *rest = name.split("_")
+    return head + "".join(p[:1].upper() + p[1:] for p in rest)
+
+
 def json_schema(schema: Any, where: str) -> dict[str, Any]:
-    """Gemini's ``Schema`` as a JSON schema: ``type`` lower-cased (``nullable`` adds
-    ``"null"``), ``properties`` / ``items`` / ``anyOf`` converted, ``propertyOrdering`` and
+    """Gemini's ``Schema`` as a JSON schema (keys in their JSON or proto spelling:
+    ``maxLength`` or ``max_length``): ``type`` lower-cased (``nullable`` adds ``"null"``), ``properties`` / ``items`` / ``anyOf`` converted, ``propertyOrdering`` and
     ``example`` dropped (they change no valid output).
 
     Raises:
@@ -282,8 +288,9 @@ def json_schema(schema: Any, where: str) -> dict[str, Any]:
     if not isinstance(schema, dict):
         raise bad_request(f"{where}: a schema must be an object", param=where)
     out: dict[str, Any] = {}
-    for key, value in schema.items():
-        here = f"{where}.{key}"
+    for name, value in schema.items():
+        here = f"{where}.{name}"
+        key = _camel(name)  # protobuf JSON takes a field's proto name too (google-genai sends it)
         if key not in _SCHEMA_KEYS:
             raise bad_request(f"{here}: not a field of Gemini's Schema", param=here)
         if key in ("propertyOrdering", "example"):

@@ -387,3 +387,13 @@ def test_function_response_without_call_refused():
     with pytest.raises(APIError) as e:
         to_chat(req)
     assert "functionResponse" in (e.value.param or "")
+
+
+def test_auto_without_a_parser_names_the_mode(serve_fake):
+    srv, _ = serve_fake()
+    tools = [{"functionDeclarations": [{"name": "f", "parameters": {"type": "OBJECT"}}]}]
+    r = _post(srv, GEN, {**HELLO, "tools": tools})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert "functionCallingConfig.mode" in err["message"], err
+    assert err["details"][0]["fieldViolations"][0]["field"].startswith("toolConfig")

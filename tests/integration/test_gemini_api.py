@@ -8,6 +8,7 @@ aidreams has a 128-token context: prompts are short and answers a few tokens.
 
 from __future__ import annotations
 
+import json
 import uuid
 
 import httpx
@@ -239,4 +240,89 @@ def test_cache_lifecycle_and_reads(server, client, pool_whole):
     with pytest.raises(genai_errors.ClientError) as e:
         client.caches.get(name=cache.name)
     assert e.value.code == 404
+    wait_idle(server, pool_whole)
+
+
+WEATHER = types.FunctionDeclaration(
+    name="get_weather",
+    description="The weather in a city",
+    parameters=types.Schema(
+        type=types.Type.OBJECT,
+        properties={"city": types.Schema(type=types.Type.STRING, max_length=8)},
+        required=["city"],
+    ),
+)
+
+
+def _forced(n: int = 40, **more) -> types.GenerateContentConfig:
+    return _greedy(
+        n,
+        tools=[types.Tool(function_declarations=[WEATHER])],
+        tool_config=types.ToolConfig(
+            function_calling_config=types.FunctionCallingConfig(
+                mode=types.FunctionCallingConfigMode.ANY
+            )
+        ),
+        **more,
+    )
+
+
+def test_forced_function_call_and_its_response(server, client, pool_whole):
+    ask = "Weather in Paris?"
+    whole = client.models.generate_content(model=MODEL, contents=ask, config=_forced())
+    (call,) = whole.function_calls
+    assert call.name == "get_weather" and isinstance(call.args["city"], str)
+    assert len(call.args["city"]) <= 8
+    assert whole.candidates[0].finish_reason == types.FinishReason.STOP
+    chunks = list(
+        client.models.generate_content_stream(model=MODEL, contents=ask, config=_forced())
+    )
+    streamed = [fc for ch in chunks for fc in (ch.function_calls or [])]
+    assert [(c.name, c.args) for c in streamed] == [(call.name, call.args)]
+    # the answer goes back as a functionResponse turn
+    history = [
+        types.Content(role="user", parts=[types.Part(text=ask)]),
+        whole.candidates[0].content,
+        types.Content(
+            role="user",
+            parts=[types.Part.from_function_response(name="get_weather", response={"sky": "sun"})],
+        ),
+    ]
+    none = types.ToolConfig(
+        function_calling_config=types.FunctionCallingConfig(
+            mode=types.FunctionCallingConfigMode.NONE
+        )
+    )
+    reply = client.models.generate_content(
+        model=MODEL,
+        contents=history,
+        config=_greedy(3, tools=[types.Tool(function_declarations=[WEATHER])], tool_config=none),
+    )
+    assert reply.usage_metadata.candidates_token_count <= 3 and not reply.function_calls
+    # without a tool-call parser, AUTO (the default with tools) is a 400, not ignored
+    with pytest.raises(genai_errors.ClientError) as e:
+        client.models.generate_content(
+            model=MODEL,
+            contents=ask,
+            config=_greedy(4, tools=[types.Tool(function_declarations=[WEATHER])]),
+        )
+    assert e.value.code == 400
+    wait_idle(server, pool_whole)
+
+
+def test_json_response_schema(server, client, pool_whole):
+    schema = types.Schema(
+        type=types.Type.OBJECT,
+        properties={"name": types.Schema(type=types.Type.STRING, max_length=6)},
+        required=["name"],
+    )
+    cfg = _greedy(30, response_mime_type="application/json", response_schema=schema)
+    r = client.models.generate_content(model=MODEL, contents="A cat's name?", config=cfg)
+    assert r.candidates[0].finish_reason == types.FinishReason.STOP, r
+    value = json.loads(r.text)
+    assert set(value) == {"name"} and len(value["name"]) <= 6
+    js = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    cfg = _greedy(20, response_mime_type="application/json", response_json_schema=js)
+    r = client.models.generate_content(model=MODEL, contents="A number?", config=cfg)
+    assert isinstance(json.loads(r.text)["n"], int)
     wait_idle(server, pool_whole)
