@@ -326,3 +326,39 @@ def test_json_response_schema(server, client, pool_whole):
     r = client.models.generate_content(model=MODEL, contents="A number?", config=cfg)
     assert isinstance(json.loads(r.text)["n"], int)
     wait_idle(server, pool_whole)
+
+
+def test_one_pin_under_every_dialect(server, client, pool_whole):
+    """A system prompt cached through Gemini's cachedContents is read by the same key's
+    Anthropic Messages (cache_control) and OpenAI chat requests: one pin, the same blocks."""
+    anthropic = pytest.importorskip("anthropic")
+    import openai
+
+    system = _system(uuid.uuid4().hex[:8])
+    cache = client.caches.create(
+        model=MODEL, config=types.CreateCachedContentConfig(system_instruction=system, ttl="60s")
+    )
+    pinned = cache.usage_metadata.total_token_count // 16 * 16 - 16
+    an = anthropic.Anthropic(base_url=server.url, api_key=KEY_A, max_retries=0)
+    m = an.messages.create(
+        model=MODEL,
+        max_tokens=2,
+        system=[{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}],
+        messages=[{"role": "user", "content": "A story."}],
+    )
+    assert m.usage.cache_read_input_tokens >= pinned >= 48
+    oa = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY_A, max_retries=0)
+    c = oa.chat.completions.create(
+        model=MODEL,
+        max_tokens=2,
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": "Hi."}],
+    )
+    assert c.usage.prompt_tokens_details.cached_tokens >= pinned
+    # another key's identical prompt does not read this key's blocks (tenant salts)
+    second = _client(server, KEY_B)  # kept: a dropped Client closes its connection pool
+    other = second.models.generate_content(
+        model=MODEL, contents="A story.", config=_greedy(2, system_instruction=system)
+    )
+    assert other.usage_metadata.cached_content_token_count == 0
+    client.caches.delete(name=cache.name)
+    wait_idle(server, pool_whole, pinned_ok=True)
