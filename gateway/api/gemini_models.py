@@ -468,7 +468,8 @@ def turns(contents: list[Content], where: str = "contents") -> list[dict[str, An
     """``contents`` as chat messages: a ``user`` turn's text as a user message (its
     ``functionResponse`` parts as ``tool`` messages first, answering the previous model turn's
     calls by ``id`` or else by name, in order), a ``model`` turn's text and ``functionCall``
-    parts as an assistant message with ``tool_calls``.
+    parts as an assistant message with ``tool_calls`` (``arguments`` objects, as templates
+    take them; ``wire_messages`` for an OpenAI body).
 
     Raises:
         APIError: 400 naming the part: a part with none or more than one of text /
@@ -500,7 +501,8 @@ def turns(contents: list[Content], where: str = "contents") -> list[dict[str, An
                     raise bad_request(f"{here}.functionCall: only in model turns", here)
                 call_id = p.functionCall.id or f"call_{n_calls}"
                 n_calls += 1
-                args = json.dumps(p.functionCall.args or {}, ensure_ascii=False)
+                # arguments as an object: templates index into them (``tools.template_messages``)
+                args = dict(p.functionCall.args or {})
                 calls.append(
                     {
                         "id": call_id,
@@ -543,6 +545,29 @@ def turns(contents: list[Content], where: str = "contents") -> list[dict[str, An
                 msgs.append({"role": "user", "content": text})
             asked = []
     return msgs
+
+
+def wire_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Template messages (``turns``) as an OpenAI chat body sends them: tool call
+    ``arguments`` as JSON text, an assistant turn of calls only with ``content`` null."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if not calls:
+            out.append(m)
+            continue
+        wire = [
+            {
+                **c,
+                "function": {
+                    "name": c["function"]["name"],
+                    "arguments": json.dumps(c["function"]["arguments"], ensure_ascii=False),
+                },
+            }
+            for c in calls
+        ]
+        out.append({**m, "tool_calls": wire, "content": m.get("content") or None})
+    return out
 
 
 def to_chat(req: GenerateContentRequest) -> Chat:

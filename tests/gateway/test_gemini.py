@@ -368,7 +368,7 @@ def test_function_turns_map_to_tool_messages():
                 {
                     "id": "call_0",
                     "type": "function",
-                    "function": {"name": "get", "arguments": '{"city": "Oslo"}'},
+                    "function": {"name": "get", "arguments": {"city": "Oslo"}},
                 }
             ],
         },
