@@ -52,7 +52,7 @@ from prefixgate.gateway.local.cache_pins import CachePins
 from prefixgate.gateway.local.prefixes import PrefixRegistry
 from prefixgate.gateway.local.serving import LOCAL, LocalServing
 from prefixgate.gateway.local.token_texts import TokenTexts
-from prefixgate.gateway.proxy import messages_relay
+from prefixgate.gateway.proxy import gemini_relay, messages_relay
 from prefixgate.gateway.proxy import prefix_routes as proxy_prefix_routes
 from prefixgate.gateway.proxy import routes as proxy_routes
 from prefixgate.gateway.proxy.config import ProxyConfig
@@ -198,6 +198,7 @@ def create_proxy_app(
     )
     r.add_get("/v1/models", proxy_routes.proxy_get, expect_handler=expect_continue)
     r.add_get("/v1/models/{model}", proxy_routes.proxy_get, expect_handler=expect_continue)
+    gemini_relay.add_routes(app, expect_continue)
     app[PROXY] = ProxyServing(
         router,
         ProxyPrefixRegistry(

@@ -452,7 +452,8 @@ async def get_model(request: web.Request) -> web.Response:
 
 
 # --- cachedContents -------------------------------------------------------------------------
-def _rfc3339(unix_s: float) -> str:
+def rfc3339(unix_s: float) -> str:
+    """Unix seconds as RFC 3339 UTC (``inf``: the far future)."""
     if unix_s == float("inf"):
         return "9999-12-31T23:59:59Z"
     at = dt.datetime.fromtimestamp(unix_s, dt.UTC)
@@ -466,9 +467,9 @@ def cache_object(entry: PrefixEntry | SharedPrefix, model: str) -> dict[str, Any
     out: dict[str, Any] = {
         "name": CACHE_PREFIX + entry.id,
         "model": f"models/{model}",
-        "createTime": _rfc3339(entry.created_at),
-        "updateTime": _rfc3339(updated),
-        "expireTime": _rfc3339(entry.expires_at),
+        "createTime": rfc3339(entry.created_at),
+        "updateTime": rfc3339(updated),
+        "expireTime": rfc3339(getattr(entry, "expires_unix", 0.0) or entry.expires_at),
         "usageMetadata": {"totalTokenCount": entry.prompt_tokens},
     }
     if entry.display_name is not None:

@@ -59,7 +59,9 @@ class PrefixEntry:
         display_name: a caller's label (Gemini's ``displayName``).
         pinned_ids: the token ids handed to ``engine.pin_prefix`` (``renew`` pins them again).
         cache_salt: the engine cache salt of the pin; tenant: the key's tenant (its charge).
-        updated_at: Unix seconds of the last create or renew.
+        updated_at: Unix seconds of the last create or renew; expires_unix: the expiry in
+            Unix seconds as computed then (one stable value to show; the engine's pin holds
+            the real TTL on its own clock).
     """
 
     id: str
@@ -78,6 +80,7 @@ class PrefixEntry:
     cache_salt: str | None = None
     tenant: str | None = None
     updated_at: int = 0
+    expires_unix: float = 0.0  # the expiry in Unix seconds as fixed at create/renew
 
     @property
     def expires_at(self) -> float:
@@ -365,6 +368,7 @@ class PrefixRegistry:
             cache_salt=salt if cache_salt is None else cache_salt,
             tenant=tenant,
             updated_at=now,
+            expires_unix=time.time() + ttl_s,
         )
         self._entries[entry.id] = entry
         if self._shared.shares_prefixes:
@@ -460,6 +464,7 @@ class PrefixRegistry:
             raise self._missing(prefix_id, salt)
         old, entry.pin = entry.pin, pin
         entry.updated_at = int(time.time())
+        entry.expires_unix = time.time() + ttl_s
         try:
             self._engine.unpin_prefix(old.id)
         except (KeyError, ValueError):

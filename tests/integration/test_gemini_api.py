@@ -9,6 +9,7 @@ aidreams has a 128-token context: prompts are short and answers a few tokens.
 from __future__ import annotations
 
 import json
+import time
 import uuid
 
 import httpx
@@ -361,4 +362,111 @@ def test_one_pin_under_every_dialect(server, client, pool_whole):
     )
     assert other.usage_metadata.cached_content_token_count == 0
     client.caches.delete(name=cache.name)
+    wait_idle(server, pool_whole, pinned_ok=True)
+
+
+# --- proxy mode: a prefixgate proxy in front of the aidreams server ----------------------------
+PROXY_A, PROXY_B = "pk-gemini-a", "pk-gemini-b"
+
+
+@pytest.fixture(scope="module")
+def proxy(server):
+    from prefixgate.gateway.app import create_proxy_app
+    from prefixgate.gateway.http.server import BackgroundServer
+    from prefixgate.gateway.settings import GatewaySettings
+
+    settings = GatewaySettings(api_keys=[PROXY_A, PROXY_B], upstream_api_key=KEY_A)
+    with BackgroundServer(lambda: create_proxy_app([server.url], settings)) as gw:
+        probe = _client(gw, PROXY_A)  # kept: a dropped Client closes its connection pool
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:  # the upstream's models discovered
+            if list(probe.models.list()):
+                break
+            time.sleep(0.1)
+        yield gw
+
+
+def test_proxy_generate_stream_count(server, proxy, pool_whole):
+    pc = _client(proxy, PROXY_A)
+    lc = _client(server, KEY_A)
+    contents = "Once upon a time"
+    via = pc.models.generate_content(model=MODEL, contents=contents, config=_greedy(5))
+    direct = lc.models.generate_content(model=MODEL, contents=contents, config=_greedy(5))
+    assert via.text == direct.text
+    assert via.candidates[0].finish_reason == types.FinishReason.MAX_TOKENS
+    u = via.usage_metadata
+    assert (u.prompt_token_count, u.candidates_token_count) == (
+        direct.usage_metadata.prompt_token_count,
+        5,
+    )
+    assert u.cached_content_token_count is not None  # a prefixgate upstream reports it
+    chunks = list(
+        pc.models.generate_content_stream(model=MODEL, contents=contents, config=_greedy(5))
+    )
+    assert "".join(c.text or "" for c in chunks) == via.text
+    assert chunks[-1].usage_metadata.candidates_token_count == 5
+    counted = pc.models.count_tokens(model=MODEL, contents=contents)
+    assert counted.total_tokens == u.prompt_token_count
+    assert [m.name for m in pc.models.list()] == [f"models/{MODEL}"]
+    with pytest.raises(genai_errors.ClientError) as e:
+        pc.models.generate_content(model="nope", contents="x")
+    assert e.value.code == 404 and e.value.status == "NOT_FOUND"
+    with pytest.raises(genai_errors.ClientError) as e:
+        pc.models.generate_content(
+            model=MODEL, contents="x", config=types.GenerateContentConfig(max_output_tokens=500)
+        )
+    assert e.value.code == 400
+    bad = httpx.post(
+        f"{proxy.url}/v1beta/models/{MODEL}:generateContent",
+        headers={"x-goog-api-key": PROXY_A},
+        json={"contents": [{"parts": [{"inlineData": {"mimeType": "image/png", "data": ""}}]}]},
+    )
+    assert bad.status_code == 400 and "inlineData" in bad.json()["error"]["message"]
+    wait_idle(server, pool_whole, pinned_ok=True)
+
+
+def test_proxy_function_call_and_json(server, proxy, pool_whole):
+    pc = _client(proxy, PROXY_A)
+    r = pc.models.generate_content(model=MODEL, contents="Weather in Paris?", config=_forced())
+    (call,) = r.function_calls
+    assert call.name == "get_weather" and isinstance(call.args["city"], str)
+    js = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    cfg = _greedy(20, response_mime_type="application/json", response_json_schema=js)
+    r = pc.models.generate_content(model=MODEL, contents="A number?", config=cfg)
+    assert isinstance(json.loads(r.text)["n"], int)
+    wait_idle(server, pool_whole, pinned_ok=True)
+
+
+def test_proxy_caches_on_the_upstream_prefix_api(server, proxy, pool_whole):
+    pc = _client(proxy, PROXY_A)
+    system = _system(uuid.uuid4().hex[:8])
+    cache = pc.caches.create(
+        model=MODEL, config=types.CreateCachedContentConfig(system_instruction=system, ttl="120s")
+    )
+    assert cache.name.startswith("cachedContents/pfx-")
+    assert cache.usage_metadata.total_token_count >= 48
+    assert pc.caches.get(name=cache.name).expire_time == cache.expire_time
+    assert cache.name in [c.name for c in pc.caches.list()]
+    r = pc.models.generate_content(
+        model=MODEL, contents="A story.", config=_greedy(2, cached_content=cache.name)
+    )
+    assert r.usage_metadata.cached_content_token_count >= 48
+    # what the upstream prefix API cannot do: said plainly
+    with pytest.raises(genai_errors.ServerError) as e:  # 5xx: the SDK's ServerError
+        pc.caches.update(name=cache.name, config=types.UpdateCachedContentConfig(ttl="600s"))
+    assert e.value.code == 501 and e.value.status == "UNIMPLEMENTED"
+    other = _client(proxy, PROXY_B)
+    assert cache.name not in [c.name for c in other.caches.list()]
+    with pytest.raises(genai_errors.ClientError) as e:
+        other.caches.get(name=cache.name)
+    assert e.value.code == 404
+    with pytest.raises(genai_errors.ClientError) as e:
+        other.models.generate_content(
+            model=MODEL, contents="x", config=_greedy(2, cached_content=cache.name)
+        )
+    assert e.value.code == 404
+    pc.caches.delete(name=cache.name)
+    with pytest.raises(genai_errors.ClientError) as e:
+        pc.caches.get(name=cache.name)
+    assert e.value.code == 404
     wait_idle(server, pool_whole, pinned_ok=True)
