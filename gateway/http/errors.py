@@ -113,6 +113,17 @@ def error_dialect(dialect: str) -> Callable[[Handler], Handler]:
     return mark
 
 
+def dialect_of_path(path: str) -> str:
+    """The error dialect of a path, for answers given before any route matched (aiohttp's
+    parser refusing the request): Gemini's under ``/v1beta/``, Anthropic's on
+    ``/v1/messages``, else OpenAI's."""
+    if path.startswith("/v1beta/"):
+        return GEMINI
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        return ANTHROPIC
+    return "openai"
+
+
 def dialect_of(request: web.Request) -> str:
     """The error dialect of the request's matched route (``"openai"`` unless its handler is
     marked by ``error_dialect``)."""

@@ -397,3 +397,12 @@ def test_auto_without_a_parser_names_the_mode(serve_fake):
     err = r.json()["error"]
     assert "functionCallingConfig.mode" in err["message"], err
     assert err["details"][0]["fieldViolations"][0]["field"].startswith("toolConfig")
+
+
+def test_unreadable_body_in_gemini_shape(serve_fake):
+    srv, _ = serve_fake()
+    r = httpx.post(
+        srv.url + GEN, content=b"not gzip at all", headers={"Content-Encoding": "gzip"}, timeout=10
+    )
+    assert r.status_code == 400
+    assert r.json()["error"]["status"] == "INVALID_ARGUMENT", r.text
