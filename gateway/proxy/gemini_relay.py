@@ -170,14 +170,19 @@ def _usage_metadata(usage: Any) -> dict[str, int] | None:
     if not isinstance(usage, dict):
         return None
     p, c = usage.get("prompt_tokens"), usage.get("completion_tokens")
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (p, c)):
+    if not (_whole(p) and _whole(c)):
         return None
+    assert isinstance(p, int) and isinstance(c, int)
     out = {"promptTokenCount": p, "candidatesTokenCount": c, "totalTokenCount": p + c}
     details = usage.get("prompt_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0:
+    if isinstance(cached, int) and _whole(cached):
         out["cachedContentTokenCount"] = cached
     return out
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _parts(text: str | None, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
