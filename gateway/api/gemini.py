@@ -44,6 +44,7 @@ from prefixgate.gateway.api.gemini_models import (
     life_seconds,
     openai_tools,
     parse_request,
+    present,
     structured,
     system_text,
     to_chat,
@@ -266,10 +267,10 @@ async def _chat(request: web.Request, req: GenerateContentRequest, principal: Pr
         APIError: 400 for ``systemInstruction`` / ``tools`` / ``toolConfig`` beside
             ``cachedContent``; 404 for a cache the key cannot read.
     """
-    if req.cachedContent is None:
+    if not req.cachedContent:
         return to_chat(req)
     for name in ("systemInstruction", "tools", "toolConfig"):
-        if getattr(req, name) is not None:
+        if present(getattr(req, name)):
             raise bad_request(
                 f"{name}: CachedContent can not be used with GenerateContent request setting "
                 "system_instruction, tools or tool_config; put them in the cache",

@@ -194,6 +194,14 @@ class CachedContentUpdate(BaseModel):
 M = TypeVar("M", bound=BaseModel)
 
 
+def present(value: Any) -> bool:
+    """Whether a field holds something: ``None``, ``""``, ``[]`` and an object of nothing
+    (``{}``, a model with every field unset) count as absent, as in the other dialects."""
+    if isinstance(value, BaseModel):
+        return any(present(v) for v in value.__dict__.values())
+    return value not in (None, "", [], {})
+
+
 def parse_request(model: type[M], body: bytes) -> M:
     """Validate a body (``request_models.parse``: size, depth and counts bounded, 400 naming
     the field).
@@ -217,6 +225,7 @@ def life_seconds(ttl: str | None, expire_time: str | None, default_s: float) -> 
     Raises:
         APIError: 400 naming the field: both given, malformed, or not in the future.
     """
+    ttl, expire_time = ttl or None, expire_time or None  # empty: absent
     if ttl is not None and expire_time is not None:
         raise bad_request("ttl and expireTime: give one, not both", param="ttl")
     if ttl is not None:
@@ -327,7 +336,7 @@ def structured(config: GenerationConfig | None) -> StructuredOutputsParams | Non
     """
     if config is None:
         return None
-    mime = config.responseMimeType
+    mime = config.responseMimeType or None
     where = "generationConfig."
     if mime not in (None, "text/plain", "application/json"):
         raise bad_request(

@@ -51,6 +51,7 @@ from prefixgate.gateway.api.gemini_models import (
     GenerationConfig,
     life_seconds,
     parse_request,
+    present,
     structured,
     system_text,
     to_chat,
@@ -460,10 +461,10 @@ def _public_model(call_model: str, st: GatewayState, router: Any) -> str:
 async def _chat_of(
     request: web.Request, req: GenerateContentRequest, salt: str | None
 ) -> tuple[Chat, ProxyPrefix | None]:
-    if req.cachedContent is None:
+    if not req.cachedContent:
         return to_chat(req), None
     for name in ("systemInstruction", "tools", "toolConfig"):
-        if getattr(req, name) is not None:
+        if present(getattr(req, name)):
             raise bad_request(
                 f"{name}: CachedContent can not be used with GenerateContent request setting "
                 "system_instruction, tools or tool_config; put them in the cache",

@@ -277,9 +277,16 @@ def test_generate_with_cache_reads_its_messages(serve_fake):
     ids_cached = engine.requests_seen[-1][1]
     _post(srv, GEN, {**inline, "generationConfig": {"maxOutputTokens": 1}})
     assert engine.requests_seen[-1][1] == ids_cached
-    for extra in ({"systemInstruction": {"parts": [{"text": "x"}]}}, {"tools": []}):
+    tools = [{"functionDeclarations": [{"name": "f"}]}]
+    for extra in ({"systemInstruction": {"parts": [{"text": "x"}]}}, {"tools": tools}):
         r = _post(srv, GEN, {**HELLO, "cachedContent": name, **extra})
         assert r.status_code == 400 and next(iter(extra)) in r.json()["error"]["message"]
+    # empty fields are absent: beside a cache, and an empty cache name
+    for extra in ({"tools": []}, {"toolConfig": {}}, {"safetySettings": []}):
+        r = _post(srv, GEN, {**HELLO, "cachedContent": name, **extra})
+        assert r.status_code == 200, (extra, r.text)
+    r = _post(srv, GEN, {**HELLO, "cachedContent": "", "generationConfig": {"maxOutputTokens": 1}})
+    assert r.status_code == 200, r.text
     r = _post(srv, GEN, {**HELLO, "cachedContent": "nope"})
     assert r.status_code == 400 and "cachedContent" in r.json()["error"]["message"]
 

@@ -153,3 +153,32 @@ def test_an_upstream_error_is_reworded_in_gemini_shape(proxied):
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["status"] == "INVALID_ARGUMENT" and "secret detail" not in err["message"]
+
+
+def test_proxy_caches_say_what_they_cannot_do(proxied):
+    gw, seen = proxied("ok")
+    h = {"x-goog-api-key": "k1"}
+    base = {"model": "models/stub", "systemInstruction": {"parts": [{"text": "be brief"}]}}
+    for extra, named in (
+        ({"tools": [{"functionDeclarations": [{"name": "f"}]}]}, "tools"),
+        ({"displayName": "x"}, "displayName"),
+    ):
+        r = httpx.post(gw.url + "/v1beta/cachedContents", json={**base, **extra}, headers=h)
+        assert r.status_code == 501, r.text
+        err = r.json()["error"]
+        assert err["status"] == "UNIMPLEMENTED" and named in err["message"]
+    # an OpenAI-compatible upstream: the cache's text is kept here and sent in full
+    made = httpx.post(gw.url + "/v1beta/cachedContents", json=base, headers=h).json()
+    url = f"{gw.url}/v1beta/{made['name']}"
+    r = httpx.patch(url, json={"ttl": "60s"}, headers=h)
+    assert r.status_code == 501 and r.json()["error"]["status"] == "UNIMPLEMENTED"
+    r = httpx.patch(gw.url + "/v1beta/cachedContents/pfx-nope", json={"ttl": "60s"}, headers=h)
+    assert r.status_code == 404
+    body = {"contents": [{"parts": [{"text": "hi"}]}], "cachedContent": made["name"]}
+    assert httpx.post(gw.url + GEN, json=body, headers=h).status_code == 200
+    assert seen[-1]["messages"] == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+    ]
+    assert httpx.delete(url, headers=h).json() == {}
+    assert httpx.get(url, headers=h).status_code == 404
