@@ -32,8 +32,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, TypeVar
 
+import pydantic_core
 from prefixgate.engine.sampling_params import StructuredOutputsParams
-from prefixgate.gateway.http.errors import bad_request
+from prefixgate.gateway.http.errors import APIError, bad_request
 from pydantic import BaseModel, ConfigDict, Field
 
 _CONFIG = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
@@ -166,6 +167,7 @@ class CountTokensRequest(BaseModel):
     model_config = _CONFIG
     contents: list[Content] | None = None
     generateContentRequest: GenerateContentRequest | None = None
+    counted: ClassVar[tuple[str, ...]] = ("contents",)
 
 
 class CachedContentCreate(BaseModel):
@@ -181,6 +183,7 @@ class CachedContentCreate(BaseModel):
     ttl: str | None = None
     expireTime: str | None = None
     displayName: str | None = Field(None, max_length=128)
+    counted: ClassVar[tuple[str, ...]] = ("contents",)
 
 
 class CachedContentUpdate(BaseModel):
@@ -203,14 +206,31 @@ def present(value: Any) -> bool:
 
 
 def parse_request(model: type[M], body: bytes) -> M:
-    """Validate a body (``request_models.parse``: size, depth and counts bounded, 400 naming
-    the field).
+    """Validate a body (``request_models.parse``: size, depth and the count of ``contents``
+    bounded, 400 naming the field); countTokens' ``generateContentRequest.contents`` is
+    counted too.
 
     Raises:
-        APIError: 400 naming the field.
+        APIError: 400 naming the field (``too_many_messages`` over ``MAX_MESSAGES`` turns).
     """
-    from prefixgate.gateway.api.request_models import parse  # the shared JSON → 400 mapping
+    from prefixgate.gateway.api.request_models import (  # the shared JSON → 400 mapping
+        MAX_MESSAGES,
+        check_counts,
+        parse,
+    )
 
+    if model is CountTokensRequest and len(body) > 2 * MAX_MESSAGES:
+        try:
+            raw = pydantic_core.from_json(body)
+        except ValueError:
+            raw = None  # parse names the fault
+        inner = raw.get("generateContentRequest") if isinstance(raw, dict) else None
+        try:
+            check_counts(inner, ("contents",))
+        except APIError as exc:
+            exc.param = "generateContentRequest.contents"
+            exc.message = "generateContentRequest." + exc.message
+            raise
     return parse(model, body)
 
 

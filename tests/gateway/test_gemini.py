@@ -413,3 +413,18 @@ def test_unreadable_body_in_gemini_shape(serve_fake):
     )
     assert r.status_code == 400
     assert r.json()["error"]["status"] == "INVALID_ARGUMENT", r.text
+
+
+def test_contents_counted_before_validation(serve_fake):
+    srv, _ = serve_fake()
+    many = {"contents": [{"parts": [{"text": "a"}]}] * 4097}
+    for path, body in (
+        (GEN, many),
+        ("/v1beta/models/fake:countTokens", many),
+        ("/v1beta/models/fake:countTokens", {"generateContentRequest": many}),
+        ("/v1beta/cachedContents", {"model": "models/fake", **many}),
+    ):
+        r = _post(srv, path, body)
+        assert r.status_code == 400, (path, r.text)
+        err = r.json()["error"]
+        assert "at most 4096" in err["message"] and err["status"] == "INVALID_ARGUMENT", err
