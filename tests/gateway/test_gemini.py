@@ -163,11 +163,15 @@ def test_stream_cut_ends_with_an_error_the_client_raises(serve_fake):
 
     async def failing(request):
         n = 0
-        async for out in real(request):
-            yield out
-            n += 1
-            if n == 2:
-                raise RuntimeError("boom")
+        inner = real(request)
+        try:
+            async for out in inner:
+                yield out
+                n += 1
+                if n == 2:
+                    raise RuntimeError("boom")
+        finally:
+            await inner.aclose()  # the fake frees the request's blocks now, not at GC
 
     engine.generate = failing
     path = "/v1beta/models/fake:streamGenerateContent?alt=sse"

@@ -205,11 +205,15 @@ def test_an_engine_failure_mid_stream_ends_every_dialect_with_its_error(serve_fa
 
     async def failing(request):
         n = 0
-        async for out in real(request):
-            yield out
-            n += 1
-            if n == 2:
-                raise RuntimeError("boom")
+        inner = real(request)
+        try:
+            async for out in inner:
+                yield out
+                n += 1
+                if n == 2:
+                    raise RuntimeError("boom")
+        finally:
+            await inner.aclose()  # the fake frees the request's blocks now, not at GC
 
     engine.generate = failing
     gemini = "/v1beta/models/fake:streamGenerateContent?alt=sse"
