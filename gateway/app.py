@@ -9,7 +9,8 @@
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{model}],
 POST /v1/responses, POST /v1/embeddings (``--runner pooling``), POST /v1/prefixes, GET|DELETE /v1/prefixes/{id}, POST /tokenize,
-POST /detokenize (local mode), GET /health, GET /ready, GET /metrics, GET /dashboard (a live
+POST /detokenize (local mode), Gemini's /v1beta routes (``api/gemini.py``, proxy
+``proxy/gemini_relay.py``; ``docs/gemini.md``), GET /health, GET /ready, GET /metrics, GET /dashboard (a live
 page of the metrics, see ``dashboard``) and GET /dashboard/data. Every answer carries
 ``x-request-id`` (``request_id``). Run the app with ``handler_cancellation=True`` (``server.start_server`` does)
 so a client that disconnects cancels its handler at once.

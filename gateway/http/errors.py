@@ -9,6 +9,9 @@ Status codes: 400 bad input, 401 missing or wrong key, 404 unknown model, route 
 404 also for the prefix API in upstream mode, 405 wrong method, 413 body too large, 417 an ``Expect`` other than 100-continue, 429 overloaded or over a rate limit (with ``Retry-After``
 in whole seconds), 500 internal, 502 upstream failure, 503 not ready. A stack trace never
 reaches the wire: unexpected exceptions are logged and answered with a generic 500.
+Routes of another dialect (``error_dialect``) answer the same errors in that dialect's shape:
+Anthropic's ``{"type": "error", "error": {"type", "message"}}``, Gemini's ``{"error":
+{"code", "message", "status"}}``.
 """
 
 from __future__ import annotations
