@@ -236,3 +236,32 @@ def test_an_engine_failure_mid_stream_ends_every_dialect_with_its_error(serve_fa
         assert last.get("type") == "error" or "error" in last, (path, data[-3:])
         kinds = {json.loads(d).get("type") for d in data}
         assert not kinds & {"message_stop", "message_delta", "response.completed"}, path
+
+
+def test_a_gemini_stream_cut_by_the_shutdown_ends_with_its_error(serve_fake):
+    srv, engine = serve_fake(
+        GatewaySettings(model_name="fake", keepalive_s=0.2), token_delay_s=0.05, max_num_seqs=16
+    )
+    path = "/v1beta/models/fake:streamGenerateContent?alt=sse"
+    body = {
+        "contents": [{"parts": [{"text": "long"}]}],
+        "generationConfig": {"maxOutputTokens": 100},
+    }
+    out: dict = {}
+
+    def run() -> None:
+        with httpx.stream("POST", srv.url + path, json=body, timeout=30) as r:
+            out["lines"] = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+
+    t = threading.Thread(target=run)
+    t.start()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not srv.call(_stats(engine))["num_running"]:
+        time.sleep(0.05)
+    summary = srv.call(lambda: srv.server.drain(0.1), timeout=10)
+    srv.server = None
+    t.join(10)
+    assert summary["ended"] == 1, summary
+    last = json.loads(out["lines"][-1][6:])
+    assert last["error"]["status"] == "UNAVAILABLE" and last["error"]["code"] == 503, last
+    assert not any("finishReason" in ln for ln in out["lines"])
