@@ -265,3 +265,45 @@ def test_a_gemini_stream_cut_by_the_shutdown_ends_with_its_error(serve_fake):
     last = json.loads(out["lines"][-1][6:])
     assert last["error"]["status"] == "UNAVAILABLE" and last["error"]["code"] == 503, last
     assert not any("finishReason" in ln for ln in out["lines"])
+
+
+def test_a_relayed_gemini_stream_cut_by_the_proxys_shutdown_ends_with_its_error(serve_fake):
+    from prefixgate.gateway.app import create_proxy_app
+    from prefixgate.gateway.http.server import BackgroundServer
+
+    local, engine = serve_fake(
+        GatewaySettings(model_name="fake", keepalive_s=0.2), token_delay_s=0.05, max_num_seqs=16
+    )
+    proxy = BackgroundServer(
+        lambda: create_proxy_app([local.url], GatewaySettings(keepalive_s=0.2))
+    ).__enter__()
+    path = "/v1beta/models/fake:streamGenerateContent?alt=sse"
+    body = {
+        "contents": [{"parts": [{"text": "long"}]}],
+        "generationConfig": {"maxOutputTokens": 100},
+    }
+    out: dict = {}
+
+    def run() -> None:
+        with httpx.stream("POST", proxy.url + path, json=body, timeout=30) as r:
+            out["lines"] = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+
+    try:
+        t = threading.Thread(target=run)
+        t.start()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not local.call(_stats(engine))["num_running"]:
+            time.sleep(0.05)
+        summary = proxy.call(lambda: proxy.server.drain(0.1), timeout=10)
+        proxy.server = None
+        t.join(10)
+    finally:
+        proxy.close()
+    assert summary["ended"] == 1, summary
+    last = json.loads(out["lines"][-1][6:])
+    assert last["error"]["code"] == 503 and last["error"]["status"] == "UNAVAILABLE", last
+    assert not any("finishReason" in ln for ln in out["lines"])
+    deadline = time.monotonic() + 5  # the upstream's request aborted when the proxy let go
+    while engine.stats()["num_running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.stats()["num_running"] == 0
