@@ -359,8 +359,8 @@ async def _generate(request: web.Request, model: str, stream: bool) -> web.Strea
     principal = st.keys.authenticate(request)
     req = parse_request(GenerateContentRequest, await request.read())
     _check_model(st, model)
-    if req.model is not None:
-        raise bad_request("model: given by the path, not the body", param="model")
+    if req.model and req.model.removeprefix("models/") != model.removeprefix("models/"):
+        raise bad_request("model: the body names another model than the path", param="model")
     chat, plan, ids = await _prepare(request, req, principal)
     gc = req.generationConfig
     constraint = structured(gc)

@@ -518,8 +518,8 @@ async def model_method(request: web.Request) -> web.StreamResponse:
         )
     else:
         req = parse_request(GenerateContentRequest, raw)
-        if req.model is not None:
-            raise bad_request("model: given by the path, not the body", param="model")
+        if req.model and req.model.removeprefix("models/") != model.removeprefix("models/"):
+            raise bad_request("model: the body names another model than the path", param="model")
     public = _public_model(model, st, router)
     salt = effective_salt(principal.salt, None)
     chat, _ = await _chat_of(request, req, principal.salt)
