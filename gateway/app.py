@@ -9,7 +9,8 @@
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{model}],
 POST /v1/responses, POST /v1/embeddings (``--runner pooling``), POST /v1/prefixes, GET|DELETE /v1/prefixes/{id}, POST /tokenize,
-POST /detokenize (local mode), GET /health, GET /ready, GET /metrics, GET /dashboard (a live
+POST /detokenize (local mode), Gemini's /v1beta routes (``api/gemini.py``, proxy
+``proxy/gemini_relay.py``; ``docs/gemini.md``), GET /health, GET /ready, GET /metrics, GET /dashboard (a live
 page of the metrics, see ``dashboard``) and GET /dashboard/data. Every answer carries
 ``x-request-id`` (``request_id``). Run the app with ``handler_cancellation=True`` (``server.start_server`` does)
 so a client that disconnects cancels its handler at once.
@@ -29,6 +30,7 @@ from prefixgate.engine.protocol import EngineClient
 from prefixgate.gateway import dashboard
 from prefixgate.gateway.api import (
     embeddings,
+    gemini,
     messages,
     openai_routes,
     prefix_routes,
@@ -57,7 +59,7 @@ from prefixgate.gateway.local.cache_pins import CachePins
 from prefixgate.gateway.local.prefixes import PrefixRegistry
 from prefixgate.gateway.local.serving import LOCAL, LocalServing
 from prefixgate.gateway.local.token_texts import TokenTexts
-from prefixgate.gateway.proxy import messages_relay
+from prefixgate.gateway.proxy import gemini_relay, messages_relay
 from prefixgate.gateway.proxy import prefix_routes as proxy_prefix_routes
 from prefixgate.gateway.proxy import routes as proxy_routes
 from prefixgate.gateway.proxy.config import ProxyConfig
@@ -112,6 +114,7 @@ def create_app(
     r.add_delete(
         "/v1/prefixes/{prefix_id}", prefix_routes.delete_prefix, expect_handler=expect_continue
     )
+    gemini.add_routes(app, expect_continue)
 
     async def release_prefixes(app: web.Application) -> None:
         if sweeper:
@@ -202,6 +205,7 @@ def create_proxy_app(
     )
     r.add_get("/v1/models", proxy_routes.proxy_get, expect_handler=expect_continue)
     r.add_get("/v1/models/{model}", proxy_routes.proxy_get, expect_handler=expect_continue)
+    gemini_relay.add_routes(app, expect_continue)
     app[PROXY] = ProxyServing(
         router,
         ProxyPrefixRegistry(
@@ -386,8 +390,8 @@ async def count_requests(request: web.Request, handler: Handler) -> web.StreamRe
     refusals too (401, 400, 404, 413, 429, ...: ``code`` is the OpenAI error code, ``""`` on
     success); a client gone before its answer counts as 499. Probes are not counted. ``route``
     is the API route's short name (``chat``, ``completions``, ``responses``, ``embeddings``,
-    ``tokenize``, ``detokenize``, ``models``, ``prefixes``, ``messages``, ``count_tokens``),
-    ``other`` for any other path."""
+    ``tokenize``, ``detokenize``, ``models``, ``prefixes``, ``messages``, ``count_tokens``,
+    ``gemini`` for every ``/v1beta`` route), ``other`` for any other path."""
     path = request.path
     if path in _PROBES or path.startswith("/dashboard"):
         return await handler(request)
@@ -395,6 +399,8 @@ async def count_requests(request: web.Request, handler: Handler) -> web.StreamRe
         route = _ROUTE_LABELS[path]
     elif path.startswith(("/v1/models", "/v1/prefixes")):
         route = path.split("/")[2]
+    elif path.startswith("/v1beta/"):
+        route = "gemini"
     else:
         route = "other"
     counter = request.app[STATE].metrics.requests

@@ -56,7 +56,7 @@ from prefixgate.gateway.api.tools import ToolPlan, plan_tools, template_messages
 from prefixgate.gateway.http.access_log import record, stream_cut
 from prefixgate.gateway.http.errors import APIError, bad_request
 from prefixgate.gateway.http.lifecycle import end_streams_with
-from prefixgate.gateway.http.sse import SSEWriter, client_gone
+from prefixgate.gateway.http.sse import KEEPALIVE, SSEWriter, client_gone
 from prefixgate.gateway.local.generation import ChoiceOutput, ChoiceRun, Delta, engine_request
 from prefixgate.gateway.local.serving import LOCAL
 from prefixgate.gateway.local.token_walk import first_token_walk
@@ -500,7 +500,7 @@ class Exchange:
 
     # --- streaming ------------------------------------------------------------------------
     async def _stream(self) -> web.StreamResponse:
-        sse = SSEWriter(self.request)
+        sse = SSEWriter(self.request, getattr(self.renderer, "keepalive", KEEPALIVE))
         end_streams_with(self.request, self.renderer.error_event)  # the drain's ending
         poll = min(self.st.settings.poll_s, self.st.settings.keepalive_s)
         keepalive = self.st.settings.keepalive_s
@@ -540,7 +540,10 @@ class Exchange:
                         err = APIError(500, f"generation failed: {type(exc).__name__}")
                         stream_cut(self.request, err.code)
                         await sse.write(self.renderer.error_event(err))
-                        break
+                        # the error is the stream's last event: no closing events after it
+                        # (they would end a cut stream as a success: [DONE], message_stop)
+                        await sse.response.write_eof()
+                        return sse.response
             self.st.metrics.cached_tokens.inc(sum(self.cached.values()))
             for event in self.renderer.closing(self.outputs, self._usage()):
                 await sse.write(event)

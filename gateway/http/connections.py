@@ -39,7 +39,7 @@ from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
 from prefixgate.gateway.http import request_id
-from prefixgate.gateway.http.errors import APIError, retry_after_headers
+from prefixgate.gateway.http.errors import APIError, dialect_of_path, retry_after_headers
 
 logger = logging.getLogger("prefixgate.gateway")
 
@@ -187,7 +187,11 @@ class GatewayRequestHandler(RequestHandler):
             )
         if request.writer.output_size > 0:
             raise ConnectionError("a response was already sent; cannot send an error")
-        resp = error.response()
+        try:
+            path = str(request.path)
+        except Exception:  # noqa: BLE001 - a request line that did not parse has no path
+            path = ""
+        resp = error.response(dialect_of_path(path))
         # No app hook runs for these (``request_id.stamp``): a fresh id, the client's own
         # header is not trusted from a request that did not parse.
         resp.headers[request_id.HEADER] = uuid.uuid4().hex

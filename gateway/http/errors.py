@@ -9,6 +9,9 @@ Status codes: 400 bad input, 401 missing or wrong key, 404 unknown model, route 
 404 also for the prefix API in upstream mode, 405 wrong method, 413 body too large, 417 an ``Expect`` other than 100-continue, 429 overloaded or over a rate limit (with ``Retry-After``
 in whole seconds), 500 internal, 502 upstream failure, 503 not ready. A stack trace never
 reaches the wire: unexpected exceptions are logged and answered with a generic 500.
+Routes of another dialect (``error_dialect``) answer the same errors in that dialect's shape:
+Anthropic's ``{"type": "error", "error": {"type", "message"}}``, Gemini's ``{"error":
+{"code", "message", "status"}}``.
 """
 
 from __future__ import annotations
@@ -77,17 +80,20 @@ _ANTHROPIC_TYPES = {
 }
 
 ANTHROPIC = "anthropic"  # the error dialect of Anthropic's routes (``error_dialect``)
-GEMINI = "gemini"  # the error dialect of Gemini's routes (every path under ``/v1beta/``)
+GEMINI = "gemini"  # the error dialect of Gemini's routes (/v1beta)
 
-# Google's canonical status names per HTTP status (google.rpc.Code), Gemini's ``status``.
+# Gemini's (google.rpc) ``status`` per HTTP status
+# (https://ai.google.dev/gemini-api/docs/troubleshooting#error-codes).
 _GEMINI_STATUS = {
     400: "INVALID_ARGUMENT",
     401: "UNAUTHENTICATED",
     403: "PERMISSION_DENIED",
     404: "NOT_FOUND",
+    405: "UNIMPLEMENTED",
     408: "DEADLINE_EXCEEDED",
-    409: "ABORTED",
+    409: "ALREADY_EXISTS",
     413: "INVALID_ARGUMENT",
+    417: "INVALID_ARGUMENT",
     429: "RESOURCE_EXHAUSTED",
     499: "CANCELLED",
     500: "INTERNAL",
@@ -99,7 +105,7 @@ _GEMINI_STATUS = {
 
 
 def error_dialect(dialect: str) -> Callable[[Handler], Handler]:
-    """Mark a route handler whose errors take another dialect's body (``ANTHROPIC``):
+    """Mark a route handler whose errors take another dialect's body (``ANTHROPIC``, ``GEMINI``):
     ``error_middleware`` reads the mark off the matched route, so the errors raised before
     the handler runs (body limits, ``Expect``) take that shape too."""
 
@@ -108,6 +114,17 @@ def error_dialect(dialect: str) -> Callable[[Handler], Handler]:
         return handler
 
     return mark
+
+
+def dialect_of_path(path: str) -> str:
+    """The error dialect of a path, for answers given before any route matched (aiohttp's
+    parser refusing the request): Gemini's under ``/v1beta/``, Anthropic's on
+    ``/v1/messages``, else OpenAI's."""
+    if path.startswith("/v1beta/"):
+        return GEMINI
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        return ANTHROPIC
+    return "openai"
 
 
 def dialect_of(request: web.Request) -> str:
@@ -182,10 +199,24 @@ class APIError(Exception):
         }
 
     def gemini_body(self) -> dict[str, Any]:
-        """The error in Gemini's shape (Google's API error), ``{"error": {"code": status,
-        "message", "status": "INVALID_ARGUMENT" | ...}}``."""
-        status = _GEMINI_STATUS.get(self.status, "INTERNAL" if self.status >= 500 else "UNKNOWN")
-        return {"error": {"code": self.status, "message": self.message, "status": status}}
+        """The error in Gemini's shape, ``{"error": {"code", "message", "status"}}`` (``code``
+        the HTTP status, ``status`` its google.rpc name), plus a ``google.rpc.BadRequest``
+        detail naming the field when ``param`` is set."""
+        error: dict[str, Any] = {
+            "code": self.status,
+            "message": self.message,
+            "status": _GEMINI_STATUS.get(
+                self.status, "INTERNAL" if self.status >= 500 else "INVALID_ARGUMENT"
+            ),
+        }
+        if self.param:
+            error["details"] = [
+                {
+                    "@type": "type.googleapis.com/google.rpc.BadRequest",
+                    "fieldViolations": [{"field": self.param, "description": self.message}],
+                }
+            ]
+        return {"error": error}
 
     def response(self, dialect: str = "openai") -> web.Response:
         """The error as an aiohttp JSON response (with ``Retry-After`` when set); ``dialect``

@@ -42,10 +42,11 @@ class SSEWriter:
     Raises (from every write): ``ConnectionResetError`` when the client has gone away.
     """
 
-    __slots__ = ("request", "response", "last_write")
+    __slots__ = ("request", "response", "last_write", "keepalive_bytes")
 
-    def __init__(self, request: web.Request) -> None:
+    def __init__(self, request: web.Request, keepalive: bytes = KEEPALIVE) -> None:
         self.request = request
+        self.keepalive_bytes = keepalive  # what ``keepalive`` sends (a dialect may differ)
         self.response = web.StreamResponse(status=200, headers=SSE_HEADERS)
         self.last_write = time.monotonic()
 
@@ -59,8 +60,8 @@ class SSEWriter:
         await self.write(encode_event(obj))
 
     async def keepalive(self) -> None:
-        """Send a comment line (ignored by SSE parsers)."""
-        await self.write(KEEPALIVE)
+        """Send a comment line (ignored by SSE parsers), or the writer's own keep-alive."""
+        await self.write(self.keepalive_bytes)
 
     async def write(self, data: bytes) -> None:
         """Send raw bytes (already SSE-framed)."""

@@ -54,6 +54,14 @@ class PrefixEntry:
         pinned_blocks: KV blocks of the pin, as counted against the owner's quota.
         pin: the engine's ``PrefixPin`` (``.id``, ``.expires_at`` in ``time.monotonic()``
             seconds: the one clock of the prefix's life).
+        tools: OpenAI function tools the prefix was rendered with (Gemini's cachedContents
+            may hold tools), None for none.
+        display_name: a caller's label (Gemini's ``displayName``).
+        pinned_ids: the token ids handed to ``engine.pin_prefix`` (``renew`` pins them again).
+        cache_salt: the engine cache salt of the pin; tenant: the key's tenant (its charge).
+        updated_at: Unix seconds of the last create or renew; expires_unix: the expiry in
+            Unix seconds as computed then (one stable value to show; the engine's pin holds
+            the real TTL on its own clock).
     """
 
     id: str
@@ -66,6 +74,13 @@ class PrefixEntry:
     owner: str | None = None
     pinned_blocks: int = 0
     published: bool = False  # written to the shared state (Redis) for the other replicas
+    tools: list[dict[str, Any]] | None = None
+    display_name: str | None = None
+    pinned_ids: list[int] | None = None
+    cache_salt: str | None = None
+    tenant: str | None = None
+    updated_at: int = 0
+    expires_unix: float = 0.0  # the expiry in Unix seconds as fixed at create/renew
 
     @property
     def expires_at(self) -> float:
@@ -123,6 +138,8 @@ class SharedPrefix:
     salt: str | None
     expires_at: float  # Unix seconds
     owner: str | None = None  # the creating key's id (its max_prefixes)
+    tools: list[dict[str, Any]] | None = None
+    display_name: str | None = None
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> SharedPrefix:
@@ -134,6 +151,8 @@ class SharedPrefix:
             salt=record["salt"],
             expires_at=float(record["expires_at"]),
             owner=record.get("owner"),
+            tools=record.get("tools"),
+            display_name=record.get("display_name"),
         )
 
 
@@ -184,9 +203,12 @@ class PrefixRegistry:
         owner: str | None = None,
         quota: PrefixQuota | None = None,
         tenant: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        display_name: str | None = None,
     ) -> PrefixEntry:
-        """Pin ``token_ids`` (the rendered ``messages``) for ``ttl_s`` seconds, charged to
-        ``tenant`` (the key's name: under ``fair`` its pinned blocks count against its share).
+        """Pin ``token_ids`` (the rendered ``messages``, with ``tools`` when given) for
+        ``ttl_s`` seconds, charged to ``tenant`` (the key's name: under ``fair`` its pinned
+        blocks count against its share); ``display_name`` is kept as the caller's label.
 
         ``salt`` is the owner's (the key's) salt, checked by ``get``/``delete``;
         ``cache_salt`` the engine cache salt of the pin (default: ``salt``). Chat requests
@@ -239,6 +261,8 @@ class PrefixRegistry:
                 quota,
                 count=counted is None,
                 tenant=tenant,
+                tools=tools,
+                display_name=display_name,
             )
         except BaseException:
             if reserved and owner is not None:
@@ -284,6 +308,8 @@ class PrefixRegistry:
         quota: PrefixQuota | None,
         count: bool,
         tenant: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        display_name: str | None = None,
     ) -> PrefixEntry:
         """``create`` once the key's prefix count is reserved across replicas (``count``
         False) or left to this replica (``count`` True)."""
@@ -325,6 +351,7 @@ class PrefixRegistry:
                 n, b = self._pending_by_owner.pop(owner)
                 if n > 1:
                     self._pending_by_owner[owner] = (n - 1, b - blocks)
+        now = int(time.time())
         entry = PrefixEntry(
             id=prefix_id,
             messages=messages,
@@ -335,6 +362,13 @@ class PrefixRegistry:
             pin=pin,
             owner=owner,
             pinned_blocks=_pin_blocks(pin, blocks, self.block_size),
+            tools=tools,
+            display_name=display_name,
+            pinned_ids=pinned,
+            cache_salt=salt if cache_salt is None else cache_salt,
+            tenant=tenant,
+            updated_at=now,
+            expires_unix=time.time() + ttl_s,
         )
         self._entries[entry.id] = entry
         if self._shared.shares_prefixes:
@@ -346,6 +380,8 @@ class PrefixRegistry:
                 "salt": salt,
                 "expires_at": entry.expires_at,
                 "owner": owner,
+                "tools": tools,
+                "display_name": display_name,
             }
             try:
                 await self._shared.put_prefix(entry.id, record, entry.seconds_left())
@@ -388,6 +424,56 @@ class PrefixRegistry:
         await self._shared.delete_prefix(prefix_id)
         if entry.owner is not None:
             await self._shared.release_prefix(entry.owner, prefix_id)
+        return entry
+
+    def owned(self, salt: str | None) -> list[PrefixEntry]:
+        """The live prefixes of this replica created by a key of ``salt``, oldest first."""
+        self._expire()
+        return sorted(
+            (e for e in self._entries.values() if e.salt == salt), key=lambda e: e.created_at
+        )
+
+    async def renew(self, prefix_id: str, salt: str | None, ttl_s: float) -> PrefixEntry:
+        """Give ``prefix_id`` a new life of ``ttl_s`` seconds from now: its tokens are pinned
+        again for ``ttl_s`` (the blocks are cached: no prefill), then the old pin released.
+
+        Raises:
+            APIError: 404 as ``get`` (a prefix of another replica cannot be renewed here);
+                400 for a ttl over ``max_ttl_s``; 429 ``prefix_limit_exceeded`` when the
+                pinned space cannot hold the second pin for that moment.
+        """
+        entry = self.get(prefix_id, salt)
+        if ttl_s > self.max_ttl_s:
+            raise APIError(400, f"ttl must be <= {self.max_ttl_s:g} s", param="ttl")
+        assert entry.pinned_ids is not None  # every entry of this replica keeps them
+        try:
+            pin = await self._engine.pin_prefix(
+                entry.pinned_ids, ttl_s, cache_salt=entry.cache_salt, tenant=entry.tenant
+            )
+        except ValueError as exc:
+            if isinstance(exc, PinLimitError):
+                raise APIError(
+                    429,
+                    f"pinned prefix space is full: {exc}",
+                    code="prefix_limit_exceeded",
+                    retry_after=self._next_expiry(),
+                ) from None
+            raise APIError(400, str(exc), param="ttl") from None
+        if self._entries.get(prefix_id) is not entry:  # deleted meanwhile: keep it deleted
+            self._engine.unpin_prefix(pin.id)
+            raise self._missing(prefix_id, salt)
+        old, entry.pin = entry.pin, pin
+        entry.updated_at = int(time.time())
+        entry.expires_unix = time.time() + ttl_s
+        try:
+            self._engine.unpin_prefix(old.id)
+        except (KeyError, ValueError):
+            pass  # it lapsed meanwhile
+        if entry.published:
+            record = await self._shared.get_prefix(entry.id)
+            if record is not None:
+                record["expires_at"] = entry.expires_at
+                await self._shared.put_prefix(entry.id, record, entry.seconds_left())
         return entry
 
     def pinned_blocks(self, owner: str) -> int:

@@ -214,6 +214,14 @@ class ProxyPrefixRegistry:
             raise _not_found(prefix_id)
         return entry
 
+    def owned(self, salt: str | None) -> list[ProxyPrefix]:
+        """The live prefixes of this replica created by a key of ``salt``, oldest first."""
+        self._expire()
+        return sorted(
+            (e for e in self._entries.values() if e.salt == salt and e.seconds_left() > 0),
+            key=lambda e: e.created_at,
+        )
+
     async def remove(
         self, prefix_id: str, salt: str | None, headers_for: HeadersFor
     ) -> ProxyPrefix:

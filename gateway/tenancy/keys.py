@@ -352,8 +352,10 @@ class KeyRing:
         return not self._by_digest
 
     def authenticate(self, request: web.Request) -> Principal:
-        """The Principal for the request's ``Authorization: Bearer <key>`` header, or its
-        ``x-api-key: <key>`` header (Anthropic's clients) when it sends no Authorization.
+        """The Principal for the request's ``Authorization: Bearer <key>`` header, or, when it
+        sends no Authorization, its ``x-api-key: <key>`` header (Anthropic's clients), its
+        ``x-goog-api-key: <key>`` header (Gemini's clients) or, on Gemini's routes
+        (``/v1beta/...``) only, its ``?key=<key>`` query parameter (Gemini's REST form).
 
         Raises:
             APIError: 401 ``invalid_api_key`` when the key is missing or unknown; 400
@@ -363,9 +365,12 @@ class KeyRing:
             record(request).key_name = "-"
             return self._anonymous
         header = header_text(request, "Authorization")
-        x_api_key = header_text(request, "x-api-key")
-        if not header.strip() and x_api_key.strip():
-            header = "Bearer " + x_api_key.strip()
+        if not header.strip():
+            other = header_text(request, "x-api-key") or header_text(request, "x-goog-api-key")
+            if not other.strip() and request.path.startswith("/v1beta/"):
+                other = request.query.get("key", "")
+            if other.strip():
+                header = "Bearer " + other.strip()
         scheme, _, key = header.partition(" ")
         # the header the route's clients send: Anthropic's send x-api-key
         send = (

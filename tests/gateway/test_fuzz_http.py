@@ -140,6 +140,55 @@ prefix_body = st.fixed_dictionaries(
     {"model": MODEL, "messages": st.lists(message, max_size=2)},
     optional={"ttl_seconds": st.floats(allow_nan=True) | json_values, "cache_salt": odd_text},
 )
+gemini_part = st.fixed_dictionaries(
+    {},
+    optional={
+        "text": odd_text | json_values,
+        "functionCall": st.fixed_dictionaries({"name": odd_text, "args": json_values})
+        | json_values,
+        "functionResponse": st.fixed_dictionaries({"name": odd_text, "response": json_values})
+        | json_values,
+        "inlineData": json_values,
+    },
+)
+gemini_content = st.fixed_dictionaries(
+    {"parts": st.lists(gemini_part, max_size=3) | json_values},
+    optional={"role": st.sampled_from(["user", "model", "system", ""]) | json_values},
+)
+gemini_body = st.fixed_dictionaries(
+    {"contents": st.lists(gemini_content, max_size=3) | json_values},
+    optional={
+        "systemInstruction": gemini_content | json_values,
+        "generationConfig": st.fixed_dictionaries(
+            {},
+            optional={
+                "maxOutputTokens": small_int | json_values,
+                "temperature": st.floats(allow_nan=True) | json_values,
+                "topK": small_int,
+                "candidateCount": small_int,
+                "stopSequences": st.lists(odd_text, max_size=3) | json_values,
+                "responseMimeType": st.sampled_from(["application/json", "text/plain", "x"]),
+                "responseSchema": json_values,
+                "seed": st.integers(min_value=-(2**65), max_value=2**65),
+            },
+        )
+        | json_values,
+        "tools": json_values,
+        "toolConfig": json_values,
+        "safetySettings": json_values,
+        "cachedContent": odd_text | json_values,
+    },
+)
+cache_body = st.fixed_dictionaries(
+    {"model": MODEL.map(lambda m: f"models/{m}" if isinstance(m, str) else m)},
+    optional={
+        "systemInstruction": gemini_content | json_values,
+        "contents": st.lists(gemini_content, max_size=2) | json_values,
+        "ttl": st.sampled_from(["60s", "0s", "5m", "1.5s", "99999999s"]) | odd_text,
+        "expireTime": odd_text,
+        "displayName": odd_text,
+    },
+)
 ROUTES = [
     ("POST", "/v1/chat/completions", chat_body),
     ("POST", "/v1/completions", completion_body),
@@ -156,6 +205,18 @@ ROUTES = [
     ("POST", "/v1/nowhere", json_values),
     ("GET", "/health", None),
     ("GET", "/ready", None),
+    ("POST", "/v1beta/models/fake:generateContent", gemini_body),
+    ("POST", "/v1beta/models/fake:streamGenerateContent?alt=sse", gemini_body),
+    ("POST", "/v1beta/models/fake:countTokens", gemini_body),
+    ("POST", "/v1beta/models/other:generateContent", gemini_body),
+    ("POST", "/v1beta/models/fake:nothing", gemini_body),
+    ("GET", "/v1beta/models", None),
+    ("GET", "/v1beta/models/fake", None),
+    ("POST", "/v1beta/cachedContents", cache_body),
+    ("GET", "/v1beta/cachedContents", None),
+    ("GET", "/v1beta/cachedContents/pfx-0", None),
+    ("PATCH", "/v1beta/cachedContents/pfx-0", cache_body),
+    ("DELETE", "/v1beta/cachedContents/pfx-%00", None),
 ]
 # A quarter of the requests are well-formed (the key, JSON, valid values of the fields): among
 # so many fields with junk values, nearly no other request reaches the engine, and every one
@@ -203,7 +264,28 @@ valid_messages = st.fixed_dictionaries(
     },
     optional={"system": plain_text, "temperature": st.floats(0, 1), "stream": st.booleans()},
 )
+valid_gemini = st.fixed_dictionaries(
+    {
+        "contents": st.lists(
+            st.fixed_dictionaries(
+                {"role": st.just("user"), "parts": st.just([]).map(lambda _: [{"text": "hi"}])}
+            ),
+            min_size=1,
+            max_size=1,
+        )
+    },
+    optional={
+        "systemInstruction": st.fixed_dictionaries(
+            {"parts": st.lists(st.fixed_dictionaries({"text": plain_text}), min_size=1, max_size=2)}
+        ),
+        "generationConfig": st.fixed_dictionaries(
+            {"maxOutputTokens": st.integers(1, 4)},
+            optional={"temperature": st.floats(0, 2), "seed": st.integers(0, 2**63 - 1)},
+        ),
+    },
+)
 VALID_ROUTES = [
+    ("POST", "/v1beta/models/fake:generateContent", valid_gemini),
     ("POST", "/v1/chat/completions", valid_chat),
     ("POST", "/v1/completions", valid_completion),
     ("POST", "/v1/messages", valid_messages),
@@ -212,6 +294,7 @@ GENERATING = {  # the routes whose 200 is an answer of the engine, not of the pa
     ("POST", "/v1/chat/completions"),
     ("POST", "/v1/completions"),
     ("POST", "/v1/messages"),
+    ("POST", "/v1beta/models/fake:generateContent"),
 }
 header_text = st.text(
     st.characters(min_codepoint=0x20, max_codepoint=0xFF, exclude_characters="\x7f"), max_size=20
@@ -307,8 +390,15 @@ def _fuzz(url: str) -> dict[int, int]:
                     f"{r.status_code} {method} {path} {headers} {body[:200]!r}: {r.text}"
                 )
             elif r.status_code >= 400 and not _parser_refusal(r):
-                err = r.json()["error"]  # every refusal is an OpenAI error object
-                assert isinstance(err["message"], str) and err["type"], err
+                err = r.json()["error"]  # every refusal is its dialect's error object
+                # aiohttp's parser may refuse a request before its path is known (headers it
+                # cannot decode): then no route's dialect applies, the answer is OpenAI's
+                pathless = err.get("code") == "invalid_http_request"
+                if path.startswith("/v1beta/") and not pathless:  # Gemini's: code, message, status
+                    assert err["code"] == r.status_code and err["status"], err
+                    assert isinstance(err["message"], str), err
+                else:
+                    assert isinstance(err["message"], str) and err["type"], err
 
         one()
     assert not failures, "\n".join(failures[:10])

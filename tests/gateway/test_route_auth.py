@@ -21,6 +21,7 @@ NO_KEYS = (
     {"Authorization": "Bearer wrong"},
     {"x-api-key": "wrong"},
     {"Authorization": "Basic x"},
+    {"x-goog-api-key": "wrong"},
 )
 
 
@@ -41,6 +42,9 @@ def _routes(app) -> list[tuple[str, str]]:
             if route.method in ("HEAD", "*"):
                 continue
             path = re.sub(r"\{model\}", "fake", resource.canonical)
+            path = re.sub(r"\{target\}", "fake:generateContent", path)
+            path = re.sub(r"\{cache_id\}", "pfx-nope", path)
+            path = path.replace("{tail}", "nothing")
             out.append((route.method, re.sub(r"\{prefix_id\}", "pfx-nope", path)))
     return sorted(set(out))
 
@@ -53,7 +57,9 @@ def _check_refused(url: str, routes: list[tuple[str, str]]) -> None:
                 r = http.request(method, path, content=body, headers=headers)
                 assert r.status_code == 401, (method, path, headers, r.text)
                 message = r.json()["error"]["message"]
-                if path.startswith("/v1/messages"):
+                if path.startswith("/v1beta/"):  # Gemini's shape
+                    assert r.json()["error"]["status"] == "UNAUTHENTICATED", r.text
+                elif path.startswith("/v1/messages"):
                     assert r.json()["type"] == "error", r.text
                     assert r.json()["error"]["type"] == "authentication_error", r.text
                     # the header Anthropic's clients send, not only OpenAI's
@@ -70,6 +76,8 @@ EXPECTED_LOCAL = {
     "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
     "/v1/messages/count_tokens", "/v1/embeddings", "/tokenize", "/detokenize", "/v1/models",
     "/v1/models/fake", "/v1/prefixes", "/v1/prefixes/pfx-nope",
+    "/v1beta/models", "/v1beta/models/fake:generateContent", "/v1beta/cachedContents",
+    "/v1beta/cachedContents/pfx-nope",
 }  # fmt: skip
 
 

@@ -195,3 +195,115 @@ def test_proxy_streams_cut_by_its_shutdown_end_in_their_dialect(serve_fake):
     while engine.stats()["num_running"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert engine.stats()["num_running"] == 0
+
+
+def test_an_engine_failure_mid_stream_ends_every_dialect_with_its_error(serve_fake):
+    """The engine fails after two tokens: the error event is each stream's last event (no
+    ``[DONE]``, ``message_stop`` or Gemini's closing chunk after it)."""
+    srv, engine = serve_fake()
+    real = engine.generate
+
+    async def failing(request):
+        n = 0
+        inner = real(request)
+        try:
+            async for out in inner:
+                yield out
+                n += 1
+                if n == 2:
+                    raise RuntimeError("boom")
+        finally:
+            await inner.aclose()  # the fake frees the request's blocks now, not at GC
+
+    engine.generate = failing
+    gemini = "/v1beta/models/fake:streamGenerateContent?alt=sse"
+    bodies = {
+        **{p: {**b, LIMIT.get(p, "max_tokens"): 8} for p, b in BODIES.items()},
+        gemini: {
+            "contents": [{"parts": [{"text": "long"}]}],
+            "generationConfig": {"maxOutputTokens": 8},
+        },
+    }
+    for path, body in bodies.items():
+        with httpx.stream("POST", srv.url + path, json=body, timeout=10) as r:
+            assert r.status_code == 200
+            data = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+        assert "[DONE]" not in data, path
+        last = json.loads(data[-1])
+        if path == "/v1/responses":  # its error event, then response.failed
+            assert last["type"] == "response.failed", (path, data[-3:])
+            continue
+        assert last.get("type") == "error" or "error" in last, (path, data[-3:])
+        kinds = {json.loads(d).get("type") for d in data}
+        assert not kinds & {"message_stop", "message_delta", "response.completed"}, path
+
+
+def test_a_gemini_stream_cut_by_the_shutdown_ends_with_its_error(serve_fake):
+    srv, engine = serve_fake(
+        GatewaySettings(model_name="fake", keepalive_s=0.2), token_delay_s=0.05, max_num_seqs=16
+    )
+    path = "/v1beta/models/fake:streamGenerateContent?alt=sse"
+    body = {
+        "contents": [{"parts": [{"text": "long"}]}],
+        "generationConfig": {"maxOutputTokens": 100},
+    }
+    out: dict = {}
+
+    def run() -> None:
+        with httpx.stream("POST", srv.url + path, json=body, timeout=30) as r:
+            out["lines"] = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+
+    t = threading.Thread(target=run)
+    t.start()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not srv.call(_stats(engine))["num_running"]:
+        time.sleep(0.05)
+    summary = srv.call(lambda: srv.server.drain(0.1), timeout=10)
+    srv.server = None
+    t.join(10)
+    assert summary["ended"] == 1, summary
+    last = json.loads(out["lines"][-1][6:])
+    assert last["error"]["status"] == "UNAVAILABLE" and last["error"]["code"] == 503, last
+    assert not any("finishReason" in ln for ln in out["lines"])
+
+
+def test_a_relayed_gemini_stream_cut_by_the_proxys_shutdown_ends_with_its_error(serve_fake):
+    from prefixgate.gateway.app import create_proxy_app
+    from prefixgate.gateway.http.server import BackgroundServer
+
+    local, engine = serve_fake(
+        GatewaySettings(model_name="fake", keepalive_s=0.2), token_delay_s=0.05, max_num_seqs=16
+    )
+    proxy = BackgroundServer(
+        lambda: create_proxy_app([local.url], GatewaySettings(keepalive_s=0.2))
+    ).__enter__()
+    path = "/v1beta/models/fake:streamGenerateContent?alt=sse"
+    body = {
+        "contents": [{"parts": [{"text": "long"}]}],
+        "generationConfig": {"maxOutputTokens": 100},
+    }
+    out: dict = {}
+
+    def run() -> None:
+        with httpx.stream("POST", proxy.url + path, json=body, timeout=30) as r:
+            out["lines"] = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+
+    try:
+        t = threading.Thread(target=run)
+        t.start()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not local.call(_stats(engine))["num_running"]:
+            time.sleep(0.05)
+        summary = proxy.call(lambda: proxy.server.drain(0.1), timeout=10)
+        proxy.server = None
+        t.join(10)
+    finally:
+        proxy.close()
+    assert summary["ended"] == 1, summary
+    last = json.loads(out["lines"][-1][6:])
+    assert last["error"]["code"] == 503 and last["error"]["status"] == "UNAVAILABLE", last
+    assert not any("finishReason" in ln for ln in out["lines"])
+    deadline = time.monotonic() + 5  # the upstream's request aborted when the proxy let go
+    while engine.stats()["num_running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.stats()["num_running"] == 0

@@ -1,0 +1,634 @@
+"""Gemini's API (``/v1beta``, local mode): generateContent, streamGenerateContent, countTokens,
+models, and ``cachedContents`` on the prefix pins.
+
+A ``generateContent`` request is a chat in another shape (``gemini_models.to_chat``): it is
+rendered with the chat template into the same token ids as the equivalent chat completion and
+runs through the same ``Exchange`` (rate limits, admission, disconnect → abort, metrics,
+access log) with a renderer of its own (``GeminiRenderer``): a ``GenerateContentResponse``
+(``candidates``, ``usageMetadata``, ``modelVersion``, ``responseId``), or with
+``:streamGenerateContent?alt=sse`` one ``data: {GenerateContentResponse}`` event per piece of
+text, the last with each candidate's ``finishReason`` and the whole ``usageMetadata``. Errors
+take Gemini's shape, ``{"error": {"code", "message", "status"}}`` (``errors.GEMINI``), in a
+stream as a last ``data: {"error": ...}`` event (``google-genai`` raises it).
+
+Usage: ``promptTokenCount`` the prompt's tokens, ``cachedContentTokenCount`` those of them
+served from the prefix cache (a named cache's pinned blocks, or any earlier request's:
+implicit caching), ``candidatesTokenCount`` the generated tokens of every candidate,
+``totalTokenCount`` prompt + candidates. Finish reasons: ``STOP`` (end of turn, a stop
+sequence, a function call), ``MAX_TOKENS``, ``OTHER`` (aborted).
+
+``cachedContents`` are prefixes of the prefix API (``local/prefixes.py``): a cache's
+``systemInstruction`` + ``contents`` (+ ``tools``) are rendered without a generation prompt
+and pinned; its name is ``cachedContents/<prefix id>``, so the same pin is also
+``/v1/prefixes/<prefix id>``. Tenant scoping (another key's cache is 404), the key's quota
+(429 ``RESOURCE_EXHAUSTED``) and revocation are the prefix API's. A ``generateContent`` naming
+``cachedContent`` renders the cache's messages followed by its own ``contents``; it may not
+send its own ``systemInstruction``, ``tools`` or ``toolConfig`` (Gemini refuses them too).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import uuid
+from typing import Any
+
+from aiohttp import web
+from prefixgate.engine.sampling_params import SamplingParams
+from prefixgate.gateway.api.gemini_models import (
+    CachedContentCreate,
+    CachedContentUpdate,
+    Chat,
+    CountTokensRequest,
+    GenerateContentRequest,
+    life_seconds,
+    openai_tools,
+    parse_request,
+    present,
+    structured,
+    system_text,
+    to_chat,
+    turns,
+)
+from prefixgate.gateway.api.prefix_routes import prefix_quota
+from prefixgate.gateway.api.prompts import check_length, choice_seeds, render_chat
+from prefixgate.gateway.api.response_models import Usage
+from prefixgate.gateway.api.stop_strings import refuse_stop_under_constraint
+from prefixgate.gateway.api.tools import ToolDeltas, ToolPlan, parse_output, plan_tools
+from prefixgate.gateway.http.errors import GEMINI, APIError, bad_request, error_dialect, not_found
+from prefixgate.gateway.local.generation import ChoiceOutput, Delta, engine_request
+from prefixgate.gateway.local.prefixes import PrefixEntry, SharedPrefix
+from prefixgate.gateway.local.serving import LOCAL
+from prefixgate.gateway.state import STATE, GatewayState
+from prefixgate.gateway.tenancy.keys import Principal, effective_salt
+
+CACHE_PREFIX = "cachedContents/"
+DEFAULT_CACHE_TTL_S = 3600.0  # Gemini's default cache life (1 hour)
+GENERATION_METHODS = [
+    "generateContent",
+    "streamGenerateContent",
+    "countTokens",
+    "createCachedContent",
+]
+_FINISH = {"stop": "STOP", "length": "MAX_TOKENS"}
+
+
+def finish_reason(o: ChoiceOutput) -> str:
+    """Gemini's ``finishReason`` of a finished choice (``STOP``, ``MAX_TOKENS``, ``OTHER``)."""
+    return _FINISH.get(o.finish_reason or "", "OTHER")
+
+
+def usage_metadata(usage: Usage) -> dict[str, int]:
+    """Gemini's ``usageMetadata`` of an answer's usage (module docstring)."""
+    cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+    return {
+        "promptTokenCount": usage.prompt_tokens,
+        "candidatesTokenCount": usage.completion_tokens,
+        "cachedContentTokenCount": cached,
+        "totalTokenCount": usage.prompt_tokens + usage.completion_tokens,
+    }
+
+
+def _function_call(name: str, arguments: str, call_id: str) -> dict[str, Any]:
+    try:
+        args = json.loads(arguments) if arguments else {}
+    except ValueError:
+        args = {}
+    return {
+        "functionCall": {
+            "id": call_id,
+            "name": name,
+            "args": args if isinstance(args, dict) else {},
+        }
+    }
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+class GeminiRenderer:
+    """Engine outputs → a ``GenerateContentResponse``, or its SSE chunks (every candidate).
+
+    The same methods as the other renderers, so ``Exchange`` runs it unchanged. Text is sent
+    as it comes; function calls (whole, as Gemini streams them) with the choice's end.
+    """
+
+    route = "generate_content"
+    include_usage = True
+    keepalive = b"\n"  # an empty line: google-genai reads a ``:`` comment line as a JSON chunk
+
+    def __init__(self, rid: str, model: str, plan: ToolPlan, n: int) -> None:
+        self.rid = rid
+        self.model = model
+        self.tools = plan if plan.active else None
+        self._deltas = [ToolDeltas(plan) for _ in range(n)] if self.tools is not None else None
+        self._calls: list[dict[int, dict[str, str]]] = [{} for _ in range(n)]
+
+    def _response(self, candidates: list[dict[str, Any]], usage: Usage | None) -> dict[str, Any]:
+        body: dict[str, Any] = {"candidates": candidates}
+        if usage is not None:
+            body["usageMetadata"] = usage_metadata(usage)
+        body["modelVersion"] = self.model
+        body["responseId"] = self.rid
+        return body
+
+    def json(self, outputs: list[ChoiceOutput], usage: Usage) -> bytes:
+        """The whole ``GenerateContentResponse``, as JSON bytes."""
+        candidates = []
+        for i, o in enumerate(outputs):
+            content, calls = (
+                (o.text, []) if self.tools is None else parse_output(self.tools, o.text)
+            )
+            parts: list[dict[str, Any]] = []
+            if content or not calls:
+                parts.append({"text": content or ""})
+            parts += [_function_call(c.name, c.arguments, c.id) for c in calls]
+            candidates.append(
+                {
+                    "content": {"role": "model", "parts": parts},
+                    "finishReason": finish_reason(o),
+                    "index": i,
+                }
+            )
+        return _dumps(self._response(candidates, usage))
+
+    # --- stream ---------------------------------------------------------------------------
+    def event(self, chunk: bytes) -> bytes:
+        """Chunks are already framed events."""
+        return chunk
+
+    def opening(self, n: int) -> list[bytes]:
+        """Nothing: the first chunk carries text."""
+        return []
+
+    def _chunk(self, candidates: list[dict[str, Any]], usage: Usage | None = None) -> bytes:
+        return b"data: " + _dumps(self._response(candidates, usage)) + b"\n\n"
+
+    def chunks(self, i: int, d: Delta, offset: int) -> list[bytes]:
+        """A chunk of the choice's new text (function calls wait for ``closing``)."""
+        if self._deltas is None:
+            text = d.delta_text
+        else:
+            deltas = self._deltas[i].feed(d.delta_text) if d.delta_text else []
+            if d.finished:
+                deltas += self._deltas[i].finish()
+            text = ""
+            for delta in deltas:
+                text += delta.get("content") or ""
+                for call in delta.get("tool_calls") or []:
+                    fn = call.get("function") or {}
+                    slot = self._calls[i].setdefault(
+                        call.get("index", 0), {"id": "", "name": "", "arguments": ""}
+                    )
+                    slot["id"] = call.get("id") or slot["id"]
+                    slot["name"] = fn.get("name") or slot["name"]
+                    slot["arguments"] += fn.get("arguments") or ""
+        if not text:
+            return []
+        content = {"role": "model", "parts": [{"text": text}]}
+        return [self._chunk([{"content": content, "index": i}])]
+
+    def closing(self, outputs: list[ChoiceOutput], usage: Usage) -> list[bytes]:
+        """The last chunk: each candidate's function calls and ``finishReason``, and the
+        whole ``usageMetadata``."""
+        candidates = []
+        for i, o in enumerate(outputs):
+            calls = [self._calls[i][k] for k in sorted(self._calls[i])]
+            parts = [_function_call(c["name"], c["arguments"], c["id"]) for c in calls]
+            candidates.append(
+                {
+                    "content": {"role": "model", "parts": parts or [{"text": ""}]},
+                    "finishReason": finish_reason(o),
+                    "index": i,
+                }
+            )
+        return [self._chunk(candidates, usage)]
+
+    def error_event(self, err: APIError) -> bytes:
+        """The last event of a stream cut short: ``data: {"error": ...}`` (Gemini's shape)."""
+        return b"data: " + _dumps(err.gemini_body()) + b"\n\n"
+
+
+# --- shared steps ---------------------------------------------------------------------------
+def _split_target(request: web.Request) -> tuple[str, str]:
+    """``{model}:{method}`` of the path → ``(model, method)``.
+
+    Raises:
+        APIError: 404 for a path without a method.
+    """
+    target = request.match_info["target"]
+    model, sep, method = target.rpartition(":")
+    if not sep:
+        raise not_found(f"unknown route: models/{target[:80]} needs a method (:generateContent)")
+    return model, method
+
+
+def _check_model(st: GatewayState, model: str, param: str = "model") -> None:
+    served = st.model_name
+    if model.removeprefix("models/") != served:
+        raise APIError(
+            404,
+            f"models/{model.removeprefix('models/')[:80]} is not found; this server serves "
+            f"models/{served}",
+            param=param,
+            code="model_not_found",
+        )
+
+
+async def _cached(
+    request: web.Request, name: str, principal: Principal
+) -> PrefixEntry | SharedPrefix:
+    """The live cache ``name`` (``cachedContents/<id>``) of the caller's key.
+
+    Raises:
+        APIError: 404 when unknown, expired, revoked or another key's (the prefix API's).
+    """
+    if not name.startswith(CACHE_PREFIX):
+        raise bad_request(
+            f"cachedContent: {name[:80]!r} is not a cachedContents/... name", "cachedContent"
+        )
+    prefixes = request.app[LOCAL].require_prefixes()
+    try:
+        return await prefixes.lookup(name.removeprefix(CACHE_PREFIX), principal.salt)
+    except APIError as exc:
+        raise APIError(
+            404,
+            exc.message.replace("prefix", "cached content", 1),
+            param="cachedContent",
+            code=exc.code,
+        ) from None
+
+
+async def _chat(request: web.Request, req: GenerateContentRequest, principal: Principal) -> Chat:
+    """The request as a chat; with ``cachedContent``, the cache's messages and tools first.
+
+    Raises:
+        APIError: 400 for ``systemInstruction`` / ``tools`` / ``toolConfig`` beside
+            ``cachedContent``; 404 for a cache the key cannot read.
+    """
+    if not req.cachedContent:
+        return to_chat(req)
+    for name in ("systemInstruction", "tools", "toolConfig"):
+        if present(getattr(req, name)):
+            raise bad_request(
+                f"{name}: CachedContent can not be used with GenerateContent request setting "
+                "system_instruction, tools or tool_config; put them in the cache",
+                param=name,
+            )
+    entry = await _cached(request, req.cachedContent, principal)
+    bare = GenerateContentRequest(contents=req.contents)
+    chat = to_chat(bare)
+    chat.messages = [*entry.messages, *chat.messages]
+    chat.tools = [dict(t) for t in entry.tools or []]
+    return chat
+
+
+async def _prepare(
+    request: web.Request, req: GenerateContentRequest, principal: Principal
+) -> tuple[Chat, ToolPlan, list[int]]:
+    st = request.app[STATE]
+    engine = request.app[LOCAL].require_engine()
+    chat = await _chat(request, req, principal)
+    try:
+        plan = plan_tools(chat.tools or None, chat.tool_choice, None, st.settings.tool_call_parser)
+    except APIError as exc:  # named in OpenAI's terms: say it in Gemini's
+        if exc.param is None or not exc.param.startswith("tool_choice"):
+            raise
+        where = "toolConfig.functionCallingConfig.mode"
+        raise bad_request(
+            f"{where} (AUTO unless set): {exc.message.removeprefix('tool_choice: ')}", where
+        ) from None
+    ids = await render_chat(
+        engine.tokenizer,
+        chat.messages,
+        max_model_len=engine.max_model_len,
+        tools=plan.tools or None,
+    )
+    return chat, plan, ids
+
+
+# --- routes ---------------------------------------------------------------------------------
+@error_dialect(GEMINI)
+async def model_method(request: web.Request) -> web.StreamResponse:
+    """POST /v1beta/models/{model}:{method}: ``generateContent``, ``streamGenerateContent``
+    (``alt=sse``) or ``countTokens``; any other method 404."""
+    model, method = _split_target(request)
+    if method == "generateContent":
+        return await _generate(request, model, stream=False)
+    if method == "streamGenerateContent":
+        alt = request.query.get("alt")
+        if alt != "sse":
+            raise bad_request(
+                f"alt: streamGenerateContent is served as server-sent events only "
+                f"(?alt=sse), got {str(alt)[:20]!r}",
+                param="alt",
+            )
+        return await _generate(request, model, stream=True)
+    if method == "countTokens":
+        return await _count_tokens(request, model)
+    raise not_found(
+        f"method {method[:60]!r} is not served on models/ (generateContent, "
+        "streamGenerateContent, countTokens)"
+    )
+
+
+async def _count_tokens(request: web.Request, model: str) -> web.Response:
+    """``{"totalTokens": N, "cachedContentTokenCount"?}``: the prompt's tokens as
+    ``generateContent``'s ``promptTokenCount`` counts them."""
+    st = request.app[STATE]
+    request.app[LOCAL].require_engine()
+    principal = st.keys.authenticate(request)
+    body = parse_request(CountTokensRequest, await request.read())
+    _check_model(st, model)
+    if (body.contents is None) == (body.generateContentRequest is None):
+        raise bad_request("give contents or generateContentRequest (one)", param="contents")
+    req = body.generateContentRequest or GenerateContentRequest(contents=body.contents or [])
+    if req.model is not None:
+        _check_model(st, req.model, "generateContentRequest.model")
+    _, _, ids = await _prepare(request, req, principal)
+    out: dict[str, Any] = {"totalTokens": len(ids)}
+    return web.json_response(out)
+
+
+async def _generate(request: web.Request, model: str, stream: bool) -> web.StreamResponse:
+    from prefixgate.gateway.api.openai_routes import Exchange, _check_constraint
+
+    st = request.app[STATE]
+    engine = request.app[LOCAL].require_engine()
+    principal = st.keys.authenticate(request)
+    req = parse_request(GenerateContentRequest, await request.read())
+    _check_model(st, model)
+    if req.model and req.model.removeprefix("models/") != model.removeprefix("models/"):
+        raise bad_request("model: the body names another model than the path", param="model")
+    chat, plan, ids = await _prepare(request, req, principal)
+    gc = req.generationConfig
+    constraint = structured(gc)
+    if constraint is not None and plan.active:
+        raise bad_request(
+            "generationConfig.responseSchema: a response schema together with tools is not "
+            "supported",
+            param="generationConfig.responseMimeType",
+        )
+    stop = list(gc.stopSequences or []) if gc is not None else []
+    if plan.mode in ("required", "named"):
+        forced = "toolConfig"
+    elif constraint is not None:
+        forced = "generationConfig.responseMimeType"
+    else:
+        forced = None
+    refuse_stop_under_constraint(stop, "generationConfig.stopSequences", forced)
+    spec = constraint if constraint is not None else plan.structured
+    if spec is not None:
+        await _check_constraint(spec, forced or "tools")
+    max_tokens = check_length(
+        len(ids),
+        gc.maxOutputTokens if gc is not None else None,
+        engine.max_model_len,
+        "contents",
+        "generationConfig.maxOutputTokens",
+    )
+    n = (gc.candidateCount if gc is not None else None) or 1
+    seeds = choice_seeds(gc.seed if gc is not None else None, n)
+    rid = uuid.uuid4().hex[:24]
+    requests = []
+    for i in range(n):
+        try:
+            params = SamplingParams(
+                temperature=1.0 if gc is None or gc.temperature is None else gc.temperature,
+                top_p=1.0 if gc is None or gc.topP is None else gc.topP,
+                top_k=-1 if gc is None or gc.topK is None else gc.topK,
+                seed=seeds[i],
+                presence_penalty=0.0
+                if gc is None or gc.presencePenalty is None
+                else gc.presencePenalty,
+                frequency_penalty=0.0
+                if gc is None or gc.frequencyPenalty is None
+                else gc.frequencyPenalty,
+                max_tokens=max_tokens,
+                stop=stop,
+                structured_outputs=spec,
+                skip_special_tokens=plan.mode != "auto",
+            )
+        except (ValueError, TypeError) as exc:
+            raise bad_request(f"generationConfig: {exc}", param="generationConfig") from None
+        requests.append(engine_request(principal, f"{rid}-{i}", ids, params))
+    renderer = GeminiRenderer(rid, model.removeprefix("models/"), plan, n)
+    return await Exchange(request, st, principal, requests, renderer, stream).run()
+
+
+def _model_object(st: GatewayState, max_model_len: int | None) -> dict[str, Any]:
+    name = st.model_name
+    out: dict[str, Any] = {
+        "name": f"models/{name}",
+        "baseModelId": name,
+        "version": "1",
+        "displayName": name,
+        "description": "served by prefixgate",
+        "supportedGenerationMethods": GENERATION_METHODS,
+    }
+    if max_model_len is not None:
+        out["inputTokenLimit"] = max_model_len
+        out["outputTokenLimit"] = max_model_len
+    return out
+
+
+@error_dialect(GEMINI)
+async def list_models(request: web.Request) -> web.Response:
+    """GET /v1beta/models → ``{"models": [Model]}`` (the one served model)."""
+    st = request.app[STATE]
+    engine = request.app[LOCAL].require_engine()
+    st.keys.authenticate(request)
+    return web.json_response({"models": [_model_object(st, engine.max_model_len)]})
+
+
+@error_dialect(GEMINI)
+async def get_model(request: web.Request) -> web.Response:
+    """GET /v1beta/models/{model} → the ``Model``; 404 for another name."""
+    st = request.app[STATE]
+    engine = request.app[LOCAL].require_engine()
+    st.keys.authenticate(request)
+    _check_model(st, request.match_info["target"])
+    return web.json_response(_model_object(st, engine.max_model_len))
+
+
+# --- cachedContents -------------------------------------------------------------------------
+def rfc3339(unix_s: float) -> str:
+    """Unix seconds as RFC 3339 UTC (``inf``: the far future)."""
+    if unix_s == float("inf"):
+        return "9999-12-31T23:59:59Z"
+    at = dt.datetime.fromtimestamp(unix_s, dt.UTC)
+    return at.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def cache_object(entry: PrefixEntry | SharedPrefix, model: str) -> dict[str, Any]:
+    """The ``CachedContent`` resource of a prefix (``usageMetadata.totalTokenCount``: the
+    rendered prefix's tokens)."""
+    updated = getattr(entry, "updated_at", 0) or entry.created_at
+    out: dict[str, Any] = {
+        "name": CACHE_PREFIX + entry.id,
+        "model": f"models/{model}",
+        "createTime": rfc3339(entry.created_at),
+        "updateTime": rfc3339(updated),
+        "expireTime": rfc3339(getattr(entry, "expires_unix", 0.0) or entry.expires_at),
+        "usageMetadata": {"totalTokenCount": entry.prompt_tokens},
+    }
+    if entry.display_name is not None:
+        out["displayName"] = entry.display_name
+    return out
+
+
+@error_dialect(GEMINI)
+async def create_cache(request: web.Request) -> web.Response:
+    """POST /v1beta/cachedContents → the ``CachedContent`` (its pin made)."""
+    st = request.app[STATE]
+    local = request.app[LOCAL]
+    engine = local.require_engine()
+    principal = st.keys.authenticate(request)
+    req = parse_request(CachedContentCreate, await request.read())
+    _check_model(st, req.model)
+    if req.toolConfig is not None:
+        raise bad_request(
+            "toolConfig: a tool config in a cached content is not supported (send "
+            "toolConfig-free requests on the cache)",
+            param="toolConfig",
+        )
+    prefixes = local.require_prefixes()
+    ttl_s = life_seconds(req.ttl, req.expireTime, min(DEFAULT_CACHE_TTL_S, prefixes.max_ttl_s))
+    if ttl_s > prefixes.max_ttl_s:
+        where = "ttl" if req.ttl is not None else "expireTime"
+        raise bad_request(
+            f"{where}: a cache lives at most {prefixes.max_ttl_s:g} s here", param=where
+        )
+    messages: list[dict[str, Any]] = []
+    system = system_text(req.systemInstruction)
+    if system:
+        messages.append({"role": "system", "content": system})
+    messages += turns(req.contents or [])
+    if not messages:
+        raise bad_request("contents: a cache needs systemInstruction or contents", "contents")
+    tools = openai_tools(req.tools) or None
+    ids = await render_chat(
+        engine.tokenizer,
+        messages,
+        add_generation_prompt=False,
+        max_model_len=engine.max_model_len,
+        tools=tools,
+    )
+    check_length(len(ids), None, engine.max_model_len, "contents")
+    entry = await prefixes.create(
+        messages,
+        ids,
+        ttl_s,
+        principal.salt,
+        effective_salt(principal.salt, None),
+        owner=principal.id,
+        quota=prefix_quota(principal.spec, st.settings, engine.stats().get("kv_blocks_total", 0)),
+        tenant=principal.tenant,
+        tools=tools,
+        display_name=req.displayName,
+    )
+    return web.json_response(cache_object(entry, st.model_name))
+
+
+def _cache_id(request: web.Request) -> str:
+    return request.match_info["cache_id"]
+
+
+@error_dialect(GEMINI)
+async def get_cache(request: web.Request) -> web.Response:
+    """GET /v1beta/cachedContents/{id} → the ``CachedContent``; 404 when unknown, expired or
+    another key's."""
+    st = request.app[STATE]
+    principal = st.keys.authenticate(request)
+    entry = await _cached(request, CACHE_PREFIX + _cache_id(request), principal)
+    return web.json_response(cache_object(entry, st.model_name))
+
+
+@error_dialect(GEMINI)
+async def list_caches(request: web.Request) -> web.Response:
+    """GET /v1beta/cachedContents?pageSize=&pageToken= → ``{"cachedContents": [...],
+    "nextPageToken"?}``: the caller's key's live caches on this replica, oldest first."""
+    st = request.app[STATE]
+    principal = st.keys.authenticate(request)
+    prefixes = request.app[LOCAL].require_prefixes()
+    try:
+        size = int(request.query.get("pageSize", "100"))
+        start = int(request.query.get("pageToken") or "0")
+    except ValueError:
+        raise bad_request("pageSize and pageToken: whole numbers", param="pageSize") from None
+    if not 1 <= size <= 1000 or start < 0:
+        raise bad_request("pageSize: 1 to 1000; pageToken: from an earlier page", "pageSize")
+    mine = prefixes.owned(principal.salt)
+    page = mine[start : start + size]
+    body: dict[str, Any] = {"cachedContents": [cache_object(e, st.model_name) for e in page]}
+    if start + size < len(mine):
+        body["nextPageToken"] = str(start + size)
+    return web.json_response(body)
+
+
+@error_dialect(GEMINI)
+async def update_cache(request: web.Request) -> web.Response:
+    """PATCH /v1beta/cachedContents/{id} {ttl | expireTime} → the ``CachedContent`` with its
+    new life (only the life can change: ``updateMask`` other than ttl / expireTime is a 400)."""
+    st = request.app[STATE]
+    principal = st.keys.authenticate(request)
+    prefixes = request.app[LOCAL].require_prefixes()
+    req = parse_request(CachedContentUpdate, await request.read())
+    mask = request.query.get("updateMask")
+    if mask is not None:
+        for f in mask.split(","):
+            if f.strip() not in ("ttl", "expireTime", "expire_time"):
+                raise bad_request(
+                    f"updateMask: only ttl or expireTime can change, got {f.strip()[:40]!r}",
+                    param="updateMask",
+                )
+    if req.ttl is None and req.expireTime is None:
+        raise bad_request("give ttl or expireTime", param="ttl")
+    ttl_s = life_seconds(req.ttl, req.expireTime, 0.0)
+    try:
+        entry = await prefixes.renew(_cache_id(request), principal.salt, ttl_s)
+    except APIError as exc:
+        if exc.status == 404:
+            raise APIError(
+                404, exc.message.replace("prefix", "cached content", 1), param="name", code=exc.code
+            ) from None
+        raise
+    return web.json_response(cache_object(entry, st.model_name))
+
+
+@error_dialect(GEMINI)
+async def delete_cache(request: web.Request) -> web.Response:
+    """DELETE /v1beta/cachedContents/{id} → ``{}`` (its pin released)."""
+    st = request.app[STATE]
+    principal = st.keys.authenticate(request)
+    prefixes = request.app[LOCAL].require_prefixes()
+    try:
+        await prefixes.remove(_cache_id(request), principal.salt)
+    except APIError as exc:
+        if exc.status == 404:
+            raise APIError(
+                404, exc.message.replace("prefix", "cached content", 1), param="name", code=exc.code
+            ) from None
+        raise
+    return web.json_response({})
+
+
+@error_dialect(GEMINI)
+async def no_route(request: web.Request) -> web.Response:
+    """Any other /v1beta path or method: 404 / 405 in Gemini's shape."""
+    raise APIError(404, f"unknown route {request.method} {request.path[:120]}", code="not_found")
+
+
+def add_routes(app: web.Application, expect_handler: Any) -> None:
+    """Gemini's local-mode routes on ``app``."""
+    r = app.router
+    r.add_get("/v1beta/models", list_models, expect_handler=expect_handler)
+    r.add_get("/v1beta/models/{target}", get_model, expect_handler=expect_handler)
+    r.add_post("/v1beta/models/{target}", model_method, expect_handler=expect_handler)
+    r.add_post("/v1beta/cachedContents", create_cache, expect_handler=expect_handler)
+    r.add_get("/v1beta/cachedContents", list_caches, expect_handler=expect_handler)
+    r.add_get("/v1beta/cachedContents/{cache_id}", get_cache, expect_handler=expect_handler)
+    r.add_patch("/v1beta/cachedContents/{cache_id}", update_cache, expect_handler=expect_handler)
+    r.add_delete("/v1beta/cachedContents/{cache_id}", delete_cache, expect_handler=expect_handler)
+    r.add_route("*", "/v1beta/{tail:.*}", no_route, expect_handler=expect_handler)

@@ -1,0 +1,736 @@
+"""Gemini's API (``/v1beta``) in upstream mode: translated to the OpenAI dialect the proxy
+speaks, relayed, and the answer translated back.
+
+The body is validated by the local dialect's models (``api.gemini_models``: a field local mode
+refuses is a 400 naming it here too) and turned into the same chat (``to_chat``), sent as a
+chat completion (``POST /v1/chat/completions``) to the upstream routing picks for its messages
+under the key's salt (prefix affinity), with the key's salt as ``cache_salt`` where the
+upstream takes it — so a prefixgate upstream keeps tenants apart and reports cached tokens.
+``generationConfig`` maps onto the chat's fields (``max_tokens``, ``temperature``, ``top_p``,
+``top_k``, ``stop``, ``n``, ``seed``, penalties, ``response_format`` ``json_schema`` /
+``json_object``), ``functionDeclarations`` and ``toolConfig`` onto ``tools`` and
+``tool_choice``. The answer comes back as a ``GenerateContentResponse`` (text and
+``functionCall`` parts, ``finishReason``, ``usageMetadata`` from the upstream's ``usage``:
+``cachedContentTokenCount`` only when the upstream reports ``cached_tokens``); a stream is
+checked event by event (``relay.EventChecker``: JSON chunks, ``[DONE]`` after every choice's
+``finish_reason``) and a stream cut short ends with Gemini's ``data: {"error": ...}``, never as
+a success. A failure before the answer (connection error, 502/503/504) marks the upstream down
+and tries the next; a 429/500 tries the next; other errors reach the client reworded, in
+Gemini's shape. ``countTokens`` asks the upstream's ``/tokenize`` (501 where it has none).
+
+``cachedContents`` map onto the proxy's prefix API (``proxy/prefixes.py``): create registers
+the cache's messages (on a prefixgate upstream, pinned there through its prefix API), get and
+delete are the prefix's, list is the key's own prefixes on this replica, and a
+``generateContent`` naming ``cachedContent`` is sent with the cache's messages first, routed
+by their text (to the upstream that holds the pin). What the upstream prefix API cannot do is
+a 501 ``UNIMPLEMENTED`` naming it: changing a cache's TTL (the upstream prefix API has no
+renewal), ``tools`` or ``toolConfig`` in a cache.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prefixgate.gateway.api.gemini import (
+    CACHE_PREFIX,
+    DEFAULT_CACHE_TTL_S,
+    GENERATION_METHODS,
+    no_route,
+    rfc3339,
+)
+from prefixgate.gateway.api.gemini_models import (
+    CachedContentCreate,
+    Chat,
+    CountTokensRequest,
+    GenerateContentRequest,
+    GenerationConfig,
+    life_seconds,
+    parse_request,
+    present,
+    structured,
+    system_text,
+    to_chat,
+    turns,
+    wire_messages,
+)
+from prefixgate.gateway.api.response_models import ChatCompletion, ChatCompletionChunk
+from prefixgate.gateway.api.stop_strings import refuse_stop_under_constraint
+from prefixgate.gateway.http.access_log import stream_cut
+from prefixgate.gateway.http.errors import GEMINI, APIError, bad_request, error_dialect
+from prefixgate.gateway.http.sse import SSE_HEADERS
+from prefixgate.gateway.proxy.answers import shape_problem
+from prefixgate.gateway.proxy.messages_openai import token_count
+from prefixgate.gateway.proxy.messages_relay import reworded
+from prefixgate.gateway.proxy.policies import Route
+from prefixgate.gateway.proxy.prefix_entry import ProxyPrefix
+from prefixgate.gateway.proxy.redact import auth_error, secrets_of
+from prefixgate.gateway.proxy.relay import EventChecker, StreamBroken
+from prefixgate.gateway.proxy.routes import (
+    end_attempt,
+    model_cards,
+    transport_failure,
+    upstream_headers,
+)
+from prefixgate.gateway.proxy.serving import PROXY
+from prefixgate.gateway.proxy.upstream import Upstream, retry_after_seconds
+from prefixgate.gateway.proxy.usage import admit_call, settle_usage
+from prefixgate.gateway.state import STATE, GatewayState
+from prefixgate.gateway.tenancy.keys import effective_salt
+
+_DOWN = frozenset((502, 503, 504))
+_NEXT = frozenset((429, 500, 529))
+_FINISH = {
+    "stop": "STOP",
+    "tool_calls": "STOP",
+    "function_call": "STOP",
+    "length": "MAX_TOKENS",
+    "content_filter": "SAFETY",
+}
+
+
+class _Next(Exception):
+    def __init__(self, status: str, error: APIError | None) -> None:
+        super().__init__(status)
+        self.status = status
+        self.error = error
+
+
+class _Call:
+    """One proxied Gemini request: its chat body, route and what was served."""
+
+    def __init__(self, request: web.Request, body: dict[str, Any], route: Route, public: str):
+        self.request = request
+        self.st: GatewayState = request.app[STATE]
+        self.router = request.app[PROXY].router
+        self.body = body
+        self.route = route
+        self.public = public
+        self.served = False
+        self.prompt: int | None = None
+        self.completion = 0
+
+    def prompt_tokens(self) -> int | None:
+        return self.prompt
+
+    def completion_tokens(self) -> int:
+        return self.completion
+
+    def data(self, up: Upstream, salt: str | None) -> bytes:
+        body = {**self.body, "model": up.upstream_model(self.route.model or self.public)}
+        if up.cache_salt is not False and salt is not None:
+            body["cache_salt"] = salt
+        return json.dumps(body).encode()
+
+
+def _chat_body(chat: Chat, gc: GenerationConfig | None, stream: bool) -> dict[str, Any]:
+    """The OpenAI chat completions body of the chat and its ``generationConfig``."""
+    body: dict[str, Any] = {"messages": wire_messages(chat.messages)}
+    if chat.tools:
+        body["tools"] = chat.tools
+    if chat.tool_choice is not None:
+        body["tool_choice"] = chat.tool_choice
+    if gc is not None:
+        for name, field in (
+            ("max_tokens", "maxOutputTokens"),
+            ("temperature", "temperature"),
+            ("top_p", "topP"),
+            ("top_k", "topK"),
+            ("n", "candidateCount"),
+            ("seed", "seed"),
+            ("presence_penalty", "presencePenalty"),
+            ("frequency_penalty", "frequencyPenalty"),
+        ):
+            value = getattr(gc, field)
+            if value is not None:
+                body[name] = value
+        if gc.stopSequences:
+            body["stop"] = list(gc.stopSequences)
+        spec = structured(gc)
+        if spec is not None and spec.json is not None:
+            schema = spec.json if isinstance(spec.json, dict) else json.loads(spec.json)
+            body["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": "response", "schema": schema, "strict": True},
+            }
+        elif spec is not None:
+            body["response_format"] = {"type": "json_object"}
+    if stream:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def _usage_metadata(usage: Any) -> dict[str, int] | None:
+    """Gemini's ``usageMetadata`` of an OpenAI ``usage`` (None when it is not one);
+    ``cachedContentTokenCount`` only when the upstream reported cached tokens."""
+    if not isinstance(usage, dict):
+        return None
+    p, c = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    if not (_whole(p) and _whole(c)):
+        return None
+    assert isinstance(p, int) and isinstance(c, int)
+    out = {"promptTokenCount": p, "candidatesTokenCount": c, "totalTokenCount": p + c}
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    if isinstance(cached, int) and _whole(cached):
+        out["cachedContentTokenCount"] = cached
+    return out
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _parts(text: str | None, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    parts: list[dict[str, Any]] = []
+    if text or not calls:
+        parts.append({"text": text or ""})
+    for c in calls:
+        fn = c.get("function") or {}
+        try:
+            args = json.loads(fn.get("arguments") or "{}")
+        except ValueError:
+            args = {}
+        parts.append(
+            {
+                "functionCall": {
+                    "id": c.get("id") or "",
+                    "name": fn.get("name") or "",
+                    "args": args if isinstance(args, dict) else {},
+                }
+            }
+        )
+    return parts
+
+
+def _response(
+    candidates: list[dict[str, Any]], usage: dict[str, int] | None, model: str, rid: str
+) -> dict[str, Any]:
+    out: dict[str, Any] = {"candidates": candidates}
+    if usage is not None:
+        out["usageMetadata"] = usage
+    out["modelVersion"] = model
+    out["responseId"] = rid
+    return out
+
+
+def to_gemini(completion: dict[str, Any], model: str, rid: str) -> dict[str, Any]:
+    """A ``chat.completion`` as a ``GenerateContentResponse``."""
+    candidates = []
+    for ch in completion.get("choices") or []:
+        msg = ch.get("message") or {}
+        candidates.append(
+            {
+                "content": {
+                    "role": "model",
+                    "parts": _parts(msg.get("content"), msg.get("tool_calls") or []),
+                },
+                "finishReason": _FINISH.get(ch.get("finish_reason") or "", "OTHER"),
+                "index": ch.get("index", 0),
+            }
+        )
+    return _response(candidates, _usage_metadata(completion.get("usage")), model, rid)
+
+
+class _Chunks:
+    """``chat.completion.chunk`` events → Gemini's stream chunks: text as it comes,
+    function calls whole with the last chunk, which carries every candidate's
+    ``finishReason`` and the ``usageMetadata``."""
+
+    def __init__(self, model: str, rid: str) -> None:
+        self.model = model
+        self.rid = rid
+        self.finish: dict[int, str] = {}
+        self.calls: dict[int, dict[int, dict[str, Any]]] = {}
+        self.usage: dict[str, Any] | None = None
+        self.completion = 0
+
+    def feed(self, events: bytes) -> list[bytes]:
+        out: list[bytes] = []
+        for event in events.split(b"\n\n"):
+            data = [ln[5:].strip() for ln in event.split(b"\n") if ln.startswith(b"data:")]
+            if not data or data[0] == b"[DONE]":
+                continue
+            obj = json.loads(b"\n".join(data))
+            if isinstance(obj.get("usage"), dict):
+                self.usage = obj["usage"]
+            candidates = []
+            for ch in obj.get("choices") or []:
+                i = ch.get("index", 0)
+                delta = ch.get("delta") or {}
+                for call in delta.get("tool_calls") or []:
+                    slot = self.calls.setdefault(i, {}).setdefault(
+                        call.get("index", 0), {"id": "", "function": {"name": "", "arguments": ""}}
+                    )
+                    fn = call.get("function") or {}
+                    slot["id"] = call.get("id") or slot["id"]
+                    slot["function"]["name"] = fn.get("name") or slot["function"]["name"]
+                    slot["function"]["arguments"] += fn.get("arguments") or ""
+                if ch.get("finish_reason"):
+                    self.finish[i] = _FINISH.get(ch["finish_reason"], "OTHER")
+                text = delta.get("content")
+                if text:
+                    self.completion += 1
+                    content = {"role": "model", "parts": [{"text": text}]}
+                    candidates.append({"content": content, "index": i})
+            if candidates:
+                out.append(self._event(_response(candidates, None, self.model, self.rid)))
+        return out
+
+    def closing(self) -> bytes:
+        candidates = []
+        for i in sorted(self.finish):
+            calls = [self.calls.get(i, {})[k] for k in sorted(self.calls.get(i, {}))]
+            parts = _parts(None, calls) if calls else [{"text": ""}]
+            candidates.append(
+                {
+                    "content": {"role": "model", "parts": parts},
+                    "finishReason": self.finish[i],
+                    "index": i,
+                }
+            )
+        usage = _usage_metadata(self.usage)
+        return self._event(_response(candidates, usage, self.model, self.rid))
+
+    @staticmethod
+    def _event(obj: dict[str, Any]) -> bytes:
+        return (
+            b"data: "
+            + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+            + b"\n\n"
+        )
+
+
+def _error_event(err: APIError) -> bytes:
+    data = json.dumps(err.gemini_body(), separators=(",", ":"), ensure_ascii=False)
+    return f"data: {data}\n\n".encode()
+
+
+# --- the attempts ---------------------------------------------------------------------------
+async def _each_upstream(call: _Call, attempt: Any) -> web.StreamResponse:
+    """``attempt`` on the upstream routing picks, then the next ones of the model."""
+    router, route = call.router, call.route
+    tried: list[Upstream] = []
+    last: APIError | None = None
+    while True:
+        up = router.pick(route, tried)
+        if up is None:
+            if last is not None:
+                raise last
+            raise router.exhausted(tried, "every upstream failed", route.model)
+        tried.append(up)
+        up.in_flight += 1
+        slot = up.slots.take()
+        status = "error"
+        try:
+            out = await attempt(up)
+            status = str(out.status)
+            return out
+        except _Next as nxt:
+            status = nxt.status
+            if nxt.error is not None:
+                last = nxt.error
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
+            request = call.request
+            if request.transport is None or request.transport.is_closing():
+                return web.Response(status=499)
+            status, timeout = transport_failure(router, up, exc)
+            if timeout is not None:
+                raise timeout from None
+        finally:
+            end_attempt(call.st, up, slot, status)
+
+
+async def _refused(call: _Call, up: Upstream, resp: aiohttp.ClientResponse) -> None:
+    data = await resp.read()
+    if resp.status in (401, 403):
+        own = up.auth is not None or bool(call.st.settings.upstream_api_key)
+        raise auth_error(resp.status, up.url, own)
+    secrets = secrets_of(call.st.settings.upstream_api_key, up.auth)
+    err = reworded(resp.status, data, resp.headers, secrets)
+    if resp.status in _DOWN:
+        call.router.mark_failed(up, f"HTTP {resp.status}")
+        raise _Next(str(resp.status), err)
+    if resp.status in _NEXT:
+        wait = retry_after_seconds(resp.headers.get("Retry-After"))
+        if resp.status == 429 and wait is not None:
+            call.router.limit(up, wait)
+        raise _Next(str(resp.status), err)
+    raise err
+
+
+async def _generate_try(
+    call: _Call, up: Upstream, salt: str | None, stream: bool, ticket: Any
+) -> web.StreamResponse:
+    session = call.router.session
+    assert session is not None
+    rid = uuid.uuid4().hex[:24]
+    headers = upstream_headers(call.request, call.st, up)
+    url = up.url + "/v1/chat/completions"
+    async with session.post(url, data=call.data(up, salt), headers=headers, ssl=up.ssl) as resp:
+        if resp.status != 200:
+            await _refused(call, up, resp)
+        ctype = resp.headers.get("Content-Type", "")
+        if stream and ctype.startswith("text/event-stream"):
+            ticket.started()
+            up.served += 1
+            call.served = True
+            return await _relay(call, resp, rid)
+        raw = await resp.read()
+        try:
+            parsed = json.loads(raw)
+            problem = (
+                "a stream answered as JSON" if stream else shape_problem(parsed, ChatCompletion)
+            )
+        except (ValueError, UnicodeDecodeError):
+            problem = "a body that is not JSON"
+        if problem is not None:
+            call.router.mark_failed(up, f"HTTP 200 with {problem}")
+            raise _Next(
+                "invalid", APIError(502, f"the upstream answered {problem}", code="upstream_error")
+            )
+        ticket.started()
+        up.served += 1
+        call.served = True
+        body = to_gemini(parsed, call.public, rid)
+        usage = body.get("usageMetadata")
+        if usage is not None:
+            call.prompt = usage["promptTokenCount"]
+            call.completion = usage["candidatesTokenCount"]
+        return web.json_response(body)
+
+
+async def _relay(call: _Call, resp: aiohttp.ClientResponse, rid: str) -> web.StreamResponse:
+    """The upstream's chunk stream as Gemini's, checked; a cut ends with an error event."""
+    out = web.StreamResponse(status=200, headers=SSE_HEADERS)
+    await out.prepare(call.request)
+    checker = EventChecker(ChatCompletionChunk, require_finish=True)
+    chunks = _Chunks(call.public, rid)
+    error: APIError | None = None
+    try:
+        while not checker.done:
+            data = await resp.content.readany()
+            if not data:
+                raise StreamBroken("the upstream's stream ended before its last event ([DONE])")
+            for event in chunks.feed(checker.feed(data)):
+                await out.write(event)
+        if checker.errored:
+            error = APIError(
+                502, "the upstream ended its stream with an error", code="upstream_error"
+            )
+    except StreamBroken as exc:
+        error = APIError(502, str(exc), code=exc.code)
+    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
+        error = APIError(
+            502,
+            f"the upstream connection broke mid-stream: {type(exc).__name__}",
+            code="upstream_error",
+        )
+    except ConnectionResetError:
+        return out
+    usage = _usage_metadata(chunks.usage)
+    call.prompt = usage["promptTokenCount"] if usage else None
+    call.completion = usage["candidatesTokenCount"] if usage else chunks.completion
+    try:
+        if error is not None:
+            stream_cut(call.request, error.code)
+            await out.write(_error_event(error))
+        else:
+            await out.write(chunks.closing())
+        await out.write_eof()
+    except ConnectionResetError:
+        pass
+    return out
+
+
+# --- routes ---------------------------------------------------------------------------------
+def _public_model(call_model: str, st: GatewayState, router: Any) -> str:
+    name = call_model.removeprefix("models/")
+    if router.resolve(name) is None:
+        raise APIError(
+            404, f"models/{name[:80]} is not found", param="model", code="model_not_found"
+        )
+    return name
+
+
+async def _chat_of(
+    request: web.Request, req: GenerateContentRequest, salt: str | None
+) -> tuple[Chat, ProxyPrefix | None]:
+    if not req.cachedContent:
+        return to_chat(req), None
+    for name in ("systemInstruction", "tools", "toolConfig"):
+        if present(getattr(req, name)):
+            raise bad_request(
+                f"{name}: CachedContent can not be used with GenerateContent request setting "
+                "system_instruction, tools or tool_config; put them in the cache",
+                param=name,
+            )
+    name = req.cachedContent
+    if not name.startswith(CACHE_PREFIX):
+        raise bad_request(
+            f"cachedContent: {name[:80]!r} is not a cachedContents/... name", "cachedContent"
+        )
+    prefix = await _lookup(request, name.removeprefix(CACHE_PREFIX), salt, "cachedContent")
+    chat = to_chat(GenerateContentRequest(contents=req.contents))
+    chat.messages = [*prefix.messages, *chat.messages]
+    return chat, prefix
+
+
+async def _lookup(request: web.Request, pid: str, salt: str | None, param: str) -> ProxyPrefix:
+    try:
+        return await request.app[PROXY].prefixes.lookup(pid, salt)
+    except APIError as exc:
+        raise APIError(
+            exc.status,
+            exc.message.replace("prefix", "cached content", 1),
+            param=param,
+            code=exc.code,
+        ) from None
+
+
+@error_dialect(GEMINI)
+async def model_method(request: web.Request) -> web.StreamResponse:
+    """POST /v1beta/models/{model}:{method} in upstream mode (module docstring)."""
+    target = request.match_info["target"]
+    model, sep, method = target.rpartition(":")
+    if not sep or method not in ("generateContent", "streamGenerateContent", "countTokens"):
+        raise APIError(404, f"unknown route: models/{target[:80]}", code="not_found")
+    if method == "streamGenerateContent" and request.query.get("alt") != "sse":
+        raise bad_request(
+            "alt: streamGenerateContent is served as server-sent events only (?alt=sse)",
+            param="alt",
+        )
+    st = request.app[STATE]
+    router = request.app[PROXY].router
+    principal = st.keys.authenticate(request)
+    raw = await request.read()
+    if method == "countTokens":
+        counted = parse_request(CountTokensRequest, raw)
+        if (counted.contents is None) == (counted.generateContentRequest is None):
+            raise bad_request("give contents or generateContentRequest (one)", param="contents")
+        req = counted.generateContentRequest or GenerateContentRequest(
+            contents=counted.contents or []
+        )
+    else:
+        req = parse_request(GenerateContentRequest, raw)
+        if req.model and req.model.removeprefix("models/") != model.removeprefix("models/"):
+            raise bad_request("model: the body names another model than the path", param="model")
+    public = _public_model(model, st, router)
+    salt = effective_salt(principal.salt, None)
+    chat, _ = await _chat_of(request, req, principal.salt)
+    gc = req.generationConfig
+    forced = "toolConfig" if chat.tool_choice not in (None, "auto", "none") else None
+    if forced is None and structured(gc) is not None:
+        forced = "generationConfig.responseMimeType"
+    refuse_stop_under_constraint(
+        list(gc.stopSequences or []) if gc else [], "generationConfig.stopSequences", forced
+    )
+    route = router.route({"messages": chat.messages}, salt, router.resolve(public))
+    call = _Call(request, _chat_body(chat, gc, method == "streamGenerateContent"), route, public)
+    if method == "countTokens":
+        return await _count(call, chat)
+    est = len(raw) // 4 + 1
+    lease, ticket = await admit_call(st, principal, est)
+    t0 = time.monotonic()
+    try:
+        stream = method == "streamGenerateContent"
+
+        async def attempt(up: Upstream) -> web.StreamResponse:
+            return await _generate_try(call, up, salt, stream, ticket)
+
+        return await _each_upstream(call, attempt)
+    finally:
+        ticket.done()
+        settle_usage(request, st.shared, principal, lease, est, call)
+        st.metrics.e2e.observe(time.monotonic() - t0)
+
+
+async def _count(call: _Call, chat: Chat) -> web.StreamResponse:
+    async def attempt(up: Upstream) -> web.StreamResponse:
+        session = call.router.session
+        assert session is not None
+        body: dict[str, Any] = {
+            "model": up.upstream_model(call.route.model or call.public),
+            "messages": wire_messages(chat.messages),
+            "add_generation_prompt": True,
+        }
+        if chat.tools:
+            body["tools"] = chat.tools
+        headers = upstream_headers(call.request, call.st, up)
+        async with session.post(
+            up.url + "/tokenize", data=json.dumps(body).encode(), headers=headers, ssl=up.ssl
+        ) as resp:
+            if resp.status in (404, 405, 501):
+                await resp.read()
+                raise APIError(
+                    501,
+                    f"countTokens is not available for models/{call.public}: its upstream has "
+                    "no /tokenize to count with",
+                    code="unsupported_for_model",
+                )
+            if resp.status != 200:
+                await _refused(call, up, resp)
+            try:
+                data = json.loads(await resp.read())
+            except (ValueError, UnicodeDecodeError):
+                data = None
+            return web.json_response({"totalTokens": token_count(data)})
+
+    return await _each_upstream(call, attempt)
+
+
+def _model_object(name: str) -> dict[str, Any]:
+    return {
+        "name": f"models/{name}",
+        "baseModelId": name,
+        "version": "1",
+        "displayName": name,
+        "description": "served by prefixgate (proxy)",
+        "supportedGenerationMethods": GENERATION_METHODS,
+    }
+
+
+@error_dialect(GEMINI)
+async def list_models(request: web.Request) -> web.Response:
+    """GET /v1beta/models: the models the upstreams serve."""
+    st = request.app[STATE]
+    st.keys.authenticate(request)
+    cards = model_cards(request.app[PROXY].router) or {}
+    return web.json_response({"models": [_model_object(name) for name in sorted(cards)]})
+
+
+@error_dialect(GEMINI)
+async def get_model(request: web.Request) -> web.Response:
+    """GET /v1beta/models/{model}; 404 when no upstream serves it."""
+    st = request.app[STATE]
+    st.keys.authenticate(request)
+    name = _public_model(request.match_info["target"], st, request.app[PROXY].router)
+    return web.json_response(_model_object(name))
+
+
+# --- cachedContents on the proxy's prefix API -----------------------------------------------
+def _cache_object(entry: ProxyPrefix) -> dict[str, Any]:
+    return {
+        "name": CACHE_PREFIX + entry.id,
+        "model": f"models/{entry.model}",
+        "createTime": rfc3339(entry.created_at),
+        "updateTime": rfc3339(entry.created_at),
+        "expireTime": rfc3339(entry.expires_at),
+        "usageMetadata": {"totalTokenCount": entry.prompt_tokens},
+    }
+
+
+def _unimplemented(what: str, param: str) -> APIError:
+    return APIError(501, f"{what} is not available in proxy mode", param=param, code="unsupported")
+
+
+@error_dialect(GEMINI)
+async def create_cache(request: web.Request) -> web.Response:
+    """POST /v1beta/cachedContents: a prefix of the proxy's prefix API."""
+    st = request.app[STATE]
+    principal = st.keys.authenticate(request)
+    req = parse_request(CachedContentCreate, await request.read())
+    router = request.app[PROXY].router
+    public = _public_model(req.model, st, router)
+    for name in ("tools", "toolConfig"):
+        if getattr(req, name) is not None:
+            raise _unimplemented(
+                f"{name} in a cached content (the upstream prefix API keeps messages only)", name
+            )
+    if req.displayName is not None:
+        raise _unimplemented("displayName (the upstream prefix API keeps no label)", "displayName")
+    registry = request.app[PROXY].prefixes
+    ttl_s = life_seconds(req.ttl, req.expireTime, min(DEFAULT_CACHE_TTL_S, registry.max_ttl_s))
+    if ttl_s > registry.max_ttl_s:
+        where = "ttl" if req.ttl is not None else "expireTime"
+        raise bad_request(f"{where}: a cache lives at most {registry.max_ttl_s:g} s here", where)
+    messages: list[dict[str, Any]] = []
+    system = system_text(req.systemInstruction)
+    if system:
+        messages.append({"role": "system", "content": system})
+    messages += wire_messages(turns(req.contents or []))
+    if not messages:
+        raise bad_request("contents: a cache needs systemInstruction or contents", "contents")
+    spec = principal.spec
+    per_key = 0
+    if spec is not None:
+        per_key = st.settings.key_max_prefixes if spec.max_prefixes is None else spec.max_prefixes
+    entry = await registry.create(
+        public,
+        messages,
+        ttl_s,
+        principal.salt,
+        effective_salt(principal.salt, None),
+        lambda up: upstream_headers(request, st, up),
+        owner=principal.id,
+        key_max_prefixes=per_key,
+    )
+    return web.json_response(_cache_object(entry))
+
+
+@error_dialect(GEMINI)
+async def get_cache(request: web.Request) -> web.Response:
+    """GET /v1beta/cachedContents/{id}: the prefix's cache object; 404 as the prefix API."""
+    st = request.app[STATE]
+    principal = st.keys.authenticate(request)
+    entry = await _lookup(request, request.match_info["cache_id"], principal.salt, "name")
+    return web.json_response(_cache_object(entry))
+
+
+@error_dialect(GEMINI)
+async def list_caches(request: web.Request) -> web.Response:
+    """GET /v1beta/cachedContents: the key's live prefixes on this replica."""
+    st = request.app[STATE]
+    principal = st.keys.authenticate(request)
+    mine = request.app[PROXY].prefixes.owned(principal.salt)
+    return web.json_response({"cachedContents": [_cache_object(e) for e in mine]})
+
+
+@error_dialect(GEMINI)
+async def update_cache(request: web.Request) -> web.Response:
+    """PATCH /v1beta/cachedContents/{id}: 501 (the upstream prefix API has no renewal); 404
+    first when the cache is not the key's."""
+    st = request.app[STATE]
+    principal = st.keys.authenticate(request)
+    await _lookup(request, request.match_info["cache_id"], principal.salt, "name")
+    raise _unimplemented("changing a cache's ttl (the upstream prefix API has no renewal)", "ttl")
+
+
+@error_dialect(GEMINI)
+async def delete_cache(request: web.Request) -> web.Response:
+    """DELETE /v1beta/cachedContents/{id}: the prefix deleted here and on its upstream."""
+    st = request.app[STATE]
+    principal = st.keys.authenticate(request)
+    try:
+        await request.app[PROXY].prefixes.remove(
+            request.match_info["cache_id"],
+            principal.salt,
+            lambda up: upstream_headers(request, st, up),
+        )
+    except APIError as exc:
+        raise APIError(
+            exc.status,
+            exc.message.replace("prefix", "cached content", 1),
+            param="name",
+            code=exc.code,
+        ) from None
+    return web.json_response({})
+
+
+def add_routes(app: web.Application, expect_handler: Any) -> None:
+    """Gemini's proxy-mode routes on ``app``."""
+    r = app.router
+    r.add_get("/v1beta/models", list_models, expect_handler=expect_handler)
+    r.add_get("/v1beta/models/{target}", get_model, expect_handler=expect_handler)
+    r.add_post("/v1beta/models/{target}", model_method, expect_handler=expect_handler)
+    r.add_post("/v1beta/cachedContents", create_cache, expect_handler=expect_handler)
+    r.add_get("/v1beta/cachedContents", list_caches, expect_handler=expect_handler)
+    r.add_get("/v1beta/cachedContents/{cache_id}", get_cache, expect_handler=expect_handler)
+    r.add_patch("/v1beta/cachedContents/{cache_id}", update_cache, expect_handler=expect_handler)
+    r.add_delete("/v1beta/cachedContents/{cache_id}", delete_cache, expect_handler=expect_handler)
+    r.add_route("*", "/v1beta/{tail:.*}", no_route, expect_handler=expect_handler)

@@ -1,0 +1,184 @@
+"""Gemini's dialect in proxy mode against stub upstreams: a relayed stream cut short (the
+upstream closes mid-stream, or sends garbage) ends with Gemini's error event, never as a
+success; an upstream's error is reworded in Gemini's shape; a translated request carries the
+key's salt, the generation config and the usage request."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from aiohttp import web
+from prefixgate.gateway.app import create_proxy_app
+from prefixgate.gateway.http.server import BackgroundServer
+from prefixgate.gateway.settings import GatewaySettings
+
+genai = pytest.importorskip("google.genai")
+from google.genai import errors as genai_errors  # noqa: E402
+from google.genai import types  # noqa: E402
+
+STREAM = "/v1beta/models/stub:streamGenerateContent?alt=sse"
+GEN = "/v1beta/models/stub:generateContent"
+BODY = {
+    "contents": [{"parts": [{"text": "hi"}]}],
+    "generationConfig": {"maxOutputTokens": 3, "temperature": 0.5, "stopSequences": ["x"]},
+}
+
+
+def _chunk(text: str | None, finish: str | None = None) -> bytes:
+    delta = {"content": text} if text is not None else {}
+    obj = {
+        "id": "c",
+        "object": "chat.completion.chunk",
+        "created": 0,
+        "model": "stub",
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+    }
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def _stub(mode: str, seen: list) -> web.Application:
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "stub", "object": "model"}]})
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        seen.append(body)
+        if mode == "error":
+            return web.json_response(
+                {"error": {"message": "secret detail", "type": "invalid_request_error"}},
+                status=400,
+            )
+        if not body.get("stream"):
+            return web.json_response(
+                {
+                    "id": "c",
+                    "object": "chat.completion",
+                    "created": 0,
+                    "model": "stub",
+                    "choices": [
+                        {
+                            "index": 0,
+                            "message": {"role": "assistant", "content": "hey"},
+                            "finish_reason": "length",
+                        }
+                    ],
+                    "usage": {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7},
+                }
+            )
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(_chunk("he"))
+        if mode == "cut":
+            request.transport.close()  # the connection dies mid-stream
+            return resp
+        if mode == "garbage":
+            await resp.write(b"data: {not json\n\n")
+            return resp
+        if mode == "no_finish":
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+        await resp.write(_chunk("y", "length"))
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/chat/completions", chat)
+    return app
+
+
+@pytest.fixture
+def proxied():
+    made: list[BackgroundServer] = []
+
+    def start(mode: str) -> tuple[BackgroundServer, list]:
+        seen: list = []
+        up = BackgroundServer(lambda: _stub(mode, seen)).__enter__()
+        settings = GatewaySettings(api_keys=["k1"])
+        gw = BackgroundServer(lambda: create_proxy_app([up.url], settings)).__enter__()
+        made.extend([gw, up])
+        return gw, seen
+
+    yield start
+    for srv in made:
+        srv.close()
+
+
+def _events(url: str) -> list[dict]:
+    with httpx.stream(
+        "POST", url + STREAM, json=BODY, headers={"x-goog-api-key": "k1"}, timeout=10
+    ) as r:
+        assert r.status_code == 200
+        return [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: ")]
+
+
+@pytest.mark.parametrize("mode", ["cut", "garbage", "no_finish"])
+def test_a_cut_relayed_stream_ends_with_an_error(proxied, mode):
+    gw, _ = proxied(mode)
+    events = _events(gw.url)  # "he" may come first (or not: read with the broken end)
+    last = events[-1]
+    assert last["error"]["code"] == 502 and last["error"]["status"] == "UNAVAILABLE", last
+    assert not any("finishReason" in c for e in events for c in e.get("candidates", []))
+    client = genai.Client(
+        api_key="k1", http_options=types.HttpOptions(base_url=gw.url, api_version="v1beta")
+    )
+    with pytest.raises(genai_errors.ServerError):
+        list(client.models.generate_content_stream(model="stub", contents="hi"))
+
+
+def test_a_whole_relayed_stream_and_the_translated_body(proxied):
+    gw, seen = proxied("ok")
+    events = _events(gw.url)
+    assert events[-1]["candidates"][0]["finishReason"] == "MAX_TOKENS"
+    body = seen[-1]
+    assert body["max_tokens"] == 3 and body["temperature"] == 0.5 and body["stop"] == ["x"]
+    assert body["stream_options"] == {"include_usage": True}
+    assert body["messages"] == [{"role": "user", "content": "hi"}]
+    r = httpx.post(gw.url + GEN, json=BODY, headers={"x-goog-api-key": "k1"}, timeout=10)
+    out = r.json()
+    assert out["candidates"][0]["content"]["parts"] == [{"text": "hey"}]
+    # the stub reports no cached tokens: none are claimed
+    assert out["usageMetadata"] == {
+        "promptTokenCount": 4,
+        "candidatesTokenCount": 3,
+        "totalTokenCount": 7,
+    }
+
+
+def test_an_upstream_error_is_reworded_in_gemini_shape(proxied):
+    gw, _ = proxied("error")
+    r = httpx.post(gw.url + GEN, json=BODY, headers={"x-goog-api-key": "k1"}, timeout=10)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["status"] == "INVALID_ARGUMENT" and "secret detail" not in err["message"]
+
+
+def test_proxy_caches_say_what_they_cannot_do(proxied):
+    gw, seen = proxied("ok")
+    h = {"x-goog-api-key": "k1"}
+    base = {"model": "models/stub", "systemInstruction": {"parts": [{"text": "be brief"}]}}
+    for extra, named in (
+        ({"tools": [{"functionDeclarations": [{"name": "f"}]}]}, "tools"),
+        ({"displayName": "x"}, "displayName"),
+    ):
+        r = httpx.post(gw.url + "/v1beta/cachedContents", json={**base, **extra}, headers=h)
+        assert r.status_code == 501, r.text
+        err = r.json()["error"]
+        assert err["status"] == "UNIMPLEMENTED" and named in err["message"]
+    # an OpenAI-compatible upstream: the cache's text is kept here and sent in full
+    made = httpx.post(gw.url + "/v1beta/cachedContents", json=base, headers=h).json()
+    url = f"{gw.url}/v1beta/{made['name']}"
+    r = httpx.patch(url, json={"ttl": "60s"}, headers=h)
+    assert r.status_code == 501 and r.json()["error"]["status"] == "UNIMPLEMENTED"
+    r = httpx.patch(gw.url + "/v1beta/cachedContents/pfx-nope", json={"ttl": "60s"}, headers=h)
+    assert r.status_code == 404
+    body = {"contents": [{"parts": [{"text": "hi"}]}], "cachedContent": made["name"]}
+    assert httpx.post(gw.url + GEN, json=body, headers=h).status_code == 200
+    assert seen[-1]["messages"] == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+    ]
+    assert httpx.delete(url, headers=h).json() == {}
+    assert httpx.get(url, headers=h).status_code == 404
