@@ -30,11 +30,10 @@ import datetime as dt
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
-import pydantic_core
 from prefixgate.engine.sampling_params import StructuredOutputsParams
-from prefixgate.gateway.http.errors import APIError, bad_request
+from prefixgate.gateway.http.errors import bad_request
 from pydantic import BaseModel, ConfigDict, Field
 
 _CONFIG = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
@@ -158,7 +157,6 @@ class GenerateContentRequest(BaseModel):
     toolConfig: ToolConfig | None = None
     safetySettings: list[SafetySetting] | None = None
     cachedContent: str | None = None
-    counted: ClassVar[tuple[str, ...]] = ("contents",)
 
 
 class CountTokensRequest(BaseModel):
@@ -167,7 +165,6 @@ class CountTokensRequest(BaseModel):
     model_config = _CONFIG
     contents: list[Content] | None = None
     generateContentRequest: GenerateContentRequest | None = None
-    counted: ClassVar[tuple[str, ...]] = ("contents",)
 
 
 class CachedContentCreate(BaseModel):
@@ -183,7 +180,6 @@ class CachedContentCreate(BaseModel):
     ttl: str | None = None
     expireTime: str | None = None
     displayName: str | None = Field(None, max_length=128)
-    counted: ClassVar[tuple[str, ...]] = ("contents",)
 
 
 class CachedContentUpdate(BaseModel):
@@ -206,31 +202,15 @@ def present(value: Any) -> bool:
 
 
 def parse_request(model: type[M], body: bytes) -> M:
-    """Validate a body (``request_models.parse``: size, depth and the count of ``contents``
-    bounded, 400 naming the field); countTokens' ``generateContentRequest.contents`` is
-    counted too.
+    """Validate a body (``request_models.parse``, 400 naming the field). Size, depth and counts
+    (``contents`` at any depth, countTokens' ``generateContentRequest.contents`` too) were
+    bounded before, by the ingress guard (``http.json_guard``) every route passes.
 
     Raises:
-        APIError: 400 naming the field (``too_many_messages`` over ``MAX_MESSAGES`` turns).
+        APIError: 400 naming the field.
     """
-    from prefixgate.gateway.api.request_models import (  # the shared JSON → 400 mapping
-        MAX_MESSAGES,
-        check_counts,
-        parse,
-    )
+    from prefixgate.gateway.api.request_models import parse  # the shared JSON → 400 mapping
 
-    if model is CountTokensRequest and len(body) > 2 * MAX_MESSAGES:
-        try:
-            raw = pydantic_core.from_json(body)
-        except ValueError:
-            raw = None  # parse names the fault
-        inner = raw.get("generateContentRequest") if isinstance(raw, dict) else None
-        try:
-            check_counts(inner, ("contents",))
-        except APIError as exc:
-            exc.param = "generateContentRequest.contents"
-            exc.message = "generateContentRequest." + exc.message
-            raise
     return parse(model, body)
 
 

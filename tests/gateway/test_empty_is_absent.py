@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from prefixgate.gateway.api import anthropic_models, responses_api
+from prefixgate.gateway.api import anthropic_models, gemini_models, responses_api
 from prefixgate.gateway.api.anthropic_models import CountTokensRequest, MessagesRequest
 from prefixgate.gateway.api.embeddings import EmbeddingRequest
 from prefixgate.gateway.api.request_fields import REFUSED
@@ -28,6 +28,7 @@ from pydantic import BaseModel
 
 EMPTIES = [None, [], {}, ""]
 USER = [{"role": "user", "content": "hi"}]
+CONTENTS = [{"role": "user", "parts": [{"text": "hi"}]}]
 
 # (route, request model, the dialect's refused-unless-empty names, a valid body)
 ROUTES: list[tuple[str, type[BaseModel], tuple[str, ...], dict]] = [
@@ -68,6 +69,18 @@ ROUTES: list[tuple[str, type[BaseModel], tuple[str, ...], dict]] = [
         {"model": "fake", "messages": [{"role": "system", "content": "be brief"}]},
     ),
     ("/v1/embeddings", EmbeddingRequest, (), {"model": "fake", "input": "hi"}),
+    (
+        "/v1beta/models/fake:generateContent",
+        gemini_models.GenerateContentRequest,
+        (),
+        {"contents": CONTENTS, "generationConfig": {"maxOutputTokens": 2}},
+    ),
+    (
+        "/v1beta/models/fake:countTokens",
+        gemini_models.CountTokensRequest,
+        (),
+        {"contents": CONTENTS},
+    ),
     ("/tokenize", TokenizeRequest, (), {"model": "fake", "prompt": "hi"}),
     ("/detokenize", DetokenizeRequest, (), {"model": "fake", "tokens": [1, 2]}),
 ]
