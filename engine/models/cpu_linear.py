@@ -51,6 +51,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -179,9 +180,13 @@ def onednn_panels(packed: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | 
         in_pad = numel // (panels * width)
         if in_pad < in_f:
             continue
-        buffer_type = type("OneDNNBuffer", (ctypes.c_float * numel,), {})
+        # a subclass, so the buffer object can hold a reference to its owner
+        buffer_type = cast(
+            "type[ctypes.Array[ctypes.c_float]]",
+            type("OneDNNBuffer", (ctypes.c_float * numel,), {}),
+        )
         buffer = buffer_type.from_address(int(torch.ops.mkldnn.data_ptr(packed)))
-        buffer.owner = packed  # the view's memory lives as long as the view
+        buffer.owner = packed  # type: ignore[attr-defined]  # lives as long as the view
         flat = torch.frombuffer(buffer, dtype=torch.float32)
         view = flat.as_strided((panels, in_f, width), (in_pad * width, width, 1))
         if _panels_hold(view, weight):
@@ -413,10 +418,10 @@ def weight_storage_bytes(model: nn.Module) -> int:
             st = t.untyped_storage()
             seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
 
-    for t in model.parameters():
-        add(t)
-    for t in model.buffers():
-        add(t)
+    for param in model.parameters():
+        add(param)
+    for buf in model.buffers():
+        add(buf)
     for m in model.modules():
         if isinstance(m, OneDNNLinear):
             add(m._packed)
@@ -559,7 +564,11 @@ def calibrate_one_row(
                 for w, m in zip(plain, timed, strict=True)
             ]
         if shared:
-            fns["gemv"] = [functools.partial(_gemv_one, m._panels, m.bias, out) for m in timed]
+            fns["gemv"] = [
+                functools.partial(_gemv_one, p, m.bias, out)
+                for m in timed
+                if (p := m._panels) is not None  # all of them: shared
+            ]
         elif copies and "gemv" in kinds:
             fns["gemv"] = [
                 functools.partial(_gemv_one, cpu_ext.pack_panels(w), m.bias, out)
