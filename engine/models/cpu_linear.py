@@ -393,10 +393,16 @@ def pack_linears(model: nn.Module) -> nn.Module:
         for name, child in parent.named_children()
         if isinstance(child, nn.Linear)
     ]
-    for parent, name, child in targets:
+    # popped one at a time, so each plain weight is freed as soon as its packed copy exists
+    # (a list holding them all kept every plain weight alive beside its packed copy)
+    targets.reverse()
+    while targets:
+        parent, name, child = targets.pop()
+        key = child.weight.data_ptr()
         packed = OneDNNLinear.from_linear(child)
         setattr(parent, name, packed)
-        tied = embeddings.get(child.weight.data_ptr())
+        del child
+        tied = embeddings.get(key)
         if tied is not None and packed.shares_gemv:
             setattr(tied[0], tied[1], PanelEmbedding(packed))
     return model
