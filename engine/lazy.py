@@ -8,6 +8,13 @@ import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from prefixgate.engine.threads import note_engine_import
+
+# The engine's packages import this module first, before anything loads torch: OpenMP's passive
+# waiting is set here (engine/threads.py), so LLM, AsyncEngine and the benches get it without
+# an environment variable. (It belongs in engine/__init__.py, which imports nothing else first.)
+note_engine_import()
+
 
 def lazy_getattr(
     package: str, namespace: dict[str, Any], lazy: Mapping[str, str]

@@ -30,6 +30,7 @@ from prefixgate.engine.input_processor import InputProcessor, PreparedRequest
 from prefixgate.engine.kv_cache import KVCacheSpec, allocate_kv_caches, resolve_num_blocks
 from prefixgate.engine.kv_cache_manager import KVCacheManager, PrefixPin
 from prefixgate.engine.logits_processors import LogitsPipeline
+from prefixgate.engine.malloc import keep_freed_memory
 from prefixgate.engine.model_runner import ModelRunner
 from prefixgate.engine.models.config import ModelConfig
 from prefixgate.engine.models.loader import load_model
@@ -92,6 +93,8 @@ class LLMEngine:
         self.config = config
         apply_threads(config.threads)  # once, before the model is built
         self.model_config = mc = ModelConfig.from_engine_config(config)
+        if torch.device(mc.device).type == "cpu":
+            keep_freed_memory()  # steps reuse freed activations, no page faults (malloc.py)
         self.tokenizer = _load_tokenizer(mc)
         self.max_model_len: int = mc.max_model_len
         self.device = torch.device(mc.device)

@@ -8,6 +8,17 @@ anything imports torch (a variable the user set wins). Measured with
 2-thread single-stream decode collapsed to a fraction of 1-thread decode, with passive
 waiting it did not (docs/benchmarks/threads.md).
 
+Every entry point gets it without an environment variable: ``prefixgate serve`` sets it in
+``gateway/cli.py``, and importing the ``prefixgate.engine`` package (which ``LLM``,
+``AsyncEngine``, ``LLMEngine`` and ``python -m prefixgate.engine.bench.*`` all do before their
+own modules load torch) calls :func:`note_engine_import`, which sets it where torch is not
+loaded yet. Where torch was imported first, OpenMP already runs with its default (spinning
+~300,000 rounds for the next parallel region; GNU libgomp, torch's CPU wheels): the process
+cannot change that any more, so :func:`apply_threads` then runs an engine whose ``threads``
+is unset at one thread (no parallel region, nothing to spin for) and logs why, once
+(:func:`waits_actively`). ``python -m prefixgate.engine.bench.threads --settings`` prints what a
+process ends up with (:func:`openmp_settings`).
+
 ``default_threads()``: the CPUs this process may run on (``os.sched_getaffinity``: a container's
 or ``taskset``'s CPU set, not the host's count), at most ``MAX_DEFAULT_THREADS`` (past that a
 small model's per-op work is too small to share). ``EngineConfig.threads`` is applied once,
@@ -16,9 +27,12 @@ with ``torch.set_num_threads``, before the model is built (``LLMEngine``).
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import Mapping, MutableMapping
+
+logger = logging.getLogger(__name__)
 
 MAX_DEFAULT_THREADS = 8
 """Cap of the default thread count."""
@@ -43,6 +57,37 @@ def passive_wait_env(
     return done
 
 
+WAIT_KEYS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+"""The variables that choose OpenMP's waiting: one the user set is theirs, never overridden."""
+
+_import_state: dict[str, object] = {}
+
+
+def note_engine_import(
+    environ: MutableMapping[str, str] = os.environ, modules: Mapping[str, object] = sys.modules
+) -> dict[str, object]:
+    """Called once when the ``prefixgate.engine`` package is imported: :func:`passive_wait_env`
+    (passive waiting where torch is not loaded yet), and what was found noted for
+    :func:`waits_actively`: ``torch_first`` (torch was loaded already), ``users`` (the wait
+    variables the user had set), ``set`` (what was set here). Returns that record."""
+    if not _import_state:
+        users = {k: environ[k] for k in WAIT_KEYS if k in environ}
+        torch_first = "torch" in modules
+        done = passive_wait_env(environ, modules)
+        _import_state.update(torch_first=torch_first, users=users, set=done)
+    return dict(_import_state)
+
+
+def waits_actively() -> bool:
+    """True where OpenMP in this process spins for its next parallel region because of
+    prefixgate's import order: torch was imported before ``prefixgate.engine`` and the user
+    set none of :data:`WAIT_KEYS` (a user's own policy, active included, is theirs)."""
+    return bool(_import_state.get("torch_first")) and not _import_state.get("users")
+
+
+_warned = False
+
+
 def available_cpus() -> int:
     """CPUs this process may run on (its affinity mask; ``os.cpu_count()`` where the
     platform has no affinity call), >= 1."""
@@ -58,16 +103,48 @@ def default_threads() -> int:
 
 
 def apply_threads(num_threads: int | None) -> None:
-    """``torch.set_num_threads(num_threads)`` (``None``: torch's setting is left alone).
+    """``torch.set_num_threads(num_threads)``; ``None`` leaves torch's setting alone, except
+    where OpenMP waits actively (:func:`waits_actively`: torch was imported before
+    ``prefixgate.engine``): then ``None`` means one thread, since spinning threads beside
+    another busy process collapsed decode to 0.06-0.10x its quiet rate (docs/cpu-performance.md).
+    Either way, with active waiting and more than one thread, one warning says how to avoid it.
 
     Raises:
         ValueError: ``num_threads < 1``.
     """
-    if num_threads is None:
-        return
-    if num_threads < 1:
+    global _warned
+    if num_threads is not None and num_threads < 1:
         raise ValueError(f"threads must be >= 1, got {num_threads}")
     import torch
 
+    active = waits_actively()
+    lowered = num_threads is None and active and torch.get_num_threads() > 1
+    if lowered:
+        num_threads = 1
+    effective = torch.get_num_threads() if num_threads is None else num_threads
+    if active and not _warned and (lowered or effective > 1):
+        _warned = True
+        logger.warning(
+            "torch was imported before prefixgate.engine, so OpenMP spins for work "
+            "(OMP_WAIT_POLICY could not be set to PASSIVE): the engine runs at %s; import "
+            "prefixgate.engine before torch, or set OMP_WAIT_POLICY=PASSIVE, to run more threads "
+            "safely beside other busy processes",
+            "1 thread (threads unset)" if lowered else f"{effective} threads as asked",
+        )
+    if num_threads is None:
+        return
     if torch.get_num_threads() != num_threads:
         torch.set_num_threads(num_threads)
+
+
+def openmp_settings() -> dict[str, object]:
+    """What this process runs with: the wait variables in its environment, the record of
+    :func:`note_engine_import`, :func:`waits_actively` and torch's thread count (loads torch)."""
+    import torch
+
+    return {
+        "environ": {k: os.environ[k] for k in WAIT_KEYS if k in os.environ},
+        "engine_import": dict(_import_state),
+        "waits_actively": waits_actively(),
+        "torch_threads": torch.get_num_threads(),
+    }

@@ -17,7 +17,8 @@ is :data:`STALE_LOCK_S` old) and waits for a live build otherwise.
 
 Ops (fp32, CPU; tolerances as the tests check them against the torch reference):
 
-- :func:`gemv`: ``y [1, N] = x [1, K] @ W^T + bias`` on :func:`pack_panels`' layout. fp32
+- :func:`gemv`: ``y [1, N] = x [1, K] @ W^T + bias`` on :func:`pack_panels`' layout or on
+  oneDNN's packed weight read in place (wider panels). fp32
   accumulation, four partial sums per output (k mod 4), so results differ from MKL's / oneDNN's
   in the last bits: within ``rtol=1e-5, atol=1e-5`` (plus ~1e-6 * sqrt(K) on unit inputs).
 - :func:`gemv_int8`: the same GEMV on int8 panels (:func:`pack_panels_int8`) with one fp32
@@ -194,7 +195,11 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
 def gemv(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
 ) -> torch.Tensor:
-    """``x [1, K]`` fp32 → ``[1, N]`` fp32 on :func:`pack_panels`' ``packed [P, K, 8]``.
+    """``x [1, K]`` fp32 → ``[1, N]`` fp32 on panels ``packed [P, K, W]``: :func:`pack_panels`'
+    layout (``W = 8``) or a view of oneDNN's packed weight
+    (``engine/models/cpu_linear.onednn_panels``: ``W`` a multiple of 8 up to 64, each panel's
+    ``K x W`` block contiguous, panels ``Kp * W`` apart with ``Kp >= K``). At ``W = 8`` the
+    result is bit for bit the old panel GEMV's; wider panels keep one accumulator per 8 rows.
 
     Raises:
         RuntimeError: wrong dtypes or shapes (the op's checks).

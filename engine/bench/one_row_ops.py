@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> None:
         saved = cpu_linear.one_row_kinds
         cpu_linear.one_row_kinds = lambda: ("onednn", "linear", "mm_t")  # type: ignore[assignment]
         try:
-            cpu_linear.calibrate_one_row(model)
+            cpu_linear.calibrate_one_row(model, copies=True)
         finally:
             cpu_linear.one_row_kinds = saved  # type: ignore[assignment]
         old = [m.one_row for m in layers]

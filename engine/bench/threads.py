@@ -2,7 +2,8 @@
 quiet host and with one competing CPU-bound process (``python -c "while 1: pass"``), under
 OpenMP wait policies (``--policies``): ``default`` (GNU libgomp's, spinning ~300,000 rounds for
 the next parallel region), ``passive`` (``OMP_WAIT_POLICY=PASSIVE``, ``KMP_BLOCKTIME=0``: sleep at
-once) and ``spinN`` (``GOMP_SPINCOUNT=N`` with the wait policy unset: spin N rounds, then sleep).
+once), ``spinN`` (``GOMP_SPINCOUNT=N`` with the wait policy unset: spin N rounds, then sleep)
+and ``api`` (no variable set: what ``LLM`` gets by itself, engine/threads.py).
 OpenMP reads these when torch loads, so each measurement is its own process. torch's CPU
 wheel links GNU libgomp (``torch/lib/libgomp.so.1``), which reads ``GOMP_SPINCOUNT``.
 
@@ -44,12 +45,16 @@ def policy_env(name: str) -> dict[str, str]:
         ValueError: another name.
     """
     if name == "default":
-        return {}
+        # libgomp's own default (300,000 rounds where OMP_WAIT_POLICY is unset), named: the
+        # engine's import would set passive waiting otherwise (engine/threads.py)
+        return {"GOMP_SPINCOUNT": "300000"}
     if name == "passive":
         return dict(PASSIVE_ENV)
+    if name == "api":  # nothing set: what the entry point itself gives (engine/threads.py)
+        return {}
     if name.startswith("spin") and name[4:].isdigit():
         return {"GOMP_SPINCOUNT": name[4:]}
-    raise ValueError(f"unknown wait policy {name!r}; expected default, passive or spinN")
+    raise ValueError(f"unknown wait policy {name!r}; expected default, passive, api or spinN")
 
 
 def child(args) -> int:
@@ -128,9 +133,19 @@ def main() -> int:
     ap.add_argument("--trials", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--json", dest="json_out", default=None)
+    ap.add_argument(
+        "--settings",
+        action="store_true",
+        help="print the OpenMP waiting and torch threads this process got, as JSON, and exit",
+    )
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.settings:
+        from prefixgate.engine.threads import openmp_settings
+
+        print(json.dumps(openmp_settings()))
+        return 0
     if args.child:
         return child(args)
     for name in args.policies:

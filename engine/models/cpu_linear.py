@@ -17,9 +17,16 @@ the weight, and the blocked layout packed for 32 rows is not always the fastest 
 ``F.linear`` on the plain weight ("linear") beat it on some shapes, while from two rows on
 oneDNN's packed layout won every shape (docs/benchmarks/cpu-gemm.md). Which one wins depends on the
 CPU, the shape and the thread count, so :func:`calibrate_one_row` times the three at load
-(:data:`ONE_ROW_KINDS`) and a layer keeps a second copy of its weight (``[I, O]`` or ``[O, I]``)
-only where it beat oneDNN by :data:`ONE_ROW_MARGIN`: that copy is extra memory
-(:func:`one_row_extra_bytes`; up to the model's linear weights once more).
+(:data:`ONE_ROW_KINDS`) and a layer takes another kind only where it beat oneDNN by
+:data:`ONE_ROW_MARGIN`.
+
+**Weights once.** oneDNN's packed fp32 weight is, on AVX-512 CPUs, 64-row panels (input columns
+padded to 16; :func:`onednn_panels` checks it against the weight, value for value), which is the
+layout the GEMV reads. So "gemv" reads the packed buffer itself, and a tied embedding reads its
+rows from the LM head's panels (:class:`PanelEmbedding`): a loaded model holds each matrix
+once (:func:`weight_storage_bytes`). By default :func:`calibrate_one_row` lets only such kinds
+compete; "linear" and "mm_t" keep a second copy (:func:`one_row_extra_bytes`) and compete only
+with ``copies=True``.
 
 The fourth kind, "gemv", is prefixgate's own AVX2/FMA GEMV (:mod:`prefixgate.kernels.cpu_ext`,
 built on first use; absent where it cannot be built) on the weight packed in 8-row panels, read
@@ -29,11 +36,13 @@ calibration picks it per shape where it wins by the same margin.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import os
 import time
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -128,6 +137,69 @@ def use_onednn_linear(
     )
 
 
+PANEL_WIDTHS = (64, 48, 32, 16, 8, 56, 40, 24)
+"""The panel widths :func:`onednn_panels` tries (multiples of 8 up to 64, what
+``cpu_ext.gemv`` takes; oneDNN packs fp32 linear weights 64 wide on AVX-512 CPUs)."""
+
+
+def onednn_storage_bytes(packed: torch.Tensor) -> int:
+    """Bytes of the buffer behind an opaque oneDNN tensor (``torch.ops.mkldnn._nbytes``)."""
+    return int(torch.ops.mkldnn._nbytes(packed))
+
+
+def onednn_panels(packed: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """A ``[P, I, W]`` fp32 view (no copy) of the buffer of ``packed``, oneDNN's reordered copy
+    of ``weight [O, I]``, as ``cpu_ext.gemv`` reads panels: output row ``p * W + j`` in
+    ``view[p, :, j]``, panel stride ``Ip * W`` (``Ip >= I``, oneDNN's padded input columns);
+    or None where oneDNN chose another layout.
+
+    oneDNN's layout is opaque and the CPU's (AVX-512: ``AB16b64a``, 64-wide panels of input
+    columns padded to 16); so each width of :data:`PANEL_WIDTHS` whose padded size matches the
+    buffer's is checked against ``weight`` itself, value for value: a view is returned only
+    when it reads exactly ``weight``. The view keeps ``packed`` alive (its buffer object holds
+    a reference), so it may outlive the module.
+    """
+    out_f, in_f = weight.shape
+    nbytes = onednn_storage_bytes(packed)
+    if nbytes % 4:
+        return None
+    numel = nbytes // 4
+    for width in PANEL_WIDTHS:
+        panels = -(-out_f // width)
+        if numel % (panels * width):
+            continue
+        in_pad = numel // (panels * width)
+        if in_pad < in_f:
+            continue
+        # a subclass, so the buffer object can hold a reference to its owner
+        buffer_type = cast(
+            "type[ctypes.Array[ctypes.c_float]]",
+            type("OneDNNBuffer", (ctypes.c_float * numel,), {}),
+        )
+        buffer = buffer_type.from_address(int(torch.ops.mkldnn.data_ptr(packed)))
+        buffer.owner = packed  # type: ignore[attr-defined]  # lives as long as the view
+        flat = torch.frombuffer(buffer, dtype=torch.float32)
+        view = flat.as_strided((panels, in_f, width), (in_pad * width, width, 1))
+        if _panels_hold(view, weight):
+            return view
+    return None
+
+
+def _panels_hold(view: torch.Tensor, weight: torch.Tensor, chunk_rows: int = 4096) -> bool:
+    """Whether panel view ``view [P, I, W]`` reads exactly ``weight [O, I]`` (compared a chunk
+    of rows at a time: no whole second copy, even for an LM head)."""
+    out_f = weight.shape[0]
+    width = view.shape[2]
+    per = max(1, chunk_rows // width)
+    for p0 in range(0, view.shape[0], per):
+        rows = view[p0 : p0 + per].permute(0, 2, 1).reshape(-1, view.shape[1])
+        r0 = p0 * width
+        r1 = min(out_f, r0 + rows.shape[0])
+        if not torch.equal(rows[: r1 - r0], weight[r0:r1]):
+            return False
+    return True
+
+
 class OneDNNLinear(nn.Module):
     """``y = x @ weight.T + bias`` with the weight prepacked for oneDNN (fp32, CPU).
 
@@ -152,6 +224,9 @@ class OneDNNLinear(nn.Module):
         # An opaque oneDNN tensor (layout torch._mkldnn): not a buffer, so state_dict and
         # .to() never see it; the module lives on CPU only.
         self._packed = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS_HINT)
+        # the packed buffer read as cpu_ext.gemv's panels (None where oneDNN's layout is not
+        # one): the "gemv" one-row kind then needs no copy of the weight
+        self._panels = onednn_panels(self._packed, w)
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
         self.one_row = "onednn"
         # the one-row GEMM's own copy of the weight ([I, O] for "mm_t", [O, I] for "linear"):
@@ -159,9 +234,12 @@ class OneDNNLinear(nn.Module):
         self._one_row_weight: torch.Tensor | None = None
 
     def set_one_row(self, kind: str) -> None:
-        """Choose the GEMM a one-row input takes (one of :data:`ONE_ROW_KINDS`); "linear",
-        "mm_t" and "gemv" keep a second copy of the weight (``in_features * out_features`` fp32;
-        "gemv" pads ``out_features`` to a multiple of 8), "onednn" drops it.
+        """Choose the GEMM a one-row input takes (one of :data:`ONE_ROW_KINDS`). "gemv" reads
+        oneDNN's packed weight itself where its layout is panels (:attr:`shares_gemv`: no
+        copy), else a :func:`~prefixgate.kernels.cpu_ext.pack_panels` copy (``out_features``
+        padded to a multiple of 8, times ``in_features`` fp32); "linear" and "mm_t" keep a
+        second copy of the weight (``in_features * out_features`` fp32); "onednn" drops any
+        copy.
 
         Raises:
             ValueError: another ``kind``.
@@ -177,9 +255,15 @@ class OneDNNLinear(nn.Module):
         elif kind == "mm_t":
             self._one_row_weight = self.weight.t().contiguous()
         elif kind == "gemv":
-            self._one_row_weight = cpu_ext.pack_panels(self.weight)
+            shared = self._panels
+            self._one_row_weight = cpu_ext.pack_panels(self.weight) if shared is None else shared
         self.one_row = kind
         cpu_ext.one_row_changed()
+
+    @property
+    def shares_gemv(self) -> bool:
+        """True where "gemv" reads the packed weight itself (:func:`onednn_panels`)."""
+        return self._panels is not None
 
     def one_row_spec(self) -> cpu_ext.LinearSpec | None:
         """This layer's one-row GEMM as ``cpu_ext.decode_layer`` takes it: its one-row copy of
@@ -190,9 +274,17 @@ class OneDNNLinear(nn.Module):
 
     @property
     def one_row_bytes(self) -> int:
-        """Bytes held by the one-row copy of the weight (0 for "onednn")."""
+        """Bytes held by the one-row copy of the weight (0 for "onednn" and for "gemv" on the
+        packed weight itself)."""
         w = self._one_row_weight
-        return 0 if w is None else w.numel() * w.element_size()
+        if w is None or w is self._panels:
+            return 0
+        return w.numel() * w.element_size()
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weight this layer holds: oneDNN's packed buffer plus any one-row copy."""
+        return onednn_storage_bytes(self._packed) + self.one_row_bytes
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> OneDNNLinear:
@@ -233,21 +325,107 @@ class OneDNNLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, onednn{one}"
 
 
+class PanelEmbedding(nn.Module):
+    """The embedding of a tied LM head, read from the head's oneDNN-packed weight: the table
+    is held once (the head's panels, :func:`onednn_panels`) instead of a plain copy beside it.
+
+    ``forward(ids [...] int64)`` → ``[..., H]``: the rows of the head's weight, bit for bit
+    (a gather, no arithmetic). ``.weight`` is a dense copy (read only), as
+    :attr:`OneDNNLinear.weight`.
+
+    Raises:
+        ValueError: a head whose packed weight is not a panel layout (``shares_gemv`` False).
+    """
+
+    def __init__(self, head: OneDNNLinear) -> None:
+        super().__init__()
+        panels = head._panels
+        if panels is None:
+            raise ValueError("PanelEmbedding needs a head whose packed weight is panels")
+        self.num_embeddings = head.out_features
+        self.embedding_dim = head.in_features
+        self._panels = panels  # a plain attribute: the view keeps the head's buffer alive
+        self._width = int(panels.shape[2])
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """``[V, H]`` float32: a dense copy of the table."""
+        p = self._panels
+        return p.permute(0, 2, 1).reshape(-1, self.embedding_dim)[: self.num_embeddings]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
+            raise IndexError(f"token id out of range [0, {self.num_embeddings})")
+        rows = self._panels[flat // self._width, :, flat % self._width]
+        return rows.reshape(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, panels of the tied LM head"
+
+
 def pack_linears(model: nn.Module) -> nn.Module:
     """Replace every ``nn.Linear`` in ``model`` by its :class:`OneDNNLinear`, in place.
 
-    A tied LM head gets its own packed copy (the embedding keeps the plain tensor): on
-    SmolLM2-135M that is 113 MB more memory.
+    A tied LM head (its weight an ``nn.Embedding``'s) gets a packed copy, and the embedding is
+    replaced by a :class:`PanelEmbedding` over it where the packed layout is panels, so the
+    table stays held once (else the embedding keeps its plain tensor: on SmolLM2-135M that is
+    113 MB more).
     """
+    embeddings = {
+        child.weight.data_ptr(): (parent, name)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, nn.Embedding)
+    }
     targets = [
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
         if isinstance(child, nn.Linear)
     ]
-    for parent, name, child in targets:
-        setattr(parent, name, OneDNNLinear.from_linear(child))
+    # popped one at a time, so each plain weight is freed as soon as its packed copy exists
+    # (a list holding them all kept every plain weight alive beside its packed copy)
+    targets.reverse()
+    while targets:
+        parent, name, child = targets.pop()
+        key = child.weight.data_ptr()
+        packed = OneDNNLinear.from_linear(child)
+        setattr(parent, name, packed)
+        del child
+        tied = embeddings.get(key)
+        if tied is not None and packed.shares_gemv:
+            setattr(tied[0], tied[1], PanelEmbedding(packed))
     return model
+
+
+def weight_storage_bytes(model: nn.Module) -> int:
+    """Bytes of every distinct storage ``model`` holds weights in: its parameters' and buffers'
+    storages, each :class:`OneDNNLinear`'s packed buffer and one-row copy, each tied
+    :class:`PanelEmbedding`'s panels; a storage reached twice (a tied weight, a view of a
+    packed buffer) counts once, by its data pointer."""
+    seen: dict[int, int] = {}
+
+    def add(t: torch.Tensor | None) -> None:
+        if t is None:
+            return
+        if t.layout == torch._mkldnn:  # type: ignore[attr-defined]
+            seen[int(torch.ops.mkldnn.data_ptr(t))] = onednn_storage_bytes(t)
+        else:
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+
+    for param in model.parameters():
+        add(param)
+    for buf in model.buffers():
+        add(buf)
+    for m in model.modules():
+        if isinstance(m, OneDNNLinear):
+            add(m._packed)
+            add(m._one_row_weight)
+        elif isinstance(m, PanelEmbedding):
+            add(m._panels)
+    return sum(seen.values())
 
 
 CALIBRATION_MIN_BYTES = 32 << 20
@@ -324,9 +502,15 @@ def calibrate_one_row(
     seed: int = 0,
     memory_budget: int | None = None,
     min_bytes: int = CALIBRATION_MIN_BYTES,
+    copies: bool = False,
 ) -> dict[tuple[int, int], str]:
     """Time the :func:`one_row_kinds` GEMMs at one row for each shape of ``model``'s
     :class:`OneDNNLinear` layers and set each layer's ``one_row`` to its shape's fastest.
+
+    Without ``copies`` (the loader's way) only the kinds that read the packed weight itself
+    compete: "onednn" and, where every layer of the shape :attr:`~OneDNNLinear.shares_gemv`,
+    "gemv"; the weights are then held once. With ``copies`` every kind competes, and the
+    winners' copies count against ``memory_budget``.
 
     Per ``(out_features, in_features)`` shape, a pass sends one ``[1, I]`` fp32 input through
     its first layers in turn, up to :data:`CALIBRATION_BYTES` of weights (a decode step reads
@@ -363,25 +547,39 @@ def calibrate_one_row(
     for (out, inp), layers in groups.items():
         per_layer = out * inp * 4
         timed = layers[: max(1, min(len(layers), CALIBRATION_BYTES // per_layer))]
-        plain = [m.weight for m in timed]
+        shared = "gemv" in kinds and all(m.shares_gemv for m in layers)
         fns: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {
             "onednn": [functools.partial(_onednn_one, m) for m in timed],
-            "linear": [
+        }
+        plain = [m.weight for m in timed] if copies else []
+        if copies:
+            fns["linear"] = [
                 functools.partial(_linear_one, w, m.bias) for w, m in zip(plain, timed, strict=True)
-            ],
-            "mm_t": [
+            ]
+            fns["mm_t"] = [
                 functools.partial(_mm_t_one, w.t().contiguous(), m.bias)
                 for w, m in zip(plain, timed, strict=True)
-            ],
-        }
-        if "gemv" in kinds:
+            ]
+        if shared:
+            fns["gemv"] = [
+                functools.partial(_gemv_one, p, m.bias, out)
+                for m in timed
+                if (p := m._panels) is not None  # all of them: shared
+            ]
+        elif copies and "gemv" in kinds:
             fns["gemv"] = [
                 functools.partial(_gemv_one, cpu_ext.pack_panels(w), m.bias, out)
                 for w, m in zip(plain, timed, strict=True)
             ]
+        if len(fns) == 1:  # oneDNN alone: nothing to time
+            for layer in layers:
+                layer.set_one_row("onednn")
+            chosen[(out, inp)] = "onednn"
+            continue
         kind, best = fastest_one_row(fns, torch.randn((1, inp), generator=gen), rounds, reps)
         del fns, plain
-        if kind != "onednn" and memory_budget is not None:
+        copied = kind != "onednn" and not (kind == "gemv" and shared)
+        if copied and memory_budget is not None:
             if kept + per_layer * len(layers) > memory_budget:
                 logger.info(
                     "one-row GEMM of %d x %d keeps oneDNN: its copies (%.1f MB) pass the "

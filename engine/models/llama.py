@@ -58,7 +58,7 @@ class CausalLM(nn.Module):
             max(cfg.max_model_len, 1),
             cfg.rope_theta,
             cfg.rope_scaling,
-            device=self.model.embed_tokens.weight.device,
+            device=self.model.norm.weight.device,  # the embedding may be a packed view
         )
 
     @torch.inference_mode()

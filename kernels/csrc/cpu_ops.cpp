@@ -343,13 +343,106 @@ at::Tensor gemv_int8_packed(const at::Tensor& x, const at::Tensor& packed, const
                              "gemv_int8_packed");
 }
 
-// x [1, K] (or [K]) fp32 contiguous; packed [P, K, 8] fp32 contiguous; bias [N] or none ->
+// One wide panel's W = 8G outputs (fp32 panels [P, Kp, W], input column k's W weights adjacent):
+// G accumulators per unrolled column, U columns unrolled (U = 4 for one group, as
+// gemv_one_panel, so an 8-wide panel gives its bits exactly; 8 / G otherwise, so at least eight
+// FMAs are in flight), each group's partials summed pairwise at the end. The weight is read as one
+// forward stream. oneDNN's packed fp32 linear weight is such a layout (64-wide panels, input
+// columns padded to 16, on AVX-512 CPUs), so its buffer serves the one-row GEMV without a copy.
+template <int G>
+inline void gemv_wide_panel(const float* w0, const float* x, int64_t k_len, __m256* out) {
+  constexpr int U = G == 1 ? 4 : (8 / G > 0 ? 8 / G : 1);
+  constexpr int64_t W = 8 * G;
+  __m256 acc[U][G];
+  for (int u = 0; u < U; ++u)
+    for (int g = 0; g < G; ++g) acc[u][g] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + U <= k_len; k += U) {
+    for (int u = 0; u < U; ++u) {
+      const __m256 xb = _mm256_broadcast_ss(x + k + u);
+      const float* row = w0 + (k + u) * W;
+      for (int g = 0; g < G; ++g) acc[u][g] = _mm256_fmadd_ps(_mm256_loadu_ps(row + 8 * g), xb, acc[u][g]);
+    }
+  }
+  for (; k < k_len; ++k) {
+    const __m256 xb = _mm256_broadcast_ss(x + k);
+    for (int g = 0; g < G; ++g) acc[0][g] = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k * W + 8 * g), xb, acc[0][g]);
+  }
+  for (int g = 0; g < G; ++g) {
+    if constexpr (U == 4) {
+      out[g] = _mm256_add_ps(_mm256_add_ps(acc[0][g], acc[1][g]), _mm256_add_ps(acc[2][g], acc[3][g]));
+    } else if constexpr (U == 2) {
+      out[g] = _mm256_add_ps(acc[0][g], acc[1][g]);
+    } else {
+      __m256 s = acc[0][g];
+      for (int u = 1; u < U; ++u) s = _mm256_add_ps(s, acc[u][g]);
+      out[g] = s;
+    }
+  }
+}
+
+template <int G>
+void gemv_wide(const float* xp, const float* wp, const float* bias_ptr, float* yp, int64_t k_len,
+               int64_t k_pad, int64_t panels, int64_t n_out, int64_t grain) {
+  constexpr int64_t W = 8 * G;
+  at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
+    __m256 out[G];
+    for (int64_t p = begin; p < end; ++p) {
+      gemv_wide_panel<G>(wp + p * k_pad * W, xp, k_len, out);
+      for (int g = 0; g < G; ++g) {
+        const int64_t row0 = p * W + 8 * g;
+        if (row0 >= n_out) break;
+        store_panel(out[g], bias_ptr, yp, row0, n_out);
+      }
+    }
+  });
+}
+
+// x [1, K] (or [K]) fp32 contiguous; packed [P, K, W] fp32, W one of 8, 16, .., 64, each panel's
+// K x W weights contiguous (strides (S, W, 1), S >= K * W: output row p*W+j of the weight in
+// packed[p, :, j]; rows past N never used): pack_panels' layout (W = 8, S = K * W) or a view of
+// oneDNN's packed linear weight (its input columns padded, so S > K * W); bias [N] or none ->
 // y [1, N]; a thread's share is at least ~256 KiB of weight.
 at::Tensor gemv_packed(const at::Tensor& x, const at::Tensor& packed,
                        const c10::optional<at::Tensor>& bias, int64_t n_out) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat,
               "gemv_packed: float32 tensors only");
-  return gemv_panels<float>(x, packed, nullptr, bias, n_out, 256 * 1024, "gemv_packed");
+  TORCH_CHECK(packed.dim() == 3, "gemv_packed: packed must be [P, K, W] panels");
+  const int64_t width = packed.size(2);
+  const int64_t k_len = packed.size(1);
+  const int64_t panels = packed.size(0);
+  // strides of size-1 dimensions say nothing (a contiguous tensor may hold any there)
+  const bool panel_ok = width % kPanel == 0 && width >= kPanel && width <= 8 * kPanel &&
+                        packed.stride(2) == 1 && (k_len == 1 || packed.stride(1) == width);
+  const bool stride_ok = panels == 1 || (packed.stride(0) >= k_len * width &&
+                                         packed.stride(0) % width == 0);
+  TORCH_CHECK(panel_ok && stride_ok,
+              "gemv_packed: packed must be [P, K, W] panels (W a multiple of 8 up to 64), each "
+              "panel contiguous");
+  const int64_t k_pad = panels == 1 ? k_len : packed.stride(0) / width;  // panel stride / W
+  TORCH_CHECK(x.numel() == k_len, "gemv_packed: x has ", x.numel(), " values, K is ", k_len);
+  TORCH_CHECK(n_out > (panels - 1) * width && n_out <= panels * width, "gemv_packed: n_out ",
+              n_out, " does not fit ", panels, " panels of ", width);
+  at::Tensor xc = x.contiguous();
+  at::Tensor bc;
+  const float* bias_ptr = bias_data(bias, n_out, bc, "gemv_packed");
+  at::Tensor y = at::empty({1, n_out}, x.options());
+  const int64_t panel_bytes = width * k_pad * static_cast<int64_t>(sizeof(float));
+  const int64_t grain = std::max<int64_t>(1, (256 * 1024) / panel_bytes);
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  switch (width / kPanel) {
+    case 1: gemv_wide<1>(xp, wp, bias_ptr, yp, k_len, k_pad, panels, n_out, grain); break;
+    case 2: gemv_wide<2>(xp, wp, bias_ptr, yp, k_len, k_pad, panels, n_out, grain); break;
+    case 3: gemv_wide<3>(xp, wp, bias_ptr, yp, k_len, k_pad, panels, n_out, grain); break;
+    case 4: gemv_wide<4>(xp, wp, bias_ptr, yp, k_len, k_pad, panels, n_out, grain); break;
+    case 5: gemv_wide<5>(xp, wp, bias_ptr, yp, k_len, k_pad, panels, n_out, grain); break;
+    case 6: gemv_wide<6>(xp, wp, bias_ptr, yp, k_len, k_pad, panels, n_out, grain); break;
+    case 7: gemv_wide<7>(xp, wp, bias_ptr, yp, k_len, k_pad, panels, n_out, grain); break;
+    default: gemv_wide<8>(xp, wp, bias_ptr, yp, k_len, k_pad, panels, n_out, grain); break;
+  }
+  return y;
 }
 
 inline float dot(const float* a, const float* b, int64_t n) {

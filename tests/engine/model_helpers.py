@@ -35,7 +35,7 @@ class PagedRunner:
         self.model = model
         self.block_size = block_size
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        device = model.model.embed_tokens.weight.device
+        device = model.model.norm.weight.device
         self.kv_caches = [
             (
                 torch.zeros(shape, dtype=cfg.dtype, device=device),

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from prefixgate.engine import LLM
+from prefixgate.engine import LLM, threads
 from prefixgate.engine.threads import (
     MAX_DEFAULT_THREADS,
+    PASSIVE_WAIT_ENV,
     apply_threads,
     available_cpus,
     default_threads,
@@ -28,7 +29,12 @@ def test_default_is_the_affinity_mask_capped():
     assert default_threads() == min(mask, MAX_DEFAULT_THREADS) >= 1
 
 
-def test_apply_threads(restore_threads):
+PASSIVE_IMPORT = {"torch_first": False, "users": {}, "set": dict(PASSIVE_WAIT_ENV)}
+ACTIVE_IMPORT = {"torch_first": True, "users": {}, "set": {}}
+
+
+def test_apply_threads(restore_threads, monkeypatch):
+    monkeypatch.setattr(threads, "_import_state", dict(PASSIVE_IMPORT))
     torch.set_num_threads(2)
     apply_threads(None)
     assert torch.get_num_threads() == 2
@@ -36,6 +42,43 @@ def test_apply_threads(restore_threads):
     assert torch.get_num_threads() == 1
     with pytest.raises(ValueError):
         apply_threads(0)
+
+
+def test_apply_threads_with_active_waiting_defaults_to_one(restore_threads, monkeypatch, caplog):
+    """torch loaded before prefixgate.engine, no wait variable of the user's: threads unset
+    run at 1 (nothing to spin for); an explicit count is kept; one warning says why."""
+    monkeypatch.setattr(threads, "_import_state", dict(ACTIVE_IMPORT))
+    monkeypatch.setattr(threads, "_warned", False)
+    assert threads.waits_actively()
+    torch.set_num_threads(2)
+    apply_threads(None)
+    assert torch.get_num_threads() == 1
+    assert "runs at 1 thread (threads unset)" in caplog.text
+    apply_threads(2)
+    assert torch.get_num_threads() == 2
+    assert caplog.text.count("torch was imported before") == 1  # once a process
+    users = {"torch_first": True, "users": {"OMP_WAIT_POLICY": "ACTIVE"}, "set": {}}
+    monkeypatch.setattr(threads, "_import_state", users)
+    assert not threads.waits_actively()  # the user's own policy: theirs
+    apply_threads(None)
+    assert torch.get_num_threads() == 2
+
+
+def test_note_engine_import_records_once():
+    env: dict[str, str] = {"GOMP_SPINCOUNT": "10"}
+    saved = dict(threads._import_state)
+    try:
+        threads._import_state.clear()
+        got = threads.note_engine_import(env, modules={})
+        assert got == {
+            "torch_first": False,
+            "users": {"GOMP_SPINCOUNT": "10"},
+            "set": PASSIVE_WAIT_ENV,
+        }
+        assert threads.note_engine_import({}, modules={"torch": object()}) == got  # once
+    finally:
+        threads._import_state.clear()
+        threads._import_state.update(saved)
 
 
 def test_engine_sets_its_threads_before_the_model(restore_threads):

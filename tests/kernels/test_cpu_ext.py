@@ -54,6 +54,33 @@ def test_gemv_refuses_bad_shapes():
         cpu_ext.gemv(torch.randn(1, 9), packed, None, 16)
     with pytest.raises(RuntimeError, match="does not fit"):
         cpu_ext.gemv(torch.randn(1, 8), packed, None, 17)
+    with pytest.raises(RuntimeError, match="panels"):  # 12 wide: not a multiple of 8
+        cpu_ext.gemv(torch.randn(1, 8), torch.zeros(2, 8, 12), None, 16)
+    with pytest.raises(RuntimeError, match="panels"):  # a panel not contiguous
+        cpu_ext.gemv(torch.randn(1, 8), torch.zeros(2, 16, 8)[:, ::2], None, 16)
+
+
+@pytest.mark.parametrize("width", [8, 16, 24, 32, 40, 48, 56, 64])
+@pytest.mark.parametrize("n,k,k_pad", [(100, 37, 48), (64, 576, 576), (7, 5, 16), (130, 1, 1)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_gemv_wide_panels_with_padded_columns(width, n, k, k_pad, bias):
+    """Panels [P, K, W] with a panel stride of k_pad * W (oneDNN's packed weight as a view)."""
+    gen = torch.Generator().manual_seed(width * 7 + n + k)
+    w = torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    x = torch.randn(1, k, generator=gen)
+    panels = -(-n // width)
+    buf = torch.full((panels, k_pad, width), float("nan"))  # padding is never read
+    padded = torch.full((panels * width, k), float("nan"))  # nor rows past N
+    padded[:n] = w
+    buf[:, :k, :] = padded.view(panels, width, k).transpose(1, 2)
+    view = buf[:, :k, :]
+    got = cpu_ext.gemv(x, view, b, n)
+    want = (x.double() @ w.double().t() + (0 if b is None else b.double())).float()
+    assert got.shape == (1, n) and torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6 * k**0.5)
+    if width == 8 and k_pad == k:  # pack_panels' layout: the same bits as before
+        assert torch.equal(got, cpu_ext.gemv(x, cpu_ext.pack_panels(w), b, n))
 
 
 def test_pack_panels_layout():

@@ -1,0 +1,143 @@
+"""Every entry point ends up with OpenMP's passive waiting, or a safe thread count where it
+cannot: each case is a fresh process with a clean environment (OpenMP reads its settings once,
+when torch loads). What libgomp really runs with is read from its own report
+(``OMP_DISPLAY_ENV=verbose`` prints ``GOMP_SPINCOUNT`` at load: 0 for passive waiting,
+300,000 for its default), not from our variables.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="GNU libgomp's report: Linux")
+
+
+def run(code: str, aidreams: str, **env_extra: str) -> tuple[dict, str, str]:
+    """Run ``code`` in a fresh interpreter with no wait variables set; returns (the JSON of its
+    last stdout line, libgomp's GOMP_SPINCOUNT, stderr)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "KMP_BLOCKTIME")}
+    env.pop("GOMP_SPINCOUNT", None)
+    env.pop("OMP_NUM_THREADS", None)
+    env.update(OMP_DISPLAY_ENV="verbose", AIDREAMS=aidreams, **env_extra)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=os.path.dirname(aidreams),  # not the checkout: its kernels/ would shadow HF's
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    spin = re.search(r"GOMP_SPINCOUNT = '(\d+)'", out.stderr)
+    assert spin is not None, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1]), spin.group(1), out.stderr
+
+
+PRINT = (
+    "from prefixgate.engine import threads; import torch, json; "
+    "s = threads.openmp_settings(); s['before'] = before; print(json.dumps(s))"
+)
+
+
+def test_llm_gets_passive_waiting_and_keeps_torchs_threads(aidreams_path):
+    code = (
+        "import os\n"
+        "from prefixgate.engine import LLM\n"
+        "import torch\n"
+        "before = torch.get_num_threads()\n"
+        "LLM(os.environ['AIDREAMS'], num_kv_blocks=16)\n" + PRINT
+    )
+    got, spin, _ = run(code, aidreams_path)
+    assert spin == "0"  # libgomp sleeps at once
+    assert got["environ"] == {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
+    assert not got["waits_actively"]
+    assert got["torch_threads"] == got["before"]  # torch's own default, untouched
+
+
+def test_async_engine_gets_passive_waiting(aidreams_path):
+    code = (
+        "import asyncio, os\n"
+        "from prefixgate.engine import AsyncEngine\n"
+        "import torch\n"
+        "before = torch.get_num_threads()\n"
+        "async def main():\n"
+        "    e = AsyncEngine(model=os.environ['AIDREAMS'], num_kv_blocks=16)\n"
+        "    await e.shutdown()\n"
+        "asyncio.run(main())\n" + PRINT
+    )
+    got, spin, _ = run(code, aidreams_path)
+    assert spin == "0" and not got["waits_actively"]
+    assert got["torch_threads"] == got["before"]
+
+
+def test_engine_bench_gets_passive_waiting(aidreams_path):
+    code = (
+        "import runpy, sys\n"
+        "sys.argv = ['threads', '--settings']\n"
+        "runpy.run_module('prefixgate.engine.bench.threads', run_name='__main__')\n"
+    )
+    got, spin, _ = run(code, aidreams_path)
+    assert spin == "0"
+    assert got["environ"] == {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
+
+
+def test_serve_gets_passive_waiting(aidreams_path):
+    code = (
+        "from prefixgate.gateway import cli\n"
+        "try:\n"
+        "    cli.main(['serve', '--help'])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "import torch\n"
+        "before = torch.get_num_threads()\n" + PRINT
+    )
+    got, spin, _ = run(code, aidreams_path)
+    assert spin == "0" and not got["waits_actively"]
+
+
+def test_torch_imported_first_runs_one_thread_and_says_why(aidreams_path):
+    code = (
+        "import os, torch\n"
+        "torch.set_num_threads(2)\n"
+        "before = torch.get_num_threads()\n"
+        "from prefixgate.engine import LLM\n"
+        "LLM(os.environ['AIDREAMS'], num_kv_blocks=16)\n" + PRINT
+    )
+    got, spin, err = run(code, aidreams_path)
+    assert spin == "300000"  # too late: libgomp kept its default
+    assert got["waits_actively"] and got["engine_import"]["torch_first"]
+    assert got["environ"] == {}  # nothing set that OpenMP would not read
+    assert got["torch_threads"] == 1
+    assert "torch was imported before prefixgate.engine" in err
+
+
+def test_torch_first_with_an_explicit_thread_count_keeps_it_and_warns(aidreams_path):
+    code = (
+        "import os, torch\n"
+        "before = torch.get_num_threads()\n"
+        "from prefixgate.engine import LLM\n"
+        "LLM(os.environ['AIDREAMS'], num_kv_blocks=16, threads=2)\n" + PRINT
+    )
+    got, spin, err = run(code, aidreams_path)
+    assert spin == "300000" and got["torch_threads"] == 2
+    assert "2 threads as asked" in err
+
+
+def test_torch_first_with_the_users_policy_is_left_alone(aidreams_path):
+    code = (
+        "import os, torch\n"
+        "torch.set_num_threads(2)\n"
+        "before = torch.get_num_threads()\n"
+        "from prefixgate.engine import LLM\n"
+        "LLM(os.environ['AIDREAMS'], num_kv_blocks=16)\n" + PRINT
+    )
+    got, spin, err = run(code, aidreams_path, OMP_WAIT_POLICY="PASSIVE")
+    assert spin == "0" and not got["waits_actively"]
+    assert got["torch_threads"] == 2
+    assert "torch was imported before" not in err
