@@ -172,6 +172,7 @@ def create_proxy_app(
         block_chars=s.affinity_block_chars,
         max_chars=s.affinity_max_chars,
         models=config.models if config is not None else None,
+        health=s.health_policy(),
     )
     if config is None and s.upstream_api_key and any(u.auth for u in router.upstreams):
         raise ValueError(

@@ -220,7 +220,15 @@ class GatewayMetrics:
             ["upstream", "status"],
         )
         self.upstream_healthy = gauge(
-            "prefixgate_upstream_healthy", "1 when the upstream is healthy", ["upstream"]
+            "prefixgate_upstream_healthy",
+            "1 when the upstream is in rotation (neither ejected nor down)",
+            ["upstream"],
+        )
+        self.upstream_ejections = gauge(
+            "prefixgate_upstream_ejections",
+            "the upstream's ejection multiplier: ejections by consecutive failures, less one "
+            "per calm ejection time",
+            ["upstream"],
         )
         self.upstream_in_flight = gauge(
             "prefixgate_upstream_in_flight", "requests in flight per upstream", ["upstream"]
@@ -280,6 +288,7 @@ class GatewayMetrics:
         """Read each upstream's health and in-flight count at scrape time."""
         for up in upstreams:
             self.upstream_healthy.labels(up.url).set_function(_reader(up, "healthy"))
+            self.upstream_ejections.labels(up.url).set_function(_reader(up.health, "ejections"))
             self.upstream_in_flight.labels(up.url).set_function(_reader(up, "in_flight"))
 
     def bind_state(self, backend: Any) -> None:
