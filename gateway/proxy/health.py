@@ -163,8 +163,10 @@ class UpstreamHealth:
             if self.ejected and not self.down and now >= self.ejected_until:
                 self.ejected = False
                 return self._back(policy, now)
-            if self.in_rotation and self.ejections and now - self._calm_since >= (
-                policy.base_ejection_s
+            if (
+                self.in_rotation
+                and self.ejections
+                and now - self._calm_since >= (policy.base_ejection_s)
             ):
                 self.ejections -= 1  # a calm stretch: the next ejection is shorter
                 self._calm_since = now
