@@ -234,4 +234,3 @@ def test_ready_lists_each_upstreams_health_state(pool):
     pool_ = httpx.get(gw.url + "/ready", timeout=5).json()["upstreams"]
     assert {u["state"] for u in pool_} == {"healthy"}
     assert all(u["ejections"] == 0 and u["ejected_s"] == 0.0 for u in pool_)
-
