@@ -53,7 +53,7 @@ from prefixgate.gateway.http.json_guard import (
     json_guard_middleware,
     no_body,
 )
-from prefixgate.gateway.http.metrics import CONTENT_TYPE, GatewayMetrics
+from prefixgate.gateway.http.metrics import CONTENT_TYPE, GatewayMetrics, MetricsView
 from prefixgate.gateway.http.server import FDS_PER_CONNECTION
 from prefixgate.gateway.local.cache_pins import CachePins
 from prefixgate.gateway.local.prefixes import PrefixRegistry
@@ -181,6 +181,7 @@ def create_proxy_app(
         block_chars=s.affinity_block_chars,
         max_chars=s.affinity_max_chars,
         models=config.models if config is not None else None,
+        health=s.health_policy(),
     )
     if config is None and s.upstream_api_key and any(u.auth for u in router.upstreams):
         raise ValueError(
@@ -494,28 +495,41 @@ async def ready_proxy(request: web.Request) -> web.Response:
         "upstreams_healthy": sum(1 for u in pool if u["healthy"]),
         "upstreams_total": len(pool),
     }
-    if _has_key(request):
+    if _viewer(request).operator:
         body["upstreams"] = pool
         body["state"] = st.shared.describe()
     return web.json_response(body)
 
 
 async def metrics_route(request: web.Request) -> web.Response:
-    """GET /metrics: Prometheus text exposition. When the gateway has API keys, the per-key,
-    per-tenant and per-upstream families (names and URLs) need one of them
-    (``Authorization: Bearer <key>``, a scraper's ``bearer_token``); without, the rest."""
+    """GET /metrics: Prometheus text exposition, as the caller may see it (``_viewer``): all
+    of it with an operator's key (``Authorization: Bearer <key>``, a scraper's
+    ``bearer_token``) or on an open gateway; with a tenant's key its own per-key and
+    per-tenant samples besides the aggregates; without a key the aggregates only. No
+    upstream address to anyone but an operator, under any routing policy."""
     st = request.app[STATE]
-    body = st.metrics.render(tenant_data=_has_key(request))
+    view = _viewer(request)
+    body = st.metrics.render(None if view.operator else view)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
-def _has_key(request: web.Request) -> bool:
-    """True on an open gateway, or when the request carries one of its keys."""
+def _viewer(request: web.Request) -> MetricsView:
+    """Who the caller is, for what it may read of the gateway's state: an operator (an
+    operator's key, or anyone on an open gateway), a tenant's key (its name), or anonymous
+    (no key, or one the gateway does not know); with the upstreams' addresses (URLs,
+    ``host:port``, KV-event endpoints) that no line shown to a non-operator may hold."""
     st = request.app[STATE]
-    if st.keys.open:
-        return True
     try:
-        st.keys.authenticate(request)
+        principal = st.keys.authenticate(request)
     except APIError:
-        return False
-    return True
+        principal = None
+    if principal is not None and principal.operator:
+        return MetricsView(operator=True)
+    hidden: list[str] = []
+    proxy = request.app.get(PROXY)
+    if proxy is not None:
+        for up in proxy.router.upstreams:
+            hidden += [up.url, up.url.split("://", 1)[-1]]
+    for pub, replay in st.settings.upstream_kv_events.values():
+        hidden += [pub, *([replay] if replay else [])]
+    return MetricsView(own=principal.name if principal else None, hidden=tuple(hidden))

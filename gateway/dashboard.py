@@ -19,7 +19,8 @@ key and the queue are counted in both modes.
 
 Auth: the page itself holds no numbers and is public; ``/dashboard/data`` needs a valid API
 key (``Authorization: Bearer``) when the server has keys, like every other route but
-``/health``, ``/ready`` and ``/metrics``. Any valid key sees every key's name and usage.
+``/health``, ``/ready`` and ``/metrics``. An operator's key (``role: "operator"``, or
+``--api-key``) sees every key's name and usage; a tenant's key only its own.
 """
 
 from __future__ import annotations
@@ -243,8 +244,9 @@ class DashboardSampler:
         self.samples.append(sample)
         return sample
 
-    def snapshot(self) -> dict[str, Any]:
-        """The JSON of ``/dashboard/data``: settings, the samples and per-key totals."""
+    def snapshot(self, own: str | None = None) -> dict[str, Any]:
+        """The JSON of ``/dashboard/data``: settings, the samples and per-key totals — of
+        every key, or with ``own`` (a tenant key's name) of that key only."""
         m = self.st.metrics
         reqs = _by_label(m.key_requests, "key")
         toks = _by_label(m.key_tokens, "key", "kind")
@@ -255,7 +257,13 @@ class DashboardSampler:
                 "completion_tokens": int(toks.get((k, "completion"), 0)),
             }
             for (k,), v in sorted(reqs.items())
+            if own is None or k == own
         }
+        samples = list(self.samples)
+        if own is not None:
+            samples = [
+                {**x, "keys": {k: v for k, v in x["keys"].items() if k == own}} for x in samples
+            ]
         return {
             "mode": "upstream" if self.app is not None and PROXY in self.app else "local",
             "model": self.st.model_name,
@@ -263,7 +271,7 @@ class DashboardSampler:
             "interval_s": self.interval_s,
             "window_s": self.window_s,
             "quantile_window_s": self.quantile_window_s,
-            "samples": list(self.samples),
+            "samples": samples,
             "keys": keys,
         }
 
@@ -370,5 +378,8 @@ async def data(request: web.Request) -> web.Response:
         APIError: 401 ``invalid_api_key`` when keys are configured and none valid is sent.
     """
     st = request.app[STATE]
-    st.keys.authenticate(request)
-    return web.json_response(request.app[SAMPLER].snapshot(), headers={"Cache-Control": "no-store"})
+    principal = st.keys.authenticate(request)
+    own = None if principal.operator else principal.name
+    return web.json_response(
+        request.app[SAMPLER].snapshot(own), headers={"Cache-Control": "no-store"}
+    )

@@ -4,9 +4,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 from prefixgate.gateway.tenancy.admission import AdmissionConfig
+
+if TYPE_CHECKING:
+    from prefixgate.gateway.proxy.health import HealthPolicy
 
 
 @dataclass(slots=True)
@@ -38,8 +42,18 @@ class GatewaySettings:
             passed through when the gateway has no keys of its own).
         upstream_cache_salt: whether the upstreams take ``cache_salt`` (tenant isolation):
             ``"auto"`` (detected: prefixgate and vLLM do), ``"on"``, ``"off"``.
-        health_interval_s: seconds between probes of unhealthy upstreams, and between two
-            reads of each healthy upstream's ``/v1/models``.
+        health_interval_s: seconds between two active health checks of each upstream
+            (``GET /health``); its ``/v1/models`` is read every 5 of them.
+        health_check_timeout_s: seconds an active health check waits for its answer.
+        unhealthy_threshold, healthy_threshold: failed checks in a row that mark an upstream
+            down, passed checks in a row that bring it back.
+        upstream_consecutive_failures: gateway failures in a row (refused or reset
+            connection, 502/503/504, an answer cut or not in its shape) that eject an
+            upstream (outlier detection, ``proxy.health``).
+        upstream_base_ejection_s, upstream_max_ejection_s: the first ejection's seconds
+            (the n-th lasts n times as long) and the longest.
+        upstream_max_ejection_percent: most of the pool (%) out of rotation after an
+            ejection by failures (0: answers never eject; the health checks still do).
         affinity_block_chars: characters per "block" of the prompt for prefix affinity.
         affinity_max_chars: at most this many leading characters are hashed.
         balance_abs_threshold, balance_rel_threshold: SGLang router's load-imbalance rule:
@@ -96,7 +110,14 @@ class GatewaySettings:
     upstream_connect_timeout_s: float = 5.0
     upstream_api_key: str | None = None
     upstream_cache_salt: str = "auto"
-    health_interval_s: float = 5.0
+    health_interval_s: float = 1.0
+    health_check_timeout_s: float = 2.0
+    unhealthy_threshold: int = 2
+    healthy_threshold: int = 2
+    upstream_consecutive_failures: int = 3
+    upstream_base_ejection_s: float = 10.0
+    upstream_max_ejection_s: float = 300.0
+    upstream_max_ejection_percent: float = 50.0
     affinity_block_chars: int = 64
     affinity_max_chars: int = 4096
     balance_abs_threshold: int = 64
@@ -139,6 +160,7 @@ class GatewaySettings:
         from prefixgate.gateway.proxy.upstream import CACHE_SALT_MODES
 
         check_policy(self.routing)
+        self.health_policy()  # ValueError on a knob out of its range
         if self.upstream_cache_salt not in CACHE_SALT_MODES:
             raise ValueError(
                 f"upstream_cache_salt must be auto, on or off, got {self.upstream_cache_salt!r}"
@@ -177,6 +199,25 @@ class GatewaySettings:
             raise ValueError(
                 f"precise_overlap_weight must be > 0, got {self.precise_overlap_weight}"
             )
+
+    def health_policy(self) -> HealthPolicy:
+        """The upstream health knobs as a ``proxy.health.HealthPolicy``.
+
+        Raises:
+            ValueError: a knob out of its range.
+        """
+        from prefixgate.gateway.proxy.health import HealthPolicy  # noqa: PLC0415
+
+        return HealthPolicy(
+            consecutive_failures=self.upstream_consecutive_failures,
+            base_ejection_s=self.upstream_base_ejection_s,
+            max_ejection_s=self.upstream_max_ejection_s,
+            max_ejection_percent=self.upstream_max_ejection_percent,
+            interval_s=self.health_interval_s,
+            timeout_s=self.health_check_timeout_s,
+            unhealthy_threshold=self.unhealthy_threshold,
+            healthy_threshold=self.healthy_threshold,
+        )
 
     def admission_config(self) -> AdmissionConfig:
         """The admission bounds as an AdmissionConfig."""

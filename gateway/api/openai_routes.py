@@ -363,6 +363,7 @@ class Exchange:
         except APIError:
             st.shared.refund(self.principal, lease)
             raise
+        self.ticket.set_eta(self.eta_s)  # max_running's Retry-After: when this one ends
         self.t_admitted = time.monotonic()
         st.metrics.prompt_tokens.inc(self.prompt_tokens)
         # kept current as tokens come: a request the shutdown cuts is logged before its
@@ -398,25 +399,33 @@ class Exchange:
 
     def eta_s(self) -> float | None:
         """Predicted seconds until this request ends, from its own progress: each choice's
-        tokens left (``max_tokens``; an earlier stop only shortens it) over its measured token
-        rate since its first token; None until every choice has ``ETA_MIN_TOKENS`` tokens to
-        measure by (a rate from two tokens is noise: docs/admission.md), or when a choice
-        has no ``max_tokens``."""
+        tokens left (``max_tokens``, capped by the model length; an earlier stop only shortens
+        it) over its measured token rate since its first token. A choice with fewer than
+        ``ETA_MIN_TOKENS`` tokens (a rate from two tokens is noise: docs/admission.md) goes by
+        the recent generations' seconds per token (``AdmissionController.tpot_s``) instead.
+        None when a choice has no ``max_tokens``, or is too young while no rate was measured
+        yet."""
         now = time.monotonic()
         left = 0.0
         engine = self.request.app[LOCAL].engine
         room = None if engine is None else engine.max_model_len - len(self.prompt_ids)
+        tpot = self.st.admission.tpot_s
         for out, req in zip(self.outputs, self.requests, strict=True):
             params = req.sampling_params
             cap = params.max_tokens if params is not None else None
             if cap is not None and room is not None:
                 cap = min(cap, room)  # the engine caps prompt + max_tokens at max_model_len
-            if cap is None or out.num_tokens < ETA_MIN_TOKENS or not out.t_first_token:
+            if cap is None:
                 return None
             if out.finish_reason is not None:
                 continue
-            rate = (out.num_tokens - 1) / max(now - out.t_first_token, 1e-6)
-            left = max(left, (cap - out.num_tokens) / rate)
+            if out.num_tokens >= ETA_MIN_TOKENS and out.t_first_token:
+                rate = (out.num_tokens - 1) / max(now - out.t_first_token, 1e-6)
+                left = max(left, (cap - out.num_tokens) / rate)
+            elif tpot > 0:
+                left = max(left, (cap - out.num_tokens) * tpot)
+            else:
+                return None
         return left
 
     def _predicted_header(self, resp: web.StreamResponse) -> None:
@@ -446,8 +455,12 @@ class Exchange:
             metrics.ttft.observe(now - self.t0)
             self.engine_metrics = d.engine_metrics
         out = self.outputs[i]
+        before = out.num_tokens
         out.add(d, now)
         metrics.add_generated(d.new_tokens)
+        if before < ETA_MIN_TOKENS <= out.num_tokens and out.t_first_token:
+            # a measured rate for the requests too young to measure their own (eta_s)
+            self.st.admission.note_tpot((now - out.t_first_token) / (out.num_tokens - 1))
         self.cached.setdefault(self.prompt_index[i], d.num_cached_tokens)
         self.rec.completion_tokens = sum(o.num_tokens for o in self.outputs)
         self.rec.cached_tokens = sum(self.cached.values())

@@ -21,7 +21,9 @@ proxy fault matrix of ``faults`` and the gateway's tests.
 * ``auth401`` / ``auth403`` — that status with an OpenAI error body quoting the
   ``Authorization`` it got ("Incorrect API key provided: Bearer sk-..."), as some servers do.
 
-``auth`` holds the last ``Authorization`` header received.
+``auth`` holds the last ``Authorization`` header received. ``freeze()`` makes it a frozen
+server (as under ``kill -STOP``): connections are accepted and requests read, ``GET /health``
+included, but nothing is answered until ``thaw()``, which answers what waited.
 """
 
 from __future__ import annotations
@@ -114,6 +116,8 @@ class FaultUpstream:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._server: asyncio.AbstractServer | None = None
+        self._thawed = asyncio.Event()
+        self._thawed.set()
 
     @property
     def url(self) -> str:
@@ -131,6 +135,20 @@ class FaultUpstream:
     async def _start(self) -> None:
         self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
         self.port = self._server.sockets[0].getsockname()[1]
+
+    def freeze(self) -> None:
+        """Answer nothing from now on (requests are read and wait) until ``thaw``."""
+        self._call(self._thawed.clear)
+
+    def thaw(self) -> None:
+        """Answer again, the waiting requests first."""
+        self._call(self._thawed.set)
+
+    def _call(self, fn: object) -> None:
+        async def run() -> None:
+            fn()  # type: ignore[operator]
+
+        asyncio.run_coroutine_threadsafe(run(), self._loop).result(10)
 
     def close(self) -> None:
         """Stop serving (idempotent)."""
@@ -161,6 +179,7 @@ class FaultUpstream:
                     if line.lower().startswith("authorization:") and path != "/health":
                         self.auth = line.split(":", 1)[1].strip()
                 body = await reader.readexactly(length) if length else b""
+                await self._thawed.wait()  # frozen: read, never answered
                 if path == "/health":
                     await self._send(writer, 200, "application/json", b'{"status":"ok"}')
                     continue

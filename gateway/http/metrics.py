@@ -11,8 +11,10 @@ Each app gets its own ``CollectorRegistry``, so several gateways can live in one
 from __future__ import annotations
 
 import functools
+import re
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -220,7 +222,15 @@ class GatewayMetrics:
             ["upstream", "status"],
         )
         self.upstream_healthy = gauge(
-            "prefixgate_upstream_healthy", "1 when the upstream is healthy", ["upstream"]
+            "prefixgate_upstream_healthy",
+            "1 when the upstream is in rotation (neither ejected nor down)",
+            ["upstream"],
+        )
+        self.upstream_ejections = gauge(
+            "prefixgate_upstream_ejections",
+            "the upstream's ejection multiplier: ejections by consecutive failures, less one "
+            "per calm ejection time",
+            ["upstream"],
         )
         self.upstream_in_flight = gauge(
             "prefixgate_upstream_in_flight", "requests in flight per upstream", ["upstream"]
@@ -280,6 +290,7 @@ class GatewayMetrics:
         """Read each upstream's health and in-flight count at scrape time."""
         for up in upstreams:
             self.upstream_healthy.labels(up.url).set_function(_reader(up, "healthy"))
+            self.upstream_ejections.labels(up.url).set_function(_reader(up.health, "ejections"))
             self.upstream_in_flight.labels(up.url).set_function(_reader(up, "in_flight"))
 
     def bind_state(self, backend: Any) -> None:
@@ -287,10 +298,9 @@ class GatewayMetrics:
         self.state_backend_up.set_function(lambda: 1.0 if backend.up else 0.0)
         self.state_fallbacks.set_function(lambda: float(getattr(backend, "fallbacks", 0)))
 
-    def render(self, tenant_data: bool = True) -> bytes:
-        """The Prometheus text exposition of every metric; without ``tenant_data`` the
-        families of ``PRIVATE_FAMILIES`` (per key and per tenant, labelled with their names;
-        per upstream, labelled with its URL) are left out."""
+    def render(self, view: MetricsView | None = None) -> bytes:
+        """The Prometheus text exposition of every metric, as ``view`` may see it
+        (``visible_exposition``; None: an operator's, everything)."""
         now = time.monotonic()
         self._marks.append((now, self._generated))
         while len(self._marks) > 2 and now - self._marks[1][0] >= self._window:
@@ -298,22 +308,67 @@ class GatewayMetrics:
         t0, g0 = self._marks[0]
         self.tokens_per_s.set((self._generated - g0) / (now - t0) if now > t0 else 0.0)
         text = generate_latest(self.registry)
-        return text if tenant_data else public_exposition(text)
+        return text if view is None or view.operator else visible_exposition(text, view)
 
 
-# Families that name a tenant, a key or an upstream (its URL): shown to callers with a key.
+# Families that name a tenant, a key or an upstream (its URL): whole to operators only.
 PRIVATE_FAMILIES = ("prefixgate_key_", "prefixgate_tenant_", "prefixgate_upstream_")
+# Of those, the families whose samples a key may see for itself (labelled with its name).
+OWN_FAMILIES = ("prefixgate_key_", "prefixgate_tenant_")
+# Labels whose values are upstream addresses, in any family (``precise`` routing's included).
+ADDRESS_LABELS = ("upstream", "replica")
+_LABEL = re.compile(rb'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsView:
+    """Who reads ``/metrics``: an ``operator`` (everything), a tenant's key (``own``: its
+    name — its own samples of the per-key and per-tenant families), or an anonymous caller
+    (``own`` None). ``hidden``: strings no line shown to a non-operator may hold (the
+    upstreams' addresses)."""
+
+    operator: bool = False
+    own: str | None = None
+    hidden: tuple[str, ...] = ()
+
+
+def visible_exposition(text: bytes, view: MetricsView) -> bytes:
+    """What a non-operator ``view`` sees of a Prometheus text exposition: no per-upstream
+    family, no sample labelled with an address (``ADDRESS_LABELS``), no line holding a
+    ``hidden`` string; of the per-key and per-tenant families only the samples whose
+    ``key`` / ``tenant`` label is ``view.own`` (none, and no ``# HELP`` / ``# TYPE``, to
+    an anonymous caller)."""
+    own = _escaped(view.own) if view.own is not None else None
+    hidden = tuple(h.encode() for h in view.hidden if h)
+    keep = []
+    for line in text.split(b"\n"):
+        comment = line.startswith((b"# HELP ", b"# TYPE "))
+        name = line[7:] if comment else line
+        if any(h in line for h in hidden) or name.startswith(b"prefixgate_upstream_"):
+            continue
+        labels = {} if comment or b"{" not in line else dict(_LABEL.findall(line))
+        if any(label.encode() in labels for label in ADDRESS_LABELS):
+            continue
+        if name.startswith(tuple(p.encode() for p in OWN_FAMILIES)):
+            if own is None:
+                continue
+            mine = labels.get(b"key", labels.get(b"tenant"))
+            if not comment and mine != own:
+                continue
+        keep.append(line)
+    return b"\n".join(keep)
 
 
 def public_exposition(text: bytes) -> bytes:
-    """A Prometheus text exposition without the samples, ``# HELP`` and ``# TYPE`` lines of
-    ``PRIVATE_FAMILIES``."""
-    keep = []
-    for line in text.split(b"\n"):
-        name = line[7:] if line.startswith((b"# HELP ", b"# TYPE ")) else line
-        if not name.startswith(tuple(p.encode() for p in PRIVATE_FAMILIES)):
-            keep.append(line)
-    return b"\n".join(keep)
+    """An anonymous caller's exposition (``visible_exposition`` with no key): without the
+    samples, ``# HELP`` and ``# TYPE`` lines of ``PRIVATE_FAMILIES``, nor any sample
+    labelled with an upstream address."""
+    return visible_exposition(text, MetricsView())
+
+
+def _escaped(value: str) -> bytes:
+    """A label value as the text exposition writes it (backslash, quote, newline escaped)."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").encode()
 
 
 def _reader(obj: object, attr: str) -> Callable[[], float]:

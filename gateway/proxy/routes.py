@@ -494,8 +494,10 @@ def transport_failure(
     router: UpstreamRouter, up: Upstream, exc: BaseException
 ) -> tuple[str, APIError | None]:
     """Judge a transport error of one attempt on ``up``: an idle timeout is one slow request,
-    not a dead server (``suspect``; a probe decides): ``("timeout", the 504
-    upstream_timeout to answer)``; anything else marks ``up`` failed: ``("failed", None)``."""
+    not a dead server (``suspect``: a health check now decides): ``("timeout", the 504
+    upstream_timeout to answer)``; anything else (refused, reset, cut mid-body) is one
+    gateway failure of ``up`` (``mark_failed``: only consecutive ones eject it):
+    ``("failed", None)``."""
     why = type(exc).__name__ + (f": {exc}" if str(exc) else "")
     if isinstance(exc, TimeoutError) and not isinstance(exc, aiohttp.ConnectionTimeoutError):
         router.suspect(up, why)

@@ -9,14 +9,16 @@ Choosing the upstream of one request:
    (``proxy.model_list``; aliases resolved first). A model no upstream lists is the
    gateway's own 404 ``model_not_found``; an upstream that never answered ``/v1/models`` is
    a candidate only for a model no known upstream lists (it may serve it).
-2. Of those, only healthy ones. An upstream becomes unhealthy after a connection failure,
-   a connect timeout, a 502/503/504 answer, or
-   a failed probe (every upstream is probed at start, and after an idle timeout of one of
-   its requests); an answer that is not the OpenAI shape (``answers.py``) is one strike, and
-   ``FAILURE_THRESHOLD`` (3) strikes in a row take it out (one bad answer never ejects the
-   only upstream). A background task probes unhealthy ones (``GET /health``) every
-   ``health_interval_s`` and puts them back on any answer below 500, half-open: one more
-   bad answer takes a returned upstream out again, a good one clears its strikes.
+2. Of those, only the ones in rotation (``proxy.health``, after Envoy's outlier detection):
+   ``consecutive_failures`` gateway failures in a row (a refused or reset connection, a
+   connect timeout, a 502/503/504, an answer cut mid-body or not in the OpenAI shape) eject
+   an upstream for a time that grows with its ejections, never beyond
+   ``max_ejection_percent`` of the pool (one bad answer fails only its request); active
+   checks (``GET /health`` every ``health_interval_s``, timed out after
+   ``health_check_timeout_s``) mark a frozen, silent or dead upstream down after
+   ``unhealthy_threshold`` failures and bring it back after ``healthy_threshold`` passes;
+   an ejected one returns half-open (one more failure ejects it again) once a check passes
+   after its ejection time. Every upstream is checked at start.
 3. An upstream that answered 429 with ``Retry-After`` is left out for that long, and one at
    its ``max_in_flight`` is left out while it is: others serve. When every candidate is
    rate limited they are tried anyway (the limit is theirs to enforce, and may be the
@@ -28,6 +30,7 @@ Choosing the upstream of one request:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import ssl
 import time
@@ -38,6 +41,7 @@ from typing import Any
 import aiohttp
 import yarl
 from prefixgate.gateway.http.errors import APIError, bad_request, not_found, shown
+from prefixgate.gateway.proxy.health import HealthPolicy, UpstreamHealth
 from prefixgate.gateway.proxy.model_list import ModelList
 from prefixgate.gateway.proxy.policies import (
     PrefixTree,
@@ -52,7 +56,8 @@ from prefixgate.gateway.tenancy.slot_wait import SlotClock
 
 logger = logging.getLogger("prefixgate.gateway")
 
-FAILURE_THRESHOLD = 3  # bad answers in a row that take an upstream out of rotation
+FAILURE_THRESHOLD = HealthPolicy().consecutive_failures  # the default failures that eject
+MODELS_EVERY = 5  # health-check rounds between two reads of an upstream's /v1/models
 
 
 def normalize_url(url: str) -> str:
@@ -125,10 +130,9 @@ class Upstream:
         "url",
         "auth",
         "seed",
-        "healthy",
+        "health",
         "in_flight",
         "failures",
-        "strikes",
         "served",
         "last_error",
         "cache_salt",
@@ -161,10 +165,9 @@ class Upstream:
                 raise ValueError(f"upstream {self.url}: give user:password or a credential")
             self.auth = auth
         self.seed = zlib.crc32(self.url.encode())
-        self.healthy = True
+        self.health = UpstreamHealth()  # ejection and active checks (proxy.health)
         self.in_flight = 0
-        self.failures = 0
-        self.strikes = 0  # bad answers in a row (FAILURE_THRESHOLD of them: unhealthy)
+        self.failures = 0  # gateway failures in all (``strikes``: those in a row)
         self.served = 0
         self.last_error = ""
         # Takes vLLM's ``cache_salt`` (isolates tenants' prefix caches): True / False, or None
@@ -188,6 +191,24 @@ class Upstream:
         if dialect == "anthropic":  # no prefix API, no cache_salt (its cache is the account's)
             self.prefix_api = False
             self.cache_salt = False
+
+    @property
+    def healthy(self) -> bool:
+        """In rotation: neither ejected by its answers nor down by its health checks."""
+        return self.health.in_rotation
+
+    @healthy.setter
+    def healthy(self, value: bool) -> None:
+        """False: down until ``healthy_threshold`` checks pass; True: back in rotation."""
+        if value:
+            self.health.down = self.health.ejected = False
+        else:
+            self.health.mark_down()
+
+    @property
+    def strikes(self) -> int:
+        """Gateway failures in a row (``consecutive_failures`` of them eject it)."""
+        return self.health.failures
 
     def upstream_model(self, model: str) -> str:
         """The upstream's own id of public model ``model`` (the same without a config)."""
@@ -228,8 +249,9 @@ class UpstreamRouter:
     Args:
         urls: base URLs of the upstreams, or ``Upstream`` objects (a config's deployments).
         balance_abs_threshold, balance_rel_threshold: the imbalance rule (in-flight requests).
-        health_interval_s: seconds between probes of unhealthy upstreams, and between two
-            reads of each healthy one's ``/v1/models``.
+        health_interval_s: seconds between two active health checks of each upstream
+            (``GET /health``); each upstream's ``/v1/models`` is read again every
+            ``MODELS_EVERY`` of them.
         connect_timeout_s: connect timeout of each upstream request.
         timeout_s: idle timeout of each upstream request — the longest wait for the answer's
             first byte and between two reads of it (aiohttp's ``sock_read``), never a total:
@@ -244,12 +266,14 @@ class UpstreamRouter:
         block_chars, max_chars: the prompt's affinity blocks (characters) and longest text.
         models: the config file's model list (aliases, fallbacks; ``proxy.model_list``), None
             when the models are discovered.
+        health: the outlier-detection and health-check knobs (``proxy.health``; its
+            ``interval_s`` is ``health_interval_s``).
 
-    Health: a refused or reset connection, a connect timeout or a 502/503/504 takes an
-    upstream out of rotation (``mark_failed``); an idle timeout does not — one slow request
-    says nothing of the server — it only asks for a probe (``suspect``), which decides.
-    ``start`` probes every upstream before the first request, so ``/ready`` is true from
-    the start (a dead upstream is out of rotation until a probe succeeds).
+    Health (``proxy.health``): each gateway failure of an attempt is counted
+    (``mark_failed``), a success clears the count (``mark_ok``); an idle timeout is not a
+    failure — one slow request says nothing of the server — it only asks for a check now
+    (``suspect``). ``start`` checks every upstream before the first request, so ``/ready``
+    is true from the start (a dead upstream is down until its checks pass).
 
     Raises:
         ValueError: no URL, repeated URLs, or an unknown policy.
@@ -260,7 +284,7 @@ class UpstreamRouter:
         urls: Sequence[str | Upstream],
         balance_abs_threshold: int = 64,
         balance_rel_threshold: float = 1.5,
-        health_interval_s: float = 5.0,
+        health_interval_s: float = 1.0,
         connect_timeout_s: float = 5.0,
         timeout_s: float = 600.0,
         cache_salt: str = "auto",
@@ -269,6 +293,7 @@ class UpstreamRouter:
         block_chars: int = 64,
         max_chars: int = 4096,
         models: ModelList | None = None,
+        health: HealthPolicy | None = None,
     ) -> None:
         if not urls:
             raise ValueError("upstream mode needs at least one upstream URL")
@@ -291,6 +316,10 @@ class UpstreamRouter:
         self.abs_threshold = balance_abs_threshold
         self.rel_threshold = balance_rel_threshold
         self.health_interval_s = health_interval_s
+        self.health_policy = dataclasses.replace(
+            health or HealthPolicy(), interval_s=health_interval_s
+        )
+
         self.timeout = aiohttp.ClientTimeout(
             total=None, connect=connect_timeout_s, sock_read=timeout_s or None
         )
@@ -535,75 +564,117 @@ class UpstreamRouter:
         )
 
     def mark_failed(self, up: Upstream, why: str) -> None:
-        """Take ``up`` out of rotation until a probe succeeds."""
+        """One gateway failure of ``up`` (a refused, reset or timed-out connection, a
+        502/503/504, an answer cut or not in its shape): ``consecutive_failures`` in a row
+        eject it, unless that would take more than ``max_ejection_percent`` of the pool out
+        of rotation (``proxy.health``); a single one fails only its own request."""
         up.failures += 1
         up.last_error = why
-        if up.healthy:
-            # (info at start: a proxy started before its upstreams is common; /ready says it)
-            log = logger.info if why.startswith("at start") else logger.warning
-            log("upstream %s unhealthy: %s", up.url, why)
-        up.healthy = False
-
-    def mark_bad_answer(self, up: Upstream, why: str) -> None:
-        """``up`` answered, but not in the OpenAI shape: one strike; ``FAILURE_THRESHOLD``
-        strikes in a row take it out of rotation (``mark_failed``), so one bad answer never
-        ejects the only upstream."""
-        up.strikes += 1
-        if up.strikes >= FAILURE_THRESHOLD:
-            self.mark_failed(up, f"{why} ({up.strikes} bad answers in a row)")
+        policy = self.health_policy
+        if not up.health.failure(policy) or not up.healthy:
+            if up.healthy:
+                logger.warning(
+                    "upstream %s: failure %d of %d in a row: %s",
+                    up.url,
+                    up.health.failures,
+                    policy.consecutive_failures,
+                    why,
+                )
             return
-        up.failures += 1
-        up.last_error = why
+        out = sum(1 for u in self.upstreams if not u.healthy) + 1
+        if not policy.ejectable(out, len(self.upstreams)):
+            logger.warning(
+                "upstream %s: %d failures in a row (%s), not ejected: %d of %d upstreams "
+                "would be out of rotation (max_ejection_percent %g); its health checks decide",
+                up.url,
+                up.health.failures,
+                why,
+                out,
+                len(self.upstreams),
+                policy.max_ejection_percent,
+            )
+            return
+        seconds = up.health.eject(policy)
         logger.warning(
-            "upstream %s: bad answer %d of %d: %s", up.url, up.strikes, FAILURE_THRESHOLD, why
+            "upstream %s ejected for %g s (ejection %d): %d failures in a row, the last: %s",
+            up.url,
+            seconds,
+            up.health.ejections,
+            up.health.failures,
+            why,
         )
 
+    def mark_bad_answer(self, up: Upstream, why: str) -> None:
+        """``up`` answered, but not in the OpenAI shape: a gateway failure (``mark_failed``)."""
+        self.mark_failed(up, why)
+
     def mark_ok(self, up: Upstream) -> None:
-        """``up`` answered in the OpenAI shape: its strikes are cleared."""
-        up.strikes = 0
+        """``up`` answered in the OpenAI shape: its failures in a row are cleared."""
+        up.health.success()
 
     def suspect(self, up: Upstream, why: str) -> None:
-        """One request to ``up`` timed out: probe it now; only a failed probe takes it out
-        of rotation (one slow request must not empty the pool)."""
+        """One request to ``up`` timed out: check it now (one active check, counted as the
+        periodic ones are); one slow request never ejects it by itself."""
         up.last_error = why
         if self.session is None or not up.healthy:
             return
-        task = asyncio.ensure_future(self.probe(up, mark_down=True, why=why))
+        task = asyncio.ensure_future(self.probe(up))
         self._suspects.add(task)
         task.add_done_callback(self._suspects.discard)
 
     async def probe(self, up: Upstream, mark_down: bool = False, why: str = "") -> bool:
-        """``GET /health`` on ``up`` (2 s timeout); marks it healthy on an answer below 500
-        (an OpenAI-compatible server without ``/health`` answers 404: alive), and unhealthy
-        on anything else when ``mark_down``."""
+        """One active health check of ``up``: ``GET /health`` with the policy's
+        ``timeout_s``; passes on an answer below 500 (an OpenAI-compatible server without
+        ``/health`` answers 404: alive). Recorded on its health (``UpstreamHealth.checked``);
+        ``mark_down`` (the check at start): a failure marks it down at once."""
         assert self.session is not None
+        policy = self.health_policy
         try:
             async with self.session.get(
-                up.url + "/health", timeout=aiohttp.ClientTimeout(total=2.0), ssl=up.ssl
+                up.url + "/health",
+                timeout=aiohttp.ClientTimeout(total=policy.timeout_s),
+                ssl=up.ssl,
             ) as resp:
                 ok = resp.status < 500  # alive (a server without /health answers 404)
-        except (aiohttp.ClientError, TimeoutError, OSError):
-            ok = False
-        if ok and not up.healthy:
-            logger.info("upstream %s healthy again", up.url)
-            up.healthy = True
-            # half-open: a strike short of the threshold until a good answer clears them
-            up.strikes = FAILURE_THRESHOLD - 1
+                problem = f"GET /health: HTTP {resp.status}"
+        except TimeoutError:
+            ok, problem = False, f"GET /health: no answer in {policy.timeout_s:g} s"
+        except (aiohttp.ClientError, OSError) as exc:
+            ok, problem = False, f"GET /health: {type(exc).__name__}"
+        change = up.health.checked(ok, policy)
+        if not ok:
+            up.last_error = (why + "; " if why else "") + problem
+        if not ok and mark_down and not up.health.down:
+            up.health.mark_down()
+            change = "down"
+        if change == "down":
+            up.failures += 1
+            # (info at start: a proxy started before its upstreams is common; /ready says it)
+            log = logger.info if mark_down else logger.warning
+            log("upstream %s down: %s", up.url, up.last_error)
+        elif change == "back":
+            logger.info("upstream %s back in rotation (half-open)", up.url)
             if up.models is None:
                 await self.detect(up)
-        elif not ok and mark_down:
-            self.mark_failed(up, (why + "; " if why else "") + "GET /health failed")
         return ok
 
     async def _probe_loop(self) -> None:
-        """Every ``health_interval_s``: probe the unhealthy upstreams, read the healthy ones'
+        """Every ``health_interval_s``: check every upstream whose ejection time is not
+        running (``probe``), and every ``MODELS_EVERY`` rounds read the in-rotation ones'
         ``/v1/models`` (an upstream whose models change is followed)."""
+        rounds = 0
         while True:
             await asyncio.sleep(self.health_interval_s)
+            rounds += 1
+            models = rounds % MODELS_EVERY == 0
             await asyncio.gather(
-                *(self.probe(u) if not u.healthy else self.detect(u) for u in self.upstreams),
+                *(self._check(u, models) for u in self.upstreams if u.health.due_check()),
                 return_exceptions=True,
             )
+
+    async def _check(self, up: Upstream, models: bool) -> None:
+        if await self.probe(up) and models and up.healthy:
+            await self.detect(up)
 
     def describe(self) -> list[dict[str, Any]]:
         """Per-upstream state for ``/ready`` and logs."""
@@ -611,6 +682,11 @@ class UpstreamRouter:
             {
                 "url": u.url,
                 "healthy": u.healthy,
+                "state": u.health.state(),
+                "ejections": u.health.ejections,
+                "ejected_s": round(max(0.0, u.health.ejected_until - time.monotonic()), 3)
+                if u.health.ejected
+                else 0.0,
                 "in_flight": u.in_flight,
                 "served": u.served,
                 "failures": u.failures,

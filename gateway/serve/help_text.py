@@ -31,8 +31,22 @@ GATEWAY_HELP = {
     "upstream_timeout_s": "idle timeout of one upstream request in proxy mode: longest wait "
     "for the answer's first byte and between two reads, never a total; a stream silent this "
     "long ends with an error event, a request 504, seconds (0 = none)",
-    "health_interval_s": "seconds between health probes of an unhealthy upstream in proxy "
-    "mode, and between two reads of each healthy one's /v1/models (its models) (> 0)",
+    "health_interval_s": "proxy mode: seconds between two active health checks (GET /health) "
+    "of each upstream; its /v1/models (its models) is read every 5 checks (> 0)",
+    "health_check_timeout_s": "proxy mode: seconds a health check waits for its answer; a "
+    "frozen or silent upstream fails it (> 0)",
+    "unhealthy_threshold": "proxy mode: failed health checks in a row that take an upstream "
+    "out of rotation (>= 1)",
+    "healthy_threshold": "proxy mode: passed health checks in a row that bring a down "
+    "upstream back (>= 1)",
+    "upstream_consecutive_failures": "proxy mode: gateway failures in a row (refused or reset "
+    "connection, 502/503/504, an answer cut or malformed) that eject an upstream; one "
+    "failure fails only its request (>= 1)",
+    "upstream_base_ejection_s": "proxy mode: seconds of an upstream's first ejection; the "
+    "n-th lasts n times as long, then a passed health check brings it back half-open (> 0)",
+    "upstream_max_ejection_s": "proxy mode: the longest ejection, seconds",
+    "upstream_max_ejection_percent": "proxy mode: most of the upstreams (%%) out of rotation "
+    "after an ejection by failures; 0: failures never eject, health checks still do (0-100)",
     "header_timeout_s": "seconds a connection may take to send a request's headers, from its "
     "start or the end of its previous response; idle keep-alive connections close after it "
     "too (> 0)",

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 from prefixgate.gateway.http.errors import bad_request, too_many
@@ -118,6 +118,12 @@ class Ticket:
                 wait.observe(self._raw_prediction, self._t_start - self._t_admit)
             self._ctl._leave_queue(self.tokens, self.requests, self.tenant)
 
+    def set_eta(self, eta: Callable[[], float | None]) -> None:
+        """The request can predict its own end: ``eta()`` is the seconds until it ends (from
+        its progress), or None while it cannot tell. ``max_running``'s ``Retry-After`` then
+        counts on it (``SlotClock.set_eta``) rather than on the hold time of past requests."""
+        self._ctl.slots.set_eta(self._slot, eta)
+
     def done(self) -> None:
         """The request finished, failed or was aborted: release its place."""
         if self._done:
@@ -152,7 +158,8 @@ class AdmissionController:
     ``max_num_seqs`` in local mode; else the most requests seen running at once), in
     [1, 60] s. The in-flight cap (``max_running``) tells instead when enough running requests
     are estimated to end (``slot_wait.SlotClock``: their ages against the recent time a
-    request stays admitted).
+    request stays admitted; a request that predicts its own end, ``Ticket.set_eta``, counts by
+    that: its tokens left over its token rate).
     """
 
     def __init__(
@@ -175,6 +182,7 @@ class AdmissionController:
         self._service = 0.0  # seconds from first token to end (EWMA over requests)
         self._peak_running = 0
         self.slots = SlotClock()  # admitted requests' hold times: max_running's Retry-After
+        self.tpot_s = 0.0  # seconds per output token of recent generations (EWMA; 0: unknown)
         self.queued_by_tenant: dict[str | None, int] = {}  # tenants with requests queued
         self._weights: dict[str | None, float] = {}
         self.wait: EngineWait | None = None  # the engine's predictions (local mode)
@@ -359,6 +367,15 @@ class AdmissionController:
             if got is not None and math.isfinite(got):
                 return got, True
         return self.retry_after(held), False
+
+    def note_tpot(self, seconds: float, alpha: float = 0.3) -> None:
+        """One generation's measured seconds per output token (after its first token): kept
+        as an EWMA (``tpot_s``) that a request too young to measure its own rate predicts its
+        end by (``Exchange.eta_s``)."""
+        if seconds > 0:
+            self.tpot_s = (
+                seconds if not self.tpot_s else (1 - alpha) * self.tpot_s + alpha * seconds
+            )
 
     def _within_share(self, tenant: str | None, requests: int) -> bool:
         """True when ``tenant`` holding ``requests`` more places stays within its weighted

@@ -8,8 +8,15 @@ the name ends in ``.toml``)::
        "tokens_per_minute": 200000, "max_concurrent": 16, "salt": "tenant-a"},
       {"key": "sk-team-a-ci", "salt": "tenant-a"},
       {"key": "sk-batch", "name": "batch", "weight": 0.5, "priority": 10,
-       "allow_priority": true}
+       "allow_priority": true},
+      {"key": "sk-ops", "name": "ops", "role": "operator"}
     ]}
+
+``role``: ``"tenant"`` (the default) or ``"operator"``. A tenant's key sees its own usage only
+(its samples of ``/metrics``' per-key and per-tenant families, its own entry of
+``/dashboard/data``) and no upstream address; an operator's key sees everything (every key's
+usage, the upstreams' URLs and errors in ``/ready`` and ``/metrics``). Keys given with
+``--api-key`` are operators' keys; on an open gateway (no key at all) every caller is.
 
 The key's ``name`` is its tenant: the engine's ``fair`` scheduling policy shares the
 engine between tenants by ``weight`` (default 1), and the admission queue's bound is shared by
@@ -72,6 +79,7 @@ class KeySpec:
     allow_priority: bool = False
     max_prefixes: int | None = None
     max_pinned_blocks: int | None = None
+    role: str = "tenant"
 
     def __post_init__(self) -> None:
         if not isinstance(self.key, str) or not self.key:
@@ -112,8 +120,13 @@ class KeySpec:
                 isinstance(value, bool) or not isinstance(value, int) or value < 0
             ):
                 raise ValueError(f"{field} of key {self.name} must be an integer >= 0")
+        if self.role not in ROLES:
+            raise ValueError(f"role of key {self.name} must be one of {', '.join(ROLES)}")
         if self.salt is None:
             self.salt = "key:" + _digest(self.key)[:32]
+
+
+ROLES = ("tenant", "operator")  # a key's role: what of the gateway's state it may read
 
 
 KEY_FIELDS = tuple(f.name for f in dataclasses.fields(KeySpec))  # a keys-file entry's fields
@@ -161,6 +174,11 @@ class Principal:
     @property
     def name(self) -> str:
         return self.spec.name if self.spec else "anonymous"
+
+    @property
+    def operator(self) -> bool:
+        """True for an operator's key, and for every caller of an open gateway (no keys)."""
+        return self.spec is None or self.spec.role == "operator"
 
     @property
     def tenant(self) -> str | None:
@@ -341,7 +359,7 @@ class KeyRing:
             ValueError: on an unreadable or malformed keys file (naming the file), or a
                 key configured twice with different settings.
         """
-        specs = [KeySpec(key=k) for k in api_keys or []]
+        specs = [KeySpec(key=k, role="operator") for k in api_keys or []]
         if keys_file:
             specs.extend(load_keys_file(keys_file))
         return cls(specs)

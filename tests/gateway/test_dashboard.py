@@ -81,7 +81,11 @@ def test_static_files_come_from_the_package():
 def test_data_local_mode_per_key_names_never_keys(serve_fake, gw, tmp_path):
     keys = _keys_file(
         tmp_path,
-        [{"key": "sk-secret-a", "name": "team-a"}, {"key": "sk-secret-b", "name": "team-b"}],
+        [
+            {"key": "sk-secret-a", "name": "team-a"},
+            {"key": "sk-secret-b", "name": "team-b"},
+            {"key": "sk-secret-ops", "name": "ops", "role": "operator"},
+        ],
     )
     srv, _ = serve_fake(GatewaySettings(model_name="fake", keys_file=keys, **FAST))
     with gw.client(srv) as anon:
@@ -94,15 +98,19 @@ def test_data_local_mode_per_key_names_never_keys(serve_fake, gw, tmp_path):
     with (
         gw.client(srv, headers={"Authorization": "Bearer sk-secret-a"}) as a,
         gw.client(srv, headers={"Authorization": "Bearer sk-secret-b"}) as b,
+        gw.client(srv, headers={"Authorization": "Bearer sk-secret-ops"}) as ops,
     ):
         for _ in range(3):
             r = a.post("/v1/chat/completions", json=gw.chat_body("hi", max_tokens=4))
             assert r.status_code == 200
         r = b.post("/v1/chat/completions", json=gw.chat_body("hey", max_tokens=3, stream=True))
         assert r.status_code == 200
-        data = _wait_samples(a, 3, lambda d: _sampled(d, "team-b") == 1)
-        raw = a.get("/dashboard/data").text
+        data = _wait_samples(ops, 3, lambda d: _sampled(d, "team-b") == 1)
+        raw = ops.get("/dashboard/data").text
+        own = a.get("/dashboard/data").json()  # a tenant's key: its own usage only
     assert "sk-secret" not in raw
+    assert set(own["keys"]) == {"team-a"} and own["keys"]["team-a"]["requests"] == 3
+    assert all(set(x["keys"]) <= {"team-a"} for x in own["samples"])
     assert data["mode"] == "local" and data["model"] == "fake"
     assert data["keys"]["team-a"] == {
         "requests": 3,

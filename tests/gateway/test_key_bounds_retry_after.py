@@ -98,7 +98,12 @@ def test_a_generation_predicts_its_end_from_its_token_rate():
         EngineRequest("b", [1] * 10, SamplingParams(max_tokens=5000)),
     ]
     ex.outputs = [ChoiceOutput(), ChoiceOutput()]
+    ex.st = SimpleNamespace(admission=SimpleNamespace(tpot_s=0.0))
     assert ex.eta_s() is None  # nothing measured
+    ex.st.admission.tpot_s = 0.01  # too young to measure: the recent generations' rate
+    got = ex.eta_s()
+    assert got is not None and abs(got - 990 * 0.01) < 1e-6
+    ex.st.admission.tpot_s = 0.0
     import time
 
     t = time.monotonic()

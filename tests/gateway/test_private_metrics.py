@@ -1,5 +1,6 @@
 """No tenant data to anonymous callers: when the gateway has API keys, ``/metrics``' per-key,
-per-tenant and per-upstream families and ``/ready``'s upstream URLs and errors need a key;
+per-tenant and per-upstream families and ``/ready``'s upstream URLs and errors need a key —
+a tenant's key sees its own samples, an operator's key everything (``test_tenant_views``);
 ``/health`` stays open, and an open gateway shows everything."""
 
 from __future__ import annotations
@@ -13,11 +14,16 @@ from prefixgate.gateway.http.server import BackgroundServer
 from prefixgate.gateway.settings import GatewaySettings
 
 AUTH = {"Authorization": "Bearer sk-team"}
+OPS = {"Authorization": "Bearer sk-ops"}
 
 
 def _keys(tmp_path) -> str:
     path = tmp_path / "keys.json"
-    path.write_text(json.dumps({"keys": [{"key": "sk-team", "name": "team-secret-name"}]}))
+    keys = [
+        {"key": "sk-team", "name": "team-secret-name"},
+        {"key": "sk-ops", "name": "ops", "role": "operator"},
+    ]
+    path.write_text(json.dumps({"keys": keys}))
     return str(path)
 
 
@@ -61,8 +67,10 @@ def test_proxy_ready_and_metrics_hide_upstreams_from_callers_without_a_key(serve
             assert ready.json()["upstreams_healthy"] == 1
             metrics = http.get("/metrics").text
             assert upstream.url not in metrics and "team-secret-name" not in metrics
-            assert upstream.url in http.get("/ready", headers=AUTH).text
-            assert upstream.url in http.get("/metrics", headers=AUTH).text
+            assert upstream.url not in http.get("/ready", headers=AUTH).text  # a tenant's key
+            assert upstream.url not in http.get("/metrics", headers=AUTH).text
+            assert upstream.url in http.get("/ready", headers=OPS).text
+            assert upstream.url in http.get("/metrics", headers=OPS).text
 
 
 def test_public_exposition_drops_whole_families():

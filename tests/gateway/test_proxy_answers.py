@@ -2,8 +2,9 @@
 (``gateway/proxy/answers.py``, ``relay.py``, ``routes.py``): a non-stream 200 that is not a
 valid body of its route is a 502, SSE to a non-stream request a 502, a stream ending
 ``[DONE]`` with no ``finish_reason`` (or with chunks that are not the route's) ends with an
-explicit error event; health counts bad answers (``FAILURE_THRESHOLD`` in a row eject, a
-probe brings the upstream back half-open), so one bad answer never ejects the only upstream."""
+explicit error event; health counts bad answers (``FAILURE_THRESHOLD`` in a row eject, within
+``max_ejection_percent`` of the pool; a check brings the upstream back half-open), so a bad
+answer never ejects the only upstream."""
 
 from __future__ import annotations
 
@@ -98,22 +99,41 @@ def test_one_bad_answer_does_not_eject_the_only_upstream(proxy):
     r = httpx.post(gw.url + "/v1/chat/completions", json=BODY, timeout=10)
     assert r.status_code == 200, r.text  # still in rotation; a good answer clears the strikes
     assert only.strikes == 0
-    # FAILURE_THRESHOLD bad answers in a row: out of rotation, then probed back half-open
+    # FAILURE_THRESHOLD bad answers in a row: the only upstream stays in rotation (ejecting
+    # it would take the whole pool out, beyond max_ejection_percent); each fails its request
     up.mode = "nochoices"
-    ejections = only.failures
+    for _ in range(FAILURE_THRESHOLD + 2):
+        r = httpx.post(gw.url + "/v1/chat/completions", json=BODY, timeout=10)
+        assert r.status_code == 502, r.text
+        assert only.healthy
+    up.mode = "ok"
+    r = httpx.post(gw.url + "/v1/chat/completions", json=BODY, timeout=10)
+    assert r.status_code == 200 and only.strikes == 0
+
+
+def test_bad_answers_in_a_row_eject_then_a_check_brings_it_back_half_open(proxy):
+    gw, up = proxy(
+        "nochoices",
+        health_interval_s=0.1,
+        upstream_max_ejection_percent=100,
+        upstream_base_ejection_s=0.5,
+    )
+    only = gw.app[PROXY].router.upstreams[0]
     for _ in range(FAILURE_THRESHOLD):
-        httpx.post(gw.url + "/v1/chat/completions", json=BODY, timeout=10)
-    # taken out (``failures`` counts every mark_failed, which sets it unhealthy: read as a
-    # count, since the 0.2 s probe may have brought it back already; sampling ``healthy``
-    # here raced the probe and failed now and then under load)
-    seen_down = only.failures > ejections
+        r = httpx.post(gw.url + "/v1/chat/completions", json=BODY, timeout=10)
+        assert r.status_code == 502, r.text
+    assert not only.healthy and only.health.ejections == 1
+    r = httpx.post(gw.url + "/v1/chat/completions", json=BODY, timeout=10)
+    assert_openai_error(r, 503, "upstream_unavailable")  # ejected: not even tried
     deadline = time.monotonic() + 10
     while not only.healthy and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert seen_down and only.healthy  # the probe (GET /health 200) brought it back
+    assert only.healthy  # its ejection over, a check (GET /health 200) brought it back
     assert only.strikes == FAILURE_THRESHOLD - 1  # half-open: one more bad answer ejects
     r = httpx.post(gw.url + "/v1/chat/completions", json=BODY, timeout=10)
     assert r.status_code == 502 and not only.healthy
+    assert only.health.ejections == 2  # and for twice as long
+    assert 0.6 < only.health.ejected_until - time.monotonic() <= 1.0
 
 
 def test_checker_units():

@@ -15,6 +15,7 @@ import pytest
 from prefixgate.gateway.app import create_proxy_app
 from prefixgate.gateway.http.server import BackgroundServer
 from prefixgate.gateway.proxy.config import load_config
+from prefixgate.gateway.proxy.upstream import FAILURE_THRESHOLD
 from prefixgate.gateway.settings import GatewaySettings
 from support.http import assert_openai_error
 from support.net import free_port
@@ -150,7 +151,7 @@ api_key_file = "key.txt"
         assert len(good.seen) == 10
         assert {b["model"] for b in good.seen} == {"llama-3-8b"}  # the upstream's own id
         assert {r["auth"] for r in good.records} == {"Bearer env-key"}
-        assert len(failing.seen) <= 1  # marked unhealthy at its first 503
+        assert len(failing.seen) <= FAILURE_THRESHOLD  # ejected at its third 503 in a row
         client = openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0)
         for _ in range(3):
             out = client.chat.completions.create(

@@ -43,7 +43,10 @@ BAD = [
 @pytest.fixture
 def both(serve_fake):
     local, _ = serve_fake(GatewaySettings(model_name="fake"))
-    with BackgroundServer(lambda: create_proxy_app([local.url], GatewaySettings())) as proxy:
+    # the local server's first tool request imports xgrammar in its loop: seconds without a
+    # /health answer, which the default checks (2 s) would rightly call down
+    slow = GatewaySettings(health_check_timeout_s=60.0)
+    with BackgroundServer(lambda: create_proxy_app([local.url], slow)) as proxy:
         yield local.url, proxy.url
 
 

@@ -430,7 +430,7 @@ def test_a_failing_upstream_moves_the_message_to_the_next_of_its_model(servers):
             model="llama", max_tokens=8, messages=[{"role": "user", "content": "hi"}]
         )
         assert msg.content[0].text == "hello there"
-    assert len(good.seen) == 3 and len(bad.seen) <= 1  # down after its first 503
+    assert len(good.seen) == 3 and len(bad.seen) <= 3  # ejected after its third 503 in a row
 
 
 def test_reworded_errors_keep_status_type_and_code_never_the_message():

@@ -78,6 +78,7 @@ def _keys(tmp_path) -> str:
                 "keys": [
                     {"key": "k1", "name": "a", "salt": "sa", "max_prefixes": 2},
                     {"key": "k2", "name": "b", "salt": "sb"},
+                    {"key": "kops", "name": "ops", "role": "operator"},
                 ]
             }
         )
@@ -106,8 +107,8 @@ def test_prefixgate_upstream_pins_serves_and_releases(pool, tmp_path):
     ups = [pool.upstream() for _ in range(2)]
     gw = pool.proxy([u.url for u in ups], keys_file=_keys(tmp_path))
     with httpx.Client(base_url=gw.url, timeout=30) as http:
-        # the upstreams' details need a key on a keyed gateway
-        ready = http.get("/ready", headers={"Authorization": "Bearer k1"}).json()
+        # the upstreams' details need an operator's key on a keyed gateway
+        ready = http.get("/ready", headers={"Authorization": "Bearer kops"}).json()
         assert [u["prefix_api"] for u in ready["upstreams"]] == [True, True]
         r = _create(http, "k1")
         assert r.status_code == 200, r.text

@@ -90,3 +90,49 @@ def test_key_concurrency_retry_after_matches_the_wait(serve_fake, tmp_path, max_
     print(f"max_concurrent={max_concurrent}: Retry-After {advice} s, actual wait {waited:.2f} s")
     assert waited > 2.0
     assert abs(advice - waited) <= max(1.5, 0.35 * waited), (advice, waited)  # was always 1
+
+
+@pytest.mark.parametrize("before", ["nothing", "short requests"])
+def test_in_flight_cap_retry_after_from_the_running_requests_work_left(serve_fake, before):
+    """Long outputs and no hold time to go by (none finished yet), or a misleading one (short
+    requests finished first): the Retry-After comes from the running requests' own tokens
+    left over their token rate (``Exchange.eta_s`` via ``Ticket.set_eta``). Measured
+    against when the first slot really frees (the first running request's end), not against
+    a retry loop, which a promise (``admission_wait.Promises``) admits at the time told."""
+    slots = 4
+    srv, engine = serve_fake(
+        GatewaySettings(model_name="fake", max_running=slots), token_delay_s=TOKEN_DELAY_S
+    )
+    url = srv.url + "/v1/chat/completions"
+    ended: list[float] = []
+
+    def run(max_tokens: int) -> None:
+        r = httpx.post(url, json=_body(max_tokens), timeout=60)
+        assert r.status_code == 200, r.text
+        ended.append(time.monotonic())
+
+    if before == "short requests":
+        warm = [threading.Thread(target=run, args=(2,)) for _ in range(slots)]
+        for t in warm:
+            t.start()
+        for t in warm:
+            t.join()
+        ended.clear()
+    threads = [threading.Thread(target=run, args=(LONG + 10 * i,)) for i in range(slots)]
+    for t in threads:
+        t.start()
+    while _stats(srv, engine)["num_running"] < slots:
+        time.sleep(0.01)
+    time.sleep(0.8)  # past ETA_MIN_TOKENS tokens each
+    refused = httpx.post(url, json=_body(1), timeout=30)
+    t_refused = time.monotonic()
+    assert refused.status_code == 429, refused.text
+    advice = int(refused.headers["Retry-After"])
+    for t in threads:
+        t.join()
+    first_free = min(ended) - t_refused
+    print(
+        f"max_running, {before} before: Retry-After {advice} s, first slot free {first_free:.2f} s"
+    )
+    assert first_free > 2.0  # the scenario holds: the slots free seconds later
+    assert abs(advice - first_free) <= max(1.5, 0.35 * first_free), (advice, first_free)

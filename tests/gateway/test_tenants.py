@@ -173,14 +173,15 @@ def _cached(r: httpx.Response) -> int:
 def test_proxy_forwards_salt_and_isolates_tenants(serve_fake, gw, tmp_path):
     """The issue's example on the fake engine: A's prompt twice, then B's — B gets 0."""
     upstream, engine = serve_fake(GatewaySettings(model_name="fake"), token_delay_s=0.0)
-    keys = _keys(tmp_path, [{"key": "ka", "salt": "a"}, {"key": "kb", "salt": "b"}])
+    specs = [{"key": "ka", "salt": "a"}, {"key": "kb", "salt": "b"}]
+    keys = _keys(tmp_path, [*specs, {"key": "kops", "role": "operator"}])
     settings = GatewaySettings(keys_file=keys)
     with (
         BackgroundServer(lambda: create_proxy_app([upstream.url], settings)) as proxy,
         gw.client(proxy) as c,
     ):
-        # the upstreams' details need a key on a keyed gateway
-        ready = c.get("/ready", headers={"Authorization": "Bearer ka"}).json()
+        # the upstreams' details need an operator's key on a keyed gateway
+        ready = c.get("/ready", headers={"Authorization": "Bearer kops"}).json()
         assert ready["tenant_isolation"] is True and ready["upstreams"][0]["cache_salt"] is True
         body = gw.chat_body("p" * 80, max_tokens=1)
         assert _cached(_post(c, "ka", body)) == 0
@@ -212,7 +213,7 @@ def test_proxy_affinity_key_includes_salt():
 )
 def test_upstream_without_cache_salt_is_declared(caplog, tmp_path, owned_by, mode, isolated):
     up = BackgroundServer(lambda: _auth_echo_app(owned_by)).__enter__()
-    keys = _keys(tmp_path, [{"key": "ka", "salt": "a"}])
+    keys = _keys(tmp_path, [{"key": "ka", "salt": "a"}, {"key": "kops", "role": "operator"}])
     settings = GatewaySettings(keys_file=keys, upstream_cache_salt=mode)
     try:
         with (
@@ -220,8 +221,8 @@ def test_upstream_without_cache_salt_is_declared(caplog, tmp_path, owned_by, mod
             BackgroundServer(lambda: create_proxy_app([up.url], settings)) as proxy,
             httpx.Client(base_url=proxy.url, timeout=30) as c,
         ):
-            # the upstreams' details need a key on a keyed gateway
-            ready = c.get("/ready", headers={"Authorization": "Bearer ka"}).json()
+            # the upstreams' details need an operator's key on a keyed gateway
+            ready = c.get("/ready", headers={"Authorization": "Bearer kops"}).json()
             assert ready["tenant_isolation"] is isolated
             assert ready["upstreams"][0]["cache_salt"] is isolated
             r = _post(c, "ka", {"model": "m", "messages": [{"role": "user", "content": "q"}]})
