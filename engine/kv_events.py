@@ -549,6 +549,9 @@ class ParsedEvent:
         parent_block_hash: ``BlockStored``'s parent (``None`` otherwise or for a first block).
         block_size: ``BlockStored``'s tokens per block (0 otherwise).
         medium: the storage tier (``None`` when not sent).
+        token_ids: ``BlockStored``'s tokens (``block_size`` per hash; ``()`` otherwise).
+        extra_keys: ``BlockStored``'s per-block extra keys as vLLM publishes them (untagged:
+            a cache salt is the bare string; ``None`` when not sent, as prefixgate's).
     """
 
     kind: str
@@ -556,6 +559,8 @@ class ParsedEvent:
     parent_block_hash: bytes | int | None = None
     block_size: int = 0
     medium: str | None = None
+    token_ids: tuple[int, ...] = ()
+    extra_keys: tuple[Any, ...] | None = None
 
 
 _STORED_FIELDS = (
@@ -608,6 +613,8 @@ def parse_batch(payload: bytes) -> tuple[float, list[ParsedEvent]]:
             hashes = f.get("block_hashes")
             if not isinstance(hashes, list):
                 raise ValueError("BlockStored.block_hashes is not a list")
+            tokens = f.get("token_ids")
+            extra = f.get("extra_keys")
             out.append(
                 ParsedEvent(
                     "stored",
@@ -615,6 +622,8 @@ def parse_batch(payload: bytes) -> tuple[float, list[ParsedEvent]]:
                     f.get("parent_block_hash"),
                     int(f.get("block_size") or 0),
                     f.get("medium"),
+                    tuple(tokens) if isinstance(tokens, list) else (),
+                    tuple(extra) if isinstance(extra, list) else None,
                 )
             )
         elif tag == "BlockRemoved":
