@@ -85,6 +85,11 @@ def _log_tail(log: Path, n: int = 60) -> str:
 
 @pytest.fixture(scope="session")
 def vllm_server(tmp_path_factory, smollm2_shape_path) -> Iterator[VLLMServer]:
+    attach = os.environ.get("PREFIXGATE_VLLM_ATTACH")  # "URL,PUB,REPLAY": a vLLM started
+    if attach:  # by hand with this fixture's flags (while writing tests: no start per run)
+        url, pub, replay = attach.split(",")
+        yield VLLMServer(url, pub, replay, smollm2_shape_path, Path("/dev/null"), VLLM_PYTHON)
+        return
     if not VLLM_PYTHON.exists():
         pytest.fail(f"the install script ran but {VLLM_PYTHON} is absent")
     work = tmp_path_factory.mktemp("vllm")
