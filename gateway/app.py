@@ -480,9 +480,25 @@ async def ready_proxy(request: web.Request) -> web.Response:
         "upstreams_total": len(pool),
     }
     if _has_key(request):
-        body["upstreams"] = pool
+        body["upstreams"] = _with_kv_events(request.app[PROXY].router, pool)
         body["state"] = st.shared.describe()
     return web.json_response(body)
+
+
+def _with_kv_events(router: Any, pool: list[dict]) -> list[dict]:
+    """``pool`` with each upstream's ``kv_events``: ``None`` without a feed (no
+    ``--upstream-kv-events`` for it, or routing other than ``precise``), else the feed's
+    state (``synced``, ``hash_scheme`` as its events showed, ``blocks`` held, ``load_reports``
+    received: an engine that publishes none, as vLLM, shows 0)."""
+    replicas = router.precise.index.stats()["replicas"] if router.precise is not None else {}
+    out = []
+    for u in pool:
+        rep = replicas.get(u["url"])
+        feed = None
+        if rep is not None:
+            feed = {k: rep[k] for k in ("synced", "hash_scheme", "blocks", "load_reports")}
+        out.append({**u, "kv_events": feed})
+    return out
 
 
 async def metrics_route(request: web.Request) -> web.Response:

@@ -149,6 +149,7 @@ class _Call:
         if all(isinstance(c, int) and not isinstance(c, bool) for c in counts if c is not None):
             cached = usage.get("cache_read_input_tokens")
             prompt = sum(c for c in counts if c is not None)
+            up.cached_tokens_reported = cached is not None
             # null: the upstream does not report its cache; nothing to learn (not a miss)
             if self.route.blocks and isinstance(cached, int) and not isinstance(cached, bool):
                 self.router.learn(up, self.route, cached, prompt)

@@ -136,3 +136,17 @@ def test_the_readers():
     assert cached_tokens({"prompt_tokens_details": {"cached_tokens": -1}}) is None
     assert cached_tokens(None) is None
     assert {f.kind for f in UPSTREAM_FIELDS} == {"vllm", "sglang", "llama.cpp", "prefixgate"}
+
+
+@pytest.mark.parametrize("cached, reported", [(None, False), (8, True)])
+def test_ready_says_whether_an_upstream_reports_cached_tokens(serve, cached, reported):
+    gw = serve(ChatStub(cached=cached))
+    before = httpx.get(gw.url + "/ready").json()["upstreams"][0]
+    assert before["reports_cached_tokens"] is None  # no answer yet
+    _ask(gw)
+    (up,) = httpx.get(gw.url + "/ready").json()["upstreams"]
+    assert up["reports_cached_tokens"] is reported and up["kv_events"] is None
+    body = {"model": "llama", "messages": [{"role": "user", "content": "hi"}]}
+    httpx.post(gw.url + "/v1/chat/completions", json=body)
+    (up,) = httpx.get(gw.url + "/ready").json()["upstreams"]
+    assert up["reports_cached_tokens"] is reported

@@ -266,6 +266,10 @@ def test_precise_routing_follows_vllm(gateway, vllm_server):
     """Sequential chat and completions requests over four shared system prompts: the index
     equals vLLM's blocks and predicted cached tokens equal vLLM's reported ones."""
     precise = gateway.app[PROXY].router.precise
+    deadline = time.monotonic() + 30  # the index's first sync (else requests fall back)
+    while not precise.index.stats()["replicas"][vllm_server.url]["synced"]:
+        assert time.monotonic() < deadline, precise.index.stats()
+        time.sleep(0.1)
     rng = random.Random(7)
     systems = [random_text(rng, 60) for _ in range(4)]
     before = Counter(precise.predictions)
@@ -305,6 +309,12 @@ def test_precise_routing_follows_vllm(gateway, vllm_server):
         f"\nprecise on vLLM: {n} requests, predictions {results}, index {sum(held.values())} blocks"
     )
     assert sum(precise.reported_tokens.values()) > 0  # the prompts did share cached blocks
+    pool = httpx.get(f"{gateway.url}/ready", headers={"Authorization": f"Bearer {KEYS['a']}"})
+    ups = {u["url"]: u for u in pool.json()["upstreams"]}
+    assert ups[url]["reports_cached_tokens"] is True
+    feed = ups[url]["kv_events"]
+    assert feed["synced"] and feed["hash_scheme"] == "vllm" and feed["load_reports"] == 0
+    assert [u["kv_events"] for u in ups.values() if u["url"] != url] == [None]
 
 
 def test_tenant_salt_reaches_vllm_as_cache_salt(gateway):
