@@ -5,7 +5,7 @@ vLLM engines alike):
 
 - a ZeroMQ PUB socket sends one message per engine step that changed the cache, three frames:
   ``[topic, seq, payload]``; ``seq`` is 8 bytes big-endian, +1 per batch; ``payload`` is a
-  msgspec msgpack ``KVEventBatch(ts, events)``: ``ts`` Unix seconds of the step, ``events``
+  msgspec msgpack ``KVEventBatch(ts, events)`` (an array, as vLLM's): ``ts`` Unix seconds of the step, ``events``
   tagged (``"type"``) ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``;
 - ``BlockStored.block_hashes`` are the engine's own chained block keys
   (``block_hash.hash_block_tokens``: parent key, token ids, and the cache salt in block 0),
@@ -106,8 +106,10 @@ _SNAPSHOT_CHUNK = 512  # blocks per snapshot message
 _LOAD_WAKE = "load"  # the queue item that tells the publisher a load report is waiting
 
 
-class EventBatch(msgspec.Struct, omit_defaults=True, gc=False):
-    """One published message's payload: ``ts`` (Unix seconds) and its events."""
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One published message's payload: ``ts`` (Unix seconds) and its events, a msgpack
+    array ``[ts, events]`` as vLLM's ``EventBatch`` (``array_like``: vLLM's own decoder
+    refuses a map); the events are tagged maps."""
 
     ts: float
     events: list[Any]

@@ -424,7 +424,6 @@ def attach_engine(app: web.Application, engine: EngineClient) -> None:
     local.token_texts = TokenTexts(engine.tokenizer)
     local.cache_pins = CachePins(engine, local.prefixes.pinned_blocks)
     local.prefixes.breakpoints = local.cache_pins  # one pin share per key: both count
-    st.metrics.add_engine(engine.stats)
     # Retry-After's service-time estimate: requests run this many at once (decode batch).
     st.admission.concurrency = engine.config.max_num_seqs
     # Retry-After and TTFT budgets from the engine's queue and measured rates.
@@ -433,6 +432,8 @@ def attach_engine(app: web.Application, engine: EngineClient) -> None:
     )
     if not st.model_name:
         st.model_name = default_model_name(engine)
+    # the engine's stats, and under vLLM's pool metric names (an Inference Extension pool)
+    st.metrics.add_engine(engine.stats, st.model_name, getattr(engine.config, "block_size", None))
     st.ready = True
 
 
