@@ -55,6 +55,7 @@ from prefixgate.gateway.proxy import messages_relay
 from prefixgate.gateway.proxy import prefix_routes as proxy_prefix_routes
 from prefixgate.gateway.proxy import routes as proxy_routes
 from prefixgate.gateway.proxy.config import ProxyConfig
+from prefixgate.gateway.proxy.metrics_load import MetricsLoadScraper
 from prefixgate.gateway.proxy.prefixes import ProxyPrefixRegistry
 from prefixgate.gateway.proxy.serving import PROXY, ProxyServing
 from prefixgate.gateway.proxy.upstream import Upstream, UpstreamRouter
@@ -218,12 +219,22 @@ def create_proxy_app(
         expect_handler=expect_continue,
     )
 
+    scraper = (
+        MetricsLoadScraper(router, s.upstream_metrics_interval_s)
+        if s.upstream_metrics_interval_s > 0
+        else None
+    )
+
     async def start(app: web.Application) -> None:
         await router.start()
         if router.precise is not None:
             router.precise.start()
+        if scraper is not None:  # upstreams' published load (vLLM's /metrics)
+            scraper.start()
 
     async def stop(app: web.Application) -> None:
+        if scraper is not None:
+            await scraper.close()
         await app[PROXY].prefixes.close()  # releases upstream pins while the session is open
         await router.close()
         if router.precise is not None:

@@ -126,6 +126,7 @@ from prefixgate.gateway.proxy.kv_index import (
     KVIndex,
     prompt_block_keys,
 )
+from prefixgate.gateway.proxy.metrics_load import published_requests
 from prefixgate.gateway.proxy.upstream import Route, Upstream, normalize_url
 from prefixgate.gateway.proxy.vllm_block_hash import vllm_prompt_block_hashes
 from prefixgate.gateway.tenancy.keys import effective_salt
@@ -477,11 +478,14 @@ class PreciseRouting:
         arrived (not in it yet) and their uncached tokens; never less than this gateway's
         own (``up.in_flight`` and the uncached tokens of its requests not yet started: a
         request sent just before the report may not have reached the engine). Without a
-        report (the engine publishes none, or none yet): this gateway's own."""
+        report (the engine publishes none, or none yet): this gateway's own, its requests
+        raised to the engine's running + waiting from its ``/metrics`` when fresh
+        (``metrics_load``)."""
         own = (up.in_flight, max(0, self._pending[up.url]))
         got = self.index.load(up.url)
-        if got is None:
-            return own
+        if got is None:  # no load reports (vLLM): its /metrics' requests, when more
+            published = published_requests(up)
+            return (own[0] if published is None else max(own[0], published)), own[1]
         report, at = got
         reqs = report.num_running + report.num_waiting
         tokens = report.queued_prefill_tokens

@@ -134,6 +134,7 @@ class Upstream:
         "cache_salt",
         "cache_misses",
         "cached_tokens_reported",
+        "engine_load",
         "prefix_api",
         "models",
         "names",
@@ -175,6 +176,8 @@ class Upstream:
         # Its last answer's usage held a cached-tokens count (upstream_fields.cached_tokens):
         # True / False, None before an answer with usage
         self.cached_tokens_reported: bool | None = None
+        # (requests running + waiting, read at, interval) from its /metrics (metrics_load)
+        self.engine_load: tuple[int, float, float] | None = None
         # Serves prefixgate's prefix API (``POST /v1/prefixes``): True / False, None while
         # unknown (then tried: a 404/405/501 answer says no).
         self.prefix_api: bool | None = None
