@@ -130,14 +130,14 @@ HASH_UNKNOWN = "unknown"
 """Hashes this gateway cannot reproduce (another algorithm or seed): no prediction."""
 
 
-def _vllm_extra(keys: Any) -> tuple[Any, ...] | None | bool:
-    """vLLM's tagged extra keys of a block 0 from the event's untagged entry; ``False`` when
-    they hold more than a cache salt (LoRA, multimodal: not verified)."""
+def _vllm_extra(keys: Any) -> tuple[bool, tuple[Any, ...] | None]:
+    """``(verifiable, vLLM's tagged extra keys)`` of a block 0 from the event's untagged
+    entry; not verifiable when it holds more than a cache salt (LoRA, multimodal)."""
     if keys is None:
-        return None
+        return True, None
     if isinstance(keys, list | tuple) and len(keys) == 1 and isinstance(keys[0], str):
-        return (("cache_salt", keys[0]),)
-    return False
+        return True, (("cache_salt", keys[0]),)
+    return False, None
 
 
 def detect_hash_scheme(ev: ParsedEvent, seed: str = DEFAULT_NONE_HASH_SEED) -> str | None:
@@ -153,8 +153,8 @@ def detect_hash_scheme(ev: ParsedEvent, seed: str = DEFAULT_NONE_HASH_SEED) -> s
         return HASH_PREFIXGATE
     if ev.parent_block_hash is not None or len(ev.token_ids) < ev.block_size or ev.block_size < 1:
         return None
-    extra = _vllm_extra(ev.extra_keys[0] if ev.extra_keys else None)
-    if extra is False:
+    verifiable, extra = _vllm_extra(ev.extra_keys[0] if ev.extra_keys else None)
+    if not verifiable:
         return None
     digest = vllm_block_hash(None, ev.token_ids[: ev.block_size], extra, seed)
     as_int = isinstance(first, int)

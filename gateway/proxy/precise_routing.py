@@ -228,7 +228,8 @@ class PreciseRoute(Route):
         once per triple)."""
         assert self.token_ids is not None
         vllm = scheme in (HASH_VLLM_INT, HASH_VLLM_BYTES)
-        got = self._keys.get((salt, block_size, scheme if vllm else HASH_PREFIXGATE))
+        form: str = scheme if scheme is not None and vllm else HASH_PREFIXGATE
+        got = self._keys.get((salt, block_size, form))
         if got is None:
             if vllm:
                 n = num_reusable_blocks(len(self.token_ids), block_size)
@@ -240,7 +241,7 @@ class PreciseRoute(Route):
                 )
             else:
                 got = list(prompt_block_keys(self.token_ids, block_size, salt))
-            self._keys[(salt, block_size, scheme if vllm else HASH_PREFIXGATE)] = got
+            self._keys[(salt, block_size, form)] = got
         return got
 
 
