@@ -5,7 +5,7 @@ vLLM engines alike):
 
 - a ZeroMQ PUB socket sends one message per engine step that changed the cache, three frames:
   ``[topic, seq, payload]``; ``seq`` is 8 bytes big-endian, +1 per batch; ``payload`` is a
-  msgspec msgpack ``KVEventBatch(ts, events)``: ``ts`` Unix seconds of the step, ``events``
+  msgspec msgpack ``KVEventBatch(ts, events)`` (an array, as vLLM's): ``ts`` Unix seconds of the step, ``events``
   tagged (``"type"``) ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``;
 - ``BlockStored.block_hashes`` are the engine's own chained block keys
   (``block_hash.hash_block_tokens``: parent key, token ids, and the cache salt in block 0),
@@ -106,8 +106,10 @@ _SNAPSHOT_CHUNK = 512  # blocks per snapshot message
 _LOAD_WAKE = "load"  # the queue item that tells the publisher a load report is waiting
 
 
-class EventBatch(msgspec.Struct, omit_defaults=True, gc=False):
-    """One published message's payload: ``ts`` (Unix seconds) and its events."""
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One published message's payload: ``ts`` (Unix seconds) and its events, a msgpack
+    array ``[ts, events]`` as vLLM's ``EventBatch`` (``array_like``: vLLM's own decoder
+    refuses a map); the events are tagged maps."""
 
     ts: float
     events: list[Any]
@@ -549,6 +551,9 @@ class ParsedEvent:
         parent_block_hash: ``BlockStored``'s parent (``None`` otherwise or for a first block).
         block_size: ``BlockStored``'s tokens per block (0 otherwise).
         medium: the storage tier (``None`` when not sent).
+        token_ids: ``BlockStored``'s tokens (``block_size`` per hash; ``()`` otherwise).
+        extra_keys: ``BlockStored``'s per-block extra keys as vLLM publishes them (untagged:
+            a cache salt is the bare string; ``None`` when not sent, as prefixgate's).
     """
 
     kind: str
@@ -556,6 +561,8 @@ class ParsedEvent:
     parent_block_hash: bytes | int | None = None
     block_size: int = 0
     medium: str | None = None
+    token_ids: tuple[int, ...] = ()
+    extra_keys: tuple[Any, ...] | None = None
 
 
 _STORED_FIELDS = (
@@ -608,6 +615,8 @@ def parse_batch(payload: bytes) -> tuple[float, list[ParsedEvent]]:
             hashes = f.get("block_hashes")
             if not isinstance(hashes, list):
                 raise ValueError("BlockStored.block_hashes is not a list")
+            tokens = f.get("token_ids")
+            extra = f.get("extra_keys")
             out.append(
                 ParsedEvent(
                     "stored",
@@ -615,6 +624,8 @@ def parse_batch(payload: bytes) -> tuple[float, list[ParsedEvent]]:
                     f.get("parent_block_hash"),
                     int(f.get("block_size") or 0),
                     f.get("medium"),
+                    tuple(tokens) if isinstance(tokens, list) else (),
+                    tuple(extra) if isinstance(extra, list) else None,
                 )
             )
         elif tag == "BlockRemoved":

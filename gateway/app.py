@@ -63,6 +63,7 @@ from prefixgate.gateway.proxy import gemini_relay, messages_relay
 from prefixgate.gateway.proxy import prefix_routes as proxy_prefix_routes
 from prefixgate.gateway.proxy import routes as proxy_routes
 from prefixgate.gateway.proxy.config import ProxyConfig
+from prefixgate.gateway.proxy.metrics_load import MetricsLoadScraper
 from prefixgate.gateway.proxy.prefixes import ProxyPrefixRegistry
 from prefixgate.gateway.proxy.serving import PROXY, ProxyServing
 from prefixgate.gateway.proxy.upstream import Upstream, UpstreamRouter
@@ -229,12 +230,22 @@ def create_proxy_app(
         expect_handler=expect_continue,
     )
 
+    scraper = (
+        MetricsLoadScraper(router, s.upstream_metrics_interval_s)
+        if s.upstream_metrics_interval_s > 0
+        else None
+    )
+
     async def start(app: web.Application) -> None:
         await router.start()
         if router.precise is not None:
             router.precise.start()
+        if scraper is not None:  # upstreams' published load (vLLM's /metrics)
+            scraper.start()
 
     async def stop(app: web.Application) -> None:
+        if scraper is not None:
+            await scraper.close()
         await app[PROXY].prefixes.close()  # releases upstream pins while the session is open
         await router.close()
         if router.precise is not None:
@@ -440,7 +451,6 @@ def attach_engine(app: web.Application, engine: EngineClient) -> None:
     local.token_texts = TokenTexts(engine.tokenizer)
     local.cache_pins = CachePins(engine, local.prefixes.pinned_blocks)
     local.prefixes.breakpoints = local.cache_pins  # one pin share per key: both count
-    st.metrics.add_engine(engine.stats)
     # Retry-After's service-time estimate: requests run this many at once (decode batch).
     st.admission.concurrency = engine.config.max_num_seqs
     # Retry-After and TTFT budgets from the engine's queue and measured rates.
@@ -449,6 +459,8 @@ def attach_engine(app: web.Application, engine: EngineClient) -> None:
     )
     if not st.model_name:
         st.model_name = default_model_name(engine)
+    # the engine's stats, and under vLLM's pool metric names (an Inference Extension pool)
+    st.metrics.add_engine(engine.stats, st.model_name, getattr(engine.config, "block_size", None))
     st.ready = True
 
 
@@ -496,9 +508,25 @@ async def ready_proxy(request: web.Request) -> web.Response:
         "upstreams_total": len(pool),
     }
     if _viewer(request).operator:
-        body["upstreams"] = pool
+        body["upstreams"] = _with_kv_events(request.app[PROXY].router, pool)
         body["state"] = st.shared.describe()
     return web.json_response(body)
+
+
+def _with_kv_events(router: Any, pool: list[dict]) -> list[dict]:
+    """``pool`` with each upstream's ``kv_events``: ``None`` without a feed (no
+    ``--upstream-kv-events`` for it, or routing other than ``precise``), else the feed's
+    state (``synced``, ``hash_scheme`` as its events showed, ``blocks`` held, ``load_reports``
+    received: an engine that publishes none, as vLLM, shows 0)."""
+    replicas = router.precise.index.stats()["replicas"] if router.precise is not None else {}
+    out = []
+    for u in pool:
+        rep = replicas.get(u["url"])
+        feed = None
+        if rep is not None:
+            feed = {k: rep[k] for k in ("synced", "hash_scheme", "blocks", "load_reports")}
+        out.append({**u, "kv_events": feed})
+    return out
 
 
 async def metrics_route(request: web.Request) -> web.Response:

@@ -79,6 +79,9 @@ class GatewaySettings:
         upstream_kv_events: upstream URL -> ``(PUB endpoint, replay endpoint or None)`` of
             its engine's KV events (``precise`` only; an upstream without one makes routing
             fall back to ``cache_aware``).
+        upstream_metrics_interval_s: seconds between readings of each upstream's
+            ``/metrics`` for its published load (vLLM's ``vllm:num_requests_*``;
+            ``proxy.metrics_load``); 0: not read (>= 0.25 otherwise).
         precise_max_load_ratio: ``precise``'s bound on imbalance, judged per request: no
             upstream above this many times the mean in-flight load (the least loaded always
             qualifies), >= 1.
@@ -132,6 +135,7 @@ class GatewaySettings:
     routing: str = "cache_aware"
     tokenizer: str | None = None
     upstream_kv_events: dict[str, tuple[str, str | None]] = field(default_factory=dict)
+    upstream_metrics_interval_s: float = 2.0
     precise_max_load_ratio: float = 1.3
     precise_overlap_weight: float = 1.0
     redis_url: str | None = None
@@ -183,6 +187,11 @@ class GatewaySettings:
             raise ValueError("affinity_block_chars and affinity_max_chars must be >= 1")
         if self.balance_rel_threshold < 1.0 or self.balance_abs_threshold < 0:
             raise ValueError("balance_rel_threshold must be >= 1 and balance_abs_threshold >= 0")
+        if self.upstream_metrics_interval_s != 0 and not self.upstream_metrics_interval_s >= 0.25:
+            raise ValueError(
+                "upstream_metrics_interval_s must be 0 (off) or >= 0.25, got "
+                f"{self.upstream_metrics_interval_s}"
+            )
         if self.routing == "precise" and not self.tokenizer:
             raise ValueError(
                 "routing precise needs the upstreams' tokenizer (tokenizer: a model folder)"

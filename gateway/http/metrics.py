@@ -29,6 +29,71 @@ _TPOT_BUCKETS = (*_FINE_BUCKETS, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
+class _PoolMetrics(Collector):
+    """vLLM's metric names, semantics and units for the engine's load and KV cache, read from
+    ``engine.stats()`` on every scrape, so a prefixgate engine can join a pool whose endpoint
+    picker scores model servers by vLLM's names (Kubernetes Gateway API Inference Extension:
+    llm-d's router, Dynamo's): ``vllm:num_requests_running`` (requests in the running
+    batch), ``vllm:num_requests_waiting`` (requests waiting, preempted ones included),
+    ``vllm:kv_cache_usage_perc`` (KV blocks in use / blocks in the pool, 0 to 1: vLLM's
+    ``BlockPool.get_usage``, where cached free blocks count as free) and
+    ``vllm:cache_config_info`` (value 1; labels ``block_size``, ``num_gpu_blocks``,
+    ``enable_prefix_caching``, as vLLM's ``CacheConfig`` info metric; ``num_gpu_blocks`` is
+    the pool's blocks on any device). Labels ``model_name`` (the served name) and ``engine``
+    (``"0"``), as vLLM's."""
+
+    def __init__(
+        self, stats: Callable[[], dict[str, Any] | None], model_name: str, block_size: int
+    ) -> None:
+        self._stats = stats
+        self._labels = {"model_name": model_name, "engine": "0"}
+        self._block_size = block_size
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        fam = GaugeMetricFamily(name, doc, labels=list(self._labels))
+        fam.add_metric(list(self._labels.values()), value)
+        return fam
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        try:
+            stats = self._stats()
+        except Exception:  # noqa: BLE001 - a scrape never fails because of the engine
+            stats = None
+        if not stats:
+            return
+        running, waiting = stats.get("num_running"), stats.get("num_waiting")
+        if isinstance(running, int):
+            yield self._gauge(
+                "vllm:num_requests_running",
+                "Number of requests in model execution batches.",
+                running,
+            )
+        if isinstance(waiting, int):
+            yield self._gauge(
+                "vllm:num_requests_waiting", "Number of requests waiting to be processed.", waiting
+            )
+        used, total = stats.get("kv_blocks_used"), stats.get("kv_blocks_total")
+        if isinstance(used, int) and isinstance(total, int) and total > 0:
+            yield self._gauge(
+                "vllm:kv_cache_usage_perc",
+                "KV-cache usage. 1 means 100 percent usage.",
+                used / total,
+            )
+            info = {
+                **self._labels,
+                "block_size": str(self._block_size),
+                "num_gpu_blocks": str(total),
+                "enable_prefix_caching": "True",
+            }
+            fam = GaugeMetricFamily(
+                "vllm:cache_config_info",
+                "Information of the LLMEngine CacheConfig",
+                labels=list(info),
+            )
+            fam.add_metric(list(info.values()), 1.0)
+            yield fam
+
+
 class _EngineStats(Collector):
     """Gauges read from ``engine.stats()`` on every scrape."""
 
@@ -259,9 +324,17 @@ class GatewayMetrics:
         self._marks: list[tuple[float, float]] = [(time.monotonic(), 0.0)]
         self._generated = 0.0
 
-    def add_engine(self, stats: Callable[[], dict[str, Any] | None]) -> None:
-        """Expose ``stats()`` of the engine (read at scrape time)."""
+    def add_engine(
+        self,
+        stats: Callable[[], dict[str, Any] | None],
+        model_name: str | None = None,
+        block_size: int | None = None,
+    ) -> None:
+        """Expose ``stats()`` of the engine (read at scrape time); with ``model_name`` and
+        ``block_size`` also under vLLM's pool metric names (``_PoolMetrics``)."""
         self.registry.register(_EngineStats(stats))
+        if model_name is not None and block_size is not None:
+            self.registry.register(_PoolMetrics(stats, model_name, block_size))
 
     def add_generated(self, n: int) -> None:
         """Count ``n`` generated tokens (feeds the counter and the tokens/s gauge)."""

@@ -21,7 +21,14 @@ which the batches that follow it are applied. A replica with no state (a consume
 late) starts from a snapshot. A sequence that steps back is an engine restart: snapshot. A
 probe every ``probe_interval_s`` (a replay request from the next batch) catches a lost last batch
 on an engine that has gone idle. vLLM engines answer a snapshot request with nothing: the
-index then rebuilds from their replay buffer (counted as ``inexact_resyncs``).
+index then rebuilds from their replay buffer (counted as ``inexact_resyncs``). Replay answers
+come in two layouts (``replay_frames``: vLLM 0.32 repeats the topic frame); a resync that
+fails is logged (the first of a run, then every tenth) as well as counted.
+
+Hashes: each replica's ``BlockStored`` events tell how it hashes blocks (``hash_scheme``):
+prefixgate's 16-byte keys, or vLLM's sha256 hashes (64-bit ints by default), verified on the
+first event that starts a chain (``detect_hash_scheme``, ``vllm_block_hash``); a replica whose
+hashes verify as neither is ``HASH_UNKNOWN`` (logged) and routed without prediction.
 
 The consumer runs in one daemon thread (pyzmq; no asyncio, no torch): ``match`` / ``predict``
 / ``stats`` are thread-safe and never wait on the network. Counters (``stats()``) are the
@@ -40,7 +47,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
-from prefixgate.engine.block_hash import block_key_bytes, num_reusable_blocks, prompt_block_hashes
+from prefixgate.engine.block_hash import (
+    BLOCK_KEY_BYTES,
+    block_key_bytes,
+    num_reusable_blocks,
+    prompt_block_hashes,
+)
 from prefixgate.engine.kv_events import (
     END_SEQ,
     LOAD_SEQ,
@@ -50,8 +62,23 @@ from prefixgate.engine.kv_events import (
     parse_batch,
     parse_load,
 )
+from prefixgate.gateway.proxy.vllm_block_hash import (
+    DEFAULT_NONE_HASH_SEED,
+    vllm_block_hash,
+    vllm_external_hash,
+)
 
-__all__ = ["BlockHash", "KVIndex", "prompt_block_keys"]
+__all__ = [
+    "HASH_PREFIXGATE",
+    "HASH_UNKNOWN",
+    "HASH_VLLM_BYTES",
+    "HASH_VLLM_INT",
+    "BlockHash",
+    "KVIndex",
+    "detect_hash_scheme",
+    "prompt_block_keys",
+    "replay_frames",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +103,66 @@ def prompt_block_keys(
     return [block_key_bytes(k) for k in keys[: num_reusable_blocks(len(token_ids), block_size)]]
 
 
+def replay_frames(frames: Sequence[bytes]) -> tuple[bytes, bytes]:
+    """``(seq frame, payload)`` of one replay answer as a DEALER receives it.
+
+    Two layouts are in use: ``[b"", seq, payload]`` (prefixgate's engine, vLLM before 0.32)
+    and ``[b"", topic, seq, payload]`` (vLLM 0.32: the answer repeats the PUB message's
+    three frames, the end marker as ``[b"", b"", END_SEQ, b""]``).
+
+    Raises:
+        ValueError: any other layout.
+    """
+    if len(frames) == 3 and frames[0] == b"":
+        return frames[1], frames[2]
+    if len(frames) == 4 and frames[0] == b"":
+        return frames[2], frames[3]
+    raise ValueError(f"unknown replay answer layout ({len(frames)} frames)")
+
+
+HASH_PREFIXGATE = "prefixgate"
+"""A replica whose events carry prefixgate's 16-byte keys (``block_hash.block_key_bytes``)."""
+HASH_VLLM_INT = "vllm"
+"""A vLLM replica: sha256 hashes, the events' low-64-bit ints (``vllm_block_hash``)."""
+HASH_VLLM_BYTES = "vllm-bytes"
+"""A vLLM replica publishing the 32-byte hashes (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``)."""
+HASH_UNKNOWN = "unknown"
+"""Hashes this gateway cannot reproduce (another algorithm or seed): no prediction."""
+
+
+def _vllm_extra(keys: Any) -> tuple[bool, tuple[Any, ...] | None]:
+    """``(verifiable, vLLM's tagged extra keys)`` of a block 0 from the event's untagged
+    entry; not verifiable when it holds more than a cache salt (LoRA, multimodal)."""
+    if keys is None:
+        return True, None
+    if isinstance(keys, list | tuple) and len(keys) == 1 and isinstance(keys[0], str):
+        return True, (("cache_salt", keys[0]),)
+    return False, None
+
+
+def detect_hash_scheme(ev: ParsedEvent, seed: str = DEFAULT_NONE_HASH_SEED) -> str | None:
+    """The hash scheme a ``BlockStored`` event shows, or ``None`` when it cannot tell.
+
+    prefixgate's keys are 16 bytes. A vLLM hash (an int, or 32 bytes) is verified on an
+    event that starts a chain (no parent): its first block is hashed as vLLM does
+    (``vllm_block_hash``, ``seed``) and compared; a mismatch is ``HASH_UNKNOWN``."""
+    if ev.kind != "stored" or not ev.block_hashes:
+        return None
+    first = ev.block_hashes[0]
+    if isinstance(first, bytes) and len(first) == BLOCK_KEY_BYTES:
+        return HASH_PREFIXGATE
+    if ev.parent_block_hash is not None or len(ev.token_ids) < ev.block_size or ev.block_size < 1:
+        return None
+    verifiable, extra = _vllm_extra(ev.extra_keys[0] if ev.extra_keys else None)
+    if not verifiable:
+        return None
+    digest = vllm_block_hash(None, ev.token_ids[: ev.block_size], extra, seed)
+    as_int = isinstance(first, int)
+    if vllm_external_hash(digest, as_int) == first:
+        return HASH_VLLM_INT if as_int else HASH_VLLM_BYTES
+    return HASH_UNKNOWN
+
+
 @dataclass(slots=True)
 class _Replica:
     """One engine's endpoints, blocks and sync state (mutated by the consumer thread)."""
@@ -92,6 +179,7 @@ class _Replica:
     next_probe: float = 0.0
     failures: int = 0
     block_size: int = 0
+    hash_scheme: str | None = None  # detect_hash_scheme's verdict (None: not known yet)
     counters: Counter[str] = field(default_factory=Counter)
     lag_s: float = 0.0
     load: EngineLoad | None = None  # the engine's latest load report
@@ -242,6 +330,14 @@ class KVIndex:
             rep = self._replicas.get(name)
             return rep.block_size if rep is not None else 0
 
+    def hash_scheme(self, name: str) -> str | None:
+        """How replica ``name`` hashes blocks, as its events showed: ``HASH_PREFIXGATE``,
+        ``HASH_VLLM_INT``, ``HASH_VLLM_BYTES``, ``HASH_UNKNOWN``, or ``None`` before a
+        ``BlockStored`` event told (or an unknown replica)."""
+        with self._lock:
+            rep = self._replicas.get(name)
+            return rep.hash_scheme if rep is not None else None
+
     def load(self, name: str) -> tuple[EngineLoad, float] | None:
         """Replica ``name``'s latest load report and when it arrived (``time.monotonic()``),
         or ``None`` before its first (an engine without load reports, or an unknown
@@ -281,6 +377,7 @@ class KVIndex:
                 live, applied = rep.last_live_seq, rep.applied_seq
                 per[name] = {
                     "synced": rep.has_state and not rep.needs_sync,
+                    "hash_scheme": rep.hash_scheme,
                     "applied_seq": applied,
                     "blocks": len(rep.counts),
                     **c,
@@ -520,9 +617,8 @@ class KVIndex:
                     raise ValueError("snapshot messages of different sequence numbers")
                 parsed.extend(parse_batch(payload)[1])
         except ValueError:
-            logger.warning("kv index: bad snapshot from replica %s", rep.name)
             self._count(rep, "bad_batches")
-            self._failed(rep)
+            self._failed(rep, "bad snapshot")
             return
         with self._lock:
             self._clear(rep)
@@ -538,7 +634,7 @@ class KVIndex:
         ``rep.latest_seq``); ``None`` (counted, retried later) when the replica has no replay
         endpoint or does not answer within ``request_timeout_s`` per message."""
         if rep.replay_endpoint is None:
-            self._failed(rep)
+            self._failed(rep, "no replay endpoint")
             return None
         if rep.dealer is None:
             rep.dealer = self._socket(ctx, zmq.DEALER)
@@ -549,29 +645,42 @@ class KVIndex:
             dealer.send_multipart((b"", frame), zmq.NOBLOCK)
             while True:
                 if not dealer.poll(int(self.request_timeout_s * 1000)):
-                    raise TimeoutError
-                frames = dealer.recv_multipart()
-                if len(frames) != 3:
-                    continue
-                if frames[1] == END_SEQ:
-                    if len(frames[2]) == 8:
-                        rep.latest_seq = int.from_bytes(frames[2], "big")
+                    raise TimeoutError(
+                        f"no answer within {self.request_timeout_s:g} s"
+                        + (f" ({len(out)} batches before it)" if out else "")
+                    )
+                seq_frame, payload = replay_frames(dealer.recv_multipart())
+                if seq_frame == END_SEQ:
+                    if len(payload) == 8:
+                        rep.latest_seq = int.from_bytes(payload, "big")
                     return out
-                out.append((int.from_bytes(frames[1], "big"), frames[2]))
-        except (TimeoutError, zmq.ZMQError):
+                out.append((int.from_bytes(seq_frame, "big"), payload))
+        except (TimeoutError, ValueError, zmq.ZMQError) as exc:
             # a late answer must not be read as the next one's: a fresh socket next time
             dealer.close(linger=0)
             rep.dealer = None
-            self._failed(rep)
+            self._failed(rep, f"replay request to {rep.replay_endpoint} failed: {exc}")
             return None
 
-    def _failed(self, rep: _Replica) -> None:
+    def _failed(self, rep: _Replica, why: str = "") -> None:
+        """A resync that did not happen: counted, retried with backoff; logged (a warning on
+        the first of a run of failures, then every tenth, so a replica that never syncs is
+        seen in the log without flooding it)."""
         self._count(rep, "resync_failures")
         rep.needs_sync = True
         rep.next_probe = time.monotonic() + _RETRY_S[min(rep.failures, len(_RETRY_S) - 1)]
+        if rep.failures % 10 == 0:
+            logger.warning(
+                "kv index: replica %s not synced (failure %d in a row): %s",
+                rep.name,
+                rep.failures + 1,
+                why or "no replay endpoint",
+            )
         rep.failures += 1
 
     def _synced(self, rep: _Replica) -> None:
+        if rep.failures:
+            logger.info("kv index: replica %s synced after %d failures", rep.name, rep.failures)
         rep.needs_sync = False
         rep.failures = 0
 
@@ -603,6 +712,18 @@ class KVIndex:
             if ev.kind == "stored":
                 if ev.block_size:
                     rep.block_size = ev.block_size
+                if rep.hash_scheme in (None, HASH_UNKNOWN):
+                    scheme = detect_hash_scheme(ev)
+                    if scheme is not None and scheme != rep.hash_scheme:
+                        rep.hash_scheme = scheme
+                        if scheme == HASH_UNKNOWN:
+                            logger.warning(
+                                "kv index: replica %s's block hashes are not prefixgate's "
+                                "nor vLLM's sha256 with seed %r (PYTHONHASHSEED unset): its "
+                                "prompts are routed without prediction",
+                                name,
+                                DEFAULT_NONE_HASH_SEED,
+                            )
                 for h in ev.block_hashes:
                     n = counts.get(h, 0)
                     counts[h] = n + 1

@@ -20,10 +20,12 @@ own automatic prefix cache (vLLM's, SGLang's) still serves repeated prefixes, re
 Answer: ``content`` → a ``text`` block, ``tool_calls`` → ``tool_use`` blocks (the
 upstream's call id kept, so a ``tool_result`` finds its call again); ``finish_reason`` →
 ``stop_reason`` (``stop`` → ``end_turn``, or ``stop_sequence`` with the sequence when the
-upstream names it — vLLM's ``stop_reason``; ``length`` → ``max_tokens``; ``tool_calls`` →
-``tool_use``; ``content_filter`` → ``refusal``); usage: ``input_tokens`` = prompt − cached,
-``cache_read_input_tokens`` = ``prompt_tokens_details.cached_tokens``, ``output_tokens`` =
-completion (0 when the upstream reports none).
+upstream names it — vLLM's ``stop_reason``, SGLang's ``matched_stop``: ``upstream_fields``;
+``length`` → ``max_tokens``; ``tool_calls`` → ``tool_use``; ``content_filter`` → ``refusal``);
+usage: ``input_tokens`` = prompt − cached, ``cache_read_input_tokens`` =
+``prompt_tokens_details.cached_tokens`` (``null`` when the upstream does not report it: vLLM
+without ``--enable-prompt-tokens-details``), ``output_tokens`` = completion (0 when the
+upstream reports none).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from typing import Any
 
 from prefixgate.gateway.api.anthropic_models import Chat, MessagesRequest
 from prefixgate.gateway.http.errors import APIError, bad_request
+from prefixgate.gateway.proxy.upstream_fields import cached_tokens, matched_stop
 
 _STOP = {
     "length": "max_tokens",
@@ -134,13 +137,19 @@ def message_id() -> str:
     return "msg_" + uuid.uuid4().hex[:24]
 
 
-def usage_of(usage: Any) -> dict[str, int]:
-    """Anthropic usage of an OpenAI ``usage`` object (zeros when it is not one)."""
+def usage_of(usage: Any) -> dict[str, int | None]:
+    """Anthropic usage of an OpenAI ``usage`` object (zeros when it is not one).
+
+    ``cache_read_input_tokens`` is ``None`` (JSON ``null``) when the upstream does not report
+    its cached tokens (``upstream_fields.cached_tokens``): unknown is not a miss;
+    ``input_tokens`` is then the whole prompt."""
     if not isinstance(usage, dict):
         return _usage(0, 0, 0)
-    details = usage.get("prompt_tokens_details")
     prompt = _int(usage.get("prompt_tokens"))
-    cached = min(_int(details.get("cached_tokens") if isinstance(details, dict) else None), prompt)
+    cached = cached_tokens(usage)
+    if cached is None:
+        return _usage(prompt, None, _int(usage.get("completion_tokens")))
+    cached = min(cached, prompt)
     return _usage(prompt - cached, cached, _int(usage.get("completion_tokens")))
 
 
@@ -149,7 +158,7 @@ def _int(value: Any) -> int:
     return int(value) if _count(value) else 0
 
 
-def _usage(input_tokens: int, cached: int, output_tokens: int) -> dict[str, int]:
+def _usage(input_tokens: int, cached: int | None, output_tokens: int) -> dict[str, int | None]:
     return {
         "input_tokens": input_tokens,
         "cache_creation_input_tokens": 0,
@@ -163,8 +172,9 @@ def _count(value: Any) -> bool:
 
 
 def stop_of(finish: Any, matched: Any, stops: list[str], called: bool) -> tuple[str, str | None]:
-    """``(stop_reason, stop_sequence)`` of an OpenAI ``finish_reason`` (``matched``: vLLM's
-    ``stop_reason``, the stop string that ended it, when the upstream names one)."""
+    """``(stop_reason, stop_sequence)`` of an OpenAI ``finish_reason`` (``matched``: the stop
+    the upstream names, ``upstream_fields.matched_stop``: vLLM's ``stop_reason``, SGLang's
+    ``matched_stop``)."""
     if finish == "stop" and called:
         return "tool_use", None
     if finish == "stop":
@@ -221,7 +231,7 @@ def to_message(data: Any, rid: str, model: str, stops: list[str]) -> dict[str, A
             }
         )
     reason, sequence = stop_of(
-        choice.get("finish_reason"), choice.get("stop_reason"), stops, bool(calls)
+        choice.get("finish_reason"), matched_stop(choice), stops, bool(calls)
     )
     return {
         "id": rid,
@@ -277,7 +287,9 @@ class ChunkTranslator:
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": dict(self.usage),
+            # not known before the last chunk: null, so a client that keeps message_start's
+            # value when message_delta's is null (the anthropic package) never shows a 0
+            "usage": {**self.usage, "cache_read_input_tokens": None},
         }
         return [_ev("message_start", message=message), _ev("ping")]
 
@@ -312,7 +324,7 @@ class ChunkTranslator:
             out += self._delta(delta)
             if choice.get("finish_reason") is not None:
                 self._finish = choice["finish_reason"]
-                self._matched = choice.get("stop_reason")
+                self._matched = matched_stop(choice)
         return b"".join(out)
 
     def _delta(self, delta: dict[str, Any]) -> list[bytes]:

@@ -149,9 +149,11 @@ class _Call:
             return
         counts = [usage.get(k) for k in _PROMPT_KEYS]
         if all(isinstance(c, int) and not isinstance(c, bool) for c in counts if c is not None):
-            cached = usage.get("cache_read_input_tokens") or 0
+            cached = usage.get("cache_read_input_tokens")
             prompt = sum(c for c in counts if c is not None)
-            if self.route.blocks and isinstance(cached, int):
+            up.cached_tokens_reported = cached is not None
+            # null: the upstream does not report its cache; nothing to learn (not a miss)
+            if self.route.blocks and isinstance(cached, int) and not isinstance(cached, bool):
                 self.router.learn(up, self.route, cached, prompt)
 
     def prompt_tokens(self) -> int | None:

@@ -4,7 +4,9 @@ The gateway tokenizes a request exactly as a prefixgate upstream will (the same 
 ``--tokenizer``, loaded with ``engine.tokenizer``; chat through ``api.prompts.render_chat``
 with the messages and tools local mode passes; completions through ``completion_prompts``),
 hashes it with the engines' own function (``block_hash.prompt_block_hashes`` via
-``kv_index.prompt_block_keys``) under the salt that upstream's engine will use, and asks the
+``kv_index.prompt_block_keys`` for a prefixgate engine; vLLM's sha256 chain,
+``vllm_block_hash.vllm_prompt_block_hashes``, for an upstream whose events show vLLM's
+hashes: ``KVIndex.hash_scheme``) under the salt that upstream's engine will use, and asks the
 exact index (``kv_index.KVIndex``, fed by each upstream engine's KV events) how many leading
 blocks each upstream holds.
 
@@ -78,8 +80,9 @@ are gone the session is forgotten (no fixed lifetime).
 Fallback to ``cache_aware`` (``policies.precise.Precise`` is a ``CacheAware``), counted by reason: the request
 could not be tokenized (the upstream will answer its own error), or a candidate has no event
 feed (``--upstream-kv-events``) or its feed is not synced (before its snapshot, or while a gap
-is being resynced). A completions batch (several prompts) is routed on its first prompt and
-not predicted.
+is being resynced), or its hashes are not reproducible here (``unknown_hash``: a vLLM with
+another hash algorithm or ``PYTHONHASHSEED``). A completions batch (several prompts) is
+routed on its first prompt and not predicted.
 
 Visible: per request the predicted cached tokens beside the upstream's reported
 ``cached_tokens`` (the access log's ``predicted=`` and ``cached=``), and in ``/metrics``:
@@ -102,6 +105,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import xxhash
+from prefixgate.engine.block_hash import num_reusable_blocks
 from prefixgate.engine.config import derive_replay_endpoint
 from prefixgate.gateway.api.prompts import completion_prompts, render_chat
 from prefixgate.gateway.api.request_models import (
@@ -111,8 +115,18 @@ from prefixgate.gateway.api.request_models import (
 )
 from prefixgate.gateway.api.tools import plan_tools, template_messages
 from prefixgate.gateway.http.errors import APIError
-from prefixgate.gateway.proxy.kv_index import KVIndex, prompt_block_keys
+from prefixgate.gateway.proxy.kv_index import (
+    HASH_PREFIXGATE,
+    HASH_UNKNOWN,
+    HASH_VLLM_BYTES,
+    HASH_VLLM_INT,
+    BlockHash,
+    KVIndex,
+    prompt_block_keys,
+)
+from prefixgate.gateway.proxy.metrics_load import published_requests
 from prefixgate.gateway.proxy.upstream import Route, Upstream, normalize_url
+from prefixgate.gateway.proxy.vllm_block_hash import vllm_prompt_block_hashes
 from prefixgate.gateway.tenancy.keys import effective_salt
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -191,30 +205,48 @@ class PreciseRoute(Route):
         self.reported_cached: int | None = None
         self.reason = ""
         self.batch = False  # a completions batch: routed on its first prompt, not predicted
-        self._keys: dict[tuple[str | None, int], list[bytes]] = {}
-        self._charge: tuple[str, int, list[bytes]] | None = None  # (url, uncached, keys)
+        self._keys: dict[tuple[str | None, int, str], list[BlockHash]] = {}
+        self._charge: tuple[str, int, list[BlockHash]] | None = None  # (url, uncached, keys)
         self._sent = 0.0  # time.monotonic() of the pick
 
-    def engine_salt(self, up: Upstream) -> str | None:
-        """The cache salt ``up``'s engine gets for this request (an open upstream)."""
+    def engine_salt(self, up: Upstream, scheme: str | None = HASH_PREFIXGATE) -> str | None:
+        """The cache salt ``up``'s engine hashes this request under (an open upstream): a
+        prefixgate engine composes ``effective_salt(None, cache_salt)``; a vLLM engine
+        (``scheme`` a vLLM one) takes the forwarded ``cache_salt`` as it is."""
         forwarded = self.client_salt if up.cache_salt is False or self.salt is None else self.salt
+        if scheme in (HASH_VLLM_INT, HASH_VLLM_BYTES):
+            return forwarded
         return effective_salt(None, forwarded)
 
-    def keys(self, salt: str | None, block_size: int) -> list[bytes]:
-        """The reusable block keys of the prompt under ``salt`` (computed once per pair)."""
+    def keys(
+        self, salt: str | None, block_size: int, scheme: str | None = HASH_PREFIXGATE
+    ) -> list[BlockHash]:
+        """The reusable block keys of the prompt under ``salt``, hashed as the engine of
+        ``scheme`` (``KVIndex.hash_scheme``; ``None``: prefixgate's) publishes them (computed
+        once per triple)."""
         assert self.token_ids is not None
-        got = self._keys.get((salt, block_size))
+        vllm = scheme in (HASH_VLLM_INT, HASH_VLLM_BYTES)
+        form: str = scheme if scheme is not None and vllm else HASH_PREFIXGATE
+        got = self._keys.get((salt, block_size, form))
         if got is None:
-            got = self._keys[(salt, block_size)] = prompt_block_keys(
-                self.token_ids, block_size, salt
-            )
+            if vllm:
+                n = num_reusable_blocks(len(self.token_ids), block_size)
+                got = vllm_prompt_block_hashes(
+                    self.token_ids[: n * block_size],
+                    block_size,
+                    salt,
+                    as_int=scheme == HASH_VLLM_INT,
+                )
+            else:
+                got = list(prompt_block_keys(self.token_ids, block_size, salt))
+            self._keys[(salt, block_size, form)] = got
         return got
 
 
 @dataclass(slots=True)
 class _Session:
     url: str
-    first_key: bytes | None
+    first_key: BlockHash | None
     in_flight: int = 0
 
 
@@ -263,7 +295,7 @@ class PreciseRouting:
         self._pending: Counter[str] = Counter()  # url -> uncached prompt tokens in flight
         self._flying: dict[str, dict[int, PreciseRoute]] = {}  # url -> id -> route charged
         # url -> block keys of the requests in flight there (stored soon, not yet published)
-        self._inflight_keys: dict[str, Counter[bytes]] = {}
+        self._inflight_keys: dict[str, Counter[BlockHash]] = {}
         self._turn = itertools.count()
         # the upstreams of the last picks (the share bound: SHARE_WINDOW per upstream fed)
         self._recent: deque[tuple[str, bytes | None]] = deque(  # (url, prompt key)
@@ -348,6 +380,8 @@ class PreciseRouting:
             return self._fallback(route, "no_feed", fallback)
         if not all(replicas[u.url]["synced"] for u in cands):
             return self._fallback(route, "not_synced", fallback)
+        if any(replicas[u.url].get("hash_scheme") == HASH_UNKNOWN for u in cands):
+            return self._fallback(route, "unknown_hash", fallback)
         found = {u.url: self._match(route, u) for u in cands}
         cached = {url: n for url, (n, _) in found.items()}
         loads = {u.url: self.load(u) for u in cands}
@@ -443,11 +477,14 @@ class PreciseRouting:
         arrived (not in it yet) and their uncached tokens; never less than this gateway's
         own (``up.in_flight`` and the uncached tokens of its requests not yet started: a
         request sent just before the report may not have reached the engine). Without a
-        report (the engine publishes none, or none yet): this gateway's own."""
+        report (the engine publishes none, or none yet): this gateway's own, its requests
+        raised to the engine's running + waiting from its ``/metrics`` when fresh
+        (``metrics_load``)."""
         own = (up.in_flight, max(0, self._pending[up.url]))
         got = self.index.load(up.url)
-        if got is None:
-            return own
+        if got is None:  # no load reports (vLLM): its /metrics' requests, when more
+            published = published_requests(up)
+            return (own[0] if published is None else max(own[0], published)), own[1]
         report, at = got
         reqs = report.num_running + report.num_waiting
         tokens = report.queued_prefill_tokens
@@ -516,7 +553,8 @@ class PreciseRouting:
         bs = self._block_size(up.url)
         if bs <= 0:  # no block stored anywhere yet: nothing cached
             return 0, 0
-        keys = route.keys(route.engine_salt(up), bs)
+        scheme = self.index.hash_scheme(up.url)
+        keys = route.keys(route.engine_salt(up, scheme), bs, scheme)
         n = self.index.match(keys).get(up.url, 0)
         flying = self._inflight_keys.get(up.url)
         m = 0
@@ -540,7 +578,8 @@ class PreciseRouting:
         if route.token_ids is not None:
             uncached = len(route.token_ids) - (cached or 0)
             bs = self._block_size(up.url)
-            keys = route.keys(route.engine_salt(up), bs) if bs > 0 else []
+            scheme = self.index.hash_scheme(up.url)
+            keys = route.keys(route.engine_salt(up, scheme), bs, scheme) if bs > 0 else []
             route._charge = (up.url, uncached, keys)
             route._sent = time.monotonic()
             self._flying.setdefault(up.url, {})[id(route)] = route
@@ -550,7 +589,8 @@ class PreciseRouting:
             first = None
             if route.token_ids is not None:
                 bs = self._block_size(up.url)
-                keys = route.keys(route.engine_salt(up), bs) if bs else []
+                scheme = self.index.hash_scheme(up.url)
+                keys = route.keys(route.engine_salt(up, scheme), bs, scheme) if bs else []
                 first = keys[0] if keys else None
             sess = self._sessions.get(route.session)
             if sess is None or sess.url != up.url:

@@ -716,11 +716,14 @@ _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 
 def _learn(router: Any, up: Upstream, route: Route | None, tail: bytes) -> None:
     """Feed the answer's usage (its last ``prompt_tokens`` / ``cached_tokens``) to the
-    router's prefix tree (``UpstreamRouter.learn``); nothing when the answer has none."""
-    if route is None:
-        return
+    router's prefix tree (``UpstreamRouter.learn``); nothing when the answer has none. Notes
+    on ``up`` whether an answer with usage counted cached tokens (``/ready``)."""
     prompt = _PROMPT_TOKENS.findall(tail)
     cached = _CACHED_TOKENS.findall(tail)
+    if prompt:  # an answer with usage: does it count cached tokens (null / absent: no)?
+        up.cached_tokens_reported = bool(cached)
+    if route is None:
+        return
     if prompt and cached:
         router.learn(up, route, int(cached[-1]), int(prompt[-1]))
 

@@ -137,6 +137,8 @@ class Upstream:
         "last_error",
         "cache_salt",
         "cache_misses",
+        "cached_tokens_reported",
+        "engine_load",
         "prefix_api",
         "models",
         "names",
@@ -174,6 +176,11 @@ class Upstream:
         # while unknown (then it is sent: an upstream that refuses it fails loudly).
         self.cache_salt: bool | None = None
         self.cache_misses = 0  # answers that cached less than cache_aware routing predicted
+        # Its last answer's usage held a cached-tokens count (upstream_fields.cached_tokens):
+        # True / False, None before an answer with usage
+        self.cached_tokens_reported: bool | None = None
+        # (requests running + waiting, read at, interval) from its /metrics (metrics_load)
+        self.engine_load: tuple[int, float, float] | None = None
         # Serves prefixgate's prefix API (``POST /v1/prefixes``): True / False, None while
         # unknown (then tried: a 404/405/501 answer says no).
         self.prefix_api: bool | None = None
@@ -694,6 +701,7 @@ class UpstreamRouter:
                 "last_error": u.last_error,
                 "cache_salt": u.cache_salt,
                 "cache_misses": u.cache_misses,
+                "reports_cached_tokens": u.cached_tokens_reported,
                 "prefix_api": u.prefix_api,
                 "models": sorted(u.models) if u.models is not None else None,
                 "rate_limited_s": round(max(0.0, u.limited_until - time.monotonic()), 3),

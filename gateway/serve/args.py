@@ -332,6 +332,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         ("balance_rel_threshold", float),
         ("precise_max_load_ratio", float),
         ("precise_overlap_weight", float),
+        ("upstream_metrics_interval_s", float),
     ):
         g.add_argument(
             "--" + name.replace("_", "-"),

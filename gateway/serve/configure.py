@@ -159,6 +159,7 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         upstream_kv_events=upstream_kv_events(args.upstream_kv_events),
         precise_max_load_ratio=args.precise_max_load_ratio,
         precise_overlap_weight=args.precise_overlap_weight,
+        upstream_metrics_interval_s=args.upstream_metrics_interval_s,
         balance_abs_threshold=args.balance_abs_threshold,
         balance_rel_threshold=args.balance_rel_threshold,
         redis_url=args.redis_url,

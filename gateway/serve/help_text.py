@@ -57,6 +57,10 @@ GATEWAY_HELP = {
     "beyond the least loaded one before routing sends a request to the least loaded instead",
     "balance_rel_threshold": "upstream mode, rendezvous routing: the least loaded upstream is "
     "chosen only when the most loaded has more than this many times its requests (>= 1)",
+    "upstream_metrics_interval_s": "upstream mode: seconds between readings of each "
+    "upstream's /metrics for the load it publishes (vLLM's vllm:num_requests_running and "
+    "_waiting: every client's requests); the routing policies take the larger of that and "
+    "this gateway's own in-flight requests; 0 = not read",
     "precise_max_load_ratio": "upstream mode, precise routing: no upstream gets a request "
     "that would put it above this many times the mean requests in flight (the least loaded "
     "always may) (>= 1)",

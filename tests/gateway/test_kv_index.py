@@ -535,10 +535,15 @@ class VLLMStub:
     64-bit int hashes, sequence numbers from 0, a replay socket that knows no snapshot (the
     snapshot frame reads as a start sequence far ahead: only the end marker comes back)."""
 
-    def __init__(self) -> None:
+    def __init__(self, topic: bytes | None = None) -> None:
+        """``topic``: ``None`` answers replays as vLLM before 0.32 (``[b"", seq, payload]``);
+        bytes as vLLM 0.32 (``[b"", topic, seq, payload]``, the end ``[b"", b"", END, b""]``),
+        and PUB messages carry it as their first frame."""
         import threading
 
         import zmq
+
+        self.topic = topic
 
         self.ctx = zmq.Context()
         self.pub = self.ctx.socket(zmq.PUB)
@@ -560,7 +565,7 @@ class VLLMStub:
         with self.lock:
             seq = len(self.buffer)
             self.buffer.append((seq, payload))
-        self.pub.send_multipart((b"", seq.to_bytes(8, "big"), payload))
+        self.pub.send_multipart((self.topic or b"", seq.to_bytes(8, "big"), payload))
 
     def _serve(self) -> None:
         while not self.stop.is_set():
@@ -570,9 +575,17 @@ class VLLMStub:
             first = int.from_bytes(start, "big")
             with self.lock:
                 batches = [b for b in self.buffer if b[0] >= first]
+            end = (-1).to_bytes(8, "big", signed=True)
+            if self.topic is None:
+                for seq, payload in batches:
+                    self.router.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+                self.router.send_multipart((client, b"", end, b""))
+                continue
             for seq, payload in batches:
-                self.router.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-            self.router.send_multipart((client, b"", (-1).to_bytes(8, "big", signed=True), b""))
+                self.router.send_multipart(
+                    (client, b"", self.topic, seq.to_bytes(8, "big"), payload)
+                )
+            self.router.send_multipart((client, b"", b"", end, b""))
 
     def close(self) -> None:
         self.stop.set()

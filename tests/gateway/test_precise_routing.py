@@ -71,6 +71,9 @@ class StubIndex:
     def block_size(self, name: str) -> int:
         return BS
 
+    def hash_scheme(self, name: str) -> str:
+        return "prefixgate"
+
     def match(self, keys: Sequence[bytes]) -> dict[str, int]:
         out = {}
         for u, held in self.held.items():

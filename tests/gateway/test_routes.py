@@ -168,6 +168,11 @@ def test_models_health_ready_metrics(serve_fake, gw):
         "prefixgate_prefix_cache_hit_rate",
         "prefixgate_generation_tokens_per_second",
         "prefixgate_generation_tokens_total 3.0",
+        # vLLM's pool metric names (an Inference Extension endpoint picker reads them)
+        'vllm:num_requests_running{engine="0",model_name="fake"} 0.0',
+        'vllm:num_requests_waiting{engine="0",model_name="fake"} 0.0',
+        'vllm:kv_cache_usage_perc{engine="0",model_name="fake"} 0.0',
+        "vllm:cache_config_info{",
     ):
         assert name in text, name
 

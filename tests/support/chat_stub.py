@@ -7,9 +7,14 @@ chunk (``finish_reason``, vLLM's ``stop_reason``), the usage chunk when asked an
 ``cut=True`` ends the stream after the first content piece (``after_first``: these bytes,
 then the end). ``status`` other than 200
 answers an OpenAI error whose message is ``SECRET``. Usage: ``prompt_tokens`` = the
-messages' characters, ``cached_tokens`` = ``cached``. ``POST /tokenize`` (vLLM's chat form)
+messages' characters, ``cached_tokens`` = ``cached`` (``None``: ``prompt_tokens_details: null``,
+as vLLM without ``--enable-prompt-tokens-details``). ``POST /tokenize`` (vLLM's chat form)
 counts the messages' characters unless ``tokenize`` is False. ``GET /v1/models`` lists
-``name`` owned by ``vllm``."""
+``name`` owned by ``vllm``.
+
+``kind`` names the server whose fields the answer carries (``upstream_fields``): ``vllm``
+(``stop_reason``), ``sglang`` (``matched_stop`` instead; owned by ``sglang``), ``llamacpp``
+(no matched stop, a ``timings`` object; owned by ``llamacpp``)."""
 
 from __future__ import annotations
 
@@ -31,8 +36,9 @@ class ChatStub:
     status: int = 200
     cut: bool = False
     after_first: bytes = b""  # written after the first content piece, then the stream ends
-    cached: int = 8
+    cached: int | None = 8
     tokenize: bool = True
+    kind: str = "vllm"
     seen: list[dict] = field(default_factory=list)
     headers: list[dict] = field(default_factory=list)
 
@@ -45,12 +51,21 @@ class ChatStub:
 
     def _usage(self, body: dict) -> dict:
         prompt = self._prompt(body)
+        details = None if self.cached is None else {"cached_tokens": min(self.cached, prompt)}
         return {
             "prompt_tokens": prompt,
             "completion_tokens": 5,
             "total_tokens": prompt + 5,
-            "prompt_tokens_details": {"cached_tokens": min(self.cached, prompt)},
+            "prompt_tokens_details": details,
         }
+
+    def _stop_fields(self) -> dict:
+        """The matched stop as this kind of server names it."""
+        if self.kind == "sglang":
+            return {"matched_stop": self.stop_reason}
+        if self.kind == "llamacpp":
+            return {}
+        return {"stop_reason": self.stop_reason}
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -72,18 +87,19 @@ class ChatStub:
                 "message": message,
                 "logprobs": None,
                 "finish_reason": self._finish(),
-                "stop_reason": self.stop_reason,
+                **self._stop_fields(),
             }
-            return web.json_response(
-                {
-                    "id": "chatcmpl-1",
-                    "object": "chat.completion",
-                    "created": 0,
-                    "model": body["model"],
-                    "choices": [choice],
-                    "usage": self._usage(body),
-                }
-            )
+            answer = {
+                "id": "chatcmpl-1",
+                "object": "chat.completion",
+                "created": 0,
+                "model": body["model"],
+                "choices": [choice],
+                "usage": self._usage(body),
+            }
+            if self.kind == "llamacpp":
+                answer["timings"] = {"prompt_n": 1, "prompt_ms": 1.0, "predicted_n": 5}
+            return web.json_response(answer)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         base = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0}
@@ -111,7 +127,7 @@ class ChatStub:
                 await resp.write_eof()
                 return resp
             await send({"content": self.reply[half:]})
-        await send({}, self._finish(), stop_reason=self.stop_reason)
+        await send({}, self._finish(), **self._stop_fields())
         if (body.get("stream_options") or {}).get("include_usage"):
             usage = {**base, "choices": [], "usage": self._usage(body)}
             await resp.write(f"data: {json.dumps(usage)}\n\n".encode())
@@ -127,7 +143,8 @@ class ChatStub:
         return web.json_response({"count": self._prompt(body), "max_model_len": 4096})
 
     async def models(self, request: web.Request) -> web.Response:
-        card = {"id": self.name, "object": "model", "created": 0, "owned_by": "vllm"}
+        owner = {"sglang": "sglang", "llamacpp": "llamacpp"}.get(self.kind, "vllm")
+        card = {"id": self.name, "object": "model", "created": 0, "owned_by": owner}
         return web.json_response({"object": "list", "data": [card]})
 
     def app(self) -> web.Application:

@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
+from prefixgate.gateway.proxy.metrics_load import published_requests
 from prefixgate.gateway.proxy.policies.prompt import Route, affinity_key, salted_affinity_key
 
 
@@ -101,5 +102,11 @@ class Policy:
 
 
 def load(u: Candidate) -> float:
-    """In-flight requests per unit of weight (weight 1: the in-flight count itself)."""
-    return u.in_flight / u.weight if u.weight != 1 else u.in_flight
+    """In-flight requests per unit of weight (weight 1: the in-flight count itself): this
+    gateway's requests in flight on ``u``, or the requests its engine publishes running and
+    waiting (``metrics_load.published_requests``, every client's) when that is more."""
+    n = u.in_flight
+    published = published_requests(u)
+    if published is not None and published > n:
+        n = published
+    return n / u.weight if u.weight != 1 else n
