@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import sys
 import uuid
 from typing import Any
 
@@ -620,15 +621,22 @@ async def no_route(request: web.Request) -> web.Response:
     raise APIError(404, f"unknown route {request.method} {request.path[:120]}", code="not_found")
 
 
+def add_gemini_routes(app: web.Application, handlers: Any, expect_handler: Any) -> None:
+    """Gemini's routes on ``app``, each to the function of that name in ``handlers`` (this
+    module in local mode, ``proxy.gemini_relay`` in proxy mode): one table for both modes."""
+    r = app.router
+    h = handlers
+    r.add_get("/v1beta/models", h.list_models, expect_handler=expect_handler)
+    r.add_get("/v1beta/models/{target}", h.get_model, expect_handler=expect_handler)
+    r.add_post("/v1beta/models/{target}", h.model_method, expect_handler=expect_handler)
+    r.add_post("/v1beta/cachedContents", h.create_cache, expect_handler=expect_handler)
+    r.add_get("/v1beta/cachedContents", h.list_caches, expect_handler=expect_handler)
+    r.add_get("/v1beta/cachedContents/{cache_id}", h.get_cache, expect_handler=expect_handler)
+    r.add_patch("/v1beta/cachedContents/{cache_id}", h.update_cache, expect_handler=expect_handler)
+    r.add_delete("/v1beta/cachedContents/{cache_id}", h.delete_cache, expect_handler=expect_handler)
+    r.add_route("*", "/v1beta/{tail:.*}", h.no_route, expect_handler=expect_handler)
+
+
 def add_routes(app: web.Application, expect_handler: Any) -> None:
     """Gemini's local-mode routes on ``app``."""
-    r = app.router
-    r.add_get("/v1beta/models", list_models, expect_handler=expect_handler)
-    r.add_get("/v1beta/models/{target}", get_model, expect_handler=expect_handler)
-    r.add_post("/v1beta/models/{target}", model_method, expect_handler=expect_handler)
-    r.add_post("/v1beta/cachedContents", create_cache, expect_handler=expect_handler)
-    r.add_get("/v1beta/cachedContents", list_caches, expect_handler=expect_handler)
-    r.add_get("/v1beta/cachedContents/{cache_id}", get_cache, expect_handler=expect_handler)
-    r.add_patch("/v1beta/cachedContents/{cache_id}", update_cache, expect_handler=expect_handler)
-    r.add_delete("/v1beta/cachedContents/{cache_id}", delete_cache, expect_handler=expect_handler)
-    r.add_route("*", "/v1beta/{tail:.*}", no_route, expect_handler=expect_handler)
+    add_gemini_routes(app, sys.modules[__name__], expect_handler)

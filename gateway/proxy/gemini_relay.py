@@ -30,6 +30,7 @@ renewal), ``tools`` or ``toolConfig`` in a cache.
 from __future__ import annotations
 
 import json
+import sys
 import time
 import uuid
 from typing import Any
@@ -40,7 +41,8 @@ from prefixgate.gateway.api.gemini import (
     CACHE_PREFIX,
     DEFAULT_CACHE_TTL_S,
     GENERATION_METHODS,
-    no_route,
+    add_gemini_routes,
+    no_route,  # noqa: F401  (add_gemini_routes reads the handlers off this module)
     rfc3339,
 )
 from prefixgate.gateway.api.gemini_models import (
@@ -723,14 +725,5 @@ async def delete_cache(request: web.Request) -> web.Response:
 
 
 def add_routes(app: web.Application, expect_handler: Any) -> None:
-    """Gemini's proxy-mode routes on ``app``."""
-    r = app.router
-    r.add_get("/v1beta/models", list_models, expect_handler=expect_handler)
-    r.add_get("/v1beta/models/{target}", get_model, expect_handler=expect_handler)
-    r.add_post("/v1beta/models/{target}", model_method, expect_handler=expect_handler)
-    r.add_post("/v1beta/cachedContents", create_cache, expect_handler=expect_handler)
-    r.add_get("/v1beta/cachedContents", list_caches, expect_handler=expect_handler)
-    r.add_get("/v1beta/cachedContents/{cache_id}", get_cache, expect_handler=expect_handler)
-    r.add_patch("/v1beta/cachedContents/{cache_id}", update_cache, expect_handler=expect_handler)
-    r.add_delete("/v1beta/cachedContents/{cache_id}", delete_cache, expect_handler=expect_handler)
-    r.add_route("*", "/v1beta/{tail:.*}", no_route, expect_handler=expect_handler)
+    """Gemini's proxy-mode routes on ``app`` (the table both modes share)."""
+    add_gemini_routes(app, sys.modules[__name__], expect_handler)
