@@ -104,14 +104,13 @@ def check_model_path(model: str | None) -> None:
 
 
 def check_before_imports(args: Any) -> None:
-    """Every check above on the parsed ``serve`` flags; the first failure is raised.
+    """The keys file and the model path of the parsed ``serve`` flags; the first failure is
+    raised. The port is checked by the caller once every flag's value is (``check_port_free``).
 
     Raises:
         ValueError: one line naming the flag and what is wrong with its value.
-        CannotListenError: the server could not bind ``--host`` / ``--port``.
     """
     if args.keys_file:
         check_keys_file(args.keys_file)
     if not args.upstreams and not args.config:
         check_model_path(args.model)
-    check_port_free(args.host, args.port)

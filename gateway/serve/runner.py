@@ -25,6 +25,7 @@ from typing import Any
 
 from prefixgate.gateway.proxy.config import ProxyConfig, load_config
 from prefixgate.gateway.proxy.serving import PROXY
+from prefixgate.gateway.proxy.upstream import normalize_url
 from prefixgate.gateway.serve.args import add_serve_arguments, parse_bytes
 from prefixgate.gateway.serve.configure import (
     default_model_name,
@@ -34,7 +35,11 @@ from prefixgate.gateway.serve.configure import (
     load_chat_template,
     settings_from_args,
 )
-from prefixgate.gateway.serve.early_checks import CannotListenError, check_before_imports
+from prefixgate.gateway.serve.early_checks import (
+    CannotListenError,
+    check_before_imports,
+    check_port_free,
+)
 from prefixgate.gateway.settings import GatewaySettings
 
 __all__ = [
@@ -75,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        check_before_imports(args)  # port, keys file, model path: before torch is imported
+        check_before_imports(args)  # keys file, model path: before torch is imported
         settings = settings_from_args(args)
         upstreams: list[str] | ProxyConfig = args.upstreams
         if args.config:
@@ -88,6 +93,11 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--chat-template applies to a local model, not to --upstream")
         if args.stats_interval_s < 0:
             raise ValueError(f"--stats-interval-s must be >= 0, got {args.stats_interval_s}")
+        # every flag's value is checked above (a bad one is exit 2 even when the port is
+        # taken); the port next, still before the engine's imports
+        for url in args.upstreams or ():
+            normalize_url(url)  # a malformed --upstream is a bad option (exit 2)
+        check_port_free(args.host, args.port)
         if config is not None:
             preflight(config)
         if config is not None and args.keys_file:

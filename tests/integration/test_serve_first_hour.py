@@ -19,8 +19,10 @@ pytest.importorskip("prefixgate.engine.async_engine")
 
 
 def _serve(*flags: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    # any free port unless a test names one: these refusals must not hinge on 8000 being free
+    port = () if "--port" in flags else ("--port", "0")
     return subprocess.run(
-        [*SERVE, *flags],
+        [*SERVE, *flags, *port],
         capture_output=True,
         text=True,
         timeout=timeout,
