@@ -133,7 +133,7 @@ def preflight(config: Any) -> None:
     if model is not None and not os.path.isdir(os.path.expanduser(model)) and model not in PRESETS:
         return
     mc = ModelConfig.from_engine_config(config)
-    if config.runner != "pooling":
+    if config.runner == "generate":
         # The model's skeleton on the meta device (no memory): its first build imports much
         # of torch (torch._dynamo, 7 s on a loaded 2-core machine), which in the loading
         # thread held the interpreter from the event loop (/health waited up to 1 s).
