@@ -528,7 +528,8 @@ class Fleet:
 def one_replica_hit_rate(requests: list[SimRequest], block_size: int) -> float | None:
     """The hit rate of one replica holding every block ever computed (no eviction), over
     ``requests`` in the order they were admitted: prompt tokens a request would find cached
-    (its reusable leading blocks seen before) over all prompt tokens. None when empty."""
+    (its reusable leading blocks computed before, by a prompt or an answer: a session's next
+    turn holds the last answer) over all prompt tokens. None when empty."""
     seen: set[int] = set()
     hit = total = 0
     for req in sorted(requests, key=lambda r: (r.t_admitted or 0.0, r.rid)):
@@ -539,7 +540,8 @@ def one_replica_hit_rate(requests: list[SimRequest], block_size: int) -> float |
             n += 1
         hit += n * block_size
         total += len(req.prompt)
-        seen.update(keys)
+        # the KV computed: the prompt and every output token but the last
+        seen.update(prompt_block_hashes(req.prompt + req.output[:-1], block_size, None))
     return hit / total if total else None
 
 
