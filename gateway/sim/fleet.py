@@ -39,6 +39,7 @@ from prefixgate.engine.sim_runner import VirtualClock
 from prefixgate.gateway.http.errors import APIError
 from prefixgate.gateway.proxy.kv_index import KVIndex
 from prefixgate.gateway.proxy.policies import POLICIES, make_policy
+from prefixgate.gateway.proxy.policies.precise import Precise
 from prefixgate.gateway.proxy.precise_routing import PreciseRoute, PreciseRouting
 from prefixgate.gateway.sim.workload import Workload, WorkloadConfig
 from prefixgate.gateway.tenancy.admission import AdmissionConfig, AdmissionController
@@ -187,7 +188,7 @@ class SimGateway:
         self.policy: Any = make_policy(routing)
         self.upstreams = [SimUpstream(i) for i in range(replicas)]
         self.exact: PreciseRouting | None = None
-        if routing == "precise":
+        if isinstance(self.policy, Precise):
             feeds = {u.url: (f"inproc://sim-{u.index}", None) for u in self.upstreams}
             kv = KVIndex({u.url: f"inproc://sim-{u.index}" for u in self.upstreams}, start=False)
             self.exact = PreciseRouting(None, feeds, index=kv)
@@ -233,9 +234,9 @@ class Replica:
             AdmissionConfig(max_queued_requests=config.max_queued_requests),
             concurrency=config.max_num_seqs,
         )
-        self.admission.wait = EngineWait(
-            self.engine, config.max_num_seqs, config.max_num_batched_tokens
-        )
+        # EngineWait reads only stats() and predict_ttft(), which LLMEngine has as well
+        engine: Any = self.engine
+        self.admission.wait = EngineWait(engine, config.max_num_seqs, config.max_num_batched_tokens)
         self.requests: dict[str, SimRequest] = {}
         self.stepping = False
         self.busy_s = 0.0
@@ -254,7 +255,7 @@ class Replica:
             if batch is None:
                 load = self.collector.take_load()
                 continue
-            seq = item.seq
+            seq = int(getattr(item, "seq", seq))
             for kind, entries in batch:
                 if kind == "stored":
                     events.append(
