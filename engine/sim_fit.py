@@ -38,25 +38,39 @@ def workloads(max_len: int) -> list[tuple[int, int, int]]:
 
 
 def collect(
-    engine: Any, repeats: int = 2, clock: Any = time.thread_time
+    engine: Any, repeats: int = 2, clock: Any = time.thread_time, whole_step: bool = False
 ) -> list[tuple[int, int, int, float]]:
     """Run the workloads on ``engine`` (an ``LLMEngine``) and return one ``(prefill_tokens,
-    decode_rows, context_tokens, seconds)`` per timed runner call. ``clock``: the thread's CPU
-    time by default (with one torch thread, the step's work without the waits a shared
-    machine adds), or ``time.perf_counter`` (wall time)."""
+    decode_rows, context_tokens, seconds)`` per timed step. ``clock``: the thread's CPU time
+    by default (with one torch thread, the step's work without the waits a shared machine
+    adds), or ``time.perf_counter`` (wall time). ``whole_step``: time all of
+    ``LLMEngine.step`` (the scheduler's host work too: the profile for a virtual clock, on
+    which the simulated engine's host work is free) rather than the runner call alone (the
+    profile for ``serve --runner sim``, whose scheduler runs for real)."""
     from prefixgate.engine.sampling_params import SamplingParams
     from prefixgate.engine.sim_runner import SimRunner
 
     rows: list[tuple[int, int, int, float]] = []
     runner = engine.runner
     execute = runner.execute
+    shapes: list[Any] = []
 
     def timed(sched_out: Any) -> Any:
-        shape = SimRunner.shape(sched_out.scheduled)
+        shapes.append(SimRunner.shape(sched_out.scheduled))
         t0 = clock()
         out = execute(sched_out)
-        rows.append((shape.prefill_tokens, shape.decode_rows, shape.context_tokens, clock() - t0))
+        if not whole_step:
+            s = shapes.pop()
+            rows.append((s.prefill_tokens, s.decode_rows, s.context_tokens, clock() - t0))
         return out
+
+    def step() -> None:
+        t0 = clock()
+        engine.step()
+        if whole_step and shapes:
+            s = shapes.pop()
+            rows.append((s.prefill_tokens, s.decode_rows, s.context_tokens, clock() - t0))
+        shapes.clear()
 
     runner.execute = timed
     vocab = engine.model_config.vocab_size
@@ -73,7 +87,7 @@ def collect(
                         f"fit-{n}", ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True)
                     )
                 while engine.has_unfinished_requests():
-                    engine.step()
+                    step()
     finally:
         runner.execute = execute
     return rows
@@ -138,6 +152,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
     parser.add_argument("--repeats", type=int, default=2, help="timed passes (default: 2)")
     parser.add_argument("--out", default=None, help="write the profile JSON here")
+    parser.add_argument(
+        "--wall", action="store_true", help="time wall clock, not the thread's CPU time"
+    )
+    parser.add_argument(
+        "--whole-step",
+        action="store_true",
+        help="time all of LLMEngine.step (scheduler included): for prefixgate sim's virtual "
+        "clock; default: the runner call alone, for serve --runner sim",
+    )
     args = parser.parse_args(argv)
 
     from prefixgate.engine.config import EngineConfig
@@ -146,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
 
     config = EngineConfig(model=args.model, threads=args.threads, device="cpu")
     engine = LLMEngine(config)
-    rows = collect(engine, args.repeats)
+    clock = time.perf_counter if args.wall else time.thread_time
+    rows = collect(engine, args.repeats, clock, args.whole_step)
     coef, quality = fit(rows)
     model = (args.model or "tiny-random").rstrip("/").split("/")[-1]
     profile = CostProfile(
@@ -158,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         num_kv_blocks=engine.num_kv_blocks,
         block_size=config.block_size,
         source=f"fitted by prefixgate.engine.sim_fit on {model}, {args.threads} thread(s), "
-        f"{quality['steps']} steps, median relative error {quality['median_rel_error']:.3f}",
+        f"{'wall' if args.wall else 'CPU'} time, {'whole step' if args.whole_step else 'runner'}"
+        f", {quality['steps']} steps, median relative error {quality['median_rel_error']:.3f}",
     )
     doc = profile.to_json()
     print(json.dumps({"profile": doc, "fit": quality}, indent=2))
