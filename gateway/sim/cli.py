@@ -98,6 +98,13 @@ def run(args: argparse.Namespace) -> int:
         if not args.load > 0 or not args.duration_s > 0:
             raise ValueError("--load and --duration-s must be > 0")
         fc.engine_config(args.seed)  # the engine's own checks, before any work
+        if args.plot:
+            try:
+                import matplotlib  # noqa: F401
+            except ImportError:
+                raise ValueError(
+                    "--plot needs matplotlib: pip install 'prefixgate[bench]'"
+                ) from None
     except (ValueError, TypeError) as exc:
         print(f"prefixgate sim: bad option: {exc}", file=sys.stderr)
         return 2
