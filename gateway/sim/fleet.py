@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefixgate.engine.block_hash import block_key_bytes, num_reusable_blocks, prompt_block_hashes
+from prefixgate.engine.block_hash import block_key_bytes, num_reusable_blocks
 from prefixgate.engine.config import EngineConfig
 from prefixgate.engine.kv_events import KVEventCollector, ParsedEvent
 from prefixgate.engine.llm_engine import LLMEngine
@@ -531,18 +531,26 @@ def one_replica_hit_rate(requests: list[SimRequest], block_size: int) -> float |
     ``requests`` in the order they were admitted: prompt tokens a request would find cached
     (its reusable leading blocks computed before, by a prompt or an answer: a session's next
     turn holds the last answer) over all prompt tokens. None when empty."""
-    seen: set[int] = set()
+    # a tree of token blocks: the same matches as the engine's hash chain (exact tokens)
+    root: dict[tuple[int, ...], Any] = {}
     hit = total = 0
+    bs = block_size
     for req in sorted(requests, key=lambda r: (r.t_admitted or 0.0, r.rid)):
-        keys = prompt_block_hashes(req.prompt, block_size, None)
-        usable = num_reusable_blocks(len(req.prompt), block_size)
-        n = 0
-        while n < usable and keys[n] in seen:
-            n += 1
-        hit += n * block_size
-        total += len(req.prompt)
+        prompt = req.prompt
+        usable = num_reusable_blocks(len(prompt), bs)
+        node, n = root, 0
+        while n < usable:
+            child = node.get(tuple(prompt[n * bs : (n + 1) * bs]))
+            if child is None:
+                break
+            node, n = child, n + 1
+        hit += n * bs
+        total += len(prompt)
         # the KV computed: the prompt and every output token but the last
-        seen.update(prompt_block_hashes(req.prompt + req.output[:-1], block_size, None))
+        seq = prompt + req.output[:-1]
+        node = root
+        for i in range(len(seq) // bs):
+            node = node.setdefault(tuple(seq[i * bs : (i + 1) * bs]), {})
     return hit / total if total else None
 
 
