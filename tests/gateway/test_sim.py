@@ -154,3 +154,12 @@ def test_bad_options_are_one_line_and_exit_2(capsys):
     assert main(["sim", "--replicas", "0"]) == 2
     assert "bad option" in capsys.readouterr().err
     assert main(["sim", "--profile", "no-such-gpu"]) == 2
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    from prefixgate.gateway.sim.report import plot
+
+    fleet = Fleet(FleetConfig(replicas=2, gateways=1, kv_blocks=300), _wc(), 4.0, 3.0, 0).run()
+    plot(fleet, str(tmp_path / "sim.png"))
+    assert (tmp_path / "sim.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
