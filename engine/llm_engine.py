@@ -107,12 +107,16 @@ class LLMEngine:
         self.runner: Any
         if config.runner == "sim":  # no model, no KV tensors: modelled step times
             num_blocks = _sim_num_blocks(config, spec, self.device)
+            self.num_kv_blocks = num_blocks
+            self._fit_max_model_len(num_blocks * config.block_size)
             self.runner = _sim_runner(config, mc.vocab_size, sim_clock)
         else:
             model = load_model(mc, config)
             num_blocks = resolve_num_blocks(
                 spec, config.num_kv_blocks, config.kv_cache_memory, self.device
             )
+            self.num_kv_blocks = num_blocks
+            self._fit_max_model_len(num_blocks * config.block_size)
             kv_caches = allocate_kv_caches(spec, num_blocks, self.device)
             self.runner = ModelRunner(
                 model,
@@ -122,10 +126,10 @@ class LLMEngine:
                 config.block_size,
                 self.device,
                 structured_output=self.structured_output,
-                cuda_graphs=_decode_graphs(config, model, kv_caches, mc.max_model_len, self.device),
+                cuda_graphs=_decode_graphs(
+                    config, model, kv_caches, self.max_model_len, self.device
+                ),
             )
-        self.num_kv_blocks = num_blocks
-        self._fit_max_model_len(num_blocks * config.block_size)
         self.kv_cache_manager = KVCacheManager.from_config(config, num_blocks)
         self.scheduler = Scheduler(config, self.kv_cache_manager, self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer, IncrementalDetokenizer)
