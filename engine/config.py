@@ -80,7 +80,13 @@ class EngineConfig:
             CUDA with the Triton attention backend only, else ValueError at start-up).
         runner: ``"generate"`` (text generation) or ``"pooling"`` (an embedding model:
             ``engine.pooling.PoolingEngine``, served on ``/v1/embeddings``), as vLLM's
-            ``--runner``.
+            ``--runner``; or ``"sim"``: the real scheduler and KV cache over a runner that
+            computes no model, each step taking the time of a cost model
+            (``engine/sim_runner.py``, ``docs/sim.md``).
+        sim_profile: under ``runner="sim"``, the step cost profile: a name of
+            ``cost_model.PROFILES`` or a profile JSON file written by ``engine.sim_fit``.
+        sim_eos_probability: under ``runner="sim"``, the chance (0 to 1) of EOS at each output
+            position past ``min_tokens``; 0: every request runs to ``max_tokens``.
         pooling_type: how the pooling runner turns a sequence's final hidden states into one
             vector: ``"last"`` (last token) or ``"mean"``; the vector is L2-normalized.
         speculative_method: ``None`` (off) or ``"ngram"``: prompt-lookup speculative decoding
@@ -119,7 +125,9 @@ class EngineConfig:
     hf_overrides: dict = field(default_factory=dict)
     quantization: Literal["int8"] | None = None
     cuda_graphs: bool = False
-    runner: Literal["generate", "pooling"] = "generate"
+    runner: Literal["generate", "pooling", "sim"] = "generate"
+    sim_profile: str = "h100-llama3-8b"
+    sim_eos_probability: float = 0.0
     pooling_type: Literal["last", "mean"] = "last"
     kv_events: str | None = None
     kv_events_replay: str | None = None
@@ -215,8 +223,15 @@ class EngineConfig:
             raise ValueError(
                 f"max_pinned_fraction must be in [0, 1], got {self.max_pinned_fraction}"
             )
-        if self.runner not in ("generate", "pooling"):
-            raise ValueError(f"runner must be 'generate' or 'pooling', got {self.runner!r}")
+        if self.runner not in ("generate", "pooling", "sim"):
+            raise ValueError(f"runner must be 'generate', 'pooling' or 'sim', got {self.runner!r}")
+        if not isinstance(self.sim_profile, str) or not self.sim_profile:
+            raise TypeError(f"sim_profile must be a non-empty str, got {self.sim_profile!r}")
+        p = self.sim_eos_probability
+        if isinstance(p, bool) or not isinstance(p, int | float):
+            raise TypeError(f"sim_eos_probability must be a number, got {p!r}")
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"sim_eos_probability must be in [0, 1], got {p}")
         if self.pooling_type not in ("last", "mean"):
             raise ValueError(f"pooling_type must be 'last' or 'mean', got {self.pooling_type!r}")
         if self.quantization not in (None, "int8"):
@@ -275,7 +290,15 @@ class EngineConfig:
             raise ValueError(
                 f"spec_min_acceptance must be in [0, 1], got {self.spec_min_acceptance}"
             )
-        if self.speculative_method is not None and self.runner == "pooling":
+        if self.speculative_method is not None and self.runner != "generate":
             raise ValueError("speculative_method needs runner='generate'")
+        if self.runner == "sim":
+            if self.quantization is not None or self.cuda_graphs:
+                raise ValueError(
+                    "runner='sim' runs no model: quantization and cuda_graphs do not apply"
+                )
+            from prefixgate.engine.cost_model import load_profile
+
+            load_profile(self.sim_profile)  # ValueError: unknown name or bad file
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")

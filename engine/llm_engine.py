@@ -84,12 +84,14 @@ class LLMEngine:
 
     Args:
         config: the ``EngineConfig``.
+        sim_clock: under ``runner="sim"``, the runner's clock (``sim_runner.VirtualClock`` for
+            ``prefixgate sim``); ``None``: wall time (steps sleep their modelled time).
 
     Raises:
         ValueError / FileNotFoundError: bad config or model files (from the model loader).
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, sim_clock: Any = None) -> None:
         self.config = config
         apply_threads(config.threads)  # once, before the model is built
         self.model_config = mc = ModelConfig.from_engine_config(config)
@@ -98,32 +100,41 @@ class LLMEngine:
         self.tokenizer = _load_tokenizer(mc)
         self.max_model_len: int = mc.max_model_len
         self.device = torch.device(mc.device)
-        model = load_model(mc, config)
         spec = KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size, mc.dtype)
-        num_blocks = resolve_num_blocks(
-            spec, config.num_kv_blocks, config.kv_cache_memory, self.device
-        )
-        self.num_kv_blocks = num_blocks
-        self._fit_max_model_len(num_blocks * config.block_size)
-        kv_caches = allocate_kv_caches(spec, num_blocks, self.device)
-        self.kv_cache_manager = KVCacheManager.from_config(config, num_blocks)
-        self.scheduler = Scheduler(config, self.kv_cache_manager, self.max_model_len)
         self.eos_token_ids: set[int] = set(mc.eos_token_ids) | set(
             getattr(self.tokenizer, "eos_token_ids", set()) or set()
         )
         self.structured_output = StructuredOutputManager(
             self.tokenizer, mc.vocab_size, sorted(self.eos_token_ids)
         )
-        self.runner = ModelRunner(
-            model,
-            kv_caches,
-            Sampler(config.seed, LogitsPipeline(self.structured_output)),
-            SamplingState,
-            config.block_size,
-            self.device,
-            structured_output=self.structured_output,
-            cuda_graphs=_decode_graphs(config, model, kv_caches, self.max_model_len, self.device),
-        )
+        self.runner: Any
+        if config.runner == "sim":  # no model, no KV tensors: modelled step times
+            num_blocks = _sim_num_blocks(config, spec, self.device)
+            self.num_kv_blocks = num_blocks
+            self._fit_max_model_len(num_blocks * config.block_size)
+            self.runner = _sim_runner(config, mc.vocab_size, sim_clock)
+        else:
+            model = load_model(mc, config)
+            num_blocks = resolve_num_blocks(
+                spec, config.num_kv_blocks, config.kv_cache_memory, self.device
+            )
+            self.num_kv_blocks = num_blocks
+            self._fit_max_model_len(num_blocks * config.block_size)
+            kv_caches = allocate_kv_caches(spec, num_blocks, self.device)
+            self.runner = ModelRunner(
+                model,
+                kv_caches,
+                Sampler(config.seed, LogitsPipeline(self.structured_output)),
+                SamplingState,
+                config.block_size,
+                self.device,
+                structured_output=self.structured_output,
+                cuda_graphs=_decode_graphs(
+                    config, model, kv_caches, self.max_model_len, self.device
+                ),
+            )
+        self.kv_cache_manager = KVCacheManager.from_config(config, num_blocks)
+        self.scheduler = Scheduler(config, self.kv_cache_manager, self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer, IncrementalDetokenizer)
         self.input_processor = InputProcessor(
             self.tokenizer, mc.vocab_size, self.max_model_len, self.structured_output
@@ -167,8 +178,12 @@ class LLMEngine:
 
     def prepare_request(self, request: EngineRequest) -> PreparedRequest:
         """Validate and tokenize a request without queuing it (safe from any thread); see
-        ``InputProcessor.prepare``."""
-        return self.input_processor.prepare(request)
+        ``InputProcessor.prepare``. Under ``runner="sim"`` the sampling fields that constrain
+        the tokens (which pseudo tokens ignore) are refused by name (ValueError)."""
+        prep = self.input_processor.prepare(request)
+        if self.config.runner == "sim":
+            _check_sim_params(prep.params)
+        return prep
 
     def add_request(
         self,
@@ -600,6 +615,51 @@ def _start_kv_events(config: EngineConfig, manager: KVCacheManager) -> Any:
     )
     manager.pool.events = collector
     return publisher
+
+
+SIM_REFUSED_FIELDS = (
+    "structured_outputs",
+    "logprobs",
+    "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
+)
+"""Sampling fields the simulated runner cannot honour (its tokens are pseudo tokens)."""
+
+
+def _check_sim_params(params: SamplingParams) -> None:
+    """Raise ValueError naming the first field of ``SIM_REFUSED_FIELDS`` that is set."""
+    for name in SIM_REFUSED_FIELDS:
+        if getattr(params, name, None) not in (None, [], {}):
+            raise ValueError(f"{name} is not supported by runner='sim' (it computes no model)")
+    if params.bad_words_token_ids:
+        raise ValueError("bad_words is not supported by runner='sim' (it computes no model)")
+
+
+def _sim_num_blocks(config: EngineConfig, spec: KVCacheSpec, device: torch.device) -> int:
+    """KV blocks of a simulated replica: ``num_kv_blocks`` when given, else the profile's
+    (rescaled to ``config.block_size``), else what ``kv_cache_memory`` (or the default
+    budget) holds for the model's shape."""
+    from prefixgate.engine.cost_model import load_profile
+
+    profile = load_profile(config.sim_profile)
+    if config.num_kv_blocks is None and profile.num_kv_blocks is not None:
+        if config.kv_cache_memory is None:
+            return max(1, profile.num_kv_blocks * profile.block_size // config.block_size)
+    return resolve_num_blocks(spec, config.num_kv_blocks, config.kv_cache_memory, device)
+
+
+def _sim_runner(config: EngineConfig, vocab_size: int, clock: Any) -> Any:
+    from prefixgate.engine.cost_model import load_profile
+    from prefixgate.engine.sim_runner import SimRunner
+
+    return SimRunner(
+        load_profile(config.sim_profile),
+        vocab_size,
+        seed=config.seed,
+        eos_probability=config.sim_eos_probability,
+        clock=clock,
+    )
 
 
 def _load_tokenizer(mc: Any) -> Any:

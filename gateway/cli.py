@@ -1,4 +1,5 @@
-"""``prefixgate`` command line: ``prefixgate serve ...`` and ``prefixgate bench ...``.
+"""``prefixgate`` command line: ``prefixgate serve ...``, ``prefixgate bench ...`` and
+``prefixgate sim ...`` (the fleet simulator, ``gateway/sim/``).
 
 Also ``python -m prefixgate.gateway.cli``. It lives in the gateway because its imports point
 down: ``serve`` is the gateway's, ``bench`` the SDK's (the gateway may import the SDK; the SDK
@@ -16,6 +17,7 @@ from importlib import metadata
 
 SERVE_HELP = "serve the OpenAI API (local engine or upstreams)"
 BENCH_HELP = "benchmark a server, or compare prefixgate with baselines"
+SIM_HELP = "simulate a fleet of gateways and replicas on a virtual clock"
 
 
 def version() -> str:
@@ -36,7 +38,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         description="prefixgate: serve the OpenAI API (prefixgate serve) or benchmark a server (prefixgate bench).",
     )
     parser.add_argument("--version", action="version", version=f"prefixgate {version()}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,bench}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,bench,sim}")
     if command == "serve":
         try:
             from prefixgate.gateway.serve.runner import add_serve_parser
@@ -54,6 +56,17 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         add_bench_parser(sub)
     else:
         sub.add_parser("bench", help=BENCH_HELP, add_help=False)
+    if command == "sim":
+        try:
+            from prefixgate.gateway.sim.cli import add_sim_parser
+        except ImportError as exc:
+            raise SystemExit(
+                f"prefixgate sim: the simulator needs the engine extra ({exc.name} is missing):"
+                " pip install -e '.[engine]'"
+            ) from None
+        add_sim_parser(sub)
+    else:
+        sub.add_parser("sim", help=SIM_HELP, add_help=False)
     return parser
 
 

@@ -25,6 +25,8 @@ ROOM_IMPORTS = {
     "local": {f"{GW}.settings", f"{GW}.state", f"{GW}.http", f"{GW}.tenancy"},
     "api": {f"{GW}.settings", f"{GW}.state", f"{GW}.http", f"{GW}.tenancy", f"{GW}.local"},
     "proxy": {f"{GW}.settings", f"{GW}.state", f"{GW}.http", f"{GW}.tenancy", f"{GW}.api"},
+    # the fleet simulator: admission and routing as they are, no server
+    "sim": {f"{GW}.http", f"{GW}.tenancy", f"{GW}.proxy"},
 }
 
 

@@ -387,6 +387,28 @@ class KVIndex:
                 }
             return {"replicas": per, **{k: total[k] for k in _COUNTERS}, "lag_s": lag}
 
+    def apply_local(
+        self, name: str, seq: int, events: Sequence[ParsedEvent], load: EngineLoad | None = None
+    ) -> None:
+        """Apply batch ``seq`` of replica ``name`` handed over in-process (``prefixgate sim``:
+        no sockets, no consumer thread), in order, and ``load`` (its latest load report, if
+        one came with it); the replica counts as synced from its first batch.
+
+        Raises:
+            KeyError: unknown replica.
+        """
+        with self._lock:
+            rep = self._replicas[name]
+            if events:
+                self._apply_events(rep, list(events))
+                rep.applied_seq = seq
+                rep.counters["batches_applied"] += 1
+            rep.has_state = True
+            rep.needs_sync = False
+            if load is not None:
+                rep.load, rep.load_at = load, time.monotonic()
+                rep.counters["load_reports"] += 1
+
     def request_sync(self, name: str) -> None:
         """Ask the consumer to catch ``name`` up now (a replay from its next batch).
 

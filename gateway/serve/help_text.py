@@ -106,8 +106,14 @@ ENGINE_HELP = {
     "weights in --dtype)",
     "cuda_graphs": "replay CUDA graphs of decode-only steps, captured per padded batch size "
     "(CUDA with the triton attention backend only) (default: off)",
-    "runner": "generate (text generation) or pooling (an embedding model served on "
-    "/v1/embeddings; chat and completions then answer 400)",
+    "runner": "generate (text generation), pooling (an embedding model served on "
+    "/v1/embeddings; chat and completions then answer 400) or sim (the real scheduler and KV "
+    "cache over no model: each step sleeps the time --sim-profile models; pseudo tokens; "
+    "docs/sim.md)",
+    "sim_profile": "--runner sim: the step cost profile, h100-llama3-8b, cpu-aidreams-260k or "
+    "a JSON file written by python -m prefixgate.engine.sim_fit",
+    "sim_eos_probability": "--runner sim: chance of EOS at each output position past "
+    "min_tokens (0: every request runs to max_tokens)",
     "pooling_type": "pooling runner: last (the last token's hidden state) or mean (mean over "
     "the tokens), L2-normalized",
     "attention_backend": "attention kernels: torch or triton (default: triton on CUDA, torch "

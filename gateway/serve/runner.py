@@ -148,7 +148,7 @@ def preflight(config: Any) -> None:
     if model is not None and not os.path.isdir(os.path.expanduser(model)) and model not in PRESETS:
         return
     mc = ModelConfig.from_engine_config(config)
-    if config.runner != "pooling":
+    if config.runner == "generate":
         # The model's skeleton on the meta device (no memory): its first build imports much
         # of torch (torch._dynamo: seconds), which in the loading thread held the
         # interpreter from the event loop (/health waited; docs/benchmarks/health-while-loading.md).

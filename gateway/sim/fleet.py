@@ -1,0 +1,589 @@
+"""``prefixgate sim``: G gateways x R replicas x T tenants on one virtual clock.
+
+The parts are the project's own, unchanged: each replica is an ``LLMEngine`` with
+``runner="sim"`` (the real scheduler, block pool, prefix cache and KV events; step times from
+the cost model) behind its own ``AdmissionController`` with ``EngineWait`` (TTFT budgets and
+Retry-After, as a local-mode gateway in front of the engine); each gateway holds a routing
+policy of ``proxy.policies`` (``precise`` with its ``PreciseRouting`` over a ``KVIndex`` fed by
+the replicas' KV events and load reports in-process, ``KVIndex.apply_local``). No sockets, no
+sleeping: a heap of timed events, and ``virtual_time`` points the ``time`` of those modules at
+the simulator's ``VirtualClock`` while it runs (single-threaded; put back afterwards).
+
+What a request does: it reaches a gateway (client-side round robin), is routed, reaches its
+replica's admission (a 429 sends it back to the client, who retries after ``Retry-After``,
+at most ``MAX_ATTEMPTS`` times, through a gateway again), is added to the engine, and its
+outputs come back at the end of each step that made one. A session's next turn is its
+prompt, the answer's tokens and a new user turn, after a think time. Network, tokenization and
+the gateways' own CPU time are not modelled (``docs/sim.md``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import importlib
+import itertools
+import math
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from prefixgate.engine.block_hash import block_key_bytes, num_reusable_blocks
+from prefixgate.engine.config import EngineConfig
+from prefixgate.engine.kv_events import KVEventCollector, ParsedEvent
+from prefixgate.engine.llm_engine import LLMEngine
+from prefixgate.engine.protocol import EngineRequest
+from prefixgate.engine.sampling_params import SamplingParams
+from prefixgate.engine.sim_runner import VirtualClock
+from prefixgate.gateway.http.errors import APIError
+from prefixgate.gateway.proxy.kv_index import KVIndex
+from prefixgate.gateway.proxy.policies import POLICIES, make_policy
+from prefixgate.gateway.proxy.policies.precise import Precise
+from prefixgate.gateway.proxy.precise_routing import PreciseRoute, PreciseRouting
+from prefixgate.gateway.sim.workload import Workload, WorkloadConfig
+from prefixgate.gateway.tenancy.admission import AdmissionConfig, AdmissionController
+from prefixgate.gateway.tenancy.admission_wait import EngineWait
+
+MAX_ATTEMPTS = 8
+"""A client's tries of one request (the first and seven retries after 429s)."""
+
+TIMED_MODULES = (
+    "prefixgate.engine.scheduler",
+    "prefixgate.engine.request",
+    "prefixgate.engine.kv_cache_manager",
+    "prefixgate.engine.llm_engine",
+    "prefixgate.engine.kv_events",
+    "prefixgate.gateway.tenancy.admission",
+    "prefixgate.gateway.tenancy.admission_wait",
+    "prefixgate.gateway.tenancy.slot_wait",
+    "prefixgate.gateway.proxy.kv_index",
+    "prefixgate.gateway.proxy.precise_routing",
+    "prefixgate.gateway.proxy.policies.cache_aware",
+)
+"""The modules whose ``time`` reads the virtual clock during a run (``virtual_time``)."""
+
+
+@contextlib.contextmanager
+def virtual_time(clock: VirtualClock) -> Iterator[None]:
+    """Point the ``time`` global of every ``TIMED_MODULES`` module at ``clock`` (it has
+    ``monotonic``, ``time``, ``perf_counter``, ``time_ns``), and put it back on exit."""
+    saved = []
+    for name in TIMED_MODULES:
+        mod = importlib.import_module(name)
+        saved.append((mod, mod.time))
+        mod.time = clock  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        for mod, original in saved:
+            mod.time = original  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True, slots=True)
+class FleetConfig:
+    """The fleet: replicas, gateways, routing, each replica's engine and admission.
+
+    Attributes:
+        replicas, gateways: how many of each (>= 1).
+        routing: a policy of ``proxy.policies.POLICIES``.
+        profile: the replicas' cost profile (``cost_model.PROFILES`` name or JSON file).
+        kv_blocks: KV blocks per replica (None: the profile's).
+        block_size: tokens per KV block.
+        max_num_seqs, max_num_batched_tokens: each engine's batch bounds.
+        scheduling_policy: each engine's (``fair``: per-tenant VTC).
+        max_queued_requests: each replica's admission queue bound.
+        max_model_len: each engine's context (tokens).
+    """
+
+    replicas: int = 4
+    gateways: int = 2
+    routing: str = "precise"
+    profile: str = "h100-llama3-8b"
+    kv_blocks: int | None = None
+    block_size: int = 16
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    scheduling_policy: str = "fair"
+    max_queued_requests: int = 256
+    max_model_len: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1 or self.gateways < 1:
+            raise ValueError("replicas and gateways must be >= 1")
+        if self.routing not in POLICIES:
+            raise ValueError(f"routing must be one of {', '.join(POLICIES)}, got {self.routing!r}")
+
+    def engine_config(self, seed: int) -> EngineConfig:
+        """Each replica's engine (``max_model_len`` within ``kv_blocks`` when given)."""
+        max_len = self.max_model_len
+        if self.kv_blocks is not None:
+            max_len = min(max_len, self.kv_blocks * self.block_size)
+        return EngineConfig(
+            runner="sim",
+            sim_profile=self.profile,
+            num_kv_blocks=self.kv_blocks,
+            block_size=self.block_size,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            scheduling_policy=self.scheduling_policy,  # type: ignore[arg-type]
+            max_model_len=max_len,
+            hf_overrides={"max_position_embeddings": max_len},
+            seed=seed,
+            kv_events_load_interval_s=0.1,
+        )
+
+
+@dataclass(slots=True, eq=False)
+class SimRequest:
+    """One client request through its tries (times in virtual seconds)."""
+
+    rid: str
+    tenant: str
+    session: int
+    turn: int
+    turns: int
+    prompt: list[int]
+    max_tokens: int
+    budget_s: float | None
+    arrival: float
+    gateway: int = 0
+    attempts: int = 0
+    t_try: float = 0.0  # the current try's arrival
+    refusals: list[tuple[float, float]] = field(default_factory=list)  # (when, Retry-After)
+    t_admitted: float | None = None
+    t_first: float | None = None
+    t_done: float | None = None
+    num_cached: int = 0
+    replica: int = -1
+    output: list[int] = field(default_factory=list)
+    route: Any = None
+    ticket: Any = None
+    upstream: Any = None
+    gw: Any = None  # the gateway of the current try
+    dropped: bool = False
+
+
+class SimUpstream:
+    """What a gateway's policy sees of a replica (``policies.base.Candidate``)."""
+
+    __slots__ = ("url", "seed", "in_flight", "weight", "cache_misses", "cache_salt", "index")
+
+    def __init__(self, index: int) -> None:
+        self.url = f"http://replica-{index}"
+        self.seed = zlib.crc32(self.url.encode())
+        self.in_flight = 0
+        self.weight = 1.0
+        self.cache_misses = 0
+        self.cache_salt: bool | None = True
+        self.index = index
+
+
+class SimGateway:
+    """A proxy gateway: its own policy object and upstream views (and, for ``precise``, its
+    own ``KVIndex`` following every replica)."""
+
+    def __init__(self, index: int, routing: str, replicas: int) -> None:
+        self.index = index
+        self.policy: Any = make_policy(routing)
+        self.upstreams = [SimUpstream(i) for i in range(replicas)]
+        self.exact: PreciseRouting | None = None
+        if isinstance(self.policy, Precise):
+            feeds = {u.url: (f"inproc://sim-{u.index}", None) for u in self.upstreams}
+            kv = KVIndex({u.url: f"inproc://sim-{u.index}" for u in self.upstreams}, start=False)
+            self.exact = PreciseRouting(None, feeds, index=kv)
+            self.policy.exact = self.exact
+
+    def route(self, req: SimRequest) -> tuple[Any, SimUpstream]:
+        body = {"prompt": req.prompt}
+        route = self.policy.route(body, None, None)
+        if self.exact is not None:
+            precise = PreciseRoute(route.key, route.blocks, route.model)
+            precise.token_ids = req.prompt
+            if req.turns > 1:
+                precise.session = (None, f"user:s{req.session}")
+            route = precise
+        up = self.policy.pick(route, self.upstreams)
+        up.in_flight += 1
+        return route, up
+
+    def finish(self, req: SimRequest, cached: int | None) -> None:
+        up = req.upstream
+        if up is None:
+            return
+        up.in_flight -= 1
+        if cached is not None:
+            self.policy.learn(up, req.route, cached, len(req.prompt))
+        if self.exact is not None:
+            self.exact.release(req.route)
+        req.upstream = None
+
+
+class Replica:
+    """One simulated engine behind its admission controller."""
+
+    def __init__(self, index: int, config: FleetConfig, clock: VirtualClock, seed: int) -> None:
+        self.index = index
+        self.engine = LLMEngine(config.engine_config(seed + index), sim_clock=clock)
+        self.collector = KVEventCollector(config.block_size, 1 << 30, first_seq=0)
+        self.engine.kv_cache_manager.pool.events = self.collector
+        self.engine.kv_events = _Feed(self.collector)
+        # no text: the simulator reads token ids only (detokenizing is not modelled)
+        self.engine.output_processor.detokenizer_cls = _no_detokenizer
+        self.admission = AdmissionController(
+            AdmissionConfig(max_queued_requests=config.max_queued_requests),
+            concurrency=config.max_num_seqs,
+        )
+        # EngineWait reads only stats() and predict_ttft(), which LLMEngine has as well
+        engine: Any = self.engine
+        self.admission.wait = EngineWait(engine, config.max_num_seqs, config.max_num_batched_tokens)
+        self.requests: dict[str, SimRequest] = {}
+        self.stepping = False
+        self.busy_s = 0.0
+        self.served = 0
+        self.generation = 0  # bumps when a planned step is superseded
+
+    def drain_events(self) -> tuple[int, list[ParsedEvent], Any]:
+        """The KV events and the latest load report the last flushes produced."""
+        events: list[ParsedEvent] = []
+        seq = -1
+        load = None
+        q = self.collector.queue
+        while not q.empty():
+            item = q.get_nowait()
+            batch = getattr(item, "events", None)
+            if batch is None:
+                load = self.collector.take_load()
+                continue
+            seq = int(getattr(item, "seq", seq))
+            for kind, entries in batch:
+                if kind == "stored":
+                    events.append(
+                        ParsedEvent(
+                            "stored",
+                            tuple(block_key_bytes(c.key) for c in entries),
+                            None,
+                            self.collector.block_size,
+                        )
+                    )
+                elif kind == "removed":
+                    events.append(
+                        ParsedEvent("removed", tuple(block_key_bytes(c.key) for c in entries))
+                    )
+                else:
+                    events.append(ParsedEvent("cleared"))
+        return seq, events, load
+
+
+def _no_detokenizer(*_: Any) -> None:
+    return None
+
+
+class _Feed:
+    """Stands where ``LLMEngine.kv_events`` (the ZeroMQ publisher) does: the collector only;
+    the simulator takes its batches and load reports in-process."""
+
+    def __init__(self, collector: KVEventCollector) -> None:
+        self.collector = collector
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        return None
+
+
+class Fleet:
+    """The simulator: replicas, gateways, a workload, an event heap on a virtual clock.
+
+    Args:
+        config: the fleet.
+        workload: the workload's shape.
+        rate: base requests per second.
+        duration_s: seconds of arrivals; the run goes on until every request is answered
+            (or ``drain_s`` more seconds have passed).
+        seed: the run's seed.
+        only_tenants: keep only these tenants' sessions (the light tenant's solo run).
+        drain_s: seconds after ``duration_s`` the run may go on to answer what is in flight.
+        clients: instead of the workload's arrivals, this many closed-loop clients, each
+            sending a new one-turn session of a Zipf-drawn tenant as soon as its last is
+            answered (``saturated_rate``).
+    """
+
+    def __init__(
+        self,
+        config: FleetConfig,
+        workload: WorkloadConfig,
+        rate: float,
+        duration_s: float,
+        seed: int = 0,
+        only_tenants: set[str] | None = None,
+        drain_s: float = 120.0,
+        clients: int = 0,
+    ) -> None:
+        self.config = config
+        self.workload = Workload(workload, rate, duration_s, seed)
+        self.duration_s = duration_s
+        self.drain_s = drain_s
+        self.seed = seed
+        self.only_tenants = only_tenants
+        self.clients = clients
+        self._next_session = itertools.count(10_000_000)
+        self.clock = VirtualClock()
+        self._heap: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
+        self._seq = itertools.count()
+        self.done: list[SimRequest] = []
+        self.refused: list[SimRequest] = []  # gave up after MAX_ATTEMPTS
+        self.replicas: list[Replica] = []
+        self.gateways: list[SimGateway] = []
+        self._system: dict[str, list[int]] = {}
+        self.steps = 0
+
+    # ---- the event heap -------------------------------------------------------------------
+    def at(self, t: float, fn: Callable[..., None], *args: Any) -> None:
+        heapq.heappush(self._heap, (t, next(self._seq), fn, args))
+
+    def run(self) -> Fleet:
+        """Run the whole simulation (arrivals, then the drain)."""
+        with virtual_time(self.clock):
+            cfg = self.config
+            self.replicas = [Replica(i, cfg, self.clock, self.seed) for i in range(cfg.replicas)]
+            self.gateways = [SimGateway(g, cfg.routing, cfg.replicas) for g in range(cfg.gateways)]
+            for g in self.gateways:  # every index synced (empty) from the start
+                if g.exact is not None:
+                    for u in g.upstreams:
+                        g.exact.index.apply_local(u.url, -1, [])
+            if self.clients:
+                for _ in range(self.clients):
+                    self.at(0.0, self._client_next)
+            else:
+                for s in self.workload.starts():
+                    if self.only_tenants is None or s.tenant in self.only_tenants:
+                        self.at(s.t, self._start_session, s.tenant, s.session, s.turns)
+            end = self.duration_s + self.drain_s
+            heap = self._heap
+            while heap:
+                t, _, fn, args = heapq.heappop(heap)
+                if t > end:
+                    break
+                self.clock.t = t
+                fn(*args)
+        return self
+
+    # ---- clients ----------------------------------------------------------------------------
+    def _system_prompt(self, tenant: str) -> list[int]:
+        got = self._system.get(tenant)
+        if got is None:
+            got = self._system[tenant] = self.workload.system_prompt(tenant)
+        return got
+
+    def _client_next(self) -> None:
+        if self.clock.t >= self.duration_s:
+            return
+        session = next(self._next_session)
+        self._start_session(self.workload.tenant_for(session), session, 1)
+
+    def _start_session(self, tenant: str, session: int, turns: int) -> None:
+        self._send_turn(tenant, session, 0, turns, self._system_prompt(tenant))
+
+    def _send_turn(
+        self, tenant: str, session: int, turn: int, turns: int, history: list[int]
+    ) -> None:
+        user, max_tokens = self.workload.turn(session, turn)
+        prompt = history + user
+        budget = self.workload.config.ttft_budget_s or None
+        req = SimRequest(
+            f"s{session}-{turn}",
+            tenant,
+            session,
+            turn,
+            turns,
+            prompt,
+            max_tokens,
+            budget,
+            self.clock.t,
+        )
+        req.gateway = self.workload.gateway_of(session, turn, self.config.gateways)
+        self._try(req)
+
+    def _try(self, req: SimRequest) -> None:
+        now = self.clock.t
+        req.attempts += 1
+        req.t_try = now
+        # a retry goes to the client's next gateway (its round robin)
+        gw = self.gateways[(req.gateway + req.attempts - 1) % len(self.gateways)]
+        route, up = gw.route(req)
+        req.route, req.upstream = route, up
+        rep = self.replicas[up.index]
+        try:
+            ticket = rep.admission.admit(
+                len(req.prompt),
+                tenant=req.tenant,
+                fingerprint=(req.tenant, req.rid),
+                budget_s=req.budget_s,
+            )
+        except APIError as exc:
+            gw.finish(req, None)
+            ra = float(exc.retry_after or 1.0)
+            req.refusals.append((now, ra))
+            if req.attempts >= MAX_ATTEMPTS:
+                req.dropped = True
+                self.refused.append(req)
+                if self.clients:
+                    self.at(now, self._client_next)
+                return
+            self.at(now + ra, self._try, req)
+            return
+        req.ticket = ticket
+        req.t_admitted = now
+        req.replica = rep.index
+        req.output = []
+        er = EngineRequest(
+            req.rid,
+            req.prompt,
+            SamplingParams(max_tokens=req.max_tokens, ignore_eos=True, temperature=0.0),
+            None,
+            tenant=req.tenant,
+        )
+        rep.requests[req.rid] = req
+        rep.engine.add_request(er)
+        req.gw = gw
+        if not rep.stepping:
+            rep.generation += 1
+            self._step(rep, rep.generation)
+
+    # ---- replicas ---------------------------------------------------------------------------
+    def _step(self, rep: Replica, generation: int) -> None:
+        if generation != rep.generation:
+            return
+        eng = rep.engine
+        if not eng.has_unfinished_requests():
+            rep.stepping = False
+            return
+        deadline = eng.anticipation_deadline()
+        now = self.clock.t
+        if deadline is not None and deadline > now:
+            rep.stepping = False  # waiting: an arrival steps at once (a new generation)
+            self.at(deadline, self._step, rep, generation)
+            return
+        rep.stepping = True
+        outputs = eng.step()
+        self.steps += 1
+        end = self.clock.t
+        self.clock.t = now
+        if end <= now:  # nothing ran (nothing schedulable): look again a little later
+            end = now + 1e-3
+        rep.busy_s += end - now
+        self.at(end, self._deliver, rep, outputs, generation)
+
+    def _deliver(self, rep: Replica, outputs: list[Any], generation: int) -> None:
+        now = self.clock.t
+        seq, events, load = rep.drain_events()
+        if events or load is not None:
+            for g in self.gateways:
+                if g.exact is not None:
+                    g.exact.index.apply_local(f"http://replica-{rep.index}", seq, events, load)
+        for out in outputs:
+            req = rep.requests.get(out.request_id)
+            if req is None:
+                continue
+            new = out.outputs[0].delta_token_ids
+            if new and req.t_first is None:
+                req.t_first = now
+                req.num_cached = out.num_cached_tokens
+                req.ticket.started()
+                gw = req.gw
+                if gw.exact is not None:
+                    gw.exact.started(req.route)
+            req.output.extend(new)
+            if out.finished:
+                req.t_done = now
+                req.ticket.done()
+                req.gw.finish(req, out.num_cached_tokens)
+                del rep.requests[req.rid]
+                rep.served += 1
+                self.done.append(req)
+                if self.clients:
+                    self.at(now, self._client_next)
+                if req.turn + 1 < req.turns:
+                    history = req.prompt + req.output
+                    user_next = self.workload.config.user_tokens * 3 // 2
+                    if len(history) + user_next + req.max_tokens * 2 < min(
+                        self.workload.config.max_prompt_tokens, self.config.max_model_len
+                    ):
+                        think = self.workload.think_s(req.session, req.turn + 1)
+                        self.at(
+                            now + think,
+                            self._send_turn,
+                            req.tenant,
+                            req.session,
+                            req.turn + 1,
+                            req.turns,
+                            history,
+                        )
+        rep.stepping = False
+        if generation == rep.generation:
+            self._step(rep, generation)
+
+
+def one_replica_hit_rate(requests: list[SimRequest], block_size: int) -> float | None:
+    """The hit rate of one replica holding every block ever computed (no eviction), over
+    ``requests`` in the order they were admitted: prompt tokens a request would find cached
+    (its reusable leading blocks computed before, by a prompt or an answer: a session's next
+    turn holds the last answer) over all prompt tokens. None when empty."""
+    # a tree of token blocks: the same matches as the engine's hash chain (exact tokens)
+    root: dict[tuple[int, ...], Any] = {}
+    hit = total = 0
+    bs = block_size
+    for req in sorted(requests, key=lambda r: (r.t_admitted or 0.0, r.rid)):
+        prompt = req.prompt
+        usable = num_reusable_blocks(len(prompt), bs)
+        node, n = root, 0
+        while n < usable:
+            child = node.get(tuple(prompt[n * bs : (n + 1) * bs]))
+            if child is None:
+                break
+            node, n = child, n + 1
+        hit += n * bs
+        total += len(prompt)
+        # the KV computed: the prompt and every output token but the last
+        seq = prompt + req.output[:-1]
+        node = root
+        for i in range(len(seq) // bs):
+            node = node.setdefault(tuple(seq[i * bs : (i + 1) * bs]), {})
+    return hit / total if total else None
+
+
+def saturated_rate(config: FleetConfig, workload: WorkloadConfig, seed: int) -> float:
+    """Requests per second one replica of ``config`` finishes when always busy: a short run
+    (40 virtual seconds, the first 10 dropped) of the workload's base tenants, one-turn
+    sessions from ``max_num_seqs + 16`` closed-loop clients (always more than it runs at
+    once), with no admission bound in the way. The measured capacity
+    ``--load`` is a multiple of (times the replicas)."""
+    one = FleetConfig(
+        replicas=1,
+        gateways=1,
+        routing="round_robin",
+        profile=config.profile,
+        kv_blocks=config.kv_blocks,
+        block_size=config.block_size,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        scheduling_policy=config.scheduling_policy,
+        max_queued_requests=1_000_000,
+        max_model_len=config.max_model_len,
+    )
+    w = WorkloadConfig(
+        **{
+            **{f: getattr(workload, f) for f in workload.__dataclass_fields__},
+            "light_rate": 0.0,
+            "flood_factor": 0.0,
+            "ttft_budget_s": 0.0,
+            "mean_turns": 1.0,
+        }
+    )
+    duration, warm = 40.0, 10.0
+    fleet = Fleet(one, w, 1.0, duration, seed, drain_s=0.0, clients=config.max_num_seqs + 16)
+    fleet.run()
+    done = [r for r in fleet.done if r.t_done is not None and warm <= r.t_done < duration]
+    return len(done) / (duration - warm) if done else math.nan

@@ -1,0 +1,175 @@
+"""The simulated runner (``runner="sim"``): the real scheduler, block pool, prefix cache and KV
+events over modelled time; the same lifecycle checks as the real engine."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import assert_pool_whole
+from prefixgate.engine.config import EngineConfig
+from prefixgate.engine.cost_model import PROFILES, CostProfile, StepShape, load_profile
+from prefixgate.engine.kv_events import KVEventCollector
+from prefixgate.engine.llm_engine import LLMEngine
+from prefixgate.engine.sampling_params import SamplingParams
+from prefixgate.engine.sim_runner import VirtualClock
+
+PROMPT = list(range(10, 74))  # 64 tokens: 4 full blocks of 16
+
+
+def _engine(clock=None, **kw) -> LLMEngine:
+    kw.setdefault("num_kv_blocks", 64)
+    return LLMEngine(EngineConfig(runner="sim", **kw), sim_clock=clock or VirtualClock())
+
+
+def _run(eng: LLMEngine, limit: int = 10_000) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for _ in range(limit):
+        if not eng.has_unfinished_requests():
+            break
+        for o in eng.step():
+            out[o.request_id] = list(o.outputs[0].token_ids)
+    return out
+
+
+def test_step_time_is_the_profiles_on_the_virtual_clock():
+    clock = VirtualClock()
+    eng = _engine(clock)
+    eng.add_request("a", PROMPT, SamplingParams(max_tokens=3))
+    _run(eng)
+    p = PROFILES["h100-llama3-8b"]
+    prefill = p.step_s(StepShape(64, 0, 64))
+    decodes = p.step_s(StepShape(0, 1, 65)) + p.step_s(StepShape(0, 1, 66))
+    assert clock.t == pytest.approx(prefill + decodes)
+    assert eng.runner.busy_s == pytest.approx(clock.t)
+    assert_pool_whole(eng)
+
+
+def test_outputs_honour_max_tokens_and_are_deterministic_whatever_the_batch():
+    a = _engine()
+    a.add_request("x", PROMPT, SamplingParams(max_tokens=7))
+    alone = _run(a)["x"]
+    b = _engine()
+    for i in range(5):
+        b.add_request(f"y{i}", PROMPT[i:], SamplingParams(max_tokens=9))
+    b.add_request("x", PROMPT, SamplingParams(max_tokens=7))
+    together = _run(b)
+    assert len(alone) == 7 and together["x"] == alone
+    assert all(len(t) == 9 for k, t in together.items() if k != "x")
+    assert_pool_whole(a)
+    assert_pool_whole(b)
+
+
+def test_eos_probability_ends_requests_early_and_min_tokens_holds():
+    eng = _engine(sim_eos_probability=0.3, num_kv_blocks=256)
+    for i in range(20):
+        eng.add_request(f"r{i}", PROMPT, SamplingParams(max_tokens=50, min_tokens=3))
+    out = _run(eng)
+    lengths = [len(t) for t in out.values()]
+    assert all(n >= 3 for n in lengths) and min(lengths) < 50 and max(lengths) <= 50
+    assert_pool_whole(eng)
+    never = _engine(sim_eos_probability=1.0)
+    never.add_request("i", PROMPT, SamplingParams(max_tokens=5, ignore_eos=True))
+    assert len(_run(never)["i"]) == 5
+    assert_pool_whole(never)
+
+
+def test_prefix_cache_hits_on_a_repeated_prompt():
+    eng = _engine()
+    eng.add_request("first", PROMPT + [5], SamplingParams(max_tokens=2))
+    _run(eng)
+    eng.add_request("second", PROMPT + [6], SamplingParams(max_tokens=2))
+    eng.step()
+    req_hits = eng.stats()["prefix_cache_hits"]
+    _run(eng)
+    assert req_hits == 64
+    assert_pool_whole(eng)
+
+
+def test_abort_frees_the_blocks():
+    eng = _engine()
+    eng.add_request("a", PROMPT, SamplingParams(max_tokens=100))
+    eng.add_request("b", PROMPT[1:], SamplingParams(max_tokens=100))
+    for _ in range(3):
+        eng.step()
+    assert eng.abort_request("a").outputs[0].finish_reason == "abort"
+    _run(eng)
+    assert_pool_whole(eng)
+
+
+def test_preemption_under_a_small_kv_budget_finishes_everyone():
+    eng = _engine(num_kv_blocks=12)
+    for i in range(4):
+        eng.add_request(f"p{i}", [i + 1] + PROMPT[:40], SamplingParams(max_tokens=60))
+    out = _run(eng)
+    assert eng.stats()["num_preemptions"] > 0
+    assert sorted(out) == [f"p{i}" for i in range(4)]
+    assert all(len(t) == 60 for t in out.values())
+    assert_pool_whole(eng)
+
+
+def test_kv_events_are_published_from_the_sim_engine():
+    eng = _engine()
+    collector = KVEventCollector(16, 100, first_seq=0)
+    eng.kv_cache_manager.pool.events = collector
+    eng.add_request("a", PROMPT, SamplingParams(max_tokens=2))
+    _run(eng)
+    collector.flush()
+    stored = []
+    while not collector.queue.empty():
+        item = collector.queue.get_nowait()
+        for kind, entries in getattr(item, "events", []):
+            if kind == "stored":
+                stored.extend(entries)
+    assert len(stored) == 4  # the prompt's 4 full blocks
+    assert [t for c in stored for t in c.token_ids] == PROMPT
+    assert_pool_whole(eng)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("logprobs", 2),
+        ("logit_bias", {5: 1.0}),
+        ("allowed_token_ids", [5, 6]),
+    ],
+)
+def test_fields_the_sim_cannot_honour_are_refused_by_name(field, value):
+    eng = _engine()
+    with pytest.raises(ValueError, match=field):
+        eng.add_request("a", PROMPT, SamplingParams(**{field: value}))
+    assert_pool_whole(eng)
+
+
+def test_config_checks_the_sim_options(tmp_path):
+    with pytest.raises(ValueError, match="sim_profile"):
+        EngineConfig(runner="sim", sim_profile="no-such-gpu")
+    with pytest.raises(ValueError, match="sim_eos_probability"):
+        EngineConfig(runner="sim", sim_eos_probability=1.5)
+    with pytest.raises(ValueError, match="speculative_method"):
+        EngineConfig(runner="sim", speculative_method="ngram")
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(CostProfile("here", 1e-3, 1e-5, 2e-5, 1e-8).to_json()))
+    assert load_profile(str(path)).a_s == 1e-3
+    path.write_text(json.dumps({"name": "bad", "a_s": -1}))
+    with pytest.raises(ValueError, match="not a profile"):
+        load_profile(str(path))
+
+
+def test_sim_fit_recovers_known_coefficients_despite_spikes():
+    import numpy as np
+    from prefixgate.engine.sim_fit import fit
+
+    rng = np.random.default_rng(0)
+    true = np.array([2e-3, 1e-5, 3e-5, 4e-7])
+    rows = []
+    for _ in range(400):
+        p, d = int(rng.integers(0, 500)), int(rng.integers(0, 32))
+        ctx = p + d * int(rng.integers(1, 128))
+        y = true @ [1, p, d, ctx]
+        if rng.random() < 0.1:  # a descheduled step
+            y *= 3
+        rows.append((p, d, ctx, y))
+    coef, quality = fit(rows)
+    assert np.allclose(coef, true, rtol=0.05)
+    assert quality["median_rel_error"] < 0.01

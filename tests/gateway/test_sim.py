@@ -1,0 +1,165 @@
+"""``prefixgate sim``: small fleets that run in seconds — determinism, the report's numbers,
+every routing policy, overload (429s, Retry-After), engines whole at the end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from prefixgate.engine.sim_runner import VirtualClock
+from prefixgate.gateway.cli import main
+from prefixgate.gateway.proxy.policies import POLICIES
+from prefixgate.gateway.sim.fleet import (
+    Fleet,
+    FleetConfig,
+    SimRequest,
+    one_replica_hit_rate,
+    virtual_time,
+)
+from prefixgate.gateway.sim.report import summarize
+from prefixgate.gateway.sim.workload import HEAVY_TENANT, LIGHT_TENANT, Workload, WorkloadConfig
+
+SMALL = [
+    "--replicas", "2", "--gateways", "2", "--tenants", "8", "--duration-s", "6",
+    "--kv-blocks", "300", "--capacity-rps", "4", "--system-prompt-tokens", "256",
+    "--output-tokens", "16", "--think-s", "0.5",
+]  # fmt: skip
+
+
+def _wc(**kw) -> WorkloadConfig:
+    base = dict(tenants=8, system_prompt_tokens=256, output_tokens=16, think_s=0.5)
+    base.update(kw)
+    return WorkloadConfig(**base)
+
+
+def _whole(fleet: Fleet) -> None:
+    for rep in fleet.replicas:
+        rep.engine.check_invariants()
+        s = rep.engine.stats()
+        assert s["num_running"] == 0 and s["num_waiting"] == 0, s
+        assert s["kv_blocks_used"] == 0, s
+        assert rep.admission.in_flight == 0 and rep.admission.queued_requests == 0
+    for g in fleet.gateways:
+        assert all(u.in_flight == 0 for u in g.upstreams)
+
+
+def test_same_seed_same_json_and_another_seed_differs(tmp_path, capsys):
+    outs = []
+    for seed in ("0", "0", "1"):
+        path = tmp_path / f"r{len(outs)}.json"
+        assert main(["sim", *SMALL, "--seed", seed, "--json", str(path)]) == 0
+        outs.append(path.read_text())
+    capsys.readouterr()
+    assert outs[0] == outs[1]
+    assert outs[0] != outs[2]
+    report = json.loads(outs[0])
+    for key in (
+        "hit_rate_vs_one_replica",
+        "max_over_mean_load",
+        "gateways_hit_rate_diff",
+        "ra_p90_rel_error",
+        "budgets_met",
+        "goodput",
+        "light_tenant_ttft_over_solo",
+        "ttft_s",
+        "tpot_s",
+    ):
+        assert key in report
+    assert 0 < report["hit_rate"] <= report["one_replica_hit_rate"] <= 1
+    assert report["requests"]["answered"] > 20
+    assert report["ttft_s"]["p50"] > 0 and report["tpot_s"]["p50"] > 0
+
+
+@pytest.mark.parametrize("routing", POLICIES)
+def test_every_policy_runs_and_leaves_the_engines_whole(routing):
+    fleet = Fleet(FleetConfig(replicas=3, gateways=2, routing=routing, kv_blocks=300),
+                  _wc(), rate=6.0, duration_s=5.0, seed=3).run()  # fmt: skip
+    report = summarize(fleet)
+    assert report["requests"]["answered"] > 10
+    assert report["requests"]["given_up"] == 0
+    _whole(fleet)
+
+
+def test_tpot_is_the_profiles_decode_step_alone():
+    """One request on an idle replica: its TPOT is one decode step of the cost model."""
+    from prefixgate.engine.cost_model import PROFILES, StepShape
+
+    fleet = Fleet(FleetConfig(replicas=1, gateways=1, routing="round_robin", kv_blocks=300),
+                  _wc(light_rate=0.0, flood_factor=0.0, mean_turns=1.0), rate=1.0,
+                  duration_s=10.0, seed=0).run()  # fmt: skip
+    alone = [
+        r for r in fleet.done
+        if not any(o is not r and o.t_try < r.t_done and r.t_try < o.t_done for o in fleet.done)
+    ]  # fmt: skip
+    req = alone[0]
+    p = PROFILES["h100-llama3-8b"]
+    n = len(req.prompt)
+    steps = [p.step_s(StepShape(0, 1, n + i)) for i in range(1, len(req.output))]
+    assert req.t_done - req.t_first == pytest.approx(sum(steps))
+    _whole(fleet)
+
+
+def test_overload_refuses_with_retry_after_and_every_request_ends():
+    fleet = Fleet(
+        FleetConfig(replicas=2, gateways=2, kv_blocks=300, max_queued_requests=4),
+        _wc(ttft_budget_s=0.5),
+        rate=40.0,
+        duration_s=5.0,
+        seed=1,
+    ).run()
+    report = summarize(fleet)
+    assert report["requests"]["refusals"] > 0
+    assert report["ra_p90_rel_error"] is not None
+    assert 0 <= report["budgets_met"] <= 1 and 0 <= report["goodput"] <= 1
+    assert all(r.refusals for r in fleet.refused)
+    _whole(fleet)
+
+
+def test_virtual_time_is_put_back():
+    import prefixgate.engine.scheduler as scheduler
+
+    before = scheduler.time
+    clock = VirtualClock(5.0)
+    with virtual_time(clock):
+        assert scheduler.time.monotonic() == 5.0
+    assert scheduler.time is before and before.monotonic() != 5.0
+
+
+def test_one_replica_hit_rate_counts_reusable_blocks_seen_before():
+    def req(rid, prompt, t):
+        r = SimRequest(rid, "t", 0, 0, 1, prompt, 4, None, t)
+        r.t_admitted = t
+        return r
+
+    a = list(range(100, 148))  # 3 blocks of 16
+    reqs = [req("1", a + [1], 0.0), req("2", a + [2], 1.0), req("3", a, 2.0)]
+    # the second finds 3 blocks; the third (exactly 3 blocks) may reuse only 2
+    assert one_replica_hit_rate(reqs, 16) == pytest.approx((48 + 32) / (49 + 49 + 48))
+
+
+def test_workload_is_seeded_and_skewed():
+    w = Workload(_wc(tenants=50), rate=50.0, duration_s=30.0, seed=7)
+    a, b = w.starts(), Workload(w.config, 50.0, 30.0, 7).starts()
+    assert [(s.t, s.tenant) for s in a] == [(s.t, s.tenant) for s in b]
+    base = [s.tenant for s in a if s.tenant not in (LIGHT_TENANT, HEAVY_TENANT)]
+    assert base.count("t00001") > base.count("t00050")
+    heavy = [s.t for s in a if s.tenant == HEAVY_TENANT]
+    assert heavy and min(heavy) >= 10.0 and max(heavy) < 20.0
+    assert w.system_prompt("t00003") == w.system_prompt("t00003")
+    bursty = Workload(_wc(arrivals="bursty"), rate=50.0, duration_s=30.0, seed=7).starts()
+    assert len(bursty) > 100
+
+
+def test_bad_options_are_one_line_and_exit_2(capsys):
+    assert main(["sim", "--replicas", "0"]) == 2
+    assert "bad option" in capsys.readouterr().err
+    assert main(["sim", "--profile", "no-such-gpu"]) == 2
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    from prefixgate.gateway.sim.report import plot
+
+    fleet = Fleet(FleetConfig(replicas=2, gateways=1, kv_blocks=300), _wc(), 4.0, 3.0, 0).run()
+    plot(fleet, str(tmp_path / "sim.png"))
+    assert (tmp_path / "sim.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
