@@ -86,10 +86,24 @@ def run(args: argparse.Namespace) -> int:
         chat_template = load_chat_template(args.chat_template) if args.chat_template else None
         if chat_template and upstreams:
             raise ValueError("--chat-template applies to a local model, not to --upstream")
+        if args.trust_pool_headers and upstreams:
+            raise ValueError(
+                "--trust-pool-headers applies to a local engine (an InferencePool's model "
+                "server), not to --upstream or --config"
+            )
         if args.stats_interval_s < 0:
             raise ValueError(f"--stats-interval-s must be >= 0, got {args.stats_interval_s}")
         if config is not None:
             preflight(config)
+        if config is not None and args.objective_priority:
+            from prefixgate.engine.scheduling_policy import policy_class  # noqa: PLC0415
+
+            if not policy_class(config.scheduling_policy).uses_priority:
+                logger.warning(
+                    "--objective-priority has no effect under --scheduling-policy %s (it "
+                    "orders requests under 'priority')",
+                    config.scheduling_policy,
+                )
         if config is not None and args.keys_file:
             config.tenant_weights = {**key_weights(args.keys_file), **config.tenant_weights}
             for line in key_policy_warnings(args.keys_file, config.scheduling_policy):
