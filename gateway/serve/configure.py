@@ -23,6 +23,7 @@ __all__ = [
     "key_policy_warnings",
     "key_weights",
     "load_chat_template",
+    "objective_policy_warning",
     "objective_priorities",
     "settings_from_args",
 ]
@@ -253,3 +254,20 @@ def key_policy_warnings(keys_file: str, policy: str) -> list[str]:
             "needs 'fair')"
         )
     return out
+
+
+def objective_policy_warning(objectives: dict[str, int], policy: str) -> str | None:
+    """The start-up warning when ``--objective-priority`` is given under a scheduling policy
+    that ignores priorities (None when it does not apply).
+
+    Raises:
+        ValueError: an unknown policy name.
+    """
+    from prefixgate.engine.scheduling_policy import policy_class  # noqa: PLC0415
+
+    if not objectives or policy_class(policy).uses_priority:
+        return None
+    return (
+        f"--objective-priority has no effect under --scheduling-policy {policy} (it orders "
+        "requests under 'priority')"
+    )

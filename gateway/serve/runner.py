@@ -32,6 +32,7 @@ from prefixgate.gateway.serve.configure import (
     key_policy_warnings,
     key_weights,
     load_chat_template,
+    objective_policy_warning,
     settings_from_args,
 )
 from prefixgate.gateway.serve.early_checks import CannotListenError, check_before_imports
@@ -95,15 +96,12 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--stats-interval-s must be >= 0, got {args.stats_interval_s}")
         if config is not None:
             preflight(config)
-        if config is not None and args.objective_priority:
-            from prefixgate.engine.scheduling_policy import policy_class  # noqa: PLC0415
-
-            if not policy_class(config.scheduling_policy).uses_priority:
-                logger.warning(
-                    "--objective-priority has no effect under --scheduling-policy %s (it "
-                    "orders requests under 'priority')",
-                    config.scheduling_policy,
-                )
+        if config is not None:
+            warning = objective_policy_warning(
+                settings.objective_priority, config.scheduling_policy
+            )
+            if warning:
+                logger.warning("%s", warning)
         if config is not None and args.keys_file:
             config.tenant_weights = {**key_weights(args.keys_file), **config.tenant_weights}
             for line in key_policy_warnings(args.keys_file, config.scheduling_policy):

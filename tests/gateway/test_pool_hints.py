@@ -10,7 +10,11 @@ import sys
 
 import pytest
 from prefixgate.gateway.serve.args import add_serve_arguments
-from prefixgate.gateway.serve.configure import objective_priorities, settings_from_args
+from prefixgate.gateway.serve.configure import (
+    objective_policy_warning,
+    objective_priorities,
+    settings_from_args,
+)
 from prefixgate.gateway.settings import GatewaySettings
 from prefixgate.gateway.tenancy.pool_hints import FAIRNESS_ID_HEADER, OBJECTIVE_HEADER
 
@@ -182,3 +186,11 @@ def test_serve_refuses_the_flags_where_they_would_do_nothing():
         )
         assert proc.returncode == 2, proc.stderr
         assert "bad option" in proc.stderr and all(w in proc.stderr for w in words)
+
+
+def test_objectives_under_a_policy_without_priorities_are_warned_of():
+    assert objective_policy_warning({"batch": 10}, "priority") is None
+    assert objective_policy_warning({}, "fcfs") is None
+    for policy in ("fcfs", "fair"):
+        warning = objective_policy_warning({"batch": 10}, policy)
+        assert warning and "--objective-priority" in warning and policy in warning
