@@ -92,6 +92,12 @@ class GatewaySettings:
             ``redis_state``).
         redis_lease_ttl_s: seconds a concurrency slot outlives a replica that died holding
             it (leases are renewed every third of it while their request runs).
+        trust_pool_headers: read the Gateway API Inference Extension's hint headers
+            (``x-gateway-inference-fairness-id`` → tenant, ``x-gateway-inference-objective``
+            → priority; ``tenancy.pool_hints``); off: they are ignored. Only for an engine
+            pod behind an inference gateway that sets them.
+        objective_priority: an ``InferenceObjective``'s name → the engine's request priority
+            (lower first) when ``trust_pool_headers`` is on.
     """
 
     model_name: str | None = None
@@ -140,8 +146,19 @@ class GatewaySettings:
     precise_overlap_weight: float = 1.0
     redis_url: str | None = None
     redis_lease_ttl_s: float = 10.0
+    trust_pool_headers: bool = False
+    objective_priority: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for name, prio in self.objective_priority.items():
+            if not isinstance(name, str) or not name.strip() or name != name.strip():
+                raise ValueError(f"objective_priority: bad objective name {name!r}")
+            if isinstance(prio, bool) or not isinstance(prio, int) or not -(2**31) <= prio < 2**31:
+                raise ValueError(
+                    f"objective_priority of {name}: must be a 32-bit integer, got {prio!r}"
+                )
+        if self.objective_priority and not self.trust_pool_headers:
+            raise ValueError("objective_priority needs trust_pool_headers (--trust-pool-headers)")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.max_request_tools < 0 or self.max_request_values < 1024:

@@ -62,6 +62,7 @@ from prefixgate.gateway.local.prefixes import PrefixEntry, SharedPrefix
 from prefixgate.gateway.local.serving import LOCAL
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.tenancy.keys import Principal, effective_salt
+from prefixgate.gateway.tenancy.pool_hints import pool_hint
 
 CACHE_PREFIX = "cachedContents/"
 DEFAULT_CACHE_TTL_S = 3600.0  # Gemini's default cache life (1 hour)
@@ -393,6 +394,7 @@ async def _generate(request: web.Request, model: str, stream: bool) -> web.Strea
     seeds = choice_seeds(gc.seed if gc is not None else None, n)
     rid = uuid.uuid4().hex[:24]
     requests = []
+    hint = pool_hint(request)
     for i in range(n):
         try:
             params = SamplingParams(
@@ -413,7 +415,7 @@ async def _generate(request: web.Request, model: str, stream: bool) -> web.Strea
             )
         except (ValueError, TypeError) as exc:
             raise bad_request(f"generationConfig: {exc}", param="generationConfig") from None
-        requests.append(engine_request(principal, f"{rid}-{i}", ids, params))
+        requests.append(engine_request(principal, f"{rid}-{i}", ids, params, hint=hint))
     renderer = GeminiRenderer(rid, model.removeprefix("models/"), plan, n)
     return await Exchange(request, st, principal, requests, renderer, stream).run()
 

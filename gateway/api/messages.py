@@ -49,6 +49,7 @@ from prefixgate.gateway.local.generation import ChoiceOutput, Delta, engine_requ
 from prefixgate.gateway.local.serving import LOCAL
 from prefixgate.gateway.state import STATE
 from prefixgate.gateway.tenancy.keys import Principal, effective_salt
+from prefixgate.gateway.tenancy.pool_hints import pool_hint
 
 
 def anthropic_usage(
@@ -366,7 +367,11 @@ async def create_message(request: web.Request) -> web.StreamResponse:
             return anthropic_reason(comparison.diagnosis(cached)) if comparison else None
 
     renderer = MessagesRenderer(rid, st.model_name, len(ids), plan, marks, diagnose)
-    requests = [engine_request(principal, rid, ids, params, cache_salt=req.cache_salt)]
+    requests = [
+        engine_request(
+            principal, rid, ids, params, cache_salt=req.cache_salt, hint=pool_hint(request)
+        )
+    ]
     return await Exchange(
         request, st, principal, requests, renderer, req.stream, marks, comparison=comparison
     ).run()

@@ -62,6 +62,7 @@ from prefixgate.gateway.local.serving import LOCAL
 from prefixgate.gateway.local.token_walk import first_token_walk
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.tenancy.keys import Principal
+from prefixgate.gateway.tenancy.pool_hints import pool_hint
 from prefixgate.gateway.tenancy.ttft_budget import PREDICTED_TTFT_HEADER, budget_s
 
 logger = logging.getLogger("prefixgate.gateway")
@@ -174,7 +175,13 @@ def _engine_request(
     """One choice's engine request, with the body's ``cache_salt`` and ``priority`` (checked
     against the engine's scheduling policy)."""
     built = engine_request(
-        principal, request_id, prompt, params, cache_salt=req.cache_salt, priority=req.priority
+        principal,
+        request_id,
+        prompt,
+        params,
+        cache_salt=req.cache_salt,
+        priority=req.priority,
+        hint=pool_hint(request),
     )
     check_priority_policy(
         req.priority, request.app[LOCAL].require_engine().config.scheduling_policy

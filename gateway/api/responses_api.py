@@ -53,6 +53,7 @@ from prefixgate.gateway.http.errors import APIError, bad_request
 from prefixgate.gateway.local.generation import ChoiceOutput, Delta, engine_request
 from prefixgate.gateway.local.serving import LOCAL
 from prefixgate.gateway.state import STATE
+from prefixgate.gateway.tenancy.pool_hints import pool_hint
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_core import from_json
 
@@ -469,7 +470,16 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         field="input",
     )
     marks = await find_marks(engine.tokenizer, breakpoints, False, ids, engine.config.block_size)
-    requests = [engine_request(principal, f"{rid}-0", ids, params, cache_salt=req.cache_salt)]
+    requests = [
+        engine_request(
+            principal,
+            f"{rid}-0",
+            ids,
+            params,
+            cache_salt=req.cache_salt,
+            hint=pool_hint(request),
+        )
+    ]
     salt = requests[0].cache_salt
     log = request.app[PROMPT_LOG]
     options = req.prompt_cache_options

@@ -18,6 +18,7 @@ from prefixgate.engine.outputs import TokenLogprobs
 from prefixgate.engine.protocol import EngineClient, EngineRequest
 from prefixgate.engine.sampling_params import SamplingParams
 from prefixgate.gateway.tenancy.keys import Principal, effective_salt
+from prefixgate.gateway.tenancy.pool_hints import PoolHint
 
 logger = logging.getLogger("prefixgate.gateway")
 
@@ -93,6 +94,7 @@ def engine_request(
     *,
     cache_salt: str | None = None,
     priority: int | None = None,
+    hint: PoolHint | None = None,
 ) -> EngineRequest:
     """The engine request of one choice, built once by its route.
 
@@ -101,7 +103,8 @@ def engine_request(
             default priority. request_id: unique engine id; prompt: token ids (int).
         params: sampling parameters. cache_salt: the body's own ``cache_salt`` (a
             sub-partition of the key's, ``effective_salt``). priority: the body's
-            ``priority`` (None: the key's).
+            ``priority`` (None: the pool's objective's, else the key's). hint: a trusted
+            pool's fairness id and objective (``tenancy.pool_hints``; None: none).
 
     Raises:
         APIError: 400 naming ``priority`` when the key may not set one.
@@ -111,8 +114,10 @@ def engine_request(
         prompt,
         params,
         cache_salt=effective_salt(principal.salt, cache_salt),
-        tenant=principal.tenant,
-        priority=principal.request_priority(priority),
+        tenant=hint.tenant if hint is not None and hint.tenant is not None else principal.tenant,
+        priority=hint.priority
+        if priority is None and hint is not None and hint.priority is not None
+        else principal.request_priority(priority),
     )
 
 

@@ -295,6 +295,25 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "cache_aware) (default: none)",
     )
     p.add_argument(
+        "--trust-pool-headers",
+        action="store_true",
+        default=False,
+        help="local engine only: read the Gateway API Inference Extension's headers "
+        "x-gateway-inference-fairness-id (the request's tenant for fair scheduling) and "
+        "x-gateway-inference-objective (its priority, by --objective-priority); only behind "
+        "an inference gateway that sets them, since a client could set them too (default: "
+        "off, the headers are ignored)",
+    )
+    p.add_argument(
+        "--objective-priority",
+        action="append",
+        default=[],
+        metavar="NAME=INT",
+        help="with --trust-pool-headers: the engine priority (lower first, --scheduling-policy "
+        "priority) of requests whose x-gateway-inference-objective is NAME (repeatable; an "
+        "objective not given here gets the key's default priority) (default: none)",
+    )
+    p.add_argument(
         "--redis-url",
         default=None,
         help="redis://host:port/db shared by gateway replicas: per-key limits, concurrency "

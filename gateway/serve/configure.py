@@ -23,6 +23,8 @@ __all__ = [
     "key_policy_warnings",
     "key_weights",
     "load_chat_template",
+    "objective_policy_warning",
+    "objective_priorities",
     "settings_from_args",
 ]
 
@@ -164,7 +166,31 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         balance_rel_threshold=args.balance_rel_threshold,
         redis_url=args.redis_url,
         redis_lease_ttl_s=args.redis_lease_ttl_s,
+        trust_pool_headers=args.trust_pool_headers,
+        objective_priority=objective_priorities(args.objective_priority),
     )
+
+
+def objective_priorities(specs: list[str]) -> dict[str, int]:
+    """``--objective-priority NAME=INT`` flags → objective name → engine priority.
+
+    Raises:
+        ValueError: a flag not ``NAME=INT``, or one name given twice.
+    """
+    out: dict[str, int] = {}
+    for spec in specs:
+        name, sep, value = spec.partition("=")
+        name = name.strip()
+        try:
+            prio = int(value.strip()) if sep and name else None
+        except ValueError:
+            prio = None
+        if prio is None:
+            raise ValueError(f"--objective-priority {spec!r}: expected NAME=INT, e.g. batch=10")
+        if name in out:
+            raise ValueError(f"--objective-priority: {name} given twice")
+        out[name] = prio
+    return out
 
 
 def upstream_kv_events(specs: list[str]) -> dict[str, tuple[str, str | None]]:
@@ -228,3 +254,20 @@ def key_policy_warnings(keys_file: str, policy: str) -> list[str]:
             "needs 'fair')"
         )
     return out
+
+
+def objective_policy_warning(objectives: dict[str, int], policy: str) -> str | None:
+    """The start-up warning when ``--objective-priority`` is given under a scheduling policy
+    that ignores priorities (None when it does not apply).
+
+    Raises:
+        ValueError: an unknown policy name.
+    """
+    from prefixgate.engine.scheduling_policy import policy_class  # noqa: PLC0415
+
+    if not objectives or policy_class(policy).uses_priority:
+        return None
+    return (
+        f"--objective-priority has no effect under --scheduling-policy {policy} (it orders "
+        "requests under 'priority')"
+    )

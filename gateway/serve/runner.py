@@ -33,6 +33,7 @@ from prefixgate.gateway.serve.configure import (
     key_policy_warnings,
     key_weights,
     load_chat_template,
+    objective_policy_warning,
     settings_from_args,
 )
 from prefixgate.gateway.serve.early_checks import (
@@ -91,6 +92,11 @@ def run(args: argparse.Namespace) -> int:
         chat_template = load_chat_template(args.chat_template) if args.chat_template else None
         if chat_template and upstreams:
             raise ValueError("--chat-template applies to a local model, not to --upstream")
+        if args.trust_pool_headers and upstreams:
+            raise ValueError(
+                "--trust-pool-headers applies to a local engine (an InferencePool's model "
+                "server), not to --upstream or --config"
+            )
         if args.stats_interval_s < 0:
             raise ValueError(f"--stats-interval-s must be >= 0, got {args.stats_interval_s}")
         # every flag's value is checked above (a bad one is exit 2 even when the port is
@@ -100,6 +106,12 @@ def run(args: argparse.Namespace) -> int:
         check_port_free(args.host, args.port)
         if config is not None:
             preflight(config)
+        if config is not None:
+            warning = objective_policy_warning(
+                settings.objective_priority, config.scheduling_policy
+            )
+            if warning:
+                logger.warning("%s", warning)
         if config is not None and args.keys_file:
             config.tenant_weights = {**key_weights(args.keys_file), **config.tenant_weights}
             for line in key_policy_warnings(args.keys_file, config.scheduling_policy):
