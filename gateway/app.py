@@ -46,6 +46,7 @@ from prefixgate.gateway.http.errors import (
     Handler,
     error_middleware,
     expect_continue,
+    route_miss,
 )
 from prefixgate.gateway.http.json_guard import (
     GUARD_LIMITS,
@@ -338,19 +339,8 @@ def _add_fallback_route(app: web.Application) -> None:
 @no_body
 async def _no_route(request: web.Request) -> web.Response:
     """404 ``not_found`` for an unknown path, 405 ``method_not_allowed`` for a known path
-    asked with another method (with ``Allow``)."""
-    allowed: set[str] = set()
-    for resource in request.app.router.resources():
-        if resource.canonical == "/{tail}":
-            continue
-        match, methods = await resource.resolve(request)
-        allowed |= methods
-    if allowed:
-        exc = APIError(405, "method not allowed on this route", code="method_not_allowed")
-        resp = exc.response()
-        resp.headers["Allow"] = ",".join(sorted(allowed))
-        return resp
-    raise APIError(404, "unknown route", code="not_found")
+    asked with another method (with ``Allow``): ``errors.route_miss``."""
+    raise await route_miss(request)
 
 
 _ROUTE_LABELS = {

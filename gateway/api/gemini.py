@@ -56,7 +56,14 @@ from prefixgate.gateway.api.prompts import check_length, choice_seeds, render_ch
 from prefixgate.gateway.api.response_models import Usage
 from prefixgate.gateway.api.stop_strings import refuse_stop_under_constraint
 from prefixgate.gateway.api.tools import ToolDeltas, ToolPlan, parse_output, plan_tools
-from prefixgate.gateway.http.errors import GEMINI, APIError, bad_request, error_dialect, not_found
+from prefixgate.gateway.http.errors import (
+    GEMINI,
+    APIError,
+    bad_request,
+    error_dialect,
+    not_found,
+    route_miss,
+)
 from prefixgate.gateway.local.generation import ChoiceOutput, Delta, engine_request
 from prefixgate.gateway.local.prefixes import PrefixEntry, SharedPrefix
 from prefixgate.gateway.local.serving import LOCAL
@@ -448,11 +455,30 @@ async def list_models(request: web.Request) -> web.Response:
 @error_dialect(GEMINI)
 async def get_model(request: web.Request) -> web.Response:
     """GET /v1beta/models/{model} → the ``Model``; 404 for another name."""
+    refuse_get_of_method(request)
     st = request.app[STATE]
     engine = request.app[LOCAL].require_engine()
     st.keys.authenticate(request)
     _check_model(st, request.match_info["target"])
     return web.json_response(_model_object(st, engine.max_model_len))
+
+
+def refuse_get_of_method(request: web.Request) -> None:
+    """A GET of ``models/{model}:generateContent`` (a method, served by POST) is a 405 with
+    ``Allow: POST``, not a 404 for a model of that name.
+
+    Raises:
+        APIError: 405 ``method_not_allowed``.
+    """
+    _, _, method = request.match_info["target"].partition(":")
+    if method in GENERATION_METHODS:
+        exc = APIError(
+            405,
+            f"method GET is not allowed on {request.path[:120]}; allowed: POST",
+            code="method_not_allowed",
+        )
+        exc.headers = {"Allow": "POST"}
+        raise exc
 
 
 # --- cachedContents -------------------------------------------------------------------------
@@ -620,7 +646,7 @@ async def delete_cache(request: web.Request) -> web.Response:
 @error_dialect(GEMINI)
 async def no_route(request: web.Request) -> web.Response:
     """Any other /v1beta path or method: 404 / 405 in Gemini's shape."""
-    raise APIError(404, f"unknown route {request.method} {request.path[:120]}", code="not_found")
+    raise await route_miss(request)
 
 
 def add_gemini_routes(app: web.Application, handlers: Any, expect_handler: Any) -> None:

@@ -182,6 +182,7 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.retry_after = retry_after
+        self.headers: dict[str, str] = {}  # more response headers (a 405's ``Allow``)
         self.type = type or _TYPES.get(status, "api_error")
 
     def body(self) -> dict[str, Any]:
@@ -222,7 +223,7 @@ class APIError(Exception):
         """The error as an aiohttp JSON response (with ``Retry-After`` when set); ``dialect``
         ``"anthropic"`` gives Anthropic's body (``anthropic_body``), ``"gemini"`` Gemini's
         (``gemini_body``), else OpenAI's."""
-        headers = {}
+        headers = dict(self.headers)
         if self.retry_after is not None:
             headers.update(retry_after_headers(self.retry_after))
         if dialect == ANTHROPIC:
@@ -286,7 +287,7 @@ def from_http_exception(exc: web.HTTPException) -> APIError:
             413, f"request body too large: {exc.text or exc.reason}", code="request_too_large"
         )
     if status == 404:
-        return APIError(404, "unknown route", code="not_found")
+        return APIError(404, "unknown route", code="not_found")  # the path is not at hand here
     if status == 405:
         return APIError(405, "method not allowed on this route", code="method_not_allowed")
     return APIError(status, exc.reason or "HTTP error")
@@ -362,3 +363,33 @@ def _payload_reason(exc: Exception) -> str:
     cause = exc.__cause__ if isinstance(exc.__cause__, Exception) else exc
     text = " ".join(str(getattr(cause, "message", None) or cause).split())
     return text.removeprefix("400, message: ") or "malformed body"
+
+
+async def route_miss(request: web.Request) -> APIError:
+    """The answer to a request no route took: 405 ``method_not_allowed`` (its ``Allow`` header
+    in ``headers``) when another method is served at that path, else 404 ``not_found`` naming
+    the method and path (and, for a path without ``/v1``, that the API lives under it).
+    Catch-all routes (``{tail}``) are not counted as serving a path."""
+    allowed: set[str] = set()
+    for resource in request.app.router.resources():
+        if "{tail}" in resource.canonical:
+            continue
+        match, methods = await resource.resolve(request)
+        allowed |= methods
+    if allowed:
+        exc = APIError(
+            405,
+            f"method {request.method} is not allowed on {request.path[:120]}; "
+            f"allowed: {', '.join(sorted(allowed))}",
+            code="method_not_allowed",
+        )
+        exc.headers = {"Allow": ",".join(sorted(allowed))}
+        return exc
+    hint = ""
+    if not request.path.startswith(("/v1/", "/v1beta/")) and request.path not in ("/", ""):
+        hint = (
+            " (the API's routes are under /v1, e.g. /v1/chat/completions: a base URL ends in /v1)"
+        )
+    return APIError(
+        404, f"unknown route {request.method} {request.path[:120]}{hint}", code="not_found"
+    )

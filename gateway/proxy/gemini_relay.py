@@ -43,6 +43,7 @@ from prefixgate.gateway.api.gemini import (
     GENERATION_METHODS,
     add_gemini_routes,
     no_route,  # noqa: F401  (add_gemini_routes reads the handlers off this module)
+    refuse_get_of_method,
     rfc3339,
 )
 from prefixgate.gateway.api.gemini_models import (
@@ -609,6 +610,7 @@ async def list_models(request: web.Request) -> web.Response:
 @error_dialect(GEMINI)
 async def get_model(request: web.Request) -> web.Response:
     """GET /v1beta/models/{model}; 404 when no upstream serves it."""
+    refuse_get_of_method(request)
     st = request.app[STATE]
     st.keys.authenticate(request)
     name = _public_model(request.match_info["target"], st, request.app[PROXY].router)

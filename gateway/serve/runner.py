@@ -103,6 +103,14 @@ def run(args: argparse.Namespace) -> int:
         # taken); the port next, still before the engine's imports
         for url in args.upstreams or ():
             normalize_url(url)  # a malformed --upstream is a bad option (exit 2)
+        if args.model and (args.upstreams or args.config):
+            raise ValueError(
+                "--model serves a local model; with --upstream or --config the upstreams serve "
+                "theirs: give one or the other"
+            )
+        for key in args.api_keys or ():
+            if not key.strip():
+                raise ValueError("--api-key: every API key must be a non-empty string")
         check_port_free(args.host, args.port)
         if config is not None:
             preflight(config)

@@ -55,7 +55,7 @@ from pathlib import Path
 
 from aiohttp import web
 from prefixgate.gateway.http.access_log import record
-from prefixgate.gateway.http.errors import ANTHROPIC, APIError, dialect_of, too_many
+from prefixgate.gateway.http.errors import ANTHROPIC, GEMINI, APIError, dialect_of, too_many
 from prefixgate.gateway.http.headers import header_text
 from prefixgate.gateway.tenancy.slot_wait import SlotClock
 from prefixgate.sdk.flow_control import TokenBucket
@@ -391,11 +391,10 @@ class KeyRing:
                 header = "Bearer " + other.strip()
         scheme, _, key = header.partition(" ")
         # the header the route's clients send: Anthropic's send x-api-key
-        send = (
-            "'x-api-key: <key>' (or 'Authorization: Bearer <key>')"
-            if dialect_of(request) == ANTHROPIC
-            else "'Authorization: Bearer <key>'"
-        )
+        send = {
+            ANTHROPIC: "'x-api-key: <key>' (or 'Authorization: Bearer <key>')",
+            GEMINI: "'x-goog-api-key: <key>' (or '?key=<key>', or 'Authorization: Bearer <key>')",
+        }.get(dialect_of(request), "'Authorization: Bearer <key>'")
         if header.strip() and scheme.lower() != "bearer":
             raise APIError(
                 401,

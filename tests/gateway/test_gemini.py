@@ -14,7 +14,9 @@ from prefixgate.gateway.api.gemini_models import (
     life_seconds,
     to_chat,
 )
+from prefixgate.gateway.app import create_proxy_app
 from prefixgate.gateway.http.errors import APIError
+from prefixgate.gateway.http.server import BackgroundServer
 from prefixgate.gateway.settings import GatewaySettings
 
 genai = pytest.importorskip("google.genai")
@@ -136,6 +138,28 @@ def test_bad_json_and_body_limits_in_gemini_shape(serve_fake):
     assert r.status_code == 413 and r.json()["error"]["code"] == 413
     r = httpx.get(srv.url + "/v1beta/nothing/here", timeout=10)
     assert r.status_code == 404 and r.json()["error"]["status"] == "NOT_FOUND"
+    assert "GET /v1beta/nothing/here" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("mode", ["local", "proxy"])
+def test_a_wrong_method_is_a_405_naming_the_allowed(serve_fake, mode):
+    """A method asked with GET, or a cache with PUT, is a 405 with ``Allow`` in Gemini's
+    shape, as the OpenAI routes answer a wrong method; not a 404 for a model or a route."""
+    srv, _ = serve_fake()
+    url = srv.url
+    if mode == "proxy":
+        proxy = BackgroundServer(lambda: create_proxy_app([srv.url], GatewaySettings()))
+        url = proxy.__enter__().url
+    try:
+        r = httpx.get(url + GEN, timeout=10)
+        assert r.status_code == 405 and r.headers["Allow"] == "POST", r.text
+        assert r.json()["error"]["status"] == "UNIMPLEMENTED", r.text
+        r = httpx.put(url + "/v1beta/cachedContents/x", json={}, timeout=10)
+        assert r.status_code == 405 and "PATCH" in r.headers["Allow"], r.text
+        assert "PUT" in r.json()["error"]["message"]
+    finally:
+        if mode == "proxy":
+            proxy.close()
 
 
 def test_stream_chunks_and_end(serve_fake):

@@ -59,6 +59,9 @@ def _check_refused(url: str, routes: list[tuple[str, str]]) -> None:
                 message = r.json()["error"]["message"]
                 if path.startswith("/v1beta/"):  # Gemini's shape
                     assert r.json()["error"]["status"] == "UNAUTHENTICATED", r.text
+                    # the header Google's clients send
+                    if "incorrect" not in message:
+                        assert "'x-goog-api-key: <key>'" in message, message
                 elif path.startswith("/v1/messages"):
                     assert r.json()["type"] == "error", r.text
                     assert r.json()["error"]["type"] == "authentication_error", r.text

@@ -128,3 +128,16 @@ def test_a_second_ctrl_c_exits_at_once():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (("--upstream", "http://127.0.0.1:9", "--model", "x"), "--model serves a local model"),
+        (("--api-key", " "), "--api-key: every API key must be a non-empty string"),
+    ],
+)
+def test_flags_that_cannot_hold_together_are_refused_before_imports(flags, says):
+    """A --model beside --upstream was ignored without a word; an empty --api-key was refused
+    only once the engine had loaded (a new user's trial)."""
+    assert says in _one_line_error(_serve(*flags))
