@@ -67,6 +67,7 @@ from prefixgate.gateway.http.access_log import stream_cut
 from prefixgate.gateway.http.errors import GEMINI, APIError, bad_request, error_dialect
 from prefixgate.gateway.http.sse import SSE_HEADERS
 from prefixgate.gateway.proxy.answers import shape_problem
+from prefixgate.gateway.proxy.attempts import NextUpstream, each_upstream
 from prefixgate.gateway.proxy.messages_openai import token_count
 from prefixgate.gateway.proxy.messages_relay import reworded
 from prefixgate.gateway.proxy.policies import Route
@@ -74,9 +75,7 @@ from prefixgate.gateway.proxy.prefix_entry import ProxyPrefix
 from prefixgate.gateway.proxy.redact import auth_error, secrets_of
 from prefixgate.gateway.proxy.relay import EventChecker, StreamBroken
 from prefixgate.gateway.proxy.routes import (
-    end_attempt,
     model_cards,
-    transport_failure,
     upstream_headers,
 )
 from prefixgate.gateway.proxy.serving import PROXY
@@ -94,13 +93,6 @@ _FINISH = {
     "length": "MAX_TOKENS",
     "content_filter": "SAFETY",
 }
-
-
-class _Next(Exception):
-    def __init__(self, status: str, error: APIError | None) -> None:
-        super().__init__(status)
-        self.status = status
-        self.error = error
 
 
 class _Call:
@@ -315,40 +307,6 @@ def _error_event(err: APIError) -> bytes:
 
 
 # --- the attempts ---------------------------------------------------------------------------
-async def _each_upstream(call: _Call, attempt: Any) -> web.StreamResponse:
-    """``attempt`` on the upstream routing picks, then the next ones of the model."""
-    router, route = call.router, call.route
-    tried: list[Upstream] = []
-    last: APIError | None = None
-    while True:
-        up = router.pick(route, tried)
-        if up is None:
-            if last is not None:
-                raise last
-            raise router.exhausted(tried, "every upstream failed", route.model)
-        tried.append(up)
-        up.in_flight += 1
-        slot = up.slots.take()
-        status = "error"
-        try:
-            out = await attempt(up)
-            status = str(out.status)
-            return out
-        except _Next as nxt:
-            status = nxt.status
-            if nxt.error is not None:
-                last = nxt.error
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
-            request = call.request
-            if request.transport is None or request.transport.is_closing():
-                return web.Response(status=499)
-            status, timeout = transport_failure(router, up, exc)
-            if timeout is not None:
-                raise timeout from None
-        finally:
-            end_attempt(call.st, up, slot, status)
-
-
 async def _refused(call: _Call, up: Upstream, resp: aiohttp.ClientResponse) -> None:
     data = await resp.read()
     if resp.status in (401, 403):
@@ -358,12 +316,12 @@ async def _refused(call: _Call, up: Upstream, resp: aiohttp.ClientResponse) -> N
     err = reworded(resp.status, data, resp.headers, secrets)
     if resp.status in _DOWN:
         call.router.mark_failed(up, f"HTTP {resp.status}")
-        raise _Next(str(resp.status), err)
+        raise NextUpstream(str(resp.status), err)
     if resp.status in _NEXT:
         wait = retry_after_seconds(resp.headers.get("Retry-After"))
         if resp.status == 429 and wait is not None:
             call.router.limit(up, wait)
-        raise _Next(str(resp.status), err)
+        raise NextUpstream(str(resp.status), err)
     raise err
 
 
@@ -394,7 +352,7 @@ async def _generate_try(
             problem = "a body that is not JSON"
         if problem is not None:
             call.router.mark_failed(up, f"HTTP 200 with {problem}")
-            raise _Next(
+            raise NextUpstream(
                 "invalid", APIError(502, f"the upstream answered {problem}", code="upstream_error")
             )
         ticket.started()
@@ -546,7 +504,7 @@ async def model_method(request: web.Request) -> web.StreamResponse:
         async def attempt(up: Upstream) -> web.StreamResponse:
             return await _generate_try(call, up, salt, stream, ticket)
 
-        return await _each_upstream(call, attempt)
+        return await each_upstream(call, attempt)
     finally:
         ticket.done()
         settle_usage(request, st.shared, principal, lease, est, call)
@@ -584,7 +542,7 @@ async def _count(call: _Call, chat: Chat) -> web.StreamResponse:
                 data = None
             return web.json_response({"totalTokens": token_count(data)})
 
-    return await _each_upstream(call, attempt)
+    return await each_upstream(call, attempt)
 
 
 def _model_object(name: str) -> dict[str, Any]:

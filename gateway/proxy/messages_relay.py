@@ -35,7 +35,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -57,10 +57,11 @@ from prefixgate.gateway.http.errors import ANTHROPIC, APIError, error_dialect, e
 from prefixgate.gateway.http.sse import KEEPALIVE, SSE_HEADERS
 from prefixgate.gateway.proxy import anthropic, messages_openai
 from prefixgate.gateway.proxy.answers import shape_problem
+from prefixgate.gateway.proxy.attempts import NextUpstream, each_upstream
 from prefixgate.gateway.proxy.messages_openai import Malformed
 from prefixgate.gateway.proxy.policies import Route
 from prefixgate.gateway.proxy.redact import auth_error, secrets_of
-from prefixgate.gateway.proxy.routes import end_attempt, transport_failure, upstream_headers
+from prefixgate.gateway.proxy.routes import upstream_headers
 from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import Upstream, retry_after_seconds
 from prefixgate.gateway.proxy.usage import admit_call, settle_usage
@@ -84,16 +85,6 @@ _EVENTS = frozenset(
         "ping",
     )
 )
-
-
-class _Next(Exception):
-    """This upstream's answer sends the request on to the next one (``error``: the client's
-    answer when none is left)."""
-
-    def __init__(self, status: str, error: APIError | None) -> None:
-        super().__init__(status)
-        self.status = status
-        self.error = error
 
 
 class _Call:
@@ -209,7 +200,7 @@ async def create_message(request: web.Request) -> web.StreamResponse:
         async def attempt(up: Upstream) -> web.StreamResponse:
             return await _message_try(call, up, ticket)
 
-        return await _each_upstream(call, attempt)
+        return await each_upstream(call, attempt)
     finally:
         ticket.done()
         settle_usage(request, st.shared, principal, lease, est_tokens, call)
@@ -225,67 +216,13 @@ async def count_tokens(request: web.Request) -> web.Response:
     async def attempt(up: Upstream) -> web.StreamResponse:
         return await _count_try(call, up)
 
-    out = await _each_upstream(call, attempt)
+    out = await each_upstream(call, attempt)
     assert isinstance(out, web.Response)
     return out
 
 
-async def _each_upstream(
-    call: _Call, attempt: Callable[[Upstream], Awaitable[web.StreamResponse]]
-) -> web.StreamResponse:
-    """``attempt`` on the upstream routing picks, then the next of the model, then the
-    model's fallbacks (module docstring)."""
-    router, route = call.router, call.route
-    fallbacks = router.fallbacks(route.model)
-    configured = router.model_list is not None  # deployments declared interchangeable
-    tried: list[Upstream] = []
-    exclude: list[Upstream] = []
-    last: APIError | None = None
-    timed_out: APIError | None = None
-    while True:
-        up = router.pick(route, exclude)
-        if up is None and fallbacks:
-            route.model = fallbacks.pop(0)
-            exclude = []
-            continue
-        if up is None:
-            if last is not None:
-                soon = router.retry_after(route.model)
-                if last.status == 429 and soon is not None:
-                    last.retry_after = soon
-                raise last
-            if timed_out is not None:
-                raise timed_out
-            raise router.exhausted(tried, "every upstream failed", route.model)
-        tried.append(up)
-        exclude.append(up)
-        up.in_flight += 1
-        slot = up.slots.take()
-        status = "error"
-        try:
-            out = await attempt(up)
-            status = str(out.status)
-            return out
-        except _Next as nxt:
-            status = nxt.status
-            if nxt.error is not None:
-                last = nxt.error
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
-            request = call.request
-            if request.transport is None or request.transport.is_closing():
-                return web.Response(status=499)  # client gone; nothing to answer
-            status, timeout = transport_failure(router, up, exc)
-            if timeout is not None:
-                timed_out = timeout
-                if configured:
-                    continue
-                raise timed_out from None
-        finally:
-            end_attempt(call.st, up, slot, status)
-
-
 async def _refused(call: _Call, up: Upstream, resp: aiohttp.ClientResponse) -> None:
-    """An upstream's non-200 answer: on to the next upstream (``_Next``) or the client's
+    """An upstream's non-200 answer: on to the next upstream (``NextUpstream``) or the client's
     error, reworded (``reworded``); never returns."""
     data = await resp.read()
     if resp.status in (401, 403):  # about whose credential: the gateway's, or the client's
@@ -294,7 +231,7 @@ async def _refused(call: _Call, up: Upstream, resp: aiohttp.ClientResponse) -> N
     secrets = secrets_of(call.st.settings.upstream_api_key, up.auth)
     if resp.status in _DOWN:
         call.router.mark_failed(up, f"HTTP {resp.status}")
-        raise _Next(str(resp.status), reworded(resp.status, data, resp.headers, secrets))
+        raise NextUpstream(str(resp.status), reworded(resp.status, data, resp.headers, secrets))
     err = reworded(resp.status, data, resp.headers, secrets)
     if resp.status in _NEXT:
         wait = retry_after_seconds(resp.headers.get("Retry-After"))
@@ -302,7 +239,7 @@ async def _refused(call: _Call, up: Upstream, resp: aiohttp.ClientResponse) -> N
             call.router.limit(up, wait)
         else:
             up.last_error = f"HTTP {resp.status}"
-        raise _Next(str(resp.status), err)
+        raise NextUpstream(str(resp.status), err)
     raise err
 
 
@@ -402,7 +339,7 @@ async def _message_try(call: _Call, up: Upstream, ticket: Any) -> web.StreamResp
         except (ValueError, UnicodeDecodeError, Malformed) as exc:
             why = str(exc) if isinstance(exc, Malformed) else "a body that is not JSON"
             call.router.mark_failed(up, f"HTTP 200 with {why}")
-            raise _Next(
+            raise NextUpstream(
                 "invalid", APIError(502, f"the upstream answered {why}", code="upstream_error")
             ) from None
         if ticket is not None:
@@ -471,7 +408,7 @@ async def _count_try(call: _Call, up: Upstream) -> web.Response:
         n = parsed.get("input_tokens") if isinstance(parsed, dict) else None
         if not _count(n):
             call.router.mark_failed(up, "HTTP 200 without input_tokens")
-            raise _Next(
+            raise NextUpstream(
                 "invalid",
                 APIError(502, "the upstream's count has no input_tokens", code="upstream_error"),
             )

@@ -372,3 +372,34 @@ def test_prefixgate_serve_refuses_a_bad_config_in_one_line(tmp_path):
         assert done.returncode == 2, done.stderr
         (line,) = [ln for ln in done.stderr.splitlines() if "bad option" in ln]
         assert message in line
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", _chat("primary")),
+        (
+            "/v1/messages",
+            {"model": "primary", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]},
+        ),
+        (
+            "/v1beta/models/primary:generateContent",
+            {"contents": [{"role": "user", "parts": [{"text": "hi"}]}]},
+        ),
+    ],
+)
+def test_every_dialect_takes_the_fallback_of_a_dead_model(tmp_path, path, body):
+    """The config's fallbacks hold for every dialect's relay (one attempt loop): Gemini's
+    routes answered 503 'no healthy upstream' where chat and Messages fell back (a new user's
+    trial)."""
+    spare, spare_seen = _answering()
+    with BackgroundServer(spare) as c:
+        dead = f"http://127.0.0.1:{free_port()}"
+        config = load_config(_two_models(tmp_path, dead, c.url))
+        with (
+            BackgroundServer(lambda: create_proxy_app(config, GatewaySettings())) as gw,
+            httpx.Client(base_url=gw.url, timeout=20) as http,
+        ):
+            r = http.post(path, json=body)
+            assert r.status_code == 200, r.text
+            assert len(spare_seen) == 1
