@@ -618,6 +618,13 @@ async def update_cache(request: web.Request) -> web.Response:
     try:
         entry = await prefixes.renew(_cache_id(request), principal.salt, ttl_s)
     except APIError as exc:
+        if exc.status == 400 and exc.param == "ttl" and req.ttl is None:
+            # the life was given as expireTime: name the field the client sent
+            raise bad_request(
+                f"expireTime: a cache lives at most {prefixes.max_ttl_s:g} s from now "
+                "(the server's --max-prefix-ttl-s)",
+                param="expireTime",
+            ) from None
         if exc.status == 404:
             raise APIError(
                 404, exc.message.replace("prefix", "cached content", 1), param="name", code=exc.code

@@ -286,6 +286,12 @@ def test_cache_renew_moves_the_expiry(serve_fake):
     assert len(engine._pins) == 1  # the old pin released
     r = httpx.patch(url, params={"updateMask": "displayName"}, json={"ttl": "300s"})
     assert r.status_code == 400 and "updateMask" in r.json()["error"]["message"]
+    # a life past --max-prefix-ttl-s names the field sent (it blamed ttl for an expireTime)
+    far = {"expireTime": "2099-01-01T00:00:00Z"}
+    r = httpx.patch(url, params={"updateMask": "expireTime"}, json=far)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("expireTime:"), r.text
+    violation = r.json()["error"]["details"][0]["fieldViolations"][0]
+    assert violation["field"] == "expireTime"
     listed = httpx.get(srv.url + "/v1beta/cachedContents", params={"pageSize": 1}).json()
     assert [c["name"] for c in listed["cachedContents"]] == [made["name"]]
     assert httpx.delete(url).json() == {}
