@@ -217,7 +217,11 @@ def _console_errors(log: str) -> list[str]:
 def test_page_draws_live_charts_in_headless_chromium(serve_fake, gw, tmp_path):
     exe = _chromium()
     keys = _keys_file(
-        tmp_path, [{"key": "sk-dash-1", "name": "alpha"}, {"key": "sk-dash-2", "name": "beta"}]
+        tmp_path,
+        [
+            {"key": "sk-dash-1", "name": "alpha", "role": "operator"},  # sees every key
+            {"key": "sk-dash-2", "name": "beta"},
+        ],
     )
     # samples of 0.5 s: the page shows the newest sample's requests/s, and a 0.25 s window
     # with no request ended in it (the host busy starting Chromium) reads 0
@@ -258,7 +262,7 @@ def test_page_draws_live_charts_in_headless_chromium(serve_fake, gw, tmp_path):
             _wait_samples(
                 http, 12, timeout=20, pred=lambda d: _sampled(d, "alpha") and _sampled(d, "beta")
             )
-        url = f"{srv.url}/dashboard?key=sk-dash-2"
+        url = f"{srv.url}/dashboard?key=sk-dash-1"  # the operator: both keys' rows
         shot = Path(os.environ.get("PREFIXGATE_DASHBOARD_PNG") or tmp_path / "dashboard.png")
         dom, log = _browse(exe, url, tmp_path, shot)
     finally:

@@ -50,6 +50,7 @@ def _proxy(replicas, aidreams_path, tmp_path, feeds, access_log=False) -> Backgr
                 "keys": [
                     {"key": "sk-a", "name": "a", "salt": "tenant-a"},
                     {"key": "sk-b", "name": "b", "salt": "tenant-b"},
+                    {"key": "sk-op", "name": "op", "role": "operator"},  # reads /metrics
                 ]
             }
         )
@@ -143,7 +144,9 @@ def test_predicted_equals_reported_on_mixed_workload(replicas, aidreams_path, tm
         assert sum(precise.reported_tokens.values()) > 0  # the workload did hit the caches
         assert sum(_engine(r).stats()["prefix_cache_evictions"] for r in replicas) > 0
         assert set(precise.decisions) <= {"score", "affinity", "placed"}, precise.decisions
-        text = httpx.get(proxy.url + "/metrics").text
+        # the per-upstream families (addresses in their labels) are an operator's to read
+        auth = {"Authorization": "Bearer sk-op"}
+        text = httpx.get(proxy.url + "/metrics", headers=auth).text
         assert 'prefixgate_route_predictions_total{result="exact"' in text or (
             "prefixgate_route_predictions_total{" in text
         )
