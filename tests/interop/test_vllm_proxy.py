@@ -45,6 +45,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("one_thread")]
 
 AIDREAMS = "aidreams-260k"
 KEYS = {"a": "sk-tenant-a", "b": "sk-tenant-b"}
+OPERATOR = "sk-operator"  # the upstreams' details on /ready are an operator's to read
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +57,7 @@ def aidreams_upstream(aidreams_path):
 def gateway(vllm_server, aidreams_upstream, tmp_path_factory) -> Iterator[BackgroundServer]:
     keys = tmp_path_factory.mktemp("keys") / "keys.json"
     specs = [{"key": k, "name": n, "salt": f"tenant-{n}"} for n, k in KEYS.items()]
+    specs.append({"key": OPERATOR, "name": "ops", "role": "operator"})  # reads /ready's upstreams
     keys.write_text(json.dumps({"keys": specs}))
     settings = GatewaySettings(
         routing="precise",
@@ -309,7 +311,7 @@ def test_precise_routing_follows_vllm(gateway, vllm_server):
         f"\nprecise on vLLM: {n} requests, predictions {results}, index {sum(held.values())} blocks"
     )
     assert sum(precise.reported_tokens.values()) > 0  # the prompts did share cached blocks
-    pool = httpx.get(f"{gateway.url}/ready", headers={"Authorization": f"Bearer {KEYS['a']}"})
+    pool = httpx.get(f"{gateway.url}/ready", headers={"Authorization": f"Bearer {OPERATOR}"})
     ups = {u["url"]: u for u in pool.json()["upstreams"]}
     assert ups[url]["reports_cached_tokens"] is True
     feed = ups[url]["kv_events"]
