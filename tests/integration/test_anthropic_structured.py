@@ -19,7 +19,7 @@ from prefixgate.gateway.app import create_proxy_app
 from prefixgate.gateway.http.server import BackgroundServer
 from prefixgate.gateway.settings import GatewaySettings
 from pydantic import BaseModel, Field
-from support.gateway import serve_aidreams
+from support.gateway import serve_aidreams, wait_idle
 
 pytest.importorskip("prefixgate.engine.async_engine")
 
@@ -45,16 +45,26 @@ SCHEMA = {
 
 
 @pytest.fixture(scope="module")
-def urls(aidreams_path) -> Iterator[dict[str, str]]:
+def local(aidreams_path) -> Iterator[BackgroundServer]:
+    """aidreams served."""
+    yield from serve_aidreams(aidreams_path, model_name=MODEL)
+
+
+@pytest.fixture(scope="module")
+def urls(local) -> Iterator[dict[str, str]]:
     """``{"local": url, "proxy": url}``: aidreams served, and a proxy relaying to it."""
-    gen = serve_aidreams(aidreams_path, model_name=MODEL)
-    local = next(gen)
     proxy = BackgroundServer(lambda: create_proxy_app([local.url], GatewaySettings())).__enter__()
     try:
         yield {"local": local.url, "proxy": proxy.url}
     finally:
         proxy.close()
-        next(gen, None)
+
+
+@pytest.fixture(autouse=True)
+def _pool_whole_after(local, pool_whole) -> Iterator[None]:
+    """Every scenario ends with the engine idle and its block pool whole."""
+    yield
+    wait_idle(local, pool_whole)
 
 
 def _body(**kw: object) -> dict:

@@ -6,7 +6,7 @@ gets its answer (greedy: the prompt "Dream" ends with the model's EOS within 100
 from __future__ import annotations
 
 import pytest
-from support.gateway import serve_aidreams
+from support.gateway import serve_aidreams, wait_idle
 
 pytest.importorskip("prefixgate.engine.async_engine")
 agents = pytest.importorskip("agents")
@@ -15,14 +15,12 @@ MODEL = "aidreams-260k"
 
 
 @pytest.fixture(scope="module")
-def url(aidreams_path):
-    gen = serve_aidreams(aidreams_path, model_name=MODEL)
-    srv = next(gen)
-    yield srv.url
-    next(gen, None)
+def server(aidreams_path):
+    yield from serve_aidreams(aidreams_path, model_name=MODEL)
 
 
-def test_an_agent_in_responses_mode_gets_its_answer(url):
+def test_an_agent_in_responses_mode_gets_its_answer(server, pool_whole):
+    url = server.url
     from openai import AsyncOpenAI
 
     agents.set_tracing_disabled(True)
@@ -35,3 +33,4 @@ def test_an_agent_in_responses_mode_gets_its_answer(url):
     )
     result = agents.Runner.run_sync(agent, "Dream")
     assert isinstance(result.final_output, str) and result.final_output
+    wait_idle(server, pool_whole)  # the agent's calls leave the block pool whole
