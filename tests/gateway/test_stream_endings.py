@@ -15,6 +15,7 @@ import time
 import anthropic
 import httpx
 import openai
+import pytest
 from prefixgate.gateway.settings import GatewaySettings
 
 MSGS = [{"role": "user", "content": "long"}]
@@ -238,45 +239,22 @@ def test_an_engine_failure_mid_stream_ends_every_dialect_with_its_error(serve_fa
         assert not kinds & {"message_stop", "message_delta", "response.completed"}, path
 
 
-def test_a_gemini_stream_cut_by_the_shutdown_ends_with_its_error(serve_fake):
-    srv, engine = serve_fake(
-        GatewaySettings(model_name="fake", keepalive_s=0.2), token_delay_s=0.05, max_num_seqs=16
-    )
-    path = "/v1beta/models/fake:streamGenerateContent?alt=sse"
-    body = {
-        "contents": [{"parts": [{"text": "long"}]}],
-        "generationConfig": {"maxOutputTokens": 100},
-    }
-    out: dict = {}
-
-    def run() -> None:
-        with httpx.stream("POST", srv.url + path, json=body, timeout=30) as r:
-            out["lines"] = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
-
-    t = threading.Thread(target=run)
-    t.start()
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and not srv.call(_stats(engine))["num_running"]:
-        time.sleep(0.05)
-    summary = srv.call(lambda: srv.server.drain(0.1), timeout=10)
-    srv.server = None
-    t.join(10)
-    assert summary["ended"] == 1, summary
-    last = json.loads(out["lines"][-1][6:])
-    assert last["error"]["status"] == "UNAVAILABLE" and last["error"]["code"] == 503, last
-    assert not any("finishReason" in ln for ln in out["lines"])
-
-
-def test_a_relayed_gemini_stream_cut_by_the_proxys_shutdown_ends_with_its_error(serve_fake):
+@pytest.mark.parametrize("mode", ["local", "proxy"])
+def test_a_gemini_stream_cut_by_the_shutdown_ends_with_its_error(serve_fake, mode):
+    """A Gemini stream cut by the shutdown of the server it reaches (the local gateway, or the
+    proxy in front of one) ends with Gemini's error event, never a finishReason; through the
+    proxy, the upstream's request is aborted when the proxy lets go."""
     from prefixgate.gateway.app import create_proxy_app
     from prefixgate.gateway.http.server import BackgroundServer
 
     local, engine = serve_fake(
         GatewaySettings(model_name="fake", keepalive_s=0.2), token_delay_s=0.05, max_num_seqs=16
     )
-    proxy = BackgroundServer(
-        lambda: create_proxy_app([local.url], GatewaySettings(keepalive_s=0.2))
-    ).__enter__()
+    front = local
+    if mode == "proxy":
+        front = BackgroundServer(
+            lambda: create_proxy_app([local.url], GatewaySettings(keepalive_s=0.2))
+        ).__enter__()
     path = "/v1beta/models/fake:streamGenerateContent?alt=sse"
     body = {
         "contents": [{"parts": [{"text": "long"}]}],
@@ -285,7 +263,7 @@ def test_a_relayed_gemini_stream_cut_by_the_proxys_shutdown_ends_with_its_error(
     out: dict = {}
 
     def run() -> None:
-        with httpx.stream("POST", proxy.url + path, json=body, timeout=30) as r:
+        with httpx.stream("POST", front.url + path, json=body, timeout=30) as r:
             out["lines"] = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
 
     try:
@@ -294,16 +272,18 @@ def test_a_relayed_gemini_stream_cut_by_the_proxys_shutdown_ends_with_its_error(
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and not local.call(_stats(engine))["num_running"]:
             time.sleep(0.05)
-        summary = proxy.call(lambda: proxy.server.drain(0.1), timeout=10)
-        proxy.server = None
+        summary = front.call(lambda: front.server.drain(0.1), timeout=10)
+        front.server = None
         t.join(10)
     finally:
-        proxy.close()
+        if front is not local:
+            front.close()
     assert summary["ended"] == 1, summary
     last = json.loads(out["lines"][-1][6:])
     assert last["error"]["code"] == 503 and last["error"]["status"] == "UNAVAILABLE", last
     assert not any("finishReason" in ln for ln in out["lines"])
-    deadline = time.monotonic() + 5  # the upstream's request aborted when the proxy let go
-    while engine.stats()["num_running"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert engine.stats()["num_running"] == 0
+    if mode == "proxy":
+        deadline = time.monotonic() + 5  # the upstream's request aborted when the proxy let go
+        while engine.stats()["num_running"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.stats()["num_running"] == 0
