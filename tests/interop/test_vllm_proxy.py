@@ -213,6 +213,33 @@ def test_anthropic_messages(gateway):
     assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens > BLOCK_SIZE
 
 
+def test_gemini_generate_and_stream_through_vllm(gateway):
+    """Gemini's dialect through the proxy in front of the real vLLM: translated to chat
+    completions and back, whole and streamed, usage and the system prompt's cached tokens
+    as vLLM reports them."""
+    genai = pytest.importorskip("google.genai")
+    from google.genai import types
+
+    client = genai.Client(
+        api_key=KEYS["a"],
+        http_options=types.HttpOptions(base_url=gateway.url, api_version="v1beta"),
+    )
+    config = types.GenerateContentConfig(max_output_tokens=4)
+    r = client.models.generate_content(model=SERVED_NAME, contents="Hello", config=config)
+    assert r.candidates[0].finish_reason in (types.FinishReason.MAX_TOKENS, types.FinishReason.STOP)
+    assert r.usage_metadata.prompt_token_count > 0
+    assert r.usage_metadata.candidates_token_count <= 4
+    chunks = list(
+        client.models.generate_content_stream(model=SERVED_NAME, contents="Hello", config=config)
+    )
+    assert chunks and chunks[-1].candidates[0].finish_reason is not None
+    system = random_text(random.Random(5), 80)  # the same long system prompt twice
+    cached = types.GenerateContentConfig(max_output_tokens=1, system_instruction=system)
+    for _ in range(2):
+        r = client.models.generate_content(model=SERVED_NAME, contents="Hello", config=cached)
+    assert (r.usage_metadata.cached_content_token_count or 0) >= BLOCK_SIZE
+
+
 def test_routing_by_model(gateway):
     """Each model's requests reach the upstream that serves it."""
     ids = {
