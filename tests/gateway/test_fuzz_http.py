@@ -23,12 +23,13 @@ import time
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from prefixgate.gateway.app import create_proxy_app
 from prefixgate.gateway.http.server import BackgroundServer
 from prefixgate.gateway.local.serving import LOCAL
 from prefixgate.gateway.settings import GatewaySettings
+from support.fuzz import live_server_settings
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "1000"))
 
@@ -363,13 +364,7 @@ def _fuzz(url: str) -> dict[int, int]:
     served: list[str] = []
     with httpx.Client(base_url=url, timeout=30) as http:
 
-        @settings(
-            max_examples=EXAMPLES,
-            deadline=None,
-            database=None,
-            derandomize=True,
-            suppress_health_check=list(HealthCheck),
-        )
+        @live_server_settings(EXAMPLES)
         @given(requests())
         def one(req: tuple[str, str, dict[str, bytes], bytes]) -> None:
             method, path, headers, body = req

@@ -183,21 +183,7 @@ def test_stream_chunks_and_end(serve_fake):
 
 def test_stream_cut_ends_with_an_error_the_client_raises(serve_fake):
     srv, engine = serve_fake()
-    real = engine.generate
-
-    async def failing(request):
-        n = 0
-        inner = real(request)
-        try:
-            async for out in inner:
-                yield out
-                n += 1
-                if n == 2:
-                    raise RuntimeError("boom")
-        finally:
-            await inner.aclose()  # the fake frees the request's blocks now, not at GC
-
-    engine.generate = failing
+    engine.fail_after(2)
     path = "/v1beta/models/fake:streamGenerateContent?alt=sse"
     body = {**HELLO, "generationConfig": {"maxOutputTokens": 8}}
     with httpx.stream("POST", srv.url + path, json=body, timeout=10) as r:

@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 from aiohttp import web
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from prefixgate.gateway import app as app_module
 from prefixgate.gateway.app import create_app, create_proxy_app
@@ -40,6 +40,7 @@ from prefixgate.gateway.http.json_guard import (
 from prefixgate.gateway.http.server import BackgroundServer
 from prefixgate.gateway.settings import GatewaySettings
 from support.fake_engine import FakeEngine
+from support.fuzz import live_server_settings
 
 EXAMPLES = int(os.environ.get("GUARD_FUZZ_EXAMPLES", "120"))
 ANTHROPIC_ROUTES = {"/v1/messages", "/v1/messages/count_tokens"}
@@ -430,13 +431,7 @@ def test_fuzz_of_every_routes_shapes_finds_no_5xx(modes, mode):
     faults: list[str] = []
     with httpx.Client(base_url=url, timeout=60) as http:
 
-        @settings(
-            max_examples=EXAMPLES,
-            deadline=None,
-            database=None,
-            derandomize=True,
-            suppress_health_check=list(HealthCheck),
-        )
+        @live_server_settings(EXAMPLES)
         @given(guarded_requests())
         def one(req: tuple[str, bytes]) -> None:
             path, body = req

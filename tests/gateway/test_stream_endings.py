@@ -202,21 +202,7 @@ def test_an_engine_failure_mid_stream_ends_every_dialect_with_its_error(serve_fa
     """The engine fails after two tokens: the error event is each stream's last event (no
     ``[DONE]``, ``message_stop`` or Gemini's closing chunk after it)."""
     srv, engine = serve_fake()
-    real = engine.generate
-
-    async def failing(request):
-        n = 0
-        inner = real(request)
-        try:
-            async for out in inner:
-                yield out
-                n += 1
-                if n == 2:
-                    raise RuntimeError("boom")
-        finally:
-            await inner.aclose()  # the fake frees the request's blocks now, not at GC
-
-    engine.generate = failing
+    engine.fail_after(2)
     gemini = "/v1beta/models/fake:streamGenerateContent?alt=sse"
     bodies = {
         **{p: {**b, LIMIT.get(p, "max_tokens"): 8} for p, b in BODIES.items()},

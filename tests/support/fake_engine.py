@@ -130,6 +130,27 @@ class FakeEngine:
         self.requests_seen: list[tuple[str, list[int], SamplingParams, str | None]] = []
         self.shutdown_called = False
 
+    # --- test aids ----------------------------------------------------------------------
+    def fail_after(self, num_outputs: int) -> None:
+        """From now on every ``generate`` raises ``RuntimeError("boom")`` after yielding
+        ``num_outputs`` outputs (an engine failure mid-stream); the request's blocks are freed
+        then, as on any failure, not at garbage collection."""
+        real = self.generate
+
+        async def failing(request: EngineRequest) -> AsyncIterator[RequestOutput]:
+            inner = real(request)
+            try:
+                n = 0
+                async for out in inner:
+                    yield out
+                    n += 1
+                    if n == num_outputs:
+                        raise RuntimeError("boom")
+            finally:
+                await inner.aclose()
+
+        self.generate = failing  # type: ignore[method-assign]
+
     # --- the contract -----------------------------------------------------------------
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         prompt, params, request_id = request.prompt, request.sampling_params, request.request_id
