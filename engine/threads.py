@@ -4,19 +4,19 @@
 ``KMP_BLOCKTIME=0``: a thread with no work sleeps instead of spinning for the next parallel
 region), which OpenMP reads once when torch loads, so ``prefixgate serve`` sets it before
 anything imports torch (a variable the user set wins). Measured with
-``engine/bench/threads.py`` on a shared 2-core host: with OpenMP's default (active) waiting,
+``examples/benchmarks/threads.py`` on a shared 2-core host: with OpenMP's default (active) waiting,
 2-thread single-stream decode collapsed to a fraction of 1-thread decode, with passive
 waiting it did not (docs/benchmarks/threads.md).
 
 Every entry point gets it without an environment variable: ``prefixgate serve`` sets it in
 ``gateway/cli.py``, and importing the ``prefixgate.engine`` package (which ``LLM``,
-``AsyncEngine``, ``LLMEngine`` and ``python -m prefixgate.engine.bench.*`` all do before their
+``AsyncEngine``, ``LLMEngine`` and ``python -m examples.benchmarks.*`` all do before their
 own modules load torch) calls :func:`note_engine_import`, which sets it where torch is not
 loaded yet. Where torch was imported first, OpenMP already runs with its default (spinning
 ~300,000 rounds for the next parallel region; GNU libgomp, torch's CPU wheels): the process
 cannot change that any more, so :func:`apply_threads` then runs an engine whose ``threads``
 is unset at one thread (no parallel region, nothing to spin for) and logs why, once
-(:func:`waits_actively`). ``python -m prefixgate.engine.bench.threads --settings`` prints what a
+(:func:`waits_actively`). ``python -m examples.benchmarks.threads --settings`` prints what a
 process ends up with (:func:`openmp_settings`).
 
 ``default_threads()``: the CPUs this process may run on (``os.sched_getaffinity``: a container's

@@ -2,11 +2,29 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import pytest
 from prefixgate.sdk.bench.shared import shared_dir
+
+
+def _register_examples() -> None:
+    """Make ``examples`` (the benchmarks, ``examples.benchmarks.X``) importable without putting
+    the checkout itself on ``sys.path``: there its ``kernels/`` would shadow HF's ``kernels``."""
+    folder = Path(__file__).resolve().parents[1] / "examples"
+    spec = importlib.util.spec_from_file_location(
+        "examples", folder / "__init__.py", submodule_search_locations=[str(folder)]
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["examples"] = module
+    spec.loader.exec_module(module)
+
+
+_register_examples()
 
 SHARED = shared_dir()  # $PREFIXGATE_SHARED, else ./shared, ../shared, beside the checkout
 AIDREAMS = SHARED / "models" / "aidreams-260k"

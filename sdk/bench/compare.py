@@ -8,7 +8,7 @@ Targets, each started as a real server on a free loopback port and benchmarked o
 * (c) ``static-batching``: the same with ``scheduling="static"`` (a new batch only when the
   running one has drained);
 * (d) ``hf-transformers``: transformers ``generate`` in static batches behind a minimal
-  OpenAI-compatible server (:mod:`prefixgate.engine.bench.hf_server`);
+  OpenAI-compatible server (:mod:`prefixgate.engine.hf_server`);
 * (e) ``upstream``: an already running server given by ``--upstream URL`` (optional).
 
 Each target gets the same warm-up (two short requests that share no block with the workload)

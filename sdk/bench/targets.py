@@ -110,7 +110,7 @@ def build_targets(args: argparse.Namespace) -> list[Target]:
             [
                 py,
                 "-m",
-                "prefixgate.engine.bench.hf_server",
+                "prefixgate.engine.hf_server",
                 "--model",
                 model or "",
                 "--load-format",

@@ -4,7 +4,7 @@ buffer / padding logic run on CPU with an eager stand-in for the captured graph.
 The stand-in replays the model eagerly on the graph's static buffers and padded batch, so every
 part but the capture itself (padding rows with slot -1, context length 1, zeroed table columns,
 reading the first B rows) is checked for greedy equality with the plain engine. The capture runs
-on a GPU in ``python -m prefixgate.engine.bench.gpu_check`` (section ``engine_variants``).
+on a GPU in ``python -m examples.benchmarks.gpu_check`` (section ``engine_variants``).
 """
 
 from __future__ import annotations

@@ -12,8 +12,12 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+# run as a file: the checkout (examples' parent) is not put on sys.path, see run()
+THREADS_BENCH = Path(__file__).resolve().parents[2] / "examples" / "benchmarks" / "threads.py"
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="GNU libgomp's report: Linux")
 
@@ -80,7 +84,7 @@ def test_engine_bench_gets_passive_waiting(aidreams_path):
     code = (
         "import runpy, sys\n"
         "sys.argv = ['threads', '--settings']\n"
-        "runpy.run_module('prefixgate.engine.bench.threads', run_name='__main__')\n"
+        f"runpy.run_path({str(THREADS_BENCH)!r}, run_name='__main__')\n"
     )
     got, spin, _ = run(code, aidreams_path)
     assert spin == "0"

@@ -66,14 +66,14 @@ def test_quantize_model_replaces_every_linear(aidreams_path):
 
 
 def _quality_module():
-    import prefixgate.engine.bench.int8_quality as module
+    import examples.benchmarks.int8_quality as module
 
     return module
 
 
 def test_int8_agrees_with_fp32_on_real_text(aidreams_path, workloads_path):
     """Top-1 next-token agreement on a small sample of the workloads' text (the full figure
-    comes from ``python -m prefixgate.engine.bench.int8_quality``)."""
+    comes from ``python -m examples.benchmarks.int8_quality``)."""
     q = _quality_module()
     ref = load(aidreams_path)
     quant = load(aidreams_path, quantization="int8")

@@ -14,13 +14,14 @@ import httpx
 import openai
 import pytest
 from prefixgate.gateway.app import create_proxy_app
-from prefixgate.gateway.bench.fault_upstream import FaultUpstream
 from prefixgate.gateway.http.server import BackgroundServer
 from prefixgate.gateway.proxy.relay import EventChecker, StreamBroken
 from prefixgate.gateway.settings import GatewaySettings
 from prefixgate.sdk import Client
 from prefixgate.sdk import errors as sdk_errors
 from support.fault_proxy import FaultProxies
+
+from examples.benchmarks.fault_upstream import FaultUpstream
 
 BODY = {"model": "fault", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 

@@ -12,11 +12,12 @@ import httpx
 import pytest
 from aiohttp import web
 from prefixgate.gateway.app import create_proxy_app
-from prefixgate.gateway.bench.fault_upstream import FaultUpstream
 from prefixgate.gateway.http.server import BackgroundServer
 from prefixgate.gateway.proxy.redact import REDACTED, secrets_of
 from prefixgate.gateway.settings import GatewaySettings
 from support.http import assert_openai_error
+
+from examples.benchmarks.fault_upstream import FaultUpstream
 
 KEY = "sk-upstream-secret-0123456789"
 USER, PASSWORD = "svc", "hunter2-password"

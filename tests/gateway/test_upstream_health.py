@@ -10,11 +10,11 @@ from __future__ import annotations
 import concurrent.futures
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 from prefixgate.gateway.app import create_proxy_app
-from prefixgate.gateway.bench.fault_upstream import FaultUpstream
 from prefixgate.gateway.http.server import BackgroundServer
 from prefixgate.gateway.proxy.health import HealthPolicy, UpstreamHealth
 from prefixgate.gateway.proxy.policies import POLICIES, Route
@@ -22,6 +22,8 @@ from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import UpstreamRouter
 from prefixgate.gateway.settings import GatewaySettings
 from support.http import assert_openai_error
+
+from examples.benchmarks.fault_upstream import FaultUpstream
 
 BODY = {"model": "fault", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 
@@ -143,7 +145,7 @@ def test_a_sigstopped_upstream_process_is_found_and_brought_back(tmp_path):
     port = free_port()
     script = (
         "import time\n"
-        "from prefixgate.gateway.bench.fault_upstream import FaultUpstream\n"
+        "from examples.benchmarks.fault_upstream import FaultUpstream\n"
         "import asyncio\n"
         f"u = FaultUpstream('ok', 2, 0.001)\n"
         "async def start():\n"
@@ -153,7 +155,10 @@ def test_a_sigstopped_upstream_process_is_found_and_brought_back(tmp_path):
         "print('up', flush=True)\n"
         "time.sleep(600)\n"
     )
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    root = Path(__file__).resolve().parents[2]  # examples.benchmarks from the checkout
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=root
+    )
     other = FaultUpstream("ok", 2, 0.001).__enter__()
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "up"

@@ -9,7 +9,6 @@ import argparse
 import httpx
 import pytest
 from prefixgate.gateway.app import create_proxy_app
-from prefixgate.gateway.bench.fault_upstream import FaultUpstream
 from prefixgate.gateway.cli import build_parser
 from prefixgate.gateway.http.server import BackgroundServer
 from prefixgate.gateway.serve.configure import (
@@ -17,6 +16,8 @@ from prefixgate.gateway.serve.configure import (
     settings_from_args,
     upstream_api_key,
 )
+
+from examples.benchmarks.fault_upstream import FaultUpstream
 
 
 def _args(*flags: str) -> argparse.Namespace:

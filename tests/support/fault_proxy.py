@@ -6,9 +6,10 @@ from __future__ import annotations
 from typing import Any, Self
 
 from prefixgate.gateway.app import create_proxy_app
-from prefixgate.gateway.bench.fault_upstream import FaultUpstream
 from prefixgate.gateway.http.server import BackgroundServer
 from prefixgate.gateway.settings import GatewaySettings
+
+from examples.benchmarks.fault_upstream import FaultUpstream
 
 
 class FaultProxies:

@@ -11,7 +11,8 @@ and the bench).
 from __future__ import annotations
 
 import pytest
-from prefixgate.gateway.bench import memory_curve
+
+from examples.benchmarks import memory_curve
 
 
 def heap_in_use() -> int:

@@ -78,7 +78,7 @@ def test_build_targets_commands():
     assert "serve" in a.command and "--model" in a.command and "{port}" in a.command
     assert set(b.command) - set(a.command) and set(c.command) - set(a.command)
     assert (
-        "prefixgate.engine.bench.hf_server" in d.command
+        "prefixgate.engine.hf_server" in d.command
         and d.command[d.command.index("--max-batch-size") + 1] == "8"
     )
     assert e.command is None and e.base_url == "http://127.0.0.1:9/v1"
