@@ -17,8 +17,8 @@ Modes (the client settings compared):
 
 Usage::
 
-    python -m prefixgate.sdk.bench.sdk_rate_limit --n 500 --rate 50     # ~10 s per mode
-    python -m prefixgate.sdk.bench.sdk_rate_limit --mode rate_limit --json
+    python -m examples.benchmarks.sdk_rate_limit --n 500 --rate 50     # ~10 s per mode
+    python -m examples.benchmarks.sdk_rate_limit --mode rate_limit --json
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def main() -> None:
         [
             sys.executable,
             "-m",
-            "prefixgate.sdk.bench.sdk_rate_limit",
+            "examples.benchmarks.sdk_rate_limit",
             "--serve",
             "--rate",
             str(args.rate),
