@@ -191,7 +191,7 @@ class GatewaySettings:
         if self.shutdown_grace_s < 0 or self.upstream_timeout_s < 0:
             raise ValueError("shutdown_grace_s and upstream_timeout_s must be >= 0")
         if self.tool_call_parser is not None:
-            from prefixgate.gateway.api.tool_parsers import get_parser  # noqa: PLC0415
+            from prefixgate.gateway.wire.tool_parsers import get_parser  # noqa: PLC0415
 
             get_parser(self.tool_call_parser)  # ValueError on an unknown name
         if self.key_max_prefixes < 0:

@@ -67,7 +67,7 @@ class PartCacheControl(BaseModel):
 
 class TextPart(BaseModel):
     """One ``{"type": "text", "text": ...}`` part of a message's content, optionally a cache
-    breakpoint (``prompt_cache_breakpoint`` or ``cache_control``: ``api/cache_marks.py``)."""
+    breakpoint (``prompt_cache_breakpoint`` or ``cache_control``: ``local/cache_marks.py``)."""
 
     model_config = _REQUEST_CONFIG
     type: Literal["text"]

@@ -22,8 +22,12 @@ from prefixgate.engine.errors import EngineDeadError
 from prefixgate.engine.protocol import EngineRequest
 from prefixgate.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from prefixgate.engine.scheduling_policy import policy_class
-from prefixgate.gateway.api.cache_diagnostics import Comparison, header_part
-from prefixgate.gateway.api.cache_marks import (
+from prefixgate.gateway.http.access_log import record, stream_cut
+from prefixgate.gateway.http.errors import APIError, bad_request
+from prefixgate.gateway.http.lifecycle import end_streams_with
+from prefixgate.gateway.http.sse import KEEPALIVE, SSEWriter, client_gone
+from prefixgate.gateway.local.cache_diagnostics import Comparison, header_part
+from prefixgate.gateway.local.cache_marks import (
     CACHE_HEADER,
     Mark,
     cache_header,
@@ -33,8 +37,16 @@ from prefixgate.gateway.api.cache_marks import (
     pin_marks,
     written_tokens,
 )
-from prefixgate.gateway.api.local_call import open_call
-from prefixgate.gateway.api.prompts import (
+from prefixgate.gateway.local.generation import ChoiceOutput, ChoiceRun, Delta, engine_request
+from prefixgate.gateway.local.local_call import open_call
+from prefixgate.gateway.local.renderers import ChatRenderer, CompletionRenderer, Renderer
+from prefixgate.gateway.local.serving import LOCAL
+from prefixgate.gateway.local.token_walk import first_token_walk
+from prefixgate.gateway.state import STATE, GatewayState
+from prefixgate.gateway.tenancy.keys import Principal
+from prefixgate.gateway.tenancy.pool_hints import pool_hint
+from prefixgate.gateway.tenancy.ttft_budget import PREDICTED_TTFT_HEADER, budget_s
+from prefixgate.gateway.wire.prompts import (
     check_length,
     check_vocab,
     choice_seeds,
@@ -42,28 +54,16 @@ from prefixgate.gateway.api.prompts import (
     render_chat,
     sampling_params,
 )
-from prefixgate.gateway.api.renderers import ChatRenderer, CompletionRenderer, Renderer
-from prefixgate.gateway.api.request_fields import (
+from prefixgate.gateway.wire.request_fields import (
     REFUSED,
     check_constraint,
     check_refused,
     structured_from,
 )
-from prefixgate.gateway.api.request_models import ChatCompletionRequest, CompletionRequest
-from prefixgate.gateway.api.response_models import ModelCard, ModelList, Usage, dump
-from prefixgate.gateway.api.stop_strings import refuse_stop_under_constraint
-from prefixgate.gateway.api.tools import ToolPlan, plan_tools, template_messages
-from prefixgate.gateway.http.access_log import record, stream_cut
-from prefixgate.gateway.http.errors import APIError, bad_request
-from prefixgate.gateway.http.lifecycle import end_streams_with
-from prefixgate.gateway.http.sse import KEEPALIVE, SSEWriter, client_gone
-from prefixgate.gateway.local.generation import ChoiceOutput, ChoiceRun, Delta, engine_request
-from prefixgate.gateway.local.serving import LOCAL
-from prefixgate.gateway.local.token_walk import first_token_walk
-from prefixgate.gateway.state import STATE, GatewayState
-from prefixgate.gateway.tenancy.keys import Principal
-from prefixgate.gateway.tenancy.pool_hints import pool_hint
-from prefixgate.gateway.tenancy.ttft_budget import PREDICTED_TTFT_HEADER, budget_s
+from prefixgate.gateway.wire.request_models import ChatCompletionRequest, CompletionRequest
+from prefixgate.gateway.wire.response_models import ModelCard, ModelList, Usage, dump
+from prefixgate.gateway.wire.stop_strings import refuse_stop_under_constraint
+from prefixgate.gateway.wire.tools import ToolPlan, plan_tools, template_messages
 
 logger = logging.getLogger("prefixgate.gateway")
 

@@ -36,7 +36,22 @@ from typing import Any
 
 from aiohttp import web
 from prefixgate.engine.sampling_params import SamplingParams
-from prefixgate.gateway.api.gemini_models import (
+from prefixgate.gateway.http.errors import (
+    GEMINI,
+    APIError,
+    bad_request,
+    error_dialect,
+    not_found,
+    route_miss,
+)
+from prefixgate.gateway.local.generation import ChoiceOutput, Delta, engine_request
+from prefixgate.gateway.local.prefix_routes import prefix_quota
+from prefixgate.gateway.local.prefixes import PrefixEntry, SharedPrefix
+from prefixgate.gateway.local.serving import LOCAL
+from prefixgate.gateway.state import STATE, GatewayState
+from prefixgate.gateway.tenancy.keys import Principal, effective_salt
+from prefixgate.gateway.tenancy.pool_hints import pool_hint
+from prefixgate.gateway.wire.gemini_models import (
     CachedContentCreate,
     CachedContentUpdate,
     Chat,
@@ -51,25 +66,10 @@ from prefixgate.gateway.api.gemini_models import (
     to_chat,
     turns,
 )
-from prefixgate.gateway.api.prefix_routes import prefix_quota
-from prefixgate.gateway.api.prompts import check_length, choice_seeds, render_chat
-from prefixgate.gateway.api.response_models import Usage
-from prefixgate.gateway.api.stop_strings import refuse_stop_under_constraint
-from prefixgate.gateway.api.tools import ToolDeltas, ToolPlan, parse_output, plan_tools
-from prefixgate.gateway.http.errors import (
-    GEMINI,
-    APIError,
-    bad_request,
-    error_dialect,
-    not_found,
-    route_miss,
-)
-from prefixgate.gateway.local.generation import ChoiceOutput, Delta, engine_request
-from prefixgate.gateway.local.prefixes import PrefixEntry, SharedPrefix
-from prefixgate.gateway.local.serving import LOCAL
-from prefixgate.gateway.state import STATE, GatewayState
-from prefixgate.gateway.tenancy.keys import Principal, effective_salt
-from prefixgate.gateway.tenancy.pool_hints import pool_hint
+from prefixgate.gateway.wire.prompts import check_length, choice_seeds, render_chat
+from prefixgate.gateway.wire.response_models import Usage
+from prefixgate.gateway.wire.stop_strings import refuse_stop_under_constraint
+from prefixgate.gateway.wire.tools import ToolDeltas, ToolPlan, parse_output, plan_tools
 
 CACHE_PREFIX = "cachedContents/"
 DEFAULT_CACHE_TTL_S = 3600.0  # Gemini's default cache life (1 hour)
@@ -361,7 +361,7 @@ async def _count_tokens(request: web.Request, model: str) -> web.Response:
 
 
 async def _generate(request: web.Request, model: str, stream: bool) -> web.StreamResponse:
-    from prefixgate.gateway.api.openai_routes import Exchange, _check_constraint
+    from prefixgate.gateway.local.openai_routes import Exchange, _check_constraint
 
     st = request.app[STATE]
     engine = request.app[LOCAL].require_engine()

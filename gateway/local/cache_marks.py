@@ -33,8 +33,8 @@ from typing import Any
 
 from aiohttp import web
 from prefixgate.engine.protocol import TokenizerLike
-from prefixgate.gateway.api.prefix_routes import prefix_quota
 from prefixgate.gateway.local.cache_pins import CachePins, pin_key
+from prefixgate.gateway.local.prefix_routes import prefix_quota
 from prefixgate.gateway.local.serving import LOCAL
 from prefixgate.gateway.state import STATE
 from prefixgate.gateway.tenancy.keys import Principal
