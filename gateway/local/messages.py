@@ -322,7 +322,8 @@ async def count_tokens(request: web.Request) -> web.Response:
 @error_dialect(ANTHROPIC)
 async def create_message(request: web.Request) -> web.StreamResponse:
     """POST /v1/messages."""
-    from prefixgate.gateway.local.openai_routes import Exchange, _check_constraint
+    from prefixgate.gateway.local.exchange import Exchange
+    from prefixgate.gateway.local.openai_routes import _check_constraint
 
     st = request.app[STATE]
     local = request.app[LOCAL]

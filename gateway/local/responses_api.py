@@ -43,13 +43,13 @@ from prefixgate.gateway.local.cache_diagnostics import PROMPT_LOG, Comparison, o
 from prefixgate.gateway.local.cache_marks import (
     Mark,
     find_marks,
-    openai_breakpoints,
     written_tokens,
 )
 from prefixgate.gateway.local.generation import ChoiceOutput, Delta, engine_request
 from prefixgate.gateway.local.serving import LOCAL
 from prefixgate.gateway.state import STATE
 from prefixgate.gateway.tenancy.pool_hints import pool_hint
+from prefixgate.gateway.wire.cache_breakpoints import openai_breakpoints
 from prefixgate.gateway.wire.prompts import check_length, render_chat
 from prefixgate.gateway.wire.request_models import (
     MAX_MESSAGES,
@@ -441,7 +441,7 @@ def _usage(u: Usage, marks: list[Mark]) -> dict[str, Any]:
 
 async def create_response(request: web.Request) -> web.StreamResponse:
     """POST /v1/responses."""
-    from prefixgate.gateway.local.openai_routes import Exchange
+    from prefixgate.gateway.local.exchange import Exchange
 
     st = request.app[STATE]
     engine = request.app[LOCAL].require_engine()

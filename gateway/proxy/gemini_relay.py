@@ -40,15 +40,6 @@ from aiohttp import web
 from prefixgate.gateway.http.access_log import stream_cut
 from prefixgate.gateway.http.errors import GEMINI, APIError, bad_request, error_dialect
 from prefixgate.gateway.http.sse import SSE_HEADERS
-from prefixgate.gateway.local.gemini import (
-    CACHE_PREFIX,
-    DEFAULT_CACHE_TTL_S,
-    GENERATION_METHODS,
-    add_gemini_routes,
-    no_route,  # noqa: F401  (add_gemini_routes reads the handlers off this module)
-    refuse_get_of_method,
-    rfc3339,
-)
 from prefixgate.gateway.proxy.answers import shape_problem
 from prefixgate.gateway.proxy.attempts import NextUpstream, each_upstream
 from prefixgate.gateway.proxy.messages_openai import token_count
@@ -80,6 +71,15 @@ from prefixgate.gateway.wire.gemini_models import (
     to_chat,
     turns,
     wire_messages,
+)
+from prefixgate.gateway.wire.gemini_routes import (
+    CACHE_PREFIX,
+    DEFAULT_CACHE_TTL_S,
+    GENERATION_METHODS,
+    add_gemini_routes,
+    no_route,  # noqa: F401  (add_gemini_routes reads the handlers off this module)
+    refuse_get_of_method,
+    rfc3339,
 )
 from prefixgate.gateway.wire.response_models import ChatCompletion, ChatCompletionChunk
 from prefixgate.gateway.wire.stop_strings import refuse_stop_under_constraint

@@ -38,8 +38,8 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar
 import pydantic_core
 from prefixgate.engine.sampling_params import StructuredOutputsParams
 from prefixgate.gateway.http.errors import bad_request
-from prefixgate.gateway.local.cache_marks import Breakpoint
 from prefixgate.gateway.tenancy.keys import MAX_SALT_CHARS
+from prefixgate.gateway.wire.cache_breakpoints import Breakpoint
 from pydantic import BaseModel, ConfigDict, Field
 
 _CONFIG = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
