@@ -32,7 +32,7 @@ class StructuredOutputsParams:
             ``{"type": "structural_tag", "format": {...}}``, e.g. ``triggered_tags``: free text
             until a trigger string, then a tag (begin, content such as a JSON schema, end). The
             gateway builds one to honour ``strict`` tools under ``tool_choice="auto"``
-            (``gateway/api/tool_parsers.py``). Format reference: xgrammar's "Structural Tag" docs.
+            (``gateway/wire/tool_parsers.py``). Format reference: xgrammar's "Structural Tag" docs.
 
     Compiled by xgrammar (``prefixgate.engine.structured_output``); the engine masks every
     token the constraint forbids, and a request whose constraint is complete ends with

@@ -9,7 +9,7 @@
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{model}],
 POST /v1/responses, POST /v1/embeddings (``--runner pooling``), POST /v1/prefixes, GET|DELETE /v1/prefixes/{id}, POST /tokenize,
-POST /detokenize (local mode), Gemini's /v1beta routes (``api/gemini.py``, proxy
+POST /detokenize (local mode), Gemini's /v1beta routes (``local/gemini.py``, proxy
 ``proxy/gemini_relay.py``; ``docs/gemini.md``), GET /health, GET /ready, GET /metrics, GET /dashboard (a live
 page of the metrics, see ``dashboard``) and GET /dashboard/data. Every answer carries
 ``x-request-id`` (``request_id``). Run the app with ``handler_cancellation=True`` (``server.start_server`` does)
@@ -28,16 +28,6 @@ from typing import Any
 from aiohttp import web
 from prefixgate.engine.protocol import EngineClient
 from prefixgate.gateway import dashboard
-from prefixgate.gateway.api import (
-    embeddings,
-    gemini,
-    messages,
-    openai_routes,
-    prefix_routes,
-    responses_api,
-    tokenize,
-)
-from prefixgate.gateway.api.cache_diagnostics import PROMPT_LOG, PromptLog
 from prefixgate.gateway.http import lifecycle, request_id
 from prefixgate.gateway.http.body_limits import body_limits_middleware
 from prefixgate.gateway.http.errors import (
@@ -56,6 +46,16 @@ from prefixgate.gateway.http.json_guard import (
 )
 from prefixgate.gateway.http.metrics import CONTENT_TYPE, GatewayMetrics, MetricsView
 from prefixgate.gateway.http.server import FDS_PER_CONNECTION
+from prefixgate.gateway.local import (
+    embeddings,
+    gemini,
+    messages,
+    openai_routes,
+    prefix_routes,
+    responses_api,
+    tokenize,
+)
+from prefixgate.gateway.local.cache_diagnostics import PROMPT_LOG, PromptLog
 from prefixgate.gateway.local.cache_pins import CachePins
 from prefixgate.gateway.local.prefixes import PrefixRegistry
 from prefixgate.gateway.local.serving import LOCAL, LocalServing

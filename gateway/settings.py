@@ -1,16 +1,94 @@
 """The gateway's options (``GatewaySettings``: the serving ones; engine options live in
-``EngineConfig``) and the app key every room reads them by."""
+``EngineConfig``), their groups (``AdmissionConfig``, ``HealthPolicy``) and the app key every
+room reads them by. Every room may import this module; it imports none of them."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from aiohttp import web
-from prefixgate.gateway.tenancy.admission import AdmissionConfig
 
-if TYPE_CHECKING:
-    from prefixgate.gateway.proxy.health import HealthPolicy
+# The names of the registries the settings check (the rooms above hold what they name; a test
+# holds each equal to its registry): ``proxy.policies.POLICIES`` (the first is the default),
+# ``wire.tool_parsers.PARSERS``, and the ``--upstream-cache-salt`` modes.
+ROUTING_POLICIES = ("cache_aware", "rendezvous", "round_robin", "least_loaded", "precise")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+CACHE_SALT_MODES = ("auto", "on", "off")  # --upstream-cache-salt
+
+
+@dataclass(slots=True)
+class AdmissionConfig:
+    """Bounds of the admission queue.
+
+    Attributes:
+        max_queued_requests: most requests waiting for their first token.
+        max_queued_tokens: most prompt tokens (sum) waiting for prefill.
+        max_running: most requests admitted at once, queued or generating (0 = unbounded).
+    """
+
+    max_queued_requests: int = 256
+    max_queued_tokens: int = 262_144
+    max_running: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
+        if self.max_queued_tokens < 1:
+            raise ValueError(f"max_queued_tokens must be >= 1, got {self.max_queued_tokens}")
+        if self.max_running < 0:
+            raise ValueError(f"max_running must be >= 0, got {self.max_running}")
+
+
+@dataclass(frozen=True, slots=True)
+class HealthPolicy:
+    """The health knobs of a proxy's upstream pool (``prefixgate serve`` flags of the same
+    names, ``GatewaySettings`` fields; see the module docstring).
+
+    Attributes:
+        consecutive_failures: gateway failures in a row that eject an upstream (>= 1).
+        base_ejection_s: seconds of the first ejection; the n-th lasts n times as long (> 0).
+        max_ejection_s: the longest ejection (seconds, >= base_ejection_s).
+        max_ejection_percent: most of the pool (%) out of rotation after a passive ejection
+            (0..100; 0: answers never eject, only the active checks take an upstream out).
+        interval_s: seconds between two active checks of one upstream (> 0).
+        timeout_s: seconds an active check waits for its answer (> 0).
+        unhealthy_threshold: failed checks in a row that mark an upstream down (>= 1).
+        healthy_threshold: passed checks in a row that bring a down upstream back (>= 1).
+
+    Raises:
+        ValueError: a value out of its range (the message names it).
+    """
+
+    consecutive_failures: int = 3
+    base_ejection_s: float = 10.0
+    max_ejection_s: float = 300.0
+    max_ejection_percent: float = 50.0
+    interval_s: float = 1.0
+    timeout_s: float = 2.0
+    unhealthy_threshold: int = 2
+    healthy_threshold: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("consecutive_failures", "unhealthy_threshold", "healthy_threshold"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("base_ejection_s", "interval_s", "timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not self.max_ejection_s >= self.base_ejection_s:
+            raise ValueError(
+                f"max_ejection_s must be >= base_ejection_s, got {self.max_ejection_s}"
+            )
+        if not 0.0 <= self.max_ejection_percent <= 100.0:
+            raise ValueError(
+                f"max_ejection_percent must be in [0, 100], got {self.max_ejection_percent}"
+            )
+
+    def ejectable(self, out_after: int, pool: int) -> bool:
+        """Whether ``out_after`` upstreams of ``pool`` may be out of rotation after one
+        more passive ejection (at most ``max_ejection_percent`` of the pool)."""
+        return out_after <= math.floor(pool * self.max_ejection_percent / 100.0 + 1e-9)
 
 
 @dataclass(slots=True)
@@ -27,7 +105,7 @@ class GatewaySettings:
         max_request_values: most JSON values other than numbers in one request body
             (objects, arrays, strings, keys, booleans, nulls; 400 ``too_many_values``).
         max_queued_requests, max_queued_tokens, max_running: admission bounds (see
-            ``admission.AdmissionConfig``).
+            ``AdmissionConfig``).
         keepalive_s: seconds between SSE keep-alive comments while no token comes.
         poll_s: seconds between client-disconnect checks while waiting (non-streaming).
         max_prefix_ttl_s: longest ``ttl_seconds`` of a prefix; max_prefixes: most live ones.
@@ -177,10 +255,10 @@ class GatewaySettings:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.dashboard_window_s < self.dashboard_sample_s:
             raise ValueError("dashboard_window_s must be >= dashboard_sample_s")
-        from prefixgate.gateway.proxy.policies import check_policy
-        from prefixgate.gateway.proxy.upstream import CACHE_SALT_MODES
-
-        check_policy(self.routing)
+        if self.routing not in ROUTING_POLICIES:
+            raise ValueError(
+                f"routing must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}"
+            )
         self.health_policy()  # ValueError on a knob out of its range
         if self.upstream_cache_salt not in CACHE_SALT_MODES:
             raise ValueError(
@@ -190,10 +268,11 @@ class GatewaySettings:
             raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
         if self.shutdown_grace_s < 0 or self.upstream_timeout_s < 0:
             raise ValueError("shutdown_grace_s and upstream_timeout_s must be >= 0")
-        if self.tool_call_parser is not None:
-            from prefixgate.gateway.api.tool_parsers import get_parser  # noqa: PLC0415
-
-            get_parser(self.tool_call_parser)  # ValueError on an unknown name
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"unknown tool call parser {self.tool_call_parser!r}; choose one of "
+                f"{sorted(TOOL_CALL_PARSERS)}"
+            )
         if self.key_max_prefixes < 0:
             raise ValueError(f"key_max_prefixes must be >= 0, got {self.key_max_prefixes}")
         if not 0.0 <= self.key_max_pinned_fraction <= 1.0:
@@ -227,13 +306,11 @@ class GatewaySettings:
             )
 
     def health_policy(self) -> HealthPolicy:
-        """The upstream health knobs as a ``proxy.health.HealthPolicy``.
+        """The upstream health knobs as a ``HealthPolicy``.
 
         Raises:
             ValueError: a knob out of its range.
         """
-        from prefixgate.gateway.proxy.health import HealthPolicy  # noqa: PLC0415
-
         return HealthPolicy(
             consecutive_failures=self.upstream_consecutive_failures,
             base_ejection_s=self.upstream_base_ejection_s,

@@ -2,8 +2,9 @@
 
 - No import circle between the project's modules.
 - The SDK imports no other part of the project.
-- The gateway is in rooms: at most 12 modules at its top level, and each room imports only the
-  rooms below it (``ROOM_IMPORTS``; docs/architecture.md, "The gateway's rooms").
+- The gateway is in rooms: at most 12 modules at its top level, each room imports only the
+  rooms below it (``ROOM_IMPORTS``; docs/architecture.md, "The gateway's rooms"), and
+  ``settings`` / ``state`` import no room above the rooms that import them (``TOP_IMPORTS``).
 """
 
 from __future__ import annotations
@@ -17,16 +18,23 @@ PARTS = {"sdk": "prefixgate.sdk", "gateway": "prefixgate.gateway", "engine": "pr
 PARTS["kernels"] = "prefixgate.kernels"
 
 # What each gateway room may import of the gateway (besides itself). The top-level modules
-# (``settings``, ``state``, ``app``, ``cli``, ``dashboard``) are not rooms.
+# (``settings``, ``state``, ``app``, ``cli``, ``dashboard``) are not rooms. The two modes are
+# rooms side by side over the shared wire floor: neither imports the other.
 GW = "prefixgate.gateway"
 ROOM_IMPORTS = {
     "http": {f"{GW}.settings"},
     "tenancy": {f"{GW}.settings", f"{GW}.http"},
-    "local": {f"{GW}.settings", f"{GW}.state", f"{GW}.http", f"{GW}.tenancy"},
-    "api": {f"{GW}.settings", f"{GW}.state", f"{GW}.http", f"{GW}.tenancy", f"{GW}.local"},
-    "proxy": {f"{GW}.settings", f"{GW}.state", f"{GW}.http", f"{GW}.tenancy", f"{GW}.api"},
+    "wire": {f"{GW}.settings", f"{GW}.http", f"{GW}.tenancy"},
+    "local": {f"{GW}.settings", f"{GW}.state", f"{GW}.http", f"{GW}.tenancy", f"{GW}.wire"},
+    "proxy": {f"{GW}.settings", f"{GW}.state", f"{GW}.http", f"{GW}.tenancy", f"{GW}.wire"},
     # the fleet simulator: admission and routing as they are, no server
     "sim": {f"{GW}.http", f"{GW}.tenancy", f"{GW}.proxy"},
+}
+# What the top-level modules the rooms import may import of the gateway: nothing above the
+# lowest room that imports them, so no room reaches another room through them.
+TOP_IMPORTS = {
+    "settings": set(),
+    "state": {f"{GW}.settings", f"{GW}.http", f"{GW}.tenancy"},
 }
 
 
@@ -139,6 +147,29 @@ def test_rooms_import_only_rooms_below() -> None:
             if not any(dep == a or dep.startswith(a + ".") for a in allowed):
                 bad.append(f"{name} imports {dep}")
     assert bad == []
+
+
+def test_settings_and_state_import_no_room_above_them() -> None:
+    bad = []
+    for top, allowed in TOP_IMPORTS.items():
+        name = f"{GW}.{top}"
+        for dep in _graph()[name]:
+            if dep.startswith(GW + ".") and not any(
+                dep == a or dep.startswith(a + ".") for a in allowed
+            ):
+                bad.append(f"{name} imports {dep}")
+    assert bad == []
+
+
+def test_settings_names_agree_with_their_registries() -> None:
+    """``settings`` checks ``routing``, ``tool_call_parser`` and ``upstream_cache_salt``
+    against its own copy of the names (it imports no room); each copy is its registry's."""
+    from prefixgate.gateway import settings
+    from prefixgate.gateway.proxy.policies import POLICIES
+    from prefixgate.gateway.wire.tool_parsers import PARSERS
+
+    assert settings.ROUTING_POLICIES == POLICIES
+    assert settings.TOOL_CALL_PARSERS == tuple(PARSERS)
 
 
 def test_every_package_is_in_the_distribution() -> None:

@@ -1,1 +1,1 @@
-"""Serving on the local engine: fan-out of one HTTP request into engine requests, the prefix registry and its pins, the engine log line; imports http and tenancy."""
+"""Local mode, serving on the local engine: every local route of every dialect (through the one ``Exchange``), renderers, cache marks and diagnostics, fan-out of one HTTP request into engine requests, the prefix registry and its pins, the engine log line; imports http, tenancy, wire."""

@@ -1,1 +1,1 @@
-"""Proxy mode: upstream pool and the models each serves, routing policies (``policies/``), the config file's model list, relay with verification, the Anthropic dialect, usage accounting, proxy prefixes and their routes; imports http, tenancy, api."""
+"""Proxy mode: upstream pool and the models each serves, routing policies (``policies/``), the config file's model list, relay with verification, the Anthropic dialect, usage accounting, proxy prefixes and their routes; imports http, tenancy, wire."""

@@ -1,6 +1,6 @@
 """An upstream's answer checked against the OpenAI shape before a byte of it is relayed.
 
-The gateway's own response models (``api/response_models.py``) are the shape: a non-stream
+The gateway's own response models (``wire/response_models.py``) are the shape: a non-stream
 200 of ``/v1/chat/completions`` must be a ``chat.completion`` (``ChatCompletion``), of
 ``/v1/completions`` a ``text_completion``, of ``/v1/models`` a model list (``/v1/models/{id}``
 a model card); every streamed event a ``chat.completion.chunk`` (or ``text_completion``
@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefixgate.gateway.api.anthropic_models import MessageAnswer
-from prefixgate.gateway.api.response_models import (
+from prefixgate.gateway.wire.anthropic_models import MessageAnswer
+from prefixgate.gateway.wire.response_models import (
     ChatCompletion,
     ChatCompletionChunk,
     Completion,

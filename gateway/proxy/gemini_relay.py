@@ -1,7 +1,7 @@
 """Gemini's API (``/v1beta``) in upstream mode: translated to the OpenAI dialect the proxy
 speaks, relayed, and the answer translated back.
 
-The body is validated by the local dialect's models (``api.gemini_models``: a field local mode
+The body is validated by the local dialect's models (``wire.gemini_models``: a field local mode
 refuses is a 400 naming it here too) and turned into the same chat (``to_chat``), sent as a
 chat completion (``POST /v1/chat/completions``) to the upstream routing picks for its messages
 under the key's salt (prefix affinity), with the key's salt as ``cache_salt`` where the
@@ -37,32 +37,6 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from prefixgate.gateway.api.gemini import (
-    CACHE_PREFIX,
-    DEFAULT_CACHE_TTL_S,
-    GENERATION_METHODS,
-    add_gemini_routes,
-    no_route,  # noqa: F401  (add_gemini_routes reads the handlers off this module)
-    refuse_get_of_method,
-    rfc3339,
-)
-from prefixgate.gateway.api.gemini_models import (
-    CachedContentCreate,
-    Chat,
-    CountTokensRequest,
-    GenerateContentRequest,
-    GenerationConfig,
-    life_seconds,
-    parse_request,
-    present,
-    structured,
-    system_text,
-    to_chat,
-    turns,
-    wire_messages,
-)
-from prefixgate.gateway.api.response_models import ChatCompletion, ChatCompletionChunk
-from prefixgate.gateway.api.stop_strings import refuse_stop_under_constraint
 from prefixgate.gateway.http.access_log import stream_cut
 from prefixgate.gateway.http.errors import GEMINI, APIError, bad_request, error_dialect
 from prefixgate.gateway.http.sse import SSE_HEADERS
@@ -83,6 +57,32 @@ from prefixgate.gateway.proxy.upstream import Upstream, retry_after_seconds
 from prefixgate.gateway.proxy.usage import admit_call, settle_usage
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.tenancy.keys import effective_salt
+from prefixgate.gateway.wire.gemini_models import (
+    CachedContentCreate,
+    Chat,
+    CountTokensRequest,
+    GenerateContentRequest,
+    GenerationConfig,
+    life_seconds,
+    parse_request,
+    present,
+    structured,
+    system_text,
+    to_chat,
+    turns,
+    wire_messages,
+)
+from prefixgate.gateway.wire.gemini_routes import (
+    CACHE_PREFIX,
+    DEFAULT_CACHE_TTL_S,
+    GENERATION_METHODS,
+    add_gemini_routes,
+    no_route,  # noqa: F401  (add_gemini_routes reads the handlers off this module)
+    refuse_get_of_method,
+    rfc3339,
+)
+from prefixgate.gateway.wire.response_models import ChatCompletion, ChatCompletionChunk
+from prefixgate.gateway.wire.stop_strings import refuse_stop_under_constraint
 
 _DOWN = frozenset((502, 503, 504))
 _NEXT = frozenset((429, 500, 529))

@@ -1,5 +1,6 @@
 """Upstream health, after Envoy's outlier detection and active health checks: the knobs
-(``HealthPolicy``) and one upstream's state machine (``UpstreamHealth``).
+(``settings.HealthPolicy``, with the other options) and one upstream's state machine
+(``UpstreamHealth``).
 
 Two signals, kept apart (``docs/proxy-health.md`` has the timeline):
 
@@ -27,60 +28,9 @@ multiplier decays by one for every ``base_ejection_s`` spent in rotation without
 
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import dataclass
 
-
-@dataclass(frozen=True, slots=True)
-class HealthPolicy:
-    """The health knobs of a proxy's upstream pool (``prefixgate serve`` flags of the same
-    names, ``GatewaySettings`` fields; see the module docstring).
-
-    Attributes:
-        consecutive_failures: gateway failures in a row that eject an upstream (>= 1).
-        base_ejection_s: seconds of the first ejection; the n-th lasts n times as long (> 0).
-        max_ejection_s: the longest ejection (seconds, >= base_ejection_s).
-        max_ejection_percent: most of the pool (%) out of rotation after a passive ejection
-            (0..100; 0: answers never eject, only the active checks take an upstream out).
-        interval_s: seconds between two active checks of one upstream (> 0).
-        timeout_s: seconds an active check waits for its answer (> 0).
-        unhealthy_threshold: failed checks in a row that mark an upstream down (>= 1).
-        healthy_threshold: passed checks in a row that bring a down upstream back (>= 1).
-
-    Raises:
-        ValueError: a value out of its range (the message names it).
-    """
-
-    consecutive_failures: int = 3
-    base_ejection_s: float = 10.0
-    max_ejection_s: float = 300.0
-    max_ejection_percent: float = 50.0
-    interval_s: float = 1.0
-    timeout_s: float = 2.0
-    unhealthy_threshold: int = 2
-    healthy_threshold: int = 2
-
-    def __post_init__(self) -> None:
-        for name in ("consecutive_failures", "unhealthy_threshold", "healthy_threshold"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("base_ejection_s", "interval_s", "timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if not self.max_ejection_s >= self.base_ejection_s:
-            raise ValueError(
-                f"max_ejection_s must be >= base_ejection_s, got {self.max_ejection_s}"
-            )
-        if not 0.0 <= self.max_ejection_percent <= 100.0:
-            raise ValueError(
-                f"max_ejection_percent must be in [0, 100], got {self.max_ejection_percent}"
-            )
-
-    def ejectable(self, out_after: int, pool: int) -> bool:
-        """Whether ``out_after`` upstreams of ``pool`` may be out of rotation after one
-        more passive ejection (at most ``max_ejection_percent`` of the pool)."""
-        return out_after <= math.floor(pool * self.max_ejection_percent / 100.0 + 1e-9)
+from prefixgate.gateway.settings import HealthPolicy
 
 
 class UpstreamHealth:

@@ -2,7 +2,7 @@
 request translated to a chat completion, the answer — whole or streamed chunk by chunk —
 translated back to a ``message`` and its events.
 
-Request (validated first by the local dialect's models, ``api.anthropic_models``, so what
+Request (validated first by the local dialect's models, ``wire.anthropic_models``, so what
 local mode refuses is refused here by the same name; ``to_chat`` makes the chat): ``system``
 → a system message, text blocks joined, ``tool_use`` blocks → the assistant's
 ``tool_calls`` (arguments as JSON text), ``tool_result`` blocks → ``tool`` messages
@@ -34,9 +34,9 @@ import json
 import uuid
 from typing import Any
 
-from prefixgate.gateway.api.anthropic_models import Chat, MessagesRequest
 from prefixgate.gateway.http.errors import APIError, bad_request
 from prefixgate.gateway.proxy.upstream_fields import cached_tokens, matched_stop
+from prefixgate.gateway.wire.anthropic_models import Chat, MessagesRequest
 
 _STOP = {
     "length": "max_tokens",

@@ -1,6 +1,6 @@
 """POST /v1/messages and /v1/messages/count_tokens in upstream mode (Anthropic's Messages API).
 
-The body is validated first by the local dialect's models (``api.anthropic_models``: a field
+The body is validated first by the local dialect's models (``wire.anthropic_models``: a field
 local mode refuses is a 400 naming it here too), then routed as a chat of the same messages
 (its model's upstreams, prefix affinity by the system prompt under the key's salt). Per
 upstream:
@@ -40,18 +40,6 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from prefixgate.gateway.api.anthropic_models import (
-    Chat,
-    CountTokensRequest,
-    MessageAnswer,
-    MessagesRequest,
-    output_constraint,
-    parse_request,
-    to_chat,
-)
-from prefixgate.gateway.api.request_models import load_json
-from prefixgate.gateway.api.response_models import ChatCompletion, ChatCompletionChunk
-from prefixgate.gateway.api.stop_strings import anthropic_constraint, refuse_stop_under_constraint
 from prefixgate.gateway.http.access_log import stream_cut
 from prefixgate.gateway.http.errors import ANTHROPIC, APIError, error_dialect, error_event
 from prefixgate.gateway.http.sse import KEEPALIVE, SSE_HEADERS
@@ -67,6 +55,18 @@ from prefixgate.gateway.proxy.upstream import Upstream, retry_after_seconds
 from prefixgate.gateway.proxy.usage import admit_call, settle_usage
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.tenancy.keys import effective_salt
+from prefixgate.gateway.wire.anthropic_models import (
+    Chat,
+    CountTokensRequest,
+    MessageAnswer,
+    MessagesRequest,
+    output_constraint,
+    parse_request,
+    to_chat,
+)
+from prefixgate.gateway.wire.request_models import load_json
+from prefixgate.gateway.wire.response_models import ChatCompletion, ChatCompletionChunk
+from prefixgate.gateway.wire.stop_strings import anthropic_constraint, refuse_stop_under_constraint
 
 logger = logging.getLogger("prefixgate.gateway")
 

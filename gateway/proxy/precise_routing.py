@@ -1,7 +1,7 @@
 """``precise`` routing: score each upstream on the KV blocks its engine really holds.
 
 The gateway tokenizes a request exactly as a prefixgate upstream will (the same model folder,
-``--tokenizer``, loaded with ``engine.tokenizer``; chat through ``api.prompts.render_chat``
+``--tokenizer``, loaded with ``engine.tokenizer``; chat through ``wire.prompts.render_chat``
 with the messages and tools local mode passes; completions through ``completion_prompts``),
 hashes it with the engines' own function (``block_hash.prompt_block_hashes`` via
 ``kv_index.prompt_block_keys`` for a prefixgate engine; vLLM's sha256 chain,
@@ -107,13 +107,6 @@ from typing import Any
 import xxhash
 from prefixgate.engine.block_hash import num_reusable_blocks
 from prefixgate.engine.config import derive_replay_endpoint
-from prefixgate.gateway.api.prompts import completion_prompts, render_chat
-from prefixgate.gateway.api.request_models import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    parse,
-)
-from prefixgate.gateway.api.tools import plan_tools, template_messages
 from prefixgate.gateway.http.errors import APIError
 from prefixgate.gateway.proxy.kv_index import (
     HASH_PREFIXGATE,
@@ -128,6 +121,13 @@ from prefixgate.gateway.proxy.metrics_load import published_requests
 from prefixgate.gateway.proxy.upstream import Route, Upstream, normalize_url
 from prefixgate.gateway.proxy.vllm_block_hash import vllm_prompt_block_hashes
 from prefixgate.gateway.tenancy.keys import effective_salt
+from prefixgate.gateway.wire.prompts import completion_prompts, render_chat
+from prefixgate.gateway.wire.request_models import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse,
+)
+from prefixgate.gateway.wire.tools import plan_tools, template_messages
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 

@@ -4,13 +4,13 @@
 from __future__ import annotations
 
 from aiohttp import web
-from prefixgate.gateway.api.request_models import PrefixCreateRequest, parse
-from prefixgate.gateway.api.response_models import prefix_object
 from prefixgate.gateway.proxy.prefixes import HeadersFor, ProxyPrefixRegistry
 from prefixgate.gateway.proxy.routes import upstream_headers
 from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.tenancy.keys import effective_salt
+from prefixgate.gateway.wire.request_models import PrefixCreateRequest, parse
+from prefixgate.gateway.wire.response_models import prefix_object
 
 
 def _registry(request: web.Request) -> ProxyPrefixRegistry:

@@ -177,9 +177,9 @@ _LEADING_FIELD = re.compile(r"^([A-Za-z_]\w*)((?:\.\w+|\[\d+\])*)\s*:\s")
 def param_of(message: str) -> str | None:
     """The request field a message starts with (``"temperature: must be ..."`` →
     ``"temperature"``, ``"messages.0.role: ..."`` → ``"messages.0.role"``) when its first
-    name is a field of OpenAI's chat or completions requests (``api.request_fields``), else
+    name is a field of OpenAI's chat or completions requests (``wire.request_fields``), else
     None."""
-    from prefixgate.gateway.api.request_fields import known_fields  # noqa: PLC0415
+    from prefixgate.gateway.wire.request_fields import known_fields  # noqa: PLC0415
 
     found = _LEADING_FIELD.match(message)
     if found is None or found.group(1) not in known_fields():

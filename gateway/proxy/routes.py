@@ -34,8 +34,6 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
-from prefixgate.gateway.api.request_models import load_json
-from prefixgate.gateway.api.stop_strings import openai_constraint, refuse_stop_under_constraint
 from prefixgate.gateway.http.access_log import record
 from prefixgate.gateway.http.errors import APIError, bad_request
 from prefixgate.gateway.http.headers import header_text
@@ -59,6 +57,8 @@ from prefixgate.gateway.proxy.usage import (
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.tenancy.keys import MAX_SALT_CHARS, effective_salt
 from prefixgate.gateway.tenancy.ttft_budget import BUDGET_HEADER
+from prefixgate.gateway.wire.request_models import load_json
+from prefixgate.gateway.wire.stop_strings import openai_constraint, refuse_stop_under_constraint
 
 logger = logging.getLogger("prefixgate.gateway")
 

@@ -226,7 +226,6 @@ class Upstream:
         return f"Upstream({self.url}, {state}, in_flight={self.in_flight})"
 
 
-CACHE_SALT_MODES = ("auto", "on", "off")  # --upstream-cache-salt
 __all__ = ["Route", "affinity_key", "prompt_text", "salted_affinity_key"]  # re-exported
 
 

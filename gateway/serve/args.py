@@ -14,11 +14,10 @@ import types
 import typing
 from typing import Any
 
-from prefixgate.gateway.api.tool_parsers import PARSERS
 from prefixgate.gateway.proxy.policies import POLICIES
-from prefixgate.gateway.proxy.upstream import CACHE_SALT_MODES
 from prefixgate.gateway.serve.help_text import ENGINE_HELP, GATEWAY_HELP
-from prefixgate.gateway.settings import GatewaySettings
+from prefixgate.gateway.settings import CACHE_SALT_MODES, GatewaySettings
+from prefixgate.gateway.wire.tool_parsers import PARSERS
 
 __all__ = ["add_serve_arguments", "parse_bytes"]
 

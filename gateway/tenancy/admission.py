@@ -29,9 +29,9 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
 
 from prefixgate.gateway.http.errors import bad_request, too_many
+from prefixgate.gateway.settings import AdmissionConfig
 from prefixgate.gateway.tenancy.admission_wait import EngineWait, Promises
 from prefixgate.gateway.tenancy.slot_wait import SlotClock
 from prefixgate.gateway.tenancy.ttft_budget import BUDGET_HEADER
@@ -51,29 +51,6 @@ predicted from: a wait told from ``n`` departures is kept when the queue drained
 much slower than measured (``n`` told 10 s ahead at 30 requests/s: 60 places). The error of a
 prediction grows with its horizon, so the overflow grows with it; a fixed one held only the
 first second of waits (docs/admission.md, "Promise overflow")."""
-
-
-@dataclass(slots=True)
-class AdmissionConfig:
-    """Bounds of the admission queue.
-
-    Attributes:
-        max_queued_requests: most requests waiting for their first token.
-        max_queued_tokens: most prompt tokens (sum) waiting for prefill.
-        max_running: most requests admitted at once, queued or generating (0 = unbounded).
-    """
-
-    max_queued_requests: int = 256
-    max_queued_tokens: int = 262_144
-    max_running: int = 0
-
-    def __post_init__(self) -> None:
-        if self.max_queued_requests < 1:
-            raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
-        if self.max_queued_tokens < 1:
-            raise ValueError(f"max_queued_tokens must be >= 1, got {self.max_queued_tokens}")
-        if self.max_running < 0:
-            raise ValueError(f"max_running must be >= 0, got {self.max_running}")
 
 
 class Ticket:

@@ -1,5 +1,5 @@
-"""Work bounded before it is done, on every route (``api/request_models.py``: ``load_json``,
-``check_counts``, ``parse``; ``api/tokenize.py``): JSON nested past ``MAX_JSON_DEPTH`` is a 400
+"""Work bounded before it is done, on every route (``wire/request_models.py``: ``load_json``,
+``check_counts``, ``parse``; ``local/tokenize.py``): JSON nested past ``MAX_JSON_DEPTH`` is a 400
 ``invalid_json`` on every route (``/v1/responses`` was a 500, a RecursionError), more than
 ``MAX_MESSAGES`` messages a 400 ``too_many_messages`` counted before any message is validated
 or rendered, and ``/tokenize`` tokenizes nothing it could never use (past
@@ -11,11 +11,11 @@ import json
 
 import httpx
 import pytest
-from prefixgate.gateway.api.request_models import MAX_JSON_DEPTH, MAX_MESSAGES
-from prefixgate.gateway.api.tokenize import TOKENIZE_CONTEXTS
 from prefixgate.gateway.app import create_proxy_app
 from prefixgate.gateway.http.server import BackgroundServer
+from prefixgate.gateway.local.tokenize import TOKENIZE_CONTEXTS
 from prefixgate.gateway.settings import GatewaySettings
+from prefixgate.gateway.wire.request_models import MAX_JSON_DEPTH, MAX_MESSAGES
 from support.http import assert_openai_error
 
 DEEP = 2000

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from openai.types.responses.response import Response
-from prefixgate.gateway.api.cache_diagnostics import (
+from prefixgate.gateway.local.cache_diagnostics import (
     PromptLog,
     anthropic_reason,
     diagnose,

@@ -11,19 +11,20 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from prefixgate.gateway.api import anthropic_models, gemini_models, responses_api
-from prefixgate.gateway.api.anthropic_models import CountTokensRequest, MessagesRequest
-from prefixgate.gateway.api.embeddings import EmbeddingRequest
-from prefixgate.gateway.api.request_fields import REFUSED
-from prefixgate.gateway.api.request_models import (
+from prefixgate.gateway.local import responses_api
+from prefixgate.gateway.local.embeddings import EmbeddingRequest
+from prefixgate.gateway.local.responses_api import ResponsesRequest
+from prefixgate.gateway.local.tokenize import DetokenizeRequest, TokenizeRequest
+from prefixgate.gateway.settings import GatewaySettings
+from prefixgate.gateway.wire import anthropic_models, gemini_models
+from prefixgate.gateway.wire.anthropic_models import CountTokensRequest, MessagesRequest
+from prefixgate.gateway.wire.request_fields import REFUSED
+from prefixgate.gateway.wire.request_models import (
     EMPTY_MEANS,
     ChatCompletionRequest,
     CompletionRequest,
     PrefixCreateRequest,
 )
-from prefixgate.gateway.api.responses_api import ResponsesRequest
-from prefixgate.gateway.api.tokenize import DetokenizeRequest, TokenizeRequest
-from prefixgate.gateway.settings import GatewaySettings
 from pydantic import BaseModel
 
 EMPTIES = [None, [], {}, ""]

@@ -8,16 +8,16 @@ import json
 
 import httpx
 import pytest
-from prefixgate.gateway.api.gemini_models import (
+from prefixgate.gateway.app import create_proxy_app
+from prefixgate.gateway.http.errors import APIError
+from prefixgate.gateway.http.server import BackgroundServer
+from prefixgate.gateway.settings import GatewaySettings
+from prefixgate.gateway.wire.gemini_models import (
     GenerateContentRequest,
     json_schema,
     life_seconds,
     to_chat,
 )
-from prefixgate.gateway.app import create_proxy_app
-from prefixgate.gateway.http.errors import APIError
-from prefixgate.gateway.http.server import BackgroundServer
-from prefixgate.gateway.settings import GatewaySettings
 
 genai = pytest.importorskip("google.genai")
 from google.genai import errors as genai_errors  # noqa: E402

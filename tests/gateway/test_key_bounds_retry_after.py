@@ -85,7 +85,7 @@ def test_a_generation_predicts_its_end_from_its_token_rate():
 
     from prefixgate.engine.protocol import EngineRequest
     from prefixgate.engine.sampling_params import SamplingParams
-    from prefixgate.gateway.api.openai_routes import Exchange
+    from prefixgate.gateway.local.exchange import Exchange
     from prefixgate.gateway.local.generation import ChoiceOutput
     from prefixgate.gateway.local.serving import LOCAL
 

@@ -176,7 +176,7 @@ def test_predicted_cached_tokens_equal_engine_reported(engines, aidreams_path):
     """Chat and completions prompts rendered by the gateway's own code, two tenants' salts
     (one sub-partitioned by a request cache_salt), an evicting pool: prediction == report."""
     from prefixgate.engine.tokenizer import Tokenizer
-    from prefixgate.gateway.api.prompts import completion_prompts, render_chat
+    from prefixgate.gateway.wire.prompts import completion_prompts, render_chat
 
     tok = Tokenizer.from_pretrained(aidreams_path)
     engine = engines(num_kv_blocks=32)
@@ -221,7 +221,7 @@ def test_pinned_prefix_is_predicted(engines, aidreams_path):
     """A registered prefix (the gateway pins its rendered ids but the last, under the key's
     salt): the index sees its blocks; a chat on it is predicted as the engine serves it."""
     from prefixgate.engine.tokenizer import Tokenizer
-    from prefixgate.gateway.api.prompts import render_chat
+    from prefixgate.gateway.wire.prompts import render_chat
 
     tok = Tokenizer.from_pretrained(aidreams_path)
     engine = engines(num_kv_blocks=32)
@@ -245,7 +245,7 @@ def test_prompt_block_hashes_are_the_engine_blocks(engines, aidreams_path):
     """The shared function gives the keys the engine caches for a prompt (one greedy token:
     only the prompt's full blocks are cached), salted or not; salts give other keys."""
     from prefixgate.engine.tokenizer import Tokenizer
-    from prefixgate.gateway.api.prompts import completion_prompts, render_chat
+    from prefixgate.gateway.wire.prompts import completion_prompts, render_chat
 
     tok = Tokenizer.from_pretrained(aidreams_path)
     messages = [

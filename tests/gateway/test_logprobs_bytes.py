@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from prefixgate.engine.outputs import Logprob, TokenLogprobs
 from prefixgate.engine.tokenizer import Tokenizer
-from prefixgate.gateway.api import renderers as R
+from prefixgate.gateway.local import renderers as R
 
 
 def test_token_bytes_byte_fallback_and_metaspace(aidreams_path):

@@ -9,14 +9,14 @@ import json
 
 import httpx
 import pytest
-from prefixgate.gateway.api.anthropic_models import MessagesRequest, parse_request, to_chat
-from prefixgate.gateway.api.cache_marks import Mark, cache_header
-from prefixgate.gateway.api.messages import anthropic_usage
 from prefixgate.gateway.app import create_proxy_app
 from prefixgate.gateway.http.errors import APIError
 from prefixgate.gateway.http.server import BackgroundServer
+from prefixgate.gateway.local.cache_marks import Mark, cache_header
 from prefixgate.gateway.local.cache_pins import CachePins, pin_key
+from prefixgate.gateway.local.messages import anthropic_usage
 from prefixgate.gateway.settings import GatewaySettings
+from prefixgate.gateway.wire.anthropic_models import MessagesRequest, parse_request, to_chat
 from support.fake_engine import FakeEngine
 
 CC = {"type": "ephemeral"}
@@ -281,7 +281,7 @@ def test_fake_engine_message_and_stream(serve_fake):
 
 
 def test_cache_miss_reasons():
-    from prefixgate.gateway.api.cache_diagnostics import PromptLog, cache_miss_reason
+    from prefixgate.gateway.local.cache_diagnostics import PromptLog, cache_miss_reason
 
     log = PromptLog(size=8)
     tools = [{"type": "function", "function": {"name": "f"}}]
@@ -315,7 +315,7 @@ def test_cache_miss_reasons():
 
 @pytest.mark.parametrize("field", ["tools", "messages"])
 def test_a_non_list_tools_or_messages_is_a_400_naming_it(field):
-    from prefixgate.gateway.api.anthropic_models import CountTokensRequest
+    from prefixgate.gateway.wire.anthropic_models import CountTokensRequest
 
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}], field: -9276}
     with pytest.raises(APIError) as caught:

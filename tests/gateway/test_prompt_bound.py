@@ -1,5 +1,5 @@
 """Refuse before working: a prompt that cannot fit the context is refused from its size,
-before it is tokenized (gateway/api/prompts.py, Tokenizer.min_num_tokens)."""
+before it is tokenized (gateway/wire/prompts.py, Tokenizer.min_num_tokens)."""
 
 from __future__ import annotations
 

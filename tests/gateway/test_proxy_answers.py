@@ -15,11 +15,11 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from prefixgate.gateway.api.response_models import ChatCompletion, ChatCompletionChunk
 from prefixgate.gateway.proxy.answers import shape_problem
 from prefixgate.gateway.proxy.relay import EventChecker, StreamBroken
 from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import FAILURE_THRESHOLD
+from prefixgate.gateway.wire.response_models import ChatCompletion, ChatCompletionChunk
 from support.fault_proxy import FaultProxies
 from support.http import assert_openai_error
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from prefixgate.gateway.api.prompts import check_tool_turns, choice_seeds
+from prefixgate.gateway.wire.prompts import check_tool_turns, choice_seeds
 from support.http import assert_openai_error as _error
 
 

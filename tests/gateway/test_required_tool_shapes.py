@@ -9,7 +9,7 @@ import json
 import random
 
 import pytest
-from prefixgate.gateway.api.tools import (
+from prefixgate.gateway.wire.tools import (
     ToolDeltas,
     parse_output,
     plan_tools,

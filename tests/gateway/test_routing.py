@@ -128,8 +128,11 @@ def test_unknown_policy_is_refused():
 
 
 def test_a_policy_is_one_class_registered_by_name(monkeypatch):
-    """Adding a policy: a ``Policy`` subclass and its line in ``REGISTRY`` — the router,
-    settings and ``--routing`` take it by name, and it sees only the model's healthy upstreams."""
+    """Adding a policy: a ``Policy`` subclass, its line in ``REGISTRY`` and its name in
+    ``settings.ROUTING_POLICIES`` (settings imports no room; tests/test_architecture.py holds
+    the two equal) — the router, settings and ``--routing`` take it by name, and it sees only
+    the model's healthy upstreams."""
+    from prefixgate.gateway import settings
     from prefixgate.gateway.proxy import policies
 
     class Last(policies.Policy):
@@ -139,6 +142,7 @@ def test_a_policy_is_one_class_registered_by_name(monkeypatch):
             return candidates[-1]
 
     monkeypatch.setitem(policies.REGISTRY, "last", Last)
+    monkeypatch.setattr(settings, "ROUTING_POLICIES", (*settings.ROUTING_POLICIES, "last"))
     r = UpstreamRouter(URLS, policy="last")
     assert r.policy.name == "last" and GatewaySettings(routing="last").routing == "last"
     assert r.pick(_route("x")) is r.upstreams[2]

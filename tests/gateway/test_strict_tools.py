@@ -13,9 +13,9 @@ import xgrammar as xgr
 from prefixgate.engine.sampling_params import StructuredOutputsParams
 from prefixgate.engine.structured_output import grammar_of, tokenizer_info
 from prefixgate.engine.tokenizer import Tokenizer
-from prefixgate.gateway.api.tool_parsers import get_parser
-from prefixgate.gateway.api.tools import plan_tools
 from prefixgate.gateway.http.errors import APIError
+from prefixgate.gateway.wire.tool_parsers import get_parser
+from prefixgate.gateway.wire.tools import plan_tools
 
 CITY = {
     "type": "object",

@@ -8,8 +8,8 @@ import pytest
 
 pytest.importorskip("xgrammar")
 
-from prefixgate.gateway.api.tools import check_tools  # noqa: E402
 from prefixgate.gateway.http.errors import APIError  # noqa: E402
+from prefixgate.gateway.wire.tools import check_tools  # noqa: E402
 
 FN = {"name": "lookup", "description": "d", "parameters": {"type": "object"}, "strict": False}
 

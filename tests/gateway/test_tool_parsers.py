@@ -7,8 +7,8 @@ import json
 import random
 
 import pytest
-from prefixgate.gateway.api.tool_parsers import ToolStream, get_parser
-from prefixgate.gateway.api.tools import RequiredStream, ToolDeltas, ToolPlan, parse_output
+from prefixgate.gateway.wire.tool_parsers import ToolStream, get_parser
+from prefixgate.gateway.wire.tools import RequiredStream, ToolDeltas, ToolPlan, parse_output
 
 # (parser, recorded output, expected content, expected [(name, arguments dict)])
 RECORDED = [

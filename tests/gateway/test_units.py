@@ -8,7 +8,6 @@ import json
 import time
 
 import pytest
-from prefixgate.gateway.api.request_models import ChatCompletionRequest, CompletionRequest, parse
 from prefixgate.gateway.http.errors import APIError
 from prefixgate.gateway.serve.runner import (
     add_serve_parser,
@@ -19,6 +18,7 @@ from prefixgate.gateway.serve.runner import (
 from prefixgate.gateway.settings import GatewaySettings
 from prefixgate.gateway.tenancy.admission import AdmissionConfig, AdmissionController
 from prefixgate.gateway.tenancy.keys import KeyRing, KeySpec, TokenBucket, load_keys_file
+from prefixgate.gateway.wire.request_models import ChatCompletionRequest, CompletionRequest, parse
 
 
 def test_admission_bounds_and_retry_after():
@@ -235,7 +235,7 @@ def test_a_chat_without_tools_imports_no_grammar_machinery():
 
     code = (
         "import sys\n"
-        "from prefixgate.gateway.api.tools import plan_tools\n"
+        "from prefixgate.gateway.wire.tools import plan_tools\n"
         "plan = plan_tools(None, None, None, None)\n"
         "assert plan.mode == 'none'\n"
         "assert plan_tools([], 'none', None, None).mode == 'none'\n"

@@ -14,15 +14,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from prefixgate.gateway.api.response_models import (
+from prefixgate.gateway.http.errors import ErrorResponse
+from prefixgate.gateway.settings import GatewaySettings
+from prefixgate.gateway.wire.response_models import (
     ChatCompletion,
     ChatCompletionChunk,
     Completion,
     ModelCard,
     ModelList,
 )
-from prefixgate.gateway.http.errors import ErrorResponse
-from prefixgate.gateway.settings import GatewaySettings
 from pydantic import BaseModel
 
 WIRE = Path(__file__).resolve().parents[1] / "fixtures" / "openai_wire"

@@ -289,7 +289,7 @@ def _streamed(http: httpx.Client, url: str, case: Case) -> Answer:
 def _stop_refused(case: Case) -> bool:
     """Stop strings beside a constraint on the whole output (a constraint kind, or a
     constraining ``tool_choice``) are refused, 400 naming ``stop``, before anything else
-    (``gateway/api/stop_strings.py``: one matched inside the constrained text cut it)."""
+    (``gateway/wire/stop_strings.py``: one matched inside the constrained text cut it)."""
     whole = case.kind in ("json_schema", "json_object", "regex", "choice")
     return bool(case.body.get("stop")) and (whole or case.constrained_tools)
 

@@ -3,7 +3,7 @@ named test holding the right value, each on the request hypothesis drew (shrunk 
 
 The engine classes (grammar vs ``min_tokens``, stop strings vs ``min_tokens``, stop ids vs the
 grammar) are fixed in the engine's ordered logits pipeline (``engine/logits_processors.py``);
-the gateway class (a cut ``required`` call returned as content) in ``api/tools.py``."""
+the gateway class (a cut ``required`` call returned as content) in ``wire/tools.py``."""
 
 from __future__ import annotations
 

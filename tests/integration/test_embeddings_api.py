@@ -97,8 +97,8 @@ def test_token_ids_input_is_one_input_whatever_its_length():
     # bound on inputs counted the ids of a single input; only its context bounds its length.
     import asyncio
 
-    from prefixgate.gateway.api.embeddings import MAX_INPUTS, _token_inputs
     from prefixgate.gateway.http.errors import APIError
+    from prefixgate.gateway.local.embeddings import MAX_INPUTS, _token_inputs
 
     ids = [5] * (MAX_INPUTS + 952)
     assert asyncio.run(_token_inputs(None, ids)) == [ids]  # type: ignore[arg-type]

@@ -1,4 +1,4 @@
-"""Stop strings under a constraint on the whole output (``gateway/api/stop_strings.py``): a
+"""Stop strings under a constraint on the whole output (``gateway/wire/stop_strings.py``): a
 stop string matched inside constrained text cut the answer — a tool call with arguments
 ``"{"`` and finish ``"stop"``, JSON that does not parse — so the combination is refused with a
 400 naming the stop field before any work, in every dialect that has one, streamed or not,

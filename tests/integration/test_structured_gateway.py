@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("prefixgate.engine.async_engine")
 
-from prefixgate.gateway.api.request_fields import (  # noqa: E402
+from prefixgate.gateway.wire.request_fields import (  # noqa: E402
     CHAT_EXTRAS,
     CHAT_SUPPORTED,
     COMPLETIONS_SUPPORTED,
@@ -394,9 +394,9 @@ def test_every_openai_field_is_handled_or_refused(server, pool_whole):
 def test_tool_messages_render_through_the_template():
     """Assistant tool_calls (arguments as objects) and tool results reach the template."""
     from prefixgate.engine.tokenizer import Tokenizer
-    from prefixgate.gateway.api.prompts import _render_chat
-    from prefixgate.gateway.api.request_models import ChatCompletionRequest
-    from prefixgate.gateway.api.tools import template_messages
+    from prefixgate.gateway.wire.prompts import _render_chat
+    from prefixgate.gateway.wire.request_models import ChatCompletionRequest
+    from prefixgate.gateway.wire.tools import template_messages
 
     base = Tokenizer.builtin()
     template = (

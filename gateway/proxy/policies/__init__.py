@@ -1,8 +1,9 @@
 """Routing policies of upstream mode (``--routing NAME``): one class per policy behind one
 protocol (``RoutingPolicy``: route, pick, learn), registered here by name.
 
-Adding a policy: a new module with a ``Policy`` subclass naming itself (``name = "..."``)
-and one line in ``REGISTRY``.
+Adding a policy: a new module with a ``Policy`` subclass naming itself (``name = "..."``),
+one line in ``REGISTRY`` and its name in ``settings.ROUTING_POLICIES`` (what ``GatewaySettings``
+checks ``routing`` against; tests/test_architecture.py holds the two equal).
 """
 
 from __future__ import annotations

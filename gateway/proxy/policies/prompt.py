@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import xxhash
-from prefixgate.gateway.api.request_models import content_text
+from prefixgate.gateway.wire.request_models import content_text
 
 
 class Route:

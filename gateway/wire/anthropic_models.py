@@ -37,9 +37,9 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import pydantic_core
 from prefixgate.engine.sampling_params import StructuredOutputsParams
-from prefixgate.gateway.api.cache_marks import Breakpoint
 from prefixgate.gateway.http.errors import bad_request
 from prefixgate.gateway.tenancy.keys import MAX_SALT_CHARS
+from prefixgate.gateway.wire.cache_breakpoints import Breakpoint
 from pydantic import BaseModel, ConfigDict, Field
 
 _CONFIG = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
@@ -265,7 +265,7 @@ def parse_request(model: type[M], body: bytes) -> M:
         APIError: 400 naming the field (``param``).
     """
     # the shared JSON → 400 mapping, and empty fields as absent ones
-    from prefixgate.gateway.api.request_models import parse, without_empty
+    from prefixgate.gateway.wire.request_models import parse, without_empty
 
     try:
         raw = pydantic_core.from_json(body)  # nesting bounded: never a RecursionError
@@ -277,7 +277,7 @@ def parse_request(model: type[M], body: bytes) -> M:
 
 
 def _refuse(raw: dict[str, Any], model: type[_Conversation]) -> None:
-    from prefixgate.gateway.api.request_models import is_empty
+    from prefixgate.gateway.wire.request_models import is_empty
 
     for name, why in _REFUSED.items():
         if not is_empty(raw.get(name)):

@@ -38,7 +38,7 @@ class EmbeddingRequest(BaseModel):
 
 async def create_embeddings(request: web.Request) -> web.Response:
     """POST /v1/embeddings."""
-    from prefixgate.gateway.api.local_call import open_call
+    from prefixgate.gateway.local.local_call import open_call
 
     st, engine, principal, req = await open_call(request, EmbeddingRequest)
     if req.dimensions is not None:

@@ -6,10 +6,10 @@ from typing import TypeVar
 
 from aiohttp import web
 from prefixgate.engine.protocol import EngineClient
-from prefixgate.gateway.api.request_models import parse
 from prefixgate.gateway.local.serving import LOCAL
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.tenancy.keys import Principal
+from prefixgate.gateway.wire.request_models import parse
 from pydantic import BaseModel
 
 Body = TypeVar("Body", bound=BaseModel)

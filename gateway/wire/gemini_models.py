@@ -209,7 +209,7 @@ def parse_request(model: type[M], body: bytes) -> M:
     Raises:
         APIError: 400 naming the field.
     """
-    from prefixgate.gateway.api.request_models import parse  # the shared JSON → 400 mapping
+    from prefixgate.gateway.wire.request_models import parse  # the shared JSON → 400 mapping
 
     return parse(model, body)
 

@@ -28,7 +28,6 @@ send its own ``systemInstruction``, ``tools`` or ``toolConfig`` (Gemini refuses 
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import sys
 import uuid
@@ -36,7 +35,21 @@ from typing import Any
 
 from aiohttp import web
 from prefixgate.engine.sampling_params import SamplingParams
-from prefixgate.gateway.api.gemini_models import (
+from prefixgate.gateway.http.errors import (
+    GEMINI,
+    APIError,
+    bad_request,
+    error_dialect,
+    not_found,
+)
+from prefixgate.gateway.local.generation import ChoiceOutput, Delta, engine_request
+from prefixgate.gateway.local.prefix_routes import prefix_quota
+from prefixgate.gateway.local.prefixes import PrefixEntry, SharedPrefix
+from prefixgate.gateway.local.serving import LOCAL
+from prefixgate.gateway.state import STATE, GatewayState
+from prefixgate.gateway.tenancy.keys import Principal, effective_salt
+from prefixgate.gateway.tenancy.pool_hints import pool_hint
+from prefixgate.gateway.wire.gemini_models import (
     CachedContentCreate,
     CachedContentUpdate,
     Chat,
@@ -51,34 +64,20 @@ from prefixgate.gateway.api.gemini_models import (
     to_chat,
     turns,
 )
-from prefixgate.gateway.api.prefix_routes import prefix_quota
-from prefixgate.gateway.api.prompts import check_length, choice_seeds, render_chat
-from prefixgate.gateway.api.response_models import Usage
-from prefixgate.gateway.api.stop_strings import refuse_stop_under_constraint
-from prefixgate.gateway.api.tools import ToolDeltas, ToolPlan, parse_output, plan_tools
-from prefixgate.gateway.http.errors import (
-    GEMINI,
-    APIError,
-    bad_request,
-    error_dialect,
-    not_found,
-    route_miss,
+from prefixgate.gateway.wire.gemini_routes import (
+    CACHE_PREFIX,
+    DEFAULT_CACHE_TTL_S,
+    GENERATION_METHODS,
+    add_gemini_routes,
+    no_route,  # noqa: F401  (add_gemini_routes reads the handlers off this module)
+    refuse_get_of_method,
+    rfc3339,
 )
-from prefixgate.gateway.local.generation import ChoiceOutput, Delta, engine_request
-from prefixgate.gateway.local.prefixes import PrefixEntry, SharedPrefix
-from prefixgate.gateway.local.serving import LOCAL
-from prefixgate.gateway.state import STATE, GatewayState
-from prefixgate.gateway.tenancy.keys import Principal, effective_salt
-from prefixgate.gateway.tenancy.pool_hints import pool_hint
+from prefixgate.gateway.wire.prompts import check_length, choice_seeds, render_chat
+from prefixgate.gateway.wire.response_models import Usage
+from prefixgate.gateway.wire.stop_strings import refuse_stop_under_constraint
+from prefixgate.gateway.wire.tools import ToolDeltas, ToolPlan, parse_output, plan_tools
 
-CACHE_PREFIX = "cachedContents/"
-DEFAULT_CACHE_TTL_S = 3600.0  # Gemini's default cache life (1 hour)
-GENERATION_METHODS = [
-    "generateContent",
-    "streamGenerateContent",
-    "countTokens",
-    "createCachedContent",
-]
 _FINISH = {"stop": "STOP", "length": "MAX_TOKENS"}
 
 
@@ -361,7 +360,8 @@ async def _count_tokens(request: web.Request, model: str) -> web.Response:
 
 
 async def _generate(request: web.Request, model: str, stream: bool) -> web.StreamResponse:
-    from prefixgate.gateway.api.openai_routes import Exchange, _check_constraint
+    from prefixgate.gateway.local.exchange import Exchange
+    from prefixgate.gateway.local.openai_routes import _check_constraint
 
     st = request.app[STATE]
     engine = request.app[LOCAL].require_engine()
@@ -463,33 +463,7 @@ async def get_model(request: web.Request) -> web.Response:
     return web.json_response(_model_object(st, engine.max_model_len))
 
 
-def refuse_get_of_method(request: web.Request) -> None:
-    """A GET of ``models/{model}:generateContent`` (a method, served by POST) is a 405 with
-    ``Allow: POST``, not a 404 for a model of that name.
-
-    Raises:
-        APIError: 405 ``method_not_allowed``.
-    """
-    _, _, method = request.match_info["target"].partition(":")
-    if method in GENERATION_METHODS:
-        exc = APIError(
-            405,
-            f"method GET is not allowed on {request.path[:120]}; allowed: POST",
-            code="method_not_allowed",
-        )
-        exc.headers = {"Allow": "POST"}
-        raise exc
-
-
 # --- cachedContents -------------------------------------------------------------------------
-def rfc3339(unix_s: float) -> str:
-    """Unix seconds as RFC 3339 UTC (``inf``: the far future)."""
-    if unix_s == float("inf"):
-        return "9999-12-31T23:59:59Z"
-    at = dt.datetime.fromtimestamp(unix_s, dt.UTC)
-    return at.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
 def cache_object(entry: PrefixEntry | SharedPrefix, model: str) -> dict[str, Any]:
     """The ``CachedContent`` resource of a prefix (``usageMetadata.totalTokenCount``: the
     rendered prefix's tokens)."""
@@ -648,28 +622,6 @@ async def delete_cache(request: web.Request) -> web.Response:
             ) from None
         raise
     return web.json_response({})
-
-
-@error_dialect(GEMINI)
-async def no_route(request: web.Request) -> web.Response:
-    """Any other /v1beta path or method: 404 / 405 in Gemini's shape."""
-    raise await route_miss(request)
-
-
-def add_gemini_routes(app: web.Application, handlers: Any, expect_handler: Any) -> None:
-    """Gemini's routes on ``app``, each to the function of that name in ``handlers`` (this
-    module in local mode, ``proxy.gemini_relay`` in proxy mode): one table for both modes."""
-    r = app.router
-    h = handlers
-    r.add_get("/v1beta/models", h.list_models, expect_handler=expect_handler)
-    r.add_get("/v1beta/models/{target}", h.get_model, expect_handler=expect_handler)
-    r.add_post("/v1beta/models/{target}", h.model_method, expect_handler=expect_handler)
-    r.add_post("/v1beta/cachedContents", h.create_cache, expect_handler=expect_handler)
-    r.add_get("/v1beta/cachedContents", h.list_caches, expect_handler=expect_handler)
-    r.add_get("/v1beta/cachedContents/{cache_id}", h.get_cache, expect_handler=expect_handler)
-    r.add_patch("/v1beta/cachedContents/{cache_id}", h.update_cache, expect_handler=expect_handler)
-    r.add_delete("/v1beta/cachedContents/{cache_id}", h.delete_cache, expect_handler=expect_handler)
-    r.add_route("*", "/v1beta/{tail:.*}", h.no_route, expect_handler=expect_handler)
 
 
 def add_routes(app: web.Application, expect_handler: Any) -> None:

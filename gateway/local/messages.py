@@ -30,7 +30,15 @@ from typing import Any
 
 from aiohttp import web
 from prefixgate.engine.sampling_params import SamplingParams
-from prefixgate.gateway.api.anthropic_models import (
+from prefixgate.gateway.http.errors import ANTHROPIC, APIError, bad_request, error_dialect
+from prefixgate.gateway.local.cache_diagnostics import PROMPT_LOG, Comparison, anthropic_reason
+from prefixgate.gateway.local.cache_marks import Mark, find_marks, written_tokens
+from prefixgate.gateway.local.generation import ChoiceOutput, Delta, engine_request
+from prefixgate.gateway.local.serving import LOCAL
+from prefixgate.gateway.state import STATE
+from prefixgate.gateway.tenancy.keys import Principal, effective_salt
+from prefixgate.gateway.tenancy.pool_hints import pool_hint
+from prefixgate.gateway.wire.anthropic_models import (
     Chat,
     CountTokensRequest,
     MessagesRequest,
@@ -38,18 +46,10 @@ from prefixgate.gateway.api.anthropic_models import (
     parse_request,
     to_chat,
 )
-from prefixgate.gateway.api.cache_diagnostics import PROMPT_LOG, Comparison, anthropic_reason
-from prefixgate.gateway.api.cache_marks import Mark, find_marks, written_tokens
-from prefixgate.gateway.api.prompts import check_length, render_chat
-from prefixgate.gateway.api.response_models import Usage
-from prefixgate.gateway.api.stop_strings import refuse_stop_under_constraint
-from prefixgate.gateway.api.tools import ToolDeltas, ToolPlan, parse_output, plan_tools
-from prefixgate.gateway.http.errors import ANTHROPIC, APIError, bad_request, error_dialect
-from prefixgate.gateway.local.generation import ChoiceOutput, Delta, engine_request
-from prefixgate.gateway.local.serving import LOCAL
-from prefixgate.gateway.state import STATE
-from prefixgate.gateway.tenancy.keys import Principal, effective_salt
-from prefixgate.gateway.tenancy.pool_hints import pool_hint
+from prefixgate.gateway.wire.prompts import check_length, render_chat
+from prefixgate.gateway.wire.response_models import Usage
+from prefixgate.gateway.wire.stop_strings import refuse_stop_under_constraint
+from prefixgate.gateway.wire.tools import ToolDeltas, ToolPlan, parse_output, plan_tools
 
 
 def anthropic_usage(
@@ -322,7 +322,8 @@ async def count_tokens(request: web.Request) -> web.Response:
 @error_dialect(ANTHROPIC)
 async def create_message(request: web.Request) -> web.StreamResponse:
     """POST /v1/messages."""
-    from prefixgate.gateway.api.openai_routes import Exchange, _check_constraint
+    from prefixgate.gateway.local.exchange import Exchange
+    from prefixgate.gateway.local.openai_routes import _check_constraint
 
     st = request.app[STATE]
     local = request.app[LOCAL]

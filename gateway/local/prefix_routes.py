@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from aiohttp import web
-from prefixgate.gateway.api.prompts import check_length, render_chat
-from prefixgate.gateway.api.request_models import PrefixCreateRequest, parse
-from prefixgate.gateway.api.response_models import prefix_object
 from prefixgate.gateway.local.prefixes import PrefixQuota
 from prefixgate.gateway.local.serving import LOCAL
 from prefixgate.gateway.settings import GatewaySettings
 from prefixgate.gateway.state import STATE
 from prefixgate.gateway.tenancy.keys import KeySpec, effective_salt
+from prefixgate.gateway.wire.prompts import check_length, render_chat
+from prefixgate.gateway.wire.request_models import PrefixCreateRequest, parse
+from prefixgate.gateway.wire.response_models import prefix_object
 
 
 async def create_prefix(request: web.Request) -> web.Response:

@@ -18,7 +18,11 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Protocol
 
 from prefixgate.engine.outputs import TokenLogprobs
-from prefixgate.gateway.api.response_models import (
+from prefixgate.gateway.http.errors import APIError
+from prefixgate.gateway.http.sse import DONE, encode_data, encode_event
+from prefixgate.gateway.local.generation import ChoiceOutput, Delta
+from prefixgate.gateway.local.token_texts import TokenTexts
+from prefixgate.gateway.wire.response_models import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -35,11 +39,7 @@ from prefixgate.gateway.api.response_models import (
     Usage,
     dump,
 )
-from prefixgate.gateway.api.tools import ToolDeltas, ToolPlan, parse_output, tool_finish_reason
-from prefixgate.gateway.http.errors import APIError
-from prefixgate.gateway.http.sse import DONE, encode_data, encode_event
-from prefixgate.gateway.local.generation import ChoiceOutput, Delta
-from prefixgate.gateway.local.token_texts import TokenTexts
+from prefixgate.gateway.wire.tools import ToolDeltas, ToolPlan, parse_output, tool_finish_reason
 
 
 def _info(token_text: Callable[[int], str], token_id: int) -> tuple[str, list[int]]:

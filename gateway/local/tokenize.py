@@ -26,11 +26,11 @@ import asyncio
 from typing import TYPE_CHECKING, TypeVar
 
 from aiohttp import web
-from prefixgate.gateway.api.prompts import completion_prompts, refuse_oversized, render_chat
-from prefixgate.gateway.api.request_models import MAX_MESSAGES, ChatMessage, parse
 from prefixgate.gateway.http.errors import APIError, bad_request
 from prefixgate.gateway.local.serving import LOCAL
 from prefixgate.gateway.state import STATE
+from prefixgate.gateway.wire.prompts import completion_prompts, refuse_oversized, render_chat
+from prefixgate.gateway.wire.request_models import MAX_MESSAGES, ChatMessage, parse
 from pydantic import BaseModel, ConfigDict, Field
 
 if TYPE_CHECKING:

@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefixgate.engine.sampling_params import StructuredOutputsParams
-from prefixgate.gateway.api.tool_parsers import ToolCall, ToolStream
 from prefixgate.gateway.http.errors import bad_request
+from prefixgate.gateway.wire.tool_parsers import ToolCall, ToolStream
 
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
 
@@ -238,7 +238,7 @@ def plan_tools(
             "(hermes, llama3_json, mistral); use 'required' or a named function instead",
             param="tool_choice",
         )
-    from prefixgate.gateway.api.tool_parsers import get_parser  # noqa: PLC0415
+    from prefixgate.gateway.wire.tool_parsers import get_parser  # noqa: PLC0415
 
     parser = get_parser(parser_name)
     parallel = parallel_tool_calls is not False

@@ -1,274 +1,44 @@
-"""OpenAI routes served by the local engine: chat completions, completions, models.
-
-The walk of one request: authenticate → parse and validate the body → render and tokenize
-the prompt → check lengths → per-key rate limits → admission queue → one engine request per
-choice (``n``) → a JSON body, or SSE chunks as tokens come (``Exchange``, with the route's
-renderer: ``renderers.ChatRenderer`` or ``CompletionRenderer``). The engine requests are
-aborted when the client disconnects (checked every ``poll_s`` while waiting, and on every
-failed write while streaming), so their KV blocks are freed at once.
+"""The ``Exchange``: one admitted HTTP request of any local route (chat, completions,
+responses, messages, Gemini), from the key's token buckets and the admission queue to the JSON
+body or the SSE stream written by the route's renderer (docs/architecture.md, "One chat
+request's walk", step 3); and ``engine_error``, an engine failure before any output as an
+error object.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import time
-import uuid
 
-import cachetools
 from aiohttp import web
 from prefixgate.engine.errors import EngineDeadError
 from prefixgate.engine.protocol import EngineRequest
-from prefixgate.engine.sampling_params import SamplingParams, StructuredOutputsParams
-from prefixgate.engine.scheduling_policy import policy_class
-from prefixgate.gateway.api.cache_diagnostics import Comparison, header_part
-from prefixgate.gateway.api.cache_marks import (
-    CACHE_HEADER,
-    Mark,
-    cache_header,
-    chat_breakpoints,
-    find_marks,
-    note_states,
-    pin_marks,
-    written_tokens,
-)
-from prefixgate.gateway.api.local_call import open_call
-from prefixgate.gateway.api.prompts import (
-    check_length,
-    check_vocab,
-    choice_seeds,
-    completion_prompts,
-    render_chat,
-    sampling_params,
-)
-from prefixgate.gateway.api.renderers import ChatRenderer, CompletionRenderer, Renderer
-from prefixgate.gateway.api.request_fields import (
-    REFUSED,
-    check_constraint,
-    check_refused,
-    structured_from,
-)
-from prefixgate.gateway.api.request_models import ChatCompletionRequest, CompletionRequest
-from prefixgate.gateway.api.response_models import ModelCard, ModelList, Usage, dump
-from prefixgate.gateway.api.stop_strings import refuse_stop_under_constraint
-from prefixgate.gateway.api.tools import ToolPlan, plan_tools, template_messages
 from prefixgate.gateway.http.access_log import record, stream_cut
 from prefixgate.gateway.http.errors import APIError, bad_request
 from prefixgate.gateway.http.lifecycle import end_streams_with
 from prefixgate.gateway.http.sse import KEEPALIVE, SSEWriter, client_gone
-from prefixgate.gateway.local.generation import ChoiceOutput, ChoiceRun, Delta, engine_request
+from prefixgate.gateway.local.cache_diagnostics import Comparison, header_part
+from prefixgate.gateway.local.cache_marks import (
+    CACHE_HEADER,
+    Mark,
+    cache_header,
+    note_states,
+    pin_marks,
+    written_tokens,
+)
+from prefixgate.gateway.local.generation import ChoiceOutput, ChoiceRun, Delta
+from prefixgate.gateway.local.renderers import Renderer
 from prefixgate.gateway.local.serving import LOCAL
 from prefixgate.gateway.local.token_walk import first_token_walk
-from prefixgate.gateway.state import STATE, GatewayState
+from prefixgate.gateway.state import GatewayState
 from prefixgate.gateway.tenancy.keys import Principal
-from prefixgate.gateway.tenancy.pool_hints import pool_hint
 from prefixgate.gateway.tenancy.ttft_budget import PREDICTED_TTFT_HEADER, budget_s
+from prefixgate.gateway.wire.response_models import Usage
 
 logger = logging.getLogger("prefixgate.gateway")
 
 CLIENT_GONE = 499  # nginx's "client closed request": never seen by the client, only in logs
-
-
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    """POST /v1/chat/completions."""
-    st, engine, principal, req = await open_call(request, ChatCompletionRequest)
-    check_refused({name: getattr(req, name, None) for name in REFUSED}, req.n)
-    check_refused({k: getattr(req, k) for k in ("store", "service_tier", "modalities")}, req.n)
-    plan = plan_tools(
-        req.tools, req.tool_choice, req.parallel_tool_calls, st.settings.tool_call_parser
-    )
-    spec, field = structured_from(req)
-    if spec is not None and plan.structured is not None:
-        why = (
-            "strict tools under tool_choice 'auto' (their calls are constrained)"
-            if plan.mode == "auto"
-            else f"tool_choice {req.tool_choice!r} (it constrains the output to a tool call)"
-        )
-        raise bad_request(f"{field}: cannot be combined with {why}", param=field)
-    forced = "tool_choice" if plan.mode in ("required", "named") else None
-    refuse_stop_under_constraint(req.stop, "stop", field if spec is not None else forced)
-    if plan.structured is not None:
-        spec, field = plan.structured, "tools"
-    if spec is not None:
-        await _check_constraint(spec, field or "structured_outputs")
-    check_vocab(req, engine.tokenizer.vocab_size)
-    messages = template_messages(req.messages)
-    if req.prefix_id is not None:
-        prefix = await request.app[LOCAL].require_prefixes().lookup(req.prefix_id, principal.salt)
-        messages = prefix.messages + messages
-    if not messages:
-        raise bad_request("messages must hold at least one message", param="messages")
-    offset = len(messages) - len(req.messages)  # a prefix_id's messages come first
-    ids = await render_chat(
-        engine.tokenizer, messages, max_model_len=engine.max_model_len, tools=plan.tools or None
-    )
-    max_tokens = check_length(
-        len(ids), req.output_limit, engine.max_model_len, "messages", req.output_limit_param
-    )
-    marks = await find_marks(
-        engine.tokenizer,
-        chat_breakpoints(req, messages, offset, plan.tools),
-        bool(plan.tools),
-        ids,
-        engine.config.block_size,
-    )
-    rid = "chatcmpl-" + uuid.uuid4().hex
-    seeds = choice_seeds(req.seed, req.n)
-    # tool-call markers of some formats are special tokens: keep them in the text to parse
-    skip_special = plan.mode != "auto"
-    requests = [
-        _engine_request(
-            request,
-            principal,
-            req,
-            f"{rid}-{i}",
-            ids,
-            sampling_params(req, max_tokens, seeds[i], spec, skip_special),
-        )
-        for i in range(req.n)
-    ]
-    return await _run(
-        request, st, principal, req, ChatRenderer, rid, requests, tools=plan, cache_marks=marks
-    )
-
-
-async def completions(request: web.Request) -> web.StreamResponse:
-    """POST /v1/completions."""
-    st, engine, principal, req = await open_call(request, CompletionRequest)
-    if req.echo:
-        raise bad_request("echo is not supported", param="echo", code="unsupported_parameter")
-    if req.suffix:
-        raise bad_request("suffix is not supported", param="suffix", code="unsupported_parameter")
-    check_refused({k: getattr(req, k) for k in ("store", "service_tier", "best_of")}, req.n)
-    check_refused({"metadata": req.metadata}, req.n)
-    spec, field = structured_from(req)
-    refuse_stop_under_constraint(req.stop, "stop", field if spec is not None else None)
-    if spec is not None:
-        await _check_constraint(spec, field or "structured_outputs")
-    check_vocab(req, engine.tokenizer.vocab_size)
-    prompts = await completion_prompts(engine.tokenizer, req.prompt, engine.max_model_len)
-    rid = "cmpl-" + uuid.uuid4().hex
-    seeds = choice_seeds(req.seed, req.n)
-    requests, prompt_index = [], []
-    for p, ids in enumerate(prompts):
-        max_tokens = check_length(len(ids), req.output_limit, engine.max_model_len, "prompt")
-        for j in range(req.n):
-            params = sampling_params(req, max_tokens, seeds[j], spec)
-            requests.append(
-                _engine_request(request, principal, req, f"{rid}-{p * req.n + j}", ids, params)
-            )
-            prompt_index.append(p)
-    return await _run(
-        request, st, principal, req, CompletionRenderer, rid, requests, prompt_index=prompt_index
-    )
-
-
-def _engine_request(
-    request: web.Request,
-    principal: Principal,
-    req: ChatCompletionRequest | CompletionRequest,
-    request_id: str,
-    prompt: list[int],
-    params: SamplingParams,
-) -> EngineRequest:
-    """One choice's engine request, with the body's ``cache_salt`` and ``priority`` (checked
-    against the engine's scheduling policy)."""
-    built = engine_request(
-        principal,
-        request_id,
-        prompt,
-        params,
-        cache_salt=req.cache_salt,
-        priority=req.priority,
-        hint=pool_hint(request),
-    )
-    check_priority_policy(
-        req.priority, request.app[LOCAL].require_engine().config.scheduling_policy
-    )
-    return built
-
-
-async def _run(
-    request: web.Request,
-    st: GatewayState,
-    principal: Principal,
-    req: ChatCompletionRequest | CompletionRequest,
-    renderer_type: type[ChatRenderer | CompletionRenderer],
-    rid: str,
-    requests: list[EngineRequest],
-    tools: ToolPlan | None = None,
-    cache_marks: list[Mark] | None = None,
-    prompt_index: list[int] | None = None,
-) -> web.StreamResponse:
-    """Run the request's choices through an Exchange with the route's renderer (chat: with
-    the request's tool plan and cache breakpoints)."""
-    args = (
-        rid,
-        int(time.time()),
-        st.model_name,
-        request.app[LOCAL].require_token_texts(),
-        req.num_logprobs,
-        req.include_usage,
-    )
-    renderer = (
-        ChatRenderer(*args, tools=tools) if renderer_type is ChatRenderer else renderer_type(*args)
-    )
-    return await Exchange(
-        request, st, principal, requests, renderer, req.stream, cache_marks, prompt_index
-    ).run()
-
-
-def check_priority_policy(requested: int | None, policy: str) -> None:
-    """A request's own non-zero ``priority`` only orders requests under a policy that reads it
-    (``uses_priority``: ``priority``); under any other it would be accepted and do nothing, so
-    it is refused (vLLM's rule). ``0``, the no-op value, is always taken.
-
-    Raises:
-        APIError: 400 ``priority_not_supported`` naming ``priority``.
-    """
-    if requested and not policy_class(policy).uses_priority:
-        raise APIError(
-            400,
-            f"priority: this server schedules requests by {policy!r}, where a request priority "
-            "has no effect (it needs prefixgate serve --scheduling-policy priority)",
-            param="priority",
-            code="priority_not_supported",
-        )
-
-
-_VALID_CONSTRAINTS: cachetools.LRUCache[str, bool] = cachetools.LRUCache(1024)
-
-
-async def _check_constraint(spec: StructuredOutputsParams, field: str) -> None:
-    """400 naming ``field`` when the constraint does not compile (grammar conversion in a
-    worker thread; valid specs are remembered)."""
-    key = spec.key()
-    if key in _VALID_CONSTRAINTS:
-        return
-    await asyncio.to_thread(check_constraint, spec, field)
-    _VALID_CONSTRAINTS[key] = True
-
-
-async def list_models(request: web.Request) -> web.Response:
-    """GET /v1/models: the one served model."""
-    st = request.app[STATE]
-    st.keys.authenticate(request)
-    return _json(dump(ModelList(data=[_model_card(request.app)])))
-
-
-async def get_model(request: web.Request) -> web.Response:
-    """GET /v1/models/{model}."""
-    st = request.app[STATE]
-    st.keys.authenticate(request)
-    st.check_model(request.match_info["model"])
-    return _json(dump(_model_card(request.app)))
-
-
-def _model_card(app: web.Application) -> ModelCard:
-    engine = app[LOCAL].engine
-    length = engine.max_model_len if engine is not None else None
-    return ModelCard(id=app[STATE].model_name, max_model_len=length)
 
 
 def _json(body: bytes, status: int = 200) -> web.Response:

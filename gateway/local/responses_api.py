@@ -12,7 +12,7 @@ stream events of the API reference (https://platform.openai.com/docs/api-referen
 (or ``response.incomplete`` when ``max_output_tokens`` cut it), each with a
 ``sequence_number``. The stream has no ``[DONE]``, as OpenAI's.
 
-Prompt caching takes the chat's controls (``api/cache_marks.py``): ``prompt_cache_key``
+Prompt caching takes the chat's controls (``local/cache_marks.py``): ``prompt_cache_key``
 (accepted with no effect: every prompt is prefix-cached already), ``prompt_cache_options``
 (``mode`` implicit / explicit, ``ttl`` 30m / 12h; ``prewarm`` only false),
 ``prompt_cache_retention`` (``24h`` pins the input for a day) and ``prompt_cache_breakpoint``
@@ -21,7 +21,7 @@ Prompt caching takes the chat's controls (``api/cache_marks.py``): ``prompt_cach
 ``prompt_cache_options.comparison_response_id`` names an earlier response: the answer's
 ``prompt_cache_diagnostics`` (OpenAI's shape: ``cache_hit``, ``cache_miss`` with its reason,
 ``cache_missed_tokens`` and ``comparison_reusable_tokens``, ``comparison_response_not_found``,
-``unavailable``) says what was reused (``api/cache_diagnostics.py``, shared with Messages).
+``unavailable``) says what was reused (``local/cache_diagnostics.py``, shared with Messages).
 
 What is not implemented is refused by name (400), never ignored: stored responses
 (``store: true``, ``previous_response_id``, ``conversation``), tools, reasoning, non-text
@@ -38,22 +38,27 @@ from typing import Annotated, Any, Literal
 import pydantic_core
 from aiohttp import web
 from prefixgate.engine.sampling_params import SamplingParams
-from prefixgate.gateway.api.cache_diagnostics import PROMPT_LOG, Comparison, openai_diagnostics
-from prefixgate.gateway.api.cache_marks import Mark, find_marks, openai_breakpoints, written_tokens
-from prefixgate.gateway.api.prompts import check_length, render_chat
-from prefixgate.gateway.api.request_models import (
+from prefixgate.gateway.http.errors import APIError, bad_request
+from prefixgate.gateway.local.cache_diagnostics import PROMPT_LOG, Comparison, openai_diagnostics
+from prefixgate.gateway.local.cache_marks import (
+    Mark,
+    find_marks,
+    written_tokens,
+)
+from prefixgate.gateway.local.generation import ChoiceOutput, Delta, engine_request
+from prefixgate.gateway.local.serving import LOCAL
+from prefixgate.gateway.state import STATE
+from prefixgate.gateway.tenancy.pool_hints import pool_hint
+from prefixgate.gateway.wire.cache_breakpoints import openai_breakpoints
+from prefixgate.gateway.wire.prompts import check_length, render_chat
+from prefixgate.gateway.wire.request_models import (
     MAX_MESSAGES,
     PartCacheControl,
     PromptCacheBreakpoint,
     is_empty,
     parse,
 )
-from prefixgate.gateway.api.response_models import Usage
-from prefixgate.gateway.http.errors import APIError, bad_request
-from prefixgate.gateway.local.generation import ChoiceOutput, Delta, engine_request
-from prefixgate.gateway.local.serving import LOCAL
-from prefixgate.gateway.state import STATE
-from prefixgate.gateway.tenancy.pool_hints import pool_hint
+from prefixgate.gateway.wire.response_models import Usage
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_core import from_json
 
@@ -78,7 +83,7 @@ _REFUSED = (
 class InputText(BaseModel):
     """``{"type": "input_text" | "output_text", "text": ...}``: a text part of an input item,
     optionally a cache breakpoint (``prompt_cache_breakpoint``, or ``cache_control`` as on
-    chat: ``api/cache_marks.py``)."""
+    chat: ``local/cache_marks.py``)."""
 
     model_config = _CONFIG
     type: Literal["input_text", "output_text"]
@@ -436,7 +441,7 @@ def _usage(u: Usage, marks: list[Mark]) -> dict[str, Any]:
 
 async def create_response(request: web.Request) -> web.StreamResponse:
     """POST /v1/responses."""
-    from prefixgate.gateway.api.openai_routes import Exchange
+    from prefixgate.gateway.local.exchange import Exchange
 
     st = request.app[STATE]
     engine = request.app[LOCAL].require_engine()

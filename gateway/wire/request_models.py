@@ -67,7 +67,8 @@ class PartCacheControl(BaseModel):
 
 class TextPart(BaseModel):
     """One ``{"type": "text", "text": ...}`` part of a message's content, optionally a cache
-    breakpoint (``prompt_cache_breakpoint`` or ``cache_control``: ``api/cache_marks.py``)."""
+    breakpoint (``prompt_cache_breakpoint`` or ``cache_control``:
+    ``wire/cache_breakpoints.py``)."""
 
     model_config = _REQUEST_CONFIG
     type: Literal["text"]
@@ -113,7 +114,7 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
-    # a breakpoint on the message itself, not on a part: refused by name (cache_marks.py)
+    # a breakpoint on the message itself, not on a part: refused by name (cache_breakpoints.py)
     prompt_cache_breakpoint: Any = None
     cache_control: Any = None
     # fields of an assistant message as openai-python returns it (``message.model_dump()``

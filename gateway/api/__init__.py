@@ -1,1 +1,0 @@
-"""The wire dialects served on the local engine (OpenAI chat, completions, responses, embeddings, tokenize, the prefix API): each parses the wire into engine requests and renders outputs back; imports http, tenancy, local."""

@@ -1,0 +1,1 @@
+"""The wire floor both modes share: request and response models of every dialect (OpenAI chat, completions, responses, embeddings; Anthropic; Gemini), the field tables, stop strings, tools and their parsers, prompt rendering; imports http, tenancy."""

@@ -1,0 +1,69 @@
+"""Gemini's ``/v1beta`` route table and what both modes' handlers share: the method names,
+the ``cachedContents/`` name prefix and default life, the 405 of a GET of a method, RFC 3339
+times, the 404 / 405 of any other path (local mode: ``local/gemini.py``; proxy mode:
+``proxy/gemini_relay.py``)."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from aiohttp import web
+from prefixgate.gateway.http.errors import GEMINI, APIError, error_dialect, route_miss
+
+CACHE_PREFIX = "cachedContents/"
+DEFAULT_CACHE_TTL_S = 3600.0  # Gemini's default cache life (1 hour)
+GENERATION_METHODS = [
+    "generateContent",
+    "streamGenerateContent",
+    "countTokens",
+    "createCachedContent",
+]
+
+
+def refuse_get_of_method(request: web.Request) -> None:
+    """A GET of ``models/{model}:generateContent`` (a method, served by POST) is a 405 with
+    ``Allow: POST``, not a 404 for a model of that name.
+
+    Raises:
+        APIError: 405 ``method_not_allowed``.
+    """
+    _, _, method = request.match_info["target"].partition(":")
+    if method in GENERATION_METHODS:
+        exc = APIError(
+            405,
+            f"method GET is not allowed on {request.path[:120]}; allowed: POST",
+            code="method_not_allowed",
+        )
+        exc.headers = {"Allow": "POST"}
+        raise exc
+
+
+def rfc3339(unix_s: float) -> str:
+    """Unix seconds as RFC 3339 UTC (``inf``: the far future)."""
+    if unix_s == float("inf"):
+        return "9999-12-31T23:59:59Z"
+    at = dt.datetime.fromtimestamp(unix_s, dt.UTC)
+    return at.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+@error_dialect(GEMINI)
+async def no_route(request: web.Request) -> web.Response:
+    """Any other /v1beta path or method: 404 / 405 in Gemini's shape."""
+    raise await route_miss(request)
+
+
+def add_gemini_routes(app: web.Application, handlers: Any, expect_handler: Any) -> None:
+    """Gemini's routes on ``app``, each to the function of that name in ``handlers`` (this
+    module in local mode, ``proxy.gemini_relay`` in proxy mode): one table for both modes."""
+    r = app.router
+    h = handlers
+    r.add_get("/v1beta/models", h.list_models, expect_handler=expect_handler)
+    r.add_get("/v1beta/models/{target}", h.get_model, expect_handler=expect_handler)
+    r.add_post("/v1beta/models/{target}", h.model_method, expect_handler=expect_handler)
+    r.add_post("/v1beta/cachedContents", h.create_cache, expect_handler=expect_handler)
+    r.add_get("/v1beta/cachedContents", h.list_caches, expect_handler=expect_handler)
+    r.add_get("/v1beta/cachedContents/{cache_id}", h.get_cache, expect_handler=expect_handler)
+    r.add_patch("/v1beta/cachedContents/{cache_id}", h.update_cache, expect_handler=expect_handler)
+    r.add_delete("/v1beta/cachedContents/{cache_id}", h.delete_cache, expect_handler=expect_handler)
+    r.add_route("*", "/v1beta/{tail:.*}", h.no_route, expect_handler=expect_handler)
