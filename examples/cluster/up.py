@@ -189,8 +189,19 @@ def gateway_all_ready(ready: dict) -> bool:
     )
 
 
-def _spawn(name: str, cmd: Sequence[str], layout: Layout, env: dict[str, str] | None = None,
-           nice: bool = False, **piece: object) -> Piece:  # fmt: skip
+def _spawn(
+    name: str,
+    cmd: Sequence[str],
+    layout: Layout,
+    *,
+    url: str,
+    ready_path: str | None = None,
+    all_upstreams: bool = False,
+    env: dict[str, str] | None = None,
+    nice: bool = False,
+) -> Piece:
+    """Start ``cmd`` (under ``nice -n NICE`` when ``nice``) in its own session, in the run
+    folder, output to ``RUN_DIR/NAME.log``, with ``env`` over this process's environment."""
     layout.run_dir.mkdir(parents=True, exist_ok=True)
     log = layout.run_dir / f"{name}.log"
     full = ["nice", "-n", str(NICE), *cmd] if nice else list(cmd)
@@ -205,7 +216,7 @@ def _spawn(name: str, cmd: Sequence[str], layout: Layout, env: dict[str, str] | 
             stderr=subprocess.STDOUT,
             start_new_session=True,  # Ctrl-C reaches this script only; it stops the pieces
         )
-    return Piece(name=name, proc=proc, log=log, **piece)  # type: ignore[arg-type]
+    return Piece(name, url, proc, log, ready_path, all_upstreams)
 
 
 def start_redis(layout: Layout, binary: str = "redis-server") -> Piece:
@@ -215,8 +226,9 @@ def start_redis(layout: Layout, binary: str = "redis-server") -> Piece:
     return _spawn("redis", cmd, layout, url=layout.redis_url)
 
 
-def vllm_command(layout: Layout, i: int, model: Path, python: Path = VLLM_VENV / "bin" / "python",
-                 kv_cache_gib: int = 1) -> tuple[list[str], dict[str, str]]:  # fmt: skip
+def vllm_command(
+    layout: Layout, i: int, model: Path, python: Path = VLLM_VENV / "bin" / "python"
+) -> tuple[list[str], dict[str, str]]:
     """vLLM ``i``'s command line and environment: ``model`` served as ``VLLM_NAME``, dummy
     weights when the folder has none (the SmolLM2 shape), prefix caching, cached-token counts
     in usage, KV events (ZeroMQ PUB and replay), the interop suite's other flags."""
@@ -236,18 +248,20 @@ def vllm_command(layout: Layout, i: int, model: Path, python: Path = VLLM_VENV /
     cmd += ["--enable-prefix-caching", "--enable-prompt-tokens-details"]
     cmd += ["--kv-events-config", json.dumps(events)]
     env = {
-        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+        "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache: ~1 GiB each, two fit a laptop
         "HF_HUB_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
     }
     return cmd, env
 
 
-def start_vllm(layout: Layout, i: int, model: Path, **kw: object) -> Piece:
+def start_vllm(
+    layout: Layout, i: int, model: Path, python: Path = VLLM_VENV / "bin" / "python"
+) -> Piece:
     """vLLM ``i`` (0 or 1), niced; ready when ``/health`` answers 200."""
-    cmd, env = vllm_command(layout, i, model, **kw)  # type: ignore[arg-type]
-    return _spawn(f"vllm-{i}", cmd, layout, env=env, nice=True,
-                  url=layout.vllm_urls[i], ready_path="/health")  # fmt: skip
+    cmd, env = vllm_command(layout, i, model, python)
+    url = layout.vllm_urls[i]
+    return _spawn(f"vllm-{i}", cmd, layout, url=url, ready_path="/health", env=env, nice=True)
 
 
 def prefixgate_command() -> list[str]:
@@ -256,8 +270,8 @@ def prefixgate_command() -> list[str]:
 
 
 def start_engine(layout: Layout, model: Path) -> Piece:
-    """A prefixgate engine (``prefixgate serve --model``), niced, served as ``ENGINE_NAME``;
-    ready when ``/ready`` answers 200 (the model loaded)."""
+    """A prefixgate engine (``prefixgate serve --model``), niced, served as ``ENGINE_NAME``,
+    one torch thread, a 32 MiB KV cache; ready when ``/ready`` answers 200 (the model loaded)."""
     cmd = [*prefixgate_command(), "serve", "--model", str(model)]
     cmd += ["--served-model-name", ENGINE_NAME, "--host", "127.0.0.1"]
     cmd += ["--port", str(layout.engine_port), "--stats-interval-s", "0"]
@@ -284,8 +298,8 @@ def start_gateway(layout: Layout, i: int, tokenizer: Path, keys_file: Path = KEY
     """Gateway ``i`` (0: A, 1: B); ready when its operator ``/ready`` shows every upstream
     healthy with its models, and both KV event feeds synced."""
     cmd = [*gateway_command(layout, tokenizer, keys_file), "--port", str(layout.gateway_ports[i])]
-    return _spawn(f"gateway-{'ab'[i]}", cmd, layout, url=layout.gateway_urls[i],
-                  ready_path="/ready", all_upstreams=True)  # fmt: skip
+    name, url = f"gateway-{'ab'[i]}", layout.gateway_urls[i]
+    return _spawn(name, cmd, layout, url=url, ready_path="/ready", all_upstreams=True)
 
 
 def wait_ready(pieces: Iterable[Piece], timeout_s: float) -> None:
@@ -380,28 +394,49 @@ class Cluster:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--only", action="append", choices=PIECES, help="start only this piece "
-                    "(repeatable; default: all)")  # fmt: skip
-    ap.add_argument("--base-port", type=int, default=8100)
-    ap.add_argument("--run-dir", type=Path, default=Path("/tmp/prefixgate-cluster"),
-                    help="logs and the vLLMs' KV event sockets")  # fmt: skip
-    ap.add_argument("--vllm-model", type=Path, default=Models.vllm)
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument(
+        "--only",
+        action="append",
+        choices=PIECES,
+        help="start only this piece (repeatable; default: all)",
+    )
+    ap.add_argument("--base-port", type=int, default=8100, help="Redis's port; the others follow")
+    ap.add_argument(
+        "--run-dir",
+        type=Path,
+        default=Path("/tmp/prefixgate-cluster"),
+        help="logs and the vLLMs' KV event sockets (the same for pieces started apart)",
+    )
+    ap.add_argument("--vllm-model", type=Path, default=Models.vllm, help="the vLLMs' model folder")
     ap.add_argument("--engine-model", type=Path, default=Models.engine)
     ap.add_argument("--start-timeout-s", type=float, default=600.0)
     args = ap.parse_args(argv)
     layout = Layout.at(args.base_port, args.run_dir.resolve())
-    cluster = Cluster(layout, Models(args.vllm_model, args.engine_model),
-                      args.only or PIECES, args.start_timeout_s)  # fmt: skip
-    signal.signal(signal.SIGTERM, _interrupt)  # `kill PID` stops the pieces as Ctrl-C does
+    models = Models(args.vllm_model.resolve(), args.engine_model.resolve())
+    cluster = Cluster(layout, models, args.only or PIECES, args.start_timeout_s)
+    # Ctrl-C and `kill PID` stop the pieces (SIGINT set here too: a shell starting this in
+    # the background without job control has it ignored)
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         print(f"starting {sorted(cluster.only)}; logs in {layout.run_dir}", flush=True)
+        print(
+            f"layout: redis {layout.redis_url}, vLLMs {layout.vllm_urls}, engine "
+            f"{layout.engine_url}, gateways {layout.gateway_urls}",
+            flush=True,
+        )
         cluster.start()
         for p in cluster.pieces:
             print(f"  {p.name:10} {p.url}  (log {p.log})")
         if "gateways" in cluster.only:
-            print(f"models: {VLLM_NAME} (vLLM x2), {ENGINE_NAME} (prefixgate engine); keys: "
-                  f"{KEYS_FILE}")  # fmt: skip
+            print(f"models: {VLLM_NAME} (the vLLMs), {ENGINE_NAME} (the engine); keys {KEYS_FILE}")
+            print(
+                f"  try: curl {layout.gateway_urls[0]}/v1/chat/completions -H 'Authorization: "
+                f"Bearer sk-cluster-tenant-a' -H 'Content-Type: application/json' -d "
+                f'\'{{"model": "{ENGINE_NAME}", "messages": [{{"role": "user", '
+                f'"content": "Hi"}}]}}\''
+            )
         print("ready; Ctrl-C stops everything", flush=True)
         while all(p.proc.poll() is None for p in cluster.pieces):
             time.sleep(1.0)
