@@ -8,19 +8,24 @@ measured at hundreds of requests per second where the CPU engine serves a few; `
 engine`` runs the same requests on an ``AsyncEngine`` in this process, no gateway (the
 bisection's first step: engine alone against the gateway over HTTP), and samples glibc's heap
 bytes in use (``mallinfo2``) and the count of Python objects beside RSS. It sends
-``--requests`` chat completions: one at a time on a keep-alive connection, and every
-``--every`` requests a burst of ``--burst`` concurrent ones (each on its own connection), a
-quarter of them streamed in local mode, each prompt distinct (``request <i>``; ``--prompts
-fixed``: distinct, all of one length, ``request <i:06d>``, so one prefill row count;
-``identical``: one prompt for all). After every ``--every`` requests it samples the server's
-resident set size (``VmRSS`` in ``/proc/<pid>/status``, KiB) and the engine's free blocks still
-holding a cached prefix (``prefixgate_kv_blocks_cached_free``: the prefix cache fills until
-they are the whole pool) and prints one line; at the end the slope of RSS over the second half (least squares, in KB
-per request: the first half includes warm-up, caches filling, the allocator's arenas growing).
+``--requests`` requests: one at a time on a keep-alive connection, and every ``--every``
+requests a burst of ``--burst`` concurrent ones (each on its own connection). In local mode
+they are ``--dialects mixed``: chat completions and Anthropic Messages, each streamed and not,
+in turn (``DIALECTS``); in proxy mode chat completions (the stub's only kind). Each prompt is
+distinct (``request <i>``; ``--prompts fixed``: distinct, all of one length, ``request
+<i:06d>``, so one prefill row count; ``identical``: one prompt for all). After every
+``--every`` requests it samples the server's resident set size (``VmRSS`` in
+``/proc/<pid>/status``, KiB), its heap bytes in use (``prefixgate_process_heap_bytes``) and the
+engine's free blocks still holding a cached prefix (``prefixgate_kv_blocks_cached_free``: the
+prefix cache fills until they are the whole pool) and prints one line; at the end the slope of
+RSS over the second half (least squares, in KB per request: the first half includes warm-up,
+caches filling, the allocator's arenas growing). ``--serve-args=--warmup-row-counts`` starts
+the server with every GEMM row count compiled (flat after start-up).
 A flat server shows a slope near 0; a leak of ``b`` bytes per request shows ``b / 1000``.
 
     python -m prefixgate.gateway.bench.memory_curve [--mode local|proxy|engine]
         [--requests 20000] [--every 500] [--prompts distinct|fixed|identical]
+        [--dialects mixed|chat|chat-streams] [--serve-args=...]
         [--trim-every N] [--model PATH] [--json out.json]
 
 Linux only (``/proc``). 20,000 requests take minutes on this 2-core machine (run it niced).
