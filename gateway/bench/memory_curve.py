@@ -354,7 +354,8 @@ def main(argv: list[str] | None = None) -> None:
         result = asyncio.run(run_engine(args))
     else:
         result = _serve_and_run(args)
-    result["dialects"] = args.dialects or ("mixed" if args.mode == "local" else "chat")
+    if args.mode != "engine":  # engine mode sends token ids, no dialect
+        result["dialects"] = args.dialects or ("mixed" if args.mode == "local" else "chat")
     result["serve_args"] = args.serve_args
     result["loadavg"] = [start_load, os.getloadavg()]  # (1, 5, 15 min) at start and end
     print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
