@@ -76,6 +76,12 @@ class EngineConfig:
             scale per output channel for every linear layer (CPU: dtype float32 only, torch's
             dynamic int8 linear; CUDA: a Triton weight-only GEMM). Unsupported combinations
             raise ValueError at start-up.
+        warmup_row_counts: on CPU with oneDNN's fp32 linears, run every GEMM row count a step
+            can reach (``cpu_linear.padded_rows`` up to ``max_num_batched_tokens``; the LM head
+            up to the logits rows a step computes) once at load, so the memory of oneDNN's
+            compiled primitives is spent at start instead of in steps as new counts appear
+            (``cpu_linear.warm_up_row_counts``; docs/benchmarks/memory-curve.md has its cost).
+            Elsewhere nothing is done.
         cuda_graphs: replay CUDA graphs of decode-only steps (captured per padded batch size;
             CUDA with the Triton attention backend only, else ValueError at start-up).
         runner: ``"generate"`` (text generation) or ``"pooling"`` (an embedding model:
@@ -125,6 +131,7 @@ class EngineConfig:
     hf_overrides: dict = field(default_factory=dict)
     quantization: Literal["int8"] | None = None
     cuda_graphs: bool = False
+    warmup_row_counts: bool = False
     runner: Literal["generate", "pooling", "sim"] = "generate"
     sim_profile: str = "h100-llama3-8b"
     sim_eos_probability: float = 0.0
@@ -169,6 +176,8 @@ class EngineConfig:
                 raise TypeError(f"{name} must be an int, got {value!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise TypeError(f"cuda_graphs must be a bool, got {self.cuda_graphs!r}")
+        if not isinstance(self.warmup_row_counts, bool):
+            raise TypeError(f"warmup_row_counts must be a bool, got {self.warmup_row_counts!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise TypeError(
                 f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}"

@@ -74,3 +74,31 @@ def keep_freed_memory(
     if done:
         logger.debug("glibc malloc keeps up to %d MiB of freed memory", trim_bytes >> 20)
     return done
+
+
+class _MallInfo2(ctypes.Structure):
+    """glibc's ``struct mallinfo2`` (``malloc.h``, glibc >= 2.33): every field a ``size_t``."""
+
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()
+        )
+    ]
+
+
+def heap_in_use() -> int | None:
+    """Bytes glibc's malloc has handed out and not had back in this process (``mallinfo2``:
+    small chunks in every arena, ``uordblks``, + mmapped chunks, ``hblkhd``); ``None`` on a
+    libc without ``mallinfo2`` (glibc < 2.33, musl, not Linux).
+
+    Allocated bytes, not RSS: memory the allocator keeps after a ``free`` does not count, nor
+    memory mapped outside malloc (CPython's object arenas are ``mmap``-ed: Python objects
+    show in RSS and in ``gc.get_objects()``, not here)."""
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _MallInfo2
+    info = fn()
+    return int(info.uordblks + info.hblkhd)

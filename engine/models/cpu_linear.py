@@ -117,6 +117,39 @@ def distinct_row_counts(max_rows: int) -> int:
     return len({padded_rows(m) for m in range(1, max_rows + 1)})
 
 
+def warm_up_row_counts(layers: Sequence[nn.Module], max_rows: int) -> int:
+    """Run each distinct ``(out_features, in_features, bias)`` shape of the
+    :class:`OneDNNLinear` layers in ``layers`` once at every row count ``padded_rows`` gives
+    for ``1..max_rows`` (zeros in, outputs dropped), so oneDNN's and ideep's primitive caches
+    hold every GEMM a forward pass of up to ``max_rows`` rows can run; returns how many GEMMs
+    ran. Other modules are skipped.
+
+    Why: each new row count compiles one primitive per shape (~0.6 MB each, held until the
+    process ends), so without this a server's memory steps up whenever a step reaches a count
+    it had not seen (docs/benchmarks/memory-curve.md); as vLLM captures its CUDA graphs per
+    batch size at start, this spends the memory and the compile time once, at load. Layers of
+    one shape share primitives (the caches key them by shape, not by weight), so one layer a
+    shape is run. Cost: :func:`distinct_row_counts` ``(max_rows)`` primitives a shape (72 at
+    2,048 rows) and the GEMMs' own work.
+
+    Raises:
+        ValueError: ``max_rows`` < 1.
+    """
+    if max_rows < 1:
+        raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+    shapes: dict[tuple[int, int, bool], OneDNNLinear] = {}
+    for layer in layers:
+        if isinstance(layer, OneDNNLinear):
+            shapes.setdefault((layer.out_features, layer.in_features, layer.bias is None), layer)
+    counts = sorted({padded_rows(m) for m in range(1, max_rows + 1)})
+    with torch.inference_mode():
+        for layer in shapes.values():
+            x = torch.zeros((counts[-1], layer.in_features))
+            for rows in counts:
+                layer(x[:rows])
+    return len(shapes) * len(counts)
+
+
 def onednn_linear_available() -> bool:
     """True when torch has oneDNN (MKL-DNN) and its prepacked linear ops on this build."""
     if not torch.backends.mkldnn.is_available():

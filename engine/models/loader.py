@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from pathlib import Path
 
 import torch
 from prefixgate.engine.config import EngineConfig
 from prefixgate.engine.cuda_graphs import check_cuda_graphs
+from prefixgate.engine.malloc import heap_in_use
 from prefixgate.engine.models.config import ModelConfig
 from prefixgate.engine.models.cpu_linear import (
     CALIBRATION_MIN_BYTES,
     calibrate_one_row,
     pack_linears,
     use_onednn_linear,
+    warm_up_row_counts,
 )
 from prefixgate.engine.models.layers import set_one_row_layers, set_one_row_ops
 from prefixgate.engine.models.llama import CausalLM
@@ -87,6 +90,8 @@ def load_model(model_config: ModelConfig, engine_config: EngineConfig) -> Causal
     elif use_onednn_linear(device, model_config.dtype, None):
         pack_linears(model)  # MKL's sgemm is slower (cpu_linear.py, docs/benchmarks/cpu-gemm.md)
         calibrate_one_row(model)  # batch-1 decode: the fastest GEMM per shape at one row
+        if engine_config.warmup_row_counts:
+            _warm_up_row_counts(model, engine_config)
     if (
         device.type == "cpu"
         and model_config.dtype == torch.float32
@@ -98,6 +103,30 @@ def load_model(model_config: ModelConfig, engine_config: EngineConfig) -> Causal
         logger.info("one-row decode through prefixgate's fused CPU ops")
     model.init_rope()
     return model.eval().requires_grad_(False)
+
+
+def _warm_up_row_counts(model: CausalLM, engine_config: EngineConfig) -> None:
+    """``warm_up_row_counts`` over the model's linears: the body's up to a step's token budget
+    (``max_num_batched_tokens``), the LM head up to the rows a step's logits take (one a
+    request, ``1 + num_speculative_tokens`` a request with speculative decoding), logged with
+    its time and the heap bytes it took."""
+    budget = engine_config.max_num_batched_tokens
+    per_request = 1 + (
+        engine_config.num_speculative_tokens if engine_config.speculative_method else 0
+    )
+    head_rows = min(budget, engine_config.max_num_seqs * per_request)
+    body = [m for name, m in model.named_modules() if not name.startswith("lm_head")]
+    heap0, t0 = heap_in_use(), time.perf_counter()
+    gemms = warm_up_row_counts(body, budget) + warm_up_row_counts([model.lm_head], head_rows)
+    heap1 = heap_in_use()
+    logger.info(
+        "warmed %d GEMM shapes (row counts up to %d, LM head up to %d) in %.1f s%s",
+        gemms,
+        budget,
+        head_rows,
+        time.perf_counter() - t0,
+        "" if heap0 is None or heap1 is None else f", heap +{(heap1 - heap0) / 2**20:.1f} MiB",
+    )
 
 
 @torch.no_grad()

@@ -8,19 +8,24 @@ measured at hundreds of requests per second where the CPU engine serves a few; `
 engine`` runs the same requests on an ``AsyncEngine`` in this process, no gateway (the
 bisection's first step: engine alone against the gateway over HTTP), and samples glibc's heap
 bytes in use (``mallinfo2``) and the count of Python objects beside RSS. It sends
-``--requests`` chat completions: one at a time on a keep-alive connection, and every
-``--every`` requests a burst of ``--burst`` concurrent ones (each on its own connection), a
-quarter of them streamed in local mode, each prompt distinct (``request <i>``; ``--prompts
-fixed``: distinct, all of one length, ``request <i:06d>``, so one prefill row count;
-``identical``: one prompt for all). After every ``--every`` requests it samples the server's
-resident set size (``VmRSS`` in ``/proc/<pid>/status``, KiB) and the engine's free blocks still
-holding a cached prefix (``prefixgate_kv_blocks_cached_free``: the prefix cache fills until
-they are the whole pool) and prints one line; at the end the slope of RSS over the second half (least squares, in KB
-per request: the first half includes warm-up, caches filling, the allocator's arenas growing).
+``--requests`` requests: one at a time on a keep-alive connection, and every ``--every``
+requests a burst of ``--burst`` concurrent ones (each on its own connection). In local mode
+they are ``--dialects mixed``: chat completions and Anthropic Messages, each streamed and not,
+in turn (``DIALECTS``); in proxy mode chat completions (the stub's only kind). Each prompt is
+distinct (``request <i>``; ``--prompts fixed``: distinct, all of one length, ``request
+<i:06d>``, so one prefill row count; ``identical``: one prompt for all). After every
+``--every`` requests it samples the server's resident set size (``VmRSS`` in
+``/proc/<pid>/status``, KiB), its heap bytes in use (``prefixgate_process_heap_bytes``) and the
+engine's free blocks still holding a cached prefix (``prefixgate_kv_blocks_cached_free``: the
+prefix cache fills until they are the whole pool) and prints one line; at the end the slope of
+RSS over the second half (least squares, in KB per request: the first half includes warm-up,
+caches filling, the allocator's arenas growing). ``--serve-args=--warmup-row-counts`` starts
+the server with every GEMM row count compiled (flat after start-up).
 A flat server shows a slope near 0; a leak of ``b`` bytes per request shows ``b / 1000``.
 
     python -m examples.benchmarks.memory_curve [--mode local|proxy|engine]
         [--requests 20000] [--every 500] [--prompts distinct|fixed|identical]
+        [--dialects mixed|chat|chat-streams] [--serve-args=...]
         [--trim-every N] [--model PATH] [--json out.json]
 
 Linux only (``/proc``). 20,000 requests take minutes on this 2-core machine (run it niced).
@@ -41,39 +46,18 @@ import time
 from pathlib import Path
 
 import httpx
+from prefixgate.engine.malloc import heap_in_use
 from prefixgate.sdk.bench.targets import free_port
 
 from examples.benchmarks.gateway_overhead import _run_stub, start_serve
 
+__all__ = ["heap_in_use", "main", "malloc_trim", "rss_kib", "slope_kb_per_request"]
+
 KEY = "memory-curve-key"
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()
-    ]
 
 
 def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-
-
-def heap_in_use() -> int | None:
-    """Bytes glibc's malloc has handed out and not had back in this process (``mallinfo2``:
-    small chunks in every arena, ``uordblks``, + mmapped chunks, ``hblkhd``); ``None`` on a
-    libc without ``mallinfo2`` (glibc < 2.33, musl, not Linux).
-
-    Allocated bytes, not RSS: memory the allocator keeps after a ``free`` does not count, nor
-    memory mapped outside malloc (CPython's object arenas are ``mmap``-ed: Python objects
-    show in RSS and in ``gc.get_objects()``, not here)."""
-    try:
-        fn = _libc().mallinfo2
-    except (OSError, AttributeError):
-        return None
-    fn.restype = _MallInfo2
-    info = fn()
-    return info.uordblks + info.hblkhd
 
 
 def malloc_trim() -> bool:
@@ -125,23 +109,49 @@ def prompt_text(kind: str, i: int) -> str:
     raise ValueError(f"prompts must be distinct, fixed or identical, got {kind!r}")
 
 
-def _body(model: str, i: int, max_tokens: int, streams: bool, prompts: str = "distinct") -> dict:
-    return {
-        "model": model,
-        "messages": [{"role": "user", "content": prompt_text(prompts, i)}],
-        "max_tokens": max_tokens,
-        "stream": streams and i % 4 == 0,
-        "user": f"user-{i % 97}",
-    }
+DIALECTS = ("chat-stream", "chat", "messages", "messages-stream")
+"""What request ``i`` of ``--dialects mixed`` is: ``DIALECTS[i % 4]``, OpenAI chat completions
+(``/v1/chat/completions``) and Anthropic Messages (``/v1/messages``), each streamed and not."""
 
 
-async def _one(http: httpx.AsyncClient, body: dict) -> int:
-    if body["stream"]:
-        async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+def request_of(
+    model: str, i: int, max_tokens: int, dialects: str, prompts: str = "distinct"
+) -> tuple[str, dict, bool]:
+    """Request ``i`` as ``(path, JSON body, streamed)``: ``dialects`` ``chat`` (chat
+    completions, not streamed: the proxy's stub answers only those), ``chat-streams`` (a quarter
+    of them streamed) or ``mixed`` (:data:`DIALECTS` in turn).
+
+    Raises:
+        ValueError: another ``dialects``.
+    """
+    if dialects == "chat":
+        kind = "chat"
+    elif dialects == "chat-streams":
+        kind = "chat-stream" if i % 4 == 0 else "chat"
+    elif dialects == "mixed":
+        kind = DIALECTS[i % len(DIALECTS)]
+    else:
+        raise ValueError(f"dialects must be chat, chat-streams or mixed, got {dialects!r}")
+    stream = kind.endswith("-stream")
+    messages = [{"role": "user", "content": prompt_text(prompts, i)}]
+    user = f"user-{i % 97}"
+    if kind.startswith("messages"):
+        body = {"model": model, "max_tokens": max_tokens, "messages": messages}
+        body |= {"stream": stream, "metadata": {"user_id": user}}
+        return "/v1/messages", body, stream
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens}
+    body |= {"stream": stream, "user": user}
+    return "/v1/chat/completions", body, stream
+
+
+async def _one(http: httpx.AsyncClient, request: tuple[str, dict, bool]) -> int:
+    path, body, stream = request
+    if stream:
+        async with http.stream("POST", path, json=body) as r:
             async for _ in r.aiter_bytes():
                 pass
             return r.status_code
-    return (await http.post("/v1/chat/completions", json=body)).status_code
+    return (await http.post(path, json=body)).status_code
 
 
 class _Sample:
@@ -232,13 +242,13 @@ async def _drive(args: argparse.Namespace, send, send_burst, sample) -> dict:
 
 async def run(args: argparse.Namespace, url: str, pid: int, model: str) -> dict:
     """The served gateway (``--mode local|proxy``): requests over HTTP, its RSS sampled."""
-    streams = args.mode == "local"
+    dialects = args.dialects or ("mixed" if args.mode == "local" else "chat")
     headers = {"Authorization": f"Bearer {KEY}"}
     samples = _Sample()
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=120) as http:
 
         async def send(i: int) -> int:
-            return await _one(http, _body(model, i, args.max_tokens, streams, args.prompts))
+            return await _one(http, request_of(model, i, args.max_tokens, dialects, args.prompts))
 
         async def send_burst(first: int, n: int) -> list[int]:
             async with httpx.AsyncClient(  # one connection per concurrent request
@@ -246,18 +256,23 @@ async def run(args: argparse.Namespace, url: str, pid: int, model: str) -> dict:
             ) as side:
                 return await asyncio.gather(
                     *(
-                        _one(side, _body(model, first + j, args.max_tokens, streams, args.prompts))
+                        _one(
+                            side,
+                            request_of(model, first + j, args.max_tokens, dialects, args.prompts),
+                        )
                         for j in range(n)
                     )
                 )
 
         async def sample(done: int) -> _Sample:
             samples.rss_kib.append((done, rss_kib(pid)))
-            if args.mode == "local":
-                text = (await http.get("/metrics")).text
-                cached = _metric(text, "prefixgate_kv_blocks_cached_free")
-                if cached is not None:
-                    samples.cached_blocks.append((done, cached))
+            text = (await http.get("/metrics")).text
+            heap = _metric(text, "prefixgate_process_heap_bytes")
+            if heap is not None:
+                samples.heap_bytes.append((done, heap))
+            cached = _metric(text, "prefixgate_kv_blocks_cached_free")
+            if cached is not None:
+                samples.cached_blocks.append((done, cached))
             return samples
 
         return await _drive(args, send, send_burst, sample)
@@ -313,6 +328,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--burst", type=int, default=8, help="concurrent requests per sample")
     parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument("--prompts", choices=["distinct", "fixed", "identical"], default="distinct")
+    parser.add_argument(
+        "--dialects",
+        choices=["chat", "chat-streams", "mixed"],
+        default=None,
+        help="local: mixed (default; chat completions and Anthropic Messages, streamed and "
+        "not, in turn); proxy: chat (the stub's only kind); chat-streams: a quarter streamed",
+    )
     parser.add_argument("--model", default=None, help="served model (default: tiny-random)")
     parser.add_argument("--serve-args", default="", help="more `prefixgate serve` flags")
     parser.add_argument(
@@ -333,6 +355,9 @@ def main(argv: list[str] | None = None) -> None:
         result = asyncio.run(run_engine(args))
     else:
         result = _serve_and_run(args)
+    if args.mode != "engine":  # engine mode sends token ids, no dialect
+        result["dialects"] = args.dialects or ("mixed" if args.mode == "local" else "chat")
+    result["serve_args"] = args.serve_args
     result["loadavg"] = [start_load, os.getloadavg()]  # (1, 5, 15 min) at start and end
     print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if args.json:

@@ -1,4 +1,5 @@
-"""Plot ``memory_curve`` results: RSS (MiB) against requests served, one line per JSON file.
+"""Plot ``memory_curve`` results: RSS (MiB) against requests served, one line per JSON file,
+and the server's heap bytes in use (dashed, same colour) where the run sampled them.
 
     python -m examples.benchmarks.memory_plot out.png run1.json [run2.json ...]
         [--label NAME ...]
@@ -33,9 +34,18 @@ def main(argv: list[str] | None = None) -> None:
         ys = [y / 1024 for _, y in run["rss_kib"]]
         slope = run.get("slope_kb_per_request_second_half", 0.0)
         name = args.label[i] if i < len(args.label) else Path(path).stem
-        ax.plot(xs, ys, marker=".", label=f"{name} ({slope:+.2f} KB/request, 2nd half)")
+        (line,) = ax.plot(xs, ys, marker=".", label=f"{name} ({slope:+.2f} KB/request, 2nd half)")
+        heap = run.get("heap_bytes") or []
+        if heap:
+            ax.plot(
+                [x for x, _ in heap],
+                [y / 2**20 for _, y in heap],
+                ls="--",
+                color=line.get_color(),
+                label=f"{name}: heap in use",
+            )
     ax.set_xlabel("requests served")
-    ax.set_ylabel("server RSS (MiB)")
+    ax.set_ylabel("server RSS / heap in use (MiB)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from prefixgate.engine.malloc import heap_in_use
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -92,6 +93,23 @@ class _PoolMetrics(Collector):
             )
             fam.add_metric(list(info.values()), 1.0)
             yield fam
+
+
+class _ProcessHeap(Collector):
+    """``prefixgate_process_heap_bytes``: glibc malloc's bytes in use in this process
+    (``mallinfo2``: ``uordblks + hblkhd``; ``engine.malloc.heap_in_use``), read on every
+    scrape. Beside RSS it tells memory allocated through malloc (torch's CPU tensors,
+    oneDNN's primitives) from CPython's own object arenas and from freed memory the
+    allocator keeps. Absent where the libc has no ``mallinfo2`` (never reported as 0)."""
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        heap = heap_in_use()
+        if heap is not None:
+            yield GaugeMetricFamily(
+                "prefixgate_process_heap_bytes",
+                "bytes glibc malloc has handed out and not had back in this process (mallinfo2)",
+                value=heap,
+            )
 
 
 class _EngineStats(Collector):
@@ -319,6 +337,7 @@ class GatewayMetrics:
             "prefixgate_state_fallback_requests",
             "requests admitted on this replica's local limits because Redis was unreachable",
         )
+        self.registry.register(_ProcessHeap())
         self._window = window_s
         # (monotonic time, cumulative generated tokens) at each scrape, over the window
         self._marks: list[tuple[float, float]] = [(time.monotonic(), 0.0)]

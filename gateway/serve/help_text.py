@@ -106,6 +106,9 @@ ENGINE_HELP = {
     "weights in --dtype)",
     "cuda_graphs": "replay CUDA graphs of decode-only steps, captured per padded batch size "
     "(CUDA with the triton attention backend only) (default: off)",
+    "warmup_row_counts": "CPU fp32: compile every GEMM row count a step can reach at start "
+    "(seconds, and the primitives' memory: ~0.6 MB a row count a linear shape), so memory stays "
+    "flat while serving instead of stepping up as new counts appear (default: off)",
     "runner": "generate (text generation), pooling (an embedding model served on "
     "/v1/embeddings; chat and completions then answer 400) or sim (the real scheduler and KV "
     "cache over no model: each step sleeps the time --sim-profile models; pseudo tokens; "

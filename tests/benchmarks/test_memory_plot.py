@@ -41,6 +41,29 @@ def test_prompt_kinds():
         prompt_text("random", 1)
 
 
+def test_mixed_dialects_take_turns():
+    from examples.benchmarks.memory_curve import request_of
+
+    got = [request_of("m", i, 4, "mixed")[::2] for i in range(8)]
+    chat, messages = "/v1/chat/completions", "/v1/messages"
+    turn = [(chat, True), (chat, False), (messages, False), (messages, True)]
+    assert got == turn * 2
+    path, body, _ = request_of("m", 2, 4, "mixed")
+    assert body["max_tokens"] == 4 and body["metadata"] == {"user_id": "user-2"}
+    assert {request_of("m", i, 4, "chat")[::2] for i in range(4)} == {(chat, False)}
+    with pytest.raises(ValueError, match="dialects"):
+        request_of("m", 0, 4, "gemini")
+
+
+def test_plot_draws_heap_beside_rss(tmp_path):
+    pytest.importorskip("matplotlib")
+    run = {"rss_kib": [[0, 700_000], [500, 701_000]], "heap_bytes": [[0, 1 << 29], [500, 1 << 29]]}
+    src = tmp_path / "run.json"
+    src.write_text(json.dumps(run))
+    main([str(tmp_path / "curve.png"), str(src)])
+    assert (tmp_path / "curve.png").stat().st_size > 0
+
+
 def test_heap_in_use_counts_a_held_allocation():
     import ctypes
 

@@ -16,6 +16,7 @@ from prefixgate.engine.models.cpu_linear import (
     distinct_row_counts,
     onednn_linear_available,
     padded_rows,
+    warm_up_row_counts,
 )
 from support.heap import heap_in_use
 from torch import nn
@@ -88,3 +89,23 @@ def test_decode_sized_row_counts_share_primitives(one_thread):
             packed(xs[:rows])
         growth = heap_in_use() - before
     assert growth < 2_000_000, growth
+
+
+@pytest.mark.skipif(not onednn_linear_available(), reason="torch without oneDNN's linear")
+def test_warm_up_compiles_every_row_count(one_thread):
+    """After ``warm_up_row_counts``, every row count up to its bound runs on primitives it
+    compiled: no heap grows (unwarmed, the 32 counts of 1-64 rows kept ~18 MB)."""
+    torch.manual_seed(0)
+    layers = [OneDNNLinear.from_linear(nn.Linear(128, 256)) for _ in range(3)]  # one shape
+    layers.append(nn.ReLU())  # not a OneDNNLinear: skipped
+    assert warm_up_row_counts(layers, 64) == distinct_row_counts(64) == 32
+    xs = torch.randn(64, 128)
+    with torch.inference_mode():
+        before = heap_in_use()
+        for rows in range(1, 65):
+            for layer in layers[:3]:
+                layer(xs[:rows])
+        growth = heap_in_use() - before
+    assert growth < 2_000_000, growth
+    with pytest.raises(ValueError, match="max_rows"):
+        warm_up_row_counts(layers, 0)
