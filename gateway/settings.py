@@ -177,7 +177,7 @@ class GatewaySettings:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.dashboard_window_s < self.dashboard_sample_s:
             raise ValueError("dashboard_window_s must be >= dashboard_sample_s")
-        from prefixgate.gateway.proxy.policies import check_policy
+        from prefixgate.gateway.proxy.policies import check_policy, check_settings
         from prefixgate.gateway.proxy.upstream import CACHE_SALT_MODES
 
         check_policy(self.routing)
@@ -209,22 +209,7 @@ class GatewaySettings:
                 "upstream_metrics_interval_s must be 0 (off) or >= 0.25, got "
                 f"{self.upstream_metrics_interval_s}"
             )
-        if self.routing == "precise" and not self.tokenizer:
-            raise ValueError(
-                "routing precise needs the upstreams' tokenizer (tokenizer: a model folder)"
-            )
-        if self.routing != "precise":
-            for name in ("tokenizer", "upstream_kv_events"):
-                if getattr(self, name):
-                    raise ValueError(f"{name} is used by routing precise only")
-        if not self.precise_max_load_ratio >= 1.0:
-            raise ValueError(
-                f"precise_max_load_ratio must be >= 1, got {self.precise_max_load_ratio}"
-            )
-        if not self.precise_overlap_weight > 0:
-            raise ValueError(
-                f"precise_overlap_weight must be > 0, got {self.precise_overlap_weight}"
-            )
+        check_settings(self)  # each routing policy's options (proxy.policies)
 
     def health_policy(self) -> HealthPolicy:
         """The upstream health knobs as a ``proxy.health.HealthPolicy``.

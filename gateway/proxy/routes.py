@@ -108,8 +108,7 @@ async def proxy_generate(request: web.Request) -> web.StreamResponse:
     keep_usage = ask_usage(parsed)
     bodies = _Bodies(parsed, salt)
     route = router.route(parsed, salt, model)  # with a prefix: its messages + the request's
-    if router.precise is not None:  # precise routing: the prompt's token ids, as the upstream's
-        route = await router.precise.prepare(route, parsed, request.path, salt)
+    route = await router.policy.prepare(route, parsed, request.path, salt)  # the policy's part
     est_tokens = len(body) // 4 + 1  # no tokenizer here: ~4 bytes per token until the usage
     lease, ticket = await admit_call(st, principal, est_tokens)
     outcome = _Outcome(keep_usage)
@@ -120,9 +119,8 @@ async def proxy_generate(request: web.Request) -> web.StreamResponse:
         return await _forward(request, st, bodies, route, ticket, outcome)
     finally:
         ticket.done()
-        if router.precise is not None:
-            router.precise.release(route)
-            _record_prediction(request, route)
+        router.policy.release(route)
+        _record_prediction(request, router, route)
         settle_usage(request, st.shared, principal, lease, est_tokens, outcome)
         st.metrics.e2e.observe(time.monotonic() - t0)
 
@@ -193,13 +191,13 @@ class _PinnedLost(Exception):
     """The upstream holding a prefix's pin failed before answering, or no longer has it."""
 
 
-def _record_prediction(request: web.Request, route: Route) -> None:
-    """The access line's ``predicted=`` / ``cached=`` of a precise-routed request
-    (``precise_routing.PreciseRoute``)."""
-    if hasattr(route, "predicted_cached"):
+def _record_prediction(request: web.Request, router: UpstreamRouter, route: Route) -> None:
+    """The access line's ``predicted=`` / ``cached=`` of a request whose routing policy
+    predicts its cached tokens (``RoutingPolicy.prediction``)."""
+    told = router.policy.prediction(route)
+    if told is not None:
         rec = record(request)
-        rec.predicted_cached_tokens = route.predicted_cached
-        rec.cached_tokens = getattr(route, "reported_cached", None)
+        rec.predicted_cached_tokens, rec.cached_tokens = told
 
 
 class _Bodies:
@@ -385,8 +383,7 @@ async def _forward(
                 ctx = session.post(up.url + request.path, data=body, headers=headers, ssl=up.ssl)
             async with ctx as resp:
                 status = str(resp.status)
-                if router.precise is not None:
-                    router.precise.started(route)  # the answer began: its prefill is done
+                router.policy.started(route)  # the answer began: its prefill is done
                 if resp.status in _RETRYABLE:
                     router.mark_failed(up, f"HTTP {resp.status}")
                     continue
@@ -701,7 +698,7 @@ def _wrapped_error(status: int, headers: Any) -> APIError:
 
 
 def _retry_after(headers: Any) -> float | None:
-    """The upstream's wait in seconds: its ``retry-after-ms`` (the precise one) when a whole
+    """The upstream's wait in seconds: its ``retry-after-ms`` (the finer one) when a whole
     number, else its ``Retry-After`` when a whole number, else None."""
     ms = headers.get("retry-after-ms", "")
     if ms.isdigit():
