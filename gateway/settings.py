@@ -72,8 +72,8 @@ class GatewaySettings:
         dashboard_sample_s: seconds between two samples of ``/dashboard``'s charts.
         dashboard_window_s: seconds of samples ``/dashboard`` keeps (a ring buffer).
         routing: upstream mode's routing policy: ``cache_aware`` (default), ``rendezvous``,
-            ``round_robin``, ``least_loaded`` or ``precise`` (see ``routing``,
-            ``precise_routing``).
+            ``round_robin``, ``least_loaded`` or ``precise`` (``proxy.policies``; each
+            policy validates its own options, ``Policy.check_options``).
         tokenizer: the upstreams' model folder, whose tokenizer and chat template
             ``precise`` routing tokenizes with (needed by it, refused otherwise).
         upstream_kv_events: upstream URL -> ``(PUB endpoint, replay endpoint or None)`` of

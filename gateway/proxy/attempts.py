@@ -71,7 +71,8 @@ class Call:
     """One client request through the loop, the set-up every dialect's call shares: the
     aiohttp ``request``, the gateway's state ``st``, the ``router`` and the ``route``
     routing knows (None: a request without a prompt, a forwarded GET); ``served``: whether
-    an upstream's tokens reached the client (accounting)."""
+    an upstream's tokens reached the client (accounting); ``answered``: the HTTP status the
+    current attempt's upstream answered (the attempt's metric when it ends in an error)."""
 
     def __init__(self, request: web.Request, route: Route | None) -> None:
         self.request = request
@@ -79,6 +80,7 @@ class Call:
         self.router: UpstreamRouter = request.app[PROXY].router
         self.route = route
         self.served = False
+        self.answered: int | None = None  # the HTTP status of this attempt's answer, if any
 
 
 async def each_upstream(
@@ -134,10 +136,15 @@ async def each_upstream(
         up.in_flight += 1
         slot = up.slots.take()
         status = "error"
+        call.answered = None
         try:
             out = await attempt(up)
             status = str(out.status)
             return out
+        except APIError:
+            if call.answered is not None:
+                status = str(call.answered)  # the upstream's answer, reworded for the client
+            raise
         except NextUpstream as nxt:
             status = nxt.status
             if nxt.error is not None:

@@ -304,6 +304,7 @@ def _error_event(err: APIError) -> bytes:
 
 # --- the attempts ---------------------------------------------------------------------------
 async def _refused(call: _Call, up: Upstream, resp: aiohttp.ClientResponse) -> None:
+    call.answered = resp.status  # the attempt's metric
     data = await resp.read()
     if resp.status in (401, 403):
         own = up.auth is not None or bool(call.st.settings.upstream_api_key)

@@ -223,6 +223,7 @@ async def count_tokens(request: web.Request) -> web.Response:
 async def _refused(call: _Call, up: Upstream, resp: aiohttp.ClientResponse) -> None:
     """An upstream's non-200 answer: on to the next upstream (``NextUpstream``) or the client's
     error, reworded (``redact.upstream_error``); never returns."""
+    call.answered = resp.status  # the attempt's metric
     data = await resp.read()
     if resp.status in (401, 403):  # about whose credential: the gateway's, or the client's
         own = up.auth is not None or bool(call.st.settings.upstream_api_key)

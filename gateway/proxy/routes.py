@@ -372,6 +372,7 @@ class _Forward(Call):
             body = self.bodies.for_upstream(up, route.model if route is not None else None)
             ctx = session.post(up.url + request.path, data=body, headers=headers, ssl=up.ssl)
         async with ctx as resp:
+            self.answered = resp.status
             router.policy.started(route)  # the answer began: its prefill is done
             if resp.status in _RETRYABLE:
                 router.mark_failed(up, f"HTTP {resp.status}")
@@ -489,6 +490,7 @@ class _Forward(Call):
         async with session.post(
             up.url + "/v1/messages", json=req, headers=anthropic.headers_for(up.auth), ssl=up.ssl
         ) as resp:
+            self.answered = resp.status
             if resp.status != 200:
                 data = await resp.read()
                 if resp.status in (401, 403):  # about the credential sent: never its body
