@@ -20,7 +20,6 @@ disconnects closes the upstream connection (the upstream then aborts its request
 from __future__ import annotations
 
 import json
-import logging
 import re
 import time
 from typing import Any
@@ -65,8 +64,6 @@ from prefixgate.gateway.proxy.usage import (
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.tenancy.keys import MAX_SALT_CHARS, effective_salt
 from prefixgate.gateway.tenancy.ttft_budget import BUDGET_HEADER
-
-logger = logging.getLogger("prefixgate.gateway")
 
 _RETRYABLE = frozenset((502, 503, 504))
 # Answers that send the request to the next upstream of its model (then to its fallback

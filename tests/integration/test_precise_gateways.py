@@ -161,7 +161,10 @@ def _wait_load(gws, expect: dict[str, tuple[int, int]], timeout_s: float = 60.0)
     seen: list = []
     while time.monotonic() < deadline:
         seen = [
-            {u.url: gw.app[PROXY].router.policy.exact.load(u) for u in gw.app[PROXY].router.upstreams}
+            {
+                u.url: gw.app[PROXY].router.policy.exact.load(u)
+                for u in gw.app[PROXY].router.upstreams
+            }
             for gw in gws
         ]
         if all(view == expect for view in seen):
