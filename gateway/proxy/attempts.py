@@ -141,6 +141,9 @@ async def each_upstream(
             out = await attempt(up)
             status = str(out.status)
             return out
+        except PinnedLost:
+            status = "prefix_lost"  # the pinned upstream no longer holds the prefix
+            raise
         except APIError:
             if call.answered is not None:
                 status = str(call.answered)  # the upstream's answer, reworded for the client
