@@ -64,6 +64,7 @@ from prefixgate.gateway.proxy import gemini_relay, messages_relay
 from prefixgate.gateway.proxy import prefix_routes as proxy_prefix_routes
 from prefixgate.gateway.proxy import routes as proxy_routes
 from prefixgate.gateway.proxy.config import ProxyConfig
+from prefixgate.gateway.proxy.policies import check_settings
 from prefixgate.gateway.proxy.metrics_load import MetricsLoadScraper
 from prefixgate.gateway.proxy.prefixes import ProxyPrefixRegistry
 from prefixgate.gateway.proxy.serving import PROXY, ProxyServing
@@ -191,9 +192,9 @@ def create_proxy_app(
             "upstreams one credential (one Authorization header)"
         )
     st.metrics.bind_upstreams(router.upstreams)
-    if s.routing == "precise":
-        router.precise = _precise_routing(s, router)
-        st.metrics.registry.register(router.precise.collector())
+    router.policy.setup(s, [u.url for u in router.upstreams])  # the policy's own parts
+    for collector in router.policy.collectors():
+        st.metrics.registry.register(collector)
     st.model_name = st.model_name or "upstream"
     st.ready = True
     r = app.router
@@ -239,8 +240,7 @@ def create_proxy_app(
 
     async def start(app: web.Application) -> None:
         await router.start()
-        if router.precise is not None:
-            router.precise.start()
+        router.policy.start()
         if scraper is not None:  # upstreams' published load (vLLM's /metrics)
             scraper.start()
 
@@ -249,8 +249,7 @@ def create_proxy_app(
             await scraper.close()
         await app[PROXY].prefixes.close()  # releases upstream pins while the session is open
         await router.close()
-        if router.precise is not None:
-            router.precise.close()
+        router.policy.close()
 
     app.on_startup.append(start)
     app.on_cleanup.append(stop)
@@ -258,33 +257,10 @@ def create_proxy_app(
     return app
 
 
-def _precise_routing(s: GatewaySettings, router: UpstreamRouter) -> Any:
-    """``precise`` routing over ``router``'s upstreams (lazy: needs ``tokenizers`` and
-    ``jinja2``, not torch).
-
-    Raises:
-        ValueError: a KV event feed for a URL that is not an upstream, an unreadable
-            tokenizer folder.
-    """
-    from prefixgate.engine.tokenizer import Tokenizer  # noqa: PLC0415
-    from prefixgate.gateway.proxy.precise_routing import PreciseRouting  # noqa: PLC0415
-    from prefixgate.gateway.proxy.upstream import normalize_url  # noqa: PLC0415
-
-    feeds = {normalize_url(u): f for u, f in s.upstream_kv_events.items()}
-    unknown = sorted(set(feeds) - {u.url for u in router.upstreams})
-    if unknown:
-        raise ValueError(f"upstream_kv_events names URLs that are not upstreams: {unknown}")
-    assert s.tokenizer is not None  # GatewaySettings requires it under precise
-    try:
-        tokenizer = Tokenizer.from_pretrained(s.tokenizer)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"tokenizer {s.tokenizer!r}: {exc}") from None
-    return PreciseRouting(tokenizer, feeds, s.precise_max_load_ratio, s.precise_overlap_weight)
-
-
 def _base_app(settings: GatewaySettings | None) -> tuple[web.Application, GatewayState]:
     """What both modes share: state, error middleware, /health, /metrics and /dashboard."""
     settings = settings or GatewaySettings()
+    check_settings(settings)  # each routing policy's options (settings knows only their names)
     admission = AdmissionController(settings.admission_config())
     metrics = GatewayMetrics()
     metrics.bind_admission(admission)
@@ -505,18 +481,12 @@ async def ready_proxy(request: web.Request) -> web.Response:
 
 def _with_kv_events(router: Any, pool: list[dict]) -> list[dict]:
     """``pool`` with each upstream's ``kv_events``: ``None`` without a feed (no
-    ``--upstream-kv-events`` for it, or routing other than ``precise``), else the feed's
-    state (``synced``, ``hash_scheme`` as its events showed, ``blocks`` held, ``load_reports``
-    received: an engine that publishes none, as vLLM, shows 0)."""
-    replicas = router.precise.index.stats()["replicas"] if router.precise is not None else {}
-    out = []
-    for u in pool:
-        rep = replicas.get(u["url"])
-        feed = None
-        if rep is not None:
-            feed = {k: rep[k] for k in ("synced", "hash_scheme", "blocks", "load_reports")}
-        out.append({**u, "kv_events": feed})
-    return out
+    ``--upstream-kv-events`` for it, or a routing policy that reads none), else the feed's
+    state as the policy reports it (``RoutingPolicy.kv_events``: ``synced``, ``hash_scheme``
+    as its events showed, ``blocks`` held, ``load_reports`` received: an engine that publishes
+    none, as vLLM, shows 0)."""
+    feeds = router.policy.kv_events()
+    return [{**u, "kv_events": feeds.get(u["url"])} for u in pool]
 
 
 async def metrics_route(request: web.Request) -> web.Response:

@@ -150,8 +150,8 @@ class GatewaySettings:
         dashboard_sample_s: seconds between two samples of ``/dashboard``'s charts.
         dashboard_window_s: seconds of samples ``/dashboard`` keeps (a ring buffer).
         routing: upstream mode's routing policy: ``cache_aware`` (default), ``rendezvous``,
-            ``round_robin``, ``least_loaded`` or ``precise`` (see ``routing``,
-            ``precise_routing``).
+            ``round_robin``, ``least_loaded`` or ``precise`` (``proxy.policies``; each
+            policy validates its own options, ``Policy.check_options``).
         tokenizer: the upstreams' model folder, whose tokenizer and chat template
             ``precise`` routing tokenizes with (needed by it, refused otherwise).
         upstream_kv_events: upstream URL -> ``(PUB endpoint, replay endpoint or None)`` of
@@ -287,22 +287,6 @@ class GatewaySettings:
             raise ValueError(
                 "upstream_metrics_interval_s must be 0 (off) or >= 0.25, got "
                 f"{self.upstream_metrics_interval_s}"
-            )
-        if self.routing == "precise" and not self.tokenizer:
-            raise ValueError(
-                "routing precise needs the upstreams' tokenizer (tokenizer: a model folder)"
-            )
-        if self.routing != "precise":
-            for name in ("tokenizer", "upstream_kv_events"):
-                if getattr(self, name):
-                    raise ValueError(f"{name} is used by routing precise only")
-        if not self.precise_max_load_ratio >= 1.0:
-            raise ValueError(
-                f"precise_max_load_ratio must be >= 1, got {self.precise_max_load_ratio}"
-            )
-        if not self.precise_overlap_weight > 0:
-            raise ValueError(
-                f"precise_overlap_weight must be > 0, got {self.precise_overlap_weight}"
             )
 
     def health_policy(self) -> HealthPolicy:

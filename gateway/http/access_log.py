@@ -8,8 +8,8 @@ event instead of its normal ending (the shutdown cut it, the engine failed, the 
 says so after its status, ``200 error=server_shutting_down``: its 200 was sent before the
 fault. Token counts are those of the request's usage (``-``
 for requests that never reached the engine; in proxy mode the upstream's reported usage,
-``cached`` unknown unless ``--routing precise``, which adds ``predicted=``, the cached
-tokens it predicted on the chosen upstream, beside it). A local-mode generation adds its
+``cached`` unknown unless the routing policy predicts it, which adds ``predicted=``, the
+cached tokens it predicted on the chosen upstream, beside it). A local-mode generation adds its
 first token's walk, ``walk=`` then ``name:value`` pairs (milliseconds unless named otherwise):
 ``admit`` (request parsed to admitted: rate limits, leases, the admission queue),
 ``to_engine`` (admitted to the engine's arrival), ``wait`` (arrival to first scheduled) and
@@ -44,7 +44,7 @@ class AccessRecord:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     cached_tokens: int | None = None
-    predicted_cached_tokens: int | None = None  # proxy mode, precise routing's prediction
+    predicted_cached_tokens: int | None = None  # proxy mode, the routing policy's prediction
     walk: str | None = None  # local mode: the first token's walk (see the module docstring)
     error: str | None = None  # the code of the error event a started stream ended with
 

@@ -249,7 +249,7 @@ def retry_after_seconds(seconds: float) -> int:
 
 def retry_after_headers(seconds: float) -> dict[str, str]:
     """A wait of ``seconds`` as headers: ``Retry-After`` (whole seconds, rounded up) and
-    ``retry-after-ms`` (milliseconds, rounded up, at least 1: the precise one, which the
+    ``retry-after-ms`` (milliseconds, rounded up, at least 1: the finer one, which the
     OpenAI and Anthropic SDKs and LiteLLM read first)."""
     return {
         "Retry-After": str(retry_after_seconds(seconds)),

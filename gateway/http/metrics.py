@@ -407,7 +407,7 @@ class GatewayMetrics:
 PRIVATE_FAMILIES = ("prefixgate_key_", "prefixgate_tenant_", "prefixgate_upstream_")
 # Of those, the families whose samples a key may see for itself (labelled with its name).
 OWN_FAMILIES = ("prefixgate_key_", "prefixgate_tenant_")
-# Labels whose values are upstream addresses, in any family (``precise`` routing's included).
+# Labels whose values are upstream addresses, in any family (a routing policy's included).
 ADDRESS_LABELS = ("upstream", "replica")
 _LABEL = re.compile(rb'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
 

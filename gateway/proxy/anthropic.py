@@ -34,7 +34,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from prefixgate.gateway.http.errors import APIError, bad_request
+from prefixgate.gateway.http.errors import bad_request
 from prefixgate.gateway.http.sse import DONE, SSE_HEADERS, encode_event
 
 logger = logging.getLogger("prefixgate.gateway")
@@ -332,21 +332,6 @@ def to_completion(msg: dict[str, Any], model: str) -> dict[str, Any]:
         ],
         "usage": usage_of(msg.get("usage")),
     }
-
-
-def error_of(status: int, data: bytes) -> APIError:
-    """The client's error for an Anthropic error answer: the status and the upstream's error
-    type, never its message or body."""
-    kind = "api_error"
-    try:
-        err = json.loads(data).get("error")
-        if isinstance(err, dict) and isinstance(err.get("type"), str):
-            kind = err["type"][:64]
-    except (ValueError, AttributeError):
-        pass
-    return APIError(
-        status, f"the Anthropic upstream answered HTTP {status} ({kind})", code="upstream_error"
-    )
 
 
 def headers_for(auth: str | None) -> dict[str, str]:

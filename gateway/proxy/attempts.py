@@ -1,24 +1,45 @@
-"""The attempt loop of the translating relays (Anthropic's Messages and Gemini's routes): one
-request tried on the upstream routing picks, then the model's other deployments, then the
-config's fallbacks in order, each attempt bounded by the upstream's slots and settled in
-``routes.end_attempt``. An answer that should go to the next upstream raises ``NextUpstream``
-(with the client's error, should none be left); a transport failure is judged by
-``routes.transport_failure`` (a timeout goes on to the next deployment of a config's model,
-deployments declared interchangeable, else it is the answer).
+"""The one attempt loop of upstream mode, for every forwarded route (chat and completions,
+the Anthropic Messages and Gemini relays, a forwarded ``/v1/models``): one request tried on
+the upstream routing picks, then the model's other deployments, then the config's fallbacks in
+order, each attempt bounded by the upstream's slots and settled in ``end_attempt``.
+
+What one attempt on one upstream does is the dialect's (``attempt(up)``); how it ends tells
+the loop what comes next:
+
+* an answer (a ``web.StreamResponse``): the client's;
+* ``NextUpstream(status, error)``: the next upstream of the model (502/503/504, 429, 500, an
+  invalid answer); ``error`` is the client's answer when none is left (a 429 with the
+  ``Retry-After`` of the soonest deployment back), else ``router.exhausted``'s;
+* ``NextModel(status, error)``: the next fallback model at once (a 400 "context length
+  exceeded"); ``error`` is the client's when the config has none;
+* a transport failure (``transport_failure``): the next upstream; an idle timeout (504
+  ``upstream_timeout``, the request may still run there) only under a config file, whose
+  deployments are declared interchangeable, else it is the answer;
+* ``APIError``: the client's answer.
+
+The model's fallbacks come when its deployments are spent, not for a 429 whose deployment is
+back within ``SOON_S``. A request ``pinned`` to one upstream (a prefix's pin) tries that one
+only: ``PinnedLost`` when it fails before answering. A client gone during an attempt gets 499
+and nothing else.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any
 
 import aiohttp
 from aiohttp import web
 from prefixgate.gateway.http.errors import APIError
 from prefixgate.gateway.proxy.policies import Route
-from prefixgate.gateway.proxy.routes import end_attempt, transport_failure
-from prefixgate.gateway.proxy.upstream import Upstream
-from prefixgate.gateway.state import GatewayState
+from prefixgate.gateway.proxy.serving import PROXY
+from prefixgate.gateway.proxy.upstream import Upstream, UpstreamRouter
+from prefixgate.gateway.state import STATE, GatewayState
+
+logger = logging.getLogger("prefixgate.gateway")
+
+SOON_S = 1.0  # a 429 whose deployment is back within this (seconds) is not worth a fallback
 
 
 class NextUpstream(Exception):
@@ -31,59 +52,115 @@ class NextUpstream(Exception):
         self.error = error
 
 
-class RelayCall(Protocol):
-    """What the loop reads of a relay's call."""
+class NextModel(Exception):
+    """This upstream's answer sends the request to the model's next fallback at once (a
+    prompt over the context: another model may take it); ``error``: the client's answer when
+    the model has no fallback left."""
 
-    request: web.Request
-    st: GatewayState
-    router: Any  # proxy.upstream.UpstreamRouter
-    route: Route
+    def __init__(self, status: str, error: APIError) -> None:
+        super().__init__(status)
+        self.status = status
+        self.error = error
+
+
+class PinnedLost(Exception):
+    """The upstream holding a prefix's pin failed before answering, or no longer has it."""
+
+
+class Call:
+    """One client request through the loop, the set-up every dialect's call shares: the
+    aiohttp ``request``, the gateway's state ``st``, the ``router`` and the ``route``
+    routing knows (None: a request without a prompt, a forwarded GET); ``served``: whether
+    an upstream's tokens reached the client (accounting); ``answered``: the HTTP status the
+    current attempt's upstream answered (the attempt's metric when it ends in an error)."""
+
+    def __init__(self, request: web.Request, route: Route | None) -> None:
+        self.request = request
+        self.st: GatewayState = request.app[STATE]
+        self.router: UpstreamRouter = request.app[PROXY].router
+        self.route = route
+        self.served = False
+        self.answered: int | None = None  # the HTTP status of this attempt's answer, if any
 
 
 async def each_upstream(
-    call: RelayCall, attempt: Callable[[Upstream], Awaitable[web.StreamResponse]]
+    call: Call,
+    attempt: Callable[[Upstream], Awaitable[web.StreamResponse]],
+    pinned: Upstream | None = None,
 ) -> web.StreamResponse:
     """``attempt`` on the upstream routing picks, then the next of the model, then the
-    model's fallbacks (module docstring).
+    model's fallbacks; on ``pinned`` only when given (module docstring).
 
     Raises:
         APIError: the last upstream's error, or ``router.exhausted`` when none answered.
+        PinnedLost: ``pinned`` failed before answering.
     """
     router, route = call.router, call.route
-    fallbacks = router.fallbacks(route.model)
-    configured = router.model_list is not None  # deployments declared interchangeable
+    fallbacks = router.fallbacks(route.model if route is not None else None)
+    # a config's deployments are declared interchangeable: a timeout goes on to the next one
+    interchangeable = router.model_list is not None and pinned is None and route is not None
     tried: list[Upstream] = []
-    exclude: list[Upstream] = []
-    last: APIError | None = None
+    exclude: list[Upstream] = []  # tried for this model
+    last: APIError | None = None  # the last 429 / 500 answer, the client's when none is left
     timed_out: APIError | None = None
     while True:
-        up = router.pick(route, exclude)
-        if up is None and fallbacks:
-            route.model = fallbacks.pop(0)
-            exclude = []
-            continue
+        model = route.model if route is not None else None
+        if pinned is not None:
+            if tried:
+                raise PinnedLost(tried[-1].last_error)
+            up: Upstream | None = pinned
+        else:
+            up = router.pick(route, exclude)
+        if up is None and route is not None and fallbacks:
+            soon = router.retry_after(model)
+            if not (
+                last is not None and last.status == 429 and soon is not None and soon <= SOON_S
+            ):
+                route.model = fallbacks.pop(0)  # every deployment failed: the next model
+                exclude = []
+                logger.info(
+                    "model %s failed (%s): falling back to %s", model, _why(tried), route.model
+                )
+                continue
         if up is None:
             if last is not None:
-                soon = router.retry_after(route.model)
+                soon = router.retry_after(model)
                 if last.status == 429 and soon is not None:
                     last.retry_after = soon
                 raise last
             if timed_out is not None:
                 raise timed_out
-            raise router.exhausted(tried, "every upstream failed", route.model)
+            raise router.exhausted(tried, "every upstream failed", model)
         tried.append(up)
         exclude.append(up)
         up.in_flight += 1
         slot = up.slots.take()
         status = "error"
+        call.answered = None
         try:
             out = await attempt(up)
             status = str(out.status)
             return out
+        except PinnedLost:
+            status = "prefix_lost"  # the pinned upstream no longer holds the prefix
+            raise
+        except APIError:
+            if call.answered is not None:
+                status = str(call.answered)  # the upstream's answer, reworded for the client
+            raise
         except NextUpstream as nxt:
             status = nxt.status
             if nxt.error is not None:
                 last = nxt.error
+        except NextModel as nxt:
+            if route is None or not fallbacks:
+                status = str(nxt.error.status)
+                up.served += 1  # its answer goes to the client
+                raise nxt.error from None
+            status = nxt.status
+            route.model = fallbacks.pop(0)  # a model with a longer context, say
+            exclude = []
+            logger.info("prompt too long for model %s: falling back to %s", model, route.model)
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
             request = call.request
             if request.transport is None or request.transport.is_closing():
@@ -91,8 +168,35 @@ async def each_upstream(
             status, timeout = transport_failure(router, up, exc)
             if timeout is not None:
                 timed_out = timeout
-                if configured:
+                if interchangeable:
                     continue
                 raise timed_out from None
         finally:
             end_attempt(call.st, up, slot, status)
+
+
+def _why(tried: list[Upstream]) -> str:
+    return tried[-1].last_error if tried else "no upstream of it can take requests"
+
+
+def transport_failure(router: Any, up: Upstream, exc: BaseException) -> tuple[str, APIError | None]:
+    """Judge a transport error of one attempt on ``up``: an idle timeout is one slow request,
+    not a dead server (``suspect``: a health check now decides): ``("timeout", the 504
+    upstream_timeout to answer)``; anything else (refused, reset, cut mid-body) is one
+    gateway failure of ``up`` (``mark_failed``: only consecutive ones eject it):
+    ``("failed", None)``."""
+    why = type(exc).__name__ + (f": {exc}" if str(exc) else "")
+    if isinstance(exc, TimeoutError) and not isinstance(exc, aiohttp.ConnectionTimeoutError):
+        router.suspect(up, why)
+        message = f"the upstream sent nothing for {router.timeout_s:g} s"
+        return "timeout", APIError(504, message, code="upstream_timeout")
+    router.mark_failed(up, why)
+    return "failed", None
+
+
+def end_attempt(st: GatewayState, up: Upstream, slot: int, status: str) -> None:
+    """One attempt on ``up`` is over: its in-flight place and slot given back (``slot`` from
+    ``up.slots.take()``), counted by ``status`` in ``prefixgate_upstream_requests_total``."""
+    up.in_flight -= 1
+    up.slots.give(slot)
+    st.metrics.upstream_requests.labels(up.url, status).inc()

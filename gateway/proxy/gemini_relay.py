@@ -15,8 +15,8 @@ upstream takes it — so a prefixgate upstream keeps tenants apart and reports c
 checked event by event (``relay.EventChecker``: JSON chunks, ``[DONE]`` after every choice's
 ``finish_reason``) and a stream cut short ends with Gemini's ``data: {"error": ...}``, never as
 a success. A failure before the answer (connection error, 502/503/504) marks the upstream down
-and tries the next; a 429/500 tries the next; other errors reach the client reworded, in
-Gemini's shape. ``countTokens`` asks the upstream's ``/tokenize`` (501 where it has none).
+and tries the next; a 429/500 tries the next (``attempts.each_upstream``); other errors reach the client
+reworded (``redact.upstream_error``), in Gemini's shape. ``countTokens`` asks the upstream's ``/tokenize`` (501 where it has none).
 
 ``cachedContents`` map onto the proxy's prefix API (``proxy/prefixes.py``): create registers
 the cache's messages (on a prefixgate upstream, pinned there through its prefix API), get and
@@ -41,12 +41,11 @@ from prefixgate.gateway.http.access_log import stream_cut
 from prefixgate.gateway.http.errors import GEMINI, APIError, bad_request, error_dialect
 from prefixgate.gateway.http.sse import SSE_HEADERS
 from prefixgate.gateway.proxy.answers import shape_problem
-from prefixgate.gateway.proxy.attempts import NextUpstream, each_upstream
+from prefixgate.gateway.proxy.attempts import Call, NextUpstream, each_upstream
 from prefixgate.gateway.proxy.messages_openai import token_count
-from prefixgate.gateway.proxy.messages_relay import reworded
 from prefixgate.gateway.proxy.policies import Route
 from prefixgate.gateway.proxy.prefix_entry import ProxyPrefix
-from prefixgate.gateway.proxy.redact import auth_error, secrets_of
+from prefixgate.gateway.proxy.redact import auth_error, secrets_of, upstream_error
 from prefixgate.gateway.proxy.relay import EventChecker, StreamBroken
 from prefixgate.gateway.proxy.routes import (
     model_cards,
@@ -95,17 +94,14 @@ _FINISH = {
 }
 
 
-class _Call:
+class _Call(Call):
     """One proxied Gemini request: its chat body, route and what was served."""
 
     def __init__(self, request: web.Request, body: dict[str, Any], route: Route, public: str):
-        self.request = request
-        self.st: GatewayState = request.app[STATE]
-        self.router = request.app[PROXY].router
+        super().__init__(request, route)
+        self.route: Route = route
         self.body = body
-        self.route = route
         self.public = public
-        self.served = False
         self.prompt: int | None = None
         self.completion = 0
 
@@ -308,12 +304,13 @@ def _error_event(err: APIError) -> bytes:
 
 # --- the attempts ---------------------------------------------------------------------------
 async def _refused(call: _Call, up: Upstream, resp: aiohttp.ClientResponse) -> None:
+    call.answered = resp.status  # the attempt's metric
     data = await resp.read()
     if resp.status in (401, 403):
         own = up.auth is not None or bool(call.st.settings.upstream_api_key)
         raise auth_error(resp.status, up.url, own)
     secrets = secrets_of(call.st.settings.upstream_api_key, up.auth)
-    err = reworded(resp.status, data, resp.headers, secrets)
+    err = upstream_error(resp.status, data, resp.headers, secrets)
     if resp.status in _DOWN:
         call.router.mark_failed(up, f"HTTP {resp.status}")
         raise NextUpstream(str(resp.status), err)

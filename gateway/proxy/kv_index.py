@@ -53,6 +53,7 @@ from prefixgate.engine.block_hash import (
     num_reusable_blocks,
     prompt_block_hashes,
 )
+from prefixgate.engine.config import derive_replay_endpoint
 from prefixgate.engine.kv_events import (
     END_SEQ,
     LOAD_SEQ,
@@ -62,6 +63,7 @@ from prefixgate.engine.kv_events import (
     parse_batch,
     parse_load,
 )
+from prefixgate.gateway.proxy.urls import normalize_url
 from prefixgate.gateway.proxy.vllm_block_hash import (
     DEFAULT_NONE_HASH_SEED,
     vllm_block_hash,
@@ -69,6 +71,7 @@ from prefixgate.gateway.proxy.vllm_block_hash import (
 )
 
 __all__ = [
+    "parse_kv_events_spec",
     "HASH_PREFIXGATE",
     "HASH_UNKNOWN",
     "HASH_VLLM_BYTES",
@@ -791,3 +794,34 @@ _COUNTERS = (
     "unknown_removals",
     "load_reports",
 )
+
+
+def parse_kv_events_spec(spec: str) -> tuple[str, str, str | None]:
+    """``URL=PUB[,REPLAY]`` (``--upstream-kv-events``) → ``(upstream URL, PUB, REPLAY)``.
+
+    ``REPLAY`` defaults to prefixgate's own (the PUB port + 1, ``derive_replay_endpoint``);
+    ``-`` means none (the index then follows the stream without resync).
+
+    Raises:
+        ValueError: no ``=``, a bad URL or endpoint.
+    """
+    url, sep, rest = spec.partition("=")
+    if not sep or not url or not rest:
+        raise ValueError(
+            f"upstream kv events must look like URL=tcp://host:port[,REPLAY], got {spec!r}"
+        )
+    pub, _, replay = rest.partition(",")
+    pub = pub.strip()
+    replay_ep: str | None
+    if not replay:
+        replay_ep = derive_replay_endpoint(pub)
+    elif replay.strip() == "-":
+        derive_replay_endpoint(pub)  # checks the PUB endpoint
+        replay_ep = None
+    else:
+        derive_replay_endpoint(pub)
+        replay_ep = replay.strip()
+        derive_replay_endpoint(replay_ep)
+    if pub.endswith(":*"):
+        raise ValueError(f"upstream kv events endpoint {pub!r} needs a real port")
+    return normalize_url(url), pub, replay_ep

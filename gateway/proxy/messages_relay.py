@@ -20,9 +20,11 @@ upstream:
 
 A failure before the answer (connection error, 502/503/504, an invalid 200) marks the
 upstream down and tries the next of the model; a 429 (its ``Retry-After`` keeps the upstream
-out) or 500/529 tries the next too; then a config's fallbacks. An upstream error reaches the
-client reworded — its status and error type, never its body (a 401/403 to the gateway's own
-credential is a 502 ``upstream_auth_failed``: ``redact.auth_error``). A stream that ends before its
+out) or 500/529 tries the next too; then a config's fallbacks (``attempts.each_upstream``). An
+upstream error reaches the client reworded by ``redact.upstream_error`` as every dialect's
+does — a 4xx's message kept with credentials scrubbed, a 5xx in the gateway's words, a body
+without an error object never shown (a 401/403 to the gateway's own credential is a 502
+``upstream_auth_failed``: ``redact.auth_error``). A stream that ends before its
 last event, breaks, stalls past ``--upstream-timeout-s`` or turns to garbage ends with an
 Anthropic ``error`` event, never as a success. The key is charged the usage the upstream
 reports.
@@ -45,15 +47,15 @@ from prefixgate.gateway.http.errors import ANTHROPIC, APIError, error_dialect, e
 from prefixgate.gateway.http.sse import KEEPALIVE, SSE_HEADERS
 from prefixgate.gateway.proxy import anthropic, messages_openai
 from prefixgate.gateway.proxy.answers import shape_problem
-from prefixgate.gateway.proxy.attempts import NextUpstream, each_upstream
+from prefixgate.gateway.proxy.attempts import Call, NextUpstream, each_upstream
 from prefixgate.gateway.proxy.messages_openai import Malformed
 from prefixgate.gateway.proxy.policies import Route
-from prefixgate.gateway.proxy.redact import auth_error, secrets_of
+from prefixgate.gateway.proxy.redact import auth_error, secrets_of, upstream_error
 from prefixgate.gateway.proxy.routes import upstream_headers
 from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import Upstream, retry_after_seconds
 from prefixgate.gateway.proxy.usage import admit_call, settle_usage
-from prefixgate.gateway.state import STATE, GatewayState
+from prefixgate.gateway.state import STATE
 from prefixgate.gateway.tenancy.keys import effective_salt
 from prefixgate.gateway.wire.anthropic_models import (
     Chat,
@@ -87,7 +89,7 @@ _EVENTS = frozenset(
 )
 
 
-class _Call:
+class _Call(Call):
     """One client request: the parsed request, its chat, salt, route and what was served."""
 
     def __init__(
@@ -99,16 +101,13 @@ class _Call:
         salt: str | None,
         route: Route,
     ) -> None:
-        self.request = request
-        self.st: GatewayState = request.app[STATE]
-        self.router = request.app[PROXY].router
+        super().__init__(request, route)
+        self.route: Route = route
         self.req = req
         self.raw = raw
         self.chat = chat
         self.salt = salt
-        self.route = route
         self.public = req.model  # the model name the client sent: every answer says it
-        self.served = False
         self.usage: dict[str, Any] | None = None
         self.output_tokens = 0
 
@@ -223,7 +222,8 @@ async def count_tokens(request: web.Request) -> web.Response:
 
 async def _refused(call: _Call, up: Upstream, resp: aiohttp.ClientResponse) -> None:
     """An upstream's non-200 answer: on to the next upstream (``NextUpstream``) or the client's
-    error, reworded (``reworded``); never returns."""
+    error, reworded (``redact.upstream_error``); never returns."""
+    call.answered = resp.status  # the attempt's metric
     data = await resp.read()
     if resp.status in (401, 403):  # about whose credential: the gateway's, or the client's
         own = up.auth is not None or bool(call.st.settings.upstream_api_key)
@@ -231,8 +231,10 @@ async def _refused(call: _Call, up: Upstream, resp: aiohttp.ClientResponse) -> N
     secrets = secrets_of(call.st.settings.upstream_api_key, up.auth)
     if resp.status in _DOWN:
         call.router.mark_failed(up, f"HTTP {resp.status}")
-        raise NextUpstream(str(resp.status), reworded(resp.status, data, resp.headers, secrets))
-    err = reworded(resp.status, data, resp.headers, secrets)
+        raise NextUpstream(
+            str(resp.status), upstream_error(resp.status, data, resp.headers, secrets)
+        )
+    err = upstream_error(resp.status, data, resp.headers, secrets)
     if resp.status in _NEXT:
         wait = retry_after_seconds(resp.headers.get("Retry-After"))
         if resp.status == 429 and wait is not None:
@@ -241,47 +243,6 @@ async def _refused(call: _Call, up: Upstream, resp: aiohttp.ClientResponse) -> N
             up.last_error = f"HTTP {resp.status}"
         raise NextUpstream(str(resp.status), err)
     raise err
-
-
-def reworded(status: int, data: bytes, headers: Any, secrets: tuple[str, ...] = ()) -> APIError:
-    """The client's error for an upstream's error answer: its status and error type (and an
-    OpenAI error's code, an identifier without a credential), never its message or body; a 400 for a prompt over
-    the context (OpenAI's code, vLLM's and SGLang's wording) says so in the gateway's words."""
-    kind = code = None
-    try:
-        parsed = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
-        parsed = None
-    err = parsed.get("error") if isinstance(parsed, dict) else None
-    if isinstance(err, dict):
-        kind = err.get("type") if isinstance(err.get("type"), str) else None
-        code = err.get("code") if isinstance(err.get("code"), str) else None
-    kind = kind if kind is not None and _shown(kind, secrets) else None
-    code = code if code is not None and _shown(code, secrets) else None
-    said = ", ".join(x for x in (kind, code) if x)
-    retry = retry_after_seconds(headers.get("Retry-After"))
-    message = f"the upstream answered HTTP {status}" + (f" ({said})" if said else "")
-    told = err.get("message") if isinstance(err, dict) else None
-    if status == 400 and (
-        code == "context_length_exceeded"
-        or (isinstance(told, str) and "maximum context length" in told)  # vLLM's, SGLang's
-    ):
-        code = "context_length_exceeded"
-        message = (
-            "the prompt plus max_tokens exceeds the model's context length (upstream: HTTP 400)"
-        )
-    return APIError(
-        status if status >= 400 else 502,
-        message,
-        code=code or "upstream_error",
-        retry_after=retry if status == 429 else None,
-    )
-
-
-def _shown(word: str, secrets: tuple[str, ...]) -> bool:
-    """Whether an upstream's error type or code may be named: an identifier holding none of
-    the gateway's upstream credentials."""
-    return bool(_CODE.fullmatch(word)) and not any(s in word for s in secrets)
 
 
 async def _message_try(call: _Call, up: Upstream, ticket: Any) -> web.StreamResponse:

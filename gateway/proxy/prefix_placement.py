@@ -17,9 +17,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
-from prefixgate.gateway.http.errors import APIError
 from prefixgate.gateway.proxy.policies import Route
-from prefixgate.gateway.proxy.redact import auth_error, scrub_text, secrets_of
+from prefixgate.gateway.proxy.redact import auth_error, secrets_of, upstream_error
 from prefixgate.gateway.proxy.upstream import Upstream, UpstreamRouter
 
 if TYPE_CHECKING:
@@ -98,7 +97,7 @@ class PrefixPlacement:
             ) as resp:
                 data = await resp.read()
                 status = resp.status
-                retry = resp.headers.get("Retry-After", "")
+                answered = resp.headers
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             self._router.mark_failed(up, f"POST /v1/prefixes: {type(exc).__name__}")
             return None
@@ -122,17 +121,7 @@ class PrefixPlacement:
         if status in (401, 403):  # about the credential sent: never its body
             raise auth_error(status, up.url, own_credential=True)
         secrets = secrets_of(None, headers.get("Authorization"))
-        raise APIError(
-            status,
-            scrub_text(
-                str(error.get("message") or f"the upstream refused the prefix (HTTP {status})"),
-                secrets,
-            ),
-            param=error["param"] if isinstance(error.get("param"), str) else None,
-            code=str(error.get("code") or "upstream_error"),
-            type=str(error.get("type") or "invalid_request_error"),
-            retry_after=float(retry) if retry.isdigit() else None,
-        )
+        raise upstream_error(status, data, answered, secrets)  # the request's fault or limits
 
     async def _count(self, up: Upstream, entry: ProxyPrefix, headers: dict[str, str]) -> int:
         """The prefix's tokens by ``up``'s ``POST /tokenize`` (vLLM's), 0 without it."""

@@ -12,6 +12,13 @@ Bearer sk-..."). So:
 * ``reworded_error(data, secrets)``: any other error body is rebuilt as an OpenAI error object
   of its four fields (``message``, ``type``, ``param``, ``code``; anything else dropped) with
   every credential string replaced by ``[redacted]``.
+* ``upstream_error(status, data, headers, secrets)``: the one rewording every dialect uses:
+  the client's ``APIError`` for an upstream's error answer (OpenAI's, vLLM's, Anthropic's,
+  FastAPI's shapes: ``reworded_error``), which each dialect writes as its own error object
+  (``APIError.body`` / ``anthropic_body`` / ``gemini_body``). A body without an error object
+  (an HTML page, a traceback, nothing) is never shown: a generic message. A 400 saying the
+  prompt exceeds the context (OpenAI's code, vLLM's and SGLang's wording, ``too_long``) has
+  the code ``context_length_exceeded``.
 * ``secrets_of(api_key, up)``: the strings to scrub: the key, its ``Bearer`` header, a URL's
   Basic header, its base64 token, ``user:password`` and the password alone.
 * ``scrub(data, secrets)``: the same replacement on raw bytes (stream events).
@@ -185,3 +192,92 @@ def param_of(message: str) -> str | None:
     if found is None or found.group(1) not in known_fields():
         return None
     return found.group(1) + found.group(2)
+
+
+def upstream_error(status: int, data: bytes, headers: Any, secrets: tuple[str, ...]) -> APIError:
+    """The client's error for an upstream's error answer (``status`` >= 400, body ``data``,
+    its ``headers``), the one rewording of every dialect (each writes it as its own error
+    object): the upstream's wait (``retry-after-ms``, else ``Retry-After``) kept, and
+
+    * a 4xx (the request's own fault: a field, a limit, the context, a rate limit): the error
+      object's four fields with ``secrets`` scrubbed (``reworded_error``), so a semantic 400
+      names its field as local mode does; a prompt over the context is
+      ``context_length_exceeded`` (``too_long``);
+    * a 5xx (the upstream's own fault, whose words may name its insides: hosts, paths,
+      shards): the gateway's words, ``the upstream answered HTTP 503 (type, code)``, the
+      upstream's type and code only when they are identifiers holding no secret;
+    * a body without an error object (an HTML page, a traceback, nothing): never shown.
+
+    A status under 400 is answered 502.
+    """
+    shown = status if status >= 400 else 502
+    wait = retry_after(headers)
+    error = reworded_error(data, headers.get("Content-Encoding", "identity"), secrets)
+    if error is None:
+        return APIError(
+            shown,
+            f"the upstream answered HTTP {status} without an error object",
+            code="upstream_error",
+            retry_after=wait,
+        )
+    e = error["error"]
+    code = e["code"]
+    if status == 400 and too_long(data, headers):
+        code = "context_length_exceeded"
+    if shown < 500:
+        return APIError(
+            shown, e["message"], param=e["param"], code=code, type=e["type"], retry_after=wait
+        )
+    named = [w for w in (e["type"], code) if isinstance(w, str) and _identifier(w, secrets)]
+    said = f" ({', '.join(dict.fromkeys(named))})" if named else ""
+    return APIError(
+        shown,
+        f"the upstream answered HTTP {status}{said}",
+        code=code if isinstance(code, str) and _identifier(code, secrets) else "upstream_error",
+        type=e["type"] if _identifier(e["type"], secrets) else None,
+        retry_after=wait,
+    )
+
+
+_IDENTIFIER = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}")
+
+
+def _identifier(word: str, secrets: tuple[str, ...]) -> bool:
+    """Whether an upstream's error type or code may be named: an identifier holding none of
+    the gateway's upstream credentials (nor the ``[redacted]`` left of one)."""
+    return bool(_IDENTIFIER.fullmatch(word)) and not any(s in word for s in secrets)
+
+
+def retry_after(headers: Any) -> float | None:
+    """The upstream's wait in seconds: its ``retry-after-ms`` (the finer one) when a whole
+    number, else its ``Retry-After`` when a whole number, else None."""
+    ms = headers.get("retry-after-ms", "")
+    if ms.isdigit():
+        return int(ms) / 1000.0
+    retry = headers.get("Retry-After", "")
+    return float(retry) if retry.isdigit() else None
+
+
+def too_long(data: bytes, headers: Any) -> bool:
+    """True when an upstream's 400 body says the prompt exceeds the model's context
+    (OpenAI's code ``context_length_exceeded``, or vLLM's / SGLang's "maximum context
+    length" message)."""
+    err = error_object(data, headers)
+    if err is None:
+        return False
+    message = err.get("message")
+    return err.get("code") == "context_length_exceeded" or (
+        isinstance(message, str) and "maximum context length" in message
+    )
+
+
+def error_object(data: bytes, headers: Any) -> dict[str, Any] | None:
+    """The ``error`` object of an upstream's JSON error body; None when the body is encoded
+    (``Content-Encoding``), not JSON, or holds no error object."""
+    if "Content-Encoding" in headers:
+        return None
+    try:
+        err = json.loads(data).get("error")
+    except (ValueError, AttributeError):
+        return None
+    return err if isinstance(err, dict) else None

@@ -5,44 +5,49 @@ a 200 JSON answer must be a JSON object (an HTML page or garbage with status 200
 failed upstream: retried elsewhere, else 502 ``upstream_error``), an SSE stream is relayed
 event by event, each checked, and must end with ``[DONE]`` — a stream that ends early,
 breaks, stalls past the idle timeout or turns to garbage ends with an in-band error event
-(``relay``). A request goes only to upstreams serving its model (``upstream``). One whose
-upstream fails before answering (connection refused or reset, connect timeout, 502/503/504,
-an invalid 200 body) is retried once on each other healthy upstream of its model; a 429 or
-500 answer also moves it to the next one (the upstream stays in rotation; a 429's
-``Retry-After`` keeps it out that long), and when none is left the client gets that answer
-(a 429 with the ``Retry-After`` of the soonest upstream back). Then, under a config file,
-come the model's fallbacks in order — not for a 429 whose upstream is back within
-``SOON_S`` — and a 400 "context length exceeded" goes to the next fallback at once. An idle
-timeout before the answer (nothing for ``upstream_timeout_s``) is 504 ``upstream_timeout``
-and not retried (the request may still be running there), except under a config file, whose
-deployments are declared interchangeable: there the next one (then a fallback) takes it.
-Once a stream has started it cannot move. An upstream error whose body is not an OpenAI error
-object (an HTML page, a traceback, nothing) is answered with the same status and a generic
-OpenAI error. A client that disconnects closes the upstream connection (the
-upstream then aborts its request).
+(``relay``). A request goes only to upstreams serving its model (``upstream``), through the
+one attempt loop of upstream mode (``attempts.each_upstream``: retries on the model's other upstreams,
+then a config's fallbacks, health, a timeout's rule), each attempt in the upstream's dialect
+(``_Forward``: the OpenAI pass-through, or an Anthropic deployment's translation). A 429 or
+500 answer moves the request to the next upstream (the upstream stays in rotation; a 429's
+``Retry-After`` keeps it out that long), 502/503/504 and an invalid 200 count as its
+failures, and a 400 "context length exceeded" goes to the next fallback at once. An upstream
+error is reworded by ``redact.upstream_error`` (a 4xx's message kept, credentials scrubbed; a
+5xx in the gateway's words; a body without an error object never shown). A client that
+disconnects closes the upstream connection (the upstream then aborts its request).
 """
 
 from __future__ import annotations
 
 import json
-import logging
-import math
 import re
 import time
 from typing import Any
 
 import aiohttp
 from aiohttp import web
-from multidict import CIMultiDict
 from prefixgate.gateway.http.access_log import record
 from prefixgate.gateway.http.errors import APIError, bad_request
 from prefixgate.gateway.http.headers import header_text
 from prefixgate.gateway.http.json_guard import no_body
 from prefixgate.gateway.proxy import anthropic
 from prefixgate.gateway.proxy.answers import answer_model
+from prefixgate.gateway.proxy.attempts import (
+    Call,
+    NextModel,
+    NextUpstream,
+    PinnedLost,
+    each_upstream,
+)
 from prefixgate.gateway.proxy.policies import Route
 from prefixgate.gateway.proxy.prefixes import ProxyPrefix
-from prefixgate.gateway.proxy.redact import auth_error, reworded_error, secrets_of
+from prefixgate.gateway.proxy.redact import (
+    auth_error,
+    error_object,
+    secrets_of,
+    too_long,
+    upstream_error,
+)
 from prefixgate.gateway.proxy.relay import EventChecker, json_body_problem, relay_sse
 from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import Upstream, UpstreamRouter, retry_after_seconds
@@ -60,13 +65,10 @@ from prefixgate.gateway.tenancy.ttft_budget import BUDGET_HEADER
 from prefixgate.gateway.wire.request_models import load_json
 from prefixgate.gateway.wire.stop_strings import openai_constraint, refuse_stop_under_constraint
 
-logger = logging.getLogger("prefixgate.gateway")
-
 _RETRYABLE = frozenset((502, 503, 504))
 # Answers that send the request to the next upstream of its model (then to its fallback
 # models), the upstream staying in rotation; the last one is the client's when none is left.
 _NEXT_UPSTREAM = frozenset((429, 500))
-SOON_S = 1.0  # a 429 whose deployment is back within this (seconds) is not worth a fallback
 _HOP_HEADERS = {"Content-Type": "application/json"}
 _PASSED_HEADERS = ("Retry-After", "retry-after-ms", "Content-Encoding")
 
@@ -108,8 +110,7 @@ async def proxy_generate(request: web.Request) -> web.StreamResponse:
     keep_usage = ask_usage(parsed)
     bodies = _Bodies(parsed, salt)
     route = router.route(parsed, salt, model)  # with a prefix: its messages + the request's
-    if router.precise is not None:  # precise routing: the prompt's token ids, as the upstream's
-        route = await router.precise.prepare(route, parsed, request.path, salt)
+    route = await router.policy.prepare(route, parsed, request.path, salt)  # the policy's part
     est_tokens = len(body) // 4 + 1  # no tokenizer here: ~4 bytes per token until the usage
     lease, ticket = await admit_call(st, principal, est_tokens)
     outcome = _Outcome(keep_usage)
@@ -120,9 +121,8 @@ async def proxy_generate(request: web.Request) -> web.StreamResponse:
         return await _forward(request, st, bodies, route, ticket, outcome)
     finally:
         ticket.done()
-        if router.precise is not None:
-            router.precise.release(route)
-            _record_prediction(request, route)
+        router.policy.release(route)
+        _record_prediction(request, router, route)
         settle_usage(request, st.shared, principal, lease, est_tokens, outcome)
         st.metrics.e2e.observe(time.monotonic() - t0)
 
@@ -158,7 +158,7 @@ async def _forward_prefix(
 ) -> web.StreamResponse:
     """A chat on ``prefix``: to the upstream holding its pin with the upstream's prefix id and
     the request's own messages; registered again first when that upstream is down or lost
-    the pin (``_PinnedLost``); sent in full, routed by its text, when no upstream holds it."""
+    the pin (``PinnedLost``); sent in full, routed by its text, when no upstream holds it."""
     registry = request.app[PROXY].prefixes
     lost: str | None = None
     for _ in range(3):
@@ -176,7 +176,7 @@ async def _forward_prefix(
             return await _forward(
                 request, st, _Bodies(body, salt), route, ticket, outcome, pinned=up
             )
-        except _PinnedLost:
+        except PinnedLost:
             lost = prefix.upstream_id
     raise APIError(
         502,
@@ -189,17 +189,13 @@ def _for(request: web.Request, st: GatewayState) -> Any:
     return lambda up: upstream_headers(request, st, up)
 
 
-class _PinnedLost(Exception):
-    """The upstream holding a prefix's pin failed before answering, or no longer has it."""
-
-
-def _record_prediction(request: web.Request, route: Route) -> None:
-    """The access line's ``predicted=`` / ``cached=`` of a precise-routed request
-    (``precise_routing.PreciseRoute``)."""
-    if hasattr(route, "predicted_cached"):
+def _record_prediction(request: web.Request, router: UpstreamRouter, route: Route) -> None:
+    """The access line's ``predicted=`` / ``cached=`` of a request whose routing policy
+    predicts its cached tokens (``RoutingPolicy.prediction``)."""
+    told = router.policy.prediction(route)
+    if told is not None:
         rec = record(request)
-        rec.predicted_cached_tokens = route.predicted_cached
-        rec.cached_tokens = getattr(route, "reported_cached", None)
+        rec.predicted_cached_tokens, rec.cached_tokens = told
 
 
 class _Bodies:
@@ -316,398 +312,242 @@ async def _forward(
     outcome: _Outcome | None,
     pinned: Upstream | None = None,
 ) -> web.StreamResponse:
-    """Forward to the upstream routing picks (the next one of the model on a failure before
-    the answer, then the model's fallbacks: see the module docstring), or only to ``pinned``
-    (a prefix's upstream: ``_PinnedLost`` when it fails before the answer or answers 404
-    ``prefix_not_found``)."""
-    router = request.app[PROXY].router
-    session = router.session
-    assert session is not None  # opened on the app's startup
-    wants_stream = bodies is not None and bodies.stream
-    shape = answer_model(request.path, wants_stream)  # the response model answers must fit
-    api_key = st.settings.upstream_api_key
-    tried: list[Upstream] = []
-    exclude: list[Upstream] = []  # tried for this model
-    fallbacks = router.fallbacks(route.model if route is not None else None)
-    configured = router.model_list is not None  # deployments declared interchangeable
-    last: _Answer | None = None  # the last 429 / 500 answer, the client's when none is left
-    timed_out: APIError | None = None
-    while True:
-        model = route.model if route is not None else None
-        if pinned is not None:
-            if tried:
-                raise _PinnedLost(tried[-1].last_error)
-            up: Upstream | None = pinned
+    """Forward through the attempt loop (``attempts.each_upstream``: the upstream routing
+    picks, the next one of the model on a failure before the answer, then the model's
+    fallbacks), or only to ``pinned`` (a prefix's upstream: ``PinnedLost`` when it fails
+    before the answer or answers 404 ``prefix_not_found``); each attempt in its upstream's
+    dialect (``_Forward.attempt``)."""
+    call = _Forward(request, bodies, route, ticket, outcome, pinned)
+    return await each_upstream(call, call.attempt, pinned)
+
+
+class _Forward(Call):
+    """One forwarded request (``attempts.Call``) and its attempt on one upstream: the
+    OpenAI pass-through (``openai_try``) or an Anthropic-dialect deployment's translation
+    (``anthropic_try``)."""
+
+    def __init__(
+        self,
+        request: web.Request,
+        bodies: _Bodies | None,
+        route: Route | None,
+        ticket: Any,
+        outcome: _Outcome | None,
+        pinned: Upstream | None,
+    ) -> None:
+        super().__init__(request, route)
+        self.bodies = bodies
+        self.ticket = ticket
+        self.outcome = outcome
+        self.pinned = pinned
+        self.stream = bodies is not None and bodies.stream
+        self.shape = answer_model(request.path, self.stream)  # the model answers must fit
+
+    async def attempt(self, up: Upstream) -> web.StreamResponse:
+        if up.dialect == "anthropic":
+            return await self.anthropic_try(up)
+        return await self.openai_try(up)
+
+    def _secrets(self, up: Upstream) -> tuple[str, ...]:
+        return secrets_of(self.st.settings.upstream_api_key, up.auth)
+
+    async def openai_try(self, up: Upstream) -> web.StreamResponse:
+        """One try on an OpenAI-compatible upstream: the body forwarded as is (its model and
+        salt for ``up``), the answer checked and relayed (module docstring).
+
+        Raises:
+            NextUpstream, NextModel, PinnedLost: see ``attempts``.
+            APIError: the upstream's error, reworded (``upstream_error``).
+        """
+        request, router, route, outcome = self.request, self.router, self.route, self.outcome
+        session = router.session
+        assert session is not None  # opened on the app's startup
+        headers = upstream_headers(request, self.st, up)
+        if self.bodies is None:
+            ctx = session.get(up.url + request.path_qs, headers=headers, ssl=up.ssl)
         else:
-            up = router.pick(route, exclude)
-        if up is None and route is not None and fallbacks:
-            soon = router.retry_after(model)
-            if not (
-                last is not None and last.status == 429 and soon is not None and soon <= SOON_S
-            ):
-                route.model = fallbacks.pop(0)  # every deployment failed: the next model
-                exclude = []
-                logger.info(
-                    "model %s failed (%s): falling back to %s", model, _why(tried), route.model
+            body = self.bodies.for_upstream(up, route.model if route is not None else None)
+            ctx = session.post(up.url + request.path, data=body, headers=headers, ssl=up.ssl)
+        async with ctx as resp:
+            self.answered = resp.status
+            router.policy.started(route)  # the answer began: its prefill is done
+            if resp.status in _RETRYABLE:
+                router.mark_failed(up, f"HTTP {resp.status}")
+                raise NextUpstream(str(resp.status), None)
+            if resp.status in _NEXT_UPSTREAM and self.pinned is None:
+                data = await resp.read()
+                wait = retry_after_seconds(resp.headers.get("Retry-After"))
+                if resp.status == 429 and wait is not None:
+                    router.limit(up, wait)
+                else:
+                    up.last_error = f"HTTP {resp.status}"
+                error = upstream_error(resp.status, data, resp.headers, self._secrets(up))
+                raise NextUpstream(str(resp.status), error)
+            if self.ticket is not None:
+                self.ticket.started()
+            up.served += 1
+            ctype = resp.headers.get("Content-Type", "application/json")
+            is_sse = ctype.startswith("text/event-stream")
+            if resp.status == 200 and is_sse != self.stream and self.shape is not None:
+                # SSE to a non-stream request (or JSON to a stream): not its answer
+                up.served -= 1
+                router.mark_bad_answer(
+                    up,
+                    "HTTP 200 with an event stream for a non-stream request"
+                    if is_sse
+                    else f"HTTP 200 with {ctype.split(';')[0]} for a stream request",
                 )
-                continue
-        if up is None:
-            if last is not None:
-                return last.response(router.retry_after(model))
-            if timed_out is not None:
-                raise timed_out
-            raise router.exhausted(tried, "every upstream failed", model)
-        tried.append(up)
-        exclude.append(up)
-        headers = upstream_headers(request, st, up)
-        up.in_flight += 1
-        slot = up.slots.take()
-        status = "error"
-        try:
-            if up.dialect == "anthropic":
-                got = await _forward_anthropic(request, st, up, bodies, route, ticket, outcome)
-                status = str(got.status)
-                if isinstance(got, _Answer):
-                    if got.status in _RETRYABLE:
-                        router.mark_failed(up, f"HTTP {got.status}")
-                    else:  # 429, 500, 529 overloaded (the client sees a 503: OpenAI's word)
-                        last = got if got.status != 529 else _Answer(503, got.data, got.headers)
-                        up.last_error = f"HTTP {got.status}"
-                        wait = retry_after_seconds(got.headers.get("Retry-After"))
-                        if got.status == 429 and wait is not None:
-                            router.limit(up, wait)
-                    continue
-                return got.response
-            if bodies is None:
-                ctx = session.get(up.url + request.path_qs, headers=headers, ssl=up.ssl)
-            else:
-                body = bodies.for_upstream(up, route.model if route is not None else None)
-                ctx = session.post(up.url + request.path, data=body, headers=headers, ssl=up.ssl)
-            async with ctx as resp:
-                status = str(resp.status)
-                if router.precise is not None:
-                    router.precise.started(route)  # the answer began: its prefill is done
+                raise NextUpstream("invalid", None)
+            if is_sse:
+                return await self._relay_stream(up, resp)
+            data = await resp.read()
+            if resp.status == 400 and route is not None and too_long(data, resp.headers):
+                up.served -= 1
+                error = upstream_error(resp.status, data, resp.headers, self._secrets(up))
+                raise NextModel("too_long", error)
+            if self.pinned is not None and resp.status == 404 and _lost_prefix(data, resp.headers):
+                up.served -= 1
+                raise PinnedLost("prefix_not_found")
+            if resp.status in (401, 403):  # about the credential sent: never its body
+                up.served -= 1
+                own = bool(self.st.settings.upstream_api_key or up.auth)
+                raise auth_error(resp.status, up.url, own)
+            if resp.status >= 400:
+                raise upstream_error(resp.status, data, resp.headers, self._secrets(up))
+            problem = (
+                json_body_problem(data, resp.headers, self.shape) if resp.status < 300 else None
+            )
+            if problem is not None:  # a bad answer: not served, nothing learnt
+                up.served -= 1
+                router.mark_bad_answer(up, f"HTTP {resp.status} with {problem}")
+                raise NextUpstream("invalid", None)
+            if resp.status < 300:
+                router.mark_ok(up)
+            if outcome is not None and resp.status == 200:
+                outcome.served = True
+                if "Content-Encoding" not in resp.headers:
+                    outcome.usage = body_usage(data)
+                _learn(router, up, route, data[-4096:])
+            return _passed(resp.status, data, resp.headers)
+
+    async def _relay_stream(self, up: Upstream, resp: aiohttp.ClientResponse) -> web.StreamResponse:
+        """An upstream's event stream relayed event by event, checked (``relay.relay_sse``)."""
+        s, outcome, router = self.st.settings, self.outcome, self.router
+        tap = None
+        if outcome is not None and resp.status == 200:
+            outcome.served = True
+            outcome.tap = tap = UsageTap(outcome.keep_usage)
+        tail = bytearray()
+        checker = EventChecker(self.shape, require_finish=self.shape is not None)
+        out = await relay_sse(
+            self.request,
+            resp,
+            s.keepalive_s,
+            s.upstream_timeout_s,
+            tap=tap,
+            tail=tail,
+            checker=checker,
+            secrets=self._secrets(up),
+        )
+        if checker.broken is not None:
+            router.mark_bad_answer(up, checker.broken)
+        elif checker.done:
+            router.mark_ok(up)
+        _learn(router, up, self.route, bytes(tail))
+        return out
+
+    async def anthropic_try(self, up: Upstream) -> web.StreamResponse:
+        """One try of a chat on an Anthropic-dialect deployment (``proxy.anthropic``): the
+        translated answer; 429, 500, 502/503/504 and 529 overloaded (the client sees a 503,
+        OpenAI's word) go to the next upstream.
+
+        Raises:
+            NextUpstream: see ``attempts``.
+            APIError: 400 for what the deployment cannot take (a route other than chat, a
+                field or content part); the upstream's other errors, reworded.
+        """
+        request, route, bodies, outcome = self.request, self.route, self.bodies, self.outcome
+        if bodies is None or route is None or request.path != "/v1/chat/completions":
+            raise APIError(
+                400,
+                f"{request.path} is not served for this model (an Anthropic deployment): "
+                "use /v1/chat/completions",
+                code="unsupported_for_model",
+            )
+        session = self.router.session
+        assert session is not None
+        public = route.model or ""
+        pfx = bodies.prefix
+        req = anthropic.to_messages(
+            bodies.parsed,
+            up.upstream_model(public),
+            len(pfx.messages) if pfx is not None else 0,
+            pfx.seconds_left() if pfx is not None else 0.0,
+        )
+        async with session.post(
+            up.url + "/v1/messages", json=req, headers=anthropic.headers_for(up.auth), ssl=up.ssl
+        ) as resp:
+            self.answered = resp.status
+            if resp.status != 200:
+                data = await resp.read()
+                if resp.status in (401, 403):  # about the credential sent: never its body
+                    raise auth_error(resp.status, up.url, up.auth is not None)
+                error = upstream_error(resp.status, data, resp.headers, self._secrets(up))
+                if resp.status == 529:  # overloaded: a 503, OpenAI's word
+                    error.status = 503
                 if resp.status in _RETRYABLE:
-                    router.mark_failed(up, f"HTTP {resp.status}")
-                    continue
-                if resp.status in _NEXT_UPSTREAM and pinned is None:
-                    last = _Answer(
-                        resp.status, await resp.read(), resp.headers, secrets_of(api_key, up.auth)
-                    )
+                    self.router.mark_failed(up, f"HTTP {resp.status}")
+                    raise NextUpstream(str(resp.status), None)
+                if resp.status in (429, 500, 529):
+                    up.last_error = f"HTTP {resp.status}"
                     wait = retry_after_seconds(resp.headers.get("Retry-After"))
                     if resp.status == 429 and wait is not None:
-                        router.limit(up, wait)
-                    else:
-                        up.last_error = f"HTTP {resp.status}"
-                    continue
-                if ticket is not None:
-                    ticket.started()
-                up.served += 1
-                ctype = resp.headers.get("Content-Type", "application/json")
-                is_sse = ctype.startswith("text/event-stream")
-                if resp.status == 200 and is_sse != wants_stream and shape is not None:
-                    # SSE to a non-stream request (or JSON to a stream): not its answer
-                    up.served -= 1
-                    router.mark_bad_answer(
-                        up,
-                        "HTTP 200 with an event stream for a non-stream request"
-                        if is_sse
-                        else f"HTTP 200 with {ctype.split(';')[0]} for a stream request",
-                    )
-                    status = "invalid"
-                    continue
-                if is_sse:
-                    s = st.settings
-                    tap = None
-                    if outcome is not None and resp.status == 200:
-                        outcome.served = True
-                        outcome.tap = tap = UsageTap(outcome.keep_usage)
-                    tail = bytearray()
-                    checker = EventChecker(shape, require_finish=shape is not None)
-                    out = await relay_sse(
-                        request,
-                        resp,
-                        s.keepalive_s,
-                        s.upstream_timeout_s,
-                        tap=tap,
-                        tail=tail,
-                        checker=checker,
-                        secrets=secrets_of(api_key, up.auth),
-                    )
-                    if checker.broken is not None:
-                        router.mark_bad_answer(up, checker.broken)
-                    elif checker.done:
-                        router.mark_ok(up)
-                    _learn(router, up, route, bytes(tail))
-                    return out
-                data = await resp.read()
-                if resp.status == 400 and fallbacks and route and _too_long(data, resp.headers):
-                    up.served -= 1
-                    status = "too_long"
-                    route.model = fallbacks.pop(0)  # a model with a longer context, say
-                    exclude = []
-                    logger.info(
-                        "prompt too long for model %s: falling back to %s", model, route.model
-                    )
-                    continue
-                if pinned is not None and resp.status == 404 and _lost_prefix(data, resp.headers):
-                    up.served -= 1
-                    status = "prefix_lost"
-                    raise _PinnedLost("prefix_not_found")
-                if resp.status in (401, 403):  # about the credential sent: never its body
-                    up.served -= 1
-                    raise auth_error(resp.status, up.url, bool(api_key or up.auth))
-                if resp.status >= 400:
-                    raise _upstream_error(
-                        resp.status, data, resp.headers, secrets_of(api_key, up.auth)
-                    )
-                problem = (
-                    json_body_problem(data, resp.headers, shape) if resp.status < 300 else None
+                        self.router.limit(up, wait)
+                    raise NextUpstream(str(resp.status), error)
+                raise error
+            if self.ticket is not None:
+                self.ticket.started()
+            up.served += 1
+            if outcome is not None:
+                outcome.served = True
+            if req.get("stream"):
+                translator = anthropic.StreamTranslator(
+                    public, include_usage=outcome.keep_usage if outcome is not None else False
                 )
-                if problem is not None:  # a bad answer: not served, nothing learnt
-                    up.served -= 1
-                    router.mark_bad_answer(up, f"HTTP {resp.status} with {problem}")
-                    status = "invalid"
-                    continue
-                if resp.status < 300:
-                    router.mark_ok(up)
-                if outcome is not None and resp.status == 200:
-                    outcome.served = True
-                    if "Content-Encoding" not in resp.headers:
-                        outcome.usage = body_usage(data)
-                    _learn(router, up, route, data[-4096:])
-                return _Answer(resp.status, data, resp.headers).response()
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
-            if request.transport is None or request.transport.is_closing():
-                return web.Response(status=499)  # client gone; nothing to answer
-            status, timeout = transport_failure(router, up, exc)
-            if timeout is not None:
-                timed_out = timeout
-                if configured and pinned is None and route is not None:
-                    continue  # a config's deployments are interchangeable: the next one
-                raise timed_out from None
-        finally:
-            end_attempt(st, up, slot, status)
-
-
-def transport_failure(
-    router: UpstreamRouter, up: Upstream, exc: BaseException
-) -> tuple[str, APIError | None]:
-    """Judge a transport error of one attempt on ``up``: an idle timeout is one slow request,
-    not a dead server (``suspect``: a health check now decides): ``("timeout", the 504
-    upstream_timeout to answer)``; anything else (refused, reset, cut mid-body) is one
-    gateway failure of ``up`` (``mark_failed``: only consecutive ones eject it):
-    ``("failed", None)``."""
-    why = type(exc).__name__ + (f": {exc}" if str(exc) else "")
-    if isinstance(exc, TimeoutError) and not isinstance(exc, aiohttp.ConnectionTimeoutError):
-        router.suspect(up, why)
-        message = f"the upstream sent nothing for {router.timeout_s:g} s"
-        return "timeout", APIError(504, message, code="upstream_timeout")
-    router.mark_failed(up, why)
-    return "failed", None
-
-
-def end_attempt(st: GatewayState, up: Upstream, slot: int, status: str) -> None:
-    """One attempt on ``up`` is over: its in-flight place and slot given back (``slot`` from
-    ``up.slots.take()``), counted by ``status`` in ``prefixgate_upstream_requests_total``."""
-    up.in_flight -= 1
-    up.slots.give(slot)
-    st.metrics.upstream_requests.labels(up.url, status).inc()
-
-
-class _Served:
-    """An answer that went to the client (``response``), with its HTTP ``status``."""
-
-    __slots__ = ("status", "response")
-
-    def __init__(self, status: str, response: web.StreamResponse) -> None:
-        self.status = status
-        self.response = response
-
-
-async def _forward_anthropic(
-    request: web.Request,
-    st: GatewayState,
-    up: Upstream,
-    bodies: _Bodies | None,
-    route: Route | None,
-    ticket: Any,
-    outcome: _Outcome | None,
-) -> _Served | _Answer:
-    """One try of a chat on an Anthropic-dialect deployment (``proxy.anthropic``): the
-    translated answer sent to the client (``_Served``), or an answer worth the next upstream
-    (429, 500, 502/503/504, 529 overloaded: an ``_Answer`` holding an OpenAI error object).
-
-    Raises:
-        APIError: 400 for what the deployment cannot take (a route other than chat, a field
-            or content part); the upstream's other errors, mapped (``anthropic.error_of``).
-    """
-    if bodies is None or route is None or request.path != "/v1/chat/completions":
-        raise APIError(
-            400,
-            f"{request.path} is not served for this model (an Anthropic deployment): "
-            "use /v1/chat/completions",
-            code="unsupported_for_model",
-        )
-    session = request.app[PROXY].router.session
-    assert session is not None
-    public = route.model or ""
-    parsed = bodies.parsed
-    pfx = bodies.prefix
-    req = anthropic.to_messages(
-        parsed,
-        up.upstream_model(public),
-        len(pfx.messages) if pfx is not None else 0,
-        pfx.seconds_left() if pfx is not None else 0.0,
-    )
-    async with session.post(
-        up.url + "/v1/messages", json=req, headers=anthropic.headers_for(up.auth), ssl=up.ssl
-    ) as resp:
-        if resp.status != 200:
-            data = await resp.read()
-            err = anthropic.error_of(resp.status, data)
-            if resp.status in (429, 500, 502, 503, 504, 529):
-                headers = {"Content-Type": "application/json"}
-                for name in ("Retry-After", "retry-after-ms"):
-                    if name in resp.headers:
-                        headers[name] = resp.headers[name]
-                return _Answer(resp.status, json.dumps(err.body()).encode(), headers)
-            raise err
-        if ticket is not None:
-            ticket.started()
-        up.served += 1
-        if outcome is not None:
-            outcome.served = True
-        if req.get("stream"):
-            translator = anthropic.StreamTranslator(
-                public, include_usage=outcome.keep_usage if outcome is not None else False
-            )
-            out = await anthropic.relay_stream(
-                request, resp, translator, st.settings.upstream_timeout_s
-            )
-            if outcome is not None and translator.usage is not None:
-                outcome.usage.read(translator.usage)
-            return _Served("200", out)
-        try:
-            msg = await resp.json(content_type=None)
-            completion = anthropic.to_completion(msg, public)
-        except (ValueError, AttributeError, TypeError):
-            raise APIError(
-                502, "the Anthropic upstream's answer is not a message", code="upstream_error"
-            ) from None
-        if outcome is not None:
-            outcome.usage.read(completion["usage"])
-        return _Served("200", web.json_response(completion))
-
-
-def _too_long(data: bytes, headers: Any) -> bool:
-    """True when an upstream's 400 body says the prompt exceeds the model's context
-    (OpenAI's code ``context_length_exceeded``, or vLLM's / SGLang's "maximum context
-    length" message)."""
-    err = _error_object(data, headers)
-    if err is None:
-        return False
-    message = err.get("message")
-    return err.get("code") == "context_length_exceeded" or (
-        isinstance(message, str) and "maximum context length" in message
-    )
-
-
-def _why(tried: list[Upstream]) -> str:
-    return tried[-1].last_error if tried else "no upstream of it can take requests"
+                out = await anthropic.relay_stream(
+                    request, resp, translator, self.st.settings.upstream_timeout_s
+                )
+                if outcome is not None and translator.usage is not None:
+                    outcome.usage.read(translator.usage)
+                return out
+            try:
+                msg = await resp.json(content_type=None)
+                completion = anthropic.to_completion(msg, public)
+            except (ValueError, AttributeError, TypeError):
+                raise APIError(
+                    502, "the Anthropic upstream's answer is not a message", code="upstream_error"
+                ) from None
+            if outcome is not None:
+                outcome.usage.read(completion["usage"])
+            return web.json_response(completion)
 
 
 def _lost_prefix(data: bytes, headers: Any) -> bool:
     """True when an upstream's 404 body is the error ``prefix_not_found`` or
     ``prefix_revoked`` (a prefixgate upstream whose engine revoked the pin for room)."""
-    err = _error_object(data, headers)
+    err = error_object(data, headers)
     return err is not None and err.get("code") in ("prefix_not_found", "prefix_revoked")
 
 
-def _error_object(data: bytes, headers: Any) -> dict[str, Any] | None:
-    """The ``error`` object of an upstream's JSON error body; None when the body is encoded
-    (``Content-Encoding``), not JSON, or holds no error object."""
-    if "Content-Encoding" in headers:
-        return None
-    try:
-        err = json.loads(data).get("error")
-    except (ValueError, AttributeError):
-        return None
-    return err if isinstance(err, dict) else None
-
-
-class _Answer:
-    """An upstream's whole (non-stream) answer: ``status``, body bytes, headers."""
-
-    __slots__ = ("status", "data", "headers", "secrets")
-
-    def __init__(
-        self, status: int, data: bytes, headers: Any, secrets: tuple[str, ...] = ()
-    ) -> None:
-        self.status = status
-        self.data = data
-        self.headers = headers
-        self.secrets = secrets  # the credentials scrubbed from an error body (redact)
-
-    def response(self, retry_after: float | None = None) -> web.Response:
-        """The client's response: the body as it came (an error without an OpenAI error
-        object wrapped in one), its content type, ``Retry-After`` and encoding; with
-        ``retry_after`` (seconds until one of the model's upstreams is out of its 429) as
-        ``Retry-After`` instead of the upstream's own.
-
-        Raises:
-            APIError: the wrapped error.
-        """
-        headers = CIMultiDict(self.headers)
-        if retry_after is not None:
-            headers["Retry-After"] = str(max(1, math.ceil(retry_after)))
-        if self.status >= 400:
-            raise _upstream_error(self.status, self.data, headers, self.secrets)
-        out_headers = {"Content-Type": headers.get("Content-Type", "application/json")}
-        for name in _PASSED_HEADERS:  # a 429's advice; an encoding we did not undo
-            value = headers.get(name)
-            if value is not None:
-                out_headers[name] = value
-        return web.Response(body=self.data, status=self.status, headers=out_headers)
-
-
-def _upstream_error(status: int, data: bytes, headers: Any, secrets: tuple[str, ...]) -> APIError:
-    """The client's error for an upstream's error answer (``status`` >= 400, body ``data``):
-    reworded from its error object's four fields with ``secrets`` scrubbed, with the
-    upstream's ``Retry-After``; a body without an error object is wrapped (never shown)."""
-    error = reworded_error(data, headers.get("Content-Encoding", "identity"), secrets)
-    if error is None:
-        return _wrapped_error(status, headers)
-    e = error["error"]
-    return APIError(
-        status,
-        e["message"],
-        param=e["param"],
-        code=e["code"],
-        type=e["type"],
-        retry_after=_retry_after(headers),
-    )
-
-
-def _wrapped_error(status: int, headers: Any) -> APIError:
-    """An upstream error whose body is not an OpenAI error object (an HTML page, a traceback,
-    nothing): the same status, a generic OpenAI error, the upstream's body never shown."""
-    return APIError(
-        status,
-        f"the upstream answered HTTP {status} without an OpenAI error object",
-        code="upstream_error",
-        retry_after=_retry_after(headers),
-    )
-
-
-def _retry_after(headers: Any) -> float | None:
-    """The upstream's wait in seconds: its ``retry-after-ms`` (the precise one) when a whole
-    number, else its ``Retry-After`` when a whole number, else None."""
-    ms = headers.get("retry-after-ms", "")
-    if ms.isdigit():
-        return int(ms) / 1000.0
-    retry = headers.get("Retry-After", "")
-    return float(retry) if retry.isdigit() else None
+def _passed(status: int, data: bytes, headers: Any) -> web.Response:
+    """An upstream's whole answer as the client's: its body, content type, ``Retry-After``
+    and an encoding we did not undo."""
+    out_headers = {"Content-Type": headers.get("Content-Type", "application/json")}
+    for name in _PASSED_HEADERS:
+        value = headers.get(name)
+        if value is not None:
+            out_headers[name] = value
+    return web.Response(body=data, status=status, headers=out_headers)
 
 
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')

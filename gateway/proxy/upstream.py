@@ -23,8 +23,7 @@ Choosing the upstream of one request:
    its ``max_in_flight`` is left out while it is: others serve. When every candidate is
    rate limited they are tried anyway (the limit is theirs to enforce, and may be the
    client key's own); when every one is full, 429 with ``Retry-After``.
-4. The routing policy picks among the rest (``proxy.policies``: ``cache_aware``,
-   ``rendezvous``, ``round_robin``, ``least_loaded``).
+4. The routing policy picks among the rest (``proxy.policies``, ``--routing``).
 """
 
 from __future__ import annotations
@@ -39,7 +38,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import aiohttp
-import yarl
 from prefixgate.gateway.http.errors import APIError, bad_request, not_found, shown
 from prefixgate.gateway.proxy.health import HealthPolicy, UpstreamHealth
 from prefixgate.gateway.proxy.model_list import ModelList
@@ -52,62 +50,14 @@ from prefixgate.gateway.proxy.policies import (
     prompt_text,
     salted_affinity_key,
 )
+from prefixgate.gateway.proxy.urls import normalize_url as normalize_url  # re-exported
+from prefixgate.gateway.proxy.urls import split_credentials
 from prefixgate.gateway.tenancy.slot_wait import SlotClock
 
 logger = logging.getLogger("prefixgate.gateway")
 
 FAILURE_THRESHOLD = HealthPolicy().consecutive_failures  # the default failures that eject
 MODELS_EVERY = 5  # health-check rounds between two reads of an upstream's /v1/models
-
-
-def normalize_url(url: str) -> str:
-    """``http://host:port`` from ``http://host:port/``, ``.../v1`` or ``.../v1/``, without
-    any ``user:password@`` (see ``split_credentials``): the URL that may be shown.
-
-    Raises:
-        ValueError: when the URL is not http(s)://[user[:password]@]host[:port][/v1].
-    """
-    return split_credentials(url)[0]
-
-
-def split_credentials(url: str) -> tuple[str, str | None]:
-    """``(normalized URL without userinfo, "Basic ..." Authorization value or None)``.
-
-    Userinfo in an upstream URL (``http://user:pass@host``) is turned into an HTTP Basic
-    ``Authorization`` header once, here (RFC 7617: base64 of ``user:password``, both
-    percent-decoded), and never shown: ``/ready``, ``/metrics`` labels and logs use the URL
-    without it.
-
-    Raises:
-        ValueError: when the URL is not http(s)://[user[:password]@]host[:port][/v1]
-            (the message never repeats the password).
-    """
-    u = url.strip().rstrip("/")
-    if u.endswith("/v1"):
-        u = u[:-3]
-    try:
-        parsed = yarl.URL(u)
-        host = parsed.host
-        port = parsed.explicit_port
-    except ValueError:
-        parsed, host, port = None, None, None
-    if (
-        parsed is None
-        or parsed.scheme not in ("http", "https")
-        or not host
-        or parsed.path not in ("", "/")
-        or parsed.query_string
-        or parsed.fragment
-    ):
-        shown = url if "@" not in url else "<redacted>@" + url.rsplit("@", 1)[1]
-        raise ValueError(f"upstream URL must look like http://host:port[/v1], got {shown!r}")
-    auth = None
-    if parsed.user is not None or parsed.password is not None:
-        auth = aiohttp.BasicAuth(parsed.user or "", parsed.password or "").encode()
-    bare = f"{parsed.scheme}://{parsed.raw_host if ':' not in host else '[' + host + ']'}"
-    if port is not None:
-        bare += f":{port}"
-    return bare, auth
 
 
 class Upstream:
@@ -333,18 +283,6 @@ class UpstreamRouter:
         self.session: aiohttp.ClientSession | None = None
         self._probe_task: asyncio.Task | None = None
         self._suspects: set[asyncio.Task] = set()
-
-    @property
-    def precise(self) -> Any:
-        """``precise`` routing's ``PreciseRouting`` (None under another policy, or before
-        ``app.create_proxy_app`` attaches it)."""
-        return getattr(self.policy, "exact", None)
-
-    @precise.setter
-    def precise(self, value: Any) -> None:
-        if not hasattr(self.policy, "exact"):
-            raise AttributeError(f"routing {self.policy.name} takes no precise routing")
-        self.policy.exact = value
 
     @property
     def tree(self) -> PrefixTree:

@@ -199,7 +199,7 @@ def upstream_kv_events(specs: list[str]) -> dict[str, tuple[str, str | None]]:
     Raises:
         ValueError: a malformed flag, or one URL given twice.
     """
-    from prefixgate.gateway.proxy.precise_routing import parse_kv_events_spec  # noqa: PLC0415
+    from prefixgate.gateway.proxy.kv_index import parse_kv_events_spec  # noqa: PLC0415
 
     out: dict[str, tuple[str, str | None]] = {}
     for spec in specs:

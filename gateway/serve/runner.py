@@ -24,6 +24,7 @@ import threading
 from typing import Any
 
 from prefixgate.gateway.proxy.config import ProxyConfig, load_config
+from prefixgate.gateway.proxy.policies import check_settings
 from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import normalize_url
 from prefixgate.gateway.serve.args import add_serve_arguments, parse_bytes
@@ -83,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         check_before_imports(args)  # keys file, model path: before torch is imported
         settings = settings_from_args(args)
+        check_settings(settings)  # each routing policy's options
         upstreams: list[str] | ProxyConfig = args.upstreams
         if args.config:
             if args.upstreams:

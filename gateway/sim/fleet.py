@@ -40,7 +40,7 @@ from prefixgate.gateway.http.errors import APIError
 from prefixgate.gateway.proxy.kv_index import KVIndex
 from prefixgate.gateway.proxy.policies import POLICIES, make_policy
 from prefixgate.gateway.proxy.policies.precise import Precise
-from prefixgate.gateway.proxy.precise_routing import PreciseRoute, PreciseRouting
+from prefixgate.gateway.proxy.policies.precise_routing import PreciseRoute, PreciseRouting
 from prefixgate.gateway.sim.workload import Workload, WorkloadConfig
 from prefixgate.gateway.tenancy.admission import AdmissionConfig, AdmissionController
 from prefixgate.gateway.tenancy.admission_wait import EngineWait
@@ -58,7 +58,7 @@ TIMED_MODULES = (
     "prefixgate.gateway.tenancy.admission_wait",
     "prefixgate.gateway.tenancy.slot_wait",
     "prefixgate.gateway.proxy.kv_index",
-    "prefixgate.gateway.proxy.precise_routing",
+    "prefixgate.gateway.proxy.policies.precise_routing",
     "prefixgate.gateway.proxy.policies.cache_aware",
 )
 """The modules whose ``time`` reads the virtual clock during a run (``virtual_time``)."""

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 import pytest
 from prefixgate.engine.kv_events import EngineLoad
 from prefixgate.gateway.proxy.kv_index import prompt_block_keys
-from prefixgate.gateway.proxy.precise_routing import (
+from prefixgate.gateway.proxy.policies.precise_routing import (
     PreciseRoute,
     PreciseRouting,
     parse_kv_events_spec,
@@ -324,7 +324,7 @@ def test_share_of_recent_picks_is_bounded_by_copies_of_the_hot_prompt():
     mean share of the last 16 x n picks, the prompt goes to another upstream (a copy), and
     so on until the holders' shares are within the bound: one copy per other upstream (a
     single prompt is the whole traffic here, so it ends on all three), each made once."""
-    from prefixgate.gateway.proxy.precise_routing import SHARE_WINDOW
+    from prefixgate.gateway.proxy.policies.precise_routing import SHARE_WINDOW
 
     p, index = policy([A, B, C], max_load_ratio=1.3)
     ids = [ord(c) for c in PROMPT]
@@ -358,7 +358,7 @@ def test_share_of_recent_picks_is_bounded_by_copies_of_the_hot_prompt():
 def test_share_bound_moves_only_the_hot_replicas_hottest_prompt():
     """A over its share with two prompts: the hottest one's next request goes elsewhere (a
     copy), the other prompt's request stays where it is cached (no copy of it)."""
-    from prefixgate.gateway.proxy.precise_routing import SHARE_WINDOW
+    from prefixgate.gateway.proxy.policies.precise_routing import SHARE_WINDOW
 
     p, index = policy([A, B, C], max_load_ratio=1.3)
     hot, mild = PROMPT, PROMPT[::-1]
@@ -477,17 +477,31 @@ def test_kv_events_specs():
 
 
 def test_settings_refuse_precise_options_by_name(aidreams_path):
-    with pytest.raises(ValueError, match="tokenizer"):
-        GatewaySettings(routing="precise")
-    with pytest.raises(ValueError, match="tokenizer is used by routing precise only"):
-        GatewaySettings(tokenizer=aidreams_path)
-    with pytest.raises(ValueError, match="upstream_kv_events is used by routing precise only"):
-        GatewaySettings(upstream_kv_events={A: ("tcp://a:1", None)})
-    with pytest.raises(ValueError, match="precise_max_load_ratio"):
-        GatewaySettings(routing="precise", tokenizer=aidreams_path, precise_max_load_ratio=0.5)
-    with pytest.raises(ValueError, match="precise_overlap_weight"):
-        GatewaySettings(routing="precise", tokenizer=aidreams_path, precise_overlap_weight=0)
+    """The policy's own options are checked by the policy (``check_settings``), which every
+    app build and the CLI run: ``GatewaySettings`` knows the policies' names only."""
     from prefixgate.gateway.app import create_proxy_app
+    from prefixgate.gateway.proxy.policies import check_settings
+
+    for bad, match in [
+        (dict(routing="precise"), "tokenizer"),
+        (dict(tokenizer=aidreams_path), "tokenizer is used by routing precise only"),
+        (
+            dict(upstream_kv_events={A: ("tcp://a:1", None)}),
+            "upstream_kv_events is used by routing precise only",
+        ),
+        (
+            dict(routing="precise", tokenizer=aidreams_path, precise_max_load_ratio=0.5),
+            "precise_max_load_ratio",
+        ),
+        (
+            dict(routing="precise", tokenizer=aidreams_path, precise_overlap_weight=0),
+            "precise_overlap_weight",
+        ),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            check_settings(GatewaySettings(**bad))
+        with pytest.raises(ValueError, match=match):
+            create_proxy_app([A], GatewaySettings(**bad))
 
     s = GatewaySettings(
         routing="precise", tokenizer=aidreams_path, upstream_kv_events={B: ("tcp://b:1", None)}
@@ -545,7 +559,7 @@ def test_precise_proxy_tokenizes_without_torch(tmp_path, aidreams_path):
         s = GatewaySettings(routing="precise", tokenizer={aidreams_path!r})
         app = create_proxy_app(["http://127.0.0.1:9"], s)
         body = {{"model": "m", "messages": {messages!r}}}
-        r = asyncio.run(app[PROXY].router.precise.prepare(
+        r = asyncio.run(app[PROXY].router.policy.exact.prepare(
             Route(None, []), body, "/v1/chat/completions", None))
         assert "torch" not in sys.modules or sys.modules["torch"] is None
         print(r.token_ids)

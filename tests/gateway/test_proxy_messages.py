@@ -193,7 +193,9 @@ def test_tools_round_trip_through_an_openai_upstream(vllm):
     assert turns[3] == {"role": "user", "content": "thanks"}
 
 
-def test_upstream_errors_are_reworded_and_never_shown(vllm):
+def test_upstream_errors_are_reworded_a_5xx_never_shown(vllm):
+    """One rewording for every dialect (``redact.upstream_error``): a 4xx keeps the
+    upstream's message (about the request), a 5xx is said in the gateway's words."""
     stub, gw = vllm
     stub.status = 400
     client = _client(gw)
@@ -203,7 +205,7 @@ def test_upstream_errors_are_reworded_and_never_shown(vllm):
         )
     body = caught.value.body
     assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
-    assert SECRET not in json.dumps(body) and "HTTP 400" in body["error"]["message"]
+    assert body["error"]["message"] == SECRET
     stub.status = 500
     with pytest.raises(anthropic.InternalServerError) as caught:
         client.messages.create(
@@ -433,8 +435,8 @@ def test_a_failing_upstream_moves_the_message_to_the_next_of_its_model(servers):
     assert len(good.seen) == 3 and len(bad.seen) <= 3  # ejected after its third 503 in a row
 
 
-def test_reworded_errors_keep_status_type_and_code_never_the_message():
-    from prefixgate.gateway.proxy.messages_relay import reworded
+def test_reworded_errors_keep_status_type_and_code_and_a_4xx_message():
+    from prefixgate.gateway.proxy.redact import upstream_error
 
     vllm_400 = {
         "error": {
@@ -444,15 +446,19 @@ def test_reworded_errors_keep_status_type_and_code_never_the_message():
             "code": 400,
         }
     }
-    err = reworded(400, json.dumps(vllm_400).encode(), {})
+    err = upstream_error(400, json.dumps(vllm_400).encode(), {}, ())
     assert err.status == 400 and err.code == "context_length_exceeded"
-    assert SECRET not in err.message and "context length" in err.message
-    limited = {"type": "error", "error": {"type": "rate_limit_error", "message": SECRET}}
-    err = reworded(429, json.dumps(limited).encode(), {"Retry-After": "7"})
-    assert err.status == 429 and err.retry_after == 7 and SECRET not in err.message
+    assert "maximum context length" in err.message
+    limited = {"type": "error", "error": {"type": "rate_limit_error", "message": "slow down"}}
+    err = upstream_error(429, json.dumps(limited).encode(), {"Retry-After": "7"}, ())
+    assert err.status == 429 and err.retry_after == 7 and err.message == "slow down"
     assert err.anthropic_body()["error"]["type"] == "rate_limit_error"
-    err = reworded(503, b"<html>" + SECRET.encode() + b"</html>", {})
-    assert err.status == 503 and err.message == "the upstream answered HTTP 503"
+    broken = {"error": {"message": SECRET, "type": "server_error", "code": "oom"}}
+    err = upstream_error(500, json.dumps(broken).encode(), {}, ())
+    assert err.status == 500 and SECRET not in err.message and err.code == "oom"
+    assert err.message == "the upstream answered HTTP 500 (server_error, oom)"
+    err = upstream_error(503, b"<html>" + SECRET.encode() + b"</html>", {}, ())
+    assert err.status == 503 and SECRET not in err.message and err.code == "upstream_error"
 
 
 def test_the_key_is_charged_the_usage_the_upstream_reported(servers, tmp_path):
@@ -527,10 +533,11 @@ def test_an_upstream_refusing_the_gateway_key_is_a_502_not_the_client_s_401(serv
 
 
 def test_an_error_code_holding_the_gateway_key_is_not_named():
-    from prefixgate.gateway.proxy.messages_relay import reworded
+    from prefixgate.gateway.proxy.redact import upstream_error
 
     body = {"error": {"message": "x", "type": "sk_up_key", "code": "fine_code"}}
-    err = reworded(400, json.dumps(body).encode(), {}, ("sk_up_key",))
+    err = upstream_error(400, json.dumps(body).encode(), {}, ("sk_up_key",))
+    assert "sk_up_key" not in json.dumps(err.body())
     assert "sk_up_key" not in err.message and err.code == "fine_code"
 
 

@@ -25,7 +25,7 @@ from prefixgate.gateway.proxy.kv_index import (
     detect_hash_scheme,
     replay_frames,
 )
-from prefixgate.gateway.proxy.precise_routing import PreciseRoute
+from prefixgate.gateway.proxy.policies.precise_routing import PreciseRoute
 from prefixgate.gateway.proxy.vllm_block_hash import (
     vllm_block_hash,
     vllm_external_hash,

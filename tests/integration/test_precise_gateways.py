@@ -72,7 +72,7 @@ def _engine_blocks(srv) -> Counter:
 
 
 def _index(gw):
-    return gw.app[PROXY].router.precise.index
+    return gw.app[PROXY].router.policy.exact.index
 
 
 def _wait_caught_up(gw, engines, timeout_s: float = 60.0) -> None:
@@ -143,7 +143,7 @@ def test_two_gateways_follow_every_engine_and_agree(engines, aidreams_path, pool
                 _wait_caught_up(g, engines)
             assert a == b, (j, a, b)
         for gw in gws:
-            pred = gw.app[PROXY].router.precise.predictions
+            pred = gw.app[PROXY].router.policy.exact.predictions
             assert pred and all(result == "exact" for (_, result) in pred), pred
             _assert_index_equals_engines(gw, engines)
     finally:
@@ -161,7 +161,10 @@ def _wait_load(gws, expect: dict[str, tuple[int, int]], timeout_s: float = 60.0)
     seen: list = []
     while time.monotonic() < deadline:
         seen = [
-            {u.url: gw.app[PROXY].router.precise.load(u) for u in gw.app[PROXY].router.upstreams}
+            {
+                u.url: gw.app[PROXY].router.policy.exact.load(u)
+                for u in gw.app[PROXY].router.upstreams
+            }
             for gw in gws
         ]
         if all(view == expect for view in seen):
@@ -264,7 +267,7 @@ def test_stopped_consumer_resyncs_to_each_engines_blocks(engines, aidreams_path,
             assert r.status_code == 200, r.text
             _settle(engines)
             _wait_caught_up(gw, engines)
-        pred = gw.app[PROXY].router.precise.predictions
+        pred = gw.app[PROXY].router.policy.exact.predictions
         assert pred and all(result == "exact" for (_, result) in pred), pred
     finally:
         gw.close()

@@ -69,7 +69,7 @@ def _proxy(replicas, aidreams_path, tmp_path, feeds, access_log=False) -> Backgr
 def _wait_synced(proxy: BackgroundServer, replicas, timeout_s: float = 60.0) -> None:
     """Until the proxy's index has applied each replica's last batch (a deadline for the
     wait, not a timing assertion)."""
-    index = proxy.app[PROXY].router.precise.index
+    index = proxy.app[PROXY].router.policy.exact.index
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         st = index.stats()["replicas"]
@@ -96,7 +96,7 @@ def test_predicted_equals_reported_on_mixed_workload(replicas, aidreams_path, tm
         _wait_synced(proxy, replicas)
         rng = random.Random(7)
         systems = [random_text(rng, 15) for _ in range(5)]
-        tok = proxy.app[PROXY].router.precise.tokenizer
+        tok = proxy.app[PROXY].router.policy.exact.tokenizer
         n = 0
         with httpx.Client(base_url=proxy.url, timeout=60) as http:
             for _ in range(80):
@@ -134,7 +134,7 @@ def test_predicted_equals_reported_on_mixed_workload(replicas, aidreams_path, tm
                 n += 1
                 _settle(replicas)
                 _wait_synced(proxy, replicas)
-        precise = proxy.app[PROXY].router.precise
+        precise = proxy.app[PROXY].router.policy.exact
         results = {}
         for (_, result), c in precise.predictions.items():
             results[result] = results.get(result, 0) + c
@@ -193,9 +193,9 @@ def test_repeat_of_long_prompt_goes_to_its_holder(
                     _wait_synced(proxy, replicas)
                 assert served[0] == served[1]
                 assert cached > 0
-        assert router.precise.predictions and all(
-            result == "exact" for (_, result) in router.precise.predictions
-        ), router.precise.predictions
+        assert router.policy.exact.predictions and all(
+            result == "exact" for (_, result) in router.policy.exact.predictions
+        ), router.policy.exact.predictions
 
         # the access log shows the prediction beside the reported cached tokens
         def access_lines() -> list[str]:
@@ -233,7 +233,7 @@ def test_upstream_without_feed_falls_back_to_cache_aware(
                 headers={"Authorization": "Bearer sk-b"},
             )
             assert r.status_code == 200, r.text
-        precise = proxy.app[PROXY].router.precise
+        precise = proxy.app[PROXY].router.policy.exact
         assert dict(precise.decisions) == {"fallback_no_feed": 1}
         assert router_tree_size(proxy) > 0  # the fallback's tree learns under precise too
     finally:

@@ -283,7 +283,7 @@ def _vllm_blocks(vllm_server) -> Counter:
 
 def _wait_applied(gateway, vllm_server, timeout_s: float = 30.0) -> None:
     """Until the gateway's index holds what vLLM's replay says (a deadline, not a timing)."""
-    index = gateway.app[PROXY].router.precise.index
+    index = gateway.app[PROXY].router.policy.exact.index
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if +index.blocks(vllm_server.url) == _vllm_blocks(vllm_server):
@@ -294,7 +294,7 @@ def _wait_applied(gateway, vllm_server, timeout_s: float = 30.0) -> None:
 def test_precise_routing_follows_vllm(gateway, vllm_server):
     """Sequential chat and completions requests over four shared system prompts: the index
     equals vLLM's blocks and predicted cached tokens equal vLLM's reported ones."""
-    precise = gateway.app[PROXY].router.precise
+    precise = gateway.app[PROXY].router.policy.exact
     deadline = time.monotonic() + 30  # the index's first sync (else requests fall back)
     while not precise.index.stats()["replicas"][vllm_server.url]["synced"]:
         assert time.monotonic() < deadline, precise.index.stats()

@@ -1,5 +1,6 @@
 """Routing policies of upstream mode (``--routing NAME``): one class per policy behind one
-protocol (``RoutingPolicy``: route, pick, learn), registered here by name.
+protocol (``RoutingPolicy``: route, pick, learn and the hooks of its lifecycle, ``base``),
+registered here by name.
 
 Adding a policy: a new module with a ``Policy`` subclass naming itself (``name = "..."``),
 one line in ``REGISTRY`` and its name in ``settings.ROUTING_POLICIES`` (what ``GatewaySettings``
@@ -41,6 +42,18 @@ def check_policy(name: str) -> str:
     return name
 
 
+def check_settings(settings: Any) -> None:
+    """Validate a ``GatewaySettings``' routing: a registered ``routing``, and each policy's
+    options (``Policy.check_options``: the chosen one's needs, another's options unset).
+
+    Raises:
+        ValueError: an unknown policy, or options a policy refuses.
+    """
+    chosen = REGISTRY[check_policy(settings.routing)]
+    for cls in REGISTRY.values():
+        cls.check_options(settings, cls is chosen)
+
+
 def make_policy(name: str, **options: Any) -> Policy:
     """A new policy object of the registered ``name`` (``options``: ``Policy``'s arguments).
 
@@ -61,6 +74,7 @@ __all__ = [
     "RoutingPolicy",
     "affinity_key",
     "check_policy",
+    "check_settings",
     "make_policy",
     "prompt_blocks",
     "prompt_text",

@@ -1,6 +1,13 @@
-"""The protocol every routing policy follows (``RoutingPolicy``: route, pick, learn) and
-the base class the four built-in policies share (``Policy``: the imbalance rule and the
-least loaded candidate).
+"""The protocol every routing policy follows (``RoutingPolicy``: route, pick, learn, and
+the hooks of its lifecycle) and the base class the built-in policies share (``Policy``: the
+imbalance rule, the least loaded candidate, hooks that do nothing).
+
+A policy owns its lifecycle; the gateway calls the same hooks of whichever policy it runs:
+``check_options(settings, chosen)`` (``GatewaySettings`` validation), ``setup(settings,
+urls)``, ``collectors()``, ``start()`` / ``close()`` (the app's startup and cleanup),
+``kv_events()`` (``/ready``), and per request ``prepare`` (in the handler, before admission),
+``started`` (the upstream's answer began), ``release`` (the request left its upstream) and
+``prediction`` (the access line's ``predicted=``).
 
 A policy sees upstreams only as ``Candidate`` (URL, rendezvous seed, requests in flight,
 weight), so it imports nothing of the pool that holds them.
@@ -53,6 +60,26 @@ class RoutingPolicy(Protocol):
         self, up: Candidate, route: Route | None, cached: int, prompt_tokens: int
     ) -> None: ...
 
+    def setup(self, settings: Any, urls: Sequence[str]) -> None: ...
+
+    def collectors(self) -> list[Any]: ...
+
+    def start(self) -> None: ...
+
+    def close(self) -> None: ...
+
+    def kv_events(self) -> dict[str, dict[str, Any]]: ...
+
+    async def prepare(
+        self, route: Route, body: dict[str, Any], path: str, salt: str | None
+    ) -> Route: ...
+
+    def started(self, route: Route | None) -> None: ...
+
+    def release(self, route: Route | None) -> None: ...
+
+    def prediction(self, route: Route | None) -> tuple[int | None, int | None] | None: ...
+
 
 @dataclass(eq=False)
 class Policy:
@@ -66,6 +93,8 @@ class Policy:
     """
 
     name: ClassVar[str] = ""
+    # the gateway settings only this policy reads (refused under another one)
+    options: ClassVar[tuple[str, ...]] = ()
 
     abs_threshold: int = 64
     rel_threshold: float = 1.5
@@ -84,6 +113,59 @@ class Policy:
 
     def learn(self, up: Candidate, route: Route | None, cached: int, prompt_tokens: int) -> None:
         """Nothing to learn (only ``cache_aware`` keeps state of what was cached where)."""
+
+    # ---- lifecycle: the gateway's --------------------------------------------------------------
+    @classmethod
+    def check_options(cls, settings: Any, chosen: bool) -> None:
+        """Validate ``settings`` (a ``GatewaySettings``) for this policy, the one ``chosen``
+        by ``routing`` or not.
+
+        Raises:
+            ValueError: one of this policy's ``options`` set while another policy routes.
+        """
+        if chosen:
+            return
+        for name in cls.options:
+            if getattr(settings, name):
+                raise ValueError(f"{name} is used by routing {cls.name} only")
+
+    def setup(self, settings: Any, urls: Sequence[str]) -> None:
+        """Build what the policy needs of ``settings`` (a ``GatewaySettings``) over the
+        upstreams' ``urls`` (nothing here)."""
+
+    def collectors(self) -> list[Any]:
+        """The policy's prometheus collectors, registered by the app (none here)."""
+        return []
+
+    def start(self) -> None:
+        """The app started (nothing to start here)."""
+
+    def close(self) -> None:
+        """The app stops (nothing to close here)."""
+
+    def kv_events(self) -> dict[str, dict[str, Any]]:
+        """Upstream URL -> the state of its engine's KV event feed (``/ready``): none here."""
+        return {}
+
+    # ---- lifecycle: each request's ---------------------------------------------------------------
+    async def prepare(
+        self, route: Route, body: dict[str, Any], path: str, salt: str | None
+    ) -> Route:
+        """The request's ``route`` with what the policy learns of its parsed ``body``
+        (``path``: the route, ``salt``: its effective cache salt), in the handler before
+        admission; ``route`` itself here."""
+        return route
+
+    def started(self, route: Route | None) -> None:
+        """The chosen upstream's answer began (nothing here)."""
+
+    def release(self, route: Route | None) -> None:
+        """The request left its upstream: answered, failed, or moved on (nothing here)."""
+
+    def prediction(self, route: Route | None) -> tuple[int | None, int | None] | None:
+        """``(predicted, reported)`` cached prompt tokens of the request on its upstream
+        (the access line's ``predicted=`` / ``cached=``); None: the policy predicts none."""
+        return None
 
     def turn(self) -> int:
         """The next value of a counter (round-robin turns, tie rotation)."""

@@ -106,7 +106,6 @@ from typing import Any
 
 import xxhash
 from prefixgate.engine.block_hash import num_reusable_blocks
-from prefixgate.engine.config import derive_replay_endpoint
 from prefixgate.gateway.http.errors import APIError
 from prefixgate.gateway.proxy.kv_index import (
     HASH_PREFIXGATE,
@@ -115,10 +114,13 @@ from prefixgate.gateway.proxy.kv_index import (
     HASH_VLLM_INT,
     BlockHash,
     KVIndex,
+    parse_kv_events_spec,
     prompt_block_keys,
 )
 from prefixgate.gateway.proxy.metrics_load import published_requests
-from prefixgate.gateway.proxy.upstream import Route, Upstream, normalize_url
+from prefixgate.gateway.proxy.policies.base import Candidate
+from prefixgate.gateway.proxy.policies.prompt import Route
+from prefixgate.gateway.proxy.urls import normalize_url
 from prefixgate.gateway.proxy.vllm_block_hash import vllm_prompt_block_hashes
 from prefixgate.gateway.tenancy.keys import effective_salt
 from prefixgate.gateway.wire.prompts import completion_prompts, render_chat
@@ -144,37 +146,6 @@ DEFAULT_MAX_LOAD_RATIO = 1.3  # X: no upstream above X x the mean in-flight load
 MAX_SESSIONS = 65_536  # session pins remembered (least recently used forgotten beyond)
 MAX_PROMPT_CHARS = 1 << 21  # a longer body is routed without tokenizing (cache_aware)
 SHARE_WINDOW = 16  # picks per upstream in the window of the share bound
-
-
-def parse_kv_events_spec(spec: str) -> tuple[str, str, str | None]:
-    """``URL=PUB[,REPLAY]`` (``--upstream-kv-events``) → ``(upstream URL, PUB, REPLAY)``.
-
-    ``REPLAY`` defaults to prefixgate's own (the PUB port + 1, ``derive_replay_endpoint``);
-    ``-`` means none (the index then follows the stream without resync).
-
-    Raises:
-        ValueError: no ``=``, a bad URL or endpoint.
-    """
-    url, sep, rest = spec.partition("=")
-    if not sep or not url or not rest:
-        raise ValueError(
-            f"upstream kv events must look like URL=tcp://host:port[,REPLAY], got {spec!r}"
-        )
-    pub, _, replay = rest.partition(",")
-    pub = pub.strip()
-    replay_ep: str | None
-    if not replay:
-        replay_ep = derive_replay_endpoint(pub)
-    elif replay.strip() == "-":
-        derive_replay_endpoint(pub)  # checks the PUB endpoint
-        replay_ep = None
-    else:
-        derive_replay_endpoint(pub)
-        replay_ep = replay.strip()
-        derive_replay_endpoint(replay_ep)
-    if pub.endswith(":*"):
-        raise ValueError(f"upstream kv events endpoint {pub!r} needs a real port")
-    return normalize_url(url), pub, replay_ep
 
 
 class PreciseRoute(Route):
@@ -209,11 +180,12 @@ class PreciseRoute(Route):
         self._charge: tuple[str, int, list[BlockHash]] | None = None  # (url, uncached, keys)
         self._sent = 0.0  # time.monotonic() of the pick
 
-    def engine_salt(self, up: Upstream, scheme: str | None = HASH_PREFIXGATE) -> str | None:
+    def engine_salt(self, up: Candidate, scheme: str | None = HASH_PREFIXGATE) -> str | None:
         """The cache salt ``up``'s engine hashes this request under (an open upstream): a
         prefixgate engine composes ``effective_salt(None, cache_salt)``; a vLLM engine
         (``scheme`` a vLLM one) takes the forwarded ``cache_salt`` as it is."""
-        forwarded = self.client_salt if up.cache_salt is False or self.salt is None else self.salt
+        takes = getattr(up, "cache_salt", None)  # Upstream.cache_salt: False, it ignores it
+        forwarded = self.client_salt if takes is False or self.salt is None else self.salt
         if scheme in (HASH_VLLM_INT, HASH_VLLM_BYTES):
             return forwarded
         return effective_salt(None, forwarded)
@@ -363,9 +335,9 @@ class PreciseRouting:
     def pick(
         self,
         route: Route,
-        cands: Sequence[Upstream],
-        fallback: Callable[[], Upstream],
-    ) -> Upstream:
+        cands: Sequence[Candidate],
+        fallback: Callable[[], Candidate],
+    ) -> Candidate:
         """The upstream for ``route`` among healthy ``cands`` (two or more); ``fallback``
         (cache_aware) when the request is not tokenized or a candidate's feed is missing or
         not synced. Notes the prediction for the chosen upstream on the route."""
@@ -399,7 +371,7 @@ class PreciseRouting:
             # candidates and the cost (their queued prefill against a copy's) decides
             ok += [u for u in cands if cached[u.url] == held]
         ok = self._within_share(ok, n, route.key)
-        choice: Upstream | None = None
+        choice: Candidate | None = None
         reason = "score"
         sess = self._session(route)
         if sess is not None:
@@ -412,7 +384,7 @@ class PreciseRouting:
             order = list(ok[start % len(ok) :]) + list(ok[: start % len(ok)])
             w = self.overlap_weight
 
-            def cost(u: Upstream) -> tuple[float, int]:
+            def cost(u: Candidate) -> tuple[float, int]:
                 # the in-flight prefill this request shares is work it need not wait twice for
                 pending = max(0, loads[u.url][1] - found[u.url][1])
                 # tokens held elsewhere but computed again here are a copy: they displace as
@@ -438,7 +410,7 @@ class PreciseRouting:
         self._note(route, choice, cached[choice.url])
         return choice
 
-    def _within_share(self, ok: list[Upstream], n: int, key: bytes | None) -> list[Upstream]:
+    def _within_share(self, ok: list[Candidate], n: int, key: bytes | None) -> list[Candidate]:
         """``ok`` less the upstreams whose share of this gateway's last ``SHARE_WINDOW x n``
         picks, with this one, would exceed ``max_load_ratio`` times the mean share (``share(u)
         + 1 <= max(X * m, m + 1)``, ``m = (window + 1) / n``) when this request's prompt
@@ -469,7 +441,7 @@ class PreciseRouting:
             out.append(u)
         return out
 
-    def load(self, up: Upstream) -> tuple[int, int]:
+    def load(self, up: Candidate) -> tuple[int, int]:
         """``(requests, prefill tokens)`` in flight on ``up`` from every client of its
         engine, not only this gateway's: the engine's latest load report (its running and
         waiting requests and its queued prefill net of its cache, the same in every gateway
@@ -494,7 +466,7 @@ class PreciseRouting:
                 tokens += r._charge[1]
         return max(reqs, own[0]), max(tokens, own[1])
 
-    def _place(self, key: bytes, ok: Sequence[Upstream], cands: Sequence[Upstream]) -> Upstream:
+    def _place(self, key: bytes, ok: Sequence[Candidate], cands: Sequence[Candidate]) -> Candidate:
         """The home of a prompt no candidate under the bound holds (its leading text
         ``key``): its home when that is in ``ok``, else the candidate homing the fewest
         prompts (ties: rendezvous hashing), which becomes its home — so the fleet's distinct
@@ -529,8 +501,8 @@ class PreciseRouting:
         return choice
 
     def _fallback(
-        self, route: PreciseRoute, why: str, fallback: Callable[[], Upstream]
-    ) -> Upstream:
+        self, route: PreciseRoute, why: str, fallback: Callable[[], Candidate]
+    ) -> Candidate:
         self.decisions["fallback_" + why] += 1
         route.reason = "fallback_" + why
         choice = fallback()
@@ -542,10 +514,10 @@ class PreciseRouting:
         self._note(route, choice, None)
         return choice
 
-    def _cached(self, route: PreciseRoute, up: Upstream) -> int:
+    def _cached(self, route: PreciseRoute, up: Candidate) -> int:
         return self._match(route, up)[0]
 
-    def _match(self, route: PreciseRoute, up: Upstream) -> tuple[int, int]:
+    def _match(self, route: PreciseRoute, up: Candidate) -> tuple[int, int]:
         """Prompt tokens ``up``'s engine will serve from its cache: the leading blocks the
         index says it holds, or, when longer, those of requests in flight there (their
         blocks are stored as they are computed, before their events arrive). Returns
@@ -570,7 +542,7 @@ class PreciseRouting:
             bs = max((self.index.block_size(u) for u in self.feeds), default=0)
         return bs
 
-    def _note(self, route: PreciseRoute, up: Upstream, cached: int | None) -> None:
+    def _note(self, route: PreciseRoute, up: Candidate, cached: int | None) -> None:
         """Charge ``up`` with the request's load and remember the session's pin."""
         if route.batch:
             cached = None  # several prompts: not predicted
@@ -646,7 +618,7 @@ class PreciseRouting:
             if sess is not None and sess.url == url and sess.in_flight > 0:
                 sess.in_flight -= 1
 
-    def learn(self, up: Upstream, route: Route | None, cached: int, prompt_tokens: int) -> None:
+    def learn(self, up: Candidate, route: Route | None, cached: int, prompt_tokens: int) -> None:
         """The answer from ``up`` reported ``cached`` cached prompt tokens: compared with the
         prediction (counted exact / over / under)."""
         if not isinstance(route, PreciseRoute):
