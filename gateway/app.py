@@ -64,8 +64,8 @@ from prefixgate.gateway.proxy import gemini_relay, messages_relay
 from prefixgate.gateway.proxy import prefix_routes as proxy_prefix_routes
 from prefixgate.gateway.proxy import routes as proxy_routes
 from prefixgate.gateway.proxy.config import ProxyConfig
-from prefixgate.gateway.proxy.policies import check_settings
 from prefixgate.gateway.proxy.metrics_load import MetricsLoadScraper
+from prefixgate.gateway.proxy.policies import check_settings
 from prefixgate.gateway.proxy.prefixes import ProxyPrefixRegistry
 from prefixgate.gateway.proxy.serving import PROXY, ProxyServing
 from prefixgate.gateway.proxy.upstream import Upstream, UpstreamRouter

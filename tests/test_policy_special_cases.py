@@ -2,7 +2,9 @@
 routes (``proxy.policies.base.Policy``), so no code outside ``gateway/proxy/policies/`` names a
 particular policy. Checked on the source (AST): an identifier, attribute, keyword, import or
 string that names ``precise`` outside the policies' folder fails, except the settings' option
-names and the CLI's help text; docstrings and comments are prose, not code.
+names, the registry's name list copied into settings (``ROUTING_POLICIES``: settings imports
+no room; tests/test_architecture.py holds it equal to ``policies.REGISTRY``) and the CLI's help
+text; docstrings and comments are prose, not code.
 """
 
 from __future__ import annotations
@@ -36,6 +38,21 @@ def _docstrings(tree: ast.AST) -> set[int]:
     return out
 
 
+# Assignments whose strings are the policies' names as a list (settings' copy of the registry).
+NAME_LISTS = {"ROUTING_POLICIES"}
+
+
+def _name_lists(tree: ast.AST) -> set[int]:
+    """ids of the string constants inside an assignment to one of ``NAME_LISTS``."""
+    out: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id in NAME_LISTS for t in node.targets
+        ):
+            out.update(id(n) for n in ast.walk(node.value) if isinstance(n, ast.Constant))
+    return out
+
+
 def _named(word: str) -> bool:
     return POLICY in word.lower() and word not in OPTIONS
 
@@ -43,7 +60,7 @@ def _named(word: str) -> bool:
 def special_cases(source: str, rel: str) -> list[str]:
     """Where ``source`` (the file ``rel`` under gateway/) names the policy in code."""
     tree = ast.parse(source, rel)
-    docs = _docstrings(tree)
+    docs = _docstrings(tree) | _name_lists(tree)
     found: list[str] = []
     for node in ast.walk(tree):
         words: list[str] = []
