@@ -22,7 +22,7 @@ import warnings
 import weakref
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import Future
-from typing import Any, Generic, Self, TypeVar
+from typing import Any, ClassVar, Generic, Self, TypeVar
 
 import anyio
 import httpx
@@ -31,9 +31,17 @@ from anyio.from_thread import BlockingPortal
 from ._response import APIResponse, AsyncAPIResponse, _ResponseInfo, call_in_mode
 from .streaming import AsyncStream
 
-__all__ = ["Bridge", "RawMethods", "SyncAPIResponse", "SyncResponseContextManager", "SyncStream"]
+__all__ = [
+    "Bridge",
+    "RawMethods",
+    "SyncAPIResponse",
+    "SyncResource",
+    "SyncResponseContextManager",
+    "SyncStream",
+]
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 _JOIN_TIMEOUT_S = 10.0  # most seconds close() waits for the loop thread to finish
 
@@ -289,3 +297,18 @@ class RawMethods:
         for name in names:
             method = getattr(target, name)
             setattr(self, name, bridge.streamed(method) if streamed else bridge.raw(method))
+
+
+class SyncResource(Generic[R]):
+    """A blocking resource over its async twin ``R`` (``_async``), run through ``_bridge``;
+    ``with_raw_response`` / ``with_streaming_response`` bridge the async methods a subclass
+    names in ``raw_methods`` / ``streamed_methods``."""
+
+    raw_methods: ClassVar[tuple[str, ...]] = ()
+    streamed_methods: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, resource: R, bridge: Bridge) -> None:
+        self._async = resource
+        self._bridge = bridge
+        self.with_raw_response = RawMethods(bridge, resource, self.raw_methods, False)
+        self.with_streaming_response = RawMethods(bridge, resource, self.streamed_methods, True)

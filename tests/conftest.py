@@ -59,7 +59,7 @@ def workloads_path() -> Path:
 def assert_pool_whole(obj, pinned_ok: bool = False) -> None:
     """Assert the KV block pool is whole: no request left, every block in exactly one state.
 
-    ``obj`` is an ``LLM``, ``LLMEngine`` or ``AsyncEngine``. Each must offer ``stats()`` and
+    ``obj`` is an ``LLM``, ``LLMEngine``, ``AsyncEngine`` or ``Scheduler``. Each must offer ``stats()`` and
     ``check_invariants()`` (which raises AssertionError on a block in two states or none).
     With ``pinned_ok`` blocks held by prefix pins may stay used.
     """

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from prefixgate.sdk.bench.targets import free_port
+from prefixgate.sdk.bench.targets import free_port, terminate
 
 from examples.benchmarks.gateway_overhead import start_serve
 
@@ -136,11 +136,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         rows[-1]["actual_s"] = _until_admitted(url, "sk-both", model)
         holder.join()
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except Exception:  # noqa: BLE001 - a stuck server is killed
-            proc.kill()
+        terminate(proc)
         os.unlink(path)
     for r in rows:
         r["error"] = abs(r["stated_s"] - r["actual_s"]) / r["actual_s"]

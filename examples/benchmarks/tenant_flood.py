@@ -54,7 +54,7 @@ from typing import IO, Any
 
 import httpx
 from prefixgate.gateway.local.token_walk import parse_walk
-from prefixgate.sdk.bench.targets import free_port
+from prefixgate.sdk.bench.targets import free_port, terminate
 
 from examples.benchmarks.gateway_overhead import start_serve
 
@@ -324,11 +324,7 @@ def measure(run: Run) -> dict[str, Any]:
         shares = asyncio.run(run_shares(run.port, run.model, args)) if args.shares_s > 0 else None
         counters = engine_counters(run.port)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        terminate(proc)
     log.seek(0)
     walks = light_walks(log.read())
     log.close()

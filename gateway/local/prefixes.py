@@ -333,18 +333,13 @@ class PrefixRegistry:
             n, b = self._pending_by_owner.get(owner, (0, 0))
             self._pending_by_owner[owner] = (n + 1, b + blocks)
         try:
-            pin = await self._engine.pin_prefix(
-                pinned, ttl_s, cache_salt=salt if cache_salt is None else cache_salt, tenant=tenant
+            pin = await self._pin(
+                pinned,
+                ttl_s,
+                cache_salt=salt if cache_salt is None else cache_salt,
+                tenant=tenant,
+                param="messages",
             )
-        except ValueError as exc:
-            if isinstance(exc, PinLimitError):
-                raise APIError(
-                    429,
-                    f"pinned prefix space is full: {exc}. Delete a prefix or wait for one to expire",
-                    code="prefix_limit_exceeded",
-                    retry_after=self._next_expiry(),
-                ) from None
-            raise APIError(400, str(exc), param="messages") from None
         finally:
             self._pending -= 1
             if owner is not None:
@@ -446,19 +441,13 @@ class PrefixRegistry:
         if ttl_s > self.max_ttl_s:
             raise APIError(400, f"ttl must be <= {self.max_ttl_s:g} s", param="ttl")
         assert entry.pinned_ids is not None  # every entry of this replica keeps them
-        try:
-            pin = await self._engine.pin_prefix(
-                entry.pinned_ids, ttl_s, cache_salt=entry.cache_salt, tenant=entry.tenant
-            )
-        except ValueError as exc:
-            if isinstance(exc, PinLimitError):
-                raise APIError(
-                    429,
-                    f"pinned prefix space is full: {exc}",
-                    code="prefix_limit_exceeded",
-                    retry_after=self._next_expiry(),
-                ) from None
-            raise APIError(400, str(exc), param="ttl") from None
+        pin = await self._pin(
+            entry.pinned_ids,
+            ttl_s,
+            cache_salt=entry.cache_salt,
+            tenant=entry.tenant,
+            param="ttl",
+        )
         if self._entries.get(prefix_id) is not entry:  # deleted meanwhile: keep it deleted
             self._engine.unpin_prefix(pin.id)
             raise self._missing(prefix_id, salt)
@@ -539,6 +528,35 @@ class PrefixRegistry:
         """Unpin every prefix (shutdown)."""
         for entry in list(self._entries.values()):
             self._drop(entry)
+
+    async def _pin(
+        self,
+        token_ids: list[int],
+        ttl_s: float,
+        *,
+        cache_salt: str | None,
+        tenant: str | None,
+        param: str,
+    ) -> PinHandle:
+        """``engine.pin_prefix`` with its refusals as API errors.
+
+        Raises:
+            APIError: 429 ``prefix_limit_exceeded`` (``Retry-After``: the next expiry) when
+                the pinned space is full; 400 naming ``param`` for any other ``ValueError``.
+        """
+        try:
+            return await self._engine.pin_prefix(
+                token_ids, ttl_s, cache_salt=cache_salt, tenant=tenant
+            )
+        except PinLimitError as exc:
+            raise APIError(
+                429,
+                f"pinned prefix space is full: {exc}. Delete a prefix or wait for one to expire",
+                code="prefix_limit_exceeded",
+                retry_after=self._next_expiry(),
+            ) from None
+        except ValueError as exc:
+            raise APIError(400, str(exc), param=param) from None
 
     def _next_expiry(self, entries: list[PrefixEntry] | None = None) -> float:
         """Seconds until the next of ``entries`` (default: every live prefix) expires (60

@@ -57,6 +57,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def terminate(proc: subprocess.Popen, timeout_s: float = 30.0, kill_wait_s: float = 10.0) -> None:
+    """SIGTERM ``proc`` and wait up to ``timeout_s`` seconds for it to exit; past that SIGKILL it
+    and wait up to ``kill_wait_s`` seconds more (``subprocess.TimeoutExpired`` if even that
+    fails). Does nothing to a process that has already exited."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(kill_wait_s)
+
+
 def _has_weights(model: str) -> bool:
     path = Path(model)
     return any(path.glob("*.safetensors")) or any(path.glob("pytorch_model*.bin"))
@@ -207,14 +221,8 @@ class ServerProcess:
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after 15 s."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
+        if self.proc is not None:
+            terminate(self.proc, 15, 5)
 
     def log_tail(self, n: int = 1500) -> str:
         """The last ``n`` characters of the server's output."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, TypeVar, Unpack, overload
 
-from .._blocking import Bridge, RawMethods, SyncStream
+from .._blocking import Bridge, SyncResource, SyncStream
 from ..types import ChatCompletion, ChatCompletionChunk, ParsedChatCompletion
 from ._common import takes
 from .chat import AsyncChatCompletions, ChatCompletionCreateParams, ChatCompletionParseParams
@@ -17,14 +17,11 @@ __all__ = ["SyncChat", "SyncChatCompletions"]
 ResponseFormatT = TypeVar("ResponseFormatT")
 
 
-class SyncChatCompletions:
+class SyncChatCompletions(SyncResource[AsyncChatCompletions]):
     """``client.chat.completions`` (see ``AsyncChatCompletions``)."""
 
-    def __init__(self, completions: AsyncChatCompletions, bridge: Bridge) -> None:
-        self._async = completions
-        self._bridge = bridge
-        self.with_raw_response = RawMethods(bridge, completions, ("create", "parse"), False)
-        self.with_streaming_response = RawMethods(bridge, completions, ("create",), True)
+    raw_methods = ("create", "parse")
+    streamed_methods = ("create",)
 
     @overload
     def create(

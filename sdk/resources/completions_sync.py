@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Unpack, overload
 
-from .._blocking import Bridge, RawMethods, SyncStream
+from .._blocking import SyncResource, SyncStream
 from ..types import Completion
 from ._common import takes
 from .completions import AsyncCompletions, CompletionCreateParams
@@ -15,14 +15,10 @@ from .completions import AsyncCompletions, CompletionCreateParams
 __all__ = ["SyncCompletions"]
 
 
-class SyncCompletions:
+class SyncCompletions(SyncResource[AsyncCompletions]):
     """``client.completions`` (see ``AsyncCompletions``)."""
 
-    def __init__(self, completions: AsyncCompletions, bridge: Bridge) -> None:
-        self._async = completions
-        self._bridge = bridge
-        self.with_raw_response = RawMethods(bridge, completions, ("create",), False)
-        self.with_streaming_response = RawMethods(bridge, completions, ("create",), True)
+    raw_methods = streamed_methods = ("create",)
 
     @overload
     def create(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Unpack
 
-from .._blocking import Bridge, RawMethods
+from .._blocking import SyncResource
 from .._options import CallOptions
 from ..types import ModelInfo, ModelList
 from ._common import takes
@@ -13,14 +13,10 @@ from .models import AsyncModels
 __all__ = ["SyncModels"]
 
 
-class SyncModels:
+class SyncModels(SyncResource[AsyncModels]):
     """``client.models`` (see ``AsyncModels``)."""
 
-    def __init__(self, models: AsyncModels, bridge: Bridge) -> None:
-        self._async = models
-        self._bridge = bridge
-        self.with_raw_response = RawMethods(bridge, models, ("list", "retrieve"), False)
-        self.with_streaming_response = RawMethods(bridge, models, ("list", "retrieve"), True)
+    raw_methods = streamed_methods = ("list", "retrieve")
 
     @takes(CallOptions)
     def list(self, **options: Unpack[CallOptions]) -> ModelList:

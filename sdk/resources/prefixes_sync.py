@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Self, Unpack
 
-from .._blocking import Bridge, RawMethods, SyncStream
+from .._blocking import Bridge, SyncResource, SyncStream
 from .._options import CallOptions
 from ..types import ChatCompletion, ChatCompletionChunk, Prefix, PrefixDeleted
 from ._common import takes
@@ -56,15 +56,10 @@ class SyncPrefixSession:
         self._bridge.run(self.session.close)
 
 
-class SyncPrefixes:
+class SyncPrefixes(SyncResource[AsyncPrefixes]):
     """``client.prefixes`` (see ``AsyncPrefixes``)."""
 
-    def __init__(self, prefixes: AsyncPrefixes, bridge: Bridge) -> None:
-        self._async = prefixes
-        self._bridge = bridge
-        names = ("create", "get", "delete")
-        self.with_raw_response = RawMethods(bridge, prefixes, names, False)
-        self.with_streaming_response = RawMethods(bridge, prefixes, names, True)
+    raw_methods = streamed_methods = ("create", "get", "delete")
 
     @takes(PrefixCreateParams)
     def create(self, **params: Unpack[PrefixCreateParams]) -> Prefix:

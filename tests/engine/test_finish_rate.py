@@ -17,6 +17,40 @@ from prefixgate.engine.load_model import (
 STEP_S = 0.03
 
 
+class _ClockedScheduler:
+    """A real ``Scheduler`` (block size 16) on a fake clock: ``now[0]`` is what its
+    ``time.monotonic()`` answers; requests of 3 prompt tokens decode token 9 until
+    ``max_tokens``."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, max_num_seqs: int, num_blocks: int):
+        from prefixgate.engine import scheduler as sched_module
+        from prefixgate.engine.config import EngineConfig
+        from prefixgate.engine.kv_cache_manager import KVCacheManager
+
+        self.now = [100.0]
+        monkeypatch.setattr(sched_module.time, "monotonic", lambda: self.now[0])
+        self.config = EngineConfig(block_size=16, max_num_seqs=max_num_seqs)
+        kv = KVCacheManager.from_config(self.config, num_blocks)
+        self.sched = sched_module.Scheduler(self.config, kv, 4096)
+
+    def add(self, request_id: str, max_tokens: int) -> None:
+        from prefixgate.engine.request import Request
+        from prefixgate.engine.sampling_params import SamplingParams
+
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        self.sched.add_request(
+            Request(request_id, [5, 6, 7], sp, eos_token_ids=[2], max_tokens=max_tokens)
+        )
+
+    def step(self, seconds: float = 0.0) -> None:
+        """One engine step taking ``seconds`` of the fake clock."""
+        out = self.sched.schedule()
+        self.now[0] += seconds
+        self.sched.update_from_output(
+            out, {s.request.request_id: 9 for s in out.scheduled if s.samples}
+        )
+
+
 def _bursts(rate: FinishRate, cycles: int, quiet_steps: int = 31, burst: int = 8) -> float:
     """``cycles`` of ``quiet_steps`` finish-free steps then one that finishes ``burst``
     requests (8 seats admitted together, 32 tokens each); returns the true rate."""
@@ -84,37 +118,19 @@ def test_the_rate_counts_the_gaps_between_steps(monkeypatch):
     # gateway's own work on the same cores): a rate over model time alone drained the seat
     # wait faster than real time and returning clients met their budget again. Each step
     # here takes 10 ms of model time after a 30 ms gap: the rate is over the 40 ms.
-    from prefixgate.engine import scheduler as sched_module
-    from prefixgate.engine.config import EngineConfig
-    from prefixgate.engine.kv_cache_manager import KVCacheManager
-    from prefixgate.engine.request import Request
-    from prefixgate.engine.sampling_params import SamplingParams
-
-    now = [100.0]
-    monkeypatch.setattr(sched_module.time, "monotonic", lambda: now[0])
-    config = EngineConfig(block_size=16, max_num_seqs=4)
-    sched = sched_module.Scheduler(config, KVCacheManager.from_config(config, 64), 4096)
-
-    def add(i: int) -> None:
-        sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-        sched.add_request(Request(f"r{i}", [5, 6, 7], sp, eos_token_ids=[2], max_tokens=4))
-
+    clocked = _ClockedScheduler(monkeypatch, max_num_seqs=4, num_blocks=64)
+    sched = clocked.sched
     for i in range(400):  # one new request a step, each of 4 steps: 1 finish a step
-        add(i)
-        out = sched.schedule()
-        now[0] += 0.010
-        sched.update_from_output(out, {s.request.request_id: 9 for s in out.scheduled if s.samples})
-        now[0] += 0.030
+        clocked.add(f"r{i}", max_tokens=4)
+        clocked.step(0.010)
+        clocked.now[0] += 0.030
     assert sched.load.finished_per_s == pytest.approx(1 / 0.040, rel=0.05)
     while sched.has_unfinished_requests():  # an idle engine's time is not counted
-        out = sched.schedule()
-        sched.update_from_output(out, {s.request.request_id: 9 for s in out.scheduled if s.samples})
-    now[0] += 3600.0
-    add(10_000)
+        clocked.step()
+    clocked.now[0] += 3600.0
+    clocked.add("r10000", max_tokens=4)
     for _ in range(4):
-        out = sched.schedule()
-        now[0] += 0.010
-        sched.update_from_output(out, {s.request.request_id: 9 for s in out.scheduled if s.samples})
+        clocked.step(0.010)
     assert sched.load.finished_per_s > 1 / 0.1
 
 
@@ -138,26 +154,15 @@ def test_the_seat_wait_falls_with_every_step_not_only_when_a_batch_finishes(monk
     # stayed put between such finishes, and returning clients told it met their TTFT budget
     # again and again, 50-60 ms at a time (2x overload through ``prefixgate serve``). The
     # seat schedule (the running requests' own tokens left) falls with each step.
-    from prefixgate.engine import scheduler as sched_module
-    from prefixgate.engine.config import EngineConfig
-    from prefixgate.engine.kv_cache_manager import KVCacheManager
-    from prefixgate.engine.request import Request
-    from prefixgate.engine.sampling_params import SamplingParams
-
-    now = [100.0]
-    monkeypatch.setattr(sched_module.time, "monotonic", lambda: now[0])
-    config = EngineConfig(block_size=16, max_num_seqs=4)
-    sched = sched_module.Scheduler(config, KVCacheManager.from_config(config, 256), 4096)
-    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    clocked = _ClockedScheduler(monkeypatch, max_num_seqs=4, num_blocks=256)
+    sched, config = clocked.sched, clocked.config
     ids = iter(range(10**6))
 
     def add() -> None:
-        sched.add_request(Request(f"r{next(ids)}", [5, 6, 7], sp, eos_token_ids=[2], max_tokens=8))
+        clocked.add(f"r{next(ids)}", max_tokens=8)
 
     def step() -> None:
-        out = sched.schedule()
-        now[0] += 0.010
-        sched.update_from_output(out, {s.request.request_id: 9 for s in out.scheduled if s.samples})
+        clocked.step(0.010)
 
     for _ in range(12):  # batches of 4 admitted together, 8 steps each
         for _ in range(4):
@@ -226,40 +231,24 @@ def test_a_seat_is_held_at_least_as_long_as_finished_requests_sat(monkeypatch):
     # The service is the longer of the mean output's steps and the time finished requests
     # really sat; never the finish rate, which after a quiet spell of one request at a time
     # counted one busy seat of eight (a burst was told 34 s for about 6 s of work).
-    from prefixgate.engine import scheduler as sched_module
-    from prefixgate.engine.config import EngineConfig
-    from prefixgate.engine.kv_cache_manager import KVCacheManager
-    from prefixgate.engine.request import Request
-    from prefixgate.engine.sampling_params import SamplingParams
-
-    now = [100.0]
-    monkeypatch.setattr(sched_module.time, "monotonic", lambda: now[0])
-    config = EngineConfig(block_size=16, max_num_seqs=8)
-    sched = sched_module.Scheduler(config, KVCacheManager.from_config(config, 64), 4096)
-    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    clocked = _ClockedScheduler(monkeypatch, max_num_seqs=8, num_blocks=64)
+    sched = clocked.sched
     for i in range(3):  # one at a time, 8 steps of 10 ms, then 5 s of nothing
-        sched.add_request(Request(f"r{i}", [5, 6, 7], sp, eos_token_ids=[2], max_tokens=8))
+        clocked.add(f"r{i}", max_tokens=8)
         while sched.has_unfinished_requests():
-            out = sched.schedule()
-            now[0] += 0.010
-            sched.update_from_output(
-                out, {s.request.request_id: 9 for s in out.scheduled if s.samples}
-            )
-        now[0] += 5.0
+            clocked.step(0.010)
+        clocked.now[0] += 5.0
     stats = sched.stats()
     assert stats["finished_per_s"] == pytest.approx(1 / 0.080)  # one seat of eight busy
     assert stats["seat_service_s"] == pytest.approx(0.080)  # what a seat is really held
     for i in range(16):  # a burst: 8 seated, 8 waiting behind them
-        sched.add_request(Request(f"b{i}", [5, 6, 7], sp, eos_token_ids=[2], max_tokens=8))
-    out = sched.schedule()
-    now[0] += 0.010
-    sched.update_from_output(out, {s.request.request_id: 9 for s in out.scheduled if s.samples})
+        clocked.add(f"b{i}", max_tokens=8)
+    clocked.step(0.010)
     # a new request, behind the 8 waiting, gets a seat when the first of them ends: 7 steps
     # left, then a service (0.15 s), then its first step (8 decodes at the 100 tokens/s
     # measured one at a time: 0.08 s); the fluid wait at the quiet finish rate: 0.72 s
     got = sched.predict_ttft(3)
     assert got == pytest.approx(0.07 + 0.08 + 0.08, abs=1e-6)
     while sched.has_unfinished_requests():
-        out = sched.schedule()
-        sched.update_from_output(out, {s.request.request_id: 9 for s in out.scheduled if s.samples})
+        clocked.step()
     assert sched.kv.num_free_blocks == sched.kv.num_blocks

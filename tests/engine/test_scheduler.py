@@ -14,6 +14,7 @@ from array import array
 from dataclasses import dataclass, field
 
 import pytest
+from conftest import assert_pool_whole as assert_whole
 from prefixgate.engine import kv_cache_manager as pins_module
 from prefixgate.engine.config import EngineConfig
 from prefixgate.engine.errors import CacheCapacityError
@@ -101,15 +102,6 @@ def drive(
         assert n < max_steps, "no progress: endless preemption or starvation"
     assert_whole(sched, pinned_ok)
     return run
-
-
-def assert_whole(sched: Scheduler, pinned_ok: bool = False) -> None:
-    sched.check_invariants()
-    s = sched.stats()
-    assert s["num_running"] == 0 and s["num_waiting"] == 0, s
-    assert s["kv_blocks_used"] + s["kv_blocks_free"] == s["kv_blocks_total"], s
-    if not pinned_ok:
-        assert s["kv_blocks_used"] == 0, s
 
 
 def reference(prompt: list[int], max_tokens: int) -> list[int]:

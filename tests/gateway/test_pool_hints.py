@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 from prefixgate.gateway.serve.args import add_serve_arguments
@@ -163,23 +162,14 @@ def test_serve_refuses_the_flags_where_they_would_do_nothing():
     # In proxy mode the gateway is not a pool's model server; --objective-priority alone
     # would be ignored. Both are a one-line refusal (exit 2), not a silent no-op.
     from support.net import free_port
+    from support.serve_process import SERVE
 
     for flags, words in (
         (["--upstream", "http://127.0.0.1:9", "--trust-pool-headers"], ["--trust-pool-headers"]),
         (["--upstream", "http://127.0.0.1:9", "--objective-priority", "a=1"], ["trust_pool"]),
     ):
         proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "prefixgate.gateway.cli",
-                "serve",
-                "--port",
-                str(free_port()),
-                "--host",
-                "127.0.0.1",
-                *flags,
-            ],
+            [*SERVE, "--port", str(free_port()), "--host", "127.0.0.1", *flags],
             capture_output=True,
             text=True,
             timeout=120,

@@ -12,13 +12,14 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 
 import httpx
 from prefixgate.gateway.settings import GatewaySettings
+from support.http import wait_ready
 from support.net import free_port
+from support.serve_process import SERVE
 from support.stub_upstream import StubServer
 
 
@@ -129,10 +130,7 @@ def test_killed_replica_frees_its_concurrency_slots_within_the_lease_ttl(
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
         [
-            sys.executable,
-            "-m",
-            "prefixgate.gateway.cli",
-            "serve",
+            *SERVE,
             "--upstream",
             slow.base_url,
             "--keys-file",
@@ -151,15 +149,7 @@ def test_killed_replica_frees_its_concurrency_slots_within_the_lease_ttl(
     )
     try:
         replica1 = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(replica1 + "/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, "replica 1 did not start"
-            time.sleep(0.1)
+        wait_ready(replica1, 60, proc, request_timeout_s=1)
 
         def hold() -> None:
             try:

@@ -14,6 +14,7 @@ from prefixgate.engine.config import EngineConfig
 from prefixgate.gateway.serve.runner import serve
 from prefixgate.gateway.settings import GatewaySettings
 from support.fake_engine import FakeEngine
+from support.http import wait_ready
 from support.net import free_port
 
 
@@ -98,15 +99,7 @@ def test_the_load_thread_outlives_the_load_until_the_server_stops(monkeypatch):
     before = set(loaders())
     server = ServeThread().start()
     url = server.url
-    deadline = time.monotonic() + 60  # a failure guard, not a timed assertion
-    while True:
-        try:
-            if httpx.get(url + "/ready", timeout=10).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "not ready"
-        time.sleep(0.05)
+    wait_ready(url, 60, poll_s=0.05, request_timeout_s=10)
     mine = [t for t in loaders() if t not in before]
     assert len(mine) == 1 and mine[0].is_alive()
     with httpx.Client(base_url=url, timeout=30) as http:

@@ -18,30 +18,14 @@ import pytest
 from prefixgate.gateway.app import create_proxy_app
 from prefixgate.gateway.http.server import BackgroundServer
 from prefixgate.gateway.settings import GatewaySettings
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 from support.gateway import serve_aidreams, wait_idle
+from support.schemas import PET_SCHEMA as SCHEMA
+from support.schemas import Pet
 
 pytest.importorskip("prefixgate.engine.async_engine")
 
 MODEL = "aidreams-260k"
-
-
-class Pet(BaseModel):
-    name: str = Field(max_length=8)
-    kind: Literal["cat", "dog", "owl"]
-    age: int = Field(ge=0, le=30)
-
-
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 8},
-        "kind": {"enum": ["cat", "dog", "owl"]},
-        "age": {"type": "integer", "minimum": 0, "maximum": 30},
-    },
-    "required": ["name", "kind", "age"],
-    "additionalProperties": False,
-}
 
 
 @pytest.fixture(scope="module")

@@ -40,16 +40,31 @@ def gateway_url(aidreams_path):
     torch.set_num_threads(threads)
 
 
-def run_example(name: str, base_url: str, **env: str) -> str:
-    proc = subprocess.run(
+def _run(name: str, base_url: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """``examples/{name}`` run against ``base_url`` with ``env`` added, its output captured."""
+    return subprocess.run(
         [sys.executable, str(EXAMPLES / name)],
         env={**os.environ, "PREFIXGATE_BASE_URL": base_url, **env},
         capture_output=True,
         text=True,
         timeout=120,
     )
+
+
+def run_example(name: str, base_url: str, **env: str) -> str:
+    """The example's stdout; it must succeed."""
+    proc = _run(name, base_url, **env)
     assert proc.returncode == 0, f"{name} failed:\n{proc.stdout}\n{proc.stderr[-3000:]}"
     return proc.stdout
+
+
+def failure_line(name: str, base_url: str, **env: str) -> str:
+    """The example's one stderr line; it must exit 1 saying what went wrong in that line."""
+    proc = _run(name, base_url, **env)
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
 
 
 def test_quickstart(gateway_url):
@@ -96,16 +111,8 @@ def test_proxy(gateway_url):
 )
 def test_example_without_a_server_says_so_in_one_line(name):
     url = "http://127.0.0.1:9/v1"  # nothing listens on the discard port
-    proc = subprocess.run(
-        [sys.executable, str(EXAMPLES / name)],
-        env={**os.environ, "PREFIXGATE_BASE_URL": url, "PREFIXGATE_UPSTREAM_URL": url},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 1, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "cannot reach a server at" in lines[0], proc.stderr
+    line = failure_line(name, url, PREFIXGATE_UPSTREAM_URL=url)
+    assert "cannot reach a server at" in line
 
 
 @pytest.fixture(scope="module")
@@ -123,19 +130,7 @@ def keyed_url():
 
 @pytest.mark.parametrize("name", ["quickstart.py", "openai_client.py", "prefix_api.py", "proxy.py"])
 def test_example_with_a_refused_key_says_so_in_one_line(name, keyed_url):
-    proc = subprocess.run(
-        [sys.executable, str(EXAMPLES / name)],
-        env={
-            **os.environ,
-            "PREFIXGATE_BASE_URL": keyed_url,
-            "PREFIXGATE_UPSTREAM_URL": keyed_url,
-            "PREFIXGATE_API_KEY": "sk-wrong",
-        },
-        capture_output=True,
-        text=True,
-        timeout=120,
+    line = failure_line(
+        name, keyed_url, PREFIXGATE_UPSTREAM_URL=keyed_url, PREFIXGATE_API_KEY="sk-wrong"
     )
-    assert proc.returncode == 1, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "refused the API key (401" in lines[0], proc.stderr
-    assert "PREFIXGATE_API_KEY" in lines[0]
+    assert "refused the API key (401" in line and "PREFIXGATE_API_KEY" in line

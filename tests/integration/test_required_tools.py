@@ -13,19 +13,10 @@ import pytest
 pytest.importorskip("prefixgate.engine.async_engine")
 
 from support.gateway import openai_client, serve_aidreams, wait_idle  # noqa: E402
+from support.schemas import PET_SCHEMA as PET  # noqa: E402
 from support.schemas import TIME_TOOL as TIME  # noqa: E402
 
 MODEL = "aidreams-260k"
-PET = {  # pydantic-ai's output tool for a small model (strict: additionalProperties false)
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 8},
-        "kind": {"enum": ["cat", "dog", "owl"]},
-        "age": {"type": "integer", "minimum": 0, "maximum": 30},
-    },
-    "required": ["name", "kind", "age"],
-    "additionalProperties": False,
-}
 FINAL = {
     "type": "function",
     "function": {

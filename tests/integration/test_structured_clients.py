@@ -12,17 +12,12 @@ import httpx
 import openai
 import pytest
 from pydantic import BaseModel, Field
+from support.schemas import Pet
 from support.serve_process import SERVE, read_until_ready, terminate
 
 pytest.importorskip("prefixgate.engine.async_engine")
 
 MODEL = "aidreams-260k"
-
-
-class Pet(BaseModel):
-    name: str = Field(max_length=8)
-    kind: Literal["cat", "dog", "owl"]
-    age: int = Field(ge=0, le=30)
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ from pathlib import Path
 import httpx
 import pytest
 from support.net import free_port
+from support.serve_process import terminate
 
 VLLM_VERSION = "0.32.0"
 VENV = Path(
@@ -136,12 +137,7 @@ def vllm_server(tmp_path_factory, smollm2_shape_path) -> Iterator[VLLMServer]:
             time.sleep(1.0)
         yield VLLMServer(url, pub, replay, smollm2_shape_path, log, VLLM_PYTHON)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        terminate(proc)
         kept = os.environ.get("PREFIXGATE_VLLM_LOG")
         if kept:
             shutil.copy(log, kept)

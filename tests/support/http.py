@@ -1,8 +1,12 @@
-"""HTTP assertions shared by the gateway tests."""
+"""HTTP assertions and waits shared by the gateway tests."""
 
 from __future__ import annotations
 
+import subprocess
+import time
 from typing import Any
+
+import httpx
 
 
 def assert_openai_error(
@@ -20,3 +24,26 @@ def assert_openai_error(
     if param is not None:
         assert err["param"] == param, err
     return err
+
+
+def wait_ready(
+    url: str,
+    timeout_s: float = 60.0,
+    proc: subprocess.Popen | None = None,
+    poll_s: float = 0.1,
+    request_timeout_s: float = 5.0,
+) -> None:
+    """Poll ``GET {url}/ready`` every ``poll_s`` seconds until it answers 200; a transport
+    error counts as not yet. Fails the test (AssertionError) when ``proc`` (the server's
+    process, if any) exits first or past ``timeout_s`` seconds (a failure guard, not a
+    timed assertion)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(url + "/ready", timeout=request_timeout_s).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert proc is None or proc.poll() is None, f"{url}: the server exited ({proc.returncode})"
+        assert time.monotonic() < deadline, f"{url} not ready within {timeout_s:g} s"
+        time.sleep(poll_s)

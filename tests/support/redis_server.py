@@ -11,6 +11,7 @@ import subprocess
 import time
 
 import pytest
+from prefixgate.sdk.bench.targets import terminate
 
 from support.net import free_port
 
@@ -64,13 +65,8 @@ class RedisServer:
         return self
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        if self.proc is not None:
+            terminate(self.proc, 5, 5)
         self.proc = None
 
     def client(self):  # noqa: ANN201 - redis.Redis, imported lazily

@@ -5,7 +5,9 @@ Plain dicts: a test must not mutate them (copy first)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
 
 NESTED_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -64,3 +66,23 @@ STRICT_WEATHER_PARAMS: dict[str, Any] = {
 }
 """``get_weather``'s parameters for the strict-tool tests: a bounded string, an enum, a
 bounded integer."""
+
+PET_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "kind": {"enum": ["cat", "dog", "owl"]},
+        "age": {"type": "integer", "minimum": 0, "maximum": 30},
+    },
+    "required": ["name", "kind", "age"],
+    "additionalProperties": False,
+}
+"""A pet: a bounded string, an enum, a bounded integer, all required (strict)."""
+
+
+class Pet(BaseModel):
+    """``PET_SCHEMA``'s fields as a pydantic model (for clients given a model class)."""
+
+    name: str = Field(max_length=8)
+    kind: Literal["cat", "dog", "owl"]
+    age: int = Field(ge=0, le=30)

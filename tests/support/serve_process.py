@@ -1,5 +1,5 @@
-"""``prefixgate serve`` as a real process in tests: the command line and the wait for its
-log to say it listens and is ready."""
+"""``prefixgate serve`` as a real process in tests: the command line, the wait for its log to
+say it listens and is ready, and ``terminate`` (``prefixgate.sdk.bench.targets``'s) to stop it."""
 
 from __future__ import annotations
 
@@ -7,6 +7,10 @@ import re
 import subprocess
 import sys
 import time
+
+from prefixgate.sdk.bench.targets import terminate
+
+__all__ = ["SERVE", "read_until_ready", "terminate"]
 
 SERVE = [sys.executable, "-m", "prefixgate.gateway.cli", "serve"]
 """The ``prefixgate serve`` command of this interpreter (flags follow)."""
@@ -37,13 +41,3 @@ def read_until_ready(
         if url and ready in line:
             return url, log, True
     return url, log, False
-
-
-def terminate(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
-    """SIGTERM ``proc`` and wait up to ``timeout_s`` seconds for it; kill it past that."""
-    proc.terminate()
-    try:
-        proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
