@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from prefixgate.engine.config import EngineConfig
 from prefixgate.engine.errors import EngineDeadError, PinLimitError
@@ -138,7 +138,7 @@ class FakeEngine:
         real = self.generate
 
         async def failing(request: EngineRequest) -> AsyncIterator[RequestOutput]:
-            inner = real(request)
+            inner = cast(AsyncGenerator[RequestOutput, None], real(request))
             try:
                 n = 0
                 async for out in inner:
