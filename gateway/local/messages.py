@@ -23,7 +23,6 @@ under). The ``x-prefixgate-cache`` header says where each breakpoint fell and wh
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -45,6 +44,7 @@ from prefixgate.gateway.wire.anthropic_events import (
     message,
     message_json,
     stop_reason,
+    tool_input,
 )
 from prefixgate.gateway.wire.anthropic_models import (
     Chat,
@@ -84,14 +84,6 @@ def anthropic_usage(
 
 def _tool_use_id(call_id: str) -> str:
     return "toolu_" + call_id.removeprefix("call_")
-
-
-def _tool_input(arguments: str) -> dict[str, Any]:
-    try:
-        value = json.loads(arguments)
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 class MessagesRenderer:
@@ -149,7 +141,7 @@ class MessagesRenderer:
         o = outputs[0]
         content, calls = (o.text, []) if self.tools is None else parse_output(self.tools, o.text)
         blocks = content_blocks(
-            content, [(_tool_use_id(c.id), c.name, _tool_input(c.arguments)) for c in calls]
+            content, [(_tool_use_id(c.id), c.name, tool_input(c.arguments)) for c in calls]
         )
         full = self._usage(usage)
         body = message(

@@ -42,6 +42,7 @@ from prefixgate.gateway.wire.anthropic_events import (
     content_blocks,
     message,
     stop_reason,
+    tool_input,
     usage_block,
 )
 from prefixgate.gateway.wire.anthropic_models import Chat, MessagesRequest
@@ -174,16 +175,6 @@ def stop_of(finish: Any, matched: Any, stops: list[str], called: bool) -> tuple[
     return stop_reason(finish, called, sequence)
 
 
-def _tool_input(arguments: Any) -> dict[str, Any]:
-    if isinstance(arguments, dict):
-        return arguments
-    try:
-        value = json.loads(arguments) if isinstance(arguments, str) else None
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
 def to_message(data: Any, rid: str, model: str, stops: list[str]) -> dict[str, Any]:
     """The Anthropic ``message`` of a ``chat.completion`` answer, under the public ``model``.
 
@@ -211,7 +202,7 @@ def to_message(data: Any, rid: str, model: str, stops: list[str]) -> dict[str, A
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise Malformed("a tool call without a function name")
         cid = c.get("id") if isinstance(c.get("id"), str) else "toolu_" + uuid.uuid4().hex
-        uses.append((cid, fn["name"], _tool_input(fn.get("arguments"))))
+        uses.append((cid, fn["name"], tool_input(fn.get("arguments"))))
     stop = stop_of(choice.get("finish_reason"), matched_stop(choice), stops, bool(calls))
     return message(rid, model, content_blocks(text, uses), stop, usage_of(data.get("usage")))
 

@@ -68,6 +68,18 @@ def usage_block(
     }
 
 
+def tool_input(arguments: Any) -> dict[str, Any]:
+    """A ``tool_use`` block's ``input`` of OpenAI tool-call ``arguments`` (JSON text, or an
+    object some upstreams send): ``{}`` when they are not a JSON object."""
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        value = json.loads(arguments) if isinstance(arguments, str) else None
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 def content_blocks(text: str | None, calls: Iterable[tuple[str, str, Any]]) -> list[dict]:
     """A whole message's ``content``: one ``text`` block (also when empty, if there is no
     tool call), then a ``tool_use`` block per ``(id, name, input)``."""
