@@ -23,7 +23,6 @@ under). The ``x-prefixgate-cache`` header says where each breakpoint fell and wh
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -38,6 +37,15 @@ from prefixgate.gateway.local.serving import LOCAL
 from prefixgate.gateway.state import STATE
 from prefixgate.gateway.tenancy.keys import Principal, effective_salt
 from prefixgate.gateway.tenancy.pool_hints import pool_hint
+from prefixgate.gateway.wire.anthropic_events import (
+    MessageEvents,
+    content_blocks,
+    error_event,
+    message,
+    message_json,
+    stop_reason,
+    tool_input,
+)
 from prefixgate.gateway.wire.anthropic_models import (
     Chat,
     CountTokensRequest,
@@ -78,16 +86,9 @@ def _tool_use_id(call_id: str) -> str:
     return "toolu_" + call_id.removeprefix("call_")
 
 
-def _tool_input(arguments: str) -> dict[str, Any]:
-    try:
-        value = json.loads(arguments)
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
 class MessagesRenderer:
-    """Engine outputs → a ``message`` object, or its stream events (one choice).
+    """Engine outputs → a ``message`` object, or its stream events (one choice), built by
+    ``wire.anthropic_events`` (the builder proxy mode shares).
 
     The same methods as the other renderers (``opening``, ``chunks``, ``event``, ``json``,
     ``closing``, ``error_event``), so ``Exchange`` runs it unchanged. ``message_start`` is
@@ -113,73 +114,42 @@ class MessagesRenderer:
         self.prompt_tokens = prompt_tokens
         self.tools = plan if plan.active else None
         self.marks = marks
-        self._started = False
+        self._events = MessageEvents(rid, model)
         self._deltas = ToolDeltas(plan) if self.tools is not None else None
-        self._block: str | None = None  # the open block's type
-        self._index = -1  # the open block's index
         self._called = False
 
-    # --- whole message --------------------------------------------------------------------
-    def _message(
-        self, content: list[dict[str, Any]], stop: tuple[str | None, str | None], usage: dict
-    ) -> dict[str, Any]:
-        extra = {}
-        if self.diagnose is not None:
-            reason = self.diagnose(usage["cache_read_input_tokens"])
-            extra["diagnostics"] = {"cache_miss_reason": reason}
+    def _extra(self, usage: dict[str, Any]) -> dict[str, Any] | None:
+        if self.diagnose is None:
+            return None
         return {
-            **extra,
-            "id": self.rid,
-            "type": "message",
-            "role": "assistant",
-            "model": self.model,
-            "content": content,
-            "stop_reason": stop[0],
-            "stop_sequence": stop[1],
-            "usage": usage,
+            "diagnostics": {"cache_miss_reason": self.diagnose(usage["cache_read_input_tokens"])}
         }
 
-    def _usage(self, usage: Usage, output_tokens: int | None = None) -> dict[str, Any]:
+    def _usage(self, usage: Usage) -> dict[str, Any]:
         cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
-        out = usage.completion_tokens if output_tokens is None else output_tokens
-        return anthropic_usage(self.prompt_tokens, cached, out, self.marks)
+        return anthropic_usage(self.prompt_tokens, cached, usage.completion_tokens, self.marks)
 
     @staticmethod
-    def _stop(o: ChoiceOutput, called: bool) -> tuple[str | None, str | None]:
-        """``(stop_reason, stop_sequence)`` of a finished choice."""
-        if o.finish_reason == "length":
-            return "max_tokens", None
-        if called:
-            return "tool_use", None
-        if isinstance(o.stop_reason, str):
-            return "stop_sequence", o.stop_reason
-        return "end_turn", None
+    def _stop(o: ChoiceOutput, called: bool) -> tuple[str, str | None]:
+        """``(stop_reason, stop_sequence)`` of a finished choice (the engine's
+        ``stop_reason`` is the stop string that ended it, or a stop token's id)."""
+        sequence = o.stop_reason if isinstance(o.stop_reason, str) else None
+        return stop_reason(o.finish_reason, called, sequence)
 
     def json(self, outputs: list[ChoiceOutput], usage: Usage) -> bytes:
         """The whole ``message`` of the finished choice, as JSON bytes."""
         o = outputs[0]
         content, calls = (o.text, []) if self.tools is None else parse_output(self.tools, o.text)
-        blocks: list[dict[str, Any]] = []
-        if content or not calls:
-            blocks.append({"type": "text", "text": content or ""})
-        for c in calls:
-            blocks.append(
-                {
-                    "type": "tool_use",
-                    "id": _tool_use_id(c.id),
-                    "name": c.name,
-                    "input": _tool_input(c.arguments),
-                }
-            )
-        body = self._message(blocks, self._stop(o, bool(calls)), self._usage(usage))
-        return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+        blocks = content_blocks(
+            content, [(_tool_use_id(c.id), c.name, tool_input(c.arguments)) for c in calls]
+        )
+        full = self._usage(usage)
+        body = message(
+            self.rid, self.model, blocks, self._stop(o, bool(calls)), full, self._extra(full)
+        )
+        return message_json(body)
 
     # --- stream ---------------------------------------------------------------------------
-    @staticmethod
-    def _ev(kind: str, **fields: Any) -> bytes:
-        data = json.dumps({"type": kind, **fields}, separators=(",", ":"), ensure_ascii=False)
-        return f"event: {kind}\ndata: {data}\n\n".encode()
-
     def event(self, chunk: bytes) -> bytes:
         """Chunks are already framed events."""
         return chunk
@@ -189,61 +159,28 @@ class MessagesRenderer:
         return []
 
     def _start(self, cached: int) -> list[bytes]:
-        self._started = True
         usage = anthropic_usage(self.prompt_tokens, cached, 0, self.marks)
-        message = self._message([], (None, None), usage)
-        return [self._ev("message_start", message=message), self._ev("ping")]
-
-    def _open(self, kind: str, block: dict[str, Any]) -> list[bytes]:
-        out = self._close()
-        self._index += 1
-        self._block = kind
-        return [*out, self._ev("content_block_start", index=self._index, content_block=block)]
-
-    def _close(self) -> list[bytes]:
-        if self._block is None:
-            return []
-        self._block = None
-        return [self._ev("content_block_stop", index=self._index)]
+        return self._events.start(usage, self._extra(usage))
 
     def _translate(self, delta: dict[str, Any]) -> list[bytes]:
+        ev = self._events
         out: list[bytes] = []
         text = delta.get("content")
         if text:
-            if self._block != "text":
-                out += self._open("text", {"type": "text", "text": ""})
-            out.append(
-                self._ev(
-                    "content_block_delta",
-                    index=self._index,
-                    delta={"type": "text_delta", "text": text},
-                )
-            )
+            out += ev.text(text)
         for call in delta.get("tool_calls") or []:
             fn = call.get("function") or {}
             if "id" in call:
                 self._called = True
-                block = {
-                    "type": "tool_use",
-                    "id": _tool_use_id(call["id"]),
-                    "name": fn.get("name", ""),
-                    "input": {},
-                }
-                out += self._open("tool_use", block)
+                out += ev.tool_use(_tool_use_id(call["id"]), fn.get("name", ""))
             args = fn.get("arguments") or ""
-            if args and self._block == "tool_use":
-                out.append(
-                    self._ev(
-                        "content_block_delta",
-                        index=self._index,
-                        delta={"type": "input_json_delta", "partial_json": args},
-                    )
-                )
+            if args and ev.open_kind == "tool_use":
+                out.append(ev.input_json(ev.index, args))
         return out
 
     def chunks(self, i: int, d: Delta, offset: int) -> list[bytes]:
         """The events of the choice's new output (``message_start`` first)."""
-        out = [] if self._started else self._start(d.num_cached_tokens)
+        out = [] if self._events.started else self._start(d.num_cached_tokens)
         if self._deltas is None:
             deltas = [{"content": d.delta_text}] if d.delta_text else []
         else:
@@ -257,36 +194,13 @@ class MessagesRenderer:
     def closing(self, outputs: list[ChoiceOutput], usage: Usage) -> list[bytes]:
         """The last block's stop, ``message_delta`` (stop reason, usage) and ``message_stop``."""
         cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
-        out = [] if self._started else self._start(cached)
-        if self._index < 0:  # nothing was said: one empty text block, as the body has
-            out += self._open("text", {"type": "text", "text": ""})
-        out += self._close()
-        stop_reason, stop_sequence = self._stop(outputs[0], self._called)
-        full = self._usage(usage)
-        delta_usage = {
-            k: full[k]
-            for k in (
-                "input_tokens",
-                "cache_creation_input_tokens",
-                "cache_read_input_tokens",
-                "output_tokens",
-            )
-        }
-        out.append(
-            self._ev(
-                "message_delta",
-                delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                usage=delta_usage,
-            )
-        )
-        out.append(self._ev("message_stop"))
-        return out
+        out = [] if self._events.started else self._start(cached)
+        stop = self._stop(outputs[0], self._called)
+        return out + self._events.finish(stop, self._usage(usage))
 
     def error_event(self, err: APIError) -> bytes:
         """The in-band ``error`` event that ends a stream cut short (Anthropic's shape)."""
-        body = err.anthropic_body()
-        data = json.dumps(body, separators=(",", ":"), ensure_ascii=False)
-        return f"event: error\ndata: {data}\n\n".encode()
+        return error_event(err)
 
 
 async def _prepare(

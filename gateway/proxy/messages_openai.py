@@ -25,7 +25,8 @@ upstream names it — vLLM's ``stop_reason``, SGLang's ``matched_stop``: ``upstr
 usage: ``input_tokens`` = prompt − cached, ``cache_read_input_tokens`` =
 ``prompt_tokens_details.cached_tokens`` (``null`` when the upstream does not report it: vLLM
 without ``--enable-prompt-tokens-details``), ``output_tokens`` = completion (0 when the
-upstream reports none).
+upstream reports none). The message and its events are built by ``wire.anthropic_events``
+(the builder local mode shares); this module reads the upstream's answer into it.
 """
 
 from __future__ import annotations
@@ -36,14 +37,15 @@ from typing import Any
 
 from prefixgate.gateway.http.errors import APIError, bad_request
 from prefixgate.gateway.proxy.upstream_fields import cached_tokens, matched_stop
+from prefixgate.gateway.wire.anthropic_events import (
+    MessageEvents,
+    content_blocks,
+    message,
+    stop_reason,
+    tool_input,
+    usage_block,
+)
 from prefixgate.gateway.wire.anthropic_models import Chat, MessagesRequest
-
-_STOP = {
-    "length": "max_tokens",
-    "tool_calls": "tool_use",
-    "function_call": "tool_use",
-    "content_filter": "refusal",
-}
 
 
 class Malformed(Exception):
@@ -144,27 +146,18 @@ def usage_of(usage: Any) -> dict[str, int | None]:
     its cached tokens (``upstream_fields.cached_tokens``): unknown is not a miss;
     ``input_tokens`` is then the whole prompt."""
     if not isinstance(usage, dict):
-        return _usage(0, 0, 0)
+        return usage_block(0, 0, 0, 0)
     prompt = _int(usage.get("prompt_tokens"))
     cached = cached_tokens(usage)
     if cached is None:
-        return _usage(prompt, None, _int(usage.get("completion_tokens")))
+        return usage_block(prompt, 0, None, _int(usage.get("completion_tokens")))
     cached = min(cached, prompt)
-    return _usage(prompt - cached, cached, _int(usage.get("completion_tokens")))
+    return usage_block(prompt - cached, 0, cached, _int(usage.get("completion_tokens")))
 
 
 def _int(value: Any) -> int:
     """A token count, 0 when ``value`` is not one."""
     return int(value) if _count(value) else 0
-
-
-def _usage(input_tokens: int, cached: int | None, output_tokens: int) -> dict[str, int | None]:
-    return {
-        "input_tokens": input_tokens,
-        "cache_creation_input_tokens": 0,
-        "cache_read_input_tokens": cached,
-        "output_tokens": output_tokens,
-    }
 
 
 def _count(value: Any) -> bool:
@@ -174,24 +167,12 @@ def _count(value: Any) -> bool:
 def stop_of(finish: Any, matched: Any, stops: list[str], called: bool) -> tuple[str, str | None]:
     """``(stop_reason, stop_sequence)`` of an OpenAI ``finish_reason`` (``matched``: the stop
     the upstream names, ``upstream_fields.matched_stop``: vLLM's ``stop_reason``, SGLang's
-    ``matched_stop``)."""
-    if finish == "stop" and called:
-        return "tool_use", None
-    if finish == "stop":
-        if isinstance(matched, str) and matched in stops:
-            return "stop_sequence", matched
-        return "end_turn", None
-    return _STOP.get(str(finish), "end_turn"), None
-
-
-def _tool_input(arguments: Any) -> dict[str, Any]:
-    if isinstance(arguments, dict):
-        return arguments
-    try:
-        value = json.loads(arguments) if isinstance(arguments, str) else None
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
+    ``matched_stop``; a sequence only when it is one of the request's ``stops``); tool calls
+    make ``tool_use`` only under ``stop``, an unknown finish reason is ``end_turn``."""
+    if finish != "stop":
+        return stop_reason(str(finish), False, None)
+    sequence = matched if isinstance(matched, str) and matched in stops else None
+    return stop_reason(finish, called, sequence)
 
 
 def to_message(data: Any, rid: str, model: str, stops: list[str]) -> dict[str, Any]:
@@ -215,43 +196,20 @@ def to_message(data: Any, rid: str, model: str, stops: list[str]) -> dict[str, A
     calls = msg.get("tool_calls") or []
     if not isinstance(calls, list):
         raise Malformed("tool_calls that are not a list")
-    blocks: list[dict[str, Any]] = []
-    if text or not calls:
-        blocks.append({"type": "text", "text": text or ""})
+    uses = []
     for c in calls:
         fn = c.get("function") if isinstance(c, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise Malformed("a tool call without a function name")
-        blocks.append(
-            {
-                "type": "tool_use",
-                "id": c.get("id") if isinstance(c.get("id"), str) else "toolu_" + uuid.uuid4().hex,
-                "name": fn["name"],
-                "input": _tool_input(fn.get("arguments")),
-            }
-        )
-    reason, sequence = stop_of(
-        choice.get("finish_reason"), matched_stop(choice), stops, bool(calls)
-    )
-    return {
-        "id": rid,
-        "type": "message",
-        "role": "assistant",
-        "model": model,
-        "content": blocks,
-        "stop_reason": reason,
-        "stop_sequence": sequence,
-        "usage": usage_of(data.get("usage")),
-    }
-
-
-def _ev(kind: str, **fields: Any) -> bytes:
-    data = json.dumps({"type": kind, **fields}, separators=(",", ":"), ensure_ascii=False)
-    return f"event: {kind}\ndata: {data}\n\n".encode()
+        cid = c.get("id") if isinstance(c.get("id"), str) else "toolu_" + uuid.uuid4().hex
+        uses.append((cid, fn["name"], tool_input(fn.get("arguments"))))
+    stop = stop_of(choice.get("finish_reason"), matched_stop(choice), stops, bool(calls))
+    return message(rid, model, content_blocks(text, uses), stop, usage_of(data.get("usage")))
 
 
 class ChunkTranslator:
-    """OpenAI ``chat.completion.chunk`` payloads in, Anthropic stream events out (bytes).
+    """OpenAI ``chat.completion.chunk`` payloads in, Anthropic stream events out (bytes), built
+    by ``wire.anthropic_events`` (the builder local mode shares).
 
     ``feed(obj) -> bytes`` per chunk; ``finish() -> bytes`` at ``[DONE]`` (the last block's
     stop, ``message_delta``, ``message_stop``); ``usage`` the Anthropic usage so far.
@@ -267,48 +225,23 @@ class ChunkTranslator:
         self.rid = rid
         self.model = model
         self.stops = stops
-        self.usage = _usage(0, 0, 0)
+        self.usage = usage_block(0, 0, 0, 0)
         self.usage_seen = False
         self.content_chunks = 0
-        self._started = False
-        self._index = -1  # the open block's index
-        self._open_kind: str | None = None
+        self._events = MessageEvents(rid, model)
         self._calls: dict[int, int] = {}  # OpenAI tool call index -> block index
         self._finish: Any = None
         self._matched: Any = None
 
     def _start(self) -> list[bytes]:
-        self._started = True
-        message: dict[str, Any] = {
-            "id": self.rid,
-            "type": "message",
-            "role": "assistant",
-            "model": self.model,
-            "content": [],
-            "stop_reason": None,
-            "stop_sequence": None,
-            # not known before the last chunk: null, so a client that keeps message_start's
-            # value when message_delta's is null (the anthropic package) never shows a 0
-            "usage": {**self.usage, "cache_read_input_tokens": None},
-        }
-        return [_ev("message_start", message=message), _ev("ping")]
-
-    def _open(self, kind: str, block: dict[str, Any]) -> list[bytes]:
-        out = self._close()
-        self._index += 1
-        self._open_kind = kind
-        return [*out, _ev("content_block_start", index=self._index, content_block=block)]
-
-    def _close(self) -> list[bytes]:
-        if self._open_kind is None:
-            return []
-        self._open_kind = None
-        return [_ev("content_block_stop", index=self._index)]
+        # not known before the last chunk: null, so a client that keeps message_start's
+        # value when message_delta's is null (the anthropic package) never shows a 0
+        return self._events.start({**self.usage, "cache_read_input_tokens": None})
 
     def feed(self, obj: Any) -> bytes:
         if not isinstance(obj, dict):
             raise Malformed("a chunk that is not a JSON object")
-        out = [] if self._started else self._start()
+        out = [] if self._events.started else self._start()
         if obj.get("usage") is not None:
             self.usage = usage_of(obj["usage"])
             self.usage_seen = True
@@ -332,15 +265,7 @@ class ChunkTranslator:
         text = delta.get("content")
         if isinstance(text, str) and text:
             self.content_chunks += 1
-            if self._open_kind != "text":
-                out += self._open("text", {"type": "text", "text": ""})
-            out.append(
-                _ev(
-                    "content_block_delta",
-                    index=self._index,
-                    delta={"type": "text_delta", "text": text},
-                )
-            )
+            out += self._events.text(text)
         calls = delta.get("tool_calls") or []
         if not isinstance(calls, list):
             raise Malformed("a chunk whose tool_calls are not a list")
@@ -355,45 +280,22 @@ class ChunkTranslator:
                 if not isinstance(name, str) or not name:
                     raise Malformed("a tool call that starts without a function name")
                 cid = call.get("id") if isinstance(call.get("id"), str) else None
-                block: dict[str, Any] = {
-                    "type": "tool_use",
-                    "id": cid or "toolu_" + uuid.uuid4().hex,
-                    "name": name,
-                    "input": {},
-                }
-                out += self._open("tool_use", block)
-                self._calls[n] = self._index
+                out += self._events.tool_use(cid or "toolu_" + uuid.uuid4().hex, name)
+                self._calls[n] = self._events.index
             args = fn.get("arguments")
             if isinstance(args, str) and args:
-                out.append(
-                    _ev(
-                        "content_block_delta",
-                        index=self._calls[n],
-                        delta={"type": "input_json_delta", "partial_json": args},
-                    )
-                )
+                out.append(self._events.input_json(self._calls[n], args))
         return out
 
     def finish(self) -> bytes:
         """The events closing the message (at the upstream's ``[DONE]``)."""
         if self._finish is None:
             raise Malformed("a stream that ended without a finish reason")
-        out = [] if self._started else self._start()
-        if self._index < 0:  # nothing was said: one empty text block, as the body has
-            out += self._open("text", {"type": "text", "text": ""})
-        out += self._close()
+        out = [] if self._events.started else self._start()
         if not self.usage_seen:
             self.usage["output_tokens"] = self.content_chunks
-        reason, sequence = stop_of(self._finish, self._matched, self.stops, bool(self._calls))
-        out.append(
-            _ev(
-                "message_delta",
-                delta={"stop_reason": reason, "stop_sequence": sequence},
-                usage=dict(self.usage),
-            )
-        )
-        out.append(_ev("message_stop"))
-        return b"".join(out)
+        stop = stop_of(self._finish, self._matched, self.stops, bool(self._calls))
+        return b"".join(out + self._events.finish(stop, self.usage))
 
 
 def tokenize_body(chat: Chat, model: str) -> dict[str, Any]:
