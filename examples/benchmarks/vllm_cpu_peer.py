@@ -12,6 +12,10 @@ dummy weights in float32, ``--threads`` torch threads and ``--kv-gib`` GiB of KV
   ``VLLM_CPU_OMP_THREADS_BIND`` (its OpenMP threads pinned to CPUs ``0..N-1``, or
   ``--vllm-bind``).
 
+``--systems prefixgate-pinned`` adds (or puts instead) a prefixgate whose OpenMP threads are
+bound one per physical core (``OMP_PLACES``/``OMP_PROC_BIND``, as vLLM binds its own): the A/B
+for thread placement (two threads on SMT siblings of one core halve the batched GEMMs).
+
 One client (asyncio, httpx), prompts as token ids (exact lengths; fresh random ids every round
 and server, so no prefix-cache hit), ``ignore_eos`` so every answer is exactly ``max_tokens``.
 Three measures a round, on each server in turn (A B, then B A, ...):
@@ -116,7 +120,35 @@ class Server:
         self.log.close()
 
 
-def prefixgate_server(args: argparse.Namespace, ctx: int) -> Server:
+def one_cpu_per_core(n: int) -> list[int]:
+    """The first ``n`` CPUs of this process's affinity mask with no two on one physical core
+    (``/sys/devices/system/cpu/cpuN/topology``; SMT siblings skipped), as vLLM's ``auto``
+    binding picks them.
+
+    Raises:
+        ValueError: the mask holds fewer than ``n`` physical cores.
+    """
+    picked: list[int] = []
+    seen: set[tuple[str, str]] = set()
+    for cpu in sorted(os.sched_getaffinity(0)):
+        topo = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            core = ((topo / "physical_package_id").read_text(), (topo / "core_id").read_text())
+        except OSError:
+            core = (str(cpu), "")
+        if core not in seen:
+            seen.add(core)
+            picked.append(cpu)
+    if len(picked) < n:
+        raise ValueError(f"{n} threads on distinct cores, but the mask has {len(picked)} cores")
+    return picked[:n]
+
+
+def prefixgate_server(args: argparse.Namespace, ctx: int, pinned: bool = False) -> Server:
+    """``prefixgate serve``; ``pinned``: its OpenMP threads bound one per physical core
+    (``OMP_PLACES`` of :func:`one_cpu_per_core`, ``OMP_PROC_BIND=close``: libgomp binds the
+    process's first thread, and so every thread it starts later, to the first place, and each
+    further team thread to the next)."""
     port = free_port()
     cmd = [
         sys.executable,
@@ -129,7 +161,11 @@ def prefixgate_server(args: argparse.Namespace, ctx: int) -> Server:
         *args.prefixgate_arg,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    return Server("prefixgate", cmd, port, env, ready="/ready")
+    if pinned:
+        places = ",".join(f"{{{c}}}" for c in one_cpu_per_core(args.threads))
+        env.update(OMP_PLACES=places, OMP_PROC_BIND="close")
+    name = "prefixgate-pinned" if pinned else "prefixgate"
+    return Server(name, cmd, port, env, ready="/ready")
 
 
 def vllm_server(args: argparse.Namespace, ctx: int) -> Server:
@@ -234,7 +270,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     config = json.loads((args.model / "config.json").read_text())
     vocab = int(config["vocab_size"])
     ctx = max(args.prefill_len, args.prompt_len + args.output_len) + 256
-    makers = {"prefixgate": prefixgate_server, "vllm": vllm_server}
+    makers = {
+        "prefixgate": prefixgate_server,
+        "prefixgate-pinned": lambda a, c: prefixgate_server(a, c, pinned=True),
+        "vllm": vllm_server,
+    }
     servers = [makers[name](args, ctx) for name in args.systems]
     rounds: list[dict[str, Any]] = []
     try:
@@ -312,7 +352,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", type=Path, default=SHARED / "models" / "smollm2-135m-shape")
     ap.add_argument("--vllm-venv", type=Path, default=VLLM_VENV)
     ap.add_argument(
-        "--systems", nargs="+", default=["prefixgate", "vllm"], choices=["prefixgate", "vllm"]
+        "--systems",
+        nargs="+",
+        default=["prefixgate", "vllm"],
+        choices=["prefixgate", "prefixgate-pinned", "vllm"],
     )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kv-gib", type=int, default=1)
