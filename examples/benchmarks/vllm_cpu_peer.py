@@ -39,6 +39,7 @@ import asyncio
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -372,6 +373,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm-arg", action="append", default=[], help="extra vLLM flag")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
+    # SIGTERM (a ``timeout`` around the bench) unwinds through ``run``'s ``finally``, which
+    # stops both servers, instead of leaving them running
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     head = {
         "cpu": cpu_model(),
         "load_start": load_avg(),
