@@ -149,10 +149,12 @@ class SimRunner:
             and (h >> 11) / float(1 << 53) < self.eos_probability
         ):
             return min(eos)
-        banned = set(eos or ())
-        if params is not None:
-            banned.update(params.stop_token_ids or ())
         token = (h & 0xFFFFFFFF) % self.vocab_size
+        stop = params.stop_token_ids if params is not None else None
+        if (not eos or token not in eos) and (not stop or token not in stop):
+            return token  # the usual case: no set built per token
+        banned = set(eos or ())
+        banned.update(stop or ())
         while token in banned and len(banned) < self.vocab_size:
             token = (token + 1) % self.vocab_size
         return token

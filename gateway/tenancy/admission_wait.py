@@ -227,7 +227,8 @@ class Promises:
         early_s: a request may claim its promise this long before it is due.
         grace_s / grace_fraction: a promise lapses ``grace_s + grace_fraction * wait`` after
             it is due.
-        clock: monotonic seconds (injectable for tests).
+        clock: monotonic seconds (injectable for tests; None: ``time.monotonic``, read at
+            each call).
     """
 
     def __init__(
@@ -235,12 +236,12 @@ class Promises:
         early_s: float = 0.05,
         grace_s: float = 1.5,
         grace_fraction: float = 0.25,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self.early_s = early_s
         self.grace_s = grace_s
         self.grace_fraction = grace_fraction
-        self._clock = clock
+        self._clock = clock if clock is not None else _monotonic
         self._by_id: dict[int, Promise] = {}
         self._by_fingerprint: dict[Hashable, list[int]] = {}
         self._expiry: list[tuple[float, int]] = []  # heap of (expires, id)
@@ -340,3 +341,10 @@ class Promises:
             _, pid = heapq.heappop(self._expiry)
             if pid in self._by_id:
                 self._drop(pid)
+
+
+def _monotonic() -> float:
+    """``time.monotonic()`` read through this module's ``time`` at each call (not bound once
+    as a default argument), so that a clock put in its place (``prefixgate sim``'s virtual
+    clock) is the one read."""
+    return time.monotonic()

@@ -31,9 +31,9 @@ class SlotClock:
         self,
         alpha: float = 0.3,
         floor_s: float = 1.0,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] | None = None,
     ) -> None:
-        self._clock = clock
+        self._clock = clock if clock is not None else _monotonic
         self._eta: dict[int, Callable[[], float | None]] = {}  # token -> predicted release
         self._live: dict[int, tuple[float, int]] = {}  # token -> (start, slots)
         self._hold = 0.0
@@ -107,3 +107,10 @@ class SlotClock:
             if freed >= needed:
                 break
         return max(self.floor_s, remaining)
+
+
+def _monotonic() -> float:
+    """``time.monotonic()`` read through this module's ``time`` at each call (not bound once
+    as a default argument), so that a clock put in its place (``prefixgate sim``'s virtual
+    clock) is the one read."""
+    return time.monotonic()

@@ -125,6 +125,27 @@ def test_virtual_time_is_put_back():
     assert scheduler.time is before and before.monotonic() != 5.0
 
 
+def test_promises_and_slot_clock_built_by_default_read_the_virtual_clock():
+    # their default clock was ``time.monotonic`` bound when the module was imported: under
+    # the simulator every promise was due and lapsed in wall seconds, not virtual ones
+    from prefixgate.gateway.tenancy.admission_wait import Promises
+    from prefixgate.gateway.tenancy.slot_wait import SlotClock
+
+    clock = VirtualClock(100.0)
+    with virtual_time(clock):
+        promises = Promises(early_s=0.0, grace_s=1.0, grace_fraction=0.0)
+        promises.promise("fp", 2.0, 1, 10)
+        clock.t = 101.0
+        assert promises.claim("fp") is None  # not due yet
+        clock.t = 102.5
+        assert promises.claim("fp") is not None
+        slots = SlotClock()
+        token = slots.take()
+        clock.t = 105.5
+        slots.give(token)
+        assert slots.hold_s == pytest.approx(3.0)
+
+
 def test_one_replica_hit_rate_counts_reusable_blocks_seen_before():
     def req(rid, prompt, t):
         r = SimRequest(rid, "t", 0, 0, 1, prompt, 4, None, t)

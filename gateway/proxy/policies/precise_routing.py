@@ -354,7 +354,10 @@ class PreciseRouting:
             return self._fallback(route, "not_synced", fallback)
         if any(replicas[u.url].get("hash_scheme") == HASH_UNKNOWN for u in cands):
             return self._fallback(route, "unknown_hash", fallback)
-        found = {u.url: self._match(route, u) for u in cands}
+        # one index walk per distinct key list (every upstream of one hash scheme and salt
+        # shares it), not one per candidate: O(blocks) per pick, not O(blocks x upstreams)
+        walks: dict[int, dict[str, int]] = {}
+        found = {u.url: self._match(route, u, walks) for u in cands}
         cached = {url: n for url, (n, _) in found.items()}
         loads = {u.url: self.load(u) for u in cands}
         busy = {url: reqs for url, (reqs, _) in loads.items()}
@@ -517,17 +520,26 @@ class PreciseRouting:
     def _cached(self, route: PreciseRoute, up: Candidate) -> int:
         return self._match(route, up)[0]
 
-    def _match(self, route: PreciseRoute, up: Candidate) -> tuple[int, int]:
+    def _match(
+        self, route: PreciseRoute, up: Candidate, walks: dict[int, dict[str, int]] | None = None
+    ) -> tuple[int, int]:
         """Prompt tokens ``up``'s engine will serve from its cache: the leading blocks the
         index says it holds, or, when longer, those of requests in flight there (their
         blocks are stored as they are computed, before their events arrive). Returns
-        ``(cached tokens, of which only in flight)``."""
+        ``(cached tokens, of which only in flight)``. ``walks``: the index's answers for
+        the key lists already matched in this pick (by ``id``; ``route.keys`` returns the
+        same list for the same salt, block size and scheme), filled in here."""
         bs = self._block_size(up.url)
         if bs <= 0:  # no block stored anywhere yet: nothing cached
             return 0, 0
         scheme = self.index.hash_scheme(up.url)
         keys = route.keys(route.engine_salt(up, scheme), bs, scheme)
-        n = self.index.match(keys).get(up.url, 0)
+        walk = walks.get(id(keys)) if walks is not None else None
+        if walk is None:
+            walk = self.index.match(keys)
+            if walks is not None:
+                walks[id(keys)] = walk
+        n = walk.get(up.url, 0)
         flying = self._inflight_keys.get(up.url)
         m = 0
         if flying:
