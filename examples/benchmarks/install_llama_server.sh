@@ -4,7 +4,8 @@
 # Source: the llama.cpp tree vendored in llama-cpp-python's sdist on PyPI (this machine reaches
 # package registries only). Location: ${PREFIXGATE_LLAMA_DIR:-$HOME/.cache/prefixgate/llama.cpp-<version>},
 # where <version> is llama-cpp-python's. Idempotent: exits at once when bin/llama-server is there.
-# Only the server target is built (niced, 2 jobs): about 15-20 minutes on 2 cores.
+# Only the server target is built (nice ${NICE:-10}, ${JOBS:-2} jobs): about 15-20 minutes on 2 quiet
+# cores, far longer on a busy machine (about 200 objects).
 set -euo pipefail
 
 VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
@@ -29,7 +30,7 @@ SRC="$(echo "$WORK"/llama_cpp_python-*/vendor/llama.cpp)"
 cmake -S "$SRC" -B "$WORK/build" -DCMAKE_BUILD_TYPE=Release \
     -DLLAMA_BUILD_SERVER=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
     -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=ON
-nice -n 10 cmake --build "$WORK/build" --target llama-server -j "$JOBS"
+nice -n "${NICE:-10}" cmake --build "$WORK/build" --target llama-server -j "$JOBS"
 mkdir -p "$DIR/bin"
 cp "$WORK/build/bin/llama-server" "$DIR/bin/"
 "$DIR/bin/llama-server" --version 2>&1 | head -n 2 || true
