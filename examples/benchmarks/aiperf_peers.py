@@ -445,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
                 server.stop()
             entry["load_after"] = os.getloadavg()
             results["servers"][name]["rounds"].append(entry)
+            # written after every round: a run cut short keeps what it measured
+            (args.out / "aiperf_peers.json").write_text(json.dumps(results, indent=2))
             print(
                 f"round {r} {name}: "
                 + json.dumps({k: v for k, v in entry.items() if k != "export"})
