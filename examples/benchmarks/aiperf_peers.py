@@ -336,7 +336,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
                 ax.plot([i] * len(values), values, "k.", ms=6)
             else:
                 ax.text(i, 0, "not\nreported", ha="center", va="bottom", fontsize=8)
-        ax.set_xticks(range(len(names)), names)
+        ax.set_xticks(range(len(names)), names, fontsize=8)
         ax.set_title(label, fontsize=10)
     w = results["workload"]
     fig.suptitle(
