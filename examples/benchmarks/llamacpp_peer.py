@@ -24,8 +24,11 @@ Rounds alternate between the servers (``--rounds``, each round every measure on 
 the table gives medians and the min–max spread. Both servers run with the same thread count
 (``--threads``: prefixgate's and llama.cpp's own flags; ``OMP_NUM_THREADS`` too).
 
-llama.cpp comes from ``llama-cpp-python[server]`` (``python -m llama_cpp.server``) or a
-``llama-server`` on PATH; when neither is installed the peer is skipped with one line and
+llama.cpp is its own ``llama-server`` (on PATH, or built by
+``examples/benchmarks/install_llama_server.sh``), with ``--num-requests`` parallel slots so the
+batched row is batched on both sides (``--no-repack`` beside Q8_0), or else
+``llama-cpp-python[server]`` (``python -m llama_cpp.server``, one sequence at a time: its batched
+row is serial); when neither is installed the peer is skipped with one line and
 prefixgate's figures are printed alone.
 
 Usage::
@@ -185,26 +188,32 @@ def write_gguf(model_dir: Path, out: Path, kind: str = "f32", seed: int = 0) -> 
     return out
 
 
-def llamacpp_command(gguf_path: Path, port: int, threads: int, ctx: int) -> list[str] | None:
-    """The command line of llama.cpp's server on ``port``, or None when none is installed."""
+def llama_server_path() -> str | None:
+    """llama.cpp's own ``llama-server``: on PATH, or built by
+    ``examples/benchmarks/install_llama_server.sh`` under ``~/.cache/prefixgate/llama.cpp-*``."""
     exe = shutil.which("llama-server")
     if exe is not None:
-        return [
-            exe,
-            "-m",
-            str(gguf_path),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "-t",
-            str(threads),
-            "-c",
-            str(ctx),
-            "--parallel",
-            "1",
-            "--no-webui",
-        ]
+        return exe
+    built = sorted((Path.home() / ".cache" / "prefixgate").glob("llama.cpp-*/bin/llama-server"))
+    return str(built[-1]) if built else None
+
+
+def llamacpp_command(
+    gguf_path: Path, port: int, threads: int, ctx: int, slots: int = 1, repack: bool = True
+) -> list[str] | None:
+    """The command line of llama.cpp's server on ``port``, or None when none is installed.
+
+    ``llama-server`` (preferred) serves ``slots`` sequences at once (``-np``, continuous
+    batching) with ``ctx`` tokens of KV cache each (``-c`` is the total); ``repack=False`` adds
+    ``--no-repack`` (its CPU weight repacking of Q8_0 crashes on some AMX/AVX-512 builds).
+    llama-cpp-python's server, the fallback, serves one sequence at a time.
+    """
+    exe = llama_server_path()
+    if exe is not None:
+        cmd = [exe, "-m", str(gguf_path), "--host", "127.0.0.1", "--port", str(port)]
+        cmd += ["-t", str(threads), "-tb", str(threads), "-c", str(ctx * slots)]
+        cmd += ["--parallel", str(slots), "--cont-batching", "--no-webui"]
+        return cmd + ([] if repack else ["--no-repack"])
     try:
         import llama_cpp.server  # noqa: F401
     except ImportError:
@@ -372,13 +381,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     servers = [Server("prefixgate", cmd, pg_port, env, ready="/ready")]  # serves while loading
     gguf_path = args.gguf_dir / f"{args.model.name}-{kind}.gguf"
     port = free_port()
-    peer_cmd = llamacpp_command(gguf_path, port, args.threads, ctx)
+    # parallel slots for the batched row (every request of it at once, as prefixgate batches
+    # them); no Q8_0 repacking (llama.cpp's CPU repacking of Q8_0 can crash on AVX-512 / AMX)
+    slots = 1 if args.single_only else args.num_requests
+    peer_cmd = llamacpp_command(gguf_path, port, args.threads, ctx, slots, repack=kind == "f32")
     if peer_cmd is None:
         print(
-            "llama.cpp: not installed (pip install 'llama-cpp-python[server]' or a "
-            "llama-server on PATH): prefixgate alone"
+            "llama.cpp: not installed (examples/benchmarks/install_llama_server.sh, or "
+            "pip install 'llama-cpp-python[server]'): prefixgate alone"
         )
     else:
+        print("llama.cpp: " + " ".join(peer_cmd))
         write_gguf(args.model, gguf_path, kind)
         servers.append(Server("llama.cpp", peer_cmd, port, env))
     results: dict[str, dict[str, list[float]]] = {}

@@ -73,11 +73,26 @@ def test_no_llamacpp_installed_means_no_peer_command(monkeypatch, tmp_path):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(llamacpp_peer.shutil, "which", lambda _name: None)
+    monkeypatch.setattr(llamacpp_peer.Path, "home", classmethod(lambda cls: tmp_path))
     monkeypatch.setattr(builtins, "__import__", no_llama)
     assert llamacpp_peer.llamacpp_command(tmp_path / "m.gguf", 1234, 2, 2048) is None
     monkeypatch.setattr(llamacpp_peer.shutil, "which", lambda _name: "/usr/bin/llama-server")
     cmd = llamacpp_peer.llamacpp_command(tmp_path / "m.gguf", 1234, 2, 2048)
     assert cmd is not None and cmd[0] == "/usr/bin/llama-server" and "-t" in cmd
+
+
+def test_llama_server_serves_parallel_slots_with_the_context_of_each(monkeypatch, tmp_path):
+    built = tmp_path / ".cache" / "prefixgate" / "llama.cpp-0.3.36" / "bin" / "llama-server"
+    built.parent.mkdir(parents=True)
+    built.touch()
+    monkeypatch.setattr(llamacpp_peer.shutil, "which", lambda _name: None)
+    monkeypatch.setattr(llamacpp_peer.Path, "home", classmethod(lambda cls: tmp_path))
+    cmd = llamacpp_peer.llamacpp_command(tmp_path / "m.gguf", 1234, 2, 1344, slots=32)
+    assert cmd is not None and cmd[0] == str(built)
+    assert cmd[cmd.index("--parallel") + 1] == "32" and cmd[cmd.index("-c") + 1] == str(32 * 1344)
+    assert "--cont-batching" in cmd and "--no-repack" not in cmd
+    q8 = llamacpp_peer.llamacpp_command(tmp_path / "m.gguf", 1234, 2, 1344, repack=False)
+    assert q8 is not None and "--no-repack" in q8 and q8[q8.index("--parallel") + 1] == "1"
 
 
 def test_the_table_gives_medians_spreads_and_the_ratio():
