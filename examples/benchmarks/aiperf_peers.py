@@ -489,10 +489,8 @@ def table(results: dict[str, Any]) -> str:
 def write_gguf(model: Path, out: Path) -> None:
     """The f32 GGUF of ``model``'s shape with random weights (the llama.cpp peer bench's writer)."""
     sys.path.insert(0, str(HERE))
-    try:
-        from llamacpp_peer import write_gguf as writer  # type: ignore[import-not-found]
-    except ImportError:
-        from prefixgate.gateway.bench.llamacpp_peer import write_gguf as writer
+    from llamacpp_peer import write_gguf as writer  # type: ignore[import-not-found]
+
     writer(model, out, "f32")
 
 
