@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "benchmarks" / "aiperf_peers.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "benchmarks" / "aiperf_peers.py"
 
 
 @pytest.fixture(scope="module")
