@@ -35,6 +35,7 @@ import uuid
 from typing import Any
 
 from aiohttp import web
+from prefixgate.engine.outputs import CompletionOutput, RequestOutput
 from prefixgate.engine.sampling_params import SamplingParams
 from prefixgate.gateway.api.gemini_models import (
     CachedContentCreate,
@@ -64,7 +65,7 @@ from prefixgate.gateway.http.errors import (
     not_found,
     route_miss,
 )
-from prefixgate.gateway.local.generation import ChoiceOutput, Delta, engine_request
+from prefixgate.gateway.local.generation import engine_request
 from prefixgate.gateway.local.prefixes import PrefixEntry, SharedPrefix
 from prefixgate.gateway.local.serving import LOCAL
 from prefixgate.gateway.state import STATE, GatewayState
@@ -82,7 +83,7 @@ GENERATION_METHODS = [
 _FINISH = {"stop": "STOP", "length": "MAX_TOKENS"}
 
 
-def finish_reason(o: ChoiceOutput) -> str:
+def finish_reason(o: CompletionOutput) -> str:
     """Gemini's ``finishReason`` of a finished choice (``STOP``, ``MAX_TOKENS``, ``OTHER``)."""
     return _FINISH.get(o.finish_reason or "", "OTHER")
 
@@ -142,7 +143,7 @@ class GeminiRenderer:
         body["responseId"] = self.rid
         return body
 
-    def json(self, outputs: list[ChoiceOutput], usage: Usage) -> bytes:
+    def json(self, outputs: list[CompletionOutput], usage: Usage) -> bytes:
         """The whole ``GenerateContentResponse``, as JSON bytes."""
         candidates = []
         for i, o in enumerate(outputs):
@@ -174,7 +175,7 @@ class GeminiRenderer:
     def _chunk(self, candidates: list[dict[str, Any]], usage: Usage | None = None) -> bytes:
         return b"data: " + _dumps(self._response(candidates, usage)) + b"\n\n"
 
-    def chunks(self, i: int, d: Delta, offset: int) -> list[bytes]:
+    def chunks(self, i: int, d: RequestOutput, offset: int) -> list[bytes]:
         """A chunk of the choice's new text (function calls wait for ``closing``)."""
         if self._deltas is None:
             text = d.delta_text
@@ -198,7 +199,7 @@ class GeminiRenderer:
         content = {"role": "model", "parts": [{"text": text}]}
         return [self._chunk([{"content": content, "index": i}])]
 
-    def closing(self, outputs: list[ChoiceOutput], usage: Usage) -> list[bytes]:
+    def closing(self, outputs: list[CompletionOutput], usage: Usage) -> list[bytes]:
         """The last chunk: each candidate's function calls and ``finishReason``, and the
         whole ``usageMetadata``."""
         candidates = []

@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from aiohttp import web
+from prefixgate.engine.outputs import CompletionOutput, RequestOutput
 from prefixgate.engine.sampling_params import SamplingParams
 from prefixgate.gateway.api.anthropic_models import (
     Chat,
@@ -45,7 +46,7 @@ from prefixgate.gateway.api.response_models import Usage
 from prefixgate.gateway.api.stop_strings import refuse_stop_under_constraint
 from prefixgate.gateway.api.tools import ToolDeltas, ToolPlan, parse_output, plan_tools
 from prefixgate.gateway.http.errors import ANTHROPIC, APIError, bad_request, error_dialect
-from prefixgate.gateway.local.generation import ChoiceOutput, Delta, engine_request
+from prefixgate.gateway.local.generation import engine_request
 from prefixgate.gateway.local.serving import LOCAL
 from prefixgate.gateway.state import STATE
 from prefixgate.gateway.tenancy.keys import Principal, effective_salt
@@ -145,7 +146,7 @@ class MessagesRenderer:
         return anthropic_usage(self.prompt_tokens, cached, out, self.marks)
 
     @staticmethod
-    def _stop(o: ChoiceOutput, called: bool) -> tuple[str | None, str | None]:
+    def _stop(o: CompletionOutput, called: bool) -> tuple[str | None, str | None]:
         """``(stop_reason, stop_sequence)`` of a finished choice."""
         if o.finish_reason == "length":
             return "max_tokens", None
@@ -155,7 +156,7 @@ class MessagesRenderer:
             return "stop_sequence", o.stop_reason
         return "end_turn", None
 
-    def json(self, outputs: list[ChoiceOutput], usage: Usage) -> bytes:
+    def json(self, outputs: list[CompletionOutput], usage: Usage) -> bytes:
         """The whole ``message`` of the finished choice, as JSON bytes."""
         o = outputs[0]
         content, calls = (o.text, []) if self.tools is None else parse_output(self.tools, o.text)
@@ -241,7 +242,7 @@ class MessagesRenderer:
                 )
         return out
 
-    def chunks(self, i: int, d: Delta, offset: int) -> list[bytes]:
+    def chunks(self, i: int, d: RequestOutput, offset: int) -> list[bytes]:
         """The events of the choice's new output (``message_start`` first)."""
         out = [] if self._started else self._start(d.num_cached_tokens)
         if self._deltas is None:
@@ -254,7 +255,7 @@ class MessagesRenderer:
             out += self._translate(delta)
         return out
 
-    def closing(self, outputs: list[ChoiceOutput], usage: Usage) -> list[bytes]:
+    def closing(self, outputs: list[CompletionOutput], usage: Usage) -> list[bytes]:
         """The last block's stop, ``message_delta`` (stop reason, usage) and ``message_stop``."""
         cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
         out = [] if self._started else self._start(cached)

@@ -37,6 +37,7 @@ from typing import Annotated, Any, Literal
 
 import pydantic_core
 from aiohttp import web
+from prefixgate.engine.outputs import CompletionOutput, RequestOutput
 from prefixgate.engine.sampling_params import SamplingParams
 from prefixgate.gateway.api.cache_diagnostics import PROMPT_LOG, Comparison, openai_diagnostics
 from prefixgate.gateway.api.cache_marks import Mark, find_marks, openai_breakpoints, written_tokens
@@ -50,7 +51,7 @@ from prefixgate.gateway.api.request_models import (
 )
 from prefixgate.gateway.api.response_models import Usage
 from prefixgate.gateway.http.errors import APIError, bad_request
-from prefixgate.gateway.local.generation import ChoiceOutput, Delta, engine_request
+from prefixgate.gateway.local.generation import engine_request
 from prefixgate.gateway.local.serving import LOCAL
 from prefixgate.gateway.state import STATE
 from prefixgate.gateway.tenancy.pool_hints import pool_hint
@@ -327,7 +328,7 @@ class ResponsesRenderer:
     def _part(text: str) -> dict[str, Any]:
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
-    def json(self, outputs: list[ChoiceOutput], usage: Usage) -> bytes:
+    def json(self, outputs: list[CompletionOutput], usage: Usage) -> bytes:
         """The whole ``response`` of the finished choice, as JSON bytes."""
         o = outputs[0]
         body = self.response("completed", o.text, usage, o.finish_reason)
@@ -360,14 +361,14 @@ class ResponsesRenderer:
             self._part_ev("response.content_part.added", part=self._part("")),
         ]
 
-    def chunks(self, i: int, d: Delta, offset: int) -> list[bytes]:
+    def chunks(self, i: int, d: RequestOutput, offset: int) -> list[bytes]:
         """``response.output_text.delta`` of the new text (none when nothing is new)."""
         if not d.delta_text:
             return []
         self.text += d.delta_text
         return [self._part_ev("response.output_text.delta", delta=d.delta_text, logprobs=[])]
 
-    def closing(self, outputs: list[ChoiceOutput], usage: Usage) -> list[bytes]:
+    def closing(self, outputs: list[CompletionOutput], usage: Usage) -> list[bytes]:
         """``response.output_text.done`` … ``response.completed`` (or ``.incomplete``)."""
         o = outputs[0]
         final = self.response("completed", o.text, usage, o.finish_reason)
