@@ -186,7 +186,7 @@ class LLMEngine:
         fields that constrain the tokens (which pseudo tokens ignore) are refused by name
         (ValueError)."""
         req = self.input_processor.prepare(request)
-        if self.config.runner == "sim":
+        if self.config.runner == "sim" and req.sampling_params is not None:
             _check_sim_params(req.sampling_params)
         return req
 

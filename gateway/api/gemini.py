@@ -36,13 +36,13 @@ from typing import Any
 
 from aiohttp import web
 from prefixgate.engine.outputs import CompletionOutput, RequestOutput
-from prefixgate.engine.sampling_params import SamplingParams
 from prefixgate.gateway.api.gemini_models import (
     CachedContentCreate,
     CachedContentUpdate,
     Chat,
     CountTokensRequest,
     GenerateContentRequest,
+    GenerationConfig,
     life_seconds,
     openai_tools,
     parse_request,
@@ -404,25 +404,9 @@ async def _generate(request: web.Request, model: str, stream: bool) -> web.Strea
     requests = []
     hint = pool_hint(request)
     for i in range(n):
-        try:
-            params = SamplingParams(
-                temperature=1.0 if gc is None or gc.temperature is None else gc.temperature,
-                top_p=1.0 if gc is None or gc.topP is None else gc.topP,
-                top_k=-1 if gc is None or gc.topK is None else gc.topK,
-                seed=seeds[i],
-                presence_penalty=0.0
-                if gc is None or gc.presencePenalty is None
-                else gc.presencePenalty,
-                frequency_penalty=0.0
-                if gc is None or gc.frequencyPenalty is None
-                else gc.frequencyPenalty,
-                max_tokens=max_tokens,
-                stop=stop,
-                structured_outputs=spec,
-                skip_special_tokens=plan.mode != "auto",
-            )
-        except (ValueError, TypeError) as exc:
-            raise bad_request(f"generationConfig: {exc}", param="generationConfig") from None
+        params = (gc or GenerationConfig()).sampling_params(
+            max_tokens, seeds[i], stop, spec, plan.mode != "auto"
+        )
         requests.append(engine_request(principal, f"{rid}-{i}", ids, params, hint=hint))
     renderer = GeminiRenderer(rid, model.removeprefix("models/"), plan, n)
     return await Exchange(request, st, principal, requests, renderer, stream).run()

@@ -30,7 +30,6 @@ from typing import Any
 
 from aiohttp import web
 from prefixgate.engine.outputs import CompletionOutput, RequestOutput
-from prefixgate.engine.sampling_params import SamplingParams
 from prefixgate.gateway.api.anthropic_models import (
     Chat,
     CountTokensRequest,
@@ -45,7 +44,7 @@ from prefixgate.gateway.api.prompts import check_length, render_chat
 from prefixgate.gateway.api.response_models import Usage
 from prefixgate.gateway.api.stop_strings import refuse_stop_under_constraint
 from prefixgate.gateway.api.tools import ToolDeltas, ToolPlan, parse_output, plan_tools
-from prefixgate.gateway.http.errors import ANTHROPIC, APIError, bad_request, error_dialect
+from prefixgate.gateway.http.errors import ANTHROPIC, APIError, error_dialect
 from prefixgate.gateway.local.generation import engine_request
 from prefixgate.gateway.local.serving import LOCAL
 from prefixgate.gateway.state import STATE
@@ -342,18 +341,7 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     marks = await find_marks(
         engine.tokenizer, chat.breakpoints, bool(plan.tools), ids, engine.config.block_size
     )
-    try:
-        params = SamplingParams(
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=-1 if req.top_k is None else req.top_k,
-            max_tokens=max_tokens,
-            stop=list(req.stop_sequences or []),
-            structured_outputs=plan.structured or schema,
-            skip_special_tokens=plan.mode != "auto",
-        )
-    except (ValueError, TypeError) as exc:
-        raise bad_request(str(exc)) from None
+    params = req.sampling_params(max_tokens, plan.structured or schema, plan.mode != "auto")
     rid = "msg_" + uuid.uuid4().hex[:24]
     salt = effective_salt(principal.salt, req.cache_salt)
     log = request.app[PROMPT_LOG]

@@ -41,7 +41,6 @@ from prefixgate.gateway.api.prompts import (
     choice_seeds,
     completion_prompts,
     render_chat,
-    sampling_params,
 )
 from prefixgate.gateway.api.renderers import ChatRenderer, CompletionRenderer, Renderer
 from prefixgate.gateway.api.request_fields import (
@@ -125,7 +124,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             req,
             f"{rid}-{i}",
             ids,
-            sampling_params(req, max_tokens, seeds[i], spec, skip_special),
+            req.sampling_params(max_tokens, seeds[i], spec, skip_special),
         )
         for i in range(req.n)
     ]
@@ -155,7 +154,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     for p, ids in enumerate(prompts):
         max_tokens = check_length(len(ids), req.output_limit, engine.max_model_len, "prompt")
         for j in range(req.n):
-            params = sampling_params(req, max_tokens, seeds[j], spec)
+            params = req.sampling_params(max_tokens, seeds[j], spec)
             requests.append(
                 _engine_request(request, principal, req, f"{rid}-{p * req.n + j}", ids, params)
             )

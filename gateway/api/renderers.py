@@ -184,7 +184,7 @@ class ChatRenderer(_Renderer):
             return super().chunks(i, d, offset)
         td = self._tool_deltas.setdefault(i, ToolDeltas(self.tools))
         deltas = td.feed(d.delta_text) if d.delta_text else []
-        finish = d.finish_reason
+        finish: str | None = d.finish_reason
         if finish is not None:
             deltas += td.finish()
             if td.called and finish == "stop":

@@ -50,6 +50,7 @@ from prefixgate.gateway.api.request_models import (
     parse,
 )
 from prefixgate.gateway.api.response_models import Usage
+from prefixgate.gateway.api.sampling import sampling_params
 from prefixgate.gateway.http.errors import APIError, bad_request
 from prefixgate.gateway.local.generation import engine_request
 from prefixgate.gateway.local.serving import LOCAL
@@ -179,6 +180,23 @@ class ResponsesRequest(BaseModel):
         else:
             out.extend({"role": m.role, "content": m.text()} for m in self.input)
         return out
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """The engine's ``SamplingParams`` (``max_tokens``: the checked limit).
+
+        Raises:
+            APIError: 400 naming the field the engine refuses.
+        """
+        fields = {"temperature": self.temperature, "top_p": self.top_p, "max_tokens": max_tokens}
+        return sampling_params(fields, _RESPONSES_NAMES)
+
+
+_RESPONSES_NAMES = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "max_tokens": "max_output_tokens",
+}
+"""Engine field → the Responses field that sets it."""
 
 
 def parse_request(body: bytes) -> ResponsesRequest:
@@ -452,14 +470,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         len(ids), req.max_output_tokens, engine.max_model_len, "input", "max_output_tokens"
     )
     rid = "resp_" + uuid.uuid4().hex
-    try:
-        params = SamplingParams(
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            max_tokens=max_tokens,
-        )
-    except (ValueError, TypeError) as exc:
-        raise bad_request(str(exc)) from None
+    params = req.sampling_params(max_tokens)
     offset = 1 if req.instructions else 0
     breakpoints = openai_breakpoints(
         req.input if isinstance(req.input, list) else [],
