@@ -38,7 +38,7 @@ from prefixgate.engine.output_processor import OutputProcessor
 from prefixgate.engine.outputs import RequestOutput
 from prefixgate.engine.protocol import EngineRequest
 from prefixgate.engine.request import Request, RequestStatus
-from prefixgate.engine.sampler import Sampler, SamplingState
+from prefixgate.engine.sampler import Sampler
 from prefixgate.engine.sampling_params import SamplingParams
 from prefixgate.engine.scheduler import Scheduler
 from prefixgate.engine.structured_output import StructuredOutputManager
@@ -125,7 +125,6 @@ class LLMEngine:
                 model,
                 kv_caches,
                 Sampler(config.seed, LogitsPipeline(self.structured_output)),
-                SamplingState,
                 config.block_size,
                 self.device,
                 structured_output=self.structured_output,

@@ -403,10 +403,9 @@ async def _generate(request: web.Request, model: str, stream: bool) -> web.Strea
     rid = uuid.uuid4().hex[:24]
     requests = []
     hint = pool_hint(request)
+    config = gc if gc is not None else GenerationConfig.model_validate({})
     for i in range(n):
-        params = (gc or GenerationConfig()).sampling_params(
-            max_tokens, seeds[i], stop, spec, plan.mode != "auto"
-        )
+        params = config.sampling_params(max_tokens, seeds[i], stop, spec, plan.mode != "auto")
         requests.append(engine_request(principal, f"{rid}-{i}", ids, params, hint=hint))
     renderer = GeminiRenderer(rid, model.removeprefix("models/"), plan, n)
     return await Exchange(request, st, principal, requests, renderer, stream).run()
