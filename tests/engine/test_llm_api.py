@@ -176,6 +176,30 @@ def test_abort_frees_blocks_and_reports(llm, pool_whole):
     pool_whole(llm)
 
 
+def test_outputs_hold_only_what_the_step_added(llm, pool_whole):
+    # issue 42: no output copies the request's whole ids, logprobs or text; the timeline
+    # rides on the first output with tokens and on the last only
+    eng = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True, logprobs=2)
+    eng.add_request("only-new", PROMPTS[1], params)
+    req = eng.scheduler.requests["only-new"]
+    outs = []
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            assert out.delta_token_ids is not req.output_token_ids
+            assert len(out.delta_token_ids) <= 1 and len(out.logprobs) == len(out.delta_token_ids)
+            outs.append(out)
+    with_tokens = [i for i, o in enumerate(outs) if o.delta_token_ids]
+    assert [i for i, o in enumerate(outs) if o.metrics] == sorted({with_tokens[0], len(outs) - 1})
+    assert req.new_text == "" and req.new_logprobs == []  # handed over, not kept
+    whole = CompletionOutput()
+    for out in outs:
+        whole.add(out)
+    ref = llm.generate([PROMPTS[1]], params)[0]
+    assert (whole.token_ids, whole.text, len(whole.logprobs)) == (ref.token_ids, ref.text, 9)
+    pool_whole(llm)
+
+
 def test_streamed_deltas_add_up(llm, pool_whole):
     eng = llm.engine
     eng.add_request("st-1", PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=20))
