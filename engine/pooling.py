@@ -94,7 +94,7 @@ class PoolingEngine:
         num_blocks = -(-budget // bs) + config.max_num_seqs + 1
         spec = KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, bs, mc.dtype)
         self._kv_caches = allocate_kv_caches(spec, num_blocks, self.device)
-        self._runner = ModelRunner(self.model, self._kv_caches, None, None, bs, self.device)
+        self._runner = ModelRunner(self.model, self._kv_caches, None, bs, self.device)
         self._lock = threading.Lock()
         self._dead = False
         self._counts = {"embedding_requests": 0, "embedding_tokens": 0}

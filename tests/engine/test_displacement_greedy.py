@@ -28,7 +28,7 @@ def unpreempted(aidreams_path):
     ) + [SamplingParams(temperature=0.0, max_tokens=LIGHT_TOKENS, ignore_eos=True)] * len(LIGHT)
     outs = llm.generate(prompts, params)
     assert llm.stats()["num_preemptions"] == 0
-    return {p: o.outputs[0].token_ids for p, o in zip(prompts, outs, strict=True)}
+    return {p: o.token_ids for p, o in zip(prompts, outs, strict=True)}
 
 
 @pytest.mark.parametrize(
@@ -67,8 +67,7 @@ def test_displacement_leaves_greedy_tokens_unchanged(
                 priority=0,
             )
         for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out.outputs[0].token_ids
+            final.setdefault(out.request_id, []).extend(out.delta_token_ids)
         steps += 1
         assert steps < 2000
     stats = llm.stats()

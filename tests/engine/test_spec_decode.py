@@ -25,6 +25,7 @@ from prefixgate.engine.spec_decode import (
     SpecDecodeState,
     rejection_sample,
 )
+from support.outputs import whole
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -200,7 +201,7 @@ def test_verify_greedy_accepts_the_matching_prefix():
 def _run(llm: LLM, prompts, params):
     outs = llm.generate(prompts, params)
     assert_pool_whole(llm)
-    return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in outs]
+    return [(o.token_ids, o.text, o.finish_reason) for o in outs]
 
 
 @pytest.fixture(scope="module")
@@ -267,8 +268,8 @@ def test_logprobs_requests_decode_without_drafts(plain, spec):
     b = plain.generate(REPEATING, params)
     assert spec.stats()["spec_decode_num_drafts"] == before
     for x, y in zip(a, b, strict=True):
-        assert x.outputs[0].token_ids == y.outputs[0].token_ids
-        assert len(x.outputs[0].logprobs) == 20
+        assert x.token_ids == y.token_ids
+        assert len(x.logprobs) == 20
     assert_pool_whole(spec)
 
 
@@ -317,7 +318,7 @@ def test_structured_output_decodes_without_drafts(aidreams_path):
     )
     out = llm.generate([REPEATING[0]], params)[0]
     assert llm.stats()["spec_decode_num_drafts"] == 0
-    assert out.outputs[0].text.startswith("ab")
+    assert out.text.startswith("ab")
     assert_pool_whole(llm)
 
 
@@ -351,9 +352,9 @@ def test_async_engine_streams_every_accepted_token_once(aidreams_path, plain):
             longest = 0
             for i, prompt in enumerate(REPEATING):
                 outs = [o async for o in engine.generate(prompt, params, f"s{i}")]
-                joined = [t for o in outs for t in o.outputs[0].delta_token_ids]
-                got.append((joined, list(outs[-1].outputs[0].token_ids)))
-                longest = max(longest, *(len(o.outputs[0].delta_token_ids) for o in outs))
+                joined = [t for o in outs for t in o.delta_token_ids]
+                got.append((joined, whole(outs).token_ids))
+                longest = max(longest, *(len(o.delta_token_ids) for o in outs))
             assert engine.stats()["spec_decode_num_accepted_tokens"] > 0
             assert longest > 1  # some step delivered an accepted run in one delta
             engine.check_invariants()
@@ -362,6 +363,6 @@ def test_async_engine_streams_every_accepted_token_once(aidreams_path, plain):
             await engine.shutdown()
 
     got = asyncio.run(run())
-    ref = [o.outputs[0].token_ids for o in plain.generate(REPEATING, params)]
+    ref = [o.token_ids for o in plain.generate(REPEATING, params)]
     for (joined, final), want in zip(got, ref, strict=True):
         assert joined == final == list(want)
