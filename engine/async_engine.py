@@ -27,7 +27,7 @@ from prefixgate.engine.errors import EngineDeadError
 from prefixgate.engine.front_end import EngineFrontEnd
 from prefixgate.engine.llm_engine import LLMEngine, PinJob
 from prefixgate.engine.load_model import estimate_ttft
-from prefixgate.engine.outputs import RequestOutput
+from prefixgate.engine.outputs import StepOutput
 from prefixgate.engine.protocol import EngineRequest
 from prefixgate.engine.request import Request
 from prefixgate.engine.sampling_params import SamplingParams
@@ -93,15 +93,17 @@ class AsyncEngine(EngineFrontEnd):
         params: SamplingParams | None = None,
         request_id: str | None = None,
         cache_salt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncIterator[StepOutput]:
         """Submit a request and iterate over its outputs as tokens are produced.
 
         ``request`` is an ``EngineRequest`` (``EngineClient.generate``: every per-request
         argument, tenant and priority included, is one of its fields), or vLLM's loose form
         ``generate(prompt, params, request_id=None, cache_salt=None)`` (a random id when
-        ``None``), which builds one. Each ``RequestOutput`` carries only what is new
-        (``delta_text`` / ``delta_token_ids`` / ``logprobs``; ``CompletionOutput.add``
-        accumulates them); the last has ``finished=True``. Leaving the loop early (break, ``aclose``, task cancellation, client
+        ``None``), which builds one. It yields per-step deltas (vLLM's
+        ``RequestOutputKind.DELTA``), not ``LLM.generate``'s finished ``RequestOutput``: each
+        ``StepOutput`` carries only what is new (``delta_text`` / ``delta_token_ids`` /
+        ``logprobs``; ``CompletionOutput.add`` accumulates them); the last has
+        ``finished=True``. Leaving the loop early (break, ``aclose``, task cancellation, client
         disconnect) aborts the request and frees its KV blocks.
 
         Raises (from the first iteration):
@@ -357,7 +359,7 @@ class AsyncEngine(EngineFrontEnd):
         except Exception as exc:  # noqa: BLE001 - delivered to the caller
             self._resolve(loop, fut, None, exc)
 
-    def _deliver_outputs(self, outputs: list[RequestOutput]) -> None:
+    def _deliver_outputs(self, outputs: list[StepOutput]) -> None:
         items: list[tuple[_Stream, Any]] = []
         for out in outputs:
             stream = self._active.get(out.request_id)

@@ -9,7 +9,7 @@ from typing import Any
 from prefixgate.engine.config import EngineConfig
 from prefixgate.engine.front_end import EngineFrontEnd
 from prefixgate.engine.llm_engine import LLMEngine
-from prefixgate.engine.outputs import CompletionOutput
+from prefixgate.engine.outputs import CompletionOutput, RequestOutput
 from prefixgate.engine.protocol import EngineRequest
 from prefixgate.engine.sampling_params import SamplingParams
 
@@ -18,7 +18,8 @@ Message = dict[str, Any]
 
 
 class LLM(EngineFrontEnd):
-    """Offline engine: give it prompts, get each one's whole ``CompletionOutput`` back.
+    """Offline engine: give it prompts, get finished ``RequestOutput`` objects back (vLLM's
+    shape: ``outputs[0].text``).
 
     Args:
         model: Hugging Face model directory, or ``None`` for the built-in ``tiny-random`` preset.
@@ -40,9 +41,10 @@ class LLM(EngineFrontEnd):
         cache_salt: str | None = None,
         tenant: str | Sequence[str | None] | None = None,
         priority: int | Sequence[int] = 0,
-    ) -> list[CompletionOutput]:
-        """Generate for every prompt (continuous batching), outputs in input order: each
-        prompt's whole text, token ids and logprobs, accumulated once from its step outputs.
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (continuous batching), outputs in input order: each a
+        finished ``RequestOutput`` whose ``outputs[0]`` holds the prompt's whole text, token ids
+        and logprobs, accumulated once from its step outputs.
 
         Args:
             prompts: one string, a list of strings, one list of token ids, or a list of them.
@@ -79,19 +81,24 @@ class LLM(EngineFrontEnd):
             for k, (p, sp, t, pr) in enumerate(zip(plist, params_list, tenants, prios, strict=True))
         ]
         self._counter = itertools.count(first + len(prepared))  # ids taken only when all pass
-        results = {
-            req.request_id: CompletionOutput(
-                req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids
-            )
-            for req in prepared
-        }
+        results = {req.request_id: CompletionOutput(req.request_id) for req in prepared}
         added: list[str] = []
         try:
             for req in prepared:
                 self.engine.add_request(req)
                 added.append(req.request_id)
             self._run(results)
-            return list(results.values())
+            return [
+                RequestOutput(
+                    req.request_id,
+                    req.prompt,
+                    list(req.prompt_token_ids),
+                    [out],
+                    num_cached_tokens=out.num_cached_tokens,
+                    metrics=out.metrics,
+                )
+                for req, out in zip(prepared, results.values(), strict=True)
+            ]
         except BaseException:
             for rid in added:
                 try:
@@ -106,7 +113,7 @@ class LLM(EngineFrontEnd):
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         add_generation_prompt: bool = True,
         cache_salt: str | None = None,
-    ) -> list[CompletionOutput]:
+    ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation (a list of
         ``{"role", "content"}`` dicts) or a list of conversations, then ``generate``.
 

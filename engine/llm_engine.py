@@ -3,7 +3,7 @@
 ``add_request`` validates and queues; each ``step()`` schedules (continuous batching, chunked
 prefill, preemption), runs the model runner once, updates the scheduler with the sampled tokens
 (``Scheduler.update_from_output``: the request appends its token and ``Request.check_stop``
-decides, detokenizing, whether it ended) and returns the ``RequestOutput`` of every request that
+decides, detokenizing, whether it ended) and returns the ``StepOutput`` of every request that
 produced a token (or finished) in that step. The ``Request`` object holds all of a request's
 state; the scheduler's table of requests is the only one. Nothing here is thread-safe:
 ``AsyncEngine`` drives it from one thread.
@@ -35,7 +35,7 @@ from prefixgate.engine.model_runner import ModelRunner
 from prefixgate.engine.models.config import ModelConfig
 from prefixgate.engine.models.loader import load_model
 from prefixgate.engine.output_processor import OutputProcessor
-from prefixgate.engine.outputs import RequestOutput
+from prefixgate.engine.outputs import StepOutput
 from prefixgate.engine.protocol import EngineRequest
 from prefixgate.engine.request import Request, RequestStatus
 from prefixgate.engine.sampler import Sampler
@@ -146,7 +146,7 @@ class LLMEngine:
         # not compile, a sampled token the grammar rejected); AsyncEngine delivers them
         self.failed: list[tuple[str, BaseException]] = []
         self._pin_counter = itertools.count()
-        self._stashed: list[RequestOutput] = []
+        self._stashed: list[StepOutput] = []
         self._step_requests: list[Request] = []  # the step in progress (for fail_requests)
         # cumulative host wall-clock seconds per phase of step() (benchmarks read it)
         self.timing: dict[str, float] = dict.fromkeys(
@@ -253,7 +253,7 @@ class LLMEngine:
         self.scheduler.add_request(req)  # may raise (never fits): nothing else was touched
         return req
 
-    def abort_request(self, request_id: str) -> RequestOutput:
+    def abort_request(self, request_id: str) -> StepOutput:
         """Abort a request in flight and free its KV blocks at once.
 
         Returns:
@@ -284,11 +284,11 @@ class LLMEngine:
 
     # -- the step ------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[StepOutput]:
         """Run one engine step.
 
         Returns:
-            one ``RequestOutput`` per caller request that got a new token or finished this step
+            one ``StepOutput`` per caller request that got a new token or finished this step
             (what it added this step).
         """
         t0 = time.perf_counter()
@@ -305,7 +305,7 @@ class LLMEngine:
         run = self.runner.execute(sched_out)
         t_out = time.perf_counter()
         self.scheduler.update_from_output(sched_out, run.sampled)
-        outputs: list[RequestOutput] = []
+        outputs: list[StepOutput] = []
         op = self.output_processor
         for s in sched_out.scheduled:
             r = s.request
@@ -518,7 +518,7 @@ class LLMEngine:
             ValueError / TypeError: see ``start_pin``.
         """
         job = self.start_pin(token_ids, ttl_s, cache_salt, tenant=tenant)
-        pending: list[RequestOutput] = []
+        pending: list[StepOutput] = []
         while not job.done:
             pending.extend(self.step())
         self._stashed = pending + self._stashed

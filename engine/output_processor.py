@@ -1,4 +1,4 @@
-"""Turns a request's step into its caller-facing ``RequestOutput``: only what is new.
+"""Turns a request's step into its caller-facing ``StepOutput``: only what is new.
 
 The ``Request`` holds the state (its ``IncrementalDetokenizer``, the text and logprobs since
 its last output, how many tokens earlier outputs reported, its timestamps); this module
@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefixgate.engine.outputs import RequestOutput, TokenLogprobs
+from prefixgate.engine.outputs import StepOutput, TokenLogprobs
 from prefixgate.engine.request import Request, RequestStatus
 
 
 class OutputProcessor:
-    """Detokenizer set-up, decoded logprobs and ``RequestOutput`` building (no state of its own).
+    """Detokenizer set-up, decoded logprobs and ``StepOutput`` building (no state of its own).
 
     Args:
         tokenizer: the engine's tokenizer (``decode`` for logprob tokens).
@@ -39,8 +39,8 @@ class OutputProcessor:
         if req.new_logprobs is not None and logprobs is not None:
             req.new_logprobs.append(self._with_decoded(logprobs))
 
-    def make_output(self, req: Request) -> RequestOutput:
-        """The ``RequestOutput`` of what the request produced since the previous call. A
+    def make_output(self, req: Request) -> StepOutput:
+        """The ``StepOutput`` of what the request produced since the previous call. A
         finished request (other than aborted or ended by a stop string) first gets the text
         its detokenizer held back."""
         finished = req.is_finished()
@@ -60,7 +60,7 @@ class OutputProcessor:
         if logprobs is not None:
             req.new_logprobs = []
         first_tokens = n_sent == 0 and bool(new_ids)
-        return RequestOutput(
+        return StepOutput(
             request_id=req.request_id,
             delta_token_ids=new_ids,
             delta_text=text,

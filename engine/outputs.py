@@ -1,5 +1,7 @@
-"""What the engine hands back: one step's delta per request, and the accumulator of a whole
-generation (vLLM's ``RequestOutputKind.DELTA`` outputs and its ``CompletionOutput``)."""
+"""What the engine hands back: one step's delta per request (``StepOutput``, vLLM's
+``RequestOutputKind.DELTA`` outputs), the accumulator of a whole generation
+(``CompletionOutput``) and the finished request ``LLM`` returns (``RequestOutput``, vLLM's
+shape: ``outputs[0].text``)."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ class TokenLogprobs:
 
 
 @dataclass(slots=True)
-class RequestOutput:
+class StepOutput:
     """What one engine step added to one request: only the new part, never the whole.
 
     Attributes:
@@ -66,12 +68,12 @@ class RequestOutput:
 
 @dataclass(slots=True)
 class CompletionOutput:
-    """One request's whole generation, accumulated from its ``RequestOutput`` deltas
-    (``add``): what ``LLM.generate`` returns and what a non-streamed answer is built from.
+    """One request's whole generation, accumulated from its ``StepOutput`` deltas
+    (``add``): ``RequestOutput.outputs[0]`` of ``LLM.generate`` and what a non-streamed
+    answer is built from.
 
     Attributes:
         request_id: the caller's id; index: the choice's index (the gateway's ``n``).
-        prompt: the prompt text when given as text; prompt_token_ids: the tokenized prompt.
         token_ids: every generated token; text: their text (joined once, when read).
         logprobs: one ``TokenLogprobs`` per token when asked for, else ``None``.
         finish_reason, stop_reason, num_cached_tokens, metrics: the last output's.
@@ -79,8 +81,6 @@ class CompletionOutput:
 
     request_id: str = ""
     index: int = 0
-    prompt: str | None = None
-    prompt_token_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] | None = None
     finish_reason: FinishReason | None = None
@@ -90,7 +90,7 @@ class CompletionOutput:
     _texts: list[str] = field(default_factory=list, repr=False)
     _num_chars: int = field(default=0, repr=False)
 
-    def add(self, out: RequestOutput) -> None:
+    def add(self, out: StepOutput) -> None:
         """Take in the request's next output (in order)."""
         self.token_ids.extend(out.delta_token_ids)
         if out.delta_text:
@@ -129,3 +129,28 @@ class CompletionOutput:
     def finished(self) -> bool:
         """True once the request's last output was added."""
         return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One finished request as ``LLM.generate`` / ``LLM.chat`` return it (vLLM's
+    ``RequestOutput``), built once at its end.
+
+    Attributes:
+        request_id: the caller's id.
+        prompt: the prompt text when given as text, else ``None``.
+        prompt_token_ids: the tokenized prompt.
+        outputs: the one ``CompletionOutput`` of the request (``outputs[0].text``,
+            ``token_ids``, ``logprobs``, ``finish_reason``, ``stop_reason``).
+        finished: always ``True`` (only finished requests are returned).
+        num_cached_tokens: prompt tokens served from the prefix cache.
+        metrics: the request's timeline (``StepOutput.metrics``).
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+    num_cached_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)

@@ -77,7 +77,7 @@ class Request:
         num_preemptions: times this request was preempted.
         arrival_time, first_scheduled_time, first_token_time, last_token_time, finished_time:
             ``time.monotonic()`` seconds (``None`` until it happens); ``metrics`` is them as a
-            dict, the one copy ``RequestOutput.metrics`` reports.
+            dict, the one copy ``StepOutput.metrics`` reports.
         steps_waited: engine steps that ran while it waited for its first admission.
         first_step_tokens, first_chunk_tokens: the query tokens of the whole step that first
             scheduled it, and its own share of them (its first prefill chunk); 0 until then.

@@ -424,8 +424,8 @@ def engine_bench(s: Sizes, device: torch.device, dry: bool) -> dict[str, Any]:
             prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         )  # warm-up / JIT
         outs, wall = timed_generate(llm, prompts, params, device)
-        n_out = sum(len(o.token_ids) for o in outs)
-        tokens[backend] = [list(o.token_ids) for o in outs]
+        n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+        tokens[backend] = [list(o.outputs[0].token_ids) for o in outs]
         result[backend] = {
             "wall_s": wall,
             "output_tokens": n_out,
@@ -473,7 +473,7 @@ def engine_variants_bench(s: Sizes, device: torch.device, dry: bool) -> dict[str
             llm = LLM(device=device.type, max_num_seqs=64, **kwargs, **extra)
             llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
             outs, wall = timed_generate(llm, prompts, params, device)
-            toks = [list(o.token_ids) for o in outs]
+            toks = [list(o.outputs[0].token_ids) for o in outs]
             tokens[name] = toks
             n_out = sum(map(len, toks))
             row = {"output_tokens_per_s": n_out / wall, "wall_s": wall}

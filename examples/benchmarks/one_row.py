@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             out = llm.generate([prompt], sp)
             wall[setting].append(args.max_tokens / (time.perf_counter() - t0))
             cpu[setting].append(args.max_tokens / max(time.process_time() - c0, 1e-9))
-            tokens.setdefault(setting, list(out[0].token_ids))
+            tokens.setdefault(setting, list(out[0].outputs[0].token_ids))
     med = {k: statistics.median(v) for k, v in wall.items()}
     med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
     return {

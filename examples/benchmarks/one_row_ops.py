@@ -173,7 +173,7 @@ def run(args: argparse.Namespace) -> None:
             t0 = time.perf_counter()
             out = llm.generate([prompt], sp)
             tok_s[name].append(args.max_tokens / (time.perf_counter() - t0))
-            tokens.setdefault(name, list(out[0].token_ids))
+            tokens.setdefault(name, list(out[0].outputs[0].token_ids))
     base = statistics.median(tok_s["old"])
     for name, v in tok_s.items():
         med = statistics.median(v)

@@ -97,7 +97,7 @@ def copy_prompts(
 
     def greedy(ids: list[int], n: int) -> list[int]:
         p = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-        return list(llm.generate([ids], p)[0].token_ids)
+        return list(llm.generate([ids], p)[0].outputs[0].token_ids)
 
     prompts, wanted = [], []
     for inst in instructions:
@@ -137,7 +137,7 @@ def run_workload(engines: dict, prompts: list[str], max_tokens: int) -> dict[str
     for i, prompt in enumerate(prompts):
         for name in order if i % 2 == 0 else order[::-1]:
             t0, c0 = time.perf_counter(), time.thread_time()
-            out = engines[name].generate([prompt], params)[0]
+            out = engines[name].generate([prompt], params)[0].outputs[0]
             res[name]["cpu_seconds"] += time.thread_time() - c0
             res[name]["seconds"] += time.perf_counter() - t0
             res[name]["tokens"] += len(out.token_ids)

@@ -70,7 +70,7 @@ def child(args) -> int:
     rates = []
     for _ in range(args.trials):
         t0 = time.perf_counter()
-        out = llm.generate([prompt], params)[0]
+        out = llm.generate([prompt], params)[0].outputs[0]
         rates.append(len(out.token_ids) / (time.perf_counter() - t0))
     print(json.dumps({"tok_s": statistics.median(rates)}))
     return 0

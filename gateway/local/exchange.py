@@ -13,7 +13,7 @@ import time
 
 from aiohttp import web
 from prefixgate.engine.errors import EngineDeadError
-from prefixgate.engine.outputs import CompletionOutput, RequestOutput
+from prefixgate.engine.outputs import CompletionOutput, StepOutput
 from prefixgate.engine.protocol import EngineRequest
 from prefixgate.gateway.http.access_log import record, stream_cut
 from prefixgate.gateway.http.errors import APIError, bad_request
@@ -224,7 +224,7 @@ class Exchange:
         digest = hash(tuple(ids for _, ids in sorted(prompts.items())))
         return self.principal.id, len(self.requests), digest
 
-    def _record(self, i: int, d: RequestOutput) -> None:
+    def _record(self, i: int, d: StepOutput) -> None:
         """Note one output of choice ``i`` (and the request's metrics)."""
         now = time.monotonic()
         metrics = self.st.metrics
@@ -357,7 +357,7 @@ class Exchange:
         for chunk in self.renderer.opening(len(self.requests)):
             await sse.write(self.renderer.event(chunk))
 
-    async def _send(self, sse: SSEWriter, i: int, d: RequestOutput) -> None:
+    async def _send(self, sse: SSEWriter, i: int, d: StepOutput) -> None:
         offset = self.outputs[i].num_chars
         self._record(i, d)
         for chunk in self.renderer.chunks(i, d, offset):

@@ -34,7 +34,7 @@ import uuid
 from typing import Any
 
 from aiohttp import web
-from prefixgate.engine.outputs import CompletionOutput, RequestOutput
+from prefixgate.engine.outputs import CompletionOutput, StepOutput
 from prefixgate.gateway.http.errors import (
     GEMINI,
     APIError,
@@ -174,7 +174,7 @@ class GeminiRenderer:
     def _chunk(self, candidates: list[dict[str, Any]], usage: Usage | None = None) -> bytes:
         return b"data: " + _dumps(self._response(candidates, usage)) + b"\n\n"
 
-    def chunks(self, i: int, d: RequestOutput, offset: int) -> list[bytes]:
+    def chunks(self, i: int, d: StepOutput, offset: int) -> list[bytes]:
         """A chunk of the choice's new text (function calls wait for ``closing``)."""
         if self._deltas is None:
             text = d.delta_text

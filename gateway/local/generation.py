@@ -3,7 +3,7 @@
 ``engine_request`` is the one place a route turns its caller and body into the engine's
 ``EngineRequest`` (salt, tenant, priority included), so every route sends the same fields.
 ``ChoiceRun`` starts one task per choice that drains ``engine.generate`` into a shared queue;
-the route reads ``(choice index, RequestOutput)`` events in arrival order (each output is the
+the route reads ``(choice index, StepOutput)`` events in arrival order (each output is the
 engine's own, holding only what the step added; the route's ``CompletionOutput`` per choice
 accumulates them). Leaving the
 ``async with`` block for any reason (client gone, handler cancelled, error) aborts every
@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from prefixgate.engine.outputs import RequestOutput
+from prefixgate.engine.outputs import StepOutput
 from prefixgate.engine.protocol import EngineClient, EngineRequest
 from prefixgate.engine.sampling_params import SamplingParams
 from prefixgate.gateway.tenancy.keys import Principal, effective_salt
@@ -65,7 +65,7 @@ _ABORTING: set[asyncio.Task] = set()  # aborts finishing in the background (kept
 class ChoiceRun:
     """Runs the choices of one HTTP request on the engine (``async with``).
 
-    ``await next(timeout)`` returns ``(index, RequestOutput)``, or ``None`` when ``timeout`` seconds
+    ``await next(timeout)`` returns ``(index, StepOutput)``, or ``None`` when ``timeout`` seconds
     pass with no output (the caller checks the client and sends keep-alives). An engine error
     is re-raised from ``next``.
     """
@@ -73,9 +73,7 @@ class ChoiceRun:
     def __init__(self, engine: EngineClient, requests: list[EngineRequest]) -> None:
         self._engine = engine
         self.requests = requests
-        self._queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = (
-            asyncio.Queue()
-        )
+        self._queue: asyncio.Queue[tuple[int, StepOutput | BaseException | None]] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
         self._finished: set[int] = set()
         self.pending = len(requests)
@@ -105,7 +103,7 @@ class ChoiceRun:
             self._finished.add(i)
             put((i, None))
 
-    async def next(self, timeout: float) -> tuple[int, RequestOutput] | None:
+    async def next(self, timeout: float) -> tuple[int, StepOutput] | None:
         """The next output of any choice, or None after ``timeout`` s (or when all are done).
 
         Raises:

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from aiohttp import web
-from prefixgate.engine.outputs import CompletionOutput, RequestOutput
+from prefixgate.engine.outputs import CompletionOutput, StepOutput
 from prefixgate.gateway.http.errors import ANTHROPIC, APIError, error_dialect
 from prefixgate.gateway.local.cache_diagnostics import PROMPT_LOG, Comparison, anthropic_reason
 from prefixgate.gateway.local.cache_marks import Mark, find_marks, written_tokens
@@ -241,7 +241,7 @@ class MessagesRenderer:
                 )
         return out
 
-    def chunks(self, i: int, d: RequestOutput, offset: int) -> list[bytes]:
+    def chunks(self, i: int, d: StepOutput, offset: int) -> list[bytes]:
         """The events of the choice's new output (``message_start`` first)."""
         out = [] if self._started else self._start(d.num_cached_tokens)
         if self._deltas is None:

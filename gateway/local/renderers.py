@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Protocol
 
-from prefixgate.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from prefixgate.engine.outputs import CompletionOutput, StepOutput, TokenLogprobs
 from prefixgate.gateway.http.errors import APIError
 from prefixgate.gateway.http.sse import DONE, encode_data, encode_event
 from prefixgate.gateway.local.token_texts import TokenTexts
@@ -132,14 +132,10 @@ class _Renderer:
     def usage_chunk(self, usage: Usage) -> ChatCompletionChunk | Completion:
         raise NotImplementedError
 
-    def chunk(
-        self, i: int, d: RequestOutput, offset: int
-    ) -> ChatCompletionChunk | Completion | None:
+    def chunk(self, i: int, d: StepOutput, offset: int) -> ChatCompletionChunk | Completion | None:
         raise NotImplementedError
 
-    def chunks(
-        self, i: int, d: RequestOutput, offset: int
-    ) -> list[ChatCompletionChunk | Completion]:
+    def chunks(self, i: int, d: StepOutput, offset: int) -> list[ChatCompletionChunk | Completion]:
         """The chunks of choice ``i``'s new output (none, one, or several: a chat answer with
         tools may add content and tool-call fragments at once)."""
         c = self.chunk(i, d, offset)
@@ -177,9 +173,7 @@ class ChatRenderer(_Renderer):
         self.tools = tools if tools is not None and tools.active else None
         self._tool_deltas: dict[int, ToolDeltas] = {}
 
-    def chunks(
-        self, i: int, d: RequestOutput, offset: int
-    ) -> list[ChatCompletionChunk | Completion]:
+    def chunks(self, i: int, d: StepOutput, offset: int) -> list[ChatCompletionChunk | Completion]:
         if self.tools is None:
             return super().chunks(i, d, offset)
         td = self._tool_deltas.setdefault(i, ToolDeltas(self.tools))
@@ -211,7 +205,7 @@ class ChatRenderer(_Renderer):
             for i in range(n)
         ]
 
-    def chunk(self, i: int, d: RequestOutput, offset: int) -> ChatCompletionChunk | None:
+    def chunk(self, i: int, d: StepOutput, offset: int) -> ChatCompletionChunk | None:
         """The chunk of choice ``i``'s new output (None when nothing visible is new: a
         held-back stop-string prefix or partial UTF-8). ``offset``: unused for chat."""
         logprobs = self._logprobs(d.logprobs) if d.logprobs else None
@@ -277,7 +271,7 @@ class CompletionRenderer(_Renderer):
         """Nothing opens a completions stream."""
         return []
 
-    def chunk(self, i: int, d: RequestOutput, offset: int) -> Completion | None:
+    def chunk(self, i: int, d: StepOutput, offset: int) -> Completion | None:
         """The chunk of choice ``i``'s new output (None when nothing visible is new);
         ``offset``: characters of the choice's text before it (for ``text_offset``)."""
         logprobs = self._logprobs(d.logprobs, offset) if d.logprobs else None
@@ -328,7 +322,7 @@ class Renderer(Protocol):
 
     def opening(self, n: int) -> Sequence[Any]: ...
 
-    def chunks(self, i: int, d: RequestOutput, offset: int) -> Sequence[Any]: ...
+    def chunks(self, i: int, d: StepOutput, offset: int) -> Sequence[Any]: ...
 
     def event(self, chunk: Any) -> bytes: ...
 

@@ -37,7 +37,7 @@ from typing import Annotated, Any, Literal
 
 import pydantic_core
 from aiohttp import web
-from prefixgate.engine.outputs import CompletionOutput, RequestOutput
+from prefixgate.engine.outputs import CompletionOutput, StepOutput
 from prefixgate.engine.sampling_params import SamplingParams
 from prefixgate.gateway.http.errors import APIError, bad_request
 from prefixgate.gateway.local.cache_diagnostics import PROMPT_LOG, Comparison, openai_diagnostics
@@ -384,7 +384,7 @@ class ResponsesRenderer:
             self._part_ev("response.content_part.added", part=self._part("")),
         ]
 
-    def chunks(self, i: int, d: RequestOutput, offset: int) -> list[bytes]:
+    def chunks(self, i: int, d: StepOutput, offset: int) -> list[bytes]:
         """``response.output_text.delta`` of the new text (none when nothing is new)."""
         if not d.delta_text:
             return []

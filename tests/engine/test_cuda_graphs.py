@@ -59,7 +59,7 @@ def test_padded_static_buffers_give_the_eager_tokens(aidreams_path, pool_whole):
     prompts = ["Once upon a time", "The cat", "Lily and Ben went", "One day a", "Tom had"]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     plain = LLM(str(aidreams_path), dtype="float32", device="cpu", max_num_seqs=8)
-    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
 
     llm = LLM(str(aidreams_path), dtype="float32", device="cpu", max_num_seqs=8)
     eng = llm.engine
@@ -68,7 +68,7 @@ def test_padded_static_buffers_give_the_eager_tokens(aidreams_path, pool_whole):
         eng.runner.model, eng.runner.kv_caches, 8, width, eng.config.block_size, "cpu"
     )
     eng.runner.cuda_graphs = graphs
-    got = [o.token_ids for o in llm.generate(prompts, params)]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert got == expected
     assert 8 in graphs.captured  # 5 decodes padded to 8
     pool_whole(llm)

@@ -28,7 +28,7 @@ def unpreempted(aidreams_path):
     ) + [SamplingParams(temperature=0.0, max_tokens=LIGHT_TOKENS, ignore_eos=True)] * len(LIGHT)
     outs = llm.generate(prompts, params)
     assert llm.stats()["num_preemptions"] == 0
-    return {p: o.token_ids for p, o in zip(prompts, outs, strict=True)}
+    return {p: o.outputs[0].token_ids for p, o in zip(prompts, outs, strict=True)}
 
 
 @pytest.mark.parametrize(

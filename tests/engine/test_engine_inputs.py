@@ -15,7 +15,7 @@ from prefixgate.engine import LLM, AsyncEngine, EngineConfig, SamplingParams  # 
 def test_llm_bad_prompts_leave_the_pool_whole(pool_whole):
     llm = LLM(num_kv_blocks=64)
     sp = SamplingParams(max_tokens=3, temperature=0)
-    ref = llm.generate(["hello"], sp)[0].text
+    ref = llm.generate(["hello"], sp)[0].outputs[0].text
     for prompts, exc in [
         ("", ValueError),
         ([[]], ValueError),
@@ -33,7 +33,7 @@ def test_llm_bad_prompts_leave_the_pool_whole(pool_whole):
         pool_whole(llm)
     with pytest.raises(TypeError):
         llm.generate(["a"], ["not params"])
-    assert llm.generate(["hello"], sp)[0].text == ref
+    assert llm.generate(["hello"], sp)[0].outputs[0].text == ref
     pool_whole(llm)
 
 

@@ -284,7 +284,7 @@ def test_real_model_on_off_equal_under_preemption_eviction_chunking(
             enable_prefix_caching=caching,
         )
         results[caching] = [
-            [o.token_ids for o in llm.generate(batch, greedy)]
+            [o.outputs[0].token_ids for o in llm.generate(batch, greedy)]
             for batch in (prompts[:8], prompts[8:], prompts[:3])
         ]
         stats[caching] = llm.stats()
@@ -305,10 +305,10 @@ def test_real_model_forced_collision_not_served(aidreams_path, pool_whole, one_t
     rng = random.Random(4)
     prompts = [[1] + [rng.randrange(3, 512) for _ in range(30)] for _ in range(3)]
     llm = LLM(aidreams_path, block_size=8)
-    expected = [o.token_ids for o in llm.generate(prompts, greedy)]
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
     llm.engine.kv_cache_manager.reset_prefix_cache()
     llm.engine.kv_cache_manager.hash_fn = lambda data: 7  # every block key collides
-    got = [llm.generate([p], greedy)[0].token_ids for p in prompts]
+    got = [llm.generate([p], greedy)[0].outputs[0].token_ids for p in prompts]
     assert got == expected
     assert llm.stats()["prefix_cache_hits"] == 0
     pool_whole(llm)

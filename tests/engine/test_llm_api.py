@@ -49,7 +49,7 @@ def _bad_inputs(llm: LLM):
 
 
 def test_bad_input_raises_and_disturbs_nothing(llm, pool_whole):
-    reference = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    reference = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
     eng = llm.engine
     for i, p in enumerate(PROMPTS):
         eng.add_request(f"good-{i}", p, GREEDY)
@@ -86,8 +86,12 @@ def test_prompt_forms_and_order(llm, pool_whole):
     one_ids = llm.generate(ids[1], GREEDY)
     assert [o.prompt for o in by_text] == PROMPTS
     assert [o.prompt_token_ids for o in by_text] == ids
-    assert [o.token_ids for o in by_text] == [o.token_ids for o in by_ids]
-    assert one_text[0].token_ids == one_ids[0].token_ids == by_text[1].token_ids
+    assert [o.outputs[0].token_ids for o in by_text] == [o.outputs[0].token_ids for o in by_ids]
+    assert (
+        one_text[0].outputs[0].token_ids
+        == one_ids[0].outputs[0].token_ids
+        == by_text[1].outputs[0].token_ids
+    )
     assert by_ids[0].prompt is None
     pool_whole(llm)
 
@@ -95,27 +99,27 @@ def test_prompt_forms_and_order(llm, pool_whole):
 def test_generation_capped_at_max_model_len(llm, pool_whole):
     prompt = [1] + [300] * (llm.max_model_len - 6)
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))[0]
-    assert len(out.token_ids) == 5
-    assert out.finish_reason == "length"
+    assert len(out.outputs[0].token_ids) == 5
+    assert out.outputs[0].finish_reason == "length"
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True))[
         0
     ]
-    assert len(out.prompt_token_ids) + len(out.token_ids) == llm.max_model_len
+    assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == llm.max_model_len
     pool_whole(llm)
 
 
 def test_stop_string_and_stop_token(llm, pool_whole):
-    free = llm.generate(PROMPTS[0], GREEDY)[0]
+    free = llm.generate(PROMPTS[0], GREEDY)[0].outputs[0]
     stop = free.text[5:9]
     out = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=12, stop=[stop]))[0]
-    c = out
+    c = out.outputs[0]
     assert c.text == free.text[: free.text.index(stop)]
     assert c.finish_reason == "stop" and c.stop_reason == stop
     stop_id = free.token_ids[3]
     out = llm.generate(
         PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_id])
     )[0]
-    c = out
+    c = out.outputs[0]
     assert c.token_ids == free.token_ids[: free.token_ids.index(stop_id) + 1]
     assert c.finish_reason == "stop" and c.stop_reason == stop_id
     pool_whole(llm)
@@ -129,9 +133,9 @@ def test_chat_applies_template(llm, pool_whole):
     chat = llm.chat(messages, GREEDY)[0]
     plain = llm.generate("You dream.\n\nI sense the nodes", GREEDY)[0]
     assert chat.prompt_token_ids == plain.prompt_token_ids
-    assert chat.token_ids == plain.token_ids
+    assert chat.outputs[0].token_ids == plain.outputs[0].token_ids
     two = llm.chat([messages, messages[1:]], GREEDY)
-    assert len(two) == 2 and two[0].token_ids == chat.token_ids
+    assert len(two) == 2 and two[0].outputs[0].token_ids == chat.outputs[0].token_ids
     with pytest.raises(ValueError):
         llm.chat([], GREEDY)
     pool_whole(llm)
@@ -139,23 +143,23 @@ def test_chat_applies_template(llm, pool_whole):
 
 def test_logprobs(llm, pool_whole):
     out = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=4, logprobs=3))[0]
-    lps = out.logprobs
+    lps = out.outputs[0].logprobs
     assert lps is not None and len(lps) == 4
-    for tok, lp in zip(out.token_ids, lps, strict=True):
+    for tok, lp in zip(out.outputs[0].token_ids, lps, strict=True):
         assert lp.sampled.token_id == tok and lp.sampled.logprob <= 0.0
         assert len(lp.top) == 3 and lp.top[0].token_id == tok  # greedy: the top-1 token
-    assert llm.generate(PROMPTS[0], GREEDY)[0].logprobs is None
+    assert llm.generate(PROMPTS[0], GREEDY)[0].outputs[0].logprobs is None
     pool_whole(llm)
 
 
 def test_seeded_sampling_is_batch_independent(llm, pool_whole):
     p = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=10, seed=1234, ignore_eos=True)
-    alone = llm.generate(PROMPTS[0], p)[0].token_ids
+    alone = llm.generate(PROMPTS[0], p)[0].outputs[0].token_ids
     batch = llm.generate(
         PROMPTS + [PROMPTS[0]],
         [SamplingParams(temperature=0.8, max_tokens=10)] * len(PROMPTS) + [p],
     )
-    assert batch[-1].token_ids == alone
+    assert batch[-1].outputs[0].token_ids == alone
     pool_whole(llm)
 
 
@@ -195,7 +199,7 @@ def test_outputs_hold_only_what_the_step_added(llm, pool_whole):
     whole = CompletionOutput()
     for out in outs:
         whole.add(out)
-    ref = llm.generate([PROMPTS[1]], params)[0]
+    ref = llm.generate([PROMPTS[1]], params)[0].outputs[0]
     assert (whole.token_ids, whole.text, len(whole.logprobs)) == (ref.token_ids, ref.text, 9)
     pool_whole(llm)
 
@@ -215,7 +219,9 @@ def test_streamed_deltas_add_up(llm, pool_whole):
     assert last is not None and last.finished and whole.finished
     assert (
         ids
-        == llm.generate([PROMPTS[2]], SamplingParams(temperature=0.0, max_tokens=20))[0].token_ids
+        == llm.generate([PROMPTS[2]], SamplingParams(temperature=0.0, max_tokens=20))[0]
+        .outputs[0]
+        .token_ids
     )
     m = last.metrics
     assert (
@@ -227,7 +233,7 @@ def test_streamed_deltas_add_up(llm, pool_whole):
 def test_default_preset_runs_without_files(pool_whole):
     llm = LLM(num_kv_blocks=64)
     out = llm.generate("hello", SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0]
-    assert len(out.token_ids) == 4
+    assert len(out.outputs[0].token_ids) == 4
     pool_whole(llm)
 
 
@@ -239,7 +245,7 @@ def test_max_model_len_fits_the_kv_cache(aidreams_path, pool_whole):
     out = small.generate(
         "I sense the nodes", SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
     )[0]
-    assert len(out.prompt_token_ids) + len(out.token_ids) == 64
+    assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 64
     pool_whole(small)
     with pytest.raises(ValueError, match="does not fit the KV cache"):
         LLM(aidreams_path, num_kv_blocks=4, block_size=16, max_model_len=100)

@@ -70,11 +70,11 @@ def test_greedy_matches_transformers_all_at_once(llm, hf, pool_whole):
     for prompt, n, out in zip(PROMPTS, lens, outs, strict=True):
         ids = tok(prompt).input_ids
         assert out.prompt_token_ids == ids
-        assert out.token_ids == hf_greedy(model, ids, n), prompt
-        assert out.finish_reason == "length"
+        assert out.outputs[0].token_ids == hf_greedy(model, ids, n), prompt
+        assert out.outputs[0].finish_reason == "length"
         # the text continues the prompt's text (decoded in context, like vLLM)
-        full = tok.decode(ids + out.token_ids, skip_special_tokens=True)
-        assert full == tok.decode(ids, skip_special_tokens=True) + out.text
+        full = tok.decode(ids + out.outputs[0].token_ids, skip_special_tokens=True)
+        assert full == tok.decode(ids, skip_special_tokens=True) + out.outputs[0].text
     pool_whole(llm)
 
 
@@ -117,11 +117,11 @@ def test_stops_at_eos_like_transformers(llm, hf, pool_whole):
         ref = hf_greedy(model, ids, min(100, 128 - len(ids)))
         if 2 in ref:
             ref = ref[: ref.index(2) + 1]
-            assert out.finish_reason == "stop"
+            assert out.outputs[0].finish_reason == "stop"
         else:
-            assert out.finish_reason == "length"
-        assert out.token_ids == ref
-        assert "</s>" not in out.text
+            assert out.outputs[0].finish_reason == "length"
+        assert out.outputs[0].token_ids == ref
+        assert "</s>" not in out.outputs[0].text
     pool_whole(llm)
 
 
@@ -146,7 +146,7 @@ def invariance(aidreams_path, hf):
     _, tok = hf
     prompts, params = _invariance_workload(tok)
     llm = LLM(aidreams_path, block_size=16, max_num_seqs=64, num_kv_blocks=512)
-    together = [o.token_ids for o in llm.generate(prompts, params)]
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     return llm, prompts, params, together
 
 
@@ -163,9 +163,12 @@ def test_batch_invariance_64_requests(aidreams_path, invariance, policy, pool_wh
             scheduling_policy=policy,
         )
         got = llm.generate(prompts, params, tenant=_tenants(64), priority=_priorities(64))
-        assert [o.token_ids for o in got] == together
+        assert [o.outputs[0].token_ids for o in got] == together
         pool_whole(llm)
-    alone = [llm.generate([p], [sp])[0].token_ids for p, sp in zip(prompts, params, strict=True)]
+    alone = [
+        llm.generate([p], [sp])[0].outputs[0].token_ids
+        for p, sp in zip(prompts, params, strict=True)
+    ]
     assert together == alone
     assert [len(t) for t in together] == [sp.max_tokens for sp in params]
     pool_whole(llm)
@@ -188,7 +191,7 @@ def test_batch_invariance_under_preemption(
         scheduling_policy=policy,
     )
     outs = small.generate(prompts, params, tenant=_tenants(64), priority=_priorities(64))
-    got = [o.token_ids for o in outs]
+    got = [o.outputs[0].token_ids for o in outs]
     assert small.stats()["num_preemptions"] > 0
     assert got == together
     pool_whole(small)

@@ -18,28 +18,28 @@ def llm(aidreams_path):
 
 def test_logit_bias_forces_and_bans_tokens(llm, pool_whole):
     base = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    free = llm.generate(["A gentle hum"], base)[0].token_ids
+    free = llm.generate(["A gentle hum"], base)[0].outputs[0].token_ids
     forced = SamplingParams(
         temperature=0.0, max_tokens=6, ignore_eos=True, logit_bias={"300": 100}
     )  # JSON's string keys accepted
-    assert llm.generate(["A gentle hum"], forced)[0].token_ids == [300] * 6
+    assert llm.generate(["A gentle hum"], forced)[0].outputs[0].token_ids == [300] * 6
     banned = SamplingParams(
         temperature=1.0, seed=1, max_tokens=6, ignore_eos=True, logit_bias={free[0]: -100}
     )
-    assert llm.generate(["A gentle hum"], banned)[0].token_ids[0] != free[0]
+    assert llm.generate(["A gentle hum"], banned)[0].outputs[0].token_ids[0] != free[0]
     pool_whole(llm)
 
 
 def test_min_tokens_masks_eos_and_stop_ids_until_reached(llm, pool_whole):
     eos = next(iter(llm.engine.eos_token_ids))
     p = SamplingParams(temperature=0.0, max_tokens=20, min_tokens=5, logit_bias={eos: 100})
-    out = llm.generate(["Hi"], p)[0]
+    out = llm.generate(["Hi"], p)[0].outputs[0]
     assert len(out.token_ids) == 6 and out.token_ids[-1] == eos and eos not in out.token_ids[:5]
     assert out.finish_reason == "stop"
     p = SamplingParams(
         temperature=0.0, max_tokens=20, min_tokens=3, stop_token_ids=[300], logit_bias={300: 100}
     )
-    out = llm.generate(["Hi"], p)[0]
+    out = llm.generate(["Hi"], p)[0].outputs[0]
     assert out.token_ids[3] == 300 and len(out.token_ids) == 4 and out.finish_reason == "stop"
     pool_whole(llm)
 

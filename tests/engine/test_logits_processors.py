@@ -209,7 +209,7 @@ def llm(aidreams_path):
 
 
 def _one(llm, prompt="Tell me", **kw):
-    return llm.generate([prompt], SamplingParams(temperature=0.0, **kw))[0]
+    return llm.generate([prompt], SamplingParams(temperature=0.0, **kw))[0].outputs[0]
 
 
 def _json_biased_stop(llm, token: int):
@@ -279,7 +279,7 @@ def test_logit_bias_cannot_unmask_a_forbidden_token(llm, pool_whole):
             logit_bias={z: 100},
             structured_outputs=SO(choice=["x", "yy"]),
         )
-        out = llm.generate(["Pick"], params)[0]
+        out = llm.generate(["Pick"], params)[0].outputs[0]
         assert out.text in ("x", "yy") and out.finish_reason == "stop" and z not in out.token_ids
     pool_whole(llm)
 
@@ -367,9 +367,9 @@ def test_rules_hold_under_preemption(aidreams_path, pool_whole):
         for i in range(6)
     ] + [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)] * 4
     ample = LLM(aidreams_path, block_size=16, num_kv_blocks=256, max_num_seqs=16)
-    want = [o for o in ample.generate(prompts, params)]
+    want = [o.outputs[0] for o in ample.generate(prompts, params)]
     small = LLM(aidreams_path, block_size=16, num_kv_blocks=10, max_num_seqs=16)
-    got = [o for o in small.generate(prompts, params)]
+    got = [o.outputs[0] for o in small.generate(prompts, params)]
     assert small.stats()["num_preemptions"] > 0
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
     for c in got[:6]:

@@ -51,7 +51,7 @@ def test_fused_one_row_decode_matches_transformers(aidreams_path, pool_whole):
         for prompt in DREAM_PROMPTS[:6]:  # one request at a time: every decode step is batch 1
             ids = tok(prompt).input_ids
             out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24))
-            got = out[0].token_ids
+            got = out[0].outputs[0].token_ids
             want: list[int] = []
             with torch.no_grad():
                 for _ in range(len(got)):
@@ -80,7 +80,7 @@ def _generate(llm: LLM, prompts: list[str]) -> list[tuple[list[int], list]]:
     sp = SamplingParams(temperature=0.0, max_tokens=16, logprobs=3)
     outs = []
     for prompt in prompts:  # one at a time: every decode step is one token alone
-        o = llm.generate([prompt], sp)[0]
+        o = llm.generate([prompt], sp)[0].outputs[0]
         outs.append((list(o.token_ids), o.logprobs))
     return outs
 

@@ -46,7 +46,7 @@ def run_rounds(path: str, rounds: list[list[list[int]]], caching: bool, **cfg) -
     cfg.setdefault("block_size", 8)
     cfg.setdefault("num_kv_blocks", 128)
     llm = LLM(path, enable_prefix_caching=caching, **cfg)
-    outs = [[o.token_ids for o in llm.generate(r, greedy(10))] for r in rounds]
+    outs = [[o.outputs[0].token_ids for o in llm.generate(r, greedy(10))] for r in rounds]
     return outs, llm
 
 
@@ -79,7 +79,7 @@ def test_on_off_k_blocks_partial_and_whole_prompt_repeated(aidreams_path, pool_w
 def test_on_off_cached_prefix_then_stop_string(aidreams_path, pool_whole):
     prompt = "You dream.\n\nI sense the nodes of a gentle machine and"
     probe = LLM(aidreams_path, block_size=8, num_kv_blocks=32)
-    free = probe.generate(prompt, SamplingParams(temperature=0.0, max_tokens=20))[0].text
+    free = probe.generate(prompt, SamplingParams(temperature=0.0, max_tokens=20))[0].outputs[0].text
     stop = free[5:9]
     params = SamplingParams(temperature=0.0, max_tokens=20, stop=[stop])
     seen = {}
@@ -87,10 +87,10 @@ def test_on_off_cached_prefix_then_stop_string(aidreams_path, pool_whole):
         llm = LLM(aidreams_path, block_size=8, num_kv_blocks=32, enable_prefix_caching=caching)
         first, second = (llm.generate(prompt, params)[0] for _ in range(2))
         for out in (first, second):
-            assert out.text == free[: free.index(stop)]
-            assert out.finish_reason == "stop" and out.stop_reason == stop
+            assert out.outputs[0].text == free[: free.index(stop)]
+            assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop
         assert (second.num_cached_tokens > 0) == caching
-        seen[caching] = (first.token_ids, second.token_ids)
+        seen[caching] = (first.outputs[0].token_ids, second.outputs[0].token_ids)
         pool_whole(llm)
     assert seen[True] == seen[False]
 
@@ -127,7 +127,12 @@ def test_cache_salt_partitions_the_cache(aidreams_path, pool_whole):
     a2 = llm.generate([prompt], greedy(6), cache_salt="tenant-a")[0]
     assert (a.num_cached_tokens, b.num_cached_tokens, none.num_cached_tokens) == (0, 0, 0)
     assert a2.num_cached_tokens == 40
-    assert a.token_ids == b.token_ids == none.token_ids == a2.token_ids
+    assert (
+        a.outputs[0].token_ids
+        == b.outputs[0].token_ids
+        == none.outputs[0].token_ids
+        == a2.outputs[0].token_ids
+    )
     pool_whole(llm)
 
 
@@ -148,7 +153,7 @@ def test_warm_outputs_equal_transformers_with_chunked_uncached_part(aidreams_pat
     # 60 + 37 + 5 uncached tokens at <= 16 per step: at least 7 prefill steps
     assert llm.engine.timing["steps"] - steps_before >= 7 + 7
     for p, o in zip(prompts, outs, strict=True):
-        assert o.token_ids == hf_greedy(hf, p, 8)
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, 8)
     pool_whole(llm)
 
 
@@ -165,7 +170,7 @@ def test_pinned_prefix_survives_eviction_and_lapses_at_ttl(aidreams_path, pool_w
     assert llm.stats()["prefix_cache_evictions"] > 0
     warm = llm.generate([prefix + [9, 10]], greedy(4))[0]
     assert warm.num_cached_tokens == 32
-    assert warm.token_ids == cold.token_ids
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
     pool_whole(llm, pinned_ok=True)
     time.sleep(max(0.0, pin.expires_at - time.monotonic()) + 0.05)
     assert llm.engine.expire_pins() == [pin.id]
@@ -219,5 +224,5 @@ def test_16_concurrent_async_requests_prefill_shared_prefix_once(
         assert s["prompt_tokens_prefilled"] == 16 * 64 + sum(map(len, suffixes))
     ref = LLM(aidreams_path, num_kv_blocks=128, enable_prefix_caching=False)
     expected = ref.generate([prefix + x for x in suffixes], greedy(6))
-    assert [o.token_ids for o in outs] == [e.token_ids for e in expected]
+    assert [o.token_ids for o in outs] == [e.outputs[0].token_ids for e in expected]
     pool_whole(engine)

@@ -91,8 +91,8 @@ def test_llm_int8_generates_batch_invariant(aidreams_path, pool_whole):
     llm = LLM(str(aidreams_path), quantization="int8", dtype="float32", device="cpu")
     prompts = ["Once upon a time", "The little dog", "A girl named Lily", "One day"]
     params = SamplingParams(temperature=0.0, max_tokens=12)
-    together = [o.token_ids for o in llm.generate(prompts, params)]
-    alone = [llm.generate([p], params)[0].token_ids for p in prompts]
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
     assert together == alone
     assert all(len(t) > 0 for t in together)
     pool_whole(llm)

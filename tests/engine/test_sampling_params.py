@@ -91,5 +91,5 @@ def test_tiny_top_p_keeps_the_most_likely_token(pool_whole):
     llm = LLM(num_kv_blocks=64)
     greedy = llm.generate(["hello"], SamplingParams(max_tokens=8, temperature=0))
     tiny = llm.generate(["hello"], SamplingParams(max_tokens=8, top_p=1e-50, seed=3))
-    assert tiny[0].token_ids == greedy[0].token_ids
+    assert tiny[0].outputs[0].token_ids == greedy[0].outputs[0].token_ids
     pool_whole(llm)

@@ -230,7 +230,7 @@ def test_accepted_schemas_give_answers_that_validate(llm, schema, pool_whole):
         SamplingParams(temperature=1.0, seed=i, max_tokens=200, structured_outputs=SO(json=schema))
         for i in range(12)
     ]
-    outs = [o for o in llm.generate(["Tell me"] * 12, params)]
+    outs = [o.outputs[0] for o in llm.generate(["Tell me"] * 12, params)]
     finished = [o for o in outs if o.finish_reason == "stop"]
     assert len(finished) >= 6, [o.finish_reason for o in outs]
     for o in finished:
@@ -287,7 +287,7 @@ def test_length_bounded_answers_parse_as_strict_json(llm, pool_whole):
         SamplingParams(temperature=1.3, seed=i, max_tokens=60, structured_outputs=SO(json=schema))
         for i in range(24)
     ]
-    outs = [o for o in llm.generate(["Tell me"] * 24, params)]
+    outs = [o.outputs[0] for o in llm.generate(["Tell me"] * 24, params)]
     finished = [o for o in outs if o.finish_reason == "stop"]
     assert finished
     for o in finished:

@@ -201,7 +201,7 @@ def test_verify_greedy_accepts_the_matching_prefix():
 def _run(llm: LLM, prompts, params):
     outs = llm.generate(prompts, params)
     assert_pool_whole(llm)
-    return [(o.token_ids, o.text, o.finish_reason) for o in outs]
+    return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in outs]
 
 
 @pytest.fixture(scope="module")
@@ -268,8 +268,8 @@ def test_logprobs_requests_decode_without_drafts(plain, spec):
     b = plain.generate(REPEATING, params)
     assert spec.stats()["spec_decode_num_drafts"] == before
     for x, y in zip(a, b, strict=True):
-        assert x.token_ids == y.token_ids
-        assert len(x.logprobs) == 20
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        assert len(x.outputs[0].logprobs) == 20
     assert_pool_whole(spec)
 
 
@@ -318,7 +318,7 @@ def test_structured_output_decodes_without_drafts(aidreams_path):
     )
     out = llm.generate([REPEATING[0]], params)[0]
     assert llm.stats()["spec_decode_num_drafts"] == 0
-    assert out.text.startswith("ab")
+    assert out.outputs[0].text.startswith("ab")
     assert_pool_whole(llm)
 
 
@@ -363,6 +363,6 @@ def test_async_engine_streams_every_accepted_token_once(aidreams_path, plain):
             await engine.shutdown()
 
     got = asyncio.run(run())
-    ref = [o.token_ids for o in plain.generate(REPEATING, params)]
+    ref = [o.outputs[0].token_ids for o in plain.generate(REPEATING, params)]
     for (joined, final), want in zip(got, ref, strict=True):
         assert joined == final == list(want)

@@ -83,7 +83,7 @@ def test_text_then_schema_valid_call(llm, monkeypatch, pool_whole, temperature, 
         SamplingParams(temperature=temperature, seed=s, max_tokens=120, structured_outputs=spec)
         for s in range(8)
     ]
-    outs = [o for o in llm.generate(["Weather?"] * 8, params)]
+    outs = [o.outputs[0] for o in llm.generate(["Weather?"] * 8, params)]
     complete = 0
     for out in outs:
         assert out.text.lstrip().startswith(opening), out.text  # (a leading "▁" space)
@@ -105,7 +105,7 @@ def test_free_text_after_a_call_and_closed_calls_validate(llm, monkeypatch, pool
         SamplingParams(temperature=1.0, seed=s, max_tokens=120, structured_outputs=spec)
         for s in range(8)
     ]
-    outs = [o for o in llm.generate(["Weather?"] * 8, params)]
+    outs = [o.outputs[0] for o in llm.generate(["Weather?"] * 8, params)]
     assert sum(_check_calls(o.text) for o in outs) >= 6
     pool_whole(llm)
 
@@ -113,7 +113,7 @@ def test_free_text_after_a_call_and_closed_calls_validate(llm, monkeypatch, pool
 def test_text_stays_free_until_the_trigger(llm, pool_whole):
     """No trigger in the model's own greedy text: the tag leaves it unchanged."""
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    free = llm.generate(["A gentle hum"], greedy)[0]
+    free = llm.generate(["A gentle hum"], greedy)[0].outputs[0]
     assert "<tool_call>" not in free.text
     params = SamplingParams(
         temperature=0.0,
@@ -121,7 +121,7 @@ def test_text_stays_free_until_the_trigger(llm, pool_whole):
         ignore_eos=True,
         structured_outputs=SO(structural_tag=hermes_tag(stop_after_first=False)),
     )
-    constrained = llm.generate(["A gentle hum"], params)[0]
+    constrained = llm.generate(["A gentle hum"], params)[0].outputs[0]
     assert constrained.token_ids == free.token_ids
     pool_whole(llm)
 

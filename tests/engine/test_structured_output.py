@@ -40,8 +40,8 @@ def _sampled(so: SO, n: int, max_tokens: int = 90) -> list[SamplingParams]:
 
 def test_json_schema_50_requests_validate(llm, pool_whole):
     outs = llm.generate(["Tell me"] * 50, _sampled(SO(json=SCHEMA), 50))
-    stopped = [o for o in outs if o.finish_reason == "stop"]
-    assert len(stopped) >= 45, [o.finish_reason for o in outs]
+    stopped = [o.outputs[0] for o in outs if o.outputs[0].finish_reason == "stop"]
+    assert len(stopped) >= 45, [o.outputs[0].finish_reason for o in outs]
     for c in stopped:
         jsonschema.validate(json.loads(c.text), SCHEMA)
     assert len({c.text for c in stopped}) > 5  # temperature 1.0 really samples
@@ -54,10 +54,10 @@ def test_json_object_and_schema_as_text(llm, pool_whole):
         _sampled(SO(json_object=True), 4, 100) + _sampled(SO(json=json.dumps(SCHEMA)), 4),
     )
     for o in outs:
-        c = o
+        c = o.outputs[0]
         if c.finish_reason == "stop":
             assert isinstance(json.loads(c.text), dict)
-    assert sum(o.finish_reason == "stop" for o in outs[4:]) >= 3
+    assert sum(o.outputs[0].finish_reason == "stop" for o in outs[4:]) >= 3
     pool_whole(llm)
 
 
@@ -68,10 +68,10 @@ def test_choice_and_regex(llm, pool_whole):
         ["Once"] * 40, _sampled(SO(choice=choices), 20, 30) + _sampled(SO(regex=pattern), 20, 30)
     )
     for o in outs[:20]:
-        assert o.finish_reason == "stop" and o.text in choices
+        assert o.outputs[0].finish_reason == "stop" and o.outputs[0].text in choices
     for o in outs[20:]:
-        assert o.finish_reason == "stop"
-        assert re.fullmatch(pattern, o.text), o.text
+        assert o.outputs[0].finish_reason == "stop"
+        assert re.fullmatch(pattern, o.outputs[0].text), o.outputs[0].text
     pool_whole(llm)
 
 
@@ -84,7 +84,7 @@ def test_grammar_ebnf_and_ignore_eos_still_stops(llm, pool_whole):
         ignore_eos=True,
         structured_outputs=SO(grammar=grammar),
     )
-    out = llm.generate(["Count"], params)[0]
+    out = llm.generate(["Count"], params)[0].outputs[0]
     assert out.finish_reason == "stop", out
     assert re.fullmatch(r"\(\d(,\d){0,3}\)", out.text), out.text
     pool_whole(llm)
@@ -93,15 +93,15 @@ def test_grammar_ebnf_and_ignore_eos_still_stops(llm, pool_whole):
 def test_mixed_batch_leaves_unconstrained_rows_unchanged(llm, pool_whole):
     prompts = ["I sense the nodes", "A gentle hum", "The dreamer wakes inside the code and"]
     greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    alone = [o.token_ids for o in llm.generate(prompts, greedy)]
+    alone = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
     mixed = llm.generate(
         prompts + ["Tell me"] * 6,
         [greedy] * 3 + _sampled(SO(json=SCHEMA), 3) + _sampled(SO(choice=["x", "yy"]), 3),
     )
-    assert [o.token_ids for o in mixed[:3]] == alone
+    assert [o.outputs[0].token_ids for o in mixed[:3]] == alone
     for o in mixed[3:6]:
-        if o.finish_reason == "stop":
-            jsonschema.validate(json.loads(o.text), SCHEMA)
+        if o.outputs[0].finish_reason == "stop":
+            jsonschema.validate(json.loads(o.outputs[0].text), SCHEMA)
     pool_whole(llm)
 
 
@@ -109,12 +109,12 @@ def test_constrained_greedy_equals_unconstrained_when_grammar_allows_it(llm, poo
     """The mask only removes tokens: a regex that allows the model's own greedy text leaves it
     unchanged."""
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    free = llm.generate(["A gentle hum"], greedy)[0]
+    free = llm.generate(["A gentle hum"], greedy)[0].outputs[0]
     pattern = re.escape(free.text) + ".*"
     params = SamplingParams(
         temperature=0.0, max_tokens=12, ignore_eos=True, structured_outputs=SO(regex=pattern)
     )
-    constrained = llm.generate(["A gentle hum"], params)[0]
+    constrained = llm.generate(["A gentle hum"], params)[0].outputs[0]
     assert constrained.token_ids == free.token_ids
     pool_whole(llm)
 
@@ -129,7 +129,7 @@ def test_grammar_survives_preemption(aidreams_path, prefix_caching, pool_whole):
         + [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)] * 4
     )
     ample = LLM(aidreams_path, block_size=16, num_kv_blocks=256, max_num_seqs=16)
-    want = [o for o in ample.generate(prompts, params)]
+    want = [o.outputs[0] for o in ample.generate(prompts, params)]
     small = LLM(
         aidreams_path,
         block_size=16,
@@ -137,7 +137,7 @@ def test_grammar_survives_preemption(aidreams_path, prefix_caching, pool_whole):
         max_num_seqs=16,
         enable_prefix_caching=prefix_caching,
     )
-    got = [o for o in small.generate(prompts, params)]
+    got = [o.outputs[0] for o in small.generate(prompts, params)]
     assert small.stats()["num_preemptions"] > 0
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
     for c in got[:8]:
@@ -209,7 +209,7 @@ def test_failed_compilation_fails_only_that_request(llm, monkeypatch, pool_whole
     pool_whole(llm)
     monkeypatch.undo()
     ok = llm.generate(["a"], SamplingParams(max_tokens=30, structured_outputs=SO(regex="ok-[a-z]")))
-    assert re.fullmatch("ok-[a-z]", ok[0].text)
+    assert re.fullmatch("ok-[a-z]", ok[0].outputs[0].text)
     pool_whole(llm)
 
 

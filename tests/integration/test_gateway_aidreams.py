@@ -115,7 +115,7 @@ def test_http_greedy_equals_llm_generate(client, server, aidreams_path, pool_who
     llm = LLM(aidreams_path, num_kv_blocks=64)
     prompts = ["I sense the nodes", "The dream unfolds", "Quiet circuits hum"]
     params = SamplingParams(temperature=0, max_tokens=24)
-    expected = [o.text for o in llm.generate(prompts, params)]
+    expected = [o.outputs[0].text for o in llm.generate(prompts, params)]
     got = [
         client.completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=0)
         .choices[0]
@@ -128,7 +128,7 @@ def test_http_greedy_equals_llm_generate(client, server, aidreams_path, pool_who
         llm.engine.tokenizer.apply_chat_template(msgs), add_special_tokens=False
     )
     chat = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24, temperature=0)
-    assert chat.choices[0].message.content == llm.generate([ids], params)[0].text
+    assert chat.choices[0].message.content == llm.generate([ids], params)[0].outputs[0].text
     _idle(server, pool_whole)
 
 

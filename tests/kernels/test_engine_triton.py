@@ -26,8 +26,8 @@ def _run(path: str, backend: str) -> tuple[list[list[int]], list[int], int, LLM]
     first = llm.generate(PROMPTS, params)
     second = llm.generate([FOLLOW_UP], params)[0]
     return (
-        [o.token_ids for o in first],
-        second.token_ids,
+        [o.outputs[0].token_ids for o in first],
+        second.outputs[0].token_ids,
         second.num_cached_tokens,
         llm,
     )

@@ -17,7 +17,7 @@ from typing import Any
 
 from prefixgate.engine.config import EngineConfig
 from prefixgate.engine.errors import EngineDeadError, PinLimitError
-from prefixgate.engine.outputs import Logprob, RequestOutput, TokenLogprobs
+from prefixgate.engine.outputs import Logprob, StepOutput, TokenLogprobs
 from prefixgate.engine.protocol import EngineRequest
 from prefixgate.engine.sampling_params import SamplingParams
 
@@ -137,7 +137,7 @@ class FakeEngine:
         then, as on any failure, not at garbage collection."""
         real = self.generate
 
-        async def failing(request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        async def failing(request: EngineRequest) -> AsyncIterator[StepOutput]:
             inner = real(request)
             try:
                 n = 0
@@ -152,7 +152,7 @@ class FakeEngine:
         self.generate = failing  # type: ignore[method-assign]
 
     # --- the contract -----------------------------------------------------------------
-    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: EngineRequest) -> AsyncIterator[StepOutput]:
         prompt, params, request_id = request.prompt, request.sampling_params, request.request_id
         cache_salt = request.cache_salt
         self.tenants_seen.append((request.tenant, request.priority))
@@ -180,12 +180,12 @@ class FakeEngine:
             lps: list[TokenLogprobs] | None,
             finish: str | None = None,
             stop_reason: str | None = None,
-        ) -> RequestOutput:
+        ) -> StepOutput:
             # a fresh object per step holding only what is new (the engine's contract)
             nonlocal first
             metrics = {"arrival": time.monotonic()} if (first and ids_) or finish else {}
             first = first and not ids_
-            return RequestOutput(
+            return StepOutput(
                 request_id,
                 ids_,
                 text,

@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     invalid: list[str] = []
     checker = jsonschema.FormatChecker()
     for k, out in zip(owners, outs, strict=True):
-        c = out
+        c = out.outputs[0]
         if c.finish_reason != "stop":
             continue
         finished += 1
