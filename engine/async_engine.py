@@ -25,10 +25,11 @@ from typing import Any
 from prefixgate.engine.config import EngineConfig
 from prefixgate.engine.errors import EngineDeadError
 from prefixgate.engine.front_end import EngineFrontEnd
-from prefixgate.engine.llm_engine import LLMEngine, PinJob, PreparedRequest
+from prefixgate.engine.llm_engine import LLMEngine, PinJob
 from prefixgate.engine.load_model import estimate_ttft
-from prefixgate.engine.outputs import RequestOutput
+from prefixgate.engine.outputs import StepOutput
 from prefixgate.engine.protocol import EngineRequest
+from prefixgate.engine.request import Request
 from prefixgate.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,12 @@ class _Stream:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     closed: bool = False
 
+    def put(self, item: Any) -> None:
+        """Hand one output (or exception) to the queue, unless the consumer left (runs on
+        the stream's loop)."""
+        if not self.closed:
+            self.queue.put_nowait(item)
+
 
 class AsyncEngine(EngineFrontEnd):
     """Asynchronous engine in vLLM's ``AsyncLLM`` shape.
@@ -55,7 +62,7 @@ class AsyncEngine(EngineFrontEnd):
 
         engine = AsyncEngine(EngineConfig(model=path))
         async for out in engine.generate("Hello", SamplingParams(max_tokens=8), "req-1"):
-            print(out.outputs[0].delta_text, end="")
+            print(out.delta_text, end="")
         await engine.shutdown()
     """
 
@@ -73,9 +80,10 @@ class AsyncEngine(EngineFrontEnd):
         self._thread: threading.Thread | None = None
         self._stopped = False
         self._snapshot: dict[str, Any] = self.engine.stats()
-        # event-loop callbacks produced under the lock, posted after the stats snapshot is
-        # fresh (so a caller woken by them sees stats that include what woke it)
-        self._outbox: list[tuple[asyncio.AbstractEventLoop, Callable[[], None]]] = []
+        # event-loop calls (loop, function, argument) produced under the lock, posted after
+        # the stats snapshot is fresh (so a caller woken by them sees stats that include what
+        # woke it)
+        self._outbox: list[tuple[asyncio.AbstractEventLoop, Callable[[Any], None], Any]] = []
 
     # -- requests ------------------------------------------------------------------------
 
@@ -85,14 +93,16 @@ class AsyncEngine(EngineFrontEnd):
         params: SamplingParams | None = None,
         request_id: str | None = None,
         cache_salt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncIterator[StepOutput]:
         """Submit a request and iterate over its outputs as tokens are produced.
 
         ``request`` is an ``EngineRequest`` (``EngineClient.generate``: every per-request
         argument, tenant and priority included, is one of its fields), or vLLM's loose form
         ``generate(prompt, params, request_id=None, cache_salt=None)`` (a random id when
-        ``None``), which builds one. Each ``RequestOutput`` carries cumulative ``text`` /
-        ``token_ids`` and the new part in ``delta_text`` / ``delta_token_ids``; the last has
+        ``None``), which builds one. It yields per-step deltas (vLLM's
+        ``RequestOutputKind.DELTA``), not ``LLM.generate``'s finished ``RequestOutput``: each
+        ``StepOutput`` carries only what is new (``delta_text`` / ``delta_token_ids`` /
+        ``logprobs``; ``CompletionOutput.add`` accumulates them); the last has
         ``finished=True``. Leaving the loop early (break, ``aclose``, task cancellation, client
         disconnect) aborts the request and frees its KV blocks.
 
@@ -110,10 +120,10 @@ class AsyncEngine(EngineFrontEnd):
         request_id = request.request_id
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        prep = self.engine.prepare_request(request)
+        req = self.engine.prepare_request(request)  # its arrival: now, unless the caller's
         stream = _Stream(request_id, asyncio.get_running_loop())
         self._streams[request_id] = stream
-        self._submit("add", stream, prep, request.arrival_time or time.monotonic())
+        self._submit("add", stream, req)
         finished = False
         try:
             while True:
@@ -305,14 +315,14 @@ class AsyncEngine(EngineFrontEnd):
             except Exception:  # noqa: BLE001 - a command must never kill the loop
                 logger.exception("engine command %s failed", kind)
 
-    def _cmd_add(self, stream: _Stream, prep: PreparedRequest, arrival: float) -> None:
+    def _cmd_add(self, stream: _Stream, req: Request) -> None:
         if stream.closed:
             return
         if self._stopped:
             self._deliver([(stream, EngineDeadError("the engine shut down"))])
             return
         try:
-            self.engine.add_request(prep, arrival_time=arrival)
+            self.engine.add_request(req)
         except Exception as exc:  # noqa: BLE001 - delivered to the request's iterator
             self._deliver([(stream, exc)])
             return
@@ -349,7 +359,7 @@ class AsyncEngine(EngineFrontEnd):
         except Exception as exc:  # noqa: BLE001 - delivered to the caller
             self._resolve(loop, fut, None, exc)
 
-    def _deliver_outputs(self, outputs: list[RequestOutput]) -> None:
+    def _deliver_outputs(self, outputs: list[StepOutput]) -> None:
         items: list[tuple[_Stream, Any]] = []
         for out in outputs:
             stream = self._active.get(out.request_id)
@@ -376,7 +386,7 @@ class AsyncEngine(EngineFrontEnd):
     def _deliver(self, items: list[tuple[_Stream, Any]]) -> None:
         for stream, item in items:
             if not stream.closed:
-                self._outbox.append((stream.loop, _Put(stream, item)))
+                self._outbox.append((stream.loop, stream.put, item))
 
     def _resolve(
         self,
@@ -386,7 +396,7 @@ class AsyncEngine(EngineFrontEnd):
         error: BaseException | None,
         orphan: Callable[[Any], None] | None = None,
     ) -> None:
-        self._outbox.append((loop, _SetFuture(fut, result, error, orphan)))
+        self._outbox.append((loop, _SetFuture(fut, result, error, orphan), None))
 
     def _release_orphan_pin(self, pin: Any) -> None:
         """A pin whose caller was cancelled before it landed: nobody can learn its id, so it
@@ -400,27 +410,15 @@ class AsyncEngine(EngineFrontEnd):
         """Post queued callbacks: one ``call_soon_threadsafe`` per event loop, in order."""
         if not self._outbox:
             return
-        by_loop: dict[asyncio.AbstractEventLoop, list[Callable[[], None]]] = {}
-        for loop, fn in self._outbox:
-            by_loop.setdefault(loop, []).append(fn)
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Callable[[Any], None], Any]]] = {}
+        for loop, fn, arg in self._outbox:
+            by_loop.setdefault(loop, []).append((fn, arg))
         self._outbox = []
         for loop, fns in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_run_all, fns)
             except RuntimeError:  # the loop is closed: nobody is listening
                 pass
-
-
-@dataclass(slots=True)
-class _Put:
-    """Hand one output (or exception) to a stream's queue, unless its consumer left."""
-
-    stream: _Stream
-    item: Any
-
-    def __call__(self) -> None:
-        if not self.stream.closed:
-            self.stream.queue.put_nowait(self.item)
 
 
 @dataclass(slots=True)
@@ -433,7 +431,7 @@ class _SetFuture:
     error: BaseException | None
     orphan: Callable[[Any], None] | None = None
 
-    def __call__(self) -> None:
+    def __call__(self, _: Any = None) -> None:
         if self.fut.done():
             if self.orphan is not None and self.error is None and self.result is not None:
                 self.orphan(self.result)
@@ -444,6 +442,6 @@ class _SetFuture:
             self.fut.set_result(self.result)
 
 
-def _run_all(fns: list[Callable[[], None]]) -> None:
-    for fn in fns:
-        fn()
+def _run_all(calls: list[tuple[Callable[[Any], None], Any]]) -> None:
+    for fn, arg in calls:
+        fn(arg)

@@ -7,36 +7,12 @@ reject bad input at once while the engine thread steps (vLLM's input processor).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from prefixgate.engine.protocol import EngineRequest
+from prefixgate.engine.request import Request
 from prefixgate.engine.sampling_params import SamplingParams
-
-
-@dataclass(slots=True)
-class PreparedRequest:
-    """A validated, tokenized request, not yet queued (built without touching engine state).
-
-    Attributes:
-        request: the caller's ``EngineRequest`` (id, salt, tenant, priority, arrival, ...).
-        prompt: the prompt text, when given as text.
-        prompt_token_ids: prompt token ids (non-empty, < max_model_len tokens).
-        params: a private, re-validated copy of the caller's ``SamplingParams``.
-        max_tokens: output tokens allowed: ``min(params.max_tokens, max_model_len - prompt)``.
-    """
-
-    request: EngineRequest
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    max_tokens: int
-
-    @property
-    def cache_salt(self) -> str | None:
-        """The request's prefix-cache partition key, or ``None``."""
-        return self.request.cache_salt
 
 
 class InputProcessor:
@@ -46,6 +22,8 @@ class InputProcessor:
         tokenizer: the engine's tokenizer (``encode``).
         vocab_size: token ids must lie in ``[0, vocab_size)``.
         max_model_len: longest prompt + output in tokens.
+        structured_output: the ``StructuredOutputManager`` (``validate``), or ``None``.
+        eos_token_ids: the model's end-of-sequence ids (given to each ``Request``).
     """
 
     def __init__(
@@ -54,14 +32,19 @@ class InputProcessor:
         vocab_size: int,
         max_model_len: int,
         structured_output: Any | None = None,
+        eos_token_ids: Iterable[int] = (),
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.structured_output = structured_output  # StructuredOutputManager (validate)
+        self.eos_token_ids = frozenset(eos_token_ids)
 
-    def prepare(self, request: EngineRequest) -> PreparedRequest:
-        """Validate and tokenize a request without queuing it (safe from any thread).
+    def prepare(self, request: EngineRequest) -> Request:
+        """Validate and tokenize a request into its ``Request``, not yet queued (safe from
+        any thread: it reads no engine state). The one check of the prompt's ids; the
+        ``Request`` holds a private, re-validated copy of the caller's ``SamplingParams`` and
+        ``max_tokens = min(params.max_tokens, max_model_len - prompt)``.
 
         Raises:
             TypeError: ``request`` not an ``EngineRequest`` (its own fields are type-checked
@@ -103,7 +86,20 @@ class InputProcessor:
             )
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        return PreparedRequest(request, text, ids, params, max_tokens)
+        req = Request(
+            request.request_id,
+            ids,
+            params,
+            eos_token_ids=self.eos_token_ids,
+            max_tokens=max_tokens,
+            cache_salt=request.cache_salt,
+            arrival_time=request.arrival_time,
+            tenant=request.tenant,
+            priority=request.priority,
+        )
+        req.prompt = text
+        req.engine_request = request
+        return req
 
     def _check_params(self, params: SamplingParams) -> None:
         """Vocabulary-dependent checks of ``params`` (field named in the message)."""

@@ -9,7 +9,7 @@ from typing import Any
 from prefixgate.engine.config import EngineConfig
 from prefixgate.engine.front_end import EngineFrontEnd
 from prefixgate.engine.llm_engine import LLMEngine
-from prefixgate.engine.outputs import RequestOutput
+from prefixgate.engine.outputs import CompletionOutput, RequestOutput
 from prefixgate.engine.protocol import EngineRequest
 from prefixgate.engine.sampling_params import SamplingParams
 
@@ -18,7 +18,8 @@ Message = dict[str, Any]
 
 
 class LLM(EngineFrontEnd):
-    """Offline engine: give it prompts, get finished ``RequestOutput`` objects back.
+    """Offline engine: give it prompts, get finished ``RequestOutput`` objects back (vLLM's
+    shape: ``outputs[0].text``).
 
     Args:
         model: Hugging Face model directory, or ``None`` for the built-in ``tiny-random`` preset.
@@ -41,7 +42,9 @@ class LLM(EngineFrontEnd):
         tenant: str | Sequence[str | None] | None = None,
         priority: int | Sequence[int] = 0,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (continuous batching), outputs in input order.
+        """Generate for every prompt (continuous batching), outputs in input order: each a
+        finished ``RequestOutput`` whose ``outputs[0]`` holds the prompt's whole text, token ids
+        and logprobs, accumulated once from its step outputs.
 
         Args:
             prompts: one string, a list of strings, one list of token ids, or a list of them.
@@ -78,13 +81,24 @@ class LLM(EngineFrontEnd):
             for k, (p, sp, t, pr) in enumerate(zip(plist, params_list, tenants, prios, strict=True))
         ]
         self._counter = itertools.count(first + len(prepared))  # ids taken only when all pass
-        ids = [prep.request.request_id for prep in prepared]
+        results = {req.request_id: CompletionOutput(req.request_id) for req in prepared}
         added: list[str] = []
         try:
-            for rid, prep in zip(ids, prepared, strict=True):
-                self.engine.add_request(prep)
-                added.append(rid)
-            return self._run(ids)
+            for req in prepared:
+                self.engine.add_request(req)
+                added.append(req.request_id)
+            self._run(results)
+            return [
+                RequestOutput(
+                    req.request_id,
+                    req.prompt,
+                    list(req.prompt_token_ids),
+                    [out],
+                    num_cached_tokens=out.num_cached_tokens,
+                    metrics=out.metrics,
+                )
+                for req, out in zip(prepared, results.values(), strict=True)
+            ]
         except BaseException:
             for rid in added:
                 try:
@@ -145,20 +159,23 @@ class LLM(EngineFrontEnd):
         """Raise AssertionError on broken KV block bookkeeping."""
         self.engine.check_invariants()
 
-    def _run(self, ids: list[str]) -> list[RequestOutput]:
-        wanted = set(ids)
-        final: dict[str, RequestOutput] = {}
-        while len(final) < len(ids):
+    def _run(self, results: dict[str, CompletionOutput]) -> None:
+        """Step the engine until every request of ``results`` finished, adding each output
+        to its request's accumulator."""
+        left = set(results)
+        while left:
             if not self.engine.has_unfinished_requests():
-                missing = [rid for rid in ids if rid not in final]
+                missing = [rid for rid in results if rid in left]
                 raise RuntimeError(f"engine went idle with requests unfinished: {missing}")
             for out in self.engine.step():
-                if out.finished and out.request_id in wanted:
-                    final[out.request_id] = out
-            failed = [(rid, exc) for rid, exc in self.engine.pop_failed() if rid in wanted]
+                acc = results.get(out.request_id)
+                if acc is not None:
+                    acc.add(out)
+                    if out.finished:
+                        left.discard(out.request_id)
+            failed = [(rid, exc) for rid, exc in self.engine.pop_failed() if rid in results]
             if failed:
                 raise failed[0][1]  # the caller's other requests are aborted by generate()
-        return [final[rid] for rid in ids]
 
 
 def _normalize_prompts(prompts: Any) -> list[Prompt]:

@@ -3,7 +3,7 @@
 ``add_request`` validates and queues; each ``step()`` schedules (continuous batching, chunked
 prefill, preemption), runs the model runner once, updates the scheduler with the sampled tokens
 (``Scheduler.update_from_output``: the request appends its token and ``Request.check_stop``
-decides, detokenizing, whether it ended) and returns the ``RequestOutput`` of every request that
+decides, detokenizing, whether it ended) and returns the ``StepOutput`` of every request that
 produced a token (or finished) in that step. The ``Request`` object holds all of a request's
 state; the scheduler's table of requests is the only one. Nothing here is thread-safe:
 ``AsyncEngine`` drives it from one thread.
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from prefixgate.engine.config import EngineConfig
 from prefixgate.engine.detokenizer import IncrementalDetokenizer
-from prefixgate.engine.input_processor import InputProcessor, PreparedRequest
+from prefixgate.engine.input_processor import InputProcessor
 from prefixgate.engine.kv_cache import KVCacheSpec, allocate_kv_caches, resolve_num_blocks
 from prefixgate.engine.kv_cache_manager import KVCacheManager, PrefixPin
 from prefixgate.engine.logits_processors import LogitsPipeline
@@ -35,10 +35,10 @@ from prefixgate.engine.model_runner import ModelRunner
 from prefixgate.engine.models.config import ModelConfig
 from prefixgate.engine.models.loader import load_model
 from prefixgate.engine.output_processor import OutputProcessor
-from prefixgate.engine.outputs import RequestOutput
+from prefixgate.engine.outputs import StepOutput
 from prefixgate.engine.protocol import EngineRequest
 from prefixgate.engine.request import Request, RequestStatus
-from prefixgate.engine.sampler import Sampler, SamplingState
+from prefixgate.engine.sampler import Sampler
 from prefixgate.engine.sampling_params import SamplingParams
 from prefixgate.engine.scheduler import Scheduler
 from prefixgate.engine.structured_output import StructuredOutputManager
@@ -125,7 +125,6 @@ class LLMEngine:
                 model,
                 kv_caches,
                 Sampler(config.seed, LogitsPipeline(self.structured_output)),
-                SamplingState,
                 config.block_size,
                 self.device,
                 structured_output=self.structured_output,
@@ -137,13 +136,17 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv_cache_manager, self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer, IncrementalDetokenizer)
         self.input_processor = InputProcessor(
-            self.tokenizer, mc.vocab_size, self.max_model_len, self.structured_output
+            self.tokenizer,
+            mc.vocab_size,
+            self.max_model_len,
+            self.structured_output,
+            self.eos_token_ids,
         )
         # (request id, error) of requests failed outside a step's batch (a grammar that did
         # not compile, a sampled token the grammar rejected); AsyncEngine delivers them
         self.failed: list[tuple[str, BaseException]] = []
         self._pin_counter = itertools.count()
-        self._stashed: list[RequestOutput] = []
+        self._stashed: list[StepOutput] = []
         self._step_requests: list[Request] = []  # the step in progress (for fail_requests)
         # cumulative host wall-clock seconds per phase of step() (benchmarks read it)
         self.timing: dict[str, float] = dict.fromkeys(
@@ -176,18 +179,19 @@ class LLMEngine:
 
     # -- requests ------------------------------------------------------------------------
 
-    def prepare_request(self, request: EngineRequest) -> PreparedRequest:
-        """Validate and tokenize a request without queuing it (safe from any thread); see
-        ``InputProcessor.prepare``. Under ``runner="sim"`` the sampling fields that constrain
-        the tokens (which pseudo tokens ignore) are refused by name (ValueError)."""
-        prep = self.input_processor.prepare(request)
-        if self.config.runner == "sim":
-            _check_sim_params(prep.params)
-        return prep
+    def prepare_request(self, request: EngineRequest) -> Request:
+        """Validate and tokenize a request into its ``Request`` without queuing it (safe from
+        any thread); see ``InputProcessor.prepare``. Under ``runner="sim"`` the sampling
+        fields that constrain the tokens (which pseudo tokens ignore) are refused by name
+        (ValueError)."""
+        req = self.input_processor.prepare(request)
+        if self.config.runner == "sim" and req.sampling_params is not None:
+            _check_sim_params(req.sampling_params)
+        return req
 
     def add_request(
         self,
-        request: EngineRequest | PreparedRequest | str,
+        request: EngineRequest | Request | str,
         prompt: str | Sequence[int] | None = None,
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
@@ -195,10 +199,10 @@ class LLMEngine:
         tenant: str | None = None,
         priority: int = 0,
     ) -> None:
-        """Validate and queue a request: an ``EngineRequest`` (or the ``PreparedRequest`` of
-        one), or vLLM's loose form ``add_request(request_id, prompt, params, ...)``, which
-        builds the ``EngineRequest`` of its arguments (``arrival_time`` given here wins over
-        the request's own).
+        """Validate and queue a request: an ``EngineRequest`` (or the ``Request``
+        ``prepare_request`` made of one), or vLLM's loose form
+        ``add_request(request_id, prompt, params, ...)``, which builds the ``EngineRequest``
+        of its arguments (``arrival_time`` given here wins over the request's own).
 
         ``tenant`` / ``priority`` are read by the ``fair`` / ``priority`` scheduling policies
         (vLLM's ``priority``: lower first).
@@ -210,9 +214,9 @@ class LLMEngine:
             TypeError / ValueError: bad request id, prompt or params (see ``prepare_request``);
                 duplicate request id; a request that can never fit in the KV cache.
         """
-        if isinstance(request, PreparedRequest):
-            prep = request
-            self._check_id(prep.request.request_id)
+        if isinstance(request, Request):
+            req = request
+            self._check_id(req.request_id)
         else:
             if not isinstance(request, EngineRequest):
                 if not isinstance(request, str) or not request:
@@ -223,9 +227,10 @@ class LLMEngine:
                     request, prompt, params or SamplingParams(), cache_salt, tenant, priority
                 )
             self._check_id(request.request_id)
-            prep = self.prepare_request(request)
-        arrival = arrival_time or prep.request.arrival_time or time.monotonic()
-        self._enqueue(prep.request.request_id, prep, arrival)
+            req = self.prepare_request(request)
+        if arrival_time:
+            req.arrival_time = arrival_time
+        self._enqueue(req)
 
     def _check_id(self, request_id: str) -> None:
         if request_id in self.scheduler.requests:
@@ -233,35 +238,22 @@ class LLMEngine:
         if request_id.startswith(PIN_REQUEST_PREFIX):
             raise ValueError(f"request ids starting with {PIN_REQUEST_PREFIX!r} are reserved")
 
-    def _enqueue(
-        self, request_id: str, prep: PreparedRequest, arrival: float, pin_job: PinJob | None = None
-    ) -> Request:
-        er = prep.request
-        req = Request(
-            request_id,
-            prep.prompt_token_ids,
-            prep.params,
-            eos_token_ids=self.eos_token_ids,
-            max_tokens=prep.max_tokens,
-            cache_salt=er.cache_salt,
-            arrival_time=arrival,
-            tenant=er.tenant,
-            priority=er.priority,
-        )
-        req.engine_request = er
-        if prep.params.seed is not None:
+    def _enqueue(self, req: Request, pin_job: PinJob | None = None) -> Request:
+        params = req.sampling_params
+        assert params is not None  # prepare_request made it
+        if params.seed is not None:
             gen = torch.Generator(device="cpu")  # the sampler draws on the generator's device
-            gen.manual_seed(prep.params.seed)
+            gen.manual_seed(params.seed)
             req.generator = gen
-        if prep.params.structured_outputs is not None:  # compiles off the step loop
-            req.structured_output = self.structured_output.request(prep.params.structured_outputs)
+        if params.structured_outputs is not None:  # compiles off the step loop
+            req.structured_output = self.structured_output.request(params.structured_outputs)
         if pin_job is None:
-            self.output_processor.attach(req, prep.prompt)
+            self.output_processor.attach(req)
         req.pin_job = pin_job
         self.scheduler.add_request(req)  # may raise (never fits): nothing else was touched
         return req
 
-    def abort_request(self, request_id: str) -> RequestOutput:
+    def abort_request(self, request_id: str) -> StepOutput:
         """Abort a request in flight and free its KV blocks at once.
 
         Returns:
@@ -292,12 +284,12 @@ class LLMEngine:
 
     # -- the step ------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[StepOutput]:
         """Run one engine step.
 
         Returns:
-            one ``RequestOutput`` per caller request that got a new token or finished this step
-            (cumulative text / token ids + deltas).
+            one ``StepOutput`` per caller request that got a new token or finished this step
+            (what it added this step).
         """
         t0 = time.perf_counter()
         self._fail_grammar_errors()
@@ -313,7 +305,7 @@ class LLMEngine:
         run = self.runner.execute(sched_out)
         t_out = time.perf_counter()
         self.scheduler.update_from_output(sched_out, run.sampled)
-        outputs: list[RequestOutput] = []
+        outputs: list[StepOutput] = []
         op = self.output_processor
         for s in sched_out.scheduled:
             r = s.request
@@ -481,15 +473,15 @@ class LLMEngine:
             raise TypeError("pin_prefix takes token ids; tokenize the text first")
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         rid = f"{PIN_REQUEST_PREFIX}{next(self._pin_counter)}"
-        prep = self.prepare_request(
+        req = self.prepare_request(
             EngineRequest(rid, list(token_ids), params, cache_salt, tenant=tenant)
         )
-        if len(prep.prompt_token_ids) < self.config.block_size:
+        if len(req.prompt_token_ids) < self.config.block_size:
             raise ValueError(
                 f"a pinned prefix needs at least one full block ({self.config.block_size} tokens)"
             )
-        job = PinJob(rid, prep.prompt_token_ids, float(ttl_s), cache_salt, callback, tenant)
-        self._enqueue(rid, prep, time.monotonic(), pin_job=job)
+        job = PinJob(rid, req.prompt_token_ids, float(ttl_s), cache_salt, callback, tenant)
+        self._enqueue(req, pin_job=job)
         return job
 
     def _on_pin_request(self, req: Request) -> None:
@@ -526,7 +518,7 @@ class LLMEngine:
             ValueError / TypeError: see ``start_pin``.
         """
         job = self.start_pin(token_ids, ttl_s, cache_salt, tenant=tenant)
-        pending: list[RequestOutput] = []
+        pending: list[StepOutput] = []
         while not job.done:
             pending.extend(self.step())
         self._stashed = pending + self._stashed

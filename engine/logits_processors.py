@@ -57,25 +57,27 @@ NEG_INF = float("-inf")
 
 @dataclass(slots=True)
 class SamplingState:
-    """What the logits pipeline and the sampler need about one request for this step.
+    """What the logits pipeline and the sampler read of one request: the ``Request``'s own
+    attributes of the same names (the model runner hands the ``Request`` itself); this
+    dataclass holds them for a sampler used on its own (tests, benchmarks).
 
     Attributes:
-        params: the request's sampling parameters.
+        sampling_params: the request's sampling parameters.
         prompt_token_ids: prompt ids (repetition penalty).
         output_token_ids: ids generated so far (penalties, ``min_tokens``).
         generator: the request's own generator (seeded requests); ``None`` uses the
             sampler's shared generator.
         eos_token_ids: the model's EOS ids (banned, with stop token ids, until ``min_tokens``).
-        grammar: the request's ``StructuredOutputRequest`` (ready matcher) when its output is
-            constrained, else ``None``.
+        structured_output: the request's ``StructuredOutputRequest`` (ready matcher) when its
+            output is constrained, else ``None``.
     """
 
-    params: SamplingParams
+    sampling_params: SamplingParams
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     generator: torch.Generator | None = None
     eos_token_ids: frozenset[int] | set[int] = frozenset()
-    grammar: Any | None = None
+    structured_output: Any | None = None
 
 
 class LogitsStep(Protocol):
@@ -123,8 +125,8 @@ def _may_be_emptied(state: SamplingState, num_banned: int, vocab: int) -> bool:
     """Whether a ban of ``num_banned`` ids can leave this row without a finite logit: a row
     masked by a grammar or ``allowed_token_ids`` can; any other row holds the model's finite
     logits but for this call's other bans (bad words, ends), which are counted."""
-    p = state.params
-    if state.grammar is not None or p.allowed_token_ids is not None:
+    p = state.sampling_params
+    if state.structured_output is not None or p.allowed_token_ids is not None:
         return True
     others = len(p.bad_words_token_ids) + len(state.eos_token_ids) + len(p.stop_token_ids)
     return num_banned + others >= vocab
@@ -179,15 +181,17 @@ class GrammarMask:
         self.structured_output = structured_output
 
     def applies(self, state: SamplingState) -> bool:
-        return state.grammar is not None
+        return state.structured_output is not None
 
     def apply(self, scores: torch.Tensor, rows: list[int], states: Sequence[SamplingState]) -> None:
         if self.structured_output is None:
             raise ValueError("a row has a grammar but the pipeline has no structured output")
         vocab, device = scores.shape[1], scores.device
-        r, t = _pairs(rows, [list(states[i].params.stop_token_ids) for i in rows], vocab, device)
+        r, t = _pairs(
+            rows, [list(states[i].sampling_params.stop_token_ids) for i in rows], vocab, device
+        )
         before = scores[r, t].clone()
-        grammars = [states[i].grammar for i in rows]
+        grammars = [states[i].structured_output for i in rows]
         self.structured_output.apply_bitmask(scores, rows, grammars)
         for g in grammars:
             if g is not None:
@@ -208,7 +212,7 @@ class GrammarMask:
         new = torch.where(can_end, before, torch.full_like(before, NEG_INF))
         for i in _ban_unless_empty(scores, r, t, states, new):
             # the grammar's only tokens here are stop ids: the grammar wins, they are its text
-            grammar = states[i].grammar
+            grammar = states[i].structured_output
             if grammar is not None:
                 grammar.stop_ids_are_text = True
 
@@ -220,12 +224,12 @@ class AllowedTokenIds:
     name = "allowed_token_ids"
 
     def applies(self, state: SamplingState) -> bool:
-        return state.params.allowed_token_ids is not None
+        return state.sampling_params.allowed_token_ids is not None
 
     def apply(self, scores: torch.Tensor, rows: list[int], states: Sequence[SamplingState]) -> None:
         dev = scores.device
         local = list(range(len(rows)))
-        ids = [list(states[i].params.allowed_token_ids or ()) for i in rows]
+        ids = [list(states[i].sampling_params.allowed_token_ids or ()) for i in rows]
         r, t = _pairs(local, ids, scores.shape[1], dev)
         keep = torch.zeros(len(rows), scores.shape[1], dtype=torch.bool, device=dev)
         keep[r, t] = True
@@ -244,14 +248,14 @@ class BadWords:
     name = "bad_words"
 
     def applies(self, state: SamplingState) -> bool:
-        return bool(state.params.bad_words_token_ids)
+        return bool(state.sampling_params.bad_words_token_ids)
 
     def apply(self, scores: torch.Tensor, rows: list[int], states: Sequence[SamplingState]) -> None:
         banned: list[list[int]] = []
         for i in rows:
             out = list(states[i].output_token_ids)
             ban = []
-            for seq in states[i].params.bad_words_token_ids:
+            for seq in states[i].sampling_params.bad_words_token_ids:
                 head = seq[:-1]
                 if not head or (len(out) >= len(head) and out[len(out) - len(head) :] == head):
                     ban.append(seq[-1])
@@ -267,10 +271,10 @@ class MinTokens:
     name = "min_tokens"
 
     def applies(self, state: SamplingState) -> bool:
-        return len(state.output_token_ids) < state.params.min_tokens
+        return len(state.output_token_ids) < state.sampling_params.min_tokens
 
     def apply(self, scores: torch.Tensor, rows: list[int], states: Sequence[SamplingState]) -> None:
-        ends = [[*states[i].eos_token_ids, *states[i].params.stop_token_ids] for i in rows]
+        ends = [[*states[i].eos_token_ids, *states[i].sampling_params.stop_token_ids] for i in rows]
         r, t = _pairs(rows, ends, scores.shape[1], scores.device)
         _ban_unless_empty(scores, r, t, states)
 
@@ -281,7 +285,7 @@ class LogitBias:
     name = "logit_bias"
 
     def applies(self, state: SamplingState) -> bool:
-        return bool(state.params.logit_bias)
+        return bool(state.sampling_params.logit_bias)
 
     def apply(self, scores: torch.Tensor, rows: list[int], states: Sequence[SamplingState]) -> None:
         vocab = scores.shape[1]
@@ -289,7 +293,7 @@ class LogitBias:
         t: list[int] = []
         v: list[float] = []
         for i in rows:
-            for tid, bias in (states[i].params.logit_bias or {}).items():
+            for tid, bias in (states[i].sampling_params.logit_bias or {}).items():
                 if 0 <= tid < vocab:
                     r.append(i)
                     t.append(tid)
@@ -311,7 +315,7 @@ class RepetitionPenalty:
     name = "repetition_penalty"
 
     def applies(self, state: SamplingState) -> bool:
-        return state.params.repetition_penalty != 1.0
+        return state.sampling_params.repetition_penalty != 1.0
 
     def apply(self, scores: torch.Tensor, rows: list[int], states: Sequence[SamplingState]) -> None:
         # only the seen (row, token) pairs are read and written, each once
@@ -322,7 +326,9 @@ class RepetitionPenalty:
             return
         rp_of = torch.ones(scores.shape[0], dtype=scores.dtype, device=dev)
         rp_of[torch.tensor(rows, device=dev)] = torch.tensor(
-            [states[i].params.repetition_penalty for i in rows], dtype=scores.dtype, device=dev
+            [states[i].sampling_params.repetition_penalty for i in rows],
+            dtype=scores.dtype,
+            device=dev,
         )
         rp = rp_of[r]
         vals = scores[r, t]
@@ -336,7 +342,7 @@ class FrequencyPresencePenalty:
     name = "frequency_presence"
 
     def applies(self, state: SamplingState) -> bool:
-        p = state.params
+        p = state.sampling_params
         return bool(p.frequency_penalty or p.presence_penalty) and len(state.output_token_ids) > 0
 
     def apply(self, scores: torch.Tensor, rows: list[int], states: Sequence[SamplingState]) -> None:
@@ -350,10 +356,14 @@ class FrequencyPresencePenalty:
         pp_of = torch.zeros(scores.shape[0], dtype=scores.dtype, device=dev)
         idx = torch.tensor(rows, device=dev)
         fp_of[idx] = torch.tensor(
-            [states[i].params.frequency_penalty for i in rows], dtype=scores.dtype, device=dev
+            [states[i].sampling_params.frequency_penalty for i in rows],
+            dtype=scores.dtype,
+            device=dev,
         )
         pp_of[idx] = torch.tensor(
-            [states[i].params.presence_penalty for i in rows], dtype=scores.dtype, device=dev
+            [states[i].sampling_params.presence_penalty for i in rows],
+            dtype=scores.dtype,
+            device=dev,
         )
         c = counts.to(scores.dtype)
         scores[r, t] -= c * fp_of[r] + pp_of[r]

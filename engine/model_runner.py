@@ -82,7 +82,6 @@ class ModelRunner:
         kv_caches: one ``(k, v)`` pair per layer, ``[num_blocks, block_size, kv_heads, head_dim]``.
         sampler: ``Sampler`` with ``sample(logits [B, V] fp32, states) -> list[SampleResult]``
             (its ``LogitsPipeline`` applies each constrained row's grammar mask).
-        sampling_state_cls: the sampler module's ``SamplingState`` dataclass.
         block_size: tokens per KV block.
         device: where the model and caches live.
         sync_timing: synchronize CUDA around the forward so ``forward_s`` is exact (benchmarks).
@@ -96,7 +95,6 @@ class ModelRunner:
         model: CausalLM,
         kv_caches: KVCaches,
         sampler: Any,
-        sampling_state_cls: Any,
         block_size: int,
         device: torch.device,
         sync_timing: bool = False,
@@ -108,7 +106,6 @@ class ModelRunner:
         self.structured_output = structured_output
         self.kv_caches = kv_caches
         self.sampler = sampler
-        self.sampling_state_cls = sampling_state_cls
         self.block_size = block_size
         self.device = torch.device(device)
         self.sync_timing = sync_timing and self.device.type == "cuda"
@@ -273,7 +270,7 @@ class ModelRunner:
                     plain.append(s)
                 else:
                     sampled[s.request.request_id] = self.sampler.verify(
-                        logits[row : row + k + 1], self._state(s.request), list(s.spec_token_ids)
+                        logits[row : row + k + 1], s.request, list(s.spec_token_ids)
                     )
                 row += k + 1
             logits, sampling = logits[rows], plain
@@ -289,27 +286,16 @@ class ModelRunner:
         logprobs: dict[str, TokenLogprobs],
     ) -> None:
         """One token per request from ``logits`` ``[N, V]`` (row i: ``requests[i]``) into
-        ``sampled`` / ``logprobs``; a grammar accepts its request's token."""
-        grammar_of = [getattr(r, "structured_output", None) for r in requests]
-        states = [self._state(r, g) for r, g in zip(requests, grammar_of, strict=True)]
+        ``sampled`` / ``logprobs``; a grammar accepts its request's token. The sampler reads
+        each ``Request`` itself (``SamplingState``'s attributes)."""
         # every change to the logits (grammar mask included) is the sampler's logits pipeline
-        results = self.sampler.sample(logits, states)
-        for r, res, g in zip(requests, results, grammar_of, strict=True):
+        results = self.sampler.sample(logits, requests)
+        for r, res in zip(requests, results, strict=True):
             sampled[r.request_id] = int(res.token_id)
-            if g is not None:
-                g.accept(int(res.token_id))
+            if r.structured_output is not None:
+                r.structured_output.accept(int(res.token_id))
             if res.logprobs is not None:
                 logprobs[r.request_id] = res.logprobs
-
-    def _state(self, r: Any, grammar: Any = None) -> Any:
-        return self.sampling_state_cls(
-            params=r.sampling_params,
-            prompt_token_ids=r.prompt_token_ids,
-            output_token_ids=r.output_token_ids,
-            generator=r.generator,
-            eos_token_ids=r.eos_token_ids,
-            grammar=grammar,
-        )
 
 
 def _decodes_first(scheduled: list[Any]) -> list[Any]:

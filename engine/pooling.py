@@ -28,7 +28,7 @@ from prefixgate.engine.kv_cache import KVCacheSpec, allocate_kv_caches
 from prefixgate.engine.model_runner import ModelRunner
 from prefixgate.engine.models.config import ModelConfig
 from prefixgate.engine.models.loader import load_model
-from prefixgate.engine.outputs import RequestOutput
+from prefixgate.engine.outputs import StepOutput
 from prefixgate.engine.protocol import EngineRequest
 from prefixgate.engine.threads import apply_threads
 from prefixgate.engine.tokenizer import Tokenizer
@@ -94,7 +94,7 @@ class PoolingEngine:
         num_blocks = -(-budget // bs) + config.max_num_seqs + 1
         spec = KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, bs, mc.dtype)
         self._kv_caches = allocate_kv_caches(spec, num_blocks, self.device)
-        self._runner = ModelRunner(self.model, self._kv_caches, None, None, bs, self.device)
+        self._runner = ModelRunner(self.model, self._kv_caches, None, bs, self.device)
         self._lock = threading.Lock()
         self._dead = False
         self._counts = {"embedding_requests": 0, "embedding_tokens": 0}
@@ -112,7 +112,7 @@ class PoolingEngine:
     def max_model_len(self) -> int:
         return self._max_model_len
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: EngineRequest) -> AsyncIterator[StepOutput]:
         """Not available on a pooling runner (``EngineClient.generate``'s signature).
 
         Raises:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from prefixgate.engine.config import EngineConfig
-from prefixgate.engine.outputs import RequestOutput
+from prefixgate.engine.outputs import StepOutput
 from prefixgate.engine.sampling_params import SamplingParams
 
 
@@ -173,9 +173,10 @@ class EngineClient(Protocol):
         """Longest prompt + output in tokens."""
         ...
 
-    def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
-        """Outputs of ``request`` as tokens come (the last has ``finished=True``); leaving
-        the iteration early aborts the request.
+    def generate(self, request: EngineRequest) -> AsyncIterator[StepOutput]:
+        """Per-step deltas of ``request`` as tokens come (``StepOutput``: only what each
+        step added; the last has ``finished=True``); leaving the iteration early aborts the
+        request.
 
         Raises (from the first iteration):
             ValueError / TypeError: bad prompt or params, duplicate in-flight ``request_id``.

@@ -77,7 +77,7 @@ class Request:
         num_preemptions: times this request was preempted.
         arrival_time, first_scheduled_time, first_token_time, last_token_time, finished_time:
             ``time.monotonic()`` seconds (``None`` until it happens); ``metrics`` is them as a
-            dict, the one copy ``RequestOutput.metrics`` reports.
+            dict, the one copy ``StepOutput.metrics`` reports.
         steps_waited: engine steps that ran while it waited for its first admission.
         first_step_tokens, first_chunk_tokens: the query tokens of the whole step that first
             scheduled it, and its own share of them (its first prefill chunk); 0 until then.
@@ -88,9 +88,10 @@ class Request:
         detokenizer: the ``IncrementalDetokenizer`` of a caller request (``None`` for internal
             requests and bare scheduler tests): ``check_stop`` feeds it each token and ends the
             request on a stop string.
-        text: the text produced so far (stop strings excluded); ``logprobs``: one
-            ``TokenLogprobs`` per output token when requested, else ``None``;
-            ``num_sent_tokens`` / ``num_sent_chars``: what earlier outputs already reported.
+        new_text: the text detokenized since the last output (stop strings excluded);
+            ``new_logprobs``: the ``TokenLogprobs`` of the tokens since the last output when
+            requested, else ``None``; ``num_sent_tokens``: output tokens earlier outputs
+            reported. An output takes these and resets them: the request keeps no whole text.
         prompt: the prompt text when the caller gave text, else ``None``.
         pin_job: the pin in progress when this is the internal prefill of a prefix pin.
         engine_request: the caller's ``EngineRequest`` it was built from (``None`` for bare
@@ -100,10 +101,8 @@ class Request:
         spec: its speculative-decoding bookkeeping (``spec_decode.SpecDecodeState``), made by
             the scheduler at its first draft; ``None`` until then or without speculation.
 
-    Raises:
-        ValueError: empty prompt, a negative token id, or max_tokens < 1.
-        TypeError: prompt_token_ids not a sequence of ints, cache_salt or tenant not a
-            string, priority not an int.
+    A ``Request`` is built by ``InputProcessor.prepare`` from a validated ``EngineRequest``
+    (prompt ids, limits and field types are checked there, once); it checks nothing again.
     """
 
     def __init__(
@@ -118,25 +117,7 @@ class Request:
         tenant: str | None = None,
         priority: int = 0,
     ) -> None:
-        if isinstance(prompt_token_ids, str | bytes) or not isinstance(prompt_token_ids, Sequence):
-            raise TypeError("prompt_token_ids must be a list of ints")
         prompt = list(prompt_token_ids)
-        if not prompt:
-            raise ValueError(f"request {request_id!r}: the prompt is empty")
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise TypeError(f"request {request_id!r}: prompt token ids must be ints")
-        if min(prompt) < 0:
-            raise ValueError(f"request {request_id!r}: prompt token ids must be >= 0")
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValueError(
-                f"request {request_id!r}: max_tokens must be an int >= 1, got {max_tokens!r}"
-            )
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise TypeError("cache_salt must be a string or None")
-        if tenant is not None and not isinstance(tenant, str):
-            raise TypeError("tenant must be a string or None")
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise TypeError(f"priority must be an int, got {priority!r}")
         self.tenant = tenant
         self.priority = priority
         self.request_id = request_id
@@ -167,10 +148,9 @@ class Request:
         self.first_step_s: float | None = None
         self.prompt: str | None = None
         self.detokenizer: Any = None
-        self.text = ""
-        self.logprobs: list[Any] | None = None
+        self.new_text = ""
+        self.new_logprobs: list[Any] | None = None
         self.num_sent_tokens = 0
-        self.num_sent_chars = 0
         self.pin_job: Any = None
         self.engine_request: EngineRequest | None = None
         self.error: BaseException | None = None
@@ -266,7 +246,7 @@ class Request:
                 return RequestStatus.FINISHED_ABORTED
         detok = self.detokenizer
         if detok is not None:
-            self.text += detok.step([token])
+            self.new_text += detok.step([token])
             if detok.stop_string is not None:
                 self.stop_reason = detok.stop_string
                 return RequestStatus.FINISHED_STOPPED

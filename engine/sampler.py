@@ -15,7 +15,6 @@ shares its batch.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -75,7 +74,7 @@ class Sampler:
             )
         if not batch:
             return []
-        params = [s.params for s in batch]
+        params = [s.sampling_params for s in batch]
         processed = self.pipeline(logits, batch)
         random_rows = [i for i, p in enumerate(params) if p.temperature >= GREEDY_EPS]
         wants_logprobs = any(p.logprobs is not None for p in params)
@@ -111,7 +110,7 @@ class Sampler:
     def _probs(scores: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
         """``scores [R, V]`` float32 (penalized logits) → ``[R, V]`` the distributions drawn
         from: temperature, top-k, top-p, softmax, min-p."""
-        params = [s.params for s in states]
+        params = [s.sampling_params for s in states]
         device = scores.device
         temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
         scores = scores / temps.unsqueeze(1)
@@ -148,13 +147,20 @@ class Sampler:
             raise ValueError(
                 f"logits must be [{k + 1}, V] for {k} drafts, got {tuple(logits.shape)}"
             )
-        if state.grammar is not None:
+        if state.structured_output is not None:
             raise ValueError("speculative verification does not take a structured-output grammar")
         drafts = [int(d) for d in draft_token_ids]
         outputs = list(state.output_token_ids)
-        greedy = state.params.temperature < GREEDY_EPS
-        states = [
-            dataclasses.replace(state, output_token_ids=outputs + drafts[:j]) for j in range(k + 1)
+        greedy = state.sampling_params.temperature < GREEDY_EPS
+        states = [  # the request as it would stand at each draft position
+            SamplingState(
+                state.sampling_params,
+                state.prompt_token_ids,
+                outputs + drafts[:j],
+                state.generator,
+                state.eos_token_ids,
+            )
+            for j in range(k + 1)
         ]
         steps = self.pipeline.steps
         if greedy and not any(step.applies(st) for st in states for step in steps):

@@ -130,19 +130,17 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue a request (WAITING).
 
+        The prompt was checked against ``max_model_len`` where the request was built
+        (``InputProcessor.prepare``, the one check of a prompt).
+
         Raises:
-            ValueError: duplicate request id, or the prompt is longer than ``max_model_len``.
+            ValueError: duplicate request id.
             CacheCapacityError (ValueError): prompt + max_tokens can never fit in the KV cache,
                 even with every block free.
         """
         rid = request.request_id
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
-        if request.num_prompt_tokens > self.max_model_len:
-            raise ValueError(
-                f"request {rid!r}: prompt of {request.num_prompt_tokens} tokens is longer than "
-                f"max_model_len={self.max_model_len}"
-            )
         final_len = min(
             request.num_prompt_tokens + request.max_tokens,
             max(self.max_model_len, request.num_prompt_tokens + 1),

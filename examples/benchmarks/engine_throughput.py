@@ -82,7 +82,7 @@ def run_once(llm, prompts: list[list[int]], output_len: int) -> dict:
         before = dict(eng.timing)
         prefilled = eng.stats()["prompt_tokens_prefilled"]
         outs = eng.step()
-        out_tokens += sum(len(o.outputs[0].delta_token_ids) for o in outs)
+        out_tokens += sum(len(o.delta_token_ids) for o in outs)
         delta = {k: eng.timing[k] - before[k] for k in keys}
         steps += 1
         for k in keys:

@@ -200,7 +200,7 @@ def run_side_by_side(args: argparse.Namespace) -> list[PolicyRun]:
                 run.forward_s += eng.timing["forward_s"] - timing["forward_s"]
             for out in outs:
                 rid = out.request_id
-                if rid in side.b_waiting and out.outputs[0].token_ids:
+                if rid in side.b_waiting and out.delta_token_ids:
                     side.b_waiting.discard(rid)
                     run.b_ttft_s.append(done - arrivals[rid])
                 if out.finished:

@@ -87,7 +87,7 @@ def ttft(llm, prompt: list[int], rid: str, cache_salt: str | None = None) -> tup
     )
     while True:
         for out in eng.step():
-            if out.request_id == rid and out.outputs[0].token_ids:
+            if out.request_id == rid and out.delta_token_ids:
                 return time.perf_counter() - t0, out.num_cached_tokens
 
 

@@ -60,7 +60,7 @@ def run_real(engine: Any, trace: list[tuple[float, int, list[int], int]], t0: fl
         if engine.has_unfinished_requests():
             for out in engine.step():
                 rid = out.request_id
-                if rid not in result and out.outputs[0].token_ids:
+                if rid not in result and out.delta_token_ids:
                     result[rid] = (time.monotonic() - t0 - arrival[rid], out.num_cached_tokens)
         elif pending:
             time.sleep(max(0.0, pending[0][1][0] - (time.monotonic() - t0)))
@@ -80,7 +80,7 @@ def run_sim(engine: Any, clock: Any, trace: list[tuple[float, int, list[int], in
         if engine.has_unfinished_requests():
             for out in engine.step():
                 rid = out.request_id
-                if rid not in result and out.outputs[0].token_ids:
+                if rid not in result and out.delta_token_ids:
                     result[rid] = (clock.t - arrival[rid], out.num_cached_tokens)
         elif pending:
             clock.t = pending[0][1][0]

@@ -2,7 +2,7 @@
 
 ``LLMEngine.timing`` splits each step into ``schedule_s`` (the scheduler), ``prepare_s`` (the
 runner's input arrays), ``forward_s`` (the model's layers and the LM head), ``sample_s`` and
-``output_s`` (the scheduler's update, detokenizing and the ``RequestOutput``s). This runs,
+``output_s`` (the scheduler's update, detokenizing and the ``StepOutput``s). This runs,
 on one ``LLMEngine`` (SmolLM2-135M's shape with dummy weights, ``--layers`` of its 30,
 ``--threads``, 8 seats, ``fair``), rounds of four step shapes, interleaved so that the host's
 varying load weighs on each alike:

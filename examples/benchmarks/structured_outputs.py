@@ -65,7 +65,7 @@ def decode_rate(llm, prompts: list[list[int]], params: list) -> dict:
         ts, cs = time.perf_counter(), time.process_time()
         outs = eng.step()
         dt, dc = time.perf_counter() - ts, time.process_time() - cs
-        n = sum(len(o.outputs[0].delta_token_ids) for o in outs)
+        n = sum(len(o.delta_token_ids) for o in outs)
         total_tokens += n
         if eng.stats()["prompt_tokens_prefilled"] == prefilled:
             decode_s += dt

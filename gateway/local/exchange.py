@@ -13,6 +13,7 @@ import time
 
 from aiohttp import web
 from prefixgate.engine.errors import EngineDeadError
+from prefixgate.engine.outputs import CompletionOutput, StepOutput
 from prefixgate.engine.protocol import EngineRequest
 from prefixgate.gateway.http.access_log import record, stream_cut
 from prefixgate.gateway.http.errors import APIError, bad_request
@@ -27,7 +28,7 @@ from prefixgate.gateway.local.cache_marks import (
     pin_marks,
     written_tokens,
 )
-from prefixgate.gateway.local.generation import ChoiceOutput, ChoiceRun, Delta
+from prefixgate.gateway.local.generation import ChoiceRun
 from prefixgate.gateway.local.renderers import Renderer
 from prefixgate.gateway.local.serving import LOCAL
 from prefixgate.gateway.local.token_walk import first_token_walk
@@ -109,7 +110,8 @@ class Exchange:
         self.prompt_ids = list(prompt)
         self.stream = stream
         self.prompt_index = prompt_index or [0] * len(requests)
-        self.outputs = [ChoiceOutput() for _ in requests]
+        self.outputs = [CompletionOutput(r.request_id, index=k) for k, r in enumerate(requests)]
+        self.t_first_tokens = [0.0] * len(requests)  # monotonic s of each choice's first token
         self.cached: dict[int, int] = {}  # prompt index -> cached tokens (its first choice's)
         prompts = {p: len(r.prompt) for p, r in zip(self.prompt_index, requests, strict=True)}
         self.prompt_tokens = sum(prompts.values())
@@ -187,7 +189,7 @@ class Exchange:
         engine = self.request.app[LOCAL].engine
         room = None if engine is None else engine.max_model_len - len(self.prompt_ids)
         tpot = self.st.admission.tpot_s
-        for out, req in zip(self.outputs, self.requests, strict=True):
+        for out, req, t_first in zip(self.outputs, self.requests, self.t_first_tokens, strict=True):
             params = req.sampling_params
             cap = params.max_tokens if params is not None else None
             if cap is not None and room is not None:
@@ -196,8 +198,8 @@ class Exchange:
                 return None
             if out.finish_reason is not None:
                 continue
-            if out.num_tokens >= ETA_MIN_TOKENS and out.t_first_token:
-                rate = (out.num_tokens - 1) / max(now - out.t_first_token, 1e-6)
+            if out.num_tokens >= ETA_MIN_TOKENS and t_first:
+                rate = (out.num_tokens - 1) / max(now - t_first, 1e-6)
                 left = max(left, (cap - out.num_tokens) / rate)
             elif tpot > 0:
                 left = max(left, (cap - out.num_tokens) * tpot)
@@ -222,27 +224,31 @@ class Exchange:
         digest = hash(tuple(ids for _, ids in sorted(prompts.items())))
         return self.principal.id, len(self.requests), digest
 
-    def _record(self, i: int, d: Delta) -> None:
+    def _record(self, i: int, d: StepOutput) -> None:
         """Note one output of choice ``i`` (and the request's metrics)."""
         now = time.monotonic()
         metrics = self.st.metrics
-        if self.t_first is None and d.new_tokens:
+        new_tokens = len(d.delta_token_ids)
+        if self.t_first is None and new_tokens:
             self.t_first = now
             self.ticket.started()
             metrics.ttft.observe(now - self.t0)
-            self.engine_metrics = d.engine_metrics
+            self.engine_metrics = d.metrics or None  # the engine's timeline, on this output
         out = self.outputs[i]
         before = out.num_tokens
-        out.add(d, now)
-        metrics.add_generated(d.new_tokens)
-        if before < ETA_MIN_TOKENS <= out.num_tokens and out.t_first_token:
+        if new_tokens and before == 0:
+            self.t_first_tokens[i] = now
+        out.add(d)
+        metrics.add_generated(new_tokens)
+        t_first = self.t_first_tokens[i]
+        if before < ETA_MIN_TOKENS <= out.num_tokens and t_first:
             # a measured rate for the requests too young to measure their own (eta_s)
-            self.st.admission.note_tpot((now - out.t_first_token) / (out.num_tokens - 1))
+            self.st.admission.note_tpot((now - t_first) / (out.num_tokens - 1))
         self.cached.setdefault(self.prompt_index[i], d.num_cached_tokens)
         self.rec.completion_tokens = sum(o.num_tokens for o in self.outputs)
         self.rec.cached_tokens = sum(self.cached.values())
-        if d.finished and d.num_tokens > 1:
-            metrics.tpot.observe((now - out.t_first_token) / (d.num_tokens - 1))
+        if d.finished and out.num_tokens > 1:
+            metrics.tpot.observe((now - t_first) / (out.num_tokens - 1))
 
     def _usage(self) -> Usage:
         completion = sum(o.num_tokens for o in self.outputs)
@@ -351,8 +357,8 @@ class Exchange:
         for chunk in self.renderer.opening(len(self.requests)):
             await sse.write(self.renderer.event(chunk))
 
-    async def _send(self, sse: SSEWriter, i: int, d: Delta) -> None:
-        offset = len(self.outputs[i].text)
+    async def _send(self, sse: SSEWriter, i: int, d: StepOutput) -> None:
+        offset = self.outputs[i].num_chars
         self._record(i, d)
         for chunk in self.renderer.chunks(i, d, offset):
             await sse.write(self.renderer.event(chunk))

@@ -34,7 +34,7 @@ import uuid
 from typing import Any
 
 from aiohttp import web
-from prefixgate.engine.sampling_params import SamplingParams
+from prefixgate.engine.outputs import CompletionOutput, StepOutput
 from prefixgate.gateway.http.errors import (
     GEMINI,
     APIError,
@@ -42,7 +42,7 @@ from prefixgate.gateway.http.errors import (
     error_dialect,
     not_found,
 )
-from prefixgate.gateway.local.generation import ChoiceOutput, Delta, engine_request
+from prefixgate.gateway.local.generation import engine_request
 from prefixgate.gateway.local.prefix_routes import prefix_quota
 from prefixgate.gateway.local.prefixes import PrefixEntry, SharedPrefix
 from prefixgate.gateway.local.serving import LOCAL
@@ -55,6 +55,7 @@ from prefixgate.gateway.wire.gemini_models import (
     Chat,
     CountTokensRequest,
     GenerateContentRequest,
+    GenerationConfig,
     life_seconds,
     openai_tools,
     parse_request,
@@ -81,7 +82,7 @@ from prefixgate.gateway.wire.tools import ToolDeltas, ToolPlan, parse_output, pl
 _FINISH = {"stop": "STOP", "length": "MAX_TOKENS"}
 
 
-def finish_reason(o: ChoiceOutput) -> str:
+def finish_reason(o: CompletionOutput) -> str:
     """Gemini's ``finishReason`` of a finished choice (``STOP``, ``MAX_TOKENS``, ``OTHER``)."""
     return _FINISH.get(o.finish_reason or "", "OTHER")
 
@@ -141,7 +142,7 @@ class GeminiRenderer:
         body["responseId"] = self.rid
         return body
 
-    def json(self, outputs: list[ChoiceOutput], usage: Usage) -> bytes:
+    def json(self, outputs: list[CompletionOutput], usage: Usage) -> bytes:
         """The whole ``GenerateContentResponse``, as JSON bytes."""
         candidates = []
         for i, o in enumerate(outputs):
@@ -173,7 +174,7 @@ class GeminiRenderer:
     def _chunk(self, candidates: list[dict[str, Any]], usage: Usage | None = None) -> bytes:
         return b"data: " + _dumps(self._response(candidates, usage)) + b"\n\n"
 
-    def chunks(self, i: int, d: Delta, offset: int) -> list[bytes]:
+    def chunks(self, i: int, d: StepOutput, offset: int) -> list[bytes]:
         """A chunk of the choice's new text (function calls wait for ``closing``)."""
         if self._deltas is None:
             text = d.delta_text
@@ -197,7 +198,7 @@ class GeminiRenderer:
         content = {"role": "model", "parts": [{"text": text}]}
         return [self._chunk([{"content": content, "index": i}])]
 
-    def closing(self, outputs: list[ChoiceOutput], usage: Usage) -> list[bytes]:
+    def closing(self, outputs: list[CompletionOutput], usage: Usage) -> list[bytes]:
         """The last chunk: each candidate's function calls and ``finishReason``, and the
         whole ``usageMetadata``."""
         candidates = []
@@ -402,26 +403,9 @@ async def _generate(request: web.Request, model: str, stream: bool) -> web.Strea
     rid = uuid.uuid4().hex[:24]
     requests = []
     hint = pool_hint(request)
+    config = gc if gc is not None else GenerationConfig.model_validate({})
     for i in range(n):
-        try:
-            params = SamplingParams(
-                temperature=1.0 if gc is None or gc.temperature is None else gc.temperature,
-                top_p=1.0 if gc is None or gc.topP is None else gc.topP,
-                top_k=-1 if gc is None or gc.topK is None else gc.topK,
-                seed=seeds[i],
-                presence_penalty=0.0
-                if gc is None or gc.presencePenalty is None
-                else gc.presencePenalty,
-                frequency_penalty=0.0
-                if gc is None or gc.frequencyPenalty is None
-                else gc.frequencyPenalty,
-                max_tokens=max_tokens,
-                stop=stop,
-                structured_outputs=spec,
-                skip_special_tokens=plan.mode != "auto",
-            )
-        except (ValueError, TypeError) as exc:
-            raise bad_request(f"generationConfig: {exc}", param="generationConfig") from None
+        params = config.sampling_params(max_tokens, seeds[i], stop, spec, plan.mode != "auto")
         requests.append(engine_request(principal, f"{rid}-{i}", ids, params, hint=hint))
     renderer = GeminiRenderer(rid, model.removeprefix("models/"), plan, n)
     return await Exchange(request, st, principal, requests, renderer, stream).run()

@@ -3,7 +3,9 @@
 ``engine_request`` is the one place a route turns its caller and body into the engine's
 ``EngineRequest`` (salt, tenant, priority included), so every route sends the same fields.
 ``ChoiceRun`` starts one task per choice that drains ``engine.generate`` into a shared queue;
-the route reads ``(choice index, Delta)`` events in arrival order. Leaving the
+the route reads ``(choice index, StepOutput)`` events in arrival order (each output is the
+engine's own, holding only what the step added; the route's ``CompletionOutput`` per choice
+accumulates them). Leaving the
 ``async with`` block for any reason (client gone, handler cancelled, error) aborts every
 engine request that has not finished, so its KV blocks are freed at once.
 """
@@ -12,78 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
 
-from prefixgate.engine.outputs import TokenLogprobs
+from prefixgate.engine.outputs import StepOutput
 from prefixgate.engine.protocol import EngineClient, EngineRequest
 from prefixgate.engine.sampling_params import SamplingParams
 from prefixgate.gateway.tenancy.keys import Principal, effective_salt
 from prefixgate.gateway.tenancy.pool_hints import PoolHint
 
 logger = logging.getLogger("prefixgate.gateway")
-
-
-@dataclass(slots=True)
-class Delta:
-    """What one engine output adds to a choice, copied out of the engine's objects.
-
-    Attributes:
-        text: cumulative text; delta_text: the new text.
-        num_tokens: tokens generated so far; new_tokens: how many are new.
-        logprobs: TokenLogprobs of the new tokens (None when not requested).
-        finish_reason: None while running, else "stop" | "length" | "abort".
-        num_cached_tokens: prompt tokens served from the prefix cache.
-        stop_reason: on the last output, the stop string matched (str) or the stop token id
-            (int) that ended it; None otherwise (EOS, length, running).
-        engine_metrics: on the choice's first output with tokens, a copy of the engine's
-            ``RequestOutput.metrics`` (its timeline: monotonic timestamps in seconds, the
-            steps it waited, its first step's tokens and seconds); None on the others.
-    """
-
-    text: str
-    delta_text: str
-    num_tokens: int
-    new_tokens: int
-    logprobs: list[TokenLogprobs] | None
-    finish_reason: str | None
-    num_cached_tokens: int
-    stop_reason: str | int | None = None
-    engine_metrics: dict[str, float] | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass(slots=True)
-class ChoiceOutput:
-    """What one choice has produced so far (``add`` each of its Deltas).
-
-    Attributes:
-        text: the text so far; finish_reason: None while running; stop_reason: the stop
-            string (or stop token id) that ended it, else None.
-        num_tokens: tokens generated; logprobs: TokenLogprobs of each (when asked for).
-        t_first_token: monotonic seconds of its first token (0.0 before).
-    """
-
-    text: str = ""
-    finish_reason: str | None = None
-    num_tokens: int = 0
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    t_first_token: float = 0.0
-    stop_reason: str | int | None = None
-
-    def add(self, d: Delta, now: float) -> None:
-        """Take in one output of this choice, seen at ``now`` (monotonic seconds)."""
-        if d.new_tokens and self.num_tokens == 0:
-            self.t_first_token = now
-        self.num_tokens = d.num_tokens
-        if d.logprobs is not None:
-            self.logprobs.extend(d.logprobs)
-        self.text = d.text
-        if d.finished:
-            self.finish_reason = d.finish_reason
-            self.stop_reason = d.stop_reason
 
 
 def engine_request(
@@ -127,7 +65,7 @@ _ABORTING: set[asyncio.Task] = set()  # aborts finishing in the background (kept
 class ChoiceRun:
     """Runs the choices of one HTTP request on the engine (``async with``).
 
-    ``await next(timeout)`` returns ``(index, Delta)``, or ``None`` when ``timeout`` seconds
+    ``await next(timeout)`` returns ``(index, StepOutput)``, or ``None`` when ``timeout`` seconds
     pass with no output (the caller checks the client and sends keep-alives). An engine error
     is re-raised from ``next``.
     """
@@ -135,7 +73,7 @@ class ChoiceRun:
     def __init__(self, engine: EngineClient, requests: list[EngineRequest]) -> None:
         self._engine = engine
         self.requests = requests
-        self._queue: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[int, StepOutput | BaseException | None]] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
         self._finished: set[int] = set()
         self.pending = len(requests)
@@ -150,37 +88,10 @@ class ChoiceRun:
 
     async def _pump(self, i: int, request: EngineRequest) -> None:
         put = self._queue.put_nowait
-        seen_tokens = seen_logprobs = 0
         try:
             async for out in self._engine.generate(request):
-                # Copy now: an engine may reuse its output objects for the next step.
-                comp = out.outputs[0]
-                n = len(comp.token_ids)
-                lps = comp.logprobs
-                if lps is not None:
-                    lps = lps[seen_logprobs:]
-                    seen_logprobs += len(lps)
-                finish = comp.finish_reason if out.finished or comp.finish_reason else None
-                if out.finished and finish is None:
-                    finish = "stop"
-                put(
-                    (
-                        i,
-                        Delta(
-                            comp.text,
-                            comp.delta_text,
-                            n,
-                            n - seen_tokens,
-                            lps,
-                            finish,
-                            out.num_cached_tokens,
-                            comp.stop_reason if finish is not None else None,
-                            dict(out.metrics) if seen_tokens == 0 and n else None,
-                        ),
-                    )
-                )
-                seen_tokens = n
-                if finish is not None:
+                put((i, out))  # an output is the step's own delta: never changed after
+                if out.finished:
                     self._finished.add(i)
         except asyncio.CancelledError:
             raise
@@ -192,7 +103,7 @@ class ChoiceRun:
             self._finished.add(i)
             put((i, None))
 
-    async def next(self, timeout: float) -> tuple[int, Delta] | None:
+    async def next(self, timeout: float) -> tuple[int, StepOutput] | None:
         """The next output of any choice, or None after ``timeout`` s (or when all are done).
 
         Raises:

@@ -28,11 +28,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from aiohttp import web
-from prefixgate.engine.sampling_params import SamplingParams
-from prefixgate.gateway.http.errors import ANTHROPIC, APIError, bad_request, error_dialect
+from prefixgate.engine.outputs import CompletionOutput, StepOutput
+from prefixgate.gateway.http.errors import ANTHROPIC, APIError, error_dialect
 from prefixgate.gateway.local.cache_diagnostics import PROMPT_LOG, Comparison, anthropic_reason
 from prefixgate.gateway.local.cache_marks import Mark, find_marks, written_tokens
-from prefixgate.gateway.local.generation import ChoiceOutput, Delta, engine_request
+from prefixgate.gateway.local.generation import engine_request
 from prefixgate.gateway.local.serving import LOCAL
 from prefixgate.gateway.state import STATE
 from prefixgate.gateway.tenancy.keys import Principal, effective_salt
@@ -130,13 +130,13 @@ class MessagesRenderer:
         return anthropic_usage(self.prompt_tokens, cached, usage.completion_tokens, self.marks)
 
     @staticmethod
-    def _stop(o: ChoiceOutput, called: bool) -> tuple[str, str | None]:
+    def _stop(o: CompletionOutput, called: bool) -> tuple[str, str | None]:
         """``(stop_reason, stop_sequence)`` of a finished choice (the engine's
         ``stop_reason`` is the stop string that ended it, or a stop token's id)."""
         sequence = o.stop_reason if isinstance(o.stop_reason, str) else None
         return stop_reason(o.finish_reason, called, sequence)
 
-    def json(self, outputs: list[ChoiceOutput], usage: Usage) -> bytes:
+    def json(self, outputs: list[CompletionOutput], usage: Usage) -> bytes:
         """The whole ``message`` of the finished choice, as JSON bytes."""
         o = outputs[0]
         content, calls = (o.text, []) if self.tools is None else parse_output(self.tools, o.text)
@@ -178,7 +178,7 @@ class MessagesRenderer:
                 out.append(ev.input_json(ev.index, args))
         return out
 
-    def chunks(self, i: int, d: Delta, offset: int) -> list[bytes]:
+    def chunks(self, i: int, d: StepOutput, offset: int) -> list[bytes]:
         """The events of the choice's new output (``message_start`` first)."""
         out = [] if self._events.started else self._start(d.num_cached_tokens)
         if self._deltas is None:
@@ -191,7 +191,7 @@ class MessagesRenderer:
             out += self._translate(delta)
         return out
 
-    def closing(self, outputs: list[ChoiceOutput], usage: Usage) -> list[bytes]:
+    def closing(self, outputs: list[CompletionOutput], usage: Usage) -> list[bytes]:
         """The last block's stop, ``message_delta`` (stop reason, usage) and ``message_stop``."""
         cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
         out = [] if self._events.started else self._start(cached)
@@ -256,18 +256,7 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     marks = await find_marks(
         engine.tokenizer, chat.breakpoints, bool(plan.tools), ids, engine.config.block_size
     )
-    try:
-        params = SamplingParams(
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=-1 if req.top_k is None else req.top_k,
-            max_tokens=max_tokens,
-            stop=list(req.stop_sequences or []),
-            structured_outputs=plan.structured or schema,
-            skip_special_tokens=plan.mode != "auto",
-        )
-    except (ValueError, TypeError) as exc:
-        raise bad_request(str(exc)) from None
+    params = req.sampling_params(max_tokens, plan.structured or schema, plan.mode != "auto")
     rid = "msg_" + uuid.uuid4().hex[:24]
     salt = effective_salt(principal.salt, req.cache_salt)
     log = request.app[PROMPT_LOG]

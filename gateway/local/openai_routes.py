@@ -39,7 +39,6 @@ from prefixgate.gateway.wire.prompts import (
     choice_seeds,
     completion_prompts,
     render_chat,
-    sampling_params,
 )
 from prefixgate.gateway.wire.request_fields import (
     REFUSED,
@@ -107,7 +106,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             req,
             f"{rid}-{i}",
             ids,
-            sampling_params(req, max_tokens, seeds[i], spec, skip_special),
+            req.sampling_params(max_tokens, seeds[i], spec, skip_special),
         )
         for i in range(req.n)
     ]
@@ -137,7 +136,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     for p, ids in enumerate(prompts):
         max_tokens = check_length(len(ids), req.output_limit, engine.max_model_len, "prompt")
         for j in range(req.n):
-            params = sampling_params(req, max_tokens, seeds[j], spec)
+            params = req.sampling_params(max_tokens, seeds[j], spec)
             requests.append(
                 _engine_request(request, principal, req, f"{rid}-{p * req.n + j}", ids, params)
             )

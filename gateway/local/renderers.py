@@ -1,7 +1,7 @@
 """Engine outputs to OpenAI bodies: one renderer for chat completions, one for completions.
 
 The exchange (``routes_openai.Exchange``) runs the engine requests of an HTTP request and keeps
-what each choice has produced (``generation.ChoiceOutput``); a renderer turns that into the
+what each choice has produced (``generation.CompletionOutput``); a renderer turns that into the
 route's wire shapes (``responses``): the whole body at the end, or a stream's chunks as
 outputs come. Both renderers have the same methods (``opening``, ``chunk``, ``usage_chunk``,
 ``body``, ``event``), so the exchange never asks which route it serves.
@@ -17,10 +17,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Protocol
 
-from prefixgate.engine.outputs import TokenLogprobs
+from prefixgate.engine.outputs import CompletionOutput, StepOutput, TokenLogprobs
 from prefixgate.gateway.http.errors import APIError
 from prefixgate.gateway.http.sse import DONE, encode_data, encode_event
-from prefixgate.gateway.local.generation import ChoiceOutput, Delta
 from prefixgate.gateway.local.token_texts import TokenTexts
 from prefixgate.gateway.wire.response_models import (
     AssistantMessage,
@@ -133,23 +132,23 @@ class _Renderer:
     def usage_chunk(self, usage: Usage) -> ChatCompletionChunk | Completion:
         raise NotImplementedError
 
-    def chunk(self, i: int, d: Delta, offset: int) -> ChatCompletionChunk | Completion | None:
+    def chunk(self, i: int, d: StepOutput, offset: int) -> ChatCompletionChunk | Completion | None:
         raise NotImplementedError
 
-    def chunks(self, i: int, d: Delta, offset: int) -> list[ChatCompletionChunk | Completion]:
+    def chunks(self, i: int, d: StepOutput, offset: int) -> list[ChatCompletionChunk | Completion]:
         """The chunks of choice ``i``'s new output (none, one, or several: a chat answer with
         tools may add content and tool-call fragments at once)."""
         c = self.chunk(i, d, offset)
         return [] if c is None else [c]
 
-    def body(self, outputs: list[ChoiceOutput], usage: Usage) -> ChatCompletion | Completion:
+    def body(self, outputs: list[CompletionOutput], usage: Usage) -> ChatCompletion | Completion:
         raise NotImplementedError
 
-    def json(self, outputs: list[ChoiceOutput], usage: Usage) -> bytes:
+    def json(self, outputs: list[CompletionOutput], usage: Usage) -> bytes:
         """The whole non-streaming body as JSON bytes."""
         return dump(self.body(outputs, usage))
 
-    def closing(self, outputs: list[ChoiceOutput], usage: Usage) -> list[bytes]:
+    def closing(self, outputs: list[CompletionOutput], usage: Usage) -> list[bytes]:
         """The events that end a stream: the usage chunk (with ``include_usage``), ``[DONE]``."""
         events = [self.usage_event(usage)] if self.include_usage else []
         return [*events, DONE]
@@ -174,12 +173,12 @@ class ChatRenderer(_Renderer):
         self.tools = tools if tools is not None and tools.active else None
         self._tool_deltas: dict[int, ToolDeltas] = {}
 
-    def chunks(self, i: int, d: Delta, offset: int) -> list[ChatCompletionChunk | Completion]:
+    def chunks(self, i: int, d: StepOutput, offset: int) -> list[ChatCompletionChunk | Completion]:
         if self.tools is None:
             return super().chunks(i, d, offset)
         td = self._tool_deltas.setdefault(i, ToolDeltas(self.tools))
         deltas = td.feed(d.delta_text) if d.delta_text else []
-        finish = d.finish_reason
+        finish: str | None = d.finish_reason
         if finish is not None:
             deltas += td.finish()
             if td.called and finish == "stop":
@@ -206,7 +205,7 @@ class ChatRenderer(_Renderer):
             for i in range(n)
         ]
 
-    def chunk(self, i: int, d: Delta, offset: int) -> ChatCompletionChunk | None:
+    def chunk(self, i: int, d: StepOutput, offset: int) -> ChatCompletionChunk | None:
         """The chunk of choice ``i``'s new output (None when nothing visible is new: a
         held-back stop-string prefix or partial UTF-8). ``offset``: unused for chat."""
         logprobs = self._logprobs(d.logprobs) if d.logprobs else None
@@ -225,7 +224,7 @@ class ChatRenderer(_Renderer):
             id=self.rid, created=self.created, model=self.model, choices=[], usage=usage
         )
 
-    def body(self, outputs: list[ChoiceOutput], usage: Usage) -> ChatCompletion:
+    def body(self, outputs: list[CompletionOutput], usage: Usage) -> ChatCompletion:
         """The whole ``chat.completion`` of finished choices."""
         return ChatCompletion(
             id=self.rid,
@@ -235,8 +234,8 @@ class ChatRenderer(_Renderer):
             usage=usage,
         )
 
-    def _choice(self, i: int, o: ChoiceOutput) -> ChatChoice:
-        logprobs = self._logprobs(o.logprobs)
+    def _choice(self, i: int, o: CompletionOutput) -> ChatChoice:
+        logprobs = self._logprobs(o.logprobs or [])
         if self.tools is None:
             message = AssistantMessage(content=o.text)
             return ChatChoice(
@@ -272,7 +271,7 @@ class CompletionRenderer(_Renderer):
         """Nothing opens a completions stream."""
         return []
 
-    def chunk(self, i: int, d: Delta, offset: int) -> Completion | None:
+    def chunk(self, i: int, d: StepOutput, offset: int) -> Completion | None:
         """The chunk of choice ``i``'s new output (None when nothing visible is new);
         ``offset``: characters of the choice's text before it (for ``text_offset``)."""
         logprobs = self._logprobs(d.logprobs, offset) if d.logprobs else None
@@ -288,7 +287,7 @@ class CompletionRenderer(_Renderer):
             id=self.rid, created=self.created, model=self.model, choices=[], usage=usage
         )
 
-    def body(self, outputs: list[ChoiceOutput], usage: Usage) -> Completion:
+    def body(self, outputs: list[CompletionOutput], usage: Usage) -> Completion:
         """The whole ``text_completion`` of finished choices."""
         return Completion(
             id=self.rid,
@@ -298,7 +297,7 @@ class CompletionRenderer(_Renderer):
                 CompletionChoice(
                     index=i,
                     text=o.text,
-                    logprobs=self._logprobs(o.logprobs),
+                    logprobs=self._logprobs(o.logprobs or []),
                     finish_reason=o.finish_reason,
                 )
                 for i, o in enumerate(outputs)
@@ -323,12 +322,12 @@ class Renderer(Protocol):
 
     def opening(self, n: int) -> Sequence[Any]: ...
 
-    def chunks(self, i: int, d: Delta, offset: int) -> Sequence[Any]: ...
+    def chunks(self, i: int, d: StepOutput, offset: int) -> Sequence[Any]: ...
 
     def event(self, chunk: Any) -> bytes: ...
 
-    def json(self, outputs: list[ChoiceOutput], usage: Usage) -> bytes: ...
+    def json(self, outputs: list[CompletionOutput], usage: Usage) -> bytes: ...
 
-    def closing(self, outputs: list[ChoiceOutput], usage: Usage) -> list[bytes]: ...
+    def closing(self, outputs: list[CompletionOutput], usage: Usage) -> list[bytes]: ...
 
     def error_event(self, err: APIError) -> bytes: ...

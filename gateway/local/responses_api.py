@@ -37,6 +37,7 @@ from typing import Annotated, Any, Literal
 
 import pydantic_core
 from aiohttp import web
+from prefixgate.engine.outputs import CompletionOutput, StepOutput
 from prefixgate.engine.sampling_params import SamplingParams
 from prefixgate.gateway.http.errors import APIError, bad_request
 from prefixgate.gateway.local.cache_diagnostics import PROMPT_LOG, Comparison, openai_diagnostics
@@ -45,7 +46,7 @@ from prefixgate.gateway.local.cache_marks import (
     find_marks,
     written_tokens,
 )
-from prefixgate.gateway.local.generation import ChoiceOutput, Delta, engine_request
+from prefixgate.gateway.local.generation import engine_request
 from prefixgate.gateway.local.serving import LOCAL
 from prefixgate.gateway.state import STATE
 from prefixgate.gateway.tenancy.pool_hints import pool_hint
@@ -59,6 +60,7 @@ from prefixgate.gateway.wire.request_models import (
     parse,
 )
 from prefixgate.gateway.wire.response_models import Usage
+from prefixgate.gateway.wire.sampling import sampling_params
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_core import from_json
 
@@ -183,6 +185,23 @@ class ResponsesRequest(BaseModel):
         else:
             out.extend({"role": m.role, "content": m.text()} for m in self.input)
         return out
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """The engine's ``SamplingParams`` (``max_tokens``: the checked limit).
+
+        Raises:
+            APIError: 400 naming the field the engine refuses.
+        """
+        fields = {"temperature": self.temperature, "top_p": self.top_p, "max_tokens": max_tokens}
+        return sampling_params(fields, _RESPONSES_NAMES)
+
+
+_RESPONSES_NAMES = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "max_tokens": "max_output_tokens",
+}
+"""Engine field → the Responses field that sets it."""
 
 
 def parse_request(body: bytes) -> ResponsesRequest:
@@ -332,7 +351,7 @@ class ResponsesRenderer:
     def _part(text: str) -> dict[str, Any]:
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
-    def json(self, outputs: list[ChoiceOutput], usage: Usage) -> bytes:
+    def json(self, outputs: list[CompletionOutput], usage: Usage) -> bytes:
         """The whole ``response`` of the finished choice, as JSON bytes."""
         o = outputs[0]
         body = self.response("completed", o.text, usage, o.finish_reason)
@@ -365,14 +384,14 @@ class ResponsesRenderer:
             self._part_ev("response.content_part.added", part=self._part("")),
         ]
 
-    def chunks(self, i: int, d: Delta, offset: int) -> list[bytes]:
+    def chunks(self, i: int, d: StepOutput, offset: int) -> list[bytes]:
         """``response.output_text.delta`` of the new text (none when nothing is new)."""
         if not d.delta_text:
             return []
         self.text += d.delta_text
         return [self._part_ev("response.output_text.delta", delta=d.delta_text, logprobs=[])]
 
-    def closing(self, outputs: list[ChoiceOutput], usage: Usage) -> list[bytes]:
+    def closing(self, outputs: list[CompletionOutput], usage: Usage) -> list[bytes]:
         """``response.output_text.done`` … ``response.completed`` (or ``.incomplete``)."""
         o = outputs[0]
         final = self.response("completed", o.text, usage, o.finish_reason)
@@ -456,14 +475,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         len(ids), req.max_output_tokens, engine.max_model_len, "input", "max_output_tokens"
     )
     rid = "resp_" + uuid.uuid4().hex
-    try:
-        params = SamplingParams(
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            max_tokens=max_tokens,
-        )
-    except (ValueError, TypeError) as exc:
-        raise bad_request(str(exc)) from None
+    params = req.sampling_params(max_tokens)
     offset = 1 if req.instructions else 0
     breakpoints = openai_breakpoints(
         req.input if isinstance(req.input, list) else [],

@@ -1,7 +1,7 @@
 """Where a request's first token went: the access log's ``walk=`` part (local mode).
 
 From the gateway's own timestamps (request parsed, admitted, first token received from the
-engine, first content written to the client) and the engine's timeline (``RequestOutput.metrics``: arrival, first scheduled, first
+engine, first content written to the client) and the engine's timeline (``StepOutput.metrics``: arrival, first scheduled, first
 token, the steps it waited, its first step's size and time), all ``time.monotonic()`` seconds
 of one host, so the parts add up to the time to first token the client saw (but for the
 socket). Used by the tenant-flood benchmark to say which part a flood lengthens.

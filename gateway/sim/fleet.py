@@ -487,7 +487,7 @@ class Fleet:
             req = rep.requests.get(out.request_id)
             if req is None:
                 continue
-            new = out.outputs[0].delta_token_ids
+            new = out.delta_token_ids
             if new and req.t_first is None:
                 req.t_first = now
                 req.num_cached = out.num_cached_tokens

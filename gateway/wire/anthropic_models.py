@@ -36,10 +36,11 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import pydantic_core
-from prefixgate.engine.sampling_params import StructuredOutputsParams
+from prefixgate.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from prefixgate.gateway.http.errors import bad_request
 from prefixgate.gateway.tenancy.keys import MAX_SALT_CHARS
 from prefixgate.gateway.wire.cache_breakpoints import Breakpoint
+from prefixgate.gateway.wire.sampling import sampling_params
 from pydantic import BaseModel, ConfigDict, Field
 
 _CONFIG = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
@@ -248,6 +249,38 @@ class MessagesRequest(_Conversation):
     service_tier: Literal["auto", "standard_only"] | None = None
     speed: Literal["standard"] | None = None
     diagnostics: Diagnostics | None = None
+
+    def sampling_params(
+        self,
+        max_tokens: int,
+        structured: StructuredOutputsParams | None,
+        skip_special_tokens: bool,
+    ) -> SamplingParams:
+        """The engine's ``SamplingParams`` (``max_tokens``: the checked limit).
+
+        Raises:
+            APIError: 400 naming the field the engine refuses.
+        """
+        fields = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "max_tokens": max_tokens,
+            "stop": list(self.stop_sequences or []),
+            "structured_outputs": structured,
+            "skip_special_tokens": skip_special_tokens,
+        }
+        return sampling_params(fields, _MESSAGES_NAMES)
+
+
+_MESSAGES_NAMES = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "max_tokens": "max_tokens",
+    "stop": "stop_sequences",
+}
+"""Engine field → the Messages field that sets it."""
 
 
 class CountTokensRequest(_Conversation):

@@ -32,8 +32,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
-from prefixgate.engine.sampling_params import StructuredOutputsParams
+from prefixgate.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from prefixgate.gateway.http.errors import bad_request
+from prefixgate.gateway.wire.sampling import sampling_params
 from pydantic import BaseModel, ConfigDict, Field
 
 _CONFIG = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
@@ -101,6 +102,47 @@ class GenerationConfig(BaseModel):
     responseMimeType: str | None = None
     responseSchema: dict[str, Any] | None = None
     responseJsonSchema: dict[str, Any] | None = None
+
+    def sampling_params(
+        self,
+        max_tokens: int,
+        seed: int | None,
+        stop: list[str],
+        structured: StructuredOutputsParams | None,
+        skip_special_tokens: bool,
+    ) -> SamplingParams:
+        """The engine's ``SamplingParams`` of one candidate (``seed``: its own; ``stop``:
+        the checked ``stopSequences``).
+
+        Raises:
+            APIError: 400 naming the ``generationConfig`` field the engine refuses.
+        """
+        fields = {
+            "temperature": self.temperature,
+            "top_p": self.topP,
+            "top_k": self.topK,
+            "seed": seed,
+            "presence_penalty": self.presencePenalty,
+            "frequency_penalty": self.frequencyPenalty,
+            "max_tokens": max_tokens,
+            "stop": stop,
+            "structured_outputs": structured,
+            "skip_special_tokens": skip_special_tokens,
+        }
+        return sampling_params(fields, _GEMINI_NAMES, prefix="generationConfig.")
+
+
+_GEMINI_NAMES = {
+    "temperature": "temperature",
+    "top_p": "topP",
+    "top_k": "topK",
+    "seed": "seed",
+    "presence_penalty": "presencePenalty",
+    "frequency_penalty": "frequencyPenalty",
+    "max_tokens": "maxOutputTokens",
+    "stop": "stopSequences",
+}
+"""Engine field → the ``generationConfig`` field that sets it."""
 
 
 class FunctionDeclaration(BaseModel):

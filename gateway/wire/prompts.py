@@ -22,13 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import random
-import re
 from typing import Any
 
 from prefixgate.engine.protocol import TokenizerLike
 from prefixgate.engine.sampling_params import (
-    SamplingParams,
-    StructuredOutputsParams,
     token_id_key,
 )
 from prefixgate.gateway.http.errors import APIError, bad_request
@@ -253,46 +250,6 @@ def choice_seeds(seed: int | None, n: int) -> list[int | None]:
         return [seed]
     base = seed if seed is not None else random.getrandbits(31)
     return [(base + i + 2**63) % 2**64 - 2**63 for i in range(n)]
-
-
-def sampling_params(
-    req: Any,
-    max_tokens: int,
-    seed: int | None,
-    structured: StructuredOutputsParams | None = None,
-    skip_special_tokens: bool = True,
-) -> SamplingParams:
-    """Engine SamplingParams of one choice of a chat or completions request.
-
-    Raises:
-        APIError: 400 when the engine's SamplingParams refuses a value (``param`` names the
-            field when the message starts with it).
-    """
-    try:
-        return SamplingParams(
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=req.top_k,
-            min_p=req.min_p,
-            seed=seed,
-            presence_penalty=req.presence_penalty,
-            frequency_penalty=req.frequency_penalty,
-            repetition_penalty=req.repetition_penalty,
-            max_tokens=max_tokens,
-            stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
-            stop_token_ids=list(req.stop_token_ids or []),
-            ignore_eos=req.ignore_eos,
-            logprobs=req.num_logprobs,
-            min_tokens=req.min_tokens,
-            logit_bias=req.logit_bias,
-            structured_outputs=structured,
-            skip_special_tokens=skip_special_tokens,
-        )
-    except (ValueError, TypeError) as exc:
-        msg = str(exc)
-        field = re.match(r"[a-z_]+", msg)
-        param = field.group(0) if field and hasattr(req, field.group(0)) else None
-        raise bad_request(msg, param=param) from None
 
 
 def check_vocab(req: Any, vocab_size: int) -> None:

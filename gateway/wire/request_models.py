@@ -19,6 +19,7 @@ import re
 from typing import Annotated, Any, Literal, TypeVar
 
 import pydantic_core
+from prefixgate.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from prefixgate.gateway.http.errors import bad_request
 from prefixgate.gateway.http.json_guard import (  # noqa: F401 - re-exported for the routes
     MAX_JSON_DEPTH,
@@ -27,6 +28,7 @@ from prefixgate.gateway.http.json_guard import (  # noqa: F401 - re-exported for
     load_json,
 )
 from prefixgate.gateway.tenancy.keys import MAX_SALT_CHARS
+from prefixgate.gateway.wire.sampling import sampling_params
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -275,6 +277,68 @@ class _SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         """True when a streamed response must end with a usage chunk."""
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top alternatives per token for the engine (None = no logprobs)."""
+        raise NotImplementedError
+
+    def sampling_params(
+        self,
+        max_tokens: int,
+        seed: int | None,
+        structured: StructuredOutputsParams | None = None,
+        skip_special_tokens: bool = True,
+    ) -> SamplingParams:
+        """The engine's ``SamplingParams`` of one choice (``seed``: the choice's own).
+
+        Raises:
+            APIError: 400 naming the field the engine refuses.
+        """
+        fields = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "seed": seed,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "max_tokens": max_tokens,
+            "stop": [self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            "stop_token_ids": list(self.stop_token_ids or []),
+            "ignore_eos": self.ignore_eos,
+            "logprobs": self.num_logprobs,
+            "min_tokens": self.min_tokens,
+            "logit_bias": self.logit_bias,
+            "structured_outputs": structured,
+            "skip_special_tokens": skip_special_tokens,
+        }
+        return sampling_params(fields, _OPENAI_NAMES)
+
+
+_OPENAI_NAMES = {
+    name: name
+    for name in (
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "max_tokens",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "logprobs",
+        "min_tokens",
+        "logit_bias",
+        "structured_outputs",
+    )
+}
+"""Engine field → the chat / completions field that sets it (both name them alike)."""
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -187,11 +187,12 @@ def run_flood(aidreams_path: str, anticipation_ms: float, pool_whole) -> tuple[d
         return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
     async def one(rid: str, prompt: str, n: int, tenant: str) -> list[int]:
-        last = None
+        ids: list[int] = []
         async for out in engine.generate(EngineRequest(rid, prompt, greedy(n), tenant=tenant)):
+            ids += out.delta_token_ids
             last = out
-        assert last is not None and last.finished
-        return list(last.outputs[0].token_ids)
+        assert last.finished
+        return ids
 
     async def light() -> list[list[int]]:
         out = []

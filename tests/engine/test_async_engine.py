@@ -16,6 +16,7 @@ from prefixgate.engine import (
     PinLimitError,
     SamplingParams,
 )
+from support.outputs import whole
 from support.prompts import DREAM_PROMPTS
 
 PROMPTS = [
@@ -99,7 +100,7 @@ def test_staggered_arrivals_match_transformers(make_engine, aidreams_path, pool_
         with torch.no_grad():
             for _ in range(n):
                 ref.append(int(hf(torch.tensor([ref])).logits[0, -1].argmax()))
-        assert outs[-1].outputs[0].token_ids == ref[len(ids) :], p
+        assert whole(outs).token_ids == ref[len(ids) :], p
     pool_whole(engine)
 
 
@@ -109,9 +110,8 @@ def test_streaming_deltas_and_metrics(make_engine, pool_whole):
         collect(engine, PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=20), "s")
     )
     assert outs[-1].finished and not any(o.finished for o in outs[:-1])
-    assert "".join(o.outputs[0].delta_text for o in outs) == outs[-1].outputs[0].text
-    ids = [t for o in outs for t in o.outputs[0].delta_token_ids]
-    assert ids == outs[-1].outputs[0].token_ids
+    ids = [t for o in outs for t in o.delta_token_ids]
+    assert "".join(o.delta_text for o in outs) == engine.tokenizer.decode(ids)
     m = outs[-1].metrics
     assert m["arrival"] <= m["first_token"] <= m["finished"]
     pool_whole(engine)
@@ -164,7 +164,7 @@ def test_abort_ends_the_iterator(make_engine, pool_whole):
             await asyncio.sleep(0.005)
         await engine.abort("ab")
         await task
-        assert seen[-1].finished and seen[-1].outputs[0].finish_reason == "abort"
+        assert seen[-1].finished and seen[-1].finish_reason == "abort"
         with pytest.raises(ValueError):
             await engine.abort("ab")
         with pytest.raises(ValueError):
@@ -202,7 +202,7 @@ def test_bad_input_and_duplicate_ids_disturb_nothing(make_engine, pool_whole):
 
     outs = asyncio.run(main())
     alone = asyncio.run(collect(engine, PROMPTS[0], greedy(30), "alone"))
-    assert outs[-1].outputs[0].token_ids == alone[-1].outputs[0].token_ids
+    assert whole(outs).token_ids == whole(alone).token_ids
     pool_whole(engine)
 
 
@@ -230,9 +230,9 @@ def test_engine_error_reaches_the_requests_of_the_failing_step(make_engine, pool
         assert failed and "e3" not in failed[0]
         for r in results[:2]:
             assert isinstance(r, RuntimeError) and "injected" in str(r), results
-        assert len(results[2][-1].outputs[0].token_ids) == 5  # the waiting request is served
+        assert len(whole(results[2]).token_ids) == 5  # the waiting request is served
         outs = await collect(engine, PROMPTS[2], greedy(5), "after")  # and so are new ones
-        assert outs[-1].outputs[0].token_ids == results[2][-1].outputs[0].token_ids
+        assert whole(outs).token_ids == whole(results[2]).token_ids
 
     asyncio.run(main())
     pool_whole(engine)
@@ -302,12 +302,12 @@ def test_cache_salt_partitions(make_engine, pool_whole):
         a = await collect(engine, prompt, greedy(3), "a", cache_salt="k1")
         b = await collect(engine, prompt, greedy(3), "b", cache_salt="k2")
         a2 = await collect(engine, prompt, greedy(3), "a2", cache_salt="k1")
-        return a[-1], b[-1], a2[-1]
+        return whole(a), whole(b), whole(a2)
 
     a, b, a2 = asyncio.run(main())
     assert (a.num_cached_tokens, b.num_cached_tokens) == (0, 0)
     assert a2.num_cached_tokens > 0
-    assert a.outputs[0].token_ids == b.outputs[0].token_ids == a2.outputs[0].token_ids
+    assert a.token_ids == b.token_ids == a2.token_ids
     pool_whole(engine)
 
 

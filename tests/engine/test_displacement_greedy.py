@@ -67,8 +67,7 @@ def test_displacement_leaves_greedy_tokens_unchanged(
                 priority=0,
             )
         for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out.outputs[0].token_ids
+            final.setdefault(out.request_id, []).extend(out.delta_token_ids)
         steps += 1
         assert steps < 2000
     stats = llm.stats()

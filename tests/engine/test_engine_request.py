@@ -8,6 +8,7 @@ import asyncio
 import pytest
 from prefixgate.engine import EngineRequest, SamplingParams
 from prefixgate.engine.config import EngineConfig
+from support.outputs import whole
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -82,7 +83,7 @@ def test_async_engine_generate_takes_the_request(aidreams_path, pool_whole):
             er = EngineRequest("a1", "Hello", GREEDY, tenant="t", priority=0)
             outs = [o async for o in engine.generate(er)]
             loose = [o async for o in engine.generate("Hello", GREEDY, "a2")]
-            assert outs[-1].outputs[0].token_ids == loose[-1].outputs[0].token_ids
+            assert whole(outs).token_ids == whole(loose).token_ids
             assert outs[-1].request_id == "a1" and outs[-1].finished
             with pytest.raises(TypeError, match="no other argument"):
                 async for _ in engine.generate(er, GREEDY):

@@ -4,7 +4,7 @@ length caps, streaming deltas."""
 from __future__ import annotations
 
 import pytest
-from prefixgate.engine import LLM, SamplingParams
+from prefixgate.engine import LLM, CompletionOutput, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PROMPTS = ["I sense the nodes", "A gentle hum", "The dreamer wakes inside the code and"]
@@ -53,10 +53,10 @@ def test_bad_input_raises_and_disturbs_nothing(llm, pool_whole):
     eng = llm.engine
     for i, p in enumerate(PROMPTS):
         eng.add_request(f"good-{i}", p, GREEDY)
-    final = {}
+    final: dict[str, CompletionOutput] = {}
     for _ in range(3):
         for out in eng.step():
-            final[out.request_id] = out
+            final.setdefault(out.request_id, CompletionOutput(out.request_id)).add(out)
     for what, call in _bad_inputs(llm):
         with pytest.raises((ValueError, TypeError)):
             call()
@@ -64,8 +64,8 @@ def test_bad_input_raises_and_disturbs_nothing(llm, pool_whole):
         assert eng.stats()["num_running"] + eng.stats()["num_waiting"] == len(PROMPTS), what
     while eng.has_unfinished_requests():
         for out in eng.step():
-            final[out.request_id] = out
-    assert [final[f"good-{i}"].outputs[0].token_ids for i in range(len(PROMPTS))] == reference
+            final.setdefault(out.request_id, CompletionOutput(out.request_id)).add(out)
+    assert [final[f"good-{i}"].token_ids for i in range(len(PROMPTS))] == reference
     pool_whole(llm)
 
 
@@ -172,7 +172,7 @@ def test_abort_frees_blocks_and_reports(llm, pool_whole):
     eng.step()
     eng.step()
     out = eng.abort_request("ab-1")
-    assert out.finished and out.outputs[0].finish_reason == "abort"
+    assert out.finished and out.finish_reason == "abort"
     with pytest.raises(ValueError):
         eng.abort_request("ab-1")
     while eng.has_unfinished_requests():
@@ -180,18 +180,49 @@ def test_abort_frees_blocks_and_reports(llm, pool_whole):
     pool_whole(llm)
 
 
+def test_outputs_hold_only_what_the_step_added(llm, pool_whole):
+    # issue 42: no output copies the request's whole ids, logprobs or text; the timeline
+    # rides on the first output with tokens and on the last only
+    eng = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True, logprobs=2)
+    eng.add_request("only-new", PROMPTS[1], params)
+    req = eng.scheduler.requests["only-new"]
+    outs = []
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            assert out.delta_token_ids is not req.output_token_ids
+            assert len(out.delta_token_ids) <= 1 and len(out.logprobs) == len(out.delta_token_ids)
+            outs.append(out)
+    with_tokens = [i for i, o in enumerate(outs) if o.delta_token_ids]
+    assert [i for i, o in enumerate(outs) if o.metrics] == sorted({with_tokens[0], len(outs) - 1})
+    assert req.new_text == "" and req.new_logprobs == []  # handed over, not kept
+    whole = CompletionOutput()
+    for out in outs:
+        whole.add(out)
+    ref = llm.generate([PROMPTS[1]], params)[0].outputs[0]
+    assert (whole.token_ids, whole.text, len(whole.logprobs)) == (ref.token_ids, ref.text, 9)
+    pool_whole(llm)
+
+
 def test_streamed_deltas_add_up(llm, pool_whole):
     eng = llm.engine
     eng.add_request("st-1", PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=20))
     text, ids, last = "", [], None
+    whole = CompletionOutput("st-1")
     while eng.has_unfinished_requests():
         for out in eng.step():
-            c = out.outputs[0]
-            text += c.delta_text
-            ids += c.delta_token_ids
-            assert c.text == text and c.token_ids == ids
+            text += out.delta_text
+            ids += out.delta_token_ids
+            whole.add(out)
+            assert whole.text == text and whole.token_ids == ids
             last = out
-    assert last is not None and last.finished
+    assert last is not None and last.finished and whole.finished
+    assert (
+        ids
+        == llm.generate([PROMPTS[2]], SamplingParams(temperature=0.0, max_tokens=20))[0]
+        .outputs[0]
+        .token_ids
+    )
     m = last.metrics
     assert (
         m["arrival"] <= m["first_scheduled"] <= m["first_token"] <= m["last_token"] <= m["finished"]

@@ -132,18 +132,18 @@ def test_allowed_ids_yield_to_the_grammar_and_bad_words_to_allowed_ids():
     out = _run([_state(ScriptedGrammar({2}), allowed_token_ids=[5])])  # disjoint: grammar wins
     assert torch.isfinite(out.scores[0]).tolist() == [i == 2 for i in range(8)]
     st = _state(allowed_token_ids=[4], output=[6])
-    st.params.bad_words_token_ids = [[4], [6, 7]]
+    st.sampling_params.bad_words_token_ids = [[4], [6, 7]]
     out = _run([st])  # banning 4 would empty the row: the earlier allowed_token_ids stands
     assert torch.isfinite(out.scores[0]).tolist() == [i == 4 for i in range(8)]
     st = _state(output=[1, 6])
-    st.params.bad_words_token_ids = [[4], [6, 7], [1, 7], [9]]
+    st.sampling_params.bad_words_token_ids = [[4], [6, 7], [1, 7], [9]]
     out = _run([st])  # 4 (one token) and 7 (after 6) banned; [1, 7] does not end the output
     assert torch.isinf(out.scores[0]).tolist() == [i in (4, 7) for i in range(8)]
 
 
 def _reference_row(row: torch.Tensor, st: SamplingState) -> None:
     """The formulas one row at a time, in the declared order (min_tokens, bias, CTRL, OpenAI)."""
-    p, vocab = st.params, row.shape[0]
+    p, vocab = st.sampling_params, row.shape[0]
     if len(st.output_token_ids) < p.min_tokens:
         for t in (*st.eos_token_ids, *p.stop_token_ids):
             row[t] = NEG_INF
@@ -311,7 +311,7 @@ def test_allowed_token_ids_and_bad_words(llm, pool_whole):
     word = free.text.split()[1]
     p = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, bad_words=[word])
     prep = llm.engine.prepare_request(EngineRequest("probe", "Tell me", p))
-    seqs = prep.params.bad_words_token_ids
+    seqs = prep.sampling_params.bad_words_token_ids
     assert seqs and all(seq for seq in seqs)
     out = _one(llm, max_tokens=12, ignore_eos=True, bad_words=[word])
     ids = out.token_ids

@@ -17,6 +17,7 @@ import time
 import pytest
 import torch
 from prefixgate.engine import LLM, AsyncEngine, EngineConfig, SamplingParams
+from support.outputs import whole
 
 BOS = 1
 
@@ -206,7 +207,9 @@ def test_16_concurrent_async_requests_prefill_shared_prefix_once(
 
     async def main():
         async def one(i):
-            return [o async for o in engine.generate(prefix + suffixes[i], greedy(6), f"q{i}")][-1]
+            return whole(
+                [o async for o in engine.generate(prefix + suffixes[i], greedy(6), f"q{i}")]
+            )
 
         outs = await asyncio.gather(*(one(i) for i in range(16)))
         await engine.shutdown()
@@ -221,5 +224,5 @@ def test_16_concurrent_async_requests_prefill_shared_prefix_once(
         assert s["prompt_tokens_prefilled"] == 16 * 64 + sum(map(len, suffixes))
     ref = LLM(aidreams_path, num_kv_blocks=128, enable_prefix_caching=False)
     expected = ref.generate([prefix + x for x in suffixes], greedy(6))
-    assert [o.outputs[0].token_ids for o in outs] == [e.outputs[0].token_ids for e in expected]
+    assert [o.token_ids for o in outs] == [e.outputs[0].token_ids for e in expected]
     pool_whole(engine)

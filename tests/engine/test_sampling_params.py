@@ -13,6 +13,7 @@ pytest.importorskip("prefixgate.engine.async_engine")
 NAN, INF = float("nan"), float("inf")
 
 from prefixgate.engine import LLM, AsyncEngine, EngineConfig, SamplingParams  # noqa: E402
+from support.outputs import whole  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -57,7 +58,7 @@ def test_bad_params_do_not_fail_bystanders(pool_whole):
 
         async def run(rid, params):
             outs = [out async for out in engine.generate("hello", params, rid)]
-            return outs[-1].outputs[0].text
+            return whole(outs).text
 
         try:
             ref = await run("ref", good)

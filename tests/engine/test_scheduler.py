@@ -209,12 +209,8 @@ def test_add_request_errors_disturb_nothing() -> None:
     sched.add_request(request("ok", [5, 6, 7]))
     with pytest.raises(ValueError, match="already in use"):
         sched.add_request(request("ok", [5]))
-    with pytest.raises(ValueError, match="max_model_len"):
-        sched.add_request(request("long", list(range(3, 105))))
     with pytest.raises(CacheCapacityError):  # 60 + 20 tokens > 4 blocks of 16
         sched.add_request(request("big", list(range(3, 63)), max_tokens=20))
-    with pytest.raises(ValueError):
-        request("empty", [])
     sched.add_request(request("fits", list(range(3, 63)), max_tokens=5))  # 64 KV tokens: 4 blocks
     run = drive(sched)
     assert set(run.outputs) == {"ok", "fits"}
@@ -482,17 +478,9 @@ def test_pins_yield_to_a_lone_request() -> None:
         sched.kv.unpin(pin.id)
 
 
-def test_request_validation() -> None:
-    with pytest.raises(TypeError):
-        Request("a", "hello", None)
-    with pytest.raises(TypeError):
-        Request("a", [1, 2.0], None)
-    with pytest.raises(ValueError):
-        Request("a", [1, -2], None)
-    with pytest.raises(ValueError):
-        Request("a", [1], None, max_tokens=0)
-    with pytest.raises(TypeError):
-        Request("a", [1], None, cache_salt=5)
+def test_request_counts() -> None:
+    # a Request checks nothing: InputProcessor.prepare validated what it is built from
+    # (tests/engine/test_engine_inputs.py, test_engine_request.py)
     r = Request("a", (5, 6), None, eos_token_ids={2}, max_tokens=3)
     assert (r.num_tokens, r.num_prompt_tokens, r.num_cached_tokens, r.finish_reason) == (
         2,

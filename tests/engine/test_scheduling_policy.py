@@ -14,6 +14,7 @@ import zlib
 import pytest
 from prefixgate.engine.config import EngineConfig
 from prefixgate.engine.kv_cache_manager import KVCacheManager
+from prefixgate.engine.protocol import EngineRequest
 from prefixgate.engine.request import Request
 from prefixgate.engine.sampling_params import SamplingParams
 from prefixgate.engine.scheduler import Scheduler
@@ -274,7 +275,8 @@ def test_bad_policy_and_weights_are_refused():
         EngineConfig(tenant_weights={"a": 0})
     with pytest.raises(TypeError, match="fair_output_weight"):
         EngineConfig(fair_output_weight="2")
+    # a request's fields are checked once, where the caller builds its EngineRequest
     with pytest.raises(TypeError, match="priority"):
-        Request("r", [1, 2], None, priority=1.5)
+        EngineRequest("r", [1, 2], priority=1.5)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="tenant"):
-        Request("r", [1, 2], None, tenant=3)
+        EngineRequest("r", [1, 2], tenant=3)  # type: ignore[arg-type]

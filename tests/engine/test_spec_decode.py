@@ -25,6 +25,7 @@ from prefixgate.engine.spec_decode import (
     SpecDecodeState,
     rejection_sample,
 )
+from support.outputs import whole
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -351,9 +352,9 @@ def test_async_engine_streams_every_accepted_token_once(aidreams_path, plain):
             longest = 0
             for i, prompt in enumerate(REPEATING):
                 outs = [o async for o in engine.generate(prompt, params, f"s{i}")]
-                joined = [t for o in outs for t in o.outputs[0].delta_token_ids]
-                got.append((joined, list(outs[-1].outputs[0].token_ids)))
-                longest = max(longest, *(len(o.outputs[0].delta_token_ids) for o in outs))
+                joined = [t for o in outs for t in o.delta_token_ids]
+                got.append((joined, whole(outs).token_ids))
+                longest = max(longest, *(len(o.delta_token_ids) for o in outs))
             assert engine.stats()["spec_decode_num_accepted_tokens"] > 0
             assert longest > 1  # some step delivered an accepted run in one delta
             engine.check_invariants()

@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 import torch
 import xgrammar as xgr
-from prefixgate.engine import LLM, SamplingParams
+from prefixgate.engine import LLM, CompletionOutput, SamplingParams
 from prefixgate.engine.sampling_params import StructuredOutputsParams as SO
 from prefixgate.engine.structured_output import (
     StructuredOutputManager,
@@ -164,11 +164,13 @@ def test_compilation_never_stalls_other_requests(llm, monkeypatch, pool_whole):
     eng.add_request("c1", "Once", SamplingParams(max_tokens=20, structured_outputs=spec))
     eng.add_request("c2", "Once", SamplingParams(max_tokens=20, structured_outputs=spec))
     eng.add_request("free", "Once", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
-    done: dict[str, object] = {}
+    done: dict[str, CompletionOutput] = {}
+    whole: dict[str, CompletionOutput] = {}
     for _ in range(40):
         for out in eng.step():
+            whole.setdefault(out.request_id, CompletionOutput()).add(out)
             if out.finished:
-                done[out.request_id] = out
+                done[out.request_id] = whole[out.request_id]
         if "free" in done:
             break
     assert "free" in done and "c1" not in done and "c2" not in done
@@ -176,11 +178,12 @@ def test_compilation_never_stalls_other_requests(llm, monkeypatch, pool_whole):
     release.set()
     while eng.has_unfinished_requests():
         for out in eng.step():
+            whole.setdefault(out.request_id, CompletionOutput()).add(out)
             if out.finished:
-                done[out.request_id] = out
+                done[out.request_id] = whole[out.request_id]
     for rid in ("c1", "c2"):
-        assert re.fullmatch(r"slow-[0-9]{3}", done[rid].outputs[0].text)
-        assert done[rid].outputs[0].finish_reason == "stop"
+        assert re.fullmatch(r"slow-[0-9]{3}", done[rid].text)
+        assert done[rid].finish_reason == "stop"
     assert mgr.num_compiled >= 1
     before = mgr.num_compiled
     llm.generate(["Again"], SamplingParams(max_tokens=20, structured_outputs=spec))

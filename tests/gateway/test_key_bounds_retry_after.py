@@ -83,10 +83,10 @@ def test_a_generation_predicts_its_end_from_its_token_rate():
     # ETA_MIN_TOKENS; capped by the engine's max_model_len
     from types import SimpleNamespace
 
+    from prefixgate.engine.outputs import CompletionOutput
     from prefixgate.engine.protocol import EngineRequest
     from prefixgate.engine.sampling_params import SamplingParams
     from prefixgate.gateway.local.exchange import Exchange
-    from prefixgate.gateway.local.generation import ChoiceOutput
     from prefixgate.gateway.local.serving import LOCAL
 
     ex = Exchange.__new__(Exchange)
@@ -97,7 +97,8 @@ def test_a_generation_predicts_its_end_from_its_token_rate():
         EngineRequest("a", [1] * 10, SamplingParams(max_tokens=101)),
         EngineRequest("b", [1] * 10, SamplingParams(max_tokens=5000)),
     ]
-    ex.outputs = [ChoiceOutput(), ChoiceOutput()]
+    ex.outputs = [CompletionOutput(), CompletionOutput()]
+    ex.t_first_tokens = [0.0, 0.0]
     ex.st = SimpleNamespace(admission=SimpleNamespace(tpot_s=0.0))
     assert ex.eta_s() is None  # nothing measured
     ex.st.admission.tpot_s = 0.01  # too young to measure: the recent generations' rate
@@ -107,8 +108,8 @@ def test_a_generation_predicts_its_end_from_its_token_rate():
     import time
 
     t = time.monotonic()
-    ex.outputs[0].num_tokens, ex.outputs[0].t_first_token = 11, t - 1.0  # 10 tokens/s
-    ex.outputs[1].num_tokens, ex.outputs[1].t_first_token = 21, t - 1.0  # 20 tokens/s
+    ex.outputs[0].token_ids[:], ex.t_first_tokens[0] = [7] * 11, t - 1.0  # 10 tokens/s
+    ex.outputs[1].token_ids[:], ex.t_first_tokens[1] = [7] * 21, t - 1.0  # 20 tokens/s
     got = ex.eta_s()
     # choice 0: 90 left at 10/s = 9 s; choice 1: capped at 1000 - 10 = 990, 969 left at 20/s
     assert got is not None and 48.0 <= got <= 48.6

@@ -17,7 +17,7 @@ from typing import Any, cast
 
 from prefixgate.engine.config import EngineConfig
 from prefixgate.engine.errors import EngineDeadError, PinLimitError
-from prefixgate.engine.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
+from prefixgate.engine.outputs import Logprob, StepOutput, TokenLogprobs
 from prefixgate.engine.protocol import EngineRequest
 from prefixgate.engine.sampling_params import SamplingParams
 
@@ -137,8 +137,8 @@ class FakeEngine:
         then, as on any failure, not at garbage collection."""
         real = self.generate
 
-        async def failing(request: EngineRequest) -> AsyncIterator[RequestOutput]:
-            inner = cast(AsyncGenerator[RequestOutput, None], real(request))
+        async def failing(request: EngineRequest) -> AsyncIterator[StepOutput]:
+            inner = cast(AsyncGenerator[StepOutput, None], real(request))
             try:
                 n = 0
                 async for out in inner:
@@ -152,7 +152,7 @@ class FakeEngine:
         self.generate = failing  # type: ignore[method-assign]
 
     # --- the contract -----------------------------------------------------------------
-    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: EngineRequest) -> AsyncIterator[StepOutput]:
         prompt, params, request_id = request.prompt, request.sampling_params, request.request_id
         cache_salt = request.cache_salt
         self.tenants_seen.append((request.tenant, request.priority))
@@ -171,15 +171,31 @@ class FakeEngine:
         self.prefix_queries += len(ids)
         self.prefix_hits += cached
         self._waiting.add(request_id)
-        out = CompletionOutput(index=0, logprobs=[] if params.logprobs is not None else None)
-        res = RequestOutput(
-            request_id,
-            prompt if isinstance(prompt, str) else None,
-            ids,
-            [out],
-            num_cached_tokens=cached,
-            metrics={"arrival": time.monotonic()},
-        )
+        want_logprobs = params.logprobs is not None
+        first = True
+
+        def output(
+            ids_: list[int],
+            text: str,
+            lps: list[TokenLogprobs] | None,
+            finish: str | None = None,
+            stop_reason: str | None = None,
+        ) -> StepOutput:
+            # a fresh object per step holding only what is new (the engine's contract)
+            nonlocal first
+            metrics = {"arrival": time.monotonic()} if (first and ids_) or finish else {}
+            first = first and not ids_
+            return StepOutput(
+                request_id,
+                ids_,
+                text,
+                lps,
+                finish,  # type: ignore[arg-type]
+                stop_reason,
+                num_cached_tokens=cached,
+                metrics=metrics,
+            )
+
         acquired = False
         try:
             if self._slots is not None:
@@ -189,36 +205,35 @@ class FakeEngine:
             self._running[request_id] = math.ceil(len(ids) / self.block_size)
             seed = params.seed or 0
             base = sum(ids) + seed * 7
+            text = ""  # every character decoded so far
+            sent = 0  # characters of it already sent (the rest may start a stop string)
             for i in range(max_tokens):
                 await asyncio.sleep(self.token_delay_s)
                 if request_id in self._aborted:
-                    out.finish_reason = "abort"
-                    out.delta_text, out.delta_token_ids = "", []
-                    res.finished = True
-                    yield res
+                    yield output([], "", [] if want_logprobs else None, "abort")
                     return
                 tok = 3 + ord("a") + (base + i) % 26
                 self.generated += 1
-                out.token_ids.append(tok)
                 self._running[request_id] = math.ceil((len(ids) + i + 1) / self.block_size)
                 piece = self.tokenizer.decode([tok])
-                out.delta_token_ids = [tok]
-                out.delta_text = piece
-                out.text += piece
-                if out.logprobs is not None:
+                text += piece
+                lps = None
+                if want_logprobs:
                     alts = [
                         Logprob(tok + k, -0.1 * (k + 1), chr(tok + k - 3))
                         for k in range(params.logprobs or 0)
                     ]
-                    out.logprobs.append(TokenLogprobs(Logprob(tok, -0.1, piece), alts))
-                stop = next((s for s in params.stop if out.text.endswith(s)), None)
+                    lps = [TokenLogprobs(Logprob(tok, -0.1, piece), alts)]
+                stop = next((s for s in params.stop if s in text[max(0, sent - 64) :]), None)
                 if stop is not None:
-                    out.text = out.text[: -len(stop)]
-                    out.delta_text = ""
-                    out.finish_reason, out.stop_reason = "stop", stop
+                    cut = text.index(stop, max(0, sent - 64))
+                    res = output([tok], text[sent:cut], lps, "stop", stop)
                 elif i + 1 == max_tokens:
-                    out.finish_reason = "length"
-                res.finished = out.finish_reason is not None
+                    res = output([tok], text[sent:], lps, "length")
+                else:
+                    held = _stop_prefix_len(text, params.stop)
+                    res = output([tok], text[sent : len(text) - held], lps)
+                    sent = len(text) - held
                 yield res
                 if res.finished:
                     self._store(ids, cache_salt)
@@ -334,3 +349,11 @@ class FakeEngine:
 
     def _store(self, ids: list[int], salt: str | None) -> None:
         self._cache.setdefault(salt, []).append(list(ids))
+
+
+def _stop_prefix_len(text: str, stops: list[str]) -> int:
+    """Length of the longest end of ``text`` that a stop string starts with (held back)."""
+    for k in range(min(max((len(s) for s in stops), default=1) - 1, len(text)), 0, -1):
+        if any(s.startswith(text[-k:]) for s in stops):
+            return k
+    return 0
