@@ -46,6 +46,7 @@ from prefixgate.gateway.http.json_guard import (
 )
 from prefixgate.gateway.http.metrics import CONTENT_TYPE, GatewayMetrics, MetricsView
 from prefixgate.gateway.http.server import FDS_PER_CONNECTION
+from prefixgate.gateway.http.sse import CLIENT_LEFT
 from prefixgate.gateway.local import (
     embeddings,
     gemini,
@@ -393,6 +394,10 @@ async def count_requests(request: web.Request, handler: Handler) -> web.StreamRe
         counter.labels(route, str(CLIENT_GONE), "client_gone").inc()
         _log_client_gone(request, time.monotonic() - t0)
         raise
+    if resp.get(CLIENT_LEFT):  # a stream whose client left mid-answer: not the 200 it began
+        counter.labels(route, str(CLIENT_GONE), "client_gone").inc()
+        _log_client_gone(request, time.monotonic() - t0)
+        return resp
     code = resp.get(ERROR_CODE) or ("" if resp.status < 400 else "client_gone")
     counter.labels(route, str(resp.status), code).inc()
     return resp

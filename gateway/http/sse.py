@@ -74,6 +74,17 @@ class SSEWriter:
         await self.response.write_eof()
 
 
+CLIENT_LEFT: web.ResponseKey[bool] = web.ResponseKey("prefixgate_client_left", bool)
+
+
+def client_left(response: web.StreamResponse) -> web.StreamResponse:
+    """Mark a streamed ``response`` its client left before its end (a write raised
+    ``ConnectionResetError``): the request counter and the access log then record it as
+    ``499 client_gone``, not as the ``200`` the stream began with. Returns ``response``."""
+    response[CLIENT_LEFT] = True
+    return response
+
+
 def client_gone(request: web.Request) -> bool:
     """True when the client's connection is closed or closing."""
     transport = request.transport

@@ -18,7 +18,7 @@ from prefixgate.engine.protocol import EngineRequest
 from prefixgate.gateway.http.access_log import record, stream_cut
 from prefixgate.gateway.http.errors import APIError, bad_request
 from prefixgate.gateway.http.lifecycle import end_streams_with
-from prefixgate.gateway.http.sse import KEEPALIVE, SSEWriter, client_gone
+from prefixgate.gateway.http.sse import KEEPALIVE, SSEWriter, client_gone, client_left
 from prefixgate.gateway.local.cache_diagnostics import Comparison, header_part
 from prefixgate.gateway.local.cache_marks import (
     CACHE_HEADER,
@@ -344,8 +344,8 @@ class Exchange:
             for event in self.renderer.closing(self.outputs, self._usage()):
                 await sse.write(event)
             await sse.response.write_eof()
-        except ConnectionResetError:
-            pass  # client gone mid-stream: ChoiceRun aborted the engine requests on exit
+        except ConnectionResetError:  # ChoiceRun aborted the engine requests on exit
+            return client_left(sse.response)
         return sse.response
 
     async def _open(self, sse: SSEWriter) -> None:

@@ -35,7 +35,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from prefixgate.gateway.http.errors import bad_request
-from prefixgate.gateway.http.sse import DONE, SSE_HEADERS, encode_event
+from prefixgate.gateway.http.sse import DONE, SSE_HEADERS, client_gone, client_left, encode_event
 
 logger = logging.getLogger("prefixgate.gateway")
 
@@ -479,13 +479,15 @@ async def relay_stream(
     except _StreamError as exc:
         error = stream_error(str(exc))
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
+        if client_gone(request):  # a write to the client failed: aiohttp's
+            return client_left(out)  # ClientConnectionResetError is a ClientConnectionError too
         error = stream_error(f"the upstream connection broke mid-stream: {type(exc).__name__}")
     except ConnectionResetError:
-        return out
+        return client_left(out)
     try:
         if error is not None:
             await out.write(error)
         await out.write_eof()
     except ConnectionResetError:
-        pass
+        return client_left(out)
     return out

@@ -39,7 +39,7 @@ import aiohttp
 from aiohttp import web
 from prefixgate.gateway.http.access_log import stream_cut
 from prefixgate.gateway.http.errors import GEMINI, APIError, bad_request, error_dialect
-from prefixgate.gateway.http.sse import SSE_HEADERS
+from prefixgate.gateway.http.sse import SSE_HEADERS, client_gone, client_left
 from prefixgate.gateway.proxy.answers import shape_problem
 from prefixgate.gateway.proxy.attempts import Call, NextUpstream, each_upstream
 from prefixgate.gateway.proxy.messages_openai import token_count
@@ -384,13 +384,15 @@ async def _relay(call: _Call, resp: aiohttp.ClientResponse, rid: str) -> web.Str
     except StreamBroken as exc:
         error = APIError(502, str(exc), code=exc.code)
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
+        if client_gone(call.request):  # a write to the client failed: aiohttp's
+            return client_left(out)  # ClientConnectionResetError is a ClientConnectionError too
         error = APIError(
             502,
             f"the upstream connection broke mid-stream: {type(exc).__name__}",
             code="upstream_error",
         )
     except ConnectionResetError:
-        return out
+        return client_left(out)
     usage = _usage_metadata(chunks.usage)
     call.prompt = usage["promptTokenCount"] if usage else None
     call.completion = usage["candidatesTokenCount"] if usage else chunks.completion
@@ -402,7 +404,7 @@ async def _relay(call: _Call, resp: aiohttp.ClientResponse, rid: str) -> web.Str
             await out.write(chunks.closing())
         await out.write_eof()
     except ConnectionResetError:
-        pass
+        return client_left(out)
     return out
 
 

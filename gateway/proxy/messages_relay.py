@@ -44,7 +44,7 @@ import aiohttp
 from aiohttp import web
 from prefixgate.gateway.http.access_log import stream_cut
 from prefixgate.gateway.http.errors import ANTHROPIC, APIError, error_dialect, error_event
-from prefixgate.gateway.http.sse import KEEPALIVE, SSE_HEADERS
+from prefixgate.gateway.http.sse import KEEPALIVE, SSE_HEADERS, client_gone, client_left
 from prefixgate.gateway.proxy import anthropic, messages_openai
 from prefixgate.gateway.proxy.answers import shape_problem
 from prefixgate.gateway.proxy.attempts import Call, NextUpstream, each_upstream
@@ -580,13 +580,15 @@ async def _relay(
             code="upstream_timeout",
         )
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+        if client_gone(request):  # a write to the client failed: aiohttp's
+            return client_left(out)  # ClientConnectionResetError is a ClientConnectionError too
         error = APIError(
             502,
             f"the upstream connection broke mid-stream: {type(exc).__name__}",
             code="upstream_error",
         )
     except ConnectionResetError:
-        return out  # client gone: leaving closes the upstream connection
+        return client_left(out)  # leaving closes the upstream connection
     try:
         if error is not None:
             logger.warning("upstream stream broken: %s", error.message)
@@ -594,5 +596,5 @@ async def _relay(
             await out.write(error_event(request, error))
         await out.write_eof()
     except ConnectionResetError:
-        pass
+        return client_left(out)
     return out

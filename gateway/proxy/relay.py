@@ -35,7 +35,13 @@ import aiohttp
 from aiohttp import web
 from prefixgate.gateway.http.access_log import stream_cut
 from prefixgate.gateway.http.errors import APIError
-from prefixgate.gateway.http.sse import KEEPALIVE, SSE_HEADERS, encode_event
+from prefixgate.gateway.http.sse import (
+    KEEPALIVE,
+    SSE_HEADERS,
+    client_gone,
+    client_left,
+    encode_event,
+)
 from prefixgate.gateway.proxy.answers import shape_problem
 from prefixgate.gateway.proxy.redact import scrub
 from prefixgate.gateway.proxy.usage import UsageTap
@@ -239,21 +245,23 @@ async def relay_sse(
         checker.broken = str(exc)
         error, code = stream_error(str(exc), exc.code), exc.code
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+        if client_gone(request):  # a write to the client failed: aiohttp's
+            return client_left(out)  # ClientConnectionResetError is a ClientConnectionError too
         checker.broken = f"the upstream connection broke mid-stream: {type(exc).__name__}"
         error = stream_error(checker.broken)
     except ConnectionResetError:
-        return out  # client gone: leaving closes the upstream connection
+        return client_left(out)  # leaving closes the upstream connection
     if error is not None:
         logger.warning("upstream stream broken: %s", error[6:].decode(errors="replace").strip())
         stream_cut(request, code)
         try:
             await out.write(error)
         except ConnectionResetError:
-            return out
+            return client_left(out)
     try:
         await out.write_eof()
     except ConnectionResetError:
-        pass
+        return client_left(out)
     return out
 
 

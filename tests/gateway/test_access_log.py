@@ -85,3 +85,83 @@ def test_a_client_gone_before_its_answer_gets_its_access_line(caplog):
     assert len(lines) == 1, lines
     assert '"POST /v1/chat/completions" 499 key=- prompt=' in lines[0]
     assert "prompt=-" not in lines[0]  # the usage it had is kept
+
+
+STREAMS = {
+    "/v1/chat/completions": {
+        "model": "fake",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 1000,
+        "stream": True,
+    },
+    "/v1/messages": {
+        "model": "fake",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 1000,
+        "stream": True,
+    },
+    "/v1beta/models/fake:streamGenerateContent?alt=sse": {
+        "contents": [{"parts": [{"text": "hi"}]}],
+        "generationConfig": {"maxOutputTokens": 1000},
+    },
+}
+
+
+CUTS = 12
+
+
+@pytest.mark.parametrize("mode", ["local", "proxy"])
+def test_a_stream_its_client_cut_is_counted_and_logged_as_499(caplog, mode):
+    """A client that closes a stream after a few events: one access line and one count of
+    ``499 client_gone`` per stream in every dialect and both modes, never the ``200`` the
+    stream began with (the relays returned the response as if it had ended)."""
+    import re
+    import time
+
+    import httpx
+    from prefixgate.gateway.app import create_app, create_proxy_app
+    from prefixgate.gateway.http.server import BackgroundServer
+    from prefixgate.gateway.settings import GatewaySettings
+    from support.fake_engine import FakeEngine
+
+    engine = FakeEngine(max_model_len=4096, token_delay_s=0.005)  # writes soon after a cut
+    local = BackgroundServer(
+        lambda: create_app(engine, GatewaySettings(model_name="fake")), access_log=mode == "local"
+    )
+    with caplog.at_level(logging.INFO, logger="prefixgate.access"), local:
+        front = local
+        if mode == "proxy":
+            front = BackgroundServer(
+                lambda: create_proxy_app([local.url], GatewaySettings()), access_log=True
+            ).__enter__()
+        try:
+            for path, body in STREAMS.items():
+                for _ in range(CUTS):
+                    with httpx.stream("POST", front.url + path, json=body, timeout=10) as r:
+                        assert r.status_code == 200
+                        events = 0
+                        for line in r.iter_lines():
+                            events += line.startswith("data: ")
+                            if events == 3:
+                                break
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and engine.stats()["num_running"]:
+                time.sleep(0.05)
+            time.sleep(0.3)
+            metrics = httpx.get(front.url + "/metrics").text
+        finally:
+            if front is not local:
+                front.__exit__(None, None, None)
+    lines = [r.getMessage() for r in caplog.records if r.name == "prefixgate.access"]
+    # a client that left is not the upstream breaking (aiohttp's ClientConnectionResetError,
+    # raised by the write to the client, is a ClientConnectionError too)
+    assert not [
+        r for r in caplog.records if "upstream" in r.getMessage() and "broke" in r.getMessage()
+    ]
+    for path in STREAMS:
+        route = path.split("?")[0]
+        mine = [ln for ln in lines if f'"POST {route}' in ln or f'"POST {path}' in ln]
+        assert len(mine) == CUTS and all('" 499 ' in ln for ln in mine), (path, mine)
+    counted = re.findall(r'prefixgate_requests_total\{[^}]*status="(\d+)"[^}]*\} (\S+)', metrics)
+    assert not [c for c in counted if c[0] == "200" and float(c[1]) > 0], counted
+    assert sum(float(n) for s, n in counted if s == "499") == CUTS * len(STREAMS), counted
