@@ -9,6 +9,7 @@ that.
 from __future__ import annotations
 
 import errno
+import importlib.util
 import os
 import socket
 import sys
@@ -103,6 +104,25 @@ def check_model_path(model: str | None) -> None:
         )
 
 
+# The local engine's imports (pyproject's ``[engine]`` extra), by module name.
+ENGINE_MODULES = ("torch", "tokenizers", "safetensors", "jinja2", "numpy", "zmq", "msgspec")
+
+
+def check_engine_installed() -> None:
+    """Local mode's packages are installed (a proxy-only install has none of them).
+
+    Raises:
+        ValueError: one line naming the missing modules and the extra that brings them.
+    """
+    missing = [m for m in ENGINE_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ValueError(
+            f"serving a local model needs the engine's packages ({', '.join(missing)} not "
+            "installed): pip install -e '.[engine]' from the checkout, or serve in front of "
+            "other servers with --upstream URL"
+        )
+
+
 def check_before_imports(args: Any) -> None:
     """The keys file and the model path of the parsed ``serve`` flags; the first failure is
     raised. The port is checked by the caller once every flag's value is (``check_port_free``).
@@ -114,3 +134,4 @@ def check_before_imports(args: Any) -> None:
         check_keys_file(args.keys_file)
     if not args.upstreams and not args.config:
         check_model_path(args.model)
+        check_engine_installed()

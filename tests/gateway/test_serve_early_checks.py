@@ -104,3 +104,22 @@ def test_port_checks():
     check_port_free("127.0.0.1", port)  # bound then released: free again
     with pytest.raises(CannotListenError, match="not an address of this machine"):
         check_port_free("192.0.2.1", port)  # TEST-NET-1, never local
+
+
+def test_local_mode_without_the_engine_packages_is_told_in_one_line(monkeypatch, caplog):
+    """A proxy-only install (``.[proxy]``: no torch, no tokenizers) asked to serve a local
+    model: one line naming what is missing and the extra that brings it, exit 2 — not a
+    ``ModuleNotFoundError`` traceback from the engine's imports. Simulated by a module name
+    that is never installed."""
+    import logging
+
+    from prefixgate.gateway.cli import main
+    from prefixgate.gateway.serve import early_checks
+
+    monkeypatch.setattr(early_checks, "ENGINE_MODULES", ("json", "no_such_module_pg"))
+    with pytest.raises(ValueError, match=r"no_such_module_pg not installed.*\.\[engine\]"):
+        early_checks.check_engine_installed()
+    with caplog.at_level(logging.ERROR):
+        assert main(["serve", "--port", "0"]) == 2
+    told = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(told) == 1 and "no_such_module_pg" in told[0] and "--upstream" in told[0], told
