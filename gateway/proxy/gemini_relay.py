@@ -30,6 +30,7 @@ renewal), ``tools`` or ``toolConfig`` in a cache.
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 import uuid
@@ -57,6 +58,7 @@ from prefixgate.gateway.proxy.usage import admit_call, settle_usage
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.tenancy.keys import effective_salt
 from prefixgate.gateway.wire.gemini_models import (
+    CHAT_FIELD_IN_GEMINI,
     CachedContentCreate,
     Chat,
     CountTokensRequest,
@@ -302,6 +304,19 @@ def _error_event(err: APIError) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
+def in_gemini_words(err: APIError) -> APIError:
+    """``err`` (an upstream's refusal of the chat body the relay sent) naming the Gemini
+    fields the client sent: its ``param`` and, in its message, the chat fields spelt with an
+    underscore (``max_tokens`` → ``generationConfig.maxOutputTokens``; plain words such as
+    ``stop`` or ``messages`` are left in the prose). Returns ``err``, changed in place."""
+    if err.param in CHAT_FIELD_IN_GEMINI:
+        err.param = CHAT_FIELD_IN_GEMINI[err.param]
+    for chat, gemini in CHAT_FIELD_IN_GEMINI.items():
+        if "_" in chat:
+            err.message = re.sub(rf"\b{chat}\b", gemini, err.message)
+    return err
+
+
 # --- the attempts ---------------------------------------------------------------------------
 async def _refused(call: _Call, up: Upstream, resp: aiohttp.ClientResponse) -> None:
     call.answered = resp.status  # the attempt's metric
@@ -310,7 +325,7 @@ async def _refused(call: _Call, up: Upstream, resp: aiohttp.ClientResponse) -> N
         own = up.auth is not None or bool(call.st.settings.upstream_api_key)
         raise auth_error(resp.status, up.url, own)
     secrets = secrets_of(call.st.settings.upstream_api_key, up.auth)
-    err = upstream_error(resp.status, data, resp.headers, secrets)
+    err = in_gemini_words(upstream_error(resp.status, data, resp.headers, secrets))
     if resp.status in _DOWN:
         call.router.mark_failed(up, f"HTTP {resp.status}")
         raise NextUpstream(str(resp.status), err)

@@ -144,6 +144,14 @@ _GEMINI_NAMES = {
 }
 """Engine field → the ``generationConfig`` field that sets it."""
 
+CHAT_FIELD_IN_GEMINI = {
+    **{name: f"generationConfig.{field}" for name, field in _GEMINI_NAMES.items()},
+    "n": "generationConfig.candidateCount",
+    "messages": "contents",
+}
+"""A chat completions field (what the proxy sends an OpenAI-style upstream) → the Gemini
+request field it came from, for naming an upstream's refusal in the client's words."""
+
 
 class FunctionDeclaration(BaseModel):
     """A function the model may call: ``name``, ``description``, ``parameters`` (Gemini's

@@ -182,3 +182,21 @@ def test_proxy_caches_say_what_they_cannot_do(proxied):
     ]
     assert httpx.delete(url, headers=h).json() == {}
     assert httpx.get(url, headers=h).status_code == 404
+
+
+def test_an_upstream_refusal_names_the_gemini_field_the_client_sent(serve_fake):
+    """Over the context with its ``maxOutputTokens``: the upstream (a gateway speaking chat
+    completions) refuses ``max_tokens``; the client sent ``generationConfig.maxOutputTokens``
+    and reads that name, as local mode's refusal has it."""
+    local, _ = serve_fake(max_model_len=128)
+    body = {
+        "contents": [{"parts": [{"text": "hi"}]}],
+        "generationConfig": {"maxOutputTokens": 1000},
+    }
+    with BackgroundServer(lambda: create_proxy_app([local.url], GatewaySettings())) as proxy:
+        via_proxy = httpx.post(proxy.url + "/v1beta/models/fake:generateContent", json=body).json()
+    direct = httpx.post(local.url + "/v1beta/models/fake:generateContent", json=body).json()
+    for err in (via_proxy["error"], direct["error"]):
+        assert err["code"] == 400, err
+        assert "generationConfig.maxOutputTokens" in err["message"], err
+        assert "max_tokens" not in err["message"], err
