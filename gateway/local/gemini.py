@@ -337,7 +337,7 @@ async def model_method(request: web.Request) -> web.StreamResponse:
     if method == "countTokens":
         return await _count_tokens(request, model)
     raise not_found(
-        f"method {method[:60]!r} is not served on models/ (generateContent, "
+        f"method {method[:60]!r} is not served on models/{model[:80]} (generateContent, "
         "streamGenerateContent, countTokens)"
     )
 

@@ -13,40 +13,92 @@ import time
 from typing import Any
 
 SIM_HELP = "simulate a fleet of gateways and replicas on a virtual clock (docs/sim.md)"
+SIM_DESCRIPTION = (
+    "Runs prefixgate's own scheduler, KV cache, prefix cache, admission and routing policies "
+    "for G gateways x R replicas x T tenants on a virtual clock: each engine step costs what "
+    "the --profile's cost model says, no model is computed. Prints (and --json writes) the "
+    "fleet's prefix hit rate against one replica holding everything, the hottest replica's "
+    "load over the mean, the two gateways' hit-rate difference, Retry-After's p90 error "
+    "against the actual wait, the TTFT budgets met, goodput, a light tenant's TTFT in a heavy "
+    "tenant's flood over its TTFT alone, TTFT/TPOT percentiles. Every time is in virtual "
+    "seconds of the profile, not this machine's (docs/sim.md)."
+)
+
+
+class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default in its help, except ``None`` (an option unset by default)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or "(default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def add_sim_parser(sub: Any) -> argparse.ArgumentParser:
     """The ``sim`` sub-command's parser (``prefixgate sim --help``)."""
     from prefixgate.gateway.proxy.policies import POLICIES
 
-    p = sub.add_parser("sim", help=SIM_HELP, description=SIM_HELP)
-    p.add_argument("--replicas", type=int, default=4, help="replicas (default: 4)")
-    p.add_argument("--gateways", type=int, default=2, help="gateways (default: 2)")
-    p.add_argument("--tenants", type=int, default=100, help="base tenants (default: 100)")
-    p.add_argument("--routing", choices=POLICIES, default="precise", help="(default: precise)")
+    p = sub.add_parser(
+        "sim",
+        help=SIM_HELP,
+        description=SIM_DESCRIPTION,
+        formatter_class=_Defaults,
+    )
+    p.add_argument("--replicas", type=int, default=4, help="replicas")
+    p.add_argument("--gateways", type=int, default=2, help="gateways")
+    p.add_argument("--tenants", type=int, default=100, help="base tenants")
+    p.add_argument(
+        "--routing", choices=POLICIES, default="precise", help="routing policy of every gateway"
+    )
     p.add_argument(
         "--load",
         type=float,
         default=0.8,
-        help="base arrival rate as a multiple of the measured capacity (default: 0.8)",
+        help="base arrival rate as a multiple of the measured capacity",
     )
-    p.add_argument("--duration-s", type=float, default=60.0, help="arrivals, virtual seconds")
-    p.add_argument("--seed", type=int, default=0, help="(default: 0)")
+    p.add_argument(
+        "--duration-s", type=float, default=60.0, help="arrivals for this long, virtual seconds"
+    )
+    p.add_argument("--seed", type=int, default=0, help="the workload's seed (same seed, same JSON)")
     p.add_argument("--json", dest="json_out", default=None, help="write the report here")
     p.add_argument("--plot", default=None, help="write a PNG plot here (matplotlib)")
-    p.add_argument("--profile", default="h100-llama3-8b", help="cost profile (name or JSON)")
-    p.add_argument("--kv-blocks", type=int, default=None, help="KV blocks per replica")
-    p.add_argument("--max-num-seqs", type=int, default=128, help="(default: 128)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="(default: 2048)")
+    p.add_argument(
+        "--profile",
+        default="h100-llama3-8b",
+        help="cost profile: a name or a profile JSON file (prefixgate.engine.sim_fit)",
+    )
+    p.add_argument(
+        "--kv-blocks", type=int, default=None, help="KV blocks per replica (default: the profile's)"
+    )
+    p.add_argument("--max-num-seqs", type=int, default=128, help="engine max_num_seqs per replica")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="engine max_num_batched_tokens per replica",
+    )
     p.add_argument("--max-queued-requests", type=int, default=256, help="admission bound")
-    p.add_argument("--scheduling-policy", choices=("fcfs", "fair"), default="fair")
-    p.add_argument("--arrivals", choices=("poisson", "bursty"), default="poisson")
-    p.add_argument("--system-prompt-tokens", type=int, default=1024)
-    p.add_argument("--user-tokens", type=int, default=128)
-    p.add_argument("--output-tokens", type=int, default=128)
-    p.add_argument("--mean-turns", type=float, default=3.0)
-    p.add_argument("--think-s", type=float, default=5.0)
-    p.add_argument("--ttft-budget-s", type=float, default=2.0, help="0: no budgets")
+    p.add_argument(
+        "--scheduling-policy", choices=("fcfs", "fair"), default="fair", help="engine policy"
+    )
+    p.add_argument(
+        "--arrivals", choices=("poisson", "bursty"), default="poisson", help="arrival process"
+    )
+    p.add_argument(
+        "--system-prompt-tokens", type=int, default=1024, help="each tenant's system prompt"
+    )
+    p.add_argument("--user-tokens", type=int, default=128, help="each turn's user message")
+    p.add_argument("--output-tokens", type=int, default=128, help="each answer's length")
+    p.add_argument("--mean-turns", type=float, default=3.0, help="turns per session (mean)")
+    p.add_argument(
+        "--think-s", type=float, default=5.0, help="a user's pause between turns, virtual s"
+    )
+    p.add_argument(
+        "--ttft-budget-s",
+        type=float,
+        default=2.0,
+        help="each request's TTFT budget, virtual s (0: none)",
+    )
     p.add_argument("--light-rate", type=float, default=0.5, help="light tenant requests/s")
     p.add_argument(
         "--flood-factor",
@@ -106,7 +158,8 @@ def run(args: argparse.Namespace) -> int:
                     "--plot needs matplotlib: pip install 'prefixgate[bench]'"
                 ) from None
     except (ValueError, TypeError) as exc:
-        print(f"prefixgate sim: bad option: {exc}", file=sys.stderr)
+        message = str(exc).replace("sim_profile", "--profile")  # the engine's field, the flag
+        print(f"prefixgate sim: bad option: {message}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
     capacity = args.capacity_rps or saturated_rate(fc, wc, args.seed)
