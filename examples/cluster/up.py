@@ -394,7 +394,10 @@ class Cluster:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        description=(__doc__ or "").split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     ap.add_argument(
         "--only",
         action="append",
@@ -409,8 +412,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="logs and the vLLMs' KV event sockets (the same for pieces started apart)",
     )
     ap.add_argument("--vllm-model", type=Path, default=Models.vllm, help="the vLLMs' model folder")
-    ap.add_argument("--engine-model", type=Path, default=Models.engine)
-    ap.add_argument("--start-timeout-s", type=float, default=600.0)
+    ap.add_argument(
+        "--engine-model", type=Path, default=Models.engine, help="the prefixgate engine's model"
+    )
+    ap.add_argument(
+        "--start-timeout-s",
+        type=float,
+        default=600.0,
+        help="seconds each piece may take to answer (vLLM loads for minutes on 2 cores)",
+    )
     args = ap.parse_args(argv)
     layout = Layout.at(args.base_port, args.run_dir.resolve())
     models = Models(args.vllm_model.resolve(), args.engine_model.resolve())
