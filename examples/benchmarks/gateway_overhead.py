@@ -12,7 +12,7 @@ load generator (raw keep-alive HTTP/1.1 connections, pre-built requests).
 
 Targets: added p50 <= 2 ms and >= 1,000 requests/s on this 2-core machine
 (LiteLLM publishes 1,035 requests/s on two 4-CPU instances with 12 ms p50 overhead).
-Bounded: the default run takes about 30 s.
+Bounded: the default run takes 20-30 s.
 
     python -m examples.benchmarks.gateway_overhead [--json out.json]
 """
@@ -227,9 +227,21 @@ def _pct(xs: list[float], p: float) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--latency-requests", type=int, default=3000)
-    ap.add_argument("--concurrency", type=int, default=32)
-    ap.add_argument("--duration", type=float, default=8.0)
+    ap.add_argument(
+        "--latency-requests",
+        type=int,
+        default=3000,
+        help="sequential requests timed for the added latency (default: 3000)",
+    )
+    ap.add_argument(
+        "--concurrency", type=int, default=32, help="clients of the throughput run (default: 32)"
+    )
+    ap.add_argument(
+        "--duration",
+        type=float,
+        default=8.0,
+        help="seconds of the throughput run, per path (default: 8.0)",
+    )
     ap.add_argument("--json", default=None, help="write the figures to this JSON file")
     args = ap.parse_args()
 

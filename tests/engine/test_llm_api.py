@@ -181,7 +181,7 @@ def test_abort_frees_blocks_and_reports(llm, pool_whole):
 
 
 def test_outputs_hold_only_what_the_step_added(llm, pool_whole):
-    # issue 42: no output copies the request's whole ids, logprobs or text; the timeline
+    # no output copies the request's whole ids, logprobs or text; the timeline
     # rides on the first output with tokens and on the last only
     eng = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True, logprobs=2)
