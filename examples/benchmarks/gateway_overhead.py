@@ -231,7 +231,7 @@ def main() -> None:
         "--latency-requests",
         type=int,
         default=3000,
-        help="sequential requests timed for the added latency (default: 3000)",
+        help="sequential requests timed direct and through the gateway (default: 3000)",
     )
     ap.add_argument(
         "--concurrency", type=int, default=32, help="clients of the throughput run (default: 32)"
@@ -240,7 +240,7 @@ def main() -> None:
         "--duration",
         type=float,
         default=8.0,
-        help="seconds of the throughput run, per path (default: 8.0)",
+        help="seconds of the throughput run through the gateway (default: 8.0)",
     )
     ap.add_argument("--json", default=None, help="write the figures to this JSON file")
     args = ap.parse_args()
