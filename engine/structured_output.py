@@ -184,8 +184,11 @@ def reworded_error(kind: str, exc: BaseException) -> str:
     ``Regex parsing error at position 4: The parenthesis is not closed.`` becomes ``invalid
     regex at position 4: The parenthesis is not closed.``; a regex's error found in its EBNF
     lowering loses the EBNF position (``invalid regex: Lower bound is larger than upper
-    bound: 3 > 1``); a grammar keeps its line and column. At most 300 characters.
+    bound: 3 > 1``); a grammar keeps its line and column; a constraint too deep for the
+    compiler's recursion says so. At most 300 characters.
     """
+    if isinstance(exc, RecursionError):  # Python's words about its own stack, not the input's
+        return f"{_WHAT.get(kind, 'invalid constraint')}: nested too deeply to compile"
     text = str(exc).strip()
     first = text.splitlines()[0] if text else type(exc).__name__
     msg = _SOURCE_PATH.sub("", _LOG_PREFIX.sub("", first)).strip()

@@ -326,3 +326,21 @@ def test_grammar_errors_name_the_problem_never_compiler_paths(spec, want):
     msg = str(info.value)
     assert msg.startswith(want), msg
     assert not re.search(r"\.(cc|h|cpp)\b|/cpp/|/project/|\[\d\d:\d\d", msg), msg
+
+
+def test_a_schema_too_deep_to_compile_is_told_as_such():
+    """A valid schema nested past what the compiler's recursion takes: the client reads that
+    it is nested too deeply, never Python's "maximum recursion depth exceeded"."""
+    from prefixgate.engine.sampling_params import StructuredOutputsParams
+    from prefixgate.engine.structured_output import grammar_of, reworded_error
+
+    assert reworded_error("json", RecursionError("maximum recursion depth exceeded")) == (
+        "invalid JSON schema: nested too deeply to compile"
+    )
+    schema: dict = {"type": "string"}
+    for _ in range(400):
+        schema = {"type": "object", "properties": {"a": schema}}
+    try:
+        grammar_of(StructuredOutputsParams(json=schema))
+    except ValueError as exc:
+        assert "recursion" not in str(exc), exc
