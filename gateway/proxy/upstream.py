@@ -402,6 +402,8 @@ class UpstreamRouter:
                 models are known (a config's models always are); 400 under a config when it
                 is missing or not a string.
         """
+        if model == "":  # empty is absent, as local mode reads every field
+            model = None
         if self.model_list is not None and not isinstance(model, str):
             raise bad_request(
                 "model: must be the name of one of this gateway's models (GET /v1/models)",

@@ -195,3 +195,22 @@ def test_prefixgate_serve_with_two_upstream_flags(stubs, tmp_path):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_an_empty_model_is_answered_as_a_missing_one_in_both_modes(serve_fake):
+    """``model: ""`` is the field's absence (empty is absent): a 400 naming ``model`` from the
+    local gateway and through the proxy in front of it, not a proxy's 404 for a model ''."""
+    import httpx
+    from prefixgate.gateway.app import create_proxy_app
+    from prefixgate.gateway.http.server import BackgroundServer
+    from prefixgate.gateway.settings import GatewaySettings
+
+    local, _ = serve_fake()
+    body = {"model": "", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with BackgroundServer(lambda: create_proxy_app([local.url], GatewaySettings())) as proxy:
+        answers = [
+            httpx.post(u + "/v1/chat/completions", json=body) for u in (local.url, proxy.url)
+        ]
+    for r in answers:
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "model", r.text
