@@ -464,9 +464,11 @@ def parse(model: type[M], body: bytes) -> M:
             raw = pydantic_core.from_json(body)
         except ValueError:
             pass  # model_validate_json reports it, naming the place
+    emptied: set[str] = set()
     if isinstance(raw, dict):
         present = without_empty(raw)
         if len(present) != len(raw):  # an empty field is answered as its absence
+            emptied = set(raw) - set(present)
             body = pydantic_core.to_json(present)
     try:
         return model.model_validate_json(body)
@@ -498,7 +500,8 @@ def parse(model: type[M], body: bytes) -> M:
         param = ".".join(loc) or None
         msg = err["msg"]
         if err["type"] == "missing":
-            msg = "field required"
+            # a required field sent empty: say so, not that it was not sent
+            msg = "must not be empty" if param in emptied else "field required"
         raise bad_request(f"{param}: {msg}" if param else msg, param=param) from None
 
 

@@ -141,3 +141,18 @@ def test_openai_agents_responses_fields_are_taken_empty(serve_fake):
     assert r.json()["object"] == "response"
     r = httpx.post(srv.url + "/v1/responses", json={**body, "include": ["reasoning"]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "include"
+
+
+def test_a_required_field_sent_empty_is_told_as_empty_not_missing(serve_fake):
+    """``messages: []`` / ``contents: []``: answered as the absence is (a 400 naming the
+    field), in words that say it was sent empty, not "field required"."""
+    import httpx
+
+    srv, _ = serve_fake()
+    anthropic = httpx.post(
+        srv.url + "/v1/messages", json={"model": "fake", "max_tokens": 3, "messages": []}
+    )
+    gemini = httpx.post(srv.url + "/v1beta/models/fake:generateContent", json={"contents": []})
+    assert anthropic.status_code == gemini.status_code == 400
+    assert anthropic.json()["error"]["message"] == "messages: must not be empty"
+    assert gemini.json()["error"]["message"] == "contents: must not be empty"
