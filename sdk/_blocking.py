@@ -245,14 +245,25 @@ class Bridge:
     def iterate(self, source: Any, close: Callable[[], Awaitable[Any]]) -> Iterator[Any]:
         """The items of the async iterator ``source``, one blocking call each; ``close`` is
         awaited when the iteration ends, breaks or fails."""
+        interrupted = False
         try:
             while True:
                 try:
-                    yield self.call(source.__anext__)
+                    item = self.call(source.__anext__)
                 except StopAsyncIteration:
                     return
+                except KeyboardInterrupt:  # the call may still run on the loop, holding the
+                    interrupted = True  # response: closing must not wait on it
+                    raise
+                yield item
         finally:
-            self.call(close)
+            if interrupted:
+                try:  # the loop's stop cancels what is left of both at exit
+                    self._thread.portal().start_task_soon(close)
+                except RuntimeError:  # the client is closed already
+                    pass
+            else:
+                self.call(close)
 
     def close(self) -> None:
         """Close the pool (``on_stop``) and stop the thread; idempotent, no warning."""
