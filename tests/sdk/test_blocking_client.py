@@ -169,8 +169,17 @@ def test_ctrl_c_in_a_blocking_stream_exits() -> None:
     """A Ctrl-C while a stream waits for its next chunk ends the script: the call left in
     flight on the loop thread is cancelled at exit, it does not hold the process."""
     silent = StubServer(name="silent", ttft_s=600.0).start()  # first chunk, then silence
+    # A terminal's Ctrl-C reaches a script whose SIGINT is Python's default; a child of the
+    # test process inherits that process's SIGINT disposition and mask instead (an ignored or
+    # blocked SIGINT left by another test in the same run would make the script deaf to it):
+    # the script restores the terminal's case first and reports what it inherited.
     source = textwrap.dedent(
         f"""
+        import signal, sys
+        inherited = signal.getsignal(signal.SIGINT), signal.pthread_sigmask(signal.SIG_BLOCK, [])
+        print("inherited SIGINT:", inherited, file=sys.stderr)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         from prefixgate.sdk import Client
         client = Client({silent.base_url + "/v1"!r})
         stream = client.chat.completions.create(
