@@ -51,6 +51,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from prefixgate.sdk.bench.targets import terminate
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 SHARED = REPO.parent / "shared"
@@ -178,12 +180,7 @@ class Running:
             r.read()
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        terminate(self.proc, 60, 60)
         self.log.close()
 
 

@@ -55,7 +55,7 @@ from typing import Any
 
 import httpx
 from prefixgate.sdk.bench.shared import shared_dir
-from prefixgate.sdk.bench.targets import free_port
+from prefixgate.sdk.bench.targets import free_port, terminate, wait_http_ready
 
 SHARED = shared_dir()
 
@@ -278,26 +278,15 @@ class Server:
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 600.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.log.seek(0)
-                err = self.log.read().decode(errors="replace")
-                raise RuntimeError(f"{self.name} exited ({self.proc.returncode}): {err[-2000:]}")
-            try:
-                if httpx.get(self.url + self.ready, timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"{self.name} not ready after {timeout:.0f} s")
+        try:
+            wait_http_ready(self.proc, self.url + self.ready, timeout, self.name, "its output")
+        except RuntimeError as exc:  # it exited: its output's tail says why
+            self.log.seek(0)
+            err = self.log.read().decode(errors="replace")
+            raise RuntimeError(f"{exc}: {err[-2000:]}") from None
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        terminate(self.proc, 30, 30)
         self.log.close()
 
 

@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from prefixgate.sdk.bench.targets import terminate, wait_http_ready
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARED = ROOT.parent / "shared"
@@ -97,27 +98,10 @@ class Server:
         )
 
     def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"{self.name} exited ({self.proc.returncode}): see {self.log.name}"
-                )
-            try:
-                if httpx.get(self.url + self.ready, timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1.0)
-        raise TimeoutError(f"{self.name} not ready after {timeout:.0f} s (log: {self.log.name})")
+        wait_http_ready(self.proc, self.url + self.ready, timeout, self.name, self.log.name, 1.0)
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        terminate(self.proc, 60, 60)
         self.log.close()
 
 

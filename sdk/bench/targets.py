@@ -71,6 +71,29 @@ def terminate(proc: subprocess.Popen, timeout_s: float = 30.0, kill_wait_s: floa
         proc.wait(kill_wait_s)
 
 
+def wait_http_ready(
+    proc: subprocess.Popen, url: str, timeout_s: float, name: str, log: str, poll_s: float = 0.5
+) -> None:
+    """Block until ``GET url`` answers 200 (a server ``proc`` starting; ``log``: where its
+    output goes, named in the errors).
+
+    Raises:
+        RuntimeError: ``proc`` exited first.
+        TimeoutError: not ready within ``timeout_s`` seconds.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited ({proc.returncode}): see {log}")
+        try:
+            if httpx.get(url, timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(poll_s)
+    raise TimeoutError(f"{name} not ready after {timeout_s:.0f} s (log: {log})")
+
+
 def _has_weights(model: str) -> bool:
     path = Path(model)
     return any(path.glob("*.safetensors")) or any(path.glob("pytorch_model*.bin"))
