@@ -16,17 +16,20 @@ from support.fake_engine import FakeEngine
 
 @pytest.fixture
 def serve_fake() -> Iterator[Callable[..., tuple[BackgroundServer, object]]]:
-    """``serve_fake(settings=None, **engine_kw) -> (server, engine)``; stopped after the test."""
+    """``serve_fake(settings=None, access_log=False, **engine_kw) -> (server, engine)``;
+    stopped after the test."""
     started: list[BackgroundServer] = []
 
-    def start(settings: GatewaySettings | None = None, **engine_kw: object):
+    def start(
+        settings: GatewaySettings | None = None, access_log: bool = False, **engine_kw: object
+    ):
         holder: dict = {}
 
         def make():
             holder["engine"] = FakeEngine(**engine_kw)
             return create_app(holder["engine"], settings or GatewaySettings(model_name="fake"))
 
-        srv = BackgroundServer(make).__enter__()
+        srv = BackgroundServer(make, access_log=access_log).__enter__()
         started.append((srv, holder["engine"]))
         return srv, holder["engine"]
 

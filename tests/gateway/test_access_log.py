@@ -111,7 +111,7 @@ CUTS = 12
 
 
 @pytest.mark.parametrize("mode", ["local", "proxy"])
-def test_a_stream_its_client_cut_is_counted_and_logged_as_499(caplog, mode):
+def test_a_stream_its_client_cut_is_counted_and_logged_as_499(caplog, serve_fake, mode):
     """A client that closes a stream after a few events: one access line and one count of
     ``499 client_gone`` per stream in every dialect and both modes, never the ``200`` the
     stream began with (the relays returned the response as if it had ended)."""
@@ -119,16 +119,15 @@ def test_a_stream_its_client_cut_is_counted_and_logged_as_499(caplog, mode):
     import time
 
     import httpx
-    from prefixgate.gateway.app import create_app, create_proxy_app
+    from prefixgate.gateway.app import create_proxy_app
     from prefixgate.gateway.http.server import BackgroundServer
     from prefixgate.gateway.settings import GatewaySettings
-    from support.fake_engine import FakeEngine
 
-    engine = FakeEngine(max_model_len=4096, token_delay_s=0.005)  # writes soon after a cut
-    local = BackgroundServer(
-        lambda: create_app(engine, GatewaySettings(model_name="fake")), access_log=mode == "local"
-    )
-    with caplog.at_level(logging.INFO, logger="prefixgate.access"), local:
+    with caplog.at_level(logging.INFO, logger="prefixgate.access"):
+        # tokens every 5 ms: the relay writes soon after a cut
+        local, engine = serve_fake(
+            access_log=mode == "local", max_model_len=4096, token_delay_s=0.005
+        )
         front = local
         if mode == "proxy":
             front = BackgroundServer(
@@ -144,7 +143,7 @@ def test_a_stream_its_client_cut_is_counted_and_logged_as_499(caplog, mode):
                             events += line.startswith("data: ")
                             if events == 3:
                                 break
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + 10  # the aborts reach the engine, the lines are written
             while time.monotonic() < deadline and engine.stats()["num_running"]:
                 time.sleep(0.05)
             time.sleep(0.3)
