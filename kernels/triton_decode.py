@@ -184,7 +184,7 @@ def choose_num_splits(
     return max(1, min(most, want, 64))
 
 
-def decode(
+def paged_attention_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -193,20 +193,29 @@ def decode(
     scale: float,
     config: DecodeConfig | None = None,
 ) -> torch.Tensor:
-    """Paged decode attention (flash-decoding); arguments as ``torch_ref.paged_attention_decode``.
+    """One query token per sequence over its paged context (flash-decoding split-K).
 
     Args:
-        q: ``[B, Hq, D]`` fp32/fp16/bf16, last dim contiguous.
-        k_cache, v_cache: ``[N, S, Hkv, D]``, q's dtype, last dim contiguous.
-        block_tables: ``[B, max_blocks]`` int32; its width bounds the context for the split
-            heuristic.
-        context_lens: ``[B]`` int32 (>= 1).
-        scale: softmax scale.
-        config: tile / split / launch options (defaults: :class:`DecodeConfig`).
+        q: ``[B, Hq, D]`` fp32/fp16/bf16, last dim contiguous; Hq a multiple of Hkv (GQA).
+        k_cache, v_cache: ``[N, S, Hkv, D]`` in q's dtype, last dim contiguous; the new token's
+            K/V already written.
+        block_tables: ``[B, max_blocks]`` int32 block ids; its width bounds the context for the
+            split heuristic.
+        context_lens: ``[B]`` int32 tokens including the new one (>= 1).
+        scale: softmax scale, usually ``head_dim ** -0.5``.
+        config: tile / split / launch options (defaults: :class:`DecodeConfig`); the backend's
+            entry point (``torch_ref``'s signature) leaves it out.
 
     Returns:
-        ``[B, Hq, D]`` in q's dtype.
+        ``[B, Hq, D]`` in q's dtype (softmax and accumulation in fp32).
+
+    Raises:
+        TypeError / ValueError: wrong dtypes, shapes or devices.
     """
+    check_device(q, k_cache, v_cache, block_tables, context_lens)
+    check_float("q", q, 3)
+    check_cache(k_cache, v_cache)
+    check_attention(q, k_cache, block_tables, context_lens, q.shape[0])
     cfg = config or DecodeConfig()
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -235,7 +244,7 @@ def decode(
         out,
         part_acc,
         part_ml,
-        scale * LOG2E,
+        float(scale) * LOG2E,
         *kernel_strides(q, k_cache, v_cache, block_tables, out),
         tokens_per_split,
         GROUPS=groups,
@@ -263,33 +272,3 @@ def decode(
             num_warps=1 if d_pad <= 64 else 2,
         )
     return out
-
-
-def paged_attention_decode(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """One query token per sequence over its paged context (flash-decoding split-K).
-
-    Args:
-        q: ``[B, Hq, D]``; Hq a multiple of Hkv (GQA).
-        k_cache, v_cache: ``[N, S, Hkv, D]`` in q's dtype; the new token's K/V already written.
-        block_tables: ``[B, max_blocks]`` int32 block ids.
-        context_lens: ``[B]`` int32 tokens including the new one (>= 1).
-        scale: softmax scale, usually ``head_dim ** -0.5``.
-
-    Returns:
-        ``[B, Hq, D]`` in q's dtype (softmax and accumulation in fp32).
-
-    Raises:
-        TypeError / ValueError: wrong dtypes, shapes or devices.
-    """
-    check_device(q, k_cache, v_cache, block_tables, context_lens)
-    check_float("q", q, 3)
-    check_cache(k_cache, v_cache)
-    check_attention(q, k_cache, block_tables, context_lens, q.shape[0])
-    return decode(q, k_cache, v_cache, block_tables, context_lens, float(scale))

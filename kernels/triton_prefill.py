@@ -157,7 +157,7 @@ def default_prefill_config(head_dim: int, device: torch.device) -> PrefillConfig
     return PrefillConfig(block_m=64, block_n=64, num_warps=4 if head_dim <= 64 else 8, num_stages=2)
 
 
-def prefill(
+def paged_attention_prefill(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -167,24 +167,37 @@ def prefill(
     scale: float,
     config: PrefillConfig | None = None,
 ) -> torch.Tensor:
-    """Causal varlen prefill attention over paged K/V; arguments as
-    ``torch_ref.paged_attention_prefill``.
+    """Causal attention for a varlen batch of query chunks over paged K/V.
+
+    Sequence b's queries ``q[query_start_loc[b]:query_start_loc[b+1]]`` are its last tokens;
+    the first sits at position ``context_lens[b] - q_len`` (earlier tokens already cached).
 
     Args:
         q: ``[T, Hq, D]``, last dim contiguous.
         k_cache, v_cache: ``[N, S, Hkv, D]``; this chunk's K/V already written.
         block_tables: ``[B, max_blocks]`` int32.
-        query_start_loc: ``[B + 1]`` int32 (starts at 0, non-decreasing).
-        context_lens: ``[B]`` int32, tokens per sequence including the chunk.
+        query_start_loc: ``[B + 1]`` int32 cumulative query lengths from 0 (non-decreasing).
+        context_lens: ``[B]`` int32 tokens per sequence including this chunk.
         scale: softmax scale.
-        config: tile / launch options (default :func:`default_prefill_config`).
+        config: tile / launch options (default :func:`default_prefill_config`); the backend's
+            entry point (``torch_ref``'s signature) leaves it out.
 
     Returns:
         ``[T, Hq, D]`` in q's dtype (contiguous).
+
+    Raises:
+        TypeError / ValueError: wrong dtypes, shapes or devices.
     """
+    check_device(q, k_cache, v_cache, block_tables, query_start_loc, context_lens)
+    check_float("q", q, 3)
+    check_cache(k_cache, v_cache)
+    check_int("query_start_loc", query_start_loc, 1)
+    num_seqs = query_start_loc.shape[0] - 1
+    if num_seqs < 0:
+        raise ValueError("query_start_loc must hold B + 1 >= 1 offsets")
+    check_attention(q, k_cache, block_tables, context_lens, num_seqs)
     total, num_heads, head_dim = q.shape
     out = torch.empty((total, num_heads, head_dim), dtype=q.dtype, device=q.device)
-    num_seqs = context_lens.shape[0]
     if total == 0 or num_seqs == 0:
         return out
     cfg = config or default_prefill_config(head_dim, q.device)
@@ -198,7 +211,7 @@ def prefill(
         query_start_loc,
         context_lens,
         out,
-        scale * LOG2E,
+        float(scale) * LOG2E,
         num_seqs,
         *kernel_strides(q, k_cache, v_cache, block_tables, out),
         GROUPS=num_heads // num_kv_heads,
@@ -212,45 +225,6 @@ def prefill(
         num_stages=cfg.num_stages,
     )
     return out
-
-
-def paged_attention_prefill(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Causal attention for a varlen batch of query chunks over paged K/V.
-
-    Sequence b's queries ``q[query_start_loc[b]:query_start_loc[b+1]]`` are its last tokens;
-    the first sits at position ``context_lens[b] - q_len`` (earlier tokens already cached).
-
-    Args:
-        q: ``[T, Hq, D]``.
-        k_cache, v_cache: ``[N, S, Hkv, D]``; this chunk's K/V already written.
-        block_tables: ``[B, max_blocks]`` int32.
-        query_start_loc: ``[B + 1]`` int32 cumulative query lengths from 0.
-        context_lens: ``[B]`` int32 tokens per sequence including this chunk.
-        scale: softmax scale.
-
-    Returns:
-        ``[T, Hq, D]`` in q's dtype.
-
-    Raises:
-        TypeError / ValueError: wrong dtypes, shapes or devices.
-    """
-    check_device(q, k_cache, v_cache, block_tables, query_start_loc, context_lens)
-    check_float("q", q, 3)
-    check_cache(k_cache, v_cache)
-    check_int("query_start_loc", query_start_loc, 1)
-    num_seqs = query_start_loc.shape[0] - 1
-    if num_seqs < 0:
-        raise ValueError("query_start_loc must hold B + 1 >= 1 offsets")
-    check_attention(q, k_cache, block_tables, context_lens, num_seqs)
-    return prefill(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, float(scale))
 
 
 def paged_attention_verify(

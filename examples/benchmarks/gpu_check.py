@@ -239,7 +239,7 @@ def decode_bench(
     kv_bytes = 2 * s.decode_batch * s.decode_ctx * hkv * d * p["k_cache"].element_size()
 
     def measure(cfg: triton_decode.DecodeConfig | None) -> dict[str, Any]:
-        ms = bench_ms(lambda: triton_decode.decode(*args, config=cfg), device)
+        ms = bench_ms(lambda: triton_decode.paged_attention_decode(*args, config=cfg), device)
         gbps = kv_bytes / (ms * 1e-3) / 1e9
         return {
             "config": asdict(cfg) if cfg else "default",
@@ -319,7 +319,7 @@ def prefill_bench(s: Sizes, prefix: int, device: torch.device) -> dict[str, Any]
     flops = 4 * s.prefill_batch * hq * d * (q_len * prefix + q_len * q_len / 2)
 
     def measure(cfg: triton_prefill.PrefillConfig | None) -> dict[str, Any]:
-        ms = bench_ms(lambda: triton_prefill.prefill(*args, config=cfg), device)
+        ms = bench_ms(lambda: triton_prefill.paged_attention_prefill(*args, config=cfg), device)
         return {
             "config": asdict(cfg) if cfg else "default",
             "ms": ms,

@@ -50,7 +50,7 @@ def test_decode_split_k(close, paged_batch, dense, atol, num_splits, tile_n, dty
     lens = [3, 70, 129, 200]
     pb = paged_batch(lens, [1] * len(lens), 16, NUM_KV_HEADS, 4, 64, dtype)
     cfg = triton_decode.DecodeConfig(tile_n=tile_n, num_splits=num_splits)
-    out = triton_decode.decode(*pb.decode_args(), cfg)
+    out = triton_decode.paged_attention_decode(*pb.decode_args(), config=cfg)
     ref = torch_ref.paged_attention_decode(*pb.decode_args())
     close(out, ref, atol[dtype])
     close(out, dense(pb), atol[dtype])
@@ -86,7 +86,7 @@ def test_prefill_tilings(close, paged_batch, dense, atol, block_m, block_n):
     ctx, q_lens = [40, 9, 70, 33], [40, 0, 35, 17]
     pb = paged_batch(ctx, q_lens, 16, NUM_KV_HEADS, 4, 64, torch.float32, seed=2)
     cfg = triton_prefill.PrefillConfig(block_m=block_m, block_n=block_n)
-    out = triton_prefill.prefill(*pb.prefill_args(), cfg)
+    out = triton_prefill.paged_attention_prefill(*pb.prefill_args(), config=cfg)
     close(out, dense(pb), atol[torch.float32])
 
 
