@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from importlib import metadata
+from typing import Any
 
 SERVE_HELP = "serve the OpenAI API (local engine or upstreams)"
 BENCH_HELP = "benchmark a server, or compare prefixgate with baselines"
@@ -28,10 +30,38 @@ def version() -> str:
         return "unknown"
 
 
+def _serve_parser() -> Callable[[Any], None]:
+    from prefixgate.gateway.serve.runner import add_serve_parser
+
+    return add_serve_parser
+
+
+def _bench_parser() -> Callable[[Any], None]:
+    from prefixgate.sdk.bench.commands import add_bench_parser
+
+    return add_bench_parser
+
+
+def _sim_parser() -> Callable[[Any], None]:
+    from prefixgate.gateway.sim.cli import add_sim_parser
+
+    return add_sim_parser
+
+
+# command: (help, its sub-parser's builder (imported only when the command runs), what needs
+# the engine extra (None: the SDK-only install has it), what else does instead)
+_COMMANDS: dict[str, tuple[str, Callable[[], Callable[[Any], None]], str | None, str]] = {
+    "serve": (SERVE_HELP, _serve_parser, "the server", " (or '.[proxy]' for --upstream only)"),
+    "bench": (BENCH_HELP, _bench_parser, None, ""),
+    "sim": (SIM_HELP, _sim_parser, "the simulator", ""),
+}
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The top-level parser; only ``command``'s sub-parser is built in full (the rest are stubs).
 
-    Raises SystemExit with a one-line reason when ``serve`` is asked for without the engine extra.
+    Raises SystemExit with a one-line reason when ``serve`` or ``sim`` is asked for without the
+    engine extra.
     """
     parser = argparse.ArgumentParser(
         prog="prefixgate",
@@ -39,34 +69,20 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"prefixgate {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,bench,sim}")
-    if command == "serve":
+    for name, (help_text, builder, needs_engine, instead) in _COMMANDS.items():
+        if name != command:
+            sub.add_parser(name, help=help_text, add_help=False)
+            continue
         try:
-            from prefixgate.gateway.serve.runner import add_serve_parser
+            add_parser = builder()
         except ImportError as exc:  # the SDK-only install: `pip install -e .`
+            if needs_engine is None:
+                raise
             raise SystemExit(
-                f"prefixgate serve: the server needs the engine extra ({exc.name} is missing):"
-                " pip install -e '.[engine]' (or '.[proxy]' for --upstream only)"
+                f"prefixgate {name}: {needs_engine} needs the engine extra ({exc.name} is missing):"
+                f" pip install -e '.[engine]'{instead}"
             ) from None
-        add_serve_parser(sub)
-    else:
-        sub.add_parser("serve", help=SERVE_HELP, add_help=False)
-    if command == "bench":
-        from prefixgate.sdk.bench.commands import add_bench_parser
-
-        add_bench_parser(sub)
-    else:
-        sub.add_parser("bench", help=BENCH_HELP, add_help=False)
-    if command == "sim":
-        try:
-            from prefixgate.gateway.sim.cli import add_sim_parser
-        except ImportError as exc:
-            raise SystemExit(
-                f"prefixgate sim: the simulator needs the engine extra ({exc.name} is missing):"
-                " pip install -e '.[engine]'"
-            ) from None
-        add_sim_parser(sub)
-    else:
-        sub.add_parser("sim", help=SIM_HELP, add_help=False)
+        add_parser(sub)
     return parser
 
 
