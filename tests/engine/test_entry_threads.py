@@ -64,8 +64,9 @@ def test_llm_gets_passive_waiting_and_keeps_torchs_threads(aidreams_path):
     assert got["torch_threads"] == got["before"]  # torch's own default, untouched
 
 
-def test_async_engine_gets_passive_waiting(aidreams_path):
-    code = (
+@pytest.mark.parametrize(
+    "code",
+    [
         "import asyncio, os\n"
         "from prefixgate.engine import AsyncEngine\n"
         "import torch\n"
@@ -73,8 +74,18 @@ def test_async_engine_gets_passive_waiting(aidreams_path):
         "async def main():\n"
         "    e = AsyncEngine(model=os.environ['AIDREAMS'], num_kv_blocks=16)\n"
         "    await e.shutdown()\n"
-        "asyncio.run(main())\n" + PRINT
-    )
+        "asyncio.run(main())\n" + PRINT,
+        "from prefixgate.gateway import cli\n"
+        "try:\n"
+        "    cli.main(['serve', '--help'])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "import torch\n"
+        "before = torch.get_num_threads()\n" + PRINT,
+    ],
+    ids=["async_engine", "serve"],
+)
+def test_entry_gets_passive_waiting_and_keeps_torchs_threads(aidreams_path, code):
     got, spin, _ = run(code, aidreams_path)
     assert spin == "0" and not got["waits_actively"]
     assert got["torch_threads"] == got["before"]
@@ -89,20 +100,6 @@ def test_engine_bench_gets_passive_waiting(aidreams_path):
     got, spin, _ = run(code, aidreams_path)
     assert spin == "0"
     assert got["environ"] == {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
-
-
-def test_serve_gets_passive_waiting(aidreams_path):
-    code = (
-        "from prefixgate.gateway import cli\n"
-        "try:\n"
-        "    cli.main(['serve', '--help'])\n"
-        "except SystemExit:\n"
-        "    pass\n"
-        "import torch\n"
-        "before = torch.get_num_threads()\n" + PRINT
-    )
-    got, spin, _ = run(code, aidreams_path)
-    assert spin == "0" and not got["waits_actively"]
 
 
 def test_torch_imported_first_runs_one_thread_and_says_why(aidreams_path):
