@@ -38,26 +38,14 @@ def test_upstream_errors_are_reworded_in_one_place():
 def test_an_attempt_ending_in_the_upstreams_error_is_counted_by_its_status():
     """An upstream's 400 (reworded for the client) is counted as ``status="400"`` in
     ``prefixgate_upstream_requests_total``, on chat as on the Messages relay."""
-    import httpx
     from aiohttp import web
-    from prefixgate.gateway.app import create_proxy_app
-    from prefixgate.gateway.http.server import BackgroundServer
-    from prefixgate.gateway.settings import GatewaySettings
+    from support.chat_upstream import proxy_over_chat
 
-    def upstream() -> web.Application:
-        async def chat(request: web.Request) -> web.Response:
-            err = {"error": {"message": "temperature: too hot", "type": "invalid_request_error"}}
-            return web.json_response(err, status=400)
+    async def chat(request: web.Request) -> web.Response:
+        err = {"error": {"message": "temperature: too hot", "type": "invalid_request_error"}}
+        return web.json_response(err, status=400)
 
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", chat)
-        return app
-
-    with (
-        BackgroundServer(upstream) as up,
-        BackgroundServer(lambda: create_proxy_app([up.url], GatewaySettings())) as gw,
-        httpx.Client(base_url=gw.url, timeout=10) as http,
-    ):
+    with proxy_over_chat(chat) as http:
         ask = [{"role": "user", "content": "x"}]
         r = http.post("/v1/chat/completions", json={"model": "m", "messages": ask})
         assert r.status_code == 400 and r.json()["error"]["message"] == "temperature: too hot"

@@ -3,7 +3,6 @@ garbage) is wrapped in one; OpenAI error bodies pass as they are."""
 
 from __future__ import annotations
 
-from prefixgate.gateway.settings import GatewaySettings
 from support.http import assert_openai_error as _error
 
 
@@ -14,10 +13,8 @@ def test_upstream_errors_without_an_openai_body_are_wrapped():
     import gzip
     import json
 
-    import httpx
     from aiohttp import web
-    from prefixgate.gateway.app import create_proxy_app
-    from prefixgate.gateway.http.server import BackgroundServer
+    from support.chat_upstream import proxy_over_chat
 
     answers = {
         "traceback": (
@@ -69,23 +66,14 @@ def test_upstream_errors_without_an_openai_body_are_wrapped():
         ),
     }
 
-    def upstream() -> web.Application:
-        async def chat(request: web.Request) -> web.Response:
-            status, body, ctype, enc = answers[(await request.json())["model"]]
-            headers = {"Content-Type": ctype, "Retry-After": "3"}
-            if enc:
-                headers["Content-Encoding"] = enc
-            return web.Response(status=status, body=body, headers=headers)
+    async def chat(request: web.Request) -> web.Response:
+        status, body, ctype, enc = answers[(await request.json())["model"]]
+        headers = {"Content-Type": ctype, "Retry-After": "3"}
+        if enc:
+            headers["Content-Encoding"] = enc
+        return web.Response(status=status, body=body, headers=headers)
 
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", chat)
-        return app
-
-    with (
-        BackgroundServer(upstream) as up,
-        BackgroundServer(lambda: create_proxy_app([up.url], GatewaySettings())) as gw,
-        httpx.Client(base_url=gw.url, timeout=10) as http,
-    ):
+    with proxy_over_chat(chat) as http:
         for model, (status, _, _, _) in answers.items():
             r = http.post(
                 "/v1/chat/completions",

@@ -1,0 +1,33 @@
+"""A proxy-mode gateway over a one-route upstream whose ``POST /v1/chat/completions`` a test
+writes itself (for answers the stub upstream does not give: odd statuses, bodies, encodings)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+
+import httpx
+from aiohttp import web
+from prefixgate.gateway.app import create_proxy_app
+from prefixgate.gateway.http.server import BackgroundServer
+from prefixgate.gateway.settings import GatewaySettings
+
+
+@contextmanager
+def proxy_over_chat(
+    chat: Callable[[web.Request], Awaitable[web.StreamResponse]],
+) -> Iterator[httpx.Client]:
+    """Serve ``chat`` as an upstream's chat route and a proxy gateway (default settings) over
+    it, both on loopback; yield an ``httpx.Client`` on the gateway (10 s timeout)."""
+
+    def upstream() -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", chat)
+        return app
+
+    with (
+        BackgroundServer(upstream) as up,
+        BackgroundServer(lambda: create_proxy_app([up.url], GatewaySettings())) as gw,
+        httpx.Client(base_url=gw.url, timeout=10) as http,
+    ):
+        yield http
