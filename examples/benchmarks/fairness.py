@@ -50,6 +50,8 @@ from typing import Any
 
 from prefixgate.sdk.bench.shared import shared_dir
 
+from examples.benchmarks.options import add_flags
+
 SHARED = shared_dir()
 
 
@@ -284,18 +286,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", type=Path, default=SHARED / "models" / "smollm2-135m-shape")
     p.add_argument("--layers", type=int, default=1, help="layers kept (0 = all 30)")
     p.add_argument("--duration", type=float, default=60.0, help="arrival window, seconds")
-    p.add_argument("--a-backlog", type=int, default=64)
-    p.add_argument("--a-prompt", type=int, default=1024)
-    p.add_argument("--a-output", type=int, default=16)
-    p.add_argument("--b-interval", type=float, default=1.0)
-    p.add_argument("--b-prompt", type=int, default=32)
-    p.add_argument("--b-output", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--w-in", type=float, default=1.0)
-    p.add_argument("--w-out", type=float, default=2.0)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
+    add_flags(
+        p,
+        a_backlog=64,
+        a_prompt=1024,
+        a_output=16,
+        b_interval=1.0,
+        b_prompt=32,
+        b_output=16,
+        max_num_seqs=128,
+        max_num_batched_tokens=2048,
+        w_in=1.0,
+        w_out=2.0,
+        threads=2,
+        seed=0,
+    )
     p.add_argument("--policies", nargs="+", default=["fcfs", "fair"])
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None)

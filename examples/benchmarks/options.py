@@ -1,6 +1,6 @@
 """The options every in-process engine benchmark takes: ``--threads N`` (torch intra-op
-threads) and ``--json OUT`` (``args.json_out``: where the results are written), and the
-writing of those results."""
+threads) and ``--json OUT`` (``args.json_out``: where the results are written), the writing
+of those results, and ``add_flags``: a benchmark's plain numeric knobs as one table."""
 
 from __future__ import annotations
 
@@ -14,6 +14,13 @@ def add_common_options(ap: argparse.ArgumentParser, json_help: str | None = None
     """Add ``--threads`` (default: torch's own) and ``--json`` (dest ``json_out``)."""
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--json", dest="json_out", default=None, help=json_help)
+
+
+def add_flags(ap: argparse.ArgumentParser, **defaults: int | float | str) -> None:
+    """Add ``--name`` (underscores as dashes, dest ``name``) for each keyword, typed as its
+    default (``int``, ``float`` or ``str``), in the order given, without help text."""
+    for name, default in defaults.items():
+        ap.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
 
 
 def parse_with_threads(ap: argparse.ArgumentParser) -> argparse.Namespace:

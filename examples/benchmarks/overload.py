@@ -42,6 +42,7 @@ import httpx
 from prefixgate.sdk.bench.targets import free_port
 
 from examples.benchmarks.gateway_overhead import start_serve
+from examples.benchmarks.options import add_flags
 
 BUDGET_HEADER = "x-prefixgate-ttft-budget-ms"
 GIVE_UP_S = 120.0  # a request still refused after this long gives up (counted as failed)
@@ -251,11 +252,14 @@ def _round(x: Any) -> Any:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="a model folder (default: tiny-random preset)")
-    p.add_argument("--max-num-seqs", type=int, default=8)
-    p.add_argument("--max-queued-requests", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--capacity-s", type=float, default=8.0)
-    p.add_argument("--duration-s", type=float, default=10.0)
+    add_flags(
+        p,
+        max_num_seqs=8,
+        max_queued_requests=16,
+        max_tokens=32,
+        capacity_s=8.0,
+        duration_s=10.0,
+    )
     p.add_argument("--factors", type=float, nargs="+", default=[1.0, 2.0, 4.0])
     p.add_argument("--budget-ms", type=float, default=1000.0)
     p.add_argument("--json", default=None, help="write the figures to this file")

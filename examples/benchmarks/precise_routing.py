@@ -57,6 +57,7 @@ from prefixgate.sdk.bench.shared import find_shared
 from prefixgate.sdk.bench.targets import free_port
 from prefixgate.sdk.bench.workload import SAMPLE_SYSTEM_PROMPTS, SAMPLE_USER_TASKS
 
+from examples.benchmarks.options import add_flags
 from examples.benchmarks.routing import (
     prompt_texts,
     stop,
@@ -326,9 +327,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--replicas", type=int, default=3)
     ap.add_argument("--gateways", type=int, default=1, help="gateways per policy (round robin)")
-    ap.add_argument("--tenants", type=int, default=24)
-    ap.add_argument("--system-tokens", type=int, default=80)
-    ap.add_argument("--user-chars", type=int, default=24)
+    add_flags(
+        ap,
+        tenants=24,
+        system_tokens=80,
+        user_chars=24,
+    )
     ap.add_argument("--requests", type=int, default=120, help="per policy")
     ap.add_argument("--rate", type=float, default=4.0, help="Poisson arrivals, requests/s")
     ap.add_argument(
@@ -338,11 +342,14 @@ def main(argv: list[str] | None = None) -> int:
         help="instead of --rate: this fraction of round robin's capacity, measured first "
         "(closed loop, two requests per replica in flight); 0: off",
     )
-    ap.add_argument("--calibrate-requests", type=int, default=30)
-    ap.add_argument("--zipf", type=float, default=1.1)
-    ap.add_argument("--max-tokens", type=int, default=4)
-    ap.add_argument("--block-size", type=int, default=8)
-    ap.add_argument("--num-kv-blocks", type=int, default=96)
+    add_flags(
+        ap,
+        calibrate_requests=30,
+        zipf=1.1,
+        max_tokens=4,
+        block_size=8,
+        num_kv_blocks=96,
+    )
     ap.add_argument(
         "--warmup",
         action="store_true",

@@ -44,6 +44,8 @@ import httpx
 from prefixgate.sdk.bench.targets import free_port
 from prefixgate.sdk.bench.workload import SAMPLE_SYSTEM_PROMPTS, SAMPLE_USER_TASKS
 
+from examples.benchmarks.options import add_flags
+
 POLICIES = ("cache_aware", "rendezvous", "round_robin", "least_loaded")
 
 
@@ -238,11 +240,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--users", type=int, default=4, help="users per system prompt")
     ap.add_argument("--system-chars", type=int, default=600)
     ap.add_argument("--requests", type=int, default=48, help="requests per policy")
-    ap.add_argument("--hot-requests", type=int, default=36)
-    ap.add_argument("--hot-share", type=float, default=0.6)
-    ap.add_argument("--concurrency", type=int, default=6)
-    ap.add_argument("--max-tokens", type=int, default=4)
-    ap.add_argument("--balance-abs-threshold", type=int, default=2)
+    add_flags(
+        ap,
+        hot_requests=36,
+        hot_share=0.6,
+        concurrency=6,
+        max_tokens=4,
+        balance_abs_threshold=2,
+    )
     ap.add_argument(
         "--rounds", type=int, default=6, help="slices per phase, policies taken in turn"
     )

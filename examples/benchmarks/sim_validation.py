@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from examples.benchmarks.options import add_flags
+
 
 def make_trace(
     n: int, rate: float, prefixes: int, prefix_tokens: int, tail_tokens: int, seed: int
@@ -119,11 +121,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", default="cpu-aidreams-260k")
     ap.add_argument("--requests", type=int, default=120)
     ap.add_argument("--rate", type=float, default=40.0, help="requests/s over both replicas")
-    ap.add_argument("--prefixes", type=int, default=6)
-    ap.add_argument("--prefix-tokens", type=int, default=64)
-    ap.add_argument("--tail-tokens", type=int, default=16)
-    ap.add_argument("--num-kv-blocks", type=int, default=64)
-    ap.add_argument("--seed", type=int, default=0)
+    add_flags(
+        ap,
+        prefixes=6,
+        prefix_tokens=64,
+        tail_tokens=16,
+        num_kv_blocks=64,
+        seed=0,
+    )
     ap.add_argument("--start-delay-s", type=float, default=30.0, help="time to load both")
     ap.add_argument("--json", dest="json_out", default=None)
     args = ap.parse_args(argv)

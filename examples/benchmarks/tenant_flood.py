@@ -57,6 +57,7 @@ from prefixgate.gateway.local.token_walk import parse_walk
 from prefixgate.sdk.bench.targets import free_port, terminate
 
 from examples.benchmarks.gateway_overhead import start_serve
+from examples.benchmarks.options import add_flags
 
 KEYS = {"heavy": "sk-heavy-tenant", "light": "sk-light-tenant"}
 
@@ -397,12 +398,15 @@ def main(argv: list[str] | None = None) -> int:
         help="fcfs, priority, fair, fair-eager (fair with --fair-anticipation-ms 0) or "
         "fair-mixed (fair-eager with --no-fair-first-step-alone)",
     )
-    p.add_argument("--max-num-seqs", type=int, default=8)
-    p.add_argument("--heavy-streams", type=int, default=10)
-    p.add_argument("--heavy-tokens", type=int, default=256)
-    p.add_argument("--light-requests", type=int, default=20)
-    p.add_argument("--light-tokens", type=int, default=8)
-    p.add_argument("--warmup-s", type=float, default=3.0)
+    add_flags(
+        p,
+        max_num_seqs=8,
+        heavy_streams=10,
+        heavy_tokens=256,
+        light_requests=20,
+        light_tokens=8,
+        warmup_s=3.0,
+    )
     p.add_argument(
         "--rounds",
         type=int,
