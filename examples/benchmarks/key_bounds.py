@@ -34,6 +34,7 @@ import httpx
 from prefixgate.sdk.bench.targets import free_port, terminate
 
 from examples.benchmarks.gateway_overhead import start_serve
+from examples.benchmarks.options import write_results
 
 
 def _body(model: str, max_tokens: int, prompt: str = "hi", stream: bool = False) -> dict:
@@ -157,8 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"{r['bound']:32} {r['stated_s']:9.2f} {r['actual_s']:9.2f} {r['error']:7.1%}")
     print(f"load average at end: {os.getloadavg()[0]:.1f}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+    write_results(args.json, rows)
     return 0
 
 

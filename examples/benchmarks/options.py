@@ -34,7 +34,7 @@ def parse_with_threads(ap: argparse.ArgumentParser) -> argparse.Namespace:
     return args
 
 
-def write_results(path: str | None, results: dict[str, Any]) -> None:
+def write_results(path: str | None, results: Any) -> None:
     """Write ``results`` to ``path`` (``--json``) as indented JSON (values JSON does not
     know as their ``str``); nothing when ``path`` is None."""
     if path:

@@ -57,7 +57,7 @@ from prefixgate.gateway.local.token_walk import parse_walk
 from prefixgate.sdk.bench.targets import free_port, terminate
 
 from examples.benchmarks.gateway_overhead import start_serve
-from examples.benchmarks.options import add_flags
+from examples.benchmarks.options import add_flags, write_results
 
 KEYS = {"heavy": "sk-heavy-tenant", "light": "sk-light-tenant"}
 
@@ -513,8 +513,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in results[1:]:
             ratio = r["flood_output_tokens_per_s"] / base
             print(f"throughput {r['policy']} / {results[0]['policy']}: {ratio:.2f}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+    write_results(args.json, results)
     return 0
 
 
