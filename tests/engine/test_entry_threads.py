@@ -102,15 +102,18 @@ def test_engine_bench_gets_passive_waiting(aidreams_path):
     assert got["environ"] == {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
 
 
+# the user's program imports torch (and sets its threads) before it builds the engine
+TORCH_FIRST = (
+    "import os, torch\n"
+    "torch.set_num_threads(2)\n"
+    "before = torch.get_num_threads()\n"
+    "from prefixgate.engine import LLM\n"
+    "LLM(os.environ['AIDREAMS'], num_kv_blocks=16)\n" + PRINT
+)
+
+
 def test_torch_imported_first_runs_one_thread_and_says_why(aidreams_path):
-    code = (
-        "import os, torch\n"
-        "torch.set_num_threads(2)\n"
-        "before = torch.get_num_threads()\n"
-        "from prefixgate.engine import LLM\n"
-        "LLM(os.environ['AIDREAMS'], num_kv_blocks=16)\n" + PRINT
-    )
-    got, spin, err = run(code, aidreams_path)
+    got, spin, err = run(TORCH_FIRST, aidreams_path)
     assert spin == "300000"  # too late: libgomp kept its default
     assert got["waits_actively"] and got["engine_import"]["torch_first"]
     assert got["environ"] == {}  # nothing set that OpenMP would not read
@@ -131,14 +134,7 @@ def test_torch_first_with_an_explicit_thread_count_keeps_it_and_warns(aidreams_p
 
 
 def test_torch_first_with_the_users_policy_is_left_alone(aidreams_path):
-    code = (
-        "import os, torch\n"
-        "torch.set_num_threads(2)\n"
-        "before = torch.get_num_threads()\n"
-        "from prefixgate.engine import LLM\n"
-        "LLM(os.environ['AIDREAMS'], num_kv_blocks=16)\n" + PRINT
-    )
-    got, spin, err = run(code, aidreams_path, OMP_WAIT_POLICY="PASSIVE")
+    got, spin, err = run(TORCH_FIRST, aidreams_path, OMP_WAIT_POLICY="PASSIVE")
     assert spin == "0" and not got["waits_actively"]
     assert got["torch_threads"] == 2
     assert "torch was imported before" not in err
