@@ -144,7 +144,8 @@ def request_of(
     return "/v1/chat/completions", body, stream
 
 
-async def _one(http: httpx.AsyncClient, request: tuple[str, dict, bool]) -> int:
+async def send_one(http: httpx.AsyncClient, request: tuple[str, dict, bool]) -> int:
+    """Send ``request`` (path, body, streamed), a stream read to its end; its HTTP status."""
     path, body, stream = request
     if stream:
         async with http.stream("POST", path, json=body) as r:
@@ -248,7 +249,9 @@ async def run(args: argparse.Namespace, url: str, pid: int, model: str) -> dict:
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=120) as http:
 
         async def send(i: int) -> int:
-            return await _one(http, request_of(model, i, args.max_tokens, dialects, args.prompts))
+            return await send_one(
+                http, request_of(model, i, args.max_tokens, dialects, args.prompts)
+            )
 
         async def send_burst(first: int, n: int) -> list[int]:
             async with httpx.AsyncClient(  # one connection per concurrent request
@@ -256,7 +259,7 @@ async def run(args: argparse.Namespace, url: str, pid: int, model: str) -> dict:
             ) as side:
                 return await asyncio.gather(
                     *(
-                        _one(
+                        send_one(
                             side,
                             request_of(model, first + j, args.max_tokens, dialects, args.prompts),
                         )

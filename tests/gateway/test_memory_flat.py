@@ -21,6 +21,8 @@ from prefixgate.engine.models.cpu_linear import onednn_linear_available
 from support.gateway import serve_aidreams
 from support.heap import heap_in_use
 
+from examples.benchmarks.memory_curve import send_one
+
 CAP_BYTES = 4 << 20
 """What the measured rounds may leave in use: 4 MiB (a handful of row counts' primitives)."""
 
@@ -39,17 +41,12 @@ def _request(i: int, words: int) -> tuple[str, dict, bool]:
 
 
 async def _round(url: str, first: int, lengths: list[int]) -> list[int]:
-    async def one(http: httpx.AsyncClient, i: int, words: int) -> int:
-        path, body, stream = _request(i, words)
-        if stream:
-            async with http.stream("POST", path, json=body) as r:
-                async for _ in r.aiter_bytes():
-                    pass
-                return r.status_code
-        return (await http.post(path, json=body)).status_code
-
     async with httpx.AsyncClient(base_url=url, timeout=60) as http:
-        return list(await asyncio.gather(*(one(http, first + j, w) for j, w in enumerate(lengths))))
+        return list(
+            await asyncio.gather(
+                *(send_one(http, _request(first + j, w)) for j, w in enumerate(lengths))
+            )
+        )
 
 
 @pytest.mark.skipif(not onednn_linear_available(), reason="torch without oneDNN's linear")
