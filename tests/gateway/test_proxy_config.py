@@ -120,20 +120,13 @@ url = "{failing.base_url}"
 url = "{good.base_url}/v1"
 model = "llama-3-8b"
 api_key_env = "GOOD_KEY"
-
-[[models]]
-name = "big"
-fallbacks = ["small"]
-[[models.deployments]]
-url = "{broken.base_url}"
-
-[[models]]
-name = "small"
-[[models.deployments]]
-url = "{small.base_url}"
-model = "qwen-small"
-api_key_file = "key.txt"
-""",
+"""
+        + _with_fallback(
+            broken.base_url,
+            small.base_url,
+            names=("big", "small"),
+            second_fields='model = "qwen-small"\napi_key_file = "key.txt"\n',
+        ),
     )
     config = load_config(path, env={"GOOD_KEY": "env-key"})
     with (
@@ -291,21 +284,30 @@ def _answering(status: int = 200, delay_s: float = 0.0, error: dict | None = Non
     return make, seen
 
 
+def _with_fallback(
+    first_url: str,
+    second_url: str,
+    names: tuple[str, str] = ("primary", "secondary"),
+    second_fields: str = "",
+) -> str:
+    """The TOML of two models (``names``) on one deployment each, the first falling back to
+    the second; ``second_fields``: more lines of the second's deployment."""
+    first, second = names
+    return f"""
+[[models]]
+name = "{first}"
+fallbacks = ["{second}"]
+[[models.deployments]]
+url = "{first_url}"
+[[models]]
+name = "{second}"
+[[models.deployments]]
+url = "{second_url}"
+{second_fields}"""
+
+
 def _two_models(tmp_path: Path, first: str, second: str) -> Path:
-    return _write(
-        tmp_path,
-        f"""
-[[models]]
-name = "primary"
-fallbacks = ["secondary"]
-[[models.deployments]]
-url = "{first}"
-[[models]]
-name = "secondary"
-[[models.deployments]]
-url = "{second}"
-""",
-    )
+    return _write(tmp_path, _with_fallback(first, second))
 
 
 def test_fallback_on_timeout_and_on_a_too_long_prompt(tmp_path):
