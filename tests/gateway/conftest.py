@@ -50,6 +50,22 @@ def serve_fake() -> Iterator[Callable[..., tuple[BackgroundServer, object]]]:
             srv.close()
 
 
+@pytest.fixture
+def servers() -> Iterator[Callable[..., BackgroundServer]]:
+    """``servers(make, port=0) -> server``: ``make`` (an app factory) served on loopback from
+    a background thread; every server the test started is closed after it, newest first."""
+    started: list[BackgroundServer] = []
+
+    def start(make: Callable[[], object], port: int = 0) -> BackgroundServer:
+        srv = BackgroundServer(make, port=port).__enter__()
+        started.append(srv)
+        return srv
+
+    yield start
+    for srv in reversed(started):
+        srv.close()
+
+
 def wait_idle(srv: BackgroundServer, engine, timeout: float = 5.0) -> dict:
     """Poll until the engine has nothing running or waiting; returns its stats."""
     import time

@@ -8,7 +8,7 @@ name, ``count_tokens`` by ``/tokenize`` or 501 naming the route."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import anthropic
 import httpx
@@ -22,29 +22,6 @@ from support.chat_stub import SECRET, ChatStub
 from support.fake_engine import FakeEngine
 
 SYSTEM = "You are the harbour master's assistant."
-
-
-class Servers:
-    def __init__(self) -> None:
-        self.open: list[BackgroundServer] = []
-
-    def __call__(self, make) -> BackgroundServer:
-        srv = BackgroundServer(make).__enter__()
-        self.open.append(srv)
-        return srv
-
-    def close(self) -> None:
-        for srv in reversed(self.open):
-            srv.close()
-
-
-@pytest.fixture
-def servers() -> Iterator[Servers]:
-    s = Servers()
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 def _client(gw: BackgroundServer, key: str = "none") -> anthropic.Anthropic:
@@ -63,7 +40,7 @@ def _streamed_text(gw: BackgroundServer) -> str:
 
 
 @pytest.fixture
-def vllm(servers: Servers):
+def vllm(servers: Callable[..., BackgroundServer]):
     stub = ChatStub()
     up = servers(stub.app)
     gw = servers(lambda: create_proxy_app([up.url], GatewaySettings()))

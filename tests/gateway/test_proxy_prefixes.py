@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import httpx
 import openai
@@ -26,10 +26,11 @@ PREFIX = [{"role": "system", "content": SYSTEM}]
 
 
 class Pool:
-    """Fake-engine prefixgate upstreams and proxy gateways started by one test."""
+    """Fake-engine prefixgate upstreams and proxy gateways started by one test (on the
+    ``servers`` fixture, which closes them)."""
 
-    def __init__(self) -> None:
-        self.servers: list[BackgroundServer] = []
+    def __init__(self, servers: Callable[..., BackgroundServer]) -> None:
+        self.servers = servers
         self.engines: dict[str, FakeEngine] = {}
 
     def upstream(self) -> BackgroundServer:
@@ -39,16 +40,13 @@ class Pool:
             holder["engine"] = FakeEngine()
             return create_app(holder["engine"], GatewaySettings(model_name="fake"))
 
-        srv = BackgroundServer(make).__enter__()
-        self.servers.append(srv)
+        srv = self.servers(make)
         self.engines[srv.url] = holder["engine"]
         return srv
 
     def proxy(self, urls: list[str], **settings) -> BackgroundServer:
         s = GatewaySettings(**settings)
-        srv = BackgroundServer(lambda: create_proxy_app(urls, s)).__enter__()
-        self.servers.append(srv)
-        return srv
+        return self.servers(lambda: create_proxy_app(urls, s))
 
     def pinned(self, url: str) -> int:
         return self.engines[url].pinned_blocks
@@ -56,18 +54,10 @@ class Pool:
     def holders(self) -> list[str]:
         return [u for u, e in self.engines.items() if e.pinned_blocks]
 
-    def close(self) -> None:
-        for srv in reversed(self.servers):
-            srv.close()
-
 
 @pytest.fixture
-def pool() -> Iterator[Pool]:
-    p = Pool()
-    try:
-        yield p
-    finally:
-        p.close()
+def pool(servers) -> Pool:
+    return Pool(servers)
 
 
 def _keys(tmp_path) -> str:
@@ -176,8 +166,7 @@ def test_prefixgate_upstream_pins_serves_and_releases(pool, tmp_path):
         assert_openai_error(_create(http, "k1", ttl_seconds=-1), 400, param="ttl_seconds")
         assert_openai_error(_create(http, "k1", messages=[]), 400, param="messages")
         assert_openai_error(_create(http, "k2", model="nope"), 404, "model_not_found")
-    pool.servers.remove(gw)
-    gw.close()  # shutdown releases the pins it registered (no shared state)
+    gw.close()  # shutdown releases the pins it registered (no shared state); idempotent
     assert sum(pool.pinned(u.url) for u in ups) == 0
 
 

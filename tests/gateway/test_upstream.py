@@ -8,7 +8,6 @@ import httpx
 import pytest
 from aiohttp import web
 from prefixgate.gateway.app import create_proxy_app
-from prefixgate.gateway.http.server import BackgroundServer
 from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import UpstreamRouter, affinity_key, normalize_url
 from prefixgate.gateway.settings import GatewaySettings
@@ -29,20 +28,6 @@ def stub_app(name: str, chunk_delay_s: float = 0.0, status: int = 200) -> web.Ap
         token_delay_s=chunk_delay_s,
     )
     return stub.app()
-
-
-@pytest.fixture
-def servers():
-    started: list[BackgroundServer] = []
-
-    def start(make, port: int = 0) -> BackgroundServer:
-        srv = BackgroundServer(make, port=port).__enter__()
-        started.append(srv)
-        return srv
-
-    yield start
-    for srv in reversed(started):
-        srv.close()
 
 
 def _chat(system: str, user: str, **kw) -> dict:
