@@ -319,15 +319,43 @@ def tool_finish_reason(
     return "tool_calls"
 
 
+class _Brackets:
+    """The bracket depth of JSON text read one character at a time, strings skipped."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self._in_string = False
+        self._escape = False
+
+    def step(self, ch: str) -> int:
+        """Read ``ch``: +1 for an opening bracket outside a string (``depth`` already raised),
+        -1 for a closing one (``depth`` already lowered), else 0."""
+        if self._in_string:
+            if self._escape:
+                self._escape = False
+            elif ch == "\\":
+                self._escape = True
+            elif ch == '"':
+                self._in_string = False
+            return 0
+        if ch == '"':
+            self._in_string = True
+        elif ch in "[{":
+            self.depth += 1
+            return 1
+        elif ch in "]}":
+            self.depth -= 1
+            return -1
+        return 0
+
+
 class RequiredStream:
     """Complete ``{"name", "parameters"}`` elements of a streamed (constrained) array."""
 
     def __init__(self) -> None:
         self.text = ""
         self.pos = 0
-        self.depth = 0
-        self.in_string = False
-        self.escape = False
+        self._brackets = _Brackets()
         self.start = -1
 
     def feed(self, delta: str) -> list[ToolCall]:
@@ -337,31 +365,18 @@ class RequiredStream:
         text = self.text
         for i in range(self.pos, len(text)):
             ch = text[i]
-            if self.in_string:
-                if self.escape:
-                    self.escape = False
-                elif ch == "\\":
-                    self.escape = True
-                elif ch == '"':
-                    self.in_string = False
-                continue
-            if ch == '"':
-                self.in_string = True
-            elif ch in "[{":
-                self.depth += 1
-                if self.depth == 2 and ch == "{":
-                    self.start = i
-            elif ch in "]}":
-                if self.depth == 2 and ch == "}" and self.start >= 0:
-                    try:
-                        obj = json.loads(text[self.start : i + 1])
-                    except ValueError:
-                        obj = None
-                    if isinstance(obj, dict) and isinstance(obj.get("name"), str):
-                        args = obj.get("parameters", {})
-                        calls.append(ToolCall(obj["name"], json.dumps(args, ensure_ascii=False)))
-                    self.start = -1
-                self.depth -= 1
+            move = self._brackets.step(ch)
+            if move > 0 and self._brackets.depth == 2 and ch == "{":
+                self.start = i
+            elif move < 0 and self._brackets.depth == 1 and ch == "}" and self.start >= 0:
+                try:
+                    obj = json.loads(text[self.start : i + 1])
+                except ValueError:
+                    obj = None
+                if isinstance(obj, dict) and isinstance(obj.get("name"), str):
+                    args = obj.get("parameters", {})
+                    calls.append(ToolCall(obj["name"], json.dumps(args, ensure_ascii=False)))
+                self.start = -1
         self.pos = len(text)
         return calls
 
@@ -394,9 +409,7 @@ class ConstrainedCalls:
         self._value_end = -1  # ... and ends (exclusive) once closed
         self._scan = 0
         self._sent = 0  # "call": characters of text sent as arguments
-        self._depth = 0
-        self._in_string = False
-        self._escape = False
+        self._brackets = _Brackets()
 
     @property
     def complete(self) -> bool:
@@ -450,22 +463,8 @@ class ConstrainedCalls:
             return out
         i = self._scan
         while i < len(text) and self._value_end < 0:
-            ch = text[i]
-            if self._in_string:
-                if self._escape:
-                    self._escape = False
-                elif ch == "\\":
-                    self._escape = True
-                elif ch == '"':
-                    self._in_string = False
-            elif ch == '"':
-                self._in_string = True
-            elif ch in "[{":
-                self._depth += 1
-            elif ch in "]}":
-                self._depth -= 1
-                if self._depth == 0:
-                    self._value_end = i + 1
+            if self._brackets.step(text[i]) < 0 and self._brackets.depth == 0:
+                self._value_end = i + 1
             i += 1
         self._scan = i
         upto = self._value_end if self._value_end >= 0 else len(text)
