@@ -151,22 +151,23 @@ def first_messages(failed: list[RequestResult]) -> dict[str, str]:
     return out
 
 
+# The latency figures: (label, summary key, the statistics shown), each row in milliseconds.
+_LATENCIES = (
+    ("TTFT", "ttft_ms", ("mean", "p50", "p90", "p99")),
+    ("TPOT", "tpot_ms", ("mean", "p50", "p99")),
+    ("ITL", "itl_ms", ("p50", "p99")),
+    ("E2E", "e2e_ms", ("mean", "p50", "p99")),
+)
+
 # The figures a table or a comparison shows: (label, path in the summary, unit, higher_is_better).
-HEADLINE = (
+HEADLINE: tuple[tuple[str, tuple[str, ...], str, bool], ...] = (
     ("output tokens/s", ("output_throughput",), "tok/s", True),
     ("requests/s", ("request_throughput",), "req/s", True),
-    ("TTFT mean", ("ttft_ms", "mean"), "ms", False),
-    ("TTFT p50", ("ttft_ms", "p50"), "ms", False),
-    ("TTFT p90", ("ttft_ms", "p90"), "ms", False),
-    ("TTFT p99", ("ttft_ms", "p99"), "ms", False),
-    ("TPOT mean", ("tpot_ms", "mean"), "ms", False),
-    ("TPOT p50", ("tpot_ms", "p50"), "ms", False),
-    ("TPOT p99", ("tpot_ms", "p99"), "ms", False),
-    ("ITL p50", ("itl_ms", "p50"), "ms", False),
-    ("ITL p99", ("itl_ms", "p99"), "ms", False),
-    ("E2E mean", ("e2e_ms", "mean"), "ms", False),
-    ("E2E p50", ("e2e_ms", "p50"), "ms", False),
-    ("E2E p99", ("e2e_ms", "p99"), "ms", False),
+    *(
+        (f"{label} {stat}", (key, stat), "ms", False)
+        for label, key, stats in _LATENCIES
+        for stat in stats
+    ),
     ("cached-token share", ("cached_token_share",), "", True),
     ("completed", ("completed",), "", True),
     ("failed", ("failed",), "", False),
