@@ -34,6 +34,13 @@ CORE_KINDS = {"Deployment", "StatefulSet", "Service", "PersistentVolumeClaim", "
 
 _PORT = {"type": "integer", "minimum": 1, "maximum": 65535}
 _NAME = {"type": "string", "minLength": 1, "maxLength": 253}
+# a port reference ({"number": N}), as targetPorts' items and endpointPickerRef.port are
+_PORT_OBJECT = {
+    "type": "object",
+    "required": ["number"],
+    "additionalProperties": False,
+    "properties": {"number": _PORT},
+}
 INFERENCE_POOL_V1 = {
     "type": "object",
     "required": ["apiVersion", "kind", "metadata", "spec"],
@@ -68,12 +75,7 @@ INFERENCE_POOL_V1 = {
                     "minItems": 1,
                     "maxItems": 8,
                     "uniqueItems": True,
-                    "items": {
-                        "type": "object",
-                        "required": ["number"],
-                        "additionalProperties": False,
-                        "properties": {"number": _PORT},
-                    },
+                    "items": _PORT_OBJECT,
                 },
                 "appProtocol": {"enum": ["http", "kubernetes.io/h2c"]},
                 "endpointPickerRef": {
@@ -84,12 +86,7 @@ INFERENCE_POOL_V1 = {
                         "group": {"type": "string", "maxLength": 253},
                         "kind": {"type": "string", "minLength": 1, "maxLength": 63},
                         "name": _NAME,
-                        "port": {
-                            "type": "object",
-                            "required": ["number"],
-                            "additionalProperties": False,
-                            "properties": {"number": _PORT},
-                        },
+                        "port": _PORT_OBJECT,
                         "failureMode": {"enum": ["FailOpen", "FailClose"]},
                     },
                 },
