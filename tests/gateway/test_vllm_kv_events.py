@@ -32,7 +32,7 @@ from prefixgate.gateway.proxy.vllm_block_hash import (
     vllm_prompt_block_hashes,
 )
 
-from tests.gateway.test_kv_index import VLLMStub
+from tests.gateway.test_kv_index import VLLMStub, _LegacyRemoved, _LegacyStored
 
 # vLLM 0.32 (PYTHONHASHSEED unset): hash_block_tokens(sha256, parent, range(16k, 16k+16), extra)
 GOLDEN_BLOCK0 = 3262291359910021016
@@ -40,23 +40,15 @@ GOLDEN_BLOCK1 = 7142137847444424233
 GOLDEN_SALTED_BLOCK0 = 12616911002861201973  # extra keys (("cache_salt", "tenant-a"),)
 
 
-class _Stored(msgspec.Struct, tag="BlockStored", omit_defaults=True):
-    """vLLM 0.32's ``BlockStored`` (a tagged map)."""
+class _Stored(_LegacyStored, array_like=False, tag="BlockStored", omit_defaults=True):
+    """vLLM 0.32's ``BlockStored``: a tagged map, the legacy fields and three more."""
 
-    block_hashes: list
-    parent_block_hash: int | None
-    token_ids: list
-    block_size: int
-    lora_id: int | None
-    medium: str | None
     lora_name: str | None
     extra_keys: list | None = None
     group_idx: int | None = None
 
 
-class _Removed(msgspec.Struct, tag="BlockRemoved", omit_defaults=True):
-    block_hashes: list
-    medium: str | None
+class _Removed(_LegacyRemoved, array_like=False, tag="BlockRemoved", omit_defaults=True):
     group_idx: int | None = None
 
 
