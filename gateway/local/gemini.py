@@ -56,20 +56,19 @@ from prefixgate.gateway.wire.gemini_models import (
     CountTokensRequest,
     GenerateContentRequest,
     GenerationConfig,
+    cache_life_s,
+    cache_messages,
     life_seconds,
     openai_tools,
     parse_request,
-    present,
+    refuse_beside_cache,
     structured,
-    system_text,
     to_chat,
-    turns,
 )
 from prefixgate.gateway.wire.gemini_routes import (
     CACHE_PREFIX,
-    DEFAULT_CACHE_TTL_S,
-    GENERATION_METHODS,
     add_gemini_routes,
+    model_object,
     no_route,  # noqa: F401  (add_gemini_routes reads the handlers off this module)
     refuse_get_of_method,
     rfc3339,
@@ -78,6 +77,8 @@ from prefixgate.gateway.wire.prompts import check_length, choice_seeds, render_c
 from prefixgate.gateway.wire.response_models import Usage
 from prefixgate.gateway.wire.stop_strings import refuse_stop_under_constraint
 from prefixgate.gateway.wire.tools import ToolDeltas, ToolPlan, parse_output, plan_tools
+
+_DESCRIPTION = "served by prefixgate"  # the model object's description
 
 _FINISH = {"stop": "STOP", "length": "MAX_TOKENS"}
 
@@ -276,15 +277,9 @@ async def _chat(request: web.Request, req: GenerateContentRequest, principal: Pr
         APIError: 400 for ``systemInstruction`` / ``tools`` / ``toolConfig`` beside
             ``cachedContent``; 404 for a cache the key cannot read.
     """
+    refuse_beside_cache(req)
     if not req.cachedContent:
         return to_chat(req)
-    for name in ("systemInstruction", "tools", "toolConfig"):
-        if present(getattr(req, name)):
-            raise bad_request(
-                f"{name}: CachedContent can not be used with GenerateContent request setting "
-                "system_instruction, tools or tool_config; put them in the cache",
-                param=name,
-            )
     entry = await _cached(request, req.cachedContent, principal)
     bare = GenerateContentRequest(contents=req.contents)
     chat = to_chat(bare)
@@ -411,29 +406,15 @@ async def _generate(request: web.Request, model: str, stream: bool) -> web.Strea
     return await Exchange(request, st, principal, requests, renderer, stream).run()
 
 
-def _model_object(st: GatewayState, max_model_len: int | None) -> dict[str, Any]:
-    name = st.model_name
-    out: dict[str, Any] = {
-        "name": f"models/{name}",
-        "baseModelId": name,
-        "version": "1",
-        "displayName": name,
-        "description": "served by prefixgate",
-        "supportedGenerationMethods": GENERATION_METHODS,
-    }
-    if max_model_len is not None:
-        out["inputTokenLimit"] = max_model_len
-        out["outputTokenLimit"] = max_model_len
-    return out
-
-
 @error_dialect(GEMINI)
 async def list_models(request: web.Request) -> web.Response:
     """GET /v1beta/models → ``{"models": [Model]}`` (the one served model)."""
     st = request.app[STATE]
     engine = request.app[LOCAL].require_engine()
     st.keys.authenticate(request)
-    return web.json_response({"models": [_model_object(st, engine.max_model_len)]})
+    return web.json_response(
+        {"models": [model_object(st.model_name, _DESCRIPTION, engine.max_model_len)]}
+    )
 
 
 @error_dialect(GEMINI)
@@ -444,7 +425,7 @@ async def get_model(request: web.Request) -> web.Response:
     engine = request.app[LOCAL].require_engine()
     st.keys.authenticate(request)
     _check_model(st, request.match_info["target"])
-    return web.json_response(_model_object(st, engine.max_model_len))
+    return web.json_response(model_object(st.model_name, _DESCRIPTION, engine.max_model_len))
 
 
 # --- cachedContents -------------------------------------------------------------------------
@@ -481,19 +462,8 @@ async def create_cache(request: web.Request) -> web.Response:
             param="toolConfig",
         )
     prefixes = local.require_prefixes()
-    ttl_s = life_seconds(req.ttl, req.expireTime, min(DEFAULT_CACHE_TTL_S, prefixes.max_ttl_s))
-    if ttl_s > prefixes.max_ttl_s:
-        where = "ttl" if req.ttl is not None else "expireTime"
-        raise bad_request(
-            f"{where}: a cache lives at most {prefixes.max_ttl_s:g} s here", param=where
-        )
-    messages: list[dict[str, Any]] = []
-    system = system_text(req.systemInstruction)
-    if system:
-        messages.append({"role": "system", "content": system})
-    messages += turns(req.contents or [])
-    if not messages:
-        raise bad_request("contents: a cache needs systemInstruction or contents", "contents")
+    ttl_s = cache_life_s(req, prefixes.max_ttl_s)
+    messages = cache_messages(req)
     tools = openai_tools(req.tools) or None
     ids = await render_chat(
         engine.tokenizer,

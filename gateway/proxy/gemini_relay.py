@@ -64,26 +64,26 @@ from prefixgate.gateway.wire.gemini_models import (
     CountTokensRequest,
     GenerateContentRequest,
     GenerationConfig,
-    life_seconds,
+    cache_life_s,
+    cache_messages,
     parse_request,
-    present,
+    refuse_beside_cache,
     structured,
-    system_text,
     to_chat,
-    turns,
     wire_messages,
 )
 from prefixgate.gateway.wire.gemini_routes import (
     CACHE_PREFIX,
-    DEFAULT_CACHE_TTL_S,
-    GENERATION_METHODS,
     add_gemini_routes,
+    model_object,
     no_route,  # noqa: F401  (add_gemini_routes reads the handlers off this module)
     refuse_get_of_method,
     rfc3339,
 )
 from prefixgate.gateway.wire.response_models import ChatCompletion, ChatCompletionChunk
 from prefixgate.gateway.wire.stop_strings import refuse_stop_under_constraint
+
+_DESCRIPTION = "served by prefixgate (proxy)"  # the model object's description
 
 _DOWN = frozenset((502, 503, 504))
 _NEXT = frozenset((429, 500, 529))
@@ -436,15 +436,9 @@ def _public_model(call_model: str, st: GatewayState, router: Any) -> str:
 async def _chat_of(
     request: web.Request, req: GenerateContentRequest, salt: str | None
 ) -> tuple[Chat, ProxyPrefix | None]:
+    refuse_beside_cache(req)
     if not req.cachedContent:
         return to_chat(req), None
-    for name in ("systemInstruction", "tools", "toolConfig"):
-        if present(getattr(req, name)):
-            raise bad_request(
-                f"{name}: CachedContent can not be used with GenerateContent request setting "
-                "system_instruction, tools or tool_config; put them in the cache",
-                param=name,
-            )
     name = req.cachedContent
     if not name.startswith(CACHE_PREFIX):
         raise bad_request(
@@ -559,24 +553,15 @@ async def _count(call: _Call, chat: Chat) -> web.StreamResponse:
     return await each_upstream(call, attempt)
 
 
-def _model_object(name: str) -> dict[str, Any]:
-    return {
-        "name": f"models/{name}",
-        "baseModelId": name,
-        "version": "1",
-        "displayName": name,
-        "description": "served by prefixgate (proxy)",
-        "supportedGenerationMethods": GENERATION_METHODS,
-    }
-
-
 @error_dialect(GEMINI)
 async def list_models(request: web.Request) -> web.Response:
     """GET /v1beta/models: the models the upstreams serve."""
     st = request.app[STATE]
     st.keys.authenticate(request)
     cards = model_cards(request.app[PROXY].router) or {}
-    return web.json_response({"models": [_model_object(name) for name in sorted(cards)]})
+    return web.json_response(
+        {"models": [model_object(name, _DESCRIPTION) for name in sorted(cards)]}
+    )
 
 
 @error_dialect(GEMINI)
@@ -586,7 +571,7 @@ async def get_model(request: web.Request) -> web.Response:
     st = request.app[STATE]
     st.keys.authenticate(request)
     name = _public_model(request.match_info["target"], st, request.app[PROXY].router)
-    return web.json_response(_model_object(name))
+    return web.json_response(model_object(name, _DESCRIPTION))
 
 
 # --- cachedContents on the proxy's prefix API -----------------------------------------------
@@ -621,17 +606,8 @@ async def create_cache(request: web.Request) -> web.Response:
     if req.displayName is not None:
         raise _unimplemented("displayName (the upstream prefix API keeps no label)", "displayName")
     registry = request.app[PROXY].prefixes
-    ttl_s = life_seconds(req.ttl, req.expireTime, min(DEFAULT_CACHE_TTL_S, registry.max_ttl_s))
-    if ttl_s > registry.max_ttl_s:
-        where = "ttl" if req.ttl is not None else "expireTime"
-        raise bad_request(f"{where}: a cache lives at most {registry.max_ttl_s:g} s here", where)
-    messages: list[dict[str, Any]] = []
-    system = system_text(req.systemInstruction)
-    if system:
-        messages.append({"role": "system", "content": system})
-    messages += wire_messages(turns(req.contents or []))
-    if not messages:
-        raise bad_request("contents: a cache needs systemInstruction or contents", "contents")
+    ttl_s = cache_life_s(req, registry.max_ttl_s)
+    messages = wire_messages(cache_messages(req))
     spec = principal.spec
     per_key = 0
     if spec is not None:

@@ -34,6 +34,7 @@ from typing import Any, Literal, TypeVar
 
 from prefixgate.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from prefixgate.gateway.http.errors import bad_request
+from prefixgate.gateway.wire.gemini_routes import DEFAULT_CACHE_TTL_S
 from prefixgate.gateway.wire.sampling import sampling_params
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -629,6 +630,65 @@ def wire_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def chat_messages(
+    system: SystemInstruction | None, contents: list[Content]
+) -> list[dict[str, Any]]:
+    """The system message (when ``system`` has text), then the turns of ``contents``.
+
+    Raises:
+        APIError: 400 naming the field (``system_text``, ``turns``).
+    """
+    msgs: list[dict[str, Any]] = []
+    text = system_text(system)
+    if text:
+        msgs.append({"role": "system", "content": text})
+    return msgs + turns(contents)
+
+
+def cache_messages(req: CachedContentCreate) -> list[dict[str, Any]]:
+    """A cache's messages (``chat_messages`` of its ``systemInstruction`` and ``contents``).
+
+    Raises:
+        APIError: 400 when it has neither, or naming the field ``chat_messages`` refuses.
+    """
+    messages = chat_messages(req.systemInstruction, req.contents or [])
+    if not messages:
+        raise bad_request("contents: a cache needs systemInstruction or contents", "contents")
+    return messages
+
+
+def cache_life_s(req: CachedContentCreate, max_ttl_s: float) -> float:
+    """A cache's life in seconds (``ttl`` or ``expireTime``, else the default bounded by
+    ``max_ttl_s``).
+
+    Raises:
+        APIError: 400 naming ``ttl`` / ``expireTime`` when it asks for more than ``max_ttl_s``.
+    """
+    ttl_s = life_seconds(req.ttl, req.expireTime, min(DEFAULT_CACHE_TTL_S, max_ttl_s))
+    if ttl_s > max_ttl_s:
+        where = "ttl" if req.ttl is not None else "expireTime"
+        raise bad_request(f"{where}: a cache lives at most {max_ttl_s:g} s here", param=where)
+    return ttl_s
+
+
+def refuse_beside_cache(req: GenerateContentRequest) -> None:
+    """A request on a ``cachedContent`` may not set what the cache holds.
+
+    Raises:
+        APIError: 400 naming ``systemInstruction`` / ``tools`` / ``toolConfig`` when set beside
+            ``cachedContent``.
+    """
+    if not req.cachedContent:
+        return
+    for name in ("systemInstruction", "tools", "toolConfig"):
+        if present(getattr(req, name)):
+            raise bad_request(
+                f"{name}: CachedContent can not be used with GenerateContent request setting "
+                "system_instruction, tools or tool_config; put them in the cache",
+                param=name,
+            )
+
+
 def to_chat(req: GenerateContentRequest) -> Chat:
     """The request as a chat: the system message, the turns, the tools and ``tool_choice``.
 
@@ -636,11 +696,7 @@ def to_chat(req: GenerateContentRequest) -> Chat:
         APIError: 400 naming the field (``turns``, ``openai_tools``, ``tool_choice``), or a
             conversation ending with a model turn.
     """
-    msgs: list[dict[str, Any]] = []
-    system = system_text(req.systemInstruction)
-    if system:
-        msgs.append({"role": "system", "content": system})
-    msgs += turns(req.contents)
+    msgs = chat_messages(req.systemInstruction, req.contents)
     last = len(req.contents) - 1
     if (req.contents[last].role or "user") != "user":
         raise bad_request(

@@ -1,7 +1,7 @@
 """Gemini's ``/v1beta`` route table and what both modes' handlers share: the method names,
-the ``cachedContents/`` name prefix and default life, the 405 of a GET of a method, RFC 3339
-times, the 404 / 405 of any other path (local mode: ``local/gemini.py``; proxy mode:
-``proxy/gemini_relay.py``)."""
+the ``cachedContents/`` name prefix and default life, the model object, the 405 of a GET of a
+method, RFC 3339 times, the 404 / 405 of any other path (local mode: ``local/gemini.py``;
+proxy mode: ``proxy/gemini_relay.py``)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,23 @@ GENERATION_METHODS = [
     "countTokens",
     "createCachedContent",
 ]
+
+
+def model_object(name: str, description: str, max_model_len: int | None = None) -> dict[str, Any]:
+    """Gemini's ``Model`` of the served model ``name`` (token limits when ``max_model_len`` is
+    known)."""
+    out: dict[str, Any] = {
+        "name": f"models/{name}",
+        "baseModelId": name,
+        "version": "1",
+        "displayName": name,
+        "description": description,
+        "supportedGenerationMethods": GENERATION_METHODS,
+    }
+    if max_model_len is not None:
+        out["inputTokenLimit"] = max_model_len
+        out["outputTokenLimit"] = max_model_len
+    return out
 
 
 def refuse_get_of_method(request: web.Request) -> None:
