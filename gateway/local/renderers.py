@@ -106,6 +106,7 @@ class _Renderer:
     """
 
     route: ClassVar[Literal["chat", "completions"]]
+    _chunk_type: ClassVar[type[ChatCompletionChunk] | type[Completion]]
     _never_on_chunks: ClassVar[frozenset[str]] = frozenset()
 
     rid: str
@@ -130,7 +131,10 @@ class _Renderer:
         return encode_data(dump(self.usage_chunk(usage), set(self._never_on_chunks)))
 
     def usage_chunk(self, usage: Usage) -> ChatCompletionChunk | Completion:
-        raise NotImplementedError
+        """The stream's usage chunk: no choices, the usage."""
+        return self._chunk_type(
+            id=self.rid, created=self.created, model=self.model, choices=[], usage=usage
+        )
 
     def chunk(self, i: int, d: StepOutput, offset: int) -> ChatCompletionChunk | Completion | None:
         raise NotImplementedError
@@ -166,6 +170,7 @@ class ChatRenderer(_Renderer):
     """
 
     route = "chat"
+    _chunk_type = ChatCompletionChunk
     __slots__ = ("tools", "_tool_deltas")
 
     def __init__(self, *args: Any, tools: ToolPlan | None = None, **kwargs: Any) -> None:
@@ -219,11 +224,6 @@ class ChatRenderer(_Renderer):
             ChatChunkChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=finish)
         )
 
-    def usage_chunk(self, usage: Usage) -> ChatCompletionChunk:
-        return ChatCompletionChunk(
-            id=self.rid, created=self.created, model=self.model, choices=[], usage=usage
-        )
-
     def body(self, outputs: list[CompletionOutput], usage: Usage) -> ChatCompletion:
         """The whole ``chat.completion`` of finished choices."""
         return ChatCompletion(
@@ -264,6 +264,7 @@ class CompletionRenderer(_Renderer):
     """``text_completion`` bodies and streams (chunks have no ``system_fingerprint``)."""
 
     route = "completions"
+    _chunk_type = Completion
     __slots__ = ()
     _never_on_chunks = frozenset({"system_fingerprint"})
 
@@ -281,11 +282,6 @@ class CompletionRenderer(_Renderer):
             index=i, text=d.delta_text, logprobs=logprobs, finish_reason=d.finish_reason
         )
         return Completion(id=self.rid, created=self.created, model=self.model, choices=[choice])
-
-    def usage_chunk(self, usage: Usage) -> Completion:
-        return Completion(
-            id=self.rid, created=self.created, model=self.model, choices=[], usage=usage
-        )
 
     def body(self, outputs: list[CompletionOutput], usage: Usage) -> Completion:
         """The whole ``text_completion`` of finished choices."""
