@@ -50,6 +50,7 @@ from prefixgate.gateway.local.serving import LOCAL  # noqa: E402
 from support.gateway import serve_aidreams, wait_idle  # noqa: E402
 from support.schemas import FLAT_SCHEMA as SCHEMA  # noqa: E402
 from support.schemas import TIME_TOOL as TIME
+from support.schemas import weather_tool
 
 MODEL = "aidreams-260k"
 MAX_MODEL_LEN = 128  # aidreams' max_position_embeddings
@@ -58,22 +59,7 @@ LONG_EXAMPLES = 2000
 
 REGEX = r"[a-c]{2}-[0-9]"
 CHOICE = ["yes", "no", "maybe"]
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 6},
-                "unit": {"enum": ["c", "f"]},
-            },
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-        "strict": True,
-    },
-}
+WEATHER = weather_tool(6, strict=True)
 PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
 # Classes of failure the draws go around while a fix is pending (each named here has its
 # regression test in test_cross_features_regressions.py). Empty: every class found is fixed

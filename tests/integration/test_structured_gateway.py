@@ -27,24 +27,10 @@ from prefixgate.gateway.wire.request_fields import (  # noqa: E402
 from support.gateway import hermes_fixtures, wait_idle  # noqa: E402
 from support.schemas import NESTED_SCHEMA as SCHEMA  # noqa: E402
 from support.schemas import TIME_TOOL as TIME
+from support.schemas import weather_tool
 
 MODEL = "aidreams-260k"
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "weather of a city",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 10},
-                "unit": {"enum": ["c", "f"]},
-            },
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
+WEATHER = weather_tool(10, description="weather of a city")
 PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
 MSGS = [{"role": "user", "content": "Tell me"}]
 

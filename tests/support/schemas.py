@@ -54,6 +54,31 @@ TIME_TOOL: dict[str, Any] = {
 }
 """The ``get_time`` tool (not strict), as a chat request's ``tools`` entry."""
 
+
+def weather_tool(
+    city_max_length: int, description: str | None = None, strict: bool = False
+) -> dict[str, Any]:
+    """The ``get_weather`` tool as a chat request's ``tools`` entry: a ``city`` string of at
+    most ``city_max_length`` characters and a ``unit`` (``c`` / ``f``), both required; with
+    its ``description`` and ``strict: true`` when given (key order as the API documents)."""
+    params = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": city_max_length},
+            "unit": {"enum": ["c", "f"]},
+        },
+        "required": ["city", "unit"],
+        "additionalProperties": False,
+    }
+    function: dict[str, Any] = {"name": "get_weather"}
+    if description is not None:
+        function["description"] = description
+    function["parameters"] = params
+    if strict:
+        function["strict"] = True
+    return {"type": "function", "function": function}
+
+
 STRICT_WEATHER_PARAMS: dict[str, Any] = {
     "type": "object",
     "properties": {
