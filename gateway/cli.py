@@ -30,19 +30,19 @@ def version() -> str:
         return "unknown"
 
 
-def _serve_parser() -> Callable[[Any], None]:
+def _serve_parser() -> Callable[[Any], object]:
     from prefixgate.gateway.serve.runner import add_serve_parser
 
     return add_serve_parser
 
 
-def _bench_parser() -> Callable[[Any], None]:
+def _bench_parser() -> Callable[[Any], object]:
     from prefixgate.sdk.bench.commands import add_bench_parser
 
     return add_bench_parser
 
 
-def _sim_parser() -> Callable[[Any], None]:
+def _sim_parser() -> Callable[[Any], object]:
     from prefixgate.gateway.sim.cli import add_sim_parser
 
     return add_sim_parser
@@ -50,7 +50,7 @@ def _sim_parser() -> Callable[[Any], None]:
 
 # command: (help, its sub-parser's builder (imported only when the command runs), what needs
 # the engine extra (None: the SDK-only install has it), what else does instead)
-_COMMANDS: dict[str, tuple[str, Callable[[], Callable[[Any], None]], str | None, str]] = {
+_COMMANDS: dict[str, tuple[str, Callable[[], Callable[[Any], object]], str | None, str]] = {
     "serve": (SERVE_HELP, _serve_parser, "the server", " (or '.[proxy]' for --upstream only)"),
     "bench": (BENCH_HELP, _bench_parser, None, ""),
     "sim": (SIM_HELP, _sim_parser, "the simulator", ""),
