@@ -123,3 +123,43 @@ def test_local_mode_without_the_engine_packages_is_told_in_one_line(monkeypatch,
         assert main(["serve", "--port", "0"]) == 2
     told = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(told) == 1 and "no_such_module_pg" in told[0] and "--upstream" in told[0], told
+
+
+def test_routing_options_are_checked_once_per_start(monkeypatch):
+    """Was: ``prefixgate serve`` checked the routing policies' options twice, before its
+    imports (``runner.run``) and again when the app was built (``app._base_app``). The CLI's
+    early check is the one on that path; an app built by ``create_app`` /
+    ``create_proxy_app`` (tests, embedders) still checks its settings itself."""
+    from prefixgate.gateway import app
+    from prefixgate.gateway.cli import main
+    from prefixgate.gateway.http import server
+    from prefixgate.gateway.proxy import policies
+    from prefixgate.gateway.serve import runner
+    from prefixgate.gateway.settings import GatewaySettings
+
+    calls: list[str] = []
+    check = policies.check_settings
+
+    def counted(settings: GatewaySettings) -> None:
+        calls.append(settings.routing)
+        check(settings)
+
+    async def cannot_listen(*args, **kwargs):
+        raise OSError("not in this test")
+
+    for module in (policies, app, runner):  # wherever it is called from
+        monkeypatch.setattr(module, "check_settings", counted)
+    monkeypatch.setattr(server, "start_server", cannot_listen)
+    assert main(["serve", "--upstream", "http://127.0.0.1:9", "--port", "0"]) == 1
+    assert calls == ["cache_aware"]  # the app was built (its listen failed), checked once
+
+    calls.clear()
+    app.create_proxy_app(["http://127.0.0.1:9"], GatewaySettings())
+    app.create_app(None, GatewaySettings())
+    assert calls == ["cache_aware", "cache_aware"]
+    for make in (
+        lambda s: app.create_app(None, s),
+        lambda s: app.create_proxy_app(["http://a:1"], s),
+    ):
+        with pytest.raises(ValueError, match="routing must be one of"):
+            make(GatewaySettings(routing="nope"))
