@@ -492,7 +492,7 @@ def parse(model: type[M], body: bytes) -> M:
             ) from None
         err = _relevant_error(errors)
         if err["type"] == "json_invalid":
-            raise json_error(err["msg"]) from None
+            raise json_error(err["msg"], body) from None
         if err["type"] == "model_type" and not err["loc"]:
             raise bad_request("the body must be a JSON object", code="invalid_json") from None
         # Union members add their type name to the location ('stop', 'str'): keep field names.
