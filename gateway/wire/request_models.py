@@ -37,7 +37,7 @@ from pydantic import (
     ValidationInfo,
     field_validator,
 )
-from pydantic_core import ErrorDetails
+from pydantic_core import ErrorDetails, PydanticCustomError
 
 # NaN / Infinity (which JSON parsers accept as literals) are never valid values. Unknown fields
 # are refused, at the top level and in every nested object (messages, parts, tool calls), by
@@ -136,12 +136,10 @@ class ChatMessage(BaseModel):
     @field_validator("content", mode="after")
     @classmethod
     def _content_required(cls, value: object, info: ValidationInfo) -> object:
-        # only an assistant turn may go without content (a turn of tool calls); a missing or
-        # null content elsewhere was rendered as an empty turn, as OpenAI refuses it
-        if value is None and info.data.get("role") not in (None, "assistant"):
-            raise ValueError(
-                f"a {info.data['role']} message needs content (a string or text parts)"
-            )
+        # what proxy mode checks on the raw body too (check_contents): the same words
+        fault = content_fault(info.data["role"], value) if "role" in info.data else None
+        if fault is not None:
+            raise PydanticCustomError("invalid_content", fault)
         return value
 
     def text(self) -> str:
@@ -159,6 +157,43 @@ class ChatMessage(BaseModel):
         if self.name is not None:
             d["name"] = self.name
         return d
+
+
+_CONTENT_REQUIRED = frozenset({"system", "developer", "user", "tool"})
+
+
+def content_fault(role: object, content: object) -> str | None:
+    """What is wrong with a chat message's ``content`` (None: nothing), by OpenAI's rules:
+
+    * ``null`` or absent: only an assistant turn (of tool calls) may go without content, a
+      system, developer, user or tool message needs it (it was rendered as an empty turn);
+    * ``[]``: an array of content parts holds at least one (``minItems: 1`` in OpenAI's API
+      schema, for every role; OpenAI answers ``empty_array``).
+
+    The one rule of both modes: local mode's ``ChatMessage`` and proxy mode's raw body
+    (``check_contents``)."""
+    if content is None and role in _CONTENT_REQUIRED:
+        return f"a {role} message needs content (a string or text parts)"
+    if isinstance(content, list) and not content:
+        return "must not be empty (an array of content parts holds at least one part)"
+    return None
+
+
+def check_contents(messages: object) -> None:
+    """``content_fault`` on each message of a raw chat body's ``messages`` (proxy mode, which
+    relays the body unparsed; what is not a list of objects is left to the upstream).
+
+    Raises:
+        APIError: 400 naming ``messages.N.content``.
+    """
+    if not isinstance(messages, list):
+        return
+    for i, m in enumerate(messages):
+        if isinstance(m, dict):
+            fault = content_fault(m.get("role"), m.get("content"))
+            if fault is not None:
+                where = f"messages.{i}.content"
+                raise bad_request(f"{where}: {fault}", param=where)
 
 
 def content_text(content: object) -> str:
