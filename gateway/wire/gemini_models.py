@@ -148,6 +148,7 @@ CHAT_FIELD_IN_GEMINI = {
     **{name: f"generationConfig.{field}" for name, field in _GEMINI_NAMES.items()},
     "n": "generationConfig.candidateCount",
     "messages": "contents",
+    "max_completion_tokens": "generationConfig.maxOutputTokens",
 }
 """A chat completions field (what the proxy sends an OpenAI-style upstream) → the Gemini
 request field it came from, for naming an upstream's refusal in the client's words."""
@@ -427,6 +428,9 @@ class Chat:
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] = field(default_factory=list)
     tool_choice: Any = None
+    # the client's path of each message (``systemInstruction``, ``contents.I``, a
+    # functionResponse part's ``contents.I.parts.J``): an upstream's refusal in its words
+    origins: list[str] = field(default_factory=list)
 
 
 def openai_tools(tools: list[Tool] | None, where: str = "tools") -> list[dict[str, Any]]:
@@ -523,12 +527,17 @@ def system_text(system: SystemInstruction | None, where: str = "systemInstructio
     return text
 
 
-def turns(contents: list[Content], where: str = "contents") -> list[dict[str, Any]]:
+def turns(
+    contents: list[Content], where: str = "contents", origins: list[str] | None = None
+) -> list[dict[str, Any]]:
     """``contents`` as chat messages: a ``user`` turn's text as a user message (its
     ``functionResponse`` parts as ``tool`` messages first, answering the previous model turn's
     calls by ``id`` or else by name, in order), a ``model`` turn's text and ``functionCall``
     parts as an assistant message with ``tool_calls`` (``arguments`` objects, as templates
     take them; ``wire_messages`` for an OpenAI body).
+
+    ``origins``, when given, gains each message's path (``contents.I``, or a tool message's
+    ``contents.I.parts.J``).
 
     Raises:
         APIError: 400 naming the part: a part with none or more than one of text /
@@ -536,6 +545,7 @@ def turns(contents: list[Content], where: str = "contents") -> list[dict[str, An
             in a model turn or answering no call.
     """
     msgs: list[dict[str, Any]] = []
+    paths: list[str] = [] if origins is None else origins
     asked: list[tuple[str, str]] = []  # (id, name) of the previous model turn's calls
     n_calls = 0
     for i, c in enumerate(contents):
@@ -585,6 +595,7 @@ def turns(contents: list[Content], where: str = "contents") -> list[dict[str, An
                         param=f"{here}.functionResponse",
                     )
                 asked.remove(match)
+                paths.append(here)
                 answered.append(
                     {
                         "role": "tool",
@@ -598,10 +609,12 @@ def turns(contents: list[Content], where: str = "contents") -> list[dict[str, An
             if calls:
                 m["tool_calls"] = calls
             msgs.append(m)
+            paths.append(f"{where}.{i}")
             asked = [(c["id"], c["function"]["name"]) for c in calls]
         else:
             if text or not answered:
                 msgs.append({"role": "user", "content": text})
+                paths.append(f"{where}.{i}")
             asked = []
     return msgs
 
@@ -637,10 +650,12 @@ def to_chat(req: GenerateContentRequest) -> Chat:
             conversation ending with a model turn.
     """
     msgs: list[dict[str, Any]] = []
+    origins: list[str] = []
     system = system_text(req.systemInstruction)
     if system:
         msgs.append({"role": "system", "content": system})
-    msgs += turns(req.contents)
+        origins.append("systemInstruction")
+    msgs += turns(req.contents, origins=origins)
     last = len(req.contents) - 1
     if (req.contents[last].role or "user") != "user":
         raise bad_request(
@@ -650,4 +665,4 @@ def to_chat(req: GenerateContentRequest) -> Chat:
         )
     tools = openai_tools(req.tools)
     choice = tool_choice(req.toolConfig, tools)
-    return Chat(msgs, tools, choice)
+    return Chat(msgs, tools, choice, origins)
