@@ -139,7 +139,7 @@ class ChatMessage(BaseModel):
         # what proxy mode checks on the raw body too (check_contents): the same words
         fault = content_fault(info.data["role"], value) if "role" in info.data else None
         if fault is not None:
-            raise PydanticCustomError("invalid_content", fault)
+            raise PydanticCustomError(_content_code(value) or "invalid_content", fault)
         return value
 
     def text(self) -> str:
@@ -168,7 +168,7 @@ def content_fault(role: object, content: object) -> str | None:
     * ``null`` or absent: only an assistant turn (of tool calls) may go without content, a
       system, developer, user or tool message needs it (it was rendered as an empty turn);
     * ``[]``: an array of content parts holds at least one (``minItems: 1`` in OpenAI's API
-      schema, for every role; OpenAI answers ``empty_array``).
+      schema, for every role; the code ``empty_array``, as OpenAI's).
 
     The one rule of both modes: local mode's ``ChatMessage`` and proxy mode's raw body
     (``check_contents``)."""
@@ -177,6 +177,12 @@ def content_fault(role: object, content: object) -> str | None:
     if isinstance(content, list) and not content:
         return "must not be empty (an array of content parts holds at least one part)"
     return None
+
+
+def _content_code(content: object) -> str | None:
+    """The error code of a content ``content_fault`` refuses: OpenAI's ``empty_array`` for
+    ``[]``, else None."""
+    return "empty_array" if isinstance(content, list) else None
 
 
 def check_contents(messages: object) -> None:
@@ -193,7 +199,8 @@ def check_contents(messages: object) -> None:
             fault = content_fault(m.get("role"), m.get("content"))
             if fault is not None:
                 where = f"messages.{i}.content"
-                raise bad_request(f"{where}: {fault}", param=where)
+                code = _content_code(m.get("content"))
+                raise bad_request(f"{where}: {fault}", param=where, code=code)
 
 
 def content_text(content: object) -> str:
@@ -537,7 +544,8 @@ def parse(model: type[M], body: bytes) -> M:
         if err["type"] == "missing":
             # a required field sent empty: say so, not that it was not sent
             msg = "must not be empty" if param in emptied else "field required"
-        raise bad_request(f"{param}: {msg}" if param else msg, param=param) from None
+        code = "empty_array" if err["type"] == "empty_array" else None  # OpenAI's code
+        raise bad_request(f"{param}: {msg}" if param else msg, param=param, code=code) from None
 
 
 def _relevant_error(errors: list[ErrorDetails]) -> ErrorDetails:

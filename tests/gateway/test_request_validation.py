@@ -353,6 +353,7 @@ def test_empty_or_null_content_is_refused_alike_in_both_modes(serve_fake, role, 
             r = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
             err = _error(r, 400, param=at)
             assert err["message"].startswith(f"{at}: {said}"), err
+            assert err["code"] == ("empty_array" if content == [] else None), err
             told.append(err)
         assert told[0] == told[1]
         assert stub.seen == []  # nothing reached the upstream
