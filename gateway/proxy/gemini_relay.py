@@ -16,7 +16,8 @@ checked event by event (``relay.EventChecker``: JSON chunks, ``[DONE]`` after ev
 ``finish_reason``) and a stream cut short ends with Gemini's ``data: {"error": ...}``, never as
 a success. A failure before the answer (connection error, 502/503/504) marks the upstream down
 and tries the next; a 429/500 tries the next (``attempts.each_upstream``); other errors reach the client
-reworded (``redact.upstream_error``), in Gemini's shape. ``countTokens`` asks the upstream's ``/tokenize`` (501 where it has none).
+reworded (``redact.upstream_error``), in Gemini's shape and naming the Gemini fields the
+client sent (``wire.client_fields``). ``countTokens`` asks the upstream's ``/tokenize`` (501 where it has none).
 
 ``cachedContents`` map onto the proxy's prefix API (``proxy/prefixes.py``): create registers
 the cache's messages (on a prefixgate upstream, pinned there through its prefix API), get and

@@ -22,7 +22,8 @@ A failure before the answer (connection error, 502/503/504, an invalid 200) mark
 upstream down and tries the next of the model; a 429 (its ``Retry-After`` keeps the upstream
 out) or 500/529 tries the next too; then a config's fallbacks (``attempts.each_upstream``). An
 upstream error reaches the client reworded by ``redact.upstream_error`` as every dialect's
-does — a 4xx's message kept with credentials scrubbed, a 5xx in the gateway's words, a body
+does — a 4xx's message kept with credentials scrubbed (a translated request's chat fields
+named as the client sent them: ``wire.client_fields``), a 5xx in the gateway's words, a body
 without an error object never shown (a 401/403 to the gateway's own credential is a 502
 ``upstream_auth_failed``: ``redact.auth_error``). A stream that ends before its
 last event, breaks, stalls past ``--upstream-timeout-s`` or turns to garbage ends with an

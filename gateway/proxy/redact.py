@@ -12,10 +12,12 @@ Bearer sk-..."). So:
 * ``reworded_error(data, secrets)``: any other error body is rebuilt as an OpenAI error object
   of its four fields (``message``, ``type``, ``param``, ``code``; anything else dropped) with
   every credential string replaced by ``[redacted]``.
-* ``upstream_error(status, data, headers, secrets)``: the one rewording every dialect uses:
-  the client's ``APIError`` for an upstream's error answer (OpenAI's, vLLM's, Anthropic's,
-  FastAPI's shapes: ``reworded_error``), which each dialect writes as its own error object
-  (``APIError.body`` / ``anthropic_body`` / ``gemini_body``). A body without an error object
+* ``upstream_error(status, data, headers, secrets, fields)``: the one rewording every
+  dialect uses: the client's ``APIError`` for an upstream's error answer (OpenAI's, vLLM's,
+  Anthropic's, FastAPI's shapes: ``reworded_error``), which each dialect writes as its own
+  error object (``APIError.body`` / ``anthropic_body`` / ``gemini_body``); a translated
+  request's chat fields named as the client sent them (``in_client_words``, ``fields``: the
+  dialect's ``wire.client_fields.ClientFields``). A body without an error object
   (an HTML page, a traceback, nothing) is never shown: a generic message. A 400 saying the
   prompt exceeds the context (OpenAI's code, vLLM's and SGLang's wording, ``too_long``) has
   the code ``context_length_exceeded``.
