@@ -259,3 +259,32 @@ def test_in_client_words_renames_paths_and_leaves_prose():
         ("Invalid value at tools[0].function: x", "Invalid value at tools.0: x"),
     ]:
         assert in_client_words(APIError(400, said), fields).message == told
+
+
+def test_a_refusal_of_the_clients_own_messages_body_is_not_renamed(tmp_path):
+    """An Anthropic deployment is sent the client's Messages body as it is: its refusal
+    already names the client's fields and passes unrenamed (``messages.1`` stays)."""
+    import httpx
+    from aiohttp import web
+    from prefixgate.gateway.app import create_proxy_app
+    from prefixgate.gateway.http.server import BackgroundServer
+    from support.anthropic_stub import claude_config
+
+    said = "messages.1.content: bad block; 'stop' and max_completion_tokens are chat words"
+
+    def upstream() -> web.Application:
+        async def messages(request: web.Request) -> web.Response:
+            error = {"type": "invalid_request_error", "message": said}
+            return web.json_response({"type": "error", "error": error}, status=400)
+
+        app = web.Application()
+        app.router.add_post("/v1/messages", messages)
+        return app
+
+    with BackgroundServer(upstream) as up:
+        cfg = claude_config(tmp_path / "proxy.toml", up.url)
+        with BackgroundServer(lambda: create_proxy_app(cfg, GatewaySettings())) as gw:
+            body = {**ANTHROPIC_BODY, "model": "claude"}
+            r = httpx.post(gw.url + "/v1/messages", json=body, timeout=10)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == said
