@@ -81,7 +81,10 @@ logger = logging.getLogger("prefixgate.gateway")
 
 
 def create_app(
-    engine: EngineClient | None = None, settings: GatewaySettings | None = None
+    engine: EngineClient | None = None,
+    settings: GatewaySettings | None = None,
+    *,
+    settings_checked: bool = False,
 ) -> web.Application:
     """The gateway serving a local engine.
 
@@ -89,6 +92,8 @@ def create_app(
         engine: the engine, or ``None`` to attach it later with ``attach_engine`` (the app
             answers 503 ``model_not_ready`` until then).
         settings: serving options (defaults: ``GatewaySettings()``).
+        settings_checked: the caller has run ``policies.check_settings`` on ``settings``
+            (``prefixgate serve`` does, before its imports), so it is not run again.
 
     Raises:
         TypeError: ``engine`` is a list of URLs (upstream mode is ``create_proxy_app``).
@@ -96,7 +101,7 @@ def create_app(
     """
     if isinstance(engine, Sequence):
         raise TypeError("create_app serves a local engine; upstream mode is create_proxy_app(urls)")
-    app, st = _base_app(settings)
+    app, st = _base_app(settings, settings_checked)
     local = app[LOCAL] = LocalServing()
     app[PROMPT_LOG] = PromptLog()  # recent Messages prompts, for their cache diagnostics
     app.router.add_get("/ready", ready_local, expect_handler=expect_continue)
@@ -154,18 +159,22 @@ def create_app(
 
 
 def create_proxy_app(
-    upstreams: Sequence[str] | ProxyConfig, settings: GatewaySettings | None = None
+    upstreams: Sequence[str] | ProxyConfig,
+    settings: GatewaySettings | None = None,
+    *,
+    settings_checked: bool = False,
 ) -> web.Application:
     """The gateway as a reverse proxy to OpenAI-compatible ``upstreams``: base URLs (their
     models discovered from each one's ``/v1/models``), or a config file's model list
     (``proxy.config.load_config``: models, deployments, aliases, fallbacks, TLS).
+    ``settings_checked``: as ``create_app``'s.
 
     Raises:
         ValueError: bad settings, keys file or upstream URL (none, malformed, repeated).
     """
     if isinstance(upstreams, str | bytes):
         raise TypeError("upstreams must be a list of base URLs, not one string")
-    app, st = _base_app(settings)
+    app, st = _base_app(settings, settings_checked)
     s = st.settings
     if isinstance(upstreams, ProxyConfig):
         config: ProxyConfig | None = upstreams
@@ -258,10 +267,14 @@ def create_proxy_app(
     return app
 
 
-def _base_app(settings: GatewaySettings | None) -> tuple[web.Application, GatewayState]:
-    """What both modes share: state, error middleware, /health, /metrics and /dashboard."""
+def _base_app(
+    settings: GatewaySettings | None, settings_checked: bool
+) -> tuple[web.Application, GatewayState]:
+    """What both modes share: state, error middleware, /health, /metrics and /dashboard;
+    ``settings``' routing policies' options checked unless ``settings_checked``."""
     settings = settings or GatewaySettings()
-    check_settings(settings)  # each routing policy's options (settings knows only their names)
+    if not settings_checked:  # each routing policy's options (settings knows only their names)
+        check_settings(settings)
     admission = AdmissionController(settings.admission_config())
     metrics = GatewayMetrics()
     metrics.bind_admission(admission)

@@ -57,13 +57,31 @@ _COMMANDS: dict[str, tuple[str, Callable[[], Callable[[Any], object]], str | Non
 }
 
 
+class CommandParser(argparse.ArgumentParser):
+    """A parser that refuses the arguments it does not know itself, in its own usage.
+
+    argparse's sub-parsers hand what they do not know back to the parser above them, so
+    ``prefixgate serve --unknown-flag`` was told in the top-level usage; with this class (the
+    top-level parser's, which ``add_subparsers`` gives every sub-parser below it) the
+    sub-command's own parser says it: ``usage: prefixgate serve ...``, exit code 2.
+    """
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Any = None, namespace: Any = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The top-level parser; only ``command``'s sub-parser is built in full (the rest are stubs).
 
     Raises SystemExit with a one-line reason when ``serve`` or ``sim`` is asked for without the
     engine extra.
     """
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="prefixgate",
         description="prefixgate: serve the OpenAI API (prefixgate serve) or benchmark a server (prefixgate bench).",
     )

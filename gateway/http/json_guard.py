@@ -20,7 +20,9 @@ value iteratively (no recursion either), stopping at the first bound passed:
 
 A body past a bound is a 400 (``invalid_json`` for malformed or too deep JSON,
 ``too_many_messages`` / ``too_many_tools`` / ``too_many_items`` / ``too_many_values``) with
-``param`` the path of the array at fault, in the error object of the route's dialect
+``param`` the path of the array at fault (a string that is not Unicode, a lone surrogate
+``"\\ud800"`` or bytes that are not UTF-8: ``invalid_json`` saying so, ``param`` its path:
+``unicode_error``), in the error object of the route's dialect
 (``errors.dialect_of``). Bodies over ``OFFLOAD_BYTES`` are checked in a worker thread so the
 event loop keeps serving others meanwhile. A handler that never reads its body (the
 fallback route's 404/405, upstream mode's 501) is marked ``no_body`` and skipped.
@@ -29,6 +31,8 @@ fallback route's 404/405, upstream mode's 501) is marked ``no_body`` and skipped
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,12 +102,22 @@ def load_json(body: bytes | str) -> Any:
     try:
         return pydantic_core.from_json(body)
     except ValueError as exc:
-        raise json_error(str(exc)) from None
+        raise json_error(str(exc), body) from None
 
 
-def json_error(msg: str) -> APIError:
-    """The 400 ``invalid_json`` for the JSON parser's message ``msg``: a body nested past
-    ``MAX_JSON_DEPTH`` is well-formed JSON and is told so (its depth, not "malformed")."""
+_SURROGATE_FAULTS = ("unexpected end of hex escape", "lone leading surrogate")
+_AT = re.compile(r" at (line \d+ column \d+)$")
+
+
+def json_error(msg: str, body: bytes | str | None = None) -> APIError:
+    """The 400 ``invalid_json`` for the JSON parser's message ``msg`` about ``body``: a body
+    nested past ``MAX_JSON_DEPTH`` is well-formed JSON and is told so (its depth, not
+    "malformed"); a string that is not Unicode is told as what it is and where
+    (``unicode_error``), not in the parser's words ("unexpected end of hex escape")."""
+    if body is not None and (
+        any(fault in msg for fault in _SURROGATE_FAULTS) or "invalid unicode code point" in msg
+    ):
+        return unicode_error(msg, body)
     if "recursion limit" in msg:
         return bad_request(
             f"JSON body nested deeper than {MAX_JSON_DEPTH} levels of arrays and objects, "
@@ -111,6 +125,63 @@ def json_error(msg: str) -> APIError:
             code="invalid_json",
         )
     return bad_request(f"malformed JSON body: {msg}", code="invalid_json")
+
+
+def unicode_error(msg: str, body: bytes | str) -> APIError:
+    """The 400 ``invalid_json`` for a body the JSON parser refused as not Unicode (its message
+    ``msg``): a lone UTF-16 surrogate escape (``"\\ud800"``: JSON's ``\\u`` escapes can spell
+    one, Unicode has no such character; a high ``\\ud800``-``\\udbff`` must be followed by a
+    low ``\\udc00``-``\\udfff``), or bytes that are not UTF-8. ``param`` is the dotted path
+    of the first string (value or key) at fault, found by re-reading the body with Python's
+    JSON parser, which keeps lone surrogates (None when that fails too: the message then
+    gives the parser's line and column only)."""
+    found = _AT.search(msg)
+    at = f" at {found.group(1)}" if found else ""
+    utf8 = "invalid unicode code point" in msg
+    text = body.decode("utf-8", "surrogateescape") if isinstance(body, bytes) else body
+    try:
+        where, char = _first_surrogate(json.loads(text))
+    except (ValueError, RecursionError):
+        where, char = None, None
+    head = f"{where}: " if where else ""
+    if utf8:
+        return bad_request(
+            f"{head}the body is not valid UTF-8{at}: JSON text must be UTF-8",
+            param=where,
+            code="invalid_json",
+        )
+    escape = f" \\u{ord(char):04x}" if char else ""
+    return bad_request(
+        f"{head}lone surrogate{escape}{at}: not valid Unicode (a UTF-16 surrogate escape must "
+        "be a high \\ud800-\\udbff followed by a low \\udc00-\\udfff)",
+        param=where,
+        code="invalid_json",
+    )
+
+
+def _first_surrogate(value: Any) -> tuple[str | None, str | None]:
+    """``(dotted path, character)`` of the first string (value or object key, in document
+    order) of a parsed body holding a surrogate code point (a lone one: a pair is decoded to
+    one character), walked without recursion; ``(None, None)`` when none does."""
+    stack: list[tuple[Any, tuple[str, ...]]] = [(value, ())]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, str):
+            bad = _SURROGATE.search(node)
+            if bad is not None:
+                return ".".join(path) or None, bad.group()
+        elif isinstance(node, dict):
+            for key in node:  # a key is read before its value
+                bad = _SURROGATE.search(key)
+                if bad is not None:
+                    return ".".join(path) or None, bad.group()
+            stack += [(v, (*path, k)) for k, v in reversed(list(node.items()))]
+        elif isinstance(node, list):
+            stack += [(v, (*path, str(i))) for i, v in reversed(list(enumerate(node)))]
+    return None, None
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def check_body(body: bytes, limits: Limits = LIMITS) -> Any:
@@ -240,4 +311,5 @@ __all__ = [
     "json_guard_middleware",
     "load_json",
     "no_body",
+    "unicode_error",
 ]

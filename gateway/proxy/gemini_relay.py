@@ -16,7 +16,8 @@ checked event by event (``relay.EventChecker``: JSON chunks, ``[DONE]`` after ev
 ``finish_reason``) and a stream cut short ends with Gemini's ``data: {"error": ...}``, never as
 a success. A failure before the answer (connection error, 502/503/504) marks the upstream down
 and tries the next; a 429/500 tries the next (``attempts.each_upstream``); other errors reach the client
-reworded (``redact.upstream_error``), in Gemini's shape. ``countTokens`` asks the upstream's ``/tokenize`` (501 where it has none).
+reworded (``redact.upstream_error``), in Gemini's shape and naming the Gemini fields the
+client sent (``wire.client_fields``). ``countTokens`` asks the upstream's ``/tokenize`` (501 where it has none).
 
 ``cachedContents`` map onto the proxy's prefix API (``proxy/prefixes.py``): create registers
 the cache's messages (on a prefixgate upstream, pinned there through its prefix API), get and
@@ -30,7 +31,6 @@ renewal), ``tools`` or ``toolConfig`` in a cache.
 from __future__ import annotations
 
 import json
-import re
 import sys
 import time
 import uuid
@@ -57,8 +57,8 @@ from prefixgate.gateway.proxy.upstream import Upstream, retry_after_seconds
 from prefixgate.gateway.proxy.usage import admit_call, settle_usage
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.tenancy.keys import effective_salt
+from prefixgate.gateway.wire.client_fields import ClientFields, gemini_fields
 from prefixgate.gateway.wire.gemini_models import (
-    CHAT_FIELD_IN_GEMINI,
     CachedContentCreate,
     Chat,
     CountTokensRequest,
@@ -99,10 +99,18 @@ _FINISH = {
 class _Call(Call):
     """One proxied Gemini request: its chat body, route and what was served."""
 
-    def __init__(self, request: web.Request, body: dict[str, Any], route: Route, public: str):
+    def __init__(
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        route: Route,
+        public: str,
+        fields: ClientFields,
+    ):
         super().__init__(request, route)
         self.route: Route = route
         self.body = body
+        self.fields = fields  # an upstream's refusal of the chat body, in Gemini's words
         self.public = public
         self.prompt: int | None = None
         self.completion = 0
@@ -304,19 +312,6 @@ def _error_event(err: APIError) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-def in_gemini_words(err: APIError) -> APIError:
-    """``err`` (an upstream's refusal of the chat body the relay sent) naming the Gemini
-    fields the client sent: its ``param`` and, in its message, the chat fields spelt with an
-    underscore (``max_tokens`` → ``generationConfig.maxOutputTokens``; plain words such as
-    ``stop`` or ``messages`` are left in the prose). Returns ``err``, changed in place."""
-    if err.param in CHAT_FIELD_IN_GEMINI:
-        err.param = CHAT_FIELD_IN_GEMINI[err.param]
-    for chat, gemini in CHAT_FIELD_IN_GEMINI.items():
-        if "_" in chat:
-            err.message = re.sub(rf"\b{chat}\b", gemini, err.message)
-    return err
-
-
 # --- the attempts ---------------------------------------------------------------------------
 async def _refused(call: _Call, up: Upstream, resp: aiohttp.ClientResponse) -> None:
     call.answered = resp.status  # the attempt's metric
@@ -325,7 +320,7 @@ async def _refused(call: _Call, up: Upstream, resp: aiohttp.ClientResponse) -> N
         own = up.auth is not None or bool(call.st.settings.upstream_api_key)
         raise auth_error(resp.status, up.url, own)
     secrets = secrets_of(call.st.settings.upstream_api_key, up.auth)
-    err = in_gemini_words(upstream_error(resp.status, data, resp.headers, secrets))
+    err = upstream_error(resp.status, data, resp.headers, secrets, call.fields)
     if resp.status in _DOWN:
         call.router.mark_failed(up, f"HTTP {resp.status}")
         raise NextUpstream(str(resp.status), err)
@@ -447,6 +442,7 @@ async def _chat_of(
     prefix = await _lookup(request, name.removeprefix(CACHE_PREFIX), salt, "cachedContent")
     chat = to_chat(GenerateContentRequest(contents=req.contents))
     chat.messages = [*prefix.messages, *chat.messages]
+    chat.origins = ["cachedContent"] * len(prefix.messages) + chat.origins
     return chat, prefix
 
 
@@ -500,7 +496,8 @@ async def model_method(request: web.Request) -> web.StreamResponse:
         list(gc.stopSequences or []) if gc else [], "generationConfig.stopSequences", forced
     )
     route = router.route({"messages": chat.messages}, salt, router.resolve(public))
-    call = _Call(request, _chat_body(chat, gc, method == "streamGenerateContent"), route, public)
+    body = _chat_body(chat, gc, method == "streamGenerateContent")
+    call = _Call(request, body, route, public, gemini_fields(chat.origins, req.tools, gc))
     if method == "countTokens":
         return await _count(call, chat)
     est = len(raw) // 4 + 1

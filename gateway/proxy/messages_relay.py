@@ -22,7 +22,8 @@ A failure before the answer (connection error, 502/503/504, an invalid 200) mark
 upstream down and tries the next of the model; a 429 (its ``Retry-After`` keeps the upstream
 out) or 500/529 tries the next too; then a config's fallbacks (``attempts.each_upstream``). An
 upstream error reaches the client reworded by ``redact.upstream_error`` as every dialect's
-does — a 4xx's message kept with credentials scrubbed, a 5xx in the gateway's words, a body
+does — a 4xx's message kept with credentials scrubbed (a translated request's chat fields
+named as the client sent them: ``wire.client_fields``), a 5xx in the gateway's words, a body
 without an error object never shown (a 401/403 to the gateway's own credential is a 502
 ``upstream_auth_failed``: ``redact.auth_error``). A stream that ends before its
 last event, breaks, stalls past ``--upstream-timeout-s`` or turns to garbage ends with an
@@ -66,6 +67,7 @@ from prefixgate.gateway.wire.anthropic_models import (
     parse_request,
     to_chat,
 )
+from prefixgate.gateway.wire.client_fields import anthropic_fields
 from prefixgate.gateway.wire.request_models import load_json
 from prefixgate.gateway.wire.response_models import ChatCompletion, ChatCompletionChunk
 from prefixgate.gateway.wire.stop_strings import anthropic_constraint, refuse_stop_under_constraint
@@ -100,12 +102,15 @@ class _Call(Call):
         chat: Chat,
         salt: str | None,
         route: Route,
+        output_field: str = "",
     ) -> None:
         super().__init__(request, route)
         self.route: Route = route
         self.req = req
         self.raw = raw
         self.chat = chat
+        # an OpenAI-compatible upstream's refusal of the translated body, in the client's words
+        self.fields = anthropic_fields(chat.origins, len(chat.tools), output_field)
         self.salt = salt
         self.public = req.model  # the model name the client sent: every answer says it
         self.usage: dict[str, Any] | None = None
@@ -178,11 +183,11 @@ async def _prepare(
     stop = getattr(req, "stop_sequences", None)
     refuse_stop_under_constraint(stop, "stop_sequences", anthropic_constraint(raw))
     chat = to_chat(req)
-    output_constraint(req, chat)  # 400 beside a forced tool call, as in local mode
+    _, output_field = output_constraint(req, chat)  # 400 beside a forced tool call, as local
     salt = effective_salt(principal.salt, req.cache_salt)
     model = router.resolve(req.model)  # 404 model_not_found when nobody serves it
     route = router.route({"messages": chat.messages}, salt, model)
-    return _Call(request, req, raw, chat, salt, route), principal
+    return _Call(request, req, raw, chat, salt, route, output_field), principal
 
 
 @error_dialect(ANTHROPIC)
@@ -229,12 +234,11 @@ async def _refused(call: _Call, up: Upstream, resp: aiohttp.ClientResponse) -> N
         own = up.auth is not None or bool(call.st.settings.upstream_api_key)
         raise auth_error(resp.status, up.url, own)
     secrets = secrets_of(call.st.settings.upstream_api_key, up.auth)
+    fields = None if call.passthrough(up) else call.fields  # it refused the chat body sent
+    err = upstream_error(resp.status, data, resp.headers, secrets, fields)
     if resp.status in _DOWN:
         call.router.mark_failed(up, f"HTTP {resp.status}")
-        raise NextUpstream(
-            str(resp.status), upstream_error(resp.status, data, resp.headers, secrets)
-        )
-    err = upstream_error(resp.status, data, resp.headers, secrets)
+        raise NextUpstream(str(resp.status), err)
     if resp.status in _NEXT:
         wait = retry_after_seconds(resp.headers.get("Retry-After"))
         if resp.status == 429 and wait is not None:

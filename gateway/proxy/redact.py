@@ -12,10 +12,12 @@ Bearer sk-..."). So:
 * ``reworded_error(data, secrets)``: any other error body is rebuilt as an OpenAI error object
   of its four fields (``message``, ``type``, ``param``, ``code``; anything else dropped) with
   every credential string replaced by ``[redacted]``.
-* ``upstream_error(status, data, headers, secrets)``: the one rewording every dialect uses:
-  the client's ``APIError`` for an upstream's error answer (OpenAI's, vLLM's, Anthropic's,
-  FastAPI's shapes: ``reworded_error``), which each dialect writes as its own error object
-  (``APIError.body`` / ``anthropic_body`` / ``gemini_body``). A body without an error object
+* ``upstream_error(status, data, headers, secrets, fields)``: the one rewording every
+  dialect uses: the client's ``APIError`` for an upstream's error answer (OpenAI's, vLLM's,
+  Anthropic's, FastAPI's shapes: ``reworded_error``), which each dialect writes as its own
+  error object (``APIError.body`` / ``anthropic_body`` / ``gemini_body``); a translated
+  request's chat fields named as the client sent them (``in_client_words``, ``fields``: the
+  dialect's ``wire.client_fields.ClientFields``). A body without an error object
   (an HTML page, a traceback, nothing) is never shown: a generic message. A 400 saying the
   prompt exceeds the context (OpenAI's code, vLLM's and SGLang's wording, ``too_long``) has
   the code ``context_length_exceeded``.
@@ -34,6 +36,7 @@ import zlib
 from typing import Any
 
 from prefixgate.gateway.http.errors import APIError
+from prefixgate.gateway.wire.client_fields import PATH, ClientFields, parse_path
 
 REDACTED = "[redacted]"
 _MIN_SECRET = 4  # shorter strings are not scrubbed (they would garble every message)
@@ -194,7 +197,13 @@ def param_of(message: str) -> str | None:
     return found.group(1) + found.group(2)
 
 
-def upstream_error(status: int, data: bytes, headers: Any, secrets: tuple[str, ...]) -> APIError:
+def upstream_error(
+    status: int,
+    data: bytes,
+    headers: Any,
+    secrets: tuple[str, ...],
+    fields: ClientFields | None = None,
+) -> APIError:
     """The client's error for an upstream's error answer (``status`` >= 400, body ``data``,
     its ``headers``), the one rewording of every dialect (each writes it as its own error
     object): the upstream's wait (``retry-after-ms``, else ``Retry-After``) kept, and
@@ -202,7 +211,9 @@ def upstream_error(status: int, data: bytes, headers: Any, secrets: tuple[str, .
     * a 4xx (the request's own fault: a field, a limit, the context, a rate limit): the error
       object's four fields with ``secrets`` scrubbed (``reworded_error``), so a semantic 400
       names its field as local mode does; a prompt over the context is
-      ``context_length_exceeded`` (``too_long``);
+      ``context_length_exceeded`` (``too_long``); when the relay translated the client's
+      request (``fields``: Messages or Gemini sent as a chat body), its ``param`` and the
+      field paths in its message are the client's own (``in_client_words``);
     * a 5xx (the upstream's own fault, whose words may name its insides: hosts, paths,
       shards): the gateway's words, ``the upstream answered HTTP 503 (type, code)``, the
       upstream's type and code only when they are identifiers holding no secret;
@@ -225,9 +236,10 @@ def upstream_error(status: int, data: bytes, headers: Any, secrets: tuple[str, .
     if status == 400 and too_long(data, headers):
         code = "context_length_exceeded"
     if shown < 500:
-        return APIError(
+        err = APIError(
             shown, e["message"], param=e["param"], code=code, type=e["type"], retry_after=wait
         )
+        return err if fields is None else in_client_words(err, fields)
     named = [w for w in (e["type"], code) if isinstance(w, str) and _identifier(w, secrets)]
     said = f" ({', '.join(dict.fromkeys(named))})" if named else ""
     return APIError(
@@ -237,6 +249,32 @@ def upstream_error(status: int, data: bytes, headers: Any, secrets: tuple[str, .
         type=e["type"] if _identifier(e["type"], secrets) else None,
         retry_after=wait,
     )
+
+
+def in_client_words(err: APIError, fields: ClientFields) -> APIError:
+    """``err`` (an upstream's refusal of the chat body a relay translated the client's
+    request into) naming the client's fields (``fields``: ``wire.client_fields``): its
+    ``param``, and in its message each chat field path that is surely one: indexed or dotted
+    (``messages[2].content``, ``tools.0.function.parameters``), spelt with an underscore
+    (``max_completion_tokens``), quoted (``'stop'``), or the message's leading field
+    (``stop: ...``) — a plain word in prose (``stop``, ``messages``) is left as it is.
+    Returns ``err``, changed in place."""
+    if err.param:
+        err.param = fields.name(err.param) or err.param
+    message = err.message
+
+    def renamed(found: re.Match[str]) -> str:
+        path = found.group()
+        before = message[found.start() - 1] if found.start() else ""
+        after = message[found.end()] if found.end() < len(message) else ""
+        quoted = before in "'\"`" and before != "" and after == before
+        leading = found.start() == 0 and message[found.end() :].lstrip().startswith(":")
+        if not (quoted or leading or "_" in path or len(parse_path(path)) > 1):
+            return path
+        return fields.name(path) or path
+
+    err.message = PATH.sub(renamed, message)
+    return err
 
 
 _IDENTIFIER = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}")

@@ -62,7 +62,7 @@ from prefixgate.gateway.proxy.usage import (
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.tenancy.keys import MAX_SALT_CHARS, effective_salt
 from prefixgate.gateway.tenancy.ttft_budget import BUDGET_HEADER
-from prefixgate.gateway.wire.request_models import load_json
+from prefixgate.gateway.wire.request_models import check_contents, load_json
 from prefixgate.gateway.wire.stop_strings import openai_constraint, refuse_stop_under_constraint
 
 _RETRYABLE = frozenset((502, 503, 504))
@@ -91,6 +91,8 @@ async def proxy_generate(request: web.Request) -> web.StreamResponse:
     if not isinstance(parsed, dict):
         raise bad_request("the body must be a JSON object", code="invalid_json")
     refuse_stop_under_constraint(parsed.get("stop"), "stop", openai_constraint(parsed))
+    if request.path == "/v1/chat/completions":
+        check_contents(parsed.get("messages"))  # as local mode's ChatMessage: the same 400
     prefix = None
     if parsed.get("prefix_id") is not None:
         prefix, parsed = await _with_prefix(request, st, parsed, principal.salt)

@@ -9,10 +9,12 @@ that.
 from __future__ import annotations
 
 import errno
-import importlib.util
 import os
+import re
 import socket
 import sys
+from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 __all__ = [
@@ -21,6 +23,8 @@ __all__ = [
     "check_keys_file",
     "check_model_path",
     "check_port_free",
+    "engine_requirements",
+    "extra_requirements",
 ]
 
 
@@ -104,17 +108,93 @@ def check_model_path(model: str | None) -> None:
         )
 
 
-# The local engine's imports (pyproject's ``[engine]`` extra), by module name.
-ENGINE_MODULES = ("torch", "tokenizers", "safetensors", "jinja2", "numpy", "zmq", "msgspec")
+ENGINE_EXTRA = "engine"
+_REQUIREMENT = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[([^\]]*)\])?([^;]*)(?:;(.*))?$")
+_EXTRA_MARKER = re.compile(r"""extra\s*==\s*["']([^"']+)["']""")
+
+
+def extra_requirements(requires: list[str], extra: str, project: str = "prefixgate") -> list[str]:
+    """The distribution names an ``extra`` of ``project`` brings, read from its core metadata's
+    ``Requires-Dist`` lines (``requires``: ``importlib.metadata.requires``), the project's own
+    extras it names (``prefixgate[proxy]``) expanded; in the order first met, each once.
+
+    A line's marker is read for its ``extra == "NAME"`` only (the project's extras carry no
+    other marker).
+    """
+    by_extra: dict[str, list[tuple[str, list[str]]]] = {}
+    for line in requires:
+        found = _REQUIREMENT.match(line)
+        if found is None:
+            continue
+        name, extras, _, marker = found.groups()
+        on = _EXTRA_MARKER.search(marker or "")
+        wanted = [e.strip() for e in (extras or "").split(",") if e.strip()]
+        by_extra.setdefault(on.group(1) if on else "", []).append((name, wanted))
+    out: dict[str, None] = {}
+    seen: set[str] = set()
+
+    def add(which: str) -> None:
+        if which in seen:
+            return
+        seen.add(which)
+        for name, wanted in by_extra.get(which, []):
+            if _normalized(name) == _normalized(project):
+                for inner in wanted:
+                    add(inner)
+            else:
+                out.setdefault(name)
+
+    add(extra)
+    return list(out)
+
+
+def _normalized(name: str) -> str:
+    """A distribution name as PEP 503 compares it."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def engine_requirements() -> list[str]:
+    """The distributions of the ``[engine]`` extra (the local engine's packages): read from
+    the installed ``prefixgate``'s metadata, else (a checkout run without installing) from the
+    checkout's ``pyproject.toml``; empty when neither is found (the engine's imports then say
+    what is missing)."""
+    try:
+        requires = metadata.requires("prefixgate") or []
+    except metadata.PackageNotFoundError:
+        requires = _checkout_requires()
+    return extra_requirements(requires, ENGINE_EXTRA)
+
+
+def _checkout_requires() -> list[str]:
+    """``Requires-Dist`` lines of the checkout's ``pyproject.toml`` optional dependencies
+    (``[]`` without one)."""
+    import tomllib
+
+    path = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    try:
+        project = tomllib.loads(path.read_text(encoding="utf-8")).get("project", {})
+    except (OSError, ValueError):
+        return []
+    extras = project.get("optional-dependencies", {})
+    return [f'{req}; extra == "{name}"' for name, reqs in extras.items() for req in reqs]
+
+
+def _installed(name: str) -> bool:
+    try:
+        metadata.distribution(name)
+    except metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 def check_engine_installed() -> None:
-    """Local mode's packages are installed (a proxy-only install has none of them).
+    """Local mode's packages are installed (a proxy-only install has none of them): every
+    distribution of the ``[engine]`` extra (``engine_requirements``).
 
     Raises:
-        ValueError: one line naming the missing modules and the extra that brings them.
+        ValueError: one line naming the missing distributions and the extra that brings them.
     """
-    missing = [m for m in ENGINE_MODULES if importlib.util.find_spec(m) is None]
+    missing = [name for name in engine_requirements() if not _installed(name)]
     if missing:
         raise ValueError(
             f"serving a local model needs the engine's packages ({', '.join(missing)} not "

@@ -204,7 +204,9 @@ async def serve(
     access_log: bool = False,
     stats_interval_s: float = 0.0,
 ) -> int:
-    """Serve until SIGINT/SIGTERM. ``config`` is an EngineConfig (local) or None (upstreams);
+    """Serve until SIGINT/SIGTERM. ``settings``: checked by the caller (``run``:
+    ``policies.check_settings``, before its imports; the app does not check them again).
+    ``config`` is an EngineConfig (local) or None (upstreams);
     ``chat_template`` (Jinja source) replaces the model's default chat template; ``access_log``
     logs a line per request; ``stats_interval_s`` > 0 logs the engine line that often."""
     from prefixgate.gateway.app import attach_engine, create_app, create_proxy_app
@@ -230,7 +232,11 @@ async def serve(
         except (NotImplementedError, RuntimeError):
             pass  # not the main thread / not supported: Ctrl-C raises KeyboardInterrupt
     try:
-        app = create_proxy_app(upstreams, settings) if upstreams else create_app(None, settings)
+        # run() checked the routing policies' options before its imports: not again here
+        if upstreams:
+            app = create_proxy_app(upstreams, settings, settings_checked=True)
+        else:
+            app = create_app(None, settings, settings_checked=True)
     except ValueError as exc:
         logger.error("bad option: %s", exc)
         return 2

@@ -380,6 +380,9 @@ class Chat:
     tool_choice: Any
     parallel_tool_calls: bool | None
     breakpoints: list[Breakpoint] = field(default_factory=list)
+    # the client's path of each message (``system``, ``messages.I``, a tool_result block's
+    # ``messages.I.content.J``): an upstream's refusal named in the client's words
+    origins: list[str] = field(default_factory=list)
 
 
 def _openai_tool(t: ToolParam) -> dict[str, Any]:
@@ -448,6 +451,8 @@ def to_chat(req: _Conversation) -> Chat:
                 cut = [{"role": "system", "content": text}]
                 marks.append(Breakpoint(f"system.{j}", b.cache_control.ttl_s, cut, tools))
         msgs.append({"role": "system", "content": text})
+    if msgs:
+        chat.origins.append("system")
     last = len(req.messages) - 1
     if req.messages[last].role == "assistant":
         raise bad_request(
@@ -554,6 +559,7 @@ def _add_turn(chat: Chat, i: int, m: MessageParam) -> None:
     msgs = chat.messages
     if isinstance(m.content, str):
         msgs.append({"role": m.role, "content": m.content})
+        chat.origins.append(f"messages.{i}")
         return
     text = ""
     calls: list[dict[str, Any]] = []
@@ -568,6 +574,7 @@ def _add_turn(chat: Chat, i: int, m: MessageParam) -> None:
     for j, b in enumerate(m.content):
         if isinstance(b, ToolResultBlock):  # where blocks may be: check_turns
             msgs.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()})
+            chat.origins.append(f"messages.{i}.content.{j}")
             cut = list(msgs)
         else:
             if isinstance(b, ToolUseBlock):
@@ -587,6 +594,7 @@ def _add_turn(chat: Chat, i: int, m: MessageParam) -> None:
             chat.breakpoints.append(Breakpoint(where, b.cache_control.ttl_s, cut, chat.tools))
     if opened:
         msgs.append(current())
+        chat.origins.append(f"messages.{i}")
 
 
 # --- answers: what a Messages answer must be (proxy/answers.py checks upstreams' with it) ---

@@ -149,6 +149,7 @@ CHAT_FIELD_IN_GEMINI = {
     **{name: f"generationConfig.{field}" for name, field in _GEMINI_NAMES.items()},
     "n": "generationConfig.candidateCount",
     "messages": "contents",
+    "max_completion_tokens": "generationConfig.maxOutputTokens",
 }
 """A chat completions field (what the proxy sends an OpenAI-style upstream) → the Gemini
 request field it came from, for naming an upstream's refusal in the client's words."""
@@ -428,6 +429,9 @@ class Chat:
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] = field(default_factory=list)
     tool_choice: Any = None
+    # the client's path of each message (``systemInstruction``, ``contents.I``, a
+    # functionResponse part's ``contents.I.parts.J``): an upstream's refusal in its words
+    origins: list[str] = field(default_factory=list)
 
 
 def openai_tools(tools: list[Tool] | None, where: str = "tools") -> list[dict[str, Any]]:
@@ -524,12 +528,17 @@ def system_text(system: SystemInstruction | None, where: str = "systemInstructio
     return text
 
 
-def turns(contents: list[Content], where: str = "contents") -> list[dict[str, Any]]:
+def turns(
+    contents: list[Content], where: str = "contents", origins: list[str] | None = None
+) -> list[dict[str, Any]]:
     """``contents`` as chat messages: a ``user`` turn's text as a user message (its
     ``functionResponse`` parts as ``tool`` messages first, answering the previous model turn's
     calls by ``id`` or else by name, in order), a ``model`` turn's text and ``functionCall``
     parts as an assistant message with ``tool_calls`` (``arguments`` objects, as templates
     take them; ``wire_messages`` for an OpenAI body).
+
+    ``origins``, when given, gains each message's path (``contents.I``, or a tool message's
+    ``contents.I.parts.J``).
 
     Raises:
         APIError: 400 naming the part: a part with none or more than one of text /
@@ -537,6 +546,7 @@ def turns(contents: list[Content], where: str = "contents") -> list[dict[str, An
             in a model turn or answering no call.
     """
     msgs: list[dict[str, Any]] = []
+    paths: list[str] = [] if origins is None else origins
     asked: list[tuple[str, str]] = []  # (id, name) of the previous model turn's calls
     n_calls = 0
     for i, c in enumerate(contents):
@@ -586,6 +596,7 @@ def turns(contents: list[Content], where: str = "contents") -> list[dict[str, An
                         param=f"{here}.functionResponse",
                     )
                 asked.remove(match)
+                paths.append(here)
                 answered.append(
                     {
                         "role": "tool",
@@ -599,10 +610,12 @@ def turns(contents: list[Content], where: str = "contents") -> list[dict[str, An
             if calls:
                 m["tool_calls"] = calls
             msgs.append(m)
+            paths.append(f"{where}.{i}")
             asked = [(c["id"], c["function"]["name"]) for c in calls]
         else:
             if text or not answered:
                 msgs.append({"role": "user", "content": text})
+                paths.append(f"{where}.{i}")
             asked = []
     return msgs
 
@@ -631,9 +644,12 @@ def wire_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def chat_messages(
-    system: SystemInstruction | None, contents: list[Content]
+    system: SystemInstruction | None,
+    contents: list[Content],
+    origins: list[str] | None = None,
 ) -> list[dict[str, Any]]:
-    """The system message (when ``system`` has text), then the turns of ``contents``.
+    """The system message (when ``system`` has text), then the turns of ``contents``;
+    ``origins``, when given, gains each message's path in the Gemini body (``turns``'s).
 
     Raises:
         APIError: 400 naming the field (``system_text``, ``turns``).
@@ -642,7 +658,9 @@ def chat_messages(
     text = system_text(system)
     if text:
         msgs.append({"role": "system", "content": text})
-    return msgs + turns(contents)
+        if origins is not None:
+            origins.append("systemInstruction")
+    return msgs + turns(contents, origins=origins)
 
 
 def cache_messages(req: CachedContentCreate) -> list[dict[str, Any]]:
@@ -696,7 +714,8 @@ def to_chat(req: GenerateContentRequest) -> Chat:
         APIError: 400 naming the field (``turns``, ``openai_tools``, ``tool_choice``), or a
             conversation ending with a model turn.
     """
-    msgs = chat_messages(req.systemInstruction, req.contents)
+    origins: list[str] = []
+    msgs = chat_messages(req.systemInstruction, req.contents, origins)
     last = len(req.contents) - 1
     if (req.contents[last].role or "user") != "user":
         raise bad_request(
@@ -706,4 +725,4 @@ def to_chat(req: GenerateContentRequest) -> Chat:
         )
     tools = openai_tools(req.tools)
     choice = tool_choice(req.toolConfig, tools)
-    return Chat(msgs, tools, choice)
+    return Chat(msgs, tools, choice, origins)

@@ -37,7 +37,7 @@ from pydantic import (
     ValidationInfo,
     field_validator,
 )
-from pydantic_core import ErrorDetails
+from pydantic_core import ErrorDetails, PydanticCustomError
 
 # NaN / Infinity (which JSON parsers accept as literals) are never valid values. Unknown fields
 # are refused, at the top level and in every nested object (messages, parts, tool calls), by
@@ -136,12 +136,10 @@ class ChatMessage(BaseModel):
     @field_validator("content", mode="after")
     @classmethod
     def _content_required(cls, value: object, info: ValidationInfo) -> object:
-        # only an assistant turn may go without content (a turn of tool calls); a missing or
-        # null content elsewhere was rendered as an empty turn, as OpenAI refuses it
-        if value is None and info.data.get("role") not in (None, "assistant"):
-            raise ValueError(
-                f"a {info.data['role']} message needs content (a string or text parts)"
-            )
+        # what proxy mode checks on the raw body too (check_contents): the same words
+        fault = content_fault(info.data["role"], value) if "role" in info.data else None
+        if fault is not None:
+            raise PydanticCustomError(_content_code(value) or "invalid_content", fault)
         return value
 
     def text(self) -> str:
@@ -159,6 +157,50 @@ class ChatMessage(BaseModel):
         if self.name is not None:
             d["name"] = self.name
         return d
+
+
+_CONTENT_REQUIRED = frozenset({"system", "developer", "user", "tool"})
+
+
+def content_fault(role: object, content: object) -> str | None:
+    """What is wrong with a chat message's ``content`` (None: nothing), by OpenAI's rules:
+
+    * ``null`` or absent: only an assistant turn (of tool calls) may go without content, a
+      system, developer, user or tool message needs it (it was rendered as an empty turn);
+    * ``[]``: an array of content parts holds at least one (``minItems: 1`` in OpenAI's API
+      schema, for every role; the code ``empty_array``, as OpenAI's).
+
+    The one rule of both modes: local mode's ``ChatMessage`` and proxy mode's raw body
+    (``check_contents``)."""
+    if content is None and role in _CONTENT_REQUIRED:
+        return f"a {role} message needs content (a string or text parts)"
+    if isinstance(content, list) and not content:
+        return "must not be empty (an array of content parts holds at least one part)"
+    return None
+
+
+def _content_code(content: object) -> str | None:
+    """The error code of a content ``content_fault`` refuses: OpenAI's ``empty_array`` for
+    ``[]``, else None."""
+    return "empty_array" if isinstance(content, list) else None
+
+
+def check_contents(messages: object) -> None:
+    """``content_fault`` on each message of a raw chat body's ``messages`` (proxy mode, which
+    relays the body unparsed; what is not a list of objects is left to the upstream).
+
+    Raises:
+        APIError: 400 naming ``messages.N.content``.
+    """
+    if not isinstance(messages, list):
+        return
+    for i, m in enumerate(messages):
+        if isinstance(m, dict):
+            fault = content_fault(m.get("role"), m.get("content"))
+            if fault is not None:
+                where = f"messages.{i}.content"
+                code = _content_code(m.get("content"))
+                raise bad_request(f"{where}: {fault}", param=where, code=code)
 
 
 def content_text(content: object) -> str:
@@ -492,7 +534,7 @@ def parse(model: type[M], body: bytes) -> M:
             ) from None
         err = _relevant_error(errors)
         if err["type"] == "json_invalid":
-            raise json_error(err["msg"]) from None
+            raise json_error(err["msg"], body) from None
         if err["type"] == "model_type" and not err["loc"]:
             raise bad_request("the body must be a JSON object", code="invalid_json") from None
         # Union members add their type name to the location ('stop', 'str'): keep field names.
@@ -502,7 +544,8 @@ def parse(model: type[M], body: bytes) -> M:
         if err["type"] == "missing":
             # a required field sent empty: say so, not that it was not sent
             msg = "must not be empty" if param in emptied else "field required"
-        raise bad_request(f"{param}: {msg}" if param else msg, param=param) from None
+        code = "empty_array" if err["type"] == "empty_array" else None  # OpenAI's code
+        raise bad_request(f"{param}: {msg}" if param else msg, param=param, code=code) from None
 
 
 def _relevant_error(errors: list[ErrorDetails]) -> ErrorDetails:

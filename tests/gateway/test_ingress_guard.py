@@ -173,6 +173,68 @@ def test_deep_json_is_a_400_in_the_dialects_shape_on_every_route(modes):
             assert http.get("/health").status_code == 200
 
 
+def test_a_lone_surrogate_is_told_as_one_on_every_route(modes):
+    """Was: a JSON string holding a lone UTF-16 surrogate (``"\\ud800"``: JSON's escapes may
+    spell one, Unicode has no such character) was told in the JSON parser's words,
+    "malformed JSON body: unexpected end of hex escape at line 1 column 47". It is a 400
+    saying what it is and where: the escape, the field's path, not valid Unicode."""
+    for mode, url in modes.items():
+        with httpx.Client(base_url=url, timeout=30) as http:
+            for path in SMALL:
+                field = "messages" if "messages" in SMALL[path] else "model"
+                body = json.dumps(SMALL[path])
+                if field == "messages":
+                    body = body.replace('"hi"', '"h\\ud800i"').replace('"be brief"', '"h\\ud800i"')
+                    where = "messages.0.content"
+                else:
+                    body = body.replace('"fake"', '"fa\\ud800ke"', 1)
+                    where = "model"
+                r = http.post(path, content=body.encode())
+                if mode == "proxy" and path in LOCAL_ONLY:
+                    assert r.status_code == 501, (path, r.text)
+                    continue
+                assert r.status_code == 400, (mode, path, r.text[:300])
+                err = _dialect_error(path, r)
+                message = err["message"]
+                assert message.startswith(f"{where}: lone surrogate \\ud800"), (mode, path, err)
+                assert "not valid Unicode" in message and "hex escape" not in message, message
+                if path not in ANTHROPIC_ROUTES:
+                    assert err["param"] == where and err["code"] == "invalid_json", err
+            r = http.post(
+                "/v1beta/models/fake:generateContent",
+                content=b'{"contents": [{"parts": [{"text": "a"}, {"text": "\\udc00"}]}]}',
+            )
+            assert r.status_code == 400, (mode, r.text)
+            err = _dialect_error("/v1beta/", r)
+            assert err["status"] == "INVALID_ARGUMENT", err
+            assert err["message"].startswith("contents.0.parts.1.text: lone surrogate \\udc00")
+
+
+def test_check_body_tells_each_lone_surrogate() -> None:
+    def told(body: bytes) -> APIError:
+        with pytest.raises(APIError) as refused:
+            check_body(body)
+        return refused.value
+
+    for body, where, escape in [
+        (b'{"a": "x\\ud800"}', "a", "\\ud800"),  # a high one at the string's end
+        (b'{"a": "\\ud800x"}', "a", "\\ud800"),  # followed by a character
+        (b'{"a": "\\ud800\\u0041"}', "a", "\\ud800"),  # followed by another escape
+        (b'{"a": "\\udc00"}', "a", "\\udc00"),  # a low one first
+        (b'{"a": ["ok", {"\\uDBFFk": 1}]}', "a.1", "\\udbff"),  # in a key
+        (b'{"a": "\\ud83d\\ude00", "b": "\\ud800"}', "b", "\\ud800"),  # the first lone one
+    ]:
+        err = told(body)
+        assert err.status == 400 and err.code == "invalid_json"
+        assert err.param == where, (body, err.message)
+        assert err.message.startswith(f"{where}: lone surrogate {escape} "), err.message
+        assert "not valid Unicode" in err.message
+    ok = check_body(b'{"a": "\\ud83d\\ude00", "b": "\\\\ud800"}')  # a pair; an escaped backslash
+    assert ok == {"a": "\U0001f600", "b": "\\ud800"}
+    err = told(b'{"a": "\xff"}')
+    assert "not valid UTF-8" in err.message and err.code == "invalid_json"
+
+
 def _big_bodies() -> list[tuple[str, dict, str]]:
     """(path, body, the expected code): the issue's ~4 MB bodies per dialect, and bodies
     just past each count."""

@@ -306,3 +306,55 @@ def test_refused_fields_say_unsupported_parameter_on_every_route(serve_fake, gw)
             r = http.post(route, json={"model": "fake", **body})
             _error(r, 400, code="unsupported_parameter", param=param)
     assert engine.requests_seen == []
+
+
+@pytest.mark.parametrize(
+    ("role", "content", "said"),
+    [
+        ("user", [], "must not be empty"),
+        ("system", [], "must not be empty"),
+        ("developer", [], "must not be empty"),
+        ("assistant", [], "must not be empty"),
+        ("tool", [], "must not be empty"),
+        ("user", None, "a user message needs content"),
+        ("system", None, "a system message needs content"),
+    ],
+)
+def test_empty_or_null_content_is_refused_alike_in_both_modes(serve_fake, role, content, said):
+    """Was: ``content: []`` on a chat message was served (an empty turn) while ``null`` was a
+    400 in local mode, and proxy mode relayed both to its upstream. OpenAI's API schema gives
+    every message's array of content parts ``minItems: 1`` (its answer: ``empty_array``), and
+    only an assistant turn (of tool calls) may go without content: both modes answer 400
+    naming ``messages.N.content``, in the same words, before anything is generated or sent."""
+    import httpx
+    from prefixgate.gateway.app import create_proxy_app
+    from prefixgate.gateway.http.server import BackgroundServer
+    from prefixgate.gateway.settings import GatewaySettings
+    from support.chat_stub import ChatStub
+
+    messages: list[dict] = [{"role": "user", "content": "hi"}]
+    if role == "tool":  # a tool message answers a call of the turn before it
+        call = {"id": "call_0", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+        messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+    at = f"messages.{len(messages)}.content"
+    msg: dict = {"role": role, "content": content}
+    if role == "tool":
+        msg["tool_call_id"] = "call_0"
+    messages += [msg, {"role": "user", "content": "go on"}]
+    stub = ChatStub(name="fake")
+    srv, engine = serve_fake()
+    with (
+        BackgroundServer(stub.app) as up,
+        BackgroundServer(lambda: create_proxy_app([up.url], GatewaySettings())) as proxy,
+    ):
+        told = []
+        for url in (srv.url, proxy.url):
+            body = {"model": "fake", "messages": messages, "max_tokens": 2}
+            r = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+            err = _error(r, 400, param=at)
+            assert err["message"].startswith(f"{at}: {said}"), err
+            assert err["code"] == ("empty_array" if content == [] else None), err
+            told.append(err)
+        assert told[0] == told[1]
+        assert stub.seen == []  # nothing reached the upstream
+    assert engine.requests_seen == []  # nor generated from

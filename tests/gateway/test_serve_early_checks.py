@@ -116,10 +116,98 @@ def test_local_mode_without_the_engine_packages_is_told_in_one_line(monkeypatch,
     from prefixgate.gateway.cli import main
     from prefixgate.gateway.serve import early_checks
 
-    monkeypatch.setattr(early_checks, "ENGINE_MODULES", ("json", "no_such_module_pg"))
+    monkeypatch.setattr(
+        early_checks, "engine_requirements", lambda: ["jinja2", "no_such_module_pg"]
+    )
     with pytest.raises(ValueError, match=r"no_such_module_pg not installed.*\.\[engine\]"):
         early_checks.check_engine_installed()
     with caplog.at_level(logging.ERROR):
         assert main(["serve", "--port", "0"]) == 2
     told = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(told) == 1 and "no_such_module_pg" in told[0] and "--upstream" in told[0], told
+
+
+def test_the_engine_check_reads_the_engine_extra_and_names_what_is_missing(monkeypatch):
+    """Was: the check held its own list of the ``[engine]`` extra's imports
+    (``ENGINE_MODULES``), which had drifted from the extra (no xgrammar, jsonschema,
+    huggingface_hub, ninja): an install missing one of them passed the check and failed later
+    with a traceback. The list is now the extra itself, read from the installed
+    distribution's metadata (the checkout's pyproject.toml when not installed)."""
+    from importlib import metadata
+
+    from prefixgate.gateway.serve import early_checks
+
+    names = early_checks.engine_requirements()
+    assert {"torch", "tokenizers", "pyzmq", "xgrammar", "jsonschema", "ninja"} <= set(names)
+    assert {"aiohttp", "pydantic"} <= set(names)  # the proxy extra, which engine includes
+    assert not {"pytest", "transformers", "triton", "prefixgate"} & set(names)
+
+    real = metadata.distribution
+
+    def without_xgrammar(name: str):
+        if name == "xgrammar":
+            raise metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(metadata, "distribution", without_xgrammar)
+    with pytest.raises(ValueError, match=r"\(xgrammar not installed\).*\.\[engine\]"):
+        early_checks.check_engine_installed()
+
+
+def test_extra_requirements_expands_the_projects_own_extras():
+    from prefixgate.gateway.serve.early_checks import extra_requirements
+
+    requires = [
+        "httpx>=0.27",
+        'aiohttp>=3.14; extra == "proxy"',
+        'pyzmq>=25; extra == "proxy"',
+        'prefixgate[proxy]; extra == "engine"',
+        'pyzmq>=25; extra == "engine"',
+        "torch >=2.13 ; extra == 'engine'",
+        'Jinja2[i18n]>=3.1; extra == "engine"',
+        'prefixgate[engine]; extra == "bench"',
+        'rich>=13; extra == "bench"',
+    ]
+    assert extra_requirements(requires, "engine") == ["aiohttp", "pyzmq", "torch", "Jinja2"]
+    assert extra_requirements(requires, "bench")[-1] == "rich"
+    assert extra_requirements(requires, "none") == []
+
+
+def test_routing_options_are_checked_once_per_start(monkeypatch):
+    """Was: ``prefixgate serve`` checked the routing policies' options twice, before its
+    imports (``runner.run``) and again when the app was built (``app._base_app``). The CLI's
+    early check is the one on that path; an app built by ``create_app`` /
+    ``create_proxy_app`` (tests, embedders) still checks its settings itself."""
+    from prefixgate.gateway import app
+    from prefixgate.gateway.cli import main
+    from prefixgate.gateway.http import server
+    from prefixgate.gateway.proxy import policies
+    from prefixgate.gateway.serve import runner
+    from prefixgate.gateway.settings import GatewaySettings
+
+    calls: list[str] = []
+    check = policies.check_settings
+
+    def counted(settings: GatewaySettings) -> None:
+        calls.append(settings.routing)
+        check(settings)
+
+    async def cannot_listen(*args, **kwargs):
+        raise OSError("not in this test")
+
+    for module in (policies, app, runner):  # wherever it is called from
+        monkeypatch.setattr(module, "check_settings", counted)
+    monkeypatch.setattr(server, "start_server", cannot_listen)
+    assert main(["serve", "--upstream", "http://127.0.0.1:9", "--port", "0"]) == 1
+    assert calls == ["cache_aware"]  # the app was built (its listen failed), checked once
+
+    calls.clear()
+    app.create_proxy_app(["http://127.0.0.1:9"], GatewaySettings())
+    app.create_app(None, GatewaySettings())
+    assert calls == ["cache_aware", "cache_aware"]
+    for make in (
+        lambda s: app.create_app(None, s),
+        lambda s: app.create_proxy_app(["http://a:1"], s),
+    ):
+        with pytest.raises(ValueError, match="routing must be one of"):
+            make(GatewaySettings(routing="nope"))

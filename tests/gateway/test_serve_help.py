@@ -47,3 +47,34 @@ def test_ctrl_c_before_the_server_starts_is_one_line_and_130(monkeypatch, capsys
     assert main(["serve", "--load-format", "dummy", "--port", "0"]) == 130
     err = capsys.readouterr().err
     assert err.strip() == "prefixgate: interrupted" and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "usage"),
+    [
+        (["serve", "--unknown-flag"], "usage: prefixgate serve"),
+        (["sim", "--unknown-flag"], "usage: prefixgate sim"),
+        (["bench", "--unknown-flag"], "usage: prefixgate bench"),
+        (["bench", "serve", "--base-url", "http://x", "--unknown-flag"], "prefixgate bench serve"),
+        (["bench", "compare", "--unknown-flag"], "usage: prefixgate bench compare"),
+    ],
+)
+def test_an_unknown_flag_shows_its_own_commands_usage(argv, usage, capsys):
+    """Was: an unknown flag of any subcommand printed the top-level usage (``prefixgate
+    [-h] [--version] {serve,bench,sim}``): argparse's sub-parsers leave what they do not
+    know to the top-level parser, which then says the error in its own words."""
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert usage in err.splitlines()[0], err
+    assert "unrecognized arguments: --unknown-flag" in err
+    assert "{serve,bench,sim}" not in err
+
+
+def test_an_unknown_top_level_flag_shows_the_top_level_usage(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--unknown-flag", "serve"])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: prefixgate [-h]") and "--unknown-flag" in err
