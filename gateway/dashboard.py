@@ -37,9 +37,9 @@ from importlib import resources
 from typing import Any
 
 from aiohttp import web
-from prefixgate.gateway.http.access_log import ACCESS
 from prefixgate.gateway.http.errors import Handler, expect_continue
 from prefixgate.gateway.http.metrics import GatewayMetrics
+from prefixgate.gateway.http.request_account import ACCOUNT
 from prefixgate.gateway.local.serving import LOCAL
 from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.state import STATE, GatewayState
@@ -313,18 +313,15 @@ SAMPLER: web.AppKey[DashboardSampler] = web.AppKey("prefixgate_dashboard", Dashb
 @web.middleware
 async def usage_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Count each finished ``POST /v1/...`` request against its key's name (requests, and the
-    prompt + completion tokens of its access-log record: the engine's counts in local mode,
+    prompt + completion tokens of its ``RequestAccount``: the engine's counts in local mode,
     the upstream's reported usage in proxy mode), once the handler is done (streams
     included). Requests refused before authentication (401) have no key and are not counted."""
     try:
         return await handler(request)
     finally:
-        rec = request.get(ACCESS)
-        if request.method == "POST" and request.path.startswith("/v1/") and rec is not None:
-            if rec.key_name is not None:
-                request.app[STATE].metrics.count_key_request(
-                    rec.key_name, rec.prompt_tokens, rec.completion_tokens
-                )
+        acct = request.get(ACCOUNT)
+        if request.method == "POST" and request.path.startswith("/v1/") and acct is not None:
+            request.app[STATE].metrics.count_key_request(acct)
 
 
 def static_file(name: str) -> bytes:

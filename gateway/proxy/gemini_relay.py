@@ -54,9 +54,10 @@ from prefixgate.gateway.proxy.routes import (
 )
 from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import Upstream, retry_after_seconds
-from prefixgate.gateway.proxy.usage import admit_call, settle_usage
+from prefixgate.gateway.proxy.usage import admit_call
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.tenancy.keys import effective_salt
+from prefixgate.gateway.tenancy.shared_state import close_lease
 from prefixgate.gateway.wire.gemini_models import (
     CHAT_FIELD_IN_GEMINI,
     CachedContentCreate,
@@ -104,14 +105,6 @@ class _Call(Call):
         self.route: Route = route
         self.body = body
         self.public = public
-        self.prompt: int | None = None
-        self.completion = 0
-
-    def prompt_tokens(self) -> int | None:
-        return self.prompt
-
-    def completion_tokens(self) -> int:
-        return self.completion
 
     def data(self, up: Upstream, salt: str | None) -> bytes:
         body = {**self.body, "model": up.upstream_model(self.route.model or self.public)}
@@ -371,10 +364,7 @@ async def _generate_try(
         up.served += 1
         call.served = True
         body = to_gemini(parsed, call.public, rid)
-        usage = body.get("usageMetadata")
-        if usage is not None:
-            call.prompt = usage["promptTokenCount"]
-            call.completion = usage["candidatesTokenCount"]
+        call.account.read_usage(parsed.get("usage"))  # the usageMetadata's source
         return web.json_response(body)
 
 
@@ -408,9 +398,8 @@ async def _relay(call: _Call, resp: aiohttp.ClientResponse, rid: str) -> web.Str
         )
     except ConnectionResetError:
         return client_left(out)
-    usage = _usage_metadata(chunks.usage)
-    call.prompt = usage["promptTokenCount"] if usage else None
-    call.completion = usage["candidatesTokenCount"] if usage else chunks.completion
+    call.account.estimated_completion_tokens = chunks.completion
+    call.account.read_usage(chunks.usage)  # the closing chunk's usageMetadata's source
     try:
         if error is not None:
             stream_cut(call.request, error.code)
@@ -521,7 +510,7 @@ async def model_method(request: web.Request) -> web.StreamResponse:
         return await each_upstream(call, attempt)
     finally:
         ticket.done()
-        settle_usage(request, st.shared, principal, lease, est, call)
+        close_lease(st.shared, principal, lease, call.account)
         st.metrics.e2e.observe(time.monotonic() - t0)
 
 
