@@ -307,12 +307,14 @@ def _shown_key(name: str) -> str:
     return "anonymous" if name in ("-", "") else name
 
 
+API_PATHS = ("/v1/", "/v1beta/")  # the API routes of every dialect (Gemini's under /v1beta/)
+
 SAMPLER: web.AppKey[DashboardSampler] = web.AppKey("prefixgate_dashboard", DashboardSampler)
 
 
 @web.middleware
 async def usage_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Count each finished ``POST /v1/...`` request against its key's name (requests, and the
+    """Count each finished ``POST /v1/...`` or ``/v1beta/...`` (Gemini's) request against its key's name (requests, and the
     prompt + completion tokens of its ``RequestAccount``: the engine's counts in local mode,
     the upstream's reported usage in proxy mode), once the handler is done (streams
     included). Requests refused before authentication (401) have no key and are not counted."""
@@ -320,7 +322,7 @@ async def usage_middleware(request: web.Request, handler: Handler) -> web.Stream
         return await handler(request)
     finally:
         acct = request.get(ACCOUNT)
-        if request.method == "POST" and request.path.startswith("/v1/") and acct is not None:
+        if request.method == "POST" and request.path.startswith(API_PATHS) and acct is not None:
             request.app[STATE].metrics.count_key_request(acct)
 
 

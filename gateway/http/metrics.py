@@ -321,7 +321,7 @@ class GatewayMetrics:
         )
         self.key_requests = counter(
             "prefixgate_key_requests",
-            "API requests (POST /v1/...) finished per API key name (never the key)",
+            "API requests (POST /v1/... and /v1beta/...) finished per API key name (never the key)",
             ["key"],
         )
         self.key_tokens = counter(
