@@ -314,10 +314,11 @@ SAMPLER: web.AppKey[DashboardSampler] = web.AppKey("prefixgate_dashboard", Dashb
 
 @web.middleware
 async def usage_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Count each finished ``POST /v1/...`` or ``/v1beta/...`` (Gemini's) request against its key's name (requests, and the
-    prompt + completion tokens of its ``RequestAccount``: the engine's counts in local mode,
-    the upstream's reported usage in proxy mode), once the handler is done (streams
-    included). Requests refused before authentication (401) have no key and are not counted."""
+    """Count each finished ``POST /v1/...`` or ``/v1beta/...`` (Gemini's) request against its
+    key's name (requests, and the prompt + completion tokens of its ``RequestAccount``: the
+    engine's counts in local mode, the upstream's reported usage in proxy mode), once the
+    handler is done (streams included). Requests refused before authentication (401) have no
+    key and are not counted."""
     try:
         return await handler(request)
     finally:

@@ -186,7 +186,9 @@ def test_access_line_metric_and_charge_agree_with_the_usage_answered(
     charges: list[tuple[str | None, int, int]] = []
     settle = LocalState.settle
 
-    def recording(self, principal, lease, prompt_tokens, completion_tokens):  # type: ignore[no-untyped-def]
+    def recording(
+        self: LocalState, principal: Any, lease: Any, prompt_tokens: int, completion_tokens: int
+    ) -> None:
         name = principal.spec.name if principal.spec else None
         charges.append((name, prompt_tokens, completion_tokens))
         settle(self, principal, lease, prompt_tokens, completion_tokens)
