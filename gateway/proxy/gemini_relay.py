@@ -32,7 +32,6 @@ from __future__ import annotations
 import json
 import re
 import sys
-import time
 import uuid
 from typing import Any
 
@@ -54,10 +53,9 @@ from prefixgate.gateway.proxy.routes import (
 )
 from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import Upstream, retry_after_seconds
-from prefixgate.gateway.proxy.usage import admit_call
+from prefixgate.gateway.proxy.usage import admit_call, end_call
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.tenancy.keys import effective_salt
-from prefixgate.gateway.tenancy.shared_state import close_lease
 from prefixgate.gateway.wire.gemini_models import (
     CHAT_FIELD_IN_GEMINI,
     CachedContentCreate,
@@ -499,19 +497,19 @@ async def model_method(request: web.Request) -> web.StreamResponse:
     if method == "countTokens":
         return await _count(call, chat)
     est = len(raw) // 4 + 1
-    lease, ticket = await admit_call(st, principal, est)
-    t0 = time.monotonic()
+    lease, ticket = await admit_call(st, principal, est, call.account)
     try:
         stream = method == "streamGenerateContent"
 
         async def attempt(up: Upstream) -> web.StreamResponse:
             return await _generate_try(call, up, salt, stream, ticket)
 
-        return await each_upstream(call, attempt)
+        resp = await each_upstream(call, attempt)
+        call.account.status = resp.status
+        return resp
     finally:
         ticket.done()
-        close_lease(st.shared, principal, lease, call.account)
-        st.metrics.e2e.observe(time.monotonic() - t0)
+        end_call(st, principal, lease, call.account)
 
 
 async def _count(call: _Call, chat: Chat) -> web.StreamResponse:

@@ -54,10 +54,9 @@ from prefixgate.gateway.proxy.redact import auth_error, secrets_of, upstream_err
 from prefixgate.gateway.proxy.routes import upstream_headers
 from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import Upstream, retry_after_seconds
-from prefixgate.gateway.proxy.usage import admit_call
+from prefixgate.gateway.proxy.usage import admit_call, end_call
 from prefixgate.gateway.state import STATE
 from prefixgate.gateway.tenancy.keys import effective_salt
-from prefixgate.gateway.tenancy.shared_state import close_lease
 from prefixgate.gateway.wire.anthropic_models import (
     Chat,
     CountTokensRequest,
@@ -179,18 +178,18 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     st = call.st
     est_tokens = request.content_length or len(json.dumps(call.raw))
     est_tokens = est_tokens // 4 + 1  # no tokenizer here: ~4 bytes per token until the usage
-    lease, ticket = await admit_call(st, principal, est_tokens)
-    t0 = time.monotonic()
+    lease, ticket = await admit_call(st, principal, est_tokens, call.account)
     try:
 
         async def attempt(up: Upstream) -> web.StreamResponse:
             return await _message_try(call, up, ticket)
 
-        return await each_upstream(call, attempt)
+        resp = await each_upstream(call, attempt)
+        call.account.status = resp.status
+        return resp
     finally:
         ticket.done()
-        close_lease(st.shared, principal, lease, call.account)
-        st.metrics.e2e.observe(time.monotonic() - t0)
+        end_call(st, principal, lease, call.account)
 
 
 @error_dialect(ANTHROPIC)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from typing import Any
 
 import aiohttp
@@ -51,10 +50,9 @@ from prefixgate.gateway.proxy.redact import (
 from prefixgate.gateway.proxy.relay import EventChecker, json_body_problem, relay_sse
 from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import Upstream, UpstreamRouter, retry_after_seconds
-from prefixgate.gateway.proxy.usage import UsageTap, admit_call, ask_usage, body_usage
+from prefixgate.gateway.proxy.usage import UsageTap, admit_call, ask_usage, body_usage, end_call
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.tenancy.keys import MAX_SALT_CHARS, effective_salt
-from prefixgate.gateway.tenancy.shared_state import close_lease
 from prefixgate.gateway.tenancy.ttft_budget import BUDGET_HEADER
 from prefixgate.gateway.wire.request_models import load_json
 from prefixgate.gateway.wire.stop_strings import openai_constraint, refuse_stop_under_constraint
@@ -106,19 +104,20 @@ async def proxy_generate(request: web.Request) -> web.StreamResponse:
     route = router.route(parsed, salt, model)  # with a prefix: its messages + the request's
     route = await router.policy.prepare(route, parsed, request.path, salt)  # the policy's part
     est_tokens = len(body) // 4 + 1  # no tokenizer here: ~4 bytes per token until the usage
-    lease, ticket = await admit_call(st, principal, est_tokens)
     outcome = _Outcome(account(request), keep_usage)
-    t0 = time.monotonic()
+    lease, ticket = await admit_call(st, principal, est_tokens, outcome.account)
     try:
         if prefix is not None:
-            return await _forward_prefix(request, st, prefix, parsed, salt, route, ticket, outcome)
-        return await _forward(request, st, bodies, route, ticket, outcome)
+            resp = await _forward_prefix(request, st, prefix, parsed, salt, route, ticket, outcome)
+        else:
+            resp = await _forward(request, st, bodies, route, ticket, outcome)
+        outcome.account.status = resp.status
+        return resp
     finally:
         ticket.done()
         router.policy.release(route)
         _record_prediction(request, router, route)
-        close_lease(st.shared, principal, lease, outcome.account)
-        st.metrics.e2e.observe(time.monotonic() - t0)
+        end_call(st, principal, lease, outcome.account)
 
 
 async def _with_prefix(

@@ -15,9 +15,11 @@ from the account (``tenancy.shared_state.close_lease``).
 from __future__ import annotations
 
 import json
+import time
 from typing import TYPE_CHECKING, Any
 
 from prefixgate.gateway.http.errors import APIError
+from prefixgate.gateway.tenancy.shared_state import close_lease
 
 if TYPE_CHECKING:
     from prefixgate.gateway.http.request_account import RequestAccount
@@ -129,18 +131,30 @@ def _event_end(buf: bytes) -> tuple[int, int]:
 
 
 async def admit_call(
-    st: GatewayState, principal: Principal, est_tokens: int
+    st: GatewayState, principal: Principal, est_tokens: int, acct: RequestAccount
 ) -> tuple[Lease, Ticket]:
     """Before a proxied call: the key's token lease for ``est_tokens`` (the prompt's estimate,
-    tokens), then the admission ticket; the lease is refunded when admission refuses.
+    tokens), then the admission ticket; the lease is refunded when admission refuses. Notes
+    ``acct.received`` (now: the request is parsed) and ``acct.admitted``.
 
     Raises:
         APIError: 429 over the key's limits or the gateway's queue bounds.
     """
+    acct.received = time.monotonic()
     lease = await st.shared.acquire(principal, est_tokens)
     try:
         ticket = st.admission.admit(est_tokens, tenant=principal.tenant, weight=principal.weight)
     except APIError:
         st.shared.refund(principal, lease)
         raise
+    acct.admitted = time.monotonic()
     return lease, ticket
+
+
+def end_call(st: GatewayState, principal: Principal, lease: Lease, acct: RequestAccount) -> None:
+    """Once a proxied call ends (the handler's ``finally``): ``acct.finished``, the key
+    charged from the account (``close_lease``), the e2e metric from admission."""
+    acct.finished = time.monotonic()
+    close_lease(st.shared, principal, lease, acct)
+    if acct.admitted is not None:
+        st.metrics.e2e.observe(acct.finished - acct.admitted)
