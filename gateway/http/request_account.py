@@ -18,6 +18,7 @@ its prompt. Times are ``time.monotonic()`` seconds.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,6 +76,13 @@ class RequestAccount:
     finish_reason: str | None = None
     error: str | None = None
     charged_tokens: int | None = None
+
+    def mark_served(self) -> None:
+        """Proxy mode: an upstream's answer began reaching the client (``served``; its time
+        is ``first_token``, kept from the first call)."""
+        self.served = True
+        if self.first_token is None:
+            self.first_token = time.monotonic()
 
     def read_usage(self, usage: Any) -> bool:
         """Take an OpenAI ``usage`` object (``prompt_tokens``, ``completion_tokens``,

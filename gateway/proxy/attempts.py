@@ -91,7 +91,10 @@ class Call:
 
     @served.setter
     def served(self, value: bool) -> None:
-        self.account.served = value
+        if value:
+            self.account.mark_served()  # notes when the answer began too
+        else:
+            self.account.served = False
 
 
 async def each_upstream(

@@ -408,7 +408,7 @@ class _Forward(Call):
             if resp.status < 300:
                 router.mark_ok(up)
             if outcome is not None and resp.status == 200:
-                outcome.account.served = True
+                outcome.account.mark_served()
                 if "Content-Encoding" not in resp.headers:
                     body_usage(data, outcome.account)
                 _learn(router, up, route, data[-4096:])
@@ -419,7 +419,7 @@ class _Forward(Call):
         s, outcome, router = self.st.settings, self.outcome, self.router
         tap = None
         if outcome is not None and resp.status == 200:
-            outcome.account.served = True
+            outcome.account.mark_served()
             tap = UsageTap(outcome.account, outcome.keep_usage)
         tail = bytearray()
         checker = EventChecker(self.shape, require_finish=self.shape is not None)
@@ -493,7 +493,7 @@ class _Forward(Call):
                 self.ticket.started()
             up.served += 1
             if outcome is not None:
-                outcome.account.served = True
+                outcome.account.mark_served()
             if req.get("stream"):
                 translator = anthropic.StreamTranslator(
                     public, include_usage=outcome.keep_usage if outcome is not None else False

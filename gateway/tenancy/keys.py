@@ -264,7 +264,8 @@ class Charge:
     (estimated) prompt tokens. Ends once, by ``settle`` or ``refund`` (later calls no-ops).
 
     Accounting rule: a request answered with tokens costs one request and exactly its prompt
-    + completion tokens (the usage it reports); a request refused or failed before its
+    + completion tokens (the usage it reports: its ``RequestAccount``, through
+    ``shared_state.close_lease``); a request refused or failed before its
     first token (400, 413, 429 of admission, an engine or upstream failure) costs nothing.
     """
 

@@ -127,3 +127,14 @@ def test_account_reads_cached_tokens_and_anthropic_usage():
     acct = RequestAccount(estimated_completion_tokens=6)
     assert acct.read_anthropic_usage({"input_tokens": 3}) and acct.charge(0) == (3, 6)
     assert not RequestAccount().read_anthropic_usage({"output_tokens": 2})
+
+
+def test_account_marks_served_once():
+    acct = RequestAccount()
+    assert not acct.served and acct.first_token is None
+    acct.mark_served()
+    first = acct.first_token
+    assert acct.served and first is not None
+    acct.mark_served()  # a retried attempt's answer: the first time is kept
+    assert acct.first_token == first
+    assert acct.charge(12) == (12, 0)  # nothing known: what admission took, no completion
