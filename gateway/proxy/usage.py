@@ -30,13 +30,27 @@ if TYPE_CHECKING:
 
 
 def body_usage(data: bytes, acct: RequestAccount) -> bool:
-    """Read the ``usage`` of a non-streaming JSON answer into ``acct``; False when it has
-    none (nothing taken)."""
+    """Read the ``usage`` of a non-streaming JSON answer into ``acct`` (and its first
+    choice's ``finish_reason``); False when it has no usage (no tokens taken)."""
     try:
         parsed = json.loads(data)
     except ValueError:
         return False
-    return isinstance(parsed, dict) and acct.read_usage(parsed.get("usage"))
+    if not isinstance(parsed, dict):
+        return False
+    choices = parsed.get("choices")
+    if isinstance(choices, list):
+        _note_finish(acct, choices)
+    return acct.read_usage(parsed.get("usage"))
+
+
+def _note_finish(acct: RequestAccount, choices: list[Any]) -> None:
+    """The first choice's (``index`` 0) ``finish_reason``, when one of ``choices`` has it."""
+    for c in choices:
+        if isinstance(c, dict) and c.get("index", 0) == 0:
+            reason = c.get("finish_reason")
+            if isinstance(reason, str):
+                acct.finish_reason = reason
 
 
 def ask_usage(body: dict[str, Any]) -> bool:
@@ -104,6 +118,7 @@ class UsageTap:
             return True
         choices = obj.get("choices")
         if isinstance(choices, list):
+            _note_finish(self.account, choices)
             for c in choices:
                 if isinstance(c, dict) and _has_content(c):
                     self.account.estimated_completion_tokens += 1

@@ -82,6 +82,7 @@ def test_tap_reads_usage_and_drops_the_injected_chunk(split, keep):
     out += tap.flush()
     assert acct.usage_reported and acct.prompt_tokens == 7 and acct.completion_tokens == 2
     assert acct.charge(100) == (7, 2) and acct.cached_tokens is None  # not reported: not known
+    assert acct.finish_reason == "length"
     expected = stream if keep else _sse(*CHUNKS)
     assert out == expected
 
