@@ -37,7 +37,7 @@ from importlib import resources
 from typing import Any
 
 from aiohttp import web
-from prefixgate.gateway.http.errors import Handler, expect_continue
+from prefixgate.gateway.http.errors import APIError, Handler, expect_continue
 from prefixgate.gateway.http.metrics import GatewayMetrics
 from prefixgate.gateway.http.request_account import ACCOUNT
 from prefixgate.gateway.local.serving import LOCAL
@@ -318,11 +318,23 @@ async def usage_middleware(request: web.Request, handler: Handler) -> web.Stream
     key's name (requests, and the prompt + completion tokens of its ``RequestAccount``: the
     engine's counts in local mode, the upstream's reported usage in proxy mode), once the
     handler is done (streams included). Requests refused before authentication (401) have no
-    key and are not counted."""
+    key and are not counted. The account's ``status`` is noted here when the handler did not
+    (an error raised: its status; cancelled: 499, the client left; anything else: 500)."""
+    status = 500
     try:
-        return await handler(request)
+        resp = await handler(request)
+        status = resp.status
+        return resp
+    except (APIError, web.HTTPException) as exc:
+        status = exc.status
+        raise
+    except asyncio.CancelledError:
+        status = 499  # the client left first (nginx's "client closed request")
+        raise
     finally:
         acct = request.get(ACCOUNT)
+        if acct is not None and acct.status is None:
+            acct.status = status
         if request.method == "POST" and request.path.startswith(API_PATHS) and acct is not None:
             request.app[STATE].metrics.count_key_request(acct)
 

@@ -9,6 +9,7 @@ fake engine's prefix cache, so cached tokens are not all zero.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
@@ -214,3 +215,79 @@ def test_access_line_metric_and_charge_agree_with_the_usage_answered(
     assert after["prompt"] - before["prompt"] == prompt
     assert after["completion"] - before["completion"] == completion
     assert [c for c in charges if c[0] == NAME] == [(NAME, prompt, completion)]
+
+
+def test_usage_not_reported_stays_not_known(tmp_path, access_lines, monkeypatch):
+    # an upstream whose answer has no usage: the access line and the metric say nothing
+    # (never 0); the key is charged what admission took (the prompt's estimate)
+    from support.stub_upstream import StubServer
+
+    charges: list[tuple[int, int]] = []
+    settle = LocalState.settle
+
+    def recording(
+        self: LocalState, principal: Any, lease: Any, prompt_tokens: int, completion_tokens: int
+    ) -> None:
+        charges.append((prompt_tokens, completion_tokens))
+        settle(self, principal, lease, prompt_tokens, completion_tokens)
+
+    monkeypatch.setattr(LocalState, "settle", recording)
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"keys": [{"key": KEY, "name": NAME}]}))
+    stub = StubServer(name="fake").start()
+    proxy = BackgroundServer(
+        lambda: create_proxy_app([stub.base_url], GatewaySettings(keys_file=str(keys))),
+        access_log=True,
+    ).__enter__()
+    try:
+        path, body, headers = _request("chat", False)
+        lines = len(access_lines.ours())
+        resp = httpx.post(proxy.url + path, json=body, headers=headers, timeout=30)
+        assert resp.status_code == 200 and resp.json()["usage"] is None
+        deadline = time.monotonic() + 10
+        while len(access_lines.ours()) == lines and time.monotonic() < deadline:
+            time.sleep(0.01)
+        (line,) = access_lines.ours()[lines:]
+        assert "prompt=- completion=- cached=-" in line, line
+        assert _key_tokens(proxy) == {"prompt": 0.0, "completion": 0.0}
+        ((prompt, completion),) = charges
+        assert prompt > 0 and completion == 0  # the admission estimate, nothing counted
+    finally:
+        proxy.close()
+        stub.stop()
+
+
+@pytest.mark.parametrize(
+    ("raised", "status"),
+    [(None, 200), ("api", 429), ("http", 404), ("cancel", 499), ("other", 500)],
+)
+def test_the_account_notes_the_status_answered(raised, status):
+    import asyncio
+
+    from aiohttp import web
+    from aiohttp.test_utils import make_mocked_request
+    from prefixgate.gateway.dashboard import usage_middleware
+    from prefixgate.gateway.http.errors import APIError
+    from prefixgate.gateway.http.request_account import account
+
+    app = create_app(None, GatewaySettings())
+    request = make_mocked_request("POST", "/v1/chat/completions", app=app)
+    account(request).key_name = "-"
+
+    async def handler(_: web.Request) -> web.StreamResponse:
+        if raised == "api":
+            raise APIError(429, "slow down")
+        if raised == "http":
+            raise web.HTTPNotFound()
+        if raised == "cancel":
+            raise asyncio.CancelledError
+        if raised == "other":
+            raise RuntimeError("boom")
+        return web.Response(status=200)
+
+    async def run() -> None:
+        with pytest.raises(BaseException) if raised else contextlib.nullcontext():
+            await usage_middleware(request, handler)
+
+    asyncio.run(run())
+    assert account(request).status == status
