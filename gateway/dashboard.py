@@ -37,9 +37,9 @@ from importlib import resources
 from typing import Any
 
 from aiohttp import web
-from prefixgate.gateway.http.access_log import ACCESS
-from prefixgate.gateway.http.errors import Handler, expect_continue
+from prefixgate.gateway.http.errors import APIError, Handler, expect_continue
 from prefixgate.gateway.http.metrics import GatewayMetrics
+from prefixgate.gateway.http.request_account import ACCOUNT
 from prefixgate.gateway.local.serving import LOCAL
 from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.state import STATE, GatewayState
@@ -307,24 +307,36 @@ def _shown_key(name: str) -> str:
     return "anonymous" if name in ("-", "") else name
 
 
+API_PATHS = ("/v1/", "/v1beta/")  # the API routes of every dialect (Gemini's under /v1beta/)
+
 SAMPLER: web.AppKey[DashboardSampler] = web.AppKey("prefixgate_dashboard", DashboardSampler)
 
 
 @web.middleware
 async def usage_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Count each finished ``POST /v1/...`` request against its key's name (requests, and the
-    prompt + completion tokens of its access-log record: the engine's counts in local mode,
-    the upstream's reported usage in proxy mode), once the handler is done (streams
-    included). Requests refused before authentication (401) have no key and are not counted."""
+    """Count each finished ``POST /v1/...`` or ``/v1beta/...`` (Gemini's) request against its
+    key's name (requests, and the prompt + completion tokens of its ``RequestAccount``: the
+    engine's counts in local mode, the upstream's reported usage in proxy mode), once the
+    handler is done (streams included). Requests refused before authentication (401) have no
+    key and are not counted. The account's ``status`` is noted here when the handler did not
+    (an error raised: its status; cancelled: 499, the client left; anything else: 500)."""
+    status = 500
     try:
-        return await handler(request)
+        resp = await handler(request)
+        status = resp.status
+        return resp
+    except (APIError, web.HTTPException) as exc:
+        status = exc.status
+        raise
+    except asyncio.CancelledError:
+        status = 499  # the client left first (nginx's "client closed request")
+        raise
     finally:
-        rec = request.get(ACCESS)
-        if request.method == "POST" and request.path.startswith("/v1/") and rec is not None:
-            if rec.key_name is not None:
-                request.app[STATE].metrics.count_key_request(
-                    rec.key_name, rec.prompt_tokens, rec.completion_tokens
-                )
+        acct = request.get(ACCOUNT)
+        if acct is not None and acct.status is None:
+            acct.status = status
+        if request.method == "POST" and request.path.startswith(API_PATHS) and acct is not None:
+            request.app[STATE].metrics.count_key_request(acct)
 
 
 def static_file(name: str) -> bytes:

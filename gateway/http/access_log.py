@@ -6,10 +6,12 @@ The key is shown by its *name* from the keys file (``-`` on an open server, ``un
 key without one), never the key itself. A started stream that ended with an in-band error
 event instead of its normal ending (the shutdown cut it, the engine failed, the upstream broke)
 says so after its status, ``200 error=server_shutting_down``: its 200 was sent before the
-fault. Token counts are those of the request's usage (``-``
+fault. Every field is read from the request's ``RequestAccount`` (``http/request_account.py``).
+Token counts are those of the request's usage (``-``
 for requests that never reached the engine; in proxy mode the upstream's reported usage,
-``cached`` unknown unless the routing policy predicts it, which adds ``predicted=``, the
-cached tokens it predicted on the chosen upstream, beside it). A local-mode generation adds its
+``cached`` as the upstream reported it, or as the routing policy heard it reported when it
+predicts it, which adds ``predicted=``, the cached tokens it predicted on the chosen upstream,
+beside it). A local-mode generation adds its
 first token's walk, ``walk=`` then ``name:value`` pairs (milliseconds unless named otherwise):
 ``admit`` (request parsed to admitted: rate limits, leases, the admission queue),
 ``to_engine`` (admitted to the engine's arrival), ``wait`` (arrival to first scheduled) and
@@ -25,10 +27,10 @@ the log. ``prefixgate serve --no-access-log`` turns the lines off.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
+from prefixgate.gateway.http.request_account import ACCOUNT, RequestAccount, account
 
 # The dashboard polls /dashboard/data every few seconds: logged as probes too.
 PROBES = frozenset(
@@ -36,34 +38,10 @@ PROBES = frozenset(
 )
 
 
-@dataclass(slots=True)
-class AccessRecord:
-    """What the handler tells the access log about a request (``None``: not known)."""
-
-    key_name: str | None = None
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    cached_tokens: int | None = None
-    predicted_cached_tokens: int | None = None  # proxy mode, the routing policy's prediction
-    walk: str | None = None  # local mode: the first token's walk (see the module docstring)
-    error: str | None = None  # the code of the error event a started stream ended with
-
-
 def stream_cut(request: web.Request, code: str | None) -> None:
     """Note that ``request``'s started stream ended with an in-band error event of ``code``
     (``None``: the event had no code; logged as ``error``)."""
-    record(request).error = code or "error"
-
-
-ACCESS = web.RequestKey("prefixgate_access", AccessRecord)
-
-
-def record(request: web.Request) -> AccessRecord:
-    """The request's :class:`AccessRecord`, created on first use."""
-    rec = request.get(ACCESS)
-    if rec is None:
-        rec = request[ACCESS] = AccessRecord()
-    return rec
+    account(request).error = code or "error"
 
 
 def _shown(value: object) -> str:
@@ -72,7 +50,7 @@ def _shown(value: object) -> str:
 
 def access_line(request: web.BaseRequest, status: int, seconds: float) -> str:
     """The line for one finished request (see the module docstring)."""
-    rec = request.get(ACCESS) or AccessRecord()
+    rec = request.get(ACCOUNT) or RequestAccount()
     return (
         f'{request.remote or "-"} "{request.method} {request.path}" {status} '
         + ("" if rec.error is None else f"error={rec.error} ")

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefixgate.engine.malloc import heap_in_use
+from prefixgate.gateway.http.request_account import RequestAccount
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -320,12 +321,12 @@ class GatewayMetrics:
         )
         self.key_requests = counter(
             "prefixgate_key_requests",
-            "API requests (POST /v1/...) finished per API key name (never the key)",
+            "API requests (POST /v1/... and /v1beta/...) finished per API key name (never the key)",
             ["key"],
         )
         self.key_tokens = counter(
             "prefixgate_key_tokens",
-            "prompt and completion tokens per API key name (local mode)",
+            "prompt and completion tokens per API key name (the usage answered)",
             ["key", "kind"],
         )
         self.state_backend_up = gauge(
@@ -361,15 +362,16 @@ class GatewayMetrics:
             self.generation_tokens.inc(n)
             self._generated += n
 
-    def count_key_request(
-        self, key_name: str, prompt_tokens: int | None, completion_tokens: int | None
-    ) -> None:
-        """Count one finished API request of the key named ``key_name`` and its tokens."""
-        self.key_requests.labels(key_name).inc()
-        if prompt_tokens:
-            self.key_tokens.labels(key_name, "prompt").inc(prompt_tokens)
-        if completion_tokens:
-            self.key_tokens.labels(key_name, "completion").inc(completion_tokens)
+    def count_key_request(self, acct: RequestAccount) -> None:
+        """Count one finished API request against its key's name and its usage's tokens
+        (tokens not known are not counted); nothing for a request with no key (a 401)."""
+        if acct.key_name is None:
+            return
+        self.key_requests.labels(acct.key_name).inc()
+        if acct.prompt_tokens:
+            self.key_tokens.labels(acct.key_name, "prompt").inc(acct.prompt_tokens)
+        if acct.completion_tokens:
+            self.key_tokens.labels(acct.key_name, "completion").inc(acct.completion_tokens)
 
     def bind_admission(self, admission: Any) -> None:
         """Read queue depth, queued tokens and running requests from the admission controller."""

@@ -18,8 +18,9 @@ from typing import Literal
 
 from aiohttp import web
 from prefixgate.engine.protocol import TokenizerLike
-from prefixgate.gateway.http.access_log import record
 from prefixgate.gateway.http.errors import APIError, bad_request
+from prefixgate.gateway.http.request_account import account
+from prefixgate.gateway.tenancy.shared_state import close_lease
 from pydantic import BaseModel, ConfigDict
 
 MAX_INPUTS = 2048  # OpenAI's bound on inputs per request
@@ -66,18 +67,16 @@ async def create_embeddings(request: web.Request) -> web.Response:
     except APIError:
         st.shared.refund(principal, lease)
         raise
-    served = False
+    acct = account(request)
     work = asyncio.ensure_future(embed(inputs))
     try:
         vectors = await asyncio.shield(work)
-        served = True
+        # charged exactly its input tokens, as a chat is its prompt + completion
+        acct.served, acct.prompt_tokens, acct.completion_tokens = True, tokens, 0
     except (ValueError, TypeError) as exc:
         raise bad_request(str(exc), param="input") from None
     finally:
-        if served:  # charged exactly its input tokens, as a chat is its prompt + completion
-            st.shared.settle(principal, lease, tokens, 0)
-        else:
-            st.shared.refund(principal, lease)
+        close_lease(st.shared, principal, lease, acct)
         if work.done():
             ticket.done()
         else:  # client gone: the worker thread cannot be stopped; its place is held till it ends
@@ -88,8 +87,6 @@ async def create_embeddings(request: web.Request) -> web.Response:
                     f.exception()  # nobody awaits it any more: retrieved, never logged
 
             work.add_done_callback(finished)
-    rec = record(request)
-    rec.prompt_tokens, rec.completion_tokens = tokens, 0
     data = []
     for i, vec in enumerate(vectors):
         emb: list[float] | str = vec

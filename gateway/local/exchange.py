@@ -15,9 +15,10 @@ from aiohttp import web
 from prefixgate.engine.errors import EngineDeadError
 from prefixgate.engine.outputs import CompletionOutput, StepOutput
 from prefixgate.engine.protocol import EngineRequest
-from prefixgate.gateway.http.access_log import record, stream_cut
+from prefixgate.gateway.http.access_log import stream_cut
 from prefixgate.gateway.http.errors import APIError, bad_request
 from prefixgate.gateway.http.lifecycle import end_streams_with
+from prefixgate.gateway.http.request_account import account
 from prefixgate.gateway.http.sse import KEEPALIVE, SSEWriter, client_gone, client_left
 from prefixgate.gateway.local.cache_diagnostics import Comparison, header_part
 from prefixgate.gateway.local.cache_marks import (
@@ -34,6 +35,7 @@ from prefixgate.gateway.local.serving import LOCAL
 from prefixgate.gateway.local.token_walk import first_token_walk
 from prefixgate.gateway.state import GatewayState
 from prefixgate.gateway.tenancy.keys import Principal
+from prefixgate.gateway.tenancy.shared_state import close_lease
 from prefixgate.gateway.tenancy.ttft_budget import PREDICTED_TTFT_HEADER, budget_s
 from prefixgate.gateway.wire.response_models import Usage
 
@@ -116,11 +118,9 @@ class Exchange:
         prompts = {p: len(r.prompt) for p, r in zip(self.prompt_index, requests, strict=True)}
         self.prompt_tokens = sum(prompts.values())
         self.num_prompts = len(prompts)
-        self.t0 = time.monotonic()
-        self.t_first: float | None = None
-        self.t_admitted: float | None = None
-        self.t_client: float | None = None  # first content written to the client
-        self.engine_metrics: dict[str, float] | None = None  # the first choice's timeline
+        # the request's one account: its usage, times and outcome, as every reader sees them
+        self.account = account(request)
+        self.account.received = time.monotonic()
 
     async def run(self) -> web.StreamResponse:
         st = self.st
@@ -143,18 +143,17 @@ class Exchange:
             st.shared.refund(self.principal, lease)
             raise
         self.ticket.set_eta(self.eta_s)  # max_running's Retry-After: when this one ends
-        self.t_admitted = time.monotonic()
+        acct = self.account
+        acct.admitted = time.monotonic()
         st.metrics.prompt_tokens.inc(self.prompt_tokens)
         # kept current as tokens come: a request the shutdown cuts is logged before its
         # handler's cleanup runs, with the usage it had
-        self.rec = record(self.request)
-        self.rec.prompt_tokens, self.rec.completion_tokens = self.prompt_tokens, 0
-        self.rec.cached_tokens = 0
-        status = "error"
+        acct.prompt_tokens, acct.completion_tokens = self.prompt_tokens, 0
+        acct.cached_tokens = 0
         try:
             resp = await (self._stream() if self.stream else self._collect())
-            status = str(resp.status)
-            if status == "200" and self.cache_marks:
+            acct.status = resp.status
+            if resp.status == 200 and self.cache_marks:
                 pin_marks(
                     self.request,
                     self.principal,
@@ -165,16 +164,19 @@ class Exchange:
             return resp
         finally:
             self.ticket.done()
-            completion = sum(o.num_tokens for o in self.outputs)
-            if completion:  # served: exactly prompt + completion tokens
-                st.shared.settle(self.principal, lease, self.prompt_tokens, completion)
-            else:  # refused or failed before its first token: spends nothing
-                st.shared.refund(self.principal, lease)
-            self.rec.walk = first_token_walk(  # the usage is kept current by _record
-                self.t0, self.t_admitted, self.engine_metrics, self.t_first, self.t_client
+            acct.finished = time.monotonic()
+            # served: exactly prompt + completion tokens; refused or failed before its first
+            # token: spends nothing (the usage is kept current by _record)
+            acct.served = bool(acct.completion_tokens)
+            acct.finish_reason = self.outputs[0].finish_reason
+            close_lease(st.shared, self.principal, lease, acct)
+            received = acct.received
+            assert received is not None  # set in __init__
+            acct.walk = first_token_walk(
+                received, acct.admitted, acct.engine_metrics, acct.first_token, acct.first_byte
             )
-            if status == "200":
-                st.metrics.e2e.observe(time.monotonic() - self.t0)
+            if acct.status == 200:
+                st.metrics.e2e.observe(acct.finished - received)
 
     def eta_s(self) -> float | None:
         """Predicted seconds until this request ends, from its own progress: each choice's
@@ -228,12 +230,15 @@ class Exchange:
         """Note one output of choice ``i`` (and the request's metrics)."""
         now = time.monotonic()
         metrics = self.st.metrics
+        acct = self.account
         new_tokens = len(d.delta_token_ids)
-        if self.t_first is None and new_tokens:
-            self.t_first = now
+        if acct.first_token is None and new_tokens:
+            acct.first_token = now
             self.ticket.started()
-            metrics.ttft.observe(now - self.t0)
-            self.engine_metrics = d.metrics or None  # the engine's timeline, on this output
+            assert acct.received is not None  # set in __init__
+            metrics.ttft.observe(now - acct.received)
+            # the engine's own timeline (Request.metrics), read at the seam: this output
+            acct.engine_metrics = d.metrics or None
         out = self.outputs[i]
         before = out.num_tokens
         if new_tokens and before == 0:
@@ -245,16 +250,16 @@ class Exchange:
             # a measured rate for the requests too young to measure their own (eta_s)
             self.st.admission.note_tpot((now - t_first) / (out.num_tokens - 1))
         self.cached.setdefault(self.prompt_index[i], d.num_cached_tokens)
-        self.rec.completion_tokens = sum(o.num_tokens for o in self.outputs)
-        self.rec.cached_tokens = sum(self.cached.values())
+        acct.completion_tokens = sum(o.num_tokens for o in self.outputs)
+        acct.cached_tokens = sum(self.cached.values())
         if d.finished and out.num_tokens > 1:
             metrics.tpot.observe((now - t_first) / (out.num_tokens - 1))
 
     def _usage(self) -> Usage:
-        completion = sum(o.num_tokens for o in self.outputs)
-        cached = sum(self.cached.values())
-        usage = Usage.of(self.prompt_tokens, completion, cached)
+        """The ``usage`` every dialect renders: the account's."""
+        usage = Usage.of_account(self.account)
         if self.cache_marks and usage.prompt_tokens_details is not None:
+            cached = usage.prompt_tokens_details.cached_tokens or 0
             written = sum(written_tokens(cached, self.cache_marks).values())
             usage.prompt_tokens_details.cache_write_tokens = written
         return usage
@@ -286,12 +291,12 @@ class Exchange:
                 if ev is None:
                     continue
                 self._record(*ev)
-        self.st.metrics.cached_tokens.inc(sum(self.cached.values()))
+        self.st.metrics.cached_tokens.inc(self.account.cached_tokens or 0)
         resp = _json(self.renderer.json(self.outputs, self._usage()))
         if self.cache_marks is not None:
-            resp.headers[CACHE_HEADER] = self._cache_header(sum(self.cached.values()))
+            resp.headers[CACHE_HEADER] = self._cache_header(self.account.cached_tokens or 0)
         self._predicted_header(resp)
-        self.t_client = time.monotonic()  # the body is written next
+        self.account.first_byte = time.monotonic()  # the body is written next
         return resp
 
     # --- streaming ------------------------------------------------------------------------
@@ -312,7 +317,8 @@ class Exchange:
                     if first is None:
                         if client_gone(self.request):
                             return web.Response(status=CLIENT_GONE)
-                        if not sse.response.prepared and time.monotonic() - self.t0 >= keepalive:
+                        waited = time.monotonic() - (self.account.received or 0.0)
+                        if not sse.response.prepared and waited >= keepalive:
                             await self._open(sse)
                         elif (
                             sse.response.prepared and time.monotonic() - sse.last_write >= keepalive
@@ -340,7 +346,7 @@ class Exchange:
                         # (they would end a cut stream as a success: [DONE], message_stop)
                         await sse.response.write_eof()
                         return sse.response
-            self.st.metrics.cached_tokens.inc(sum(self.cached.values()))
+            self.st.metrics.cached_tokens.inc(self.account.cached_tokens or 0)
             for event in self.renderer.closing(self.outputs, self._usage()):
                 await sse.write(event)
             await sse.response.write_eof()
@@ -362,5 +368,5 @@ class Exchange:
         self._record(i, d)
         for chunk in self.renderer.chunks(i, d, offset):
             await sse.write(self.renderer.event(chunk))
-        if self.t_client is None and self.t_first is not None:
-            self.t_client = time.monotonic()
+        if self.account.first_byte is None and self.account.first_token is not None:
+            self.account.first_byte = time.monotonic()

@@ -32,6 +32,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from prefixgate.gateway.http.errors import APIError
+from prefixgate.gateway.http.request_account import account
 from prefixgate.gateway.proxy.policies import Route
 from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import Upstream, UpstreamRouter
@@ -70,8 +71,9 @@ class PinnedLost(Exception):
 class Call:
     """One client request through the loop, the set-up every dialect's call shares: the
     aiohttp ``request``, the gateway's state ``st``, the ``router`` and the ``route``
-    routing knows (None: a request without a prompt, a forwarded GET); ``served``: whether
-    an upstream's tokens reached the client (accounting); ``answered``: the HTTP status the
+    routing knows (None: a request without a prompt, a forwarded GET); ``account``: the
+    request's ``RequestAccount``, where an attempt notes what it served (``served``: whether
+    an upstream's tokens reached the client; the usage); ``answered``: the HTTP status the
     current attempt's upstream answered (the attempt's metric when it ends in an error)."""
 
     def __init__(self, request: web.Request, route: Route | None) -> None:
@@ -79,8 +81,20 @@ class Call:
         self.st: GatewayState = request.app[STATE]
         self.router: UpstreamRouter = request.app[PROXY].router
         self.route = route
-        self.served = False
+        self.account = account(request)  # served, the usage: what the key is charged
         self.answered: int | None = None  # the HTTP status of this attempt's answer, if any
+
+    @property
+    def served(self) -> bool:
+        """Whether an upstream's tokens reached the client (``account.served``)."""
+        return self.account.served
+
+    @served.setter
+    def served(self, value: bool) -> None:
+        if value:
+            self.account.mark_served()  # notes when the answer began too
+        else:
+            self.account.served = False
 
 
 async def each_upstream(

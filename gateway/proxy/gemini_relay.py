@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 import uuid
 from typing import Any
 
@@ -54,7 +53,7 @@ from prefixgate.gateway.proxy.routes import (
 )
 from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import Upstream, retry_after_seconds
-from prefixgate.gateway.proxy.usage import admit_call, settle_usage
+from prefixgate.gateway.proxy.usage import admit_call, end_call
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.tenancy.keys import effective_salt
 from prefixgate.gateway.wire.client_fields import ClientFields, gemini_fields
@@ -112,14 +111,6 @@ class _Call(Call):
         self.body = body
         self.fields = fields  # an upstream's refusal of the chat body, in Gemini's words
         self.public = public
-        self.prompt: int | None = None
-        self.completion = 0
-
-    def prompt_tokens(self) -> int | None:
-        return self.prompt
-
-    def completion_tokens(self) -> int:
-        return self.completion
 
     def data(self, up: Upstream, salt: str | None) -> bytes:
         body = {**self.body, "model": up.upstream_model(self.route.model or self.public)}
@@ -366,10 +357,7 @@ async def _generate_try(
         up.served += 1
         call.served = True
         body = to_gemini(parsed, call.public, rid)
-        usage = body.get("usageMetadata")
-        if usage is not None:
-            call.prompt = usage["promptTokenCount"]
-            call.completion = usage["candidatesTokenCount"]
+        call.account.read_usage(parsed.get("usage"))  # the usageMetadata's source
         return web.json_response(body)
 
 
@@ -403,9 +391,8 @@ async def _relay(call: _Call, resp: aiohttp.ClientResponse, rid: str) -> web.Str
         )
     except ConnectionResetError:
         return client_left(out)
-    usage = _usage_metadata(chunks.usage)
-    call.prompt = usage["promptTokenCount"] if usage else None
-    call.completion = usage["candidatesTokenCount"] if usage else chunks.completion
+    call.account.estimated_completion_tokens = chunks.completion
+    call.account.read_usage(chunks.usage)  # the closing chunk's usageMetadata's source
     try:
         if error is not None:
             stream_cut(call.request, error.code)
@@ -501,19 +488,19 @@ async def model_method(request: web.Request) -> web.StreamResponse:
     if method == "countTokens":
         return await _count(call, chat)
     est = len(raw) // 4 + 1
-    lease, ticket = await admit_call(st, principal, est)
-    t0 = time.monotonic()
+    lease, ticket = await admit_call(st, principal, est, call.account)
     try:
         stream = method == "streamGenerateContent"
 
         async def attempt(up: Upstream) -> web.StreamResponse:
             return await _generate_try(call, up, salt, stream, ticket)
 
-        return await each_upstream(call, attempt)
+        resp = await each_upstream(call, attempt)
+        call.account.status = resp.status
+        return resp
     finally:
         ticket.done()
-        settle_usage(request, st.shared, principal, lease, est, call)
-        st.metrics.e2e.observe(time.monotonic() - t0)
+        end_call(st, principal, lease, call.account)
 
 
 async def _count(call: _Call, chat: Chat) -> web.StreamResponse:

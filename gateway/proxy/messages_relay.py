@@ -55,7 +55,7 @@ from prefixgate.gateway.proxy.redact import auth_error, secrets_of, upstream_err
 from prefixgate.gateway.proxy.routes import upstream_headers
 from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import Upstream, retry_after_seconds
-from prefixgate.gateway.proxy.usage import admit_call, settle_usage
+from prefixgate.gateway.proxy.usage import admit_call, end_call
 from prefixgate.gateway.state import STATE
 from prefixgate.gateway.tenancy.keys import effective_salt
 from prefixgate.gateway.wire.anthropic_models import (
@@ -113,8 +113,6 @@ class _Call(Call):
         self.fields = anthropic_fields(chat.origins, len(chat.tools), output_field)
         self.salt = salt
         self.public = req.model  # the model name the client sent: every answer says it
-        self.usage: dict[str, Any] | None = None
-        self.output_tokens = 0
 
     def passthrough(self, up: Upstream) -> bool:
         """Whether ``up`` takes the Messages API itself (prefixgate, or Anthropic's)."""
@@ -138,8 +136,8 @@ class _Call(Call):
         return out
 
     def took(self, usage: dict[str, Any] | None, up: Upstream) -> None:
-        """Note the answer's Anthropic usage (accounting, the access line, routing)."""
-        self.usage = usage
+        """Note the answer's Anthropic usage (into the request's account; routing)."""
+        self.account.read_anthropic_usage(usage)
         if not isinstance(usage, dict):
             return
         counts = [usage.get(k) for k in _PROMPT_KEYS]
@@ -150,18 +148,6 @@ class _Call(Call):
             # null: the upstream does not report its cache; nothing to learn (not a miss)
             if self.route.blocks and isinstance(cached, int) and not isinstance(cached, bool):
                 self.router.learn(up, self.route, cached, prompt)
-
-    def prompt_tokens(self) -> int | None:
-        if not isinstance(self.usage, dict):
-            return None
-        counts = [self.usage.get(k) for k in _PROMPT_KEYS]
-        if not all(c is None or _count(c) for c in counts) or counts[0] is None:
-            return None
-        return sum(c for c in counts if c is not None)
-
-    def completion_tokens(self) -> int:
-        out: Any = self.usage.get("output_tokens") if isinstance(self.usage, dict) else None
-        return int(out) if _count(out) else self.output_tokens
 
 
 _PROMPT_KEYS = ("input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")
@@ -197,18 +183,18 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     st = call.st
     est_tokens = request.content_length or len(json.dumps(call.raw))
     est_tokens = est_tokens // 4 + 1  # no tokenizer here: ~4 bytes per token until the usage
-    lease, ticket = await admit_call(st, principal, est_tokens)
-    t0 = time.monotonic()
+    lease, ticket = await admit_call(st, principal, est_tokens, call.account)
     try:
 
         async def attempt(up: Upstream) -> web.StreamResponse:
             return await _message_try(call, up, ticket)
 
-        return await each_upstream(call, attempt)
+        resp = await each_upstream(call, attempt)
+        call.account.status = resp.status
+        return resp
     finally:
         ticket.done()
-        settle_usage(request, st.shared, principal, lease, est_tokens, call)
-        st.metrics.e2e.observe(time.monotonic() - t0)
+        end_call(st, principal, lease, call.account)
 
 
 @error_dialect(ANTHROPIC)
@@ -287,8 +273,8 @@ async def _message_try(call: _Call, up: Upstream, ticket: Any) -> web.StreamResp
             else:
                 checker = _ChunkEvents(messages_openai.ChunkTranslator(rid, call.public, stops))
             out = await _relay(call, resp, checker, extra)
+            call.account.estimated_completion_tokens = checker.output_tokens()
             call.took(checker.usage(), up)
-            call.output_tokens = checker.output_tokens()
             return out
         raw = await resp.read()
         try:

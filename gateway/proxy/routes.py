@@ -21,15 +21,14 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from typing import Any
 
 import aiohttp
 from aiohttp import web
-from prefixgate.gateway.http.access_log import record
 from prefixgate.gateway.http.errors import APIError, bad_request
 from prefixgate.gateway.http.headers import header_text
 from prefixgate.gateway.http.json_guard import no_body
+from prefixgate.gateway.http.request_account import RequestAccount, account
 from prefixgate.gateway.proxy import anthropic
 from prefixgate.gateway.proxy.answers import answer_model
 from prefixgate.gateway.proxy.attempts import (
@@ -51,14 +50,7 @@ from prefixgate.gateway.proxy.redact import (
 from prefixgate.gateway.proxy.relay import EventChecker, json_body_problem, relay_sse
 from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import Upstream, UpstreamRouter, retry_after_seconds
-from prefixgate.gateway.proxy.usage import (
-    Usage,
-    UsageTap,
-    admit_call,
-    ask_usage,
-    body_usage,
-    settle_usage,
-)
+from prefixgate.gateway.proxy.usage import UsageTap, admit_call, ask_usage, body_usage, end_call
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.tenancy.keys import MAX_SALT_CHARS, effective_salt
 from prefixgate.gateway.tenancy.ttft_budget import BUDGET_HEADER
@@ -114,19 +106,20 @@ async def proxy_generate(request: web.Request) -> web.StreamResponse:
     route = router.route(parsed, salt, model)  # with a prefix: its messages + the request's
     route = await router.policy.prepare(route, parsed, request.path, salt)  # the policy's part
     est_tokens = len(body) // 4 + 1  # no tokenizer here: ~4 bytes per token until the usage
-    lease, ticket = await admit_call(st, principal, est_tokens)
-    outcome = _Outcome(keep_usage)
-    t0 = time.monotonic()
+    outcome = _Outcome(account(request), keep_usage)
+    lease, ticket = await admit_call(st, principal, est_tokens, outcome.account)
     try:
         if prefix is not None:
-            return await _forward_prefix(request, st, prefix, parsed, salt, route, ticket, outcome)
-        return await _forward(request, st, bodies, route, ticket, outcome)
+            resp = await _forward_prefix(request, st, prefix, parsed, salt, route, ticket, outcome)
+        else:
+            resp = await _forward(request, st, bodies, route, ticket, outcome)
+        outcome.account.status = resp.status
+        return resp
     finally:
         ticket.done()
         router.policy.release(route)
         _record_prediction(request, router, route)
-        settle_usage(request, st.shared, principal, lease, est_tokens, outcome)
-        st.metrics.e2e.observe(time.monotonic() - t0)
+        end_call(st, principal, lease, outcome.account)
 
 
 async def _with_prefix(
@@ -196,8 +189,10 @@ def _record_prediction(request: web.Request, router: UpstreamRouter, route: Rout
     predicts its cached tokens (``RoutingPolicy.prediction``)."""
     told = router.policy.prediction(route)
     if told is not None:
-        rec = record(request)
-        rec.predicted_cached_tokens, rec.cached_tokens = told
+        acct = account(request)
+        acct.predicted_cached_tokens = told[0]
+        if acct.cached_tokens is None:  # as the policy heard it reported
+            acct.cached_tokens = told[1]
 
 
 class _Bodies:
@@ -236,25 +231,14 @@ class _Bodies:
 
 
 class _Outcome:
-    """What the upstream served: whether tokens came (``served``) and their usage."""
+    """Where a forwarded call notes what the upstream served: the request's ``account``
+    (``served``, the usage) and whether the client asked for a stream's usage chunk."""
 
-    __slots__ = ("served", "usage", "tap", "keep_usage")
+    __slots__ = ("account", "keep_usage")
 
-    def __init__(self, keep_usage: bool) -> None:
-        self.served = False
-        self.usage = Usage()
-        self.tap: UsageTap | None = None
+    def __init__(self, acct: RequestAccount, keep_usage: bool) -> None:
+        self.account = acct
         self.keep_usage = keep_usage
-
-    def prompt_tokens(self) -> int | None:
-        """The reported prompt tokens, None when the upstream reported no usage."""
-        usage = self.tap.usage if self.tap is not None else self.usage
-        return usage.prompt_tokens
-
-    def completion_tokens(self) -> int:
-        if self.tap is not None:
-            return self.tap.completion_tokens()
-        return self.usage.completion_tokens
 
 
 async def proxy_get(request: web.Request) -> web.StreamResponse:
@@ -426,9 +410,9 @@ class _Forward(Call):
             if resp.status < 300:
                 router.mark_ok(up)
             if outcome is not None and resp.status == 200:
-                outcome.served = True
+                outcome.account.mark_served()
                 if "Content-Encoding" not in resp.headers:
-                    outcome.usage = body_usage(data)
+                    body_usage(data, outcome.account)
                 _learn(router, up, route, data[-4096:])
             return _passed(resp.status, data, resp.headers)
 
@@ -437,8 +421,8 @@ class _Forward(Call):
         s, outcome, router = self.st.settings, self.outcome, self.router
         tap = None
         if outcome is not None and resp.status == 200:
-            outcome.served = True
-            outcome.tap = tap = UsageTap(outcome.keep_usage)
+            outcome.account.mark_served()
+            tap = UsageTap(outcome.account, outcome.keep_usage)
         tail = bytearray()
         checker = EventChecker(self.shape, require_finish=self.shape is not None)
         out = await relay_sse(
@@ -511,7 +495,7 @@ class _Forward(Call):
                 self.ticket.started()
             up.served += 1
             if outcome is not None:
-                outcome.served = True
+                outcome.account.mark_served()
             if req.get("stream"):
                 translator = anthropic.StreamTranslator(
                     public, include_usage=outcome.keep_usage if outcome is not None else False
@@ -520,7 +504,7 @@ class _Forward(Call):
                     request, resp, translator, self.st.settings.upstream_timeout_s
                 )
                 if outcome is not None and translator.usage is not None:
-                    outcome.usage.read(translator.usage)
+                    outcome.account.read_usage(translator.usage)
                 return out
             try:
                 msg = await resp.json(content_type=None)
@@ -530,7 +514,7 @@ class _Forward(Call):
                     502, "the Anthropic upstream's answer is not a message", code="upstream_error"
                 ) from None
             if outcome is not None:
-                outcome.usage.read(completion["usage"])
+                outcome.account.read_usage(completion["usage"])
             return web.json_response(completion)
 
 

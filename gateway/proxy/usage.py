@@ -1,4 +1,5 @@
-"""Token usage of proxied answers, for exact per-key accounting in upstream mode.
+"""Token usage of proxied answers, read into the request's ``RequestAccount`` (the access
+line, the per-key metrics and the key's charge all read it there).
 
 A non-streaming answer carries ``usage`` in its JSON body. A stream carries it in its last
 chunk only when the request asked ``stream_options.include_usage``; the proxy asks for it on
@@ -6,59 +7,50 @@ every streamed request (``ask_usage``) and ``UsageTap`` reads the SSE events as 
 dropping that usage-only chunk again when the client had not asked for it. Events pass whole
 and unchanged otherwise. A stream without usage (an upstream that ignores the option) is
 counted as one completion token per content chunk (vLLM and prefixgate send one token per
-chunk), the prompt left at the admission estimate.
+chunk, ``RequestAccount.estimated_completion_tokens``), the prompt left at the admission
+estimate; the usage then stays not known (None). Once a call ends the handler charges the key
+from the account (``tenancy.shared_state.close_lease``).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+import time
+from typing import TYPE_CHECKING, Any
 
-from prefixgate.gateway.http.access_log import record
 from prefixgate.gateway.http.errors import APIError
+from prefixgate.gateway.tenancy.shared_state import close_lease
 
 if TYPE_CHECKING:
-    from aiohttp import web
+    from prefixgate.gateway.http.request_account import RequestAccount
     from prefixgate.gateway.state import GatewayState
     from prefixgate.gateway.tenancy.admission import Ticket
     from prefixgate.gateway.tenancy.keys import Principal
-    from prefixgate.gateway.tenancy.shared_state import Lease, StateBackend
+    from prefixgate.gateway.tenancy.shared_state import Lease
 
 
-@dataclass(slots=True)
-class Usage:
-    """Prompt and completion tokens of one answer (``exact``: read from ``usage``)."""
-
-    prompt_tokens: int | None = None
-    completion_tokens: int = 0
-    exact: bool = False
-
-    def read(self, usage: Any) -> bool:
-        """Take an OpenAI ``usage`` object; False when it is not one."""
-        if not isinstance(usage, dict):
-            return False
-        p, c = usage.get("prompt_tokens"), usage.get("completion_tokens")
-        if not isinstance(p, int) or not isinstance(c, int) or not (_count(p) and _count(c)):
-            return False
-        self.prompt_tokens, self.completion_tokens, self.exact = p, c, True
-        return True
-
-
-def _count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def body_usage(data: bytes) -> Usage:
-    """The usage of a non-streaming JSON answer (inexact, empty when it has none)."""
-    out = Usage()
+def body_usage(data: bytes, acct: RequestAccount) -> bool:
+    """Read the ``usage`` of a non-streaming JSON answer into ``acct`` (and its first
+    choice's ``finish_reason``); False when it has no usage (no tokens taken)."""
     try:
         parsed = json.loads(data)
     except ValueError:
-        return out
-    if isinstance(parsed, dict):
-        out.read(parsed.get("usage"))
-    return out
+        return False
+    if not isinstance(parsed, dict):
+        return False
+    choices = parsed.get("choices")
+    if isinstance(choices, list):
+        _note_finish(acct, choices)
+    return acct.read_usage(parsed.get("usage"))
+
+
+def _note_finish(acct: RequestAccount, choices: list[Any]) -> None:
+    """The first choice's (``index`` 0) ``finish_reason``, when one of ``choices`` has it."""
+    for c in choices:
+        if isinstance(c, dict) and c.get("index", 0) == 0:
+            reason = c.get("finish_reason")
+            if isinstance(reason, str):
+                acct.finish_reason = reason
 
 
 def ask_usage(body: dict[str, Any]) -> bool:
@@ -73,19 +65,20 @@ def ask_usage(body: dict[str, Any]) -> bool:
 
 
 class UsageTap:
-    """Reads ``usage`` from SSE events passing through; ``feed(bytes) -> bytes to forward``.
+    """Reads ``usage`` from SSE events passing through into the request's account ``acct``
+    (``RequestAccount.read_usage``; until it comes, ``estimated_completion_tokens`` counts one
+    per content chunk); ``feed(bytes) -> bytes to forward``.
 
     Whole events (ending in a blank line) are forwarded as they complete; a partial event is
     held until its end comes (or ``flush`` at the end of the stream).
     """
 
-    __slots__ = ("usage", "_keep_usage_chunk", "_buf", "_content_chunks")
+    __slots__ = ("account", "_keep_usage_chunk", "_buf")
 
-    def __init__(self, keep_usage_chunk: bool) -> None:
-        self.usage = Usage()
+    def __init__(self, acct: RequestAccount, keep_usage_chunk: bool) -> None:
+        self.account = acct
         self._keep_usage_chunk = keep_usage_chunk
         self._buf = b""
-        self._content_chunks = 0
 
     def feed(self, data: bytes) -> bytes:
         """Bytes of ``data`` (after what was held) that complete events, to forward now."""
@@ -108,10 +101,6 @@ class UsageTap:
             return b""
         return rest
 
-    def completion_tokens(self) -> int:
-        """Completion tokens: the reported usage, else one per content chunk seen."""
-        return self.usage.completion_tokens if self.usage.exact else self._content_chunks
-
     def _see(self, event: bytes) -> bool:
         """Note one event; False when it is the injected usage chunk to drop."""
         payload = b"\n".join(
@@ -129,10 +118,11 @@ class UsageTap:
             return True
         choices = obj.get("choices")
         if isinstance(choices, list):
+            _note_finish(self.account, choices)
             for c in choices:
                 if isinstance(c, dict) and _has_content(c):
-                    self._content_chunks += 1
-        if obj.get("usage") is not None and self.usage.read(obj.get("usage")):
+                    self.account.estimated_completion_tokens += 1
+        if obj.get("usage") is not None and self.account.read_usage(obj.get("usage")):
             return self._keep_usage_chunk or bool(choices)
         return True
 
@@ -156,52 +146,30 @@ def _event_end(buf: bytes) -> tuple[int, int]:
 
 
 async def admit_call(
-    st: GatewayState, principal: Principal, est_tokens: int
+    st: GatewayState, principal: Principal, est_tokens: int, acct: RequestAccount
 ) -> tuple[Lease, Ticket]:
     """Before a proxied call: the key's token lease for ``est_tokens`` (the prompt's estimate,
-    tokens), then the admission ticket; the lease is refunded when admission refuses.
+    tokens), then the admission ticket; the lease is refunded when admission refuses. Notes
+    ``acct.received`` (now: the request is parsed) and ``acct.admitted``.
 
     Raises:
         APIError: 429 over the key's limits or the gateway's queue bounds.
     """
+    acct.received = time.monotonic()
     lease = await st.shared.acquire(principal, est_tokens)
     try:
         ticket = st.admission.admit(est_tokens, tenant=principal.tenant, weight=principal.weight)
     except APIError:
         st.shared.refund(principal, lease)
         raise
+    acct.admitted = time.monotonic()
     return lease, ticket
 
 
-class Served(Protocol):
-    """What a proxied call reports once it ends: whether the upstream served it, and the
-    tokens (the prompt None when the upstream reported no usage)."""
-
-    served: bool
-
-    def prompt_tokens(self) -> int | None: ...
-
-    def completion_tokens(self) -> int: ...
-
-
-def settle_usage(
-    request: web.Request,
-    shared: StateBackend,
-    principal: Principal,
-    lease: Lease,
-    est_tokens: int,
-    call: Served,
-) -> None:
-    """Once a proxied call ends: a served call settles ``lease`` with the tokens the upstream
-    reported (the prompt at the admission estimate ``est_tokens`` when it reported none) and
-    a reported prompt goes to the access line; a call not served is refunded."""
-    if not call.served:
-        shared.refund(principal, lease)
-        return
-    prompt = call.prompt_tokens()
-    shared.settle(
-        principal, lease, est_tokens if prompt is None else prompt, call.completion_tokens()
-    )
-    if prompt is not None:  # the upstream's usage, for the access line
-        rec = record(request)
-        rec.prompt_tokens, rec.completion_tokens = prompt, call.completion_tokens()
+def end_call(st: GatewayState, principal: Principal, lease: Lease, acct: RequestAccount) -> None:
+    """Once a proxied call ends (the handler's ``finally``): ``acct.finished``, the key
+    charged from the account (``close_lease``), the e2e metric from admission."""
+    acct.finished = time.monotonic()
+    close_lease(st.shared, principal, lease, acct)
+    if acct.admitted is not None:
+        st.metrics.e2e.observe(acct.finished - acct.admitted)

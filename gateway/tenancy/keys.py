@@ -54,9 +54,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aiohttp import web
-from prefixgate.gateway.http.access_log import record
 from prefixgate.gateway.http.errors import ANTHROPIC, GEMINI, APIError, dialect_of, too_many
 from prefixgate.gateway.http.headers import header_text
+from prefixgate.gateway.http.request_account import account
 from prefixgate.gateway.tenancy.slot_wait import SlotClock
 from prefixgate.sdk.flow_control import TokenBucket
 
@@ -264,7 +264,8 @@ class Charge:
     (estimated) prompt tokens. Ends once, by ``settle`` or ``refund`` (later calls no-ops).
 
     Accounting rule: a request answered with tokens costs one request and exactly its prompt
-    + completion tokens (the usage it reports); a request refused or failed before its
+    + completion tokens (the usage it reports: its ``RequestAccount``, through
+    ``shared_state.close_lease``); a request refused or failed before its
     first token (400, 413, 429 of admission, an engine or upstream failure) costs nothing.
     """
 
@@ -380,7 +381,7 @@ class KeyRing:
                 ``invalid_header`` when the header's bytes are not UTF-8.
         """
         if not self._by_digest:
-            record(request).key_name = "-"
+            account(request).key_name = "-"
             return self._anonymous
         header = header_text(request, "Authorization")
         if not header.strip():
@@ -406,7 +407,7 @@ class KeyRing:
         principal = self._by_digest.get(_digest(key.strip()))
         if principal is None:
             raise APIError(401, "incorrect API key provided", code="invalid_api_key")
-        record(request).key_name = (principal.spec.name if principal.spec else "") or "unnamed"
+        account(request).key_name = (principal.spec.name if principal.spec else "") or "unnamed"
         return principal
 
 

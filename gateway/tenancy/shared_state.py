@@ -9,10 +9,10 @@ One interface, ``StateBackend``, with two implementations:
   gateway replica on one Redis, atomically (Lua scripts), concurrency slots held as leases
   with a TTL, prefixes readable by every replica, usage counted per key.
 
-The routes call ``acquire`` before a request runs and, once it ends, ``settle`` (served:
-charged exactly its prompt + completion tokens) or ``refund`` (refused or failed before its
-first token: costs nothing) — ``auth.Charge``'s accounting rule — never branching on the
-backend. Both are synchronous (they run in a ``finally`` of a cancelled handler): a backend
+The routes call ``acquire`` before a request runs and, once it ends, ``close_lease`` with
+the request's ``RequestAccount``: ``settle`` (served: charged exactly its usage's prompt +
+completion tokens) or ``refund`` (refused or failed before its first token: costs nothing) —
+``keys.Charge``'s accounting rule — never branching on the backend. Both are synchronous (they run in a ``finally`` of a cancelled handler): a backend
 that talks to a server schedules that work itself.
 """
 
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from prefixgate.gateway.http.request_account import RequestAccount
     from prefixgate.gateway.tenancy.keys import Charge, Principal
 
 
@@ -135,6 +136,21 @@ class StateBackend(Protocol):
     def describe(self) -> dict[str, Any]:
         """What ``/ready`` shows: ``{"backend": kind, "shared": up, ...}``."""
         ...
+
+
+def close_lease(
+    shared: StateBackend, principal: Principal, lease: Lease, acct: RequestAccount
+) -> None:
+    """Once a request ends, charge its key from its account: a served request settles
+    ``lease`` with ``acct.charge(lease.prompt_tokens)`` (its usage; the prompt at what
+    admission took when not known) and notes it in ``acct.charged_tokens``; a request not
+    served is refunded. Synchronous: it runs in the ``finally`` of a cancelled handler."""
+    if not acct.served:
+        shared.refund(principal, lease)
+        return
+    prompt, completion = acct.charge(lease.prompt_tokens)
+    shared.settle(principal, lease, prompt, completion)
+    acct.charged_tokens = prompt + completion
 
 
 async def published_prefix(

@@ -13,9 +13,12 @@ the gateway sends appears in them (``tests/gateway/test_wire_shapes.py``); the S
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, model_serializer
+
+if TYPE_CHECKING:
+    from prefixgate.gateway.http.request_account import RequestAccount
 
 # Validation of recorded bodies tolerates fields the gateway never sends.
 _OUT = ConfigDict(extra="allow")
@@ -68,6 +71,18 @@ class Usage(BaseModel):
             total_tokens=prompt_tokens + completion_tokens,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
         )
+
+    @classmethod
+    def of_account(cls, acct: RequestAccount) -> Usage:
+        """The usage of a request's account (``http.request_account``): the one source the
+        access line, the metrics and the key's charge read too.
+
+        Raises:
+            ValueError: the account's prompt or completion tokens are not known (None).
+        """
+        if acct.prompt_tokens is None or acct.completion_tokens is None:
+            raise ValueError("the request's usage is not known")
+        return cls.of(acct.prompt_tokens, acct.completion_tokens, acct.cached_tokens or 0)
 
 
 class TopLogprob(BaseModel):

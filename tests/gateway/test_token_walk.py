@@ -7,7 +7,8 @@ import time
 
 import httpx
 import pytest
-from prefixgate.gateway.http.access_log import AccessRecord, access_line
+from prefixgate.gateway.http.access_log import access_line
+from prefixgate.gateway.http.request_account import ACCOUNT, RequestAccount
 from prefixgate.gateway.local.token_walk import first_token_walk, parse_walk
 
 
@@ -41,9 +42,7 @@ def test_access_line_shows_the_walk():
         remote, method, path = "127.0.0.1", "POST", "/v1/chat/completions"
 
     r = Req()
-    from prefixgate.gateway.http.access_log import ACCESS
-
-    r[ACCESS] = AccessRecord(key_name="light", walk="admit:0.1,wait:2.0")
+    r[ACCOUNT] = RequestAccount(key_name="light", walk="admit:0.1,wait:2.0")
     line = access_line(r, 200, 0.5)  # type: ignore[arg-type]
     assert line.endswith("key=light prompt=- completion=- cached=- walk=admit:0.1,wait:2.0 0.500s")
 

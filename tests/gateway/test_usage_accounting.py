@@ -6,6 +6,7 @@ import json
 
 import pytest
 from prefixgate.gateway.http.errors import APIError
+from prefixgate.gateway.http.request_account import RequestAccount
 from prefixgate.gateway.proxy.usage import UsageTap, ask_usage, body_usage
 from prefixgate.gateway.tenancy.keys import KeySpec, Principal
 
@@ -75,19 +76,26 @@ USAGE = {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 2, "t
 @pytest.mark.parametrize("keep", [False, True])
 def test_tap_reads_usage_and_drops_the_injected_chunk(split, keep):
     stream = _sse(*CHUNKS, USAGE)
-    tap = UsageTap(keep_usage_chunk=keep)
+    acct = RequestAccount()
+    tap = UsageTap(acct, keep_usage_chunk=keep)
     out = b"".join(tap.feed(stream[i : i + split]) for i in range(0, len(stream), split))
     out += tap.flush()
-    assert tap.usage.exact and tap.usage.prompt_tokens == 7 and tap.completion_tokens() == 2
+    assert acct.usage_reported and acct.prompt_tokens == 7 and acct.completion_tokens == 2
+    assert acct.charge(100) == (7, 2) and acct.cached_tokens is None  # not reported: not known
+    assert acct.finish_reason == "length"
     expected = stream if keep else _sse(*CHUNKS)
     assert out == expected
 
 
 def test_tap_without_usage_counts_content_chunks():
-    tap = UsageTap(keep_usage_chunk=False)
+    acct = RequestAccount()
+    tap = UsageTap(acct, keep_usage_chunk=False)
     stream = _sse(*CHUNKS) + b'data: {"cut'
     assert tap.feed(stream) + tap.flush() == stream
-    assert not tap.usage.exact and tap.completion_tokens() == 2
+    assert not acct.usage_reported and acct.estimated_completion_tokens == 2
+    # the usage stays not known; the key is charged the admission estimate + chunks
+    assert acct.prompt_tokens is None and acct.completion_tokens is None
+    assert acct.charge(40) == (40, 2)
 
 
 def test_ask_usage_and_body_usage():
@@ -97,5 +105,37 @@ def test_ask_usage_and_body_usage():
     assert ask_usage(body) is True
     body = {"stream": False}
     assert ask_usage(body) is False and "stream_options" not in body
-    assert body_usage(json.dumps(USAGE).encode()).completion_tokens == 2
-    assert not body_usage(b"{").exact and not body_usage(b'{"usage": {"prompt_tokens": -1}}').exact
+    acct = RequestAccount()
+    assert body_usage(json.dumps(USAGE).encode(), acct) and acct.completion_tokens == 2
+    for bad in (b"{", b'{"usage": {"prompt_tokens": -1}}', b"[1]"):
+        acct = RequestAccount()
+        assert not body_usage(bad, acct) and not acct.usage_reported
+        assert acct.prompt_tokens is None and acct.completion_tokens is None
+
+
+def test_account_reads_cached_tokens_and_anthropic_usage():
+    acct = RequestAccount()
+    usage = {
+        "prompt_tokens": 9,
+        "completion_tokens": 1,
+        "prompt_tokens_details": {"cached_tokens": 4},
+    }
+    assert acct.read_usage(usage) and acct.cached_tokens == 4
+    acct = RequestAccount()
+    anth = {"input_tokens": 3, "cache_read_input_tokens": 5, "output_tokens": 2}
+    assert acct.read_anthropic_usage(anth)
+    assert (acct.prompt_tokens, acct.cached_tokens, acct.completion_tokens) == (8, 5, 2)
+    acct = RequestAccount(estimated_completion_tokens=6)
+    assert acct.read_anthropic_usage({"input_tokens": 3}) and acct.charge(0) == (3, 6)
+    assert not RequestAccount().read_anthropic_usage({"output_tokens": 2})
+
+
+def test_account_marks_served_once():
+    acct = RequestAccount()
+    assert not acct.served and acct.first_token is None
+    acct.mark_served()
+    first = acct.first_token
+    assert acct.served and first is not None
+    acct.mark_served()  # a retried attempt's answer: the first time is kept
+    assert acct.first_token == first
+    assert acct.charge(12) == (12, 0)  # nothing known: what admission took, no completion
