@@ -17,7 +17,7 @@ import json
 import os
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -157,18 +157,26 @@ SMALL = {
 }
 
 
+def _refused_on_every_route(
+    http: httpx.Client, mode: str, body_of: Callable[[str], bytes]
+) -> Iterator[tuple[str, dict]]:
+    """POST ``body_of(path)`` to every route of ``SMALL``; each must be a 400 in its dialect's
+    shape (a proxy's 501 for a local-only route); yield ``(path, error object)``."""
+    for path in SMALL:
+        r = http.post(path, content=body_of(path))
+        if mode == "proxy" and path in LOCAL_ONLY:
+            assert r.status_code == 501, (path, r.text)
+            continue
+        assert r.status_code == 400, (mode, path, r.text[:300])
+        yield path, _dialect_error(path, r)
+
+
 def test_deep_json_is_a_400_in_the_dialects_shape_on_every_route(modes):
     deep = "[" * 100_000 + "]" * 100_000
+    body = '{"model": "fake", "messages": DEEP, "x": 1}'.replace("DEEP", deep).encode()
     for mode, url in modes.items():
         with httpx.Client(base_url=url, timeout=30) as http:
-            for path in SMALL:
-                body = '{"model": "fake", "messages": DEEP, "x": 1}'.replace("DEEP", deep)
-                r = http.post(path, content=body.encode())
-                if mode == "proxy" and path in LOCAL_ONLY:
-                    assert r.status_code == 501, (path, r.text)
-                    continue
-                assert r.status_code == 400, (mode, path, r.text[:300])
-                err = _dialect_error(path, r)
+            for path, err in _refused_on_every_route(http, mode, lambda path: body):
                 assert "nested deeper than 200" in err["message"], (mode, path, err)
             assert http.get("/health").status_code == 200
 
@@ -178,28 +186,25 @@ def test_a_lone_surrogate_is_told_as_one_on_every_route(modes):
     spell one, Unicode has no such character) was told in the JSON parser's words,
     "malformed JSON body: unexpected end of hex escape at line 1 column 47". It is a 400
     saying what it is and where: the escape, the field's path, not valid Unicode."""
+
+    def where(path: str) -> str:
+        return "messages.0.content" if "messages" in SMALL[path] else "model"
+
+    def body_of(path: str) -> bytes:
+        body = json.dumps(SMALL[path])
+        if where(path) == "model":
+            return body.replace('"fake"', '"fa\\ud800ke"', 1).encode()
+        return body.replace('"hi"', '"h\\ud800i"').replace('"be brief"', '"h\\ud800i"').encode()
+
     for mode, url in modes.items():
         with httpx.Client(base_url=url, timeout=30) as http:
-            for path in SMALL:
-                field = "messages" if "messages" in SMALL[path] else "model"
-                body = json.dumps(SMALL[path])
-                if field == "messages":
-                    body = body.replace('"hi"', '"h\\ud800i"').replace('"be brief"', '"h\\ud800i"')
-                    where = "messages.0.content"
-                else:
-                    body = body.replace('"fake"', '"fa\\ud800ke"', 1)
-                    where = "model"
-                r = http.post(path, content=body.encode())
-                if mode == "proxy" and path in LOCAL_ONLY:
-                    assert r.status_code == 501, (path, r.text)
-                    continue
-                assert r.status_code == 400, (mode, path, r.text[:300])
-                err = _dialect_error(path, r)
+            for path, err in _refused_on_every_route(http, mode, body_of):
                 message = err["message"]
-                assert message.startswith(f"{where}: lone surrogate \\ud800"), (mode, path, err)
+                at = where(path)
+                assert message.startswith(f"{at}: lone surrogate \\ud800"), (mode, path, err)
                 assert "not valid Unicode" in message and "hex escape" not in message, message
                 if path not in ANTHROPIC_ROUTES:
-                    assert err["param"] == where and err["code"] == "invalid_json", err
+                    assert err["param"] == at and err["code"] == "invalid_json", err
             r = http.post(
                 "/v1beta/models/fake:generateContent",
                 content=b'{"contents": [{"parts": [{"text": "a"}, {"text": "\\udc00"}]}]}',

@@ -181,33 +181,18 @@ def test_a_refusal_of_a_translated_request_names_the_clients_own_field(
     result's own message); only the Gemini relay renamed, and only underscored top-level
     words. ``redact.upstream_error`` now rewords every translating relay's refusal with the
     dialect's table (``wire.client_fields``): ``param`` and the paths in the message."""
-    import httpx
     from aiohttp import web
-    from prefixgate.gateway.app import create_proxy_app
-    from prefixgate.gateway.http.server import BackgroundServer
+    from support.chat_upstream import proxy_over_chat
 
     said = f"Invalid '{chat}': out of range" if spelt == "quoted" else f"{chat}: out of range"
     seen: list[dict] = []
 
-    def upstream() -> web.Application:
-        async def chat_route(request: web.Request) -> web.Response:
-            seen.append(await request.json())
-            error = {"message": said, "type": "invalid_request_error", "param": chat, "code": None}
-            return web.json_response({"error": error}, status=400)
+    async def chat_route(request: web.Request) -> web.Response:
+        seen.append(await request.json())
+        error = {"message": said, "type": "invalid_request_error", "param": chat, "code": None}
+        return web.json_response({"error": error}, status=400)
 
-        async def models(request: web.Request) -> web.Response:
-            return web.json_response({"object": "list", "data": [{"id": "stub"}]})
-
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", chat_route)
-        app.router.add_get("/v1/models", models)
-        return app
-
-    with (
-        BackgroundServer(upstream) as up,
-        BackgroundServer(lambda: create_proxy_app([up.url], GatewaySettings())) as gw,
-        httpx.Client(base_url=gw.url, timeout=10) as http,
-    ):
+    with proxy_over_chat(chat_route, models=["stub"]) as http:
         if dialect == "anthropic":
             r = http.post("/v1/messages", json=ANTHROPIC_BODY)
             assert r.status_code == 400, r.text

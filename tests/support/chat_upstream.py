@@ -16,13 +16,20 @@ from prefixgate.gateway.settings import GatewaySettings
 @contextmanager
 def proxy_over_chat(
     chat: Callable[[web.Request], Awaitable[web.StreamResponse]],
+    models: list[str] | None = None,
 ) -> Iterator[httpx.Client]:
-    """Serve ``chat`` as an upstream's chat route and a proxy gateway (default settings) over
-    it, both on loopback; yield an ``httpx.Client`` on the gateway (10 s timeout)."""
+    """Serve ``chat`` as an upstream's chat route (and, given ``models``, a ``GET /v1/models``
+    listing them) and a proxy gateway (default settings) over it, both on loopback; yield an
+    ``httpx.Client`` on the gateway (10 s timeout)."""
+
+    async def model_list(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": m} for m in models or []]})
 
     def upstream() -> web.Application:
         app = web.Application()
         app.router.add_post("/v1/chat/completions", chat)
+        if models is not None:
+            app.router.add_get("/v1/models", model_list)
         return app
 
     with (
