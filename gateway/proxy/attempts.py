@@ -34,13 +34,19 @@ from aiohttp import web
 from prefixgate.gateway.http.errors import APIError
 from prefixgate.gateway.http.request_account import account
 from prefixgate.gateway.proxy.policies import Route
+from prefixgate.gateway.proxy.redact import auth_error, secrets_of, upstream_error
 from prefixgate.gateway.proxy.serving import PROXY
-from prefixgate.gateway.proxy.upstream import Upstream, UpstreamRouter
+from prefixgate.gateway.proxy.upstream import Upstream, UpstreamRouter, retry_after_seconds
 from prefixgate.gateway.state import STATE, GatewayState
 
 logger = logging.getLogger("prefixgate.gateway")
 
 SOON_S = 1.0  # a 429 whose deployment is back within this (seconds) is not worth a fallback
+# An upstream's answers that say it is down: out of rotation (``mark_failed``), the next one.
+DOWN = frozenset((502, 503, 504))
+# Busy or failed once (529: Anthropic's "overloaded"): the next upstream of the model, this
+# one staying in rotation; the last such answer is the client's when none is left.
+NEXT = frozenset((429, 500, 529))
 
 
 class NextUpstream(Exception):
@@ -187,6 +193,48 @@ async def each_upstream(
                 raise timed_out from None
         finally:
             end_attempt(call.st, up, slot, status)
+
+
+def refusal(
+    call: Call,
+    up: Upstream,
+    status: int,
+    data: bytes,
+    headers: Any,
+    fields: Any = None,
+    may_move: bool = True,
+    own_credential: bool | None = None,
+) -> Exception:
+    """What an upstream's non-2xx answer (``status``, body ``data``, ``headers``) does to the
+    request, the same for every dialect: the exception to raise.
+
+    - 401/403: ``redact.auth_error`` (about whose credential: ``own_credential``, by default
+      whether the gateway sent one of its own; never the upstream's body);
+    - ``DOWN``: ``up`` marked failed, ``NextUpstream`` (no error of its own: when none is left
+      the client gets ``router.exhausted``, naming the cause);
+    - ``NEXT`` (when ``may_move``: not a pinned prefix's upstream): a 429's Retry-After
+      rests ``up`` that long, ``NextUpstream`` carrying the reworded answer;
+    - anything else: the answer reworded for the client (``redact.upstream_error``, its
+      fields renamed by ``fields``, the client's dialect's ``wire.client_fields`` table).
+    """
+    call.answered = status  # the attempt's metric
+    if status in (401, 403):
+        if own_credential is None:
+            own_credential = up.auth is not None or bool(call.st.settings.upstream_api_key)
+        return auth_error(status, up.url, own_credential)
+    if status in DOWN:
+        call.router.mark_failed(up, f"HTTP {status}")
+        return NextUpstream(str(status), None)
+    secrets = secrets_of(call.st.settings.upstream_api_key, up.auth)
+    err = upstream_error(status, data, headers, secrets, fields)
+    if status in NEXT and may_move:
+        wait = retry_after_seconds(headers.get("Retry-After"))
+        if status == 429 and wait is not None:
+            call.router.limit(up, wait)
+        else:
+            up.last_error = f"HTTP {status}"
+        return NextUpstream(str(status), err)
+    return err
 
 
 def _why(tried: list[Upstream]) -> str:

@@ -41,18 +41,17 @@ from prefixgate.gateway.http.access_log import stream_cut
 from prefixgate.gateway.http.errors import GEMINI, APIError, bad_request, error_dialect
 from prefixgate.gateway.http.sse import SSE_HEADERS, client_gone, client_left
 from prefixgate.gateway.proxy.answers import shape_problem
-from prefixgate.gateway.proxy.attempts import Call, NextUpstream, each_upstream
+from prefixgate.gateway.proxy.attempts import Call, NextUpstream, each_upstream, refusal
 from prefixgate.gateway.proxy.messages_openai import token_count
 from prefixgate.gateway.proxy.policies import Route
 from prefixgate.gateway.proxy.prefix_entry import ProxyPrefix
-from prefixgate.gateway.proxy.redact import auth_error, secrets_of, upstream_error
 from prefixgate.gateway.proxy.relay import EventChecker, StreamBroken
 from prefixgate.gateway.proxy.routes import (
     model_cards,
     upstream_headers,
 )
 from prefixgate.gateway.proxy.serving import PROXY
-from prefixgate.gateway.proxy.upstream import Upstream, retry_after_seconds
+from prefixgate.gateway.proxy.upstream import Upstream
 from prefixgate.gateway.proxy.usage import admit_call, end_call
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.tenancy.keys import effective_salt
@@ -84,8 +83,6 @@ from prefixgate.gateway.wire.stop_strings import refuse_stop_under_constraint
 
 _DESCRIPTION = "served by prefixgate (proxy)"  # the model object's description
 
-_DOWN = frozenset((502, 503, 504))
-_NEXT = frozenset((429, 500, 529))
 _FINISH = {
     "stop": "STOP",
     "tool_calls": "STOP",
@@ -305,22 +302,8 @@ def _error_event(err: APIError) -> bytes:
 
 # --- the attempts ---------------------------------------------------------------------------
 async def _refused(call: _Call, up: Upstream, resp: aiohttp.ClientResponse) -> None:
-    call.answered = resp.status  # the attempt's metric
-    data = await resp.read()
-    if resp.status in (401, 403):
-        own = up.auth is not None or bool(call.st.settings.upstream_api_key)
-        raise auth_error(resp.status, up.url, own)
-    secrets = secrets_of(call.st.settings.upstream_api_key, up.auth)
-    err = upstream_error(resp.status, data, resp.headers, secrets, call.fields)
-    if resp.status in _DOWN:
-        call.router.mark_failed(up, f"HTTP {resp.status}")
-        raise NextUpstream(str(resp.status), err)
-    if resp.status in _NEXT:
-        wait = retry_after_seconds(resp.headers.get("Retry-After"))
-        if resp.status == 429 and wait is not None:
-            call.router.limit(up, wait)
-        raise NextUpstream(str(resp.status), err)
-    raise err
+    """An upstream's non-200 answer: ``attempts.refusal``'s exception; never returns."""
+    raise refusal(call, up, resp.status, await resp.read(), resp.headers, call.fields)
 
 
 async def _generate_try(

@@ -48,13 +48,12 @@ from prefixgate.gateway.http.errors import ANTHROPIC, APIError, error_dialect, e
 from prefixgate.gateway.http.sse import KEEPALIVE, SSE_HEADERS, client_gone, client_left
 from prefixgate.gateway.proxy import anthropic, messages_openai
 from prefixgate.gateway.proxy.answers import shape_problem
-from prefixgate.gateway.proxy.attempts import Call, NextUpstream, each_upstream
+from prefixgate.gateway.proxy.attempts import Call, NextUpstream, each_upstream, refusal
 from prefixgate.gateway.proxy.messages_openai import Malformed
 from prefixgate.gateway.proxy.policies import Route
-from prefixgate.gateway.proxy.redact import auth_error, secrets_of, upstream_error
 from prefixgate.gateway.proxy.routes import upstream_headers
 from prefixgate.gateway.proxy.serving import PROXY
-from prefixgate.gateway.proxy.upstream import Upstream, retry_after_seconds
+from prefixgate.gateway.proxy.upstream import Upstream
 from prefixgate.gateway.proxy.usage import admit_call, end_call
 from prefixgate.gateway.state import STATE
 from prefixgate.gateway.tenancy.keys import effective_salt
@@ -75,8 +74,6 @@ from prefixgate.gateway.wire.stop_strings import anthropic_constraint, refuse_st
 logger = logging.getLogger("prefixgate.gateway")
 
 CACHE_HEADER = "x-prefixgate-cache"
-_DOWN = frozenset((502, 503, 504))
-_NEXT = frozenset((429, 500, 529))
 _CODE = re.compile(r"[a-z][a-z0-9_]{0,63}")
 _EVENTS = frozenset(
     (
@@ -212,27 +209,9 @@ async def count_tokens(request: web.Request) -> web.Response:
 
 
 async def _refused(call: _Call, up: Upstream, resp: aiohttp.ClientResponse) -> None:
-    """An upstream's non-200 answer: on to the next upstream (``NextUpstream``) or the client's
-    error, reworded (``redact.upstream_error``); never returns."""
-    call.answered = resp.status  # the attempt's metric
-    data = await resp.read()
-    if resp.status in (401, 403):  # about whose credential: the gateway's, or the client's
-        own = up.auth is not None or bool(call.st.settings.upstream_api_key)
-        raise auth_error(resp.status, up.url, own)
-    secrets = secrets_of(call.st.settings.upstream_api_key, up.auth)
+    """An upstream's non-200 answer: ``attempts.refusal``'s exception; never returns."""
     fields = None if call.passthrough(up) else call.fields  # it refused the chat body sent
-    err = upstream_error(resp.status, data, resp.headers, secrets, fields)
-    if resp.status in _DOWN:
-        call.router.mark_failed(up, f"HTTP {resp.status}")
-        raise NextUpstream(str(resp.status), err)
-    if resp.status in _NEXT:
-        wait = retry_after_seconds(resp.headers.get("Retry-After"))
-        if resp.status == 429 and wait is not None:
-            call.router.limit(up, wait)
-        else:
-            up.last_error = f"HTTP {resp.status}"
-        raise NextUpstream(str(resp.status), err)
-    raise err
+    raise refusal(call, up, resp.status, await resp.read(), resp.headers, fields)
 
 
 async def _message_try(call: _Call, up: Upstream, ticket: Any) -> web.StreamResponse:

@@ -32,16 +32,18 @@ from prefixgate.gateway.http.request_account import RequestAccount, account
 from prefixgate.gateway.proxy import anthropic
 from prefixgate.gateway.proxy.answers import answer_model
 from prefixgate.gateway.proxy.attempts import (
+    DOWN,
+    NEXT,
     Call,
     NextModel,
     NextUpstream,
     PinnedLost,
     each_upstream,
+    refusal,
 )
 from prefixgate.gateway.proxy.policies import Route
 from prefixgate.gateway.proxy.prefixes import ProxyPrefix
 from prefixgate.gateway.proxy.redact import (
-    auth_error,
     error_object,
     secrets_of,
     too_long,
@@ -49,7 +51,7 @@ from prefixgate.gateway.proxy.redact import (
 )
 from prefixgate.gateway.proxy.relay import EventChecker, json_body_problem, relay_sse
 from prefixgate.gateway.proxy.serving import PROXY
-from prefixgate.gateway.proxy.upstream import Upstream, UpstreamRouter, retry_after_seconds
+from prefixgate.gateway.proxy.upstream import Upstream, UpstreamRouter
 from prefixgate.gateway.proxy.usage import UsageTap, admit_call, ask_usage, body_usage, end_call
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.tenancy.keys import MAX_SALT_CHARS, effective_salt
@@ -57,10 +59,6 @@ from prefixgate.gateway.tenancy.ttft_budget import BUDGET_HEADER
 from prefixgate.gateway.wire.request_models import check_contents, load_json
 from prefixgate.gateway.wire.stop_strings import openai_constraint, refuse_stop_under_constraint
 
-_RETRYABLE = frozenset((502, 503, 504))
-# Answers that send the request to the next upstream of its model (then to its fallback
-# models), the upstream staying in rotation; the last one is the client's when none is left.
-_NEXT_UPSTREAM = frozenset((429, 500))
 _HOP_HEADERS = {"Content-Type": "application/json"}
 _PASSED_HEADERS = ("Retry-After", "retry-after-ms", "Content-Encoding")
 
@@ -357,18 +355,9 @@ class _Forward(Call):
         async with ctx as resp:
             self.answered = resp.status
             router.policy.started(route)  # the answer began: its prefill is done
-            if resp.status in _RETRYABLE:
-                router.mark_failed(up, f"HTTP {resp.status}")
-                raise NextUpstream(str(resp.status), None)
-            if resp.status in _NEXT_UPSTREAM and self.pinned is None:
-                data = await resp.read()
-                wait = retry_after_seconds(resp.headers.get("Retry-After"))
-                if resp.status == 429 and wait is not None:
-                    router.limit(up, wait)
-                else:
-                    up.last_error = f"HTTP {resp.status}"
-                error = upstream_error(resp.status, data, resp.headers, self._secrets(up))
-                raise NextUpstream(str(resp.status), error)
+            if resp.status in DOWN or (resp.status in NEXT and self.pinned is None):
+                data = b"" if resp.status in DOWN else await resp.read()
+                raise refusal(self, up, resp.status, data, resp.headers)
             if self.ticket is not None:
                 self.ticket.started()
             up.served += 1
@@ -394,12 +383,10 @@ class _Forward(Call):
             if self.pinned is not None and resp.status == 404 and _lost_prefix(data, resp.headers):
                 up.served -= 1
                 raise PinnedLost("prefix_not_found")
-            if resp.status in (401, 403):  # about the credential sent: never its body
-                up.served -= 1
-                own = bool(self.st.settings.upstream_api_key or up.auth)
-                raise auth_error(resp.status, up.url, own)
-            if resp.status >= 400:
-                raise upstream_error(resp.status, data, resp.headers, self._secrets(up))
+            if resp.status >= 400:  # the answer, reworded (401/403: about the credential)
+                if resp.status in (401, 403):
+                    up.served -= 1
+                raise refusal(self, up, resp.status, data, resp.headers, may_move=False)
             problem = (
                 json_body_problem(data, resp.headers, self.shape) if resp.status < 300 else None
             )
@@ -476,21 +463,14 @@ class _Forward(Call):
             self.answered = resp.status
             if resp.status != 200:
                 data = await resp.read()
-                if resp.status in (401, 403):  # about the credential sent: never its body
-                    raise auth_error(resp.status, up.url, up.auth is not None)
-                error = upstream_error(resp.status, data, resp.headers, self._secrets(up))
-                if resp.status == 529:  # overloaded: a 503, OpenAI's word
-                    error.status = 503
-                if resp.status in _RETRYABLE:
-                    self.router.mark_failed(up, f"HTTP {resp.status}")
-                    raise NextUpstream(str(resp.status), None)
-                if resp.status in (429, 500, 529):
-                    up.last_error = f"HTTP {resp.status}"
-                    wait = retry_after_seconds(resp.headers.get("Retry-After"))
-                    if resp.status == 429 and wait is not None:
-                        self.router.limit(up, wait)
-                    raise NextUpstream(str(resp.status), error)
-                raise error
+                # the key sent is the deployment's own only (anthropic.headers_for)
+                exc = refusal(
+                    self, up, resp.status, data, resp.headers, own_credential=up.auth is not None
+                )
+                error = exc.error if isinstance(exc, NextUpstream) else exc
+                if resp.status == 529 and isinstance(error, APIError):
+                    error.status = 503  # overloaded: a 503, OpenAI's word
+                raise exc
             if self.ticket is not None:
                 self.ticket.started()
             up.served += 1

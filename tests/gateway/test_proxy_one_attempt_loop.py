@@ -31,8 +31,17 @@ def test_only_the_attempt_loop_takes_an_upstream_slot_and_settles_an_attempt():
 
 def test_upstream_errors_are_reworded_in_one_place():
     assert set(_calls("reworded_error")) == {"redact.py"}
-    users = set(_calls("upstream_error"))
-    assert {"routes.py", "messages_relay.py", "gemini_relay.py"} <= users
+    assert "attempts.py" in set(_calls("upstream_error"))
+
+
+def test_what_an_upstreams_refusal_does_is_judged_in_one_place():
+    """Was: the chat route, the chat route's Anthropic deployments and both translating
+    relays each judged an upstream's non-2xx answer themselves, and differed (529 sent on by
+    the relays only; a down upstream's 503 answered as "every upstream failed" on chat and
+    as its own reworded body on the relays; a 500's last error noted by some): every
+    dialect now calls ``attempts.refusal``, the only reader of Retry-After here."""
+    assert {"routes.py", "messages_relay.py", "gemini_relay.py"} <= set(_calls("refusal"))
+    assert set(_calls("retry_after_seconds")) == {"attempts.py"}
 
 
 def test_an_attempt_ending_in_the_upstreams_error_is_counted_by_its_status():
