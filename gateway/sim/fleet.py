@@ -44,6 +44,7 @@ from prefixgate.gateway.proxy.policies.precise_routing import PreciseRoute, Prec
 from prefixgate.gateway.sim.workload import Workload, WorkloadConfig
 from prefixgate.gateway.tenancy.admission import AdmissionConfig, AdmissionController
 from prefixgate.gateway.tenancy.admission_wait import EngineWait
+from prefixgate.gateway.tenancy.shared_state import LocalState, StateBackend
 
 MAX_ATTEMPTS = 8
 """A client's tries of one request (the first and seven retries after 429s)."""
@@ -57,6 +58,7 @@ TIMED_MODULES = (
     "prefixgate.gateway.tenancy.admission",
     "prefixgate.gateway.tenancy.admission_wait",
     "prefixgate.gateway.tenancy.slot_wait",
+    "prefixgate.gateway.tenancy.shared_state",
     "prefixgate.gateway.proxy.kv_index",
     "prefixgate.gateway.proxy.policies.precise_routing",
     "prefixgate.gateway.proxy.policies.cache_aware",
@@ -151,6 +153,7 @@ class SimRequest:
     attempts: int = 0
     t_try: float = 0.0  # the current try's arrival
     refusals: list[tuple[float, float]] = field(default_factory=list)  # (when, Retry-After)
+    tried: list[tuple[int, bool]] = field(default_factory=list)  # (replica, refused with a promise)
     t_admitted: float | None = None
     t_first: float | None = None
     t_done: float | None = None
@@ -194,7 +197,9 @@ class SimGateway:
             self.exact = PreciseRouting(None, feeds, index=kv)
             self.policy.exact = self.exact
 
-    def route(self, req: SimRequest) -> tuple[Any, SimUpstream]:
+    def route(self, req: SimRequest, promised: str | None = None) -> tuple[Any, SimUpstream]:
+        """Pick ``req``'s replica; ``promised``: the URL of the replica holding a promised
+        place for it (the shared state's ``promised_upstream``), the only candidate then."""
         body = {"prompt": req.prompt}
         route = self.policy.route(body, None, None)
         if self.exact is not None:
@@ -203,7 +208,10 @@ class SimGateway:
             if req.turns > 1:
                 precise.session = (None, f"user:s{req.session}")
             route = precise
-        up = self.policy.pick(route, self.upstreams)
+        cands = self.upstreams
+        if promised is not None:
+            cands = [u for u in self.upstreams if u.url == promised] or self.upstreams
+        up = self.policy.pick(route, cands)
         up.in_flight += 1
         return route, up
 
@@ -275,6 +283,20 @@ class Replica:
         return seq, events, load
 
 
+def _now(coro: Any) -> Any:
+    """The result of a ``StateBackend`` coroutine that never suspends (``LocalState``'s: the
+    simulator is synchronous, on its virtual clock).
+
+    Raises:
+        RuntimeError: the coroutine suspended (a backend that talks to a server)."""
+    try:
+        coro.send(None)
+    except StopIteration as stop:
+        return stop.value
+    coro.close()
+    raise RuntimeError("prefixgate sim runs on LocalState only: a shared-state call suspended")
+
+
 def _no_detokenizer(*_: Any) -> None:
     return None
 
@@ -336,6 +358,8 @@ class Fleet:
         self.refused: list[SimRequest] = []  # gave up after MAX_ATTEMPTS
         self.replicas: list[Replica] = []
         self.gateways: list[SimGateway] = []
+        # the gateways' shared state (one store, as one Redis): the promises' pins
+        self.shared: StateBackend = LocalState()
         self._system: dict[str, list[int]] = {}
         self.steps = 0
 
@@ -412,20 +436,27 @@ class Fleet:
         req.t_try = now
         # a retry goes to the client's next gateway (its round robin)
         gw = self.gateways[(req.gateway + req.attempts - 1) % len(self.gateways)]
-        route, up = gw.route(req)
+        # a retry goes back to the replica that promised it a place, through any gateway
+        fingerprint = f"{req.tenant}/{req.rid}"
+        promised = _now(self.shared.promised_upstream(fingerprint)) if req.attempts > 1 else None
+        route, up = gw.route(req, promised)
         req.route, req.upstream = route, up
         rep = self.replicas[up.index]
         try:
             ticket = rep.admission.admit(
                 len(req.prompt),
                 tenant=req.tenant,
-                fingerprint=(req.tenant, req.rid),
+                fingerprint=fingerprint,
                 budget_s=req.budget_s,
             )
         except APIError as exc:
             gw.finish(req, None)
             ra = float(exc.retry_after or 1.0)
             req.refusals.append((now, ra))
+            lapses = rep.admission.promises.lapses_in(fingerprint)
+            if lapses is not None:  # what a gateway relaying the 429 records
+                _now(self.shared.put_promise(fingerprint, up.url, lapses))
+            req.tried.append((rep.index, lapses is not None))
             if req.attempts >= MAX_ATTEMPTS:
                 req.dropped = True
                 self.refused.append(req)
@@ -434,6 +465,9 @@ class Fleet:
                 return
             self.at(now + ra, self._try, req)
             return
+        if promised is not None:
+            _now(self.shared.drop_promise(fingerprint))
+        req.tried.append((rep.index, False))
         req.ticket = ticket
         req.t_admitted = now
         req.replica = rep.index

@@ -3,6 +3,7 @@ every routing policy, overload (429s, Retry-After), engines whole at the end."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -113,6 +114,50 @@ def test_overload_refuses_with_retry_after_and_every_request_ends():
     assert 0 <= report["budgets_met"] <= 1 and 0 <= report["goodput"] <= 1
     assert all(r.refusals for r in fleet.refused)
     _whole(fleet)
+
+
+def test_a_retry_goes_back_to_the_replica_that_promised_it_a_place():
+    # a retry through the client's other gateway once went wherever that gateway's pick
+    # sent it: half the retries reached a replica holding no promise for them, were charged
+    # for every promise held there, and were told Retry-Afters 2-3x off (docs/sim.md)
+    fleet = Fleet(
+        FleetConfig(replicas=2, gateways=2, kv_blocks=300, max_queued_requests=4),
+        _wc(ttft_budget_s=0.5),
+        rate=80.0,
+        duration_s=5.0,
+        seed=1,
+    ).run()
+    pairs = [(a, b) for r in fleet.done + fleet.refused for a, b in itertools.pairwise(r.tried)]
+    promised = [(a, b) for a, b in pairs if a[1]]
+    assert promised, "no promised refusal: the fleet was not overloaded"
+    assert all(a[0] == b[0] for a, b in promised)
+    _whole(fleet)
+
+
+def test_local_state_pins_a_promise_until_it_lapses():
+    import asyncio
+
+    from prefixgate.gateway.tenancy.shared_state import LocalState
+
+    clock = VirtualClock(10.0)
+    with virtual_time(clock):
+        state = LocalState()
+
+        async def scenario() -> None:
+            await state.put_promise("fp", "http://a", 2.0)
+            await state.put_promise("other", "http://b", 0.5)
+            assert await state.promised_upstream("fp") == "http://a"
+            assert await state.promised_upstream("nobody") is None
+            clock.t = 11.0  # "other" lapsed
+            assert await state.promised_upstream("other") is None
+            await state.put_promise("fp", "http://c", 2.0)  # refused again, elsewhere
+            clock.t = 12.5
+            assert await state.promised_upstream("fp") == "http://c"
+            await state.drop_promise("fp")  # claimed
+            assert await state.promised_upstream("fp") is None
+            assert not state._promises
+
+        asyncio.run(scenario())
 
 
 def test_virtual_time_is_put_back():
