@@ -16,6 +16,7 @@ every request runs to ``max_tokens`` (or ``max_model_len``).
 
 from __future__ import annotations
 
+import itertools
 import time
 import zlib
 from typing import Any
@@ -158,3 +159,127 @@ class SimRunner:
         while token in banned and len(banned) < self.vocab_size:
             token = (token + 1) % self.vocab_size
         return token
+
+
+MIN_STRETCH = 2
+"""Fewest decode steps ``advance_decodes`` takes at once (one step goes the usual way)."""
+
+
+def advance_decodes(engine: Any, until: float, max_steps: int = 1 << 30) -> list[Any] | None:
+    """Run the next k steps of ``engine`` (an ``LLMEngine`` on a ``SimRunner`` with a
+    ``VirtualClock``) at once when they are pure decode steps: every running request decodes
+    one token a step, none waits, none finishes, no KV block runs short, and every step
+    starts before ``until`` (virtual seconds: the simulator's next event elsewhere). k is the
+    most steps that holds for, at most ``max_steps``; fewer than ``MIN_STRETCH``: None, and
+    nothing changed (step the usual way).
+
+    The state is the real scheduler's and KV cache manager's, as k calls of ``step()`` leave
+    it: each request's tokens (the same pseudo tokens) and computed count, its blocks
+    (``allocate_slots`` for the k tokens at once: the same number of blocks, from the same
+    free queue; only which request got which block id differs), its full blocks cached
+    (``cache_blocks``; their KV events in one batch at the end), the fair policy's counters
+    (one ``on_output_token`` per token), the load model (one ``on_step`` per step, with each
+    step's modelled time) and the step counters. Step j (0-based) of n decodes over C
+    computed tokens costs ``step_s(StepShape(0, n, C + n * (j + 1)))``, the composition
+    ``SimRunner.shape`` gives it. The clock ends at the last step's end.
+
+    Returns:
+        the k steps' outputs, one ``StepOutput`` per request (its k tokens), or None.
+    """
+    runner = engine.runner
+    s = engine.scheduler
+    clock = getattr(runner, "clock", None)
+    if not isinstance(runner, SimRunner) or not isinstance(clock, VirtualClock):
+        return None
+    running = s.running
+    n = len(running)
+    if (
+        not n
+        or s.waiting
+        or s.spec is not None
+        or engine._stashed
+        or n > s.max_num_batched_tokens
+        or n > s.max_num_seqs
+    ):
+        return None
+    kv = s.kv
+    eos_p = runner.eos_probability
+    steps = max_steps
+    computed = 0
+    for r in running:
+        if (
+            r.num_tokens - r.num_computed_tokens != 1
+            or r.pin_job is not None
+            or r.structured_output is not None
+            or r.detokenizer is not None
+            or r.error is not None
+            or r.num_output_tokens == 0
+        ):
+            return None
+        params = r.sampling_params
+        if eos_p > 0 and r.eos_token_ids and not (params is not None and params.ignore_eos):
+            return None  # a pseudo EOS may end it any step
+        # the step that appends its last token (max_tokens or max_model_len) goes the usual way
+        left = min(r.max_tokens - r.num_output_tokens, s.max_model_len - r.num_tokens)
+        steps = min(steps, left - 1)
+        computed += r.num_computed_tokens
+    if steps < MIN_STRETCH:
+        return None
+    # the steps that start before ``until``, and their modelled times
+    now = clock.t
+    profile = runner.profile
+    costs: list[float] = []
+    t = now
+    while len(costs) < steps and t < until:
+        cost = profile.step_s(StepShape(0, n, computed + n * (len(costs) + 1)))
+        costs.append(cost)
+        t += cost
+    k = len(costs)
+    # no step may run short of KV blocks (no preemption in the stretch)
+    free = kv.pool.num_free
+    while k >= MIN_STRETCH:
+        need = sum(
+            kv.blocks_needed(r.num_computed_tokens + k) - len(kv._reqs[r.request_id].blocks)
+            for r in running
+        )
+        if need <= free:
+            break
+        k //= 2
+    if k < MIN_STRETCH:
+        return None
+    del costs[k:]
+    kv.expire_pins()
+    policy = s.policy
+    reqs = list(running)
+    for r in reqs:
+        if not kv.allocate_slots(r, k):  # counted above: never short
+            raise RuntimeError(f"advance_decodes: {r.request_id} short of KV blocks")
+    ends = list(itertools.accumulate(costs, initial=now))[1:]
+    for r in reqs:
+        pos = r.num_output_tokens
+        tokens = [runner.token(r, pos + j) for j in range(k)]
+        r.output_token_ids.extend(tokens)
+        r.all_token_ids.extend(tokens)
+        r.last_token_time = ends[-1]
+        r.num_computed_tokens += k
+        for _ in range(k):
+            policy.on_output_token(r)
+        kv.cache_blocks(r, r.num_computed_tokens)
+    s.tokens_decoded += n * k
+    s._steps_scheduled += k
+    s._held_last = False
+    s._step_started = None
+    start = now
+    for end in ends:  # dt as step() measures it: the clock's end less its start
+        s.load.on_step(end - start, end, 0, n, 0, True)
+        start = end
+    total = ends[-1] - now
+    runner.last_shape = StepShape(0, n, computed + n * k)
+    runner.last_step_s = costs[-1]
+    runner.busy_s += total
+    clock.t = ends[-1]
+    engine.timing["steps"] += k
+    op = engine.output_processor
+    outputs = [op.make_output(r) for r in reqs]
+    engine._flush_kv_events()
+    return outputs

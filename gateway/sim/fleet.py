@@ -35,7 +35,7 @@ from prefixgate.engine.kv_events import KVEventCollector, ParsedEvent
 from prefixgate.engine.llm_engine import LLMEngine
 from prefixgate.engine.protocol import EngineRequest
 from prefixgate.engine.sampling_params import SamplingParams
-from prefixgate.engine.sim_runner import VirtualClock
+from prefixgate.engine.sim_runner import VirtualClock, advance_decodes
 from prefixgate.gateway.http.errors import APIError
 from prefixgate.gateway.proxy.kv_index import KVIndex
 from prefixgate.gateway.proxy.policies import POLICIES, make_policy
@@ -330,6 +330,8 @@ class Fleet:
         clients: instead of the workload's arrivals, this many closed-loop clients, each
             sending a new one-turn session of a Zipf-drawn tenant as soon as its last is
             answered (``saturated_rate``).
+        step_by_step: every engine step through ``LLMEngine.step`` (else a replica's
+            pure-decode stretches before the next arrival go at once, ``advance_decodes``).
     """
 
     def __init__(
@@ -342,8 +344,10 @@ class Fleet:
         only_tenants: set[str] | None = None,
         drain_s: float = 120.0,
         clients: int = 0,
+        step_by_step: bool = False,
     ) -> None:
         self.config = config
+        self.step_by_step = step_by_step
         self.workload = Workload(workload, rate, duration_s, seed)
         self.duration_s = duration_s
         self.drain_s = drain_s
@@ -354,6 +358,7 @@ class Fleet:
         self.clock = VirtualClock()
         self._heap: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
         self._seq = itertools.count()
+        self._arrivals: list[float] = []  # times of the events that may add a request
         self.done: list[SimRequest] = []
         self.refused: list[SimRequest] = []  # gave up after MAX_ATTEMPTS
         self.replicas: list[Replica] = []
@@ -362,10 +367,21 @@ class Fleet:
         self.shared: StateBackend = LocalState()
         self._system: dict[str, list[int]] = {}
         self.steps = 0
+        self.stretched_steps = 0  # of which in pure-decode stretches (advance_decodes)
 
     # ---- the event heap -------------------------------------------------------------------
     def at(self, t: float, fn: Callable[..., None], *args: Any) -> None:
         heapq.heappush(self._heap, (t, next(self._seq), fn, args))
+        if fn != self._step and fn != self._deliver:
+            heapq.heappush(self._arrivals, t)
+
+    def _next_arrival(self) -> float:
+        """The time of the next event that may add a request to a replica (a try, a session
+        or turn starting); the run's end when none is left."""
+        arrivals, now = self._arrivals, self.clock.t
+        while arrivals and arrivals[0] < now:
+            heapq.heappop(arrivals)
+        return arrivals[0] if arrivals else self.duration_s + self.drain_s
 
     def run(self) -> Fleet:
         """Run the whole simulation (arrivals, then the drain)."""
@@ -501,8 +517,15 @@ class Fleet:
             self.at(deadline, self._step, rep, generation)
             return
         rep.stepping = True
-        outputs = eng.step()
-        self.steps += 1
+        outputs = None
+        if not self.step_by_step:
+            before = eng.timing["steps"]
+            outputs = advance_decodes(eng, self._next_arrival())
+            self.steps += eng.timing["steps"] - before
+            self.stretched_steps += eng.timing["steps"] - before
+        if outputs is None:
+            outputs = eng.step()
+            self.steps += 1
         end = self.clock.t
         self.clock.t = now
         if end <= now:  # nothing ran (nothing schedulable): look again a little later
@@ -588,7 +611,9 @@ def one_replica_hit_rate(requests: list[SimRequest], block_size: int) -> float |
     return hit / total if total else None
 
 
-def saturated_rate(config: FleetConfig, workload: WorkloadConfig, seed: int) -> float:
+def saturated_rate(
+    config: FleetConfig, workload: WorkloadConfig, seed: int, step_by_step: bool = False
+) -> float:
     """Requests per second one replica of ``config`` finishes when always busy: a short run
     (40 virtual seconds, the first 10 dropped) of the workload's base tenants, one-turn
     sessions from ``max_num_seqs + 16`` closed-loop clients (always more than it runs at
@@ -617,7 +642,16 @@ def saturated_rate(config: FleetConfig, workload: WorkloadConfig, seed: int) -> 
         }
     )
     duration, warm = 40.0, 10.0
-    fleet = Fleet(one, w, 1.0, duration, seed, drain_s=0.0, clients=config.max_num_seqs + 16)
+    fleet = Fleet(
+        one,
+        w,
+        1.0,
+        duration,
+        seed,
+        drain_s=0.0,
+        clients=config.max_num_seqs + 16,
+        step_by_step=step_by_step,
+    )
     fleet.run()
     done = [r for r in fleet.done if r.t_done is not None and warm <= r.t_done < duration]
     return len(done) / (duration - warm) if done else math.nan
