@@ -16,7 +16,7 @@ every request runs to ``max_tokens`` (or ``max_model_len``).
 
 from __future__ import annotations
 
-import itertools
+import math
 import time
 import zlib
 from typing import Any
@@ -162,30 +162,23 @@ class SimRunner:
 
 
 MIN_STRETCH = 2
-"""Fewest decode steps ``advance_decodes`` takes at once (one step goes the usual way)."""
+"""Fewest decode steps a stretch takes at once (one step goes the usual way)."""
 
 
-def advance_decodes(engine: Any, until: float, max_steps: int = 1 << 30) -> list[Any] | None:
-    """Run the next k steps of ``engine`` (an ``LLMEngine`` on a ``SimRunner`` with a
-    ``VirtualClock``) at once when they are pure decode steps: every running request decodes
-    one token a step, none waits, none finishes, no KV block runs short, and every step
-    starts before ``until`` (virtual seconds: the simulator's next event elsewhere). k is the
-    most steps that holds for, at most ``max_steps``; fewer than ``MIN_STRETCH``: None, and
-    nothing changed (step the usual way).
+def plan_decodes(
+    engine: Any, until: float = math.inf, max_steps: int = 1 << 30
+) -> list[float] | None:
+    """The end times of the next k steps of ``engine`` (an ``LLMEngine`` on a ``SimRunner``
+    with a ``VirtualClock``, from its clock's now) when they are pure decode steps that
+    ``apply_decodes`` may run at once: every running request decodes one token a step, none
+    waits, none finishes, no KV block runs short, and every step starts before ``until``
+    (virtual seconds). k is the most steps that holds for, at most ``max_steps``; None (fewer
+    than ``MIN_STRETCH``) when it is not worth it. Nothing is changed: the plan holds while
+    no request is added to the engine.
 
-    The state is the real scheduler's and KV cache manager's, as k calls of ``step()`` leave
-    it: each request's tokens (the same pseudo tokens) and computed count, its blocks
-    (``allocate_slots`` for the k tokens at once: the same number of blocks, from the same
-    free queue; only which request got which block id differs), its full blocks cached
-    (``cache_blocks``; their KV events in one batch at the end), the fair policy's counters
-    (one ``on_output_token`` per token), the load model (one ``on_step`` per step, with each
-    step's modelled time) and the step counters. Step j (0-based) of n decodes over C
-    computed tokens costs ``step_s(StepShape(0, n, C + n * (j + 1)))``, the composition
-    ``SimRunner.shape`` gives it. The clock ends at the last step's end.
-
-    Returns:
-        the k steps' outputs, one ``StepOutput`` per request (its k tokens), or None.
-    """
+    Step j (0-based) of n decodes over C computed tokens costs
+    ``step_s(StepShape(0, n, C + n * (j + 1)))``, the composition ``SimRunner.shape`` gives
+    it."""
     runner = engine.runner
     s = engine.scheduler
     clock = getattr(runner, "clock", None)
@@ -225,42 +218,64 @@ def advance_decodes(engine: Any, until: float, max_steps: int = 1 << 30) -> list
         computed += r.num_computed_tokens
     if steps < MIN_STRETCH:
         return None
-    # the steps that start before ``until``, and their modelled times
-    now = clock.t
-    profile = runner.profile
-    costs: list[float] = []
-    t = now
-    while len(costs) < steps and t < until:
-        cost = profile.step_s(StepShape(0, n, computed + n * (len(costs) + 1)))
-        costs.append(cost)
-        t += cost
-    k = len(costs)
     # no step may run short of KV blocks (no preemption in the stretch)
     free = kv.pool.num_free
-    while k >= MIN_STRETCH:
+    while steps >= MIN_STRETCH:
         need = sum(
-            kv.blocks_needed(r.num_computed_tokens + k) - len(kv._reqs[r.request_id].blocks)
+            kv.blocks_needed(r.num_computed_tokens + steps) - len(kv._reqs[r.request_id].blocks)
             for r in running
         )
         if need <= free:
             break
-        k //= 2
-    if k < MIN_STRETCH:
+        steps = min(steps - 1, steps * free // max(1, need))
+    if steps < MIN_STRETCH:
         return None
-    del costs[k:]
+    profile = runner.profile
+    ends: list[float] = []
+    t = clock.t
+    while len(ends) < steps and t < until:
+        t += profile.step_s(StepShape(0, n, computed + n * (len(ends) + 1)))
+        ends.append(t)
+    return ends if len(ends) >= MIN_STRETCH else None
+
+
+def apply_decodes(engine: Any, start: float, ends: list[float]) -> list[Any]:
+    """Run the steps ``plan_decodes`` planned from ``start`` (its clock's now then) with end
+    times ``ends`` (all of them, or the first ones), leaving the clock at the last end.
+
+    The state is the real scheduler's and KV cache manager's, as that many calls of
+    ``step()`` leave it: each request's tokens (the same pseudo tokens) and computed count,
+    its blocks (``allocate_slots`` for the k tokens at once: the same number of blocks from
+    the same free queue; only which request got which block id differs), its full blocks
+    cached (``cache_blocks``; their KV events in one batch at the end), the fair policy's
+    counters (one ``on_output_token`` per token), the load model (one ``on_step`` per step,
+    with its modelled time) and the step counters.
+
+    Returns:
+        one ``StepOutput`` per request (its k tokens).
+    """
+    runner = engine.runner
+    s = engine.scheduler
+    kv = s.kv
+    clock = runner.clock
+    k = len(ends)
+    n = len(s.running)
+    clock.t = start
     kv.expire_pins()
     policy = s.policy
-    reqs = list(running)
+    reqs = list(s.running)
+    computed = 0
     for r in reqs:
-        if not kv.allocate_slots(r, k):  # counted above: never short
-            raise RuntimeError(f"advance_decodes: {r.request_id} short of KV blocks")
-    ends = list(itertools.accumulate(costs, initial=now))[1:]
+        computed += r.num_computed_tokens
+        if not kv.allocate_slots(r, k):  # counted by plan_decodes: never short
+            raise RuntimeError(f"apply_decodes: {r.request_id} short of KV blocks")
+    last = ends[-1]
     for r in reqs:
         pos = r.num_output_tokens
         tokens = [runner.token(r, pos + j) for j in range(k)]
         r.output_token_ids.extend(tokens)
         r.all_token_ids.extend(tokens)
-        r.last_token_time = ends[-1]
+        r.last_token_time = last
         r.num_computed_tokens += k
         for _ in range(k):
             policy.on_output_token(r)
@@ -269,15 +284,14 @@ def advance_decodes(engine: Any, until: float, max_steps: int = 1 << 30) -> list
     s._steps_scheduled += k
     s._held_last = False
     s._step_started = None
-    start = now
+    before = start
     for end in ends:  # dt as step() measures it: the clock's end less its start
-        s.load.on_step(end - start, end, 0, n, 0, True)
-        start = end
-    total = ends[-1] - now
+        s.load.on_step(end - before, end, 0, n, 0, True)
+        before = end
     runner.last_shape = StepShape(0, n, computed + n * k)
-    runner.last_step_s = costs[-1]
-    runner.busy_s += total
-    clock.t = ends[-1]
+    runner.last_step_s = ends[-1] - (ends[-2] if k > 1 else start)
+    runner.busy_s += last - start
+    clock.t = last
     engine.timing["steps"] += k
     op = engine.output_processor
     outputs = [op.make_output(r) for r in reqs]

@@ -19,6 +19,7 @@ the gateways' own CPU time are not modelled (``docs/sim.md``).
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import heapq
 import importlib
@@ -35,7 +36,7 @@ from prefixgate.engine.kv_events import KVEventCollector, ParsedEvent
 from prefixgate.engine.llm_engine import LLMEngine
 from prefixgate.engine.protocol import EngineRequest
 from prefixgate.engine.sampling_params import SamplingParams
-from prefixgate.engine.sim_runner import VirtualClock, advance_decodes
+from prefixgate.engine.sim_runner import VirtualClock, apply_decodes, plan_decodes
 from prefixgate.gateway.http.errors import APIError
 from prefixgate.gateway.proxy.kv_index import KVIndex
 from prefixgate.gateway.proxy.policies import POLICIES, make_policy
@@ -250,6 +251,8 @@ class Replica:
         self.busy_s = 0.0
         self.served = 0
         self.generation = 0  # bumps when a planned step is superseded
+        # a pure-decode stretch planned but not yet run: (its start, its steps' end times)
+        self.stretch: tuple[float, list[float]] | None = None
 
     def drain_events(self) -> tuple[int, list[ParsedEvent], Any]:
         """The KV events and the latest load report the last flushes produced."""
@@ -331,7 +334,8 @@ class Fleet:
             sending a new one-turn session of a Zipf-drawn tenant as soon as its last is
             answered (``saturated_rate``).
         step_by_step: every engine step through ``LLMEngine.step`` (else a replica's
-            pure-decode stretches before the next arrival go at once, ``advance_decodes``).
+            pure-decode stretches go at once, ``plan_decodes`` / ``apply_decodes``, cut
+            short when a request reaches it).
     """
 
     def __init__(
@@ -358,7 +362,6 @@ class Fleet:
         self.clock = VirtualClock()
         self._heap: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
         self._seq = itertools.count()
-        self._arrivals: list[float] = []  # times of the events that may add a request
         self.done: list[SimRequest] = []
         self.refused: list[SimRequest] = []  # gave up after MAX_ATTEMPTS
         self.replicas: list[Replica] = []
@@ -372,16 +375,6 @@ class Fleet:
     # ---- the event heap -------------------------------------------------------------------
     def at(self, t: float, fn: Callable[..., None], *args: Any) -> None:
         heapq.heappush(self._heap, (t, next(self._seq), fn, args))
-        if fn != self._step and fn != self._deliver:
-            heapq.heappush(self._arrivals, t)
-
-    def _next_arrival(self) -> float:
-        """The time of the next event that may add a request to a replica (a try, a session
-        or turn starting); the run's end when none is left."""
-        arrivals, now = self._arrivals, self.clock.t
-        while arrivals and arrivals[0] < now:
-            heapq.heappop(arrivals)
-        return arrivals[0] if arrivals else self.duration_s + self.drain_s
 
     def run(self) -> Fleet:
         """Run the whole simulation (arrivals, then the drain)."""
@@ -458,6 +451,8 @@ class Fleet:
         route, up = gw.route(req, promised)
         req.route, req.upstream = route, up
         rep = self.replicas[up.index]
+        if rep.stretch is not None:  # its engine as step-by-step stepping has it by now
+            self._cut_stretch(rep)
         try:
             ticket = rep.admission.admit(
                 len(req.prompt),
@@ -517,21 +512,51 @@ class Fleet:
             self.at(deadline, self._step, rep, generation)
             return
         rep.stepping = True
-        outputs = None
         if not self.step_by_step:
-            before = eng.timing["steps"]
-            outputs = advance_decodes(eng, self._next_arrival())
-            self.steps += eng.timing["steps"] - before
-            self.stretched_steps += eng.timing["steps"] - before
-        if outputs is None:
-            outputs = eng.step()
-            self.steps += 1
+            ends = plan_decodes(eng, self.duration_s + self.drain_s)
+            if ends is not None:  # run at its end, or cut when a request reaches this replica
+                rep.stretch = (now, ends)
+                self.at(ends[-1], self._stretch_end, rep, generation)
+                return
+        outputs = eng.step()
+        self.steps += 1
         end = self.clock.t
         self.clock.t = now
         if end <= now:  # nothing ran (nothing schedulable): look again a little later
             end = now + 1e-3
         rep.busy_s += end - now
         self.at(end, self._deliver, rep, outputs, generation)
+
+    def _stretch_end(self, rep: Replica, generation: int) -> None:
+        """A planned pure-decode stretch ran to its end: its steps at once, then its outputs."""
+        if generation != rep.generation or rep.stretch is None:
+            return
+        start, ends = rep.stretch
+        rep.stretch = None
+        outputs = self._run_stretch(rep, start, ends)
+        self._deliver(rep, outputs, generation)
+
+    def _cut_stretch(self, rep: Replica) -> None:
+        """A request reaches ``rep`` during its planned stretch: run the steps that started
+        by now (the one running now included), as ``LLMEngine.step`` would have, and deliver
+        their outputs at that step's end; the request joins the step after it."""
+        assert rep.stretch is not None
+        start, ends = rep.stretch
+        rep.stretch = None
+        now = self.clock.t
+        j = max(1, bisect.bisect_right(ends, now) + 1)  # steps started at or before now
+        j = min(j, len(ends))
+        outputs = self._run_stretch(rep, start, ends[:j])
+        self.clock.t = now
+        rep.generation += 1
+        self.at(ends[j - 1], self._deliver, rep, outputs, rep.generation)
+
+    def _run_stretch(self, rep: Replica, start: float, ends: list[float]) -> list[Any]:
+        outputs = apply_decodes(rep.engine, start, ends)
+        self.steps += len(ends)
+        self.stretched_steps += len(ends)
+        rep.busy_s += ends[-1] - start
+        return outputs
 
     def _deliver(self, rep: Replica, outputs: list[Any], generation: int) -> None:
         now = self.clock.t
