@@ -190,6 +190,7 @@ def plan_decodes(
         not n
         or s.waiting
         or s.spec is not None
+        or s.kv._pins  # a pin expiring within the stretch would free its blocks mid-way
         or engine._stashed
         or n > s.max_num_batched_tokens
         or n > s.max_num_seqs
