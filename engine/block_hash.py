@@ -126,7 +126,10 @@ def prompt_block_hashes(
         raise TypeError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
     if isinstance(token_ids, str | bytes) or not isinstance(token_ids, Sequence):
         raise TypeError(f"token_ids must be a sequence of ints, got {type(token_ids).__name__}")
-    for t in token_ids:
+    # plain ints >= 0: checked at C speed; anything else goes through the loop, which names
+    # the first fault
+    plain = not token_ids or (set(map(type, token_ids)) == {int} and min(token_ids) >= 0)
+    for t in () if plain else token_ids:
         if isinstance(t, bool) or not isinstance(t, int):
             raise TypeError(f"token ids must be ints, got {t!r}")
         if t < 0:

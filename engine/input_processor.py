@@ -68,7 +68,10 @@ class InputProcessor:
         elif isinstance(prompt, Sequence) and not isinstance(prompt, bytes | bytearray):
             ids = list(prompt)
             vocab = self.vocab_size
-            for t in ids:
+            # plain ints within the vocabulary: checked at C speed; anything else (int
+            # subclasses, bad ids) goes through the loop, which names the first fault
+            plain = ids and set(map(type, ids)) == {int} and 0 <= min(ids) and max(ids) < vocab
+            for t in () if plain else ids:
                 if isinstance(t, bool) or not isinstance(t, int):
                     raise TypeError(f"prompt token ids must be ints, got {type(t).__name__}")
                 if not 0 <= t < vocab:

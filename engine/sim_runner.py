@@ -16,6 +16,7 @@ every request runs to ``max_tokens`` (or ``max_model_len``).
 
 from __future__ import annotations
 
+import math
 import time
 import zlib
 from typing import Any
@@ -158,3 +159,142 @@ class SimRunner:
         while token in banned and len(banned) < self.vocab_size:
             token = (token + 1) % self.vocab_size
         return token
+
+
+MIN_STRETCH = 2
+"""Fewest decode steps a stretch takes at once (one step goes the usual way)."""
+
+
+def plan_decodes(
+    engine: Any, until: float = math.inf, max_steps: int = 1 << 30
+) -> list[float] | None:
+    """The end times of the next k steps of ``engine`` (an ``LLMEngine`` on a ``SimRunner``
+    with a ``VirtualClock``, from its clock's now) when they are pure decode steps that
+    ``apply_decodes`` may run at once: every running request decodes one token a step, none
+    waits, none finishes, no KV block runs short, and every step starts before ``until``
+    (virtual seconds). k is the most steps that holds for, at most ``max_steps``; None (fewer
+    than ``MIN_STRETCH``) when it is not worth it. Nothing is changed: the plan holds while
+    no request is added to the engine.
+
+    Step j (0-based) of n decodes over C computed tokens costs
+    ``step_s(StepShape(0, n, C + n * (j + 1)))``, the composition ``SimRunner.shape`` gives
+    it."""
+    runner = engine.runner
+    s = engine.scheduler
+    clock = getattr(runner, "clock", None)
+    if not isinstance(runner, SimRunner) or not isinstance(clock, VirtualClock):
+        return None
+    running = s.running
+    n = len(running)
+    if (
+        not n
+        or s.waiting
+        or s.spec is not None
+        or s.kv._pins  # a pin expiring within the stretch would free its blocks mid-way
+        or engine._stashed
+        or n > s.max_num_batched_tokens
+        or n > s.max_num_seqs
+    ):
+        return None
+    kv = s.kv
+    eos_p = runner.eos_probability
+    steps = max_steps
+    computed = 0
+    for r in running:
+        if (
+            r.num_tokens - r.num_computed_tokens != 1
+            or r.pin_job is not None
+            or r.structured_output is not None
+            or r.detokenizer is not None
+            or r.error is not None
+            or r.num_output_tokens == 0
+        ):
+            return None
+        params = r.sampling_params
+        if eos_p > 0 and r.eos_token_ids and not (params is not None and params.ignore_eos):
+            return None  # a pseudo EOS may end it any step
+        # the step that appends its last token (max_tokens or max_model_len) goes the usual way
+        left = min(r.max_tokens - r.num_output_tokens, s.max_model_len - r.num_tokens)
+        steps = min(steps, left - 1)
+        computed += r.num_computed_tokens
+    if steps < MIN_STRETCH:
+        return None
+    # no step may run short of KV blocks (no preemption in the stretch)
+    free = kv.pool.num_free
+    while steps >= MIN_STRETCH:
+        need = sum(
+            kv.blocks_needed(r.num_computed_tokens + steps) - len(kv._reqs[r.request_id].blocks)
+            for r in running
+        )
+        if need <= free:
+            break
+        steps = min(steps - 1, steps * free // max(1, need))
+    if steps < MIN_STRETCH:
+        return None
+    profile = runner.profile
+    ends: list[float] = []
+    t = clock.t
+    while len(ends) < steps and t < until:
+        t += profile.step_s(StepShape(0, n, computed + n * (len(ends) + 1)))
+        ends.append(t)
+    return ends if len(ends) >= MIN_STRETCH else None
+
+
+def apply_decodes(engine: Any, start: float, ends: list[float]) -> list[Any]:
+    """Run the steps ``plan_decodes`` planned from ``start`` (its clock's now then) with end
+    times ``ends`` (all of them, or the first ones), leaving the clock at the last end.
+
+    The state is the real scheduler's and KV cache manager's, as that many calls of
+    ``step()`` leave it: each request's tokens (the same pseudo tokens) and computed count,
+    its blocks (``allocate_slots`` for the k tokens at once: the same number of blocks from
+    the same free queue; only which request got which block id differs), its full blocks
+    cached (``cache_blocks``; their KV events in one batch at the end), the fair policy's
+    counters (one ``on_output_token`` per token), the load model (one ``on_step`` per step,
+    with its modelled time) and the step counters.
+
+    Returns:
+        one ``StepOutput`` per request (its k tokens).
+    """
+    runner = engine.runner
+    s = engine.scheduler
+    kv = s.kv
+    clock = runner.clock
+    k = len(ends)
+    n = len(s.running)
+    clock.t = start
+    kv.expire_pins()
+    policy = s.policy
+    reqs = list(s.running)
+    computed = 0
+    for r in reqs:
+        computed += r.num_computed_tokens
+        if not kv.allocate_slots(r, k):  # counted by plan_decodes: never short
+            raise RuntimeError(f"apply_decodes: {r.request_id} short of KV blocks")
+    last = ends[-1]
+    for r in reqs:
+        pos = r.num_output_tokens
+        tokens = [runner.token(r, pos + j) for j in range(k)]
+        r.output_token_ids.extend(tokens)
+        r.all_token_ids.extend(tokens)
+        r.last_token_time = last
+        r.num_computed_tokens += k
+        for _ in range(k):
+            policy.on_output_token(r)
+        kv.cache_blocks(r, r.num_computed_tokens)
+    s.tokens_decoded += n * k
+    s._steps_scheduled += k
+    s._held_last = False
+    s._step_started = None
+    before = start
+    for end in ends:  # dt as step() measures it: the clock's end less its start
+        s.load.on_step(end - before, end, 0, n, 0, True)
+        before = end
+    runner.last_shape = StepShape(0, n, computed + n * k)
+    runner.last_step_s = ends[-1] - (ends[-2] if k > 1 else start)
+    runner.busy_s += last - start
+    clock.t = last
+    engine.timing["steps"] += k
+    op = engine.output_processor
+    outputs = [op.make_output(r) for r in reqs]
+    engine._flush_kv_events()
+    return outputs

@@ -113,6 +113,11 @@ def add_sim_parser(sub: Any) -> argparse.ArgumentParser:
         help="one replica's capacity (requests/s) instead of measuring it",
     )
     p.add_argument("--no-solo", action="store_true", help="skip the light tenant's solo run")
+    p.add_argument(
+        "--step-by-step",
+        action="store_true",
+        help="every engine step through LLMEngine.step (no pure-decode stretches at once)",
+    )
     p.set_defaults(func=run)
     return p
 
@@ -162,14 +167,22 @@ def run(args: argparse.Namespace) -> int:
         print(f"prefixgate sim: bad option: {message}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    capacity = args.capacity_rps or saturated_rate(fc, wc, args.seed)
+    capacity = args.capacity_rps or saturated_rate(fc, wc, args.seed, args.step_by_step)
     t_cap = time.perf_counter() - t0
     rate = args.load * capacity * args.replicas
-    fleet = Fleet(fc, wc, rate, args.duration_s, args.seed).run()
+    fleet = Fleet(fc, wc, rate, args.duration_s, args.seed, step_by_step=args.step_by_step).run()
     t_run = time.perf_counter() - t0 - t_cap
     solo = None
     if not args.no_solo and args.light_rate > 0:
-        solo = Fleet(fc, wc, rate, args.duration_s, args.seed, only_tenants={LIGHT_TENANT}).run()
+        solo = Fleet(
+            fc,
+            wc,
+            rate,
+            args.duration_s,
+            args.seed,
+            only_tenants={LIGHT_TENANT},
+            step_by_step=args.step_by_step,
+        ).run()
     report = summarize(fleet, solo, capacity, rate, args.load)
     wall = time.perf_counter() - t0
     text = json.dumps(report, indent=2, sort_keys=True)

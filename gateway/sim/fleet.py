@@ -19,6 +19,7 @@ the gateways' own CPU time are not modelled (``docs/sim.md``).
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import heapq
 import importlib
@@ -35,7 +36,7 @@ from prefixgate.engine.kv_events import KVEventCollector, ParsedEvent
 from prefixgate.engine.llm_engine import LLMEngine
 from prefixgate.engine.protocol import EngineRequest
 from prefixgate.engine.sampling_params import SamplingParams
-from prefixgate.engine.sim_runner import VirtualClock
+from prefixgate.engine.sim_runner import VirtualClock, apply_decodes, plan_decodes
 from prefixgate.gateway.http.errors import APIError
 from prefixgate.gateway.proxy.kv_index import KVIndex
 from prefixgate.gateway.proxy.policies import POLICIES, make_policy
@@ -44,6 +45,7 @@ from prefixgate.gateway.proxy.policies.precise_routing import PreciseRoute, Prec
 from prefixgate.gateway.sim.workload import Workload, WorkloadConfig
 from prefixgate.gateway.tenancy.admission import AdmissionConfig, AdmissionController
 from prefixgate.gateway.tenancy.admission_wait import EngineWait
+from prefixgate.gateway.tenancy.shared_state import LocalState, StateBackend
 
 MAX_ATTEMPTS = 8
 """A client's tries of one request (the first and seven retries after 429s)."""
@@ -57,6 +59,7 @@ TIMED_MODULES = (
     "prefixgate.gateway.tenancy.admission",
     "prefixgate.gateway.tenancy.admission_wait",
     "prefixgate.gateway.tenancy.slot_wait",
+    "prefixgate.gateway.tenancy.shared_state",
     "prefixgate.gateway.proxy.kv_index",
     "prefixgate.gateway.proxy.policies.precise_routing",
     "prefixgate.gateway.proxy.policies.cache_aware",
@@ -151,6 +154,7 @@ class SimRequest:
     attempts: int = 0
     t_try: float = 0.0  # the current try's arrival
     refusals: list[tuple[float, float]] = field(default_factory=list)  # (when, Retry-After)
+    tried: list[tuple[int, bool]] = field(default_factory=list)  # (replica, refused with a promise)
     t_admitted: float | None = None
     t_first: float | None = None
     t_done: float | None = None
@@ -194,7 +198,9 @@ class SimGateway:
             self.exact = PreciseRouting(None, feeds, index=kv)
             self.policy.exact = self.exact
 
-    def route(self, req: SimRequest) -> tuple[Any, SimUpstream]:
+    def route(self, req: SimRequest, promised: str | None = None) -> tuple[Any, SimUpstream]:
+        """Pick ``req``'s replica; ``promised``: the URL of the replica holding a promised
+        place for it (the shared state's ``promised_upstream``), the only candidate then."""
         body = {"prompt": req.prompt}
         route = self.policy.route(body, None, None)
         if self.exact is not None:
@@ -203,7 +209,10 @@ class SimGateway:
             if req.turns > 1:
                 precise.session = (None, f"user:s{req.session}")
             route = precise
-        up = self.policy.pick(route, self.upstreams)
+        cands = self.upstreams
+        if promised is not None:
+            cands = [u for u in self.upstreams if u.url == promised] or self.upstreams
+        up = self.policy.pick(route, cands)
         up.in_flight += 1
         return route, up
 
@@ -242,6 +251,8 @@ class Replica:
         self.busy_s = 0.0
         self.served = 0
         self.generation = 0  # bumps when a planned step is superseded
+        # a pure-decode stretch planned but not yet run: (its start, its steps' end times)
+        self.stretch: tuple[float, list[float]] | None = None
 
     def drain_events(self) -> tuple[int, list[ParsedEvent], Any]:
         """The KV events and the latest load report the last flushes produced."""
@@ -273,6 +284,20 @@ class Replica:
                 else:
                     events.append(ParsedEvent("cleared"))
         return seq, events, load
+
+
+def _now(coro: Any) -> Any:
+    """The result of a ``StateBackend`` coroutine that never suspends (``LocalState``'s: the
+    simulator is synchronous, on its virtual clock).
+
+    Raises:
+        RuntimeError: the coroutine suspended (a backend that talks to a server)."""
+    try:
+        coro.send(None)
+    except StopIteration as stop:
+        return stop.value
+    coro.close()
+    raise RuntimeError("prefixgate sim runs on LocalState only: a shared-state call suspended")
 
 
 def _no_detokenizer(*_: Any) -> None:
@@ -308,6 +333,9 @@ class Fleet:
         clients: instead of the workload's arrivals, this many closed-loop clients, each
             sending a new one-turn session of a Zipf-drawn tenant as soon as its last is
             answered (``saturated_rate``).
+        step_by_step: every engine step through ``LLMEngine.step`` (else a replica's
+            pure-decode stretches go at once, ``plan_decodes`` / ``apply_decodes``, cut
+            short when a request reaches it).
     """
 
     def __init__(
@@ -320,8 +348,10 @@ class Fleet:
         only_tenants: set[str] | None = None,
         drain_s: float = 120.0,
         clients: int = 0,
+        step_by_step: bool = False,
     ) -> None:
         self.config = config
+        self.step_by_step = step_by_step
         self.workload = Workload(workload, rate, duration_s, seed)
         self.duration_s = duration_s
         self.drain_s = drain_s
@@ -336,8 +366,11 @@ class Fleet:
         self.refused: list[SimRequest] = []  # gave up after MAX_ATTEMPTS
         self.replicas: list[Replica] = []
         self.gateways: list[SimGateway] = []
+        # the gateways' shared state (one store, as one Redis): the promises' pins
+        self.shared: StateBackend = LocalState()
         self._system: dict[str, list[int]] = {}
         self.steps = 0
+        self.stretched_steps = 0  # of which in pure-decode stretches (advance_decodes)
 
     # ---- the event heap -------------------------------------------------------------------
     def at(self, t: float, fn: Callable[..., None], *args: Any) -> None:
@@ -412,20 +445,29 @@ class Fleet:
         req.t_try = now
         # a retry goes to the client's next gateway (its round robin)
         gw = self.gateways[(req.gateway + req.attempts - 1) % len(self.gateways)]
-        route, up = gw.route(req)
+        # a retry goes back to the replica that promised it a place, through any gateway
+        fingerprint = f"{req.tenant}/{req.rid}"
+        promised = _now(self.shared.promised_upstream(fingerprint)) if req.attempts > 1 else None
+        route, up = gw.route(req, promised)
         req.route, req.upstream = route, up
         rep = self.replicas[up.index]
+        if rep.stretch is not None:  # its engine as step-by-step stepping has it by now
+            self._cut_stretch(rep)
         try:
             ticket = rep.admission.admit(
                 len(req.prompt),
                 tenant=req.tenant,
-                fingerprint=(req.tenant, req.rid),
+                fingerprint=fingerprint,
                 budget_s=req.budget_s,
             )
         except APIError as exc:
             gw.finish(req, None)
             ra = float(exc.retry_after or 1.0)
             req.refusals.append((now, ra))
+            lapses = rep.admission.promises.lapses_in(fingerprint)
+            if lapses is not None:  # what a gateway relaying the 429 records
+                _now(self.shared.put_promise(fingerprint, up.url, lapses))
+            req.tried.append((rep.index, lapses is not None))
             if req.attempts >= MAX_ATTEMPTS:
                 req.dropped = True
                 self.refused.append(req)
@@ -434,6 +476,9 @@ class Fleet:
                 return
             self.at(now + ra, self._try, req)
             return
+        if promised is not None:
+            _now(self.shared.drop_promise(fingerprint))
+        req.tried.append((rep.index, False))
         req.ticket = ticket
         req.t_admitted = now
         req.replica = rep.index
@@ -467,6 +512,12 @@ class Fleet:
             self.at(deadline, self._step, rep, generation)
             return
         rep.stepping = True
+        if not self.step_by_step:
+            ends = plan_decodes(eng, self.duration_s + self.drain_s)
+            if ends is not None:  # run at its end, or cut when a request reaches this replica
+                rep.stretch = (now, ends)
+                self.at(ends[-1], self._stretch_end, rep, generation)
+                return
         outputs = eng.step()
         self.steps += 1
         end = self.clock.t
@@ -475,6 +526,37 @@ class Fleet:
             end = now + 1e-3
         rep.busy_s += end - now
         self.at(end, self._deliver, rep, outputs, generation)
+
+    def _stretch_end(self, rep: Replica, generation: int) -> None:
+        """A planned pure-decode stretch ran to its end: its steps at once, then its outputs."""
+        if generation != rep.generation or rep.stretch is None:
+            return
+        start, ends = rep.stretch
+        rep.stretch = None
+        outputs = self._run_stretch(rep, start, ends)
+        self._deliver(rep, outputs, generation)
+
+    def _cut_stretch(self, rep: Replica) -> None:
+        """A request reaches ``rep`` during its planned stretch: run the steps that started
+        by now (the one running now included), as ``LLMEngine.step`` would have, and deliver
+        their outputs at that step's end; the request joins the step after it."""
+        assert rep.stretch is not None
+        start, ends = rep.stretch
+        rep.stretch = None
+        now = self.clock.t
+        j = max(1, bisect.bisect_right(ends, now) + 1)  # steps started at or before now
+        j = min(j, len(ends))
+        outputs = self._run_stretch(rep, start, ends[:j])
+        self.clock.t = now
+        rep.generation += 1
+        self.at(ends[j - 1], self._deliver, rep, outputs, rep.generation)
+
+    def _run_stretch(self, rep: Replica, start: float, ends: list[float]) -> list[Any]:
+        outputs = apply_decodes(rep.engine, start, ends)
+        self.steps += len(ends)
+        self.stretched_steps += len(ends)
+        rep.busy_s += ends[-1] - start
+        return outputs
 
     def _deliver(self, rep: Replica, outputs: list[Any], generation: int) -> None:
         now = self.clock.t
@@ -554,7 +636,9 @@ def one_replica_hit_rate(requests: list[SimRequest], block_size: int) -> float |
     return hit / total if total else None
 
 
-def saturated_rate(config: FleetConfig, workload: WorkloadConfig, seed: int) -> float:
+def saturated_rate(
+    config: FleetConfig, workload: WorkloadConfig, seed: int, step_by_step: bool = False
+) -> float:
     """Requests per second one replica of ``config`` finishes when always busy: a short run
     (40 virtual seconds, the first 10 dropped) of the workload's base tenants, one-turn
     sessions from ``max_num_seqs + 16`` closed-loop clients (always more than it runs at
@@ -583,7 +667,16 @@ def saturated_rate(config: FleetConfig, workload: WorkloadConfig, seed: int) -> 
         }
     )
     duration, warm = 40.0, 10.0
-    fleet = Fleet(one, w, 1.0, duration, seed, drain_s=0.0, clients=config.max_num_seqs + 16)
+    fleet = Fleet(
+        one,
+        w,
+        1.0,
+        duration,
+        seed,
+        drain_s=0.0,
+        clients=config.max_num_seqs + 16,
+        step_by_step=step_by_step,
+    )
     fleet.run()
     done = [r for r in fleet.done if r.t_done is not None and warm <= r.t_done < duration]
     return len(done) / (duration - warm) if done else math.nan

@@ -325,6 +325,16 @@ class Promises:
         pid = min(due, key=lambda i: self._by_id[i].due)
         return self._drop(pid)
 
+    def lapses_in(self, fingerprint: Hashable) -> float | None:
+        """Seconds from now until the last of ``fingerprint``'s promises lapses (what a
+        gateway pinning the request's retry to this upstream keeps the pin for), or None
+        when it holds none."""
+        self._expire()
+        ids = self._by_fingerprint.get(fingerprint)
+        if not ids:
+            return None
+        return max(self._by_id[pid].expires for pid in ids) - self._clock()
+
     def _drop(self, pid: int) -> Promise:
         p = self._by_id.pop(pid)
         ids = self._by_fingerprint[p.fingerprint]

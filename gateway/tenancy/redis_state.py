@@ -18,6 +18,9 @@ stored):
   set of prefix ids scored by their expiry (Redis seconds), checked and added by one Lua
   script; a prefix leaves it when deleted or when its expiry passes.
 
+* ``pg:prom:<f>`` — the upstream URL holding a promised place for a refused request (``<f>``:
+  the first 32 hex digits of its fingerprint's SHA-256), expiring when the promise lapses.
+
 * ``pg:epoch`` — this Redis's life (hash ``{id, until}``): created by the first replica that
   finds it missing. A Redis restarted empty (or flushed) has none, so every replica notices
   the loss (at its next admission, or within ``WATCH_S`` by its watch loop), and then
@@ -49,6 +52,7 @@ with a reload on NOSCRIPT).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import secrets
@@ -523,6 +527,20 @@ class RedisState:
     async def release_prefix(self, owner: str, prefix_id: str) -> None:
         await self._call(self._client.zrem("pg:pfxk:" + _owner_id(owner), prefix_id))
 
+    async def put_promise(self, fingerprint: str, upstream: str, ttl_s: float) -> None:
+        if ttl_s > 0:
+            px = max(1, int(ttl_s * 1000))
+            await self._call(self._client.set(_promise_key(fingerprint), upstream, px=px))
+
+    async def promised_upstream(self, fingerprint: str) -> str | None:
+        raw = await self._call(self._client.get(_promise_key(fingerprint)))
+        if raw is None:
+            return None
+        return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+    async def drop_promise(self, fingerprint: str) -> None:
+        await self._call(self._client.delete(_promise_key(fingerprint)))
+
     # -- health ------------------------------------------------------------------------
 
     def describe(self) -> dict[str, Any]:
@@ -563,6 +581,10 @@ class RedisState:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def _promise_key(fingerprint: str) -> str:
+    return "pg:prom:" + hashlib.sha256(fingerprint.encode()).hexdigest()[:32]
 
 
 def _owner_id(owner: str) -> str:

@@ -9,15 +9,26 @@ One interface, ``StateBackend``, with two implementations:
   gateway replica on one Redis, atomically (Lua scripts), concurrency slots held as leases
   with a TTL, prefixes readable by every replica, usage counted per key.
 
+Promises (``put_promise`` / ``promised_upstream``): when an upstream refuses a request with a
+429 and a ``Retry-After`` it has promised a place for (``admission_wait.Promises``), the
+gateway records fingerprint -> upstream until the promise lapses, so the retry goes back to
+the upstream that holds its place through whichever gateway the client reaches next.
+``LocalState`` keeps them in this process (every gateway of one process, as ``prefixgate sim``'s
+gateways, shares them); ``RedisState`` in Redis, for every gateway replica. Only
+``prefixgate sim``'s routing reads them so far: the proxy's routes still send a 429'd request
+on to the next upstream (docs/sim.md says so).
+
 The routes call ``acquire`` before a request runs and, once it ends, ``close_lease`` with
 the request's ``RequestAccount``: ``settle`` (served: charged exactly its usage's prompt +
 completion tokens) or ``refund`` (refused or failed before its first token: costs nothing) —
-``keys.Charge``'s accounting rule — never branching on the backend. Both are synchronous (they run in a ``finally`` of a cancelled handler): a backend
-that talks to a server schedules that work itself.
+``keys.Charge``'s accounting rule — never branching on the backend. Both are synchronous
+(they run in a ``finally`` of a cancelled handler): a backend that talks to a server
+schedules that work itself.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -133,6 +144,21 @@ class StateBackend(Protocol):
         """Give back ``reserve_prefix``'s count (the prefix was deleted, or never made)."""
         ...
 
+    async def put_promise(self, fingerprint: str, upstream: str, ttl_s: float) -> None:
+        """Record that ``upstream`` (its URL) holds a promised place for the request
+        ``fingerprint`` for ``ttl_s`` seconds (until the promise lapses: its Retry-After plus
+        the grace ``Promises`` gives it); a later record of the same fingerprint replaces it."""
+        ...
+
+    async def promised_upstream(self, fingerprint: str) -> str | None:
+        """The upstream holding a promise for ``fingerprint`` (``put_promise``), or None (none,
+        lapsed, or the store unreachable)."""
+        ...
+
+    async def drop_promise(self, fingerprint: str) -> None:
+        """Forget ``fingerprint``'s promise (it was claimed: the request was admitted)."""
+        ...
+
     def describe(self) -> dict[str, Any]:
         """What ``/ready`` shows: ``{"backend": kind, "shared": up, ...}``."""
         ...
@@ -173,6 +199,10 @@ class LocalState:
     up = True
     shares_prefixes = False
 
+    def __init__(self) -> None:
+        # fingerprint -> (upstream, expiry in time.monotonic() seconds), in expiry order
+        self._promises: dict[str, tuple[str, float]] = {}
+
     async def start(self) -> None:
         return None
 
@@ -211,6 +241,35 @@ class LocalState:
 
     async def release_prefix(self, owner: str, prefix_id: str) -> None:
         return None
+
+    async def put_promise(self, fingerprint: str, upstream: str, ttl_s: float) -> None:
+        now = time.monotonic()
+        self._expire(now)
+        self._promises.pop(fingerprint, None)  # re-inserted last: the dict stays in expiry order
+        if ttl_s > 0:
+            self._promises[fingerprint] = (upstream, now + ttl_s)
+
+    async def promised_upstream(self, fingerprint: str) -> str | None:
+        got = self._promises.get(fingerprint)
+        if got is None:
+            return None
+        if got[1] <= time.monotonic():
+            del self._promises[fingerprint]
+            return None
+        return got[0]
+
+    async def drop_promise(self, fingerprint: str) -> None:
+        self._promises.pop(fingerprint, None)
+
+    def _expire(self, now: float) -> None:
+        """Drop the lapsed promises at the front (insertion order is nearly expiry order:
+        a longer-lived one ahead only delays the pruning behind it)."""
+        promises = self._promises
+        while promises:
+            fp, (_, expires) = next(iter(promises.items()))
+            if expires > now:
+                break
+            del promises[fp]
 
     def describe(self) -> dict[str, Any]:
         return {"backend": "local"}

@@ -100,3 +100,32 @@ def test_engine_config_seed_range():
 
     with pytest.raises(ValueError, match="seed"):
         EngineConfig(seed=2**70)  # was torch's "Overflow when unpacking long long"
+
+
+def test_prompt_ids_checked_at_c_speed_keep_every_fault_named():
+    # plain ints within the vocabulary take a C-speed check; every other prompt goes through
+    # the per-token loop, which names the first fault as before
+    import enum
+
+    from prefixgate.engine.input_processor import InputProcessor
+    from prefixgate.engine.protocol import EngineRequest
+    from prefixgate.engine.sampling_params import SamplingParams
+
+    class Id(enum.IntEnum):
+        A = 3
+
+    ip = InputProcessor(None, vocab_size=10, max_model_len=64)
+
+    def prepare(prompt):
+        return ip.prepare(EngineRequest("r", prompt, SamplingParams(max_tokens=1)))
+
+    assert prepare([0, 9, 5]).prompt_token_ids == [0, 9, 5]
+    assert prepare([Id.A, 1]).prompt_token_ids == [3, 1]  # an int subclass passes
+    with pytest.raises(TypeError, match="must be ints, got bool"):
+        prepare([1, True])
+    with pytest.raises(TypeError, match="must be ints, got float"):
+        prepare([1, 2.0])
+    with pytest.raises(ValueError, match="prompt token id 10 is outside"):
+        prepare([1, 10, -1])
+    with pytest.raises(ValueError, match="prompt token id -1 is outside"):
+        prepare([-1, 2])

@@ -175,3 +175,23 @@ def test_collector_batches_mirror_and_drops() -> None:
     assert seq == col.last_seq == 104
     assert Counter(c.uid for c in entries) == Counter(c.uid for c in kv.pool.cached_contents())
     whole(kv)
+
+
+def test_prompt_block_hashes_checks_ids_fast_and_names_each_fault():
+    # plain ints >= 0 take a C-speed check; any other sequence goes through the per-token
+    # loop, which names the first fault
+    import enum
+
+    class Id(enum.IntEnum):
+        A = 3
+
+    ids = list(range(2 * BS))
+    assert prompt_block_hashes(ids, BS) == prompt_block_hashes(tuple(ids), BS)
+    assert len(prompt_block_hashes([Id.A] * BS, BS)) == 1  # an int subclass passes
+    assert prompt_block_hashes([], BS) == []
+    with pytest.raises(TypeError, match="must be ints, got True"):
+        prompt_block_hashes([1, True], BS)
+    with pytest.raises(TypeError, match="must be ints, got 1.0"):
+        prompt_block_hashes([1, 1.0], BS)
+    with pytest.raises(ValueError, match=">= 0, got -2"):
+        prompt_block_hashes([1, -2], BS)

@@ -173,3 +173,52 @@ def test_sim_fit_recovers_known_coefficients_despite_spikes():
     coef, quality = fit(rows)
     assert np.allclose(coef, true, rtol=0.05)
     assert quality["median_rel_error"] < 0.01
+
+
+def test_a_decode_stretch_at_once_leaves_the_state_k_steps_leave():
+    # plan_decodes / apply_decodes (prefixgate sim's pure-decode stretches) against k calls
+    # of step(): the same tokens, computed counts, blocks used, cached block keys, counters
+    # and modelled time
+    from prefixgate.engine.sim_runner import apply_decodes, plan_decodes
+
+    def started() -> tuple[LLMEngine, VirtualClock]:
+        clock = VirtualClock()
+        eng = _engine(clock, scheduling_policy="fair")
+        eng.output_processor.detokenizer_cls = lambda *_: None  # token ids only, as the fleet
+        for i in range(4):  # prompts of 64..61 tokens: blocks fill at different steps
+            eng.add_request(f"r{i}", PROMPT[i:], SamplingParams(max_tokens=40), tenant=f"t{i % 2}")
+        while eng.scheduler.waiting or any(r.num_output_tokens == 0 for r in eng.scheduler.running):
+            eng.step()
+        return eng, clock
+
+    a, clock_a = started()
+    b, clock_b = started()
+    start = clock_a.t
+    assert plan_decodes(a, until=start) is None  # no step starts before start
+    ends = plan_decodes(a)
+    assert ends is not None and len(ends) == 40 - 1 - 1  # the last token's step goes as usual
+    outs = apply_decodes(a, start, ends)
+    for _ in ends:
+        b.step()
+
+    def state(eng: LLMEngine) -> tuple:
+        s, kv = eng.scheduler, eng.kv_cache_manager
+        return (
+            {r.request_id: (list(r.output_token_ids), r.num_computed_tokens) for r in s.running},
+            {rid: len(st.blocks) for rid, st in kv._reqs.items()},
+            kv.pool.num_free,
+            {rid: len(st.chain_uids) for rid, st in kv._reqs.items()},  # blocks cached
+            s.tokens_decoded,
+            s._steps_scheduled,
+            {t: (v.served_output_tokens, v.counter) for t, v in s.policy.tenants.items()},
+        )
+
+    assert state(a) == state(b)
+    assert clock_a.t == pytest.approx(clock_b.t, rel=1e-12)
+    assert a.runner.busy_s == pytest.approx(b.runner.busy_s, rel=1e-12)
+    assert {o.request_id: len(o.delta_token_ids) for o in outs} == {
+        f"r{i}": len(ends) for i in range(4)
+    }
+    assert _run(a) == _run(b)  # the rest, step by step, the same
+    assert_pool_whole(a)
+    assert_pool_whole(b)

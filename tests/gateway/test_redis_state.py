@@ -466,3 +466,28 @@ def test_a_key_over_two_shared_limits_is_told_the_longer_wait(
     message = refused.json()["error"]["message"]
     assert "max_concurrent=1" in message and "1 requests per minute" in message, message
     assert 58 <= int(refused.headers["Retry-After"]) <= 60, refused.headers
+
+
+def test_a_promise_recorded_through_one_replica_is_read_through_another(redis_server):
+    # a retry after a 429 goes back to the upstream that promised it a place, through any
+    # gateway replica (docs/sim.md, 6 December, later section)
+    from prefixgate.gateway.tenancy.redis_state import RedisState
+
+    async def scenario() -> None:
+        one, two = RedisState(redis_server.url), RedisState(redis_server.url)
+        await one.start()
+        await two.start()
+        try:
+            await one.put_promise("key:abc/3/123", "http://replica-2:8000", 0.3)
+            assert await two.promised_upstream("key:abc/3/123") == "http://replica-2:8000"
+            assert await two.promised_upstream("key:abc/3/124") is None
+            await two.drop_promise("key:abc/3/123")  # claimed
+            assert await one.promised_upstream("key:abc/3/123") is None
+            await one.put_promise("lapses", "http://replica-1:8000", 0.2)
+            await asyncio.sleep(0.4)
+            assert await two.promised_upstream("lapses") is None
+        finally:
+            await one.close()
+            await two.close()
+
+    asyncio.run(scenario())
