@@ -100,14 +100,20 @@ def test_tpot_is_the_profiles_decode_step_alone():
     _whole(fleet)
 
 
-def test_overload_refuses_with_retry_after_and_every_request_ends():
-    fleet = Fleet(
+def _overloaded(rate: float) -> Fleet:
+    """2 replicas (300 blocks, 4 queued at most) behind 2 gateways, 0.5 s budgets, ``rate``
+    requests/s for 5 s, seed 1: run."""
+    return Fleet(
         FleetConfig(replicas=2, gateways=2, kv_blocks=300, max_queued_requests=4),
         _wc(ttft_budget_s=0.5),
-        rate=40.0,
+        rate=rate,
         duration_s=5.0,
         seed=1,
     ).run()
+
+
+def test_overload_refuses_with_retry_after_and_every_request_ends():
+    fleet = _overloaded(40.0)
     report = summarize(fleet)
     assert report["requests"]["refusals"] > 0
     assert report["ra_p90_rel_error"] is not None
@@ -120,13 +126,7 @@ def test_a_retry_goes_back_to_the_replica_that_promised_it_a_place():
     # a retry through the client's other gateway once went wherever that gateway's pick
     # sent it: half the retries reached a replica holding no promise for them, were charged
     # for every promise held there, and were told Retry-Afters 2-3x off (docs/sim.md)
-    fleet = Fleet(
-        FleetConfig(replicas=2, gateways=2, kv_blocks=300, max_queued_requests=4),
-        _wc(ttft_budget_s=0.5),
-        rate=80.0,
-        duration_s=5.0,
-        seed=1,
-    ).run()
+    fleet = _overloaded(80.0)
     pairs = [(a, b) for r in fleet.done + fleet.refused for a, b in itertools.pairwise(r.tried)]
     promised = [(a, b) for a, b in pairs if a[1]]
     assert promised, "no promised refusal: the fleet was not overloaded"
