@@ -170,9 +170,11 @@ def test_ctrl_c_in_a_blocking_stream_exits() -> None:
     flight on the loop thread is cancelled at exit, it does not hold the process."""
     silent = StubServer(name="silent", ttft_s=600.0).start()  # first chunk, then silence
     # A terminal's Ctrl-C reaches a script whose SIGINT is Python's default; a child of the
-    # test process inherits that process's SIGINT disposition and mask instead (an ignored or
-    # blocked SIGINT left by another test in the same run would make the script deaf to it):
-    # the script restores the terminal's case first and reports what it inherited.
+    # test process inherits that process's SIGINT disposition and mask instead: pytest started
+    # in the background by a non-interactive shell (`pytest ... &`, as CI wrappers and job
+    # runners do) has SIGINT ignored from the start (POSIX, for asynchronous commands without
+    # job control), which made the script deaf to it. The script restores the terminal's case
+    # first and reports what it inherited.
     source = textwrap.dedent(
         f"""
         import signal, sys
