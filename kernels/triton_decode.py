@@ -191,6 +191,7 @@ def paged_attention_decode(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    *,
     config: DecodeConfig | None = None,
 ) -> torch.Tensor:
     """One query token per sequence over its paged context (flash-decoding split-K).

@@ -165,6 +165,7 @@ def paged_attention_prefill(
     query_start_loc: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    *,
     config: PrefillConfig | None = None,
 ) -> torch.Tensor:
     """Causal attention for a varlen batch of query chunks over paged K/V.
