@@ -39,6 +39,8 @@ Ops (fp32, CPU; tolerances as the tests check them against the torch reference):
   (``torch_ref.rotary_embedding`` + ``reshape_and_cache`` + ``paged_attention_decode``); the
   rotary and the cache write are bit-exact, the attention (fp32, one pass of scores, softmax
   with the max subtracted) within ``rtol=1e-5, atol=1e-6`` of SDPA.
+- :func:`rotary_cache`: its rotary + KV-cache write alone, for T tokens of any step
+  (bit-exact).
 """
 
 from __future__ import annotations
@@ -319,6 +321,37 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     """Row by row: ``x [T, 2I]`` fp32 → ``silu(x[:, :I]) * x[:, I:]`` ``[T, I]`` (an AVX2 ``exp``,
     Cephes' ``expf``, within ``rtol=1e-6`` of torch's)."""
     return torch.ops.prefixgate_cpu.silu_mul(x)
+
+
+def rotary_cache(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """T tokens (a prefill's, any mix): rotary on q and k, k / v written to the caches at
+    ``slot`` (in place; ``-1`` skips): ``torch_ref.rotary_embedding`` + ``reshape_and_cache``
+    bit for bit, in one pass over the merged projection (tokens over torch's threads).
+
+    Args:
+        qkv: ``[T, (Hq + 2 Hkv) * D]`` fp32 (q, then k, then v).
+        positions: ``[T]`` int64; slot: ``[T]`` int64.
+        cos_sin_cache: ``[max_pos, D]`` fp32; k_cache, v_cache: ``[N, S, Hkv, D]`` fp32
+            contiguous.
+
+    Returns:
+        the rotated q, ``[T, Hq * D]`` fp32.
+
+    Raises:
+        RuntimeError: wrong dtypes, shapes or an out-of-range position / slot.
+    """
+    return torch.ops.prefixgate_cpu.rotary_cache(
+        qkv, positions, cos_sin_cache, k_cache, v_cache, slot, num_heads, num_kv_heads
+    )
 
 
 def decode_attention(

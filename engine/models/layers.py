@@ -86,7 +86,8 @@ def set_one_row_ops(model: nn.Module, on: bool) -> int:
 def set_decode_ops(model: nn.Module, on: bool) -> int:
     """Route the batched fp32 CPU paths of ``model``'s :class:`RMSNorm` (any row count: the
     residual add + norm), :class:`MLP` (SiLU * mul) and :class:`Attention` (a step of decode
-    tokens only: rotary + KV write + paged attention read through the block tables in place)
+    tokens only: rotary + KV write + paged attention read through the block tables in place;
+    other steps: rotary + KV write in one pass)
     through prefixgate's CPU ops (:mod:`prefixgate.kernels.cpu_ext`) when ``on``, or back to
     the kernels namespace: one C++ call where torch ran several ops, each with its own pass
     over memory, and no gathered copy of K/V per layer. Results differ from the torch
@@ -224,8 +225,9 @@ class Attention(nn.Module):
     (:func:`set_one_row_ops`); not with q/k norms."""
 
     decode_ops = False
-    """A step of decode tokens only (any count) through ``cpu_ext.decode_attention``
-    (:func:`set_decode_ops`); not with q/k norms."""
+    """A step of decode tokens only (any count) through ``cpu_ext.decode_attention``, other
+    steps' rotary and KV write through ``cpu_ext.rotary_cache`` (:func:`set_decode_ops`); not
+    with q/k norms."""
 
     def __init__(self, cfg: ModelConfig, kernels: SimpleNamespace) -> None:
         super().__init__()
@@ -266,6 +268,22 @@ class Attention(nn.Module):
             )
             out = cpu_ext.decode_attention(qkv, *args)
             return self.o_proj(out)
+        k_cache, v_cache = kv_cache
+        if self.decode_ops and self._fused_rotary(qkv, kv_cache):
+            q = cpu_ext.rotary_cache(
+                qkv,
+                positions,
+                cos_sin_cache,
+                k_cache,
+                v_cache,
+                views.meta.slot_mapping,
+                self.num_heads,
+                self.num_kv_heads,
+            )
+            out = self._attend(
+                q.view(num_tokens, self.num_heads, self.head_dim), k_cache, v_cache, views
+            )
+            return self.o_proj(out.reshape(num_tokens, self.q_size))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q.reshape(-1, self.head_dim))
@@ -274,7 +292,6 @@ class Attention(nn.Module):
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim).contiguous()
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self.kernels.rotary_embedding(positions, q, k, cos_sin_cache)
-        k_cache, v_cache = kv_cache
         self.kernels.reshape_and_cache(k, v, k_cache, v_cache, views.meta.slot_mapping)
         out = self._attend(q, k_cache, v_cache, views)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
@@ -291,6 +308,18 @@ class Attention(nn.Module):
             and not views.has_prefill
             and self.q_norm is None
             and rows
+            and k_cache.dtype == v_cache.dtype == torch.float32
+            and k_cache.is_contiguous()
+            and v_cache.is_contiguous()
+        )
+
+    def _fused_rotary(self, qkv: torch.Tensor, kv_cache: KVCache) -> bool:
+        """Whether this step's rotary and KV write take ``cpu_ext.rotary_cache``: fp32 rows on
+        CPU, no q/k norm, contiguous fp32 caches."""
+        k_cache, v_cache = kv_cache
+        return (
+            self.q_norm is None
+            and _cpu_rows(qkv)
             and k_cache.dtype == v_cache.dtype == torch.float32
             and k_cache.is_contiguous()
             and v_cache.is_contiguous()

@@ -575,8 +575,85 @@ at::Tensor silu_mul(const at::Tensor& x) {
   return out;
 }
 
-// Decode tokens, one per sequence: rotary on q and k (half-split layout), k and v written to
-// the paged caches at each row's slot, then attention of each row's query heads over its own
+// Rotary on q and k (half-split layout) of T tokens, k and v written to the paged caches at
+// each token's slot (-1: not written, as the reference's reshape_and_cache skips it); the
+// rotated q [T, Hq * D] returned. qkv [T, (Hq + 2 Hkv) D]; positions [T] int64; cos_sin
+// [max_pos, D]; caches [N, S, Hkv, D] fp32 contiguous; slot [T] int64. Tokens over
+// at::parallel_for (each writes its own slot).
+at::Tensor rotary_cache(const at::Tensor& qkv, const at::Tensor& positions,
+                        const at::Tensor& cos_sin, const at::Tensor& k_cache,
+                        const at::Tensor& v_cache, const at::Tensor& slot, int64_t num_heads,
+                        int64_t num_kv_heads) {
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+                  v_cache.scalar_type() == at::kFloat && cos_sin.scalar_type() == at::kFloat,
+              "decode_attention: float32 tensors only");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && cos_sin.is_contiguous(),
+              "decode_attention: contiguous caches and cos/sin table");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && slot.scalar_type() == at::kLong,
+              "decode_attention: int64 positions/slot");
+  const int64_t d = k_cache.size(3);
+  TORCH_CHECK(k_cache.size(2) == num_kv_heads && num_heads % num_kv_heads == 0 &&
+                  v_cache.sizes() == k_cache.sizes(),
+              "decode_attention: head counts");
+  const int64_t width = (num_heads + 2 * num_kv_heads) * d;
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == width, "decode_attention: qkv size");
+  const int64_t tokens = qkv.size(0);
+  TORCH_CHECK(positions.numel() == tokens && slot.numel() == tokens,
+              "decode_attention: one position and slot a row");
+  TORCH_CHECK(cos_sin.size(1) == d && d % 2 == 0, "decode_attention: cos/sin table [P, D]");
+  at::Tensor qc = qkv.contiguous();
+  at::Tensor pc = positions.contiguous();
+  at::Tensor sc_t = slot.contiguous();
+  const int64_t* pos_p = pc.data_ptr<int64_t>();
+  const int64_t* slot_p = sc_t.data_ptr<int64_t>();
+  const int64_t slots = k_cache.size(0) * k_cache.size(1);
+  for (int64_t b = 0; b < tokens; ++b) {
+    TORCH_CHECK(pos_p[b] >= 0 && pos_p[b] < cos_sin.size(0),
+                "decode_attention: position out of range");
+    TORCH_CHECK(slot_p[b] < slots, "decode_attention: slot out of range");
+  }
+  const int64_t half = d / 2;
+  const float* src_all = qc.data_ptr<float>();
+  at::Tensor out = at::empty({tokens, num_heads * d}, qkv.options());
+  float* q_all = out.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  const float* cs_all = cos_sin.data_ptr<float>();
+  const int64_t row = num_kv_heads * d;  // floats per cache slot
+  auto run = [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const float* cs = cs_all + pos_p[b] * d;
+      // rotary: t * [cos, cos] + [t2, t1] * [-sin, sin], the torch reference's products and sums
+      auto rotate = [&](const float* t, float* dst) {
+        for (int64_t i = 0; i < half; ++i) {
+          const float c = cs[i], sn = cs[half + i];
+          const float a = t[i], bb = t[half + i];
+          dst[i] = a * c + bb * (-sn);
+          dst[half + i] = bb * c + a * sn;
+        }
+      };
+      const float* src = src_all + b * width;
+      float* q = q_all + b * num_heads * d;
+      for (int64_t hh = 0; hh < num_heads; ++hh) rotate(src + hh * d, q + hh * d);
+      const float* ksrc = src + num_heads * d;
+      const float* vsrc = ksrc + num_kv_heads * d;
+      const int64_t s = slot_p[b];
+      if (s >= 0) {
+        for (int64_t g = 0; g < num_kv_heads; ++g) rotate(ksrc + g * d, kc + s * row + g * d);
+        std::copy(vsrc, vsrc + row, vc + s * row);
+      }
+    }
+  };
+  if (tokens < 16) {
+    run(0, tokens);
+  } else {
+    at::parallel_for(0, tokens, 16, run);
+  }
+  return out;
+}
+
+// Decode tokens, one per sequence: rotary_cache (rotary on q and k, k and v written to the
+// paged caches at each row's slot), then attention of each row's query heads over its own
 // whole context (after every row's write, as reshape_and_cache then the attention).
 // qkv [B, (Hq + 2 Hkv) D]; positions [B] int64; cos_sin [max_pos, D]; caches [N, S, Hkv, D]
 // fp32 contiguous; block_table [B, max_blocks] int32; context_len [B] int32; slot [B] int64.
@@ -585,72 +662,30 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& positions,
                             const at::Tensor& v_cache, const at::Tensor& block_table,
                             const at::Tensor& context_len, const at::Tensor& slot,
                             int64_t num_heads, int64_t num_kv_heads, double scale) {
-  TORCH_CHECK(qkv.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat && cos_sin.scalar_type() == at::kFloat,
-              "decode_attention: float32 tensors only");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && cos_sin.is_contiguous(),
-              "decode_attention: contiguous caches and cos/sin table");
-  TORCH_CHECK(positions.scalar_type() == at::kLong && slot.scalar_type() == at::kLong &&
-                  block_table.scalar_type() == at::kInt && context_len.scalar_type() == at::kInt,
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && context_len.scalar_type() == at::kInt,
               "decode_attention: int64 positions/slot, int32 block table/context length");
   const int64_t d = k_cache.size(3);
   const int64_t block_size = k_cache.size(1);
-  TORCH_CHECK(k_cache.size(2) == num_kv_heads && num_heads % num_kv_heads == 0,
-              "decode_attention: head counts");
-  const int64_t width = (num_heads + 2 * num_kv_heads) * d;
-  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == width, "decode_attention: qkv size");
-  const int64_t batch = qkv.size(0);
-  TORCH_CHECK(positions.numel() == batch && slot.numel() == batch &&
-                  context_len.numel() == batch && block_table.dim() == 2 &&
-                  block_table.size(0) == batch,
+  const int64_t batch = qkv.dim() == 2 ? qkv.size(0) : -1;
+  TORCH_CHECK(context_len.numel() == batch && block_table.dim() == 2 &&
+                  block_table.size(0) == batch && positions.numel() == batch &&
+                  slot.numel() == batch,
               "decode_attention: one position, slot, context length and block table a row");
-  TORCH_CHECK(cos_sin.size(1) == d && d % 2 == 0, "decode_attention: cos/sin table [P, D]");
-  at::Tensor qc = qkv.contiguous();
   at::Tensor bt = block_table.contiguous();
-  at::Tensor pc = positions.contiguous();
   at::Tensor lc = context_len.contiguous();
-  at::Tensor sc_t = slot.contiguous();
-  const int64_t* pos_p = pc.data_ptr<int64_t>();
   const int32_t* len_p = lc.data_ptr<int32_t>();
-  const int64_t* slot_p = sc_t.data_ptr<int64_t>();
   const int64_t max_blocks = bt.size(1);
   for (int64_t b = 0; b < batch; ++b) {
-    TORCH_CHECK(pos_p[b] >= 0 && pos_p[b] < cos_sin.size(0),
-                "decode_attention: position out of range");
     TORCH_CHECK(len_p[b] >= 1 && (len_p[b] - 1) / block_size < max_blocks,
                 "decode_attention: context length past the block table");
-    TORCH_CHECK(slot_p[b] < k_cache.size(0) * block_size, "decode_attention: slot out of range");
   }
-  const int64_t half = d / 2;
-  const float* src_all = qc.data_ptr<float>();
-  at::Tensor out = at::empty({batch, num_heads * d}, qkv.options());
   // rotated q lives in out until each head overwrites its own
+  at::Tensor out = rotary_cache(qkv, positions, cos_sin, k_cache, v_cache, slot, num_heads,
+                                num_kv_heads);
   float* q_all = out.data_ptr<float>();
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
+  const float* kc = k_cache.data_ptr<float>();
+  const float* vc = v_cache.data_ptr<float>();
   const int64_t row = num_kv_heads * d;  // floats per cache slot
-  for (int64_t b = 0; b < batch; ++b) {
-    const float* cs = cos_sin.data_ptr<float>() + pos_p[b] * d;
-    // rotary: t * [cos, cos] + [t2, t1] * [-sin, sin], the torch reference's products and sums
-    auto rotate = [&](const float* t, float* dst) {
-      for (int64_t i = 0; i < half; ++i) {
-        const float c = cs[i], sn = cs[half + i];
-        const float a = t[i], bb = t[half + i];
-        dst[i] = a * c + bb * (-sn);
-        dst[half + i] = bb * c + a * sn;
-      }
-    };
-    const float* src = src_all + b * width;
-    float* q = q_all + b * num_heads * d;
-    for (int64_t hh = 0; hh < num_heads; ++hh) rotate(src + hh * d, q + hh * d);
-    const float* ksrc = src + num_heads * d;
-    const float* vsrc = ksrc + num_kv_heads * d;
-    const int64_t s = slot_p[b];
-    if (s >= 0) {  // slot -1: the token is not cached (the reference's reshape_and_cache skips it)
-      for (int64_t g = 0; g < num_kv_heads; ++g) rotate(ksrc + g * d, kc + s * row + g * d);
-      std::copy(vsrc, vsrc + row, vc + s * row);
-    }
-  }
   const int32_t* tables = bt.data_ptr<int32_t>();
   const int64_t group = num_heads / num_kv_heads;
   const float sc = static_cast<float>(scale);
@@ -798,6 +833,9 @@ TORCH_LIBRARY(prefixgate_cpu, m) {
   m.def("add_rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_mul(Tensor x) -> Tensor");
   m.def(
+      "rotary_cache(Tensor qkv, Tensor positions, Tensor cos_sin, Tensor(a!) k_cache, "
+      "Tensor(b!) v_cache, Tensor slot, int num_heads, int num_kv_heads) -> Tensor");
+  m.def(
       "decode_layer(Tensor hidden, Tensor? residual, Tensor input_norm, Tensor post_norm, "
       "float eps, int[] kinds, Tensor[] weights, Tensor?[] scales, Tensor?[] biases, "
       "int[] n_outs, Tensor positions, Tensor cos_sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
@@ -816,6 +854,7 @@ TORCH_LIBRARY_IMPL(prefixgate_cpu, CPU, m) {
   m.impl("gemv_int8x8_packed", gemv_int8x8_packed);
   m.impl("add_rms_norm", add_rms_norm);
   m.impl("silu_mul", silu_mul);
+  m.impl("rotary_cache", rotary_cache);
   m.impl("decode_layer", decode_layer);
   m.impl("decode_attention", decode_attention);
 }

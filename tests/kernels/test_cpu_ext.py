@@ -349,3 +349,33 @@ def test_decode_attention_refuses_mismatched_rows():
             1,
             1.0,
         )
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_rotary_cache_is_the_reference_bit_for_bit(tokens):
+    """rotary_cache: torch_ref.rotary_embedding's q, and its k / v written by reshape_and_cache
+    (a -1 slot skipped), bit for bit."""
+    hq, hkv, d, block, num_blocks, max_pos = 9, 3, 64, 16, 8, 128
+    gen = torch.Generator().manual_seed(tokens)
+    k_cache = torch.randn(num_blocks, block, hkv, d, generator=gen)
+    v_cache = torch.randn(num_blocks, block, hkv, d, generator=gen)
+    positions = torch.randint(0, max_pos, (tokens,), generator=gen)
+    slot = torch.randperm(num_blocks * block, generator=gen)[:tokens]
+    slot[tokens // 2] = -1
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    freqs = torch.outer(torch.arange(max_pos).float(), inv)
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * d, generator=gen)
+
+    kr, vr = k_cache.clone(), v_cache.clone()
+    q, k, v = qkv.clone().split([hq * d, hkv * d, hkv * d], dim=-1)
+    q = q.reshape(tokens, hq, d).contiguous()
+    k = k.reshape(tokens, hkv, d).contiguous()
+    q, k = torch_ref.rotary_embedding(positions, q, k, cos_sin)
+    torch_ref.reshape_and_cache(k, v.reshape(tokens, hkv, d), kr, vr, slot)
+
+    got = cpu_ext.rotary_cache(qkv, positions, cos_sin, k_cache, v_cache, slot, hq, hkv)
+    assert torch.equal(got, q.reshape(tokens, hq * d))
+    assert torch.equal(k_cache, kr) and torch.equal(v_cache, vr)
+    with pytest.raises(RuntimeError, match="position out of range"):
+        cpu_ext.rotary_cache(qkv, positions + max_pos, cos_sin, k_cache, v_cache, slot, hq, hkv)
