@@ -691,50 +691,75 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& positions,
   const float sc = static_cast<float>(scale);
   int64_t longest = 1;
   for (int64_t b = 0; b < batch; ++b) longest = std::max<int64_t>(longest, len_p[b]);
-  at::parallel_for(0, batch * num_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(longest);
-    std::vector<float> acc(d);
+  // one task a (row, KV head): its G = Hq / Hkv query heads read each cached K row once; the
+  // context is walked block by block (no division a token)
+  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(group * longest);
+    std::vector<const float*> vrows(longest);
+    std::vector<float> mx(group);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / num_heads;
-      const int64_t hh = task % num_heads;
+      const int64_t b = task / num_kv_heads;
+      const int64_t g = task % num_kv_heads;
       const int64_t length = len_p[b];
       const int32_t* table = tables + b * max_blocks;
-      const int64_t g = hh / group;
-      float* qh = q_all + b * num_heads * d + hh * d;
-      float mx = -INFINITY;
-      for (int64_t t = 0; t < length; ++t) {
-        const int64_t slot_t = static_cast<int64_t>(table[t / block_size]) * block_size +
-                               t % block_size;
-        const float v = dot(qh, kc + slot_t * row + g * d, d) * sc;
-        scores[t] = v;
-        mx = std::max(mx, v);
-      }
-      // softmax numerators exp(score - max), eight at a time (exp8)
-      int64_t t = 0;
-      const __m256 mxv = _mm256_set1_ps(mx);
-      for (; t + 8 <= length; t += 8) {
-        _mm256_storeu_ps(scores.data() + t,
-                         exp8(_mm256_sub_ps(_mm256_loadu_ps(scores.data() + t), mxv)));
-      }
-      for (; t < length; ++t) scores[t] = std::exp(scores[t] - mx);
-      float denom = 0.0f;
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (t = 0; t < length; ++t) {
-        const float p = scores[t];
-        denom += p;
-        const int64_t slot_t = static_cast<int64_t>(table[t / block_size]) * block_size +
-                               t % block_size;
-        const float* vt = vc + slot_t * row + g * d;
-        int64_t i = 0;
-        const __m256 pv = _mm256_set1_ps(p);
-        for (; i + 8 <= d; i += 8) {
-          _mm256_storeu_ps(acc.data() + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(vt + i),
-                                                           _mm256_loadu_ps(acc.data() + i)));
+      float* q0 = q_all + b * num_heads * d + g * group * d;  // the group's first query head
+      std::fill(mx.begin(), mx.end(), -INFINITY);
+      for (int64_t t0 = 0; t0 < length; t0 += block_size) {
+        const int64_t base = static_cast<int64_t>(table[t0 / block_size]) * block_size;
+        const int64_t n = std::min(block_size, length - t0);
+        for (int64_t o = 0; o < n; ++o) {
+          const float* kt = kc + (base + o) * row + g * d;
+          vrows[t0 + o] = vc + (base + o) * row + g * d;
+          for (int64_t j = 0; j < group; ++j) {
+            const float v = dot(q0 + j * d, kt, d) * sc;
+            scores[j * longest + t0 + o] = v;
+            mx[j] = std::max(mx[j], v);
+          }
         }
-        for (; i < d; ++i) acc[i] += p * vt[i];
       }
-      const float inv = 1.0f / denom;
-      for (int64_t i = 0; i < d; ++i) qh[i] = acc[i] * inv;
+      for (int64_t j = 0; j < group; ++j) {
+        // softmax numerators exp(score - max), eight at a time (exp8)
+        float* sj = scores.data() + j * longest;
+        int64_t t = 0;
+        const __m256 mxv = _mm256_set1_ps(mx[j]);
+        for (; t + 8 <= length; t += 8) {
+          _mm256_storeu_ps(sj + t, exp8(_mm256_sub_ps(_mm256_loadu_ps(sj + t), mxv)));
+        }
+        for (; t < length; ++t) sj[t] = std::exp(sj[t] - mx[j]);
+        float denom = 0.0f;
+        for (t = 0; t < length; ++t) denom += sj[t];
+        const float inv = 1.0f / denom;
+        float* qh = q0 + j * d;  // the head's output (its q is no longer needed)
+        int64_t i = 0;
+        for (; i + 32 <= d; i += 32) {  // 4 accumulators in registers, V rows in order
+          __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+          for (t = 0; t < length; ++t) {
+            const __m256 pv = _mm256_set1_ps(sj[t]);
+            const float* vt = vrows[t] + i;
+            a0 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vt), a0);
+            a1 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vt + 8), a1);
+            a2 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vt + 16), a2);
+            a3 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vt + 24), a3);
+          }
+          const __m256 iv = _mm256_set1_ps(inv);
+          _mm256_storeu_ps(qh + i, _mm256_mul_ps(a0, iv));
+          _mm256_storeu_ps(qh + i + 8, _mm256_mul_ps(a1, iv));
+          _mm256_storeu_ps(qh + i + 16, _mm256_mul_ps(a2, iv));
+          _mm256_storeu_ps(qh + i + 24, _mm256_mul_ps(a3, iv));
+        }
+        for (; i + 8 <= d; i += 8) {
+          __m256 a0 = _mm256_setzero_ps();
+          for (t = 0; t < length; ++t) {
+            a0 = _mm256_fmadd_ps(_mm256_set1_ps(sj[t]), _mm256_loadu_ps(vrows[t] + i), a0);
+          }
+          _mm256_storeu_ps(qh + i, _mm256_mul_ps(a0, _mm256_set1_ps(inv)));
+        }
+        for (; i < d; ++i) {
+          float a = 0.0f;
+          for (t = 0; t < length; ++t) a += sj[t] * vrows[t][i];
+          qh[i] = a * inv;
+        }
+      }
     }
   });
   return out;
