@@ -1,4 +1,4 @@
-"""prefixgate's own CPU ops for one row (batch-1 decode), built on first use.
+"""prefixgate's own CPU ops (one-row GEMVs and layers, batched small ops), built on first use.
 
 ``kernels/csrc/cpu_ops.cpp`` is compiled with ``torch.utils.cpp_extension.load`` (g++,
 ``-O3 -mavx2 -mfma -ffp-contract=off``) into torch's extensions cache (``TORCH_EXTENSIONS_DIR``,
