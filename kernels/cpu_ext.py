@@ -1,4 +1,4 @@
-"""prefixgate's own CPU ops for one row (batch-1 decode), built on first use.
+"""prefixgate's own CPU ops (one-row GEMVs and layers, batched small ops), built on first use.
 
 ``kernels/csrc/cpu_ops.cpp`` is compiled with ``torch.utils.cpp_extension.load`` (g++,
 ``-O3 -mavx2 -mfma -ffp-contract=off``) into torch's extensions cache (``TORCH_EXTENSIONS_DIR``,
@@ -29,16 +29,18 @@ Ops (fp32, CPU; tolerances as the tests check them against the torch reference):
 - :func:`gemv_int8` with ``activations="int8"``: activations quantized per 32 columns to int8
   and exact int32 block sums (:func:`pack_quads_int8`' layout; AVX-VNNI where the CPU has it);
   error at most ``sum_b 0.5 * amax(|x_b|) / 127 * sum_{k in b} |q * scale|`` per output.
-- :func:`add_rms_norm`: the residual add + RMSNorm of ``torch_ref.rms_norm`` for one row; the
+- :func:`add_rms_norm`: the residual add + RMSNorm of ``torch_ref.rms_norm``, row by row; the
   sum is exact (same fp32 add), the mean square differs in summation order (``rtol=1e-6``).
-- :func:`silu_mul`: ``torch_ref.silu_and_mul`` for one row (``std::exp``; ``rtol=1e-6``).
+- :func:`silu_mul`: ``torch_ref.silu_and_mul`` row by row (an AVX2 ``exp``; ``rtol=1e-6``).
 - :func:`decode_layer`: a whole pre-norm decoder layer for one decode token alone (the ops
   above in ``DecoderLayer.forward``'s order, its linears by :data:`LINEAR_KINDS`): one call a
   layer instead of ~8, the same results bit for bit as calling them one by one.
-- :func:`decode_attention`: rotary + KV-cache write + paged attention of one decode token
+- :func:`decode_attention`: rotary + KV-cache write + paged attention of B decode tokens
   (``torch_ref.rotary_embedding`` + ``reshape_and_cache`` + ``paged_attention_decode``); the
   rotary and the cache write are bit-exact, the attention (fp32, one pass of scores, softmax
   with the max subtracted) within ``rtol=1e-5, atol=1e-6`` of SDPA.
+- :func:`rotary_cache`: its rotary + KV-cache write alone, for T tokens of any step
+  (bit-exact).
 """
 
 from __future__ import annotations
@@ -309,14 +311,47 @@ def pack_pairs_int8(
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One row: ``(weight * s / sqrt(mean(s^2) + eps), s)`` with ``s = x + residual`` (``s = x``
-    without a residual); ``x``, ``residual`` ``[1, H]`` fp32, ``weight [H]`` fp32."""
+    """Row by row: ``(weight * s / sqrt(mean(s^2) + eps), s)`` with ``s = x + residual`` (``s = x``
+    without a residual); ``x``, ``residual`` ``[T, H]`` fp32, ``weight [H]`` fp32. Rows over
+    torch's threads; a row's result is the same at any ``T``."""
     return torch.ops.prefixgate_cpu.add_rms_norm(x, residual, weight, eps)
 
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
-    """One row: ``x [1, 2I]`` fp32 → ``silu(x[:, :I]) * x[:, I:]`` ``[1, I]``."""
+    """Row by row: ``x [T, 2I]`` fp32 → ``silu(x[:, :I]) * x[:, I:]`` ``[T, I]`` (an AVX2 ``exp``,
+    Cephes' ``expf``, within ``rtol=1e-6`` of torch's)."""
     return torch.ops.prefixgate_cpu.silu_mul(x)
+
+
+def rotary_cache(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """T tokens (a prefill's, any mix): rotary on q and k, k / v written to the caches at
+    ``slot`` (in place; ``-1`` skips): ``torch_ref.rotary_embedding`` + ``reshape_and_cache``
+    bit for bit, in one pass over the merged projection (tokens over torch's threads).
+
+    Args:
+        qkv: ``[T, (Hq + 2 Hkv) * D]`` fp32 (q, then k, then v).
+        positions: ``[T]`` int64; slot: ``[T]`` int64.
+        cos_sin_cache: ``[max_pos, D]`` fp32; k_cache, v_cache: ``[N, S, Hkv, D]`` fp32
+            contiguous.
+
+    Returns:
+        the rotated q, ``[T, Hq * D]`` fp32.
+
+    Raises:
+        RuntimeError: wrong dtypes, shapes or an out-of-range position / slot.
+    """
+    return torch.ops.prefixgate_cpu.rotary_cache(
+        qkv, positions, cos_sin_cache, k_cache, v_cache, slot, num_heads, num_kv_heads
+    )
 
 
 def decode_attention(
@@ -332,20 +367,22 @@ def decode_attention(
     num_kv_heads: int,
     scale: float,
 ) -> torch.Tensor:
-    """One decode token of one sequence: rotary on q and k, k / v written to the caches at
-    ``slot`` (in place; ``-1`` skips), attention over the ``context_len`` cached tokens.
+    """B decode tokens, one per sequence: rotary on q and k, k / v written to the caches at
+    ``slot`` (in place; ``-1`` skips), then each row's attention over its ``context_len``
+    cached tokens, read through its block table in place (no gather); rows and heads over
+    torch's threads.
 
     Args:
-        qkv: ``[1, (Hq + 2 Hkv) * D]`` fp32, the merged projection's row (q, then k, then v).
-        positions: ``[1]`` int64.
+        qkv: ``[B, (Hq + 2 Hkv) * D]`` fp32, the merged projection's rows (q, then k, then v).
+        positions: ``[B]`` int64.
         cos_sin_cache: ``[max_pos, D]`` fp32 (cos in the first D/2 columns).
         k_cache, v_cache: ``[N, S, Hkv, D]`` fp32 contiguous.
-        block_table: ``[1, max_blocks]`` int32; context_len: ``[1]`` int32 (with this token);
-        slot: ``[1]`` int64.
+        block_table: ``[B, max_blocks]`` int32; context_len: ``[B]`` int32 (with this token);
+        slot: ``[B]`` int64.
         num_heads, num_kv_heads: Hq, Hkv; scale: the softmax scale.
 
     Returns:
-        ``[1, Hq * D]`` fp32.
+        ``[B, Hq * D]`` fp32.
 
     Raises:
         RuntimeError: wrong dtypes, shapes or an out-of-range position / slot / length.

@@ -1,11 +1,13 @@
-"""fp32 linear layers on CPU through oneDNN with prepacked weights.
+"""fp32 and bf16 linear layers on CPU through oneDNN with prepacked weights.
 
 ``nn.Linear`` on CPU calls MKL's ``sgemm``, which measured slower than oneDNN (torch's bundled
 MKL-DNN) with the weight reordered once into oneDNN's blocked layout from 8 rows on, and about
 equal at one row (figures: docs/benchmarks/cpu-gemm.md). This is the op PyTorch's own inductor emits for frozen CPU linears
 (``torch.ops.mkldnn._linear_pointwise`` on a weight from
 ``torch.ops.mkldnn._reorder_linear_weight``), so the engine gets the same GEMM without
-``torch.compile``.
+``torch.compile``. bf16 takes the same op (oneDNN's AVX512_BF16 / AMX kernels, fp32
+accumulation) where :func:`onednn_bf16_available`; the one-row kinds and calibration below are
+fp32's (a bf16 layer keeps oneDNN at every row count).
 
 Results differ from MKL's in the last bits (another summation order; fp32 accumulation both;
 max abs error against float64 about 2x MKL's, ~1e-4 on unit-normal inputs). As with
@@ -144,7 +146,7 @@ def warm_up_row_counts(layers: Sequence[nn.Module], max_rows: int) -> int:
     counts = sorted({padded_rows(m) for m in range(1, max_rows + 1)})
     with torch.inference_mode():
         for layer in shapes.values():
-            x = torch.zeros((counts[-1], layer.in_features))
+            x = torch.zeros((counts[-1], layer.in_features), dtype=layer.dtype)
             for rows in counts:
                 layer(x[:rows])
     return len(shapes) * len(counts)
@@ -158,13 +160,21 @@ def onednn_linear_available() -> bool:
     return hasattr(ops, "_linear_pointwise") and hasattr(ops, "_reorder_linear_weight")
 
 
+def onednn_bf16_available() -> bool:
+    """True where oneDNN runs bf16 GEMMs natively on this CPU (AVX512_BF16 or AMX:
+    ``torch.ops.mkldnn._is_mkldnn_bf16_supported``); elsewhere bf16 keeps torch's linear."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return onednn_linear_available() and check is not None and bool(check())
+
+
 def use_onednn_linear(
     device: str | torch.device, dtype: torch.dtype, quantization: str | None
 ) -> bool:
-    """Whether :func:`pack_linears` applies: CPU, float32, no quantization, oneDNN present."""
+    """Whether :func:`pack_linears` applies: CPU, no quantization, oneDNN present, and float32,
+    or bfloat16 where :func:`onednn_bf16_available`."""
     return (
         torch.device(device).type == "cpu"
-        and dtype == torch.float32
+        and (dtype == torch.float32 or (dtype == torch.bfloat16 and onednn_bf16_available()))
         and quantization is None
         and onednn_linear_available()
     )
@@ -218,14 +228,58 @@ def onednn_panels(packed: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | 
     return None
 
 
+def onednn_pair_panels(packed: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """A ``[P, Ip / 2, W, 2]`` bf16 view (no copy) of the buffer of ``packed``, oneDNN's
+    reordered copy of bf16 ``weight [O, I]``: output row ``p * W + j``, input column
+    ``2 * c + t`` in ``view[p, c, j, t]`` (``Ip >= I`` even: oneDNN's padded input columns);
+    or None where oneDNN chose another layout.
+
+    On AVX512_BF16 CPUs oneDNN packs bf16 weights in 64-wide panels of column pairs (the pairs
+    ``vdpbf16ps`` multiplies; ``AB16b64a2b``); as :func:`onednn_panels`, each width of
+    :data:`PANEL_WIDTHS` whose padded size matches the buffer's is checked against ``weight``
+    value for value. The view keeps ``packed`` alive.
+    """
+    out_f, in_f = weight.shape
+    nbytes = onednn_storage_bytes(packed)
+    if weight.dtype != torch.bfloat16 or nbytes % 2:
+        return None
+    numel = nbytes // 2
+    for width in PANEL_WIDTHS:
+        panels = -(-out_f // width)
+        if numel % (panels * width):
+            continue
+        in_pad = numel // (panels * width)
+        if in_pad < in_f or in_pad % 2:
+            continue
+        buffer_type = cast(
+            "type[ctypes.Array[ctypes.c_uint16]]",
+            type("OneDNNBuffer", (ctypes.c_uint16 * numel,), {}),
+        )
+        buffer = buffer_type.from_address(int(torch.ops.mkldnn.data_ptr(packed)))
+        buffer.owner = packed  # type: ignore[attr-defined]  # lives as long as the view
+        flat = torch.frombuffer(buffer, dtype=torch.bfloat16)
+        view = flat.as_strided((panels, in_pad // 2, width, 2), (in_pad * width, 2 * width, 2, 1))
+        if _panels_hold(view, weight):
+            return view
+    return None
+
+
+def panel_rows(view: torch.Tensor, in_features: int) -> torch.Tensor:
+    """The rows ``[P * W, I]`` (a copy) of a panel view: :func:`onednn_panels`' ``[P, I, W]``
+    or :func:`onednn_pair_panels`' ``[P, Ip / 2, W, 2]``."""
+    if view.dim() == 3:
+        return view.permute(0, 2, 1).reshape(-1, view.shape[1])
+    return view.permute(0, 2, 1, 3).reshape(-1, view.shape[1] * 2)[:, :in_features]
+
+
 def _panels_hold(view: torch.Tensor, weight: torch.Tensor, chunk_rows: int = 4096) -> bool:
-    """Whether panel view ``view [P, I, W]`` reads exactly ``weight [O, I]`` (compared a chunk
-    of rows at a time: no whole second copy, even for an LM head)."""
-    out_f = weight.shape[0]
+    """Whether panel view ``view`` (:func:`panel_rows`' two layouts) reads exactly ``weight
+    [O, I]`` (compared a chunk of rows at a time: no whole second copy, even for an LM head)."""
+    out_f, in_f = weight.shape
     width = view.shape[2]
     per = max(1, chunk_rows // width)
     for p0 in range(0, view.shape[0], per):
-        rows = view[p0 : p0 + per].permute(0, 2, 1).reshape(-1, view.shape[1])
+        rows = panel_rows(view[p0 : p0 + per], in_f)
         r0 = p0 * width
         r1 = min(out_f, r0 + rows.shape[0])
         if not torch.equal(rows[: r1 - r0], weight[r0:r1]):
@@ -234,23 +288,27 @@ def _panels_hold(view: torch.Tensor, weight: torch.Tensor, chunk_rows: int = 409
 
 
 class OneDNNLinear(nn.Module):
-    """``y = x @ weight.T + bias`` with the weight prepacked for oneDNN (fp32, CPU).
+    """``y = x @ weight.T + bias`` with the weight prepacked for oneDNN (fp32 or bf16, CPU).
 
     Args:
-        weight: ``[O, I]`` float32 on CPU (copied into oneDNN's layout, never shared).
-        bias: ``[O]`` float32 or None.
+        weight: ``[O, I]`` float32 or bfloat16 on CPU (copied into oneDNN's layout, never
+            shared).
+        bias: ``[O]`` or None (kept in the weight's dtype).
 
-    ``forward(x [T, I] float32)`` → ``[T, O]`` float32 (any leading dims; T may be 0).
+    ``forward(x [T, I])`` in the weight's dtype → ``[T, O]`` in it (any leading dims; T may be
+    0). A bf16 layer keeps oneDNN at one row too (``set_one_row`` takes "onednn" only).
     """
 
     bias: torch.Tensor | None  # a buffer (register_buffer), declared for the type checker
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
-        if weight.dtype != torch.float32 or weight.device.type != "cpu":
+        if weight.dtype not in (torch.float32, torch.bfloat16) or weight.device.type != "cpu":
             raise ValueError(
-                f"OneDNNLinear needs a float32 CPU weight, got {weight.dtype} on {weight.device}"
+                "OneDNNLinear needs a float32 or bfloat16 CPU weight, "
+                f"got {weight.dtype} on {weight.device}"
             )
+        self.dtype = weight.dtype
         self.in_features = int(weight.shape[1])
         self.out_features = int(weight.shape[0])
         w = weight.detach().contiguous()
@@ -259,8 +317,12 @@ class OneDNNLinear(nn.Module):
         self._packed = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS_HINT)
         # the packed buffer read as cpu_ext.gemv's panels (None where oneDNN's layout is not
         # one): the "gemv" one-row kind then needs no copy of the weight
-        self._panels = onednn_panels(self._packed, w)
-        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+        fp32 = w.dtype == torch.float32
+        self._panels = onednn_panels(self._packed, w) if fp32 else None
+        # the packed buffer read as rows (PanelEmbedding's table): the fp32 panels, or bf16's
+        # column-pair panels
+        self._table = self._panels if fp32 else onednn_pair_panels(self._packed, w)
+        self.register_buffer("bias", None if bias is None else bias.detach().to(w.dtype).clone())
         self.one_row = "onednn"
         # the one-row GEMM's own copy of the weight ([I, O] for "mm_t", [O, I] for "linear"):
         # a plain attribute, as _packed
@@ -280,6 +342,10 @@ class OneDNNLinear(nn.Module):
         """
         if kind not in ONE_ROW_KINDS:
             raise ValueError(f"unknown one-row GEMM {kind!r}; expected one of {ONE_ROW_KINDS}")
+        if kind != "onednn" and self.dtype != torch.float32:
+            raise ValueError(
+                f"one-row GEMM {kind!r} is float32's; a {self.dtype} layer keeps oneDNN"
+            )
         if kind == "gemv" and not cpu_ext.available():
             raise RuntimeError("one-row GEMM 'gemv' needs prefixgate's CPU ops (not built here)")
         self._one_row_weight = None
@@ -297,6 +363,12 @@ class OneDNNLinear(nn.Module):
     def shares_gemv(self) -> bool:
         """True where "gemv" reads the packed weight itself (:func:`onednn_panels`)."""
         return self._panels is not None
+
+    @property
+    def shares_table(self) -> bool:
+        """True where a tied embedding can read its rows from the packed weight itself
+        (:func:`onednn_panels` for fp32, :func:`onednn_pair_panels` for bf16)."""
+        return self._table is not None
 
     def one_row_spec(self) -> cpu_ext.LinearSpec | None:
         """This layer's one-row GEMM as ``cpu_ext.decode_layer`` takes it: its one-row copy of
@@ -325,7 +397,7 @@ class OneDNNLinear(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        """``[O, I]`` float32: a plain copy of the packed weight (reading it, as
+        """``[O, I]`` in the layer's dtype: a plain copy of the packed weight (reading it, as
         :func:`~prefixgate.engine.models.quantization.quantize_model` does; writing to it
         changes nothing)."""
         return self._packed.to_dense()
@@ -363,16 +435,16 @@ class PanelEmbedding(nn.Module):
     is held once (the head's panels, :func:`onednn_panels`) instead of a plain copy beside it.
 
     ``forward(ids [...] int64)`` → ``[..., H]``: the rows of the head's weight, bit for bit
-    (a gather, no arithmetic). ``.weight`` is a dense copy (read only), as
+    (a gather, no arithmetic), in its dtype. ``.weight`` is a dense copy (read only), as
     :attr:`OneDNNLinear.weight`.
 
     Raises:
-        ValueError: a head whose packed weight is not a panel layout (``shares_gemv`` False).
+        ValueError: a head whose packed weight is not a panel layout (``shares_table`` False).
     """
 
     def __init__(self, head: OneDNNLinear) -> None:
         super().__init__()
-        panels = head._panels
+        panels = head._table
         if panels is None:
             raise ValueError("PanelEmbedding needs a head whose packed weight is panels")
         self.num_embeddings = head.out_features
@@ -382,15 +454,17 @@ class PanelEmbedding(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        """``[V, H]`` float32: a dense copy of the table."""
-        p = self._panels
-        return p.permute(0, 2, 1).reshape(-1, self.embedding_dim)[: self.num_embeddings]
+        """``[V, H]`` in the head's dtype: a dense copy of the table."""
+        return panel_rows(self._panels, self.embedding_dim)[: self.num_embeddings]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
             raise IndexError(f"token id out of range [0, {self.num_embeddings})")
-        rows = self._panels[flat // self._width, :, flat % self._width]
+        p = self._panels
+        rows = p[flat // self._width, :, flat % self._width]  # [n, I] or [n, Ip / 2, 2]
+        if p.dim() == 4:
+            rows = rows.reshape(flat.shape[0], -1)[:, : self.embedding_dim]
         return rows.reshape(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
@@ -427,7 +501,7 @@ def pack_linears(model: nn.Module) -> nn.Module:
         setattr(parent, name, packed)
         del child
         tied = embeddings.get(key)
-        if tied is not None and packed.shares_gemv:
+        if tied is not None and packed.shares_table:
             setattr(tied[0], tied[1], PanelEmbedding(packed))
     return model
 
@@ -564,7 +638,7 @@ def calibrate_one_row(
     """
     groups: dict[tuple[int, int], list[OneDNNLinear]] = {}
     for m in model.modules():
-        if isinstance(m, OneDNNLinear):
+        if isinstance(m, OneDNNLinear) and m.dtype == torch.float32:  # bf16: oneDNN
             groups.setdefault((m.out_features, m.in_features), []).append(m)
     total = sum(o * i * 4 * len(ms) for (o, i), ms in groups.items())
     if total < min_bytes:  # cache-resident: nothing to stream, every kind times alike

@@ -83,6 +83,26 @@ def set_one_row_ops(model: nn.Module, on: bool) -> int:
     return _set_flag(model, (RMSNorm, Attention, MLP), "one_row_ops", on, "one-row fused ops")
 
 
+def set_decode_ops(model: nn.Module, on: bool) -> int:
+    """Route the batched fp32 CPU paths of ``model``'s :class:`RMSNorm` (any row count: the
+    residual add + norm), :class:`MLP` (SiLU * mul) and :class:`Attention` (a step of decode
+    tokens only: rotary + KV write + paged attention read through the block tables in place;
+    other steps: rotary + KV write in one pass)
+    through prefixgate's CPU ops (:mod:`prefixgate.kernels.cpu_ext`) when ``on``, or back to
+    the kernels namespace: one C++ call where torch ran several ops, each with its own pass
+    over memory, and no gathered copy of K/V per layer. Results differ from the torch
+    reference in the last bits, as :func:`set_one_row_ops`' (tolerances in ``cpu_ext``); the
+    loader sets both for the same models.
+
+    Returns:
+        the number of modules set.
+
+    Raises:
+        RuntimeError: ``on`` where :func:`prefixgate.kernels.cpu_ext.available` is False.
+    """
+    return _set_flag(model, (RMSNorm, Attention, MLP), "decode_ops", on, "batched CPU ops")
+
+
 def set_one_row_layers(model: nn.Module, on: bool) -> int:
     """Run each :class:`DecoderLayer` of ``model`` as one ``cpu_ext.decode_layer`` call on a
     step of one decode token alone (one C++ call a layer instead of ~8 ops and the modules'
@@ -160,6 +180,11 @@ def _one_cpu_row(x: torch.Tensor) -> bool:
     return x.dim() == 2 and x.shape[0] == 1 and x.dtype == torch.float32 and x.device.type == "cpu"
 
 
+def _cpu_rows(x: torch.Tensor) -> bool:
+    """True for a ``[T, H]`` fp32 CPU tensor, ``T >= 1`` (the rows the batched ops take)."""
+    return x.dim() == 2 and x.shape[0] >= 1 and x.dtype == torch.float32 and x.device.type == "cpu"
+
+
 class RMSNorm(nn.Module):
     """RMSNorm (Zhang & Sennrich 2019) with an optional fused residual add.
 
@@ -168,6 +193,9 @@ class RMSNorm(nn.Module):
 
     one_row_ops = False
     """One fp32 CPU row through ``cpu_ext.add_rms_norm`` (:func:`set_one_row_ops`)."""
+
+    decode_ops = False
+    """fp32 CPU rows (any count) through ``cpu_ext.add_rms_norm`` (:func:`set_decode_ops`)."""
 
     def __init__(self, size: int, eps: float, kernels: SimpleNamespace) -> None:
         super().__init__()
@@ -178,7 +206,8 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if self.one_row_ops and _one_cpu_row(x) and self.weight.dtype == torch.float32:
+        fused = (self.one_row_ops and _one_cpu_row(x)) or (self.decode_ops and _cpu_rows(x))
+        if fused and self.weight.dtype == torch.float32:
             out, total = cpu_ext.add_rms_norm(x, residual, self.weight, self.eps)
             return out if residual is None else (out, total)
         return self.kernels.rms_norm(x, self.weight, self.eps, residual)
@@ -194,6 +223,11 @@ class Attention(nn.Module):
     one_row_ops = False
     """A step of one decode token (nothing else) through ``cpu_ext.decode_attention``
     (:func:`set_one_row_ops`); not with q/k norms."""
+
+    decode_ops = False
+    """A step of decode tokens only (any count) through ``cpu_ext.decode_attention``, other
+    steps' rotary and KV write through ``cpu_ext.rotary_cache`` (:func:`set_decode_ops`); not
+    with q/k norms."""
 
     def __init__(self, cfg: ModelConfig, kernels: SimpleNamespace) -> None:
         super().__init__()
@@ -222,7 +256,7 @@ class Attention(nn.Module):
         """``hidden [T, H]`` → ``[T, H]``; writes this step's K/V into ``kv_cache`` first."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
-        if self.one_row_ops and self._fused_decode(qkv, kv_cache, views):
+        if (self.one_row_ops or self.decode_ops) and self._fused_decode(qkv, kv_cache, views):
             args = decode_attention_args(
                 positions,
                 cos_sin_cache,
@@ -234,6 +268,22 @@ class Attention(nn.Module):
             )
             out = cpu_ext.decode_attention(qkv, *args)
             return self.o_proj(out)
+        k_cache, v_cache = kv_cache
+        if self.decode_ops and self._fused_rotary(qkv, kv_cache):
+            q = cpu_ext.rotary_cache(
+                qkv,
+                positions,
+                cos_sin_cache,
+                k_cache,
+                v_cache,
+                views.meta.slot_mapping,
+                self.num_heads,
+                self.num_kv_heads,
+            )
+            out = self._attend(
+                q.view(num_tokens, self.num_heads, self.head_dim), k_cache, v_cache, views
+            )
+            return self.o_proj(out.reshape(num_tokens, self.q_size))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q.reshape(-1, self.head_dim))
@@ -242,21 +292,34 @@ class Attention(nn.Module):
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim).contiguous()
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self.kernels.rotary_embedding(positions, q, k, cos_sin_cache)
-        k_cache, v_cache = kv_cache
         self.kernels.reshape_and_cache(k, v, k_cache, v_cache, views.meta.slot_mapping)
         out = self._attend(q, k_cache, v_cache, views)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
     def _fused_decode(self, qkv: torch.Tensor, kv_cache: KVCache, views: BatchViews) -> bool:
-        """Whether this step takes ``cpu_ext.decode_attention``: one decode token alone, fp32
-        on CPU, no q/k norm, contiguous fp32 caches."""
+        """Whether this step takes ``cpu_ext.decode_attention``: decode tokens only (one alone
+        for ``one_row_ops``, any count for ``decode_ops``), fp32 on CPU, no q/k norm,
+        contiguous fp32 caches."""
         k_cache, v_cache = kv_cache
+        rows = _cpu_rows(qkv) if self.decode_ops else _one_cpu_row(qkv)
         return (
-            views.num_decodes == 1
+            views.num_decodes == qkv.shape[0]
             and views.verify is None
             and not views.has_prefill
             and self.q_norm is None
-            and _one_cpu_row(qkv)
+            and rows
+            and k_cache.dtype == v_cache.dtype == torch.float32
+            and k_cache.is_contiguous()
+            and v_cache.is_contiguous()
+        )
+
+    def _fused_rotary(self, qkv: torch.Tensor, kv_cache: KVCache) -> bool:
+        """Whether this step's rotary and KV write take ``cpu_ext.rotary_cache``: fp32 rows on
+        CPU, no q/k norm, contiguous fp32 caches."""
+        k_cache, v_cache = kv_cache
+        return (
+            self.q_norm is None
+            and _cpu_rows(qkv)
             and k_cache.dtype == v_cache.dtype == torch.float32
             and k_cache.is_contiguous()
             and v_cache.is_contiguous()
@@ -337,10 +400,14 @@ class MLP(nn.Module):
     one_row_ops = False
     """One fp32 CPU row's activation through ``cpu_ext.silu_mul`` (:func:`set_one_row_ops`)."""
 
+    decode_ops = False
+    """fp32 CPU rows' activation (any count) through ``cpu_ext.silu_mul``
+    (:func:`set_decode_ops`)."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, H]`` → ``[T, H]``."""
         gate_up = self.gate_up_proj(x)
-        if self.one_row_ops and _one_cpu_row(gate_up):
+        if (self.one_row_ops and _one_cpu_row(gate_up)) or (self.decode_ops and _cpu_rows(gate_up)):
             return self.down_proj(cpu_ext.silu_mul(gate_up))
         return self.down_proj(self.kernels.silu_and_mul(gate_up))
 

@@ -19,7 +19,7 @@ from prefixgate.engine.models.cpu_linear import (
     use_onednn_linear,
     warm_up_row_counts,
 )
-from prefixgate.engine.models.layers import set_one_row_layers, set_one_row_ops
+from prefixgate.engine.models.layers import set_decode_ops, set_one_row_layers, set_one_row_ops
 from prefixgate.engine.models.llama import CausalLM
 from prefixgate.engine.models.quantization import (
     calibrate_int8_one_row,
@@ -100,7 +100,8 @@ def load_model(model_config: ModelConfig, engine_config: EngineConfig) -> Causal
     ):
         set_one_row_ops(model, True)  # batch-1 decode: fused norm / attention / activation
         set_one_row_layers(model, True)  # ... and one C++ call a layer where its GEMMs allow
-        logger.info("one-row decode through prefixgate's fused CPU ops")
+        set_decode_ops(model, True)  # batched steps: norm, activation, decode attention in C++
+        logger.info("decode and norms through prefixgate's fused CPU ops")
     model.init_rope()
     return model.eval().requires_grad_(False)
 

@@ -1,7 +1,7 @@
-// prefixgate's CPU ops for one row (batch-1 decode): AVX2/FMA GEMVs over panel-packed weights
-// (fp32; int8 with fp32, int16 or int8 activations, the last on AVX-VNNI where the CPU has it),
-// fused small ops (residual add + RMSNorm, rotary + KV write + paged attention, SiLU * mul) and
-// a whole decoder layer in one call (decode_layer). Built lazily by
+// prefixgate's CPU ops: for one row (batch-1 decode), AVX2/FMA GEMVs over panel-packed weights
+// (fp32; int8 with fp32, int16 or int8 activations, the last on AVX-VNNI where the CPU has it)
+// and a whole decoder layer in one call (decode_layer); for one row or many, fused small ops
+// (residual add + RMSNorm, rotary + KV write + paged decode attention, SiLU * mul). Built lazily by
 // prefixgate/kernels/cpu_ext.py (torch.utils.cpp_extension.load, -O3 -mavx2 -mfma) and
 // registered as torch.ops.prefixgate_cpu.*; threads through at::parallel_for (torch's own pool).
 // Shapes, dtypes and tolerances are documented in cpu_ext.py.
@@ -463,142 +463,303 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-// x [1, H], residual [1, H] or none, weight [H] -> (weight * (x + residual) / rms, x + residual)
+// exp(x) for 8 fp32 lanes: Cephes' expf (range reduction by ln 2 in two parts, degree-5
+// polynomial, 2^n through the exponent bits); inputs clamped to [-87.3, 88.3] (results within
+// fp32's normal range); about 1 ulp from std::exp.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i n = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
+}
+
+// One row of add + RMSNorm: s = a + b (b may be null: s = a, not written), out = w * (s * inv).
+inline void add_rms_norm_row(const float* a, const float* b, float* s_out, const float* w,
+                             float* o, int64_t h, float eps) {
+  const float* s = a;
+  if (b != nullptr) {
+    for (int64_t i = 0; i < h; ++i) s_out[i] = a[i] + b[i];
+    s = s_out;
+  }
+  const float ms = dot(s, s, h) / static_cast<float>(h);
+  const float inv = 1.0f / std::sqrt(ms + eps);
+  for (int64_t i = 0; i < h; ++i) o[i] = w[i] * (s[i] * inv);
+}
+
+// x [T, H], residual [T, H] or none, weight [H] -> (weight * (x + residual) / rms, x + residual)
+// row by row (rows over at::parallel_for; each row's arithmetic the same at any T).
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x,
                                                 const c10::optional<at::Tensor>& residual,
                                                 const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
               "add_rms_norm: float32 tensors only");
   const int64_t h = weight.numel();
-  TORCH_CHECK(x.numel() == h, "add_rms_norm: x must hold one row of ", h, " values");
+  TORCH_CHECK(h > 0 && x.dim() == 2 && x.size(1) == h, "add_rms_norm: x must be [T, ", h, "]");
+  const int64_t rows = x.size(0);
   at::Tensor xc = x.contiguous();
   at::Tensor wc = weight.contiguous();
   at::Tensor sum = xc;
+  const float* b = nullptr;
+  at::Tensor rc;
   if (residual.has_value() && residual->defined()) {
-    at::Tensor rc = residual->contiguous();
-    TORCH_CHECK(rc.scalar_type() == at::kFloat && rc.numel() == h, "add_rms_norm: residual [1, H]");
-    sum = at::empty({1, h}, x.options());
-    const float* a = xc.data_ptr<float>();
-    const float* b = rc.data_ptr<float>();
-    float* s = sum.data_ptr<float>();
-    for (int64_t i = 0; i < h; ++i) s[i] = a[i] + b[i];
+    rc = residual->contiguous();
+    TORCH_CHECK(rc.scalar_type() == at::kFloat && rc.sizes() == x.sizes(),
+                "add_rms_norm: residual [T, H] as x");
+    sum = at::empty({rows, h}, x.options());
+    b = rc.data_ptr<float>();
   }
-  const float* s = sum.data_ptr<float>();
-  const float ms = dot(s, s, h) / static_cast<float>(h);
-  const float inv = 1.0f / std::sqrt(ms + static_cast<float>(eps));
-  at::Tensor out = at::empty({1, h}, x.options());
-  float* o = out.data_ptr<float>();
+  at::Tensor out = at::empty({rows, h}, x.options());
+  const float* a = xc.data_ptr<float>();
+  float* s = sum.data_ptr<float>();
   const float* w = wc.data_ptr<float>();
-  for (int64_t i = 0; i < h; ++i) o[i] = w[i] * (s[i] * inv);
-  return {out, sum.view({1, h})};
+  float* o = out.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  auto run = [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      add_rms_norm_row(a + r * h, b == nullptr ? nullptr : b + r * h, s + r * h, w, o + r * h, h,
+                       e);
+    }
+  };
+  if (rows == 1) {
+    run(0, 1);
+  } else {
+    at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / h), run);
+  }
+  return {out, sum};
 }
 
-// x [1, 2I] -> silu(x[:, :I]) * x[:, I:]  [1, I]
+// x [T, 2I] -> silu(x[:, :I]) * x[:, I:]  [T, I], silu(g) = g / (1 + exp(-g)) (exp8)
 at::Tensor silu_mul(const at::Tensor& x) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.numel() % 2 == 0, "silu_mul: float32 [1, 2I]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) % 2 == 0,
+              "silu_mul: float32 [T, 2I]");
   at::Tensor xc = x.contiguous();
-  const int64_t n = x.numel() / 2;
-  at::Tensor out = at::empty({1, n}, x.options());
-  const float* a = xc.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  for (int64_t i = 0; i < n; ++i) {
-    const float g = a[i];
-    o[i] = (g / (1.0f + std::exp(-g))) * a[n + i];
+  const int64_t rows = x.size(0);
+  const int64_t n = x.size(1) / 2;
+  at::Tensor out = at::empty({rows, n}, x.options());
+  const float* src = xc.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  auto run = [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* a = src + r * 2 * n;
+      float* o = dst + r * n;
+      int64_t i = 0;
+      const __m256 one = _mm256_set1_ps(1.0f);
+      for (; i + 8 <= n; i += 8) {
+        const __m256 g = _mm256_loadu_ps(a + i);
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        const __m256 sg = _mm256_div_ps(g, _mm256_add_ps(one, e));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(sg, _mm256_loadu_ps(a + n + i)));
+      }
+      for (; i < n; ++i) {
+        const float g = a[i];
+        o[i] = (g / (1.0f + std::exp(-g))) * a[n + i];
+      }
+    }
+  };
+  if (rows == 1) {
+    run(0, 1);
+  } else {
+    at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / n), run);
   }
   return out;
 }
 
-// One decode token of one sequence: rotary on q and k (half-split layout), k and v written to
-// the paged caches at the slot, then attention of each query head over the whole context.
-// qkv [1, (Hq + 2 Hkv) D]; positions [1] int64; cos_sin [max_pos, D]; caches [N, S, Hkv, D]
-// fp32 contiguous; block_table [1, max_blocks] int32; context_len [1] int32; slot [1] int64.
-at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& positions,
-                            const at::Tensor& cos_sin, const at::Tensor& k_cache,
-                            const at::Tensor& v_cache, const at::Tensor& block_table,
-                            const at::Tensor& context_len, const at::Tensor& slot,
-                            int64_t num_heads, int64_t num_kv_heads, double scale) {
+// Rotary on q and k (half-split layout) of T tokens, k and v written to the paged caches at
+// each token's slot (-1: not written, as the reference's reshape_and_cache skips it); the
+// rotated q [T, Hq * D] returned. qkv [T, (Hq + 2 Hkv) D]; positions [T] int64; cos_sin
+// [max_pos, D]; caches [N, S, Hkv, D] fp32 contiguous; slot [T] int64. Tokens over
+// at::parallel_for (each writes its own slot).
+at::Tensor rotary_cache(const at::Tensor& qkv, const at::Tensor& positions,
+                        const at::Tensor& cos_sin, const at::Tensor& k_cache,
+                        const at::Tensor& v_cache, const at::Tensor& slot, int64_t num_heads,
+                        int64_t num_kv_heads) {
   TORCH_CHECK(qkv.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
                   v_cache.scalar_type() == at::kFloat && cos_sin.scalar_type() == at::kFloat,
               "decode_attention: float32 tensors only");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && cos_sin.is_contiguous(),
               "decode_attention: contiguous caches and cos/sin table");
-  TORCH_CHECK(positions.scalar_type() == at::kLong && slot.scalar_type() == at::kLong &&
-                  block_table.scalar_type() == at::kInt && context_len.scalar_type() == at::kInt,
+  TORCH_CHECK(positions.scalar_type() == at::kLong && slot.scalar_type() == at::kLong,
+              "decode_attention: int64 positions/slot");
+  const int64_t d = k_cache.size(3);
+  TORCH_CHECK(k_cache.size(2) == num_kv_heads && num_heads % num_kv_heads == 0 &&
+                  v_cache.sizes() == k_cache.sizes(),
+              "decode_attention: head counts");
+  const int64_t width = (num_heads + 2 * num_kv_heads) * d;
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == width, "decode_attention: qkv size");
+  const int64_t tokens = qkv.size(0);
+  TORCH_CHECK(positions.numel() == tokens && slot.numel() == tokens,
+              "decode_attention: one position and slot a row");
+  TORCH_CHECK(cos_sin.size(1) == d && d % 2 == 0, "decode_attention: cos/sin table [P, D]");
+  at::Tensor qc = qkv.contiguous();
+  at::Tensor pc = positions.contiguous();
+  at::Tensor sc_t = slot.contiguous();
+  const int64_t* pos_p = pc.data_ptr<int64_t>();
+  const int64_t* slot_p = sc_t.data_ptr<int64_t>();
+  const int64_t slots = k_cache.size(0) * k_cache.size(1);
+  for (int64_t b = 0; b < tokens; ++b) {
+    TORCH_CHECK(pos_p[b] >= 0 && pos_p[b] < cos_sin.size(0),
+                "decode_attention: position out of range");
+    TORCH_CHECK(slot_p[b] < slots, "decode_attention: slot out of range");
+  }
+  const int64_t half = d / 2;
+  const float* src_all = qc.data_ptr<float>();
+  at::Tensor out = at::empty({tokens, num_heads * d}, qkv.options());
+  float* q_all = out.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  const float* cs_all = cos_sin.data_ptr<float>();
+  const int64_t row = num_kv_heads * d;  // floats per cache slot
+  auto run = [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const float* cs = cs_all + pos_p[b] * d;
+      // rotary: t * [cos, cos] + [t2, t1] * [-sin, sin], the torch reference's products and sums
+      auto rotate = [&](const float* t, float* dst) {
+        for (int64_t i = 0; i < half; ++i) {
+          const float c = cs[i], sn = cs[half + i];
+          const float a = t[i], bb = t[half + i];
+          dst[i] = a * c + bb * (-sn);
+          dst[half + i] = bb * c + a * sn;
+        }
+      };
+      const float* src = src_all + b * width;
+      float* q = q_all + b * num_heads * d;
+      for (int64_t hh = 0; hh < num_heads; ++hh) rotate(src + hh * d, q + hh * d);
+      const float* ksrc = src + num_heads * d;
+      const float* vsrc = ksrc + num_kv_heads * d;
+      const int64_t s = slot_p[b];
+      if (s >= 0) {
+        for (int64_t g = 0; g < num_kv_heads; ++g) rotate(ksrc + g * d, kc + s * row + g * d);
+        std::copy(vsrc, vsrc + row, vc + s * row);
+      }
+    }
+  };
+  if (tokens < 16) {
+    run(0, tokens);
+  } else {
+    at::parallel_for(0, tokens, 16, run);
+  }
+  return out;
+}
+
+// Decode tokens, one per sequence: rotary_cache (rotary on q and k, k and v written to the
+// paged caches at each row's slot), then attention of each row's query heads over its own
+// whole context (after every row's write, as reshape_and_cache then the attention).
+// qkv [B, (Hq + 2 Hkv) D]; positions [B] int64; cos_sin [max_pos, D]; caches [N, S, Hkv, D]
+// fp32 contiguous; block_table [B, max_blocks] int32; context_len [B] int32; slot [B] int64.
+at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& positions,
+                            const at::Tensor& cos_sin, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_table,
+                            const at::Tensor& context_len, const at::Tensor& slot,
+                            int64_t num_heads, int64_t num_kv_heads, double scale) {
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && context_len.scalar_type() == at::kInt,
               "decode_attention: int64 positions/slot, int32 block table/context length");
   const int64_t d = k_cache.size(3);
   const int64_t block_size = k_cache.size(1);
-  TORCH_CHECK(k_cache.size(2) == num_kv_heads && num_heads % num_kv_heads == 0,
-              "decode_attention: head counts");
-  TORCH_CHECK(qkv.numel() == (num_heads + 2 * num_kv_heads) * d, "decode_attention: qkv size");
-  TORCH_CHECK(cos_sin.size(1) == d && d % 2 == 0, "decode_attention: cos/sin table [P, D]");
-  at::Tensor qc = qkv.contiguous();
+  const int64_t batch = qkv.dim() == 2 ? qkv.size(0) : -1;
+  TORCH_CHECK(context_len.numel() == batch && block_table.dim() == 2 &&
+                  block_table.size(0) == batch && positions.numel() == batch &&
+                  slot.numel() == batch,
+              "decode_attention: one position, slot, context length and block table a row");
   at::Tensor bt = block_table.contiguous();
-  const int64_t pos = positions.data_ptr<int64_t>()[0];
-  const int64_t length = context_len.data_ptr<int32_t>()[0];
-  const int64_t s = slot.data_ptr<int64_t>()[0];
-  TORCH_CHECK(pos >= 0 && pos < cos_sin.size(0), "decode_attention: position out of range");
-  TORCH_CHECK(length >= 1 && (length - 1) / block_size < bt.size(-1),
-              "decode_attention: context length past the block table");
-  TORCH_CHECK(s < k_cache.size(0) * block_size, "decode_attention: slot out of range");
-  const int64_t half = d / 2;
-  const float* cs = cos_sin.data_ptr<float>() + pos * d;
-  const float* src = qc.data_ptr<float>();
-  at::Tensor out = at::empty({1, num_heads * d}, qkv.options());
-  float* q = out.data_ptr<float>();  // rotated q lives in out until each head overwrites its own
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
-  const int64_t row = num_kv_heads * d;  // floats per cache slot
-  // rotary: t * [cos, cos] + [t2, t1] * [-sin, sin], the torch reference's products and sums
-  auto rotate = [&](const float* t, float* dst) {
-    for (int64_t i = 0; i < half; ++i) {
-      const float c = cs[i], sn = cs[half + i];
-      const float a = t[i], b = t[half + i];
-      dst[i] = a * c + b * (-sn);
-      dst[half + i] = b * c + a * sn;
-    }
-  };
-  for (int64_t hh = 0; hh < num_heads; ++hh) rotate(src + hh * d, q + hh * d);
-  const float* ksrc = src + num_heads * d;
-  const float* vsrc = ksrc + num_kv_heads * d;
-  if (s >= 0) {  // slot -1: the token is not cached (the reference's reshape_and_cache skips it)
-    for (int64_t g = 0; g < num_kv_heads; ++g) rotate(ksrc + g * d, kc + s * row + g * d);
-    std::copy(vsrc, vsrc + row, vc + s * row);
+  at::Tensor lc = context_len.contiguous();
+  const int32_t* len_p = lc.data_ptr<int32_t>();
+  const int64_t max_blocks = bt.size(1);
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(len_p[b] >= 1 && (len_p[b] - 1) / block_size < max_blocks,
+                "decode_attention: context length past the block table");
   }
-  const int32_t* table = bt.data_ptr<int32_t>();
+  // rotated q lives in out until each head overwrites its own
+  at::Tensor out = rotary_cache(qkv, positions, cos_sin, k_cache, v_cache, slot, num_heads,
+                                num_kv_heads);
+  float* q_all = out.data_ptr<float>();
+  const float* kc = k_cache.data_ptr<float>();
+  const float* vc = v_cache.data_ptr<float>();
+  const int64_t row = num_kv_heads * d;  // floats per cache slot
+  const int32_t* tables = bt.data_ptr<int32_t>();
   const int64_t group = num_heads / num_kv_heads;
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, num_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(length);
-    std::vector<float> acc(d);
-    for (int64_t hh = begin; hh < end; ++hh) {
-      const int64_t g = hh / group;
-      float* qh = q + hh * d;
-      float mx = -INFINITY;
-      for (int64_t t = 0; t < length; ++t) {
-        const int64_t slot_t = static_cast<int64_t>(table[t / block_size]) * block_size +
-                               t % block_size;
-        const float v = dot(qh, kc + slot_t * row + g * d, d) * sc;
-        scores[t] = v;
-        mx = std::max(mx, v);
-      }
-      float denom = 0.0f;
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t t = 0; t < length; ++t) {
-        const float p = std::exp(scores[t] - mx);
-        denom += p;
-        const int64_t slot_t = static_cast<int64_t>(table[t / block_size]) * block_size +
-                               t % block_size;
-        const float* vt = vc + slot_t * row + g * d;
-        int64_t i = 0;
-        const __m256 pv = _mm256_set1_ps(p);
-        for (; i + 8 <= d; i += 8) {
-          _mm256_storeu_ps(acc.data() + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(vt + i),
-                                                           _mm256_loadu_ps(acc.data() + i)));
+  int64_t longest = 1;
+  for (int64_t b = 0; b < batch; ++b) longest = std::max<int64_t>(longest, len_p[b]);
+  // one task a (row, KV head): its G = Hq / Hkv query heads read each cached K row once; the
+  // context is walked block by block (no division a token)
+  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(group * longest);
+    std::vector<const float*> vrows(longest);
+    std::vector<float> mx(group);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / num_kv_heads;
+      const int64_t g = task % num_kv_heads;
+      const int64_t length = len_p[b];
+      const int32_t* table = tables + b * max_blocks;
+      float* q0 = q_all + b * num_heads * d + g * group * d;  // the group's first query head
+      std::fill(mx.begin(), mx.end(), -INFINITY);
+      for (int64_t t0 = 0; t0 < length; t0 += block_size) {
+        const int64_t base = static_cast<int64_t>(table[t0 / block_size]) * block_size;
+        const int64_t n = std::min(block_size, length - t0);
+        for (int64_t o = 0; o < n; ++o) {
+          const float* kt = kc + (base + o) * row + g * d;
+          vrows[t0 + o] = vc + (base + o) * row + g * d;
+          for (int64_t j = 0; j < group; ++j) {
+            const float v = dot(q0 + j * d, kt, d) * sc;
+            scores[j * longest + t0 + o] = v;
+            mx[j] = std::max(mx[j], v);
+          }
         }
-        for (; i < d; ++i) acc[i] += p * vt[i];
       }
-      const float inv = 1.0f / denom;
-      for (int64_t i = 0; i < d; ++i) qh[i] = acc[i] * inv;
+      for (int64_t j = 0; j < group; ++j) {
+        // softmax numerators exp(score - max), eight at a time (exp8)
+        float* sj = scores.data() + j * longest;
+        int64_t t = 0;
+        const __m256 mxv = _mm256_set1_ps(mx[j]);
+        for (; t + 8 <= length; t += 8) {
+          _mm256_storeu_ps(sj + t, exp8(_mm256_sub_ps(_mm256_loadu_ps(sj + t), mxv)));
+        }
+        for (; t < length; ++t) sj[t] = std::exp(sj[t] - mx[j]);
+        float denom = 0.0f;
+        for (t = 0; t < length; ++t) denom += sj[t];
+        const float inv = 1.0f / denom;
+        float* qh = q0 + j * d;  // the head's output (its q is no longer needed)
+        int64_t i = 0;
+        for (; i + 32 <= d; i += 32) {  // 4 accumulators in registers, V rows in order
+          __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+          for (t = 0; t < length; ++t) {
+            const __m256 pv = _mm256_set1_ps(sj[t]);
+            const float* vt = vrows[t] + i;
+            a0 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vt), a0);
+            a1 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vt + 8), a1);
+            a2 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vt + 16), a2);
+            a3 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vt + 24), a3);
+          }
+          const __m256 iv = _mm256_set1_ps(inv);
+          _mm256_storeu_ps(qh + i, _mm256_mul_ps(a0, iv));
+          _mm256_storeu_ps(qh + i + 8, _mm256_mul_ps(a1, iv));
+          _mm256_storeu_ps(qh + i + 16, _mm256_mul_ps(a2, iv));
+          _mm256_storeu_ps(qh + i + 24, _mm256_mul_ps(a3, iv));
+        }
+        for (; i + 8 <= d; i += 8) {
+          __m256 a0 = _mm256_setzero_ps();
+          for (t = 0; t < length; ++t) {
+            a0 = _mm256_fmadd_ps(_mm256_set1_ps(sj[t]), _mm256_loadu_ps(vrows[t] + i), a0);
+          }
+          _mm256_storeu_ps(qh + i, _mm256_mul_ps(a0, _mm256_set1_ps(inv)));
+        }
+        for (; i < d; ++i) {
+          float a = 0.0f;
+          for (t = 0; t < length; ++t) a += sj[t] * vrows[t][i];
+          qh[i] = a * inv;
+        }
+      }
     }
   });
   return out;
@@ -697,6 +858,9 @@ TORCH_LIBRARY(prefixgate_cpu, m) {
   m.def("add_rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_mul(Tensor x) -> Tensor");
   m.def(
+      "rotary_cache(Tensor qkv, Tensor positions, Tensor cos_sin, Tensor(a!) k_cache, "
+      "Tensor(b!) v_cache, Tensor slot, int num_heads, int num_kv_heads) -> Tensor");
+  m.def(
       "decode_layer(Tensor hidden, Tensor? residual, Tensor input_norm, Tensor post_norm, "
       "float eps, int[] kinds, Tensor[] weights, Tensor?[] scales, Tensor?[] biases, "
       "int[] n_outs, Tensor positions, Tensor cos_sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
@@ -715,6 +879,7 @@ TORCH_LIBRARY_IMPL(prefixgate_cpu, CPU, m) {
   m.impl("gemv_int8x8_packed", gemv_int8x8_packed);
   m.impl("add_rms_norm", add_rms_norm);
   m.impl("silu_mul", silu_mul);
+  m.impl("rotary_cache", rotary_cache);
   m.impl("decode_layer", decode_layer);
   m.impl("decode_attention", decode_attention);
 }

@@ -1,4 +1,4 @@
-"""The oneDNN-packed fp32 linear layers a CPU model loads with (engine/models/cpu_linear.py)."""
+"""The oneDNN-packed fp32 and bf16 linear layers a CPU model loads with (engine/models/cpu_linear.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from prefixgate.engine.models.cpu_linear import (
     available_memory_bytes,
     calibrate_one_row,
     one_row_extra_bytes,
+    onednn_bf16_available,
     onednn_linear_available,
     pack_linears,
     use_onednn_linear,
@@ -57,15 +58,38 @@ def test_leading_dims_non_contiguous_input_and_weight_copy():
 
 
 def test_refuses_other_dtypes_and_devices():
-    with pytest.raises(ValueError, match="float32 CPU weight"):
-        OneDNNLinear(torch.zeros(4, 4, dtype=torch.bfloat16), None)
+    with pytest.raises(ValueError, match="float32 or bfloat16 CPU weight"):
+        OneDNNLinear(torch.zeros(4, 4, dtype=torch.float16), None)
 
 
-def test_used_only_for_fp32_cpu_without_quantization():
+def test_used_for_fp32_and_native_bf16_cpu_without_quantization():
     assert use_onednn_linear("cpu", torch.float32, None)
-    assert not use_onednn_linear("cpu", torch.bfloat16, None)
+    assert use_onednn_linear("cpu", torch.bfloat16, None) == onednn_bf16_available()
+    assert not use_onednn_linear("cpu", torch.float16, None)
     assert not use_onednn_linear("cpu", torch.float32, "int8")
     assert not use_onednn_linear("cuda", torch.float32, None)
+
+
+@pytest.mark.skipif(not onednn_bf16_available(), reason="no native oneDNN bf16 on this CPU")
+@pytest.mark.parametrize("rows", [1, 3, 32, 40])
+@pytest.mark.parametrize("bias", [True, False])
+def test_bf16_matches_torch_linear(rows, bias):
+    """bf16 through oneDNN's packed weight against torch's bf16 linear: both accumulate in
+    fp32 and round once to bf16, so they differ by a bf16 rounding step at most; a bf16 layer
+    keeps oneDNN at one row."""
+    gen = torch.Generator().manual_seed(rows)
+    linear = nn.Linear(70, 130, bias=bias).to(torch.bfloat16)
+    x = torch.randn(rows, 70, generator=gen).to(torch.bfloat16)
+    packed = OneDNNLinear.from_linear(linear)
+    assert packed.dtype == torch.bfloat16 and packed.shares_table and not packed.shares_gemv
+    assert torch.equal(packed.weight, linear.weight.detach())
+    with torch.no_grad():
+        want = linear(x).float()
+    got = packed(x)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match="keeps oneDNN"):
+        packed.set_one_row("gemv")
 
 
 def test_loader_packs_every_linear_and_int8_still_quantizes(aidreams_path):

@@ -133,3 +133,41 @@ def test_one_call_a_layer_equals_the_fused_ops_bit_for_bit(
     set_one_row_layers(model, False)
     assert _generate(llm, prompts) == mixed  # the per-op path with layer 0's new kind
     pool_whole(llm)
+
+
+@pytest.mark.skipif(not cpu_ext.available(), reason="prefixgate CPU ops not built here")
+def test_batched_decode_ops_match_transformers(aidreams_path, pool_whole, monkeypatch):
+    """set_decode_ops: prompts generated together (decode steps of many rows, prefill norms and
+    activations of many rows) through the batched C++ ops give transformers' greedy tokens,
+    and the batched decode attention ran on steps of several rows."""
+    from prefixgate.engine.models.layers import set_decode_ops
+
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.LlamaForCausalLM.from_pretrained(aidreams_path, torch_dtype=torch.float32)
+    tok = transformers.AutoTokenizer.from_pretrained(aidreams_path)
+    llm = LLM(aidreams_path, block_size=16)
+    model = llm.engine.runner.model
+    assert {m.decode_ops for m in model.modules() if isinstance(m, RMSNorm)} == {False}
+    assert set_decode_ops(model, True) == 4 * model.config.num_layers + 1
+    rows: list[int] = []
+    real = cpu_ext.decode_attention
+
+    def counting(qkv, *args):
+        rows.append(qkv.shape[0])
+        return real(qkv, *args)
+
+    monkeypatch.setattr(cpu_ext, "decode_attention", counting)
+    prompts = DREAM_PROMPTS[:8]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20))
+    assert max(rows) == len(prompts)  # every prompt's decode in one call
+    for prompt, out in zip(prompts, outs, strict=True):
+        ids = tok(prompt).input_ids
+        got = list(out.outputs[0].token_ids)
+        want: list[int] = []
+        with torch.no_grad():
+            for _ in range(len(got)):
+                logits = hf(torch.tensor([ids + want])).logits[0, -1]
+                want.append(int(torch.argmax(logits)))
+        assert got == want, prompt
+    set_decode_ops(model, False)
+    pool_whole(llm)

@@ -18,6 +18,7 @@ from prefixgate.engine.models.cpu_linear import (
     PanelEmbedding,
     calibrate_one_row,
     one_row_extra_bytes,
+    onednn_bf16_available,
     onednn_linear_available,
     onednn_storage_bytes,
     weight_storage_bytes,
@@ -141,3 +142,37 @@ def test_smollm2_shape_holds_exactly_one_copy(smollm2_shape_path):
         m.out_features * m.in_features * 4 for m in model.modules() if isinstance(m, OneDNNLinear)
     ) + sum(p.numel() * 4 for p in model.parameters())
     assert weight_storage_bytes(model) == dense
+
+
+@pytest.mark.skipif(not onednn_bf16_available(), reason="no native oneDNN bf16 on this CPU")
+def test_bf16_model_holds_each_matrix_once_and_keeps_torchs_tokens(aidreams_path, monkeypatch):
+    """bf16 packs as fp32 does: every linear oneDNN's, the tied table read from the head's
+    column-pair panels bit for bit, one copy of each matrix; greedy tokens equal those of
+    torch's bf16 linears (both accumulate in fp32), the logits within bf16 rounding."""
+    model = load(aidreams_path, dtype="bfloat16")
+    embed = model.model.embed_tokens
+    assert isinstance(embed, PanelEmbedding)
+    assert not any(isinstance(m, (nn.Linear, nn.Embedding)) for m in model.modules())
+    assert weight_storage_bytes(model) == _one_copy_bytes(model)
+    table = model.lm_head.weight
+    assert table.dtype == torch.bfloat16 and torch.equal(embed.weight, table)
+    ids = torch.tensor([[0, 1, 511, 64, 63], [5, 5, 200, 128, 2]])
+    assert torch.equal(embed(ids), table[ids])
+    monkeypatch.setattr(cpu_linear, "use_onednn_linear", lambda *a: False)
+    import prefixgate.engine.models.loader as loader
+
+    monkeypatch.setattr(loader, "use_onednn_linear", lambda *a: False)
+    plain = load(aidreams_path, dtype="bfloat16")
+    assert isinstance(plain.lm_head, nn.Linear)
+    prompt = [1, 400, 20, 87, 3, 55, 9]
+    runs = []
+    for m in (plain, model):
+        runner = PagedRunner(m)
+        logits = [runner.step([("a", prompt)])]
+        tok = int(logits[-1][0].argmax())
+        for _ in range(12):
+            logits.append(runner.step([("a", [tok])]))
+            tok = int(logits[-1][0].argmax())
+        runs.append(torch.cat(logits).float())
+    assert torch.equal(runs[1].argmax(-1), runs[0].argmax(-1))
+    torch.testing.assert_close(runs[1], runs[0], rtol=0.05, atol=0.05)

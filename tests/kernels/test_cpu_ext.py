@@ -271,3 +271,111 @@ def test_gemv_int8_w16_int32_sums_never_overflow():
     packed, scales = cpu_ext.pack_pairs_int8(q, torch.ones(8))
     got = cpu_ext.gemv_int8(x, packed, scales, None, 8, activations="int16")
     torch.testing.assert_close(got, torch.full((1, 8), 127.0 * k), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("rows", [2, 33])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_add_rms_norm_rows_equal_one_row_at_a_time(rows, with_residual):
+    gen = torch.Generator().manual_seed(rows)
+    x, r = torch.randn(rows, 576, generator=gen), torch.randn(rows, 576, generator=gen)
+    w = torch.randn(576, generator=gen)
+    res = r if with_residual else None
+    got, got_res = cpu_ext.add_rms_norm(x, res, w, 1e-5)
+    for i in range(rows):  # a row's result does not depend on the rows beside it
+        one, one_res = cpu_ext.add_rms_norm(
+            x[i : i + 1], None if res is None else res[i : i + 1], w, 1e-5
+        )
+        assert torch.equal(got[i : i + 1], one) and torch.equal(got_res[i : i + 1], one_res)
+    want = torch_ref.rms_norm(x, w, 1e-5, res)
+    want = want[0] if isinstance(want, tuple) else want
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_silu_mul_rows_and_extremes():
+    x = torch.randn(17, 2 * 1536, generator=torch.Generator().manual_seed(3)) * 4
+    x[0, :8] = torch.tensor([-200.0, -88.0, -87.0, -20.0, 0.0, 20.0, 88.0, 200.0])
+    torch.testing.assert_close(cpu_ext.silu_mul(x), torch_ref.silu_and_mul(x), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 20)])
+def test_decode_attention_rows_match_reference(hq, hkv, d):
+    """B decode rows of different lengths (one with a slot of -1: not cached) over shuffled
+    blocks: the cache writes bit-exact, the attention within SDPA's tolerance."""
+    gen = torch.Generator().manual_seed(hq + d)
+    block, num_blocks, max_pos = 16, 40, 96
+    lengths = [1, 9, 16, 17, 40, 95]
+    batch = len(lengths)
+    k_cache = torch.randn(num_blocks, block, hkv, d, generator=gen)
+    v_cache = torch.randn(num_blocks, block, hkv, d, generator=gen)
+    table = torch.randperm(num_blocks, generator=gen)[: batch * 6].to(torch.int32).view(batch, 6)
+    pos = torch.tensor([n - 1 for n in lengths])
+    slot = torch.tensor([int(table[b, p // block]) * block + p % block for b, p in enumerate(pos)])
+    slot[2] = -1
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    freqs = torch.outer(torch.arange(max_pos).float(), inv)
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    qkv = torch.randn(batch, (hq + 2 * hkv) * d, generator=gen)
+    scale = d**-0.5
+
+    kr, vr = k_cache.clone(), v_cache.clone()
+    q, k, v = qkv.clone().split([hq * d, hkv * d, hkv * d], dim=-1)
+    q = q.reshape(batch, hq, d).contiguous()
+    k = k.reshape(batch, hkv, d).contiguous()
+    q, k = torch_ref.rotary_embedding(pos, q, k, cos_sin)
+    torch_ref.reshape_and_cache(k, v.reshape(batch, hkv, d), kr, vr, slot)
+    want = torch_ref.paged_attention_decode(q, kr, vr, table, lens, scale).reshape(batch, hq * d)
+
+    got = cpu_ext.decode_attention(
+        qkv, pos, cos_sin, k_cache, v_cache, table, lens, slot, hq, hkv, scale
+    )
+    assert torch.equal(k_cache, kr) and torch.equal(v_cache, vr)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_decode_attention_refuses_mismatched_rows():
+    k_cache = torch.zeros(2, 4, 1, 8)
+    with pytest.raises(RuntimeError, match="one position, slot, context length"):
+        cpu_ext.decode_attention(
+            torch.zeros(2, 24),
+            torch.tensor([0]),
+            torch.zeros(8, 8),
+            k_cache,
+            k_cache.clone(),
+            torch.zeros(2, 1, dtype=torch.int32),
+            torch.tensor([1, 1], dtype=torch.int32),
+            torch.tensor([0, 1]),
+            1,
+            1,
+            1.0,
+        )
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_rotary_cache_is_the_reference_bit_for_bit(tokens):
+    """rotary_cache: torch_ref.rotary_embedding's q, and its k / v written by reshape_and_cache
+    (a -1 slot skipped), bit for bit."""
+    hq, hkv, d, block, num_blocks, max_pos = 9, 3, 64, 16, 8, 128
+    gen = torch.Generator().manual_seed(tokens)
+    k_cache = torch.randn(num_blocks, block, hkv, d, generator=gen)
+    v_cache = torch.randn(num_blocks, block, hkv, d, generator=gen)
+    positions = torch.randint(0, max_pos, (tokens,), generator=gen)
+    slot = torch.randperm(num_blocks * block, generator=gen)[:tokens]
+    slot[tokens // 2] = -1
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    freqs = torch.outer(torch.arange(max_pos).float(), inv)
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * d, generator=gen)
+
+    kr, vr = k_cache.clone(), v_cache.clone()
+    q, k, v = qkv.clone().split([hq * d, hkv * d, hkv * d], dim=-1)
+    q = q.reshape(tokens, hq, d).contiguous()
+    k = k.reshape(tokens, hkv, d).contiguous()
+    q, k = torch_ref.rotary_embedding(positions, q, k, cos_sin)
+    torch_ref.reshape_and_cache(k, v.reshape(tokens, hkv, d), kr, vr, slot)
+
+    got = cpu_ext.rotary_cache(qkv, positions, cos_sin, k_cache, v_cache, slot, hq, hkv)
+    assert torch.equal(got, q.reshape(tokens, hq * d))
+    assert torch.equal(k_cache, kr) and torch.equal(v_cache, vr)
+    with pytest.raises(RuntimeError, match="position out of range"):
+        cpu_ext.rotary_cache(qkv, positions + max_pos, cos_sin, k_cache, v_cache, slot, hq, hkv)
