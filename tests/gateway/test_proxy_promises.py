@@ -104,12 +104,12 @@ def test_a_promised_429_through_one_proxy_is_kept_by_the_retry_through_another(
     _whole((a, b))
 
 
+@pytest.mark.parametrize("promise", [None, "soon", "0", "-5", "inf", "nan"])
 def test_a_429_without_a_promise_moves_on_to_the_next_upstream(
-    serve_fake, servers, gw, redis_server
+    serve_fake, servers, gw, redis_server, promise
 ):
-    """The old behaviour: a 429 without the header (here, with no fingerprint to hold a
-    place for: a guessed wait promises nothing) goes to the next upstream, and no pin is
-    recorded."""
+    """The old behaviour: a 429 without the header, or with one that is no positive finite
+    number of milliseconds, goes to the next upstream, and no pin is recorded."""
     from aiohttp import web
 
     asked: list[str] = []
@@ -117,7 +117,10 @@ def test_a_429_without_a_promise_moves_on_to_the_next_upstream(
     async def refuse(request: web.Request) -> web.Response:
         asked.append(request.path)
         err = {"message": "busy", "type": "rate_limit_error", "param": None, "code": None}
-        return web.json_response({"error": err}, status=429, headers={"Retry-After": "1"})
+        headers = {"Retry-After": "1"}
+        if promise is not None:
+            headers[PROMISE_HEADER] = promise
+        return web.json_response({"error": err}, status=429, headers=headers)
 
     async def models(request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "fake", "object": "model"}]})
