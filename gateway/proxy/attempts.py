@@ -21,11 +21,22 @@ The model's fallbacks come when its deployments are spent, not for a 429 whose d
 back within ``SOON_S``. A request ``pinned`` to one upstream (a prefix's pin) tries that one
 only: ``PinnedLost`` when it fails before answering. A client gone during an attempt gets 499
 and nothing else.
+
+A promise holds across gateways: an upstream's 429 that carries ``PROMISE_HEADER`` (a
+prefixgate engine gateway holds a place for the request until then: ``admission_wait``) is the
+client's answer at once, its ``Retry-After`` kept, not moved to the next upstream, whose
+newcomer would break that promise. The gateway records the pin in the shared state
+(``StateBackend.put_promise``: the request's fingerprint, ``request_fingerprint``, to the
+upstream's URL, for as long as the promise lives), so the client's retry of the same request,
+through any gateway on that state, goes to that upstream first (``UpstreamRouter.pick``'s
+``promised``). The pin is dropped once an upstream answers the retry.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -38,6 +49,7 @@ from prefixgate.gateway.proxy.redact import auth_error, secrets_of, upstream_err
 from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import Upstream, UpstreamRouter, retry_after_seconds
 from prefixgate.gateway.state import STATE, GatewayState
+from prefixgate.gateway.tenancy.admission_wait import PROMISE_HEADER
 
 logger = logging.getLogger("prefixgate.gateway")
 
@@ -89,6 +101,8 @@ class Call:
         self.route = route
         self.account = account(request)  # served, the usage: what the key is charged
         self.answered: int | None = None  # the HTTP status of this attempt's answer, if any
+        # an upstream's promised 429 (``refusal``): (its URL, seconds the promise lives)
+        self.promise: tuple[str, float] | None = None
 
     @property
     def served(self) -> bool:
@@ -108,13 +122,60 @@ async def each_upstream(
     attempt: Callable[[Upstream], Awaitable[web.StreamResponse]],
     pinned: Upstream | None = None,
 ) -> web.StreamResponse:
-    """``attempt`` on the upstream routing picks, then the next of the model, then the
-    model's fallbacks; on ``pinned`` only when given (module docstring).
+    """``attempt`` on the upstream routing picks (the one holding a promise for the request
+    first), then the next of the model, then the model's fallbacks; on ``pinned`` only when
+    given (module docstring).
 
     Raises:
-        APIError: the last upstream's error, or ``router.exhausted`` when none answered.
+        APIError: the last upstream's error, or ``router.exhausted`` when none answered; an
+            upstream's promised 429 (its pin recorded in the shared state).
         PinnedLost: ``pinned`` failed before answering.
     """
+    shared = call.st.shared
+    fingerprint = await request_fingerprint(call) if pinned is None else None
+    promised = await shared.promised_upstream(fingerprint) if fingerprint is not None else None
+    try:
+        out = await _each_upstream(call, attempt, pinned, promised)
+    except APIError:
+        if fingerprint is not None and call.promise is not None:
+            url, ttl_s = call.promise  # the client's retry goes back there
+            await shared.put_promise(fingerprint, url, ttl_s)
+        elif fingerprint is not None and promised is not None:
+            await shared.drop_promise(fingerprint)  # answered: the promise is void now
+        raise
+    if fingerprint is not None and promised is not None:
+        await shared.drop_promise(fingerprint)  # answered: the promise was claimed
+    return out
+
+
+async def request_fingerprint(call: Call) -> str | None:
+    """What recognises a client's retry of one request (``StateBackend.put_promise``'s key):
+    the SHA-256 (hex) of its key (the gateway's principal; on an open gateway, the
+    credential headers it forwards), its method, path and query, and its body, as the
+    client sends it again. None for a request without a prompt (``call.route`` None)."""
+    if call.route is None:
+        return None
+    request = call.request
+    body = await request.read()  # read already by the route: aiohttp keeps the bytes
+    who = call.st.keys.authenticate(request).id
+    if who is None:  # an open gateway: the client's credential is the upstream's key
+        who = "open:" + "\n".join(
+            request.headers.get(name, "")
+            for name in ("Authorization", "x-api-key", "x-goog-api-key")
+        )
+    digest = hashlib.sha256()
+    for part in (who, request.method, request.path_qs):
+        digest.update(part.encode("utf-8", "backslashreplace") + b"\0")
+    digest.update(body)
+    return digest.hexdigest()
+
+
+async def _each_upstream(
+    call: Call,
+    attempt: Callable[[Upstream], Awaitable[web.StreamResponse]],
+    pinned: Upstream | None,
+    promised: str | None,
+) -> web.StreamResponse:
     router, route = call.router, call.route
     fallbacks = router.fallbacks(route.model if route is not None else None)
     # a config's deployments are declared interchangeable: a timeout goes on to the next one
@@ -130,7 +191,7 @@ async def each_upstream(
                 raise PinnedLost(tried[-1].last_error)
             up: Upstream | None = pinned
         else:
-            up = router.pick(route, exclude)
+            up = router.pick(route, exclude, promised)
         if up is None and route is not None and fallbacks:
             soon = router.retry_after(model)
             if not (
@@ -212,6 +273,9 @@ def refusal(
       whether the gateway sent one of its own; never the upstream's body);
     - ``DOWN``: ``up`` marked failed, ``NextUpstream`` (no error of its own: when none is left
       the client gets ``router.exhausted``, naming the cause);
+    - a 429 with ``PROMISE_HEADER`` (``up`` holds a place for the request): the answer,
+      its Retry-After and the header kept; ``call.promise`` notes it (``each_upstream``
+      records the pin) and the Retry-After rests ``up`` for the other requests;
     - ``NEXT`` (when ``may_move``: not a pinned prefix's upstream): a 429's Retry-After
       rests ``up`` that long, ``NextUpstream`` carrying the reworded answer;
     - anything else: the answer reworded for the client (``redact.upstream_error``, its
@@ -227,14 +291,35 @@ def refusal(
         return NextUpstream(str(status), None)
     secrets = secrets_of(call.st.settings.upstream_api_key, up.auth)
     err = upstream_error(status, data, headers, secrets, fields)
+    wait = retry_after_seconds(headers.get("Retry-After"))
+    promise_s = _promise_s(headers.get(PROMISE_HEADER)) if status == 429 else None
+    if promise_s is not None:
+        call.promise = (up.url, promise_s)
+        err.headers[PROMISE_HEADER] = str(math.ceil(promise_s * 1000))
+        if wait is not None:
+            call.router.limit(up, wait)
+        return err
     if status in NEXT and may_move:
-        wait = retry_after_seconds(headers.get("Retry-After"))
         if status == 429 and wait is not None:
             call.router.limit(up, wait)
         else:
             up.last_error = f"HTTP {status}"
         return NextUpstream(str(status), err)
     return err
+
+
+def _promise_s(value: str | None) -> float | None:
+    """``PROMISE_HEADER``'s milliseconds as seconds; None when absent, not a positive
+    finite number, or longer than a day (not a promise this gateway keeps a pin for)."""
+    if value is None:
+        return None
+    try:
+        ms = float(value.strip())
+    except ValueError:
+        return None
+    if not math.isfinite(ms) or ms <= 0 or ms > 86_400_000:
+        return None
+    return ms / 1000
 
 
 def _why(tried: list[Upstream]) -> str:

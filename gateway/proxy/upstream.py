@@ -440,10 +440,16 @@ class UpstreamRouter:
         return self.policy.route(body, salt, model)
 
     def pick(
-        self, route: Route | bytes | None, exclude: Sequence[Upstream] = ()
+        self,
+        route: Route | bytes | None,
+        exclude: Sequence[Upstream] = (),
+        promised: str | None = None,
     ) -> Upstream | None:
         """The upstream for a request (None when none can take it) among those serving its
-        model, healthy and not in ``exclude``, by the policy (see the module docstring)."""
+        model, healthy and not in ``exclude``, by the policy (see the module docstring);
+        ``promised``: the URL of the upstream holding a promised place for it (a 429's
+        promise, ``attempts``), the policy's only candidate while it is one of those with
+        room, even while its 429 rests it (``limited_until``): its place is held."""
         if isinstance(route, bytes):
             route = Route(route, [])
         if route is not None:
@@ -456,7 +462,8 @@ class UpstreamRouter:
         roomy = [u for u in cands if not u.max_in_flight or u.in_flight < u.max_in_flight]
         if not roomy:
             return None
-        free = [u for u in roomy if u.limited_until <= now]
+        held = [u for u in roomy if u.url == promised] if promised is not None else []
+        free = held or [u for u in roomy if u.limited_until <= now]
         choice = self.policy.pick(route, free or roomy)
         assert isinstance(choice, Upstream)
         return choice

@@ -32,7 +32,7 @@ from collections.abc import Callable, Hashable
 
 from prefixgate.gateway.http.errors import bad_request, too_many
 from prefixgate.gateway.settings import AdmissionConfig
-from prefixgate.gateway.tenancy.admission_wait import EngineWait, Promises
+from prefixgate.gateway.tenancy.admission_wait import PROMISE_HEADER, EngineWait, Promises
 from prefixgate.gateway.tenancy.slot_wait import SlotClock
 from prefixgate.gateway.tenancy.ttft_budget import BUDGET_HEADER
 
@@ -444,13 +444,19 @@ class _Refusal:
         ahead: int = 0,
     ) -> None:
         """Raise the 429 with ``Retry-After`` = ``wait_s``; a ``predicted`` wait (from
-        measured rates, ``ahead`` departures) is promised, a guess is not."""
+        measured rates, ``ahead`` departures) is promised, a guess is not. A promised 429
+        says so in ``PROMISE_HEADER``: the milliseconds until the promise lapses."""
         wait_s = min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, wait_s))
+        err = too_many(message, wait_s, code=code)
         if predicted and self.fingerprint is not None:
-            self.ctl.promises.promise(
+            promises = self.ctl.promises
+            promises.promise(
                 self.fingerprint, wait_s, self.requests, self.tokens, max(0, ahead), self.rank
             )
-        raise too_many(message, wait_s, code=code)
+            lapses = promises.lapses_in(self.fingerprint)
+            if lapses is not None and lapses > 0:
+                err.headers[PROMISE_HEADER] = str(math.ceil(lapses * 1000))
+        raise err
 
 
 def _overflow(bound: int, ahead: int = 0) -> int:

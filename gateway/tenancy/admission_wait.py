@@ -47,6 +47,12 @@ from typing import Any
 from prefixgate.engine.load_model import estimate_ttft
 from prefixgate.engine.protocol import EngineClient
 
+PROMISE_HEADER = "x-prefixgate-promise-ms"
+"""A 429's header when its ``Retry-After`` is promised (``Promises``): the milliseconds from now
+until the promise lapses (the wait plus its grace). A proxy gateway relaying the 429 sends the
+client's retry of the same request back to the upstream that answered it (``proxy.attempts``;
+docs/serving.md, "A promise holds in proxy mode too")."""
+
 MISS_WINDOW = 200  # admitted requests whose prediction misses the budget margin is read from
 MISS_MIN = 20  # misses known before the margin counts
 MISS_QUANTILE = 0.95  # the share of admitted budgets the margin aims to meet

@@ -17,7 +17,7 @@ import pytest
 from prefixgate.engine.load_model import estimate_ttft
 from prefixgate.gateway.http.errors import APIError
 from prefixgate.gateway.tenancy.admission import AdmissionConfig, AdmissionController, _overflow
-from prefixgate.gateway.tenancy.admission_wait import EngineWait, Promises
+from prefixgate.gateway.tenancy.admission_wait import PROMISE_HEADER, EngineWait, Promises
 from prefixgate.gateway.tenancy.ttft_budget import BUDGET_HEADER
 
 SEQS, BUDGET_TOKENS = 8, 2048
@@ -455,4 +455,25 @@ def test_a_crowd_refused_behind_unseen_requests_is_told_a_spread():
     steps = [b - a for a, b in zip(waits, waits[1:], strict=False)]
     assert steps == pytest.approx([0.25] * 3, abs=0.02)  # one seat (1/4 s) apart
     for t in tickets:
+        t.done()
+
+
+def test_a_promised_429_says_when_its_promise_lapses_and_a_guess_says_nothing():
+    """``x-prefixgate-promise-ms``: what a proxy gateway pins the client's retry by
+    (``proxy.attempts``): the wait plus the promise's grace, in milliseconds."""
+    clock, ctl, held = _full_queue(4)
+    with pytest.raises(APIError) as exc:
+        ctl.admit(100, fingerprint="p")
+    wait = exc.value.retry_after
+    assert wait is not None
+    grace = ctl.promises.grace_s + ctl.promises.grace_fraction * wait
+    assert int(exc.value.headers[PROMISE_HEADER]) == pytest.approx((wait + grace) * 1000, abs=1)
+    assert exc.value.response().headers[PROMISE_HEADER] == exc.value.headers[PROMISE_HEADER]
+    for t in held:
+        t.done()
+    clock, ctl, held = _full_queue(2, RatedEngine(waiting=4, measured=False))
+    with pytest.raises(APIError) as exc:
+        ctl.admit(100, fingerprint="g")
+    assert PROMISE_HEADER not in exc.value.headers
+    for t in held:
         t.done()

@@ -1,0 +1,171 @@
+"""A promise holds across proxy gateways: an engine gateway's 429 whose ``Retry-After`` it
+promised a place for (``x-prefixgate-promise-ms``) is relayed to the client at once, not moved
+to another upstream, and the client's retry of the same request, through another proxy
+gateway on the same shared state (a real ``redis-server``), goes back to the upstream that
+promised (``proxy.attempts.each_upstream``, ``UpstreamRouter.pick``'s ``promised``). Without
+the header the old behaviour holds: the 429 moves the request to the next upstream.
+
+The upstreams are prefixgate gateways on the fake engine: a predicted first token of 2.3 s
+against a budget of 2,000 ms is a promised ``ttft_budget_exceeded`` 429 of about 300 ms
+(``admission._check_budget``)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from prefixgate.gateway.app import create_proxy_app
+from prefixgate.gateway.proxy.serving import PROXY
+from prefixgate.gateway.settings import GatewaySettings
+from prefixgate.gateway.tenancy.admission_wait import PROMISE_HEADER
+from prefixgate.gateway.tenancy.ttft_budget import BUDGET_HEADER
+
+BUDGET = {BUDGET_HEADER: "2000"}
+
+# the same request in each dialect the proxy relays (path, body)
+DIALECTS = {
+    "chat": ("/v1/chat/completions", lambda text: _chat(text)),
+    "completions": (
+        "/v1/completions",
+        lambda text: {"model": "fake", "prompt": text, "max_tokens": 3},
+    ),
+    "messages": (
+        "/v1/messages",
+        lambda text: {
+            "model": "fake",
+            "max_tokens": 3,
+            "messages": [{"role": "user", "content": text}],
+        },
+    ),
+    "gemini": (
+        "/v1beta/models/fake:generateContent",
+        lambda text: {
+            "contents": [{"role": "user", "parts": [{"text": text}]}],
+            "generationConfig": {"maxOutputTokens": 3},
+        },
+    ),
+}
+
+
+def _chat(text: str) -> dict:
+    return {"model": "fake", "messages": [{"role": "user", "content": text}], "max_tokens": 3}
+
+
+def _fleet(serve_fake, servers, redis_url: str | None):
+    """Two fake-engine gateways (upstreams) and two round-robin proxy gateways over both,
+    sharing ``redis_url`` (None: each its own in-process state)."""
+    ups = [serve_fake(GatewaySettings(model_name="fake")) for _ in range(2)]
+    urls = [srv.url for srv, _ in ups]
+    settings = GatewaySettings(routing="round_robin", redis_url=redis_url)
+    proxies = [servers(lambda: create_proxy_app(urls, settings)) for _ in range(2)]
+    return ups, proxies
+
+
+def _seen(ups) -> list[int]:
+    return [len(engine.requests_seen) for _, engine in ups]
+
+
+def _whole(proxies) -> None:
+    """Every upstream's in-flight count and slots are back to zero on both proxies."""
+    for p in proxies:
+        for up in p.app[PROXY].router.upstreams:
+            assert up.in_flight == 0, up
+
+
+@pytest.mark.parametrize("dialect", sorted(DIALECTS))
+def test_a_promised_429_through_one_proxy_is_kept_by_the_retry_through_another(
+    serve_fake, servers, gw, redis_server, dialect
+):
+    ups, (a, b) = _fleet(serve_fake, servers, redis_server.url)
+    path, body = DIALECTS[dialect]
+    promisers = []
+    with gw.client(a) as ca, gw.client(b) as cb:
+        for i in range(4):  # B's round robin alternates: without the pins, half go elsewhere
+            for _, engine in ups:
+                engine.predicted_ttft = 2.3  # both upstreams over the budget: 300 ms promised
+            before = _seen(ups)
+            r = ca.post(path, json=body(f"request {i}"), headers=BUDGET)
+            assert r.status_code == 429, r.text
+            assert PROMISE_HEADER in r.headers and "retry-after-ms" in r.headers
+            # relayed at once: one upstream asked, its promise not broken by a second one
+            keys = redis_server.client().keys("pg:prom:*")
+            assert len(keys) == 1, keys
+            promiser = redis_server.client().get(keys[0])
+            promisers.append(promiser)
+            for _, engine in ups:
+                engine.predicted_ttft = 0.01  # both would admit it now
+            time.sleep(int(r.headers["retry-after-ms"]) / 1000)
+            r = cb.post(path, json=body(f"request {i}"), headers=BUDGET)
+            assert r.status_code == 200, r.text
+            served = [n - m for n, m in zip(_seen(ups), before, strict=True)]
+            assert served == [int(srv.url == promiser) for srv, _ in ups], (served, promiser)
+            assert redis_server.client().keys("pg:prom:*") == []  # dropped once admitted
+    assert len(set(promisers)) == 2  # A's round robin: both upstreams promised, in turn
+    _whole((a, b))
+
+
+@pytest.mark.parametrize("promise", [None, "soon", "0", "-5", "inf", "nan"])
+def test_a_429_without_a_promise_moves_on_to_the_next_upstream(
+    serve_fake, servers, gw, redis_server, promise
+):
+    """The old behaviour: a 429 without the header, or with one that is no positive finite
+    number of milliseconds, goes to the next upstream, and no pin is recorded."""
+    from aiohttp import web
+
+    asked: list[str] = []
+
+    async def refuse(request: web.Request) -> web.Response:
+        asked.append(request.path)
+        err = {"message": "busy", "type": "rate_limit_error", "param": None, "code": None}
+        headers = {"Retry-After": "1"}
+        if promise is not None:
+            headers[PROMISE_HEADER] = promise
+        return web.json_response({"error": err}, status=429, headers=headers)
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "fake", "object": "model"}]})
+
+    def busy() -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", refuse)
+        app.router.add_get("/v1/models", models)
+        return app
+
+    refuser = servers(busy)
+    fine, engine = serve_fake(GatewaySettings(model_name="fake"))
+    settings = GatewaySettings(routing="round_robin", redis_url=redis_server.url)
+    a = servers(lambda: create_proxy_app([refuser.url, fine.url], settings))
+    with gw.client(a) as c:
+        for i in range(2):  # round robin: one of them starts at the refuser
+            r = c.post("/v1/chat/completions", json=_chat(f"x{i}"))
+            assert r.status_code == 200, r.text
+            assert PROMISE_HEADER not in r.headers
+    assert asked and len(engine.requests_seen) == 2
+    assert redis_server.client().keys("pg:prom:*") == []
+    _whole((a,))
+
+
+def test_the_pin_is_kept_in_process_state_too(serve_fake, servers, gw):
+    """One proxy gateway on its own in-process state (``LocalState``): its own retry goes
+    back to the promising upstream even while that upstream's 429 rests it for others."""
+    ups, (a, _) = _fleet(serve_fake, servers, None)
+    for _, engine in ups:
+        engine.predicted_ttft = 2.3
+    with gw.client(a) as c:
+        r = c.post("/v1/chat/completions", json=_chat("again"), headers=BUDGET)
+        assert r.status_code == 429, r.text
+        now = time.monotonic()  # the promising upstream is the one its 429 rests
+        first = [u.limited_until > now for u in a.app[PROXY].router.upstreams]
+        assert sum(first) == 1
+        for _, engine in ups:
+            engine.predicted_ttft = 0.01
+        for i in range(3):  # other requests go to the other upstream (the 429 rests this one)
+            assert c.post("/v1/chat/completions", json=_chat(f"new {i}")).status_code == 200
+        time.sleep(int(r.headers["retry-after-ms"]) / 1000)
+        before = _seen(ups)
+        r = c.post("/v1/chat/completions", json=_chat("again"), headers=BUDGET)
+        assert r.status_code == 200, r.text
+        served = [n - m for n, m in zip(_seen(ups), before, strict=True)]
+        assert served == [int(f) for f in first]
+        assert sum(_seen(ups)) == 4
+    _whole((a,))
