@@ -68,6 +68,9 @@ class StubIndex:
     def stats(self) -> dict:
         return {"replicas": {u: {"synced": s} for u, s in self.synced.items()}}
 
+    def readiness(self) -> dict[str, tuple[bool, str | None, int]]:
+        return {u: (s, self.hash_scheme(u), self.block_size(u)) for u, s in self.synced.items()}
+
     def block_size(self, name: str) -> int:
         return BS
 
