@@ -105,7 +105,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import xxhash
-from prefixgate.engine.block_hash import num_reusable_blocks
+from prefixgate.engine.block_hash import block_key_bytes, num_reusable_blocks
 from prefixgate.gateway.http.errors import APIError
 from prefixgate.gateway.proxy.kv_index import (
     HASH_PREFIXGATE,
@@ -189,6 +189,24 @@ class PreciseRoute(Route):
         if scheme in (HASH_VLLM_INT, HASH_VLLM_BYTES):
             return forwarded
         return effective_salt(None, forwarded)
+
+    def prime_keys(self, salt: str | None, block_size: int, hashes: Sequence[int]) -> None:
+        """Hand ``keys(salt, block_size)`` (prefixgate's scheme) the prompt's block keys
+        hashed already (``prefixgate sim`` hashes each prompt once for routing and engine).
+
+        Args:
+            salt, block_size: as for ``keys``.
+            hashes: ``block_hash.prompt_block_hashes(token_ids, block_size, salt)``, or at
+                least its first ``num_reusable_blocks`` keys.
+
+        Raises:
+            ValueError: fewer keys than the prompt's reusable blocks.
+        """
+        assert self.token_ids is not None
+        n = num_reusable_blocks(len(self.token_ids), block_size)
+        if len(hashes) < n:
+            raise ValueError(f"{len(hashes)} block keys for a prompt of {n} reusable blocks")
+        self._keys[(salt, block_size, HASH_PREFIXGATE)] = [block_key_bytes(k) for k in hashes[:n]]
 
     def keys(
         self, salt: str | None, block_size: int, scheme: str | None = HASH_PREFIXGATE
