@@ -292,6 +292,7 @@ class PreciseRouting:
             maxlen=SHARE_WINDOW * max(1, len(self.feeds))
         )
         self._recent_count: Counter[str] = Counter()  # url -> its picks in _recent
+        self._recent_keys: dict[str, Counter[bytes | None]] = {}  # url -> prompt key -> picks
         self._homes: OrderedDict[bytes, str] = OrderedDict()  # prompt key -> its home upstream
         self._home_count: Counter[str] = Counter()  # upstream -> prompts homed there
         self.decisions: Counter[str] = Counter()
@@ -418,9 +419,15 @@ class PreciseRouting:
         route.reason = reason
         recent = self._recent
         if len(recent) == recent.maxlen:  # the oldest pick leaves the window
-            self._recent_count[recent[0][0]] -= 1
+            url, key = recent[0]
+            self._recent_count[url] -= 1
+            keys = self._recent_keys[url]
+            keys[key] -= 1
+            if not keys[key]:
+                del keys[key]
         recent.append((choice.url, route.key))
         self._recent_count[choice.url] += 1
+        self._recent_keys.setdefault(choice.url, Counter())[route.key] += 1
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "precise pick %s reason=%s prompt=%d cached=%s pending=%s load=%s ok=%s",
@@ -453,10 +460,7 @@ class PreciseRouting:
         over = {u.url for u in ok if counts[u.url] + 1 > bound and counts[u.url] != fewest}
         if not over:
             return ok
-        keys: dict[str, Counter[bytes | None]] = {url: Counter() for url in over}
-        for url, k in recent:
-            if url in keys:
-                keys[url][k] += 1
+        keys = self._recent_keys  # each url's picks in the window by prompt key
         out = []
         for u in ok:
             if u.url in over:
