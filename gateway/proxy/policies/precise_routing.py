@@ -489,8 +489,12 @@ class PreciseRouting:
         report, at = got
         reqs = report.num_running + report.num_waiting
         tokens = report.queued_prefill_tokens
-        for r in self._flying.get(up.url, {}).values():
-            if r._sent > at and r._charge is not None:
+        # the routes charged to up, in the order they were sent (each is put in at its pick,
+        # after its last charge went): the latest first, down to the first sent by ``at``
+        for r in reversed(self._flying.get(up.url, {}).values()):
+            if r._sent <= at:
+                break
+            if r._charge is not None:
                 reqs += 1
                 tokens += r._charge[1]
         return max(reqs, own[0]), max(tokens, own[1])
