@@ -360,6 +360,16 @@ class KVIndex:
         with self._lock:
             return self._replicas[name].applied_seq
 
+    def readiness(self) -> dict[str, tuple[bool, str | None, int]]:
+        """Per replica ``(synced, hash_scheme, block_size)``: what ``stats()`` says of each
+        (``synced``, ``hash_scheme``) and ``block_size``, under one lock and without the
+        counters (a routing pick reads it once per request)."""
+        with self._lock:
+            return {
+                name: (rep.has_state and not rep.needs_sync, rep.hash_scheme, rep.block_size)
+                for name, rep in self._replicas.items()
+            }
+
     def stats(self) -> dict[str, Any]:
         """Counters for metrics: ``replicas`` (per replica: ``synced``, ``applied_seq``,
         ``blocks`` (distinct hashes), ``batches_applied``, ``events_applied``, ``gaps``,

@@ -30,7 +30,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefixgate.engine.block_hash import block_key_bytes, num_reusable_blocks
+from prefixgate.engine.block_hash import (
+    block_key_bytes,
+    default_hash_fn,
+    hash_request_blocks,
+    num_reusable_blocks,
+    prompt_block_hashes,
+)
 from prefixgate.engine.config import EngineConfig
 from prefixgate.engine.kv_events import KVEventCollector, ParsedEvent
 from prefixgate.engine.llm_engine import LLMEngine
@@ -166,6 +172,9 @@ class SimRequest:
     upstream: Any = None
     gw: Any = None  # the gateway of the current try
     dropped: bool = False
+    # the prompt's full blocks' keys (``prompt_block_hashes(prompt, block_size)``), hashed once
+    # and handed to the routing pick and the engine
+    hashes: list[int] = field(default_factory=list)
 
 
 class SimUpstream:
@@ -187,8 +196,9 @@ class SimGateway:
     """A proxy gateway: its own policy object and upstream views (and, for ``precise``, its
     own ``KVIndex`` following every replica)."""
 
-    def __init__(self, index: int, routing: str, replicas: int) -> None:
+    def __init__(self, index: int, routing: str, replicas: int, block_size: int) -> None:
         self.index = index
+        self.block_size = block_size
         self.policy: Any = make_policy(routing)
         self.upstreams = [SimUpstream(i) for i in range(replicas)]
         self.exact: PreciseRouting | None = None
@@ -206,6 +216,8 @@ class SimGateway:
         if self.exact is not None:
             precise = PreciseRoute(route.key, route.blocks, route.model)
             precise.token_ids = req.prompt
+            if precise.engine_salt(self.upstreams[0]) is None:  # unsalted: the request's keys
+                precise.prime_keys(None, self.block_size, req.hashes)
             if req.turns > 1:
                 precise.session = (None, f"user:s{req.session}")
             route = precise
@@ -239,6 +251,8 @@ class Replica:
         self.engine.kv_events = _Feed(self.collector)
         # no text: the simulator reads token ids only (detokenizing is not modelled)
         self.engine.output_processor.detokenizer_cls = _no_detokenizer
+        # the engine keys blocks as SimRequest.hashes are keyed: it is handed them
+        self.takes_hashes = self.engine.kv_cache_manager.hash_fn is default_hash_fn
         self.admission = AdmissionController(
             AdmissionConfig(max_queued_requests=config.max_queued_requests),
             concurrency=config.max_num_seqs,
@@ -368,7 +382,7 @@ class Fleet:
         self.gateways: list[SimGateway] = []
         # the gateways' shared state (one store, as one Redis): the promises' pins
         self.shared: StateBackend = LocalState()
-        self._system: dict[str, list[int]] = {}
+        self._system: dict[str, tuple[list[int], list[int]]] = {}  # tenant -> (ids, hashes)
         self.steps = 0
         self.stretched_steps = 0  # of which in pure-decode stretches (advance_decodes)
 
@@ -381,7 +395,10 @@ class Fleet:
         with virtual_time(self.clock):
             cfg = self.config
             self.replicas = [Replica(i, cfg, self.clock, self.seed) for i in range(cfg.replicas)]
-            self.gateways = [SimGateway(g, cfg.routing, cfg.replicas) for g in range(cfg.gateways)]
+            self.gateways = [
+                SimGateway(g, cfg.routing, cfg.replicas, cfg.block_size)
+                for g in range(cfg.gateways)
+            ]
             for g in self.gateways:  # every index synced (empty) from the start
                 if g.exact is not None:
                     for u in g.upstreams:
@@ -404,10 +421,12 @@ class Fleet:
         return self
 
     # ---- clients ----------------------------------------------------------------------------
-    def _system_prompt(self, tenant: str) -> list[int]:
+    def _system_prompt(self, tenant: str) -> tuple[list[int], list[int]]:
+        """The tenant's system prompt and its blocks' keys."""
         got = self._system.get(tenant)
         if got is None:
-            got = self._system[tenant] = self.workload.system_prompt(tenant)
+            ids = self.workload.system_prompt(tenant)
+            got = self._system[tenant] = (ids, prompt_block_hashes(ids, self.config.block_size))
         return got
 
     def _client_next(self) -> None:
@@ -417,11 +436,18 @@ class Fleet:
         self._start_session(self.workload.tenant_for(session), session, 1)
 
     def _start_session(self, tenant: str, session: int, turns: int) -> None:
-        self._send_turn(tenant, session, 0, turns, self._system_prompt(tenant))
+        self._send_turn(tenant, session, 0, turns, *self._system_prompt(tenant))
 
     def _send_turn(
-        self, tenant: str, session: int, turn: int, turns: int, history: list[int]
+        self,
+        tenant: str,
+        session: int,
+        turn: int,
+        turns: int,
+        history: list[int],
+        history_hashes: list[int],
     ) -> None:
+        """``history_hashes``: the keys of ``history``'s full blocks."""
         user, max_tokens = self.workload.turn(session, turn)
         prompt = history + user
         budget = self.workload.config.ttft_budget_s or None
@@ -437,6 +463,7 @@ class Fleet:
             self.clock.t,
         )
         req.gateway = self.workload.gateway_of(session, turn, self.config.gateways)
+        req.hashes = hash_request_blocks(prompt, self.config.block_size, None, list(history_hashes))
         self._try(req)
 
     def _try(self, req: SimRequest) -> None:
@@ -491,7 +518,10 @@ class Fleet:
             tenant=req.tenant,
         )
         rep.requests[req.rid] = req
-        rep.engine.add_request(er)
+        engine_req = rep.engine.prepare_request(er)
+        if rep.takes_hashes:  # keys of the same blocks as the engine's own (none salted)
+            engine_req.block_hashes = list(req.hashes)
+        rep.engine.add_request(engine_req)
         req.gw = gw
         if not rep.stepping:
             rep.generation += 1
@@ -589,6 +619,7 @@ class Fleet:
                     self.at(now, self._client_next)
                 if req.turn + 1 < req.turns:
                     history = req.prompt + req.output
+                    hashes = list(req.hashes)
                     user_next = self.workload.config.user_tokens * 3 // 2
                     if len(history) + user_next + req.max_tokens * 2 < min(
                         self.workload.config.max_prompt_tokens, self.config.max_model_len
@@ -602,6 +633,7 @@ class Fleet:
                             req.turn + 1,
                             req.turns,
                             history,
+                            hashes,
                         )
         rep.stepping = False
         if generation == rep.generation:

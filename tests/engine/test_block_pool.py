@@ -113,3 +113,21 @@ def test_reset_prefix_cache() -> None:
     assert pool.reset_prefix_cache() == 1
     assert pool.lookup(3, (3,), None, None) is None
     pool.check_invariants()
+
+
+@pytest.mark.parametrize("look_early", [False, True])
+def test_blocks_made_on_first_use_go_out_in_the_order_of_a_full_free_list(look_early) -> None:
+    # the pool makes a block when it is first taken; the order is the one a free list
+    # starting as range(num_blocks) gives: never-taken ids first, then the ones freed, in turn
+    pool = BlockPool(6)
+    if look_early:  # every block made up front (the invariant checks read them all)
+        assert [b.block_id for b in pool.blocks] == list(range(6))
+    first = pool.allocate(2)
+    pool.check_invariants()
+    pool.free([first[0]])
+    assert pool.num_free == 5
+    pool.check_invariants()
+    assert [b.block_id for b in pool.allocate(5)] == [2, 3, 4, 5, 0]
+    assert pool.num_free == 0
+    assert len(pool.blocks) == 6
+    pool.check_invariants()

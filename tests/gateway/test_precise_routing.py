@@ -68,6 +68,9 @@ class StubIndex:
     def stats(self) -> dict:
         return {"replicas": {u: {"synced": s} for u, s in self.synced.items()}}
 
+    def readiness(self) -> dict[str, tuple[bool, str | None, int]]:
+        return {u: (s, self.hash_scheme(u), self.block_size(u)) for u, s in self.synced.items()}
+
     def block_size(self, name: str) -> int:
         return BS
 
@@ -572,3 +575,18 @@ def test_precise_proxy_tokenizes_without_torch(tmp_path, aidreams_path):
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str(list(expected))
+
+
+def test_primed_keys_are_the_keys_the_route_would_hash() -> None:
+    from prefixgate.engine.block_hash import prompt_block_hashes
+
+    ids = list(range(3, 3 + 4 * BS + 2))
+    hashed = PreciseRoute(None, [])
+    hashed.token_ids = ids
+    primed = PreciseRoute(None, [])
+    primed.token_ids = ids
+    primed.prime_keys(None, BS, prompt_block_hashes(ids, BS))
+    assert primed.keys(None, BS) == hashed.keys(None, BS) == prompt_block_keys(ids, BS)
+    assert len(primed.keys(None, BS)) == 4
+    with pytest.raises(ValueError, match="reusable"):
+        primed.prime_keys(None, BS, prompt_block_hashes(ids, BS)[:3])

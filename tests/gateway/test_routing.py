@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from prefixgate.gateway.proxy.policies import PrefixTree, prompt_blocks
+from prefixgate.gateway.proxy.policies.prompt import prompt_text
 from prefixgate.gateway.proxy.upstream import Route, UpstreamRouter
 from prefixgate.gateway.settings import GatewaySettings
 
@@ -200,3 +203,19 @@ def test_all_full_upstreams_tell_when_the_soonest_frees_a_place():
     err = r.exhausted([], "every upstream failed")
     assert err.status == 429 and err.code == "upstream_busy"
     assert err.retry_after == 4.0  # the second upstream: 6 s hold - 2 s held
+
+
+@pytest.mark.parametrize("high", [10, 354, 1 << 20])
+def test_prompt_text_cut_to_max_chars_is_the_whole_text_cut(high: int) -> None:
+    # a token-id prompt is joined only as far as max_chars needs; the text is the same
+    rng = random.Random(high)
+    for n in (0, 1, 5, 900, 1024, 1025, 3000):
+        ids = [rng.randrange(high) for _ in range(n)]
+        whole = ",".join(map(str, ids))
+        assert prompt_text({"prompt": ids}) == whole
+        for max_chars in (1, 2, 63, 64, 4096):
+            assert prompt_text({"prompt": ids}, max_chars) == whole[:max_chars]
+    # ids that are not plain ints keep their own text
+    assert prompt_text({"prompt": [1, True, 2.0]}) == "1,True,2.0"
+    assert prompt_text({"prompt": [1, True, 2.0]}, 6) == "1,True"
+    assert prompt_text({"messages": [{"role": "user", "content": "hi"}]}, 4) == "user"

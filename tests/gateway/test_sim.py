@@ -276,3 +276,31 @@ def test_plot_writes_a_png(tmp_path):
     fleet = Fleet(FleetConfig(replicas=2, gateways=1, kv_blocks=300), _wc(), 4.0, 3.0, 0).run()
     plot(fleet, str(tmp_path / "sim.png"))
     assert (tmp_path / "sim.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_prompts_hashed_once_give_what_the_pick_and_the_engine_hash_themselves(monkeypatch):
+    # every prompt is hashed once (a session's turns extend the last turn's keys) and the keys
+    # are handed to the precise pick and the engine; without the hand-over both hash it
+    # themselves, and the run is the same
+    import prefixgate.gateway.sim.fleet as fleet_mod
+    from prefixgate.engine.block_hash import prompt_block_hashes
+    from prefixgate.gateway.proxy.policies.precise_routing import PreciseRoute
+
+    def run() -> tuple[Fleet, dict]:
+        fleet = Fleet(FleetConfig(replicas=3, gateways=2, kv_blocks=300), _wc(), rate=6.0,
+                      duration_s=5.0, seed=2).run()  # fmt: skip
+        return fleet, summarize(fleet)
+
+    fleet, shared = run()
+    assert any(r.turn > 0 for r in fleet.done)
+    for r in fleet.done:
+        assert r.hashes == prompt_block_hashes(r.prompt, 16)
+    assert all(rep.takes_hashes for rep in fleet.replicas)
+    monkeypatch.setattr(fleet_mod, "default_hash_fn", object())  # the engines hash themselves
+    monkeypatch.setattr(PreciseRoute, "prime_keys", lambda *a: None)  # and so do the picks
+    alone, own = run()
+    assert not any(rep.takes_hashes for rep in alone.replicas)
+    assert own == shared
+    assert [(r.rid, r.replica, r.output, r.t_done) for r in alone.done] == [
+        (r.rid, r.replica, r.output, r.t_done) for r in fleet.done
+    ]

@@ -126,7 +126,8 @@ class CacheAware(Rendezvous):
     def route(self, body: Any, salt: str | None, model: str | None = None) -> Route:
         """The salted affinity key and the whole prompt's blocks under ``salt``."""
         key = salted_affinity_key(affinity_key(body, self.block_chars, self.max_chars), salt)
-        blocks = prompt_blocks(prompt_text(body), salt, self.block_chars, self.max_chars)
+        text = prompt_text(body, self.max_chars)  # prompt_blocks reads max_chars of it
+        blocks = prompt_blocks(text, salt, self.block_chars, self.max_chars)
         return Route(key, blocks, model)
 
     def pick(self, route: Route | None, candidates: Sequence[Candidate]) -> Candidate:

@@ -105,7 +105,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import xxhash
-from prefixgate.engine.block_hash import num_reusable_blocks
+from prefixgate.engine.block_hash import block_key_bytes, num_reusable_blocks
 from prefixgate.gateway.http.errors import APIError
 from prefixgate.gateway.proxy.kv_index import (
     HASH_PREFIXGATE,
@@ -190,6 +190,24 @@ class PreciseRoute(Route):
             return forwarded
         return effective_salt(None, forwarded)
 
+    def prime_keys(self, salt: str | None, block_size: int, hashes: Sequence[int]) -> None:
+        """Hand ``keys(salt, block_size)`` (prefixgate's scheme) the prompt's block keys
+        hashed already (``prefixgate sim`` hashes each prompt once for routing and engine).
+
+        Args:
+            salt, block_size: as for ``keys``.
+            hashes: ``block_hash.prompt_block_hashes(token_ids, block_size, salt)``, or at
+                least its first ``num_reusable_blocks`` keys.
+
+        Raises:
+            ValueError: fewer keys than the prompt's reusable blocks.
+        """
+        assert self.token_ids is not None
+        n = num_reusable_blocks(len(self.token_ids), block_size)
+        if len(hashes) < n:
+            raise ValueError(f"{len(hashes)} block keys for a prompt of {n} reusable blocks")
+        self._keys[(salt, block_size, HASH_PREFIXGATE)] = [block_key_bytes(k) for k in hashes[:n]]
+
     def keys(
         self, salt: str | None, block_size: int, scheme: str | None = HASH_PREFIXGATE
     ) -> list[BlockHash]:
@@ -273,6 +291,8 @@ class PreciseRouting:
         self._recent: deque[tuple[str, bytes | None]] = deque(  # (url, prompt key)
             maxlen=SHARE_WINDOW * max(1, len(self.feeds))
         )
+        self._recent_count: Counter[str] = Counter()  # url -> its picks in _recent
+        self._recent_keys: dict[str, Counter[bytes | None]] = {}  # url -> prompt key -> picks
         self._homes: OrderedDict[bytes, str] = OrderedDict()  # prompt key -> its home upstream
         self._home_count: Counter[str] = Counter()  # upstream -> prompts homed there
         self.decisions: Counter[str] = Counter()
@@ -347,17 +367,16 @@ class PreciseRouting:
         route.predicted_cached = None
         if route.token_ids is None:
             return self._fallback(route, "untokenized", fallback)
-        replicas = self.index.stats()["replicas"]
-        if any(u.url not in replicas for u in cands):
+        ready = self.index.readiness()  # url -> (synced, hash scheme, block size)
+        if any(u.url not in ready for u in cands):
             return self._fallback(route, "no_feed", fallback)
-        if not all(replicas[u.url]["synced"] for u in cands):
+        if not all(ready[u.url][0] for u in cands):
             return self._fallback(route, "not_synced", fallback)
-        if any(replicas[u.url].get("hash_scheme") == HASH_UNKNOWN for u in cands):
+        if any(ready[u.url][1] == HASH_UNKNOWN for u in cands):
             return self._fallback(route, "unknown_hash", fallback)
         # one index walk per distinct key list (every upstream of one hash scheme and salt
         # shares it), not one per candidate: O(blocks) per pick, not O(blocks x upstreams)
-        walks: dict[int, dict[str, int]] = {}
-        found = {u.url: self._match(route, u, walks) for u in cands}
+        found = self._match_all(route, cands, ready)
         cached = {url: n for url, (n, _) in found.items()}
         loads = {u.url: self.load(u) for u in cands}
         busy = {url: reqs for url, (reqs, _) in loads.items()}
@@ -398,7 +417,17 @@ class PreciseRouting:
             choice = min(order, key=cost)
         self.decisions[reason] += 1
         route.reason = reason
-        self._recent.append((choice.url, route.key))
+        recent = self._recent
+        if len(recent) == recent.maxlen:  # the oldest pick leaves the window
+            url, key = recent[0]
+            self._recent_count[url] -= 1
+            keys = self._recent_keys[url]
+            keys[key] -= 1
+            if not keys[key]:
+                del keys[key]
+        recent.append((choice.url, route.key))
+        self._recent_count[choice.url] += 1
+        self._recent_keys.setdefault(choice.url, Counter())[route.key] += 1
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "precise pick %s reason=%s prompt=%d cached=%s pending=%s load=%s ok=%s",
@@ -424,17 +453,14 @@ class PreciseRouting:
         recent = self._recent
         if len(recent) < SHARE_WINDOW * n or len(ok) < 2:
             return ok
-        counts = Counter(url for url, _ in recent)
+        counts = self._recent_count  # Counter(url for url, _ in recent), kept as it goes
         m = (len(recent) + 1) / n
         bound = max(self.max_load_ratio * m, m + 1)
         fewest = min(counts[u.url] for u in ok)
         over = {u.url for u in ok if counts[u.url] + 1 > bound and counts[u.url] != fewest}
         if not over:
             return ok
-        keys: dict[str, Counter[bytes | None]] = {url: Counter() for url in over}
-        for url, k in recent:
-            if url in keys:
-                keys[url][k] += 1
+        keys = self._recent_keys  # each url's picks in the window by prompt key
         out = []
         for u in ok:
             if u.url in over:
@@ -463,8 +489,12 @@ class PreciseRouting:
         report, at = got
         reqs = report.num_running + report.num_waiting
         tokens = report.queued_prefill_tokens
-        for r in self._flying.get(up.url, {}).values():
-            if r._sent > at and r._charge is not None:
+        # the routes charged to up, in the order they were sent (each is put in at its pick,
+        # after its last charge went): the latest first, down to the first sent by ``at``
+        for r in reversed(self._flying.get(up.url, {}).values()):
+            if r._sent <= at:
+                break
+            if r._charge is not None:
                 reqs += 1
                 tokens += r._charge[1]
         return max(reqs, own[0]), max(tokens, own[1])
@@ -546,6 +576,43 @@ class PreciseRouting:
             while m < len(keys) and keys[m] in flying:
                 m += 1
         return max(n, m) * bs, max(0, m - n) * bs
+
+    def _match_all(
+        self,
+        route: PreciseRoute,
+        cands: Sequence[Candidate],
+        ready: Mapping[str, tuple[bool, str | None, int]],
+    ) -> dict[str, tuple[int, int]]:
+        """``_match`` of every candidate (``ready``: ``KVIndex.readiness()``), with the key
+        list and its index walk looked up once per block size, hash scheme and salt taken
+        (``Candidate.cache_salt``): the same answers, O(blocks) per pick."""
+        any_bs = max((ready[u][2] for u in self.feeds if u in ready), default=0)
+        seen: dict[tuple[int, str | None, Any], tuple[list[BlockHash], dict[str, int]]] = {}
+        walks: dict[int, dict[str, int]] = {}
+        out: dict[str, tuple[int, int]] = {}
+        for u in cands:
+            _, scheme, bs = ready[u.url]
+            bs = bs or any_bs  # _block_size
+            if bs <= 0:  # no block stored anywhere yet: nothing cached
+                out[u.url] = (0, 0)
+                continue
+            form = (bs, scheme, getattr(u, "cache_salt", None) is False)  # engine_salt reads
+            got = seen.get(form)
+            if got is None:
+                keys = route.keys(route.engine_salt(u, scheme), bs, scheme)
+                walk = walks.get(id(keys))
+                if walk is None:
+                    walk = walks[id(keys)] = self.index.match(keys)
+                got = seen[form] = (keys, walk)
+            keys, walk = got
+            n = walk.get(u.url, 0)
+            flying = self._inflight_keys.get(u.url)
+            m = 0
+            if flying:
+                while m < len(keys) and keys[m] in flying:
+                    m += 1
+            out[u.url] = (max(n, m) * bs, max(0, m - n) * bs)
+        return out
 
     def _block_size(self, url: str) -> int:
         """``url``'s block size by its events, else another feed's (0 before any)."""

@@ -39,25 +39,56 @@ def salted_affinity_key(key: bytes | None, salt: str | None) -> bytes | None:
     return salt.encode("utf-8", "surrogatepass") + b"\x00" + key
 
 
-def prompt_text(body: Any) -> str:
+class _IdText(dict[int, str]):
+    """``str`` of token ids, kept for ids below ``2**18`` (a vocabulary's)."""
+
+    def __missing__(self, key: int) -> str:
+        text = str(key)
+        if 0 <= key < 1 << 18:
+            self[key] = text
+        return text
+
+
+_ID_TEXT = _IdText()
+
+
+def ids_text(ids: list[Any]) -> str:
+    """``",".join(map(str, ids))``, the ids' text from a table when they are all ints."""
+    if set(map(type, ids)) == {int}:
+        return ",".join(map(_ID_TEXT.__getitem__, ids))
+    return ",".join(map(str, ids))
+
+
+def prompt_text(body: Any, max_chars: int | None = None) -> str:
     """The whole prompt of a chat or completions body as text (messages as ``role: content``
-    lines; a token-id prompt as its comma-joined ids)."""
+    lines; a token-id prompt as its comma-joined ids), cut to ``max_chars`` characters when
+    given (a token-id prompt is then joined only as far as needed)."""
     if not isinstance(body, dict):
         return ""
     messages = body.get("messages")
     if isinstance(messages, list):
-        return "".join(
+        text = "".join(
             f"{m.get('role')}: {content_text(m.get('content'))}\n"
             for m in messages
             if isinstance(m, dict)
         )
+        return text if max_chars is None else text[:max_chars]
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return prompt
+        return prompt if max_chars is None else prompt[:max_chars]
     if isinstance(prompt, list):
-        return ",".join(map(str, prompt))
+        if max_chars is None:
+            return ids_text(prompt)
+        # k ids give at least 2k - 1 characters: join a quarter of max_chars ids, then, when
+        # short, enough more that the text is max_chars long or the prompt is all in
+        k = max(1, max_chars // 4)
+        text = ids_text(prompt[:k])
+        short = max_chars - len(text)
+        if short > 0 and k < len(prompt):
+            text += "," + ids_text(prompt[k : k + short // 2 + 1])
+        return text[:max_chars]
     return ""
 
 
@@ -86,7 +117,7 @@ def affinity_key(body: Any, block_chars: int = 64, max_chars: int = 4096) -> byt
         if isinstance(prompt, str):
             text = prompt
         elif isinstance(prompt, list):
-            text = ",".join(map(str, prompt[: max_chars // 4]))
+            text = ids_text(prompt[: max_chars // 4])
     if not text:
         return None
     n = min(len(text), max_chars)
