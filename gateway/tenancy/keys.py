@@ -415,7 +415,9 @@ def load_keys_file(path: str) -> list[KeySpec]:
     """Read a keys file (format in the module docstring).
 
     Raises:
-        ValueError: unreadable file, bad syntax, or an entry with unknown or invalid fields.
+        ValueError: unreadable file, bad syntax, no keys (``{"keys": []}``: a server started
+            with it would answer every request unauthenticated), or an entry with unknown or
+            invalid fields.
     """
     p = Path(path)
     try:
@@ -426,6 +428,11 @@ def load_keys_file(path: str) -> list[KeySpec]:
     entries = data.get("keys") if isinstance(data, dict) else None
     if not isinstance(entries, list):
         raise ValueError(f'keys file {path} must hold {{"keys": [...]}}')
+    if not entries:  # given to require keys: none would leave every request open
+        raise ValueError(
+            f"the keys file {path} has no keys: every request would be open; "
+            "add a key or drop --keys-file"
+        )
     specs = []
     for i, entry in enumerate(entries):
         if not isinstance(entry, dict):
