@@ -26,7 +26,6 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from prefixgate.gateway.http.errors import APIError, bad_request
-from prefixgate.gateway.http.headers import header_text
 from prefixgate.gateway.http.json_guard import no_body
 from prefixgate.gateway.http.request_account import RequestAccount, account
 from prefixgate.gateway.proxy import anthropic
@@ -54,7 +53,7 @@ from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import Upstream, UpstreamRouter
 from prefixgate.gateway.proxy.usage import UsageTap, admit_call, ask_usage, body_usage, end_call
 from prefixgate.gateway.state import STATE, GatewayState
-from prefixgate.gateway.tenancy.keys import MAX_SALT_CHARS, effective_salt
+from prefixgate.gateway.tenancy.keys import MAX_SALT_CHARS, client_credential, effective_salt
 from prefixgate.gateway.tenancy.ttft_budget import BUDGET_HEADER
 from prefixgate.gateway.wire.request_models import check_contents, load_json
 from prefixgate.gateway.wire.stop_strings import openai_constraint, refuse_stop_under_constraint
@@ -458,12 +457,15 @@ class _Forward(Call):
             pfx.seconds_left() if pfx is not None else 0.0,
         )
         async with session.post(
-            up.url + "/v1/messages", json=req, headers=anthropic.headers_for(up.auth), ssl=up.ssl
+            up.url + "/v1/messages",
+            json=req,
+            headers=anthropic.headers_for(upstream_credential(request, self.st, up)),
+            ssl=up.ssl,
         ) as resp:
             self.answered = resp.status
             if resp.status != 200:
                 data = await resp.read()
-                # the key sent is the deployment's own only (anthropic.headers_for)
+                # the key sent is the deployment's own, else the client's (upstream_credential)
                 exc = refusal(
                     self, up, resp.status, data, resp.headers, own_credential=up.auth is not None
                 )
@@ -534,24 +536,35 @@ def _learn(router: Any, up: Upstream, route: Route | None, tail: bytes) -> None:
         router.learn(up, route, int(cached[-1]), int(prompt[-1]))
 
 
+def upstream_credential(request: web.Request, st: GatewayState, up: Upstream) -> str | None:
+    """The ``Authorization`` value the request's attempt at ``up`` carries (None: none): the
+    upstream's own (a config's credential, or its URL's userinfo as Basic), else
+    ``--upstream-api-key`` as Bearer (not to an Anthropic deployment: it is for the
+    OpenAI-compatible upstreams), else — only when the gateway has no keys of its own — the
+    client's credential from whichever header or parameter its dialect sends it in
+    (``keys.client_credential``: ``Authorization``, ``x-api-key``, ``x-goog-api-key``,
+    ``?key=``). Every route's attempt reads it here; ``upstream_headers`` /
+    ``anthropic.headers_for`` put it in the upstream's dialect's header (never in a URL)."""
+    if up.auth is not None:
+        return up.auth
+    if st.settings.upstream_api_key and up.dialect != "anthropic":
+        return "Bearer " + st.settings.upstream_api_key
+    if st.keys.open:
+        return client_credential(request) or None
+    return None
+
+
 def upstream_headers(request: web.Request, st: GatewayState, up: Upstream) -> dict[str, str]:
-    """Headers towards ``up``: one credential at most — its own (a config's credential, or
-    its URL's userinfo as Basic, made once by ``split_credentials``), else
-    ``--upstream-api-key`` (Bearer), else the client's own ``Authorization`` when the gateway
-    has no keys of its own; and the client's TTFT budget header, which a prefixgate upstream
-    enforces."""
+    """Headers towards an OpenAI-compatible ``up``: one credential at most, as
+    ``Authorization`` (``upstream_credential``); and the client's TTFT budget header, which a
+    prefixgate upstream enforces."""
     out = dict(_HOP_HEADERS)
     budget = request.headers.get(BUDGET_HEADER)  # a prefixgate upstream refuses by it
     if budget is not None:
         out[BUDGET_HEADER] = budget
-    if up.auth is not None:
-        out["Authorization"] = up.auth
-    elif st.settings.upstream_api_key:
-        out["Authorization"] = "Bearer " + st.settings.upstream_api_key
-    else:
-        auth = header_text(request, "Authorization")
-        if auth and st.keys.open:
-            out["Authorization"] = auth
+    auth = upstream_credential(request, st, up)
+    if auth is not None:
+        out["Authorization"] = auth
     return out
 
 

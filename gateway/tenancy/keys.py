@@ -383,13 +383,7 @@ class KeyRing:
         if not self._by_digest:
             account(request).key_name = "-"
             return self._anonymous
-        header = header_text(request, "Authorization")
-        if not header.strip():
-            other = header_text(request, "x-api-key") or header_text(request, "x-goog-api-key")
-            if not other.strip() and request.path.startswith("/v1beta/"):
-                other = request.query.get("key", "")
-            if other.strip():
-                header = "Bearer " + other.strip()
+        header = client_credential(request)
         scheme, _, key = header.partition(" ")
         # the header the route's clients send: Anthropic's send x-api-key
         send = {
@@ -409,6 +403,25 @@ class KeyRing:
             raise APIError(401, "incorrect API key provided", code="invalid_api_key")
         account(request).key_name = (principal.spec.name if principal.spec else "") or "unnamed"
         return principal
+
+
+def client_credential(request: web.Request) -> str:
+    """The request's credential as an ``Authorization`` value: its ``Authorization`` header,
+    else ``Bearer <key>`` of its ``x-api-key`` header (Anthropic's clients), its
+    ``x-goog-api-key`` header (Gemini's) or, on Gemini's routes (``/v1beta/...``) only, its
+    ``?key=`` query parameter (Gemini's REST form); ``""`` when it sends none. The one reading
+    of every dialect's credential: the key ring authenticates by it, an open proxy forwards it.
+
+    Raises:
+        APIError: 400 ``invalid_header`` when a header's bytes are not UTF-8.
+    """
+    header = header_text(request, "Authorization")
+    if header.strip():
+        return header
+    other = header_text(request, "x-api-key") or header_text(request, "x-goog-api-key")
+    if not other.strip() and request.path.startswith("/v1beta/"):
+        other = request.query.get("key", "")
+    return "Bearer " + other.strip() if other.strip() else ""
 
 
 def load_keys_file(path: str) -> list[KeySpec]:
