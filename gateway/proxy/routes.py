@@ -53,9 +53,9 @@ from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import Upstream, UpstreamRouter
 from prefixgate.gateway.proxy.usage import UsageTap, admit_call, ask_usage, body_usage, end_call
 from prefixgate.gateway.state import STATE, GatewayState
-from prefixgate.gateway.tenancy.keys import MAX_SALT_CHARS, client_credential, effective_salt
+from prefixgate.gateway.tenancy.keys import client_credential, effective_salt
 from prefixgate.gateway.tenancy.ttft_budget import BUDGET_HEADER
-from prefixgate.gateway.wire.request_models import check_contents, load_json
+from prefixgate.gateway.wire.request_models import check_contents, gateway_fields, load_json
 from prefixgate.gateway.wire.stop_strings import openai_constraint, refuse_stop_under_constraint
 
 _HOP_HEADERS = {"Content-Type": "application/json"}
@@ -80,23 +80,19 @@ async def proxy_generate(request: web.Request) -> web.StreamResponse:
     if not isinstance(parsed, dict):
         raise bad_request("the body must be a JSON object", code="invalid_json")
     refuse_stop_under_constraint(parsed.get("stop"), "stop", openai_constraint(parsed))
-    if request.path == "/v1/chat/completions":
+    chat = request.path == "/v1/chat/completions"
+    if chat:
         check_contents(parsed.get("messages"))  # as local mode's ChatMessage: the same 400
+    # prefix_id / cache_salt: local mode's checks and words; "" is absent (and not forwarded)
+    fields, parsed = gateway_fields(parsed, chat)
     prefix = None
-    if parsed.get("prefix_id") is not None:
+    if fields.prefix_id is not None:
         prefix, parsed = await _with_prefix(request, st, parsed, principal.salt)
     if parsed.get("priority") is not None:  # forwarded as is, if the key may set it
         if isinstance(parsed["priority"], bool) or not isinstance(parsed["priority"], int):
             raise bad_request("priority: Input should be a valid integer", param="priority")
         principal.request_priority(parsed["priority"])
-    request_salt = parsed.get("cache_salt")
-    if request_salt is not None and (
-        not isinstance(request_salt, str) or not 1 <= len(request_salt) <= MAX_SALT_CHARS
-    ):
-        raise bad_request(
-            f"cache_salt must be a string of 1 to {MAX_SALT_CHARS} characters", param="cache_salt"
-        )
-    salt = effective_salt(principal.salt, request_salt)
+    salt = effective_salt(principal.salt, fields.cache_salt)
     model = router.resolve(parsed.get("model"))  # 404 model_not_found when nobody serves it
     keep_usage = ask_usage(parsed)
     bodies = _Bodies(parsed, salt)
@@ -124,11 +120,7 @@ async def _with_prefix(
 ) -> tuple[ProxyPrefix, dict[str, Any]]:
     """The request's prefix (404 unless it is the key's and live) and the request as if sent
     in full: the prefix's messages, then its own (``prefix_id`` dropped)."""
-    prefix_id = parsed["prefix_id"]
-    if request.path != "/v1/chat/completions":
-        raise bad_request("prefix_id is a chat completions field", param="prefix_id")
-    if not isinstance(prefix_id, str):
-        raise bad_request("prefix_id must be a string", param="prefix_id")
+    prefix_id = parsed["prefix_id"]  # a string on a chat body (gateway_fields)
     messages = parsed.get("messages")
     if not isinstance(messages, list):
         raise bad_request("messages must be a list of messages", param="messages")
