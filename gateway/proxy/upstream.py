@@ -449,11 +449,18 @@ class UpstreamRouter:
         if self.model_list is not None:
             name = self.model_list.resolve(model)
             if name is None:
-                raise _unknown_model(model)
+                raise _unknown_model(model, self.served_names())
             return name
         if not self.serving(model):
-            raise _unknown_model(model)
+            raise _unknown_model(model, self.served_names())
         return model
+
+    def served_names(self) -> list[str]:
+        """The public model names clients may ask for: the config's names (then aliases), else
+        every model the upstreams list, sorted."""
+        if self.model_list is not None:
+            return self.model_list.names()
+        return sorted({m for u in self.upstreams for m in u.models or ()})
 
     def serving(self, model: str | None) -> list[Upstream]:
         """The upstreams that serve ``model`` (all of them for None): those listing it, else
@@ -702,7 +709,13 @@ class UpstreamRouter:
 _SALTED_SERVERS = frozenset(("prefixgate", "vllm"))  # ``owned_by`` of servers taking cache_salt
 
 
-def _unknown_model(model: str) -> APIError:
+def _unknown_model(model: str, served: list[str]) -> APIError:
+    """404 ``model_not_found`` naming what is served, in local mode's words
+    (``GatewayState.check_model``); at most 20 names, then how many more."""
+    names = ", ".join(repr(m) for m in served[:20])
+    if len(served) > 20:
+        names += f" and {len(served) - 20} more (GET /v1/models)"
+    serves = f"; this server serves {names}" if served else ""
     return not_found(
-        f"the model {shown(model)} does not exist", param="model", code="model_not_found"
+        f"the model {shown(model)} does not exist{serves}", param="model", code="model_not_found"
     )
