@@ -29,7 +29,7 @@ from prefixgate.gateway.http.errors import APIError, bad_request
 from prefixgate.gateway.http.json_guard import no_body
 from prefixgate.gateway.http.request_account import RequestAccount, account
 from prefixgate.gateway.proxy import anthropic
-from prefixgate.gateway.proxy.answers import answer_model
+from prefixgate.gateway.proxy.answers import answer_model, renamed
 from prefixgate.gateway.proxy.attempts import (
     DOWN,
     NEXT,
@@ -323,6 +323,17 @@ class _Forward(Call):
             return await self.anthropic_try(up)
         return await self.openai_try(up)
 
+    def _sent_name(self, up: Upstream | None = None) -> str | None:
+        """The model name the client sent, where the gateway sends ``up`` (None: an Anthropic
+        deployment, which always answers in translation) another id: every answer then says
+        the client's name (``answers.renamed``); None when nothing is renamed."""
+        if self.bodies is None or self.route is None or self.route.model is None:
+            return None
+        sent = self.bodies.parsed.get("model")
+        if not isinstance(sent, str) or not sent:
+            return None
+        return sent if up is None or sent != up.upstream_model(self.route.model) else None
+
     def _secrets(self, up: Upstream) -> tuple[str, ...]:
         return secrets_of(self.st.settings.upstream_api_key, up.auth)
 
@@ -392,6 +403,9 @@ class _Forward(Call):
                 if "Content-Encoding" not in resp.headers:
                     body_usage(data, outcome.account)
                 _learn(router, up, route, data[-4096:])
+            name = self._sent_name(up)
+            if name is not None and resp.status == 200 and "Content-Encoding" not in resp.headers:
+                data = renamed(data, name)
             return _passed(resp.status, data, resp.headers)
 
     async def _relay_stream(self, up: Upstream, resp: aiohttp.ClientResponse) -> web.StreamResponse:
@@ -402,7 +416,9 @@ class _Forward(Call):
             outcome.account.mark_served()
             tap = UsageTap(outcome.account, outcome.keep_usage)
         tail = bytearray()
-        checker = EventChecker(self.shape, require_finish=self.shape is not None)
+        checker = EventChecker(
+            self.shape, require_finish=self.shape is not None, model=self._sent_name(up)
+        )
         out = await relay_sse(
             self.request,
             resp,
@@ -441,6 +457,7 @@ class _Forward(Call):
         session = self.router.session
         assert session is not None
         public = route.model or ""
+        answered = self._sent_name() or public  # the name the client sent
         pfx = bodies.prefix
         req = anthropic.to_messages(
             bodies.parsed,
@@ -472,7 +489,7 @@ class _Forward(Call):
                 outcome.account.mark_served()
             if req.get("stream"):
                 translator = anthropic.StreamTranslator(
-                    public, include_usage=outcome.keep_usage if outcome is not None else False
+                    answered, include_usage=outcome.keep_usage if outcome is not None else False
                 )
                 out = await anthropic.relay_stream(
                     request, resp, translator, self.st.settings.upstream_timeout_s
@@ -482,7 +499,7 @@ class _Forward(Call):
                 return out
             try:
                 msg = await resp.json(content_type=None)
-                completion = anthropic.to_completion(msg, public)
+                completion = anthropic.to_completion(msg, answered)
             except (ValueError, AttributeError, TypeError):
                 raise APIError(
                     502, "the Anthropic upstream's answer is not a message", code="upstream_error"
