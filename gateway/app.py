@@ -195,6 +195,7 @@ def create_proxy_app(
         max_chars=s.affinity_max_chars,
         models=config.models if config is not None else None,
         health=s.health_policy(),
+        forwards_client_keys=not s.api_keys and not s.keys_file,
     )
     if config is None and s.upstream_api_key and any(u.auth for u in router.upstreams):
         raise ValueError(
@@ -482,12 +483,18 @@ async def ready_proxy(request: web.Request) -> web.Response:
     st = request.app[STATE]
     pool = request.app[PROXY].router.describe()
     if not any(u["healthy"] for u in pool):
-        raise APIError(503, "no healthy upstream", code="upstream_unavailable", retry_after=2.0)
+        refused = sum(1 for u in pool if u["state"] == "auth_failed")
+        why = f" ({refused} refused the gateway's credentials)" if refused else ""
+        raise APIError(
+            503, "no healthy upstream" + why, code="upstream_unavailable", retry_after=2.0
+        )
+    salts = {u["cache_salt"] for u in pool}
     body: dict = {
         "status": "ready",
         "mode": "upstream",
-        # False: some upstream ignores cache_salt, so tenants may share its cache there
-        "tenant_isolation": all(u["cache_salt"] is not False for u in pool),
+        # False: some upstream ignores cache_salt, so tenants may share its cache there;
+        # None: some upstream's support is not known yet (never a yes not known)
+        "tenant_isolation": False if False in salts else None if None in salts else True,
         "upstreams_healthy": sum(1 for u in pool if u["healthy"]),
         "upstreams_total": len(pool),
     }

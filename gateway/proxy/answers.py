@@ -21,6 +21,7 @@ finished)`` says what is wrong with a parsed answer (None when nothing).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from prefixgate.gateway.wire.anthropic_models import MessageAnswer
@@ -58,6 +59,20 @@ def answer_model(path: str, stream: bool) -> type[BaseModel] | None:
     if path == "/v1/messages":  # a stream: its events, checked in order by the relay
         return None if stream else MessageAnswer
     return None
+
+
+def renamed(data: bytes, model: str) -> bytes:
+    """A JSON answer ``data`` whose top-level ``model`` says ``model`` (the name the client
+    sent, where the gateway sent the upstream another id: a config's alias, deployment id or
+    fallback — as LiteLLM's proxy answers); as it came when it has no ``model`` or is not a
+    JSON object."""
+    try:
+        obj = json.loads(data)
+    except (ValueError, RecursionError):
+        return data
+    if not isinstance(obj, dict) or "model" not in obj or obj["model"] == model:
+        return data
+    return json.dumps({**obj, "model": model}).encode()
 
 
 def shape_problem(obj: Any, model: type[BaseModel], chunk: bool = False) -> str | None:

@@ -51,7 +51,7 @@ from prefixgate.gateway.proxy.answers import shape_problem
 from prefixgate.gateway.proxy.attempts import Call, NextUpstream, each_upstream, refusal
 from prefixgate.gateway.proxy.messages_openai import Malformed
 from prefixgate.gateway.proxy.policies import Route
-from prefixgate.gateway.proxy.routes import upstream_headers
+from prefixgate.gateway.proxy.routes import upstream_credential, upstream_headers
 from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import Upstream
 from prefixgate.gateway.proxy.usage import admit_call, end_call
@@ -125,12 +125,8 @@ class _Call(Call):
 
     def headers(self, up: Upstream) -> dict[str, str]:
         if up.dialect == "anthropic":
-            return anthropic.headers_for(up.auth)
-        out = upstream_headers(self.request, self.st, up)
-        key = self.request.headers.get("x-api-key", "").strip()
-        if "Authorization" not in out and key and self.st.keys.open:
-            out["Authorization"] = "Bearer " + key  # the client's own key, as on chat
-        return out
+            return anthropic.headers_for(upstream_credential(self.request, self.st, up))
+        return upstream_headers(self.request, self.st, up)
 
     def took(self, usage: dict[str, Any] | None, up: Upstream) -> None:
         """Note the answer's Anthropic usage (into the request's account; routing)."""

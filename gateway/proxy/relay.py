@@ -74,6 +74,9 @@ class EventChecker:
             object).
         require_finish: ``[DONE]`` before every opened choice finished (or with none opened)
             breaks the stream.
+        model: the model name every event's ``model`` is to say (the name the client sent,
+            where the gateway sent the upstream another id: ``answers.renamed``); None: as
+            the upstream said it.
     """
 
     __slots__ = (
@@ -86,10 +89,14 @@ class EventChecker:
         "broken",
         "_model",
         "_require_finish",
+        "_rename",
     )
 
     def __init__(
-        self, chunk_model: type[BaseModel] | None = None, require_finish: bool = False
+        self,
+        chunk_model: type[BaseModel] | None = None,
+        require_finish: bool = False,
+        model: str | None = None,
     ) -> None:
         self._buf = b""
         self.done = False
@@ -100,6 +107,7 @@ class EventChecker:
         self.broken: str | None = None
         self._model = chunk_model
         self._require_finish = require_finish
+        self._rename = model
 
     def feed(self, data: bytes) -> bytes:
         """Complete, checked events of ``data`` (with what came before), as bytes."""
@@ -112,14 +120,14 @@ class EventChecker:
             if end < 0:
                 break
             event, buf = buf[: end + 2], buf[end + 2 :]
-            self._check(event)
-            out.append(event)
+            out.append(self._check(event))
         if len(buf) > MAX_EVENT_BYTES:
             raise StreamBroken("the upstream sent an event larger than 16 MiB")
         self._buf = b"" if self.done else buf
         return b"".join(out)
 
-    def _check(self, event: bytes) -> None:
+    def _check(self, event: bytes) -> bytes:
+        """``event`` checked; returned as it came, or with its ``model`` renamed."""
         self.events += 1
         data = []
         for line in event.split(b"\n"):
@@ -131,7 +139,7 @@ class EventChecker:
             if name == b"data":
                 data.append(value[1:] if value.startswith(b" ") else value)
         if not data:
-            return
+            return event
         payload = b"\n".join(data)
         if payload.strip() == b"[DONE]":
             if self._require_finish and (not self.seen or self.seen - self.finished):
@@ -141,7 +149,7 @@ class EventChecker:
                     + (f" for choice {open_[0]}" if open_ else " (no choice sent)")
                 )
             self.done = True
-            return
+            return event
         try:
             obj = json.loads(payload)
         except (ValueError, RecursionError):
@@ -150,7 +158,7 @@ class EventChecker:
             raise StreamBroken("the upstream sent an event whose data is not a JSON object")
         if obj.get("error") is not None:
             self.done = self.errored = True  # the upstream's own explicit ending
-            return
+            return event
         if self._model is not None:
             problem = shape_problem(obj, self._model, chunk=True)
             if problem is not None:
@@ -160,6 +168,11 @@ class EventChecker:
                 self.seen.add(choice.get("index", 0))
                 if choice.get("finish_reason") is not None:
                     self.finished.add(choice.get("index", 0))
+        if self._rename is not None and "model" in obj and obj["model"] != self._rename:
+            kept = [ln for ln in event.split(b"\n") if ln and not ln.startswith(b"data")]
+            data_line = b"data: " + json.dumps({**obj, "model": self._rename}).encode()
+            return b"\n".join([*kept, data_line]) + b"\n\n"
+        return event
 
 
 def stream_error(message: str, code: str = "upstream_error") -> bytes:

@@ -26,11 +26,10 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from prefixgate.gateway.http.errors import APIError, bad_request
-from prefixgate.gateway.http.headers import header_text
 from prefixgate.gateway.http.json_guard import no_body
 from prefixgate.gateway.http.request_account import RequestAccount, account
 from prefixgate.gateway.proxy import anthropic
-from prefixgate.gateway.proxy.answers import answer_model
+from prefixgate.gateway.proxy.answers import answer_model, renamed
 from prefixgate.gateway.proxy.attempts import (
     DOWN,
     NEXT,
@@ -54,9 +53,9 @@ from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import Upstream, UpstreamRouter
 from prefixgate.gateway.proxy.usage import UsageTap, admit_call, ask_usage, body_usage, end_call
 from prefixgate.gateway.state import STATE, GatewayState
-from prefixgate.gateway.tenancy.keys import MAX_SALT_CHARS, effective_salt
+from prefixgate.gateway.tenancy.keys import client_credential, effective_salt
 from prefixgate.gateway.tenancy.ttft_budget import BUDGET_HEADER
-from prefixgate.gateway.wire.request_models import check_contents, load_json
+from prefixgate.gateway.wire.request_models import check_contents, gateway_fields, load_json
 from prefixgate.gateway.wire.stop_strings import openai_constraint, refuse_stop_under_constraint
 
 _HOP_HEADERS = {"Content-Type": "application/json"}
@@ -81,23 +80,19 @@ async def proxy_generate(request: web.Request) -> web.StreamResponse:
     if not isinstance(parsed, dict):
         raise bad_request("the body must be a JSON object", code="invalid_json")
     refuse_stop_under_constraint(parsed.get("stop"), "stop", openai_constraint(parsed))
-    if request.path == "/v1/chat/completions":
+    chat = request.path == "/v1/chat/completions"
+    if chat:
         check_contents(parsed.get("messages"))  # as local mode's ChatMessage: the same 400
+    # prefix_id / cache_salt: local mode's checks and words; "" is absent (and not forwarded)
+    fields, parsed = gateway_fields(parsed, chat)
     prefix = None
-    if parsed.get("prefix_id") is not None:
+    if fields.prefix_id is not None:
         prefix, parsed = await _with_prefix(request, st, parsed, principal.salt)
     if parsed.get("priority") is not None:  # forwarded as is, if the key may set it
         if isinstance(parsed["priority"], bool) or not isinstance(parsed["priority"], int):
             raise bad_request("priority: Input should be a valid integer", param="priority")
         principal.request_priority(parsed["priority"])
-    request_salt = parsed.get("cache_salt")
-    if request_salt is not None and (
-        not isinstance(request_salt, str) or not 1 <= len(request_salt) <= MAX_SALT_CHARS
-    ):
-        raise bad_request(
-            f"cache_salt must be a string of 1 to {MAX_SALT_CHARS} characters", param="cache_salt"
-        )
-    salt = effective_salt(principal.salt, request_salt)
+    salt = effective_salt(principal.salt, fields.cache_salt)
     model = router.resolve(parsed.get("model"))  # 404 model_not_found when nobody serves it
     keep_usage = ask_usage(parsed)
     bodies = _Bodies(parsed, salt)
@@ -125,11 +120,7 @@ async def _with_prefix(
 ) -> tuple[ProxyPrefix, dict[str, Any]]:
     """The request's prefix (404 unless it is the key's and live) and the request as if sent
     in full: the prefix's messages, then its own (``prefix_id`` dropped)."""
-    prefix_id = parsed["prefix_id"]
-    if request.path != "/v1/chat/completions":
-        raise bad_request("prefix_id is a chat completions field", param="prefix_id")
-    if not isinstance(prefix_id, str):
-        raise bad_request("prefix_id must be a string", param="prefix_id")
+    prefix_id = parsed["prefix_id"]  # a string on a chat body (gateway_fields)
     messages = parsed.get("messages")
     if not isinstance(messages, list):
         raise bad_request("messages must be a list of messages", param="messages")
@@ -332,6 +323,17 @@ class _Forward(Call):
             return await self.anthropic_try(up)
         return await self.openai_try(up)
 
+    def _sent_name(self, up: Upstream | None = None) -> str | None:
+        """The model name the client sent, where the gateway sends ``up`` (None: an Anthropic
+        deployment, which always answers in translation) another id: every answer then says
+        the client's name (``answers.renamed``); None when nothing is renamed."""
+        if self.bodies is None or self.route is None or self.route.model is None:
+            return None
+        sent = self.bodies.parsed.get("model")
+        if not isinstance(sent, str) or not sent:
+            return None
+        return sent if up is None or sent != up.upstream_model(self.route.model) else None
+
     def _secrets(self, up: Upstream) -> tuple[str, ...]:
         return secrets_of(self.st.settings.upstream_api_key, up.auth)
 
@@ -401,6 +403,9 @@ class _Forward(Call):
                 if "Content-Encoding" not in resp.headers:
                     body_usage(data, outcome.account)
                 _learn(router, up, route, data[-4096:])
+            name = self._sent_name(up)
+            if name is not None and resp.status == 200 and "Content-Encoding" not in resp.headers:
+                data = renamed(data, name)
             return _passed(resp.status, data, resp.headers)
 
     async def _relay_stream(self, up: Upstream, resp: aiohttp.ClientResponse) -> web.StreamResponse:
@@ -411,7 +416,9 @@ class _Forward(Call):
             outcome.account.mark_served()
             tap = UsageTap(outcome.account, outcome.keep_usage)
         tail = bytearray()
-        checker = EventChecker(self.shape, require_finish=self.shape is not None)
+        checker = EventChecker(
+            self.shape, require_finish=self.shape is not None, model=self._sent_name(up)
+        )
         out = await relay_sse(
             self.request,
             resp,
@@ -450,6 +457,7 @@ class _Forward(Call):
         session = self.router.session
         assert session is not None
         public = route.model or ""
+        answered = self._sent_name() or public  # the name the client sent
         pfx = bodies.prefix
         req = anthropic.to_messages(
             bodies.parsed,
@@ -458,12 +466,15 @@ class _Forward(Call):
             pfx.seconds_left() if pfx is not None else 0.0,
         )
         async with session.post(
-            up.url + "/v1/messages", json=req, headers=anthropic.headers_for(up.auth), ssl=up.ssl
+            up.url + "/v1/messages",
+            json=req,
+            headers=anthropic.headers_for(upstream_credential(request, self.st, up)),
+            ssl=up.ssl,
         ) as resp:
             self.answered = resp.status
             if resp.status != 200:
                 data = await resp.read()
-                # the key sent is the deployment's own only (anthropic.headers_for)
+                # the key sent is the deployment's own, else the client's (upstream_credential)
                 exc = refusal(
                     self, up, resp.status, data, resp.headers, own_credential=up.auth is not None
                 )
@@ -478,7 +489,7 @@ class _Forward(Call):
                 outcome.account.mark_served()
             if req.get("stream"):
                 translator = anthropic.StreamTranslator(
-                    public, include_usage=outcome.keep_usage if outcome is not None else False
+                    answered, include_usage=outcome.keep_usage if outcome is not None else False
                 )
                 out = await anthropic.relay_stream(
                     request, resp, translator, self.st.settings.upstream_timeout_s
@@ -488,7 +499,7 @@ class _Forward(Call):
                 return out
             try:
                 msg = await resp.json(content_type=None)
-                completion = anthropic.to_completion(msg, public)
+                completion = anthropic.to_completion(msg, answered)
             except (ValueError, AttributeError, TypeError):
                 raise APIError(
                     502, "the Anthropic upstream's answer is not a message", code="upstream_error"
@@ -534,24 +545,35 @@ def _learn(router: Any, up: Upstream, route: Route | None, tail: bytes) -> None:
         router.learn(up, route, int(cached[-1]), int(prompt[-1]))
 
 
+def upstream_credential(request: web.Request, st: GatewayState, up: Upstream) -> str | None:
+    """The ``Authorization`` value the request's attempt at ``up`` carries (None: none): the
+    upstream's own (a config's credential, or its URL's userinfo as Basic), else
+    ``--upstream-api-key`` as Bearer (not to an Anthropic deployment: it is for the
+    OpenAI-compatible upstreams), else — only when the gateway has no keys of its own — the
+    client's credential from whichever header or parameter its dialect sends it in
+    (``keys.client_credential``: ``Authorization``, ``x-api-key``, ``x-goog-api-key``,
+    ``?key=``). Every route's attempt reads it here; ``upstream_headers`` /
+    ``anthropic.headers_for`` put it in the upstream's dialect's header (never in a URL)."""
+    if up.auth is not None:
+        return up.auth
+    if st.settings.upstream_api_key and up.dialect != "anthropic":
+        return "Bearer " + st.settings.upstream_api_key
+    if st.keys.open:
+        return client_credential(request) or None
+    return None
+
+
 def upstream_headers(request: web.Request, st: GatewayState, up: Upstream) -> dict[str, str]:
-    """Headers towards ``up``: one credential at most — its own (a config's credential, or
-    its URL's userinfo as Basic, made once by ``split_credentials``), else
-    ``--upstream-api-key`` (Bearer), else the client's own ``Authorization`` when the gateway
-    has no keys of its own; and the client's TTFT budget header, which a prefixgate upstream
-    enforces."""
+    """Headers towards an OpenAI-compatible ``up``: one credential at most, as
+    ``Authorization`` (``upstream_credential``); and the client's TTFT budget header, which a
+    prefixgate upstream enforces."""
     out = dict(_HOP_HEADERS)
     budget = request.headers.get(BUDGET_HEADER)  # a prefixgate upstream refuses by it
     if budget is not None:
         out[BUDGET_HEADER] = budget
-    if up.auth is not None:
-        out["Authorization"] = up.auth
-    elif st.settings.upstream_api_key:
-        out["Authorization"] = "Bearer " + st.settings.upstream_api_key
-    else:
-        auth = header_text(request, "Authorization")
-        if auth and st.keys.open:
-            out["Authorization"] = auth
+    auth = upstream_credential(request, st, up)
+    if auth is not None:
+        out["Authorization"] = auth
     return out
 
 

@@ -99,6 +99,7 @@ class Upstream:
         "slots",
         "ssl",
         "dialect",
+        "auth_refused",
     )
 
     def __init__(
@@ -145,6 +146,9 @@ class Upstream:
         self.slots = SlotClock()
         self.ssl = tls
         self.dialect = dialect  # "openai", or "anthropic" (the Messages API: proxy.anthropic)
+        # the HTTP status (401/403) of its last GET /v1/models when it refused the gateway's
+        # credentials (or their absence); None when it answered otherwise, or was not asked
+        self.auth_refused: int | None = None
         if dialect == "anthropic":  # no prefix API, no cache_salt (its cache is the account's)
             self.prefix_api = False
             self.cache_salt = False
@@ -218,6 +222,9 @@ class UpstreamRouter:
             to isolate by it), ``"on"`` or ``"off"`` (all of them).
         auth: ``Authorization`` value for the detection request (``--upstream-api-key``);
             an upstream's own credential is used when it has one.
+        forwards_client_keys: the gateway has no keys of its own, so an upstream without a
+            credential of the gateway's gets each client's own key: its refusal of the
+            gateway's keyless ``GET /v1/models`` does not take it out of ``/ready``.
         policy: a registered routing policy's name (``proxy.policies.POLICIES``).
         block_chars, max_chars: the prompt's affinity blocks (characters) and longest text.
         models: the config file's model list (aliases, fallbacks; ``proxy.model_list``), None
@@ -250,6 +257,7 @@ class UpstreamRouter:
         max_chars: int = 4096,
         models: ModelList | None = None,
         health: HealthPolicy | None = None,
+        forwards_client_keys: bool = False,
     ) -> None:
         if not urls:
             raise ValueError("upstream mode needs at least one upstream URL")
@@ -269,6 +277,7 @@ class UpstreamRouter:
             for u in self.upstreams:
                 u.cache_salt = cache_salt == "on"
         self._auth = auth
+        self.forwards_client_keys = forwards_client_keys
         self.abs_threshold = balance_abs_threshold
         self.rel_threshold = balance_rel_threshold
         self.health_interval_s = health_interval_s
@@ -317,6 +326,17 @@ class UpstreamRouter:
                     "timing side channel between them stays open",
                     u.url,
                 )
+            elif u.auth_refused is not None:
+                logger.warning(
+                    "upstream %s: %s (to GET /v1/models)%s; cannot tell whether it takes "
+                    "cache_salt",
+                    u.url,
+                    u.last_error,
+                    ""
+                    if self.forwards_client_keys and not self._sends_key(u)
+                    else ": every request to it fails until the key is right "
+                    "(--upstream-api-key, or the config's api_key_env / api_key_file)",
+                )
             elif u.cache_salt is None:
                 logger.info(
                     "upstream %s: cannot tell whether it takes cache_salt (no answer from "
@@ -353,8 +373,23 @@ class UpstreamRouter:
                 timeout=aiohttp.ClientTimeout(total=2.0),
                 ssl=up.ssl,
             ) as resp:
+                if resp.status in (401, 403):
+                    up.auth_refused = resp.status
+                    up.last_error = (
+                        f"HTTP {resp.status}: refused the gateway's credentials"
+                        if auth
+                        else f"HTTP {resp.status}: needs a key, and the gateway sends none "
+                        "of its own"
+                        + (
+                            " (clients' own keys are forwarded)"
+                            if self.forwards_client_keys
+                            else ""
+                        )
+                    )
+                    return
                 if resp.status != 200:
                     return
+                up.auth_refused = None
                 data = await resp.json(content_type=None)
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
             return
@@ -414,11 +449,18 @@ class UpstreamRouter:
         if self.model_list is not None:
             name = self.model_list.resolve(model)
             if name is None:
-                raise _unknown_model(model)
+                raise _unknown_model(model, self.served_names())
             return name
         if not self.serving(model):
-            raise _unknown_model(model)
+            raise _unknown_model(model, self.served_names())
         return model
+
+    def served_names(self) -> list[str]:
+        """The public model names clients may ask for: the config's names (then aliases), else
+        every model the upstreams list, sorted."""
+        if self.model_list is not None:
+            return self.model_list.names()
+        return sorted({m for u in self.upstreams for m in u.models or ()})
 
     def serving(self, model: str | None) -> list[Upstream]:
         """The upstreams that serve ``model`` (all of them for None): those listing it, else
@@ -629,13 +671,28 @@ class UpstreamRouter:
         if await self.probe(up) and models and up.healthy:
             await self.detect(up)
 
+    def _sends_key(self, up: Upstream) -> bool:
+        """Whether the gateway sends ``up`` a credential of its own."""
+        return bool(up.auth or (self._auth and up.dialect != "anthropic"))
+
+    def auth_failed(self, up: Upstream) -> bool:
+        """``up`` refused the gateway's credentials (or their absence: no key sent and no
+        client's key forwarded) at its last ``GET /v1/models``: no request of the gateway's
+        can succeed there, whatever its ``/health`` says."""
+        return up.auth_refused is not None and (
+            self._sends_key(up) or not self.forwards_client_keys
+        )
+
     def describe(self) -> list[dict[str, Any]]:
-        """Per-upstream state for ``/ready`` and logs."""
+        """Per-upstream state for ``/ready`` and logs: ``healthy`` false and ``state``
+        ``"auth_failed"`` for an upstream that refuses the gateway's credentials
+        (``auth_failed``; its requests are still sent, each answered 502
+        ``upstream_auth_failed``)."""
         return [
             {
                 "url": u.url,
-                "healthy": u.healthy,
-                "state": u.health.state(),
+                "healthy": u.healthy and not self.auth_failed(u),
+                "state": "auth_failed" if self.auth_failed(u) else u.health.state(),
                 "ejections": u.health.ejections,
                 "ejected_s": round(max(0.0, u.health.ejected_until - time.monotonic()), 3)
                 if u.health.ejected
@@ -659,7 +716,13 @@ class UpstreamRouter:
 _SALTED_SERVERS = frozenset(("prefixgate", "vllm"))  # ``owned_by`` of servers taking cache_salt
 
 
-def _unknown_model(model: str) -> APIError:
+def _unknown_model(model: str, served: list[str]) -> APIError:
+    """404 ``model_not_found`` naming what is served, in local mode's words
+    (``GatewayState.check_model``); at most 20 names, then how many more."""
+    names = ", ".join(repr(m) for m in served[:20])
+    if len(served) > 20:
+        names += f" and {len(served) - 20} more (GET /v1/models)"
+    serves = f"; this server serves {names}" if served else ""
     return not_found(
-        f"the model {shown(model)} does not exist", param="model", code="model_not_found"
+        f"the model {shown(model)} does not exist{serves}", param="model", code="model_not_found"
     )

@@ -383,13 +383,7 @@ class KeyRing:
         if not self._by_digest:
             account(request).key_name = "-"
             return self._anonymous
-        header = header_text(request, "Authorization")
-        if not header.strip():
-            other = header_text(request, "x-api-key") or header_text(request, "x-goog-api-key")
-            if not other.strip() and request.path.startswith("/v1beta/"):
-                other = request.query.get("key", "")
-            if other.strip():
-                header = "Bearer " + other.strip()
+        header = client_credential(request)
         scheme, _, key = header.partition(" ")
         # the header the route's clients send: Anthropic's send x-api-key
         send = {
@@ -411,11 +405,32 @@ class KeyRing:
         return principal
 
 
+def client_credential(request: web.Request) -> str:
+    """The request's credential as an ``Authorization`` value: its ``Authorization`` header,
+    else ``Bearer <key>`` of its ``x-api-key`` header (Anthropic's clients), its
+    ``x-goog-api-key`` header (Gemini's) or, on Gemini's routes (``/v1beta/...``) only, its
+    ``?key=`` query parameter (Gemini's REST form); ``""`` when it sends none. The one reading
+    of every dialect's credential: the key ring authenticates by it, an open proxy forwards it.
+
+    Raises:
+        APIError: 400 ``invalid_header`` when a header's bytes are not UTF-8.
+    """
+    header = header_text(request, "Authorization")
+    if header.strip():
+        return header
+    other = header_text(request, "x-api-key") or header_text(request, "x-goog-api-key")
+    if not other.strip() and request.path.startswith("/v1beta/"):
+        other = request.query.get("key", "")
+    return "Bearer " + other.strip() if other.strip() else ""
+
+
 def load_keys_file(path: str) -> list[KeySpec]:
     """Read a keys file (format in the module docstring).
 
     Raises:
-        ValueError: unreadable file, bad syntax, or an entry with unknown or invalid fields.
+        ValueError: unreadable file, bad syntax, no keys (``{"keys": []}``: a server started
+            with it would answer every request unauthenticated), or an entry with unknown or
+            invalid fields.
     """
     p = Path(path)
     try:
@@ -426,6 +441,11 @@ def load_keys_file(path: str) -> list[KeySpec]:
     entries = data.get("keys") if isinstance(data, dict) else None
     if not isinstance(entries, list):
         raise ValueError(f'keys file {path} must hold {{"keys": [...]}}')
+    if not entries:  # given to require keys: none would leave every request open
+        raise ValueError(
+            f"the keys file {path} has no keys: every request would be open; "
+            "add a key or drop --keys-file"
+        )
     specs = []
     for i, entry in enumerate(entries):
         if not isinstance(entry, dict):

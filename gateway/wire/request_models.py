@@ -548,6 +548,39 @@ def parse(model: type[M], body: bytes) -> M:
         raise bad_request(f"{param}: {msg}" if param else msg, param=param, code=code) from None
 
 
+class GatewayFields(BaseModel):
+    """The gateway's own fields of a chat / completions body, checked as local mode's
+    ``ChatCompletionRequest`` / ``CompletionRequest`` check them: ``prefix_id`` (chat only)
+    and ``cache_salt`` (1 to ``MAX_SALT_CHARS`` characters). Proxy mode forwards the rest of
+    the body as it came."""
+
+    model_config = ConfigDict(extra="ignore")
+    prefix_id: str | None = None
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_SALT_CHARS)
+
+
+GATEWAY_FIELDS = ("prefix_id", "cache_salt")
+
+
+def gateway_fields(raw: dict[str, Any], chat: bool) -> tuple[GatewayFields, dict[str, Any]]:
+    """Check a chat (``chat``) or completions body's ``GatewayFields`` with ``parse``'s rules
+    and words (an empty value is its absence), so proxy mode answers a bad one as local mode
+    does; returns them and ``raw`` without those sent empty.
+
+    Raises:
+        APIError: 400 naming the field (``prefix_id`` on a completions body: an unknown
+            field, as local mode says).
+    """
+    sent = {k: raw[k] for k in GATEWAY_FIELDS if k in raw}
+    present = without_empty(sent)
+    if not chat and "prefix_id" in present:
+        raise bad_request("Unrecognized request argument supplied: prefix_id", param="prefix_id")
+    fields = parse(GatewayFields, pydantic_core.to_json(present))
+    if len(present) != len(sent):
+        raw = {k: v for k, v in raw.items() if k not in sent or k in present}
+    return fields, raw
+
+
 def _relevant_error(errors: list[ErrorDetails]) -> ErrorDetails:
     """The error to report: the first field's, and for a union field (``stop``, ``prompt``,
     ``content``) the error of the member that accepts the kind of value sent (a list of 100

@@ -47,3 +47,29 @@ def test_an_unnamed_keys_errors_name_it_as_logs_do(tmp_path):
         with pytest.raises(ValueError, match=f"entry 0: {field} of key {shown} must") as err:
             load_keys_file(str(path))
         assert "?" not in str(err.value)
+
+
+def test_a_keys_file_with_no_keys_refuses_to_start(tmp_path):
+    """Was: ``{"keys": []}`` started an open server (every request 200, no warning); an
+    operator passing a keys file expects authentication, so zero keys is refused wherever
+    keys are configured: the keys file's reader, the key ring, and a gateway's app."""
+    import json
+
+    import pytest
+    from prefixgate.gateway.app import create_app
+    from prefixgate.gateway.settings import GatewaySettings
+    from prefixgate.gateway.tenancy.keys import KeyRing, load_keys_file
+    from support.fake_engine import FakeEngine
+
+    empty_json = tmp_path / "keys.json"
+    empty_json.write_text(json.dumps({"keys": []}))
+    empty_toml = tmp_path / "keys.toml"
+    empty_toml.write_text("keys = []\n")
+    for path in (empty_json, empty_toml):
+        said = f"the keys file {path} has no keys: every request would be open"
+        with pytest.raises(ValueError, match=said):
+            load_keys_file(str(path))
+        with pytest.raises(ValueError, match="add a key or drop --keys-file"):
+            KeyRing.from_options(None, str(path))
+        with pytest.raises(ValueError, match="has no keys"):
+            create_app(FakeEngine(), GatewaySettings(model_name="fake", keys_file=str(path)))

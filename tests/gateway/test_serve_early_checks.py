@@ -211,3 +211,12 @@ def test_routing_options_are_checked_once_per_start(monkeypatch):
     ):
         with pytest.raises(ValueError, match="routing must be one of"):
             make(GatewaySettings(routing="nope"))
+
+
+def test_a_keys_file_with_no_keys_is_told_before_torch(tmp_path):
+    # was: an open server (every request 200) started without a word
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"keys": []}))
+    seen, errors = _serve("--keys-file", str(keys), "--port", "0")
+    assert seen == {"code": 2, "torch": False, "engine": False}
+    _one_line(errors, "has no keys: every request would be open", "drop --keys-file")

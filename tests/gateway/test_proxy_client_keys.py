@@ -1,0 +1,111 @@
+"""An open proxy forwards the client's credential, whichever header or parameter the client's
+dialect sends it in, to the upstream in the upstream's dialect's header (``Authorization:
+Bearer`` to an OpenAI-compatible upstream, ``x-api-key`` to an Anthropic deployment); a
+``?key=`` never travels in the upstream's URL (``proxy.routes.upstream_credential``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+from aiohttp import web
+from prefixgate.gateway.app import create_app, create_proxy_app
+from prefixgate.gateway.http.server import BackgroundServer
+from prefixgate.gateway.proxy.config import load_config
+from prefixgate.gateway.settings import GatewaySettings
+from support.anthropic_stub import AnthropicStub
+from support.fake_engine import FakeEngine
+
+KEY = "sk-good"
+HI = [{"role": "user", "content": "hi"}]
+HI_BLOCKS = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+# the route of each client dialect, its body for model ``m``
+ROUTES = {
+    "openai": lambda m: ("/v1/chat/completions", {"model": m, "messages": HI, "max_tokens": 4}),
+    "anthropic": lambda m: ("/v1/messages", {"model": m, "messages": HI_BLOCKS, "max_tokens": 4}),
+    "gemini": lambda m: (
+        f"/v1beta/models/{m}:generateContent",
+        {"contents": [{"role": "user", "parts": [{"text": "hi"}]}]},
+    ),
+}
+# how each dialect's clients send a key (``?key=`` is Gemini's REST form only)
+SENDS = [
+    (dialect, how)
+    for dialect in ROUTES
+    for how in ("authorization", "x-api-key", "x-goog-api-key", "query")
+    if how != "query" or dialect == "gemini"
+]
+
+
+def _send(how: str) -> tuple[dict[str, str], dict[str, str]]:
+    """The headers and query parameters carrying ``KEY`` as ``how``."""
+    if how == "authorization":
+        return {"Authorization": f"Bearer {KEY}"}, {}
+    if how == "query":
+        return {}, {"key": KEY}
+    return {how: KEY}, {}
+
+
+@pytest.fixture(scope="module")
+def keyed_upstream():
+    """A local-mode gateway keyed ``sk-good`` (model ``fake``); ``seen``: the path and query
+    of every request it got."""
+    seen: list[str] = []
+
+    async def note(request: web.Request, response: web.StreamResponse) -> None:
+        seen.append(request.path_qs)
+
+    def make() -> web.Application:
+        app = create_app(FakeEngine(), GatewaySettings(model_name="fake", api_keys=[KEY]))
+        app.on_response_prepare.append(note)
+        return app
+
+    with BackgroundServer(make) as up:
+        with BackgroundServer(lambda: create_proxy_app([up.url], GatewaySettings())) as gw:
+            yield gw, seen
+
+
+@pytest.mark.parametrize(("dialect", "how"), SENDS)
+def test_an_open_proxy_forwards_the_clients_key_from_every_dialects_header(
+    keyed_upstream, dialect, how
+):
+    """Was: only ``Authorization`` (every route) and ``x-api-key`` (``/v1/messages``) reached
+    the upstream; ``x-goog-api-key``, ``?key=`` and ``x-api-key`` on chat or Gemini's routes
+    were 401 "upstream refused the request's credentials"."""
+    gw, seen = keyed_upstream
+    path, body = ROUTES[dialect]("fake")
+    headers, params = _send(how)
+    seen.clear()
+    r = httpx.post(gw.url + path, json=body, headers=headers, params=params, timeout=10)
+    assert r.status_code == 200, r.text
+    assert seen and all(KEY not in p for p in seen), seen  # never in the upstream's URL
+    # and a wrong key is still the upstream's refusal, told as the client's
+    if how == "query":
+        params = {"key": "sk-bad"}
+    else:
+        headers = {k: v.replace(KEY, "sk-bad") for k, v in headers.items()}
+    r = httpx.post(gw.url + path, json=body, headers=headers, params=params, timeout=10)
+    assert r.status_code == 401, r.text
+
+
+@pytest.mark.parametrize("dialect", ["openai", "anthropic"])
+@pytest.mark.parametrize("how", ["authorization", "x-api-key", "x-goog-api-key"])
+def test_an_open_proxy_gives_an_anthropic_deployment_the_clients_key_as_x_api_key(
+    tmp_path: Path, dialect, how
+):
+    claude = AnthropicStub()
+    with BackgroundServer(claude.app) as up:
+        path = tmp_path / "proxy.toml"
+        path.write_text(
+            f'[[models]]\nname = "claude"\n[[models.deployments]]\nurl = "{up.url}"\n'
+            'dialect = "anthropic"\nmodel = "claude-sonnet-4-5"\n'
+        )
+        cfg = load_config(path, env={})
+        with BackgroundServer(lambda: create_proxy_app(cfg, GatewaySettings())) as gw:
+            route, body = ROUTES[dialect]("claude")
+            headers, _ = _send(how)
+            r = httpx.post(gw.url + route, json=body, headers=headers, timeout=10)
+    assert r.status_code == 200, r.text
+    sent = claude.headers[-1]
+    assert sent["x-api-key"] == KEY and "Authorization" not in sent, sent
