@@ -46,6 +46,7 @@ from prefixgate.gateway.local.generation import engine_request
 from prefixgate.gateway.local.prefix_routes import prefix_quota
 from prefixgate.gateway.local.prefixes import PrefixEntry, SharedPrefix
 from prefixgate.gateway.local.serving import LOCAL
+from prefixgate.gateway.local.tokenize import counting
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.tenancy.keys import Principal, effective_salt
 from prefixgate.gateway.tenancy.pool_hints import pool_hint
@@ -289,8 +290,13 @@ async def _chat(request: web.Request, req: GenerateContentRequest, principal: Pr
 
 
 async def _prepare(
-    request: web.Request, req: GenerateContentRequest, principal: Principal
+    request: web.Request,
+    req: GenerateContentRequest,
+    principal: Principal,
+    bound: int | None = None,
 ) -> tuple[Chat, ToolPlan, list[int]]:
+    """The request's chat, tool plan and prompt ids (the prompt refused from its length alone
+    past ``bound`` tokens: ``max_model_len`` unless given)."""
     st = request.app[STATE]
     engine = request.app[LOCAL].require_engine()
     chat = await _chat(request, req, principal)
@@ -306,7 +312,7 @@ async def _prepare(
     ids = await render_chat(
         engine.tokenizer,
         chat.messages,
-        max_model_len=engine.max_model_len,
+        max_model_len=engine.max_model_len if bound is None else bound,
         tools=plan.tools or None,
     )
     return chat, plan, ids
@@ -339,7 +345,8 @@ async def model_method(request: web.Request) -> web.StreamResponse:
 
 async def _count_tokens(request: web.Request, model: str) -> web.Response:
     """``{"totalTokens": N, "cachedContentTokenCount"?}``: the prompt's tokens as
-    ``generateContent``'s ``promptTokenCount`` counts them."""
+    ``generateContent``'s ``promptTokenCount`` counts them; a prompt past the context is
+    counted too, under ``/tokenize``'s bound (``tokenize.counting``)."""
     st = request.app[STATE]
     request.app[LOCAL].require_engine()
     principal = st.keys.authenticate(request)
@@ -350,7 +357,9 @@ async def _count_tokens(request: web.Request, model: str) -> web.Response:
     req = body.generateContentRequest or GenerateContentRequest(contents=body.contents or [])
     if req.model is not None:
         _check_model(st, req.model, "generateContentRequest.model")
-    _, _, ids = await _prepare(request, req, principal)
+    engine = request.app[LOCAL].require_engine()
+    with counting("countTokens", engine.max_model_len) as bound:
+        _, _, ids = await _prepare(request, req, principal, bound)
     out: dict[str, Any] = {"totalTokens": len(ids)}
     return web.json_response(out)
 

@@ -34,6 +34,7 @@ from prefixgate.gateway.local.cache_diagnostics import PROMPT_LOG, Comparison, a
 from prefixgate.gateway.local.cache_marks import Mark, find_marks, written_tokens
 from prefixgate.gateway.local.generation import engine_request
 from prefixgate.gateway.local.serving import LOCAL
+from prefixgate.gateway.local.tokenize import counting
 from prefixgate.gateway.state import STATE
 from prefixgate.gateway.tenancy.keys import Principal, effective_salt
 from prefixgate.gateway.tenancy.pool_hints import pool_hint
@@ -204,9 +205,12 @@ class MessagesRenderer:
 
 
 async def _prepare(
-    request: web.Request, kind: type[MessagesRequest] | type[CountTokensRequest]
+    request: web.Request,
+    kind: type[MessagesRequest] | type[CountTokensRequest],
+    bound: int | None = None,
 ) -> tuple[Principal, Any, Chat, ToolPlan, list[int]]:
-    """Authenticate, parse, check the model, plan the tools and render the prompt."""
+    """Authenticate, parse, check the model, plan the tools and render the prompt (refused
+    from its length alone past ``bound`` tokens: ``max_model_len`` unless given)."""
     st = request.app[STATE]
     engine = request.app[LOCAL].require_engine()
     principal = st.keys.authenticate(request)
@@ -219,7 +223,7 @@ async def _prepare(
     ids = await render_chat(
         engine.tokenizer,
         chat.messages,
-        max_model_len=engine.max_model_len,
+        max_model_len=engine.max_model_len if bound is None else bound,
         tools=plan.tools or None,
     )
     return principal, req, chat, plan, ids
@@ -228,8 +232,11 @@ async def _prepare(
 @error_dialect(ANTHROPIC)
 async def count_tokens(request: web.Request) -> web.Response:
     """POST /v1/messages/count_tokens → ``{"input_tokens": N}``: the prompt's tokens, as a
-    ``messages`` request's usage counts them (input + cache creation + cache read)."""
-    _, _, _, _, ids = await _prepare(request, CountTokensRequest)
+    ``messages`` request's usage counts them (input + cache creation + cache read); a prompt
+    past the context is counted too, under ``/tokenize``'s bound (``tokenize.counting``)."""
+    engine = request.app[LOCAL].require_engine()
+    with counting("count_tokens", engine.max_model_len) as bound:
+        _, _, _, _, ids = await _prepare(request, CountTokensRequest, bound)
     return web.json_response({"input_tokens": len(ids)})
 
 
