@@ -50,6 +50,7 @@ from prefixgate.gateway.local.tokenize import counting
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.tenancy.keys import Principal, effective_salt
 from prefixgate.gateway.tenancy.pool_hints import pool_hint
+from prefixgate.gateway.wire.client_fields import gemini_fields, in_client_words
 from prefixgate.gateway.wire.gemini_models import (
     CachedContentCreate,
     CachedContentUpdate,
@@ -285,6 +286,7 @@ async def _chat(request: web.Request, req: GenerateContentRequest, principal: Pr
     bare = GenerateContentRequest(contents=req.contents)
     chat = to_chat(bare)
     chat.messages = [*entry.messages, *chat.messages]
+    chat.origins = ["cachedContent"] * len(entry.messages) + chat.origins
     chat.tools = [dict(t) for t in entry.tools or []]
     return chat
 
@@ -296,25 +298,34 @@ async def _prepare(
     bound: int | None = None,
 ) -> tuple[Chat, ToolPlan, list[int]]:
     """The request's chat, tool plan and prompt ids (the prompt refused from its length alone
-    past ``bound`` tokens: ``max_model_len`` unless given)."""
+    past ``bound`` tokens: ``max_model_len`` unless given). The chat's refusals (rendering,
+    tool turns, tool plan) name Gemini's fields (``client_fields.in_client_words``), as the
+    proxy's relay names an upstream's.
+    """
     st = request.app[STATE]
     engine = request.app[LOCAL].require_engine()
     chat = await _chat(request, req, principal)
+    fields = gemini_fields(chat.origins, req.tools, req.generationConfig)
     try:
-        plan = plan_tools(chat.tools or None, chat.tool_choice, None, st.settings.tool_call_parser)
-    except APIError as exc:  # named in OpenAI's terms: say it in Gemini's
-        if exc.param is None or not exc.param.startswith("tool_choice"):
-            raise
-        where = "toolConfig.functionCallingConfig.mode"
-        raise bad_request(
-            f"{where} (AUTO unless set): {exc.message.removeprefix('tool_choice: ')}", where
-        ) from None
-    ids = await render_chat(
-        engine.tokenizer,
-        chat.messages,
-        max_model_len=engine.max_model_len if bound is None else bound,
-        tools=plan.tools or None,
-    )
+        try:
+            plan = plan_tools(
+                chat.tools or None, chat.tool_choice, None, st.settings.tool_call_parser
+            )
+        except APIError as exc:  # named in OpenAI's terms: say it in Gemini's
+            if exc.param is None or not exc.param.startswith("tool_choice"):
+                raise
+            where = "toolConfig.functionCallingConfig.mode"
+            raise bad_request(
+                f"{where} (AUTO unless set): {exc.message.removeprefix('tool_choice: ')}", where
+            ) from None
+        ids = await render_chat(
+            engine.tokenizer,
+            chat.messages,
+            max_model_len=engine.max_model_len if bound is None else bound,
+            tools=plan.tools or None,
+        )
+    except APIError as exc:
+        raise in_client_words(exc, fields) from None
     return chat, plan, ids
 
 

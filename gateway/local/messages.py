@@ -55,6 +55,7 @@ from prefixgate.gateway.wire.anthropic_models import (
     parse_request,
     to_chat,
 )
+from prefixgate.gateway.wire.client_fields import anthropic_fields, in_client_words
 from prefixgate.gateway.wire.prompts import check_length, render_chat
 from prefixgate.gateway.wire.response_models import Usage
 from prefixgate.gateway.wire.stop_strings import refuse_stop_under_constraint
@@ -210,22 +211,31 @@ async def _prepare(
     bound: int | None = None,
 ) -> tuple[Principal, Any, Chat, ToolPlan, list[int]]:
     """Authenticate, parse, check the model, plan the tools and render the prompt (refused
-    from its length alone past ``bound`` tokens: ``max_model_len`` unless given)."""
+    from its length alone past ``bound`` tokens: ``max_model_len`` unless given). The chat's
+    refusals (rendering, tool turns, tool plan) name the Messages fields
+    (``client_fields.in_client_words``), as the proxy's relay names an upstream's."""
     st = request.app[STATE]
     engine = request.app[LOCAL].require_engine()
     principal = st.keys.authenticate(request)
     req = parse_request(kind, await request.read())
     st.check_model(req.model)
     chat = to_chat(req)
-    plan = plan_tools(
-        chat.tools or None, chat.tool_choice, chat.parallel_tool_calls, st.settings.tool_call_parser
-    )
-    ids = await render_chat(
-        engine.tokenizer,
-        chat.messages,
-        max_model_len=engine.max_model_len if bound is None else bound,
-        tools=plan.tools or None,
-    )
+    fields = anthropic_fields(chat.origins, len(chat.tools), "")
+    try:
+        plan = plan_tools(
+            chat.tools or None,
+            chat.tool_choice,
+            chat.parallel_tool_calls,
+            st.settings.tool_call_parser,
+        )
+        ids = await render_chat(
+            engine.tokenizer,
+            chat.messages,
+            max_model_len=engine.max_model_len if bound is None else bound,
+            tools=plan.tools or None,
+        )
+    except APIError as exc:
+        raise in_client_words(exc, fields) from None
     return principal, req, chat, plan, ids
 
 

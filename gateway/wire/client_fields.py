@@ -27,6 +27,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from prefixgate.gateway.http.errors import APIError
 from prefixgate.gateway.wire.gemini_models import CHAT_FIELD_IN_GEMINI, GenerationConfig, Tool
 
 Segment = str | int
@@ -95,6 +96,33 @@ def parse_path(path: str) -> list[Segment]:
         out.append(int(index) if index is not None else found.group(3))
         at = found.end()
     return out
+
+
+def in_client_words(err: APIError, fields: ClientFields) -> APIError:
+    """``err`` (a refusal of the chat a Messages or Gemini request was translated into: an
+    upstream's, or local mode's own rendering and tool checks) naming the client's fields
+    (``fields``): its
+    ``param``, and in its message each chat field path that is surely one: indexed or dotted
+    (``messages[2].content``, ``tools.0.function.parameters``), spelt with an underscore
+    (``max_completion_tokens``), quoted (``'stop'``), or the message's leading field
+    (``stop: ...``) — a plain word in prose (``stop``, ``messages``) is left as it is.
+    Returns ``err``, changed in place."""
+    if err.param:
+        err.param = fields.name(err.param) or err.param
+    message = err.message
+
+    def renamed(found: re.Match[str]) -> str:
+        path = found.group()
+        before = message[found.start() - 1] if found.start() else ""
+        after = message[found.end()] if found.end() < len(message) else ""
+        quoted = before in "'\"`" and before != "" and after == before
+        leading = found.start() == 0 and message[found.end() :].lstrip().startswith(":")
+        if not (quoted or leading or "_" in path or len(parse_path(path)) > 1):
+            return path
+        return fields.name(path) or path
+
+    err.message = PATH.sub(renamed, message)
+    return err
 
 
 # --- the dialects' tables: chat field -> the client's field ----------------------------------
@@ -201,5 +229,6 @@ __all__ = [
     "Origin",
     "anthropic_fields",
     "gemini_fields",
+    "in_client_words",
     "parse_path",
 ]

@@ -52,3 +52,44 @@ def test_count_routes_refuse_past_the_byte_bound_in_counting_words(server, route
         assert "counts a text unless its length alone shows" in said
         assert f"{TOKENIZE_CONTEXTS} x max_model_len = {TOKENIZE_CONTEXTS * 128} tokens" in said
         assert "this messages" not in said and "this prompt has" not in said
+
+
+def _violations(r: httpx.Response) -> list[str]:
+    details = r.json()["error"].get("details") or []
+    return [v["field"] for d in details for v in d.get("fieldViolations", [])]
+
+
+def test_gemini_refusals_name_gemini_fields(server):
+    """The chat's own refusals (rendering bound, tool turns) on the Gemini routes name
+    Gemini's fields, for any prompt length (``client_fields.in_client_words`` in local mode)."""
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        for text in ("word " * 2000, "word " * 307):
+            body = {"contents": [{"parts": [{"text": text}]}]}
+            r = http.post(f"/v1beta/models/{MODEL}:generateContent", json=body)
+            assert r.status_code == 400, r.text
+            assert _violations(r) == ["contents"], r.text
+        r = _count(http, "gemini", "word " * 20_000)
+        assert r.status_code == 400 and "text of contents" in r.text, r.text
+        assert _violations(r) == ["contents"], r.text
+
+
+def test_anthropic_refusals_name_messages_fields(server):
+    """A chat-side refusal on /v1/messages names the Messages path (the block), not the
+    translated chat's (a ``tool_result`` block is a chat message of its own)."""
+    body = {
+        "model": MODEL,
+        "max_tokens": 4,
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "ok"},
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": "toolu_x", "content": "r"}],
+            },
+        ],
+    }
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        r = http.post("/v1/messages", json=body)
+        assert r.status_code == 400, r.text
+        said = r.json()["error"]["message"]
+        assert said.startswith("messages.2.content.0"), said
