@@ -78,7 +78,13 @@ from prefixgate.gateway.wire.gemini_routes import (
 from prefixgate.gateway.wire.prompts import check_length, choice_seeds, render_chat
 from prefixgate.gateway.wire.response_models import Usage
 from prefixgate.gateway.wire.stop_strings import refuse_stop_under_constraint
-from prefixgate.gateway.wire.tools import ToolDeltas, ToolPlan, parse_output, plan_tools
+from prefixgate.gateway.wire.tools import (
+    GEMINI_CHOICE,
+    ToolDeltas,
+    ToolPlan,
+    parse_output,
+    plan_tools,
+)
 
 _DESCRIPTION = "served by prefixgate"  # the model object's description
 
@@ -307,17 +313,9 @@ async def _prepare(
     chat = await _chat(request, req, principal)
     fields = gemini_fields(chat.origins, req.tools, req.generationConfig)
     try:
-        try:
-            plan = plan_tools(
-                chat.tools or None, chat.tool_choice, None, st.settings.tool_call_parser
-            )
-        except APIError as exc:  # named in OpenAI's terms: say it in Gemini's
-            if exc.param is None or not exc.param.startswith("tool_choice"):
-                raise
-            where = "toolConfig.functionCallingConfig.mode"
-            raise bad_request(
-                f"{where} (AUTO unless set): {exc.message.removeprefix('tool_choice: ')}", where
-            ) from None
+        plan = plan_tools(
+            chat.tools or None, chat.tool_choice, None, st.settings.tool_call_parser, GEMINI_CHOICE
+        )
         ids = await render_chat(
             engine.tokenizer,
             chat.messages,

@@ -59,7 +59,13 @@ from prefixgate.gateway.wire.client_fields import anthropic_fields, in_client_wo
 from prefixgate.gateway.wire.prompts import check_length, render_chat
 from prefixgate.gateway.wire.response_models import Usage
 from prefixgate.gateway.wire.stop_strings import refuse_stop_under_constraint
-from prefixgate.gateway.wire.tools import ToolDeltas, ToolPlan, parse_output, plan_tools
+from prefixgate.gateway.wire.tools import (
+    ANTHROPIC_CHOICE,
+    ToolDeltas,
+    ToolPlan,
+    parse_output,
+    plan_tools,
+)
 
 
 def anthropic_usage(
@@ -227,6 +233,7 @@ async def _prepare(
             chat.tool_choice,
             chat.parallel_tool_calls,
             st.settings.tool_call_parser,
+            ANTHROPIC_CHOICE,
         )
         ids = await render_chat(
             engine.tokenizer,
