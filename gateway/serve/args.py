@@ -19,7 +19,7 @@ from prefixgate.gateway.serve.help_text import ENGINE_HELP, GATEWAY_HELP
 from prefixgate.gateway.settings import CACHE_SALT_MODES, GatewaySettings
 from prefixgate.gateway.wire.tool_parsers import PARSERS
 
-__all__ = ["add_serve_arguments", "parse_bytes"]
+__all__ = ["add_serve_arguments", "parse_bytes", "positional_model"]
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {
@@ -174,7 +174,15 @@ def _engine_flags(group: argparse._ArgumentGroup) -> None:
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    """Add every ``serve`` flag to ``p`` (gateway, limits, logging, then engine options)."""
+    """Add every ``serve`` flag to ``p`` (gateway, limits, logging, then engine options), and
+    the optional positional ``MODEL`` (``vllm serve MODEL``'s; ``positional_model``)."""
+    p.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="the model, as in vLLM's 'vllm serve MODEL': the same as --model MODEL (default: --model's)",
+    )
     p.add_argument(
         "--model",
         default=None,
@@ -380,3 +388,20 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="least severe log level printed (default: INFO)",
     )
     _engine_flags(p.add_argument_group("engine options"))
+
+
+def positional_model(args: argparse.Namespace) -> None:
+    """Fold ``serve``'s positional ``MODEL`` into ``args.model`` (``prefixgate serve PATH`` is
+    ``--model PATH``, as ``vllm serve PATH``).
+
+    Raises:
+        ValueError: both given and different.
+    """
+    tag = getattr(args, "model_tag", None)
+    if tag is None:
+        return
+    if args.model is not None and args.model != tag:
+        raise ValueError(
+            f"the positional MODEL {tag[:200]!r} and --model {args.model[:200]!r} differ: give one"
+        )
+    args.model = tag

@@ -27,7 +27,7 @@ from prefixgate.gateway.proxy.config import ProxyConfig, load_config
 from prefixgate.gateway.proxy.policies import check_settings
 from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import normalize_url
-from prefixgate.gateway.serve.args import add_serve_arguments, parse_bytes
+from prefixgate.gateway.serve.args import add_serve_arguments, parse_bytes, positional_model
 from prefixgate.gateway.serve.configure import (
     default_model_name,
     engine_config,
@@ -66,7 +66,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "serve",
         help="serve the OpenAI API (local engine or upstreams)",
         # a short usage: a bad flag is its error line, not 30 lines of flags above it
-        usage="prefixgate serve [options]  (every option: prefixgate serve --help)",
+        usage="prefixgate serve [MODEL] [options]  (every option: prefixgate serve --help)",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -82,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
+        positional_model(args)  # `prefixgate serve PATH` = --model PATH, as vLLM's
         check_before_imports(args)  # keys file, model path: before torch is imported
         settings = settings_from_args(args)
         check_settings(settings)  # each routing policy's options
