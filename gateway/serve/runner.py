@@ -27,7 +27,12 @@ from prefixgate.gateway.proxy.config import ProxyConfig, load_config
 from prefixgate.gateway.proxy.policies import check_settings
 from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import normalize_url
-from prefixgate.gateway.serve.args import add_serve_arguments, parse_bytes, positional_model
+from prefixgate.gateway.serve.args import (
+    add_serve_arguments,
+    in_flag_words,
+    parse_bytes,
+    positional_model,
+)
 from prefixgate.gateway.serve.configure import (
     default_model_name,
     engine_config,
@@ -131,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
         logger.error("%s", exc)
         return 1
     except (ValueError, TypeError) as exc:
-        logger.error("bad option: %s", exc)
+        logger.error("bad option: %s", in_flag_words(str(exc)))  # names the flag, not the field
         return 2
     try:
         code = asyncio.run(
@@ -239,7 +244,7 @@ async def serve(
         else:
             app = create_app(None, settings, settings_checked=True)
     except ValueError as exc:
-        logger.error("bad option: %s", exc)
+        logger.error("bad option: %s", in_flag_words(str(exc)))
         return 2
     try:
         server = await start_server(app, host, port, access_log=access_log)
