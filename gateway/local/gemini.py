@@ -361,9 +361,7 @@ async def _count_tokens(request: web.Request, model: str) -> web.Response:
     principal = st.keys.authenticate(request)
     body = parse_request(CountTokensRequest, await request.read())
     _check_model(st, model)
-    if (body.contents is None) == (body.generateContentRequest is None):
-        raise bad_request("give contents or generateContentRequest (one)", param="contents")
-    req = body.generateContentRequest or GenerateContentRequest(contents=body.contents or [])
+    req = body.request()
     if req.model is not None:
         _check_model(st, req.model, "generateContentRequest.model")
     engine = request.app[LOCAL].require_engine()

@@ -1,4 +1,4 @@
-"""Tools without a tool choice (the official clients' default) on a server without
+"""Gemini and Messages refusals in their own terms. Tools without a tool choice (the official clients' default) on a server without
 ``--tool-call-parser``: the 400 gives the advice in the route's own terms (``wire.tools.
 ChoiceWords``), never OpenAI's ``'required'`` on Anthropic's or Gemini's routes; in local mode
 and through the proxy."""
@@ -51,3 +51,17 @@ def test_gemini_tools_without_a_parser_get_gemini_advice(url):
     assert "'required'" not in said and "named function" not in said, said
     fields = [v["field"] for d in err.get("details", []) for v in d.get("fieldViolations", [])]
     assert fields == ["toolConfig.functionCallingConfig.mode"], err
+
+
+@pytest.mark.parametrize("empty", ["", [], None])
+def test_gemini_empty_contents_is_a_400_naming_contents(url, empty):
+    """``contents`` empty on every Gemini method: 400 ``contents: must not be empty`` (an empty
+    field is its absence, as local chat answers it); countTokens said "give contents or
+    generateContentRequest (one)"."""
+    for method in ("generateContent", "streamGenerateContent?alt=sse", "countTokens"):
+        r = httpx.post(f"{url}/v1beta/models/fake:{method}", json={"contents": empty}, timeout=30)
+        assert r.status_code == 400, (method, r.text)
+        err = r.json()["error"]
+        assert err["message"].startswith("contents: must not be empty"), (method, err)
+        fields = [v["field"] for d in err["details"] for v in d.get("fieldViolations", [])]
+        assert fields == ["contents"], (method, err)
