@@ -1,7 +1,7 @@
-"""Gemini and Messages refusals in their own terms. Tools without a tool choice (the official clients' default) on a server without
+"""Gemini and Messages refusals in their own terms, in local mode and through the proxy.
+Tools without a tool choice (the official clients' default) on a server without
 ``--tool-call-parser``: the 400 gives the advice in the route's own terms (``wire.tools.
-ChoiceWords``), never OpenAI's ``'required'`` on Anthropic's or Gemini's routes; in local mode
-and through the proxy."""
+ChoiceWords``), never OpenAI's ``'required'``. An empty Gemini ``contents``: 400 naming it."""
 
 from __future__ import annotations
 
