@@ -46,9 +46,11 @@ from prefixgate.gateway.local.generation import engine_request
 from prefixgate.gateway.local.prefix_routes import prefix_quota
 from prefixgate.gateway.local.prefixes import PrefixEntry, SharedPrefix
 from prefixgate.gateway.local.serving import LOCAL
+from prefixgate.gateway.local.tokenize import counting
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.tenancy.keys import Principal, effective_salt
 from prefixgate.gateway.tenancy.pool_hints import pool_hint
+from prefixgate.gateway.wire.client_fields import gemini_fields, in_client_words
 from prefixgate.gateway.wire.gemini_models import (
     CachedContentCreate,
     CachedContentUpdate,
@@ -76,7 +78,13 @@ from prefixgate.gateway.wire.gemini_routes import (
 from prefixgate.gateway.wire.prompts import check_length, choice_seeds, render_chat
 from prefixgate.gateway.wire.response_models import Usage
 from prefixgate.gateway.wire.stop_strings import refuse_stop_under_constraint
-from prefixgate.gateway.wire.tools import ToolDeltas, ToolPlan, parse_output, plan_tools
+from prefixgate.gateway.wire.tools import (
+    GEMINI_CHOICE,
+    ToolDeltas,
+    ToolPlan,
+    parse_output,
+    plan_tools,
+)
 
 _DESCRIPTION = "served by prefixgate"  # the model object's description
 
@@ -284,31 +292,38 @@ async def _chat(request: web.Request, req: GenerateContentRequest, principal: Pr
     bare = GenerateContentRequest(contents=req.contents)
     chat = to_chat(bare)
     chat.messages = [*entry.messages, *chat.messages]
+    chat.origins = ["cachedContent"] * len(entry.messages) + chat.origins
     chat.tools = [dict(t) for t in entry.tools or []]
     return chat
 
 
 async def _prepare(
-    request: web.Request, req: GenerateContentRequest, principal: Principal
+    request: web.Request,
+    req: GenerateContentRequest,
+    principal: Principal,
+    bound: int | None = None,
 ) -> tuple[Chat, ToolPlan, list[int]]:
+    """The request's chat, tool plan and prompt ids (the prompt refused from its length alone
+    past ``bound`` tokens: ``max_model_len`` unless given). The chat's refusals (rendering,
+    tool turns, tool plan) name Gemini's fields (``client_fields.in_client_words``), as the
+    proxy's relay names an upstream's.
+    """
     st = request.app[STATE]
     engine = request.app[LOCAL].require_engine()
     chat = await _chat(request, req, principal)
+    fields = gemini_fields(chat.origins, req.tools, req.generationConfig)
     try:
-        plan = plan_tools(chat.tools or None, chat.tool_choice, None, st.settings.tool_call_parser)
-    except APIError as exc:  # named in OpenAI's terms: say it in Gemini's
-        if exc.param is None or not exc.param.startswith("tool_choice"):
-            raise
-        where = "toolConfig.functionCallingConfig.mode"
-        raise bad_request(
-            f"{where} (AUTO unless set): {exc.message.removeprefix('tool_choice: ')}", where
-        ) from None
-    ids = await render_chat(
-        engine.tokenizer,
-        chat.messages,
-        max_model_len=engine.max_model_len,
-        tools=plan.tools or None,
-    )
+        plan = plan_tools(
+            chat.tools or None, chat.tool_choice, None, st.settings.tool_call_parser, GEMINI_CHOICE
+        )
+        ids = await render_chat(
+            engine.tokenizer,
+            chat.messages,
+            max_model_len=engine.max_model_len if bound is None else bound,
+            tools=plan.tools or None,
+        )
+    except APIError as exc:
+        raise in_client_words(exc, fields) from None
     return chat, plan, ids
 
 
@@ -339,18 +354,19 @@ async def model_method(request: web.Request) -> web.StreamResponse:
 
 async def _count_tokens(request: web.Request, model: str) -> web.Response:
     """``{"totalTokens": N, "cachedContentTokenCount"?}``: the prompt's tokens as
-    ``generateContent``'s ``promptTokenCount`` counts them."""
+    ``generateContent``'s ``promptTokenCount`` counts them; a prompt past the context is
+    counted too, under ``/tokenize``'s bound (``tokenize.counting``)."""
     st = request.app[STATE]
     request.app[LOCAL].require_engine()
     principal = st.keys.authenticate(request)
     body = parse_request(CountTokensRequest, await request.read())
     _check_model(st, model)
-    if (body.contents is None) == (body.generateContentRequest is None):
-        raise bad_request("give contents or generateContentRequest (one)", param="contents")
-    req = body.generateContentRequest or GenerateContentRequest(contents=body.contents or [])
+    req = body.request()
     if req.model is not None:
         _check_model(st, req.model, "generateContentRequest.model")
-    _, _, ids = await _prepare(request, req, principal)
+    engine = request.app[LOCAL].require_engine()
+    with counting("countTokens", engine.max_model_len) as bound:
+        _, _, ids = await _prepare(request, req, principal, bound)
     out: dict[str, Any] = {"totalTokens": len(ids)}
     return web.json_response(out)
 

@@ -34,6 +34,7 @@ from prefixgate.gateway.local.cache_diagnostics import PROMPT_LOG, Comparison, a
 from prefixgate.gateway.local.cache_marks import Mark, find_marks, written_tokens
 from prefixgate.gateway.local.generation import engine_request
 from prefixgate.gateway.local.serving import LOCAL
+from prefixgate.gateway.local.tokenize import counting
 from prefixgate.gateway.state import STATE
 from prefixgate.gateway.tenancy.keys import Principal, effective_salt
 from prefixgate.gateway.tenancy.pool_hints import pool_hint
@@ -54,10 +55,17 @@ from prefixgate.gateway.wire.anthropic_models import (
     parse_request,
     to_chat,
 )
+from prefixgate.gateway.wire.client_fields import anthropic_fields, in_client_words
 from prefixgate.gateway.wire.prompts import check_length, render_chat
 from prefixgate.gateway.wire.response_models import Usage
 from prefixgate.gateway.wire.stop_strings import refuse_stop_under_constraint
-from prefixgate.gateway.wire.tools import ToolDeltas, ToolPlan, parse_output, plan_tools
+from prefixgate.gateway.wire.tools import (
+    ANTHROPIC_CHOICE,
+    ToolDeltas,
+    ToolPlan,
+    parse_output,
+    plan_tools,
+)
 
 
 def anthropic_usage(
@@ -204,32 +212,48 @@ class MessagesRenderer:
 
 
 async def _prepare(
-    request: web.Request, kind: type[MessagesRequest] | type[CountTokensRequest]
+    request: web.Request,
+    kind: type[MessagesRequest] | type[CountTokensRequest],
+    bound: int | None = None,
 ) -> tuple[Principal, Any, Chat, ToolPlan, list[int]]:
-    """Authenticate, parse, check the model, plan the tools and render the prompt."""
+    """Authenticate, parse, check the model, plan the tools and render the prompt (refused
+    from its length alone past ``bound`` tokens: ``max_model_len`` unless given). The chat's
+    refusals (rendering, tool turns, tool plan) name the Messages fields
+    (``client_fields.in_client_words``), as the proxy's relay names an upstream's."""
     st = request.app[STATE]
     engine = request.app[LOCAL].require_engine()
     principal = st.keys.authenticate(request)
     req = parse_request(kind, await request.read())
     st.check_model(req.model)
     chat = to_chat(req)
-    plan = plan_tools(
-        chat.tools or None, chat.tool_choice, chat.parallel_tool_calls, st.settings.tool_call_parser
-    )
-    ids = await render_chat(
-        engine.tokenizer,
-        chat.messages,
-        max_model_len=engine.max_model_len,
-        tools=plan.tools or None,
-    )
+    fields = anthropic_fields(chat.origins, len(chat.tools), "")
+    try:
+        plan = plan_tools(
+            chat.tools or None,
+            chat.tool_choice,
+            chat.parallel_tool_calls,
+            st.settings.tool_call_parser,
+            ANTHROPIC_CHOICE,
+        )
+        ids = await render_chat(
+            engine.tokenizer,
+            chat.messages,
+            max_model_len=engine.max_model_len if bound is None else bound,
+            tools=plan.tools or None,
+        )
+    except APIError as exc:
+        raise in_client_words(exc, fields) from None
     return principal, req, chat, plan, ids
 
 
 @error_dialect(ANTHROPIC)
 async def count_tokens(request: web.Request) -> web.Response:
     """POST /v1/messages/count_tokens → ``{"input_tokens": N}``: the prompt's tokens, as a
-    ``messages`` request's usage counts them (input + cache creation + cache read)."""
-    _, _, _, _, ids = await _prepare(request, CountTokensRequest)
+    ``messages`` request's usage counts them (input + cache creation + cache read); a prompt
+    past the context is counted too, under ``/tokenize``'s bound (``tokenize.counting``)."""
+    engine = request.app[LOCAL].require_engine()
+    with counting("count_tokens", engine.max_model_len) as bound:
+        _, _, _, _, ids = await _prepare(request, CountTokensRequest, bound)
     return web.json_response({"input_tokens": len(ids)})
 
 

@@ -10,11 +10,15 @@ a 400 naming it (never ignored); ``add_special_tokens`` with ``messages`` only a
 (the template writes the special tokens itself), ``add_generation_prompt`` only with
 ``messages``.
 Bounded work: ``messages`` holds at most ``MAX_MESSAGES`` (4,096, counted by the ingress
-guard before anything is validated or rendered), and a text (the prompt, or the rendered chat) is tokenized only when
-its token count's lower bound (``Tokenizer.min_num_tokens``) is under
-``TOKENIZE_CONTEXTS`` (8) × ``max_model_len``; beyond, 400 ``context_length_exceeded`` naming
-the field, before tokenizing (a prompt that long fits no request: the route's answer is that
-it does not fit). A request's tokenizing so costs at most that many tokens' work.
+guard before anything is validated or rendered), and a text (the prompt, or the rendered chat)
+is tokenized only when its token count's lower bound (``Tokenizer.min_num_tokens``: its UTF-8
+bytes over the most bytes one token covers) is under ``TOKENIZE_CONTEXTS`` (8) ×
+``max_model_len``; beyond, 400 ``context_length_exceeded`` naming the field, before
+tokenizing (a prompt that long fits no request). A text under that bound is counted exactly,
+however many tokens it turns out to hold (vLLM's ``/tokenize`` counts any length): the bound
+is on the text's bytes, not on the count (aidreams-260k: 12,288 bytes). The count
+routes of the other dialects (``count_tokens``, ``countTokens``) count under the same bound
+(``counting``).
 Clients use it to fit prompts to the context before sending them (``prefixgate bench serve``
 does); it runs no model and touches no KV block. ``/detokenize``: ``{"model", "tokens"}`` →
 ``{"prompt"}`` (special tokens kept, as vLLM's), each id checked against the vocabulary.
@@ -23,13 +27,20 @@ does); it runs no model and touches no KV block. ``/detokenize``: ``{"model", "t
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, TypeVar
 
 from aiohttp import web
 from prefixgate.gateway.http.errors import APIError, bad_request
 from prefixgate.gateway.local.serving import LOCAL
 from prefixgate.gateway.state import STATE
-from prefixgate.gateway.wire.prompts import completion_prompts, refuse_oversized, render_chat
+from prefixgate.gateway.wire.prompts import (
+    OverContext,
+    completion_prompts,
+    refuse_oversized,
+    render_chat,
+)
 from prefixgate.gateway.wire.request_models import MAX_MESSAGES, ChatMessage, parse
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -58,24 +69,41 @@ async def tokenize(request: web.Request) -> web.Response:
 
     Raises:
         APIError: 400 on a bad body; 400 ``context_length_exceeded`` naming ``messages`` or
-            ``prompt`` when the text holds at least ``TOKENIZE_CONTEXTS * max_model_len``
-            tokens by its lower bound (nothing tokenized).
+            ``prompt`` when the text's length alone shows it holds at least
+            ``TOKENIZE_CONTEXTS * max_model_len`` tokens (``Tokenizer.min_num_tokens``:
+            UTF-8 bytes over the most bytes one token covers; nothing tokenized).
+    """
+    engine = request.app[LOCAL].require_engine()
+    with counting("/tokenize", engine.max_model_len):
+        return await _tokenize(request)
+
+
+@contextmanager
+def counting(route: str, max_model_len: int) -> Iterator[int]:
+    """The bound of a counting route (``/tokenize``, Anthropic's ``count_tokens``, Gemini's
+    ``countTokens``): yields ``TOKENIZE_CONTEXTS * max_model_len`` tokens, the bound to
+    render or encode the text with; a text refused by it (``OverContext``) is told in the
+    route's words (``count_refusal``), not the generation routes' "no room to generate".
     """
     try:
-        return await _tokenize(request)
-    except APIError as exc:
-        if exc.code != "context_length_exceeded":
-            raise
-        engine = request.app[LOCAL].require_engine()
-        raise APIError(
-            400,
-            f"/tokenize counts texts of fewer than {TOKENIZE_CONTEXTS} x max_model_len = "
-            f"{TOKENIZE_CONTEXTS * engine.max_model_len} tokens, and this {exc.param} has at "
-            "least that many by its length alone (not tokenized); it fits no request to this "
-            f"model (max_model_len {engine.max_model_len})",
-            param=exc.param,
-            code=exc.code,
-        ) from None
+        yield TOKENIZE_CONTEXTS * max_model_len
+    except OverContext as exc:
+        raise count_refusal(exc, route, max_model_len) from None
+
+
+def count_refusal(exc: OverContext, route: str, max_model_len: int) -> APIError:
+    """A counting route's 400 ``context_length_exceeded`` for a text its length alone bounds
+    past ``exc.bound`` tokens (naming the same field)."""
+    return APIError(
+        400,
+        f"{route} counts a text unless its length alone shows it holds at least "
+        f"{TOKENIZE_CONTEXTS} x max_model_len = {exc.bound} tokens; the text of {exc.param} "
+        f"({exc.chars} characters) holds at least {exc.at_least} by its UTF-8 length (not "
+        f"tokenized), more than a request to this model can hold (max_model_len "
+        f"{max_model_len})",
+        param=exc.param,
+        code=exc.code,
+    )
 
 
 async def _engine_and_body(request: web.Request, kind: type[_Body]) -> tuple[EngineClient, _Body]:

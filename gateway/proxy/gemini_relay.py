@@ -445,12 +445,7 @@ async def model_method(request: web.Request) -> web.StreamResponse:
     principal = st.keys.authenticate(request)
     raw = await request.read()
     if method == "countTokens":
-        counted = parse_request(CountTokensRequest, raw)
-        if (counted.contents is None) == (counted.generateContentRequest is None):
-            raise bad_request("give contents or generateContentRequest (one)", param="contents")
-        req = counted.generateContentRequest or GenerateContentRequest(
-            contents=counted.contents or []
-        )
+        req = parse_request(CountTokensRequest, raw).request()
     else:
         req = parse_request(GenerateContentRequest, raw)
         if req.model and req.model.removeprefix("models/") != model.removeprefix("models/"):

@@ -36,7 +36,7 @@ import zlib
 from typing import Any
 
 from prefixgate.gateway.http.errors import APIError
-from prefixgate.gateway.wire.client_fields import PATH, ClientFields, parse_path
+from prefixgate.gateway.wire.client_fields import ClientFields, in_client_words
 
 REDACTED = "[redacted]"
 _MIN_SECRET = 4  # shorter strings are not scrubbed (they would garble every message)
@@ -249,32 +249,6 @@ def upstream_error(
         type=e["type"] if _identifier(e["type"], secrets) else None,
         retry_after=wait,
     )
-
-
-def in_client_words(err: APIError, fields: ClientFields) -> APIError:
-    """``err`` (an upstream's refusal of the chat body a relay translated the client's
-    request into) naming the client's fields (``fields``: ``wire.client_fields``): its
-    ``param``, and in its message each chat field path that is surely one: indexed or dotted
-    (``messages[2].content``, ``tools.0.function.parameters``), spelt with an underscore
-    (``max_completion_tokens``), quoted (``'stop'``), or the message's leading field
-    (``stop: ...``) — a plain word in prose (``stop``, ``messages``) is left as it is.
-    Returns ``err``, changed in place."""
-    if err.param:
-        err.param = fields.name(err.param) or err.param
-    message = err.message
-
-    def renamed(found: re.Match[str]) -> str:
-        path = found.group()
-        before = message[found.start() - 1] if found.start() else ""
-        after = message[found.end()] if found.end() < len(message) else ""
-        quoted = before in "'\"`" and before != "" and after == before
-        leading = found.start() == 0 and message[found.end() :].lstrip().startswith(":")
-        if not (quoted or leading or "_" in path or len(parse_path(path)) > 1):
-            return path
-        return fields.name(path) or path
-
-    err.message = PATH.sub(renamed, message)
-    return err
 
 
 _IDENTIFIER = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}")

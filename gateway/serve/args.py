@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import re
 import types
@@ -19,7 +20,7 @@ from prefixgate.gateway.serve.help_text import ENGINE_HELP, GATEWAY_HELP
 from prefixgate.gateway.settings import CACHE_SALT_MODES, GatewaySettings
 from prefixgate.gateway.wire.tool_parsers import PARSERS
 
-__all__ = ["add_serve_arguments", "parse_bytes"]
+__all__ = ["add_serve_arguments", "in_flag_words", "parse_bytes", "positional_model"]
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {
@@ -174,7 +175,15 @@ def _engine_flags(group: argparse._ArgumentGroup) -> None:
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    """Add every ``serve`` flag to ``p`` (gateway, limits, logging, then engine options)."""
+    """Add every ``serve`` flag to ``p`` (gateway, limits, logging, then engine options), and
+    the optional positional ``MODEL`` (``vllm serve MODEL``'s; ``positional_model``)."""
+    p.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="the model, as in vLLM's 'vllm serve MODEL': the same as --model MODEL (default: --model's)",
+    )
     p.add_argument(
         "--model",
         default=None,
@@ -380,3 +389,45 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="least severe log level printed (default: INFO)",
     )
     _engine_flags(p.add_argument_group("engine options"))
+
+
+def positional_model(args: argparse.Namespace) -> None:
+    """Fold ``serve``'s positional ``MODEL`` into ``args.model`` (``prefixgate serve PATH`` is
+    ``--model PATH``, as ``vllm serve PATH``).
+
+    Raises:
+        ValueError: both given and different.
+    """
+    tag = getattr(args, "model_tag", None)
+    if tag is None:
+        return
+    if args.model is not None and args.model != tag:
+        raise ValueError(
+            f"the positional MODEL {tag[:200]!r} and --model {args.model[:200]!r} differ: give one"
+        )
+    args.model = tag
+
+
+@functools.cache
+def serve_flags() -> dict[str, str]:
+    """Every ``serve`` option's field (its argparse ``dest``, the ``EngineConfig`` or
+    ``GatewaySettings`` field it sets) → its flag (``max_model_len`` → ``--max-model-len``):
+    the one table that names a config field as the user typed it."""
+    p = argparse.ArgumentParser(add_help=False)
+    add_serve_arguments(p)
+    return {a.dest: a.option_strings[0] for a in p._actions if a.option_strings}
+
+
+_LEADING_NAME = re.compile(r"[a-z][a-z0-9_]*")
+
+
+def in_flag_words(message: str) -> str:
+    """A refused option's message with its leading config field named by its flag
+    (``"max_model_len must be >= 1, got 0"`` → ``"--max-model-len must be >= 1, got 0"``): the
+    configs (``EngineConfig``, ``GatewaySettings``) name their fields; a ``serve`` user typed
+    flags. A message that starts otherwise is kept as it is."""
+    found = _LEADING_NAME.match(message)
+    if found is None:
+        return message
+    flag = serve_flags().get(found.group())
+    return message if flag is None else flag + message[found.end() :]

@@ -27,7 +27,12 @@ from prefixgate.gateway.proxy.config import ProxyConfig, load_config
 from prefixgate.gateway.proxy.policies import check_settings
 from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import normalize_url
-from prefixgate.gateway.serve.args import add_serve_arguments, parse_bytes
+from prefixgate.gateway.serve.args import (
+    add_serve_arguments,
+    in_flag_words,
+    parse_bytes,
+    positional_model,
+)
 from prefixgate.gateway.serve.configure import (
     default_model_name,
     engine_config,
@@ -66,7 +71,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "serve",
         help="serve the OpenAI API (local engine or upstreams)",
         # a short usage: a bad flag is its error line, not 30 lines of flags above it
-        usage="prefixgate serve [options]  (every option: prefixgate serve --help)",
+        usage="prefixgate serve [MODEL] [options]  (every option: prefixgate serve --help)",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -82,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
+        positional_model(args)  # `prefixgate serve PATH` = --model PATH, as vLLM's
         check_before_imports(args)  # keys file, model path: before torch is imported
         settings = settings_from_args(args)
         check_settings(settings)  # each routing policy's options
@@ -130,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
         logger.error("%s", exc)
         return 1
     except (ValueError, TypeError) as exc:
-        logger.error("bad option: %s", exc)
+        logger.error("bad option: %s", in_flag_words(str(exc)))  # names the flag, not the field
         return 2
     try:
         code = asyncio.run(
@@ -238,7 +244,7 @@ async def serve(
         else:
             app = create_app(None, settings, settings_checked=True)
     except ValueError as exc:
-        logger.error("bad option: %s", exc)
+        logger.error("bad option: %s", in_flag_words(str(exc)))
         return 2
     try:
         server = await start_server(app, host, port, access_log=access_log)

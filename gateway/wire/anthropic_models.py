@@ -453,6 +453,7 @@ def to_chat(req: _Conversation) -> Chat:
         msgs.append({"role": "system", "content": text})
     if msgs:
         chat.origins.append("system")
+    check_turns(req.messages)  # a first turn not the user's is told so, even when it is the last
     last = len(req.messages) - 1
     if req.messages[last].role == "assistant":
         raise bad_request(
@@ -461,7 +462,6 @@ def to_chat(req: _Conversation) -> Chat:
             param=f"messages.{last}.role",
             code="unsupported_parameter",
         )
-    check_turns(req.messages)
     for i, m in enumerate(req.messages):
         _add_turn(chat, i, m)
     if req.cache_control is not None:
@@ -494,10 +494,9 @@ def check_turns(messages: list[MessageParam]) -> None:
     seen: set[str] = set()
     asked: list[str] = []  # tool_use ids of the previous turn, each awaiting its result
     for i, m in enumerate(messages):
-        if not m.content:
+        if not m.content:  # (Anthropic exempts a final assistant turn: refused here anyway)
             raise bad_request(
-                f"messages.{i}: all messages must have non-empty content except for the "
-                "optional final assistant message",
+                f"messages.{i}: all messages must have non-empty content",
                 param=f"messages.{i}.content",
             )
         blocks = [] if isinstance(m.content, str) else m.content

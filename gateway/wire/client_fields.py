@@ -13,7 +13,9 @@ message of Anthropic's, a ``tool_result`` block is a chat message of its own).
   ``ANTHROPIC_FIELDS`` / ``GEMINI_FIELDS``);
 * ``messages``: chat message ``k`` → its ``Origin`` (the client's path of the turn, system
   instruction or block it was made of, and how its own fields are spelt there);
-* ``tools``: chat tool ``k`` → its ``Origin``.
+* ``tools``: chat tool ``k`` → its ``Origin``;
+* ``choice``: the dialect's spelling of the tool choice (``wire.tools.ChoiceWords``): a
+  ``tool_choice`` refusal's field and advice (``'required'``) said in the client's terms.
 
 Paths are read in any of the spellings servers use (``messages[2].content``,
 ``messages.[2].content``, ``messages.2.content``) and written as local mode writes them
@@ -27,7 +29,14 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from prefixgate.gateway.http.errors import APIError
 from prefixgate.gateway.wire.gemini_models import CHAT_FIELD_IN_GEMINI, GenerationConfig, Tool
+from prefixgate.gateway.wire.tools import (
+    ANTHROPIC_CHOICE,
+    GEMINI_CHOICE,
+    OPENAI_CHOICE,
+    ChoiceWords,
+)
 
 Segment = str | int
 
@@ -59,6 +68,7 @@ class ClientFields:
     fields: Mapping[str, str]
     messages: tuple[Origin, ...] = ()
     tools: tuple[Origin, ...] = ()
+    choice: ChoiceWords = OPENAI_CHOICE
 
     def name(self, path: str) -> str | None:
         """The client's spelling of the chat body's ``path`` (``messages[2].content``), or
@@ -95,6 +105,45 @@ def parse_path(path: str) -> list[Segment]:
         out.append(int(index) if index is not None else found.group(3))
         at = found.end()
     return out
+
+
+def in_client_words(err: APIError, fields: ClientFields) -> APIError:
+    """``err`` (a refusal of the chat a Messages or Gemini request was translated into: an
+    upstream's, or local mode's own rendering and tool checks) naming the client's fields
+    (``fields``): its
+    ``param``, and in its message each chat field path that is surely one: indexed or dotted
+    (``messages[2].content``, ``tools.0.function.parameters``), spelt with an underscore
+    (``max_completion_tokens``), quoted (``'stop'``), or the message's leading field
+    (``stop: ...``) — a plain word in prose (``stop``, ``messages``) is left as it is.
+    Returns ``err``, changed in place."""
+    if err.param == "tool_choice" and fields.choice != OPENAI_CHOICE:
+        err.param, err.message = fields.choice.field, _choice_advice(err.message, fields.choice)
+    elif err.param:
+        err.param = fields.name(err.param) or err.param
+    message = err.message
+
+    def renamed(found: re.Match[str]) -> str:
+        path = found.group()
+        before = message[found.start() - 1] if found.start() else ""
+        after = message[found.end()] if found.end() < len(message) else ""
+        quoted = before in "'\"`" and before != "" and after == before
+        leading = found.start() == 0 and message[found.end() :].lstrip().startswith(":")
+        if not (quoted or leading or "_" in path or len(parse_path(path)) > 1):
+            return path
+        return fields.name(path) or path
+
+    err.message = PATH.sub(renamed, message)
+    return err
+
+
+def _choice_advice(message: str, words: ChoiceWords) -> str:
+    """A ``tool_choice`` refusal in OpenAI's words (``plan_tools``' own: a prefixgate
+    upstream's) spoken in the dialect's: its field and its modes' spellings."""
+    if message.startswith("tool_choice: "):
+        message = f"{words.field}: " + message.removeprefix("tool_choice: ")
+    for mode in ("auto", "required", "named"):
+        message = message.replace(OPENAI_CHOICE.mode(mode), words.mode(mode))
+    return message
 
 
 # --- the dialects' tables: chat field -> the client's field ----------------------------------
@@ -152,7 +201,7 @@ def anthropic_fields(origins: list[str], n_tools: int, output_field: str) -> Cli
     fields = dict(ANTHROPIC_FIELDS)
     if output_field:
         fields["response_format"] = output_field
-    return ClientFields(fields, tuple(messages), tools)
+    return ClientFields(fields, tuple(messages), tools, ANTHROPIC_CHOICE)
 
 
 def gemini_fields(
@@ -189,7 +238,7 @@ def gemini_fields(
             if getattr(config, name) is not None:
                 fields["response_format"] = f"generationConfig.{name}"
                 break
-    return ClientFields(fields, tuple(messages), tuple(declared))
+    return ClientFields(fields, tuple(messages), tuple(declared), GEMINI_CHOICE)
 
 
 __all__ = [
@@ -201,5 +250,6 @@ __all__ = [
     "Origin",
     "anthropic_fields",
     "gemini_fields",
+    "in_client_words",
     "parse_path",
 ]

@@ -218,6 +218,26 @@ class CountTokensRequest(BaseModel):
     contents: list[Content] | None = None
     generateContentRequest: GenerateContentRequest | None = None
 
+    def request(self) -> GenerateContentRequest:
+        """The request whose prompt is counted (both modes' ``countTokens``).
+
+        Raises:
+            APIError: 400 naming ``contents``: neither given (an empty ``contents`` is none,
+                as ``generateContent`` says), or both.
+        """
+        if self.contents is None and self.generateContentRequest is None:
+            raise bad_request(
+                "contents: must not be empty (give contents, or a generateContentRequest)",
+                param="contents",
+            )
+        if self.generateContentRequest is None:
+            return GenerateContentRequest(contents=self.contents or [])
+        if self.contents is not None:
+            raise bad_request(
+                "contents: give contents or generateContentRequest, not both", param="contents"
+            )
+        return self.generateContentRequest
+
 
 class CachedContentCreate(BaseModel):
     """POST ``cachedContents``: the content to pin and its life (``ttl`` like ``"300s"``, or

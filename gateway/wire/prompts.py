@@ -64,13 +64,24 @@ def refuse_oversized(
         return
     at_least = tokenizer.min_num_tokens(text)
     if at_least >= max_model_len:
-        raise APIError(
+        raise OverContext(max_model_len, at_least, len(text), param)
+
+
+class OverContext(APIError):
+    """400 ``context_length_exceeded`` from a text's length alone (``refuse_oversized``):
+    ``at_least`` tokens by ``min_num_tokens`` (``chars`` characters long) against a bound of
+    ``bound`` tokens, naming ``param``. The generation routes' words; a counting route says
+    its own (``local/tokenize.count_refusal``)."""
+
+    def __init__(self, bound: int, at_least: int, chars: int, param: str) -> None:
+        super().__init__(
             400,
-            f"this model's maximum context length is {max_model_len} tokens; the prompt has "
-            f"at least {at_least} tokens ({len(text)} characters), leaving no room to generate",
+            f"this model's maximum context length is {bound} tokens; the prompt has "
+            f"at least {at_least} tokens ({chars} characters), leaving no room to generate",
             param=param,
             code="context_length_exceeded",
         )
+        self.bound, self.at_least, self.chars = bound, at_least, chars
 
 
 def _render_chat(

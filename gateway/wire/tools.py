@@ -46,6 +46,37 @@ from prefixgate.gateway.wire.tool_parsers import ToolCall, ToolStream
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
 
 
+@dataclass(frozen=True, slots=True)
+class ChoiceWords:
+    """How a dialect spells the tool choice, for ``plan_tools``' refusals and advice:
+    ``field`` (the request's field), and its spelling of the modes ``auto``, ``required``
+    (some call) and ``named`` (one function's call)."""
+
+    field: str
+    auto: str
+    required: str
+    named: str
+
+    def mode(self, mode: str) -> str:
+        """The dialect's spelling of a chat mode (``auto``, ``required``, ``named``)."""
+        return {"auto": self.auto, "required": self.required, "named": self.named}[mode]
+
+
+OPENAI_CHOICE = ChoiceWords("tool_choice", "'auto'", "'required'", "a named function")
+ANTHROPIC_CHOICE = ChoiceWords(
+    "tool_choice",
+    '{"type": "auto"} (the default with tools)',
+    '{"type": "any"}',
+    '{"type": "tool", "name": ...}',
+)
+GEMINI_CHOICE = ChoiceWords(
+    "toolConfig.functionCallingConfig.mode",
+    "AUTO (the default with tools)",
+    "ANY",
+    "ANY with allowedFunctionNames",
+)
+
+
 @dataclass(slots=True)
 class ToolPlan:
     """How one chat request uses its tools.
@@ -159,8 +190,11 @@ def plan_tools(
     tool_choice: Any,
     parallel_tool_calls: bool | None,
     parser_name: str | None,
+    words: ChoiceWords = OPENAI_CHOICE,
 ) -> ToolPlan:
-    """Decide how the request's tools are used (see the module docstring).
+    """Decide how the request's tools are used (see the module docstring); ``words``: the
+    client's dialect's spelling of the tool choice, for the refusals' advice
+    (``ANTHROPIC_CHOICE``, ``GEMINI_CHOICE``).
 
     Raises:
         APIError: 400 naming the field: a bad tool, a ``tool_choice`` naming a function that
@@ -196,7 +230,7 @@ def plan_tools(
     if mode == "none":
         return ToolPlan()
     if not checked:
-        raise bad_request(f"tool_choice: {tool_choice!r} needs tools", param="tool_choice")
+        raise bad_request(f"{words.field}: {words.mode(mode)} needs tools", param=words.field)
     by_name = {t["function"]["name"]: t["function"] for t in checked}
     if mode == "named":
         if named not in by_name:
@@ -234,9 +268,9 @@ def plan_tools(
         return ToolPlan("required", checked, None, spec, shape="calls")
     if parser_name is None:
         raise bad_request(
-            "tool_choice: 'auto' needs a server started with --tool-call-parser "
-            "(hermes, llama3_json, mistral); use 'required' or a named function instead",
-            param="tool_choice",
+            f"{words.field}: {words.auto} needs a server started with --tool-call-parser "
+            f"(hermes, llama3_json, mistral); use {words.required} or {words.named} instead",
+            param=words.field,
         )
     from prefixgate.gateway.wire.tool_parsers import get_parser  # noqa: PLC0415
 
@@ -249,10 +283,10 @@ def plan_tools(
         if tag is None:
             where = f"tools[{strict[0]}].function.strict"
             raise bad_request(
-                f"{where}: strict tools cannot be honoured with tool_choice 'auto' on this "
-                f"server's tool-call parser {parser_name!r} (its format has no trigger before "
+                f"{where}: strict tools cannot be honoured with {words.field} {words.auto} "
+                f"on this server's tool-call parser {parser_name!r} (its format has no trigger before "
                 "which free text may come, so the call cannot be constrained); use "
-                "tool_choice 'required' or a named function, or strict: false",
+                f"{words.field} {words.required} or {words.named}, or strict: false",
                 param=where,
             )
         structured = StructuredOutputsParams(structural_tag=tag)

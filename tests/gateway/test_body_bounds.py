@@ -154,7 +154,7 @@ def test_tokenize_counts_up_to_its_cap_and_refuses_beyond_before_tokenizing(serv
             assert r.json()["count"] > engine.max_model_len
             r = http.post("/tokenize", json={"model": "fake", "prompt": "a" * cap, **extra})
             err = assert_openai_error(r, 400, "context_length_exceeded", "prompt")
-            assert f"{cap} tokens" in err["message"]
+            assert f"{cap} tokens" in err["message"] and "the text of prompt" in err["message"]
         msgs = [{"role": "user", "content": "a" * (4 * 1024 * 1024 - 100)}]
         r = http.post("/tokenize", json={"model": "fake", "messages": msgs})
         assert_openai_error(r, 400, "context_length_exceeded", "messages")

@@ -226,6 +226,7 @@ def test_check_body_tells_each_lone_surrogate() -> None:
         (b'{"a": "\\ud800x"}', "a", "\\ud800"),  # followed by a character
         (b'{"a": "\\ud800\\u0041"}', "a", "\\ud800"),  # followed by another escape
         (b'{"a": "\\udc00"}', "a", "\\udc00"),  # a low one first
+        (b'{"a": "\\udc00\\ud800"}', "a", "\\udc00"),  # low then high: the low one is told
         (b'{"a": ["ok", {"\\uDBFFk": 1}]}', "a.1", "\\udbff"),  # in a key
         (b'{"a": "\\ud83d\\ude00", "b": "\\ud800"}', "b", "\\ud800"),  # the first lone one
     ]:
@@ -234,6 +235,7 @@ def test_check_body_tells_each_lone_surrogate() -> None:
         assert err.param == where, (body, err.message)
         assert err.message.startswith(f"{where}: lone surrogate {escape} "), err.message
         assert "not valid Unicode" in err.message
+        assert "leading" not in err.message  # the parser's "lone leading surrogate", not ours
     ok = check_body(b'{"a": "\\ud83d\\ude00", "b": "\\\\ud800"}')  # a pair; an escaped backslash
     assert ok == {"a": "\U0001f600", "b": "\\ud800"}
     err = told(b'{"a": "\xff"}')

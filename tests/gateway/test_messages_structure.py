@@ -41,6 +41,9 @@ BAD = [
       {"role": "user", "content": [RESULT]}], "messages.1.content.1.id: tool_use ids must be unique"),
     ([{"role": "assistant", "content": "hello"}, Q],
      "messages.0.role: the first message must use the user role"),
+    # a lone assistant turn is told as not the user's first, not as a final assistant turn
+    ([{"role": "assistant", "content": "hello"}],
+     "messages.0.role: the first message must use the user role"),
     ([{"role": "user", "content": [USE]}], "messages.0.content.0: tool_use blocks belong to assistant"),
     # the block's discriminator tag is not part of the path (it read content.0.text.foo)
     ([{"role": "user", "content": [{"type": "text", "text": "t", "foo": 1}]}],
@@ -80,6 +83,8 @@ def test_a_conversation_against_anthropic_rules_is_a_400_naming_the_field(url, m
         body = info.value.body
         assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error", body
         assert body["error"]["message"].startswith(want), body
+        # it said "... except for the optional final assistant message", a turn refused here
+        assert "final assistant" not in body["error"]["message"], body
 
 
 @pytest.mark.parametrize("messages", GOOD)

@@ -116,3 +116,6 @@ def test_open_routes_answer_without_a_key(serve_fake, tmp_path):
         for path in ("/health", "/ready", "/metrics"):
             assert http.get(path).status_code == 200, path
         assert http.get("/no/such/route").status_code == 404
+        # a method the route does not serve: 405 before the key, as docs/serving.md says
+        r = http.get("/tokenize")
+        assert r.status_code == 405 and "POST" in r.headers["Allow"], r.text

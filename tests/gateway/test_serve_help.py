@@ -19,7 +19,7 @@ def test_every_serve_flag_has_a_meaning_and_a_default():
     for action in serve._actions:
         if isinstance(action, argparse._HelpAction):
             continue
-        flag = action.option_strings[0]
+        flag = action.option_strings[0] if action.option_strings else action.metavar
         assert action.help and len(action.help) > 20, flag
         assert "(default:" in action.help, f"{flag}: {action.help}"
     text = serve.format_help()
