@@ -26,9 +26,11 @@ time. A TTFT budget (``ttft_budget``) is the client's own condition and is check
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Hashable
+from typing import NoReturn
 
 from prefixgate.gateway.http.errors import bad_request, too_many
 from prefixgate.gateway.settings import AdmissionConfig
@@ -215,7 +217,7 @@ class AdmissionController:
         if every:
             held, held_tokens = self.promises.held(prediction[0] if prediction else 0.0)
         rank = promise.rank if promise is not None else None
-        refuse = _Refusal(self, fingerprint, requests, prompt_tokens, rank)
+        refuse = functools.partial(self._refuse, fingerprint, requests, prompt_tokens, rank)
         if budget_s is not None:
             # a newcomer: every promised request's work is ahead of it; a returning request:
             # the work of those ahead of it in line still to come back
@@ -281,6 +283,33 @@ class AdmissionController:
             ticket.predicted_ttft, ticket._raw_prediction = prediction
         return ticket
 
+    def _refuse(
+        self,
+        fingerprint: Hashable | None,
+        requests: int,
+        tokens: int,
+        rank: float | None,
+        message: str,
+        wait_s: float,
+        predicted: bool,
+        code: str = "server_overloaded",
+        ahead: int = 0,
+    ) -> NoReturn:
+        """Raise one request's 429 with ``Retry-After`` = ``wait_s``; a ``predicted`` wait
+        (from measured rates, ``ahead`` departures) of a request that can be recognised on its
+        return (``fingerprint``) is promised: its ``requests`` places and ``tokens`` are held
+        for it until then (``Promises``; ``rank``: a claimed promise's place in line, kept by
+        the next one). A promised 429 says so in ``PROMISE_HEADER``: the milliseconds until
+        the promise lapses. A guess is not promised."""
+        wait_s = min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, wait_s))
+        err = too_many(message, wait_s, code=code)
+        if predicted and fingerprint is not None:
+            self.promises.promise(fingerprint, wait_s, requests, tokens, max(0, ahead), rank)
+            lapses = self.promises.lapses_in(fingerprint)
+            if lapses is not None and lapses > 0:
+                err.headers[PROMISE_HEADER] = str(math.ceil(lapses * 1000))
+        raise err
+
     def _check_budget(
         self,
         budget: float,
@@ -288,7 +317,7 @@ class AdmissionController:
         prompt_tokens: int,
         held: int,
         held_tokens: int,
-        refuse: _Refusal,
+        refuse: Callable[..., NoReturn],
     ) -> None:
         """Refuse when the predicted TTFT (the engine's, calibrated, plus the margin of recent
         misses and the promised places ``held`` ahead) exceeds ``budget`` seconds; no
@@ -413,50 +442,6 @@ class AdmissionController:
                 self._rate *= math.exp(-dt / self._tau)
                 self._busy += dt
             self._last = now
-
-
-class _Refusal:
-    """Raises the 429 of one request and, when it can be recognised on its return
-    (a fingerprint), holds its places for it until then (``Promises``)."""
-
-    __slots__ = ("ctl", "fingerprint", "requests", "tokens", "rank")
-
-    def __init__(
-        self,
-        ctl: AdmissionController,
-        fingerprint: Hashable | None,
-        requests: int,
-        tokens: int,
-        rank: float | None = None,
-    ) -> None:
-        self.ctl = ctl
-        self.fingerprint = fingerprint
-        self.requests = requests
-        self.tokens = tokens
-        self.rank = rank  # the claimed promise's place in line, kept by the next promise
-
-    def __call__(
-        self,
-        message: str,
-        wait_s: float,
-        predicted: bool,
-        code: str = "server_overloaded",
-        ahead: int = 0,
-    ) -> None:
-        """Raise the 429 with ``Retry-After`` = ``wait_s``; a ``predicted`` wait (from
-        measured rates, ``ahead`` departures) is promised, a guess is not. A promised 429
-        says so in ``PROMISE_HEADER``: the milliseconds until the promise lapses."""
-        wait_s = min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, wait_s))
-        err = too_many(message, wait_s, code=code)
-        if predicted and self.fingerprint is not None:
-            promises = self.ctl.promises
-            promises.promise(
-                self.fingerprint, wait_s, self.requests, self.tokens, max(0, ahead), self.rank
-            )
-            lapses = promises.lapses_in(self.fingerprint)
-            if lapses is not None and lapses > 0:
-                err.headers[PROMISE_HEADER] = str(math.ceil(lapses * 1000))
-        raise err
 
 
 def _overflow(bound: int, ahead: int = 0) -> int:
