@@ -21,6 +21,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -485,7 +487,13 @@ inline __m256 round8_bf16(__m256 v) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(v), 16));
 }
 
-const bool kAvx512Bf16 = __builtin_cpu_supports("avx512bf16");
+// vcvtneps2bf16 where the CPU has AVX512_BF16, unless PREFIXGATE_CPU_EXT_AVX512BF16=0 (the
+// AVX2 rounding then, as on CPUs without it: how the tests reach that path here).
+bool use_avx512_bf16() {
+  const char* env = std::getenv("PREFIXGATE_CPU_EXT_AVX512BF16");
+  return __builtin_cpu_supports("avx512bf16") && !(env != nullptr && std::string(env) == "0");
+}
+const bool kAvx512Bf16 = use_avx512_bf16();
 
 inline void store8f(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 inline void store8f(bf16* p, __m256 v) {
@@ -980,7 +988,11 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
 
 }  // namespace
 
+// Whether bf16 stores use AVX512_BF16's vcvtneps2bf16 (else the AVX2 integer rounding).
+bool bf16_native() { return kAvx512Bf16; }
+
 TORCH_LIBRARY(prefixgate_cpu, m) {
+  m.def("bf16_native() -> bool", &bf16_native);
   m.def("gemv_packed(Tensor x, Tensor packed, Tensor? bias, int n_out) -> Tensor");
   m.def(
       "gemv_int8_packed(Tensor x, Tensor packed, Tensor scale, Tensor? bias, int n_out) -> "

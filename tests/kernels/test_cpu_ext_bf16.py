@@ -179,3 +179,60 @@ def test_decode_attention_bf16_rows_equal_one_row_at_a_time():
         )
         assert torch.equal(got[b : b + 1], one)
     assert torch.equal(k_cache, k1) and torch.equal(v_cache, v1)
+
+
+_SAME_BITS = """
+import sys
+import torch
+from prefixgate.kernels import cpu_ext
+
+assert cpu_ext.available()
+gen = torch.Generator().manual_seed(5)
+x = (torch.randn(9, 2 * 200, generator=gen) * 4).to(torch.bfloat16)
+w = torch.randn(400, generator=gen).to(torch.bfloat16)
+hq, hkv, d, block = 9, 3, 64, 16
+k_cache = torch.randn(8, block, hkv, d, generator=gen).to(torch.bfloat16)
+v_cache = torch.randn(8, block, hkv, d, generator=gen).to(torch.bfloat16)
+qkv = torch.randn(3, (hq + 2 * hkv) * d, generator=gen).to(torch.bfloat16)
+table = torch.tensor([[0, 1], [2, 3], [4, 5]], dtype=torch.int32)
+lens = torch.tensor([5, 17, 30], dtype=torch.int32)
+pos = (lens - 1).long()
+slot = torch.tensor([4, 3 * block, 5 * block + 13])  # each row's last position
+cos_sin = torch.randn(64, d, generator=gen)
+out = {
+    "native": cpu_ext.bf16_native(),
+    "norm": cpu_ext.add_rms_norm(x, x.flip(0), w, 1e-5),
+    "silu": cpu_ext.silu_mul(x),
+    "attention": cpu_ext.decode_attention(
+        qkv, pos, cos_sin, k_cache, v_cache, table, lens, slot, hq, hkv, d**-0.5
+    ),
+    "k_cache": k_cache,
+}
+torch.save(out, sys.argv[1])
+"""
+
+
+def test_avx2_rounding_stores_the_same_bits(tmp_path):
+    """CPUs without AVX512_BF16 round with AVX2 integer operations (c10's round to nearest
+    even); forced here by ``PREFIXGATE_CPU_EXT_AVX512BF16=0`` in a child process, it gives the
+    same bf16 bits as this process's stores on these (normal) values."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "same_bits.py"
+    script.write_text(_SAME_BITS)
+    paths = {}
+    for flag in ("0", "1"):
+        paths[flag] = tmp_path / f"out{flag}.pt"
+        env = dict(os.environ, PREFIXGATE_CPU_EXT_AVX512BF16=flag)
+        subprocess.run([sys.executable, str(script), str(paths[flag])], env=env, check=True)
+    avx2, default = (torch.load(paths[f], weights_only=True) for f in ("0", "1"))
+    assert avx2["native"] is False
+    assert default["native"] is cpu_ext.bf16_native()
+    for key in ("norm", "silu", "attention", "k_cache"):
+        got, want = avx2[key], default[key]
+        if isinstance(got, tuple | list):
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), key
+        else:
+            assert torch.equal(got, want), key
