@@ -73,3 +73,15 @@ def test_bf16_batched_ops_keep_the_torch_bf16_tokens(aidreams_path, pool_whole, 
     assert not any(isinstance(m, Attention | MLP) and m.one_row_ops for m in model.modules())
     set_decode_ops(model, False)
     pool_whole(llm)
+
+
+@pytest.mark.slow
+def test_loader_sets_the_batched_ops_for_a_bf16_model(smollm2_shape_path):
+    """Past ``CALIBRATION_MIN_BYTES`` (the SmolLM2-135M shape, dummy weights) a bf16 model gets
+    the batched ops (not the fp32-only one-row ops); its KV cache is bf16."""
+    llm = LLM(smollm2_shape_path, load_format="dummy", dtype="bfloat16", kv_cache_memory=1 << 26)
+    model = llm.engine.runner.model
+    kinds = (RMSNorm, Attention, MLP)
+    assert {m.decode_ops for m in model.modules() if isinstance(m, kinds)} == {True}
+    assert {m.one_row_ops for m in model.modules() if isinstance(m, kinds)} == {False}
+    assert llm.engine.runner.kv_caches[0][0].dtype == torch.bfloat16
