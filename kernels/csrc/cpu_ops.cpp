@@ -723,7 +723,7 @@ at::Tensor rotary_cache(const at::Tensor& qkv, const at::Tensor& positions,
   for (int64_t b = 0; b < tokens; ++b) {
     TORCH_CHECK(pos_p[b] >= 0 && pos_p[b] < cos_sin.size(0),
                 "decode_attention: position out of range");
-    TORCH_CHECK(slot_p[b] < slots, "decode_attention: slot out of range");
+    TORCH_CHECK(slot_p[b] >= -1 && slot_p[b] < slots, "decode_attention: slot out of range");
   }
   const int64_t half = d / 2;
   at::Tensor out = at::empty({tokens, num_heads * d}, qkv.options());

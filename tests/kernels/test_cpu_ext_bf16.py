@@ -236,3 +236,20 @@ def test_avx2_rounding_stores_the_same_bits(tmp_path):
             assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), key
         else:
             assert torch.equal(got, want), key
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_rotary_cache_refuses_a_slot_below_minus_one(dtype):
+    """-1 skips a token; a slot below it is refused (it would write before the cache)."""
+    cache = torch.zeros(2, 4, 1, 8, dtype=dtype)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        cpu_ext.rotary_cache(
+            torch.zeros(1, 24, dtype=dtype),
+            torch.tensor([0]),
+            torch.zeros(8, 8),
+            cache,
+            cache.clone(),
+            torch.tensor([-2]),
+            1,
+            1,
+        )
