@@ -15,7 +15,7 @@ torch's ``lock`` file in the build folder, on which every later ``load`` would w
 :func:`clear_stale_lock` removes it when no process holds it open (on Linux; elsewhere once it
 is :data:`STALE_LOCK_S` old) and waits for a live build otherwise.
 
-Ops (fp32, CPU; tolerances as the tests check them against the torch reference):
+Ops (fp32, CPU, unless said; tolerances as the tests check them against the torch reference):
 
 - :func:`gemv`: ``y [1, N] = x [1, K] @ W^T + bias`` on :func:`pack_panels`' layout or on
   oneDNN's packed weight read in place (wider panels). fp32
@@ -41,6 +41,18 @@ Ops (fp32, CPU; tolerances as the tests check them against the torch reference):
   with the max subtracted) within ``rtol=1e-5, atol=1e-6`` of SDPA.
 - :func:`rotary_cache`: its rotary + KV-cache write alone, for T tokens of any step
   (bit-exact).
+
+The batched ops (:func:`add_rms_norm`, :func:`silu_mul`, :func:`rotary_cache`,
+:func:`decode_attention`) take bf16 rows and a bf16 KV cache as well (one dtype for all their
+tensors but the fp32 cos/sin table): values are loaded into fp32 registers, computed in fp32 and
+rounded to bf16 where ``torch_ref`` run in bf16 rounds (an op's output, the residual sum, the
+normalized row before the weight, SiLU before the product), so the sums, the rotary and the cache
+writes are the reference's bit for bit and the rest within bf16's tolerance; the attention keeps
+scores and probabilities in fp32 (within half a bf16 ulp of fp32 SDPA on the same bf16 values).
+Stores round to nearest even with AVX512_BF16's ``vcvtneps2bf16`` where the CPU has it
+(:func:`bf16_native`; it flushes denormals to zero), otherwise with AVX2 integer operations
+(c10's ``round_to_nearest_even``, the same bits for every normal value); set
+``PREFIXGATE_CPU_EXT_AVX512BF16=0`` to force the latter.
 """
 
 from __future__ import annotations
@@ -308,18 +320,25 @@ def pack_pairs_int8(
     return packed, scales
 
 
+def bf16_native() -> bool:
+    """Whether the ops' bf16 stores use AVX512_BF16's ``vcvtneps2bf16`` (else AVX2 rounding)."""
+    return bool(torch.ops.prefixgate_cpu.bf16_native())
+
+
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Row by row: ``(weight * s / sqrt(mean(s^2) + eps), s)`` with ``s = x + residual`` (``s = x``
-    without a residual); ``x``, ``residual`` ``[T, H]`` fp32, ``weight [H]`` fp32. Rows over
-    torch's threads; a row's result is the same at any ``T``."""
+    without a residual); ``x``, ``residual`` ``[T, H]``, ``weight [H]``, all fp32 or all bf16
+    (bf16 rounds the sum, the normalized row and the product, as ``torch_ref.rms_norm``). Rows
+    over torch's threads; a row's result is the same at any ``T``."""
     return torch.ops.prefixgate_cpu.add_rms_norm(x, residual, weight, eps)
 
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
-    """Row by row: ``x [T, 2I]`` fp32 → ``silu(x[:, :I]) * x[:, I:]`` ``[T, I]`` (an AVX2 ``exp``,
-    Cephes' ``expf``, within ``rtol=1e-6`` of torch's)."""
+    """Row by row: ``x [T, 2I]`` fp32 or bf16 → ``silu(x[:, :I]) * x[:, I:]`` ``[T, I]`` in its
+    dtype (an AVX2 ``exp``, Cephes' ``expf``, within ``rtol=1e-6`` of torch's in fp32; bf16
+    rounds SiLU's output before the product, as torch's bf16 ``F.silu`` does)."""
     return torch.ops.prefixgate_cpu.silu_mul(x)
 
 
@@ -338,13 +357,13 @@ def rotary_cache(
     bit for bit, in one pass over the merged projection (tokens over torch's threads).
 
     Args:
-        qkv: ``[T, (Hq + 2 Hkv) * D]`` fp32 (q, then k, then v).
+        qkv: ``[T, (Hq + 2 Hkv) * D]`` fp32 or bf16 (q, then k, then v).
         positions: ``[T]`` int64; slot: ``[T]`` int64.
-        cos_sin_cache: ``[max_pos, D]`` fp32; k_cache, v_cache: ``[N, S, Hkv, D]`` fp32
-            contiguous.
+        cos_sin_cache: ``[max_pos, D]`` fp32; k_cache, v_cache: ``[N, S, Hkv, D]`` contiguous,
+            qkv's dtype.
 
     Returns:
-        the rotated q, ``[T, Hq * D]`` fp32.
+        the rotated q, ``[T, Hq * D]`` in qkv's dtype.
 
     Raises:
         RuntimeError: wrong dtypes, shapes or an out-of-range position / slot.
@@ -373,16 +392,17 @@ def decode_attention(
     torch's threads.
 
     Args:
-        qkv: ``[B, (Hq + 2 Hkv) * D]`` fp32, the merged projection's rows (q, then k, then v).
+        qkv: ``[B, (Hq + 2 Hkv) * D]`` fp32 or bf16, the merged projection's rows (q, then k,
+            then v).
         positions: ``[B]`` int64.
         cos_sin_cache: ``[max_pos, D]`` fp32 (cos in the first D/2 columns).
-        k_cache, v_cache: ``[N, S, Hkv, D]`` fp32 contiguous.
+        k_cache, v_cache: ``[N, S, Hkv, D]`` contiguous, qkv's dtype.
         block_table: ``[B, max_blocks]`` int32; context_len: ``[B]`` int32 (with this token);
         slot: ``[B]`` int64.
         num_heads, num_kv_heads: Hq, Hkv; scale: the softmax scale.
 
     Returns:
-        ``[B, Hq * D]`` fp32.
+        ``[B, Hq * D]`` in qkv's dtype.
 
     Raises:
         RuntimeError: wrong dtypes, shapes or an out-of-range position / slot / length.

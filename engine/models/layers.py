@@ -84,7 +84,7 @@ def set_one_row_ops(model: nn.Module, on: bool) -> int:
 
 
 def set_decode_ops(model: nn.Module, on: bool) -> int:
-    """Route the batched fp32 CPU paths of ``model``'s :class:`RMSNorm` (any row count: the
+    """Route the batched fp32 and bf16 CPU paths of ``model``'s :class:`RMSNorm` (any row count: the
     residual add + norm), :class:`MLP` (SiLU * mul) and :class:`Attention` (a step of decode
     tokens only: rotary + KV write + paged attention read through the block tables in place;
     other steps: rotary + KV write in one pass)
@@ -180,9 +180,19 @@ def _one_cpu_row(x: torch.Tensor) -> bool:
     return x.dim() == 2 and x.shape[0] == 1 and x.dtype == torch.float32 and x.device.type == "cpu"
 
 
+BATCHED_OPS_DTYPES = (torch.float32, torch.bfloat16)
+"""The dtypes of rows (and KV caches) the batched CPU ops take (:func:`set_decode_ops`)."""
+
+
 def _cpu_rows(x: torch.Tensor) -> bool:
-    """True for a ``[T, H]`` fp32 CPU tensor, ``T >= 1`` (the rows the batched ops take)."""
-    return x.dim() == 2 and x.shape[0] >= 1 and x.dtype == torch.float32 and x.device.type == "cpu"
+    """True for a ``[T, H]`` fp32 or bf16 CPU tensor, ``T >= 1`` (the rows the batched ops
+    take)."""
+    return (
+        x.dim() == 2
+        and x.shape[0] >= 1
+        and x.dtype in BATCHED_OPS_DTYPES
+        and x.device.type == "cpu"
+    )
 
 
 class RMSNorm(nn.Module):
@@ -195,7 +205,8 @@ class RMSNorm(nn.Module):
     """One fp32 CPU row through ``cpu_ext.add_rms_norm`` (:func:`set_one_row_ops`)."""
 
     decode_ops = False
-    """fp32 CPU rows (any count) through ``cpu_ext.add_rms_norm`` (:func:`set_decode_ops`)."""
+    """fp32 or bf16 CPU rows (any count) through ``cpu_ext.add_rms_norm``
+    (:func:`set_decode_ops`)."""
 
     def __init__(self, size: int, eps: float, kernels: SimpleNamespace) -> None:
         super().__init__()
@@ -207,7 +218,7 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         fused = (self.one_row_ops and _one_cpu_row(x)) or (self.decode_ops and _cpu_rows(x))
-        if fused and self.weight.dtype == torch.float32:
+        if fused and self.weight.dtype == x.dtype:
             out, total = cpu_ext.add_rms_norm(x, residual, self.weight, self.eps)
             return out if residual is None else (out, total)
         return self.kernels.rms_norm(x, self.weight, self.eps, residual)
@@ -298,8 +309,8 @@ class Attention(nn.Module):
 
     def _fused_decode(self, qkv: torch.Tensor, kv_cache: KVCache, views: BatchViews) -> bool:
         """Whether this step takes ``cpu_ext.decode_attention``: decode tokens only (one alone
-        for ``one_row_ops``, any count for ``decode_ops``), fp32 on CPU, no q/k norm,
-        contiguous fp32 caches."""
+        for ``one_row_ops``, any count for ``decode_ops``), fp32 (or bf16 for ``decode_ops``)
+        on CPU, no q/k norm, contiguous caches of the rows' dtype."""
         k_cache, v_cache = kv_cache
         rows = _cpu_rows(qkv) if self.decode_ops else _one_cpu_row(qkv)
         return (
@@ -308,19 +319,19 @@ class Attention(nn.Module):
             and not views.has_prefill
             and self.q_norm is None
             and rows
-            and k_cache.dtype == v_cache.dtype == torch.float32
+            and k_cache.dtype == v_cache.dtype == qkv.dtype
             and k_cache.is_contiguous()
             and v_cache.is_contiguous()
         )
 
     def _fused_rotary(self, qkv: torch.Tensor, kv_cache: KVCache) -> bool:
-        """Whether this step's rotary and KV write take ``cpu_ext.rotary_cache``: fp32 rows on
-        CPU, no q/k norm, contiguous fp32 caches."""
+        """Whether this step's rotary and KV write take ``cpu_ext.rotary_cache``: fp32 or bf16
+        rows on CPU, no q/k norm, contiguous caches of the rows' dtype."""
         k_cache, v_cache = kv_cache
         return (
             self.q_norm is None
             and _cpu_rows(qkv)
-            and k_cache.dtype == v_cache.dtype == torch.float32
+            and k_cache.dtype == v_cache.dtype == qkv.dtype
             and k_cache.is_contiguous()
             and v_cache.is_contiguous()
         )
@@ -401,7 +412,7 @@ class MLP(nn.Module):
     """One fp32 CPU row's activation through ``cpu_ext.silu_mul`` (:func:`set_one_row_ops`)."""
 
     decode_ops = False
-    """fp32 CPU rows' activation (any count) through ``cpu_ext.silu_mul``
+    """fp32 or bf16 CPU rows' activation (any count) through ``cpu_ext.silu_mul``
     (:func:`set_decode_ops`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -102,6 +102,14 @@ def load_model(model_config: ModelConfig, engine_config: EngineConfig) -> Causal
         set_one_row_layers(model, True)  # ... and one C++ call a layer where its GEMMs allow
         set_decode_ops(model, True)  # batched steps: norm, activation, decode attention in C++
         logger.info("decode and norms through prefixgate's fused CPU ops")
+    elif (
+        device.type == "cpu"
+        and model_config.dtype == torch.bfloat16
+        and linear_bytes >= CALIBRATION_MIN_BYTES
+        and cpu_ext.available()
+    ):
+        set_decode_ops(model, True)  # bf16 rows and KV: the batched ops (one row too)
+        logger.info("bf16 norms, activation and decode attention through prefixgate's CPU ops")
     model.init_rope()
     return model.eval().requires_grad_(False)
 

@@ -13,6 +13,7 @@
 #include <ATen/ops/linear.h>
 #include <ATen/ops/mm.h>
 #include <c10/util/Exception.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Optional.h>
 #include <immintrin.h>
 #include <torch/library.h>
@@ -20,7 +21,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -445,21 +449,81 @@ at::Tensor gemv_packed(const at::Tensor& x, const at::Tensor& packed,
   return y;
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
+// bf16 activations and KV: 8 values are loaded into fp32 lanes (the bits shifted up 16), all
+// arithmetic runs in fp32 registers, and results are rounded to bf16 only where the torch
+// reference rounds them (its ops' outputs). Stores round to nearest even: AVX512_BF16's
+// vcvtneps2bf16 where the CPU has it (inline assembly, so the file still builds for plain AVX2;
+// it flushes denormal inputs to zero), otherwise the AVX2 integer form of c10's
+// round_to_nearest_even (the same bits for every normal value); scalar tails use c10::BFloat16.
+using bf16 = c10::BFloat16;
+
+inline float to_f32(float x) { return x; }
+inline float to_f32(bf16 x) { return static_cast<float>(x); }
+template <typename T>
+inline T from_f32(float x);
+template <>
+inline float from_f32<float>(float x) { return x; }
+template <>
+inline bf16 from_f32<bf16>(float x) { return bf16(x); }
+
+inline __m256 load8f(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8f(const bf16* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
+// c10's round_to_nearest_even on 8 lanes: the bf16 bits in each lane's low 16 (NaN -> 0x7fc0).
+inline __m256i bf16_bits8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(
+      _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+}
+
+// v rounded to bf16 and back (the reference's intermediate bf16 results)
+inline __m256 round8_bf16(__m256 v) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(v), 16));
+}
+
+// vcvtneps2bf16 where the CPU has AVX512_BF16, unless PREFIXGATE_CPU_EXT_AVX512BF16=0 (the
+// AVX2 rounding then, as on CPUs without it: how the tests reach that path here).
+bool use_avx512_bf16() {
+  const char* env = std::getenv("PREFIXGATE_CPU_EXT_AVX512BF16");
+  return __builtin_cpu_supports("avx512bf16") && !(env != nullptr && std::string(env) == "0");
+}
+const bool kAvx512Bf16 = use_avx512_bf16();
+
+inline void store8f(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8f(bf16* p, __m256 v) {
+  __m128i h;
+  if (kAvx512Bf16) {
+    asm("vcvtneps2bf16 %1, %0" : "=x"(h) : "x"(v));
+  } else {
+    const __m256i b = bf16_bits8(v);
+    h = _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(b, b), 0x08));
+  }
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
+}
+
+// sum_i a[i] * b[i] in fp32 (two accumulators of 8 lanes, then the tail)
+template <typename A, typename B>
+inline float dot(const A* a, const B* b, int64_t n) {
   int64_t i = 0;
   float s = 0.0f;
   if (n >= 8) {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     for (; i + 16 <= n; i += 16) {
-      acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-      acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+      acc0 = _mm256_fmadd_ps(load8f(a + i), load8f(b + i), acc0);
+      acc1 = _mm256_fmadd_ps(load8f(a + i + 8), load8f(b + i + 8), acc1);
     }
     for (; i + 8 <= n; i += 8) {
-      acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+      acc0 = _mm256_fmadd_ps(load8f(a + i), load8f(b + i), acc0);
     }
     s = hsum8(_mm256_add_ps(acc0, acc1));
   }
-  for (; i < n; ++i) s += a[i] * b[i];
+  for (; i < n; ++i) s += to_f32(a[i]) * to_f32(b[i]);
   return s;
 }
 
@@ -484,86 +548,115 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
 }
 
+
 // One row of add + RMSNorm: s = a + b (b may be null: s = a, not written), out = w * (s * inv).
-inline void add_rms_norm_row(const float* a, const float* b, float* s_out, const float* w,
-                             float* o, int64_t h, float eps) {
-  const float* s = a;
-  if (b != nullptr) {
-    for (int64_t i = 0; i < h; ++i) s_out[i] = a[i] + b[i];
-    s = s_out;
+// bf16 rounds where torch_ref.rms_norm does: the sum, the normalized row, the weight's product.
+template <typename T>
+inline void add_rms_norm_row(const T* a, const T* b, T* s_out, const T* w, T* o, int64_t h,
+                             float eps) {
+  const T* s = a;
+  if constexpr (std::is_same_v<T, float>) {
+    if (b != nullptr) {
+      for (int64_t i = 0; i < h; ++i) s_out[i] = a[i] + b[i];
+      s = s_out;
+    }
+    const float ms = dot(s, s, h) / static_cast<float>(h);
+    const float inv = 1.0f / std::sqrt(ms + eps);
+    for (int64_t i = 0; i < h; ++i) o[i] = w[i] * (s[i] * inv);
+  } else {
+    if (b != nullptr) {
+      int64_t i = 0;
+      for (; i + 8 <= h; i += 8) store8f(s_out + i, _mm256_add_ps(load8f(a + i), load8f(b + i)));
+      for (; i < h; ++i) s_out[i] = from_f32<T>(to_f32(a[i]) + to_f32(b[i]));
+      s = s_out;
+    }
+    const float ms = dot(s, s, h) / static_cast<float>(h);
+    const float inv = 1.0f / std::sqrt(ms + eps);
+    const __m256 iv = _mm256_set1_ps(inv);
+    int64_t i = 0;
+    for (; i + 8 <= h; i += 8) {
+      const __m256 n = round8_bf16(_mm256_mul_ps(load8f(s + i), iv));
+      store8f(o + i, _mm256_mul_ps(load8f(w + i), n));
+    }
+    for (; i < h; ++i) {
+      o[i] = from_f32<T>(to_f32(w[i]) * to_f32(from_f32<T>(to_f32(s[i]) * inv)));
+    }
   }
-  const float ms = dot(s, s, h) / static_cast<float>(h);
-  const float inv = 1.0f / std::sqrt(ms + eps);
-  for (int64_t i = 0; i < h; ++i) o[i] = w[i] * (s[i] * inv);
 }
 
-// x [T, H], residual [T, H] or none, weight [H] -> (weight * (x + residual) / rms, x + residual)
-// row by row (rows over at::parallel_for; each row's arithmetic the same at any T).
+// x [T, H], residual [T, H] or none, weight [H] (all fp32 or all bf16) ->
+// (weight * (x + residual) / rms, x + residual) row by row (rows over at::parallel_for; each
+// row's arithmetic the same at any T).
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x,
                                                 const c10::optional<at::Tensor>& residual,
                                                 const at::Tensor& weight, double eps) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
-              "add_rms_norm: float32 tensors only");
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && weight.scalar_type() == dtype,
+              "add_rms_norm: float32 or bfloat16 tensors, one dtype");
   const int64_t h = weight.numel();
   TORCH_CHECK(h > 0 && x.dim() == 2 && x.size(1) == h, "add_rms_norm: x must be [T, ", h, "]");
   const int64_t rows = x.size(0);
   at::Tensor xc = x.contiguous();
   at::Tensor wc = weight.contiguous();
   at::Tensor sum = xc;
-  const float* b = nullptr;
   at::Tensor rc;
-  if (residual.has_value() && residual->defined()) {
+  const bool has_res = residual.has_value() && residual->defined();
+  if (has_res) {
     rc = residual->contiguous();
-    TORCH_CHECK(rc.scalar_type() == at::kFloat && rc.sizes() == x.sizes(),
+    TORCH_CHECK(rc.scalar_type() == dtype && rc.sizes() == x.sizes(),
                 "add_rms_norm: residual [T, H] as x");
     sum = at::empty({rows, h}, x.options());
-    b = rc.data_ptr<float>();
   }
   at::Tensor out = at::empty({rows, h}, x.options());
-  const float* a = xc.data_ptr<float>();
-  float* s = sum.data_ptr<float>();
-  const float* w = wc.data_ptr<float>();
-  float* o = out.data_ptr<float>();
   const float e = static_cast<float>(eps);
-  auto run = [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      add_rms_norm_row(a + r * h, b == nullptr ? nullptr : b + r * h, s + r * h, w, o + r * h, h,
-                       e);
+  auto body = [&](auto tag) {
+    using T = decltype(tag);
+    const T* a = xc.data_ptr<T>();
+    const T* b = has_res ? rc.data_ptr<T>() : nullptr;
+    T* s = sum.data_ptr<T>();
+    const T* w = wc.data_ptr<T>();
+    T* o = out.data_ptr<T>();
+    auto run = [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        add_rms_norm_row<T>(a + r * h, b == nullptr ? nullptr : b + r * h, s + r * h, w,
+                            o + r * h, h, e);
+      }
+    };
+    if (rows == 1) {
+      run(0, 1);
+    } else {
+      at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / h), run);
     }
   };
-  if (rows == 1) {
-    run(0, 1);
+  if (dtype == at::kFloat) {
+    body(float{});
   } else {
-    at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / h), run);
+    body(bf16{});
   }
   return {out, sum};
 }
 
-// x [T, 2I] -> silu(x[:, :I]) * x[:, I:]  [T, I], silu(g) = g / (1 + exp(-g)) (exp8)
-at::Tensor silu_mul(const at::Tensor& x) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) % 2 == 0,
-              "silu_mul: float32 [T, 2I]");
-  at::Tensor xc = x.contiguous();
-  const int64_t rows = x.size(0);
-  const int64_t n = x.size(1) / 2;
-  at::Tensor out = at::empty({rows, n}, x.options());
-  const float* src = xc.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
+// x [T, 2I] -> silu(x[:, :I]) * x[:, I:]  [T, I], silu(g) = g / (1 + exp(-g)) (exp8); bf16 rounds
+// silu(g) before the product, as torch_ref.silu_and_mul (F.silu's bf16 output) does.
+template <typename T>
+void silu_mul_rows(const T* src, T* dst, int64_t rows, int64_t n) {
   auto run = [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const float* a = src + r * 2 * n;
-      float* o = dst + r * n;
+      const T* a = src + r * 2 * n;
+      T* o = dst + r * n;
       int64_t i = 0;
       const __m256 one = _mm256_set1_ps(1.0f);
       for (; i + 8 <= n; i += 8) {
-        const __m256 g = _mm256_loadu_ps(a + i);
+        const __m256 g = load8f(a + i);
         const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
-        const __m256 sg = _mm256_div_ps(g, _mm256_add_ps(one, e));
-        _mm256_storeu_ps(o + i, _mm256_mul_ps(sg, _mm256_loadu_ps(a + n + i)));
+        __m256 sg = _mm256_div_ps(g, _mm256_add_ps(one, e));
+        if constexpr (!std::is_same_v<T, float>) sg = round8_bf16(sg);
+        store8f(o + i, _mm256_mul_ps(sg, load8f(a + n + i)));
       }
       for (; i < n; ++i) {
-        const float g = a[i];
-        o[i] = (g / (1.0f + std::exp(-g))) * a[n + i];
+        const float g = to_f32(a[i]);
+        const float sg = to_f32(from_f32<T>(g / (1.0f + std::exp(-g))));
+        o[i] = from_f32<T>(sg * to_f32(a[n + i]));
       }
     }
   };
@@ -572,21 +665,41 @@ at::Tensor silu_mul(const at::Tensor& x) {
   } else {
     at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / n), run);
   }
+}
+
+at::Tensor silu_mul(const at::Tensor& x) {
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && x.dim() == 2 &&
+                  x.size(1) % 2 == 0,
+              "silu_mul: float32 or bfloat16 [T, 2I]");
+  at::Tensor xc = x.contiguous();
+  const int64_t rows = x.size(0);
+  const int64_t n = x.size(1) / 2;
+  at::Tensor out = at::empty({rows, n}, x.options());
+  if (dtype == at::kFloat) {
+    silu_mul_rows(xc.data_ptr<float>(), out.data_ptr<float>(), rows, n);
+  } else {
+    silu_mul_rows(xc.data_ptr<bf16>(), out.data_ptr<bf16>(), rows, n);
+  }
   return out;
 }
 
 // Rotary on q and k (half-split layout) of T tokens, k and v written to the paged caches at
 // each token's slot (-1: not written, as the reference's reshape_and_cache skips it); the
-// rotated q [T, Hq * D] returned. qkv [T, (Hq + 2 Hkv) D]; positions [T] int64; cos_sin
-// [max_pos, D]; caches [N, S, Hkv, D] fp32 contiguous; slot [T] int64. Tokens over
-// at::parallel_for (each writes its own slot).
+// rotated q [T, Hq * D] returned. qkv [T, (Hq + 2 Hkv) D] and the caches [N, S, Hkv, D]
+// contiguous, fp32 or bf16 (one dtype; the rotary in fp32, rounded once, as the reference);
+// positions [T] int64; cos_sin [max_pos, D] fp32; slot [T] int64. Tokens over at::parallel_for
+// (each writes its own slot).
 at::Tensor rotary_cache(const at::Tensor& qkv, const at::Tensor& positions,
                         const at::Tensor& cos_sin, const at::Tensor& k_cache,
                         const at::Tensor& v_cache, const at::Tensor& slot, int64_t num_heads,
                         int64_t num_kv_heads) {
-  TORCH_CHECK(qkv.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat && cos_sin.scalar_type() == at::kFloat,
-              "decode_attention: float32 tensors only");
+  const auto dtype = qkv.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) &&
+                  k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype &&
+                  cos_sin.scalar_type() == at::kFloat,
+              "decode_attention: float32 or bfloat16 qkv and caches (one dtype), float32 "
+              "cos/sin");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && cos_sin.is_contiguous(),
               "decode_attention: contiguous caches and cos/sin table");
   TORCH_CHECK(positions.scalar_type() == at::kLong && slot.scalar_type() == at::kLong,
@@ -610,53 +723,155 @@ at::Tensor rotary_cache(const at::Tensor& qkv, const at::Tensor& positions,
   for (int64_t b = 0; b < tokens; ++b) {
     TORCH_CHECK(pos_p[b] >= 0 && pos_p[b] < cos_sin.size(0),
                 "decode_attention: position out of range");
-    TORCH_CHECK(slot_p[b] < slots, "decode_attention: slot out of range");
+    TORCH_CHECK(slot_p[b] >= -1 && slot_p[b] < slots, "decode_attention: slot out of range");
   }
   const int64_t half = d / 2;
-  const float* src_all = qc.data_ptr<float>();
   at::Tensor out = at::empty({tokens, num_heads * d}, qkv.options());
-  float* q_all = out.data_ptr<float>();
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
   const float* cs_all = cos_sin.data_ptr<float>();
-  const int64_t row = num_kv_heads * d;  // floats per cache slot
-  auto run = [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const float* cs = cs_all + pos_p[b] * d;
-      // rotary: t * [cos, cos] + [t2, t1] * [-sin, sin], the torch reference's products and sums
-      auto rotate = [&](const float* t, float* dst) {
-        for (int64_t i = 0; i < half; ++i) {
-          const float c = cs[i], sn = cs[half + i];
-          const float a = t[i], bb = t[half + i];
-          dst[i] = a * c + bb * (-sn);
-          dst[half + i] = bb * c + a * sn;
+  const int64_t row = num_kv_heads * d;  // values per cache slot
+  auto body = [&](auto tag) {
+    using T = decltype(tag);
+    const T* src_all = qc.data_ptr<T>();
+    T* q_all = out.data_ptr<T>();
+    T* kc = k_cache.data_ptr<T>();
+    T* vc = v_cache.data_ptr<T>();
+    auto run = [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
+        const float* cs = cs_all + pos_p[b] * d;
+        // rotary: t * [cos, cos] + [t2, t1] * [-sin, sin], the torch reference's products and
+        // sums (in fp32, rounded once to bf16 for bf16 rows)
+        auto rotate = [&](const T* t, T* dst) {
+          for (int64_t i = 0; i < half; ++i) {
+            const float c = cs[i], sn = cs[half + i];
+            const float a = to_f32(t[i]), bb = to_f32(t[half + i]);
+            dst[i] = from_f32<T>(a * c + bb * (-sn));
+            dst[half + i] = from_f32<T>(bb * c + a * sn);
+          }
+        };
+        const T* src = src_all + b * width;
+        T* q = q_all + b * num_heads * d;
+        for (int64_t hh = 0; hh < num_heads; ++hh) rotate(src + hh * d, q + hh * d);
+        const T* ksrc = src + num_heads * d;
+        const T* vsrc = ksrc + num_kv_heads * d;
+        const int64_t s = slot_p[b];
+        if (s >= 0) {
+          for (int64_t g = 0; g < num_kv_heads; ++g) rotate(ksrc + g * d, kc + s * row + g * d);
+          std::copy(vsrc, vsrc + row, vc + s * row);
         }
-      };
-      const float* src = src_all + b * width;
-      float* q = q_all + b * num_heads * d;
-      for (int64_t hh = 0; hh < num_heads; ++hh) rotate(src + hh * d, q + hh * d);
-      const float* ksrc = src + num_heads * d;
-      const float* vsrc = ksrc + num_kv_heads * d;
-      const int64_t s = slot_p[b];
-      if (s >= 0) {
-        for (int64_t g = 0; g < num_kv_heads; ++g) rotate(ksrc + g * d, kc + s * row + g * d);
-        std::copy(vsrc, vsrc + row, vc + s * row);
       }
+    };
+    if (tokens < 16) {
+      run(0, tokens);
+    } else {
+      at::parallel_for(0, tokens, 16, run);
     }
   };
-  if (tokens < 16) {
-    run(0, tokens);
+  if (dtype == at::kFloat) {
+    body(float{});
   } else {
-    at::parallel_for(0, tokens, 16, run);
+    body(bf16{});
   }
   return out;
+}
+
+// Decode attention of B rows over their paged contexts (after rotary_cache wrote this step's
+// K/V), fp32 or bf16 q / caches / output; scores, softmax and P.V in fp32. ``out`` holds the
+// rotated q [B, Hq D] and receives each head's output in place of its q.
+template <typename T>
+void attend_rows(T* q_all, const T* kc, const T* vc, const int32_t* tables, const int32_t* len_p,
+                 int64_t batch, int64_t max_blocks, int64_t block_size, int64_t num_heads,
+                 int64_t num_kv_heads, int64_t d, float sc) {
+  const int64_t row = num_kv_heads * d;  // values per cache slot
+  const int64_t group = num_heads / num_kv_heads;
+  int64_t longest = 1;
+  for (int64_t b = 0; b < batch; ++b) longest = std::max<int64_t>(longest, len_p[b]);
+  // one task a (row, KV head): its G = Hq / Hkv query heads read each cached K row once; the
+  // context is walked block by block (no division a token)
+  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(group * longest);
+    std::vector<const T*> vrows(longest);
+    std::vector<float> mx(group);
+    std::vector<float> qf(std::is_same_v<T, float> ? 0 : group * d);  // bf16 q in fp32
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / num_kv_heads;
+      const int64_t g = task % num_kv_heads;
+      const int64_t length = len_p[b];
+      const int32_t* table = tables + b * max_blocks;
+      T* q0 = q_all + b * num_heads * d + g * group * d;  // the group's first query head
+      const float* qs;
+      if constexpr (std::is_same_v<T, float>) {
+        qs = q0;
+      } else {
+        for (int64_t i = 0; i < group * d; ++i) qf[i] = to_f32(q0[i]);
+        qs = qf.data();
+      }
+      std::fill(mx.begin(), mx.end(), -INFINITY);
+      for (int64_t t0 = 0; t0 < length; t0 += block_size) {
+        const int64_t base = static_cast<int64_t>(table[t0 / block_size]) * block_size;
+        const int64_t n = std::min(block_size, length - t0);
+        for (int64_t o = 0; o < n; ++o) {
+          const T* kt = kc + (base + o) * row + g * d;
+          vrows[t0 + o] = vc + (base + o) * row + g * d;
+          for (int64_t j = 0; j < group; ++j) {
+            const float v = dot(qs + j * d, kt, d) * sc;
+            scores[j * longest + t0 + o] = v;
+            mx[j] = std::max(mx[j], v);
+          }
+        }
+      }
+      for (int64_t j = 0; j < group; ++j) {
+        // softmax numerators exp(score - max), eight at a time (exp8)
+        float* sj = scores.data() + j * longest;
+        int64_t t = 0;
+        const __m256 mxv = _mm256_set1_ps(mx[j]);
+        for (; t + 8 <= length; t += 8) {
+          _mm256_storeu_ps(sj + t, exp8(_mm256_sub_ps(_mm256_loadu_ps(sj + t), mxv)));
+        }
+        for (; t < length; ++t) sj[t] = std::exp(sj[t] - mx[j]);
+        float denom = 0.0f;
+        for (t = 0; t < length; ++t) denom += sj[t];
+        const float inv = 1.0f / denom;
+        T* qh = q0 + j * d;  // the head's output (its q is no longer needed)
+        int64_t i = 0;
+        for (; i + 32 <= d; i += 32) {  // 4 accumulators in registers, V rows in order
+          __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+          for (t = 0; t < length; ++t) {
+            const __m256 pv = _mm256_set1_ps(sj[t]);
+            const T* vt = vrows[t] + i;
+            a0 = _mm256_fmadd_ps(pv, load8f(vt), a0);
+            a1 = _mm256_fmadd_ps(pv, load8f(vt + 8), a1);
+            a2 = _mm256_fmadd_ps(pv, load8f(vt + 16), a2);
+            a3 = _mm256_fmadd_ps(pv, load8f(vt + 24), a3);
+          }
+          const __m256 iv = _mm256_set1_ps(inv);
+          store8f(qh + i, _mm256_mul_ps(a0, iv));
+          store8f(qh + i + 8, _mm256_mul_ps(a1, iv));
+          store8f(qh + i + 16, _mm256_mul_ps(a2, iv));
+          store8f(qh + i + 24, _mm256_mul_ps(a3, iv));
+        }
+        for (; i + 8 <= d; i += 8) {
+          __m256 a0 = _mm256_setzero_ps();
+          for (t = 0; t < length; ++t) {
+            a0 = _mm256_fmadd_ps(_mm256_set1_ps(sj[t]), load8f(vrows[t] + i), a0);
+          }
+          store8f(qh + i, _mm256_mul_ps(a0, _mm256_set1_ps(inv)));
+        }
+        for (; i < d; ++i) {
+          float a = 0.0f;
+          for (t = 0; t < length; ++t) a += sj[t] * to_f32(vrows[t][i]);
+          qh[i] = from_f32<T>(a * inv);
+        }
+      }
+    }
+  });
 }
 
 // Decode tokens, one per sequence: rotary_cache (rotary on q and k, k and v written to the
 // paged caches at each row's slot), then attention of each row's query heads over its own
 // whole context (after every row's write, as reshape_and_cache then the attention).
-// qkv [B, (Hq + 2 Hkv) D]; positions [B] int64; cos_sin [max_pos, D]; caches [N, S, Hkv, D]
-// fp32 contiguous; block_table [B, max_blocks] int32; context_len [B] int32; slot [B] int64.
+// qkv [B, (Hq + 2 Hkv) D]; positions [B] int64; cos_sin [max_pos, D] fp32; caches
+// [N, S, Hkv, D] contiguous (qkv's dtype: fp32 or bf16); block_table [B, max_blocks] int32;
+// context_len [B] int32; slot [B] int64.
 at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& positions,
                             const at::Tensor& cos_sin, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_table,
@@ -682,86 +897,15 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& positions,
   // rotated q lives in out until each head overwrites its own
   at::Tensor out = rotary_cache(qkv, positions, cos_sin, k_cache, v_cache, slot, num_heads,
                                 num_kv_heads);
-  float* q_all = out.data_ptr<float>();
-  const float* kc = k_cache.data_ptr<float>();
-  const float* vc = v_cache.data_ptr<float>();
-  const int64_t row = num_kv_heads * d;  // floats per cache slot
-  const int32_t* tables = bt.data_ptr<int32_t>();
-  const int64_t group = num_heads / num_kv_heads;
   const float sc = static_cast<float>(scale);
-  int64_t longest = 1;
-  for (int64_t b = 0; b < batch; ++b) longest = std::max<int64_t>(longest, len_p[b]);
-  // one task a (row, KV head): its G = Hq / Hkv query heads read each cached K row once; the
-  // context is walked block by block (no division a token)
-  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(group * longest);
-    std::vector<const float*> vrows(longest);
-    std::vector<float> mx(group);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / num_kv_heads;
-      const int64_t g = task % num_kv_heads;
-      const int64_t length = len_p[b];
-      const int32_t* table = tables + b * max_blocks;
-      float* q0 = q_all + b * num_heads * d + g * group * d;  // the group's first query head
-      std::fill(mx.begin(), mx.end(), -INFINITY);
-      for (int64_t t0 = 0; t0 < length; t0 += block_size) {
-        const int64_t base = static_cast<int64_t>(table[t0 / block_size]) * block_size;
-        const int64_t n = std::min(block_size, length - t0);
-        for (int64_t o = 0; o < n; ++o) {
-          const float* kt = kc + (base + o) * row + g * d;
-          vrows[t0 + o] = vc + (base + o) * row + g * d;
-          for (int64_t j = 0; j < group; ++j) {
-            const float v = dot(q0 + j * d, kt, d) * sc;
-            scores[j * longest + t0 + o] = v;
-            mx[j] = std::max(mx[j], v);
-          }
-        }
-      }
-      for (int64_t j = 0; j < group; ++j) {
-        // softmax numerators exp(score - max), eight at a time (exp8)
-        float* sj = scores.data() + j * longest;
-        int64_t t = 0;
-        const __m256 mxv = _mm256_set1_ps(mx[j]);
-        for (; t + 8 <= length; t += 8) {
-          _mm256_storeu_ps(sj + t, exp8(_mm256_sub_ps(_mm256_loadu_ps(sj + t), mxv)));
-        }
-        for (; t < length; ++t) sj[t] = std::exp(sj[t] - mx[j]);
-        float denom = 0.0f;
-        for (t = 0; t < length; ++t) denom += sj[t];
-        const float inv = 1.0f / denom;
-        float* qh = q0 + j * d;  // the head's output (its q is no longer needed)
-        int64_t i = 0;
-        for (; i + 32 <= d; i += 32) {  // 4 accumulators in registers, V rows in order
-          __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-          for (t = 0; t < length; ++t) {
-            const __m256 pv = _mm256_set1_ps(sj[t]);
-            const float* vt = vrows[t] + i;
-            a0 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vt), a0);
-            a1 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vt + 8), a1);
-            a2 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vt + 16), a2);
-            a3 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vt + 24), a3);
-          }
-          const __m256 iv = _mm256_set1_ps(inv);
-          _mm256_storeu_ps(qh + i, _mm256_mul_ps(a0, iv));
-          _mm256_storeu_ps(qh + i + 8, _mm256_mul_ps(a1, iv));
-          _mm256_storeu_ps(qh + i + 16, _mm256_mul_ps(a2, iv));
-          _mm256_storeu_ps(qh + i + 24, _mm256_mul_ps(a3, iv));
-        }
-        for (; i + 8 <= d; i += 8) {
-          __m256 a0 = _mm256_setzero_ps();
-          for (t = 0; t < length; ++t) {
-            a0 = _mm256_fmadd_ps(_mm256_set1_ps(sj[t]), _mm256_loadu_ps(vrows[t] + i), a0);
-          }
-          _mm256_storeu_ps(qh + i, _mm256_mul_ps(a0, _mm256_set1_ps(inv)));
-        }
-        for (; i < d; ++i) {
-          float a = 0.0f;
-          for (t = 0; t < length; ++t) a += sj[t] * vrows[t][i];
-          qh[i] = a * inv;
-        }
-      }
-    }
-  });
+  const int32_t* tables = bt.data_ptr<int32_t>();
+  if (out.scalar_type() == at::kFloat) {
+    attend_rows(out.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                tables, len_p, batch, max_blocks, block_size, num_heads, num_kv_heads, d, sc);
+  } else {
+    attend_rows(out.data_ptr<bf16>(), k_cache.data_ptr<bf16>(), v_cache.data_ptr<bf16>(), tables,
+                len_p, batch, max_blocks, block_size, num_heads, num_kv_heads, d, sc);
+  }
   return out;
 }
 
@@ -844,7 +988,11 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
 
 }  // namespace
 
+// Whether bf16 stores use AVX512_BF16's vcvtneps2bf16 (else the AVX2 integer rounding).
+bool bf16_native() { return kAvx512Bf16; }
+
 TORCH_LIBRARY(prefixgate_cpu, m) {
+  m.def("bf16_native() -> bool", &bf16_native);
   m.def("gemv_packed(Tensor x, Tensor packed, Tensor? bias, int n_out) -> Tensor");
   m.def(
       "gemv_int8_packed(Tensor x, Tensor packed, Tensor scale, Tensor? bias, int n_out) -> "
