@@ -43,6 +43,7 @@ from prefixgate.gateway.http.errors import (
     not_found,
 )
 from prefixgate.gateway.local.generation import engine_request
+from prefixgate.gateway.local.local_call import translated_prompt
 from prefixgate.gateway.local.prefix_routes import prefix_quota
 from prefixgate.gateway.local.prefixes import PrefixEntry, SharedPrefix
 from prefixgate.gateway.local.serving import LOCAL
@@ -50,7 +51,7 @@ from prefixgate.gateway.local.tokenize import counting
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.tenancy.keys import Principal, effective_salt
 from prefixgate.gateway.tenancy.pool_hints import pool_hint
-from prefixgate.gateway.wire.client_fields import gemini_fields, in_client_words
+from prefixgate.gateway.wire.client_fields import gemini_fields
 from prefixgate.gateway.wire.gemini_models import (
     CachedContentCreate,
     CachedContentUpdate,
@@ -83,7 +84,6 @@ from prefixgate.gateway.wire.tools import (
     ToolDeltas,
     ToolPlan,
     parse_output,
-    plan_tools,
 )
 
 _DESCRIPTION = "served by prefixgate"  # the model object's description
@@ -312,18 +312,7 @@ async def _prepare(
     engine = request.app[LOCAL].require_engine()
     chat = await _chat(request, req, principal)
     fields = gemini_fields(chat.origins, req.tools, req.generationConfig)
-    try:
-        plan = plan_tools(
-            chat.tools or None, chat.tool_choice, None, st.settings.tool_call_parser, GEMINI_CHOICE
-        )
-        ids = await render_chat(
-            engine.tokenizer,
-            chat.messages,
-            max_model_len=engine.max_model_len if bound is None else bound,
-            tools=plan.tools or None,
-        )
-    except APIError as exc:
-        raise in_client_words(exc, fields) from None
+    plan, ids = await translated_prompt(st, engine, chat, None, GEMINI_CHOICE, fields, bound)
     return chat, plan, ids
 
 

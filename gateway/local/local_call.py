@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from aiohttp import web
 from prefixgate.engine.protocol import EngineClient
+from prefixgate.gateway.http.errors import APIError
 from prefixgate.gateway.local.serving import LOCAL
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.tenancy.keys import Principal
+from prefixgate.gateway.wire.client_fields import ClientFields, in_client_words
+from prefixgate.gateway.wire.prompts import render_chat
 from prefixgate.gateway.wire.request_models import parse
+from prefixgate.gateway.wire.tools import ChoiceWords, ToolPlan, plan_tools
 from pydantic import BaseModel
 
 Body = TypeVar("Body", bound=BaseModel)
@@ -31,3 +35,40 @@ async def open_call(
     req = parse(model, await request.read())
     st.check_model(getattr(req, "model"))  # noqa: B009 - every route body names its model
     return st, engine, principal, req
+
+
+async def translated_prompt(
+    st: GatewayState,
+    engine: EngineClient,
+    chat: Any,
+    parallel_tool_calls: bool | None,
+    words: ChoiceWords,
+    fields: ClientFields,
+    bound: int | None = None,
+) -> tuple[ToolPlan, list[int]]:
+    """A translated dialect's (Messages, Gemini) ``chat`` (its ``messages``, ``tools``,
+    ``tool_choice``) as its tool plan and prompt ids: ``plan_tools`` (advice in ``words``),
+    then ``render_chat`` (refused from its length past ``bound`` tokens: ``max_model_len``
+    unless given).
+
+    Raises:
+        APIError: the plan's or the rendering's refusal, naming the client's own fields
+            (``fields``, ``client_fields.in_client_words``).
+    """
+    try:
+        plan = plan_tools(
+            chat.tools or None,
+            chat.tool_choice,
+            parallel_tool_calls,
+            st.settings.tool_call_parser,
+            words,
+        )
+        ids = await render_chat(
+            engine.tokenizer,
+            chat.messages,
+            max_model_len=engine.max_model_len if bound is None else bound,
+            tools=plan.tools or None,
+        )
+    except APIError as exc:
+        raise in_client_words(exc, fields) from None
+    return plan, ids

@@ -33,6 +33,7 @@ from prefixgate.gateway.http.errors import ANTHROPIC, APIError, error_dialect
 from prefixgate.gateway.local.cache_diagnostics import PROMPT_LOG, Comparison, anthropic_reason
 from prefixgate.gateway.local.cache_marks import Mark, find_marks, written_tokens
 from prefixgate.gateway.local.generation import engine_request
+from prefixgate.gateway.local.local_call import translated_prompt
 from prefixgate.gateway.local.serving import LOCAL
 from prefixgate.gateway.local.tokenize import counting
 from prefixgate.gateway.state import STATE
@@ -55,8 +56,8 @@ from prefixgate.gateway.wire.anthropic_models import (
     parse_request,
     to_chat,
 )
-from prefixgate.gateway.wire.client_fields import anthropic_fields, in_client_words
-from prefixgate.gateway.wire.prompts import check_length, render_chat
+from prefixgate.gateway.wire.client_fields import anthropic_fields
+from prefixgate.gateway.wire.prompts import check_length
 from prefixgate.gateway.wire.response_models import Usage
 from prefixgate.gateway.wire.stop_strings import refuse_stop_under_constraint
 from prefixgate.gateway.wire.tools import (
@@ -64,7 +65,6 @@ from prefixgate.gateway.wire.tools import (
     ToolDeltas,
     ToolPlan,
     parse_output,
-    plan_tools,
 )
 
 
@@ -227,22 +227,9 @@ async def _prepare(
     st.check_model(req.model)
     chat = to_chat(req)
     fields = anthropic_fields(chat.origins, len(chat.tools), "")
-    try:
-        plan = plan_tools(
-            chat.tools or None,
-            chat.tool_choice,
-            chat.parallel_tool_calls,
-            st.settings.tool_call_parser,
-            ANTHROPIC_CHOICE,
-        )
-        ids = await render_chat(
-            engine.tokenizer,
-            chat.messages,
-            max_model_len=engine.max_model_len if bound is None else bound,
-            tools=plan.tools or None,
-        )
-    except APIError as exc:
-        raise in_client_words(exc, fields) from None
+    plan, ids = await translated_prompt(
+        st, engine, chat, chat.parallel_tool_calls, ANTHROPIC_CHOICE, fields, bound
+    )
     return principal, req, chat, plan, ids
 
 
