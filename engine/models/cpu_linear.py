@@ -44,7 +44,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -207,25 +207,33 @@ def onednn_panels(packed: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | 
     if nbytes % 4:
         return None
     numel = nbytes // 4
-    for width in PANEL_WIDTHS:
-        panels = -(-out_f // width)
-        if numel % (panels * width):
-            continue
-        in_pad = numel // (panels * width)
-        if in_pad < in_f:
-            continue
-        # a subclass, so the buffer object can hold a reference to its owner
-        buffer_type = cast(
-            "type[ctypes.Array[ctypes.c_float]]",
-            type("OneDNNBuffer", (ctypes.c_float * numel,), {}),
-        )
-        buffer = buffer_type.from_address(int(torch.ops.mkldnn.data_ptr(packed)))
-        buffer.owner = packed  # type: ignore[attr-defined]  # lives as long as the view
-        flat = torch.frombuffer(buffer, dtype=torch.float32)
+    for panels, in_pad, width in _panel_shapes(out_f, in_f, numel):
+        flat = _packed_flat(packed, ctypes.c_float, torch.float32, numel)
         view = flat.as_strided((panels, in_f, width), (in_pad * width, width, 1))
         if _panels_hold(view, weight):
             return view
     return None
+
+
+def _panel_shapes(out_f: int, in_f: int, numel: int) -> list[tuple[int, int, int]]:
+    """``(panels, padded input columns, width)`` for each width of :data:`PANEL_WIDTHS` whose
+    padded panels of ``out_f`` rows fill a buffer of ``numel`` elements (``in_pad >= in_f``)."""
+    shapes = []
+    for width in PANEL_WIDTHS:
+        panels = -(-out_f // width)
+        if numel % (panels * width) == 0 and numel // (panels * width) >= in_f:
+            shapes.append((panels, numel // (panels * width), width))
+    return shapes
+
+
+def _packed_flat(packed: torch.Tensor, ctype: Any, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """The buffer of oneDNN's ``packed`` tensor as a flat ``[numel]`` ``dtype`` tensor (no
+    copy; ``ctype`` the element's ctypes type); the view keeps ``packed`` alive."""
+    # a subclass, so the buffer object can hold a reference to its owner
+    buffer_type = cast("type[ctypes.Array[Any]]", type("OneDNNBuffer", (ctype * numel,), {}))
+    buffer = buffer_type.from_address(int(torch.ops.mkldnn.data_ptr(packed)))
+    buffer.owner = packed  # type: ignore[attr-defined]  # lives as long as the view
+    return torch.frombuffer(buffer, dtype=dtype)
 
 
 def onednn_pair_panels(packed: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
@@ -244,20 +252,10 @@ def onednn_pair_panels(packed: torch.Tensor, weight: torch.Tensor) -> torch.Tens
     if weight.dtype != torch.bfloat16 or nbytes % 2:
         return None
     numel = nbytes // 2
-    for width in PANEL_WIDTHS:
-        panels = -(-out_f // width)
-        if numel % (panels * width):
+    for panels, in_pad, width in _panel_shapes(out_f, in_f, numel):
+        if in_pad % 2:
             continue
-        in_pad = numel // (panels * width)
-        if in_pad < in_f or in_pad % 2:
-            continue
-        buffer_type = cast(
-            "type[ctypes.Array[ctypes.c_uint16]]",
-            type("OneDNNBuffer", (ctypes.c_uint16 * numel,), {}),
-        )
-        buffer = buffer_type.from_address(int(torch.ops.mkldnn.data_ptr(packed)))
-        buffer.owner = packed  # type: ignore[attr-defined]  # lives as long as the view
-        flat = torch.frombuffer(buffer, dtype=torch.bfloat16)
+        flat = _packed_flat(packed, ctypes.c_uint16, torch.bfloat16, numel)
         view = flat.as_strided((panels, in_pad // 2, width, 2), (in_pad * width, 2 * width, 2, 1))
         if _panels_hold(view, weight):
             return view
