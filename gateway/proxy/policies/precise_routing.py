@@ -569,8 +569,16 @@ class PreciseRouting:
             walk = self.index.match(keys)
             if walks is not None:
                 walks[id(keys)] = walk
-        n = walk.get(up.url, 0)
-        flying = self._inflight_keys.get(up.url)
+        return self._held(up.url, keys, walk, bs)
+
+    def _held(
+        self, url: str, keys: list[BlockHash], walk: Mapping[str, int], bs: int
+    ) -> tuple[int, int]:
+        """``url``'s cached tokens of the prompt (``keys``, ``bs`` tokens a block): the
+        longest of its run in the index (``walk``) and its run in flight (sent there, not yet
+        reported), and the tokens of the in-flight run past the index's."""
+        n = walk.get(url, 0)
+        flying = self._inflight_keys.get(url)
         m = 0
         if flying:
             while m < len(keys) and keys[m] in flying:
@@ -605,13 +613,7 @@ class PreciseRouting:
                     walk = walks[id(keys)] = self.index.match(keys)
                 got = seen[form] = (keys, walk)
             keys, walk = got
-            n = walk.get(u.url, 0)
-            flying = self._inflight_keys.get(u.url)
-            m = 0
-            if flying:
-                while m < len(keys) and keys[m] in flying:
-                    m += 1
-            out[u.url] = (max(n, m) * bs, max(0, m - n) * bs)
+            out[u.url] = self._held(u.url, keys, walk, bs)
         return out
 
     def _block_size(self, url: str) -> int:
