@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 from prefixgate.kernels import cpu_ext, torch_ref
+from support.cpu_ops_reference import cos_sin as rotary_table
+from support.cpu_ops_reference import decode_case, rotary_and_cache
 
 pytestmark = pytest.mark.skipif(
     not cpu_ext.available(), reason="prefixgate CPU ops not built here (no AVX2 or no compiler)"
@@ -126,18 +128,11 @@ def test_decode_attention_matches_reference(hq, hkv, length, d):
     slot = torch.tensor([int(table[0, pos // block]) * block + pos % block])
     positions = torch.tensor([pos])
     lens = torch.tensor([length], dtype=torch.int32)
-    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
-    freqs = torch.outer(torch.arange(max_pos).float(), inv)
-    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    cos_sin = rotary_table(d, max_pos)
     qkv = torch.randn(1, (hq + 2 * hkv) * d, generator=gen)
     scale = d**-0.5
 
-    kr, vr = k_cache.clone(), v_cache.clone()
-    q, k, v = qkv.clone().split([hq * d, hkv * d, hkv * d], dim=-1)  # rotated in place
-    q = q.reshape(1, hq, d).contiguous()
-    k = k.reshape(1, hkv, d).contiguous()
-    q, k = torch_ref.rotary_embedding(positions, q, k, cos_sin)
-    torch_ref.reshape_and_cache(k, v.reshape(1, hkv, d), kr, vr, slot)
+    q, kr, vr = rotary_and_cache(qkv, positions, cos_sin, k_cache, v_cache, slot, hq, hkv)
     want = torch_ref.paged_attention_decode(q, kr, vr, table, lens, scale).reshape(1, hq * d)
 
     got = cpu_ext.decode_attention(
@@ -301,29 +296,15 @@ def test_silu_mul_rows_and_extremes():
 def test_decode_attention_rows_match_reference(hq, hkv, d):
     """B decode rows of different lengths (one with a slot of -1: not cached) over shuffled
     blocks: the cache writes bit-exact, the attention within SDPA's tolerance."""
-    gen = torch.Generator().manual_seed(hq + d)
-    block, num_blocks, max_pos = 16, 40, 96
     lengths = [1, 9, 16, 17, 40, 95]
     batch = len(lengths)
-    k_cache = torch.randn(num_blocks, block, hkv, d, generator=gen)
-    v_cache = torch.randn(num_blocks, block, hkv, d, generator=gen)
-    table = torch.randperm(num_blocks, generator=gen)[: batch * 6].to(torch.int32).view(batch, 6)
-    pos = torch.tensor([n - 1 for n in lengths])
-    slot = torch.tensor([int(table[b, p // block]) * block + p % block for b, p in enumerate(pos)])
+    qkv, pos, cos_sin, k_cache, v_cache, table, lens, slot = decode_case(
+        hq, hkv, d, lengths, hq + d
+    )
     slot[2] = -1
-    lens = torch.tensor(lengths, dtype=torch.int32)
-    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
-    freqs = torch.outer(torch.arange(max_pos).float(), inv)
-    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
-    qkv = torch.randn(batch, (hq + 2 * hkv) * d, generator=gen)
     scale = d**-0.5
 
-    kr, vr = k_cache.clone(), v_cache.clone()
-    q, k, v = qkv.clone().split([hq * d, hkv * d, hkv * d], dim=-1)
-    q = q.reshape(batch, hq, d).contiguous()
-    k = k.reshape(batch, hkv, d).contiguous()
-    q, k = torch_ref.rotary_embedding(pos, q, k, cos_sin)
-    torch_ref.reshape_and_cache(k, v.reshape(batch, hkv, d), kr, vr, slot)
+    q, kr, vr = rotary_and_cache(qkv, pos, cos_sin, k_cache, v_cache, slot, hq, hkv)
     want = torch_ref.paged_attention_decode(q, kr, vr, table, lens, scale).reshape(batch, hq * d)
 
     got = cpu_ext.decode_attention(
@@ -362,17 +343,10 @@ def test_rotary_cache_is_the_reference_bit_for_bit(tokens):
     positions = torch.randint(0, max_pos, (tokens,), generator=gen)
     slot = torch.randperm(num_blocks * block, generator=gen)[:tokens]
     slot[tokens // 2] = -1
-    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
-    freqs = torch.outer(torch.arange(max_pos).float(), inv)
-    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    cos_sin = rotary_table(d, max_pos)
     qkv = torch.randn(tokens, (hq + 2 * hkv) * d, generator=gen)
 
-    kr, vr = k_cache.clone(), v_cache.clone()
-    q, k, v = qkv.clone().split([hq * d, hkv * d, hkv * d], dim=-1)
-    q = q.reshape(tokens, hq, d).contiguous()
-    k = k.reshape(tokens, hkv, d).contiguous()
-    q, k = torch_ref.rotary_embedding(positions, q, k, cos_sin)
-    torch_ref.reshape_and_cache(k, v.reshape(tokens, hkv, d), kr, vr, slot)
+    q, kr, vr = rotary_and_cache(qkv, positions, cos_sin, k_cache, v_cache, slot, hq, hkv)
 
     got = cpu_ext.rotary_cache(qkv, positions, cos_sin, k_cache, v_cache, slot, hq, hkv)
     assert torch.equal(got, q.reshape(tokens, hq * d))

@@ -13,18 +13,14 @@ from __future__ import annotations
 import pytest
 import torch
 from prefixgate.kernels import cpu_ext, torch_ref
+from support.cpu_ops_reference import cos_sin as rotary_table
+from support.cpu_ops_reference import decode_case, rotary_and_cache
 
 pytestmark = pytest.mark.skipif(
     not cpu_ext.available(), reason="prefixgate CPU ops not built here (no AVX2 or no compiler)"
 )
 
 BF16 = torch.bfloat16
-
-
-def _cos_sin(d: int, max_pos: int) -> torch.Tensor:
-    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
-    freqs = torch.outer(torch.arange(max_pos).float(), inv)
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
 
 @pytest.mark.parametrize("rows,h", [(1, 576), (33, 576), (3, 13)])
@@ -90,34 +86,15 @@ def test_rotary_cache_bf16_is_the_reference_bit_for_bit(tokens):
     positions = torch.randint(0, max_pos, (tokens,), generator=gen)
     slot = torch.randperm(num_blocks * block, generator=gen)[:tokens]
     slot[tokens // 2] = -1
-    cos_sin = _cos_sin(d, max_pos)
+    cos_sin = rotary_table(d, max_pos)
     qkv = torch.randn(tokens, (hq + 2 * hkv) * d, generator=gen).to(BF16)
 
-    kr, vr = k_cache.clone(), v_cache.clone()
-    q, k, v = qkv.clone().split([hq * d, hkv * d, hkv * d], dim=-1)
-    q = q.reshape(tokens, hq, d).contiguous()
-    k = k.reshape(tokens, hkv, d).contiguous()
-    q, k = torch_ref.rotary_embedding(positions, q, k, cos_sin)
-    torch_ref.reshape_and_cache(k, v.reshape(tokens, hkv, d), kr, vr, slot)
+    q, kr, vr = rotary_and_cache(qkv, positions, cos_sin, k_cache, v_cache, slot, hq, hkv)
 
     got = cpu_ext.rotary_cache(qkv, positions, cos_sin, k_cache, v_cache, slot, hq, hkv)
     assert got.dtype == BF16
     assert torch.equal(got, q.reshape(tokens, hq * d))
     assert torch.equal(k_cache, kr) and torch.equal(v_cache, vr)
-
-
-def _decode_case(hq: int, hkv: int, d: int, lengths: list[int], seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    block, num_blocks, max_pos = 16, 40, 96
-    batch = len(lengths)
-    k_cache = torch.randn(num_blocks, block, hkv, d, generator=gen).to(BF16)
-    v_cache = torch.randn(num_blocks, block, hkv, d, generator=gen).to(BF16)
-    table = torch.randperm(num_blocks, generator=gen)[: batch * 6].to(torch.int32).view(batch, 6)
-    pos = torch.tensor([n - 1 for n in lengths])
-    slot = torch.tensor([int(table[b, p // block]) * block + p % block for b, p in enumerate(pos)])
-    lens = torch.tensor(lengths, dtype=torch.int32)
-    qkv = torch.randn(batch, (hq + 2 * hkv) * d, generator=gen).to(BF16)
-    return qkv, pos, _cos_sin(d, max_pos), k_cache, v_cache, table, lens, slot
 
 
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 20), (8, 1, 32)])
@@ -127,18 +104,13 @@ def test_decode_attention_bf16_matches_reference(hq, hkv, d):
     bf16 tolerance of SDPA run in bf16 on the gathered K/V, and closer still to fp32 SDPA on the
     same bf16 values (the op keeps scores and probabilities in fp32)."""
     lengths = [1, 9, 16, 17, 40, 95]
-    qkv, pos, cos_sin, k_cache, v_cache, table, lens, slot = _decode_case(
-        hq, hkv, d, lengths, hq + d
+    qkv, pos, cos_sin, k_cache, v_cache, table, lens, slot = decode_case(
+        hq, hkv, d, lengths, hq + d, dtype=BF16
     )
     slot[2] = -1
     batch = len(lengths)
     scale = d**-0.5
-    kr, vr = k_cache.clone(), v_cache.clone()
-    q, k, v = qkv.clone().split([hq * d, hkv * d, hkv * d], dim=-1)
-    q = q.reshape(batch, hq, d).contiguous()
-    k = k.reshape(batch, hkv, d).contiguous()
-    q, k = torch_ref.rotary_embedding(pos, q, k, cos_sin)
-    torch_ref.reshape_and_cache(k, v.reshape(batch, hkv, d), kr, vr, slot)
+    q, kr, vr = rotary_and_cache(qkv, pos, cos_sin, k_cache, v_cache, slot, hq, hkv)
     want = torch_ref.paged_attention_decode(q, kr, vr, table, lens, scale).reshape(batch, hq * d)
     want32 = torch_ref.paged_attention_decode(
         q.float(), kr.float(), vr.float(), table, lens, scale
@@ -158,7 +130,9 @@ def test_decode_attention_bf16_rows_equal_one_row_at_a_time():
     """A row's bf16 result is the same decoded alone as in a batch (caches alike after)."""
     hq, hkv, d = 9, 3, 64
     lengths = [3, 16, 33, 70]
-    qkv, pos, cos_sin, k_cache, v_cache, table, lens, slot = _decode_case(hq, hkv, d, lengths, 7)
+    qkv, pos, cos_sin, k_cache, v_cache, table, lens, slot = decode_case(
+        hq, hkv, d, lengths, 7, dtype=BF16
+    )
     k1, v1 = k_cache.clone(), v_cache.clone()
     got = cpu_ext.decode_attention(
         qkv, pos, cos_sin, k_cache, v_cache, table, lens, slot, hq, hkv, d**-0.5
