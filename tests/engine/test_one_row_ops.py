@@ -18,6 +18,16 @@ from support.prompts import DREAM_PROMPTS
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
+def _hf_greedy(hf: torch.nn.Module, ids: list[int], n: int) -> list[int]:
+    """transformers' ``n`` greedy tokens after ``ids``, the whole sequence run each step."""
+    want: list[int] = []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = hf(torch.tensor([ids + want])).logits[0, -1]
+            want.append(int(torch.argmax(logits)))
+    return want
+
+
 def _flags(model: torch.nn.Module) -> set[bool]:
     return {m.one_row_ops for m in model.modules() if isinstance(m, RMSNorm | Attention | MLP)}
 
@@ -52,12 +62,7 @@ def test_fused_one_row_decode_matches_transformers(aidreams_path, pool_whole):
             ids = tok(prompt).input_ids
             out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24))
             got = out[0].outputs[0].token_ids
-            want: list[int] = []
-            with torch.no_grad():
-                for _ in range(len(got)):
-                    logits = hf(torch.tensor([ids + want])).logits[0, -1]
-                    want.append(int(torch.argmax(logits)))
-            assert got == want, prompt
+            assert got == _hf_greedy(hf, ids, len(got)), prompt
     finally:
         cpu_ext.decode_attention = real  # type: ignore[assignment]
     assert calls["n"] > 0  # the fused attention ran
@@ -163,11 +168,6 @@ def test_batched_decode_ops_match_transformers(aidreams_path, pool_whole, monkey
     for prompt, out in zip(prompts, outs, strict=True):
         ids = tok(prompt).input_ids
         got = list(out.outputs[0].token_ids)
-        want: list[int] = []
-        with torch.no_grad():
-            for _ in range(len(got)):
-                logits = hf(torch.tensor([ids + want])).logits[0, -1]
-                want.append(int(torch.argmax(logits)))
-        assert got == want, prompt
+        assert got == _hf_greedy(hf, ids, len(got)), prompt
     set_decode_ops(model, False)
     pool_whole(llm)
