@@ -12,6 +12,7 @@ from aiohttp import web
 from prefixgate.gateway.app import create_proxy_app
 from prefixgate.gateway.http.server import BackgroundServer
 from prefixgate.gateway.settings import GatewaySettings
+from support.chat_upstream import chat_app
 
 M = [{"role": "user", "content": "hi"}]
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
@@ -83,16 +84,7 @@ def test_an_upstream_400_in_another_shape_still_names_the_field(body, status, pa
         await request.read()
         return web.json_response(body, status=status)
 
-    async def models(request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "m", "object": "model"}]})
-
-    def upstream() -> web.Application:
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", chat)
-        app.router.add_get("/v1/models", models)
-        return app
-
-    with BackgroundServer(upstream) as up:
+    with BackgroundServer(chat_app(chat, ["m"])) as up:
         with BackgroundServer(lambda: create_proxy_app([up.url], GatewaySettings())) as gw:
             r = httpx.post(
                 gw.url + CHAT, json={"model": "m", "messages": M, "temperature": 9}, timeout=10

@@ -19,6 +19,7 @@ from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.settings import GatewaySettings
 from prefixgate.gateway.tenancy.admission_wait import PROMISE_HEADER
 from prefixgate.gateway.tenancy.ttft_budget import BUDGET_HEADER
+from support.chat_upstream import chat_app
 
 BUDGET = {BUDGET_HEADER: "2000"}
 
@@ -122,16 +123,7 @@ def test_a_429_without_a_promise_moves_on_to_the_next_upstream(
             headers[PROMISE_HEADER] = promise
         return web.json_response({"error": err}, status=429, headers=headers)
 
-    async def models(request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "fake", "object": "model"}]})
-
-    def busy() -> web.Application:
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", refuse)
-        app.router.add_get("/v1/models", models)
-        return app
-
-    refuser = servers(busy)
+    refuser = servers(chat_app(refuse, ["fake"]))
     fine, engine = serve_fake(GatewaySettings(model_name="fake"))
     settings = GatewaySettings(routing="round_robin", redis_url=redis_server.url)
     a = servers(lambda: create_proxy_app([refuser.url, fine.url], settings))

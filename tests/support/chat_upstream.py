@@ -13,17 +13,16 @@ from prefixgate.gateway.http.server import BackgroundServer
 from prefixgate.gateway.settings import GatewaySettings
 
 
-@contextmanager
-def proxy_over_chat(
+def chat_app(
     chat: Callable[[web.Request], Awaitable[web.StreamResponse]],
     models: list[str] | None = None,
-) -> Iterator[httpx.Client]:
-    """Serve ``chat`` as an upstream's chat route (and, given ``models``, a ``GET /v1/models``
-    listing them) and a proxy gateway (default settings) over it, both on loopback; yield an
-    ``httpx.Client`` on the gateway (10 s timeout)."""
+) -> Callable[[], web.Application]:
+    """An upstream's app factory: ``chat`` as its ``POST /v1/chat/completions`` and, given
+    ``models``, a ``GET /v1/models`` listing them (``object: model``)."""
 
     async def model_list(request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": m} for m in models or []]})
+        data = [{"id": m, "object": "model"} for m in models or []]
+        return web.json_response({"object": "list", "data": data})
 
     def upstream() -> web.Application:
         app = web.Application()
@@ -32,8 +31,18 @@ def proxy_over_chat(
             app.router.add_get("/v1/models", model_list)
         return app
 
+    return upstream
+
+
+@contextmanager
+def proxy_over_chat(
+    chat: Callable[[web.Request], Awaitable[web.StreamResponse]],
+    models: list[str] | None = None,
+) -> Iterator[httpx.Client]:
+    """Serve ``chat_app(chat, models)`` and a proxy gateway (default settings) over it, both on
+    loopback; yield an ``httpx.Client`` on the gateway (10 s timeout)."""
     with (
-        BackgroundServer(upstream) as up,
+        BackgroundServer(chat_app(chat, models)) as up,
         BackgroundServer(lambda: create_proxy_app([up.url], GatewaySettings())) as gw,
         httpx.Client(base_url=gw.url, timeout=10) as http,
     ):
