@@ -327,13 +327,17 @@ class UpstreamRouter:
                     u.url,
                 )
             elif u.auth_refused is not None:
-                logger.warning(
+                # an open proxy sending no key of its own forwards each client's: the probe's
+                # 401 is expected there (info); a key of the gateway's refused is a fault
+                forwarded = self.forwards_client_keys and not self._sends_key(u)
+                logger.log(
+                    logging.INFO if forwarded else logging.WARNING,
                     "upstream %s: %s (to GET /v1/models)%s; cannot tell whether it takes "
                     "cache_salt",
                     u.url,
                     u.last_error,
                     ""
-                    if self.forwards_client_keys and not self._sends_key(u)
+                    if forwarded
                     else ": every request to it fails until the key is right "
                     "(--upstream-api-key, or the config's api_key_env / api_key_file)",
                 )

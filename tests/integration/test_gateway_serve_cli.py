@@ -77,7 +77,7 @@ def test_serve_bad_option_exit_2(caplog):
     from prefixgate.gateway.cli import main
 
     assert main(["serve", "--block-size", "3"]) == 2
-    assert "block_size" in caplog.text
+    assert "--block-size" in caplog.text
     assert main(["serve", "--upstream", "not-a-url"]) == 2
 
 

@@ -47,7 +47,7 @@ def _one_line_error(proc: subprocess.CompletedProcess) -> str:
         (("--port", "-1"), "from 0 to 65535"),
         (("--port", "http"), "from 0 to 65535"),
         (("--dtype", "float99"), "'auto', 'float32', 'bfloat16', 'float16'"),
-        (("--max-model-len", "0"), "max_model_len must be >= 1"),
+        (("--max-model-len", "0"), "--max-model-len must be >= 1"),
     ],
 )
 def test_bad_flags_are_one_line_errors_before_binding(flags, says):
