@@ -50,6 +50,7 @@ from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import Upstream, UpstreamRouter, retry_after_seconds
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.tenancy.admission_wait import PROMISE_HEADER
+from prefixgate.gateway.tenancy.keys import client_credential
 
 logger = logging.getLogger("prefixgate.gateway")
 
@@ -151,7 +152,7 @@ async def each_upstream(
 async def request_fingerprint(call: Call) -> str | None:
     """What recognises a client's retry of one request (``StateBackend.put_promise``'s key):
     the SHA-256 (hex) of its key (the gateway's principal; on an open gateway, the
-    credential headers it forwards), its method, path and query, and its body, as the
+    credential it forwards, ``keys.client_credential``), its method, path and query, and its body, as the
     client sends it again. None for a request without a prompt (``call.route`` None)."""
     if call.route is None:
         return None
@@ -159,10 +160,7 @@ async def request_fingerprint(call: Call) -> str | None:
     body = await request.read()  # read already by the route: aiohttp keeps the bytes
     who = call.st.keys.authenticate(request).id
     if who is None:  # an open gateway: the client's credential is the upstream's key
-        who = "open:" + "\n".join(
-            request.headers.get(name, "")
-            for name in ("Authorization", "x-api-key", "x-goog-api-key")
-        )
+        who = "open:" + client_credential(request)
     digest = hashlib.sha256()
     for part in (who, request.method, request.path_qs):
         digest.update(part.encode("utf-8", "backslashreplace") + b"\0")
