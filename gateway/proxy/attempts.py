@@ -262,13 +262,13 @@ def refusal(
     headers: Any,
     fields: Any = None,
     may_move: bool = True,
-    own_credential: bool | None = None,
 ) -> Exception:
     """What an upstream's non-2xx answer (``status``, body ``data``, ``headers``) does to the
     request, the same for every dialect: the exception to raise.
 
-    - 401/403: ``redact.auth_error`` (about whose credential: ``own_credential``, by default
-      whether the gateway sent one of its own; never the upstream's body);
+    - 401/403: ``redact.auth_error`` (about whose credential: the gateway's own when it sent
+      one, ``UpstreamRouter.gateway_credential``, else the client's; never the upstream's
+      body);
     - ``DOWN``: ``up`` marked failed, ``NextUpstream`` (no error of its own: when none is left
       the client gets ``router.exhausted``, naming the cause);
     - a 429 with ``PROMISE_HEADER`` (``up`` holds a place for the request): the answer,
@@ -281,9 +281,7 @@ def refusal(
     """
     call.answered = status  # the attempt's metric
     if status in (401, 403):
-        if own_credential is None:
-            own_credential = up.auth is not None or bool(call.st.settings.upstream_api_key)
-        return auth_error(status, up.url, own_credential)
+        return auth_error(status, up.url, call.router.gateway_credential(up) is not None)
     if status in DOWN:
         call.router.mark_failed(up, f"HTTP {status}")
         return NextUpstream(str(status), None)

@@ -474,10 +474,7 @@ class _Forward(Call):
             self.answered = resp.status
             if resp.status != 200:
                 data = await resp.read()
-                # the key sent is the deployment's own, else the client's (upstream_credential)
-                exc = refusal(
-                    self, up, resp.status, data, resp.headers, own_credential=up.auth is not None
-                )
+                exc = refusal(self, up, resp.status, data, resp.headers)
                 error = exc.error if isinstance(exc, NextUpstream) else exc
                 if resp.status == 529 and isinstance(error, APIError):
                     error.status = 503  # overloaded: a 503, OpenAI's word
@@ -554,10 +551,9 @@ def upstream_credential(request: web.Request, st: GatewayState, up: Upstream) ->
     (``keys.client_credential``: ``Authorization``, ``x-api-key``, ``x-goog-api-key``,
     ``?key=``). Every route's attempt reads it here; ``upstream_headers`` /
     ``anthropic.headers_for`` put it in the upstream's dialect's header (never in a URL)."""
-    if up.auth is not None:
-        return up.auth
-    if st.settings.upstream_api_key and up.dialect != "anthropic":
-        return "Bearer " + st.settings.upstream_api_key
+    own = request.app[PROXY].router.gateway_credential(up)
+    if own is not None:
+        return own
     if st.keys.open:
         return client_credential(request) or None
     return None

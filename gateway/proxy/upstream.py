@@ -369,7 +369,7 @@ class UpstreamRouter:
         assert self.session is not None
         if up.dialect != "openai":
             return  # a config's deployment: its models are the config's
-        auth = up.auth or self._auth
+        auth = self.gateway_credential(up)
         try:
             async with self.session.get(
                 up.url + "/v1/models",
@@ -675,9 +675,18 @@ class UpstreamRouter:
         if await self.probe(up) and models and up.healthy:
             await self.detect(up)
 
+    def gateway_credential(self, up: Upstream) -> str | None:
+        """The gateway's own ``Authorization`` value towards ``up`` (None: it has none for
+        it): ``up``'s own (a config's credential, its URL's userinfo), else
+        ``--upstream-api-key`` as Bearer, which is for the OpenAI-compatible upstreams (not
+        an Anthropic deployment)."""
+        if up.auth is not None:
+            return up.auth
+        return self._auth if up.dialect != "anthropic" else None
+
     def _sends_key(self, up: Upstream) -> bool:
         """Whether the gateway sends ``up`` a credential of its own."""
-        return bool(up.auth or (self._auth and up.dialect != "anthropic"))
+        return bool(self.gateway_credential(up))
 
     def auth_failed(self, up: Upstream) -> bool:
         """``up`` refused the gateway's credentials (or their absence: no key sent and no

@@ -13,6 +13,7 @@ import pytest
 from prefixgate.gateway.app import create_proxy_app
 from prefixgate.gateway.http.server import BackgroundServer
 from prefixgate.gateway.proxy.anthropic import MIN_CACHE_CHARS, place_breakpoints, to_messages
+from prefixgate.gateway.proxy.config import load_config
 from prefixgate.gateway.settings import GatewaySettings
 from support.anthropic_stub import SECRET, AnthropicStub, claude_config
 from support.http import assert_openai_error
@@ -248,3 +249,30 @@ def test_images_and_a_registered_prefix_s_breakpoint_with_its_ttl(gateway):
         assert turns[1]["content"][-1]["cache_control"] == {"type": "ephemeral", "ttl": "1h"}
         assert "cache_control" not in turns[2]["content"][-1]  # the new turn
         assert usage[0]["cached_tokens"] == 0 and usage[1]["cached_tokens"] > 0
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/chat/completions"])
+def test_an_anthropic_deployments_401_is_about_the_key_actually_sent(tmp_path: Path, path: str):
+    """Was: with ``--upstream-api-key`` set (a key for the OpenAI-compatible upstreams, never
+    sent to an Anthropic deployment), a keyless Anthropic deployment's 401 on the Messages
+    relay was told as the gateway's own credential refused (502 ``upstream_auth_failed``),
+    though the key it refused was the client's, forwarded. Both routes now judge it by what
+    was sent (``UpstreamRouter.gateway_credential``): the client's key, a 401."""
+    claude = AnthropicStub(status=401)
+    with BackgroundServer(claude.app) as up:
+        (tmp_path / "proxy.toml").write_text(
+            f'[[models]]\nname = "claude"\n[[models.deployments]]\nurl = "{up.url}"\n'
+            'dialect = "anthropic"\nmodel = "claude-sonnet-4-5"\n'
+        )
+        cfg = load_config(tmp_path / "proxy.toml", env={})
+        settings = GatewaySettings(upstream_api_key="sk-openai-upstreams")
+        with BackgroundServer(lambda: create_proxy_app(cfg, settings)) as gw:
+            body = {
+                "model": "claude",
+                "max_tokens": 8,
+                "messages": [{"role": "user", "content": "hi"}],
+            }
+            r = httpx.post(gw.url + path, json=body, headers={"x-api-key": "sk-client"}, timeout=10)
+    assert r.status_code == 401, r.text
+    assert "sk-openai-upstreams" not in str(claude.headers)
+    assert SECRET not in r.text
