@@ -11,7 +11,7 @@ from prefixgate.engine.errors import PinLimitError
 from prefixgate.gateway.app import create_app
 from prefixgate.gateway.http.server import BackgroundServer
 from prefixgate.gateway.settings import GatewaySettings
-from support.fake_engine import FakeEngine
+from support.fake_engine import FakeEngine, assert_idle_and_whole, wait_idle
 
 
 @pytest.fixture
@@ -41,10 +41,7 @@ def serve_fake() -> Iterator[Callable[..., tuple[BackgroundServer, object]]]:
         for srv, engine in started:
             if getattr(engine, "failed_to_start", False):
                 continue
-            stats = wait_idle(srv, engine)
-            srv.call(_check(engine))
-            assert stats["num_running"] == 0 and stats["num_waiting"] == 0, stats
-            assert stats["kv_blocks_used"] == stats["pinned_blocks"], stats
+            assert_idle_and_whole(srv, engine)
     finally:
         for srv, _ in started:
             srv.close()
@@ -64,32 +61,6 @@ def servers() -> Iterator[Callable[..., BackgroundServer]]:
     yield start
     for srv in reversed(started):
         srv.close()
-
-
-def wait_idle(srv: BackgroundServer, engine, timeout: float = 5.0) -> dict:
-    """Poll until the engine has nothing running or waiting; returns its stats."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = srv.call(_stats(engine))
-        if (stats["num_running"] == 0 and stats["num_waiting"] == 0) or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.02)
-
-
-def _check(engine):
-    async def check():
-        engine.check_invariants()
-
-    return check
-
-
-def _stats(engine):
-    async def get():
-        return engine.stats()
-
-    return get
 
 
 def chat_body(content: str = "hello", **kw: object) -> dict:

@@ -23,7 +23,7 @@ from prefixgate.gateway.app import create_app, create_proxy_app
 from prefixgate.gateway.http.server import BackgroundServer
 from prefixgate.gateway.settings import GatewaySettings
 from prefixgate.gateway.tenancy.shared_state import LocalState
-from support.fake_engine import FakeEngine
+from support.fake_engine import FakeEngine, assert_idle_and_whole
 
 KEY, NAME = "k-acct", "acct"
 PROMPT = "Tell me about prefix caches, and why they matter so. " * 2  # 104 bytes
@@ -143,9 +143,10 @@ def gateways(tmp_path_factory, access_lines) -> Iterator[dict[str, BackgroundSer
     keys = tmp_path_factory.mktemp("keys") / "keys.json"
     keys.write_text(json.dumps({"keys": [{"key": KEY, "name": NAME, "tokens_per_minute": 10**9}]}))
     settings = GatewaySettings(model_name="fake", keys_file=str(keys))
-    local = BackgroundServer(lambda: create_app(FakeEngine(), settings), access_log=True)
+    engines = [FakeEngine(), FakeEngine()]  # the local gateway's, the proxy's upstream's
+    local = BackgroundServer(lambda: create_app(engines[0], settings), access_log=True)
     upstream = BackgroundServer(
-        lambda: create_app(FakeEngine(), GatewaySettings(model_name="fake")), access_log=True
+        lambda: create_app(engines[1], GatewaySettings(model_name="fake")), access_log=True
     )
     started = [local.__enter__(), upstream.__enter__()]
     proxy = BackgroundServer(
@@ -155,6 +156,8 @@ def gateways(tmp_path_factory, access_lines) -> Iterator[dict[str, BackgroundSer
     started.append(proxy.__enter__())
     try:
         yield {"local": local, "proxy": proxy}
+        for srv, engine in zip((local, upstream), engines, strict=True):
+            assert_idle_and_whole(srv, engine)  # every scenario left both engines whole
     finally:
         for srv in reversed(started):
             srv.close()

@@ -357,3 +357,37 @@ def _stop_prefix_len(text: str, stops: list[str]) -> int:
         if any(s.startswith(text[-k:]) for s in stops):
             return k
     return 0
+
+
+def assert_idle_and_whole(srv: Any, engine) -> None:
+    """The fake ``engine`` served by ``srv`` ends idle (nothing running or waiting: a disconnect
+    or error the gateway failed to abort would stay) with its invariants held and its pool
+    whole (no block used but those live prefix pins hold)."""
+    stats = wait_idle(srv, engine)
+    srv.call(_check(engine))
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0, stats
+    assert stats["kv_blocks_used"] == stats["pinned_blocks"], stats
+
+
+def wait_idle(srv: Any, engine, timeout: float = 5.0) -> dict:
+    """Poll until the engine has nothing running or waiting; returns its stats."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = srv.call(_stats(engine))
+        if (stats["num_running"] == 0 and stats["num_waiting"] == 0) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.02)
+
+
+def _check(engine):
+    async def check():
+        engine.check_invariants()
+
+    return check
+
+
+def _stats(engine):
+    async def get():
+        return engine.stats()
+
+    return get
