@@ -55,6 +55,17 @@ def _one_copy_bytes(model: nn.Module) -> int:
     return sum(onednn_storage_bytes(m._packed) for m in packed) + rest
 
 
+def _greedy_logits(model: nn.Module, steps: int = 12) -> torch.Tensor:
+    """``[1 + steps, V]`` logits of a fixed 7-token prompt's prefill, then of ``steps``
+    one-row decode steps, each fed the greedy token of the row before (``PagedRunner``)."""
+    runner = PagedRunner(model)
+    logits = [runner.step([("a", [1, 400, 20, 87, 3, 55, 9])])]
+    for _ in range(steps):
+        tok = int(logits[-1][0].argmax())
+        logits.append(runner.step([("a", [tok])]))
+    return torch.cat(logits)
+
+
 def test_tied_model_holds_each_matrix_once(aidreams_path, monkeypatch):
     model = load(aidreams_path, load_format="dummy")
     _skip_unless_panels(model)
@@ -117,16 +128,7 @@ def test_gemv_on_packed_weights_keeps_the_logits(aidreams_path, monkeypatch):
     fast = load(aidreams_path)
     monkeypatch.setattr(cpu_linear, "_time_one_row", _gemv_wins)
     calibrate_one_row(fast, rounds=1, reps=1, min_bytes=0)
-    prompt = [1, 400, 20, 87, 3, 55, 9]
-    runs = []
-    for model in (base, fast):
-        runner = PagedRunner(model)
-        logits = [runner.step([("a", prompt)])]
-        tok = int(logits[-1][0].argmax())
-        for _ in range(12):  # one-row decode steps
-            logits.append(runner.step([("a", [tok])]))
-            tok = int(logits[-1][0].argmax())
-        runs.append(torch.cat(logits))
+    runs = [_greedy_logits(model) for model in (base, fast)]
     torch.testing.assert_close(runs[1], runs[0], rtol=1e-5, atol=1e-5)
     assert torch.equal(runs[1].argmax(-1), runs[0].argmax(-1))
 
@@ -164,15 +166,6 @@ def test_bf16_model_holds_each_matrix_once_and_keeps_torchs_tokens(aidreams_path
     monkeypatch.setattr(loader, "use_onednn_linear", lambda *a: False)
     plain = load(aidreams_path, dtype="bfloat16")
     assert isinstance(plain.lm_head, nn.Linear)
-    prompt = [1, 400, 20, 87, 3, 55, 9]
-    runs = []
-    for m in (plain, model):
-        runner = PagedRunner(m)
-        logits = [runner.step([("a", prompt)])]
-        tok = int(logits[-1][0].argmax())
-        for _ in range(12):
-            logits.append(runner.step([("a", [tok])]))
-            tok = int(logits[-1][0].argmax())
-        runs.append(torch.cat(logits).float())
+    runs = [_greedy_logits(m).float() for m in (plain, model)]
     assert torch.equal(runs[1].argmax(-1), runs[0].argmax(-1))
     torch.testing.assert_close(runs[1], runs[0], rtol=0.05, atol=0.05)
