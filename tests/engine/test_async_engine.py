@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import pytest
 import torch
@@ -54,6 +56,18 @@ def make_engine(aidreams_path):
     yield make
     for engine in engines:
         asyncio.run(engine.shutdown())
+
+
+@pytest.fixture
+def run_whole(pool_whole):
+    """``run_whole(engine, main)``: ``asyncio.run(main())``, then ``engine``'s block pool whole
+    again (``pool_whole``)."""
+
+    def run(engine: AsyncEngine, main: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        asyncio.run(main())
+        pool_whole(engine)
+
+    return run
 
 
 def greedy(n: int) -> SamplingParams:
@@ -117,7 +131,7 @@ def test_streaming_deltas_and_metrics(make_engine, pool_whole):
     pool_whole(engine)
 
 
-def test_consumer_break_and_cancel_abort_the_request(make_engine, pool_whole):
+def test_consumer_break_and_cancel_abort_the_request(make_engine, run_whole):
     engine = make_engine()
 
     async def main():
@@ -145,11 +159,10 @@ def test_consumer_break_and_cancel_abort_the_request(make_engine, pool_whole):
         outs = await collect(engine, PROMPTS[0], greedy(3), "brk")
         assert outs[-1].finished
 
-    asyncio.run(main())
-    pool_whole(engine)
+    run_whole(engine, main)
 
 
-def test_abort_ends_the_iterator(make_engine, pool_whole):
+def test_abort_ends_the_iterator(make_engine, run_whole):
     engine = make_engine()
 
     async def main():
@@ -170,8 +183,7 @@ def test_abort_ends_the_iterator(make_engine, pool_whole):
         with pytest.raises(ValueError):
             await engine.abort("never-seen")
 
-    asyncio.run(main())
-    pool_whole(engine)
+    run_whole(engine, main)
 
 
 def test_bad_input_and_duplicate_ids_disturb_nothing(make_engine, pool_whole):
@@ -206,7 +218,7 @@ def test_bad_input_and_duplicate_ids_disturb_nothing(make_engine, pool_whole):
     pool_whole(engine)
 
 
-def test_engine_error_reaches_the_requests_of_the_failing_step(make_engine, pool_whole):
+def test_engine_error_reaches_the_requests_of_the_failing_step(make_engine, run_whole):
     engine = make_engine(max_num_seqs=2)  # a third request waits, outside the failing step
     real = engine.engine.runner.execute
     failed = []
@@ -234,8 +246,7 @@ def test_engine_error_reaches_the_requests_of_the_failing_step(make_engine, pool
         outs = await collect(engine, PROMPTS[2], greedy(5), "after")  # and so are new ones
         assert whole(outs).token_ids == whole(results[2]).token_ids
 
-    asyncio.run(main())
-    pool_whole(engine)
+    run_whole(engine, main)
 
 
 def test_event_loop_not_blocked(make_engine, pool_whole):
@@ -267,7 +278,7 @@ def test_event_loop_not_blocked(make_engine, pool_whole):
     assert sorted(gaps)[len(gaps) // 2] < 0.05
 
 
-def test_pin_prefix_ttl_and_limit(make_engine, pool_whole):
+def test_pin_prefix_ttl_and_limit(make_engine, run_whole):
     engine = make_engine(block_size=8, num_kv_blocks=64, max_pinned_fraction=0.1)  # 6 blocks
     prefix = engine.tokenizer.encode("You dream.\n\nI sense the nodes of a gentle machine")
 
@@ -290,8 +301,7 @@ def test_pin_prefix_ttl_and_limit(make_engine, pool_whole):
         with pytest.raises((KeyError, ValueError)):
             engine.unpin_prefix(pin2.id)
 
-    asyncio.run(main())
-    pool_whole(engine)
+    run_whole(engine, main)
 
 
 def test_cache_salt_partitions(make_engine, pool_whole):
