@@ -108,6 +108,38 @@ inline void check_rows(int64_t panels, int64_t n_out, const at::Tensor& scale, c
               ": scale must hold 8 * P values");
 }
 
+// What both int8 panel GEMVs set up before their panels: x and scale fp32 and packed a
+// contiguous int8 [P, *, 8, ``inner``] (``layout`` names it in the error), n_out fitting the P
+// panels (``check_rows``), then the bias, the output y [1, N] and the pointers the panels read.
+struct Int8Gemv {
+  at::Tensor bias_holder;  // the bias's contiguous copy, alive while the op runs
+  const float* bias;       // nullptr without a bias
+  at::Tensor y;
+  const int8_t* w;
+  const float* scale;
+  float* out;
+};
+
+inline Int8Gemv int8_gemv_setup(const at::Tensor& x, const at::Tensor& packed,
+                                const at::Tensor& scale, const c10::optional<at::Tensor>& bias,
+                                int64_t n_out, int64_t inner, const char* layout,
+                                const char* op) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kChar &&
+                  scale.scalar_type() == at::kFloat,
+              op, ": float32 x and scale, int8 packed weight");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kPanel && packed.size(3) == inner &&
+                  packed.is_contiguous(),
+              op, ": packed must be a contiguous ", layout, " tensor");
+  check_rows(packed.size(0), n_out, scale, op);
+  Int8Gemv g;
+  g.bias = bias_data(bias, n_out, g.bias_holder, op);
+  g.y = at::empty({1, n_out}, x.options());
+  g.w = packed.data_ptr<int8_t>();
+  g.scale = scale.data_ptr<float>();
+  g.out = g.y.data_ptr<float>();
+  return g;
+}
+
 // int16-activation int8 GEMV: x quantized per row to int16 (absmax -> 32767), weights in pair
 // panels [P, K2 / 2, 8, 2] (rows r of panel p, columns 2j and 2j+1 adjacent), so vpmaddwd
 // multiplies 16 weights by two activations and sums the pairs exactly into int32; the int32
@@ -115,18 +147,13 @@ inline void check_rows(int64_t panels, int64_t n_out, const at::Tensor& scale, c
 at::Tensor gemv_int8w16_packed(const at::Tensor& x, const at::Tensor& packed,
                                const at::Tensor& scale, const c10::optional<at::Tensor>& bias,
                                int64_t n_out) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kChar &&
-                  scale.scalar_type() == at::kFloat,
-              "gemv_int8w16_packed: float32 x and scale, int8 packed weight");
-  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kPanel && packed.size(3) == 2 &&
-                  packed.is_contiguous(),
-              "gemv_int8w16_packed: packed must be a contiguous [P, K2 / 2, 8, 2] tensor");
+  const Int8Gemv g = int8_gemv_setup(x, packed, scale, bias, n_out, 2, "[P, K2 / 2, 8, 2]",
+                                     "gemv_int8w16_packed");
   const int64_t panels = packed.size(0);
   const int64_t pairs = packed.size(1);
   const int64_t k_len = x.numel();
   TORCH_CHECK((k_len + 1) / 2 == pairs, "gemv_int8w16_packed: x has ", k_len,
               " values for ", pairs, " column pairs");
-  check_rows(panels, n_out, scale, "gemv_int8w16_packed");
   at::Tensor xc = x.contiguous();
   const float* xf = xc.data_ptr<float>();
   float amax = 0.0f;
@@ -140,18 +167,12 @@ at::Tensor gemv_int8w16_packed(const at::Tensor& x, const at::Tensor& packed,
     xpair[j] = static_cast<int32_t>((static_cast<uint32_t>(hi) << 16) |
                                     (static_cast<uint32_t>(lo) & 0xffffu));
   }
-  at::Tensor bc;
-  const float* bias_ptr = bias_data(bias, n_out, bc, "gemv_int8w16_packed");
-  at::Tensor y = at::empty({1, n_out}, x.options());
-  const int8_t* wp = packed.data_ptr<int8_t>();
-  const float* sp = scale.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
   const int32_t* xq = xpair.data();
   const float inv_xs = 1.0f / xs;
   const int64_t grain = std::max<int64_t>(1, (128 * 1024) / (kPanel * 2 * pairs));
   at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
-      const int8_t* w = wp + p * pairs * 2 * kPanel;
+      const int8_t* w = g.w + p * pairs * 2 * kPanel;
       __m256 accf = _mm256_setzero_ps();
       for (int64_t j0 = 0; j0 < pairs; j0 += 128) {
         const int64_t j1 = std::min<int64_t>(pairs, j0 + 128);
@@ -172,11 +193,12 @@ at::Tensor gemv_int8w16_packed(const at::Tensor& x, const at::Tensor& packed,
         }
         accf = _mm256_add_ps(accf, _mm256_cvtepi32_ps(_mm256_add_epi32(a0, a1)));
       }
-      const __m256 sc = _mm256_mul_ps(_mm256_loadu_ps(sp + p * kPanel), _mm256_set1_ps(inv_xs));
-      store_panel(_mm256_mul_ps(accf, sc), bias_ptr, yp, p * kPanel, n_out);
+      const __m256 sc =
+          _mm256_mul_ps(_mm256_loadu_ps(g.scale + p * kPanel), _mm256_set1_ps(inv_xs));
+      store_panel(_mm256_mul_ps(accf, sc), g.bias, g.out, p * kPanel, n_out);
     }
   });
-  return y;
+  return g.y;
 }
 
 // int8-activation int8 GEMV ("gemv8"): x quantized per block of 32 columns to int8 (absmax ->
@@ -263,39 +285,30 @@ inline __m256 gemv8_panel(const int8_t* w, const QuantizedRow& xq, int64_t block
 at::Tensor gemv_int8x8_packed(const at::Tensor& x, const at::Tensor& packed,
                               const at::Tensor& scale, const c10::optional<at::Tensor>& bias,
                               int64_t n_out, bool vnni) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kChar &&
-                  scale.scalar_type() == at::kFloat,
-              "gemv_int8x8_packed: float32 x and scale, int8 packed weight");
-  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kPanel && packed.size(3) == 4 &&
-                  packed.is_contiguous() && packed.size(1) % kQuads == 0,
+  const Int8Gemv g = int8_gemv_setup(x, packed, scale, bias, n_out, 4, "[P, K32 / 4, 8, 4]",
+                                     "gemv_int8x8_packed");
+  TORCH_CHECK(packed.size(1) % kQuads == 0,
               "gemv_int8x8_packed: packed must be a contiguous [P, K32 / 4, 8, 4] tensor");
   const int64_t panels = packed.size(0);
   const int64_t blocks = packed.size(1) / kQuads;
   const int64_t k_len = x.numel();
   TORCH_CHECK((k_len + kBlock - 1) / kBlock == blocks, "gemv_int8x8_packed: x has ", k_len,
               " values for ", blocks, " blocks of 32 columns");
-  check_rows(panels, n_out, scale, "gemv_int8x8_packed");
   at::Tensor xc = x.contiguous();
   const QuantizedRow xq = quantize_row_int8(xc.data_ptr<float>(), k_len, blocks);
-  at::Tensor bc;
-  const float* bias_ptr = bias_data(bias, n_out, bc, "gemv_int8x8_packed");
-  at::Tensor y = at::empty({1, n_out}, x.options());
-  const int8_t* wp = packed.data_ptr<int8_t>();
-  const float* sp = scale.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
   const bool use_vnni = vnni && __builtin_cpu_supports("avxvnni");
   const int64_t panel_bytes = blocks * kBlock * kPanel;
   const int64_t grain = std::max<int64_t>(1, (128 * 1024) / panel_bytes);
   at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
-      const int8_t* w = wp + p * panel_bytes;
+      const int8_t* w = g.w + p * panel_bytes;
       const __m256 acc = use_vnni ? gemv8_panel<true>(w, xq, blocks)
                                   : gemv8_panel<false>(w, xq, blocks);
-      store_panel(_mm256_mul_ps(acc, _mm256_loadu_ps(sp + p * kPanel)), bias_ptr, yp,
+      store_panel(_mm256_mul_ps(acc, _mm256_loadu_ps(g.scale + p * kPanel)), g.bias, g.out,
                   p * kPanel, n_out);
     }
   });
-  return y;
+  return g.y;
 }
 
 // The panel GEMV's common body, fp32 or int8 panels [P, K, 8] (output row p*8+j of the weight in
