@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from prefixgate.kernels.paged import PagedKV
 
 
 def reshape_and_cache(
@@ -60,14 +61,7 @@ def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> 
     return flat[:, :length].transpose(1, 2)
 
 
-def paged_attention_decode(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
+def paged_attention_decode(q: torch.Tensor, kv: PagedKV, scale: float) -> torch.Tensor:
     """One query token per sequence attending over its whole paged context.
 
     All sequences at once: K/V are gathered through the block tables into ``[B, Hkv, L, D]``
@@ -77,9 +71,7 @@ def paged_attention_decode(
 
     Args:
         q: ``[B, Hq, D]``; Hq a multiple of Hkv (GQA).
-        k_cache, v_cache: ``[N, S, Hkv, D]``; the new token's K/V already written.
-        block_tables: ``[B, max_blocks]`` int32 block ids (padding entries unused).
-        context_lens: ``[B]`` int32, tokens in the context including the new one (>= 1).
+        kv: the B sequences' paged K/V, the new token's already written.
         scale: softmax scale, usually ``head_dim ** -0.5``.
 
     Returns:
@@ -88,11 +80,11 @@ def paged_attention_decode(
     batch, hq, d = q.shape
     if batch == 0:
         return torch.empty_like(q)
-    hkv = k_cache.shape[2]
-    lens = context_lens.long()
+    hkv = kv.k_cache.shape[2]
+    lens = kv.context_lens.long()
     max_len = int(lens.max())
-    k = _gather_kv(k_cache, block_tables, max_len)
-    v = _gather_kv(v_cache, block_tables, max_len)
+    k = _gather_kv(kv.k_cache, kv.block_tables, max_len)
+    v = _gather_kv(kv.v_cache, kv.block_tables, max_len)
     qg = q.reshape(batch, hkv, hq // hkv, d)  # [B, Hkv, G, D]: the group as query rows
     mask = None
     if bool((lens != max_len).any()):
@@ -103,49 +95,41 @@ def paged_attention_decode(
 
 
 def paged_attention_prefill(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
+    q: torch.Tensor, kv: PagedKV, query_start_loc: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """Causal attention for a varlen batch of query chunks over paged K/V.
 
     Sequence b's queries are ``q[query_start_loc[b]:query_start_loc[b+1]]``; they are its
-    last ``q_len`` tokens, so the first query sits at position ``context_lens[b] - q_len``
+    last ``q_len`` tokens, so the first query sits at position ``kv.context_lens[b] - q_len``
     (tokens before it are a cached prefix or earlier chunks, already in the cache).
 
     One ``scaled_dot_product_attention`` call for the whole batch: queries padded to
     ``[B, Hq, max_q, D]``, K/V gathered through the block tables to ``[B, Hkv, max_ctx, D]``
     (``enable_gqa``). When every chunk starts at position 0 with the same length the causal
     mask is SDPA's own ``is_causal`` (no mask tensor, upper blocks skipped); otherwise a
-    boolean mask lets query i of sequence b see keys ``0 .. context_lens[b] - q_len + i``.
+    boolean mask lets query i of sequence b see keys ``0 .. kv.context_lens[b] - q_len + i``.
 
     Args:
         q: ``[T, Hq, D]``.
-        k_cache, v_cache: ``[N, S, Hkv, D]``; this chunk's K/V already written.
-        block_tables: ``[B, max_blocks]`` int32.
+        kv: the B sequences' paged K/V, this chunk's already written.
         query_start_loc: ``[B + 1]`` int32 cumulative query lengths (starts at 0).
-        context_lens: ``[B]`` int32 total tokens per sequence including this chunk.
         scale: softmax scale.
 
     Returns:
         ``[T, Hq, D]`` in q's dtype.
     """
-    batch = context_lens.shape[0]
+    batch = kv.context_lens.shape[0]
     total, hq, d = q.shape
     if batch == 0 or total == 0:
         return torch.empty_like(q)
     dev = q.device
     qsl = query_start_loc.long()
     q_lens = qsl[1:] - qsl[:-1]
-    ctx = context_lens.long()
+    ctx = kv.context_lens.long()
     max_q = int(q_lens.max())
     max_ctx = int(ctx.max())
-    k = _gather_kv(k_cache, block_tables, max_ctx)
-    v = _gather_kv(v_cache, block_tables, max_ctx)
+    k = _gather_kv(kv.k_cache, kv.block_tables, max_ctx)
+    v = _gather_kv(kv.v_cache, kv.block_tables, max_ctx)
     if bool(((q_lens == max_q) & (ctx == max_q)).all()):
         # Whole prompts of one length (no cached prefix): plain causal, no padding.
         qb = q.reshape(batch, max_q, hq, d).transpose(1, 2)
@@ -172,11 +156,8 @@ def paged_attention_prefill(
 
 def paged_attention_verify(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
+    kv: PagedKV,
     query_start_loc: torch.Tensor,
-    context_lens: torch.Tensor,
     scale: float,
     mask: torch.Tensor,
     query_index: torch.Tensor | None = None,
@@ -185,7 +166,7 @@ def paged_attention_verify(
     """Causal attention of short query chunks (speculative decoding's verify rows: a decode and
     its drafts) over paged K/V: ``paged_attention_prefill``'s result, computed as a decode is.
 
-    The first seven arguments and the result are ``paged_attention_prefill``'s; the layout
+    The first four arguments and the result are ``paged_attention_prefill``'s; the layout
     (``prefixgate.engine.attention_metadata.verify_layout_arrays``, built once per step on the
     host) replaces its per-call index arithmetic: queries padded to ``Q`` rows per sequence
     (``query_index``), the ``G = Hq / Hkv`` query heads of a KV head riding in SDPA's query
@@ -194,10 +175,9 @@ def paged_attention_verify(
 
     Args:
         q: ``[T, Hq, D]``.
-        k_cache, v_cache: ``[N, S, Hkv, D]``; these queries' K/V already written.
-        block_tables: ``[B, max_blocks]`` int32.
+        kv: the B sequences' paged K/V, these queries' already written (``kv.context_lens``
+            unused here: ``mask`` holds them).
         query_start_loc: ``[B + 1]`` int32 (unused here: the layout holds it).
-        context_lens: ``[B]`` int32 (unused here: ``mask`` holds it).
         scale: softmax scale.
         mask: ``[B, 1, Q, L]`` additive float mask (0: visible, ``-inf``: not) or bool (True:
             visible) per padded query row, ``L`` >= every context.
@@ -208,16 +188,16 @@ def paged_attention_verify(
     Returns:
         ``[T, Hq, D]`` in q's dtype.
     """
-    del query_start_loc, context_lens  # the layout carries them
-    batch = block_tables.shape[0]
+    del query_start_loc  # the layout carries it (and the context lengths)
+    batch = kv.block_tables.shape[0]
     total, hq, d = q.shape
     if batch == 0 or total == 0:
         return torch.empty_like(q)
     qlen, length = mask.shape[2], mask.shape[3]
-    hkv = k_cache.shape[2]
+    hkv = kv.k_cache.shape[2]
     group = hq // hkv
-    k = _gather_kv(k_cache, block_tables, length)
-    v = _gather_kv(v_cache, block_tables, length)
+    k = _gather_kv(kv.k_cache, kv.block_tables, length)
+    v = _gather_kv(kv.v_cache, kv.block_tables, length)
     padded = q if query_index is None else q.index_select(0, query_index)
     if group == 1:  # [B * Q, H, D] -> [B, H, Q, D]: a strided view, no copy
         out = F.scaled_dot_product_attention(

@@ -13,7 +13,8 @@ block size works and a tile may span several blocks. Softmax is online (Milakov 
 from __future__ import annotations
 
 import torch
-from prefixgate.kernels.triton_checks import check_int
+from prefixgate.kernels.paged import PagedKV
+from prefixgate.kernels.triton_checks import check_cache, check_device, check_float, check_int
 from prefixgate.kernels.triton_env import tl, triton
 
 LOG2E = 1.4426950408889634
@@ -111,34 +112,33 @@ def _attend(
     return m_i, l_i, acc
 
 
-def kernel_strides(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    out: torch.Tensor,
-) -> tuple[int, ...]:
+def kernel_strides(q: torch.Tensor, kv: PagedKV, out: torch.Tensor) -> tuple[int, ...]:
     """The eleven stride arguments both attention kernels take, in their order (elements):
-    ``q [T, Hq, D]``'s token and head strides, ``k_cache``'s and ``v_cache``'s ``[N, S, Hkv, D]``
-    block, slot and head strides, ``block_tables``' row stride, ``out``'s token and head strides.
+    ``q [T, Hq, D]``'s token and head strides, ``kv.k_cache``'s and ``kv.v_cache``'s
+    ``[N, S, Hkv, D]`` block, slot and head strides, ``kv.block_tables``' row stride, ``out``'s
+    token and head strides.
     """
     return (
         *q.stride()[:2],
-        *k_cache.stride()[:3],
-        *v_cache.stride()[:3],
-        block_tables.stride(0),
+        *kv.k_cache.stride()[:3],
+        *kv.v_cache.stride()[:3],
+        kv.block_tables.stride(0),
         *out.stride()[:2],
     )
 
 
-def check_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    num_seqs: int,
-) -> None:
-    """``q [T, Hq, D]`` against the cache, block tables and lengths of ``num_seqs`` sequences."""
+def check_attention(q: torch.Tensor, kv: PagedKV, num_seqs: int, *more: torch.Tensor) -> None:
+    """Both attention entry points' argument checks: ``q [T, Hq, D]`` float with a contiguous
+    last dim, ``kv``'s caches alike and matching it (head_dim, dtype, Hq a multiple of Hkv), its
+    block tables and lengths int and of ``num_seqs`` sequences, all on one device with ``more``.
+
+    Raises:
+        TypeError / ValueError: see :mod:`.triton_checks`.
+    """
+    k_cache, block_tables, context_lens = kv.k_cache, kv.block_tables, kv.context_lens
+    check_device(q, k_cache, kv.v_cache, block_tables, context_lens, *more)
+    check_float("q", q, 3)
+    check_cache(k_cache, kv.v_cache)
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     if k_cache.shape[3] != head_dim:

@@ -39,7 +39,9 @@ def check_float(name: str, t: torch.Tensor, ndim: int) -> None:
 
 
 def check_int(name: str, t: torch.Tensor, ndim: int) -> None:
-    """``t`` int32/int64 with ``ndim`` dims."""
+    """``t`` an int32/int64 tensor with ``ndim`` dims."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in INTS:
         raise TypeError(f"{name} must be int32 or int64, got {t.dtype}")
     if t.dim() != ndim:

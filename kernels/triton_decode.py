@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from prefixgate.kernels.paged import PagedKV
 from prefixgate.kernels.triton_attention import (
     LOG2E,
     NEG_BIG,
@@ -22,7 +23,6 @@ from prefixgate.kernels.triton_attention import (
     check_attention,
     kernel_strides,
 )
-from prefixgate.kernels.triton_checks import check_cache, check_device, check_float
 from prefixgate.kernels.triton_env import interpreting, next_pow2, tl, triton
 
 
@@ -185,24 +185,15 @@ def choose_num_splits(
 
 
 def paged_attention_decode(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    *,
-    config: DecodeConfig | None = None,
+    q: torch.Tensor, kv: PagedKV, scale: float, *, config: DecodeConfig | None = None
 ) -> torch.Tensor:
     """One query token per sequence over its paged context (flash-decoding split-K).
 
     Args:
         q: ``[B, Hq, D]`` fp32/fp16/bf16, last dim contiguous; Hq a multiple of Hkv (GQA).
-        k_cache, v_cache: ``[N, S, Hkv, D]`` in q's dtype, last dim contiguous; the new token's
-            K/V already written.
-        block_tables: ``[B, max_blocks]`` int32 block ids; its width bounds the context for the
-            split heuristic.
-        context_lens: ``[B]`` int32 tokens including the new one (>= 1).
+        kv: the B sequences' paged K/V (caches in q's dtype, last dim contiguous), the new
+            token's already written; the block tables' width bounds the context for the split
+            heuristic.
         scale: softmax scale, usually ``head_dim ** -0.5``.
         config: tile / split / launch options (defaults: :class:`DecodeConfig`); the backend's
             entry point (``torch_ref``'s signature) leaves it out.
@@ -213,19 +204,16 @@ def paged_attention_decode(
     Raises:
         TypeError / ValueError: wrong dtypes, shapes or devices.
     """
-    check_device(q, k_cache, v_cache, block_tables, context_lens)
-    check_float("q", q, 3)
-    check_cache(k_cache, v_cache)
-    check_attention(q, k_cache, block_tables, context_lens, q.shape[0])
+    check_attention(q, kv, q.shape[0])
     cfg = config or DecodeConfig()
     batch, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    block_size, num_kv_heads = kv.k_cache.shape[1], kv.k_cache.shape[2]
     out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
     groups = num_heads // num_kv_heads
     tile_n = max(16, cfg.tile_n)
-    max_context = block_tables.shape[1] * block_size
+    max_context = kv.block_tables.shape[1] * block_size
     splits = cfg.num_splits or choose_num_splits(batch, num_kv_heads, max_context, q.device, tile_n)
     tokens_per_split = math.ceil(math.ceil(max_context / splits) / tile_n) * tile_n
     d_pad = next_pow2(head_dim, 16)
@@ -238,15 +226,15 @@ def paged_attention_decode(
         part_acc = part_ml = out  # unused
     _decode_kernel[(num_kv_heads, batch, splits)](
         q,
-        k_cache,
-        v_cache,
-        block_tables,
-        context_lens,
+        kv.k_cache,
+        kv.v_cache,
+        kv.block_tables,
+        kv.context_lens,
         out,
         part_acc,
         part_ml,
         float(scale) * LOG2E,
-        *kernel_strides(q, k_cache, v_cache, block_tables, out),
+        *kernel_strides(q, kv, out),
         tokens_per_split,
         GROUPS=groups,
         G_PAD=next_pow2(groups, 16),

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from prefixgate.kernels.paged import PagedKV
 from prefixgate.kernels.triton_attention import (
     LOG2E,
     _attend,
@@ -20,7 +21,7 @@ from prefixgate.kernels.triton_attention import (
     check_attention,
     kernel_strides,
 )
-from prefixgate.kernels.triton_checks import check_cache, check_device, check_float, check_int
+from prefixgate.kernels.triton_checks import check_int
 from prefixgate.kernels.triton_env import interpreting, next_pow2, tl, triton
 
 
@@ -159,11 +160,8 @@ def default_prefill_config(head_dim: int, device: torch.device) -> PrefillConfig
 
 def paged_attention_prefill(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
+    kv: PagedKV,
     query_start_loc: torch.Tensor,
-    context_lens: torch.Tensor,
     scale: float,
     *,
     config: PrefillConfig | None = None,
@@ -171,14 +169,12 @@ def paged_attention_prefill(
     """Causal attention for a varlen batch of query chunks over paged K/V.
 
     Sequence b's queries ``q[query_start_loc[b]:query_start_loc[b+1]]`` are its last tokens;
-    the first sits at position ``context_lens[b] - q_len`` (earlier tokens already cached).
+    the first sits at position ``kv.context_lens[b] - q_len`` (earlier tokens already cached).
 
     Args:
         q: ``[T, Hq, D]``, last dim contiguous.
-        k_cache, v_cache: ``[N, S, Hkv, D]``; this chunk's K/V already written.
-        block_tables: ``[B, max_blocks]`` int32.
+        kv: the B sequences' paged K/V, this chunk's already written.
         query_start_loc: ``[B + 1]`` int32 cumulative query lengths from 0 (non-decreasing).
-        context_lens: ``[B]`` int32 tokens per sequence including this chunk.
         scale: softmax scale.
         config: tile / launch options (default :func:`default_prefill_config`); the backend's
             entry point (``torch_ref``'s signature) leaves it out.
@@ -189,32 +185,29 @@ def paged_attention_prefill(
     Raises:
         TypeError / ValueError: wrong dtypes, shapes or devices.
     """
-    check_device(q, k_cache, v_cache, block_tables, query_start_loc, context_lens)
-    check_float("q", q, 3)
-    check_cache(k_cache, v_cache)
     check_int("query_start_loc", query_start_loc, 1)
     num_seqs = query_start_loc.shape[0] - 1
     if num_seqs < 0:
         raise ValueError("query_start_loc must hold B + 1 >= 1 offsets")
-    check_attention(q, k_cache, block_tables, context_lens, num_seqs)
+    check_attention(q, kv, num_seqs, query_start_loc)
     total, num_heads, head_dim = q.shape
     out = torch.empty((total, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if total == 0 or num_seqs == 0:
         return out
     cfg = config or default_prefill_config(head_dim, q.device)
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    block_size, num_kv_heads = kv.k_cache.shape[1], kv.k_cache.shape[2]
     grid = (total // cfg.block_m + num_seqs, num_heads)
     _prefill_kernel[grid](
         q,
-        k_cache,
-        v_cache,
-        block_tables,
+        kv.k_cache,
+        kv.v_cache,
+        kv.block_tables,
         query_start_loc,
-        context_lens,
+        kv.context_lens,
         out,
         float(scale) * LOG2E,
         num_seqs,
-        *kernel_strides(q, k_cache, v_cache, block_tables, out),
+        *kernel_strides(q, kv, out),
         GROUPS=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
         D_PAD=next_pow2(head_dim, 16),
@@ -230,11 +223,8 @@ def paged_attention_prefill(
 
 def paged_attention_verify(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
+    kv: PagedKV,
     query_start_loc: torch.Tensor,
-    context_lens: torch.Tensor,
     scale: float,
     mask: torch.Tensor,
     query_index: torch.Tensor | None = None,
@@ -251,6 +241,4 @@ def paged_attention_verify(
         TypeError / ValueError: as ``paged_attention_prefill``.
     """
     del mask, query_index, output_index
-    return paged_attention_prefill(
-        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale
-    )
+    return paged_attention_prefill(q, kv, query_start_loc, scale)

@@ -14,6 +14,7 @@ import torch
 from prefixgate.engine.attention_metadata import AttentionMetadata, VerifyLayout
 from prefixgate.engine.models.config import ModelConfig
 from prefixgate.kernels import cpu_ext
+from prefixgate.kernels.paged import PagedKV
 from torch import nn
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -360,9 +361,8 @@ class Attention(nn.Module):
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, views: BatchViews
     ) -> torch.Tensor:
         """Paged decode attention of the batch's decode rows ``q`` (``[num_decodes, Hq, D]``)."""
-        return self.kernels.paged_attention_decode(
-            q, k_cache, v_cache, views.decode_block_tables, views.decode_context_lens, self.scale
-        )
+        kv = PagedKV(k_cache, v_cache, views.decode_block_tables, views.decode_context_lens)
+        return self.kernels.paged_attention_decode(q, kv, self.scale)
 
     def _verify(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, views: BatchViews
@@ -371,13 +371,11 @@ class Attention(nn.Module):
         drafts per sequence, decode-like over the layout built once per step."""
         lay = views.verify
         assert lay is not None
+        kv = PagedKV(k_cache, v_cache, views.verify_block_tables, views.verify_context_lens)
         return self.kernels.paged_attention_verify(
             q,
-            k_cache,
-            v_cache,
-            views.verify_block_tables,
+            kv,
             lay.query_start_loc,
-            views.verify_context_lens,
             self.scale,
             lay.mask,
             lay.query_index,
@@ -388,14 +386,9 @@ class Attention(nn.Module):
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, views: BatchViews
     ) -> torch.Tensor:
         """Paged prefill attention of the batch's prefill rows ``q`` (``[T_prefill, Hq, D]``)."""
+        kv = PagedKV(k_cache, v_cache, views.prefill_block_tables, views.prefill_context_lens)
         return self.kernels.paged_attention_prefill(
-            q,
-            k_cache,
-            v_cache,
-            views.prefill_block_tables,
-            views.prefill_query_start_loc,
-            views.prefill_context_lens,
-            self.scale,
+            q, kv, views.prefill_query_start_loc, self.scale
         )
 
 

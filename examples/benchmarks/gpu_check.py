@@ -43,6 +43,7 @@ if not torch.cuda.is_available():  # before triton is imported: run the kernels 
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from prefixgate.kernels import torch_ref, triton_decode, triton_ops, triton_prefill  # noqa: E402
+from prefixgate.kernels.paged import PagedKV  # noqa: E402
 from prefixgate.sdk.bench.shared import shared_dir  # noqa: E402
 
 SHARED = shared_dir()
@@ -165,18 +166,18 @@ def make_paged(
     }
 
 
+def paged_kv(p: dict[str, Any], num_seqs: int | None = None) -> PagedKV:
+    """The :class:`PagedKV` of :func:`make_paged`'s tensors (its first ``num_seqs`` sequences;
+    all when None)."""
+    return PagedKV(
+        p["k_cache"], p["v_cache"], p["block_tables"][:num_seqs], p["context_lens"][:num_seqs]
+    )
+
+
 def prefill_args(p: dict[str, Any], d: int) -> tuple[Any, ...]:
     """``paged_attention_prefill``'s arguments from :func:`make_paged`'s tensors (scale
     ``d ** -0.5``)."""
-    return (
-        p["q"],
-        p["k_cache"],
-        p["v_cache"],
-        p["block_tables"],
-        p["query_start_loc"],
-        p["context_lens"],
-        d**-0.5,
-    )
+    return (p["q"], paged_kv(p), p["query_start_loc"], d**-0.5)
 
 
 def timed_generate(
@@ -203,14 +204,7 @@ def check_correctness(device: torch.device, dry: bool) -> list[dict[str, Any]]:
             p = make_paged(3, lens[0], q_len, hq, hkv, d, 16, dtype, device, seed=1)
             p["context_lens"] = torch.tensor(lens, dtype=torch.int32, device=device)
             pre_args = prefill_args(p, d)
-            dec_args = (
-                p["q"][:3],
-                p["k_cache"],
-                p["v_cache"],
-                p["block_tables"],
-                p["context_lens"],
-                d**-0.5,
-            )
+            dec_args = (p["q"][:3], paged_kv(p), d**-0.5)
             for kind, ours, ref in (
                 (
                     "prefill",
@@ -235,7 +229,7 @@ def decode_bench(
 ) -> dict[str, Any]:
     """Decode attention bandwidth (K + V bytes read / time) at ``s.decode_batch x s.decode_ctx``."""
     p = make_paged(s.decode_batch, s.decode_ctx, 1, hq, hkv, d, s.block_size, s.dtype, device)
-    args = (p["q"], p["k_cache"], p["v_cache"], p["block_tables"], p["context_lens"], d**-0.5)
+    args = (p["q"], paged_kv(p), d**-0.5)
     kv_bytes = 2 * s.decode_batch * s.decode_ctx * hkv * d * p["k_cache"].element_size()
 
     def measure(cfg: triton_decode.DecodeConfig | None) -> dict[str, Any]:
@@ -250,14 +244,7 @@ def decode_bench(
 
     default = measure(None)
     n = min(4, s.decode_batch)  # correctness at this shape on a few sequences
-    sub = (
-        p["q"][:n],
-        p["k_cache"],
-        p["v_cache"],
-        p["block_tables"][:n],
-        p["context_lens"][:n],
-        d**-0.5,
-    )
+    sub = (p["q"][:n], paged_kv(p, n), d**-0.5)
     err = (
         (
             triton_ops.paged_attention_decode(*sub).float()

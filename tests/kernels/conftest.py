@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from prefixgate.kernels.paged import PagedKV
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -82,29 +83,18 @@ class PagedBatch:
     def scale(self) -> float:
         return self.q.shape[-1] ** -0.5
 
-    def decode_args(
-        self,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float]:
-        """``paged_attention_decode``'s arguments: ``(q, k_cache, v_cache, block_tables,
-        context_lens, scale)``."""
-        return (
-            self.q,
-            self.k_cache,
-            self.v_cache,
-            self.block_tables,
-            self.context_lens,
-            self.scale,
-        )
+    @property
+    def kv(self) -> PagedKV:
+        """The caches, block tables and context lengths as the attention kernels take them."""
+        return PagedKV(self.k_cache, self.v_cache, self.block_tables, self.context_lens)
 
-    def prefill_args(
-        self,
-    ) -> tuple[
-        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float
-    ]:
-        """``paged_attention_prefill``'s arguments: ``(q, k_cache, v_cache, block_tables,
-        query_start_loc, context_lens, scale)``."""
-        q, k_cache, v_cache, block_tables, context_lens, scale = self.decode_args()
-        return (q, k_cache, v_cache, block_tables, self.query_start_loc, context_lens, scale)
+    def decode_args(self) -> tuple[torch.Tensor, PagedKV, float]:
+        """``paged_attention_decode``'s arguments: ``(q, kv, scale)``."""
+        return (self.q, self.kv, self.scale)
+
+    def prefill_args(self) -> tuple[torch.Tensor, PagedKV, torch.Tensor, float]:
+        """``paged_attention_prefill``'s arguments: ``(q, kv, query_start_loc, scale)``."""
+        return (self.q, self.kv, self.query_start_loc, self.scale)
 
 
 def make_paged_batch(

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from prefixgate.kernels import torch_ref, triton_decode, triton_ops, triton_prefill
+from prefixgate.kernels.paged import PagedKV
 
 DTYPES = [
     pytest.param(torch.float32, id="fp32"),
@@ -101,42 +104,30 @@ def test_prefill_of_one_token_equals_decode(close, paged_batch, atol):
 def test_empty_batches(paged_batch):
     pb = paged_batch([5], [1], 16, NUM_KV_HEADS, 1, 64)
     q0 = pb.q[:0]
-    out = triton_ops.paged_attention_decode(
-        q0, pb.k_cache, pb.v_cache, pb.block_tables[:0], pb.context_lens[:0], pb.scale
-    )
+    kv0 = PagedKV(pb.k_cache, pb.v_cache, pb.block_tables[:0], pb.context_lens[:0])
+    out = triton_ops.paged_attention_decode(q0, kv0, pb.scale)
     assert out.shape == (0, NUM_KV_HEADS, 64)
     qsl = torch.zeros(1, dtype=torch.int32, device=q0.device)
-    out = triton_ops.paged_attention_prefill(
-        q0, pb.k_cache, pb.v_cache, pb.block_tables[:0], qsl, pb.context_lens[:0], pb.scale
-    )
+    out = triton_ops.paged_attention_prefill(q0, kv0, qsl, pb.scale)
     assert out.shape == (0, NUM_KV_HEADS, 64)
 
 
 def test_bad_arguments_raise_clear_errors(paged_batch):
     pb = paged_batch([5, 9], [1, 1], 16, NUM_KV_HEADS, 2, 64)
-    args = [pb.q, pb.k_cache, pb.v_cache, pb.block_tables, pb.context_lens, pb.scale]
     with pytest.raises(TypeError, match="dtype"):
-        triton_ops.paged_attention_decode(pb.q.half(), *args[1:])
+        triton_ops.paged_attention_decode(pb.q.half(), pb.kv, pb.scale)
     with pytest.raises(ValueError, match="multiple of KV heads"):
-        triton_ops.paged_attention_decode(pb.q[:, :3], *args[1:])
+        triton_ops.paged_attention_decode(pb.q[:, :3], pb.kv, pb.scale)
     with pytest.raises(ValueError, match="sequences"):
         triton_ops.paged_attention_decode(
-            pb.q, pb.k_cache, pb.v_cache, pb.block_tables[:1], pb.context_lens, pb.scale
+            pb.q, replace(pb.kv, block_tables=pb.block_tables[:1]), pb.scale
         )
     with pytest.raises(TypeError, match="block_tables"):
         triton_ops.paged_attention_decode(
-            pb.q, pb.k_cache, pb.v_cache, pb.block_tables.float(), pb.context_lens, pb.scale
+            pb.q, replace(pb.kv, block_tables=pb.block_tables.float()), pb.scale
         )
     with pytest.raises(ValueError, match="head_dim"):
-        triton_ops.paged_attention_prefill(
-            pb.q[..., :32],
-            pb.k_cache,
-            pb.v_cache,
-            pb.block_tables,
-            pb.query_start_loc,
-            pb.context_lens,
-            pb.scale,
-        )
+        triton_ops.paged_attention_prefill(pb.q[..., :32], pb.kv, pb.query_start_loc, pb.scale)
 
 
 def test_split_heuristic_bounds(monkeypatch):
@@ -157,14 +148,11 @@ def test_int64_metadata(close, paged_batch, dense, atol):
     """Block tables, context lengths and query offsets may be int64 as well as int32."""
     pb = paged_batch([30, 7], [12, 7], 16, NUM_KV_HEADS, 2, 64, torch.float32, seed=4)
     tables, lens, qsl = pb.block_tables.long(), pb.context_lens.long(), pb.query_start_loc.long()
-    out = triton_ops.paged_attention_prefill(
-        pb.q, pb.k_cache, pb.v_cache, tables, qsl, lens, pb.scale
-    )
+    kv = PagedKV(pb.k_cache, pb.v_cache, tables, lens)
+    out = triton_ops.paged_attention_prefill(pb.q, kv, qsl, pb.scale)
     close(out, dense(pb), atol[torch.float32])
     last = qsl[1:] - 1
-    dec = triton_ops.paged_attention_decode(
-        pb.q[last], pb.k_cache, pb.v_cache, tables, lens, pb.scale
-    )
+    dec = triton_ops.paged_attention_decode(pb.q[last], kv, pb.scale)
     close(dec, out[last], atol[torch.float32])
 
 
@@ -175,7 +163,5 @@ def test_other_head_dims(close, paged_batch, dense, atol, head_dim):
     out = triton_ops.paged_attention_prefill(*pb.prefill_args())
     close(out, dense(pb), atol[torch.float32])
     last = pb.query_start_loc[1:].long() - 1
-    dec = triton_ops.paged_attention_decode(
-        pb.q[last], pb.k_cache, pb.v_cache, pb.block_tables, pb.context_lens, pb.scale
-    )
+    dec = triton_ops.paged_attention_decode(pb.q[last], pb.kv, pb.scale)
     close(dec, out[last], atol[torch.float32])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from prefixgate.kernels import cpu_ext, torch_ref
+from prefixgate.kernels.paged import PagedKV
 from support.cpu_ops_reference import cos_sin as rotary_table
 from support.cpu_ops_reference import decode_case, rotary_and_cache
 
@@ -133,7 +134,9 @@ def test_decode_attention_matches_reference(hq, hkv, length, d):
     scale = d**-0.5
 
     q, kr, vr = rotary_and_cache(qkv, positions, cos_sin, k_cache, v_cache, slot, hq, hkv)
-    want = torch_ref.paged_attention_decode(q, kr, vr, table, lens, scale).reshape(1, hq * d)
+    want = torch_ref.paged_attention_decode(q, PagedKV(kr, vr, table, lens), scale).reshape(
+        1, hq * d
+    )
 
     got = cpu_ext.decode_attention(
         qkv, positions, cos_sin, k_cache, v_cache, table, lens, slot, hq, hkv, scale
@@ -305,7 +308,9 @@ def test_decode_attention_rows_match_reference(hq, hkv, d):
     scale = d**-0.5
 
     q, kr, vr = rotary_and_cache(qkv, pos, cos_sin, k_cache, v_cache, slot, hq, hkv)
-    want = torch_ref.paged_attention_decode(q, kr, vr, table, lens, scale).reshape(batch, hq * d)
+    want = torch_ref.paged_attention_decode(q, PagedKV(kr, vr, table, lens), scale).reshape(
+        batch, hq * d
+    )
 
     got = cpu_ext.decode_attention(
         qkv, pos, cos_sin, k_cache, v_cache, table, lens, slot, hq, hkv, scale

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from prefixgate.kernels import cpu_ext, torch_ref
+from prefixgate.kernels.paged import PagedKV
 from support.cpu_ops_reference import cos_sin as rotary_table
 from support.cpu_ops_reference import decode_case, rotary_and_cache
 
@@ -111,9 +112,11 @@ def test_decode_attention_bf16_matches_reference(hq, hkv, d):
     batch = len(lengths)
     scale = d**-0.5
     q, kr, vr = rotary_and_cache(qkv, pos, cos_sin, k_cache, v_cache, slot, hq, hkv)
-    want = torch_ref.paged_attention_decode(q, kr, vr, table, lens, scale).reshape(batch, hq * d)
+    want = torch_ref.paged_attention_decode(q, PagedKV(kr, vr, table, lens), scale).reshape(
+        batch, hq * d
+    )
     want32 = torch_ref.paged_attention_decode(
-        q.float(), kr.float(), vr.float(), table, lens, scale
+        q.float(), PagedKV(kr.float(), vr.float(), table, lens), scale
     ).reshape(batch, hq * d)
 
     got = cpu_ext.decode_attention(

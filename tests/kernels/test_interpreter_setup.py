@@ -16,6 +16,7 @@ _SCRIPT = textwrap.dedent("""
     import sys
     assert "triton" in sys.modules
     from prefixgate.kernels import get_backend, torch_ref
+    from prefixgate.kernels.paged import PagedKV
     ops = get_backend("triton")
     x, w, r = torch.randn(3, 64), torch.randn(64), torch.randn(3, 64)
     out, res = ops.rms_norm(x, w, 1e-5, r)
@@ -23,8 +24,9 @@ _SCRIPT = textwrap.dedent("""
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
     q, kc, vc = torch.randn(2, 4, 32), torch.randn(4, 16, 2, 32), torch.randn(4, 16, 2, 32)
     bt, lens = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), torch.tensor([20, 7], dtype=torch.int32)
-    torch.testing.assert_close(ops.paged_attention_decode(q, kc, vc, bt, lens, 0.2),
-                               torch_ref.paged_attention_decode(q, kc, vc, bt, lens, 0.2), atol=1e-5, rtol=0)
+    kv = PagedKV(kc, vc, bt, lens)
+    torch.testing.assert_close(ops.paged_attention_decode(q, kv, 0.2),
+                               torch_ref.paged_attention_decode(q, kv, 0.2), atol=1e-5, rtol=0)
     print("ok")
 """)
 

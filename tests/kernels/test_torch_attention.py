@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from prefixgate.kernels import torch_ref
+from prefixgate.kernels.paged import PagedKV
 
 DTYPES = [
     pytest.param(torch.float32, 1e-5, id="fp32"),
@@ -58,20 +59,10 @@ def test_prefill_one_token_equals_decode(close, paged_batch):
 
 def test_empty(paged_batch):
     pb = paged_batch([5], [1], 16, 2, 2, 64)
-    empty_tables = pb.block_tables[:0]
-    out = torch_ref.paged_attention_decode(
-        pb.q[:0], pb.k_cache, pb.v_cache, empty_tables, pb.context_lens[:0], pb.scale
-    )
+    kv0 = PagedKV(pb.k_cache, pb.v_cache, pb.block_tables[:0], pb.context_lens[:0])
+    out = torch_ref.paged_attention_decode(pb.q[:0], kv0, pb.scale)
     assert out.shape == (0, 4, 64)
-    out = torch_ref.paged_attention_prefill(
-        pb.q[:0],
-        pb.k_cache,
-        pb.v_cache,
-        empty_tables,
-        pb.query_start_loc[:1],
-        pb.context_lens[:0],
-        pb.scale,
-    )
+    out = torch_ref.paged_attention_prefill(pb.q[:0], kv0, pb.query_start_loc[:1], pb.scale)
     assert out.shape == (0, 4, 64)
 
 
