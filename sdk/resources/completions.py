@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from functools import cached_property
 from typing import Any, Literal, TypedDict, Unpack, overload
 
 from .._options import StreamCallOptions, split_call
-from .._response import to_raw_response_wrapper, to_streamed_response_wrapper
 from ..batch import run_batch
 from ..streaming import AsyncStream
 from ..types import Completion
@@ -17,8 +15,6 @@ __all__ = [
     "CompletionCreateParams",
     "CompletionRequired",
     "AsyncCompletions",
-    "AsyncCompletionsWithRawResponse",
-    "AsyncCompletionsWithStreamingResponse",
 ]
 
 
@@ -40,6 +36,8 @@ class CompletionCreateParams(CompletionRequired, GenerationParams, StreamCallOpt
 
 class AsyncCompletions(APIResource):
     """``client.completions``."""
+
+    raw_methods = streamed_methods = ("create",)
 
     @overload
     async def create(
@@ -104,27 +102,3 @@ class AsyncCompletions(APIResource):
         reject_stream(request)
         result: Completion = await self.create(**request)
         return result
-
-    @cached_property
-    def with_raw_response(self) -> AsyncCompletionsWithRawResponse:
-        """The same methods, returning an ``APIResponse`` (headers, status, ``parse()``)."""
-        return AsyncCompletionsWithRawResponse(self)
-
-    @cached_property
-    def with_streaming_response(self) -> AsyncCompletionsWithStreamingResponse:
-        """The same methods as ``async with`` blocks yielding an ``AsyncAPIResponse``."""
-        return AsyncCompletionsWithStreamingResponse(self)
-
-
-class AsyncCompletionsWithRawResponse:
-    """``client.completions.with_raw_response``."""
-
-    def __init__(self, completions: AsyncCompletions) -> None:
-        self.create = to_raw_response_wrapper(completions.create)
-
-
-class AsyncCompletionsWithStreamingResponse:
-    """``client.completions.with_streaming_response``."""
-
-    def __init__(self, completions: AsyncCompletions) -> None:
-        self.create = to_streamed_response_wrapper(completions.create)
