@@ -39,13 +39,13 @@ import aiohttp
 from aiohttp import web
 from prefixgate.gateway.http.access_log import stream_cut
 from prefixgate.gateway.http.errors import GEMINI, APIError, bad_request, error_dialect
-from prefixgate.gateway.http.sse import SSE_HEADERS, client_gone, client_left
+from prefixgate.gateway.http.sse import SSE_HEADERS, client_gone, client_left, end_stream
 from prefixgate.gateway.proxy.answers import shape_problem
 from prefixgate.gateway.proxy.attempts import Call, NextUpstream, each_upstream, refusal
 from prefixgate.gateway.proxy.messages_openai import token_count
 from prefixgate.gateway.proxy.policies import Route
 from prefixgate.gateway.proxy.prefix_entry import ProxyPrefix
-from prefixgate.gateway.proxy.relay import EventChecker, StreamBroken
+from prefixgate.gateway.proxy.relay import EventChecker, StreamBroken, broke_mid_stream
 from prefixgate.gateway.proxy.routes import (
     model_cards,
     upstream_headers,
@@ -367,25 +367,15 @@ async def _relay(call: _Call, resp: aiohttp.ClientResponse, rid: str) -> web.Str
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
         if client_gone(call.request):  # a write to the client failed: aiohttp's
             return client_left(out)  # ClientConnectionResetError is a ClientConnectionError too
-        error = APIError(
-            502,
-            f"the upstream connection broke mid-stream: {type(exc).__name__}",
-            code="upstream_error",
-        )
+        error = APIError(502, broke_mid_stream(exc), code="upstream_error")
     except ConnectionResetError:
         return client_left(out)
     call.account.estimated_completion_tokens = chunks.completion
     call.account.read_usage(chunks.usage)  # the closing chunk's usageMetadata's source
-    try:
-        if error is not None:
-            stream_cut(call.request, error.code)
-            await out.write(_error_event(error))
-        else:
-            await out.write(chunks.closing())
-        await out.write_eof()
-    except ConnectionResetError:
-        return client_left(out)
-    return out
+    if error is None:
+        return await end_stream(out, chunks.closing())
+    stream_cut(call.request, error.code)
+    return await end_stream(out, _error_event(error))
 
 
 # --- routes ---------------------------------------------------------------------------------

@@ -45,12 +45,19 @@ import aiohttp
 from aiohttp import web
 from prefixgate.gateway.http.access_log import stream_cut
 from prefixgate.gateway.http.errors import ANTHROPIC, APIError, error_dialect, error_event
-from prefixgate.gateway.http.sse import KEEPALIVE, SSE_HEADERS, client_gone, client_left
+from prefixgate.gateway.http.sse import (
+    KEEPALIVE,
+    SSE_HEADERS,
+    client_gone,
+    client_left,
+    end_stream,
+)
 from prefixgate.gateway.proxy import anthropic, messages_openai
 from prefixgate.gateway.proxy.answers import shape_problem
 from prefixgate.gateway.proxy.attempts import Call, NextUpstream, each_upstream, refusal
 from prefixgate.gateway.proxy.messages_openai import Malformed
 from prefixgate.gateway.proxy.policies import Route
+from prefixgate.gateway.proxy.relay import broke_mid_stream
 from prefixgate.gateway.proxy.routes import upstream_credential, upstream_headers
 from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import Upstream
@@ -547,19 +554,11 @@ async def _relay(
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
         if client_gone(request):  # a write to the client failed: aiohttp's
             return client_left(out)  # ClientConnectionResetError is a ClientConnectionError too
-        error = APIError(
-            502,
-            f"the upstream connection broke mid-stream: {type(exc).__name__}",
-            code="upstream_error",
-        )
+        error = APIError(502, broke_mid_stream(exc), code="upstream_error")
     except ConnectionResetError:
         return client_left(out)  # leaving closes the upstream connection
-    try:
-        if error is not None:
-            logger.warning("upstream stream broken: %s", error.message)
-            stream_cut(request, error.code)
-            await out.write(error_event(request, error))
-        await out.write_eof()
-    except ConnectionResetError:
-        return client_left(out)
-    return out
+    if error is None:
+        return await end_stream(out)
+    logger.warning("upstream stream broken: %s", error.message)
+    stream_cut(request, error.code)
+    return await end_stream(out, error_event(request, error))
