@@ -5,13 +5,14 @@ from __future__ import annotations
 import functools
 import inspect
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import cached_property
 from typing import Any, ClassVar, TypedDict, TypeVar
 from urllib.parse import quote
 
 from .._options import OPTION_NAMES, Requester
 from .._response import ResponseMethods, to_raw_response_wrapper, to_streamed_response_wrapper
+from ..batch import run_batch
 
 __all__ = ["APIResource", "GenerationParams", "reject_stream", "require_str", "path_part", "takes"]
 
@@ -41,6 +42,25 @@ class APIResource:
         """The same methods as ``async with`` blocks yielding an ``AsyncAPIResponse`` whose
         body is read on demand."""
         return ResponseMethods(self, self.streamed_methods, to_streamed_response_wrapper)
+
+    async def _batch(
+        self,
+        create: Callable[..., Awaitable[Any]],
+        requests: Sequence[Mapping[str, Any]],
+        progress: bool,
+        desc: str,
+    ) -> list[Any]:
+        """``create(**request)`` for each request under the client's concurrency limit
+        (``run_batch``: results in input order, an exception in the slot of a request that
+        raised; one that asks to stream raises ``ValueError``)."""
+
+        async def one(**request: Any) -> Any:
+            reject_stream(request)
+            return await create(**request)
+
+        return await run_batch(
+            one, requests, workers=self._client.max_concurrency, progress=progress, desc=desc
+        )
 
 
 class GenerationParams(TypedDict, total=False):

@@ -10,10 +10,9 @@ from .._parsing import parse_chat_completion, response_format_param
 from .._response import (
     APIResponse,
 )
-from ..batch import run_batch
 from ..streaming import AsyncStream
 from ..types import ChatCompletion, ChatCompletionChunk, ParsedChatCompletion
-from ._common import APIResource, GenerationParams, reject_stream, require_str, takes
+from ._common import APIResource, GenerationParams, require_str, takes
 
 __all__ = [
     "ChatCompletionCreateParams",
@@ -194,18 +193,7 @@ class AsyncChatCompletions(APIResource):
         Raises:
             TypeError: an item is not a mapping.
         """
-        return await run_batch(
-            self._non_stream_create,
-            requests,
-            workers=self._client.max_concurrency,
-            progress=progress,
-            desc="chat.completions",
-        )
-
-    async def _non_stream_create(self, **request: Any) -> ChatCompletion:
-        reject_stream(request)
-        result: ChatCompletion = await self.create(**request)
-        return result
+        return await self._batch(self.create, requests, progress, "chat.completions")
 
 
 class AsyncChat:

@@ -6,10 +6,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal, TypedDict, Unpack, overload
 
 from .._options import StreamCallOptions, split_call
-from ..batch import run_batch
 from ..streaming import AsyncStream
 from ..types import Completion
-from ._common import APIResource, GenerationParams, reject_stream, require_str, takes
+from ._common import APIResource, GenerationParams, require_str, takes
 
 __all__ = [
     "CompletionCreateParams",
@@ -90,15 +89,4 @@ class AsyncCompletions(APIResource):
         self, requests: Sequence[Mapping[str, Any]], *, progress: bool = False
     ) -> list[Completion | Exception]:
         """Like ``chat.completions.batch`` for ``create(**request)`` of this resource."""
-        return await run_batch(
-            self._non_stream_create,
-            requests,
-            workers=self._client.max_concurrency,
-            progress=progress,
-            desc="completions",
-        )
-
-    async def _non_stream_create(self, **request: Any) -> Completion:
-        reject_stream(request)
-        result: Completion = await self.create(**request)
-        return result
+        return await self._batch(self.create, requests, progress, "completions")
