@@ -17,6 +17,24 @@ TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 CACHE_SALT_MODES = ("auto", "on", "off")  # --upstream-cache-salt
 
 
+def _require_at_least(config: object, low: int, *names: str) -> None:
+    """Raise ``ValueError`` naming the first of the fields ``names`` of ``config`` below
+    ``low``."""
+    for name in names:
+        value = getattr(config, name)
+        if value < low:
+            raise ValueError(f"{name} must be >= {low}, got {value}")
+
+
+def _require_positive(config: object, *names: str) -> None:
+    """Raise ``ValueError`` naming the first of the fields ``names`` of ``config`` that is
+    not > 0 (NaN included)."""
+    for name in names:
+        value = getattr(config, name)
+        if not value > 0:
+            raise ValueError(f"{name} must be > 0, got {value}")
+
+
 @dataclass(slots=True)
 class AdmissionConfig:
     """Bounds of the admission queue.
@@ -32,12 +50,8 @@ class AdmissionConfig:
     max_running: int = 0
 
     def __post_init__(self) -> None:
-        if self.max_queued_requests < 1:
-            raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
-        if self.max_queued_tokens < 1:
-            raise ValueError(f"max_queued_tokens must be >= 1, got {self.max_queued_tokens}")
-        if self.max_running < 0:
-            raise ValueError(f"max_running must be >= 0, got {self.max_running}")
+        _require_at_least(self, 1, "max_queued_requests", "max_queued_tokens")
+        _require_at_least(self, 0, "max_running")
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,12 +84,10 @@ class HealthPolicy:
     healthy_threshold: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("consecutive_failures", "unhealthy_threshold", "healthy_threshold"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("base_ejection_s", "interval_s", "timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        _require_at_least(
+            self, 1, "consecutive_failures", "unhealthy_threshold", "healthy_threshold"
+        )
+        _require_positive(self, "base_ejection_s", "interval_s", "timeout_s")
         if not self.max_ejection_s >= self.base_ejection_s:
             raise ValueError(
                 f"max_ejection_s must be >= base_ejection_s, got {self.max_ejection_s}"
@@ -237,11 +249,11 @@ class GatewaySettings:
                 )
         if self.objective_priority and not self.trust_pool_headers:
             raise ValueError("objective_priority needs trust_pool_headers (--trust-pool-headers)")
-        if self.max_body_bytes < 1024:
-            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        _require_at_least(self, 1024, "max_body_bytes")
         if self.max_request_tools < 0 or self.max_request_values < 1024:
             raise ValueError("max_request_tools must be >= 0 and max_request_values >= 1024")
-        for name in (
+        _require_positive(
+            self,
             "keepalive_s",
             "poll_s",
             "health_interval_s",
@@ -250,9 +262,7 @@ class GatewaySettings:
             "body_timeout_s",
             "dashboard_sample_s",
             "redis_lease_ttl_s",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        )
         if self.dashboard_window_s < self.dashboard_sample_s:
             raise ValueError("dashboard_window_s must be >= dashboard_sample_s")
         if self.routing not in ROUTING_POLICIES:
@@ -264,8 +274,7 @@ class GatewaySettings:
             raise ValueError(
                 f"upstream_cache_salt must be auto, on or off, got {self.upstream_cache_salt!r}"
             )
-        if self.max_connections < 1:
-            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+        _require_at_least(self, 1, "max_connections")
         if self.shutdown_grace_s < 0 or self.upstream_timeout_s < 0:
             raise ValueError("shutdown_grace_s and upstream_timeout_s must be >= 0")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
@@ -273,8 +282,7 @@ class GatewaySettings:
                 f"unknown tool call parser {self.tool_call_parser!r}; choose one of "
                 f"{sorted(TOOL_CALL_PARSERS)}"
             )
-        if self.key_max_prefixes < 0:
-            raise ValueError(f"key_max_prefixes must be >= 0, got {self.key_max_prefixes}")
+        _require_at_least(self, 0, "key_max_prefixes")
         if not 0.0 <= self.key_max_pinned_fraction <= 1.0:
             raise ValueError(
                 f"key_max_pinned_fraction must be in [0, 1], got {self.key_max_pinned_fraction}"

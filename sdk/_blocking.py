@@ -20,28 +20,44 @@ import functools
 import threading
 import warnings
 import weakref
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import Future
-from typing import Any, ClassVar, Generic, Self, TypeVar
+from typing import Any, Generic, Protocol, Self, TypeVar
 
 import anyio
 import httpx
 from anyio.from_thread import BlockingPortal
 
-from ._response import APIResponse, AsyncAPIResponse, _ResponseInfo, call_in_mode
+from ._response import (
+    APIResponse,
+    AsyncAPIResponse,
+    ResponseMethods,
+    _ResponseInfo,
+    call_in_mode,
+)
 from .streaming import AsyncStream
 
 __all__ = [
     "Bridge",
-    "RawMethods",
     "SyncAPIResponse",
     "SyncResource",
     "SyncResponseContextManager",
     "SyncStream",
 ]
 
+
+class _AsyncResource(Protocol):
+    """What ``SyncResource`` reads of its async twin besides the methods it bridges."""
+
+    @property
+    def raw_methods(self) -> tuple[str, ...]: ...
+
+    @property
+    def streamed_methods(self) -> tuple[str, ...]: ...
+
+
 T = TypeVar("T")
-R = TypeVar("R")
+R = TypeVar("R", bound=_AsyncResource)
 
 _JOIN_TIMEOUT_S = 10.0  # most seconds close() waits for the loop thread to finish
 
@@ -300,26 +316,15 @@ class Bridge:
         return result
 
 
-class RawMethods:
-    """``with_raw_response`` / ``with_streaming_response`` of a blocking resource: the named
-    methods of its async twin, bridged."""
-
-    def __init__(self, bridge: Bridge, target: Any, names: Sequence[str], streamed: bool):
-        for name in names:
-            method = getattr(target, name)
-            setattr(self, name, bridge.streamed(method) if streamed else bridge.raw(method))
-
-
 class SyncResource(Generic[R]):
     """A blocking resource over its async twin ``R`` (``_async``), run through ``_bridge``;
-    ``with_raw_response`` / ``with_streaming_response`` bridge the async methods a subclass
-    names in ``raw_methods`` / ``streamed_methods``."""
-
-    raw_methods: ClassVar[tuple[str, ...]] = ()
-    streamed_methods: ClassVar[tuple[str, ...]] = ()
+    ``with_raw_response`` / ``with_streaming_response`` bridge the methods the async twin
+    names in its ``raw_methods`` / ``streamed_methods``."""
 
     def __init__(self, resource: R, bridge: Bridge) -> None:
         self._async = resource
         self._bridge = bridge
-        self.with_raw_response = RawMethods(bridge, resource, self.raw_methods, False)
-        self.with_streaming_response = RawMethods(bridge, resource, self.streamed_methods, True)
+        self.with_raw_response = ResponseMethods(resource, resource.raw_methods, bridge.raw)
+        self.with_streaming_response = ResponseMethods(
+            resource, resource.streamed_methods, bridge.streamed
+        )

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import datetime
 import json
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from contextvars import ContextVar
 from typing import Any, Generic, Literal, ParamSpec, TypeVar
 
@@ -27,6 +27,7 @@ __all__ = [
     "APIResponse",
     "AsyncAPIResponse",
     "AsyncResponseContextManager",
+    "ResponseMethods",
     "ResponseMode",
     "response_mode",
     "to_raw_response_wrapper",
@@ -232,3 +233,20 @@ def to_streamed_response_wrapper(
 
     wrapped.__doc__ = fn.__doc__
     return wrapped
+
+
+class ResponseMethods:
+    """``with_raw_response`` / ``with_streaming_response`` of a resource (async or blocking):
+    the methods of ``resource`` it names, each passed through ``wrap``
+    (``to_raw_response_wrapper``, ``to_streamed_response_wrapper`` or the bridge's)."""
+
+    def __init__(
+        self, resource: Any, names: Sequence[str], wrap: Callable[[Callable[..., Any]], Any]
+    ) -> None:
+        for name in names:
+            setattr(self, name, wrap(getattr(resource, name)))
+
+    def __getattr__(self, name: str) -> Any:
+        """Reached only for a name not set above (it also tells the type checker that the
+        methods are set per resource)."""
+        raise AttributeError(f"{name!r} has no raw or streamed form on this resource")

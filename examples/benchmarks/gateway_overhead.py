@@ -33,6 +33,8 @@ from typing import IO
 import httpx
 from prefixgate.sdk.bench.targets import free_port
 
+from examples.benchmarks.options import add_flags
+
 STUB_BODY = json.dumps(
     {
         "id": "chatcmpl-stub",
@@ -227,20 +229,11 @@ def _pct(xs: list[float], p: float) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument(
-        "--latency-requests",
-        type=int,
-        default=3000,
-        help="sequential requests timed direct and through the gateway (default: 3000)",
-    )
-    ap.add_argument(
-        "--concurrency", type=int, default=32, help="clients of the throughput run (default: 32)"
-    )
-    ap.add_argument(
-        "--duration",
-        type=float,
-        default=8.0,
-        help="seconds of the throughput run through the gateway (default: 8.0)",
+    add_flags(
+        ap,
+        latency_requests=(3000, "sequential requests timed direct and through the gateway"),
+        concurrency=(32, "clients of the throughput run"),
+        duration=(8.0, "seconds of the throughput run through the gateway"),
     )
     ap.add_argument("--json", default=None, help="write the figures to this JSON file")
     args = ap.parse_args()

@@ -57,6 +57,8 @@ import httpx
 from prefixgate.sdk.bench.shared import shared_dir
 from prefixgate.sdk.bench.targets import free_port, terminate, wait_http_ready
 
+from examples.benchmarks.streaming import text_chunk_times
+
 SHARED = shared_dir()
 
 
@@ -317,23 +319,9 @@ class Probe:
     def stream(self, prompt: str, max_tokens: int) -> tuple[float, float, int]:
         """(TTFT s, seconds between first and last streamed token, streamed events)."""
         t0 = time.perf_counter()
-        first = last = 0.0
-        n = 0
-        with self.client.stream(
-            "POST", "/v1/completions", json=self._body(prompt, max_tokens, True)
-        ) as r:
-            r.raise_for_status()
-            for line in r.iter_lines():
-                if not line.startswith("data:") or line.strip() == "data: [DONE]":
-                    continue
-                text = json.loads(line[5:])["choices"][0].get("text") or ""
-                if not text:
-                    continue
-                now = time.perf_counter()
-                first = first or now
-                last = now
-                n += 1
-        return first - t0, last - first, n
+        times = text_chunk_times(self.client, self._body(prompt, max_tokens, True))
+        first, last = (times[0], times[-1]) if times else (0.0, 0.0)
+        return first - t0, last - first, len(times)
 
     def batched(self, prompts: list[str], max_tokens: int) -> float:
         """Output tokens/s of ``prompts`` sent at once."""

@@ -16,11 +16,21 @@ def add_common_options(ap: argparse.ArgumentParser, json_help: str | None = None
     ap.add_argument("--json", dest="json_out", default=None, help=json_help)
 
 
-def add_flags(ap: argparse.ArgumentParser, **defaults: int | float | str) -> None:
+Flag = int | float | str
+
+
+def add_flags(ap: argparse.ArgumentParser, **defaults: Flag | tuple[Flag, str]) -> None:
     """Add ``--name`` (underscores as dashes, dest ``name``) for each keyword, typed as its
-    default (``int``, ``float`` or ``str``), in the order given, without help text."""
-    for name, default in defaults.items():
-        ap.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
+    default (``int``, ``float`` or ``str``), in the order given; a ``(default, help)`` pair
+    gives the flag its help text, to which ``(default: ...)`` is added."""
+    for name, value in defaults.items():
+        default, text = value if isinstance(value, tuple) else (value, None)
+        ap.add_argument(
+            "--" + name.replace("_", "-"),
+            type=type(default),
+            default=default,
+            help=None if text is None else f"{text} (default: {default})",
+        )
 
 
 def parse_with_threads(ap: argparse.ArgumentParser) -> argparse.Namespace:

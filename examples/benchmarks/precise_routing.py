@@ -325,25 +325,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--engine-threads", type=int, default=0, help="torch threads per replica (0: torch's)"
     )
-    ap.add_argument("--replicas", type=int, default=3)
-    ap.add_argument("--gateways", type=int, default=1, help="gateways per policy (round robin)")
     add_flags(
         ap,
+        replicas=3,
+        gateways=(1, "gateways per policy (round robin)"),
         tenants=24,
         system_tokens=80,
         user_chars=24,
-    )
-    ap.add_argument("--requests", type=int, default=120, help="per policy")
-    ap.add_argument("--rate", type=float, default=4.0, help="Poisson arrivals, requests/s")
-    ap.add_argument(
-        "--rate-of-capacity",
-        type=float,
-        default=0.0,
-        help="instead of --rate: this fraction of round robin's capacity, measured first "
-        "(closed loop, two requests per replica in flight); 0: off",
-    )
-    add_flags(
-        ap,
+        requests=(120, "per policy"),
+        rate=(4.0, "Poisson arrivals, requests/s"),
+        rate_of_capacity=(
+            0.0,
+            "instead of --rate: this fraction of round robin's capacity, measured first "
+            "(closed loop, two requests per replica in flight); 0: off",
+        ),
         calibrate_requests=30,
         zipf=1.1,
         max_tokens=4,
@@ -356,9 +351,12 @@ def main(argv: list[str] | None = None) -> int:
         help="each tenant's prompt once, one at a time, before the measured requests",
     )
     ap.add_argument("--policies", default=",".join(POLICIES))
-    ap.add_argument("--max-load-ratio", type=float, default=1.3, help="precise's X")
-    ap.add_argument("--overlap-weight", type=float, default=1.0, help="precise's weight")
-    ap.add_argument("--seed", type=int, default=0)
+    add_flags(
+        ap,
+        max_load_ratio=(1.3, "precise's X"),
+        overlap_weight=(1.0, "precise's weight"),
+        seed=0,
+    )
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None, help="a PNG of TTFT CDFs and hit rates")
     ap.add_argument(

@@ -235,21 +235,19 @@ def summarize(results: list[dict]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="model of the replicas (default tiny-random)")
-    ap.add_argument("--replicas", type=int, default=3)
-    ap.add_argument("--prompts", type=int, default=12)
-    ap.add_argument("--users", type=int, default=4, help="users per system prompt")
-    ap.add_argument("--system-chars", type=int, default=600)
-    ap.add_argument("--requests", type=int, default=48, help="requests per policy")
     add_flags(
         ap,
+        replicas=3,
+        prompts=12,
+        users=(4, "users per system prompt"),
+        system_chars=600,
+        requests=(48, "requests per policy"),
         hot_requests=36,
         hot_share=0.6,
         concurrency=6,
         max_tokens=4,
         balance_abs_threshold=2,
-    )
-    ap.add_argument(
-        "--rounds", type=int, default=6, help="slices per phase, policies taken in turn"
+        rounds=(6, "slices per phase, policies taken in turn"),
     )
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)

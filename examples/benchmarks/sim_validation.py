@@ -119,17 +119,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m examples.benchmarks.sim_validation")
     ap.add_argument("--model", required=True)
     ap.add_argument("--profile", default="cpu-aidreams-260k")
-    ap.add_argument("--requests", type=int, default=120)
-    ap.add_argument("--rate", type=float, default=40.0, help="requests/s over both replicas")
     add_flags(
         ap,
+        requests=120,
+        rate=(40.0, "requests/s over both replicas"),
         prefixes=6,
         prefix_tokens=64,
         tail_tokens=16,
         num_kv_blocks=64,
         seed=0,
+        start_delay_s=(30.0, "time to load both"),
     )
-    ap.add_argument("--start-delay-s", type=float, default=30.0, help="time to load both")
     ap.add_argument("--json", dest="json_out", default=None)
     args = ap.parse_args(argv)
 

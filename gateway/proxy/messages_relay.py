@@ -45,16 +45,22 @@ import aiohttp
 from aiohttp import web
 from prefixgate.gateway.http.access_log import stream_cut
 from prefixgate.gateway.http.errors import ANTHROPIC, APIError, error_dialect, error_event
-from prefixgate.gateway.http.sse import KEEPALIVE, SSE_HEADERS, client_gone, client_left
-from prefixgate.gateway.proxy import anthropic, messages_openai
+from prefixgate.gateway.http.sse import (
+    KEEPALIVE,
+    SSE_HEADERS,
+    client_gone,
+    client_left,
+    end_stream,
+)
+from prefixgate.gateway.proxy import anthropic, attempts, messages_openai
 from prefixgate.gateway.proxy.answers import shape_problem
 from prefixgate.gateway.proxy.attempts import Call, NextUpstream, each_upstream, refusal
 from prefixgate.gateway.proxy.messages_openai import Malformed
 from prefixgate.gateway.proxy.policies import Route
+from prefixgate.gateway.proxy.relay import broke_mid_stream
 from prefixgate.gateway.proxy.routes import upstream_credential, upstream_headers
 from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import Upstream
-from prefixgate.gateway.proxy.usage import admit_call, end_call
 from prefixgate.gateway.state import STATE
 from prefixgate.gateway.tenancy.keys import effective_salt
 from prefixgate.gateway.wire.anthropic_models import (
@@ -173,21 +179,13 @@ async def _prepare(
 async def create_message(request: web.Request) -> web.StreamResponse:
     """POST /v1/messages in upstream mode (module docstring)."""
     call, principal = await _prepare(request, MessagesRequest)
-    st = call.st
     est_tokens = request.content_length or len(json.dumps(call.raw))
     est_tokens = est_tokens // 4 + 1  # no tokenizer here: ~4 bytes per token until the usage
-    lease, ticket = await admit_call(st, principal, est_tokens, call.account)
-    try:
 
-        async def attempt(up: Upstream) -> web.StreamResponse:
-            return await _message_try(call, up, ticket)
+    async def attempt(up: Upstream, ticket: Any) -> web.StreamResponse:
+        return await _message_try(call, up, ticket)
 
-        resp = await each_upstream(call, attempt)
-        call.account.status = resp.status
-        return resp
-    finally:
-        ticket.done()
-        end_call(st, principal, lease, call.account)
+    return await attempts.each_upstream_admitted(call, principal, est_tokens, attempt)
 
 
 @error_dialect(ANTHROPIC)
@@ -306,30 +304,20 @@ def _checked_completion(obj: Any) -> Any:
 
 async def _count_try(call: _Call, up: Upstream) -> web.Response:
     """One try of a ``count_tokens`` request on ``up``."""
-    session = call.router.session
-    assert session is not None
     model = up.upstream_model(call.route.model or call.public)
+    unsupported = None
     if call.passthrough(up):
         url, data = up.url + "/v1/messages/count_tokens", call.messages_body(up)
     else:
         url = up.url + "/tokenize"
         data = json.dumps(messages_openai.tokenize_body(call.chat, model)).encode()
-    async with session.post(url, data=data, headers=call.headers(up), ssl=up.ssl) as resp:
-        if resp.status in (404, 405, 501) and not call.passthrough(up):
-            await resp.read()
-            raise APIError(
-                501,
-                f"{call.request.path} is not available for the model {call.public!r}: its "
-                "upstream is OpenAI-compatible and has no /tokenize to count with",
-                code="unsupported_for_model",
-            )
-        if resp.status != 200:
-            await _refused(call, up, resp)
-        raw = await resp.read()
-    try:
-        parsed = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        parsed = None
+        unsupported = (
+            f"{call.request.path} is not available for the model {call.public!r}: its "
+            "upstream is OpenAI-compatible and has no /tokenize to count with"
+        )
+    parsed = await attempts.post_count(
+        call, up, url, data, call.headers(up), lambda resp: _refused(call, up, resp), unsupported
+    )
     if call.passthrough(up):
         n = parsed.get("input_tokens") if isinstance(parsed, dict) else None
         if not _count(n):
@@ -547,19 +535,11 @@ async def _relay(
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
         if client_gone(request):  # a write to the client failed: aiohttp's
             return client_left(out)  # ClientConnectionResetError is a ClientConnectionError too
-        error = APIError(
-            502,
-            f"the upstream connection broke mid-stream: {type(exc).__name__}",
-            code="upstream_error",
-        )
+        error = APIError(502, broke_mid_stream(exc), code="upstream_error")
     except ConnectionResetError:
         return client_left(out)  # leaving closes the upstream connection
-    try:
-        if error is not None:
-            logger.warning("upstream stream broken: %s", error.message)
-            stream_cut(request, error.code)
-            await out.write(error_event(request, error))
-        await out.write_eof()
-    except ConnectionResetError:
-        return client_left(out)
-    return out
+    if error is None:
+        return await end_stream(out)
+    logger.warning("upstream stream broken: %s", error.message)
+    stream_cut(request, error.code)
+    return await end_stream(out, error_event(request, error))

@@ -41,6 +41,7 @@ from prefixgate.gateway.http.sse import (
     client_gone,
     client_left,
     encode_event,
+    end_stream,
 )
 from prefixgate.gateway.proxy.answers import shape_problem
 from prefixgate.gateway.proxy.redact import scrub
@@ -175,6 +176,11 @@ class EventChecker:
         return event
 
 
+def broke_mid_stream(exc: BaseException) -> str:
+    """What a stream's cut says when the upstream connection failed under it (``exc``)."""
+    return f"the upstream connection broke mid-stream: {type(exc).__name__}"
+
+
 def stream_error(message: str, code: str = "upstream_error") -> bytes:
     """The in-band error event that ends a broken stream."""
     return encode_event(APIError(502, message, code=code, type="upstream_error").body())
@@ -260,22 +266,14 @@ async def relay_sse(
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
         if client_gone(request):  # a write to the client failed: aiohttp's
             return client_left(out)  # ClientConnectionResetError is a ClientConnectionError too
-        checker.broken = f"the upstream connection broke mid-stream: {type(exc).__name__}"
+        checker.broken = broke_mid_stream(exc)
         error = stream_error(checker.broken)
     except ConnectionResetError:
         return client_left(out)  # leaving closes the upstream connection
     if error is not None:
         logger.warning("upstream stream broken: %s", error[6:].decode(errors="replace").strip())
         stream_cut(request, code)
-        try:
-            await out.write(error)
-        except ConnectionResetError:
-            return client_left(out)
-    try:
-        await out.write_eof()
-    except ConnectionResetError:
-        return client_left(out)
-    return out
+    return await end_stream(out, error)
 
 
 def json_body_problem(

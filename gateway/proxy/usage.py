@@ -32,16 +32,22 @@ if TYPE_CHECKING:
 def body_usage(data: bytes, acct: RequestAccount) -> bool:
     """Read the ``usage`` of a non-streaming JSON answer into ``acct`` (and its first
     choice's ``finish_reason``); False when it has no usage (no tokens taken)."""
-    try:
-        parsed = json.loads(data)
-    except ValueError:
-        return False
-    if not isinstance(parsed, dict):
+    parsed = _json_object(data)
+    if parsed is None:
         return False
     choices = parsed.get("choices")
     if isinstance(choices, list):
         _note_finish(acct, choices)
     return acct.read_usage(parsed.get("usage"))
+
+
+def _json_object(data: bytes) -> dict[str, Any] | None:
+    """``data`` parsed as a JSON object; None when it is not JSON or not an object."""
+    try:
+        parsed = json.loads(data)
+    except ValueError:
+        return None
+    return parsed if isinstance(parsed, dict) else None
 
 
 def _note_finish(acct: RequestAccount, choices: list[Any]) -> None:
@@ -110,11 +116,8 @@ class UsageTap:
         )
         if not payload or payload == b"[DONE]":
             return True
-        try:
-            obj = json.loads(payload)
-        except ValueError:
-            return True
-        if not isinstance(obj, dict):
+        obj = _json_object(payload)
+        if obj is None:
             return True
         choices = obj.get("choices")
         if isinstance(choices, list):

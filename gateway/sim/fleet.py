@@ -27,7 +27,7 @@ import itertools
 import math
 import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from prefixgate.engine.block_hash import (
@@ -676,28 +676,10 @@ def saturated_rate(
     sessions from ``max_num_seqs + 16`` closed-loop clients (always more than it runs at
     once), with no admission bound in the way. The measured capacity
     ``--load`` is a multiple of (times the replicas)."""
-    one = FleetConfig(
-        replicas=1,
-        gateways=1,
-        routing="round_robin",
-        profile=config.profile,
-        kv_blocks=config.kv_blocks,
-        block_size=config.block_size,
-        max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        scheduling_policy=config.scheduling_policy,
-        max_queued_requests=1_000_000,
-        max_model_len=config.max_model_len,
+    one = replace(
+        config, replicas=1, gateways=1, routing="round_robin", max_queued_requests=1_000_000
     )
-    w = WorkloadConfig(
-        **{
-            **{f: getattr(workload, f) for f in workload.__dataclass_fields__},
-            "light_rate": 0.0,
-            "flood_factor": 0.0,
-            "ttft_budget_s": 0.0,
-            "mean_turns": 1.0,
-        }
-    )
+    w = replace(workload, light_rate=0.0, flood_factor=0.0, ttft_budget_s=0.0, mean_turns=1.0)
     duration, warm = 40.0, 10.0
     fleet = Fleet(
         one,

@@ -5,11 +5,14 @@ from __future__ import annotations
 import functools
 import inspect
 import typing
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypedDict, TypeVar
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from functools import cached_property
+from typing import Any, ClassVar, TypedDict, TypeVar
 from urllib.parse import quote
 
 from .._options import OPTION_NAMES, Requester
+from .._response import ResponseMethods, to_raw_response_wrapper, to_streamed_response_wrapper
+from ..batch import run_batch
 
 __all__ = ["APIResource", "GenerationParams", "reject_stream", "require_str", "path_part", "takes"]
 
@@ -17,10 +20,47 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 class APIResource:
-    """A resource of a client (``client.models``, ...): sends its calls through ``Requester``."""
+    """A resource of a client (``client.models``, ...): sends its calls through ``Requester``.
+
+    ``raw_methods`` / ``streamed_methods``: the methods a subclass offers under
+    ``with_raw_response`` / ``with_streaming_response`` (its blocking twin reads them too).
+    """
+
+    raw_methods: ClassVar[tuple[str, ...]] = ()
+    streamed_methods: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, client: Requester) -> None:
         self._client = client
+
+    @cached_property
+    def with_raw_response(self) -> ResponseMethods:
+        """The same methods, returning an ``APIResponse`` (headers, status, ``parse()``)."""
+        return ResponseMethods(self, self.raw_methods, to_raw_response_wrapper)
+
+    @cached_property
+    def with_streaming_response(self) -> ResponseMethods:
+        """The same methods as ``async with`` blocks yielding an ``AsyncAPIResponse`` whose
+        body is read on demand."""
+        return ResponseMethods(self, self.streamed_methods, to_streamed_response_wrapper)
+
+    async def _batch(
+        self,
+        create: Callable[..., Awaitable[Any]],
+        requests: Sequence[Mapping[str, Any]],
+        progress: bool,
+        desc: str,
+    ) -> list[Any]:
+        """``create(**request)`` for each request under the client's concurrency limit
+        (``run_batch``: results in input order, an exception in the slot of a request that
+        raised; one that asks to stream raises ``ValueError``)."""
+
+        async def one(**request: Any) -> Any:
+            reject_stream(request)
+            return await create(**request)
+
+        return await run_batch(
+            one, requests, workers=self._client.max_concurrency, progress=progress, desc=desc
+        )
 
 
 class GenerationParams(TypedDict, total=False):

@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from functools import cached_property
 from typing import Any, Literal, TypedDict, TypeVar, Unpack, overload
 
 from .._options import Requester, StreamCallOptions, split_call
 from .._parsing import parse_chat_completion, response_format_param
 from .._response import (
     APIResponse,
-    to_raw_response_wrapper,
-    to_streamed_response_wrapper,
 )
-from ..batch import run_batch
 from ..streaming import AsyncStream
 from ..types import ChatCompletion, ChatCompletionChunk, ParsedChatCompletion
-from ._common import APIResource, GenerationParams, reject_stream, require_str, takes
+from ._common import APIResource, GenerationParams, require_str, takes
 
 __all__ = [
     "ChatCompletionCreateParams",
@@ -24,8 +20,6 @@ __all__ = [
     "ChatRequired",
     "AsyncChat",
     "AsyncChatCompletions",
-    "AsyncChatCompletionsWithRawResponse",
-    "AsyncChatCompletionsWithStreamingResponse",
     "validate_messages",
 ]
 
@@ -79,6 +73,9 @@ class ChatCompletionCreateParams(ChatCompletionParseParams, total=False):
 
 class AsyncChatCompletions(APIResource):
     """``client.chat.completions``."""
+
+    raw_methods = ("create", "parse")
+    streamed_methods = ("create",)
 
     @overload
     async def create(
@@ -137,23 +134,15 @@ class AsyncChatCompletions(APIResource):
         body["messages"] = messages
         if stream:
             body["stream"] = True
-            chunks: AsyncStream[ChatCompletionChunk] = await self._client.request(
-                "POST",
-                "chat/completions",
-                body=body,
-                cast=ChatCompletionChunk.model_validate,
-                stream=True,
-                options=options,
-            )
-            return chunks
-        completion: ChatCompletion = await self._client.request(
+        result: ChatCompletion | AsyncStream[ChatCompletionChunk] = await self._client.request(
             "POST",
             "chat/completions",
             body=body,
-            cast=ChatCompletion.model_validate,
+            cast=ChatCompletionChunk.model_validate if stream else ChatCompletion.model_validate,
+            stream=stream,
             options=options,
         )
-        return completion
+        return result
 
     @takes(ChatCompletionParseParams)
     async def parse(
@@ -204,44 +193,7 @@ class AsyncChatCompletions(APIResource):
         Raises:
             TypeError: an item is not a mapping.
         """
-        return await run_batch(
-            self._non_stream_create,
-            requests,
-            workers=self._client.max_concurrency,
-            progress=progress,
-            desc="chat.completions",
-        )
-
-    async def _non_stream_create(self, **request: Any) -> ChatCompletion:
-        reject_stream(request)
-        result: ChatCompletion = await self.create(**request)
-        return result
-
-    @cached_property
-    def with_raw_response(self) -> AsyncChatCompletionsWithRawResponse:
-        """The same methods, returning an ``APIResponse`` (headers, status, ``parse()``)."""
-        return AsyncChatCompletionsWithRawResponse(self)
-
-    @cached_property
-    def with_streaming_response(self) -> AsyncChatCompletionsWithStreamingResponse:
-        """The same methods as ``async with`` blocks yielding an ``AsyncAPIResponse`` whose
-        body is read on demand."""
-        return AsyncChatCompletionsWithStreamingResponse(self)
-
-
-class AsyncChatCompletionsWithRawResponse:
-    """``client.chat.completions.with_raw_response``."""
-
-    def __init__(self, completions: AsyncChatCompletions) -> None:
-        self.create = to_raw_response_wrapper(completions.create)
-        self.parse = to_raw_response_wrapper(completions.parse)
-
-
-class AsyncChatCompletionsWithStreamingResponse:
-    """``client.chat.completions.with_streaming_response``."""
-
-    def __init__(self, completions: AsyncChatCompletions) -> None:
-        self.create = to_streamed_response_wrapper(completions.create)
+        return await self._batch(self.create, requests, progress, "chat.completions")
 
 
 class AsyncChat:

@@ -20,9 +20,6 @@ ResponseFormatT = TypeVar("ResponseFormatT")
 class SyncChatCompletions(SyncResource[AsyncChatCompletions]):
     """``client.chat.completions`` (see ``AsyncChatCompletions``)."""
 
-    raw_methods = ("create", "parse")
-    streamed_methods = ("create",)
-
     @overload
     def create(
         self, *, stream: Literal[False] = False, **params: Unpack[ChatCompletionCreateParams]

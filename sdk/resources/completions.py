@@ -3,22 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from functools import cached_property
 from typing import Any, Literal, TypedDict, Unpack, overload
 
 from .._options import StreamCallOptions, split_call
-from .._response import to_raw_response_wrapper, to_streamed_response_wrapper
-from ..batch import run_batch
 from ..streaming import AsyncStream
 from ..types import Completion
-from ._common import APIResource, GenerationParams, reject_stream, require_str, takes
+from ._common import APIResource, GenerationParams, require_str, takes
 
 __all__ = [
     "CompletionCreateParams",
     "CompletionRequired",
     "AsyncCompletions",
-    "AsyncCompletionsWithRawResponse",
-    "AsyncCompletionsWithStreamingResponse",
 ]
 
 
@@ -40,6 +35,8 @@ class CompletionCreateParams(CompletionRequired, GenerationParams, StreamCallOpt
 
 class AsyncCompletions(APIResource):
     """``client.completions``."""
+
+    raw_methods = streamed_methods = ("create",)
 
     @overload
     async def create(
@@ -92,39 +89,4 @@ class AsyncCompletions(APIResource):
         self, requests: Sequence[Mapping[str, Any]], *, progress: bool = False
     ) -> list[Completion | Exception]:
         """Like ``chat.completions.batch`` for ``create(**request)`` of this resource."""
-        return await run_batch(
-            self._non_stream_create,
-            requests,
-            workers=self._client.max_concurrency,
-            progress=progress,
-            desc="completions",
-        )
-
-    async def _non_stream_create(self, **request: Any) -> Completion:
-        reject_stream(request)
-        result: Completion = await self.create(**request)
-        return result
-
-    @cached_property
-    def with_raw_response(self) -> AsyncCompletionsWithRawResponse:
-        """The same methods, returning an ``APIResponse`` (headers, status, ``parse()``)."""
-        return AsyncCompletionsWithRawResponse(self)
-
-    @cached_property
-    def with_streaming_response(self) -> AsyncCompletionsWithStreamingResponse:
-        """The same methods as ``async with`` blocks yielding an ``AsyncAPIResponse``."""
-        return AsyncCompletionsWithStreamingResponse(self)
-
-
-class AsyncCompletionsWithRawResponse:
-    """``client.completions.with_raw_response``."""
-
-    def __init__(self, completions: AsyncCompletions) -> None:
-        self.create = to_raw_response_wrapper(completions.create)
-
-
-class AsyncCompletionsWithStreamingResponse:
-    """``client.completions.with_streaming_response``."""
-
-    def __init__(self, completions: AsyncCompletions) -> None:
-        self.create = to_streamed_response_wrapper(completions.create)
+        return await self._batch(self.create, requests, progress, "completions")

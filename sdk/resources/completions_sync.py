@@ -18,8 +18,6 @@ __all__ = ["SyncCompletions"]
 class SyncCompletions(SyncResource[AsyncCompletions]):
     """``client.completions`` (see ``AsyncCompletions``)."""
 
-    raw_methods = streamed_methods = ("create",)
-
     @overload
     def create(
         self, *, stream: Literal[False] = False, **params: Unpack[CompletionCreateParams]

@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-from functools import cached_property
 from typing import Unpack
 
 from .._options import CallOptions, split_call
-from .._response import to_raw_response_wrapper, to_streamed_response_wrapper
 from ..types import ModelInfo, ModelList
 from ._common import APIResource, path_part, require_str, takes
 
-__all__ = ["AsyncModels", "AsyncModelsWithRawResponse", "AsyncModelsWithStreamingResponse"]
+__all__ = ["AsyncModels"]
 
 
 class AsyncModels(APIResource):
     """``client.models``."""
+
+    raw_methods = streamed_methods = ("list", "retrieve")
 
     @takes(CallOptions)
     async def list(self, **options: Unpack[CallOptions]) -> ModelList:
@@ -46,29 +46,3 @@ class AsyncModels(APIResource):
             options=opts,
         )
         return result
-
-    @cached_property
-    def with_raw_response(self) -> AsyncModelsWithRawResponse:
-        """The same methods, returning an ``APIResponse`` (headers, status, ``parse()``)."""
-        return AsyncModelsWithRawResponse(self)
-
-    @cached_property
-    def with_streaming_response(self) -> AsyncModelsWithStreamingResponse:
-        """The same methods as ``async with`` blocks yielding an ``AsyncAPIResponse``."""
-        return AsyncModelsWithStreamingResponse(self)
-
-
-class AsyncModelsWithRawResponse:
-    """``client.models.with_raw_response``."""
-
-    def __init__(self, models: AsyncModels) -> None:
-        self.list = to_raw_response_wrapper(models.list)
-        self.retrieve = to_raw_response_wrapper(models.retrieve)
-
-
-class AsyncModelsWithStreamingResponse:
-    """``client.models.with_streaming_response``."""
-
-    def __init__(self, models: AsyncModels) -> None:
-        self.list = to_streamed_response_wrapper(models.list)
-        self.retrieve = to_streamed_response_wrapper(models.retrieve)

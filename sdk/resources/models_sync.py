@@ -16,8 +16,6 @@ __all__ = ["SyncModels"]
 class SyncModels(SyncResource[AsyncModels]):
     """``client.models`` (see ``AsyncModels``)."""
 
-    raw_methods = streamed_methods = ("list", "retrieve")
-
     @takes(CallOptions)
     def list(self, **options: Unpack[CallOptions]) -> ModelList:
         """Blocking ``AsyncModels.list``."""

@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from functools import cached_property
 from typing import Any, Self, Unpack
 
 import anyio
 
 from .._options import BodyCallOptions, CallOptions, split_call
-from .._response import to_raw_response_wrapper, to_streamed_response_wrapper
 from ..batch import run_batch
 from ..errors import APIStatusError, NotFoundError, RateLimitError
 from ..streaming import AsyncStream
@@ -30,8 +28,6 @@ from .chat import AsyncChatCompletions, ChatRequired, validate_messages
 __all__ = [
     "PrefixCreateParams",
     "AsyncPrefixes",
-    "AsyncPrefixesWithRawResponse",
-    "AsyncPrefixesWithStreamingResponse",
     "PrefixSession",
 ]
 
@@ -47,6 +43,8 @@ class PrefixCreateParams(ChatRequired, BodyCallOptions, total=False):
 
 class AsyncPrefixes(APIResource):
     """``client.prefixes``."""
+
+    raw_methods = streamed_methods = ("create", "get", "delete")
 
     @takes(PrefixCreateParams)
     async def create(self, **params: Unpack[PrefixCreateParams]) -> Prefix:
@@ -109,34 +107,6 @@ class AsyncPrefixes(APIResource):
             model=model,
             ttl_seconds=ttl_seconds,
         )
-
-    @cached_property
-    def with_raw_response(self) -> AsyncPrefixesWithRawResponse:
-        """The same methods, returning an ``APIResponse`` (headers, status, ``parse()``)."""
-        return AsyncPrefixesWithRawResponse(self)
-
-    @cached_property
-    def with_streaming_response(self) -> AsyncPrefixesWithStreamingResponse:
-        """The same methods as ``async with`` blocks yielding an ``AsyncAPIResponse``."""
-        return AsyncPrefixesWithStreamingResponse(self)
-
-
-class AsyncPrefixesWithRawResponse:
-    """``client.prefixes.with_raw_response``."""
-
-    def __init__(self, prefixes: AsyncPrefixes) -> None:
-        self.create = to_raw_response_wrapper(prefixes.create)
-        self.get = to_raw_response_wrapper(prefixes.get)
-        self.delete = to_raw_response_wrapper(prefixes.delete)
-
-
-class AsyncPrefixesWithStreamingResponse:
-    """``client.prefixes.with_streaming_response``."""
-
-    def __init__(self, prefixes: AsyncPrefixes) -> None:
-        self.create = to_streamed_response_wrapper(prefixes.create)
-        self.get = to_streamed_response_wrapper(prefixes.get)
-        self.delete = to_streamed_response_wrapper(prefixes.delete)
 
 
 class PrefixSession:

@@ -59,8 +59,6 @@ class SyncPrefixSession:
 class SyncPrefixes(SyncResource[AsyncPrefixes]):
     """``client.prefixes`` (see ``AsyncPrefixes``)."""
 
-    raw_methods = streamed_methods = ("create", "get", "delete")
-
     @takes(PrefixCreateParams)
     def create(self, **params: Unpack[PrefixCreateParams]) -> Prefix:
         """Blocking ``AsyncPrefixes.create``."""

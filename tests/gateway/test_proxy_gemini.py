@@ -83,9 +83,15 @@ def _stub(mode: str, seen: list) -> web.Application:
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
+    async def tokenize(request: web.Request) -> web.Response:
+        seen.append(await request.json())
+        return web.json_response({"count": 5})
+
     app = web.Application()
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/chat/completions", chat)
+    if mode == "tokenize":
+        app.router.add_post("/tokenize", tokenize)
     return app
 
 
@@ -145,6 +151,24 @@ def test_a_whole_relayed_stream_and_the_translated_body(proxied):
         "candidatesTokenCount": 3,
         "totalTokenCount": 7,
     }
+
+
+@pytest.mark.parametrize("mode", ["tokenize", "ok"])
+def test_count_tokens_asks_the_upstream_tokenize_or_is_501_naming_the_method(proxied, mode):
+    gw, seen = proxied(mode)
+    r = httpx.post(
+        gw.url + "/v1beta/models/stub:countTokens",
+        json={"contents": BODY["contents"]},
+        headers={"x-goog-api-key": "k1"},
+        timeout=10,
+    )
+    if mode == "tokenize":
+        assert r.status_code == 200 and r.json() == {"totalTokens": 5}
+        assert seen[-1]["add_generation_prompt"] is True
+        assert seen[-1]["messages"] == [{"role": "user", "content": "hi"}]
+    else:  # the upstream has no /tokenize
+        assert r.status_code == 501
+        assert "countTokens is not available for models/stub" in r.json()["error"]["message"]
 
 
 def test_an_upstream_error_is_reworded_in_gemini_shape(proxied):
