@@ -369,8 +369,8 @@ async def require_key(request: web.Request, handler: Handler) -> web.StreamRespo
     """The caller's key is checked before the route's handler runs, on every route but
     ``OPEN_ROUTES``, in both modes: a missing or unknown key is 401 ``invalid_api_key``
     before any other answer (503 while the model loads, 501 of a local-mode route in upstream
-    mode, 400 of a bad body, 413). The handlers authenticate again for their ``Principal``
-    (a digest lookup)."""
+    mode, 400 of a bad body, 413). The handlers ask again for their ``Principal``: the one
+    kept on the request."""
     resource = request.match_info.route.resource
     if resource is None or resource.canonical not in OPEN_ROUTES:
         request.app[STATE].keys.authenticate(request)

@@ -54,7 +54,7 @@ from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import Upstream
 from prefixgate.gateway.proxy.usage import admit_call, end_call
 from prefixgate.gateway.state import STATE, GatewayState
-from prefixgate.gateway.tenancy.keys import effective_salt
+from prefixgate.gateway.tenancy.keys import Principal, effective_salt
 from prefixgate.gateway.wire.client_fields import ClientFields, gemini_fields
 from prefixgate.gateway.wire.gemini_models import (
     CachedContentCreate,
@@ -102,8 +102,9 @@ class _Call(Call):
         route: Route,
         public: str,
         fields: ClientFields,
+        principal: Principal,
     ):
-        super().__init__(request, route)
+        super().__init__(request, route, principal)
         self.route: Route = route
         self.body = body
         self.fields = fields  # an upstream's refusal of the chat body, in Gemini's words
@@ -462,7 +463,8 @@ async def model_method(request: web.Request) -> web.StreamResponse:
     )
     route = router.route({"messages": chat.messages}, salt, router.resolve(public))
     body = _chat_body(chat, gc, method == "streamGenerateContent")
-    call = _Call(request, body, route, public, gemini_fields(chat.origins, req.tools, gc))
+    fields = gemini_fields(chat.origins, req.tools, gc)
+    call = _Call(request, body, route, public, fields, principal)
     if method == "countTokens":
         return await _count(call, chat)
     est = len(raw) // 4 + 1

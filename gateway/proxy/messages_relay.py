@@ -56,7 +56,7 @@ from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import Upstream
 from prefixgate.gateway.proxy.usage import admit_call, end_call
 from prefixgate.gateway.state import STATE
-from prefixgate.gateway.tenancy.keys import effective_salt
+from prefixgate.gateway.tenancy.keys import Principal, effective_salt
 from prefixgate.gateway.wire.anthropic_models import (
     Chat,
     CountTokensRequest,
@@ -99,9 +99,10 @@ class _Call(Call):
         chat: Chat,
         salt: str | None,
         route: Route,
+        principal: Principal,
         output_field: str = "",
     ) -> None:
-        super().__init__(request, route)
+        super().__init__(request, route, principal)
         self.route: Route = route
         self.req = req
         self.raw = raw
@@ -166,7 +167,7 @@ async def _prepare(
     salt = effective_salt(principal.salt, req.cache_salt)
     model = router.resolve(req.model)  # 404 model_not_found when nobody serves it
     route = router.route({"messages": chat.messages}, salt, model)
-    return _Call(request, req, raw, chat, salt, route, output_field), principal
+    return _Call(request, req, raw, chat, salt, route, principal, output_field), principal
 
 
 @error_dialect(ANTHROPIC)

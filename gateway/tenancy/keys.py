@@ -334,6 +334,10 @@ def effective_salt(key_salt: str | None, request_salt: str | None) -> str | None
     return "\x00" + hashlib.sha256(pair.encode("ascii")).hexdigest()
 
 
+# the request's (KeyRing, Principal) once authenticated
+_AUTHENTICATED = web.RequestKey("prefixgate_principal", tuple)
+
+
 class KeyRing:
     """The configured keys; ``authenticate(request)`` returns the caller's Principal."""
 
@@ -376,10 +380,21 @@ class KeyRing:
         ``x-goog-api-key: <key>`` header (Gemini's clients) or, on Gemini's routes
         (``/v1beta/...``) only, its ``?key=<key>`` query parameter (Gemini's REST form).
 
+        Read once per request: the answer is kept on the request (the middleware's
+        ``require_key`` and the route ask the same ring).
+
         Raises:
             APIError: 401 ``invalid_api_key`` when the key is missing or unknown; 400
                 ``invalid_header`` when the header's bytes are not UTF-8.
         """
+        kept = request.get(_AUTHENTICATED)
+        if kept is not None and kept[0] is self:
+            return kept[1]
+        principal = self._authenticate(request)
+        request[_AUTHENTICATED] = (self, principal)
+        return principal
+
+    def _authenticate(self, request: web.Request) -> Principal:
         if not self._by_digest:
             account(request).key_name = "-"
             return self._anonymous
