@@ -15,7 +15,7 @@ from prefixgate.gateway.http.server import BackgroundServer
 from prefixgate.gateway.proxy.config import load_config
 from prefixgate.gateway.settings import GatewaySettings
 from support.anthropic_stub import AnthropicStub
-from support.fake_engine import FakeEngine
+from support.fake_engine import FakeEngine, assert_idle_and_whole
 
 KEY = "sk-good"
 HI = [{"role": "user", "content": "hi"}]
@@ -48,22 +48,31 @@ def _send(how: str) -> tuple[dict[str, str], dict[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def keyed_upstream():
-    """A local-mode gateway keyed ``sk-good`` (model ``fake``); ``seen``: the path and query
-    of every request it got."""
+def _keyed():
     seen: list[str] = []
+    engine = FakeEngine()
 
     async def note(request: web.Request, response: web.StreamResponse) -> None:
         seen.append(request.path_qs)
 
     def make() -> web.Application:
-        app = create_app(FakeEngine(), GatewaySettings(model_name="fake", api_keys=[KEY]))
+        app = create_app(engine, GatewaySettings(model_name="fake", api_keys=[KEY]))
         app.on_response_prepare.append(note)
         return app
 
     with BackgroundServer(make) as up:
         with BackgroundServer(lambda: create_proxy_app([up.url], GatewaySettings())) as gw:
-            yield gw, seen
+            yield up, engine, gw, seen
+
+
+@pytest.fixture
+def keyed_upstream(_keyed):
+    """A proxy before a local-mode gateway keyed ``sk-good`` (model ``fake``); ``seen``: the
+    path and query of every request that gateway got. Each test ends with its engine idle
+    and its pool whole."""
+    up, engine, gw, seen = _keyed
+    yield gw, seen
+    assert_idle_and_whole(up, engine)
 
 
 @pytest.mark.parametrize(("dialect", "how"), SENDS)
