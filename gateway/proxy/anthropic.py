@@ -36,6 +36,7 @@ import aiohttp
 from aiohttp import web
 from prefixgate.gateway.http.errors import bad_request
 from prefixgate.gateway.http.sse import DONE, SSE_HEADERS, client_gone, client_left, encode_event
+from prefixgate.gateway.tenancy.keys import bearer_token
 
 logger = logging.getLogger("prefixgate.gateway")
 
@@ -335,10 +336,12 @@ def to_completion(msg: dict[str, Any], model: str) -> dict[str, Any]:
 
 
 def headers_for(auth: str | None) -> dict[str, str]:
-    """Headers of a Messages API request: the deployment's key as ``x-api-key``."""
+    """Headers of a Messages API request: the deployment's key as ``x-api-key`` (the token of
+    a Bearer ``auth``, ``keys.bearer_token``; another scheme's value as it is)."""
     out = {"Content-Type": "application/json", "anthropic-version": ANTHROPIC_VERSION}
     if auth is not None:
-        out["x-api-key"] = auth.removeprefix("Bearer ")
+        token = bearer_token(auth)
+        out["x-api-key"] = auth if token is None else token
     return out
 
 

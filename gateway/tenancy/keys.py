@@ -399,7 +399,8 @@ class KeyRing:
             account(request).key_name = "-"
             return self._anonymous
         header = client_credential(request)
-        scheme, _, key = header.partition(" ")
+        scheme = header.strip().partition(" ")[0]
+        key = bearer_token(header)
         # the header the route's clients send: Anthropic's send x-api-key
         send = {
             ANTHROPIC: "'x-api-key: <key>' (or 'Authorization: Bearer <key>')",
@@ -411,17 +412,28 @@ class KeyRing:
                 f"Authorization scheme {scheme[:20]!r} is not supported: send {send}",
                 code="invalid_api_key",
             )
-        if scheme.lower() != "bearer" or not key.strip():
+        if key is None:
             raise APIError(401, f"missing API key: send {send}", code="invalid_api_key")
-        principal = self._by_digest.get(_digest(key.strip()))
+        principal = self._by_digest.get(_digest(key))
         if principal is None:
             raise APIError(401, "incorrect API key provided", code="invalid_api_key")
         account(request).key_name = (principal.spec.name if principal.spec else "") or "unnamed"
         return principal
 
 
+def bearer_token(credential: str) -> str | None:
+    """The token of an ``Authorization`` value of the Bearer scheme (RFC 6750), its scheme
+    matched case-insensitively (RFC 7235 section 2.1: ``bearer x`` is ``Bearer x``),
+    surrounding spaces dropped; None for another scheme or no token. The one reading of a
+    Bearer credential: the key ring's, the proxy's towards its upstreams."""
+    scheme, _, token = credential.strip().partition(" ")
+    token = token.strip()
+    return token if scheme.lower() == "bearer" and token else None
+
+
 def client_credential(request: web.Request) -> str:
-    """The request's credential as an ``Authorization`` value: its ``Authorization`` header,
+    """The request's credential as an ``Authorization`` value: its ``Authorization`` header
+    (a Bearer one spelt ``Bearer <token>``, whatever the scheme's case: ``bearer_token``),
     else ``Bearer <key>`` of its ``x-api-key`` header (Anthropic's clients), its
     ``x-goog-api-key`` header (Gemini's) or, on Gemini's routes (``/v1beta/...``) only, its
     ``?key=`` query parameter (Gemini's REST form); ``""`` when it sends none. The one reading
@@ -432,7 +444,8 @@ def client_credential(request: web.Request) -> str:
     """
     header = header_text(request, "Authorization")
     if header.strip():
-        return header
+        token = bearer_token(header)
+        return header if token is None else "Bearer " + token
     other = header_text(request, "x-api-key") or header_text(request, "x-goog-api-key")
     if not other.strip() and request.path.startswith("/v1beta/"):
         other = request.query.get("key", "")
