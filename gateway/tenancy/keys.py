@@ -356,9 +356,13 @@ class KeyRing:
 
     @classmethod
     def from_options(
-        cls, api_keys: list[str] | None = None, keys_file: str | None = None
+        cls,
+        api_keys: list[str] | None = None,
+        keys_file: str | None = None,
+        file_specs: list[KeySpec] | None = None,
     ) -> KeyRing:
-        """Keys from ``--api-key`` values and a keys file.
+        """Keys from ``--api-key`` values and a keys file (``file_specs``: its keys as the
+        caller read them already, ``load_keys_file``; else it is read here).
 
         Raises:
             ValueError: on an unreadable or malformed keys file (naming the file), or a
@@ -366,7 +370,7 @@ class KeyRing:
         """
         specs = [KeySpec(key=k, role="operator") for k in api_keys or []]
         if keys_file:
-            specs.extend(load_keys_file(keys_file))
+            specs.extend(file_specs if file_specs is not None else load_keys_file(keys_file))
         return cls(specs)
 
     @property
