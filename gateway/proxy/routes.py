@@ -491,7 +491,9 @@ class _Forward(Call):
                 outcome.account.mark_served()
             if req.get("stream"):
                 translator = anthropic.StreamTranslator(
-                    answered, include_usage=outcome.keep_usage if outcome is not None else False
+                    answered,
+                    include_usage=outcome.keep_usage if outcome is not None else False,
+                    account=outcome.account if outcome is not None else None,
                 )
                 out = await anthropic.relay_stream(
                     request, resp, translator, self.st.settings.upstream_timeout_s
@@ -507,6 +509,7 @@ class _Forward(Call):
                     502, "the Anthropic upstream's answer is not a message", code="upstream_error"
                 ) from None
             if outcome is not None:
+                outcome.account.read_choices(completion["choices"], streamed=False)
                 outcome.account.read_usage(completion["usage"])
             return web.json_response(completion)
 
