@@ -60,6 +60,7 @@ with a reload on NOSCRIPT).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -72,7 +73,7 @@ import redis.asyncio as aioredis
 from prefixgate.gateway.http.errors import too_many
 from prefixgate.gateway.tenancy.shared_state import Lease, LocalState, StateBackend
 from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
+from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -282,9 +283,14 @@ class RedisState:
         self._renew = self._client.register_script(_RENEW)
         self._reserve_prefix = self._client.register_script(_RESERVE_PREFIX)
         self._put_promise = self._client.register_script(_PUT_PROMISE)
-        # the promises' listener: its own connection (it blocks reading), no command timeout
+        # the promises' listener: its own connection (it blocks reading), no command timeout,
+        # no silent reconnection (a cut ends the subscription: _promise_loop subscribes anew)
         self._listen_client = aioredis.Redis.from_url(
-            url, socket_connect_timeout=timeout_s, socket_keepalive=True, decode_responses=True
+            url,
+            socket_connect_timeout=timeout_s,
+            socket_keepalive=True,
+            decode_responses=True,
+            retry=Retry(NoBackoff(), 0, supported_errors=()),
         )
         self._promises_known = False  # listening: _promises_until is this replica's view
         self._promises_until = 0.0  # time.monotonic() when every promise known has lapsed
@@ -314,8 +320,10 @@ class RedisState:
             self._watcher.cancel()
         if self._listener is not None:
             self._listener.cancel()
-            await asyncio.gather(self._listener, return_exceptions=True)
-        await self._listen_client.aclose()
+            await asyncio.wait([self._listener], timeout=self._deadline_s)
+        with contextlib.suppress(*_FAILURES):
+            async with asyncio.timeout(self._deadline_s):
+                await self._listen_client.aclose()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         for key_id, leases in list(self._held.items()):
@@ -589,25 +597,23 @@ class RedisState:
             pubsub = self._listen_client.pubsub()
             try:
                 await pubsub.subscribe(PROMISES)
-                assert pubsub.connection is not None
-                # a silent reconnection (redis-py's) resubscribes: no view until it is confirmed
-                pubsub.connection.register_connect_callback(self._promises_unknown)
                 async for message in pubsub.listen():
                     if message["type"] == "subscribe":  # from now on every promise is heard
                         ttl = await self._call(self._client.pttl(PROMISES))
-                        self._promises_known = ttl is not None
+                        if ttl is None:
+                            break  # the marker not read: no view; subscribe again
                         self._promises_seen(ttl)
+                        self._promises_known = True
                     elif message["type"] == "message":
                         self._promises_seen(int(message["data"]))
             except (*_FAILURES, ValueError):
                 pass
             finally:
                 self._promises_known = False
-                await asyncio.shield(pubsub.aclose())
+                with contextlib.suppress(*_FAILURES):
+                    async with asyncio.timeout(self._deadline_s):
+                        await pubsub.aclose()
             await asyncio.sleep(WATCH_S)
-
-    def _promises_unknown(self, connection: Any) -> None:
-        self._promises_known = False
 
     def _promises_seen(self, ttl_ms: int | None) -> None:
         """A promise lives ``ttl_ms`` more milliseconds (the marker's PTTL: -2 none, -1 no
