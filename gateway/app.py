@@ -74,7 +74,7 @@ from prefixgate.gateway.settings import SETTINGS, GatewaySettings
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.tenancy.admission import AdmissionController
 from prefixgate.gateway.tenancy.admission_wait import EngineWait
-from prefixgate.gateway.tenancy.keys import KeyRing
+from prefixgate.gateway.tenancy.keys import KeyRing, KeySpec
 from prefixgate.gateway.tenancy.redis_state import make_backend
 
 logger = logging.getLogger("prefixgate.gateway")
@@ -85,6 +85,7 @@ def create_app(
     settings: GatewaySettings | None = None,
     *,
     settings_checked: bool = False,
+    key_specs: list[KeySpec] | None = None,
 ) -> web.Application:
     """The gateway serving a local engine.
 
@@ -94,6 +95,8 @@ def create_app(
         settings: serving options (defaults: ``GatewaySettings()``).
         settings_checked: the caller has run ``policies.check_settings`` on ``settings``
             (``prefixgate serve`` does, before its imports), so it is not run again.
+        key_specs: ``settings.keys_file`` as the caller read it (``prefixgate serve`` does,
+            before its imports), so it is not read again.
 
     Raises:
         TypeError: ``engine`` is a list of URLs (upstream mode is ``create_proxy_app``).
@@ -101,7 +104,7 @@ def create_app(
     """
     if isinstance(engine, Sequence):
         raise TypeError("create_app serves a local engine; upstream mode is create_proxy_app(urls)")
-    app, st = _base_app(settings, settings_checked)
+    app, st = _base_app(settings, settings_checked, key_specs)
     local = app[LOCAL] = LocalServing()
     app[PROMPT_LOG] = PromptLog()  # recent Messages prompts, for their cache diagnostics
     app.router.add_get("/ready", ready_local, expect_handler=expect_continue)
@@ -163,18 +166,19 @@ def create_proxy_app(
     settings: GatewaySettings | None = None,
     *,
     settings_checked: bool = False,
+    key_specs: list[KeySpec] | None = None,
 ) -> web.Application:
     """The gateway as a reverse proxy to OpenAI-compatible ``upstreams``: base URLs (their
     models discovered from each one's ``/v1/models``), or a config file's model list
     (``proxy.config.load_config``: models, deployments, aliases, fallbacks, TLS).
-    ``settings_checked``: as ``create_app``'s.
+    ``settings_checked``, ``key_specs``: as ``create_app``'s.
 
     Raises:
         ValueError: bad settings, keys file or upstream URL (none, malformed, repeated).
     """
     if isinstance(upstreams, str | bytes):
         raise TypeError("upstreams must be a list of base URLs, not one string")
-    app, st = _base_app(settings, settings_checked)
+    app, st = _base_app(settings, settings_checked, key_specs)
     s = st.settings
     if isinstance(upstreams, ProxyConfig):
         config: ProxyConfig | None = upstreams
@@ -269,7 +273,9 @@ def create_proxy_app(
 
 
 def _base_app(
-    settings: GatewaySettings | None, settings_checked: bool
+    settings: GatewaySettings | None,
+    settings_checked: bool,
+    key_specs: list[KeySpec] | None = None,
 ) -> tuple[web.Application, GatewayState]:
     """What both modes share: state, error middleware, /health, /metrics and /dashboard;
     ``settings``' routing policies' options checked unless ``settings_checked``."""
@@ -281,7 +287,7 @@ def _base_app(
     metrics.bind_admission(admission)
     st = GatewayState(
         settings=settings,
-        keys=KeyRing.from_options(settings.api_keys, settings.keys_file),
+        keys=KeyRing.from_options(settings.api_keys, settings.keys_file, key_specs),
         admission=admission,
         metrics=metrics,
         model_name=settings.model_name or "",
@@ -369,8 +375,8 @@ async def require_key(request: web.Request, handler: Handler) -> web.StreamRespo
     """The caller's key is checked before the route's handler runs, on every route but
     ``OPEN_ROUTES``, in both modes: a missing or unknown key is 401 ``invalid_api_key``
     before any other answer (503 while the model loads, 501 of a local-mode route in upstream
-    mode, 400 of a bad body, 413). The handlers authenticate again for their ``Principal``
-    (a digest lookup)."""
+    mode, 400 of a bad body, 413). The handlers ask again for their ``Principal``: the one
+    kept on the request."""
     resource = request.match_info.route.resource
     if resource is None or resource.canonical not in OPEN_ROUTES:
         request.app[STATE].keys.authenticate(request)

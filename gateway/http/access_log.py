@@ -1,6 +1,6 @@
 """One log line per request, as vLLM's server prints (logger ``prefixgate.access``, level INFO).
 
-    127.0.0.1 "POST /v1/chat/completions" 200 key=team-a prompt=31 completion=16 cached=16 0.412s
+    127.0.0.1 "POST /v1/chat/completions" 200 key=team-a prompt=31 completion=16 cached=16 finish=stop ttft=0.041s 0.412s
 
 The key is shown by its *name* from the keys file (``-`` on an open server, ``unnamed`` for a
 key without one), never the key itself. A started stream that ended with an in-band error
@@ -11,7 +11,11 @@ Token counts are those of the request's usage (``-``
 for requests that never reached the engine; in proxy mode the upstream's reported usage,
 ``cached`` as the upstream reported it, or as the routing policy heard it reported when it
 predicts it, which adds ``predicted=``, the cached tokens it predicted on the chosen upstream,
-beside it). A local-mode generation adds its
+beside it). ``finish=`` is the first choice's finish reason in OpenAI's words (``stop``,
+``length``, ``tool_calls``, ...; a Messages answer's ``stop_reason`` and a Gemini answer's
+``finishReason`` are told so too), ``ttft=`` the seconds from the request parsed to its first
+token (proxy mode: the first content chunk of the upstream's stream; a whole JSON answer
+has none), each shown when known. A local-mode generation adds its
 first token's walk, ``walk=`` then ``name:value`` pairs (milliseconds unless named otherwise):
 ``admit`` (request parsed to admitted: rate limits, leases, the admission queue),
 ``to_engine`` (admitted to the engine's arrival), ``wait`` (arrival to first scheduled) and
@@ -60,6 +64,12 @@ def access_line(request: web.BaseRequest, status: int, seconds: float) -> str:
             ""
             if rec.predicted_cached_tokens is None
             else f"predicted={rec.predicted_cached_tokens} "
+        )
+        + ("" if rec.finish_reason is None else f"finish={rec.finish_reason} ")
+        + (
+            ""
+            if rec.first_token is None or rec.received is None
+            else f"ttft={rec.first_token - rec.received:.3f}s "
         )
         + ("" if rec.walk is None else f"walk={rec.walk} ")
         + f"{seconds:.3f}s"

@@ -5,7 +5,8 @@ Held once per HTTP request (``account(request)``, created on first use) and fill
 that serves it: local mode from the engine's outputs (tokens, cached tokens, finish reason) and
 its ``Request.metrics`` timeline, read at the seam (``engine_metrics``); proxy mode from the
 upstream's reported ``usage`` (``read_usage``: the body's, or the stream's last chunk through
-``proxy.usage.UsageTap``). Read by the access line (``http/access_log.py``), the per-key
+``proxy.usage.UsageTap``) and its answer's ``choices`` (``read_choices``: the finish reason,
+and in a stream the first and last content chunk's times). Read by the access line (``http/access_log.py``), the per-key
 metrics (``GatewayMetrics.count_key_request``), the key's tenant charge
 (``tenancy.shared_state.close_lease``) and the ``usage`` the dialects render (local mode:
 ``wire.response_models.Usage.of_account``; proxy mode: the upstream's own, which it was read
@@ -42,8 +43,9 @@ class RequestAccount:
         predicted_cached_tokens: proxy mode, the routing policy's prediction on its upstream.
         received: when the route had the request in hand (parsed; TTFT and e2e start here).
         admitted: past the key's limits and the admission queue.
-        first_token: the first generated token reached the handler (proxy: the upstream's
-            answer began).
+        first_token: the first generated token reached the handler (proxy mode: the first
+            content chunk of the upstream's stream; not known for a whole JSON answer).
+        last_token: proxy mode, the last content chunk of the upstream's stream came.
         first_byte: the first content was written to the client.
         finished: the handler ended.
         engine_metrics: local mode, the engine's ``Request.metrics`` timeline of the first
@@ -67,6 +69,7 @@ class RequestAccount:
     received: float | None = None
     admitted: float | None = None
     first_token: float | None = None
+    last_token: float | None = None
     first_byte: float | None = None
     finished: float | None = None
     engine_metrics: dict[str, float] | None = None
@@ -78,11 +81,51 @@ class RequestAccount:
     charged_tokens: int | None = None
 
     def mark_served(self) -> None:
-        """Proxy mode: an upstream's answer began reaching the client (``served``; its time
-        is ``first_token``, kept from the first call)."""
+        """Proxy mode: an upstream's answer began reaching the client (``served``)."""
         self.served = True
+
+    def note_token(self) -> None:
+        """Proxy mode: a content chunk of the upstream's stream came (a token or more): the
+        first one's time is ``first_token``, the latest one's ``last_token``."""
+        now = time.monotonic()
         if self.first_token is None:
-            self.first_token = time.monotonic()
+            self.first_token = now
+        self.last_token = now
+
+    def read_choices(self, choices: Any, streamed: bool) -> None:
+        """Proxy mode: the ``choices`` of an OpenAI answer (a whole body's, or one chunk of a
+        stream when ``streamed``): the first choice's (``index`` 0) ``finish_reason``; a chunk
+        with content (text or tool call fragments, of any choice) is ``note_token``."""
+        if not isinstance(choices, list):
+            return
+        content = False
+        for c in choices:
+            if not isinstance(c, dict):
+                continue
+            reason = c.get("finish_reason")
+            if c.get("index", 0) == 0 and isinstance(reason, str):
+                self.finish_reason = reason
+            if streamed and not content:
+                delta = c.get("delta")
+                if isinstance(delta, dict):
+                    content = bool(delta.get("content")) or bool(delta.get("tool_calls"))
+                else:
+                    content = bool(c.get("text"))
+        if content:
+            self.note_token()
+
+    def tpot_s(self) -> float | None:
+        """Seconds per output token after the first, in a stream: (``last_token`` -
+        ``first_token``) over the completion tokens (reported, else counted) less one; None
+        when not known (no stream, one token)."""
+        if self.first_token is None or self.last_token is None:
+            return None
+        tokens = self.completion_tokens
+        if tokens is None:
+            tokens = self.estimated_completion_tokens
+        if tokens < 2 or self.last_token <= self.first_token:
+            return None
+        return (self.last_token - self.first_token) / (tokens - 1)
 
     def read_usage(self, usage: Any) -> bool:
         """Take an OpenAI ``usage`` object (``prompt_tokens``, ``completion_tokens``,

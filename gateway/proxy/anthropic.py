@@ -43,6 +43,7 @@ from prefixgate.gateway.http.sse import (
     encode_event,
     end_stream,
 )
+from prefixgate.gateway.tenancy.keys import bearer_token
 
 logger = logging.getLogger("prefixgate.gateway")
 
@@ -341,11 +342,20 @@ def to_completion(msg: dict[str, Any], model: str) -> dict[str, Any]:
     }
 
 
+def finish_reason(stop_reason: Any) -> str | None:
+    """The OpenAI ``finish_reason`` of a Messages answer's ``stop_reason`` (None: none yet)."""
+    if not isinstance(stop_reason, str):
+        return None
+    return _FINISH.get(stop_reason, "stop")
+
+
 def headers_for(auth: str | None) -> dict[str, str]:
-    """Headers of a Messages API request: the deployment's key as ``x-api-key``."""
+    """Headers of a Messages API request: the deployment's key as ``x-api-key`` (the token of
+    a Bearer ``auth``, ``keys.bearer_token``; another scheme's value as it is)."""
     out = {"Content-Type": "application/json", "anthropic-version": ANTHROPIC_VERSION}
     if auth is not None:
-        out["x-api-key"] = auth.removeprefix("Bearer ")
+        token = bearer_token(auth)
+        out["x-api-key"] = auth if token is None else token
     return out
 
 
@@ -353,10 +363,12 @@ class StreamTranslator:
     """Anthropic stream events in, OpenAI ``chat.completion.chunk`` events out (bytes).
 
     ``feed(event_type, data) -> bytes``; ``done`` once ``message_stop`` came; ``usage`` the
-    OpenAI usage so far (None before ``message_start``).
+    OpenAI usage so far (None before ``message_start``). Each chunk is read into ``account``
+    (the request's ``RequestAccount``, when given: its finish reason, its token times).
     """
 
-    def __init__(self, model: str, include_usage: bool) -> None:
+    def __init__(self, model: str, include_usage: bool, account: Any = None) -> None:
+        self.account = account
         self.model = model
         self.include_usage = include_usage
         self.id = "chatcmpl-"
@@ -368,15 +380,16 @@ class StreamTranslator:
         self.finish: str | None = None
 
     def _chunk(self, delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
+        choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+        if self.account is not None:
+            self.account.read_choices(choices, streamed=True)
         return encode_event(
             {
                 "id": self.id,
                 "object": "chat.completion.chunk",
                 "created": self.created,
                 "model": self.model,
-                "choices": [
-                    {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-                ],
+                "choices": choices,
                 **extra,
             }
         )

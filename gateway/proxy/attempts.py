@@ -29,7 +29,9 @@ newcomer would break that promise. The gateway records the pin in the shared sta
 (``StateBackend.put_promise``: the request's fingerprint, ``request_fingerprint``, to the
 upstream's URL, for as long as the promise lives), so the client's retry of the same request,
 through any gateway on that state, goes to that upstream first (``UpstreamRouter.pick``'s
-``promised``). The pin is dropped once an upstream answers the retry.
+``promised``). The pin is dropped once an upstream answers the retry. While the shared state
+holds no promise (``StateBackend.may_hold_promises``: on any gateway) a request is neither
+fingerprinted nor looked up.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from prefixgate.gateway.proxy.upstream import Upstream, UpstreamRouter, retry_af
 from prefixgate.gateway.proxy.usage import admit_call, end_call
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.tenancy.admission_wait import PROMISE_HEADER
-from prefixgate.gateway.tenancy.keys import client_credential
+from prefixgate.gateway.tenancy.keys import Principal, client_credential
 
 if TYPE_CHECKING:
     from prefixgate.gateway.tenancy.admission import Ticket
@@ -96,13 +98,15 @@ class PinnedLost(Exception):
 class Call:
     """One client request through the loop, the set-up every dialect's call shares: the
     aiohttp ``request``, the gateway's state ``st``, the ``router`` and the ``route``
-    routing knows (None: a request without a prompt, a forwarded GET); ``account``: the
+    routing knows (None: a request without a prompt, a forwarded GET), the caller's
+    ``principal`` (the route's ``KeyRing.authenticate``); ``account``: the
     request's ``RequestAccount``, where an attempt notes what it served (``served``: whether
     an upstream's tokens reached the client; the usage); ``answered``: the HTTP status the
     current attempt's upstream answered (the attempt's metric when it ends in an error)."""
 
-    def __init__(self, request: web.Request, route: Route | None) -> None:
+    def __init__(self, request: web.Request, route: Route | None, principal: Principal) -> None:
         self.request = request
+        self.principal = principal  # the caller, as the route authenticated it
         self.st: GatewayState = request.app[STATE]
         self.router: UpstreamRouter = request.app[PROXY].router
         self.route = route
@@ -139,14 +143,18 @@ async def each_upstream(
         PinnedLost: ``pinned`` failed before answering.
     """
     shared = call.st.shared
-    fingerprint = await request_fingerprint(call) if pinned is None else None
+    fingerprint = None  # hashed only when a promise may be held for it, or is made now
+    if pinned is None and call.route is not None and shared.may_hold_promises():
+        fingerprint = await request_fingerprint(call)
     promised = await shared.promised_upstream(fingerprint) if fingerprint is not None else None
     try:
         out = await _each_upstream(call, attempt, pinned, promised)
     except APIError:
-        if fingerprint is not None and call.promise is not None:
+        if pinned is None and call.promise is not None:
+            fingerprint = fingerprint or await request_fingerprint(call)
             url, ttl_s = call.promise  # the client's retry goes back there
-            await shared.put_promise(fingerprint, url, ttl_s)
+            if fingerprint is not None:
+                await shared.put_promise(fingerprint, url, ttl_s)
         elif fingerprint is not None and promised is not None:
             await shared.drop_promise(fingerprint)  # answered: the promise is void now
         raise
@@ -157,14 +165,14 @@ async def each_upstream(
 
 async def request_fingerprint(call: Call) -> str | None:
     """What recognises a client's retry of one request (``StateBackend.put_promise``'s key):
-    the SHA-256 (hex) of its key (the gateway's principal; on an open gateway, the
-    credential it forwards, ``keys.client_credential``), its method, path and query, and its body, as the
+    the SHA-256 (hex) of its key (``call.principal``; on an open gateway, the credential it
+    forwards, ``keys.client_credential``), its method, path and query, and its body, as the
     client sends it again. None for a request without a prompt (``call.route`` None)."""
     if call.route is None:
         return None
     request = call.request
     body = await request.read()  # read already by the route: aiohttp keeps the bytes
-    who = call.st.keys.authenticate(request).id
+    who = call.principal.id
     if who is None:  # an open gateway: the client's credential is the upstream's key
         who = "open:" + client_credential(request)
     digest = hashlib.sha256()

@@ -39,6 +39,7 @@ import aiohttp
 from aiohttp import web
 from prefixgate.gateway.http.access_log import stream_cut
 from prefixgate.gateway.http.errors import GEMINI, APIError, bad_request, error_dialect
+from prefixgate.gateway.http.request_account import RequestAccount
 from prefixgate.gateway.http.sse import SSE_HEADERS, client_gone, client_left, end_stream
 from prefixgate.gateway.proxy.answers import shape_problem
 from prefixgate.gateway.proxy.attempts import (
@@ -60,7 +61,7 @@ from prefixgate.gateway.proxy.routes import (
 from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import Upstream
 from prefixgate.gateway.state import STATE, GatewayState
-from prefixgate.gateway.tenancy.keys import effective_salt
+from prefixgate.gateway.tenancy.keys import Principal, effective_salt
 from prefixgate.gateway.wire.client_fields import ClientFields, gemini_fields
 from prefixgate.gateway.wire.gemini_models import (
     CachedContentCreate,
@@ -108,8 +109,9 @@ class _Call(Call):
         route: Route,
         public: str,
         fields: ClientFields,
+        principal: Principal,
     ):
-        super().__init__(request, route)
+        super().__init__(request, route, principal)
         self.route: Route = route
         self.body = body
         self.fields = fields  # an upstream's refusal of the chat body, in Gemini's words
@@ -235,9 +237,11 @@ def to_gemini(completion: dict[str, Any], model: str, rid: str) -> dict[str, Any
 class _Chunks:
     """``chat.completion.chunk`` events → Gemini's stream chunks: text as it comes,
     function calls whole with the last chunk, which carries every candidate's
-    ``finishReason`` and the ``usageMetadata``."""
+    ``finishReason`` and the ``usageMetadata``. Each chunk is read into ``account`` (the
+    request's: its finish reason, its token times)."""
 
-    def __init__(self, model: str, rid: str) -> None:
+    def __init__(self, model: str, rid: str, account: RequestAccount) -> None:
+        self.account = account
         self.model = model
         self.rid = rid
         self.finish: dict[int, str] = {}
@@ -252,6 +256,7 @@ class _Chunks:
             if not data or data[0] == b"[DONE]":
                 continue
             obj = json.loads(b"\n".join(data))
+            self.account.read_choices(obj.get("choices"), streamed=True)
             if isinstance(obj.get("usage"), dict):
                 self.usage = obj["usage"]
             candidates = []
@@ -346,6 +351,7 @@ async def _generate_try(
         up.served += 1
         call.served = True
         body = to_gemini(parsed, call.public, rid)
+        call.account.read_choices(parsed.get("choices"), streamed=False)
         call.account.read_usage(parsed.get("usage"))  # the usageMetadata's source
         return web.json_response(body)
 
@@ -355,7 +361,7 @@ async def _relay(call: _Call, resp: aiohttp.ClientResponse, rid: str) -> web.Str
     out = web.StreamResponse(status=200, headers=SSE_HEADERS)
     await out.prepare(call.request)
     checker = EventChecker(ChatCompletionChunk, require_finish=True)
-    chunks = _Chunks(call.public, rid)
+    chunks = _Chunks(call.public, rid, call.account)
     error: APIError | None = None
     try:
         while not checker.done:
@@ -458,7 +464,8 @@ async def model_method(request: web.Request) -> web.StreamResponse:
     )
     route = router.route({"messages": chat.messages}, salt, router.resolve(public))
     body = _chat_body(chat, gc, method == "streamGenerateContent")
-    call = _Call(request, body, route, public, gemini_fields(chat.origins, req.tools, gc))
+    fields = gemini_fields(chat.origins, req.tools, gc)
+    call = _Call(request, body, route, public, fields, principal)
     if method == "countTokens":
         return await _count(call, chat)
     stream = method == "streamGenerateContent"

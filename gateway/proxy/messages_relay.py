@@ -45,6 +45,7 @@ import aiohttp
 from aiohttp import web
 from prefixgate.gateway.http.access_log import stream_cut
 from prefixgate.gateway.http.errors import ANTHROPIC, APIError, error_dialect, error_event
+from prefixgate.gateway.http.request_account import RequestAccount
 from prefixgate.gateway.http.sse import (
     KEEPALIVE,
     SSE_HEADERS,
@@ -62,7 +63,7 @@ from prefixgate.gateway.proxy.routes import upstream_credential, upstream_header
 from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import Upstream
 from prefixgate.gateway.state import STATE
-from prefixgate.gateway.tenancy.keys import effective_salt
+from prefixgate.gateway.tenancy.keys import Principal, effective_salt
 from prefixgate.gateway.wire.anthropic_models import (
     Chat,
     CountTokensRequest,
@@ -105,9 +106,10 @@ class _Call(Call):
         chat: Chat,
         salt: str | None,
         route: Route,
+        principal: Principal,
         output_field: str = "",
     ) -> None:
-        super().__init__(request, route)
+        super().__init__(request, route, principal)
         self.route: Route = route
         self.req = req
         self.raw = raw
@@ -172,7 +174,7 @@ async def _prepare(
     salt = effective_salt(principal.salt, req.cache_salt)
     model = router.resolve(req.model)  # 404 model_not_found when nobody serves it
     route = router.route({"messages": chat.messages}, salt, model)
-    return _Call(request, req, raw, chat, salt, route, output_field), principal
+    return _Call(request, req, raw, chat, salt, route, principal, output_field), principal
 
 
 @error_dialect(ANTHROPIC)
@@ -242,9 +244,10 @@ async def _message_try(call: _Call, up: Upstream, ticket: Any) -> web.StreamResp
             up.served += 1
             call.served = True
             if call.passthrough(up):
-                checker: _Events = _MessageEvents(call.public)
+                checker: _Events = _MessageEvents(call.public, call.account)
             else:
-                checker = _ChunkEvents(messages_openai.ChunkTranslator(rid, call.public, stops))
+                translator = messages_openai.ChunkTranslator(rid, call.public, stops)
+                checker = _ChunkEvents(translator, call.account)
             out = await _relay(call, resp, checker, extra)
             call.account.estimated_completion_tokens = checker.output_tokens()
             call.took(checker.usage(), up)
@@ -256,10 +259,12 @@ async def _message_try(call: _Call, up: Upstream, ticket: Any) -> web.StreamResp
             parsed = json.loads(raw)
             if call.passthrough(up):
                 message = _checked_message(parsed, call.public)
+                call.account.finish_reason = anthropic.finish_reason(message.get("stop_reason"))
             else:
                 message = messages_openai.to_message(
                     _checked_completion(parsed), rid, call.public, stops
                 )
+                call.account.read_choices(parsed.get("choices"), streamed=False)
         except (ValueError, UnicodeDecodeError, Malformed) as exc:
             why = str(exc) if isinstance(exc, Malformed) else "a body that is not JSON"
             call.router.mark_failed(up, f"HTTP 200 with {why}")
@@ -359,9 +364,11 @@ class _MessageEvents(_Events):
     """A Messages upstream's stream, checked event by event: each ``data`` a JSON object
     whose ``type`` is a Messages event (and its ``event:`` name), ``message_start`` first,
     blocks opened before their deltas, ``message_stop`` last; an upstream ``error`` event is
-    reworded. ``message_start``'s model is the public name; other events pass as they came."""
+    reworded. ``message_start``'s model is the public name; other events pass as they came.
+    Read into ``account`` (the request's): each content delta a token, the stop reason."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, account: RequestAccount) -> None:
+        self.account = account
         self.model = model
         self.started = False
         self.blocks: set[int] = set()
@@ -400,7 +407,13 @@ class _MessageEvents(_Events):
             self.blocks.add(index)
         elif kind in ("content_block_delta", "content_block_stop") and index not in self.blocks:
             raise Malformed(f"{kind} of a block never started")
+        if kind == "content_block_delta":
+            self.account.note_token()
         elif kind == "message_delta":
+            delta = obj.get("delta")
+            reason = delta.get("stop_reason") if isinstance(delta, dict) else None
+            if reason is not None:
+                self.account.finish_reason = anthropic.finish_reason(reason)
             usage = obj.get("usage")
             if isinstance(usage, dict):
                 self._usage.update({k: v for k, v in usage.items() if v is not None})
@@ -414,10 +427,14 @@ class _MessageEvents(_Events):
 
 class _ChunkEvents(_Events):
     """An OpenAI-compatible upstream's chunks, translated (``ChunkTranslator``); it must end
-    with ``[DONE]`` after a finish reason."""
+    with ``[DONE]`` after a finish reason. Each chunk is read into ``account`` (the
+    request's: its finish reason, its token times)."""
 
-    def __init__(self, translator: messages_openai.ChunkTranslator) -> None:
+    def __init__(
+        self, translator: messages_openai.ChunkTranslator, account: RequestAccount
+    ) -> None:
         self.translator = translator
+        self.account = account
 
     def feed(self, event: str | None, data: str) -> bytes:
         if data.strip() == "[DONE]":
@@ -436,6 +453,7 @@ class _ChunkEvents(_Events):
         problem = shape_problem(obj, ChatCompletionChunk, chunk=True)  # as the chat relay's
         if problem is not None:
             raise Malformed(problem)
+        self.account.read_choices(obj.get("choices"), streamed=True)
         return self.translator.feed(obj)
 
     def usage(self) -> dict[str, Any] | None:

@@ -53,7 +53,7 @@ from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import Upstream, UpstreamRouter
 from prefixgate.gateway.proxy.usage import UsageTap, admit_call, ask_usage, body_usage, end_call
 from prefixgate.gateway.state import STATE, GatewayState
-from prefixgate.gateway.tenancy.keys import client_credential, effective_salt
+from prefixgate.gateway.tenancy.keys import Principal, client_credential, effective_salt
 from prefixgate.gateway.tenancy.ttft_budget import BUDGET_HEADER
 from prefixgate.gateway.wire.request_models import check_contents, gateway_fields, load_json
 from prefixgate.gateway.wire.stop_strings import openai_constraint, refuse_stop_under_constraint
@@ -103,9 +103,11 @@ async def proxy_generate(request: web.Request) -> web.StreamResponse:
     lease, ticket = await admit_call(st, principal, est_tokens, outcome.account)
     try:
         if prefix is not None:
-            resp = await _forward_prefix(request, st, prefix, parsed, salt, route, ticket, outcome)
+            resp = await _forward_prefix(
+                request, st, principal, prefix, parsed, salt, route, ticket, outcome
+            )
         else:
-            resp = await _forward(request, st, bodies, route, ticket, outcome)
+            resp = await _forward(request, st, principal, bodies, route, ticket, outcome)
         outcome.account.status = resp.status
         return resp
     finally:
@@ -133,6 +135,7 @@ async def _with_prefix(
 async def _forward_prefix(
     request: web.Request,
     st: GatewayState,
+    principal: Principal,
     prefix: ProxyPrefix,
     full: dict[str, Any],
     salt: str | None,
@@ -153,12 +156,12 @@ async def _forward_prefix(
             up = registry.holder(prefix)
         if up is None:
             bodies = _Bodies(full, salt, prefix)
-            return await _forward(request, st, bodies, route, ticket, outcome)
+            return await _forward(request, st, principal, bodies, route, ticket, outcome)
         own = full["messages"][len(prefix.messages) :]
         body = {**full, "messages": own, "prefix_id": prefix.upstream_id}
         try:
             return await _forward(
-                request, st, _Bodies(body, salt), route, ticket, outcome, pinned=up
+                request, st, principal, _Bodies(body, salt), route, ticket, outcome, pinned=up
             )
         except PinnedLost:
             lost = prefix.upstream_id
@@ -235,11 +238,11 @@ async def proxy_get(request: web.Request) -> web.StreamResponse:
     aliases); GET /v1/models/{id}: that card, else 404 ``model_not_found``. Forwarded to an
     upstream (the least loaded healthy one) only while no upstream's models are known."""
     st = request.app[STATE]
-    st.keys.authenticate(request)
+    principal = st.keys.authenticate(request)
     router = request.app[PROXY].router
     cards = model_cards(router)
     if cards is None:
-        return await _forward(request, st, None, None, None, None)
+        return await _forward(request, st, principal, None, None, None, None)
     wanted = request.match_info.get("model")
     if wanted is None:
         return web.json_response({"object": "list", "data": list(cards.values())})
@@ -281,6 +284,7 @@ def _card(model_id: str) -> dict[str, Any]:
 async def _forward(
     request: web.Request,
     st: GatewayState,
+    principal: Principal,
     bodies: _Bodies | None,
     route: Route | None,
     ticket: Any,
@@ -292,7 +296,7 @@ async def _forward(
     fallbacks), or only to ``pinned`` (a prefix's upstream: ``PinnedLost`` when it fails
     before the answer or answers 404 ``prefix_not_found``); each attempt in its upstream's
     dialect (``_Forward.attempt``)."""
-    call = _Forward(request, bodies, route, ticket, outcome, pinned)
+    call = _Forward(request, principal, bodies, route, ticket, outcome, pinned)
     return await each_upstream(call, call.attempt, pinned)
 
 
@@ -304,13 +308,14 @@ class _Forward(Call):
     def __init__(
         self,
         request: web.Request,
+        principal: Principal,
         bodies: _Bodies | None,
         route: Route | None,
         ticket: Any,
         outcome: _Outcome | None,
         pinned: Upstream | None,
     ) -> None:
-        super().__init__(request, route)
+        super().__init__(request, route, principal)
         self.bodies = bodies
         self.ticket = ticket
         self.outcome = outcome
@@ -486,7 +491,9 @@ class _Forward(Call):
                 outcome.account.mark_served()
             if req.get("stream"):
                 translator = anthropic.StreamTranslator(
-                    answered, include_usage=outcome.keep_usage if outcome is not None else False
+                    answered,
+                    include_usage=outcome.keep_usage if outcome is not None else False,
+                    account=outcome.account if outcome is not None else None,
                 )
                 out = await anthropic.relay_stream(
                     request, resp, translator, self.st.settings.upstream_timeout_s
@@ -502,6 +509,7 @@ class _Forward(Call):
                     502, "the Anthropic upstream's answer is not a message", code="upstream_error"
                 ) from None
             if outcome is not None:
+                outcome.account.read_choices(completion["choices"], streamed=False)
                 outcome.account.read_usage(completion["usage"])
             return web.json_response(completion)
 

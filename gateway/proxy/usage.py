@@ -35,9 +35,7 @@ def body_usage(data: bytes, acct: RequestAccount) -> bool:
     parsed = _json_object(data)
     if parsed is None:
         return False
-    choices = parsed.get("choices")
-    if isinstance(choices, list):
-        _note_finish(acct, choices)
+    acct.read_choices(parsed.get("choices"), streamed=False)
     return acct.read_usage(parsed.get("usage"))
 
 
@@ -48,15 +46,6 @@ def _json_object(data: bytes) -> dict[str, Any] | None:
     except ValueError:
         return None
     return parsed if isinstance(parsed, dict) else None
-
-
-def _note_finish(acct: RequestAccount, choices: list[Any]) -> None:
-    """The first choice's (``index`` 0) ``finish_reason``, when one of ``choices`` has it."""
-    for c in choices:
-        if isinstance(c, dict) and c.get("index", 0) == 0:
-            reason = c.get("finish_reason")
-            if isinstance(reason, str):
-                acct.finish_reason = reason
 
 
 def ask_usage(body: dict[str, Any]) -> bool:
@@ -120,8 +109,8 @@ class UsageTap:
         if obj is None:
             return True
         choices = obj.get("choices")
+        self.account.read_choices(choices, streamed=True)  # finish reason, token times
         if isinstance(choices, list):
-            _note_finish(self.account, choices)
             for c in choices:
                 if isinstance(c, dict) and _has_content(c):
                     self.account.estimated_completion_tokens += 1
@@ -171,8 +160,15 @@ async def admit_call(
 
 def end_call(st: GatewayState, principal: Principal, lease: Lease, acct: RequestAccount) -> None:
     """Once a proxied call ends (the handler's ``finally``): ``acct.finished``, the key
-    charged from the account (``close_lease``), the e2e metric from admission."""
+    charged from the account (``close_lease``), the e2e metric from admission; a stream's
+    TTFT (from ``acct.received`` to its first content chunk) and TPOT
+    (``RequestAccount.tpot_s``), as local mode observes them."""
     acct.finished = time.monotonic()
     close_lease(st.shared, principal, lease, acct)
     if acct.admitted is not None:
         st.metrics.e2e.observe(acct.finished - acct.admitted)
+    if acct.first_token is not None and acct.received is not None:
+        st.metrics.ttft.observe(acct.first_token - acct.received)
+    tpot = acct.tpot_s()
+    if tpot is not None:
+        st.metrics.tpot.observe(tpot)

@@ -13,9 +13,12 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefixgate.gateway.settings import GatewaySettings
+
+if TYPE_CHECKING:
+    from prefixgate.gateway.tenancy.keys import KeySpec
 
 __all__ = [
     "default_model_name",
@@ -216,35 +219,29 @@ def upstream_kv_events(specs: list[str]) -> dict[str, tuple[str, str | None]]:
     return out
 
 
-def key_weights(keys_file: str) -> dict[str, float]:
-    """Tenant weights of the keys file (key name → ``weight``) for the fair scheduler; keys of
-    one name must agree on their weight.
+def key_weights(specs: list[KeySpec], keys_file: str) -> dict[str, float]:
+    """Tenant weights of the keys file's ``specs`` (key name → ``weight``) for the fair
+    scheduler; keys of one name must agree on their weight (``keys_file``: its path, named in
+    the error).
 
     Raises:
-        ValueError: an unreadable keys file, or one name with two weights.
+        ValueError: one name with two weights.
     """
-    from prefixgate.gateway.tenancy.keys import load_keys_file
-
     weights: dict[str, float] = {}
-    for spec in load_keys_file(keys_file):
+    for spec in specs:
         if weights.setdefault(spec.name, spec.weight) != spec.weight:
             raise ValueError(f"keys file {keys_file}: key name {spec.name} has two weights")
     return weights
 
 
-def key_policy_warnings(keys_file: str, policy: str) -> list[str]:
-    """What the keys file asks that the engine's ``scheduling_policy`` will not do: a key's
-    ``priority`` acts only under a policy that ``uses_priority``, its ``weight`` only under one
-    that ``uses_tenant_weights`` (logged at start-up so the setting is not a silent no-op).
-
-    Raises:
-        ValueError: an unreadable keys file.
-    """
+def key_policy_warnings(specs: list[KeySpec], keys_file: str, policy: str) -> list[str]:
+    """What the keys file (its ``specs``, read from ``keys_file``) asks that the engine's
+    ``scheduling_policy`` will not do: a key's ``priority`` acts only under a policy that
+    ``uses_priority``, its ``weight`` only under one that ``uses_tenant_weights`` (logged at
+    start-up so the setting is not a silent no-op)."""
     from prefixgate.engine.scheduling_policy import policy_class
-    from prefixgate.gateway.tenancy.keys import load_keys_file
 
     cls = policy_class(policy)
-    specs = load_keys_file(keys_file)
     out = []
     prio = sorted({s.name or "unnamed" for s in specs if s.priority != 0})
     if prio and not cls.uses_priority:

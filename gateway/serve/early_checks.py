@@ -72,15 +72,16 @@ def check_port_free(host: str, port: int) -> None:
             sock.close()
 
 
-def check_keys_file(path: str) -> None:
-    """Read and validate the keys file as the server will (``tenancy/keys.load_keys_file``).
+def check_keys_file(path: str) -> list[Any]:
+    """Read and validate the keys file as the server will (``tenancy/keys.load_keys_file``):
+    its ``KeySpec`` list, which the server is then built with (the file is read once).
 
     Raises:
         ValueError: unreadable file, bad syntax, or an entry with unknown or invalid fields.
     """
     from prefixgate.gateway.tenancy.keys import load_keys_file
 
-    load_keys_file(path)
+    return load_keys_file(path)
 
 
 def check_model_path(model: str | None) -> None:
@@ -203,15 +204,18 @@ def check_engine_installed() -> None:
         )
 
 
-def check_before_imports(args: Any) -> None:
+def check_before_imports(args: Any) -> list[Any] | None:
     """The keys file and the model path of the parsed ``serve`` flags; the first failure is
     raised. The port is checked by the caller once every flag's value is (``check_port_free``).
+
+    Returns:
+        The keys file's ``KeySpec`` list (``check_keys_file``), None without ``--keys-file``.
 
     Raises:
         ValueError: one line naming the flag and what is wrong with its value.
     """
-    if args.keys_file:
-        check_keys_file(args.keys_file)
+    specs = check_keys_file(args.keys_file) if args.keys_file else None
     if not args.upstreams and not args.config:
         check_model_path(args.model)
         check_engine_installed()
+    return specs

@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         positional_model(args)  # `prefixgate serve PATH` = --model PATH, as vLLM's
-        check_before_imports(args)  # keys file, model path: before torch is imported
+        key_specs = check_before_imports(args)  # keys file, model path: before torch
         settings = settings_from_args(args)
         check_settings(settings)  # each routing policy's options
         upstreams: list[str] | ProxyConfig = args.upstreams
@@ -128,9 +128,10 @@ def run(args: argparse.Namespace) -> int:
             )
             if warning:
                 logger.warning("%s", warning)
-        if config is not None and args.keys_file:
-            config.tenant_weights = {**key_weights(args.keys_file), **config.tenant_weights}
-            for line in key_policy_warnings(args.keys_file, config.scheduling_policy):
+        if config is not None and key_specs is not None:
+            weights = key_weights(key_specs, args.keys_file)
+            config.tenant_weights = {**weights, **config.tenant_weights}
+            for line in key_policy_warnings(key_specs, args.keys_file, config.scheduling_policy):
                 logger.warning("%s", line)
     except CannotListenError as exc:  # as a bind that fails at the server's start: exit 1
         logger.error("%s", exc)
@@ -149,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
                 chat_template,
                 access_log=args.access_log,
                 stats_interval_s=args.stats_interval_s,
+                key_specs=key_specs,
             )
         )
     except KeyboardInterrupt:
@@ -209,12 +211,14 @@ async def serve(
     *,
     access_log: bool = False,
     stats_interval_s: float = 0.0,
+    key_specs: list[Any] | None = None,
 ) -> int:
     """Serve until SIGINT/SIGTERM. ``settings``: checked by the caller (``run``:
     ``policies.check_settings``, before its imports; the app does not check them again).
     ``config`` is an EngineConfig (local) or None (upstreams);
     ``chat_template`` (Jinja source) replaces the model's default chat template; ``access_log``
-    logs a line per request; ``stats_interval_s`` > 0 logs the engine line that often."""
+    logs a line per request; ``stats_interval_s`` > 0 logs the engine line that often;
+    ``key_specs``: the keys file as ``run`` read it (``settings.keys_file`` is not read again)."""
     from prefixgate.gateway.app import attach_engine, create_app, create_proxy_app
     from prefixgate.gateway.http.connections import raise_nofile_limit
     from prefixgate.gateway.http.server import start_server
@@ -240,9 +244,9 @@ async def serve(
     try:
         # run() checked the routing policies' options before its imports: not again here
         if upstreams:
-            app = create_proxy_app(upstreams, settings, settings_checked=True)
+            app = create_proxy_app(upstreams, settings, settings_checked=True, key_specs=key_specs)
         else:
-            app = create_app(None, settings, settings_checked=True)
+            app = create_app(None, settings, settings_checked=True, key_specs=key_specs)
     except ValueError as exc:
         logger.error("bad option: %s", in_flag_words(str(exc)))
         return 2

@@ -334,6 +334,10 @@ def effective_salt(key_salt: str | None, request_salt: str | None) -> str | None
     return "\x00" + hashlib.sha256(pair.encode("ascii")).hexdigest()
 
 
+# the request's (KeyRing, Principal) once authenticated
+_AUTHENTICATED = web.RequestKey("prefixgate_principal", tuple)
+
+
 class KeyRing:
     """The configured keys; ``authenticate(request)`` returns the caller's Principal."""
 
@@ -352,9 +356,13 @@ class KeyRing:
 
     @classmethod
     def from_options(
-        cls, api_keys: list[str] | None = None, keys_file: str | None = None
+        cls,
+        api_keys: list[str] | None = None,
+        keys_file: str | None = None,
+        file_specs: list[KeySpec] | None = None,
     ) -> KeyRing:
-        """Keys from ``--api-key`` values and a keys file.
+        """Keys from ``--api-key`` values and a keys file (``file_specs``: its keys as the
+        caller read them already, ``load_keys_file``; else it is read here).
 
         Raises:
             ValueError: on an unreadable or malformed keys file (naming the file), or a
@@ -362,7 +370,7 @@ class KeyRing:
         """
         specs = [KeySpec(key=k, role="operator") for k in api_keys or []]
         if keys_file:
-            specs.extend(load_keys_file(keys_file))
+            specs.extend(file_specs if file_specs is not None else load_keys_file(keys_file))
         return cls(specs)
 
     @property
@@ -376,15 +384,27 @@ class KeyRing:
         ``x-goog-api-key: <key>`` header (Gemini's clients) or, on Gemini's routes
         (``/v1beta/...``) only, its ``?key=<key>`` query parameter (Gemini's REST form).
 
+        Read once per request: the answer is kept on the request (the middleware's
+        ``require_key`` and the route ask the same ring).
+
         Raises:
             APIError: 401 ``invalid_api_key`` when the key is missing or unknown; 400
                 ``invalid_header`` when the header's bytes are not UTF-8.
         """
+        kept = request.get(_AUTHENTICATED)
+        if kept is not None and kept[0] is self:
+            return kept[1]
+        principal = self._authenticate(request)
+        request[_AUTHENTICATED] = (self, principal)
+        return principal
+
+    def _authenticate(self, request: web.Request) -> Principal:
         if not self._by_digest:
             account(request).key_name = "-"
             return self._anonymous
         header = client_credential(request)
-        scheme, _, key = header.partition(" ")
+        scheme = header.strip().partition(" ")[0]
+        key = bearer_token(header)
         # the header the route's clients send: Anthropic's send x-api-key
         send = {
             ANTHROPIC: "'x-api-key: <key>' (or 'Authorization: Bearer <key>')",
@@ -396,17 +416,28 @@ class KeyRing:
                 f"Authorization scheme {scheme[:20]!r} is not supported: send {send}",
                 code="invalid_api_key",
             )
-        if scheme.lower() != "bearer" or not key.strip():
+        if key is None:
             raise APIError(401, f"missing API key: send {send}", code="invalid_api_key")
-        principal = self._by_digest.get(_digest(key.strip()))
+        principal = self._by_digest.get(_digest(key))
         if principal is None:
             raise APIError(401, "incorrect API key provided", code="invalid_api_key")
         account(request).key_name = (principal.spec.name if principal.spec else "") or "unnamed"
         return principal
 
 
+def bearer_token(credential: str) -> str | None:
+    """The token of an ``Authorization`` value of the Bearer scheme (RFC 6750), its scheme
+    matched case-insensitively (RFC 7235 section 2.1: ``bearer x`` is ``Bearer x``),
+    surrounding spaces dropped; None for another scheme or no token. The one reading of a
+    Bearer credential: the key ring's, the proxy's towards its upstreams."""
+    scheme, _, token = credential.strip().partition(" ")
+    token = token.strip()
+    return token if scheme.lower() == "bearer" and token else None
+
+
 def client_credential(request: web.Request) -> str:
-    """The request's credential as an ``Authorization`` value: its ``Authorization`` header,
+    """The request's credential as an ``Authorization`` value: its ``Authorization`` header
+    (a Bearer one spelt ``Bearer <token>``, whatever the scheme's case: ``bearer_token``),
     else ``Bearer <key>`` of its ``x-api-key`` header (Anthropic's clients), its
     ``x-goog-api-key`` header (Gemini's) or, on Gemini's routes (``/v1beta/...``) only, its
     ``?key=`` query parameter (Gemini's REST form); ``""`` when it sends none. The one reading
@@ -417,7 +448,8 @@ def client_credential(request: web.Request) -> str:
     """
     header = header_text(request, "Authorization")
     if header.strip():
-        return header
+        token = bearer_token(header)
+        return header if token is None else "Bearer " + token
     other = header_text(request, "x-api-key") or header_text(request, "x-goog-api-key")
     if not other.strip() and request.path.startswith("/v1beta/"):
         other = request.query.get("key", "")

@@ -20,6 +20,14 @@ stored):
 
 * ``pg:prom:<f>`` — the upstream URL holding a promised place for a refused request (``<f>``:
   the first 32 hex digits of its fingerprint's SHA-256), expiring when the promise lapses.
+* ``pg:promises`` — a marker living as long as the longest promise recorded (``PROMISES``);
+  every new promise's lifetime (milliseconds) is also published on the channel of that name.
+  Each replica listens (``may_hold_promises``): while no promise can be outstanding, its
+  proxied requests skip the fingerprint and its lookup. Redis delivers the message to every
+  listener before it answers the replica that recorded the promise, so before that replica's
+  429 reaches the client; while a replica is not listening (starting, reconnecting) it looks
+  every request up. Its watch loop reads the marker too, so a listener cut without notice
+  is caught within ``WATCH_S``.
 
 * ``pg:epoch`` — this Redis's life (hash ``{id, until}``): created by the first replica that
   finds it missing. A Redis restarted empty (or flushed) has none, so every replica notices
@@ -52,9 +60,11 @@ with a reload on NOSCRIPT).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
+import math
 import secrets
 import time
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -63,7 +73,7 @@ import redis.asyncio as aioredis
 from prefixgate.gateway.http.errors import too_many
 from prefixgate.gateway.tenancy.shared_state import Lease, LocalState, StateBackend
 from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
+from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -74,6 +84,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("prefixgate.gateway")
 
 EPOCH_KEY = "pg:epoch"
+PROMISES = "pg:promises"  # the promises' marker key and channel (module docstring)
 WATCH_S = 0.25  # seconds between the watch loop's checks of Redis (its epoch, its return)
 SETTLE_S = 1.0  # after a lost epoch, seconds concurrency-limited admissions wait
 HEALTH_CHECK_S = 1.0  # a pooled connection idle this long is PINGed before use
@@ -206,6 +217,16 @@ redis.call('EXPIRE', KEYS[1], math.ceil(tonumber(ARGV[1])) + 60)
 return 0
 """
 
+# KEYS: the promise's key, the promises' marker. ARGV: the upstream URL, its lifetime (ms).
+# The marker lives as long as the longest promise; the lifetime is published to every replica.
+_PUT_PROMISE = """
+local px = tonumber(ARGV[2])
+redis.call('SET', KEYS[1], ARGV[1], 'PX', px)
+if redis.call('PTTL', KEYS[2]) < px then redis.call('SET', KEYS[2], '1', 'PX', px) end
+redis.call('PUBLISH', KEYS[2], ARGV[2])
+return 0
+"""
+
 _FAILURES = (RedisError, OSError, asyncio.TimeoutError)
 
 
@@ -261,6 +282,19 @@ class RedisState:
         self._release = self._client.register_script(_RELEASE)
         self._renew = self._client.register_script(_RENEW)
         self._reserve_prefix = self._client.register_script(_RESERVE_PREFIX)
+        self._put_promise = self._client.register_script(_PUT_PROMISE)
+        # the promises' listener: its own connection (it blocks reading), no command timeout,
+        # no silent reconnection (a cut ends the subscription: _promise_loop subscribes anew)
+        self._listen_client = aioredis.Redis.from_url(
+            url,
+            socket_connect_timeout=timeout_s,
+            socket_keepalive=True,
+            decode_responses=True,
+            retry=Retry(NoBackoff(), 0, supported_errors=()),
+        )
+        self._promises_known = False  # listening: _promises_until is this replica's view
+        self._promises_until = 0.0  # time.monotonic() when every promise known has lapsed
+        self._listener: asyncio.Task[None] | None = None
         self.up = True
         self.fallbacks = 0  # requests admitted on local limits because Redis was down
         self.rebuilds = 0  # times this replica published its leases again (Redis lost them)
@@ -278,11 +312,18 @@ class RedisState:
         failure, lease renewals)."""
         await self._sync(settle_s=0.0)
         self._watcher = asyncio.create_task(self._watch_loop())
+        self._listener = asyncio.create_task(self._promise_loop())
 
     async def close(self) -> None:
         """Free the leases this replica holds, then disconnect."""
         if self._watcher is not None:
             self._watcher.cancel()
+        if self._listener is not None:
+            self._listener.cancel()
+            await asyncio.wait([self._listener], timeout=self._deadline_s)
+        with contextlib.suppress(*_FAILURES):
+            async with asyncio.timeout(self._deadline_s):
+                await self._listen_client.aclose()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         for key_id, leases in list(self._held.items()):
@@ -445,6 +486,8 @@ class RedisState:
         while True:
             await asyncio.sleep(WATCH_S)
             await self._sync(SETTLE_S)
+            if self._promises_known:  # a listener cut without notice misses no promise
+                self._promises_seen(await self._call(self._client.pttl(PROMISES)))
             if time.monotonic() >= renew_at and self.up:
                 renew_at = time.monotonic() + self.lease_ttl_s / 3
                 await self._publish("XX")
@@ -529,8 +572,12 @@ class RedisState:
 
     async def put_promise(self, fingerprint: str, upstream: str, ttl_s: float) -> None:
         if ttl_s > 0:
-            px = max(1, int(ttl_s * 1000))
-            await self._call(self._client.set(_promise_key(fingerprint), upstream, px=px))
+            px = max(1, math.ceil(ttl_s * 1000))
+            keys = [_promise_key(fingerprint), PROMISES]
+            await self._call(self._put_promise(keys=keys, args=[upstream, px]))
+
+    def may_hold_promises(self) -> bool:
+        return not self._promises_known or time.monotonic() < self._promises_until
 
     async def promised_upstream(self, fingerprint: str) -> str | None:
         raw = await self._call(self._client.get(_promise_key(fingerprint)))
@@ -540,6 +587,44 @@ class RedisState:
 
     async def drop_promise(self, fingerprint: str) -> None:
         await self._call(self._client.delete(_promise_key(fingerprint)))
+
+    async def _promise_loop(self) -> None:
+        """Listen on ``PROMISES``: each promise's lifetime extends this replica's view
+        (``_promises_until``); on each (re)subscription the marker's remaining life covers
+        what was published meanwhile. Not listening (failed, reconnecting): no view, every
+        request is looked up."""
+        while True:
+            pubsub = self._listen_client.pubsub()
+            try:
+                await pubsub.subscribe(PROMISES)
+                async for message in pubsub.listen():
+                    if message["type"] == "subscribe":  # from now on every promise is heard
+                        ttl = await self._call(self._client.pttl(PROMISES))
+                        if ttl is None:
+                            break  # the marker not read: no view; subscribe again
+                        self._promises_seen(ttl)
+                        self._promises_known = True
+                    elif message["type"] == "message":
+                        self._promises_seen(int(message["data"]))
+            except (*_FAILURES, ValueError):
+                pass
+            finally:
+                self._promises_known = False
+                with contextlib.suppress(*_FAILURES):
+                    async with asyncio.timeout(self._deadline_s):
+                        await pubsub.aclose()
+            await asyncio.sleep(WATCH_S)
+
+    def _promises_seen(self, ttl_ms: int | None) -> None:
+        """A promise lives ``ttl_ms`` more milliseconds (the marker's PTTL: -2 none, -1 no
+        expiry; None: Redis did not answer)."""
+        if ttl_ms is None:
+            return
+        ttl_ms = int(ttl_ms)
+        if ttl_ms == -1:
+            self._promises_until = math.inf
+        elif ttl_ms > 0:
+            self._promises_until = max(self._promises_until, time.monotonic() + ttl_ms / 1000)
 
     # -- health ------------------------------------------------------------------------
 

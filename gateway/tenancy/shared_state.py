@@ -14,9 +14,10 @@ Promises (``put_promise`` / ``promised_upstream``): when an upstream refuses a r
 gateway records fingerprint -> upstream until the promise lapses, so the retry goes back to
 the upstream that holds its place through whichever gateway the client reaches next.
 ``LocalState`` keeps them in this process (every gateway of one process, as ``prefixgate sim``'s
-gateways, shares them); ``RedisState`` in Redis, for every gateway replica. Only
-``prefixgate sim``'s routing reads them so far: the proxy's routes still send a 429'd request
-on to the next upstream (docs/sim.md says so).
+gateways, shares them); ``RedisState`` in Redis, for every gateway replica. Read by the proxy's
+attempt loop (``proxy.attempts.each_upstream``) and ``prefixgate sim``'s routing. While
+``may_hold_promises`` is False (none recorded, or all lapsed, on every replica) a request
+needs no lookup: the proxy then skips its fingerprint and the read.
 
 The routes call ``acquire`` before a request runs and, once it ends, ``close_lease`` with
 the request's ``RequestAccount``: ``settle`` (served: charged exactly its usage's prompt +
@@ -159,6 +160,12 @@ class StateBackend(Protocol):
         """Forget ``fingerprint``'s promise (it was claimed: the request was admitted)."""
         ...
 
+    def may_hold_promises(self) -> bool:
+        """False when no promise can be outstanding (``promised_upstream`` would answer None
+        for every fingerprint), on this replica or any other sharing the state; True when
+        one may be (or that is not known)."""
+        ...
+
     def describe(self) -> dict[str, Any]:
         """What ``/ready`` shows: ``{"backend": kind, "shared": up, ...}``."""
         ...
@@ -260,6 +267,10 @@ class LocalState:
 
     async def drop_promise(self, fingerprint: str) -> None:
         self._promises.pop(fingerprint, None)
+
+    def may_hold_promises(self) -> bool:
+        self._expire(time.monotonic())
+        return bool(self._promises)
 
     def _expire(self, now: float) -> None:
         """Drop the lapsed promises at the front (insertion order is nearly expiry order:

@@ -164,3 +164,56 @@ def test_a_stream_its_client_cut_is_counted_and_logged_as_499(caplog, serve_fake
     counted = re.findall(r'prefixgate_requests_total\{[^}]*status="(\d+)"[^}]*\} (\S+)', metrics)
     assert not [c for c in counted if c[0] == "200" and float(c[1]) > 0], counted
     assert sum(float(n) for s, n in counted if s == "499") == CUTS * len(STREAMS), counted
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("route", ["chat-on-anthropic", "messages-on-openai"])
+def test_a_translated_proxy_answer_logs_its_finish_reason_and_first_token(
+    caplog, tmp_path, route, stream
+):
+    """The relays that translate (chat on an Anthropic deployment, Messages on an
+    OpenAI-compatible upstream) note the upstream's finish reason, in OpenAI's words, and a
+    stream's first content chunk as its first token (``finish=`` and ``ttft=``); was: none."""
+    import re
+    import time
+
+    import httpx
+    from prefixgate.gateway.app import create_proxy_app
+    from prefixgate.gateway.http.server import BackgroundServer
+    from prefixgate.gateway.settings import GatewaySettings
+    from support.anthropic_stub import AnthropicStub, claude_config
+    from support.stub_upstream import StubServer
+
+    ask = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    with caplog.at_level(logging.INFO, logger="prefixgate.access"):
+        if route == "chat-on-anthropic":
+            claude = AnthropicStub()
+            up = BackgroundServer(claude.app).__enter__()
+            upstreams = claude_config(tmp_path / "proxy.toml", up.url)
+            path, body = "/v1/chat/completions", {"model": "claude", "messages": ask}
+            stop = up.close
+        else:
+            stub = StubServer(name="fake").start()
+            upstreams, stop = [stub.base_url], stub.stop
+            path = "/v1/messages"
+            body = {"model": "fake", "messages": ask, "max_tokens": 8}
+        try:
+            make = lambda: create_proxy_app(upstreams, GatewaySettings())  # noqa: E731
+            with BackgroundServer(make, access_log=True) as proxy:
+                r = httpx.post(proxy.url + path, json={**body, "stream": stream}, timeout=10)
+                assert r.status_code == 200, r.text
+                deadline = time.monotonic() + 10
+                while time.monotonic() < deadline and not any(
+                    r.name == "prefixgate.access" and path in r.getMessage() for r in caplog.records
+                ):
+                    time.sleep(0.01)
+        finally:
+            stop()
+    (line,) = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "prefixgate.access" and path in r.getMessage()
+    ]
+    said = "length" if route == "messages-on-openai" and stream else "stop"  # the stub's words
+    assert f" finish={said} " in line, line
+    assert (re.search(r" ttft=\d+\.\d{3}s ", line) is not None) == stream, line

@@ -11,7 +11,7 @@ from prefixgate.gateway.http.errors import APIError
 from prefixgate.gateway.serve.runner import key_policy_warnings, key_weights
 from prefixgate.gateway.settings import GatewaySettings
 from prefixgate.gateway.tenancy.admission import AdmissionConfig, AdmissionController
-from prefixgate.gateway.tenancy.keys import KeySpec
+from prefixgate.gateway.tenancy.keys import KeySpec, load_keys_file
 
 
 def _keys_file(tmp_path, keys: list[dict]) -> str:
@@ -92,13 +92,13 @@ def test_keys_file_weight_priority_fields_are_checked(tmp_path):
             {"key": "c"},
         ],
     )
-    weights = key_weights(path)
+    weights = key_weights(load_keys_file(path), path)
     assert weights["x"] == 3 and len(weights) == 2
     clash = _keys_file(
         tmp_path, [{"key": "a", "name": "x", "weight": 3}, {"key": "b", "name": "x"}]
     )
     with pytest.raises(ValueError, match="two weights"):
-        key_weights(clash)
+        key_weights(load_keys_file(clash), clash)
 
 
 def test_keys_file_fields_the_policy_ignores_are_warned_at_start(tmp_path):
@@ -112,13 +112,13 @@ def test_keys_file_fields_the_policy_ignores_are_warned_at_start(tmp_path):
             {"key": "c", "name": "plain"},
         ],
     )
-    fcfs = key_policy_warnings(path, "fcfs")
+    fcfs = key_policy_warnings(load_keys_file(path), path, "fcfs")
     assert len(fcfs) == 2 and "batch" in fcfs[0] and "big" in fcfs[1]
     assert "plain" not in " ".join(fcfs)
-    assert len(key_policy_warnings(path, "priority")) == 1  # the weight only
-    assert len(key_policy_warnings(path, "fair")) == 1  # the priority only
+    assert len(key_policy_warnings(load_keys_file(path), path, "priority")) == 1  # the weight only
+    assert len(key_policy_warnings(load_keys_file(path), path, "fair")) == 1  # the priority only
     quiet = _keys_file(tmp_path, [{"key": "c", "name": "plain"}])
-    assert key_policy_warnings(quiet, "fcfs") == []
+    assert key_policy_warnings(load_keys_file(quiet), quiet, "fcfs") == []
 
 
 def test_admission_bound_is_shared_per_tenant():

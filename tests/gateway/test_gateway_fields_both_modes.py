@@ -9,7 +9,7 @@ import pytest
 from prefixgate.gateway.app import create_app, create_proxy_app
 from prefixgate.gateway.http.server import BackgroundServer
 from prefixgate.gateway.settings import GatewaySettings
-from support.fake_engine import FakeEngine
+from support.fake_engine import FakeEngine, assert_idle_and_whole
 
 BODIES = {
     "/v1/chat/completions": {
@@ -33,13 +33,20 @@ FIELDS = [
 
 
 @pytest.fixture(scope="module")
-def both_modes():
-    """A local-mode gateway (model ``fake``) and a proxy in front of it."""
-    with BackgroundServer(
-        lambda: create_app(FakeEngine(), GatewaySettings(model_name="fake"))
-    ) as a:
+def _both_modes():
+    engine = FakeEngine()
+    with BackgroundServer(lambda: create_app(engine, GatewaySettings(model_name="fake"))) as a:
         with BackgroundServer(lambda: create_proxy_app([a.url], GatewaySettings())) as p:
-            yield a.url, p.url
+            yield a, engine, p
+
+
+@pytest.fixture
+def both_modes(_both_modes):
+    """A local-mode gateway (model ``fake``) and a proxy in front of it: their URLs; each test
+    ends with the engine idle and its pool whole."""
+    a, engine, p = _both_modes
+    yield a.url, p.url
+    assert_idle_and_whole(a, engine)
 
 
 @pytest.mark.parametrize("path", list(BODIES))

@@ -163,6 +163,40 @@ def gateways(tmp_path_factory, access_lines) -> Iterator[dict[str, BackgroundSer
             srv.close()
 
 
+def _client_finish(dialect: str, stream: bool, resp: httpx.Response) -> str:
+    """The first choice's finish reason the client got, in OpenAI's words."""
+    words = {"max_tokens": "length", "MAX_TOKENS": "length", "end_turn": "stop", "STOP": "stop"}
+    if dialect == "responses":
+        return "length"  # max_output_tokens: the response is incomplete
+    if not stream:
+        body = resp.json()
+        if dialect == "gemini":
+            return words[body["candidates"][0]["finishReason"]]
+        if dialect == "messages":
+            return words[body["stop_reason"]]
+        return body["choices"][0]["finish_reason"]
+    events = _events(resp.text)
+    if dialect == "gemini":
+        return words[
+            [e for e in events if e.get("candidates")][-1]["candidates"][0]["finishReason"]
+        ]
+    if dialect == "messages":
+        (delta,) = [e for e in events if e.get("type") == "message_delta"]
+        return words[delta["delta"]["stop_reason"]]
+    return [e for e in events if e.get("choices")][-1]["choices"][0]["finish_reason"]
+
+
+def _timing_counts(srv: BackgroundServer) -> tuple[float, float]:
+    """(TTFT, TPOT) histograms' sample counts on ``srv``'s /metrics."""
+    text = httpx.get(srv.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    counts = {}
+    for line in text.splitlines():
+        for name in ("time_to_first_token", "time_per_output_token"):
+            if line.startswith(f"prefixgate_{name}_seconds_count"):
+                counts[name] = float(line.rsplit(" ", 1)[1])
+    return counts["time_to_first_token"], counts["time_per_output_token"]
+
+
 def _key_tokens(srv: BackgroundServer) -> dict[str, float]:
     text = httpx.get(srv.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     out = {"prompt": 0.0, "completion": 0.0}
@@ -201,6 +235,7 @@ def test_access_line_metric_and_charge_agree_with_the_usage_answered(
     srv = gateways[mode]
     path, body, headers = _request(dialect, stream)
     before, lines = _key_tokens(srv), len(access_lines.ours())
+    timings = _timing_counts(srv)
     resp = httpx.post(srv.url + path, json=body, headers=headers, timeout=30)
     assert resp.status_code == 200, resp.text
     prompt, completion, cached = _client_usage(dialect, stream, resp)
@@ -218,6 +253,15 @@ def test_access_line_metric_and_charge_agree_with_the_usage_answered(
     assert after["prompt"] - before["prompt"] == prompt
     assert after["completion"] - before["completion"] == completion
     assert [c for c in charges if c[0] == NAME] == [(NAME, prompt, completion)]
+    # the finish reason and the first token's time (was: none in proxy mode's Messages and
+    # Gemini relays; no TTFT/TPOT sample from any proxied stream)
+    assert f" finish={_client_finish(dialect, stream, resp)} " in line, line
+    timed = stream or mode == "local"  # a proxied JSON answer comes whole: no first token
+    assert (re.search(r" ttft=\d+\.\d{3}s ", line) is not None) == timed, line
+    ttft, tpot = _timing_counts(srv)
+    assert ttft - timings[0] == int(timed)
+    if stream:
+        assert tpot - timings[1] == 1  # one choice, more than one token
 
 
 def test_usage_not_reported_stays_not_known(tmp_path, access_lines, monkeypatch):

@@ -15,7 +15,8 @@ from prefixgate.gateway.http.server import BackgroundServer
 from prefixgate.gateway.proxy.config import load_config
 from prefixgate.gateway.settings import GatewaySettings
 from support.anthropic_stub import AnthropicStub
-from support.fake_engine import FakeEngine
+from support.chat_upstream import chat_app
+from support.fake_engine import FakeEngine, assert_idle_and_whole
 
 KEY = "sk-good"
 HI = [{"role": "user", "content": "hi"}]
@@ -48,22 +49,31 @@ def _send(how: str) -> tuple[dict[str, str], dict[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def keyed_upstream():
-    """A local-mode gateway keyed ``sk-good`` (model ``fake``); ``seen``: the path and query
-    of every request it got."""
+def _keyed():
     seen: list[str] = []
+    engine = FakeEngine()
 
     async def note(request: web.Request, response: web.StreamResponse) -> None:
         seen.append(request.path_qs)
 
     def make() -> web.Application:
-        app = create_app(FakeEngine(), GatewaySettings(model_name="fake", api_keys=[KEY]))
+        app = create_app(engine, GatewaySettings(model_name="fake", api_keys=[KEY]))
         app.on_response_prepare.append(note)
         return app
 
     with BackgroundServer(make) as up:
         with BackgroundServer(lambda: create_proxy_app([up.url], GatewaySettings())) as gw:
-            yield gw, seen
+            yield up, engine, gw, seen
+
+
+@pytest.fixture
+def keyed_upstream(_keyed):
+    """A proxy before a local-mode gateway keyed ``sk-good`` (model ``fake``); ``seen``: the
+    path and query of every request that gateway got. Each test ends with its engine idle
+    and its pool whole."""
+    up, engine, gw, seen = _keyed
+    yield gw, seen
+    assert_idle_and_whole(up, engine)
 
 
 @pytest.mark.parametrize(("dialect", "how"), SENDS)
@@ -109,3 +119,56 @@ def test_an_open_proxy_gives_an_anthropic_deployment_the_clients_key_as_x_api_ke
     assert r.status_code == 200, r.text
     sent = claude.headers[-1]
     assert sent["x-api-key"] == KEY and "Authorization" not in sent, sent
+
+
+@pytest.mark.parametrize("scheme", ["bearer", "BEARER", "bEaReR"])
+def test_the_bearer_scheme_is_read_in_any_case_everywhere(tmp_path: Path, scheme):
+    """RFC 7235: the auth scheme is case-insensitive. Was: the key ring took ``bearer <key>``,
+    but an open proxy sent an Anthropic deployment ``x-api-key: bearer <key>`` and an
+    OpenAI-compatible one the header as sent (vLLM compares ``Bearer <key>`` exactly)."""
+    claude = AnthropicStub()
+    got: list[str | None] = []
+
+    async def chat(request: web.Request) -> web.Response:
+        got.append(request.headers.get("Authorization"))
+        return web.json_response(
+            {
+                "id": "c",
+                "object": "chat.completion",
+                "created": 0,
+                "model": "fake",
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": "ok"},
+                        "finish_reason": "stop",
+                    }
+                ],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+            }
+        )
+
+    sent = {"Authorization": f"{scheme} {KEY}"}
+    with (
+        BackgroundServer(claude.app) as anthropic_up,
+        BackgroundServer(chat_app(chat, ["fake"])) as openai_up,
+    ):
+        path = tmp_path / "proxy.toml"
+        path.write_text(
+            f'[[models]]\nname = "claude"\n[[models.deployments]]\nurl = "{anthropic_up.url}"\n'
+            'dialect = "anthropic"\nmodel = "claude-sonnet-4-5"\n'
+            f'[[models]]\nname = "fake"\n[[models.deployments]]\nurl = "{openai_up.url}"\n'
+        )
+        cfg = load_config(path, env={})
+        with BackgroundServer(lambda: create_proxy_app(cfg, GatewaySettings())) as gw:
+            for model in ("claude", "fake"):
+                route, body = ROUTES["openai"](model)
+                r = httpx.post(gw.url + route, json=body, headers=sent, timeout=10)
+                assert r.status_code == 200, r.text
+        keyed = GatewaySettings(api_keys=[KEY])
+        with BackgroundServer(lambda: create_proxy_app([openai_up.url], keyed)) as gw:
+            route, body = ROUTES["openai"]("fake")
+            r = httpx.post(gw.url + route, json=body, headers=sent, timeout=10)
+            assert r.status_code == 200, r.text  # the gateway's own keys: the same reading
+    assert claude.headers[-1]["x-api-key"] == KEY, claude.headers[-1]
+    assert got[0] == f"Bearer {KEY}", got

@@ -15,7 +15,7 @@ from prefixgate.gateway.http.server import BackgroundServer
 from prefixgate.gateway.proxy.config import load_config
 from prefixgate.gateway.settings import GatewaySettings
 from support.anthropic_stub import AnthropicStub
-from support.fake_engine import FakeEngine
+from support.fake_engine import FakeEngine, assert_idle_and_whole
 
 HI = [{"role": "user", "content": "hi"}]
 
@@ -39,11 +39,19 @@ def _message(r: httpx.Response) -> str:
 
 
 @pytest.fixture(scope="module")
-def local():
-    with BackgroundServer(
-        lambda: create_app(FakeEngine(), GatewaySettings(model_name="fake"))
-    ) as a:
-        yield a.url
+def _local():
+    engine = FakeEngine()
+    with BackgroundServer(lambda: create_app(engine, GatewaySettings(model_name="fake"))) as a:
+        yield a, engine
+
+
+@pytest.fixture
+def local(_local):
+    """A local-mode gateway's URL (model ``fake``); each test ends with its engine idle and
+    its pool whole."""
+    srv, engine = _local
+    yield srv.url
+    assert_idle_and_whole(srv, engine)
 
 
 @pytest.mark.parametrize("dialect", ["chat", "completions", "messages", "gemini"])

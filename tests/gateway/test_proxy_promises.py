@@ -17,6 +17,7 @@ import pytest
 from prefixgate.gateway.app import create_proxy_app
 from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.settings import GatewaySettings
+from prefixgate.gateway.state import STATE
 from prefixgate.gateway.tenancy.admission_wait import PROMISE_HEADER
 from prefixgate.gateway.tenancy.ttft_budget import BUDGET_HEADER
 from support.chat_upstream import chat_app
@@ -161,3 +162,86 @@ def test_the_pin_is_kept_in_process_state_too(serve_fake, servers, gw):
         assert served == [int(f) for f in first]
         assert sum(_seen(ups)) == 4
     _whole((a,))
+
+
+def _counting(monkeypatch, owner, name: str) -> list[int]:
+    """Count the calls of ``owner.name`` (still calling it); the list's length is the count."""
+    calls: list[int] = []
+    real = getattr(owner, name)
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("dialect", sorted(DIALECTS))
+def test_a_proxied_request_is_authenticated_once(serve_fake, servers, gw, monkeypatch, dialect):
+    """The route's principal goes to the attempt loop: a promise's fingerprint does not
+    authenticate the request a second time, nor does the route after the middleware."""
+    from prefixgate.gateway.tenancy import keys
+
+    up, _ = serve_fake(GatewaySettings(model_name="fake"))
+    settings = GatewaySettings(api_keys=["sk-one"])
+    proxy = servers(lambda: create_proxy_app([up.url], settings))
+    shared = proxy.app[STATE].shared
+    monkeypatch.setattr(shared, "may_hold_promises", lambda: True)  # fingerprinted
+    calls = _counting(monkeypatch, keys, "_digest")  # the key's lookup
+    path, body = DIALECTS[dialect]
+    with gw.client(proxy) as c:
+        r = c.post(path, json=body("once"), headers={"Authorization": "Bearer sk-one"})
+    assert r.status_code == 200, r.text
+    assert len(calls) == 1
+
+
+def _quiet(proxies, seconds: float = 5.0) -> None:
+    """Wait until each proxy's shared state knows no promise is outstanding."""
+    deadline = time.monotonic() + seconds
+    while any(p.app[STATE].shared.may_hold_promises() for p in proxies):
+        assert time.monotonic() < deadline, "the promises' view never settled"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("shared", ["local", "redis"])
+def test_no_fingerprint_nor_lookup_while_no_promise_is_outstanding(
+    serve_fake, servers, gw, monkeypatch, request, shared
+):
+    """While no promise is held on any gateway, a proxied request is neither hashed nor
+    looked up (no Redis GET); once one gateway records a promise, every gateway on that
+    state looks its requests up again (the retry through another one finds its promise:
+    ``test_a_promised_429_through_one_proxy_is_kept_by_the_retry_through_another``)."""
+    from prefixgate.gateway.proxy import attempts
+
+    redis = request.getfixturevalue("redis_server") if shared == "redis" else None
+    ups, (a, b) = _fleet(serve_fake, servers, redis.url if redis else None)
+    hashed = _counting(monkeypatch, attempts, "request_fingerprint")
+    _quiet((a, b))
+    if redis is not None:
+        redis.client().config_resetstat()
+    with gw.client(a) as ca, gw.client(b) as cb:
+        for dialect, (path, body) in sorted(DIALECTS.items()):
+            for c in (ca, cb):
+                r = c.post(path, json=body(f"plain {dialect}"), headers=BUDGET)
+                assert r.status_code == 200, r.text
+        assert hashed == []
+        if redis is not None:
+            stats = redis.client().info("commandstats")
+            assert "cmdstat_get" not in stats, stats
+        for _, engine in ups:
+            engine.predicted_ttft = 2.3  # a promised 429 through A
+        r = ca.post("/v1/chat/completions", json=_chat("held"), headers=BUDGET)
+        assert r.status_code == 429 and PROMISE_HEADER in r.headers, r.text
+        deadline = time.monotonic() + 5
+        proxies = (a, b) if redis is not None else (a,)
+        while not all(p.app[STATE].shared.may_hold_promises() for p in proxies):
+            assert time.monotonic() < deadline  # heard before the 429 left, in practice
+            time.sleep(0.01)
+        for _, engine in ups:
+            engine.predicted_ttft = 0.01
+        time.sleep(int(r.headers["retry-after-ms"]) / 1000)
+        retry = cb if redis is not None else ca  # through the other gateway, sharing Redis
+        r = retry.post("/v1/chat/completions", json=_chat("held"), headers=BUDGET)
+        assert r.status_code == 200, r.text
+    _whole((a, b))

@@ -491,3 +491,40 @@ def test_a_promise_recorded_through_one_replica_is_read_through_another(redis_se
             await two.close()
 
     asyncio.run(scenario())
+
+
+def test_every_replica_hears_of_a_promise_made_through_another(redis_server):
+    # a replica skips the promise lookup only while it knows none is outstanding anywhere:
+    # a listening replica hears each new promise; one that (re)subscribes reads the marker
+    from prefixgate.gateway.tenancy.redis_state import RedisState
+
+    async def until(predicate, seconds: float = 3.0) -> None:
+        deadline = time.monotonic() + seconds
+        while not predicate():
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+
+    async def scenario() -> None:
+        one, two = RedisState(redis_server.url), RedisState(redis_server.url)
+        assert one.may_hold_promises()  # not listening yet: not known, looked up
+        await one.start()
+        await two.start()
+        late = RedisState(redis_server.url)
+        try:
+            await until(lambda: not one.may_hold_promises() and not two.may_hold_promises())
+            await one.put_promise("fp", "http://replica-2:8000", 0.6)
+            await until(two.may_hold_promises, 1.0)
+            await late.start()  # subscribes after the promise: the marker tells it
+            await until(lambda: late._promises_known)
+            assert late.may_hold_promises()
+            await until(lambda: not two.may_hold_promises() and not late.may_hold_promises())
+            # the listeners' connections cut: a promise made meanwhile is still known to all
+            redis_server.client().client_kill_filter(_type="pubsub")
+            await one.put_promise("fp2", "http://replica-1:8000", 2.0)
+            await until(lambda: two._promises_known and late._promises_known)  # subscribed anew
+            assert two.may_hold_promises() and late.may_hold_promises()
+        finally:
+            for state in (one, two, late):
+                await state.close()
+
+    asyncio.run(scenario())

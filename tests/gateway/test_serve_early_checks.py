@@ -220,3 +220,48 @@ def test_a_keys_file_with_no_keys_is_told_before_torch(tmp_path):
     seen, errors = _serve("--keys-file", str(keys), "--port", "0")
     assert seen == {"code": 2, "torch": False, "engine": False}
     _one_line(errors, "has no keys: every request would be open", "drop --keys-file")
+
+
+@pytest.mark.parametrize("mode", ["upstream", "local"])
+def test_the_keys_file_is_read_once_per_start(monkeypatch, tmp_path, mode):
+    """Was: ``prefixgate serve`` read the keys file in its early check, again for the
+    tenants' weights and the policy's warnings (local mode), and again when the app was
+    built. It is read once; the app is built with what that read gave."""
+    from pathlib import Path
+
+    from prefixgate.gateway.cli import main
+    from prefixgate.gateway.http import server
+    from prefixgate.gateway.serve import runner
+    from prefixgate.gateway.tenancy import keys
+
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"keys": [{"key": "sk-a", "name": "a", "weight": 2}]}))
+    reads: list[str] = []
+    load = keys.load_keys_file
+
+    def counted(p: str):
+        reads.append(p)
+        return load(p)
+
+    built: list[object] = []
+    ring = keys.KeyRing.__init__
+
+    def init(self, specs=None):
+        built.append([s.name for s in specs or []])
+        ring(self, specs)
+
+    async def cannot_listen(*args, **kwargs):
+        raise OSError("not in this test")
+
+    monkeypatch.setattr(keys, "load_keys_file", counted)
+    monkeypatch.setattr(keys.KeyRing, "__init__", init)
+    monkeypatch.setattr(server, "start_server", cannot_listen)
+    monkeypatch.setattr(runner, "preflight", lambda config: None)  # no torch here
+    if mode == "upstream":
+        where = ["--upstream", "http://127.0.0.1:9"]
+    else:
+        model = Path(__file__).resolve().parents[3] / "shared" / "models" / "aidreams-260k"
+        where = ["--model", str(model)]
+    assert main(["serve", *where, "--keys-file", str(path), "--port", "0"]) == 1
+    assert reads == [str(path)]
+    assert built == [["a"]]  # the app's key ring: the keys that one read gave

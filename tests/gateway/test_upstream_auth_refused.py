@@ -11,25 +11,31 @@ import pytest
 from prefixgate.gateway.app import create_app, create_proxy_app
 from prefixgate.gateway.http.server import BackgroundServer
 from prefixgate.gateway.settings import GatewaySettings
-from support.fake_engine import FakeEngine
+from support.fake_engine import FakeEngine, assert_idle_and_whole
 
 OPS = {"Authorization": "Bearer kops"}
 
 
 @pytest.fixture(scope="module")
-def upstreams():
-    """A local-mode gateway keyed ``sk-good`` and an open one, both serving model ``fake``."""
+def _upstreams():
+    engines = [FakeEngine(), FakeEngine()]
+    keyed_settings = GatewaySettings(model_name="fake", api_keys=["sk-good"])
     with (
+        BackgroundServer(lambda: create_app(engines[0], keyed_settings)) as keyed,
         BackgroundServer(
-            lambda: create_app(
-                FakeEngine(), GatewaySettings(model_name="fake", api_keys=["sk-good"])
-            )
-        ) as keyed,
-        BackgroundServer(
-            lambda: create_app(FakeEngine(), GatewaySettings(model_name="fake"))
+            lambda: create_app(engines[1], GatewaySettings(model_name="fake"))
         ) as open_,
     ):
-        yield keyed.url, open_.url
+        yield [(keyed, engines[0]), (open_, engines[1])]
+
+
+@pytest.fixture
+def upstreams(_upstreams):
+    """A local-mode gateway keyed ``sk-good`` and an open one, both serving model ``fake``:
+    their URLs; each test ends with both engines idle and their pools whole."""
+    yield tuple(srv.url for srv, _ in _upstreams)
+    for srv, engine in _upstreams:
+        assert_idle_and_whole(srv, engine)
 
 
 @pytest.mark.parametrize(

@@ -134,8 +134,27 @@ def test_account_marks_served_once():
     acct = RequestAccount()
     assert not acct.served and acct.first_token is None
     acct.mark_served()
-    first = acct.first_token
-    assert acct.served and first is not None
-    acct.mark_served()  # a retried attempt's answer: the first time is kept
-    assert acct.first_token == first
+    assert acct.served and acct.first_token is None  # a first token is a content chunk's
+    acct.mark_served()
     assert acct.charge(12) == (12, 0)  # nothing known: what admission took, no completion
+
+
+def test_account_reads_a_streams_choices():
+    acct = RequestAccount()
+    acct.read_choices([{"index": 0, "delta": {"role": "assistant", "content": ""}}], True)
+    assert acct.first_token is None and acct.tpot_s() is None  # no content yet
+    acct.read_choices([{"index": 0, "delta": {"content": "a"}, "finish_reason": None}], True)
+    first = acct.first_token
+    assert first is not None and acct.last_token == first and acct.finish_reason is None
+    acct.read_choices([{"index": 0, "delta": {"tool_calls": [{"index": 0}]}}], True)
+    acct.read_choices([{"index": 1, "delta": {}, "finish_reason": "stop"}], True)
+    assert acct.finish_reason is None  # the first choice's only
+    acct.read_choices([{"index": 0, "delta": {}, "finish_reason": "length"}], True)
+    assert acct.first_token == first and acct.last_token is not None
+    assert acct.last_token >= first and acct.finish_reason == "length"
+    acct.completion_tokens = 3
+    tpot = acct.tpot_s()
+    assert tpot is None or tpot == (acct.last_token - first) / 2
+    whole = RequestAccount()
+    whole.read_choices([{"index": 0, "message": {"content": "hi"}, "finish_reason": "stop"}], False)
+    assert whole.finish_reason == "stop" and whole.first_token is None  # no token times
