@@ -28,7 +28,7 @@ from prefixgate.engine.front_end import EngineFrontEnd
 from prefixgate.engine.llm_engine import LLMEngine, PinJob
 from prefixgate.engine.load_model import estimate_ttft
 from prefixgate.engine.outputs import StepOutput
-from prefixgate.engine.protocol import EngineRequest
+from prefixgate.engine.protocol import EngineRequest, PinRequest
 from prefixgate.engine.request import Request
 from prefixgate.engine.sampling_params import SamplingParams
 
@@ -158,15 +158,10 @@ class AsyncEngine(EngineFrontEnd):
 
     # -- prefix pins ---------------------------------------------------------------------
 
-    async def pin_prefix(
-        self,
-        token_ids: Sequence[int],
-        ttl_s: float,
-        cache_salt: str | None = None,
-        tenant: str | None = None,
-    ) -> Any:
-        """Compute (if not cached) and pin a prefix's full blocks for ``ttl_s`` seconds
-        (charged to ``tenant``: under ``fair`` the pinned blocks count against its share).
+    async def pin_prefix(self, pin: PinRequest) -> Any:
+        """Compute (if not cached) and pin ``pin.token_ids``' full blocks for ``pin.ttl_s``
+        seconds (charged to ``pin.tenant``: under ``fair`` the pinned blocks count against its
+        share).
 
         Returns:
             ``PrefixPin(id, num_tokens, expires_at, ...)``.
@@ -178,7 +173,7 @@ class AsyncEngine(EngineFrontEnd):
             raise EngineDeadError("the engine is shut down")
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
-        self._submit("pin", list(token_ids), ttl_s, cache_salt, tenant, loop, fut)
+        self._submit("pin", pin, loop, fut)
         return await fut
 
     def get_pin(self, pin_id: str) -> Any:
@@ -343,19 +338,13 @@ class AsyncEngine(EngineFrontEnd):
             self._resolve(stream.loop, fut, None, None)
 
     def _cmd_pin(
-        self,
-        token_ids: list[int],
-        ttl_s: float,
-        cache_salt: str | None,
-        tenant: str | None,
-        loop: asyncio.AbstractEventLoop,
-        fut: asyncio.Future,
+        self, pin: PinRequest, loop: asyncio.AbstractEventLoop, fut: asyncio.Future
     ) -> None:
         def done(job: PinJob) -> None:
             self._resolve(loop, fut, job.result, job.error, orphan=self._release_orphan_pin)
 
         try:
-            self.engine.start_pin(token_ids, ttl_s, cache_salt, callback=done, tenant=tenant)
+            self.engine.start_pin(pin, callback=done)
         except Exception as exc:  # noqa: BLE001 - delivered to the caller
             self._resolve(loop, fut, None, exc)
 

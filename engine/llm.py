@@ -10,7 +10,7 @@ from prefixgate.engine.config import EngineConfig
 from prefixgate.engine.front_end import EngineFrontEnd
 from prefixgate.engine.llm_engine import LLMEngine
 from prefixgate.engine.outputs import CompletionOutput, RequestOutput
-from prefixgate.engine.protocol import EngineRequest
+from prefixgate.engine.protocol import EngineRequest, PinRequest
 from prefixgate.engine.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
@@ -145,7 +145,7 @@ class LLM(EngineFrontEnd):
         ``ttl_s`` seconds, charged to ``tenant``; returns a ``PrefixPin``. See
         ``LLMEngine.pin_prefix``."""
         ids = self.tokenizer.encode(token_ids) if isinstance(token_ids, str) else token_ids
-        return self.engine.pin_prefix(ids, ttl_s, cache_salt, tenant=tenant)
+        return self.engine.pin_prefix(PinRequest(ids, ttl_s, cache_salt, tenant))
 
     def unpin_prefix(self, pin_id: str) -> None:
         """Release a pin."""

@@ -36,7 +36,7 @@ from prefixgate.engine.models.config import ModelConfig
 from prefixgate.engine.models.loader import load_model
 from prefixgate.engine.output_processor import OutputProcessor
 from prefixgate.engine.outputs import StepOutput
-from prefixgate.engine.protocol import EngineRequest
+from prefixgate.engine.protocol import EngineRequest, PinRequest
 from prefixgate.engine.request import Request, RequestStatus
 from prefixgate.engine.sampler import Sampler
 from prefixgate.engine.sampling_params import SamplingParams
@@ -449,38 +449,32 @@ class LLMEngine:
     # -- prefix pins ---------------------------------------------------------------------
 
     def start_pin(
-        self,
-        token_ids: Sequence[int],
-        ttl_s: float,
-        cache_salt: str | None = None,
-        callback: Callable[[PinJob], None] | None = None,
-        tenant: str | None = None,
+        self, pin: PinRequest, callback: Callable[[PinJob], None] | None = None
     ) -> PinJob:
-        """Start pinning a prefix: queue an internal prefill of ``token_ids`` (one greedy
+        """Start pinning a prefix: queue an internal prefill of ``pin.token_ids`` (one greedy
         token); when it finishes, its full blocks (now in the prefix cache) are pinned for
-        ``ttl_s`` seconds and ``callback(job)`` runs. ``tenant``: who the prefill and the
-        pinned blocks are charged to (under ``fair`` they count against its share).
+        ``pin.ttl_s`` seconds and ``callback(job)`` runs. ``pin.tenant``: who the prefill and
+        the pinned blocks are charged to (under ``fair`` they count against its share).
 
         Raises:
-            ValueError: prefix caching disabled, ttl_s <= 0, or a bad prefix (see
-                ``prepare_request``); TypeError: wrong types.
+            ValueError: prefix caching disabled, or a bad prefix (see ``prepare_request``;
+                shorter than one block); TypeError: ``pin`` is not a ``PinRequest`` (its own
+                fields are checked when it is built).
         """
+        if not isinstance(pin, PinRequest):
+            raise TypeError(f"pin_prefix takes a PinRequest, got {type(pin).__name__}")
         if not self.config.enable_prefix_caching:
             raise ValueError("prefix pins need enable_prefix_caching=True")
-        if isinstance(ttl_s, bool) or not isinstance(ttl_s, int | float) or ttl_s <= 0:
-            raise ValueError(f"ttl_s must be a positive number of seconds, got {ttl_s!r}")
-        if isinstance(token_ids, str):
-            raise TypeError("pin_prefix takes token ids; tokenize the text first")
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         rid = f"{PIN_REQUEST_PREFIX}{next(self._pin_counter)}"
         req = self.prepare_request(
-            EngineRequest(rid, list(token_ids), params, cache_salt, tenant=tenant)
+            EngineRequest(rid, list(pin.token_ids), params, pin.cache_salt, tenant=pin.tenant)
         )
         if len(req.prompt_token_ids) < self.config.block_size:
             raise ValueError(
                 f"a pinned prefix needs at least one full block ({self.config.block_size} tokens)"
             )
-        job = PinJob(rid, req.prompt_token_ids, float(ttl_s), cache_salt, callback, tenant)
+        job = PinJob(rid, req.prompt_token_ids, pin.ttl_s, pin.cache_salt, callback, pin.tenant)
         self._enqueue(req, pin_job=job)
         return job
 
@@ -497,15 +491,9 @@ class LLMEngine:
         else:
             job.resolve(pin, None)
 
-    def pin_prefix(
-        self,
-        token_ids: Sequence[int],
-        ttl_s: float,
-        cache_salt: str | None = None,
-        tenant: str | None = None,
-    ) -> PrefixPin:
-        """Compute ``token_ids`` (if not cached) and pin its full blocks for ``ttl_s`` seconds
-        (charged to ``tenant``, see ``start_pin``).
+    def pin_prefix(self, pin: PinRequest) -> PrefixPin:
+        """Compute ``pin.token_ids`` (if not cached) and pin its full blocks for ``pin.ttl_s``
+        seconds (charged to ``pin.tenant``, see ``start_pin``).
 
         Steps the engine until done; outputs of other requests produced meanwhile are returned
         by the next ``step()``.
@@ -517,7 +505,7 @@ class LLMEngine:
             PinLimitError: pins would exceed ``max_pinned_fraction`` of the cache.
             ValueError / TypeError: see ``start_pin``.
         """
-        job = self.start_pin(token_ids, ttl_s, cache_salt, tenant=tenant)
+        job = self.start_pin(pin)
         pending: list[StepOutput] = []
         while not job.done:
             pending.extend(self.step())

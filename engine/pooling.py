@@ -29,7 +29,7 @@ from prefixgate.engine.model_runner import ModelRunner
 from prefixgate.engine.models.config import ModelConfig
 from prefixgate.engine.models.loader import load_model
 from prefixgate.engine.outputs import StepOutput
-from prefixgate.engine.protocol import EngineRequest
+from prefixgate.engine.protocol import EngineRequest, PinRequest
 from prefixgate.engine.threads import apply_threads
 from prefixgate.engine.tokenizer import Tokenizer
 
@@ -124,11 +124,11 @@ class PoolingEngine:
     async def abort(self, request_id: str) -> None:
         raise ValueError(f"request {request_id!r} is not in flight")
 
-    async def pin_prefix(self, *args: Any, **kwargs: Any) -> Any:
-        """Not available on a pooling runner (takes ``EngineClient.pin_prefix``'s arguments).
+    async def pin_prefix(self, pin: PinRequest) -> Any:
+        """Not available on a pooling runner (``EngineClient.pin_prefix``'s signature).
 
         Raises:
-            ValueError: always, whatever the arguments (the gateway answers 400).
+            ValueError: always, whatever the pin (the gateway answers 400).
         """
         raise ValueError(_NOT_GENERATIVE)
 

@@ -69,15 +69,64 @@ class EngineRequest:
             raise TypeError(
                 f"sampling params must be SamplingParams, got {type(self.sampling_params).__name__}"
             )
-        for name in ("cache_salt", "tenant"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, str):
-                raise TypeError(f"{name} must be a string or None, got {type(value).__name__}")
+        _check_optional_strings(self, ("cache_salt", "tenant"))
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
             raise TypeError(f"priority must be an int, got {type(self.priority).__name__}")
         t = self.arrival_time
         if t is not None and (isinstance(t, bool) or not isinstance(t, int | float)):
             raise TypeError(f"arrival_time must be a number or None, got {type(t).__name__}")
+
+
+@dataclass(frozen=True, slots=True)
+class PinRequest:
+    """One prefix pin as its caller builds it, once (``LLM.pin_prefix`` from its keyword
+    arguments, the gateway's prefix registry and cache breakpoints), and hands to the engine's
+    ``pin_prefix``; its fields are checked here, the prefix against the engine (empty, ids
+    outside the vocabulary, shorter than one block, prefix caching off) by the engine.
+
+    Attributes:
+        token_ids: the prefix's token ids (ints), kept as a tuple (the caller's list is copied).
+        ttl_s: seconds the pin holds its blocks (> 0), a float.
+        cache_salt: prefix-cache partition the prefix is computed and pinned under (``None``:
+            the shared partition), as ``EngineRequest.cache_salt``.
+        tenant: who the prefill and the pinned blocks are charged to (under the ``fair``
+            policy they count against its share; ``None``: nobody).
+
+    Raises:
+        TypeError: ``token_ids`` is text (tokenize it first) or not a sequence;
+            ``cache_salt`` / ``tenant`` not a string.
+        ValueError: ``ttl_s`` not a positive number of seconds.
+    """
+
+    token_ids: Sequence[int]
+    ttl_s: float
+    cache_salt: str | None = None
+    tenant: str | None = None
+
+    def __post_init__(self) -> None:
+        ttl_s = self.ttl_s
+        if isinstance(ttl_s, bool) or not isinstance(ttl_s, int | float) or not ttl_s > 0:
+            raise ValueError(f"ttl_s must be a positive number of seconds, got {ttl_s!r}")
+        if isinstance(self.token_ids, str):
+            raise TypeError("pin_prefix takes token ids; tokenize the text first")
+        if isinstance(self.token_ids, bytes | bytearray) or not isinstance(
+            self.token_ids, Sequence
+        ):
+            raise TypeError(
+                f"token_ids must be a list of token ids, got {type(self.token_ids).__name__}"
+            )
+        _check_optional_strings(self, ("cache_salt", "tenant"))
+        object.__setattr__(self, "token_ids", tuple(self.token_ids))
+        object.__setattr__(self, "ttl_s", float(ttl_s))
+
+
+def _check_optional_strings(request: object, names: tuple[str, ...]) -> None:
+    """Raise TypeError naming the first of ``request``'s fields ``names`` that is neither a
+    string nor ``None``."""
+    for name in names:
+        value = getattr(request, name)
+        if value is not None and not isinstance(value, str):
+            raise TypeError(f"{name} must be a string or None, got {type(value).__name__}")
 
 
 @runtime_checkable
@@ -192,15 +241,10 @@ class EngineClient(Protocol):
         """
         ...
 
-    async def pin_prefix(
-        self,
-        token_ids: list[int],
-        ttl_s: float,
-        cache_salt: str | None = None,
-        tenant: str | None = None,
-    ) -> PinHandle:
-        """Prefill (if not cached) and pin the full KV blocks of ``token_ids`` for ``ttl_s`` s,
-        charged to ``tenant`` (under ``fair`` the pinned blocks count against its share).
+    async def pin_prefix(self, pin: PinRequest) -> PinHandle:
+        """Prefill (if not cached) and pin the full KV blocks of ``pin.token_ids`` for
+        ``pin.ttl_s`` s, charged to ``pin.tenant`` (under ``fair`` the pinned blocks count
+        against its share).
 
         Raises:
             PinLimitError: the pins would exceed the engine's pinned share of the cache.

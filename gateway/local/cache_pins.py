@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import cachetools
 from prefixgate.engine.errors import PinLimitError
-from prefixgate.engine.protocol import EngineClient, PinHandle
+from prefixgate.engine.protocol import EngineClient, PinHandle, PinRequest
 
 logger = logging.getLogger("prefixgate.gateway")
 
@@ -171,7 +171,7 @@ class CachePins:
                     return "over_share"
                 self._drop(victim)
         try:
-            pin = await self._engine.pin_prefix(ids, ttl, cache_salt=salt)
+            pin = await self._engine.pin_prefix(PinRequest(ids, ttl, cache_salt=salt))
         except PinLimitError:
             return "pinned_space_full"
         if old is not None and self._pins.get(key) is old:

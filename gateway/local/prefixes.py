@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from prefixgate.engine.errors import PinLimitError
-from prefixgate.engine.protocol import EngineClient, PinHandle
+from prefixgate.engine.protocol import EngineClient, PinHandle, PinRequest
 from prefixgate.gateway.http.errors import APIError, not_found, shown
 from prefixgate.gateway.tenancy.shared_state import LocalState, StateBackend, published_prefix
 
@@ -546,7 +546,7 @@ class PrefixRegistry:
         """
         try:
             return await self._engine.pin_prefix(
-                token_ids, ttl_s, cache_salt=cache_salt, tenant=tenant
+                PinRequest(token_ids, ttl_s, cache_salt=cache_salt, tenant=tenant)
             )
         except PinLimitError as exc:
             raise APIError(

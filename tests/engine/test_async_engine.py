@@ -18,6 +18,7 @@ from prefixgate.engine import (
     PinLimitError,
     SamplingParams,
 )
+from prefixgate.engine.protocol import PinRequest
 from support.outputs import whole
 from support.prompts import DREAM_PROMPTS
 
@@ -283,20 +284,22 @@ def test_pin_prefix_ttl_and_limit(make_engine, run_whole):
     prefix = engine.tokenizer.encode("You dream.\n\nI sense the nodes of a gentle machine")
 
     async def main():
-        pin = await engine.pin_prefix(prefix, ttl_s=0.3)
+        pin = await engine.pin_prefix(PinRequest(prefix, ttl_s=0.3))
         assert pin.num_tokens == 8 * (len(prefix) // 8) > 0
         assert engine.stats()["pinned_blocks"] == len(prefix) // 8
         outs = await collect(engine, prefix + [300, 301], greedy(3), "use-pin")
         assert outs[-1].num_cached_tokens == pin.num_tokens
         with pytest.raises(PinLimitError):
-            await engine.pin_prefix(engine.tokenizer.encode("Other words " * 12), ttl_s=5)
+            await engine.pin_prefix(
+                PinRequest(engine.tokenizer.encode("Other words " * 12), ttl_s=5)
+            )
         with pytest.raises((ValueError, TypeError)):
-            await engine.pin_prefix([], ttl_s=5)
+            await engine.pin_prefix(PinRequest([], ttl_s=5))
         with pytest.raises(ValueError):
-            await engine.pin_prefix(prefix, ttl_s=0)
+            await engine.pin_prefix(PinRequest(prefix, ttl_s=0))
         await asyncio.sleep(0.45)  # the engine is idle: the pin lapses at its TTL anyway
         assert engine.stats()["pinned_blocks"] == 0
-        pin2 = await engine.pin_prefix(prefix, ttl_s=60)
+        pin2 = await engine.pin_prefix(PinRequest(prefix, ttl_s=60))
         engine.unpin_prefix(pin2.id)
         with pytest.raises((KeyError, ValueError)):
             engine.unpin_prefix(pin2.id)

@@ -10,6 +10,7 @@ import pytest
 pytest.importorskip("prefixgate.engine.async_engine")
 
 from prefixgate.engine import LLM, AsyncEngine, EngineConfig, SamplingParams  # noqa: E402
+from prefixgate.engine.protocol import PinRequest  # noqa: E402
 
 
 def test_llm_bad_prompts_leave_the_pool_whole(pool_whole):
@@ -44,7 +45,9 @@ def test_cancelled_pin_prefix_leaks_no_pin(pool_whole):
         engine = AsyncEngine(EngineConfig(num_kv_blocks=64))
         try:
             for i in range(3):
-                task = asyncio.create_task(engine.pin_prefix(list(range(3 + i, 40 + i)), 3600.0))
+                task = asyncio.create_task(
+                    engine.pin_prefix(PinRequest(list(range(3 + i, 40 + i)), 3600.0))
+                )
                 await asyncio.sleep(0)
                 task.cancel()
                 with pytest.raises(asyncio.CancelledError):
@@ -65,7 +68,7 @@ def test_cancelled_pin_prefix_leaks_no_pin(pool_whole):
                     break
             assert engine.stats()["pinned_blocks"] == 0, engine.stats()
             pool_whole(engine)
-            pin = await engine.pin_prefix(list(range(3, 40)), 60.0)  # still pins
+            pin = await engine.pin_prefix(PinRequest(list(range(3, 40)), 60.0))  # still pins
             assert pin.num_tokens == 32 and engine.stats()["pinned_blocks"] == 2
             engine.unpin_prefix(pin.id)
         finally:

@@ -40,6 +40,7 @@ import msgspec
 import pytest
 from prefixgate.engine.block_hash import block_key_bytes, prompt_block_hashes
 from prefixgate.engine.kv_events import parse_batch
+from prefixgate.engine.protocol import PinRequest
 from prefixgate.gateway.proxy.kv_index import KVIndex, prompt_block_keys
 from prefixgate.gateway.tenancy.keys import effective_salt
 
@@ -230,7 +231,7 @@ def test_pinned_prefix_is_predicted(engines, aidreams_path):
     prefix_ids = asyncio.run(render_chat(tok, system, add_generation_prompt=False))
     chat = asyncio.run(render_chat(tok, [*system, {"role": "user", "content": "hello there"}]))
     with index_for(engine) as index:
-        pin = engine.pin_prefix(prefix_ids[:-1], ttl_s=600, cache_salt=salt)
+        pin = engine.pin_prefix(PinRequest(prefix_ids[:-1], ttl_s=600, cache_salt=salt))
         assert pin.num_tokens >= 2 * BS
         wait_synced(index, engine)
         predicted = index.predict(chat, BS, salt)["e0"]

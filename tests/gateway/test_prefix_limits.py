@@ -16,22 +16,22 @@ def _slow_pins(engine, delay_s: float = 0.3) -> None:
     plain = engine.pin_prefix
     jobs = set()
 
-    async def pin_prefix(token_ids, ttl_s, cache_salt=None, tenant=None):
+    async def pin_prefix(pin):
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
 
         async def job():
             await asyncio.sleep(delay_s)
             try:
-                pin = await plain(token_ids, ttl_s, cache_salt, tenant=tenant)
+                held = await plain(pin)
             except Exception as exc:  # noqa: BLE001 - handed to the caller
                 if not fut.done():
                     fut.set_exception(exc)
                 return
             if not fut.done():
-                fut.set_result(pin)
+                fut.set_result(held)
             else:  # the caller was cancelled: released on landing, as AsyncEngine.pin_prefix does
-                engine.unpin_prefix(pin.id)
+                engine.unpin_prefix(held.id)
 
         task = loop.create_task(job())
         jobs.add(task)

@@ -18,7 +18,7 @@ from typing import Any, cast
 from prefixgate.engine.config import EngineConfig
 from prefixgate.engine.errors import EngineDeadError, PinLimitError
 from prefixgate.engine.outputs import Logprob, StepOutput, TokenLogprobs
-from prefixgate.engine.protocol import EngineRequest
+from prefixgate.engine.protocol import EngineRequest, PinRequest
 from prefixgate.engine.sampling_params import SamplingParams
 
 __all__ = ["IDLE_STATS", "EngineDeadError", "FakeEngine", "FakeTokenizer", "PinLimitError"]
@@ -250,29 +250,24 @@ class FakeEngine:
             raise ValueError(f"unknown request id {request_id}")
         self._aborted.add(request_id)
 
-    async def pin_prefix(
-        self,
-        token_ids: list[int],
-        ttl_s: float,
-        cache_salt: str | None = None,
-        tenant: str | None = None,
-    ) -> _Pin:
+    async def pin_prefix(self, pin: PinRequest) -> _Pin:
         if self.shutdown_called:
             raise EngineDeadError("the engine is shut down")
-        self.pin_tenants_seen.append(tenant)
+        token_ids = list(pin.token_ids)
+        self.pin_tenants_seen.append(pin.tenant)
         blocks = len(token_ids) // self.block_size
         self._expire_pins()
         if self.pinned_blocks + blocks > self.max_pinned_fraction * self.num_blocks:
             raise PinLimitError(f"pinning {blocks} blocks would exceed the pinned cap")
-        self._store(token_ids, cache_salt)
-        pin = _Pin(
+        self._store(token_ids, pin.cache_salt)
+        held = _Pin(
             f"pin-{len(self._pins)}-{time.monotonic_ns()}",
             len(token_ids),
-            time.monotonic() + ttl_s,
+            time.monotonic() + pin.ttl_s,
             blocks,
         )
-        self._pins[pin.id] = pin
-        return pin
+        self._pins[held.id] = held
+        return held
 
     def get_pin(self, pin_id: str) -> _Pin:
         """The live pin (KeyError once released or past its TTL: the engine owns the TTL)."""
