@@ -15,7 +15,7 @@ from prefixgate.gateway.http.server import BackgroundServer
 from prefixgate.gateway.proxy.config import load_config
 from prefixgate.gateway.settings import GatewaySettings
 from support.anthropic_stub import AnthropicStub
-from support.chat_upstream import chat_app
+from support.chat_stub import ChatStub
 from support.fake_engine import FakeEngine, assert_idle_and_whole
 
 KEY = "sk-good"
@@ -127,31 +127,12 @@ def test_the_bearer_scheme_is_read_in_any_case_everywhere(tmp_path: Path, scheme
     but an open proxy sent an Anthropic deployment ``x-api-key: bearer <key>`` and an
     OpenAI-compatible one the header as sent (vLLM compares ``Bearer <key>`` exactly)."""
     claude = AnthropicStub()
-    got: list[str | None] = []
-
-    async def chat(request: web.Request) -> web.Response:
-        got.append(request.headers.get("Authorization"))
-        return web.json_response(
-            {
-                "id": "c",
-                "object": "chat.completion",
-                "created": 0,
-                "model": "fake",
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": "ok"},
-                        "finish_reason": "stop",
-                    }
-                ],
-                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-            }
-        )
+    openai = ChatStub(name="fake")
 
     sent = {"Authorization": f"{scheme} {KEY}"}
     with (
         BackgroundServer(claude.app) as anthropic_up,
-        BackgroundServer(chat_app(chat, ["fake"])) as openai_up,
+        BackgroundServer(openai.app) as openai_up,
     ):
         path = tmp_path / "proxy.toml"
         path.write_text(
@@ -171,4 +152,4 @@ def test_the_bearer_scheme_is_read_in_any_case_everywhere(tmp_path: Path, scheme
             r = httpx.post(gw.url + route, json=body, headers=sent, timeout=10)
             assert r.status_code == 200, r.text  # the gateway's own keys: the same reading
     assert claude.headers[-1]["x-api-key"] == KEY, claude.headers[-1]
-    assert got[0] == f"Bearer {KEY}", got
+    assert openai.headers[0]["Authorization"] == f"Bearer {KEY}", openai.headers
