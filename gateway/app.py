@@ -36,6 +36,7 @@ from prefixgate.gateway.http.errors import (
     Handler,
     error_middleware,
     expect_continue,
+    is_gemini_path,
     route_miss,
 )
 from prefixgate.gateway.http.json_guard import (
@@ -384,16 +385,17 @@ async def count_requests(request: web.Request, handler: Handler) -> web.StreamRe
     success); a client gone before its answer counts as 499. Probes are not counted. ``route``
     is the API route's short name (``chat``, ``completions``, ``responses``, ``embeddings``,
     ``tokenize``, ``detokenize``, ``models``, ``prefixes``, ``messages``, ``count_tokens``,
-    ``gemini`` for every ``/v1beta`` route), ``other`` for any other path."""
+    ``gemini`` for every Gemini route: ``/v1beta``, ``/v1/models/{model}:{method}``),
+    ``other`` for any other path."""
     path = request.path
     if path in _PROBES or path.startswith("/dashboard"):
         return await handler(request)
     if path in _ROUTE_LABELS:
         route = _ROUTE_LABELS[path]
+    elif is_gemini_path(path):
+        route = "gemini"
     elif path.startswith(("/v1/models", "/v1/prefixes")):
         route = path.split("/")[2]
-    elif path.startswith("/v1beta/"):
-        route = "gemini"
     else:
         route = "other"
     counter = request.app[STATE].metrics.requests

@@ -1,4 +1,5 @@
-"""Gemini's ``/v1beta`` route table and what both modes' handlers share: the method names,
+"""Gemini's route table (``/v1beta``, and its model methods under ``/v1`` too: google-genai's
+default API version) and what both modes' handlers share: the method names,
 the ``cachedContents/`` name prefix and default life, the model object, the 405 of a GET of a
 method, RFC 3339 times, the 404 / 405 of any other path (local mode: ``local/gemini.py``;
 proxy mode: ``proxy/gemini_relay.py``)."""
@@ -70,11 +71,19 @@ async def no_route(request: web.Request) -> web.Response:
     raise await route_miss(request)
 
 
+# ``POST /v1/models/{model}:{method}``: Gemini's stable ``v1`` API, google-genai's default
+# (``HttpOptions.api_version``). Only a path with a ``:method`` is Gemini's: ``/v1/models/{id}``
+# itself stays the OpenAI route.
+V1_MODEL_METHOD = "/v1/models/{target:[^/]+:[A-Za-z]+}"
+
+
 def add_gemini_routes(app: web.Application, handlers: Any, expect_handler: Any) -> None:
     """Gemini's routes on ``app``, each to the function of that name in ``handlers`` (this
-    module in local mode, ``proxy.gemini_relay`` in proxy mode): one table for both modes."""
+    module in local mode, ``proxy.gemini_relay`` in proxy mode): one table for both modes.
+    The model methods are served under ``/v1`` as under ``/v1beta`` (``V1_MODEL_METHOD``)."""
     r = app.router
     h = handlers
+    r.add_post(V1_MODEL_METHOD, h.model_method, expect_handler=expect_handler)
     r.add_get("/v1beta/models", h.list_models, expect_handler=expect_handler)
     r.add_get("/v1beta/models/{target}", h.get_model, expect_handler=expect_handler)
     r.add_post("/v1beta/models/{target}", h.model_method, expect_handler=expect_handler)
