@@ -168,8 +168,16 @@ async def admit_call(
 
 def end_call(st: GatewayState, principal: Principal, lease: Lease, acct: RequestAccount) -> None:
     """Once a proxied call ends (the handler's ``finally``): ``acct.finished``, the key
-    charged from the account (``close_lease``), the e2e metric from admission."""
+    charged from the account (``close_lease``), the e2e metric from admission, and the
+    gateway's token counters from the usage the upstream reported (a count not reported is
+    not counted: never a guess)."""
     acct.finished = time.monotonic()
     close_lease(st.shared, principal, lease, acct)
     if acct.admitted is not None:
         st.metrics.e2e.observe(acct.finished - acct.admitted)
+    if acct.prompt_tokens is not None:
+        st.metrics.prompt_tokens.inc(acct.prompt_tokens)
+    if acct.completion_tokens is not None:
+        st.metrics.add_generated(acct.completion_tokens)
+    if acct.cached_tokens is not None:
+        st.metrics.cached_tokens.inc(acct.cached_tokens)
