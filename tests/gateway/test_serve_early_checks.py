@@ -220,3 +220,14 @@ def test_a_keys_file_with_no_keys_is_told_before_torch(tmp_path):
     seen, errors = _serve("--keys-file", str(keys), "--port", "0")
     assert seen == {"code": 2, "torch": False, "engine": False}
     _one_line(errors, "has no keys: every request would be open", "drop --keys-file")
+
+
+def test_a_bad_host_is_named_as_the_host_even_with_any_free_port():
+    # port 0 (any free port) still checks the host: the hint names --host, not --port
+    for host, words in [("0.0.0.0.0", "choose another --host"), ("192.0.2.1", "--host")]:
+        with pytest.raises(CannotListenError, match=words) as err:
+            check_port_free(host, 0)
+        assert "--port" not in str(err.value), err.value
+    seen, errors = _serve("--host", "0.0.0.0.0", "--port", "0")
+    assert seen == {"code": 1, "torch": False, "engine": False}
+    assert len(errors) == 1 and "choose another --host" in errors[0], errors
