@@ -230,12 +230,16 @@ class APIError(Exception):
         return {"error": error}
 
     def response(self, dialect: str = "openai") -> web.Response:
-        """The error as an aiohttp JSON response (with ``Retry-After`` when set); ``dialect``
-        ``"anthropic"`` gives Anthropic's body (``anthropic_body``), ``"gemini"`` Gemini's
-        (``gemini_body``), else OpenAI's."""
+        """The error as an aiohttp JSON response (with ``Retry-After`` when set; a 501 with
+        ``x-should-retry: false``, which the OpenAI and Anthropic SDKs obey: a route not
+        served here stays so, and they would retry every 5xx); ``dialect`` ``"anthropic"``
+        gives Anthropic's body (``anthropic_body``), ``"gemini"`` Gemini's (``gemini_body``),
+        else OpenAI's."""
         headers = dict(self.headers)
         if self.retry_after is not None:
             headers.update(retry_after_headers(self.retry_after))
+        if self.status == 501:
+            headers.setdefault("x-should-retry", "false")
         if dialect == ANTHROPIC:
             body = self.anthropic_body()
         elif dialect == GEMINI:
