@@ -404,6 +404,11 @@ async def route_miss(request: web.Request) -> APIError:
         hint = (
             " (the API's routes are under /v1, e.g. /v1/chat/completions: a base URL ends in /v1)"
         )
+    elif request.path == "/v1/cachedContents" or request.path.startswith("/v1/cachedContents/"):
+        hint = (
+            " (Gemini's cachedContents are served under /v1beta, as at Google: google-genai's "
+            "HttpOptions(api_version='v1beta'))"
+        )
     return APIError(
         404, f"unknown route {request.method} {request.path[:120]}{hint}", code="not_found"
     )

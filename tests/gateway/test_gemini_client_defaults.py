@@ -132,3 +132,13 @@ def test_snake_case_names_are_taken_as_protobufs_json_reads_them(serve_fake):
     assert r.status_code == 200, r.text
     params = engine.requests_seen[-1][2]
     assert (params.top_k, params.max_tokens) == (3, 2)
+
+
+def test_caches_under_v1_say_where_they_are(serve_fake):
+    srv, _ = serve_fake()
+    client = _client(srv.url)
+    with pytest.raises(genai_errors.ClientError) as err:
+        client.caches.create(
+            model="fake", config=types.CreateCachedContentConfig(system_instruction="s" * 40)
+        )
+    assert err.value.code == 404 and "api_version='v1beta'" in str(err.value)
