@@ -142,3 +142,25 @@ def test_caches_under_v1_say_where_they_are(serve_fake):
             model="fake", config=types.CreateCachedContentConfig(system_instruction="s" * 40)
         )
     assert err.value.code == 404 and "api_version='v1beta'" in str(err.value)
+
+
+def _check_models(url: str, key: str) -> None:
+    client = _client(url, key=key)
+    assert [m.name for m in client.models.list()] == ["models/fake"]
+    model = client.models.get(model="fake")
+    assert model.name == "models/fake" and "generateContent" in model.supported_actions
+    with pytest.raises(genai_errors.ClientError) as err:
+        client.models.get(model="other")
+    assert err.value.code == 404 and err.value.status == "NOT_FOUND"
+    # any other client still gets the OpenAI objects there
+    headers = {"Authorization": f"Bearer {key}"}
+    listed = httpx.get(url + "/v1/models", headers=headers, timeout=10).json()
+    assert listed["object"] == "list" and listed["data"][0]["id"] == "fake"
+    assert httpx.get(url + "/v1/models/fake", headers=headers, timeout=10).json()["id"] == "fake"
+
+
+def test_the_model_list_under_v1_is_geminis_to_a_google_client(serve_fake, proxy_in_front):
+    srv, _ = serve_fake()
+    _check_models(srv.url, "x")
+    gw, _ = proxy_in_front
+    _check_models(gw.url, "k1")
