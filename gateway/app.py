@@ -36,6 +36,7 @@ from prefixgate.gateway.http.errors import (
     Handler,
     error_middleware,
     expect_continue,
+    is_gemini_path,
     route_miss,
 )
 from prefixgate.gateway.http.json_guard import (
@@ -76,6 +77,7 @@ from prefixgate.gateway.tenancy.admission import AdmissionController
 from prefixgate.gateway.tenancy.admission_wait import EngineWait
 from prefixgate.gateway.tenancy.keys import KeyRing, KeySpec
 from prefixgate.gateway.tenancy.redis_state import make_backend
+from prefixgate.gateway.wire.gemini_routes import openai_or_gemini
 
 logger = logging.getLogger("prefixgate.gateway")
 
@@ -119,8 +121,10 @@ def create_app(
     r.add_post("/v1/embeddings", embeddings.create_embeddings, expect_handler=expect_continue)
     r.add_post("/tokenize", tokenize.tokenize, expect_handler=expect_continue)
     r.add_post("/detokenize", tokenize.detokenize, expect_handler=expect_continue)
-    r.add_get("/v1/models", openai_routes.list_models, expect_handler=expect_continue)
-    r.add_get("/v1/models/{model}", openai_routes.get_model, expect_handler=expect_continue)
+    models = openai_or_gemini(openai_routes.list_models, gemini.list_models)
+    r.add_get("/v1/models", models, expect_handler=expect_continue)
+    model = openai_or_gemini(openai_routes.get_model, gemini.get_model)
+    r.add_get("/v1/models/{model}", model, expect_handler=expect_continue)
     r.add_post("/v1/prefixes", prefix_routes.create_prefix, expect_handler=expect_continue)
     r.add_get("/v1/prefixes/{prefix_id}", prefix_routes.get_prefix, expect_handler=expect_continue)
     r.add_delete(
@@ -222,8 +226,10 @@ def create_proxy_app(
     r.add_post(
         "/v1/messages/count_tokens", messages_relay.count_tokens, expect_handler=expect_continue
     )
-    r.add_get("/v1/models", proxy_routes.proxy_get, expect_handler=expect_continue)
-    r.add_get("/v1/models/{model}", proxy_routes.proxy_get, expect_handler=expect_continue)
+    models = openai_or_gemini(proxy_routes.proxy_get, gemini_relay.list_models)
+    r.add_get("/v1/models", models, expect_handler=expect_continue)
+    model = openai_or_gemini(proxy_routes.proxy_get, gemini_relay.get_model)
+    r.add_get("/v1/models/{model}", model, expect_handler=expect_continue)
     gemini_relay.add_routes(app, expect_continue)
     app[PROXY] = ProxyServing(
         router,
@@ -390,16 +396,17 @@ async def count_requests(request: web.Request, handler: Handler) -> web.StreamRe
     success); a client gone before its answer counts as 499. Probes are not counted. ``route``
     is the API route's short name (``chat``, ``completions``, ``responses``, ``embeddings``,
     ``tokenize``, ``detokenize``, ``models``, ``prefixes``, ``messages``, ``count_tokens``,
-    ``gemini`` for every ``/v1beta`` route), ``other`` for any other path."""
+    ``gemini`` for every Gemini route: ``/v1beta``, ``/v1/models/{model}:{method}``),
+    ``other`` for any other path."""
     path = request.path
     if path in _PROBES or path.startswith("/dashboard"):
         return await handler(request)
     if path in _ROUTE_LABELS:
         route = _ROUTE_LABELS[path]
+    elif is_gemini_path(path):
+        route = "gemini"
     elif path.startswith(("/v1/models", "/v1/prefixes")):
         route = path.split("/")[2]
-    elif path.startswith("/v1beta/"):
-        route = "gemini"
     else:
         route = "other"
     counter = request.app[STATE].metrics.requests

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -116,11 +117,20 @@ def error_dialect(dialect: str) -> Callable[[Handler], Handler]:
     return mark
 
 
+_GEMINI_V1_METHOD = re.compile(r"/v1/models/[^/]+:[A-Za-z]+\Z")
+
+
+def is_gemini_path(path: str) -> bool:
+    """Whether ``path`` is Gemini's API: under ``/v1beta/``, or a model method under ``/v1``
+    (``/v1/models/{model}:{method}``, google-genai's default API version)."""
+    return path.startswith("/v1beta/") or _GEMINI_V1_METHOD.match(path) is not None
+
+
 def dialect_of_path(path: str) -> str:
     """The error dialect of a path, for answers given before any route matched (aiohttp's
-    parser refusing the request): Gemini's under ``/v1beta/``, Anthropic's on
+    parser refusing the request): Gemini's on its paths (``is_gemini_path``), Anthropic's on
     ``/v1/messages``, else OpenAI's."""
-    if path.startswith("/v1beta/"):
+    if is_gemini_path(path):
         return GEMINI
     if path == "/v1/messages" or path.startswith("/v1/messages/"):
         return ANTHROPIC
@@ -129,12 +139,12 @@ def dialect_of_path(path: str) -> str:
 
 def dialect_of(request: web.Request) -> str:
     """The error dialect of the request's matched route: its handler's ``error_dialect`` mark,
-    else ``GEMINI`` for a path under ``/v1beta/`` (Gemini's API), else ``"openai"``."""
+    else ``GEMINI`` on Gemini's paths (``is_gemini_path``), else ``"openai"``."""
     handler = getattr(request.match_info, "handler", None)
     mark = getattr(handler, "error_dialect", None)
     if mark is not None:
         return mark
-    return GEMINI if request.path.startswith("/v1beta/") else "openai"
+    return GEMINI if is_gemini_path(request.path) else "openai"
 
 
 def error_event(request: web.Request, error: APIError) -> bytes:
@@ -220,12 +230,16 @@ class APIError(Exception):
         return {"error": error}
 
     def response(self, dialect: str = "openai") -> web.Response:
-        """The error as an aiohttp JSON response (with ``Retry-After`` when set); ``dialect``
-        ``"anthropic"`` gives Anthropic's body (``anthropic_body``), ``"gemini"`` Gemini's
-        (``gemini_body``), else OpenAI's."""
+        """The error as an aiohttp JSON response (with ``Retry-After`` when set; a 501 with
+        ``x-should-retry: false``, which the OpenAI and Anthropic SDKs obey: a route not
+        served here stays so, and they would retry every 5xx); ``dialect`` ``"anthropic"``
+        gives Anthropic's body (``anthropic_body``), ``"gemini"`` Gemini's (``gemini_body``),
+        else OpenAI's."""
         headers = dict(self.headers)
         if self.retry_after is not None:
             headers.update(retry_after_headers(self.retry_after))
+        if self.status == 501:
+            headers.setdefault("x-should-retry", "false")
         if dialect == ANTHROPIC:
             body = self.anthropic_body()
         elif dialect == GEMINI:
@@ -389,6 +403,11 @@ async def route_miss(request: web.Request) -> APIError:
     if not request.path.startswith(("/v1/", "/v1beta/")) and request.path not in ("/", ""):
         hint = (
             " (the API's routes are under /v1, e.g. /v1/chat/completions: a base URL ends in /v1)"
+        )
+    elif request.path == "/v1/cachedContents" or request.path.startswith("/v1/cachedContents/"):
+        hint = (
+            " (Gemini's cachedContents are served under /v1beta, as at Google: google-genai's "
+            "HttpOptions(api_version='v1beta'))"
         )
     return APIError(
         404, f"unknown route {request.method} {request.path[:120]}{hint}", code="not_found"

@@ -269,10 +269,13 @@ class GatewayMetrics:
         counter = functools.partial(Counter, registry=self.registry)
         gauge = functools.partial(Gauge, registry=self.registry)
         latency = functools.partial(Histogram, registry=self.registry, buckets=_LATENCY_BUCKETS)
-        self.ttft = latency("prefixgate_time_to_first_token_seconds", "TTFT at the gateway")
+        self.ttft = latency(
+            "prefixgate_time_to_first_token_seconds",
+            "TTFT at the gateway (proxy mode: streamed answers only)",
+        )
         self.tpot = Histogram(
             "prefixgate_time_per_output_token_seconds",
-            "TPOT per choice (after the first token)",
+            "TPOT per choice (after the first token; proxy mode: streamed answers only)",
             buckets=_TPOT_BUCKETS,
             registry=self.registry,
         )
@@ -284,10 +287,17 @@ class GatewayMetrics:
             "answered requests by route, HTTP status and OpenAI error code ('' on success)",
             ["route", "status", "code"],
         )
-        self.prompt_tokens = counter("prefixgate_prompt_tokens", "prompt tokens admitted")
-        self.generation_tokens = counter("prefixgate_generation_tokens", "tokens generated")
+        self.prompt_tokens = counter(
+            "prefixgate_prompt_tokens",
+            "prompt tokens admitted (proxy mode: as the upstreams reported them)",
+        )
+        self.generation_tokens = counter(
+            "prefixgate_generation_tokens",
+            "tokens generated (proxy mode: as the upstreams reported)",
+        )
         self.cached_tokens = counter(
-            "prefixgate_cached_prompt_tokens", "prompt tokens served from the prefix cache"
+            "prefixgate_cached_prompt_tokens",
+            "prompt tokens served from the prefix cache (proxy mode: as the upstreams reported)",
         )
         self.queue_depth = gauge(
             "prefixgate_queue_depth", "requests admitted and waiting for their first token"

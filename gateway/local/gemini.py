@@ -319,17 +319,18 @@ async def _prepare(
 # --- routes ---------------------------------------------------------------------------------
 @error_dialect(GEMINI)
 async def model_method(request: web.Request) -> web.StreamResponse:
-    """POST /v1beta/models/{model}:{method}: ``generateContent``, ``streamGenerateContent``
-    (``alt=sse``) or ``countTokens``; any other method 404."""
+    """POST /v1beta/models/{model}:{method} (or under /v1): ``generateContent``,
+    ``streamGenerateContent`` (``alt=sse``) or ``countTokens``; any other method 404."""
     model, method = _split_target(request)
     if method == "generateContent":
         return await _generate(request, model, stream=False)
     if method == "streamGenerateContent":
         alt = request.query.get("alt")
         if alt != "sse":
+            got = "no alt" if alt is None else f"alt={alt[:20]!r}"
             raise bad_request(
                 f"alt: streamGenerateContent is served as server-sent events only "
-                f"(?alt=sse), got {str(alt)[:20]!r}",
+                f"(?alt=sse), got {got}",
                 param="alt",
             )
         return await _generate(request, model, stream=True)

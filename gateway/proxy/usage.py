@@ -162,7 +162,9 @@ def end_call(st: GatewayState, principal: Principal, lease: Lease, acct: Request
     """Once a proxied call ends (the handler's ``finally``): ``acct.finished``, the key
     charged from the account (``close_lease``), the e2e metric from admission; a stream's
     TTFT (from ``acct.received`` to its first content chunk) and TPOT
-    (``RequestAccount.tpot_s``), as local mode observes them."""
+    (``RequestAccount.tpot_s``), as local mode observes them; and the gateway's token
+    counters from the usage the upstream reported (a count not reported is not counted:
+    never a guess)."""
     acct.finished = time.monotonic()
     close_lease(st.shared, principal, lease, acct)
     if acct.admitted is not None:
@@ -172,3 +174,9 @@ def end_call(st: GatewayState, principal: Principal, lease: Lease, acct: Request
     tpot = acct.tpot_s()
     if tpot is not None:
         st.metrics.tpot.observe(tpot)
+    if acct.prompt_tokens is not None:
+        st.metrics.prompt_tokens.inc(acct.prompt_tokens)
+    if acct.completion_tokens is not None:
+        st.metrics.add_generated(acct.completion_tokens)
+    if acct.cached_tokens is not None:
+        st.metrics.cached_tokens.inc(acct.cached_tokens)

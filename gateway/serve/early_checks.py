@@ -34,7 +34,8 @@ class CannotListenError(Exception):
 
 
 def check_port_free(host: str, port: int) -> None:
-    """Refuse a ``host:port`` the server could not bind (port 0, any free port, always can).
+    """Refuse a ``host:port`` the server could not bind (port 0, any free port, checks the
+    host alone).
 
     Binds and closes a socket with ``SO_REUSEADDR``, as the server's own listener does, so a
     port left in TIME_WAIT by a stopped server passes and one another process listens on fails.
@@ -43,8 +44,6 @@ def check_port_free(host: str, port: int) -> None:
         CannotListenError: the port is in use or not permitted, or ``host`` is not an address
             of this machine (one line naming the address and the flag to change).
     """
-    if port == 0:
-        return
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:

@@ -19,6 +19,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 from typing import Any
@@ -253,8 +254,9 @@ async def serve(
     try:
         server = await start_server(app, host, port, access_log=access_log)
     except OSError as exc:  # port in use, address not available, no permission
+        flag = "--host" if isinstance(exc, socket.gaierror) else "--port"
         logger.error(
-            "cannot listen on %s:%d: %s (choose another --port)", host, port, exc.strerror or exc
+            "cannot listen on %s:%d: %s (choose another %s)", host, port, exc.strerror or exc, flag
         )
         return 1
     logger.info("prefixgate listening on %s (OpenAI API at %s/v1)", server.url, server.url)

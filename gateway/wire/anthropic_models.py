@@ -318,7 +318,7 @@ def _refuse(raw: dict[str, Any], model: type[_Conversation]) -> None:
     thinking = raw.get("thinking")
     if isinstance(thinking, dict) and thinking.get("type") != "disabled":
         raise bad_request(
-            "thinking: extended thinking is not supported (send {'type': 'disabled'})",
+            'thinking: extended thinking is not supported (send {"type": "disabled"})',
             param="thinking",
             code="unsupported_parameter",
         )

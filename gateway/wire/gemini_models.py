@@ -17,9 +17,14 @@ The routes (``gemini.py``) take Gemini's camelCase JSON, as ``google-genai`` sen
   (``model``, ``systemInstruction``, ``contents``, ``tools``, ``toolConfig``, ``ttl`` or
   ``expireTime``, ``displayName``).
 
+As protobuf's JSON mapping reads Google's API, every field is also taken under its snake_case
+name (``thinking_budget``: google-genai sends ``thinkingConfig`` so) and an integer field as an
+integral number (``5.0``: google-genai sends ``top_k`` so); ``thinkingConfig`` is taken when
+it asks for no thinking (``thinkingBudget: 0``).
+
 Anything else is a 400 naming the field (unknown fields at every level: images, files,
-``thinkingConfig``, ``responseModalities``, ``responseLogprobs``, search and code tools,
-``VALIDATED`` function calling, ...). ``to_chat`` turns a request into the chat the gateway
+``thinkingConfig`` asking for thinking, ``responseModalities``, ``responseLogprobs``, search
+and code tools, ``VALIDATED`` function calling, ...). ``to_chat`` turns a request into the chat the gateway
 already serves (messages, OpenAI-shaped function tools, a ``tool_choice``), so a Gemini
 request renders into the same token ids as the equivalent chat completion.
 """
@@ -30,18 +35,43 @@ import datetime as dt
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from prefixgate.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from prefixgate.gateway.http.errors import bad_request
 from prefixgate.gateway.wire.gemini_routes import DEFAULT_CACHE_TTL_S
 from prefixgate.gateway.wire.sampling import sampling_params
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    AliasChoices,
+    AliasGenerator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    model_validator,
+)
+from pydantic.alias_generators import to_snake
 
-_CONFIG = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+# Every field also under its snake_case name: protobuf's JSON mapping reads both (google-genai
+# sends ``thinkingConfig``'s fields so).
+_BOTH_NAMES = AliasGenerator(validation_alias=lambda name: AliasChoices(name, to_snake(name)))
+_CONFIG = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, alias_generator=_BOTH_NAMES)
 _OPEN = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
 MAX_CANDIDATES = 8  # Gemini's candidateCount bound
+
+
+def _integral(value: Any) -> Any:
+    """A JSON number with an integral value as the int it is (``5.0`` → ``5``), as protobuf's
+    JSON mapping reads an integer field (google-genai types ``top_k`` as a float, so sends
+    ``5.0``); anything else unchanged, for the strict ``int`` check to refuse by name."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+ProtoInt = Annotated[int, BeforeValidator(_integral)]
+"""An integer field of Gemini's API: an int, or a float with an integral value."""
 
 
 class FunctionCall(BaseModel):
@@ -87,22 +117,48 @@ class SystemInstruction(BaseModel):
     parts: list[Part] = Field(min_length=1)
 
 
+class ThinkingConfig(BaseModel):
+    """``generationConfig.thinkingConfig``: taken only when it asks for no thinking
+    (``thinkingBudget: 0``, ``includeThoughts`` false or absent), which is what a model
+    without a thinking phase does; any thinking asked for is a 400 naming the field, as
+    Gemini answers for a model that cannot think."""
+
+    model_config = _CONFIG
+    thinkingBudget: ProtoInt | None = None
+    includeThoughts: bool | None = None
+
+    @model_validator(mode="after")
+    def _no_thinking(self) -> ThinkingConfig:
+        if self.includeThoughts:
+            raise ValueError(
+                "includeThoughts: thinking is not supported (send thinkingBudget 0, or no "
+                "thinkingConfig)"
+            )
+        if self.thinkingBudget is not None and self.thinkingBudget != 0:
+            raise ValueError(
+                f"thinkingBudget: thinking is not supported, got {self.thinkingBudget} (send "
+                "thinkingBudget 0, or no thinkingConfig)"
+            )
+        return self
+
+
 class GenerationConfig(BaseModel):
     """``generationConfig``: the sampling and output fields taken (module docstring)."""
 
     model_config = _CONFIG
-    maxOutputTokens: int | None = Field(None, ge=1)
+    maxOutputTokens: ProtoInt | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     topP: float | None = Field(None, gt=0.0, le=1.0)
-    topK: int | None = Field(None, ge=1)
+    topK: ProtoInt | None = Field(None, ge=1)
     stopSequences: list[str] | None = Field(None, max_length=5)
-    candidateCount: int | None = Field(None, ge=1, le=MAX_CANDIDATES)
-    seed: int | None = None
+    candidateCount: ProtoInt | None = Field(None, ge=1, le=MAX_CANDIDATES)
+    seed: ProtoInt | None = None
     presencePenalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequencyPenalty: float | None = Field(None, ge=-2.0, le=2.0)
     responseMimeType: str | None = None
     responseSchema: dict[str, Any] | None = None
     responseJsonSchema: dict[str, Any] | None = None
+    thinkingConfig: ThinkingConfig | None = None
 
     def sampling_params(
         self,

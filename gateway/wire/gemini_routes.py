@@ -1,4 +1,5 @@
-"""Gemini's ``/v1beta`` route table and what both modes' handlers share: the method names,
+"""Gemini's route table (``/v1beta``, and its model methods under ``/v1`` too: google-genai's
+default API version) and what both modes' handlers share: the method names,
 the ``cachedContents/`` name prefix and default life, the model object, the 405 of a GET of a
 method, RFC 3339 times, the 404 / 405 of any other path (local mode: ``local/gemini.py``;
 proxy mode: ``proxy/gemini_relay.py``)."""
@@ -9,7 +10,7 @@ import datetime as dt
 from typing import Any
 
 from aiohttp import web
-from prefixgate.gateway.http.errors import GEMINI, APIError, error_dialect, route_miss
+from prefixgate.gateway.http.errors import GEMINI, APIError, Handler, error_dialect, route_miss
 
 CACHE_PREFIX = "cachedContents/"
 DEFAULT_CACHE_TTL_S = 3600.0  # Gemini's default cache life (1 hour)
@@ -64,17 +65,47 @@ def rfc3339(unix_s: float) -> str:
     return at.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
+GOOGLE_KEY_HEADER = "x-goog-api-key"  # what Google's clients send their key in
+
+
+def openai_or_gemini(openai: Handler, gemini: Handler) -> Handler:
+    """``GET /v1/models`` and ``GET /v1/models/{model}``: Gemini's answer (``{"models": [...]}``,
+    a ``Model``; errors in Gemini's shape) to a Google client, which sends its key in
+    ``x-goog-api-key`` (``v1`` is google-genai's default API version), OpenAI's to any other
+    client (``openai`` and ``gemini``: the two modes' handlers of the route)."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        if GOOGLE_KEY_HEADER not in request.headers:
+            return await openai(request)
+        if "model" in request.match_info:  # Gemini's handlers read the name as {target}
+            request.match_info["target"] = request.match_info["model"]
+        try:
+            return await gemini(request)
+        except APIError as exc:
+            return exc.response(GEMINI)
+
+    return handler
+
+
 @error_dialect(GEMINI)
 async def no_route(request: web.Request) -> web.Response:
     """Any other /v1beta path or method: 404 / 405 in Gemini's shape."""
     raise await route_miss(request)
 
 
+# ``POST /v1/models/{model}:{method}``: Gemini's stable ``v1`` API, google-genai's default
+# (``HttpOptions.api_version``). Only a path with a ``:method`` is Gemini's: ``/v1/models/{id}``
+# itself stays the OpenAI route.
+V1_MODEL_METHOD = "/v1/models/{target:[^/]+:[A-Za-z]+}"
+
+
 def add_gemini_routes(app: web.Application, handlers: Any, expect_handler: Any) -> None:
     """Gemini's routes on ``app``, each to the function of that name in ``handlers`` (this
-    module in local mode, ``proxy.gemini_relay`` in proxy mode): one table for both modes."""
+    module in local mode, ``proxy.gemini_relay`` in proxy mode): one table for both modes.
+    The model methods are served under ``/v1`` as under ``/v1beta`` (``V1_MODEL_METHOD``)."""
     r = app.router
     h = handlers
+    r.add_post(V1_MODEL_METHOD, h.model_method, expect_handler=expect_handler)
     r.add_get("/v1beta/models", h.list_models, expect_handler=expect_handler)
     r.add_get("/v1beta/models/{target}", h.get_model, expect_handler=expect_handler)
     r.add_post("/v1beta/models/{target}", h.model_method, expect_handler=expect_handler)

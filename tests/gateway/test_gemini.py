@@ -82,7 +82,7 @@ def test_stop_sequence_is_stop(serve_fake):
     ("body", "named"),
     [
         (
-            {**HELLO, "generationConfig": {"thinkingConfig": {"thinkingBudget": 0}}},
+            {**HELLO, "generationConfig": {"thinkingConfig": {"thinkingBudget": 1024}}},
             "thinkingConfig",
         ),
         ({**HELLO, "generationConfig": {"responseModalities": ["TEXT"]}}, "responseModalities"),

@@ -12,6 +12,7 @@ import re
 import httpx
 import pytest
 from prefixgate.gateway.app import OPEN_ROUTES, create_app, create_proxy_app
+from prefixgate.gateway.http.errors import is_gemini_path
 from prefixgate.gateway.http.server import BackgroundServer
 from prefixgate.gateway.settings import GatewaySettings
 
@@ -57,7 +58,7 @@ def _check_refused(url: str, routes: list[tuple[str, str]]) -> None:
                 r = http.request(method, path, content=body, headers=headers)
                 assert r.status_code == 401, (method, path, headers, r.text)
                 message = r.json()["error"]["message"]
-                if path.startswith("/v1beta/"):  # Gemini's shape
+                if is_gemini_path(path):  # Gemini's shape (/v1beta, /v1/models/x:method)
                     assert r.json()["error"]["status"] == "UNAUTHENTICATED", r.text
                     # the header Google's clients send
                     if "incorrect" not in message:
@@ -80,7 +81,7 @@ EXPECTED_LOCAL = {
     "/v1/messages/count_tokens", "/v1/embeddings", "/tokenize", "/detokenize", "/v1/models",
     "/v1/models/fake", "/v1/prefixes", "/v1/prefixes/pfx-nope",
     "/v1beta/models", "/v1beta/models/fake:generateContent", "/v1beta/cachedContents",
-    "/v1beta/cachedContents/pfx-nope",
+    "/v1beta/cachedContents/pfx-nope", "/v1/models/fake:generateContent",
 }  # fmt: skip
 
 

@@ -265,3 +265,14 @@ def test_the_keys_file_is_read_once_per_start(monkeypatch, tmp_path, mode):
     assert main(["serve", *where, "--keys-file", str(path), "--port", "0"]) == 1
     assert reads == [str(path)]
     assert built == [["a"]]  # the app's key ring: the keys that one read gave
+
+
+def test_a_bad_host_is_named_as_the_host_even_with_any_free_port():
+    # port 0 (any free port) still checks the host: the hint names --host, not --port
+    for host, words in [("0.0.0.0.0", "choose another --host"), ("192.0.2.1", "--host")]:
+        with pytest.raises(CannotListenError, match=words) as err:
+            check_port_free(host, 0)
+        assert "--port" not in str(err.value), err.value
+    seen, errors = _serve("--host", "0.0.0.0.0", "--port", "0")
+    assert seen == {"code": 1, "torch": False, "engine": False}
+    assert len(errors) == 1 and "choose another --host" in errors[0], errors

@@ -1,0 +1,166 @@
+"""Gemini's dialect as ``google-genai`` sends it with its defaults, in both modes: the client's
+default API version (``v1``: ``POST /v1/models/{model}:generateContent``) is served like
+``/v1beta``; ``top_k`` (a float in the client's types, so ``5.0`` on the wire) and any other
+integer field given as an integral number are taken, a fractional one refused by name;
+``thinkingConfig`` that turns thinking off (``thinkingBudget: 0``) is taken, thinking asked
+for is a 400 naming the field."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from prefixgate.gateway.app import create_proxy_app
+from prefixgate.gateway.http.server import BackgroundServer
+from prefixgate.gateway.settings import GatewaySettings
+
+genai = pytest.importorskip("google.genai")
+from google.genai import errors as genai_errors  # noqa: E402
+from google.genai import types  # noqa: E402
+
+HELLO = {"contents": [{"role": "user", "parts": [{"text": "hello"}]}]}
+
+
+def _client(url: str, key: str = "x") -> genai.Client:
+    # no api_version: the client's own default (``v1`` in google-genai 1.x-3.x)
+    return genai.Client(api_key=key, http_options=types.HttpOptions(base_url=url))
+
+
+def test_the_clients_default_api_version_is_served(serve_fake):
+    srv, engine = serve_fake()
+    client = _client(srv.url)
+    cfg = types.GenerateContentConfig(max_output_tokens=3)
+    r = client.models.generate_content(model="fake", contents="hello", config=cfg)
+    assert r.candidates[0].finish_reason == types.FinishReason.MAX_TOKENS
+    assert r.usage_metadata.candidates_token_count == 3
+    chunks = list(client.models.generate_content_stream(model="fake", contents="hi", config=cfg))
+    assert chunks[-1].candidates[0].finish_reason == types.FinishReason.MAX_TOKENS
+    count = client.models.count_tokens(model="fake", contents="hello")
+    assert count.total_tokens == r.usage_metadata.prompt_token_count
+    reply = client.chats.create(model="fake", config=cfg).send_message("hello")
+    assert reply.usage_metadata.candidates_token_count == 3
+    assert len(engine.requests_seen) == 3  # count_tokens runs no request
+
+
+def test_v1_errors_take_geminis_shape_and_openai_paths_stay_openais(serve_fake):
+    srv, _ = serve_fake()
+    r = httpx.post(srv.url + "/v1/models/fake:generateContent", content=b"{oops", timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["status"] == "INVALID_ARGUMENT"
+    r = httpx.post(srv.url + "/v1/models/other:generateContent", json=HELLO, timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["status"] == "NOT_FOUND"
+    client = _client(srv.url)
+    with pytest.raises(genai_errors.ClientError) as err:
+        client.models.generate_content(model="other", contents="hi")
+    assert err.value.code == 404
+    # the OpenAI model routes are unchanged
+    assert httpx.get(srv.url + "/v1/models/fake", timeout=10).json()["id"] == "fake"
+    r = httpx.post(srv.url + "/v1/models/fake", json={}, timeout=10)
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+
+
+def test_integral_numbers_are_integers(serve_fake):
+    srv, engine = serve_fake()
+    client = _client(srv.url)
+    cfg = types.GenerateContentConfig(max_output_tokens=3, top_k=5, seed=7)
+    client.models.generate_content(model="fake", contents="hello", config=cfg)
+    params = engine.requests_seen[-1][2]
+    assert (params.top_k, params.seed, params.max_tokens) == (5, 7, 3)
+    path = "/v1beta/models/fake:generateContent"
+    config = {"maxOutputTokens": 2.0, "topK": 4.0, "candidateCount": 1.0, "seed": 3.0}
+    r = httpx.post(srv.url + path, json={**HELLO, "generationConfig": config}, timeout=10)
+    assert r.status_code == 200, r.text
+    params = engine.requests_seen[-1][2]
+    assert (params.top_k, params.seed, params.max_tokens) == (4, 3, 2)
+    assert all(type(v) is int for v in (params.top_k, params.seed, params.max_tokens))
+    for field, value in [("topK", 4.5), ("maxOutputTokens", True), ("seed", "3")]:
+        body = {**HELLO, "generationConfig": {field: value}}
+        r = httpx.post(srv.url + path, json=body, timeout=10)
+        assert r.status_code == 400, (field, r.text)
+        assert f"generationConfig.{field}" in r.json()["error"]["message"]
+
+
+def test_thinking_turned_off_is_taken_and_asked_for_is_refused(serve_fake):
+    srv, _ = serve_fake()
+    client = _client(srv.url)
+    off = types.ThinkingConfig(thinking_budget=0)
+    cfg = types.GenerateContentConfig(max_output_tokens=2, thinking_config=off)
+    assert client.models.generate_content(model="fake", contents="hi", config=cfg).text
+    path = "/v1beta/models/fake:generateContent"
+    for thinking in [{"thinkingBudget": 1024}, {"thinkingBudget": -1}, {"includeThoughts": True}]:
+        body = {**HELLO, "generationConfig": {"thinkingConfig": thinking}}
+        r = httpx.post(srv.url + path, json=body, timeout=10)
+        assert r.status_code == 400, (thinking, r.text)
+        assert "generationConfig.thinkingConfig" in r.json()["error"]["message"]
+
+
+def test_stream_without_alt_names_what_is_missing(serve_fake):
+    srv, _ = serve_fake()
+    r = httpx.post(srv.url + "/v1beta/models/fake:streamGenerateContent", json=HELLO, timeout=10)
+    assert r.status_code == 400
+    message = r.json()["error"]["message"]
+    assert "None" not in message and "?alt=sse" in message
+
+
+@pytest.fixture
+def proxy_in_front(serve_fake):
+    srv, engine = serve_fake()
+    settings = GatewaySettings(api_keys=["k1"])
+    gw = BackgroundServer(lambda: create_proxy_app([srv.url], settings)).__enter__()
+    yield gw, engine
+    gw.close()
+
+
+def test_proxy_serves_the_clients_default_api_version(proxy_in_front):
+    gw, engine = proxy_in_front
+    client = _client(gw.url, key="k1")
+    cfg = types.GenerateContentConfig(max_output_tokens=3, top_k=5)
+    r = client.models.generate_content(model="fake", contents="hello", config=cfg)
+    assert r.usage_metadata.candidates_token_count == 3
+    assert engine.requests_seen[-1][2].top_k == 5
+    chunks = list(client.models.generate_content_stream(model="fake", contents="hi", config=cfg))
+    assert chunks[-1].candidates[0].finish_reason == types.FinishReason.MAX_TOKENS
+    assert client.models.count_tokens(model="fake", contents="hello").total_tokens > 0
+
+
+def test_snake_case_names_are_taken_as_protobufs_json_reads_them(serve_fake):
+    srv, engine = serve_fake()
+    body = {
+        "contents": [{"role": "user", "parts": [{"text": "hello"}]}],
+        "system_instruction": {"parts": [{"text": "be brief"}]},
+        "generation_config": {"max_output_tokens": 2, "top_k": 3},
+    }
+    r = httpx.post(srv.url + "/v1beta/models/fake:generateContent", json=body, timeout=10)
+    assert r.status_code == 200, r.text
+    params = engine.requests_seen[-1][2]
+    assert (params.top_k, params.max_tokens) == (3, 2)
+
+
+def test_caches_under_v1_say_where_they_are(serve_fake):
+    srv, _ = serve_fake()
+    client = _client(srv.url)
+    with pytest.raises(genai_errors.ClientError) as err:
+        client.caches.create(
+            model="fake", config=types.CreateCachedContentConfig(system_instruction="s" * 40)
+        )
+    assert err.value.code == 404 and "api_version='v1beta'" in str(err.value)
+
+
+def _check_models(url: str, key: str) -> None:
+    client = _client(url, key=key)
+    assert [m.name for m in client.models.list()] == ["models/fake"]
+    model = client.models.get(model="fake")
+    assert model.name == "models/fake" and "generateContent" in model.supported_actions
+    with pytest.raises(genai_errors.ClientError) as err:
+        client.models.get(model="other")
+    assert err.value.code == 404 and err.value.status == "NOT_FOUND"
+    # any other client still gets the OpenAI objects there
+    headers = {"Authorization": f"Bearer {key}"}
+    listed = httpx.get(url + "/v1/models", headers=headers, timeout=10).json()
+    assert listed["object"] == "list" and listed["data"][0]["id"] == "fake"
+    assert httpx.get(url + "/v1/models/fake", headers=headers, timeout=10).json()["id"] == "fake"
+
+
+def test_the_model_list_under_v1_is_geminis_to_a_google_client(serve_fake, proxy_in_front):
+    srv, _ = serve_fake()
+    _check_models(srv.url, "x")
+    gw, _ = proxy_in_front
+    _check_models(gw.url, "k1")

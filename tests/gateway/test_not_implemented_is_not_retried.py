@@ -1,0 +1,38 @@
+"""A 501 (a route this mode does not serve: ``/v1/responses`` and ``/v1/embeddings`` behind a
+proxy) carries ``x-should-retry: false``, which the OpenAI and Anthropic SDKs obey: with their
+default ``max_retries`` (2) they sent the same refused request three times, with backoff,
+before raising."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from prefixgate.gateway.app import create_proxy_app
+from prefixgate.gateway.http.server import BackgroundServer
+from prefixgate.gateway.settings import GatewaySettings
+
+openai = pytest.importorskip("openai")
+
+
+@pytest.fixture
+def proxy(serve_fake):
+    upstream, _ = serve_fake()
+    gw = BackgroundServer(lambda: create_proxy_app([upstream.url], GatewaySettings())).__enter__()
+    yield gw
+    gw.close()
+
+
+def test_a_501_is_sent_once_by_the_openai_client(proxy):
+    sent: list[str] = []
+    http = httpx.Client(event_hooks={"request": [lambda r: sent.append(r.url.path)]})
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="x", http_client=http)
+    with pytest.raises(openai.APIStatusError) as err:
+        client.responses.create(model="fake", input="hi", max_output_tokens=4)
+    assert err.value.status_code == 501
+    assert err.value.response.headers["x-should-retry"] == "false"
+    with pytest.raises(openai.APIStatusError):
+        client.embeddings.create(model="fake", input="hi")
+    assert sent == ["/v1/responses", "/v1/embeddings"]  # once each: no retries
+    # a retryable refusal keeps no such header
+    r = httpx.post(proxy.url + "/v1/chat/completions", content=b"{", timeout=10)
+    assert r.status_code == 400 and "x-should-retry" not in r.headers
