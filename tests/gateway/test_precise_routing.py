@@ -12,6 +12,8 @@ without torch.
 - the fleet's load: the engines' load reports (requests another gateway sent) count in the
   bound and the queued prefill, with this gateway's requests sent since the last report added
   once, and never less than this gateway's own;
+- the share bound moves a hot replica's hottest prompt, but not a continuation (a request
+  whose holder caches its own history);
 - session affinity (``prompt_cache_key``, else ``user``, within a cache partition) holds while
   the session's pins are held (or a request of it is in flight) and is forgotten when the
   index says they are gone;
@@ -383,6 +385,38 @@ def test_share_bound_moves_only_the_hot_replicas_hottest_prompt():
     assert r.predicted_cached == 48  # on A (only A holds it)
     r = pick(hot)  # the hottest: elsewhere, a copy
     assert r.predicted_cached == 0
+
+
+def test_share_bound_leaves_a_continuation_on_its_holder():
+    """A over its share, the hot key its hottest: a fresh request of the key (cached on A up
+    to the shared system prompt only) goes elsewhere, but a continuation (A caches its
+    history, more than the key's shortest prompt) stays on A, session id or not: moving it
+    would copy the whole history and spread nothing of the shared prompt (docs/sim.md)."""
+    from prefixgate.gateway.proxy.policies.precise_routing import SHARE_WINDOW
+
+    p, index = policy([A, B, C], max_load_ratio=1.3)
+    system = "You are a helpful assistant. Be brief."[:32]  # 32 tokens: 8 blocks of 4
+    index.hold(A, [ord(c) for c in system + "."])  # its 8 blocks (a block's worth and one)
+    a, b, c = ups(A, B, C)
+
+    def pick(text: str) -> PreciseRoute:
+        base = Route(system.encode(), [1])  # the key: the shared system prompt
+        r = asyncio.run(p.prepare(base, {"model": "m", "prompt": text}, "/v1/completions", None))
+        p.pick(r, [a, b, c], never)
+        p.release(r)
+        return r
+
+    for i in range(SHARE_WINDOW * 3):  # fresh requests of the key: all on A, the holder
+        assert pick(system + f"user {i:03d}").predicted_cached == 32  # 40 tokens each
+    # a session's second turn: A holds its first turn and the answer (32 + 8 + 12 tokens)
+    history = system + "user 000" + "the answer!!"
+    index.hold(A, [ord(ch) for ch in history + "."])  # its 13 blocks
+    turn = pick(history + "and then?")
+    assert turn.predicted_cached == 52 and turn.reason == "score"  # stays: no copy
+    # a fresh request of the key still moves (one copy of the system prompt elsewhere)
+    fresh = pick(system + "user new")
+    assert fresh.predicted_cached == 0
+    assert p._recent[-1][0] != A and p._recent[-2][0] == A
 
 
 def test_session_affinity_lasts_as_long_as_its_pins():
