@@ -478,10 +478,11 @@ class PreciseRouting:
         (``key``) is the one ``u`` took most often in the window: the hottest prompt moves
         (one copy), the others stay where they are cached. The one with the fewest recent
         picks always stays, and so do the upstreams in ``continued`` (``_continued``: they
-        hold the request's own history). Judged once the window is full (a gateway's first
-        picks are the warm-up of its prompts' homes)."""
+        hold the request's own history). Judged once the window is half full (a mean share
+        of ``SHARE_WINDOW / 2`` picks: a gateway's first picks are the warm-up of its
+        prompts' homes, and over a few picks the bound is within the noise)."""
         recent = self._recent
-        if len(recent) < SHARE_WINDOW * n or len(ok) < 2:
+        if 2 * len(recent) < SHARE_WINDOW * n or len(ok) < 2:
             return ok
         counts = self._recent_count  # Counter(url for url, _ in recent), kept as it goes
         m = (len(recent) + 1) / n
