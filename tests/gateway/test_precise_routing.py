@@ -390,9 +390,10 @@ def test_share_bound_moves_only_the_hot_replicas_hottest_prompt():
 
 def test_share_bound_leaves_a_continuation_on_its_holder():
     """A over its share, the hot key its hottest: a fresh request of the key (cached on A up
-    to the shared system prompt only) goes elsewhere, but a continuation (A caches its
-    history, more than the key's shortest prompt) stays on A, session id or not: moving it
-    would copy the whole history and spread nothing of the shared prompt (docs/sim.md)."""
+    to the shared system prompt only, no more than the key's shortest prompt, the system
+    prompt alone) goes elsewhere, but a continuation (A caches its history, more than the
+    key's shortest prompt) stays on A, session id or not: moving it would copy the whole
+    history and spread nothing of the shared prompt (docs/sim.md)."""
     from prefixgate.gateway.proxy.policies.precise_routing import SHARE_WINDOW
 
     p, index = policy([A, B, C], max_load_ratio=1.3)
@@ -407,15 +408,18 @@ def test_share_bound_leaves_a_continuation_on_its_holder():
         p.release(r)
         return r
 
-    for i in range(SHARE_WINDOW * 3 // 2):  # fresh requests of the key: all on A, the holder
-        assert pick(system + f"user {i:03d}").predicted_cached == 32  # 40 tokens each
+    # a request of the system prompt alone (the key's shortest: 32 tokens), then fresh
+    # requests of the key (40 tokens each): all on A, the holder, until the window is half full
+    assert pick(system).predicted_cached == 28
+    for i in range(SHARE_WINDOW * 3 // 2 - 1):
+        assert pick(system + f"{i:03d} user").predicted_cached == 32
     # a session's second turn: A holds its first turn and the answer (32 + 8 + 12 tokens)
-    history = system + "user 000" + "the answer!!"
+    history = system + "000 user" + "the answer!!"
     index.hold(A, [ord(ch) for ch in history + "."])  # its 13 blocks
     turn = pick(history + "and then?")
     assert turn.predicted_cached == 52 and turn.reason == "score"  # stays: no copy
     # a fresh request of the key still moves (one copy of the system prompt elsewhere)
-    fresh = pick(system + "user new")
+    fresh = pick(system + "new: user")
     assert fresh.predicted_cached == 0
     assert p._recent[-1][0] != A and p._recent[-2][0] == A
 

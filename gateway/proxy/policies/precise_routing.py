@@ -61,12 +61,13 @@ over the mean (docs/precise-routing.md); the share bound sends the hot prompt's 
 request to another replica, which computes it once and holds a copy, after which the cost
 spreads the prompt over its holders. Only the hottest prompt moves: leaving the replica out
 for every prompt made a copy of each prompt that came while it was over
-(docs/precise-routing.md). A continuation does not move: a candidate caching at least as many
-tokens of the prompt as the shortest prompt of its key seen (``Route.key``; a whole prompt
-of the key: a session's next turn, cached with its history) holds the request's own
+(docs/precise-routing.md). A continuation does not move: a candidate caching more tokens of
+the prompt than the shortest prompt of its key seen has (``Route.key``; more than a whole
+prompt of the key: a session's next turn, cached with its history) holds the request's own
 history, which no other request shares: moving it copies that whole history and spreads
 nothing of the shared prompt (docs/sim.md). A fresh request of the key (cached up to its
-shared prefix, less than its shortest prompt) still moves. With two gateways behind a
+shared prefix, at most its shortest prompt) still moves, even when a request of the key
+was the shared prefix alone. With two gateways behind a
 round-robin client each bounds its own half of the traffic, and so the sum.
 
 A prompt no candidate holds (cold, or evicted everywhere) goes to its home: the upstream its
@@ -453,7 +454,7 @@ class PreciseRouting:
         self, key: bytes | None, prompt: int, cached: Mapping[str, int]
     ) -> frozenset[str]:
         """The upstreams holding this request as a continuation (module docstring): those
-        caching at least as many tokens as the shortest prompt of ``key`` seen, this one
+        caching more tokens than the shortest prompt of ``key`` seen has, this one
         (``prompt`` tokens) included; the record of ``key`` is updated first. ``cached``:
         upstream URL -> prompt tokens it serves from its cache. Empty without a key."""
         if key is None:
@@ -463,7 +464,7 @@ class PreciseRouting:
         self._shortest.move_to_end(key)
         while len(self._shortest) > MAX_SESSIONS:
             self._shortest.popitem(last=False)
-        return frozenset(url for url, n in cached.items() if n >= shortest)
+        return frozenset(url for url, n in cached.items() if n > shortest)
 
     def _within_share(
         self,
