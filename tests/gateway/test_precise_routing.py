@@ -12,6 +12,8 @@ without torch.
 - the fleet's load: the engines' load reports (requests another gateway sent) count in the
   bound and the queued prefill, with this gateway's requests sent since the last report added
   once, and never less than this gateway's own;
+- the share bound moves a hot replica's hottest prompt, but not a continuation (a request
+  whose holder caches its own history);
 - session affinity (``prompt_cache_key``, else ``user``, within a cache partition) holds while
   the session's pins are held (or a request of it is in flight) and is forgotten when the
   index says they are gone;
@@ -348,8 +350,9 @@ def test_share_of_recent_picks_is_bounded_by_copies_of_the_hot_prompt():
             index.hold(up.url, ids)  # its events arrive: one more holder
         return up.url
 
-    assert [pick() for _ in range(window)] == [A] * window and not cold  # the window fills
-    assert pick() != A and len(cold) == 1  # A: 49 > 1.3 x 49 / 3: a copy elsewhere
+    half = window // 2  # judged once the window is half full
+    assert [pick() for _ in range(half)] == [A] * half and not cold
+    assert pick() != A and len(cold) == 1  # A: 25 > 1.3 x 25 / 3: a copy elsewhere
     for i in range(4 * window):
         assert pick() != A or share(A) <= 1.3 * (window + 1) / 3  # none while over
         counts = [share(u) for u in (A, B, C)]
@@ -376,13 +379,49 @@ def test_share_bound_moves_only_the_hot_replicas_hottest_prompt():
         p.release(r)
         return r
 
-    window = SHARE_WINDOW * 3
-    for i in range(window):  # A takes them all: 3 of 4 the hot prompt's
+    half = SHARE_WINDOW * 3 // 2  # judged once the window is half full
+    for i in range(half):  # A takes them all: 3 of 4 the hot prompt's
         assert pick(mild if i % 4 == 0 else hot).predicted_cached == 48
     r = pick(mild)  # A is over its share, but this is not its hottest prompt: it stays
     assert r.predicted_cached == 48  # on A (only A holds it)
     r = pick(hot)  # the hottest: elsewhere, a copy
     assert r.predicted_cached == 0
+
+
+def test_share_bound_leaves_a_continuation_on_its_holder():
+    """A over its share, the hot key its hottest: a fresh request of the key (cached on A up
+    to the shared system prompt only, no more than the key's shortest prompt, the system
+    prompt alone) goes elsewhere, but a continuation (A caches its history, more than the
+    key's shortest prompt) stays on A, session id or not: moving it would copy the whole
+    history and spread nothing of the shared prompt (docs/sim.md)."""
+    from prefixgate.gateway.proxy.policies.precise_routing import SHARE_WINDOW
+
+    p, index = policy([A, B, C], max_load_ratio=1.3)
+    system = "You are a helpful assistant. Be brief."[:32]  # 32 tokens: 8 blocks of 4
+    index.hold(A, [ord(c) for c in system + "."])  # its 8 blocks (a block's worth and one)
+    a, b, c = ups(A, B, C)
+
+    def pick(text: str) -> PreciseRoute:
+        base = Route(system.encode(), [1])  # the key: the shared system prompt
+        r = asyncio.run(p.prepare(base, {"model": "m", "prompt": text}, "/v1/completions", None))
+        p.pick(r, [a, b, c], never)
+        p.release(r)
+        return r
+
+    # a request of the system prompt alone (the key's shortest: 32 tokens), then fresh
+    # requests of the key (40 tokens each): all on A, the holder, until the window is half full
+    assert pick(system).predicted_cached == 28
+    for i in range(SHARE_WINDOW * 3 // 2 - 1):
+        assert pick(system + f"{i:03d} user").predicted_cached == 32
+    # a session's second turn: A holds its first turn and the answer (32 + 8 + 12 tokens)
+    history = system + "000 user" + "the answer!!"
+    index.hold(A, [ord(ch) for ch in history + "."])  # its 13 blocks
+    turn = pick(history + "and then?")
+    assert turn.predicted_cached == 52 and turn.reason == "score"  # stays: no copy
+    # a fresh request of the key still moves (one copy of the system prompt elsewhere)
+    fresh = pick(system + "new: user")
+    assert fresh.predicted_cached == 0
+    assert p._recent[-1][0] != A and p._recent[-2][0] == A
 
 
 def test_session_affinity_lasts_as_long_as_its_pins():

@@ -81,6 +81,25 @@ def test_every_policy_runs_and_leaves_the_engines_whole(routing):
     _whole(fleet)
 
 
+def test_max_over_mean_load_counts_the_requests_admitted_while_arrivals_run():
+    """The drain (sessions' later turns after the arrivals end, at a fraction of the load)
+    is left out of ``max_over_mean_load`` and kept in ``max_over_mean_load_with_drain``."""
+    fleet = Fleet(FleetConfig(replicas=3, gateways=2, kv_blocks=300),
+                  _wc(mean_turns=4.0), rate=6.0, duration_s=3.0, seed=3).run()  # fmt: skip
+    report = summarize(fleet)
+    answered = [r for r in fleet.done if r.t_first is not None]
+    assert any(r.t_admitted >= 3.0 for r in answered)  # a drain to leave out
+    during = [0, 0, 0]
+    for r in answered:
+        during[r.replica] += r.t_admitted < 3.0
+    served = [rep.served for rep in fleet.replicas]
+    assert sum(served) == len(answered)
+    assert report["max_over_mean_load"] == pytest.approx(max(during) / (sum(during) / 3), abs=1e-6)
+    assert report["max_over_mean_load_with_drain"] == pytest.approx(
+        max(served) / (sum(served) / 3), abs=1e-6
+    )
+
+
 def test_tpot_is_the_profiles_decode_step_alone():
     """One request on an idle replica: its TPOT is one decode step of the cost model."""
     from prefixgate.engine.cost_model import PROFILES, StepShape

@@ -61,7 +61,13 @@ over the mean (docs/precise-routing.md); the share bound sends the hot prompt's 
 request to another replica, which computes it once and holds a copy, after which the cost
 spreads the prompt over its holders. Only the hottest prompt moves: leaving the replica out
 for every prompt made a copy of each prompt that came while it was over
-(docs/precise-routing.md). With two gateways behind a
+(docs/precise-routing.md). A continuation does not move: a candidate caching more tokens of
+the prompt than the shortest prompt of its key seen has (``Route.key``; more than a whole
+prompt of the key: a session's next turn, cached with its history) holds the request's own
+history, which no other request shares: moving it copies that whole history and spreads
+nothing of the shared prompt (docs/sim.md). A fresh request of the key (cached up to its
+shared prefix, at most its shortest prompt) still moves, even when a request of the key
+was the shared prefix alone. With two gateways behind a
 round-robin client each bounds its own half of the traffic, and so the sum.
 
 A prompt no candidate holds (cold, or evicted everywhere) goes to its home: the upstream its
@@ -294,6 +300,8 @@ class PreciseRouting:
         self._recent_count: Counter[str] = Counter()  # url -> its picks in _recent
         self._recent_keys: dict[str, Counter[bytes | None]] = {}  # url -> prompt key -> picks
         self._homes: OrderedDict[bytes, str] = OrderedDict()  # prompt key -> its home upstream
+        # prompt key -> the fewest prompt tokens of a request of that key seen (share bound)
+        self._shortest: OrderedDict[bytes, int] = OrderedDict()
         self._home_count: Counter[str] = Counter()  # upstream -> prompts homed there
         self.decisions: Counter[str] = Counter()
         self.predictions: Counter[tuple[str, str]] = Counter()  # (url, exact|over|under)
@@ -392,7 +400,7 @@ class PreciseRouting:
             # the bound never turns a hit into a copy by itself: the holders over it stay
             # candidates and the cost (their queued prefill against a copy's) decides
             ok += [u for u in cands if cached[u.url] == held]
-        ok = self._within_share(ok, n, route.key)
+        ok = self._within_share(ok, n, route.key, self._continued(route.key, prompt, cached))
         choice: Candidate | None = None
         reason = "score"
         sess = self._session(route)
@@ -442,16 +450,40 @@ class PreciseRouting:
         self._note(route, choice, cached[choice.url])
         return choice
 
-    def _within_share(self, ok: list[Candidate], n: int, key: bytes | None) -> list[Candidate]:
+    def _continued(
+        self, key: bytes | None, prompt: int, cached: Mapping[str, int]
+    ) -> frozenset[str]:
+        """The upstreams holding this request as a continuation (module docstring): those
+        caching more tokens than the shortest prompt of ``key`` seen has, this one
+        (``prompt`` tokens) included; the record of ``key`` is updated first. ``cached``:
+        upstream URL -> prompt tokens it serves from its cache. Empty without a key."""
+        if key is None:
+            return frozenset()
+        shortest = min(self._shortest.get(key, prompt), prompt)
+        self._shortest[key] = shortest
+        self._shortest.move_to_end(key)
+        while len(self._shortest) > MAX_SESSIONS:
+            self._shortest.popitem(last=False)
+        return frozenset(url for url, n in cached.items() if n > shortest)
+
+    def _within_share(
+        self,
+        ok: list[Candidate],
+        n: int,
+        key: bytes | None,
+        continued: frozenset[str] = frozenset(),
+    ) -> list[Candidate]:
         """``ok`` less the upstreams whose share of this gateway's last ``SHARE_WINDOW x n``
         picks, with this one, would exceed ``max_load_ratio`` times the mean share (``share(u)
         + 1 <= max(X * m, m + 1)``, ``m = (window + 1) / n``) when this request's prompt
         (``key``) is the one ``u`` took most often in the window: the hottest prompt moves
         (one copy), the others stay where they are cached. The one with the fewest recent
-        picks always stays. Judged once the window is full (a gateway's first picks are the
-        warm-up of its prompts' homes)."""
+        picks always stays, and so do the upstreams in ``continued`` (``_continued``: they
+        hold the request's own history). Judged once the window is half full (a mean share
+        of ``SHARE_WINDOW / 2`` picks: a gateway's first picks are the warm-up of its
+        prompts' homes, and over a few picks the bound is within the noise)."""
         recent = self._recent
-        if len(recent) < SHARE_WINDOW * n or len(ok) < 2:
+        if 2 * len(recent) < SHARE_WINDOW * n or len(ok) < 2:
             return ok
         counts = self._recent_count  # Counter(url for url, _ in recent), kept as it goes
         m = (len(recent) + 1) / n
@@ -463,7 +495,7 @@ class PreciseRouting:
         keys = self._recent_keys  # each url's picks in the window by prompt key
         out = []
         for u in ok:
-            if u.url in over:
+            if u.url in over and u.url not in continued:
                 top = max(keys[u.url].values())
                 if keys[u.url][key] == top:  # this prompt is u's hottest: it moves
                     continue
