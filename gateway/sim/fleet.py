@@ -257,8 +257,8 @@ class Replica:
             AdmissionConfig(max_queued_requests=config.max_queued_requests),
             concurrency=config.max_num_seqs,
         )
-        # EngineWait reads only stats() and predict_ttft(), which LLMEngine has as well
-        engine: Any = self.engine
+        # EngineWait reads only stats() and predict_ttft(): the engine's load part of stats()
+        engine: Any = _EngineLoad(self.engine)
         self.admission.wait = EngineWait(engine, config.max_num_seqs, config.max_num_batched_tokens)
         self.requests: dict[str, SimRequest] = {}
         self.stepping = False
@@ -316,6 +316,18 @@ def _now(coro: Any) -> Any:
 
 def _no_detokenizer(*_: Any) -> None:
     return None
+
+
+class _EngineLoad:
+    """What ``EngineWait`` reads of an engine: ``stats()`` as ``LLMEngine.load_stats`` (the
+    queues, rates and seat schedule its predictions use, the same values as ``stats()``'s,
+    without building the per-tenant table on every admission) and ``predict_ttft``."""
+
+    __slots__ = ("stats", "predict_ttft")
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.stats = engine.load_stats
+        self.predict_ttft = engine.predict_ttft
 
 
 class _Feed:
