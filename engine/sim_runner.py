@@ -171,7 +171,8 @@ def plan_decodes(
     """The end times of the next k steps of ``engine`` (an ``LLMEngine`` on a ``SimRunner``
     with a ``VirtualClock``, from its clock's now) when they are pure decode steps that
     ``apply_decodes`` may run at once: every running request decodes one token a step, none
-    waits, none finishes, no KV block runs short, and every step starts before ``until``
+    waits, none finishes before the last step (those that reach ``max_tokens`` or
+    ``max_model_len`` in it finish there), no KV block runs short, and every step starts before ``until``
     (virtual seconds). k is the most steps that holds for, at most ``max_steps``; None (fewer
     than ``MIN_STRETCH``) when it is not worth it. Nothing is changed: the plan holds while
     no request is added to the engine.
@@ -213,9 +214,10 @@ def plan_decodes(
         params = r.sampling_params
         if eos_p > 0 and r.eos_token_ids and not (params is not None and params.ignore_eos):
             return None  # a pseudo EOS may end it any step
-        # the step that appends its last token (max_tokens or max_model_len) goes the usual way
+        # a request may append its last token (max_tokens or max_model_len) only in the last
+        # step: it finishes there, as ``update_from_output`` finishes it
         left = min(r.max_tokens - r.num_output_tokens, s.max_model_len - r.num_tokens)
-        steps = min(steps, left - 1)
+        steps = min(steps, left)
         computed += r.num_computed_tokens
     if steps < MIN_STRETCH:
         return None
@@ -250,10 +252,13 @@ def apply_decodes(engine: Any, start: float, ends: list[float]) -> list[Any]:
     the same free queue; only which request got which block id differs), its full blocks
     cached (``cache_blocks``; their KV events in one batch at the end), the fair policy's
     counters (one ``on_output_token`` per token), the load model (one ``on_step`` per step,
-    with its modelled time) and the step counters.
+    with its modelled time) and the step counters. A request whose last token comes in the
+    last step finishes as ``update_from_output`` finishes it there (``check_stop``, its
+    blocks freed, ``on_finished`` before that step's ``on_step``); ``plan_decodes`` allows
+    no finish before the last step.
 
     Returns:
-        one ``StepOutput`` per request (its k tokens).
+        one ``StepOutput`` per request (its k tokens; the finished ones' last).
     """
     runner = engine.runner
     s = engine.scheduler
@@ -286,9 +291,17 @@ def apply_decodes(engine: Any, start: float, ends: list[float]) -> list[Any]:
     s._held_last = False
     s._step_started = None
     before = start
-    for end in ends:  # dt as step() measures it: the clock's end less its start
+    for end in ends[:-1]:  # dt as step() measures it: the clock's end less its start
         s.load.on_step(end - before, end, 0, n, 0, True)
         before = end
+    clock.t = last
+    finished: list[Any] = []
+    for r in reqs:  # in update_from_output's order: the running order
+        status = r.check_stop(s.max_model_len)
+        if status is not None:
+            finished.extend(s._finish([r], status))
+    s.load.on_finished(finished)
+    s.load.on_step(last - before, last, 0, n, len(finished), s.has_unfinished_requests())
     runner.last_shape = StepShape(0, n, computed + n * k)
     runner.last_step_s = ends[-1] - (ends[-2] if k > 1 else start)
     runner.busy_s += last - start

@@ -3,10 +3,15 @@ events over modelled time; the same lifecycle checks as the real engine."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
 from conftest import assert_pool_whole
+from prefixgate.engine import kv_cache_manager as kv_module
+from prefixgate.engine import llm_engine as llm_engine_module
+from prefixgate.engine import request as request_module
+from prefixgate.engine import scheduler as scheduler_module
 from prefixgate.engine.config import EngineConfig
 from prefixgate.engine.cost_model import PROFILES, CostProfile, StepShape, load_profile
 from prefixgate.engine.kv_events import KVEventCollector
@@ -20,6 +25,20 @@ PROMPT = list(range(10, 74))  # 64 tokens: 4 full blocks of 16
 def _engine(clock=None, **kw) -> LLMEngine:
     kw.setdefault("num_kv_blocks", 64)
     return LLMEngine(EngineConfig(runner="sim", **kw), sim_clock=clock or VirtualClock())
+
+
+@contextlib.contextmanager
+def _on_clock(clock: VirtualClock):
+    """The engine modules' ``time`` read ``clock`` (as ``prefixgate sim``'s ``virtual_time``)."""
+    mods = [scheduler_module, request_module, kv_module, llm_engine_module]
+    saved = [m.time for m in mods]
+    for m in mods:
+        m.time = clock
+    try:
+        yield
+    finally:
+        for m, t in zip(mods, saved, strict=True):
+            m.time = t
 
 
 def _run(eng: LLMEngine, limit: int = 10_000) -> dict[str, list[int]]:
@@ -185,10 +204,13 @@ def test_a_decode_stretch_at_once_leaves_the_state_k_steps_leave():
         clock = VirtualClock()
         eng = _engine(clock, scheduling_policy="fair")
         eng.output_processor.detokenizer_cls = lambda *_: None  # token ids only, as the fleet
-        for i in range(4):  # prompts of 64..61 tokens: blocks fill at different steps
-            eng.add_request(f"r{i}", PROMPT[i:], SamplingParams(max_tokens=40), tenant=f"t{i % 2}")
-        while eng.scheduler.waiting or any(r.num_output_tokens == 0 for r in eng.scheduler.running):
-            eng.step()
+        with _on_clock(clock):
+            for i in range(4):  # prompts of 64..61 tokens: blocks fill at different steps
+                sp = SamplingParams(max_tokens=40 - 10 * (i % 2))  # r1, r3 end in the last step
+                eng.add_request(f"r{i}", PROMPT[i:], sp, tenant=f"t{i % 2}")
+            s = eng.scheduler
+            while s.waiting or any(r.num_output_tokens == 0 for r in s.running):
+                eng.step()
         return eng, clock
 
     a, clock_a = started()
@@ -196,10 +218,11 @@ def test_a_decode_stretch_at_once_leaves_the_state_k_steps_leave():
     start = clock_a.t
     assert plan_decodes(a, until=start) is None  # no step starts before start
     ends = plan_decodes(a)
-    assert ends is not None and len(ends) == 40 - 1 - 1  # the last token's step goes as usual
-    outs = apply_decodes(a, start, ends)
-    for _ in ends:
-        b.step()
+    assert ends is not None and len(ends) == 30 - 1  # up to r1's and r3's last tokens
+    with _on_clock(clock_a):
+        outs = apply_decodes(a, start, ends)
+    with _on_clock(clock_b):
+        outs_b = [o for _ in ends for o in b.step()]
 
     def state(eng: LLMEngine) -> tuple:
         s, kv = eng.scheduler, eng.kv_cache_manager
@@ -211,14 +234,30 @@ def test_a_decode_stretch_at_once_leaves_the_state_k_steps_leave():
             s.tokens_decoded,
             s._steps_scheduled,
             {t: (v.served_output_tokens, v.counter) for t, v in s.policy.tenants.items()},
+            sorted(s.requests),
+            s._finished_ids,
+            s.load.mean_output_tokens,
+            list(s.load._holds),
+            (s.load.decode_tokens_per_s, s.load.finished_per_s),
         )
 
     assert state(a) == state(b)
+    assert [r.request_id for r in a.scheduler.running] == ["r0", "r2"]
+    finished = {o.request_id: o.finish_reason for o in outs if o.finish_reason}
+    assert finished == {o.request_id: o.finish_reason for o in outs_b if o.finish_reason}
+    assert finished == {"r1": "length", "r3": "length"}
     assert clock_a.t == pytest.approx(clock_b.t, rel=1e-12)
     assert a.runner.busy_s == pytest.approx(b.runner.busy_s, rel=1e-12)
     assert {o.request_id: len(o.delta_token_ids) for o in outs} == {
         f"r{i}": len(ends) for i in range(4)
     }
-    assert _run(a) == _run(b)  # the rest, step by step, the same
+    assert [o.metrics for o in outs if o.finish_reason] == [
+        o.metrics for o in outs_b if o.finish_reason
+    ]
+    with _on_clock(clock_a):
+        rest_a = _run(a)
+    with _on_clock(clock_b):
+        rest_b = _run(b)
+    assert rest_a == rest_b  # the rest, step by step, the same
     assert_pool_whole(a)
     assert_pool_whole(b)
