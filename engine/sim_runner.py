@@ -133,6 +133,34 @@ class SimRunner:
         self.clock.sleep(cost - (self.clock.now() - start))
         return RunnerOutput(sampled, {}, cost)
 
+    def tokens(self, request: Any, position: int, k: int) -> list[int]:
+        """The pseudo tokens of ``request`` at output positions ``position`` to
+        ``position + k - 1``: ``[token(request, p) for p in ...]``, with the request's id
+        hashed once."""
+        params = request.sampling_params
+        eos = request.eos_token_ids
+        if (
+            eos
+            and self.eos_probability > 0
+            and not (params is not None and params.ignore_eos)
+            or position < 0
+        ):
+            return [self.token(request, p) for p in range(position, position + k)]
+        stop = params.stop_token_ids if params is not None else None
+        base = zlib.crc32(request.request_id.encode()) << 32
+        seed = self.seed * 0x2545F491
+        vocab = self.vocab_size
+        out = []
+        for p in range(position, position + k):
+            x = (((base | p) ^ seed) + 0x9E3779B97F4A7C15) & _MASK64  # _mix, inline
+            x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+            x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+            t = ((x ^ (x >> 31)) & 0xFFFFFFFF) % vocab
+            if (eos and t in eos) or (stop and t in stop):
+                t = self.token(request, p)
+            out.append(t)
+        return out
+
     def token(self, request: Any, position: int) -> int:
         """The pseudo token of ``request`` at output ``position`` (0-based)."""
         h = _mix(
@@ -278,7 +306,7 @@ def apply_decodes(engine: Any, start: float, ends: list[float]) -> list[Any]:
     last = ends[-1]
     for r in reqs:
         pos = r.num_output_tokens
-        tokens = [runner.token(r, pos + j) for j in range(k)]
+        tokens = runner.tokens(r, pos, k)
         r.output_token_ids.extend(tokens)
         r.all_token_ids.extend(tokens)
         r.last_token_time = last
@@ -290,10 +318,9 @@ def apply_decodes(engine: Any, start: float, ends: list[float]) -> list[Any]:
     s._steps_scheduled += k
     s._held_last = False
     s._step_started = None
-    before = start
-    for end in ends[:-1]:  # dt as step() measures it: the clock's end less its start
-        s.load.on_step(end - before, end, 0, n, 0, True)
-        before = end
+    # dt as step() measures it: the clock's end less its start
+    s.load.on_decode_steps(start, ends[:-1], n)
+    before = ends[-2] if k > 1 else start
     clock.t = last
     finished: list[Any] = []
     for r in reqs:  # in update_from_output's order: the running order

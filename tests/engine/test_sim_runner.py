@@ -261,3 +261,58 @@ def test_a_decode_stretch_at_once_leaves_the_state_k_steps_leave():
     assert rest_a == rest_b  # the rest, step by step, the same
     assert_pool_whole(a)
     assert_pool_whole(b)
+
+
+def test_tokens_at_once_are_the_tokens_one_by_one():
+    # SimRunner.tokens (a stretch's k tokens, the id hashed once) against token() per position:
+    # plain, with stop ids and EOS ids that the draw hits (vocabulary of 7), with EOS possible
+    from types import SimpleNamespace
+
+    from prefixgate.engine.cost_model import PROFILES
+    from prefixgate.engine.sim_runner import SimRunner
+
+    for vocab, eos_p, eos, stop, ignore in [
+        (32000, 0.0, [2], [], True),
+        (7, 0.0, [2], [3, 5], False),
+        (7, 0.3, [2], [4], False),
+        (7, 0.3, [2], [], True),
+        (7, 0.0, [], [], False),
+    ]:
+        runner = SimRunner(PROFILES["h100-llama3-8b"], vocab, seed=5, eos_probability=eos_p)
+        sp = SamplingParams(max_tokens=100, stop_token_ids=stop, ignore_eos=ignore, min_tokens=3)
+        req = SimpleNamespace(request_id="s17-2", sampling_params=sp, eos_token_ids=eos)
+        for pos, k in [(0, 1), (0, 40), (13, 17)]:
+            assert runner.tokens(req, pos, k) == [runner.token(req, p) for p in range(pos, pos + k)]
+
+
+def test_decode_steps_at_once_fold_as_steps_one_by_one():
+    # LoadModel.on_decode_steps against on_step per step: the same state, bit for bit
+    from prefixgate.engine.load_model import LoadModel
+
+    a, b = LoadModel(), LoadModel()
+    for m in (a, b):
+        m.on_step(0.05, 1.0, 900, 3, 0, True)  # a prefill step, then an idle gap
+        m.on_step(0.01, 1.2, 0, 3, 1, False)
+    ends = [1.5 + 0.0071 * j + 0.00003 * j * j for j in range(1, 200)]
+    ends.insert(50, ends[49])  # a step of no time
+    a.on_decode_steps(1.5, ends, 7)
+    before = 1.5
+    for end in ends:
+        b.on_step(end - before, end, 0, 7, 0, True)
+        before = end
+
+    def state(m: LoadModel) -> tuple:
+        return (
+            m.decode_tokens_per_s,
+            m.prefill_tokens_per_s,
+            m.finished_per_s,
+            m._busy_since,
+            list(m._finish_rate._steps),
+            m._finish_rate._seconds,
+            list(m._step_time._steps),
+            m._step_time._seconds,
+            list(m._step_time._recent),
+            m._step_time._recent_s,
+        )
+
+    assert state(a) == state(b)
