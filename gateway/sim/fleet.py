@@ -26,6 +26,7 @@ import importlib
 import itertools
 import math
 import zlib
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -247,6 +248,7 @@ class Replica:
         self.index = index
         self.engine = LLMEngine(config.engine_config(seed + index), sim_clock=clock)
         self.collector = KVEventCollector(config.block_size, 1 << 30, first_seq=0)
+        self.collector.queue = _Inbox()  # type: ignore[assignment]  # one thread: no locks
         self.engine.kv_cache_manager.pool.events = self.collector
         self.engine.kv_events = _Feed(self.collector)
         # no text: the simulator reads token ids only (detokenizing is not modelled)
@@ -273,9 +275,9 @@ class Replica:
         events: list[ParsedEvent] = []
         seq = -1
         load = None
-        q = self.collector.queue
-        while not q.empty():
-            item = q.get_nowait()
+        q = self.collector.queue.items  # type: ignore[attr-defined]
+        while q:
+            item = q.popleft()
             batch = getattr(item, "events", None)
             if batch is None:
                 load = self.collector.take_load()
@@ -316,6 +318,26 @@ def _now(coro: Any) -> Any:
 
 def _no_detokenizer(*_: Any) -> None:
     return None
+
+
+class _Inbox:
+    """Stands where the collector's ``queue.Queue`` does (``put_nowait``, ``get_nowait``,
+    ``empty``), without its locks: the simulator is one thread, and it takes the batches
+    (``Replica.drain_events``) after every step or stretch. Never full."""
+
+    __slots__ = ("items",)
+
+    def __init__(self) -> None:
+        self.items: deque[Any] = deque()
+
+    def put_nowait(self, item: Any) -> None:
+        self.items.append(item)
+
+    def get_nowait(self) -> Any:
+        return self.items.popleft()
+
+    def empty(self) -> bool:
+        return not self.items
 
 
 class _EngineLoad:
