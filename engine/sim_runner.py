@@ -194,16 +194,20 @@ MIN_STRETCH = 2
 
 
 def plan_decodes(
-    engine: Any, until: float = math.inf, max_steps: int = 1 << 30
+    engine: Any,
+    until: float = math.inf,
+    max_steps: int = 1 << 30,
+    min_steps: int = MIN_STRETCH,
+    through_finish: bool = False,
 ) -> list[float] | None:
     """The end times of the next k steps of ``engine`` (an ``LLMEngine`` on a ``SimRunner``
     with a ``VirtualClock``, from its clock's now) when they are pure decode steps that
     ``apply_decodes`` may run at once: every running request decodes one token a step, none
-    waits, none finishes before the last step (those that reach ``max_tokens`` or
-    ``max_model_len`` in it finish there), no KV block runs short, and every step starts before ``until``
-    (virtual seconds). k is the most steps that holds for, at most ``max_steps``; None (fewer
-    than ``MIN_STRETCH``) when it is not worth it. Nothing is changed: the plan holds while
-    no request is added to the engine.
+    waits, none finishes (with ``through_finish``: none before the last step; those that
+    reach ``max_tokens`` or ``max_model_len`` in it finish there), no KV block runs short,
+    and every step starts before ``until`` (virtual seconds). k is the most steps that holds
+    for, at most ``max_steps``; None (fewer than ``min_steps``) when it is not worth it.
+    Nothing is changed: the plan holds while no request is added to the engine.
 
     Step j (0-based) of n decodes over C computed tokens costs
     ``step_s(StepShape(0, n, C + n * (j + 1)))``, the composition ``SimRunner.shape`` gives
@@ -242,16 +246,16 @@ def plan_decodes(
         params = r.sampling_params
         if eos_p > 0 and r.eos_token_ids and not (params is not None and params.ignore_eos):
             return None  # a pseudo EOS may end it any step
-        # a request may append its last token (max_tokens or max_model_len) only in the last
-        # step: it finishes there, as ``update_from_output`` finishes it
+        # the step that appends a request's last token (max_tokens or max_model_len): the
+        # last one with through_finish (it finishes there), else after the plan
         left = min(r.max_tokens - r.num_output_tokens, s.max_model_len - r.num_tokens)
-        steps = min(steps, left)
+        steps = min(steps, left if through_finish else left - 1)
         computed += r.num_computed_tokens
-    if steps < MIN_STRETCH:
+    if steps < min_steps:
         return None
     # no step may run short of KV blocks (no preemption in the stretch)
     free = kv.pool.num_free
-    while steps >= MIN_STRETCH:
+    while steps >= min_steps:
         need = sum(
             kv.blocks_needed(r.num_computed_tokens + steps) - len(kv._reqs[r.request_id].blocks)
             for r in running
@@ -259,7 +263,7 @@ def plan_decodes(
         if need <= free:
             break
         steps = min(steps - 1, steps * free // max(1, need))
-    if steps < MIN_STRETCH:
+    if steps < min_steps:
         return None
     profile = runner.profile
     ends: list[float] = []
@@ -267,7 +271,7 @@ def plan_decodes(
     while len(ends) < steps and t < until:
         t += profile.step_s(StepShape(0, n, computed + n * (len(ends) + 1)))
         ends.append(t)
-    return ends if len(ends) >= MIN_STRETCH else None
+    return ends if len(ends) >= min_steps else None
 
 
 def apply_decodes(engine: Any, start: float, ends: list[float]) -> list[Any]:
@@ -281,9 +285,9 @@ def apply_decodes(engine: Any, start: float, ends: list[float]) -> list[Any]:
     cached (``cache_blocks``; their KV events in one batch at the end), the fair policy's
     counters (one ``on_output_token`` per token), the load model (one ``on_step`` per step,
     with its modelled time) and the step counters. A request whose last token comes in the
-    last step finishes as ``update_from_output`` finishes it there (``check_stop``, its
-    blocks freed, ``on_finished`` before that step's ``on_step``); ``plan_decodes`` allows
-    no finish before the last step.
+    last step (a plan ``through_finish``) finishes as ``update_from_output`` finishes it
+    there (``check_stop``, its blocks freed, ``on_finished`` before that step's ``on_step``);
+    ``plan_decodes`` allows no finish before the last step.
 
     Returns:
         one ``StepOutput`` per request (its k tokens; the finished ones' last).

@@ -582,6 +582,14 @@ class Fleet:
                 rep.stretch = (now, ends)
                 self.at(ends[-1], self._stretch_end, rep, generation)
                 return
+            # one pure decode step (a request's last token in it, or too few for a stretch):
+            # run now as LLMEngine.step would run it, its outputs at its end
+            ends = plan_decodes(eng, math.inf, max_steps=1, min_steps=1, through_finish=True)
+            if ends is not None and ends[0] > now:
+                outputs = self._run_stretch(rep, now, ends)
+                self.clock.t = now
+                self.at(ends[0], self._deliver, rep, outputs, generation)
+                return
         outputs = eng.step()
         self.steps += 1
         end = self.clock.t

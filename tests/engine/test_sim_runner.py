@@ -218,6 +218,9 @@ def test_a_decode_stretch_at_once_leaves_the_state_k_steps_leave():
     start = clock_a.t
     assert plan_decodes(a, until=start) is None  # no step starts before start
     ends = plan_decodes(a)
+    assert ends is not None and len(ends) == 30 - 1 - 1  # r1's and r3's last steps after it
+    assert plan_decodes(a, max_steps=1, min_steps=1) == ends[:1]
+    ends = plan_decodes(a, through_finish=True)
     assert ends is not None and len(ends) == 30 - 1  # up to r1's and r3's last tokens
     with _on_clock(clock_a):
         outs = apply_decodes(a, start, ends)
