@@ -41,6 +41,7 @@ from prefixgate.engine.block_hash import (
 from prefixgate.engine.config import EngineConfig
 from prefixgate.engine.kv_events import KVEventCollector, ParsedEvent
 from prefixgate.engine.llm_engine import LLMEngine
+from prefixgate.engine.load_model import estimate_ttft
 from prefixgate.engine.protocol import EngineRequest
 from prefixgate.engine.sampling_params import SamplingParams
 from prefixgate.engine.sim_runner import VirtualClock, apply_decodes, plan_decodes
@@ -260,7 +261,8 @@ class Replica:
             concurrency=config.max_num_seqs,
         )
         # EngineWait reads only stats() and predict_ttft(): the engine's load part of stats()
-        engine: Any = _EngineLoad(self.engine)
+        self.load = _EngineLoad(self.engine)
+        engine: Any = self.load
         self.admission.wait = EngineWait(engine, config.max_num_seqs, config.max_num_batched_tokens)
         self.requests: dict[str, SimRequest] = {}
         self.stepping = False
@@ -343,13 +345,42 @@ class _Inbox:
 class _EngineLoad:
     """What ``EngineWait`` reads of an engine: ``stats()`` as ``LLMEngine.load_stats`` (the
     queues, rates and seat schedule its predictions use, the same values as ``stats()``'s,
-    without building the per-tenant table on every admission) and ``predict_ttft``."""
+    without building the per-tenant table on every admission) and ``predict_ttft``
+    (``Scheduler.predict_ttft``'s formula on that snapshot).
 
-    __slots__ = ("stats", "predict_ttft")
+    Between ``hold()`` and ``release()`` (one admission, in which the engine does not change)
+    the snapshot is taken once: ``EngineWait`` reads it two to four times an admission, and
+    it is O(running requests). Its readers copy it before changing it."""
+
+    __slots__ = ("engine", "held", "snapshot")
 
     def __init__(self, engine: LLMEngine) -> None:
-        self.stats = engine.load_stats
-        self.predict_ttft = engine.predict_ttft
+        self.engine = engine
+        self.held = False
+        self.snapshot: dict[str, Any] | None = None
+
+    def hold(self) -> None:
+        self.held, self.snapshot = True, None
+
+    def release(self) -> None:
+        self.held, self.snapshot = False, None
+
+    def stats(self) -> dict[str, Any]:
+        if not self.held:
+            return self.engine.load_stats()
+        if self.snapshot is None:
+            self.snapshot = self.engine.load_stats()
+        return self.snapshot
+
+    def predict_ttft(self, num_prompt_tokens: int, num_cached_tokens: int = 0) -> float | None:
+        s = self.engine.scheduler
+        return estimate_ttft(
+            self.stats(),
+            s.max_num_seqs,
+            s.max_num_batched_tokens,
+            num_prompt_tokens,
+            num_cached_tokens,
+        )
 
 
 class _Feed:
@@ -514,6 +545,7 @@ class Fleet:
         rep = self.replicas[up.index]
         if rep.stretch is not None:  # its engine as step-by-step stepping has it by now
             self._cut_stretch(rep)
+        rep.load.hold()  # the engine does not change during admit: one load snapshot
         try:
             ticket = rep.admission.admit(
                 len(req.prompt),
@@ -537,6 +569,8 @@ class Fleet:
                 return
             self.at(now + ra, self._try, req)
             return
+        finally:
+            rep.load.release()
         if promised is not None:
             _now(self.shared.drop_promise(fingerprint))
         req.tried.append((rep.index, False))
