@@ -559,6 +559,12 @@ class LLMEngine:
             stats.update(self.kv_events.stats())
         return stats
 
+    def load_stats(self) -> dict[str, Any]:
+        """The queues, rates and seat schedule a first-token prediction reads
+        (``Scheduler.load_stats``: the same values as ``stats()``'s keys, without the
+        per-tenant table, KV and publisher counters)."""
+        return self.scheduler.load_stats()
+
     def predict_ttft(self, num_prompt_tokens: int, num_cached_tokens: int = 0) -> float | None:
         """Seconds until a new request of ``num_prompt_tokens`` would get its first token
         (``Scheduler.predict_ttft``; formula: ``load_model.estimate_ttft``), ``None`` before

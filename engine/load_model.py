@@ -158,6 +158,33 @@ class LoadModel:
             old = self.mean_output_tokens
             self.mean_output_tokens = n if old is None else (1 - RATE_ALPHA) * old + RATE_ALPHA * n
 
+    def on_decode_steps(self, start: float, ends: Sequence[float], num_decode: int) -> None:
+        """Fold in back-to-back pure decode steps, the first from ``start`` and step ``j``
+        ending at ``ends[j]`` (monotonic seconds), each of ``num_decode`` tokens, none
+        finishing a request, requests left after each: the state ``on_step(ends[j] -
+        ends[j - 1], ends[j], 0, num_decode, 0, True)`` for each leaves, the same
+        floating-point operations in the same order (``prefixgate sim``'s decode stretches)."""
+        before = start
+        rate = self.decode_tokens_per_s
+        busy_since = self._busy_since
+        finish_add, step_add = self._finish_rate.add, self._step_time.add
+        a = RATE_ALPHA
+        for now in ends:
+            dt = now - before
+            before = now
+            busy = now - busy_since if busy_since is not None else dt
+            busy_since = now
+            if dt <= 0:
+                continue
+            new = num_decode / dt
+            rate = new if rate is None else (1 - a) * rate + a * new
+            held = max(dt, busy)
+            finish_add(held, 0)
+            step_add(held)
+        self._busy_since = busy_since
+        self.decode_tokens_per_s = rate
+        self.finished_per_s = self._finish_rate.per_s()
+
     def on_step(
         self,
         dt: float,

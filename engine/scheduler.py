@@ -731,13 +731,13 @@ class Scheduler:
     def predict_ttft(self, num_prompt_tokens: int, num_cached_tokens: int = 0) -> float | None:
         """Predicted seconds until a request of ``num_prompt_tokens`` (``num_cached_tokens`` of
         them prefix-cache hits) arriving now would get its first token; ``estimate_ttft`` on
-        this scheduler's ``stats()``. ``None`` before the rates are measured.
+        this scheduler's ``load_stats()``. ``None`` before the rates are measured.
 
         Raises:
             ValueError / TypeError: see ``estimate_ttft``.
         """
         return estimate_ttft(
-            self.stats(),
+            self.load_stats(),
             self.max_num_seqs,
             self.max_num_batched_tokens,
             num_prompt_tokens,
@@ -745,19 +745,29 @@ class Scheduler:
         )
 
     # ---- stats and checks ---------------------------------------------------------------
-    def stats(self) -> dict[str, Any]:
-        """Queue, token and KV counters (keys as docs/architecture.md ``stats()``), the
-        policy's name and per-tenant service (``tenants``)."""
+    def load_stats(self) -> dict[str, Any]:
+        """The part of ``stats()`` a first-token prediction reads (``estimate_ttft``, the
+        gateway's ``EngineWait``): the queues (``num_running``, ``num_waiting``,
+        ``queued_prefill_tokens``, ``running_decodes``) and the load model's rates and seat
+        schedule, the same values as ``stats()``'s; O(running + waiting), without the
+        per-tenant table or the KV counters."""
         return {
             "num_running": self.num_running,
             "num_waiting": self.num_waiting,
-            "num_preemptions": self.num_preemptions,
-            "num_displacements": self.num_displacements,
             "queued_prefill_tokens": self.queued_prefill_tokens(),
             "running_decodes": sum(
                 1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1
             ),
             **self.load.stats(self.running, self.max_num_batched_tokens, self.max_model_len),
+        }
+
+    def stats(self) -> dict[str, Any]:
+        """Queue, token and KV counters (keys as docs/architecture.md ``stats()``), the
+        policy's name and per-tenant service (``tenants``)."""
+        return {
+            **self.load_stats(),
+            "num_preemptions": self.num_preemptions,
+            "num_displacements": self.num_displacements,
             "prompt_tokens_prefilled": self.prompt_tokens_prefilled,
             "tokens_decoded": self.tokens_decoded,
             **(self.spec.stats() if self.spec is not None else {}),

@@ -133,6 +133,34 @@ class SimRunner:
         self.clock.sleep(cost - (self.clock.now() - start))
         return RunnerOutput(sampled, {}, cost)
 
+    def tokens(self, request: Any, position: int, k: int) -> list[int]:
+        """The pseudo tokens of ``request`` at output positions ``position`` to
+        ``position + k - 1``: ``[token(request, p) for p in ...]``, with the request's id
+        hashed once."""
+        params = request.sampling_params
+        eos = request.eos_token_ids
+        if (
+            eos
+            and self.eos_probability > 0
+            and not (params is not None and params.ignore_eos)
+            or position < 0
+        ):
+            return [self.token(request, p) for p in range(position, position + k)]
+        stop = params.stop_token_ids if params is not None else None
+        base = zlib.crc32(request.request_id.encode()) << 32
+        seed = self.seed * 0x2545F491
+        vocab = self.vocab_size
+        out = []
+        for p in range(position, position + k):
+            x = (((base | p) ^ seed) + 0x9E3779B97F4A7C15) & _MASK64  # _mix, inline
+            x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+            x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+            t = ((x ^ (x >> 31)) & 0xFFFFFFFF) % vocab
+            if (eos and t in eos) or (stop and t in stop):
+                t = self.token(request, p)
+            out.append(t)
+        return out
+
     def token(self, request: Any, position: int) -> int:
         """The pseudo token of ``request`` at output ``position`` (0-based)."""
         h = _mix(
@@ -166,15 +194,20 @@ MIN_STRETCH = 2
 
 
 def plan_decodes(
-    engine: Any, until: float = math.inf, max_steps: int = 1 << 30
+    engine: Any,
+    until: float = math.inf,
+    max_steps: int = 1 << 30,
+    min_steps: int = MIN_STRETCH,
+    through_finish: bool = False,
 ) -> list[float] | None:
     """The end times of the next k steps of ``engine`` (an ``LLMEngine`` on a ``SimRunner``
     with a ``VirtualClock``, from its clock's now) when they are pure decode steps that
     ``apply_decodes`` may run at once: every running request decodes one token a step, none
-    waits, none finishes, no KV block runs short, and every step starts before ``until``
-    (virtual seconds). k is the most steps that holds for, at most ``max_steps``; None (fewer
-    than ``MIN_STRETCH``) when it is not worth it. Nothing is changed: the plan holds while
-    no request is added to the engine.
+    waits, none finishes (with ``through_finish``: none before the last step; those that
+    reach ``max_tokens`` or ``max_model_len`` in it finish there), no KV block runs short,
+    and every step starts before ``until`` (virtual seconds). k is the most steps that holds
+    for, at most ``max_steps``; None (fewer than ``min_steps``) when it is not worth it.
+    Nothing is changed: the plan holds while no request is added to the engine.
 
     Step j (0-based) of n decodes over C computed tokens costs
     ``step_s(StepShape(0, n, C + n * (j + 1)))``, the composition ``SimRunner.shape`` gives
@@ -213,15 +246,16 @@ def plan_decodes(
         params = r.sampling_params
         if eos_p > 0 and r.eos_token_ids and not (params is not None and params.ignore_eos):
             return None  # a pseudo EOS may end it any step
-        # the step that appends its last token (max_tokens or max_model_len) goes the usual way
+        # the step that appends a request's last token (max_tokens or max_model_len): the
+        # last one with through_finish (it finishes there), else after the plan
         left = min(r.max_tokens - r.num_output_tokens, s.max_model_len - r.num_tokens)
-        steps = min(steps, left - 1)
+        steps = min(steps, left if through_finish else left - 1)
         computed += r.num_computed_tokens
-    if steps < MIN_STRETCH:
+    if steps < min_steps:
         return None
     # no step may run short of KV blocks (no preemption in the stretch)
     free = kv.pool.num_free
-    while steps >= MIN_STRETCH:
+    while steps >= min_steps:
         need = sum(
             kv.blocks_needed(r.num_computed_tokens + steps) - len(kv._reqs[r.request_id].blocks)
             for r in running
@@ -229,7 +263,7 @@ def plan_decodes(
         if need <= free:
             break
         steps = min(steps - 1, steps * free // max(1, need))
-    if steps < MIN_STRETCH:
+    if steps < min_steps:
         return None
     profile = runner.profile
     ends: list[float] = []
@@ -237,7 +271,7 @@ def plan_decodes(
     while len(ends) < steps and t < until:
         t += profile.step_s(StepShape(0, n, computed + n * (len(ends) + 1)))
         ends.append(t)
-    return ends if len(ends) >= MIN_STRETCH else None
+    return ends if len(ends) >= min_steps else None
 
 
 def apply_decodes(engine: Any, start: float, ends: list[float]) -> list[Any]:
@@ -250,10 +284,13 @@ def apply_decodes(engine: Any, start: float, ends: list[float]) -> list[Any]:
     the same free queue; only which request got which block id differs), its full blocks
     cached (``cache_blocks``; their KV events in one batch at the end), the fair policy's
     counters (one ``on_output_token`` per token), the load model (one ``on_step`` per step,
-    with its modelled time) and the step counters.
+    with its modelled time) and the step counters. A request whose last token comes in the
+    last step (a plan ``through_finish``) finishes as ``update_from_output`` finishes it
+    there (``check_stop``, its blocks freed, ``on_finished`` before that step's ``on_step``);
+    ``plan_decodes`` allows no finish before the last step.
 
     Returns:
-        one ``StepOutput`` per request (its k tokens).
+        one ``StepOutput`` per request (its k tokens; the finished ones' last).
     """
     runner = engine.runner
     s = engine.scheduler
@@ -273,7 +310,7 @@ def apply_decodes(engine: Any, start: float, ends: list[float]) -> list[Any]:
     last = ends[-1]
     for r in reqs:
         pos = r.num_output_tokens
-        tokens = [runner.token(r, pos + j) for j in range(k)]
+        tokens = runner.tokens(r, pos, k)
         r.output_token_ids.extend(tokens)
         r.all_token_ids.extend(tokens)
         r.last_token_time = last
@@ -285,10 +322,17 @@ def apply_decodes(engine: Any, start: float, ends: list[float]) -> list[Any]:
     s._steps_scheduled += k
     s._held_last = False
     s._step_started = None
-    before = start
-    for end in ends:  # dt as step() measures it: the clock's end less its start
-        s.load.on_step(end - before, end, 0, n, 0, True)
-        before = end
+    # dt as step() measures it: the clock's end less its start
+    s.load.on_decode_steps(start, ends[:-1], n)
+    before = ends[-2] if k > 1 else start
+    clock.t = last
+    finished: list[Any] = []
+    for r in reqs:  # in update_from_output's order: the running order
+        status = r.check_stop(s.max_model_len)
+        if status is not None:
+            finished.extend(s._finish([r], status))
+    s.load.on_finished(finished)
+    s.load.on_step(last - before, last, 0, n, len(finished), s.has_unfinished_requests())
     runner.last_shape = StepShape(0, n, computed + n * k)
     runner.last_step_s = ends[-1] - (ends[-2] if k > 1 else start)
     runner.busy_s += last - start

@@ -26,6 +26,7 @@ import importlib
 import itertools
 import math
 import zlib
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -40,6 +41,7 @@ from prefixgate.engine.block_hash import (
 from prefixgate.engine.config import EngineConfig
 from prefixgate.engine.kv_events import KVEventCollector, ParsedEvent
 from prefixgate.engine.llm_engine import LLMEngine
+from prefixgate.engine.load_model import estimate_ttft
 from prefixgate.engine.protocol import EngineRequest
 from prefixgate.engine.sampling_params import SamplingParams
 from prefixgate.engine.sim_runner import VirtualClock, apply_decodes, plan_decodes
@@ -247,6 +249,7 @@ class Replica:
         self.index = index
         self.engine = LLMEngine(config.engine_config(seed + index), sim_clock=clock)
         self.collector = KVEventCollector(config.block_size, 1 << 30, first_seq=0)
+        self.collector.queue = _Inbox()  # type: ignore[assignment]  # one thread: no locks
         self.engine.kv_cache_manager.pool.events = self.collector
         self.engine.kv_events = _Feed(self.collector)
         # no text: the simulator reads token ids only (detokenizing is not modelled)
@@ -257,8 +260,9 @@ class Replica:
             AdmissionConfig(max_queued_requests=config.max_queued_requests),
             concurrency=config.max_num_seqs,
         )
-        # EngineWait reads only stats() and predict_ttft(), which LLMEngine has as well
-        engine: Any = self.engine
+        # EngineWait reads only stats() and predict_ttft(): the engine's load part of stats()
+        self.load = _EngineLoad(self.engine)
+        engine: Any = self.load
         self.admission.wait = EngineWait(engine, config.max_num_seqs, config.max_num_batched_tokens)
         self.requests: dict[str, SimRequest] = {}
         self.stepping = False
@@ -273,9 +277,9 @@ class Replica:
         events: list[ParsedEvent] = []
         seq = -1
         load = None
-        q = self.collector.queue
-        while not q.empty():
-            item = q.get_nowait()
+        q = self.collector.queue.items  # type: ignore[attr-defined]
+        while q:
+            item = q.popleft()
             batch = getattr(item, "events", None)
             if batch is None:
                 load = self.collector.take_load()
@@ -316,6 +320,67 @@ def _now(coro: Any) -> Any:
 
 def _no_detokenizer(*_: Any) -> None:
     return None
+
+
+class _Inbox:
+    """Stands where the collector's ``queue.Queue`` does (``put_nowait``, ``get_nowait``,
+    ``empty``), without its locks: the simulator is one thread, and it takes the batches
+    (``Replica.drain_events``) after every step or stretch. Never full."""
+
+    __slots__ = ("items",)
+
+    def __init__(self) -> None:
+        self.items: deque[Any] = deque()
+
+    def put_nowait(self, item: Any) -> None:
+        self.items.append(item)
+
+    def get_nowait(self) -> Any:
+        return self.items.popleft()
+
+    def empty(self) -> bool:
+        return not self.items
+
+
+class _EngineLoad:
+    """What ``EngineWait`` reads of an engine: ``stats()`` as ``LLMEngine.load_stats`` (the
+    queues, rates and seat schedule its predictions use, the same values as ``stats()``'s,
+    without building the per-tenant table on every admission) and ``predict_ttft``
+    (``Scheduler.predict_ttft``'s formula on that snapshot).
+
+    Between ``hold()`` and ``release()`` (one admission, in which the engine does not change)
+    the snapshot is taken once: ``EngineWait`` reads it two to four times an admission, and
+    it is O(running requests). Its readers copy it before changing it."""
+
+    __slots__ = ("engine", "held", "snapshot")
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.held = False
+        self.snapshot: dict[str, Any] | None = None
+
+    def hold(self) -> None:
+        self.held, self.snapshot = True, None
+
+    def release(self) -> None:
+        self.held, self.snapshot = False, None
+
+    def stats(self) -> dict[str, Any]:
+        if not self.held:
+            return self.engine.load_stats()
+        if self.snapshot is None:
+            self.snapshot = self.engine.load_stats()
+        return self.snapshot
+
+    def predict_ttft(self, num_prompt_tokens: int, num_cached_tokens: int = 0) -> float | None:
+        s = self.engine.scheduler
+        return estimate_ttft(
+            self.stats(),
+            s.max_num_seqs,
+            s.max_num_batched_tokens,
+            num_prompt_tokens,
+            num_cached_tokens,
+        )
 
 
 class _Feed:
@@ -480,6 +545,7 @@ class Fleet:
         rep = self.replicas[up.index]
         if rep.stretch is not None:  # its engine as step-by-step stepping has it by now
             self._cut_stretch(rep)
+        rep.load.hold()  # the engine does not change during admit: one load snapshot
         try:
             ticket = rep.admission.admit(
                 len(req.prompt),
@@ -503,6 +569,8 @@ class Fleet:
                 return
             self.at(now + ra, self._try, req)
             return
+        finally:
+            rep.load.release()
         if promised is not None:
             _now(self.shared.drop_promise(fingerprint))
         req.tried.append((rep.index, False))
@@ -547,6 +615,14 @@ class Fleet:
             if ends is not None:  # run at its end, or cut when a request reaches this replica
                 rep.stretch = (now, ends)
                 self.at(ends[-1], self._stretch_end, rep, generation)
+                return
+            # one pure decode step (a request's last token in it, or too few for a stretch):
+            # run now as LLMEngine.step would run it, its outputs at its end
+            ends = plan_decodes(eng, math.inf, max_steps=1, min_steps=1, through_finish=True)
+            if ends is not None and ends[0] > now:
+                outputs = self._run_stretch(rep, now, ends)
+                self.clock.t = now
+                self.at(ends[0], self._deliver, rep, outputs, generation)
                 return
         outputs = eng.step()
         self.steps += 1

@@ -19,6 +19,7 @@ from prefixgate.engine import kv_cache_manager as pins_module
 from prefixgate.engine.config import EngineConfig
 from prefixgate.engine.errors import CacheCapacityError
 from prefixgate.engine.kv_cache_manager import KVCacheManager
+from prefixgate.engine.load_model import estimate_ttft
 from prefixgate.engine.request import Request, RequestStatus
 from prefixgate.engine.sampling_params import SamplingParams
 from prefixgate.engine.scheduler import Scheduler
@@ -592,3 +593,26 @@ def test_missing_sampled_token_changes_nothing() -> None:
     sched.abort_requests(["a", "b"])
     assert_whole(sched)
     assert run.outputs == {}
+
+
+def test_load_stats_are_stats_load_keys_at_every_step() -> None:
+    """``load_stats()`` (what a first-token prediction reads) holds the same values as
+    ``stats()`` under its keys, whatever the queues hold, and leaves the per-tenant table out."""
+    sched = make(num_blocks=64, max_num_seqs=3, max_num_batched_tokens=40)
+    reqs = [request(f"r{i}", p, max_tokens=6) for i, p in enumerate(prompts(7, seed=3))]
+    arrivals = {0: reqs[:4], 2: reqs[4:6], 5: reqs[6:]}
+    run = Run(sched)
+    n = 0
+    while sched.has_unfinished_requests() or n <= 5:
+        for r in arrivals.get(n, []):
+            sched.add_request(r)
+        load, full = sched.load_stats(), sched.stats()
+        assert load == {k: full[k] for k in load}
+        assert "tenants" not in load and "kv_blocks_used" not in load
+        assert {"num_running", "num_waiting", "queued_prefill_tokens", "running_decodes"} <= set(
+            load
+        )
+        assert sched.predict_ttft(9) == estimate_ttft(full, 3, 40, 9)
+        step(run)
+        n += 1
+        assert n < 1000

@@ -3,10 +3,15 @@ events over modelled time; the same lifecycle checks as the real engine."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
 from conftest import assert_pool_whole
+from prefixgate.engine import kv_cache_manager as kv_module
+from prefixgate.engine import llm_engine as llm_engine_module
+from prefixgate.engine import request as request_module
+from prefixgate.engine import scheduler as scheduler_module
 from prefixgate.engine.config import EngineConfig
 from prefixgate.engine.cost_model import PROFILES, CostProfile, StepShape, load_profile
 from prefixgate.engine.kv_events import KVEventCollector
@@ -20,6 +25,20 @@ PROMPT = list(range(10, 74))  # 64 tokens: 4 full blocks of 16
 def _engine(clock=None, **kw) -> LLMEngine:
     kw.setdefault("num_kv_blocks", 64)
     return LLMEngine(EngineConfig(runner="sim", **kw), sim_clock=clock or VirtualClock())
+
+
+@contextlib.contextmanager
+def _on_clock(clock: VirtualClock):
+    """The engine modules' ``time`` read ``clock`` (as ``prefixgate sim``'s ``virtual_time``)."""
+    mods = [scheduler_module, request_module, kv_module, llm_engine_module]
+    saved = [m.time for m in mods]
+    for m in mods:
+        m.time = clock
+    try:
+        yield
+    finally:
+        for m, t in zip(mods, saved, strict=True):
+            m.time = t
 
 
 def _run(eng: LLMEngine, limit: int = 10_000) -> dict[str, list[int]]:
@@ -185,10 +204,13 @@ def test_a_decode_stretch_at_once_leaves_the_state_k_steps_leave():
         clock = VirtualClock()
         eng = _engine(clock, scheduling_policy="fair")
         eng.output_processor.detokenizer_cls = lambda *_: None  # token ids only, as the fleet
-        for i in range(4):  # prompts of 64..61 tokens: blocks fill at different steps
-            eng.add_request(f"r{i}", PROMPT[i:], SamplingParams(max_tokens=40), tenant=f"t{i % 2}")
-        while eng.scheduler.waiting or any(r.num_output_tokens == 0 for r in eng.scheduler.running):
-            eng.step()
+        with _on_clock(clock):
+            for i in range(4):  # prompts of 64..61 tokens: blocks fill at different steps
+                sp = SamplingParams(max_tokens=40 - 10 * (i % 2))  # r1, r3 end in the last step
+                eng.add_request(f"r{i}", PROMPT[i:], sp, tenant=f"t{i % 2}")
+            s = eng.scheduler
+            while s.waiting or any(r.num_output_tokens == 0 for r in s.running):
+                eng.step()
         return eng, clock
 
     a, clock_a = started()
@@ -196,10 +218,14 @@ def test_a_decode_stretch_at_once_leaves_the_state_k_steps_leave():
     start = clock_a.t
     assert plan_decodes(a, until=start) is None  # no step starts before start
     ends = plan_decodes(a)
-    assert ends is not None and len(ends) == 40 - 1 - 1  # the last token's step goes as usual
-    outs = apply_decodes(a, start, ends)
-    for _ in ends:
-        b.step()
+    assert ends is not None and len(ends) == 30 - 1 - 1  # r1's and r3's last steps after it
+    assert plan_decodes(a, max_steps=1, min_steps=1) == ends[:1]
+    ends = plan_decodes(a, through_finish=True)
+    assert ends is not None and len(ends) == 30 - 1  # up to r1's and r3's last tokens
+    with _on_clock(clock_a):
+        outs = apply_decodes(a, start, ends)
+    with _on_clock(clock_b):
+        outs_b = [o for _ in ends for o in b.step()]
 
     def state(eng: LLMEngine) -> tuple:
         s, kv = eng.scheduler, eng.kv_cache_manager
@@ -211,14 +237,85 @@ def test_a_decode_stretch_at_once_leaves_the_state_k_steps_leave():
             s.tokens_decoded,
             s._steps_scheduled,
             {t: (v.served_output_tokens, v.counter) for t, v in s.policy.tenants.items()},
+            sorted(s.requests),
+            s._finished_ids,
+            s.load.mean_output_tokens,
+            list(s.load._holds),
+            (s.load.decode_tokens_per_s, s.load.finished_per_s),
         )
 
     assert state(a) == state(b)
+    assert [r.request_id for r in a.scheduler.running] == ["r0", "r2"]
+    finished = {o.request_id: o.finish_reason for o in outs if o.finish_reason}
+    assert finished == {o.request_id: o.finish_reason for o in outs_b if o.finish_reason}
+    assert finished == {"r1": "length", "r3": "length"}
     assert clock_a.t == pytest.approx(clock_b.t, rel=1e-12)
     assert a.runner.busy_s == pytest.approx(b.runner.busy_s, rel=1e-12)
     assert {o.request_id: len(o.delta_token_ids) for o in outs} == {
         f"r{i}": len(ends) for i in range(4)
     }
-    assert _run(a) == _run(b)  # the rest, step by step, the same
+    assert [o.metrics for o in outs if o.finish_reason] == [
+        o.metrics for o in outs_b if o.finish_reason
+    ]
+    with _on_clock(clock_a):
+        rest_a = _run(a)
+    with _on_clock(clock_b):
+        rest_b = _run(b)
+    assert rest_a == rest_b  # the rest, step by step, the same
     assert_pool_whole(a)
     assert_pool_whole(b)
+
+
+def test_tokens_at_once_are_the_tokens_one_by_one():
+    # SimRunner.tokens (a stretch's k tokens, the id hashed once) against token() per position:
+    # plain, with stop ids and EOS ids that the draw hits (vocabulary of 7), with EOS possible
+    from types import SimpleNamespace
+
+    from prefixgate.engine.cost_model import PROFILES
+    from prefixgate.engine.sim_runner import SimRunner
+
+    for vocab, eos_p, eos, stop, ignore in [
+        (32000, 0.0, [2], [], True),
+        (7, 0.0, [2], [3, 5], False),
+        (7, 0.3, [2], [4], False),
+        (7, 0.3, [2], [], True),
+        (7, 0.0, [], [], False),
+    ]:
+        runner = SimRunner(PROFILES["h100-llama3-8b"], vocab, seed=5, eos_probability=eos_p)
+        sp = SamplingParams(max_tokens=100, stop_token_ids=stop, ignore_eos=ignore, min_tokens=3)
+        req = SimpleNamespace(request_id="s17-2", sampling_params=sp, eos_token_ids=eos)
+        for pos, k in [(0, 1), (0, 40), (13, 17)]:
+            assert runner.tokens(req, pos, k) == [runner.token(req, p) for p in range(pos, pos + k)]
+
+
+def test_decode_steps_at_once_fold_as_steps_one_by_one():
+    # LoadModel.on_decode_steps against on_step per step: the same state, bit for bit
+    from prefixgate.engine.load_model import LoadModel
+
+    a, b = LoadModel(), LoadModel()
+    for m in (a, b):
+        m.on_step(0.05, 1.0, 900, 3, 0, True)  # a prefill step, then an idle gap
+        m.on_step(0.01, 1.2, 0, 3, 1, False)
+    ends = [1.5 + 0.0071 * j + 0.00003 * j * j for j in range(1, 200)]
+    ends.insert(50, ends[49])  # a step of no time
+    a.on_decode_steps(1.5, ends, 7)
+    before = 1.5
+    for end in ends:
+        b.on_step(end - before, end, 0, 7, 0, True)
+        before = end
+
+    def state(m: LoadModel) -> tuple:
+        return (
+            m.decode_tokens_per_s,
+            m.prefill_tokens_per_s,
+            m.finished_per_s,
+            m._busy_since,
+            list(m._finish_rate._steps),
+            m._finish_rate._seconds,
+            list(m._step_time._steps),
+            m._step_time._seconds,
+            list(m._step_time._recent),
+            m._step_time._recent_s,
+        )
+
+    assert state(a) == state(b)

@@ -323,3 +323,43 @@ def test_prompts_hashed_once_give_what_the_pick_and_the_engine_hash_themselves(m
     assert [(r.rid, r.replica, r.output, r.t_done) for r in alone.done] == [
         (r.rid, r.replica, r.output, r.t_done) for r in fleet.done
     ]
+
+
+def test_admission_reads_the_engines_load_snapshot_and_decides_as_on_the_engine(monkeypatch):
+    # the replicas' EngineWait reads load_stats (once an admission) instead of the whole
+    # stats(); a run where it reads the engine itself (stats() and predict_ttft on every
+    # call) is the same run, refusals and Retry-After included
+    import prefixgate.gateway.sim.fleet as fleet_mod
+
+    def run() -> tuple[Fleet, dict]:
+        fleet = _overloaded(40.0)
+        return fleet, summarize(fleet)
+
+    fleet, cheap = run()
+    assert any(r.refusals for r in fleet.done + fleet.refused)  # admission waited and refused
+    rep = fleet.replicas[0]
+    load = fleet_mod._EngineLoad(rep.engine)
+    assert load.stats() == rep.engine.load_stats()
+    load.hold()
+    assert load.stats() is load.stats()
+    assert load.predict_ttft(100) == rep.engine.predict_ttft(100)
+    load.release()
+    monkeypatch.setattr(fleet_mod, "_EngineLoad", _WholeStats)
+    alone, whole = run()
+    assert whole == cheap
+    assert [(r.rid, r.replica, r.refusals, r.t_done) for r in alone.done] == [
+        (r.rid, r.replica, r.refusals, r.t_done) for r in fleet.done
+    ]
+
+
+class _WholeStats:
+    """The engine itself, as EngineWait read it before (``stats()`` whole, every call)."""
+
+    def __init__(self, engine) -> None:
+        self.stats, self.predict_ttft = engine.stats, engine.predict_ttft
+
+    def hold(self) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
