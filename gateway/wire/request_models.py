@@ -542,7 +542,8 @@ def parse(model: type[M], body: bytes) -> M:
         loc = _field_path(err["loc"], tags)
         param = ".".join(loc) or None
         msg = err["msg"]
-        if err["type"] == "missing" and param in emptied and raw[param] is None:
+        nulled = isinstance(raw, dict) and param in emptied and raw[param] is None
+        if err["type"] == "missing" and nulled and param is not None:
             # a required field sent null: the wrong type it is, as for any other value
             msg = _null_fault(model, sent, param)
         elif err["type"] == "missing":
