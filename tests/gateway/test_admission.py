@@ -4,11 +4,17 @@ burst)."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
 import pytest
+from prefixgate.gateway.app import create_proxy_app
 from prefixgate.gateway.http.errors import APIError
+from prefixgate.gateway.http.server import BackgroundServer
 from prefixgate.gateway.settings import GatewaySettings
 from prefixgate.gateway.tenancy.admission import AdmissionConfig, AdmissionController
 from support.http import assert_openai_error as _error
+from support.stub_upstream import StubServer
 
 
 def test_batch_cannot_bypass_the_admission_queue(serve_fake, gw):
@@ -149,3 +155,37 @@ def test_queue_bound_held_in_a_burst_and_its_429_says_what_it_counts():
     for t in tickets:
         t.done()
     assert (ctl.queued_requests, ctl.in_flight) == (0, 0)
+
+
+def _burst_429s(url: str, n: int = 6) -> list[str]:
+    """``n`` chat requests at once: the messages of their 429s."""
+    body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+    def one(i: int) -> httpx.Response:
+        return httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+
+    with ThreadPoolExecutor(n) as pool:
+        answers = list(pool.map(one, range(n)))
+    assert all(r.status_code in (200, 429) for r in answers), [r.text for r in answers]
+    return [r.json()["error"]["message"] for r in answers if r.status_code == 429]
+
+
+@pytest.mark.parametrize("mode", ["local", "proxy"])
+def test_queue_bounds_429_names_the_bound_in_both_modes(serve_fake, mode):
+    """The same words in both modes: the waiting requests against max_queued_requests."""
+    bounded = GatewaySettings(model_name="fake", max_queued_requests=1)
+    if mode == "local":
+        srv, _ = serve_fake(bounded, max_num_seqs=1, token_delay_s=0.2)
+        refused = _burst_429s(srv.url)
+    else:
+        stub = StubServer(ttft_s=1.0, token_delay_s=0.0, models=("fake",)).start()
+        try:
+            settings = GatewaySettings(max_queued_requests=1)
+            with BackgroundServer(lambda: create_proxy_app([stub.base_url], settings)) as gw:
+                refused = _burst_429s(gw.url)
+        finally:
+            stub.stop()
+    assert refused, "a burst of 6 over a queue of 1: some 429s"
+    for m in refused:
+        assert m.startswith("server overloaded: 1 requests waiting"), m
+        assert "(max_queued_requests=1)" in m, m
