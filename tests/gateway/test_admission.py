@@ -160,6 +160,7 @@ def test_queue_bound_held_in_a_burst_and_its_429_says_what_it_counts():
 def _burst_429s(url: str, n: int = 6) -> list[str]:
     """``n`` chat requests at once: the messages of their 429s."""
     body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    body["stream"] = True  # the stub upstream waits its ttft_s on a stream only
 
     def one(i: int) -> httpx.Response:
         return httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
