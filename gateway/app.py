@@ -77,7 +77,7 @@ from prefixgate.gateway.tenancy.admission import AdmissionController
 from prefixgate.gateway.tenancy.admission_wait import EngineWait
 from prefixgate.gateway.tenancy.keys import KeyRing, KeySpec
 from prefixgate.gateway.tenancy.redis_state import make_backend
-from prefixgate.gateway.wire.gemini_routes import openai_or_gemini
+from prefixgate.gateway.wire.models_dialect import models_route
 
 logger = logging.getLogger("prefixgate.gateway")
 
@@ -121,9 +121,9 @@ def create_app(
     r.add_post("/v1/embeddings", embeddings.create_embeddings, expect_handler=expect_continue)
     r.add_post("/tokenize", tokenize.tokenize, expect_handler=expect_continue)
     r.add_post("/detokenize", tokenize.detokenize, expect_handler=expect_continue)
-    models = openai_or_gemini(openai_routes.list_models, gemini.list_models)
+    models = models_route(openai_routes.list_models, gemini.list_models)
     r.add_get("/v1/models", models, expect_handler=expect_continue)
-    model = openai_or_gemini(openai_routes.get_model, gemini.get_model)
+    model = models_route(openai_routes.get_model, gemini.get_model)
     r.add_get("/v1/models/{model}", model, expect_handler=expect_continue)
     r.add_post("/v1/prefixes", prefix_routes.create_prefix, expect_handler=expect_continue)
     r.add_get("/v1/prefixes/{prefix_id}", prefix_routes.get_prefix, expect_handler=expect_continue)
@@ -226,9 +226,9 @@ def create_proxy_app(
     r.add_post(
         "/v1/messages/count_tokens", messages_relay.count_tokens, expect_handler=expect_continue
     )
-    models = openai_or_gemini(proxy_routes.proxy_get, gemini_relay.list_models)
+    models = models_route(proxy_routes.proxy_get, gemini_relay.list_models)
     r.add_get("/v1/models", models, expect_handler=expect_continue)
-    model = openai_or_gemini(proxy_routes.proxy_get, gemini_relay.get_model)
+    model = models_route(proxy_routes.proxy_get, gemini_relay.get_model)
     r.add_get("/v1/models/{model}", model, expect_handler=expect_continue)
     gemini_relay.add_routes(app, expect_continue)
     app[PROXY] = ProxyServing(

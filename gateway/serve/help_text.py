@@ -16,7 +16,8 @@ GATEWAY_HELP = {
     "max_request_values": "most JSON values other than numbers in one request body (objects, "
     "arrays, strings, keys, booleans, nulls; >= 1024); more get 400 too_many_values",
     "max_queued_requests": "most requests waiting for their first token (>= 1); beyond it "
-    "new requests get 429 with Retry-After",
+    "new requests get 429 with Retry-After (a request back at its promised Retry-After may "
+    "pass it: docs/serving.md)",
     "max_queued_tokens": "most prompt tokens, summed, waiting for prefill (>= 1); beyond it "
     "new requests get 429 with Retry-After",
     "max_running": "most requests admitted at once, queued or generating (>= 0; 0 = no bound)",

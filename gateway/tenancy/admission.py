@@ -243,7 +243,7 @@ class AdmissionController:
                     wait = self._departures(over + due, due)
                 n = over + due
             refuse(
-                f"server overloaded: {self.queued_requests} requests already waiting; retry later",
+                self._queue_full_message(held),
                 *wait,
                 ahead=n,
             )
@@ -282,6 +282,23 @@ class AdmissionController:
         if prediction is not None:
             ticket.predicted_ttft, ticket._raw_prediction = prediction
         return ticket
+
+    def _queue_full_message(self, held: int) -> str:
+        """The queue bound's 429 message: what it counts (requests waiting for their first
+        token, places ``held`` for refused requests due back) against ``max_queued_requests``;
+        a queue over the bound says what passed it (module docstring)."""
+        bound = self.config.max_queued_requests
+        waiting = f"{self.queued_requests} requests waiting for their first token"
+        if held:
+            waiting += f" and {held} places held for refused requests due back"
+        if self.queued_requests > bound:
+            waiting += (
+                f", over max_queued_requests={bound} by requests admitted on a place promised "
+                "to them or within their tenant's share"
+            )
+        else:
+            waiting += f" (max_queued_requests={bound})"
+        return f"server overloaded: {waiting}; retry later"
 
     def _refuse(
         self,

@@ -19,7 +19,8 @@ The routes (``gemini.py``) take Gemini's camelCase JSON, as ``google-genai`` sen
 
 As protobuf's JSON mapping reads Google's API, every field is also taken under its snake_case
 name (``thinking_budget``: google-genai sends ``thinkingConfig`` so) and an integer field as an
-integral number (``5.0``: google-genai sends ``top_k`` so); ``thinkingConfig`` is taken when
+integral number (``5.0``: google-genai sends ``top_k`` so), but not under both names in one
+object (``GeminiObject``); ``thinkingConfig`` is taken when
 it asks for no thinking (``thinkingBudget: 0``).
 
 Anything else is a 400 naming the field (unknown fields at every level: images, files,
@@ -51,12 +52,40 @@ from pydantic import (
     model_validator,
 )
 from pydantic.alias_generators import to_snake
+from pydantic_core import PydanticCustomError
 
 # Every field also under its snake_case name: protobuf's JSON mapping reads both (google-genai
 # sends ``thinkingConfig``'s fields so).
 _BOTH_NAMES = AliasGenerator(validation_alias=lambda name: AliasChoices(name, to_snake(name)))
 _CONFIG = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, alias_generator=_BOTH_NAMES)
 _OPEN = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+
+
+class GeminiObject(BaseModel):
+    """An object of Gemini's API: each field under its camelCase or its snake_case name
+    (``_BOTH_NAMES``), not both.
+
+    Raises:
+        ValidationError: ``both_spellings`` naming the two names, when an object holds both
+            (one of the two values would be dropped without a word).
+    """
+
+    model_config = _CONFIG
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_name_each(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name in cls.model_fields:
+                snake = to_snake(name)
+                if snake != name and name in data and snake in data:
+                    raise PydanticCustomError(
+                        "both_spellings",
+                        "{camel} and {snake} are one field under both its names: send one",
+                        {"camel": name, "snake": snake},
+                    )
+        return data
+
 
 MAX_CANDIDATES = 8  # Gemini's candidateCount bound
 
@@ -74,56 +103,50 @@ ProtoInt = Annotated[int, BeforeValidator(_integral)]
 """An integer field of Gemini's API: an int, or a float with an integral value."""
 
 
-class FunctionCall(BaseModel):
+class FunctionCall(GeminiObject):
     """``functionCall`` part: ``{"name", "args", "id"?}`` (an earlier call of the model)."""
 
-    model_config = _CONFIG
     name: str = Field(min_length=1)
     args: dict[str, Any] | None = None
     id: str | None = None
 
 
-class FunctionResponse(BaseModel):
+class FunctionResponse(GeminiObject):
     """``functionResponse`` part: ``{"name", "response", "id"?}`` (a function's answer)."""
 
-    model_config = _CONFIG
     name: str = Field(min_length=1)
     response: dict[str, Any]
     id: str | None = None
 
 
-class Part(BaseModel):
+class Part(GeminiObject):
     """One part: exactly one of ``text``, ``functionCall``, ``functionResponse``."""
 
-    model_config = _CONFIG
     text: str | None = None
     functionCall: FunctionCall | None = None
     functionResponse: FunctionResponse | None = None
 
 
-class Content(BaseModel):
+class Content(GeminiObject):
     """A turn: ``role`` ``user`` / ``model`` (absent: ``user``) and its ``parts``."""
 
-    model_config = _CONFIG
     role: Literal["user", "model"] | None = None
     parts: list[Part] = Field(min_length=1)
 
 
-class SystemInstruction(BaseModel):
+class SystemInstruction(GeminiObject):
     """``systemInstruction``: text parts (``role`` is ignored by Gemini; taken as sent)."""
 
-    model_config = _CONFIG
     role: str | None = None
     parts: list[Part] = Field(min_length=1)
 
 
-class ThinkingConfig(BaseModel):
+class ThinkingConfig(GeminiObject):
     """``generationConfig.thinkingConfig``: taken only when it asks for no thinking
     (``thinkingBudget: 0``, ``includeThoughts`` false or absent), which is what a model
     without a thinking phase does; any thinking asked for is a 400 naming the field, as
     Gemini answers for a model that cannot think."""
 
-    model_config = _CONFIG
     thinkingBudget: ProtoInt | None = None
     includeThoughts: bool | None = None
 
@@ -142,10 +165,9 @@ class ThinkingConfig(BaseModel):
         return self
 
 
-class GenerationConfig(BaseModel):
+class GenerationConfig(GeminiObject):
     """``generationConfig``: the sampling and output fields taken (module docstring)."""
 
-    model_config = _CONFIG
     maxOutputTokens: ProtoInt | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     topP: float | None = Field(None, gt=0.0, le=1.0)
@@ -211,52 +233,46 @@ CHAT_FIELD_IN_GEMINI = {
 request field it came from, for naming an upstream's refusal in the client's words."""
 
 
-class FunctionDeclaration(BaseModel):
+class FunctionDeclaration(GeminiObject):
     """A function the model may call: ``name``, ``description``, ``parameters`` (Gemini's
     schema) or ``parametersJsonSchema`` (a JSON schema)."""
 
-    model_config = _CONFIG
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     parametersJsonSchema: dict[str, Any] | None = None
 
 
-class Tool(BaseModel):
+class Tool(GeminiObject):
     """A tool: ``functionDeclarations`` only (search, code execution, ... are refused)."""
 
-    model_config = _CONFIG
     functionDeclarations: list[FunctionDeclaration] | None = None
 
 
-class FunctionCallingConfig(BaseModel):
+class FunctionCallingConfig(GeminiObject):
     """``toolConfig.functionCallingConfig``: ``mode`` and ``allowedFunctionNames``."""
 
-    model_config = _CONFIG
     mode: Literal["AUTO", "ANY", "NONE", "MODE_UNSPECIFIED"] | None = None
     allowedFunctionNames: list[str] | None = None
 
 
-class ToolConfig(BaseModel):
+class ToolConfig(GeminiObject):
     """``toolConfig``: ``functionCallingConfig`` only."""
 
-    model_config = _CONFIG
     functionCallingConfig: FunctionCallingConfig | None = None
 
 
-class SafetySetting(BaseModel):
+class SafetySetting(GeminiObject):
     """``safetySettings`` entry (taken, not applied: no safety filter runs here)."""
 
-    model_config = _CONFIG
     category: str
     threshold: str
     method: str | None = None
 
 
-class GenerateContentRequest(BaseModel):
+class GenerateContentRequest(GeminiObject):
     """POST ``models/{model}:generateContent`` / ``:streamGenerateContent``."""
 
-    model_config = _CONFIG
     model: str | None = None  # inside countTokens' generateContentRequest
     contents: list[Content] = Field(min_length=1)
     systemInstruction: SystemInstruction | None = None
@@ -267,10 +283,9 @@ class GenerateContentRequest(BaseModel):
     cachedContent: str | None = None
 
 
-class CountTokensRequest(BaseModel):
+class CountTokensRequest(GeminiObject):
     """POST ``models/{model}:countTokens``: ``contents``, or a whole ``generateContentRequest``."""
 
-    model_config = _CONFIG
     contents: list[Content] | None = None
     generateContentRequest: GenerateContentRequest | None = None
 
@@ -295,11 +310,10 @@ class CountTokensRequest(BaseModel):
         return self.generateContentRequest
 
 
-class CachedContentCreate(BaseModel):
+class CachedContentCreate(GeminiObject):
     """POST ``cachedContents``: the content to pin and its life (``ttl`` like ``"300s"``, or
     ``expireTime`` RFC 3339)."""
 
-    model_config = _CONFIG
     model: str
     systemInstruction: SystemInstruction | None = None
     contents: list[Content] | None = None
@@ -310,10 +324,9 @@ class CachedContentCreate(BaseModel):
     displayName: str | None = Field(None, max_length=128)
 
 
-class CachedContentUpdate(BaseModel):
+class CachedContentUpdate(GeminiObject):
     """PATCH ``cachedContents/{id}``: a new ``ttl`` or ``expireTime`` (only the life changes)."""
 
-    model_config = _CONFIG
     ttl: str | None = None
     expireTime: str | None = None
 

@@ -10,7 +10,7 @@ import datetime as dt
 from typing import Any
 
 from aiohttp import web
-from prefixgate.gateway.http.errors import GEMINI, APIError, Handler, error_dialect, route_miss
+from prefixgate.gateway.http.errors import GEMINI, APIError, error_dialect, route_miss
 
 CACHE_PREFIX = "cachedContents/"
 DEFAULT_CACHE_TTL_S = 3600.0  # Gemini's default cache life (1 hour)
@@ -66,25 +66,6 @@ def rfc3339(unix_s: float) -> str:
 
 
 GOOGLE_KEY_HEADER = "x-goog-api-key"  # what Google's clients send their key in
-
-
-def openai_or_gemini(openai: Handler, gemini: Handler) -> Handler:
-    """``GET /v1/models`` and ``GET /v1/models/{model}``: Gemini's answer (``{"models": [...]}``,
-    a ``Model``; errors in Gemini's shape) to a Google client, which sends its key in
-    ``x-goog-api-key`` (``v1`` is google-genai's default API version), OpenAI's to any other
-    client (``openai`` and ``gemini``: the two modes' handlers of the route)."""
-
-    async def handler(request: web.Request) -> web.StreamResponse:
-        if GOOGLE_KEY_HEADER not in request.headers:
-            return await openai(request)
-        if "model" in request.match_info:  # Gemini's handlers read the name as {target}
-            request.match_info["target"] = request.match_info["model"]
-        try:
-            return await gemini(request)
-        except APIError as exc:
-            return exc.response(GEMINI)
-
-    return handler
 
 
 @error_dialect(GEMINI)

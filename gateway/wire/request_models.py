@@ -500,6 +500,7 @@ def parse(model: type[M], body: bytes) -> M:
             ``"invalid_json"`` for malformed JSON or nesting over ``MAX_JSON_DEPTH``).
     """
     tags: frozenset[str] = getattr(model, "union_tags", frozenset())
+    sent = body
     raw = None
     if _MAYBE_EMPTY.search(body):  # no empty value anywhere: nothing to drop, no parse
         try:
@@ -541,11 +542,28 @@ def parse(model: type[M], body: bytes) -> M:
         loc = _field_path(err["loc"], tags)
         param = ".".join(loc) or None
         msg = err["msg"]
-        if err["type"] == "missing":
+        nulled = isinstance(raw, dict) and param in emptied and raw[param] is None
+        if err["type"] == "missing" and nulled and param is not None:
+            # a required field sent null: the wrong type it is, as for any other value
+            msg = _null_fault(model, sent, param)
+        elif err["type"] == "missing":
             # a required field sent empty: say so, not that it was not sent
             msg = "must not be empty" if param in emptied else "field required"
         code = "empty_array" if err["type"] == "empty_array" else None  # OpenAI's code
         raise bad_request(f"{param}: {msg}" if param else msg, param=param, code=code) from None
+
+
+def _null_fault(model: type[BaseModel], body: bytes, field: str) -> str:
+    """What validating ``body`` as sent (its ``null`` kept) says of the top-level required
+    ``field`` sent ``null`` ("Input should be a valid string"), as for any value of a wrong
+    type; "must not be null" where it says nothing of it."""
+    try:
+        model.model_validate_json(body)
+    except ValidationError as exc:
+        errors = [e for e in exc.errors(include_url=False) if e["loc"][:1] == (field,)]
+        if errors:
+            return _relevant_error(errors)["msg"]
+    return "must not be null"
 
 
 class GatewayFields(BaseModel):

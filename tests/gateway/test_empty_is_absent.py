@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from prefixgate.gateway.app import create_proxy_app
+from prefixgate.gateway.http.server import BackgroundServer
 from prefixgate.gateway.local import responses_api
 from prefixgate.gateway.local.embeddings import EmbeddingRequest
 from prefixgate.gateway.local.responses_api import ResponsesRequest
@@ -156,3 +158,25 @@ def test_a_required_field_sent_empty_is_told_as_empty_not_missing(serve_fake):
     assert anthropic.status_code == gemini.status_code == 400
     assert anthropic.json()["error"]["message"] == "messages: must not be empty"
     assert gemini.json()["error"]["message"] == "contents: must not be empty"
+
+
+NULLED = [  # (route, body with a required field sent null, the field, the type it must have)
+    ("/v1/chat/completions", {"model": None, "messages": USER}, "model", "string"),
+    ("/v1/completions", {"model": None, "prompt": "hi"}, "model", "string"),
+    ("/v1/messages", {"model": None, "max_tokens": 2, "messages": USER}, "model", "string"),
+    ("/v1/messages", {"model": "fake", "max_tokens": None, "messages": USER}, "max_tokens", "integer"),
+    ("/v1/messages/count_tokens", {"model": None, "messages": USER}, "model", "string"),
+]  # fmt: skip
+
+
+def test_a_required_field_sent_null_is_told_its_type_in_both_modes(serve_fake):
+    """``"model": null`` was answered "model: must not be empty"; a null is a value of the
+    wrong type, told as ``"model": 5`` is ("Input should be a valid string")."""
+    up, _ = serve_fake(GatewaySettings(model_name="fake"), token_delay_s=0.0)
+    with BackgroundServer(lambda: create_proxy_app([up.url], GatewaySettings())) as gw:
+        for url in (up.url, gw.url):
+            for path, body, field, kind in NULLED:
+                r = httpx.post(url + path, json=body, timeout=10)
+                assert r.status_code == 400, (url, path, r.text)
+                message = r.json()["error"]["message"]
+                assert message == f"{field}: Input should be a valid {kind}", (url, path, message)

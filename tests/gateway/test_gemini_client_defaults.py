@@ -134,6 +134,54 @@ def test_snake_case_names_are_taken_as_protobufs_json_reads_them(serve_fake):
     assert (params.top_k, params.max_tokens) == (3, 2)
 
 
+BOTH_SPELLINGS = [  # (a body with one field under both its names, the path to it, the names)
+    (
+        {**HELLO, "generationConfig": {"topK": 3, "top_k": 5}},
+        "generationConfig",
+        ("topK", "top_k"),
+    ),
+    (
+        {**HELLO, "generationConfig": {"topK": 3}, "generation_config": {"topK": 4}},
+        None,
+        ("generationConfig", "generation_config"),
+    ),
+    (
+        {
+            **HELLO,
+            "generationConfig": {"thinkingConfig": {"thinkingBudget": 0, "thinking_budget": 0}},
+        },
+        "generationConfig.thinkingConfig",
+        ("thinkingBudget", "thinking_budget"),
+    ),
+]
+
+
+@pytest.mark.parametrize("mode", ["local", "proxy"])
+def test_a_field_sent_under_both_its_names_is_a_400_naming_both(serve_fake, mode):
+    """``topK`` and ``top_k`` in one object were taken silently (one of them dropped)."""
+    srv, engine = serve_fake()
+    if mode == "local":
+        _check_both_spellings(srv.url, engine)
+        return
+    with BackgroundServer(lambda: create_proxy_app([srv.url], GatewaySettings())) as gw:
+        _check_both_spellings(gw.url, engine)
+
+
+def _check_both_spellings(url: str, engine) -> None:
+    seen = len(engine.requests_seen)
+    for body, where, (camel, snake) in BOTH_SPELLINGS:
+        for version in ("v1beta", "v1"):
+            path = f"/{version}/models/fake:generateContent"
+            r = httpx.post(url + path, json=body, timeout=10)
+            assert r.status_code == 400, (path, r.text)
+            error = r.json()["error"]
+            assert error["status"] == "INVALID_ARGUMENT", error
+            assert camel in error["message"] and snake in error["message"], error
+            if where is not None:
+                assert error["message"].startswith(where + ":"), error
+    assert len(engine.requests_seen) == seen  # nothing reached the engine
+
+
 def test_caches_under_v1_say_where_they_are(serve_fake):
     srv, _ = serve_fake()
     client = _client(srv.url)

@@ -29,13 +29,17 @@ ROUTES = {
         f"/v1beta/models/{m}:generateContent",
         {"contents": [{"role": "user", "parts": [{"text": "hi"}]}]},
     ),
+    "gemini_v1": lambda m: (  # google-genai's default API version
+        f"/v1/models/{m}:generateContent",
+        {"contents": [{"role": "user", "parts": [{"text": "hi"}]}]},
+    ),
 }
 # how each dialect's clients send a key (``?key=`` is Gemini's REST form only)
 SENDS = [
     (dialect, how)
     for dialect in ROUTES
     for how in ("authorization", "x-api-key", "x-goog-api-key", "query")
-    if how != "query" or dialect == "gemini"
+    if how != "query" or dialect.startswith("gemini")
 ]
 
 

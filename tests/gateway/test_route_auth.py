@@ -120,3 +120,31 @@ def test_open_routes_answer_without_a_key(serve_fake, tmp_path):
         # a method the route does not serve: 405 before the key, as docs/serving.md says
         r = http.get("/tokenize")
         assert r.status_code == 405 and "POST" in r.headers["Allow"], r.text
+
+
+def _check_query_key(url: str) -> None:
+    """``?key=`` authenticates Gemini's model methods under ``/v1`` as under ``/v1beta``
+    (google-genai's default API version is ``v1``); other routes do not read it."""
+    body = {"contents": [{"role": "user", "parts": [{"text": "hi"}]}]}
+    with httpx.Client(base_url=url, timeout=10) as http:
+        for version in ("v1beta", "v1"):
+            path = f"/{version}/models/fake:generateContent"
+            r = http.post(path, params={"key": KEY}, json=body)
+            assert r.status_code == 200, (path, r.text)  # was 401 under /v1
+            r = http.post(path, params={"key": "wrong"}, json=body)
+            assert r.status_code == 401, (path, r.text)
+        chat = {"model": "fake", "messages": [{"role": "user", "content": "hi"}]}
+        r = http.post("/v1/chat/completions", params={"key": KEY}, json=chat)
+        assert r.status_code == 401, r.text
+
+
+def test_query_key_on_gemini_v1_methods_local(serve_fake, tmp_path):
+    srv, _ = serve_fake(GatewaySettings(model_name="fake", keys_file=_keys(tmp_path)))
+    _check_query_key(srv.url)
+
+
+def test_query_key_on_gemini_v1_methods_proxy(serve_fake, tmp_path):
+    upstream, _ = serve_fake(GatewaySettings(model_name="fake"))
+    settings = GatewaySettings(keys_file=_keys(tmp_path))
+    with BackgroundServer(lambda: create_proxy_app([upstream.url], settings)) as gw:
+        _check_query_key(gw.url)

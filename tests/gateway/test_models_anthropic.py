@@ -1,0 +1,58 @@
+"""``GET /v1/models`` to an Anthropic client (it sends ``anthropic-version``): Anthropic's
+``ModelInfo`` objects and list page, in both modes, read by the real ``anthropic`` client
+(``wire.models_dialect``). Before, the OpenAI shape came back and the client read ``type``,
+``display_name`` and ``created_at`` as None."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import anthropic
+import httpx
+import pytest
+from prefixgate.gateway.app import create_proxy_app
+from prefixgate.gateway.http.server import BackgroundServer
+from prefixgate.gateway.settings import GatewaySettings
+from support.stub_upstream import StubServer
+
+
+def _check_client(url: str, ids: list[str]) -> None:
+    client = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0)
+    page = client.models.list()
+    assert [m.id for m in page.data] == ids
+    for m in page.data:
+        assert m.type == "model" and m.display_name == m.id, m
+        assert isinstance(m.created_at, dt.datetime), m
+    assert page.has_more is False and page.first_id == ids[0] and page.last_id == ids[-1]
+    got = client.models.retrieve(ids[-1])
+    assert (got.type, got.id, got.display_name) == ("model", ids[-1], ids[-1])
+    assert isinstance(got.created_at, dt.datetime)
+    with pytest.raises(anthropic.NotFoundError) as info:  # Anthropic's error object
+        client.models.retrieve("no-such-model")
+    assert info.value.body["type"] == "error", info.value.body  # type: ignore[index]
+    with httpx.Client(base_url=url, timeout=10) as http:
+        headers = {"anthropic-version": "2023-06-01"}
+        r = http.get("/v1/models", params={"limit": 1}, headers=headers)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert [m["id"] for m in body["data"]] == ids[:1]
+        assert body["has_more"] is (len(ids) > 1)
+        r = http.get("/v1/models", params={"limit": 0}, headers=headers)
+        assert r.status_code == 400 and r.json()["type"] == "error", r.text
+        # an OpenAI client still gets OpenAI's shape
+        assert http.get("/v1/models").json()["object"] == "list"
+
+
+def test_anthropic_client_lists_and_retrieves_models_local(serve_fake):
+    srv, _ = serve_fake(GatewaySettings(model_name="fake"))
+    _check_client(srv.url, ["fake"])
+
+
+def test_anthropic_client_lists_and_retrieves_models_proxy():
+    stub = StubServer(ttft_s=0.0, token_delay_s=0.0, models=("alpha", "beta")).start()
+    try:
+        app = lambda: create_proxy_app([stub.base_url], GatewaySettings())  # noqa: E731
+        with BackgroundServer(app) as gw:
+            _check_client(gw.url, ["alpha", "beta"])
+    finally:
+        stub.stop()
