@@ -10,7 +10,10 @@ import argparse
 import json
 import sys
 import time
-from typing import Any
+from dataclasses import fields
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 SIM_HELP = "simulate a fleet of gateways and replicas on a virtual clock (docs/sim.md)"
 SIM_DESCRIPTION = (
@@ -44,74 +47,51 @@ def add_sim_parser(sub: Any) -> argparse.ArgumentParser:
         description=SIM_DESCRIPTION,
         formatter_class=_Defaults,
     )
-    p.add_argument("--replicas", type=int, default=4, help="replicas")
-    p.add_argument("--gateways", type=int, default=2, help="gateways")
-    p.add_argument("--tenants", type=int, default=100, help="base tenants")
-    p.add_argument(
-        "--routing", choices=POLICIES, default="precise", help="routing policy of every gateway"
-    )
-    p.add_argument(
-        "--load",
-        type=float,
-        default=0.8,
-        help="base arrival rate as a multiple of the measured capacity",
-    )
-    p.add_argument(
-        "--duration-s", type=float, default=60.0, help="arrivals for this long, virtual seconds"
-    )
-    p.add_argument("--seed", type=int, default=0, help="the workload's seed (same seed, same JSON)")
-    p.add_argument("--json", dest="json_out", default=None, help="write the report here")
-    p.add_argument("--plot", default=None, help="write a PNG plot here (matplotlib)")
-    p.add_argument(
-        "--profile",
-        default="h100-llama3-8b",
-        help="cost profile: a name or a profile JSON file (prefixgate.engine.sim_fit)",
-    )
-    p.add_argument(
-        "--kv-blocks", type=int, default=None, help="KV blocks per replica (default: the profile's)"
-    )
-    p.add_argument("--max-num-seqs", type=int, default=128, help="engine max_num_seqs per replica")
-    p.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=2048,
-        help="engine max_num_batched_tokens per replica",
-    )
-    p.add_argument("--max-queued-requests", type=int, default=256, help="admission bound")
-    p.add_argument(
-        "--scheduling-policy", choices=("fcfs", "fair"), default="fair", help="engine policy"
-    )
-    p.add_argument(
-        "--arrivals", choices=("poisson", "bursty"), default="poisson", help="arrival process"
-    )
-    p.add_argument(
-        "--system-prompt-tokens", type=int, default=1024, help="each tenant's system prompt"
-    )
-    p.add_argument("--user-tokens", type=int, default=128, help="each turn's user message")
-    p.add_argument("--output-tokens", type=int, default=128, help="each answer's length")
-    p.add_argument("--mean-turns", type=float, default=3.0, help="turns per session (mean)")
-    p.add_argument(
-        "--think-s", type=float, default=5.0, help="a user's pause between turns, virtual s"
-    )
-    p.add_argument(
-        "--ttft-budget-s",
-        type=float,
-        default=2.0,
-        help="each request's TTFT budget, virtual s (0: none)",
-    )
-    p.add_argument("--light-rate", type=float, default=0.5, help="light tenant requests/s")
-    p.add_argument(
-        "--flood-factor",
-        type=float,
-        default=1.0,
-        help="heavy tenant's flood in the middle third, x the base rate (0: none)",
-    )
-    p.add_argument(
-        "--capacity-rps",
-        type=float,
-        default=None,
-        help="one replica's capacity (requests/s) instead of measuring it",
-    )
+    for flag, kind, default, text in (
+        ("--replicas", int, 4, "replicas"),
+        ("--gateways", int, 2, "gateways"),
+        ("--tenants", int, 100, "base tenants"),
+        ("--routing", POLICIES, "precise", "routing policy of every gateway"),
+        ("--load", float, 0.8, "base arrival rate as a multiple of the measured capacity"),
+        ("--duration-s", float, 60.0, "arrivals for this long, virtual seconds"),
+        ("--seed", int, 0, "the workload's seed (same seed, same JSON)"),
+        ("--json", str, None, "write the report here"),
+        ("--plot", str, None, "write a PNG plot here (matplotlib)"),
+        (
+            "--profile",
+            str,
+            "h100-llama3-8b",
+            "cost profile: a name or a profile JSON file (prefixgate.engine.sim_fit)",
+        ),
+        ("--kv-blocks", int, None, "KV blocks per replica (default: the profile's)"),
+        ("--max-num-seqs", int, 128, "engine max_num_seqs per replica"),
+        ("--max-num-batched-tokens", int, 2048, "engine max_num_batched_tokens per replica"),
+        ("--max-queued-requests", int, 256, "admission bound"),
+        ("--scheduling-policy", ("fcfs", "fair"), "fair", "engine policy"),
+        ("--arrivals", ("poisson", "bursty"), "poisson", "arrival process"),
+        ("--system-prompt-tokens", int, 1024, "each tenant's system prompt"),
+        ("--user-tokens", int, 128, "each turn's user message"),
+        ("--output-tokens", int, 128, "each answer's length"),
+        ("--mean-turns", float, 3.0, "turns per session (mean)"),
+        ("--think-s", float, 5.0, "a user's pause between turns, virtual s"),
+        ("--ttft-budget-s", float, 2.0, "each request's TTFT budget, virtual s (0: none)"),
+        ("--light-rate", float, 0.5, "light tenant requests/s"),
+        (
+            "--flood-factor",
+            float,
+            1.0,
+            "heavy tenant's flood in the middle third, x the base rate (0: none)",
+        ),
+        (
+            "--capacity-rps",
+            float,
+            None,
+            "one replica's capacity (requests/s) instead of measuring it",
+        ),
+    ):
+        # a tuple of names: the choices; else the type the value is read as
+        how: dict[str, Any] = {"choices": kind} if isinstance(kind, tuple) else {"type": kind}
+        p.add_argument(flag, default=default, help=text, **how)
     p.add_argument("--no-solo", action="store_true", help="skip the light tenant's solo run")
     p.add_argument(
         "--step-by-step",
@@ -122,6 +102,13 @@ def add_sim_parser(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
+def _from_flags(config: type[T], args: argparse.Namespace) -> T:
+    """``config`` (a dataclass) with each field a flag sets (``--max-num-seqs`` for
+    ``max_num_seqs``) taken from ``args``, the others at their defaults."""
+    names = [f.name for f in fields(config)]  # type: ignore[arg-type]  # a dataclass
+    return config(**{n: getattr(args, n) for n in names if hasattr(args, n)})
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``prefixgate sim``; prints the report (and the wall time) and writes ``--json``."""
     from prefixgate.gateway.sim.fleet import Fleet, FleetConfig, saturated_rate
@@ -129,29 +116,8 @@ def run(args: argparse.Namespace) -> int:
     from prefixgate.gateway.sim.workload import LIGHT_TENANT, WorkloadConfig
 
     try:
-        fc = FleetConfig(
-            replicas=args.replicas,
-            gateways=args.gateways,
-            routing=args.routing,
-            profile=args.profile,
-            kv_blocks=args.kv_blocks,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            scheduling_policy=args.scheduling_policy,
-            max_queued_requests=args.max_queued_requests,
-        )
-        wc = WorkloadConfig(
-            tenants=args.tenants,
-            system_prompt_tokens=args.system_prompt_tokens,
-            user_tokens=args.user_tokens,
-            output_tokens=args.output_tokens,
-            mean_turns=args.mean_turns,
-            think_s=args.think_s,
-            arrivals=args.arrivals,
-            ttft_budget_s=args.ttft_budget_s,
-            light_rate=args.light_rate,
-            flood_factor=args.flood_factor,
-        )
+        fc = _from_flags(FleetConfig, args)
+        wc = _from_flags(WorkloadConfig, args)
         if not args.load > 0 or not args.duration_s > 0:
             raise ValueError("--load and --duration-s must be > 0")
         fc.engine_config(args.seed)  # the engine's own checks, before any work
@@ -192,8 +158,8 @@ def run(args: argparse.Namespace) -> int:
         f"{fleet.steps} engine steps)",
         file=sys.stderr,
     )
-    if args.json_out:
-        with open(args.json_out, "w") as f:
+    if args.json:
+        with open(args.json, "w") as f:
             f.write(text + "\n")
     if args.plot:
         plot(fleet, args.plot)
