@@ -315,8 +315,9 @@ class AdmissionController:
         (from measured rates, ``ahead`` departures) of a request that can be recognised on its
         return (``fingerprint``) is promised: its ``requests`` places and ``tokens`` are held
         for it until then (``Promises``; ``rank``: a claimed promise's place in line, kept by
-        the next one). A promised 429 says so in ``PROMISE_HEADER``: the milliseconds until
-        the promise lapses. A guess is not promised."""
+        the next one; ``slot_s``: the admission slot reserved for it at ``wait_s``, which
+        takes a new rank). A promised 429 says so in ``PROMISE_HEADER``: the milliseconds
+        until the promise lapses. A guess is not promised."""
         wait_s = min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, wait_s))
         err = too_many(message, wait_s, code=code)
         if predicted and fingerprint is not None:

@@ -16,7 +16,7 @@ Two paces set the slots (``SlotSchedule.place``):
   departures (``requests / tenant rate``), and its first slot waits until its own queued
   requests would be within the budget at that rate (``own_wait_s``).
 
-Figures: docs/sim.md, "6 December 2026: admission slots".
+Figures: docs/sim.md, "6 December 2026, night: admission slots".
 """
 
 from __future__ import annotations
