@@ -66,6 +66,7 @@ TIMED_MODULES = (
     "prefixgate.engine.kv_events",
     "prefixgate.gateway.tenancy.admission",
     "prefixgate.gateway.tenancy.admission_wait",
+    "prefixgate.gateway.tenancy.admission_slots",
     "prefixgate.gateway.tenancy.slot_wait",
     "prefixgate.gateway.tenancy.shared_state",
     "prefixgate.gateway.proxy.kv_index",

@@ -23,7 +23,9 @@ Definitions (virtual seconds; "admitted try": the try of a request its replica a
   TTFT was within their budget, over those requests; ``goodput``: the same over every
   admitted request of the whole run (a request admitted but never answered counts as missed).
 - ``light_tenant_ttft_over_solo``: the light tenant's p50 TTFT during the heavy tenant's
-  flood (the middle third of the run) over its p50 TTFT in a run with its requests alone.
+  flood (the middle third of the run) over its p50 TTFT in a run with its requests alone;
+  ``light_tenant_samples``: how many requests each of the two medians is of (``--light-rate``
+  sets them: at the default 0.5/s a 5 s run has one or two in the flood).
 """
 
 from __future__ import annotations
@@ -159,6 +161,7 @@ def summarize(
         "light_tenant_ttft_over_solo": _r(ratio),
         "light_tenant_ttft_p50_flood_s": _r(float(np.median(light_flood))) if light_flood else None,
         "light_tenant_ttft_p50_solo_s": _r(float(np.median(light_solo))) if light_solo else None,
+        "light_tenant_samples": {"flood": len(light_flood), "solo": len(light_solo)},
         "ttft_s": percentiles(ttft),
         "ttft_with_retries_s": percentiles(ttft_retry),
         "tpot_s": percentiles(tpot),

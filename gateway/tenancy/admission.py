@@ -21,7 +21,11 @@ A refused request that comes back when it was told claims the places promised to
 still full because the engine drained slower than predicted, up to :data:`PROMISE_OVERFLOW`
 of each bound more: the ``Retry-After`` it was told is kept, and the newcomers, who find the
 queue over its bound, are told later times. Beyond that overflow it meets the bound and a new
-time. A TTFT budget (``ttft_budget``) is the client's own condition and is checked again.
+time. A request refused on its TTFT budget (``ttft_budget``) is told the time of an admission
+slot reserved for it (``admission_slots``); back at that slot it is admitted into it, its
+budget not checked again: the slot was placed where its prediction is within the budget, after
+the slots of the requests refused before it. A claimed promise of the queue bound has its
+budget checked again.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from typing import NoReturn
 
 from prefixgate.gateway.http.errors import bad_request, too_many
 from prefixgate.gateway.settings import AdmissionConfig
+from prefixgate.gateway.tenancy.admission_slots import SlotSchedule
 from prefixgate.gateway.tenancy.admission_wait import PROMISE_HEADER, EngineWait, Promises
 from prefixgate.gateway.tenancy.slot_wait import SlotClock
 from prefixgate.gateway.tenancy.ttft_budget import BUDGET_HEADER
@@ -166,6 +171,7 @@ class AdmissionController:
         self._weights: dict[str | None, float] = {}
         self.wait: EngineWait | None = None  # the engine's predictions (local mode)
         self.promises = Promises()  # places held for refused requests told to come back
+        self.budget_slots = SlotSchedule()  # admission slots of budget refusals
 
     def admit(
         self,
@@ -218,13 +224,22 @@ class AdmissionController:
             held, held_tokens = self.promises.held(prediction[0] if prediction else 0.0)
         rank = promise.rank if promise is not None else None
         refuse = functools.partial(self._refuse, fingerprint, requests, prompt_tokens, rank)
-        if budget_s is not None:
+        if budget_s is not None and not (promise is not None and promise.slot_s > 0):
             # a newcomer: every promised request's work is ahead of it; a returning request:
-            # the work of those ahead of it in line still to come back
+            # the work of those ahead of it in line still to come back. A request back at its
+            # admission slot (``admission_slots``) is admitted into it.
             before = self.promises.ranked_before(rank) if rank is not None else (0, 0)
             ahead_requests, ahead_tokens = before if claimed else (every, every_tokens)
             self._check_budget(
-                budget_s, prediction, prompt_tokens, ahead_requests, ahead_tokens, refuse
+                budget_s,
+                prediction,
+                prompt_tokens,
+                ahead_requests,
+                ahead_tokens,
+                refuse,
+                requests,
+                tenant,
+                fingerprint is not None,
             )
         within_share = self._within_share(tenant, requests)
         # a returning request that claimed its promise passes each bound by the overflow
@@ -311,17 +326,27 @@ class AdmissionController:
         predicted: bool,
         code: str = "server_overloaded",
         ahead: int = 0,
+        slot_s: float = 0.0,
     ) -> NoReturn:
         """Raise one request's 429 with ``Retry-After`` = ``wait_s``; a ``predicted`` wait
         (from measured rates, ``ahead`` departures) of a request that can be recognised on its
         return (``fingerprint``) is promised: its ``requests`` places and ``tokens`` are held
         for it until then (``Promises``; ``rank``: a claimed promise's place in line, kept by
-        the next one). A promised 429 says so in ``PROMISE_HEADER``: the milliseconds until
-        the promise lapses. A guess is not promised."""
+        the next one; ``slot_s``: the admission slot reserved for it at ``wait_s``, which
+        takes a new rank). A promised 429 says so in ``PROMISE_HEADER``: the milliseconds
+        until the promise lapses. A guess is not promised."""
         wait_s = min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, wait_s))
         err = too_many(message, wait_s, code=code)
         if predicted and fingerprint is not None:
-            self.promises.promise(fingerprint, wait_s, requests, tokens, max(0, ahead), rank)
+            self.promises.promise(
+                fingerprint,
+                wait_s,
+                requests,
+                tokens,
+                max(0, ahead),
+                None if slot_s else rank,
+                slot_s,
+            )
             lapses = self.promises.lapses_in(fingerprint)
             if lapses is not None and lapses > 0:
                 err.headers[PROMISE_HEADER] = str(math.ceil(lapses * 1000))
@@ -335,19 +360,19 @@ class AdmissionController:
         held: int,
         held_tokens: int,
         refuse: Callable[..., NoReturn],
+        requests: int = 1,
+        tenant: str | None = None,
+        promised: bool = False,
     ) -> None:
         """Refuse when the predicted TTFT (the engine's, calibrated, plus the margin of recent
-        misses and the promised places ``held`` ahead) exceeds ``budget`` seconds; no
-        prediction (proxy mode, rates not measured, no free seat in sight): admit.
+        misses and the promised places ``held`` ahead; or ``tenant``'s own queued requests at
+        its own measured pace, when that is later) exceeds ``budget`` seconds; no prediction
+        (proxy mode, rates not measured, no free seat in sight): admit.
 
-        What is ahead: for a newcomer every promise (counting only the promises due before
-        its own first token let newcomers in ahead of the returning clients, who then met
-        the budget again: docs/admission.md, "TTFT budgets and promises"). For a returning
-        request, the promises ahead of it in line (``Promises.ranked_before``): one refused
-        again keeps its rank, and its wait counts only those, so it takes the next place
-        that opens for it. Before, it was told a wait counting the promises due before it
-        would come back, and came back among them, refused again and again, the prediction
-        never under its budget (docs/admission.md)."""
+        A refused request that can be recognised on its return (``promised``) is told the
+        time of an admission slot (``admission_slots.SlotSchedule``): the first free one once
+        the queue, and its tenant's own queue, would be within the budget, one departure
+        long, after the slots of those refused before it."""
         if self.wait is None or prediction is None:
             return
         margin = self.wait.margin_s()  # how much later than predicted first tokens come
@@ -355,20 +380,37 @@ class AdmissionController:
             held, held_tokens, prompt_tokens, self.queued_requests, self.queued_tokens
         )
         predicted = prediction[0] + margin + extra
+        schedule = self.budget_slots
+        own = schedule.own_wait_s(tenant, self.queued_by_tenant.get(tenant, 0) + requests)
+        if own is not None:
+            predicted = max(predicted, own)
         if predicted <= budget:
             return
-        # The work ahead drains one second per second: admitted once it is within budget.
         # What the request would take alone no wait removes: a budget below it is admitted
         # (a 429 would send it back forever to an idle server).
         alone = (self.wait.alone_s(prompt_tokens) or 0.0) + margin
         if alone >= budget:
             return
+        wait_s = predicted - budget
+        slot_s = 0.0
+        if promised and math.isfinite(predicted):
+            # one slot: the time this request's own work adds to the queue's prediction,
+            # so that the slots admit no faster than the predicted work drains
+            slot_s = self.wait.extra_s(
+                requests, prompt_tokens, prompt_tokens, self.queued_requests, self.queued_tokens
+            )
+            slot_s = max(slot_s, 1e-3)
+            own_rate = schedule.tenant_rate(tenant)
+            own_slot_s = requests / own_rate if own_rate else 0.0
+            earliest = max(prediction[0] + margin, own or 0.0) - budget
+            wait_s = schedule.place(tenant, earliest, slot_s, own_slot_s)
         refuse(
             f"the predicted time to first token ({_ms(predicted)} ms) exceeds this "
             f"request's budget ({_ms(budget)} ms, {BUDGET_HEADER}); retry later",
-            predicted - budget,
+            wait_s,
             math.isfinite(predicted),  # no time in sight: a guess, no promise
             code="ttft_budget_exceeded",
+            slot_s=slot_s,
         )
 
     def _departures(self, n: int, held: int) -> tuple[float, bool]:
@@ -450,6 +492,7 @@ class AdmissionController:
         else:
             self.queued_by_tenant.pop(tenant, None)
         self._rate += requests / self._tau  # each departure's impulse on the EWMA of a rate
+        self.budget_slots.departed(tenant, requests)
         self._peak_running = max(self._peak_running, self.in_flight - self.queued_requests)
 
     def _decay(self, now: float) -> None:

@@ -215,6 +215,8 @@ class Promise:
         rank: its place in line among the promises (monotonic time): the time its request
             was first told to come back at. A request refused again on its return keeps the
             rank of the promise it claimed, so it stays ahead of the promises due after it.
+        slot_s: the length of the admission slot reserved for it at ``due``
+            (``admission_slots``; 0: none). Back at its slot, it is admitted into it.
     """
 
     fingerprint: Hashable
@@ -224,6 +226,7 @@ class Promise:
     tokens: int
     ahead: int = 0
     rank: float = 0.0
+    slot_s: float = 0.0
 
 
 class Promises:
@@ -298,15 +301,24 @@ class Promises:
         tokens: int,
         ahead: int = 0,
         rank: float | None = None,
+        slot_s: float = 0.0,
     ) -> None:
         """Hold ``requests`` places of ``tokens`` prompt tokens for ``fingerprint``, due in
         ``wait_s`` seconds (> 0), predicted from ``ahead`` departures; ``rank``: its place in
-        line (``Promise.rank``; ``None``: its due time, a new request's)."""
+        line (``Promise.rank``; ``None``: its due time, a new request's); ``slot_s``: the
+        admission slot reserved for it (``Promise.slot_s``)."""
         now = self._clock()
         due = now + wait_s
         expires = due + self.grace_s + self.grace_fraction * wait_s
         p = Promise(
-            fingerprint, due, expires, requests, tokens, ahead, due if rank is None else rank
+            fingerprint,
+            due,
+            expires,
+            requests,
+            tokens,
+            ahead,
+            due if rank is None else rank,
+            slot_s,
         )
         pid = next(self._ids)
         self._by_id[pid] = p

@@ -9,8 +9,9 @@ prefill rate, running decodes over the decode rate, and the wait for a free seat
 the places promised to refused requests coming back add (``admission_wait``). An admitted
 answer carries the engine's prediction as ``x-prefixgate-predicted-ttft-ms``. Until the engine has
 measured its rates it predicts nothing and every request is admitted. ``Retry-After`` is the
-predicted wait beyond the budget: the work ahead drains one second per second, so that is when
-the request's prediction is within its budget.
+time of an admission slot reserved for the request (``admission_slots``): the first free one
+once its prediction is within its budget, after the slots of the requests refused before it.
+Back at its slot, the request is admitted into it.
 """
 
 from __future__ import annotations
