@@ -80,6 +80,18 @@ def _refused(ctl: AdmissionController, fingerprint: object, **kw: Any) -> float:
     return exc.value.retry_after
 
 
+def _first_budget_refusal() -> tuple[Clock, RatedEngine, AdmissionController, float, float]:
+    """A controller over 10 waiting requests (rates measured) that has just refused request
+    ``a`` on a 1 s TTFT budget: the clock, engine, controller, the engine's predicted TTFT
+    for 100 tokens (s) and the Retry-After ``a`` was told (s)."""
+    clock = Clock()
+    engine = RatedEngine(waiting=10)
+    ctl = _ctl(engine, clock)
+    predicted = engine.predict_ttft(100)
+    assert predicted is not None
+    return clock, engine, ctl, predicted, _refused(ctl, "a", budget_s=1.0)
+
+
 def test_departure_time_from_known_rates():
     wait = EngineWait(RatedEngine(waiting=3), SEQS, BUDGET_TOKENS)  # type: ignore[arg-type]
     # n-th departure: n - 1 requests of 100 tokens ahead, every seat taken. The seat frees
@@ -171,12 +183,7 @@ def test_promises_due_later_never_hold_an_idle_server():
 
 
 def test_a_budget_refusal_counts_the_promised_work_ahead():
-    clock = Clock()
-    engine = RatedEngine(waiting=10)
-    ctl = _ctl(engine, clock)
-    predicted = engine.predict_ttft(100)
-    assert predicted is not None
-    first = _refused(ctl, "a", budget_s=1.0)
+    clock, engine, ctl, predicted, first = _first_budget_refusal()
     assert first == pytest.approx(predicted - 1.0)
     second = _refused(ctl, "b", budget_s=1.0)
     # b is behind a: one more seat to wait for (1/4 s)
@@ -391,12 +398,7 @@ def test_a_request_refused_on_its_budget_is_admitted_at_the_slot_it_was_told():
     # departure's place taken by an earlier promise's return. Now a budget refusal reserves an
     # admission slot (admission_slots.SlotSchedule), one request's work long, after the slots
     # of those refused before it; back at its slot, the request is admitted into it.
-    clock = Clock()
-    engine = RatedEngine(waiting=10)
-    ctl = _ctl(engine, clock)
-    predicted = engine.predict_ttft(100)
-    assert predicted is not None
-    first = _refused(ctl, "a", budget_s=1.0)
+    clock, engine, ctl, predicted, first = _first_budget_refusal()
     assert first == pytest.approx(predicted - 1.0)  # the queue within the budget
     second = _refused(ctl, "b", budget_s=1.0)
     assert second == pytest.approx(first + 0.25, abs=0.02)  # a's slot: one seat (1/4 s)
