@@ -534,7 +534,10 @@ def _cache_object(entry: ProxyPrefix) -> dict[str, Any]:
 
 
 def _unimplemented(what: str, param: str) -> APIError:
-    return APIError(501, f"{what} is not available in proxy mode", param=param, code="unsupported")
+    """A field the proxy's prefix API cannot honour: a 400 naming it (``INVALID_ARGUMENT``),
+    as for any field not implemented; not a 5xx, which clients retry and probes count as the
+    server's fault."""
+    return APIError(400, f"{what} is not available in proxy mode", param=param, code="unsupported")
 
 
 @error_dialect(GEMINI)
