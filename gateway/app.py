@@ -109,27 +109,7 @@ def create_app(
     app, st = _base_app(settings, settings_checked, key_specs)
     local = app[LOCAL] = LocalServing()
     app[PROMPT_LOG] = PromptLog()  # recent Messages prompts, for their cache diagnostics
-    app.router.add_get("/ready", ready_local, expect_handler=expect_continue)
-    r = app.router
-    r.add_post(
-        "/v1/chat/completions", openai_routes.chat_completions, expect_handler=expect_continue
-    )
-    r.add_post("/v1/completions", openai_routes.completions, expect_handler=expect_continue)
-    r.add_post("/v1/responses", responses_api.create_response, expect_handler=expect_continue)
-    r.add_post("/v1/messages", messages.create_message, expect_handler=expect_continue)
-    r.add_post("/v1/messages/count_tokens", messages.count_tokens, expect_handler=expect_continue)
-    r.add_post("/v1/embeddings", embeddings.create_embeddings, expect_handler=expect_continue)
-    r.add_post("/tokenize", tokenize.tokenize, expect_handler=expect_continue)
-    r.add_post("/detokenize", tokenize.detokenize, expect_handler=expect_continue)
-    models = models_route(openai_routes.list_models, gemini.list_models)
-    r.add_get("/v1/models", models, expect_handler=expect_continue)
-    model = models_route(openai_routes.get_model, gemini.get_model)
-    r.add_get("/v1/models/{model}", model, expect_handler=expect_continue)
-    r.add_post("/v1/prefixes", prefix_routes.create_prefix, expect_handler=expect_continue)
-    r.add_get("/v1/prefixes/{prefix_id}", prefix_routes.get_prefix, expect_handler=expect_continue)
-    r.add_delete(
-        "/v1/prefixes/{prefix_id}", prefix_routes.delete_prefix, expect_handler=expect_continue
-    )
+    _add_api_routes(app, proxy_mode=False)
     gemini.add_routes(app, expect_continue)
 
     async def release_prefixes(app: web.Application) -> None:
@@ -216,20 +196,7 @@ def create_proxy_app(
         st.metrics.registry.register(collector)
     st.model_name = st.model_name or "upstream"
     st.ready = True
-    r = app.router
-    r.add_get("/ready", ready_proxy, expect_handler=expect_continue)
-    r.add_post("/v1/chat/completions", proxy_routes.proxy_generate, expect_handler=expect_continue)
-    r.add_post("/v1/completions", proxy_routes.proxy_generate, expect_handler=expect_continue)
-    for path in ("/v1/responses", "/v1/embeddings", "/tokenize", "/detokenize"):
-        r.add_post(path, proxy_routes.local_mode_only, expect_handler=expect_continue)
-    r.add_post("/v1/messages", messages_relay.create_message, expect_handler=expect_continue)
-    r.add_post(
-        "/v1/messages/count_tokens", messages_relay.count_tokens, expect_handler=expect_continue
-    )
-    models = models_route(proxy_routes.proxy_get, gemini_relay.list_models)
-    r.add_get("/v1/models", models, expect_handler=expect_continue)
-    model = models_route(proxy_routes.proxy_get, gemini_relay.get_model)
-    r.add_get("/v1/models/{model}", model, expect_handler=expect_continue)
+    _add_api_routes(app, proxy_mode=True)
     gemini_relay.add_routes(app, expect_continue)
     app[PROXY] = ProxyServing(
         router,
@@ -241,17 +208,6 @@ def create_proxy_app(
         ),
     )
     app[FDS_PER_CONNECTION] = 2  # each client connection may hold one to an upstream
-    r.add_post("/v1/prefixes", proxy_prefix_routes.create_prefix, expect_handler=expect_continue)
-    r.add_get(
-        "/v1/prefixes/{prefix_id}",
-        proxy_prefix_routes.get_prefix,
-        expect_handler=expect_continue,
-    )
-    r.add_delete(
-        "/v1/prefixes/{prefix_id}",
-        proxy_prefix_routes.delete_prefix,
-        expect_handler=expect_continue,
-    )
 
     scraper = (
         MetricsLoadScraper(router, s.upstream_metrics_interval_s)
@@ -559,3 +515,50 @@ def _viewer(request: web.Request) -> MetricsView:
     for pub, replay in st.settings.upstream_kv_events.values():
         hidden += [pub, *([replay] if replay else [])]
     return MetricsView(own=principal.name if principal else None, hidden=tuple(hidden))
+
+
+# The API's routes in both modes, one table: (method, path, the handler in local mode, the
+# handler in proxy mode). Gemini's routes follow them (``add_routes`` of ``local.gemini`` and
+# ``proxy.gemini_relay``, one table of their own); the fallback route comes last.
+_API_ROUTES: tuple[tuple[str, str, Handler, Handler], ...] = (
+    ("GET", "/ready", ready_local, ready_proxy),
+    ("POST", "/v1/chat/completions", openai_routes.chat_completions, proxy_routes.proxy_generate),
+    ("POST", "/v1/completions", openai_routes.completions, proxy_routes.proxy_generate),
+    ("POST", "/v1/responses", responses_api.create_response, proxy_routes.local_mode_only),
+    ("POST", "/v1/messages", messages.create_message, messages_relay.create_message),
+    ("POST", "/v1/messages/count_tokens", messages.count_tokens, messages_relay.count_tokens),
+    ("POST", "/v1/embeddings", embeddings.create_embeddings, proxy_routes.local_mode_only),
+    ("POST", "/tokenize", tokenize.tokenize, proxy_routes.local_mode_only),
+    ("POST", "/detokenize", tokenize.detokenize, proxy_routes.local_mode_only),
+    (
+        "GET",
+        "/v1/models",
+        models_route(openai_routes.list_models, gemini.list_models),
+        models_route(proxy_routes.proxy_get, gemini_relay.list_models),
+    ),
+    (
+        "GET",
+        "/v1/models/{model}",
+        models_route(openai_routes.get_model, gemini.get_model),
+        models_route(proxy_routes.proxy_get, gemini_relay.get_model),
+    ),
+    ("POST", "/v1/prefixes", prefix_routes.create_prefix, proxy_prefix_routes.create_prefix),
+    ("GET", "/v1/prefixes/{prefix_id}", prefix_routes.get_prefix, proxy_prefix_routes.get_prefix),
+    (
+        "DELETE",
+        "/v1/prefixes/{prefix_id}",
+        prefix_routes.delete_prefix,
+        proxy_prefix_routes.delete_prefix,
+    ),
+)
+
+
+def _add_api_routes(app: web.Application, *, proxy_mode: bool) -> None:
+    """``_API_ROUTES``' handlers of one mode on ``app``, each answering ``Expect:
+    100-continue`` through ``expect_continue`` (a GET also HEAD, as ``add_get`` does)."""
+    for method, path, local, proxy in _API_ROUTES:
+        handler = proxy if proxy_mode else local
+        if method == "GET":
+            app.router.add_get(path, handler, expect_handler=expect_continue)
+        else:
+            app.router.add_route(method, path, handler, expect_handler=expect_continue)
