@@ -26,7 +26,6 @@ from prefixgate.engine.config import EngineConfig
 from prefixgate.engine.errors import EngineDeadError
 from prefixgate.engine.front_end import EngineFrontEnd
 from prefixgate.engine.llm_engine import LLMEngine, PinJob
-from prefixgate.engine.load_model import estimate_ttft
 from prefixgate.engine.outputs import StepOutput
 from prefixgate.engine.protocol import EngineRequest, PinRequest
 from prefixgate.engine.request import Request
@@ -216,13 +215,8 @@ class AsyncEngine(EngineFrontEnd):
         Raises:
             ValueError / TypeError: bad token counts.
         """
-        cfg = self.engine.config
-        return estimate_ttft(
-            self.stats(),
-            cfg.max_num_seqs,
-            cfg.max_num_batched_tokens,
-            num_prompt_tokens,
-            num_cached_tokens,
+        return self.engine.scheduler.predict_ttft(
+            num_prompt_tokens, num_cached_tokens, stats=self.stats()
         )
 
     def check_invariants(self) -> None:

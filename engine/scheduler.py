@@ -728,16 +728,23 @@ class Scheduler:
         )
         return waiting + running
 
-    def predict_ttft(self, num_prompt_tokens: int, num_cached_tokens: int = 0) -> float | None:
+    def predict_ttft(
+        self,
+        num_prompt_tokens: int,
+        num_cached_tokens: int = 0,
+        stats: Mapping[str, Any] | None = None,
+    ) -> float | None:
         """Predicted seconds until a request of ``num_prompt_tokens`` (``num_cached_tokens`` of
         them prefix-cache hits) arriving now would get its first token; ``estimate_ttft`` on
-        this scheduler's ``load_stats()``. ``None`` before the rates are measured.
+        ``stats`` (a caller's ``load_stats()``/``stats()`` snapshot, read only with this
+        scheduler's bounds: safe from another thread) or, when None, ``load_stats()`` now.
+        ``None`` before the rates are measured.
 
         Raises:
             ValueError / TypeError: see ``estimate_ttft``.
         """
         return estimate_ttft(
-            self.load_stats(),
+            self.load_stats() if stats is None else stats,
             self.max_num_seqs,
             self.max_num_batched_tokens,
             num_prompt_tokens,

@@ -41,7 +41,6 @@ from prefixgate.engine.block_hash import (
 from prefixgate.engine.config import EngineConfig
 from prefixgate.engine.kv_events import KVEventCollector, ParsedEvent
 from prefixgate.engine.llm_engine import LLMEngine
-from prefixgate.engine.load_model import estimate_ttft
 from prefixgate.engine.protocol import EngineRequest
 from prefixgate.engine.sampling_params import SamplingParams
 from prefixgate.engine.sim_runner import VirtualClock, apply_decodes, plan_decodes
@@ -374,13 +373,8 @@ class _EngineLoad:
         return self.snapshot
 
     def predict_ttft(self, num_prompt_tokens: int, num_cached_tokens: int = 0) -> float | None:
-        s = self.engine.scheduler
-        return estimate_ttft(
-            self.stats(),
-            s.max_num_seqs,
-            s.max_num_batched_tokens,
-            num_prompt_tokens,
-            num_cached_tokens,
+        return self.engine.scheduler.predict_ttft(
+            num_prompt_tokens, num_cached_tokens, stats=self.stats()
         )
 
 
