@@ -452,9 +452,10 @@ def test_proxy_caches_on_the_upstream_prefix_api(server, proxy, pool_whole):
     )
     assert r.usage_metadata.cached_content_token_count >= 48
     # what the upstream prefix API cannot do: said plainly
-    with pytest.raises(genai_errors.ServerError) as e:  # 5xx: the SDK's ServerError
+    with pytest.raises(genai_errors.ClientError) as e:  # a field not implemented: a 400
         pc.caches.update(name=cache.name, config=types.UpdateCachedContentConfig(ttl="600s"))
-    assert e.value.code == 501 and e.value.status == "UNIMPLEMENTED"
+    assert e.value.code == 400 and e.value.status == "INVALID_ARGUMENT"
+    assert e.value.details["error"]["details"][0]["fieldViolations"][0]["field"] == "ttl"
     other = _client(proxy, PROXY_B)
     assert cache.name not in [c.name for c in other.caches.list()]
     with pytest.raises(genai_errors.ClientError) as e:
