@@ -1,6 +1,6 @@
 """prefixgate serve beside vLLM's CPU server, same shape, same threads, rounds interleaved.
 
-``python examples/benchmarks/vllm_cpu_peer.py [--rounds 3] [--threads 2] [--json OUT]``
+``python -m examples.benchmarks.vllm_cpu_peer [--rounds 3] [--threads 2] [--json OUT]``
 
 Both servers hold the same model shape (default ``../shared/models/smollm2-135m-shape``) with
 dummy weights in float32, ``--threads`` torch threads and ``--kv-gib`` GiB of KV cache:
