@@ -10,8 +10,8 @@ waiting it did not (docs/benchmarks/threads.md).
 
 Every entry point gets it without an environment variable: ``prefixgate serve`` sets it in
 ``gateway/cli.py``, and importing the ``prefixgate.engine`` package (which ``LLM``,
-``AsyncEngine``, ``LLMEngine`` and ``python -m examples.benchmarks.*`` all do before their
-own modules load torch) calls :func:`note_engine_import`, which sets it where torch is not
+``AsyncEngine``, ``LLMEngine`` and ``python -m examples.benchmarks.*``, through
+``examples/benchmarks/__init__.py``, all do before their own modules load torch) calls :func:`note_engine_import`, which sets it where torch is not
 loaded yet. Where torch was imported first, OpenMP already runs with its default (spinning
 ~300,000 rounds for the next parallel region; GNU libgomp, torch's CPU wheels): the process
 cannot change that any more, so :func:`apply_threads` then runs an engine whose ``threads``

@@ -58,12 +58,14 @@ def policy_env(name: str) -> dict[str, str]:
 
 
 def child(args) -> int:
-    """One measurement (in its own process): prints ``{"tok_s": ...}``."""
-    import torch
+    """One measurement (in its own process): prints ``{"tok_s": ...}``. The engine is imported
+    before torch, as a user's program does (``api``: the engine's import then sets passive
+    waiting; torch first would measure OpenMP's default instead, engine/threads.py)."""
     from prefixgate.engine import LLM, SamplingParams
+    from torch import get_num_threads
 
     llm = LLM(args.model, load_format="dummy", dtype="float32", device="cpu", threads=args.threads)
-    assert torch.get_num_threads() == args.threads
+    assert get_num_threads() == args.threads
     prompt = list(range(10, 10 + args.prompt_len))
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
