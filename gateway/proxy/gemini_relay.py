@@ -57,6 +57,7 @@ from prefixgate.gateway.proxy.relay import EventChecker, StreamBroken, broke_mid
 from prefixgate.gateway.proxy.routes import (
     model_cards,
     upstream_headers,
+    upstream_model_ids,
 )
 from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import Upstream
@@ -502,23 +503,43 @@ async def _count(call: _Call, chat: Chat) -> web.StreamResponse:
 
 @error_dialect(GEMINI)
 async def list_models(request: web.Request) -> web.Response:
-    """GET /v1beta/models: the models the upstreams serve."""
-    st = request.app[STATE]
-    st.keys.authenticate(request)
-    cards = model_cards(request.app[PROXY].router) or {}
-    return web.json_response(
-        {"models": [model_object(name, _DESCRIPTION) for name in sorted(cards)]}
-    )
+    """GET /v1beta/models: the models the upstreams serve (``_served``)."""
+    names = await _served(request)
+    return web.json_response({"models": [model_object(name, _DESCRIPTION) for name in names]})
 
 
 @error_dialect(GEMINI)
 async def get_model(request: web.Request) -> web.Response:
-    """GET /v1beta/models/{model}; 404 when no upstream serves it."""
+    """GET /v1beta/models/{model}; 404 when no upstream serves it (``_served``)."""
     refuse_get_of_method(request)
     st = request.app[STATE]
-    st.keys.authenticate(request)
-    name = _public_model(request.match_info["target"], st, request.app[PROXY].router)
+    router = request.app[PROXY].router
+    if model_cards(router) is not None:
+        st.keys.authenticate(request)
+        name = _public_model(request.match_info["target"], st, router)
+    else:  # the router resolves any name while it knows no model: ask an upstream
+        name = request.match_info["target"].removeprefix("models/")
+        if name not in await _served(request):
+            raise APIError(
+                404, f"models/{name[:80]} is not found", param="model", code="model_not_found"
+            )
     return web.json_response(model_object(name, _DESCRIPTION))
+
+
+async def _served(request: web.Request) -> list[str]:
+    """The names of the models the upstreams serve, sorted: the ones the gateway knows
+    (``model_cards``), else an upstream's own list asked with the client's credential
+    (``upstream_model_ids``: every upstream down, or each needing the client's key to list
+    its models).
+
+    Raises:
+        APIError: 401 (the key), the upstream's refusal (401, 503 no healthy upstream).
+    """
+    principal = request.app[STATE].keys.authenticate(request)
+    cards = model_cards(request.app[PROXY].router)
+    if cards is not None:
+        return sorted(cards)
+    return sorted(await upstream_model_ids(request, principal))
 
 
 # --- cachedContents on the proxy's prefix API -----------------------------------------------

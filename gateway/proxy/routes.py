@@ -253,6 +253,25 @@ async def proxy_get(request: web.Request) -> web.StreamResponse:
     return web.json_response(card)
 
 
+async def upstream_model_ids(request: web.Request, principal: Principal) -> list[str]:
+    """The ids of the models an upstream lists: ``GET /v1/models`` forwarded as ``proxy_get``
+    forwards it while no upstream's models are known (``model_cards`` None: every upstream
+    down, or each needing the client's key to list them), with the request's credential,
+    whatever the request's own path and query (a Gemini route's ``?key=`` never reaches the
+    upstream's URL).
+
+    Raises:
+        APIError: the upstream's refusal as the client's (401 about the credential, 503 no
+            healthy upstream).
+    """
+    st = request.app[STATE]
+    resp = await _forward(request, st, principal, None, None, None, None, path="/v1/models")
+    body = resp.body if isinstance(resp, web.Response) else None
+    if resp.status != 200 or not isinstance(body, bytes):  # checked as a ModelList already
+        raise APIError(502, "the upstream's model list could not be read", code="upstream_error")
+    return [str(card["id"]) for card in json.loads(body)["data"]]
+
+
 def model_cards(router: UpstreamRouter) -> dict[str, dict[str, Any]] | None:
     """The models the gateway serves, by id, as cards (``/v1/models``): each upstream's own
     card, the first upstream's where several serve one; a config's model (or alias) has the
@@ -290,13 +309,15 @@ async def _forward(
     ticket: Any,
     outcome: _Outcome | None,
     pinned: Upstream | None = None,
+    path: str | None = None,
 ) -> web.StreamResponse:
     """Forward through the attempt loop (``attempts.each_upstream``: the upstream routing
     picks, the next one of the model on a failure before the answer, then the model's
     fallbacks), or only to ``pinned`` (a prefix's upstream: ``PinnedLost`` when it fails
     before the answer or answers 404 ``prefix_not_found``); each attempt in its upstream's
-    dialect (``_Forward.attempt``)."""
-    call = _Forward(request, principal, bodies, route, ticket, outcome, pinned)
+    dialect (``_Forward.attempt``). ``path``: the upstream path (and query) asked, when not
+    the request's own."""
+    call = _Forward(request, principal, bodies, route, ticket, outcome, pinned, path)
     return await each_upstream(call, call.attempt, pinned)
 
 
@@ -314,14 +335,17 @@ class _Forward(Call):
         ticket: Any,
         outcome: _Outcome | None,
         pinned: Upstream | None,
+        path: str | None = None,
     ) -> None:
         super().__init__(request, route, principal)
+        self.path_qs = path or request.path_qs
         self.bodies = bodies
         self.ticket = ticket
         self.outcome = outcome
         self.pinned = pinned
         self.stream = bodies is not None and bodies.stream
-        self.shape = answer_model(request.path, self.stream)  # the model answers must fit
+        # the model answers must fit
+        self.shape = answer_model(self.path_qs.split("?", 1)[0], self.stream)
 
     async def attempt(self, up: Upstream) -> web.StreamResponse:
         if up.dialect == "anthropic":
@@ -355,7 +379,7 @@ class _Forward(Call):
         assert session is not None  # opened on the app's startup
         headers = upstream_headers(request, self.st, up)
         if self.bodies is None:
-            ctx = session.get(up.url + request.path_qs, headers=headers, ssl=up.ssl)
+            ctx = session.get(up.url + self.path_qs, headers=headers, ssl=up.ssl)
         else:
             body = self.bodies.for_upstream(up, route.model if route is not None else None)
             ctx = session.post(up.url + request.path, data=body, headers=headers, ssl=up.ssl)

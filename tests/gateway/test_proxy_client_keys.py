@@ -17,6 +17,7 @@ from prefixgate.gateway.settings import GatewaySettings
 from support.anthropic_stub import AnthropicStub
 from support.chat_stub import ChatStub
 from support.fake_engine import FakeEngine, assert_idle_and_whole
+from support.net import free_port
 
 KEY = "sk-good"
 HI = [{"role": "user", "content": "hi"}]
@@ -157,3 +158,44 @@ def test_the_bearer_scheme_is_read_in_any_case_everywhere(tmp_path: Path, scheme
             assert r.status_code == 200, r.text  # the gateway's own keys: the same reading
     assert claude.headers[-1]["x-api-key"] == KEY, claude.headers[-1]
     assert openai.headers[0]["Authorization"] == f"Bearer {KEY}", openai.headers
+
+
+@pytest.mark.parametrize(
+    ("path", "how"),
+    [
+        ("/v1beta/models", "x-goog-api-key"),
+        ("/v1beta/models", "query"),
+        ("/v1/models", "x-goog-api-key"),  # google-genai's default API version
+    ],
+)
+def test_an_open_proxy_lists_a_keyed_upstreams_models_to_a_google_client(keyed_upstream, path, how):
+    """An open proxy knows no model of an upstream that wants the client's key to list them:
+    Gemini's list and get ask that upstream with the client's key, as the OpenAI list does.
+    Was: ``{"models": []}`` with a 200 (google-genai's ``models.list()`` == []), any name a
+    served ``Model`` with a 200, and a wrong key a 200 too."""
+    gw, seen = keyed_upstream
+    headers, params = _send(how)
+    seen.clear()
+    r = httpx.get(gw.url + path, headers=headers, params=params, timeout=10)
+    assert r.status_code == 200, r.text
+    assert [m["name"] for m in r.json()["models"]] == ["models/fake"], r.text
+    assert seen and all(KEY not in p for p in seen), seen  # never in the upstream's URL
+    r = httpx.get(f"{gw.url}{path}/fake", headers=headers, params=params, timeout=10)
+    assert r.status_code == 200 and r.json()["name"] == "models/fake", r.text
+    r = httpx.get(f"{gw.url}{path}/no-such-model", headers=headers, params=params, timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["status"] == "NOT_FOUND", r.text
+    bad_headers = {k: "sk-bad" for k in headers}
+    bad_params = {k: "sk-bad" for k in params}
+    for url in (gw.url + path, f"{gw.url}{path}/fake"):
+        r = httpx.get(url, headers=bad_headers, params=bad_params, timeout=10)
+        assert r.status_code == 401 and r.json()["error"]["status"] == "UNAUTHENTICATED", r.text
+
+
+def test_a_proxy_with_no_upstream_up_says_so_to_a_google_client():
+    """Was: ``{"models": []}`` and any name a served ``Model``, with a 200, while the OpenAI
+    list said 503 "no healthy upstream"."""
+    down = f"http://127.0.0.1:{free_port()}"
+    with BackgroundServer(lambda: create_proxy_app([down], GatewaySettings())) as gw:
+        for path in ("/v1beta/models", "/v1beta/models/fake", "/v1/models"):
+            r = httpx.get(gw.url + path, headers={"x-goog-api-key": KEY}, timeout=10)
+            assert r.status_code == 503 and r.json()["error"]["status"] == "UNAVAILABLE", r.text
