@@ -138,12 +138,16 @@ def dialect_of_path(path: str) -> str:
 
 
 def dialect_of(request: web.Request) -> str:
-    """The error dialect of the request's matched route: its handler's ``error_dialect`` mark,
-    else ``GEMINI`` on Gemini's paths (``is_gemini_path``), else ``"openai"``."""
+    """The error dialect of the request's matched route: its handler's ``error_dialect`` mark
+    (a dialect, or a function of the request giving one: a route answering each client in
+    its own dialect), else ``GEMINI`` on Gemini's paths (``is_gemini_path``), else
+    ``"openai"``."""
     handler = getattr(request.match_info, "handler", None)
     mark = getattr(handler, "error_dialect", None)
+    if callable(mark):
+        return str(mark(request))
     if mark is not None:
-        return mark
+        return str(mark)
     return GEMINI if is_gemini_path(request.path) else "openai"
 
 

@@ -29,21 +29,34 @@ def models_route(openai: Handler, gemini: Handler) -> Handler:
     route."""
 
     async def handler(request: web.Request) -> web.StreamResponse:
-        if GOOGLE_KEY_HEADER in request.headers:
+        dialect = client_dialect(request)
+        if dialect == GEMINI:
             if "model" in request.match_info:  # Gemini's handlers read the name as {target}
                 request.match_info["target"] = request.match_info["model"]
             try:
                 return await gemini(request)
             except APIError as exc:
                 return exc.response(GEMINI)
-        if ANTHROPIC_VERSION_HEADER in request.headers:
+        if dialect == ANTHROPIC:
             try:
                 return _as_anthropic(request, await openai(request))
             except APIError as exc:
                 return exc.response(ANTHROPIC)
         return await openai(request)
 
+    # the errors given before the handler runs (401 of the key, 503 while the model loads)
+    handler.error_dialect = client_dialect  # type: ignore[attr-defined]
     return handler
+
+
+def client_dialect(request: web.Request) -> str:
+    """The dialect of the client asking for the models (module docstring): ``GEMINI``,
+    ``ANTHROPIC`` or ``"openai"``."""
+    if GOOGLE_KEY_HEADER in request.headers:
+        return GEMINI
+    if ANTHROPIC_VERSION_HEADER in request.headers:
+        return ANTHROPIC
+    return "openai"
 
 
 def _as_anthropic(request: web.Request, resp: web.StreamResponse) -> web.StreamResponse:

@@ -56,3 +56,36 @@ def test_anthropic_client_lists_and_retrieves_models_proxy():
             _check_client(gw.url, ["alpha", "beta"])
     finally:
         stub.stop()
+
+
+@pytest.mark.parametrize("mode", ["local", "proxy"])
+def test_a_refused_key_on_the_models_routes_is_told_in_the_clients_dialect(serve_fake, mode):
+    """The key is checked before the route's handler (``app.require_key``): its 401 took the
+    OpenAI shape to an Anthropic and a Google client whatever the mode (the anthropic
+    client's ``AuthenticationError.body`` had no ``type: error``)."""
+    keyed = GatewaySettings(model_name="fake", api_keys=["sk-good"])
+    stub = StubServer(ttft_s=0.0, token_delay_s=0.0, models=("fake",)).start()
+    try:
+        if mode == "local":
+            url = serve_fake(keyed)[0].url
+            _check_refusals(url)
+        else:
+            with BackgroundServer(lambda: create_proxy_app([stub.base_url], keyed)) as gw:
+                _check_refusals(gw.url)
+    finally:
+        stub.stop()
+
+
+def _check_refusals(url: str) -> None:
+    for path in ("/v1/models", "/v1/models/fake"):
+        r = httpx.get(url + path, headers={"x-api-key": "sk-bad", "anthropic-version": "1"})
+        assert r.status_code == 401, r.text
+        assert r.json()["type"] == "error", r.text
+        assert r.json()["error"]["type"] == "authentication_error", r.text
+        r = httpx.get(url + path, headers={"x-goog-api-key": "sk-bad"})
+        assert r.status_code == 401, r.text
+        assert r.json()["error"]["status"] == "UNAUTHENTICATED", r.text
+        r = httpx.get(url + path, headers={"Authorization": "Bearer sk-bad"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+        r = httpx.get(url + path, headers={"x-api-key": "sk-good", "anthropic-version": "1"})
+        assert r.status_code == 200, r.text

@@ -58,7 +58,9 @@ def _check_refused(url: str, routes: list[tuple[str, str]]) -> None:
                 r = http.request(method, path, content=body, headers=headers)
                 assert r.status_code == 401, (method, path, headers, r.text)
                 message = r.json()["error"]["message"]
-                if is_gemini_path(path):  # Gemini's shape (/v1beta, /v1/models/x:method)
+                # Gemini's shape (/v1beta, /v1/models/x:method; the models to a Google client)
+                google = path.startswith("/v1/models") and "x-goog-api-key" in headers
+                if is_gemini_path(path) or google:
                     assert r.json()["error"]["status"] == "UNAUTHENTICATED", r.text
                     # the header Google's clients send
                     if "incorrect" not in message:
