@@ -538,7 +538,7 @@ _API_ROUTES: tuple[tuple[str, str, Handler, Handler], ...] = (
     ),
     (
         "GET",
-        "/v1/models/{model}",
+        "/v1/models/{model:.+}",  # a hub id (org/name) sent unquoted, as google-genai sends it
         models_route(openai_routes.get_model, gemini.get_model),
         models_route(proxy_routes.proxy_get, gemini_relay.get_model),
     ),

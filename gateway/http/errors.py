@@ -117,7 +117,7 @@ def error_dialect(dialect: str) -> Callable[[Handler], Handler]:
     return mark
 
 
-_GEMINI_V1_METHOD = re.compile(r"/v1/models/[^/]+:[A-Za-z]+\Z")
+_GEMINI_V1_METHOD = re.compile(r"/v1/models/.+:[A-Za-z]+\Z")  # a model name may hold '/'
 
 
 def is_gemini_path(path: str) -> bool:

@@ -76,8 +76,10 @@ async def no_route(request: web.Request) -> web.Response:
 
 # ``POST /v1/models/{model}:{method}``: Gemini's stable ``v1`` API, google-genai's default
 # (``HttpOptions.api_version``). Only a path with a ``:method`` is Gemini's: ``/v1/models/{id}``
-# itself stays the OpenAI route.
-V1_MODEL_METHOD = "/v1/models/{target:[^/]+:[A-Za-z]+}"
+# itself stays the OpenAI route. A model's name may hold slashes (a hub id, ``org/name``, the
+# default served name), which google-genai sends unquoted: ``{target}`` takes them.
+V1_MODEL_METHOD = "/v1/models/{target:.+:[A-Za-z]+}"
+MODEL_TARGET = "/v1beta/models/{target:.+}"
 
 
 def add_gemini_routes(app: web.Application, handlers: Any, expect_handler: Any) -> None:
@@ -88,8 +90,8 @@ def add_gemini_routes(app: web.Application, handlers: Any, expect_handler: Any) 
     h = handlers
     r.add_post(V1_MODEL_METHOD, h.model_method, expect_handler=expect_handler)
     r.add_get("/v1beta/models", h.list_models, expect_handler=expect_handler)
-    r.add_get("/v1beta/models/{target}", h.get_model, expect_handler=expect_handler)
-    r.add_post("/v1beta/models/{target}", h.model_method, expect_handler=expect_handler)
+    r.add_get(MODEL_TARGET, h.get_model, expect_handler=expect_handler)
+    r.add_post(MODEL_TARGET, h.model_method, expect_handler=expect_handler)
     r.add_post("/v1beta/cachedContents", h.create_cache, expect_handler=expect_handler)
     r.add_get("/v1beta/cachedContents", h.list_caches, expect_handler=expect_handler)
     r.add_get("/v1beta/cachedContents/{cache_id}", h.get_cache, expect_handler=expect_handler)

@@ -212,3 +212,33 @@ def test_the_model_list_under_v1_is_geminis_to_a_google_client(serve_fake, proxy
     _check_models(srv.url, "x")
     gw, _ = proxy_in_front
     _check_models(gw.url, "k1")
+
+
+@pytest.mark.parametrize("mode", ["local", "proxy"])
+def test_a_model_named_with_a_slash_is_served_to_google_genai(serve_fake, mode):
+    """A hub id (``org/name``, the default served name of ``--model org/name``) reaches the
+    routes unquoted from google-genai (``models/org/fake:generateContent``). Was: the list
+    named ``models/org/fake``, and its get, generate and count were 404 "unknown route", under
+    ``/v1`` in the OpenAI shape."""
+    srv, engine = serve_fake(GatewaySettings(model_name="org/fake"))
+    with BackgroundServer(lambda: create_proxy_app([srv.url], GatewaySettings())) as gw:
+        url = srv.url if mode == "local" else gw.url
+        cfg = types.GenerateContentConfig(max_output_tokens=2)
+        for version in ("v1", "v1beta"):
+            client = genai.Client(
+                api_key="x", http_options=types.HttpOptions(base_url=url, api_version=version)
+            )
+            assert [m.name for m in client.models.list()] == ["models/org/fake"]
+            assert client.models.get(model="org/fake").name == "models/org/fake"
+            r = client.models.generate_content(model="org/fake", contents="hi", config=cfg)
+            assert r.usage_metadata.candidates_token_count == 2
+            chunks = client.models.generate_content_stream(
+                model="org/fake", contents="hi", config=cfg
+            )
+            assert list(chunks)[-1].candidates[0].finish_reason == types.FinishReason.MAX_TOKENS
+            assert client.models.count_tokens(model="org/fake", contents="hi").total_tokens
+            with pytest.raises(genai_errors.ClientError) as err:
+                client.models.get(model="org/other")
+            assert err.value.code == 404 and err.value.status == "NOT_FOUND"
+        # an OpenAI client unquoted too (curl)
+        assert httpx.get(url + "/v1/models/org/fake", timeout=10).json()["id"] == "org/fake"
