@@ -126,6 +126,13 @@ def is_gemini_path(path: str) -> bool:
     return path.startswith("/v1beta/") or _GEMINI_V1_METHOD.match(path) is not None
 
 
+def takes_query_key(path: str) -> bool:
+    """Whether a request to ``path`` may send its key as ``?key=`` (Gemini's REST form):
+    Gemini's paths (``is_gemini_path``) and ``/v1/models[/{model}]``, where Google's REST
+    examples list and get the models (``GET /v1/models?key=...``)."""
+    return is_gemini_path(path) or path == "/v1/models" or path.startswith("/v1/models/")
+
+
 def dialect_of_path(path: str) -> str:
     """The error dialect of a path, for answers given before any route matched (aiohttp's
     parser refusing the request): Gemini's on its paths (``is_gemini_path``), Anthropic's on

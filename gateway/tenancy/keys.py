@@ -59,7 +59,7 @@ from prefixgate.gateway.http.errors import (
     GEMINI,
     APIError,
     dialect_of,
-    is_gemini_path,
+    takes_query_key,
     too_many,
 )
 from prefixgate.gateway.http.headers import header_text
@@ -389,8 +389,8 @@ class KeyRing:
         """The Principal for the request's ``Authorization: Bearer <key>`` header, or, when it
         sends no Authorization, its ``x-api-key: <key>`` header (Anthropic's clients), its
         ``x-goog-api-key: <key>`` header (Gemini's clients) or, on Gemini's routes
-        (``is_gemini_path``: ``/v1beta/...`` and the model methods under ``/v1``) only, its
-        ``?key=<key>`` query parameter (Gemini's REST form).
+        and ``/v1/models`` (``takes_query_key``) only, its ``?key=<key>`` query parameter
+        (Gemini's REST form).
 
         Read once per request: the answer is kept on the request (the middleware's
         ``require_key`` and the route ask the same ring).
@@ -447,8 +447,8 @@ def client_credential(request: web.Request) -> str:
     """The request's credential as an ``Authorization`` value: its ``Authorization`` header
     (a Bearer one spelt ``Bearer <token>``, whatever the scheme's case: ``bearer_token``),
     else ``Bearer <key>`` of its ``x-api-key`` header (Anthropic's clients), its
-    ``x-goog-api-key`` header (Gemini's) or, on Gemini's routes (``is_gemini_path``:
-    ``/v1beta/...``, the model methods under ``/v1``) only, its ``?key=`` query parameter
+    ``x-goog-api-key`` header (Gemini's) or, on Gemini's routes and ``/v1/models``
+    (``takes_query_key``) only, its ``?key=`` query parameter
     (Gemini's REST form); ``""`` when it sends none. The one reading of every dialect's
     credential: the key ring authenticates by it, an open proxy forwards it.
 
@@ -460,7 +460,7 @@ def client_credential(request: web.Request) -> str:
         token = bearer_token(header)
         return header if token is None else "Bearer " + token
     other = header_text(request, "x-api-key") or header_text(request, "x-goog-api-key")
-    if not other.strip() and is_gemini_path(request.path):
+    if not other.strip() and takes_query_key(request.path):
         other = request.query.get("key", "")
     return "Bearer " + other.strip() if other.strip() else ""
 

@@ -1,8 +1,9 @@
 """``GET /v1/models`` and ``GET /v1/models/{model}`` in the client's dialect: the one place that
 picks it, for both modes.
 
-A Google client (it sends its key in ``x-goog-api-key``; ``v1`` is google-genai's default API
-version) gets Gemini's answer (``{"models": [...]}``, a ``Model``; errors in Gemini's shape).
+A Google client (it sends its key in ``x-goog-api-key``, or as ``?key=`` in Google's REST
+examples; ``v1`` is google-genai's default API version) gets Gemini's answer (``{"models":
+[...]}``, a ``Model``; errors in Gemini's shape).
 An Anthropic client (it sends ``anthropic-version``) gets Anthropic's: the OpenAI cards of the
 mode's own handler as Anthropic ``ModelInfo`` objects (``{"type": "model", "id",
 "display_name", "created_at"}``, ``created_at`` RFC 3339 from the card's ``created``), the list
@@ -52,7 +53,7 @@ def models_route(openai: Handler, gemini: Handler) -> Handler:
 def client_dialect(request: web.Request) -> str:
     """The dialect of the client asking for the models (module docstring): ``GEMINI``,
     ``ANTHROPIC`` or ``"openai"``."""
-    if GOOGLE_KEY_HEADER in request.headers:
+    if GOOGLE_KEY_HEADER in request.headers or "key" in request.query:  # ?key=: Google's REST
         return GEMINI
     if ANTHROPIC_VERSION_HEADER in request.headers:
         return ANTHROPIC

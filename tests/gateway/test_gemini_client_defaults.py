@@ -242,3 +242,19 @@ def test_a_model_named_with_a_slash_is_served_to_google_genai(serve_fake, mode):
             assert err.value.code == 404 and err.value.status == "NOT_FOUND"
         # an OpenAI client unquoted too (curl)
         assert httpx.get(url + "/v1/models/org/fake", timeout=10).json()["id"] == "org/fake"
+
+
+@pytest.mark.parametrize("mode", ["local", "proxy"])
+def test_the_model_list_under_v1_takes_googles_query_key(serve_fake, mode):
+    """``GET /v1/models?key=...`` (Google's REST examples) is a Google client's. Was: a 401
+    "missing API key: send 'Authorization: Bearer <key>'" in the OpenAI shape."""
+    keyed = GatewaySettings(model_name="fake", api_keys=["sk-good"])
+    srv, _ = serve_fake(keyed if mode == "local" else None)  # a proxy keyed before an open one
+    with BackgroundServer(lambda: create_proxy_app([srv.url], keyed)) as gw:
+        url = srv.url if mode == "local" else gw.url
+        r = httpx.get(url + "/v1/models", params={"key": "sk-good"}, timeout=10)
+        assert r.status_code == 200 and r.json()["models"][0]["name"] == "models/fake", r.text
+        r = httpx.get(url + "/v1/models/fake", params={"key": "sk-good"}, timeout=10)
+        assert r.status_code == 200 and r.json()["name"] == "models/fake", r.text
+        r = httpx.get(url + "/v1/models", params={"key": "sk-bad"}, timeout=10)
+        assert r.status_code == 401 and r.json()["error"]["status"] == "UNAUTHENTICATED", r.text

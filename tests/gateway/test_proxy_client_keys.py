@@ -166,6 +166,7 @@ def test_the_bearer_scheme_is_read_in_any_case_everywhere(tmp_path: Path, scheme
         ("/v1beta/models", "x-goog-api-key"),
         ("/v1beta/models", "query"),
         ("/v1/models", "x-goog-api-key"),  # google-genai's default API version
+        ("/v1/models", "query"),  # Google's REST examples
     ],
 )
 def test_an_open_proxy_lists_a_keyed_upstreams_models_to_a_google_client(keyed_upstream, path, how):
