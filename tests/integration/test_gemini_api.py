@@ -140,8 +140,11 @@ def test_errors_in_gemini_shape(server, client):
         assert r.status_code == 401 and r.json()["error"]["status"] == "UNAUTHENTICATED"
         r = h.post(url, params={"key": "nope"}, json={"contents": [{"parts": [{"text": "x"}]}]})
         assert r.status_code == 401
-        # ?key= is taken only on Gemini's routes
+        # ?key= is taken only on Gemini's routes and /v1/models, where it is a Google
+        # client's (Google's REST examples list the models so): Gemini's list
         r = h.get(f"{server.url}/v1/models", params={"key": KEY_A})
+        assert r.status_code == 200 and r.json()["models"][0]["name"] == f"models/{MODEL}"
+        r = h.post(f"{server.url}/v1/chat/completions", params={"key": KEY_A}, json={})
         assert r.status_code == 401
         # an unknown method, a bad alt
         r = h.post(f"{server.url}/v1beta/models/{MODEL}:embedContent", params={"key": KEY_A})
