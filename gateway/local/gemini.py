@@ -71,6 +71,7 @@ from prefixgate.gateway.wire.gemini_models import (
 from prefixgate.gateway.wire.gemini_routes import (
     CACHE_PREFIX,
     add_gemini_routes,
+    list_page,
     model_object,
     no_route,  # noqa: F401  (add_gemini_routes reads the handlers off this module)
     refuse_get_of_method,
@@ -418,9 +419,9 @@ async def list_models(request: web.Request) -> web.Response:
     st = request.app[STATE]
     engine = request.app[LOCAL].require_engine()
     st.keys.authenticate(request)
-    return web.json_response(
-        {"models": [model_object(st.model_name, _DESCRIPTION, engine.max_model_len)]}
-    )
+    page, more = list_page([st.model_name], request.query)
+    models = [model_object(name, _DESCRIPTION, engine.max_model_len) for name in page]
+    return web.json_response({"models": models, **more})
 
 
 @error_dialect(GEMINI)
@@ -515,19 +516,9 @@ async def list_caches(request: web.Request) -> web.Response:
     st = request.app[STATE]
     principal = st.keys.authenticate(request)
     prefixes = request.app[LOCAL].require_prefixes()
-    try:
-        size = int(request.query.get("pageSize", "100"))
-        start = int(request.query.get("pageToken") or "0")
-    except ValueError:
-        raise bad_request("pageSize and pageToken: whole numbers", param="pageSize") from None
-    if not 1 <= size <= 1000 or start < 0:
-        raise bad_request("pageSize: 1 to 1000; pageToken: from an earlier page", "pageSize")
-    mine = prefixes.owned(principal.salt)
-    page = mine[start : start + size]
-    body: dict[str, Any] = {"cachedContents": [cache_object(e, st.model_name) for e in page]}
-    if start + size < len(mine):
-        body["nextPageToken"] = str(start + size)
-    return web.json_response(body)
+    page, more = list_page(prefixes.owned(principal.salt), request.query)
+    caches = [cache_object(e, st.model_name) for e in page]
+    return web.json_response({"cachedContents": caches, **more})
 
 
 @error_dialect(GEMINI)

@@ -81,6 +81,7 @@ from prefixgate.gateway.wire.gemini_models import (
 from prefixgate.gateway.wire.gemini_routes import (
     CACHE_PREFIX,
     add_gemini_routes,
+    list_page,
     model_object,
     no_route,  # noqa: F401  (add_gemini_routes reads the handlers off this module)
     refuse_get_of_method,
@@ -504,8 +505,9 @@ async def _count(call: _Call, chat: Chat) -> web.StreamResponse:
 @error_dialect(GEMINI)
 async def list_models(request: web.Request) -> web.Response:
     """GET /v1beta/models: the models the upstreams serve (``_served``)."""
-    names = await _served(request)
-    return web.json_response({"models": [model_object(name, _DESCRIPTION) for name in names]})
+    page, more = list_page(await _served(request), request.query)
+    models = [model_object(name, _DESCRIPTION) for name in page]
+    return web.json_response({"models": models, **more})
 
 
 @error_dialect(GEMINI)
@@ -607,17 +609,18 @@ async def get_cache(request: web.Request) -> web.Response:
 
 @error_dialect(GEMINI)
 async def list_caches(request: web.Request) -> web.Response:
-    """GET /v1beta/cachedContents: the key's live prefixes on this replica."""
+    """GET /v1beta/cachedContents?pageSize=&pageToken=: the key's live prefixes on this
+    replica, oldest first (``list_page``)."""
     st = request.app[STATE]
     principal = st.keys.authenticate(request)
-    mine = request.app[PROXY].prefixes.owned(principal.salt)
-    return web.json_response({"cachedContents": [_cache_object(e) for e in mine]})
+    page, more = list_page(request.app[PROXY].prefixes.owned(principal.salt), request.query)
+    return web.json_response({"cachedContents": [_cache_object(e) for e in page], **more})
 
 
 @error_dialect(GEMINI)
 async def update_cache(request: web.Request) -> web.Response:
-    """PATCH /v1beta/cachedContents/{id}: 501 (the upstream prefix API has no renewal); 404
-    first when the cache is not the key's."""
+    """PATCH /v1beta/cachedContents/{id}: 400 naming ``ttl`` (the upstream prefix API has no
+    renewal); 404 first when the cache is not the key's."""
     st = request.app[STATE]
     principal = st.keys.authenticate(request)
     await _lookup(request, request.match_info["cache_id"], principal.salt, "name")

@@ -7,10 +7,13 @@ proxy mode: ``proxy/gemini_relay.py``)."""
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, TypeVar
 
 from aiohttp import web
-from prefixgate.gateway.http.errors import GEMINI, APIError, error_dialect, route_miss
+from prefixgate.gateway.http.errors import GEMINI, APIError, bad_request, error_dialect, route_miss
+
+T = TypeVar("T")
 
 CACHE_PREFIX = "cachedContents/"
 DEFAULT_CACHE_TTL_S = 3600.0  # Gemini's default cache life (1 hour)
@@ -37,6 +40,28 @@ def model_object(name: str, description: str, max_model_len: int | None = None) 
         out["inputTokenLimit"] = max_model_len
         out["outputTokenLimit"] = max_model_len
     return out
+
+
+def list_page(items: list[T], query: Mapping[str, str]) -> tuple[list[T], dict[str, str]]:
+    """One page of a Gemini list (``models``, ``cachedContents``): ``pageSize`` items (1 to
+    1000, default 100) from ``pageToken`` (the ``nextPageToken`` of an earlier page: an
+    index); the page and ``{"nextPageToken": ...}`` when more follow, else ``{}``.
+
+    Raises:
+        APIError: 400 naming ``pageSize`` or ``pageToken`` when it is not one of those.
+    """
+    size_text, token = query.get("pageSize", "100"), query.get("pageToken") or "0"
+    if not size_text.isdigit() or not 1 <= int(size_text) <= 1000:
+        raise bad_request(
+            f"pageSize: a whole number from 1 to 1000, got {size_text[:40]!r}", "pageSize"
+        )
+    if not token.isdigit() or int(token) > len(items):
+        raise bad_request(
+            f"pageToken: not one this list gave ({token[:40]!r}; it may have changed)", "pageToken"
+        )
+    start, size = int(token), int(size_text)
+    more = {"nextPageToken": str(start + size)} if start + size < len(items) else {}
+    return items[start : start + size], more
 
 
 def refuse_get_of_method(request: web.Request) -> None:

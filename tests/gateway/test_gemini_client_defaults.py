@@ -258,3 +258,45 @@ def test_the_model_list_under_v1_takes_googles_query_key(serve_fake, mode):
         assert r.status_code == 200 and r.json()["name"] == "models/fake", r.text
         r = httpx.get(url + "/v1/models", params={"key": "sk-bad"}, timeout=10)
         assert r.status_code == 401 and r.json()["error"]["status"] == "UNAUTHENTICATED", r.text
+
+
+@pytest.mark.parametrize("mode", ["local", "proxy"])
+def test_geminis_lists_page_alike_in_both_modes(serve_fake, mode):
+    """``pageSize`` / ``pageToken`` of ``cachedContents`` and ``models`` (``list_page``). Was:
+    the proxy's cachedContents list and both modes' models list ignored them (every item in
+    one page with a 200 for ``pageSize: 1``, ``0`` or ``abc``, and for a token never given)."""
+    srv, engine = serve_fake()
+    with BackgroundServer(lambda: create_proxy_app([srv.url], GatewaySettings())) as gw:
+        url = srv.url if mode == "local" else gw.url
+        names = []
+        for i in range(3):
+            body = {"model": "models/fake", "contents": [{"parts": [{"text": f"{i}" * 40}]}]}
+            r = httpx.post(url + "/v1beta/cachedContents", json=body, timeout=10)
+            assert r.status_code == 200, r.text
+            names.append(r.json()["name"])
+        seen, token = [], None
+        for _ in range(3):
+            params = {"pageSize": 2, **({"pageToken": token} if token else {})}
+            page = httpx.get(url + "/v1beta/cachedContents", params=params, timeout=10).json()
+            seen += [c["name"] for c in page["cachedContents"]]
+            token = page.get("nextPageToken")
+            if token is None:
+                break
+        assert seen == names
+        client = genai.Client(
+            api_key="x", http_options=types.HttpOptions(base_url=url, api_version="v1beta")
+        )
+        listed = client.caches.list(config=types.ListCachedContentsConfig(page_size=1))
+        assert [c.name for c in listed] == names  # the pager follows nextPageToken
+        for path in ("/v1beta/cachedContents", "/v1beta/models"):
+            for params, field in (
+                ({"pageSize": 0}, "pageSize"),
+                ({"pageSize": "abc"}, "pageSize"),
+                ({"pageToken": "zz"}, "pageToken"),
+            ):
+                r = httpx.get(url + path, params=params, timeout=10)
+                assert r.status_code == 400, (path, params, r.text)
+                violation = r.json()["error"]["details"][0]["fieldViolations"][0]
+                assert violation["field"] == field, r.text
+        for name in names:
+            assert httpx.delete(f"{url}/v1beta/{name}", timeout=10).status_code == 200
