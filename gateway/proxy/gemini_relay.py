@@ -57,7 +57,7 @@ from prefixgate.gateway.proxy.relay import EventChecker, StreamBroken, broke_mid
 from prefixgate.gateway.proxy.routes import (
     model_cards,
     upstream_headers,
-    upstream_model_ids,
+    upstream_model_cards,
 )
 from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import Upstream
@@ -505,8 +505,9 @@ async def _count(call: _Call, chat: Chat) -> web.StreamResponse:
 @error_dialect(GEMINI)
 async def list_models(request: web.Request) -> web.Response:
     """GET /v1beta/models: the models the upstreams serve (``_served``)."""
-    page, more = list_page(await _served(request), request.query)
-    models = [model_object(name, _DESCRIPTION) for name in page]
+    cards = await _served(request)
+    page, more = list_page(sorted(cards), request.query)
+    models = [_model_object(name, cards[name]) for name in page]
     return web.json_response({"models": models, **more})
 
 
@@ -516,22 +517,32 @@ async def get_model(request: web.Request) -> web.Response:
     refuse_get_of_method(request)
     st = request.app[STATE]
     router = request.app[PROXY].router
-    if model_cards(router) is not None:
+    known = model_cards(router)
+    if known is not None:
         st.keys.authenticate(request)
         name = _public_model(request.match_info["target"], st, router)
-    else:  # the router resolves any name while it knows no model: ask an upstream
-        name = request.match_info["target"].removeprefix("models/")
-        if name not in await _served(request):
-            raise APIError(
-                404, f"models/{name[:80]} is not found", param="model", code="model_not_found"
-            )
-    return web.json_response(model_object(name, _DESCRIPTION))
+        return web.json_response(_model_object(name, known.get(name, {})))
+    # the router resolves any name while it knows no model: ask an upstream
+    name = request.match_info["target"].removeprefix("models/")
+    cards = await _served(request)
+    if name not in cards:
+        raise APIError(
+            404, f"models/{name[:80]} is not found", param="model", code="model_not_found"
+        )
+    return web.json_response(_model_object(name, cards[name]))
 
 
-async def _served(request: web.Request) -> list[str]:
-    """The names of the models the upstreams serve, sorted: the ones the gateway knows
+def _model_object(name: str, card: dict[str, Any]) -> dict[str, Any]:
+    """Gemini's ``Model`` of ``name`` with its OpenAI ``card``'s context length
+    (``max_model_len``, vLLM's and prefixgate's field) as its token limits when it has one."""
+    length = card.get("max_model_len")
+    return model_object(name, _DESCRIPTION, length if isinstance(length, int) else None)
+
+
+async def _served(request: web.Request) -> dict[str, dict[str, Any]]:
+    """The models the upstreams serve, their OpenAI cards by name: the ones the gateway knows
     (``model_cards``), else an upstream's own list asked with the client's credential
-    (``upstream_model_ids``: every upstream down, or each needing the client's key to list
+    (``upstream_model_cards``: every upstream down, or each needing the client's key to list
     its models).
 
     Raises:
@@ -540,8 +551,8 @@ async def _served(request: web.Request) -> list[str]:
     principal = request.app[STATE].keys.authenticate(request)
     cards = model_cards(request.app[PROXY].router)
     if cards is not None:
-        return sorted(cards)
-    return sorted(await upstream_model_ids(request, principal))
+        return cards
+    return await upstream_model_cards(request, principal)
 
 
 # --- cachedContents on the proxy's prefix API -----------------------------------------------

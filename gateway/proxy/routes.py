@@ -253,8 +253,10 @@ async def proxy_get(request: web.Request) -> web.StreamResponse:
     return web.json_response(card)
 
 
-async def upstream_model_ids(request: web.Request, principal: Principal) -> list[str]:
-    """The ids of the models an upstream lists: ``GET /v1/models`` forwarded as ``proxy_get``
+async def upstream_model_cards(
+    request: web.Request, principal: Principal
+) -> dict[str, dict[str, Any]]:
+    """The model cards an upstream lists, by id: ``GET /v1/models`` forwarded as ``proxy_get``
     forwards it while no upstream's models are known (``model_cards`` None: every upstream
     down, or each needing the client's key to list them), with the request's credential,
     whatever the request's own path and query (a Gemini route's ``?key=`` never reaches the
@@ -269,7 +271,7 @@ async def upstream_model_ids(request: web.Request, principal: Principal) -> list
     body = resp.body if isinstance(resp, web.Response) else None
     if resp.status != 200 or not isinstance(body, bytes):  # checked as a ModelList already
         raise APIError(502, "the upstream's model list could not be read", code="upstream_error")
-    return [str(card["id"]) for card in json.loads(body)["data"]]
+    return {str(card["id"]): card for card in json.loads(body)["data"]}
 
 
 def model_cards(router: UpstreamRouter) -> dict[str, dict[str, Any]] | None:

@@ -300,3 +300,17 @@ def test_geminis_lists_page_alike_in_both_modes(serve_fake, mode):
                 assert violation["field"] == field, r.text
         for name in names:
             assert httpx.delete(f"{url}/v1beta/{name}", timeout=10).status_code == 200
+
+
+def test_a_proxys_gemini_model_has_its_upstreams_token_limits(proxy_in_front):
+    """The upstream's card says its context length (``max_model_len``); the proxy's Gemini
+    ``Model`` had no ``inputTokenLimit`` / ``outputTokenLimit`` (google-genai read None)."""
+    gw, _ = proxy_in_front
+    client = genai.Client(api_key="k1", http_options=types.HttpOptions(base_url=gw.url))
+    auth = {"Authorization": "Bearer k1"}
+    card = httpx.get(gw.url + "/v1/models/fake", headers=auth, timeout=10).json()
+    assert isinstance(card["max_model_len"], int), card
+    listed = list(client.models.list())
+    for model in (listed[0], client.models.get(model="fake")):
+        assert model.input_token_limit == card["max_model_len"], model
+        assert model.output_token_limit == card["max_model_len"], model

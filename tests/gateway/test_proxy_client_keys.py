@@ -180,6 +180,7 @@ def test_an_open_proxy_lists_a_keyed_upstreams_models_to_a_google_client(keyed_u
     r = httpx.get(gw.url + path, headers=headers, params=params, timeout=10)
     assert r.status_code == 200, r.text
     assert [m["name"] for m in r.json()["models"]] == ["models/fake"], r.text
+    assert isinstance(r.json()["models"][0]["inputTokenLimit"], int), r.text  # the upstream's
     assert seen and all(KEY not in p for p in seen), seen  # never in the upstream's URL
     r = httpx.get(f"{gw.url}{path}/fake", headers=headers, params=params, timeout=10)
     assert r.status_code == 200 and r.json()["name"] == "models/fake", r.text
