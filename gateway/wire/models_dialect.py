@@ -76,14 +76,21 @@ def _as_anthropic(request: web.Request, resp: web.StreamResponse) -> web.StreamR
 
 
 def model_info(card: dict[str, Any]) -> dict[str, Any]:
-    """Anthropic's ``ModelInfo`` of an OpenAI model card (``created``: Unix seconds)."""
+    """Anthropic's ``ModelInfo`` of an OpenAI model card (``created``: Unix seconds); the
+    card's context length (``max_model_len``, when it has one) as ``max_input_tokens`` (the
+    context window); ``max_tokens`` is left out: the most an answer may take depends on its
+    prompt."""
     model_id = str(card["id"])
-    return {
+    info: dict[str, Any] = {
         "type": "model",
         "id": model_id,
         "display_name": model_id,
         "created_at": rfc3339(float(card.get("created") or 0)),
     }
+    length = card.get("max_model_len")
+    if isinstance(length, int):
+        info["max_input_tokens"] = length
+    return info
 
 
 def _page(models: list[dict[str, Any]], query: Any) -> dict[str, Any]:

@@ -26,6 +26,13 @@ def _check_client(url: str, ids: list[str]) -> None:
     assert page.has_more is False and page.first_id == ids[0] and page.last_id == ids[-1]
     got = client.models.retrieve(ids[-1])
     assert (got.type, got.id, got.display_name) == ("model", ids[-1], ids[-1])
+    # the context length the OpenAI card says (max_model_len), not left None
+    with httpx.Client(base_url=url, timeout=10) as http:
+        card = http.get(f"/v1/models/{ids[-1]}").json()
+    if "max_model_len" in card:
+        assert got.max_input_tokens == card["max_model_len"], got
+    else:
+        assert got.max_input_tokens is None, got
     assert isinstance(got.created_at, dt.datetime)
     with pytest.raises(anthropic.NotFoundError) as info:  # Anthropic's error object
         client.models.retrieve("no-such-model")
