@@ -287,6 +287,13 @@ class Server:
             err = self.log.read().decode(errors="replace")
             raise RuntimeError(f"{exc}: {err[-2000:]}") from None
 
+    def failure(self, exc: Exception) -> str:
+        """What to say of a request that failed while this server had exited: its exit code
+        and its output's tail."""
+        self.log.seek(0)
+        tail = self.log.read().decode(errors="replace")[-2000:]
+        return f"{self.name} exited ({self.proc.returncode}) during {exc!r}; its output:\n{tail}"
+
     def stop(self) -> None:
         terminate(self.proc, 30, 30)
         self.log.close()
@@ -403,6 +410,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 fig["warm"].append(warm / alone)
                 _, span, n = p.stream(f"d{r}: tell a story", args.decode_len)
                 fig["decode"].append((n - 1) / span if span > 0 and n > 1 else 0.0)
+    except httpx.HTTPError as exc:  # which server failed, and why (its exit code, output)
+        raise RuntimeError(
+            "; ".join(s.failure(exc) for s in servers if s.proc.poll() is not None)
+            or f"a request failed with every server running: {exc!r}"
+        ) from exc
     finally:
         for s in servers:
             s.stop()
