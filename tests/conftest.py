@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 import sys
@@ -97,3 +98,14 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """Between two test modules, collect what the first left unreferenced, with no event loop
+    running: an ``AsyncOpenAI`` / ``AsyncAnthropic`` client left open closes itself when it is
+    collected by scheduling its ``aclose`` on the loop running then, which fails whatever async
+    test is running ("Event loop is closed": its connections belong to a loop that is gone).
+    A whole-suite run on a loaded machine failed ``test_flow_control`` so, for a client an
+    openai-agents test had left open."""
+    if nextitem is None or getattr(nextitem, "module", None) is not getattr(item, "module", None):
+        gc.collect()

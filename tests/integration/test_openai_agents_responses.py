@@ -5,6 +5,9 @@ gets its answer (greedy: the prompt "Dream" ends with the model's EOS within 100
 
 from __future__ import annotations
 
+import asyncio
+import gc
+
 import pytest
 from support.gateway import serve_aidreams, wait_idle
 
@@ -24,13 +27,34 @@ def test_an_agent_in_responses_mode_gets_its_answer(server, pool_whole):
     from openai import AsyncOpenAI
 
     agents.set_tracing_disabled(True)
-    client = AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-    agent = agents.Agent(
-        name="dreamer",
-        instructions="Be brief.",
-        model=agents.OpenAIResponsesModel(MODEL, client),
-        model_settings=agents.ModelSettings(max_tokens=100, temperature=0),
-    )
-    result = agents.Runner.run_sync(agent, "Dream")
+
+    async def run() -> agents.RunResult:
+        # the client is closed on the loop its connections belong to (left open, it closed
+        # itself on whatever loop ran when it was collected, failing a later test)
+        async with AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0) as client:
+            agent = agents.Agent(
+                name="dreamer",
+                instructions="Be brief.",
+                model=agents.OpenAIResponsesModel(MODEL, client),
+                model_settings=agents.ModelSettings(max_tokens=100, temperature=0),
+            )
+            return await agents.Runner.run(agent, "Dream")
+
+    result = asyncio.run(run())
     assert isinstance(result.final_output, str) and result.final_output
     wait_idle(server, pool_whole)  # the agent's calls leave the block pool whole
+
+
+def test_the_agents_client_is_not_left_to_a_later_loop(server):
+    """Runs after the test above: an ``AsyncOpenAI`` left open there closes itself when
+    collected, on the loop running then, and its connections' loop is gone ("Event loop is
+    closed"), which failed an unrelated async test of a whole-suite run."""
+    errors: list[dict] = []
+
+    async def collect() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: errors.append(ctx))
+        gc.collect()
+        await asyncio.sleep(0.05)  # what a collected client scheduled runs now
+
+    asyncio.run(collect())
+    assert errors == []
