@@ -521,7 +521,11 @@ async def get_model(request: web.Request) -> web.Response:
     if known is not None:
         st.keys.authenticate(request)
         name = _public_model(request.match_info["target"], st, router)
-        return web.json_response(_model_object(name, known.get(name, {})))
+        if name not in known:  # served by an upstream whose models are not known yet
+            raise APIError(
+                404, f"models/{name[:80]} is not listed yet", param="model", code="model_not_found"
+            )
+        return web.json_response(_model_object(name, known[name]))
     # the router resolves any name while it knows no model: ask an upstream
     name = request.match_info["target"].removeprefix("models/")
     cards = await _served(request)

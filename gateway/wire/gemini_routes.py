@@ -7,6 +7,7 @@ proxy mode: ``proxy/gemini_relay.py``)."""
 from __future__ import annotations
 
 import datetime as dt
+import re
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
@@ -42,24 +43,33 @@ def model_object(name: str, description: str, max_model_len: int | None = None) 
     return out
 
 
+PAGE_SIZE_DEFAULT = 50  # Google's models.list default ("If unspecified, 50 models")
+PAGE_SIZE_MAX = 1000  # larger values are coerced to 1000, as Google does
+_PAGE_NUMBER = re.compile(r"[0-9]{1,18}")  # ASCII digits only (str.isdigit takes '²')
+
+
 def list_page(items: list[T], query: Mapping[str, str]) -> tuple[list[T], dict[str, str]]:
-    """One page of a Gemini list (``models``, ``cachedContents``): ``pageSize`` items (1 to
-    1000, default 100) from ``pageToken`` (the ``nextPageToken`` of an earlier page: an
-    index); the page and ``{"nextPageToken": ...}`` when more follow, else ``{}``.
+    """One page of a Gemini list (``models``, ``cachedContents``), as Google pages them:
+    ``pageSize`` items (unset or 0: ``PAGE_SIZE_DEFAULT``; above ``PAGE_SIZE_MAX``: that many)
+    from ``pageToken`` (the ``nextPageToken`` of an earlier page: an index); the page and
+    ``{"nextPageToken": ...}`` when more follow, else ``{}``.
 
     Raises:
-        APIError: 400 naming ``pageSize`` or ``pageToken`` when it is not one of those.
+        APIError: 400 naming ``pageSize`` when it is not a whole number, or ``pageToken``
+            when it is not one this list gave.
     """
-    size_text, token = query.get("pageSize", "100"), query.get("pageToken") or "0"
-    if not size_text.isdigit() or not 1 <= int(size_text) <= 1000:
+    size_text, token = query.get("pageSize") or "0", query.get("pageToken") or "0"
+    if _PAGE_NUMBER.fullmatch(size_text) is None:
         raise bad_request(
-            f"pageSize: a whole number from 1 to 1000, got {size_text[:40]!r}", "pageSize"
+            f"pageSize: a whole number (at most {PAGE_SIZE_MAX} are returned), "
+            f"got {size_text[:40]!r}",
+            "pageSize",
         )
-    if not token.isdigit() or int(token) > len(items):
+    if _PAGE_NUMBER.fullmatch(token) is None or int(token) > len(items):
         raise bad_request(
             f"pageToken: not one this list gave ({token[:40]!r}; it may have changed)", "pageToken"
         )
-    start, size = int(token), int(size_text)
+    start, size = int(token), min(int(size_text) or PAGE_SIZE_DEFAULT, PAGE_SIZE_MAX)
     more = {"nextPageToken": str(start + size)} if start + size < len(items) else {}
     return items[start : start + size], more
 

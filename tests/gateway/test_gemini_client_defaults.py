@@ -290,14 +290,21 @@ def test_geminis_lists_page_alike_in_both_modes(serve_fake, mode):
         assert [c.name for c in listed] == names  # the pager follows nextPageToken
         for path in ("/v1beta/cachedContents", "/v1beta/models"):
             for params, field in (
-                ({"pageSize": 0}, "pageSize"),
+                ({"pageSize": -1}, "pageSize"),
                 ({"pageSize": "abc"}, "pageSize"),
+                ({"pageSize": "\u00b2"}, "pageSize"),  # a digit to str.isdigit, not to int (a 500)
                 ({"pageToken": "zz"}, "pageToken"),
+                ({"pageToken": "\u00b2"}, "pageToken"),
+                ({"pageToken": "9" * 5000}, "pageToken"),  # past int()'s digit limit (a 500)
             ):
                 r = httpx.get(url + path, params=params, timeout=10)
                 assert r.status_code == 400, (path, params, r.text)
                 violation = r.json()["error"]["details"][0]["fieldViolations"][0]
                 assert violation["field"] == field, r.text
+            # as Google: 0 or none is the default page, above 1000 is 1000 (was a 400)
+            for size in ("0", "", "2000"):
+                r = httpx.get(url + path, params={"pageSize": size}, timeout=10)
+                assert r.status_code == 200, (path, size, r.text)
         for name in names:
             assert httpx.delete(f"{url}/v1beta/{name}", timeout=10).status_code == 200
 
@@ -314,3 +321,22 @@ def test_a_proxys_gemini_model_has_its_upstreams_token_limits(proxy_in_front):
     for model in (listed[0], client.models.get(model="fake")):
         assert model.input_token_limit == card["max_model_len"], model
         assert model.output_token_limit == card["max_model_len"], model
+
+
+def test_a_model_no_known_list_names_is_not_invented(serve_fake):
+    """A proxy knowing one upstream's models and not another's (down): a Gemini ``GET`` of a
+    model no known list names was a 200 ``Model`` of that name (the router sends an unknown
+    name to the upstream whose models are unknown); it is a 404, as the OpenAI route's
+    "not listed yet"."""
+    from support.net import free_port
+
+    srv, _ = serve_fake()
+    down = f"http://127.0.0.1:{free_port()}"
+    with BackgroundServer(lambda: create_proxy_app([srv.url, down], GatewaySettings())) as gw:
+        assert httpx.get(gw.url + "/v1/models/fake", timeout=10).status_code == 200
+        for path in ("/v1beta/models/nonexistent", "/v1beta/models/made/up"):
+            r = httpx.get(gw.url + path, timeout=10)
+            assert r.status_code == 404, (path, r.text)
+            assert r.json()["error"]["status"] == "NOT_FOUND", r.text
+        r = httpx.get(gw.url + "/v1beta/models/fake", timeout=10)
+        assert r.status_code == 200 and r.json()["name"] == "models/fake", r.text
