@@ -403,12 +403,17 @@ class AdmissionController:
             own_rate = schedule.tenant_rate(tenant)
             own_slot_s = requests / own_rate if own_rate else 0.0
             earliest = max(prediction[0] + margin, own or 0.0) - budget
-            wait_s = schedule.place(tenant, earliest, slot_s, own_slot_s)
+            wait_s = schedule.place(tenant, earliest, slot_s, own_slot_s, MAX_RETRY_AFTER_S)
+            if wait_s > MAX_RETRY_AFTER_S:
+                # past what a client is told to wait: no slot is kept for it (the capped
+                # Retry-After is not its slot's time), and on its return it is judged again
+                slot_s = 0.0
         refuse(
             f"the predicted time to first token ({_ms(predicted)} ms) exceeds this "
             f"request's budget ({_ms(budget)} ms, {BUDGET_HEADER}); retry later",
             wait_s,
-            math.isfinite(predicted),  # no time in sight: a guess, no promise
+            # no time in sight, or a slot past the longest Retry-After: a guess, no promise
+            math.isfinite(predicted) and wait_s <= MAX_RETRY_AFTER_S,
             code="ttft_budget_exceeded",
             slot_s=slot_s,
         )

@@ -86,11 +86,18 @@ class SlotSchedule:
         return None if rate is None else queued / rate
 
     def place(
-        self, tenant: Hashable, earliest_s: float, slot_s: float, own_slot_s: float = 0.0
+        self,
+        tenant: Hashable,
+        earliest_s: float,
+        slot_s: float,
+        own_slot_s: float = 0.0,
+        horizon_s: float = math.inf,
     ) -> float:
         """Reserve the first free slot ``slot_s`` seconds long from ``earliest_s`` from now on,
         and after ``tenant``'s last slot (each of its slots ``own_slot_s`` long at its own
-        pace); returns the seconds from now to its start."""
+        pace); returns the seconds from now to its start. A slot starting later than
+        ``horizon_s`` from now (past what a client is told to wait) is not reserved: its start
+        is returned all the same."""
         now = self._clock()
         self._drop_past(now)
         t = max(now + max(0.0, earliest_s), self._tail.get(tenant, -math.inf))
@@ -98,6 +105,8 @@ class SlotSchedule:
         while i < len(self._starts) and self._starts[i] < t + slot_s:
             t = max(t, self._ends[i])
             i += 1
+        if t - now > horizon_s:
+            return t - now
         self._starts.insert(i, t)
         self._ends.insert(i, t + slot_s)
         self._tail[tenant] = t + max(slot_s, own_slot_s)

@@ -56,3 +56,52 @@ def test_a_rate_decays_when_the_tenant_stops():
     assert s.tenant_rate("t") is not None
     clock.t += 10.0
     assert s.tenant_rate("t") is None
+
+
+def test_a_slot_past_the_horizon_is_not_reserved():
+    clock = Clock()
+    s = SlotSchedule(clock=clock)
+    assert s.place("a", 99.0, 0.5, horizon_s=60.0) == pytest.approx(99.0)
+    assert len(s) == 0  # told, not kept
+    assert s.place("b", 10.0, 0.5, horizon_s=60.0) == pytest.approx(10.0)
+    assert len(s) == 1
+
+
+class _FarWait:
+    """An engine whose queue is predicted 100 s long (first token in 100 s)."""
+
+    def margin_s(self) -> float:
+        return 0.0
+
+    def predict_ttft(self, tokens, queued_requests, queued_tokens):
+        return (100.0, 100.0)
+
+    def alone_s(self, tokens) -> float:
+        return 0.01
+
+    def extra_s(self, held, held_tokens, prompt, queued_requests, queued_tokens) -> float:
+        return 0.5 * held
+
+
+def test_a_budget_refusal_past_the_longest_retry_after_is_judged_again_on_its_return():
+    """A slot 99 s away was reserved and promised, told as Retry-After 60 (the cap), and the
+    request back at 60 s was admitted into it with its budget unchecked (a predicted 100 s
+    TTFT against a 1 s budget), 39 s before its slot, which stayed reserved and pushed later
+    refusals back. Now nothing is reserved or promised past the cap: it is judged again."""
+    from prefixgate.gateway.http.errors import APIError
+    from prefixgate.gateway.tenancy.admission import AdmissionController
+    from prefixgate.gateway.tenancy.admission_wait import Promises
+
+    clock = Clock()
+    ac = AdmissionController()
+    ac.wait = _FarWait()
+    ac.promises = Promises(clock=clock)
+    ac.budget_slots = SlotSchedule(clock=clock)
+    with pytest.raises(APIError) as first:
+        ac.admit(10, fingerprint="fp", budget_s=1.0)
+    assert first.value.status == 429 and first.value.retry_after == pytest.approx(60.0)
+    assert len(ac.budget_slots) == 0 and len(ac.promises) == 0
+    clock.t += 60.0
+    with pytest.raises(APIError) as again:  # back when told: judged on its budget again
+        ac.admit(10, fingerprint="fp", budget_s=1.0)
+    assert again.value.status == 429
