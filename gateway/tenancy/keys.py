@@ -411,7 +411,7 @@ class KeyRing:
             account(request).key_name = "-"
             return self._anonymous
         header = client_credential(request)
-        scheme = header.strip().partition(" ")[0]
+        scheme = (header.split(maxsplit=1) or [""])[0]
         key = bearer_token(header)
         # the header the route's clients send: Anthropic's send x-api-key
         send = {
@@ -419,9 +419,16 @@ class KeyRing:
             GEMINI: "'x-goog-api-key: <key>' (or '?key=<key>', or 'Authorization: Bearer <key>')",
         }.get(dialect_of(request), "'Authorization: Bearer <key>'")
         if header.strip() and scheme.lower() != "bearer":
+            # named only when it reads as a scheme's word (Basic, Token): a key sent without
+            # a scheme, or glued to one by a tab, is never echoed
+            named = (
+                f" {scheme!r}"
+                if scheme.isascii() and scheme.isalpha() and len(scheme) <= 12
+                else ""
+            )
             raise APIError(
                 401,
-                f"Authorization scheme {scheme[:20]!r} is not supported: send {send}",
+                f"the Authorization scheme{named} is not supported: send {send}",
                 code="invalid_api_key",
             )
         if key is None:

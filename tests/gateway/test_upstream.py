@@ -206,3 +206,18 @@ def test_a_non_bearer_authorization_scheme_is_named(servers):
     assert r.status_code == 401 and "'Basic' is not supported" in r.json()["error"]["message"]
     r = httpx.post(gw.url + "/v1/chat/completions", json=_chat("s", "q"))
     assert r.status_code == 401 and r.json()["error"]["message"].startswith("missing API key")
+
+
+@pytest.mark.parametrize(
+    "header", ["Bearer\tsk-one-secret-value", "sk-one-secret-value", "Token:sk-one-secret-value"]
+)
+def test_a_refused_authorization_header_never_echoes_the_key(servers, header):
+    """The scheme was the text before the first space, echoed up to 20 characters: a key sent
+    without a scheme, or glued to one by a tab, came back in the 401 ('Bearer\\tsk-one-secret')."""
+    up = servers(lambda: stub_app("a"))
+    gw = servers(lambda: create_proxy_app([up.url], GatewaySettings(api_keys=["gk"])))
+    r = httpx.post(
+        gw.url + "/v1/chat/completions", json=_chat("s", "q"), headers={"Authorization": header}
+    )
+    assert r.status_code == 401, r.text
+    assert "sk-one" not in r.text and "secret" not in r.text, r.text
