@@ -275,7 +275,7 @@ class GatewayMetrics:
         )
         self.tpot = Histogram(
             "prefixgate_time_per_output_token_seconds",
-            "TPOT per choice (after the first token; proxy mode: streamed answers only)",
+            "TPOT per choice (after the first token; proxy mode: streamed answers of one choice)",
             buckets=_TPOT_BUCKETS,
             registry=self.registry,
         )

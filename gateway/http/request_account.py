@@ -57,6 +57,8 @@ class RequestAccount:
         error: the code of the in-band error event a started stream ended with.
         charged_tokens: what the key was charged once the request ended (None: refunded or
             not ended).
+        choices: proxy mode, how many choices the answer carried (the highest ``index`` + 1
+            seen).
     """
 
     key_name: str | None = None
@@ -79,6 +81,7 @@ class RequestAccount:
     finish_reason: str | None = None
     error: str | None = None
     charged_tokens: int | None = None
+    choices: int = 1
 
     def mark_served(self) -> None:
         """Proxy mode: an upstream's answer began reaching the client (``served``)."""
@@ -102,6 +105,9 @@ class RequestAccount:
         for c in choices:
             if not isinstance(c, dict):
                 continue
+            index = c.get("index", 0)
+            if isinstance(index, int) and not isinstance(index, bool) and index >= self.choices:
+                self.choices = index + 1
             reason = c.get("finish_reason")
             if c.get("index", 0) == 0 and isinstance(reason, str):
                 self.finish_reason = reason
@@ -115,10 +121,11 @@ class RequestAccount:
             self.note_token()
 
     def tpot_s(self) -> float | None:
-        """Seconds per output token after the first, in a stream: (``last_token`` -
-        ``first_token``) over the completion tokens (reported, else counted) less one; None
-        when not known (no stream, one token)."""
-        if self.first_token is None or self.last_token is None:
+        """Seconds per output token after the first, in a stream of one choice: (``last_token``
+        - ``first_token``) over the completion tokens (reported, else counted) less one; None
+        when not known (no stream, one token, or several choices: their tokens are counted
+        together and their chunks interleave, so no one choice's pace can be read)."""
+        if self.first_token is None or self.last_token is None or self.choices > 1:
             return None
         tokens = self.completion_tokens
         if tokens is None:

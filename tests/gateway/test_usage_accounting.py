@@ -158,3 +158,18 @@ def test_account_reads_a_streams_choices():
     whole = RequestAccount()
     whole.read_choices([{"index": 0, "message": {"content": "hi"}, "finish_reason": "stop"}], False)
     assert whole.finish_reason == "stop" and whole.first_token is None  # no token times
+
+
+def test_a_streams_tpot_is_not_read_across_several_choices():
+    """Proxy mode read one TPOT over a stream's chunks of every choice and the usage's
+    completion tokens of them all (n = 2, 11 tokens each over 1 s: 0.048 s for 0.1); a
+    choice's pace cannot be read so, so none is reported (local mode observes each choice)."""
+    from prefixgate.gateway.http.request_account import RequestAccount
+
+    one, two = RequestAccount(), RequestAccount()
+    for acct, n in ((one, 1), (two, 2)):
+        for i in range(n):
+            acct.read_choices([{"index": i, "delta": {"content": "x"}}], streamed=True)
+        acct.first_token, acct.last_token, acct.completion_tokens = 10.0, 11.0, 11 * n
+    assert one.tpot_s() == pytest.approx(0.1)
+    assert two.choices == 2 and two.tpot_s() is None
