@@ -75,6 +75,15 @@ def _as_anthropic(request: web.Request, resp: web.StreamResponse) -> web.StreamR
     return web.json_response(_page(cards, request.query))
 
 
+def _created_s(created: Any) -> float:
+    """An OpenAI card's ``created`` as Unix seconds for ``created_at``: 0 (the epoch) when it
+    is not a number of seconds a date can hold (another upstream's milliseconds, a string,
+    1e20), as vLLM's cards always are."""
+    if isinstance(created, bool) or not isinstance(created, int | float):
+        return 0.0
+    return float(created) if 0 <= created < 253402300800 else 0.0  # before year 10000
+
+
 def model_info(card: dict[str, Any]) -> dict[str, Any]:
     """Anthropic's ``ModelInfo`` of an OpenAI model card (``created``: Unix seconds); the
     card's context length (``max_model_len``, when it has one) as ``max_input_tokens`` (the
@@ -85,7 +94,7 @@ def model_info(card: dict[str, Any]) -> dict[str, Any]:
         "type": "model",
         "id": model_id,
         "display_name": model_id,
-        "created_at": rfc3339(float(card.get("created") or 0)),
+        "created_at": rfc3339(_created_s(card.get("created"))),
     }
     length = card.get("max_model_len")
     if isinstance(length, int):

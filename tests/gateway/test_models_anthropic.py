@@ -96,3 +96,15 @@ def _check_refusals(url: str) -> None:
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
         r = httpx.get(url + path, headers={"x-api-key": "sk-good", "anthropic-version": "1"})
         assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("created", [1700000000000, 1e20, "2024-01-01", -1e12, float("nan"), None])
+def test_a_card_whose_created_is_not_unix_seconds_is_listed_not_a_500(created):
+    """An upstream's card with ``created`` in milliseconds, a string or out of range made an
+    Anthropic client's model list a 500 ('year 55840 is out of range'); an OpenAI client got
+    the card. Its ``created_at`` is the epoch then."""
+    from prefixgate.gateway.wire.models_dialect import model_info
+
+    info = model_info({"id": "m1", "object": "model", "created": created})
+    assert info["created_at"].startswith("1970-01-01T00:00:00")
+    assert model_info({"id": "m1", "created": 1700000000})["created_at"].startswith("2023-11-14")
