@@ -117,13 +117,21 @@ def error_dialect(dialect: str) -> Callable[[Handler], Handler]:
     return mark
 
 
-_GEMINI_V1_METHOD = re.compile(r"/v1/models/.+:[A-Za-z]+\Z")  # a model name may hold '/'
+# a model name may hold '/'; tunedModels' methods too, as Google serves them
+_GEMINI_V1_METHOD = re.compile(r"/v1/(models|tunedModels)/.+:[A-Za-z]+\Z")
 
 
 def is_gemini_path(path: str) -> bool:
-    """Whether ``path`` is Gemini's API: under ``/v1beta/``, or a model method under ``/v1``
-    (``/v1/models/{model}:{method}``, google-genai's default API version)."""
-    return path.startswith("/v1beta/") or _GEMINI_V1_METHOD.match(path) is not None
+    """Whether ``path`` is Gemini's API: under ``/v1beta/``, a model method under ``/v1``
+    (``/v1/models/{model}:{method}``, google-genai's default API version, or a tuned model's),
+    or ``/v1/cachedContents`` (google-genai's caches with that default: a 404 in Gemini's
+    shape, which the client can read)."""
+    return (
+        path.startswith("/v1beta/")
+        or _GEMINI_V1_METHOD.match(path) is not None
+        or path == "/v1/cachedContents"
+        or path.startswith("/v1/cachedContents/")
+    )
 
 
 def takes_query_key(path: str) -> bool:

@@ -190,6 +190,13 @@ def test_caches_under_v1_say_where_they_are(serve_fake):
             model="fake", config=types.CreateCachedContentConfig(system_instruction="s" * 40)
         )
     assert err.value.code == 404 and "api_version='v1beta'" in str(err.value)
+    # in Gemini's shape, which the client reads (was OpenAI's: 'ClientError: 404 None.')
+    assert err.value.status == "NOT_FOUND", err.value
+    with pytest.raises(genai_errors.ClientError) as err:
+        list(client.caches.list())
+    assert err.value.status == "NOT_FOUND", err.value
+    r = httpx.post(srv.url + "/v1/tunedModels/x:generateContent", json=HELLO, timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["status"] == "NOT_FOUND", r.text
 
 
 def _check_models(url: str, key: str) -> None:
