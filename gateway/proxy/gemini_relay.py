@@ -24,8 +24,8 @@ the cache's messages (on a prefixgate upstream, pinned there through its prefix 
 delete are the prefix's, list is the key's own prefixes on this replica, and a
 ``generateContent`` naming ``cachedContent`` is sent with the cache's messages first, routed
 by their text (to the upstream that holds the pin). What the upstream prefix API cannot do is
-a 501 ``UNIMPLEMENTED`` naming it: changing a cache's TTL (the upstream prefix API has no
-renewal), ``tools`` or ``toolConfig`` in a cache.
+a 400 ``INVALID_ARGUMENT`` naming it: changing a cache's TTL (the upstream prefix API has no
+renewal), ``displayName``, ``tools`` or ``toolConfig`` in a cache.
 """
 
 from __future__ import annotations
@@ -450,6 +450,13 @@ async def model_method(request: web.Request) -> web.StreamResponse:
     raw = await request.read()
     if method == "countTokens":
         req = parse_request(CountTokensRequest, raw).request()
+        if req.model is not None:  # as local mode: a model nobody serves is a 404
+            _public_model(req.model, st, router)
+            if req.model.removeprefix("models/") != model.removeprefix("models/"):
+                raise bad_request(
+                    "generateContentRequest.model: the body names another model than the path",
+                    param="generateContentRequest.model",
+                )
     else:
         req = parse_request(GenerateContentRequest, raw)
         if req.model and req.model.removeprefix("models/") != model.removeprefix("models/"):

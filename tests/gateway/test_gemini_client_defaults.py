@@ -347,3 +347,18 @@ def test_a_model_no_known_list_names_is_not_invented(serve_fake):
             assert r.json()["error"]["status"] == "NOT_FOUND", r.text
         r = httpx.get(gw.url + "/v1beta/models/fake", timeout=10)
         assert r.status_code == 200 and r.json()["name"] == "models/fake", r.text
+
+
+@pytest.mark.parametrize("mode", ["local", "proxy"])
+def test_count_tokens_checks_the_model_its_request_names_in_both_modes(serve_fake, mode):
+    """``generateContentRequest.model`` naming a model nobody serves: local mode's 404, the
+    proxy's 200 (it counted with the path's model and ignored the field)."""
+    srv, _ = serve_fake()
+    with BackgroundServer(lambda: create_proxy_app([srv.url], GatewaySettings())) as gw:
+        url = srv.url if mode == "local" else gw.url
+        body = {"generateContentRequest": {"model": "models/other", **HELLO}}
+        r = httpx.post(url + "/v1beta/models/fake:countTokens", json=body, timeout=10)
+        assert r.status_code == 404 and r.json()["error"]["status"] == "NOT_FOUND", r.text
+        body = {"generateContentRequest": {"model": "models/fake", **HELLO}}
+        r = httpx.post(url + "/v1beta/models/fake:countTokens", json=body, timeout=10)
+        assert r.status_code == 200 and r.json()["totalTokens"] > 0, r.text
