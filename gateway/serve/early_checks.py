@@ -50,6 +50,10 @@ def check_port_free(host: str, port: int) -> None:
         raise CannotListenError(
             f"cannot listen on {host}:{port}: {exc.strerror} (choose another --host)"
         ) from None
+    except UnicodeError:  # a name idna cannot encode: an empty or over-long label (foo..bar)
+        raise CannotListenError(
+            f"cannot listen on {host[:80]}:{port}: not a host name (choose another --host)"
+        ) from None
     for family, kind, proto, _, addr in infos:
         sock = socket.socket(family, kind, proto)
         try:

@@ -269,7 +269,14 @@ def test_the_keys_file_is_read_once_per_start(monkeypatch, tmp_path, mode):
 
 def test_a_bad_host_is_named_as_the_host_even_with_any_free_port():
     # port 0 (any free port) still checks the host: the hint names --host, not --port
-    for host, words in [("0.0.0.0.0", "choose another --host"), ("192.0.2.1", "--host")]:
+    # foo..bar and a 64-character label: idna cannot encode them (a UnicodeError, which was
+    # told as "bad option: encoding with 'idna' codec failed")
+    for host, words in [
+        ("0.0.0.0.0", "choose another --host"),
+        ("192.0.2.1", "--host"),
+        ("foo..bar", "choose another --host"),
+        ("a" * 64 + ".example", "choose another --host"),
+    ]:
         with pytest.raises(CannotListenError, match=words) as err:
             check_port_free(host, 0)
         assert "--port" not in str(err.value), err.value
