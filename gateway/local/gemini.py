@@ -75,6 +75,7 @@ from prefixgate.gateway.wire.gemini_routes import (
     model_object,
     no_route,  # noqa: F401  (add_gemini_routes reads the handlers off this module)
     refuse_get_of_method,
+    require_sse_alt,
     rfc3339,
 )
 from prefixgate.gateway.wire.prompts import check_length, choice_seeds, render_chat
@@ -326,14 +327,7 @@ async def model_method(request: web.Request) -> web.StreamResponse:
     if method == "generateContent":
         return await _generate(request, model, stream=False)
     if method == "streamGenerateContent":
-        alt = request.query.get("alt")
-        if alt != "sse":
-            got = "no alt" if alt is None else f"alt={alt[:20]!r}"
-            raise bad_request(
-                f"alt: streamGenerateContent is served as server-sent events only "
-                f"(?alt=sse), got {got}",
-                param="alt",
-            )
+        require_sse_alt(request)
         return await _generate(request, model, stream=True)
     if method == "countTokens":
         return await _count_tokens(request, model)

@@ -85,6 +85,7 @@ from prefixgate.gateway.wire.gemini_routes import (
     model_object,
     no_route,  # noqa: F401  (add_gemini_routes reads the handlers off this module)
     refuse_get_of_method,
+    require_sse_alt,
     rfc3339,
 )
 from prefixgate.gateway.wire.response_models import ChatCompletion, ChatCompletionChunk
@@ -439,11 +440,8 @@ async def model_method(request: web.Request) -> web.StreamResponse:
     model, sep, method = target.rpartition(":")
     if not sep or method not in ("generateContent", "streamGenerateContent", "countTokens"):
         raise APIError(404, f"unknown route: models/{target[:80]}", code="not_found")
-    if method == "streamGenerateContent" and request.query.get("alt") != "sse":
-        raise bad_request(
-            "alt: streamGenerateContent is served as server-sent events only (?alt=sse)",
-            param="alt",
-        )
+    if method == "streamGenerateContent":
+        require_sse_alt(request)
     st = request.app[STATE]
     router = request.app[PROXY].router
     principal = st.keys.authenticate(request)

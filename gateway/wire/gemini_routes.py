@@ -74,6 +74,23 @@ def list_page(items: list[T], query: Mapping[str, str]) -> tuple[list[T], dict[s
     return items[start : start + size], more
 
 
+def require_sse_alt(request: web.Request) -> None:
+    """``streamGenerateContent`` is served as server-sent events only (``?alt=sse``), in both
+    modes.
+
+    Raises:
+        APIError: 400 naming ``alt`` and what came.
+    """
+    alt = request.query.get("alt")
+    if alt != "sse":
+        got = "no alt" if alt is None else f"alt={alt[:20]!r}"
+        raise bad_request(
+            f"alt: streamGenerateContent is served as server-sent events only (?alt=sse), "
+            f"got {got}",
+            param="alt",
+        )
+
+
 def refuse_get_of_method(request: web.Request) -> None:
     """A GET of ``models/{model}:generateContent`` (a method, served by POST) is a 405 with
     ``Allow: POST``, not a 404 for a model of that name.

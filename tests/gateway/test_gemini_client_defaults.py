@@ -92,12 +92,16 @@ def test_thinking_turned_off_is_taken_and_asked_for_is_refused(serve_fake):
         assert "generationConfig.thinkingConfig" in r.json()["error"]["message"]
 
 
-def test_stream_without_alt_names_what_is_missing(serve_fake):
+@pytest.mark.parametrize("mode", ["local", "proxy"])
+def test_stream_without_alt_names_what_is_missing(serve_fake, mode):
     srv, _ = serve_fake()
-    r = httpx.post(srv.url + "/v1beta/models/fake:streamGenerateContent", json=HELLO, timeout=10)
-    assert r.status_code == 400
-    message = r.json()["error"]["message"]
-    assert "None" not in message and "?alt=sse" in message
+    with BackgroundServer(lambda: create_proxy_app([srv.url], GatewaySettings())) as gw:
+        url = srv.url if mode == "local" else gw.url
+        r = httpx.post(url + "/v1beta/models/fake:streamGenerateContent", json=HELLO, timeout=10)
+        assert r.status_code == 400
+        message = r.json()["error"]["message"]
+        # one wording in both modes (the proxy's did not say what came)
+        assert "None" not in message and "?alt=sse" in message and "got no alt" in message
 
 
 @pytest.fixture
