@@ -438,11 +438,18 @@ def json_schema(schema: Any, where: str) -> dict[str, Any]:
     if not isinstance(schema, dict):
         raise bad_request(f"{where}: a schema must be an object", param=where)
     out: dict[str, Any] = {}
+    seen: dict[str, str] = {}  # a key's JSON name -> the spelling it came in
     for name, value in schema.items():
         here = f"{where}.{name}"
         key = _camel(name)  # protobuf JSON takes a field's proto name too (google-genai sends it)
         if key not in _SCHEMA_KEYS:
             raise bad_request(f"{here}: not a field of Gemini's Schema", param=here)
+        if key in seen:  # as the request objects: one of the two values would be dropped
+            raise bad_request(
+                f"{where}: {seen[key]} and {name} are one field under both its names: send one",
+                param=f"{where}.{name}",
+            )
+        seen[key] = name
         if key in ("propertyOrdering", "example"):
             continue
         if key == "type":

@@ -157,6 +157,17 @@ BOTH_SPELLINGS = [  # (a body with one field under both its names, the path to i
         "generationConfig.thinkingConfig",
         ("thinkingBudget", "thinking_budget"),
     ),
+    (  # a schema's keyword too (was merged, the last one kept)
+        {
+            **HELLO,
+            "generationConfig": {
+                "responseMimeType": "application/json",
+                "responseSchema": {"type": "STRING", "maxLength": 1, "max_length": 50},
+            },
+        },
+        None,
+        ("maxLength", "max_length"),
+    ),
 ]
 
 
