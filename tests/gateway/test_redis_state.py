@@ -103,6 +103,7 @@ def test_two_replicas_share_one_requests_per_minute_limit(serve_fake, gw, redis_
         assert float(r.headers["Retry-After"]) >= 1
         assert r.json()["error"]["code"] == "rate_limit_exceeded"
     # Both replicas served some (the limit is shared, not split).
+    _until_written(a, b)
     usage = redis_server.client().hgetall(_usage_key("k1"))
     assert int(usage["requests"]) == len(ok)
 
@@ -358,6 +359,17 @@ def _backend(srv):
     return srv.app[STATE].shared
 
 
+def _until_written(*servers) -> None:
+    """Poll (a failure guard of 60 s) until no replica has a Redis write still in flight:
+    a request's release (its usage counted, its bucket charged) is written after its answer
+    went out, so a client can read Redis before the last ones land (CI read 28 of 60 right
+    after a restart, the other 32 waiting on their stale connections' retry)."""
+    t0 = time.monotonic()
+    while any(_backend(s)._tasks for s in servers):
+        assert time.monotonic() - t0 < 60, [len(_backend(s)._tasks) for s in servers]
+        time.sleep(0.02)
+
+
 def _restart(redis_server) -> None:
     """Kill ``redis-server`` and start it again on the same port, empty (no persistence)."""
     redis_server.proc.kill()
@@ -433,6 +445,7 @@ def test_requests_per_minute_shared_by_two_replicas_holds_after_a_redis_restart(
     body = gw.chat_body("hi", max_tokens=1)
     warm = asyncio.run(_burst([a.url, b.url], 40, body))  # many pooled connections on each
     assert sorted({x.status_code for x in warm}) == [200]
+    _until_written(a, b)  # the warm-up's releases land on the old Redis, not the new one
     _restart(redis_server)
     took = _until_rebuilt(a, b)
     print(f"redis restart: both replicas back on the new Redis {took:.3f} s after its start")
@@ -444,6 +457,7 @@ def test_requests_per_minute_shared_by_two_replicas_holds_after_a_redis_restart(
     assert len(ok) + len(refused) == 200, sorted({x.status_code for x in responses})
     assert 60 <= len(ok) <= 60 + int(elapsed), (len(ok), elapsed)
     assert _backend(a).fallbacks == 0 and _backend(b).fallbacks == 0
+    _until_written(a, b)  # releases on the pool's stale connections retry after a backoff
     assert int(redis_server.client().hgetall(_usage_key("k1"))["requests"]) == len(ok)
 
 
