@@ -1,11 +1,12 @@
 """prefixgate's own CPU ops (one-row GEMVs and layers, batched small ops), built on first use.
 
 ``kernels/csrc/cpu_ops.cpp`` is compiled with ``torch.utils.cpp_extension.load`` (g++,
-``-O3 -mavx2 -mfma -ffp-contract=off``) into torch's extensions cache (``TORCH_EXTENSIONS_DIR``,
+``-O3 -mavx2 -mfma -ffp-contract=off -fopenmp``) into torch's extensions cache (``TORCH_EXTENSIONS_DIR``,
 by default ``~/.cache/torch_extensions``; never the repository) and registered as
 ``torch.ops.prefixgate_cpu.*`` (``TORCH_LIBRARY``, no pybind). The first build took 20-22 s on
 the dev machine (2 cores, AMD EPYC Zen 3, g++ 12); later processes load the cached library.
-The ops' threads are ``at::parallel_for``'s: torch's own pool, at ``torch.get_num_threads()``.
+The ops' threads are ``at::parallel_for``'s: torch's own OpenMP pool, at
+``torch.get_num_threads()`` (:func:`op_threads` says how many a parallel op takes).
 
 :func:`available` builds (once per process) and says whether the ops can be used; it returns
 False, with one log line, on a CPU without AVX2 / FMA, without a compiler, when the build fails,
@@ -81,9 +82,16 @@ PANEL = 8
 DISABLE_ENV = "PREFIXGATE_CPU_EXT"
 """Set to ``0`` to never build or use the ops (the torch paths stay)."""
 
-CFLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off"]
-"""Compiler flags: AVX2 + FMA intrinsics; no contraction of plain ``a * b + c`` into FMAs, so the
-rotary's products and sums are the torch reference's bit for bit."""
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]
+"""Compiler flags: AVX2 + FMA intrinsics (the AVX-512 kernels carry their own ``target``
+attribute and are chosen at run time); no contraction of plain ``a * b + c`` into FMAs, so the
+rotary's products and sums are the torch reference's bit for bit; OpenMP, without which
+``at::parallel_for`` (an inline template over ``#pragma omp parallel``) runs the whole range on
+the calling thread: every op ran on one thread until ``-fopenmp`` was added."""
+
+LDFLAGS = ["-fopenmp"]
+"""Linker flags: the library needs ``libgomp.so.1``, which resolves to the copy torch loaded
+first (torch's wheel ships its own; one OpenMP runtime, one thread pool)."""
 
 
 STALE_LOCK_S = 180.0
@@ -184,6 +192,7 @@ def available() -> bool:
             name=EXTENSION_NAME,
             sources=[str(SOURCE)],
             extra_cflags=CFLAGS,
+            extra_ldflags=LDFLAGS,
             is_python_module=False,
             verbose=False,
         )
@@ -323,6 +332,19 @@ def pack_pairs_int8(
 def bf16_native() -> bool:
     """Whether the ops' bf16 stores use AVX512_BF16's ``vcvtneps2bf16`` (else AVX2 rounding)."""
     return bool(torch.ops.prefixgate_cpu.bf16_native())
+
+
+def op_threads() -> int:
+    """How many threads a parallel op runs on now (``torch.get_num_threads()``, where the
+    library was built with OpenMP)."""
+    return int(torch.ops.prefixgate_cpu.op_threads())
+
+
+def attention_kernel(head_dim: int = 64) -> str:
+    """The kernel :func:`decode_attention` takes now at head size ``head_dim``: ``"avx512"``
+    (16 lanes: a CPU with AVX512F/DQ/BW/VL, ``head_dim`` 32, 64, 96 or 128, and
+    ``PREFIXGATE_CPU_EXT_AVX512`` not ``0``, read at each call) or ``"avx2"``."""
+    return str(torch.ops.prefixgate_cpu.decode_attention_kernel(head_dim))
 
 
 def add_rms_norm(

@@ -19,6 +19,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -879,6 +880,255 @@ void attend_rows(T* q_all, const T* kc, const T* vc, const int32_t* tables, cons
   });
 }
 
+// ---- AVX-512 decode attention (runtime dispatch; the file is built for AVX2) ----------------
+// The same computation as attend_rows (scores, softmax with the max subtracted, P.V, all in
+// fp32) on 16 lanes: a block's 16 scores of one head come from 16 per-token partial sums
+// reduced together (a transpose-and-add tree: 45 shuffles and adds for 16 dot products, where
+// a horizontal sum each took ~8), and P.V reads each V row once for a chunk of the group's heads
+// (their accumulators in registers). The next block's K and this block's V are prefetched while
+// a block's scores are computed (blocks are scattered over the pool: the hardware's prefetcher
+// sees a new stream every block). Needs AVX512F; D a multiple of 16.
+#define PG_AVX512 __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx2,fma")))
+
+PG_AVX512 inline __m512 load16f(const float* p) { return _mm512_loadu_ps(p); }
+PG_AVX512 inline __m512 load16f(const bf16* p) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+
+// exp8's Cephes expf on 16 lanes (the same constants and steps, so the same values).
+PG_AVX512 inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+  const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i n = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(n));
+}
+
+// v[0..15] (16 lanes each) -> [sum(v[0]), ..., sum(v[15])]: pairs within 128-bit lanes
+// (unpack ps, then pd), then across them (shuffle_f32x4 twice). v is overwritten.
+PG_AVX512 inline __m512 sum16x16(__m512* v) {
+  for (int i = 0; i < 8; ++i) {  // [a0+a2, b0+b2, a1+a3, b1+b3] per 128-bit lane
+    v[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {  // lane L of v[i]: the lane sums of v[4i..4i+3]
+    const __m512d a = _mm512_castps_pd(v[2 * i]), b = _mm512_castps_pd(v[2 * i + 1]);
+    v[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int i = 0; i < 2; ++i) {
+    v[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xDD));
+  }
+  return _mm512_add_ps(_mm512_shuffle_f32x4(v[0], v[1], 0x88),
+                       _mm512_shuffle_f32x4(v[0], v[1], 0xDD));
+}
+
+template <typename T>
+PG_AVX512 inline void prefetch_rows(const T* base, int64_t n, int64_t stride, int64_t bytes,
+                                    int hint) {
+  for (int64_t o = 0; o < n; ++o) {
+    const char* p = reinterpret_cast<const char*>(base + o * stride);
+    for (int64_t c = 0; c < bytes; c += 64) {
+      if (hint == 0) {
+        _mm_prefetch(p + c, _MM_HINT_T0);
+      } else {
+        _mm_prefetch(p + c, _MM_HINT_T1);
+      }
+    }
+  }
+}
+
+// P.V of HP heads over one task's context: each V row read once, the HP * CH accumulators in
+// registers; out[j] = sum_t p[j][t] * V[t] / denominators (inv[j]), stored over the head's q.
+template <int CH, int HP, typename T>
+PG_AVX512 inline void pv_pass(const float* p, int64_t padded, const float* inv, const T* vc,
+                              const int64_t* at, int64_t length, T* qh0, int64_t d) {
+  __m512 out[HP][CH];
+#pragma GCC unroll 8
+  for (int j = 0; j < HP; ++j) {
+#pragma GCC unroll 8
+    for (int c = 0; c < CH; ++c) out[j][c] = _mm512_setzero_ps();
+  }
+  for (int64_t t = 0; t < length; ++t) {
+    const T* vt = vc + at[t];
+    __m512 pj[HP];
+#pragma GCC unroll 8
+    for (int j = 0; j < HP; ++j) pj[j] = _mm512_set1_ps(p[j * padded + t]);
+#pragma GCC unroll 8
+    for (int c = 0; c < CH; ++c) {
+      const __m512 v = load16f(vt + c * 16);
+#pragma GCC unroll 8
+      for (int j = 0; j < HP; ++j) out[j][c] = _mm512_fmadd_ps(pj[j], v, out[j][c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < HP; ++j) {
+    T* qh = qh0 + j * d;  // the head's output (its q is no longer needed)
+    const __m512 iv = _mm512_set1_ps(inv[j]);
+#pragma GCC unroll 8
+    for (int c = 0; c < CH; ++c) {
+      const __m512 o = _mm512_mul_ps(out[j][c], iv);
+      store8f(qh + c * 16, _mm512_castps512_ps256(o));
+      store8f(qh + c * 16 + 8, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(o), 1)));
+    }
+  }
+}
+
+// attend_rows on 16 lanes for D = 16 * CH: tasks [begin, end), each a row and ``span`` of its
+// KV heads (all of them when there are rows enough for the threads: a block's slot rows are
+// then read whole, one forward stream), as one at::parallel_for chunk (a function of its own:
+// the lambda would not take the target).
+template <int CH, typename T>
+PG_AVX512 void attend_tasks_avx512(int64_t begin, int64_t end, T* q_all, const T* kc,
+                                   const T* vc, const int32_t* tables, const int32_t* len_p,
+                                   int64_t max_blocks, int64_t block_size, int64_t num_heads,
+                                   int64_t num_kv_heads, int64_t span, float sc,
+                                   int64_t padded) {
+  constexpr int64_t d = 16 * CH;
+  constexpr int kMaxHeads = std::max(1, std::min(4, 24 / CH));  // P.V heads a pass
+  const int64_t row = num_kv_heads * d;  // values per cache slot
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t heads = span * group;  // query heads a task
+  const int64_t span_bytes = span * d * static_cast<int64_t>(sizeof(T));
+  const int64_t tasks_a_row = num_kv_heads / span;
+  std::vector<float> scores(heads * padded);
+  std::vector<float> qf(heads * d);
+  std::vector<float> inv(heads);
+  std::vector<T> zeros(row, T(0.0f));  // the K row of the padding past a context's end
+  std::vector<int64_t> at(padded);  // a token's slot row in the caches (offset)
+  const __m512 scv = _mm512_set1_ps(sc);
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t b = task / tasks_a_row;
+    const int64_t g0 = task % tasks_a_row * span;  // the task's first KV head
+    const int64_t length = len_p[b];
+    const int32_t* table = tables + b * max_blocks;
+    T* q0 = q_all + b * num_heads * d + g0 * group * d;  // the task's first query head
+    for (int64_t i = 0; i < heads * d; ++i) qf[i] = to_f32(q0[i]);
+    // each token's slot row, block by block through the table: no division a token (an idiv
+    // cost more than the token's arithmetic)
+    for (int64_t t0 = 0, blk = 0; t0 < length; t0 += block_size, ++blk) {
+      const int64_t base = static_cast<int64_t>(table[blk]) * block_size * row + g0 * d;
+      const int64_t m = std::min(block_size, length - t0);
+      for (int64_t o = 0; o < m; ++o) at[t0 + o] = base + o * row;
+    }
+    prefetch_rows(kc + at[0], std::min<int64_t>(16, length), row, span_bytes, 0);
+    // scores, 16 tokens a step: each token's CH partial products summed in registers, the 16
+    // sums reduced together (sum16x16)
+    for (int64_t t0 = 0; t0 < length; t0 += 16) {
+      const int64_t n = std::min<int64_t>(16, length - t0);
+      const T* krow[16];
+      for (int64_t o = 0; o < 16; ++o) krow[o] = o < n ? kc + at[t0 + o] : zeros.data();
+      for (int64_t o = 0; o < 16; ++o) {  // the next step's K rows, this step's V rows
+        const int64_t t = t0 + 16 + o;
+        if (t < length) prefetch_rows(kc + at[t], 1, row, span_bytes, 0);
+        if (o < n) prefetch_rows(vc + at[t0 + o], 1, row, span_bytes, 1);
+      }
+      for (int64_t h = 0; h < heads; ++h) {
+        const float* qh = qf.data() + h * d;
+        const int64_t koff = h / group * d;  // the head's KV head within the task's span
+        __m512 qv[CH];
+#pragma GCC unroll 8
+        for (int c = 0; c < CH; ++c) qv[c] = _mm512_loadu_ps(qh + c * 16);
+        __m512 acc[16];
+#pragma GCC unroll 16
+        for (int o = 0; o < 16; ++o) {
+          const T* k = krow[o] + koff;
+          __m512 a = _mm512_mul_ps(qv[0], load16f(k));
+#pragma GCC unroll 8
+          for (int c = 1; c < CH; ++c) a = _mm512_fmadd_ps(qv[c], load16f(k + c * 16), a);
+          acc[o] = a;
+        }
+        _mm512_storeu_ps(scores.data() + h * padded + t0, _mm512_mul_ps(sum16x16(acc), scv));
+      }
+    }
+    // softmax numerators exp(score - max) and their sum, 16 lanes at a time (the padding
+    // past ``length`` masked out)
+    const int64_t steps = (length + 15) / 16;
+    const int rest = static_cast<int>(length - (steps - 1) * 16);
+    const __mmask16 tail = static_cast<__mmask16>(rest == 16 ? 0xFFFF : (1u << rest) - 1);
+    for (int64_t h = 0; h < heads; ++h) {
+      float* sh = scores.data() + h * padded;
+      __m512 mx = _mm512_set1_ps(-INFINITY);
+      for (int64_t i = 0; i < steps; ++i) {
+        const __mmask16 m = i == steps - 1 ? tail : static_cast<__mmask16>(0xFFFF);
+        mx = _mm512_mask_max_ps(mx, m, mx, _mm512_loadu_ps(sh + i * 16));
+      }
+      const __m512 mxv = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t i = 0; i < steps; ++i) {
+        const __mmask16 m = i == steps - 1 ? tail : static_cast<__mmask16>(0xFFFF);
+        const __m512 e =
+            _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_loadu_ps(sh + i * 16), mxv)));
+        _mm512_storeu_ps(sh + i * 16, e);
+        sum = _mm512_add_ps(sum, e);
+      }
+      inv[h] = 1.0f / _mm512_reduce_add_ps(sum);
+    }
+    // P.V: a KV head's query heads in passes of up to kMaxHeads
+    for (int64_t g = 0; g < span; ++g) {
+      const T* vg = vc + g * d;
+      for (int64_t j0 = 0; j0 < group; j0 += kMaxHeads) {
+        const int64_t h = g * group + j0;
+        const float* p = scores.data() + h * padded;
+        T* out = q0 + h * d;
+        switch (std::min<int64_t>(kMaxHeads, group - j0)) {
+          case 1:
+            pv_pass<CH, 1>(p, padded, &inv[h], vg, at.data(), length, out, d);
+            break;
+          case 2:
+            pv_pass<CH, std::min(2, kMaxHeads)>(p, padded, &inv[h], vg, at.data(), length, out,
+                                                 d);
+            break;
+          case 3:
+            pv_pass<CH, std::min(3, kMaxHeads)>(p, padded, &inv[h], vg, at.data(), length, out,
+                                                 d);
+            break;
+          default:
+            pv_pass<CH, kMaxHeads>(p, padded, &inv[h], vg, at.data(), length, out, d);
+        }
+      }
+    }
+  }
+}
+
+template <int CH, typename T>
+void attend_rows_avx512(T* q_all, const T* kc, const T* vc, const int32_t* tables,
+                        const int32_t* len_p, int64_t batch, int64_t max_blocks,
+                        int64_t block_size, int64_t num_heads, int64_t num_kv_heads, float sc) {
+  int64_t longest = 1;
+  for (int64_t b = 0; b < batch; ++b) longest = std::max<int64_t>(longest, len_p[b]);
+  const int64_t padded = (longest + 15) / 16 * 16;
+  // whole rows a task when every thread gets several; else a (row, KV head) a task
+  const int64_t span = batch >= 4 * at::get_num_threads() ? num_kv_heads : 1;
+  at::parallel_for(0, batch * (num_kv_heads / span), 1, [&](int64_t begin, int64_t end) {
+    attend_tasks_avx512<CH>(begin, end, q_all, kc, vc, tables, len_p, max_blocks, block_size,
+                            num_heads, num_kv_heads, span, sc, padded);
+  });
+}
+
+// Which decode-attention kernel runs: "avx512" where the CPU has AVX512F, the head size is a
+// multiple of 16 and PREFIXGATE_CPU_EXT_AVX512 is not "0" (read at each call: how the tests
+// and the op benchmark reach the AVX2 kernel on such a CPU), else "avx2".
+bool avx512_attention(int64_t d) {
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+                          __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+  const char* env = std::getenv("PREFIXGATE_CPU_EXT_AVX512");
+  return has && (d == 32 || d == 64 || d == 96 || d == 128) &&
+         !(env != nullptr && std::string(env) == "0");
+}
+
 // Decode tokens, one per sequence: rotary_cache (rotary on q and k, k and v written to the
 // paged caches at each row's slot), then attention of each row's query heads over its own
 // whole context (after every row's write, as reshape_and_cache then the attention).
@@ -912,7 +1162,27 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& positions,
                                 num_kv_heads);
   const float sc = static_cast<float>(scale);
   const int32_t* tables = bt.data_ptr<int32_t>();
-  if (out.scalar_type() == at::kFloat) {
+  if (avx512_attention(d)) {
+    auto wide = [&](auto tag, auto ch) {
+      using T = decltype(tag);
+      attend_rows_avx512<decltype(ch)::value>(
+          out.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), tables, len_p, batch,
+          max_blocks, block_size, num_heads, num_kv_heads, sc);
+    };
+    auto by_width = [&](auto tag) {
+      switch (d) {
+        case 32: wide(tag, std::integral_constant<int, 2>{}); break;
+        case 64: wide(tag, std::integral_constant<int, 4>{}); break;
+        case 96: wide(tag, std::integral_constant<int, 6>{}); break;
+        default: wide(tag, std::integral_constant<int, 8>{}); break;
+      }
+    };
+    if (out.scalar_type() == at::kFloat) {
+      by_width(float{});
+    } else {
+      by_width(bf16{});
+    }
+  } else if (out.scalar_type() == at::kFloat) {
     attend_rows(out.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
                 tables, len_p, batch, max_blocks, block_size, num_heads, num_kv_heads, d, sc);
   } else {
@@ -1004,8 +1274,28 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
 // Whether bf16 stores use AVX512_BF16's vcvtneps2bf16 (else the AVX2 integer rounding).
 bool bf16_native() { return kAvx512Bf16; }
 
+// How many threads an op's at::parallel_for ran on (1024 tasks of grain 1, each noting its
+// thread): torch.get_num_threads() when the library was built with OpenMP, 1 without it.
+int64_t op_threads() {
+  std::vector<std::atomic<int>> seen(std::max(1, at::get_num_threads()));
+  at::parallel_for(0, 1024, 1, [&](int64_t, int64_t) {
+    const int t = at::get_thread_num();
+    if (t >= 0 && t < static_cast<int>(seen.size())) seen[t].store(1);
+  });
+  int64_t n = 0;
+  for (const auto& s : seen) n += s.load();
+  return n;
+}
+
+// The decode-attention kernel a call with head size ``head_dim`` takes now: "avx512" or "avx2".
+std::string decode_attention_kernel(int64_t head_dim) {
+  return avx512_attention(head_dim) ? "avx512" : "avx2";
+}
+
 TORCH_LIBRARY(prefixgate_cpu, m) {
   m.def("bf16_native() -> bool", &bf16_native);
+  m.def("decode_attention_kernel(int head_dim) -> str", &decode_attention_kernel);
+  m.def("op_threads() -> int", &op_threads);
   m.def("gemv_packed(Tensor x, Tensor packed, Tensor? bias, int n_out) -> Tensor");
   m.def(
       "gemv_int8_packed(Tensor x, Tensor packed, Tensor scale, Tensor? bias, int n_out) -> "
