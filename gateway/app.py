@@ -32,6 +32,7 @@ from prefixgate.gateway.http import lifecycle, request_id
 from prefixgate.gateway.http.body_limits import body_limits_middleware
 from prefixgate.gateway.http.errors import (
     ERROR_CODE,
+    GEMINI,
     APIError,
     Handler,
     error_middleware,
@@ -77,7 +78,7 @@ from prefixgate.gateway.tenancy.admission import AdmissionController
 from prefixgate.gateway.tenancy.admission_wait import EngineWait
 from prefixgate.gateway.tenancy.keys import KeyRing, KeySpec
 from prefixgate.gateway.tenancy.redis_state import make_backend
-from prefixgate.gateway.wire.models_dialect import models_route
+from prefixgate.gateway.wire.models_dialect import client_dialect, models_route
 
 logger = logging.getLogger("prefixgate.gateway")
 
@@ -298,8 +299,26 @@ def _add_fallback_route(app: web.Application) -> None:
 @no_body
 async def _no_route(request: web.Request) -> web.Response:
     """404 ``not_found`` for an unknown path, 405 ``method_not_allowed`` for a known path
-    asked with another method (with ``Allow``): ``errors.route_miss``."""
+    asked with another method (with ``Allow``): ``errors.route_miss``; in the dialect of
+    ``_miss_dialect``."""
     raise await route_miss(request)
+
+
+def _miss_dialect(request: web.Request) -> str:
+    """The error dialect of a request no route took: on the model routes' paths
+    (``/v1/models``, ``/v1/models/{model}``) the client's, as those routes answer it
+    (``models_dialect.client_dialect``: a Google key's Gemini, ``anthropic-version``'s
+    Anthropic); Gemini's on Gemini's paths (``errors.is_gemini_path``: a model method's
+    ``/v1/models/{model}:{method}`` too); else OpenAI's."""
+    path = request.path
+    if is_gemini_path(path):
+        return GEMINI
+    if path == "/v1/models" or path.startswith("/v1/models/"):
+        return client_dialect(request)
+    return "openai"
+
+
+_no_route.error_dialect = _miss_dialect  # type: ignore[attr-defined]
 
 
 _ROUTE_LABELS = {

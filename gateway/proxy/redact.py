@@ -32,7 +32,6 @@ import base64
 import binascii
 import json
 import re
-import zlib
 from typing import Any
 
 from prefixgate.gateway.http.errors import APIError
@@ -106,10 +105,10 @@ def auth_error(status: int, url: str, own_credential: bool) -> APIError:
     )
 
 
-def reworded_error(data: bytes, encoding: str, secrets: tuple[str, ...]) -> dict[str, Any] | None:
-    """An upstream's error body rebuilt as an OpenAI error object of its four fields,
-    credentials scrubbed (``encoding``: its ``Content-Encoding``, gzip/deflate undone); None
-    when ``data`` is no error body this knows.
+def reworded_error(data: bytes, secrets: tuple[str, ...]) -> dict[str, Any] | None:
+    """An upstream's error body (decoded: the upstream session undoes its ``Content-Encoding``)
+    rebuilt as an OpenAI error object of its four fields, credentials scrubbed; None when
+    ``data`` is no error body this knows.
 
     The shapes read (``upstream_error_fields``): OpenAI's ``{"error": {message, type, param,
     code}}`` (Anthropic's ``{"type": "error", "error": {type, message}}`` too), vLLM's flat
@@ -121,11 +120,6 @@ def reworded_error(data: bytes, encoding: str, secrets: tuple[str, ...]) -> dict
     a semantic 400 names its field in proxy mode as in local mode. A non-string ``code``
     (vLLM sends the HTTP status) is dropped.
     """
-    if encoding.lower() in ("gzip", "deflate"):
-        try:
-            data = zlib.decompress(data, wbits=47)
-        except zlib.error:
-            return None
     try:
         parsed = json.loads(data)
     except (ValueError, RecursionError):
@@ -223,7 +217,7 @@ def upstream_error(
     """
     shown = status if status >= 400 else 502
     wait = retry_after(headers)
-    error = reworded_error(data, headers.get("Content-Encoding", "identity"), secrets)
+    error = reworded_error(data, secrets)
     if error is None:
         return APIError(
             shown,
@@ -284,10 +278,8 @@ def too_long(data: bytes, headers: Any) -> bool:
 
 
 def error_object(data: bytes, headers: Any) -> dict[str, Any] | None:
-    """The ``error`` object of an upstream's JSON error body; None when the body is encoded
-    (``Content-Encoding``), not JSON, or holds no error object."""
-    if "Content-Encoding" in headers:
-        return None
+    """The ``error`` object of an upstream's JSON error body; None when the body is not JSON
+    or holds no error object."""
     try:
         err = json.loads(data).get("error")
     except (ValueError, AttributeError):

@@ -59,7 +59,7 @@ from prefixgate.gateway.wire.request_models import check_contents, gateway_field
 from prefixgate.gateway.wire.stop_strings import openai_constraint, refuse_stop_under_constraint
 
 _HOP_HEADERS = {"Content-Type": "application/json"}
-_PASSED_HEADERS = ("Retry-After", "retry-after-ms", "Content-Encoding")
+_PASSED_HEADERS = ("Retry-After", "retry-after-ms")
 
 
 async def proxy_generate(request: web.Request) -> web.StreamResponse:
@@ -431,11 +431,10 @@ class _Forward(Call):
                 router.mark_ok(up)
             if outcome is not None and resp.status == 200:
                 outcome.account.mark_served()
-                if "Content-Encoding" not in resp.headers:
-                    body_usage(data, outcome.account)
+                body_usage(data, outcome.account)
                 _learn(router, up, route, data[-4096:])
             name = self._sent_name(up)
-            if name is not None and resp.status == 200 and "Content-Encoding" not in resp.headers:
+            if name is not None and resp.status == 200:
                 data = renamed(data, name)
             return _passed(resp.status, data, resp.headers)
 
@@ -548,8 +547,8 @@ def _lost_prefix(data: bytes, headers: Any) -> bool:
 
 
 def _passed(status: int, data: bytes, headers: Any) -> web.Response:
-    """An upstream's whole answer as the client's: its body, content type, ``Retry-After``
-    and an encoding we did not undo."""
+    """An upstream's whole answer as the client's: its body (decoded: the session undid its
+    ``Content-Encoding``), content type and ``Retry-After``."""
     out_headers = {"Content-Type": headers.get("Content-Type", "application/json")}
     for name in _PASSED_HEADERS:
         value = headers.get(name)

@@ -308,10 +308,12 @@ class UpstreamRouter:
     async def start(self) -> None:
         """Open the shared ClientSession and start the health prober (in the server's loop)."""
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=30)
+        # aiohttp undoes an answer's Content-Encoding (gzip, deflate; br, zstd with their
+        # libraries) for every read of every route: each one parses what it reads, and what
+        # the client gets is identity; none is asked for (no Accept-Encoding), some send one
         self.session = aiohttp.ClientSession(
             connector=connector,
             timeout=self.timeout,
-            auto_decompress=False,
             skip_auto_headers=("User-Agent", "Accept-Encoding"),
         )
         await asyncio.gather(

@@ -93,12 +93,14 @@ def require_sse_alt(request: web.Request) -> None:
 
 def refuse_get_of_method(request: web.Request) -> None:
     """A GET of ``models/{model}:generateContent`` (a method, served by POST) is a 405 with
-    ``Allow: POST``, not a 404 for a model of that name.
+    ``Allow: POST``, not a 404 for a model of that name. The method is what follows the
+    target's last colon, as the POST handlers split it: a model's name may hold colons
+    (Ollama's ``llama:latest``).
 
     Raises:
         APIError: 405 ``method_not_allowed``.
     """
-    _, _, method = request.match_info["target"].partition(":")
+    _, _, method = request.match_info["target"].rpartition(":")
     if method in GENERATION_METHODS:
         exc = APIError(
             405,

@@ -162,6 +162,35 @@ def test_a_wrong_method_is_a_405_naming_the_allowed(serve_fake, mode):
             proxy.close()
 
 
+@pytest.mark.parametrize("mode", ["local", "proxy"])
+def test_a_get_of_a_method_of_a_colon_name_is_a_405_too(serve_fake, mode):
+    """An Ollama-style name holds a colon (``llama:latest``): a GET of its method is the 405
+    every other name gets, in Gemini's shape, under ``/v1beta`` and (a Google client's key)
+    ``/v1``. Was: a 404 ``model_not_found`` for ``llama`` — the method was read after the
+    name's first colon (``latest:generateContent``), not its last as the POST reads it."""
+    srv, _ = serve_fake(GatewaySettings(model_name="llama:latest"))
+    url = srv.url
+    if mode == "proxy":
+        proxy = BackgroundServer(lambda: create_proxy_app([srv.url], GatewaySettings()))
+        url = proxy.__enter__().url
+    try:
+        for method in ("generateContent", "streamGenerateContent", "countTokens"):
+            for prefix, headers in (("/v1beta", {}), ("/v1", {"x-goog-api-key": "k"})):
+                path = f"{prefix}/models/llama:latest:{method}"
+                r = httpx.get(url + path, headers=headers, timeout=10)
+                assert r.status_code == 405 and r.headers["Allow"] == "POST", (path, r.text)
+                err = r.json()["error"]
+                assert err["status"] == "UNIMPLEMENTED" and "method GET" in err["message"], err
+        r = httpx.get(url + "/v1beta/models/llama:latest", timeout=10)  # the name itself
+        assert r.status_code == 200 and r.json()["name"] == "models/llama:latest", r.text
+        path = "/v1beta/models/llama:latest:generateContent"
+        r = httpx.post(url + path, json=HELLO, timeout=10)
+        assert r.status_code == 200, r.text  # the POST of the same path is served
+    finally:
+        if mode == "proxy":
+            proxy.close()
+
+
 def test_stream_chunks_and_end(serve_fake):
     srv, _ = serve_fake()
     path = "/v1beta/models/fake:streamGenerateContent?alt=sse"

@@ -57,6 +57,32 @@ def test_v1_errors_take_geminis_shape_and_openai_paths_stay_openais(serve_fake):
     assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
 
 
+@pytest.mark.parametrize("mode", ["local", "proxy"])
+def test_a_wrong_method_on_a_model_path_answers_in_the_clients_dialect(serve_fake, mode):
+    """``/v1/models[/{model}]`` answers each client in the dialect its headers name
+    (``models_dialect.client_dialect``); a method no route serves there is that dialect's 405
+    too. Was: OpenAI's shape whatever the headers (a Google client's ``POST /v1/models/org/x``
+    got ``{"error": {"type", "code": "method_not_allowed"}}``, which google-genai cannot
+    read as its error)."""
+    srv, _ = serve_fake()
+    with BackgroundServer(lambda: create_proxy_app([srv.url], GatewaySettings())) as gw:
+        url = srv.url if mode == "local" else gw.url
+        for path in ("/v1/models/org/x", "/v1/models/fake", "/v1/models"):
+            for headers, params in (({"x-goog-api-key": "k"}, {}), ({}, {"key": "k"})):
+                r = httpx.post(url + path, json={}, headers=headers, params=params, timeout=10)
+                assert r.status_code == 405 and r.headers["Allow"].startswith("GET"), r.text
+                err = r.json()["error"]
+                assert err["status"] == "UNIMPLEMENTED" and err["code"] == 405, (path, r.text)
+                assert "method POST" in err["message"], err
+            r = httpx.post(url + path, json={}, headers={"anthropic-version": "2023-06-01"})
+            assert r.status_code == 405 and r.json()["type"] == "error", (path, r.text)
+            r = httpx.post(url + path, json={}, timeout=10)  # no dialect's header: OpenAI's
+            assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+        # a Gemini method's path keeps Gemini's shape whatever the headers
+        r = httpx.delete(url + "/v1/models/fake:generateContent", timeout=10)
+        assert r.status_code == 405 and r.json()["error"]["status"] == "UNIMPLEMENTED", r.text
+
+
 def test_integral_numbers_are_integers(serve_fake):
     srv, engine = serve_fake()
     client = _client(srv.url)
