@@ -788,6 +788,18 @@ at::Tensor rotary_cache(const at::Tensor& qkv, const at::Tensor& positions,
   return out;
 }
 
+// The grain of a decode-attention call's tasks: all of them (one thread, no parallel region)
+// when the call's whole work is under kSerialTokenHeads token x KV-head pairs (a lone decode
+// row at a short context: waking the other threads costs more than they save; measured in
+// docs/benchmarks/vllm-cpu-peer.md, runs 21-24), else 1.
+constexpr int64_t kSerialTokenHeads = 1024;
+inline int64_t attention_grain(const int32_t* len_p, int64_t batch, int64_t num_kv_heads,
+                               int64_t tasks) {
+  int64_t work = 0;
+  for (int64_t b = 0; b < batch; ++b) work += static_cast<int64_t>(len_p[b]) * num_kv_heads;
+  return work < kSerialTokenHeads ? std::max<int64_t>(1, tasks) : 1;
+}
+
 // Decode attention of B rows over their paged contexts (after rotary_cache wrote this step's
 // K/V), fp32 or bf16 q / caches / output; scores, softmax and P.V in fp32. ``out`` holds the
 // rotated q [B, Hq D] and receives each head's output in place of its q.
@@ -801,7 +813,9 @@ void attend_rows(T* q_all, const T* kc, const T* vc, const int32_t* tables, cons
   for (int64_t b = 0; b < batch; ++b) longest = std::max<int64_t>(longest, len_p[b]);
   // one task a (row, KV head): its G = Hq / Hkv query heads read each cached K row once; the
   // context is walked block by block (no division a token)
-  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  const int64_t tasks = batch * num_kv_heads;
+  at::parallel_for(0, tasks, attention_grain(len_p, batch, num_kv_heads, tasks),
+                   [&](int64_t begin, int64_t end) {
     std::vector<float> scores(group * longest);
     std::vector<const T*> vrows(longest);
     std::vector<float> mx(group);
@@ -1112,7 +1126,9 @@ void attend_rows_avx512(T* q_all, const T* kc, const T* vc, const int32_t* table
   const int64_t padded = (longest + 15) / 16 * 16;
   // whole rows a task when every thread gets several; else a (row, KV head) a task
   const int64_t span = batch >= 4 * at::get_num_threads() ? num_kv_heads : 1;
-  at::parallel_for(0, batch * (num_kv_heads / span), 1, [&](int64_t begin, int64_t end) {
+  const int64_t tasks = batch * (num_kv_heads / span);
+  at::parallel_for(0, tasks, attention_grain(len_p, batch, num_kv_heads, tasks),
+                   [&](int64_t begin, int64_t end) {
     attend_tasks_avx512<CH>(begin, end, q_all, kc, vc, tables, len_p, max_blocks, block_size,
                             num_heads, num_kv_heads, span, sc, padded);
   });
