@@ -173,7 +173,7 @@ def cpu_supports_avx2() -> bool:
 def available() -> bool:
     """Build (or load from the cache) the ops once per process; True when they can be used.
 
-    Never raises: a failed build logs one warning and returns False.
+    Never raises: a failed build logs a warning and returns False (:func:`_build_ops`).
     """
     if os.environ.get(DISABLE_ENV, "1") == "0":
         logger.info("prefixgate CPU ops off (%s=0): torch paths only", DISABLE_ENV)
@@ -183,25 +183,50 @@ def available() -> bool:
         return False
     if hasattr(torch.ops, "prefixgate_cpu") and hasattr(torch.ops.prefixgate_cpu, "gemv_packed"):
         return True
-    t0 = time.perf_counter()
-    try:
-        from torch.utils.cpp_extension import _get_build_directory, load
+    return _build_ops()
 
-        clear_stale_lock(_get_build_directory(EXTENSION_NAME, verbose=False))
-        load(
-            name=EXTENSION_NAME,
-            sources=[str(SOURCE)],
-            extra_cflags=CFLAGS,
-            extra_ldflags=LDFLAGS,
-            is_python_module=False,
-            verbose=False,
-        )
-        torch.ops.prefixgate_cpu.gemv_packed  # noqa: B018  (registered: raises otherwise)
-    except Exception as exc:  # no compiler, no ninja, a build error: the torch paths remain
-        logger.warning("prefixgate CPU ops unavailable (%s): torch paths only", exc)
-        return False
-    logger.info("prefixgate CPU ops ready in %.1f s", time.perf_counter() - t0)
-    return True
+
+def _build_ops() -> bool:
+    """Build and load the library with :data:`CFLAGS`; where that fails, once more without
+    OpenMP (a compiler without it: every op then runs on the calling thread, said in the log);
+    False, with a warning, when neither builds."""
+    serial = [flag for flag in CFLAGS if flag != "-fopenmp"]
+    for cflags, ldflags, how in ((CFLAGS, LDFLAGS, ""), (serial, [], " without OpenMP")):
+        t0 = time.perf_counter()
+        try:
+            _build(cflags, ldflags)
+        except Exception as exc:  # no compiler, no ninja, a build error
+            failed = exc
+            if how == "":
+                logger.warning("prefixgate CPU ops did not build (%s): trying without OpenMP", exc)
+            continue
+        if how:
+            logger.warning("prefixgate CPU ops built without OpenMP: each op on one thread")
+        logger.info("prefixgate CPU ops ready%s in %.1f s", how, time.perf_counter() - t0)
+        return True
+    logger.warning("prefixgate CPU ops unavailable (%s): torch paths only", failed)
+    return False
+
+
+def _build(cflags: list[str], ldflags: list[str]) -> None:
+    """``torch.utils.cpp_extension.load`` of :data:`SOURCE` with these flags, its ops registered.
+
+    Raises:
+        Exception: whatever the build raises (no compiler, no ninja, a compile error), or
+            AttributeError when the library loaded without registering its ops.
+    """
+    from torch.utils.cpp_extension import _get_build_directory, load
+
+    clear_stale_lock(_get_build_directory(EXTENSION_NAME, verbose=False))
+    load(
+        name=EXTENSION_NAME,
+        sources=[str(SOURCE)],
+        extra_cflags=list(cflags),  # copies: load() appends torch's own flags to the lists
+        extra_ldflags=list(ldflags),
+        is_python_module=False,
+        verbose=False,
+    )
+    torch.ops.prefixgate_cpu.gemv_packed  # noqa: B018  (registered: raises otherwise)
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:

@@ -543,9 +543,11 @@ inline float dot(const A* a, const B* b, int64_t n) {
 
 // exp(x) for 8 fp32 lanes: Cephes' expf (range reduction by ln 2 in two parts, degree-5
 // polynomial, 2^n through the exponent bits); inputs clamped to [-87.3, 88.3] (results within
-// fp32's normal range); about 1 ulp from std::exp.
+// fp32's normal range; NaN stays NaN); about 1 ulp from std::exp.
 inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  // the constant first: maxps / minps return their second operand when either is NaN, so a
+  // NaN comes out NaN (a NaN score makes the attention's row NaN, as SDPA's), not exp(-87.3)
+  x = _mm256_min_ps(_mm256_set1_ps(88.3f), _mm256_max_ps(_mm256_set1_ps(-87.3f), x));
   const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
@@ -912,7 +914,7 @@ PG_AVX512 inline __m512 load16f(const bf16* p) {
 
 // exp8's Cephes expf on 16 lanes (the same constants and steps, so the same values).
 PG_AVX512 inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+  x = _mm512_min_ps(_mm512_set1_ps(88.3f), _mm512_max_ps(_mm512_set1_ps(-87.3f), x));  // NaN kept
   const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);

@@ -57,11 +57,22 @@ LENGTHS = {
 }
 
 
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    """torch's threads for the call, pinned: whole rows a task needs rows >= 4 x threads, which
+    19 rows are not at 5 threads or more (a reviewer's mutant of the KV-head index survived
+    there)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("hq,hkv,d", HEADS)
 @pytest.mark.parametrize("block", [8, 16, 32])
 @pytest.mark.parametrize("rows", sorted(LENGTHS))
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
-def test_decode_attention_kernels_match_reference(kernel, hq, hkv, d, block, rows, dtype):
+def test_decode_attention_kernels_match_reference(kernel, threads, hq, hkv, d, block, rows, dtype):
     lengths = LENGTHS[rows]
     qkv, pos, cs, k_cache, v_cache, table, lens, slot = _case(
         hq, hkv, d, block, lengths, dtype, seed=hq * 1000 + d * 10 + block
@@ -123,3 +134,83 @@ def test_the_ops_run_on_torchs_threads():
         assert cpu_ext.op_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def _at_position_zero(hq, hkv, d, lengths, seed):
+    """A case whose new tokens sit at position 0 and are not cached (slot -1): the rotary is
+    the identity there, so q is what ``qkv`` holds and the scores are ``q . K`` of the cache
+    as written."""
+    qkv, pos, cs, k_cache, v_cache, table, lens, slot = _case(
+        hq, hkv, d, 16, lengths, torch.float32, seed
+    )
+    pos.zero_()
+    slot.fill_(-1)
+    return qkv, pos, cs, k_cache, v_cache, table, lens, slot
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_every_score_far_below_zero(kernel, threads, dtype):
+    """Scores of -50 and less: the padding lanes past a context's end (zeros) must not count
+    in the max, or every exp underflows (a reviewer's mutant of the max's mask survived the
+    random cases, whose scores straddle zero)."""
+    hq, hkv, d = 9, 3, 64
+    lengths = [1, 7, 17, 33, 40]
+    qkv, pos, cs, k_cache, v_cache, table, lens, slot = _at_position_zero(hq, hkv, d, lengths, 3)
+    qkv[:, : hq * d] = qkv[:, : hq * d].abs() * 4
+    k_cache.copy_(-(k_cache.abs() + 0.5))
+    qkv, k_cache, v_cache = qkv.to(dtype), k_cache.to(dtype), v_cache.to(dtype)
+    q, kr, vr = rotary_and_cache(qkv, pos, cs, k_cache, v_cache, slot, hq, hkv)
+    exact = torch_ref.paged_attention_decode(
+        q.double(), PagedKV(kr.double(), vr.double(), table, lens), d**-0.5
+    ).reshape(len(lengths), hq * d)
+    # q >= 0 and every K value <= -0.5: each scaled score <= -0.5 * sum(q) / sqrt(d)
+    assert float(q.double().sum(-1).min()) * 0.5 * d**-0.5 > 20
+    got = cpu_ext.decode_attention(
+        qkv, pos, cs, k_cache, v_cache, table, lens, slot, hq, hkv, d**-0.5
+    )
+    # scores of -20 to -100: fp32's rounding of a score moves its weight ~1e-5 (the mutant of
+    # the mask was off by 1.35)
+    tol = (2**-8, 5e-5) if dtype == BF16 else (0, 5e-5)
+    torch.testing.assert_close(got.double(), exact, rtol=tol[0], atol=tol[1])
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_nan_or_inf_score_makes_its_row_nan_as_sdpa(kernel, threads, bad):
+    """A NaN (or +inf) in one cached K row: that KV head's query heads are NaN in the reference
+    (a NaN score, or +inf - +inf in the softmax); the op's exp had clamped NaN to -87.3, giving
+    a plausible row instead."""
+    hq, hkv, d = 9, 3, 64
+    lengths = [5, 20, 33]
+    qkv, pos, cs, k_cache, v_cache, table, lens, slot = _at_position_zero(hq, hkv, d, lengths, 4)
+    k_cache[table[1, 0], 3, 1, 7] = bad  # row 1's token 3, KV head 1
+    for h in (3, 4, 5):  # KV head 1's query heads: q[7] > 0, so an inf K value is a +inf score
+        qkv[1, h * d + 7] = qkv[1, h * d + 7].abs() + 1
+    q, kr, vr = rotary_and_cache(qkv, pos, cs, k_cache, v_cache, slot, hq, hkv)
+    want = torch_ref.paged_attention_decode(q, PagedKV(kr, vr, table, lens), d**-0.5)
+    got = cpu_ext.decode_attention(
+        qkv, pos, cs, k_cache, v_cache, table, lens, slot, hq, hkv, d**-0.5
+    ).reshape(len(lengths), hq, d)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert got[1, 3:6].isnan().all() and not got[0].isnan().any()
+
+
+def test_a_compiler_without_openmp_still_gets_the_ops(monkeypatch, caplog):
+    """The build with ``-fopenmp`` fails (a compiler without OpenMP): built again without it,
+    the ops stay (on one thread, said in the log), not lost to the torch paths."""
+    calls = []
+
+    def build(cflags, ldflags):
+        calls.append((list(cflags), list(ldflags)))
+        if "-fopenmp" in cflags or "-fopenmp" in ldflags:
+            raise RuntimeError("unsupported option '-fopenmp'")
+
+    monkeypatch.setattr(cpu_ext, "_build", build)
+    with caplog.at_level("INFO", logger=cpu_ext.logger.name):
+        assert cpu_ext._build_ops() is True
+    assert [("-fopenmp" in cf, lf) for cf, lf in calls] == [(True, ["-fopenmp"]), (False, [])]
+    assert "without OpenMP: each op on one thread" in caplog.text
+
+    calls.clear()
+    monkeypatch.setattr(cpu_ext, "_build", lambda cf, lf: calls.append(cf) or 1 / 0)
+    assert cpu_ext._build_ops() is False  # no compiler at all: the torch paths, said
+    assert len(calls) == 2 and "torch paths only" in caplog.text
