@@ -9,7 +9,7 @@ The ops' threads are ``at::parallel_for``'s: torch's own OpenMP pool, at
 ``torch.get_num_threads()`` (:func:`op_threads` says how many a parallel op takes).
 
 :func:`available` builds (once per process) and says whether the ops can be used; it returns
-False, with one log line, on a CPU without AVX2 / FMA, without a compiler, when the build fails,
+False, with a log line, on a CPU without AVX2 / FMA, without a compiler, when the build fails,
 or with ``PREFIXGATE_CPU_EXT=0`` in the environment. Callers then keep the torch paths.
 A build killed part-way (Ctrl-C during the first ``prefixgate serve`` of a large model) leaves
 torch's ``lock`` file in the build folder, on which every later ``load`` would wait forever:

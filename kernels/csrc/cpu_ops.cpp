@@ -541,23 +541,29 @@ inline float dot(const A* a, const B* b, int64_t n) {
   return s;
 }
 
+// Cephes' expf constants, one table for exp8 and exp16 (the same values on 8 or 16 lanes):
+// the clamp, log2(e), ln 2 in two parts, the degree-5 polynomial's coefficients.
+namespace cephes_exp {
+constexpr float kLo = -87.3f, kHi = 88.3f, kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kP[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                         4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+}  // namespace cephes_exp
+
 // exp(x) for 8 fp32 lanes: Cephes' expf (range reduction by ln 2 in two parts, degree-5
 // polynomial, 2^n through the exponent bits); inputs clamped to [-87.3, 88.3] (results within
 // fp32's normal range; NaN stays NaN); about 1 ulp from std::exp.
 inline __m256 exp8(__m256 x) {
+  namespace k = cephes_exp;
   // the constant first: maxps / minps return their second operand when either is NaN, so a
   // NaN comes out NaN (a NaN score makes the attention's row NaN, as SDPA's), not exp(-87.3)
-  x = _mm256_min_ps(_mm256_set1_ps(88.3f), _mm256_max_ps(_mm256_set1_ps(-87.3f), x));
-  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+  x = _mm256_min_ps(_mm256_set1_ps(k::kHi), _mm256_max_ps(_mm256_set1_ps(k::kLo), x));
+  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(k::kLog2e)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(k::kLn2Hi), x);
+  r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(k::kLn2Lo), r);
+  __m256 y = _mm256_set1_ps(k::kP[0]);
+  for (int i = 1; i < 6; ++i) y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(k::kP[i]));
   y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
   const __m256i n = _mm256_slli_epi32(
       _mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
@@ -901,9 +907,10 @@ void attend_rows(T* q_all, const T* kc, const T* vc, const int32_t* tables, cons
 // fp32) on 16 lanes: a block's 16 scores of one head come from 16 per-token partial sums
 // reduced together (a transpose-and-add tree: 45 shuffles and adds for 16 dot products, where
 // a horizontal sum each took ~8), and P.V reads each V row once for a chunk of the group's heads
-// (their accumulators in registers). The next block's K and this block's V are prefetched while
-// a block's scores are computed (blocks are scattered over the pool: the hardware's prefetcher
-// sees a new stream every block). Needs AVX512F; D a multiple of 16.
+// (their accumulators in registers). The next step's K rows and this step's V rows are
+// prefetched while a step's scores are computed (blocks are scattered over the pool: the
+// hardware's prefetcher sees a new stream every block). Needs AVX512F/DQ/BW/VL; D 32, 64, 96
+// or 128 (avx512_attention).
 #define PG_AVX512 __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx2,fma")))
 
 PG_AVX512 inline __m512 load16f(const float* p) { return _mm512_loadu_ps(p); }
@@ -914,17 +921,14 @@ PG_AVX512 inline __m512 load16f(const bf16* p) {
 
 // exp8's Cephes expf on 16 lanes (the same constants and steps, so the same values).
 PG_AVX512 inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_set1_ps(88.3f), _mm512_max_ps(_mm512_set1_ps(-87.3f), x));  // NaN kept
-  const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  namespace k = cephes_exp;
+  x = _mm512_min_ps(_mm512_set1_ps(k::kHi), _mm512_max_ps(_mm512_set1_ps(k::kLo), x));  // NaN kept
+  const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(k::kLog2e)),
                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(k::kLn2Hi), x);
+  r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(k::kLn2Lo), r);
+  __m512 y = _mm512_set1_ps(k::kP[0]);
+  for (int i = 1; i < 6; ++i) y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(k::kP[i]));
   y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   const __m512i n = _mm512_slli_epi32(
       _mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
@@ -951,13 +955,14 @@ PG_AVX512 inline __m512 sum16x16(__m512* v) {
                        _mm512_shuffle_f32x4(v[0], v[1], 0xDD));
 }
 
-template <typename T>
-PG_AVX512 inline void prefetch_rows(const T* base, int64_t n, int64_t stride, int64_t bytes,
-                                    int hint) {
+// _mm_prefetch of ``bytes`` from each of ``n`` rows ``stride`` values apart, into L1 (Level 1:
+// _MM_HINT_T0) or L2 (Level 2: _MM_HINT_T1).
+template <int Level, typename T>
+PG_AVX512 inline void prefetch_rows(const T* base, int64_t n, int64_t stride, int64_t bytes) {
   for (int64_t o = 0; o < n; ++o) {
     const char* p = reinterpret_cast<const char*>(base + o * stride);
     for (int64_t c = 0; c < bytes; c += 64) {
-      if (hint == 0) {
+      if constexpr (Level == 1) {
         _mm_prefetch(p + c, _MM_HINT_T0);
       } else {
         _mm_prefetch(p + c, _MM_HINT_T1);
@@ -1039,7 +1044,7 @@ PG_AVX512 void attend_tasks_avx512(int64_t begin, int64_t end, T* q_all, const T
       const int64_t m = std::min(block_size, length - t0);
       for (int64_t o = 0; o < m; ++o) at[t0 + o] = base + o * row;
     }
-    prefetch_rows(kc + at[0], std::min<int64_t>(16, length), row, span_bytes, 0);
+    prefetch_rows<1>(kc + at[0], std::min<int64_t>(16, length), row, span_bytes);
     // scores, 16 tokens a step: each token's CH partial products summed in registers, the 16
     // sums reduced together (sum16x16)
     for (int64_t t0 = 0; t0 < length; t0 += 16) {
@@ -1048,8 +1053,8 @@ PG_AVX512 void attend_tasks_avx512(int64_t begin, int64_t end, T* q_all, const T
       for (int64_t o = 0; o < 16; ++o) krow[o] = o < n ? kc + at[t0 + o] : zeros.data();
       for (int64_t o = 0; o < 16; ++o) {  // the next step's K rows, this step's V rows
         const int64_t t = t0 + 16 + o;
-        if (t < length) prefetch_rows(kc + at[t], 1, row, span_bytes, 0);
-        if (o < n) prefetch_rows(vc + at[t0 + o], 1, row, span_bytes, 1);
+        if (t < length) prefetch_rows<1>(kc + at[t], 1, row, span_bytes);
+        if (o < n) prefetch_rows<2>(vc + at[t0 + o], 1, row, span_bytes);
       }
       for (int64_t h = 0; h < heads; ++h) {
         const float* qh = qf.data() + h * d;
@@ -1136,8 +1141,8 @@ void attend_rows_avx512(T* q_all, const T* kc, const T* vc, const int32_t* table
   });
 }
 
-// Which decode-attention kernel runs: "avx512" where the CPU has AVX512F, the head size is a
-// multiple of 16 and PREFIXGATE_CPU_EXT_AVX512 is not "0" (read at each call: how the tests
+// Which decode-attention kernel runs: "avx512" where the CPU has AVX512F/DQ/BW/VL, the head size
+// is 32, 64, 96 or 128 and PREFIXGATE_CPU_EXT_AVX512 is not "0" (read at each call: how the tests
 // and the op benchmark reach the AVX2 kernel on such a CPU), else "avx2".
 bool avx512_attention(int64_t d) {
   static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
