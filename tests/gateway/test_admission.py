@@ -179,7 +179,10 @@ def test_queue_bounds_429_names_the_bound_in_both_modes(serve_fake, mode):
         srv, _ = serve_fake(bounded, max_num_seqs=1, token_delay_s=0.2)
         refused = _burst_429s(srv.url)
     else:
-        stub = StubServer(ttft_s=1.0, token_delay_s=0.0, models=("fake",)).start()
+        # the headers held back: the proxy counts a request waiting until its answer's
+        # headers, which the stub sent at once (its ttft_s came after them), so the queue was
+        # full only for milliseconds and the burst saw no 429 1 run in 5
+        stub = StubServer(headers_after_s=1.0, token_delay_s=0.0, models=("fake",)).start()
         try:
             settings = GatewaySettings(max_queued_requests=1)
             with BackgroundServer(lambda: create_proxy_app([stub.base_url], settings)) as gw:

@@ -33,6 +33,8 @@ class StubServer:
     models: tuple[str, ...] = ()
     status: int = 200
     ttft_s: float = 0.02
+    headers_after_s: float = 0.0  # a stream's headers held back this long (a slow prefill
+    # before the first byte: the proxy counts a request waiting until its answer's headers)
     token_delay_s: float = 0.002
     fail_every: int = 0
     retry_after: str = "1"
@@ -97,6 +99,7 @@ class StubServer:
         try:
             record["outcome"] = "cut"
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await asyncio.sleep(self.headers_after_s)
             await resp.prepare(request)
             base = {
                 "id": f"c{n}",
