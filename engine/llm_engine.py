@@ -42,6 +42,7 @@ from prefixgate.engine.sampler import Sampler
 from prefixgate.engine.sampling_params import SamplingParams
 from prefixgate.engine.scheduler import Scheduler
 from prefixgate.engine.structured_output import StructuredOutputManager
+from prefixgate.engine.thread_governor import ThreadGovernor, make_governor
 from prefixgate.engine.threads import apply_threads
 from prefixgate.engine.tokenizer import Tokenizer
 
@@ -108,6 +109,7 @@ class LLMEngine:
             self.tokenizer, mc.vocab_size, sorted(self.eos_token_ids)
         )
         self.runner: Any
+        self._governor: ThreadGovernor | None = None
         if config.runner == "sim":  # no model, no KV tensors: modelled step times
             num_blocks = _sim_num_blocks(config, spec, self.device)
             self.num_kv_blocks = num_blocks
@@ -121,6 +123,9 @@ class LLMEngine:
             self.num_kv_blocks = num_blocks
             self._fit_max_model_len(num_blocks * config.block_size)
             kv_caches = allocate_kv_caches(spec, num_blocks, self.device)
+            # fewer threads while other processes keep the CPUs busy (thread_governor.py)
+            if self.device.type == "cpu":
+                self._governor = make_governor(torch.get_num_threads())
             self.runner = ModelRunner(
                 model,
                 kv_caches,
@@ -292,6 +297,8 @@ class LLMEngine:
             (what it added this step).
         """
         t0 = time.perf_counter()
+        if self._governor is not None:
+            self._governor.tick()
         self._fail_grammar_errors()
         sched_out = self.scheduler.schedule()
         if not sched_out.scheduled:

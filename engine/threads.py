@@ -1,28 +1,31 @@
 """The engine's torch thread policy (torch-free: ``prefixgate serve`` reads it before torch).
 
-``passive_wait_env()``: OpenMP's passive waiting (``OMP_WAIT_POLICY=PASSIVE``,
-``KMP_BLOCKTIME=0``: a thread with no work sleeps instead of spinning for the next parallel
-region), which OpenMP reads once when torch loads, so ``prefixgate serve`` sets it before
-anything imports torch (a variable the user set wins). Measured with
-``examples/benchmarks/threads.py`` on a shared 2-core host: with OpenMP's default (active) waiting,
-2-thread single-stream decode collapsed to a fraction of 1-thread decode, with passive
-waiting it did not (docs/benchmarks/threads.md).
+``bounded_wait_env()``: OpenMP threads spin a bounded while for their next parallel region,
+then sleep (``GOMP_SPINCOUNT=30000`` for GNU libgomp, torch's CPU wheels; ``KMP_BLOCKTIME=1``
+ms for Intel's). OpenMP reads these once when torch loads, so ``prefixgate serve`` sets them
+before anything imports torch (a variable the user set wins). Why bounded: sleeping at once
+(passive waiting) made every parallel region wake a sleeping thread, which on a VM costs an
+idle vCPU's wake-up each time (docs/cpu-performance.md); spinning without bound collapses
+decode beside another busy process. Beside one,
+:class:`~prefixgate.engine.thread_governor.ThreadGovernor` lowers the thread count, so
+nothing spins for a core that another process holds.
 
 Every entry point gets it without an environment variable: ``prefixgate serve`` sets it in
 ``gateway/cli.py``, and importing the ``prefixgate.engine`` package (which ``LLM``,
 ``AsyncEngine``, ``LLMEngine`` and ``python -m examples.benchmarks.*``, through
-``examples/benchmarks/__init__.py``, all do before their own modules load torch) calls :func:`note_engine_import`, which sets it where torch is not
-loaded yet. Where torch was imported first, OpenMP already runs with its default (spinning
-~300,000 rounds for the next parallel region; GNU libgomp, torch's CPU wheels): the process
-cannot change that any more, so :func:`apply_threads` then runs an engine whose ``threads``
-is unset at one thread (no parallel region, nothing to spin for) and logs why, once
-(:func:`waits_actively`). ``python -m examples.benchmarks.threads --settings`` prints what a
-process ends up with (:func:`openmp_settings`).
+``examples/benchmarks/__init__.py``, all do before their own modules load torch) calls
+:func:`note_engine_import`, which sets it where torch is not loaded yet. Where torch was
+imported first, OpenMP already runs with its default (spinning ~300,000 rounds for the next
+parallel region): the process cannot change that any more, so :func:`apply_threads` then runs
+an engine whose ``threads`` is unset at one thread (no parallel region, nothing to spin for)
+and logs why, once (:func:`waits_actively`). ``python -m examples.benchmarks.threads
+--settings`` prints what a process ends up with (:func:`openmp_settings`).
 
 ``default_threads()``: the CPUs this process may run on (``os.sched_getaffinity``: a container's
 or ``taskset``'s CPU set, not the host's count), at most ``MAX_DEFAULT_THREADS`` (past that a
 small model's per-op work is too small to share). ``EngineConfig.threads`` is applied once,
-with ``torch.set_num_threads``, before the model is built (``LLMEngine``).
+with ``torch.set_num_threads``, before the model is built (``LLMEngine``); the governor may
+lower it while other processes are busy and raises it back.
 """
 
 from __future__ import annotations
@@ -38,27 +41,29 @@ MAX_DEFAULT_THREADS = 8
 """Cap of the default thread count."""
 
 
-PASSIVE_WAIT_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
-"""OpenMP's passive waiting (GNU libgomp reads the first, Intel's the second)."""
+WAIT_KEYS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+"""The variables that choose OpenMP's waiting: one the user set is theirs, never overridden."""
+
+BOUNDED_WAIT_ENV = {"GOMP_SPINCOUNT": "30000", "KMP_BLOCKTIME": "1"}
+"""OpenMP's bounded spinning: 30,000 rounds for GNU libgomp (its default 300,000; 0 is passive
+waiting), 1 ms for Intel's."""
 
 
-def passive_wait_env(
+def bounded_wait_env(
     environ: MutableMapping[str, str] = os.environ, modules: Mapping[str, object] = sys.modules
 ) -> dict[str, str]:
-    """Set ``PASSIVE_WAIT_ENV`` in ``environ`` where unset; returns what was set. Nothing is
-    set once torch is imported (``"torch" in modules``): OpenMP has read its settings then."""
-    if "torch" in modules:
+    """Set ``BOUNDED_WAIT_ENV`` in ``environ`` where none of :data:`WAIT_KEYS` is set (a
+    user's own policy is theirs, whole); returns what was set. Nothing is set once torch is
+    imported (``"torch" in modules``): OpenMP has read its settings then."""
+    if "torch" in modules or any(k in environ for k in WAIT_KEYS):
         return {}
     done = {}
-    for key, value in PASSIVE_WAIT_ENV.items():
+    for key, value in BOUNDED_WAIT_ENV.items():
         if key not in environ:
             environ[key] = value
             done[key] = value
     return done
 
-
-WAIT_KEYS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
-"""The variables that choose OpenMP's waiting: one the user set is theirs, never overridden."""
 
 _import_state: dict[str, object] = {}
 
@@ -66,14 +71,14 @@ _import_state: dict[str, object] = {}
 def note_engine_import(
     environ: MutableMapping[str, str] = os.environ, modules: Mapping[str, object] = sys.modules
 ) -> dict[str, object]:
-    """Called once when the ``prefixgate.engine`` package is imported: :func:`passive_wait_env`
-    (passive waiting where torch is not loaded yet), and what was found noted for
+    """Called once when the ``prefixgate.engine`` package is imported: :func:`bounded_wait_env`
+    (bounded spinning where torch is not loaded yet), and what was found noted for
     :func:`waits_actively`: ``torch_first`` (torch was loaded already), ``users`` (the wait
     variables the user had set), ``set`` (what was set here). Returns that record."""
     if not _import_state:
         users = {k: environ[k] for k in WAIT_KEYS if k in environ}
         torch_first = "torch" in modules
-        done = passive_wait_env(environ, modules)
+        done = bounded_wait_env(environ, modules)
         _import_state.update(torch_first=torch_first, users=users, set=done)
     return dict(_import_state)
 
@@ -125,9 +130,9 @@ def apply_threads(num_threads: int | None) -> None:
     if active and not _warned and (lowered or effective > 1):
         _warned = True
         logger.warning(
-            "torch was imported before prefixgate.engine, so OpenMP spins for work "
-            "(OMP_WAIT_POLICY could not be set to PASSIVE): the engine runs at %s; import "
-            "prefixgate.engine before torch, or set OMP_WAIT_POLICY=PASSIVE, to run more threads "
+            "torch was imported before prefixgate.engine, so OpenMP spins for work without "
+            "bound (GOMP_SPINCOUNT could not be set): the engine runs at %s; import "
+            "prefixgate.engine before torch, or set GOMP_SPINCOUNT=30000, to run more threads "
             "safely beside other busy processes",
             "1 thread (threads unset)" if lowered else f"{effective} threads as asked",
         )

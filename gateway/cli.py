@@ -114,11 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     command = next((a for a in argv if not a.startswith("-")), None)
     if command == "serve":  # before torch loads (OpenMP reads it once): engine/threads.py
         try:
-            from prefixgate.engine.threads import passive_wait_env
+            from prefixgate.engine.threads import bounded_wait_env
         except ImportError:  # no engine: the parser below says which extra to install
             pass
         else:
-            passive_wait_env()
+            bounded_wait_env()
     try:
         args = build_parser(command).parse_args(argv)
         return int(args.func(args) or 0)

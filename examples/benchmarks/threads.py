@@ -3,7 +3,8 @@ quiet host and with one competing CPU-bound process (``python -c "while 1: pass"
 OpenMP wait policies (``--policies``): ``default`` (GNU libgomp's, spinning ~300,000 rounds for
 the next parallel region), ``passive`` (``OMP_WAIT_POLICY=PASSIVE``, ``KMP_BLOCKTIME=0``: sleep at
 once), ``spinN`` (``GOMP_SPINCOUNT=N`` with the wait policy unset: spin N rounds, then sleep)
-and ``api`` (no variable set: what ``LLM`` gets by itself, engine/threads.py).
+and ``api`` (no variable set: what ``LLM`` gets by itself: bounded spinning and the thread
+governor, engine/threads.py, engine/thread_governor.py).
 OpenMP reads these when torch loads, so each measurement is its own process. torch's CPU
 wheel links GNU libgomp (``torch/lib/libgomp.so.1``), which reads ``GOMP_SPINCOUNT``.
 
@@ -46,7 +47,7 @@ def policy_env(name: str) -> dict[str, str]:
     """
     if name == "default":
         # libgomp's own default (300,000 rounds where OMP_WAIT_POLICY is unset), named: the
-        # engine's import would set passive waiting otherwise (engine/threads.py)
+        # engine's import would set its bounded spinning otherwise (engine/threads.py)
         return {"GOMP_SPINCOUNT": "300000"}
     if name == "passive":
         return dict(PASSIVE_ENV)

@@ -1,8 +1,8 @@
-"""Every entry point ends up with OpenMP's passive waiting, or a safe thread count where it
+"""Every entry point ends up with OpenMP's bounded spinning, or a safe thread count where it
 cannot: each case is a fresh process with a clean environment (OpenMP reads its settings once,
 when torch loads). What libgomp really runs with is read from its own report
-(``OMP_DISPLAY_ENV=verbose`` prints ``GOMP_SPINCOUNT`` at load: 0 for passive waiting,
-300,000 for its default), not from our variables.
+(``OMP_DISPLAY_ENV=verbose`` prints ``GOMP_SPINCOUNT`` at load: 30,000 for the engine's bounded
+spinning, 0 for passive waiting, 300,000 for its default), not from our variables.
 """
 
 from __future__ import annotations
@@ -43,13 +43,16 @@ def run(code: str, aidreams: str, **env_extra: str) -> tuple[dict, str, str]:
     return json.loads(out.stdout.strip().splitlines()[-1]), spin.group(1), out.stderr
 
 
+BOUNDED = {"GOMP_SPINCOUNT": "30000", "KMP_BLOCKTIME": "1"}
+"""What the engine's import and ``prefixgate serve`` set (engine/threads.py)."""
+
 PRINT = (
     "from prefixgate.engine import threads; import torch, json; "
     "s = threads.openmp_settings(); s['before'] = before; print(json.dumps(s))"
 )
 
 
-def test_llm_gets_passive_waiting_and_keeps_torchs_threads(aidreams_path):
+def test_llm_gets_bounded_spinning_and_keeps_torchs_threads(aidreams_path):
     code = (
         "import os\n"
         "from prefixgate.engine import LLM\n"
@@ -58,8 +61,8 @@ def test_llm_gets_passive_waiting_and_keeps_torchs_threads(aidreams_path):
         "LLM(os.environ['AIDREAMS'], num_kv_blocks=16)\n" + PRINT
     )
     got, spin, _ = run(code, aidreams_path)
-    assert spin == "0"  # libgomp sleeps at once
-    assert got["environ"] == {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
+    assert spin == "30000"  # libgomp spins a bounded while, then sleeps
+    assert got["environ"] == BOUNDED
     assert not got["waits_actively"]
     assert got["torch_threads"] == got["before"]  # torch's own default, untouched
 
@@ -85,24 +88,24 @@ def test_llm_gets_passive_waiting_and_keeps_torchs_threads(aidreams_path):
     ],
     ids=["async_engine", "serve"],
 )
-def test_entry_gets_passive_waiting_and_keeps_torchs_threads(aidreams_path, code):
+def test_entry_gets_bounded_spinning_and_keeps_torchs_threads(aidreams_path, code):
     got, spin, _ = run(code, aidreams_path)
-    assert spin == "0" and not got["waits_actively"]
+    assert spin == "30000" and not got["waits_actively"]
     assert got["torch_threads"] == got["before"]
 
 
-def test_engine_bench_gets_passive_waiting(aidreams_path):
+def test_engine_bench_gets_bounded_spinning(aidreams_path):
     code = (
         "import runpy, sys\n"
         "sys.argv = ['threads', '--settings']\n"
         f"runpy.run_path({str(THREADS_BENCH)!r}, run_name='__main__')\n"
     )
     got, spin, _ = run(code, aidreams_path)
-    assert spin == "0"
-    assert got["environ"] == {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
+    assert spin == "30000"
+    assert got["environ"] == BOUNDED
 
 
-def test_every_benchmark_gets_passive_waiting_whatever_it_imports_first(aidreams_path):
+def test_every_benchmark_gets_bounded_spinning_whatever_it_imports_first(aidreams_path):
     """``python -m examples.benchmarks.NAME`` imports the package first, which imports the
     engine (torch-free) before the benchmark's own ``import torch`` (one_row_ops imports torch
     at its top)."""
@@ -114,7 +117,7 @@ def test_every_benchmark_gets_passive_waiting_whatever_it_imports_first(aidreams
         "before = torch.get_num_threads()\n" + PRINT
     )
     got, spin, _ = run(code, aidreams_path)
-    assert spin == "0" and got["environ"] == {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
+    assert spin == "30000" and got["environ"] == BOUNDED
 
 
 def test_the_threads_benchs_api_measurement_runs_as_a_user_program_does(aidreams_path):
@@ -129,7 +132,7 @@ def test_the_threads_benchs_api_measurement_runs_as_a_user_program_does(aidreams
         f"runpy.run_path({str(THREADS_BENCH)!r}, run_name='__main__')\n"
     )
     got, spin, err = run(code, aidreams_path)
-    assert spin == "0", err[-2000:]  # libgomp sleeps at once: passive waiting
+    assert spin == "30000", err[-2000:]  # libgomp's bounded spinning, not its default
     assert got["tok_s"] > 0
 
 

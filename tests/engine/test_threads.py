@@ -6,8 +6,8 @@ import pytest
 import torch
 from prefixgate.engine import LLM, threads
 from prefixgate.engine.threads import (
+    BOUNDED_WAIT_ENV,
     MAX_DEFAULT_THREADS,
-    PASSIVE_WAIT_ENV,
     apply_threads,
     available_cpus,
     default_threads,
@@ -29,12 +29,12 @@ def test_default_is_the_affinity_mask_capped():
     assert default_threads() == min(mask, MAX_DEFAULT_THREADS) >= 1
 
 
-PASSIVE_IMPORT = {"torch_first": False, "users": {}, "set": dict(PASSIVE_WAIT_ENV)}
+BOUNDED_IMPORT = {"torch_first": False, "users": {}, "set": dict(BOUNDED_WAIT_ENV)}
 ACTIVE_IMPORT = {"torch_first": True, "users": {}, "set": {}}
 
 
 def test_apply_threads(restore_threads, monkeypatch):
-    monkeypatch.setattr(threads, "_import_state", dict(PASSIVE_IMPORT))
+    monkeypatch.setattr(threads, "_import_state", dict(BOUNDED_IMPORT))
     torch.set_num_threads(2)
     apply_threads(None)
     assert torch.get_num_threads() == 2
@@ -65,16 +65,12 @@ def test_apply_threads_with_active_waiting_defaults_to_one(restore_threads, monk
 
 
 def test_note_engine_import_records_once():
-    env: dict[str, str] = {"GOMP_SPINCOUNT": "10"}
+    env: dict[str, str] = {}
     saved = dict(threads._import_state)
     try:
         threads._import_state.clear()
         got = threads.note_engine_import(env, modules={})
-        assert got == {
-            "torch_first": False,
-            "users": {"GOMP_SPINCOUNT": "10"},
-            "set": PASSIVE_WAIT_ENV,
-        }
+        assert got == {"torch_first": False, "users": {}, "set": BOUNDED_WAIT_ENV}
         assert threads.note_engine_import({}, modules={"torch": object()}) == got  # once
     finally:
         threads._import_state.clear()
@@ -88,21 +84,24 @@ def test_engine_sets_its_threads_before_the_model(restore_threads):
     assert llm.config.threads == 1
 
 
-def test_passive_wait_env_only_before_torch_and_never_over_the_users():
-    from prefixgate.engine.threads import PASSIVE_WAIT_ENV, passive_wait_env
+def test_bounded_wait_env_only_before_torch_and_never_over_the_users():
+    from prefixgate.engine.threads import BOUNDED_WAIT_ENV, bounded_wait_env
 
     env: dict[str, str] = {}
-    assert passive_wait_env(env, modules={}) == PASSIVE_WAIT_ENV
-    assert env == PASSIVE_WAIT_ENV
-    mine = {"OMP_WAIT_POLICY": "ACTIVE"}
-    assert passive_wait_env(mine, modules={}) == {"KMP_BLOCKTIME": "0"}
-    assert mine["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert bounded_wait_env(env, modules={}) == BOUNDED_WAIT_ENV
+    assert env == BOUNDED_WAIT_ENV
+    # any wait variable of the user's keeps the whole policy theirs: a spin count beside their
+    # OMP_WAIT_POLICY=PASSIVE would change what they asked for
+    for key, value in (("OMP_WAIT_POLICY", "PASSIVE"), ("KMP_BLOCKTIME", "0")):
+        mine = {key: value}
+        assert bounded_wait_env(mine, modules={}) == {}
+        assert mine == {key: value}
     late: dict[str, str] = {}
-    assert passive_wait_env(late, modules={"torch": object()}) == {}
+    assert bounded_wait_env(late, modules={"torch": object()}) == {}
     assert late == {}
 
 
-def test_serve_sets_passive_waiting_before_torch_loads():
+def test_serve_sets_bounded_spinning_before_torch_loads():
     import subprocess
     import sys
 
@@ -113,10 +112,11 @@ def test_serve_sets_passive_waiting_before_torch_loads():
         "    cli.main(['serve', '--help'])\n"
         "except SystemExit:\n"
         "    pass\n"
-        "print(os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)\n"
+        "print(os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules)\n"
     )
-    env = {k: v for k, v in __import__("os").environ.items() if k not in ("OMP_WAIT_POLICY",)}
+    waits = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+    env = {k: v for k, v in __import__("os").environ.items() if k not in waits}
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
     )
-    assert out.stdout.strip().splitlines()[-1] == "PASSIVE False", out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "30000 False", out.stderr[-2000:]

@@ -1,0 +1,149 @@
+"""The thread governor: fewer threads while other processes keep the engine's CPUs busy."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from prefixgate.engine import LLM, SamplingParams
+from prefixgate.engine.thread_governor import (
+    ENV_SWITCH,
+    CpuShare,
+    ThreadGovernor,
+    make_governor,
+    read_cpu_busy,
+)
+
+STAT = """cpu  900 0 300 5000 10 0 5 7 0 0
+cpu0 100 2 50 2000 4 3 1 9 0 0
+cpu1 200 0 60 2000 6 0 4 1 0 0
+cpu2 300 0 70 1000 0 0 0 0 0 0
+intr 12345
+"""
+
+
+def test_read_cpu_busy_counts_user_nice_system_irq_softirq_of_the_cpus(tmp_path):
+    path = tmp_path / "stat"
+    path.write_text(STAT)
+    hz = os.sysconf("SC_CLK_TCK")
+    # cpu0: 100 + 2 + 50 + 3 + 1 (iowait 4 and steal 9 are not another process's work)
+    assert read_cpu_busy([0], str(path)) == pytest.approx(156 / hz)
+    assert read_cpu_busy([0, 1], str(path)) == pytest.approx((156 + 264) / hz)
+    assert read_cpu_busy([0, 7], str(path)) is None  # a CPU missing: not a partial sum
+    assert read_cpu_busy([0], str(tmp_path / "missing")) is None
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def share(clock: Clock, busy: list[float], own: list[float], cpus: int = 2) -> CpuShare:
+    """A CpuShare whose busy seconds and own CPU seconds are the last of ``busy`` / ``own``."""
+    return CpuShare(range(cpus), lambda _c: busy[-1], lambda: own[-1], clock)
+
+
+def test_cpu_share_is_others_busy_cpus_over_wall_time():
+    clock, busy, own = Clock(), [10.0], [3.0]
+    s = share(clock, busy, own)
+    assert s.sample() is None  # the first sample is the baseline
+    clock.t, busy[-1], own[-1] = 1.0, 11.8, 3.9  # 1.8 CPU-s busy, 0.9 ours
+    assert s.sample() == pytest.approx(0.9)
+    clock.t, busy[-1], own[-1] = 2.0, 12.8, 4.9  # all of it ours
+    assert s.sample() == pytest.approx(0.0)
+    clock.t, busy[-1], own[-1] = 3.0, 13.0, 5.5  # rounding: ours > busy reads as 0, not < 0
+    assert s.sample() == 0.0
+    assert s.sample() is None  # no wall time passed
+
+
+def test_governor_lowers_at_once_and_raises_after_two_quiet_samples():
+    clock, busy, own = Clock(), [0.0], [0.0]
+    applied: list[int] = []
+    g = ThreadGovernor(2, share(clock, busy, own), applied.append, clock, interval_s=0.5)
+
+    def advance(others: float, ours: float = 1.0) -> int:
+        clock.t += 0.5
+        busy[-1] += 0.5 * (others + ours)
+        own[-1] += 0.5 * ours
+        return g.tick()
+
+    assert advance(0.0) == 2 and applied == []  # quiet: as asked
+    assert advance(1.0) == 1 and applied == [1]  # a busy process: one CPU left, at once
+    assert advance(1.0) == 1
+    assert advance(0.0) == 1  # one quiet sample is not enough
+    assert advance(1.0) == 1  # and the vote starts again
+    assert advance(0.0) == 1
+    assert advance(0.0) == 2 and applied == [1, 2]
+    assert advance(0.4) == 2  # under half a CPU busy: rounds to both CPUs free
+    clock.t += 0.1
+    assert g.tick() == 2  # between samples: nothing read
+
+
+def test_governor_never_goes_under_one_or_over_what_was_asked():
+    clock, busy, own = Clock(), [0.0], [0.0]
+    g = ThreadGovernor(3, share(clock, busy, own, cpus=4), lambda n: None, clock)
+    assert g.target(0.0) == 3  # 4 CPUs free, 3 asked
+    assert g.target(1.4) == 3
+    assert g.target(1.6) == 2
+    assert g.target(3.9) == 1
+    assert g.target(8.0) == 1
+    with pytest.raises(ValueError):
+        ThreadGovernor(0, share(clock, busy, own), lambda n: None, clock)
+
+
+def test_no_governor_at_one_thread_or_when_switched_off(monkeypatch):
+    assert make_governor(1) is None
+    monkeypatch.setenv(ENV_SWITCH, "0")
+    assert make_governor(2) is None
+    monkeypatch.delenv(ENV_SWITCH)
+    if read_cpu_busy(CpuShare().cpus) is None:
+        pytest.skip("no /proc/stat here")
+    assert make_governor(2) is not None
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs two CPUs",
+)
+def test_engine_runs_on_one_thread_beside_a_busy_process_and_back(aidreams_path):
+    """The engine's own governor, with a real busy process on every CPU but one: its thread
+    count goes down within a few samples, its answers stay what they were, and once the process
+    is gone it goes back up."""
+    before = torch.get_num_threads()
+    cpus = len(os.sched_getaffinity(0))
+    try:
+        llm = LLM(aidreams_path, threads=2, num_kv_blocks=64)
+        governor = llm.engine._governor
+        assert governor is not None and governor.current == 2
+        governor.interval_s = 0.1
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        quiet = llm.generate([[1, 2, 3, 4]], params)[0].outputs[0].token_ids
+        hogs = [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(cpus - 1)]
+        try:
+            deadline = time.monotonic() + 20
+            while governor.current > 1 and time.monotonic() < deadline:
+                llm.generate([[1, 2, 3, 4]], params)
+                time.sleep(0.05)
+            assert governor.current == 1
+            assert torch.get_num_threads() == 1
+            busy = llm.generate([[1, 2, 3, 4]], params)[0].outputs[0].token_ids
+        finally:
+            for h in hogs:
+                h.kill()
+                h.wait()
+        deadline = time.monotonic() + 20
+        while governor.current < 2 and time.monotonic() < deadline:
+            llm.generate([[1, 2, 3, 4]], params)
+            time.sleep(0.05)
+        assert governor.current == 2 and torch.get_num_threads() == 2
+        assert busy == quiet
+        llm.check_invariants()
+    finally:
+        torch.set_num_threads(before)
