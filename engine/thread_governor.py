@@ -8,8 +8,8 @@ on fewer threads while other processes keep its CPUs busy: on as many threads as
 to it, at least one; back up once they are free again. Measured: docs/cpu-performance.md.
 
 :class:`CpuShare` measures the other processes: the busy time of the CPUs this process may run
-on (``/proc/stat``'s per-CPU ``user + nice + system + irq + softirq``; steal and iowait are not
-another process's work there) minus this process's own CPU time, over the wall time between two
+on (``/proc/stat``'s per-CPU ``user + system + irq + softirq``; steal and iowait are not
+another process's work there, nor ``nice``: :data:`BUSY_FIELDS`) minus this process's own CPU time, over the wall time between two
 samples, in CPUs. A container's ``/proc/stat`` is the host's; the CPUs read are the affinity
 set's, which a cpuset maps to the host's own numbering.
 
@@ -30,9 +30,22 @@ STAT_PATH = "/proc/stat"
 USER_HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 """``/proc/stat``'s tick: its counters are in 1/USER_HZ seconds (100 on Linux)."""
 
-BUSY_FIELDS = (0, 1, 2, 5, 6)
+BUSY_FIELDS = (0, 2, 5, 6)
 """``user nice system idle iowait irq softirq steal``: the fields counted busy (``guest`` is
-inside ``user`` already)."""
+inside ``user`` already). ``nice`` (processes of lowered priority) counts only where this
+process runs niced itself (:func:`busy_fields`): a nice-19 process gets about 1/70 of a core
+beside a normal-priority thread, so spinning beside it costs it, not the engine."""
+
+
+def busy_fields() -> tuple[int, ...]:
+    """:data:`BUSY_FIELDS`, plus ``nice`` where this process's own niceness is above 0 (its own
+    CPU time is counted there then)."""
+    try:
+        niced = os.getpriority(os.PRIO_PROCESS, 0) > 0
+    except (AttributeError, OSError):
+        niced = False
+    return (*BUSY_FIELDS, 1) if niced else BUSY_FIELDS
+
 
 INTERVAL_S = 0.5
 """Seconds between two samples: long enough for 100 Hz ticks (±0.02 CPU), short enough that a
@@ -41,10 +54,14 @@ new competitor meets spinning threads for at most about this long."""
 ENV_SWITCH = "PREFIXGATE_ADAPTIVE_THREADS"
 
 
-def read_cpu_busy(cpus: Iterable[int], path: str = STAT_PATH) -> float | None:
-    """Busy seconds so far of ``cpus`` (ids as ``/proc/stat`` numbers them), or None where the
-    file or one of the CPUs' lines is missing (not Linux, a hidden ``/proc``)."""
+def read_cpu_busy(
+    cpus: Iterable[int], path: str = STAT_PATH, fields: tuple[int, ...] | None = None
+) -> float | None:
+    """Busy seconds so far of ``cpus`` (ids as ``/proc/stat`` numbers them; ``fields`` default
+    :func:`busy_fields`), or None where the file or one of the CPUs' lines is missing (not
+    Linux, a hidden ``/proc``)."""
     want = {f"cpu{c}" for c in cpus}
+    fields = busy_fields() if fields is None else fields
     total = 0
     found = 0
     try:
@@ -55,8 +72,8 @@ def read_cpu_busy(cpus: Iterable[int], path: str = STAT_PATH) -> float | None:
                 name, _, rest = line.partition(" ")
                 if name not in want:
                     continue
-                fields = rest.split()
-                total += sum(int(fields[i]) for i in BUSY_FIELDS if i < len(fields))
+                values = rest.split()
+                total += sum(int(values[i]) for i in fields if i < len(values))
                 found += 1
     except (OSError, ValueError):
         return None

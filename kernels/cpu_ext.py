@@ -365,6 +365,32 @@ def op_threads() -> int:
     return int(torch.ops.prefixgate_cpu.op_threads())
 
 
+GEMM_ROWS = 64
+"""Most rows :func:`gemm_panels` takes (a decode batch's; prefill chunks stay with oneDNN)."""
+
+
+def gemm_rows_available() -> bool:
+    """True where :func:`gemm_panels` runs: a CPU with AVX512F/DQ/BW/VL and
+    ``PREFIXGATE_CPU_EXT_AVX512`` not ``0`` (read at each call)."""
+    return bool(torch.ops.prefixgate_cpu.gemm_rows_available())
+
+
+def gemm_panels(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    """``x [M, K]`` fp32 (``1 <= M <=`` :data:`GEMM_ROWS`) → ``[M, N]`` fp32 ``= x @ W^T (+
+    bias)`` on ``packed [P, K, 64]``, a view of oneDNN's packed weight
+    (``engine/models/cpu_linear.onednn_panels`` where its panels are 64 wide: each panel's
+    ``K x 64`` block contiguous, panels ``Kp * 64`` apart with ``Kp >= K``). Each output is one
+    FMA chain over the input columns in order, fp32 throughout.
+
+    Raises:
+        RuntimeError: no AVX-512 here (:func:`gemm_rows_available`), wrong dtypes or shapes
+            (the op's checks).
+    """
+    return torch.ops.prefixgate_cpu.gemm_panels(x, packed, bias, out_features)
+
+
 def attention_kernel(head_dim: int = 64) -> str:
     """The kernel :func:`decode_attention` takes now at head size ``head_dim``: ``"avx512"``
     (16 lanes: a CPU with AVX512F/DQ/BW/VL, ``head_dim`` 32, 64, 96 or 128, and

@@ -294,7 +294,10 @@ class OneDNNLinear(nn.Module):
         bias: ``[O]`` or None (kept in the weight's dtype).
 
     ``forward(x [T, I])`` in the weight's dtype → ``[T, O]`` in it (any leading dims; T may be
-    0). A bf16 layer keeps oneDNN at one row too (``set_one_row`` takes "onednn" only).
+    0). A bf16 layer keeps oneDNN at one row too (``set_one_row`` takes "onednn" only). An fp32
+    layer whose packed weight is 64-wide panels takes ``cpu_ext.gemm_panels`` for 2 to
+    ``cpu_ext.GEMM_ROWS`` rows on a CPU with AVX-512 (the packed weight itself, no padding rows;
+    docs/cpu-performance.md).
     """
 
     bias: torch.Tensor | None  # a buffer (register_buffer), declared for the type checker
@@ -325,6 +328,8 @@ class OneDNNLinear(nn.Module):
         # the one-row GEMM's own copy of the weight ([I, O] for "mm_t", [O, I] for "linear"):
         # a plain attribute, as _packed
         self._one_row_weight: torch.Tensor | None = None
+        # a few rows through cpu_ext.gemm_panels (None: not decided yet, see _gemm_rows)
+        self._gemm: bool | None = None
 
     def set_one_row(self, kind: str) -> None:
         """Choose the GEMM a one-row input takes (one of :data:`ONE_ROW_KINDS`). "gemv" reads
@@ -415,6 +420,9 @@ class OneDNNLinear(nn.Module):
             else:
                 y = F.linear(x2, w1, self.bias)
             return y.reshape(*lead, self.out_features)
+        if rows <= cpu_ext.GEMM_ROWS and self._gemm_rows():
+            y = cpu_ext.gemm_panels(x2, self._panels, self.bias, self.out_features)
+            return y.reshape(*lead, self.out_features)
         padded = padded_rows(rows)
         if padded != rows:
             x2 = torch.cat([x2, x2.new_zeros((padded - rows, self.in_features))])
@@ -422,6 +430,20 @@ class OneDNNLinear(nn.Module):
             x2 = x2.contiguous()
         y = torch.ops.mkldnn._linear_pointwise(x2, self._packed, self.bias, "none", [], "")
         return y[:rows].reshape(*lead, self.out_features)
+
+    def _gemm_rows(self) -> bool:
+        """Whether a few rows (up to ``cpu_ext.GEMM_ROWS``) take ``cpu_ext.gemm_panels`` on the
+        packed weight itself: fp32 panels 64 wide and the op available here (decided at the
+        first such call)."""
+        if self._gemm is None:
+            panels = self._panels
+            self._gemm = (
+                panels is not None
+                and panels.shape[2] == 64
+                and cpu_ext.available()
+                and cpu_ext.gemm_rows_available()
+            )
+        return self._gemm
 
     def extra_repr(self) -> str:
         one = "" if self.one_row == "onednn" else f", one_row={self.one_row}"

@@ -1215,6 +1215,162 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& positions,
   return out;
 }
 
+// ---- AVX-512 GEMM of a few rows on oneDNN's 64-wide panels (runtime dispatch) ---------------
+// y [M, N] = x [M, K] . W^T (+ bias) for the row counts of a decode batch, reading oneDNN's packed
+// fp32 weight in place (engine/models/cpu_linear.onednn_panels: panel p holds output columns
+// 64p..64p+63, input column k's 64 weights contiguous). A register block is 6 rows x 64 columns
+// (24 zmm accumulators, 4 for the weights' row, 1 for x broadcast): 24 FMAs per 4 weight loads
+// and 6 broadcasts. A panel's input columns go in chunks of kGemmKc (its 16 KiB of weight stay in
+// L1 while every row block of the chunk reads them; partial sums wait in a per-panel buffer), and
+// the first row block of a chunk prefetches the weight kGemmPrefetch columns ahead (the
+// hardware's prefetcher stops at each 4 KiB page). Threads split the panels. Sums run in input
+// column order, one FMA each, so a result differs from oneDNN's in the last bits only.
+constexpr int64_t kGemmW = 64;          // oneDNN's panel width on AVX-512
+constexpr int kGemmR = 6;               // rows per register block
+constexpr int64_t kGemmKc = 64;         // input columns per chunk
+constexpr int64_t kGemmPrefetch = 128;  // input columns ahead the first row block prefetches
+constexpr int64_t kGemmMaxRows = 64;    // rows the per-panel buffer holds (gemm_panels' bound)
+
+// One register block of R rows over input columns [k0, k1) of one panel: accumulators from
+// ``partial`` (zero when ``first``), back to it, or (``last``) plus the bias into y's valid
+// columns (``valid`` of the panel's 64).
+template <int R, bool Prefetch>
+PG_AVX512 inline void gemm_block(const float* __restrict w, int64_t k0, int64_t k1,
+                                 const float* __restrict x, int64_t ldx, float* __restrict partial,
+                                 bool first, bool last, const float* bias, float* y, int64_t ldy,
+                                 int64_t valid) {
+  __m512 acc[R][4];
+  for (int i = 0; i < R; ++i) {
+    for (int j = 0; j < 4; ++j) {
+      acc[i][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(partial + i * kGemmW + 16 * j);
+    }
+  }
+  for (int64_t k = k0; k < k1; ++k) {
+    const float* wk = w + k * kGemmW;
+    if constexpr (Prefetch) {
+      const char* ahead = reinterpret_cast<const char*>(wk + kGemmPrefetch * kGemmW);
+      for (int line = 0; line < 4; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T1);
+    }
+    const __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16);
+    const __m512 w2 = _mm512_loadu_ps(wk + 32), w3 = _mm512_loadu_ps(wk + 48);
+    for (int i = 0; i < R; ++i) {
+      const __m512 xb = _mm512_set1_ps(x[i * ldx + k]);
+      acc[i][0] = _mm512_fmadd_ps(w0, xb, acc[i][0]);
+      acc[i][1] = _mm512_fmadd_ps(w1, xb, acc[i][1]);
+      acc[i][2] = _mm512_fmadd_ps(w2, xb, acc[i][2]);
+      acc[i][3] = _mm512_fmadd_ps(w3, xb, acc[i][3]);
+    }
+  }
+  if (!last) {
+    for (int i = 0; i < R; ++i) {
+      for (int j = 0; j < 4; ++j) _mm512_storeu_ps(partial + i * kGemmW + 16 * j, acc[i][j]);
+    }
+    return;
+  }
+  for (int j = 0; j < 4; ++j) {
+    const int64_t n = std::min<int64_t>(16, valid - 16 * j);
+    if (n <= 0) break;
+    const __mmask16 m = n == 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+    const __m512 b = bias != nullptr ? _mm512_maskz_loadu_ps(m, bias + 16 * j) : _mm512_setzero_ps();
+    for (int i = 0; i < R; ++i) {
+      _mm512_mask_storeu_ps(y + i * ldy + 16 * j, m, _mm512_add_ps(acc[i][j], b));
+    }
+  }
+}
+
+// The last 1-5 rows of a chunk (fewer than a register block), as one block of that many.
+template <bool Prefetch>
+PG_AVX512 inline void gemm_tail(int64_t n, const float* w, int64_t k0, int64_t k1, const float* x,
+                                int64_t ldx, float* partial, bool first, bool last,
+                                const float* bias, float* y, int64_t ldy, int64_t valid) {
+  switch (n) {
+    case 1: gemm_block<1, Prefetch>(w, k0, k1, x, ldx, partial, first, last, bias, y, ldy, valid); break;
+    case 2: gemm_block<2, Prefetch>(w, k0, k1, x, ldx, partial, first, last, bias, y, ldy, valid); break;
+    case 3: gemm_block<3, Prefetch>(w, k0, k1, x, ldx, partial, first, last, bias, y, ldy, valid); break;
+    case 4: gemm_block<4, Prefetch>(w, k0, k1, x, ldx, partial, first, last, bias, y, ldy, valid); break;
+    default: gemm_block<5, Prefetch>(w, k0, k1, x, ldx, partial, first, last, bias, y, ldy, valid); break;
+  }
+}
+
+// Every row of x through one panel (w: its K x 64 weights; bias and y offset to its columns).
+PG_AVX512 void gemm_panel(const float* w, int64_t k_len, const float* x, int64_t rows,
+                          const float* bias, float* y, int64_t n_out, int64_t valid) {
+  alignas(64) float partial[kGemmMaxRows * kGemmW];
+  for (int64_t k0 = 0; k0 < k_len; k0 += kGemmKc) {
+    const int64_t k1 = std::min(k_len, k0 + kGemmKc);
+    const bool first = k0 == 0, last = k1 == k_len;
+    int64_t r = 0;
+    for (; r + kGemmR <= rows; r += kGemmR) {
+      const float* xr = x + r * k_len;
+      float* pr = partial + r * kGemmW;
+      float* yr = y + r * n_out;
+      if (r == 0) {
+        gemm_block<kGemmR, true>(w, k0, k1, xr, k_len, pr, first, last, bias, yr, n_out, valid);
+      } else {
+        gemm_block<kGemmR, false>(w, k0, k1, xr, k_len, pr, first, last, bias, yr, n_out, valid);
+      }
+    }
+    if (r < rows) {
+      const float* xr = x + r * k_len;
+      float* pr = partial + r * kGemmW;
+      float* yr = y + r * n_out;
+      if (r == 0) {
+        gemm_tail<true>(rows - r, w, k0, k1, xr, k_len, pr, first, last, bias, yr, n_out, valid);
+      } else {
+        gemm_tail<false>(rows - r, w, k0, k1, xr, k_len, pr, first, last, bias, yr, n_out, valid);
+      }
+    }
+  }
+}
+
+bool avx512_gemm() {
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+                          __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+  const char* env = std::getenv("PREFIXGATE_CPU_EXT_AVX512");
+  return has && !(env != nullptr && std::string(env) == "0");
+}
+
+// x [M, K] fp32 (1 <= M <= 64); packed [P, K, 64] fp32 with strides (S, 64, 1), S >= 64 K (a view
+// of oneDNN's packed weight, engine/models/cpu_linear.onednn_panels); bias [N] or none ->
+// y [M, N]. Needs AVX512F/DQ/BW/VL (gemm_rows_available).
+at::Tensor gemm_panels(const at::Tensor& x, const at::Tensor& packed,
+                       const c10::optional<at::Tensor>& bias, int64_t n_out) {
+  TORCH_CHECK(avx512_gemm(), "gemm_panels: needs AVX-512 (AVX512F/DQ/BW/VL)");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat,
+              "gemm_panels: float32 tensors only");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kGemmW && packed.stride(2) == 1 &&
+                  (packed.size(1) == 1 || packed.stride(1) == kGemmW) &&
+                  (packed.size(0) == 1 || (packed.stride(0) >= packed.size(1) * kGemmW &&
+                                           packed.stride(0) % kGemmW == 0)),
+              "gemm_panels: packed must be [P, K, 64] panels, each panel contiguous");
+  const int64_t panels = packed.size(0), k_len = packed.size(1);
+  const int64_t k_pad = panels == 1 ? k_len : packed.stride(0) / kGemmW;
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k_len, "gemm_panels: x must be [M, K] with K ", k_len);
+  const int64_t rows = x.size(0);
+  TORCH_CHECK(rows >= 1 && rows <= kGemmMaxRows, "gemm_panels: 1 to ", kGemmMaxRows,
+              " rows, got ", rows);
+  TORCH_CHECK(n_out > (panels - 1) * kGemmW && n_out <= panels * kGemmW, "gemm_panels: n_out ",
+              n_out, " does not fit ", panels, " panels of 64");
+  at::Tensor xc = x.contiguous();
+  at::Tensor bc;
+  const float* bias_ptr = bias_data(bias, n_out, bc, "gemm_panels");
+  at::Tensor y = at::empty({rows, n_out}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      gemm_panel(wp + p * k_pad * kGemmW, k_len, xp, rows,
+                 bias_ptr != nullptr ? bias_ptr + p * kGemmW : nullptr, yp + p * kGemmW, n_out,
+                 std::min(kGemmW, n_out - p * kGemmW));
+    }
+  });
+  return y;
+}
+
+// Whether gemm_panels runs here: AVX512F/DQ/BW/VL and PREFIXGATE_CPU_EXT_AVX512 not "0".
+bool gemm_rows_available() { return avx512_gemm(); }
+
 // oneDNN's linear on its packed weight (torch.ops.mkldnn._linear_pointwise, registered by torch
 // itself; called boxed, as its C++ declaration is not among torch's public headers).
 at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed,
@@ -1320,6 +1476,8 @@ TORCH_LIBRARY(prefixgate_cpu, m) {
   m.def("decode_attention_kernel(int head_dim) -> str", &decode_attention_kernel);
   m.def("op_threads() -> int", &op_threads);
   m.def("gemv_packed(Tensor x, Tensor packed, Tensor? bias, int n_out) -> Tensor");
+  m.def("gemm_rows_available() -> bool", &gemm_rows_available);
+  m.def("gemm_panels(Tensor x, Tensor packed, Tensor? bias, int n_out) -> Tensor");
   m.def(
       "gemv_int8_packed(Tensor x, Tensor packed, Tensor scale, Tensor? bias, int n_out) -> "
       "Tensor");
@@ -1348,6 +1506,7 @@ TORCH_LIBRARY(prefixgate_cpu, m) {
 
 TORCH_LIBRARY_IMPL(prefixgate_cpu, CPU, m) {
   m.impl("gemv_packed", gemv_packed);
+  m.impl("gemm_panels", gemm_panels);
   m.impl("gemv_int8_packed", gemv_int8_packed);
   m.impl("gemv_int8w16_packed", gemv_int8w16_packed);
   m.impl("gemv_int8x8_packed", gemv_int8x8_packed);

@@ -11,9 +11,11 @@ import pytest
 import torch
 from prefixgate.engine import LLM, SamplingParams
 from prefixgate.engine.thread_governor import (
+    BUSY_FIELDS,
     ENV_SWITCH,
     CpuShare,
     ThreadGovernor,
+    busy_fields,
     make_governor,
     read_cpu_busy,
 )
@@ -30,11 +32,23 @@ def test_read_cpu_busy_counts_user_nice_system_irq_softirq_of_the_cpus(tmp_path)
     path = tmp_path / "stat"
     path.write_text(STAT)
     hz = os.sysconf("SC_CLK_TCK")
-    # cpu0: 100 + 2 + 50 + 3 + 1 (iowait 4 and steal 9 are not another process's work)
-    assert read_cpu_busy([0], str(path)) == pytest.approx(156 / hz)
-    assert read_cpu_busy([0, 1], str(path)) == pytest.approx((156 + 264) / hz)
+    # cpu0: 100 + 50 + 3 + 1 (iowait 4 and steal 9 are not another process's work, nor nice 2
+    # while this process is not niced itself)
+    assert read_cpu_busy([0], str(path), BUSY_FIELDS) == pytest.approx(154 / hz)
+    assert read_cpu_busy([0, 1], str(path), BUSY_FIELDS) == pytest.approx((154 + 264) / hz)
+    assert read_cpu_busy([0], str(path), (*BUSY_FIELDS, 1)) == pytest.approx(156 / hz)
     assert read_cpu_busy([0, 7], str(path)) is None  # a CPU missing: not a partial sum
     assert read_cpu_busy([0], str(tmp_path / "missing")) is None
+
+
+def test_a_niced_process_counts_only_when_this_one_is_niced_too():
+    """A nice-19 process beside the engine takes ~1/70 of a core: not a reason to stop
+    spinning (a helper's simulator at nice 19 kept the engine on one thread). Where the engine
+    itself runs niced, its own time is in ``nice``, so that field counts."""
+    assert busy_fields() == BUSY_FIELDS  # the test process is not niced
+    code = "import os; os.nice(5); from prefixgate.engine import thread_governor as t; print(t.busy_fields())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == str((*BUSY_FIELDS, 1)), out.stderr[-2000:]
 
 
 class Clock:
