@@ -215,7 +215,7 @@ class AdmissionController:
         ahead = promise.ahead if promise is not None else 0
         every, every_tokens = (0, 0) if claimed else self.promises.held()
         prediction = (
-            self.wait.predict_ttft(prompt_tokens, self.queued_requests, self.queued_tokens)
+            self.wait.predict_ttft(prompt_tokens, self.queued_requests, self.queued_tokens, tenant)
             if self.wait is not None
             else None
         )
@@ -377,7 +377,7 @@ class AdmissionController:
             return
         margin = self.wait.margin_s()  # how much later than predicted first tokens come
         extra = self.wait.extra_s(
-            held, held_tokens, prompt_tokens, self.queued_requests, self.queued_tokens
+            held, held_tokens, prompt_tokens, self.queued_requests, self.queued_tokens, tenant
         )
         predicted = prediction[0] + margin + extra
         schedule = self.budget_slots
@@ -397,7 +397,12 @@ class AdmissionController:
             # one slot: the time this request's own work adds to the queue's prediction,
             # so that the slots admit no faster than the predicted work drains
             slot_s = self.wait.extra_s(
-                requests, prompt_tokens, prompt_tokens, self.queued_requests, self.queued_tokens
+                requests,
+                prompt_tokens,
+                prompt_tokens,
+                self.queued_requests,
+                self.queued_tokens,
+                tenant,
             )
             slot_s = max(slot_s, 1e-3)
             own_rate = schedule.tenant_rate(tenant)
