@@ -395,18 +395,14 @@ class AdmissionController:
         slot_s = 0.0
         if promised and math.isfinite(predicted):
             # one slot: the time this request's own work adds to the queue's prediction,
-            # so that the slots admit no faster than the predicted work drains
-            slot_s = self.wait.extra_s(
-                requests,
-                prompt_tokens,
-                prompt_tokens,
-                self.queued_requests,
-                self.queued_tokens,
-                tenant,
-            )
-            slot_s = max(slot_s, 1e-3)
+            # so that the slots admit no faster than the predicted work drains (the queue's
+            # first-come drain: the slots are every tenant's; a tenant served after the
+            # others spaces its own slots by what one more of its requests adds at its place)
+            queue = (requests, prompt_tokens, prompt_tokens, self.queued_requests)
+            slot_s = max(self.wait.extra_s(*queue, self.queued_tokens), 1e-3)
             own_rate = schedule.tenant_rate(tenant)
             own_slot_s = requests / own_rate if own_rate else 0.0
+            own_slot_s = max(own_slot_s, self.wait.extra_s(*queue, self.queued_tokens, tenant))
             earliest = max(prediction[0] + margin, own or 0.0) - budget
             wait_s = schedule.place(tenant, earliest, slot_s, own_slot_s, MAX_RETRY_AFTER_S)
             if wait_s > MAX_RETRY_AFTER_S:
