@@ -26,6 +26,7 @@ the gateway imports this module in proxy mode too.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
@@ -42,6 +43,8 @@ FINISH_WINDOW_MAX_S = 60.0
 STEP_WINDOW_S = 8.0  # busy wall seconds of steps the seat schedule's mean step spans
 STEP_RECENT_S = 1.0  # ... and the recent part of it that counts when its steps are slower
 SEAT_HOLD_WINDOW = 64  # finished requests whose time seated bounds the seat service below
+ARRIVAL_TAU_S = 2.0  # time constant (seconds) of the arrival rates (``ArrivalRates``)
+SEAT_HORIZON_S = 120.0  # a seat later than this many seconds ahead is no seat in sight (inf)
 
 
 class FinishRate:
@@ -127,6 +130,47 @@ def _push(steps: deque[float], total: float, dt: float, bound: float) -> float:
     return total
 
 
+class ArrivalRates:
+    """Requests arriving at the scheduler per second, in all and per tenant: exponentially
+    weighted (time constant ``ARRIVAL_TAU_S``; each arrival adds ``1 / tau`` to a rate that
+    decays as ``exp(-dt / tau)``). Not corrected for a young stream (it reads low for its
+    first ``tau`` seconds), so that the total is the sum of the tenants' rates at every
+    moment and the rate of all tenants but a few is the total less theirs. Memory: one
+    entry per tenant seen in the last ``~10 tau`` seconds (older ones are dropped every
+    4,096 arrivals)."""
+
+    __slots__ = ("_total", "_by_tenant", "_arrivals")
+
+    def __init__(self) -> None:
+        self._total: tuple[float, float] | None = None  # (rate, last arrival)
+        self._by_tenant: dict[str, tuple[float, float]] = {}
+        self._arrivals = 0
+
+    @staticmethod
+    def _bump(got: tuple[float, float] | None, now: float) -> tuple[float, float]:
+        if got is None:
+            return (1.0 / ARRIVAL_TAU_S, now)
+        rate, last = got
+        return (rate * math.exp(-(now - last) / ARRIVAL_TAU_S) + 1.0 / ARRIVAL_TAU_S, now)
+
+    def add(self, tenant: str, now: float) -> None:
+        """One request of ``tenant`` arrived at monotonic ``now`` (seconds)."""
+        self._total = self._bump(self._total, now)
+        self._by_tenant[tenant] = self._bump(self._by_tenant.get(tenant), now)
+        self._arrivals += 1
+        if self._arrivals % 4096 == 0:
+            horizon = 10 * ARRIVAL_TAU_S
+            self._by_tenant = {t: v for t, v in self._by_tenant.items() if now - v[1] < horizon}
+
+    def per_s(self, now: float, tenant: str | None = None) -> float:
+        """Arrivals per second at monotonic ``now``: of ``tenant``, or of all (``None``)."""
+        got = self._total if tenant is None else self._by_tenant.get(tenant)
+        if got is None:
+            return 0.0
+        rate, last = got
+        return rate * math.exp(-max(0.0, now - last) / ARRIVAL_TAU_S)
+
+
 class LoadModel:
     """The measured load of one scheduler: step rates, finish rate, step time and the finished
     requests' output lengths and seated times (see the module docstring).
@@ -147,6 +191,24 @@ class LoadModel:
         self._step_time = StepTime()
         self._busy_since: float | None = None  # the last step's end, when it left work
         self._holds: deque[float] = deque(maxlen=SEAT_HOLD_WINDOW)  # seconds seated, finished
+        self.arrivals = ArrivalRates()  # requests arriving per second, in all and per tenant
+
+    def overtake_per_s(self, over: Mapping[str, float], now: float) -> dict[str, float]:
+        """For each tenant of ``over`` (those the fair order serves after the others' new
+        requests, with their places: ``SchedulingPolicy.over_share``): the requests per second
+        arriving at monotonic ``now`` of the tenants that go before its waiting ones, which
+        take the seats that free first: every tenant but those of ``over`` at a place no
+        lower than its own (itself included); at least 0."""
+        names = sorted(over)  # a fixed order: the same sums in every process
+        if not names:
+            return {}
+        total = self.arrivals.per_s(now)
+        rates = {t: self.arrivals.per_s(now, t) for t in names}
+        out = {}
+        for t in names:
+            behind = sum(rates[u] for u in names if over[u] >= over[t])
+            out[t] = max(0.0, total - behind)
+        return out
 
     def on_finished(self, finished: Iterable[Request]) -> None:
         """Fold in the requests a step finished: their seconds seated (first scheduled to
@@ -277,10 +339,14 @@ def estimate_ttft(
     max_num_batched_tokens: int,
     num_prompt_tokens: int,
     num_cached_tokens: int = 0,
+    overtake_per_s: float = 0.0,
 ) -> float | None:
     """Predicted seconds until a request of ``num_prompt_tokens`` arriving now would get its
     first token, from a ``stats()`` snapshot (torch-free: the gateway can call it on
     ``engine.stats()`` with ``engine.config``); ``None`` before both rates are measured.
+    ``overtake_per_s``: requests per second of other tenants that the scheduler's order
+    serves before this one's while it waits for a seat (its tenant's entry of ``stats()``'s
+    ``overtake_per_s`` under ``fair``; 0: first come first served).
 
     With ``Q`` = ``queued_prefill_tokens`` + the new request's uncached tokens
     (``num_prompt_tokens - num_cached_tokens``), ``D`` = ``num_running`` (decodes per step),
@@ -302,8 +368,12 @@ def estimate_ttft(
     yet). The fluid wait is a step function of time for a batch admitted together: it stays
     put until the batch finishes, and returning clients told it met their TTFT budget again
     and again (docs/admission.md, "The seat schedule"); the schedule's falls with every step.
-    First come first served is assumed: under ``fair`` a light tenant, under ``priority`` an
-    urgent request, waits less.
+    First come first served is assumed with ``overtake_per_s`` 0: under ``fair`` a light
+    tenant, under ``priority`` an urgent request, waits less. With ``overtake_per_s`` = λ > 0
+    (a tenant over its seat share under ``fair``: the others' new requests go first) the seat
+    is the first free one left to it: the first time ``t`` at which more than ``num_waiting
+    + λ t`` seats have freed (``nth_free_seat_overtaken``), or in the fluid form ``ahead /
+    (finished_per_s - λ)`` (``inf`` when λ is no less).
 
     Raises:
         TypeError: ``num_prompt_tokens`` / ``num_cached_tokens`` not ints.
@@ -334,10 +404,15 @@ def estimate_ttft(
     seat = 0.0
     free, service = stats.get("seat_free_s"), stats.get("seat_service_s")
     if ahead > 0 and free is not None and service and len(free) == d:
-        seat = nth_free_seat([0.0] * (max_num_seqs - d) + list(free), service, waiting)
+        seats = [0.0] * (max_num_seqs - d) + list(free)
+        if overtake_per_s > 0:
+            seat = nth_free_seat_overtaken(seats, service, waiting, overtake_per_s)
+        else:
+            seat = nth_free_seat(seats, service, waiting)
     elif ahead > 0:
         finished = stats.get("finished_per_s")
-        seat = ahead / finished if finished else float("inf")
+        left = (finished or 0.0) - max(0.0, overtake_per_s)
+        seat = ahead / left if finished and left > 0 else float("inf")
     return max(compute, seat) + d / r_d
 
 
@@ -363,3 +438,35 @@ def nth_free_seat(free_s: Sequence[float], service_s: float, n: int) -> float:
         else:
             lo = mid
     return hi
+
+
+def nth_free_seat_overtaken(
+    free_s: Sequence[float], service_s: float, n: int, overtake_per_s: float
+) -> float:
+    """Seconds until the ``n``-th request (0-based) of a queue gets a seat when requests of
+    others arrive at ``overtake_per_s`` per second and take the seats first: seat ``i``
+    frees at ``free_s[i]`` and then every ``service_s`` (as ``nth_free_seat``); the answer is
+    the first free time ``t`` with more than ``n + overtake_per_s * t`` seats freed by then
+    (``k``, 0-based, of the free times in order, with ``k >= n + overtake_per_s * t``).
+    ``inf`` when no such time comes within ``SEAT_HORIZON_S``. Equal to ``nth_free_seat``
+    at ``overtake_per_s`` 0. Cost: ``O(k log len(free_s))``.
+
+    Raises:
+        ValueError: no seat, ``service_s`` not > 0, ``n`` < 0 or ``overtake_per_s`` < 0.
+    """
+    if not free_s or not service_s > 0 or n < 0 or overtake_per_s < 0:
+        raise ValueError(
+            f"need seats, service_s > 0, n >= 0 and overtake_per_s >= 0, got {free_s}, "
+            f"{service_s}, {n}, {overtake_per_s}"
+        )
+    heap = list(free_s)
+    heapq.heapify(heap)
+    k = 0
+    while True:
+        t = heapq.heappop(heap)
+        if t > SEAT_HORIZON_S:
+            return math.inf
+        if k >= n + overtake_per_s * t:
+            return t
+        k += 1
+        heapq.heappush(heap, t + service_s)

@@ -156,6 +156,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.arrival_step = self._steps_scheduled
         self.policy.on_arrival(request, self.waiting)
+        self.load.arrivals.add(tenant_of(request), time.monotonic())
         if self.anticipation.max_wait_s > 0:
             self.anticipation.on_arrival(tenant_of(request), time.monotonic())
         self.requests[rid] = request
@@ -757,7 +758,13 @@ class Scheduler:
         gateway's ``EngineWait``): the queues (``num_running``, ``num_waiting``,
         ``queued_prefill_tokens``, ``running_decodes``) and the load model's rates and seat
         schedule, the same values as ``stats()``'s; O(running + waiting), without the
-        per-tenant table or the KV counters."""
+        per-tenant table or the KV counters. ``overtake_per_s``: for each tenant the policy
+        serves after the others' new requests (``SchedulingPolicy.over_share``), the others'
+        arrivals per second that go before its waiting requests (``LoadModel.overtake_per_s``;
+        ``estimate_ttft``'s argument of that name)."""
+        over = self.policy.over_share(
+            self.running, self.waiting, self.max_num_seqs, self.kv.num_blocks
+        )
         return {
             "num_running": self.num_running,
             "num_waiting": self.num_waiting,
@@ -766,6 +773,7 @@ class Scheduler:
                 1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1
             ),
             **self.load.stats(self.running, self.max_num_batched_tokens, self.max_model_len),
+            "overtake_per_s": self.load.overtake_per_s(over, time.monotonic()),
         }
 
     def stats(self) -> dict[str, Any]:

@@ -261,6 +261,20 @@ class SchedulingPolicy:
         first step runs without them (``set()``: none; the base policy never holds back)."""
         return set()
 
+    def over_share(
+        self,
+        running: Sequence[Request],
+        waiting: Sequence[Request],
+        max_num_seqs: int,
+        num_blocks: int,
+    ) -> dict[str, float]:
+        """Tenants the policy serves after the others' new requests, each with its place in
+        the policy's order (a tenant of a lower place goes before it): a new request of
+        another tenant arriving now, other than those of such tenants at a place no lower,
+        is admitted before their waiting ones (``{}``: none; first come first served has
+        no such tenant)."""
+        return {}
+
     def anticipates(
         self, tenant: str, running: Sequence[Request], max_num_seqs: int, num_blocks: int
     ) -> bool:
@@ -494,6 +508,29 @@ class FairPolicy(SchedulingPolicy):
         if room.need_seat and seats.get(me, 0) + 1 > shares[me][0]:
             return True
         return bool(room.short_blocks) and blocks.get(me, 0) + room.need_blocks > shares[me][1]
+
+    def over_share(
+        self,
+        running: Sequence[Request],
+        waiting: Sequence[Request],
+        max_num_seqs: int,
+        num_blocks: int,
+    ) -> dict[str, float]:
+        """Tenants running more requests than their seat share (``shares``) while two or more
+        tenants are active, each with its VTC counter (its place). A new request of a tenant
+        within its share is admitted before their waiting requests, displacing theirs when
+        the seats are full (its counter is lifted to no more than theirs on arrival, and
+        theirs grows with every token they are served), and so is one of such a tenant of a
+        lower counter; their waiting requests get seats only as fast as seats free beyond
+        those arrivals (``load_model.estimate_ttft``'s ``overtake_per_s``)."""
+        active = {tenant_of(r) for r in running} | {tenant_of(r) for r in waiting}
+        if len(active) < 2:
+            return {}
+        shares = self.shares(active, max_num_seqs, num_blocks)
+        seats: dict[str, int] = {}
+        for r in running:
+            seats[tenant_of(r)] = seats.get(tenant_of(r), 0) + 1
+        return {t: self._stats(t).counter for t, n in seats.items() if n > shares[t][0]}
 
     def hold_back(
         self,

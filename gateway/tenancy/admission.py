@@ -215,7 +215,7 @@ class AdmissionController:
         ahead = promise.ahead if promise is not None else 0
         every, every_tokens = (0, 0) if claimed else self.promises.held()
         prediction = (
-            self.wait.predict_ttft(prompt_tokens, self.queued_requests, self.queued_tokens)
+            self.wait.predict_ttft(prompt_tokens, self.queued_requests, self.queued_tokens, tenant)
             if self.wait is not None
             else None
         )
@@ -377,7 +377,7 @@ class AdmissionController:
             return
         margin = self.wait.margin_s()  # how much later than predicted first tokens come
         extra = self.wait.extra_s(
-            held, held_tokens, prompt_tokens, self.queued_requests, self.queued_tokens
+            held, held_tokens, prompt_tokens, self.queued_requests, self.queued_tokens, tenant
         )
         predicted = prediction[0] + margin + extra
         schedule = self.budget_slots
@@ -395,13 +395,14 @@ class AdmissionController:
         slot_s = 0.0
         if promised and math.isfinite(predicted):
             # one slot: the time this request's own work adds to the queue's prediction,
-            # so that the slots admit no faster than the predicted work drains
-            slot_s = self.wait.extra_s(
-                requests, prompt_tokens, prompt_tokens, self.queued_requests, self.queued_tokens
-            )
-            slot_s = max(slot_s, 1e-3)
+            # so that the slots admit no faster than the predicted work drains (the queue's
+            # first-come drain: the slots are every tenant's; a tenant served after the
+            # others spaces its own slots by what one more of its requests adds at its place)
+            queue = (requests, prompt_tokens, prompt_tokens, self.queued_requests)
+            slot_s = max(self.wait.extra_s(*queue, self.queued_tokens), 1e-3)
             own_rate = schedule.tenant_rate(tenant)
             own_slot_s = requests / own_rate if own_rate else 0.0
+            own_slot_s = max(own_slot_s, self.wait.extra_s(*queue, self.queued_tokens, tenant))
             earliest = max(prediction[0] + margin, own or 0.0) - budget
             wait_s = schedule.place(tenant, earliest, slot_s, own_slot_s, MAX_RETRY_AFTER_S)
             if wait_s > MAX_RETRY_AFTER_S:

@@ -106,7 +106,7 @@ class EngineWait:
         return max(0.0, ordered[min(len(ordered) - 1, int(MISS_QUANTILE * len(ordered)))])
 
     def predict_ttft(
-        self, tokens: int, queued: int = 0, queued_tokens: int = 0
+        self, tokens: int, queued: int = 0, queued_tokens: int = 0, tenant: str | None = None
     ) -> tuple[float, float] | None:
         """The engine's predicted first-token wait for a request of ``tokens`` arriving now:
         ``(calibrated, uncalibrated)`` seconds (``inf`` while every seat is taken and no
@@ -117,17 +117,32 @@ class EngineWait:
         too: an admitted request reaches the engine only when its handler's task next runs
         and the engine thread takes it in, and in the first seconds of a flood every request
         admitted in between was judged on a queue without the others (docs/admission.md,
-        "Unseen requests")."""
-        if self.unseen(queued) <= 0:
+        "Unseen requests").
+
+        ``tenant``: whose request; a tenant the engine's fair order serves after the others'
+        new requests (``stats()``'s ``overtake_per_s``) waits for a seat behind them too."""
+        overtake = self._overtake(tenant)
+        if self.unseen(queued) <= 0 and not overtake:
             got = self.engine.predict_ttft(max(1, tokens))
         else:
             view = self._view(queued, queued_tokens)
             got = estimate_ttft(
-                view, self.max_num_seqs, self.max_num_batched_tokens, max(1, tokens)
+                view,
+                self.max_num_seqs,
+                self.max_num_batched_tokens,
+                max(1, tokens),
+                overtake_per_s=overtake,
             )
         if got is None:
             return None
         return got * self.scale, got
+
+    def _overtake(self, tenant: str | None) -> float:
+        """Requests per second of others the engine serves before ``tenant``'s waiting ones
+        (``stats()``'s ``overtake_per_s``; 0.0 for a tenant not in it, or no tenant)."""
+        if tenant is None:
+            return 0.0
+        return float((self.engine.stats().get("overtake_per_s") or {}).get(tenant, 0.0))
 
     def _view(self, queued: int, queued_tokens: int) -> dict[str, Any]:
         """The engine's ``stats()`` with the ``unseen`` requests of the admission queue
@@ -163,8 +178,16 @@ class EngineWait:
         idle = {**stats, "num_running": 0, "num_waiting": 0, "queued_prefill_tokens": 0}
         return self._estimate(idle, max(1, tokens))
 
-    def _estimate(self, stats: Mapping[str, Any], tokens: int) -> float | None:
-        got = estimate_ttft(stats, self.max_num_seqs, self.max_num_batched_tokens, tokens)
+    def _estimate(
+        self, stats: Mapping[str, Any], tokens: int, overtake_per_s: float = 0.0
+    ) -> float | None:
+        got = estimate_ttft(
+            stats,
+            self.max_num_seqs,
+            self.max_num_batched_tokens,
+            tokens,
+            overtake_per_s=overtake_per_s,
+        )
         return None if got is None else got * self.scale
 
     def departure_s(self, n: int, tokens_per_request: float) -> float | None:
@@ -178,25 +201,33 @@ class EngineWait:
         return self._estimate(ahead, tokens)
 
     def extra_s(
-        self, requests: int, tokens: int, own_tokens: int, queued: int = 0, queued_tokens: int = 0
+        self,
+        requests: int,
+        tokens: int,
+        own_tokens: int,
+        queued: int = 0,
+        queued_tokens: int = 0,
+        tenant: str | None = None,
     ) -> float:
         """Seconds ``requests`` more queued requests of ``tokens`` prompt tokens in all add to
         the first token of a new request of ``own_tokens`` (0.0 when nothing is added or the
         rates are not measured), behind the admission queue's ``queued`` requests of
         ``queued_tokens`` (as ``predict_ttft``: the ones the engine does not show yet count;
         without them a crowd admitted at once left the engine's seats looking free, and the
-        requests refused behind it were all told one wait instead of a spread)."""
+        requests refused behind it were all told one wait instead of a spread); ``tenant``:
+        the new request's, as ``predict_ttft``'s."""
         if requests <= 0:
             return 0.0
         stats = self._view(queued, queued_tokens)
         own = max(1, own_tokens)
-        now = self._estimate(stats, own)
+        overtake = self._overtake(tenant)
+        now = self._estimate(stats, own, overtake)
         more = {
             **stats,
             "num_waiting": int(stats.get("num_waiting", 0)) + requests,
             "queued_prefill_tokens": int(stats.get("queued_prefill_tokens", 0)) + tokens,
         }
-        later = self._estimate(more, own)
+        later = self._estimate(more, own, overtake)
         if now is None or later is None or not math.isfinite(later - now):
             return 0.0
         return max(0.0, later - now)

@@ -107,7 +107,7 @@ def test_retry_after_right_on_the_first_burst_after_start(monkeypatch):
 class _MeasuredWait:
     """An engine whose rates are measured: every wait is predicted (so 429s make promises)."""
 
-    def predict_ttft(self, tokens: int, queued: int = 0, queued_tokens: int = 0):
+    def predict_ttft(self, tokens: int, queued: int = 0, queued_tokens: int = 0, tenant=None):
         return 0.01, 0.01
 
     def departure_s(self, n: int, tokens_per_request: float) -> float:

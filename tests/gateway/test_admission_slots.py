@@ -73,13 +73,15 @@ class _FarWait:
     def margin_s(self) -> float:
         return 0.0
 
-    def predict_ttft(self, tokens, queued_requests, queued_tokens):
+    def predict_ttft(self, tokens, queued_requests, queued_tokens, tenant=None):
         return (100.0, 100.0)
 
     def alone_s(self, tokens) -> float:
         return 0.01
 
-    def extra_s(self, held, held_tokens, prompt, queued_requests, queued_tokens) -> float:
+    def extra_s(
+        self, held, held_tokens, prompt, queued_requests, queued_tokens, tenant=None
+    ) -> float:
         return 0.5 * held
 
 

@@ -458,6 +458,49 @@ def test_a_crowd_refused_behind_unseen_requests_is_told_a_spread():
         t.done()
 
 
+class FairEngine(RatedEngine):
+    """``RatedEngine`` under the ``fair`` policy with tenant ``heavy`` over its seat share:
+    the others' new requests arrive at 2 a second and go before its waiting ones."""
+
+    def stats(self) -> dict[str, Any]:
+        return {**super().stats(), "overtake_per_s": {"heavy": 2.0}}
+
+
+def test_a_tenant_served_after_the_others_arrivals_is_judged_by_its_place():
+    # 8 seats taken, 4 waiting: a first-come request waits for 5 seats at 4 a second (1.25 s)
+    # and its first token's step (0.08 s): 1.33 s. A heavy one gets only the seats the others'
+    # arrivals (2/s) leave: 5 at 2 a second, 2.58 s, over a 2 s budget.
+    engine = FairEngine(waiting=4)
+    ctl = _ctl(engine, Clock())
+    light = ctl.wait.predict_ttft(100, tenant="light")
+    heavy = ctl.wait.predict_ttft(100, tenant="heavy")
+    assert light is not None and heavy is not None
+    assert light[0] == pytest.approx(5 / 4.0 + 0.08)
+    assert heavy[0] == pytest.approx(5 / 2.0 + 0.08)
+    ctl.admit(100, tenant="light", fingerprint="l", budget_s=2.0).done()
+    with pytest.raises(APIError) as exc:
+        ctl.admit(100, tenant="heavy", fingerprint="h", budget_s=2.0)
+    assert exc.value.code == "ttft_budget_exceeded"
+    # told to come back when its place is within the budget: 0.58 s later
+    assert exc.value.retry_after == pytest.approx(5 / 2.0 + 0.08 - 2.0, abs=0.01)
+
+
+def test_a_tenant_served_after_the_others_spaces_its_own_slots_not_everyones():
+    # The heavy tenant's slot at 0.58 s is one request's work in the queue (a quarter second
+    # at 4 seats a second), not the half second one more of its requests adds at its place:
+    # that spaces its own next slot only. A light request refused next (its place 1.33 s, a
+    # 0.9 s budget: from 0.43 s) takes the first free slot after the heavy one's, at 0.83 s;
+    # with the heavy slot half a second long it was pushed to 1.08 s.
+    ctl = _ctl(FairEngine(waiting=4), Clock())
+    heavy = _refused(ctl, "h1", tenant="heavy", budget_s=2.0)
+    assert heavy == pytest.approx(0.58, abs=0.01)
+    light = _refused(ctl, "l1", tenant="light", budget_s=0.9)
+    assert light == pytest.approx(0.58 + 0.25, abs=0.01)
+    # the heavy tenant's next slot: after its own last one by what one of its requests adds
+    again = _refused(ctl, "h2", tenant="heavy", budget_s=2.0)
+    assert again == pytest.approx(0.58 + 0.5, abs=0.01)
+
+
 def test_a_promised_429_says_when_its_promise_lapses_and_a_guess_says_nothing():
     """``x-prefixgate-promise-ms``: what a proxy gateway pins the client's retry by
     (``proxy.attempts``): the wait plus the promise's grace, in milliseconds."""
