@@ -420,8 +420,9 @@ class OneDNNLinear(nn.Module):
             else:
                 y = F.linear(x2, w1, self.bias)
             return y.reshape(*lead, self.out_features)
-        if rows <= cpu_ext.GEMM_ROWS and self._gemm_rows():
-            y = cpu_ext.gemm_panels(x2, self._panels, self.bias, self.out_features)
+        panels = self._panels
+        if rows <= cpu_ext.GEMM_ROWS and panels is not None and self._gemm_rows():
+            y = cpu_ext.gemm_panels(x2, panels, self.bias, self.out_features)
             return y.reshape(*lead, self.out_features)
         padded = padded_rows(rows)
         if padded != rows:
