@@ -45,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -155,6 +156,18 @@ def prefixgate_server(args: argparse.Namespace, ctx: int, pinned: bool = False) 
     return Server(name, cmd, port, env, ready="/ready")
 
 
+def vllm_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment vLLM's server starts with: this process's, less ``PYTHONHASHSEED`` and
+    the OpenMP waiting that importing ``prefixgate.engine`` put there (engine/threads.py), so
+    that vLLM runs with its own default as its users start it; a wait variable the user set
+    before the bench started stays (``threads.note_engine_import``'s record)."""
+    from prefixgate.engine import threads
+
+    record = threads.note_engine_import()
+    ours = {k for k in record.get("set", {}) if k not in record.get("users", {})}
+    return {k: v for k, v in environ.items() if k != "PYTHONHASHSEED" and k not in ours}
+
+
 def vllm_server(args: argparse.Namespace, ctx: int) -> Server:
     port = free_port()
     cmd = [
@@ -166,7 +179,7 @@ def vllm_server(args: argparse.Namespace, ctx: int) -> Server:
         *args.vllm_arg,
     ]
     bind = args.vllm_bind or f"0-{args.threads - 1}"
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    env = vllm_env(os.environ)
     env.update(
         VLLM_CPU_KVCACHE_SPACE=str(args.kv_gib),
         VLLM_CPU_OMP_THREADS_BIND=bind,
