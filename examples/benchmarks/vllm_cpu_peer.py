@@ -16,6 +16,11 @@ dummy weights in float32, ``--threads`` torch threads and ``--kv-gib`` GiB of KV
 bound one per physical core (``OMP_PLACES``/``OMP_PROC_BIND``, as vLLM binds its own): the A/B
 for thread placement (two threads on SMT siblings of one core halve the batched GEMMs).
 
+While one server is measured the others are stopped (SIGSTOP to their process groups,
+SIGCONT after; ``--no-pause-others`` keeps them running): vLLM's OpenMP threads, left at its
+default, spin between requests and took CPU from the server beside them (and prefixgate's
+thread governor then ran it on fewer threads).
+
 One client (asyncio, httpx), prompts as token ids (exact lengths; fresh random ids every round
 and server, so no prefix-cache hit), ``ignore_eos`` so every answer is exactly ``max_tokens``.
 Three measures a round, on each server in turn (A B, then B A, ...):
@@ -96,15 +101,39 @@ class Server:
         # a neutral working folder: vLLM imports a package named ``kernels``, which a
         # checkout's own ``kernels/`` folder would shadow
         self.cwd = tempfile.mkdtemp(prefix=f"{name}-")
+        # its own process group: pause() and resume() reach its children (vLLM's engine core)
         self.proc = subprocess.Popen(
-            cmd, env=env, cwd=self.cwd, stdout=self.log, stderr=subprocess.STDOUT
+            cmd,
+            env=env,
+            cwd=self.cwd,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
+        self.paused = False
+
+    def pause(self) -> None:
+        """Stop the server's processes (SIGSTOP to its group) while another is measured: an
+        idle server's spinning threads (vLLM's OpenMP default) took CPU from the measured one."""
+        if not self.paused and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGSTOP)
+            self.paused = True
+
+    def resume(self) -> None:
+        if self.paused:
+            os.killpg(self.proc.pid, signal.SIGCONT)
+            self.paused = False
 
     def wait_ready(self, timeout: float) -> None:
         wait_http_ready(self.proc, self.url + self.ready, timeout, self.name, self.log.name, 1.0)
 
     def stop(self) -> None:
+        self.resume()  # a stopped process would not act on SIGTERM
         terminate(self.proc, 60, 60)
+        try:  # what the server left of its group (its own children)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
         self.log.close()
 
 
@@ -268,12 +297,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             s.wait_ready(args.start_timeout)
         probes = [Probe(s) for s in servers]
         rng = random.Random(args.seed)
+
+        def alone(p: Probe) -> None:
+            """Only ``p``'s server runs (the others paused) unless ``--no-pause-others``."""
+            for s in servers:
+                if s is p.server:
+                    s.resume()
+                elif args.pause_others:
+                    s.pause()
+
         for p in probes:  # first-use costs (primitives, compilation) out of the figures
+            alone(p)
             p.batched(random_prompts(rng, args.num_requests, args.prompt_len, vocab), 4)
             p.prefill(random_prompts(rng, 1, args.prefill_len, vocab)[0])
             p.decode(random_prompts(rng, 1, 8, vocab)[0], 8)
         for r in range(args.rounds):
             for p in probes if r % 2 == 0 else probes[::-1]:
+                alone(p)
+                time.sleep(1.0)  # the resumed server's first second out of the figures
                 fig: dict[str, Any] = {"round": r + 1, "system": p.server.name, "load": load_avg()}
                 prompts = random_prompts(rng, args.num_requests, args.prompt_len, vocab)
                 fig["batched_tok_s"] = p.batched(prompts, args.output_len)
@@ -356,6 +397,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--start-timeout", type=float, default=900.0)
     ap.add_argument("--prefixgate-arg", action="append", default=[], help="extra serve flag")
     ap.add_argument("--vllm-arg", action="append", default=[], help="extra vLLM flag")
+    ap.add_argument(
+        "--no-pause-others",
+        dest="pause_others",
+        action="store_false",
+        help="leave the other servers running while one is measured (default: SIGSTOP them)",
+    )
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     # SIGTERM (a ``timeout`` around the bench) unwinds through ``run``'s ``finally``, which
