@@ -422,7 +422,8 @@ class OneDNNLinear(nn.Module):
             return y.reshape(*lead, self.out_features)
         panels = self._panels
         if rows <= cpu_ext.GEMM_ROWS and panels is not None and self._gemm_rows():
-            y = cpu_ext.gemm_panels(x2, panels, self.bias, self.out_features)
+            # the op itself (cpu_ext.gemm_panels documents it): no Python call between
+            y = torch.ops.prefixgate_cpu.gemm_panels(x2, panels, self.bias, self.out_features)
             return y.reshape(*lead, self.out_features)
         padded = padded_rows(rows)
         if padded != rows:
@@ -519,6 +520,7 @@ def pack_linears(model: nn.Module) -> nn.Module:
         parent, name, child = targets.pop()
         key = child.weight.data_ptr()
         packed = OneDNNLinear.from_linear(child)
+        packed._gemm_rows()  # decided at load: a request runs the op alone, no Python of cpu_ext
         setattr(parent, name, packed)
         del child
         tied = embeddings.get(key)

@@ -84,12 +84,24 @@ def test_the_linear_layer_takes_it_for_a_few_rows_and_onednn_past_them(rows, mon
     layer = OneDNNLinear(w, b)
     if layer._panels is None or layer._panels.shape[2] != 64:
         pytest.skip("oneDNN packs this weight in another layout on this CPU")
-    calls = []
-    real = cpu_ext.gemm_panels
-    monkeypatch.setattr(cpu_ext, "gemm_panels", lambda *a: calls.append(1) or real(*a))
+    onednn = []
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(
+        torch.ops.mkldnn, "_linear_pointwise", lambda *a: onednn.append(1) or real(*a)
+    )
     x = torch.randn(rows, 96)
     torch.testing.assert_close(layer(x), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
-    assert bool(calls) == (rows <= cpu_ext.GEMM_ROWS)
+    assert bool(onednn) == (rows > cpu_ext.GEMM_ROWS)
+
+
+def test_a_packed_model_decides_at_load():
+    """pack_linears settles each layer's choice when it packs it, so a request's first
+    forward runs the op alone (no Python of cpu_ext's on a request's walk)."""
+    from prefixgate.engine.models.cpu_linear import pack_linears
+    from torch import nn
+
+    model = pack_linears(nn.Sequential(nn.Linear(96, 128), nn.Linear(128, 64)))
+    assert all(m._gemm is not None for m in model if isinstance(m, OneDNNLinear))
 
 
 def test_the_environment_switch_keeps_onednn(monkeypatch):
