@@ -199,9 +199,9 @@ class ThreadGovernor:
 
 
 def make_governor(threads: int) -> ThreadGovernor | None:
-    """A :class:`ThreadGovernor` for ``threads`` (> 1), or None: one thread, the switch off
-    (``PREFIXGATE_ADAPTIVE_THREADS=0``), or ``/proc/stat`` not readable here."""
-    if threads <= 1 or os.environ.get(ENV_SWITCH, "1") == "0":
+    """A :class:`ThreadGovernor` for ``threads`` (at one thread it only samples), or None: the
+    switch off (``PREFIXGATE_ADAPTIVE_THREADS=0``), or ``/proc/stat`` not readable here."""
+    if threads < 1 or os.environ.get(ENV_SWITCH, "1") == "0":
         return None
     share = CpuShare()
     if read_cpu_busy(share.cpus) is None:

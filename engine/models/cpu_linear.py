@@ -520,7 +520,6 @@ def pack_linears(model: nn.Module) -> nn.Module:
         parent, name, child = targets.pop()
         key = child.weight.data_ptr()
         packed = OneDNNLinear.from_linear(child)
-        packed._gemm_rows()  # decided at load: a request runs the op alone, no Python of cpu_ext
         setattr(parent, name, packed)
         del child
         tied = embeddings.get(key)

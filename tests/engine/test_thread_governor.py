@@ -112,8 +112,7 @@ def test_governor_never_goes_under_one_or_over_what_was_asked():
         ThreadGovernor(0, share(clock, busy, own), lambda n: None, clock)
 
 
-def test_no_governor_at_one_thread_or_when_switched_off(monkeypatch):
-    assert make_governor(1) is None
+def test_no_governor_when_switched_off(monkeypatch):
     monkeypatch.setenv(ENV_SWITCH, "0")
     assert make_governor(2) is None
     monkeypatch.delenv(ENV_SWITCH)

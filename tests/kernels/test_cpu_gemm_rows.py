@@ -94,16 +94,6 @@ def test_the_linear_layer_takes_it_for_a_few_rows_and_onednn_past_them(rows, mon
     assert bool(onednn) == (rows > cpu_ext.GEMM_ROWS)
 
 
-def test_a_packed_model_decides_at_load():
-    """pack_linears settles each layer's choice when it packs it, so a request's first
-    forward runs the op alone (no Python of cpu_ext's on a request's walk)."""
-    from prefixgate.engine.models.cpu_linear import pack_linears
-    from torch import nn
-
-    model = pack_linears(nn.Sequential(nn.Linear(96, 128), nn.Linear(128, 64)))
-    assert all(m._gemm is not None for m in model if isinstance(m, OneDNNLinear))
-
-
 def test_the_environment_switch_keeps_onednn(monkeypatch):
     monkeypatch.setenv("PREFIXGATE_CPU_EXT_AVX512", "0")
     assert not cpu_ext.gemm_rows_available()
