@@ -57,12 +57,8 @@ def bounded_wait_env(
     imported (``"torch" in modules``): OpenMP has read its settings then."""
     if "torch" in modules or any(k in environ for k in WAIT_KEYS):
         return {}
-    done = {}
-    for key, value in BOUNDED_WAIT_ENV.items():
-        if key not in environ:
-            environ[key] = value
-            done[key] = value
-    return done
+    environ.update(BOUNDED_WAIT_ENV)
+    return dict(BOUNDED_WAIT_ENV)
 
 
 _import_state: dict[str, object] = {}
