@@ -53,6 +53,20 @@ new competitor meets spinning threads for at most about this long."""
 
 ENV_SWITCH = "PREFIXGATE_ADAPTIVE_THREADS"
 
+_lowered: dict[str, int] = {}
+"""The process's last count a governor applied (``"set"``) and the count asked before any
+governor changed it (``"asked"``): torch's thread count is process-wide, so an engine made
+after another's governor lowered it reads the asked count back (:func:`asked_threads`)."""
+
+
+def asked_threads(current: int) -> int:
+    """The thread count a governor's lowering hid: the count asked before it where ``current``
+    (``torch.get_num_threads()``) is still the count a governor last set, else ``current`` (a
+    count set since by anyone else is theirs)."""
+    if _lowered and current == _lowered["set"]:
+        return _lowered["asked"]
+    return current
+
 
 def read_cpu_busy(
     cpus: Iterable[int], path: str = STAT_PATH, fields: tuple[int, ...] | None = None
@@ -196,6 +210,7 @@ class ThreadGovernor:
         )
         self._set(n)
         self.current = n
+        _lowered.update(asked=self.threads, set=n)
 
 
 def make_governor(threads: int) -> ThreadGovernor | None:

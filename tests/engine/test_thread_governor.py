@@ -15,6 +15,7 @@ from prefixgate.engine.thread_governor import (
     ENV_SWITCH,
     CpuShare,
     ThreadGovernor,
+    asked_threads,
     busy_fields,
     make_governor,
     read_cpu_busy,
@@ -110,6 +111,31 @@ def test_governor_never_goes_under_one_or_over_what_was_asked():
     assert g.target(8.0) == 1
     with pytest.raises(ValueError):
         ThreadGovernor(0, share(clock, busy, own), lambda n: None, clock)
+
+
+def test_an_engine_made_after_a_lowering_starts_from_the_count_asked(aidreams_path):
+    """torch's thread count is process-wide: an engine made (threads unset) after another
+    engine's governor lowered it to one started on one thread for good (the new governor asks
+    at most what it finds). It reads the asked count back; a count set since by anyone else
+    stays theirs."""
+    before = torch.get_num_threads()
+    clock, busy, own = Clock(), [0.0], [0.0]
+    try:
+        torch.set_num_threads(2)
+        g = ThreadGovernor(2, share(clock, busy, own), torch.set_num_threads, clock)
+        clock.t, busy[-1], own[-1] = 1.0, 2.0, 1.0  # one CPU kept busy by another process
+        assert g.tick() == 1 and torch.get_num_threads() == 1
+        assert asked_threads(1) == 2
+        assert asked_threads(3) == 3  # set by someone else since
+        llm = LLM(aidreams_path, num_kv_blocks=64)
+        assert torch.get_num_threads() == 2
+        assert llm.engine._governor is None or llm.engine._governor.threads == 2
+        llm2 = LLM(aidreams_path, threads=1, num_kv_blocks=64)  # asked: one, as given
+        assert torch.get_num_threads() == 1
+        llm.check_invariants()
+        llm2.check_invariants()
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_no_governor_when_switched_off(monkeypatch):
