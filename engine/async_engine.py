@@ -30,6 +30,7 @@ from prefixgate.engine.outputs import StepOutput
 from prefixgate.engine.protocol import EngineRequest, PinRequest
 from prefixgate.engine.request import Request
 from prefixgate.engine.sampling_params import SamplingParams
+from prefixgate.engine.threads import release_openmp_pool
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,10 @@ class AsyncEngine(EngineFrontEnd):
         elif engine_args:
             raise TypeError("pass either an EngineConfig or keyword arguments, not both")
         self.engine = LLMEngine(config)
+        if self.engine.device.type == "cpu" and config.runner != "sim":
+            # the engine thread steps it: this thread's OpenMP pool would make libgomp stop
+            # spinning (too many OpenMP threads for the CPUs; threads.release_openmp_pool)
+            release_openmp_pool()
         self._lock = threading.Lock()
         self._commands: deque[tuple[Any, ...]] = deque()
         self._wake = threading.Event()

@@ -30,6 +30,7 @@ lower it while other processes are busy and raises it back.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import sys
@@ -136,6 +137,60 @@ def apply_threads(num_threads: int | None) -> None:
         return
     if torch.get_num_threads() != num_threads:
         torch.set_num_threads(num_threads)
+
+
+OMP_PAUSE_SOFT = 1
+"""``omp_pause_soft`` of OpenMP 5.0's ``omp_pause_resource_t``."""
+
+
+def _openmp_library() -> ctypes.CDLL | None:
+    """The OpenMP runtime torch loaded (its symbols are global: ``torch`` loads its
+    dependencies ``RTLD_GLOBAL``), else the first ``libgomp``/``libiomp``/``libomp`` mapped into
+    this process (``/proc/self/maps``), else None."""
+    lib = ctypes.CDLL(None)
+    if hasattr(lib, "omp_pause_resource_all"):
+        return lib
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "/lib" in line and "omp" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        if os.path.basename(path).startswith(("libgomp", "libiomp", "libomp")):
+            try:
+                found = ctypes.CDLL(path, mode=getattr(os, "RTLD_NOLOAD", 0) | os.RTLD_LAZY)
+            except OSError:
+                continue
+            if hasattr(found, "omp_pause_resource_all"):
+                return found
+    return None
+
+
+def release_openmp_pool() -> bool:
+    """Free the calling thread's OpenMP thread pool (``omp_pause_resource_all(omp_pause_soft)``:
+    its idle worker threads end; a later parallel region of this thread makes a new pool).
+    Call it in the thread that built an engine which another thread will step
+    (:class:`~prefixgate.engine.async_engine.AsyncEngine`). Loads torch.
+
+    Why: OpenMP keeps a pool per thread that ran a parallel region. GNU libgomp spins
+    ``GOMP_SPINCOUNT`` rounds for the next region only while the process's OpenMP threads
+    (every pool's) number no more than its CPUs (``gomp_managed_threads <=
+    gomp_available_cpus``, libgomp's ``wait.h``); past that it spins 100 rounds, passive waiting
+    in effect. The model load's pool and the stepping thread's pool at 2 threads on 2 CPUs
+    make 3: every step ran as under passive waiting (docs/cpu-performance.md).
+
+    Returns:
+        True where the pool was released; False where no OpenMP runtime with the call is
+        loaded, or the call refused (inside a parallel region).
+    """
+    import torch  # noqa: F401 - its OpenMP runtime is the one to find
+
+    lib = _openmp_library()
+    if lib is None:
+        return False
+    fn = lib.omp_pause_resource_all
+    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+    return fn(OMP_PAUSE_SOFT) == 0
 
 
 def openmp_settings() -> dict[str, object]:
