@@ -20,6 +20,15 @@ class PrefixCachingDisabledError(ValueError):
     """A prefix-cache operation (e.g. ``pin``) was asked of an engine with prefix caching off."""
 
 
+class UnsupportedFieldError(ValueError):
+    """A request field this engine cannot honour; ``param`` names it as the OpenAI API does
+    (the gateway's 400 carries it)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class EngineDeadError(RuntimeError):
     """The engine was shut down (or its step loop died) while the request was in flight, or a
     call came after ``shutdown()``."""

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from prefixgate.engine.config import EngineConfig
 from prefixgate.engine.detokenizer import IncrementalDetokenizer
+from prefixgate.engine.errors import UnsupportedFieldError
 from prefixgate.engine.input_processor import InputProcessor
 from prefixgate.engine.kv_cache import KVCacheSpec, allocate_kv_caches, resolve_num_blocks
 from prefixgate.engine.kv_cache_manager import KVCacheManager, PrefixPin
@@ -622,13 +623,23 @@ SIM_REFUSED_FIELDS = (
 """Sampling fields the simulated runner cannot honour (its tokens are pseudo tokens)."""
 
 
+WIRE_NAMES = {"structured_outputs": "response_format"}
+"""A sampling field's name in the OpenAI API where it differs (an error's ``param``)."""
+
+
 def _check_sim_params(params: SamplingParams) -> None:
-    """Raise ValueError naming the first field of ``SIM_REFUSED_FIELDS`` that is set."""
+    """Raise :class:`UnsupportedFieldError` naming the first field of ``SIM_REFUSED_FIELDS``
+    that is set."""
     for name in SIM_REFUSED_FIELDS:
         if getattr(params, name, None) not in (None, [], {}):
-            raise ValueError(f"{name} is not supported by runner='sim' (it computes no model)")
+            raise UnsupportedFieldError(
+                f"{name} is not supported by runner='sim' (it computes no model)",
+                WIRE_NAMES.get(name, name),
+            )
     if params.bad_words_token_ids:
-        raise ValueError("bad_words is not supported by runner='sim' (it computes no model)")
+        raise UnsupportedFieldError(
+            "bad_words is not supported by runner='sim' (it computes no model)", "bad_words"
+        )
 
 
 def _sim_num_blocks(config: EngineConfig, spec: KVCacheSpec, device: torch.device) -> int:

@@ -19,10 +19,10 @@ CACHE_SALT_MODES = ("auto", "on", "off")  # --upstream-cache-salt
 
 def _require_at_least(config: object, low: int, *names: str) -> None:
     """Raise ``ValueError`` naming the first of the fields ``names`` of ``config`` below
-    ``low``."""
+    ``low`` (NaN included)."""
     for name in names:
         value = getattr(config, name)
-        if value < low:
+        if not value >= low:
             raise ValueError(f"{name} must be >= {low}, got {value}")
 
 
@@ -275,8 +275,7 @@ class GatewaySettings:
                 f"upstream_cache_salt must be auto, on or off, got {self.upstream_cache_salt!r}"
             )
         _require_at_least(self, 1, "max_connections")
-        if self.shutdown_grace_s < 0 or self.upstream_timeout_s < 0:
-            raise ValueError("shutdown_grace_s and upstream_timeout_s must be >= 0")
+        _require_at_least(self, 0, "shutdown_grace_s", "upstream_timeout_s")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(
                 f"unknown tool call parser {self.tool_call_parser!r}; choose one of "

@@ -54,7 +54,7 @@ def engine_error(exc: Exception) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, ValueError | TypeError):
-        return bad_request(str(exc))
+        return bad_request(str(exc), param=getattr(exc, "param", None))
     if isinstance(exc, EngineDeadError):
         return APIError(
             503, "the engine is shutting down", code="engine_unavailable", retry_after=5.0

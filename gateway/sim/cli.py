@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import re
 import sys
 import time
 from dataclasses import fields
@@ -118,8 +120,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         fc = _from_flags(FleetConfig, args)
         wc = _from_flags(WorkloadConfig, args)
-        if not args.load > 0 or not args.duration_s > 0:
-            raise ValueError("--load and --duration-s must be > 0")
+        for flag, value in (("--load", args.load), ("--duration-s", args.duration_s)):
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{flag} must be a finite number > 0, got {value}")
+        if args.capacity_rps is not None and not (
+            args.capacity_rps > 0 and math.isfinite(args.capacity_rps)
+        ):
+            raise ValueError(f"--capacity-rps must be a finite number > 0, got {args.capacity_rps}")
+        if args.seed < 0:
+            raise ValueError(f"--seed must be >= 0, got {args.seed}")
         fc.engine_config(args.seed)  # the engine's own checks, before any work
         if args.plot:
             try:
@@ -130,6 +139,8 @@ def run(args: argparse.Namespace) -> int:
                 ) from None
     except (ValueError, TypeError) as exc:
         message = str(exc).replace("sim_profile", "--profile")  # the engine's field, the flag
+        for name in vars(args):  # a config field named as its flag
+            message = re.sub(rf"(?<![-\w]){name}\b", "--" + name.replace("_", "-"), message)
         print(f"prefixgate sim: bad option: {message}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()

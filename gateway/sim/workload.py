@@ -68,6 +68,14 @@ class WorkloadConfig:
             raise ValueError(f"tenants must be >= 1, got {self.tenants}")
         if self.arrivals not in ("poisson", "bursty"):
             raise ValueError(f"arrivals must be 'poisson' or 'bursty', got {self.arrivals!r}")
+        numbers = ("zipf_s", "mean_turns", "think_s", "burst_factor", "ttft_budget_s")
+        for name in (*numbers, "light_rate", "flood_factor"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be finite, got {getattr(self, name)}")
+        if self.ttft_budget_s < 0 or self.light_rate < 0 or self.flood_factor < 0:
+            raise ValueError("need ttft_budget_s, light_rate and flood_factor >= 0 (0: none)")
+        if not 1 <= self.burst_factor <= 5:  # the rest of the time runs at (1 - 0.2 x) / 0.8
+            raise ValueError(f"burst_factor must be in [1, 5], got {self.burst_factor}")
         if not self.zipf_s > 0 or self.mean_turns < 1 or self.think_s < 0:
             raise ValueError("need zipf_s > 0, mean_turns >= 1, think_s >= 0")
         if self.system_prompt_tokens < 1 or self.user_tokens < 2 or self.output_tokens < 2:

@@ -155,9 +155,14 @@ def test_kv_events_are_published_from_the_sim_engine():
 )
 def test_fields_the_sim_cannot_honour_are_refused_by_name(field, value):
     eng = _engine()
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ValueError, match=field) as info:
         eng.add_request("a", PROMPT, SamplingParams(**{field: value}))
     assert_pool_whole(eng)
+    # the gateway's 400 names the field (a new user's logprobs=true came back with param null)
+    from prefixgate.gateway.local.exchange import engine_error
+
+    error = engine_error(info.value)
+    assert (error.status, error.param) == (400, field)
 
 
 def test_config_checks_the_sim_options(tmp_path):

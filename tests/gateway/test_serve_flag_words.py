@@ -39,3 +39,22 @@ def test_in_flag_words_renames_only_a_leading_field():
     assert in_flag_words("the model max_model_len is ...") == "the model max_model_len is ..."
     flags = serve_flags()
     assert flags["max_model_len"] == "--max-model-len" and flags["upstreams"] == "--upstream"
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--upstream-timeout-s", "-5"], "--upstream-timeout-s must be >= 0, got -5"),
+        (["--upstream-timeout-s", "nan"], "--upstream-timeout-s must be >= 0, got nan"),
+        (["--shutdown-grace-s", "-1"], "--shutdown-grace-s must be >= 0, got -1"),
+    ],
+)
+def test_a_refused_proxy_option_names_only_its_own_flag(flags, said, caplog):
+    """A new user's ``--upstream-timeout-s -5`` was told "--shutdown-grace-s and
+    upstream_timeout_s must be >= 0": a flag not given, and a field's name."""
+    with caplog.at_level(logging.ERROR, logger="prefixgate.gateway"):
+        code = main(["serve", "--upstream", "http://127.0.0.1:9", "--port", "0", *flags])
+    assert code == 2
+    lines = [r.getMessage() for r in caplog.records if "bad option" in r.getMessage()]
+    assert lines and said in lines[0], lines
+    assert "_" not in lines[0].split("must")[0], lines

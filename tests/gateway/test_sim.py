@@ -336,6 +336,28 @@ def test_bad_options_are_one_line_and_exit_2(capsys):
     assert main(["sim", "--replicas", "0"]) == 2
     assert "bad option" in capsys.readouterr().err
     assert main(["sim", "--profile", "no-such-gpu"]) == 2
+    capsys.readouterr()
+    # a new user's: inf ran for ever, a negative seed or capacity ended in a traceback, and
+    # negative budgets, floods and light rates were taken
+    small = ["sim", "--replicas", "2", "--tenants", "10", "--duration-s", "1"]
+    for bad, flag in (
+        (["--load", "inf"], "--load"),
+        (["--duration-s", "inf"], "--duration-s"),
+        (["--seed", "-1"], "--seed"),
+        (["--capacity-rps", "-3"], "--capacity-rps"),
+        (["--capacity-rps", "0"], "--capacity-rps"),
+        (["--ttft-budget-s", "-1"], "--ttft-budget-s"),
+        (["--flood-factor", "-1"], "--flood-factor"),
+        (["--light-rate", "-1"], "--light-rate"),
+        (["--light-rate", "nan"], "--light-rate"),
+        (["--think-s", "inf"], "--think-s"),
+    ):
+        assert main([*small, *bad]) == 2, bad
+        err = capsys.readouterr().err
+        assert err.startswith("prefixgate sim: bad option:") and flag in err, err
+        assert "Traceback" not in err and "---" not in err
+    with pytest.raises(ValueError, match="burst_factor"):
+        _wc(burst_factor=6.0)
 
 
 def test_plot_writes_a_png(tmp_path):
