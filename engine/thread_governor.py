@@ -51,6 +51,9 @@ INTERVAL_S = 0.5
 """Seconds between two samples: long enough for 100 Hz ticks (±0.02 CPU), short enough that a
 new competitor meets spinning threads for at most about this long."""
 
+STALE_INTERVALS = 4
+"""A sample spanning more than this many intervals is only a baseline (:class:`ThreadGovernor`)."""
+
 ENV_SWITCH = "PREFIXGATE_ADAPTIVE_THREADS"
 
 _lowered: dict[str, int] = {}
@@ -145,7 +148,9 @@ class ThreadGovernor:
 
     :meth:`tick` (once per engine step) samples at most every ``interval_s``; the count goes down
     at once, and up only after two samples in a row allow it (a competitor's short pause does
-    not bring the spinning back for half a second).
+    not bring the spinning back for half a second). A sample over more than
+    ``STALE_INTERVALS`` intervals (the engine sat idle, no step ticked) is a new baseline, not a
+    verdict: the CPUs' past while the engine waited says nothing of them now.
     """
 
     def __init__(
@@ -169,6 +174,7 @@ class ThreadGovernor:
         self._clock = clock
         self.interval_s = interval_s
         self._next = clock()
+        self._sampled = self._next
         self._raise_votes = 0
         self.share.sample()  # the baseline
 
@@ -184,8 +190,10 @@ class ThreadGovernor:
         if now < self._next:
             return self.current
         self._next = now + self.interval_s
+        stale = now - self._sampled > STALE_INTERVALS * self.interval_s
+        self._sampled = now
         others = self.share.sample()
-        if others is None:
+        if others is None or stale:
             return self.current
         want = self.target(others)
         if want < self.current:

@@ -101,6 +101,26 @@ def test_governor_lowers_at_once_and_raises_after_two_quiet_samples():
     assert g.tick() == 2  # between samples: nothing read
 
 
+def test_a_sample_over_an_idle_spell_is_a_baseline_not_a_verdict():
+    """An engine idle for a minute beside a process that was busy then (a peer bench's other
+    server, paused since) ticked once on resuming and read the whole minute: one thread for its
+    first second of work. A sample spanning more than STALE_INTERVALS intervals only resets."""
+    clock, busy, own = Clock(), [0.0], [0.0]
+    applied: list[int] = []
+    g = ThreadGovernor(2, share(clock, busy, own), applied.append, clock, interval_s=0.5)
+    clock.t += 60.0
+    busy[-1] += 60.0  # another process kept one CPU busy all that minute, then stopped
+    assert g.tick() == 2 and applied == []  # the minute is not read
+    clock.t += 0.5
+    busy[-1] += 0.5  # this half second: ours only
+    own[-1] += 0.5
+    assert g.tick() == 2 and applied == []
+    clock.t += 0.5
+    busy[-1] += 1.0  # and now another process is busy: down at once, as before
+    own[-1] += 0.5
+    assert g.tick() == 1 and applied == [1]
+
+
 def test_governor_never_goes_under_one_or_over_what_was_asked():
     clock, busy, own = Clock(), [0.0], [0.0]
     g = ThreadGovernor(3, share(clock, busy, own, cpus=4), lambda n: None, clock)
