@@ -177,7 +177,8 @@ def release_openmp_pool() -> bool:
     (every pool's) number no more than its CPUs (``gomp_managed_threads <=
     gomp_available_cpus``, libgomp's ``wait.h``); past that it spins 100 rounds, passive waiting
     in effect. The model load's pool and the stepping thread's pool at 2 threads on 2 CPUs
-    make 3: every step ran as under passive waiting (docs/cpu-performance.md).
+    make 3: every step ran as under passive waiting (docs/cpu-performance.md). A later parallel
+    region of the calling thread (its own torch work) makes a pool again.
 
     Returns:
         True where the pool was released; False where no OpenMP runtime with the call is
