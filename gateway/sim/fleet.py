@@ -438,6 +438,8 @@ class Fleet:
         self._seq = itertools.count()
         self.done: list[SimRequest] = []
         self.refused: list[SimRequest] = []  # gave up after MAX_ATTEMPTS
+        # refused and told to come back, not admitted yet (at the end: past the drain)
+        self.retrying: dict[str, SimRequest] = {}
         self.replicas: list[Replica] = []
         self.gateways: list[SimGateway] = []
         # the gateways' shared state (one store, as one Redis): the promises' pins
@@ -558,16 +560,19 @@ class Fleet:
             req.tried.append((rep.index, lapses is not None))
             if req.attempts >= MAX_ATTEMPTS:
                 req.dropped = True
+                self.retrying.pop(req.rid, None)
                 self.refused.append(req)
                 if self.clients:
                     self.at(now, self._client_next)
                 return
+            self.retrying[req.rid] = req
             self.at(now + ra, self._try, req)
             return
         finally:
             rep.load.release()
         if promised is not None:
             _now(self.shared.drop_promise(fingerprint))
+        self.retrying.pop(req.rid, None)
         req.tried.append((rep.index, False))
         req.ticket = ticket
         req.t_admitted = now

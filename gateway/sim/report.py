@@ -19,6 +19,9 @@ Definitions (virtual seconds; "admitted try": the try of a request its replica a
 - ``ra_p90_rel_error``: per 429 of a request later admitted, ``|actual - stated| / stated``
   with stated = its Retry-After and actual = admission time - refusal time; the 90th
   percentile (None without such refusals).
+- ``requests.retrying_at_end``: requests refused and told to come back after the run's end
+  (its drain included): never admitted, so in no other figure but ``sent``, ``tries`` and
+  ``refusals``.
 - ``budgets_met``: answered requests of tries admitted before the end of the arrivals whose
   TTFT was within their budget, over those requests; ``goodput``: the same over every
   admitted request of the whole run (a request admitted but never answered counts as missed).
@@ -117,8 +120,9 @@ def summarize(
     ratio = None
     if light_flood and light_solo:
         ratio = float(np.median(light_flood)) / float(np.median(light_solo))
-    sent = len(fleet.done) + len(fleet.refused) + len(admitted_all) - len(answered)
-    tries = sum(r.attempts for r in fleet.done) + sum(r.attempts for r in fleet.refused)
+    retrying = list(fleet.retrying.values())
+    sent = len(fleet.done) + len(fleet.refused) + len(admitted_all) - len(answered) + len(retrying)
+    tries = sum(r.attempts for r in (*fleet.done, *fleet.refused, *retrying))
     return {
         "config": {
             "replicas": fleet.config.replicas,
@@ -139,9 +143,10 @@ def summarize(
             "answered": len(answered),
             "given_up": len(fleet.refused),
             "unanswered_admitted": len(admitted_all) - len(answered),
+            "retrying_at_end": len(retrying),
             "sent": sent,
             "tries": tries,
-            "refusals": sum(len(r.refusals) for r in fleet.done + fleet.refused),
+            "refusals": sum(len(r.refusals) for r in (*fleet.done, *fleet.refused, *retrying)),
             "heavy_answered": sum(1 for r in answered if r.tenant == HEAVY_TENANT),
             "light_answered": sum(1 for r in answered if r.tenant == LIGHT_TENANT),
         },

@@ -145,6 +145,29 @@ def test_overload_refuses_with_retry_after_and_every_request_ends():
     _whole(fleet)
 
 
+def test_requests_still_told_to_come_back_at_the_end_are_counted():
+    """A request refused and told to come back after the run's end was in no figure: on 8 x
+    1,000 x 60 s at load 2 a quarter of the requests (7,645 of 34,334) were missing from
+    ``sent``. Every request sent ends in exactly one of the counts."""
+    fleet = Fleet(  # _overloaded's at 5x the rate, no drain: refused requests still to come back
+        FleetConfig(replicas=2, gateways=2, kv_blocks=300, max_queued_requests=4),
+        _wc(ttft_budget_s=0.5),
+        rate=200.0,
+        duration_s=5.0,
+        seed=1,
+        drain_s=0.0,
+    ).run()
+    counts = summarize(fleet)["requests"]
+    assert counts["retrying_at_end"] == len(fleet.retrying) > 0
+    assert all(r.t_admitted is None and r.refusals for r in fleet.retrying.values())
+    assert counts["sent"] == (
+        counts["answered"]
+        + counts["given_up"]
+        + counts["unanswered_admitted"]
+        + counts["retrying_at_end"]
+    ), counts
+
+
 def test_a_retry_goes_back_to_the_replica_that_promised_it_a_place():
     # a retry through the client's other gateway once went wherever that gateway's pick
     # sent it: half the retries reached a replica holding no promise for them, were charged
