@@ -546,3 +546,19 @@ def test_every_replica_hears_of_a_promise_made_through_another(redis_server):
                 await state.close()
 
     asyncio.run(scenario())
+
+
+def test_no_client_setinfo_handshake_on_any_connection():
+    """Redis before 7.2 answers redis-py's ``CLIENT SETINFO`` with an error; the suite on the
+    lowest versions (redis-py 5.0.1) once read that error as a command's own just after a Redis
+    restart and fell back to local limits (121 requests served of a shared 60 a minute). No
+    connection of the state sends the handshake."""
+    from prefixgate.gateway.tenancy.redis_state import RedisState
+
+    async def main() -> None:
+        state = RedisState("redis://127.0.0.1:9")  # never connected: the options alone
+        for client in (state._client, state._listen_client):
+            kwargs = client.connection_pool.connection_kwargs
+            assert kwargs.get("lib_name") is None and kwargs.get("lib_version") is None
+
+    asyncio.run(main())
