@@ -230,14 +230,6 @@ return 0
 _FAILURES = (RedisError, OSError, asyncio.TimeoutError)
 
 
-NO_CLIENT_SETINFO = {"lib_name": None, "lib_version": None}
-"""Connection options that skip redis-py's ``CLIENT SETINFO`` handshake, which Redis before 7.2
-answers with an error. redis-py drops that error on connect, but the suite on the lowest
-versions (redis-py 5.0.1, Redis 7.0) once read it as a later command's ("unknown subcommand
-'SETINFO'") just after a Redis restart, and fell back to local limits for a Redis that was up.
-Nothing reads the library name the handshake would set."""
-
-
 class RedisState:
     """Shared state in Redis (see the module docstring).
 
@@ -281,7 +273,12 @@ class RedisState:
             retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=1),
             retry_on_error=[RedisConnectionError, RedisTimeoutError],
             decode_responses=True,
-            **NO_CLIENT_SETINFO,
+            # no CLIENT SETINFO handshake: Redis before 7.2 answers it with an error, which
+            # redis-py drops on connect, but the suite on the lowest versions (redis-py 5.0.1,
+            # Redis 7.0) once read it as a later command's ("unknown subcommand 'SETINFO'")
+            # just after a Redis restart, and fell back to local limits for a Redis that was up
+            lib_name=None,
+            lib_version=None,
         )
         self._client = aioredis.Redis(connection_pool=pool)
         self._slots = asyncio.Semaphore(max_connections)
@@ -300,7 +297,8 @@ class RedisState:
             socket_keepalive=True,
             decode_responses=True,
             retry=Retry(NoBackoff(), 0, supported_errors=()),
-            **NO_CLIENT_SETINFO,
+            lib_name=None,  # no CLIENT SETINFO (above)
+            lib_version=None,
         )
         self._promises_known = False  # listening: _promises_until is this replica's view
         self._promises_until = 0.0  # time.monotonic() when every promise known has lapsed
