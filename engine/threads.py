@@ -147,7 +147,10 @@ def _openmp_library() -> ctypes.CDLL | None:
     """The OpenMP runtime torch loaded (its symbols are global: ``torch`` loads its
     dependencies ``RTLD_GLOBAL``), else the first ``libgomp``/``libiomp``/``libomp`` mapped into
     this process (``/proc/self/maps``), else None."""
-    lib = ctypes.CDLL(None)
+    try:
+        lib = ctypes.CDLL(None)
+    except (OSError, TypeError):  # no global symbol table to open (Windows)
+        return None
     if hasattr(lib, "omp_pause_resource_all"):
         return lib
     try:
