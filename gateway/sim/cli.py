@@ -12,6 +12,7 @@ import math
 import re
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import fields
 from typing import Any, TypeVar
 
@@ -111,6 +112,19 @@ def _from_flags(config: type[T], args: argparse.Namespace) -> T:
     return config(**{n: getattr(args, n) for n in names if hasattr(args, n)})
 
 
+def _in_flag_words(message: str, names: Iterable[str]) -> str:
+    """``message`` with the config fields among ``names`` named by their flags: a snake_case
+    name anywhere (``light_rate`` → ``--light-rate``), a one-word name only where it leads the
+    message (``replicas must be ...``); other words stay words (``profile``, ``json`` in a path)."""
+    for name in names:
+        flag = "--" + name.replace("_", "-")
+        if "_" in name:
+            message = re.sub(rf"(?<![-\w./]){name}\b", flag, message)
+        elif re.match(rf"{name}\b", message):
+            message = flag + message[len(name) :]
+    return message
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``prefixgate sim``; prints the report (and the wall time) and writes ``--json``."""
     from prefixgate.gateway.sim.fleet import Fleet, FleetConfig, saturated_rate
@@ -120,13 +134,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         fc = _from_flags(FleetConfig, args)
         wc = _from_flags(WorkloadConfig, args)
-        for flag, value in (("--load", args.load), ("--duration-s", args.duration_s)):
+        for flag, value in (
+            ("--load", args.load),
+            ("--duration-s", args.duration_s),
+            ("--capacity-rps", 1.0 if args.capacity_rps is None else args.capacity_rps),
+        ):
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"{flag} must be a finite number > 0, got {value}")
-        if args.capacity_rps is not None and not (
-            args.capacity_rps > 0 and math.isfinite(args.capacity_rps)
-        ):
-            raise ValueError(f"--capacity-rps must be a finite number > 0, got {args.capacity_rps}")
         if args.seed < 0:
             raise ValueError(f"--seed must be >= 0, got {args.seed}")
         fc.engine_config(args.seed)  # the engine's own checks, before any work
@@ -139,8 +153,7 @@ def run(args: argparse.Namespace) -> int:
                 ) from None
     except (ValueError, TypeError) as exc:
         message = str(exc).replace("sim_profile", "--profile")  # the engine's field, the flag
-        for name in vars(args):  # a config field named as its flag
-            message = re.sub(rf"(?<![-\w]){name}\b", "--" + name.replace("_", "-"), message)
+        message = _in_flag_words(message, vars(args))
         print(f"prefixgate sim: bad option: {message}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()

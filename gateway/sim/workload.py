@@ -68,8 +68,15 @@ class WorkloadConfig:
             raise ValueError(f"tenants must be >= 1, got {self.tenants}")
         if self.arrivals not in ("poisson", "bursty"):
             raise ValueError(f"arrivals must be 'poisson' or 'bursty', got {self.arrivals!r}")
-        numbers = ("zipf_s", "mean_turns", "think_s", "burst_factor", "ttft_budget_s")
-        for name in (*numbers, "light_rate", "flood_factor"):
+        for name in (
+            "zipf_s",
+            "mean_turns",
+            "think_s",
+            "burst_factor",
+            "ttft_budget_s",
+            "light_rate",
+            "flood_factor",
+        ):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be finite, got {getattr(self, name)}")
         if self.ttft_budget_s < 0 or self.light_rate < 0 or self.flood_factor < 0:

@@ -355,7 +355,7 @@ def test_workload_is_seeded_and_skewed():
     assert len(bursty) > 100
 
 
-def test_bad_options_are_one_line_and_exit_2(capsys):
+def test_bad_options_are_one_line_and_exit_2(capsys, tmp_path):
     assert main(["sim", "--replicas", "0"]) == 2
     assert "bad option" in capsys.readouterr().err
     assert main(["sim", "--profile", "no-such-gpu"]) == 2
@@ -381,6 +381,14 @@ def test_bad_options_are_one_line_and_exit_2(capsys):
         assert "Traceback" not in err and "---" not in err
     with pytest.raises(ValueError, match="burst_factor"):
         _wc(burst_factor=6.0)
+    # only field names become flags: a path's ".json" and the word "profile" stay as they are
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"name": "bad", "a_s": -1}')
+    assert main(["sim", "--profile", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert str(bad) in err and "not a profile" in err, err
+    assert main(["sim", "--replicas", "0"]) == 2
+    assert capsys.readouterr().err.startswith("prefixgate sim: bad option: --replicas ")
 
 
 def test_plot_writes_a_png(tmp_path):
