@@ -43,7 +43,7 @@ from prefixgate.engine.sampler import Sampler
 from prefixgate.engine.sampling_params import SamplingParams
 from prefixgate.engine.scheduler import Scheduler
 from prefixgate.engine.structured_output import StructuredOutputManager
-from prefixgate.engine.thread_governor import ThreadGovernor, asked_threads, make_governor
+from prefixgate.engine.thread_governor import ThreadGovernor, make_governor
 from prefixgate.engine.threads import apply_threads
 from prefixgate.engine.tokenizer import Tokenizer
 
@@ -126,8 +126,6 @@ class LLMEngine:
             kv_caches = allocate_kv_caches(spec, num_blocks, self.device)
             # fewer threads while other processes keep the CPUs busy (thread_governor.py)
             if self.device.type == "cpu":
-                if config.threads is None:  # not torch's count as an earlier governor left it
-                    apply_threads(asked_threads(torch.get_num_threads()))
                 self._governor = make_governor(torch.get_num_threads())
             self.runner = ModelRunner(
                 model,

@@ -36,6 +36,8 @@ import os
 import sys
 from collections.abc import Mapping, MutableMapping
 
+from prefixgate.engine.thread_governor import asked_threads
+
 logger = logging.getLogger(__name__)
 
 MAX_DEFAULT_THREADS = 8
@@ -119,6 +121,10 @@ def apply_threads(num_threads: int | None) -> None:
         raise ValueError(f"threads must be >= 1, got {num_threads}")
     import torch
 
+    if num_threads is None:  # torch's count as asked, not as an earlier engine's governor left it
+        asked = asked_threads(torch.get_num_threads())
+        if asked != torch.get_num_threads():
+            torch.set_num_threads(asked)
     active = waits_actively()
     lowered = num_threads is None and active and torch.get_num_threads() > 1
     if lowered:
