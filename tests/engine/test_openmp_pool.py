@@ -41,8 +41,13 @@ def test_release_ends_the_calling_threads_idle_workers():
         torch.set_num_threads(2)
         a = torch.randn(512, 512)
         ref = a @ a
+        import time
         before = len(os.listdir("/proc/self/task"))
-        print(release_openmp_pool(), before - len(os.listdir("/proc/self/task")))
+        released = release_openmp_pool()
+        deadline = time.monotonic() + 10  # the worker ends just after the call returns
+        while len(os.listdir("/proc/self/task")) == before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        print(released, before - len(os.listdir("/proc/self/task")))
         again = a @ a
         print(torch.equal(ref, again), len(os.listdir("/proc/self/task")) == before)
         """
