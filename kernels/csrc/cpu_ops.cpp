@@ -1222,34 +1222,38 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& positions,
 // (24 zmm accumulators, 4 for the weights' row, 1 for x broadcast): 24 FMAs per 4 weight loads
 // and 6 broadcasts. A panel's input columns go in chunks of kGemmKc (its 16 KiB of weight stay in
 // L1 while every row block of the chunk reads them; partial sums wait in a per-panel buffer), and
-// the first row block of a chunk prefetches the weight kGemmPrefetch columns ahead (the
-// hardware's prefetcher stops at each 4 KiB page). Threads split the panels. Sums run in input
+// the chunk's row blocks prefetch the weight kGemmPrefetch columns ahead, each a share of its
+// lines (the hardware's prefetcher stops at each 4 KiB page; one block prefetching it all put the
+// memory reads in a burst, docs/cpu-performance.md). Threads split the panels. Sums run in input
 // column order, one FMA each, so a result differs from oneDNN's in the last bits only.
 constexpr int64_t kGemmW = 64;          // oneDNN's panel width on AVX-512
 constexpr int kGemmR = 6;               // rows per register block
 constexpr int64_t kGemmKc = 64;         // input columns per chunk
-constexpr int64_t kGemmPrefetch = 128;  // input columns ahead the first row block prefetches
+constexpr int64_t kGemmPrefetch = 256;  // input columns ahead a chunk's row blocks prefetch
 constexpr int64_t kGemmMaxRows = 64;    // rows the per-panel buffer holds (gemm_panels' bound)
 
 // One register block of R rows over input columns [k0, k1) of one panel: accumulators from
 // ``partial`` (zero when ``first``), back to it, or (``last``) plus the bias into y's valid
 // columns (``valid`` of the panel's 64).
-template <int R, bool Prefetch>
+template <int R>
 PG_AVX512 inline void gemm_block(const float* __restrict w, int64_t k0, int64_t k1,
                                  const float* __restrict x, int64_t ldx, float* __restrict partial,
                                  bool first, bool last, const float* bias, float* y, int64_t ldy,
-                                 int64_t valid) {
+                                 int64_t valid, const char* pf, int64_t pf_lines) {
   __m512 acc[R][4];
   for (int i = 0; i < R; ++i) {
     for (int j = 0; j < 4; ++j) {
       acc[i][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(partial + i * kGemmW + 16 * j);
     }
   }
+  // this block's share of the prefetch (pf_lines cache lines from pf), a few lines an iteration
+  const int64_t iters = k1 - k0;
+  const int64_t per = iters > 0 ? (pf_lines + iters - 1) / iters : 0;
+  int64_t line = 0;
   for (int64_t k = k0; k < k1; ++k) {
     const float* wk = w + k * kGemmW;
-    if constexpr (Prefetch) {
-      const char* ahead = reinterpret_cast<const char*>(wk + kGemmPrefetch * kGemmW);
-      for (int line = 0; line < 4; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T1);
+    for (int64_t end = std::min(pf_lines, line + per); line < end; ++line) {
+      _mm_prefetch(pf + 64 * line, _MM_HINT_T1);
     }
     const __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16);
     const __m512 w2 = _mm512_loadu_ps(wk + 32), w3 = _mm512_loadu_ps(wk + 48);
@@ -1279,46 +1283,43 @@ PG_AVX512 inline void gemm_block(const float* __restrict w, int64_t k0, int64_t 
 }
 
 // The last 1-5 rows of a chunk (fewer than a register block), as one block of that many.
-template <bool Prefetch>
 PG_AVX512 inline void gemm_tail(int64_t n, const float* w, int64_t k0, int64_t k1, const float* x,
                                 int64_t ldx, float* partial, bool first, bool last,
-                                const float* bias, float* y, int64_t ldy, int64_t valid) {
+                                const float* bias, float* y, int64_t ldy, int64_t valid,
+                                const char* pf, int64_t pf_lines) {
   switch (n) {
-    case 1: gemm_block<1, Prefetch>(w, k0, k1, x, ldx, partial, first, last, bias, y, ldy, valid); break;
-    case 2: gemm_block<2, Prefetch>(w, k0, k1, x, ldx, partial, first, last, bias, y, ldy, valid); break;
-    case 3: gemm_block<3, Prefetch>(w, k0, k1, x, ldx, partial, first, last, bias, y, ldy, valid); break;
-    case 4: gemm_block<4, Prefetch>(w, k0, k1, x, ldx, partial, first, last, bias, y, ldy, valid); break;
-    default: gemm_block<5, Prefetch>(w, k0, k1, x, ldx, partial, first, last, bias, y, ldy, valid); break;
+    case 1: gemm_block<1>(w, k0, k1, x, ldx, partial, first, last, bias, y, ldy, valid, pf, pf_lines); break;
+    case 2: gemm_block<2>(w, k0, k1, x, ldx, partial, first, last, bias, y, ldy, valid, pf, pf_lines); break;
+    case 3: gemm_block<3>(w, k0, k1, x, ldx, partial, first, last, bias, y, ldy, valid, pf, pf_lines); break;
+    case 4: gemm_block<4>(w, k0, k1, x, ldx, partial, first, last, bias, y, ldy, valid, pf, pf_lines); break;
+    default: gemm_block<5>(w, k0, k1, x, ldx, partial, first, last, bias, y, ldy, valid, pf, pf_lines); break;
   }
 }
 
 // Every row of x through one panel (w: its K x 64 weights; bias and y offset to its columns).
+// The weight kGemmPrefetch input columns ahead of each chunk is prefetched, its lines shared
+// out over every row block of the chunk, so that the memory reads spread over the chunk's
+// whole compute instead of coming in a burst while one block runs.
 PG_AVX512 void gemm_panel(const float* w, int64_t k_len, const float* x, int64_t rows,
                           const float* bias, float* y, int64_t n_out, int64_t valid) {
   alignas(64) float partial[kGemmMaxRows * kGemmW];
+  const int64_t blocks = (rows + kGemmR - 1) / kGemmR;
   for (int64_t k0 = 0; k0 < k_len; k0 += kGemmKc) {
     const int64_t k1 = std::min(k_len, k0 + kGemmKc);
     const bool first = k0 == 0, last = k1 == k_len;
-    int64_t r = 0;
-    for (; r + kGemmR <= rows; r += kGemmR) {
-      const float* xr = x + r * k_len;
-      float* pr = partial + r * kGemmW;
-      float* yr = y + r * n_out;
-      if (r == 0) {
-        gemm_block<kGemmR, true>(w, k0, k1, xr, k_len, pr, first, last, bias, yr, n_out, valid);
-      } else {
-        gemm_block<kGemmR, false>(w, k0, k1, xr, k_len, pr, first, last, bias, yr, n_out, valid);
-      }
+    // the chunk's columns, ahead: 4 cache lines (64 floats) a column
+    const char* pf = reinterpret_cast<const char*>(w + (k0 + kGemmPrefetch) * kGemmW);
+    const int64_t lines = (k1 - k0) * 4;
+    int64_t r = 0, b = 0;
+    for (; r + kGemmR <= rows; r += kGemmR, ++b) {
+      const int64_t l0 = lines * b / blocks, l1 = lines * (b + 1) / blocks;
+      gemm_block<kGemmR>(w, k0, k1, x + r * k_len, k_len, partial + r * kGemmW, first, last, bias,
+                         y + r * n_out, n_out, valid, pf + 64 * l0, l1 - l0);
     }
     if (r < rows) {
-      const float* xr = x + r * k_len;
-      float* pr = partial + r * kGemmW;
-      float* yr = y + r * n_out;
-      if (r == 0) {
-        gemm_tail<true>(rows - r, w, k0, k1, xr, k_len, pr, first, last, bias, yr, n_out, valid);
-      } else {
-        gemm_tail<false>(rows - r, w, k0, k1, xr, k_len, pr, first, last, bias, yr, n_out, valid);
-      }
+      const int64_t l0 = lines * b / blocks, l1 = lines * (b + 1) / blocks;
+      gemm_tail(rows - r, w, k0, k1, x + r * k_len, k_len, partial + r * kGemmW, first, last, bias,
+                y + r * n_out, n_out, valid, pf + 64 * l0, l1 - l0);
     }
   }
 }
