@@ -46,7 +46,8 @@ def test_a_niced_process_counts_only_when_this_one_is_niced_too():
     """A nice-19 process beside the engine takes ~1/70 of a core: not a reason to stop
     spinning (a helper's simulator at nice 19 kept the engine on one thread). Where the engine
     itself runs niced, its own time is in ``nice``, so that field counts."""
-    assert busy_fields() == BUSY_FIELDS  # the test process is not niced
+    niced = os.nice(0) > 0  # the suite itself run under nice (a helper's, a CI's choice)
+    assert busy_fields() == ((*BUSY_FIELDS, 1) if niced else BUSY_FIELDS)
     code = "import os; os.nice(5); from prefixgate.engine import thread_governor as t; print(t.busy_fields())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == str((*BUSY_FIELDS, 1)), out.stderr[-2000:]
