@@ -52,7 +52,13 @@ INTERVAL_S = 0.5
 new competitor meets spinning threads for at most about this long."""
 
 STALE_INTERVALS = 4
-"""A sample spanning more than this many intervals is only a baseline (:class:`ThreadGovernor`)."""
+"""A sample spanning more than this many intervals, over which this process ran less than
+:data:`IDLE_CPU` CPUs, is only a baseline (:class:`ThreadGovernor`)."""
+
+IDLE_CPU = 0.25
+"""This process's own CPUs (CPU seconds over wall seconds) under which a long sample spanned an
+idle or paused engine rather than one long step: an engine stepping runs at least one thread,
+most of a CPU even beside a competitor."""
 
 ENV_SWITCH = "PREFIXGATE_ADAPTIVE_THREADS"
 
@@ -120,6 +126,7 @@ class CpuShare:
         self.cpus = tuple(cpus)
         self._read, self._own, self._clock = read_busy, own_cpu_s, clock
         self._last: tuple[float, float, float] | None = None
+        self.own_cpus: float | None = None  # this process's CPUs over the last sample's span
 
     def sample(self) -> float | None:
         """Other processes' busy CPUs (``>= 0``) since the previous sample; None at the first
@@ -133,6 +140,7 @@ class CpuShare:
         if last is None or now[0] <= last[0]:
             return None
         wall = now[0] - last[0]
+        self.own_cpus = (now[2] - last[2]) / wall
         return max(0.0, ((now[1] - last[1]) - (now[2] - last[2])) / wall)
 
 
@@ -149,8 +157,10 @@ class ThreadGovernor:
     :meth:`tick` (once per engine step) samples at most every ``interval_s``; the count goes down
     at once, and up only after two samples in a row allow it (a competitor's short pause does
     not bring the spinning back for half a second). A sample over more than
-    ``STALE_INTERVALS`` intervals (the engine sat idle, no step ticked) is a new baseline, not a
-    verdict: the CPUs' past while the engine waited says nothing of them now.
+    ``STALE_INTERVALS`` intervals in which this process ran under :data:`IDLE_CPU` CPUs (the
+    engine sat idle or paused, no step ticked) is a new baseline, not a verdict: the CPUs' past
+    while the engine waited says nothing of them now. One over a long step (a prefill of
+    thousands of tokens takes seconds at one thread) is a verdict like any other.
     """
 
     def __init__(
@@ -190,10 +200,13 @@ class ThreadGovernor:
         if now < self._next:
             return self.current
         self._next = now + self.interval_s
-        stale = now - self._sampled > STALE_INTERVALS * self.interval_s
+        long = now - self._sampled > STALE_INTERVALS * self.interval_s
         self._sampled = now
         others = self.share.sample()
-        if others is None or stale:
+        # a long span is a verdict when the engine ran through it (one long prefill step, or
+        # steps too far apart to tick between); over an idle or paused engine, a baseline
+        own = self.share.own_cpus
+        if others is None or (long and (own is None or own < IDLE_CPU)):
             return self.current
         want = self.target(others)
         if want < self.current:

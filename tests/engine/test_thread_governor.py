@@ -122,6 +122,26 @@ def test_a_sample_over_an_idle_spell_is_a_baseline_not_a_verdict():
     assert g.tick() == 1 and applied == [1]
 
 
+def test_a_sample_over_one_long_step_is_a_verdict():
+    """A prefill step of seconds (2,048 tokens at one thread: ~4 s) spans more than
+    STALE_INTERVALS intervals while the engine runs through it: taken for an idle spell, every
+    sample of a prefill-heavy load was dropped, so the governor never lowered beside a busy
+    process (nor raised once it left) until short decode steps came."""
+    clock, busy, own = Clock(), [0.0], [0.0]
+    applied: list[int] = []
+    g = ThreadGovernor(2, share(clock, busy, own), applied.append, clock, interval_s=0.5)
+    clock.t += 4.0  # one step of 4 s beside a process keeping one CPU busy
+    busy[-1] += 4.0 * 2
+    own[-1] += 4.0 * 1
+    assert g.tick() == 1 and applied == [1]
+    for _ in range(2):  # the competitor left; two long steps at one thread
+        clock.t += 4.0
+        busy[-1] += 4.0
+        own[-1] += 4.0
+        g.tick()
+    assert applied == [1, 2]
+
+
 def test_governor_never_goes_under_one_or_over_what_was_asked():
     clock, busy, own = Clock(), [0.0], [0.0]
     g = ThreadGovernor(3, share(clock, busy, own, cpus=4), lambda n: None, clock)
