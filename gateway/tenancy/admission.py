@@ -26,6 +26,15 @@ slot reserved for it (``admission_slots``); back at that slot it is admitted int
 budget not checked again: the slot was placed where its prediction is within the budget, after
 the slots of the requests refused before it. A claimed promise of the queue bound has its
 budget checked again.
+
+A request back *before* its promise is due (an early return: a client that capped the
+Retry-After it was told, as the SDK and openai-python cap a hint at 60 s) is not a new
+request. It is judged as a newcomer would be, its own promised places not counted ahead of it:
+admitted now, it gives back the places it was promised (its slot, if it had one, stays
+reserved and passes unused, as a slot whose client never comes back); refused, it is told the
+time left on its earliest promise (``Retry-After``, the bound's error code, ``PROMISE_HEADER``
+until its promises lapse) and takes no new slot, rank or promise, so its places are never held
+twice.
 """
 
 from __future__ import annotations
@@ -193,9 +202,9 @@ class AdmissionController:
 
         Raises:
             APIError: 429 ``server_overloaded`` / ``ttft_budget_exceeded`` with
-                ``Retry-After`` (the predicted wait until this request would be admitted)
-                over a bound; 400 ``too_many_requests_in_body`` when ``requests`` alone
-                exceeds a bound.
+                ``Retry-After`` (the predicted wait until this request would be admitted, or
+                for an early return the time left on its promise) over a bound; 400
+                ``too_many_requests_in_body`` when ``requests`` alone exceeds a bound.
         """
         cfg = self.config
         limit = min(cfg.max_queued_requests, cfg.max_running or cfg.max_queued_requests)
@@ -212,8 +221,13 @@ class AdmissionController:
         # due before it would leave the queue (``held``; see ``admission_wait``).
         promise = self.promises.claim(fingerprint)
         claimed = promise is not None
+        # back before its promise is due (a client that capped the Retry-After it was told):
+        # judged as a newcomer, but its own places are not ahead of it, and a refusal states
+        # the time left on its promise instead of taking a new one
+        early_s = None if claimed else self.promises.pending_s(fingerprint)
+        own = fingerprint if early_s is not None else None
         ahead = promise.ahead if promise is not None else 0
-        every, every_tokens = (0, 0) if claimed else self.promises.held()
+        every, every_tokens = (0, 0) if claimed else self.promises.held(but=own)
         prediction = (
             self.wait.predict_ttft(prompt_tokens, self.queued_requests, self.queued_tokens, tenant)
             if self.wait is not None
@@ -221,9 +235,13 @@ class AdmissionController:
         )
         held, held_tokens = (0, 0)
         if every:
-            held, held_tokens = self.promises.held(prediction[0] if prediction else 0.0)
+            held, held_tokens = self.promises.held(prediction[0] if prediction else 0.0, own)
         rank = promise.rank if promise is not None else None
-        refuse = functools.partial(self._refuse, fingerprint, requests, prompt_tokens, rank)
+        refuse: Callable[..., NoReturn]
+        if early_s is not None:
+            refuse = functools.partial(self._restate, fingerprint, early_s)
+        else:
+            refuse = functools.partial(self._refuse, fingerprint, requests, prompt_tokens, rank)
         if budget_s is not None and not (promise is not None and promise.slot_s > 0):
             # a newcomer: every promised request's work is ahead of it; a returning request:
             # the work of those ahead of it in line still to come back. A request back at its
@@ -239,7 +257,7 @@ class AdmissionController:
                 refuse,
                 requests,
                 tenant,
-                fingerprint is not None,
+                fingerprint is not None and early_s is None,  # an early return takes no slot
             )
         within_share = self._within_share(tenant, requests)
         # a returning request that claimed its promise passes each bound by the overflow
@@ -287,6 +305,8 @@ class AdmissionController:
                 self.slots.hold_s > 0,  # from a measured hold time: a promise
                 ahead=n,
             )
+        if early_s is not None:  # an early return admitted now: its promise's places go back
+            self.promises.claim(fingerprint, early=True)
         if not self.queued_requests:
             self._last = time.monotonic()  # a busy period starts: the idle time is skipped
         self.queued_requests += requests
@@ -350,6 +370,35 @@ class AdmissionController:
             lapses = self.promises.lapses_in(fingerprint)
             if lapses is not None and lapses > 0:
                 err.headers[PROMISE_HEADER] = str(math.ceil(lapses * 1000))
+        raise err
+
+    def _restate(
+        self,
+        fingerprint: Hashable,
+        left_s: float,
+        message: str,
+        wait_s: float,
+        predicted: bool,
+        code: str = "server_overloaded",
+        ahead: int = 0,
+        slot_s: float = 0.0,
+    ) -> NoReturn:
+        """Raise the 429 of an early return: a request (``fingerprint``) back ``left_s``
+        seconds before its earliest promise is due, over a bound now (``message``, ``code``:
+        the bound's). Its ``Retry-After`` is ``left_s`` (at least :data:`MIN_RETRY_AFTER_S`)
+        and ``PROMISE_HEADER`` the milliseconds until its promises lapse: the promise it holds,
+        re-stated. Nothing new is promised or reserved (the bound's own wait, ``wait_s`` and
+        the rest, is not used): a second promise would hold its places twice."""
+        left_s = max(MIN_RETRY_AFTER_S, left_s)
+        err = too_many(
+            f"{message} (this request came back before the time it was told: its place is "
+            f"held for it in {_ms(left_s)} ms)",
+            left_s,
+            code=code,
+        )
+        lapses = self.promises.lapses_in(fingerprint)
+        if lapses is not None and lapses > 0:
+            err.headers[PROMISE_HEADER] = str(math.ceil(lapses * 1000))
         raise err
 
     def _check_budget(
