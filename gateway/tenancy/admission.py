@@ -25,7 +25,9 @@ time. A request refused on its TTFT budget (``ttft_budget``) is told the time of
 slot reserved for it (``admission_slots``); back at that slot it is admitted into it, its
 budget not checked again: the slot was placed where its prediction is within the budget, after
 the slots of the requests refused before it. A claimed promise of the queue bound has its
-budget checked again.
+budget checked again. A slot is kept and stated up to :data:`MAX_SLOT_WAIT_S` (600 s), every
+other wait up to :data:`MAX_RETRY_AFTER_S` (60 s); past its cap a wait is a guess and promises
+nothing.
 
 A request back *before* its promise is due (an early return: a client that capped the
 Retry-After it was told, as the SDK and openai-python cap a hint at 60 s) is not a new
@@ -55,7 +57,14 @@ from prefixgate.gateway.tenancy.ttft_budget import BUDGET_HEADER
 MIN_RETRY_AFTER_S = 0.05
 """The shortest wait a 429 states (``retry-after-ms``; ``Retry-After`` rounds up to 1 s)."""
 MAX_RETRY_AFTER_S = 60.0
-"""The longest: a longer prediction is no prediction."""
+"""The longest wait a prediction states (the queue bound, the in-flight bound, a budget
+refusal without a slot): a longer prediction is no prediction."""
+MAX_SLOT_WAIT_S = 600.0
+"""The longest wait a budget refusal's admission slot is kept and stated for
+(``admission_slots``). A slot is a reservation placed at the predicted drain, not a free
+prediction: the request is admitted into it when it comes back, whatever the queue then holds,
+so its time holds past :data:`MAX_RETRY_AFTER_S`. A slot later than this is not kept: the 429
+states this cap (a guess) and promises nothing."""
 PROMISE_OVERFLOW = 0.5
 """A request claiming its promise passes the queue and in-flight bounds by up to this share of
 each (``ceil``; at least one place), or by :data:`PROMISE_ERROR_SHARE` of the departures its
@@ -347,15 +356,18 @@ class AdmissionController:
         code: str = "server_overloaded",
         ahead: int = 0,
         slot_s: float = 0.0,
+        cap_s: float = MAX_RETRY_AFTER_S,
     ) -> NoReturn:
-        """Raise one request's 429 with ``Retry-After`` = ``wait_s``; a ``predicted`` wait
+        """Raise one request's 429 with ``Retry-After`` = ``wait_s`` (seconds, in
+        [:data:`MIN_RETRY_AFTER_S`, ``cap_s``]: :data:`MAX_SLOT_WAIT_S` for an admission slot,
+        else :data:`MAX_RETRY_AFTER_S`); a ``predicted`` wait
         (from measured rates, ``ahead`` departures) of a request that can be recognised on its
         return (``fingerprint``) is promised: its ``requests`` places and ``tokens`` are held
         for it until then (``Promises``; ``rank``: a claimed promise's place in line, kept by
         the next one; ``slot_s``: the admission slot reserved for it at ``wait_s``, which
         takes a new rank). A promised 429 says so in ``PROMISE_HEADER``: the milliseconds
         until the promise lapses. A guess is not promised."""
-        wait_s = min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, wait_s))
+        wait_s = min(cap_s, max(MIN_RETRY_AFTER_S, wait_s))
         err = too_many(message, wait_s, code=code)
         if predicted and fingerprint is not None:
             self.promises.promise(
@@ -382,6 +394,7 @@ class AdmissionController:
         code: str = "server_overloaded",
         ahead: int = 0,
         slot_s: float = 0.0,
+        cap_s: float = MAX_RETRY_AFTER_S,
     ) -> NoReturn:
         """Raise the 429 of an early return: a request (``fingerprint``) back ``left_s``
         seconds before its earliest promise is due, over a bound now (``message``, ``code``:
@@ -421,7 +434,8 @@ class AdmissionController:
         A refused request that can be recognised on its return (``promised``) is told the
         time of an admission slot (``admission_slots.SlotSchedule``): the first free one once
         the queue, and its tenant's own queue, would be within the budget, one departure
-        long, after the slots of those refused before it."""
+        long, after the slots of those refused before it; kept up to :data:`MAX_SLOT_WAIT_S`
+        from now."""
         if self.wait is None or prediction is None:
             return
         margin = self.wait.margin_s()  # how much later than predicted first tokens come
@@ -453,19 +467,23 @@ class AdmissionController:
             own_slot_s = requests / own_rate if own_rate else 0.0
             own_slot_s = max(own_slot_s, self.wait.extra_s(*queue, self.queued_tokens, tenant))
             earliest = max(prediction[0] + margin, own or 0.0) - budget
-            wait_s = schedule.place(tenant, earliest, slot_s, own_slot_s, MAX_RETRY_AFTER_S)
-            if wait_s > MAX_RETRY_AFTER_S:
-                # past what a client is told to wait: no slot is kept for it (the capped
-                # Retry-After is not its slot's time), and on its return it is judged again
+            wait_s = schedule.place(tenant, earliest, slot_s, own_slot_s, MAX_SLOT_WAIT_S)
+            if wait_s > MAX_SLOT_WAIT_S:
+                # past what a slot is kept for: none is kept (the capped Retry-After is not
+                # its slot's time), and on its return it is judged again
                 slot_s = 0.0
+        # a slot is a reservation and is stated up to MAX_SLOT_WAIT_S; a wait without one
+        # (nobody to keep it for) is a prediction, capped at MAX_RETRY_AFTER_S
+        cap = MAX_SLOT_WAIT_S if promised and math.isfinite(predicted) else MAX_RETRY_AFTER_S
         refuse(
             f"the predicted time to first token ({_ms(predicted)} ms) exceeds this "
             f"request's budget ({_ms(budget)} ms, {BUDGET_HEADER}); retry later",
             wait_s,
-            # no time in sight, or a slot past the longest Retry-After: a guess, no promise
-            math.isfinite(predicted) and wait_s <= MAX_RETRY_AFTER_S,
+            # no time in sight, or a slot past the longest kept: a guess, no promise
+            math.isfinite(predicted) and wait_s <= cap,
             code="ttft_budget_exceeded",
             slot_s=slot_s,
+            cap_s=cap,
         )
 
     def _departures(self, n: int, held: int) -> tuple[float, bool]:
