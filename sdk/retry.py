@@ -5,6 +5,13 @@ statuses 408, 409, 429 and >= 500. Every other 4xx is final, and so is a 429 who
 is in ``FINAL_CODES`` (a quota that no short wait clears). A server may override with the
 ``x-should-retry: true|false`` header (the convention of OpenAI's API and SDKs).
 
+A *promised* 429 (prefixgate's ``x-prefixgate-promise-ms`` header, ``PROMISE_HEADER``: the
+server holds a place for this request at its ``Retry-After``) whose hint is longer than
+``max_retry_after`` is final too: a retry after the capped wait would come back before the
+promised time and be refused again for sure. It is raised at once, its ``retry_after`` the
+server's full hint (seconds), so the caller can send the same request again then and claim
+the place held for it. A hint over the cap without that header keeps the capped wait below.
+
 With ``adaptive_concurrency`` a 429 is flow control, not a fault: the client's AIMD limit
 answers it, and it is retried without spending ``max_retries`` while the call is younger than
 ``max_retry_after`` seconds (so a crowd of calls finding the server's capacity never exhausts
@@ -45,6 +52,9 @@ __all__ = ["RetryPolicy", "parse_retry_after", "should_retry", "RETRY_STATUSES"]
 logger = logging.getLogger("prefixgate.sdk")
 
 RETRY_STATUSES = frozenset({408, 409, 429})
+PROMISE_HEADER = "x-prefixgate-promise-ms"
+"""A prefixgate 429's header when its ``Retry-After`` is promised: milliseconds until the
+place held for the request lapses."""
 # 429s that retrying within seconds cannot clear: prefixgate's pinned-prefix space is full until
 # prefixes are deleted or expire (its Retry-After is the TTL), and OpenAI's exhausted quota.
 FINAL_CODES = frozenset({"prefix_limit_exceeded", "insufficient_quota"})
@@ -109,7 +119,8 @@ class RetryPolicy:
         max_retries: retries after the first attempt (0 disables retrying).
         initial_delay: backoff base, seconds (the first window is ``[0, initial_delay]``).
         max_delay: cap of the backoff window, seconds.
-        max_retry_after: cap on a server's ``Retry-After`` hint, seconds.
+        max_retry_after: cap on a server's ``Retry-After`` hint, seconds (a promised 429's
+            hint over it ends the call at once: module docstring).
         sleep: ``async (seconds) -> None`` used between attempts (default ``anyio.sleep``).
         clock: ``() -> Unix seconds`` used for HTTP-date ``Retry-After`` (default ``time.time``).
         rng: random source of the jitter.
@@ -136,14 +147,29 @@ class RetryPolicy:
     def compute_wait(self, retry_number: int, exc: BaseException | None) -> float:
         """Seconds to wait before retry ``retry_number`` (1-based) after failure ``exc``."""
         if isinstance(exc, APIStatusError):
-            hint = exc.retry_after
-            if hint is None:
-                hint = parse_retry_after(exc.response.headers, self.clock())
-                exc.retry_after = hint
+            hint = self._hint(exc)
             if hint is not None:
                 return min(hint, self.max_retry_after)
         window = min(self.max_delay, self.initial_delay * 2 ** (retry_number - 1))
         return self.rng.uniform(0.0, window)
+
+    def retryable(self, exc: BaseException) -> bool:
+        """True when ``exc`` is worth another attempt under this policy: ``should_retry``, less
+        a promised 429 whose hint exceeds ``max_retry_after`` (see the module docstring)."""
+        if not should_retry(exc):
+            return False
+        if isinstance(exc, APIStatusError) and exc.status_code == 429:
+            if exc.response.headers.get(PROMISE_HEADER) is not None:
+                hint = self._hint(exc)
+                if hint is not None and hint > self.max_retry_after:
+                    return False
+        return True
+
+    def _hint(self, exc: APIStatusError) -> float | None:
+        """The server's wait (seconds) for ``exc``, parsed once into ``exc.retry_after``."""
+        if exc.retry_after is None:
+            exc.retry_after = parse_retry_after(exc.response.headers, self.clock())
+        return exc.retry_after
 
     def retrying(self, max_retries: int | None = None) -> tenacity.AsyncRetrying:
         """A fresh tenacity ``AsyncRetrying`` for one call (``max_retries`` overrides)."""
@@ -151,7 +177,7 @@ class RetryPolicy:
         return tenacity.AsyncRetrying(
             stop=_Stop(retries, self.max_retry_after),
             wait=_Wait(self),
-            retry=tenacity.retry_if_exception(should_retry),
+            retry=tenacity.retry_if_exception(self.retryable),
             sleep=self.sleep,
             reraise=True,
             before_sleep=_log_retry,

@@ -25,7 +25,18 @@ time. A request refused on its TTFT budget (``ttft_budget``) is told the time of
 slot reserved for it (``admission_slots``); back at that slot it is admitted into it, its
 budget not checked again: the slot was placed where its prediction is within the budget, after
 the slots of the requests refused before it. A claimed promise of the queue bound has its
-budget checked again.
+budget checked again. A slot is kept and stated up to :data:`MAX_SLOT_WAIT_S` (600 s), every
+other wait up to :data:`MAX_RETRY_AFTER_S` (60 s); past its cap a wait is a guess and promises
+nothing.
+
+A request back *before* its promise is due (an early return: a client that capped the
+Retry-After it was told, as the SDK and openai-python cap a hint at 60 s) is not a new
+request. It is judged as a newcomer would be, its own promised places not counted ahead of it:
+admitted now, it gives back the places it was promised (its slot, if it had one, stays
+reserved and passes unused, as a slot whose client never comes back); refused, it is told the
+time left on its earliest promise (``Retry-After``, the bound's error code, ``PROMISE_HEADER``
+until its promises lapse) and takes no new slot, rank or promise, so its places are never held
+twice.
 """
 
 from __future__ import annotations
@@ -46,7 +57,14 @@ from prefixgate.gateway.tenancy.ttft_budget import BUDGET_HEADER
 MIN_RETRY_AFTER_S = 0.05
 """The shortest wait a 429 states (``retry-after-ms``; ``Retry-After`` rounds up to 1 s)."""
 MAX_RETRY_AFTER_S = 60.0
-"""The longest: a longer prediction is no prediction."""
+"""The longest wait a prediction states (the queue bound, the in-flight bound, a budget
+refusal without a slot): a longer prediction is no prediction."""
+MAX_SLOT_WAIT_S = 600.0
+"""The longest wait a budget refusal's admission slot is kept and stated for
+(``admission_slots``). A slot is a reservation placed at the predicted drain, not a free
+prediction: the request is admitted into it when it comes back, whatever the queue then holds,
+so its time holds past :data:`MAX_RETRY_AFTER_S`. A slot later than this is not kept: the 429
+states this cap (a guess) and promises nothing."""
 PROMISE_OVERFLOW = 0.5
 """A request claiming its promise passes the queue and in-flight bounds by up to this share of
 each (``ceil``; at least one place), or by :data:`PROMISE_ERROR_SHARE` of the departures its
@@ -193,9 +211,9 @@ class AdmissionController:
 
         Raises:
             APIError: 429 ``server_overloaded`` / ``ttft_budget_exceeded`` with
-                ``Retry-After`` (the predicted wait until this request would be admitted)
-                over a bound; 400 ``too_many_requests_in_body`` when ``requests`` alone
-                exceeds a bound.
+                ``Retry-After`` (the predicted wait until this request would be admitted, or
+                for an early return the time left on its promise) over a bound; 400
+                ``too_many_requests_in_body`` when ``requests`` alone exceeds a bound.
         """
         cfg = self.config
         limit = min(cfg.max_queued_requests, cfg.max_running or cfg.max_queued_requests)
@@ -212,8 +230,13 @@ class AdmissionController:
         # due before it would leave the queue (``held``; see ``admission_wait``).
         promise = self.promises.claim(fingerprint)
         claimed = promise is not None
+        # back before its promise is due (a client that capped the Retry-After it was told):
+        # judged as a newcomer, but its own places are not ahead of it, and a refusal states
+        # the time left on its promise instead of taking a new one
+        early_s = None if claimed else self.promises.pending_s(fingerprint)
+        own = fingerprint if early_s is not None else None
         ahead = promise.ahead if promise is not None else 0
-        every, every_tokens = (0, 0) if claimed else self.promises.held()
+        every, every_tokens = (0, 0) if claimed else self.promises.held(but=own)
         prediction = (
             self.wait.predict_ttft(prompt_tokens, self.queued_requests, self.queued_tokens, tenant)
             if self.wait is not None
@@ -221,9 +244,13 @@ class AdmissionController:
         )
         held, held_tokens = (0, 0)
         if every:
-            held, held_tokens = self.promises.held(prediction[0] if prediction else 0.0)
+            held, held_tokens = self.promises.held(prediction[0] if prediction else 0.0, own)
         rank = promise.rank if promise is not None else None
-        refuse = functools.partial(self._refuse, fingerprint, requests, prompt_tokens, rank)
+        refuse: Callable[..., NoReturn]
+        if early_s is not None:
+            refuse = functools.partial(self._restate, fingerprint, early_s)
+        else:
+            refuse = functools.partial(self._refuse, fingerprint, requests, prompt_tokens, rank)
         if budget_s is not None and not (promise is not None and promise.slot_s > 0):
             # a newcomer: every promised request's work is ahead of it; a returning request:
             # the work of those ahead of it in line still to come back. A request back at its
@@ -239,7 +266,7 @@ class AdmissionController:
                 refuse,
                 requests,
                 tenant,
-                fingerprint is not None,
+                fingerprint is not None and early_s is None,  # an early return takes no slot
             )
         within_share = self._within_share(tenant, requests)
         # a returning request that claimed its promise passes each bound by the overflow
@@ -287,6 +314,8 @@ class AdmissionController:
                 self.slots.hold_s > 0,  # from a measured hold time: a promise
                 ahead=n,
             )
+        if early_s is not None:  # an early return admitted now: its promise's places go back
+            self.promises.claim(fingerprint, early=True)
         if not self.queued_requests:
             self._last = time.monotonic()  # a busy period starts: the idle time is skipped
         self.queued_requests += requests
@@ -327,15 +356,18 @@ class AdmissionController:
         code: str = "server_overloaded",
         ahead: int = 0,
         slot_s: float = 0.0,
+        cap_s: float = MAX_RETRY_AFTER_S,
     ) -> NoReturn:
-        """Raise one request's 429 with ``Retry-After`` = ``wait_s``; a ``predicted`` wait
+        """Raise one request's 429 with ``Retry-After`` = ``wait_s`` (seconds, in
+        [:data:`MIN_RETRY_AFTER_S`, ``cap_s``]: :data:`MAX_SLOT_WAIT_S` for an admission slot,
+        else :data:`MAX_RETRY_AFTER_S`); a ``predicted`` wait
         (from measured rates, ``ahead`` departures) of a request that can be recognised on its
         return (``fingerprint``) is promised: its ``requests`` places and ``tokens`` are held
         for it until then (``Promises``; ``rank``: a claimed promise's place in line, kept by
         the next one; ``slot_s``: the admission slot reserved for it at ``wait_s``, which
         takes a new rank). A promised 429 says so in ``PROMISE_HEADER``: the milliseconds
         until the promise lapses. A guess is not promised."""
-        wait_s = min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, wait_s))
+        wait_s = min(cap_s, max(MIN_RETRY_AFTER_S, wait_s))
         err = too_many(message, wait_s, code=code)
         if predicted and fingerprint is not None:
             self.promises.promise(
@@ -350,6 +382,36 @@ class AdmissionController:
             lapses = self.promises.lapses_in(fingerprint)
             if lapses is not None and lapses > 0:
                 err.headers[PROMISE_HEADER] = str(math.ceil(lapses * 1000))
+        raise err
+
+    def _restate(
+        self,
+        fingerprint: Hashable,
+        left_s: float,
+        message: str,
+        wait_s: float,
+        predicted: bool,
+        code: str = "server_overloaded",
+        ahead: int = 0,
+        slot_s: float = 0.0,
+        cap_s: float = MAX_RETRY_AFTER_S,
+    ) -> NoReturn:
+        """Raise the 429 of an early return: a request (``fingerprint``) back ``left_s``
+        seconds before its earliest promise is due, over a bound now (``message``, ``code``:
+        the bound's). Its ``Retry-After`` is ``left_s`` (at least :data:`MIN_RETRY_AFTER_S`)
+        and ``PROMISE_HEADER`` the milliseconds until its promises lapse: the promise it holds,
+        re-stated. Nothing new is promised or reserved (the bound's own wait, ``wait_s`` and
+        the rest, is not used): a second promise would hold its places twice."""
+        left_s = max(MIN_RETRY_AFTER_S, left_s)
+        err = too_many(
+            f"{message} (this request came back before the time it was told: its place is "
+            f"held for it in {_ms(left_s)} ms)",
+            left_s,
+            code=code,
+        )
+        lapses = self.promises.lapses_in(fingerprint)
+        if lapses is not None and lapses > 0:
+            err.headers[PROMISE_HEADER] = str(math.ceil(lapses * 1000))
         raise err
 
     def _check_budget(
@@ -372,7 +434,8 @@ class AdmissionController:
         A refused request that can be recognised on its return (``promised``) is told the
         time of an admission slot (``admission_slots.SlotSchedule``): the first free one once
         the queue, and its tenant's own queue, would be within the budget, one departure
-        long, after the slots of those refused before it."""
+        long, after the slots of those refused before it; kept up to :data:`MAX_SLOT_WAIT_S`
+        from now."""
         if self.wait is None or prediction is None:
             return
         margin = self.wait.margin_s()  # how much later than predicted first tokens come
@@ -404,19 +467,23 @@ class AdmissionController:
             own_slot_s = requests / own_rate if own_rate else 0.0
             own_slot_s = max(own_slot_s, self.wait.extra_s(*queue, self.queued_tokens, tenant))
             earliest = max(prediction[0] + margin, own or 0.0) - budget
-            wait_s = schedule.place(tenant, earliest, slot_s, own_slot_s, MAX_RETRY_AFTER_S)
-            if wait_s > MAX_RETRY_AFTER_S:
-                # past what a client is told to wait: no slot is kept for it (the capped
-                # Retry-After is not its slot's time), and on its return it is judged again
+            wait_s = schedule.place(tenant, earliest, slot_s, own_slot_s, MAX_SLOT_WAIT_S)
+            if wait_s > MAX_SLOT_WAIT_S:
+                # past what a slot is kept for: none is kept (the capped Retry-After is not
+                # its slot's time), and on its return it is judged again
                 slot_s = 0.0
+        # a slot is a reservation and is stated up to MAX_SLOT_WAIT_S; a wait without one
+        # (nobody to keep it for) is a prediction, capped at MAX_RETRY_AFTER_S
+        cap = MAX_SLOT_WAIT_S if promised and math.isfinite(predicted) else MAX_RETRY_AFTER_S
         refuse(
             f"the predicted time to first token ({_ms(predicted)} ms) exceeds this "
             f"request's budget ({_ms(budget)} ms, {BUDGET_HEADER}); retry later",
             wait_s,
-            # no time in sight, or a slot past the longest Retry-After: a guess, no promise
-            math.isfinite(predicted) and wait_s <= MAX_RETRY_AFTER_S,
+            # no time in sight, or a slot past the longest kept: a guess, no promise
+            math.isfinite(predicted) and wait_s <= cap,
             code="ttft_budget_exceeded",
             slot_s=slot_s,
+            cap_s=cap,
         )
 
     def _departures(self, n: int, held: int) -> tuple[float, bool]:

@@ -293,19 +293,22 @@ class Promises:
         self._expire()
         return len(self._by_id)
 
-    def held(self, within_s: float | None = None) -> tuple[int, int]:
+    def held(self, within_s: float | None = None, but: Hashable | None = None) -> tuple[int, int]:
         """``(requests, prompt tokens)`` held for returning requests: all of them, or with
         ``within_s`` those due within that many seconds from now, not before (a request
         admitted now that leaves the queue before a promise is due takes nothing from it;
-        one already due keeps nobody out: its client may never come back)."""
+        one already due keeps nobody out: its client may never come back). ``but``: a
+        fingerprint whose own promises are not counted (an early return's places are not
+        ahead of itself)."""
         self._expire()
-        if within_s is None:
+        if within_s is None and (but is None or but not in self._by_fingerprint):
             return self.requests, self.tokens
         now = self._clock()
-        until = now + within_s
+        until = math.inf if within_s is None else now + within_s
+        since = -math.inf if within_s is None else now
         requests = tokens = 0
         for p in self._by_id.values():
-            if now <= p.due <= until:
+            if since <= p.due <= until and (but is None or p.fingerprint != but):
                 requests += p.requests
                 tokens += p.tokens
         return requests, tokens
@@ -358,9 +361,11 @@ class Promises:
         self.requests += requests
         self.tokens += tokens
 
-    def claim(self, fingerprint: Hashable | None) -> Promise | None:
+    def claim(self, fingerprint: Hashable | None, early: bool = False) -> Promise | None:
         """The earliest due promise of ``fingerprint`` (removed: its places are the caller's),
-        or ``None`` when it holds none that is due (from ``early_s`` before) and not lapsed."""
+        or ``None`` when it holds none that is due (from ``early_s`` before) and not lapsed.
+        ``early``: the earliest one not lapsed, due or not (an early return admitted on its
+        own merits gives back the places it was promised)."""
         self._expire()
         if fingerprint is None:
             return None
@@ -368,11 +373,27 @@ class Promises:
         if not ids:
             return None
         now = self._clock()
-        due = [pid for pid in ids if self._by_id[pid].due - self.early_s <= now]
+        due = [pid for pid in ids if early or self._by_id[pid].due - self.early_s <= now]
         if not due:
             return None
         pid = min(due, key=lambda i: self._by_id[i].due)
         return self._drop(pid)
+
+    def pending_s(self, fingerprint: Hashable | None) -> float | None:
+        """Seconds from now until ``fingerprint``'s earliest promise not yet due (from
+        ``early_s`` before) is due, or ``None`` when it holds none: a request that finds
+        ``claim`` empty but this set came back before the time it was told (an early return,
+        not a new request)."""
+        self._expire()
+        if fingerprint is None:
+            return None
+        ids = self._by_fingerprint.get(fingerprint)
+        if not ids:
+            return None
+        now = self._clock()
+        waits = [self._by_id[pid].due - now for pid in ids]
+        early = [w for w in waits if w > self.early_s]
+        return min(early) if early else None
 
     def lapses_in(self, fingerprint: Hashable) -> float | None:
         """Seconds from now until the last of ``fingerprint``'s promises lapses (what a

@@ -68,13 +68,19 @@ def test_a_slot_past_the_horizon_is_not_reserved():
 
 
 class _FarWait:
-    """An engine whose queue is predicted 100 s long (first token in 100 s)."""
+    """An engine whose queue is predicted ``ttft_s`` long (first token in ``ttft_s`` s)."""
+
+    def __init__(self, ttft_s: float = 100.0) -> None:
+        self.ttft_s = ttft_s
 
     def margin_s(self) -> float:
         return 0.0
 
+    def observe(self, predicted_s: float, actual_s: float) -> None:
+        pass
+
     def predict_ttft(self, tokens, queued_requests, queued_tokens, tenant=None):
-        return (100.0, 100.0)
+        return (self.ttft_s, self.ttft_s)
 
     def alone_s(self, tokens) -> float:
         return 0.01
@@ -85,25 +91,56 @@ class _FarWait:
         return 0.5 * held
 
 
-def test_a_budget_refusal_past_the_longest_retry_after_is_judged_again_on_its_return():
-    """A slot 99 s away was reserved and promised, told as Retry-After 60 (the cap), and the
-    request back at 60 s was admitted into it with its budget unchecked (a predicted 100 s
-    TTFT against a 1 s budget), 39 s before its slot, which stayed reserved and pushed later
-    refusals back. Now nothing is reserved or promised past the cap: it is judged again."""
-    from prefixgate.gateway.http.errors import APIError
+def _far_controller(ttft_s: float):
+    """An admission controller on a fake clock (promises and slots) whose engine predicts
+    every first token ``ttft_s`` away: returns the clock and the controller."""
     from prefixgate.gateway.tenancy.admission import AdmissionController
     from prefixgate.gateway.tenancy.admission_wait import Promises
 
     clock = Clock()
     ac = AdmissionController()
-    ac.wait = _FarWait()
+    ac.wait = _FarWait(ttft_s)
     ac.promises = Promises(clock=clock)
     ac.budget_slots = SlotSchedule(clock=clock)
+    return clock, ac
+
+
+def test_a_budget_slot_past_the_longest_prediction_is_kept_and_stated():
+    """A slot is a reservation, not a free prediction: 99 s away it is kept, stated and
+    promised (the 60 s cap of a prediction does not apply to it; with it the 429 stated 60 s
+    and kept nothing, and the request was judged again on its return, in a long flood refused
+    again with a second slot: docs/sim.md, "7 December 2026, later"). Back at its slot, it is
+    admitted into it."""
+    from prefixgate.gateway.http.errors import APIError
+    from prefixgate.gateway.tenancy.admission_wait import PROMISE_HEADER
+
+    clock, ac = _far_controller(100.0)
     with pytest.raises(APIError) as first:
         ac.admit(10, fingerprint="fp", budget_s=1.0)
-    assert first.value.status == 429 and first.value.retry_after == pytest.approx(60.0)
+    assert first.value.status == 429 and first.value.retry_after == pytest.approx(99.0)
+    assert PROMISE_HEADER in first.value.headers
+    assert len(ac.budget_slots) == 1 and len(ac.promises) == 1
+    clock.t += 99.0
+    ac.admit(10, fingerprint="fp", budget_s=1.0).done()  # into its slot, budget unchecked
+    assert len(ac.promises) == 0
+
+
+def test_a_budget_refusal_past_the_longest_slot_is_judged_again_on_its_return():
+    """A slot 99 s away was reserved and promised, told as Retry-After 60 (the cap), and the
+    request back at 60 s was admitted into it with its budget unchecked (a predicted 100 s
+    TTFT against a 1 s budget), 39 s before its slot, which stayed reserved and pushed later
+    refusals back. Nothing is reserved or promised past the cap (``MAX_SLOT_WAIT_S`` now, 600
+    s; it was 60 s): the 429 states the cap, and on its return the request is judged again."""
+    from prefixgate.gateway.http.errors import APIError
+    from prefixgate.gateway.tenancy.admission import MAX_SLOT_WAIT_S
+
+    clock, ac = _far_controller(MAX_SLOT_WAIT_S + 100.0)
+    with pytest.raises(APIError) as first:
+        ac.admit(10, fingerprint="fp", budget_s=1.0)
+    assert first.value.status == 429
+    assert first.value.retry_after == pytest.approx(MAX_SLOT_WAIT_S)
     assert len(ac.budget_slots) == 0 and len(ac.promises) == 0
-    clock.t += 60.0
+    clock.t += MAX_SLOT_WAIT_S
     with pytest.raises(APIError) as again:  # back when told: judged on its budget again
         ac.admit(10, fingerprint="fp", budget_s=1.0)
     assert again.value.status == 429

@@ -520,3 +520,50 @@ def test_a_promised_429_says_when_its_promise_lapses_and_a_guess_says_nothing():
     assert PROMISE_HEADER not in exc.value.headers
     for t in held:
         t.done()
+
+
+def test_an_early_return_is_told_the_time_left_on_its_promise_and_takes_no_second_slot():
+    # A client that caps the Retry-After it is told (the SDK and openai-python at 60 s) comes
+    # back before its slot. It was taken for a new request: it took a second slot and promise
+    # while its first stayed reserved, and was told a time after both.
+    clock, engine, ctl, predicted, first = _first_budget_refusal()
+    slots, held = len(ctl.budget_slots), ctl.promises.held()
+    clock.t += first / 2  # back halfway to its slot; the engine drained nothing
+    with pytest.raises(APIError) as exc:
+        ctl.admit(100, fingerprint="a", budget_s=1.0)
+    assert exc.value.status == 429 and exc.value.code == "ttft_budget_exceeded"
+    assert exc.value.retry_after == pytest.approx(first / 2)  # the time left, no later
+    lapses = ctl.promises.lapses_in("a")
+    assert lapses is not None
+    assert int(exc.value.headers[PROMISE_HEADER]) == pytest.approx(lapses * 1000, abs=1)
+    assert len(ctl.budget_slots) == slots  # no second slot
+    assert ctl.promises.held() == held and len(ctl.promises) == 1  # nor a second promise
+    clock.t += first / 2  # back when told: admitted into its slot
+    ctl.admit(100, fingerprint="a", budget_s=1.0).done()
+    assert ctl.promises.held() == (0, 0)
+
+
+def test_an_early_return_to_a_full_queue_is_told_the_time_left_on_its_promise():
+    clock, ctl, tickets = _full_queue(4)
+    wait = _refused(ctl, "p")
+    clock.t += wait / 4
+    with pytest.raises(APIError) as exc:
+        ctl.admit(100, fingerprint="p")
+    assert exc.value.code == "server_overloaded"
+    assert exc.value.retry_after == pytest.approx(wait * 3 / 4)
+    assert PROMISE_HEADER in exc.value.headers
+    assert ctl.promises.held() == (1, 100) and len(ctl.promises) == 1
+    for t in tickets:
+        t.done()
+
+
+def test_an_early_return_admitted_now_gives_back_the_places_it_was_promised():
+    # The engine drained faster than predicted: an early return that the budget admits now
+    # (its own promised place not counted ahead of it) is admitted, and the places promised
+    # to it are no longer held for a client that has already come back.
+    clock, engine, ctl, predicted, first = _first_budget_refusal()
+    engine.waiting = 0
+    clock.t += first / 2
+    ticket = ctl.admit(100, fingerprint="a", budget_s=1.0)
+    assert ctl.promises.held() == (0, 0) and len(ctl.promises) == 0
+    ticket.done()

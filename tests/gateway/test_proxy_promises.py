@@ -245,3 +245,30 @@ def test_no_fingerprint_nor_lookup_while_no_promise_is_outstanding(
         r = retry.post("/v1/chat/completions", json=_chat("held"), headers=BUDGET)
         assert r.status_code == 200, r.text
     _whole((a, b))
+
+
+def test_an_early_retry_is_relayed_the_time_left_on_its_promise(serve_fake, servers, gw):
+    """A client back before its promised time (one that capped the Retry-After it was told)
+    is told, through the proxy, the time left on the promise it holds: the promising
+    upstream's 429 relayed as it is, with no second promise made there (it made one, and a
+    second slot, taking the early retry for a new request)."""
+    ups, (a, _) = _fleet(serve_fake, servers, None)
+    for _, engine in ups:
+        engine.predicted_ttft = 2.3
+    with gw.client(a) as c:
+        r = c.post("/v1/chat/completions", json=_chat("early"), headers=BUDGET)
+        assert r.status_code == 429, r.text
+        first = int(r.headers["retry-after-ms"])
+        again = c.post("/v1/chat/completions", json=_chat("early"), headers=BUDGET)
+        assert again.status_code == 429, again.text
+        assert again.json()["error"]["code"] == "ttft_budget_exceeded"
+        assert PROMISE_HEADER in again.headers
+        assert int(again.headers["retry-after-ms"]) <= first
+        held = sorted(len(srv.app[STATE].admission.promises) for srv, _ in ups)
+        assert held == [0, 1]
+        for _, engine in ups:
+            engine.predicted_ttft = 0.01
+        time.sleep(int(again.headers["retry-after-ms"]) / 1000)
+        r = c.post("/v1/chat/completions", json=_chat("early"), headers=BUDGET)
+        assert r.status_code == 200, r.text
+    _whole((a,))

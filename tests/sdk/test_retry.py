@@ -15,6 +15,7 @@ from prefixgate.sdk import (
     APIConnectionError,
     APIStatusError,
     APITimeoutError,
+    AsyncClient,
     BadRequestError,
     InternalServerError,
     NotFoundError,
@@ -225,3 +226,47 @@ def test_policy_validates() -> None:
         RetryPolicy(max_retries=-1)
     with pytest.raises(ValueError):
         RetryPolicy(initial_delay=-0.1)
+
+
+@respx.mock
+async def test_a_promised_hint_over_the_cap_is_raised_at_once(make_client, fake_sleep) -> None:
+    # prefixgate holds a place for this request 300 s on (x-prefixgate-promise-ms): a retry
+    # after the capped 60 s came back before it and was refused again for sure, a retry spent.
+    route = respx.post(URL).mock(
+        side_effect=[
+            err(429, {"retry-after-ms": "300000", "x-prefixgate-promise-ms": "376500"}),
+            httpx.Response(200, json=OK),
+        ]
+    )
+    async with make_client() as client:
+        with pytest.raises(RateLimitError) as exc:
+            await client.chat.completions.create(model="m", messages=MSG)
+    assert route.call_count == 1 and fake_sleep.waits == []
+    assert exc.value.retry_after == 300.0  # the server's full hint, not the cap
+
+
+@respx.mock
+async def test_a_promised_hint_within_the_cap_is_waited_for(make_client, fake_sleep) -> None:
+    respx.post(URL).mock(
+        side_effect=[
+            err(429, {"retry-after-ms": "45000", "x-prefixgate-promise-ms": "57000"}),
+            httpx.Response(200, json=OK),
+        ]
+    )
+    async with make_client() as client:
+        await client.chat.completions.create(model="m", messages=MSG)
+    assert fake_sleep.waits == [45.0]
+
+
+@respx.mock
+async def test_a_promised_hint_over_a_raised_cap_is_waited_for(fake_sleep) -> None:
+    respx.post(URL).mock(
+        side_effect=[
+            err(429, {"retry-after": "300", "x-prefixgate-promise-ms": "376500"}),
+            httpx.Response(200, json=OK),
+        ]
+    )
+    policy = RetryPolicy(max_retry_after=600.0, sleep=fake_sleep, clock=lambda: 1_000_000.0)
+    async with AsyncClient(BASE, retry_policy=policy) as client:
+        await client.chat.completions.create(model="m", messages=MSG)
+    assert fake_sleep.waits == [300.0]
