@@ -337,7 +337,12 @@ class AsyncClient:
                         err.retry_after = parse_retry_after(
                             response.headers, self.retry_policy.clock()
                         )
-                        self.limiter.on_overload(slot, err.retry_after)
+                        # new attempts held for the hint, capped as a retry's own wait is
+                        # (a promised slot up to 600 s away is that one request's)
+                        hold = err.retry_after
+                        if hold is not None:
+                            hold = min(hold, self.retry_policy.max_retry_after)
+                        self.limiter.on_overload(slot, hold)
                         err.flow_control = self.limiter.adaptive
                     raise err
                 if stream or mode == "streaming":

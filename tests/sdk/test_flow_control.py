@@ -447,3 +447,32 @@ async def test_adaptive_client_shrinks_on_429_and_waits_the_stated_time(make_cli
         for _ in range(3):
             await client.chat.completions.create(model="m", messages=MSG)
         assert client.limiter.limit == 5  # 4 successes after the wait: one more slot
+
+
+async def test_adaptive_pause_after_a_429_is_capped_at_max_retry_after(serve) -> None:
+    """A prefixgate gateway states a budget refusal's admission slot up to 600 s, promised to
+    that one request (``x-prefixgate-promise-ms``). An adaptive client held every new attempt
+    for the server's raw hint: one such 429 would stall the client's unrelated calls for ten
+    minutes. The hold is the hint capped at ``max_retry_after``, as the retry's own wait is."""
+    calls = {"n": 0}
+
+    async def slot_far_away_then_ok(request: web.Request) -> web.Response:
+        await request.read()
+        calls["n"] += 1
+        if calls["n"] == 1:
+            return web.json_response(
+                {"error": {"message": "over budget", "code": "ttft_budget_exceeded"}},
+                status=429,
+                headers={"retry-after": "600", "x-prefixgate-promise-ms": "751500"},
+            )
+        return web.json_response(OK)
+
+    base = await serve({("POST", "/v1/chat/completions"): slot_far_away_then_ok})
+    policy = RetryPolicy(max_retries=2, max_retry_after=0.2)
+    async with AsyncClient(base, adaptive_concurrency=True, retry_policy=policy) as client:
+        with pytest.raises(RateLimitError) as info:  # promised past the cap: raised at once
+            await client.chat.completions.create(model="m", messages=MSG)
+        assert info.value.retry_after == 600.0
+        with anyio.fail_after(5):  # not held for the 600 s told to the first request
+            await client.chat.completions.create(model="m", messages=MSG)
+    assert calls["n"] == 2
