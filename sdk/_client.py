@@ -35,7 +35,7 @@ from .errors import (
 )
 from .flow_control import Charge, ConcurrencyLimiter, RateLimit, RateLimiter, estimate_tokens
 from .resources import AsyncChat, AsyncCompletions, AsyncModels, AsyncPrefixes
-from .retry import RetryPolicy, parse_retry_after
+from .retry import PROMISE_HEADER, RetryPolicy, parse_retry_after
 from .streaming import AsyncStream
 
 __all__ = [
@@ -342,6 +342,10 @@ class AsyncClient:
                         hold = err.retry_after
                         if hold is not None:
                             hold = min(hold, self.retry_policy.max_retry_after)
+                        promised = response.headers.get(PROMISE_HEADER) is not None
+                        if promised and not self.retry_policy.retryable(err):
+                            hold = None  # raised at once: a place past the cap held for that
+                            # one request, which nobody else waits for
                         self.limiter.on_overload(slot, hold)
                         err.flow_control = self.limiter.adaptive
                     raise err

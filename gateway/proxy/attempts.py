@@ -53,6 +53,7 @@ from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import Upstream, UpstreamRouter, retry_after_seconds
 from prefixgate.gateway.proxy.usage import admit_call, end_call
 from prefixgate.gateway.state import STATE, GatewayState
+from prefixgate.gateway.tenancy.admission import MAX_RETRY_AFTER_S
 from prefixgate.gateway.tenancy.admission_wait import PROMISE_HEADER
 from prefixgate.gateway.tenancy.keys import Principal, client_credential
 
@@ -307,7 +308,9 @@ def refusal(
         call.promise = (up.url, promise_s)
         err.headers[PROMISE_HEADER] = str(math.ceil(promise_s * 1000))
         if wait is not None:
-            call.router.limit(up, wait)
+            # the promise is this one request's (a budget slot up to 600 s away): the other
+            # requests are rested no longer than the longest predicted wait
+            call.router.limit(up, min(wait, MAX_RETRY_AFTER_S))
         return err
     if status in NEXT and may_move:
         if status == 429 and wait is not None:

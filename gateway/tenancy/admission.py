@@ -252,11 +252,16 @@ class AdmissionController:
         else:
             refuse = functools.partial(self._refuse, fingerprint, requests, prompt_tokens, rank)
         if budget_s is not None and not (promise is not None and promise.slot_s > 0):
-            # a newcomer: every promised request's work is ahead of it; a returning request:
-            # the work of those ahead of it in line still to come back. A request back at its
-            # admission slot (``admission_slots``) is admitted into it.
-            before = self.promises.ranked_before(rank) if rank is not None else (0, 0)
-            ahead_requests, ahead_tokens = before if claimed else (every, every_tokens)
+            # a newcomer: the work of the promised requests due within its budget is ahead
+            # of it (one due later cannot delay a first token that comes within the budget:
+            # an idle server is not held idle for clients due minutes later, who may never
+            # come back); a returning request: the work of those ahead of it in line still
+            # to come back. A request back at its admission slot (``admission_slots``) is
+            # admitted into it.
+            if promise is not None:
+                ahead_requests, ahead_tokens = self.promises.ranked_before(promise.rank)
+            else:
+                ahead_requests, ahead_tokens = self.promises.held(budget_s, own)
             self._check_budget(
                 budget_s,
                 prediction,

@@ -144,3 +144,18 @@ def test_a_budget_refusal_past_the_longest_slot_is_judged_again_on_its_return():
     with pytest.raises(APIError) as again:  # back when told: judged on its budget again
         ac.admit(10, fingerprint="fp", budget_s=1.0)
     assert again.value.status == 429
+
+
+def test_promises_due_far_ahead_do_not_refuse_a_newcomer_on_an_idle_engine():
+    """Budget slots are kept up to 600 s now. Clients that capped the hint (openai-python
+    ignores hints over 60 s, the SDK raises them) may never come back, and their promises hold
+    places for up to 750 s. A newcomer on an idle engine, whose first token comes long before
+    any of them is due, was refused on its budget with every promised place counted ahead of
+    it (`prefixgate serve --runner sim`, engine idle: a 30 s budget told "predicted 600639
+    ms", Retry-After 600, while an unbudgeted request had its first token in 0.04 s). A
+    promise due after the newcomer's first token takes nothing from it (admission_wait:
+    "an idle server is never held idle for clients due later")."""
+    clock, ac = _far_controller(0.01)  # an idle engine: first token in 10 ms
+    for k in range(40):  # forty refused clients told slots 300 s and more away
+        ac.promises.promise(f"gone-{k}", 300.0 + 11.0 * k, 1, 10, slot_s=11.0)
+    ac.admit(10, fingerprint="new", budget_s=5.0).done()  # admitted: nothing due before it

@@ -272,3 +272,25 @@ def test_an_early_retry_is_relayed_the_time_left_on_its_promise(serve_fake, serv
         r = c.post("/v1/chat/completions", json=_chat("early"), headers=BUDGET)
         assert r.status_code == 200, r.text
     _whole((a,))
+
+
+def test_a_far_promise_rests_its_upstream_no_longer_than_a_prediction(serve_fake, servers, gw):
+    """A budget slot is kept and stated up to 600 s now, promised to that one request. The
+    proxy rested the promising upstream for the whole hint, so one request with a tight budget
+    sent every other request of the proxy elsewhere for up to ten minutes (the SDK's adaptive
+    hold had the same flaw: capped at ``max_retry_after`` since). The rest is capped at the
+    longest predicted wait (``MAX_RETRY_AFTER_S``); the promised request's retry still goes
+    back to it (its pin)."""
+    from prefixgate.gateway.tenancy.admission import MAX_RETRY_AFTER_S
+
+    ups, (a, _) = _fleet(serve_fake, servers, None)
+    for _, engine in ups:
+        engine.predicted_ttft = 302.0  # a slot ~300 s away, promised
+    with gw.client(a) as c:
+        r = c.post("/v1/chat/completions", json=_chat("far"), headers=BUDGET)
+        assert r.status_code == 429, r.text
+        assert PROMISE_HEADER in r.headers and int(r.headers["retry-after"]) > MAX_RETRY_AFTER_S
+        now = time.monotonic()
+        rests = [u.limited_until - now for u in a.app[PROXY].router.upstreams]
+        assert max(rests) <= MAX_RETRY_AFTER_S + 1, rests
+    _whole((a,))

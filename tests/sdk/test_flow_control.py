@@ -476,3 +476,31 @@ async def test_adaptive_pause_after_a_429_is_capped_at_max_retry_after(serve) ->
         with anyio.fail_after(5):  # not held for the 600 s told to the first request
             await client.chat.completions.create(model="m", messages=MSG)
     assert calls["n"] == 2
+
+
+async def test_a_promised_429_raised_at_once_does_not_hold_the_client_s_other_calls(serve) -> None:
+    """A promised 429 whose hint exceeds ``max_retry_after`` is that one request's place (a
+    budget slot up to 600 s away) and is raised at once; the adaptive client still held every
+    new attempt for ``max_retry_after`` (60 s by default): an unrelated call on the same client
+    waited 60.2 s against a `prefixgate serve --runner sim` that would have admitted it at
+    once. The limit still shrinks (AIMD); no hold is taken from a hint nobody waits for."""
+    calls = {"n": 0}
+
+    async def slot_far_away_then_ok(request: web.Request) -> web.Response:
+        await request.read()
+        calls["n"] += 1
+        if calls["n"] == 1:
+            return web.json_response(
+                {"error": {"message": "over budget", "code": "ttft_budget_exceeded"}},
+                status=429,
+                headers={"retry-after": "300", "x-prefixgate-promise-ms": "376500"},
+            )
+        return web.json_response(OK)
+
+    base = await serve({("POST", "/v1/chat/completions"): slot_far_away_then_ok})
+    async with AsyncClient(base, adaptive_concurrency=True) as client:  # max_retry_after 60
+        with pytest.raises(RateLimitError):
+            await client.chat.completions.create(model="m", messages=MSG)
+        with anyio.fail_after(5):
+            await client.chat.completions.create(model="m", messages=MSG)
+    assert calls["n"] == 2
