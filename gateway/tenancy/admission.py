@@ -47,7 +47,7 @@ import time
 from collections.abc import Callable, Hashable
 from typing import NoReturn
 
-from prefixgate.gateway.http.errors import bad_request, too_many
+from prefixgate.gateway.http.errors import APIError, bad_request, too_many
 from prefixgate.gateway.settings import AdmissionConfig
 from prefixgate.gateway.tenancy.admission_slots import SlotSchedule
 from prefixgate.gateway.tenancy.admission_wait import PROMISE_HEADER, EngineWait, Promises
@@ -384,9 +384,7 @@ class AdmissionController:
                 None if slot_s else rank,
                 slot_s,
             )
-            lapses = self.promises.lapses_in(fingerprint)
-            if lapses is not None and lapses > 0:
-                err.headers[PROMISE_HEADER] = str(math.ceil(lapses * 1000))
+            self._say_promised(err, fingerprint)
         raise err
 
     def _restate(
@@ -414,10 +412,15 @@ class AdmissionController:
             left_s,
             code=code,
         )
+        self._say_promised(err, fingerprint)
+        raise err
+
+    def _say_promised(self, err: APIError, fingerprint: Hashable) -> None:
+        """Mark ``err`` (a 429) promised: ``PROMISE_HEADER`` = the milliseconds until
+        ``fingerprint``'s promises lapse (none held: no header)."""
         lapses = self.promises.lapses_in(fingerprint)
         if lapses is not None and lapses > 0:
             err.headers[PROMISE_HEADER] = str(math.ceil(lapses * 1000))
-        raise err
 
     def _check_budget(
         self,

@@ -366,10 +366,7 @@ class Promises:
         or ``None`` when it holds none that is due (from ``early_s`` before) and not lapsed.
         ``early``: the earliest one not lapsed, due or not (an early return admitted on its
         own merits gives back the places it was promised)."""
-        self._expire()
-        if fingerprint is None:
-            return None
-        ids = self._by_fingerprint.get(fingerprint)
+        ids = self._held_ids(fingerprint)
         if not ids:
             return None
         now = self._clock()
@@ -384,16 +381,20 @@ class Promises:
         ``early_s`` before) is due, or ``None`` when it holds none: a request that finds
         ``claim`` empty but this set came back before the time it was told (an early return,
         not a new request)."""
-        self._expire()
-        if fingerprint is None:
-            return None
-        ids = self._by_fingerprint.get(fingerprint)
+        ids = self._held_ids(fingerprint)
         if not ids:
             return None
         now = self._clock()
         waits = [self._by_id[pid].due - now for pid in ids]
         early = [w for w in waits if w > self.early_s]
         return min(early) if early else None
+
+    def _held_ids(self, fingerprint: Hashable | None) -> list[int]:
+        """The ids of ``fingerprint``'s promises not lapsed (expired ones dropped first)."""
+        self._expire()
+        if fingerprint is None:
+            return []
+        return self._by_fingerprint.get(fingerprint, [])
 
     def lapses_in(self, fingerprint: Hashable) -> float | None:
         """Seconds from now until the last of ``fingerprint``'s promises lapses (what a
