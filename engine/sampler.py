@@ -31,6 +31,7 @@ from prefixgate.engine.spec_decode import rejection_sample
 __all__ = ["STEP_ORDER", "SampleResult", "Sampler", "SamplingState", "apply_penalties"]
 
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (dividing by them overflows fp32)
+ARGMAX_BLOCK = 1024  # columns a block of greedy_argmax's first pass
 
 
 @dataclass(slots=True)
@@ -80,13 +81,13 @@ class Sampler:
         wants_logprobs = any(p.logprobs is not None for p in params)
         scores = processed.scores
         if not random_rows and not wants_logprobs:
-            return [SampleResult(t) for t in scores.argmax(dim=-1).tolist()]  # all greedy
+            return [SampleResult(t) for t in greedy_argmax(scores).tolist()]  # all greedy
 
         scores = scores.float()
         if len(random_rows) == len(batch):
             tokens = torch.empty(len(batch), dtype=torch.int64, device=logits.device)
         else:
-            tokens = scores.argmax(dim=-1)
+            tokens = greedy_argmax(scores)
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
             picked = self._sample_random(scores[rows], [batch[i] for i in random_rows])
@@ -164,7 +165,7 @@ class Sampler:
         ]
         steps = self.pipeline.steps
         if greedy and not any(step.applies(st) for st in states for step in steps):
-            targets = logits.argmax(dim=-1).tolist()  # the pipeline would change nothing
+            targets = greedy_argmax(logits).tolist()  # the pipeline would change nothing
             out: list[int] = []
             for j in range(k + 1):
                 out.append(int(targets[j]))
@@ -196,6 +197,32 @@ class Sampler:
     def _uniform(self, generator: torch.Generator | None) -> torch.Tensor:
         gen = generator if generator is not None else self.generator
         return torch.rand(1, generator=gen, device=gen.device)
+
+
+def greedy_argmax(scores: torch.Tensor) -> torch.Tensor:
+    """``scores.argmax(dim=-1)`` of a ``[B, V]`` tensor, the same indices (the first of equal
+    maxima; a row's first NaN where it has one), in two passes on the CPU: each row's maximum
+    per block of :data:`ARGMAX_BLOCK` columns (``amax``, which runs on every intra-op thread
+    and vectorized), then ``argmax`` over the block maxima and within the block that won
+    (torch's CPU ``argmax`` over a long row is far slower than ``amax``: docs/cpu-performance.md).
+    Other devices, rows of under two blocks, non-contiguous scores: ``argmax`` itself.
+
+    Returns:
+        ``[B]`` int64.
+    """
+    rows, vocab = scores.shape
+    blocks = vocab // ARGMAX_BLOCK
+    if scores.device.type != "cpu" or blocks < 2 or not scores.is_contiguous():
+        return scores.argmax(dim=-1)
+    whole = blocks * ARGMAX_BLOCK
+    maxima = scores[:, :whole].view(rows, blocks, ARGMAX_BLOCK).amax(dim=-1)
+    if whole < vocab:  # the last columns, a shorter block of their own
+        maxima = torch.cat([maxima, scores[:, whole:].amax(dim=-1, keepdim=True)], dim=1)
+    start = maxima.argmax(dim=-1) * ARGMAX_BLOCK  # [B] the first block holding the maximum
+    # the winning block of each row (past the last column: the last column again, which
+    # cannot come before the first maximum)
+    cols = (start.unsqueeze(1) + torch.arange(ARGMAX_BLOCK)).clamp_(max=vocab - 1)
+    return start + scores.gather(1, cols).argmax(dim=-1)
 
 
 def apply_penalties(row: torch.Tensor, state: SamplingState) -> None:

@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prefixgate.engine.sampler import (
     Sampler,
     SamplingState,
@@ -13,6 +15,7 @@ from prefixgate.engine.sampler import (
     apply_penalties,
     apply_top_k,
     apply_top_p,
+    greedy_argmax,
     inverse_cdf,
 )
 from prefixgate.engine.sampling_params import SamplingParams
@@ -176,3 +179,31 @@ def test_bad_shapes_raise():
     with pytest.raises(ValueError):
         Sampler().sample(torch.zeros(5), [state()])
     assert Sampler().sample(torch.zeros(0, 5), []) == []
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    rows=st.integers(1, 5),
+    vocab=st.sampled_from([1, 7, 1023, 1024, 2047, 2048, 2049, 3 * 1024 + 5, 5000]),
+    seed=st.integers(0, 2**31 - 1),
+    ties=st.booleans(),
+    specials=st.lists(
+        st.tuples(st.integers(0, 4), st.floats(0, 1), st.sampled_from(["nan", "inf", "-inf"])),
+        max_size=4,
+    ),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_greedy_argmax_is_argmax(rows, vocab, seed, ties, specials, dtype):
+    """The two-pass argmax gives ``argmax``'s index on every row: ties (the first maximum),
+    NaN (the first NaN), +-inf, whole -inf rows, a vocabulary not a multiple of the block."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, vocab, generator=g)
+    if ties:  # few distinct values: equal maxima in several blocks
+        x = (x * 2).round()
+    for r, at, kind in specials:
+        if r < rows:
+            x[r, int(at * (vocab - 1))] = float(kind)
+    if specials and specials[0][0] < rows and specials[0][2] == "-inf":
+        x[specials[0][0]] = float("-inf")  # a whole row of -inf
+    x = x.to(dtype)
+    assert torch.equal(greedy_argmax(x), x.argmax(dim=-1))
