@@ -87,3 +87,45 @@ def test_async_engine_releases_the_pool_of_the_thread_that_built_it(aidreams_pat
     want = LLM(aidreams_path, num_kv_blocks=64).generate([[1, 2, 3, 4]], params)[0]
     assert got == list(want.outputs[0].token_ids)
     built[0].engine.check_invariants()
+
+
+def test_the_runtime_is_found_through_the_maps_when_not_in_the_global_table():
+    """When the process's global symbol table has no OpenMP runtime (torch loaded it
+    ``RTLD_LOCAL``, as an embedding interpreter may), ``_openmp_library`` finds the one mapped
+    into the process in ``/proc/self/maps`` and releasing still ends the idle worker."""
+    out = run(
+        """
+        import ctypes, os, time
+        import prefixgate.engine
+        import torch
+        from prefixgate.engine import threads
+
+        real = ctypes.CDLL
+        class NoGlobal:
+            def __init__(self, name, *args, **kwargs):
+                if name is not None:
+                    self._lib = real(name, *args, **kwargs)
+                    self._name = name
+                else:
+                    self._lib = None
+            def __getattr__(self, attr):
+                if self._lib is None:
+                    raise AttributeError(attr)
+                return getattr(self._lib, attr)
+        threads.ctypes.CDLL = NoGlobal
+        lib = threads._openmp_library()
+        print(os.path.basename(lib._name).split(".")[0] if lib is not None else None)
+        torch.set_num_threads(2)
+        a = torch.randn(512, 512)
+        a @ a
+        before = len(os.listdir("/proc/self/task"))
+        released = threads.release_openmp_pool()
+        deadline = time.monotonic() + 10
+        while len(os.listdir("/proc/self/task")) == before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        print(released, before - len(os.listdir("/proc/self/task")))
+        """
+    )
+    name, release = out.splitlines()
+    assert name.startswith(("libgomp", "libiomp", "libomp")), name
+    assert release == "True 1"
