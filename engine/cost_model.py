@@ -1,14 +1,18 @@
 """The step cost model of the simulated runner (``runner="sim"``): seconds per engine step.
 
 One engine step (``Scheduler.schedule`` → one forward) is summarized by its composition
-(``StepShape``): prefill tokens, decode rows and the sum of the context lengths its rows attend
-over. Its time is the affine model Vidur and llm-d's inference simulator use for a step::
+(``StepShape``): prefill tokens, decode rows, the sum of the context lengths its rows attend
+over, and the prefill rows that continue a context. Its time is the affine model Vidur and
+llm-d's inference simulator use for a step, with one term more::
 
-    step_s = a + b * prefill_tokens + c * decode_rows + d * context_tokens
+    step_s = a + b * prefill_tokens + c * decode_rows + d * context_tokens + e * continued_rows
 
 ``a``: the per-step floor (weights read once, launch and host overhead), ``b``: a prompt
 token's compute, ``c``: a decode row's (its GEMM row, sampling, bookkeeping), ``d``: attention
-reads per context token. Profiles are named in ``PROFILES``; ``docs/sim.md`` gives each one's
+reads per context token, ``e``: a prefill row over computed tokens (a cached prefix or an
+earlier chunk), whose attention takes the general path (on the CPU: the context gathered
+through the block table, a mask built) where a whole fresh prompt takes plain causal
+attention. Profiles without ``e`` (those written before it) have ``e = 0``. Profiles are named in ``PROFILES``; ``docs/sim.md`` gives each one's
 source and derivation. ``python -m prefixgate.engine.sim_fit`` fits a profile to this machine's
 real engine (least squares) and writes it as JSON, which ``load_profile`` reads back.
 """
@@ -31,11 +35,14 @@ class StepShape:
             recomputes after preemption).
         decode_rows: rows with one query token.
         context_tokens: sum over all rows of the tokens attended to (``computed + new``).
+        continued_rows: prefill rows whose context already holds computed tokens (a cached
+            prefix, an earlier chunk).
     """
 
     prefill_tokens: int
     decode_rows: int
     context_tokens: int
+    continued_rows: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +52,8 @@ class CostProfile:
     Attributes:
         name: the profile's name.
         a_s: seconds per step.
-        b_s_per_prefill_token, c_s_per_decode_row, d_s_per_context_token: seconds per unit.
+        b_s_per_prefill_token, c_s_per_decode_row, d_s_per_context_token,
+        e_s_per_continued_row: seconds per unit.
         num_kv_blocks: KV blocks (of ``block_size`` tokens) one replica holds, or None (the
             engine's own default applies).
         block_size: tokens per KV block the block count is stated in.
@@ -63,9 +71,16 @@ class CostProfile:
     num_kv_blocks: int | None = None
     block_size: int = 16
     source: str = ""
+    e_s_per_continued_row: float = 0.0
 
     def __post_init__(self) -> None:
-        for key in ("a_s", "b_s_per_prefill_token", "c_s_per_decode_row", "d_s_per_context_token"):
+        for key in (
+            "a_s",
+            "b_s_per_prefill_token",
+            "c_s_per_decode_row",
+            "d_s_per_context_token",
+            "e_s_per_continued_row",
+        ):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise TypeError(f"{key} must be a number, got {value!r}")
@@ -83,6 +98,7 @@ class CostProfile:
             + self.b_s_per_prefill_token * shape.prefill_tokens
             + self.c_s_per_decode_row * shape.decode_rows
             + self.d_s_per_context_token * shape.context_tokens
+            + self.e_s_per_continued_row * shape.continued_rows
         )
 
     def to_json(self) -> dict[str, Any]:

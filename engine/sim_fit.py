@@ -3,11 +3,13 @@
     python -m prefixgate.engine.sim_fit --model ../shared/models/aidreams-260k --out prof.json
 
 Runs the real ``LLMEngine`` on a few workloads that compose steps differently (prefill chunks
-of several sizes alone and batched, decode batches of several widths and context lengths),
+of several sizes alone and batched, fresh and over a cached prefix, decode batches of several
+widths and context lengths),
 times every step's runner call (``ModelRunner.execute``: batch building, forward, sampling;
 the scheduler's own host time is not in it, because the simulated engine runs the real
 scheduler and only replaces the runner), and fits ``step_s = a + b * prefill_tokens +
-c * decode_rows + d * context_tokens`` by least absolute deviations (iteratively reweighted
+c * decode_rows + d * context_tokens + e * continued_rows`` (``cost_model``) by least absolute
+deviations (iteratively reweighted
 numpy ``lstsq``: a shared machine's timing spikes do not pull the line; a coefficient that
 comes out negative is fixed at 0 and the rest refitted). Prints the profile and the fit's error
 and writes it as JSON for ``--sim-profile FILE``.
@@ -23,25 +25,36 @@ from typing import Any
 
 import numpy as np
 
-COLUMNS = ("a_s", "b_s_per_prefill_token", "c_s_per_decode_row", "d_s_per_context_token")
+COLUMNS = (
+    "a_s",
+    "b_s_per_prefill_token",
+    "c_s_per_decode_row",
+    "d_s_per_context_token",
+    "e_s_per_continued_row",
+)
 
 
-def workloads(max_len: int) -> list[tuple[int, int, int]]:
-    """``(requests, prompt_tokens, max_tokens)`` per workload, within ``max_len`` tokens."""
+def workloads(max_len: int) -> list[tuple[int, int, int, int]]:
+    """``(requests, prompt_tokens, max_tokens, shared_tokens)`` per workload, within ``max_len``
+    tokens; ``shared_tokens`` > 0: the prompts share that many leading tokens, which one request
+    run before them has cached (their prefill rows continue a context)."""
     out = []
     for prompt in (8, 24, 48, 80):
         for batch in (1, 3, 6):
-            out.append((batch, prompt, 4))
+            out.append((batch, prompt, 4, 0))
+    for shared, tail in ((32, 8), (48, 24), (64, 16)):
+        for batch in (1, 3, 6):
+            out.append((batch, shared + tail, 4, shared))
     for batch in (1, 4, 8, 16):
-        out.append((batch, 8, max(8, min(96, max_len - 16))))
-    return [(b, p, m) for b, p, m in out if p + m < max_len]
+        out.append((batch, 8, max(8, min(96, max_len - 16)), 0))
+    return [(b, p, m, s) for b, p, m, s in out if p + m < max_len]
 
 
 def collect(
     engine: Any, repeats: int = 2, clock: Any = time.thread_time, whole_step: bool = False
-) -> list[tuple[int, int, int, float]]:
+) -> list[tuple[int, int, int, int, float]]:
     """Run the workloads on ``engine`` (an ``LLMEngine``) and return one ``(prefill_tokens,
-    decode_rows, context_tokens, seconds)`` per timed step. ``clock``: the thread's CPU time
+    decode_rows, context_tokens, continued_rows, seconds)`` per timed step. ``clock``: the thread's CPU time
     by default (with one torch thread, the step's work without the waits a shared machine
     adds), or ``time.perf_counter`` (wall time). ``whole_step``: time all of
     ``LLMEngine.step`` (the scheduler's host work too: the profile for a virtual clock, on
@@ -50,7 +63,7 @@ def collect(
     from prefixgate.engine.sampling_params import SamplingParams
     from prefixgate.engine.sim_runner import SimRunner
 
-    rows: list[tuple[int, int, int, float]] = []
+    rows: list[tuple[int, int, int, int, float]] = []
     runner = engine.runner
     execute = runner.execute
     shapes: list[Any] = []
@@ -61,7 +74,7 @@ def collect(
         out = execute(sched_out)
         if not whole_step:
             s = shapes.pop()
-            rows.append((s.prefill_tokens, s.decode_rows, s.context_tokens, clock() - t0))
+            rows.append(_row(s, clock() - t0))
         return out
 
     def step() -> None:
@@ -69,7 +82,7 @@ def collect(
         engine.step()
         if whole_step and shapes:
             s = shapes.pop()
-            rows.append((s.prefill_tokens, s.decode_rows, s.context_tokens, clock() - t0))
+            rows.append(_row(s, clock() - t0))
         shapes.clear()
 
     runner.execute = timed
@@ -79,18 +92,38 @@ def collect(
         for rep in range(repeats + 1):  # the first pass warms up, its rows are dropped
             if rep == 1:
                 rows.clear()
-            for batch, prompt, max_tokens in workloads(engine.max_model_len):
+            for w, (batch, prompt, max_tokens, shared) in enumerate(
+                workloads(engine.max_model_len)
+            ):
+                params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+                head = [
+                    3 + (rep * 7907 + w * 6151 + i * 104723) % (vocab - 3) for i in range(shared)
+                ]
+                if shared:  # its blocks cached first, in steps of their own (not timed)
+                    engine.add_request(f"fit-prefix-{rep}-{w}", head + [3], params)
+                    while engine.has_unfinished_requests():
+                        engine.step()
                 for _ in range(batch):
                     n += 1
-                    ids = [3 + (n * 7919 + i * 104729) % (vocab - 3) for i in range(prompt)]
-                    engine.add_request(
-                        f"fit-{n}", ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-                    )
+                    tail = [
+                        3 + (n * 7919 + i * 104729) % (vocab - 3) for i in range(prompt - shared)
+                    ]
+                    engine.add_request(f"fit-{n}", head + tail, params)
                 while engine.has_unfinished_requests():
                     step()
     finally:
         runner.execute = execute
     return rows
+
+
+def _row(shape: Any, seconds: float) -> tuple[int, int, int, int, float]:
+    return (
+        shape.prefill_tokens,
+        shape.decode_rows,
+        shape.context_tokens,
+        shape.continued_rows,
+        seconds,
+    )
 
 
 IRLS_ROUNDS = 30
@@ -111,7 +144,7 @@ def _nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return coef
 
 
-def fit(rows: list[tuple[int, int, int, float]]) -> tuple[np.ndarray, dict[str, float]]:
+def fit(rows: list[tuple[int, int, int, int, float]]) -> tuple[np.ndarray, dict[str, float]]:
     """Least-squares coefficients (``COLUMNS`` order, each >= 0) and the fit's errors
     (``median_rel_error``, ``p90_rel_error`` over the steps, ``r2``).
 
@@ -121,10 +154,10 @@ def fit(rows: list[tuple[int, int, int, float]]) -> tuple[np.ndarray, dict[str, 
     if len(rows) < 8:
         raise ValueError(f"need at least 8 timed steps, got {len(rows)}")
     data = np.asarray(rows, dtype=np.float64)
-    x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1], data[:, 2]])
-    y = data[:, 3]
+    x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1], data[:, 2], data[:, 3]])
+    y = data[:, 4]
     weights = np.ones(len(y))
-    coef = np.zeros(4)
+    coef = np.zeros(len(COLUMNS))
     for _ in range(IRLS_ROUNDS):
         coef = _nonneg_lstsq(x * weights[:, None], y * weights)
         residual = np.abs(x @ coef - y)
@@ -179,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         b_s_per_prefill_token=float(coef[1]),
         c_s_per_decode_row=float(coef[2]),
         d_s_per_context_token=float(coef[3]),
+        e_s_per_continued_row=float(coef[4]),
         num_kv_blocks=engine.num_kv_blocks,
         block_size=config.block_size,
         source=f"fitted by prefixgate.engine.sim_fit on {model}, {args.threads} thread(s), "

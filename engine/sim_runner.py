@@ -104,15 +104,16 @@ class SimRunner:
     @staticmethod
     def shape(scheduled: list[Any]) -> StepShape:
         """The composition of a step's ``ScheduledRequest`` list."""
-        prefill = decodes = context = 0
+        prefill = decodes = context = continued = 0
         for s in scheduled:
             n = s.num_new_tokens
             if n == 1:
                 decodes += 1
             else:
                 prefill += n
+                continued += s.num_computed_tokens > 0
             context += s.num_computed_tokens + n
-        return StepShape(prefill, decodes, context)
+        return StepShape(prefill, decodes, context, continued)
 
     def execute(self, scheduler_output: Any) -> RunnerOutput:
         """Spend the step's modelled time on the clock and sample a pseudo token for each

@@ -64,6 +64,30 @@ def test_step_time_is_the_profiles_on_the_virtual_clock():
     assert_pool_whole(eng)
 
 
+def test_a_prefill_over_a_cached_prefix_is_a_continued_row(tmp_path):
+    """The second prompt's prefill continues the first one's cached blocks: its step is
+    ``StepShape(16, 0, 80, 1)`` and costs ``e`` more than the same row fresh would."""
+    import json
+
+    profile = CostProfile("p", 1e-3, 1e-5, 2e-5, 1e-8, num_kv_blocks=64, e_s_per_continued_row=5e-4)
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(profile.to_json()))
+    clock = VirtualClock()
+    eng = _engine(clock, sim_profile=str(path))
+    eng.add_request("a", PROMPT + [5], SamplingParams(max_tokens=1))
+    _run(eng)
+    eng.add_request("b", PROMPT + list(range(100, 116)), SamplingParams(max_tokens=1))
+    before = clock.t
+    eng.step()
+    assert eng.runner.last_shape == StepShape(16, 0, 80, 1)
+    assert clock.t - before == pytest.approx(1e-3 + 16e-5 + 80e-8 + 5e-4)
+    assert profile.step_s(StepShape(16, 0, 80, 1)) - profile.step_s(
+        StepShape(16, 0, 80)
+    ) == pytest.approx(5e-4)
+    _run(eng)
+    assert_pool_whole(eng)
+
+
 def test_outputs_honour_max_tokens_and_are_deterministic_whatever_the_batch():
     a = _engine()
     a.add_request("x", PROMPT, SamplingParams(max_tokens=7))
@@ -185,18 +209,34 @@ def test_sim_fit_recovers_known_coefficients_despite_spikes():
     from prefixgate.engine.sim_fit import fit
 
     rng = np.random.default_rng(0)
-    true = np.array([2e-3, 1e-5, 3e-5, 4e-7])
+    true = np.array([2e-3, 1e-5, 3e-5, 4e-7, 8e-4])
     rows = []
     for _ in range(400):
         p, d = int(rng.integers(0, 500)), int(rng.integers(0, 32))
-        ctx = p + d * int(rng.integers(1, 128))
-        y = true @ [1, p, d, ctx]
+        cont = int(rng.integers(0, 4)) if p else 0
+        ctx = p + d * int(rng.integers(1, 128)) + cont * int(rng.integers(16, 64))
+        y = true @ [1, p, d, ctx, cont]
         if rng.random() < 0.1:  # a descheduled step
             y *= 3
-        rows.append((p, d, ctx, y))
+        rows.append((p, d, ctx, cont, y))
     coef, quality = fit(rows)
     assert np.allclose(coef, true, rtol=0.05)
     assert quality["median_rel_error"] < 0.01
+
+
+def test_sim_fit_times_fresh_and_continued_prefills_and_decodes():
+    # collect() on the built-in preset: every kind of row the model has a term for is timed,
+    # and the engine is left empty and whole
+    from prefixgate.engine.sim_fit import collect
+
+    eng = LLMEngine(EngineConfig(threads=1, device="cpu"))
+    rows = collect(eng, repeats=1)
+    assert all(len(r) == 5 and r[4] > 0 for r in rows)
+    assert any(p and not c for p, _, _, c, _ in rows)  # fresh prefill rows
+    assert any(c for _, _, _, c, _ in rows)  # continued rows
+    assert any(d and not p for p, d, _, _, _ in rows)  # decode steps
+    assert not eng.has_unfinished_requests()
+    assert_pool_whole(eng)
 
 
 def test_a_decode_stretch_at_once_leaves_the_state_k_steps_leave():
