@@ -65,6 +65,9 @@ MAX_SLOT_WAIT_S = 600.0
 prediction: the request is admitted into it when it comes back, whatever the queue then holds,
 so its time holds past :data:`MAX_RETRY_AFTER_S`. A slot later than this is not kept: the 429
 states this cap (a guess) and promises nothing."""
+MIN_SLOT_S = 1e-3
+"""The shortest admission slot (seconds), where neither the prediction nor the queue's pace
+is measured (``AdmissionController._slot_lengths``)."""
 PROMISE_OVERFLOW = 0.5
 """A request claiming its promise passes the queue and in-flight bounds by up to this share of
 each (``ceil``; at least one place), or by :data:`PROMISE_ERROR_SHARE` of the departures its
@@ -441,9 +444,9 @@ class AdmissionController:
 
         A refused request that can be recognised on its return (``promised``) is told the
         time of an admission slot (``admission_slots.SlotSchedule``): the first free one once
-        the queue, and its tenant's own queue, would be within the budget, one departure
-        long, after the slots of those refused before it; kept up to :data:`MAX_SLOT_WAIT_S`
-        from now."""
+        the queue, and its tenant's own queue, would be within the budget, one request's work
+        and at least one departure long (``_slot_lengths``), after the slots of those refused
+        before it; kept up to :data:`MAX_SLOT_WAIT_S` from now."""
         if self.wait is None or prediction is None:
             return
         margin = self.wait.margin_s()  # how much later than predicted first tokens come
@@ -465,15 +468,7 @@ class AdmissionController:
         wait_s = predicted - budget
         slot_s = 0.0
         if promised and math.isfinite(predicted):
-            # one slot: the time this request's own work adds to the queue's prediction,
-            # so that the slots admit no faster than the predicted work drains (the queue's
-            # first-come drain: the slots are every tenant's; a tenant served after the
-            # others spaces its own slots by what one more of its requests adds at its place)
-            queue = (requests, prompt_tokens, prompt_tokens, self.queued_requests)
-            slot_s = max(self.wait.extra_s(*queue, self.queued_tokens), 1e-3)
-            own_rate = schedule.tenant_rate(tenant)
-            own_slot_s = requests / own_rate if own_rate else 0.0
-            own_slot_s = max(own_slot_s, self.wait.extra_s(*queue, self.queued_tokens, tenant))
+            slot_s, own_slot_s = self._slot_lengths(requests, prompt_tokens, tenant)
             earliest = max(prediction[0] + margin, own or 0.0) - budget
             wait_s = schedule.place(tenant, earliest, slot_s, own_slot_s, MAX_SLOT_WAIT_S)
             if wait_s > MAX_SLOT_WAIT_S:
@@ -493,6 +488,44 @@ class AdmissionController:
             slot_s=slot_s,
             cap_s=cap,
         )
+
+    def _slot_lengths(
+        self, requests: int, prompt_tokens: int, tenant: str | None
+    ) -> tuple[float, float]:
+        """``(slot_s, own_slot_s)``: the length in seconds of the admission slot of a budget
+        refusal of ``requests`` engine requests of ``prompt_tokens`` (``SlotSchedule.place``),
+        and of its tenant's own (the spacing of ``tenant``'s next slot). Needs ``self.wait``.
+
+        A slot is the time this request's own work adds to the queue's prediction
+        (``EngineWait.extra_s``), so that the slots admit no faster than the predicted work
+        drains (the queue's first-come drain: the slots are every tenant's; a tenant served
+        after the others spaces its own slots by what one more of its requests adds at its
+        place, or by its own measured departures). Either is at least ``requests``
+        departures at the queue's pace (``_departure_s``): behind running requests that end
+        together one more request adds nothing to the prediction (it takes a seat freed at
+        that moment), and slots without that floor were all placed on that one moment,
+        more of them than the seats it frees (docs/admission.md, "A slot is at least one
+        departure")."""
+        assert self.wait is not None
+        floor = max(self._departure_s(requests), MIN_SLOT_S)
+        queue = (requests, prompt_tokens, prompt_tokens, self.queued_requests)
+        slot_s = max(self.wait.extra_s(*queue, self.queued_tokens), floor)
+        own_rate = self.budget_slots.tenant_rate(tenant)
+        own_slot_s = max(
+            requests / own_rate if own_rate else 0.0,
+            self.wait.extra_s(*queue, self.queued_tokens, tenant),
+            floor,
+        )
+        return slot_s, own_slot_s
+
+    def _departure_s(self, requests: int) -> float:
+        """Seconds ``requests`` departures of the queue take at its pace: at the measured
+        drain rate once warm, else by the service-time estimate (``retry_after``'s: the
+        recent service time over the concurrency); 0.0 while neither is measured."""
+        if self._drain_warm:
+            return requests / self.drain_rate
+        running = max(1, self.concurrency or self._peak_running)
+        return requests * self._service / running
 
     def _departures(self, n: int, held: int) -> tuple[float, bool]:
         """Seconds until ``n`` places of the queue are free, and whether that is predicted

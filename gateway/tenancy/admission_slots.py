@@ -8,9 +8,10 @@ time of its admission, not a guess that the work ahead will have drained by then
 
 Two paces set the slots (``SlotSchedule.place``):
 
-* the queue's: one request's slot is ``requests / drain rate`` long (the admission queue's
-  measured departures per second), and slots do not overlap, so the slots admit no faster
-  than the queue empties;
+* the queue's: one request's slot is the time its work adds to the queue's predicted first
+  tokens, and at least ``requests / drain rate`` (the admission queue's measured departures
+  per second; ``AdmissionController._slot_lengths``), and slots do not overlap, so the slots
+  admit no faster than the queue empties, even behind running requests that end together;
 * the tenant's: a fair scheduler (``engine/scheduling_policy.py``) serves a tenant over its
   share later than the queue's pace. A tenant's own slots are spaced by its own measured
   departures (``requests / tenant rate``), and its first slot waits until its own queued
