@@ -231,7 +231,9 @@ class APIError(Exception):
     def gemini_body(self) -> dict[str, Any]:
         """The error in Gemini's shape, ``{"error": {"code", "message", "status"}}`` (``code``
         the HTTP status, ``status`` its google.rpc name), plus a ``google.rpc.BadRequest``
-        detail naming the field when ``param`` is set."""
+        detail naming the field when ``param`` is set, and a ``google.rpc.RetryInfo`` detail
+        when ``retry_after`` is (``retryDelay``: the ``retry-after-ms`` header's wait as a JSON
+        Duration, ``"14.713s"``; google-genai reads no header, its ``APIError.details`` has it)."""
         error: dict[str, Any] = {
             "code": self.status,
             "message": self.message,
@@ -239,13 +241,24 @@ class APIError(Exception):
                 self.status, "INTERNAL" if self.status >= 500 else "INVALID_ARGUMENT"
             ),
         }
+        details: list[dict[str, Any]] = []
         if self.param:
-            error["details"] = [
+            details.append(
                 {
                     "@type": "type.googleapis.com/google.rpc.BadRequest",
                     "fieldViolations": [{"field": self.param, "description": self.message}],
                 }
-            ]
+            )
+        if self.retry_after is not None:
+            ms = retry_after_headers(self.retry_after)["retry-after-ms"]
+            details.append(
+                {
+                    "@type": "type.googleapis.com/google.rpc.RetryInfo",
+                    "retryDelay": f"{int(ms) / 1000.0:g}s",
+                }
+            )
+        if details:
+            error["details"] = details
         return {"error": error}
 
     def response(self, dialect: str = "openai") -> web.Response:

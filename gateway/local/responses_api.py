@@ -76,10 +76,11 @@ _REFUSED = (
     "top_logprobs",
     "prompt",
     "max_tool_calls",
-    "service_tier",
-    "safety_identifier",
     "context_management",
 )
+# Taken as on chat, with no effect: ``service_tier`` only at its no-op values (the one tier
+# served), ``safety_identifier`` (an end-user identifier); wire/request_fields.py has chat's.
+_SERVICE_TIERS = ("auto", "default")
 
 
 class InputText(BaseModel):
@@ -164,6 +165,8 @@ class ResponsesRequest(BaseModel):
     store: Literal[False] | None = None
     metadata: dict[str, str] | None = Field(None, max_length=16)
     user: str | None = None
+    safety_identifier: str | None = None
+    service_tier: Literal["auto", "default"] | None = None
     tools: list[Any] | None = Field(None, max_length=0)
     tool_choice: Literal["none", "auto"] | None = None
     parallel_tool_calls: bool | None = None
@@ -226,6 +229,14 @@ def parse_request(body: bytes) -> ResponsesRequest:
             raise bad_request(
                 "store=true is not supported: responses are not stored (send store=false)",
                 param="store",
+                code="unsupported_parameter",
+            )
+        tier = raw.get("service_tier")
+        if not is_empty(tier) and tier not in _SERVICE_TIERS:
+            raise bad_request(
+                f"service_tier: {str(tier)[:80]!r} is not supported (only 'auto' or 'default')",
+                param="service_tier",
+                code="unsupported_parameter",
             )
         if raw.get("tools"):
             raise bad_request(
