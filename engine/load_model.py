@@ -300,8 +300,11 @@ class LoadModel:
         services at the window's ``mean_s``); both ``None`` before a request has finished.
 
         A running request's steps left: its tokens left (``max_tokens`` and the model length
-        bound them; without ``ignore_eos`` also the mean output of finished requests, at least
-        one), one a step, and its prompt's chunks still to prefill (at most
+        bound them; without ``ignore_eos`` also the rest of the mean output of finished
+        requests, at least one, or, once it has run past that mean, as many tokens again as it
+        has sampled: a request longer than the typical one is no sign of ending soon, and for
+        a long-tailed output length the expected rest grows with the length reached), one a
+        step, and its prompt's chunks still to prefill (at most
         ``max_num_batched_tokens`` each; the last of them samples its first token). A waiting
         request holds its seat for the mean output's steps, or for the mean time the last
         ``SEAT_HOLD_WINDOW`` finished requests sat where that is longer (prefill steps,
@@ -322,7 +325,8 @@ class LoadModel:
             left = min(r.max_tokens - r.num_output_tokens, max_model_len - r.num_tokens)
             params = r.sampling_params
             if not (params is not None and params.ignore_eos):
-                left = min(left, math.ceil(mean - r.num_output_tokens))
+                done = r.num_output_tokens
+                left = min(left, math.ceil(mean - done) if done < mean else done)
             left = max(1, left)
             chunks = -(-max(0, r.num_prompt_tokens - r.num_computed_tokens) // budget)
             free.append((left + max(0, chunks - 1)) * near)

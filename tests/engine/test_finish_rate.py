@@ -33,11 +33,11 @@ class _ClockedScheduler:
         kv = KVCacheManager.from_config(self.config, num_blocks)
         self.sched = sched_module.Scheduler(self.config, kv, 4096)
 
-    def add(self, request_id: str, max_tokens: int) -> None:
+    def add(self, request_id: str, max_tokens: int, ignore_eos: bool = True) -> None:
         from prefixgate.engine.request import Request
         from prefixgate.engine.sampling_params import SamplingParams
 
-        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
         self.sched.add_request(
             Request(request_id, [5, 6, 7], sp, eos_token_ids=[2], max_tokens=max_tokens)
         )
@@ -193,6 +193,38 @@ def test_the_seat_wait_falls_with_every_step_not_only_when_a_batch_finishes(monk
     assert waits[0] == pytest.approx(7 * 0.010 + 8 * 0.010 + 0.010, abs=0.005)
     while sched.has_unfinished_requests():
         step()
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
+
+
+def test_a_request_past_the_mean_output_is_not_about_to_end(monkeypatch):
+    # A new-user pass (sim runner, 2 seats): after 16-token requests, both seats held by
+    # 1,000-token decodes (EOS possible), and a 50 ms budget was admitted on a predicted 16 ms
+    # and waited 5 s: each runner's tokens left was the mean output less its own, at least
+    # one, so a runner past the mean was one step from its end forever. Past the mean, its
+    # length so far is the sign: about as long again (bounded by max_tokens).
+    clocked = _ClockedScheduler(monkeypatch, max_num_seqs=2, num_blocks=256)
+    sched = clocked.sched
+    for i in range(8):  # the mean output: 16 tokens
+        clocked.add(f"short{i}", max_tokens=16, ignore_eos=False)
+    while sched.has_unfinished_requests():
+        clocked.step(0.010)
+    clocked.add("long0", max_tokens=1000, ignore_eos=False)
+    clocked.add("long1", max_tokens=1000, ignore_eos=False)
+    for _ in range(100):
+        clocked.step(0.010)
+    free = sched.stats()["seat_free_s"]
+    assert free is not None and len(free) == 2
+    # 100 tokens done of up to 1,000: about 100 more steps of 10 ms, not one
+    assert all(0.9 <= f <= 1.1 for f in free), free
+    assert sched.predict_ttft(3) >= 0.9
+    # before the mean it is the mean's rest, as before: 8 tokens done of a 16 mean
+    sched.abort_requests(["long0", "long1"])
+    clocked.add("short-again", max_tokens=1000, ignore_eos=False)
+    for _ in range(8):
+        clocked.step(0.010)
+    free = sched.stats()["seat_free_s"]
+    assert free == [pytest.approx(8 * 0.010, abs=0.002)], free
+    sched.abort_requests(["short-again"])
     assert sched.kv.num_free_blocks == sched.kv.num_blocks
 
 
