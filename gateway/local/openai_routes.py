@@ -41,12 +41,15 @@ from prefixgate.gateway.wire.prompts import (
     render_chat,
 )
 from prefixgate.gateway.wire.request_fields import (
-    REFUSED,
     check_constraint,
     check_refused,
     structured_from,
 )
-from prefixgate.gateway.wire.request_models import ChatCompletionRequest, CompletionRequest
+from prefixgate.gateway.wire.request_models import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    check_chat_refused,
+)
 from prefixgate.gateway.wire.response_models import ModelCard, ModelList, dump
 from prefixgate.gateway.wire.stop_strings import refuse_stop_under_constraint
 from prefixgate.gateway.wire.tools import ToolPlan, plan_tools, template_messages
@@ -55,8 +58,7 @@ from prefixgate.gateway.wire.tools import ToolPlan, plan_tools, template_message
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/chat/completions."""
     st, engine, principal, req = await open_call(request, ChatCompletionRequest)
-    check_refused({name: getattr(req, name, None) for name in REFUSED}, req.n)
-    check_refused({k: getattr(req, k) for k in ("store", "service_tier", "modalities")}, req.n)
+    check_chat_refused(req)
     plan = plan_tools(
         req.tools, req.tool_choice, req.parallel_tool_calls, st.settings.tool_call_parser
     )

@@ -2,8 +2,10 @@
 
 ``/tokenize``: a prompt's tokens as the server counts them.
 
-Body: ``{"model", "messages", "add_generation_prompt": true}`` (a chat, rendered with the chat
-template exactly as ``/v1/chat/completions`` renders it) or ``{"model", "prompt",
+Body: ``{"model", "messages", "add_generation_prompt": true, "tools"}`` (a chat, rendered with
+the chat template exactly as ``/v1/chat/completions`` renders it; ``tools``, vLLM's field, OpenAI
+function tools checked as chat checks them and passed to the template: what a proxy sends to
+count a Gemini or Anthropic request with tools) or ``{"model", "prompt",
 "add_special_tokens": true}`` (text, encoded as ``/v1/completions`` encodes it; ``false``: no
 BOS/EOS added, as vLLM's). Answer: ``{"count", "max_model_len", "tokens"}``. Any other field is
 a 400 naming it (never ignored); ``add_special_tokens`` with ``messages`` only as ``false``
@@ -29,10 +31,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiohttp import web
 from prefixgate.gateway.http.errors import APIError, bad_request
+from prefixgate.gateway.http.json_guard import MAX_TOOLS
 from prefixgate.gateway.local.serving import LOCAL
 from prefixgate.gateway.state import STATE
 from prefixgate.gateway.wire.prompts import (
@@ -42,6 +45,7 @@ from prefixgate.gateway.wire.prompts import (
     render_chat,
 )
 from prefixgate.gateway.wire.request_models import MAX_MESSAGES, ChatMessage, parse
+from prefixgate.gateway.wire.tools import check_tools
 from pydantic import BaseModel, ConfigDict, Field
 
 if TYPE_CHECKING:
@@ -62,6 +66,7 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     add_generation_prompt: bool | None = None
     add_special_tokens: bool | None = None
+    tools: list[Any] | None = Field(None, max_length=MAX_TOOLS)
 
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -136,7 +141,10 @@ async def _tokenize(request: web.Request) -> web.Response:
             )
         messages = [m.as_dict() for m in req.messages]
         gen = req.add_generation_prompt is not False
-        ids = await render_chat(engine.tokenizer, messages, gen, max_model_len=cap)
+        tools = check_tools(req.tools) or None  # 400 naming tools.<i>... for a bad tool
+        ids = await render_chat(engine.tokenizer, messages, gen, max_model_len=cap, tools=tools)
+    elif req.tools:
+        raise bad_request("tools: only with messages (a prompt is encoded as it is)", param="tools")
     elif req.add_generation_prompt is not None:
         raise bad_request(
             "add_generation_prompt: only with messages (a prompt is encoded as it is)",

@@ -463,12 +463,13 @@ async def model_method(request: web.Request) -> web.StreamResponse:
     salt = effective_salt(principal.salt, None)
     chat, _ = await _chat_of(request, req, principal.salt)
     gc = req.generationConfig
-    forced = "toolConfig" if chat.tool_choice not in (None, "auto", "none") else None
-    if forced is None and structured(gc) is not None:
-        forced = "generationConfig.responseMimeType"
-    refuse_stop_under_constraint(
-        list(gc.stopSequences or []) if gc else [], "generationConfig.stopSequences", forced
-    )
+    if method != "countTokens":  # a count generates nothing: as local mode, no output checks
+        forced = "toolConfig" if chat.tool_choice not in (None, "auto", "none") else None
+        if forced is None and structured(gc) is not None:
+            forced = "generationConfig.responseMimeType"
+        refuse_stop_under_constraint(
+            list(gc.stopSequences or []) if gc else [], "generationConfig.stopSequences", forced
+        )
     route = router.route({"messages": chat.messages}, salt, router.resolve(public))
     body = _chat_body(chat, gc, method == "streamGenerateContent")
     fields = gemini_fields(chat.origins, req.tools, gc)

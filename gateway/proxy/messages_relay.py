@@ -170,7 +170,10 @@ async def _prepare(
     stop = getattr(req, "stop_sequences", None)
     refuse_stop_under_constraint(stop, "stop_sequences", anthropic_constraint(raw))
     chat = to_chat(req)
-    _, output_field = output_constraint(req, chat)  # 400 beside a forced tool call, as local
+    if kind is MessagesRequest:  # 400 beside a forced tool call, as local
+        _, output_field = output_constraint(req, chat)
+    else:  # a count generates nothing: as local mode, a format beside a forced call is counted
+        _, output_field = req.output_schema()
     salt = effective_salt(principal.salt, req.cache_salt)
     model = router.resolve(req.model)  # 404 model_not_found when nobody serves it
     route = router.route({"messages": chat.messages}, salt, model)

@@ -55,7 +55,15 @@ from prefixgate.gateway.proxy.usage import UsageTap, admit_call, ask_usage, body
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.tenancy.keys import Principal, client_credential, effective_salt
 from prefixgate.gateway.tenancy.ttft_budget import BUDGET_HEADER
-from prefixgate.gateway.wire.request_models import check_contents, gateway_fields, load_json
+from prefixgate.gateway.wire.request_fields import structured_from
+from prefixgate.gateway.wire.request_models import (
+    ChatCompletionRequest,
+    check_chat_refused,
+    check_contents,
+    gateway_fields,
+    load_json,
+    parse,
+)
 from prefixgate.gateway.wire.stop_strings import openai_constraint, refuse_stop_under_constraint
 
 _HOP_HEADERS = {"Content-Type": "application/json"}
@@ -87,7 +95,7 @@ async def proxy_generate(request: web.Request) -> web.StreamResponse:
     fields, parsed = gateway_fields(parsed, chat)
     prefix = None
     if fields.prefix_id is not None:
-        prefix, parsed = await _with_prefix(request, st, parsed, principal.salt)
+        prefix, parsed = await _with_prefix(request, st, body, parsed, principal.salt)
     if parsed.get("priority") is not None:  # forwarded as is, if the key may set it
         if isinstance(parsed["priority"], bool) or not isinstance(parsed["priority"], int):
             raise bad_request("priority: Input should be a valid integer", param="priority")
@@ -118,14 +126,25 @@ async def proxy_generate(request: web.Request) -> web.StreamResponse:
 
 
 async def _with_prefix(
-    request: web.Request, st: GatewayState, parsed: dict[str, Any], owner_salt: str | None
+    request: web.Request,
+    st: GatewayState,
+    body: bytes,
+    parsed: dict[str, Any],
+    owner_salt: str | None,
 ) -> tuple[ProxyPrefix, dict[str, Any]]:
     """The request's prefix (404 unless it is the key's and live) and the request as if sent
-    in full: the prefix's messages, then its own (``prefix_id`` dropped)."""
+    in full: the prefix's messages, then its own (``prefix_id`` dropped). ``body`` (the
+    client's bytes) is checked first as local mode checks it (the same 400 naming the field,
+    whether or not the prefix is found).
+
+    Raises:
+        APIError: 400 naming a bad field; 404 ``prefix_not_found``.
+    """
+    req = parse(ChatCompletionRequest, body)
+    check_chat_refused(req)
+    structured_from(req)  # a malformed output constraint: the 400 naming it
     prefix_id = parsed["prefix_id"]  # a string on a chat body (gateway_fields)
-    messages = parsed.get("messages")
-    if not isinstance(messages, list):
-        raise bad_request("messages must be a list of messages", param="messages")
+    messages = parsed.get("messages") or []  # a list (parsed); absent: the prefix's only
     prefix = await request.app[PROXY].prefixes.lookup(prefix_id, owner_salt)
     full = {k: v for k, v in parsed.items() if k != "prefix_id"}
     full["messages"] = [*prefix.messages, *messages]

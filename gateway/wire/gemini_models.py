@@ -49,6 +49,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    field_validator,
     model_validator,
 )
 from pydantic.alias_generators import to_snake
@@ -288,6 +289,15 @@ class CountTokensRequest(GeminiObject):
 
     contents: list[Content] | None = None
     generateContentRequest: GenerateContentRequest | None = None
+
+    @field_validator("generateContentRequest", mode="before")
+    @classmethod
+    def _inner_empty_is_absent(cls, value: Any) -> Any:
+        """A whole ``generateContent`` body: its fields' empty values are their absence, as
+        on ``generateContent`` (``request_models.without_empty``)."""
+        from prefixgate.gateway.wire.request_models import without_empty  # noqa: PLC0415
+
+        return without_empty(value) if isinstance(value, dict) else value
 
     def request(self) -> GenerateContentRequest:
         """The request whose prompt is counted (both modes' ``countTokens``).

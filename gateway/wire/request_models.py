@@ -28,6 +28,7 @@ from prefixgate.gateway.http.json_guard import (  # noqa: F401 - re-exported for
     load_json,
 )
 from prefixgate.gateway.tenancy.keys import MAX_SALT_CHARS
+from prefixgate.gateway.wire.request_fields import REFUSED, check_refused
 from prefixgate.gateway.wire.sampling import sampling_params
 from pydantic import (
     BaseModel,
@@ -434,6 +435,18 @@ class ChatCompletionRequest(_SamplingFields):
         if not self.logprobs:
             return None
         return self.top_logprobs or 0
+
+
+def check_chat_refused(req: ChatCompletionRequest) -> None:
+    """400 naming the first field of a parsed chat request that is refused
+    (``request_fields.REFUSED``; ``store``, ``service_tier`` and ``modalities`` past their
+    no-op values). Local mode and proxy mode (before a ``prefix_id`` is looked up) call it.
+
+    Raises:
+        APIError: 400 ``unsupported_parameter`` naming the field.
+    """
+    check_refused({name: getattr(req, name, None) for name in REFUSED}, req.n)
+    check_refused({k: getattr(req, k) for k in ("store", "service_tier", "modalities")}, req.n)
 
 
 class CompletionRequest(_SamplingFields):

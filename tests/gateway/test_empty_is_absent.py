@@ -180,3 +180,26 @@ def test_a_required_field_sent_null_is_told_its_type_in_both_modes(serve_fake):
                 assert r.status_code == 400, (url, path, r.text)
                 message = r.json()["error"]["message"]
                 assert message == f"{field}: Input should be a valid {kind}", (url, path, message)
+
+
+def test_a_whole_request_inside_count_tokens_takes_empty_fields_as_absent(serve_fake):
+    """countTokens' ``generateContentRequest`` is a ``generateContent`` body: its fields' empty
+    values are their absence there too (``labels: {}`` was a 400 "Unrecognized request
+    argument supplied: generateContentRequest.labels"; found by test_edge_combinations.py)."""
+    srv, _ = serve_fake(GatewaySettings(model_name="fake"), token_delay_s=0.0)
+    inner = {"model": "models/fake", "contents": CONTENTS}
+    fields = sorted(
+        (set(gemini_models.GenerateContentRequest.model_fields) | {"labels"}) - set(inner)
+    )
+    differ: list[str] = []
+    with httpx.Client(base_url=srv.url, timeout=30) as http:
+        path = "/v1beta/models/fake:countTokens"
+        expected = _outcome(http.post(path, json={"generateContentRequest": inner}))
+        assert expected == (200, None)
+        for name in fields:
+            for empty in EMPTIES:
+                body = {"generateContentRequest": {**inner, name: empty}}
+                got = _outcome(http.post(path, json=body))
+                if got != expected:
+                    differ.append(f"{name}={empty!r}: {got}")
+    assert not differ, "; ".join(differ)

@@ -94,3 +94,22 @@ def test_an_upstream_400_in_another_shape_still_names_the_field(body, status, pa
     assert err["param"] == param, err
     assert err["message"].startswith(param) or body["error"]["param"] == param, err
     assert set(err) == {"message", "type", "param", "code"}
+
+
+def test_a_bad_request_naming_a_prefix_gets_the_same_answer_in_both_modes(both):
+    """Proxy mode looked up a chat's ``prefix_id`` before checking the body: a bad field beside
+    an unknown prefix was a 404 there and the 400 naming the field locally (found by
+    ``test_edge_combinations.py``). The body is checked first in both modes."""
+    local, proxy = both
+    with httpx.Client(timeout=120) as http:
+        for path, extra, _param in BAD:
+            if path != CHAT or {"logit_bias", "tool_choice"} & set(extra):
+                continue  # checked against the model's vocabulary / tool parser: upstream
+            body = {"model": "fake", **extra, "prefix_id": "pfx-unknown"}
+            a = http.post(local + path, json=body)
+            b = http.post(proxy + path, json=body)
+            assert (b.status_code, b.json()) == (a.status_code, a.json()), (extra, a.text, b.text)
+        body = {"model": "fake", "messages": M, "reasoning_effort": "high", "prefix_id": "pfx-x"}
+        a, b = http.post(local + CHAT, json=body), http.post(proxy + CHAT, json=body)
+        assert a.status_code == 400 and a.json()["error"]["param"] == "reasoning_effort", a.text
+        assert (b.status_code, b.json()) == (a.status_code, a.json()), b.text

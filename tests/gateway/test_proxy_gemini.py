@@ -227,3 +227,35 @@ def test_an_upstream_refusal_names_the_gemini_field_the_client_sent(serve_fake):
         assert err["code"] == 400, err
         assert "generationConfig.maxOutputTokens" in err["message"], err
         assert "max_tokens" not in err["message"], err
+
+
+def test_count_tokens_counts_what_generation_would_refuse_in_both_modes(serve_fake):
+    """countTokens generates nothing: stop sequences beside a forced call (a 400 on
+    generateContent, where they would cut the constrained text) are counted, in local mode and
+    through a proxy (which refused them, unlike local mode; found by test_edge_combinations.py)."""
+    from prefixgate.gateway.app import create_proxy_app
+    from prefixgate.gateway.http.server import BackgroundServer
+    from prefixgate.gateway.settings import GatewaySettings
+
+    local, _ = serve_fake()
+    inner = {
+        "model": "models/fake",
+        "contents": [{"role": "user", "parts": [{"text": "hi"}]}],
+        "generationConfig": {"stopSequences": ["\n"]},
+        "tools": [{"functionDeclarations": [{"name": "f", "parameters": {"type": "object"}}]}],
+        "toolConfig": {"functionCallingConfig": {"mode": "ANY"}},
+    }
+    slow = GatewaySettings(health_check_timeout_s=60.0)  # the first tools import xgrammar
+    with BackgroundServer(lambda: create_proxy_app([local.url], slow)) as proxy:
+        counts = []
+        for base in (local.url, proxy.url):
+            r = httpx.post(
+                base + "/v1beta/models/fake:countTokens",
+                json={"generateContentRequest": inner},
+                timeout=120,
+            )
+            assert r.status_code == 200, (base, r.text)
+            counts.append(r.json()["totalTokens"])
+            r = httpx.post(base + "/v1beta/models/fake:generateContent", json=inner, timeout=120)
+            assert r.status_code == 400, (base, r.text)
+        assert counts[0] == counts[1]

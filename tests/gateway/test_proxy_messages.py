@@ -540,3 +540,27 @@ def test_structured_output_is_translated_to_response_format(vllm):
             r = httpx.post(gw.url + "/v1/messages", json=body, timeout=30)
             assert r.status_code == 200, r.text
             assert stub.seen[-1]["response_format"] == expected, (extra, stream)
+
+
+def test_count_tokens_counts_a_format_beside_a_forced_tool_in_both_modes(serve_fake):
+    """count_tokens generates nothing: an ``output_config`` format beside a forced tool call
+    (a 400 on /v1/messages) is counted in local mode and was a 400 through a proxy (found by
+    test_edge_combinations.py); the proxy now counts it as local mode does."""
+    local, _ = serve_fake()
+    body = {
+        "model": "fake",
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+        "tool_choice": {"type": "any"},
+        "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}},
+    }
+    slow = GatewaySettings(health_check_timeout_s=60.0)  # the first tools import xgrammar
+    with BackgroundServer(lambda: create_proxy_app([local.url], slow)) as proxy:
+        counts = []
+        for base in (local.url, proxy.url):
+            r = httpx.post(base + "/v1/messages/count_tokens", json=body, timeout=120)
+            assert r.status_code == 200, (base, r.text)
+            counts.append(r.json()["input_tokens"])
+            r = httpx.post(base + "/v1/messages", json={**body, "max_tokens": 2}, timeout=120)
+            assert r.status_code == 400 and "output_config" in r.text, (base, r.text)
+        assert counts[0] == counts[1]
