@@ -519,13 +519,20 @@ class AdmissionController:
         return slot_s, own_slot_s
 
     def _departure_s(self, requests: int) -> float:
-        """Seconds ``requests`` departures of the queue take at its pace: at the measured
-        drain rate once warm, else by the service-time estimate (``retry_after``'s: the
-        recent service time over the concurrency); 0.0 while neither is measured."""
-        if self._drain_warm:
-            return requests / self.drain_rate
+        """Seconds ``requests`` departures of the queue take at its pace: the longer of the
+        measured drain rate's (once warm) and the service-time estimate's (``retry_after``'s:
+        the recent service time over the concurrency, the pace running requests free their
+        seats at); 0.0 while neither is measured.
+
+        The drain rate counts departures per second the queue held requests: a batch that
+        leaves the queue at once into free seats is measured as departing at once, faster
+        than a full server frees seats (docs/admission.md, "A slot is at least one
+        departure")."""
         running = max(1, self.concurrency or self._peak_running)
-        return requests * self._service / running
+        seats_s = requests * self._service / running
+        if self._drain_warm:
+            return max(requests / self.drain_rate, seats_s)
+        return seats_s
 
     def _departures(self, n: int, held: int) -> tuple[float, bool]:
         """Seconds until ``n`` places of the queue are free, and whether that is predicted

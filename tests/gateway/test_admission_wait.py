@@ -630,3 +630,36 @@ def test_refusals_behind_a_batch_that_ends_together_are_spaced_one_departure_apa
         seat = nth_free_seat([engine.end_s] * SEQS, engine.service_s, k)
         ttft = max(0.0, seat - wait) + SEQS / 100.0  # the seat, then its first token's step
         assert ttft <= budget + 0.01, (k, wait, ttft)
+
+
+@pytest.mark.parametrize("one_tenant", [False, True])
+def test_a_drain_rate_measured_from_a_batch_admitted_at_once_does_not_space_the_slots(one_tenant):
+    # A helper's pass on `prefixgate serve --runner sim` (8 seats, 8 requests of 1,200 tokens,
+    # ~10 s each, then 24 budgeted refusals, one key each): the queue's drain rate had been
+    # measured from two batches of 8 that each left the queue at once into free seats, 16
+    # departures in 0.05 busy seconds: 17.6 a second, "warm". The slots took one departure at
+    # that rate, 57 ms apart, 24 of them within 1.3 s, where the seats free 8 every 10 s:
+    # first tokens 9.7-19.6 s late against a 300 ms budget. A queue's departures are no faster
+    # than the running requests free their seats (Little's law: the concurrency over the
+    # service time), so a slot is at least a departure at that pace too.
+    clock = Clock()
+    engine = BatchEngine(end_s=5.0, service_s=1.0)
+    ctl = _ctl(engine, clock)
+    ctl.budget_slots = SlotSchedule(clock=clock)
+    ctl.concurrency = SEQS
+    ctl._service = engine.service_s  # a request holds its seat 1 s: 8 departures a second
+    # 16 departures in 0.05 busy seconds: the EWMA's impulses, bias-corrected over 1 s
+    ctl._rate, ctl._busy, ctl._last = 16 / ctl._tau, 0.05, time.monotonic()
+    assert ctl._drain_warm and ctl.drain_rate > 2 * SEQS / engine.service_s
+    budget, n = 0.3, 2 * SEQS
+    t0 = clock.t
+    tenants = ["t"] * n if one_tenant else [f"t{k}" for k in range(n)]
+    waits = [_refused(ctl, f"r{k}", tenant=tenants[k], budget_s=budget) for k in range(n)]
+    steps = [b - a for a, b in zip(waits, waits[1:], strict=False)]
+    assert min(steps) >= engine.service_s / SEQS * 0.99, steps  # the seats' pace
+    for k, wait in enumerate(waits):
+        clock.t = t0 + wait
+        ctl.admit(100, tenant=tenants[k], fingerprint=f"r{k}", budget_s=budget)  # its slot
+        seat = nth_free_seat([engine.end_s] * SEQS, engine.service_s, k)
+        ttft = max(0.0, seat - wait) + SEQS / 100.0  # the seat, then its first token's step
+        assert ttft <= budget + 0.01, (k, wait, ttft)
