@@ -589,6 +589,17 @@ class BatchEngine(RatedEngine):
         }
 
 
+def _returns_meet_budget(ctl, clock, engine, t0, waits, tenants, budget) -> None:
+    """Each refusal k comes back at ``t0 + waits[k]``, is admitted into its slot and takes the
+    k-th seat the batch engine frees: its first token within ``budget``."""
+    for k, wait in enumerate(waits):
+        clock.t = t0 + wait
+        ctl.admit(100, tenant=tenants[k], fingerprint=f"r{k}", budget_s=budget)  # its slot
+        seat = nth_free_seat([engine.end_s] * SEQS, engine.service_s, k)
+        ttft = max(0.0, seat - wait) + SEQS / 100.0  # the seat, then its first token's step
+        assert ttft <= budget + 0.01, (k, wait, ttft)
+
+
 @pytest.mark.parametrize("one_tenant", [False, True])
 def test_refusals_behind_a_batch_that_ends_together_are_spaced_one_departure_apart(one_tenant):
     # A breaker's pass (`prefixgate serve --runner sim`, real clients): 20 of 24 budget
@@ -624,12 +635,7 @@ def test_refusals_behind_a_batch_that_ends_together_are_spaced_one_departure_apa
     assert min(steps) >= 1 / drain * 0.99, steps  # one departure apart, not 1 ms
     # each comes back when told, is admitted into its slot, and takes the next seat the
     # engine frees (8 at 5 s, 8 more at 6 s): its first token within its budget
-    for k, wait in enumerate(waits):
-        clock.t = t0 + wait
-        ctl.admit(100, tenant=tenants[k], fingerprint=f"r{k}", budget_s=budget)  # its slot
-        seat = nth_free_seat([engine.end_s] * SEQS, engine.service_s, k)
-        ttft = max(0.0, seat - wait) + SEQS / 100.0  # the seat, then its first token's step
-        assert ttft <= budget + 0.01, (k, wait, ttft)
+    _returns_meet_budget(ctl, clock, engine, t0, waits, tenants, budget)
 
 
 @pytest.mark.parametrize("one_tenant", [False, True])
@@ -657,9 +663,4 @@ def test_a_drain_rate_measured_from_a_batch_admitted_at_once_does_not_space_the_
     waits = [_refused(ctl, f"r{k}", tenant=tenants[k], budget_s=budget) for k in range(n)]
     steps = [b - a for a, b in zip(waits, waits[1:], strict=False)]
     assert min(steps) >= engine.service_s / SEQS * 0.99, steps  # the seats' pace
-    for k, wait in enumerate(waits):
-        clock.t = t0 + wait
-        ctl.admit(100, tenant=tenants[k], fingerprint=f"r{k}", budget_s=budget)  # its slot
-        seat = nth_free_seat([engine.end_s] * SEQS, engine.service_s, k)
-        ttft = max(0.0, seat - wait) + SEQS / 100.0  # the seat, then its first token's step
-        assert ttft <= budget + 0.01, (k, wait, ttft)
+    _returns_meet_budget(ctl, clock, engine, t0, waits, tenants, budget)
