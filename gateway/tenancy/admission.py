@@ -440,7 +440,9 @@ class AdmissionController:
         """Refuse when the predicted TTFT (the engine's, calibrated, plus the margin of recent
         misses and the promised places ``held`` ahead; or ``tenant``'s own queued requests at
         its own measured pace, when that is later) exceeds ``budget`` seconds; no prediction
-        (proxy mode, rates not measured, no free seat in sight): admit.
+        (proxy mode, rates not measured, no free seat in sight): admit. A budget under what
+        the request takes alone (its idle prediction and the margin) is the wait it accepts
+        beyond that: refused while the queue ahead adds more.
 
         A refused request that can be recognised on its return (``promised``) is told the
         time of an admission slot (``admission_slots.SlotSchedule``): the first free one once
@@ -460,16 +462,28 @@ class AdmissionController:
             predicted = max(predicted, own)
         if predicted <= budget:
             return
-        # What the request would take alone no wait removes: a budget below it is admitted
-        # (a 429 would send it back forever to an idle server).
+        # What the request would take alone no wait removes (its idle prediction and the
+        # margin). A budget below that is read as the wait it accepts beyond it: the request
+        # is admitted once the queue ahead adds no more than its budget, and refused while
+        # it adds more. Admitting it at once instead (a 429 would send it back forever to an
+        # idle server) switched budgets off whenever the margin was large: after one long
+        # miss a 50 ms budget was admitted at a predicted 12.3 s (docs/admission.md, "A
+        # budget no wait can meet").
         alone = (self.wait.alone_s(prompt_tokens) or 0.0) + margin
+        allowed, beyond = budget, ""
         if alone >= budget:
-            return
-        wait_s = predicted - budget
+            allowed = alone + budget
+            if predicted <= allowed:
+                return
+            beyond = (
+                f"; it takes {_ms(alone)} ms alone, and is admitted once the queue ahead "
+                "adds no more than its budget"
+            )
+        wait_s = predicted - allowed
         slot_s = 0.0
         if promised and math.isfinite(predicted):
             slot_s, own_slot_s = self._slot_lengths(requests, prompt_tokens, tenant)
-            earliest = max(prediction[0] + margin, own or 0.0) - budget
+            earliest = max(prediction[0] + margin, own or 0.0) - allowed
             wait_s = schedule.place(tenant, earliest, slot_s, own_slot_s, MAX_SLOT_WAIT_S)
             if wait_s > MAX_SLOT_WAIT_S:
                 # past what a slot is kept for: none is kept (the capped Retry-After is not
@@ -480,7 +494,7 @@ class AdmissionController:
         cap = MAX_SLOT_WAIT_S if promised and math.isfinite(predicted) else MAX_RETRY_AFTER_S
         refuse(
             f"the predicted time to first token ({_ms(predicted)} ms) exceeds this "
-            f"request's budget ({_ms(budget)} ms, {BUDGET_HEADER}); retry later",
+            f"request's budget ({_ms(budget)} ms, {BUDGET_HEADER}){beyond}; retry later",
             wait_s,
             # no time in sight, or a slot past the longest kept: a guess, no promise
             math.isfinite(predicted) and wait_s <= cap,
@@ -545,8 +559,10 @@ class AdmissionController:
                 # engine's rates are its model time per step and leave out the gaps between
                 # steps, the gateway's work and a machine short of CPU (returning clients met
                 # the bound again); for hundreds of departures its model overshot instead
-                # (docs/admission.md, "The queue bound's wait")
-                return n / self.drain_rate, True
+                # (docs/admission.md, "The queue bound's wait"). No faster than the seats'
+                # pace: a batch that left the queue at once into free seats is measured as
+                # departing at once (``_departure_s``)
+                return self._departure_s(n), True
             queued = self.queued_requests + held
             mean = (self.queued_tokens + self.promises.tokens) / max(1, queued)
             got = self.wait.departure_s(n, mean)
@@ -576,17 +592,11 @@ class AdmissionController:
         return self.queued_by_tenant.get(tenant, 0) + requests <= share
 
     def retry_after(self, held: int = 0) -> float:
-        """Seconds until the current queue (and ``held`` promised places) has drained: at the
-        measured drain rate once it holds ``min_departures`` departures, else by the
-        service-time estimate (see class)."""
-        rate = self.drain_rate
-        queued = self.queued_requests + held
-        if self._drain_warm:
-            wait = queued / rate
-        else:
-            running = max(1, self.concurrency or self._peak_running)
-            wait = queued * self._service / running
-        return min(60.0, max(1.0, wait))
+        """Seconds until the current queue (and ``held`` promised places) has drained, within
+        ``[1, 60]``: its departures at the queue's pace (``_departure_s``: the measured drain
+        rate once it holds ``min_departures`` departures, never faster than the seats' pace
+        from the service-time estimate; see class)."""
+        return min(60.0, max(1.0, self._departure_s(self.queued_requests + held)))
 
     def _note_service(self, seconds: float) -> None:
         self._service = seconds if self._service == 0.0 else 0.7 * self._service + 0.3 * seconds

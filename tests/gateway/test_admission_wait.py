@@ -303,6 +303,38 @@ def test_a_budget_no_wait_can_meet_is_admitted_not_sent_back_forever():
     assert exc.value.code == "ttft_budget_exceeded" and exc.value.retry_after > 0
 
 
+def test_a_large_miss_margin_does_not_switch_budgets_off():
+    # A new user's pass on `prefixgate serve --runner sim`: behind two long decodes, first
+    # tokens came ~10.6 s later than predicted, and that miss became the margin. A budget was
+    # admitted at once whenever the margin alone exceeded it, so from then on every small
+    # budget passed: a 50 ms budget was admitted at a predicted 12,285 ms. A budget below
+    # what a request takes alone (margin included) is now the wait it accepts beyond that:
+    # refused while the queue ahead adds more, admitted once it adds no more.
+    clock = Clock()
+    engine = RatedEngine(waiting=10)  # eight seats taken, ten queued: seconds of queue ahead
+    ctl = _ctl(engine, clock)
+    ctl.budget_slots = SlotSchedule(clock=clock)
+    for _ in range(20):  # MISS_MIN misses of 10.6 s: the margin
+        ctl.wait.observe(0.1, 10.7)
+    assert ctl.wait.margin_s() == pytest.approx(10.6)
+    predicted = engine.predict_ttft(100)
+    assert predicted is not None and predicted > 1.0  # the queue ahead adds seconds
+    for promised in (False, True):
+        with pytest.raises(APIError) as exc:
+            ctl.admit(100, fingerprint="small" if promised else None, budget_s=0.05)
+        err = exc.value
+        assert err.status == 429 and err.code == "ttft_budget_exceeded", err
+        assert "alone" in err.message, err.message
+        # told to come back when the queue ahead adds no more than the 50 ms
+        alone = ctl.wait.alone_s(100)
+        assert alone is not None
+        assert err.retry_after >= predicted - alone - 0.05 - 1e-6, (err.retry_after, predicted)
+    engine.waiting = engine.running = 0  # the queue gone: the same budget is admitted
+    ctl.admit(100, budget_s=0.05).done()
+    engine.running = 1  # a seat taken, seats free: the queue adds a step, within 50 ms
+    ctl.admit(100, budget_s=0.05).done()
+
+
 def test_a_promise_past_its_time_keeps_nobody_out_but_can_still_be_claimed():
     # Refused clients that never come back must not keep the queue full: once a promise is
     # due it holds no place for newcomers (measured: 468 refused, none back, and the next
@@ -664,3 +696,29 @@ def test_a_drain_rate_measured_from_a_batch_admitted_at_once_does_not_space_the_
     steps = [b - a for a, b in zip(waits, waits[1:], strict=False)]
     assert min(steps) >= engine.service_s / SEQS * 0.99, steps  # the seats' pace
     _returns_meet_budget(ctl, clock, engine, t0, waits, tenants, budget)
+
+
+def test_the_queue_bounds_wait_is_no_faster_than_the_seats_pace():
+    # The queue bound's wait read the drain rate alone: after a batch left the queue at once
+    # into free seats (17.6 departures a second measured, where 8 seats free 8 a second) a
+    # full queue's clients were told 2.3x too short a wait and met the bound again. The
+    # budget slots had this floor (``_departure_s``); the queue bound's wait (both the
+    # engine-measured path and ``retry_after``) now takes it too.
+    clock = Clock()
+    engine = BatchEngine(end_s=5.0, service_s=1.0)
+    ctl = _ctl(engine, clock, max_queued_requests=16)
+    ctl.concurrency = SEQS
+    ctl._service = engine.service_s
+    ctl._rate, ctl._busy, ctl._last = 16 / ctl._tau, 0.05, time.monotonic()
+    assert ctl._drain_warm and ctl.drain_rate > 2 * SEQS / engine.service_s
+    held = [ctl.admit(100) for _ in range(16)]
+    pace = engine.service_s / SEQS  # seconds a departure at the seats' pace
+    wait = _refused(ctl, "late")
+    assert wait >= 1 * pace * 0.99  # one departure frees its place
+    assert ctl.retry_after() >= 16 * pace * 0.99  # the whole queue at the seats' pace
+    ctl.wait = None  # proxy mode: the queue bound's wait is retry_after's
+    with pytest.raises(APIError) as exc:
+        ctl.admit(100)
+    assert exc.value.retry_after >= 16 * pace * 0.99  # the whole queue at the seats' pace
+    for ticket in held:
+        ticket.done()
