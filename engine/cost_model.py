@@ -12,7 +12,14 @@ token's compute, ``c``: a decode row's (its GEMM row, sampling, bookkeeping), ``
 reads per context token, ``e``: a prefill row over computed tokens (a cached prefix or an
 earlier chunk), whose attention takes the general path (on the CPU: the context gathered
 through the block table, a mask built) where a whole fresh prompt takes plain causal
-attention. Profiles without ``e`` (those written before it) have ``e = 0``. Profiles are named in ``PROFILES``; ``docs/sim.md`` gives each one's
+attention. Profiles without ``e`` (those written before it) have ``e = 0``.
+
+A step after the engine idled costs more (``CostProfile.wake_up_s``): ``wake_s * (1 -
+exp(-idle_s / wake_tau_s))`` is added to the first step after ``idle_s`` seconds without one
+(on a CPU: halted virtual CPUs and cold caches; measured 2.4-3.2 ms back to back against
+5.0-7.5 ms after 200 ms idle, docs/sim.md). Profiles without it have ``wake_s = 0``.
+
+Profiles are named in ``PROFILES``; ``docs/sim.md`` gives each one's
 source and derivation. ``python -m prefixgate.engine.sim_fit`` fits a profile to this machine's
 real engine (least squares) and writes it as JSON, which ``load_profile`` reads back.
 """
@@ -54,6 +61,8 @@ class CostProfile:
         a_s: seconds per step.
         b_s_per_prefill_token, c_s_per_decode_row, d_s_per_context_token,
         e_s_per_continued_row: seconds per unit.
+        wake_s: seconds the first step after a long idle spell adds (``wake_up_s``).
+        wake_tau_s: the idle time constant of that cost (seconds, > 0).
         num_kv_blocks: KV blocks (of ``block_size`` tokens) one replica holds, or None (the
             engine's own default applies).
         block_size: tokens per KV block the block count is stated in.
@@ -72,6 +81,8 @@ class CostProfile:
     block_size: int = 16
     source: str = ""
     e_s_per_continued_row: float = 0.0
+    wake_s: float = 0.0
+    wake_tau_s: float = 0.1
 
     def __post_init__(self) -> None:
         for key in (
@@ -80,12 +91,16 @@ class CostProfile:
             "c_s_per_decode_row",
             "d_s_per_context_token",
             "e_s_per_continued_row",
+            "wake_s",
+            "wake_tau_s",
         ):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise TypeError(f"{key} must be a number, got {value!r}")
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{key} must be a finite number >= 0, got {value}")
+        if self.wake_tau_s <= 0:
+            raise ValueError(f"wake_tau_s must be > 0, got {self.wake_tau_s}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
 
@@ -100,6 +115,13 @@ class CostProfile:
             + self.d_s_per_context_token * shape.context_tokens
             + self.e_s_per_continued_row * shape.continued_rows
         )
+
+    def wake_up_s(self, idle_s: float) -> float:
+        """Seconds a step adds after ``idle_s`` seconds without one (``inf``: the first
+        step): ``wake_s * (1 - exp(-idle_s / wake_tau_s))``, 0 for ``idle_s <= 0``."""
+        if self.wake_s == 0.0 or not idle_s > 0:
+            return 0.0
+        return self.wake_s * -math.expm1(-idle_s / self.wake_tau_s)
 
     def to_json(self) -> dict[str, Any]:
         """The profile as a JSON object (``load_profile`` reads it back)."""

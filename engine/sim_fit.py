@@ -11,7 +11,9 @@ scheduler and only replaces the runner), and fits ``step_s = a + b * prefill_tok
 c * decode_rows + d * context_tokens + e * continued_rows`` (``cost_model``) by least absolute
 deviations (iteratively reweighted
 numpy ``lstsq``: a shared machine's timing spikes do not pull the line; a coefficient that
-comes out negative is fixed at 0 and the rest refitted). Prints the profile and the fit's error
+comes out negative is fixed at 0 and the rest refitted). With ``--wall`` it also times first
+steps after idle spells of several lengths and fits the profile's wake-up term to them
+(``collect_wake``, ``fit_wake``). Prints the profile and the fit's error
 and writes it as JSON for ``--sim-profile FILE``.
 """
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from typing import Any
@@ -116,6 +119,93 @@ def collect(
     return rows
 
 
+WAKE_GAPS_S = (0.0, 0.003, 0.01, 0.03, 0.1, 0.3)
+"""Idle spells (seconds) ``collect_wake`` times a first step after; 0: back to back."""
+
+WAKE_TAUS_S = (0.003, 0.005, 0.01, 0.02, 0.03, 0.05, 0.1, 0.2, 0.3, 0.5)
+"""The time constants ``fit_wake`` tries (seconds)."""
+
+
+def collect_wake(
+    engine: Any,
+    repeats: int = 12,
+    clock: Any = time.perf_counter,
+    whole_step: bool = False,
+    sleep: Any = time.sleep,
+) -> list[tuple[float, float]]:
+    """``(idle_s, seconds)`` per timed step: the first step (a 16-token prompt after a 64-token
+    cached prefix) of a request added after the engine idled ``idle_s`` (each of
+    ``WAKE_GAPS_S``, ``repeats`` times, interleaved), timed as ``collect`` times a step. Wall
+    time only means something here: an idle CPU's cost (a halted virtual CPU, cold caches) is
+    time, not work."""
+    from prefixgate.engine.sampling_params import SamplingParams
+
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    head = [3 + (i * 104723) % (vocab - 3) for i in range(64)]
+    runner = engine.runner
+    execute = runner.execute
+    took: list[float] = []
+
+    def timed(sched_out: Any) -> Any:
+        t0 = clock()
+        out = execute(sched_out)
+        took.append(clock() - t0)
+        return out
+
+    engine.add_request("wake-prefix", head + [3], params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    rows: list[tuple[float, float]] = []
+    runner.execute = timed
+    n = 0
+    try:
+        for rep in range(repeats + 1):  # the first pass warms up, its rows are dropped
+            if rep == 1:
+                rows.clear()
+            for gap in WAKE_GAPS_S:
+                n += 1
+                tail = [3 + (n * 7919 + i * 104729) % (vocab - 3) for i in range(16)]
+                sleep(gap)  # the last request's decode steps ended just now: idle from here
+                engine.add_request(f"wake-{n}", head + tail, params)
+                took.clear()
+                t0 = clock()
+                engine.step()
+                seconds = clock() - t0 if whole_step else took[0]
+                rows.append((gap, seconds))
+                while engine.has_unfinished_requests():
+                    engine.step()
+    finally:
+        runner.execute = execute
+    return rows
+
+
+def fit_wake(rows: list[tuple[float, float]]) -> tuple[float, float]:
+    """``(wake_s, wake_tau_s)`` of ``CostProfile.wake_up_s`` from ``collect_wake``'s rows:
+    the median step after each idle spell over the median back to back (idle 0), fitted to
+    ``wake_s * (1 - exp(-idle / tau))`` by least squares for each tau of ``WAKE_TAUS_S``
+    (``wake_s`` >= 0), keeping the tau of the smallest sum of absolute residuals (medians: a
+    shared machine's descheduled steps do not pull it). ``(0.0, 0.1)`` without rows back to
+    back or after an idle spell."""
+    by_gap: dict[float, list[float]] = {}
+    for gap, seconds in rows:
+        by_gap.setdefault(gap, []).append(seconds)
+    base = by_gap.pop(0.0, None)
+    if not base or not by_gap:
+        return 0.0, 0.1
+    floor = float(np.median(base))
+    gaps = np.array(sorted(by_gap))
+    extra = np.array([float(np.median(by_gap[g])) - floor for g in gaps])
+    best = (math.inf, 0.0, 0.1)
+    for tau in WAKE_TAUS_S:
+        g = -np.expm1(-gaps / tau)
+        wake = max(0.0, float(g @ extra / (g @ g)))
+        err = float(np.abs(wake * g - extra).sum())
+        if err < best[0]:
+            best = (err, wake, tau)
+    return best[1], best[2]
+
+
 def _row(shape: Any, seconds: float) -> tuple[int, int, int, int, float]:
     return (
         shape.prefill_tokens,
@@ -205,6 +295,10 @@ def main(argv: list[str] | None = None) -> int:
     clock = time.perf_counter if args.wall else time.thread_time
     rows = collect(engine, args.repeats, clock, args.whole_step)
     coef, quality = fit(rows)
+    wake_s, wake_tau_s = 0.0, 0.1
+    if args.wall:  # an idle spell's cost is wall time, not the thread's CPU time
+        wake_s, wake_tau_s = fit_wake(collect_wake(engine, clock=clock, whole_step=args.whole_step))
+    quality["wake_s"], quality["wake_tau_s"] = wake_s, wake_tau_s
     model = (args.model or "tiny-random").rstrip("/").split("/")[-1]
     profile = CostProfile(
         name=args.name or f"cpu-{model}",
@@ -213,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
         c_s_per_decode_row=float(coef[2]),
         d_s_per_context_token=float(coef[3]),
         e_s_per_continued_row=float(coef[4]),
+        wake_s=wake_s,
+        wake_tau_s=wake_tau_s,
         num_kv_blocks=engine.num_kv_blocks,
         block_size=config.block_size,
         source=f"fitted by prefixgate.engine.sim_fit on {model}, {args.threads} thread(s), "

@@ -100,6 +100,7 @@ class SimRunner:
         self.last_shape = StepShape(0, 0, 0)
         self.last_step_s = 0.0
         self.busy_s = 0.0  # modelled seconds of all steps
+        self.last_end: float | None = None  # the clock's time the last step ended
 
     @staticmethod
     def shape(scheduled: list[Any]) -> StepShape:
@@ -123,7 +124,7 @@ class SimRunner:
         if not scheduled:
             return RunnerOutput({}, {}, 0.0)
         shape = self.shape(scheduled)
-        cost = self.profile.step_s(shape)
+        cost = self.profile.step_s(shape) + self.profile.wake_up_s(self.idle_s(start))
         sampled: dict[str, int | list[int]] = {}
         for s in scheduled:
             if s.samples:
@@ -132,7 +133,13 @@ class SimRunner:
         self.last_shape, self.last_step_s = shape, cost
         self.busy_s += cost
         self.clock.sleep(cost - (self.clock.now() - start))
+        self.last_end = start + cost
         return RunnerOutput(sampled, {}, cost)
+
+    def idle_s(self, now: float) -> float:
+        """Seconds since the last step ended (``inf`` before the first): what
+        ``CostProfile.wake_up_s`` charges the next step for."""
+        return math.inf if self.last_end is None else now - self.last_end
 
     def tokens(self, request: Any, position: int, k: int) -> list[int]:
         """The pseudo tokens of ``request`` at output positions ``position`` to
@@ -212,7 +219,7 @@ def plan_decodes(
 
     Step j (0-based) of n decodes over C computed tokens costs
     ``step_s(StepShape(0, n, C + n * (j + 1)))``, the composition ``SimRunner.shape`` gives
-    it."""
+    it (step 0 also ``wake_up_s`` of the runner's idle time)."""
     runner = engine.runner
     s = engine.scheduler
     clock = getattr(runner, "clock", None)
@@ -269,8 +276,10 @@ def plan_decodes(
     profile = runner.profile
     ends: list[float] = []
     t = clock.t
+    wake = profile.wake_up_s(runner.idle_s(t))  # the first step's, after an idle spell
     while len(ends) < steps and t < until:
-        t += profile.step_s(StepShape(0, n, computed + n * (len(ends) + 1)))
+        t += profile.step_s(StepShape(0, n, computed + n * (len(ends) + 1))) + wake
+        wake = 0.0
         ends.append(t)
     return ends if len(ends) >= min_steps else None
 
@@ -337,6 +346,7 @@ def apply_decodes(engine: Any, start: float, ends: list[float]) -> list[Any]:
     runner.last_shape = StepShape(0, n, computed + n * k)
     runner.last_step_s = ends[-1] - (ends[-2] if k > 1 else start)
     runner.busy_s += last - start
+    runner.last_end = last
     clock.t = last
     engine.timing["steps"] += k
     op = engine.output_processor

@@ -88,6 +88,65 @@ def test_a_prefill_over_a_cached_prefix_is_a_continued_row(tmp_path):
     assert_pool_whole(eng)
 
 
+def test_a_step_after_an_idle_spell_pays_the_profiles_wake_up(tmp_path):
+    """``wake_s * (1 - exp(-idle / tau))`` on the first step after ``idle`` seconds without
+    one (the whole of it on the engine's first step), nothing on a step back to back; a
+    decode stretch at once (``plan_decodes``) charges it on its first step too."""
+    import json
+    import math
+
+    from prefixgate.engine.sim_runner import apply_decodes, plan_decodes
+
+    profile = CostProfile("w", 1e-3, 1e-5, 2e-5, 0.0, num_kv_blocks=64, wake_s=4e-3, wake_tau_s=0.1)
+    assert profile.wake_up_s(0.0) == 0.0 and profile.wake_up_s(-1.0) == 0.0
+    assert profile.wake_up_s(math.inf) == pytest.approx(4e-3)
+    assert profile.wake_up_s(0.1) == pytest.approx(4e-3 * (1 - math.exp(-1)))
+    assert PROFILES["h100-llama3-8b"].wake_up_s(math.inf) == 0.0  # built-in: none
+    with pytest.raises(ValueError, match="wake_tau_s"):
+        CostProfile("w", 1e-3, 1e-5, 2e-5, 0.0, wake_tau_s=0.0)
+    with pytest.raises(ValueError, match="wake_s"):
+        CostProfile("w", 1e-3, 1e-5, 2e-5, 0.0, wake_s=-1e-3)
+    path = tmp_path / "w.json"
+    path.write_text(json.dumps(profile.to_json()))
+    assert load_profile(str(path)) == profile
+    clock = VirtualClock()
+    eng = _engine(clock, sim_profile=str(path))
+    eng.output_processor.detokenizer_cls = lambda *_: None  # token ids only, as the fleet
+    sp = SamplingParams(max_tokens=2)
+    eng.add_request("a", PROMPT, sp)
+    eng.step()  # the engine's first step: the whole wake-up
+    assert clock.t == pytest.approx(profile.step_s(StepShape(64, 0, 64)) + 4e-3)
+    before = clock.t
+    eng.step()  # back to back
+    assert clock.t - before == pytest.approx(profile.step_s(StepShape(0, 1, 65)))
+    clock.t += 0.05  # idle 50 ms
+    eng.add_request("b", list(range(100, 116)), sp)
+    before = clock.t
+    eng.step()
+    assert clock.t - before == pytest.approx(
+        profile.step_s(StepShape(16, 0, 16)) + 4e-3 * (1 - math.exp(-0.5))
+    )
+    _run(eng)
+    clock.t += 1.0  # idle a second, then a stretch of decodes planned at once
+    eng.add_request("c", list(range(120, 136)), SamplingParams(max_tokens=12, ignore_eos=True))
+    eng.step()  # its prefill (and first token): pays the wake-up
+    start = clock.t
+    ends = plan_decodes(eng, min_steps=2)
+    assert ends is not None
+    assert ends[0] - start == pytest.approx(profile.step_s(StepShape(0, 1, 17)))  # not idle
+    clock.t += 0.2  # idle again before the stretch runs: its first step pays
+    start = clock.t
+    ends = plan_decodes(eng, min_steps=2)
+    assert ends is not None
+    wake = 4e-3 * (1 - math.exp(-2.0))
+    assert ends[0] - start == pytest.approx(profile.step_s(StepShape(0, 1, 17)) + wake)
+    assert ends[1] - ends[0] == pytest.approx(profile.step_s(StepShape(0, 1, 18)))
+    apply_decodes(eng, start, ends)
+    assert eng.runner.last_end == pytest.approx(ends[-1])
+    _run(eng)
+    assert_pool_whole(eng)
+
+
 def test_outputs_honour_max_tokens_and_are_deterministic_whatever_the_batch():
     a = _engine()
     a.add_request("x", PROMPT, SamplingParams(max_tokens=7))
@@ -235,6 +294,33 @@ def test_sim_fit_times_fresh_and_continued_prefills_and_decodes():
     assert any(p and not c for p, _, _, c, _ in rows)  # fresh prefill rows
     assert any(c for _, _, _, c, _ in rows)  # continued rows
     assert any(d and not p for p, d, _, _, _ in rows)  # decode steps
+    assert not eng.has_unfinished_requests()
+    assert_pool_whole(eng)
+
+
+def test_sim_fit_recovers_a_known_wake_up_and_times_first_steps_after_idle():
+    import math
+
+    import numpy as np
+    from prefixgate.engine.sim_fit import WAKE_GAPS_S, collect_wake, fit_wake
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for _ in range(12):
+        for gap in WAKE_GAPS_S:
+            y = 2.5e-3 + 3e-3 * -math.expm1(-gap / 0.05) + float(rng.normal(0, 5e-5))
+            rows.append((gap, y * (3 if rng.random() < 0.05 else 1)))  # a descheduled step
+    wake, tau = fit_wake(rows)
+    assert wake == pytest.approx(3e-3, rel=0.1) and tau == 0.05
+    assert fit_wake([(0.0, 1e-3)]) == (0.0, 0.1)  # nothing after idle: no term
+    assert fit_wake([(0.1, 1e-3), (0.0, 2e-3)])[0] == 0.0  # faster after idle: none, not < 0
+    # collect_wake on the built-in preset (sleeping replaced): one row per gap per repeat,
+    # the engine left empty and whole
+    slept: list[float] = []
+    eng = LLMEngine(EngineConfig(threads=1, device="cpu"))
+    got = collect_wake(eng, repeats=2, sleep=slept.append)
+    assert [g for g, _ in got] == list(WAKE_GAPS_S) * 2 and all(s > 0 for _, s in got)
+    assert slept == list(WAKE_GAPS_S) * 3  # the warm-up pass too
     assert not eng.has_unfinished_requests()
     assert_pool_whole(eng)
 
