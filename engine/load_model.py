@@ -26,6 +26,7 @@ the gateway imports this module in proxy mode too.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from collections import deque
@@ -43,6 +44,8 @@ FINISH_WINDOW_MAX_S = 60.0
 STEP_WINDOW_S = 8.0  # busy wall seconds of steps the seat schedule's mean step spans
 STEP_RECENT_S = 1.0  # ... and the recent part of it that counts when its steps are slower
 SEAT_HOLD_WINDOW = 64  # finished requests whose time seated bounds the seat service below
+OUTPUT_WINDOW = 256  # finished requests' output lengths a running request's rest is read from
+OUTPUT_REST_MIN = 4  # ... of them longer than it has run, for that rest to count
 ARRIVAL_TAU_S = 2.0  # time constant (seconds) of the arrival rates (``ArrivalRates``)
 SEAT_HORIZON_S = 120.0  # a seat later than this many seconds ahead is no seat in sight (inf)
 
@@ -171,6 +174,39 @@ class ArrivalRates:
         return rate * math.exp(-max(0.0, now - last) / ARRIVAL_TAU_S)
 
 
+class OutputLengths:
+    """The output lengths of the last ``OUTPUT_WINDOW`` finished requests, and the mean rest
+    of a running request from them (``rest``). Cost: O(W) a ``add`` batch, O(log W) a query."""
+
+    __slots__ = ("_window", "_sorted", "_suffix")
+
+    def __init__(self) -> None:
+        self._window: deque[int] = deque(maxlen=OUTPUT_WINDOW)
+        self._sorted: list[int] | None = []
+        self._suffix: list[int] = [0]  # _suffix[i]: sum of _sorted[i:]
+
+    def add(self, n: int) -> None:
+        self._window.append(n)
+        self._sorted = None  # re-sorted at the next query
+
+    def rest(self, done: int) -> float | None:
+        """The mean output tokens left of a request that has sampled ``done``: the mean of
+        ``L - done`` over the window's lengths ``L > done`` (the empirical mean residual life,
+        as in renewal theory), or ``None`` when fewer than ``OUTPUT_REST_MIN`` are that long
+        (the window cannot say)."""
+        if self._sorted is None:
+            self._sorted = sorted(self._window)
+            suffix = [0] * (len(self._sorted) + 1)
+            for i in range(len(self._sorted) - 1, -1, -1):
+                suffix[i] = suffix[i + 1] + self._sorted[i]
+            self._suffix = suffix
+        i = bisect.bisect_right(self._sorted, done)
+        longer = len(self._sorted) - i
+        if longer < OUTPUT_REST_MIN:
+            return None
+        return self._suffix[i] / longer - done
+
+
 class LoadModel:
     """The measured load of one scheduler: step rates, finish rate, step time and the finished
     requests' output lengths and seated times (see the module docstring).
@@ -191,6 +227,7 @@ class LoadModel:
         self._step_time = StepTime()
         self._busy_since: float | None = None  # the last step's end, when it left work
         self._holds: deque[float] = deque(maxlen=SEAT_HOLD_WINDOW)  # seconds seated, finished
+        self.outputs = OutputLengths()  # finished requests' output lengths
         self.arrivals = ArrivalRates()  # requests arriving per second, in all and per tenant
 
     def overtake_per_s(self, over: Mapping[str, float], now: float) -> dict[str, float]:
@@ -217,6 +254,7 @@ class LoadModel:
             if r.first_scheduled_time is not None and r.finished_time is not None:
                 self._holds.append(r.finished_time - r.first_scheduled_time)
             n = float(r.num_output_tokens)
+            self.outputs.add(r.num_output_tokens)
             old = self.mean_output_tokens
             self.mean_output_tokens = n if old is None else (1 - RATE_ALPHA) * old + RATE_ALPHA * n
 
@@ -300,11 +338,11 @@ class LoadModel:
         services at the window's ``mean_s``); both ``None`` before a request has finished.
 
         A running request's steps left: its tokens left (``max_tokens`` and the model length
-        bound them; without ``ignore_eos`` also the rest of the mean output of finished
-        requests, at least one, or, once it has run past that mean, as many tokens again as it
-        has sampled: a request longer than the typical one is no sign of ending soon, and for
-        a long-tailed output length the expected rest grows with the length reached), one a
-        step, and its prompt's chunks still to prefill (at most
+        bound them; without ``ignore_eos`` also its expected rest: the mean rest of the
+        finished requests that ran longer than it has (``OutputLengths.rest``), or, where
+        too few did, the rest of the mean output, or, once it has run past that mean, as many
+        tokens again as it has sampled: a request longer than the typical one is no sign of
+        ending soon; at least one), one a step, and its prompt's chunks still to prefill (at most
         ``max_num_batched_tokens`` each; the last of them samples its first token). A waiting
         request holds its seat for the mean output's steps, or for the mean time the last
         ``SEAT_HOLD_WINDOW`` finished requests sat where that is longer (prefill steps,
@@ -326,7 +364,10 @@ class LoadModel:
             params = r.sampling_params
             if not (params is not None and params.ignore_eos):
                 done = r.num_output_tokens
-                left = min(left, math.ceil(mean - done) if done < mean else done)
+                rest = self.outputs.rest(done)
+                if rest is None:
+                    rest = mean - done if done < mean else done
+                left = min(left, math.ceil(rest))
             left = max(1, left)
             chunks = -(-max(0, r.num_prompt_tokens - r.num_computed_tokens) // budget)
             free.append((left + max(0, chunks - 1)) * near)

@@ -228,6 +228,51 @@ def test_a_request_past_the_mean_output_is_not_about_to_end(monkeypatch):
     assert sched.kv.num_free_blocks == sched.kv.num_blocks
 
 
+def test_a_request_past_the_short_outputs_is_expected_to_run_as_the_long_ones_did(monkeypatch):
+    # A helper's case (serve --runner sim): 1,200-token answers after 32-token ones had their
+    # seats predicted ~9 s early. With two kinds of answer, the mean output (about half way)
+    # says nothing of a request that has run past the short kind: it is one of the long kind.
+    # Its rest is the mean rest of the finished requests that ran longer than it has.
+    clocked = _ClockedScheduler(monkeypatch, max_num_seqs=2, num_blocks=512)
+    sched = clocked.sched
+    for i in range(8):  # short answers of 16 tokens and long ones of 400, interleaved
+        clocked.add(f"s{i}", max_tokens=16, ignore_eos=False)
+        clocked.add(f"l{i}", max_tokens=400, ignore_eos=False)
+        while sched.has_unfinished_requests():
+            clocked.step(0.010)
+    assert 16 < sched.load.mean_output_tokens < 400
+    clocked.add("run", max_tokens=1000, ignore_eos=False)
+    for _ in range(40):  # 40 tokens: past every short answer
+        clocked.step(0.010)
+    (free,) = sched.stats()["seat_free_s"]
+    # 360 tokens left of the long kind's 400, ~3.6 s of 10 ms steps (the mean's rest said
+    # about half of that)
+    assert free == pytest.approx(360 * 0.010, rel=0.05), free
+    for _ in range(8):  # 48 tokens: still 352 to go
+        clocked.step(0.010)
+    (free,) = sched.stats()["seat_free_s"]
+    assert free == pytest.approx(352 * 0.010, rel=0.05), free
+    sched.abort_requests(["run"])
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
+
+
+def test_output_lengths_rest_is_the_mean_residual_over_the_longer_ones():
+    from prefixgate.engine.load_model import OUTPUT_REST_MIN, OUTPUT_WINDOW, OutputLengths
+
+    lengths = OutputLengths()
+    assert lengths.rest(0) is None  # nothing finished
+    for n in (10, 20, 30, 40, 50):
+        lengths.add(n)
+    assert lengths.rest(0) == pytest.approx(30)
+    assert lengths.rest(10) == pytest.approx(35 - 10)  # 20..50, mean 35
+    assert lengths.rest(19) == pytest.approx(35 - 19)
+    assert lengths.rest(20) is None  # three longer: fewer than OUTPUT_REST_MIN
+    assert OUTPUT_REST_MIN == 4
+    for _ in range(OUTPUT_WINDOW):  # the window forgets the old lengths
+        lengths.add(7)
+    assert lengths.rest(0) == pytest.approx(7) and lengths.rest(7) is None
+
+
 def test_the_step_time_is_a_plain_mean_over_its_window():
     from prefixgate.engine.load_model import STEP_WINDOW_S, StepTime
 
