@@ -241,6 +241,14 @@ def choose_tool(
     return checked, mode, named
 
 
+def prompt_tools(tools: list[dict[str, Any]] | None, tool_choice: Any) -> list[dict[str, Any]]:
+    """The tools a chat's prompt declares, as ``plan_tools`` renders them: none under
+    ``tool_choice`` ``"none"`` (the model is not to call one), else all of ``tools``. For a
+    prompt counted elsewhere (proxy mode's ``/tokenize`` body), so it counts what local mode
+    renders."""
+    return [] if tool_choice == "none" else list(tools or [])
+
+
 def plan_tools(
     tools: list[Any] | None,
     tool_choice: Any,
