@@ -528,6 +528,20 @@ def pack_linears(model: nn.Module) -> nn.Module:
     return model
 
 
+def decide_gemm_rows(model: nn.Module) -> int:
+    """Decide now, for each :class:`OneDNNLinear` of ``model``, whether a few rows take
+    ``cpu_ext.gemm_panels`` (the decision its first such forward would make): a layer whose
+    packed weight is 64-wide panels asks :func:`prefixgate.kernels.cpu_ext.available`, which
+    builds the C++ ops once per process or loads them from torch's extensions cache. The
+    loader calls it, so that build is paid while the model loads (before the server is
+    ready), not by the first request.
+
+    Returns:
+        how many layers take ``cpu_ext.gemm_panels`` for a few rows.
+    """
+    return sum([m._gemm_rows() for m in model.modules() if isinstance(m, OneDNNLinear)])
+
+
 def weight_storage_bytes(model: nn.Module) -> int:
     """Bytes of every distinct storage ``model`` holds weights in: its parameters' and buffers'
     storages, each :class:`OneDNNLinear`'s packed buffer and one-row copy, each tied

@@ -15,6 +15,7 @@ from prefixgate.engine.models.config import ModelConfig
 from prefixgate.engine.models.cpu_linear import (
     CALIBRATION_MIN_BYTES,
     calibrate_one_row,
+    decide_gemm_rows,
     pack_linears,
     use_onednn_linear,
     warm_up_row_counts,
@@ -89,6 +90,7 @@ def load_model(model_config: ModelConfig, engine_config: EngineConfig) -> Causal
             calibrate_int8_one_row(model)  # batch-1 decode: the AVX2 int8 GEMV where faster
     elif use_onednn_linear(device, model_config.dtype, None):
         pack_linears(model)  # MKL's sgemm is slower (cpu_linear.py, docs/benchmarks/cpu-gemm.md)
+        decide_gemm_rows(model)  # builds the C++ ops now where a forward would use them
         calibrate_one_row(model)  # batch-1 decode: the fastest GEMM per shape at one row
         if engine_config.warmup_row_counts:
             _warm_up_row_counts(model, engine_config)

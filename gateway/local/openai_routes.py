@@ -48,7 +48,7 @@ from prefixgate.gateway.wire.request_fields import (
 from prefixgate.gateway.wire.request_models import (
     ChatCompletionRequest,
     CompletionRequest,
-    check_chat_refused,
+    check_chat_body,
 )
 from prefixgate.gateway.wire.response_models import ModelCard, ModelList, dump
 from prefixgate.gateway.wire.stop_strings import refuse_stop_under_constraint
@@ -58,29 +58,26 @@ from prefixgate.gateway.wire.tools import ToolPlan, plan_tools, template_message
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/chat/completions."""
     st, engine, principal, req = await open_call(request, ChatCompletionRequest)
-    check_chat_refused(req)
+    spec, field = check_chat_body(req)  # what the body says on its own: as proxy mode
+    messages = template_messages(req.messages)
+    if req.prefix_id is not None:
+        prefix = await request.app[LOCAL].require_prefixes().lookup(req.prefix_id, principal.salt)
+        messages = prefix.messages + messages
+    # what needs this server: its tool-call parser, the schemas' grammar, the vocabulary
     plan = plan_tools(
         req.tools, req.tool_choice, req.parallel_tool_calls, st.settings.tool_call_parser
     )
-    spec, field = structured_from(req)
-    if spec is not None and plan.structured is not None:
-        why = (
-            "strict tools under tool_choice 'auto' (their calls are constrained)"
-            if plan.mode == "auto"
-            else f"tool_choice {req.tool_choice!r} (it constrains the output to a tool call)"
+    if spec is not None and plan.structured is not None:  # forced calls: check_chat_body's
+        raise bad_request(
+            f"{field}: cannot be combined with strict tools under tool_choice 'auto' (their "
+            "calls are constrained)",
+            param=field,
         )
-        raise bad_request(f"{field}: cannot be combined with {why}", param=field)
-    forced = "tool_choice" if plan.mode in ("required", "named") else None
-    refuse_stop_under_constraint(req.stop, "stop", field if spec is not None else forced)
     if plan.structured is not None:
         spec, field = plan.structured, "tools"
     if spec is not None:
         await _check_constraint(spec, field or "structured_outputs")
     check_vocab(req, engine.tokenizer.vocab_size)
-    messages = template_messages(req.messages)
-    if req.prefix_id is not None:
-        prefix = await request.app[LOCAL].require_prefixes().lookup(req.prefix_id, principal.salt)
-        messages = prefix.messages + messages
     if not messages:
         raise bad_request("messages must hold at least one message", param="messages")
     offset = len(messages) - len(req.messages)  # a prefix_id's messages come first

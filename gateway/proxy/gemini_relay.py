@@ -90,6 +90,7 @@ from prefixgate.gateway.wire.gemini_routes import (
 )
 from prefixgate.gateway.wire.response_models import ChatCompletion, ChatCompletionChunk
 from prefixgate.gateway.wire.stop_strings import refuse_stop_under_constraint
+from prefixgate.gateway.wire.tools import prompt_tools
 
 _DESCRIPTION = "served by prefixgate (proxy)"  # the model object's description
 
@@ -491,8 +492,9 @@ async def _count(call: _Call, chat: Chat) -> web.StreamResponse:
             "messages": wire_messages(chat.messages),
             "add_generation_prompt": True,
         }
-        if chat.tools:
-            body["tools"] = chat.tools
+        tools = prompt_tools(chat.tools, chat.tool_choice)  # as local mode renders them
+        if tools:
+            body["tools"] = tools
         data = await post_count(
             call,
             up,

@@ -46,6 +46,7 @@ from prefixgate.gateway.wire.anthropic_events import (
     usage_block,
 )
 from prefixgate.gateway.wire.anthropic_models import Chat, MessagesRequest
+from prefixgate.gateway.wire.tools import prompt_tools
 
 
 class Malformed(Exception):
@@ -305,8 +306,9 @@ def tokenize_body(chat: Chat, model: str) -> dict[str, Any]:
         "messages": openai_messages(chat),
         "add_generation_prompt": True,
     }
-    if chat.tools:
-        body["tools"] = chat.tools
+    tools = prompt_tools(chat.tools, chat.tool_choice)  # as local mode renders them
+    if tools:
+        body["tools"] = tools
     return body
 
 

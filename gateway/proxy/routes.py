@@ -55,10 +55,9 @@ from prefixgate.gateway.proxy.usage import UsageTap, admit_call, ask_usage, body
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.tenancy.keys import Principal, client_credential, effective_salt
 from prefixgate.gateway.tenancy.ttft_budget import BUDGET_HEADER
-from prefixgate.gateway.wire.request_fields import structured_from
 from prefixgate.gateway.wire.request_models import (
     ChatCompletionRequest,
-    check_chat_refused,
+    check_chat_body,
     check_contents,
     gateway_fields,
     load_json,
@@ -134,15 +133,16 @@ async def _with_prefix(
 ) -> tuple[ProxyPrefix, dict[str, Any]]:
     """The request's prefix (404 unless it is the key's and live) and the request as if sent
     in full: the prefix's messages, then its own (``prefix_id`` dropped). ``body`` (the
-    client's bytes) is checked first as local mode checks it (the same 400 naming the field,
-    whether or not the prefix is found).
+    client's bytes) is checked first as local mode checks it before its lookup: the wire
+    model, the model's name, what the body says on its own (``check_chat_body``), so a bad
+    body is the same 400 whether or not the prefix is found.
 
     Raises:
-        APIError: 400 naming a bad field; 404 ``prefix_not_found``.
+        APIError: 400 naming a bad field; 404 ``model_not_found``, ``prefix_not_found``.
     """
     req = parse(ChatCompletionRequest, body)
-    check_chat_refused(req)
-    structured_from(req)  # a malformed output constraint: the 400 naming it
+    request.app[PROXY].router.resolve(parsed.get("model"))  # local mode's model check
+    check_chat_body(req)
     prefix_id = parsed["prefix_id"]  # a string on a chat body (gateway_fields)
     messages = parsed.get("messages") or []  # a list (parsed); absent: the prefix's only
     prefix = await request.app[PROXY].prefixes.lookup(prefix_id, owner_salt)

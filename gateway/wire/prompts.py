@@ -263,16 +263,21 @@ def choice_seeds(seed: int | None, n: int) -> list[int | None]:
     return [(base + i + 2**63) % 2**64 - 2**63 for i in range(n)]
 
 
-def check_vocab(req: Any, vocab_size: int) -> None:
-    """``logit_bias`` and ``stop_token_ids`` ids must be token ids of the model.
+def _token_id_fields(req: Any) -> list[tuple[str, list[Any]]]:
+    return [
+        ("logit_bias", list(req.logit_bias or {})),
+        ("stop_token_ids", list(req.stop_token_ids or [])),
+    ]
+
+
+def check_token_ids(req: Any) -> None:
+    """``logit_bias`` keys and ``stop_token_ids`` must be token ids: an int or the decimal
+    digits of one, not negative. Needs no model (the vocabulary's bound: ``check_vocab``).
 
     Raises:
         APIError: 400 naming the field.
     """
-    for name, ids in (
-        ("logit_bias", list(req.logit_bias or {})),
-        ("stop_token_ids", list(req.stop_token_ids or [])),
-    ):
+    for name, ids in _token_id_fields(req):
         for t in ids:
             tid = token_id_key(t)
             if tid is None:
@@ -281,7 +286,24 @@ def check_vocab(req: Any, vocab_size: int) -> None:
                     'of one, as "42")',
                     param=name,
                 )
-            if not 0 <= tid < vocab_size:
+            if tid < 0:
+                raise bad_request(
+                    f"{name}: token id {tid} is negative (token ids count from 0)", param=name
+                )
+
+
+def check_vocab(req: Any, vocab_size: int) -> None:
+    """``logit_bias`` and ``stop_token_ids`` ids must be token ids of the model: those of
+    ``check_token_ids``, below ``vocab_size``.
+
+    Raises:
+        APIError: 400 naming the field.
+    """
+    check_token_ids(req)
+    for name, ids in _token_id_fields(req):
+        for t in ids:
+            tid = token_id_key(t)
+            if tid is not None and tid >= vocab_size:
                 raise bad_request(
                     f"{name}: token id {tid} is outside the vocabulary [0, {vocab_size})",
                     param=name,

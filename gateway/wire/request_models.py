@@ -28,8 +28,11 @@ from prefixgate.gateway.http.json_guard import (  # noqa: F401 - re-exported for
     load_json,
 )
 from prefixgate.gateway.tenancy.keys import MAX_SALT_CHARS
-from prefixgate.gateway.wire.request_fields import REFUSED, check_refused
+from prefixgate.gateway.wire.prompts import check_token_ids
+from prefixgate.gateway.wire.request_fields import REFUSED, check_refused, structured_from
 from prefixgate.gateway.wire.sampling import sampling_params
+from prefixgate.gateway.wire.stop_strings import refuse_stop_under_constraint
+from prefixgate.gateway.wire.tools import choose_tool
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -447,6 +450,40 @@ def check_chat_refused(req: ChatCompletionRequest) -> None:
     """
     check_refused({name: getattr(req, name, None) for name in REFUSED}, req.n)
     check_refused({k: getattr(req, k) for k in ("store", "service_tier", "modalities")}, req.n)
+
+
+def check_chat_body(
+    req: ChatCompletionRequest,
+) -> tuple[StructuredOutputsParams | None, str | None]:
+    """Check what a parsed chat body says on its own, with no model, server setting or engine
+    package: its refused fields (``check_chat_refused``), its tools' form and its
+    ``tool_choice`` against them (``tools.choose_tool``), its output constraint's form
+    (``structured_from``) and not beside a forced tool call, ``stop`` beside a whole-output
+    constraint, ``logit_bias`` / ``stop_token_ids`` as token ids. Both modes run it before a
+    ``prefix_id`` is looked up, so a bad body beside an unknown prefix is the same 400 in
+    both; what needs the served model (the vocabulary's bound, the tool-call parser, a
+    schema's grammar, the context) is checked after the lookup (local mode) or by the
+    upstream (proxy mode).
+
+    Returns:
+        The output constraint and the field it came from (``structured_from``).
+
+    Raises:
+        APIError: 400 naming the field.
+    """
+    check_chat_refused(req)
+    _, mode, _ = choose_tool(req.tools, req.tool_choice, schemas=False)
+    spec, field = structured_from(req)
+    forced = "tool_choice" if mode in ("required", "named") else None
+    if spec is not None and forced is not None:
+        raise bad_request(
+            f"{field}: cannot be combined with tool_choice {req.tool_choice!r} (it constrains "
+            "the output to a tool call)",
+            param=field,
+        )
+    refuse_stop_under_constraint(req.stop, "stop", field if spec is not None else forced)
+    check_token_ids(req)
+    return spec, field
 
 
 class CompletionRequest(_SamplingFields):

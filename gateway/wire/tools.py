@@ -132,16 +132,16 @@ def _refuse_unknown(obj: dict[str, Any], known: set[str], where: str) -> None:
         raise bad_request(f"Unrecognized request argument supplied: {name}{hint}", param=name)
 
 
-def check_tools(tools: list[Any] | None) -> list[dict[str, Any]]:
-    """Validate ``tools``: function tools with a valid name and a JSON-schema ``parameters``.
+def check_tools(tools: list[Any] | None, schemas: bool = True) -> list[dict[str, Any]]:
+    """Validate ``tools``: function tools with a valid name and a JSON-schema ``parameters``
+    (each schema against its metaschema and the grammar's features unless ``schemas`` is
+    False: the form alone, which needs no engine package).
 
     Raises:
         APIError: 400 naming ``tools[i]...`` (an unknown key of a tool or its function too).
     """
     if not tools:  # the usual chat: no xgrammar (and torch) import on the event loop
         return []
-    from prefixgate.engine.structured_output import check_schema  # noqa: PLC0415 - needs xgrammar
-
     out: list[dict[str, Any]] = []
     names: set[str] = set()
     for i, tool in enumerate(tools or []):
@@ -168,12 +168,6 @@ def check_tools(tools: list[Any] | None) -> list[dict[str, Any]]:
                 f"{where}.function.parameters: must be a JSON schema (an object)",
                 param=f"{where}.function.parameters",
             )
-        try:
-            check_schema(params)
-        except ValueError as exc:
-            raise bad_request(
-                f"{where}.function.parameters: {exc}", param=f"{where}.function.parameters"
-            ) from None
         strict = fn.get("strict")
         if strict is not None and not isinstance(strict, bool):
             raise bad_request(
@@ -182,27 +176,34 @@ def check_tools(tools: list[Any] | None) -> list[dict[str, Any]]:
         out.append(
             {"type": "function", "function": {**fn, "parameters": params}},
         )
+    if schemas:
+        from prefixgate.engine.structured_output import check_schema  # noqa: PLC0415 - xgrammar
+
+        for i, tool in enumerate(out):
+            try:
+                check_schema(tool["function"]["parameters"])
+            except ValueError as exc:
+                where = f"tools[{i}].function.parameters"
+                raise bad_request(f"{where}: {exc}", param=where) from None
     return out
 
 
-def plan_tools(
+def choose_tool(
     tools: list[Any] | None,
     tool_choice: Any,
-    parallel_tool_calls: bool | None,
-    parser_name: str | None,
     words: ChoiceWords = OPENAI_CHOICE,
-) -> ToolPlan:
-    """Decide how the request's tools are used (see the module docstring); ``words``: the
-    client's dialect's spelling of the tool choice, for the refusals' advice
-    (``ANTHROPIC_CHOICE``, ``GEMINI_CHOICE``).
+    schemas: bool = True,
+) -> tuple[list[dict[str, Any]], str, str | None]:
+    """``(checked tools, mode, named function)`` of a request: ``mode`` one of ``"none"``,
+    ``"auto"``, ``"required"``, ``"named"`` (an absent ``tool_choice``: ``"auto"`` with tools,
+    else ``"none"``). Needs no server setting (the tool-call parser is ``plan_tools``' part);
+    ``schemas`` as ``check_tools``.
 
     Raises:
-        APIError: 400 naming the field: a bad tool, a ``tool_choice`` naming a function that
-            is not in ``tools``, ``tool_choice`` without tools, ``"auto"`` on a server without
-            ``--tool-call-parser``, a strict tool under ``"auto"`` with a parser whose format
-            has no trigger (``tools[i].function.strict``).
+        APIError: 400 naming the field: a bad tool, a ``tool_choice`` of another form, one
+            naming a function that is not in ``tools``, a ``tool_choice`` without tools.
     """
-    checked = check_tools(tools)
+    checked = check_tools(tools, schemas)
     if tool_choice is None:
         tool_choice = "auto" if checked else "none"
     if isinstance(tool_choice, str):
@@ -228,17 +229,48 @@ def plan_tools(
             param="tool_choice",
         )
     if mode == "none":
-        return ToolPlan()
+        return checked, mode, None
     if not checked:
         raise bad_request(f"{words.field}: {words.mode(mode)} needs tools", param=words.field)
+    if mode == "named" and named not in {t["function"]["name"] for t in checked}:
+        raise bad_request(
+            f"tool_choice: function {str(named)[:80]!r} is not among the tools "
+            f"({', '.join(sorted(t['function']['name'] for t in checked))})",
+            param="tool_choice",
+        )
+    return checked, mode, named
+
+
+def prompt_tools(tools: list[dict[str, Any]] | None, tool_choice: Any) -> list[dict[str, Any]]:
+    """The tools a chat's prompt declares, as ``plan_tools`` renders them: none under
+    ``tool_choice`` ``"none"`` (the model is not to call one), else all of ``tools``. For a
+    prompt counted elsewhere (proxy mode's ``/tokenize`` body), so it counts what local mode
+    renders."""
+    return [] if tool_choice == "none" else list(tools or [])
+
+
+def plan_tools(
+    tools: list[Any] | None,
+    tool_choice: Any,
+    parallel_tool_calls: bool | None,
+    parser_name: str | None,
+    words: ChoiceWords = OPENAI_CHOICE,
+) -> ToolPlan:
+    """Decide how the request's tools are used (see the module docstring); ``words``: the
+    client's dialect's spelling of the tool choice, for the refusals' advice
+    (``ANTHROPIC_CHOICE``, ``GEMINI_CHOICE``).
+
+    Raises:
+        APIError: 400 naming the field: a bad tool, a ``tool_choice`` naming a function that
+            is not in ``tools``, ``tool_choice`` without tools, ``"auto"`` on a server without
+            ``--tool-call-parser``, a strict tool under ``"auto"`` with a parser whose format
+            has no trigger (``tools[i].function.strict``).
+    """
+    checked, mode, named = choose_tool(tools, tool_choice, words)
+    if mode == "none":
+        return ToolPlan()
     by_name = {t["function"]["name"]: t["function"] for t in checked}
     if mode == "named":
-        if named not in by_name:
-            raise bad_request(
-                f"tool_choice: function {str(named)[:80]!r} is not among the tools "
-                f"({', '.join(sorted(by_name))})",
-                param="tool_choice",
-            )
         spec = StructuredOutputsParams(json=by_name[named]["parameters"])
         return ToolPlan("named", checked, named, spec, shape="arguments")
     if mode == "required":

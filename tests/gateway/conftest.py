@@ -11,7 +11,7 @@ from prefixgate.engine.errors import PinLimitError
 from prefixgate.gateway.app import create_app
 from prefixgate.gateway.http.server import BackgroundServer
 from prefixgate.gateway.settings import GatewaySettings
-from support.fake_engine import FakeEngine, assert_idle_and_whole, wait_idle
+from support.fake_engine import FakeEngine, FakeTokenizer, assert_idle_and_whole, wait_idle
 
 
 @pytest.fixture
@@ -61,6 +61,20 @@ def servers() -> Iterator[Callable[..., BackgroundServer]]:
     yield start
     for srv in reversed(started):
         srv.close()
+
+
+@pytest.fixture
+def tools_in_prompt(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fake tokenizer's chat template declares the tools it is given (their names after
+    the conversation, as a real template renders their declarations): a prompt with tools
+    counts more tokens than one without."""
+    plain = FakeTokenizer.encode_chat
+
+    def encode_chat(self, messages, add_generation_prompt=True, **kw):
+        names = " ".join(t["function"]["name"] for t in kw.get("tools") or [])
+        return plain(self, messages, add_generation_prompt) + self.encode(names, False)
+
+    monkeypatch.setattr(FakeTokenizer, "encode_chat", encode_chat)
 
 
 def chat_body(content: str = "hello", **kw: object) -> dict:

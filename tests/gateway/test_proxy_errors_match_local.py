@@ -96,20 +96,96 @@ def test_an_upstream_400_in_another_shape_still_names_the_field(body, status, pa
     assert set(err) == {"message", "type", "param", "code"}
 
 
+# defects beside a prefix_id besides ``BAD``'s: what the body says on its own (checked before the
+# prefix is looked up in both modes) and what needs the served model or its engine (the
+# vocabulary, the tool-call parser, a schema's grammar: after the lookup in both modes)
+SCHEMA_BAD = {"type": "object", "properties": {"a": {"type": "nonsense"}}}
+PREFIX_BAD = [
+    {"messages": M, "logit_bias": {"-1": 1}},
+    {"messages": M, "logit_bias": {"05": 1}},
+    {"messages": M, "stop_token_ids": [-3]},
+    {"messages": M, "tool_choice": {"type": "function", "function": {"name": "f"}}},
+    {"messages": M, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+    {"messages": M, "tools": [TOOL], "tool_choice": "sometimes"},
+    {"messages": M, "tools": [{"type": "retrieval"}], "tool_choice": "required"},
+    {"messages": M, "tools": [TOOL, TOOL], "tool_choice": "required"},
+    {"messages": M, "tools": [TOOL], "tool_choice": "required",
+     "response_format": {"type": "json_object"}},
+    {"messages": M, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "f"}},
+     "stop": "x"},
+    {"messages": M, "response_format": {"type": "json_object"}, "stop": ["}"]},
+    # the served model's: after the lookup (an unknown prefix is the 404 in both modes)
+    {"messages": M, "logit_bias": {"100000": 1}},
+    {"messages": M, "stop_token_ids": [100000]},
+    {"messages": M, "tools": [TOOL]},  # tool_choice 'auto' on a server without a parser
+    {"messages": M, "tools": [{**TOOL, "function": {"name": "f", "parameters": SCHEMA_BAD}}],
+     "tool_choice": "required"},
+    {"messages": M, "response_format": {"type": "json_schema",
+                                        "json_schema": {"name": "o", "schema": SCHEMA_BAD}}},
+    {"messages": M, "logit_bias": {"x": 1}, "model": "other"},  # 404 model_not_found first
+]  # fmt: skip
+
+
 def test_a_bad_request_naming_a_prefix_gets_the_same_answer_in_both_modes(both):
     """Proxy mode looked up a chat's ``prefix_id`` before checking the body: a bad field beside
     an unknown prefix was a 404 there and the 400 naming the field locally (found by
-    ``test_edge_combinations.py``). The body is checked first in both modes."""
+    ``test_edge_combinations.py``); then still for a ``logit_bias`` key or a ``tool_choice``
+    without tools, which local mode checked before the lookup and the proxy left to its
+    upstream. Both modes now run the one check of what the body says on its own
+    (``request_models.check_chat_body``) before the lookup, and what needs the served model
+    after it."""
     local, proxy = both
     with httpx.Client(timeout=120) as http:
-        for path, extra, _param in BAD:
-            if path != CHAT or {"logit_bias", "tool_choice"} & set(extra):
-                continue  # checked against the model's vocabulary / tool parser: upstream
+        extras = [extra for path, extra, _ in BAD if path == CHAT] + PREFIX_BAD
+        for extra in extras:
             body = {"model": "fake", **extra, "prefix_id": "pfx-unknown"}
-            a = http.post(local + path, json=body)
-            b = http.post(proxy + path, json=body)
-            assert (b.status_code, b.json()) == (a.status_code, a.json()), (extra, a.text, b.text)
-        body = {"model": "fake", "messages": M, "reasoning_effort": "high", "prefix_id": "pfx-x"}
-        a, b = http.post(local + CHAT, json=body), http.post(proxy + CHAT, json=body)
-        assert a.status_code == 400 and a.json()["error"]["param"] == "reasoning_effort", a.text
-        assert (b.status_code, b.json()) == (a.status_code, a.json()), b.text
+            a = http.post(local + CHAT, json=body)
+            b = http.post(proxy + CHAT, json=body)
+            why = (extra, a.text, b.text)
+            if extra.get("model") == "other":  # each mode's own words for an unknown model
+                ea, eb = a.json()["error"], b.json()["error"]
+                assert a.status_code == b.status_code == 404, why
+                assert (
+                    (ea["param"], ea["code"])
+                    == (eb["param"], eb["code"])
+                    == ("model", "model_not_found")
+                ), why
+                continue
+            assert (b.status_code, b.json()) == (a.status_code, a.json()), why
+        for extra in [{"reasoning_effort": "high"}, {"logit_bias": {"x": 1}},
+                      {"tool_choice": "required"}]:  # fmt: skip
+            body = {"model": "fake", "messages": M, **extra, "prefix_id": "pfx-x"}
+            a, b = http.post(local + CHAT, json=body), http.post(proxy + CHAT, json=body)
+            (name,) = extra
+            assert a.status_code == 400 and a.json()["error"]["param"] == name, a.text
+            assert (b.status_code, b.json()) == (a.status_code, a.json()), b.text
+
+
+AFTER_LOOKUP = [  # what needs the served model: a 400 naming it once the prefix is found
+    ({"logit_bias": {"100000": 1}}, "logit_bias"),
+    ({"stop_token_ids": [100000]}, "stop_token_ids"),
+    ({"tools": [TOOL]}, "tool_choice"),  # 'auto' on a server without --tool-call-parser
+    ({"tools": [{**TOOL, "function": {"name": "f", "parameters": SCHEMA_BAD}}],
+      "tool_choice": "required"}, "tools[0].function.parameters"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "o", "schema": SCHEMA_BAD}}},
+     "response_format"),
+]  # fmt: skip
+
+
+def test_what_needs_the_model_is_still_checked_beside_a_live_prefix(both):
+    """The checks that moved after the lookup still refuse a bad body with a live prefix, in
+    both modes alike (the proxy's upstream answers them)."""
+    local, proxy = both
+    with httpx.Client(timeout=120) as http:
+        ids = {}
+        for url in (local, proxy):
+            r = http.post(url + "/v1/prefixes", json={"model": "fake", "messages": M})
+            assert r.status_code == 200, r.text
+            ids[url] = r.json()["id"]
+        for extra, param in AFTER_LOOKUP:
+            a, b = (
+                http.post(url + CHAT, json={"model": "fake", **extra, "prefix_id": ids[url]})
+                for url in (local, proxy)
+            )
+            assert a.status_code == 400 and a.json()["error"]["param"] == param, (extra, a.text)
+            assert (b.status_code, b.json()) == (a.status_code, a.json()), (extra, b.text)

@@ -259,3 +259,33 @@ def test_count_tokens_counts_what_generation_would_refuse_in_both_modes(serve_fa
             r = httpx.post(base + "/v1beta/models/fake:generateContent", json=inner, timeout=120)
             assert r.status_code == 400, (base, r.text)
         assert counts[0] == counts[1]
+
+
+def test_count_tokens_under_mode_none_counts_no_tool_declarations_in_both_modes(
+    serve_fake, tools_in_prompt
+):
+    """``functionCallingConfig.mode: NONE``: local mode renders the prompt without the tool
+    declarations (``tool_choice`` ``"none"``: no tools in the plan), as generation does; the
+    proxy sent ``tools`` to its upstream's ``/tokenize`` anyway and counted them. Both modes
+    now give the count of the same body without its tools."""
+    local, _ = serve_fake()
+    tools = [{"functionDeclarations": [{"name": "weather", "parameters": {"type": "object"}}]}]
+    bare = {"model": "models/fake", "contents": [{"role": "user", "parts": [{"text": "hi"}]}]}
+    none = {**bare, "tools": tools, "toolConfig": {"functionCallingConfig": {"mode": "NONE"}}}
+    forced = {**none, "toolConfig": {"functionCallingConfig": {"mode": "ANY"}}}
+    slow = GatewaySettings(health_check_timeout_s=60.0)  # the first tools import xgrammar
+    with BackgroundServer(lambda: create_proxy_app([local.url], slow)) as proxy:
+        counts: dict[tuple[str, str], int] = {}
+        for mode, base in (("local", local.url), ("proxy", proxy.url)):
+            for name, inner in (("bare", bare), ("none", none), ("forced", forced)):
+                r = httpx.post(
+                    base + "/v1beta/models/fake:countTokens",
+                    json={"generateContentRequest": inner},
+                    timeout=120,
+                )
+                assert r.status_code == 200, (mode, name, r.text)
+                counts[mode, name] = r.json()["totalTokens"]
+    assert counts["local", "forced"] > counts["local", "none"], counts  # tools are rendered
+    assert counts["local", "none"] == counts["local", "bare"], counts
+    for name in ("bare", "none", "forced"):
+        assert counts["proxy", name] == counts["local", name], (name, counts)

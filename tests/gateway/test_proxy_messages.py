@@ -564,3 +564,57 @@ def test_count_tokens_counts_a_format_beside_a_forced_tool_in_both_modes(serve_f
             r = httpx.post(base + "/v1/messages", json={**body, "max_tokens": 2}, timeout=120)
             assert r.status_code == 400 and "output_config" in r.text, (base, r.text)
         assert counts[0] == counts[1]
+
+
+def _openai_relay(local_url: str) -> Callable[[], web.Application]:
+    """An OpenAI-compatible upstream that is not prefixgate (its models owned by "vllm", no
+    Messages API): ``/tokenize`` answered by the local gateway at ``local_url``."""
+
+    async def tokenize(request: web.Request) -> web.Response:
+        async with httpx.AsyncClient(timeout=60) as http:
+            r = await http.post(local_url + "/tokenize", content=await request.read())
+        return web.Response(body=r.content, status=r.status_code, content_type="application/json")
+
+    async def models(request: web.Request) -> web.Response:
+        card = {"id": "fake", "object": "model", "owned_by": "vllm"}
+        return web.json_response({"object": "list", "data": [card]})
+
+    def make() -> web.Application:
+        app = web.Application()
+        app.router.add_post("/tokenize", tokenize)
+        app.router.add_get("/v1/models", models)
+        return app
+
+    return make
+
+
+def test_count_tokens_under_tool_choice_none_counts_no_tools_in_both_modes(
+    serve_fake, tools_in_prompt
+):
+    """``tool_choice: {"type": "none"}``: local mode renders the prompt without the tools (no
+    tools in the plan), as generation does; the proxy sent ``tools`` to an OpenAI-compatible
+    upstream's ``/tokenize`` anyway (a prefixgate upstream counts the Messages body itself).
+    Both modes now give the count of the same body without its tools."""
+    local, _ = serve_fake()
+    bare = {"model": "fake", "messages": [{"role": "user", "content": "hi"}]}
+    none = {
+        **bare,
+        "tools": [{"name": "weather", "input_schema": {"type": "object"}}],
+        "tool_choice": {"type": "none"},
+    }
+    forced = {**none, "tool_choice": {"type": "any"}}
+    slow = GatewaySettings(health_check_timeout_s=60.0)  # the first tools import xgrammar
+    with (
+        BackgroundServer(_openai_relay(local.url)) as up,  # counted by its /tokenize
+        BackgroundServer(lambda: create_proxy_app([up.url], slow)) as proxy,
+    ):
+        counts: dict[tuple[str, str], int] = {}
+        for mode, base in (("local", local.url), ("proxy", proxy.url)):
+            for name, body in (("bare", bare), ("none", none), ("forced", forced)):
+                r = httpx.post(base + "/v1/messages/count_tokens", json=body, timeout=120)
+                assert r.status_code == 200, (mode, name, r.text)
+                counts[mode, name] = r.json()["input_tokens"]
+    assert counts["local", "forced"] > counts["local", "none"], counts  # tools are rendered
+    assert counts["local", "none"] == counts["local", "bare"], counts
+    for name in ("bare", "none", "forced"):
+        assert counts["proxy", name] == counts["local", name], (name, counts)

@@ -1,6 +1,7 @@
 """The server answers while the model loads (``serve/runner.py``): the port is bound before the
 load, the load runs in its own thread, so ``/health`` is 200 and ``/ready`` 503 all the while a
-(deliberately slowed, interpreter-busy) load has not ended; then ``/ready`` turns 200."""
+(deliberately slowed, interpreter-busy) load has not ended; then ``/ready`` turns 200, once
+the C++ CPU ops the engine will use are built."""
 
 from __future__ import annotations
 
@@ -10,9 +11,13 @@ import time
 
 import httpx
 import prefixgate.engine
+import torch
 from prefixgate.engine.config import EngineConfig
+from prefixgate.engine.models.cpu_linear import OneDNNLinear, use_onednn_linear
+from prefixgate.gateway import app as gateway_app
 from prefixgate.gateway.serve.runner import serve
 from prefixgate.gateway.settings import GatewaySettings
+from prefixgate.kernels import cpu_ext
 from support.fake_engine import FakeEngine
 from support.http import wait_ready
 from support.net import free_port
@@ -109,3 +114,41 @@ def test_the_load_thread_outlives_the_load_until_the_server_stops(monkeypatch):
     server.stop()
     mine[0].join(30)
     assert not mine[0].is_alive()
+
+
+def test_ready_comes_after_the_cpu_ops_are_built(monkeypatch):
+    """On a fresh machine the first request after ``/ready`` paid the build of
+    ``kernels/csrc/cpu_ops.cpp`` (17-26 s): an fp32 layer with 64-wide packed panels asked
+    ``cpu_ext.available()`` (which builds the ops) at its first forward of a few rows. The load
+    now decides that (``cpu_linear.decide_gemm_rows``), so the build comes before the server is
+    ready and no request asks for it. Nothing is compiled here: ``available`` records when it
+    is asked and says no (the torch paths), the real engine serves the tiny preset."""
+    events: list[str] = []
+
+    def available() -> bool:
+        events.append("ops")
+        return False
+
+    real_attach = gateway_app.attach_engine
+
+    def attach_engine(app, engine) -> None:
+        real_attach(app, engine)  # the app is ready from here on (``/ready`` 200)
+        events.append("ready")
+
+    monkeypatch.setattr(cpu_ext, "available", available)
+    monkeypatch.setattr(gateway_app, "attach_engine", attach_engine)
+    server = ServeThread().start()
+    try:
+        wait_ready(server.url, 300, poll_s=0.05, request_timeout_s=10)
+        chat = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        r = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=120)
+        assert r.status_code == 200, r.text
+    finally:
+        server.stop()
+    panels = OneDNNLinear(torch.zeros(64, 64), None)._panels  # this CPU's packed layout
+    uses_ops = use_onednn_linear("cpu", torch.float32, None) and (
+        panels is not None and panels.shape[2] == 64
+    )
+    assert "ready" in events, events
+    assert "ops" not in events[events.index("ready") :], events  # never asked after ready
+    assert ("ops" in events) == uses_ops, events  # asked during the load where they are used
