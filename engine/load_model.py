@@ -189,11 +189,11 @@ class OutputLengths:
         self._window.append(n)
         self._sorted = None  # re-sorted at the next query
 
-    def rest(self, done: int) -> float | None:
+    def rest(self, done: int, min_longer: int = OUTPUT_REST_MIN) -> float | None:
         """The mean output tokens left of a request that has sampled ``done``: the mean of
         ``L - done`` over the window's lengths ``L > done`` (the empirical mean residual life,
-        as in renewal theory), or ``None`` when fewer than ``OUTPUT_REST_MIN`` are that long
-        (the window cannot say)."""
+        as in renewal theory), or ``None`` when fewer than ``min_longer`` (>= 1) are that
+        long (the window cannot say)."""
         if self._sorted is None:
             self._sorted = sorted(self._window)
             suffix = [0] * (len(self._sorted) + 1)
@@ -202,7 +202,7 @@ class OutputLengths:
             self._suffix = suffix
         i = bisect.bisect_right(self._sorted, done)
         longer = len(self._sorted) - i
-        if longer < OUTPUT_REST_MIN:
+        if longer < max(1, min_longer):
             return None
         return self._suffix[i] / longer - done
 
@@ -342,7 +342,8 @@ class LoadModel:
         finished requests that ran longer than it has (``OutputLengths.rest``), or, where
         too few did, the rest of the mean output, or, once it has run past that mean, as many
         tokens again as it has sampled: a request longer than the typical one is no sign of
-        ending soon; at least one), one a step, and its prompt's chunks still to prefill (at most
+        ending soon; the few that ran longer, if any, lift that to their mean rest; at least
+        one), one a step, and its prompt's chunks still to prefill (at most
         ``max_num_batched_tokens`` each; the last of them samples its first token). A waiting
         request holds its seat for the mean output's steps, or for the mean time the last
         ``SEAT_HOLD_WINDOW`` finished requests sat where that is longer (prefill steps,
@@ -367,6 +368,11 @@ class LoadModel:
                 rest = self.outputs.rest(done)
                 if rest is None:
                     rest = mean - done if done < mean else done
+                    # too few ran longer for their mean rest to stand alone, but they did
+                    # run that long: it lifts the mean's rest, never lowers it
+                    few = self.outputs.rest(done, min_longer=1)
+                    if few is not None:
+                        rest = max(rest, few)
                 left = min(left, math.ceil(rest))
             left = max(1, left)
             chunks = -(-max(0, r.num_prompt_tokens - r.num_computed_tokens) // budget)

@@ -442,7 +442,9 @@ class AdmissionController:
         its own measured pace, when that is later) exceeds ``budget`` seconds; no prediction
         (proxy mode, rates not measured, no free seat in sight): admit. A budget under what
         the request takes alone (its idle prediction and the margin) is the wait it accepts
-        beyond that: refused while the queue ahead adds more.
+        beyond that: refused while the queue ahead adds more. A budget under twice that
+        accepts as much queue as the largest budget under it (what it takes alone), so that
+        a larger budget is admitted wherever a smaller one is.
 
         A refused request that can be recognised on its return (``promised``) is told the
         time of an admission slot (``admission_slots.SlotSchedule``): the first free one once
@@ -468,16 +470,19 @@ class AdmissionController:
         # it adds more. Admitting it at once instead (a 429 would send it back forever to an
         # idle server) switched budgets off whenever the margin was large: after one long
         # miss a 50 ms budget was admitted at a predicted 12.3 s (docs/admission.md, "A
-        # budget no wait can meet").
+        # budget no wait can meet"). A budget over that accepts no less queue than every
+        # budget under it (up to ``alone``): else a budget just under ``alone`` accepted
+        # almost ``alone`` of queue and one just over it almost none, and a larger budget was
+        # refused where a smaller one was admitted.
         alone = (self.wait.alone_s(prompt_tokens) or 0.0) + margin
-        allowed, beyond = budget, ""
-        if alone >= budget:
-            allowed = alone + budget
+        accepted = min(budget, alone)  # the queue ahead a budget under 2 * alone accepts
+        allowed, beyond = max(budget, alone + accepted), ""
+        if allowed > budget:
             if predicted <= allowed:
                 return
             beyond = (
                 f"; it takes {_ms(alone)} ms alone, and is admitted once the queue ahead "
-                "adds no more than its budget"
+                f"adds no more than {_ms(accepted)} ms"
             )
         wait_s = predicted - allowed
         slot_s = 0.0

@@ -256,6 +256,42 @@ def test_a_request_past_the_short_outputs_is_expected_to_run_as_the_long_ones_di
     assert sched.kv.num_free_blocks == sched.kv.num_blocks
 
 
+def test_a_request_past_the_mean_of_few_long_outputs_is_not_about_to_end(monkeypatch):
+    # A helper's pass (serve --runner sim, docs/admission.md "A running request's rest"): two
+    # 1,000-token answers after many short ones, then two more. Fewer than OUTPUT_REST_MIN
+    # finished requests ran longer than the running ones, so the mean's rest applied: the
+    # EWMA mean (lifted by the two long ones, then lowered by short ones) less the tokens
+    # sampled, a few tokens before the mean; a 50 ms budget was admitted on a predicted 75 ms
+    # and waited 7.5 s. The few that ran longer lift that rest to theirs.
+    clocked = _ClockedScheduler(monkeypatch, max_num_seqs=2, num_blocks=512)
+    sched = clocked.sched
+
+    def run(prefix: str, n: int, max_tokens: int) -> None:
+        for i in range(n):
+            clocked.add(f"{prefix}{i}", max_tokens=max_tokens, ignore_eos=False)
+            while sched.has_unfinished_requests():
+                clocked.step(0.010)
+
+    run("s", 8, 16)
+    run("l", 2, 400)  # two long answers: fewer than OUTPUT_REST_MIN
+    run("t", 4, 16)
+    mean = sched.load.mean_output_tokens
+    assert 40 < mean < 400
+    clocked.add("run", max_tokens=1000, ignore_eos=False)
+    for _ in range(40):  # 40 tokens sampled, short of the mean
+        clocked.step(0.010)
+    (free,) = sched.stats()["seat_free_s"]
+    # 360 tokens left of the long ones' 400, ~3.6 s of 10 ms steps (the mean's rest said
+    # mean - 40 tokens, ~0.3 s)
+    assert free == pytest.approx(360 * 0.010, rel=0.05), (free, mean)
+    for _ in range(400):  # past every finished answer: as many again as it has sampled
+        clocked.step(0.010)
+    (free,) = sched.stats()["seat_free_s"]
+    assert free == pytest.approx(440 * 0.010, rel=0.05), free
+    sched.abort_requests(["run"])
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
+
+
 def test_output_lengths_rest_is_the_mean_residual_over_the_longer_ones():
     from prefixgate.engine.load_model import OUTPUT_REST_MIN, OUTPUT_WINDOW, OutputLengths
 
@@ -267,6 +303,8 @@ def test_output_lengths_rest_is_the_mean_residual_over_the_longer_ones():
     assert lengths.rest(10) == pytest.approx(35 - 10)  # 20..50, mean 35
     assert lengths.rest(19) == pytest.approx(35 - 19)
     assert lengths.rest(20) is None  # three longer: fewer than OUTPUT_REST_MIN
+    assert lengths.rest(20, min_longer=1) == pytest.approx(40 - 20)  # 30..50, mean 40
+    assert lengths.rest(50, min_longer=1) is None  # none longer
     assert OUTPUT_REST_MIN == 4
     for _ in range(OUTPUT_WINDOW):  # the window forgets the old lengths
         lengths.add(7)

@@ -335,6 +335,35 @@ def test_a_large_miss_margin_does_not_switch_budgets_off():
     ctl.admit(100, budget_s=0.05).done()
 
 
+def test_a_larger_budget_is_admitted_wherever_a_smaller_one_is():
+    # A helper's pass (serve --runner sim, a ~7.1 s miss margin behind two long decodes): at
+    # one moment a 6,478 ms budget (under what the request takes alone, so read as the wait
+    # it accepts beyond that) was admitted while 6,778 to 7,678 ms budgets were refused. A
+    # budget just under ``alone`` accepted almost ``alone`` of queue, one just over it almost
+    # none. Whatever the queue, the budgets admitted are every budget from some least one up.
+    clock = Clock()
+    for waiting in (0, 2, 5, 10, 20, 40):
+        engine = RatedEngine(waiting=waiting)
+        ctl = _ctl(engine, clock)
+        for _ in range(20):  # MISS_MIN misses of 3 s: the margin
+            ctl.wait.observe(0.1, 3.1)
+        idle = ctl.wait.alone_s(100)
+        assert idle is not None
+        alone = idle + ctl.wait.margin_s()  # what the request takes alone, margin included
+        assert alone > 3.0
+        admitted = []
+        for ms in range(50, 4 * math.ceil(alone * 1000), 50):
+            try:
+                ctl.admit(100, budget_s=ms / 1000).done()
+            except APIError as exc:
+                assert exc.code == "ttft_budget_exceeded", exc
+                admitted.append(False)
+            else:
+                admitted.append(True)
+        first = admitted.index(True) if True in admitted else len(admitted)
+        assert all(admitted[first:]), (waiting, first, admitted)
+
+
 def test_a_promise_past_its_time_keeps_nobody_out_but_can_still_be_claimed():
     # Refused clients that never come back must not keep the queue full: once a promise is
     # due it holds no place for newcomers (measured: 468 refused, none back, and the next
