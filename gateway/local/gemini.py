@@ -43,7 +43,7 @@ from prefixgate.gateway.http.errors import (
     not_found,
 )
 from prefixgate.gateway.local.generation import engine_request
-from prefixgate.gateway.local.local_call import translated_prompt
+from prefixgate.gateway.local.local_call import counted_prompt, translated_prompt
 from prefixgate.gateway.local.prefix_routes import prefix_quota
 from prefixgate.gateway.local.prefixes import PrefixEntry, SharedPrefix
 from prefixgate.gateway.local.serving import LOCAL
@@ -300,21 +300,17 @@ async def _chat(request: web.Request, req: GenerateContentRequest, principal: Pr
 
 
 async def _prepare(
-    request: web.Request,
-    req: GenerateContentRequest,
-    principal: Principal,
-    bound: int | None = None,
+    request: web.Request, req: GenerateContentRequest, principal: Principal
 ) -> tuple[Chat, ToolPlan, list[int]]:
-    """The request's chat, tool plan and prompt ids (the prompt refused from its length alone
-    past ``bound`` tokens: ``max_model_len`` unless given). The chat's refusals (rendering,
-    tool turns, tool plan) name Gemini's fields (``client_fields.in_client_words``), as the
-    proxy's relay names an upstream's.
+    """The request's chat, tool plan and prompt ids. The chat's refusals (rendering, tool
+    turns, tool plan) name Gemini's fields (``client_fields.in_client_words``), as the proxy's
+    relay names an upstream's.
     """
     st = request.app[STATE]
     engine = request.app[LOCAL].require_engine()
     chat = await _chat(request, req, principal)
     fields = gemini_fields(chat.origins, req.tools, req.generationConfig)
-    plan, ids = await translated_prompt(st, engine, chat, None, GEMINI_CHOICE, fields, bound)
+    plan, ids = await translated_prompt(st, engine, chat, None, GEMINI_CHOICE, fields)
     return chat, plan, ids
 
 
@@ -340,7 +336,9 @@ async def model_method(request: web.Request) -> web.StreamResponse:
 async def _count_tokens(request: web.Request, model: str) -> web.Response:
     """``{"totalTokens": N, "cachedContentTokenCount"?}``: the prompt's tokens as
     ``generateContent``'s ``promptTokenCount`` counts them; a prompt past the context is
-    counted too, under ``/tokenize``'s bound (``tokenize.counting``)."""
+    counted too, under ``/tokenize``'s bound (``tokenize.counting``). Tools under mode AUTO
+    are counted on a server without ``--tool-call-parser`` too (``local_call.counted_prompt``:
+    only a generated answer is parsed)."""
     st = request.app[STATE]
     request.app[LOCAL].require_engine()
     principal = st.keys.authenticate(request)
@@ -350,8 +348,10 @@ async def _count_tokens(request: web.Request, model: str) -> web.Response:
     if req.model is not None:
         _check_model(st, req.model, "generateContentRequest.model")
     engine = request.app[LOCAL].require_engine()
+    chat = await _chat(request, req, principal)
+    fields = gemini_fields(chat.origins, req.tools, req.generationConfig)
     with counting("countTokens", engine.max_model_len) as bound:
-        _, _, ids = await _prepare(request, req, principal, bound)
+        ids = await counted_prompt(engine, chat, GEMINI_CHOICE, fields, bound)
     out: dict[str, Any] = {"totalTokens": len(ids)}
     return web.json_response(out)
 

@@ -13,7 +13,13 @@ from prefixgate.gateway.tenancy.keys import Principal
 from prefixgate.gateway.wire.client_fields import ClientFields, in_client_words
 from prefixgate.gateway.wire.prompts import render_chat
 from prefixgate.gateway.wire.request_models import parse
-from prefixgate.gateway.wire.tools import ChoiceWords, ToolPlan, plan_tools
+from prefixgate.gateway.wire.tools import (
+    ChoiceWords,
+    ToolPlan,
+    choose_tool,
+    plan_tools,
+    prompt_tools,
+)
 from pydantic import BaseModel
 
 Body = TypeVar("Body", bound=BaseModel)
@@ -63,12 +69,52 @@ async def translated_prompt(
             st.settings.tool_call_parser,
             words,
         )
-        ids = await render_chat(
+    except APIError as exc:
+        raise in_client_words(exc, fields) from None
+    return plan, await _rendered(engine, chat, plan.tools, fields, bound)
+
+
+async def counted_prompt(
+    engine: EngineClient,
+    chat: Any,
+    words: ChoiceWords,
+    fields: ClientFields,
+    bound: int | None = None,
+) -> list[int]:
+    """The prompt ids of a translated dialect's ``chat`` that is only counted (Messages
+    ``count_tokens``, Gemini ``countTokens``): the prompt generation renders, with the tools
+    its template declares (``tools.prompt_tools``: none under ``tool_choice`` "none"). What
+    only a generated answer needs (the server's ``--tool-call-parser``, a strict tool's
+    structural tag) is not asked for: a count generates nothing, as the proxy's count through
+    ``/tokenize``.
+
+    Raises:
+        APIError: 400 naming the client's field (``in_client_words``): a bad tool or tool
+            choice (``tools.choose_tool``), the rendering's refusal (past ``bound`` tokens,
+            ``max_model_len`` unless given).
+    """
+    try:
+        checked, mode, _ = choose_tool(chat.tools or None, chat.tool_choice, words)
+    except APIError as exc:
+        raise in_client_words(exc, fields) from None
+    return await _rendered(engine, chat, prompt_tools(checked, mode), fields, bound)
+
+
+async def _rendered(
+    engine: EngineClient,
+    chat: Any,
+    tools: list[dict[str, Any]],
+    fields: ClientFields,
+    bound: int | None,
+) -> list[int]:
+    """``render_chat`` of ``chat.messages`` with ``tools`` declared, refusals in the client's
+    words."""
+    try:
+        return await render_chat(
             engine.tokenizer,
             chat.messages,
             max_model_len=engine.max_model_len if bound is None else bound,
-            tools=plan.tools or None,
+            tools=tools or None,
         )
     except APIError as exc:
         raise in_client_words(exc, fields) from None
-    return plan, ids

@@ -33,7 +33,7 @@ from prefixgate.gateway.http.errors import ANTHROPIC, APIError, error_dialect
 from prefixgate.gateway.local.cache_diagnostics import PROMPT_LOG, Comparison, anthropic_reason
 from prefixgate.gateway.local.cache_marks import Mark, find_marks, written_tokens
 from prefixgate.gateway.local.generation import engine_request
-from prefixgate.gateway.local.local_call import translated_prompt
+from prefixgate.gateway.local.local_call import counted_prompt, translated_prompt
 from prefixgate.gateway.local.serving import LOCAL
 from prefixgate.gateway.local.tokenize import counting
 from prefixgate.gateway.state import STATE
@@ -56,7 +56,7 @@ from prefixgate.gateway.wire.anthropic_models import (
     parse_request,
     to_chat,
 )
-from prefixgate.gateway.wire.client_fields import anthropic_fields
+from prefixgate.gateway.wire.client_fields import ClientFields, anthropic_fields
 from prefixgate.gateway.wire.prompts import check_length
 from prefixgate.gateway.wire.response_models import Usage
 from prefixgate.gateway.wire.stop_strings import refuse_stop_under_constraint
@@ -211,24 +211,30 @@ class MessagesRenderer:
         return error_event(err)
 
 
+def _opened(
+    request: web.Request, kind: type[MessagesRequest] | type[CountTokensRequest], body: bytes
+) -> tuple[Principal, Any, Chat, ClientFields]:
+    """Authenticate, parse ``body`` as ``kind``, check the model and translate the chat (its
+    refusals name the Messages fields: the returned ``ClientFields``)."""
+    st = request.app[STATE]
+    principal = st.keys.authenticate(request)
+    req = parse_request(kind, body)
+    st.check_model(req.model)
+    chat = to_chat(req)
+    return principal, req, chat, anthropic_fields(chat.origins, len(chat.tools), "")
+
+
 async def _prepare(
-    request: web.Request,
-    kind: type[MessagesRequest] | type[CountTokensRequest],
-    bound: int | None = None,
+    request: web.Request, kind: type[MessagesRequest]
 ) -> tuple[Principal, Any, Chat, ToolPlan, list[int]]:
-    """Authenticate, parse, check the model, plan the tools and render the prompt (refused
-    from its length alone past ``bound`` tokens: ``max_model_len`` unless given). The chat's
+    """Authenticate, parse, check the model, plan the tools and render the prompt. The chat's
     refusals (rendering, tool turns, tool plan) name the Messages fields
     (``client_fields.in_client_words``), as the proxy's relay names an upstream's."""
     st = request.app[STATE]
     engine = request.app[LOCAL].require_engine()
-    principal = st.keys.authenticate(request)
-    req = parse_request(kind, await request.read())
-    st.check_model(req.model)
-    chat = to_chat(req)
-    fields = anthropic_fields(chat.origins, len(chat.tools), "")
+    principal, req, chat, fields = _opened(request, kind, await request.read())
     plan, ids = await translated_prompt(
-        st, engine, chat, chat.parallel_tool_calls, ANTHROPIC_CHOICE, fields, bound
+        st, engine, chat, chat.parallel_tool_calls, ANTHROPIC_CHOICE, fields
     )
     return principal, req, chat, plan, ids
 
@@ -237,10 +243,13 @@ async def _prepare(
 async def count_tokens(request: web.Request) -> web.Response:
     """POST /v1/messages/count_tokens → ``{"input_tokens": N}``: the prompt's tokens, as a
     ``messages`` request's usage counts them (input + cache creation + cache read); a prompt
-    past the context is counted too, under ``/tokenize``'s bound (``tokenize.counting``)."""
+    past the context is counted too, under ``/tokenize``'s bound (``tokenize.counting``). Tools
+    under ``tool_choice`` auto are counted on a server without ``--tool-call-parser`` too
+    (``local_call.counted_prompt``: only a generated answer is parsed)."""
     engine = request.app[LOCAL].require_engine()
+    _, _, chat, fields = _opened(request, CountTokensRequest, await request.read())
     with counting("count_tokens", engine.max_model_len) as bound:
-        _, _, _, _, ids = await _prepare(request, CountTokensRequest, bound)
+        ids = await counted_prompt(engine, chat, ANTHROPIC_CHOICE, fields, bound)
     return web.json_response({"input_tokens": len(ids)})
 
 

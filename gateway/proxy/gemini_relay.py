@@ -395,11 +395,29 @@ async def _relay(call: _Call, resp: aiohttp.ClientResponse, rid: str) -> web.Str
 
 
 # --- routes ---------------------------------------------------------------------------------
-def _public_model(call_model: str, st: GatewayState, router: Any) -> str:
+def _public_model(call_model: str, st: GatewayState, router: Any, param: str = "model") -> str:
+    """The public model name of ``call_model`` (``models/`` dropped).
+
+    Raises:
+        APIError: 404 ``model_not_found`` naming ``param`` when no upstream serves it, in
+            local mode's Gemini words ("models/<id> is not found; this server serves
+            models/<id>, ..."); the router's 400 for a name it cannot take.
+    """
     name = call_model.removeprefix("models/")
-    if router.resolve(name) is None:
+    try:
+        resolved = router.resolve(name)
+    except APIError as exc:
+        if exc.status != 404:
+            raise
+        resolved = None
+    if resolved is None:
+        served = router.served_names()
+        names = ", ".join(f"models/{m}" for m in served[:20])
+        if len(served) > 20:
+            names += f" and {len(served) - 20} more (GET /v1beta/models)"
+        serves = f"; this server serves {names}" if served else ""
         raise APIError(
-            404, f"models/{name[:80]} is not found", param="model", code="model_not_found"
+            404, f"models/{name[:80]} is not found{serves}", param=param, code="model_not_found"
         )
     return name
 
@@ -447,10 +465,12 @@ async def model_method(request: web.Request) -> web.StreamResponse:
     router = request.app[PROXY].router
     principal = st.keys.authenticate(request)
     raw = await request.read()
+    # local mode's order: the body's form, the path's model, the body's model, then the rest
     if method == "countTokens":
         req = parse_request(CountTokensRequest, raw).request()
+        public = _public_model(model, st, router)
         if req.model is not None:  # as local mode: a model nobody serves is a 404
-            _public_model(req.model, st, router)
+            _public_model(req.model, st, router, "generateContentRequest.model")
             if req.model.removeprefix("models/") != model.removeprefix("models/"):
                 raise bad_request(
                     "generateContentRequest.model: the body names another model than the path",
@@ -458,9 +478,9 @@ async def model_method(request: web.Request) -> web.StreamResponse:
                 )
     else:
         req = parse_request(GenerateContentRequest, raw)
+        public = _public_model(model, st, router)
         if req.model and req.model.removeprefix("models/") != model.removeprefix("models/"):
             raise bad_request("model: the body names another model than the path", param="model")
-    public = _public_model(model, st, router)
     salt = effective_salt(principal.salt, None)
     chat, _ = await _chat_of(request, req, principal.salt)
     gc = req.generationConfig

@@ -166,6 +166,8 @@ async def _prepare(
     principal = st.keys.authenticate(request)
     body = await request.read()
     req = parse_request(kind, body)  # 400 naming the field, Anthropic's shape
+    # local mode's order: the body's form, the model's name, then what the body says
+    model = router.resolve(req.model)  # 404 model_not_found when nobody serves it
     raw = load_json(body)
     stop = getattr(req, "stop_sequences", None)
     refuse_stop_under_constraint(stop, "stop_sequences", anthropic_constraint(raw))
@@ -175,7 +177,6 @@ async def _prepare(
     else:  # a count generates nothing: as local mode, a format beside a forced call is counted
         _, output_field = req.output_schema()
     salt = effective_salt(principal.salt, req.cache_salt)
-    model = router.resolve(req.model)  # 404 model_not_found when nobody serves it
     route = router.route({"messages": chat.messages}, salt, model)
     return _Call(request, req, raw, chat, salt, route, principal, output_field), principal
 

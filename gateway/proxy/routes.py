@@ -57,6 +57,7 @@ from prefixgate.gateway.tenancy.keys import Principal, client_credential, effect
 from prefixgate.gateway.tenancy.ttft_budget import BUDGET_HEADER
 from prefixgate.gateway.wire.request_models import (
     ChatCompletionRequest,
+    CompletionRequest,
     check_chat_body,
     check_contents,
     gateway_fields,
@@ -86,21 +87,21 @@ async def proxy_generate(request: web.Request) -> web.StreamResponse:
     parsed = load_json(body)  # bounded already by the ingress guard (http/json_guard.py)
     if not isinstance(parsed, dict):
         raise bad_request("the body must be a JSON object", code="invalid_json")
-    refuse_stop_under_constraint(parsed.get("stop"), "stop", openai_constraint(parsed))
     chat = request.path == "/v1/chat/completions"
     if chat:
         check_contents(parsed.get("messages"))  # as local mode's ChatMessage: the same 400
     # prefix_id / cache_salt: local mode's checks and words; "" is absent (and not forwarded)
     fields, parsed = gateway_fields(parsed, chat)
+    model = _resolved(router, parsed, body, chat)  # the body's form, then the model's name
     prefix = None
     if fields.prefix_id is not None:
         prefix, parsed = await _with_prefix(request, st, body, parsed, principal.salt)
+    refuse_stop_under_constraint(parsed.get("stop"), "stop", openai_constraint(parsed))
     if parsed.get("priority") is not None:  # forwarded as is, if the key may set it
         if isinstance(parsed["priority"], bool) or not isinstance(parsed["priority"], int):
             raise bad_request("priority: Input should be a valid integer", param="priority")
         principal.request_priority(parsed["priority"])
     salt = effective_salt(principal.salt, fields.cache_salt)
-    model = router.resolve(parsed.get("model"))  # 404 model_not_found when nobody serves it
     keep_usage = ask_usage(parsed)
     bodies = _Bodies(parsed, salt)
     route = router.route(parsed, salt, model)  # with a prefix: its messages + the request's
@@ -122,6 +123,27 @@ async def proxy_generate(request: web.Request) -> web.StreamResponse:
         router.policy.release(route)
         _record_prediction(request, router, route)
         end_call(st, principal, lease, outcome.account)
+
+
+def _resolved(
+    router: UpstreamRouter, parsed: dict[str, Any], body: bytes, chat: bool
+) -> str | None:
+    """The public model name ``parsed`` routes by (``UpstreamRouter.resolve``), in local
+    mode's order: a well-formed body first, then the model's name, then what the body says
+    beyond its form (checked after this). A model nobody serves is answered only for a body
+    local mode's wire model (``ChatCompletionRequest`` / ``CompletionRequest``) takes: else its
+    400 naming the field, as local mode and OpenAI answer a malformed body whatever its model.
+    A served model's body is the upstream's to check, unknown fields included.
+
+    Raises:
+        APIError: 400 naming a field of a malformed body beside an unknown model; 404
+            ``model_not_found``; 400 for a missing model under a config.
+    """
+    try:
+        return router.resolve(parsed.get("model"))
+    except APIError:
+        parse(ChatCompletionRequest if chat else CompletionRequest, body)
+        raise
 
 
 async def _with_prefix(

@@ -189,3 +189,79 @@ def test_what_needs_the_model_is_still_checked_beside_a_live_prefix(both):
             )
             assert a.status_code == 400 and a.json()["error"]["param"] == param, (extra, a.text)
             assert (b.status_code, b.json()) == (a.status_code, a.json()), (extra, b.text)
+
+
+AM = [{"role": "user", "content": "hi"}]
+GC = [{"role": "user", "parts": [{"text": "hi"}]}]
+SCHEMA = {"format": {"type": "json_schema", "schema": {"type": "object"}}}
+GEN, GSTREAM = (
+    "/v1beta/models/{}:generateContent",
+    "/v1beta/models/{}:streamGenerateContent?alt=sse",
+)
+GCOUNT = "/v1beta/models/{}:countTokens"
+BEYOND_FORM = [  # the bodies of BAD whose fault is not in their form (local mode's wire model)
+    (CHAT, {}),  # no message: checked when the chat is rendered
+    (CHAT, {"messages": M, "logit_bias": {"x": 1}}),
+    (CHAT, {"messages": M, "max_tokens": 100000}),
+    (CHAT, {"messages": M, "tool_choice": "required"}),
+    (CHAT, {"messages": M, "response_format": {"type": "xml"}}),
+    (CHAT, {"messages": M, "tools": [TOOL], "tool_choice": "required", "stop": "{"}),
+    (COMP, {"prompt": "x", "echo": True}),
+    (COMP, {"prompt": "x", "guided_choice": ["a"], "stop": "a"}),
+]
+# (path, body, status): a body beside a model nobody serves, in local mode's order, which is
+# OpenAI's: the body's form first (400: a wrong type, an unknown field, a bad role), then the
+# model's name (404), then what the body says beyond its form (a tool_choice without tools,
+# stop beside a constraint, a tool turn without its call: only for a served model)
+UNKNOWN_MODEL = [
+    *[(p, {**b, "model": "nope"}, 404 if (p, b) in BEYOND_FORM else 400) for p, b, _ in BAD],
+    ("/v1/messages", {"model": "nope", "messages": AM, "max_tokens": 2}, 404),
+    ("/v1/messages", {"model": "nope", "messages": AM, "max_tokens": 2, "stream": True}, 404),
+    ("/v1/messages", {"model": "nope", "messages": AM}, 400),  # max_tokens is required
+    ("/v1/messages", {"model": "nope", "messages": AM, "max_tokens": "x"}, 400),
+    ("/v1/messages", {"model": "nope", "messages": AM, "max_tokens": 2, "frob": 1}, 400),
+    ("/v1/messages", {"model": "nope", "messages": AM, "max_tokens": 2,
+                      "tool_choice": {"type": "any"}}, 404),
+    ("/v1/messages", {"model": "nope", "messages": AM, "max_tokens": 2, "stop_sequences": ["a"],
+                      "output_config": SCHEMA}, 404),
+    ("/v1/messages", {"model": "nope", "max_tokens": 2, "messages": [
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "x",
+                                      "content": "r"}]}]}, 404),
+    ("/v1/messages/count_tokens", {"model": "nope", "messages": AM,
+                                   "tool_choice": {"type": "any"}}, 404),
+    (GEN.format("nope"), {"contents": GC}, 404),
+    (GSTREAM.format("nope"), {"contents": GC}, 404),
+    (GEN.format("nope"), {"contents": GC, "generationConfig": {"temperature": "x"}}, 400),
+    (GEN.format("nope"), {"contents": GC, "frob": 1}, 400),
+    (GEN.format("nope"), {"contents": GC, "toolConfig": {
+        "functionCallingConfig": {"mode": "ANY"}}}, 404),
+    # the path's model before the body's: an unknown path is the 404 whatever the body names
+    (GEN.format("nope"), {"contents": GC, "model": "models/other"}, 404),
+    (GSTREAM.format("nope"), {"contents": GC, "model": "models/other"}, 404),
+    (GEN.format("fake"), {"contents": GC, "model": "models/other"}, 400),
+    (GCOUNT.format("nope"), {"generateContentRequest": {"model": "models/fake",
+                                                        "contents": GC}}, 404),
+    (GCOUNT.format("nope"), {"generateContentRequest": {"model": "models/other",
+                                                        "contents": GC}}, 404),
+    (GCOUNT.format("fake"), {"generateContentRequest": {"model": "models/other",
+                                                        "contents": GC}}, 404),
+    (GCOUNT.format("nope"), {"contents": GC, "frob": 1}, 400),
+]  # fmt: skip
+
+
+def test_an_unknown_model_beside_a_bad_body_gets_the_same_answer_in_both_modes(both):
+    """Was: for a chat without a prefix, the proxy resolved the model before the body's form
+    on the OpenAI routes (an unknown model with a wrong type: 404, local mode's 400), and
+    after what the body says on the Messages route (a tool_choice without tools: 400, local
+    mode's 404); on Gemini's routes it checked the body's model against the path before the
+    path's model, and (countTokens) the body's model before the path's. Both modes now keep
+    local mode's order on every dialect's generating routes: the body's form, the model (the
+    path's, then the body's), then the rest; the same error object, Gemini's 404 in Gemini's
+    words."""
+    local, proxy = both
+    with httpx.Client(timeout=120) as http:
+        for path, body, status in UNKNOWN_MODEL:
+            a = http.post(local + path, json=body)
+            b = http.post(proxy + path, json=body)
+            assert a.status_code == status, (path, body, a.text)
+            assert (b.status_code, b.json()) == (a.status_code, a.json()), (path, body, b.text)

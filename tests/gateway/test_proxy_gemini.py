@@ -289,3 +289,37 @@ def test_count_tokens_under_mode_none_counts_no_tool_declarations_in_both_modes(
     assert counts["local", "none"] == counts["local", "bare"], counts
     for name in ("bare", "none", "forced"):
         assert counts["proxy", name] == counts["local", name], (name, counts)
+
+
+@pytest.mark.parametrize("config", [None, {"functionCallingConfig": {"mode": "AUTO"}}])
+def test_count_tokens_counts_auto_tools_without_a_tool_call_parser_in_both_modes(
+    serve_fake, tools_in_prompt, config
+):
+    """A server started without ``--tool-call-parser`` counts a body with tools under mode
+    AUTO (the default with tools): the parser only parses a generated answer, the prompt
+    declares the tools all the same. Local mode answered 400 "needs --tool-call-parser" where
+    the proxy's count through its upstream's ``/tokenize`` answered 200; both modes now give
+    the same count, the tools' declarations in it, and generation keeps its 400."""
+    local, _ = serve_fake()  # GatewaySettings(model_name="fake"): no tool-call parser
+    tools = [{"functionDeclarations": [{"name": "weather", "parameters": {"type": "object"}}]}]
+    bare = {"model": "models/fake", "contents": [{"role": "user", "parts": [{"text": "hi"}]}]}
+    auto: dict = {**bare, "tools": tools}
+    if config is not None:
+        auto["toolConfig"] = config
+    slow = GatewaySettings(health_check_timeout_s=60.0)  # the first tools import xgrammar
+    with BackgroundServer(lambda: create_proxy_app([local.url], slow)) as proxy:
+        counts: dict[tuple[str, str], int] = {}
+        for mode, base in (("local", local.url), ("proxy", proxy.url)):
+            for name, inner in (("bare", bare), ("auto", auto)):
+                r = httpx.post(
+                    base + "/v1beta/models/fake:countTokens",
+                    json={"generateContentRequest": inner},
+                    timeout=120,
+                )
+                assert r.status_code == 200, (mode, name, r.text)
+                counts[mode, name] = r.json()["totalTokens"]
+    assert counts["local", "auto"] > counts["local", "bare"], counts  # tools are rendered
+    assert counts["proxy", "auto"] == counts["local", "auto"], counts
+    r = httpx.post(local.url + "/v1beta/models/fake:generateContent", json=auto, timeout=120)
+    assert r.status_code == 400 and "--tool-call-parser" in r.text, r.text
+    assert r.json()["error"]["status"] == "INVALID_ARGUMENT"

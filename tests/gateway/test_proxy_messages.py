@@ -618,3 +618,60 @@ def test_count_tokens_under_tool_choice_none_counts_no_tools_in_both_modes(
     assert counts["local", "none"] == counts["local", "bare"], counts
     for name in ("bare", "none", "forced"):
         assert counts["proxy", name] == counts["local", name], (name, counts)
+
+
+@pytest.mark.parametrize("choice", [None, {"type": "auto"}])
+def test_count_tokens_counts_auto_tools_without_a_tool_call_parser_in_both_modes(
+    serve_fake, tools_in_prompt, choice
+):
+    """A server started without ``--tool-call-parser`` counts a body with tools under
+    ``tool_choice`` auto (the default with tools): the parser only parses a generated answer,
+    the prompt declares the tools all the same. Local mode answered 400 "needs
+    --tool-call-parser" where the proxy's count through ``/tokenize`` answered 200; both modes
+    now give the same count, the tools' declarations in it, and generation keeps its 400."""
+    local, _ = serve_fake()  # GatewaySettings(model_name="fake"): no tool-call parser
+    bare = {"model": "fake", "messages": [{"role": "user", "content": "hi"}]}
+    tools = {**bare, "tools": [{"name": "weather", "input_schema": {"type": "object"}}]}
+    if choice is not None:
+        tools["tool_choice"] = choice
+    slow = GatewaySettings(health_check_timeout_s=60.0)  # the first tools import xgrammar
+    with (
+        BackgroundServer(_openai_relay(local.url)) as up,  # counted by its /tokenize
+        BackgroundServer(lambda: create_proxy_app([up.url], slow)) as proxy,
+    ):
+        counts: dict[tuple[str, str], int] = {}
+        for mode, base in (("local", local.url), ("proxy", proxy.url)):
+            for name, body in (("bare", bare), ("tools", tools)):
+                r = httpx.post(base + "/v1/messages/count_tokens", json=body, timeout=120)
+                assert r.status_code == 200, (mode, name, r.text)
+                counts[mode, name] = r.json()["input_tokens"]
+    assert counts["local", "tools"] > counts["local", "bare"], counts  # tools are rendered
+    assert counts["proxy", "tools"] == counts["local", "tools"], counts
+    r = httpx.post(local.url + "/v1/messages", json={**tools, "max_tokens": 2}, timeout=120)
+    assert r.status_code == 400 and "--tool-call-parser" in r.text, r.text
+    assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_count_tokens_counts_strict_tools_a_parser_cannot_constrain_in_both_modes(
+    serve_fake, tools_in_prompt
+):
+    """A strict tool under ``tool_choice`` auto on a server whose ``--tool-call-parser``
+    format has no trigger (``llama3_json``) cannot be honoured when generating (400 naming
+    ``tools[0].strict``), but the prompt declares it all the same: the count is the prompt's,
+    as the proxy's count through ``/tokenize``."""
+    local, _ = serve_fake(GatewaySettings(model_name="fake", tool_call_parser="llama3_json"))
+    tool = {"name": "weather", "input_schema": {"type": "object"}, "strict": True}
+    body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "tools": [tool]}
+    slow = GatewaySettings(health_check_timeout_s=60.0)  # the first tools import xgrammar
+    with (
+        BackgroundServer(_openai_relay(local.url)) as up,  # counted by its /tokenize
+        BackgroundServer(lambda: create_proxy_app([up.url], slow)) as proxy,
+    ):
+        counts = []
+        for base in (local.url, proxy.url):
+            r = httpx.post(base + "/v1/messages/count_tokens", json=body, timeout=120)
+            assert r.status_code == 200, (base, r.text)
+            counts.append(r.json()["input_tokens"])
+    assert counts[0] == counts[1], counts
+    r = httpx.post(local.url + "/v1/messages", json={**body, "max_tokens": 2}, timeout=120)
+    assert r.status_code == 400 and "strict" in r.text, r.text

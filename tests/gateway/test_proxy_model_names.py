@@ -65,8 +65,7 @@ def test_an_unknown_models_404_lists_the_served_models_in_both_modes(local, dial
     assert proxy.status_code == direct.status_code == 404, (proxy.text, direct.text)
     assert "this server serves" in _message(direct) and "fake" in _message(direct)
     assert "this server serves" in _message(proxy) and "fake" in _message(proxy), proxy.text
-    if dialect != "gemini":  # Gemini's words name models/<id> in local mode
-        assert _message(proxy) == _message(direct)
+    assert _message(proxy) == _message(direct)  # Gemini's words name models/<id> in both
 
 
 def test_a_configs_unknown_model_lists_its_names_and_aliases(local, tmp_path: Path):
