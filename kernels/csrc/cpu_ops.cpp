@@ -1263,6 +1263,38 @@ struct PrefillScratch {
         kf(kPrefillTile * d), vf(kPrefillTile * d), zeros(d, 0.0f) {}
 };
 
+// 16 rows of 16 floats transposed in registers: r[i] lane j -> r[j] lane i (unpack within
+// 128-bit lanes, then 128-bit lanes shuffled twice).
+PG_AVX512 inline void transpose16x16(__m512* r) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int i = 0; i < 2; ++i) {
+    for (int j = 0; j < 4; ++j) {
+      t[8 * i + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
+      t[8 * i + 4 + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0xDD);
+    }
+  }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
+    r[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xDD);
+  }
+}
+
+PG_AVX512 inline void store16f(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+PG_AVX512 inline void store16f(bf16* p, __m512 v) {
+  store8f(p, _mm512_castps512_ps256(v));
+  store8f(p + 8, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
 template <int RC, typename T>
 PG_AVX512 void prefill_task_avx512(const PrefillArgs<T>& a, const PrefillTask& t,
                                    PrefillScratch& s) {
@@ -1278,14 +1310,27 @@ PG_AVX512 void prefill_task_avx512(const PrefillArgs<T>& a, const PrefillTask& t
   float* qt = s.qt.data();
   float* ot = s.ot.data();
   float* st = s.st.data();
-  // Q^T and each lane's position (padding lanes: the last row's, zero queries; never stored)
+  // each lane's position (padding lanes: the last row's) and Q^T, 16 rows x 16 columns a
+  // register transpose (padding lanes: zero queries; their results are never stored)
   alignas(64) int32_t pos[rp];
+  const T* qrow[rp];
   for (int64_t r = 0; r < rp; ++r) {
     const int64_t rr = std::min(r, rows - 1);
     const int64_t i = rr / group, j = rr % group;
     pos[r] = static_cast<int32_t>(p0 + i);
-    const T* qr = a.q + ((q_first + t.i0 + i) * a.num_heads + t.g * group + j) * d;
-    for (int64_t e = 0; e < d; ++e) qt[e * rp + r] = r < rows ? to_f32(qr[e]) : 0.0f;
+    qrow[r] = r < rows ? a.q + ((q_first + t.i0 + i) * a.num_heads + t.g * group + j) * d
+                       : nullptr;
+  }
+  for (int c = 0; c < RC; ++c) {
+    for (int64_t e0 = 0; e0 < d; e0 += 16) {
+      __m512 blk[16];
+      for (int r = 0; r < 16; ++r) {
+        const T* qr = qrow[c * 16 + r];
+        blk[r] = qr != nullptr ? load16f(qr + e0) : _mm512_setzero_ps();
+      }
+      transpose16x16(blk);
+      for (int e = 0; e < 16; ++e) _mm512_storeu_ps(qt + (e0 + e) * rp + c * 16, blk[e]);
+    }
   }
   std::fill(ot, ot + d * rp, 0.0f);
   __m512i posv[RC];
@@ -1302,29 +1347,26 @@ PG_AVX512 void prefill_task_avx512(const PrefillArgs<T>& a, const PrefillTask& t
   for (int64_t kt0 = 0; kt0 < n_keys; kt0 += kPrefillTile) {
     const int64_t nk = std::min(kPrefillTile, n_keys - kt0);
     const int64_t nk_pad = (nk + kPrefillKeys - 1) / kPrefillKeys * kPrefillKeys;
-    for (int64_t k = 0; k < nk_pad; ++k) {
-      if (k >= nk) {
-        kr[k] = vr[k] = s.zeros.data();
-        continue;
-      }
-      const int64_t p = kt0 + k;
+    // the tile's K and V rows copied (bf16: widened) to fp32 rows side by side, the table
+    // walked block by block; keys past the tile's end read a zero row
+    int64_t blk_i = kt0 / a.block_size, blk_o = kt0 % a.block_size;
+    for (int64_t k = 0; k < nk; ++k) {
       const int64_t off =
-          (static_cast<int64_t>(table[p / a.block_size]) * a.block_size + p % a.block_size) *
-              row + t.g * d;
-      if constexpr (std::is_same_v<T, float>) {
-        kr[k] = a.kc + off;
-        vr[k] = a.vc + off;
-      } else {
-        float* kd = s.kf.data() + k * d;
-        float* vd = s.vf.data() + k * d;
-        for (int64_t e = 0; e < d; e += 16) {
-          _mm512_storeu_ps(kd + e, load16f(a.kc + off + e));
-          _mm512_storeu_ps(vd + e, load16f(a.vc + off + e));
-        }
-        kr[k] = kd;
-        vr[k] = vd;
+          (static_cast<int64_t>(table[blk_i]) * a.block_size + blk_o) * row + t.g * d;
+      if (++blk_o == a.block_size) {
+        blk_o = 0;
+        ++blk_i;
       }
+      float* kd = s.kf.data() + k * d;
+      float* vd = s.vf.data() + k * d;
+      for (int64_t e = 0; e < d; e += 16) {
+        _mm512_storeu_ps(kd + e, load16f(a.kc + off + e));
+        _mm512_storeu_ps(vd + e, load16f(a.vc + off + e));
+      }
+      kr[k] = kd;
+      vr[k] = vd;
     }
+    for (int64_t k = nk; k < nk_pad; ++k) kr[k] = vr[k] = s.zeros.data();
     // scores S^T [key][row lanes] (unscaled)
     for (int64_t k0 = 0; k0 < nk_pad; k0 += kPrefillKeys) {
       __m512 acc[kPrefillKeys][RC];
@@ -1411,18 +1453,21 @@ PG_AVX512 void prefill_task_avx512(const PrefillArgs<T>& a, const PrefillTask& t
       }
     }
   }
-  // out = O / sum, transposed back to [token, head, D]
+  // out = O / sum, transposed back to [token, head, D] 16 rows x 16 columns at a time
   for (int c = 0; c < RC; ++c) {
     const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), lsum[c]);
-    for (int64_t e = 0; e < d; ++e) {
-      float* o = ot + e * rp + c * 16;
-      _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_loadu_ps(o), inv));
+    for (int64_t e0 = 0; e0 < d; e0 += 16) {
+      __m512 blk[16];
+      for (int e = 0; e < 16; ++e) {
+        blk[e] = _mm512_mul_ps(_mm512_loadu_ps(ot + (e0 + e) * rp + c * 16), inv);
+      }
+      transpose16x16(blk);
+      for (int r = 0; r < 16 && c * 16 + r < rows; ++r) {
+        const int64_t rr = c * 16 + r;
+        const int64_t i = rr / group, j = rr % group;
+        store16f(a.out + ((q_first + t.i0 + i) * a.num_heads + t.g * group + j) * d + e0, blk[r]);
+      }
     }
-  }
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t i = r / group, j = r % group;
-    T* o = a.out + ((q_first + t.i0 + i) * a.num_heads + t.g * group + j) * d;
-    for (int64_t e = 0; e < d; ++e) o[e] = from_f32<T>(ot[e * rp + r]);
   }
 }
 
