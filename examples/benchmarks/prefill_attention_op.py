@@ -14,7 +14,14 @@ weighs on each alike, in fp32 and bf16. Printed: milliseconds a call (median, mi
 rounds; wall time at ``--threads``), GFLOP/s of the median (4 * D * Hq * causal query-key pairs:
 Q.K^T and P.V, the pairs a causal mask keeps), the speed-up, and the load average.
 
+``--engine``: instead, a whole 1,088-token prefill (one engine step, ``forward_s`` of
+``LLMEngine.timing``) of SmolLM2-135M's shape with dummy weights (``--model``, all 30 layers;
+the loader turns the batched CPU ops on for it), with the kernel and with the torch path
+(``cpu_ext.prefill_attention_supported`` answering False), interleaved; a new prompt each
+time (no prefix-cache hit).
+
     python -m examples.benchmarks.prefill_attention_op [--threads 2] [--rounds 15] [--layers 4]
+    python -m examples.benchmarks.prefill_attention_op --engine [--threads 2] [--rounds 8]
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from prefixgate.kernels import cpu_ext, torch_ref
@@ -70,15 +78,62 @@ def _flops(q_lens: list[int], ctx: list[int]) -> float:
     return 4.0 * HEAD_DIM * HEADS * pairs
 
 
+def _engine(args: argparse.Namespace) -> int:
+    """Whole 1,088-token prefills with the kernel and with the torch path, interleaved."""
+    from prefixgate.engine.config import EngineConfig
+    from prefixgate.engine.llm_engine import LLMEngine
+    from prefixgate.engine.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=args.model, load_format="dummy", threads=args.threads))
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    supported = cpu_ext.prefill_attention_supported
+    times: dict[str, list[float]] = {"torch_ref": [], "cpu_ext": []}
+    gen = torch.Generator().manual_seed(0)
+    print(f"load average at the start: {os.getloadavg()[0]:.2f}")
+    try:
+        for n in range(args.rounds + 1):
+            for path in times:
+                cpu_ext.prefill_attention_supported = (  # type: ignore[method-assign]
+                    supported if path == "cpu_ext" else lambda head_dim, group: False
+                )
+                prompt = torch.randint(100, 40000, (1088,), generator=gen).tolist()
+                engine.add_request(f"{path}{n}", prompt, params)
+                before = engine.timing["forward_s"]
+                engine.step()
+                while engine.has_unfinished_requests():
+                    engine.step()
+                if n:  # the first round warms up
+                    times[path].append(engine.timing["forward_s"] - before)
+    finally:
+        cpu_ext.prefill_attention_supported = supported  # type: ignore[method-assign]
+        engine.shutdown()
+    print(f"load average at the end: {os.getloadavg()[0]:.2f}")
+    print(f"1,088-token prefill, {args.threads} threads, {args.rounds} rounds (forward_s)")
+    print("path       median ms  min ms  max ms")
+    for path, xs in times.items():
+        print(
+            f"{path:10} {statistics.median(xs) * 1e3:9.1f} {min(xs) * 1e3:7.1f} "
+            f"{max(xs) * 1e3:7.1f}"
+        )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--batches", default=",".join(BATCHES))
+    p.add_argument("--engine", action="store_true", help="whole prefills instead of the op")
+    p.add_argument(
+        "--model",
+        default=str(Path(__file__).parents[2].parent / "shared/models/smollm2-135m-shape"),
+    )
     args = p.parse_args(argv)
     if not cpu_ext.available() or not cpu_ext.prefill_attention_supported(HEAD_DIM, 3):
         raise SystemExit("the AVX-512 prefill attention is not available here (see the log)")
+    if args.engine:
+        return _engine(args)
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     scale = HEAD_DIM**-0.5

@@ -1564,8 +1564,17 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
       work += cost * num_kv_heads;
     }
   }
-  std::stable_sort(tasks.begin(), tasks.end(),
-                   [](const PrefillTask& x, const PrefillTask& y) { return x.cost > y.cost; });
+  // the costliest sequences first; within one, a KV head's tasks together (its K/V stay in
+  // the caches from one task to the next), costliest first
+  std::vector<int64_t> seq_cost(batch, 0);
+  for (const PrefillTask& t : tasks) seq_cost[t.b] += t.cost;
+  std::stable_sort(tasks.begin(), tasks.end(), [&](const PrefillTask& x, const PrefillTask& y) {
+    if (x.b != y.b) {
+      return seq_cost[x.b] != seq_cost[y.b] ? seq_cost[x.b] > seq_cost[y.b] : x.b < y.b;
+    }
+    if (x.g != y.g) return x.g < y.g;
+    return x.cost > y.cost;
+  });
   at::Tensor out = at::empty(qc.sizes(), qc.options());
   auto run = [&](auto tag) {
     using T = decltype(tag);
