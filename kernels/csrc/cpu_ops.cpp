@@ -1227,7 +1227,8 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& positions,
 // sums) and the causal mask one compare a key. Q.K^T: 8 keys x RC row registers of FMAs a
 // head-dim column (the key's value broadcast, Q transposed once a task); P.V: 8 head-dim
 // columns x RC row registers a key (V's value broadcast, the output transposed, [D][rows]). fp32
-// or bf16 q / caches / output (bf16 K/V widened to fp32 a tile at a time); everything else fp32.
+// or bf16 q / caches / output (fp32 K/V read in place, bf16 widened to fp32 a tile at a time, the
+// next tile prefetched); everything else fp32.
 // Tasks are taken largest first from a shared counter by each of torch's threads (causal work
 // grows with the position). Needs AVX512F/DQ/BW/VL, D a multiple of 16 up to 256, G <= 48
 // (prefill_attention_supported).
@@ -1295,6 +1296,20 @@ PG_AVX512 inline void store16f(bf16* p, __m512 v) {
   store8f(p + 8, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
 }
 
+// The cache offsets of keys [first, first + n) of a sequence's KV head (its table walked
+// block by block: no division a key).
+inline void prefill_offsets(const int32_t* table, int64_t block_size, int64_t row, int64_t head,
+                            int64_t first, int64_t n, int64_t* at) {
+  int64_t blk = first / block_size, o = first % block_size;
+  for (int64_t k = 0; k < n; ++k) {
+    at[k] = (static_cast<int64_t>(table[blk]) * block_size + o) * row + head;
+    if (++o == block_size) {
+      o = 0;
+      ++blk;
+    }
+  }
+}
+
 template <int RC, typename T>
 PG_AVX512 void prefill_task_avx512(const PrefillArgs<T>& a, const PrefillTask& t,
                                    PrefillScratch& s) {
@@ -1307,9 +1322,13 @@ PG_AVX512 void prefill_task_avx512(const PrefillArgs<T>& a, const PrefillTask& t
   const int64_t p0 = a.ctx[t.b] - q_len + t.i0;  // the task's first query's position
   const int64_t rows = t.m * group;
   const int32_t* table = a.tables + t.b * a.max_blocks;
+  const T* kc = a.kc;
+  const T* vc = a.vc;
   float* qt = s.qt.data();
   float* ot = s.ot.data();
   float* st = s.st.data();
+  float* kf = s.kf.data();
+  float* vf = s.vf.data();
   // each lane's position (padding lanes: the last row's) and Q^T, 16 rows x 16 columns a
   // register transpose (padding lanes: zero queries; their results are never stored)
   alignas(64) int32_t pos[rp];
@@ -1344,28 +1363,40 @@ PG_AVX512 void prefill_task_avx512(const PrefillArgs<T>& a, const PrefillTask& t
   const int64_t n_keys = p0 + t.m;  // keys 0 .. the last query's position
   const float* kr[kPrefillTile];
   const float* vr[kPrefillTile];
+  int64_t offsets[2][kPrefillTile];  // this tile's and the next's slot rows (offsets)
+  int64_t* at = offsets[0];
+  int64_t* next_at = offsets[1];
+  prefill_offsets(table, a.block_size, row, t.g * d, 0, std::min(kPrefillTile, n_keys), at);
   for (int64_t kt0 = 0; kt0 < n_keys; kt0 += kPrefillTile) {
     const int64_t nk = std::min(kPrefillTile, n_keys - kt0);
     const int64_t nk_pad = (nk + kPrefillKeys - 1) / kPrefillKeys * kPrefillKeys;
-    // the tile's K and V rows copied (bf16: widened) to fp32 rows side by side, the table
-    // walked block by block; keys past the tile's end read a zero row
-    int64_t blk_i = kt0 / a.block_size, blk_o = kt0 % a.block_size;
-    for (int64_t k = 0; k < nk; ++k) {
-      const int64_t off =
-          (static_cast<int64_t>(table[blk_i]) * a.block_size + blk_o) * row + t.g * d;
-      if (++blk_o == a.block_size) {
-        blk_o = 0;
-        ++blk_i;
-      }
-      float* kd = s.kf.data() + k * d;
-      float* vd = s.vf.data() + k * d;
-      for (int64_t e = 0; e < d; e += 16) {
-        _mm512_storeu_ps(kd + e, load16f(a.kc + off + e));
-        _mm512_storeu_ps(vd + e, load16f(a.vc + off + e));
-      }
-      kr[k] = kd;
-      vr[k] = vd;
+    // the tile's K and V rows: fp32 read in place, bf16 widened to fp32 rows side by side; the
+    // next tile's rows prefetched into L1 meanwhile (blocks lie anywhere in the pool: the
+    // hardware's prefetcher sees a new stream every block; a profile showed the reads waiting)
+    const int64_t nk_next = std::min(kPrefillTile, n_keys - kt0 - nk);
+    prefill_offsets(table, a.block_size, row, t.g * d, kt0 + nk, nk_next, next_at);
+    for (int64_t k = 0; k < nk_next; ++k) {
+      prefetch_rows<1>(kc + next_at[k], 1, 0, d * static_cast<int64_t>(sizeof(T)));
+      prefetch_rows<1>(vc + next_at[k], 1, 0, d * static_cast<int64_t>(sizeof(T)));
     }
+    for (int64_t k = 0; k < nk; ++k) {
+      if constexpr (std::is_same_v<T, float>) {
+        kr[k] = kc + at[k];
+        vr[k] = vc + at[k];
+      } else {
+        const T* __restrict ks = kc + at[k];  // locals: no reload of a.kc after each store
+        const T* __restrict vs = vc + at[k];
+        float* __restrict kd = kf + k * d;
+        float* __restrict vd = vf + k * d;
+        for (int64_t e = 0; e < d; e += 16) {
+          _mm512_storeu_ps(kd + e, load16f(ks + e));
+          _mm512_storeu_ps(vd + e, load16f(vs + e));
+        }
+        kr[k] = kd;
+        vr[k] = vd;
+      }
+    }
+    std::swap(at, next_at);
     for (int64_t k = nk; k < nk_pad; ++k) kr[k] = vr[k] = s.zeros.data();
     // scores S^T [key][row lanes] (unscaled)
     for (int64_t k0 = 0; k0 < nk_pad; k0 += kPrefillKeys) {
