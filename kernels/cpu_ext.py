@@ -42,6 +42,9 @@ Ops (fp32, CPU, unless said; tolerances as the tests check them against the torc
   with the max subtracted) within ``rtol=1e-5, atol=1e-6`` of SDPA.
 - :func:`rotary_cache`: its rotary + KV-cache write alone, for T tokens of any step
   (bit-exact).
+- :func:`prefill_attention`: ``torch_ref.paged_attention_prefill`` (causal, a varlen batch of
+  chunks after any cached prefix) read through the block tables in place, on AVX-512 only
+  (:func:`prefill_attention_supported`); fp32 within ``atol=5e-6`` of the float64 result.
 
 The batched ops (:func:`add_rms_norm`, :func:`silu_mul`, :func:`rotary_cache`,
 :func:`decode_attention`) take bf16 rows and a bf16 KV cache as well (one dtype for all their
