@@ -139,6 +139,22 @@ def test_large_scores_keep_the_softmax_finite():
     torch.testing.assert_close(got.double(), _exact(q, kv, qsl, 0.125), rtol=0, atol=5e-5)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_nan_or_inf_key_makes_the_rows_that_see_it_nan_as_sdpa(bad):
+    """A bad value in the key at position 40 (KV head 1): the rows at 40 and after of heads
+    3-5 are NaN where the reference's are (all of them for NaN; those whose score is +inf
+    for inf); the rows before it never see it and match."""
+    q, kv, qsl = _case(9, 3, 64, 16, [70], [70], torch.float32, seed=9)
+    block = int(kv.block_tables[0, 40 // 16])
+    kv.k_cache[block, 40 % 16, 1, 5] = bad
+    got = cpu_ext.prefill_attention(q, kv, qsl, 0.125)
+    ref = torch_ref.paged_attention_prefill(q, kv, qsl, 0.125)
+    assert torch.equal(got.isnan(), ref.isnan())
+    assert got[40:, 3:6].isnan().any() and not got[:40].isnan().any()
+    assert got[40:, 3:6].isnan().all() or bad == float("inf")
+    torch.testing.assert_close(got[:40], ref[:40], rtol=0, atol=1e-5)
+
+
 @given(
     group=st.sampled_from([1, 2, 3, 4, 5, 8]),
     hkv=st.integers(1, 3),
