@@ -42,6 +42,9 @@ Ops (fp32, CPU, unless said; tolerances as the tests check them against the torc
   with the max subtracted) within ``rtol=1e-5, atol=1e-6`` of SDPA.
 - :func:`rotary_cache`: its rotary + KV-cache write alone, for T tokens of any step
   (bit-exact).
+- :func:`prefill_attention`: ``torch_ref.paged_attention_prefill`` (causal, a varlen batch of
+  chunks after any cached prefix) read through the block tables in place, on AVX-512 only
+  (:func:`prefill_attention_supported`); fp32 within ``atol=5e-6`` of the float64 result.
 
 The batched ops (:func:`add_rms_norm`, :func:`silu_mul`, :func:`rotary_cache`,
 :func:`decode_attention`) take bf16 rows and a bf16 KV cache as well (one dtype for all their
@@ -67,6 +70,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from prefixgate.kernels.paged import PagedKV
 
 logger = logging.getLogger(__name__)
 
@@ -491,6 +495,50 @@ def decode_attention(
         slot,
         num_heads,
         num_kv_heads,
+        scale,
+    )
+
+
+def prefill_attention_supported(head_dim: int, group: int) -> bool:
+    """Whether :func:`prefill_attention` runs here for head size ``head_dim`` and ``group``
+    query heads a KV head: a CPU with AVX512F/DQ/BW/VL, ``PREFIXGATE_CPU_EXT_AVX512`` not ``0``
+    (read at each call), ``head_dim`` a multiple of 16 up to 256, ``1 <= group <= 48``."""
+    return bool(torch.ops.prefixgate_cpu.prefill_attention_supported(head_dim, group))
+
+
+def prefill_attention(
+    q: torch.Tensor, kv: PagedKV, query_start_loc: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """``torch_ref.paged_attention_prefill`` (causal attention of a varlen batch of query
+    chunks, each chunk its sequence's last ``q_len`` tokens) read through the block tables in
+    place: no gathered copy of K/V, the G query heads of a KV head sharing each K/V load, an
+    online softmax over tiles of 32 keys, tiles past a task's last query never read; tasks
+    (a sequence, a KV head, up to 48 / G query positions) over torch's threads, largest first.
+    fp32 throughout (bf16 K/V widened on load, the output rounded once): within ``rtol=0,
+    atol=5e-6`` of the float64 result in fp32, half a bf16 ulp in bf16 (the tests').
+
+    Args:
+        q: ``[T, Hq, D]`` fp32 or bf16 (Hq a multiple of Hkv).
+        kv: the B sequences' paged K/V (contiguous caches of q's dtype, int32 tables and
+            lengths), this chunk's already written.
+        query_start_loc: ``[B + 1]`` int32 cumulative query lengths (from 0).
+        scale: softmax scale.
+
+    Returns:
+        ``[T, Hq, D]`` in q's dtype.
+
+    Raises:
+        RuntimeError: no AVX-512 here or a shape it does not take
+            (:func:`prefill_attention_supported`), wrong dtypes, a chunk longer than its
+            context, a context past its block table or a block id outside the cache.
+    """
+    return torch.ops.prefixgate_cpu.prefill_attention(
+        q,
+        kv.k_cache,
+        kv.v_cache,
+        kv.block_tables,
+        query_start_loc,
+        kv.context_lens,
         scale,
     )
 

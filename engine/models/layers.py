@@ -88,9 +88,10 @@ def set_decode_ops(model: nn.Module, on: bool) -> int:
     """Route the batched fp32 and bf16 CPU paths of ``model``'s :class:`RMSNorm` (any row count: the
     residual add + norm), :class:`MLP` (SiLU * mul) and :class:`Attention` (a step of decode
     tokens only: rotary + KV write + paged attention read through the block tables in place;
-    other steps: rotary + KV write in one pass)
-    through prefixgate's CPU ops (:mod:`prefixgate.kernels.cpu_ext`) when ``on``, or back to
-    the kernels namespace: one C++ call where torch ran several ops, each with its own pass
+    other steps: rotary + KV write in one pass, and the prefill rows' paged attention read
+    through the block tables where the AVX-512 kernel takes the shape) through prefixgate's
+    CPU ops (:mod:`prefixgate.kernels.cpu_ext`) when ``on``, or back to the kernels
+    namespace: one C++ call where torch ran several ops, each with its own pass
     over memory, and no gathered copy of K/V per layer. Results differ from the torch
     reference in the last bits, as :func:`set_one_row_ops`' (tolerances in ``cpu_ext``); the
     loader sets both for the same models.
@@ -238,8 +239,9 @@ class Attention(nn.Module):
 
     decode_ops = False
     """A step of decode tokens only (any count) through ``cpu_ext.decode_attention``, other
-    steps' rotary and KV write through ``cpu_ext.rotary_cache`` (:func:`set_decode_ops`); not
-    with q/k norms."""
+    steps' rotary and KV write through ``cpu_ext.rotary_cache`` (:func:`set_decode_ops`; not
+    with q/k norms) and their prefill rows' attention through ``cpu_ext.prefill_attention``
+    where the AVX-512 kernel takes the shape (q/k norms too)."""
 
     def __init__(self, cfg: ModelConfig, kernels: SimpleNamespace) -> None:
         super().__init__()
@@ -387,8 +389,25 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Paged prefill attention of the batch's prefill rows ``q`` (``[T_prefill, Hq, D]``)."""
         kv = PagedKV(k_cache, v_cache, views.prefill_block_tables, views.prefill_context_lens)
+        if self.decode_ops and self._fused_prefill(q, k_cache, v_cache):
+            return cpu_ext.prefill_attention(q, kv, views.prefill_query_start_loc, self.scale)
         return self.kernels.paged_attention_prefill(
             q, kv, views.prefill_query_start_loc, self.scale
+        )
+
+    def _fused_prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+        """Whether prefill rows ``q`` (``[T, Hq, D]``) take ``cpu_ext.prefill_attention``: fp32
+        or bf16 on CPU, contiguous caches of their dtype, and a head size and group the
+        AVX-512 kernel takes here (``cpu_ext.prefill_attention_supported``)."""
+        return (
+            q.device.type == "cpu"
+            and q.dtype in BATCHED_OPS_DTYPES
+            and k_cache.dtype == v_cache.dtype == q.dtype
+            and k_cache.is_contiguous()
+            and v_cache.is_contiguous()
+            and cpu_ext.prefill_attention_supported(
+                self.head_dim, self.num_heads // self.num_kv_heads
+            )
         )
 
 

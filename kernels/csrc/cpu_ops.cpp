@@ -19,6 +19,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -1215,6 +1216,423 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& positions,
   return out;
 }
 
+// ---- AVX-512 causal prefill attention over the paged cache (runtime dispatch) ---------------
+// torch_ref.paged_attention_prefill without the gathered copy of K/V: a task is one sequence's
+// KV head and up to kPrefillRows of its query rows (M positions x the G = Hq / Hkv heads sharing
+// the KV head, row r = position r / G, head r % G), held as the 16 lanes of up to 3 registers.
+// The task walks its sequence's keys in tiles of kPrefillTile straight from the cache through
+// its block table, up to its last query's position (tiles past the causal diagonal are never
+// read), with an online softmax (flash attention: a running max and sum a row, the partial
+// output rescaled when the max grows). Rows as lanes make the softmax lane-wise (no horizontal
+// sums) and the causal mask one compare a key. Q.K^T: 8 keys x RC row registers of FMAs a
+// head-dim column (the key's value broadcast, Q transposed once a task); P.V: 8 head-dim
+// columns x RC row registers a key (V's value broadcast, the output transposed, [D][rows]). fp32
+// or bf16 q / caches / output (fp32 K/V read in place, bf16 widened to fp32 a tile at a time, the
+// next tile prefetched); everything else fp32.
+// Tasks are taken largest first from a shared counter by each of torch's threads (causal work
+// grows with the position). Needs AVX512F/DQ/BW/VL, D a multiple of 16 up to 256, G <= 48
+// (prefill_attention_supported).
+constexpr int64_t kPrefillTile = 32;   // keys a tile
+constexpr int64_t kPrefillRows = 48;   // query rows (positions x heads) a task at most: 3 zmm
+constexpr int kPrefillKeys = 8;        // keys a Q.K^T register block
+constexpr int kPrefillCols = 8;        // head-dim columns a P.V register block
+constexpr int64_t kPrefillMaxDim = 256;
+
+struct PrefillTask {
+  int64_t b, g, i0, m, cost;  // sequence, KV head, first query index in the chunk, positions
+};
+
+template <typename T>
+struct PrefillArgs {
+  const T* q;  // [T, Hq, D]
+  T* out;      // [T, Hq, D]
+  const T* kc;
+  const T* vc;
+  const int32_t* tables;
+  const int32_t* qsl;  // [B + 1]
+  const int32_t* ctx;  // [B]
+  int64_t max_blocks, block_size, num_heads, num_kv_heads, d;
+  float sc;
+};
+
+// A worker's buffers (fp32): Q^T [D][48], O^T [D][48], scores / probabilities [32][48], the
+// tile's K and V widened from bf16 [32][D], a zero row for keys past the tile's end.
+struct PrefillScratch {
+  std::vector<float> qt, ot, st, kf, vf, zeros;
+  explicit PrefillScratch(int64_t d)
+      : qt(d * kPrefillRows), ot(d * kPrefillRows), st(kPrefillTile * kPrefillRows),
+        kf(kPrefillTile * d), vf(kPrefillTile * d), zeros(d, 0.0f) {}
+};
+
+// 16 rows of 16 floats transposed in registers: r[i] lane j -> r[j] lane i (unpack within
+// 128-bit lanes, then 128-bit lanes shuffled twice).
+PG_AVX512 inline void transpose16x16(__m512* r) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int i = 0; i < 2; ++i) {
+    for (int j = 0; j < 4; ++j) {
+      t[8 * i + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
+      t[8 * i + 4 + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0xDD);
+    }
+  }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
+    r[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xDD);
+  }
+}
+
+PG_AVX512 inline void store16f(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+PG_AVX512 inline void store16f(bf16* p, __m512 v) {
+  store8f(p, _mm512_castps512_ps256(v));
+  store8f(p + 8, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
+// The cache offsets of keys [first, first + n) of a sequence's KV head (its table walked
+// block by block: no division a key).
+inline void prefill_offsets(const int32_t* table, int64_t block_size, int64_t row, int64_t head,
+                            int64_t first, int64_t n, int64_t* at) {
+  int64_t blk = first / block_size, o = first % block_size;
+  for (int64_t k = 0; k < n; ++k) {
+    at[k] = (static_cast<int64_t>(table[blk]) * block_size + o) * row + head;
+    if (++o == block_size) {
+      o = 0;
+      ++blk;
+    }
+  }
+}
+
+template <int RC, typename T>
+PG_AVX512 void prefill_task_avx512(const PrefillArgs<T>& a, const PrefillTask& t,
+                                   PrefillScratch& s) {
+  constexpr int64_t rp = RC * 16;  // row lanes
+  const int64_t d = a.d;
+  const int64_t group = a.num_heads / a.num_kv_heads;
+  const int64_t row = a.num_kv_heads * d;  // values per cache slot
+  const int64_t q_first = a.qsl[t.b];
+  const int64_t q_len = a.qsl[t.b + 1] - q_first;
+  const int64_t p0 = a.ctx[t.b] - q_len + t.i0;  // the task's first query's position
+  const int64_t rows = t.m * group;
+  const int32_t* table = a.tables + t.b * a.max_blocks;
+  const T* kc = a.kc;
+  const T* vc = a.vc;
+  float* qt = s.qt.data();
+  float* ot = s.ot.data();
+  float* st = s.st.data();
+  float* kf = s.kf.data();
+  float* vf = s.vf.data();
+  // each lane's position (padding lanes: the last row's) and Q^T, 16 rows x 16 columns a
+  // register transpose (padding lanes: zero queries; their results are never stored)
+  alignas(64) int32_t pos[rp];
+  const T* qrow[rp];
+  for (int64_t r = 0; r < rp; ++r) {
+    const int64_t rr = std::min(r, rows - 1);
+    const int64_t i = rr / group, j = rr % group;
+    pos[r] = static_cast<int32_t>(p0 + i);
+    qrow[r] = r < rows ? a.q + ((q_first + t.i0 + i) * a.num_heads + t.g * group + j) * d
+                       : nullptr;
+  }
+  for (int c = 0; c < RC; ++c) {
+    for (int64_t e0 = 0; e0 < d; e0 += 16) {
+      __m512 blk[16];
+      for (int r = 0; r < 16; ++r) {
+        const T* qr = qrow[c * 16 + r];
+        blk[r] = qr != nullptr ? load16f(qr + e0) : _mm512_setzero_ps();
+      }
+      transpose16x16(blk);
+      for (int e = 0; e < 16; ++e) _mm512_storeu_ps(qt + (e0 + e) * rp + c * 16, blk[e]);
+    }
+  }
+  std::fill(ot, ot + d * rp, 0.0f);
+  __m512i posv[RC];
+  __m512 mx[RC], lsum[RC], alpha[RC];
+  for (int c = 0; c < RC; ++c) {
+    posv[c] = _mm512_load_si512(pos + c * 16);
+    mx[c] = _mm512_set1_ps(-FLT_MAX);  // finite: the first tile's rescale is exp(-huge) = 0
+    lsum[c] = _mm512_setzero_ps();
+  }
+  const __m512 scv = _mm512_set1_ps(a.sc);
+  const int64_t n_keys = p0 + t.m;  // keys 0 .. the last query's position
+  const float* kr[kPrefillTile];
+  const float* vr[kPrefillTile];
+  int64_t offsets[2][kPrefillTile];  // this tile's and the next's slot rows (offsets)
+  int64_t* at = offsets[0];
+  int64_t* next_at = offsets[1];
+  prefill_offsets(table, a.block_size, row, t.g * d, 0, std::min(kPrefillTile, n_keys), at);
+  for (int64_t kt0 = 0; kt0 < n_keys; kt0 += kPrefillTile) {
+    const int64_t nk = std::min(kPrefillTile, n_keys - kt0);
+    const int64_t nk_pad = (nk + kPrefillKeys - 1) / kPrefillKeys * kPrefillKeys;
+    // the tile's K and V rows: fp32 read in place, bf16 widened to fp32 rows side by side; the
+    // next tile's rows prefetched into L1 meanwhile (blocks lie anywhere in the pool: the
+    // hardware's prefetcher sees a new stream every block; a profile showed the reads waiting)
+    const int64_t nk_next = std::min(kPrefillTile, n_keys - kt0 - nk);
+    prefill_offsets(table, a.block_size, row, t.g * d, kt0 + nk, nk_next, next_at);
+    for (int64_t k = 0; k < nk_next; ++k) {
+      prefetch_rows<1>(kc + next_at[k], 1, 0, d * static_cast<int64_t>(sizeof(T)));
+      prefetch_rows<1>(vc + next_at[k], 1, 0, d * static_cast<int64_t>(sizeof(T)));
+    }
+    for (int64_t k = 0; k < nk; ++k) {
+      if constexpr (std::is_same_v<T, float>) {
+        kr[k] = kc + at[k];
+        vr[k] = vc + at[k];
+      } else {
+        const T* __restrict ks = kc + at[k];  // locals: no reload of a.kc after each store
+        const T* __restrict vs = vc + at[k];
+        float* __restrict kd = kf + k * d;
+        float* __restrict vd = vf + k * d;
+        for (int64_t e = 0; e < d; e += 16) {
+          _mm512_storeu_ps(kd + e, load16f(ks + e));
+          _mm512_storeu_ps(vd + e, load16f(vs + e));
+        }
+        kr[k] = kd;
+        vr[k] = vd;
+      }
+    }
+    std::swap(at, next_at);
+    for (int64_t k = nk; k < nk_pad; ++k) kr[k] = vr[k] = s.zeros.data();
+    // scores S^T [key][row lanes] (unscaled)
+    for (int64_t k0 = 0; k0 < nk_pad; k0 += kPrefillKeys) {
+      __m512 acc[kPrefillKeys][RC];
+#pragma GCC unroll 8
+      for (int k = 0; k < kPrefillKeys; ++k) {
+#pragma GCC unroll 4
+        for (int c = 0; c < RC; ++c) acc[k][c] = _mm512_setzero_ps();
+      }
+      const float* kp[kPrefillKeys];
+      for (int k = 0; k < kPrefillKeys; ++k) kp[k] = kr[k0 + k];
+      for (int64_t e = 0; e < d; ++e) {
+        __m512 qv[RC];
+#pragma GCC unroll 4
+        for (int c = 0; c < RC; ++c) qv[c] = _mm512_loadu_ps(qt + e * rp + c * 16);
+#pragma GCC unroll 8
+        for (int k = 0; k < kPrefillKeys; ++k) {
+          const __m512 kb = _mm512_set1_ps(kp[k][e]);
+#pragma GCC unroll 4
+          for (int c = 0; c < RC; ++c) acc[k][c] = _mm512_fmadd_ps(kb, qv[c], acc[k][c]);
+        }
+      }
+#pragma GCC unroll 8
+      for (int k = 0; k < kPrefillKeys; ++k) {
+#pragma GCC unroll 4
+        for (int c = 0; c < RC; ++c) _mm512_storeu_ps(st + (k0 + k) * rp + c * 16, acc[k][c]);
+      }
+    }
+    // online softmax, lane-wise; keys past a lane's position masked out (diagonal tiles only)
+    const bool diag = kt0 + nk - 1 > p0;
+    for (int c = 0; c < RC; ++c) {
+      __m512 mt = _mm512_set1_ps(-FLT_MAX);
+      for (int64_t k = 0; k < nk; ++k) {
+        const __m512 v = _mm512_loadu_ps(st + k * rp + c * 16);
+        const __mmask16 vis =
+            diag ? _mm512_cmp_epi32_mask(posv[c], _mm512_set1_epi32(static_cast<int32_t>(kt0 + k)),
+                                         _MM_CMPINT_NLT)
+                 : static_cast<__mmask16>(0xFFFF);
+        mt = _mm512_mask_max_ps(mt, vis, mt, v);
+      }
+      const __m512 mnew = _mm512_max_ps(mx[c], mt);
+      alpha[c] = exp16(_mm512_mul_ps(_mm512_sub_ps(mx[c], mnew), scv));
+      const __m512 shift = _mm512_mul_ps(mnew, _mm512_set1_ps(-a.sc));
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t k = 0; k < nk; ++k) {
+        const __m512 v = _mm512_loadu_ps(st + k * rp + c * 16);
+        __m512 p = exp16(_mm512_fmadd_ps(v, scv, shift));
+        if (diag) {
+          const __mmask16 vis = _mm512_cmp_epi32_mask(
+              posv[c], _mm512_set1_epi32(static_cast<int32_t>(kt0 + k)), _MM_CMPINT_NLT);
+          p = _mm512_maskz_mov_ps(vis, p);
+        }
+        _mm512_storeu_ps(st + k * rp + c * 16, p);
+        sum = _mm512_add_ps(sum, p);
+      }
+      lsum[c] = _mm512_fmadd_ps(lsum[c], alpha[c], sum);
+      mx[c] = mnew;
+    }
+    // O^T = O^T * alpha + V^T P^T, 8 head-dim columns at a time
+    for (int64_t e0 = 0; e0 < d; e0 += kPrefillCols) {
+      __m512 acc[kPrefillCols][RC];
+#pragma GCC unroll 8
+      for (int e = 0; e < kPrefillCols; ++e) {
+#pragma GCC unroll 4
+        for (int c = 0; c < RC; ++c) {
+          acc[e][c] = _mm512_mul_ps(_mm512_loadu_ps(ot + (e0 + e) * rp + c * 16), alpha[c]);
+        }
+      }
+      for (int64_t k = 0; k < nk; ++k) {
+        __m512 pv[RC];
+#pragma GCC unroll 4
+        for (int c = 0; c < RC; ++c) pv[c] = _mm512_loadu_ps(st + k * rp + c * 16);
+        const float* v = vr[k] + e0;
+#pragma GCC unroll 8
+        for (int e = 0; e < kPrefillCols; ++e) {
+          const __m512 vb = _mm512_set1_ps(v[e]);
+#pragma GCC unroll 4
+          for (int c = 0; c < RC; ++c) acc[e][c] = _mm512_fmadd_ps(vb, pv[c], acc[e][c]);
+        }
+      }
+#pragma GCC unroll 8
+      for (int e = 0; e < kPrefillCols; ++e) {
+#pragma GCC unroll 4
+        for (int c = 0; c < RC; ++c) _mm512_storeu_ps(ot + (e0 + e) * rp + c * 16, acc[e][c]);
+      }
+    }
+  }
+  // out = O / sum, transposed back to [token, head, D] 16 rows x 16 columns at a time
+  for (int c = 0; c < RC; ++c) {
+    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), lsum[c]);
+    for (int64_t e0 = 0; e0 < d; e0 += 16) {
+      __m512 blk[16];
+      for (int e = 0; e < 16; ++e) {
+        blk[e] = _mm512_mul_ps(_mm512_loadu_ps(ot + (e0 + e) * rp + c * 16), inv);
+      }
+      transpose16x16(blk);
+      for (int r = 0; r < 16 && c * 16 + r < rows; ++r) {
+        const int64_t rr = c * 16 + r;
+        const int64_t i = rr / group, j = rr % group;
+        store16f(a.out + ((q_first + t.i0 + i) * a.num_heads + t.g * group + j) * d + e0, blk[r]);
+      }
+    }
+  }
+}
+
+// One thread's share: tasks taken from ``next`` (largest first) until none is left.
+template <typename T>
+PG_AVX512 void prefill_worker_avx512(const PrefillArgs<T>& a, const std::vector<PrefillTask>& tasks,
+                                     std::atomic<int64_t>& next) {
+  PrefillScratch s(a.d);
+  const int64_t group = a.num_heads / a.num_kv_heads;
+  for (int64_t i = next.fetch_add(1); i < static_cast<int64_t>(tasks.size());
+       i = next.fetch_add(1)) {
+    const PrefillTask& t = tasks[i];
+    switch ((t.m * group + 15) / 16) {
+      case 1: prefill_task_avx512<1>(a, t, s); break;
+      case 2: prefill_task_avx512<2>(a, t, s); break;
+      default: prefill_task_avx512<3>(a, t, s); break;
+    }
+  }
+}
+
+// Whether prefill_attention runs here for head size ``head_dim`` and ``group`` query heads a KV
+// head: a CPU with AVX512F/DQ/BW/VL, PREFIXGATE_CPU_EXT_AVX512 not "0" (read at each call), D a
+// multiple of 16 up to 256, 1 <= G <= 48.
+bool prefill_attention_supported(int64_t head_dim, int64_t group) {
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+                          __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+  const char* env = std::getenv("PREFIXGATE_CPU_EXT_AVX512");
+  return has && head_dim % 16 == 0 && head_dim >= 16 && head_dim <= kPrefillMaxDim &&
+         group >= 1 && group <= kPrefillRows && !(env != nullptr && std::string(env) == "0");
+}
+
+// Below this many (query position x key x KV head) products a call runs on the calling thread.
+constexpr int64_t kPrefillSerialWork = 1 << 15;
+
+// Causal attention of a varlen batch of query chunks over paged K/V: torch_ref's
+// paged_attention_prefill. q [T, Hq, D]; caches [N, S, Hkv, D] contiguous (q's dtype: fp32 or
+// bf16); block_tables [B, max_blocks] int32; query_start_loc [B + 1] int32 (from 0);
+// context_lens [B] int32 (each >= its chunk's length). Returns [T, Hq, D] in q's dtype.
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                             const at::Tensor& v_cache, const at::Tensor& block_tables,
+                             const at::Tensor& query_start_loc, const at::Tensor& context_lens,
+                             double scale) {
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && k_cache.scalar_type() == dtype &&
+                  v_cache.scalar_type() == dtype,
+              "prefill_attention: float32 or bfloat16 q and caches (one dtype)");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "prefill_attention: contiguous caches [N, S, Hkv, D] of one shape");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && query_start_loc.scalar_type() == at::kInt &&
+                  context_lens.scalar_type() == at::kInt,
+              "prefill_attention: int32 block tables, query_start_loc and context_lens");
+  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1);
+  const int64_t num_kv_heads = k_cache.size(2), d = k_cache.size(3);
+  TORCH_CHECK(q.dim() == 3 && q.size(2) == d && q.size(1) % num_kv_heads == 0,
+              "prefill_attention: q [T, Hq, D], Hq a multiple of the cache's KV heads");
+  const int64_t num_heads = q.size(1);
+  TORCH_CHECK(prefill_attention_supported(d, num_heads / num_kv_heads),
+              "prefill_attention: no AVX-512 here, or a head size / group it does not take");
+  const int64_t batch = context_lens.numel();
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == batch &&
+                  query_start_loc.numel() == batch + 1,
+              "prefill_attention: one block table and context length a sequence, B + 1 starts");
+  at::Tensor qc = q.contiguous();
+  at::Tensor bt = block_tables.contiguous();
+  at::Tensor qs = query_start_loc.contiguous();
+  at::Tensor lc = context_lens.contiguous();
+  const int32_t* qsl = qs.data_ptr<int32_t>();
+  const int32_t* ctx = lc.data_ptr<int32_t>();
+  const int32_t* tables = bt.data_ptr<int32_t>();
+  const int64_t max_blocks = bt.size(1);
+  const int64_t tokens = q.size(0);
+  TORCH_CHECK(qsl[0] == 0 && qsl[batch] == tokens,
+              "prefill_attention: query_start_loc from 0 to the token count");
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t per_task = std::max<int64_t>(1, kPrefillRows / group);  // positions a task
+  std::vector<PrefillTask> tasks;
+  int64_t work = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t q_len = qsl[b + 1] - qsl[b];
+    TORCH_CHECK(q_len >= 0 && ctx[b] >= q_len && ctx[b] >= 1,
+                "prefill_attention: a chunk longer than its context, or an empty context");
+    const int64_t used = (ctx[b] + block_size - 1) / block_size;
+    TORCH_CHECK(used <= max_blocks, "prefill_attention: context length past the block table");
+    for (int64_t i = 0; i < used; ++i) {
+      TORCH_CHECK(tables[b * max_blocks + i] >= 0 && tables[b * max_blocks + i] < num_blocks,
+                  "prefill_attention: a block id outside the cache");
+    }
+    const int64_t p0 = ctx[b] - q_len;
+    for (int64_t i0 = 0; i0 < q_len; i0 += per_task) {
+      const int64_t m = std::min(per_task, q_len - i0);
+      const int64_t cost = (p0 + i0 + m) * m;
+      for (int64_t g = 0; g < num_kv_heads; ++g) tasks.push_back({b, g, i0, m, cost});
+      work += cost * num_kv_heads;
+    }
+  }
+  // the costliest sequences first; within one, a KV head's tasks together (its K/V stay in
+  // the caches from one task to the next), costliest first
+  std::vector<int64_t> seq_cost(batch, 0);
+  for (const PrefillTask& t : tasks) seq_cost[t.b] += t.cost;
+  std::stable_sort(tasks.begin(), tasks.end(), [&](const PrefillTask& x, const PrefillTask& y) {
+    if (x.b != y.b) {
+      return seq_cost[x.b] != seq_cost[y.b] ? seq_cost[x.b] > seq_cost[y.b] : x.b < y.b;
+    }
+    if (x.g != y.g) return x.g < y.g;
+    return x.cost > y.cost;
+  });
+  at::Tensor out = at::empty(qc.sizes(), qc.options());
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    const PrefillArgs<T> args{qc.data_ptr<T>(),   out.data_ptr<T>(), k_cache.data_ptr<T>(),
+                              v_cache.data_ptr<T>(), tables,          qsl,
+                              ctx,                  max_blocks,        block_size,
+                              num_heads,            num_kv_heads,      d,
+                              static_cast<float>(scale)};
+    std::atomic<int64_t> next{0};
+    const int64_t threads = std::min<int64_t>(at::get_num_threads(), tasks.size());
+    if (work < kPrefillSerialWork || threads <= 1) {
+      prefill_worker_avx512(args, tasks, next);
+      return;
+    }
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+      prefill_worker_avx512(args, tasks, next);
+    });
+  };
+  if (tasks.empty()) return out;
+  if (dtype == at::kFloat) {
+    run(float{});
+  } else {
+    run(bf16{});
+  }
+  return out;
+}
+
 // ---- AVX-512 GEMM of a few rows on oneDNN's 64-wide panels (runtime dispatch) ---------------
 // y [M, N] = x [M, K] . W^T (+ bias) for the row counts of a decode batch, reading oneDNN's packed
 // fp32 weight in place (engine/models/cpu_linear.onednn_panels: panel p holds output columns
@@ -1503,6 +1921,11 @@ TORCH_LIBRARY(prefixgate_cpu, m) {
       "decode_attention(Tensor qkv, Tensor positions, Tensor cos_sin, Tensor(a!) k_cache, "
       "Tensor(b!) v_cache, Tensor block_table, Tensor context_len, Tensor slot, int num_heads, "
       "int num_kv_heads, float scale) -> Tensor");
+  m.def("prefill_attention_supported(int head_dim, int group) -> bool",
+        &prefill_attention_supported);
+  m.def(
+      "prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+      "Tensor query_start_loc, Tensor context_lens, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(prefixgate_cpu, CPU, m) {
@@ -1516,6 +1939,7 @@ TORCH_LIBRARY_IMPL(prefixgate_cpu, CPU, m) {
   m.impl("rotary_cache", rotary_cache);
   m.impl("decode_layer", decode_layer);
   m.impl("decode_attention", decode_attention);
+  m.impl("prefill_attention", prefill_attention);
 }
 
 // A layer whose linears include oneDNN's packed (opaque) weight dispatches on its MkldnnCPU key.

@@ -38,19 +38,27 @@ def test_bf16_batched_ops_keep_the_torch_bf16_tokens(aidreams_path, pool_whole, 
     want = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params_)]
 
     assert set_decode_ops(model, True) == 4 * model.config.num_layers + 1
-    calls: dict[str, list[torch.dtype]] = {"attention": [], "norm": [], "silu": [], "rotary": []}
+    calls: dict[str, list[torch.dtype]] = {
+        "attention": [],
+        "norm": [],
+        "silu": [],
+        "rotary": [],
+        "prefill": [],
+    }
     rows: list[int] = []
     real = {
         "attention": cpu_ext.decode_attention,
         "norm": cpu_ext.add_rms_norm,
         "silu": cpu_ext.silu_mul,
         "rotary": cpu_ext.rotary_cache,
+        "prefill": cpu_ext.prefill_attention,
     }
     names = {
         "attention": "decode_attention",
         "norm": "add_rms_norm",
         "silu": "silu_mul",
         "rotary": "rotary_cache",
+        "prefill": "prefill_attention",
     }
     for key, fn in real.items():
 
@@ -64,6 +72,9 @@ def test_bf16_batched_ops_keep_the_torch_bf16_tokens(aidreams_path, pool_whole, 
     got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params_)]
     assert got == want
     assert max(rows) == len(prompts)  # every prompt's decode in one call
+    cfg = model.config
+    if not cpu_ext.prefill_attention_supported(cfg.head_dim, cfg.num_heads // cfg.num_kv_heads):
+        del calls["prefill"]  # no AVX-512 here: the torch path
     for key, dtypes in calls.items():  # every op ran, on bf16 rows
         assert dtypes and set(dtypes) == {torch.bfloat16}, key
     k_cache, _ = llm.engine.runner.kv_caches[0]

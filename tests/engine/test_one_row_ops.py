@@ -142,9 +142,9 @@ def test_one_call_a_layer_equals_the_fused_ops_bit_for_bit(
 
 @pytest.mark.skipif(not cpu_ext.available(), reason="prefixgate CPU ops not built here")
 def test_batched_decode_ops_match_transformers(aidreams_path, pool_whole, monkeypatch):
-    """set_decode_ops: prompts generated together (decode steps of many rows, prefill norms and
-    activations of many rows) through the batched C++ ops give transformers' greedy tokens,
-    and the batched decode attention ran on steps of several rows."""
+    """set_decode_ops: prompts generated together (decode steps of many rows, prefill norms,
+    activations and attention of many rows) through the batched C++ ops give transformers'
+    greedy tokens, and the batched decode attention ran on steps of several rows."""
     from prefixgate.engine.models.layers import set_decode_ops
 
     transformers = pytest.importorskip("transformers")
@@ -162,9 +162,20 @@ def test_batched_decode_ops_match_transformers(aidreams_path, pool_whole, monkey
         return real(qkv, *args)
 
     monkeypatch.setattr(cpu_ext, "decode_attention", counting)
+    prefill_rows: list[int] = []
+    real_prefill = cpu_ext.prefill_attention
+
+    def counting_prefill(q, *args):
+        prefill_rows.append(q.shape[0])
+        return real_prefill(q, *args)
+
+    monkeypatch.setattr(cpu_ext, "prefill_attention", counting_prefill)
     prompts = DREAM_PROMPTS[:8]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20))
     assert max(rows) == len(prompts)  # every prompt's decode in one call
+    cfg = model.config
+    if cpu_ext.prefill_attention_supported(cfg.head_dim, cfg.num_heads // cfg.num_kv_heads):
+        assert sum(prefill_rows) >= len(prompts) * cfg.num_layers  # the prompts' prefill
     for prompt, out in zip(prompts, outs, strict=True):
         ids = tok(prompt).input_ids
         got = list(out.outputs[0].token_ids)
