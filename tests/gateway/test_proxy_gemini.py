@@ -261,6 +261,23 @@ def test_count_tokens_counts_what_generation_would_refuse_in_both_modes(serve_fa
         assert counts[0] == counts[1]
 
 
+def _counts_both_modes(local: str, proxy: str, bodies: dict) -> dict[tuple[str, str], int]:
+    """``countTokens``'s ``totalTokens`` of each of ``bodies`` (name: an inner
+    ``generateContentRequest``) in local mode (``local``) and through the proxy (``proxy``),
+    by ``(mode, name)``; every answer a 200."""
+    counts: dict[tuple[str, str], int] = {}
+    for mode, base in (("local", local), ("proxy", proxy)):
+        for name, inner in bodies.items():
+            r = httpx.post(
+                base + "/v1beta/models/fake:countTokens",
+                json={"generateContentRequest": inner},
+                timeout=120,
+            )
+            assert r.status_code == 200, (mode, name, r.text)
+            counts[mode, name] = r.json()["totalTokens"]
+    return counts
+
+
 def test_count_tokens_under_mode_none_counts_no_tool_declarations_in_both_modes(
     serve_fake, tools_in_prompt
 ):
@@ -275,16 +292,9 @@ def test_count_tokens_under_mode_none_counts_no_tool_declarations_in_both_modes(
     forced = {**none, "toolConfig": {"functionCallingConfig": {"mode": "ANY"}}}
     slow = GatewaySettings(health_check_timeout_s=60.0)  # the first tools import xgrammar
     with BackgroundServer(lambda: create_proxy_app([local.url], slow)) as proxy:
-        counts: dict[tuple[str, str], int] = {}
-        for mode, base in (("local", local.url), ("proxy", proxy.url)):
-            for name, inner in (("bare", bare), ("none", none), ("forced", forced)):
-                r = httpx.post(
-                    base + "/v1beta/models/fake:countTokens",
-                    json={"generateContentRequest": inner},
-                    timeout=120,
-                )
-                assert r.status_code == 200, (mode, name, r.text)
-                counts[mode, name] = r.json()["totalTokens"]
+        counts = _counts_both_modes(
+            local.url, proxy.url, {"bare": bare, "none": none, "forced": forced}
+        )
     assert counts["local", "forced"] > counts["local", "none"], counts  # tools are rendered
     assert counts["local", "none"] == counts["local", "bare"], counts
     for name in ("bare", "none", "forced"):
@@ -308,16 +318,7 @@ def test_count_tokens_counts_auto_tools_without_a_tool_call_parser_in_both_modes
         auto["toolConfig"] = config
     slow = GatewaySettings(health_check_timeout_s=60.0)  # the first tools import xgrammar
     with BackgroundServer(lambda: create_proxy_app([local.url], slow)) as proxy:
-        counts: dict[tuple[str, str], int] = {}
-        for mode, base in (("local", local.url), ("proxy", proxy.url)):
-            for name, inner in (("bare", bare), ("auto", auto)):
-                r = httpx.post(
-                    base + "/v1beta/models/fake:countTokens",
-                    json={"generateContentRequest": inner},
-                    timeout=120,
-                )
-                assert r.status_code == 200, (mode, name, r.text)
-                counts[mode, name] = r.json()["totalTokens"]
+        counts = _counts_both_modes(local.url, proxy.url, {"bare": bare, "auto": auto})
     assert counts["local", "auto"] > counts["local", "bare"], counts  # tools are rendered
     assert counts["proxy", "auto"] == counts["local", "auto"], counts
     r = httpx.post(local.url + "/v1beta/models/fake:generateContent", json=auto, timeout=120)
