@@ -140,6 +140,20 @@ def test_one_call_a_layer_equals_the_fused_ops_bit_for_bit(
     pool_whole(llm)
 
 
+def _rows_of_calls(monkeypatch, name: str) -> list[int]:
+    """Wrap ``cpu_ext.<name>`` (an op whose first argument is ``[rows, ...]``) to record each
+    call's rows in the list returned."""
+    rows: list[int] = []
+    real = getattr(cpu_ext, name)
+
+    def counting(x, *args):
+        rows.append(x.shape[0])
+        return real(x, *args)
+
+    monkeypatch.setattr(cpu_ext, name, counting)
+    return rows
+
+
 @pytest.mark.skipif(not cpu_ext.available(), reason="prefixgate CPU ops not built here")
 def test_batched_decode_ops_match_transformers(aidreams_path, pool_whole, monkeypatch):
     """set_decode_ops: prompts generated together (decode steps of many rows, prefill norms,
@@ -154,22 +168,8 @@ def test_batched_decode_ops_match_transformers(aidreams_path, pool_whole, monkey
     model = llm.engine.runner.model
     assert {m.decode_ops for m in model.modules() if isinstance(m, RMSNorm)} == {False}
     assert set_decode_ops(model, True) == 4 * model.config.num_layers + 1
-    rows: list[int] = []
-    real = cpu_ext.decode_attention
-
-    def counting(qkv, *args):
-        rows.append(qkv.shape[0])
-        return real(qkv, *args)
-
-    monkeypatch.setattr(cpu_ext, "decode_attention", counting)
-    prefill_rows: list[int] = []
-    real_prefill = cpu_ext.prefill_attention
-
-    def counting_prefill(q, *args):
-        prefill_rows.append(q.shape[0])
-        return real_prefill(q, *args)
-
-    monkeypatch.setattr(cpu_ext, "prefill_attention", counting_prefill)
+    rows = _rows_of_calls(monkeypatch, "decode_attention")
+    prefill_rows = _rows_of_calls(monkeypatch, "prefill_attention")
     prompts = DREAM_PROMPTS[:8]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20))
     assert max(rows) == len(prompts)  # every prompt's decode in one call
