@@ -121,8 +121,9 @@ class FleetConfig:
     max_model_len: int = 8192
 
     def __post_init__(self) -> None:
-        if self.replicas < 1 or self.gateways < 1:
-            raise ValueError("replicas and gateways must be >= 1")
+        for name in ("replicas", "gateways"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.routing not in POLICIES:
             raise ValueError(f"routing must be one of {', '.join(POLICIES)}, got {self.routing!r}")
 

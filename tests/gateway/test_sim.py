@@ -374,11 +374,19 @@ def test_bad_options_are_one_line_and_exit_2(capsys, tmp_path):
         (["--light-rate", "-1"], "--light-rate"),
         (["--light-rate", "nan"], "--light-rate"),
         (["--think-s", "inf"], "--think-s"),
+        # each named alone, with its value: "need zipf_s > 0, --mean-turns >= 1, ..." named
+        # a field no flag sets, and "--replicas and gateways" the wrong flag for --gateways 0
+        (["--mean-turns", "0"], "--mean-turns must be >= 1, got 0.0"),
+        (["--think-s", "-1"], "--think-s must be >= 0, got -1.0"),
+        (["--gateways", "0"], "--gateways must be >= 1, got 0"),
+        (["--user-tokens", "1"], "--user-tokens must be >= 2, got 1"),
+        (["--output-tokens", "0"], "--output-tokens must be >= 2, got 0"),
+        (["--flood-factor", "-2"], "--flood-factor must be >= 0 (0: none), got -2.0"),
     ):
         assert main([*small, *bad]) == 2, bad
         err = capsys.readouterr().err
         assert err.startswith("prefixgate sim: bad option:") and flag in err, err
-        assert "Traceback" not in err and "---" not in err
+        assert "Traceback" not in err and "---" not in err and "zipf" not in err
     with pytest.raises(ValueError, match="burst_factor"):
         _wc(burst_factor=6.0)
     # only field names become flags: a path's ".json" and the word "profile" stay as they are
