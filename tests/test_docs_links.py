@@ -43,3 +43,29 @@ def test_relative_links_resolve():
 
 def test_readme_is_one_page():
     assert len((ROOT / "README.md").read_text(encoding="utf-8").splitlines()) <= 300
+
+
+def _cells(row: str) -> int:
+    """Cells of a Markdown table row: pipes inside code spans or escaped (``\\|``) split none."""
+    row = re.sub(r"`[^`]*`", "code", row.strip()).replace("\\|", "")
+    return len(row.strip("|").split("|"))
+
+
+def test_table_rows_have_their_header_s_cells():
+    """A row with fewer cells than its header renders its text under the wrong columns (the
+    README's demo row once held its command and its time in one cell)."""
+    bad = []
+    for page in [*_pages(), *sorted((ROOT / "examples").rglob("*.md"))]:
+        lines = CODE.sub("", page.read_text(encoding="utf-8")).splitlines()
+        for i, line in enumerate(lines[:-1]):
+            if not (line.lstrip().startswith("|") and re.match(r"\s*\|?\s*:?-{3,}", lines[i + 1])):
+                continue
+            want = _cells(line)
+            for j in range(i + 2, len(lines)):
+                if not lines[j].lstrip().startswith("|"):
+                    break
+                if _cells(lines[j]) != want:
+                    bad.append(
+                        f"{page.relative_to(ROOT)}: row {lines[j][:60]!r}: {want} cells wanted"
+                    )
+    assert not bad, "\n".join(bad)

@@ -144,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
         if args.seed < 0:
             raise ValueError(f"--seed must be >= 0, got {args.seed}")
         fc.engine_config(args.seed)  # the engine's own checks, before any work
+        fc.check_workload(wc)  # a first turn fits a replica's context
         if args.plot:
             try:
                 import matplotlib  # noqa: F401

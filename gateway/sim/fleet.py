@@ -39,6 +39,7 @@ from prefixgate.engine.block_hash import (
     prompt_block_hashes,
 )
 from prefixgate.engine.config import EngineConfig
+from prefixgate.engine.cost_model import load_profile
 from prefixgate.engine.kv_events import KVEventCollector, ParsedEvent
 from prefixgate.engine.llm_engine import LLMEngine
 from prefixgate.engine.protocol import EngineRequest
@@ -120,16 +121,45 @@ class FleetConfig:
     max_model_len: int = 8192
 
     def __post_init__(self) -> None:
-        if self.replicas < 1 or self.gateways < 1:
-            raise ValueError("replicas and gateways must be >= 1")
+        for name in ("replicas", "gateways"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.routing not in POLICIES:
             raise ValueError(f"routing must be one of {', '.join(POLICIES)}, got {self.routing!r}")
 
+    def context_len(self) -> int:
+        """Tokens a replica's request may take (its prompt under it): ``max_model_len`` within
+        the replica's KV blocks (``kv_blocks``, else the profile's, at ``block_size``)."""
+        blocks = self.kv_blocks
+        if blocks is None:
+            profile = load_profile(self.profile)
+            if profile.num_kv_blocks is not None:
+                blocks = max(1, profile.num_kv_blocks * profile.block_size // self.block_size)
+        if blocks is None:
+            return self.max_model_len
+        return min(self.max_model_len, blocks * self.block_size)
+
+    def check_workload(self, workload: WorkloadConfig) -> None:
+        """Refuse a workload whose first turns may not fit a replica's context
+        (:meth:`context_len`): the engine would refuse such a prompt in the middle of the run.
+
+        Raises:
+            ValueError: ``system_prompt_tokens`` + the longest user turn (3/2 ``user_tokens``)
+                not under the context.
+        """
+        longest = workload.system_prompt_tokens + workload.user_tokens * 3 // 2
+        context = self.context_len()
+        if longest >= context:
+            raise ValueError(
+                f"a first turn's prompt takes up to {longest} tokens (system_prompt_tokens + "
+                f"3/2 user_tokens), not under a replica's context of {context} tokens "
+                f"(kv_blocks x {self.block_size} tokens, at most {self.max_model_len}): "
+                "raise kv_blocks or shorten the prompts"
+            )
+
     def engine_config(self, seed: int) -> EngineConfig:
-        """Each replica's engine (``max_model_len`` within ``kv_blocks`` when given)."""
-        max_len = self.max_model_len
-        if self.kv_blocks is not None:
-            max_len = min(max_len, self.kv_blocks * self.block_size)
+        """Each replica's engine (``max_model_len``: :meth:`context_len`)."""
+        max_len = self.context_len()
         return EngineConfig(
             runner="sim",
             sim_profile=self.profile,
@@ -424,7 +454,9 @@ class Fleet:
         clients: int = 0,
         step_by_step: bool = False,
     ) -> None:
+        config.check_workload(workload)
         self.config = config
+        self._context_len = config.context_len()  # the replicas' max_model_len
         self.step_by_step = step_by_step
         self.workload = Workload(workload, rate, duration_s, seed)
         self.duration_s = duration_s
@@ -698,7 +730,7 @@ class Fleet:
                     hashes = list(req.hashes)
                     user_next = self.workload.config.user_tokens * 3 // 2
                     if len(history) + user_next + req.max_tokens * 2 < min(
-                        self.workload.config.max_prompt_tokens, self.config.max_model_len
+                        self.workload.config.max_prompt_tokens, self._context_len
                     ):
                         think = self.workload.think_s(req.session, req.turn + 1)
                         self.at(

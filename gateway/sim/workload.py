@@ -79,14 +79,22 @@ class WorkloadConfig:
         ):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be finite, got {getattr(self, name)}")
-        if self.ttft_budget_s < 0 or self.light_rate < 0 or self.flood_factor < 0:
-            raise ValueError("need ttft_budget_s, light_rate and flood_factor >= 0 (0: none)")
+        for name, least in (("ttft_budget_s", 0), ("light_rate", 0), ("flood_factor", 0)):
+            if getattr(self, name) < least:
+                raise ValueError(f"{name} must be >= 0 (0: none), got {getattr(self, name)}")
         if not 1 <= self.burst_factor <= 5:  # the rest of the time runs at (1 - 0.2 x) / 0.8
             raise ValueError(f"burst_factor must be in [1, 5], got {self.burst_factor}")
-        if not self.zipf_s > 0 or self.mean_turns < 1 or self.think_s < 0:
-            raise ValueError("need zipf_s > 0, mean_turns >= 1, think_s >= 0")
-        if self.system_prompt_tokens < 1 or self.user_tokens < 2 or self.output_tokens < 2:
-            raise ValueError("need system_prompt_tokens >= 1, user_tokens and output_tokens >= 2")
+        if not self.zipf_s > 0:
+            raise ValueError(f"zipf_s must be > 0, got {self.zipf_s}")
+        for name, least in (
+            ("mean_turns", 1),
+            ("think_s", 0),
+            ("system_prompt_tokens", 1),
+            ("user_tokens", 2),
+            ("output_tokens", 2),
+        ):
+            if getattr(self, name) < least:  # each named alone: the flag a user set
+                raise ValueError(f"{name} must be >= {least}, got {getattr(self, name)}")
 
 
 @dataclass(slots=True)

@@ -374,11 +374,19 @@ def test_bad_options_are_one_line_and_exit_2(capsys, tmp_path):
         (["--light-rate", "-1"], "--light-rate"),
         (["--light-rate", "nan"], "--light-rate"),
         (["--think-s", "inf"], "--think-s"),
+        # each named alone, with its value: "need zipf_s > 0, --mean-turns >= 1, ..." named
+        # a field no flag sets, and "--replicas and gateways" the wrong flag for --gateways 0
+        (["--mean-turns", "0"], "--mean-turns must be >= 1, got 0.0"),
+        (["--think-s", "-1"], "--think-s must be >= 0, got -1.0"),
+        (["--gateways", "0"], "--gateways must be >= 1, got 0"),
+        (["--user-tokens", "1"], "--user-tokens must be >= 2, got 1"),
+        (["--output-tokens", "0"], "--output-tokens must be >= 2, got 0"),
+        (["--flood-factor", "-2"], "--flood-factor must be >= 0 (0: none), got -2.0"),
     ):
         assert main([*small, *bad]) == 2, bad
         err = capsys.readouterr().err
         assert err.startswith("prefixgate sim: bad option:") and flag in err, err
-        assert "Traceback" not in err and "---" not in err
+        assert "Traceback" not in err and "---" not in err and "zipf" not in err
     with pytest.raises(ValueError, match="burst_factor"):
         _wc(burst_factor=6.0)
     # only field names become flags: a path's ".json" and the word "profile" stay as they are
@@ -389,6 +397,46 @@ def test_bad_options_are_one_line_and_exit_2(capsys, tmp_path):
     assert str(bad) in err and "not a profile" in err, err
     assert main(["sim", "--replicas", "0"]) == 2
     assert capsys.readouterr().err.startswith("prefixgate sim: bad option: --replicas ")
+
+
+def test_later_turns_stay_within_the_kv_blocks_context():
+    """--kv-blocks 200 (3,200 tokens) under the 8,192-token max_model_len: a session's next
+    turn was checked against max_model_len, and a replica refused its prompt mid-run (a new
+    user's traceback: "prompt has 3233 tokens; max_model_len is 3200")."""
+    fc = FleetConfig(replicas=1, gateways=1, kv_blocks=200)
+    assert fc.context_len() == 3200 == fc.engine_config(0).max_model_len
+    wc = _wc(system_prompt_tokens=1024, output_tokens=128, mean_turns=6.0)
+    fleet = Fleet(fc, wc, rate=20.0, duration_s=3.0, seed=0).run()
+    assert max(r.turn for r in fleet.done) >= 2  # sessions went on, within the context
+    assert all(len(r.prompt) < 3200 for r in fleet.done)
+    _whole(fleet)
+
+
+def test_a_first_turn_over_the_context_is_a_bad_option(capsys, tmp_path):
+    """--kv-blocks too small for a first turn (system prompt + longest user turn) is refused
+    before any work, naming the flags, where it ended in the engine's traceback mid-run; the
+    profile's own blocks bound the context when --kv-blocks is not given."""
+    for kv in ("1", "70"):
+        assert main(["sim", "--replicas", "1", "--tenants", "4", "--kv-blocks", kv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("prefixgate sim: bad option: a first turn") and "--kv-blocks" in err
+        assert "--system-prompt-tokens" in err and "Traceback" not in err, err
+    with pytest.raises(ValueError, match="context of 1280 tokens"):
+        Fleet(
+            FleetConfig(replicas=1, gateways=1, kv_blocks=80),
+            _wc(system_prompt_tokens=1200),
+            1.0,
+            1.0,
+        )
+    small = tmp_path / "small.json"  # a profile of 100 blocks of 16: 1,600 tokens
+    small.write_text(
+        '{"name": "small", "a_s": 0.001, "b_s_per_prefill_token": 1e-5, "c_s_per_decode_row":'
+        ' 1e-5, "d_s_per_context_token": 1e-8, "num_kv_blocks": 100, "block_size": 16}'
+    )
+    assert FleetConfig(profile=str(small)).context_len() == 1600
+    assert FleetConfig(profile=str(small), block_size=32).engine_config(0).max_model_len == 1600
+    assert main(["sim", "--profile", str(small), "--system-prompt-tokens", "1500"]) == 2
+    assert "context of 1600 tokens" in capsys.readouterr().err
 
 
 def test_plot_writes_a_png(tmp_path):
