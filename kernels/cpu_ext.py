@@ -206,7 +206,9 @@ def _build_ops() -> bool:
             continue
         if how:
             logger.warning("prefixgate CPU ops built without OpenMP: each op on one thread")
-        logger.info("prefixgate CPU ops ready%s in %.1f s", how, time.perf_counter() - t0)
+        # "built", not "ready": the server's own line says when it is ready ("model ... ready"),
+        # and this one now comes during the load, before it
+        logger.info("prefixgate CPU ops built%s in %.1f s", how, time.perf_counter() - t0)
         return True
     logger.warning("prefixgate CPU ops unavailable (%s): torch paths only", failed)
     return False

@@ -13,7 +13,7 @@ import threading
 
 import httpx
 import pytest
-from support.serve_process import SERVE
+from support.serve_process import READY_LINE, SERVE
 
 pytest.importorskip("prefixgate.engine.async_engine")
 
@@ -93,7 +93,7 @@ def test_a_second_ctrl_c_exits_at_once():
             log.append(line)
             m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
             url = m.group(1) if m else None
-        while "ready" not in log[-1]:
+        while READY_LINE not in log[-1]:
             log.append(proc.stdout.readline())
             assert log[-1], "".join(log)
         started = threading.Event()

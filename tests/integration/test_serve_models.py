@@ -33,7 +33,7 @@ def start_serve(
         text=True,
         env={**os.environ, **(env or {})},
     )
-    url, log, ready = read_until_ready(proc, time.monotonic() + 120, "ready (max_model_len")
+    url, log, ready = read_until_ready(proc, time.monotonic() + 120)
     if ready:
         return proc, url, log
     proc.kill()
