@@ -254,13 +254,14 @@ class AdmissionController:
             refuse = functools.partial(self._restate, fingerprint, early_s)
         else:
             refuse = functools.partial(self._refuse, fingerprint, requests, prompt_tokens, rank)
-        if budget_s is not None and not (promise is not None and promise.slot_s > 0):
+        if budget_s is not None and not (promise is not None and self.promises.in_slot(promise)):
             # a newcomer: the work of the promised requests due within its budget is ahead
             # of it (one due later cannot delay a first token that comes within the budget:
             # an idle server is not held idle for clients due minutes later, who may never
             # come back); a returning request: the work of those ahead of it in line still
             # to come back. A request back at its admission slot (``admission_slots``) is
-            # admitted into it.
+            # admitted into it; one back after its slot has passed is judged again
+            # (``Promises.in_slot``).
             if promise is not None:
                 ahead_requests, ahead_tokens = self.promises.ranked_before(promise.rank)
             else:

@@ -260,6 +260,12 @@ class Promise:
     slot_s: float = 0.0
 
 
+SLOT_LATE_S = 1.0
+"""How late after its admission slot's end a returning request is still admitted into it: a
+client rounding ``Retry-After`` up to whole seconds is up to 1 s late. Later, its slot has
+passed (others took what it reserved) and its budget is judged again (``Promises.in_slot``)."""
+
+
 class Promises:
     """The places promised to refused requests (see the module docstring).
 
@@ -375,6 +381,17 @@ class Promises:
             return None
         pid = min(due, key=lambda i: self._by_id[i].due)
         return self._drop(pid)
+
+    def in_slot(self, promise: Promise) -> bool:
+        """Whether ``promise`` (claimed now) reserved an admission slot that is still open:
+        ``slot_s`` > 0 and now no later than ``SLOT_LATE_S`` after the slot's end (``due +
+        slot_s``). A request back in its slot is admitted into it; one back later is judged
+        on its budget again, as a returning request (a nu2 pass: a client that gave up and
+        sent the same body 3 s later claimed the promise within its grace and was admitted
+        unchecked at a predicted 1.5-2.4 s against a 300 ms budget)."""
+        if promise.slot_s <= 0:
+            return False
+        return self._clock() <= promise.due + promise.slot_s + SLOT_LATE_S
 
     def pending_s(self, fingerprint: Hashable | None) -> float | None:
         """Seconds from now until ``fingerprint``'s earliest promise not yet due (from

@@ -125,6 +125,31 @@ def test_a_budget_slot_past_the_longest_prediction_is_kept_and_stated():
     assert len(ac.promises) == 0
 
 
+def test_a_request_back_after_its_slot_has_passed_is_judged_again():
+    """A nu2 pass (`serve --runner sim`, 2 seats, 300 ms budgets): 14 of 16 refused clients
+    gave up; the same 16 bodies sent again 3 s later claimed the promises still within their
+    grace and were admitted into slots long passed, unchecked, at predicted first tokens of
+    1.5-2.4 s. A slot is open until ``SLOT_LATE_S`` (a whole second's rounding of
+    ``Retry-After``) after its end; back later, the request is judged on its budget again."""
+    from prefixgate.gateway.http.errors import APIError
+    from prefixgate.gateway.tenancy.admission_wait import SLOT_LATE_S
+
+    for late_s, admitted in ((0.0, True), (SLOT_LATE_S * 0.9, True), (SLOT_LATE_S + 1.0, False)):
+        clock, ac = _far_controller(10.0)
+        with pytest.raises(APIError) as first:
+            ac.admit(10, fingerprint="fp", budget_s=1.0)
+        wait = first.value.retry_after
+        assert wait == pytest.approx(9.0) and len(ac.promises) == 1
+        (slot,) = list(ac.promises._by_id.values())
+        clock.t += wait + slot.slot_s + late_s  # the slot's end, then late_s later
+        if admitted:
+            ac.admit(10, fingerprint="fp", budget_s=1.0).done()  # into its slot
+        else:
+            with pytest.raises(APIError) as again:  # its slot passed: a 10 s queue, 1 s budget
+                ac.admit(10, fingerprint="fp", budget_s=1.0)
+            assert again.value.status == 429 and again.value.code == "ttft_budget_exceeded"
+
+
 def test_a_budget_refusal_past_the_longest_slot_is_judged_again_on_its_return():
     """A slot 99 s away was reserved and promised, told as Retry-After 60 (the cap), and the
     request back at 60 s was admitted into it with its budget unchecked (a predicted 100 s
