@@ -271,7 +271,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--model", default=None, help="model folder or preset (default: tiny-random)"
     )
-    parser.add_argument("--name", default=None, help="the profile's name (default: cpu-<model>)")
+    parser.add_argument(
+        "--name",
+        default=None,
+        help="the profile's name (default: fit-<model>, apart from the built-in cpu-<model>)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
     parser.add_argument("--repeats", type=int, default=2, help="timed passes (default: 2)")
     parser.add_argument("--out", default=None, help="write the profile JSON here")
@@ -301,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     quality["wake_s"], quality["wake_tau_s"] = wake_s, wake_tau_s
     model = (args.model or "tiny-random").rstrip("/").split("/")[-1]
     profile = CostProfile(
-        name=args.name or f"cpu-{model}",
+        name=args.name or f"fit-{model}",
         a_s=float(coef[0]),
         b_s_per_prefill_token=float(coef[1]),
         c_s_per_decode_row=float(coef[2]),

@@ -116,21 +116,29 @@ def summary(results: list[dict], trace: list[tuple[float, int, list[int], int]])
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m examples.benchmarks.sim_validation")
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--profile", default="cpu-aidreams-260k")
+    ap = argparse.ArgumentParser(
+        prog="python -m examples.benchmarks.sim_validation",
+        description=__doc__.split("\n\n")[0],
+    )
+    ap.add_argument("--model", required=True, help="the real engine's model folder")
+    ap.add_argument(
+        "--profile",
+        default="cpu-aidreams-260k",
+        help="the simulated side's cost profile: a built-in name or a sim_fit JSON "
+        "(default: cpu-aidreams-260k)",
+    )
     add_flags(
         ap,
-        requests=120,
+        requests=(120, "requests in the trace"),
         rate=(40.0, "requests/s over both replicas"),
-        prefixes=6,
-        prefix_tokens=64,
-        tail_tokens=16,
-        num_kv_blocks=64,
-        seed=0,
-        start_delay_s=(30.0, "time to load both"),
+        prefixes=(6, "shared prefixes (each always on the same replica)"),
+        prefix_tokens=(64, "tokens of each shared prefix"),
+        tail_tokens=(16, "unique tokens after the prefix, per request"),
+        num_kv_blocks=(64, "KV blocks per replica, both sides"),
+        seed=(0, "the trace's seed"),
+        start_delay_s=(30.0, "seconds the real replicas have to load before the trace starts"),
     )
-    ap.add_argument("--json", dest="json_out", default=None)
+    ap.add_argument("--json", dest="json_out", default=None, help="write the report here")
     args = ap.parse_args(argv)
 
     from prefixgate.engine.config import EngineConfig
