@@ -175,8 +175,8 @@ class ArrivalRates:
 
 
 class OutputLengths:
-    """The output lengths of the last ``OUTPUT_WINDOW`` finished requests, and the mean rest
-    of a running request from them (``rest``). Cost: O(W) a ``add`` batch, O(log W) a query."""
+    """The output lengths of the last ``OUTPUT_WINDOW`` finished requests, and the rest of a
+    running request from them (``residual``). Cost: O(W) a ``add`` batch, O(log W) a query."""
 
     __slots__ = ("_window", "_sorted", "_suffix")
 
@@ -185,15 +185,19 @@ class OutputLengths:
         self._sorted: list[int] | None = []
         self._suffix: list[int] = [0]  # _suffix[i]: sum of _sorted[i:]
 
+    def __len__(self) -> int:
+        """How many lengths the window holds (the finished requests, up to ``OUTPUT_WINDOW``)."""
+        return len(self._window)
+
     def add(self, n: int) -> None:
         self._window.append(n)
         self._sorted = None  # re-sorted at the next query
 
-    def rest(self, done: int, min_longer: int = OUTPUT_REST_MIN) -> float | None:
-        """The mean output tokens left of a request that has sampled ``done``: the mean of
-        ``L - done`` over the window's lengths ``L > done`` (the empirical mean residual life,
-        as in renewal theory), or ``None`` when fewer than ``min_longer`` (>= 1) are that
-        long (the window cannot say)."""
+    def residual(self, done: int) -> tuple[float | None, int]:
+        """``(rest, longer)`` for a request that has sampled ``done`` tokens: ``longer`` is
+        how many of the window's lengths ``L`` are ``> done``, ``rest`` the mean of ``L -
+        done`` over them (the empirical mean residual life, as in renewal theory; ``None``
+        when none is). One bisection."""
         if self._sorted is None:
             self._sorted = sorted(self._window)
             suffix = [0] * (len(self._sorted) + 1)
@@ -202,9 +206,9 @@ class OutputLengths:
             self._suffix = suffix
         i = bisect.bisect_right(self._sorted, done)
         longer = len(self._sorted) - i
-        if longer < max(1, min_longer):
-            return None
-        return self._suffix[i] / longer - done
+        if not longer:
+            return None, 0
+        return self._suffix[i] / longer - done, longer
 
 
 class LoadModel:
@@ -339,7 +343,7 @@ class LoadModel:
 
         A running request's steps left: its tokens left (``max_tokens`` and the model length
         bound them; without ``ignore_eos`` also its expected rest: the mean rest of the
-        finished requests that ran longer than it has (``OutputLengths.rest``), or, where
+        finished requests that ran longer than it has (``OutputLengths.residual``), or, where
         too few did, the rest of the mean output, or, once it has run past that mean, as many
         tokens again as it has sampled: a request longer than the typical one is no sign of
         ending soon; the few that ran longer, if any, lift that to their mean rest; at least
@@ -365,14 +369,12 @@ class LoadModel:
             params = r.sampling_params
             if not (params is not None and params.ignore_eos):
                 done = r.num_output_tokens
-                rest = self.outputs.rest(done)
-                if rest is None:
-                    rest = mean - done if done < mean else done
+                rest, longer = self.outputs.residual(done)
+                if rest is None or longer < OUTPUT_REST_MIN:
                     # too few ran longer for their mean rest to stand alone, but they did
                     # run that long: it lifts the mean's rest, never lowers it
-                    few = self.outputs.rest(done, min_longer=1)
-                    if few is not None:
-                        rest = max(rest, few)
+                    base = mean - done if done < mean else done
+                    rest = base if rest is None else max(base, rest)
                 left = min(left, math.ceil(rest))
             left = max(1, left)
             chunks = -(-max(0, r.num_prompt_tokens - r.num_computed_tokens) // budget)

@@ -292,23 +292,24 @@ def test_a_request_past_the_mean_of_few_long_outputs_is_not_about_to_end(monkeyp
     assert sched.kv.num_free_blocks == sched.kv.num_blocks
 
 
-def test_output_lengths_rest_is_the_mean_residual_over_the_longer_ones():
-    from prefixgate.engine.load_model import OUTPUT_REST_MIN, OUTPUT_WINDOW, OutputLengths
+def test_output_lengths_residual_is_the_mean_rest_over_the_longer_ones_and_their_count():
+    from prefixgate.engine.load_model import OUTPUT_WINDOW, OutputLengths
 
     lengths = OutputLengths()
-    assert lengths.rest(0) is None  # nothing finished
+    assert lengths.residual(0) == (None, 0) and len(lengths) == 0  # nothing finished
     for n in (10, 20, 30, 40, 50):
         lengths.add(n)
-    assert lengths.rest(0) == pytest.approx(30)
-    assert lengths.rest(10) == pytest.approx(35 - 10)  # 20..50, mean 35
-    assert lengths.rest(19) == pytest.approx(35 - 19)
-    assert lengths.rest(20) is None  # three longer: fewer than OUTPUT_REST_MIN
-    assert lengths.rest(20, min_longer=1) == pytest.approx(40 - 20)  # 30..50, mean 40
-    assert lengths.rest(50, min_longer=1) is None  # none longer
-    assert OUTPUT_REST_MIN == 4
+    assert len(lengths) == 5
+    assert lengths.residual(0) == (pytest.approx(30), 5)
+    assert lengths.residual(10) == (pytest.approx(35 - 10), 4)  # 20..50, mean 35
+    assert lengths.residual(19) == (pytest.approx(35 - 19), 4)
+    assert lengths.residual(20) == (pytest.approx(40 - 20), 3)  # 30..50, mean 40
+    assert lengths.residual(50) == (None, 0)  # none longer
     for _ in range(OUTPUT_WINDOW):  # the window forgets the old lengths
         lengths.add(7)
-    assert lengths.rest(0) == pytest.approx(7) and lengths.rest(7) is None
+    assert len(lengths) == OUTPUT_WINDOW
+    assert lengths.residual(0) == (pytest.approx(7), OUTPUT_WINDOW)
+    assert lengths.residual(7) == (None, 0)
 
 
 def test_the_step_time_is_a_plain_mean_over_its_window():
