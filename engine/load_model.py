@@ -336,10 +336,12 @@ class LoadModel:
         self, running: Sequence[Request], max_num_batched_tokens: int, max_model_len: int
     ) -> dict[str, Any]:
         """When the seats free (``stats()``'s ``seat_free_s``: seconds until each running
-        request is estimated to finish, ascending) and how long a seat is then held
-        (``seat_service_s``), from the requests' own progress and the mean busy wall time of
-        a step (``StepTime``: the running requests' steps at ``near_s``, the seats' later
-        services at the window's ``mean_s``); both ``None`` before a request has finished.
+        request is estimated to finish, ascending, then ``None`` for each whose end is not
+        known yet) and how long a seat is then held (``seat_service_s``), from the requests'
+        own progress and the mean busy wall time of a step (``StepTime``: the running
+        requests' steps at ``near_s``, the seats' later services at the window's ``mean_s``);
+        ``seat_free_s`` is ``None`` before a step was measured, ``seat_service_s`` before a
+        request has finished.
 
         A running request's steps left: its tokens left (``max_tokens`` and the model length
         bound them; without ``ignore_eos`` also its expected rest: the mean rest of the
@@ -348,7 +350,10 @@ class LoadModel:
         tokens again as it has sampled: a request longer than the typical one is no sign of
         ending soon; the few that ran longer, if any, lift that to their mean rest; at least
         one), one a step, and its prompt's chunks still to prefill (at most
-        ``max_num_batched_tokens`` each; the last of them samples its first token). A waiting
+        ``max_num_batched_tokens`` each; the last of them samples its first token). Without
+        ``ignore_eos``, while fewer than ``OUTPUT_REST_MIN`` requests have finished, its end
+        is not known (``None``): so few outputs say nothing of this one's (one 8-token answer
+        told requests of up to 400 tokens that they were about to end). A waiting
         request holds its seat for the mean output's steps, or for the mean time the last
         ``SEAT_HOLD_WINDOW`` finished requests sat where that is longer (prefill steps,
         preemptions; at 4x overload the steps alone told returners to come back seconds
@@ -360,14 +365,19 @@ class LoadModel:
             self._step_time.near_s(),
             self.mean_output_tokens,
         )
-        if step is None or near is None or mean is None:
+        if step is None or near is None:
             return {"seat_free_s": None, "seat_service_s": None}
         budget = max(1, max_num_batched_tokens)
-        free = []
+        outputs_known = len(self.outputs) >= OUTPUT_REST_MIN
+        free: list[float] = []
+        unknown = 0
         for r in running:
             left = min(r.max_tokens - r.num_output_tokens, max_model_len - r.num_tokens)
             params = r.sampling_params
             if not (params is not None and params.ignore_eos):
+                if not outputs_known or mean is None:
+                    unknown += 1
+                    continue
                 done = r.num_output_tokens
                 rest, longer = self.outputs.residual(done)
                 if rest is None or longer < OUTPUT_REST_MIN:
@@ -380,10 +390,12 @@ class LoadModel:
             chunks = -(-max(0, r.num_prompt_tokens - r.num_computed_tokens) // budget)
             free.append((left + max(0, chunks - 1)) * near)
         free.sort()
+        if mean is None:
+            return {"seat_free_s": [*free, *[None] * unknown], "seat_service_s": None}
         service = max(1.0, mean) * step
         if self._holds:  # how long finished requests really sat, preemptions and all
             service = max(service, sum(self._holds) / len(self._holds))
-        return {"seat_free_s": free, "seat_service_s": service}
+        return {"seat_free_s": [*free, *[None] * unknown], "seat_service_s": service}
 
 
 def estimate_ttft(
@@ -396,8 +408,10 @@ def estimate_ttft(
 ) -> float | None:
     """Predicted seconds until a request of ``num_prompt_tokens`` arriving now would get its
     first token, from a ``stats()`` snapshot (torch-free: the gateway can call it on
-    ``engine.stats()`` with ``engine.config``); ``None`` before both rates are measured.
-    ``overtake_per_s``: requests per second of other tenants that the scheduler's order
+    ``engine.stats()`` with ``engine.config``); ``None`` before both rates are measured, and
+    while no seat is free and a running request's end is not known (a ``None`` in
+    ``seat_free_s``: that seat may free at the next step or at its ``max_tokens``, so no wait
+    for a seat can be told). ``overtake_per_s``: requests per second of other tenants that the scheduler's order
     serves before this one's while it waits for a seat (its tenant's entry of ``stats()``'s
     ``overtake_per_s`` under ``fair``; 0: first come first served).
 
@@ -456,6 +470,8 @@ def estimate_ttft(
     ahead = d + waiting + 1 - max_num_seqs
     seat = 0.0
     free, service = stats.get("seat_free_s"), stats.get("seat_service_s")
+    if ahead > 0 and free is not None and len(free) == d and None in free:
+        return None  # a seat's end is not known: nor is the wait for one
     if ahead > 0 and free is not None and service and len(free) == d:
         seats = [0.0] * (max_num_seqs - d) + list(free)
         if overtake_per_s > 0:
