@@ -390,12 +390,13 @@ class LoadModel:
             chunks = -(-max(0, r.num_prompt_tokens - r.num_computed_tokens) // budget)
             free.append((left + max(0, chunks - 1)) * near)
         free.sort()
+        seats = [*free, *[None] * unknown] if unknown else free
         if mean is None:
-            return {"seat_free_s": [*free, *[None] * unknown], "seat_service_s": None}
+            return {"seat_free_s": seats, "seat_service_s": None}
         service = max(1.0, mean) * step
         if self._holds:  # how long finished requests really sat, preemptions and all
             service = max(service, sum(self._holds) / len(self._holds))
-        return {"seat_free_s": [*free, *[None] * unknown], "seat_service_s": service}
+        return {"seat_free_s": seats, "seat_service_s": service}
 
 
 def estimate_ttft(
@@ -411,9 +412,9 @@ def estimate_ttft(
     ``engine.stats()`` with ``engine.config``); ``None`` before both rates are measured, and
     while no seat is free and a running request's end is not known (a ``None`` in
     ``seat_free_s``: that seat may free at the next step or at its ``max_tokens``, so no wait
-    for a seat can be told). ``overtake_per_s``: requests per second of other tenants that the scheduler's order
-    serves before this one's while it waits for a seat (its tenant's entry of ``stats()``'s
-    ``overtake_per_s`` under ``fair``; 0: first come first served).
+    for a seat can be told). ``overtake_per_s``: requests per second of other tenants that
+    the scheduler's order serves before this one's while it waits for a seat (its tenant's
+    entry of ``stats()``'s ``overtake_per_s`` under ``fair``; 0: first come first served).
 
     With ``Q`` = ``queued_prefill_tokens`` + the new request's uncached tokens
     (``num_prompt_tokens - num_cached_tokens``), ``D`` = ``num_running`` (decodes per step),
