@@ -140,13 +140,12 @@ def _refuse_stop_under_constraint(parsed: dict[str, Any], chat: bool) -> None:
     stop, constraint = parsed.get("stop"), openai_constraint(parsed)
     if constraint is None or not stop:
         return  # nothing refused here: the body's form is the upstream's to check
-    wire = ChatCompletionRequest if chat else CompletionRequest
-    known = {k: v for k, v in parsed.items() if k in wire.model_fields}
-    req = parse(wire, json.dumps(known).encode())
-    if isinstance(req, ChatCompletionRequest):
-        check_chat_body(req)
+    fields = (ChatCompletionRequest if chat else CompletionRequest).model_fields
+    known = json.dumps({k: v for k, v in parsed.items() if k in fields}).encode()
+    if chat:
+        check_chat_body(parse(ChatCompletionRequest, known))
     else:
-        check_completion_body(req)
+        check_completion_body(parse(CompletionRequest, known))
     refuse_stop_under_constraint(stop, "stop", constraint)
 
 
