@@ -175,8 +175,8 @@ class ArrivalRates:
 
 
 class OutputLengths:
-    """The output lengths of the last ``OUTPUT_WINDOW`` finished requests, and the mean rest
-    of a running request from them (``rest``). Cost: O(W) a ``add`` batch, O(log W) a query."""
+    """The output lengths of the last ``OUTPUT_WINDOW`` finished requests, and the rest of a
+    running request from them (``residual``). Cost: O(W) a ``add`` batch, O(log W) a query."""
 
     __slots__ = ("_window", "_sorted", "_suffix")
 
@@ -185,15 +185,19 @@ class OutputLengths:
         self._sorted: list[int] | None = []
         self._suffix: list[int] = [0]  # _suffix[i]: sum of _sorted[i:]
 
+    def __len__(self) -> int:
+        """How many lengths the window holds (the finished requests, up to ``OUTPUT_WINDOW``)."""
+        return len(self._window)
+
     def add(self, n: int) -> None:
         self._window.append(n)
         self._sorted = None  # re-sorted at the next query
 
-    def rest(self, done: int, min_longer: int = OUTPUT_REST_MIN) -> float | None:
-        """The mean output tokens left of a request that has sampled ``done``: the mean of
-        ``L - done`` over the window's lengths ``L > done`` (the empirical mean residual life,
-        as in renewal theory), or ``None`` when fewer than ``min_longer`` (>= 1) are that
-        long (the window cannot say)."""
+    def residual(self, done: int) -> tuple[float | None, int]:
+        """``(rest, longer)`` for a request that has sampled ``done`` tokens: ``longer`` is
+        how many of the window's lengths ``L`` are ``> done``, ``rest`` the mean of ``L -
+        done`` over them (the empirical mean residual life, as in renewal theory; ``None``
+        when none is). One bisection."""
         if self._sorted is None:
             self._sorted = sorted(self._window)
             suffix = [0] * (len(self._sorted) + 1)
@@ -202,9 +206,9 @@ class OutputLengths:
             self._suffix = suffix
         i = bisect.bisect_right(self._sorted, done)
         longer = len(self._sorted) - i
-        if longer < max(1, min_longer):
-            return None
-        return self._suffix[i] / longer - done
+        if not longer:
+            return None, 0
+        return self._suffix[i] / longer - done, longer
 
 
 class LoadModel:
@@ -332,19 +336,24 @@ class LoadModel:
         self, running: Sequence[Request], max_num_batched_tokens: int, max_model_len: int
     ) -> dict[str, Any]:
         """When the seats free (``stats()``'s ``seat_free_s``: seconds until each running
-        request is estimated to finish, ascending) and how long a seat is then held
-        (``seat_service_s``), from the requests' own progress and the mean busy wall time of
-        a step (``StepTime``: the running requests' steps at ``near_s``, the seats' later
-        services at the window's ``mean_s``); both ``None`` before a request has finished.
+        request is estimated to finish, ascending, then ``None`` for each whose end is not
+        known yet) and how long a seat is then held (``seat_service_s``), from the requests'
+        own progress and the mean busy wall time of a step (``StepTime``: the running
+        requests' steps at ``near_s``, the seats' later services at the window's ``mean_s``);
+        ``seat_free_s`` is ``None`` before a step was measured, ``seat_service_s`` before a
+        request has finished.
 
         A running request's steps left: its tokens left (``max_tokens`` and the model length
         bound them; without ``ignore_eos`` also its expected rest: the mean rest of the
-        finished requests that ran longer than it has (``OutputLengths.rest``), or, where
+        finished requests that ran longer than it has (``OutputLengths.residual``), or, where
         too few did, the rest of the mean output, or, once it has run past that mean, as many
         tokens again as it has sampled: a request longer than the typical one is no sign of
         ending soon; the few that ran longer, if any, lift that to their mean rest; at least
         one), one a step, and its prompt's chunks still to prefill (at most
-        ``max_num_batched_tokens`` each; the last of them samples its first token). A waiting
+        ``max_num_batched_tokens`` each; the last of them samples its first token). Without
+        ``ignore_eos``, while fewer than ``OUTPUT_REST_MIN`` requests have finished, its end
+        is not known (``None``): so few outputs say nothing of this one's (one 8-token answer
+        told requests of up to 400 tokens that they were about to end). A waiting
         request holds its seat for the mean output's steps, or for the mean time the last
         ``SEAT_HOLD_WINDOW`` finished requests sat where that is longer (prefill steps,
         preemptions; at 4x overload the steps alone told returners to come back seconds
@@ -356,32 +365,38 @@ class LoadModel:
             self._step_time.near_s(),
             self.mean_output_tokens,
         )
-        if step is None or near is None or mean is None:
+        if step is None or near is None:
             return {"seat_free_s": None, "seat_service_s": None}
         budget = max(1, max_num_batched_tokens)
-        free = []
+        outputs_known = len(self.outputs) >= OUTPUT_REST_MIN
+        free: list[float] = []
+        unknown = 0
         for r in running:
             left = min(r.max_tokens - r.num_output_tokens, max_model_len - r.num_tokens)
             params = r.sampling_params
             if not (params is not None and params.ignore_eos):
+                if not outputs_known or mean is None:
+                    unknown += 1
+                    continue
                 done = r.num_output_tokens
-                rest = self.outputs.rest(done)
-                if rest is None:
-                    rest = mean - done if done < mean else done
+                rest, longer = self.outputs.residual(done)
+                if rest is None or longer < OUTPUT_REST_MIN:
                     # too few ran longer for their mean rest to stand alone, but they did
                     # run that long: it lifts the mean's rest, never lowers it
-                    few = self.outputs.rest(done, min_longer=1)
-                    if few is not None:
-                        rest = max(rest, few)
+                    base = mean - done if done < mean else done
+                    rest = base if rest is None else max(base, rest)
                 left = min(left, math.ceil(rest))
             left = max(1, left)
             chunks = -(-max(0, r.num_prompt_tokens - r.num_computed_tokens) // budget)
             free.append((left + max(0, chunks - 1)) * near)
         free.sort()
+        seats = [*free, *[None] * unknown] if unknown else free
+        if mean is None:
+            return {"seat_free_s": seats, "seat_service_s": None}
         service = max(1.0, mean) * step
         if self._holds:  # how long finished requests really sat, preemptions and all
             service = max(service, sum(self._holds) / len(self._holds))
-        return {"seat_free_s": free, "seat_service_s": service}
+        return {"seat_free_s": seats, "seat_service_s": service}
 
 
 def estimate_ttft(
@@ -394,10 +409,12 @@ def estimate_ttft(
 ) -> float | None:
     """Predicted seconds until a request of ``num_prompt_tokens`` arriving now would get its
     first token, from a ``stats()`` snapshot (torch-free: the gateway can call it on
-    ``engine.stats()`` with ``engine.config``); ``None`` before both rates are measured.
-    ``overtake_per_s``: requests per second of other tenants that the scheduler's order
-    serves before this one's while it waits for a seat (its tenant's entry of ``stats()``'s
-    ``overtake_per_s`` under ``fair``; 0: first come first served).
+    ``engine.stats()`` with ``engine.config``); ``None`` before both rates are measured, and
+    while no seat is free and a running request's end is not known (a ``None`` in
+    ``seat_free_s``: that seat may free at the next step or at its ``max_tokens``, so no wait
+    for a seat can be told). ``overtake_per_s``: requests per second of other tenants that
+    the scheduler's order serves before this one's while it waits for a seat (its tenant's
+    entry of ``stats()``'s ``overtake_per_s`` under ``fair``; 0: first come first served).
 
     With ``Q`` = ``queued_prefill_tokens`` + the new request's uncached tokens
     (``num_prompt_tokens - num_cached_tokens``), ``D`` = ``num_running`` (decodes per step),
@@ -454,6 +471,8 @@ def estimate_ttft(
     ahead = d + waiting + 1 - max_num_seqs
     seat = 0.0
     free, service = stats.get("seat_free_s"), stats.get("seat_service_s")
+    if ahead > 0 and free is not None and len(free) == d and None in free:
+        return None  # a seat's end is not known: nor is the wait for one
     if ahead > 0 and free is not None and service and len(free) == d:
         seats = [0.0] * (max_num_seqs - d) + list(free)
         if overtake_per_s > 0:

@@ -265,11 +265,13 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     principal, req, chat, plan, ids = await _prepare(request, MessagesRequest)
     forced = "tool_choice" if plan.mode in ("required", "named") else None
     schema, schema_field = output_constraint(req, chat)
-    if schema is not None:
-        await _check_constraint(schema, f"{schema_field}.schema")
+    # what the body says on its own before what needs the served model (the schema's
+    # grammar), as proxy mode, whose upstream checks that
     refuse_stop_under_constraint(
         req.stop_sequences, "stop_sequences", forced or (schema_field or None)
     )
+    if schema is not None:
+        await _check_constraint(schema, f"{schema_field}.schema")
     if plan.structured is not None:
         await _check_constraint(plan.structured, "tools")
     max_tokens = check_length(len(ids), req.max_tokens, engine.max_model_len, "messages")

@@ -42,16 +42,14 @@ from prefixgate.gateway.wire.prompts import (
 )
 from prefixgate.gateway.wire.request_fields import (
     check_constraint,
-    check_refused,
-    structured_from,
 )
 from prefixgate.gateway.wire.request_models import (
     ChatCompletionRequest,
     CompletionRequest,
     check_chat_body,
+    check_completion_body,
 )
 from prefixgate.gateway.wire.response_models import ModelCard, ModelList, dump
-from prefixgate.gateway.wire.stop_strings import refuse_stop_under_constraint
 from prefixgate.gateway.wire.tools import ToolPlan, plan_tools, template_messages
 
 
@@ -117,14 +115,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/completions."""
     st, engine, principal, req = await open_call(request, CompletionRequest)
-    if req.echo:
-        raise bad_request("echo is not supported", param="echo", code="unsupported_parameter")
-    if req.suffix:
-        raise bad_request("suffix is not supported", param="suffix", code="unsupported_parameter")
-    check_refused({k: getattr(req, k) for k in ("store", "service_tier", "best_of")}, req.n)
-    check_refused({"metadata": req.metadata}, req.n)
-    spec, field = structured_from(req)
-    refuse_stop_under_constraint(req.stop, "stop", field if spec is not None else None)
+    spec, field = check_completion_body(req)
     if spec is not None:
         await _check_constraint(spec, field or "structured_outputs")
     check_vocab(req, engine.tokenizer.vocab_size)

@@ -169,13 +169,15 @@ async def _prepare(
     # local mode's order: the body's form, the model's name, then what the body says
     model = router.resolve(req.model)  # 404 model_not_found when nobody serves it
     raw = load_json(body)
-    stop = getattr(req, "stop_sequences", None)
-    refuse_stop_under_constraint(stop, "stop_sequences", anthropic_constraint(raw))
     chat = to_chat(req)
     if kind is MessagesRequest:  # 400 beside a forced tool call, as local
         _, output_field = output_constraint(req, chat)
     else:  # a count generates nothing: as local mode, a format beside a forced call is counted
         _, output_field = req.output_schema()
+    # after the chat's and the format's checks, as local mode: a body with two defects is
+    # named by the same one in both modes
+    stop = getattr(req, "stop_sequences", None)
+    refuse_stop_under_constraint(stop, "stop_sequences", anthropic_constraint(raw))
     salt = effective_salt(principal.salt, req.cache_salt)
     route = router.route({"messages": chat.messages}, salt, model)
     return _Call(request, req, raw, chat, salt, route, principal, output_field), principal

@@ -59,6 +59,7 @@ from prefixgate.gateway.wire.request_models import (
     ChatCompletionRequest,
     CompletionRequest,
     check_chat_body,
+    check_completion_body,
     check_contents,
     gateway_fields,
     load_json,
@@ -96,7 +97,7 @@ async def proxy_generate(request: web.Request) -> web.StreamResponse:
     prefix = None
     if fields.prefix_id is not None:
         prefix, parsed = await _with_prefix(request, st, body, parsed, principal.salt)
-    refuse_stop_under_constraint(parsed.get("stop"), "stop", openai_constraint(parsed))
+    _refuse_stop_under_constraint(parsed, chat)
     if parsed.get("priority") is not None:  # forwarded as is, if the key may set it
         if isinstance(parsed["priority"], bool) or not isinstance(parsed["priority"], int):
             raise bad_request("priority: Input should be a valid integer", param="priority")
@@ -123,6 +124,29 @@ async def proxy_generate(request: web.Request) -> web.StreamResponse:
         router.policy.release(route)
         _record_prediction(request, router, route)
         end_call(st, principal, lease, outcome.account)
+
+
+def _refuse_stop_under_constraint(parsed: dict[str, Any], chat: bool) -> None:
+    """400 naming ``stop`` beside a whole-output constraint (``stop_strings``), the proxy's
+    own refusal, after what local mode names before it: a body refused anyway is named by its
+    first defect in local mode's order (the wire model's form, then ``check_chat_body`` /
+    ``check_completion_body``), not by ``stop`` where local mode names another field. Only
+    the fields local mode's wire model knows are checked: another is the upstream's to judge
+    (a served model's body is forwarded with the fields its upstream may take).
+
+    Raises:
+        APIError: 400 naming the field.
+    """
+    stop, constraint = parsed.get("stop"), openai_constraint(parsed)
+    if constraint is None or not stop:
+        return  # nothing refused here: the body's form is the upstream's to check
+    fields = (ChatCompletionRequest if chat else CompletionRequest).model_fields
+    known = json.dumps({k: v for k, v in parsed.items() if k in fields}).encode()
+    if chat:
+        check_chat_body(parse(ChatCompletionRequest, known))
+    else:
+        check_completion_body(parse(CompletionRequest, known))
+    refuse_stop_under_constraint(stop, "stop", constraint)
 
 
 def _resolved(

@@ -441,7 +441,8 @@ class AdmissionController:
         """Refuse when the predicted TTFT (the engine's, calibrated, plus the margin of recent
         misses and the promised places ``held`` ahead; or ``tenant``'s own queued requests at
         its own measured pace, when that is later) exceeds ``budget`` seconds; no prediction
-        (proxy mode, rates not measured, no free seat in sight): admit. A budget under what
+        (proxy mode, rates not measured, no free seat and a running request's end not known):
+        admit. A budget under what
         the request takes alone (its idle prediction and the margin) is the wait it accepts
         beyond that: refused while the queue ahead adds more. A budget under twice that
         accepts as much queue as the largest budget under it (what it takes alone), so that

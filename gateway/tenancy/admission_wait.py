@@ -110,7 +110,9 @@ class EngineWait:
     ) -> tuple[float, float] | None:
         """The engine's predicted first-token wait for a request of ``tokens`` arriving now:
         ``(calibrated, uncalibrated)`` seconds (``inf`` while every seat is taken and no
-        request has finished yet), or ``None`` before the rates are measured.
+        request has finished yet), or ``None`` before the rates are measured and while every
+        seat is taken by requests of which one's end is not known yet (``estimate_ttft``:
+        fewer than ``OUTPUT_REST_MIN`` finished requests; no miss is then recorded either).
 
         ``queued`` / ``queued_tokens``: the requests (and their prompt tokens) the admission
         queue holds now. Those the engine does not show yet (``unseen``) count as waiting

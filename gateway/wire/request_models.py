@@ -506,6 +506,33 @@ class CompletionRequest(_SamplingFields):
         return self.logprobs
 
 
+def check_completion_body(
+    req: CompletionRequest,
+) -> tuple[StructuredOutputsParams | None, str | None]:
+    """Check what a parsed completions body says on its own, with no model, server setting or
+    engine package, in local mode's order: ``echo`` and ``suffix`` (not supported), the
+    refused fields (``store``, ``service_tier``, ``best_of``, ``metadata``), its output
+    constraint's form (``structured_from``), ``stop`` beside a whole-output constraint. Local
+    mode runs it after the model's name; the proxy before refusing ``stop`` beside a
+    constraint (``proxy.routes``), so a body with two defects is named by the same one.
+
+    Returns:
+        The output constraint and the field it came from (``structured_from``).
+
+    Raises:
+        APIError: 400 naming the field.
+    """
+    if req.echo:
+        raise bad_request("echo is not supported", param="echo", code="unsupported_parameter")
+    if req.suffix:
+        raise bad_request("suffix is not supported", param="suffix", code="unsupported_parameter")
+    check_refused({k: getattr(req, k) for k in ("store", "service_tier", "best_of")}, req.n)
+    check_refused({"metadata": req.metadata}, req.n)
+    spec, field = structured_from(req)
+    refuse_stop_under_constraint(req.stop, "stop", field if spec is not None else None)
+    return spec, field
+
+
 class PrefixCreateRequest(BaseModel):
     """POST /v1/prefixes: the leading messages to render and pin for ``ttl_seconds``."""
 

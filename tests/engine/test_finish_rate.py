@@ -292,23 +292,72 @@ def test_a_request_past_the_mean_of_few_long_outputs_is_not_about_to_end(monkeyp
     assert sched.kv.num_free_blocks == sched.kv.num_blocks
 
 
-def test_output_lengths_rest_is_the_mean_residual_over_the_longer_ones():
-    from prefixgate.engine.load_model import OUTPUT_REST_MIN, OUTPUT_WINDOW, OutputLengths
+def test_a_running_requests_end_is_not_known_from_fewer_than_four_finished_requests(
+    monkeypatch,
+):
+    # A helper's pass (serve --runner sim, 4 seats, issue 43): right after one 8-token
+    # warm-up request, requests arriving while requests of max_tokens 400 held every seat were
+    # predicted first tokens of 304-1,841 ms that came at 1.2-3.2 s; the one finished request
+    # was the whole history (its mean rest, then "as many again"), and those misses then set
+    # the miss margin to ~2.6 s. Fewer than OUTPUT_REST_MIN finished requests say nothing of
+    # a running request's output: its end is not known, and a wait for its seat is not told.
+    from prefixgate.engine.load_model import OUTPUT_REST_MIN
+
+    clocked = _ClockedScheduler(monkeypatch, max_num_seqs=2, num_blocks=512)
+    sched, config = clocked.sched, clocked.config
+    clocked.add("warm", max_tokens=8, ignore_eos=False)
+    while sched.has_unfinished_requests():
+        clocked.step(0.010)
+    clocked.add("long0", max_tokens=400, ignore_eos=False)
+    clocked.add("long1", max_tokens=400, ignore_eos=False)
+    for _ in range(20):
+        clocked.step(0.010)
+    stats = sched.stats()
+    assert stats["seat_free_s"] == [None, None]
+    # 380 steps of 10 ms away: no wait is told for a seat, not ~0.2 s
+    assert sched.predict_ttft(3) is None
+    # a free seat needs no end: its first token is known
+    free_seat = {**stats, "num_running": 1, "seat_free_s": [None]}
+    assert estimate_ttft(free_seat, 2, config.max_num_batched_tokens, 3) is not None
+    # an ignore_eos request's end is its bound, known whatever the history
+    clocked.add("bounded", max_tokens=100, ignore_eos=True)
+    sched.abort_requests(["long1"])
+    clocked.step(0.010)
+    free = sched.stats()["seat_free_s"]
+    assert free[1] is None and free[0] == pytest.approx(99 * 0.010, rel=0.05), free
+    sched.abort_requests(["long0", "bounded"])
+    # OUTPUT_REST_MIN finished requests: the rests are estimated again
+    for i in range(OUTPUT_REST_MIN - 1):
+        clocked.add(f"more{i}", max_tokens=8, ignore_eos=False)
+        while sched.has_unfinished_requests():
+            clocked.step(0.010)
+    clocked.add("long2", max_tokens=400, ignore_eos=False)
+    clocked.add("long3", max_tokens=400, ignore_eos=False)
+    clocked.step(0.010)
+    free = sched.stats()["seat_free_s"]
+    assert None not in free and sched.predict_ttft(3) is not None
+    sched.abort_requests(["long2", "long3"])
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
+
+
+def test_output_lengths_residual_is_the_mean_rest_over_the_longer_ones_and_their_count():
+    from prefixgate.engine.load_model import OUTPUT_WINDOW, OutputLengths
 
     lengths = OutputLengths()
-    assert lengths.rest(0) is None  # nothing finished
+    assert lengths.residual(0) == (None, 0) and len(lengths) == 0  # nothing finished
     for n in (10, 20, 30, 40, 50):
         lengths.add(n)
-    assert lengths.rest(0) == pytest.approx(30)
-    assert lengths.rest(10) == pytest.approx(35 - 10)  # 20..50, mean 35
-    assert lengths.rest(19) == pytest.approx(35 - 19)
-    assert lengths.rest(20) is None  # three longer: fewer than OUTPUT_REST_MIN
-    assert lengths.rest(20, min_longer=1) == pytest.approx(40 - 20)  # 30..50, mean 40
-    assert lengths.rest(50, min_longer=1) is None  # none longer
-    assert OUTPUT_REST_MIN == 4
+    assert len(lengths) == 5
+    assert lengths.residual(0) == (pytest.approx(30), 5)
+    assert lengths.residual(10) == (pytest.approx(35 - 10), 4)  # 20..50, mean 35
+    assert lengths.residual(19) == (pytest.approx(35 - 19), 4)
+    assert lengths.residual(20) == (pytest.approx(40 - 20), 3)  # 30..50, mean 40
+    assert lengths.residual(50) == (None, 0)  # none longer
     for _ in range(OUTPUT_WINDOW):  # the window forgets the old lengths
         lengths.add(7)
-    assert lengths.rest(0) == pytest.approx(7) and lengths.rest(7) is None
+    assert len(lengths) == OUTPUT_WINDOW
+    assert lengths.residual(0) == (pytest.approx(7), OUTPUT_WINDOW)
+    assert lengths.residual(7) == (None, 0)
 
 
 def test_the_step_time_is_a_plain_mean_over_its_window():

@@ -751,3 +751,69 @@ def test_the_queue_bounds_wait_is_no_faster_than_the_seats_pace():
     assert exc.value.retry_after >= 16 * pace * 0.99  # the whole queue at the seats' pace
     for ticket in held:
         ticket.done()
+
+
+def test_first_tokens_behind_requests_of_unknown_end_do_not_raise_the_miss_margin(monkeypatch):
+    # A helper's pass (serve --runner sim, 4 seats, issue 43): right after one 8-token
+    # warm-up request, the requests admitted while requests of max_tokens 400 held every seat
+    # were predicted first tokens of 0.3-1.8 s from that one finished request (its rest, then
+    # "as many again") and had them at 1.2-3.2 s; those misses set the margin to ~2.6 s for
+    # the next MISS_WINDOW admissions. With fewer than OUTPUT_REST_MIN finished requests a
+    # running request's end is not known (``LoadModel.seat_schedule``): nothing is predicted,
+    # a budget admits (nothing to refuse on), and no miss feeds the margin. A real
+    # scheduler on a fake clock: 2 seats, steps of 10 ms.
+    from prefixgate.engine import scheduler as sched_module
+    from prefixgate.engine.config import EngineConfig
+    from prefixgate.engine.kv_cache_manager import KVCacheManager
+    from prefixgate.engine.request import Request
+    from prefixgate.engine.sampling_params import SamplingParams
+    from prefixgate.gateway.tenancy import admission as admission_module
+    from prefixgate.gateway.tenancy.admission_wait import MISS_MIN
+
+    now = [100.0]
+    monkeypatch.setattr(sched_module.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(admission_module.time, "monotonic", lambda: now[0])
+    config = EngineConfig(block_size=16, max_num_seqs=2)
+    sched = sched_module.Scheduler(config, KVCacheManager.from_config(config, 512), 4096)
+
+    def add(rid: str, max_tokens: int) -> Request:
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        r = Request(rid, [5, 6, 7], sp, eos_token_ids=[2], max_tokens=max_tokens)
+        sched.add_request(r)
+        return r
+
+    def step() -> None:
+        out = sched.schedule()
+        now[0] += 0.010
+        sched.update_from_output(out, {s.request.request_id: 9 for s in out.scheduled if s.samples})
+
+    class SchedulerEngine:
+        def stats(self) -> dict[str, Any]:
+            return sched.load_stats()
+
+        def predict_ttft(self, tokens: int, cached: int = 0) -> float | None:
+            return sched.predict_ttft(tokens, cached)
+
+    ctl = AdmissionController(AdmissionConfig(max_queued_requests=64))
+    ctl.wait = EngineWait(SchedulerEngine(), 2, config.max_num_batched_tokens)  # type: ignore[arg-type]
+    add("warm", 8)
+    while sched.has_unfinished_requests():
+        step()
+    longs = [add("long0", 400), add("long1", 400)]
+    for _ in range(20):
+        step()
+    waiting, predicted = [], []
+    for i in range(MISS_MIN + 4):
+        ticket = ctl.admit(3, budget_s=30.0)
+        predicted.append(ticket.predicted_ttft)
+        waiting.append((add(f"short{i}", 8), ticket))
+    while waiting:
+        step()
+        for r, ticket in [w for w in waiting if w[0].num_output_tokens]:
+            ticket.started()  # 3.8 s and more after its admission
+            ticket.done()
+            waiting.remove((r, ticket))
+    assert now[0] - 100.0 > 3.8
+    assert ctl.wait.margin_s() == 0.0 and not ctl.wait._misses  # was 3.6 s
+    assert predicted == [None] * len(predicted)  # were 0.2 s and more
+    assert all(r.is_finished() for r in longs)

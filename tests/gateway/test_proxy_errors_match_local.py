@@ -39,6 +39,23 @@ BAD = [
     (COMP, {}, "prompt"),
     (COMP, {"prompt": "x", "guided_choice": ["a"], "stop": "a"}, "stop"),
 ]
+# two defects, one of them ``stop`` beside a whole-output constraint (the proxy's own
+# refusal): named by the first in local mode's order in both modes, not by ``stop`` in the
+# proxy where local mode names the other (the proxy ran its stop check before the form)
+FORCED = {"tools": [TOOL], "tool_choice": "required", "stop": "{"}
+TWO_DEFECTS = [
+    (CHAT, {"messages": M, **FORCED, "temperature": 5}, "temperature"),
+    (CHAT, {"messages": M, **FORCED, "n": 0}, "n"),
+    (CHAT, {"messages": M, **FORCED, "priority": "x"}, "priority"),
+    (CHAT, {"messages": M, **FORCED, "response_format": {"type": "json_object"}},
+     "response_format"),
+    (CHAT, {"messages": M, "tools": [TOOL], "stop": "{",
+            "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    (CHAT, {"messages": M, "guided_regex": "a+", "stop": "a", "logit_bias": {"x": 1}}, "stop"),
+    (COMP, {"prompt": "x", "guided_choice": ["a"], "stop": "a", "echo": True}, "echo"),
+    (COMP, {"prompt": "x", "guided_choice": ["a"], "stop": "a", "top_p": 0}, "top_p"),
+    (COMP, {"prompt": "x", "guided_choice": ["a"], "stop": "a", "best_of": 2}, "best_of"),
+]  # fmt: skip
 
 
 @pytest.fixture
@@ -54,7 +71,7 @@ def both(serve_fake):
 def test_the_same_bad_requests_give_the_same_error_object_in_both_modes(both):
     local, proxy = both
     with httpx.Client(timeout=120) as http:  # the first tool request imports xgrammar
-        for path, extra, param in BAD:
+        for path, extra, param in BAD + TWO_DEFECTS:
             body = {"model": "fake", **extra}
             a = http.post(local + path, json=body)
             b = http.post(proxy + path, json=body)
@@ -264,4 +281,42 @@ def test_an_unknown_model_beside_a_bad_body_gets_the_same_answer_in_both_modes(b
             a = http.post(local + path, json=body)
             b = http.post(proxy + path, json=body)
             assert a.status_code == status, (path, body, a.text)
+            assert (b.status_code, b.json()) == (a.status_code, a.json()), (path, body, b.text)
+
+
+TOOL_RESULT = [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "x",
+                                             "content": "r"}]}]  # fmt: skip
+FN_RESPONSE = [{"role": "user", "parts": [{"functionResponse": {"name": "f",
+                                                               "response": {}}}]}]  # fmt: skip
+JSON_STOP = {"responseMimeType": "application/json", "stopSequences": ["a"]}
+# (path, body, param): a served model's body with stop strings beside a whole-output
+# constraint (refused in both modes) and a defect local mode names first
+TWO_DEFECTS_DIALECTS = [
+    ("/v1/messages", {"model": "fake", "messages": AM, "max_tokens": 2, "stop_sequences": ["a"],
+                      "tool_choice": {"type": "any"}}, "tool_choice"),
+    ("/v1/messages", {"model": "fake", "messages": TOOL_RESULT, "max_tokens": 2,
+                      "stop_sequences": ["a"], "output_config": SCHEMA}, "messages"),
+    ("/v1/messages", {"model": "fake", "messages": AM, "max_tokens": "x",
+                      "stop_sequences": ["a"], "output_config": SCHEMA}, "max_tokens"),
+    (GEN.format("fake"), {"contents": FN_RESPONSE, "generationConfig": JSON_STOP}, "contents"),
+    (GEN.format("fake"), {"contents": GC, "generationConfig": {**JSON_STOP, "topK": "x"}},
+     "generationConfig.topK"),
+]  # fmt: skip
+
+
+def test_a_body_with_two_defects_is_named_by_the_same_one_in_both_modes(both):
+    """Stop strings beside a whole-output constraint are refused by the proxy itself (the
+    upstream may take them); it refused them before the Messages chat's and format's checks,
+    so a body with a second defect (a tool_choice without tools, a tool result without its
+    call) was named by ``stop_sequences`` there and by the other field locally. The same
+    error object in both modes now, as for the OpenAI routes (``TWO_DEFECTS``)."""
+    local, proxy = both
+    with httpx.Client(timeout=120) as http:
+        for path, body, param in TWO_DEFECTS_DIALECTS:
+            a = http.post(local + path, json=body)
+            b = http.post(proxy + path, json=body)
+            assert a.status_code == 400, (path, body, a.text)
+            err = a.json()["error"]
+            named = err.get("param") or err.get("message", "")
+            assert param in named, (path, body, a.text)
             assert (b.status_code, b.json()) == (a.status_code, a.json()), (path, body, b.text)

@@ -13,6 +13,7 @@ from aiohttp import web
 from prefixgate.gateway.app import create_proxy_app
 from prefixgate.gateway.http.server import BackgroundServer
 from prefixgate.gateway.settings import GatewaySettings
+from support.http import counts_both_modes
 
 genai = pytest.importorskip("google.genai")
 from google.genai import errors as genai_errors  # noqa: E402
@@ -261,21 +262,7 @@ def test_count_tokens_counts_what_generation_would_refuse_in_both_modes(serve_fa
         assert counts[0] == counts[1]
 
 
-def _counts_both_modes(local: str, proxy: str, bodies: dict) -> dict[tuple[str, str], int]:
-    """``countTokens``'s ``totalTokens`` of each of ``bodies`` (name: an inner
-    ``generateContentRequest``) in local mode (``local``) and through the proxy (``proxy``),
-    by ``(mode, name)``; every answer a 200."""
-    counts: dict[tuple[str, str], int] = {}
-    for mode, base in (("local", local), ("proxy", proxy)):
-        for name, inner in bodies.items():
-            r = httpx.post(
-                base + "/v1beta/models/fake:countTokens",
-                json={"generateContentRequest": inner},
-                timeout=120,
-            )
-            assert r.status_code == 200, (mode, name, r.text)
-            counts[mode, name] = r.json()["totalTokens"]
-    return counts
+COUNT_TOKENS = "/v1beta/models/fake:countTokens"
 
 
 def test_count_tokens_under_mode_none_counts_no_tool_declarations_in_both_modes(
@@ -292,8 +279,14 @@ def test_count_tokens_under_mode_none_counts_no_tool_declarations_in_both_modes(
     forced = {**none, "toolConfig": {"functionCallingConfig": {"mode": "ANY"}}}
     slow = GatewaySettings(health_check_timeout_s=60.0)  # the first tools import xgrammar
     with BackgroundServer(lambda: create_proxy_app([local.url], slow)) as proxy:
-        counts = _counts_both_modes(
-            local.url, proxy.url, {"bare": bare, "none": none, "forced": forced}
+        bodies = {"bare": bare, "none": none, "forced": forced}
+        counts = counts_both_modes(
+            local.url,
+            proxy.url,
+            COUNT_TOKENS,
+            bodies,
+            "totalTokens",
+            wrap_in="generateContentRequest",
         )
     assert counts["local", "forced"] > counts["local", "none"], counts  # tools are rendered
     assert counts["local", "none"] == counts["local", "bare"], counts
@@ -318,7 +311,15 @@ def test_count_tokens_counts_auto_tools_without_a_tool_call_parser_in_both_modes
         auto["toolConfig"] = config
     slow = GatewaySettings(health_check_timeout_s=60.0)  # the first tools import xgrammar
     with BackgroundServer(lambda: create_proxy_app([local.url], slow)) as proxy:
-        counts = _counts_both_modes(local.url, proxy.url, {"bare": bare, "auto": auto})
+        bodies = {"bare": bare, "auto": auto}
+        counts = counts_both_modes(
+            local.url,
+            proxy.url,
+            COUNT_TOKENS,
+            bodies,
+            "totalTokens",
+            wrap_in="generateContentRequest",
+        )
     assert counts["local", "auto"] > counts["local", "bare"], counts  # tools are rendered
     assert counts["proxy", "auto"] == counts["local", "auto"], counts
     r = httpx.post(local.url + "/v1beta/models/fake:generateContent", json=auto, timeout=120)

@@ -20,6 +20,7 @@ from prefixgate.gateway.settings import GatewaySettings
 from prefixgate.gateway.tenancy.keys import effective_salt
 from support.chat_stub import SECRET, ChatStub
 from support.fake_engine import FakeEngine
+from support.http import counts_both_modes
 
 SYSTEM = "You are the harbour master's assistant."
 
@@ -588,19 +589,6 @@ def _openai_relay(local_url: str) -> Callable[[], web.Application]:
     return make
 
 
-def _counts_both_modes(local: str, proxy: str, bodies: dict) -> dict[tuple[str, str], int]:
-    """``count_tokens``'s ``input_tokens`` of each of ``bodies`` (name: a Messages body) in
-    local mode (``local``) and through the proxy (``proxy``), by ``(mode, name)``; every
-    answer a 200."""
-    counts: dict[tuple[str, str], int] = {}
-    for mode, base in (("local", local), ("proxy", proxy)):
-        for name, body in bodies.items():
-            r = httpx.post(base + "/v1/messages/count_tokens", json=body, timeout=120)
-            assert r.status_code == 200, (mode, name, r.text)
-            counts[mode, name] = r.json()["input_tokens"]
-    return counts
-
-
 def test_count_tokens_under_tool_choice_none_counts_no_tools_in_both_modes(
     serve_fake, tools_in_prompt
 ):
@@ -621,8 +609,9 @@ def test_count_tokens_under_tool_choice_none_counts_no_tools_in_both_modes(
         BackgroundServer(_openai_relay(local.url)) as up,  # counted by its /tokenize
         BackgroundServer(lambda: create_proxy_app([up.url], slow)) as proxy,
     ):
-        counts = _counts_both_modes(
-            local.url, proxy.url, {"bare": bare, "none": none, "forced": forced}
+        bodies = {"bare": bare, "none": none, "forced": forced}
+        counts = counts_both_modes(
+            local.url, proxy.url, "/v1/messages/count_tokens", bodies, "input_tokens"
         )
     assert counts["local", "forced"] > counts["local", "none"], counts  # tools are rendered
     assert counts["local", "none"] == counts["local", "bare"], counts
@@ -649,7 +638,10 @@ def test_count_tokens_counts_auto_tools_without_a_tool_call_parser_in_both_modes
         BackgroundServer(_openai_relay(local.url)) as up,  # counted by its /tokenize
         BackgroundServer(lambda: create_proxy_app([up.url], slow)) as proxy,
     ):
-        counts = _counts_both_modes(local.url, proxy.url, {"bare": bare, "tools": tools})
+        bodies = {"bare": bare, "tools": tools}
+        counts = counts_both_modes(
+            local.url, proxy.url, "/v1/messages/count_tokens", bodies, "input_tokens"
+        )
     assert counts["local", "tools"] > counts["local", "bare"], counts  # tools are rendered
     assert counts["proxy", "tools"] == counts["local", "tools"], counts
     r = httpx.post(local.url + "/v1/messages", json={**tools, "max_tokens": 2}, timeout=120)

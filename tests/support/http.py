@@ -47,3 +47,25 @@ def wait_ready(
         assert proc is None or proc.poll() is None, f"{url}: the server exited ({proc.returncode})"
         assert time.monotonic() < deadline, f"{url} not ready within {timeout_s:g} s"
         time.sleep(poll_s)
+
+
+def counts_both_modes(
+    local: str,
+    proxy: str,
+    path: str,
+    bodies: dict[str, Any],
+    field: str,
+    wrap_in: str | None = None,
+) -> dict[tuple[str, str], int]:
+    """The token count (the answer's ``field``) of each of ``bodies`` (name: the JSON body
+    POSTed to ``path``; with ``wrap_in``, POSTed as ``{wrap_in: body}``) in local mode (base
+    URL ``local``) and through the proxy (``proxy``), by ``(mode, name)``; every answer a
+    200."""
+    counts: dict[tuple[str, str], int] = {}
+    for mode, base in (("local", local), ("proxy", proxy)):
+        for name, body in bodies.items():
+            sent = body if wrap_in is None else {wrap_in: body}
+            r = httpx.post(base + path, json=sent, timeout=120)
+            assert r.status_code == 200, (mode, name, r.text)
+            counts[mode, name] = r.json()[field]
+    return counts
