@@ -521,8 +521,25 @@ M = TypeVar("M", bound=BaseModel)
 
 # Top-level fields whose empty value means something: an empty prompt, input or token list is
 # a request for the empty text (or refused by the model as such); OpenAI's
-# ``web_search_options: {}`` turns web search on (refused here by name).
-EMPTY_MEANS = frozenset({"prompt", "input", "tokens", "web_search_options"})
+# ``web_search_options: {}`` turns web search on (refused here by name); an output constraint
+# sent empty asks for a constraint, judged as the same one under ``structured_outputs``:
+# ``guided_json: {}`` is any JSON, ``guided_choice: []``, ``guided_regex: ""``,
+# ``guided_grammar: ""``, ``structured_outputs: {}`` and ``response_format: {}`` are 400s
+# naming the field (dropped, they answered 200 with unconstrained text).
+EMPTY_MEANS = frozenset(
+    {
+        "prompt",
+        "input",
+        "tokens",
+        "web_search_options",
+        "response_format",
+        "structured_outputs",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+    }
+)
 
 
 # An empty value's JSON (null, [], {}, ""), found anywhere in a body without parsing it.
