@@ -175,8 +175,10 @@ def content_fault(role: object, content: object) -> str | None:
       schema, for every role; the code ``empty_array``, as OpenAI's).
 
     The one rule of both modes: local mode's ``ChatMessage`` and proxy mode's raw body
-    (``check_contents``)."""
-    if content is None and role in _CONTENT_REQUIRED:
+    (``check_contents``), where ``role`` is the raw JSON value: a role that is no string is
+    the role's fault, told by the request model, not this check's (it raised ``TypeError``
+    on a list or object, a 500)."""
+    if content is None and isinstance(role, str) and role in _CONTENT_REQUIRED:
         return f"a {role} message needs content (a string or text parts)"
     if isinstance(content, list) and not content:
         return "must not be empty (an array of content parts holds at least one part)"
