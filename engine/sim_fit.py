@@ -289,6 +289,12 @@ def main(argv: list[str] | None = None) -> int:
         "clock; default: the runner call alone, for serve --runner sim",
     )
     args = parser.parse_args(argv)
+    from prefixgate.sdk.bench.output_file import check_output_file
+
+    try:
+        check_output_file("--out", args.out)  # written after the fit: refused before it
+    except ValueError as exc:
+        parser.error(str(exc))
 
     from prefixgate.engine.config import EngineConfig
     from prefixgate.engine.cost_model import CostProfile

@@ -234,7 +234,7 @@ def parse_request(body: bytes) -> ResponsesRequest:
         tier = raw.get("service_tier")
         if not is_empty(tier) and tier not in _SERVICE_TIERS:
             raise bad_request(
-                f"service_tier: {str(tier)[:80]!r} is not supported (only 'auto' or 'default')",
+                f"service_tier: {json.dumps(tier)[:80]} is not supported (only 'auto' or 'default')",
                 param="service_tier",
                 code="unsupported_parameter",
             )

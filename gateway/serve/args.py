@@ -268,6 +268,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "'auto' is refused; 'required' and named functions always work)",
     )
     p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="vLLM's flag, taken so vLLM's command lines run: tool_choice='auto' is served "
+        "whenever --tool-call-parser is set; given without --tool-call-parser it is refused, "
+        "as vLLM refuses it (default: off)",
+    )
+    p.add_argument(
         "--upstream-cache-salt",
         choices=CACHE_SALT_MODES,
         default="auto",
@@ -406,6 +413,20 @@ def positional_model(args: argparse.Namespace) -> None:
             f"the positional MODEL {tag[:200]!r} and --model {args.model[:200]!r} differ: give one"
         )
     args.model = tag
+
+
+def check_auto_tool_choice(args: argparse.Namespace) -> None:
+    """``--enable-auto-tool-choice`` (vLLM's) needs ``--tool-call-parser``, as in vLLM; with it,
+    the flag changes nothing ('auto' is served whenever a parser is set).
+
+    Raises:
+        ValueError: the flag without ``--tool-call-parser``.
+    """
+    if getattr(args, "enable_auto_tool_choice", False) and args.tool_call_parser is None:
+        raise ValueError(
+            "--enable-auto-tool-choice needs --tool-call-parser (one of "
+            f"{', '.join(PARSERS)}): the parser reads the tool calls of 'auto' answers"
+        )
 
 
 @functools.cache

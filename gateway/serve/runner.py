@@ -30,6 +30,7 @@ from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import normalize_url
 from prefixgate.gateway.serve.args import (
     add_serve_arguments,
+    check_auto_tool_choice,
     in_flag_words,
     parse_bytes,
     positional_model,
@@ -89,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         positional_model(args)  # `prefixgate serve PATH` = --model PATH, as vLLM's
+        check_auto_tool_choice(args)  # vLLM's flag: only beside --tool-call-parser
         key_specs = check_before_imports(args)  # keys file, model path: before torch
         settings = settings_from_args(args)
         check_settings(settings)  # each routing policy's options

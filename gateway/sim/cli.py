@@ -130,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
     from prefixgate.gateway.sim.fleet import Fleet, FleetConfig, saturated_rate
     from prefixgate.gateway.sim.report import plot, summarize
     from prefixgate.gateway.sim.workload import LIGHT_TENANT, WorkloadConfig
+    from prefixgate.sdk.bench.output_file import check_output_file
 
     try:
         fc = _from_flags(FleetConfig, args)
@@ -145,6 +146,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--seed must be >= 0, got {args.seed}")
         fc.engine_config(args.seed)  # the engine's own checks, before any work
         fc.check_workload(wc)  # a first turn fits a replica's context
+        check_output_file("--json", args.json)  # written at the end: a bad path lost the run
+        check_output_file("--plot", args.plot)
         if args.plot:
             try:
                 import matplotlib  # noqa: F401

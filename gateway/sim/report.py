@@ -180,6 +180,7 @@ def plot(fleet: Fleet, path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     answered = [r for r in fleet.done if r.t_first is not None]
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 7))
@@ -207,6 +208,7 @@ def plot(fleet: Fleet, path: str) -> None:
     )
     ax1.legend(markerscale=4, fontsize=8)
     ax2.bar(range(len(fleet.replicas)), [rep.served for rep in fleet.replicas])
+    ax2.xaxis.set_major_locator(MaxNLocator(integer=True))  # replica numbers, not 0.25 steps
     ax2.set_xlabel("replica")
     ax2.set_ylabel("requests answered")
     fig.tight_layout()

@@ -14,6 +14,7 @@ given (and none with a ``tool_choice`` that constrains the output).
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -149,7 +150,8 @@ def check_refused(body: dict[str, Any], n: int = 1) -> None:
         if name in body and not ok(body[name]):
             raise APIError(
                 400,
-                f"{name}: {str(body[name])[:80]!r} is not supported ({CHAT_SUPPORTED.get(name) or COMPLETIONS_SUPPORTED.get(name)})",
+                f"{name}: {json.dumps(body[name])[:80]} is not supported "  # as sent: true
+                f"({CHAT_SUPPORTED.get(name) or COMPLETIONS_SUPPORTED.get(name)})",
                 param=name,
                 code="unsupported_parameter",
             )

@@ -175,8 +175,10 @@ def content_fault(role: object, content: object) -> str | None:
       schema, for every role; the code ``empty_array``, as OpenAI's).
 
     The one rule of both modes: local mode's ``ChatMessage`` and proxy mode's raw body
-    (``check_contents``)."""
-    if content is None and role in _CONTENT_REQUIRED:
+    (``check_contents``), where ``role`` is the raw JSON value: a role that is no string is
+    the role's fault, told by the request model, not this check's (it raised ``TypeError``
+    on a list or object, a 500)."""
+    if content is None and isinstance(role, str) and role in _CONTENT_REQUIRED:
         return f"a {role} message needs content (a string or text parts)"
     if isinstance(content, list) and not content:
         return "must not be empty (an array of content parts holds at least one part)"
@@ -548,8 +550,25 @@ M = TypeVar("M", bound=BaseModel)
 
 # Top-level fields whose empty value means something: an empty prompt, input or token list is
 # a request for the empty text (or refused by the model as such); OpenAI's
-# ``web_search_options: {}`` turns web search on (refused here by name).
-EMPTY_MEANS = frozenset({"prompt", "input", "tokens", "web_search_options"})
+# ``web_search_options: {}`` turns web search on (refused here by name); an output constraint
+# sent empty asks for a constraint, judged as the same one under ``structured_outputs``:
+# ``guided_json: {}`` is any JSON, ``guided_choice: []``, ``guided_regex: ""``,
+# ``guided_grammar: ""``, ``structured_outputs: {}`` and ``response_format: {}`` are 400s
+# naming the field (dropped, they answered 200 with unconstrained text).
+EMPTY_MEANS = frozenset(
+    {
+        "prompt",
+        "input",
+        "tokens",
+        "web_search_options",
+        "response_format",
+        "structured_outputs",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+    }
+)
 
 
 # An empty value's JSON (null, [], {}, ""), found anywhere in a body without parsing it.

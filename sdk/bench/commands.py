@@ -34,6 +34,7 @@ from prefixgate.sdk.bench.loadgen import (
     root_url,
     run_load,
 )
+from prefixgate.sdk.bench.output_file import check_output_file
 from prefixgate.sdk.bench.workload import BenchRequest, load_workload
 
 
@@ -93,6 +94,8 @@ def run_serve(args: argparse.Namespace) -> int:
         wl = workload_from_args(args)
         requests = load_workload(wl, args.system_prompts, args.user_tasks)
         cfg = load_from_args(args, args.base_url, args.model)
+        check_output_file("--json", args.json)  # written after the run: refused before it
+        check_output_file("--plot", args.plot)
     except (ValueError, OSError) as exc:
         print(f"prefixgate bench serve: {exc}", file=sys.stderr)
         return 2

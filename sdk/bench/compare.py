@@ -34,6 +34,7 @@ from prefixgate.sdk.bench.args import (
     workload_from_args,
 )
 from prefixgate.sdk.bench.loadgen import LoadConfig, run_load
+from prefixgate.sdk.bench.output_file import check_output_file
 from prefixgate.sdk.bench.report import checks, machine, print_compare, ratios, title
 from prefixgate.sdk.bench.targets import (
     ServerProcess,
@@ -288,6 +289,8 @@ def run_compare(args: argparse.Namespace) -> int:
         wl = workload_from_args(args)
         requests = load_workload(wl, args.system_prompts, args.user_tasks)
         targets = build_targets(args)
+        check_output_file("--json", args.json)  # written after every target ran
+        check_output_file("--plot", args.plot)
     except (ValueError, OSError) as exc:
         print(f"prefixgate bench compare: {exc}", file=sys.stderr)
         return 2

@@ -31,6 +31,10 @@ BAD = [
     (CHAT, {"messages": M, "response_format": {"type": "xml"}}, "response_format.type"),
     (CHAT, {"messages": M, "priority": "x"}, "priority"),
     (CHAT, {"messages": [{"role": "bogus", "content": "x"}]}, "messages.0.role"),
+    # a role that is no string beside null content: the proxy's content check took it for a
+    # set member (TypeError: unhashable type: 'list', a 500; a new user's fuzzing)
+    (CHAT, {"messages": [{"role": [], "content": None}]}, "messages.0.role"),
+    (CHAT, {"messages": [{"role": {"a": 1}, "content": None}]}, "messages.0.role"),
     (CHAT, {"messages": M, "tools": [TOOL], "tool_choice": "required", "stop": "{"}, "stop"),
     (CHAT, {"messages": M, "stream": True, "temperature": -1}, "temperature"),
     (CHAT, {"messages": M, "stream_options": {"include_usage": 1}}, "stream_options"),

@@ -26,3 +26,17 @@ def test_a_positional_model_is_the_model(aidreams_path):
 def test_a_positional_model_and_another_model_flag_are_refused(aidreams_path):
     with pytest.raises(ValueError, match="positional MODEL .* and --model .* differ"):
         _args(aidreams_path, "--model", "other")
+
+
+def test_vllms_enable_auto_tool_choice_is_taken_beside_a_parser(aidreams_path):
+    """``vllm serve M --enable-auto-tool-choice --tool-call-parser hermes`` ran as
+    ``prefixgate serve`` only to end in "unrecognized arguments: --enable-auto-tool-choice"
+    (a new user's vLLM command line); as in vLLM, the flag needs a parser."""
+    from prefixgate.gateway.serve.args import check_auto_tool_choice
+
+    args = _args(aidreams_path, "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    check_auto_tool_choice(args)
+    assert args.tool_call_parser == "hermes"
+    check_auto_tool_choice(_args(aidreams_path))  # neither: nothing to check
+    with pytest.raises(ValueError, match="--enable-auto-tool-choice needs --tool-call-parser"):
+        check_auto_tool_choice(_args(aidreams_path, "--enable-auto-tool-choice"))

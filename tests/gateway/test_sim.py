@@ -448,6 +448,26 @@ def test_plot_writes_a_png(tmp_path):
     assert (tmp_path / "sim.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_plots_replica_axis_is_numbered_in_whole_replicas(tmp_path, monkeypatch):
+    """Two replicas' bars were labelled -0.25, 0.25, 0.5, 0.75, ... (a new user's plot)."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+    from prefixgate.gateway.sim.report import plot
+
+    ticks: list[float] = []
+    save = Figure.savefig
+
+    def spy(fig, *args, **kwargs):
+        lo, hi = fig.axes[1].get_xlim()
+        ticks.extend(t for t in fig.axes[1].get_xticks() if lo <= t <= hi)
+        return save(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", spy)
+    fleet = Fleet(FleetConfig(replicas=2, gateways=1, kv_blocks=300), _wc(), 4.0, 3.0, 0).run()
+    plot(fleet, str(tmp_path / "sim.png"))
+    assert ticks and all(t == int(t) for t in ticks), ticks
+
+
 def test_prompts_hashed_once_give_what_the_pick_and_the_engine_hash_themselves(monkeypatch):
     # every prompt is hashed once (a session's turns extend the last turn's keys) and the keys
     # are handed to the precise pick and the engine; without the hand-over both hash it
