@@ -96,10 +96,16 @@ class Ticket:
         "predicted_ttft",
         "_raw_prediction",
         "_t_admit",
+        "hold_s",
     )
 
     def __init__(
-        self, ctl: AdmissionController, tokens: int, requests: int = 1, tenant: str | None = None
+        self,
+        ctl: AdmissionController,
+        tokens: int,
+        requests: int = 1,
+        tenant: str | None = None,
+        hold_s: float | None = None,
     ) -> None:
         self._ctl = ctl
         self.tokens = tokens
@@ -112,6 +118,7 @@ class Ticket:
         self.predicted_ttft: float | None = None  # seconds, calibrated, at admission
         self._raw_prediction: float | None = None  # the engine's own (calibration input)
         self._t_admit = time.monotonic()
+        self.hold_s = hold_s  # seconds each of its requests holds a seat by its size, or None
 
     def started(self) -> None:
         """The request left the queue (its first token came out)."""
@@ -121,7 +128,7 @@ class Ticket:
             wait = self._ctl.wait
             if wait is not None and self._raw_prediction is not None:
                 wait.observe(self._raw_prediction, self._t_start - self._t_admit)
-            self._ctl._leave_queue(self.tokens, self.requests, self.tenant)
+            self._ctl._leave_queue(self.tokens, self.requests, self.tenant, self.hold_s)
 
     def set_eta(self, eta: Callable[[], float | None]) -> None:
         """The request can predict its own end: ``eta()`` is the seconds until it ends (from
@@ -177,6 +184,8 @@ class AdmissionController:
         self.config = config or AdmissionConfig()
         self.queued_requests = 0
         self.queued_tokens = 0
+        self._queued_unsized = 0  # queued requests of unknown size (``Ticket.hold_s`` None)
+        self._queued_hold_s = 0.0  # the seconds the others hold their seats by their size
         self.in_flight = 0
         self.concurrency = concurrency
         self._tau = tau_s
@@ -343,7 +352,12 @@ class AdmissionController:
         self.queued_tokens += prompt_tokens
         self.in_flight += requests
         self.queued_by_tenant[tenant] = self.queued_by_tenant.get(tenant, 0) + requests
-        ticket = Ticket(self, prompt_tokens, requests, tenant)
+        hold_s = self._own_service_s(prompt_tokens // max(1, requests), max_tokens)
+        if hold_s is None:
+            self._queued_unsized += requests
+        else:
+            self._queued_hold_s += requests * hold_s
+        ticket = Ticket(self, prompt_tokens, requests, tenant, hold_s)
         if prediction is not None:
             ticket.predicted_ttft, ticket._raw_prediction = prediction
         return ticket
@@ -592,6 +606,28 @@ class AdmissionController:
             return max(requests / self.drain_rate, seats_s)
         return seats_s
 
+    def _queue_departure_s(self, n: int, promised: int = 0) -> float:
+        """Seconds ``n`` departures of the queue and its ``promised`` places take at its pace
+        (``_departure_s``), the queued requests costed by their own size where every one of
+        them has one (``Ticket.hold_s``) and their mean is shorter than the recent service
+        time: the first ``concurrency`` departures take the seats the running requests free
+        (at the recent service time), the rest those the queued requests free (their mean
+        size; a promised place, of unknown size, the service time); as ``_departure_s``
+        where a queued request's size is unknown (proxy mode before a token rate is
+        measured, a body without a bound)."""
+        queued = self.queued_requests
+        if self._queued_unsized > 0 or queued <= 0 or n <= 0:
+            return self._departure_s(n)
+        pace = (self._queued_hold_s + promised * self._service) / (queued + promised)
+        if pace >= self._service:
+            return self._departure_s(n)
+        running = max(1, self.concurrency or self._peak_running)
+        first = min(n, running)
+        seats_s = (first * self._service + (n - first) * pace) / running
+        if self._drain_warm:
+            return max(n / self.drain_rate, seats_s)
+        return seats_s
+
     def _departures(self, n: int, held: int) -> tuple[float, bool]:
         """Seconds until ``n`` places of the queue are free, and whether that is predicted
         from measured rates: the engine's prediction of ``n`` departures (local mode, rates
@@ -605,8 +641,9 @@ class AdmissionController:
                 # the bound again); for hundreds of departures its model overshot instead
                 # (docs/admission.md, "The queue bound's wait"). No faster than the seats'
                 # pace: a batch that left the queue at once into free seats is measured as
-                # departing at once (``_departure_s``)
-                return self._departure_s(n), True
+                # departing at once (``_departure_s``); the queued requests at their own size
+                # (``_queue_departure_s``)
+                return self._queue_departure_s(n, held), True
             queued = self.queued_requests + held
             mean = (self.queued_tokens + self.promises.tokens) / max(1, queued)
             got = self.wait.departure_s(n, mean)
@@ -639,8 +676,9 @@ class AdmissionController:
         """Seconds until the current queue (and ``held`` promised places) has drained, within
         ``[1, 60]``: its departures at the queue's pace (``_departure_s``: the measured drain
         rate once it holds ``min_departures`` departures, never faster than the seats' pace
-        from the service-time estimate; see class)."""
-        return min(60.0, max(1.0, self._departure_s(self.queued_requests + held)))
+        from the service-time estimate; see class), the queued requests at their own size
+        where every one has one (``_queue_departure_s``)."""
+        return min(60.0, max(1.0, self._queue_departure_s(self.queued_requests + held, held)))
 
     def _note_service(self, seconds: float) -> None:
         self._service = seconds if self._service == 0.0 else 0.7 * self._service + 0.3 * seconds
@@ -657,10 +695,22 @@ class AdmissionController:
         warm = 1.0 - math.exp(-max(self._busy, 1.0) / self._tau)
         return self._rate / warm
 
-    def _leave_queue(self, tokens: int, requests: int = 1, tenant: str | None = None) -> None:
+    def _leave_queue(
+        self,
+        tokens: int,
+        requests: int = 1,
+        tenant: str | None = None,
+        hold_s: float | None = None,
+    ) -> None:
         self._decay(time.monotonic())  # over the busy interval that ends here
         self.queued_requests -= requests
         self.queued_tokens -= tokens
+        if hold_s is None:
+            self._queued_unsized -= requests
+        else:
+            self._queued_hold_s = max(0.0, self._queued_hold_s - requests * hold_s)
+        if not self.queued_requests:
+            self._queued_hold_s = 0.0  # no drift of the float sum past an empty queue
         left = self.queued_by_tenant.get(tenant, 0) - requests
         if left > 0:
             self.queued_by_tenant[tenant] = left

@@ -7,6 +7,7 @@ size")."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -177,3 +178,58 @@ def test_the_body_max_tokens_reaches_admission_in_both_modes(serve_fake, gw, mon
     # the body, what the context leaves)
     assert seen[0::2] == [7, None, 5], seen
     assert seen[1] == 7 and seen[3] is not None and seen[3] > 7 and seen[5] == 5, seen
+
+
+def _draining(ctl: AdmissionController, per_s: float) -> None:
+    """``ctl``'s measured drain rate ``per_s`` departures a second, warm."""
+    ctl._rate, ctl._busy, ctl._last = per_s, 1e6, time.monotonic()
+    ctl._min_departures = 1.0
+
+
+@pytest.mark.parametrize("warm", [False, True])
+def test_the_queue_bounds_wait_costs_queued_requests_by_their_own_size(warm):
+    # 16 queued requests of 8 tokens (80 ms of seat each) behind two long answers: the
+    # departures past the first two (the seats the long answers free, at the recent service
+    # time) take the seats the short ones free, 80 ms each, not the long answers' 5 s
+    clock = Clock()
+    ctl = AdmissionController(AdmissionConfig(max_queued_requests=16), concurrency=SEQS)
+    ctl.wait = EngineWait(LongAnswersEngine(), SEQS, BUDGET_TOKENS)  # type: ignore[arg-type]
+    ctl.promises = Promises(clock=clock)
+    ctl._service = SERVICE_S
+    if warm:
+        _draining(ctl, 1000.0)  # a fast measured drain: the seats' pace is the floor
+    own = 8 * STEP_S
+    held = [ctl.admit(100, max_tokens=8) for _ in range(16)]
+    assert ctl._queued_unsized == 0 and ctl._queued_hold_s == pytest.approx(16 * own)
+    waits = []
+    for k in range(4):
+        with pytest.raises(APIError) as exc:
+            ctl.admit(100, fingerprint=f"late{k}", max_tokens=8)
+        assert exc.value.code == "server_overloaded"
+        waits.append(exc.value.retry_after)
+    if warm:  # n departures: the first two at the service time, the rest at the queue's size
+        for k, wait in enumerate(waits):  # the k-th refusal waits for k + 1 departures
+            n = k + 1
+            first = min(n, SEQS)
+            # the k places promised before it (of unknown size) count at the service time
+            pace = (16 * own + k * SERVICE_S) / (16 + k)
+            expect = (first * SERVICE_S + (n - first) * pace) / SEQS
+            assert wait == pytest.approx(expect, rel=1e-3), (k, waits)
+        assert waits[-1] < 4 * SERVICE_S / SEQS - 3.0  # 10 s before, the mean for all four
+    # the whole queue: 2 x 5 s + 14 x 80 ms over two seats, not 16 x 5 s over two (the cap)
+    assert ctl.retry_after() == pytest.approx((2 * SERVICE_S + 14 * own) / SEQS, rel=1e-6)
+    for ticket in held:
+        ticket.done()
+    assert ctl._queued_unsized == 0 and ctl._queued_hold_s == 0.0
+
+
+def test_the_queue_bounds_wait_keeps_the_mean_where_a_queued_size_is_unknown():
+    ctl = AdmissionController(AdmissionConfig(max_queued_requests=16), concurrency=SEQS)
+    ctl.wait = EngineWait(LongAnswersEngine(), SEQS, BUDGET_TOKENS)  # type: ignore[arg-type]
+    ctl._service = SERVICE_S
+    held = [ctl.admit(100, max_tokens=8) for _ in range(15)] + [ctl.admit(100)]
+    assert ctl._queued_unsized == 1
+    assert ctl.retry_after() == pytest.approx(min(60.0, 16 * SERVICE_S / SEQS))
+    for ticket in held:
+        ticket.done()
+    assert ctl._queued_unsized == 0 and ctl._queued_hold_s == 0.0
