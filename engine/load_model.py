@@ -370,9 +370,11 @@ class LoadModel:
         (the seats): the first ``SEAT_QUEUE_MAX`` waiting requests are seated by their own
         size (``seat_queue``): each takes the earliest free seat and holds it for the shorter
         of the mean service and its own bound, its ``max_tokens`` left (within the model
-        length) and its prefill chunks, one step each at the window's mean step. Where one of
-        them is shorter than the mean, ``waiting_seat_s`` (seconds until each of them gets
-        its seat) and ``seat_after_waiting_s`` (the seats' free times once they are seated,
+        length) and its prefill chunks, one step each at ``seat_step_s`` (the window's mean
+        step, lifted as far as the finished requests sat longer than their steps:
+        ``seat_service_s`` over the mean output). Where one of them is shorter than the mean,
+        ``waiting_seat_s`` (seconds until each of them gets its seat) and
+        ``seat_after_waiting_s`` (the seats' free times once they are seated,
         ``max_num_seqs`` of them, ascending) say so; else both are ``None`` and every waiting
         request holds the mean service (``estimate_ttft``). Cost: O(waiting) a snapshot,
         ``O(SEAT_QUEUE_MAX log max_num_seqs)`` at most."""
@@ -412,16 +414,19 @@ class LoadModel:
         service = max(1.0, mean) * step
         if self._holds:  # how long finished requests really sat, preemptions and all
             service = max(service, sum(self._holds) / len(self._holds))
+        # a seat's seconds a step: the mean step, lifted as far as finished requests sat
+        # longer than their steps (prefill steps, preemptions), as the mean service is
+        seat_step = service / max(1.0, mean)
         seated: tuple[list[float], list[float]] | None = None
         if waiting and max_num_seqs >= len(running):
-            holds = _own_holds(waiting, step, budget, max_model_len, service)
+            holds = _own_holds(waiting, seat_step, budget, max_model_len, service)
             if holds is not None:
                 seats = [0.0] * (max_num_seqs - len(running)) + free
                 seated = seat_queue(seats, holds)
         return {
             "seat_free_s": free,
             "seat_service_s": service,
-            "seat_step_s": step,
+            "seat_step_s": seat_step,
             "waiting_seat_s": None if seated is None else seated[0],
             "seat_after_waiting_s": None if seated is None else seated[1],
         }

@@ -564,12 +564,11 @@ class AdmissionController:
         own_s = self._own_service_s(prompt_tokens // max(1, requests), max_tokens)
         floor = max(self._departure_s(requests, own_s), MIN_SLOT_S)
         queue = (requests, prompt_tokens, prompt_tokens, self.queued_requests)
-        size = {} if max_tokens is None else {"max_tokens": max_tokens}  # else the mean
-        slot_s = max(self.wait.extra_s(*queue, self.queued_tokens, **size), floor)
+        slot_s = max(self.wait.extra_s(*queue, self.queued_tokens, max_tokens=max_tokens), floor)
         own_rate = self.budget_slots.tenant_rate(tenant)
         own_slot_s = max(
             requests / own_rate if own_rate else 0.0,
-            self.wait.extra_s(*queue, self.queued_tokens, tenant, **size),
+            self.wait.extra_s(*queue, self.queued_tokens, tenant, max_tokens=max_tokens),
             floor,
         )
         return slot_s, own_slot_s
