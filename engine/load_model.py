@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 import math
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
@@ -48,6 +49,7 @@ OUTPUT_WINDOW = 256  # finished requests' output lengths a running request's res
 OUTPUT_REST_MIN = 4  # ... of them longer than it has run, for that rest to count
 ARRIVAL_TAU_S = 2.0  # time constant (seconds) of the arrival rates (``ArrivalRates``)
 SEAT_HORIZON_S = 120.0  # a seat later than this many seconds ahead is no seat in sight (inf)
+SEAT_QUEUE_MAX = 256  # waiting requests seated by their own size (the rest: the mean service)
 
 
 class FinishRate:
@@ -322,18 +324,30 @@ class LoadModel:
         self.finished_per_s = self._finish_rate.per_s()
 
     def stats(
-        self, running: Sequence[Request], max_num_batched_tokens: int, max_model_len: int
+        self,
+        running: Sequence[Request],
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        waiting: Sequence[Request] = (),
+        max_num_seqs: int = 0,
     ) -> dict[str, Any]:
         """The rates and the seat schedule, keys as ``Scheduler.stats()``."""
         return {
             "prefill_tokens_per_s": self.prefill_tokens_per_s,
             "decode_tokens_per_s": self.decode_tokens_per_s,
             "finished_per_s": self.finished_per_s,
-            **self.seat_schedule(running, max_num_batched_tokens, max_model_len),
+            **self.seat_schedule(
+                running, max_num_batched_tokens, max_model_len, waiting, max_num_seqs
+            ),
         }
 
     def seat_schedule(
-        self, running: Sequence[Request], max_num_batched_tokens: int, max_model_len: int
+        self,
+        running: Sequence[Request],
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        waiting: Sequence[Request] = (),
+        max_num_seqs: int = 0,
     ) -> dict[str, Any]:
         """When the seats free (``stats()``'s ``seat_free_s``: seconds until each running
         request is estimated to finish, ascending, then ``None`` for each whose end is not
@@ -359,14 +373,34 @@ class LoadModel:
         preemptions; at 4x overload the steps alone told returners to come back seconds
         early). Not the finish rate: after a quiet spell of one request at a time it counts
         one busy seat of eight, and a burst was told 34 s waits (the 60 s cap at most) for
-        about 6 s of work. An estimate where requests stop early at EOS or a stop string."""
+        about 6 s of work. An estimate where requests stop early at EOS or a stop string.
+
+        ``waiting`` (in the order they are served, first come first) and ``max_num_seqs``
+        (the seats): the first ``SEAT_QUEUE_MAX`` waiting requests are seated by their own
+        size (``seat_queue``): each takes the earliest free seat and holds it for the shorter
+        of the mean service and its own bound, its ``max_tokens`` left (within the model
+        length) and its prefill chunks, one step each at ``seat_step_s`` (the window's mean
+        step, lifted as far as the finished requests sat longer than their steps:
+        ``seat_service_s`` over the mean output). Where one of them is shorter than the mean,
+        ``waiting_seat_s`` (seconds until each of them gets its seat) and
+        ``seat_after_waiting_s`` (the seats' free times once they are seated,
+        ``max_num_seqs`` of them, ascending) say so; else both are ``None`` and every waiting
+        request holds the mean service (``estimate_ttft``). Cost: O(waiting) a snapshot,
+        ``O(SEAT_QUEUE_MAX log max_num_seqs)`` at most."""
         step, near, mean = (
             self._step_time.mean_s(),
             self._step_time.near_s(),
             self.mean_output_tokens,
         )
+        none: dict[str, Any] = {
+            "seat_free_s": None,
+            "seat_service_s": None,
+            "seat_step_s": None,
+            "waiting_seat_s": None,
+            "seat_after_waiting_s": None,
+        }
         if step is None or near is None:
-            return {"seat_free_s": None, "seat_service_s": None}
+            return none
         budget = max(1, max_num_batched_tokens)
         outputs_known = len(self.outputs) >= OUTPUT_REST_MIN
         free: list[float] = []
@@ -392,11 +426,79 @@ class LoadModel:
         free.sort()
         seats = [*free, *[None] * unknown] if unknown else free
         if mean is None:
-            return {"seat_free_s": seats, "seat_service_s": None}
+            return {**none, "seat_free_s": seats}
         service = max(1.0, mean) * step
         if self._holds:  # how long finished requests really sat, preemptions and all
             service = max(service, sum(self._holds) / len(self._holds))
-        return {"seat_free_s": seats, "seat_service_s": service}
+        # a seat's seconds a step: the mean step, lifted as far as finished requests sat
+        # longer than their steps (prefill steps, preemptions), as the mean service is
+        seat_step = service / max(1.0, mean)
+        seated: tuple[list[float], list[float]] | None = None
+        # seated only where every running request's end is known (``unknown``: no wait is)
+        if waiting and max_num_seqs >= len(running) and not unknown:
+            holds = _own_holds(waiting, seat_step, budget, max_model_len, service)
+            if holds is not None:
+                seated = seat_queue([0.0] * (max_num_seqs - len(running)) + free, holds)
+        return {
+            "seat_free_s": seats,
+            "seat_service_s": service,
+            "seat_step_s": seat_step,
+            "waiting_seat_s": None if seated is None else seated[0],
+            "seat_after_waiting_s": None if seated is None else seated[1],
+        }
+
+
+def _own_holds(
+    waiting: Sequence[Request], step_s: float, budget: int, max_model_len: int, service_s: float
+) -> list[float] | None:
+    """The seconds each of the first ``SEAT_QUEUE_MAX`` ``waiting`` requests holds a seat:
+    the shorter of ``service_s`` and its own bound (its ``max_tokens`` left within
+    ``max_model_len``, at least one, and its prefill chunks of ``budget`` tokens beyond the
+    first, at ``step_s`` each); ``None`` when none is shorter than ``service_s`` (its size
+    says nothing the mean does not). A request whose ``max_tokens`` alone is the mean
+    service's steps or more holds the mean (one comparison: most requests, where sizes are
+    not given)."""
+    holds = []
+    shorter = False
+    limit = service_s / step_s  # steps in the mean service
+    for r in itertools.islice(waiting, SEAT_QUEUE_MAX):
+        if r.max_tokens >= limit:
+            holds.append(service_s)
+            continue
+        n = r.num_tokens
+        left = max(1, min(r.max_tokens - r.num_output_tokens, max_model_len - n))
+        chunks = -(-(n - r.num_computed_tokens) // budget)
+        own = (left + chunks - 1 if chunks > 1 else left) * step_s
+        if own < service_s:
+            holds.append(own)
+            shorter = True
+        else:
+            holds.append(service_s)
+    return holds if shorter else None
+
+
+def seat_queue(
+    free_s: Sequence[float], holds_s: Sequence[float]
+) -> tuple[list[float], list[float]]:
+    """Seat a first-come-first-served queue: request ``j`` takes the earliest free seat (seat
+    ``i`` frees at ``free_s[i]``) and holds it ``holds_s[j]`` seconds. Returns ``(starts,
+    after)``: seconds until each request gets its seat, and the seats' free times once all
+    are seated (ascending, ``len(free_s)`` of them). Cost: ``O(len(holds_s) log
+    len(free_s))``.
+
+    Raises:
+        ValueError: no seat while requests wait.
+    """
+    if holds_s and not free_s:
+        raise ValueError("need seats to seat a queue")
+    heap = list(free_s)
+    heapq.heapify(heap)
+    starts = []
+    for hold in holds_s:
+        t = heap[0]
+        starts.append(t)
+        heapq.heapreplace(heap, t + hold)
+    return starts, sorted(heap)
 
 
 def estimate_ttft(
@@ -406,6 +508,7 @@ def estimate_ttft(
     num_prompt_tokens: int,
     num_cached_tokens: int = 0,
     overtake_per_s: float = 0.0,
+    queued_holds_s: Sequence[float] = (),
 ) -> float | None:
     """Predicted seconds until a request of ``num_prompt_tokens`` arriving now would get its
     first token, from a ``stats()`` snapshot (torch-free: the gateway can call it on
@@ -443,6 +546,15 @@ def estimate_ttft(
     + λ t`` seats have freed (``nth_free_seat_overtaken``), or in the fluid form ``ahead /
     (finished_per_s - λ)`` (``inf`` when λ is no less).
 
+    Each request queued ahead holds its seat for ``seat_service_s`` unless its own size is
+    known and shorter: the engine's waiting requests seated by their own size
+    (``waiting_seat_s`` / ``seat_after_waiting_s``, ``LoadModel.seat_schedule``: the
+    ``n``-th request of a queue of them takes the seat ``waiting_seat_s[n]``; behind all of
+    them the rest of the queue takes the seats of ``seat_after_waiting_s``), and the last
+    ``len(queued_holds_s)`` of ``num_waiting`` (requests not in the engine yet whose size the
+    caller knows: seconds each holds its seat, ``own_hold_s``; those seated behind the
+    others). Without either, the seat is ``nth_free_seat`` of the free seats as above.
+
     Raises:
         TypeError: ``num_prompt_tokens`` / ``num_cached_tokens`` not ints.
         ValueError: ``num_prompt_tokens`` < 1 or ``num_cached_tokens`` outside
@@ -475,15 +587,101 @@ def estimate_ttft(
         return None  # a seat's end is not known: nor is the wait for one
     if ahead > 0 and free is not None and service and len(free) == d:
         seats = [0.0] * (max_num_seqs - d) + list(free)
-        if overtake_per_s > 0:
-            seat = nth_free_seat_overtaken(seats, service, waiting, overtake_per_s)
-        else:
-            seat = nth_free_seat(seats, service, waiting)
+        seat = _queue_seat(stats, seats, service, waiting, queued_holds_s, overtake_per_s)
     elif ahead > 0:
         finished = stats.get("finished_per_s")
         left = (finished or 0.0) - max(0.0, overtake_per_s)
         seat = ahead / left if finished and left > 0 else float("inf")
     return max(compute, seat) + d / r_d
+
+
+def _queue_seat(
+    stats: Mapping[str, Any],
+    seats: list[float],
+    service_s: float,
+    waiting: int,
+    holds_s: Sequence[float],
+    overtake_per_s: float,
+) -> float:
+    """Seconds until a request behind ``waiting`` queued ones gets a seat (``estimate_ttft``):
+    ``seats`` free now or at the running requests' ends; the engine's waiting requests
+    seated by their own size where ``stats`` has them, the last ``len(holds_s)`` of
+    ``waiting`` holding their seats ``holds_s`` (each at most ``service_s``), the others
+    ``service_s``; ``overtake_per_s``: as ``estimate_ttft``'s."""
+    holds = [min(h, service_s) for h in holds_s][-waiting:] if waiting > 0 else []
+    n = waiting - len(holds)  # requests ahead of the ones of known size, then those
+    starts, after = stats.get("waiting_seat_s"), stats.get("seat_after_waiting_s")
+    if starts is not None and after is not None and len(after) == len(seats) and n >= 0:
+        if n >= len(starts):  # behind every waiting request seated by its size
+            seats, n = list(after), n - len(starts)
+        elif not holds and not overtake_per_s > 0:
+            return starts[n]  # the seat the n-th of them takes
+        # else (a view of fewer waiting requests than the engine's, with more after them):
+        # the seats as they are, every request ahead of the mean service
+    if not holds:
+        if overtake_per_s > 0:
+            return nth_free_seat_overtaken(seats, service_s, n, overtake_per_s)
+        return nth_free_seat(seats, service_s, n)
+    _, seats = seat_queue(seats_after(seats, service_s, n), holds)
+    if overtake_per_s > 0:
+        return nth_free_seat_overtaken(seats, service_s, 0, overtake_per_s)
+    return seats[0]
+
+
+def own_hold_s(
+    stats: Mapping[str, Any],
+    max_num_batched_tokens: int,
+    num_prompt_tokens: int,
+    max_tokens: int | None,
+) -> float | None:
+    """Seconds a request of ``num_prompt_tokens`` and at most ``max_tokens`` output tokens
+    holds a seat by its own size, from a ``stats()`` snapshot: its prompt's chunks (of
+    ``max_num_batched_tokens``) beyond the first and ``max_tokens`` steps, at ``seat_step_s``
+    each (as ``LoadModel.seat_schedule`` seats a waiting request); ``None`` when
+    ``max_tokens`` is ``None`` or the snapshot has no step time. ``estimate_ttft``'s
+    ``queued_holds_s`` takes it (at most ``seat_service_s``).
+
+    Raises:
+        ValueError: ``max_tokens`` < 1 or ``num_prompt_tokens`` < 1.
+    """
+    if max_tokens is None:
+        return None
+    if max_tokens < 1 or num_prompt_tokens < 1:
+        raise ValueError(
+            f"need max_tokens >= 1 and num_prompt_tokens >= 1, got {max_tokens}, "
+            f"{num_prompt_tokens}"
+        )
+    step = stats.get("seat_step_s")
+    if not step:
+        return None
+    chunks = -(-num_prompt_tokens // max(1, max_num_batched_tokens))
+    return (max_tokens + chunks - 1) * float(step)
+
+
+def seats_after(free_s: Sequence[float], service_s: float, n: int) -> list[float]:
+    """The seats' free times (ascending) once ``n`` requests of a first-come-first-served
+    queue, each holding its seat ``service_s``, have taken seats (seat ``i`` frees at
+    ``free_s[i]``, then every ``service_s``): for each seat, its first free time the ``n``
+    requests did not take (``nth_free_seat``'s count; of frees at one moment, the ones left
+    over come back). Cost: ``nth_free_seat``'s.
+
+    Raises:
+        ValueError: as ``nth_free_seat``.
+    """
+    if n <= 0:
+        return sorted(free_s)
+    t = nth_free_seat(free_s, service_s, n - 1)  # at least n frees up to t
+    counts = [math.floor((t - f) / service_s) + 1 if f <= t else 0 for f in free_s]
+    excess = sum(counts) - n
+    if excess > 0:  # frees at t (within the bisection's error) left over: the latest come back
+        last = sorted(
+            (i for i, c in enumerate(counts) if c > 0),
+            key=lambda i: free_s[i] + (counts[i] - 1) * service_s,
+            reverse=True,
+        )
+        for i in last[:excess]:
+            counts[i] -= 1
+    return sorted(f + c * service_s for f, c in zip(free_s, counts, strict=True))
 
 
 def nth_free_seat(free_s: Sequence[float], service_s: float, n: int) -> float:

@@ -772,7 +772,13 @@ class Scheduler:
             "running_decodes": sum(
                 1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1
             ),
-            **self.load.stats(self.running, self.max_num_batched_tokens, self.max_model_len),
+            **self.load.stats(
+                self.running,
+                self.max_num_batched_tokens,
+                self.max_model_len,
+                self.waiting,
+                self.max_num_seqs,
+            ),
             "overtake_per_s": self.load.overtake_per_s(over, time.monotonic()),
         }
 

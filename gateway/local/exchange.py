@@ -138,6 +138,7 @@ class Exchange:
                 weight=self.principal.weight,
                 fingerprint=self.fingerprint(),
                 budget_s=budget,
+                max_tokens=self.max_tokens(),
             )
         except APIError:
             st.shared.refund(self.principal, lease)
@@ -177,6 +178,15 @@ class Exchange:
             )
             if acct.status == 200:
                 st.metrics.e2e.observe(acct.finished - received)
+
+    def max_tokens(self) -> int | None:
+        """The most output tokens any choice may generate (its ``max_tokens``: the body's, or
+        what the context leaves when the body gives none), or None when a choice has no
+        bound: admission spaces a budget refusal's slot by this size (``admit``)."""
+        caps = [r.sampling_params.max_tokens for r in self.requests]
+        if not caps or any(c is None for c in caps):
+            return None
+        return max(c for c in caps if c is not None)
 
     def eta_s(self) -> float | None:
         """Predicted seconds until this request ends, from its own progress: each choice's

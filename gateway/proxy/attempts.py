@@ -367,16 +367,18 @@ async def each_upstream_admitted(
     principal: Principal,
     est_tokens: int,
     attempt: Callable[[Upstream, Ticket], Awaitable[web.StreamResponse]],
+    max_tokens: int | None = None,
 ) -> web.StreamResponse:
     """``each_upstream`` for a call admitted first (``usage.admit_call``: the key's lease for
-    ``est_tokens``, then the admission ``Ticket`` each ``attempt(up, ticket)`` is given); the
+    ``est_tokens``, then the admission ``Ticket``, ``max_tokens`` the body's output bound,
+    each ``attempt(up, ticket)`` is given); the
     answer's status goes to ``call.account``, and the ticket and the lease end with the call
     however it ends (``usage.end_call``).
 
     Raises:
         APIError: a 429 of admission, or what ``each_upstream`` raises.
     """
-    lease, ticket = await admit_call(call.st, principal, est_tokens, call.account)
+    lease, ticket = await admit_call(call.st, principal, est_tokens, call.account, max_tokens)
     try:
         resp = await each_upstream(call, lambda up: attempt(up, ticket))
         call.account.status = resp.status

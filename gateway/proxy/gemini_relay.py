@@ -61,6 +61,7 @@ from prefixgate.gateway.proxy.routes import (
 )
 from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import Upstream
+from prefixgate.gateway.proxy.usage import output_bound
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.tenancy.keys import Principal, effective_salt
 from prefixgate.gateway.wire.client_fields import ClientFields, gemini_fields
@@ -502,7 +503,9 @@ async def model_method(request: web.Request) -> web.StreamResponse:
     async def attempt(up: Upstream, ticket: Any) -> web.StreamResponse:
         return await _generate_try(call, up, salt, stream, ticket)
 
-    return await each_upstream_admitted(call, principal, len(raw) // 4 + 1, attempt)
+    return await each_upstream_admitted(
+        call, principal, len(raw) // 4 + 1, attempt, output_bound(body)
+    )
 
 
 async def _count(call: _Call, chat: Chat) -> web.StreamResponse:

@@ -62,6 +62,7 @@ from prefixgate.gateway.proxy.relay import broke_mid_stream
 from prefixgate.gateway.proxy.routes import upstream_credential, upstream_headers
 from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import Upstream
+from prefixgate.gateway.proxy.usage import output_bound
 from prefixgate.gateway.state import STATE
 from prefixgate.gateway.tenancy.keys import Principal, effective_salt
 from prefixgate.gateway.wire.anthropic_models import (
@@ -193,7 +194,9 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     async def attempt(up: Upstream, ticket: Any) -> web.StreamResponse:
         return await _message_try(call, up, ticket)
 
-    return await attempts.each_upstream_admitted(call, principal, est_tokens, attempt)
+    return await attempts.each_upstream_admitted(
+        call, principal, est_tokens, attempt, output_bound(call.raw)
+    )
 
 
 @error_dialect(ANTHROPIC)

@@ -51,7 +51,14 @@ from prefixgate.gateway.proxy.redact import (
 from prefixgate.gateway.proxy.relay import EventChecker, json_body_problem, relay_sse
 from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import Upstream, UpstreamRouter
-from prefixgate.gateway.proxy.usage import UsageTap, admit_call, ask_usage, body_usage, end_call
+from prefixgate.gateway.proxy.usage import (
+    UsageTap,
+    admit_call,
+    ask_usage,
+    body_usage,
+    end_call,
+    output_bound,
+)
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.tenancy.keys import Principal, client_credential, effective_salt
 from prefixgate.gateway.tenancy.ttft_budget import BUDGET_HEADER
@@ -109,7 +116,9 @@ async def proxy_generate(request: web.Request) -> web.StreamResponse:
     route = await router.policy.prepare(route, parsed, request.path, salt)  # the policy's part
     est_tokens = len(body) // 4 + 1  # no tokenizer here: ~4 bytes per token until the usage
     outcome = _Outcome(account(request), keep_usage)
-    lease, ticket = await admit_call(st, principal, est_tokens, outcome.account)
+    lease, ticket = await admit_call(
+        st, principal, est_tokens, outcome.account, output_bound(parsed)
+    )
     try:
         if prefix is not None:
             resp = await _forward_prefix(

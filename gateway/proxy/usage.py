@@ -137,12 +137,31 @@ def _event_end(buf: bytes) -> tuple[int, int]:
     return best, sep
 
 
+def output_bound(body: Any) -> int | None:
+    """The output bound a proxied body asks for: its ``max_completion_tokens``,
+    ``max_tokens`` (chat, completions, Messages) or ``max_output_tokens`` (Responses), the
+    first that is an int >= 1; ``None`` when none is (a malformed one is the upstream's to
+    refuse). Admission spaces a budget refusal's slot by it (``AdmissionController.admit``)."""
+    if not isinstance(body, dict):
+        return None
+    for name in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
+        v = body.get(name)
+        if isinstance(v, int) and not isinstance(v, bool) and v >= 1:
+            return v
+    return None
+
+
 async def admit_call(
-    st: GatewayState, principal: Principal, est_tokens: int, acct: RequestAccount
+    st: GatewayState,
+    principal: Principal,
+    est_tokens: int,
+    acct: RequestAccount,
+    max_tokens: int | None = None,
 ) -> tuple[Lease, Ticket]:
     """Before a proxied call: the key's token lease for ``est_tokens`` (the prompt's estimate,
-    tokens), then the admission ticket; the lease is refunded when admission refuses. Notes
-    ``acct.received`` (now: the request is parsed) and ``acct.admitted``.
+    tokens), then the admission ticket (``max_tokens``: the body's output bound,
+    ``output_bound``; ``None``: not given); the lease is refunded when admission refuses.
+    Notes ``acct.received`` (now: the request is parsed) and ``acct.admitted``.
 
     Raises:
         APIError: 429 over the key's limits or the gateway's queue bounds.
@@ -150,7 +169,9 @@ async def admit_call(
     acct.received = time.monotonic()
     lease = await st.shared.acquire(principal, est_tokens)
     try:
-        ticket = st.admission.admit(est_tokens, tenant=principal.tenant, weight=principal.weight)
+        ticket = st.admission.admit(
+            est_tokens, tenant=principal.tenant, weight=principal.weight, max_tokens=max_tokens
+        )
     except APIError:
         st.shared.refund(principal, lease)
         raise

@@ -581,6 +581,7 @@ class Fleet:
                 tenant=req.tenant,
                 fingerprint=fingerprint,
                 budget_s=req.budget_s,
+                max_tokens=req.max_tokens,
             )
         except APIError as exc:
             gw.finish(req, None)

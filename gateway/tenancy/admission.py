@@ -96,10 +96,16 @@ class Ticket:
         "predicted_ttft",
         "_raw_prediction",
         "_t_admit",
+        "hold_s",
     )
 
     def __init__(
-        self, ctl: AdmissionController, tokens: int, requests: int = 1, tenant: str | None = None
+        self,
+        ctl: AdmissionController,
+        tokens: int,
+        requests: int = 1,
+        tenant: str | None = None,
+        hold_s: float | None = None,
     ) -> None:
         self._ctl = ctl
         self.tokens = tokens
@@ -112,6 +118,7 @@ class Ticket:
         self.predicted_ttft: float | None = None  # seconds, calibrated, at admission
         self._raw_prediction: float | None = None  # the engine's own (calibration input)
         self._t_admit = time.monotonic()
+        self.hold_s = hold_s  # seconds each of its requests holds a seat by its size, or None
 
     def started(self) -> None:
         """The request left the queue (its first token came out)."""
@@ -121,7 +128,7 @@ class Ticket:
             wait = self._ctl.wait
             if wait is not None and self._raw_prediction is not None:
                 wait.observe(self._raw_prediction, self._t_start - self._t_admit)
-            self._ctl._leave_queue(self.tokens, self.requests, self.tenant)
+            self._ctl._leave_queue(self.tokens, self.requests, self.tenant, self.hold_s)
 
     def set_eta(self, eta: Callable[[], float | None]) -> None:
         """The request can predict its own end: ``eta()`` is the seconds until it ends (from
@@ -177,6 +184,8 @@ class AdmissionController:
         self.config = config or AdmissionConfig()
         self.queued_requests = 0
         self.queued_tokens = 0
+        self._queued_unsized = 0  # queued requests of unknown size (``Ticket.hold_s`` None)
+        self._queued_hold_s = 0.0  # the seconds the others hold their seats by their size
         self.in_flight = 0
         self.concurrency = concurrency
         self._tau = tau_s
@@ -203,6 +212,7 @@ class AdmissionController:
         weight: float = 1.0,
         fingerprint: Hashable | None = None,
         budget_s: float | None = None,
+        max_tokens: int | None = None,
     ) -> Ticket:
         """Take ``requests`` places in the queue (the engine requests of one HTTP request:
         its choices) for ``prompt_tokens`` prompt tokens in all; ``param`` names the field
@@ -210,14 +220,24 @@ class AdmissionController:
         module docstring: a tenant within its share passes a full queue); ``fingerprint``:
         what identifies this request when it comes back after a 429 (it then claims the
         places it was promised, ``admission_wait.Promises``; ``None``: nothing is promised);
-        ``budget_s``: its TTFT budget in seconds (``ttft_budget``), or ``None``.
+        ``budget_s``: its TTFT budget in seconds (``ttft_budget``), or ``None``;
+        ``max_tokens``: the most output tokens any of its engine requests may generate (the
+        body's ``max_tokens`` / ``max_completion_tokens``, as the engine caps it), or ``None``
+        where not given: a budget refusal's admission slot is spaced by that size where it is
+        shorter than the recent mean (``_slot_lengths``).
 
         Raises:
+            TypeError / ValueError: ``max_tokens`` not an int >= 1 (or ``None``).
             APIError: 429 ``server_overloaded`` / ``ttft_budget_exceeded`` with
                 ``Retry-After`` (the predicted wait until this request would be admitted, or
                 for an early return the time left on its promise) over a bound; 400
                 ``too_many_requests_in_body`` when ``requests`` alone exceeds a bound.
         """
+        if max_tokens is not None:
+            if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+                raise TypeError(f"max_tokens must be an int or None, got {max_tokens!r}")
+            if max_tokens < 1:
+                raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         cfg = self.config
         limit = min(cfg.max_queued_requests, cfg.max_running or cfg.max_queued_requests)
         if requests > limit:
@@ -276,6 +296,7 @@ class AdmissionController:
                 requests,
                 tenant,
                 fingerprint is not None and early_s is None,  # an early return takes no slot
+                max_tokens,
             )
         within_share = self._within_share(tenant, requests)
         # a returning request that claimed its promise passes each bound by the overflow
@@ -331,7 +352,12 @@ class AdmissionController:
         self.queued_tokens += prompt_tokens
         self.in_flight += requests
         self.queued_by_tenant[tenant] = self.queued_by_tenant.get(tenant, 0) + requests
-        ticket = Ticket(self, prompt_tokens, requests, tenant)
+        hold_s = self._own_service_s(prompt_tokens // max(1, requests), max_tokens)
+        if hold_s is None:
+            self._queued_unsized += requests
+        else:
+            self._queued_hold_s += requests * hold_s
+        ticket = Ticket(self, prompt_tokens, requests, tenant, hold_s)
         if prediction is not None:
             ticket.predicted_ttft, ticket._raw_prediction = prediction
         return ticket
@@ -437,6 +463,7 @@ class AdmissionController:
         requests: int = 1,
         tenant: str | None = None,
         promised: bool = False,
+        max_tokens: int | None = None,
     ) -> None:
         """Refuse when the predicted TTFT (the engine's, calibrated, plus the margin of recent
         misses and the promised places ``held`` ahead; or ``tenant``'s own queued requests at
@@ -451,8 +478,9 @@ class AdmissionController:
         A refused request that can be recognised on its return (``promised``) is told the
         time of an admission slot (``admission_slots.SlotSchedule``): the first free one once
         the queue, and its tenant's own queue, would be within the budget, one request's work
-        and at least one departure long (``_slot_lengths``), after the slots of those refused
-        before it; kept up to :data:`MAX_SLOT_WAIT_S` from now."""
+        and at least one departure long (``_slot_lengths``; by its own size, ``max_tokens``,
+        where that is shorter than the mean), after the slots of those refused before it;
+        kept up to :data:`MAX_SLOT_WAIT_S` from now."""
         if self.wait is None or prediction is None:
             return
         margin = self.wait.margin_s()  # how much later than predicted first tokens come
@@ -489,7 +517,7 @@ class AdmissionController:
         wait_s = predicted - allowed
         slot_s = 0.0
         if promised and math.isfinite(predicted):
-            slot_s, own_slot_s = self._slot_lengths(requests, prompt_tokens, tenant)
+            slot_s, own_slot_s = self._slot_lengths(requests, prompt_tokens, tenant, max_tokens)
             earliest = max(prediction[0] + margin, own or 0.0) - allowed
             wait_s = schedule.place(tenant, earliest, slot_s, own_slot_s, MAX_SLOT_WAIT_S)
             if wait_s > MAX_SLOT_WAIT_S:
@@ -511,7 +539,7 @@ class AdmissionController:
         )
 
     def _slot_lengths(
-        self, requests: int, prompt_tokens: int, tenant: str | None
+        self, requests: int, prompt_tokens: int, tenant: str | None, max_tokens: int | None = None
     ) -> tuple[float, float]:
         """``(slot_s, own_slot_s)``: the length in seconds of the admission slot of a budget
         refusal of ``requests`` engine requests of ``prompt_tokens`` (``SlotSchedule.place``),
@@ -526,33 +554,78 @@ class AdmissionController:
         together one more request adds nothing to the prediction (it takes a seat freed at
         that moment), and slots without that floor were all placed on that one moment,
         more of them than the seats it frees (docs/admission.md, "A slot is at least one
-        departure")."""
+        departure").
+
+        ``max_tokens`` (the request's output bound; ``None``: not given): its work, and the
+        seat it holds in the departure floor, are its own size where that is shorter than
+        the mean (``EngineWait.extra_s``, ``_own_service_s``): short requests refused behind
+        long answers were spaced at the long answers' mean seat time (docs/admission.md, "A
+        queued request's own size")."""
         assert self.wait is not None
-        floor = max(self._departure_s(requests), MIN_SLOT_S)
+        own_s = self._own_service_s(prompt_tokens // max(1, requests), max_tokens)
+        floor = max(self._departure_s(requests, own_s), MIN_SLOT_S)
         queue = (requests, prompt_tokens, prompt_tokens, self.queued_requests)
-        slot_s = max(self.wait.extra_s(*queue, self.queued_tokens), floor)
+        slot_s = max(self.wait.extra_s(*queue, self.queued_tokens, max_tokens=max_tokens), floor)
         own_rate = self.budget_slots.tenant_rate(tenant)
         own_slot_s = max(
             requests / own_rate if own_rate else 0.0,
-            self.wait.extra_s(*queue, self.queued_tokens, tenant),
+            self.wait.extra_s(*queue, self.queued_tokens, tenant, max_tokens=max_tokens),
             floor,
         )
         return slot_s, own_slot_s
 
-    def _departure_s(self, requests: int) -> float:
+    def _own_service_s(self, prompt_tokens: int, max_tokens: int | None) -> float | None:
+        """Seconds one request of ``prompt_tokens`` and at most ``max_tokens`` output tokens
+        holds its seat by its own size: the engine's estimate (``EngineWait.own_hold_s``,
+        local mode), else ``max_tokens`` at the recent seconds per output token
+        (``tpot_s``); ``None`` when ``max_tokens`` is ``None`` or neither is measured."""
+        if max_tokens is None:
+            return None
+        if self.wait is not None:
+            got = self.wait.own_hold_s(prompt_tokens, max_tokens)
+            if got is not None:
+                return got
+        return max_tokens * self.tpot_s if self.tpot_s > 0 else None
+
+    def _departure_s(self, requests: int, own_s: float | None = None) -> float:
         """Seconds ``requests`` departures of the queue take at its pace: the longer of the
         measured drain rate's (once warm) and the service-time estimate's (``retry_after``'s:
         the recent service time over the concurrency, the pace running requests free their
-        seats at); 0.0 while neither is measured.
+        seats at; ``own_s``: the seconds each of these requests holds its seat by its own
+        size, where that is shorter than the recent service time); 0.0 while neither is
+        measured.
 
         The drain rate counts departures per second the queue held requests: a batch that
         leaves the queue at once into free seats is measured as departing at once, faster
         than a full server frees seats (docs/admission.md, "A slot is at least one
         departure")."""
         running = max(1, self.concurrency or self._peak_running)
-        seats_s = requests * self._service / running
+        service = self._service if own_s is None else min(self._service, own_s)
+        seats_s = requests * service / running
         if self._drain_warm:
             return max(requests / self.drain_rate, seats_s)
+        return seats_s
+
+    def _queue_departure_s(self, n: int, promised: int = 0) -> float:
+        """Seconds ``n`` departures of the queue and its ``promised`` places take at its pace
+        (``_departure_s``), the queued requests costed by their own size where every one of
+        them has one (``Ticket.hold_s``) and their mean is shorter than the recent service
+        time: the first ``concurrency`` departures take the seats the running requests free
+        (at the recent service time), the rest those the queued requests free (their mean
+        size; a promised place, of unknown size, the service time); as ``_departure_s``
+        where a queued request's size is unknown (proxy mode before a token rate is
+        measured, a body without a bound)."""
+        queued = self.queued_requests
+        if self._queued_unsized > 0 or queued <= 0 or n <= 0:
+            return self._departure_s(n)
+        pace = (self._queued_hold_s + promised * self._service) / (queued + promised)
+        if pace >= self._service:
+            return self._departure_s(n)
+        running = max(1, self.concurrency or self._peak_running)
+        first = min(n, running)
+        seats_s = (first * self._service + (n - first) * pace) / running
+        if self._drain_warm:
+            return max(n / self.drain_rate, seats_s)
         return seats_s
 
     def _departures(self, n: int, held: int) -> tuple[float, bool]:
@@ -568,8 +641,9 @@ class AdmissionController:
                 # the bound again); for hundreds of departures its model overshot instead
                 # (docs/admission.md, "The queue bound's wait"). No faster than the seats'
                 # pace: a batch that left the queue at once into free seats is measured as
-                # departing at once (``_departure_s``)
-                return self._departure_s(n), True
+                # departing at once (``_departure_s``); the queued requests at their own size
+                # (``_queue_departure_s``)
+                return self._queue_departure_s(n, held), True
             queued = self.queued_requests + held
             mean = (self.queued_tokens + self.promises.tokens) / max(1, queued)
             got = self.wait.departure_s(n, mean)
@@ -602,8 +676,9 @@ class AdmissionController:
         """Seconds until the current queue (and ``held`` promised places) has drained, within
         ``[1, 60]``: its departures at the queue's pace (``_departure_s``: the measured drain
         rate once it holds ``min_departures`` departures, never faster than the seats' pace
-        from the service-time estimate; see class)."""
-        return min(60.0, max(1.0, self._departure_s(self.queued_requests + held)))
+        from the service-time estimate; see class), the queued requests at their own size
+        where every one has one (``_queue_departure_s``)."""
+        return min(60.0, max(1.0, self._queue_departure_s(self.queued_requests + held, held)))
 
     def _note_service(self, seconds: float) -> None:
         self._service = seconds if self._service == 0.0 else 0.7 * self._service + 0.3 * seconds
@@ -620,10 +695,22 @@ class AdmissionController:
         warm = 1.0 - math.exp(-max(self._busy, 1.0) / self._tau)
         return self._rate / warm
 
-    def _leave_queue(self, tokens: int, requests: int = 1, tenant: str | None = None) -> None:
+    def _leave_queue(
+        self,
+        tokens: int,
+        requests: int = 1,
+        tenant: str | None = None,
+        hold_s: float | None = None,
+    ) -> None:
         self._decay(time.monotonic())  # over the busy interval that ends here
         self.queued_requests -= requests
         self.queued_tokens -= tokens
+        if hold_s is None:
+            self._queued_unsized -= requests
+        else:
+            self._queued_hold_s = max(0.0, self._queued_hold_s - requests * hold_s)
+        if not self.queued_requests:
+            self._queued_hold_s = 0.0  # no drift of the float sum past an empty queue
         left = self.queued_by_tenant.get(tenant, 0) - requests
         if left > 0:
             self.queued_by_tenant[tenant] = left

@@ -40,11 +40,11 @@ import itertools
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from prefixgate.engine.load_model import estimate_ttft
+from prefixgate.engine.load_model import estimate_ttft, own_hold_s
 from prefixgate.engine.protocol import EngineClient
 
 PROMISE_HEADER = "x-prefixgate-promise-ms"
@@ -180,8 +180,24 @@ class EngineWait:
         idle = {**stats, "num_running": 0, "num_waiting": 0, "queued_prefill_tokens": 0}
         return self._estimate(idle, max(1, tokens))
 
+    def own_hold_s(self, tokens: int, max_tokens: int | None) -> float | None:
+        """Seconds a request of ``tokens`` prompt tokens and at most ``max_tokens`` output
+        tokens holds a seat by its own size (``load_model.own_hold_s`` on the engine's
+        ``stats()``), at most the mean service (``seat_service_s``), calibrated; ``None``
+        when ``max_tokens`` is ``None`` or the engine has no seat schedule yet."""
+        stats = self.engine.stats()
+        own = own_hold_s(stats, self.max_num_batched_tokens, max(1, tokens), max_tokens)
+        service = stats.get("seat_service_s")
+        if own is None or not service:
+            return None
+        return min(own, float(service)) * self.scale
+
     def _estimate(
-        self, stats: Mapping[str, Any], tokens: int, overtake_per_s: float = 0.0
+        self,
+        stats: Mapping[str, Any],
+        tokens: int,
+        overtake_per_s: float = 0.0,
+        holds_s: Sequence[float] = (),
     ) -> float | None:
         got = estimate_ttft(
             stats,
@@ -189,6 +205,7 @@ class EngineWait:
             self.max_num_batched_tokens,
             tokens,
             overtake_per_s=overtake_per_s,
+            queued_holds_s=holds_s,
         )
         return None if got is None else got * self.scale
 
@@ -210,6 +227,7 @@ class EngineWait:
         queued: int = 0,
         queued_tokens: int = 0,
         tenant: str | None = None,
+        max_tokens: int | None = None,
     ) -> float:
         """Seconds ``requests`` more queued requests of ``tokens`` prompt tokens in all add to
         the first token of a new request of ``own_tokens`` (0.0 when nothing is added or the
@@ -217,7 +235,9 @@ class EngineWait:
         ``queued_tokens`` (as ``predict_ttft``: the ones the engine does not show yet count;
         without them a crowd admitted at once left the engine's seats looking free, and the
         requests refused behind it were all told one wait instead of a spread); ``tenant``:
-        the new request's, as ``predict_ttft``'s."""
+        the new request's, as ``predict_ttft``'s. ``max_tokens``: the output bound of each of
+        the ``requests`` (they hold their seats by that size where it is shorter than the
+        mean service, ``own_hold_s``); ``None``: the mean service."""
         if requests <= 0:
             return 0.0
         stats = self._view(queued, queued_tokens)
@@ -229,7 +249,13 @@ class EngineWait:
             "num_waiting": int(stats.get("num_waiting", 0)) + requests,
             "queued_prefill_tokens": int(stats.get("queued_prefill_tokens", 0)) + tokens,
         }
-        later = self._estimate(more, own, overtake)
+        holds: list[float] = []
+        if max_tokens is not None:
+            each = own_hold_s(
+                stats, self.max_num_batched_tokens, max(1, tokens // requests), max_tokens
+            )
+            holds = [] if each is None else [each] * requests
+        later = self._estimate(more, own, overtake, holds)
         if now is None or later is None or not math.isfinite(later - now):
             return 0.0
         return max(0.0, later - now)

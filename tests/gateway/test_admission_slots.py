@@ -86,7 +86,14 @@ class _FarWait:
         return 0.01
 
     def extra_s(
-        self, held, held_tokens, prompt, queued_requests, queued_tokens, tenant=None
+        self,
+        held,
+        held_tokens,
+        prompt,
+        queued_requests,
+        queued_tokens,
+        tenant=None,
+        max_tokens=None,
     ) -> float:
         return 0.5 * held
 
