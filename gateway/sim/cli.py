@@ -14,7 +14,11 @@ import sys
 import time
 from collections.abc import Iterable
 from dataclasses import fields
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from prefixgate.gateway.sim.fleet import FleetConfig
+    from prefixgate.gateway.sim.workload import WorkloadConfig
 
 T = TypeVar("T")
 
@@ -127,9 +131,8 @@ def _in_flag_words(message: str, names: Iterable[str]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``prefixgate sim``; prints the report (and the wall time) and writes ``--json``."""
-    from prefixgate.gateway.sim.fleet import Fleet, FleetConfig, saturated_rate
-    from prefixgate.gateway.sim.report import plot, summarize
-    from prefixgate.gateway.sim.workload import LIGHT_TENANT, WorkloadConfig
+    from prefixgate.gateway.sim.fleet import FleetConfig, few_collections
+    from prefixgate.gateway.sim.workload import WorkloadConfig
     from prefixgate.sdk.bench.output_file import check_output_file
 
     try:
@@ -160,6 +163,16 @@ def run(args: argparse.Namespace) -> int:
         message = _in_flag_words(message, vars(args))
         print(f"prefixgate sim: bad option: {message}", file=sys.stderr)
         return 2
+    with few_collections():
+        return _run(args, fc, wc)
+
+
+def _run(args: argparse.Namespace, fc: FleetConfig, wc: WorkloadConfig) -> int:
+    """``run``'s work once the options are checked."""
+    from prefixgate.gateway.sim.fleet import Fleet, saturated_rate
+    from prefixgate.gateway.sim.report import plot, summarize
+    from prefixgate.gateway.sim.workload import LIGHT_TENANT
+
     t0 = time.perf_counter()
     capacity = args.capacity_rps or saturated_rate(fc, wc, args.seed, args.step_by_step)
     t_cap = time.perf_counter() - t0
