@@ -796,10 +796,10 @@ def one_replica_hit_rate(requests: list[SimRequest], block_size: int) -> float |
             node, n = child, n + 1
         hit += n * bs
         total += len(prompt)
-        # the KV computed: the prompt and every output token but the last
+        # the KV computed: the prompt and every output token but the last; its first n
+        # blocks are the ones just matched, so the tree is walked on from there
         seq = prompt + req.output[:-1]
-        node = root
-        for i in range(len(seq) // bs):
+        for i in range(n, len(seq) // bs):
             node = node.setdefault(tuple(seq[i * bs : (i + 1) * bs]), {})
     return hit / total if total else None
 
