@@ -102,10 +102,10 @@ def few_collections() -> Iterator[None]:
     """Run the body with the cyclic garbage collector seldom: the objects made before it
     frozen (``gc.freeze``: the imported modules, the engines; never scanned again) and a
     young generation of 50,000 objects, not 700. A run makes millions of short-lived
-    requests, lists and tuples that reference counting frees; with the default thresholds
-    the collector ran some 3,400 times in a 16 x 2,000 x 5 s run (most of them in the
-    report's one-replica tree), 16 % of its CPU time. Put back on exit (a nested use leaves it to the outer one). The run's figures do
-    not depend on it."""
+    requests, lists and tuples that reference counting frees; the collector only looks for
+    cycles, and with the default thresholds it scanned them thousands of times (its share
+    of the CPU time: docs/sim.md, "7 December 2026, afternoon: speed"). Put back on exit; a
+    nested use leaves that to the outer one. The run's figures do not depend on it."""
     threshold = gc.get_threshold()
     if threshold == FEW_COLLECTIONS:  # inside another: it puts things back
         yield
