@@ -295,7 +295,7 @@ def test_a_request_past_the_mean_of_few_long_outputs_is_not_about_to_end(monkeyp
 def test_a_running_requests_end_is_not_known_from_fewer_than_four_finished_requests(
     monkeypatch,
 ):
-    # A helper's pass (serve --runner sim, 4 seats, issue 43): right after one 8-token
+    # A helper's pass (serve --runner sim, 4 seats): right after one 8-token
     # warm-up request, requests arriving while requests of max_tokens 400 held every seat were
     # predicted first tokens of 304-1,841 ms that came at 1.2-3.2 s; the one finished request
     # was the whole history (its mean rest, then "as many again"), and those misses then set

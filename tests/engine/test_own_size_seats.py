@@ -2,7 +2,7 @@
 mean service (``LoadModel.seat_schedule``'s ``waiting_seat_s`` / ``seat_after_waiting_s``,
 ``estimate_ttft``'s ``queued_holds_s``): short requests queued behind long running ones were
 costed at the long answers' mean seat time, and their Retry-After overstated by seconds
-(issue 43, docs/admission.md "A queued request's own size")."""
+(docs/admission.md "A queued request's own size")."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 max_tokens=)``, ``EngineWait.extra_s(..., max_tokens=)``, ``_departure_s(..., own_s)``): short
 requests refused behind long answers had their slots spaced at the long answers' mean seat
 time, and 20 clients with 50 ms budgets were admitted up to 12.5 s after the server went idle
-where ~0.7 s of work cleared them (issue 43, docs/admission.md "A queued request's own
+where ~0.7 s of work cleared them (docs/admission.md "A queued request's own
 size")."""
 
 from __future__ import annotations

@@ -754,7 +754,7 @@ def test_the_queue_bounds_wait_is_no_faster_than_the_seats_pace():
 
 
 def test_first_tokens_behind_requests_of_unknown_end_do_not_raise_the_miss_margin(monkeypatch):
-    # A helper's pass (serve --runner sim, 4 seats, issue 43): right after one 8-token
+    # A helper's pass (serve --runner sim, 4 seats): right after one 8-token
     # warm-up request, the requests admitted while requests of max_tokens 400 held every seat
     # were predicted first tokens of 0.3-1.8 s from that one finished request (its rest, then
     # "as many again") and had them at 1.2-3.2 s; those misses set the margin to ~2.6 s for
