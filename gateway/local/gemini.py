@@ -78,6 +78,7 @@ from prefixgate.gateway.wire.gemini_routes import (
     require_sse_alt,
     rfc3339,
 )
+from prefixgate.gateway.wire.partial_json import arguments_object
 from prefixgate.gateway.wire.prompts import check_length, choice_seeds, render_chat
 from prefixgate.gateway.wire.response_models import Usage
 from prefixgate.gateway.wire.stop_strings import refuse_stop_under_constraint
@@ -110,17 +111,7 @@ def usage_metadata(usage: Usage) -> dict[str, int]:
 
 
 def _function_call(name: str, arguments: str, call_id: str) -> dict[str, Any]:
-    try:
-        args = json.loads(arguments) if arguments else {}
-    except ValueError:
-        args = {}
-    return {
-        "functionCall": {
-            "id": call_id,
-            "name": name,
-            "args": args if isinstance(args, dict) else {},
-        }
-    }
+    return {"functionCall": {"id": call_id, "name": name, "args": arguments_object(arguments)}}
 
 
 def _dumps(obj: Any) -> bytes:

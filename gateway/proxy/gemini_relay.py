@@ -88,6 +88,7 @@ from prefixgate.gateway.wire.gemini_routes import (
     require_sse_alt,
     rfc3339,
 )
+from prefixgate.gateway.wire.partial_json import arguments_object
 from prefixgate.gateway.wire.response_models import ChatCompletion, ChatCompletionChunk
 from prefixgate.gateway.wire.stop_strings import refuse_stop_under_constraint
 from prefixgate.gateway.wire.tools import prompt_tools
@@ -193,16 +194,12 @@ def _parts(text: str | None, calls: list[dict[str, Any]]) -> list[dict[str, Any]
         parts.append({"text": text or ""})
     for c in calls:
         fn = c.get("function") or {}
-        try:
-            args = json.loads(fn.get("arguments") or "{}")
-        except ValueError:
-            args = {}
         parts.append(
             {
                 "functionCall": {
                     "id": c.get("id") or "",
                     "name": fn.get("name") or "",
-                    "args": args if isinstance(args, dict) else {},
+                    "args": arguments_object(fn.get("arguments")),
                 }
             }
         )
