@@ -34,7 +34,7 @@ RESPONSE = {
     ],
     "usage": {
         "input_tokens": 5,
-        "input_tokens_details": {"cached_tokens": 2},
+        "input_tokens_details": {"cached_tokens": 2, "cache_write_tokens": 0},
         "output_tokens": 2,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": 7,
@@ -184,3 +184,18 @@ def test_the_blocking_twins() -> None:
         assert len(client.embeddings.create(input="a", model="e").data) == 2
         raw = client.responses.with_raw_response.create(model="m", input="hi")
         assert raw.status_code == 200 and raw.parse().output_text == "Hello there"
+
+
+def test_the_shapes_are_openai_python_s() -> None:
+    """The bodies above are real shapes: openai-python's own models take them and read the
+    same values as the SDK's types."""
+    openai_types = pytest.importorskip("openai.types")
+    from openai.types.responses import Response as OpenAIResponse
+
+    theirs = OpenAIResponse.model_validate(
+        {**RESPONSE, "parallel_tool_calls": False, "tool_choice": "none", "tools": []}
+    )
+    assert theirs.output_text == Response.from_dict(RESPONSE).output_text == "Hello there"
+    embedded = openai_types.CreateEmbeddingResponse.model_validate(EMBEDDINGS)
+    ours = CreateEmbeddingResponse.from_dict(EMBEDDINGS)
+    assert [d.embedding for d in embedded.data] == [d.embedding for d in ours.data]
