@@ -34,7 +34,14 @@ from .errors import (
     status_error,
 )
 from .flow_control import Charge, ConcurrencyLimiter, RateLimit, RateLimiter, estimate_tokens
-from .resources import AsyncChat, AsyncCompletions, AsyncModels, AsyncPrefixes
+from .resources import (
+    AsyncChat,
+    AsyncCompletions,
+    AsyncEmbeddings,
+    AsyncModels,
+    AsyncPrefixes,
+    AsyncResponses,
+)
 from .retry import PROMISE_HEADER, RetryPolicy, parse_retry_after
 from .streaming import AsyncStream
 
@@ -179,6 +186,8 @@ class AsyncClient:
         self.completions = AsyncCompletions(self)
         self.models = AsyncModels(self)
         self.prefixes = AsyncPrefixes(self)
+        self.responses = AsyncResponses(self)
+        self.embeddings = AsyncEmbeddings(self)
 
     def _make_headers(self) -> dict[str, str]:
         headers = {"User-Agent": f"prefixgate-sdk/{_VERSION}", "Accept": "application/json"}
@@ -254,6 +263,7 @@ class AsyncClient:
         body: Mapping[str, Any] | None = None,
         stream: bool = False,
         options: RequestOptions | None = None,
+        end_events: frozenset[str] | None = None,
     ) -> Any:
         """Send one API call with retries; return ``cast(json)`` or an ``AsyncStream[T]``.
 
@@ -263,6 +273,8 @@ class AsyncClient:
             cast: builds the typed result (or each stream chunk) from decoded JSON.
             body: JSON body; ``options.extra_body`` is merged into it.
             stream: return an ``AsyncStream`` of ``cast`` chunks (never retried once returned).
+            end_events: a stream that ends with one of these event ``type``s instead of
+                ``data: [DONE]`` (``AsyncStream.end_events``: the Responses API's).
 
         Raises:
             APIStatusError: a non-2xx answer (its subclass per status) after the retries.
@@ -281,7 +293,7 @@ class AsyncClient:
             with attempt:
                 retry = attempt.retry_state.attempt_number > 1
                 return await self._attempt(
-                    method, path, payload, cast, stream, opts, tokens, retry, mode
+                    method, path, payload, cast, stream, opts, tokens, retry, mode, end_events
                 )
         raise AssertionError("unreachable: tenacity re-raises the last error")  # pragma: no cover
 
@@ -312,6 +324,7 @@ class AsyncClient:
         tokens: int,
         retry: bool,
         mode: str,
+        end_events: frozenset[str] | None = None,
     ) -> Any:
         charge: Charge | None = None
         if self.rate_limiter is not None:
@@ -354,7 +367,11 @@ class AsyncClient:
                     handed_off = True
                     release = _releaser(self.limiter, slot)
                     chunks = AsyncStream(
-                        response, cast, idle_timeout=self._idle_timeout(opts), on_close=release
+                        response,
+                        cast,
+                        idle_timeout=self._idle_timeout(opts),
+                        on_close=release,
+                        end_events=end_events,
                     )
                     if mode == "streaming":
                         return AsyncAPIResponse(chunks, stream=stream)

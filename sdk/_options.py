@@ -165,6 +165,7 @@ class Requester(Protocol):
         body: Mapping[str, Any] | None = None,
         stream: bool = False,
         options: RequestOptions | None = None,
+        end_events: frozenset[str] | None = None,
     ) -> Any:
         """Send one API call (see ``AsyncClient.request``)."""
         ...

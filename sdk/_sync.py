@@ -22,8 +22,10 @@ from ._blocking import Bridge, SyncAPIResponse, SyncResponseContextManager, Sync
 from ._client import AsyncClient, ClientOptions, CopyOptions
 from .resources.chat_sync import SyncChat, SyncChatCompletions
 from .resources.completions_sync import SyncCompletions
+from .resources.embeddings_sync import SyncEmbeddings
 from .resources.models_sync import SyncModels
 from .resources.prefixes_sync import SyncPrefixes, SyncPrefixSession
+from .resources.responses_sync import SyncResponses
 
 __all__ = [
     "Client",
@@ -31,10 +33,12 @@ __all__ = [
     "SyncChat",
     "SyncChatCompletions",
     "SyncCompletions",
+    "SyncEmbeddings",
     "SyncModels",
     "SyncPrefixSession",
     "SyncPrefixes",
     "SyncResponseContextManager",
+    "SyncResponses",
     "SyncStream",
 ]
 
@@ -65,6 +69,8 @@ class Client:
         self.completions = SyncCompletions(async_client.completions, bridge)
         self.models = SyncModels(async_client.models, bridge)
         self.prefixes = SyncPrefixes(async_client.prefixes, bridge)
+        self.responses = SyncResponses(async_client.responses, bridge)
+        self.embeddings = SyncEmbeddings(async_client.embeddings, bridge)
         self._closed = False
 
     @property

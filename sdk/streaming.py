@@ -154,6 +154,10 @@ class AsyncStream(Generic[T]):
     """Seconds to wait for each chunk (None: no limit)."""
     on_close: Callable[[], None] | None = field(default=None, kw_only=True)
     """Called once when the stream closes (frees the client's concurrency slot)."""
+    end_events: frozenset[str] | None = field(default=None, kw_only=True)
+    """A stream without ``data: [DONE]`` (the Responses API's): the event ``type``s that end
+    it (``response.completed``, ...); it closes after yielding one, and a body that ends
+    before one was cut short. None: the stream ends with ``data: [DONE]``."""
     _closed: bool = field(default=False, init=False)
     _iterator: AsyncIterator[T] | None = field(default=None, init=False)
 
@@ -219,11 +223,16 @@ class AsyncStream(Generic[T]):
                     with anyio.fail_after(self.idle_timeout):
                         sse = await events.__anext__()
                 except StopAsyncIteration:
-                    # Every OpenAI-compatible stream ends with ``data: [DONE]``: a body that
-                    # closes before it was cut short (a proxy, a crash, a drop), never a success.
+                    # Every OpenAI-compatible stream ends with ``data: [DONE]`` (or, with
+                    # ``end_events``, one of those): a body that closes before it was cut short
+                    # (a proxy, a crash, a drop), never a success.
+                    final = (
+                        "`data: [DONE]`"
+                        if self.end_events is None
+                        else " / ".join(f"`{e}`" for e in sorted(self.end_events))
+                    )
                     raise APIConnectionError(
-                        "Stream ended before its final `data: [DONE]` event: the answer is "
-                        "truncated.",
+                        f"Stream ended before its final {final} event: the answer is truncated.",
                         self.response.request,
                     ) from None
                 except TimeoutError:
@@ -255,6 +264,9 @@ class AsyncStream(Generic[T]):
                         f"Unexpected stream chunk shape: {exc}", self.response, body=data
                     ) from exc
                 yield item
+                if self.end_events is not None and isinstance(data, dict):
+                    if data.get("type") in self.end_events:
+                        return
         finally:
             with anyio.CancelScope(shield=True):
                 await events.aclose()

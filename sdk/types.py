@@ -47,6 +47,14 @@ __all__ = [
     "ParsedChatCompletionMessage",
     "ParsedChoice",
     "ParsedChatCompletion",
+    "ResponseOutputText",
+    "ResponseOutputItem",
+    "ResponseUsage",
+    "Response",
+    "ResponseStreamEvent",
+    "Embedding",
+    "EmbeddingUsage",
+    "CreateEmbeddingResponse",
 ]
 
 
@@ -313,3 +321,98 @@ class ParsedChatCompletion(ChatCompletion, Generic[ResponseFormatT]):
     """Result of ``chat.completions.parse``: ``choices[i].message.parsed``."""
 
     choices: list[ParsedChoice[ResponseFormatT]] = Field(default_factory=list)  # type: ignore[assignment]
+
+
+class ResponseOutputText(Model):
+    """A content part of a Responses output message (``type == "output_text"``)."""
+
+    type: str = "output_text"
+    text: str = ""
+    annotations: list[Any] = Field(default_factory=list)
+
+
+class ResponseOutputItem(Model):
+    """One item of ``Response.output``: a ``message`` (``role``, ``status``, ``content``
+    parts); other item types keep their fields as attributes (``Model``)."""
+
+    id: str = ""
+    type: str = "message"
+    role: str | None = None
+    status: str | None = None
+    content: list[ResponseOutputText] | None = None
+
+
+class ResponseUsage(Model):
+    """A response's usage (tokens): ``input_tokens`` (``input_tokens_details.cached_tokens``
+    from the prefix cache), ``output_tokens``, ``total_tokens``."""
+
+    input_tokens: int = 0
+    input_tokens_details: PromptTokensDetails | None = None
+    output_tokens: int = 0
+    output_tokens_details: CompletionTokensDetails | None = None
+    total_tokens: int = 0
+
+
+class Response(Model):
+    """Result of ``responses.create`` (``object == "response"``); ``status`` is
+    ``completed``, ``incomplete`` (``incomplete_details.reason``: ``max_output_tokens``) or
+    ``failed``; ``output_text`` joins the text of its output messages."""
+
+    id: str = ""
+    object: str = "response"
+    created_at: float = 0
+    model: str = ""
+    status: str | None = None
+    output: list[ResponseOutputItem] = Field(default_factory=list)
+    instructions: str | None = None
+    incomplete_details: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None
+    usage: ResponseUsage | None = None
+
+    @property
+    def output_text(self) -> str:
+        """Every ``output_text`` part of the ``message`` items, joined (openai-python's)."""
+        return "".join(
+            part.text
+            for item in self.output
+            if item.type == "message"
+            for part in item.content or []
+            if part.type == "output_text"
+        )
+
+
+class ResponseStreamEvent(Model):
+    """One event of ``responses.create(stream=True)``: ``type`` (``response.created``,
+    ``response.output_text.delta`` ..., ``response.completed`` / ``response.incomplete`` /
+    ``response.failed``), ``sequence_number``; ``delta`` on text deltas, ``response`` on the
+    whole-response events; the other fields of each type stay attributes (``Model``)."""
+
+    type: str = ""
+    sequence_number: int = 0
+    delta: str | None = None
+    response: Response | None = None
+
+
+class Embedding(Model):
+    """One input's embedding: floats, or base64 text with ``encoding_format="base64"``
+    (little-endian float32)."""
+
+    object: str = "embedding"
+    index: int = 0
+    embedding: list[float] | str = Field(default_factory=list)
+
+
+class EmbeddingUsage(Model):
+    """An embeddings call's usage (tokens)."""
+
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CreateEmbeddingResponse(Model):
+    """Result of ``embeddings.create``: ``data[i]`` is input ``i``'s ``Embedding``."""
+
+    object: str = "list"
+    data: list[Embedding] = Field(default_factory=list)
+    model: str = ""
+    usage: EmbeddingUsage | None = None

@@ -40,7 +40,6 @@ from prefixgate.gateway.http.errors import (
     APIError,
     bad_request,
     error_dialect,
-    not_found,
 )
 from prefixgate.gateway.local.generation import engine_request
 from prefixgate.gateway.local.local_call import counted_prompt, translated_prompt
@@ -71,13 +70,16 @@ from prefixgate.gateway.wire.gemini_models import (
 from prefixgate.gateway.wire.gemini_routes import (
     CACHE_PREFIX,
     add_gemini_routes,
+    cache_miss,
     list_page,
     model_object,
     no_route,  # noqa: F401  (add_gemini_routes reads the handlers off this module)
     refuse_get_of_method,
     require_sse_alt,
     rfc3339,
+    split_model_method,
 )
+from prefixgate.gateway.wire.partial_json import arguments_object
 from prefixgate.gateway.wire.prompts import check_length, choice_seeds, render_chat
 from prefixgate.gateway.wire.response_models import Usage
 from prefixgate.gateway.wire.stop_strings import refuse_stop_under_constraint
@@ -110,17 +112,7 @@ def usage_metadata(usage: Usage) -> dict[str, int]:
 
 
 def _function_call(name: str, arguments: str, call_id: str) -> dict[str, Any]:
-    try:
-        args = json.loads(arguments) if arguments else {}
-    except ValueError:
-        args = {}
-    return {
-        "functionCall": {
-            "id": call_id,
-            "name": name,
-            "args": args if isinstance(args, dict) else {},
-        }
-    }
+    return {"functionCall": {"id": call_id, "name": name, "args": arguments_object(arguments)}}
 
 
 def _dumps(obj: Any) -> bytes:
@@ -231,19 +223,6 @@ class GeminiRenderer:
 
 
 # --- shared steps ---------------------------------------------------------------------------
-def _split_target(request: web.Request) -> tuple[str, str]:
-    """``{model}:{method}`` of the path → ``(model, method)``.
-
-    Raises:
-        APIError: 404 for a path without a method.
-    """
-    target = request.match_info["target"]
-    model, sep, method = target.rpartition(":")
-    if not sep:
-        raise not_found(f"unknown route: models/{target[:80]} needs a method (:generateContent)")
-    return model, method
-
-
 def _check_model(st: GatewayState, model: str, param: str = "model") -> None:
     served = st.model_name
     if model.removeprefix("models/") != served:
@@ -257,9 +236,10 @@ def _check_model(st: GatewayState, model: str, param: str = "model") -> None:
 
 
 async def _cached(
-    request: web.Request, name: str, principal: Principal
+    request: web.Request, name: str, principal: Principal, param: str = "cachedContent"
 ) -> PrefixEntry | SharedPrefix:
-    """The live cache ``name`` (``cachedContents/<id>``) of the caller's key.
+    """The live cache ``name`` (``cachedContents/<id>``) of the caller's key; ``param``: the
+    field a refusal names (``gemini_routes.cache_miss``).
 
     Raises:
         APIError: 404 when unknown, expired, revoked or another key's (the prefix API's).
@@ -272,12 +252,7 @@ async def _cached(
     try:
         return await prefixes.lookup(name.removeprefix(CACHE_PREFIX), principal.salt)
     except APIError as exc:
-        raise APIError(
-            404,
-            exc.message.replace("prefix", "cached content", 1),
-            param="cachedContent",
-            code=exc.code,
-        ) from None
+        raise cache_miss(exc, param) from None
 
 
 async def _chat(request: web.Request, req: GenerateContentRequest, principal: Principal) -> Chat:
@@ -319,18 +294,13 @@ async def _prepare(
 async def model_method(request: web.Request) -> web.StreamResponse:
     """POST /v1beta/models/{model}:{method} (or under /v1): ``generateContent``,
     ``streamGenerateContent`` (``alt=sse``) or ``countTokens``; any other method 404."""
-    model, method = _split_target(request)
+    model, method = split_model_method(request)
     if method == "generateContent":
         return await _generate(request, model, stream=False)
     if method == "streamGenerateContent":
         require_sse_alt(request)
         return await _generate(request, model, stream=True)
-    if method == "countTokens":
-        return await _count_tokens(request, model)
-    raise not_found(
-        f"method {method[:60]!r} is not served on models/{model[:80]} (generateContent, "
-        "streamGenerateContent, countTokens)"
-    )
+    return await _count_tokens(request, model)
 
 
 async def _count_tokens(request: web.Request, model: str) -> web.Response:
@@ -499,7 +469,7 @@ async def get_cache(request: web.Request) -> web.Response:
     another key's."""
     st = request.app[STATE]
     principal = st.keys.authenticate(request)
-    entry = await _cached(request, CACHE_PREFIX + _cache_id(request), principal)
+    entry = await _cached(request, CACHE_PREFIX + _cache_id(request), principal, "name")
     return web.json_response(cache_object(entry, st.model_name))
 
 
@@ -545,9 +515,7 @@ async def update_cache(request: web.Request) -> web.Response:
                 param="expireTime",
             ) from None
         if exc.status == 404:
-            raise APIError(
-                404, exc.message.replace("prefix", "cached content", 1), param="name", code=exc.code
-            ) from None
+            raise cache_miss(exc, "name") from None
         raise
     return web.json_response(cache_object(entry, st.model_name))
 
@@ -562,9 +530,7 @@ async def delete_cache(request: web.Request) -> web.Response:
         await prefixes.remove(_cache_id(request), principal.salt)
     except APIError as exc:
         if exc.status == 404:
-            raise APIError(
-                404, exc.message.replace("prefix", "cached content", 1), param="name", code=exc.code
-            ) from None
+            raise cache_miss(exc, "name") from None
         raise
     return web.json_response({})
 

@@ -82,13 +82,16 @@ from prefixgate.gateway.wire.gemini_models import (
 from prefixgate.gateway.wire.gemini_routes import (
     CACHE_PREFIX,
     add_gemini_routes,
+    cache_miss,
     list_page,
     model_object,
     no_route,  # noqa: F401  (add_gemini_routes reads the handlers off this module)
     refuse_get_of_method,
     require_sse_alt,
     rfc3339,
+    split_model_method,
 )
+from prefixgate.gateway.wire.partial_json import arguments_object
 from prefixgate.gateway.wire.response_models import ChatCompletion, ChatCompletionChunk
 from prefixgate.gateway.wire.stop_strings import refuse_stop_under_constraint
 from prefixgate.gateway.wire.tools import prompt_tools
@@ -194,16 +197,12 @@ def _parts(text: str | None, calls: list[dict[str, Any]]) -> list[dict[str, Any]
         parts.append({"text": text or ""})
     for c in calls:
         fn = c.get("function") or {}
-        try:
-            args = json.loads(fn.get("arguments") or "{}")
-        except ValueError:
-            args = {}
         parts.append(
             {
                 "functionCall": {
                     "id": c.get("id") or "",
                     "name": fn.get("name") or "",
-                    "args": args if isinstance(args, dict) else {},
+                    "args": arguments_object(fn.get("arguments")),
                 }
             }
         )
@@ -445,21 +444,13 @@ async def _lookup(request: web.Request, pid: str, salt: str | None, param: str) 
     try:
         return await request.app[PROXY].prefixes.lookup(pid, salt)
     except APIError as exc:
-        raise APIError(
-            exc.status,
-            exc.message.replace("prefix", "cached content", 1),
-            param=param,
-            code=exc.code,
-        ) from None
+        raise cache_miss(exc, param) from None
 
 
 @error_dialect(GEMINI)
 async def model_method(request: web.Request) -> web.StreamResponse:
     """POST /v1beta/models/{model}:{method} in upstream mode (module docstring)."""
-    target = request.match_info["target"]
-    model, sep, method = target.rpartition(":")
-    if not sep or method not in ("generateContent", "streamGenerateContent", "countTokens"):
-        raise APIError(404, f"unknown route: models/{target[:80]}", code="not_found")
+    model, method = split_model_method(request)
     if method == "streamGenerateContent":
         require_sse_alt(request)
     st = request.app[STATE]
@@ -685,12 +676,7 @@ async def delete_cache(request: web.Request) -> web.Response:
             lambda up: upstream_headers(request, st, up),
         )
     except APIError as exc:
-        raise APIError(
-            exc.status,
-            exc.message.replace("prefix", "cached content", 1),
-            param="name",
-            code=exc.code,
-        ) from None
+        raise cache_miss(exc, "name") from None
     return web.json_response({})
 
 

@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from prefixgate.gateway.http.errors import APIError
+from prefixgate.gateway.wire.partial_json import arguments_object
 
 # OpenAI finish_reason -> Anthropic stop_reason, beside "stop" (end_turn, tool_use or
 # stop_sequence: ``stop_reason``)
@@ -70,14 +71,10 @@ def usage_block(
 
 def tool_input(arguments: Any) -> dict[str, Any]:
     """A ``tool_use`` block's ``input`` of OpenAI tool-call ``arguments`` (JSON text, or an
-    object some upstreams send): ``{}`` when they are not a JSON object."""
-    if isinstance(arguments, dict):
-        return arguments
-    try:
-        value = json.loads(arguments) if isinstance(arguments, str) else None
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
+    object some upstreams send): ``partial_json.arguments_object`` — what the ``anthropic``
+    package makes of the same text streamed as ``input_json_delta``, also when ``max_tokens``
+    cut it."""
+    return arguments_object(arguments)
 
 
 def content_blocks(text: str | None, calls: Iterable[tuple[str, str, Any]]) -> list[dict]:

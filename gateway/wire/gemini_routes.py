@@ -24,6 +24,7 @@ GENERATION_METHODS = [
     "countTokens",
     "createCachedContent",
 ]
+MODEL_METHODS = ("generateContent", "streamGenerateContent", "countTokens")  # served by POST
 
 
 def model_object(name: str, description: str, max_model_len: int | None = None) -> dict[str, Any]:
@@ -72,6 +73,45 @@ def list_page(items: list[T], query: Mapping[str, str]) -> tuple[list[T], dict[s
     start, size = int(token), min(int(size_text) or PAGE_SIZE_DEFAULT, PAGE_SIZE_MAX)
     more = {"nextPageToken": str(start + size)} if start + size < len(items) else {}
     return items[start : start + size], more
+
+
+def split_model_method(request: web.Request) -> tuple[str, str]:
+    """``{model}:{method}`` of a model route's path → ``(model, method)``, the method one of
+    ``MODEL_METHODS``; both modes split and refuse it here, in the same words. The method is
+    what follows the last colon (a model's name may hold colons: Ollama's ``llama:latest``).
+
+    Raises:
+        APIError: 404 ``not_found`` for a path without a method or with another method.
+    """
+    target = request.match_info["target"]
+    model, sep, method = target.rpartition(":")
+    if not sep:
+        raise APIError(
+            404,
+            f"unknown route: models/{target[:80]} needs a method (:generateContent)",
+            code="not_found",
+        )
+    if method not in MODEL_METHODS:
+        raise APIError(
+            404,
+            f"method {method[:60]!r} is not served on models/{model[:80]} "
+            f"({', '.join(MODEL_METHODS)})",
+            code="not_found",
+        )
+    return model, method
+
+
+def cache_miss(exc: APIError, param: str) -> APIError:
+    """The prefix API's refusal of a cache (404: unknown, expired, revoked or another key's)
+    in Gemini's words, the same in both modes: "cached content" for "prefix", naming
+    ``param`` — ``name`` on the ``cachedContents/{id}`` routes (get, patch, delete: the path
+    names the resource), ``cachedContent`` for a ``generateContent`` body's field."""
+    return APIError(
+        exc.status,
+        exc.message.replace("prefix", "cached content", 1),
+        param=param,
+        code=exc.code,
+    )
 
 
 def require_sse_alt(request: web.Request) -> None:

@@ -324,3 +324,37 @@ def test_a_body_with_two_defects_is_named_by_the_same_one_in_both_modes(both):
             named = err.get("param") or err.get("message", "")
             assert param in named, (path, body, a.text)
             assert (b.status_code, b.json()) == (a.status_code, a.json()), (path, body, b.text)
+
+
+GEMINI_MISSES = [
+    ("POST", "/v1beta/models/fake:frobnicate", {"contents": [{"parts": [{"text": "hi"}]}]}),
+    ("POST", "/v1/models/fake:frobnicate", {"contents": [{"parts": [{"text": "hi"}]}]}),
+    ("POST", "/v1beta/models/fake", {"contents": [{"parts": [{"text": "hi"}]}]}),
+    ("GET", "/v1beta/cachedContents/nope", None),
+    ("PATCH", "/v1beta/cachedContents/nope", {"ttl": "60s"}),
+    ("DELETE", "/v1beta/cachedContents/nope", None),
+    (
+        "POST",
+        "/v1beta/models/fake:generateContent",
+        {"contents": [{"parts": [{"text": "hi"}]}], "cachedContent": "cachedContents/nope"},
+    ),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "body"), GEMINI_MISSES)
+def test_a_gemini_miss_is_worded_alike_in_both_modes(both, method, path, body):
+    """An unknown model method and a missing cache: one error object in both modes (the
+    shared ``gemini_routes.split_model_method`` / ``cache_miss``); the cache routes name
+    ``name`` (get, patch and delete alike), a body's ``cachedContent`` field names that."""
+    local, proxy = both
+    with httpx.Client(timeout=60) as http:
+        a = http.request(method, local + path, json=body)
+        b = http.request(method, proxy + path, json=body)
+    assert a.status_code == b.status_code == 404, (a.text, b.text)
+    assert a.json() == b.json(), (a.text, b.text)
+    said = a.json()["error"]
+    if "frobnicate" in path:
+        assert "method 'frobnicate' is not served" in said["message"], said
+    if "cachedContents/" in path:
+        fields = [v["field"] for d in said["details"] for v in d.get("fieldViolations", [])]
+        assert fields == ["name"], said

@@ -73,6 +73,31 @@ def test_openai_client_embeddings(server, checkpoint):
     assert len(ids.data[0].embedding) == hf.config.hidden_size
 
 
+def test_sdk_embeddings_equal_the_openai_client_s(server):
+    """prefixgate's SDK (``client.embeddings.create``, openai-python's shape) gets the same
+    vectors and usage as the official client, async and blocking."""
+    from prefixgate.sdk import AsyncClient, Client
+
+    texts = ["The fox and the bird", "x"]
+    ref = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    want = ref.embeddings.create(model="embedder", input=texts, encoding_format="float")
+    with Client(server.url + "/v1", max_retries=0) as client:
+        got = client.embeddings.create(input=texts, model="embedder")
+        b64 = client.embeddings.create(input=texts, model="embedder", encoding_format="base64")
+
+    async def via_async():
+        async with AsyncClient(server.url + "/v1", max_retries=0) as client:
+            return await client.embeddings.create(input=[[5, 6, 7]], model="embedder")
+
+    import anyio
+
+    ids = anyio.run(via_async)
+    assert [d.embedding for d in got.data] == [d.embedding for d in want.data]
+    assert all(isinstance(d.embedding, str) for d in b64.data)  # base64 text, as it came
+    assert got.usage.prompt_tokens == want.usage.prompt_tokens
+    assert len(ids.data[0].embedding) == len(want.data[0].embedding)
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [

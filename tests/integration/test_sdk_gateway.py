@@ -117,6 +117,29 @@ async def test_chat_create_and_stream_agree(gateway) -> None:
         assert client.limiter.in_flight == 0
 
 
+async def test_responses_create_and_stream_agree(gateway) -> None:
+    """``client.responses`` on the real ``/v1/responses``: the whole response and its stream
+    (typed events ending with ``response.completed`` / ``.incomplete``, no ``[DONE]``) give
+    the same text, that of the same chat."""
+    base, _, _ = gateway
+    async with AsyncClient(base, max_concurrency=4) as client:
+        chat = await client.chat.completions.create(**_greedy("I sense the nodes", 16))
+        args = {"model": MODEL, "instructions": SYSTEM, "input": "I sense the nodes"}
+        args["max_output_tokens"] = 16
+        r = await client.responses.create(**args, temperature=0)
+        assert r.status in ("completed", "incomplete")
+        assert r.output_text == chat.choices[0].message.content
+        assert r.usage is not None and r.usage.output_tokens == chat.usage.completion_tokens
+        stream = await client.responses.create(**args, temperature=0, stream=True)
+        async with stream:
+            got = [e async for e in stream]
+        assert got[0].type == "response.created"
+        assert got[-1].type in ("response.completed", "response.incomplete")
+        deltas = "".join(e.delta for e in got if e.type == "response.output_text.delta")
+        assert deltas == got[-1].response.output_text == r.output_text
+        assert client.limiter.in_flight == 0
+
+
 async def test_stream_early_exit_frees_everything(gateway, pool_whole) -> None:
     base, engine, _ = gateway
     async with AsyncClient(base, max_concurrency=2) as client:

@@ -14,9 +14,12 @@ from prefixgate.sdk.types import (
     ChatCompletion,
     ChatCompletionChunk,
     Completion,
+    CreateEmbeddingResponse,
     ModelList,
     ParsedChatCompletion,
     Prefix,
+    Response,
+    ResponseStreamEvent,
 )
 
 MSG = [{"role": "user", "content": "hi"}]
@@ -44,6 +47,13 @@ def blocking(client: Client) -> None:
     client.chat.completions.create(model="m", messages=MSG, temperature="hot")  # type: ignore[call-overload]
     client.chat.completions.create(messages=MSG)  # type: ignore[call-overload]
     client.models.retrieve("x", bogus=1)  # type: ignore[call-arg]
+    assert_type(client.responses.create(model="m", input="hi"), Response)
+    assert_type(
+        client.responses.create(model="m", input="hi", stream=True),
+        SyncStream[ResponseStreamEvent],
+    )
+    assert_type(client.embeddings.create(input="x", model="e"), CreateEmbeddingResponse)
+    client.embeddings.create(input="x")  # type: ignore[call-arg]
 
 
 async def asynchronous(client: AsyncClient) -> None:
@@ -59,3 +69,10 @@ async def asynchronous(client: AsyncClient) -> None:
     assert_type(await client.prefixes.create(model="m", messages=MSG, ttl_seconds=5), Prefix)
     await client.prefixes.create(model="m", messages=MSG, ttl=5)  # type: ignore[call-arg]
     await client.completions.create(model="m", prompt="p", best_of="2")  # type: ignore[call-overload]
+    assert_type(await client.responses.create(model="m", input="hi"), Response)
+    assert_type(
+        await client.responses.create(model="m", input=MSG, stream=True),
+        AsyncStream[ResponseStreamEvent],
+    )
+    await client.responses.create(model="m", input="hi", max_tokens=5)  # type: ignore[call-overload]
+    assert_type(await client.embeddings.create(input=[1, 2], model="e"), CreateEmbeddingResponse)
