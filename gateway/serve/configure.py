@@ -164,14 +164,17 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
     """GatewaySettings from the parsed flags.
 
     Raises:
-        ValueError: an option out of its range (``GatewaySettings``), or a bad upstream key
-            (``upstream_api_key``).
+        ValueError: an option out of its range (``GatewaySettings``), a bad upstream key
+            (``upstream_api_key``), or a ``--served-model-name`` given twice.
     """
-    name = args.served_model_name
-    if name is None and not args.upstreams and not args.config:
-        name = default_model_name(args.model)
+    names = list(args.served_model_name or [])
+    if not names and not args.upstreams and not args.config:
+        names = [default_model_name(args.model)]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--served-model-name: a name given twice: {' '.join(names)}")
     return GatewaySettings(
-        model_name=name,
+        model_name=names[0] if names else None,
+        model_aliases=names[1:],
         api_keys=list(args.api_keys),
         upstream_api_key=upstream_api_key(args),
         upstream_kv_events=upstream_kv_events(args.upstream_kv_events),
