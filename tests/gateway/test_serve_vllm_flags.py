@@ -172,3 +172,14 @@ def test_gpu_memory_utilization_sizes_the_kv_cache_on_cuda(monkeypatch):
     assert resolve_num_blocks(spec, None, None, "cuda") == 30 * gib // spec.bytes_per_block
     with pytest.raises(ValueError, match="applies to a CUDA device"):
         resolve_num_blocks(spec, None, None, "cpu", 0.9)
+
+
+def test_a_model_after_several_served_names_is_not_taken_as_a_name(caplog, aidreams_path):
+    """``serve --served-model-name a PATH`` served PATH as ``a`` before names took several
+    words; now PATH would be a second name and the preset served: refused, saying why."""
+    line = _bad_option(caplog, "--served-model-name", "a", aidreams_path)
+    assert "give the model first" in line
+    line = _bad_option(caplog, "--served-model-name", "a", "org/some-model")
+    assert "give the model first" in line
+    args = _args(aidreams_path, "--served-model-name", "a", "org/alias")
+    assert settings_from_args(args).model_aliases == ["org/alias"]  # with a model: a name
