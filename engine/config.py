@@ -49,6 +49,11 @@ class EngineConfig:
         block_size: tokens per KV block (default 16, as vLLM).
         num_kv_blocks: number of KV blocks; when ``None`` derived from ``kv_cache_memory``.
         kv_cache_memory: KV cache byte budget (K and V, all layers); default 256 MiB on CPU.
+        gpu_memory_utilization: vLLM's: on CUDA, the share (0, 1] of the device's total memory
+            this server may use; the KV cache gets that share less what is in use once the
+            model is loaded (``kv_cache.utilization_budget``). ``None``: half the free memory.
+            Not with ``num_kv_blocks`` / ``kv_cache_memory``, nor off CUDA (ValueError; the
+            latter at start-up), nor under another runner than ``"generate"``.
         max_model_len: longest prompt + output in tokens; default the model's
             ``max_position_embeddings``.
         max_num_seqs: most requests running at once (decode batch size bound).
@@ -115,6 +120,7 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory: int | None = None
+    gpu_memory_utilization: float | None = None
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -200,6 +206,22 @@ class EngineConfig:
             raise ValueError(
                 f"kv_cache_memory must be a positive byte count, got {self.kv_cache_memory}"
             )
+        g = self.gpu_memory_utilization
+        if g is not None:
+            if isinstance(g, bool) or not isinstance(g, int | float):
+                raise TypeError(f"gpu_memory_utilization must be a number, got {g!r}")
+            if not 0.0 < g <= 1.0:
+                raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {g}")
+            if self.num_kv_blocks is not None or self.kv_cache_memory is not None:
+                raise ValueError(
+                    "gpu_memory_utilization sizes the KV cache as num_kv_blocks and "
+                    "kv_cache_memory do: give one of them"
+                )
+            if self.runner != "generate":
+                raise ValueError(
+                    f"gpu_memory_utilization sizes the KV cache of runner 'generate'; runner "
+                    f"{self.runner!r} does not use it"
+                )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

@@ -49,23 +49,68 @@ class KVCacheSpec:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
 
 
+def check_gpu_memory_utilization(value: float | None, device: torch.device | str) -> None:
+    """Refuse ``gpu_memory_utilization`` (vLLM's ``--gpu-memory-utilization``) where it means
+    nothing: on a device that is not CUDA (CPU memory is not shared that way; its budget is
+    ``kv_cache_memory``). Checked before the model loads.
+
+    Raises:
+        ValueError: ``value`` set and ``device`` not CUDA.
+    """
+    if value is not None and torch.device(device).type != "cuda":
+        raise ValueError(
+            f"gpu_memory_utilization applies to a CUDA device, and this engine runs on "
+            f"{torch.device(device).type}: size its KV cache with kv_cache_memory instead "
+            f"(default {DEFAULT_CPU_KV_BYTES // 2**20} MiB on CPU)"
+        )
+
+
+def utilization_budget(utilization: float, free: int, total: int) -> int:
+    """KV bytes under vLLM's ``gpu_memory_utilization``: the share ``utilization`` (0-1] of
+    the device's ``total`` bytes this server may hold, less what is already in use once the
+    model is loaded (``total - free``: the weights, torch's reserve, other processes):
+    ``utilization * total - (total - free)``. Activations are not profiled first, as vLLM
+    does, so they come out of the rest (``1 - utilization`` of the device).
+
+    Raises:
+        ValueError: nothing is left for the KV cache (the share is already in use).
+    """
+    used = total - free
+    budget = int(utilization * total) - used
+    if budget <= 0:
+        raise ValueError(
+            f"gpu_memory_utilization={utilization:g} leaves no memory for the KV cache: "
+            f"{used / 2**30:.2f} GiB of the device's {total / 2**30:.2f} GiB are in use once "
+            f"the model is loaded, above {utilization:g} of it; raise it or give "
+            "kv_cache_memory"
+        )
+    return budget
+
+
 def resolve_num_blocks(
     spec: KVCacheSpec,
     num_kv_blocks: int | None,
     kv_cache_memory: int | None,
     device: torch.device | str,
+    gpu_memory_utilization: float | None = None,
 ) -> int:
     """Number of KV blocks to allocate.
 
     ``num_kv_blocks`` wins when given; else ``kv_cache_memory`` bytes // bytes per block; else
-    256 MiB on CPU, or half the free device memory on CUDA.
+    on CUDA ``utilization_budget`` of ``gpu_memory_utilization`` when given; else 256 MiB on
+    CPU, or half the free device memory on CUDA.
 
     Raises:
-        ValueError: the budget does not hold a single block.
+        ValueError: the budget does not hold a single block, or ``gpu_memory_utilization``
+            off CUDA (``check_gpu_memory_utilization``) or leaving nothing.
     """
     if num_kv_blocks is not None:
         return int(num_kv_blocks)
     budget = kv_cache_memory
+    if budget is None and gpu_memory_utilization is not None:
+        check_gpu_memory_utilization(gpu_memory_utilization, device)
+        free, total = torch.cuda.mem_get_info(torch.device(device))
+        budget = utilization_budget(gpu_memory_utilization, free, total)
     if budget is None:
         dev = torch.device(device)
         if dev.type == "cuda":

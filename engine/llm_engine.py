@@ -28,7 +28,12 @@ from prefixgate.engine.config import EngineConfig
 from prefixgate.engine.detokenizer import IncrementalDetokenizer
 from prefixgate.engine.errors import UnsupportedFieldError
 from prefixgate.engine.input_processor import InputProcessor
-from prefixgate.engine.kv_cache import KVCacheSpec, allocate_kv_caches, resolve_num_blocks
+from prefixgate.engine.kv_cache import (
+    KVCacheSpec,
+    allocate_kv_caches,
+    check_gpu_memory_utilization,
+    resolve_num_blocks,
+)
 from prefixgate.engine.kv_cache_manager import KVCacheManager, PrefixPin
 from prefixgate.engine.logits_processors import LogitsPipeline
 from prefixgate.engine.malloc import keep_freed_memory
@@ -117,9 +122,14 @@ class LLMEngine:
             self._fit_max_model_len(num_blocks * config.block_size)
             self.runner = _sim_runner(config, mc.vocab_size, sim_clock)
         else:
+            check_gpu_memory_utilization(config.gpu_memory_utilization, self.device)
             model = load_model(mc, config)
             num_blocks = resolve_num_blocks(
-                spec, config.num_kv_blocks, config.kv_cache_memory, self.device
+                spec,
+                config.num_kv_blocks,
+                config.kv_cache_memory,
+                self.device,
+                config.gpu_memory_utilization,
             )
             self.num_kv_blocks = num_blocks
             self._fit_max_model_len(num_blocks * config.block_size)

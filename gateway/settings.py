@@ -109,7 +109,10 @@ class GatewaySettings:
 
     Attributes:
         model_name: the id served in ``/v1/models`` and accepted in ``model`` (default: the
-            model folder's name, or ``"tiny-random"``).
+            model folder's name, or ``"tiny-random"``); answers name it.
+        model_aliases: more ids served beside ``model_name`` (vLLM's several
+            ``--served-model-name``): listed in ``/v1/models`` and accepted in ``model``;
+            answers name ``model_name``, as vLLM's name the first of its names.
         api_keys: keys accepted without limits (``--api-key``).
         keys_file: keys file with per-key limits and salts (see ``auth``).
         max_body_bytes: largest request body (bytes); larger → 413.
@@ -191,6 +194,7 @@ class GatewaySettings:
     """
 
     model_name: str | None = None
+    model_aliases: list[str] = field(default_factory=list)
     api_keys: list[str] = field(default_factory=list)
     keys_file: str | None = None
     max_body_bytes: int = 4 * 1024 * 1024
@@ -240,6 +244,14 @@ class GatewaySettings:
     objective_priority: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        names = [self.model_name, *self.model_aliases]
+        if self.model_aliases and self.model_name is None:
+            raise ValueError("model_aliases needs model_name (the first served name)")
+        for name in names:
+            if name is not None and (not isinstance(name, str) or not name.strip()):
+                raise ValueError(f"a served model name must be a non-empty string, got {name!r}")
+        if len(set(names)) != len(names):
+            raise ValueError(f"served model names given twice: {names}")
         for name, prio in self.objective_priority.items():
             if not isinstance(name, str) or not name.strip() or name != name.strip():
                 raise ValueError(f"objective_priority: bad objective name {name!r}")

@@ -26,12 +26,19 @@ class GatewayState:
     shared: StateBackend = field(default_factory=LocalState)  # limits, leases, prefixes
     ready: bool = False  # local: the engine is attached; upstream: the app is built
 
+    def served_names(self) -> list[str]:
+        """The model ids served: ``model_name`` (the one answers name), then the settings'
+        ``model_aliases``."""
+        return [self.model_name, *self.settings.model_aliases]
+
     def check_model(self, model: str) -> None:
-        """Raises APIError 404 ``model_not_found`` unless ``model`` is the served model."""
-        if model != self.model_name:
+        """Raises APIError 404 ``model_not_found`` unless ``model`` is a served model id."""
+        names = self.served_names()
+        if model not in names:
+            served = " or ".join(repr(n) for n in names)
             raise APIError(
                 404,
-                f"the model {shown(model)} does not exist; this server serves {self.model_name!r}",
+                f"the model {shown(model)} does not exist; this server serves {served}",
                 param="model",
                 code="model_not_found",
             )

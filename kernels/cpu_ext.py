@@ -2,7 +2,8 @@
 
 ``kernels/csrc/cpu_ops.cpp`` is compiled with ``torch.utils.cpp_extension.load`` (g++,
 ``-O3 -mavx2 -mfma -ffp-contract=off -fopenmp``) into torch's extensions cache (``TORCH_EXTENSIONS_DIR``,
-by default ``~/.cache/torch_extensions``; never the repository) and registered as
+by default ``~/.cache/torch_extensions``; never the repository), in a folder named by a hash of
+the source and flags (:func:`extension_name`), and registered as
 ``torch.ops.prefixgate_cpu.*`` (``TORCH_LIBRARY``, no pybind). The first build took 20-22 s on
 the dev machine (2 cores, AMD EPYC Zen 3, g++ 12); later processes load the cached library.
 The ops' threads are ``at::parallel_for``'s: torch's own OpenMP pool, at
@@ -62,6 +63,7 @@ Stores round to nearest even with AVX512_BF16's ``vcvtneps2bf16`` where the CPU 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import platform
@@ -76,9 +78,6 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
 """The C++ source of every op (one file: one compile)."""
-
-EXTENSION_NAME = "prefixgate_cpu_ops"
-"""The name of the built library in torch's extensions cache (the source's hash is checked)."""
 
 PANEL = 8
 """Output rows per panel of :func:`pack_panels` (one AVX2 register of fp32)."""
@@ -96,6 +95,38 @@ the calling thread: every op ran on one thread until ``-fopenmp`` was added."""
 LDFLAGS = ["-fopenmp"]
 """Linker flags: the library needs ``libgomp.so.1``, which resolves to the copy torch loaded
 first (torch's wheel ships its own; one OpenMP runtime, one thread pool)."""
+
+
+def extension_name(
+    cflags: list[str] | None = None,
+    ldflags: list[str] | None = None,
+    source: Path = SOURCE,
+) -> str:
+    """The library's name in torch's extensions cache, one per source and build:
+    ``prefixgate_cpu_ops_<12 hex digits>``, a SHA-256 of the source's bytes, the compiler and
+    linker flags (default :data:`CFLAGS`, :data:`LDFLAGS`) and torch's version. torch keeps one
+    build folder per name and rebuilds it whenever the source it finds there differs, so two
+    checkouts of different sources (a dev tree beside CI) under one name rebuilt over each other
+    at every start; under this name each source keeps its own folder, and the same source the
+    same name in every process.
+
+    Raises:
+        OSError: ``source`` cannot be read.
+    """
+    digest = hashlib.sha256()
+    digest.update(source.read_bytes())
+    for part in (
+        cflags if cflags is not None else CFLAGS,
+        ldflags if ldflags is not None else LDFLAGS,
+    ):
+        digest.update(b"\0" + "\x1f".join(part).encode())
+    digest.update(b"\0" + torch.__version__.encode())
+    return f"prefixgate_cpu_ops_{digest.hexdigest()[:12]}"
+
+
+EXTENSION_NAME = extension_name()
+"""The name of the library built with :data:`CFLAGS` from this checkout's :data:`SOURCE`
+(:func:`extension_name`); the build without OpenMP has its own."""
 
 
 STALE_LOCK_S = 180.0
@@ -223,9 +254,10 @@ def _build(cflags: list[str], ldflags: list[str]) -> None:
     """
     from torch.utils.cpp_extension import _get_build_directory, load
 
-    clear_stale_lock(_get_build_directory(EXTENSION_NAME, verbose=False))
+    name = extension_name(cflags, ldflags)
+    clear_stale_lock(_get_build_directory(name, verbose=False))
     load(
-        name=EXTENSION_NAME,
+        name=name,
         sources=[str(SOURCE)],
         extra_cflags=list(cflags),  # copies: load() appends torch's own flags to the lists
         extra_ldflags=list(ldflags),

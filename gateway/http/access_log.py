@@ -25,7 +25,10 @@ first token's walk, ``walk=`` then ``name:value`` pairs (milliseconds unless nam
 loop's lag), ``write`` (received to its content written to the client); a part not known is
 left out. Probes (``/health``,
 ``/ready``, ``/metrics``, the ``/dashboard`` page and its polls) are logged at DEBUG only, so a load balancer's checks do not flood
-the log. ``prefixgate serve --no-access-log`` turns the lines off.
+the log; so is any request sent with the ``User-Agent`` :data:`HEALTH_CHECK_USER_AGENT`, which a
+prefixgate proxy sends on its health checks of its upstreams (``GET /health``, and the
+``GET /v1/models`` it reads every few checks). ``prefixgate serve --no-access-log`` turns the
+lines off.
 """
 
 from __future__ import annotations
@@ -40,6 +43,18 @@ from prefixgate.gateway.http.request_account import ACCOUNT, RequestAccount, acc
 PROBES = frozenset(
     {"/health", "/ready", "/metrics", "/dashboard", "/dashboard/data", "/dashboard/dashboard.js"}
 )
+
+HEALTH_CHECK_USER_AGENT = "prefixgate-health-check"
+"""The ``User-Agent`` of a prefixgate proxy's own polls of its upstreams (health checks and
+model-list reads; as Envoy's ``Envoy/HC``): an upstream logs them as probes, at DEBUG."""
+
+
+def is_probe(request: web.BaseRequest) -> bool:
+    """Whether ``request`` is a probe, logged at DEBUG: a probe route (:data:`PROBES`), or a
+    proxy's health poll (``User-Agent`` :data:`HEALTH_CHECK_USER_AGENT`)."""
+    return (
+        request.path in PROBES or request.headers.get("User-Agent", "") == HEALTH_CHECK_USER_AGENT
+    )
 
 
 def stream_cut(request: web.Request, code: str | None) -> None:
@@ -80,7 +95,7 @@ class AccessLogger(AbstractAccessLogger):
     """aiohttp's access-log hook (``AppRunner(access_log_class=AccessLogger)``)."""
 
     def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
-        level = logging.DEBUG if request.path in PROBES else logging.INFO
+        level = logging.DEBUG if is_probe(request) else logging.INFO
         if self.logger.isEnabledFor(level):
             self.logger.log(level, access_line(request, response.status, time))
 

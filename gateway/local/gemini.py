@@ -224,12 +224,12 @@ class GeminiRenderer:
 
 # --- shared steps ---------------------------------------------------------------------------
 def _check_model(st: GatewayState, model: str, param: str = "model") -> None:
-    served = st.model_name
-    if model.removeprefix("models/") != served:
+    names = st.served_names()
+    if model.removeprefix("models/") not in names:
         raise APIError(
             404,
             f"models/{model.removeprefix('models/')[:80]} is not found; this server serves "
-            f"models/{served}",
+            + " or ".join(f"models/{n}" for n in names),
             param=param,
             code="model_not_found",
         )
@@ -379,11 +379,11 @@ async def _generate(request: web.Request, model: str, stream: bool) -> web.Strea
 
 @error_dialect(GEMINI)
 async def list_models(request: web.Request) -> web.Response:
-    """GET /v1beta/models → ``{"models": [Model]}`` (the one served model)."""
+    """GET /v1beta/models → ``{"models": [Model]}`` (one per served model id)."""
     st = request.app[STATE]
     engine = request.app[LOCAL].require_engine()
     st.keys.authenticate(request)
-    page, more = list_page([st.model_name], request.query)
+    page, more = list_page(st.served_names(), request.query)
     models = [model_object(name, _DESCRIPTION, engine.max_model_len) for name in page]
     return web.json_response({"models": models, **more})
 
@@ -395,8 +395,9 @@ async def get_model(request: web.Request) -> web.Response:
     st = request.app[STATE]
     engine = request.app[LOCAL].require_engine()
     st.keys.authenticate(request)
-    _check_model(st, request.match_info["target"])
-    return web.json_response(model_object(st.model_name, _DESCRIPTION, engine.max_model_len))
+    name = request.match_info["target"].removeprefix("models/")
+    _check_model(st, name)
+    return web.json_response(model_object(name, _DESCRIPTION, engine.max_model_len))
 
 
 # --- cachedContents -------------------------------------------------------------------------

@@ -223,24 +223,26 @@ async def _check_constraint(spec: StructuredOutputsParams, field: str) -> None:
 
 
 async def list_models(request: web.Request) -> web.Response:
-    """GET /v1/models: the one served model."""
+    """GET /v1/models: a card per served model id (``--served-model-name``'s)."""
     st = request.app[STATE]
     st.keys.authenticate(request)
-    return _json(dump(ModelList(data=[_model_card(request.app)])))
+    cards = [_model_card(request.app, name) for name in st.served_names()]
+    return _json(dump(ModelList(data=cards)))
 
 
 async def get_model(request: web.Request) -> web.Response:
-    """GET /v1/models/{model}."""
+    """GET /v1/models/{model}: the card of that served id."""
     st = request.app[STATE]
     st.keys.authenticate(request)
-    st.check_model(request.match_info["model"])
-    return _json(dump(_model_card(request.app)))
+    model = request.match_info["model"]
+    st.check_model(model)
+    return _json(dump(_model_card(request.app, model)))
 
 
-def _model_card(app: web.Application) -> ModelCard:
+def _model_card(app: web.Application, name: str) -> ModelCard:
     engine = app[LOCAL].engine
     length = engine.max_model_len if engine is not None else None
-    return ModelCard(id=app[STATE].model_name, max_model_len=length)
+    return ModelCard(id=name, max_model_len=length)
 
 
 def _json(body: bytes, status: int = 200) -> web.Response:

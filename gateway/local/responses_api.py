@@ -442,24 +442,35 @@ def _options(options: ResponsesCacheOptions | None) -> dict[str, Any] | None:
     }
 
 
-_TWELVE_HOURS = 43_200.0
+def ttl_field(ttl_s: float) -> str:
+    """The ``cache_write_tokens_details`` field of writes kept ``ttl_s`` seconds:
+    ``ttl_30m_tokens`` (1800), ``ttl_12h_tokens`` (43200), ``ttl_24h_tokens``
+    (``prompt_cache_retention: "24h"``), ``ttl_5m_tokens`` and ``ttl_1h_tokens`` (a part's
+    ``cache_control``): whole hours in ``h``, else whole minutes in ``m``, else seconds."""
+    seconds = round(ttl_s)
+    if seconds % 3600 == 0:
+        return f"ttl_{seconds // 3600}h_tokens"
+    if seconds % 60 == 0:
+        return f"ttl_{seconds // 60}m_tokens"
+    return f"ttl_{seconds}s_tokens"
 
 
 def _usage(u: Usage, marks: list[Mark]) -> dict[str, Any]:
     """The Responses ``usage``: ``input_tokens_details.cached_tokens`` read from the prefix
-    cache, ``cache_write_tokens`` written at the breakpoints (split into
-    ``cache_write_tokens_details``: TTLs of 12 h and more, and the shorter ones), so read +
-    written + the uncached rest == ``input_tokens``."""
+    cache, ``cache_write_tokens`` written at the breakpoints, split in
+    ``cache_write_tokens_details`` by the TTL each token was written with (``ttl_field``;
+    ``ttl_30m_tokens`` and ``ttl_12h_tokens`` always, another TTL's field when it wrote), so
+    read + written + the uncached rest == ``input_tokens``."""
     cached = u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details else 0
     by_ttl = written_tokens(cached, marks)
     written = sum(by_ttl.values())
-    long = sum(n for ttl, n in by_ttl.items() if ttl >= _TWELVE_HOURS)
     details: dict[str, Any] = {"cached_tokens": cached, "cache_write_tokens": written}
     if marks:
-        details["cache_write_tokens_details"] = {
-            "ttl_12h_tokens": long,
-            "ttl_30m_tokens": written - long,
-        }
+        split = {"ttl_12h_tokens": 0, "ttl_30m_tokens": 0}
+        for ttl_s, n in by_ttl.items():
+            key = ttl_field(ttl_s)
+            split[key] = split.get(key, 0) + n
+        details["cache_write_tokens_details"] = split
     return {
         "input_tokens": u.prompt_tokens,
         "input_tokens_details": details,

@@ -38,6 +38,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import aiohttp
+from prefixgate.gateway.http.access_log import HEALTH_CHECK_USER_AGENT
 from prefixgate.gateway.http.errors import APIError, bad_request, not_found, shown
 from prefixgate.gateway.proxy.health import HealthPolicy, UpstreamHealth
 from prefixgate.gateway.proxy.model_list import ModelList
@@ -372,10 +373,13 @@ class UpstreamRouter:
         if up.dialect != "openai":
             return  # a config's deployment: its models are the config's
         auth = self.gateway_credential(up)
+        headers = {"User-Agent": HEALTH_CHECK_USER_AGENT}
+        if auth:
+            headers["Authorization"] = auth
         try:
             async with self.session.get(
                 up.url + "/v1/models",
-                headers={"Authorization": auth} if auth else None,
+                headers=headers,
                 timeout=aiohttp.ClientTimeout(total=2.0),
                 ssl=up.ssl,
             ) as resp:
@@ -633,6 +637,7 @@ class UpstreamRouter:
         try:
             async with self.session.get(
                 up.url + "/health",
+                headers={"User-Agent": HEALTH_CHECK_USER_AGENT},
                 timeout=aiohttp.ClientTimeout(total=policy.timeout_s),
                 ssl=up.ssl,
             ) as resp:

@@ -20,7 +20,13 @@ from prefixgate.gateway.serve.help_text import ENGINE_HELP, GATEWAY_HELP
 from prefixgate.gateway.settings import CACHE_SALT_MODES, GatewaySettings
 from prefixgate.gateway.wire.tool_parsers import PARSERS
 
-__all__ = ["add_serve_arguments", "in_flag_words", "parse_bytes", "positional_model"]
+__all__ = [
+    "add_serve_arguments",
+    "check_parallel_sizes",
+    "in_flag_words",
+    "parse_bytes",
+    "positional_model",
+]
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {
@@ -153,8 +159,41 @@ def _engine_flags(group: argparse._ArgumentGroup) -> None:
         dest="enable_prefix_caching",
         action="store_false",
         default=argparse.SUPPRESS,
-        help="turn the prefix cache off (default: on: requests sharing a prompt prefix reuse "
-        "its KV blocks)",
+        help="turn the prefix cache off: the same as --no-enable-prefix-caching (default: on)",
+    )
+    group.add_argument(
+        "--enable-prefix-caching",
+        dest="enable_prefix_caching",
+        action=argparse.BooleanOptionalAction,
+        default=argparse.SUPPRESS,
+        help="vLLM's: whether requests sharing a prompt prefix reuse its KV blocks; "
+        "--no-enable-prefix-caching turns the prefix cache off (default: on)",
+    )
+    group.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        dest="tensor_parallel_size",
+        type=int,
+        default=1,
+        help="vLLM's: GPUs one model is split over; prefixgate runs a model on one device, so "
+        "only 1 is taken (more: run replicas behind --upstream) (default: 1)",
+    )
+    group.add_argument(
+        "--pipeline-parallel-size",
+        "-pp",
+        dest="pipeline_parallel_size",
+        type=int,
+        default=1,
+        help="vLLM's: pipeline stages of one model; only 1 is taken, as "
+        "--tensor-parallel-size (default: 1)",
+    )
+    group.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="vLLM's permission to run a hub model's own Python code; taken so vLLM's command "
+        "lines run, and it permits nothing: prefixgate never runs a model's code, it runs "
+        "the architectures it implements (a model of another architecture is refused either "
+        "way) (default: off)",
     )
     group.add_argument(
         "--hf-overrides",
@@ -204,9 +243,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--served-model-name",
+        nargs="+",
         default=None,
-        help="the model id the API serves and requests must name; any other gets 404 "
-        "model_not_found (default: the hub id, or the model folder's name)",
+        metavar="NAME",
+        help="the model ids the API serves, one or more as vLLM's: each is listed in "
+        "/v1/models and accepted in requests, answers name the first; any other gets 404 "
+        "model_not_found; local engine only (default: the hub id, or the model folder's name)",
     )
     p.add_argument(
         "--chat-template",
@@ -375,6 +417,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
             help=_with_default(GATEWAY_HELP.get(name, name), getattr(defaults, name)),
         )
     p.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="vLLM's: stop logging each request's prompt and parameters; taken so vLLM's "
+        "command lines run, and it changes nothing: prefixgate never logs a request's "
+        "content (its per-request access line is --no-access-log) (default: off)",
+    )
+    p.add_argument(
         "--no-access-log",
         dest="access_log",
         action="store_false",
@@ -413,6 +462,28 @@ def positional_model(args: argparse.Namespace) -> None:
             f"the positional MODEL {tag[:200]!r} and --model {args.model[:200]!r} differ: give one"
         )
     args.model = tag
+
+
+def check_parallel_sizes(args: argparse.Namespace) -> None:
+    """``--tensor-parallel-size`` / ``--pipeline-parallel-size`` (vLLM's) are taken at 1 only:
+    prefixgate runs one model on one device.
+
+    Raises:
+        ValueError: either above 1, or below 1.
+    """
+    for dest, flag in (
+        ("tensor_parallel_size", "--tensor-parallel-size"),
+        ("pipeline_parallel_size", "--pipeline-parallel-size"),
+    ):
+        size = getattr(args, dest, 1)
+        if size < 1:
+            raise ValueError(f"{flag} must be >= 1, got {size}")
+        if size > 1:
+            raise ValueError(
+                f"{flag} {size}: prefixgate runs a model on one device (1 only, no model "
+                "parallelism); to use several GPUs, run one server per GPU and a gateway "
+                "in front (--upstream URL per server)"
+            )
 
 
 def check_auto_tool_choice(args: argparse.Namespace) -> None:

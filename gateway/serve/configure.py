@@ -164,14 +164,26 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
     """GatewaySettings from the parsed flags.
 
     Raises:
-        ValueError: an option out of its range (``GatewaySettings``), or a bad upstream key
-            (``upstream_api_key``).
+        ValueError: an option out of its range (``GatewaySettings``), a bad upstream key
+            (``upstream_api_key``), a ``--served-model-name`` given twice, or one that is a
+            model folder or hub id with no model given (the positional MODEL it swallowed).
     """
-    name = args.served_model_name
-    if name is None and not args.upstreams and not args.config:
-        name = default_model_name(args.model)
+    names = list(args.served_model_name or [])
+    if not names and not args.upstreams and not args.config:
+        names = [default_model_name(args.model)]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--served-model-name: a name given twice: {' '.join(names)}")
+    last = names[-1] if len(names) > 1 else ""
+    if args.model is None and (os.path.isdir(os.path.expanduser(last)) or _HUB_ID.match(last)):
+        # `serve --served-model-name a PATH` once served PATH as a; nargs="+" takes PATH too
+        raise ValueError(
+            f"--served-model-name took {last[:200]!r}, a model, as a name (it takes every word "
+            "after it): give the model first (prefixgate serve MODEL --served-model-name ...) "
+            "or as --model"
+        )
     return GatewaySettings(
-        model_name=name,
+        model_name=names[0] if names else None,
+        model_aliases=names[1:],
         api_keys=list(args.api_keys),
         upstream_api_key=upstream_api_key(args),
         upstream_kv_events=upstream_kv_events(args.upstream_kv_events),

@@ -82,6 +82,11 @@ ENGINE_HELP = {
     "seed": "seed of dummy weights and of requests that give no seed (integer in [-2**63, 2**64))",
     "block_size": "tokens per KV-cache block (a power of two >= 1)",
     "num_kv_blocks": "KV-cache blocks (>= 1) (default: as many as --kv-cache-memory holds)",
+    "gpu_memory_utilization": "vLLM's: on a CUDA device, the share of its total memory this "
+    "server may use, in (0, 1]; the KV cache gets that share less what is in use once the "
+    "model is loaded (activations are not profiled first, as vLLM does: leave them room). "
+    "Refused on CPU (the KV cache there is --kv-cache-memory) and with --kv-cache-memory or "
+    "--num-kv-blocks (default: unset: half the free device memory on CUDA)",
     "max_model_len": "longest prompt + output, tokens (>= 1; at most the model's "
     "max_position_embeddings and the KV cache's tokens) (default: the model's own limit)",
     "max_num_seqs": "most requests running at once, the decode batch bound (>= 1)",

@@ -31,6 +31,7 @@ from prefixgate.gateway.proxy.upstream import normalize_url
 from prefixgate.gateway.serve.args import (
     add_serve_arguments,
     check_auto_tool_choice,
+    check_parallel_sizes,
     in_flag_words,
     parse_bytes,
     positional_model,
@@ -91,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         positional_model(args)  # `prefixgate serve PATH` = --model PATH, as vLLM's
         check_auto_tool_choice(args)  # vLLM's flag: only beside --tool-call-parser
+        check_parallel_sizes(args)  # vLLM's flags: one device only
         key_specs = check_before_imports(args)  # keys file, model path: before torch
         settings = settings_from_args(args)
         check_settings(settings)  # each routing policy's options
@@ -103,6 +105,12 @@ def run(args: argparse.Namespace) -> int:
         chat_template = load_chat_template(args.chat_template) if args.chat_template else None
         if chat_template and upstreams:
             raise ValueError("--chat-template applies to a local model, not to --upstream")
+        if args.served_model_name and upstreams:
+            raise ValueError(
+                "--served-model-name names a local model; with --upstream or --config the "
+                "upstreams' model ids are served (a --config renames them with its model "
+                "names and aliases)"
+            )
         if args.trust_pool_headers and upstreams:
             raise ValueError(
                 "--trust-pool-headers applies to a local engine (an InferencePool's model "
@@ -171,12 +179,16 @@ def preflight(config: Any) -> None:
     thread while ``/health`` waits for the interpreter lock.
 
     Raises:
-        ValueError: what ``ModelConfig.from_engine_config`` refuses (one line).
+        ValueError: what ``ModelConfig.from_engine_config`` refuses (one line), or
+            ``--gpu-memory-utilization`` off CUDA.
     """
     import prefixgate.engine.async_engine  # noqa: F401 - the engine's imports, done now
-    from prefixgate.engine.models.config import ModelConfig
+    from prefixgate.engine.kv_cache import check_gpu_memory_utilization
+    from prefixgate.engine.models.config import ModelConfig, resolve_device
     from prefixgate.engine.models.presets import PRESETS
 
+    if config.gpu_memory_utilization is not None:
+        check_gpu_memory_utilization(config.gpu_memory_utilization, resolve_device(config.device))
     model = config.model
     if model is not None and not os.path.isdir(os.path.expanduser(model)) and model not in PRESETS:
         return

@@ -60,7 +60,13 @@ def add_sim_parser(sub: Any) -> argparse.ArgumentParser:
         ("--tenants", int, 100, "base tenants"),
         ("--routing", POLICIES, "precise", "routing policy of every gateway"),
         ("--load", float, 0.8, "base arrival rate as a multiple of the measured capacity"),
-        ("--duration-s", float, 60.0, "arrivals for this long, virtual seconds"),
+        (
+            "--duration-s",
+            float,
+            60.0,
+            "sessions start for this long, virtual seconds; their later turns and retries "
+            "go on after it (the drain, at most 120 s more)",
+        ),
         ("--seed", int, 0, "the workload's seed (same seed, same JSON)"),
         ("--json", str, None, "write the report here"),
         ("--plot", str, None, "write a PNG plot here (matplotlib)"),
@@ -109,6 +115,46 @@ def add_sim_parser(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
+UPPER_BOUNDS: dict[str, float] = {
+    "--replicas": 1024,
+    "--gateways": 256,
+    "--tenants": 1_000_000,
+    "--load": 100.0,
+    "--duration-s": 86_400.0,
+    "--kv-blocks": 10_000_000,
+    "--max-num-seqs": 65_536,
+    "--max-num-batched-tokens": 1_048_576,
+    "--max-queued-requests": 10_000_000,
+    "--system-prompt-tokens": 1_048_576,
+    "--user-tokens": 1_048_576,
+    "--output-tokens": 1_048_576,
+    "--mean-turns": 1000.0,
+    "--think-s": 86_400.0,
+    "--ttft-budget-s": 86_400.0,
+    "--light-rate": 10_000.0,
+    "--flood-factor": 100.0,
+    "--capacity-rps": 1_000_000.0,
+}
+"""The most each numeric flag takes: a run's wall time grows with the requests it simulates
+(replicas x load x duration, 4-8 ms of CPU each, docs/sim.md) and with the replicas it builds,
+so a value past these (``--replicas 100000``) ran for hours before printing anything."""
+
+
+def check_upper_bounds(args: argparse.Namespace) -> None:
+    """Refuse a flag above its :data:`UPPER_BOUNDS` entry, naming it.
+
+    Raises:
+        ValueError: the first flag over its bound.
+    """
+    for flag, most in UPPER_BOUNDS.items():
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        if value is not None and value > most:
+            raise ValueError(
+                f"{flag} must be <= {most:g}, got {value:g} (a run's time grows with it; "
+                "docs/sim.md)"
+            )
+
+
 def _from_flags(config: type[T], args: argparse.Namespace) -> T:
     """``config`` (a dataclass) with each field a flag sets (``--max-num-seqs`` for
     ``max_num_seqs``) taken from ``args``, the others at their defaults."""
@@ -136,6 +182,7 @@ def run(args: argparse.Namespace) -> int:
     from prefixgate.sdk.bench.output_file import check_output_file
 
     try:
+        check_upper_bounds(args)
         fc = _from_flags(FleetConfig, args)
         wc = _from_flags(WorkloadConfig, args)
         for flag, value in (
@@ -173,11 +220,28 @@ def _run(args: argparse.Namespace, fc: FleetConfig, wc: WorkloadConfig) -> int:
     from prefixgate.gateway.sim.report import plot, summarize
     from prefixgate.gateway.sim.workload import LIGHT_TENANT
 
+    def progress(line: str) -> None:
+        print(f"prefixgate sim: {line}", file=sys.stderr, flush=True)
+
     t0 = time.perf_counter()
+    if args.capacity_rps is None:
+        progress("measuring one replica's capacity (40 virtual s; --capacity-rps skips it)")
     capacity = args.capacity_rps or saturated_rate(fc, wc, args.seed, args.step_by_step)
     t_cap = time.perf_counter() - t0
     rate = args.load * capacity * args.replicas
-    fleet = Fleet(fc, wc, rate, args.duration_s, args.seed, step_by_step=args.step_by_step).run()
+    progress(
+        f"fleet: {args.replicas} replicas x {args.gateways} gateways at {rate:.1f} requests/s "
+        f"for {args.duration_s:g} virtual s, then the drain"
+    )
+    fleet = Fleet(
+        fc,
+        wc,
+        rate,
+        args.duration_s,
+        args.seed,
+        step_by_step=args.step_by_step,
+        progress=lambda line: progress("fleet " + line),
+    ).run()
     t_run = time.perf_counter() - t0 - t_cap
     solo = None
     if not args.no_solo and args.light_rate > 0:

@@ -26,6 +26,7 @@ import heapq
 import importlib
 import itertools
 import math
+import time
 import zlib
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -467,6 +468,8 @@ class Fleet:
         step_by_step: every engine step through ``LLMEngine.step`` (else a replica's
             pure-decode stretches go at once, ``plan_decodes`` / ``apply_decodes``, cut
             short when a request reaches it).
+        progress: called with one line (the virtual time reached, requests answered, wall
+            seconds) every ``progress_every_s`` wall seconds of :meth:`run`; None: silent.
     """
 
     def __init__(
@@ -480,8 +483,12 @@ class Fleet:
         drain_s: float = 120.0,
         clients: int = 0,
         step_by_step: bool = False,
+        progress: Callable[[str], None] | None = None,
+        progress_every_s: float = 10.0,
     ) -> None:
         config.check_workload(workload)
+        self.progress = progress
+        self.progress_every_s = progress_every_s
         self.config = config
         self._context_len = config.context_len()  # the replicas' max_model_len
         self.step_by_step = step_by_step
@@ -533,13 +540,28 @@ class Fleet:
                         self.at(s.t, self._start_session, s.tenant, s.session, s.turns)
             end = self.duration_s + self.drain_s
             heap = self._heap
+            wall0 = last = time.perf_counter()
             while heap:
                 t, _, fn, args = heapq.heappop(heap)
                 if t > end:
                     break
                 self.clock.t = t
                 fn(*args)
+                if self.progress is not None:
+                    now = time.perf_counter()  # ~0.1 µs an event; a request takes ms
+                    if now - last >= self.progress_every_s:
+                        last = now
+                        self.progress(self._progress_line(t, now - wall0))
         return self
+
+    def _progress_line(self, t: float, wall_s: float) -> str:
+        """Where a run is: virtual time against the arrivals' end, answered, wall seconds."""
+        phase = "arrivals" if t < self.duration_s else "drain"
+        return (
+            f"at {t:.1f} of {self.duration_s:g} virtual s ({phase}), {len(self.done)} "
+            f"answered, {len(self.retrying)} retrying, {self.steps} engine steps, "
+            f"{wall_s:.0f} s wall"
+        )
 
     # ---- clients ----------------------------------------------------------------------------
     def _system_prompt(self, tenant: str) -> tuple[list[int], list[int]]:

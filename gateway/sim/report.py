@@ -175,7 +175,9 @@ def summarize(
 
 
 def plot(fleet: Fleet, path: str) -> None:
-    """TTFT over time by tenant kind, and requests answered per replica, as a PNG."""
+    """TTFT over time by tenant kind (arrivals to ``duration_s``, then the drain shaded: later
+    turns of sessions started before it, and retries), and requests answered per replica, as
+    a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -199,8 +201,20 @@ def plot(fleet: Fleet, path: str) -> None:
             ax1.axvline(t, color="tab:orange", alpha=0.01)
     third = fleet.duration_s / 3
     ax1.axvspan(third, 2 * third, color="tab:red", alpha=0.05)
+    # sessions start before duration_s; their later turns and retries arrive in the drain
+    ax1.axvline(fleet.duration_s, color="black", linestyle="--", linewidth=0.8)
+    ax1.axvspan(
+        fleet.duration_s,
+        max([fleet.duration_s, *(r.t_try for r in answered)]),
+        color="tab:gray",
+        alpha=0.08,
+        label="drain: later turns of sessions started before --duration-s, and retries",
+    )
     ax1.set_yscale("log")
-    ax1.set_xlabel("arrival (virtual s)")
+    ax1.set_xlabel(
+        f"arrival of the request's last try (virtual s); sessions start until "
+        f"{fleet.duration_s:g} s (--duration-s)"
+    )
     ax1.set_ylabel("TTFT (s)")
     ax1.set_title(
         f"{fleet.config.replicas} replicas x {fleet.config.gateways} gateways, "

@@ -217,3 +217,34 @@ def test_a_translated_proxy_answer_logs_its_finish_reason_and_first_token(
     said = "length" if route == "messages-on-openai" and stream else "stop"  # the stub's words
     assert f" finish={said} " in line, line
     assert (re.search(r" ttft=\d+\.\d{3}s ", line) is not None) == stream, line
+
+
+def test_a_proxys_health_polls_are_debug_lines_on_its_prefixgate_upstream(caplog, serve_fake):
+    """A proxy's health checks of a prefixgate upstream (``GET /health`` every interval, and
+    ``GET /v1/models`` every few) are logged there at DEBUG, as its other probes; a client's
+    own ``GET /v1/models`` stays an INFO line."""
+    import time
+
+    import httpx
+    from prefixgate.gateway.app import create_proxy_app
+    from prefixgate.gateway.http.server import BackgroundServer
+    from prefixgate.gateway.proxy.upstream import MODELS_EVERY
+    from prefixgate.gateway.settings import GatewaySettings
+
+    with caplog.at_level(logging.DEBUG, logger="prefixgate.access"):
+        upstream, _engine = serve_fake(access_log=True)
+        settings = GatewaySettings(health_interval_s=0.02)
+        with BackgroundServer(lambda: create_proxy_app([upstream.url], settings)):
+            time.sleep(0.02 * MODELS_EVERY * 4)
+        httpx.get(upstream.url + "/v1/models", timeout=10)
+        time.sleep(0.2)
+    polls = [
+        (r.levelno, r.getMessage())
+        for r in caplog.records
+        if r.name == "prefixgate.access" and '"GET /v1/models"' in r.getMessage()
+    ]
+    assert len(polls) >= 3, polls  # at start, then every MODELS_EVERY checks, then the client
+    assert [level for level, _ in polls[:-1]] == [logging.DEBUG] * (len(polls) - 1), polls
+    assert polls[-1][0] == logging.INFO, polls
+    health = [r.levelno for r in caplog.records if '"GET /health"' in r.getMessage()]
+    assert health and set(health) == {logging.DEBUG}

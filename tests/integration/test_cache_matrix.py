@@ -293,6 +293,11 @@ def _implicit(m: Matrix, tag: str, extra: dict[str, Any], field_name: str, ttl_s
     assert a.header.startswith(f"read=0; {field_name}={a.written}:written"), a.header
     pins = m.new_pins(before)
     assert [p.ttl_s for p in pins] == [ttl_s]
+    if m.dialect == RESPONSES:  # the write is reported under the TTL it was written with
+        split = a.body["usage"]["input_tokens_details"]["cache_write_tokens_details"]
+        hours = f"ttl_{int(ttl_s) // 3600}h_tokens" if ttl_s % 3600 == 0 else None
+        shown = hours or f"ttl_{int(ttl_s) // 60}m_tokens"
+        assert split[shown] == a.written and sum(split.values()) == a.written, split
     return "effect"
 
 
