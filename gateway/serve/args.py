@@ -447,6 +447,37 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     _engine_flags(p.add_argument_group("engine options"))
 
 
+def engine_flags_given(args: argparse.Namespace) -> list[str]:
+    """The engine options set on the command line (``--max-num-seqs``, ``--kv-cache-memory``,
+    ...): every engine flag but ``--model`` defaults to "not given" (``argparse.SUPPRESS``),
+    so a name in ``args`` was given. ``--tensor-parallel-size`` / ``--pipeline-parallel-size``
+    count when not 1; ``--trust-remote-code`` (it permits, it configures nothing) never."""
+    from prefixgate.engine.config import EngineConfig
+
+    names = [f.name for f in dataclasses.fields(EngineConfig) if f.name != "model"]
+    given = ["--" + n.replace("_", "-") for n in names if n in vars(args)]
+    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        if getattr(args, name, 1) != 1:
+            given.append("--" + name.replace("_", "-"))
+    return given
+
+
+def check_no_engine_flags(args: argparse.Namespace) -> None:
+    """With ``--upstream`` or ``--config`` no local engine runs: an engine option given then
+    would be taken and do nothing.
+
+    Raises:
+        ValueError: naming the engine options given.
+    """
+    given = engine_flags_given(args)
+    if given:
+        raise ValueError(
+            f"{', '.join(given)} configure{'s' if len(given) == 1 else ''} the local engine; "
+            "with --upstream or --config the upstreams run their own engines (set such "
+            "options on them)"
+        )
+
+
 def positional_model(args: argparse.Namespace) -> None:
     """Fold ``serve``'s positional ``MODEL`` into ``args.model`` (``prefixgate serve PATH`` is
     ``--model PATH``, as ``vllm serve PATH``).

@@ -31,6 +31,7 @@ from prefixgate.gateway.proxy.upstream import normalize_url
 from prefixgate.gateway.serve.args import (
     add_serve_arguments,
     check_auto_tool_choice,
+    check_no_engine_flags,
     check_parallel_sizes,
     in_flag_words,
     parse_bytes,
@@ -105,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
         chat_template = load_chat_template(args.chat_template) if args.chat_template else None
         if chat_template and upstreams:
             raise ValueError("--chat-template applies to a local model, not to --upstream")
+        if upstreams:
+            check_no_engine_flags(args)  # they would configure an engine that does not run
         if args.served_model_name and upstreams:
             raise ValueError(
                 "--served-model-name names a local model; with --upstream or --config the "

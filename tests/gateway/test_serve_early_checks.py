@@ -283,3 +283,35 @@ def test_a_bad_host_is_named_as_the_host_even_with_any_free_port():
     seen, errors = _serve("--host", "0.0.0.0.0", "--port", "0")
     assert seen == {"code": 1, "torch": False, "engine": False}
     assert len(errors) == 1 and "choose another --host" in errors[0], errors
+
+
+def test_engine_options_beside_upstream_are_refused_by_name_before_torch():
+    # they were taken and did nothing: `serve --upstream URL --max-num-seqs 4` served with
+    # the upstream's own seats, the flag silently ignored
+    seen, errors = _serve(
+        "--upstream",
+        "http://127.0.0.1:9",
+        "--max-num-seqs",
+        "4",
+        "--kv-cache-memory",
+        "64MiB",
+        "--port",
+        "0",
+    )
+    assert seen == {"code": 2, "torch": False, "engine": False}
+    line = _one_line(errors, "--max-num-seqs", "--kv-cache-memory", "--upstream")
+    assert "configure the local engine" in line
+
+
+def test_which_engine_options_count_as_given():
+    import argparse
+
+    from prefixgate.gateway.serve.args import add_serve_arguments, engine_flags_given
+
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    assert engine_flags_given(p.parse_args(["--upstream", "http://u"])) == []
+    # a permission configures nothing; the parallel sizes at their default of 1 are not set
+    assert engine_flags_given(p.parse_args(["--trust-remote-code", "-tp", "1"])) == []
+    got = engine_flags_given(p.parse_args(["--no-prefix-caching", "--threads", "2"]))
+    assert sorted(got) == ["--enable-prefix-caching", "--threads"]
