@@ -24,8 +24,10 @@ Prompt caching takes the chat's controls (``local/cache_marks.py``): ``prompt_ca
 ``unavailable``) says what was reused (``local/cache_diagnostics.py``, shared with Messages).
 
 What is not implemented is refused by name (400), never ignored: stored responses
-(``store: true``, ``previous_response_id``, ``conversation``), tools, reasoning, non-text
-output formats, images/files in the input, ``include``, ``background``, logprobs.
+(``store: true``, ``previous_response_id``, ``conversation``), tools, reasoning, images/files
+in the input, ``include``, ``background``, logprobs. ``text.format`` takes ``text``,
+``json_object`` and ``json_schema`` (enforced by the grammar path, as chat's
+``response_format``).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from typing import Annotated, Any, Literal
 import pydantic_core
 from aiohttp import web
 from prefixgate.engine.outputs import CompletionOutput, StepOutput
-from prefixgate.engine.sampling_params import SamplingParams
+from prefixgate.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from prefixgate.gateway.http.errors import APIError, bad_request
 from prefixgate.gateway.local.cache_diagnostics import PROMPT_LOG, Comparison, openai_diagnostics
 from prefixgate.gateway.local.cache_marks import (
@@ -61,7 +63,7 @@ from prefixgate.gateway.wire.request_models import (
 )
 from prefixgate.gateway.wire.response_models import Usage
 from prefixgate.gateway.wire.sampling import sampling_params
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import from_json
 
 _CONFIG = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
@@ -120,10 +122,46 @@ class InputMessage(BaseModel):
 
 
 class TextFormat(BaseModel):
-    """``text.format``: only ``{"type": "text"}`` (plain text output)."""
+    """``text.format``: ``{"type": "text"}`` (plain text, the default), ``{"type":
+    "json_object"}`` (any JSON object) or ``{"type": "json_schema", "name": ..., "schema":
+    {...}, "strict": ..., "description": ...}`` (JSON valid against the schema, enforced
+    whether ``strict`` or not, as chat's ``response_format``; the flat shape of the Responses
+    API, where chat nests them under ``json_schema``).
+
+    Raises:
+        ValueError: (a 400 naming ``text.format``) ``name`` / ``schema`` missing for
+            ``json_schema``, or given for another type.
+    """
 
     model_config = _CONFIG
-    type: Literal["text"]
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = Field(None, pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _shape(self) -> TextFormat:
+        if self.type == "json_schema":
+            if self.name is None or self.json_schema is None:
+                raise ValueError("type json_schema needs 'name' and 'schema'")
+        elif any(
+            v is not None for v in (self.name, self.json_schema, self.description, self.strict)
+        ):
+            raise ValueError(f"type {self.type} takes no name, schema, description or strict")
+        return self
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The engine's constraint (``None`` for plain text)."""
+        if self.type == "json_schema":
+            return StructuredOutputsParams(json=self.json_schema)
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        return None
+
+    def echoed(self) -> dict[str, Any]:
+        """The format as the ``response`` object states it."""
+        return self.model_dump(by_alias=True, exclude_none=True)
 
 
 class TextConfig(BaseModel):
@@ -189,13 +227,26 @@ class ResponsesRequest(BaseModel):
             out.extend({"role": m.role, "content": m.text()} for m in self.input)
         return out
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """The engine's ``SamplingParams`` (``max_tokens``: the checked limit).
+    def output_constraint(self) -> StructuredOutputsParams | None:
+        """``text.format``'s constraint on the output, or ``None`` (plain text)."""
+        fmt = self.text.format if self.text is not None else None
+        return fmt.constraint() if fmt is not None else None
+
+    def sampling_params(
+        self, max_tokens: int, structured: StructuredOutputsParams | None = None
+    ) -> SamplingParams:
+        """The engine's ``SamplingParams`` (``max_tokens``: the checked limit; ``structured``:
+        ``output_constraint``'s).
 
         Raises:
             APIError: 400 naming the field the engine refuses.
         """
-        fields = {"temperature": self.temperature, "top_p": self.top_p, "max_tokens": max_tokens}
+        fields = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "max_tokens": max_tokens,
+            "structured_outputs": structured,
+        }
         return sampling_params(fields, _RESPONSES_NAMES)
 
 
@@ -300,6 +351,13 @@ class ResponsesRenderer:
         self.seq = 0
         self.text = ""
 
+    def _format(self) -> dict[str, Any]:
+        """``text.format`` as asked (plain text when not)."""
+        text = self.req.text
+        if text is None or text.format is None:
+            return {"type": "text"}
+        return text.format.echoed()
+
     # --- whole objects ------------------------------------------------------------------
     def response(
         self, status: str, text: str | None, usage: Usage | None, finish: str | None = None
@@ -327,7 +385,7 @@ class ResponsesRenderer:
             "reasoning": None,
             "store": False,
             "temperature": 1.0 if req.temperature is None else req.temperature,
-            "text": {"format": {"type": "text"}},
+            "text": {"format": self._format()},
             "tool_choice": req.tool_choice or "auto",
             "tools": [],
             "top_p": 1.0 if req.top_p is None else req.top_p,
@@ -497,7 +555,13 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         len(ids), req.max_output_tokens, engine.max_model_len, "input", "max_output_tokens"
     )
     rid = "resp_" + uuid.uuid4().hex
-    params = req.sampling_params(max_tokens)
+    structured = req.output_constraint()
+    if structured is not None:
+        from prefixgate.gateway.local.openai_routes import _check_constraint
+
+        fmt = "text.format.schema" if structured.json is not None else "text.format"
+        await _check_constraint(structured, fmt)
+    params = req.sampling_params(max_tokens, structured)
     offset = 1 if req.instructions else 0
     breakpoints = openai_breakpoints(
         req.input if isinstance(req.input, list) else [],

@@ -104,7 +104,7 @@ def test_responses_stream_helper(server, client, pool_whole):
         ({"store": True}, "store"),
         ({"tools": [{"type": "web_search"}]}, "tools"),
         ({"reasoning": {"effort": "high"}}, "reasoning"),
-        ({"text": {"format": {"type": "json_object"}}}, "text.format.type"),
+        ({"text": {"format": {"type": "grammar"}}}, "text.format.type"),
         ({"input": [{"type": "input_image", "image_url": "x"}]}, "input.0.type"),
         ({"no_such_field": 1}, "no_such_field"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
