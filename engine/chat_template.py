@@ -90,6 +90,31 @@ def content_spans(
     return None
 
 
+def final_message_end(messages: list[Message], text: str) -> int:
+    """Where ``text`` (a rendering of ``messages``) is cut to continue the last message: right
+    after the last occurrence of its content (stripped; its trailing whitespace kept where the
+    rendering kept it), so the end-of-turn markup after it goes (transformers'
+    ``continue_final_message``).
+
+    Raises:
+        ValueError: the last message has no text, or the rendering does not hold it (the
+            template dropped or changed it).
+    """
+    content = messages[-1].get("content") if messages else None
+    if not isinstance(content, str) or not content.strip():
+        raise ValueError("continue_final_message: the final message has no text to continue")
+    at = text.rfind(content.strip())
+    if at == -1:
+        raise ValueError(
+            "continue_final_message: the chat template does not render the final message's "
+            "text as it is, so it cannot be continued"
+        )
+    kept = content.lstrip()
+    if text[at : at + len(kept)] == kept:
+        return at + len(kept)
+    return at + len(content.strip())
+
+
 def _text_part(part: Any, i: int) -> str:
     if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
         return part["text"]

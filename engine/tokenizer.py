@@ -20,6 +20,7 @@ from prefixgate.engine.chat_template import (
     Message,
     compile_template,
     content_spans,
+    final_message_end,
     normalize_messages,
 )
 from prefixgate.engine.models.errors import ModelFileNotFoundError
@@ -303,6 +304,7 @@ class Tokenizer:
         *,
         tokenize: Literal[False] = False,
         chat_template: str | None = None,
+        continue_final_message: bool = False,
         **kwargs: Any,
     ) -> str: ...
 
@@ -314,6 +316,7 @@ class Tokenizer:
         *,
         tokenize: Literal[True],
         chat_template: str | None = None,
+        continue_final_message: bool = False,
         **kwargs: Any,
     ) -> list[int]: ...
 
@@ -324,6 +327,7 @@ class Tokenizer:
         *,
         tokenize: bool = False,
         chat_template: str | None = None,
+        continue_final_message: bool = False,
         **kwargs: Any,
     ) -> str | list[int]:
         """Render a conversation with the chat template (transformers' semantics).
@@ -337,12 +341,19 @@ class Tokenizer:
                 (as transformers does); callers encoding the text themselves must do the same.
             chat_template: a named template (e.g. ``"tool_use"``) or a template source;
                 default the tokenizer's ``"default"`` template.
+            continue_final_message: end the rendering right after the last message's content
+                (its end-of-turn markup cut), so the model continues that message
+                (transformers' semantics); not with ``add_generation_prompt``.
             **kwargs: extra template variables (e.g. ``tools``, ``documents``).
 
         Raises:
-            ValueError: no chat template, malformed messages, or the template raised.
+            ValueError: no chat template, malformed messages, the template raised, both
+                ``add_generation_prompt`` and ``continue_final_message``, or a final message
+                whose text the rendering does not hold.
             TypeError: ``messages`` is not a list of dicts.
         """
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         if chat_template is None and kwargs.get("tools") and "tool_use" in self.chat_templates:
             chat_template = "tool_use"  # transformers picks the tool template the same way
         source = self.chat_templates.get(chat_template or "default", chat_template)
@@ -361,8 +372,11 @@ class Tokenizer:
             text = compile_template(source).render(**variables)
         except jinja2.TemplateError as exc:
             raise ValueError(f"chat template failed: {exc}") from exc
+        full = text
+        if continue_final_message:
+            text = text[: final_message_end(variables["messages"], text)]
         if tokenize:
-            return self._encode_rendered(variables, source, text)
+            return self._encode_rendered(variables, source, text, full)
         return text
 
     def encode_chat(
@@ -371,6 +385,7 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         *,
         chat_template: str | None = None,
+        continue_final_message: bool = False,
         **kwargs: Any,
     ) -> list[int]:
         """Token ids of a conversation: ``apply_chat_template(..., tokenize=True)``.
@@ -400,18 +415,22 @@ class Tokenizer:
             add_generation_prompt,
             tokenize=True,
             chat_template=chat_template,
+            continue_final_message=continue_final_message,
             **kwargs,
         )
 
-    def _encode_rendered(self, variables: dict[str, Any], source: str, text: str) -> list[int]:
-        """Ids of ``text`` (rendered from ``variables``) with content special tokens as text."""
+    def _encode_rendered(
+        self, variables: dict[str, Any], source: str, text: str, full: str | None = None
+    ) -> list[int]:
+        """Ids of ``text`` (rendered from ``variables``; a prefix of that rendering ``full``
+        when cut by ``continue_final_message``) with content special tokens as text."""
         enc = self._tok.encode_batch([text], add_special_tokens=False)[0]
         ids = enc.ids
         specials = [k for k, i in enumerate(ids) if i in self.all_special_ids]
         messages = variables["messages"]
         if not specials or not any(self._holds_special(m.get("content")) for m in messages):
             return ids
-        spans = content_spans(variables, source, text)
+        spans = content_spans(variables, source, full if full is not None else text)
         if spans is None:
             raise ValueError(
                 "a message's content holds a special-token string and the chat template "
@@ -436,6 +455,11 @@ class Tokenizer:
                 out.append(ids[k])
                 tok, char = k + 1, offsets[k][1]
         return out
+
+    def holds_special_text(self, text: str) -> bool:
+        """True when ``text`` holds the string of a special token (``"<s>"``,
+        ``"<|im_start|>"``)."""
+        return any(t in text for t in self._special_texts)
 
     def _holds_special(self, content: Any) -> bool:
         return isinstance(content, str) and any(t in content for t in self._special_texts)

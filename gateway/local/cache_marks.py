@@ -69,17 +69,21 @@ async def find_marks(
     with_tools: bool,
     ids: list[int],
     block_size: int,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[Mark]:
     """Each breakpoint's ``Mark`` in the prompt ``ids`` (rendered in a worker thread;
-    ``with_tools``: the prompt was rendered with tools, so the cuts are too). A cut the
-    template refuses (a tools breakpoint with no message, on some templates) marks 0."""
+    ``with_tools``: the prompt was rendered with tools, so the cuts are too;
+    ``template_kwargs``: the request's ``chat_template_kwargs``, the prompt's variables). A
+    cut the template refuses (a tools breakpoint with no message, on some templates) marks 0."""
     if not breakpoints:
         return []
 
     def marks() -> list[Mark]:
         out = []
         for bp in breakpoints:
-            kwargs: dict[str, Any] = {"tools": bp.tools} if with_tools and bp.tools else {}
+            kwargs: dict[str, Any] = dict(template_kwargs or {})
+            if with_tools and bp.tools:
+                kwargs["tools"] = bp.tools
             try:
                 cut = tokenizer.encode_chat(bp.messages, add_generation_prompt=False, **kwargs)
             except Exception:  # noqa: BLE001 - the template refuses the cut: no cacheable prefix

@@ -48,6 +48,7 @@ from prefixgate.gateway.wire.request_models import (
     CompletionRequest,
     check_chat_body,
     check_completion_body,
+    check_template_kwargs,
 )
 from prefixgate.gateway.wire.response_models import ModelCard, ModelList, dump
 from prefixgate.gateway.wire.tools import ToolPlan, plan_tools, template_messages
@@ -76,11 +77,18 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if spec is not None:
         await _check_constraint(spec, field or "structured_outputs")
     check_vocab(req, engine.tokenizer.vocab_size)
+    check_template_kwargs(req.chat_template_kwargs, engine.tokenizer)
     if not messages:
         raise bad_request("messages must hold at least one message", param="messages")
     offset = len(messages) - len(req.messages)  # a prefix_id's messages come first
     ids = await render_chat(
-        engine.tokenizer, messages, max_model_len=engine.max_model_len, tools=plan.tools or None
+        engine.tokenizer,
+        messages,
+        req.add_generation_prompt,
+        max_model_len=engine.max_model_len,
+        tools=plan.tools or None,
+        template_kwargs=req.chat_template_kwargs,
+        continue_final_message=req.continue_final_message,
     )
     max_tokens = check_length(
         len(ids), req.output_limit, engine.max_model_len, "messages", req.output_limit_param
@@ -91,6 +99,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         bool(plan.tools),
         ids,
         engine.config.block_size,
+        req.chat_template_kwargs,
     )
     rid = "chatcmpl-" + uuid.uuid4().hex
     seeds = choice_seeds(req.seed, req.n)

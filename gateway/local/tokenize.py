@@ -9,8 +9,10 @@ count a Gemini or Anthropic request with tools) or ``{"model", "prompt",
 "add_special_tokens": true}`` (text, encoded as ``/v1/completions`` encodes it; ``false``: no
 BOS/EOS added, as vLLM's). Answer: ``{"count", "max_model_len", "tokens"}``. Any other field is
 a 400 naming it (never ignored); ``add_special_tokens`` with ``messages`` only as ``false``
-(the template writes the special tokens itself), ``add_generation_prompt`` only with
-``messages``.
+(the template writes the special tokens itself), ``add_generation_prompt``,
+``continue_final_message`` and ``chat_template_kwargs`` (vLLM's, as chat takes them) only with
+``messages``. ``return_token_strs: true`` (vLLM's) adds ``token_strs``: each token's string in
+the vocabulary (``"▁word"``, ``"<0x0A>"``), one per id.
 Bounded work: ``messages`` holds at most ``MAX_MESSAGES`` (4,096, counted by the ingress
 guard before anything is validated or rendered), and a text (the prompt, or the rendered chat)
 is tokenized only when its token count's lower bound (``Tokenizer.min_num_tokens``: its UTF-8
@@ -44,7 +46,12 @@ from prefixgate.gateway.wire.prompts import (
     refuse_oversized,
     render_chat,
 )
-from prefixgate.gateway.wire.request_models import MAX_MESSAGES, ChatMessage, parse
+from prefixgate.gateway.wire.request_models import (
+    MAX_MESSAGES,
+    ChatMessage,
+    check_template_kwargs,
+    parse,
+)
 from prefixgate.gateway.wire.tools import check_tools
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -65,8 +72,11 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = Field(None, max_length=MAX_MESSAGES)
     prompt: str | None = None
     add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool | None = None
     tools: list[Any] | None = Field(None, max_length=MAX_TOOLS)
+    return_token_strs: bool | None = None
 
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -141,14 +151,29 @@ async def _tokenize(request: web.Request) -> web.Response:
             )
         messages = [m.as_dict() for m in req.messages]
         gen = req.add_generation_prompt is not False
+        cont = bool(req.continue_final_message)
+        if cont and gen:  # vLLM's rule, as chat's (request_models.ChatCompletionRequest)
+            raise bad_request(
+                "continue_final_message: cannot be true with add_generation_prompt true (its "
+                "default): send add_generation_prompt false to continue the final message",
+                param="continue_final_message",
+            )
+        check_template_kwargs(req.chat_template_kwargs, engine.tokenizer)
         tools = check_tools(req.tools) or None  # 400 naming tools.<i>... for a bad tool
-        ids = await render_chat(engine.tokenizer, messages, gen, max_model_len=cap, tools=tools)
+        ids = await render_chat(
+            engine.tokenizer,
+            messages,
+            gen,
+            max_model_len=cap,
+            tools=tools,
+            template_kwargs=req.chat_template_kwargs,
+            continue_final_message=cont,
+        )
     elif req.tools:
         raise bad_request("tools: only with messages (a prompt is encoded as it is)", param="tools")
-    elif req.add_generation_prompt is not None:
+    elif (chat_only := _chat_only_field(req)) is not None:
         raise bad_request(
-            "add_generation_prompt: only with messages (a prompt is encoded as it is)",
-            param="add_generation_prompt",
+            f"{chat_only}: only with messages (a prompt is encoded as it is)", param=chat_only
         )
     elif req.add_special_tokens is False:
         if not req.prompt:
@@ -157,9 +182,24 @@ async def _tokenize(request: web.Request) -> web.Response:
         ids = list((await asyncio.to_thread(engine.tokenizer.encode_batch, [req.prompt], False))[0])
     else:
         ids = (await completion_prompts(engine.tokenizer, req.prompt or "", cap))[0]
-    return web.json_response(
-        {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
-    )
+    body: dict[str, Any] = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+    if req.return_token_strs:
+        body["token_strs"] = token_strs(engine.tokenizer, ids)
+    return web.json_response(body)
+
+
+def _chat_only_field(req: TokenizeRequest) -> str | None:
+    """The first field of a ``prompt`` body that only a chat (``messages``) takes, or None."""
+    for name in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs"):
+        if getattr(req, name) is not None:
+            return name
+    return None
+
+
+def token_strs(tokenizer: Any, ids: list[int]) -> list[str | None]:
+    """Each id's string in the vocabulary (vLLM's ``return_token_strs``:
+    ``convert_ids_to_tokens``), ``None`` for an id the tokenizer has no string of."""
+    return [tokenizer.id_to_token(i) for i in ids]
 
 
 class DetokenizeRequest(BaseModel):

@@ -37,17 +37,30 @@ async def render_chat(
     add_generation_prompt: bool = True,
     max_model_len: int | None = None,
     tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+    continue_final_message: bool = False,
 ) -> list[int]:
     """Token ids of ``messages`` rendered with the chat template (in a worker thread);
-    ``tools`` (OpenAI's function tools) are passed to the template as ``tools``.
+    ``tools`` (OpenAI's function tools) are passed to the template as ``tools``,
+    ``template_kwargs`` (vLLM's ``chat_template_kwargs``, checked by
+    ``request_models.check_template_kwargs``) as more template variables;
+    ``continue_final_message`` ends the rendering inside the last message (no end of turn).
 
     Raises:
-        APIError: 400 when the template refuses the conversation (e.g. roles out of order);
-            400 ``context_length_exceeded`` when the rendered text cannot fit
-            ``max_model_len`` tokens (checked before tokenizing).
+        APIError: 400 when the template refuses the conversation (e.g. roles out of order;
+            ``param`` ``messages``), or the final message cannot be continued (``param``
+            ``continue_final_message``); 400 ``context_length_exceeded`` when the rendered
+            text cannot fit ``max_model_len`` tokens (checked before tokenizing).
     """
     return await asyncio.to_thread(
-        _render_chat, tokenizer, messages, add_generation_prompt, max_model_len, tools
+        _render_chat,
+        tokenizer,
+        messages,
+        add_generation_prompt,
+        max_model_len,
+        tools,
+        template_kwargs,
+        continue_final_message,
     )
 
 
@@ -90,9 +103,15 @@ def _render_chat(
     add_generation_prompt: bool,
     max_model_len: int | None = None,
     tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+    continue_final_message: bool = False,
 ) -> list[int]:
     check_tool_turns(messages)
-    kwargs: dict[str, Any] = {"tools": tools} if tools else {}
+    kwargs: dict[str, Any] = dict(template_kwargs or {})
+    if tools:
+        kwargs["tools"] = tools
+    if continue_final_message:  # only then: a TokenizerLike need not take the keyword
+        kwargs["continue_final_message"] = True
     try:
         if max_model_len is not None and _contents_may_overflow(tokenizer, messages, max_model_len):
             # Only for a huge conversation: render it (cheap) and bound the rendering.
@@ -106,6 +125,8 @@ def _render_chat(
     except APIError:
         raise
     except Exception as exc:  # noqa: BLE001 - jinja raises its own types for template errors
+        if str(exc).startswith("continue_final_message"):
+            raise bad_request(str(exc), param="continue_final_message") from None
         raise bad_request(
             f"the chat template cannot render these messages: {exc}", param="messages"
         ) from None

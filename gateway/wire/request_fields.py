@@ -106,7 +106,15 @@ EXTRAS = {
     "guided_choice": "vLLM (older): a list of strings",
     "guided_grammar": "vLLM (older): an EBNF grammar",
 }
-CHAT_EXTRAS = {"prefix_id": "prefixgate: prepend a pinned prefix's messages"}
+CHAT_EXTRAS = {
+    "prefix_id": "prefixgate: prepend a pinned prefix's messages",
+    "chat_template_kwargs": "vLLM: more variables for the chat template (an object; keys the "
+    "request sets itself and special-token strings refused)",
+    "add_generation_prompt": "vLLM: end the prompt with the assistant turn's opening (default "
+    "true)",
+    "continue_final_message": "vLLM: end the prompt inside the last message, to continue it "
+    "(needs add_generation_prompt false)",
+}
 
 _SCHEMA_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 _GUIDED = {

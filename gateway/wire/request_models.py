@@ -412,6 +412,20 @@ class ChatCompletionRequest(_SamplingFields):
     reasoning_effort: Any = None
     verbosity: Any = None
     web_search_options: Any = None
+    # vLLM's chat template controls (``check_template_kwargs``; both flags true is a 400)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continue_or_generate(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("add_generation_prompt", True):
+            raise ValueError(
+                "cannot be true with add_generation_prompt true (its default): send "
+                "add_generation_prompt false to continue the final message"
+            )
+        return value
 
     @field_validator("top_logprobs")
     @classmethod
@@ -474,6 +488,7 @@ def check_chat_body(
         APIError: 400 naming the field.
     """
     check_chat_refused(req)
+    check_template_kwargs(req.chat_template_kwargs)
     _, mode, _ = choose_tool(req.tools, req.tool_choice, schemas=False)
     spec, field = structured_from(req)
     forced = "tool_choice" if mode in ("required", "named") else None
@@ -486,6 +501,66 @@ def check_chat_body(
     refuse_stop_under_constraint(req.stop, "stop", field if spec is not None else forced)
     check_token_ids(req)
     return spec, field
+
+
+# Template variables the gateway sets itself: a ``chat_template_kwargs`` key never overrides
+# them (the messages, the tools the answer is parsed against, the render's own switches).
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "messages",
+        "tools",
+        "add_generation_prompt",
+        "continue_final_message",
+        "chat_template",
+        "tokenize",
+    }
+)
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None, tokenizer: object = None) -> None:
+    """400 for a ``chat_template_kwargs`` (vLLM's: more variables for the jinja2 chat
+    template, e.g. Qwen3's ``{"enable_thinking": false}``) the template may not take: a key
+    the gateway sets itself (``RESERVED_TEMPLATE_KWARGS``), or, given the served
+    ``tokenizer``, a string anywhere in a value that holds a special-token string (the
+    template would print it as a control token: only the template's own markup and the
+    messages' roles make those, ``engine.tokenizer.encode_chat``).
+
+    Raises:
+        APIError: 400 naming ``chat_template_kwargs.KEY``.
+    """
+    if not kwargs:
+        return
+    for key, value in kwargs.items():
+        where = f"chat_template_kwargs.{key[:80]}"
+        if key in RESERVED_TEMPLATE_KWARGS:
+            raise bad_request(
+                f"{where}: set by the request itself, not a chat_template_kwargs key "
+                f"(reserved: {', '.join(sorted(RESERVED_TEMPLATE_KWARGS))})",
+                param=where,
+            )
+        holds = getattr(tokenizer, "holds_special_text", None)
+        if holds is not None and any(holds(s) for s in _strings(value)):
+            raise bad_request(
+                f"{where}: holds a special-token string (template variables are printed as "
+                "markup, where it would be a control token)",
+                param=where,
+            )
+
+
+def _strings(value: object) -> list[str]:
+    """Every string in a JSON value (keys included), walked without recursion."""
+    out: list[str] = []
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            out.append(v)
+        elif isinstance(v, dict):
+            out.extend(str(k) for k in v)
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return out
 
 
 class CompletionRequest(_SamplingFields):

@@ -38,6 +38,12 @@ BAD = [
     (CHAT, {"messages": M, "tools": [TOOL], "tool_choice": "required", "stop": "{"}, "stop"),
     (CHAT, {"messages": M, "stream": True, "temperature": -1}, "temperature"),
     (CHAT, {"messages": M, "stream_options": {"include_usage": 1}}, "stream_options"),
+    # vLLM's request extras, honoured in local mode: their bad values are the same 400s
+    (CHAT, {"messages": M, "chat_template_kwargs": "x"}, "chat_template_kwargs"),
+    (CHAT, {"messages": M, "chat_template_kwargs": {"messages": []}},
+     "chat_template_kwargs.messages"),
+    (CHAT, {"messages": M, "continue_final_message": True}, "continue_final_message"),
+    (CHAT, {"messages": M, "add_generation_prompt": 1}, "add_generation_prompt"),
     (COMP, {"prompt": "x", "echo": True}, "echo"),
     (COMP, {"prompt": "x", "top_p": 0}, "top_p"),
     (COMP, {}, "prompt"),
@@ -229,6 +235,7 @@ BEYOND_FORM = [  # the bodies of BAD whose fault is not in their form (local mod
     (CHAT, {"messages": M, "tools": [TOOL], "tool_choice": "required", "stop": "{"}),
     (COMP, {"prompt": "x", "echo": True}),
     (COMP, {"prompt": "x", "guided_choice": ["a"], "stop": "a"}),
+    (CHAT, {"messages": M, "chat_template_kwargs": {"messages": []}}),
 ]
 # (path, body, status): a body beside a model nobody serves, in local mode's order, which is
 # OpenAI's: the body's form first (400: a wrong type, an unknown field, a bad role), then the
