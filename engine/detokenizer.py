@@ -10,7 +10,7 @@ leading space right. The cost per step depends on the window, not on the output 
 
 Stop strings are matched on the decoded text across token boundaries: text that could still
 be the start of a stop string is held back (never emitted), and when a stop string appears the
-text is cut before it. Like EOS and stop token ids, a stop string ends the request only once
+text is cut before it (after it with ``include_stop_str_in_output``, vLLM's). Like EOS and stop token ids, a stop string ends the request only once
 ``min_tokens`` tokens were generated (vLLM's semantics since 2025): one that ends in the text
 of the first ``min_tokens`` tokens is ordinary text.
 """
@@ -38,7 +38,8 @@ class IncrementalDetokenizer:
     Attributes:
         text: everything emitted so far (the concatenation of the returned deltas).
         stop_string: the stop string that matched, or ``None``; once set, later steps emit
-            nothing and the text stays cut before it.
+            nothing and the text stays cut before it (after it with
+            ``include_stop_str_in_output``).
         finished: True after :meth:`finish`.
     """
 
@@ -46,6 +47,7 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = params.skip_special_tokens
         self.stops: list[str] = list(params.stop or [])
+        self.include_stop = params.include_stop_str_in_output
         self.text = ""
         self.stop_string: str | None = None
         self.finished = False
@@ -109,7 +111,7 @@ class IncrementalDetokenizer:
         if stop is not None:
             self.stop_string = stop
             self._held = ""
-            delta = buf[:cut]
+            delta = buf[: cut + len(stop)] if self.include_stop else buf[:cut]
         else:
             keep = 0 if final else self._stop_prefix_len(buf)
             delta, self._held = buf[: len(buf) - keep], buf[len(buf) - keep :]

@@ -210,8 +210,8 @@ class Request:
         """Decide whether the last appended token ends the request: the one place that does.
 
         In order: EOS (unless ``ignore_eos``) or a stop token id (``stop_reason`` = the id;
-        neither adds text; under a grammar whose only tokens were stop ids, the logits pipeline
-        marks them as its text, ``stop_ids_are_text``, and they do not stop); unless the length is reached, a structured-output grammar that
+        neither adds text but with ``include_stop_str_in_output``; under a grammar whose only
+        tokens were stop ids, the logits pipeline marks them as its text, ``stop_ids_are_text``, and they do not stop); unless the length is reached, a structured-output grammar that
         ended (stop, no text) or rejected the token (aborted, ``error`` set: the request
         fails); then the token's text goes to the detokenizer and a stop string in it ends the
         request (``stop_reason`` = the string); else ``max_tokens`` or ``max_model_len``
@@ -225,6 +225,7 @@ class Request:
         token = self.output_token_ids[-1]
         params = self.sampling_params
         if token in self.eos_token_ids and not (params is not None and params.ignore_eos):
+            self._stop_token_text(token)
             return RequestStatus.FINISHED_STOPPED
         so = self.structured_output
         if (
@@ -232,6 +233,7 @@ class Request:
             and token in params.stop_token_ids
             and not (so is not None and so.stop_ids_are_text)
         ):
+            self._stop_token_text(token)
             self.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
         length = self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len
@@ -251,6 +253,14 @@ class Request:
                 self.stop_reason = detok.stop_string
                 return RequestStatus.FINISHED_STOPPED
         return RequestStatus.FINISHED_LENGTH if length else None
+
+    def _stop_token_text(self, token: int) -> None:
+        """With ``include_stop_str_in_output`` (vLLM's), the text of the EOS or stop token id
+        that ends the request goes to the text ("" for a special token the detokenizer
+        skips)."""
+        params, detok = self.sampling_params, self.detokenizer
+        if params is not None and params.include_stop_str_in_output and detok is not None:
+            self.new_text += detok.step([token])
 
     @property
     def waits_for_grammar(self) -> bool:

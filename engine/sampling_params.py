@@ -120,14 +120,17 @@ class SamplingParams:
         repetition_penalty: CTRL's multiplicative penalty over prompt and output tokens, > 0
             (Keskar et al. 2019; 1.0 is off).
         max_tokens: most tokens to generate (>= 1); ``None`` means up to ``max_model_len``.
-        stop: strings that end generation; never included in the text, matched across token
-            boundaries.
+        stop: strings that end generation, matched across token boundaries; left out of the
+            text unless ``include_stop_str_in_output``.
         stop_token_ids: token ids that end generation (not included in the text); under a
             structured-output grammar they are allowed only where the grammar may end.
         ignore_eos: keep generating past the end-of-sequence token.
         logprobs: return the sampled token's logprob and this many top alternatives
             (``None`` = no logprobs, 0 = sampled token only, at most 20).
         skip_special_tokens: leave special tokens out of the text.
+        include_stop_str_in_output: keep the stop string that ended the request at the end of
+            the text (the text is cut right after it), and the text of a stop token id or EOS
+            that ended it (vLLM's; empty for a special token under ``skip_special_tokens``).
         min_tokens: generate at least this many tokens before the request may end: EOS and
             stop token ids are masked until then and a stop string ending in the first
             ``min_tokens`` tokens' text is ordinary text (vLLM's semantics). A structured-output
@@ -164,6 +167,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
@@ -180,7 +184,7 @@ class SamplingParams:
             if isinstance(value, float) and not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number, got {value}")
 
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
 

@@ -104,7 +104,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     rid = "chatcmpl-" + uuid.uuid4().hex
     seeds = choice_seeds(req.seed, req.n)
     # tool-call markers of some formats are special tokens: keep them in the text to parse
-    skip_special = plan.mode != "auto"
+    keep_special = plan.mode == "auto"
     requests = [
         _engine_request(
             request,
@@ -112,7 +112,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             req,
             f"{rid}-{i}",
             ids,
-            req.sampling_params(max_tokens, seeds[i], spec, skip_special),
+            req.sampling_params(max_tokens, seeds[i], spec, keep_special),
         )
         for i in range(req.n)
     ]

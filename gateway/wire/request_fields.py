@@ -99,6 +99,11 @@ EXTRAS = {
     "ignore_eos": "keep generating past EOS",
     "min_tokens": "EOS and stop token ids masked until this many tokens",
     "stop_token_ids": "token ids that end generation (checked against the vocabulary)",
+    "skip_special_tokens": "leave special tokens out of the text (default true; kept under "
+    "tool_choice auto, where the tool-call parser reads them)",
+    "include_stop_str_in_output": "keep the stop string (or stop token's text) that ended the "
+    "answer at its end",
+    "bad_words": "words never generated (vLLM's: as written and after a space)",
     "cache_salt": "prefix-cache partition inside the API key's",
     "structured_outputs": "vLLM: {json | json_object | regex | choice | grammar | structural_tag}",
     "guided_json": "vLLM (older): a JSON schema",

@@ -270,6 +270,9 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     min_tokens: int = Field(0, ge=0)
     logit_bias: dict[str, float] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    bad_words: list[str] | None = None
     # structured outputs: vLLM's object and its older guided_* fields (request_fields.py)
     structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -336,9 +339,11 @@ class _SamplingFields(BaseModel):
         max_tokens: int,
         seed: int | None,
         structured: StructuredOutputsParams | None = None,
-        skip_special_tokens: bool = True,
+        keep_special_tokens: bool = False,
     ) -> SamplingParams:
-        """The engine's ``SamplingParams`` of one choice (``seed``: the choice's own).
+        """The engine's ``SamplingParams`` of one choice (``seed``: the choice's own;
+        ``keep_special_tokens``: the text keeps special tokens whatever the request's
+        ``skip_special_tokens``, for a tool-call parser whose markers are special tokens).
 
         Raises:
             APIError: 400 naming the field the engine refuses.
@@ -360,7 +365,9 @@ class _SamplingFields(BaseModel):
             "min_tokens": self.min_tokens,
             "logit_bias": self.logit_bias,
             "structured_outputs": structured,
-            "skip_special_tokens": skip_special_tokens,
+            "skip_special_tokens": self.skip_special_tokens and not keep_special_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "bad_words": self.bad_words,
         }
         return sampling_params(fields, _OPENAI_NAMES)
 
@@ -384,6 +391,9 @@ _OPENAI_NAMES = {
         "min_tokens",
         "logit_bias",
         "structured_outputs",
+        "skip_special_tokens",
+        "include_stop_str_in_output",
+        "bad_words",
     )
 }
 """Engine field → the chat / completions field that sets it (both name them alike)."""

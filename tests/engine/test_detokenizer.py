@@ -118,3 +118,18 @@ def test_empty_and_short_prompts():
     for prompt in ([], [1], [1, 40, 41, 42, 43, 44, 45, 46]):
         detok, deltas = stream(tok, prompt, tok.encode("ok 🤖", add_special_tokens=False))
         assert "".join(deltas) == "ok 🤖"
+
+
+@pytest.mark.parametrize("chunk", [1, 2])
+def test_include_stop_str_in_output_cuts_after_the_stop_string(tok, chunk):
+    """vLLM's ``include_stop_str_in_output``: the text ends with the stop string (matched
+    across token boundaries), what follows it in the same tokens is cut."""
+    prompt = tok.encode("I sense the nodes")
+    out = tok.encode(TEXTS[0], add_special_tokens=False)
+    full = tok.decode(prompt + out)[len(tok.decode(prompt)) :]
+    at = full.index("prob")
+    for include, want in ((True, full[: at + 4]), (False, full[:at])):
+        params = {"stop": ["prob"], "include_stop_str_in_output": include}
+        detok, deltas = stream(tok, prompt, out, chunk, **params)
+        assert "".join(deltas) == detok.text == want
+        assert detok.stop_string == "prob"
