@@ -38,7 +38,10 @@ from prefixgate.gateway.wire.prompts import (
     check_vocab,
     choice_seeds,
     completion_prompts,
+    kept_prompt_tokens,
+    render_bound,
     render_chat,
+    truncated,
 )
 from prefixgate.gateway.wire.request_fields import (
     check_constraint,
@@ -81,15 +84,17 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if not messages:
         raise bad_request("messages must hold at least one message", param="messages")
     offset = len(messages) - len(req.messages)  # a prefix_id's messages come first
+    keep = kept_prompt_tokens(req.truncate_prompt_tokens, engine.max_model_len)
     ids = await render_chat(
         engine.tokenizer,
         messages,
         req.add_generation_prompt,
-        max_model_len=engine.max_model_len,
+        max_model_len=render_bound(keep, engine.max_model_len),
         tools=plan.tools or None,
         template_kwargs=req.chat_template_kwargs,
         continue_final_message=req.continue_final_message,
     )
+    ids = truncated(ids, keep)
     max_tokens = check_length(
         len(ids), req.output_limit, engine.max_model_len, "messages", req.output_limit_param
     )
@@ -128,7 +133,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if spec is not None:
         await _check_constraint(spec, field or "structured_outputs")
     check_vocab(req, engine.tokenizer.vocab_size)
-    prompts = await completion_prompts(engine.tokenizer, req.prompt, engine.max_model_len)
+    keep = kept_prompt_tokens(req.truncate_prompt_tokens, engine.max_model_len)
+    bound = render_bound(keep, engine.max_model_len)
+    prompts = [
+        truncated(ids, keep)
+        for ids in await completion_prompts(engine.tokenizer, req.prompt, bound)
+    ]
     rid = "cmpl-" + uuid.uuid4().hex
     seeds = choice_seeds(req.seed, req.n)
     requests, prompt_index = [], []

@@ -274,6 +274,45 @@ def check_length(
     return max_tokens
 
 
+TRUNCATE_CONTEXTS = 8
+"""With ``truncate_prompt_tokens`` a prompt is tokenized, then cut, unless its length alone
+shows at least this many times ``max_model_len`` tokens (a 400 before tokenizing, as any
+prompt past ``max_model_len`` without it): the bound of ``render_bound``."""
+
+
+def kept_prompt_tokens(truncate_prompt_tokens: int | None, max_model_len: int) -> int | None:
+    """How many of the prompt's last tokens vLLM's ``truncate_prompt_tokens`` keeps: ``None``
+    (not sent: all), ``-1``: ``max_model_len``, else the value.
+
+    Raises:
+        APIError: 400 naming ``truncate_prompt_tokens`` when it is over ``max_model_len``
+            (vLLM's words).
+    """
+    if truncate_prompt_tokens is None:
+        return None
+    if truncate_prompt_tokens == -1:
+        return max_model_len
+    if truncate_prompt_tokens > max_model_len:
+        raise bad_request(
+            f"truncate_prompt_tokens value ({truncate_prompt_tokens}) is greater than "
+            f"max_model_len ({max_model_len}). Please, select a smaller truncation size.",
+            param="truncate_prompt_tokens",
+        )
+    return truncate_prompt_tokens
+
+
+def render_bound(keep: int | None, max_model_len: int) -> int:
+    """The token bound a prompt's text is checked against before tokenizing
+    (``refuse_oversized``): ``max_model_len``, or ``TRUNCATE_CONTEXTS`` times it for a prompt
+    to be truncated to its last ``keep`` tokens."""
+    return max_model_len if keep is None else TRUNCATE_CONTEXTS * max_model_len
+
+
+def truncated(ids: list[int], keep: int | None) -> list[int]:
+    """The last ``keep`` of ``ids`` (``None``: all): vLLM's left truncation."""
+    return ids if keep is None or len(ids) <= keep else ids[len(ids) - keep :]
+
+
 def choice_seeds(seed: int | None, n: int) -> list[int | None]:
     """Seeds of the ``n`` choices: ``seed + i``, wrapped into int64 (the schema's range, so
     ``2**63 - 1`` plus ``i`` is still a valid seed); a random base when ``n > 1`` and no seed

@@ -104,6 +104,8 @@ EXTRAS = {
     "include_stop_str_in_output": "keep the stop string (or stop token's text) that ended the "
     "answer at its end",
     "bad_words": "words never generated (vLLM's: as written and after a space)",
+    "truncate_prompt_tokens": "keep the prompt's last k tokens (-1: max_model_len; at most "
+    "max_model_len)",
     "cache_salt": "prefix-cache partition inside the API key's",
     "structured_outputs": "vLLM: {json | json_object | regex | choice | grammar | structural_tag}",
     "guided_json": "vLLM (older): a JSON schema",

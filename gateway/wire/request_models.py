@@ -273,6 +273,8 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     bad_words: list[str] | None = None
+    # keep the prompt's last k tokens (-1: max_model_len; over it a 400, prompts.py)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
     # structured outputs: vLLM's object and its older guided_* fields (request_fields.py)
     structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -306,6 +308,13 @@ class _SamplingFields(BaseModel):
         # OpenAI's spec makes these nullable: an explicit null is the field's default
         if value is None and info.field_name is not None:
             return cls.model_fields[info.field_name].default
+        return value
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncation_keeps_tokens(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise ValueError("must be -1 (max_model_len) or at least 1 (the tokens kept)")
         return value
 
     @field_validator("stop")

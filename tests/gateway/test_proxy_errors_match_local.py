@@ -47,6 +47,8 @@ BAD = [
     (CHAT, {"messages": M, "skip_special_tokens": "no"}, "skip_special_tokens"),
     (COMP, {"prompt": "x", "include_stop_str_in_output": 1}, "include_stop_str_in_output"),
     (COMP, {"prompt": "x", "bad_words": "x"}, "bad_words"),
+    (COMP, {"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    (CHAT, {"messages": M, "truncate_prompt_tokens": 10**6}, "truncate_prompt_tokens"),
     (COMP, {"prompt": "x", "echo": True}, "echo"),
     (COMP, {"prompt": "x", "top_p": 0}, "top_p"),
     (COMP, {}, "prompt"),
@@ -239,6 +241,7 @@ BEYOND_FORM = [  # the bodies of BAD whose fault is not in their form (local mod
     (COMP, {"prompt": "x", "echo": True}),
     (COMP, {"prompt": "x", "guided_choice": ["a"], "stop": "a"}),
     (CHAT, {"messages": M, "chat_template_kwargs": {"messages": []}}),
+    (CHAT, {"messages": M, "truncate_prompt_tokens": 10**6}),
 ]
 # (path, body, status): a body beside a model nobody serves, in local mode's order, which is
 # OpenAI's: the body's form first (400: a wrong type, an unknown field, a bad role), then the
