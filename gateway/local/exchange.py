@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from typing import Any
 
 from aiohttp import web
 from prefixgate.engine.errors import EngineDeadError
@@ -371,12 +372,20 @@ class Exchange:
         self._predicted_header(sse.response)
         await sse.open()
         for chunk in self.renderer.opening(len(self.requests)):
-            await sse.write(self.renderer.event(chunk))
+            await sse.write(self.renderer.event(self._with_usage(chunk)))
+
+    def _with_usage(self, chunk: Any) -> Any:
+        """``chunk`` with the request's usage so far (prompt tokens, the completion tokens of
+        all its choices until now) when the renderer's ``continuous_usage`` asks for it
+        (vLLM's ``continuous_usage_stats``); else as it is."""
+        if getattr(self.renderer, "continuous_usage", False):
+            chunk.usage = self._usage()
+        return chunk
 
     async def _send(self, sse: SSEWriter, i: int, d: StepOutput) -> None:
         offset = self.outputs[i].num_chars
         self._record(i, d)
         for chunk in self.renderer.chunks(i, d, offset):
-            await sse.write(self.renderer.event(chunk))
+            await sse.write(self.renderer.event(self._with_usage(chunk)))
         if self.account.first_byte is None and self.account.first_token is not None:
             self.account.first_byte = time.monotonic()

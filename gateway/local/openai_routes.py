@@ -205,6 +205,7 @@ async def _run(
     renderer = (
         ChatRenderer(*args, tools=tools) if renderer_type is ChatRenderer else renderer_type(*args)
     )
+    renderer.continuous_usage = req.continuous_usage
     return await Exchange(
         request, st, principal, requests, renderer, req.stream, cache_marks, prompt_index
     ).run()

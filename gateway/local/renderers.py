@@ -103,6 +103,8 @@ class _Renderer:
         num_logprobs: alternatives per token, None when logprobs were not asked for.
         include_usage: the stream ends with a usage chunk (and other chunks carry
             ``usage: null``).
+        continuous_usage: every chunk carries the usage so far (vLLM's
+            ``continuous_usage_stats``; set by the exchange, ``with_usage``).
     """
 
     route: ClassVar[Literal["chat", "completions"]]
@@ -115,6 +117,7 @@ class _Renderer:
     token_text: Callable[[int], str]
     num_logprobs: int | None
     include_usage: bool
+    continuous_usage: bool = False
     _chunk_exclude: set[str] = field(init=False)
 
     def __post_init__(self) -> None:

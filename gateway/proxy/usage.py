@@ -52,8 +52,13 @@ def ask_usage(body: dict[str, Any]) -> bool:
     """Make a streamed request ask for usage (in place); returns whether the client had
     asked for it itself (its usage chunk is then passed on, else dropped)."""
     options = body.get("stream_options")
-    wanted = isinstance(options, dict) and options.get("include_usage") is True
-    if body.get("stream") is True and not wanted:
+    # vLLM's continuous_usage_stats: include_usage defaults to true beside it (and beside
+    # include_usage false the body is left as sent, for the upstream's answer)
+    continuous = isinstance(options, dict) and options.get("continuous_usage_stats") is True
+    wanted = isinstance(options, dict) and (
+        options.get("include_usage") is True or (continuous and "include_usage" not in options)
+    )
+    if body.get("stream") is True and not wanted and not continuous:
         base = options if isinstance(options, dict) else {}
         body["stream_options"] = {**base, "include_usage": True}
     return wanted

@@ -227,13 +227,23 @@ def content_text(content: object) -> str:
 
 
 class StreamOptions(BaseModel):
-    """``stream_options``: ``include_usage`` adds a final usage chunk. OpenAI's
-    ``include_obfuscation`` is taken only as ``false`` (no padding field is ever sent); any
-    other key (vLLM's ``continuous_usage_stats`` included) is refused by name, never ignored."""
+    """``stream_options``: ``include_usage`` adds a final usage chunk; vLLM's
+    ``continuous_usage_stats`` puts the usage so far on every chunk too (``include_usage``
+    then defaults to true, as in vLLM's object; beside ``include_usage: false`` a 400 naming
+    it). OpenAI's ``include_obfuscation`` is taken only as ``false`` (no padding field is ever
+    sent); any other key is refused by name, never ignored."""
 
     model_config = _REQUEST_CONFIG
-    include_usage: bool = False
+    include_usage: bool | None = None
     include_obfuscation: bool | None = None
+    continuous_usage_stats: bool = False
+
+    @field_validator("continuous_usage_stats")
+    @classmethod
+    def _continuous_needs_usage(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("include_usage") is False:
+            raise ValueError("true needs include_usage true (or absent): usage on every chunk")
+        return value
 
     @field_validator("include_obfuscation")
     @classmethod
@@ -336,7 +346,15 @@ class _SamplingFields(BaseModel):
     @property
     def include_usage(self) -> bool:
         """True when a streamed response must end with a usage chunk."""
-        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+        so = self.stream_options
+        return bool(self.stream and so and (so.include_usage or so.continuous_usage_stats))
+
+    @property
+    def continuous_usage(self) -> bool:
+        """True when every chunk of a streamed response carries the usage so far (vLLM's
+        ``stream_options.continuous_usage_stats``)."""
+        so = self.stream_options
+        return bool(self.stream and so and so.continuous_usage_stats)
 
     @property
     def num_logprobs(self) -> int | None:

@@ -40,14 +40,26 @@ BAD = [
     (CHAT, {"messages": M, "stream_options": {"include_usage": 1}}, "stream_options"),
     # vLLM's request extras, honoured in local mode: their bad values are the same 400s
     (CHAT, {"messages": M, "chat_template_kwargs": "x"}, "chat_template_kwargs"),
-    (CHAT, {"messages": M, "chat_template_kwargs": {"messages": []}},
-     "chat_template_kwargs.messages"),
+    (
+        CHAT,
+        {"messages": M, "chat_template_kwargs": {"messages": []}},
+        "chat_template_kwargs.messages",
+    ),
     (CHAT, {"messages": M, "continue_final_message": True}, "continue_final_message"),
     (CHAT, {"messages": M, "add_generation_prompt": 1}, "add_generation_prompt"),
     (CHAT, {"messages": M, "skip_special_tokens": "no"}, "skip_special_tokens"),
     (COMP, {"prompt": "x", "include_stop_str_in_output": 1}, "include_stop_str_in_output"),
     (COMP, {"prompt": "x", "bad_words": "x"}, "bad_words"),
     (COMP, {"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    (
+        CHAT,
+        {
+            "messages": M,
+            "stream": True,
+            "stream_options": {"continuous_usage_stats": True, "include_usage": False},
+        },
+        "stream_options.continuous_usage_stats",
+    ),
     (CHAT, {"messages": M, "truncate_prompt_tokens": 10**6}, "truncate_prompt_tokens"),
     (COMP, {"prompt": "x", "echo": True}, "echo"),
     (COMP, {"prompt": "x", "top_p": 0}, "top_p"),
