@@ -132,3 +132,19 @@ def test_template_fields_wrong_type_or_on_a_prompt_are_400s(http, field):
     value = {"a": 1} if field == "chat_template_kwargs" else False
     r = http.post("/tokenize", json={"prompt": "hi", field: value})
     assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+def test_tokenize_return_token_strs(http, server):
+    tok = server.app[LOCAL].engine.tokenizer
+    for body in ({"prompt": "Once upon a time"}, {"messages": CHAT}):
+        r = http.post("/tokenize", json={**body, "return_token_strs": True})
+        assert r.status_code == 200, r.text
+        got = r.json()
+        assert got["token_strs"] == [tok.id_to_token(i) for i in got["tokens"]]
+        assert len(got["token_strs"]) == got["count"]
+        assert "token_strs" not in http.post("/tokenize", json=body).json()
+    r = http.post("/tokenize", json={"prompt": "upon", "return_token_strs": True})
+    strs = r.json()["token_strs"]  # the vocabulary's strings: SentencePiece's "▁" for space
+    assert strs[0] == "<s>" and "".join(strs[1:]) == "▁upon"
+    r = http.post("/tokenize", json={"prompt": "hi", "return_token_strs": "yes"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "return_token_strs", r.text
