@@ -56,7 +56,8 @@ def test_json_schema_whole_and_streamed_agree(client, server, pool_whole):
     whole = client.responses.create(text={"format": FORMAT}, **kw)
     assert whole.status == "completed"
     assert json.loads(whole.output_text)["color"] in ("red", "blue")
-    assert whole.text.format.model_dump(exclude_none=True, by_alias=True) == FORMAT  # stated as asked
+    # the format is stated back as asked
+    assert whole.text.format.model_dump(exclude_none=True, by_alias=True) == FORMAT
     with client.responses.stream(text={"format": FORMAT}, **kw) as stream:
         final = stream.get_final_response()
     assert final.output_text == whole.output_text
