@@ -359,7 +359,7 @@ def responses_draw(draw: st.DrawFn) -> Draw:
                     ("reasoning", {"effort": "high"}),
                     ("top_logprobs", 3),
                     ("background", True),
-                    ("text", {"format": {"type": "json_schema", "name": "o", "schema": {}}}),
+                    ("text", {"format": {"type": "grammar", "name": "o"}}),
                 ]
             )
         )
