@@ -420,9 +420,9 @@ class LoadModel:
                     base = mean - done if done < mean else done
                     rest = base if rest is None else max(base, rest)
                 left = min(left, math.ceil(rest))
-            left = max(1, left)
-            chunks = -(-max(0, r.num_prompt_tokens - r.num_computed_tokens) // budget)
-            free.append((left + max(0, chunks - 1)) * near)
+            free.append(
+                _seat_steps(left, r.num_prompt_tokens - r.num_computed_tokens, budget) * near
+            )
         free.sort()
         seats = [*free, *[None] * unknown] if unknown else free
         if mean is None:
@@ -448,6 +448,14 @@ class LoadModel:
         }
 
 
+def _seat_steps(tokens_left: int, uncomputed: int, budget: int) -> int:
+    """Steps a request holds its seat for: its ``tokens_left`` output tokens (at least one),
+    one a step, and its ``uncomputed`` prompt tokens' chunks of ``budget`` beyond the first
+    (the last chunk samples its first token)."""
+    chunks = -(-max(0, uncomputed) // budget)
+    return max(1, tokens_left) + max(0, chunks - 1)
+
+
 def _own_holds(
     waiting: Sequence[Request], step_s: float, budget: int, max_model_len: int, service_s: float
 ) -> list[float] | None:
@@ -466,9 +474,8 @@ def _own_holds(
             holds.append(service_s)
             continue
         n = r.num_tokens
-        left = max(1, min(r.max_tokens - r.num_output_tokens, max_model_len - n))
-        chunks = -(-(n - r.num_computed_tokens) // budget)
-        own = (left + chunks - 1 if chunks > 1 else left) * step_s
+        left = min(r.max_tokens - r.num_output_tokens, max_model_len - n)
+        own = _seat_steps(left, n - r.num_computed_tokens, budget) * step_s
         if own < service_s:
             holds.append(own)
             shorter = True
@@ -654,8 +661,7 @@ def own_hold_s(
     step = stats.get("seat_step_s")
     if not step:
         return None
-    chunks = -(-num_prompt_tokens // max(1, max_num_batched_tokens))
-    return (max_tokens + chunks - 1) * float(step)
+    return _seat_steps(max_tokens, num_prompt_tokens, max(1, max_num_batched_tokens)) * float(step)
 
 
 def seats_after(free_s: Sequence[float], service_s: float, n: int) -> list[float]:
