@@ -599,11 +599,19 @@ class AdmissionController:
         leaves the queue at once into free seats is measured as departing at once, faster
         than a full server frees seats (docs/admission.md, "A slot is at least one
         departure")."""
-        running = max(1, self.concurrency or self._peak_running)
         service = self._service if own_s is None else min(self._service, own_s)
-        seats_s = requests * service / running
+        return self._paced(requests, requests * service / self._seats)
+
+    @property
+    def _seats(self) -> int:
+        """The concurrency running requests free their seats at (at least one)."""
+        return max(1, self.concurrency or self._peak_running)
+
+    def _paced(self, n: int, seats_s: float) -> float:
+        """``n`` departures at the queue's pace: the seats' ``seats_s``, no faster than the
+        measured drain rate once warm."""
         if self._drain_warm:
-            return max(requests / self.drain_rate, seats_s)
+            return max(n / self.drain_rate, seats_s)
         return seats_s
 
     def _queue_departure_s(self, n: int, promised: int = 0) -> float:
@@ -621,12 +629,9 @@ class AdmissionController:
         pace = (self._queued_hold_s + promised * self._service) / (queued + promised)
         if pace >= self._service:
             return self._departure_s(n)
-        running = max(1, self.concurrency or self._peak_running)
+        running = self._seats
         first = min(n, running)
-        seats_s = (first * self._service + (n - first) * pace) / running
-        if self._drain_warm:
-            return max(n / self.drain_rate, seats_s)
-        return seats_s
+        return self._paced(n, (first * self._service + (n - first) * pace) / running)
 
     def _departures(self, n: int, held: int) -> tuple[float, bool]:
         """Seconds until ``n`` places of the queue are free, and whether that is predicted
