@@ -450,16 +450,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 def engine_flags_given(args: argparse.Namespace) -> list[str]:
     """The engine options set on the command line (``--max-num-seqs``, ``--kv-cache-memory``,
     ...): every engine flag but ``--model`` defaults to "not given" (``argparse.SUPPRESS``),
-    so a name in ``args`` was given. ``--tensor-parallel-size`` / ``--pipeline-parallel-size``
-    count when not 1; ``--trust-remote-code`` (it permits, it configures nothing) never."""
+    so a name in ``args`` was given. vLLM's ``--trust-remote-code`` (it permits, it
+    configures nothing) and the parallel sizes (``check_parallel_sizes`` takes 1 only) are
+    not engine options."""
     from prefixgate.engine.config import EngineConfig
 
     names = [f.name for f in dataclasses.fields(EngineConfig) if f.name != "model"]
-    given = ["--" + n.replace("_", "-") for n in names if n in vars(args)]
-    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-        if getattr(args, name, 1) != 1:
-            given.append("--" + name.replace("_", "-"))
-    return given
+    return ["--" + n.replace("_", "-") for n in names if n in vars(args)]
 
 
 def check_no_engine_flags(args: argparse.Namespace) -> None:
