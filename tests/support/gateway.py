@@ -26,7 +26,9 @@ def serve_aidreams(
     ``model_path`` with ``num_kv_blocks`` KV blocks (256; few blocks make it preempt), more
     ``EngineConfig`` fields in ``engine_args`` (e.g. speculative decoding) and
     ``GatewaySettings(poll_s=0.02, **settings)``; shut the engine down and close the server
-    after. Use as ``yield from serve_aidreams(...)``."""
+    after, once the engine is idle and its KV block pool whole (``assert_pool_whole``, blocks
+    held by prefix pins allowed): whatever the module's scenarios did, none leaked a request or
+    a block. Use as ``yield from serve_aidreams(...)``."""
 
     def make():
         engine = AsyncEngine(
@@ -34,10 +36,15 @@ def serve_aidreams(
         )
         return create_app(engine, GatewaySettings(poll_s=0.02, **settings))
 
+    from conftest import assert_pool_whole
+
     srv = BackgroundServer(make).__enter__()
-    yield srv
-    srv.call(srv.app[LOCAL].engine.shutdown)
-    srv.close()
+    try:
+        yield srv
+        wait_idle(srv, assert_pool_whole, pinned_ok=True)
+    finally:
+        srv.call(srv.app[LOCAL].engine.shutdown)
+        srv.close()
 
 
 def openai_client(server: BackgroundServer) -> openai.OpenAI:
