@@ -41,6 +41,7 @@ twice.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import time
@@ -238,6 +239,26 @@ class AdmissionController:
                 raise TypeError(f"max_tokens must be an int or None, got {max_tokens!r}")
             if max_tokens < 1:
                 raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        # one engine state for the whole decision (``EngineWait.one_snapshot``; a stand-in
+        # wait without it reads as it reads)
+        hold = getattr(self.wait, "one_snapshot", None)
+        with hold() if hold is not None else contextlib.nullcontext():
+            return self._admit(
+                prompt_tokens, requests, param, tenant, weight, fingerprint, budget_s, max_tokens
+            )
+
+    def _admit(
+        self,
+        prompt_tokens: int,
+        requests: int,
+        param: str | None,
+        tenant: str | None,
+        weight: float,
+        fingerprint: Hashable | None,
+        budget_s: float | None,
+        max_tokens: int | None,
+    ) -> Ticket:
+        """``admit``'s decision, its arguments checked."""
         cfg = self.config
         limit = min(cfg.max_queued_requests, cfg.max_running or cfg.max_queued_requests)
         if requests > limit:

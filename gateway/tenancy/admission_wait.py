@@ -35,12 +35,13 @@ time at which all of them meet the same single free place.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,6 +82,33 @@ class EngineWait:
         self._alpha = alpha
         self._max_scale = max_scale
         self._misses: deque[float] = deque(maxlen=MISS_WINDOW)  # actual - predicted, s
+        self._holding = False  # inside one_snapshot()
+        self._held: Mapping[str, Any] | None = None  # its snapshot, once read
+
+    @contextlib.contextmanager
+    def one_snapshot(self) -> Iterator[None]:
+        """Within: every wait reads one ``stats()`` snapshot, taken at the first read, so one
+        admission decision (``AdmissionController.admit``) sees one engine state: without it a
+        decision read ``stats()`` up to eight times (each a fresh snapshot between engine
+        steps), and a step ending part-way mixed two states in one Retry-After. Nested uses
+        share the outer snapshot. The fast path of :meth:`predict_ttft` (nothing unseen, no
+        overtaking) asks the engine's own ``predict_ttft``, as it always has."""
+        if self._holding:
+            yield
+            return
+        self._holding = True
+        try:
+            yield
+        finally:
+            self._holding, self._held = False, None
+
+    def _stats(self) -> Mapping[str, Any]:
+        """The engine's ``stats()``: the held snapshot inside :meth:`one_snapshot`."""
+        if not self._holding:
+            return self.engine.stats()
+        if self._held is None:
+            self._held = self.engine.stats()
+        return self._held
 
     def observe(self, predicted_s: float, actual_s: float) -> None:
         """Fold one admitted request's first-token wait (``actual_s``) against the engine's
@@ -127,9 +155,8 @@ class EngineWait:
         if self.unseen(queued) <= 0 and not overtake:
             got = self.engine.predict_ttft(max(1, tokens))
         else:
-            view = self._view(queued, queued_tokens)
             got = estimate_ttft(
-                view,
+                self._view(queued, queued_tokens),
                 self.max_num_seqs,
                 self.max_num_batched_tokens,
                 max(1, tokens),
@@ -144,13 +171,13 @@ class EngineWait:
         (``stats()``'s ``overtake_per_s``; 0.0 for a tenant not in it, or no tenant)."""
         if tenant is None:
             return 0.0
-        return float((self.engine.stats().get("overtake_per_s") or {}).get(tenant, 0.0))
+        return float((self._stats().get("overtake_per_s") or {}).get(tenant, 0.0))
 
     def _view(self, queued: int, queued_tokens: int) -> dict[str, Any]:
         """The engine's ``stats()`` with the ``unseen`` requests of the admission queue
         (``queued`` requests of ``queued_tokens`` prompt tokens) counted as waiting, each of
         the queue's mean prompt."""
-        stats = dict(self.engine.stats())
+        stats = dict(self._stats())
         unseen = self.unseen(queued)
         if unseen > 0:
             mean = math.ceil(queued_tokens / max(1, queued))
@@ -166,7 +193,7 @@ class EngineWait:
         (``num_running - running_decodes``); 0 for an engine that does not report
         ``running_decodes``. A request whose first token the engine has made but its handler
         not yet read counts too: it is still in the admission queue."""
-        stats = self.engine.stats()
+        stats = self._stats()
         if "running_decodes" not in stats:
             return 0
         prefilling = int(stats["num_running"]) - int(stats["running_decodes"])
@@ -176,7 +203,7 @@ class EngineWait:
         """The calibrated first-token wait of a request of ``tokens`` on an idle engine
         (nothing running or queued): the part of any prediction no wait can remove; ``None``
         before the rates are measured."""
-        stats = self.engine.stats()
+        stats = self._stats()
         idle = {**stats, "num_running": 0, "num_waiting": 0, "queued_prefill_tokens": 0}
         return self._estimate(idle, max(1, tokens))
 
@@ -185,7 +212,7 @@ class EngineWait:
         tokens holds a seat by its own size (``load_model.own_hold_s`` on the engine's
         ``stats()``), at most the mean service (``seat_service_s``), calibrated; ``None``
         when ``max_tokens`` is ``None`` or the engine has no seat schedule yet."""
-        stats = self.engine.stats()
+        stats = self._stats()
         own = own_hold_s(stats, self.max_num_batched_tokens, max(1, tokens), max_tokens)
         service = stats.get("seat_service_s")
         if own is None or not service:
@@ -214,7 +241,7 @@ class EngineWait:
         ``tokens_per_request`` prompt tokens (the queue's mean); ``None`` before the engine
         measured its rates. The ``n``-th departure is a request with ``n - 1`` requests of
         queued work ahead of it (those of the engine's queue, then the promised ones)."""
-        stats = self.engine.stats()
+        stats = self._stats()
         tokens = max(1, math.ceil(tokens_per_request))
         ahead = {**stats, "num_waiting": n - 1, "queued_prefill_tokens": (n - 1) * tokens}
         return self._estimate(ahead, tokens)

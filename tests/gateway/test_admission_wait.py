@@ -817,3 +817,44 @@ def test_first_tokens_behind_requests_of_unknown_end_do_not_raise_the_miss_margi
     assert ctl.wait.margin_s() == 0.0 and not ctl.wait._misses  # was 3.6 s
     assert predicted == [None] * len(predicted)  # were 0.2 s and more
     assert all(r.is_finished() for r in longs)
+
+
+class SteppingEngine(RatedEngine):
+    """A ``RatedEngine`` whose queue grows by one after each ``stats()`` read, as if an engine
+    step ended between any two reads; its ``predict_ttft`` (``EngineWait``'s fast path, which
+    asks the engine itself) answers for the queue of the start."""
+
+    def __init__(self, waiting: int) -> None:
+        super().__init__(waiting=waiting)
+        self.reads = 0
+
+    def stats(self) -> dict[str, Any]:
+        self.reads += 1
+        got = super().stats()
+        self.waiting += 1
+        return got
+
+    def predict_ttft(self, num_prompt_tokens: int, num_cached_tokens: int = 0) -> float | None:
+        return RatedEngine(waiting=10).predict_ttft(num_prompt_tokens)
+
+
+def test_one_admission_decision_reads_one_engine_snapshot():
+    """The fault: a budget refusal read the engine's ``stats()`` several times (the unseen
+    requests, the overtaking rate, the wait added by the queue, the wait alone, the own
+    hold), each a fresh snapshot, so an engine step ending part-way mixed two states in one
+    Retry-After. Now ``admit`` holds one snapshot for the whole decision: the stated wait is
+    the one computed on the state of the first read."""
+    clock = Clock()
+    engine = SteppingEngine(waiting=10)
+    ctl = _ctl(engine, clock)
+    told = _refused(ctl, "a", budget_s=1.0, max_tokens=16)
+    assert engine.reads == 1
+    # the same decision on an engine frozen at that first state says the same wait
+    frozen = _ctl(RatedEngine(waiting=10), Clock())
+    assert _refused(frozen, "a", budget_s=1.0, max_tokens=16) == told
+    # outside a decision every read is fresh again
+    before = engine.reads
+    assert ctl.wait is not None
+    ctl.wait.alone_s(100)
+    ctl.wait.alone_s(100)
+    assert engine.reads == before + 2
