@@ -107,17 +107,21 @@ def load_json(body: bytes | str) -> Any:
 
 _SURROGATE_FAULTS = ("unexpected end of hex escape", "lone leading surrogate")
 _AT = re.compile(r" at (line \d+ column \d+)$")
+_PYDANTIC_HEAD = "Invalid JSON: "  # what a model's ``model_validate_json`` puts first
 
 
 def json_error(msg: str, body: bytes | str | None = None) -> APIError:
     """The 400 ``invalid_json`` for the JSON parser's message ``msg`` about ``body``: a body
     nested past ``MAX_JSON_DEPTH`` is well-formed JSON and is told so (its depth, not
     "malformed"); a string that is not Unicode is told as what it is and where
-    (``unicode_error``), not in the parser's words ("unexpected end of hex escape")."""
+    (``unicode_error``), not in the parser's words ("unexpected end of hex escape"). The
+    message is the same whichever parser read the body (the guard's, or a route's model
+    reading a body the guard skips: an empty one)."""
     if body is not None and (
         any(fault in msg for fault in _SURROGATE_FAULTS) or "invalid unicode code point" in msg
     ):
         return unicode_error(msg, body)
+    msg = msg.removeprefix(_PYDANTIC_HEAD)  # the same words whichever parser read the body
     if "recursion limit" in msg:
         return bad_request(
             f"JSON body nested deeper than {MAX_JSON_DEPTH} levels of arrays and objects, "

@@ -40,7 +40,7 @@ from prefixgate.engine.sampling_params import SamplingParams, StructuredOutputsP
 from prefixgate.gateway.http.errors import bad_request
 from prefixgate.gateway.tenancy.keys import MAX_SALT_CHARS
 from prefixgate.gateway.wire.cache_breakpoints import Breakpoint
-from prefixgate.gateway.wire.sampling import sampling_params
+from prefixgate.gateway.wire.sampling import StopString, sampling_params
 from pydantic import BaseModel, ConfigDict, Field
 
 _CONFIG = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
@@ -240,7 +240,7 @@ class MessagesRequest(_Conversation):
     1); ``top_p`` in (0, 1]; ``top_k`` >= 1; at most 16 ``stop_sequences``."""
 
     max_tokens: int = Field(ge=1)
-    stop_sequences: list[Annotated[str, Field(min_length=1)]] | None = Field(None, max_length=16)
+    stop_sequences: list[StopString] | None = Field(None, max_length=16)
     stream: bool = False
     temperature: float | None = Field(None, ge=0.0, le=1.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)

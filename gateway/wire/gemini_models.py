@@ -41,7 +41,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from prefixgate.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from prefixgate.gateway.http.errors import bad_request
 from prefixgate.gateway.wire.gemini_routes import DEFAULT_CACHE_TTL_S
-from prefixgate.gateway.wire.sampling import sampling_params
+from prefixgate.gateway.wire.sampling import Seed, StopString, sampling_params
 from pydantic import (
     AliasChoices,
     AliasGenerator,
@@ -173,9 +173,9 @@ class GenerationConfig(GeminiObject):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     topP: float | None = Field(None, gt=0.0, le=1.0)
     topK: ProtoInt | None = Field(None, ge=1)
-    stopSequences: list[str] | None = Field(None, max_length=5)
+    stopSequences: list[StopString] | None = Field(None, max_length=5)
     candidateCount: ProtoInt | None = Field(None, ge=1, le=MAX_CANDIDATES)
-    seed: ProtoInt | None = None
+    seed: Annotated[Seed, BeforeValidator(_integral)] | None = None
     presencePenalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequencyPenalty: float | None = Field(None, ge=-2.0, le=2.0)
     responseMimeType: str | None = None

@@ -30,7 +30,7 @@ from prefixgate.gateway.http.json_guard import (  # noqa: F401 - re-exported for
 from prefixgate.gateway.tenancy.keys import MAX_SALT_CHARS
 from prefixgate.gateway.wire.prompts import check_token_ids
 from prefixgate.gateway.wire.request_fields import REFUSED, check_refused, structured_from
-from prefixgate.gateway.wire.sampling import sampling_params
+from prefixgate.gateway.wire.sampling import Seed, sampling_params
 from prefixgate.gateway.wire.stop_strings import refuse_stop_under_constraint
 from prefixgate.gateway.wire.tools import choose_tool
 from pydantic import (
@@ -50,7 +50,6 @@ from pydantic_core import ErrorDetails, PydanticCustomError
 _REQUEST_CONFIG = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 MAX_N = 16  # choices per request (each is one engine request)
-SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as vLLM and torch generators take
 
 
 class PromptCacheBreakpoint(BaseModel):
@@ -266,7 +265,7 @@ class _SamplingFields(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    seed: Seed | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     stream: bool = False

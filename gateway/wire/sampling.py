@@ -11,10 +11,19 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
 
 from prefixgate.engine.sampling_params import SamplingParams
 from prefixgate.gateway.http.errors import bad_request
+from pydantic import Field
+
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as vLLM and torch generators take
+Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)]
+"""A request's ``seed`` in every dialect: an int64 (the wire model's 400 names the field; the
+engine alone would take [-2**63, 2**64) and say so in its own words)."""
+StopString = Annotated[str, Field(min_length=1)]
+"""One item of a dialect's list of stop sequences: never empty (``[""]`` is a 400 naming the
+item, in every dialect and on its count routes alike)."""
 
 
 def sampling_params(
