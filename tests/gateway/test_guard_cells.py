@@ -441,7 +441,7 @@ def test_what_the_cells_found_is_answered_alike(gateways, path, content, field):
 # A spent key (over its requests per minute) with a body local mode refuses: local mode
 # judges the body first (its 400 names the field), the proxy admits first (429) and leaves
 # the body to its upstream, which it never reaches. Not the same answer in both modes; kept
-# as a strict xfail until one order serves both (the fix is in the report of the guards work).
+# as a strict xfail until one order serves both (the choices: docs/request-guards.md).
 SPENT_KEY_ORDER = [
     (CHAT, {**base_body(CHAT, False), "n": 0}),
     (COMP, {**base_body(COMP, True), "stop": [""]}),
