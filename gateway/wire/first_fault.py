@@ -50,7 +50,7 @@ def first_fault_validator(
         raise TypeError(f"{model.__name__} has validators: its shape cannot be checked alone")
     schema = copy.deepcopy(model.__pydantic_core_schema__)
     _fail_fast(schema, optional)
-    return SchemaValidator(schema)  # type: ignore[arg-type]
+    return SchemaValidator(schema)
 
 
 def _models(model: type[BaseModel]) -> list[type[BaseModel]]:
