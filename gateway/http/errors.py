@@ -119,16 +119,21 @@ def error_dialect(dialect: str) -> Callable[[Handler], Handler]:
 
 # a model name may hold '/'; tunedModels' methods too, as Google serves them
 _GEMINI_V1_METHOD = re.compile(r"/v1/(models|tunedModels)/.+:[A-Za-z]+\Z")
+# A model method with no API version: a Gemini client whose base URL lacks it (LiteLLM's
+# ``gemini/`` models with ``api_base`` the server's root post ``/models/{model}:generateContent``)
+_GEMINI_BARE_METHOD = re.compile(r"/(models|tunedModels)/.+:[A-Za-z]+\Z")
 
 
 def is_gemini_path(path: str) -> bool:
     """Whether ``path`` is Gemini's API: under ``/v1beta/``, a model method under ``/v1``
-    (``/v1/models/{model}:{method}``, google-genai's default API version, or a tuned model's),
-    or ``/v1/cachedContents`` (google-genai's caches with that default: a 404 in Gemini's
-    shape, which the client can read)."""
+    (``/v1/models/{model}:{method}``, google-genai's default API version, or a tuned model's)
+    or under no version (``/models/{model}:{method}``: a 404 in Gemini's shape saying where
+    the routes are), or ``/v1/cachedContents`` (google-genai's caches with that default: a 404
+    in Gemini's shape, which the client can read)."""
     return (
         path.startswith("/v1beta/")
         or _GEMINI_V1_METHOD.match(path) is not None
+        or _GEMINI_BARE_METHOD.match(path) is not None
         or path == "/v1/cachedContents"
         or path.startswith("/v1/cachedContents/")
     )
@@ -432,7 +437,12 @@ async def route_miss(request: web.Request) -> APIError:
         exc.headers = {"Allow": ",".join(sorted(allowed))}
         return exc
     hint = ""
-    if not request.path.startswith(("/v1/", "/v1beta/")) and request.path not in ("/", ""):
+    if _GEMINI_BARE_METHOD.match(request.path):
+        hint = (
+            " (Gemini's routes are under /v1beta: LiteLLM's api_base for a gemini/ model ends "
+            "in /v1beta; google-genai's HttpOptions(base_url=...) is the server's root)"
+        )
+    elif not request.path.startswith(("/v1/", "/v1beta/")) and request.path not in ("/", ""):
         hint = (
             " (the API's routes are under /v1, e.g. /v1/chat/completions: a base URL ends in /v1)"
         )

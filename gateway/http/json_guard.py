@@ -9,7 +9,12 @@ value iteratively (no recursion either), stopping at the first bound passed:
 * nesting: at most ``MAX_JSON_DEPTH`` (200) levels of arrays/objects, the parser's own limit;
 * an array of anything but numbers: at most ``MAX_ARRAY_ITEMS`` (4,096) items; an object at
   most ``MAX_ARRAY_ITEMS`` members;
-* an array of numbers (token ids): at most ``MAX_TOKEN_IDS`` (1,048,576) items;
+* an array of numbers (token ids) in a field that takes them (``TOKEN_ID_FIELDS``:
+  completions' ``prompt``, embeddings' ``input``, ``/detokenize``'s ``tokens``, vLLM's token-id
+  lists) or inside another array (a batch: ``prompt: [[ids], ...]``): at most ``MAX_TOKEN_IDS``
+  (1,048,576) items; numbers anywhere else count as any other items (a model that expects
+  objects there validates each of them, one error apiece: ``"messages": [1, 1, ...]`` of a
+  million numbers held the event loop for ~10 s and grew the server by hundreds of MB);
 * the whole body: at most ``MAX_JSON_VALUES`` (131,072; ``--max-request-values``) values
   other than numbers (objects, arrays, strings, object keys, booleans, nulls: what request
   models validate one by one); a body whose quotes alone show more strings is refused before
@@ -47,6 +52,18 @@ MAX_TOKEN_IDS = 1_048_576  # items of an array of numbers (token ids)
 MAX_JSON_VALUES = 131_072  # values other than numbers in one body
 MAX_TOOLS = 128  # tools of one request (OpenAI's bound)
 OFFLOAD_BYTES = 64 * 1024  # bodies larger than this are checked in a worker thread
+# Fields whose array may hold more than MAX_ARRAY_ITEMS numbers (token ids), wherever they are.
+TOKEN_ID_FIELDS = frozenset(
+    (
+        "prompt",  # completions
+        "input",  # embeddings
+        "tokens",  # /detokenize
+        "prompt_token_ids",
+        "stop_token_ids",  # vLLM's sampling fields
+        "allowed_token_ids",
+        "bad_words_token_ids",
+    )
+)
 
 # Field name -> what its array holds (its bound and error code: ``Limits``), wherever the
 # field is: one table for every dialect (OpenAI's chat/prefixes/tokenize ``messages``,
@@ -240,7 +257,8 @@ def check_value(value: Any, limits: Limits = LIMITS) -> None:
             kind = FIELD_LIMITS.get(key) if isinstance(key, str) else None
             limit = limits.of(kind) if kind is not None else None
             if n > MAX_ARRAY_ITEMS or (limit is not None and n > limit[0]):
-                if all(type(x) in _NUMBERS for x in node):
+                ids = not isinstance(key, str) or key in TOKEN_ID_FIELDS  # a batch's item: int key
+                if ids and all(type(x) in _NUMBERS for x in node):
                     if n > MAX_TOKEN_IDS:
                         raise _too_many(
                             parents, here, "numbers", n, MAX_TOKEN_IDS, "too_many_items"

@@ -464,7 +464,7 @@ async def relay_stream(
 ) -> web.StreamResponse:
     """Translate ``resp``'s Anthropic SSE stream to the client as OpenAI chunks; a stream
     that breaks or ends before ``message_stop`` ends with an in-band error event."""
-    from prefixgate.gateway.proxy.relay import broke_mid_stream, stream_error
+    from prefixgate.gateway.proxy.relay import mid_stream_error, stream_error
 
     out = web.StreamResponse(status=200, headers=SSE_HEADERS)
     await out.prepare(request)
@@ -501,7 +501,8 @@ async def relay_stream(
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
         if client_gone(request):  # a write to the client failed: aiohttp's
             return client_left(out)  # ClientConnectionResetError is a ClientConnectionError too
-        error = stream_error(broke_mid_stream(exc))
+        cut = mid_stream_error(exc, idle_timeout_s)
+        error = stream_error(cut.message, code=cut.code or "upstream_error")
     except ConnectionResetError:
         return client_left(out)
     return await end_stream(out, error)

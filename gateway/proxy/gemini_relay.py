@@ -53,7 +53,7 @@ from prefixgate.gateway.proxy.attempts import (
 from prefixgate.gateway.proxy.messages_openai import token_count
 from prefixgate.gateway.proxy.policies import Route
 from prefixgate.gateway.proxy.prefix_entry import ProxyPrefix
-from prefixgate.gateway.proxy.relay import EventChecker, StreamBroken, broke_mid_stream
+from prefixgate.gateway.proxy.relay import EventChecker, StreamBroken, mid_stream_error
 from prefixgate.gateway.proxy.routes import (
     model_cards,
     upstream_headers,
@@ -383,7 +383,7 @@ async def _relay(call: _Call, resp: aiohttp.ClientResponse, rid: str) -> web.Str
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
         if client_gone(call.request):  # a write to the client failed: aiohttp's
             return client_left(out)  # ClientConnectionResetError is a ClientConnectionError too
-        error = APIError(502, broke_mid_stream(exc), code="upstream_error")
+        error = mid_stream_error(exc, call.request.app[STATE].settings.upstream_timeout_s)
     except ConnectionResetError:
         return client_left(out)
     call.account.estimated_completion_tokens = chunks.completion

@@ -183,6 +183,18 @@ def broke_mid_stream(exc: BaseException) -> str:
     return f"the upstream connection broke mid-stream: {type(exc).__name__}"
 
 
+def mid_stream_error(exc: BaseException, idle_timeout_s: float) -> APIError:
+    """The error ending a stream whose upstream read failed with ``exc``: a read that waited
+    ``idle_timeout_s`` (aiohttp's ``sock_read``, a ``TimeoutError``) is a 504
+    ``upstream_timeout`` saying so, as the chat relay's; any other failure a 502
+    ``upstream_error`` (``broke_mid_stream``)."""
+    if isinstance(exc, TimeoutError) and not isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return APIError(
+            504, f"the upstream sent nothing for {idle_timeout_s:g} s", code="upstream_timeout"
+        )
+    return APIError(502, broke_mid_stream(exc), code="upstream_error")
+
+
 def stream_error(message: str, code: str = "upstream_error") -> bytes:
     """The in-band error event that ends a broken stream."""
     return encode_event(APIError(502, message, code=code, type="upstream_error").body())

@@ -403,3 +403,23 @@ def test_count_tokens_checks_the_model_its_request_names_in_both_modes(serve_fak
         body = {"generateContentRequest": {"model": "models/fake", **HELLO}}
         r = httpx.post(url + "/v1beta/models/fake:countTokens", json=body, timeout=10)
         assert r.status_code == 200 and r.json()["totalTokens"] > 0, r.text
+
+
+@pytest.mark.parametrize("mode", ["local", "proxy"])
+def test_a_model_method_without_an_api_version_says_where_geminis_routes_are(serve_fake, mode):
+    """LiteLLM's ``gemini/`` model with ``api_base`` the server's root posts
+    ``/models/{model}:generateContent``: a 404 in Gemini's shape naming ``/v1beta`` (was
+    OpenAI's object saying the routes are under ``/v1``, which LiteLLM showed as is)."""
+    srv, _ = serve_fake()
+    with BackgroundServer(lambda: create_proxy_app([srv.url], GatewaySettings())) as gw:
+        url = srv.url if mode == "local" else gw.url
+        for path in ("/models/fake:generateContent", "/models/fake:streamGenerateContent"):
+            r = httpx.post(url + path, json=HELLO, timeout=10)
+            assert r.status_code == 404, r.text
+            err = r.json()["error"]
+            assert err["status"] == "NOT_FOUND" and err["code"] == 404, err
+            assert "/v1beta" in err["message"] and "LiteLLM" in err["message"], err
+        # an OpenAI path without /v1 keeps OpenAI's object and its hint
+        r = httpx.post(url + "/chat/completions", json={}, timeout=10)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", r.text
+        assert "under /v1" in r.json()["error"]["message"]

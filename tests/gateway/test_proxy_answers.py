@@ -176,3 +176,30 @@ def test_checker_units():
         {k: v for k, v in body.items() if k != "choices"}, ChatCompletion
     )
     assert "not an object" in shape_problem([], ChatCompletion)
+
+
+def test_a_huge_bad_answer_is_judged_on_its_first_fault_in_bounded_memory():
+    """200,000 numbers where choices belong (400 KB of answer) were 200,000 validation errors,
+    ~250 MB and seconds of the event loop (a 60 MB answer had the proxy killed for memory);
+    the check stops at the first bad item. A choice leaving out a tolerated field does not
+    stop it before a later choice's real fault, and a tolerated field of the wrong type is
+    still one."""
+    import tracemalloc
+
+    from prefixgate.gateway.wire.anthropic_models import MessageAnswer
+
+    tracemalloc.start()
+    try:
+        said = shape_problem({"choices": [1] * 200_000}, ChatCompletion)
+        strict = shape_problem({"type": "message", "content": [1] * 200_000}, MessageAnswer)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert said is not None and "choices.0" in said, said
+    assert strict is not None and strict.startswith("not a MessageAnswer"), strict
+    assert peak < 20 << 20, peak  # bytes traced while judging it
+    ok = {"index": 0, "message": {"role": "assistant", "content": "a"}, "finish_reason": "stop"}
+    said = shape_problem({"choices": [ok, {"index": 1, "finish_reason": "stop"}]}, ChatCompletion)
+    assert said is not None and "choices.1.message" in said, said
+    said = shape_problem({"choices": [ok], "created": "yesterday"}, ChatCompletion)
+    assert said is not None and "created" in said, said

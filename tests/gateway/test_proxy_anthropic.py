@@ -5,6 +5,7 @@ streams, tools and errors translated; what the dialect cannot take refused by na
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import httpx
@@ -276,3 +277,23 @@ def test_an_anthropic_deployments_401_is_about_the_key_actually_sent(tmp_path: P
     assert r.status_code == 401, r.text
     assert "sk-openai-upstreams" not in str(claude.headers)
     assert SECRET not in r.text
+
+
+def test_an_anthropic_stream_gone_silent_ends_with_a_timeout_saying_so(tmp_path: Path):
+    """An Anthropic deployment silent mid-stream past ``--upstream-timeout-s``: the chat
+    stream ends with the event an OpenAI upstream's silence gets, code ``upstream_timeout``
+    and how long it waited (was "connection broke mid-stream: SocketTimeoutError")."""
+    claude = AnthropicStub(stall_s=30)
+    with BackgroundServer(claude.app) as up:
+        cfg = claude_config(tmp_path / "proxy.toml", up.url)
+        settings = GatewaySettings(upstream_timeout_s=0.5)
+        with BackgroundServer(lambda: create_proxy_app(cfg, settings)) as gw:
+            r = httpx.post(
+                gw.url + "/v1/chat/completions",
+                json={"model": "claude", "messages": [{"role": "user", "content": "hi"}],
+                      "stream": True, "max_tokens": 5},
+                timeout=10,
+            )  # fmt: skip
+    last = [ln for ln in r.text.splitlines() if ln.startswith("data: ")][-1]
+    err = json.loads(last[6:])["error"]
+    assert err["code"] == "upstream_timeout" and "sent nothing for 0.5 s" in err["message"], err

@@ -5,6 +5,7 @@ key's salt, the generation config and the usage request."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -80,6 +81,8 @@ def _stub(mode: str, seen: list) -> web.Application:
         if mode == "no_finish":
             await resp.write(b"data: [DONE]\n\n")
             return resp
+        if mode == "stall":  # silent past the gateway's idle timeout
+            await asyncio.sleep(30)
         await resp.write(_chunk("y", "length"))
         await resp.write(b"data: [DONE]\n\n")
         return resp
@@ -100,10 +103,10 @@ def _stub(mode: str, seen: list) -> web.Application:
 def proxied():
     made: list[BackgroundServer] = []
 
-    def start(mode: str) -> tuple[BackgroundServer, list]:
+    def start(mode: str, **settings_kw: object) -> tuple[BackgroundServer, list]:
         seen: list = []
         up = BackgroundServer(lambda: _stub(mode, seen)).__enter__()
-        settings = GatewaySettings(api_keys=["k1"])
+        settings = GatewaySettings(api_keys=["k1"], **settings_kw)  # type: ignore[arg-type]
         gw = BackgroundServer(lambda: create_proxy_app([up.url], settings)).__enter__()
         made.extend([gw, up])
         return gw, seen
@@ -133,6 +136,23 @@ def test_a_cut_relayed_stream_ends_with_an_error(proxied, mode):
     )
     with pytest.raises(genai_errors.ServerError):
         list(client.models.generate_content_stream(model="stub", contents="hi"))
+
+
+def test_a_stream_whose_upstream_goes_silent_ends_with_a_timeout_as_on_chat(proxied):
+    """An upstream silent mid-stream past ``--upstream-timeout-s``: Gemini's stream ends with a
+    504 DEADLINE_EXCEEDED event saying how long it waited, as the chat and Messages relays
+    say it (was a 502 UNAVAILABLE "connection broke mid-stream: SocketTimeoutError")."""
+    gw, _ = proxied("stall", upstream_timeout_s=0.5)
+    last = _events(gw.url)[-1]
+    assert last["error"]["code"] == 504 and last["error"]["status"] == "DEADLINE_EXCEEDED", last
+    assert "sent nothing for 0.5 s" in last["error"]["message"], last
+    r = httpx.post(
+        gw.url + "/v1/chat/completions",
+        json={"model": "stub", "messages": [{"role": "user", "content": "hi"}], "stream": True},
+        headers={"Authorization": "Bearer k1"},
+        timeout=10,
+    )
+    assert "sent nothing for 0.5 s" in r.text.splitlines()[-2], r.text  # the chat relay's words
 
 
 def test_a_whole_relayed_stream_and_the_translated_body(proxied):

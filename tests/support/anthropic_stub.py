@@ -7,6 +7,7 @@ when ``tool_choice`` is ``any`` or ``tool``."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +43,7 @@ class AnthropicStub:
     seen: list[dict] = field(default_factory=list)
     headers: list[dict] = field(default_factory=list)
     cache: set[str] = field(default_factory=set)
+    stall_s: float = 0.0  # a stream goes silent this long after message_start
 
     def _usage(self, body: dict) -> dict:
         parts: list[dict] = [*(body.get("system") or [])]
@@ -109,6 +111,8 @@ class AnthropicStub:
             "message_start",
             {"message": {**msg, "content": [], "stop_reason": None, "usage": start_usage}},
         )
+        if self.stall_s:
+            await asyncio.sleep(self.stall_s)
         for i, block in enumerate(content):
             if block["type"] == "text":
                 await send(
