@@ -28,6 +28,7 @@ from typing import Any
 from aiohttp import web
 from prefixgate.engine.protocol import EngineClient
 from prefixgate.gateway import dashboard
+from prefixgate.gateway.cli import version as installed_version
 from prefixgate.gateway.http import lifecycle, request_id
 from prefixgate.gateway.http.body_limits import body_limits_middleware
 from prefixgate.gateway.http.errors import (
@@ -275,6 +276,7 @@ def _base_app(
     app[SETTINGS] = settings
     app[GUARD_LIMITS] = Limits(settings.max_request_tools, settings.max_request_values)
     app.router.add_get("/health", health, expect_handler=expect_continue)
+    app.router.add_get("/version", version, expect_handler=expect_continue)
     app.router.add_get("/metrics", metrics_route, expect_handler=expect_continue)
     dashboard.install(app)
 
@@ -331,7 +333,7 @@ _ROUTE_LABELS = {
     "/tokenize": "tokenize",
     "/detokenize": "detokenize",
 }
-_PROBES = frozenset(("/health", "/ready", "/metrics"))
+_PROBES = frozenset(("/health", "/ready", "/metrics", "/version"))
 CLIENT_GONE = 499  # nginx's "client closed request"
 
 
@@ -343,6 +345,7 @@ OPEN_ROUTES = frozenset(
         "/health",
         "/ready",
         "/metrics",
+        "/version",
         "/dashboard",
         "/dashboard/dashboard.js",
         "/dashboard/data",
@@ -448,6 +451,13 @@ def default_model_name(engine: EngineClient) -> str:
 async def health(request: web.Request) -> web.Response:
     """GET /health: 200 while the process serves HTTP (liveness)."""
     return web.json_response({"status": "ok"})
+
+
+async def version(request: web.Request) -> web.Response:
+    """GET /version: ``{"version": prefixgate's installed version}`` (vLLM's route of that name,
+    which tools read to tell a server's release; ``"unknown"`` from an uninstalled tree). Open
+    to every caller, as vLLM's is, in both modes."""
+    return web.json_response({"version": installed_version()})
 
 
 async def ready_local(request: web.Request) -> web.Response:

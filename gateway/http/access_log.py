@@ -41,7 +41,15 @@ from prefixgate.gateway.http.request_account import ACCOUNT, RequestAccount, acc
 
 # The dashboard polls /dashboard/data every few seconds: logged as probes too.
 PROBES = frozenset(
-    {"/health", "/ready", "/metrics", "/dashboard", "/dashboard/data", "/dashboard/dashboard.js"}
+    {
+        "/health",
+        "/ready",
+        "/metrics",
+        "/version",
+        "/dashboard",
+        "/dashboard/data",
+        "/dashboard/dashboard.js",
+    }
 )
 
 HEALTH_CHECK_USER_AGENT = "prefixgate-health-check"

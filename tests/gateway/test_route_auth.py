@@ -150,3 +150,22 @@ def test_query_key_on_gemini_v1_methods_proxy(serve_fake, tmp_path):
     settings = GatewaySettings(keys_file=_keys(tmp_path))
     with BackgroundServer(lambda: create_proxy_app([upstream.url], settings)) as gw:
         _check_query_key(gw.url)
+
+
+def test_version_answers_every_caller_in_both_modes(serve_fake, tmp_path):
+    """``GET /version`` as vLLM's: ``{"version": ...}`` (the installed prefixgate), open to a
+    caller without a key like the other probes, and not counted as an API request."""
+    from prefixgate.gateway.cli import version
+
+    settings = GatewaySettings(model_name="fake", keys_file=_keys(tmp_path))
+    local, _ = serve_fake(settings)
+    proxy_settings = GatewaySettings(keys_file=_keys(tmp_path))
+    with BackgroundServer(lambda: create_proxy_app([local.url], proxy_settings)) as gw:
+        for url in (local.url, gw.url):
+            with httpx.Client(base_url=url, timeout=10) as http:
+                r = http.get("/version")
+                assert r.status_code == 200, r.text
+                assert r.json() == {"version": version()}
+                metrics = http.get("/metrics", headers={"Authorization": f"Bearer {KEY}"})
+                assert 'route="other"' not in metrics.text
+                assert http.post("/version").status_code == 405
