@@ -23,12 +23,12 @@ import logging
 import os
 import time
 from collections.abc import Sequence
+from importlib import metadata
 from typing import Any
 
 from aiohttp import web
 from prefixgate.engine.protocol import EngineClient
 from prefixgate.gateway import dashboard
-from prefixgate.gateway.cli import version as installed_version
 from prefixgate.gateway.http import lifecycle, request_id
 from prefixgate.gateway.http.body_limits import body_limits_middleware
 from prefixgate.gateway.http.errors import (
@@ -457,7 +457,11 @@ async def version(request: web.Request) -> web.Response:
     """GET /version: ``{"version": prefixgate's installed version}`` (vLLM's route of that name,
     which tools read to tell a server's release; ``"unknown"`` from an uninstalled tree). Open
     to every caller, as vLLM's is, in both modes."""
-    return web.json_response({"version": installed_version()})
+    try:
+        installed = metadata.version("prefixgate")
+    except metadata.PackageNotFoundError:
+        installed = "unknown"
+    return web.json_response({"version": installed})
 
 
 async def ready_local(request: web.Request) -> web.Response:
