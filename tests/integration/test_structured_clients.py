@@ -1,6 +1,8 @@
 """Real clients against ``prefixgate serve`` (a process) on aidreams-260k: openai-python's
-``chat.completions.parse`` with a pydantic model, and LangChain's ``ChatOpenAI``
-(``with_structured_output`` in both methods, ``bind_tools``) end to end."""
+``chat.completions.parse`` with a pydantic model, LangChain's ``ChatOpenAI``
+(``with_structured_output`` in both methods, ``bind_tools``), pydantic-ai's agents (chat
+completions with a tool and ``NativeOutput``, and ``/v1/messages``) and LiteLLM's
+``completion`` (``openai/`` and ``anthropic/``) end to end."""
 
 from __future__ import annotations
 
@@ -119,4 +121,66 @@ def test_langchain_structured_output_and_tools(serve_url):
         result = (get_weather if call["name"] == "get_weather" else get_time).invoke(call)
         follow = llm.invoke(["Weather?", msg, result])
         assert isinstance(follow.content, str)
+    _pool_whole(serve_url)
+
+
+def test_pydantic_ai_agents_on_both_dialects(serve_url):
+    """pydantic-ai's agents as its users write them: ``OpenAIChatModel`` (chat completions)
+    with a tool (its default ``tool_choice: auto``, served with ``--tool-call-parser``) and
+    ``NativeOutput`` (``response_format`` json_schema: an instance back), and
+    ``AnthropicModel`` (``/v1/messages``)."""
+    pytest.importorskip("pydantic_ai")
+    from pydantic_ai import Agent, NativeOutput
+    from pydantic_ai.models.anthropic import AnthropicModel
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.anthropic import AnthropicProvider
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    settings = {"max_tokens": 24, "temperature": 0.0}
+    chat = OpenAIChatModel(MODEL, provider=OpenAIProvider(base_url=serve_url + "/v1", api_key="x"))
+    agent = Agent(chat, output_type=str, model_settings=settings)
+
+    @agent.tool_plain
+    def get_time(tz: Literal["UTC", "CET"]) -> str:
+        """Time in a zone."""
+        return "noon"
+
+    run = agent.run_sync("What time is it?")
+    assert isinstance(run.output, str)
+    assert 0 < run.usage().output_tokens <= 24 * max(1, run.usage().requests)
+    typed = Agent(chat, output_type=NativeOutput(Pet), model_settings={"max_tokens": 100})
+    assert isinstance(typed.run_sync("A pet").output, Pet)
+    messages = AnthropicModel(MODEL, provider=AnthropicProvider(base_url=serve_url, api_key="x"))
+    run = Agent(messages, output_type=str, model_settings=settings).run_sync("Hello")
+    assert isinstance(run.output, str) and 0 < run.usage().output_tokens <= 24
+    _pool_whole(serve_url)
+
+
+def test_litellm_completion_through_openai_and_anthropic_routes(serve_url, monkeypatch):
+    """LiteLLM's ``completion`` as a proxy user calls it: ``openai/`` (chat completions,
+    whole and streamed, the same text at temperature 0; ``response_format`` a pydantic model)
+    and ``anthropic/`` (``/v1/messages``), usage as the server counted it."""
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch of its price list
+    litellm = pytest.importorskip("litellm")
+
+    ask = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 12, "temperature": 0}
+    openai_route = {"model": f"openai/{MODEL}", "api_base": serve_url + "/v1", "api_key": "x"}
+    whole = litellm.completion(**openai_route, **ask)
+    text = whole.choices[0].message.content
+    assert isinstance(text, str) and whole.choices[0].finish_reason in ("stop", "length")
+    assert 0 < whole.usage.completion_tokens <= 12
+    streamed = "".join(
+        chunk.choices[0].delta.content or ""
+        for chunk in litellm.completion(**openai_route, **ask, stream=True)
+    )
+    assert streamed == text
+    pet = litellm.completion(
+        **openai_route, messages=[{"role": "user", "content": "A pet"}], response_format=Pet,
+        max_tokens=100,
+    )  # fmt: skip
+    assert Pet.model_validate_json(pet.choices[0].message.content)
+    anthropic_route = {"model": f"anthropic/{MODEL}", "api_base": serve_url, "api_key": "x"}
+    msg = litellm.completion(**anthropic_route, **ask)
+    assert isinstance(msg.choices[0].message.content, str)
+    assert 0 < msg.usage.completion_tokens <= 12
     _pool_whole(serve_url)
