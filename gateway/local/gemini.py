@@ -64,6 +64,7 @@ from prefixgate.gateway.wire.gemini_models import (
     openai_tools,
     parse_request,
     refuse_beside_cache,
+    refuse_constraint_beside_tools,
     structured,
     to_chat,
 )
@@ -340,12 +341,7 @@ async def _generate(request: web.Request, model: str, stream: bool) -> web.Strea
     chat, plan, ids = await _prepare(request, req, principal)
     gc = req.generationConfig
     constraint = structured(gc)
-    if constraint is not None and plan.active:
-        raise bad_request(
-            "generationConfig.responseSchema: a response schema together with tools is not "
-            "supported",
-            param="generationConfig.responseMimeType",
-        )
+    refuse_constraint_beside_tools(constraint, chat.tools, chat.tool_choice)
     stop = list(gc.stopSequences or []) if gc is not None else []
     if plan.mode in ("required", "named"):
         forced = "toolConfig"

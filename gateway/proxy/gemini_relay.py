@@ -75,6 +75,7 @@ from prefixgate.gateway.wire.gemini_models import (
     cache_messages,
     parse_request,
     refuse_beside_cache,
+    refuse_constraint_beside_tools,
     structured,
     to_chat,
     wire_messages,
@@ -477,6 +478,7 @@ async def model_method(request: web.Request) -> web.StreamResponse:
     chat, _ = await _chat_of(request, req, principal.salt)
     gc = req.generationConfig
     if method != "countTokens":  # a count generates nothing: as local mode, no output checks
+        refuse_constraint_beside_tools(structured(gc), chat.tools, chat.tool_choice)
         forced = "toolConfig" if chat.tool_choice not in (None, "auto", "none") else None
         if forced is None and structured(gc) is not None:
             forced = "generationConfig.responseMimeType"

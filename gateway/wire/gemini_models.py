@@ -526,6 +526,26 @@ def structured(config: GenerationConfig | None) -> StructuredOutputsParams | Non
     return StructuredOutputsParams(json_object=True)
 
 
+def refuse_constraint_beside_tools(
+    constraint: StructuredOutputsParams | None, tools: list[dict[str, Any]], choice: Any
+) -> None:
+    """A JSON response (``structured``: ``responseMimeType`` 'application/json', with or
+    without a schema) is not served beside tools the model may call (``choice``, the chat's
+    ``tool_choice``, anything but ``"none"``): the answer is one or the other. The same check
+    in both modes, so a request local mode refuses is not relayed by a proxy.
+
+    Raises:
+        APIError: 400 naming ``generationConfig.responseMimeType``.
+    """
+    if constraint is not None and tools and choice != "none":
+        raise bad_request(
+            "generationConfig.responseMimeType: a JSON response (application/json, with or "
+            "without a schema) together with tools is not supported: send one or the other, "
+            "or toolConfig.functionCallingConfig.mode NONE",
+            param="generationConfig.responseMimeType",
+        )
+
+
 # --- the chat -------------------------------------------------------------------------------
 @dataclass(slots=True)
 class Chat:

@@ -345,3 +345,37 @@ def test_count_tokens_counts_auto_tools_without_a_tool_call_parser_in_both_modes
     r = httpx.post(local.url + "/v1beta/models/fake:generateContent", json=auto, timeout=120)
     assert r.status_code == 400 and "--tool-call-parser" in r.text, r.text
     assert r.json()["error"]["status"] == "INVALID_ARGUMENT"
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"responseMimeType": "application/json", "responseSchema": {"type": "OBJECT"}},
+        {"responseMimeType": "application/json"},
+    ],
+)
+def test_a_json_response_beside_callable_tools_is_the_same_400_in_both_modes(serve_fake, config):
+    """A JSON response beside tools the model may call: local mode refused it (400 naming
+    ``generationConfig.responseMimeType``) while a proxy relayed it to its upstream as a chat
+    with ``response_format`` and ``tools``, which served it. Now one check
+    (``gemini_models.refuse_constraint_beside_tools``) gives both modes the same error object;
+    with ``mode: NONE`` (no tool can be called) both serve it."""
+    local, _ = serve_fake(GatewaySettings(model_name="fake", tool_call_parser="hermes"))
+    tools = [{"functionDeclarations": [{"name": "f", "parameters": {"type": "object"}}]}]
+    body = {
+        "contents": [{"role": "user", "parts": [{"text": "hi"}]}],
+        "generationConfig": config,
+        "tools": tools,
+    }
+    none = {**body, "toolConfig": {"functionCallingConfig": {"mode": "NONE"}}}
+    slow = GatewaySettings(health_check_timeout_s=60.0)  # the first tools import xgrammar
+    with BackgroundServer(lambda: create_proxy_app([local.url], slow)) as proxy:
+        errors = []
+        for base in (local.url, proxy.url):
+            r = httpx.post(base + "/v1beta/models/fake:generateContent", json=body, timeout=120)
+            assert r.status_code == 400, (base, r.text)
+            errors.append(r.json()["error"])
+            assert "generationConfig.responseMimeType" in r.json()["error"]["message"]
+            r = httpx.post(base + "/v1beta/models/fake:generateContent", json=none, timeout=120)
+            assert r.status_code == 200, (base, r.text)
+        assert errors[0] == errors[1]
