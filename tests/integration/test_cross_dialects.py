@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import jiter
 import jsonschema
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -52,8 +53,8 @@ from support.schemas import TIME_PARAMS
 
 MODEL = "aidreams-260k"
 MAX_MODEL_LEN = 128  # aidreams' max_position_embeddings
-FAST_EXAMPLES = 25  # per dialect
-LONG_EXAMPLES = 700
+FAST_EXAMPLES = 60  # per dialect
+LONG_EXAMPLES = 2000
 
 PROMPTS = ["Tell me", "Once upon a time there was", "A pet, please"]
 SYSTEMS = ["You tell short tales.", "Answer in JSON when asked."]
@@ -311,7 +312,8 @@ def _messages_stream(events: list[tuple[str | None, dict[str, Any]]]) -> Answer:
         if b["type"] == "text":
             ans.texts[0] += b["text"]
         else:
-            ans.calls[0].append((b["name"], json.loads(b["json"]) if b["json"] else {}))
+            # as the ``anthropic`` package assembles it: a call cut by max_tokens parses partly
+            ans.calls[0].append((b["name"], jiter.from_json(b["json"].encode(), partial_mode=True)))
     return ans
 
 
