@@ -342,8 +342,8 @@ async def _generate(request: web.Request, model: str, stream: bool) -> web.Strea
     constraint = structured(gc)
     if constraint is not None and plan.active:
         raise bad_request(
-            "generationConfig.responseSchema: a response schema together with tools is not "
-            "supported",
+            "generationConfig.responseMimeType: a JSON response (application/json, with or without a "
+            "response schema) together with tools is not supported",
             param="generationConfig.responseMimeType",
         )
     stop = list(gc.stopSequences or []) if gc is not None else []
