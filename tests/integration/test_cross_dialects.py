@@ -57,7 +57,9 @@ FAST_EXAMPLES = 60  # per dialect
 LONG_EXAMPLES = 2000
 
 PROMPTS = ["Tell me", "Once upon a time there was", "A pet, please"]
-SYSTEMS = ["You tell short tales.", "Answer in JSON when asked."]
+# the last leaves less than max_tokens of the 128-token context: the bound is its end, or a 400
+LONG = "You are a friendly storyteller who tells short tales about cats and dogs. " * 2
+SYSTEMS = ["You tell short tales.", "Answer in JSON when asked.", LONG]
 STOPS = ["e", "the", ".", "}", '"', "\n", "a "]
 WEATHER_PARAMS: dict[str, Any] = {
     "type": "object",
@@ -102,6 +104,7 @@ class Case:
 
     dialect: str
     body: dict[str, Any]
+    server: str = "big"  # "big" (256 KV blocks) | "small" (8: one full context; n > 1 preempts)
     constraint: str | None = None  # json_schema | json_object
     tool_mode: str | None = None  # messages: auto/any/tool/none, gemini: AUTO/ANY/NONE, ...
     tools: list[str] = field(default_factory=list)
@@ -135,7 +138,7 @@ def messages_cases(draw: st.DrawFn) -> Case:
         "temperature": 0,
         "messages": [{"role": "user", "content": user}],
     }
-    case = Case("messages", body)
+    case = Case("messages", body, draw(st.sampled_from(["big", "small"])))
     system = draw(st.sampled_from([None, "string", "blocks"]))
     if system == "string":
         body["system"] = draw(st.sampled_from(SYSTEMS))
@@ -149,6 +152,9 @@ def messages_cases(draw: st.DrawFn) -> Case:
     if draw(st.integers(0, 2)) == 0:
         case.stops = draw(st.lists(st.sampled_from(STOPS), min_size=1, max_size=2, unique=True))
         body["stop_sequences"] = case.stops
+    if draw(st.integers(0, 3)) == 0:
+        case.constraint = "json_schema"
+        body["output_config"] = {"format": {"type": "json_schema", "schema": SCHEMA}}
     if draw(st.booleans()):
         case.tools = _tool_names(draw)
         body["tools"] = [
@@ -172,7 +178,7 @@ def gemini_cases(draw: st.DrawFn) -> Case:
         "contents": [{"role": "user", "parts": [{"text": prompt}]}],
         "generationConfig": config,
     }
-    case = Case("gemini", body)
+    case = Case("gemini", body, draw(st.sampled_from(["big", "small"])))
     if draw(st.booleans()):
         config["candidateCount"] = draw(st.integers(1, 3))
     if draw(st.integers(0, 2)) == 0:
@@ -213,7 +219,7 @@ def responses_cases(draw: st.DrawFn) -> Case:
         "max_output_tokens": draw(st.integers(1, 60)),
         "temperature": 0,
     }
-    case = Case("responses", body)
+    case = Case("responses", body, draw(st.sampled_from(["big", "small"])))
     if draw(st.booleans()):
         body["instructions"] = draw(st.sampled_from(SYSTEMS))
     fmt = draw(st.sampled_from([None, None, "json_object", "json_schema"]))
@@ -409,6 +415,14 @@ class Client:
             _gemini_candidates(e, ans, n)
         return ans
 
+    def gemini_prompt_tokens(self, case: Case) -> int:
+        inner = {**case.body, "model": f"models/{MODEL}"}
+        r = self.http.post(
+            f"{self.url}/v1beta/models/{MODEL}:countTokens", json={"generateContentRequest": inner}
+        )
+        assert r.status_code == 200, r.text
+        return r.json()["totalTokens"]
+
     def messages_prompt_tokens(self, case: Case) -> int:
         body = {k: v for k, v in case.body.items() if k not in ("max_tokens", "temperature")}
         body.pop("stop_sequences", None)
@@ -420,12 +434,21 @@ class Client:
 # ---- the invariants -----------------------------------------------------------------------
 
 
-def _error_field(case: Case, ans: Answer) -> str:
-    """The field the dialect's error object names (asserting its shape)."""
-    err = ans.error
+def _names(case: Case, ans: Answer, fields: set[str]) -> bool:
+    """The dialect's error object (its shape asserted) names one of ``fields``: Gemini's
+    ``fieldViolations``, the OpenAI ``param``; Anthropic's has no ``param``, its message
+    names the field (first, ``"field: ..."``, or inside, as the context-length one does)."""
     if case.dialect == "messages":
+        err = ans.error
         assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error", err
-        return err["error"]["message"].split(":")[0].split(" ")[0]
+        message = err["error"]["message"]
+        return message.split(":")[0] in fields or any(f in message for f in fields)
+    return _error_field(case, ans) in fields
+
+
+def _error_field(case: Case, ans: Answer) -> str:
+    """The field the dialect's error object names (asserting its shape): Gemini, Responses."""
+    err = ans.error
     if case.dialect == "gemini":
         e = err["error"]
         assert e["code"] == 400 and e["status"] == "INVALID_ARGUMENT", err
@@ -443,7 +466,7 @@ def expected_400(case: Case) -> set[str] | None:
     Responses: ``tools`` and ``previous_response_id`` are not implemented (refused by name,
     docs of ``local/responses_api.py``). Gemini: stop sequences beside a JSON constraint
     (``wire/stop_strings.py``, as on chat); a JSON response beside tools (docs/gemini.md). Messages
-    and Gemini: stop sequences beside a forced call (``wire/stop_strings.py``)."""
+    and Gemini: stop sequences beside a forced call (and Messages' ``output_config.format``)."""
     if case.dialect == "responses":
         refused = set()
         if case.tools:
@@ -460,9 +483,23 @@ def expected_400(case: Case) -> set[str] | None:
         if case.stops and case.forced:
             refused.add("generationConfig.stopSequences")
         return refused or None
-    if case.stops and case.forced:
-        return {"stop_sequences"}
-    return None
+    refused = set()
+    if case.stops and (case.forced or case.constraint):
+        refused.add("stop_sequences")
+    if case.constraint and case.forced:  # one output constraint per request
+        refused.add("output_config.format")
+    return refused or None
+
+
+def _limit(case: Case) -> int:
+    if case.dialect == "gemini":
+        return case.body["generationConfig"]["maxOutputTokens"]
+    return case.body["max_tokens" if case.dialect == "messages" else "max_output_tokens"]
+
+
+def _over_context(case: Case, ans: Answer) -> bool:
+    """The 400 says the prompt + the output limit do not fit the context."""
+    return "maximum context length" in json.dumps(ans.error)
 
 
 def _room(prompt_tokens: int, max_tokens: int) -> int:
@@ -473,10 +510,16 @@ def check_answer(case: Case, ans: Answer, prompt_tokens: int | None, how: str) -
     where = f"{how}: {ans}"
     assert ans.status < 500, where
     refused = expected_400(case)
+    limit = {"messages": "max_tokens", "gemini": "generationConfig.maxOutputTokens"}
+    limit_field = limit.get(case.dialect, "max_output_tokens")
+    if ans.status == 400 and not refused and _over_context(case, ans):
+        # prompt + the output limit over the context: 400 context_length_exceeded
+        assert prompt_tokens is None or prompt_tokens + _limit(case) > MAX_MODEL_LEN, where
+        assert _names(case, ans, {limit_field}), where
+        return
     if ans.status != 200 or refused:
         assert ans.status == 400, f"expected a 400 naming one of {refused}: {where}"
-        named = _error_field(case, ans)
-        assert refused and named in refused, f"a 400 naming {named!r}, not {refused}: {where}"
+        assert refused and _names(case, ans, refused), f"a 400 naming none of {refused}: {where}"
         return
     u = ans.usage
     if case.dialect == "messages":
@@ -488,7 +531,7 @@ def check_answer(case: Case, ans: Answer, prompt_tokens: int | None, how: str) -
         stop_words["tool_use"] = "tool"
     elif case.dialect == "gemini":
         max_tokens = case.body["generationConfig"]["maxOutputTokens"]
-        prompt_tokens = u["promptTokenCount"]
+        assert u["promptTokenCount"] == prompt_tokens, (prompt_tokens, where)  # countTokens
         assert u["totalTokenCount"] == prompt_tokens + u["candidatesTokenCount"], where
         assert 0 <= u.get("cachedContentTokenCount", 0) <= prompt_tokens, where
         outs = [u["candidatesTokenCount"]] if len(ans.texts) == 1 else []
@@ -548,6 +591,8 @@ def check_case(case: Case, server, client: Client, pool_whole) -> None:
     prompt = None
     if case.dialect == "messages" and expected_400(case) is None:
         prompt = client.messages_prompt_tokens(case)
+    elif case.dialect == "gemini" and expected_400(case) is None:
+        prompt = client.gemini_prompt_tokens(case)
     whole = client.send(case, stream=False)
     check_answer(case, whole, prompt, "whole")
     streamed = client.send(case, stream=True)
@@ -574,14 +619,21 @@ def check_case(case: Case, server, client: Client, pool_whole) -> None:
 
 
 @pytest.fixture(scope="module")
-def server(aidreams_path):
-    yield from serve_aidreams(aidreams_path, model_name=MODEL, tool_call_parser="hermes")
+def servers(aidreams_path):
+    big = serve_aidreams(aidreams_path, model_name=MODEL, tool_call_parser="hermes")
+    small = serve_aidreams(
+        aidreams_path, num_kv_blocks=8, model_name=MODEL, tool_call_parser="hermes"
+    )
+    out = {"big": next(big), "small": next(small)}
+    yield out
+    for gen in (big, small):
+        next(gen, None)
 
 
 @pytest.fixture(scope="module")
-def client(server):
+def clients(servers):
     with httpx.Client(timeout=60) as http:
-        yield Client(http, server.url)
+        yield {name: Client(http, srv.url) for name, srv in servers.items()}
 
 
 _COMMON = {
@@ -593,25 +645,25 @@ _COMMON = {
 
 @settings(max_examples=FAST_EXAMPLES, derandomize=True, **_COMMON)
 @given(case=messages_cases())
-def test_cross_messages_fast(server, client, pool_whole, case):
-    check_case(case, server, client, pool_whole)
+def test_cross_messages_fast(servers, clients, pool_whole, case):
+    check_case(case, servers[case.server], clients[case.server], pool_whole)
 
 
 @settings(max_examples=FAST_EXAMPLES, derandomize=True, **_COMMON)
 @given(case=gemini_cases())
-def test_cross_gemini_fast(server, client, pool_whole, case):
-    check_case(case, server, client, pool_whole)
+def test_cross_gemini_fast(servers, clients, pool_whole, case):
+    check_case(case, servers[case.server], clients[case.server], pool_whole)
 
 
 @settings(max_examples=FAST_EXAMPLES, derandomize=True, **_COMMON)
 @given(case=responses_cases())
-def test_cross_responses_fast(server, client, pool_whole, case):
-    check_case(case, server, client, pool_whole)
+def test_cross_responses_fast(servers, clients, pool_whole, case):
+    check_case(case, servers[case.server], clients[case.server], pool_whole)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)  # thousands of cases: past the suite's per-test limit
 @settings(max_examples=LONG_EXAMPLES, **_COMMON)
 @given(case=st.one_of(messages_cases(), gemini_cases(), responses_cases()))
-def test_cross_dialects_long(server, client, pool_whole, case):
-    check_case(case, server, client, pool_whole)
+def test_cross_dialects_long(servers, clients, pool_whole, case):
+    check_case(case, servers[case.server], clients[case.server], pool_whole)
