@@ -383,8 +383,8 @@ class Client:
             url = f"{self.url}/v1/{case.dialect}"
             if stream:
                 body["stream"] = True
-        if case.previous and self.last_response_id:
-            body["previous_response_id"] = self.last_response_id
+        if case.previous:
+            body["previous_response_id"] = self.earlier_response_id()
         with self.http.stream("POST", url, json=body) as r:
             if r.status_code != 200:
                 r.read()
@@ -414,6 +414,15 @@ class Client:
         for _, e in events:
             _gemini_candidates(e, ans, n)
         return ans
+
+    def earlier_response_id(self) -> str:
+        """The id of an earlier Responses answer of this server (one asked for if none yet)."""
+        if self.last_response_id is None:
+            body = {"model": MODEL, "input": PROMPTS[0], "max_output_tokens": 2}
+            r = self.http.post(f"{self.url}/v1/responses", json=body)
+            assert r.status_code == 200, r.text
+            self.last_response_id = r.json()["id"]
+        return self.last_response_id
 
     def gemini_prompt_tokens(self, case: Case) -> int:
         inner = {**case.body, "model": f"models/{MODEL}"}
