@@ -121,6 +121,12 @@ class Case:
 # ---- drawing ------------------------------------------------------------------------------
 
 
+def _rarely(one_in: int) -> st.SearchStrategy[bool]:
+    """True once in ``one_in`` draws (hypothesis draws ``integers(...) == 0`` far more often:
+    it favours 0)."""
+    return st.sampled_from([False] * (one_in - 1) + [True])
+
+
 def _tool_names(draw: st.DrawFn) -> list[str]:
     return draw(st.sampled_from([["get_weather"], ["get_time"], ["get_weather", "get_time"]]))
 
@@ -149,12 +155,13 @@ def messages_cases(draw: st.DrawFn) -> Case:
         body["system"] = blocks
     if cache_at == "top":
         body["cache_control"] = {"type": "ephemeral"}
-    if draw(st.integers(0, 2)) == 0:
-        case.stops = draw(st.lists(st.sampled_from(STOPS), min_size=1, max_size=2, unique=True))
-        body["stop_sequences"] = case.stops
     if draw(st.integers(0, 3)) == 0:
         case.constraint = "json_schema"
         body["output_config"] = {"format": {"type": "json_schema", "schema": SCHEMA}}
+    # beside a constraint stop sequences are refused: drawn there less, to keep the 200s
+    if draw(_rarely(8 if case.constraint else 3)):
+        case.stops = draw(st.lists(st.sampled_from(STOPS), min_size=1, max_size=2, unique=True))
+        body["stop_sequences"] = case.stops
     if draw(st.booleans()):
         case.tools = _tool_names(draw)
         body["tools"] = [
@@ -231,7 +238,7 @@ def responses_cases(draw: st.DrawFn) -> Case:
     elif fmt == "json_object":
         case.constraint = fmt
         body["text"] = {"format": {"type": "json_object"}}
-    if draw(st.integers(0, 3)) == 0:
+    if draw(_rarely(4)):  # refused
         case.tools = _tool_names(draw)
         body["tools"] = [
             {"type": "function", "name": n, "parameters": PARAMS[n], "strict": False}
@@ -243,7 +250,7 @@ def responses_cases(draw: st.DrawFn) -> Case:
             body["tool_choice"] = {"type": "function", "name": case.tools[0]}
         elif mode is not None:
             body["tool_choice"] = mode
-    case.previous = draw(st.integers(0, 4)) == 0
+    case.previous = draw(_rarely(8))  # refused: rarely, to keep the 200s
     return case
 
 
