@@ -6,13 +6,16 @@ real gateway and holds each dialect's version of ``test_cross_features.py``'s in
 Drawn, at temperature 0 (so the stream must equal the whole answer):
 
 * Messages: ``max_tokens`` × ``stop_sequences`` × ``system`` (absent, a string, or text blocks)
-  × tools with ``tool_choice`` auto / any / tool / none × ``cache_control`` on a block (the
-  system's, the user's, the request's top level) × ``cache_salt``.
+  × tools with ``tool_choice`` auto / any / tool / none × ``output_config.format``
+  json_schema × ``cache_control`` on a block (the system's, the user's, the request's top
+  level) × ``cache_salt``.
 * Gemini: ``maxOutputTokens`` × ``stopSequences`` × ``candidateCount`` × ``responseMimeType``
   ``application/json`` with or without ``responseSchema`` × tools with every
   ``functionCallingConfig.mode`` (and ``allowedFunctionNames``) × ``systemInstruction``.
 * Responses: ``max_output_tokens`` × ``instructions`` × ``text.format`` json_schema /
   json_object × tools with ``tool_choice`` × ``previous_response_id`` of an earlier answer.
+* Every dialect: the server (256 KV blocks, or 8: one full context, candidates preempt) and a
+  system prompt long enough that the bound is the context's end (or a 400 naming the limit).
 
 Each case is sent twice, whole and streamed. Invariants (``check_*``): never a 5xx; a 400
 only for a documented refusal (``ALLOWED_400``), in the dialect's error object and naming the
