@@ -50,7 +50,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("prefixgate.engine.async_engine")
 
-from support.gateway import serve_aidreams, wait_idle  # noqa: E402
+from support.gateway import big_and_small_servers, wait_idle  # noqa: E402
 from support.schemas import FLAT_SCHEMA as SCHEMA  # noqa: E402
 from support.schemas import TIME_PARAMS
 
@@ -637,16 +637,7 @@ def check_case(case: Case, server, client: Client, pool_whole) -> None:
     wait_idle(server, pool_whole, pinned_ok=True)
 
 
-@pytest.fixture(scope="module")
-def servers(aidreams_path):
-    big = serve_aidreams(aidreams_path, model_name=MODEL, tool_call_parser="hermes")
-    small = serve_aidreams(
-        aidreams_path, num_kv_blocks=8, model_name=MODEL, tool_call_parser="hermes"
-    )
-    out = {"big": next(big), "small": next(small)}
-    yield out
-    for gen in (big, small):
-        next(gen, None)
+servers = big_and_small_servers(MODEL)
 
 
 @pytest.fixture(scope="module")

@@ -47,7 +47,7 @@ from hypothesis import strategies as st
 pytest.importorskip("prefixgate.engine.async_engine")
 
 from prefixgate.gateway.local.serving import LOCAL  # noqa: E402
-from support.gateway import serve_aidreams, wait_idle  # noqa: E402
+from support.gateway import big_and_small_servers, serve_aidreams, wait_idle  # noqa: E402
 from support.schemas import FLAT_SCHEMA as SCHEMA  # noqa: E402
 from support.schemas import TIME_TOOL as TIME
 from support.schemas import weather_tool
@@ -395,16 +395,7 @@ def check_case(case: Case, servers: dict[str, Any], http: httpx.Client, pool_who
     wait_idle(srv, pool_whole)
 
 
-@pytest.fixture(scope="module")
-def servers(aidreams_path):
-    big = serve_aidreams(aidreams_path, model_name=MODEL, tool_call_parser="hermes")
-    small = serve_aidreams(
-        aidreams_path, num_kv_blocks=8, model_name=MODEL, tool_call_parser="hermes"
-    )
-    out = {"big": next(big), "small": next(small)}
-    yield out
-    for gen in (big, small):
-        next(gen, None)
+servers = big_and_small_servers(MODEL)
 
 
 @pytest.fixture(scope="module")

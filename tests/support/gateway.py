@@ -64,6 +64,25 @@ def module_server(model_name: str, name: str = "server", **settings: Any) -> Any
     return server
 
 
+def big_and_small_servers(model_name: str) -> Any:
+    """A module-scoped fixture ``servers`` for a property test (``servers =
+    big_and_small_servers(MODEL)``): ``{"big": ..., "small": ...}``, aidreams-260k served as
+    ``model_name`` with the ``hermes`` tool-call parser on 256 KV blocks and on 8 (exactly one
+    full-context request: ``n`` over 1 preempts)."""
+
+    @pytest.fixture(scope="module", name="servers")
+    def servers(aidreams_path: str) -> Iterator[dict[str, BackgroundServer]]:
+        big = serve_aidreams(aidreams_path, model_name=model_name, tool_call_parser="hermes")
+        small = serve_aidreams(
+            aidreams_path, num_kv_blocks=8, model_name=model_name, tool_call_parser="hermes"
+        )
+        yield {"big": next(big), "small": next(small)}
+        for gen in (big, small):
+            next(gen, None)
+
+    return servers
+
+
 def hermes_fixtures(model_name: str) -> tuple[Any, Any]:
     """A test module's module-scoped ``server`` and ``client`` fixtures, as
     ``server, client = hermes_fixtures(MODEL)``: aidreams-260k served as ``model_name`` with
