@@ -478,9 +478,10 @@ async def model_method(request: web.Request) -> web.StreamResponse:
     chat, _ = await _chat_of(request, req, principal.salt)
     gc = req.generationConfig
     if method != "countTokens":  # a count generates nothing: as local mode, no output checks
-        refuse_constraint_beside_tools(structured(gc), chat.tools, chat.tool_choice)
+        constraint = structured(gc)
+        refuse_constraint_beside_tools(constraint, chat.tools, chat.tool_choice)
         forced = "toolConfig" if chat.tool_choice not in (None, "auto", "none") else None
-        if forced is None and structured(gc) is not None:
+        if forced is None and constraint is not None:
             forced = "generationConfig.responseMimeType"
         refuse_stop_under_constraint(
             list(gc.stopSequences or []) if gc else [], "generationConfig.stopSequences", forced
