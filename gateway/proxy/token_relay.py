@@ -110,6 +110,9 @@ async def _routed(request: web.Request) -> tuple[dict[str, Any], Route]:
         if kind is EmbeddingRequest:
             parse(kind, body)  # local mode's 400: model is required
         model = _only_model(router)
+    elif not isinstance(name, str):
+        parse(kind, body)  # local mode's 400 naming model (or the field before it)
+        raise bad_request("model: Input should be a valid string", param="model")
     else:
         try:
             model = router.resolve(name)

@@ -37,6 +37,7 @@ BODIES: list[tuple[str, dict]] = [
     ("/tokenize", {"model": "fake", "messages": CHAT, "prompt": "both"}),  # 400
     ("/tokenize", {"model": "fake", "prompt": "x", "add_generation_prompt": True}),  # 400
     ("/tokenize", {"model": "fake", "prompt": "x", "cache_salt": "s"}),  # 400, unknown field
+    ("/tokenize", {"model": 5, "prompt": "x"}),  # 400 naming model
     ("/detokenize", {"model": "fake", "tokens": [1, 107, 104, 104]}),
     ("/detokenize", {"tokens": [75, 76]}),
     ("/detokenize", {"model": "fake", "tokens": [1, 99999]}),  # 400 naming tokens.1
