@@ -8,8 +8,9 @@
   torch: ``pip install 'prefixgate[proxy]'`` is enough to run it.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{model}],
-POST /v1/responses, POST /v1/embeddings (``--runner pooling``), POST /v1/prefixes, GET|DELETE /v1/prefixes/{id}, POST /tokenize,
-POST /detokenize (local mode), Gemini's /v1beta routes (``local/gemini.py``, proxy
+POST /v1/responses (local mode), POST /v1/embeddings (``--runner pooling``; upstream mode relays
+it, ``proxy/token_relay.py``), POST /v1/prefixes, GET|DELETE /v1/prefixes/{id}, POST /tokenize,
+POST /detokenize (relayed in upstream mode too), Gemini's /v1beta routes (``local/gemini.py``, proxy
 ``proxy/gemini_relay.py``; ``docs/gemini.md``), GET /health, GET /ready, GET /metrics, GET /dashboard (a live
 page of the metrics, see ``dashboard``) and GET /dashboard/data. Every answer carries
 ``x-request-id`` (``request_id``). Run the app with ``handler_cancellation=True`` (``server.start_server`` does)
@@ -64,7 +65,7 @@ from prefixgate.gateway.local.cache_pins import CachePins
 from prefixgate.gateway.local.prefixes import PrefixRegistry
 from prefixgate.gateway.local.serving import LOCAL, LocalServing
 from prefixgate.gateway.local.token_texts import TokenTexts
-from prefixgate.gateway.proxy import gemini_relay, messages_relay
+from prefixgate.gateway.proxy import gemini_relay, messages_relay, token_relay
 from prefixgate.gateway.proxy import prefix_routes as proxy_prefix_routes
 from prefixgate.gateway.proxy import routes as proxy_routes
 from prefixgate.gateway.proxy.config import ProxyConfig
@@ -560,9 +561,9 @@ _API_ROUTES: tuple[tuple[str, str, Handler, Handler], ...] = (
     ("POST", "/v1/responses", responses_api.create_response, proxy_routes.local_mode_only),
     ("POST", "/v1/messages", messages.create_message, messages_relay.create_message),
     ("POST", "/v1/messages/count_tokens", messages.count_tokens, messages_relay.count_tokens),
-    ("POST", "/v1/embeddings", embeddings.create_embeddings, proxy_routes.local_mode_only),
-    ("POST", "/tokenize", tokenize.tokenize, proxy_routes.local_mode_only),
-    ("POST", "/detokenize", tokenize.detokenize, proxy_routes.local_mode_only),
+    ("POST", "/v1/embeddings", embeddings.create_embeddings, token_relay.relay_embeddings),
+    ("POST", "/tokenize", tokenize.tokenize, token_relay.relay_tokens),
+    ("POST", "/detokenize", tokenize.detokenize, token_relay.relay_tokens),
     (
         "GET",
         "/v1/models",

@@ -14,27 +14,15 @@ from __future__ import annotations
 import asyncio
 import base64
 import struct
-from typing import Literal
 
 from aiohttp import web
 from prefixgate.engine.protocol import TokenizerLike
 from prefixgate.gateway.http.errors import APIError, bad_request
 from prefixgate.gateway.http.request_account import account
 from prefixgate.gateway.tenancy.shared_state import close_lease
-from pydantic import BaseModel, ConfigDict
+from prefixgate.gateway.wire.token_requests import EmbeddingRequest
 
 MAX_INPUTS = 2048  # OpenAI's bound on inputs per request
-
-
-class EmbeddingRequest(BaseModel):
-    """POST /v1/embeddings body."""
-
-    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
-    model: str
-    input: str | list[str] | list[int] | list[list[int]]
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
-    user: str | None = None
 
 
 async def create_embeddings(request: web.Request) -> web.Response:

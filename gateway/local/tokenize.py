@@ -37,7 +37,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiohttp import web
 from prefixgate.gateway.http.errors import APIError, bad_request
-from prefixgate.gateway.http.json_guard import MAX_TOOLS
 from prefixgate.gateway.local.serving import LOCAL
 from prefixgate.gateway.state import STATE
 from prefixgate.gateway.wire.prompts import (
@@ -46,14 +45,9 @@ from prefixgate.gateway.wire.prompts import (
     refuse_oversized,
     render_chat,
 )
-from prefixgate.gateway.wire.request_models import (
-    MAX_MESSAGES,
-    ChatMessage,
-    check_template_kwargs,
-    parse,
-)
+from prefixgate.gateway.wire.request_models import check_template_kwargs, parse
+from prefixgate.gateway.wire.token_requests import DetokenizeRequest, TokenizeRequest
 from prefixgate.gateway.wire.tools import check_tools
-from pydantic import BaseModel, ConfigDict, Field
 
 if TYPE_CHECKING:
     from prefixgate.engine.protocol import EngineClient
@@ -61,22 +55,7 @@ if TYPE_CHECKING:
 TOKENIZE_CONTEXTS = 8  # /tokenize counts texts of up to this many contexts (lower bound)
 
 
-_Body = TypeVar("_Body", "TokenizeRequest", "DetokenizeRequest")
-
-
-class TokenizeRequest(BaseModel):
-    """POST /tokenize: exactly one of ``messages`` (a chat) and ``prompt`` (text)."""
-
-    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
-    model: str | None = None
-    messages: list[ChatMessage] | None = Field(None, max_length=MAX_MESSAGES)
-    prompt: str | None = None
-    add_generation_prompt: bool | None = None
-    continue_final_message: bool | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    add_special_tokens: bool | None = None
-    tools: list[Any] | None = Field(None, max_length=MAX_TOOLS)
-    return_token_strs: bool | None = None
+_Body = TypeVar("_Body", TokenizeRequest, DetokenizeRequest)
 
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -200,14 +179,6 @@ def token_strs(tokenizer: Any, ids: list[int]) -> list[str | None]:
     """Each id's string in the vocabulary (vLLM's ``return_token_strs``:
     ``convert_ids_to_tokens``), ``None`` for an id the tokenizer has no string of."""
     return [tokenizer.id_to_token(i) for i in ids]
-
-
-class DetokenizeRequest(BaseModel):
-    """POST /detokenize: token ids to text."""
-
-    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
-    model: str | None = None
-    tokens: list[int] = Field(max_length=1 << 20)
 
 
 async def detokenize(request: web.Request) -> web.Response:

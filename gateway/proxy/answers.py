@@ -15,6 +15,11 @@ upstream's whole answer must be an Anthropic ``message`` (``anthropic_models.Mes
 nothing may be missing), an OpenAI-compatible upstream's answer to a translated Messages
 request a ``chat.completion`` (each chunk a ``chat.completion.chunk``) as on the chat route.
 
+vLLM's ``/tokenize`` and ``/detokenize`` and OpenAI's ``/v1/embeddings``, relayed as they are
+(``proxy/token_relay.py``), are checked by the shapes their clients read (``TokenizeAnswer``:
+``tokens`` and their ``count``; ``DetokenizeAnswer``: ``prompt``; ``EmbeddingList``: each vector a
+list of floats or a base64 string), extra fields passing.
+
 ``answer_model(path, stream)`` names the model of a route; ``shape_problem(obj, model,
 finished)`` says what is wrong with a parsed answer (None when nothing).
 """
@@ -22,7 +27,7 @@ finished)`` says what is wrong with a parsed answer (None when nothing).
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 from prefixgate.gateway.wire.anthropic_models import MessageAnswer
 from prefixgate.gateway.wire.first_fault import first_fault_validator
@@ -33,7 +38,7 @@ from prefixgate.gateway.wire.response_models import (
     ModelCard,
     ModelList,
 )
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 # Left out by some OpenAI-compatible servers where the API allows null, and the envelope's
 # bookkeeping (``id``, ``created``, ``model``, ``object``: clients read them as attributes, a
@@ -44,6 +49,60 @@ _MAY_BE_MISSING = frozenset(
 )
 _CHUNK_MAY_BE_MISSING = _MAY_BE_MISSING | {"finish_reason"}
 _STRICT: frozenset[type[BaseModel]] = frozenset((MessageAnswer,))  # nothing may be missing
+
+
+class TokenizeAnswer(BaseModel):
+    """``POST /tokenize`` (vLLM's, SGLang's): the prompt's ``tokens`` and their ``count``
+    (llama.cpp's server sends no count, and its tokens as ``{"id", "piece"}`` objects when
+    asked for pieces), the model's ``max_model_len`` (tokens) where the server says it,
+    ``token_strs`` when asked."""
+
+    model_config = ConfigDict(extra="allow")
+    tokens: list[int | dict[str, Any]]
+    count: int | None = None
+    max_model_len: int | None = None
+    token_strs: list[str | None] | None = None
+
+
+class DetokenizeAnswer(BaseModel):
+    """``POST /detokenize`` (vLLM's): the ids' text."""
+
+    model_config = ConfigDict(extra="allow")
+    prompt: str
+
+
+class EmbeddingUsage(BaseModel):
+    """An embeddings answer's ``usage``: its input tokens."""
+
+    model_config = ConfigDict(extra="allow")
+    prompt_tokens: int
+    total_tokens: int
+
+
+class Embedding(BaseModel):
+    """One input's vector: floats, or base64 of little-endian float32 (``encoding_format``)."""
+
+    model_config = ConfigDict(extra="allow")
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingList(BaseModel):
+    """``POST /v1/embeddings``: one vector per input, in ``data``."""
+
+    model_config = ConfigDict(extra="allow")
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str | None = None
+    usage: EmbeddingUsage | None = None
+
+
+_AS_IS: dict[str, type[BaseModel]] = {
+    "/tokenize": TokenizeAnswer,
+    "/detokenize": DetokenizeAnswer,
+    "/v1/embeddings": EmbeddingList,
+}
 
 
 def answer_model(path: str, stream: bool) -> type[BaseModel] | None:
@@ -59,7 +118,7 @@ def answer_model(path: str, stream: bool) -> type[BaseModel] | None:
         return None if stream else ModelCard
     if path == "/v1/messages":  # a stream: its events, checked in order by the relay
         return None if stream else MessageAnswer
-    return None
+    return _AS_IS.get(path)
 
 
 def renamed(data: bytes, model: str) -> bytes:

@@ -18,7 +18,8 @@ the loop what comes next:
 * ``APIError``: the client's answer.
 
 The model's fallbacks come when its deployments are spent, not for a 429 whose deployment is
-back within ``SOON_S``. A request ``pinned`` to one upstream (a prefix's pin) tries that one
+back within ``SOON_S``, and never for a call whose answer is the model's own
+(``Call.falls_back`` False: token ids, vectors — another model's would be wrong, not late). A request ``pinned`` to one upstream (a prefix's pin) tries that one
 only: ``PinnedLost`` when it fails before answering. A client gone during an attempt gets 499
 and nothing else.
 
@@ -103,7 +104,11 @@ class Call:
     ``principal`` (the route's ``KeyRing.authenticate``); ``account``: the
     request's ``RequestAccount``, where an attempt notes what it served (``served``: whether
     an upstream's tokens reached the client; the usage); ``answered``: the HTTP status the
-    current attempt's upstream answered (the attempt's metric when it ends in an error)."""
+    current attempt's upstream answered (the attempt's metric when it ends in an error);
+    ``falls_back``: whether the model's configured fallbacks may answer it (not where the
+    answer is the model's own: token ids, vectors)."""
+
+    falls_back = True
 
     def __init__(self, request: web.Request, route: Route | None, principal: Principal) -> None:
         self.request = request
@@ -190,7 +195,7 @@ async def _each_upstream(
     promised: str | None,
 ) -> web.StreamResponse:
     router, route = call.router, call.route
-    fallbacks = router.fallbacks(route.model if route is not None else None)
+    fallbacks = router.fallbacks(route.model if route is not None and call.falls_back else None)
     # a config's deployments are declared interchangeable: a timeout goes on to the next one
     interchangeable = router.model_list is not None and pinned is None and route is not None
     tried: list[Upstream] = []

@@ -57,6 +57,7 @@ from prefixgate.gateway.proxy.usage import (
     ask_usage,
     body_usage,
     end_call,
+    input_usage,
     output_bound,
 )
 from prefixgate.gateway.state import STATE, GatewayState
@@ -75,6 +76,9 @@ from prefixgate.gateway.wire.request_models import (
 from prefixgate.gateway.wire.stop_strings import openai_constraint, refuse_stop_under_constraint
 
 _HOP_HEADERS = {"Content-Type": "application/json"}
+# Routes whose answer is relayed as is (``forward_as_is``): no stream, no fallback model (the
+# token ids or vectors are the model's own), an upstream without the route a 501.
+AS_IS_ROUTES = frozenset(("/tokenize", "/detokenize", "/v1/embeddings"))
 _PASSED_HEADERS = ("Retry-After", "retry-after-ms")
 
 
@@ -307,6 +311,34 @@ class _Outcome:
         self.keep_usage = keep_usage
 
 
+async def forward_as_is(
+    request: web.Request,
+    principal: Principal,
+    parsed: dict[str, Any],
+    route: Route,
+    ticket: Any = None,
+    acct: RequestAccount | None = None,
+) -> web.StreamResponse:
+    """A route of ``AS_IS_ROUTES``: its body ``parsed`` to an upstream of ``route.model``
+    through the attempt loop (``_Forward``: the upstream's model id, credentials, health, the
+    model's other upstreams on a failure, never its fallbacks; no cache salt, which these
+    routes do not take), the upstream's answer relayed as it came once checked
+    (``answers.answer_model``: 502 when none answered one), the client's model name in it.
+    ``ticket`` (admission's) and ``acct`` (where the answer's input tokens are noted, to
+    charge the key) for a route that is admitted and charged (embeddings), None else.
+
+    Raises:
+        APIError: the upstream's error reworded (``redact.upstream_error``); 501
+            ``unsupported_for_model`` when the model's upstreams have no such route
+            (``lacks_route``); 502 / 503 when none answered.
+    """
+    bodies = _Bodies(parsed, None)
+    bodies.stream = False
+    outcome = _Outcome(acct, False) if acct is not None else None
+    st = request.app[STATE]
+    return await _forward(request, st, principal, bodies, route, ticket, outcome)
+
+
 async def proxy_get(request: web.Request) -> web.StreamResponse:
     """GET /v1/models: the union of the upstreams' models (a config's model names and
     aliases); GET /v1/models/{id}: that card, else 404 ``model_not_found``. Forwarded to an
@@ -419,12 +451,18 @@ class _Forward(Call):
         self.ticket = ticket
         self.outcome = outcome
         self.pinned = pinned
-        self.stream = bodies is not None and bodies.stream
+        route_path = self.path_qs.split("?", 1)[0]
+        # an answer relayed as is: no stream, no fallback model, nothing learnt for routing
+        self.as_is = route_path in AS_IS_ROUTES
+        self.falls_back = not self.as_is
+        self.stream = bodies is not None and bodies.stream and not self.as_is
         # the model answers must fit
-        self.shape = answer_model(self.path_qs.split("?", 1)[0], self.stream)
+        self.shape = answer_model(route_path, self.stream)
 
     async def attempt(self, up: Upstream) -> web.StreamResponse:
         if up.dialect == "anthropic":
+            if self.as_is:  # no such route on the Messages API: the model's next upstream
+                raise NextUpstream("unsupported", self._no_route(None))
             return await self.anthropic_try(up)
         return await self.openai_try(up)
 
@@ -490,6 +528,9 @@ class _Forward(Call):
             if self.pinned is not None and resp.status == 404 and _lost_prefix(data, resp.headers):
                 up.served -= 1
                 raise PinnedLost("prefix_not_found")
+            if self.as_is and lacks_route(resp.status, data):  # another of the model may have it
+                up.served -= 1
+                raise NextUpstream(str(resp.status), self._no_route(resp.status))
             if resp.status >= 400:  # the answer, reworded (401/403: about the credential)
                 if resp.status in (401, 403):
                     up.served -= 1
@@ -505,12 +546,33 @@ class _Forward(Call):
                 router.mark_ok(up)
             if outcome is not None and resp.status == 200:
                 outcome.account.mark_served()
-                body_usage(data, outcome.account)
-                _learn(router, up, route, data[-4096:])
+                if self.as_is:
+                    input_usage(data[-4096:], outcome.account)  # embeddings: input tokens
+                else:
+                    body_usage(data, outcome.account)
+                    _learn(router, up, route, data[-4096:])
             name = self._sent_name(up)
             if name is not None and resp.status == 200:
                 data = renamed(data, name)
             return _passed(resp.status, data, resp.headers)
+
+    def _no_route(self, status: int | None) -> APIError:
+        """501 for a route relayed as is that the model's upstream does not serve: it answered
+        ``status`` (no such route), or it is an Anthropic deployment (None)."""
+        model = self.bodies.parsed.get("model") if self.bodies is not None else None
+        named = f" for the model {model!r}" if isinstance(model, str) and model else ""
+        path = self.request.path
+        why = (
+            "it is an Anthropic deployment"
+            if status is None
+            else f"it answered HTTP {status}; vLLM serves it, a plain OpenAI-compatible "
+            "server may not"
+        )
+        return APIError(
+            501,
+            f"{path} is not available{named}: its upstream has no {path} route ({why})",
+            code="unsupported_for_model",
+        )
 
     async def _relay_stream(self, up: Upstream, resp: aiohttp.ClientResponse) -> web.StreamResponse:
         """An upstream's event stream relayed event by event, checked (``relay.relay_sse``)."""
@@ -613,6 +675,30 @@ class _Forward(Call):
             return web.json_response(completion)
 
 
+def lacks_route(status: int, data: bytes) -> bool:
+    """Whether an upstream's error answer says it has no such route (not that it refused the
+    request): 405 or 501, or a 404 whose body is no error object about the request — an
+    empty or plain-text 404, a framework's ``{"detail": "Not Found"}``, or a prefixgate
+    gateway's own ``not_found`` "unknown route". A 404 naming the model (vLLM's
+    ``NotFoundError`` for a model it does not serve, either of its error shapes) is the
+    request's own."""
+    if status in (405, 501):
+        return True
+    if status != 404:
+        return False
+    try:
+        body = json.loads(data)
+    except (ValueError, RecursionError):
+        return True
+    if not isinstance(body, dict):
+        return True
+    err = body.get("error")
+    if isinstance(err, dict):
+        message = err.get("message")
+        return err.get("code") == "not_found" and str(message).startswith("unknown route")
+    return body.get("object") != "error"  # vLLM's older shape: the error's fields at the top
+
+
 def _lost_prefix(data: bytes, headers: Any) -> bool:
     """True when an upstream's 404 body is the error ``prefix_not_found`` or
     ``prefix_revoked`` (a prefixgate upstream whose engine revoked the pin for room)."""
@@ -682,18 +768,14 @@ def upstream_headers(request: web.Request, st: GatewayState, up: Upstream) -> di
 
 @no_body
 async def local_mode_only(request: web.Request) -> web.Response:
-    """An API route of local mode only, in upstream mode (``/v1/responses``, ``/v1/embeddings``,
-    ``/tokenize``, ``/detokenize``): 501 naming it (the proxy relays chat, completions, models
-    and prefixes only), never a bare "unknown route".
+    """An API route of local mode only, in upstream mode (``/v1/responses``): 501 naming it,
+    never a bare "unknown route".
 
     Raises:
         APIError: always, 501 ``unsupported_in_upstream_mode``.
     """
     instead = {
         "/v1/responses": "; use /v1/chat/completions",
-        "/tokenize": "; the upstream's own /tokenize answers it",
-        "/detokenize": "; the upstream's own /detokenize answers it",
-        "/v1/embeddings": "; send embeddings to the upstream serving them",
     }.get(request.path, "")
     raise APIError(
         501,

@@ -15,6 +15,7 @@ from the account (``tenancy.shared_state.close_lease``).
 from __future__ import annotations
 
 import json
+import re
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +38,22 @@ def body_usage(data: bytes, acct: RequestAccount) -> bool:
         return False
     acct.read_choices(parsed.get("choices"), streamed=False)
     return acct.read_usage(parsed.get("usage"))
+
+
+_PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+
+
+def input_usage(tail: bytes, acct: RequestAccount) -> bool:
+    """Read an embeddings answer's usage (its input tokens: ``prompt_tokens``, the last in
+    ``tail``, the answer's last bytes, where ``usage`` follows the vectors) into ``acct`` as a
+    request of that many prompt tokens and no completion, as local mode charges it; False
+    when the answer has none (the key is then charged admission's estimate)."""
+    found = _PROMPT_TOKENS.findall(tail)
+    if not found:
+        return False
+    acct.prompt_tokens, acct.completion_tokens = int(found[-1]), 0
+    acct.usage_reported = True
+    return True
 
 
 def _json_object(data: bytes) -> dict[str, Any] | None:

@@ -44,12 +44,13 @@ from support.fuzz import live_server_settings
 
 EXAMPLES = int(os.environ.get("GUARD_FUZZ_EXAMPLES", "120"))
 ANTHROPIC_ROUTES = {"/v1/messages", "/v1/messages/count_tokens"}
-LOCAL_ONLY = {"/v1/responses", "/v1/embeddings", "/tokenize", "/detokenize"}
+LOCAL_ONLY = {"/v1/responses"}
 
 
 class Upstream:
     """A well-behaved OpenAI-compatible upstream for proxy mode: chat and completions (whole
-    or streamed), ``/tokenize`` and ``/v1/models``, whatever the prompt's shape."""
+    or streamed), ``/tokenize``, ``/detokenize``, ``/v1/embeddings`` and ``/v1/models``,
+    whatever the prompt's shape."""
 
     name = "fake"
 
@@ -85,6 +86,16 @@ class Upstream:
     async def tokenize(self, request: web.Request) -> web.Response:
         return web.json_response({"count": 3, "max_model_len": 128, "tokens": [1, 2, 3]})
 
+    async def detokenize(self, request: web.Request) -> web.Response:
+        return web.json_response({"prompt": "ok"})
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        vector = {"object": "embedding", "index": 0, "embedding": [0.0, 1.0]}
+        usage = {"prompt_tokens": 1, "total_tokens": 1}
+        return web.json_response(
+            {"object": "list", "data": [vector], "model": self.name, "usage": usage}
+        )
+
     async def models(self, request: web.Request) -> web.Response:
         card = {"id": self.name, "object": "model", "owned_by": "vllm", "max_model_len": 128}
         return web.json_response({"object": "list", "data": [card]})
@@ -94,6 +105,8 @@ class Upstream:
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.chat)
         app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_post("/v1/embeddings", self.embeddings)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", lambda r: web.json_response({"ok": True}))
         return app

@@ -8,6 +8,7 @@ relays:
   Anthropic Messages (translated to chat for vLLM), non-streamed and streamed, with the
   cached tokens vLLM reports (``cache_read_input_tokens``);
 - by ``model``: ``smollm2`` goes to vLLM, ``aidreams-260k`` to the prefixgate upstream;
+- ``/tokenize`` and ``/detokenize``: vLLM's own answers, relayed as they are;
 - precise routing: after sequential traffic over shared system prompts the gateway's index
   equals the block set vLLM's own events give an independent consumer (a DEALER replaying
   from 0), and the predicted cached tokens equal vLLM's reported ``cached_tokens`` in at
@@ -356,3 +357,35 @@ def test_tenant_salt_reaches_vllm_as_cache_salt(gateway):
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= BLOCK_SIZE
     assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_tokenize_and_detokenize_through_the_proxy_equal_vllms_own(gateway, vllm_server):
+    """``/tokenize`` and ``/detokenize`` relayed by model (``proxy/token_relay.py``): vLLM's
+    own answer, byte for byte as JSON, for its model; the prefixgate upstream's for its own;
+    a body without a model is a 400 naming it (two models served)."""
+    chat = [{"role": "user", "content": "Hi there"}]
+    bodies = [
+        {"model": SERVED_NAME, "prompt": "Once upon a time"},
+        {"model": SERVED_NAME, "prompt": "Once upon a time", "add_special_tokens": False},
+        {"model": SERVED_NAME, "messages": chat},
+        {"model": SERVED_NAME, "messages": chat, "add_generation_prompt": False},
+        {"model": SERVED_NAME, "prompt": "tide", "return_token_strs": True},
+    ]
+    for body in bodies:
+        own = httpx.post(f"{vllm_server.url}/tokenize", json=body, timeout=60)
+        assert own.status_code == 200, own.text
+        assert _post(gateway, "/tokenize", body) == own.json()
+        back = {"model": SERVED_NAME, "tokens": own.json()["tokens"]}
+        own_text = httpx.post(f"{vllm_server.url}/detokenize", json=back, timeout=60)
+        assert own_text.status_code == 200, own_text.text
+        assert _post(gateway, "/detokenize", back) == own_text.json()
+    body = {"model": AIDREAMS, "prompt": "Once upon a time"}
+    r = httpx.post(f"{gateway.url}/tokenize", json=body, headers={"Authorization": "Bearer x"})
+    assert r.status_code == 401
+    assert _post(gateway, "/tokenize", body)["count"] > 0
+    r = httpx.post(
+        f"{gateway.url}/tokenize",
+        json={"prompt": "no model"},
+        headers={"Authorization": f"Bearer {KEYS['a']}"},
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text

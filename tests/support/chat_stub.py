@@ -9,7 +9,7 @@ then the end). ``status`` other than 200
 answers an OpenAI error whose message is ``SECRET``. Usage: ``prompt_tokens`` = the
 messages' characters, ``cached_tokens`` = ``cached`` (``None``: ``prompt_tokens_details: null``,
 as vLLM without ``--enable-prompt-tokens-details``). ``POST /tokenize`` (vLLM's chat form)
-counts the messages' characters unless ``tokenize`` is False. ``GET /v1/models`` lists
+counts the messages' characters (that many ``tokens``) unless ``tokenize`` is False. ``GET /v1/models`` lists
 ``name`` owned by ``vllm``.
 
 ``kind`` names the server whose fields the answer carries (``upstream_fields``): ``vllm``
@@ -140,7 +140,10 @@ class ChatStub:
             raise web.HTTPNotFound()
         body = await request.json()
         self.seen.append(body)
-        return web.json_response({"count": self._prompt(body), "max_model_len": 4096})
+        count = self._prompt(body)
+        return web.json_response(
+            {"count": count, "max_model_len": 4096, "tokens": list(range(3, count + 3))}
+        )
 
     async def models(self, request: web.Request) -> web.Response:
         owner = {"sglang": "sglang", "llamacpp": "llamacpp"}.get(self.kind, "vllm")
