@@ -163,7 +163,12 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     messages = req.messages()
     if not messages or (isinstance(req.input, list) and not req.input):
         raise bad_request("input must hold at least one message", param="input")
-    ids = await render_chat(engine.tokenizer, messages, max_model_len=engine.max_model_len)
+    try:
+        ids = await render_chat(engine.tokenizer, messages, max_model_len=engine.max_model_len)
+    except APIError as exc:  # the chat's words: the conversation is the request's input
+        if exc.param == "messages":
+            exc.param = "input"
+        raise
     max_tokens = check_length(
         len(ids), req.max_output_tokens, engine.max_model_len, "input", "max_output_tokens"
     )
