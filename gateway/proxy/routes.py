@@ -682,15 +682,14 @@ def upstream_headers(request: web.Request, st: GatewayState, up: Upstream) -> di
 
 @no_body
 async def local_mode_only(request: web.Request) -> web.Response:
-    """An API route of local mode only, in upstream mode (``/v1/responses``, ``/v1/embeddings``,
-    ``/tokenize``, ``/detokenize``): 501 naming it (the proxy relays chat, completions, models
-    and prefixes only), never a bare "unknown route".
+    """An API route of local mode only, in upstream mode (``/v1/embeddings``, ``/tokenize``,
+    ``/detokenize``): 501 naming it (the proxy relays chat, completions, Responses, Messages,
+    Gemini, models and prefixes), never a bare "unknown route".
 
     Raises:
         APIError: always, 501 ``unsupported_in_upstream_mode``.
     """
     instead = {
-        "/v1/responses": "; use /v1/chat/completions",
         "/tokenize": "; the upstream's own /tokenize answers it",
         "/detokenize": "; the upstream's own /detokenize answers it",
         "/v1/embeddings": "; send embeddings to the upstream serving them",

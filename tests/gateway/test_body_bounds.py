@@ -43,7 +43,7 @@ ROUTES = [
     ("/tokenize", '{"model": "fake", "prompt": NESTED}'),
     ("/detokenize", '{"model": "fake", "tokens": NESTED}'),
 ]
-PROXIED = {"/v1/chat/completions", "/v1/completions", "/v1/prefixes"}
+PROXIED = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/prefixes"}
 
 
 @pytest.fixture

@@ -102,7 +102,7 @@ def test_every_local_route_checks_the_key_first(serve_fake, tmp_path, loaded):
 
 
 def test_every_proxy_route_checks_the_key_first(serve_fake, tmp_path):
-    """The 501 routes of local mode only (``/v1/responses``, ``/tokenize``, ...) too."""
+    """The 501 routes of local mode only (``/v1/embeddings``, ``/tokenize``, ...) too."""
     upstream, _ = serve_fake(GatewaySettings(model_name="fake"))
     settings = GatewaySettings(keys_file=_keys(tmp_path))
     with BackgroundServer(lambda: create_proxy_app([upstream.url], settings)) as gw:

@@ -185,7 +185,7 @@ def test_client_disconnect_closes_upstream_stream(servers):
     assert gw.app[PROXY].router.upstreams[0].healthy  # a client leaving is not an upstream fault
 
 
-@pytest.mark.parametrize("path", ["/v1/responses", "/v1/embeddings", "/tokenize", "/detokenize"])
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/tokenize", "/detokenize"])
 def test_local_mode_routes_are_501_naming_the_route_in_upstream_mode(servers, path):
     up = servers(lambda: stub_app("a"))
     gw = servers(lambda: create_proxy_app([up.url], GatewaySettings()))
