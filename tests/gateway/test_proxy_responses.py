@@ -400,3 +400,38 @@ def test_a_breakpoint_through_the_proxy_is_pinned_by_a_prefixgate_upstream(pair)
     assert "prompt_cache_retention" in r.headers["x-prefixgate-cache"], r.headers
     again = httpx.post(proxy.url + "/v1/responses", json=body, timeout=30).json()
     assert again["usage"]["input_tokens_details"]["cached_tokens"] >= details["cache_write_tokens"]
+
+
+def test_a_stream_whose_upstream_goes_silent_ends_with_a_timeout(servers):
+    """An upstream silent mid-stream past ``--upstream-timeout-s``: the stream ends with an
+    ``error`` event ``upstream_timeout`` saying how long it waited, then ``response.failed``,
+    as the chat relay's."""
+    import asyncio
+
+    from aiohttp import web
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        chunk = {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m",
+                 "choices": [{"index": 0, "delta": {"content": "he"}, "finish_reason": None}]}  # fmt: skip
+        await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await asyncio.sleep(30)
+        return resp
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "m", "object": "model"}]})
+
+    def make() -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", chat)
+        app.router.add_get("/v1/models", models)
+        return app
+
+    up = servers(make)
+    gw = servers(lambda: create_proxy_app([up.url], GatewaySettings(upstream_timeout_s=0.5)))
+    events = _events(gw.url, {"model": "m", "input": "hi"})
+    assert [n for n, _ in events][-3:] == ["response.output_text.delta", "error", "response.failed"]
+    error, failed = events[-2][1], events[-1][1]
+    assert error["code"] == "upstream_timeout" and "0.5 s" in error["message"], error
+    assert failed["response"]["output"][0]["content"][0]["text"] == "he"
