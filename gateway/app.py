@@ -8,7 +8,7 @@
   torch: ``pip install 'prefixgate[proxy]'`` is enough to run it.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{model}],
-POST /v1/responses (local mode), POST /v1/embeddings (``--runner pooling``; upstream mode relays
+POST /v1/responses (proxy ``proxy/responses_relay.py``), POST /v1/embeddings (``--runner pooling``; upstream mode relays
 it, ``proxy/token_relay.py``), POST /v1/prefixes, GET|DELETE /v1/prefixes/{id}, POST /tokenize,
 POST /detokenize (relayed in upstream mode too), Gemini's /v1beta routes (``local/gemini.py``, proxy
 ``proxy/gemini_relay.py``; ``docs/gemini.md``), GET /health, GET /ready, GET /metrics, GET /dashboard (a live
@@ -65,7 +65,7 @@ from prefixgate.gateway.local.cache_pins import CachePins
 from prefixgate.gateway.local.prefixes import PrefixRegistry
 from prefixgate.gateway.local.serving import LOCAL, LocalServing
 from prefixgate.gateway.local.token_texts import TokenTexts
-from prefixgate.gateway.proxy import gemini_relay, messages_relay, token_relay
+from prefixgate.gateway.proxy import gemini_relay, messages_relay, responses_relay, token_relay
 from prefixgate.gateway.proxy import prefix_routes as proxy_prefix_routes
 from prefixgate.gateway.proxy import routes as proxy_routes
 from prefixgate.gateway.proxy.config import ProxyConfig
@@ -558,7 +558,7 @@ _API_ROUTES: tuple[tuple[str, str, Handler, Handler], ...] = (
     ("GET", "/ready", ready_local, ready_proxy),
     ("POST", "/v1/chat/completions", openai_routes.chat_completions, proxy_routes.proxy_generate),
     ("POST", "/v1/completions", openai_routes.completions, proxy_routes.proxy_generate),
-    ("POST", "/v1/responses", responses_api.create_response, proxy_routes.local_mode_only),
+    ("POST", "/v1/responses", responses_api.create_response, responses_relay.create_response),
     ("POST", "/v1/messages", messages.create_message, messages_relay.create_message),
     ("POST", "/v1/messages/count_tokens", messages.count_tokens, messages_relay.count_tokens),
     ("POST", "/v1/embeddings", embeddings.create_embeddings, token_relay.relay_embeddings),

@@ -26,7 +26,6 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from prefixgate.gateway.http.errors import APIError, bad_request
-from prefixgate.gateway.http.json_guard import no_body
 from prefixgate.gateway.http.request_account import RequestAccount, account
 from prefixgate.gateway.proxy import anthropic
 from prefixgate.gateway.proxy.answers import answer_model, renamed
@@ -764,22 +763,3 @@ def upstream_headers(request: web.Request, st: GatewayState, up: Upstream) -> di
     if auth is not None:
         out["Authorization"] = auth
     return out
-
-
-@no_body
-async def local_mode_only(request: web.Request) -> web.Response:
-    """An API route of local mode only, in upstream mode (``/v1/responses``): 501 naming it,
-    never a bare "unknown route".
-
-    Raises:
-        APIError: always, 501 ``unsupported_in_upstream_mode``.
-    """
-    instead = {
-        "/v1/responses": "; use /v1/chat/completions",
-    }.get(request.path, "")
-    raise APIError(
-        501,
-        f"{request.path} is not available in upstream mode{instead}",
-        code="unsupported_in_upstream_mode",
-        type="invalid_request_error",
-    )

@@ -1,7 +1,8 @@
 """Where a translated request's chat completions fields came from in the client's request.
 
 Upstream mode sends an OpenAI-compatible upstream an OpenAI chat body built from an Anthropic
-Messages or a Gemini request (``proxy/messages_openai.py``, ``proxy/gemini_relay.py``); an
+Messages, a Gemini or a Responses request (``proxy/messages_openai.py``,
+``proxy/gemini_relay.py``, ``proxy/responses_relay.py``); an
 upstream's refusal names the chat body's fields (``stop``, ``max_completion_tokens``,
 ``tools[0].function.parameters``, ``messages[2]``, where the client sent ``stop_sequences``,
 ``max_tokens``, ``tools.0.input_schema`` and ``messages.1``: the system message is no
@@ -9,8 +10,9 @@ message of Anthropic's, a ``tool_result`` block is a chat message of its own).
 ``ClientFields`` names each of them as the client's request spells it
 (``proxy/redact.upstream_error`` rewords the refusal with it):
 
-* ``fields``: a top-level chat field → the client's field (the dialect's table,
-  ``ANTHROPIC_FIELDS`` / ``GEMINI_FIELDS``);
+* ``fields``: a top-level chat field (or a dotted path under one, the longest listed taken
+  first) → the client's field (the dialect's table,
+  ``ANTHROPIC_FIELDS`` / ``GEMINI_FIELDS`` / ``RESPONSES_FIELDS``);
 * ``messages``: chat message ``k`` → its ``Origin`` (the client's path of the turn, system
   instruction or block it was made of, and how its own fields are spelt there);
 * ``tools``: chat tool ``k`` → its ``Origin``;
@@ -31,6 +33,7 @@ from dataclasses import dataclass, field
 
 from prefixgate.gateway.http.errors import APIError
 from prefixgate.gateway.wire.gemini_models import CHAT_FIELD_IN_GEMINI, GenerationConfig, Tool
+from prefixgate.gateway.wire.responses_models import ResponsesRequest
 from prefixgate.gateway.wire.tools import (
     ANTHROPIC_CHOICE,
     GEMINI_CHOICE,
@@ -81,7 +84,11 @@ class ClientFields:
         if origins is not None and rest and isinstance(rest[0], int):
             k = rest[0]
             return origins[k].name(rest[1:]) if k < len(origins) else self.fields.get(head)
-        return self.fields.get(head)
+        for n in range(len(segments), 0, -1):  # a dotted entry first: the longest that is one
+            found = self.fields.get(".".join(str(s) for s in segments[:n]))
+            if found is not None:
+                return found
+        return None
 
 
 _SEGMENT = re.compile(r"\.?\[(\d+)\]|\.(\d+)|\.([A-Za-z_]\w*)")
@@ -185,6 +192,48 @@ GEMINI_FIELDS: Mapping[str, str] = {
 it came from (``response_format``: ``gemini_fields``, the schema field sent)."""
 
 
+RESPONSES_FIELDS: Mapping[str, str] = {
+    "model": "model",
+    "messages": "input",
+    "max_tokens": "max_output_tokens",
+    "max_completion_tokens": "max_output_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "user": "user",
+    "response_format": "text.format",
+    "response_format.json_schema.schema": "text.format.schema",
+    "response_format.json_schema.name": "text.format.name",
+    "response_format.json_schema.strict": "text.format.strict",
+    "response_format.json_schema.description": "text.format.description",
+    "stream": "stream",
+    "prompt_cache_key": "prompt_cache_key",
+    "prompt_cache_retention": "prompt_cache_retention",
+    "prompt_cache_options": "prompt_cache_options",
+    "cache_salt": "cache_salt",
+}
+"""The Responses API: a chat completions field (``responses_relay.chat_body``) → the
+Responses field it came from."""
+
+
+def responses_fields(req: ResponsesRequest) -> ClientFields:
+    """The ``ClientFields`` of a Responses request translated to a chat body: its
+    ``instructions`` the first chat message when given, then ``input`` (a string: one
+    message; else item ``i`` is ``input.i``); ``response_format`` is ``text.format.schema``
+    for a ``json_schema`` format (what the chat refuses of it is its schema, as local mode
+    names it), else ``text.format``."""
+    messages = [Origin("instructions")] if req.instructions else []
+    if isinstance(req.input, str):
+        messages.append(Origin("input"))
+    else:
+        parts = {"content": "content", "role": "role"}
+        messages.extend(Origin(f"input.{i}", parts) for i in range(len(req.input)))
+    fields = dict(RESPONSES_FIELDS)
+    fmt = req.text.format if req.text is not None else None
+    if fmt is not None and fmt.type == "json_schema":  # the chat's refusal is of the schema
+        fields["response_format"] = "text.format.schema"
+    return ClientFields(fields, tuple(messages))
+
+
 def anthropic_fields(origins: list[str], n_tools: int, output_field: str) -> ClientFields:
     """The ``ClientFields`` of a Messages request translated to a chat body: ``origins`` the
     client's path of each chat message (``anthropic_models.Chat.origins``), ``n_tools`` its
@@ -246,10 +295,12 @@ __all__ = [
     "ANTHROPIC_TOOL_PARTS",
     "GEMINI_FIELDS",
     "PATH",
+    "RESPONSES_FIELDS",
     "ClientFields",
     "Origin",
     "anthropic_fields",
     "gemini_fields",
     "in_client_words",
     "parse_path",
+    "responses_fields",
 ]

@@ -13,12 +13,10 @@ import httpx
 import pytest
 from prefixgate.gateway.app import create_proxy_app
 from prefixgate.gateway.http.server import BackgroundServer
-from prefixgate.gateway.local import responses_api
 from prefixgate.gateway.local.embeddings import EmbeddingRequest
-from prefixgate.gateway.local.responses_api import ResponsesRequest
 from prefixgate.gateway.local.tokenize import DetokenizeRequest, TokenizeRequest
 from prefixgate.gateway.settings import GatewaySettings
-from prefixgate.gateway.wire import anthropic_models, gemini_models
+from prefixgate.gateway.wire import anthropic_models, gemini_models, responses_models
 from prefixgate.gateway.wire.anthropic_models import CountTokensRequest, MessagesRequest
 from prefixgate.gateway.wire.request_fields import REFUSED
 from prefixgate.gateway.wire.request_models import (
@@ -27,6 +25,7 @@ from prefixgate.gateway.wire.request_models import (
     CompletionRequest,
     PrefixCreateRequest,
 )
+from prefixgate.gateway.wire.responses_models import ResponsesRequest
 from pydantic import BaseModel
 
 EMPTIES = [None, [], {}, ""]
@@ -50,7 +49,7 @@ ROUTES: list[tuple[str, type[BaseModel], tuple[str, ...], dict]] = [
     (
         "/v1/responses",
         ResponsesRequest,
-        responses_api._REFUSED,
+        responses_models.REFUSED,
         {"model": "fake", "input": "hi", "max_output_tokens": 2},
     ),
     (

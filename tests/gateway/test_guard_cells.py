@@ -1,5 +1,6 @@
 """The shared request guards, over the cells ``test_edge_combinations.py`` and the both-modes
-tests leave open: every generating dialect (OpenAI chat and completions, Anthropic Messages and
+tests leave open: every generating dialect (OpenAI chat, completions and Responses, Anthropic
+Messages and
 ``count_tokens``, Gemini ``generateContent`` / ``streamGenerateContent`` / ``countTokens``) ×
 stream on/off × the guard's defect kinds (``n`` / ``candidateCount`` bounds, ``max_tokens``
 bounds and types, ``stop`` bounds and types, ``seed`` bounds, one tool over the bound, a body
@@ -23,8 +24,9 @@ Drawn with hypothesis (derandomized, ``GUARD_CELL_EXAMPLES`` examples, 150 by de
 - afterwards both engines are idle with their KV pools whole, and both gateways' admission
   counts and the keys' in-flight counts are 0.
 
-The Responses route is local-only (a proxy answers it 501); its cells are in
-``test_edge_combinations.py``.
+The Responses route is relayed by the proxy as a chat (``proxy/responses_relay.py``); its
+cells are these too (its ``max_output_tokens`` the ``max_tokens`` kind; ``n``, ``stop`` and
+``seed`` are no Responses fields: a 400 naming them as unknown).
 """
 
 from __future__ import annotations
@@ -59,19 +61,25 @@ KEYS = {
         {"key": SPENT, "name": "spent", "requests_per_minute": 1},
     ]
 }
-CHAT, COMP = "/v1/chat/completions", "/v1/completions"
+CHAT, COMP, RESP = "/v1/chat/completions", "/v1/completions", "/v1/responses"
 MSG, MSG_COUNT = "/v1/messages", "/v1/messages/count_tokens"
 GEN = f"/v1beta/models/{MODEL}:generateContent"
 GEN_STREAM = f"/v1beta/models/{MODEL}:streamGenerateContent?alt=sse"
 GEN_COUNT = f"/v1beta/models/{MODEL}:countTokens"
-ROUTES = [CHAT, COMP, MSG, MSG_COUNT, GEN, GEN_STREAM, GEN_COUNT]
-STREAMS = {CHAT, COMP, MSG}  # routes with a ``stream`` field
+ROUTES = [CHAT, COMP, RESP, MSG, MSG_COUNT, GEN, GEN_STREAM, GEN_COUNT]
+STREAMS = {CHAT, COMP, RESP, MSG}  # routes with a ``stream`` field
 BIG = 10**6  # more tokens than the context (128)
 I64 = 2**63
 
 
 def dialect(path: str) -> str:
-    return "openai" if path in (CHAT, COMP) else "anthropic" if path.startswith(MSG) else "gemini"
+    return (
+        "openai"
+        if path in (CHAT, COMP, RESP)
+        else "anthropic"
+        if path.startswith(MSG)
+        else "gemini"
+    )
 
 
 # defect kind -> [(the request field it sets, value, the field the 400 must name)], per dialect;
@@ -86,6 +94,14 @@ ANTHROPIC_DEFECTS = {
     "n": [("n", 2, "n")],
     "max_tokens": [("max_tokens", v, "max_tokens") for v in (0, -1, 1.5, True, "5", BIG)],
     "stop": [("stop_sequences", v, "stop_sequences") for v in (["a"] * 17, [""], [1], "a", [None])],
+    "seed": [("seed", 1, "seed")],
+}
+RESPONSES_DEFECTS = {
+    "n": [("n", 2, "n")],
+    "max_tokens": [
+        ("max_output_tokens", v, "max_output_tokens") for v in (0, -1, 1.5, True, "5", BIG)
+    ],
+    "stop": [("stop", v, "stop") for v in (["a"], "a")],
     "seed": [("seed", 1, "seed")],
 }
 GEMINI_DEFECTS = {
@@ -158,6 +174,8 @@ def base_body(path: str, stream: bool) -> dict[str, Any]:
         }
     elif path == COMP:
         body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    elif path == RESP:
+        body = {"model": MODEL, "input": "hi", "max_output_tokens": 2}
     elif path == MSG:
         body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     elif path == MSG_COUNT:
@@ -208,7 +226,8 @@ def cells(draw: st.DrawFn) -> Cell:
             field = "tools"
         return Cell(path, stream, key, kind, json.dumps(body).encode(), field)
     table = {"openai": OPENAI_DEFECTS, "anthropic": ANTHROPIC_DEFECTS, "gemini": GEMINI_DEFECTS}
-    name, value, _ = draw(st.sampled_from(table[dialect(path)][kind]))
+    defects = RESPONSES_DEFECTS if path == RESP else table[dialect(path)]
+    name, value, _ = draw(st.sampled_from(defects[kind]))
     if path == MSG_COUNT and name == "max_tokens":
         body.pop("max_tokens", None)
     sent, wire = with_defect(path, body, name, value)

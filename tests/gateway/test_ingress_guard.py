@@ -44,7 +44,7 @@ from support.fuzz import live_server_settings
 
 EXAMPLES = int(os.environ.get("GUARD_FUZZ_EXAMPLES", "120"))
 ANTHROPIC_ROUTES = {"/v1/messages", "/v1/messages/count_tokens"}
-LOCAL_ONLY = {"/v1/responses"}
+LOCAL_ONLY: set[str] = set()  # every route is served in both modes now
 
 
 class Upstream:

@@ -102,8 +102,7 @@ def test_every_local_route_checks_the_key_first(serve_fake, tmp_path, loaded):
 
 
 def test_every_proxy_route_checks_the_key_first(serve_fake, tmp_path):
-    """The 501 route of local mode only (``/v1/responses``) and the relayed ``/tokenize``
-    too."""
+    """The relayed routes (``/v1/responses``, ``/tokenize``, ...) too."""
     upstream, _ = serve_fake(GatewaySettings(model_name="fake"))
     settings = GatewaySettings(keys_file=_keys(tmp_path))
     with BackgroundServer(lambda: create_proxy_app([upstream.url], settings)) as gw:
@@ -111,8 +110,8 @@ def test_every_proxy_route_checks_the_key_first(serve_fake, tmp_path):
         assert {p for _, p in routes} == EXPECTED_LOCAL
         _check_refused(gw.url, routes)
         auth = {"Authorization": f"Bearer {KEY}"}
-        r = httpx.post(gw.url + "/v1/responses", json={}, headers=auth)
-        assert r.status_code == 501, r.text
+        r = httpx.post(gw.url + "/v1/responses", json={}, headers=auth)  # relayed as a chat
+        assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
         r = httpx.post(gw.url + "/tokenize", json={}, headers=auth)  # relayed: the upstream's
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
 

@@ -185,16 +185,6 @@ def test_client_disconnect_closes_upstream_stream(servers):
     assert gw.app[PROXY].router.upstreams[0].healthy  # a client leaving is not an upstream fault
 
 
-@pytest.mark.parametrize("path", ["/v1/responses"])
-def test_local_mode_routes_are_501_naming_the_route_in_upstream_mode(servers, path):
-    up = servers(lambda: stub_app("a"))
-    gw = servers(lambda: create_proxy_app([up.url], GatewaySettings()))
-    r = httpx.post(gw.url + path, json={"model": "m", "input": "x", "prompt": "x"})
-    assert r.status_code == 501
-    err = r.json()["error"]
-    assert err["code"] == "unsupported_in_upstream_mode" and path in err["message"]
-
-
 def test_a_non_bearer_authorization_scheme_is_named(servers):
     up = servers(lambda: stub_app("a"))
     gw = servers(lambda: create_proxy_app([up.url], GatewaySettings(api_keys=["gk"])))
