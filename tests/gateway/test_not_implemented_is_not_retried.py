@@ -1,4 +1,5 @@
-"""A 501 (a route this mode does not serve: ``/v1/embeddings`` behind a proxy) carries
+"""A 501 (a route the model's upstream does not serve: ``/v1/embeddings`` behind a proxy in front
+of an OpenAI-compatible server without it) carries
 ``x-should-retry: false``, which the OpenAI and Anthropic SDKs obey: with their default
 ``max_retries`` (2) they sent the same refused request three times, with backoff, before
 raising."""
@@ -8,18 +9,16 @@ from __future__ import annotations
 import httpx
 import pytest
 from prefixgate.gateway.app import create_proxy_app
-from prefixgate.gateway.http.server import BackgroundServer
 from prefixgate.gateway.settings import GatewaySettings
+from support.chat_stub import ChatStub
 
 openai = pytest.importorskip("openai")
 
 
 @pytest.fixture
-def proxy(serve_fake):
-    upstream, _ = serve_fake()
-    gw = BackgroundServer(lambda: create_proxy_app([upstream.url], GatewaySettings())).__enter__()
-    yield gw
-    gw.close()
+def proxy(servers):
+    upstream = servers(ChatStub(name="fake").app)  # chat completions, no /v1/embeddings
+    return servers(lambda: create_proxy_app([upstream.url], GatewaySettings()))
 
 
 def test_a_501_is_sent_once_by_the_openai_client(proxy):
