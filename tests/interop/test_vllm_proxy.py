@@ -6,7 +6,8 @@ relays:
 
 - chat, completions and their streams; a conversation with tools (a call and its result);
   Anthropic Messages (translated to chat for vLLM), non-streamed and streamed, with the
-  cached tokens vLLM reports (``cache_read_input_tokens``);
+  cached tokens vLLM reports (``cache_read_input_tokens``); OpenAI's Responses API (translated
+  to chat for vLLM) through the ``openai`` client, whole and streamed;
 - by ``model``: ``smollm2`` goes to vLLM, ``aidreams-260k`` to the prefixgate upstream;
 - ``/tokenize`` and ``/detokenize``: vLLM's own answers, relayed as they are;
 - precise routing: after sequential traffic over shared system prompts the gateway's index
@@ -239,6 +240,34 @@ def test_gemini_generate_and_stream_through_vllm(gateway):
     for _ in range(2):
         r = client.models.generate_content(model=SERVED_NAME, contents="Hello", config=cached)
     assert (r.usage_metadata.cached_content_token_count or 0) >= BLOCK_SIZE
+
+
+def test_responses_through_vllm(gateway):
+    """OpenAI's Responses API through the proxy in front of the real vLLM: translated to chat
+    completions and back, whole and streamed (the ``openai`` client's typed events), usage and
+    the system prompt's cached tokens as vLLM reports them."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=gateway.url + "/v1", api_key=KEYS["a"], max_retries=0)
+    r = client.responses.create(model=SERVED_NAME, input="Hello", max_output_tokens=4)
+    assert r.status in ("completed", "incomplete") and r.model == SERVED_NAME
+    assert isinstance(r.output_text, str)
+    assert r.usage is not None and r.usage.input_tokens > 0 and r.usage.output_tokens <= 4
+    with client.responses.stream(model=SERVED_NAME, input="Hello", max_output_tokens=4) as stream:
+        events = list(stream)  # (get_final_response wants response.completed; a cut one is
+    kinds = [event.type for event in events]  # response.incomplete, as OpenAI's)
+    assert kinds[0] == "response.created" and kinds[-1] in (
+        "response.completed",
+        "response.incomplete",
+    )
+    final = events[-1].response
+    assert final.usage is not None and final.usage.output_tokens <= 4
+    system = random_text(random.Random(7), 80)  # the same long instructions twice: vLLM's cache
+    for _ in range(2):
+        r = client.responses.create(
+            model=SERVED_NAME, instructions=system, input="Hello", max_output_tokens=1
+        )
+    assert r.usage is not None
+    assert (r.usage.input_tokens_details.cached_tokens or 0) >= BLOCK_SIZE
 
 
 def test_routing_by_model(gateway):
