@@ -33,11 +33,9 @@ reports.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import re
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -58,7 +56,7 @@ from prefixgate.gateway.proxy.answers import shape_problem
 from prefixgate.gateway.proxy.attempts import Call, NextUpstream, each_upstream, refusal
 from prefixgate.gateway.proxy.messages_openai import Malformed
 from prefixgate.gateway.proxy.policies import Route
-from prefixgate.gateway.proxy.relay import broke_mid_stream
+from prefixgate.gateway.proxy.relay import broke_mid_stream, upstream_reads
 from prefixgate.gateway.proxy.routes import upstream_credential, upstream_headers
 from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import Upstream
@@ -490,19 +488,10 @@ async def _sse(
         TimeoutError: nothing for ``idle_timeout_s``.
     """
     buf = b""
-    last = time.monotonic()
-    while True:
-        try:
-            async with asyncio.timeout(min(keepalive_s, idle_timeout_s or keepalive_s)):
-                chunk = await resp.content.readany()
-        except TimeoutError:
-            if idle_timeout_s and time.monotonic() - last >= idle_timeout_s:
-                raise
+    async for chunk in upstream_reads(resp, keepalive_s, idle_timeout_s):
+        if chunk is None:
             yield None
             continue
-        if not chunk:
-            return
-        last = time.monotonic()
         buf = (buf + chunk).replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         while b"\n\n" in buf:
             raw, buf = buf.split(b"\n\n", 1)

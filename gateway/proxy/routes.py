@@ -655,8 +655,9 @@ class _Forward(Call):
                     include_usage=outcome.keep_usage if outcome is not None else False,
                     account=outcome.account if outcome is not None else None,
                 )
+                s = self.st.settings
                 out = await anthropic.relay_stream(
-                    request, resp, translator, self.st.settings.upstream_timeout_s
+                    request, resp, translator, s.upstream_timeout_s, s.keepalive_s
                 )
                 if outcome is not None and translator.usage is not None:
                     outcome.account.read_usage(translator.usage)
