@@ -42,7 +42,8 @@ reworded as every dialect's is (``redact.upstream_error``) in OpenAI's error sha
 the Responses fields the client sent (``wire.client_fields.responses_fields``). A stream cut
 short (the upstream closed, broke, went silent past ``--upstream-timeout-s``, sent garbage
 or its own error) ends with an ``error`` event then ``response.failed``, never as a
-success; a client that leaves closes the upstream connection (the upstream aborts).
+success; while the upstream is silent, ``: keep-alive`` comments go out every
+``--keepalive-s`` (as local mode's Responses stream); a client that leaves closes the upstream connection (the upstream aborts).
 """
 
 from __future__ import annotations
@@ -57,11 +58,22 @@ from aiohttp import web
 from prefixgate.gateway.http.access_log import stream_cut
 from prefixgate.gateway.http.errors import APIError, bad_request
 from prefixgate.gateway.http.lifecycle import end_streams_with
-from prefixgate.gateway.http.sse import SSE_HEADERS, client_gone, client_left, end_stream
+from prefixgate.gateway.http.sse import (
+    KEEPALIVE,
+    SSE_HEADERS,
+    client_gone,
+    client_left,
+    end_stream,
+)
 from prefixgate.gateway.proxy.answers import shape_problem
 from prefixgate.gateway.proxy.attempts import Call, NextUpstream, each_upstream_admitted, refusal
 from prefixgate.gateway.proxy.policies import Route
-from prefixgate.gateway.proxy.relay import EventChecker, StreamBroken, mid_stream_error
+from prefixgate.gateway.proxy.relay import (
+    EventChecker,
+    StreamBroken,
+    mid_stream_error,
+    upstream_reads,
+)
 from prefixgate.gateway.proxy.routes import upstream_headers
 from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import Upstream
@@ -397,10 +409,15 @@ async def _relay(
     checker = EventChecker(ChatCompletionChunk, require_finish=True)
     chunks = _Chunks(call, events)
     error: APIError | None = None
+    s = call.st.settings
+    reads = upstream_reads(resp, s.keepalive_s, s.upstream_timeout_s)
     try:
         await out.write(b"".join(events.opening()))
         while not checker.done:
-            data = await resp.content.readany()
+            data = await anext(reads, b"")
+            if data is None:  # silent for keepalive_s: a comment line, as local mode's
+                await out.write(KEEPALIVE)
+                continue
             if not data:
                 raise StreamBroken("the upstream's stream ended before its last event ([DONE])")
             passed = chunks.feed(checker.feed(data))
@@ -415,7 +432,7 @@ async def _relay(
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
         if client_gone(request):  # a write to the client failed: aiohttp's
             return client_left(out)  # ClientConnectionResetError is a ClientConnectionError too
-        error = mid_stream_error(exc, call.st.settings.upstream_timeout_s)
+        error = mid_stream_error(exc, s.upstream_timeout_s)
     except ConnectionResetError:
         return client_left(out)  # leaving closes the upstream connection
     call.account.estimated_completion_tokens = chunks.content
