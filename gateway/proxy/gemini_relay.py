@@ -15,7 +15,8 @@ upstream takes it — so a prefixgate upstream keeps tenants apart and reports c
 checked event by event (``relay.EventChecker``: JSON chunks, ``[DONE]`` after every choice's
 ``finish_reason``), with Gemini's keep-alive (an empty line, as local mode's) every
 ``--keepalive-s`` while the upstream is silent, and a stream cut short (or silent past
-``--upstream-timeout-s``) ends with Gemini's ``data: {"error": ...}``, never as a success. A failure before the answer (connection error, 502/503/504) marks the upstream down
+``--upstream-timeout-s``) ends with Gemini's ``data: {"error": ...}``, never as a success. A
+prefixgate upstream's ``x-prefixgate-cache`` header is passed on (``relay.passed_cache_header``). A failure before the answer (connection error, 502/503/504) marks the upstream down
 and tries the next; a 429/500 tries the next (``attempts.each_upstream``); other errors reach the client
 reworded (``redact.upstream_error``), in Gemini's shape and naming the Gemini fields the
 client sent (``wire.client_fields``). ``countTokens`` asks the upstream's ``/tokenize`` (501 where it has none).
@@ -58,6 +59,7 @@ from prefixgate.gateway.proxy.relay import (
     EventChecker,
     StreamBroken,
     mid_stream_error,
+    passed_cache_header,
     upstream_reads,
 )
 from prefixgate.gateway.proxy.routes import (
@@ -365,14 +367,16 @@ async def _generate_try(
         body = to_gemini(parsed, call.public, rid)
         call.account.read_choices(parsed.get("choices"), streamed=False)
         call.account.read_usage(parsed.get("usage"))  # the usageMetadata's source
-        return web.json_response(body)
+        return web.json_response(body, headers=passed_cache_header(resp.headers))
 
 
 async def _relay(call: _Call, resp: aiohttp.ClientResponse, rid: str) -> web.StreamResponse:
     """The upstream's chunk stream as Gemini's, checked; a cut ends with an error event.
     While the upstream is silent, Gemini's keep-alive (an empty line, as local mode's) goes
     out every ``--keepalive-s``."""
-    out = web.StreamResponse(status=200, headers=SSE_HEADERS)
+    out = web.StreamResponse(
+        status=200, headers={**SSE_HEADERS, **passed_cache_header(resp.headers)}
+    )
     await out.prepare(call.request)
     checker = EventChecker(ChatCompletionChunk, require_finish=True)
     chunks = _Chunks(call.public, rid, call.account)

@@ -23,7 +23,8 @@ between keep the connection open.
 
 What every dialect's relay shares: ``upstream_reads`` (an upstream body's reads, with a
 keep-alive due every ``keepalive_s`` of silence and the silence limit, which keep-alives do not
-reset).
+reset) and ``passed_cache_header`` (the upstream's ``x-prefixgate-cache`` header, passed on as
+it came; none when it sent none).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import aiohttp
@@ -59,6 +60,16 @@ MAX_EVENT_BYTES = 16 << 20  # one event larger than this is not a chat completio
 # missing library is a read error there); another stays on the bytes
 DECODED = frozenset(("identity", "gzip", "deflate", "br", "zstd"))
 _FIELDS = (b"data", b"event", b"id", b"retry")
+CACHE_HEADER = "x-prefixgate-cache"  # a prefixgate upstream's prompt-cache report
+
+
+def passed_cache_header(headers: Mapping[str, str]) -> dict[str, str]:
+    """The answer header of an upstream's ``headers`` every relayed route passes on:
+    ``x-prefixgate-cache`` as the upstream sent it (an empty value too, as local mode's stream
+    sends it), ``{}`` when it sent none (an upstream that is not prefixgate: vLLM, SGLang, ...);
+    the proxy never makes one up."""
+    value = headers.get(CACHE_HEADER)
+    return {} if value is None else {CACHE_HEADER: value}
 
 
 async def upstream_reads(
@@ -258,7 +269,8 @@ async def relay_sse(
     upstream's error event may quote the key it was sent).
 
     ``tail``, when given, is left holding the stream's last 4 KiB as relayed (where its
-    usage chunk is, for cache-aware routing).
+    usage chunk is, for cache-aware routing). The upstream's ``x-prefixgate-cache`` header
+    goes on (``passed_cache_header``).
 
     An encoded stream arrives decoded (the upstream session undoes gzip, deflate, br and
     zstd) and is sent as identity.
@@ -274,7 +286,9 @@ async def relay_sse(
             f"the upstream's stream is {encoding}-encoded and cannot be checked",
             code="upstream_error",
         )
-    out = web.StreamResponse(status=resp.status, headers=SSE_HEADERS)
+    out = web.StreamResponse(
+        status=resp.status, headers={**SSE_HEADERS, **passed_cache_header(resp.headers)}
+    )
     await out.prepare(request)
     checker = checker if checker is not None else EventChecker()
     error: bytes | None = None

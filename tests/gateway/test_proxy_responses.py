@@ -467,3 +467,23 @@ def test_a_stream_whose_upstream_goes_silent_ends_with_a_timeout(servers):
     error, failed = events[-2][1], events[-1][1]
     assert error["code"] == "upstream_timeout" and "0.5 s" in error["message"], error
     assert failed["response"]["output"][0]["content"][0]["text"] == "he"
+
+
+def test_the_cache_header_names_the_marks_as_local_mode_does(pair):
+    """The upstream's ``x-prefixgate-cache`` is about the chat it was sent (instructions its
+    first message); the proxy's answer names each mark by its ``input`` item, as local mode's
+    answer to the same request does."""
+    local, proxy = pair
+    mark = {"mode": "explicit"}
+    part = {"type": "input_text", "text": "tide " * 8, "prompt_cache_breakpoint": mark}
+    body = {**BODY, "input": [BODY["input"][0], {"role": "user", "content": [part]}]}
+
+    def marks(url: str) -> list[str]:
+        r = httpx.post(url + "/v1/responses", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        parts = r.headers["x-prefixgate-cache"].split("; ")
+        return [p.split(":")[0] for p in parts if not p.startswith("read=")]  # no states
+
+    (said,) = marks(local.url)
+    assert said.startswith("input.1.content.0.prompt_cache_breakpoint="), said
+    assert marks(proxy.url) == [said]
