@@ -70,6 +70,7 @@ from prefixgate.gateway.wire.gemini_models import (
 )
 from prefixgate.gateway.wire.gemini_routes import (
     CACHE_PREFIX,
+    KEEPALIVE,
     add_gemini_routes,
     cache_miss,
     list_page,
@@ -129,7 +130,7 @@ class GeminiRenderer:
 
     route = "generate_content"
     include_usage = True
-    keepalive = b"\n"  # an empty line: google-genai reads a ``:`` comment line as a JSON chunk
+    keepalive = KEEPALIVE  # an empty line (google-genai reads a ``:`` comment as a JSON chunk)
 
     def __init__(self, rid: str, model: str, plan: ToolPlan, n: int) -> None:
         self.rid = rid

@@ -37,6 +37,7 @@ from aiohttp import web
 from prefixgate.gateway.http.errors import bad_request
 from prefixgate.gateway.http.sse import (
     DONE,
+    KEEPALIVE,
     SSE_HEADERS,
     client_gone,
     client_left,
@@ -461,18 +462,25 @@ async def relay_stream(
     resp: aiohttp.ClientResponse,
     translator: StreamTranslator,
     idle_timeout_s: float,
+    keepalive_s: float,
 ) -> web.StreamResponse:
-    """Translate ``resp``'s Anthropic SSE stream to the client as OpenAI chunks; a stream
-    that breaks or ends before ``message_stop`` ends with an in-band error event."""
-    from prefixgate.gateway.proxy.relay import mid_stream_error, stream_error
+    """Translate ``resp``'s Anthropic SSE stream to the client as OpenAI chunks, with
+    ``: keep-alive`` comments every ``keepalive_s`` while it is silent (as every chat
+    stream); a stream that breaks, ends before ``message_stop`` or is silent for
+    ``idle_timeout_s`` ends with an in-band error event."""
+    from prefixgate.gateway.proxy.relay import mid_stream_error, stream_error, upstream_reads
 
     out = web.StreamResponse(status=200, headers=SSE_HEADERS)
     await out.prepare(request)
     buf = b""
     error: bytes | None = None
+    reads = upstream_reads(resp, keepalive_s, idle_timeout_s)
     try:
         while not translator.done:
-            chunk = await resp.content.readany()
+            chunk = await anext(reads, b"")
+            if chunk is None:  # silent for keepalive_s
+                await out.write(KEEPALIVE)
+                continue
             if not chunk:
                 error = stream_error("the upstream's stream ended before its last event")
                 break

@@ -13,8 +13,10 @@ upstream takes it — so a prefixgate upstream keeps tenants apart and reports c
 ``functionCall`` parts, ``finishReason``, ``usageMetadata`` from the upstream's ``usage``:
 ``cachedContentTokenCount`` only when the upstream reports ``cached_tokens``); a stream is
 checked event by event (``relay.EventChecker``: JSON chunks, ``[DONE]`` after every choice's
-``finish_reason``) and a stream cut short ends with Gemini's ``data: {"error": ...}``, never as
-a success. A failure before the answer (connection error, 502/503/504) marks the upstream down
+``finish_reason``), with Gemini's keep-alive (an empty line, as local mode's) every
+``--keepalive-s`` while the upstream is silent, and a stream cut short (or silent past
+``--upstream-timeout-s``) ends with Gemini's ``data: {"error": ...}``, never as a success. A
+prefixgate upstream's ``x-prefixgate-cache`` header is passed on (``relay.passed_cache_header``). A failure before the answer (connection error, 502/503/504) marks the upstream down
 and tries the next; a 429/500 tries the next (``attempts.each_upstream``); other errors reach the client
 reworded (``redact.upstream_error``), in Gemini's shape and naming the Gemini fields the
 client sent (``wire.client_fields``). ``countTokens`` asks the upstream's ``/tokenize`` (501 where it has none).
@@ -53,7 +55,13 @@ from prefixgate.gateway.proxy.attempts import (
 from prefixgate.gateway.proxy.messages_openai import token_count
 from prefixgate.gateway.proxy.policies import Route
 from prefixgate.gateway.proxy.prefix_entry import ProxyPrefix
-from prefixgate.gateway.proxy.relay import EventChecker, StreamBroken, mid_stream_error
+from prefixgate.gateway.proxy.relay import (
+    EventChecker,
+    StreamBroken,
+    mid_stream_error,
+    passed_cache_header,
+    upstream_reads,
+)
 from prefixgate.gateway.proxy.routes import (
     model_cards,
     upstream_headers,
@@ -82,6 +90,7 @@ from prefixgate.gateway.wire.gemini_models import (
 )
 from prefixgate.gateway.wire.gemini_routes import (
     CACHE_PREFIX,
+    KEEPALIVE,
     add_gemini_routes,
     cache_miss,
     list_page,
@@ -358,19 +367,28 @@ async def _generate_try(
         body = to_gemini(parsed, call.public, rid)
         call.account.read_choices(parsed.get("choices"), streamed=False)
         call.account.read_usage(parsed.get("usage"))  # the usageMetadata's source
-        return web.json_response(body)
+        return web.json_response(body, headers=passed_cache_header(resp.headers))
 
 
 async def _relay(call: _Call, resp: aiohttp.ClientResponse, rid: str) -> web.StreamResponse:
-    """The upstream's chunk stream as Gemini's, checked; a cut ends with an error event."""
-    out = web.StreamResponse(status=200, headers=SSE_HEADERS)
+    """The upstream's chunk stream as Gemini's, checked; a cut ends with an error event.
+    While the upstream is silent, Gemini's keep-alive (an empty line, as local mode's) goes
+    out every ``--keepalive-s``."""
+    out = web.StreamResponse(
+        status=200, headers={**SSE_HEADERS, **passed_cache_header(resp.headers)}
+    )
     await out.prepare(call.request)
     checker = EventChecker(ChatCompletionChunk, require_finish=True)
     chunks = _Chunks(call.public, rid, call.account)
     error: APIError | None = None
+    s = call.st.settings
+    reads = upstream_reads(resp, s.keepalive_s, s.upstream_timeout_s)
     try:
         while not checker.done:
-            data = await resp.content.readany()
+            data = await anext(reads, b"")
+            if data is None:  # silent for keepalive_s
+                await out.write(KEEPALIVE)
+                continue
             if not data:
                 raise StreamBroken("the upstream's stream ended before its last event ([DONE])")
             for event in chunks.feed(checker.feed(data)):
@@ -384,7 +402,7 @@ async def _relay(call: _Call, resp: aiohttp.ClientResponse, rid: str) -> web.Str
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
         if client_gone(call.request):  # a write to the client failed: aiohttp's
             return client_left(out)  # ClientConnectionResetError is a ClientConnectionError too
-        error = mid_stream_error(exc, call.request.app[STATE].settings.upstream_timeout_s)
+        error = mid_stream_error(exc, s.upstream_timeout_s)
     except ConnectionResetError:
         return client_left(out)
     call.account.estimated_completion_tokens = chunks.completion

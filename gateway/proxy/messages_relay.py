@@ -33,11 +33,9 @@ reports.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import re
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -58,7 +56,12 @@ from prefixgate.gateway.proxy.answers import shape_problem
 from prefixgate.gateway.proxy.attempts import Call, NextUpstream, each_upstream, refusal
 from prefixgate.gateway.proxy.messages_openai import Malformed
 from prefixgate.gateway.proxy.policies import Route
-from prefixgate.gateway.proxy.relay import broke_mid_stream
+from prefixgate.gateway.proxy.relay import (
+    CACHE_HEADER,
+    broke_mid_stream,
+    passed_cache_header,
+    upstream_reads,
+)
 from prefixgate.gateway.proxy.routes import upstream_credential, upstream_headers
 from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import Upstream
@@ -81,7 +84,6 @@ from prefixgate.gateway.wire.stop_strings import anthropic_constraint, refuse_st
 
 logger = logging.getLogger("prefixgate.gateway")
 
-CACHE_HEADER = "x-prefixgate-cache"
 _CODE = re.compile(r"[a-z][a-z0-9_]{0,63}")
 _EVENTS = frozenset(
     (
@@ -227,7 +229,7 @@ async def _message_try(call: _Call, up: Upstream, ticket: Any) -> web.StreamResp
     assert isinstance(req, MessagesRequest)
     stops = list(req.stop_sequences or [])
     rid = messages_openai.message_id()
-    extra: dict[str, str] = {}
+    dropped: str | None = None
     if call.passthrough(up):
         url, data = up.url + "/v1/messages", call.messages_body(up)
     else:
@@ -239,13 +241,12 @@ async def _message_try(call: _Call, up: Upstream, ticket: Any) -> web.StreamResp
             body["cache_salt"] = call.salt
         url, data = up.url + "/v1/chat/completions", json.dumps(body).encode()
         dropped = messages_openai.dropped_marks(call.chat)
-        if dropped is not None:
-            extra[CACHE_HEADER] = dropped
     async with session.post(url, data=data, headers=call.headers(up), ssl=up.ssl) as resp:
         if resp.status != 200:
             await _refused(call, up, resp)
-        if call.passthrough(up) and resp.headers.get(CACHE_HEADER):
-            extra[CACHE_HEADER] = resp.headers[CACHE_HEADER]  # the upstream's pins, as they are
+        extra = passed_cache_header(resp.headers)  # the upstream's pins, as they are
+        if dropped is not None:  # the breakpoints the translation left out, named after them
+            extra[CACHE_HEADER] = "; ".join(p for p in (extra.get(CACHE_HEADER), dropped) if p)
         ctype = resp.headers.get("Content-Type", "")
         if req.stream and ctype.startswith("text/event-stream"):
             if ticket is not None:
@@ -490,19 +491,10 @@ async def _sse(
         TimeoutError: nothing for ``idle_timeout_s``.
     """
     buf = b""
-    last = time.monotonic()
-    while True:
-        try:
-            async with asyncio.timeout(min(keepalive_s, idle_timeout_s or keepalive_s)):
-                chunk = await resp.content.readany()
-        except TimeoutError:
-            if idle_timeout_s and time.monotonic() - last >= idle_timeout_s:
-                raise
+    async for chunk in upstream_reads(resp, keepalive_s, idle_timeout_s):
+        if chunk is None:
             yield None
             continue
-        if not chunk:
-            return
-        last = time.monotonic()
         buf = (buf + chunk).replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         while b"\n\n" in buf:
             raw, buf = buf.split(b"\n\n", 1)

@@ -20,6 +20,11 @@ error event, ``data: {"error": {...}}`` with code ``upstream_error`` (or
 project's SDK then raise instead of returning truncated text. While the upstream is silent,
 ``: keep-alive`` comments go to the client every ``keepalive_s`` so it and any proxy in
 between keep the connection open.
+
+What every dialect's relay shares: ``upstream_reads`` (an upstream body's reads, with a
+keep-alive due every ``keepalive_s`` of silence and the silence limit, which keep-alives do not
+reset) and ``passed_cache_header`` (the upstream's ``x-prefixgate-cache`` header, passed on as
+it came; none when it sent none).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import aiohttp
@@ -54,6 +60,47 @@ MAX_EVENT_BYTES = 16 << 20  # one event larger than this is not a chat completio
 # missing library is a read error there); another stays on the bytes
 DECODED = frozenset(("identity", "gzip", "deflate", "br", "zstd"))
 _FIELDS = (b"data", b"event", b"id", b"retry")
+CACHE_HEADER = "x-prefixgate-cache"  # a prefixgate upstream's prompt-cache report
+
+
+def passed_cache_header(headers: Mapping[str, str]) -> dict[str, str]:
+    """The answer header of an upstream's ``headers`` every relayed route passes on:
+    ``x-prefixgate-cache`` as the upstream sent it (an empty value too, as local mode's stream
+    sends it), ``{}`` when it sent none (an upstream that is not prefixgate: vLLM, SGLang, ...);
+    the proxy never makes one up."""
+    value = headers.get(CACHE_HEADER)
+    return {} if value is None else {CACHE_HEADER: value}
+
+
+async def upstream_reads(
+    resp: aiohttp.ClientResponse, keepalive_s: float, idle_timeout_s: float
+) -> AsyncIterator[bytes | None]:
+    """``resp``'s body as it arrives: each read's bytes (never empty), or None each time
+    ``keepalive_s`` (seconds) passed without any: a keep-alive is due. Ends at the body's end.
+    The silence limit counts from the upstream's last byte: keep-alives sent meanwhile do not
+    reset it.
+
+    Raises:
+        TimeoutError: nothing for ``idle_timeout_s`` seconds (0: no limit of ours), or
+            aiohttp's own ``sock_read`` timeout; ``mid_stream_error`` words it.
+        aiohttp.ClientPayloadError, aiohttp.ClientConnectionError: the connection broke.
+    """
+    last = time.monotonic()
+    while True:
+        try:
+            async with asyncio.timeout(min(keepalive_s, idle_timeout_s or keepalive_s)) as wait:
+                chunk = await resp.content.readany()
+        except TimeoutError:
+            if not wait.expired():  # aiohttp's sock_read: the upstream's silence, not ours
+                raise
+            if idle_timeout_s and time.monotonic() - last >= idle_timeout_s:
+                raise
+            yield None
+            continue
+        if not chunk:
+            return
+        last = time.monotonic()
+        yield chunk
 
 
 class StreamBroken(Exception):
@@ -222,7 +269,8 @@ async def relay_sse(
     upstream's error event may quote the key it was sent).
 
     ``tail``, when given, is left holding the stream's last 4 KiB as relayed (where its
-    usage chunk is, for cache-aware routing).
+    usage chunk is, for cache-aware routing). The upstream's ``x-prefixgate-cache`` header
+    goes on (``passed_cache_header``).
 
     An encoded stream arrives decoded (the upstream session undoes gzip, deflate, br and
     zstd) and is sent as identity.
@@ -238,30 +286,27 @@ async def relay_sse(
             f"the upstream's stream is {encoding}-encoded and cannot be checked",
             code="upstream_error",
         )
-    out = web.StreamResponse(status=resp.status, headers=SSE_HEADERS)
+    out = web.StreamResponse(
+        status=resp.status, headers={**SSE_HEADERS, **passed_cache_header(resp.headers)}
+    )
     await out.prepare(request)
     checker = checker if checker is not None else EventChecker()
-    last_byte = time.monotonic()
     error: bytes | None = None
     code = "upstream_error"  # the error event's code, when there is one
+    reads = upstream_reads(resp, keepalive_s, idle_timeout_s)
     try:
         while not checker.done:
             try:
-                async with asyncio.timeout(min(keepalive_s, idle_timeout_s or keepalive_s)):
-                    chunk = await resp.content.readany()
-            except TimeoutError:  # ours (a keep-alive is due) or aiohttp's sock_read
-                if idle_timeout_s and time.monotonic() - last_byte >= idle_timeout_s:
-                    raise StreamBroken(
-                        f"the upstream sent nothing for {idle_timeout_s:g} s",
-                        code="upstream_timeout",
-                    ) from None
+                chunk = await anext(reads, b"")
+            except TimeoutError:
+                raise StreamBroken(
+                    f"the upstream sent nothing for {idle_timeout_s:g} s", code="upstream_timeout"
+                ) from None
+            if chunk is None:  # silent for keepalive_s
                 await out.write(KEEPALIVE)
                 continue
             if not chunk:  # the upstream ended its response
-                if not checker.done:
-                    raise StreamBroken("the upstream's stream ended before its last event ([DONE])")
-                break
-            last_byte = time.monotonic()
+                raise StreamBroken("the upstream's stream ended before its last event ([DONE])")
             passed = _tapped(tap, checker.feed(chunk))
             if passed and secrets:
                 passed = scrub(passed, secrets)

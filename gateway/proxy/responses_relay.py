@@ -26,7 +26,9 @@ breakpoint that has none (mode ``explicit``, or ``implicit`` beside
 12 h alone has no chat spelling and is a 400 naming ``prompt_cache_options.ttl``, as is
 ``prompt_cache_options.comparison_response_id`` (the diagnostics need the prompt log of the
 engine that answered the earlier response, which a proxy does not have). The upstream's
-``x-prefixgate-cache`` header is passed on.
+``x-prefixgate-cache`` header is passed on (``relay.passed_cache_header``), its marks named
+as the client sent them (``input_words``: ``input.0.content.1``, not the chat's
+``messages.1.content.1``).
 
 The answer comes back as local mode writes it (``wire.responses_models.ResponseEvents``): a
 ``response`` object under the model name the client sent, or for a stream the typed events
@@ -42,12 +44,14 @@ reworded as every dialect's is (``redact.upstream_error``) in OpenAI's error sha
 the Responses fields the client sent (``wire.client_fields.responses_fields``). A stream cut
 short (the upstream closed, broke, went silent past ``--upstream-timeout-s``, sent garbage
 or its own error) ends with an ``error`` event then ``response.failed``, never as a
-success; a client that leaves closes the upstream connection (the upstream aborts).
+success; while the upstream is silent, ``: keep-alive`` comments go out every
+``--keepalive-s`` (as local mode's Responses stream); a client that leaves closes the upstream connection (the upstream aborts).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from typing import Any
@@ -57,11 +61,24 @@ from aiohttp import web
 from prefixgate.gateway.http.access_log import stream_cut
 from prefixgate.gateway.http.errors import APIError, bad_request
 from prefixgate.gateway.http.lifecycle import end_streams_with
-from prefixgate.gateway.http.sse import SSE_HEADERS, client_gone, client_left, end_stream
+from prefixgate.gateway.http.sse import (
+    KEEPALIVE,
+    SSE_HEADERS,
+    client_gone,
+    client_left,
+    end_stream,
+)
 from prefixgate.gateway.proxy.answers import shape_problem
 from prefixgate.gateway.proxy.attempts import Call, NextUpstream, each_upstream_admitted, refusal
 from prefixgate.gateway.proxy.policies import Route
-from prefixgate.gateway.proxy.relay import EventChecker, StreamBroken, mid_stream_error
+from prefixgate.gateway.proxy.relay import (
+    CACHE_HEADER,
+    EventChecker,
+    StreamBroken,
+    mid_stream_error,
+    passed_cache_header,
+    upstream_reads,
+)
 from prefixgate.gateway.proxy.routes import upstream_headers
 from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import Upstream
@@ -78,8 +95,6 @@ from prefixgate.gateway.wire.responses_models import (
     parse_request,
     usage_object,
 )
-
-CACHE_HEADER = "x-prefixgate-cache"
 
 
 def refuse_unmapped(req: ResponsesRequest) -> None:
@@ -143,6 +158,23 @@ def _turns(req: ResponsesRequest) -> list[dict[str, Any]]:
             parts.append(part)
         out.append({"role": m.role, "content": parts})
     return out
+
+
+_CHAT_MARK = re.compile(r"(^|; )messages\.(\d+)\.")
+
+
+def input_words(value: str, instructions: bool) -> str:
+    """An upstream's ``x-prefixgate-cache`` ``value`` (about the chat it was sent) with each
+    mark named as the client sent it, as local mode names it: ``messages.<i>.content.<j>...``
+    → ``input.<i - 1>.content.<j>...`` after ``instructions`` (the chat's first message),
+    ``input.<i>...`` without; ``read=`` and the marks' tokens and states as they came."""
+    offset = 1 if instructions else 0
+
+    def renamed(m: re.Match[str]) -> str:
+        i = int(m.group(2)) - offset
+        return f"{m.group(1)}input.{i}." if i >= 0 else m.group(0)
+
+    return _CHAT_MARK.sub(renamed, value)
 
 
 def chat_body(req: ResponsesRequest) -> dict[str, Any]:
@@ -289,7 +321,9 @@ async def _try(call: _Call, up: Upstream, ticket: Any) -> web.StreamResponse:
         call.answered = resp.status
         if resp.status != 200:
             raise refusal(call, up, resp.status, await resp.read(), resp.headers, call.fields)
-        extra = {CACHE_HEADER: resp.headers[CACHE_HEADER]} if CACHE_HEADER in resp.headers else {}
+        extra = passed_cache_header(resp.headers)
+        if CACHE_HEADER in extra:
+            extra[CACHE_HEADER] = input_words(extra[CACHE_HEADER], bool(call.req.instructions))
         ctype = resp.headers.get("Content-Type", "")
         if call.req.stream and ctype.startswith("text/event-stream"):
             ticket.started()
@@ -397,10 +431,15 @@ async def _relay(
     checker = EventChecker(ChatCompletionChunk, require_finish=True)
     chunks = _Chunks(call, events)
     error: APIError | None = None
+    s = call.st.settings
+    reads = upstream_reads(resp, s.keepalive_s, s.upstream_timeout_s)
     try:
         await out.write(b"".join(events.opening()))
         while not checker.done:
-            data = await resp.content.readany()
+            data = await anext(reads, b"")
+            if data is None:  # silent for keepalive_s: a comment line, as local mode's
+                await out.write(KEEPALIVE)
+                continue
             if not data:
                 raise StreamBroken("the upstream's stream ended before its last event ([DONE])")
             passed = chunks.feed(checker.feed(data))
@@ -415,7 +454,7 @@ async def _relay(
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
         if client_gone(request):  # a write to the client failed: aiohttp's
             return client_left(out)  # ClientConnectionResetError is a ClientConnectionError too
-        error = mid_stream_error(exc, call.st.settings.upstream_timeout_s)
+        error = mid_stream_error(exc, s.upstream_timeout_s)
     except ConnectionResetError:
         return client_left(out)  # leaving closes the upstream connection
     call.account.estimated_completion_tokens = chunks.content

@@ -47,7 +47,12 @@ from prefixgate.gateway.proxy.redact import (
     too_long,
     upstream_error,
 )
-from prefixgate.gateway.proxy.relay import EventChecker, json_body_problem, relay_sse
+from prefixgate.gateway.proxy.relay import (
+    CACHE_HEADER,
+    EventChecker,
+    json_body_problem,
+    relay_sse,
+)
 from prefixgate.gateway.proxy.serving import PROXY
 from prefixgate.gateway.proxy.upstream import Upstream, UpstreamRouter
 from prefixgate.gateway.proxy.usage import (
@@ -78,7 +83,8 @@ _HOP_HEADERS = {"Content-Type": "application/json"}
 # Routes whose answer is relayed as is (``forward_as_is``): no stream, no fallback model (the
 # token ids or vectors are the model's own), an upstream without the route a 501.
 AS_IS_ROUTES = frozenset(("/tokenize", "/detokenize", "/v1/embeddings"))
-_PASSED_HEADERS = ("Retry-After", "retry-after-ms")
+# an upstream's answer headers a whole answer passes on (a stream's: ``relay.relay_sse``)
+_PASSED_HEADERS = ("Retry-After", "retry-after-ms", CACHE_HEADER)
 
 
 async def proxy_generate(request: web.Request) -> web.StreamResponse:
@@ -655,8 +661,9 @@ class _Forward(Call):
                     include_usage=outcome.keep_usage if outcome is not None else False,
                     account=outcome.account if outcome is not None else None,
                 )
+                s = self.st.settings
                 out = await anthropic.relay_stream(
-                    request, resp, translator, self.st.settings.upstream_timeout_s
+                    request, resp, translator, s.upstream_timeout_s, s.keepalive_s
                 )
                 if outcome is not None and translator.usage is not None:
                     outcome.account.read_usage(translator.usage)
@@ -707,7 +714,8 @@ def _lost_prefix(data: bytes, headers: Any) -> bool:
 
 def _passed(status: int, data: bytes, headers: Any) -> web.Response:
     """An upstream's whole answer as the client's: its body (decoded: the session undid its
-    ``Content-Encoding``), content type and ``Retry-After``."""
+    ``Content-Encoding``), content type, ``Retry-After`` and ``x-prefixgate-cache`` (a
+    prefixgate upstream's: ``relay.passed_cache_header``'s rule)."""
     out_headers = {"Content-Type": headers.get("Content-Type", "application/json")}
     for name in _PASSED_HEADERS:
         value = headers.get(name)

@@ -1,6 +1,6 @@
 """Gemini's route table (``/v1beta``, and its model methods under ``/v1`` too: google-genai's
 default API version) and what both modes' handlers share: the method names,
-the ``cachedContents/`` name prefix and default life, the model object, the 405 of a GET of a
+the ``cachedContents/`` name prefix and default life, a stream's keep-alive, the model object, the 405 of a GET of a
 method, RFC 3339 times, the 404 / 405 of any other path (local mode: ``local/gemini.py``;
 proxy mode: ``proxy/gemini_relay.py``)."""
 
@@ -25,6 +25,9 @@ GENERATION_METHODS = [
     "createCachedContent",
 ]
 MODEL_METHODS = ("generateContent", "streamGenerateContent", "countTokens")  # served by POST
+# what a Gemini stream sends while it waits (both modes): an empty line, not SSE's ``:``
+# comment, which google-genai reads as a JSON chunk
+KEEPALIVE = b"\n"
 
 
 def model_object(name: str, description: str, max_model_len: int | None = None) -> dict[str, Any]:

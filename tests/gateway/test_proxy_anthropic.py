@@ -282,11 +282,12 @@ def test_an_anthropic_deployments_401_is_about_the_key_actually_sent(tmp_path: P
 def test_an_anthropic_stream_gone_silent_ends_with_a_timeout_saying_so(tmp_path: Path):
     """An Anthropic deployment silent mid-stream past ``--upstream-timeout-s``: the chat
     stream ends with the event an OpenAI upstream's silence gets, code ``upstream_timeout``
-    and how long it waited (was "connection broke mid-stream: SocketTimeoutError")."""
+    and how long it waited (was "connection broke mid-stream: SocketTimeoutError"), the
+    keep-alive comments sent meanwhile not pushing the limit back."""
     claude = AnthropicStub(stall_s=30)
     with BackgroundServer(claude.app) as up:
         cfg = claude_config(tmp_path / "proxy.toml", up.url)
-        settings = GatewaySettings(upstream_timeout_s=0.5)
+        settings = GatewaySettings(upstream_timeout_s=0.5, keepalive_s=0.1)
         with BackgroundServer(lambda: create_proxy_app(cfg, settings)) as gw:
             r = httpx.post(
                 gw.url + "/v1/chat/completions",
@@ -297,3 +298,23 @@ def test_an_anthropic_stream_gone_silent_ends_with_a_timeout_saying_so(tmp_path:
     last = [ln for ln in r.text.splitlines() if ln.startswith("data: ")][-1]
     err = json.loads(last[6:])["error"]
     assert err["code"] == "upstream_timeout" and "sent nothing for 0.5 s" in err["message"], err
+    assert ": keep-alive" in r.text.splitlines(), r.text
+
+
+def test_an_anthropic_stream_paused_gets_keepalives_then_the_rest(tmp_path: Path):
+    """An Anthropic deployment silent mid-stream for longer than ``--keepalive-s``: the chat
+    stream gets ``: keep-alive`` comments, as from an OpenAI upstream, then the rest."""
+    claude = AnthropicStub(stall_s=0.7)
+    with BackgroundServer(claude.app) as up:
+        cfg = claude_config(tmp_path / "proxy.toml", up.url)
+        settings = GatewaySettings(keepalive_s=0.2)
+        with BackgroundServer(lambda: create_proxy_app(cfg, settings)) as gw:
+            r = httpx.post(
+                gw.url + "/v1/chat/completions",
+                json={"model": "claude", "messages": [{"role": "user", "content": "hi"}],
+                      "stream": True, "max_tokens": 5},
+                timeout=10,
+            )  # fmt: skip
+    lines = r.text.splitlines()
+    assert ": keep-alive" in lines and lines[-2] == "data: [DONE]", r.text
+    assert any('"content"' in ln for ln in lines[lines.index(": keep-alive") :]), r.text

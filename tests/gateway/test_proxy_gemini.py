@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
@@ -83,6 +84,8 @@ def _stub(mode: str, seen: list) -> web.Application:
             return resp
         if mode == "stall":  # silent past the gateway's idle timeout
             await asyncio.sleep(30)
+        if mode == "pause":  # silent for a while (within the idle timeout), then the rest
+            await asyncio.sleep(0.7)
         await resp.write(_chunk("y", "length"))
         await resp.write(b"data: [DONE]\n\n")
         return resp
@@ -138,11 +141,43 @@ def test_a_cut_relayed_stream_ends_with_an_error(proxied, mode):
         list(client.models.generate_content_stream(model="stub", contents="hi"))
 
 
+def _raw(url: str) -> bytes:
+    with httpx.stream(
+        "POST", url + STREAM, json=BODY, headers={"x-goog-api-key": "k1"}, timeout=10
+    ) as r:
+        assert r.status_code == 200
+        return r.read()
+
+
+def test_a_silent_upstream_gets_gemini_keepalives_then_the_rest(proxied):
+    """An upstream silent mid-stream for longer than ``--keepalive-s``: the client gets
+    Gemini's keep-alive (an empty line, as local mode's Gemini stream sends; never a ``:``
+    comment, which google-genai reads as a JSON chunk), then the rest of the stream; the
+    google-genai client reads it whole."""
+    gw, _ = proxied("pause", keepalive_s=0.2)
+    raw = _raw(gw.url)
+    head, sep, rest = raw.partition(b"}\n\n\n")  # the first event, then a keep-alive line
+    assert sep and head.startswith(b"data: ") and b'"he"' in head, raw
+    assert rest.lstrip(b"\n").startswith(b"data: "), raw  # the rest came after the pause
+    assert b"MAX_TOKENS" in rest and not any(ln.startswith(b":") for ln in raw.split(b"\n"))
+    client = genai.Client(
+        api_key="k1", http_options=types.HttpOptions(base_url=gw.url, api_version="v1beta")
+    )
+    chunks = list(client.models.generate_content_stream(model="stub", contents="hi"))
+    assert "".join(c.text or "" for c in chunks) == "hey"
+    assert chunks[-1].candidates[0].finish_reason == types.FinishReason.MAX_TOKENS
+
+
 def test_a_stream_whose_upstream_goes_silent_ends_with_a_timeout_as_on_chat(proxied):
     """An upstream silent mid-stream past ``--upstream-timeout-s``: Gemini's stream ends with a
     504 DEADLINE_EXCEEDED event saying how long it waited, as the chat and Messages relays
-    say it (was a 502 UNAVAILABLE "connection broke mid-stream: SocketTimeoutError")."""
-    gw, _ = proxied("stall", upstream_timeout_s=0.5)
+    say it (was a 502 UNAVAILABLE "connection broke mid-stream: SocketTimeoutError"); the
+    keep-alives sent meanwhile do not push the limit back."""
+    gw, _ = proxied("stall", upstream_timeout_s=0.5, keepalive_s=0.1)
+    t0 = time.monotonic()
+    raw = _raw(gw.url)
+    assert time.monotonic() - t0 < 3, "the silence limit holds with keep-alives going out"
+    assert b"}\n\n\n" in raw, raw  # keep-alives went out while the upstream was silent
     last = _events(gw.url)[-1]
     assert last["error"]["code"] == 504 and last["error"]["status"] == "DEADLINE_EXCEEDED", last
     assert "sent nothing for 0.5 s" in last["error"]["message"], last

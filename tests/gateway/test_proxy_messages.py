@@ -672,3 +672,35 @@ def test_count_tokens_counts_strict_tools_a_parser_cannot_constrain_in_both_mode
     assert counts[0] == counts[1], counts
     r = httpx.post(local.url + "/v1/messages", json={**body, "max_tokens": 2}, timeout=120)
     assert r.status_code == 400 and "strict" in r.text, r.text
+
+
+def _paused(servers: Callable[..., BackgroundServer], pause_s: float, **settings_kw) -> str:
+    """The whole streamed body from a proxy whose upstream pauses ``pause_s`` mid-stream."""
+    up = servers(ChatStub(pause_s=pause_s).app)
+    settings = GatewaySettings(**settings_kw)
+    return _streamed_text(servers(lambda: create_proxy_app([up.url], settings)))
+
+
+def test_a_silent_upstream_gets_keepalive_comments_then_the_rest(servers):
+    """An upstream silent mid-stream for longer than ``--keepalive-s``: ``: keep-alive``
+    comment lines (as every relay's) between the first delta and the rest; the ``anthropic``
+    client reads such a stream whole."""
+    lines = _paused(servers, 0.7, keepalive_s=0.2).splitlines()
+    kept = lines.index(": keep-alive")
+    assert "event: content_block_delta" in lines[:kept], lines
+    assert "event: message_stop" in lines[kept:], lines
+    up = servers(ChatStub(pause_s=0.7).app)
+    gw = servers(lambda: create_proxy_app([up.url], GatewaySettings(keepalive_s=0.2)))
+    with _client(gw).messages.stream(
+        model="llama", max_tokens=8, messages=[{"role": "user", "content": "hi"}]
+    ) as stream:
+        assert stream.get_final_message().content[0].text == "hello there"
+
+
+def test_a_stream_whose_upstream_goes_silent_ends_with_a_timeout(servers):
+    """Silent past ``--upstream-timeout-s``: an ``error`` event saying how long it waited, the
+    keep-alives sent meanwhile not pushing the limit back."""
+    lines = _paused(servers, 30, keepalive_s=0.1, upstream_timeout_s=0.5).splitlines()
+    assert ": keep-alive" in lines and "event: error" in lines, lines
+    last = [ln for ln in lines if ln.startswith("data: ")][-1]
+    assert "sent nothing for 0.5 s" in last and "message_stop" not in "".join(lines), lines

@@ -68,10 +68,12 @@ def stubbed(servers: Callable[..., BackgroundServer]):
     """A proxy in front of a scripted OpenAI-compatible upstream (``ChatStub``, model
     ``llama``)."""
 
-    def start(**stub_kw: Any) -> tuple[ChatStub, BackgroundServer]:
+    def start(
+        settings: GatewaySettings | None = None, **stub_kw: Any
+    ) -> tuple[ChatStub, BackgroundServer]:
         stub = ChatStub(**stub_kw)
         up = servers(stub.app)
-        return stub, servers(lambda: create_proxy_app([up.url], GatewaySettings()))
+        return stub, servers(lambda: create_proxy_app([up.url], settings or GatewaySettings()))
 
     return start
 
@@ -402,10 +404,35 @@ def test_a_breakpoint_through_the_proxy_is_pinned_by_a_prefixgate_upstream(pair)
     assert again["usage"]["input_tokens_details"]["cached_tokens"] >= details["cache_write_tokens"]
 
 
+def _lines(url: str, body: dict) -> list[str]:
+    with httpx.stream(
+        "POST", url + "/v1/responses", json={**body, "stream": True}, timeout=30
+    ) as r:
+        assert r.status_code == 200, r.read()
+        return list(r.iter_lines())
+
+
+def test_a_silent_upstream_gets_keepalive_comments_then_the_rest(stubbed):
+    """An upstream silent mid-stream for longer than ``--keepalive-s``: the client gets
+    ``: keep-alive`` comment lines (local mode's Responses stream sends the same) between the
+    first delta and the rest; the openai client reads the stream whole."""
+    _, gw = stubbed(GatewaySettings(keepalive_s=0.2), pause_s=0.7)
+    lines = _lines(gw.url, {"model": "llama", "input": "hi"})
+    first = lines.index("event: response.output_text.delta")
+    kept = [i for i, ln in enumerate(lines) if ln == ": keep-alive"]
+    assert kept and first < kept[0], lines
+    after = lines[kept[-1] :]
+    assert "event: response.output_text.delta" in after and "event: response.completed" in after
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+    events = list(client.responses.create(model="llama", input="hi", stream=True))
+    assert events[-1].type == "response.completed"
+    assert events[-1].response.output_text == "hello there"
+
+
 def test_a_stream_whose_upstream_goes_silent_ends_with_a_timeout(servers):
     """An upstream silent mid-stream past ``--upstream-timeout-s``: the stream ends with an
     ``error`` event ``upstream_timeout`` saying how long it waited, then ``response.failed``,
-    as the chat relay's."""
+    as the chat relay's; the keep-alives sent meanwhile do not push the limit back."""
     import asyncio
 
     from aiohttp import web
@@ -429,9 +456,34 @@ def test_a_stream_whose_upstream_goes_silent_ends_with_a_timeout(servers):
         return app
 
     up = servers(make)
-    gw = servers(lambda: create_proxy_app([up.url], GatewaySettings(upstream_timeout_s=0.5)))
+    settings = GatewaySettings(upstream_timeout_s=0.5, keepalive_s=0.1)
+    gw = servers(lambda: create_proxy_app([up.url], settings))
+    t0 = time.monotonic()
+    lines = _lines(gw.url, {"model": "m", "input": "hi"})
+    assert time.monotonic() - t0 < 3, "the silence limit holds with keep-alives going out"
+    assert ": keep-alive" in lines, lines
     events = _events(gw.url, {"model": "m", "input": "hi"})
     assert [n for n, _ in events][-3:] == ["response.output_text.delta", "error", "response.failed"]
     error, failed = events[-2][1], events[-1][1]
     assert error["code"] == "upstream_timeout" and "0.5 s" in error["message"], error
     assert failed["response"]["output"][0]["content"][0]["text"] == "he"
+
+
+def test_the_cache_header_names_the_marks_as_local_mode_does(pair):
+    """The upstream's ``x-prefixgate-cache`` is about the chat it was sent (instructions its
+    first message); the proxy's answer names each mark by its ``input`` item, as local mode's
+    answer to the same request does."""
+    local, proxy = pair
+    mark = {"mode": "explicit"}
+    part = {"type": "input_text", "text": "tide " * 8, "prompt_cache_breakpoint": mark}
+    body = {**BODY, "input": [BODY["input"][0], {"role": "user", "content": [part]}]}
+
+    def marks(url: str) -> list[str]:
+        r = httpx.post(url + "/v1/responses", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        parts = r.headers["x-prefixgate-cache"].split("; ")
+        return [p.split(":")[0] for p in parts if not p.startswith("read=")]  # no states
+
+    (said,) = marks(local.url)
+    assert said.startswith("input.1.content.0.prompt_cache_breakpoint="), said
+    assert marks(proxy.url) == [said]

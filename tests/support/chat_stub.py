@@ -5,7 +5,7 @@ tool calls (``[(name, arguments JSON)]``, ids ``call_0``...). Streams send a rol
 content in two pieces or each call as its id + name then its arguments in two pieces, a finish
 chunk (``finish_reason``, vLLM's ``stop_reason``), the usage chunk when asked and ``[DONE]``;
 ``cut=True`` ends the stream after the first content piece (``after_first``: these bytes,
-then the end). ``status`` other than 200
+then the end; ``pause_s``: that many seconds of silence there, then the rest). ``status`` other than 200
 answers an OpenAI error whose message is ``SECRET``. Usage: ``prompt_tokens`` = the
 messages' characters, ``cached_tokens`` = ``cached`` (``None``: ``prompt_tokens_details: null``,
 as vLLM without ``--enable-prompt-tokens-details``). ``POST /tokenize`` (vLLM's chat form)
@@ -18,6 +18,7 @@ counts the messages' characters (that many ``tokens``) unless ``tokenize`` is Fa
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass, field
 
@@ -36,6 +37,7 @@ class ChatStub:
     status: int = 200
     cut: bool = False
     after_first: bytes = b""  # written after the first content piece, then the stream ends
+    pause_s: float = 0.0  # silence after the first content piece of a stream
     cached: int | None = 8
     tokenize: bool = True
     kind: str = "vllm"
@@ -122,6 +124,7 @@ class ChatStub:
         else:
             half = len(self.reply) // 2
             await send({"content": self.reply[:half]})
+            await asyncio.sleep(self.pause_s)
             if self.cut or self.after_first:
                 await resp.write(self.after_first)
                 await resp.write_eof()
