@@ -435,3 +435,32 @@ def test_a_stream_whose_upstream_goes_silent_ends_with_a_timeout(servers):
     error, failed = events[-2][1], events[-1][1]
     assert error["code"] == "upstream_timeout" and "0.5 s" in error["message"], error
     assert failed["response"]["output"][0]["content"][0]["text"] == "he"
+
+
+def _vllm_takes_salt(salt: str) -> bool:
+    """vLLM 0.32's check of a request's ``cache_salt`` (``validate_cache_salt``): at most 128
+    characters, none of ``@``, ``/``, ``\\`` or NUL."""
+    return 0 < len(salt) <= 128 and not set(salt) & set("@/\\\x00")
+
+
+def test_the_cache_salt_sent_upstream_is_one_vllm_takes(servers, tmp_path):
+    """A request's own ``cache_salt`` nested in its key's (``keys.effective_salt``) reaches the
+    upstream as a salt vLLM accepts: it refuses the whole request otherwise (400 naming a
+    ``cache_salt`` the client may never have sent)."""
+    stub = ChatStub()
+    up = servers(stub.app)
+    keys = tmp_path / "keys.json"
+    specs = [{"key": "k", "salt": "tenant-a"}, {"key": "k2", "salt": "acme/prod@eu"}]
+    keys.write_text(json.dumps({"keys": specs}))
+    settings = GatewaySettings(upstream_cache_salt="on", keys_file=str(keys))
+    gw = servers(lambda: create_proxy_app([up.url], settings))
+    for key in ("k", "k2"):
+        for salt in (None, "run/1", "x" * 256):
+            body = {"model": "llama", "input": "hi", **({"cache_salt": salt} if salt else {})}
+            auth = {"Authorization": f"Bearer {key}"}
+            r = httpx.post(gw.url + "/v1/responses", json=body, headers=auth, timeout=30)
+            assert r.status_code == 200, r.text
+            sent = stub.seen[-1]["cache_salt"]
+            assert _vllm_takes_salt(sent), repr(sent)
+    assert stub.seen[0]["cache_salt"] == "tenant-a"  # a key salt vLLM takes goes as it is
+    assert len({s["cache_salt"] for s in stub.seen}) == 6  # six partitions
