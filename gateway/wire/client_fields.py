@@ -77,11 +77,9 @@ class ClientFields:
     def name(self, path: str) -> str | None:
         """The client's spelling of the chat body's ``path`` (``messages[2].content``), or
         None when ``path`` names nothing the client sent."""
-        segments = parse_path(path)
+        segments = parse_path("messages" if path == PROMPT_PARAM else path)  # vLLM's prompt
         if not segments or not isinstance(segments[0], str):
             return None
-        if segments == [PROMPT_PARAM]:  # vLLM's name of the rendered prompt: the messages'
-            segments = ["messages"]
         head, rest = segments[0], segments[1:]
         origins = {"messages": self.messages, "tools": self.tools}.get(head)
         if origins is not None and rest and isinstance(rest[0], int):
