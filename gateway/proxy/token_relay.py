@@ -97,7 +97,8 @@ async def _routed(request: web.Request) -> tuple[dict[str, Any], Route]:
 
     Raises:
         APIError: 400 for a body that is no JSON object, a malformed body beside an unknown or
-            missing model, or several models served and none named; 404 ``model_not_found``.
+            missing model (its field named first), or several models served and none named;
+            404 ``model_not_found``.
     """
     router = request.app[PROXY].router
     body = await request.read()  # bounded already by the ingress guard (http/json_guard.py)
@@ -109,7 +110,11 @@ async def _routed(request: web.Request) -> tuple[dict[str, Any], Route]:
     if name is None or name == "":
         if kind is EmbeddingRequest:
             parse(kind, body)  # local mode's 400: model is required
-        model = _only_model(router)
+        try:
+            model = _only_model(router)
+        except APIError:  # several served: a malformed body's 400 first, as beside an unknown
+            parse(kind, body)
+            raise
     elif not isinstance(name, str):
         parse(kind, body)  # local mode's 400 naming model (or the field before it)
         raise bad_request("model: Input should be a valid string", param="model")

@@ -328,17 +328,29 @@ def effective_salt(key_salt: str | None, request_salt: str | None) -> str | None
     request's own ``cache_salt`` (vLLM's field) when given, so a client can split but never
     leave its key's partition.
 
-    Injective: ``(key_salt, None)`` is ``key_salt`` itself (a key salt never holds a control
-    character), and a pair with a request salt is ``"\\x00" + SHA-256`` of the JSON array
-    ``[key_salt, request_salt]`` (JSON is injective on pairs of strings or null), so no two
-    different pairs share a partition: key salt ``acme`` + ``"prod"`` is not key salt
-    ``acme/prod``, nor key salt ``acme/`` + ``"prod"``. The result is at most 256 characters
-    (forwardable as an upstream's ``cache_salt``). ``(None, None)`` is ``None``.
+    Always one vLLM takes as a request's ``cache_salt`` (``UPSTREAM_SALT_CHARS``: at most 128
+    characters, none of ``@``, ``/``, ``\\`` or NUL; vLLM refuses the whole request
+    otherwise), so a proxy forwards it as it is. Injective: ``(key_salt, None)`` is
+    ``key_salt`` itself when vLLM takes it; any other pair is ``"\\x01"`` + SHA-256 of the
+    JSON array ``[key_salt, request_salt]`` (JSON is injective on pairs of strings or null; a
+    key salt never holds a control character, so never starts so), so no two different pairs
+    share a partition: key salt ``acme`` + ``"prod"`` is not key salt ``acme/prod``, nor key
+    salt ``acme/`` + ``"prod"``. ``(None, None)`` is ``None``.
     """
-    if request_salt is None:
+    if request_salt is None and (key_salt is None or upstream_takes_salt(key_salt)):
         return key_salt
     pair = json.dumps([key_salt, request_salt], ensure_ascii=True)
-    return "\x00" + hashlib.sha256(pair.encode("ascii")).hexdigest()
+    return "\x01" + hashlib.sha256(pair.encode("ascii")).hexdigest()
+
+
+UPSTREAM_SALT_CHARS = 128
+"""The longest ``cache_salt`` vLLM takes (``validate_cache_salt``, vLLM 0.32)."""
+
+
+def upstream_takes_salt(salt: str) -> bool:
+    """Whether vLLM takes ``salt`` as a request's ``cache_salt``: non-empty, at most
+    ``UPSTREAM_SALT_CHARS`` characters, none of ``@``, ``/``, ``\\`` or NUL."""
+    return 0 < len(salt) <= UPSTREAM_SALT_CHARS and not any(c in "@/\\\x00" for c in salt)
 
 
 # the request's (KeyRing, Principal) once authenticated

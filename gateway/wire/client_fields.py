@@ -21,7 +21,8 @@ message of Anthropic's, a ``tool_result`` block is a chat message of its own).
 
 Paths are read in any of the spellings servers use (``messages[2].content``,
 ``messages.[2].content``, ``messages.2.content``) and written as local mode writes them
-(``messages.1.content``). A chat field the client did not send (the relay's own, e.g.
+(``messages.1.content``). vLLM's ``input_tokens`` (the prompt over the context,
+``PROMPT_PARAM``) is named as ``messages`` is. A chat field the client did not send (the relay's own, e.g.
 ``stream_options``) has no name: None.
 """
 
@@ -76,7 +77,7 @@ class ClientFields:
     def name(self, path: str) -> str | None:
         """The client's spelling of the chat body's ``path`` (``messages[2].content``), or
         None when ``path`` names nothing the client sent."""
-        segments = parse_path(path)
+        segments = parse_path("messages" if path == PROMPT_PARAM else path)  # vLLM's prompt
         if not segments or not isinstance(segments[0], str):
             return None
         head, rest = segments[0], segments[1:]
@@ -90,6 +91,11 @@ class ClientFields:
                 return found
         return None
 
+
+PROMPT_PARAM = "input_tokens"
+"""The ``param`` of vLLM's refusal of a prompt over the context (``context_length_exceeded``):
+no chat field, the rendered ``messages``; named as the client's conversation (``input``,
+``messages``, ``contents``), as local mode names it."""
 
 _SEGMENT = re.compile(r"\.?\[(\d+)\]|\.(\d+)|\.([A-Za-z_]\w*)")
 PATH = re.compile(r"[A-Za-z_]\w*(?:\.?\[\d+\]|\.\d+|\.[A-Za-z_]\w*)*")

@@ -487,3 +487,70 @@ def test_the_cache_header_names_the_marks_as_local_mode_does(pair):
     (said,) = marks(local.url)
     assert said.startswith("input.1.content.0.prompt_cache_breakpoint="), said
     assert marks(proxy.url) == [said]
+
+
+def _vllm_takes_salt(salt: str) -> bool:
+    """vLLM 0.32's check of a request's ``cache_salt`` (``validate_cache_salt``): at most 128
+    characters, none of ``@``, ``/``, ``\\`` or NUL."""
+    return 0 < len(salt) <= 128 and not set(salt) & set("@/\\\x00")
+
+
+def test_the_cache_salt_sent_upstream_is_one_vllm_takes(servers, tmp_path):
+    """A request's own ``cache_salt`` nested in its key's (``keys.effective_salt``) reaches the
+    upstream as a salt vLLM accepts: it refuses the whole request otherwise (400 naming a
+    ``cache_salt`` the client may never have sent)."""
+    stub = ChatStub()
+    up = servers(stub.app)
+    keys = tmp_path / "keys.json"
+    specs = [{"key": "k", "salt": "tenant-a"}, {"key": "k2", "salt": "acme/prod@eu"}]
+    keys.write_text(json.dumps({"keys": specs}))
+    settings = GatewaySettings(upstream_cache_salt="on", keys_file=str(keys))
+    gw = servers(lambda: create_proxy_app([up.url], settings))
+    for key in ("k", "k2"):
+        for salt in (None, "run/1", "x" * 256):
+            body = {"model": "llama", "input": "hi", **({"cache_salt": salt} if salt else {})}
+            auth = {"Authorization": f"Bearer {key}"}
+            r = httpx.post(gw.url + "/v1/responses", json=body, headers=auth, timeout=30)
+            assert r.status_code == 200, r.text
+            sent = stub.seen[-1]["cache_salt"]
+            assert _vllm_takes_salt(sent), repr(sent)
+    assert stub.seen[0]["cache_salt"] == "tenant-a"  # a key salt vLLM takes goes as it is
+    assert len({s["cache_salt"] for s in stub.seen}) == 6  # six partitions
+
+
+def test_vllm_s_context_refusal_names_input_as_local_mode_does(servers):
+    """vLLM 0.32 names the prompt ``input_tokens`` when it is over the context (its own
+    parameter, no chat field): the Responses answer names ``input``, as local mode's 400
+    ``context_length_exceeded`` does."""
+    from aiohttp import web
+
+    words = ("This model's maximum context length is 2048 tokens. However, your prompt "
+             "contains at least 2049 input tokens, which exceeds this limit even without any "
+             "output tokens. Please reduce the length of the input prompt. "
+             "(parameter=input_tokens, value=2049)")  # fmt: skip
+
+    async def chat(request: web.Request) -> web.Response:
+        err = {"message": words, "type": "BadRequestError", "param": "input_tokens",
+               "code": "context_length_exceeded"}  # fmt: skip
+        return web.json_response({"error": err}, status=400)
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "m", "object": "model"}]})
+
+    def make() -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", chat)
+        app.router.add_get("/v1/models", models)
+        return app
+
+    up = servers(make)
+    gw = servers(lambda: create_proxy_app([up.url], GatewaySettings()))
+    for body in (
+        {"input": "hi"},
+        {"instructions": "be", "input": [{"role": "user", "content": "x"}]},
+    ):
+        r = httpx.post(gw.url + "/v1/responses", json={"model": "m", **body})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "input" and err["code"] == "context_length_exceeded", err
+        assert "input_tokens" not in err["message"], err

@@ -287,3 +287,24 @@ def test_an_anthropic_deployment_has_no_such_route(servers, tmp_path: Path):
     err = assert_openai_error(r, 501, code="unsupported_for_model")
     assert "Anthropic deployment" in err["message"]
     assert claude.seen == []
+
+
+def test_a_malformed_body_without_a_model_is_named_before_the_model(servers):
+    """Several models served and none named, in a body malformed too: the body's 400 first
+    (naming its field, local mode's words), as beside an unknown model; the model's 400
+    only for a well-formed body."""
+    gw = servers(
+        lambda: create_proxy_app(
+            [servers(ChatStub(name="a").app).url, servers(ChatStub(name="b").app).url],
+            GatewaySettings(),
+        )
+    )
+    for path, body, param in (
+        ("/tokenize", {"prompt": "x", "cache_salt": "s"}, "cache_salt"),
+        ("/tokenize", {"prompt": 5}, "prompt"),
+        ("/detokenize", {"tokens": ["x"]}, "tokens.0"),
+        ("/detokenize", {"model": "", "tokens": [1], "extra": 1}, "extra"),
+    ):
+        assert_openai_error(httpx.post(gw.url + path, json=body), 400, param=param)
+    for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})):
+        assert_openai_error(httpx.post(gw.url + path, json=body), 400, param="model")

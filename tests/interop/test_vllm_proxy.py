@@ -270,6 +270,23 @@ def test_responses_through_vllm(gateway):
     assert (r.usage.input_tokens_details.cached_tokens or 0) >= BLOCK_SIZE
 
 
+def test_a_request_s_own_cache_salt_reaches_vllm(gateway):
+    """A request's ``cache_salt`` nested in its key's (``keys.effective_salt``) is one vLLM
+    takes (no NUL, ``/`` or ``@``; vLLM 0.32 refuses the request otherwise) and splits the
+    key's partition there: the same salt reads the cache, another salt or key does not."""
+    system = random_text(random.Random(13), 80)
+    body = {"model": SERVED_NAME, "instructions": system, "input": "Hi", "max_output_tokens": 1}
+
+    def cached(salt: str, key: str = KEYS["a"]) -> int:
+        usage = _post(gateway, "/v1/responses", {**body, "cache_salt": salt}, key)["usage"]
+        return usage["input_tokens_details"]["cached_tokens"]
+
+    assert cached("run/1") == 0
+    assert cached("run/1") >= BLOCK_SIZE
+    assert cached("run/2") == 0
+    assert cached("run/1", KEYS["b"]) == 0
+
+
 def test_routing_by_model(gateway):
     """Each model's requests reach the upstream that serves it."""
     ids = {
