@@ -241,6 +241,7 @@ def _run(args: argparse.Namespace, fc: FleetConfig, wc: WorkloadConfig) -> int:
         args.seed,
         step_by_step=args.step_by_step,
         progress=lambda line: progress("fleet " + line),
+        keep_tokens=False,
     ).run()
     t_run = time.perf_counter() - t0 - t_cap
     solo = None
@@ -253,6 +254,7 @@ def _run(args: argparse.Namespace, fc: FleetConfig, wc: WorkloadConfig) -> int:
             args.seed,
             only_tenants={LIGHT_TENANT},
             step_by_step=args.step_by_step,
+            keep_tokens=False,
         ).run()
     report = summarize(fleet, solo, capacity, rate, args.load)
     wall = time.perf_counter() - t0

@@ -235,6 +235,24 @@ class SimRequest:
     # the prompt's full blocks' keys (``prompt_block_hashes(prompt, block_size)``), hashed once
     # and handed to the routing pick and the engine
     hashes: list[int] = field(default_factory=list)
+    # what the report reads once the tokens are let go (``Fleet(keep_tokens=False)``): the
+    # prompt's and the answer's lengths, and the keys of the KV the request computed (the
+    # prompt and every output token but the last), set when it is answered
+    prompt_len: int = -1
+    output_len: int = 0
+    kv_hashes: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.prompt_len < 0:
+            self.prompt_len = len(self.prompt)
+
+    def computed_keys(self, block_size: int) -> list[int]:
+        """The keys of the full blocks of the KV this request computed (its prompt and every
+        output token but the last): ``kv_hashes`` once answered, else hashed from its tokens."""
+        if self.kv_hashes or not self.prompt:
+            return self.kv_hashes
+        seq = self.prompt + self.output[:-1]
+        return hash_request_blocks(seq, block_size, None, [])
 
 
 class SimUpstream:
@@ -468,6 +486,11 @@ class Fleet:
         step_by_step: every engine step through ``LLMEngine.step`` (else a replica's
             pure-decode stretches go at once, ``plan_decodes`` / ``apply_decodes``, cut
             short when a request reaches it).
+        keep_tokens: keep every request's prompt, answer tokens, route and block keys after
+            it ends (tests read them); False lets them go once answered or refused, keeping
+            the lengths and the computed blocks' keys the report reads (``prompt_len``,
+            ``output_len``, ``kv_hashes``): a long run's memory then grows by about the keys
+            of a request's blocks, not its token lists.
         progress: called with one line (the virtual time reached, requests answered, wall
             seconds) every ``progress_every_s`` wall seconds of :meth:`run`; None: silent.
     """
@@ -485,8 +508,10 @@ class Fleet:
         step_by_step: bool = False,
         progress: Callable[[str], None] | None = None,
         progress_every_s: float = 10.0,
+        keep_tokens: bool = True,
     ) -> None:
         config.check_workload(workload)
+        self.keep_tokens = keep_tokens
         self.progress = progress
         self.progress_every_s = progress_every_s
         self.config = config
@@ -644,6 +669,8 @@ class Fleet:
                 req.dropped = True
                 self.retrying.pop(req.rid, None)
                 self.refused.append(req)
+                if not self.keep_tokens:
+                    req.prompt, req.hashes, req.route = [], [], None
                 if self.clients:
                     self.at(now, self._client_next)
                 return
@@ -773,11 +800,15 @@ class Fleet:
                 del rep.requests[req.rid]
                 rep.served += 1
                 self.done.append(req)
+                req.output_len = len(req.output)
+                req.kv_hashes = hash_request_blocks(
+                    req.prompt + req.output[:-1], self.config.block_size, None, list(req.hashes)
+                )
                 if self.clients:
                     self.at(now, self._client_next)
                 if req.turn + 1 < req.turns:
                     history = req.prompt + req.output
-                    hashes = list(req.hashes)
+                    hashes = list(req.kv_hashes)  # its blocks lie within history's
                     user_next = self.workload.config.user_tokens * 3 // 2
                     if len(history) + user_next + req.max_tokens * 2 < min(
                         self.workload.config.max_prompt_tokens, self._context_len
@@ -793,6 +824,8 @@ class Fleet:
                             history,
                             hashes,
                         )
+                if not self.keep_tokens:
+                    req.prompt, req.output, req.hashes, req.route = [], [], [], None
         rep.stepping = False
         if generation == rep.generation:
             self._step(rep, generation)
@@ -803,26 +836,20 @@ def one_replica_hit_rate(requests: list[SimRequest], block_size: int) -> float |
     ``requests`` in the order they were admitted: prompt tokens a request would find cached
     (its reusable leading blocks computed before, by a prompt or an answer: a session's next
     turn holds the last answer) over all prompt tokens. None when empty."""
-    # a tree of token blocks: the same matches as the engine's hash chain (exact tokens)
-    root: dict[tuple[int, ...], Any] = {}
+    # the keys of every block computed so far: a block's key chains its parent's, so a key
+    # seen means its whole prefix was computed (the engine's own prefix-cache match)
+    seen: set[int] = set()
     hit = total = 0
     bs = block_size
     for req in sorted(requests, key=lambda r: (r.t_admitted or 0.0, r.rid)):
-        prompt = req.prompt
-        usable = num_reusable_blocks(len(prompt), bs)
-        node, n = root, 0
-        while n < usable:
-            child = node.get(tuple(prompt[n * bs : (n + 1) * bs]))
-            if child is None:
-                break
-            node, n = child, n + 1
+        keys = req.computed_keys(bs)  # the prompt's full blocks first, then the answer's
+        usable = num_reusable_blocks(req.prompt_len, bs)
+        n = 0
+        while n < usable and keys[n] in seen:
+            n += 1
         hit += n * bs
-        total += len(prompt)
-        # the KV computed: the prompt and every output token but the last; its first n
-        # blocks are the ones just matched, so the tree is walked on from there
-        seq = prompt + req.output[:-1]
-        for i in range(n, len(seq) // bs):
-            node = node.setdefault(tuple(seq[i * bs : (i + 1) * bs]), {})
+        total += req.prompt_len
+        seen.update(keys[n:])
     return hit / total if total else None
 
 

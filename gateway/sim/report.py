@@ -57,7 +57,7 @@ def _r(x: float | None, digits: int = 6) -> float | None:
 
 
 def _hit_rate(reqs: Sequence[SimRequest]) -> float | None:
-    total = sum(len(r.prompt) for r in reqs)
+    total = sum(r.prompt_len for r in reqs)
     return sum(r.num_cached for r in reqs) / total if total else None
 
 
@@ -81,9 +81,9 @@ def summarize(
     ttft = [_ttft(r) for r in answered]
     ttft_retry = [r.t_first - r.arrival for r in answered if r.t_first is not None]
     tpot = [
-        (r.t_done - r.t_first) / (len(r.output) - 1)
+        (r.t_done - r.t_first) / (r.output_len - 1)
         for r in answered
-        if r.t_done is not None and r.t_first is not None and len(r.output) > 1
+        if r.t_done is not None and r.t_first is not None and r.output_len > 1
     ]
     hit = _hit_rate(answered)
     ideal = one_replica_hit_rate(answered, fleet.config.block_size)

@@ -7,6 +7,7 @@ import itertools
 import json
 
 import pytest
+from prefixgate.engine.block_hash import prompt_block_hashes
 from prefixgate.engine.sim_runner import VirtualClock
 from prefixgate.gateway.cli import main
 from prefixgate.gateway.proxy.policies import POLICIES
@@ -618,3 +619,33 @@ def test_the_plot_marks_the_drain_after_the_arrivals(tmp_path, monkeypatch):
     plot(fleet, str(tmp_path / "sim.png"))
     assert "sessions start until 3 s (--duration-s)" in seen["xlabel"]
     assert any(t.startswith("drain:") for t in seen["legend"]), seen
+
+
+def test_letting_tokens_go_gives_the_same_report_and_keeps_none():
+    """``Fleet(keep_tokens=False)`` (the CLI's) lets each request's token lists, route and prompt
+    keys go once it is answered or refused, and gives the same report, the one-replica bound
+    included (computed from the blocks' keys, ``SimRequest.kv_hashes``), as a run keeping them:
+    overloaded, so refusals and multi-turn sessions are in it."""
+
+    def run(keep: bool) -> Fleet:
+        return Fleet(
+            FleetConfig(replicas=2, gateways=2, kv_blocks=300, max_queued_requests=4),
+            _wc(ttft_budget_s=0.5, mean_turns=3.0),
+            rate=40.0,
+            duration_s=4.0,
+            seed=2,
+            keep_tokens=keep,
+        ).run()
+
+    kept, let_go = run(True), run(False)
+    assert json.dumps(summarize(kept), sort_keys=True) == json.dumps(
+        summarize(let_go), sort_keys=True
+    )
+    assert any(r.refusals for r in let_go.done) and any(r.turn > 0 for r in let_go.done)
+    for r in let_go.done + let_go.refused:
+        assert r.prompt == [] and r.output == [] and r.hashes == [] and r.route is None
+    for a, b in zip(kept.done, let_go.done, strict=True):
+        assert (a.rid, a.prompt_len, a.output_len) == (b.rid, b.prompt_len, b.output_len)
+        assert (a.prompt_len, a.output_len) == (len(a.prompt), len(a.output))
+        assert b.kv_hashes == prompt_block_hashes(a.prompt + a.output[:-1], 16)
+    _whole(let_go)
