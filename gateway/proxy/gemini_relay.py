@@ -15,7 +15,9 @@ upstream takes it — so a prefixgate upstream keeps tenants apart and reports c
 checked event by event (``relay.EventChecker``: JSON chunks, ``[DONE]`` after every choice's
 ``finish_reason``), with Gemini's keep-alive (an empty line, as local mode's) every
 ``--keepalive-s`` while the upstream is silent, and a stream cut short (or silent past
-``--upstream-timeout-s``) ends with Gemini's ``data: {"error": ...}``, never as a success. A
+``--upstream-timeout-s``, or ended by the upstream's own error event, in
+``relay.event_error``'s words) ends with Gemini's ``data: {"error": ...}``, never as a
+success. A
 prefixgate upstream's ``x-prefixgate-cache`` header is passed on (``relay.passed_cache_header``). A failure before the answer (connection error, 502/503/504) marks the upstream down
 and tries the next; a 429/500 tries the next (``attempts.each_upstream``); other errors reach the client
 reworded (``redact.upstream_error``), in Gemini's shape and naming the Gemini fields the
@@ -55,9 +57,11 @@ from prefixgate.gateway.proxy.attempts import (
 from prefixgate.gateway.proxy.messages_openai import token_count
 from prefixgate.gateway.proxy.policies import Route
 from prefixgate.gateway.proxy.prefix_entry import ProxyPrefix
+from prefixgate.gateway.proxy.redact import secrets_of
 from prefixgate.gateway.proxy.relay import (
     EventChecker,
     StreamBroken,
+    event_error,
     mid_stream_error,
     passed_cache_header,
     upstream_reads,
@@ -347,7 +351,7 @@ async def _generate_try(
             ticket.started()
             up.served += 1
             call.served = True
-            return await _relay(call, resp, rid)
+            return await _relay(call, up, resp, rid)
         raw = await resp.read()
         try:
             parsed = json.loads(raw)
@@ -370,7 +374,9 @@ async def _generate_try(
         return web.json_response(body, headers=passed_cache_header(resp.headers))
 
 
-async def _relay(call: _Call, resp: aiohttp.ClientResponse, rid: str) -> web.StreamResponse:
+async def _relay(
+    call: _Call, up: Upstream, resp: aiohttp.ClientResponse, rid: str
+) -> web.StreamResponse:
     """The upstream's chunk stream as Gemini's, checked; a cut ends with an error event.
     While the upstream is silent, Gemini's keep-alive (an empty line, as local mode's) goes
     out every ``--keepalive-s``."""
@@ -394,9 +400,8 @@ async def _relay(call: _Call, resp: aiohttp.ClientResponse, rid: str) -> web.Str
             for event in chunks.feed(checker.feed(data)):
                 await out.write(event)
         if checker.errored:
-            error = APIError(
-                502, "the upstream ended its stream with an error", code="upstream_error"
-            )
+            secrets = secrets_of(s.upstream_api_key, up.auth)
+            error = event_error(checker.error_event or {}, secrets, call.fields)
     except StreamBroken as exc:
         error = APIError(502, str(exc), code=exc.code)
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:

@@ -43,8 +43,8 @@ upstream's ``prompt_tokens_details.cached_tokens`` and ``cache_write_tokens`` fr
 reworded as every dialect's is (``redact.upstream_error``) in OpenAI's error shape, naming
 the Responses fields the client sent (``wire.client_fields.responses_fields``). A stream cut
 short (the upstream closed, broke, went silent past ``--upstream-timeout-s``, sent garbage
-or its own error) ends with an ``error`` event then ``response.failed``, never as a
-success; while the upstream is silent, ``: keep-alive`` comments go out every
+or its own error: its message as ``relay.event_error`` words it) ends with an ``error``
+event then ``response.failed``, never as a success; while the upstream is silent, ``: keep-alive`` comments go out every
 ``--keepalive-s`` (as local mode's Responses stream); a client that leaves closes the upstream connection (the upstream aborts).
 """
 
@@ -71,10 +71,12 @@ from prefixgate.gateway.http.sse import (
 from prefixgate.gateway.proxy.answers import shape_problem
 from prefixgate.gateway.proxy.attempts import Call, NextUpstream, each_upstream_admitted, refusal
 from prefixgate.gateway.proxy.policies import Route
+from prefixgate.gateway.proxy.redact import secrets_of
 from prefixgate.gateway.proxy.relay import (
     CACHE_HEADER,
     EventChecker,
     StreamBroken,
+    event_error,
     mid_stream_error,
     passed_cache_header,
     upstream_reads,
@@ -446,9 +448,8 @@ async def _relay(
             if passed:
                 await out.write(b"".join(passed))
         if checker.errored:
-            error = APIError(
-                502, "the upstream ended its stream with an error", code="upstream_error"
-            )
+            secrets = secrets_of(s.upstream_api_key, up.auth)
+            error = event_error(checker.error_event or {}, secrets, call.fields)
     except StreamBroken as exc:
         error = APIError(502, str(exc), code=exc.code)
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:

@@ -554,3 +554,28 @@ def test_vllm_s_context_refusal_names_input_as_local_mode_does(servers):
         err = r.json()["error"]
         assert err["param"] == "input" and err["code"] == "context_length_exceeded", err
         assert "input_tokens" not in err["message"], err
+
+
+KEY = "sk-upstream-key-1234"
+
+
+@pytest.mark.parametrize(
+    "error, said",
+    [  # a 4xx: its message, the key scrubbed; a 5xx: the gateway's words, never its message
+        ({"message": f"bad logit_bias for {KEY}", "type": "BadRequestError", "code": 400},
+         "bad logit_bias for [redacted]"),
+        ({"message": SECRET, "type": "InternalServerError", "code": 500},
+         "the upstream ended its stream with an error (InternalServerError)"),
+    ],
+)  # fmt: skip
+def test_an_upstream_error_event_mid_stream_keeps_its_message_as_the_chat_relay(
+    stubbed, error, said
+):
+    after = b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
+    _, gw = stubbed(GatewaySettings(upstream_api_key=KEY), after_first=after)
+    events = _events(gw.url, {"model": "llama", "input": "hi"})
+    assert [n for n, _ in events][-2:] == ["error", "response.failed"]
+    assert events[-2][1]["message"] == said
+    assert events[-1][1]["response"]["error"]["message"] == said
+    text = json.dumps(events)
+    assert KEY not in text and SECRET not in text
