@@ -28,7 +28,9 @@ without an error object never shown (a 401/403 to the gateway's own credential i
 ``upstream_auth_failed``: ``redact.auth_error``). A stream that ends before its
 last event, breaks, stalls past ``--upstream-timeout-s``, turns to garbage or sends its own
 error event (worded by ``relay.event_error``, the same rule) ends with an Anthropic ``error``
-event, never as a success. The key is charged the usage the upstream
+event, never as a success; an OpenAI-compatible upstream's aborted answer (``finish_reason:
+"abort"``) is an error too (``wire.endings``: a 502, or the stream's ``error`` event), never
+``end_turn``. The key is charged the usage the upstream
 reports.
 """
 
@@ -80,6 +82,7 @@ from prefixgate.gateway.wire.anthropic_models import (
     to_chat,
 )
 from prefixgate.gateway.wire.client_fields import anthropic_fields
+from prefixgate.gateway.wire.endings import aborted_error, is_aborted
 from prefixgate.gateway.wire.request_models import load_json
 from prefixgate.gateway.wire.response_models import ChatCompletion, ChatCompletionChunk
 from prefixgate.gateway.wire.stop_strings import anthropic_constraint, refuse_stop_under_constraint
@@ -287,7 +290,15 @@ async def _message_try(call: _Call, up: Upstream, ticket: Any) -> web.StreamResp
         up.served += 1
         call.served = True
         call.took(message["usage"], up)
+        if not call.passthrough(up) and _aborted(parsed):
+            raise aborted_error(upstream=True)  # end_turn would say it finished
         return web.json_response(message, headers=extra)
+
+
+def _aborted(completion: dict[str, Any]) -> bool:
+    """Whether a chat completion's first choice was aborted (``wire.endings``)."""
+    choices = completion.get("choices") or [{}]
+    return isinstance(choices[0], dict) and is_aborted(choices[0].get("finish_reason"))
 
 
 def _checked_message(obj: Any, model: str) -> dict[str, Any]:
@@ -447,6 +458,8 @@ class _ChunkEvents(_Events):
     def feed(self, event: str | None, data: str) -> bytes:
         if data.strip() == "[DONE]":
             self.done = True
+            if is_aborted(self.translator.finish_reason):
+                raise aborted_error(upstream=True)  # no stop_reason says so: an error event
             return self.translator.finish()
         try:
             obj = json.loads(data)
@@ -525,7 +538,7 @@ async def _relay(
 ) -> web.StreamResponse:
     """Relay the upstream's stream through ``checker``; a broken one ends with an Anthropic
     ``error`` event (module docstring): an upstream's own error event as ``relay.event_error``
-    words it."""
+    words it, an aborted answer as ``wire.endings.aborted_error``."""
     request = call.request
     out = web.StreamResponse(status=200, headers={**SSE_HEADERS, **headers})
     await out.prepare(request)
@@ -549,6 +562,8 @@ async def _relay(
         secrets = secrets_of(s.upstream_api_key, up.auth)
         fields = None if call.passthrough(up) else call.fields
         error = event_error(exc.event, secrets, fields)
+    except APIError as exc:  # the upstream aborted the answer (finish_reason "abort")
+        error = exc
     except UnicodeDecodeError:
         error = APIError(502, "the upstream's stream is not UTF-8", code="upstream_error")
     except TimeoutError:

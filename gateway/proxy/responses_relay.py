@@ -44,7 +44,8 @@ reworded as every dialect's is (``redact.upstream_error``) in OpenAI's error sha
 the Responses fields the client sent (``wire.client_fields.responses_fields``). A stream cut
 short (the upstream closed, broke, went silent past ``--upstream-timeout-s``, sent garbage
 or its own error: its message as ``relay.event_error`` words it) ends with an ``error``
-event then ``response.failed``, never as a success; while the upstream is silent, ``: keep-alive`` comments go out every
+event then ``response.failed``, never as a success, as does an answer the upstream aborted
+(``finish_reason: "abort"``; whole: a 502 ``request_aborted``, ``wire.endings``); while the upstream is silent, ``: keep-alive`` comments go out every
 ``--keepalive-s`` (as local mode's Responses stream); a client that leaves closes the upstream connection (the upstream aborts).
 """
 
@@ -90,6 +91,7 @@ from prefixgate.gateway.state import STATE
 from prefixgate.gateway.tenancy.keys import Principal, effective_salt
 from prefixgate.gateway.wire.cache_breakpoints import openai_breakpoints
 from prefixgate.gateway.wire.client_fields import ClientFields, responses_fields
+from prefixgate.gateway.wire.endings import aborted_error, is_aborted
 from prefixgate.gateway.wire.response_models import ChatCompletion, ChatCompletionChunk
 from prefixgate.gateway.wire.responses_models import (
     ResponseEvents,
@@ -351,6 +353,8 @@ async def _try(call: _Call, up: Upstream, ticket: Any) -> web.StreamResponse:
         call.account.read_choices(parsed.get("choices"), streamed=False)
         call.account.read_usage(usage)
         call.learn(up, usage)
+        if is_aborted(choice.get("finish_reason")):
+            raise aborted_error(upstream=True)  # cut short: not a completed response
         reasoned = bool(message.get("reasoning_content") or message.get("reasoning"))
         answer = call.events().response(
             "completed", text, call.usage(usage, reasoned), choice.get("finish_reason")
@@ -450,6 +454,8 @@ async def _relay(
         if checker.errored:
             secrets = secrets_of(s.upstream_api_key, up.auth)
             error = event_error(checker.error_event or {}, secrets, call.fields)
+        elif is_aborted(chunks.finish):
+            error = aborted_error(upstream=True)
     except StreamBroken as exc:
         error = APIError(502, str(exc), code=exc.code)
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:

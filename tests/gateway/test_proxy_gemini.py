@@ -434,6 +434,18 @@ def _lines(gw: BackgroundServer) -> list[dict]:
         return [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: ")]
 
 
+def test_an_upstream_abort_is_an_error_never_a_finish_reason(servers):
+    """vLLM's ``finish_reason: "abort"``: Gemini's error (502 ``request_aborted``'s words),
+    whole and streamed, never a candidate with ``finishReason: OTHER`` — as local mode ends
+    an answer its engine aborted."""
+    gw = _stubbed(servers, finish_reason="abort")
+    r = httpx.post(gw.url + LLAMA + "generateContent", json=BODY, timeout=10)
+    assert r.status_code == 502 and "aborted the request" in r.json()["error"]["message"]
+    events = _lines(gw)
+    assert events[-1]["error"]["code"] == 502 and "aborted" in events[-1]["error"]["message"]
+    assert not any("finishReason" in c for e in events for c in e.get("candidates", []))
+
+
 @pytest.mark.parametrize(
     "error, said",
     [  # a 4xx: its message, the key scrubbed; a 5xx: the gateway's words, never its message

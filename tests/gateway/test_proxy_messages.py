@@ -706,6 +706,24 @@ def test_a_stream_whose_upstream_goes_silent_ends_with_a_timeout(servers):
     assert "sent nothing for 0.5 s" in last and "message_stop" not in "".join(lines), lines
 
 
+def test_an_upstream_abort_is_an_error_never_end_turn(vllm):
+    """vLLM's ``finish_reason: "abort"`` (it aborted the request) has no ``stop_reason``: a
+    whole message is a 502 ``request_aborted`` in Anthropic's shape, a stream ends with an
+    ``error`` event (no ``message_delta`` / ``message_stop``) — as local mode ends one its
+    engine aborted."""
+    stub, gw = vllm
+    stub.finish_reason = "abort"
+    with pytest.raises(anthropic.InternalServerError) as caught:
+        _client(gw).messages.create(
+            model="llama", max_tokens=8, messages=[{"role": "user", "content": "hi"}]
+        )
+    assert caught.value.status_code == 502 and "aborted" in caught.value.message
+    text = _streamed_text(gw)
+    last = text.rstrip().split("\n\n")[-1]
+    assert last.startswith("event: error\ndata: ") and "aborted the request" in last
+    assert "message_stop" not in text and "end_turn" not in text
+
+
 KEY = "sk-upstream-key-1234"
 
 

@@ -556,6 +556,27 @@ def test_vllm_s_context_refusal_names_input_as_local_mode_does(servers):
         assert "input_tokens" not in err["message"], err
 
 
+def test_an_upstream_abort_is_a_failed_response_never_a_completed_one(stubbed):
+    """vLLM ends a request it aborted with ``finish_reason: "abort"``: whole, a 502
+    ``request_aborted``; streamed, ``error`` then ``response.failed`` (the status the openai
+    client reads as the end of a failed response), never ``completed``."""
+    _, gw = stubbed(finish_reason="abort")
+    r = httpx.post(gw.url + "/v1/responses", json={"model": "llama", "input": "hi"})
+    assert r.status_code == 502, r.text
+    assert r.json()["error"]["code"] == "request_aborted"
+    events = _events(gw.url, {"model": "llama", "input": "hi"})
+    names = [n for n, _ in events]
+    assert names[-2:] == ["error", "response.failed"], names
+    assert not {"response.completed", "response.incomplete"} & set(names)
+    assert events[-2][1]["code"] == "request_aborted"
+    failed = events[-1][1]["response"]
+    assert failed["status"] == "failed" and failed["error"]["code"] == "request_aborted"
+    assert failed["output"][0]["status"] == "incomplete"  # the text so far, cut
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+    last = list(client.responses.create(model="llama", input="hi", stream=True))[-1]
+    assert last.type == "response.failed" and last.response.status == "failed"
+
+
 KEY = "sk-upstream-key-1234"
 
 
