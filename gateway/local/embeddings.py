@@ -20,6 +20,7 @@ from prefixgate.engine.protocol import TokenizerLike
 from prefixgate.gateway.http.errors import APIError, bad_request
 from prefixgate.gateway.http.request_account import account
 from prefixgate.gateway.tenancy.shared_state import close_lease
+from prefixgate.gateway.wire.prompts import OverContext, refuse_oversized
 from prefixgate.gateway.wire.token_requests import EmbeddingRequest
 
 MAX_INPUTS = 2048  # OpenAI's bound on inputs per request
@@ -45,12 +46,17 @@ async def create_embeddings(request: web.Request) -> web.Response:
             param="model",
             code="model_not_embedding",
         )
-    inputs = await _token_inputs(engine.tokenizer, req.input)
+    inputs = await _token_inputs(engine.tokenizer, req.input, engine.max_model_len)
     tokens = sum(len(x) for x in inputs)
     lease = await st.shared.acquire(principal, tokens)
     try:
         ticket = st.admission.admit(
-            tokens, len(inputs), param="input", tenant=principal.tenant, weight=principal.weight
+            tokens,
+            len(inputs),
+            param="input",
+            tenant=principal.tenant,
+            weight=principal.weight,
+            unit="embeddings",
         )
     except APIError:
         st.shared.refund(principal, lease)
@@ -87,11 +93,17 @@ async def create_embeddings(request: web.Request) -> web.Response:
     )
 
 
-async def _token_inputs(tokenizer: TokenizerLike, raw: object) -> list[list[int]]:
+async def _token_inputs(
+    tokenizer: TokenizerLike, raw: object, max_model_len: int
+) -> list[list[int]]:
     """``input`` as token-id lists (strings tokenized in a worker thread).
 
     Raises:
-        APIError: 400 on an empty input or string, or over ``MAX_INPUTS`` inputs.
+        APIError: 400 on an empty input or string, or over ``MAX_INPUTS`` inputs; 400
+            ``context_length_exceeded`` naming ``input`` when a string's length alone
+            (``refuse_oversized``: ``Tokenizer.min_num_tokens``, its UTF-8 bytes over the
+            most bytes one token covers) shows it holds more than ``max_model_len`` tokens,
+            before anything is tokenized (as ``/tokenize`` bounds its text).
     """
     if isinstance(raw, str):
         raw = [raw]
@@ -105,5 +117,17 @@ async def _token_inputs(tokenizer: TokenizerLike, raw: object) -> list[list[int]
         texts = [str(x) for x in raw]
         if not all(texts):
             raise bad_request("input strings must not be empty", param="input")
+        for i, text in enumerate(texts):
+            try:  # a bound of max_model_len + 1: an input of max_model_len tokens fits
+                refuse_oversized(tokenizer, text, max_model_len + 1, "input")
+            except OverContext as exc:
+                raise APIError(
+                    400,
+                    f"input {i} ({exc.chars} characters) holds at least {exc.at_least} tokens "
+                    f"by its UTF-8 length (not tokenized), more than this model's maximum "
+                    f"context length of {max_model_len} tokens",
+                    param="input",
+                    code="context_length_exceeded",
+                ) from None
         return list(await asyncio.to_thread(tokenizer.encode_batch, texts, True))
     return [[int(t) for t in x] for x in raw if isinstance(x, list)]

@@ -38,6 +38,7 @@ from prefixgate.gateway.state import GatewayState
 from prefixgate.gateway.tenancy.keys import Principal
 from prefixgate.gateway.tenancy.shared_state import close_lease
 from prefixgate.gateway.tenancy.ttft_budget import PREDICTED_TTFT_HEADER, budget_s
+from prefixgate.gateway.wire.endings import aborted_error, is_aborted
 from prefixgate.gateway.wire.response_models import Usage
 
 logger = logging.getLogger("prefixgate.gateway")
@@ -286,6 +287,16 @@ class Exchange:
             value += "; " + header_part(self.comparison.diagnosis(cached))
         return value
 
+    def _cut_by_abort(self, d: StepOutput | None = None) -> bool:
+        """Whether the answer is cut by an aborted choice (``d``'s, else any recorded one's)
+        in a dialect that has no finish reason for it (its renderer's ``cut_on_abort``:
+        Messages, Gemini, Responses; ``wire.endings``)."""
+        if not getattr(self.renderer, "cut_on_abort", False):
+            return False
+        if d is not None:
+            return is_aborted(d.finish_reason)
+        return any(is_aborted(o.finish_reason) for o in self.outputs)
+
     # --- non-streaming --------------------------------------------------------------------
     async def _collect(self) -> web.StreamResponse:
         poll = self.st.settings.poll_s
@@ -302,6 +313,8 @@ class Exchange:
                 if ev is None:
                     continue
                 self._record(*ev)
+        if self._cut_by_abort():
+            raise aborted_error(upstream=False)
         self.st.metrics.cached_tokens.inc(self.account.cached_tokens or 0)
         resp = _json(self.renderer.json(self.outputs, self._usage()))
         if self.cache_marks is not None:
@@ -339,6 +352,12 @@ class Exchange:
                     await self._open(sse)
                 ev = first
                 while True:
+                    if ev is not None and self._cut_by_abort(ev[1]):
+                        err = aborted_error(upstream=False)
+                        stream_cut(self.request, err.code)
+                        await sse.write(self.renderer.error_event(err))
+                        await sse.response.write_eof()  # no closing events: not a success
+                        return sse.response
                     if ev is not None:
                         await self._send(sse, *ev)
                     elif time.monotonic() - sse.last_write >= keepalive:

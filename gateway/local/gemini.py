@@ -15,7 +15,8 @@ Usage: ``promptTokenCount`` the prompt's tokens, ``cachedContentTokenCount`` tho
 served from the prefix cache (a named cache's pinned blocks, or any earlier request's:
 implicit caching), ``candidatesTokenCount`` the generated tokens of every candidate,
 ``totalTokenCount`` prompt + candidates. Finish reasons: ``STOP`` (end of turn, a stop
-sequence, a function call), ``MAX_TOKENS``, ``OTHER`` (aborted).
+sequence, a function call), ``MAX_TOKENS``, ``OTHER`` (any other); an answer the engine
+aborted is an error, not a finish reason (``wire.endings``).
 
 ``cachedContents`` are prefixes of the prefix API (``local/prefixes.py``): a cache's
 ``systemInstruction`` + ``contents`` (+ ``tools``) are rendered without a generation prompt
@@ -130,6 +131,7 @@ class GeminiRenderer:
 
     route = "generate_content"
     include_usage = True
+    cut_on_abort = True  # an aborted answer ends with an error (wire.endings)
     keepalive = KEEPALIVE  # an empty line (google-genai reads a ``:`` comment as a JSON chunk)
 
     def __init__(self, rid: str, model: str, plan: ToolPlan, n: int) -> None:

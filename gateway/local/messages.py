@@ -106,6 +106,7 @@ class MessagesRenderer:
 
     route = "messages"
     include_usage = True
+    cut_on_abort = True  # an aborted answer ends with an error (wire.endings)
 
     def __init__(
         self,

@@ -73,6 +73,7 @@ class ResponsesRenderer:
     ``event``, ``closing``), so ``Exchange`` runs it unchanged.
     """
 
+    cut_on_abort = True  # an aborted answer ends with an error (wire.endings)
     route = "responses"
     include_usage = True
 

@@ -15,7 +15,10 @@ upstream takes it — so a prefixgate upstream keeps tenants apart and reports c
 checked event by event (``relay.EventChecker``: JSON chunks, ``[DONE]`` after every choice's
 ``finish_reason``), with Gemini's keep-alive (an empty line, as local mode's) every
 ``--keepalive-s`` while the upstream is silent, and a stream cut short (or silent past
-``--upstream-timeout-s``) ends with Gemini's ``data: {"error": ...}``, never as a success. A
+``--upstream-timeout-s``, or ended by the upstream's own error event, in
+``relay.event_error``'s words) ends with Gemini's ``data: {"error": ...}``, never as a
+success; an answer the upstream aborted (``finish_reason: "abort"``) is Gemini's error whole
+and streamed, never ``finishReason: OTHER`` (``wire.endings``, as local mode). A
 prefixgate upstream's ``x-prefixgate-cache`` header is passed on (``relay.passed_cache_header``). A failure before the answer (connection error, 502/503/504) marks the upstream down
 and tries the next; a 429/500 tries the next (``attempts.each_upstream``); other errors reach the client
 reworded (``redact.upstream_error``), in Gemini's shape and naming the Gemini fields the
@@ -55,9 +58,11 @@ from prefixgate.gateway.proxy.attempts import (
 from prefixgate.gateway.proxy.messages_openai import token_count
 from prefixgate.gateway.proxy.policies import Route
 from prefixgate.gateway.proxy.prefix_entry import ProxyPrefix
+from prefixgate.gateway.proxy.redact import secrets_of
 from prefixgate.gateway.proxy.relay import (
     EventChecker,
     StreamBroken,
+    event_error,
     mid_stream_error,
     passed_cache_header,
     upstream_reads,
@@ -73,6 +78,7 @@ from prefixgate.gateway.proxy.usage import output_bound
 from prefixgate.gateway.state import STATE, GatewayState
 from prefixgate.gateway.tenancy.keys import Principal, effective_salt
 from prefixgate.gateway.wire.client_fields import ClientFields, gemini_fields
+from prefixgate.gateway.wire.endings import aborted_error, is_aborted
 from prefixgate.gateway.wire.gemini_models import (
     CachedContentCreate,
     Chat,
@@ -259,6 +265,7 @@ class _Chunks:
         self.model = model
         self.rid = rid
         self.finish: dict[int, str] = {}
+        self.aborted = False  # a choice ended with finish_reason "abort" (wire.endings)
         self.calls: dict[int, dict[int, dict[str, Any]]] = {}
         self.usage: dict[str, Any] | None = None
         self.completion = 0
@@ -287,6 +294,7 @@ class _Chunks:
                     slot["function"]["arguments"] += fn.get("arguments") or ""
                 if ch.get("finish_reason"):
                     self.finish[i] = _FINISH.get(ch["finish_reason"], "OTHER")
+                    self.aborted = self.aborted or is_aborted(ch["finish_reason"])
                 text = delta.get("content")
                 if text:
                     self.completion += 1
@@ -347,7 +355,7 @@ async def _generate_try(
             ticket.started()
             up.served += 1
             call.served = True
-            return await _relay(call, resp, rid)
+            return await _relay(call, up, resp, rid)
         raw = await resp.read()
         try:
             parsed = json.loads(raw)
@@ -367,10 +375,14 @@ async def _generate_try(
         body = to_gemini(parsed, call.public, rid)
         call.account.read_choices(parsed.get("choices"), streamed=False)
         call.account.read_usage(parsed.get("usage"))  # the usageMetadata's source
+        if any(is_aborted(ch.get("finish_reason")) for ch in parsed.get("choices") or []):
+            raise aborted_error(upstream=True)  # cut short: no finishReason says so
         return web.json_response(body, headers=passed_cache_header(resp.headers))
 
 
-async def _relay(call: _Call, resp: aiohttp.ClientResponse, rid: str) -> web.StreamResponse:
+async def _relay(
+    call: _Call, up: Upstream, resp: aiohttp.ClientResponse, rid: str
+) -> web.StreamResponse:
     """The upstream's chunk stream as Gemini's, checked; a cut ends with an error event.
     While the upstream is silent, Gemini's keep-alive (an empty line, as local mode's) goes
     out every ``--keepalive-s``."""
@@ -394,9 +406,10 @@ async def _relay(call: _Call, resp: aiohttp.ClientResponse, rid: str) -> web.Str
             for event in chunks.feed(checker.feed(data)):
                 await out.write(event)
         if checker.errored:
-            error = APIError(
-                502, "the upstream ended its stream with an error", code="upstream_error"
-            )
+            secrets = secrets_of(s.upstream_api_key, up.auth)
+            error = event_error(checker.error_event or {}, secrets, call.fields)
+        elif chunks.aborted:
+            error = aborted_error(upstream=True)
     except StreamBroken as exc:
         error = APIError(502, str(exc), code=exc.code)
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:

@@ -288,6 +288,11 @@ class ChunkTranslator:
                 out.append(self._events.input_json(self._calls[n], args))
         return out
 
+    @property
+    def finish_reason(self) -> Any:
+        """The finish reason of choice 0 so far (None: none yet)."""
+        return self._finish
+
     def finish(self) -> bytes:
         """The events closing the message (at the upstream's ``[DONE]``)."""
         if self._finish is None:

@@ -26,8 +26,11 @@ does — a 4xx's message kept with credentials scrubbed (a translated request's 
 named as the client sent them: ``wire.client_fields``), a 5xx in the gateway's words, a body
 without an error object never shown (a 401/403 to the gateway's own credential is a 502
 ``upstream_auth_failed``: ``redact.auth_error``). A stream that ends before its
-last event, breaks, stalls past ``--upstream-timeout-s`` or turns to garbage ends with an
-Anthropic ``error`` event, never as a success. The key is charged the usage the upstream
+last event, breaks, stalls past ``--upstream-timeout-s``, turns to garbage or sends its own
+error event (worded by ``relay.event_error``, the same rule) ends with an Anthropic ``error``
+event, never as a success; an OpenAI-compatible upstream's aborted answer (``finish_reason:
+"abort"``) is an error too (``wire.endings``: a 502, or the stream's ``error`` event), never
+``end_turn``. The key is charged the usage the upstream
 reports.
 """
 
@@ -35,7 +38,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -56,9 +58,11 @@ from prefixgate.gateway.proxy.answers import shape_problem
 from prefixgate.gateway.proxy.attempts import Call, NextUpstream, each_upstream, refusal
 from prefixgate.gateway.proxy.messages_openai import Malformed
 from prefixgate.gateway.proxy.policies import Route
+from prefixgate.gateway.proxy.redact import secrets_of
 from prefixgate.gateway.proxy.relay import (
     CACHE_HEADER,
     broke_mid_stream,
+    event_error,
     passed_cache_header,
     upstream_reads,
 )
@@ -78,13 +82,13 @@ from prefixgate.gateway.wire.anthropic_models import (
     to_chat,
 )
 from prefixgate.gateway.wire.client_fields import anthropic_fields
+from prefixgate.gateway.wire.endings import aborted_error, is_aborted
 from prefixgate.gateway.wire.request_models import load_json
 from prefixgate.gateway.wire.response_models import ChatCompletion, ChatCompletionChunk
 from prefixgate.gateway.wire.stop_strings import anthropic_constraint, refuse_stop_under_constraint
 
 logger = logging.getLogger("prefixgate.gateway")
 
-_CODE = re.compile(r"[a-z][a-z0-9_]{0,63}")
 _EVENTS = frozenset(
     (
         "message_start",
@@ -258,7 +262,7 @@ async def _message_try(call: _Call, up: Upstream, ticket: Any) -> web.StreamResp
             else:
                 translator = messages_openai.ChunkTranslator(rid, call.public, stops)
                 checker = _ChunkEvents(translator, call.account)
-            out = await _relay(call, resp, checker, extra)
+            out = await _relay(call, up, resp, checker, extra)
             call.account.estimated_completion_tokens = checker.output_tokens()
             call.took(checker.usage(), up)
             return out
@@ -286,7 +290,15 @@ async def _message_try(call: _Call, up: Upstream, ticket: Any) -> web.StreamResp
         up.served += 1
         call.served = True
         call.took(message["usage"], up)
+        if not call.passthrough(up) and _aborted(parsed):
+            raise aborted_error(upstream=True)  # end_turn would say it finished
         return web.json_response(message, headers=extra)
+
+
+def _aborted(completion: dict[str, Any]) -> bool:
+    """Whether a chat completion's first choice was aborted (``wire.endings``)."""
+    choices = completion.get("choices") or [{}]
+    return isinstance(choices[0], dict) and is_aborted(choices[0].get("finish_reason"))
 
 
 def _checked_message(obj: Any, model: str) -> dict[str, Any]:
@@ -393,10 +405,7 @@ class _MessageEvents(_Events):
         if not isinstance(kind, str) or (event is not None and event != kind):
             raise Malformed("an event without its type")
         if kind == "error":
-            err = obj.get("error")
-            etype = err.get("type") if isinstance(err, dict) else None
-            etype = etype if isinstance(etype, str) and _CODE.fullmatch(etype) else "api_error"
-            raise _UpstreamError(etype)
+            raise _UpstreamError(obj)
         if kind not in _EVENTS:
             raise Malformed(f"an event of unknown type {kind[:40]!r}")
         if kind == "ping":
@@ -449,17 +458,15 @@ class _ChunkEvents(_Events):
     def feed(self, event: str | None, data: str) -> bytes:
         if data.strip() == "[DONE]":
             self.done = True
+            if is_aborted(self.translator.finish_reason):
+                raise aborted_error(upstream=True)  # no stop_reason says so: an error event
             return self.translator.finish()
         try:
             obj = json.loads(data)
         except ValueError:
             raise Malformed("an event whose data is not JSON") from None
         if isinstance(obj, dict) and obj.get("error") is not None:
-            err = obj["error"]
-            etype = err.get("type") if isinstance(err, dict) else None
-            raise _UpstreamError(
-                etype if isinstance(etype, str) and _CODE.fullmatch(etype) else "api_error"
-            )
+            raise _UpstreamError(obj)
         problem = shape_problem(obj, ChatCompletionChunk, chunk=True)  # as the chat relay's
         if problem is not None:
             raise Malformed(problem)
@@ -474,7 +481,12 @@ class _ChunkEvents(_Events):
 
 
 class _UpstreamError(Exception):
-    """The upstream ended its stream with an error event of its own (its type)."""
+    """The upstream ended its stream with an error event of its own (``event``: its parsed
+    data, for ``relay.event_error``)."""
+
+    def __init__(self, event: dict[str, Any]) -> None:
+        super().__init__("the upstream ended its stream with an error")
+        self.event = event
 
 
 def _frame(kind: str, data: str) -> bytes:
@@ -518,10 +530,15 @@ async def _sse(
 
 
 async def _relay(
-    call: _Call, resp: aiohttp.ClientResponse, checker: _Events, headers: dict[str, str]
+    call: _Call,
+    up: Upstream,
+    resp: aiohttp.ClientResponse,
+    checker: _Events,
+    headers: dict[str, str],
 ) -> web.StreamResponse:
     """Relay the upstream's stream through ``checker``; a broken one ends with an Anthropic
-    ``error`` event (module docstring)."""
+    ``error`` event (module docstring): an upstream's own error event as ``relay.event_error``
+    words it, an aborted answer as ``wire.endings.aborted_error``."""
     request = call.request
     out = web.StreamResponse(status=200, headers={**SSE_HEADERS, **headers})
     await out.prepare(request)
@@ -542,7 +559,11 @@ async def _relay(
     except Malformed as exc:
         error = APIError(502, f"the upstream's stream broke: {exc}", code="upstream_error")
     except _UpstreamError as exc:
-        error = APIError(502, f"the upstream's stream failed ({exc})", code="upstream_error")
+        secrets = secrets_of(s.upstream_api_key, up.auth)
+        fields = None if call.passthrough(up) else call.fields
+        error = event_error(exc.event, secrets, fields)
+    except APIError as exc:  # the upstream aborted the answer (finish_reason "abort")
+        error = exc
     except UnicodeDecodeError:
         error = APIError(502, "the upstream's stream is not UTF-8", code="upstream_error")
     except TimeoutError:

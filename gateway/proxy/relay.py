@@ -49,7 +49,7 @@ from prefixgate.gateway.http.sse import (
     end_stream,
 )
 from prefixgate.gateway.proxy.answers import shape_problem
-from prefixgate.gateway.proxy.redact import scrub
+from prefixgate.gateway.proxy.redact import scrub, upstream_error, upstream_error_fields
 from prefixgate.gateway.proxy.usage import UsageTap
 from pydantic import BaseModel
 
@@ -115,7 +115,8 @@ class EventChecker:
     """Splits bytes into SSE events and checks each (see the module docstring).
 
     ``feed(data) -> bytes`` returns the complete events to pass on (raises ``StreamBroken``);
-    ``done`` is True once ``[DONE]`` (or an upstream error event) was seen; ``seen`` and
+    ``done`` is True once ``[DONE]`` (or an upstream error event, kept in ``error_event``:
+    its parsed data, for ``event_error``) was seen; ``seen`` and
     ``finished`` hold the choice indexes that sent a chunk and that reported a
     ``finish_reason``; ``broken`` is set by ``relay_sse`` to why the stream broke, if it did.
 
@@ -133,6 +134,7 @@ class EventChecker:
         "_buf",
         "done",
         "errored",
+        "error_event",
         "seen",
         "finished",
         "events",
@@ -151,6 +153,7 @@ class EventChecker:
         self._buf = b""
         self.done = False
         self.errored = False
+        self.error_event: dict[str, Any] | None = None
         self.seen: set[int] = set()
         self.finished: set[int] = set()
         self.events = 0
@@ -208,6 +211,7 @@ class EventChecker:
             raise StreamBroken("the upstream sent an event whose data is not a JSON object")
         if obj.get("error") is not None:
             self.done = self.errored = True  # the upstream's own explicit ending
+            self.error_event = obj
             return event
         if self._model is not None:
             problem = shape_problem(obj, self._model, chunk=True)
@@ -223,6 +227,45 @@ class EventChecker:
             data_line = b"data: " + json.dumps({**obj, "model": self._rename}).encode()
             return b"\n".join([*kept, data_line]) + b"\n\n"
         return event
+
+
+# an upstream error event's ``type`` → the HTTP status class it stands for, when its ``code``
+# is no HTTP status (vLLM sends the status as ``code``; Anthropic's events carry only a type)
+_TYPE_STATUS = {
+    "invalid_request_error": 400,
+    "BadRequestError": 400,
+    "authentication_error": 401,
+    "permission_error": 403,
+    "not_found_error": 404,
+    "NotFoundError": 404,
+    "request_too_large": 413,
+    "rate_limit_error": 429,
+    "RateLimitError": 429,
+    "overloaded_error": 529,
+}
+
+
+def event_error(obj: Mapping[str, Any], secrets: tuple[str, ...], fields: Any = None) -> APIError:
+    """The error ending a translated stream whose upstream sent an error event of its own
+    (``obj``: the event's parsed data, OpenAI's ``{"error": {...}}`` or Anthropic's
+    ``{"type": "error", "error": {...}}``), by the rule of ``redact.upstream_error`` (the
+    chat relay's, which passes the event on scrubbed): a 4xx-class error keeps the
+    upstream's ``message``, ``type``, ``param`` and ``code`` with ``secrets`` scrubbed (and
+    the translated request's fields in the client's words, ``fields``); a 5xx-class one is
+    the gateway's words, ``the upstream ended its stream with an error`` and its type and
+    code where they are identifiers. The class: the error's ``code`` when an HTTP status
+    (400-599, as vLLM sends it), else by its ``type`` (``_TYPE_STATUS``), else 5xx."""
+    err = upstream_error_fields(dict(obj)) or {}
+    code, etype = err.get("code"), err.get("type")
+    if isinstance(code, int) and not isinstance(code, bool) and 400 <= code <= 599:
+        status = code
+    else:
+        status = _TYPE_STATUS.get(etype, 500) if isinstance(etype, str) else 500
+    error = upstream_error(status, json.dumps(dict(obj)).encode(), {}, secrets, fields)
+    if status >= 500:
+        said = error.message.removeprefix(f"the upstream answered HTTP {status}")
+        error.message = "the upstream ended its stream with an error" + said
+    return error
 
 
 def broke_mid_stream(exc: BaseException) -> str:

@@ -43,8 +43,9 @@ upstream's ``prompt_tokens_details.cached_tokens`` and ``cache_write_tokens`` fr
 reworded as every dialect's is (``redact.upstream_error``) in OpenAI's error shape, naming
 the Responses fields the client sent (``wire.client_fields.responses_fields``). A stream cut
 short (the upstream closed, broke, went silent past ``--upstream-timeout-s``, sent garbage
-or its own error) ends with an ``error`` event then ``response.failed``, never as a
-success; while the upstream is silent, ``: keep-alive`` comments go out every
+or its own error: its message as ``relay.event_error`` words it) ends with an ``error``
+event then ``response.failed``, never as a success, as does an answer the upstream aborted
+(``finish_reason: "abort"``; whole: a 502 ``request_aborted``, ``wire.endings``); while the upstream is silent, ``: keep-alive`` comments go out every
 ``--keepalive-s`` (as local mode's Responses stream); a client that leaves closes the upstream connection (the upstream aborts).
 """
 
@@ -71,10 +72,12 @@ from prefixgate.gateway.http.sse import (
 from prefixgate.gateway.proxy.answers import shape_problem
 from prefixgate.gateway.proxy.attempts import Call, NextUpstream, each_upstream_admitted, refusal
 from prefixgate.gateway.proxy.policies import Route
+from prefixgate.gateway.proxy.redact import secrets_of
 from prefixgate.gateway.proxy.relay import (
     CACHE_HEADER,
     EventChecker,
     StreamBroken,
+    event_error,
     mid_stream_error,
     passed_cache_header,
     upstream_reads,
@@ -88,6 +91,7 @@ from prefixgate.gateway.state import STATE
 from prefixgate.gateway.tenancy.keys import Principal, effective_salt
 from prefixgate.gateway.wire.cache_breakpoints import openai_breakpoints
 from prefixgate.gateway.wire.client_fields import ClientFields, responses_fields
+from prefixgate.gateway.wire.endings import aborted_error, is_aborted
 from prefixgate.gateway.wire.response_models import ChatCompletion, ChatCompletionChunk
 from prefixgate.gateway.wire.responses_models import (
     ResponseEvents,
@@ -349,6 +353,8 @@ async def _try(call: _Call, up: Upstream, ticket: Any) -> web.StreamResponse:
         call.account.read_choices(parsed.get("choices"), streamed=False)
         call.account.read_usage(usage)
         call.learn(up, usage)
+        if is_aborted(choice.get("finish_reason")):
+            raise aborted_error(upstream=True)  # cut short: not a completed response
         reasoned = bool(message.get("reasoning_content") or message.get("reasoning"))
         answer = call.events().response(
             "completed", text, call.usage(usage, reasoned), choice.get("finish_reason")
@@ -446,9 +452,10 @@ async def _relay(
             if passed:
                 await out.write(b"".join(passed))
         if checker.errored:
-            error = APIError(
-                502, "the upstream ended its stream with an error", code="upstream_error"
-            )
+            secrets = secrets_of(s.upstream_api_key, up.auth)
+            error = event_error(checker.error_event or {}, secrets, call.fields)
+        elif is_aborted(chunks.finish):
+            error = aborted_error(upstream=True)
     except StreamBroken as exc:
         error = APIError(502, str(exc), code=exc.code)
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:

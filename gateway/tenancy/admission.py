@@ -46,7 +46,7 @@ import functools
 import math
 import time
 from collections.abc import Callable, Hashable
-from typing import NoReturn
+from typing import Literal, NoReturn
 
 from prefixgate.gateway.http.errors import APIError, bad_request, too_many
 from prefixgate.gateway.settings import AdmissionConfig
@@ -150,6 +150,14 @@ class Ticket:
             self._ctl._note_service(time.monotonic() - t_start)
 
 
+# what one HTTP request's places are, by ``admit``'s ``unit``: how the 400 over the bound
+# counts them, and what the client sends less of
+_UNITS = {
+    "completions": ("completions (prompts x n)", "send fewer prompts or a smaller n"),
+    "embeddings": ("embeddings (one per input)", "send fewer inputs per request"),
+}
+
+
 class AdmissionController:
     """Counts queued requests and tokens; ``admit`` refuses with 429 over the bounds.
 
@@ -214,6 +222,7 @@ class AdmissionController:
         fingerprint: Hashable | None = None,
         budget_s: float | None = None,
         max_tokens: int | None = None,
+        unit: Literal["completions", "embeddings"] = "completions",
     ) -> Ticket:
         """Take ``requests`` places in the queue (the engine requests of one HTTP request:
         its choices) for ``prompt_tokens`` prompt tokens in all; ``param`` names the field
@@ -225,7 +234,9 @@ class AdmissionController:
         ``max_tokens``: the most output tokens any of its engine requests may generate (the
         body's ``max_tokens`` / ``max_completion_tokens``, as the engine caps it), or ``None``
         where not given: a budget refusal's admission slot is spaced by that size where it is
-        shorter than the recent mean (``_slot_lengths``).
+        shorter than the recent mean (``_slot_lengths``); ``unit``: what the places are,
+        ``"completions"`` (prompts x n) or ``"embeddings"`` (one per input), in the 400's
+        words.
 
         Raises:
             TypeError / ValueError: ``max_tokens`` not an int >= 1 (or ``None``).
@@ -244,7 +255,15 @@ class AdmissionController:
         hold = getattr(self.wait, "one_snapshot", None)
         with hold() if hold is not None else contextlib.nullcontext():
             return self._admit(
-                prompt_tokens, requests, param, tenant, weight, fingerprint, budget_s, max_tokens
+                prompt_tokens,
+                requests,
+                param,
+                tenant,
+                weight,
+                fingerprint,
+                budget_s,
+                max_tokens,
+                unit,
             )
 
     def _admit(
@@ -257,14 +276,16 @@ class AdmissionController:
         fingerprint: Hashable | None,
         budget_s: float | None,
         max_tokens: int | None,
+        unit: Literal["completions", "embeddings"] = "completions",
     ) -> Ticket:
         """``admit``'s decision, its arguments checked."""
         cfg = self.config
         limit = min(cfg.max_queued_requests, cfg.max_running or cfg.max_queued_requests)
         if requests > limit:
+            asked, fewer = _UNITS[unit]
             raise bad_request(
-                f"this request asks for {requests} completions (prompts x n); the server "
-                f"admits at most {limit} at once: send fewer prompts or a smaller n",
+                f"this request asks for {requests} {asked}; the server admits at most "
+                f"{limit} at once: {fewer}",
                 param=param,
                 code="too_many_requests_in_body",
             )

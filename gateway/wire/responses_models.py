@@ -481,7 +481,12 @@ class ResponseEvents:
         ``param``), then ``response.failed`` whose response has ``status: "failed"``, the
         ``error`` (``code``, ``message``) and the text so far as an incomplete item — the
         terminal event openai-python's Responses stream reads instead of
-        ``response.completed``."""
+        ``response.completed``. An answer its engine aborted (``wire.endings``) ends so
+        too: ``failed`` is in the ``Response.status`` enum openai-python parses and says what
+        happened (an error, with its ``error`` object); ``cancelled`` is a client's cancel
+        of a background response, which nobody asked for here, and ``incomplete`` a limit's
+        cut (``incomplete_details.reason`` has no value for an abort) that reads as a normal
+        end."""
         failed = self.response("failed", None, None)
         failed["error"] = {"code": err.code or "server_error", "message": err.message}
         if self.text:

@@ -414,3 +414,51 @@ def test_a_json_response_beside_callable_tools_is_the_same_400_in_both_modes(ser
             r = httpx.post(base + "/v1beta/models/fake:generateContent", json=none, timeout=120)
             assert r.status_code == 200, (base, r.text)
         assert errors[0] == errors[1]
+
+
+KEY = "sk-upstream-key-1234"
+LLAMA = "/v1beta/models/llama:"
+
+
+def _stubbed(servers, **stub_kw: object) -> BackgroundServer:
+    from support.chat_stub import ChatStub
+
+    up = servers(ChatStub(**stub_kw).app)  # type: ignore[arg-type]
+    return servers(lambda: create_proxy_app([up.url], GatewaySettings(upstream_api_key=KEY)))
+
+
+def _lines(gw: BackgroundServer) -> list[dict]:
+    path = LLAMA + "streamGenerateContent?alt=sse"
+    with httpx.stream("POST", gw.url + path, json=BODY, timeout=10) as r:
+        assert r.status_code == 200
+        return [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: ")]
+
+
+def test_an_upstream_abort_is_an_error_never_a_finish_reason(servers):
+    """vLLM's ``finish_reason: "abort"``: Gemini's error (502 ``request_aborted``'s words),
+    whole and streamed, never a candidate with ``finishReason: OTHER`` — as local mode ends
+    an answer its engine aborted."""
+    gw = _stubbed(servers, finish_reason="abort")
+    r = httpx.post(gw.url + LLAMA + "generateContent", json=BODY, timeout=10)
+    assert r.status_code == 502 and "aborted the request" in r.json()["error"]["message"]
+    events = _lines(gw)
+    assert events[-1]["error"]["code"] == 502 and "aborted" in events[-1]["error"]["message"]
+    assert not any("finishReason" in c for e in events for c in e.get("candidates", []))
+
+
+@pytest.mark.parametrize(
+    "error, said",
+    [  # a 4xx: its message, the key scrubbed; a 5xx: the gateway's words, never its message
+        ({"message": f"bad logit_bias for {KEY}", "type": "BadRequestError", "code": 400},
+         "bad logit_bias for [redacted]"),
+        ({"message": "gpu-7 OOM at /srv/x", "type": "InternalServerError", "code": 500},
+         "the upstream ended its stream with an error (InternalServerError)"),
+    ],
+)  # fmt: skip
+def test_an_upstream_error_event_mid_stream_keeps_its_message_as_the_chat_relay(
+    servers, error, said
+):
+    after = b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
+    events = _lines(_stubbed(servers, after_first=after))
+    assert events[-1]["error"]["message"] == said, events[-1]
+    assert KEY not in json.dumps(events) and "/srv/x" not in json.dumps(events)

@@ -485,7 +485,7 @@ def test_messages_with_one_system_prompt_meet_on_one_upstream(servers, routing):
         (b"<html>" + SECRET.encode() + b"</html>\n\n", "not server-sent events"),
         (
             b'data: {"error": {"message": "' + SECRET.encode() + b'", "type": "oom"}}\n\n',
-            "failed (oom)",
+            "the upstream ended its stream with an error (oom)",
         ),
     ],
 )
@@ -704,3 +704,37 @@ def test_a_stream_whose_upstream_goes_silent_ends_with_a_timeout(servers):
     assert ": keep-alive" in lines and "event: error" in lines, lines
     last = [ln for ln in lines if ln.startswith("data: ")][-1]
     assert "sent nothing for 0.5 s" in last and "message_stop" not in "".join(lines), lines
+
+
+def test_an_upstream_abort_is_an_error_never_end_turn(vllm):
+    """vLLM's ``finish_reason: "abort"`` (it aborted the request) has no ``stop_reason``: a
+    whole message is a 502 ``request_aborted`` in Anthropic's shape, a stream ends with an
+    ``error`` event (no ``message_delta`` / ``message_stop``) — as local mode ends one its
+    engine aborted."""
+    stub, gw = vllm
+    stub.finish_reason = "abort"
+    with pytest.raises(anthropic.InternalServerError) as caught:
+        _client(gw).messages.create(
+            model="llama", max_tokens=8, messages=[{"role": "user", "content": "hi"}]
+        )
+    assert caught.value.status_code == 502 and "aborted" in caught.value.message
+    text = _streamed_text(gw)
+    last = text.rstrip().split("\n\n")[-1]
+    assert last.startswith("event: error\ndata: ") and "aborted the request" in last
+    assert "message_stop" not in text and "end_turn" not in text
+
+
+KEY = "sk-upstream-key-1234"
+
+
+def test_an_upstream_4xx_error_event_mid_stream_keeps_its_message_scrubbed(servers):
+    error = {"message": f"bad logit_bias for {KEY}", "type": "BadRequestError", "code": 400}
+    stub = ChatStub(after_first=b"data: " + json.dumps({"error": error}).encode() + b"\n\n")
+    up = servers(stub.app)
+    gw = servers(lambda: create_proxy_app([up.url], GatewaySettings(upstream_api_key=KEY)))
+    text = _streamed_text(gw)
+    last = text.rstrip().split("\n\n")[-1]
+    assert last.startswith("event: error\ndata: "), last
+    err = json.loads(last.split("data: ", 1)[1])["error"]
+    assert err == {"type": "invalid_request_error", "message": "bad logit_bias for [redacted]"}
+    assert KEY not in text and "message_stop" not in text

@@ -554,3 +554,49 @@ def test_vllm_s_context_refusal_names_input_as_local_mode_does(servers):
         err = r.json()["error"]
         assert err["param"] == "input" and err["code"] == "context_length_exceeded", err
         assert "input_tokens" not in err["message"], err
+
+
+def test_an_upstream_abort_is_a_failed_response_never_a_completed_one(stubbed):
+    """vLLM ends a request it aborted with ``finish_reason: "abort"``: whole, a 502
+    ``request_aborted``; streamed, ``error`` then ``response.failed`` (the status the openai
+    client reads as the end of a failed response), never ``completed``."""
+    _, gw = stubbed(finish_reason="abort")
+    r = httpx.post(gw.url + "/v1/responses", json={"model": "llama", "input": "hi"})
+    assert r.status_code == 502, r.text
+    assert r.json()["error"]["code"] == "request_aborted"
+    events = _events(gw.url, {"model": "llama", "input": "hi"})
+    names = [n for n, _ in events]
+    assert names[-2:] == ["error", "response.failed"], names
+    assert not {"response.completed", "response.incomplete"} & set(names)
+    assert events[-2][1]["code"] == "request_aborted"
+    failed = events[-1][1]["response"]
+    assert failed["status"] == "failed" and failed["error"]["code"] == "request_aborted"
+    assert failed["output"][0]["status"] == "incomplete"  # the text so far, cut
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+    last = list(client.responses.create(model="llama", input="hi", stream=True))[-1]
+    assert last.type == "response.failed" and last.response.status == "failed"
+
+
+KEY = "sk-upstream-key-1234"
+
+
+@pytest.mark.parametrize(
+    "error, said",
+    [  # a 4xx: its message, the key scrubbed; a 5xx: the gateway's words, never its message
+        ({"message": f"bad logit_bias for {KEY}", "type": "BadRequestError", "code": 400},
+         "bad logit_bias for [redacted]"),
+        ({"message": SECRET, "type": "InternalServerError", "code": 500},
+         "the upstream ended its stream with an error (InternalServerError)"),
+    ],
+)  # fmt: skip
+def test_an_upstream_error_event_mid_stream_keeps_its_message_as_the_chat_relay(
+    stubbed, error, said
+):
+    after = b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
+    _, gw = stubbed(GatewaySettings(upstream_api_key=KEY), after_first=after)
+    events = _events(gw.url, {"model": "llama", "input": "hi"})
+    assert [n for n, _ in events][-2:] == ["error", "response.failed"]
+    assert events[-2][1]["message"] == said
+    assert events[-1][1]["response"]["error"]["message"] == said
+    text = json.dumps(events)
+    assert KEY not in text and SECRET not in text

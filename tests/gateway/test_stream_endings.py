@@ -273,3 +273,68 @@ def test_a_gemini_stream_cut_by_the_shutdown_ends_with_its_error(serve_fake, mod
         while engine.stats()["num_running"] and time.monotonic() < deadline:
             time.sleep(0.05)
         assert engine.stats()["num_running"] == 0
+
+
+@pytest.mark.parametrize("mode", ["local", "proxy"])
+def test_an_aborted_answer_ends_every_translating_dialect_with_its_error(serve_fake, mode):
+    """The engine aborts the request itself after two outputs (``finish_reason: "abort"``,
+    vLLM's): chat and completions pass the finish reason on, as vLLM does; Responses,
+    Messages and Gemini have no word for it and end with their error (``request_aborted``:
+    a stream's error event, a whole answer's error object, 500 from the local engine, 502
+    from the proxy's upstream) — never ``completed``, ``end_turn`` or a ``finishReason`` — in
+    local mode and through a proxy alike (Messages reach a prefixgate upstream as they are,
+    so the proxy relays its error; a chat upstream's abort: test_proxy_messages)."""
+    from prefixgate.gateway.app import create_proxy_app
+
+    srv, engine = serve_fake()
+    engine.abort_after(2)
+    front = srv
+    if mode == "proxy":
+        from prefixgate.gateway.http.server import BackgroundServer
+
+        front = BackgroundServer(lambda: create_proxy_app([srv.url], GatewaySettings())).__enter__()
+    gemini = "/v1beta/models/fake:streamGenerateContent?alt=sse"
+    bodies = {
+        **{p: {**b, LIMIT.get(p, "max_tokens"): 8} for p, b in BODIES.items()},
+        gemini: {
+            "contents": [{"parts": [{"text": "long"}]}],
+            "generationConfig": {"maxOutputTokens": 8},
+        },
+    }
+    status = 502 if mode == "proxy" else 500
+    try:
+        for path, body in bodies.items():
+            with httpx.stream("POST", front.url + path, json=body, timeout=10) as r:
+                assert r.status_code == 200
+                data = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+            if path in ("/v1/chat/completions", "/v1/completions"):
+                assert data[-1] == "[DONE]", path
+                finishes = [c.get("finish_reason") for d in data[:-1] for c in
+                            json.loads(d).get("choices") or []]  # fmt: skip
+                assert "abort" in finishes, (path, data)
+                continue
+            assert "[DONE]" not in data, path
+            last = json.loads(data[-1])
+            kinds = {json.loads(d).get("type") for d in data}
+            assert not kinds & {"message_stop", "message_delta", "response.completed"}, path
+            assert "finishReason" not in json.dumps(data), path
+            if path == "/v1/responses":
+                assert last["type"] == "response.failed", (path, data[-3:])
+                assert last["response"]["error"]["code"] == "request_aborted"
+            elif path == "/v1/messages":  # a prefixgate upstream gets Messages as they are:
+                assert last["type"] == "error", last  # its error event, a 5xx's in our words
+                if mode == "local":
+                    assert "aborted" in last["error"]["message"], last
+            else:
+                assert last["error"]["code"] == status and "aborted" in last["error"]["message"]
+            whole = {k: v for k, v in body.items() if k != "stream"}
+            whole_path = path.replace("streamGenerateContent?alt=sse", "generateContent")
+            r = httpx.post(front.url + whole_path, json=whole, timeout=10)
+            if path == "/v1/messages" and mode == "proxy":  # the upstream's 500, reworded
+                assert r.status_code == 500 and r.json()["type"] == "error", r.text
+                continue
+            assert r.status_code == status, (path, r.text)
+            assert "aborted" in r.text, (path, r.text)
+    finally:
+        if front is not srv:
+            front.close()

@@ -151,6 +151,26 @@ class FakeEngine:
 
         self.generate = failing  # type: ignore[method-assign]
 
+    def abort_after(self, num_outputs: int) -> None:
+        """From now on the engine aborts every request itself after ``num_outputs`` outputs:
+        its next output is the last, ``finish_reason="abort"`` (as ``abort`` ends one; vLLM's
+        engine-side abort)."""
+        real = self.generate
+
+        async def aborting(request: EngineRequest) -> AsyncIterator[StepOutput]:
+            inner = cast(AsyncGenerator[StepOutput, None], real(request))
+            try:
+                n = 0
+                async for out in inner:
+                    yield out
+                    n += 1
+                    if n == num_outputs and not out.finished:
+                        await self.abort(request.request_id)
+            finally:
+                await inner.aclose()
+
+        self.generate = aborting  # type: ignore[method-assign]
+
     # --- the contract -----------------------------------------------------------------
     async def generate(self, request: EngineRequest) -> AsyncIterator[StepOutput]:
         prompt, params, request_id = request.prompt, request.sampling_params, request.request_id
