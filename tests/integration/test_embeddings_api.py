@@ -126,9 +126,9 @@ def test_token_ids_input_is_one_input_whatever_its_length():
     from prefixgate.gateway.local.embeddings import MAX_INPUTS, _token_inputs
 
     ids = [5] * (MAX_INPUTS + 952)
-    assert asyncio.run(_token_inputs(None, ids)) == [ids]  # type: ignore[arg-type]
+    assert asyncio.run(_token_inputs(None, ids, 4096)) == [ids]  # type: ignore[arg-type]
     with pytest.raises(APIError) as err:
-        asyncio.run(_token_inputs(None, [[5]] * (MAX_INPUTS + 1)))  # type: ignore[arg-type]
+        asyncio.run(_token_inputs(None, [[5]] * (MAX_INPUTS + 1), 4096))  # type: ignore[arg-type]
     assert err.value.param == "input" and f"got {MAX_INPUTS + 1}" in str(err.value.message)
 
 
