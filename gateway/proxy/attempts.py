@@ -82,6 +82,16 @@ class NextUpstream(Exception):
         self.error = error
 
 
+def invalid_answer(router: UpstreamRouter, up: Upstream, problem: str) -> NextUpstream:
+    """An upstream's HTTP 200 that is not the answer asked for (``problem``: what it is, "a
+    body that is not JSON"): ``up`` marked failed, and the ``NextUpstream`` to raise (a 502
+    ``upstream_error`` saying ``problem`` when no upstream is left)."""
+    router.mark_failed(up, f"HTTP 200 with {problem}")
+    return NextUpstream(
+        "invalid", APIError(502, f"the upstream answered {problem}", code="upstream_error")
+    )
+
+
 class NextModel(Exception):
     """This upstream's answer sends the request to the model's next fallback at once (a
     prompt over the context: another model may take it); ``error``: the client's answer when

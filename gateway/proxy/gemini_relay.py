@@ -49,9 +49,9 @@ from prefixgate.gateway.http.sse import SSE_HEADERS, client_gone, client_left, e
 from prefixgate.gateway.proxy.answers import shape_problem
 from prefixgate.gateway.proxy.attempts import (
     Call,
-    NextUpstream,
     each_upstream,
     each_upstream_admitted,
+    invalid_answer,
     post_count,
     refusal,
 )
@@ -365,10 +365,7 @@ async def _generate_try(
         except (ValueError, UnicodeDecodeError):
             problem = "a body that is not JSON"
         if problem is not None:
-            call.router.mark_failed(up, f"HTTP 200 with {problem}")
-            raise NextUpstream(
-                "invalid", APIError(502, f"the upstream answered {problem}", code="upstream_error")
-            )
+            raise invalid_answer(call.router, up, problem)
         ticket.started()
         up.served += 1
         call.served = True

@@ -55,7 +55,13 @@ from prefixgate.gateway.http.sse import (
 )
 from prefixgate.gateway.proxy import anthropic, attempts, messages_openai
 from prefixgate.gateway.proxy.answers import shape_problem
-from prefixgate.gateway.proxy.attempts import Call, NextUpstream, each_upstream, refusal
+from prefixgate.gateway.proxy.attempts import (
+    Call,
+    NextUpstream,
+    each_upstream,
+    invalid_answer,
+    refusal,
+)
 from prefixgate.gateway.proxy.messages_openai import Malformed
 from prefixgate.gateway.proxy.policies import Route
 from prefixgate.gateway.proxy.redact import secrets_of
@@ -281,10 +287,7 @@ async def _message_try(call: _Call, up: Upstream, ticket: Any) -> web.StreamResp
                 call.account.read_choices(parsed.get("choices"), streamed=False)
         except (ValueError, UnicodeDecodeError, Malformed) as exc:
             why = str(exc) if isinstance(exc, Malformed) else "a body that is not JSON"
-            call.router.mark_failed(up, f"HTTP 200 with {why}")
-            raise NextUpstream(
-                "invalid", APIError(502, f"the upstream answered {why}", code="upstream_error")
-            ) from None
+            raise invalid_answer(call.router, up, why) from None
         if ticket is not None:
             ticket.started()
         up.served += 1

@@ -70,7 +70,12 @@ from prefixgate.gateway.http.sse import (
     end_stream,
 )
 from prefixgate.gateway.proxy.answers import shape_problem
-from prefixgate.gateway.proxy.attempts import Call, NextUpstream, each_upstream_admitted, refusal
+from prefixgate.gateway.proxy.attempts import (
+    Call,
+    each_upstream_admitted,
+    invalid_answer,
+    refusal,
+)
 from prefixgate.gateway.proxy.policies import Route
 from prefixgate.gateway.proxy.redact import secrets_of
 from prefixgate.gateway.proxy.relay import (
@@ -337,10 +342,7 @@ async def _try(call: _Call, up: Upstream, ticket: Any) -> web.StreamResponse:
         data = await resp.read()
         problem = _problem(data, ctype, call.req.stream)
         if problem is not None:
-            call.router.mark_failed(up, f"HTTP 200 with {problem}")
-            raise NextUpstream(
-                "invalid", APIError(502, f"the upstream answered {problem}", code="upstream_error")
-            )
+            raise invalid_answer(call.router, up, problem)
         ticket.started()
         up.served += 1
         call.served = True
