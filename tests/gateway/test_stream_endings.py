@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 from prefixgate.gateway.settings import GatewaySettings
+from support.fake_engine import assert_idle_and_whole
 
 MSGS = [{"role": "user", "content": "long"}]
 BODIES = {
@@ -335,6 +336,7 @@ def test_an_aborted_answer_ends_every_translating_dialect_with_its_error(serve_f
                 continue
             assert r.status_code == status, (path, r.text)
             assert "aborted" in r.text, (path, r.text)
+        assert_idle_and_whole(srv, engine)  # every aborted request's blocks back in the pool
     finally:
         if front is not srv:
             front.close()
